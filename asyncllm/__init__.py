@@ -1,0 +1,53 @@
+"""asyncllm: an asyncio-native LLM inference engine to embed in Python apps.
+
+``import asyncllm`` is cheap and never initialises CUDA: the engine classes
+are imported on first use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.config import EngineConfig
+from asyncllm.errors import (
+    AsyncLLMError,
+    ConfigError,
+    EngineDeadError,
+    EngineOverloadedError,
+    InvalidRequestError,
+    NotBuiltError,
+    RequestTimeoutError,
+)
+from asyncllm.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StreamDelta
+from asyncllm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncEngine",
+    "EngineConfig",
+    "SamplingParams",
+    "StreamDelta",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "EngineStats",
+    "AsyncLLMError",
+    "ConfigError",
+    "NotBuiltError",
+    "InvalidRequestError",
+    "EngineOverloadedError",
+    "RequestTimeoutError",
+    "EngineDeadError",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "AsyncEngine":
+        from asyncllm.engine.async_engine import AsyncEngine
+
+        return AsyncEngine
+    raise AttributeError(f"module 'asyncllm' has no attribute {name!r}")

@@ -1,0 +1,3 @@
+from asyncllm.cli import main
+
+main()

@@ -1,0 +1,31 @@
+"""What one forward step tells every attention layer about the batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """The flattened batch of one step: requests laid end to end.
+
+    Request i owns query tokens ``query_start_loc[i]:query_start_loc[i+1]``;
+    its context (cached tokens plus this step's) is ``seq_lens[i]`` tokens long,
+    stored in the KV-cache blocks ``block_tables[i, :ceil(seq_lens[i]/block_size)]``.
+    Token t of the step is written to KV slot ``slot_mapping[t]``
+    (= block_id * block_size + offset).
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_tables: torch.Tensor  # [num_reqs, max_blocks_per_req] int32
+    query_start_loc_cpu: list[int]
+    seq_lens_cpu: list[int]
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)

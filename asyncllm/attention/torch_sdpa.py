@@ -1,0 +1,39 @@
+"""The torch_sdpa attention backend: the CPU default and the reference for the others.
+
+It writes the step's K/V into the paged cache, then runs one
+``scaled_dot_product_attention`` per request over that request's whole context
+gathered from its block table (see `asyncllm.kernels.reference.paged_attention`).
+Simple and exact rather than fast: the GPU path has its own kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.kernels import reference
+
+__all__ = ["TorchSDPABackend"]
+
+
+class TorchSDPABackend:
+    """Paged attention with torch only; holds no state, so one instance serves every layer."""
+
+    name = "torch_sdpa"
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
+
+        ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place.
+        """
+        reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        return reference.paged_attention(query, kv_cache, metadata, scale, sliding_window)

@@ -1,0 +1,317 @@
+"""`EngineConfig`: one frozen object made of small frozen sections.
+
+Field names follow vLLM's so that users can move over without a dictionary.
+Every section validates itself in ``__post_init__`` and raises `ConfigError`
+naming the field, the value and what is allowed; a field whose feature is not
+built yet raises `NotBuiltError` (a `ConfigError`) naming the feature.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from asyncllm.errors import ConfigError, NotBuiltError
+
+__all__ = [
+    "EngineConfig",
+    "ModelConfig",
+    "CacheConfig",
+    "SchedulerConfig",
+    "ParallelConfig",
+    "MultiModalConfig",
+    "ObservabilityConfig",
+    "LoRAConfig",
+]
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+ATTENTION_BACKENDS = ("torch_sdpa", "triton", "flashinfer", "flash_attn")
+BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def _choice(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(name, value, f"one of {', '.join(map(repr, allowed))}")
+
+
+def _int(name: str, value: object, lo: int, hi: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        bound = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+        raise ConfigError(name, value, bound + (" or None" if optional else ""))
+
+
+def _float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi  # type: ignore[operator]
+    if not ok:
+        raise ConfigError(name, value, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+
+def _bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(name, value, "True or False")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = ""
+    """Local folder of a Hugging Face checkpoint, or a hub id (looked up in the huggingface_hub cache)."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; defaults to `model`."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of `model`."""
+    dtype: str = "auto"
+    """Weights and activations: float32, bfloat16, float16; auto = float32 on CPU, the checkpoint's half type on GPU."""
+    device: str = "auto"
+    """cpu or cuda; auto picks cuda when available."""
+    seed: int = 0
+    """Seed of the engine's random state (dummy weights, unseeded sampling)."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); defaults to the model's max_position_embeddings."""
+    load_format: str = "auto"
+    """auto/safetensors read the checkpoint; dummy makes random weights of the real shapes."""
+    quantization: str | None = None
+    """Weight quantization method (not built yet: only None)."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs. Graphs are not built yet, so the GPU path is always eager."""
+    attention_backend: str | None = None
+    """torch_sdpa (built); triton, flashinfer, flash_attn are not built yet. None picks the default."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("model", self.model, "a local folder or a hub id (non-empty string)")
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("device", self.device, DEVICES)
+        _int("seed", self.seed, 0)
+        _int("max_model_len", self.max_model_len, 1, optional=True)
+        _choice("load_format", self.load_format, LOAD_FORMATS)
+        if self.quantization is not None:
+            raise NotBuiltError("quantization", self.quantization, "weight quantization")
+        _bool("enforce_eager", self.enforce_eager)
+        if self.attention_backend is not None:
+            _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+            if self.attention_backend != "torch_sdpa":
+                raise NotBuiltError("attention_backend", self.attention_backend, f"the {self.attention_backend} attention backend")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    """Tokens per KV-cache block."""
+    gpu_memory_utilization: float = 0.9
+    """Fraction of GPU memory the engine may use (weights, activations, KV cache)."""
+    num_gpu_blocks_override: int | None = None
+    """Use exactly this many KV blocks instead of sizing from memory."""
+    kv_cache_dtype: str = "auto"
+    """auto = the model dtype; fp8 is not built yet."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of identical prompt prefixes across requests."""
+    swap_space: float = 4.0
+    """GiB of CPU memory per GPU for swapped-out blocks (preemption_mode='swap')."""
+
+    def __post_init__(self) -> None:
+        _choice("block_size", self.block_size, BLOCK_SIZES)
+        _float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
+        _int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
+        _choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8"))
+        if self.kv_cache_dtype == "fp8":
+            raise NotBuiltError("kv_cache_dtype", "fp8", "the fp8 KV cache")
+        _bool("enable_prefix_caching", self.enable_prefix_caching)
+        _float("swap_space", self.swap_space, 0.0, 1024.0)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    """Most requests in one step."""
+    max_num_batched_tokens: int | None = None
+    """Most tokens in one step; defaults to 8192 with chunked prefill, else max_model_len."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so that decodes keep running."""
+    long_prefill_token_threshold: int = 0
+    """Cap on one request's prefill chunk per step; 0 means no cap."""
+    preemption_mode: str = "recompute"
+    """recompute frees a victim's blocks and recomputes later; swap is not built yet."""
+    scheduling_policy: str = "fcfs"
+    """fcfs (first come first served); priority is not built yet."""
+    max_num_queued_requests: int | None = None
+    """Admission control: reject requests past this many waiting (not built yet: only None)."""
+    speculative_config: dict | None = None
+    """Speculative decoding settings (not built yet: only None)."""
+
+    def __post_init__(self) -> None:
+        _int("max_num_seqs", self.max_num_seqs, 1)
+        _int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        _bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        _int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        if self.preemption_mode == "swap":
+            raise NotBuiltError("preemption_mode", "swap", "preemption by swapping to CPU")
+        _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        if self.scheduling_policy == "priority":
+            raise NotBuiltError("scheduling_policy", "priority", "priority scheduling")
+        if self.max_num_queued_requests is not None:
+            raise NotBuiltError("max_num_queued_requests", self.max_num_queued_requests, "admission control")
+        if self.speculative_config is not None:
+            raise NotBuiltError("speculative_config", self.speculative_config, "speculative decoding")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Worker processes the model is sharded across (NCCL on GPU, gloo on CPU)."""
+    pipeline_parallel_size: int = 1
+    """Pipeline stages (not built yet: only 1)."""
+    data_parallel_size: int = 1
+    """Engine replicas (not built yet: only 1)."""
+    enable_expert_parallel: bool = False
+    """Expert parallelism for MoE models (not built yet)."""
+
+    def __post_init__(self) -> None:
+        _int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        _int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        if self.pipeline_parallel_size != 1:
+            raise NotBuiltError("pipeline_parallel_size", self.pipeline_parallel_size, "pipeline parallelism")
+        _int("data_parallel_size", self.data_parallel_size, 1)
+        if self.data_parallel_size != 1:
+            raise NotBuiltError("data_parallel_size", self.data_parallel_size, "data parallelism")
+        _bool("enable_expert_parallel", self.enable_expert_parallel)
+        if self.enable_expert_parallel:
+            raise NotBuiltError("enable_expert_parallel", True, "expert parallelism")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """Settings of multimodal models; no multimodal family is built yet, so a
+    multimodal checkpoint is refused at load time with `NotBuiltError`."""
+
+    mm_processor_cache_gb: float = 4.0
+    """GiB of processed multimodal inputs to cache; 0 disables the cache."""
+    mm_processor_cache_type: str = "lru"
+    """lru (key-replicated between host and core) or shm (shared-memory ring)."""
+    mm_encoder_tp_mode: str = "weights"
+    """weights: shard the encoder like the decoder; data: replicate it and split the images."""
+
+    def __post_init__(self) -> None:
+        _float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)
+        _choice("mm_processor_cache_type", self.mm_processor_cache_type, ("lru", "shm"))
+        _choice("mm_encoder_tp_mode", self.mm_encoder_tp_mode, ("weights", "data"))
+
+
+@dataclass(frozen=True)
+class ObservabilityConfig:
+    disable_log_stats: bool = False
+    """Turn off the periodic stats log line."""
+    log_stats_interval: float = 10.0
+    """Seconds between two stats log lines."""
+    prometheus_registry: Any = None
+    """A prometheus_client CollectorRegistry to register metrics in (not built yet: only None)."""
+
+    def __post_init__(self) -> None:
+        _bool("disable_log_stats", self.disable_log_stats)
+        _float("log_stats_interval", self.log_stats_interval, 0.0, 86400.0, lo_open=True)
+        if self.prometheus_registry is not None:
+            raise NotBuiltError("prometheus_registry", self.prometheus_registry, "Prometheus metrics")
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = False
+    """Serve LoRA adapters (not built yet)."""
+    max_loras: int = 1
+    """Adapters in one batch."""
+    max_lora_rank: int = 16
+    """Largest adapter rank."""
+
+    def __post_init__(self) -> None:
+        _bool("enable_lora", self.enable_lora)
+        _int("max_loras", self.max_loras, 1)
+        _int("max_lora_rank", self.max_lora_rank, 1)
+        if self.enable_lora:
+            raise NotBuiltError("enable_lora", True, "LoRA adapters")
+
+
+_SECTIONS = {
+    "model_config": ModelConfig,
+    "cache_config": CacheConfig,
+    "scheduler_config": SchedulerConfig,
+    "parallel_config": ParallelConfig,
+    "multimodal_config": MultiModalConfig,
+    "observability_config": ObservabilityConfig,
+    "lora_config": LoRAConfig,
+}
+_FIELD_TO_SECTION = {f.name: name for name, cls in _SECTIONS.items() for f in fields(cls)}
+_HOST_ONLY_FIELDS = ("prometheus_registry",)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The whole engine configuration; build it with `EngineConfig.create(model, **fields)`."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+
+    @classmethod
+    def create(cls, model: str, **kwargs: Any) -> "EngineConfig":
+        """Distribute flat vLLM-style keyword fields over the sections."""
+        per_section: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
+        per_section["model_config"]["model"] = model
+        for key, value in kwargs.items():
+            section = _FIELD_TO_SECTION.get(key)
+            if section is None or key == "model":
+                raise ConfigError(key, value, "a known EngineConfig field (see docs/configuration.md)")
+            per_section[section][key] = value
+        return cls(**{name: _SECTIONS[name](**values) for name, values in per_section.items()})
+
+    def __getattr__(self, name: str) -> Any:
+        section = _FIELD_TO_SECTION.get(name)
+        if section is None:
+            raise AttributeError(name)
+        return getattr(object.__getattribute__(self, section), name)
+
+    def replace(self, **kwargs: Any) -> "EngineConfig":
+        """A copy with some flat fields changed (validated again)."""
+        flat = self.to_dict()
+        flat.update(kwargs)
+        return EngineConfig.create(**flat)
+
+    def to_dict(self, wire: bool = False) -> dict[str, Any]:
+        """Flat field -> value; `wire=True` leaves out host-only objects."""
+        flat = {}
+        for name in _SECTIONS:
+            flat.update(dataclasses.asdict(getattr(self, name)))
+        if wire:
+            for key in _HOST_ONLY_FIELDS:
+                flat.pop(key, None)
+        return flat
+
+    @classmethod
+    def from_dict(cls, flat: dict[str, Any]) -> "EngineConfig":
+        flat = dict(flat)
+        return cls.create(flat.pop("model"), **flat)
+
+    # ---- values derived once the model is known (the host resolves them)
+    @property
+    def resolved_max_num_batched_tokens(self) -> int:
+        """The step token budget: the field, else vLLM's defaults."""
+        sched = self.scheduler_config
+        if sched.max_num_batched_tokens is not None:
+            return sched.max_num_batched_tokens
+        if sched.enable_chunked_prefill:
+            return max(8192, sched.max_num_seqs)
+        return max(self.model_config.max_model_len or 8192, sched.max_num_seqs)

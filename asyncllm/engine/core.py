@@ -1,0 +1,196 @@
+"""The engine core: a plain synchronous busy loop in its own process.
+
+receive requests and aborts -> schedule one step -> the executor runs it on the
+workers -> update requests with the sampled tokens -> send outputs to the host
+that owns each request. Run as ``python -m asyncllm.engine.core``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import sys
+import time
+from collections import defaultdict
+
+import msgspec
+
+from asyncllm import errors, protocol
+from asyncllm.config import EngineConfig
+from asyncllm.engine.core_io import CoreIO
+from asyncllm.procutil import exit_when_parent_dies
+from asyncllm.sched.request import Request
+from asyncllm.sched.scheduler import Scheduler
+from asyncllm.workers.executor import Executor
+
+logger = logging.getLogger("asyncllm.engine.core")
+
+_IDLE_POLL_S = 0.05
+
+
+class EngineCore:
+    """Owns the scheduler and the executor; `run()` is the busy loop."""
+
+    def __init__(self, config: EngineConfig, io: CoreIO) -> None:
+        self.config = config
+        self.io = io
+        self.clients: set[bytes] = set()
+        self.executor = Executor(config)
+        self._running = True
+        available = self.executor.start()
+        self.num_gpu_blocks = config.num_gpu_blocks_override or available
+        _check_kv_fits(config, self.num_gpu_blocks)
+        self.executor.init_cache(self.num_gpu_blocks)
+        self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len)
+
+    # ------------------------------------------------------------ busy loop
+    def run(self) -> None:
+        while self._running:
+            has_work = self.scheduler.has_unfinished_requests()
+            changed = self._drain_inbox(block=not has_work)
+            if not self._running:
+                break
+            if self.scheduler.has_unfinished_requests():
+                self._step()
+            elif changed:
+                self._broadcast_stats()
+
+    def _step(self) -> None:
+        sched_out = self.scheduler.schedule()
+        if not (sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids or sched_out.preempted_req_ids):
+            time.sleep(0.001)  # nothing fits right now; wait for an abort to free blocks
+            return
+        runner_out = self.executor.execute_model(sched_out)
+        per_client: dict[bytes, list[protocol.RequestOutputDelta]] = defaultdict(list)
+        for client_id, delta in self.scheduler.update_from_output(sched_out, runner_out):
+            per_client[client_id].append(delta)
+        stats = self.scheduler.get_stats()
+        now = time.time()
+        for client_id in self.clients:
+            self.io.send(client_id, protocol.Outputs(per_client.get(client_id, []), stats, now))
+
+    def _broadcast_stats(self) -> None:
+        stats = self.scheduler.get_stats()
+        for client_id in self.clients:
+            self.io.send(client_id, protocol.Outputs([], stats, time.time()))
+
+    # ------------------------------------------------------------ host messages
+    def _drain_inbox(self, block: bool) -> bool:
+        """Handle every queued host message; wait for one first when idle."""
+        changed = False
+        try:
+            item = self.io.inbox.get(timeout=_IDLE_POLL_S) if block else self.io.inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            changed |= self._handle(*item)
+            try:
+                item = self.io.inbox.get_nowait()
+            except queue.Empty:
+                return changed
+
+    def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
+        if isinstance(message, protocol.AddRequest):
+            self._add_request(client_id, message)
+        elif isinstance(message, protocol.AbortRequests):
+            self.scheduler.abort_requests(message.request_ids)
+        elif isinstance(message, protocol.Hello):
+            self.clients.add(client_id)
+            self.io.send(client_id, self._ready())
+        elif isinstance(message, protocol.Goodbye):
+            self.scheduler.abort_client(client_id)
+            self.clients.discard(client_id)
+            if message.shutdown:
+                self._running = False
+        return True
+
+    def _add_request(self, client_id: bytes, message: protocol.AddRequest) -> None:
+        try:
+            message.params.validate()
+            self.scheduler.add_request(Request.from_add_request(message, client_id))
+        except errors.InvalidRequestError as exc:
+            delta = protocol.RequestOutputDelta(message.request_id, [], "abort", error=str(exc))
+            self.io.send(client_id, protocol.Outputs([delta], None, time.time()))
+
+    def _ready(self) -> protocol.Ready:
+        return protocol.Ready(self.num_gpu_blocks, self.config.block_size, self.config.max_model_len, os.getpid())
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _check_kv_fits(config: EngineConfig, num_gpu_blocks: int) -> None:
+    capacity = num_gpu_blocks * config.block_size
+    if capacity < config.max_model_len:
+        raise errors.ConfigError(
+            "max_model_len",
+            config.max_model_len,
+            f"at most {capacity} tokens fit in the KV cache ({num_gpu_blocks} blocks of {config.block_size}); "
+            "lower max_model_len, or raise gpu_memory_utilization / num_gpu_blocks_override",
+        )
+
+
+def _fail_startup(io: CoreIO, exc: BaseException, grace_s: float = 3.0) -> None:
+    """Tell every host that says hello within `grace_s` why startup failed."""
+    error_type = type(exc).__name__ if isinstance(exc, errors.AsyncLLMError) else "EngineDeadError"
+    details = [exc.field, repr(exc.value), exc.allowed] if isinstance(exc, errors.ConfigError) else []
+    failed = protocol.EngineFailed(error_type, f"engine core failed to start: {exc}", details)
+    deadline = time.monotonic() + grace_s
+    told: set[bytes] = set()
+    while time.monotonic() < deadline:
+        try:
+            client_id, _ = io.inbox.get(timeout=0.05)
+        except queue.Empty:
+            if told:
+                break
+            continue
+        if client_id not in told:
+            io.send(client_id, failed)
+            told.add(client_id)
+    time.sleep(0.1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="asyncllm.engine.core")
+    parser.add_argument("--address", required=True)
+    parser.add_argument("--config-json", required=True)
+    args = parser.parse_args(argv)
+    exit_when_parent_dies()
+    _setup_logging()
+    config = EngineConfig.from_dict(msgspec.json.decode(args.config_json))
+    io = CoreIO(args.address)
+    core = None
+    try:
+        core = EngineCore(config, io)
+    except BaseException as exc:  # noqa: BLE001 - reported to the host, then exit
+        logger.exception("engine core failed to start")
+        _fail_startup(io, exc)
+        io.close()
+        sys.exit(1)
+    try:
+        core.run()
+    except BaseException as exc:  # noqa: BLE001 - tell the hosts, then exit
+        logger.exception("engine core died")
+        for client_id in core.clients:
+            io.send(client_id, protocol.EngineFailed("EngineDeadError", f"engine core died: {exc}"))
+        time.sleep(0.1)
+        raise
+    finally:
+        core.shutdown()
+        io.close()
+
+
+def _setup_logging() -> None:
+    """The core is our own process: log asyncllm records to stderr."""
+    root = logging.getLogger("asyncllm")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [core] %(name)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The engine core's socket thread: one ROUTER, many host DEALERs.
+
+zmq sockets are single-threaded, so one I/O thread owns the ROUTER: it decodes
+every host frame (dropping malformed ones with a logged error) into
+`inbox`, and sends whatever the busy loop pushes on an inproc socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+
+import msgspec
+import zmq
+
+from asyncllm import protocol
+
+logger = logging.getLogger("asyncllm.engine.core")
+
+_STOP = b"\x00stop"
+
+
+class CoreIO:
+    """Owns the ROUTER socket; `inbox` yields (client_id, HostMessage)."""
+
+    def __init__(self, address: str) -> None:
+        self.inbox: queue.Queue[tuple[bytes, protocol.HostMessage]] = queue.Queue()
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._router.bind(address)
+        self._outbox_address = f"inproc://asyncllm-core-out-{uuid.uuid4().hex}"
+        self._outbox_pull = self._ctx.socket(zmq.PULL)
+        self._outbox_pull.bind(self._outbox_address)
+        self._outbox_push = self._ctx.socket(zmq.PUSH)
+        self._outbox_push.connect(self._outbox_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(protocol.HostMessage)
+        self._thread = threading.Thread(target=self._run, name="asyncllm-core-io", daemon=True)
+        self._thread.start()
+
+    def send(self, client_id: bytes, message: protocol.CoreMessage) -> None:
+        """Queue one message for one host (called from the busy loop only)."""
+        self._outbox_push.send_multipart([client_id, self._encoder.encode(message)], copy=False)
+
+    def close(self) -> None:
+        self._outbox_push.send_multipart([_STOP, b""])
+        self._thread.join(timeout=5)
+        self._outbox_push.close(linger=0)
+        self._ctx.term()
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox_pull, zmq.POLLIN)
+        try:
+            while True:
+                events = dict(poller.poll())
+                if self._outbox_pull in events:
+                    client_id, payload = self._outbox_pull.recv_multipart()
+                    if client_id == _STOP:
+                        return
+                    self._router.send_multipart([client_id, payload])
+                if self._router in events:
+                    self._receive()
+        finally:
+            self._router.close(linger=0)
+            self._outbox_pull.close(linger=0)
+
+    def _receive(self) -> None:
+        frames = self._router.recv_multipart()
+        if len(frames) != 2:
+            logger.error("dropped a malformed frame from a host: %d parts", len(frames))
+            return
+        client_id, payload = frames
+        try:
+            message = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            logger.error("dropped an undecodable frame from a host: %s", exc)
+            return
+        self.inbox.put((client_id, message))

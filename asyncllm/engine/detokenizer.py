@@ -1,0 +1,321 @@
+"""Incremental detokenization and stop strings, one `IncrementalDetokenizer` per request.
+
+Runs on the host's processor thread. Each update turns newly sampled token
+ids into the text that is safe to show now, in three stages, token by token
+(so the result does not depend on how the core batches tokens into updates):
+
+1. decode: `tokenizers`' ``DecodeStream`` (fast tokenizers) or the same
+   sliding-window algorithm over ``decode`` (byte-fallback and slow
+   tokenizers). Text is held back while it ends in an incomplete UTF-8
+   sequence (U+FFFD) or a byte-fallback token, and released when the
+   character completes or the request finishes.
+2. clean-up: when the tokenizer's ``decode`` applies
+   ``clean_up_tokenization_spaces`` (" ." -> "."), the same rewrite applied in
+   a streaming-safe way.
+3. stop strings: text that could still be the start of a stop string is held
+   back; a match truncates the text and ends the request.
+
+Exactness: without stop strings, the deltas add up to
+``tokenizer.decode(output_token_ids, skip_special_tokens=...)``, the text HF
+users get. The prompt is deliberately not used as decoding context: with
+sentencepiece-style tokenizers (Llama 2, Mistral) it would add the leading
+space of the first output token, which ``decode(output_token_ids)`` drops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.sampling import SamplingParams
+
+__all__ = ["DetokenizerUpdate", "IncrementalDetokenizer"]
+
+logger = logging.getLogger(__name__)
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+_CLEANUP_TAIL_CHARS = frozenset(" n'vr")
+"""Every proper prefix of a clean-up pattern (" .", " n't", " 've", ...) ends in one of these."""
+
+
+@dataclass(frozen=True)
+class DetokenizerUpdate:
+    """What one `IncrementalDetokenizer.update` produced.
+
+    ``text`` is safe to emit now. When ``stop_string`` is set, a stop string
+    matched: ``text`` ends just before it (or just after it with
+    ``include_stop_str_in_output``) and the caller finishes the request with
+    finish_reason "stop" and stop_reason ``stop_string``.
+    """
+
+    text: str
+    stop_string: str | None = None
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output token ids into text deltas and finds its stop strings."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        """Kept for the caller; the text deliberately does not depend on it (see the module docstring)."""
+        self.token_ids: list[int] = []
+        """Output ids consumed so far (up to the token that completed a stop string)."""
+        self.stop_string: str | None = None
+        """The stop string that ended the request, once one matched."""
+        self._stream = _make_stream(tokenizer, params.skip_special_tokens)
+        self._cleanup = _SpacesCleanup(tokenizer.clean_up_tokenization) if _cleanup_applies(tokenizer) else None
+        self._stops = _StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self._min_tokens = params.min_tokens
+        self._chunks: list[str] = []
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far."""
+        if len(self._chunks) > 1:
+            self._chunks = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def update(self, new_token_ids: list[int], finished: bool) -> DetokenizerUpdate:
+        """Consume newly sampled ids; return the text that is now safe to emit.
+
+        Ids are consumed one by one, so the result does not depend on how they
+        are batched; when a stop string matches, the ids after the one that
+        completed it are dropped (see `token_ids`). With ``finished=True`` all
+        held-back text is flushed. After a stop string matched, later calls
+        (tokens the core sampled before it saw the abort) return empty updates
+        and consume nothing; `stop_string` keeps the match.
+        """
+        if self.stop_string is not None:
+            return DetokenizerUpdate("")
+        pieces: list[str] = []
+        for token_id in new_token_ids:
+            self.token_ids.append(token_id)
+            if self._push(self._stream.step(token_id), pieces):
+                return self._emit(pieces)
+        if finished:
+            flushed = self._stream.flush()
+            if self._cleanup is not None:
+                flushed = self._cleanup.push(flushed) + self._cleanup.flush()
+            if not self._push_stop_checked(flushed, pieces) and self._stops is not None:
+                pieces.append(self._stops.flush())
+        return self._emit(pieces)
+
+    def _push(self, text: str, pieces: list[str]) -> bool:
+        """Run freshly decoded text through clean-up and stop matching; True if a stop string matched."""
+        if self._cleanup is not None:
+            text = self._cleanup.push(text)
+        return self._push_stop_checked(text, pieces)
+
+    def _push_stop_checked(self, text: str, pieces: list[str]) -> bool:
+        # As vLLM: stop strings only count in the text of tokens after the first min_tokens.
+        if self._stops is None or len(self.token_ids) <= self._min_tokens:
+            pieces.append(text)
+            return False
+        emitted, self.stop_string = self._stops.push(text)
+        pieces.append(emitted)
+        return self.stop_string is not None
+
+    def _emit(self, pieces: list[str]) -> DetokenizerUpdate:
+        text = "".join(pieces)
+        if text:
+            self._chunks.append(text)
+        return DetokenizerUpdate(text, self.stop_string)
+
+
+class _WindowStream:
+    """Incremental decoding over a sliding window of ids, for any ``decode`` function.
+
+    ``context`` holds the ids of the last emitted piece, ``pending`` the ids
+    decoded since; the new text is ``decode(context + pending)`` minus
+    ``decode(context)``, released once it does not end in U+FFFD. This is the
+    algorithm of ``tokenizers.decoders.DecodeStream``, kept here so that the
+    held-back ids can be flushed at the end, and for the tokenizers
+    DecodeStream does not serve exactly.
+
+    ``hold_after`` lists byte-fallback ids (``<0xE6>``): sentencepiece's
+    ByteFallback decoder turns a whole run of byte tokens into one U+FFFD per
+    byte as soon as one byte in the run is invalid, which rewrites text that
+    already decoded cleanly. So nothing is released while the window ends in
+    a byte token; a run is final once a regular token follows it.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], hold_after: frozenset[int] = frozenset()) -> None:
+        self._decode = decode
+        self._hold_after = hold_after
+        self._context: list[int] = []
+        self._pending: list[int] = []
+        self._prefix: str | None = None
+        """``decode(context)``, computed once per context."""
+
+    def step(self, token_id: int) -> str:
+        self._pending.append(token_id)
+        if token_id in self._hold_after:
+            return ""
+        prefix = self._prefix_text()
+        text = self._decode(self._context + self._pending)
+        if len(text) <= len(prefix) or text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        return self._advance(text[len(prefix):])
+
+    def flush(self) -> str:
+        """Release the text of the held-back ids, complete or not (U+FFFD stays, as decode() shows it)."""
+        if not self._pending:
+            return ""
+        prefix = self._prefix_text()
+        return self._advance(self._decode(self._context + self._pending)[len(prefix):])
+
+    def _prefix_text(self) -> str:
+        if self._prefix is None:
+            self._prefix = self._decode(self._context)
+        return self._prefix
+
+    def _advance(self, text: str) -> str:
+        self._context, self._pending, self._prefix = self._pending, [], None
+        return text
+
+
+class _FastStream(_WindowStream):
+    """``DecodeStream`` stepping on the Rust tokenizer, with the window mirrored for `flush`.
+
+    If the stream ever refuses a step (tokenizers raises when a decoder
+    rewrites text it already produced), decoding goes on with the Python
+    window, which slices by length as vLLM's original algorithm did.
+    """
+
+    def __init__(self, backend: Any, skip_special_tokens: bool) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        super().__init__(lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens))
+        self._backend = backend
+        self._decode_stream: Any = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        if self._decode_stream is None:
+            return super().step(token_id)
+        try:
+            text = self._decode_stream.step(self._backend, token_id)
+        except Exception as exc:  # noqa: BLE001 - tokenizers raises a bare Exception
+            logger.warning("DecodeStream failed (%s); decoding this request with the sliding window", exc)
+            self._decode_stream = None
+            return super().step(token_id)
+        self._pending.append(token_id)
+        return "" if text is None else self._advance(text)
+
+
+def _make_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:
+    """DecodeStream for fast tokenizers without byte fallback; the Python window otherwise."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is not None and not getattr(backend.model, "byte_fallback", False):
+        return _FastStream(backend, skip_special_tokens)
+    if backend is not None:
+        def decode(ids: list[int]) -> str:
+            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    else:
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+    return _WindowStream(decode, _byte_run_ids(tokenizer, skip_special_tokens))
+
+
+def _byte_run_ids(tokenizer: Any, skip_special_tokens: bool) -> frozenset[int]:
+    """Ids that may continue a byte-fallback run: ``<0x00>`` .. ``<0xFF>`` and, when they are
+    skipped, special tokens (decode() drops them first, so the bytes on both sides join)."""
+    ids = set(tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(256)]))
+    ids.discard(None)
+    ids.discard(tokenizer.unk_token_id)
+    if not ids:
+        return frozenset()
+    if skip_special_tokens:
+        ids.update(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
+    return frozenset(ids)
+
+
+def _cleanup_applies(tokenizer: Any) -> bool:
+    """Whether ``tokenizer.decode`` rewrites " ." to "." (transformers 5 skips it for BPE models).
+
+    Probed by behaviour rather than by reading transformers' private rules,
+    which changed between versions.
+    """
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    probe = tokenizer.encode("a . b n't", add_special_tokens=False)
+    return tokenizer.decode(probe) != tokenizer.decode(probe, clean_up_tokenization_spaces=False)
+
+
+class _SpacesCleanup:
+    """transformers' ``clean_up_tokenization`` applied to a stream of text.
+
+    Every clean-up pattern starts with a space and only deletes spaces, so no
+    pattern can span a cut whose left side ends in a character that ends no
+    proper pattern prefix (not in " n'vr"): text up to the last such
+    character is cleaned and released, the rest waits for more text.
+    """
+
+    def __init__(self, clean: Callable[[str], str]) -> None:
+        self._clean = clean
+        self._held = ""
+
+    def push(self, text: str) -> str:
+        buffer = self._held + text
+        cut = len(buffer)
+        while cut > 0 and buffer[cut - 1] in _CLEANUP_TAIL_CHARS:
+            cut -= 1
+        self._held = buffer[cut:]
+        return self._clean(buffer[:cut])
+
+    def flush(self) -> str:
+        text, self._held = self._clean(self._held), ""
+        return text
+
+
+class _StopStringMatcher:
+    """Finds stop strings across pushes, holding back text that may begin one.
+
+    The held-back tail is shorter than the longest stop string, so each push
+    costs O(new text + longest stop string) whatever the length of the output.
+    """
+
+    def __init__(self, stop: list[str], include_stop_str_in_output: bool) -> None:
+        self._stop = stop
+        self._include = include_stop_str_in_output
+        self._held = ""
+
+    def push(self, text: str) -> tuple[str, str | None]:
+        """Return (text safe to emit, matched stop string or None)."""
+        buffer = self._held + text
+        match = self._earliest_match(buffer)
+        if match is not None:
+            start, stop = match
+            self._held = ""
+            return buffer[: start + len(stop) if self._include else start], stop
+        keep = self._partial_match_len(buffer)
+        self._held = buffer[len(buffer) - keep:]
+        return buffer[: len(buffer) - keep], None
+
+    def flush(self) -> str:
+        text, self._held = self._held, ""
+        return text
+
+    def _earliest_match(self, buffer: str) -> tuple[int, str] | None:
+        """The match that starts first (the shorter one on a tie: it completed first)."""
+        best: tuple[int, int, str] | None = None
+        for stop in self._stop:
+            start = buffer.find(stop)
+            if start >= 0 and (best is None or (start, len(stop)) < best[:2]):
+                best = (start, len(stop), stop)
+        return None if best is None else (best[0], best[2])
+
+    def _partial_match_len(self, buffer: str) -> int:
+        """Length of the longest suffix of ``buffer`` that is a proper prefix of a stop string."""
+        if not buffer:
+            return 0
+        longest = 0
+        last = buffer[-1]
+        for stop in self._stop:
+            for k in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if stop[k - 1] == last and buffer.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest

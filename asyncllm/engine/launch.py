@@ -1,0 +1,43 @@
+"""Start and stop the engine-core process that a host owns."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+
+import msgspec
+
+from asyncllm import procutil
+from asyncllm.config import EngineConfig
+
+
+@dataclass
+class CoreProcess:
+    """An engine core started by this host, listening on `address`."""
+
+    proc: subprocess.Popen
+    address: str
+    ipc_dir: str
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        procutil.stop_process(self.proc, timeout)
+        procutil.remove_dir(self.ipc_dir)
+
+
+def launch_core(config: EngineConfig) -> CoreProcess:
+    """Spawn ``python -m asyncllm.engine.core`` on a private ipc:// socket."""
+    ipc_dir = procutil.private_ipc_dir()
+    address = f"ipc://{os.path.join(ipc_dir, 'core.sock')}"
+    config_json = msgspec.json.encode(config.to_dict(wire=True)).decode()
+    proc = procutil.spawn_module(
+        "asyncllm.engine.core", ["--address", address, "--config-json", config_json]
+    )
+    return CoreProcess(proc, address, ipc_dir)

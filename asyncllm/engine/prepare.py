@@ -1,0 +1,45 @@
+"""Host-side preparation before the core starts: find the model, load the tokenizer.
+
+Runs in a worker thread (file and hub I/O), never on the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError
+from asyncllm.models.loader import load_hf_config, resolve_model_path
+from asyncllm.models.registry import get_model_class
+from asyncllm.tokenizer import eos_token_ids, load_tokenizer
+
+
+@dataclass
+class Prepared:
+    config: EngineConfig
+    """`model` is now a local folder and `max_model_len` is set."""
+    tokenizer: Any
+    eos_token_ids: list[int]
+    vocab_size: int
+
+
+def prepare(config: EngineConfig) -> Prepared:
+    path = resolve_model_path(config.model, config.revision)
+    hf_config = load_hf_config(path)
+    get_model_class(hf_config)  # refuse an unsupported architecture before spawning anything
+    max_model_len = _max_model_len(config, hf_config)
+    tokenizer_name = config.tokenizer or path
+    tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
+    resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
+    return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), hf_config.vocab_size)
+
+
+def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if config.max_model_len is None:
+        return limit or 2048
+    if limit is not None and config.max_model_len > limit:
+        raise ConfigError("max_model_len", config.max_model_len,
+                          f"at most the model's max_position_embeddings ({limit})")
+    return config.max_model_len

@@ -1,0 +1,301 @@
+"""The host's processor thread: everything CPU-bound stays off the event loop.
+
+It owns the zmq DEALER connected to the engine core. Requests come in from the
+loop through `submit`/`abort` (a queue plus an inproc doorbell); it tokenizes
+them (chat templates included) and sends them to the core; it decodes the
+core's outputs, detokenizes incrementally, matches stop strings (aborting the
+request in the core), and hands one batch per core message to the loop.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+import zmq
+
+from asyncllm import errors, protocol
+from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.detokenizer import IncrementalDetokenizer
+from asyncllm.engine.launch import CoreProcess
+from asyncllm.engine.stats_log import StatsLogger
+from asyncllm.outputs import StreamDelta
+from asyncllm.sampling import SamplingParams
+from asyncllm.tokenizer import apply_chat_template, encode_prompt
+
+logger = logging.getLogger("asyncllm.engine")
+
+Delivery = list[tuple[RequestCollector, "StreamDelta | BaseException"]]
+Deliver = Callable[[Delivery, "protocol.SchedulerStats | None"], None]
+
+_POLL_MS = 100
+
+
+@dataclass
+class Submit:
+    collector: RequestCollector
+    prompt: Any
+    """str, list[int] of token ids, or chat messages when `chat`."""
+    params: SamplingParams
+    priority: int
+    chat: bool = False
+
+
+@dataclass
+class _Tracked:
+    collector: RequestCollector
+    detokenizer: IncrementalDetokenizer
+
+
+class Processor:
+    """Runs the processor thread; `start()` returns a future of the core's Ready."""
+
+    def __init__(self, *, address: str, tokenizer: Any, eos_token_ids: list[int], vocab_size: int,
+                 deliver: Deliver, core: CoreProcess | None, stats_logger: StatsLogger | None,
+                 startup_timeout_s: float) -> None:
+        self._address = address
+        self._tokenizer = tokenizer
+        self._eos_token_ids = eos_token_ids
+        self._vocab_size = vocab_size
+        self._deliver = deliver
+        self._core = core
+        self._stats_logger = stats_logger
+        self._startup_timeout_s = startup_timeout_s
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}
+        self._ctx = zmq.Context()
+        self._doorbell_address = f"inproc://asyncllm-doorbell-{uuid.uuid4().hex}"
+        self._doorbell_pull = self._ctx.socket(zmq.PULL)
+        self._doorbell_pull.bind(self._doorbell_address)
+        self._doorbell = self._ctx.socket(zmq.PUSH)
+        self._doorbell.connect(self._doorbell_address)
+        self._doorbell_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(protocol.CoreMessage)
+        self.ready: concurrent.futures.Future[protocol.Ready] = concurrent.futures.Future()
+        self.dead: BaseException | None = None
+        self.max_model_len = 0
+        self._thread = threading.Thread(target=self._run, name="asyncllm-processor", daemon=True)
+
+    # ------------------------------------------------------------ loop side
+    def start(self) -> concurrent.futures.Future:
+        self._thread.start()
+        return self.ready
+
+    def submit(self, job: Submit) -> None:
+        self._post(job)
+
+    def abort(self, request_id: str) -> None:
+        self._post(("abort", request_id))
+
+    def close(self, shutdown_core: bool) -> None:
+        """Say goodbye to the core and stop the thread (blocking: call off the loop)."""
+        if self._thread.is_alive():
+            self._post(("close", shutdown_core))
+            self._thread.join(timeout=10)
+        with self._doorbell_lock:
+            self._doorbell.close(linger=0)
+        self._ctx.term()
+
+    def _post(self, job: Any) -> None:
+        self._jobs.put(job)
+        with self._doorbell_lock:
+            if not self._doorbell.closed:
+                self._doorbell.send(b"", zmq.NOBLOCK)
+
+    # ------------------------------------------------------------ thread side
+    def _run(self) -> None:
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self._address)
+        try:
+            dealer.send(self._encoder.encode(protocol.Hello(pid=os.getpid())))
+            if self._await_ready(dealer):
+                self._serve(dealer)
+        except BaseException as exc:  # noqa: BLE001 - never die silently: fail every stream
+            logger.exception("asyncllm processor thread failed")
+            self._fail_all(errors.EngineDeadError(f"processor thread failed: {exc}"))
+        finally:
+            dealer.close(linger=0)
+            self._doorbell_pull.close(linger=0)
+
+    def _await_ready(self, dealer: zmq.Socket) -> bool:
+        deadline = time.monotonic() + self._startup_timeout_s
+        while time.monotonic() < deadline:
+            if dealer.poll(_POLL_MS):
+                message = self._decoder.decode(dealer.recv())
+                if isinstance(message, protocol.Ready):
+                    self.max_model_len = message.max_model_len
+                    self.ready.set_result(message)
+                    return True
+                if isinstance(message, protocol.EngineFailed):
+                    self.ready.set_exception(_error_from(message))
+                    return False
+            if self._core is not None and self._core.exit_code() is not None:
+                code = self._core.exit_code()
+                self.ready.set_exception(errors.EngineDeadError(f"engine core exited with code {code} while starting (its log is above)"))
+                return False
+            if self._close_requested():
+                self.ready.set_exception(errors.EngineDeadError("engine closed while starting"))
+                return False
+        self.ready.set_exception(errors.EngineDeadError(f"engine core not ready after {self._startup_timeout_s:.0f} s"))
+        return False
+
+    def _close_requested(self) -> bool:
+        try:
+            job = self._jobs.get_nowait()
+        except queue.Empty:
+            return False
+        self._jobs.put(job)
+        return isinstance(job, tuple) and job[0] == "close"
+
+    def _serve(self, dealer: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(self._doorbell_pull, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll(_POLL_MS))
+            if self._doorbell_pull in events:
+                while self._doorbell_pull.poll(0):
+                    self._doorbell_pull.recv()
+                if not self._handle_jobs(dealer):
+                    return
+            if dealer in events:
+                while dealer.poll(0):
+                    self._on_core_message(dealer, dealer.recv())
+            if self._core_died():
+                return
+            if self._stats_logger is not None:
+                self._stats_logger.maybe_log()
+
+    def _handle_jobs(self, dealer: zmq.Socket) -> bool:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return True
+            if isinstance(job, Submit):
+                self._add_request(dealer, job)
+            elif job[0] == "abort":
+                if self._tracked.pop(job[1], None) is not None:
+                    dealer.send(self._encoder.encode(protocol.AbortRequests([job[1]])))
+            elif job[0] == "close":
+                dealer.send(self._encoder.encode(protocol.Goodbye(shutdown=job[1])))
+                self._fail_all(None)
+                return False
+
+    def _add_request(self, dealer: zmq.Socket, job: Submit) -> None:
+        collector = job.collector
+        try:
+            token_ids = self._tokenize(job)
+        except errors.InvalidRequestError as exc:
+            self._deliver([(collector, exc)], None)
+            return
+        collector.prompt_token_ids = token_ids
+        detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, job.params)
+        self._tracked[collector.request_id] = _Tracked(collector, detokenizer)
+        message = protocol.AddRequest(collector.request_id, token_ids, job.params, self._eos_token_ids,
+                                      collector.metrics.arrival_time, job.priority)
+        dealer.send(self._encoder.encode(message))
+
+    def _tokenize(self, job: Submit) -> list[int]:
+        if job.chat:
+            token_ids = apply_chat_template(self._tokenizer, job.prompt)
+        elif isinstance(job.prompt, str):
+            token_ids = encode_prompt(self._tokenizer, job.prompt)
+        else:
+            token_ids = list(job.prompt)
+            bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self._vocab_size)]
+            if bad:
+                raise errors.InvalidRequestError("prompt", f"token ids must be ints in [0, {self._vocab_size}); got {bad[:5]}")
+        if not token_ids:
+            raise errors.InvalidRequestError("prompt", "the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise errors.InvalidRequestError(
+                "prompt", f"{len(token_ids)} tokens, but max_model_len is {self.max_model_len} (prompt plus at least one generated token)")
+        return token_ids
+
+    def _on_core_message(self, dealer: zmq.Socket, payload: bytes) -> None:
+        message = self._decoder.decode(payload)
+        if isinstance(message, protocol.EngineFailed):
+            self._fail_all(_error_from(message))
+            return
+        if not isinstance(message, protocol.Outputs):
+            return
+        now = time.time()
+        batch: Delivery = []
+        aborts: list[str] = []
+        for out in message.outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue
+            item = self._process_output(tracked, out, now, aborts)
+            batch.append((tracked.collector, item))
+        if aborts:
+            dealer.send(self._encoder.encode(protocol.AbortRequests(aborts)))
+        if message.stats is not None and self._stats_logger is not None:
+            self._stats_logger.record(message.stats)
+        if batch or message.stats is not None:
+            self._deliver(batch, message.stats)
+
+    def _process_output(self, tracked: _Tracked, out: protocol.RequestOutputDelta, now: float,
+                        aborts: list[str]) -> StreamDelta | BaseException:
+        collector = tracked.collector
+        if out.error is not None:
+            del self._tracked[out.request_id]
+            field, _, text = out.error.partition(": ")
+            return errors.InvalidRequestError(field, text)
+        metrics = collector.metrics
+        if out.new_token_ids and metrics.first_token_time is None:
+            metrics.first_token_time = now
+            collector.num_cached_tokens = out.num_cached_tokens
+        metrics.num_generated_tokens += len(out.new_token_ids)
+        finished = out.finish_reason is not None
+        detokenizer = tracked.detokenizer
+        num_before = len(detokenizer.token_ids)
+        update = detokenizer.update(out.new_token_ids, finished)
+        token_ids = detokenizer.token_ids[num_before:]
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if update.stop_string is not None:
+            finish_reason, stop_reason = "stop", update.stop_string
+            if not finished:
+                aborts.append(out.request_id)
+        if finish_reason is not None:
+            metrics.finished_time = now
+            del self._tracked[out.request_id]
+        return StreamDelta(0, update.text, token_ids, finish_reason, stop_reason)
+
+    def _core_died(self) -> bool:
+        if self._core is None or self._core.exit_code() is None:
+            return False
+        self._fail_all(errors.EngineDeadError(f"engine core exited with code {self._core.exit_code()}"))
+        return True
+
+    def _fail_all(self, error: BaseException | None) -> None:
+        """End every tracked request: with `error`, or as aborted when None."""
+        if error is not None:
+            self.dead = error
+        batch: Delivery = []
+        for tracked in self._tracked.values():
+            item = error if error is not None else StreamDelta(0, "", [], "abort")
+            batch.append((tracked.collector, item))
+        self._tracked.clear()
+        if batch or error is not None:
+            self._deliver(batch, None)
+
+
+def _error_from(message: protocol.EngineFailed) -> BaseException:
+    if message.error_type in ("ConfigError", "NotBuiltError") and len(message.config_error) == 3:
+        field, value, allowed = message.config_error
+        return errors.ConfigError(field, value, allowed)
+    return errors.EngineDeadError(message.message)
+
+

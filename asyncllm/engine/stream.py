@@ -1,0 +1,94 @@
+"""`RequestStream`: the async iterator returned by `stream()` and `chat()`.
+
+Leaving it in any way aborts the request in the core: the last delta,
+``break`` (the object is dropped), ``aclose()``, ``async with`` exit, task
+cancellation or a timeout around ``__anext__``, or garbage collection.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.engine.collector import RequestCollector
+from asyncllm.errors import InvalidRequestError
+from asyncllm.outputs import StreamDelta
+from asyncllm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+
+
+class RequestStream:
+    """Iterate with ``async for delta in stream``; deltas are `StreamDelta`s."""
+
+    def __init__(self, engine: "AsyncEngine", prompt: Any, params: SamplingParams, priority: int, chat: bool) -> None:
+        self._engine = engine
+        self._prompt = prompt
+        self._params = params
+        self._priority = priority
+        self._chat = chat
+        self.collector: RequestCollector | None = None
+        self._done = False
+
+    @property
+    def request_id(self) -> str | None:
+        return None if self.collector is None else self.collector.request_id
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            if self.collector is None:
+                self.collector = await self._engine._submit(self._prompt, self._params, self._priority, self._chat)
+            delta = await self.collector.get()
+        except BaseException:
+            self._leave()
+            raise
+        if delta.finished:
+            self._done = True
+        return delta
+
+    async def aclose(self) -> None:
+        self._leave()
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._leave()
+
+    def _leave(self) -> None:
+        if not self._done:
+            self._done = True
+            if self.collector is not None and not self.collector.finished:
+                self._engine._abort(self.collector.request_id)
+
+    def __del__(self) -> None:
+        try:
+            self._leave()
+        except Exception:  # noqa: BLE001 - never raise from a finalizer (interpreter shutdown)
+            pass
+
+
+def check_prompt(prompt: Any, chat: bool) -> None:
+    """Cheap type checks on the loop; tokenization happens on the processor thread."""
+    if chat:
+        if not isinstance(prompt, list) or not prompt:
+            raise InvalidRequestError("messages", "must be a non-empty list of {'role': ..., 'content': ...} dicts")
+        return
+    if isinstance(prompt, str):
+        if not prompt:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        return
+    if isinstance(prompt, dict):
+        if "images" in prompt:
+            raise InvalidRequestError("prompt.images", "multimodal inputs are not built yet")
+        raise InvalidRequestError("prompt", "a dict prompt needs multimodal support, which is not built yet; pass a str or a list of token ids")
+    if isinstance(prompt, (list, tuple)):
+        if not prompt:
+            raise InvalidRequestError("prompt", "the prompt is empty")
+        return
+    raise InvalidRequestError("prompt", f"must be a str or a list of token ids, got {type(prompt).__name__}")

@@ -1,0 +1,37 @@
+"""The few environment variables asyncllm reads, in one typed registry."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T
+    parse: Callable[[str], T]
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        return self.default if raw is None or raw == "" else self.parse(raw)
+
+
+CPU_KVCACHE_SPACE_GB = EnvVar(
+    "ASYNCLLM_CPU_KVCACHE_SPACE_GB", 1.0, float,
+    "GiB of host memory for the KV cache when running on the CPU (no num_gpu_blocks_override).",
+)
+ENGINE_STARTUP_TIMEOUT_S = EnvVar(
+    "ASYNCLLM_ENGINE_STARTUP_TIMEOUT_S", 600.0, float,
+    "Seconds the host waits for the engine core and its workers to load the model.",
+)
+RUNTIME_DIR = EnvVar(
+    "ASYNCLLM_RUNTIME_DIR", "", str,
+    "Parent folder of the private 0700 socket folders (default: the system temp dir).",
+)
+
+REGISTRY = (CPU_KVCACHE_SPACE_GB, ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR)

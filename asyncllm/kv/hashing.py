@@ -1,0 +1,95 @@
+"""Content hashes of full KV-cache blocks, for prefix caching.
+
+A full block's hash chains its parent block's hash, its token ids and its
+extra keys, so equal hashes mean equal prefixes (everything before the block
+included), not just equal blocks.
+
+Why sha256 and not ``hash()`` of a tuple: the manager lives in one process, so
+``hash()`` would be stable enough, but Python's hash of int tuples is not
+seeded and is only 64 bits wide, so a client could craft two different token
+blocks with the same hash. A hit re-checks the block's own token ids, but it
+cannot re-check the whole chain of parents, so a crafted collision on a parent
+could make a later block hit KV computed after different tokens. sha256 makes
+that infeasible and costs about 1.5 us per full block (one block every
+``block_size`` tokens of a request), which is small next to a model step. The
+encoding is pickle-free (little-endian int64 tokens, msgpack extra keys), so a
+digest is also stable across processes and Python versions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+__all__ = ["BlockHash", "ROOT_PARENT_HASH", "hash_block_tokens", "block_extra_keys", "extend_block_hashes"]
+
+BlockHash = bytes
+"""A 32-byte sha256 digest naming a full block and everything before it."""
+
+ROOT_PARENT_HASH: BlockHash = hashlib.sha256(b"asyncllm.prefix-cache.root.v1").digest()
+"""The parent hash of a request's first block."""
+
+_ENCODER = msgspec.msgpack.Encoder()
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def hash_block_tokens(
+    parent_hash: BlockHash, token_ids: Sequence[int], extra_keys: tuple[Any, ...] = ()
+) -> BlockHash:
+    """Hash of one full block given its parent's hash, its tokens and its extra keys.
+
+    The token count is part of the digest so that no two (tokens, extra keys)
+    pairs share an encoding.
+    """
+    digest = hashlib.sha256(parent_hash)
+    digest.update(len(token_ids).to_bytes(4, "little"))
+    tokens = array("q", token_ids)
+    if _BIG_ENDIAN:  # pragma: no cover - the encoding is little-endian everywhere
+        tokens.byteswap()
+    digest.update(tokens.tobytes())
+    if extra_keys:
+        digest.update(_ENCODER.encode(extra_keys))
+    return digest.digest()
+
+
+def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...]:
+    """Extra keys of block `block_index` of a request, beyond its token ids.
+
+    The cache salt goes into the first block only: the chain carries it into
+    every later block, so requests with different salts never share a block.
+
+    Hook for features not built yet: a LoRA adapter id would be added to every
+    block's keys (``("lora", lora_id)``: the same tokens under another adapter
+    have other KV), and each multimodal item overlapping the block would add
+    ``(mm_hash, start_offset)`` (its placeholder tokens are equal for every
+    image, so the content hash must be part of the key).
+    """
+    if block_index == 0 and cache_salt is not None:
+        return ("salt", cache_salt)
+    return ()
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    num_blocks: int,
+    cache_salt: str | None,
+) -> None:
+    """Append hashes to `block_hashes` until it covers `num_blocks` full blocks.
+
+    Incremental: blocks already hashed are not hashed again, so a decoding
+    request costs one hash per `block_size` generated tokens.
+    """
+    num_blocks = min(num_blocks, len(token_ids) // block_size)
+    parent = block_hashes[-1] if block_hashes else ROOT_PARENT_HASH
+    for index in range(len(block_hashes), num_blocks):
+        start = index * block_size
+        block_tokens = token_ids[start : start + block_size]
+        parent = hash_block_tokens(parent, block_tokens, block_extra_keys(index, cache_salt))
+        block_hashes.append(parent)

@@ -1,0 +1,167 @@
+"""`KVCacheManager`: which blocks each request holds, and prefix-cache hits.
+
+The scheduler sees block ids and opaque `KVCacheBlock` handles only. The usual
+sequence for one request is::
+
+    blocks, num_hit = manager.get_computed_blocks(req)         # admission only
+    new_ids = manager.allocate_slots(req, n, blocks)            # None: not enough blocks
+    ... the model computes the n tokens ...
+    manager.cache_full_blocks(req)                              # after num_computed_tokens advanced
+    manager.free(req)                                           # finished, aborted or preempted
+
+Every call is O(blocks of that request touched by the call): nothing walks
+the whole pool, so a decode step costs O(running requests).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from asyncllm.kv.block_pool import BlockPool, KVCacheBlock
+from asyncllm.kv.hashing import BlockHash, extend_block_hashes
+
+__all__ = ["KVCacheManager", "KVRequest"]
+
+
+class KVRequest(Protocol):
+    """What the manager reads from a request (`asyncllm.sched.request.Request` has it)."""
+
+    request_id: str
+    num_computed_tokens: int
+    cache_salt: str | None
+    block_hashes: list[BlockHash]
+    """Hashes of the request's full blocks, filled lazily by the manager."""
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Owns the `BlockPool` and each request's block table (`req_to_blocks`)."""
+
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_gpu_blocks)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        """req_id -> the blocks of its block table, in order."""
+        self._num_cached_blocks: dict[str, int] = {}
+        """req_id -> how many leading blocks of its table are registered in the prefix cache."""
+        self.prefix_cache_queries = 0
+        """Tokens of admitted requests looked up in the prefix cache."""
+        self.prefix_cache_hits = 0
+        """Tokens of those found in the prefix cache."""
+
+    # ------------------------------------------------------------ queries
+    @property
+    def num_gpu_blocks(self) -> int:
+        return self.pool.num_gpu_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        """The request's block table as block ids (empty when it holds none)."""
+        return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
+
+    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks, and how many tokens it covers.
+
+        Never the whole sequence: the last known token is always recomputed so
+        that the model produces the logits of the next one. Read-only: the
+        blocks are only taken by `allocate_slots`.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        token_ids = request.all_token_ids
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        extend_block_hashes(request.block_hashes, token_ids, self.block_size, max_blocks, request.cache_salt)
+        hits: list[KVCacheBlock] = []
+        bs = self.block_size
+        for index in range(max_blocks):
+            block = self.pool.get_cached_block(request.block_hashes[index], token_ids[index * bs : (index + 1) * bs])
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * bs
+
+    # ------------------------------------------------------------ actions
+    def allocate_slots(
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> list[int] | None:
+        """Grow the request's block table to hold `num_new_tokens` more tokens.
+
+        `new_computed_blocks` are prefix hits from `get_computed_blocks` (at
+        admission, while the request holds no blocks); their tokens count as
+        computed. Returns the ids appended to the block table (hits first), or
+        None, changing nothing, when the free queue is too short; cached free
+        blocks are evicted oldest first to make room.
+        """
+        assert num_new_tokens > 0, num_new_tokens
+        req_id = request.request_id
+        blocks = self.req_to_blocks.get(req_id)
+        num_needed = request.num_computed_tokens + num_new_tokens
+        if blocks is not None and not new_computed_blocks and num_needed <= len(blocks) * self.block_size:
+            return []  # the decode fast path: the last block still has room
+        hits = new_computed_blocks or []
+        num_held = len(hits) + (len(blocks) if blocks is not None else 0)
+        num_new_blocks = _cdiv(num_needed + len(hits) * self.block_size, self.block_size) - num_held
+        num_revived = sum(1 for block in hits if block.ref_cnt == 0)
+        if not self.pool.can_allocate(max(num_new_blocks, 0) + num_revived):
+            return None
+        if blocks is None:
+            blocks = self.req_to_blocks[req_id] = []
+            self._num_cached_blocks[req_id] = len(hits)
+            self._count_query(request, len(hits))
+        self.pool.touch(hits)
+        appended = hits + self.pool.allocate(max(num_new_blocks, 0))
+        blocks.extend(appended)
+        return [block.block_id for block in appended]
+
+    def cache_full_blocks(self, request: KVRequest) -> None:
+        """Register the request's full, computed blocks so that later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        req_id = request.request_id
+        start = self._num_cached_blocks.get(req_id)
+        bs = self.block_size
+        if start is None or request.num_computed_tokens // bs <= start:
+            return  # the decode fast path: no block became full
+        blocks = self.req_to_blocks[req_id]
+        end = min(request.num_computed_tokens // bs, len(blocks))
+        token_ids = request.all_token_ids
+        extend_block_hashes(request.block_hashes, token_ids, bs, end, request.cache_salt)
+        for index in range(start, end):
+            block = blocks[index]
+            if block.block_hash is None:
+                self.pool.cache_block(block, request.block_hashes[index], token_ids[index * bs : (index + 1) * bs])
+        self._num_cached_blocks[req_id] = end
+
+    def free(self, request: KVRequest) -> None:
+        """Release the request's blocks; the tail goes first so that it is evicted first."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(reversed(blocks))
+
+    def _count_query(self, request: KVRequest, num_hit_blocks: int) -> None:
+        """Count one admission's lookup (once per admission, however often admission was retried)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_blocks * self.block_size

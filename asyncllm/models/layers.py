@@ -1,0 +1,182 @@
+"""Building blocks shared by the model families: tensor-parallel group, RMSNorm,
+attention, and the weight-loading helpers the parallel layers use.
+
+A checkpoint weight reaches a parameter through the parameter's ``weight_loader``
+(set by the layer that owns it), which copies only this rank's shard. The
+loaded weight may be a tensor or a lazy safetensors slice, so that a rank reads
+only the bytes of its own shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.kernels import reference
+
+__all__ = [
+    "TensorParallel",
+    "LoadedWeight",
+    "weight_shape",
+    "weight_narrow",
+    "copy_weight",
+    "default_weight_loader",
+    "set_weight_loader",
+    "new_param",
+    "head_dim_of",
+    "kv_heads_per_rank",
+    "RMSNorm",
+    "Attention",
+]
+
+# A torch tensor, or a safetensors ``PySafeSlice`` (``get_shape()`` and ``[...]`` indexing).
+LoadedWeight = Union[torch.Tensor, Any]
+WeightLoader = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This rank's place in the tensor-parallel group (torch.distributed's default group)."""
+
+    rank: int = 0
+    size: int = 1
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.size, (self.rank, self.size)
+
+    def check_group(self) -> None:
+        """The collectives need torch.distributed's default group to be exactly the TP ranks."""
+        if self.size > 1:
+            assert dist.is_initialized(), "torch.distributed must be initialised before a TP model is built"
+            assert (dist.get_world_size(), dist.get_rank()) == (self.size, self.rank), "TP group mismatch"
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the ranks (in place; x itself when alone)."""
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x concatenated along the last dim, rank order."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def split(self, total: int) -> int:
+        """This rank's share of ``total`` (which the caller has checked divides evenly)."""
+        assert total % self.size == 0, (total, self.size)
+        return total // self.size
+
+
+def weight_shape(loaded: LoadedWeight) -> tuple[int, ...]:
+    if isinstance(loaded, torch.Tensor):
+        return tuple(loaded.shape)
+    return tuple(loaded.get_shape())
+
+
+def weight_narrow(loaded: LoadedWeight, dim: int, start: int, length: int) -> torch.Tensor:
+    """``loaded[start:start+length]`` along ``dim``, reading only that part of a lazy slice."""
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    index = tuple([slice(None)] * dim + [slice(start, start + length)])
+    return loaded[index]
+
+
+def _full(loaded: LoadedWeight) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+
+
+def copy_weight(dst: torch.Tensor, src: LoadedWeight) -> None:
+    """Copy (and cast) src into dst; ValueError when the shapes differ."""
+    src_tensor = _full(src)
+    if tuple(dst.shape) != tuple(src_tensor.shape):
+        raise ValueError(f"has shape {tuple(src_tensor.shape)}, the model expects {tuple(dst.shape)}")
+    with torch.no_grad():
+        dst.copy_(src_tensor)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: LoadedWeight) -> None:
+    """A replicated parameter: every rank keeps the whole weight."""
+    copy_weight(param.data, loaded)
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter:
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def new_param(*shape: int, dtype: torch.dtype, loader: WeightLoader = default_weight_loader) -> nn.Parameter:
+    """An uninitialised inference parameter (filled by the loader) on the current default device."""
+    return set_weight_loader(nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False), loader)
+
+
+def head_dim_of(hf_config: Any) -> int:
+    """The attention head size: explicit ``head_dim`` (Qwen3, Mistral) or hidden_size / heads."""
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def kv_heads_per_rank(total_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: a share, or one replicated head when there are fewer heads than ranks."""
+    return max(1, total_kv_heads // tp_size)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with HF's rounding; ``forward(x, residual)`` fuses the residual add."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_param(hidden_size, dtype=dtype)
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return reference.rms_norm(x, self.weight, self.eps)
+        return reference.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Paged attention over this rank's heads; the math lives in the backend."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        backend: AttentionBackend,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim**-0.5
+        self.backend = backend
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> ``[T, Hq * D]``."""
+        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"backend={self.backend.name}, sliding_window={self.sliding_window}"
+        )

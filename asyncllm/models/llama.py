@@ -1,0 +1,254 @@
+"""The Llama-style decoder shared by Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3.
+
+The families differ only by a few flags (`DecoderFlags`: attention biases, MLP
+bias, per-head q/k RMSNorm), all read from the HF config; qwen2.py and qwen3.py
+just set them. Module and parameter names mirror transformers' so checkpoint
+names map one to one, except the fused ``qkv_proj`` and ``gate_up_proj``
+(see ``packed_modules``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.kernels import reference
+from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, head_dim_of
+from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from asyncllm.models.rotary import RotaryEmbedding
+
+__all__ = ["DecoderFlags", "LlamaForCausalLM", "sliding_window_of"]
+
+
+@dataclass(frozen=True)
+class DecoderFlags:
+    """What distinguishes one Llama-style family from another."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
+    """The layer's attention window: per layer via ``layer_types`` (Qwen2/3), else the
+    model-wide ``sliding_window`` (Mistral), else None (full attention)."""
+    window = getattr(hf_config, "sliding_window", None)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return window if layer_types[layer_idx] == "sliding_attention" else None
+    return window
+
+
+@dataclass(frozen=True)
+class _Build:
+    """Everything a layer needs to build itself besides the HF config."""
+
+    hf_config: Any
+    flags: DecoderFlags
+    dtype: torch.dtype
+    tp: TensorParallel
+    attn_backend: AttentionBackend
+    rotary_emb: RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, b: _Build, layer_idx: int) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        head_dim = head_dim_of(cfg)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, b.flags.qkv_bias, b.tp, b.dtype
+        )
+        o_input_size = cfg.num_attention_heads * head_dim
+        self.o_proj = RowParallelLinear(o_input_size, cfg.hidden_size, b.flags.o_bias, b.tp, b.dtype)
+        if b.flags.qk_norm:
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
+        self.qk_norm = b.flags.qk_norm
+        self.rotary_emb = b.rotary_emb
+        qkv = self.qkv_proj
+        window = sliding_window_of(cfg, layer_idx)
+        self.attn = Attention(qkv.num_heads, qkv.num_kv_heads, head_dim, b.attn_backend, window)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        query, key, value = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        if self.qk_norm:
+            query, key = self.q_norm(query), self.k_norm(key)
+        query, key = self.rotary_emb(positions, query, key)
+        return self.o_proj(self.attn(query, key, value, kv_cache, metadata))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, b: _Build) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        if cfg.hidden_act != "silu":
+            raise NotBuiltError("model", cfg.hidden_act, f"the {cfg.hidden_act!r} MLP activation (only 'silu')")
+        size = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], b.flags.mlp_bias, b.tp, b.dtype)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, b.flags.mlp_bias, b.tp, b.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(reference.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, b: _Build, layer_idx: int) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.self_attn = LlamaAttention(b, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.mlp = LlamaMLP(b)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (this layer's output, the residual stream before it): the next norm adds them."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, b: _Build) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, b.tp, b.dtype)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(b, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-style causal LM over a paged KV cache (one cache tensor per layer)."""
+
+    # fused parameter -> the checkpoint matrices stacked in it, with their shard ids
+    packed_modules: dict[str, list[tuple[str, object]]] = {
+        "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
+        "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
+    }
+
+    @classmethod
+    def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return DecoderFlags(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(hf_config, "mlp_bias", False)))
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        max_position: int,
+    ) -> None:
+        super().__init__()
+        rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
+        build = _Build(hf_config, self.decoder_flags(hf_config), dtype, tp, attn_backend, rotary_emb)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = LlamaModel(build)
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype, tied_to)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``[T]`` token ids at ``[T]`` positions -> final hidden states ``[T, hidden]``."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> float32 logits over the full vocabulary (on every rank)."""
+        return self.lm_head(hidden).float()
+
+    # ---- weights
+    def checkpoint_weight_names(self) -> set[str]:
+        """The checkpoint names this model needs (fused parameters expanded to their parts)."""
+        names = set()
+        for name, _ in self.named_parameters():
+            names.update(ckpt for ckpt, _ in self._unpacked(name))
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Load (checkpoint name, weight) pairs, each rank keeping its shard.
+
+        Returns the checkpoint names consumed. Names the model does not have raise
+        `ConfigError` listing them all (after the others are loaded); rotary
+        ``inv_freq`` buffers and a tied ``lm_head.weight`` are skipped.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for ckpt_name, weight in weights:
+            if "rotary_emb.inv_freq" in ckpt_name or (self.tie_word_embeddings and ckpt_name == "lm_head.weight"):
+                continue
+            param_name, shard_id = self._packed(ckpt_name)
+            if param_name not in params:
+                unexpected.append(ckpt_name)
+                continue
+            self._load_one(params[param_name], ckpt_name, weight, shard_id)
+            loaded.add(ckpt_name)
+        if unexpected:
+            shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+            allowed = f"a checkpoint of this architecture; unexpected weights: {shown}"
+            raise ConfigError("model", type(self).__name__, allowed)
+        return loaded
+
+    def _load_one(self, param: nn.Parameter, ckpt_name: str, weight: LoadedWeight, shard_id: object) -> None:
+        try:
+            if shard_id is None:
+                param.weight_loader(param, weight)  # type: ignore[attr-defined]
+            else:
+                param.weight_loader(param, weight, shard_id)  # type: ignore[attr-defined]
+        except ValueError as exc:
+            raise ConfigError("model", ckpt_name, f"a weight matching config.json, but it {exc}") from exc
+
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        """Checkpoint name -> (parameter name, shard id or None)."""
+        for fused, parts in self.packed_modules.items():
+            for part, shard_id in parts:
+                if f".{part}." in ckpt_name:
+                    return ckpt_name.replace(f".{part}.", f".{fused}."), shard_id
+        return ckpt_name, None
+
+    def _unpacked(self, param_name: str) -> list[tuple[str, object]]:
+        """Parameter name -> the (checkpoint name, shard id) pairs loaded into it."""
+        for fused, parts in self.packed_modules.items():
+            if f".{fused}." in param_name:
+                return [(param_name.replace(f".{fused}.", f".{part}."), shard) for part, shard in parts]
+        return [(param_name, None)]

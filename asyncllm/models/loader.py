@@ -1,0 +1,193 @@
+"""From a model name to a loaded in-house model on one rank.
+
+``resolve_model_path`` finds the checkpoint folder (a local folder, or a hub id
+through huggingface_hub's cache), ``load_hf_config`` reads its config.json,
+``resolve_dtype`` picks the activation dtype and ``load_model`` builds the model
+on the device and fills it from the safetensors files (each rank reads only its
+shard of each tensor) or with random dummy weights.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any, Iterator
+
+import torch
+from transformers import AutoConfig, PretrainedConfig
+
+from asyncllm.attention.selector import get_attention_backend
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError
+from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class
+
+__all__ = [
+    "resolve_model_path",
+    "load_hf_config",
+    "resolve_dtype",
+    "load_model",
+    "checkpoint_files",
+    "iterate_safetensors",
+    "load_checkpoint",
+    "init_dummy_weights",
+]
+
+# What a snapshot needs for serving: configs, safetensors weights, tokenizer files.
+_HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_DUMMY_STD = 0.02
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> str:
+    """A local folder as is; otherwise a hub id looked up through huggingface_hub.
+
+    The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import),
+    and huggingface_hub falls back to its cache (HF_HUB_CACHE) when the hub is
+    unreachable. Anything else is a `ConfigError` saying what was tried.
+    """
+    if os.path.isdir(model):
+        return model
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = constants.HF_HUB_OFFLINE or _env_flag("HF_HUB_OFFLINE")
+    cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        return snapshot_download(
+            model, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=_HUB_ALLOW_PATTERNS
+        )
+    except HFValidationError as exc:
+        raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
+    except LocalEntryNotFoundError as exc:
+        hub = "offline mode is on (HF_HUB_OFFLINE=1)" if offline else "the hub could not be reached"
+        raise ConfigError(
+            "model",
+            model,
+            f"a local folder or a hub id in the Hugging Face cache: it is not a folder, not in the cache "
+            f"({cache_dir}), and {hub}; set HF_HUB_OFFLINE=0 or download it first "
+            f"(`huggingface-cli download {model}`)",
+        ) from exc
+    except OSError as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HTTP errors
+        raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
+
+
+def load_hf_config(path: str) -> PretrainedConfig:
+    """The checkpoint's transformers config (no remote code is ever run)."""
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
+        raise ConfigError("model", path, allowed) from exc
+
+
+def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
+    """The model dtype. ``auto``: float32 on CPU; on GPU the checkpoint's half type, else bfloat16."""
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ConfigError("dtype", dtype, f"one of 'auto', {', '.join(map(repr, _DTYPES))}")
+        return _DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    ckpt_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(ckpt_dtype, str):
+        ckpt_dtype = _DTYPES.get(ckpt_dtype)
+    return ckpt_dtype if ckpt_dtype in _HALF_DTYPES else torch.bfloat16
+
+
+def load_model(
+    config: EngineConfig,
+    hf_config: Any,
+    device: torch.device,
+    dtype: torch.dtype,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> CausalLM:
+    """Build ``hf_config``'s model on ``device`` for rank ``tp_rank`` and fill its weights.
+
+    With ``tp_size > 1`` the torch.distributed default group must already span the
+    ``tp_size`` ranks. The model is returned in eval mode; call it under
+    ``torch.inference_mode()``.
+    """
+    check_tensor_parallel(hf_config, tp_size)
+    model_cls = get_model_class(hf_config)
+    max_position = max(hf_config.max_position_embeddings, config.max_model_len or 0)
+    tp = TensorParallel(tp_rank, tp_size)
+    tp.check_group()
+    with torch.device(device):
+        model = model_cls(
+            hf_config,
+            dtype=dtype,
+            tp=tp,
+            attn_backend=get_attention_backend(config.attention_backend, device),
+            max_position=max_position,
+        )
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+    else:
+        load_checkpoint(model, resolve_model_path(config.model, config.revision))
+    model.eval()  # type: ignore[attr-defined]
+    return model
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files to read: those of the index when there is one, else every
+    ``*.safetensors`` (Mistral's duplicate ``consolidated*`` files left out)."""
+    index_path = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path) as f:
+            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        files = sorted({os.path.join(path, name) for name in weight_map.values()})
+        absent = [os.path.basename(file) for file in files if not os.path.exists(file)]
+        if absent:
+            raise ConfigError("model", path, f"a complete checkpoint; its index names absent files {absent}")
+        return files
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    files = [f for f in files if not os.path.basename(f).startswith("consolidated")] or files
+    if not files:
+        raise ConfigError(
+            "load_format",
+            "safetensors",
+            f"a folder with *.safetensors weights, and {path} has none (.bin/.pt checkpoints are not "
+            "supported: convert them to safetensors, or use load_format='dummy')",
+        )
+    return files
+
+
+def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, LoadedWeight]]:
+    """(name, lazy slice) for every tensor; a slice reads only the part that is indexed."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+def load_checkpoint(model: CausalLM, path: str) -> None:
+    """Fill every parameter from the safetensors in ``path``; `ConfigError` naming missing weights."""
+    loaded = model.load_weights(iterate_safetensors(checkpoint_files(path)))
+    missing = sorted(model.checkpoint_weight_names() - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ConfigError("model", path, f"a checkpoint with every weight of its architecture; missing: {shown}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: CausalLM, seed: int) -> None:
+    """Random weights of the real shapes, the same for the same seed: norm weights 1,
+    everything else N(0, 0.02) so activations stay well within bfloat16's range."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():  # type: ignore[attr-defined]
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        param.normal_(0.0, _DUMMY_STD, generator=generators[param.device])

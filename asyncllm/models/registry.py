@@ -1,0 +1,110 @@
+"""Which in-house class runs which HF architecture, and what its KV cache looks like."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Protocol
+
+import torch
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
+from asyncllm.models.llama import LlamaForCausalLM
+from asyncllm.models.qwen2 import Qwen2ForCausalLM
+from asyncllm.models.qwen3 import Qwen3ForCausalLM
+
+__all__ = [
+    "CausalLM",
+    "KVCacheSpec",
+    "SUPPORTED_ARCHITECTURES",
+    "get_model_class",
+    "kv_cache_spec",
+    "check_tensor_parallel",
+]
+
+
+class CausalLM(Protocol):
+    """What the model runner and the loader use of a model (an ``nn.Module``)."""
+
+    def __init__(
+        self,
+        hf_config: Any,
+        *,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        max_position: int,
+    ) -> None: ...
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def checkpoint_weight_names(self) -> set[str]: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]: ...
+
+
+_MODELS: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+
+
+def get_model_class(hf_config: Any) -> type[CausalLM]:
+    """The class for ``hf_config.architectures[0]``; `NotBuiltError` for any other."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    arch = architectures[0] if architectures else None
+    if arch not in _MODELS:
+        supported = ", ".join(SUPPORTED_ARCHITECTURES)
+        raise NotBuiltError("model", arch, f"the {arch} architecture (supported: {supported})")
+    return _MODELS[arch]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Shape of one layer's KV cache on one rank: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes one block costs across all layers (K and V)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
+    """`ConfigError` unless the model's heads and MLP split evenly over ``tp_size`` ranks."""
+    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    problems = []
+    if heads % tp_size:
+        problems.append(f"num_attention_heads={heads}")
+    if kv_heads % tp_size and tp_size % kv_heads:
+        problems.append(f"num_key_value_heads={kv_heads} (a multiple or a divisor of tp)")
+    if hf_config.intermediate_size % tp_size:
+        problems.append(f"intermediate_size={hf_config.intermediate_size}")
+    if problems:
+        raise ConfigError("tensor_parallel_size", tp_size, "a size that divides the model's " + ", ".join(problems))
+
+
+def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
+    """Per-rank KV-cache shape; KV heads are replicated when there are fewer than ranks."""
+    check_tensor_parallel(hf_config, tp_size)
+    return KVCacheSpec(
+        num_layers=hf_config.num_hidden_layers,
+        num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, tp_size),
+        head_dim=head_dim_of(hf_config),
+    )

@@ -1,0 +1,75 @@
+"""Rotary position embedding, with the inverse frequencies computed by transformers.
+
+transformers' own ``ROPE_INIT_FUNCTIONS`` give the frequencies of every scaled
+rope_type (linear, llama3, yarn, ...), so a checkpoint's ``rope_parameters``
+mean exactly what they mean in HF. The cos/sin table is built once in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from asyncllm.errors import NotBuiltError
+from asyncllm.kernels import reference
+
+__all__ = ["rope_parameters", "compute_inv_freq", "RotaryEmbedding"]
+
+# Their frequencies change with the batch's sequence length in HF, so the same
+# token would get different rotations depending on what it is batched with.
+_LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """The config's rope parameters as one dict (transformers 5 ``rope_parameters``, or the
+    older ``rope_theta`` + ``rope_scaling`` pair)."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+    return params
+
+
+def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq ``[rotary_dim / 2]`` float32, attention_scaling) exactly as transformers computes them.
+
+    ``rotary_dim = head_dim * partial_rotary_factor``: only the first rotary_dim
+    features of each head rotate.
+    """
+    params = rope_parameters(hf_config)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    if rope_type in _LENGTH_DEPENDENT_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
+        raise NotBuiltError("model", rope_type, f"rotary embedding with rope_type={rope_type!r}")
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    return inv_freq.to(torch.float32), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their positions from a precomputed float32 cos/sin table."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+        super().__init__()
+        inv_freq, attention_scaling = compute_inv_freq(hf_config, head_dim)
+        self.head_dim = head_dim
+        self.rotary_dim = 2 * inv_freq.numel()
+        self.max_position = max_position
+        cache = reference.build_cos_sin_cache(inv_freq.to(torch.get_default_device()), attention_scaling, max_position)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query ``[T, Hq, D]``, key ``[T, Hkv, D]`` -> rotated copies."""
+        return reference.apply_rotary(query, key, positions, self.cos_sin_cache)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"

@@ -1,0 +1,91 @@
+"""Child processes that never outlive their parent, and private socket folders.
+
+Children are started with `subprocess` running ``python -m <module>`` (a fresh
+interpreter, like multiprocessing's spawn, with none of its atexit joins). The
+parent keeps the write end of the child's stdin: when the parent dies, for any
+reason, the kernel closes it and the child sees EOF and exits.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from asyncllm import envs
+
+
+def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m module *args`` with a stdin pipe tied to our life."""
+    child_env = dict(os.environ)
+    child_env.update(env or {})
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdin=subprocess.PIPE,
+        env=child_env,
+        close_fds=True,
+    )
+
+
+def exit_when_parent_dies(poll_s: float = 0.5) -> None:
+    """In a child made by `spawn_module`: exit at once when the parent is gone.
+
+    Two signals, either enough: EOF on stdin, or a changed parent pid.
+    """
+    parent = os.getppid()
+
+    def read_stdin() -> None:
+        try:
+            while sys.stdin.buffer.read(1):
+                pass
+        except (OSError, ValueError):
+            pass
+        os._exit(0)
+
+    def poll_ppid() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=read_stdin, name="asyncllm-parent-eof", daemon=True).start()
+    threading.Thread(target=poll_ppid, name="asyncllm-parent-pid", daemon=True).start()
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
+    """Close the child's stdin (it exits), then terminate and kill if needed."""
+    if proc.stdin is not None:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    for action in (None, proc.terminate, proc.kill):
+        if action is not None:
+            action()
+        try:
+            proc.wait(timeout=timeout)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def private_ipc_dir() -> str:
+    """A fresh 0700 folder for ipc:// sockets (remove it with `remove_dir`)."""
+    parent = envs.RUNTIME_DIR.get() or None
+    path = tempfile.mkdtemp(prefix="asyncllm-", dir=parent)
+    os.chmod(path, 0o700)
+    return path
+
+
+def remove_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

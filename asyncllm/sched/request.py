@@ -1,0 +1,177 @@
+"""`Request`: the engine core's state of one generation request.
+
+The scheduler owns every `Request`; workers see only `NewRequestData` /
+`CachedRequestData` diffs. `append_output_token` + `check_stop` run after each
+sampled token and decide whether the request is done.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from asyncllm import protocol
+from asyncllm.kv.hashing import BlockHash
+from asyncllm.sampling import SamplingParams
+
+__all__ = ["RequestStatus", "Request"]
+
+
+class RequestStatus(enum.IntEnum):
+    """Where a request is in its life; every status after PREEMPTED is final."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self > RequestStatus.PREEMPTED
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """One request: its tokens, how far the KV cache covers them, and why it stopped."""
+
+    __slots__ = (
+        "request_id", "prompt_token_ids", "output_token_ids", "_all_token_ids", "num_prompt_tokens", "num_tokens",
+        "num_computed_tokens", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
+        "priority", "client_id", "status", "finish_reason", "stop_reason", "num_preemptions",
+        "cache_salt", "block_hashes", "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        eos_token_ids: list[int],
+        arrival_time: float,
+        priority: int = 0,
+        client_id: bytes = b"",
+        cache_salt: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self._all_token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_tokens = self.num_prompt_tokens
+        """len(all_token_ids), kept as a plain attribute because the scheduler reads it every step."""
+        self.num_computed_tokens = 0
+        """Leading tokens whose KV is in the cache (prefix hits included)."""
+        self.num_cached_tokens = 0
+        """Tokens found in the prefix cache at the first admission."""
+        self.params = params
+        self.eos_token_ids = list(eos_token_ids)
+        self.arrival_time = arrival_time
+        self.priority = priority
+        self.client_id = client_id
+        """The DEALER identity of the host that sent the request."""
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        """'stop', 'length' or 'abort' once finished."""
+        self.stop_reason: int | None = None
+        """The stop_token_ids entry that ended the request (None for EOS and other reasons)."""
+        self.num_preemptions = 0
+        self.cache_salt = cache_salt
+        """Requests with different salts never share prefix-cache blocks."""
+        self.block_hashes: list[BlockHash] = []
+        """Prefix-cache hashes of full blocks, filled by the KV manager."""
+        # copies of the stop settings, read once per generated token
+        self._max_tokens = params.max_tokens
+        self._min_tokens = params.min_tokens
+        self._stop_token_ids = frozenset(params.stop_token_ids)
+        self._eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+
+    @classmethod
+    def from_add_request(cls, msg: protocol.AddRequest, client_id: bytes) -> "Request":
+        """Build a request from the host's `AddRequest` message."""
+        return cls(
+            request_id=msg.request_id,
+            prompt_token_ids=msg.prompt_token_ids,
+            params=msg.params,
+            eos_token_ids=msg.eos_token_ids,
+            arrival_time=msg.arrival_time,
+            priority=msg.priority,
+            client_id=client_id,
+            cache_salt=msg.cache_salt,
+        )
+
+    # ------------------------------------------------------------ tokens
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs; kept in step with appends (do not mutate it)."""
+        return self._all_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        self.num_tokens += 1
+
+    def append_sampled_tokens(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """Append sampled tokens up to the first that stops the request; the ones appended."""
+        if len(token_ids) == 1:  # the common case, kept cheap: one token per step
+            self.output_token_ids.append(token_ids[0])
+            self._all_token_ids.append(token_ids[0])
+            self.num_tokens += 1
+            self.check_stop(max_model_len)
+            return token_ids
+        appended = []
+        for token_id in token_ids:
+            self.append_output_token(token_id)
+            appended.append(token_id)
+            if self.check_stop(max_model_len):
+                break
+        return appended
+
+    # ------------------------------------------------------------ stopping
+    def check_stop(self, max_model_len: int) -> bool:
+        """After a token was appended: finish the request if it must stop; True if it did.
+
+        EOS (unless ignore_eos) and stop_token_ids end the request only once
+        `min_tokens` outputs exist; they are checked before the length limits,
+        so a stop token that is also the last allowed token reports 'stop'.
+        """
+        num_output = len(self.output_token_ids)
+        last = self.output_token_ids[-1]
+        if num_output >= self._min_tokens:
+            if last in self._stop_token_ids:
+                self.stop_reason = last
+                self.finish(RequestStatus.FINISHED_STOPPED)
+                return True
+            if last in self._eos_token_ids:
+                self.finish(RequestStatus.FINISHED_STOPPED)
+                return True
+        max_tokens = self._max_tokens
+        if (max_tokens is not None and num_output >= max_tokens) or self.num_tokens >= max_model_len:
+            self.finish(RequestStatus.FINISHED_LENGTH)
+            return True
+        return False
+
+    def finish(self, status: RequestStatus) -> None:
+        assert status.is_finished, status
+        self.status = status
+        self.finish_reason = _FINISH_REASONS[status]
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

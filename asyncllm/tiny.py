@@ -1,0 +1,241 @@
+"""A tiny random-weight model that asyncllm builds locally, without any download.
+
+The README's main command, the examples and the engine tests need a real
+Hugging Face checkpoint (config, safetensors weights, tokenizer, chat template,
+generation config) that loads with both transformers and asyncllm. This module
+makes one in about a second: a byte-level BPE tokenizer trained on a fixed
+slice of the Python standard library's own source (so it needs no data set and
+round-trips any Unicode text), and a Llama / Mistral / Qwen2 / Qwen3 model with
+seeded random weights.
+
+The weights are drawn wider than transformers' default initialisation, and the
+norm weights and biases are random too, so that logits are far from uniform
+(greedy outputs do not hinge on rounding noise) and a loader that drops a norm
+weight or a bias produces different tokens instead of passing unnoticed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from asyncllm.errors import ConfigError
+
+__all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
+
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+"""The architectures `make_tiny_checkpoint` can build."""
+
+SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>")
+"""Special tokens of the tiny tokenizer; their ids are 0..5 in this order."""
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+"""Jinja chat template of the tiny tokenizer: ``<|bos|><|user|>Hi<|eos|><|assistant|>``."""
+
+_FORMAT_VERSION = 1
+"""Bump when the checkpoint layout or the recipe changes, so cached builds are rebuilt."""
+
+_CORPUS_FILES = (
+    "argparse.py", "collections/__init__.py", "dataclasses.py", "difflib.py", "enum.py", "functools.py",
+    "json/decoder.py", "json/encoder.py", "pathlib.py", "shlex.py", "string.py", "textwrap.py",
+)
+"""Standard-library sources the tokenizer is trained on (about 500 KB; missing ones are skipped)."""
+
+_CORPUS_EXTRA = "héllo wörld ✓ 日本語 🙂 ¿qué? naïve café — «ñ» Ω≈ç√ 中文 한국어 Привет мир"
+"""A little non-ASCII text so some multi-byte characters get merges of their own."""
+
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+"""Qwen2's pre-tokenizer split (GPT-4 style, one digit per token)."""
+
+_INIT_STD = 0.2
+"""Weight std: 10x transformers' 0.02, so logits spread out (median top-2 gap ~0.4) and attention is not uniform."""
+
+
+def make_tiny_checkpoint(
+    path: str | os.PathLike[str],
+    arch: str = "llama",
+    *,
+    seed: int = 0,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 2048,
+    tie_word_embeddings: bool = False,
+    **config_overrides: Any,
+) -> str:
+    """Write a tiny random model, its tokenizer and generation config to ``path``; return the path.
+
+    ``config_overrides`` are passed to the transformers config class as is
+    (e.g. ``rope_parameters``, ``sliding_window``, ``rms_norm_eps``).
+    """
+    if arch not in TINY_ARCHS:
+        raise ConfigError("arch", arch, f"one of {', '.join(TINY_ARCHS)}")
+    if vocab_size < len(SPECIAL_TOKENS) + 256 + 1:
+        raise ConfigError("vocab_size", vocab_size, f">= {len(SPECIAL_TOKENS) + 257} (256 bytes, specials, merges)")
+    if hidden_size % num_heads or num_heads % num_kv_heads:
+        raise ConfigError("num_heads", num_heads, "must divide hidden_size and be a multiple of num_kv_heads")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(vocab_size, max_position_embeddings)
+    tokenizer.save_pretrained(out)
+    _pin_no_unk_token(out / "tokenizer_config.json")
+    config = _build_config(
+        arch, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
+        dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
+             num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+             max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings),
+        config_overrides,
+    )
+    _build_model(config, seed).save_pretrained(out, safe_serialization=True)
+    return str(out)
+
+
+def tiny_cache_dir() -> Path:
+    """Folder that holds cached tiny checkpoints (``$XDG_CACHE_HOME`` or ``~/.cache``, then ``asyncllm/tiny``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(root) / "asyncllm" / "tiny"
+
+
+def tiny_checkpoint(arch: str = "llama", **kwargs: Any) -> str:
+    """Return the folder of a cached tiny checkpoint, building it once.
+
+    The folder name hashes the arguments and the versions that shape the
+    result, so a change of recipe never reuses a stale build. The build goes
+    to a temporary sibling folder that is renamed into place, so processes
+    racing to build the same checkpoint all end up with one complete folder.
+    """
+    final = tiny_cache_dir() / f"{arch}-{_build_key(arch, kwargs)}"
+    if (final / "config.json").is_file():
+        return str(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent)
+    try:
+        make_tiny_checkpoint(staging, arch, **kwargs)
+        try:
+            os.rename(staging, final)
+        except OSError:
+            if not (final / "config.json").is_file():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return str(final)
+
+
+def _build_key(arch: str, kwargs: dict[str, Any]) -> str:
+    import tokenizers
+    import torch
+    import transformers
+
+    from asyncllm import __version__
+
+    recipe = {
+        "arch": arch, "kwargs": kwargs, "format": _FORMAT_VERSION, "asyncllm": __version__,
+        "python": sys.version_info[:2], "torch": torch.__version__,
+        "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+    }
+    blob = json.dumps(recipe, sort_keys=True, default=repr).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _corpus() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / name).read_text(encoding="utf-8") for name in _CORPUS_FILES if (stdlib / name).is_file()]
+    return [*texts, _CORPUS_EXTRA]
+
+
+def _build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
+    """Train the byte-level BPE and wrap it as a transformers fast tokenizer."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    # Qwen2's exact pipeline: transformers rebuilds it for model_type "qwen2" whatever the file
+    # says, so using it for every arch keeps all four tiny tokenizers identical.
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    backend.train_from_iterator(_corpus(), trainer)
+    bos = SPECIAL_TOKENS[0]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, backend.token_to_id(bos))],
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=SPECIAL_TOKENS[1], pad_token=SPECIAL_TOKENS[2],
+        clean_up_tokenization_spaces=False, model_max_length=model_max_length,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _pin_no_unk_token(tokenizer_config: Path) -> None:
+    """Write ``"unk_token": null`` so that transformers' Qwen2Tokenizer (which it picks for
+    model_type "qwen2") does not add its default ``<|endoftext|>`` and grow the vocabulary."""
+    fields = json.loads(tokenizer_config.read_text(encoding="utf-8"))
+    fields["unk_token"] = None
+    tokenizer_config.write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _build_config(
+    arch: str, vocab_size: int, bos: int, eos: int, pad: int, shape: dict[str, Any], overrides: dict[str, Any],
+) -> Any:
+    import transformers
+
+    config_cls = {
+        "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+    }[arch]
+    fields: dict[str, Any] = dict(
+        shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
+        initializer_range=_INIT_STD, dtype="float32",
+    )
+    if arch != "qwen2":  # these default head_dim to 128 instead of hidden_size // num_heads
+        fields["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    if arch == "mistral":
+        fields["sliding_window"] = None  # full attention unless asked for
+    fields.update(overrides)
+    return config_cls(**fields)
+
+
+def _build_model(config: Any, seed: int) -> Any:
+    """Seeded random weights; 1-D parameters (norm weights, biases) randomised as well."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.ndim == 1:
+                param.normal_(mean=1.0 if "norm" in name else 0.0, std=_INIT_STD)
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
+    )
+    return model

@@ -1,0 +1,116 @@
+"""Tokenizer loading, prompt encoding, chat templates and EOS ids.
+
+Thin wrappers over transformers that do what a user of ``generate`` expects
+(``tokenizer(prompt).input_ids``, ``apply_chat_template``) and map the third
+party's failures to asyncllm's typed errors at this edge: a tokenizer that does
+not load is a `ConfigError`, bad messages or a prompt that encodes to nothing
+are an `InvalidRequestError` naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.errors import ConfigError, InvalidRequestError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = ["load_tokenizer", "encode_prompt", "apply_chat_template", "eos_token_ids"]
+
+
+def load_tokenizer(name_or_path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
+    """Load the tokenizer with `AutoTokenizer` (never running remote code)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path, revision=revision)
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ImportError...
+        raise ConfigError("tokenizer", name_or_path, f"a loadable Hugging Face tokenizer ({exc})") from exc
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` as ``tokenizer(prompt).input_ids`` gives them (with BOS if the tokenizer adds it)."""
+    if not isinstance(prompt, str):
+        raise InvalidRequestError("prompt", f"must be a str, got {type(prompt).__name__}")
+    token_ids = list(tokenizer(prompt).input_ids)
+    if not token_ids:
+        raise InvalidRequestError("prompt", "encodes to no tokens; give at least one character")
+    return token_ids
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+) -> list[int]:
+    """Render ``messages`` with the tokenizer's chat template and tokenize them.
+
+    The template writes the special tokens itself (BOS included), so the
+    rendered text is tokenized without adding any, as transformers does.
+    """
+    _check_messages(messages)
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "messages", f"the tokenizer of {tokenizer.name_or_path or 'this model'} has no chat template; "
+            "send a plain prompt instead",
+        )
+    from jinja2 import TemplateError
+
+    try:
+        token_ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
+        )
+    except TemplateError as exc:  # raise_exception() in the template, or a template bug
+        raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
+    return [int(t) for t in token_ids]
+
+
+def _check_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages", "must be a non-empty list of {'role': str, 'content': str} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequestError("messages", f"item {i} must be a dict, got {type(message).__name__}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise InvalidRequestError("messages", f"item {i} needs a str {key!r}, got {message.get(key)!r}")
+
+
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str) -> list[int]:
+    """The tokenizer's EOS id, then generation_config.json's ``eos_token_id`` (int or list), deduplicated.
+
+    Chat models often end a turn with a token other than the tokenizer's EOS
+    (Llama 3's ``<|eot_id|>``) and list it only in generation_config.json, as
+    HF ``generate`` reads it; a missing file just means no extra ids.
+    """
+    candidates: list[object] = [tokenizer.eos_token_id, *_listify(_generation_config_eos(model_path))]
+    merged: list[int] = []
+    for token_id in candidates:
+        if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in merged:
+            merged.append(token_id)
+    return merged
+
+
+def _listify(value: object) -> Iterable[object]:
+    return value if isinstance(value, list) else [value]
+
+
+def _generation_config_eos(model_path: str) -> object:
+    """``eos_token_id`` of the model's generation config, or None when there is none."""
+    if os.path.isdir(model_path):
+        path = os.path.join(model_path, "generation_config.json")
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError) as exc:
+            raise ConfigError("model", model_path, f"a readable generation_config.json ({exc})") from exc
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_path).eos_token_id
+    except (OSError, ValueError):  # not on the Hub / offline: the tokenizer's EOS is all there is
+        return None

@@ -1,0 +1,171 @@
+"""Torch reference implementations of the ops the models run.
+
+The models call these on every device where no faster kernel exists, and each
+Triton kernel in this package is tested against the function of the same name
+here. They follow Hugging Face transformers' order of operations (RMSNorm in
+float32 then cast, rotary cos/sin computed in float32 and cast to the
+activation dtype) so that float32 outputs match transformers' to rounding.
+No policy lives here: shapes in, tensors out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from asyncllm.attention.metadata import AttentionMetadata
+
+__all__ = [
+    "rms_norm",
+    "fused_add_rms_norm",
+    "silu_and_mul",
+    "rotate_half",
+    "build_cos_sin_cache",
+    "apply_rotary",
+    "write_kv_cache",
+    "gather_kv",
+    "paged_attention",
+]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim: statistics in float32, the scale in x's dtype (as HF does)."""
+    x32 = x.to(torch.float32)
+    variance = x32.pow(2).mean(-1, keepdim=True)
+    normed = x32 * torch.rsqrt(variance + eps)
+    return weight * normed.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``new_residual = x + residual`` (in x's dtype), then ``rms_norm(new_residual)``.
+
+    Returns ``(normed, new_residual)``; the same rounding as HF's separate add and norm.
+    """
+    new_residual = x + residual
+    return rms_norm(new_residual, weight, eps), new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` where x is ``[..., 2 * d]`` = gate then up."""
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[x1, x2] -> [-x2, x1]`` over the last dim (GPT-NeoX rotary layout)."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def build_cos_sin_cache(inv_freq: torch.Tensor, attention_scaling: float, max_position: int) -> torch.Tensor:
+    """``[max_position, rotary_dim]`` float32: cos for the first half, sin for the second.
+
+    Computed like HF's rotary embedding (``position.float() * inv_freq`` then cos/sin
+    times the scaling), so the values are bit-identical to transformers'.
+    """
+    positions = torch.arange(max_position, dtype=torch.float32, device=inv_freq.device)
+    freqs = positions[:, None] * inv_freq.to(torch.float32)[None, :]
+    return torch.cat((freqs.cos() * attention_scaling, freqs.sin() * attention_scaling), dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q ``[T, Hq, D]`` and k ``[T, Hkv, D]`` by their token's position (NeoX style).
+
+    The rotary dim is ``cos_sin_cache.shape[-1]``; dims past it pass through
+    unchanged (partial rotary). cos/sin are cast to q's dtype before the products,
+    as HF does. Returns new tensors.
+    """
+    rotary_dim = cos_sin_cache.shape[-1]
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)
+    cos = torch.cat((cos, cos), dim=-1).to(q.dtype).unsqueeze(1)
+    sin = torch.cat((sin, sin), dim=-1).to(q.dtype).unsqueeze(1)
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        if rotary_dim == x.shape[-1]:
+            return x * cos + rotate_half(x) * sin
+        x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+    return rotate(q), rotate(k)
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v ``[T, Hkv, D]`` into ``kv_cache [2, num_blocks, block_size, Hkv, D]`` at their slots.
+
+    A negative slot marks a padding token, which is not written.
+    """
+    num_kv_heads, head_dim = kv_cache.shape[-2:]
+    slots = slot_mapping.to(torch.long)
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, k, v = slots[valid], k[valid], v[valid]
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(kv_cache.dtype))
+
+
+def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` cached K and V ``[seq_len, Hkv, D]`` of one request, in order."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
+    num_blocks = -(-seq_len // block_size)
+    blocks = block_table[:num_blocks].to(torch.long)
+    key = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    value = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    return key, value
+
+
+def _context_mask(
+    q_len: int, seq_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """Boolean ``[q_len, seq_len]`` (True = attend), or None when every key is visible.
+
+    Query j sits at position ``seq_len - q_len + j``; it sees keys at or before it,
+    and with a sliding window only the last ``sliding_window`` of them (HF's rule).
+    """
+    window_covers_all = sliding_window is None or sliding_window >= seq_len
+    if q_len == 1 and window_covers_all:
+        return None
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
+    k_pos = torch.arange(seq_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if not window_covers_all:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of each request's queries over its whole cached context.
+
+    ``query`` is ``[T, Hq, D]`` for the flattened step; the step's K/V must already be
+    in ``kv_cache``. Returns ``[T, Hq, D]``; rows past ``query_start_loc[-1]``
+    (padding) are zero. One ``scaled_dot_product_attention`` call per request.
+    """
+    out = torch.zeros_like(query)
+    qsl = metadata.query_start_loc_cpu
+    for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        start, end = qsl[i], qsl[i + 1]
+        if end == start:
+            continue
+        key, value = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
+        mask = _context_mask(end - start, seq_len, sliding_window, query.device)
+        out[start:end] = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1),
+            key.transpose(0, 1).to(query.dtype),
+            value.transpose(0, 1).to(query.dtype),
+            attn_mask=mask,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(0, 1)
+    return out

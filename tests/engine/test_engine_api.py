@@ -1,0 +1,175 @@
+"""The public API on a real engine (core + worker processes) with a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+from transformers import AutoTokenizer
+
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+from hf_reference import hf_greedy
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LONG = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama: str):
+    engine = AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=1024)
+    async with engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama: str):
+    return AutoTokenizer.from_pretrained(tiny_llama)
+
+
+async def _wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
+    """Wait until the core reports nothing running and no block in use."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s.num_requests_running == 0 and s.num_requests_waiting == 0 and s.num_used_blocks == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine not idle after {timeout}s: {engine.stats()}")
+
+
+async def _take(stream, n: int) -> list:
+    deltas = []
+    async for delta in stream:
+        deltas.append(delta)
+        if len(deltas) == n:
+            break
+    return deltas
+
+
+async def test_stream_text_equals_decode(engine: AsyncEngine, tokenizer) -> None:
+    prompt = "def main():\n    print('héllo wörld ✓ 日本語 🙂')\n"
+    deltas = [d async for d in engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=40))]
+    token_ids = [t for d in deltas for t in d.token_ids]
+    assert deltas[-1].finish_reason in ("stop", "length")
+    assert all(d.finish_reason is None for d in deltas[:-1])
+    assert "".join(d.text for d in deltas) == tokenizer.decode(token_ids, skip_special_tokens=True)
+    expected = hf_greedy(engine.config.model, tokenizer(prompt).input_ids, 40)
+    assert token_ids == expected[: len(token_ids)]
+
+
+async def test_generate_output_fields(engine: AsyncEngine, tokenizer) -> None:
+    out = await engine.generate("import os\n", SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+    assert out.prompt_token_ids == tokenizer("import os\n").input_ids
+    assert out.metrics.time_to_first_token is not None and out.metrics.e2e_latency >= out.metrics.time_to_first_token
+    assert out.text == tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+async def test_break_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
+    deltas = await _take(engine.stream("class A:\n", LONG), 3)
+    assert len(deltas) == 3 and engine.stats().num_used_blocks > 0
+    del deltas
+    await _wait_idle(engine)
+
+
+async def test_task_cancel_aborts(engine: AsyncEngine) -> None:
+    started = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in engine.stream("for i in range(10):\n", LONG):
+            started.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(started.wait(), 30)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _wait_idle(engine)
+
+
+async def test_timeout_and_aclose_abort(engine: AsyncEngine) -> None:
+    stream = engine.stream("while True:\n", LONG)
+    await stream.__anext__()
+    with pytest.raises(asyncio.TimeoutError):
+        async with asyncio.timeout(0.05):
+            async for _ in stream:
+                pass
+    await _wait_idle(engine)
+    other = engine.stream("if x:\n", LONG)
+    await other.__anext__()
+    await other.aclose()
+    await _wait_idle(engine)
+
+
+async def test_seeded_sampling_reproducible_in_any_batch(engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=20, ignore_eos=True)
+    alone = (await engine.generate("def f(x):", params)).token_ids
+    noise = [engine.generate(f"x = {i}", SamplingParams(temperature=1.0, max_tokens=20)) for i in range(6)]
+    busy = await asyncio.gather(engine.generate("def f(x):", params), *noise)
+    assert busy[0].token_ids == alone
+    other_seed = await engine.generate("def f(x):", SamplingParams(temperature=0.9, seed=99, max_tokens=20, ignore_eos=True))
+    assert other_seed.token_ids != alone
+
+
+async def test_stop_string_excluded_and_aborted(engine: AsyncEngine, tokenizer) -> None:
+    full = await engine.generate("import sys\n", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    out = await engine.generate("import sys\n", SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop]))
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == stop
+    assert out.text == full.text[: full.text.index(stop)]
+    await _wait_idle(engine)
+
+
+async def test_stop_token_ids(engine: AsyncEngine) -> None:
+    full = await engine.generate("x = [", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    target = full.token_ids[4]
+    out = await engine.generate("x = [", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=[target]))
+    first = full.token_ids.index(target)
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.outputs[0].stop_reason == target
+
+
+async def test_chat_applies_template(engine: AsyncEngine, tokenizer) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    expected_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(expected_prompt, "keys"):  # transformers 5 returns a BatchEncoding
+        expected_prompt = expected_prompt["input_ids"]
+    deltas = [d async for d in engine.chat(messages, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))]
+    token_ids = [t for d in deltas for t in d.token_ids]
+    assert token_ids == hf_greedy(engine.config.model, list(expected_prompt), 5)
+
+
+@pytest.mark.parametrize(
+    "prompt, params, field",
+    [
+        ("", None, "prompt"),
+        ([], None, "prompt"),
+        ([1, 2, 10**9], None, "prompt"),
+        (12, None, "prompt"),
+        ("hi", SamplingParams(temperature=-1.0), "temperature"),
+        ("hi", SamplingParams(max_tokens=0), "max_tokens"),
+        ("hi", SamplingParams(top_p=1.5), "top_p"),
+        ("hi", {"max_tokens": 3}, "params"),
+        ([5] * 2000, None, "prompt"),
+    ],
+)
+async def test_bad_requests_are_typed_and_engine_keeps_serving(engine: AsyncEngine, prompt, params, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.generate(prompt, params)
+    assert info.value.field == field
+    out = await engine.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))
+    assert len(out.token_ids) == 2
+
+
+async def test_lazy_start_on_first_request(tiny_llama: str) -> None:
+    engine = AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=256)
+    assert not engine.started
+    try:
+        out = await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+        assert engine.started and len(out.token_ids) == 3
+    finally:
+        await engine.aclose()

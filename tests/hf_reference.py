@@ -1,0 +1,26 @@
+"""transformers' outputs, the reference every engine test compares against."""
+
+from __future__ import annotations
+
+import functools
+
+@functools.lru_cache(maxsize=None)
+def _hf_model(path: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` for one prompt (no padding involved)."""
+    import torch
+
+    model = _hf_model(path)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        )
+    return out[0, len(prompt_ids):].tolist()

@@ -1,0 +1,117 @@
+"""EngineConfig: vLLM field names, validation that names the field, unbuilt features refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from asyncllm import AsyncEngine, ConfigError, EngineConfig, NotBuiltError
+
+DESIGN_FIELDS = """model tokenizer dtype device seed max_model_len load_format block_size gpu_memory_utilization
+num_gpu_blocks_override kv_cache_dtype enable_prefix_caching max_num_seqs max_num_batched_tokens
+enable_chunked_prefill long_prefill_token_threshold preemption_mode swap_space scheduling_policy
+max_num_queued_requests tensor_parallel_size pipeline_parallel_size data_parallel_size
+enable_expert_parallel quantization enforce_eager attention_backend disable_log_stats log_stats_interval
+prometheus_registry mm_processor_cache_gb mm_processor_cache_type mm_encoder_tp_mode speculative_config
+enable_lora max_loras max_lora_rank""".split()
+
+
+def test_every_design_field_exists_with_a_docstring() -> None:
+    cfg = EngineConfig.create("m")
+    flat = cfg.to_dict()
+    for name in DESIGN_FIELDS:
+        assert name in flat, name
+        getattr(cfg, name)
+    import inspect
+
+    from asyncllm import config as config_module
+
+    source = inspect.getsource(config_module)
+    for name in DESIGN_FIELDS:
+        assert f'    {name}:' in source and '"""' in source.split(f"    {name}:", 1)[1].splitlines()[1], name
+
+
+def test_sections_are_frozen() -> None:
+    cfg = EngineConfig.create("m")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.cache_config.block_size = 32  # type: ignore[misc]
+
+
+def test_kwargs_and_from_config_agree() -> None:
+    engine = AsyncEngine("some/model", block_size=32, max_num_seqs=8, dtype="float32")
+    cfg = EngineConfig.create("some/model", block_size=32, max_num_seqs=8, dtype="float32")
+    assert engine.config == cfg
+    assert AsyncEngine.from_config(cfg).config == cfg
+    assert EngineConfig.from_dict(cfg.to_dict(wire=True)) == cfg
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("block_size", 3),
+        ("dtype", "int8"),
+        ("device", "tpu"),
+        ("gpu_memory_utilization", 1.5),
+        ("gpu_memory_utilization", 0),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", -1),
+        ("tensor_parallel_size", 0),
+        ("enable_prefix_caching", "yes"),
+        ("load_format", "pt"),
+        ("log_stats_interval", 0),
+        ("mm_processor_cache_type", "redis"),
+        ("seed", -1),
+        ("max_model_len", 0),
+    ],
+)
+def test_bad_values_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create("m", **{field: value})
+    assert info.value.field == field and not isinstance(info.value, NotBuiltError)
+    assert field in str(info.value) and repr(value) in str(info.value)
+
+
+def test_unknown_field_is_refused() -> None:
+    with pytest.raises(ConfigError) as info:
+        AsyncEngine("m", max_num_seq=3)
+    assert info.value.field == "max_num_seq"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("quantization", "awq"),
+        ("kv_cache_dtype", "fp8"),
+        ("preemption_mode", "swap"),
+        ("scheduling_policy", "priority"),
+        ("max_num_queued_requests", 10),
+        ("pipeline_parallel_size", 2),
+        ("data_parallel_size", 2),
+        ("enable_expert_parallel", True),
+        ("attention_backend", "triton"),
+        ("attention_backend", "flashinfer"),
+        ("speculative_config", {"method": "ngram"}),
+        ("enable_lora", True),
+        ("prometheus_registry", object()),
+    ],
+)
+def test_unbuilt_features_raise_not_built(field: str, value: object) -> None:
+    with pytest.raises(NotBuiltError) as info:
+        EngineConfig.create("m", **{field: value})
+    assert info.value.field == field and "not built yet" in str(info.value)
+
+
+def test_default_batched_tokens() -> None:
+    assert EngineConfig.create("m").resolved_max_num_batched_tokens == 8192
+    no_chunk = EngineConfig.create("m", enable_chunked_prefill=False, max_model_len=20000)
+    assert no_chunk.resolved_max_num_batched_tokens == 20000
+    assert EngineConfig.create("m", max_num_batched_tokens=64).resolved_max_num_batched_tokens == 64
+
+
+def test_every_field_is_documented() -> None:
+    import pathlib
+
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for name in EngineConfig.create("m").to_dict():
+        assert f"| `{name}` |" in page, f"{name} missing from docs/configuration.md"

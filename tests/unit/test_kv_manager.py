@@ -1,0 +1,148 @@
+"""KVCacheManager: block tables, prefix hits, eviction, counters (exact block ids)."""
+
+from __future__ import annotations
+
+from asyncllm.kv.manager import KVCacheManager
+from asyncllm.sampling import SamplingParams
+from asyncllm.sched.request import Request
+
+
+def _request(req_id: str, tokens: list[int], cache_salt: str | None = None) -> Request:
+    return Request(req_id, tokens, SamplingParams(), [0], 0.0, cache_salt=cache_salt)
+
+
+def _admit_and_compute(kv: KVCacheManager, req: Request) -> list[int]:
+    """Admit `req` with its prefix hits, compute all its tokens and cache them; its block ids."""
+    hits, num_hit = kv.get_computed_blocks(req)
+    ids = kv.allocate_slots(req, req.num_tokens - num_hit, hits)
+    assert ids is not None
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_full_blocks(req)
+    return ids
+
+
+def _ref_cnts(kv: KVCacheManager) -> list[int]:
+    return [b.ref_cnt for b in kv.pool.blocks]
+
+
+def test_second_identical_prompt_hits_all_full_blocks_but_the_last_token():
+    kv = KVCacheManager(num_gpu_blocks=64, block_size=16, enable_prefix_caching=True)
+    prompt = list(range(1000, 1600))  # 600 tokens: 37 full blocks + 8 tokens
+    first = _request("a", prompt)
+    assert _admit_and_compute(kv, first) == list(range(38))
+    second = _request("b", prompt)
+    hits, num_hit = kv.get_computed_blocks(second)
+    assert num_hit == 592
+    assert [b.block_id for b in hits] == list(range(37))
+    assert kv.allocate_slots(second, 600 - 592, hits) == list(range(37)) + [38]
+    assert _ref_cnts(kv)[:39] == [2] * 37 + [1, 1]
+    assert kv.num_used_blocks == 39
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (1200, 592)
+
+
+def test_a_prompt_of_whole_blocks_recomputes_its_last_block():
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=16, enable_prefix_caching=True)
+    prompt = list(range(32))
+    _admit_and_compute(kv, _request("a", prompt))
+    hits, num_hit = kv.get_computed_blocks(_request("b", prompt))
+    assert ([b.block_id for b in hits], num_hit) == ([0], 16)
+
+
+def test_free_releases_the_tail_first_and_eviction_follows_it():
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = _request("a", list(range(10)))
+    assert _admit_and_compute(kv, a) == [0, 1, 2]
+    kv.free(a)
+    assert kv.req_to_blocks == {}
+    assert _ref_cnts(kv) == [0] * 8
+    # block 2 (partial, uncached) goes to the front; the cached tail block 1 before the head block 0
+    assert kv.pool.free_block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
+    b = _request("b", list(range(100, 128)))  # 7 blocks: evicts the cached block 1
+    assert kv.allocate_slots(b, 28) == [2, 3, 4, 5, 6, 7, 1]
+    hits, num_hit = kv.get_computed_blocks(_request("c", list(range(10))))
+    assert ([x.block_id for x in hits], num_hit) == ([0], 4)
+
+
+def test_hits_on_free_blocks_count_against_free_space():
+    kv = KVCacheManager(num_gpu_blocks=4, block_size=4, enable_prefix_caching=True)
+    a = _request("a", list(range(12)))
+    assert _admit_and_compute(kv, a) == [0, 1, 2]
+    kv.free(a)
+    assert kv.pool.free_block_ids() == [3, 2, 1, 0]
+    b = _request("b", list(range(16)))
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert ([x.block_id for x in hits], num_hit) == ([0, 1, 2], 12)
+    assert kv.allocate_slots(b, 4, hits) == [0, 1, 2, 3]
+    assert _ref_cnts(kv) == [1, 1, 1, 1]
+    c = _request("c", list(range(8)))
+    hits, num_hit = kv.get_computed_blocks(c)
+    assert ([x.block_id for x in hits], num_hit) == ([0], 4)
+    assert kv.allocate_slots(c, 4, hits) is None  # block 0 is shared, but no block is free for the rest
+    assert _ref_cnts(kv) == [1, 1, 1, 1]
+    assert "c" not in kv.req_to_blocks
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (12 + 16, 12)
+
+
+def test_allocate_slots_grows_the_table_one_block_at_a_time_while_decoding():
+    kv = KVCacheManager(num_gpu_blocks=3, block_size=4, enable_prefix_caching=True)
+    req = _request("a", [1, 2, 3])
+    assert kv.allocate_slots(req, 3) == [0]
+    req.num_computed_tokens = 3
+    req.append_output_token(4)
+    assert kv.allocate_slots(req, 1) == []
+    req.num_computed_tokens = 4
+    req.append_output_token(5)
+    assert kv.allocate_slots(req, 1) == [1]
+    assert kv.get_block_ids("a") == [0, 1]
+    kv.cache_full_blocks(req)
+    assert kv.pool.blocks[0].token_ids == (1, 2, 3, 4)
+    assert kv.pool.blocks[1].block_hash is None
+
+
+def test_allocate_slots_returns_none_and_changes_nothing_when_short():
+    kv = KVCacheManager(num_gpu_blocks=4, block_size=4, enable_prefix_caching=True)
+    assert kv.allocate_slots(_request("a", list(range(20))), 20) is None
+    assert kv.num_free_blocks == 4 and kv.req_to_blocks == {}
+    assert kv.prefix_cache_queries == 0
+
+
+def test_a_hash_collision_is_caught_by_the_token_recheck():
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=4, enable_prefix_caching=True)
+    a = _request("a", [1, 2, 3, 4, 5])
+    _admit_and_compute(kv, a)
+    impostor = _request("b", [9, 9, 9, 9, 5])
+    impostor.block_hashes = list(a.block_hashes)  # as if sha256 collided
+    assert kv.get_computed_blocks(impostor) == ([], 0)
+
+
+def test_cache_salt_separates_identical_prompts():
+    kv = KVCacheManager(num_gpu_blocks=16, block_size=4, enable_prefix_caching=True)
+    prompt = list(range(9))
+    _admit_and_compute(kv, _request("a", prompt, cache_salt="tenant-1"))
+    assert kv.get_computed_blocks(_request("b", prompt, cache_salt="tenant-2")) == ([], 0)
+    assert kv.get_computed_blocks(_request("c", prompt))[1] == 0
+    assert kv.get_computed_blocks(_request("d", prompt, cache_salt="tenant-1"))[1] == 8
+
+
+def test_a_resumed_request_can_hit_its_own_prompt_and_outputs():
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=4, enable_prefix_caching=True)
+    req = _request("a", [1, 2, 3, 4, 5, 6])
+    _admit_and_compute(kv, req)
+    for token in (7, 8, 9):
+        req.append_output_token(token)
+        assert kv.allocate_slots(req, 1) is not None
+        req.num_computed_tokens += 1
+        kv.cache_full_blocks(req)
+    kv.free(req)
+    req.num_computed_tokens = 0
+    hits, num_hit = kv.get_computed_blocks(req)  # 9 known tokens: the 2 full blocks hit
+    assert ([b.block_id for b in hits], num_hit) == ([0, 1], 8)
+
+
+def test_without_prefix_caching_nothing_is_cached_or_counted():
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=4, enable_prefix_caching=False)
+    prompt = list(range(9))
+    assert _admit_and_compute(kv, _request("a", prompt)) == [0, 1, 2]
+    assert kv.pool.num_cached_blocks == 0
+    assert kv.get_computed_blocks(_request("b", prompt)) == ([], 0)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)

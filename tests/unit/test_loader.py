@@ -1,0 +1,209 @@
+"""Finding, reading and loading checkpoints: sharded, dummy, broken, hub cache, dtypes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from model_utils import PagedRun, hf_logits, save_tiny_checkpoint, tiny_hf_config
+from safetensors.torch import load_file, save_file
+
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.loader import (
+    checkpoint_files,
+    load_hf_config,
+    load_model,
+    resolve_dtype,
+    resolve_model_path,
+)
+from asyncllm.models.registry import KVCacheSpec, get_model_class, kv_cache_spec
+from asyncllm.models.rotary import compute_inv_freq
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("llama")
+    save_tiny_checkpoint(path, "llama")
+    return path
+
+
+def _load(path: Path | str, **fields) -> torch.nn.Module:
+    config = EngineConfig.create(str(path), **fields)
+    return load_model(config, load_hf_config(str(path)), CPU, torch.float32)
+
+
+def _logits(model, hf_config, tokens: list[int]) -> torch.Tensor:
+    spec = kv_cache_spec(hf_config, 1)
+    run = PagedRun(model, [tokens])
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, next(model.parameters()).dtype)
+    return run.run([[len(tokens)]])[0]
+
+
+def test_sharded_checkpoint_with_index(tmp_path):
+    hf_model = save_tiny_checkpoint(tmp_path, "qwen3", max_shard_size="40KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shard_files = sorted(set(index["weight_map"].values()))
+    assert len(shard_files) > 3
+    assert [os.path.basename(f) for f in checkpoint_files(str(tmp_path))] == shard_files
+    model = _load(tmp_path)
+    tokens = [5, 17, 3, 99, 42, 8, 0, 64]
+    expected = hf_logits(hf_model, tokens)
+    torch.testing.assert_close(_logits(model, load_hf_config(str(tmp_path)), tokens), expected, atol=1e-4, rtol=0)
+
+
+def test_dummy_weights_real_shapes_deterministic(tmp_path, llama_dir):
+    tiny_hf_config("llama", architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)  # config only
+    real = dict(_load(llama_dir).named_parameters())
+    first = dict(_load(tmp_path, load_format="dummy", seed=3).named_parameters())
+    again = dict(_load(tmp_path, load_format="dummy", seed=3).named_parameters())
+    other = dict(_load(tmp_path, load_format="dummy", seed=4).named_parameters())
+    assert {n: p.shape for n, p in first.items()} == {n: p.shape for n, p in real.items()}
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert not torch.equal(first["model.embed_tokens.weight"], other["model.embed_tokens.weight"])
+    assert torch.equal(first["model.norm.weight"], torch.ones(64))
+    assert abs(first["model.layers.1.mlp.down_proj.weight"].std().item() - 0.02) < 0.002
+
+
+def test_dummy_weights_finite_in_bfloat16(tmp_path):
+    tiny_hf_config("qwen3", architectures=["Qwen3ForCausalLM"]).save_pretrained(tmp_path)
+    hf_config = load_hf_config(str(tmp_path))
+    model = load_model(EngineConfig.create(str(tmp_path), load_format="dummy"), hf_config, CPU, torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    logits = _logits(model, hf_config, list(range(12)))
+    assert logits.dtype == torch.float32 and logits.shape == (12, 101)
+    assert bool(torch.isfinite(logits).all()) and logits.abs().max() > 0
+
+
+def _rewrite_checkpoint(path: Path, edit) -> None:
+    file = path / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def test_missing_weight_is_named(tmp_path):
+    save_tiny_checkpoint(tmp_path, "llama")
+    _rewrite_checkpoint(tmp_path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(ConfigError, match=r"missing: model\.layers\.1\.self_attn\.k_proj\.weight$"):
+        _load(tmp_path)
+
+
+def test_unexpected_weight_is_named(tmp_path):
+    save_tiny_checkpoint(tmp_path, "llama")
+    _rewrite_checkpoint(tmp_path, lambda t: t.update({"model.layers.0.self_attn.extra.weight": torch.zeros(2)}))
+    with pytest.raises(ConfigError, match=r"unexpected weights: model\.layers\.0\.self_attn\.extra\.weight"):
+        _load(tmp_path)
+
+
+def test_mismatched_shape_is_a_config_error(tmp_path):
+    save_tiny_checkpoint(tmp_path, "llama")
+    _rewrite_checkpoint(tmp_path, lambda t: t.update({"model.norm.weight": torch.ones(32)}))
+    with pytest.raises(ConfigError, match=r"model\.norm\.weight.*shape \(32,\), the model expects \(64,\)"):
+        _load(tmp_path)
+
+
+def test_ignored_names_and_tied_lm_head(tmp_path):
+    """A rotary inv_freq buffer and a tied checkpoint's lm_head copy are skipped, not errors."""
+    hf_model = save_tiny_checkpoint(tmp_path, "qwen2")  # tied
+    embed = hf_model.model.embed_tokens.weight.detach().clone()
+    _rewrite_checkpoint(
+        tmp_path,
+        lambda t: t.update({"lm_head.weight": embed, "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}),
+    )
+    model = _load(tmp_path)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, embed)
+
+
+def test_no_safetensors_is_a_config_error(tmp_path):
+    tiny_hf_config("llama", architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"has none \(\.bin/\.pt checkpoints are not supported"):
+        _load(tmp_path)
+
+
+def test_unknown_architecture_is_not_built(tmp_path):
+    config = tiny_hf_config("llama", architectures=["GPT2LMHeadModel"])
+    with pytest.raises(NotBuiltError, match=r"GPT2LMHeadModel architecture \(supported: LlamaForCausalLM, Mistral"):
+        get_model_class(config)
+
+
+def test_length_dependent_rope_is_not_built():
+    config = tiny_hf_config("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(NotBuiltError, match="rope_type='dynamic'"):
+        compute_inv_freq(config, 16)
+
+
+def test_load_hf_config_errors_are_config_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config.json"):
+        load_hf_config(str(tmp_path))
+
+
+def test_hub_id_absent_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        resolve_model_path("some-org/not-downloaded")
+    message = str(info.value)
+    assert "not a folder, not in the cache" in message and str(tmp_path) in message
+    assert "HF_HUB_OFFLINE=0" in message and "huggingface-cli download some-org/not-downloaded" in message
+
+
+def test_not_a_folder_nor_a_hub_id(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ConfigError, match="is neither"):
+        resolve_model_path("/no/such/folder/anywhere")
+
+
+def test_hub_id_in_the_hf_cache_loads(tmp_path, monkeypatch, llama_dir):
+    cache = tmp_path / "hub"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / revision
+    shutil.copytree(llama_dir, snapshot)
+    (cache / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-llama" / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    path = resolve_model_path("tiny-org/tiny-llama")
+    assert Path(path).resolve() == snapshot.resolve()
+    model = load_model(EngineConfig.create("tiny-org/tiny-llama"), load_hf_config(path), CPU, torch.float32)
+    reference = dict(_load(llama_dir).named_parameters())
+    assert all(torch.equal(p, reference[n]) for n, p in model.named_parameters())
+
+
+def test_local_folder_is_itself(llama_dir):
+    assert resolve_model_path(str(llama_dir)) == str(llama_dir)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "ckpt_dtype", "device", "expected"),
+    [
+        ("auto", "bfloat16", "cpu", torch.float32),
+        ("auto", "float16", "cuda", torch.float16),
+        ("auto", "bfloat16", "cuda", torch.bfloat16),
+        ("auto", "float32", "cuda", torch.bfloat16),
+        ("auto", None, "cuda", torch.bfloat16),
+        ("float16", "bfloat16", "cpu", torch.float16),
+        ("float32", "bfloat16", "cuda", torch.float32),
+    ],
+)
+def test_resolve_dtype(dtype, ckpt_dtype, device, expected):
+    config = tiny_hf_config("llama")
+    config.dtype = ckpt_dtype
+    assert resolve_dtype(dtype, config, torch.device(device)) is expected
+
+
+def test_kv_cache_spec_and_tp_checks():
+    qwen3 = tiny_hf_config("qwen3")  # 4 heads, 2 KV heads, head_dim 32
+    assert kv_cache_spec(qwen3, 1) == KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=32)
+    assert kv_cache_spec(qwen3, 2) == KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=32)
+    assert kv_cache_spec(qwen3, 4) == KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=32)  # replicated
+    assert kv_cache_spec(qwen3, 1).bytes_per_block(16, torch.bfloat16) == 2 * 2 * 16 * 2 * 32 * 2
+    with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 .*num_attention_heads=4"):
+        kv_cache_spec(qwen3, 3)

@@ -1,0 +1,409 @@
+"""Scheduler: budgets, chunking, preemption, stop conditions, aborts (exact values)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import pytest
+
+from asyncllm import protocol
+from asyncllm.config import EngineConfig
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import SamplingParams
+from asyncllm.sched.queue import FCFSRequestQueue, PriorityRequestQueue
+from asyncllm.sched.request import Request, RequestStatus
+from asyncllm.sched.scheduler import PreemptionLogger, Scheduler
+
+EOS = 2
+
+
+def make_scheduler(num_gpu_blocks: int = 64, max_model_len: int = 256, **fields) -> Scheduler:
+    fields.setdefault("block_size", 4)
+    return Scheduler(EngineConfig.create("dummy-model", **fields), num_gpu_blocks, max_model_len)
+
+
+def make_request(req_id: str, prompt: list[int] | int, client_id: bytes = b"host", **params) -> Request:
+    start = 1000 * (ord(req_id[0]) - ord("a") + 1)  # distinct prompts per first letter: no accidental prefix hits
+    tokens = list(range(start, start + prompt)) if isinstance(prompt, int) else prompt
+    params.setdefault("max_tokens", 16)
+    return Request(req_id, tokens, SamplingParams(**params), [EOS], 0.0, client_id=client_id)
+
+
+def run_step(
+    sched: Scheduler, next_token: Callable[[Request], int] = lambda req: 7
+) -> tuple[protocol.SchedulerOutput, list[protocol.RequestOutputDelta]]:
+    """One schedule + fake model run + update: a token for each request whose tokens reach the end."""
+    out = sched.schedule()
+    req_ids, sampled = [], []
+    for req_id, num in out.num_scheduled_tokens.items():
+        req = sched.requests[req_id]
+        req_ids.append(req_id)
+        sampled.append([next_token(req)] if req.num_computed_tokens + num == req.num_tokens else [])
+    deltas = sched.update_from_output(out, protocol.ModelRunnerOutput(out.step_id, req_ids, sampled))
+    return out, [delta for _, delta in deltas]
+
+
+def scripted(tokens: list[int]) -> Callable[[Request], int]:
+    """Sample `tokens` in order (by output position)."""
+    return lambda req: tokens[req.num_output_tokens]
+
+
+# ------------------------------------------------------------------ budgets and chunking
+def test_a_long_prompt_is_chunked_under_a_small_budget():
+    sched = make_scheduler(max_num_batched_tokens=32)
+    sched.add_request(make_request("a", 70))
+    steps = [run_step(sched) for _ in range(4)]
+    assert [out.num_scheduled_tokens for out, _ in steps] == [{"a": 32}, {"a": 32}, {"a": 6}, {"a": 1}]
+    assert [out.step_id for out, _ in steps] == [0, 1, 2, 3]
+    first = steps[0][0]
+    assert [(n.req_id, n.num_computed_tokens, n.block_ids) for n in first.new_reqs] == [("a", 0, list(range(8)))]
+    assert [(c.num_computed_tokens, c.new_block_ids) for c in steps[1][0].cached_reqs] == [(32, list(range(8, 16)))]
+    assert [(c.num_computed_tokens, c.new_block_ids) for c in steps[2][0].cached_reqs] == [(64, [16, 17])]
+    assert [d for _, d in steps[:2]] == [[], []]  # a prefill chunk samples nothing
+    assert [d.new_token_ids for d in steps[2][1]] == [[7]]
+    assert [d.new_token_ids for d in steps[3][1]] == [[7]]
+
+
+def test_running_requests_go_before_waiting_ones():
+    sched = make_scheduler(max_num_batched_tokens=16)
+    sched.add_request(make_request("a", 10))
+    run_step(sched)
+    sched.add_request(make_request("b", 40))
+    out, _ = run_step(sched)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
+    assert out.total_num_scheduled_tokens == 16
+    assert [c.req_id for c in out.cached_reqs] == ["a"] and [n.req_id for n in out.new_reqs] == ["b"]
+    out, _ = run_step(sched)
+    assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
+
+
+def test_long_prefill_token_threshold_caps_each_chunk():
+    sched = make_scheduler(max_num_batched_tokens=64, long_prefill_token_threshold=8)
+    sched.add_request(make_request("a", 20))
+    sched.add_request(make_request("b", 3))
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"a": 8, "b": 3}
+    assert [run_step(sched)[0].num_scheduled_tokens for _ in range(2)] == [{"a": 8, "b": 1}, {"a": 4, "b": 1}]
+
+
+def test_max_num_seqs_limits_running_requests():
+    sched = make_scheduler(max_num_seqs=2)
+    for req_id in "abc":
+        sched.add_request(make_request(req_id, 5, max_tokens=2))
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"a": 5, "b": 5}
+    assert [r.request_id for r in sched.waiting] == ["c"]
+    out, deltas = run_step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert [d.finish_reason for d in deltas] == ["length", "length"]
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"c": 5}
+    assert out.finished_req_ids == ["a", "b"]
+
+
+def test_without_chunked_prefill_a_prompt_that_does_not_fit_waits():
+    sched = make_scheduler(max_num_batched_tokens=16, enable_chunked_prefill=False)
+    sched.add_request(make_request("a", 10))
+    sched.add_request(make_request("b", 10))
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"a": 10}
+    out, _ = run_step(sched)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 10}
+
+
+def test_prefix_hits_are_reported_on_the_first_delta_and_in_stats():
+    sched = make_scheduler()
+    prompt = list(range(50, 60))
+    sched.add_request(make_request("a", prompt, max_tokens=1))
+    run_step(sched)
+    sched.add_request(make_request("b", prompt, max_tokens=2))
+    out, deltas = run_step(sched)
+    assert [(n.req_id, n.num_computed_tokens) for n in out.new_reqs] == [("b", 8)]
+    assert out.num_scheduled_tokens == {"b": 2}
+    assert [(d.request_id, d.num_cached_tokens) for d in deltas] == [("b", 8)]
+    _, deltas = run_step(sched)
+    assert [(d.num_cached_tokens, d.finish_reason) for d in deltas] == [(0, "length")]
+    stats = sched.get_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (20, 8)
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total, stats.num_steps_total) == (12, 3, 3)
+    assert (stats.num_requests_running, stats.num_requests_waiting, stats.num_used_blocks) == (0, 0, 0)
+
+
+# ------------------------------------------------------------------ preemption
+def _preemption_scenario(caplog) -> tuple[Scheduler, list]:
+    """4 blocks of 4 tokens; a and b (6-token prompts) fill them; a's 9th token needs b's blocks."""
+    sched = make_scheduler(num_gpu_blocks=4, max_model_len=16, enable_prefix_caching=False)
+    sched.add_request(make_request("a", 6, max_tokens=10))
+    sched.add_request(make_request("b", 6, max_tokens=4))
+    with caplog.at_level(logging.WARNING, logger="asyncllm.sched"):
+        steps = [run_step(sched) for _ in range(4)]
+    return sched, steps
+
+
+def test_preemption_evicts_the_latest_admitted_request(caplog):
+    sched, steps = _preemption_scenario(caplog)
+    out, _ = steps[3]
+    assert out.preempted_req_ids == ["b"]
+    assert out.num_scheduled_tokens == {"a": 1}
+    assert [c.new_block_ids for c in out.cached_reqs] == [[2]]
+    b = sched.requests["b"]
+    assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
+    assert b.output_token_ids == [7, 7, 7]
+    assert [r.request_id for r in sched.waiting] == ["b"]
+    assert sched.get_stats().num_preemptions_total == 1
+    assert sched.kv_cache_manager.get_block_ids("a") == [0, 1, 2]
+    [record] = caplog.records
+    assert record.name == "asyncllm.sched"
+    message = record.getMessage()
+    for part in ("Request b", "mode=recompute", "1 preemptions so far", "gpu_memory_utilization",
+                 "tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens"):
+        assert part in message
+
+
+def test_a_preempted_request_resumes_as_a_new_request_with_its_outputs(caplog):
+    sched, _ = _preemption_scenario(caplog)
+    b = sched.requests["b"]
+    assert b.output_token_ids == [7, 7, 7]
+    steps = []
+    while not any(n.req_id == "b" for out, _ in steps for n in out.new_reqs):
+        steps.append(run_step(sched))
+    out, _ = steps[-1]
+    [new] = out.new_reqs
+    assert new.token_ids == list(range(2000, 2006)) + [7, 7, 7]
+    assert (new.num_prompt_tokens, new.num_computed_tokens) == (6, 0)
+    assert out.num_scheduled_tokens["b"] == 9
+    assert "b" not in sched.requests  # its 4th token, sampled after the recompute, was the last
+
+
+def test_resumed_requests_keep_generating_after_recompute():
+    sched = make_scheduler(num_gpu_blocks=4, enable_prefix_caching=False)
+    sched.add_request(make_request("a", 6, max_tokens=6))
+    sched.add_request(make_request("b", 6, max_tokens=6))
+    outputs: dict[str, list[int]] = {"a": [], "b": []}
+    preempted = []
+    for _ in range(40):
+        if not sched.has_unfinished_requests():
+            break
+        out, deltas = run_step(sched, next_token=lambda req: req.num_tokens)
+        preempted += out.preempted_req_ids
+        for d in deltas:
+            outputs[d.request_id] += d.new_token_ids
+    assert preempted == ["b"]
+    assert outputs == {"a": [6, 7, 8, 9, 10, 11], "b": [6, 7, 8, 9, 10, 11]}
+    assert sched.kv_cache_manager.num_used_blocks == 0
+
+
+def test_the_request_needing_a_block_can_be_the_victim_and_waits():
+    sched = make_scheduler(num_gpu_blocks=4, enable_prefix_caching=False)
+    sched.add_request(make_request("a", 6, max_tokens=16))
+    sched.add_request(make_request("b", 8, max_tokens=16))
+    run_step(sched)  # a and b hold 2 blocks each
+    out, _ = run_step(sched)  # a's 7th token fits its blocks; b's 9th needs a third block
+    assert out.preempted_req_ids == ["b"] and out.num_scheduled_tokens == {"a": 1}
+    assert sched.requests["b"].num_preemptions == 1
+    assert [r.request_id for r in sched.running] == ["a"]
+
+
+def test_two_preemptions_in_one_step_log_one_warning(caplog):
+    sched = make_scheduler(num_gpu_blocks=3, max_model_len=12, enable_prefix_caching=False)
+    for req_id in "abc":
+        sched.add_request(make_request(req_id, 4))
+    run_step(sched)  # one block each, all full
+    with caplog.at_level(logging.WARNING, logger="asyncllm.sched"):
+        out, _ = run_step(sched)  # a takes c's block; b finds none and preempts itself
+    assert out.preempted_req_ids == ["c", "b"] and out.num_scheduled_tokens == {"a": 1}
+    assert [r.request_id for r in sched.waiting] == ["b", "c"]
+    assert sched.num_preemptions_total == 2
+    assert [r.getMessage().split(" was")[0] for r in caplog.records] == ["Request c"]
+
+
+def test_priority_policy_preempts_the_lowest_priority_request_first():
+    sched = make_scheduler(num_gpu_blocks=3, max_model_len=12, enable_prefix_caching=False)
+    sched.policy, sched.waiting = "priority", PriorityRequestQueue()  # EngineConfig refuses 'priority' for now
+    for req_id, priority in (("a", 0), ("b", 5), ("c", 1)):
+        req = make_request(req_id, 4)
+        req.priority = priority
+        sched.add_request(req)
+    run_step(sched)
+    out, _ = run_step(sched)  # a needs a block: b (priority 5) goes; then c needs one and is the only candidate
+    assert out.preempted_req_ids == ["b", "c"] and out.num_scheduled_tokens == {"a": 1}
+    assert [r.request_id for r in sched.waiting] == ["c", "b"]
+
+
+def test_without_chunked_prefill_a_resumed_request_longer_than_a_step_is_chunked():
+    sched = make_scheduler(
+        num_gpu_blocks=5, max_model_len=20, max_num_batched_tokens=8,
+        enable_chunked_prefill=False, enable_prefix_caching=False,
+    )
+    sched.add_request(make_request("a", 4, max_tokens=7))
+    sched.add_request(make_request("b", 4, max_tokens=10))
+    steps = [run_step(sched)[0] for _ in range(8)]
+    assert [out.num_scheduled_tokens for out in steps[4:]] == [
+        {"a": 1, "b": 1}, {"a": 1}, {"a": 1, "b": 7}, {"b": 2}
+    ]
+    assert steps[5].preempted_req_ids == ["b"]
+    assert [(n.req_id, len(n.token_ids)) for n in steps[6].new_reqs] == [("b", 9)]
+
+
+def test_preemption_warnings_are_rate_limited(caplog):
+    now = [0.0]
+    log = PreemptionLogger(interval_s=5.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="asyncllm.sched"):
+        for t, total in ((0.0, 1), (1.0, 2), (4.9, 3), (6.0, 4)):
+            now[0] = t
+            log.record(f"r{total}", "recompute", total)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2
+    assert "Request r1" in messages[0] and "not logged" not in messages[0]
+    assert "Request r4" in messages[1] and "4 preemptions so far (2 more not logged)" in messages[1]
+
+
+# ------------------------------------------------------------------ stop conditions
+def _generate(sched: Scheduler, req: Request, tokens: list[int]) -> protocol.RequestOutputDelta:
+    sched.add_request(req)
+    deltas = []
+    while sched.has_unfinished_requests():
+        deltas += run_step(sched, scripted(tokens))[1]
+    return deltas[-1]
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "outputs", "finish", "stop_reason"),
+    [
+        ({}, [5, EOS, 5], [5, EOS], "stop", None),
+        ({"ignore_eos": True, "max_tokens": 3}, [5, EOS, 5, 5], [5, EOS, 5], "length", None),
+        ({"stop_token_ids": [9]}, [5, 9, 5], [5, 9], "stop", 9),
+        ({"min_tokens": 3}, [EOS, 9, EOS, 5], [EOS, 9, EOS], "stop", None),
+        ({"min_tokens": 2, "stop_token_ids": [9]}, [9, 9, 5], [9, 9], "stop", 9),
+        ({"max_tokens": 2}, [5, 5, 5], [5, 5], "length", None),
+        ({"max_tokens": 2}, [5, EOS], [5, EOS], "stop", None),
+        ({"max_tokens": None}, [5] * 20, [5] * 6, "length", None),
+    ],
+)
+def test_stop_conditions(params, tokens, outputs, finish, stop_reason):
+    sched = make_scheduler(max_model_len=10)
+    req = make_request("a", 4, **params)
+    last = _generate(sched, req, tokens)
+    assert req.output_token_ids == outputs
+    assert (last.finish_reason, last.stop_reason, req.finish_reason, req.stop_reason) == (
+        finish, stop_reason, finish, stop_reason
+    )
+    assert sched.kv_cache_manager.num_used_blocks == 0
+
+
+def test_max_model_len_ends_a_request_with_length():
+    sched = make_scheduler(max_model_len=8)
+    req = make_request("a", 5, max_tokens=100)
+    assert _generate(sched, req, [5] * 10).finish_reason == "length"
+    assert req.num_tokens == 8 and req.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_a_kv_cache_smaller_than_max_model_len_caps_the_sequence():
+    sched = make_scheduler(num_gpu_blocks=2, max_model_len=100)
+    req = make_request("a", 5, max_tokens=100)
+    assert _generate(sched, req, [5] * 10).finish_reason == "length"
+    assert req.num_tokens == 8
+
+
+# ------------------------------------------------------------------ aborts
+def test_abort_frees_blocks_and_reports_finished_ids_once():
+    sched = make_scheduler(max_num_batched_tokens=8)
+    sched.add_request(make_request("a", 6))
+    sched.add_request(make_request("b", 12))
+    sched.add_request(make_request("c", 4))
+    run_step(sched)  # a runs, b prefills 2 of 12, c waits
+    assert sched.kv_cache_manager.num_used_blocks == 3
+    aborted = sched.abort_requests(["b", "c", "unknown"])
+    assert [(r.request_id, r.status, r.finish_reason) for r in aborted] == [
+        ("b", RequestStatus.FINISHED_ABORTED, "abort"), ("c", RequestStatus.FINISHED_ABORTED, "abort")
+    ]
+    assert sched.kv_cache_manager.num_used_blocks == 2
+    out, _ = run_step(sched)
+    assert out.finished_req_ids == ["b", "c"] and out.num_scheduled_tokens == {"a": 1}
+    assert sched.abort_requests(["a"])[0].request_id == "a"
+    assert sched.kv_cache_manager.num_used_blocks == 0
+    out = sched.schedule()
+    assert out.finished_req_ids == ["a"] and out.total_num_scheduled_tokens == 0
+    assert sched.schedule().finished_req_ids == []
+    assert not sched.has_unfinished_requests()
+
+
+def test_a_request_aborted_between_schedule_and_update_is_skipped():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4))
+    sched.add_request(make_request("b", 4))
+    out = sched.schedule()
+    sched.abort_requests(["a"])
+    runner = protocol.ModelRunnerOutput(out.step_id, ["a", "b"], [[7], [8]])
+    deltas = sched.update_from_output(out, runner)
+    assert [(c, d.request_id, d.new_token_ids) for c, d in deltas] == [(b"host", "b", [8])]
+    assert sched.kv_cache_manager.num_used_blocks == 1
+
+
+def test_abort_client_aborts_only_that_hosts_requests():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4, client_id=b"h1"))
+    sched.add_request(make_request("b", 4, client_id=b"h2"))
+    sched.add_request(make_request("c", 4, client_id=b"h1"))
+    run_step(sched)
+    assert sorted(r.request_id for r in sched.abort_client(b"h1")) == ["a", "c"]
+    assert list(sched.requests) == ["b"] and [r.request_id for r in sched.running] == ["b"]
+
+
+# ------------------------------------------------------------------ admission checks
+@pytest.mark.parametrize(
+    ("fields", "num_gpu_blocks", "prompt_len", "needle"),
+    [
+        ({}, 64, 16, "max_model_len=16"),
+        ({}, 2, 8, "KV cache"),
+        ({"enable_chunked_prefill": False, "max_num_batched_tokens": 8}, 64, 9, "enable_chunked_prefill"),
+        ({}, 64, 0, "empty"),
+    ],
+)
+def test_add_request_refuses_prompts_that_could_never_run(fields, num_gpu_blocks, prompt_len, needle):
+    sched = make_scheduler(num_gpu_blocks=num_gpu_blocks, max_model_len=16, **fields)
+    with pytest.raises(InvalidRequestError, match=needle) as info:
+        sched.add_request(make_request("a", prompt_len))
+    assert info.value.field == "prompt"
+    sched.add_request(make_request("ok", 7))  # one token shorter always fits
+
+
+def test_add_request_refuses_a_request_id_in_use():
+    sched = make_scheduler()
+    sched.add_request(make_request("a", 4))
+    with pytest.raises(InvalidRequestError) as info:
+        sched.add_request(make_request("a", 4))
+    assert info.value.field == "request_id"
+
+
+def test_from_add_request_copies_the_message():
+    msg = protocol.AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), [2, 3], 12.5, priority=3)
+    req = Request.from_add_request(msg, b"client")
+    assert (req.request_id, req.prompt_token_ids, req.num_prompt_tokens, req.eos_token_ids) == ("r", [1, 2, 3], 3, [2, 3])
+    assert (req.arrival_time, req.priority, req.client_id, req.status) == (12.5, 3, b"client", RequestStatus.WAITING)
+    assert (req.params.max_tokens, req.cache_salt, req.all_token_ids) == (4, None, [1, 2, 3])
+
+
+# ------------------------------------------------------------------ queues
+def test_fcfs_queue_puts_preempted_requests_first():
+    queue = FCFSRequestQueue()
+    a, b, c = (make_request(x, 1) for x in "abc")
+    queue.add(a)
+    queue.add(b)
+    queue.add_preempted(c)
+    assert [r.request_id for r in queue] == ["c", "a", "b"]
+    queue.remove_requests({"a"})
+    assert (queue.pop().request_id, queue.peek().request_id, len(queue)) == ("c", "b", 1)
+
+
+def test_priority_queue_orders_by_priority_then_arrival():
+    queue = PriorityRequestQueue()
+    reqs = [Request(name, [1], SamplingParams(), [], arrival, priority=prio)
+            for name, arrival, prio in (("a", 1.0, 5), ("b", 2.0, 0), ("c", 0.5, 5), ("d", 3.0, 0))]
+    for req in reqs:
+        queue.add(req)
+    assert [r.request_id for r in queue] == ["b", "d", "c", "a"]
+    queue.remove_requests({"d"})
+    assert [queue.pop().request_id for _ in range(3)] == ["b", "c", "a"]
+    assert not queue

@@ -1,0 +1,197 @@
+"""Property test: random add / abort / step sequences never leak, double-own or corrupt KV blocks.
+
+A fake worker keeps per-request state from the `SchedulerOutput` diffs alone
+(as the real one does) and a fake KV cache whose slot for position p holds the
+tokens up to p. Every step it checks that the KV a request is told it has
+computed (prefix hits included) is right, and it samples a token that is a
+function of the tokens so far, so each request's output must equal what it
+would generate alone, whatever the batching, chunking, preemption or prefix hits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncllm import protocol
+from asyncllm.config import EngineConfig
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import SamplingParams
+from asyncllm.sched.request import Request, RequestStatus
+from asyncllm.sched.scheduler import Scheduler
+
+EOS = 3
+VOCAB = 6
+
+
+def next_token(tokens: list[int]) -> int:
+    """The fake model: a deterministic function of every token so far."""
+    return (sum((i + 1) * t for i, t in enumerate(tokens)) * 7 + len(tokens)) % VOCAB
+
+
+def generate_alone(req: Request, max_seq_len: int) -> tuple[list[int], str]:
+    """What `req` outputs when it runs alone (the reference for every schedule)."""
+    tokens, out = list(req.prompt_token_ids), []
+    while True:
+        token = next_token(tokens)
+        tokens.append(token)
+        out.append(token)
+        if token == EOS and not req.params.ignore_eos:
+            return out, "stop"
+        if len(out) >= req.params.max_tokens or len(tokens) >= max_seq_len:
+            return out, "length"
+
+
+class FakeWorker:
+    """Per-request token lists and block tables built from the step diffs, over a fake KV cache."""
+
+    def __init__(self, num_gpu_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.kv: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
+        self.tokens: dict[str, list[int]] = {}
+        self.block_ids: dict[str, list[int]] = {}
+
+    def execute(self, out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
+        for req_id in out.finished_req_ids + out.preempted_req_ids:
+            self.tokens.pop(req_id, None)
+            self.block_ids.pop(req_id, None)
+        computed = {}
+        for new in out.new_reqs:
+            assert new.req_id not in self.tokens
+            self.tokens[new.req_id] = list(new.token_ids)
+            self.block_ids[new.req_id] = list(new.block_ids)
+            computed[new.req_id] = new.num_computed_tokens
+        for cached in out.cached_reqs:
+            self.block_ids[cached.req_id] += cached.new_block_ids
+            computed[cached.req_id] = cached.num_computed_tokens
+        req_ids, sampled = [], []
+        for req_id, num in out.num_scheduled_tokens.items():
+            req_ids.append(req_id)
+            sampled.append(self._run(req_id, computed[req_id], num))
+        return protocol.ModelRunnerOutput(out.step_id, req_ids, sampled)
+
+    def _run(self, req_id: str, num_computed: int, num: int) -> list[int]:
+        tokens, table, bs = self.tokens[req_id], self.block_ids[req_id], self.block_size
+        assert num > 0 and num_computed + num <= len(tokens) and len(table) * bs >= num_computed + num
+        for pos in range(num_computed):
+            assert self.kv[table[pos // bs]][pos % bs] == tuple(tokens[: pos + 1]), (req_id, pos)
+        for pos in range(num_computed, num_computed + num):
+            self.kv[table[pos // bs]][pos % bs] = tuple(tokens[: pos + 1])
+        if num_computed + num < len(tokens):
+            return []
+        token = next_token(tokens)
+        tokens.append(token)
+        return [token]
+
+
+def check_invariants(sched: Scheduler) -> None:
+    kv = sched.kv_cache_manager
+    pool = kv.pool
+    owners: Counter[int] = Counter()
+    for req_id, blocks in kv.req_to_blocks.items():
+        req = sched.requests[req_id]
+        assert req.status is RequestStatus.RUNNING
+        ids = [b.block_id for b in blocks]
+        assert len(set(ids)) == len(ids), ids
+        assert len(blocks) * kv.block_size >= req.num_computed_tokens
+        owners.update(ids)
+    assert [b.ref_cnt for b in pool.blocks] == [owners[b.block_id] for b in pool.blocks]
+    free = pool.free_block_ids()
+    assert len(free) == len(set(free))
+    assert set(free) == {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+    assert kv.num_used_blocks + kv.num_free_blocks == kv.num_gpu_blocks
+    assert pool.num_cached_blocks == sum(b.block_hash is not None for b in pool.blocks)
+    running = {r.request_id for r in sched.running}
+    waiting = {r.request_id for r in sched.waiting}
+    assert running == set(kv.req_to_blocks) and not running & waiting
+    assert running | waiting == set(sched.requests)
+    assert len(running) <= sched.max_num_seqs
+
+
+STEMS = ([1, 2, 0, 4, 5, 1, 2, 0, 4, 5, 1, 2, 0, 4, 5, 1], [5, 4, 0, 2, 1, 5, 4, 0, 2, 1, 5, 4, 0, 2, 1, 5])
+"""Shared prompt beginnings, so that prefix hits happen often."""
+
+prompts = st.builds(
+    lambda stem, stem_len, suffix: (STEMS[stem][:stem_len] + suffix) or [0],
+    st.integers(0, 1), st.integers(0, 12), st.lists(st.integers(0, VOCAB - 1), max_size=4),
+)
+ops = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "add", "add", "abort", "step", "step", "step"]),
+        prompts, st.integers(1, 10), st.booleans(), st.integers(0, 40),
+    ),
+    min_size=8,
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=ops,
+    num_gpu_blocks=st.integers(4, 10),
+    block_size=st.sampled_from([2, 4]),
+    budget=st.sampled_from([4, 8, 64]),
+    max_num_seqs=st.integers(1, 4),
+    chunked=st.booleans(),
+    prefix_caching=st.booleans(),
+    threshold=st.sampled_from([0, 5]),
+)
+def test_random_schedules_keep_the_kv_cache_consistent(
+    ops, num_gpu_blocks, block_size, budget, max_num_seqs, chunked, prefix_caching, threshold
+):
+    config = EngineConfig.create(
+        "dummy-model", block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+        enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching, long_prefill_token_threshold=threshold,
+    )
+    sched = Scheduler(config, num_gpu_blocks, max_model_len=20)
+    worker = FakeWorker(num_gpu_blocks, block_size)
+    added: list[Request] = []
+    aborted: set[str] = set()
+    outputs: dict[str, list[int]] = {}
+    finish: dict[str, str] = {}
+
+    def step(abort_index: int | None = None) -> None:
+        out = sched.schedule()
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values()) <= budget
+        if abort_index is not None and added:  # an abort that lands while the step runs
+            aborted.update(r.request_id for r in sched.abort_requests([added[abort_index % len(added)].request_id]))
+        runner_out = worker.execute(out)
+        for _, delta in sched.update_from_output(out, runner_out):
+            assert delta.request_id not in finish
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            if delta.finish_reason is not None:
+                finish[delta.request_id] = delta.finish_reason
+        check_invariants(sched)
+
+    for kind, prompt, max_tokens, ignore_eos, index in ops:
+        if kind == "add":
+            req = Request(f"r{len(added)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
+                          [EOS], float(len(added)))
+            try:
+                sched.add_request(req)
+            except InvalidRequestError:
+                assert len(prompt) > sched.max_seq_len - 1 or (not chunked and len(prompt) > budget)
+                continue
+            added.append(req)
+        elif kind == "abort" and added:
+            aborted.update(r.request_id for r in sched.abort_requests([added[index % len(added)].request_id]))
+            check_invariants(sched)
+        elif kind == "step":
+            step(index if index % 4 == 0 else None)
+
+    for _ in range(500):
+        if not sched.has_unfinished_requests():
+            break
+        step()
+    assert not sched.has_unfinished_requests()
+    assert sched.kv_cache_manager.num_used_blocks == 0 and not sched.kv_cache_manager.req_to_blocks
+    for req in added:
+        assert req.status.is_finished
+        if req.request_id in aborted:
+            assert req.status is RequestStatus.FINISHED_ABORTED
+            continue
+        expected, reason = generate_alone(req, sched.max_seq_len)
+        assert (outputs[req.request_id], finish[req.request_id]) == (expected, reason)
+        assert req.output_token_ids == expected

@@ -1,0 +1,139 @@
+"""Tokenizer loading, prompt encoding, chat templates and EOS ids."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.tiny import make_tiny_checkpoint
+from asyncllm.tokenizer import apply_chat_template, encode_prompt, eos_token_ids, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"), "llama")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_path: str) -> Any:
+    return load_tokenizer(tiny_path)
+
+
+def _word_level_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer with no BOS and no chat template."""
+    backend = Tokenizer(models.WordLevel({"hello": 0, "world": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", name_or_path="word-level")
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_load_tokenizer_failure_is_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_tokenizer(str(tmp_path))
+    assert info.value.field == "tokenizer"
+    assert info.value.value == str(tmp_path)
+
+
+def test_encode_prompt_adds_bos_like_hf(tokenizer: Any) -> None:
+    assert encode_prompt(tokenizer, "héllo 🙂") == [0, *_ids(tokenizer, "héllo 🙂")]
+    assert encode_prompt(tokenizer, "") == [0]
+    assert encode_prompt(_word_level_tokenizer(), "hello world") == [0, 1]
+
+
+def test_encode_prompt_rejects_non_str_and_empty_encodings(tokenizer: Any) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        encode_prompt(tokenizer, [1, 2])  # type: ignore[arg-type]
+    assert info.value.field == "prompt"
+    with pytest.raises(InvalidRequestError, match="no tokens"):
+        encode_prompt(_word_level_tokenizer(), "")
+
+
+def test_chat_template_renders_exact_ids(tokenizer: Any) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi ✓"}]
+    expected = [0, 5, *_ids(tokenizer, "Be brief."), 1, 3, *_ids(tokenizer, "Hi ✓"), 1]
+    assert apply_chat_template(tokenizer, messages) == [*expected, 4]
+    assert apply_chat_template(tokenizer, messages, add_generation_prompt=False) == expected
+    text = "<|bos|><|system|>Be brief.<|eos|><|user|>Hi ✓<|eos|><|assistant|>"
+    assert apply_chat_template(tokenizer, messages) == _ids(tokenizer, text)
+
+
+def test_chat_template_extra_message_keys_are_allowed(tokenizer: Any) -> None:
+    ids = apply_chat_template(tokenizer, [{"role": "user", "content": "x", "name": "bob"}])
+    assert ids == [0, 3, *_ids(tokenizer, "x"), 1, 4]
+
+
+def test_missing_chat_template_is_invalid_request() -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        apply_chat_template(_word_level_tokenizer(), [{"role": "user", "content": "hello"}])
+    assert info.value.field == "messages"
+    assert "word-level has no chat template" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        "hello",
+        [],
+        ["hello"],
+        [{"role": "user"}],
+        [{"content": "hi"}],
+        [{"role": "user", "content": None}],
+        [{"role": "user", "content": 3}],
+        [{"role": 1, "content": "hi"}],
+        ({"role": "user", "content": "hi"},),
+    ],
+)
+def test_malformed_messages_are_invalid_request(tokenizer: Any, messages: Any) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        apply_chat_template(tokenizer, messages)
+    assert info.value.field == "messages"
+
+
+def test_template_exception_is_invalid_request(tokenizer: Any) -> None:
+    with pytest.raises(InvalidRequestError, match="unknown role: tool"):
+        apply_chat_template(tokenizer, [{"role": "tool", "content": "{}"}])
+
+
+def _with_generation_config(tiny_path: str, tmp_path: Path, eos: object) -> str:
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_path, folder)
+    if eos is None:
+        (folder / "generation_config.json").unlink()
+    else:
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("eos", "expected"),
+    [(None, [1]), (1, [1]), (7, [1, 7]), ([7, 1, 9, 7], [1, 7, 9]), ([], [1])],
+)
+def test_eos_ids_merge_generation_config(tokenizer: Any, tiny_path: str, tmp_path: Path, eos: object,
+                                         expected: list[int]) -> None:
+    assert eos_token_ids(tokenizer, _with_generation_config(tiny_path, tmp_path, eos)) == expected
+
+
+def test_eos_ids_without_tokenizer_eos(tiny_path: str, tmp_path: Path) -> None:
+    assert eos_token_ids(_word_level_tokenizer(), _with_generation_config(tiny_path, tmp_path, [5, 3])) == [5, 3]
+
+
+def test_eos_ids_of_the_tiny_checkpoint(tokenizer: Any, tiny_path: str) -> None:
+    assert eos_token_ids(tokenizer, tiny_path) == [1]
+
+
+def test_unreadable_generation_config_is_config_error(tokenizer: Any, tiny_path: str, tmp_path: Path) -> None:
+    folder = _with_generation_config(tiny_path, tmp_path, 1)
+    Path(folder, "generation_config.json").write_text("{not json")
+    with pytest.raises(ConfigError) as info:
+        eos_token_ids(tokenizer, folder)
+    assert info.value.field == "model"

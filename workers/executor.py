@@ -1,0 +1,272 @@
+"""The executor: starts one worker process per tensor-parallel rank and drives them.
+
+The engine core calls it from its busy loop (one thread; not thread-safe).
+Commands go down once, through the shared-memory broadcast ring; replies come
+back on one zmq PULL socket that every worker PUSHes to. Every wait polls that
+socket in short slices and checks the worker processes in between, so a rank
+that dies or reports a `WorkerError` turns into `EngineDeadError` (or the
+worker's `ConfigError`) within about `_POLL_S`, never a hang.
+
+After a failure the executor is dead: every later call raises the same
+`EngineDeadError` at once, and `shutdown()` still frees everything.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from typing import TypeVar
+
+import msgspec
+import zmq
+
+from asyncllm import envs, protocol
+from asyncllm.config import EngineConfig
+from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError
+from asyncllm.procutil import free_tcp_port, private_ipc_dir, remove_dir, spawn_module, stop_process
+from asyncllm.workers.shm_broadcast import BroadcastWriter
+
+__all__ = ["Executor"]
+
+_POLL_S = 0.1
+"""Longest wait on the result socket between two checks that every worker is alive."""
+_LAST_WORDS_S = 0.2
+"""After a worker died: how long to wait for the WorkerError it may have sent first."""
+_SHUTDOWN_GRACE_S = 5.0
+"""How long workers get to leave on ShutdownWorker before they are stopped."""
+
+_Reply = TypeVar("_Reply", protocol.WorkerReady, protocol.CacheReady)
+
+
+class Executor:
+    """Owns the worker processes, the broadcast ring and the result socket.
+
+    ``runner`` names the model runner class the workers build (``module:Class``
+    or ``path/to/file.py:Class``); it is a seam for tests, None means
+    asyncllm's `ModelRunner`.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        runner: str | None = None,
+        ring_slots: int = 8,
+        ring_slot_bytes: int = 1 << 20,
+    ) -> None:
+        assert config.max_model_len is not None, "the host resolves max_model_len before starting the executor"
+        self.config = config
+        self._runner = runner
+        self._ring_slots = ring_slots
+        self._ring_slot_bytes = ring_slot_bytes
+        self._world_size: int = config.tensor_parallel_size
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(protocol.WorkerMessage)
+        self._procs: list[subprocess.Popen] = []
+        self._ipc_dir: str | None = None
+        self._ctx: zmq.Context | None = None
+        self._results: zmq.Socket | None = None
+        self._ring: BroadcastWriter | None = None
+        self._failure: AsyncLLMError | None = None
+        self._closed = False
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [proc.pid for proc in self._procs]
+
+    # ------------------------------------------------------------ the contract
+    def start(self) -> int:
+        """Spawn the workers, wait until each loaded its shard; return the min KV blocks over ranks."""
+        assert not self._procs and not self._closed, "start() runs once"
+        timeout_s = envs.ENGINE_STARTUP_TIMEOUT_S.get()
+        try:
+            self._open_channels()
+            self._spawn_workers()
+            deadline = time.monotonic() + timeout_s
+            ready = self._gather(protocol.WorkerReady, deadline, "load the model")
+            self._await_ring_readers(deadline)
+        except BaseException:
+            self.shutdown()
+            raise
+        return min(msg.num_available_blocks for msg in ready)
+
+    def init_cache(self, num_gpu_blocks: int) -> None:
+        """Every rank allocates its paged KV cache of ``num_gpu_blocks`` blocks."""
+        deadline = time.monotonic() + envs.ENGINE_STARTUP_TIMEOUT_S.get()
+        self._broadcast(protocol.InitCache(num_gpu_blocks), deadline)
+        self._gather(protocol.CacheReady, deadline, "allocate the KV cache")
+
+    def execute_model(self, sched_out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
+        """Run one step on every rank; return rank 0's output."""
+        self._broadcast(sched_out, None)
+        message = self._receive(None, f"run step {sched_out.step_id}")
+        assert isinstance(message, protocol.ModelRunnerOutput), f"expected step output, got {message!r}"
+        assert message.step_id == sched_out.step_id, f"output of step {message.step_id} for step {sched_out.step_id}"
+        return message
+
+    def shutdown(self) -> None:
+        """Stop every worker (politely, then by force), free the ring and the sockets; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_workers()
+        if self._results is not None:
+            self._results.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._ring is not None:
+            self._ring.close()
+        if self._ipc_dir is not None:
+            remove_dir(self._ipc_dir)
+
+    def __enter__(self) -> "Executor":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------ startup
+    def _open_channels(self) -> None:
+        self._ipc_dir = private_ipc_dir()
+        self._ctx = zmq.Context()
+        self._results = self._ctx.socket(zmq.PULL)
+        self._results.setsockopt(zmq.LINGER, 0)
+        self._results.bind(f"ipc://{self._ipc_dir}/results")
+        self._ring = BroadcastWriter(
+            self._world_size, f"ipc://{self._ipc_dir}/broadcast", self._ring_slots, self._ring_slot_bytes
+        )
+
+    def _spawn_workers(self) -> None:
+        assert self._ring is not None and self._ipc_dir is not None
+        common = [
+            "--world-size", str(self._world_size),
+            "--config-json", msgspec.json.encode(self.config.to_dict(wire=True)).decode(),
+            "--ring-json", msgspec.json.encode(self._ring.handle).decode(),
+            "--result-address", f"ipc://{self._ipc_dir}/results",
+            "--dist-port", str(free_tcp_port()),
+        ]
+        if self._runner is not None:
+            common += ["--runner", self._runner]
+        for rank in range(self._world_size):
+            self._procs.append(spawn_module("asyncllm.workers.worker", ["--rank", str(rank), *common]))
+
+    def _await_ring_readers(self, deadline: float) -> None:
+        """Every worker attached to the ring (which then unlinks its name: nothing can leak)."""
+        assert self._ring is not None
+        while True:
+            try:
+                self._ring.wait_for_readers(timeout=_POLL_S)
+                return
+            except TimeoutError:
+                self._check_workers()
+                if time.monotonic() >= deadline:
+                    self._fail(EngineDeadError("workers did not attach to the broadcast ring in time"))
+
+    # ------------------------------------------------------------ messaging
+    def _broadcast(self, command: protocol.WorkerCommand, deadline: float | None) -> None:
+        """Put one command on the ring, checking the workers while it is full (or not yet joined)."""
+        self._raise_if_failed()
+        assert self._ring is not None and not self._closed, "start() first; not after shutdown()"
+        payload = self._encoder.encode(command)
+        while True:
+            try:
+                self._ring.enqueue(payload, timeout=_POLL_S)
+                return
+            except TimeoutError:
+                self._check_workers()
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._fail(EngineDeadError(f"workers did not take {type(command).__name__} in time"))
+
+    def _gather(self, kind: type[_Reply], deadline: float, what: str) -> list[_Reply]:
+        """One `kind` message from every rank, in rank order."""
+        got: dict[int, _Reply] = {}
+        while len(got) < self._world_size:
+            message = self._receive(deadline, what)
+            assert isinstance(message, kind), f"expected {kind.__name__}, got {message!r}"
+            got[message.rank] = message
+        return [got[rank] for rank in range(self._world_size)]
+
+    def _receive(self, deadline: float | None, what: str) -> protocol.WorkerMessage:
+        """The next worker message; a WorkerError, a dead worker or the deadline raise instead."""
+        self._raise_if_failed()
+        assert self._results is not None
+        while True:
+            if self._results.poll(int(_POLL_S * 1000), zmq.POLLIN):
+                message = self._decoder.decode(self._results.recv())
+                if isinstance(message, protocol.WorkerError):
+                    self._fail(_error_from(message))
+                return message
+            self._check_workers()
+            if deadline is not None and time.monotonic() >= deadline:
+                self._fail(EngineDeadError(f"workers did not {what} within the startup timeout "
+                                           f"({envs.ENGINE_STARTUP_TIMEOUT_S.name})"))
+
+    # ------------------------------------------------------------ failures
+    def _check_workers(self) -> None:
+        """Raise if a worker process has exited, preferring the WorkerError it sent first."""
+        for rank, proc in enumerate(self._procs):
+            code = proc.poll()
+            if code is None:
+                continue
+            last_words = self._last_worker_error()
+            if last_words is not None:
+                self._fail(_error_from(last_words))
+            self._fail(EngineDeadError(f"worker rank {rank} (pid {proc.pid}) {_describe_exit(code)}"))
+
+    def _last_worker_error(self) -> protocol.WorkerError | None:
+        assert self._results is not None
+        deadline = time.monotonic() + _LAST_WORDS_S
+        while self._results.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+            message = self._decoder.decode(self._results.recv())
+            if isinstance(message, protocol.WorkerError):
+                return message
+        return None
+
+    def _fail(self, error: AsyncLLMError) -> None:
+        """Remember the failure (every later call re-raises it) and raise it."""
+        self._failure = error
+        raise error
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise EngineDeadError(f"the executor already failed: {self._failure}")
+
+    def _stop_workers(self) -> None:
+        """ShutdownWorker and a grace period; after a failure, go straight to the stop.
+
+        (After a failure, live ranks may be stuck in a collective with a dead peer.)
+        """
+        polite = self._failure is None
+        alive = [proc for proc in self._procs if polite and proc.poll() is None]
+        if alive and self._ring is not None:
+            try:
+                self._ring.enqueue(self._encoder.encode(protocol.ShutdownWorker()), timeout=0.5)
+            except TimeoutError:
+                pass  # a reader is gone or stuck: the stop below handles it
+        deadline = time.monotonic() + _SHUTDOWN_GRACE_S
+        for proc in alive:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self._procs:
+            stop_process(proc, timeout=2.0)
+
+
+def _error_from(message: protocol.WorkerError) -> AsyncLLMError:
+    """A worker's ConfigError stays a ConfigError (same field); anything else kills the engine."""
+    if message.error_type in ("ConfigError", "NotBuiltError") and len(message.config_error) == 3:
+        field, value, allowed = message.config_error
+        return ConfigError(field, value, f"{allowed} (worker rank {message.rank})")
+    kind = f"{message.error_type}: " if message.error_type else ""
+    return EngineDeadError(f"worker rank {message.rank} failed: {kind}{message.message}")
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -1,0 +1,300 @@
+"""A worker's persistent per-request rows, and the flattened inputs of one step.
+
+Following vLLM's model-runner-v2 notes, request state and step inputs are
+kept apart. `InputBatch` holds one row per request the worker knows (token
+ids, computed count, block-table row, sampling settings); each step applies
+only the scheduler's diffs to those rows (drop finished and preempted ids,
+add new requests, append new block ids), then gathers the scheduled rows
+into per-step buffers. The block table is one persistent array updated in
+place, so a later device-side table can take the same diffs.
+
+Per-step buffers are allocated once at their largest size: a host buffer
+(pinned on CUDA) mirrored by a device buffer, so inputs keep fixed device
+addresses (what CUDA graphs need) and the copy is ``non_blocking``. A step's
+tensors are views of those buffers: they are valid until the next
+`prepare_inputs`, which first waits for the previous step's host-to-device
+copies (a step that samples nothing never synchronises on its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
+from asyncllm.sampling import SamplingParams
+from asyncllm.workers.sampler import SamplingMetadata
+
+__all__ = ["BlockTable", "InputBatch", "RequestState", "StepInputs"]
+
+
+@dataclass
+class RequestState:
+    """What a worker remembers about one request between steps."""
+
+    req_id: str
+    row: int
+    token_ids: list[int]
+    """Prompt, then every output token (the worker appends what it samples)."""
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    params: SamplingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class BlockTable:
+    """Persistent ``[num_rows, max_blocks_per_req]`` int32 block ids, one row per request.
+
+    Unused entries hold 0 (a valid block id) so that any gather stays in bounds.
+    """
+
+    def __init__(self, num_rows: int, max_blocks_per_req: int) -> None:
+        self.max_blocks_per_req = max_blocks_per_req
+        self.table = np.zeros((num_rows, max_blocks_per_req), dtype=np.int32)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int32)
+
+    def append(self, row: int, block_ids: list[int]) -> None:
+        start = int(self.num_blocks[row])
+        end = start + len(block_ids)
+        assert end <= self.max_blocks_per_req, f"{end} blocks exceed max_blocks_per_req={self.max_blocks_per_req}"
+        self.table[row, start:end] = block_ids
+        self.num_blocks[row] = end
+
+    def clear(self, row: int) -> None:
+        self.table[row, : self.num_blocks[row]] = 0
+        self.num_blocks[row] = 0
+
+    def grow(self, num_rows: int) -> None:
+        extra = num_rows - len(self.num_blocks)
+        self.table = np.concatenate([self.table, np.zeros((extra, self.max_blocks_per_req), np.int32)])
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(extra, np.int32)])
+
+
+class _Staged:
+    """A host buffer (pinned on CUDA) and its device mirror of the same shape."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        on_cuda = device.type == "cuda"
+        self.cpu = torch.zeros(shape, dtype=dtype, pin_memory=on_cuda)
+        self.np = self.cpu.numpy()
+        self.device = torch.zeros(shape, dtype=dtype, device=device) if on_cuda else self.cpu
+
+    def to_device(self, n: int) -> torch.Tensor:
+        if self.device is self.cpu:
+            return self.cpu[:n]
+        return self.device[:n].copy_(self.cpu[:n], non_blocking=True)
+
+
+@dataclass
+class StepInputs:
+    """The flattened, device-resident inputs of one step (views of `InputBatch` buffers)."""
+
+    req_ids: list[str]
+    """Scheduled requests, in the order of ``num_scheduled_tokens``."""
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    sample_indices: list[int]
+    """Indices into ``req_ids`` of the requests that sample a token this step."""
+    logits_indices: torch.Tensor  # [S] int64: the last token of each sampling request
+    sampling_metadata: SamplingMetadata
+    """Settings of the sampling requests, in ``sample_indices`` order."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class InputBatch:
+    """Persistent request rows plus the per-step buffers they are gathered into."""
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.device = device
+        self.requests: dict[str, RequestState] = {}
+        max_blocks = -(-max_model_len // block_size)
+        self.block_table = BlockTable(max_num_reqs, max_blocks)
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))
+        self._init_sampling_rows(max_num_reqs)
+        self._init_step_buffers(max_num_reqs, max_num_batched_tokens, max_blocks)
+        self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+
+    def _init_sampling_rows(self, num_rows: int) -> None:
+        self.temperature = np.zeros(num_rows, np.float32)
+        self.top_k = np.zeros(num_rows, np.int64)
+        self.top_p = np.ones(num_rows, np.float32)
+        self.min_p = np.zeros(num_rows, np.float32)
+
+    def _init_step_buffers(self, max_reqs: int, max_tokens: int, max_blocks: int) -> None:
+        device = self.device
+        self.input_ids = _Staged((max_tokens,), torch.int64, device)
+        self.positions = _Staged((max_tokens,), torch.int64, device)
+        self.slot_mapping = _Staged((max_tokens,), torch.int64, device)
+        self.query_start_loc = _Staged((max_reqs + 1,), torch.int32, device)
+        self.seq_lens = _Staged((max_reqs,), torch.int32, device)
+        self.block_tables = _Staged((max_reqs, max_blocks), torch.int32, device)
+        self.logits_indices = _Staged((max_reqs,), torch.int64, device)
+
+    # ------------------------------------------------------------ state diffs
+    def update_states(self, sched_out: SchedulerOutput) -> None:
+        """Apply one step's diffs: drop, then add, then update."""
+        for req_id in (*sched_out.finished_req_ids, *sched_out.preempted_req_ids):
+            self.remove_request(req_id)
+        for new in sched_out.new_reqs:
+            self.add_request(new)
+        for cached in sched_out.cached_reqs:
+            self._update_request(cached)
+
+    def add_request(self, new: NewRequestData) -> None:
+        self.remove_request(new.req_id)  # a resumed request replaces any stale row
+        row = self._take_row()
+        self.requests[new.req_id] = RequestState(
+            req_id=new.req_id,
+            row=row,
+            token_ids=list(new.token_ids),
+            num_prompt_tokens=new.num_prompt_tokens,
+            num_computed_tokens=new.num_computed_tokens,
+            params=new.params,
+        )
+        self.block_table.append(row, new.block_ids)
+        params = new.params
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+
+    def remove_request(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is not None:
+            self.block_table.clear(state.row)
+            self._free_rows.append(state.row)
+
+    def _update_request(self, cached: CachedRequestData) -> None:
+        state = self.requests[cached.req_id]
+        state.num_computed_tokens = cached.num_computed_tokens
+        if cached.new_block_ids:
+            self.block_table.append(state.row, cached.new_block_ids)
+
+    def _take_row(self) -> int:
+        """A free row; rows grow past max_num_reqs rather than fail (the table is host memory)."""
+        if not self._free_rows:
+            old = len(self.temperature)
+            new = 2 * old
+            self.block_table.grow(new)
+            for name in ("temperature", "top_k", "top_p", "min_p"):
+                array = getattr(self, name)
+                fill = 1.0 if name == "top_p" else 0
+                setattr(self, name, np.concatenate([array, np.full(new - old, fill, array.dtype)]))
+            self._free_rows = list(range(new - 1, old - 1, -1))
+        return self._free_rows.pop()
+
+    # ------------------------------------------------------------ step inputs
+    def prepare_inputs(self, sched_out: SchedulerOutput) -> StepInputs:
+        """Gather the scheduled rows into the flattened step and copy it to the device."""
+        req_ids = list(sched_out.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        assert 0 < num_reqs <= self.max_num_reqs, num_reqs
+        states = [self.requests[req_id] for req_id in req_ids]
+        num_scheduled = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, num_reqs)
+        assert num_scheduled.sum() <= self.max_num_batched_tokens and (num_scheduled > 0).all(), num_scheduled
+        if self._copies_done is not None:
+            self._copies_done.synchronize()  # the last step's copies may still read the pinned buffers
+        computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
+        seq_lens = computed + num_scheduled
+        query_start_loc = self.query_start_loc.np[: num_reqs + 1]
+        query_start_loc[0] = 0
+        np.cumsum(num_scheduled, out=query_start_loc[1:])
+        self.seq_lens.np[:num_reqs] = seq_lens
+        self._write_token_ids(states, query_start_loc, computed, seq_lens)
+        self._write_positions_and_slots(states, num_scheduled, computed, query_start_loc)
+        sample_indices = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
+        self.logits_indices.np[: len(sample_indices)] = query_start_loc[1:][sample_indices] - 1
+        sampling_metadata = self._sampling_metadata([states[i] for i in sample_indices])
+        return self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata)
+
+    def _write_positions_and_slots(
+        self, states: list[RequestState], num_scheduled: np.ndarray, computed: np.ndarray, query_start_loc: np.ndarray
+    ) -> None:
+        """positions = computed .. computed + scheduled; slot = block_table[pos // bs] * bs + pos % bs."""
+        num_reqs, num_tokens = len(states), int(query_start_loc[-1])
+        req_index = np.repeat(np.arange(num_reqs), num_scheduled)
+        positions = computed[req_index] + np.arange(num_tokens) - query_start_loc[req_index]
+        self.positions.np[:num_tokens] = positions
+        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
+        block_tables = self.block_tables.np[:num_reqs]
+        np.take(self.block_table.table, rows, axis=0, out=block_tables)
+        block_ids = block_tables[req_index, positions // self.block_size].astype(np.int64)
+        self.slot_mapping.np[:num_tokens] = block_ids * self.block_size + positions % self.block_size
+
+    def _to_device(
+        self, req_ids: list[str], num_tokens: int, sample_indices: list[int], sampling_metadata: SamplingMetadata
+    ) -> StepInputs:
+        """Copy the written host buffers to the device and record when the copies are done."""
+        num_reqs = len(req_ids)
+        inputs = StepInputs(
+            req_ids=req_ids,
+            input_ids=self.input_ids.to_device(num_tokens),
+            positions=self.positions.to_device(num_tokens),
+            attn_metadata=AttentionMetadata(
+                slot_mapping=self.slot_mapping.to_device(num_tokens),
+                query_start_loc=self.query_start_loc.to_device(num_reqs + 1),
+                seq_lens=self.seq_lens.to_device(num_reqs),
+                block_tables=self.block_tables.to_device(num_reqs),
+                query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1].tolist(),
+                seq_lens_cpu=self.seq_lens.np[:num_reqs].tolist(),
+                block_size=self.block_size,
+            ),
+            sample_indices=sample_indices,
+            logits_indices=self.logits_indices.to_device(len(sample_indices)),
+            sampling_metadata=sampling_metadata,
+        )
+        if self._copies_done is not None:
+            self._copies_done.record()
+        return inputs
+
+    def _write_token_ids(
+        self, states: list[RequestState], query_start_loc: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray
+    ) -> None:
+        input_ids = self.input_ids.np
+        for i, state in enumerate(states):
+            assert seq_lens[i] <= state.num_tokens, (state.req_id, int(seq_lens[i]), state.num_tokens)
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = state.token_ids[computed[i] : seq_lens[i]]
+
+    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
+        rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        return SamplingMetadata.from_arrays(
+            self.temperature[rows],
+            self.top_k[rows],
+            self.top_p[rows],
+            self.min_p[rows],
+            seeds=[s.params.seed for s in states],
+            positions=[s.num_tokens for s in states],
+            device=self.device,
+        )
+
+    # ------------------------------------------------------------ after the step
+    def finish_step(self, inputs: StepInputs, sched_out: SchedulerOutput, sampled: list[int]) -> None:
+        """Advance computed counts and append the sampled tokens to their rows."""
+        for req_id, num in sched_out.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num
+        for i, token in zip(inputs.sample_indices, sampled):
+            self.requests[inputs.req_ids[i]].token_ids.append(token)

@@ -1,0 +1,199 @@
+"""The model runner of one worker rank: model, paged KV cache, one step at a time.
+
+`execute_model` applies the step's diffs to the persistent `InputBatch`,
+runs the model over the flattened step, computes logits only for the
+requests whose known tokens are all computed after this step, samples, and
+appends the sampled tokens to the rows (the worker keeps its own copy of the
+outputs, so a decode step needs no token ids from the core).
+
+Every tensor parallel rank runs the same steps with the same inputs and the
+same sampler state, so all ranks sample identical tokens; the worker main
+sends rank 0's output back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asyncllm import envs
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError
+from asyncllm.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
+from asyncllm.models.registry import KVCacheSpec, kv_cache_spec
+from asyncllm.protocol import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from asyncllm.sampling import SamplingParams
+from asyncllm.workers.input_batch import InputBatch
+from asyncllm.workers.sampler import Sampler
+
+__all__ = ["ModelRunner", "profile_step"]
+
+_PROFILE_STEP_ID = -1
+_PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)
+"""Every filter on, so profiling measures the sampler's largest buffers (the sort)."""
+
+
+class ModelRunner:
+    """Owns the model, the KV cache, the persistent input batch and the sampler of one rank."""
+
+    def __init__(self, config: EngineConfig, rank: int, tp_size: int, device: torch.device) -> None:
+        assert config.max_model_len is not None, "the host resolves max_model_len before starting workers"
+        self.config = config
+        self.rank = rank
+        self.tp_size = tp_size
+        self.device = device
+        self.block_size: int = config.block_size
+        self.max_model_len: int = config.max_model_len
+        self.max_num_batched_tokens = config.resolved_max_num_batched_tokens
+        self.max_num_seqs: int = config.max_num_seqs
+        self.input_batch = InputBatch(
+            max_num_reqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            device=device,
+        )
+        self.sampler = Sampler(config.seed, device)
+        self.model: Any = None
+        self.hf_config: Any = None
+        self.dtype: torch.dtype | None = None
+        self.kv_spec: KVCacheSpec | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------ setup
+    def load_model(self) -> None:
+        """Load this rank's shard of the weights onto the device."""
+        hf_config = load_hf_config(resolve_model_path(self.config.model, self.config.revision))
+        dtype = resolve_dtype(self.config.dtype, hf_config, self.device)
+        model = load_model(self.config, hf_config, self.device, dtype, self.rank, self.tp_size)
+        self.attach_model(model, kv_cache_spec(hf_config, self.tp_size), dtype)
+        self.hf_config = hf_config
+
+    def attach_model(self, model: Any, kv_spec: KVCacheSpec, dtype: torch.dtype) -> None:
+        """Use an already built model (`load_model` ends here; tests pass their own)."""
+        self.model = model
+        self.kv_spec = kv_spec
+        self.dtype = dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block on this rank: all layers, K and V."""
+        assert self.kv_spec is not None and self.dtype is not None, "load_model() first"
+        return self.kv_spec.bytes_per_block(self.block_size, self.dtype)
+
+    def determine_num_available_blocks(self) -> int:
+        """How many KV blocks fit this rank's memory budget (the core takes the min over ranks)."""
+        if self.device.type == "cuda":
+            budget, field = self._profile_cuda_kv_budget(), "gpu_memory_utilization"
+            value: object = self.config.gpu_memory_utilization
+        else:
+            budget, field = int(envs.CPU_KVCACHE_SPACE_GB.get() * 2**30), envs.CPU_KVCACHE_SPACE_GB.name
+            value = envs.CPU_KVCACHE_SPACE_GB.get()
+        num_blocks = budget // self.bytes_per_block
+        if num_blocks < 1:
+            raise ConfigError(
+                field, value,
+                f"room for at least one KV block ({self.bytes_per_block} bytes); {budget} bytes are left "
+                "after the weights and activations: raise it, or lower max_num_batched_tokens",
+            )
+        return int(num_blocks)
+
+    def init_cache(self, num_gpu_blocks: int) -> None:
+        """Allocate the paged KV cache: per layer ``[2, blocks, block_size, kv_heads, head_dim]``."""
+        self.kv_caches = self._allocate_kv_caches(num_gpu_blocks)
+
+    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
+        spec = self.kv_spec
+        assert spec is not None, "load_model() first"
+        shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+
+    def _profile_cuda_kv_budget(self) -> int:
+        """Bytes left for the KV cache after a worst-case step, under gpu_memory_utilization.
+
+        The peak of torch's allocator during a max_num_batched_tokens step (weights,
+        activations, logits, sampler) plus memory outside torch (CUDA context, cuBLAS,
+        NCCL, other processes) is what the KV cache cannot have.
+        """
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        profile_cache_bytes = self.run_profile_step()
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - profile_cache_bytes
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)
+        torch.cuda.empty_cache()
+        return int(total * self.config.gpu_memory_utilization) - peak - non_torch
+
+    def run_profile_step(self) -> int:
+        """Run the largest possible step on a temporary KV cache, then forget it.
+
+        Leaves no request rows, no KV cache and a fresh sampler behind (unseeded
+        draws start from the engine seed). Returns the temporary cache's bytes.
+        """
+        sched_out, num_blocks = profile_step(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len, self.block_size)
+        self.kv_caches = self._allocate_kv_caches(num_blocks)
+        try:
+            self.execute_model(sched_out)
+        except torch.cuda.OutOfMemoryError as exc:
+            raise ConfigError(
+                "max_num_batched_tokens", self.max_num_batched_tokens,
+                "a step size whose activations fit in GPU memory next to the weights: lower it "
+                "(or max_num_seqs), or raise tensor_parallel_size",
+            ) from exc
+        finally:
+            self.kv_caches = []
+            for req_id in sched_out.num_scheduled_tokens:
+                self.input_batch.remove_request(req_id)
+        self.sampler = Sampler(self.config.seed, self.device)
+        return num_blocks * self.bytes_per_block
+
+    # ------------------------------------------------------------ steps
+    @torch.inference_mode()
+    def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; every scheduled request gets an entry ([] for a prefill chunk)."""
+        batch = self.input_batch
+        batch.update_states(sched_out)
+        if not sched_out.num_scheduled_tokens:
+            return ModelRunnerOutput(sched_out.step_id, [], [])
+        inputs = batch.prepare_inputs(sched_out)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        sampled: list[int] = []
+        if inputs.sample_indices:
+            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            sampled = self.sampler(logits, inputs.sampling_metadata).tolist()
+        batch.finish_step(inputs, sched_out, sampled)
+        sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
+        for i, token in zip(inputs.sample_indices, sampled):
+            sampled_token_ids[i] = [token]
+        return ModelRunnerOutput(sched_out.step_id, inputs.req_ids, sampled_token_ids)
+
+
+def profile_step(
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
+) -> tuple[SchedulerOutput, int]:
+    """The largest step the scheduler can send: as many tokens and sampling requests as allowed.
+
+    Returns the step and the number of KV blocks it needs (ids 0..n-1).
+    """
+    num_reqs = min(max_num_seqs, max_num_batched_tokens)
+    num_tokens = min(max_num_batched_tokens, num_reqs * max_model_len)
+    base, extra = divmod(num_tokens, num_reqs)
+    new_reqs, next_block = [], 0
+    for i in range(num_reqs):
+        length = base + (1 if i < extra else 0)
+        blocks = -(-length // block_size)
+        new_reqs.append(
+            NewRequestData(
+                req_id=f"profile-{i}",
+                token_ids=[0] * length,
+                num_prompt_tokens=length,
+                params=_PROFILE_PARAMS,
+                block_ids=list(range(next_block, next_block + blocks)),
+                num_computed_tokens=0,
+            )
+        )
+        next_block += blocks
+    scheduled = {new.req_id: len(new.token_ids) for new in new_reqs}
+    return SchedulerOutput(_PROFILE_STEP_ID, new_reqs, [], scheduled, num_tokens), next_block

@@ -1,0 +1,201 @@
+"""Turn the logits of one step into token ids, one per sampling request.
+
+Vectorised over the batch: greedy rows take the argmax of the raw logits;
+random rows are divided by their temperature, filtered by top-k, top-p and
+min-p, and sampled with the exponential race (``argmax(probs / q)`` with
+``q ~ Exp(1)``, which draws from ``probs`` exactly).
+
+Reproducibility. The noise ``q`` of a request with a ``seed`` comes from a
+generator seeded with a mix of (seed, position of the token being sampled),
+so its tokens do not depend on what else is in the batch, on which step it
+runs in, or on being preempted and recomputed. The position (the index the
+new token will have in the sequence) is used rather than the output index
+because it is the same number whoever counts the prompt. Unseeded requests
+draw from one worker generator seeded with the engine seed: every tensor
+parallel rank sees the same logits and makes the same calls in the same
+order, so ranks agree on every token without communicating.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from asyncllm.sampling import SamplingParams
+
+__all__ = ["GREEDY_EPS", "Sampler", "SamplingMetadata", "mix_seed", "apply_top_k_top_p", "apply_min_p"]
+
+GREEDY_EPS = 1e-5
+"""Temperatures below this are greedy: dividing by them would overflow float32."""
+
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(seed: int, position: int) -> int:
+    """A 63-bit generator seed from (request seed, token position) (splitmix64 finaliser).
+
+    Nearby seeds and positions give unrelated streams, unlike ``seed + position``.
+    """
+    x = (seed + 0x9E3779B97F4A7C15 * (position + 1)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling settings of one step, already on the device.
+
+    Rows follow the logits rows. Only the random (non-greedy) rows carry
+    filter tensors; a filter that no row uses is None so that the sort it
+    would need is skipped.
+    """
+
+    num_rows: int
+    random_rows: torch.Tensor | None
+    """Indices of the non-greedy rows (int64); None when every row is greedy."""
+    all_random: bool
+    temperature: torch.Tensor | None  # [R] float32, random rows only
+    top_k: torch.Tensor | None  # [R] int64, vocab-size means off
+    top_p: torch.Tensor | None  # [R] float32
+    min_p: torch.Tensor | None  # [R] float32
+    seeds: list[int | None]  # [R]
+    positions: list[int]  # [R] index of the token each random row samples
+
+    @classmethod
+    def from_arrays(
+        cls,
+        temperature: np.ndarray,
+        top_k: np.ndarray,
+        top_p: np.ndarray,
+        min_p: np.ndarray,
+        seeds: Sequence[int | None],
+        positions: Sequence[int],
+        device: torch.device,
+    ) -> "SamplingMetadata":
+        """Build from per-row host arrays (top_k <= 0 means off)."""
+        num_rows = len(temperature)
+        random = np.flatnonzero(temperature >= GREEDY_EPS)
+        if len(random) == 0:
+            return cls(num_rows, None, False, None, None, None, None, [], [])
+        top_k, top_p, min_p = top_k[random], top_p[random], min_p[random]
+        return cls(
+            num_rows=num_rows,
+            random_rows=_to_device(random.astype(np.int64), device),
+            all_random=len(random) == num_rows,
+            temperature=_to_device(temperature[random].astype(np.float32), device),
+            top_k=_to_device(top_k.astype(np.int64), device) if (top_k > 0).any() else None,
+            top_p=_to_device(top_p.astype(np.float32), device) if (top_p < 1.0).any() else None,
+            min_p=_to_device(min_p.astype(np.float32), device) if (min_p > 0.0).any() else None,
+            seeds=[seeds[i] for i in random],
+            positions=[int(positions[i]) for i in random],
+        )
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], positions: Sequence[int], device: torch.device
+    ) -> "SamplingMetadata":
+        """Build from one `SamplingParams` per row (tests, profiling)."""
+        return cls.from_arrays(
+            np.array([p.temperature for p in params], np.float32),
+            np.array([p.top_k for p in params], np.int64),
+            np.array([p.top_p for p in params], np.float32),
+            np.array([p.min_p for p in params], np.float32),
+            [p.seed for p in params],
+            positions,
+            device,
+        )
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(array)
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+class Sampler:
+    """Samples one token per logits row; owns the worker's unseeded generator."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+        self._seeded_generator = torch.Generator(device=device)
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """``logits`` [N, V] float32 -> token ids [N] int64."""
+        assert logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
+        if metadata.random_rows is None:
+            return logits.argmax(dim=-1)
+        rows = logits if metadata.all_random else logits.index_select(0, metadata.random_rows)
+        sampled = self._sample_random(rows, metadata)
+        if metadata.all_random:
+            return sampled
+        tokens = logits.argmax(dim=-1)
+        tokens.index_copy_(0, metadata.random_rows, sampled)
+        return tokens
+
+    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        assert metadata.temperature is not None
+        logits = logits / metadata.temperature.unsqueeze(1)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
+        if metadata.min_p is not None:
+            logits = apply_min_p(logits, metadata.min_p)
+        probs = logits.softmax(dim=-1)
+        noise = self._exponential_noise(probs.shape, metadata.seeds, metadata.positions)
+        return probs.div_(noise).argmax(dim=-1)
+
+    def _exponential_noise(
+        self, shape: torch.Size, seeds: list[int | None], positions: list[int]
+    ) -> torch.Tensor:
+        """Exp(1) noise: per-(seed, position) streams for seeded rows, the worker stream for the rest."""
+        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        if all(seed is None for seed in seeds):
+            noise.exponential_(generator=self.generator)
+        else:
+            unseeded = [i for i, seed in enumerate(seeds) if seed is None]
+            if unseeded:
+                draw = torch.empty((len(unseeded), shape[1]), dtype=torch.float32, device=self.device)
+                draw.exponential_(generator=self.generator)
+                noise[unseeded] = draw
+            for i, (seed, position) in enumerate(zip(seeds, positions)):
+                if seed is not None:
+                    self._seeded_generator.manual_seed(mix_seed(seed, position))
+                    noise[i].exponential_(generator=self._seeded_generator)
+        # Exp(1) can round to 0; a floor keeps probs / noise finite (0 / tiny stays 0).
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k and top-p nucleus.
+
+    One ascending sort serves both filters. Ties at the k-th value are all
+    kept; the most likely token always survives top-p.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    vocab_size = logits.shape[1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k, vocab_size).clamp_(1, vocab_size)
+        kth_value = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < kth_value, float("-inf"))
+    if top_p is not None:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)
+        drop = cumulative <= (1.0 - top_p).unsqueeze(1)
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Set to -inf the logits whose probability is below min_p times the row's top probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))

@@ -1,0 +1,218 @@
+"""Worker process main: one per tensor-parallel rank, started by the `Executor`.
+
+Run as ``python -m asyncllm.workers.worker --rank R --world-size N ...`` (a
+fresh interpreter, never a fork, so CUDA state is never inherited). A worker
+is its own process, even at tensor_parallel_size 1, so that a CUDA fault or an
+OOM kills the worker and not the engine core.
+
+Life of a worker: join the torch.distributed group, load the model, report
+`WorkerReady` with the KV blocks it can hold, then loop: read a
+`WorkerCommand` from the shared-memory ring, run it, reply on zmq (only rank 0
+returns `ModelRunnerOutput`; every rank acknowledges `InitCache`). Any
+exception is reported as `WorkerError` and the worker exits with code 1; it
+exits with code 0 on `ShutdownWorker`, and at once when the core dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from asyncllm import protocol
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError
+from asyncllm.procutil import exit_when_parent_dies
+from asyncllm.workers.shm_broadcast import BroadcastReader, RingHandle
+
+logger = logging.getLogger("asyncllm.workers.worker")
+
+_RESULT_LINGER_MS = 5000
+"""How long a closing worker keeps trying to deliver its last message (e.g. a WorkerError)."""
+_DIST_TIMEOUT = timedelta(minutes=10)
+"""torch.distributed rendezvous and collective timeout (ranks may load the model at different speeds)."""
+
+
+def resolve_device(device: str, rank: int) -> torch.device:
+    """config.device -> this rank's torch device ("auto" = cuda when available; rank r uses cuda:r)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("device", device, "'cpu' or 'auto': no CUDA device is visible to the worker")
+    count = torch.cuda.device_count()
+    if rank >= count:
+        raise ConfigError("tensor_parallel_size", rank + 1, f"at most {count}, the number of visible CUDA devices")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
+def load_runner_class(spec: str | None) -> type:
+    """The model runner class: asyncllm's `ModelRunner`, or ``module:Class`` / ``file.py:Class``.
+
+    The override is a seam for tests, which drive the worker plumbing with a
+    fake runner instead of a model.
+    """
+    if spec is None:
+        from asyncllm.workers.model_runner import ModelRunner
+
+        return ModelRunner
+    where, _, name = spec.rpartition(":")
+    if where.endswith(".py"):
+        module_spec = importlib.util.spec_from_file_location(f"_asyncllm_runner_{os.getpid()}", where)
+        assert module_spec is not None and module_spec.loader is not None, f"cannot load {where}"
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    return getattr(module, name)
+
+
+def init_distributed(device: torch.device, rank: int, world_size: int, port: int) -> None:
+    """Join the tensor-parallel group (gloo on CPU, NCCL on CUDA) before the model is built."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=_DIST_TIMEOUT
+    )
+
+
+def error_message(rank: int, exc: BaseException) -> protocol.WorkerError:
+    """A `WorkerError` that keeps the exception's type (and a ConfigError's field)."""
+    config_error = [exc.field, repr(exc.value), exc.allowed] if isinstance(exc, ConfigError) else []
+    return protocol.WorkerError(rank, str(exc) or type(exc).__name__, type(exc).__name__, config_error)
+
+
+class Worker:
+    """One rank: its ring reader, its runner and its socket back to the executor."""
+
+    def __init__(self, args: argparse.Namespace, results: zmq.Socket) -> None:
+        self.args = args
+        self.rank: int = args.rank
+        self.world_size: int = args.world_size
+        self.results = results
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(protocol.WorkerCommand)
+        self.reader: BroadcastReader | None = None
+        self.runner: Any = None
+
+    def setup(self) -> None:
+        """Attach to the ring, pick the device, join the TP group, build the runner."""
+        args = self.args
+        config = EngineConfig.from_dict(msgspec.json.decode(args.config_json))
+        self.reader = BroadcastReader(msgspec.json.decode(args.ring_json, type=RingHandle), self.rank)
+        device = resolve_device(config.device, self.rank)
+        if device.type == "cpu":
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+        init_distributed(device, self.rank, self.world_size, args.dist_port)
+        runner_cls = load_runner_class(args.runner)
+        self.runner = runner_cls(config, self.rank, self.world_size, device)
+
+    def start(self) -> None:
+        """Load the model, size the KV cache, and say so to the executor."""
+        self.runner.load_model()
+        num_blocks = int(self.runner.determine_num_available_blocks())
+        self.send(protocol.WorkerReady(self.rank, num_blocks))
+
+    def run(self) -> None:
+        """The command loop; returns on `ShutdownWorker`."""
+        assert self.reader is not None, "setup() first"
+        while True:
+            command = self.decoder.decode(self.reader.dequeue())
+            if isinstance(command, protocol.SchedulerOutput):
+                output = self.runner.execute_model(command)
+                if self.rank == 0:
+                    self.send(output)
+            elif isinstance(command, protocol.InitCache):
+                self.runner.init_cache(command.num_gpu_blocks)
+                self.send(protocol.CacheReady(self.rank))
+            else:
+                assert isinstance(command, protocol.ShutdownWorker), command
+                return
+
+    def send(self, message: protocol.WorkerMessage) -> None:
+        self.results.send(self.encoder.encode(message))
+
+    def close(self) -> None:
+        """Leave the TP group and detach from the ring (whatever setup got to)."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if self.reader is not None:
+            self.reader.close()
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="asyncllm.workers.worker")
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--config-json", required=True, help="EngineConfig.to_dict(wire=True) as JSON")
+    parser.add_argument("--ring-json", required=True, help="the broadcast ring's RingHandle as JSON")
+    parser.add_argument("--result-address", required=True, help="zmq address of the executor's PULL socket")
+    parser.add_argument("--dist-port", type=int, required=True, help="torch.distributed TCP rendezvous port")
+    parser.add_argument("--runner", default=None, help="runner class as module:Class or file.py:Class (tests only)")
+    return parser.parse_args(argv)
+
+
+def _setup_logging(rank: int) -> None:
+    """The worker is our own process: log asyncllm records to stderr, tagged with the rank."""
+    root = logging.getLogger("asyncllm")
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(levelname)s %(asctime)s [worker {rank}] %(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Set up, serve commands, tear down; returns the exit code (1 after a reported error)."""
+    ctx = zmq.Context()
+    results = ctx.socket(zmq.PUSH)
+    results.setsockopt(zmq.LINGER, _RESULT_LINGER_MS)
+    results.connect(args.result_address)
+    worker = Worker(args, results)
+    code = 0
+    try:
+        worker.setup()
+        worker.start()
+        worker.run()
+    except Exception as exc:  # noqa: BLE001 - reported to the executor, which raises it in the core
+        logger.error("worker rank %d failed:\n%s", args.rank, traceback.format_exc())
+        results.send(msgspec.msgpack.encode(error_message(args.rank, exc)))
+        code = 1
+    else:
+        worker.close()  # a clean stop only: after a failure the group may be unusable, and exiting frees it all
+    finally:
+        results.close()
+        ctx.term()  # waits up to the linger for the last message to leave
+    return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    exit_when_parent_dies()
+    # Ctrl-C in a terminal reaches the whole process group; the core owns the shutdown order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    args = _parse_args(argv)
+    _setup_logging(args.rank)
+    code = run_worker(args)
+    # Everything is closed by now. Skip interpreter finalization: the parent-watch
+    # thread sits in a read of stdin, and finalizing under it aborts the process.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
