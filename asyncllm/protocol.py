@@ -32,6 +32,8 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     priority: int = 0
     cache_salt: str | None = None
     """Mixed into the first block's hash: requests with different salts never share cached KV."""
+    timeout: float | None = None
+    """Seconds after arrival at which the core ends the request with finish_reason "timeout"."""
 
 
 class AbortRequests(msgspec.Struct, **_STRUCT):
@@ -81,6 +83,9 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    """Set when the core rejected the request ("field: why")."""
+    error_type: str = "InvalidRequestError"
+    """The asyncllm.errors class of `error`."""
 
 
 class Outputs(msgspec.Struct, **_STRUCT):

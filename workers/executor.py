@@ -7,6 +7,9 @@ socket in short slices and checks the worker processes in between, so a rank
 that dies or reports a `WorkerError` turns into `EngineDeadError` (or the
 worker's `ConfigError`) within about `_POLL_S`, never a hang.
 
+A step has no deadline of its own (a first step may compile for minutes): a
+rank that hangs while alive hangs the step, but a dead one never does.
+
 After a failure the executor is dead: every later call raises the same
 `EngineDeadError` at once, and `shutdown()` still frees everything.
 """
@@ -167,7 +170,9 @@ class Executor:
     def _broadcast(self, command: protocol.WorkerCommand, deadline: float | None) -> None:
         """Put one command on the ring, checking the workers while it is full (or not yet joined)."""
         self._raise_if_failed()
-        assert self._ring is not None and not self._closed, "start() first; not after shutdown()"
+        if self._closed:
+            raise EngineDeadError("the executor was shut down")
+        assert self._ring is not None, "start() first"
         payload = self._encoder.encode(command)
         while True:
             try:

@@ -16,7 +16,7 @@ from asyncllm.engine.launch import CoreProcess, launch_core
 from asyncllm.engine.prepare import prepare
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.stats_log import StatsLogger
-from asyncllm.engine.stream import RequestStream, check_prompt
+from asyncllm.engine.stream import RequestOptions, RequestStream, check_prompt
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from asyncllm.sampling import SamplingParams
@@ -102,17 +102,23 @@ class AsyncEngine:
                 await anyio.to_thread.run_sync(_stop, processor, core)
 
     # ------------------------------------------------------------ requests
-    def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0) -> RequestStream:
+    def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
+               request_id: str | None = None, timeout: float | None = None,
+               cache_salt: str | None = None) -> RequestStream:
         """Stream `StreamDelta`s of one completion; leaving the loop aborts it."""
-        return RequestStream(self, prompt, _params(params), priority, chat=False)
+        options = RequestOptions(priority, request_id, timeout, cache_salt)
+        return RequestStream(self, prompt, _params(params), options, chat=False)
 
-    def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0) -> RequestStream:
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,
+             request_id: str | None = None, timeout: float | None = None,
+             cache_salt: str | None = None) -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template."""
-        return RequestStream(self, messages, _params(params), priority, chat=True)
+        options = RequestOptions(priority, request_id, timeout, cache_salt)
+        return RequestStream(self, messages, _params(params), options, chat=True)
 
-    async def generate(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0) -> RequestOutput:
-        """Run one completion to the end and return it whole."""
-        stream = self.stream(prompt, params, priority=priority)
+    async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
+        """Run one completion to the end and return it whole (options as for `stream`)."""
+        stream = self.stream(prompt, params, **options)
         text: list[str] = []
         token_ids: list[int] = []
         last = None
@@ -141,17 +147,18 @@ class AsyncEngine:
         )
 
     # ------------------------------------------------------------ internals used by RequestStream
-    async def _submit(self, prompt: Any, params: SamplingParams, priority: int, chat: bool) -> RequestCollector:
+    async def _submit(self, prompt: Any, params: SamplingParams, options: RequestOptions, chat: bool) -> RequestCollector:
         check_prompt(prompt, chat)
         params.validate()
+        options.validate()
         await self.start()
         processor = self._processor
         if processor is None:
             raise EngineDeadError("the engine was closed")
         if processor.dead is not None:
             raise EngineDeadError(f"the engine is dead: {processor.dead}")
-        collector = RequestCollector(uuid.uuid4().hex, time.time())
-        processor.submit(Submit(collector, prompt, params, priority, chat))
+        collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time())
+        processor.submit(Submit(collector, prompt, params, options, chat))
         return collector
 
     def _abort(self, request_id: str) -> None:

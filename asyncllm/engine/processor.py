@@ -27,6 +27,7 @@ from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.detokenizer import IncrementalDetokenizer
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.stats_log import StatsLogger
+from asyncllm.engine.stream import RequestOptions
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import apply_chat_template, encode_prompt
@@ -45,7 +46,7 @@ class Submit:
     prompt: Any
     """str, list[int] of token ids, or chat messages when `chat`."""
     params: SamplingParams
-    priority: int
+    options: RequestOptions
     chat: bool = False
 
 
@@ -194,6 +195,10 @@ class Processor:
 
     def _add_request(self, dealer: zmq.Socket, job: Submit) -> None:
         collector = job.collector
+        if collector.request_id in self._tracked:
+            error = errors.InvalidRequestError("request_id", f"{collector.request_id!r} is already in flight")
+            self._deliver([(collector, error)], None)
+            return
         try:
             token_ids = self._tokenize(job)
         except errors.InvalidRequestError as exc:
@@ -202,8 +207,10 @@ class Processor:
         collector.prompt_token_ids = token_ids
         detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, job.params)
         self._tracked[collector.request_id] = _Tracked(collector, detokenizer)
+        options = job.options
         message = protocol.AddRequest(collector.request_id, token_ids, job.params, self._eos_token_ids,
-                                      collector.metrics.arrival_time, job.priority)
+                                      collector.metrics.arrival_time, options.priority, options.cache_salt,
+                                      options.timeout)
         dealer.send(self._encoder.encode(message))
 
     def _tokenize(self, job: Submit) -> list[int]:
@@ -251,8 +258,7 @@ class Processor:
         collector = tracked.collector
         if out.error is not None:
             del self._tracked[out.request_id]
-            field, _, text = out.error.partition(": ")
-            return errors.InvalidRequestError(field, text)
+            return _request_error(out.error_type, out.error)
         metrics = collector.metrics
         if out.new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -290,6 +296,14 @@ class Processor:
         self._tracked.clear()
         if batch or error is not None:
             self._deliver(batch, None)
+
+
+def _request_error(error_type: str, text: str) -> BaseException:
+    """Rebuild the typed error the core reported for one request."""
+    if error_type == "EngineOverloadedError":
+        return errors.EngineOverloadedError(text)
+    field, _, detail = text.partition(": ")
+    return errors.InvalidRequestError(field, detail)
 
 
 def _error_from(message: protocol.EngineFailed) -> BaseException:

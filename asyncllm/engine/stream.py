@@ -7,6 +7,8 @@ cancellation or a timeout around ``__anext__``, or garbage collection.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.engine.collector import RequestCollector
@@ -18,14 +20,41 @@ if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
 
 
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request options of `stream`/`generate`/`chat` besides the sampling parameters."""
+
+    priority: int = 0
+    """Lower runs first under scheduling_policy="priority"; ties by arrival."""
+    request_id: str | None = None
+    """Caller-given id (unique among in-flight requests); by default the engine makes one."""
+    timeout: float | None = None
+    """Seconds after arrival at which the request ends with finish_reason "timeout"."""
+    cache_salt: str | None = None
+    """Requests with different salts never share prefix-cached KV blocks."""
+
+    def validate(self) -> None:
+        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
+            raise InvalidRequestError("priority", f"must be an int, got {self.priority!r}")
+        if self.request_id is not None and (not isinstance(self.request_id, str) or not self.request_id):
+            raise InvalidRequestError("request_id", f"must be a non-empty str, got {self.request_id!r}")
+        if self.timeout is not None:
+            ok = isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
+            if not ok or math.isnan(self.timeout) or self.timeout <= 0:
+                raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {self.timeout!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequestError("cache_salt", f"must be a str, got {self.cache_salt!r}")
+
+
 class RequestStream:
     """Iterate with ``async for delta in stream``; deltas are `StreamDelta`s."""
 
-    def __init__(self, engine: "AsyncEngine", prompt: Any, params: SamplingParams, priority: int, chat: bool) -> None:
+    def __init__(self, engine: "AsyncEngine", prompt: Any, params: SamplingParams, options: RequestOptions,
+                 chat: bool) -> None:
         self._engine = engine
         self._prompt = prompt
         self._params = params
-        self._priority = priority
+        self._options = options
         self._chat = chat
         self.collector: RequestCollector | None = None
         self._done = False
@@ -42,7 +71,7 @@ class RequestStream:
             raise StopAsyncIteration
         try:
             if self.collector is None:
-                self.collector = await self._engine._submit(self._prompt, self._params, self._priority, self._chat)
+                self.collector = await self._engine._submit(self._prompt, self._params, self._options, self._chat)
             delta = await self.collector.get()
         except BaseException:
             self._leave()

@@ -8,12 +8,15 @@ torch.distributed (gloo) group, real ring and result socket, no model.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -108,12 +111,15 @@ def own_shm_segments() -> list[str]:
 
 
 @pytest.fixture
-def runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Private socket folders go here, so a test can see that shutdown removed them."""
-    path = tmp_path / "run"
-    path.mkdir()
+def runtime_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Private socket folders go here, so a test can see that shutdown removed them.
+
+    (A short path: ipc:// socket paths must fit in 107 bytes.)
+    """
+    path = Path(tempfile.mkdtemp(prefix="al-"))
     monkeypatch.setenv("ASYNCLLM_RUNTIME_DIR", str(path))
-    return path
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -132,6 +138,8 @@ def test_round_trips_and_clean_shutdown(tp: int, runtime_dir: Path) -> None:
         assert out == ModelRunnerOutput(step_id, ["a", "b"], [[base + 3 + step_id], [base + 1]])
     executor.shutdown()
     executor.shutdown()  # idempotent
+    with pytest.raises(EngineDeadError, match="shut down"):
+        executor.execute_model(step(5, {"a": 1}))
     assert not any(alive(p) for p in pids)
     assert list(runtime_dir.iterdir()) == [] and own_shm_segments() == []
 
