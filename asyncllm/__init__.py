@@ -18,8 +18,8 @@ from asyncllm.errors import (
     NotBuiltError,
     RequestTimeoutError,
 )
-from asyncllm.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput, StreamDelta
-from asyncllm.sampling import SamplingParams
+from asyncllm.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput, StreamDelta
+from asyncllm.sampling import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -30,9 +30,11 @@ __all__ = [
     "AsyncEngine",
     "EngineConfig",
     "SamplingParams",
+    "RequestOutputKind",
     "StreamDelta",
     "RequestOutput",
     "CompletionOutput",
+    "Logprob",
     "RequestMetrics",
     "EngineStats",
     "AsyncLLMError",

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 
+from asyncllm.cli_commands import add_engine_parser, add_serve_parser, run_engine, run_serve
 from asyncllm.sampling import SamplingParams
 
 
@@ -15,12 +16,15 @@ def _parser() -> argparse.ArgumentParser:
     gen = commands.add_parser("generate", help="stream one completion to stdout")
     gen.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="the prompt (default: %(default)r)")
     gen.add_argument("--model", default=None,
-                     help="local folder or hub id; default: a tiny random Llama made locally (no download)")
+                     help="local folder or hub id; default: the bundled tiny model (no download)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
     gen.add_argument("--dtype", default="auto")
+    add_serve_parser(commands)
+    add_engine_parser(commands)
+    commands.add_parser("bench", help="run a standard benchmark workload (asyncllm bench --help)", add_help=False)
     return parser
 
 
@@ -29,10 +33,11 @@ async def _generate(args: argparse.Namespace) -> None:
 
     model = args.model
     if model is None:
-        from asyncllm.tiny import tiny_checkpoint
+        from asyncllm.bundled import bundled_model_path
 
-        model = tiny_checkpoint("llama")
-        print(f"[asyncllm] no --model given: using a tiny random Llama made locally at {model}", file=sys.stderr)
+        model = bundled_model_path()
+        print("[asyncllm] no --model given: the bundled tiny model (trained on Python's stdlib source; "
+              "it writes Python-like text, not answers)", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     engine = AsyncEngine(model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, disable_log_stats=True)
     async with engine:
@@ -45,9 +50,19 @@ async def _generate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own parser: asyncllm.bench.cli
+        from asyncllm.bench.cli import main as bench_main
+
+        sys.exit(bench_main(argv[1:]))
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.command == "generate":
         asyncio.run(_generate(args))
+    elif args.command == "serve":
+        run_serve(args, parser)
+    elif args.command == "engine":
+        run_engine(args, parser)
 
 
 if __name__ == "__main__":

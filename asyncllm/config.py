@@ -8,10 +8,10 @@ built yet raises `NotBuiltError` (a `ConfigError`) naming the feature.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from asyncllm.attention.availability import ATTENTION_BACKENDS, check_backend_available
 from asyncllm.errors import ConfigError, NotBuiltError
 
 __all__ = [
@@ -23,12 +23,12 @@ __all__ = [
     "MultiModalConfig",
     "ObservabilityConfig",
     "LoRAConfig",
+    "FaultToleranceConfig",
 ]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
-ATTENTION_BACKENDS = ("torch_sdpa", "triton", "flashinfer", "flash_attn")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -51,6 +51,13 @@ def _float(name: str, value: object, lo: float, hi: float, lo_open: bool = False
     ok = ok and (value > lo if lo_open else value >= lo) and value <= hi  # type: ignore[operator]
     if not ok:
         raise ConfigError(name, value, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+
+def _registry(name: str, value: object) -> None:
+    from prometheus_client import CollectorRegistry  # only when a registry is given: import asyncllm stays cheap
+
+    if not isinstance(value, CollectorRegistry):
+        raise ConfigError(name, value, "a prometheus_client.CollectorRegistry, or None for a private one")
 
 
 def _bool(name: str, value: object) -> None:
@@ -81,7 +88,8 @@ class ModelConfig:
     enforce_eager: bool = False
     """Never capture CUDA graphs. Graphs are not built yet, so the GPU path is always eager."""
     attention_backend: str | None = None
-    """torch_sdpa (built); triton, flashinfer, flash_attn are not built yet. None picks the default."""
+    """torch_sdpa (CPU default, the reference) or triton (CUDA default; on CPU only with TRITON_INTERPRET=1);
+    flashinfer, flash_attn: an error naming the package when it is missing, not built yet otherwise. None picks the default."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -96,8 +104,7 @@ class ModelConfig:
         _bool("enforce_eager", self.enforce_eager)
         if self.attention_backend is not None:
             _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-            if self.attention_backend != "torch_sdpa":
-                raise NotBuiltError("attention_backend", self.attention_backend, f"the {self.attention_backend} attention backend")
+            check_backend_available(self.attention_backend)
 
 
 @dataclass(frozen=True)
@@ -137,13 +144,15 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     """Cap on one request's prefill chunk per step; 0 means no cap."""
     preemption_mode: str = "recompute"
-    """recompute frees a victim's blocks and recomputes later; swap is not built yet."""
+    """recompute frees a victim's blocks and recomputes later; swap copies them to a CPU pool of swap_space GiB."""
     scheduling_policy: str = "fcfs"
-    """fcfs (first come first served); priority is not built yet."""
+    """fcfs (first come first served) or priority (lower `priority` first; may preempt lower-priority requests)."""
     max_num_queued_requests: int | None = None
-    """Admission control: reject requests past this many waiting (not built yet: only None)."""
+    """Admission control: reject new requests with EngineOverloadedError while this many wait; None = no limit."""
     speculative_config: dict | None = None
     """Speculative decoding settings (not built yet: only None)."""
+    max_num_queued_tokens: int | None = None
+    """Admission control: reject new requests with EngineOverloadedError when the waiting prompts' tokens would exceed this; None = no limit."""
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)
@@ -151,13 +160,9 @@ class SchedulerConfig:
         _bool("enable_chunked_prefill", self.enable_chunked_prefill)
         _int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
-        if self.preemption_mode == "swap":
-            raise NotBuiltError("preemption_mode", "swap", "preemption by swapping to CPU")
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
-        if self.scheduling_policy == "priority":
-            raise NotBuiltError("scheduling_policy", "priority", "priority scheduling")
-        if self.max_num_queued_requests is not None:
-            raise NotBuiltError("max_num_queued_requests", self.max_num_queued_requests, "admission control")
+        _int("max_num_queued_requests", self.max_num_queued_requests, 1, optional=True)
+        _int("max_num_queued_tokens", self.max_num_queued_tokens, 1, optional=True)
         if self.speculative_config is not None:
             raise NotBuiltError("speculative_config", self.speculative_config, "speculative decoding")
 
@@ -215,13 +220,13 @@ class ObservabilityConfig:
     log_stats_interval: float = 10.0
     """Seconds between two stats log lines."""
     prometheus_registry: Any = None
-    """A prometheus_client CollectorRegistry to register metrics in (not built yet: only None)."""
+    """A prometheus_client CollectorRegistry for the engine's metrics; None = a private one (`engine.metrics_registry`)."""
 
     def __post_init__(self) -> None:
         _bool("disable_log_stats", self.disable_log_stats)
         _float("log_stats_interval", self.log_stats_interval, 0.0, 86400.0, lo_open=True)
         if self.prometheus_registry is not None:
-            raise NotBuiltError("prometheus_registry", self.prometheus_registry, "Prometheus metrics")
+            _registry("prometheus_registry", self.prometheus_registry)
 
 
 @dataclass(frozen=True)
@@ -241,6 +246,26 @@ class LoRAConfig:
             raise NotBuiltError("enable_lora", True, "LoRA adapters")
 
 
+@dataclass(frozen=True)
+class FaultToleranceConfig:
+    """What the engine does when a worker or the engine core fails (docs/reliability.md)."""
+
+    worker_step_timeout_s: float | None = 300.0
+    """Watchdog: a step the workers have not finished after this many seconds counts as a worker failure
+    (restart and replay, as for a dead worker); None = no watchdog (a first step may compile for minutes)."""
+    max_worker_restarts: int = 3
+    """Worker restarts within 10 minutes before the engine fails (every stream gets EngineDeadError); 0 = fail-stop."""
+    max_core_restarts: int = 0
+    """The host restarts a dead engine core this many times within 10 minutes (its in-flight requests fail,
+    new ones are served); 0 = no supervisor, a dead core ends the engine."""
+
+    def __post_init__(self) -> None:
+        if self.worker_step_timeout_s is not None:
+            _float("worker_step_timeout_s", self.worker_step_timeout_s, 0.0, 86400.0, lo_open=True)
+        _int("max_worker_restarts", self.max_worker_restarts, 0, 1000)
+        _int("max_core_restarts", self.max_core_restarts, 0, 1000)
+
+
 _SECTIONS = {
     "model_config": ModelConfig,
     "cache_config": CacheConfig,
@@ -249,6 +274,7 @@ _SECTIONS = {
     "multimodal_config": MultiModalConfig,
     "observability_config": ObservabilityConfig,
     "lora_config": LoRAConfig,
+    "fault_tolerance_config": FaultToleranceConfig,
 }
 _FIELD_TO_SECTION = {f.name: name for name, cls in _SECTIONS.items() for f in fields(cls)}
 _HOST_ONLY_FIELDS = ("prometheus_registry",)
@@ -265,6 +291,7 @@ class EngineConfig:
     multimodal_config: MultiModalConfig = field(default_factory=MultiModalConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
+    fault_tolerance_config: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     @classmethod
     def create(cls, model: str, **kwargs: Any) -> "EngineConfig":
@@ -293,8 +320,9 @@ class EngineConfig:
     def to_dict(self, wire: bool = False) -> dict[str, Any]:
         """Flat field -> value; `wire=True` leaves out host-only objects."""
         flat = {}
-        for name in _SECTIONS:
-            flat.update(dataclasses.asdict(getattr(self, name)))
+        for name in _SECTIONS:  # shallow: a host-only object (a registry) must not be deep-copied
+            section = getattr(self, name)
+            flat.update({f.name: getattr(section, f.name) for f in fields(section)})
         if wire:
             for key in _HOST_ONLY_FIELDS:
                 flat.pop(key, None)

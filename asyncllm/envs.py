@@ -34,4 +34,19 @@ RUNTIME_DIR = EnvVar(
     "Parent folder of the private 0700 socket folders (default: the system temp dir).",
 )
 
-REGISTRY = (CPU_KVCACHE_SPACE_GB, ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR)
+TRITON_INTERPRET = EnvVar(
+    "TRITON_INTERPRET", False, lambda raw: raw.strip().lower() in ("1", "true", "yes", "on"),
+    "Triton's own switch to run kernels in its CPU interpreter; with it, attention_backend='triton' "
+    "is allowed on the CPU (tests only: slow). Read at worker start.",
+)
+API_KEY = EnvVar(
+    "ASYNCLLM_API_KEY", "", str,
+    "API key `asyncllm serve` requires as 'Authorization: Bearer KEY' when --api-key is not given.",
+)
+ENGINE_KEY = EnvVar(
+    "ASYNCLLM_ENGINE_KEY", "", str,
+    "Shared secret of a tcp:// engine address (at least 16 characters; the core and every host set the same): "
+    "CURVE keys derived from it encrypt and authenticate the connection (docs/security.md).",
+)
+
+REGISTRY = (API_KEY, CPU_KVCACHE_SPACE_GB, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR, TRITON_INTERPRET)

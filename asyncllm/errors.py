@@ -35,11 +35,12 @@ class ConfigError(AsyncLLMError, ValueError):
     ``field`` names the field, ``value`` is what was given.
     """
 
-    def __init__(self, field: str, value: object, allowed: str) -> None:
+    def __init__(self, field: str, value: object, allowed: str, *, value_repr: str | None = None) -> None:
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{field}={value!r} is not allowed: {allowed}")
+        shown = value_repr if value_repr is not None else repr(value)
+        super().__init__(f"{field}={shown} is not allowed: {allowed}")
 
 
 class NotBuiltError(ConfigError):

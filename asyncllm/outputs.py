@@ -4,7 +4,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StreamDelta", "CompletionOutput", "RequestOutput", "RequestMetrics"]
+__all__ = [
+    "StreamDelta", "CompletionOutput", "RequestOutput", "RequestMetrics", "Logprob", "SampleLogprobs", "PromptLogprobs",
+]
+
+
+@dataclass(slots=True, frozen=True)
+class Logprob:
+    """The log probability of one token at one position (vLLM's `Logprob`)."""
+
+    logprob: float
+    """Natural log of the token's probability under the model's raw distribution."""
+    rank: int | None = None
+    """1 for the most likely token; ties share the larger rank (the count of tokens at least as likely)."""
+    decoded_token: str | None = None
+    """The token alone, decoded with special tokens kept."""
+
+
+SampleLogprobs = list[dict[int, Logprob]]
+"""One dict per generated token: the token itself, then the top-N, each id -> `Logprob`."""
+PromptLogprobs = list["dict[int, Logprob] | None"]
+"""One entry per prompt token; the first is None (nothing predicts it)."""
 
 
 @dataclass(slots=True)
@@ -22,7 +42,10 @@ class StreamDelta:
     """None while running; then 'stop', 'length' or 'abort'."""
     stop_reason: str | int | None = None
     """The stop string or stop token id that ended the sample, if any."""
-    logprobs: list | None = None
+    logprobs: SampleLogprobs | None = None
+    """One dict per token of ``token_ids`` when the request asked for logprobs."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """Set on the first delta of sample 0 when the request asked for prompt_logprobs."""
 
     @property
     def finished(self) -> bool:
@@ -46,15 +69,55 @@ class RequestMetrics:
     def e2e_latency(self) -> float | None:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
+    # Scheduling timestamps come from the engine core's clock (the same machine's time.time()).
+    queued_time: float | None = None
+    """When the engine core queued the request."""
+    first_scheduled_time: float | None = None
+    """When the scheduler first admitted the request into the running batch."""
+    last_token_time: float | None = None
+    """When the latest output token reached the host."""
+    num_preemptions: int = 0
+    """Times the request was preempted (its KV cache freed, recomputed later)."""
+
+    @property
+    def queue_time(self) -> float | None:
+        """Queued until first scheduled (vLLM's time_in_queue)."""
+        if self.queued_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.queued_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        """First scheduled until the first token."""
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float | None:
+        """First token until the latest token (the whole decode once finished)."""
+        if self.first_token_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> float | None:
+        """First scheduled until the latest token: prefill plus decode."""
+        if self.first_scheduled_time is None or self.last_token_time is None:
+            return None
+        return self.last_token_time - self.first_scheduled_time
+
 
 @dataclass(slots=True)
 class CompletionOutput:
+    """One sample of a request (``index`` 0 .. n-1)."""
+
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    logprobs: list | None = None
+    logprobs: SampleLogprobs | None = None
 
 
 @dataclass(slots=True)
@@ -68,6 +131,8 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     finished: bool = True
+    prompt_logprobs: PromptLogprobs | None = None
+    """One entry per prompt token when the request asked for prompt_logprobs (the first is None)."""
 
     @property
     def text(self) -> str:
@@ -82,23 +147,42 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
     @property
-    def logprobs(self) -> list | None:
+    def logprobs(self) -> SampleLogprobs | None:
         return self.outputs[0].logprobs
 
 
 @dataclass(slots=True)
 class EngineStats:
-    """A snapshot of the engine's gauges and counters (see `AsyncEngine.stats`)."""
+    """A snapshot of the engine's gauges and counters (see `AsyncEngine.stats`).
+
+    The gauges and the preemption / prefix-cache counters are engine-wide (from
+    the engine core's latest report); the token and request counters count the
+    requests of this `AsyncEngine` (this host process), as its Prometheus
+    series do. docs/observability.md explains why.
+    """
 
     num_requests_running: int = 0
     num_requests_waiting: int = 0
     kv_cache_usage: float = 0.0
+    """Fraction of KV-cache blocks in use, 0.0 to 1.0."""
     num_gpu_blocks: int = 0
     num_used_blocks: int = 0
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0
+    """Prompt tokens looked up in the prefix cache."""
     prefix_cache_hits: int = 0
+    """Prompt tokens found there."""
     prompt_tokens_total: int = 0
+    """Prompt tokens of this host's requests, counted when their first token arrives."""
     generation_tokens_total: int = 0
+    """Tokens generated for this host's requests."""
     engine_alive: bool = True
     extra: dict = field(default_factory=dict)
+    request_success_total: dict[str, int] = field(default_factory=dict)
+    """This host's finished requests by finish reason ("stop", "length", "abort", ...)."""
+    num_swapped_total: int = 0
+    """Preemptions that swapped the victim's KV to the CPU (preemption_mode='swap'); the rest recomputed."""
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0

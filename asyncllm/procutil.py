@@ -24,8 +24,11 @@ def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None
     """Start ``python -m module *args`` with a stdin pipe tied to our life."""
     child_env = dict(os.environ)
     child_env.update(env or {})
+    # -P: never put the working directory on sys.path (a repo checkout's kernels/
+    # folder would shadow Hugging Face's `kernels` package).
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
     return subprocess.Popen(
-        [sys.executable, "-m", module, *args],
+        [sys.executable, *safe_path, "-m", module, *args],
         stdin=subprocess.PIPE,
         env=child_env,
         close_fds=True,
@@ -40,10 +43,12 @@ def exit_when_parent_dies(poll_s: float = 0.5) -> None:
     parent = os.getppid()
 
     def read_stdin() -> None:
+        # os.read, not sys.stdin: a thread blocked inside a buffered reader makes
+        # interpreter shutdown abort ("_enter_buffered_busy").
         try:
-            while sys.stdin.buffer.read(1):
+            while os.read(0, 1):
                 pass
-        except (OSError, ValueError):
+        except OSError:
             pass
         os._exit(0)
 
@@ -56,8 +61,14 @@ def exit_when_parent_dies(poll_s: float = 0.5) -> None:
     threading.Thread(target=poll_ppid, name="asyncllm-parent-pid", daemon=True).start()
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 5.0) -> None:
-    """Close the child's stdin (it exits), then terminate and kill if needed."""
+def stop_process(proc: subprocess.Popen, timeout: float = 5.0, grace: float = 0.0) -> None:
+    """Give the child `grace` seconds to exit on its own, then close its stdin
+    (it exits at once), then terminate and kill if needed."""
+    if grace > 0:
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
     if proc.stdin is not None:
         try:
             proc.stdin.close()

@@ -7,10 +7,12 @@ socket direction validates every frame; no pickle anywhere.
 
 from __future__ import annotations
 
+import enum
 from typing import Union
 
 import msgspec
 
+from asyncllm.errors import ConfigError
 from asyncllm.sampling import SamplingParams
 
 _STRUCT = dict(tag=True, array_like=True, omit_defaults=True)
@@ -61,6 +63,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps_total: int = 0
+    num_waiting_tokens: int = 0
+    """Known tokens of the waiting requests (admission control's max_num_queued_tokens)."""
+    num_swapped_total: int = 0
+    """Preemptions that swapped the victim's KV to the CPU (the others recomputed)."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -72,10 +78,56 @@ class Ready(msgspec.Struct, **_STRUCT):
     block_size: int
     max_model_len: int
     core_pid: int
+    model: str = ""
+    """The model folder the core serves: a host that attaches (`AsyncEngine.connect`) loads its tokenizer from it."""
+    tokenizer: str = ""
+    """Tokenizer folder or hub id (empty: the model folder's)."""
+    revision: str | None = None
+    """Hub revision of `tokenizer`, if it is a hub id."""
 
 
-class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one step produced for one request."""
+class EngineCoreEventType(enum.IntEnum):
+    """What happened to a request in the core (see `EngineCoreEvent`)."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    """Admitted into the running batch (first time, or again after a preemption)."""
+    PREEMPTED = 3
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True):
+    """A timestamped scheduling event; rides on the request's next `RequestOutputDelta`."""
+
+    type: EngineCoreEventType
+    timestamp: float
+    """time.time() in the engine core."""
+
+
+class LogprobsArrays(msgspec.Struct, array_like=True, omit_defaults=True):
+    """Logprobs of consecutive positions of one request, packed as little-endian numpy bytes.
+
+    Row p is one position: its own token (the sampled one, or the prompt
+    token) first, then the top-N tokens, most likely first; ``width`` = 1 + N.
+    Raw bytes keep a step's message small and cheap to encode.
+    """
+
+    width: int
+    token_ids: bytes
+    """int32 ``[num_positions, width]``."""
+    logprobs: bytes
+    """float32 ``[num_positions, width]``."""
+    ranks: bytes
+    """int32 ``[num_positions]``: the rank of each row's own token (1 = most likely)."""
+    start: int = 0
+    """Prompt logprobs: the index of the prompt token of the first row (prompt token 0 has none)."""
+
+
+class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """What one step produced for one request.
+
+    ``gc=False``: one is made per running request per step, and its fields never
+    point back at it, so the cycle collector need not track it (half the cost).
+    """
 
     request_id: str
     new_token_ids: list[int]
@@ -86,12 +138,20 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True):
     """Set when the core rejected the request ("field: why")."""
     error_type: str = "InvalidRequestError"
     """The asyncllm.errors class of `error`."""
+    logprobs: LogprobsArrays | None = None
+    """One row per new token, when the request asked for logprobs."""
+    prompt_logprobs: LogprobsArrays | None = None
+    """Rows for prompt tokens computed this step, when the request asked for prompt_logprobs."""
+    events: list[EngineCoreEvent] | None = None
+    """Scheduling events since the request's previous delta (None on most deltas)."""
 
 
 class Outputs(msgspec.Struct, **_STRUCT):
     outputs: list[RequestOutputDelta]
     stats: SchedulerStats | None = None
     timestamp: float = 0.0
+    stats_reporter: bool = False
+    """True for the one host that exports the engine-wide metrics, so hosts sharing a core report them once."""
 
 
 class EngineFailed(msgspec.Struct, **_STRUCT):
@@ -117,10 +177,12 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    eos_token_ids: list[int] = []
+    """The tokenizer's EOS ids: masked until min_tokens outputs exist (unless ignore_eos)."""
 
 
-class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A request the workers know: only what changed since the last step."""
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A request the workers know: only what changed since the last step (``gc=False``: one per running request per step)."""
 
     req_id: str
     new_block_ids: list[int]
@@ -138,11 +200,17 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):
     finished_req_ids: list[str] = []
     """Aborted or finished since the last step: workers drop their state."""
     preempted_req_ids: list[str] = []
-    """Preempted (recompute) since the last step: workers drop their state."""
+    """Preempted since the last step (recompute or swap): workers drop their state."""
+    blocks_to_swap_out: list[list[int]] = []
+    """[gpu_block, cpu_block] pairs to copy to the CPU swap space before this step's forward."""
+    blocks_to_swap_in: list[list[int]] = []
+    """[gpu_block, cpu_block] pairs to copy back from the CPU after the swap-outs, before the forward."""
 
 
 class InitCache(msgspec.Struct, **_STRUCT):
     num_gpu_blocks: int
+    num_cpu_blocks: int = 0
+    """Blocks of the CPU swap space to allocate (preemption_mode='swap' only)."""
 
 
 class ShutdownWorker(msgspec.Struct, **_STRUCT):
@@ -157,6 +225,8 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     rank: int
     num_available_blocks: int
     """Blocks this rank can hold in its memory budget (the core takes the min)."""
+    num_cpu_blocks: int = 0
+    """Blocks of swap_space GiB on this rank (preemption_mode='swap' only; the core takes the min)."""
 
 
 class CacheReady(msgspec.Struct, **_STRUCT):
@@ -168,6 +238,10 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     """One list per scheduled request; empty for a prefill chunk that samples nothing."""
+    logprobs: dict[str, LogprobsArrays] = {}
+    """Logprobs of the sampled tokens, for the requests that asked."""
+    prompt_logprobs: dict[str, LogprobsArrays] = {}
+    """Logprobs of the prompt tokens this step covered, for the requests that asked."""
 
 
 class WorkerError(msgspec.Struct, **_STRUCT):
@@ -180,3 +254,19 @@ class WorkerError(msgspec.Struct, **_STRUCT):
 
 
 WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError]
+
+
+# ------------------------------------------------------------- error helpers
+def config_error_parts(exc: BaseException) -> list[str]:
+    """A ConfigError as [field, value repr, allowed] for the wire; [] for anything else."""
+    if isinstance(exc, ConfigError):
+        return [exc.field, repr(exc.value), exc.allowed]
+    return []
+
+
+def config_error_from_parts(parts: list[str], where: str = "") -> ConfigError | None:
+    """Rebuild a ConfigError sent with `config_error_parts`; None if there is none."""
+    if len(parts) != 3:
+        return None
+    field, value_repr, allowed = parts
+    return ConfigError(field, value_repr, allowed + where, value_repr=value_repr)

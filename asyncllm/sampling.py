@@ -1,28 +1,47 @@
-"""`SamplingParams`: how one request is sampled and when it stops.
+"""`SamplingParams`: how one request is sampled, when it stops, and what it returns.
 
 A msgspec Struct so that it crosses the host -> core -> worker wire as is.
 `validate()` raises `InvalidRequestError` naming the field; the host calls it
-before a request leaves the process.
+before a request leaves the process. docs/sampling.md lists every field.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 
 import msgspec
 
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["SamplingParams"]
+__all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams", "sample_seed"]
 
 _MAX_SEED = 2**63 - 1
+_MASK64 = (1 << 64) - 1
+
+MAX_LOGPROBS = 20
+"""Most top logprobs a request may ask for per token (vLLM's default max_logprobs, OpenAI's limit)."""
+
+_MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a logit_bias value; a bias of +-100 bans or forces a token."""
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each item of `AsyncEngine.stream` carries (vLLM's names and values)."""
+
+    CUMULATIVE = 0
+    """The whole output of the sample so far."""
+    DELTA = 1
+    """Only what is new since the sample's previous item (the default)."""
+    FINAL_ONLY = 2
+    """One item per sample, when it finishes, with its whole output."""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_like=True):
     """Sampling and stopping parameters of one request (vLLM's names and defaults)."""
 
     n: int = 1
-    """Number of samples to return (only 1 is built so far)."""
+    """Number of samples of the prompt; they share its prefix-cached KV blocks."""
     temperature: float = 1.0
     """Softmax temperature; 0 means greedy (argmax)."""
     top_p: float = 1.0
@@ -47,10 +66,30 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     """Keep the matched stop string at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the decoded text."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already generated (OpenAI's formula)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time it was already generated."""
+    repetition_penalty: float = 1.0
+    """Divides positive and multiplies negative logits of tokens in the prompt or the output (HF, CTRL)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling, in [-100, 100]."""
+    logprobs: int | None = None
+    """Return the logprob of each generated token and of the N most likely ones (0: the token's only)."""
+    prompt_logprobs: int | None = None
+    """Return the logprob of each prompt token and of the N most likely ones there (disables prefix-cache reads)."""
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
+    """What `stream` yields: deltas, cumulative outputs, or each sample once at its end."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.output_kind, str) and self.output_kind.upper() in RequestOutputKind.__members__:
+            self.output_kind = RequestOutputKind[self.output_kind.upper()]
+        elif type(self.output_kind) is int and self.output_kind in iter(RequestOutputKind):
+            self.output_kind = RequestOutputKind(self.output_kind)
+        if isinstance(self.logit_bias, dict) and any(isinstance(k, str) for k in self.logit_bias):
+            self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}  # JSON clients send str keys
 
     @property
     def greedy(self) -> bool:
@@ -58,7 +97,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 
     def validate(self) -> None:
         """Raise `InvalidRequestError` naming the first bad field."""
-        _check_int("n", self.n, 1, 1, "only n=1 is built so far")
+        _check_int("n", self.n, 1, 2**31 - 1)
         _check_float("temperature", self.temperature, 0.0, 100.0)
         _check_float("top_p", self.top_p, 0.0, 1.0)
         if self.top_p == 0.0:
@@ -79,6 +118,68 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, f"must be a bool, got {getattr(self, name)!r}")
+        self._validate_logits_params()
+        self._validate_outputs()
+
+    def _validate_logits_params(self) -> None:
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0**31)
+        if self.repetition_penalty == 0.0 or math.isinf(self.repetition_penalty):
+            raise InvalidRequestError("repetition_penalty", f"must be a positive finite number, got {self.repetition_penalty}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise InvalidRequestError("logit_bias", f"must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")
+            for token_id, bias in self.logit_bias.items():
+                if not _is_int(token_id) or token_id < 0:
+                    raise InvalidRequestError("logit_bias", f"keys must be non-negative token ids, got {token_id!r}")
+                _check_float("logit_bias", bias, -_MAX_LOGIT_BIAS, _MAX_LOGIT_BIAS)
+
+    def _validate_outputs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_int(name, value, 0, MAX_LOGPROBS)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidRequestError("output_kind", f"must be a RequestOutputKind or one of "
+                                      f"{[k.lower() for k in RequestOutputKind.__members__]}, got {self.output_kind!r}")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise `InvalidRequestError` if a token id in the parameters is not below `vocab_size`."""
+        if self.logit_bias:
+            bad = [t for t in self.logit_bias if t >= vocab_size]
+            if bad:
+                raise InvalidRequestError("logit_bias", f"token ids must be < the vocabulary size {vocab_size}, got {bad[:5]}")
+
+    def for_sample(self, index: int) -> "SamplingParams":
+        """The parameters of sample `index` of an n > 1 request, sent to the core as its own request.
+
+        Each sample has n=1 and a derived seed; only sample 0 computes prompt_logprobs.
+        """
+        seed = None if self.seed is None else sample_seed(self.seed, index)
+        prompt_logprobs = self.prompt_logprobs if index == 0 else None
+        return msgspec.structs.replace(self, n=1, seed=seed, prompt_logprobs=prompt_logprobs)
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a seeded request: `seed` itself for sample 0, then unrelated seeds.
+
+    A splitmix64 finaliser of (seed, index), so sample 1 of seed s does not
+    repeat sample 0 of seed s + 1.
+    """
+    if index == 0:
+        return seed
+    x = ((seed ^ 0x5851F42D4C957F2D) + 0x9E3779B97F4A7C15 * index) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) & _MAX_SEED
+
+
+def _int_key(key: object) -> object:
+    """A decimal str key as an int (JSON object keys are strings); anything else unchanged for validate()."""
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 def _is_int(value: object) -> bool:

@@ -164,8 +164,9 @@ def _corpus() -> list[str]:
     return [*texts, _CORPUS_EXTRA]
 
 
-def _build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
-    """Train the byte-level BPE and wrap it as a transformers fast tokenizer."""
+def _build_tokenizer(vocab_size: int, model_max_length: int, corpus: list[str] | None = None) -> Any:
+    """Train the byte-level BPE (on ``corpus``, default the fixed stdlib slice) and wrap it as a
+    transformers fast tokenizer."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -182,7 +183,7 @@ def _build_tokenizer(vocab_size: int, model_max_length: int) -> Any:
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
-    backend.train_from_iterator(_corpus(), trainer)
+    backend.train_from_iterator(_corpus() if corpus is None else corpus, trainer)
     bos = SPECIAL_TOKENS[0]
     backend.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, backend.token_to_id(bos))],

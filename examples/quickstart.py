@@ -1,4 +1,4 @@
-"""Stream a completion from a tiny model made locally (no download).
+"""Stream a completion from the bundled tiny model (no download), or from MODEL.
 
     python examples/quickstart.py [MODEL]
 """
@@ -9,8 +9,8 @@ import sys
 from asyncllm import AsyncEngine, SamplingParams
 
 
-async def main(model: str) -> None:
-    async with AsyncEngine(model) as engine:
+async def main(model: str | None) -> None:
+    async with AsyncEngine(model) as engine:  # None: the bundled tiny model
         async for delta in engine.stream("def fibonacci(n):", SamplingParams(max_tokens=48, temperature=0.0)):
             print(delta.text, end="", flush=True)
         print()
@@ -21,10 +21,4 @@ async def main(model: str) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        path = sys.argv[1]
-    else:
-        from asyncllm.tiny import tiny_checkpoint
-
-        path = tiny_checkpoint("llama")
-    asyncio.run(main(path))
+    asyncio.run(main(sys.argv[1] if len(sys.argv) > 1 else None))

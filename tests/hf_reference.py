@@ -24,3 +24,13 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int
             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+def hf_logits(path: str, token_ids: list[int]):
+    """transformers' float32 logits at every position of one sequence: ``[len(token_ids), vocab]``."""
+    import torch
+
+    model = _hf_model(path)
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long))
+    return out.logits[0].float()

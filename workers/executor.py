@@ -26,7 +26,7 @@ import zmq
 
 from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig
-from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError
+from asyncllm.errors import AsyncLLMError, EngineDeadError
 from asyncllm.procutil import free_tcp_port, private_ipc_dir, remove_dir, spawn_module, stop_process
 from asyncllm.workers.shm_broadcast import BroadcastWriter
 
@@ -73,6 +73,8 @@ class Executor:
         self._ring: BroadcastWriter | None = None
         self._failure: AsyncLLMError | None = None
         self._closed = False
+        self.num_cpu_blocks = 0
+        """Swap-space blocks every rank can hold (the min over ranks), known after `start()`."""
 
     @property
     def worker_pids(self) -> list[int]:
@@ -89,15 +91,20 @@ class Executor:
             deadline = time.monotonic() + timeout_s
             ready = self._gather(protocol.WorkerReady, deadline, "load the model")
             self._await_ring_readers(deadline)
+            # Every worker is connected to both sockets now, and connected ipc://
+            # sockets outlive their paths: removing the folder at once means no
+            # crash of the core (SIGKILL, or stdin EOF's os._exit) can leave it behind.
+            remove_dir(self._ipc_dir)
         except BaseException:
             self.shutdown()
             raise
+        self.num_cpu_blocks = min(msg.num_cpu_blocks for msg in ready)
         return min(msg.num_available_blocks for msg in ready)
 
-    def init_cache(self, num_gpu_blocks: int) -> None:
-        """Every rank allocates its paged KV cache of ``num_gpu_blocks`` blocks."""
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
+        """Every rank allocates its paged KV cache of ``num_gpu_blocks`` blocks (and its CPU swap space)."""
         deadline = time.monotonic() + envs.ENGINE_STARTUP_TIMEOUT_S.get()
-        self._broadcast(protocol.InitCache(num_gpu_blocks), deadline)
+        self._broadcast(protocol.InitCache(num_gpu_blocks, num_cpu_blocks), deadline)
         self._gather(protocol.CacheReady, deadline, "allocate the KV cache")
 
     def execute_model(self, sched_out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
@@ -131,7 +138,7 @@ class Executor:
 
     # ------------------------------------------------------------ startup
     def _open_channels(self) -> None:
-        self._ipc_dir = private_ipc_dir()
+        self._ipc_dir = private_ipc_dir()  # 0700: only this user can connect
         self._ctx = zmq.Context()
         self._results = self._ctx.socket(zmq.PULL)
         self._results.setsockopt(zmq.LINGER, 0)
@@ -261,9 +268,9 @@ class Executor:
 
 def _error_from(message: protocol.WorkerError) -> AsyncLLMError:
     """A worker's ConfigError stays a ConfigError (same field); anything else kills the engine."""
-    if message.error_type in ("ConfigError", "NotBuiltError") and len(message.config_error) == 3:
-        field, value, allowed = message.config_error
-        return ConfigError(field, value, f"{allowed} (worker rank {message.rank})")
+    config_error = protocol.config_error_from_parts(message.config_error, f" (worker rank {message.rank})")
+    if config_error is not None:
+        return config_error
     kind = f"{message.error_type}: " if message.error_type else ""
     return EngineDeadError(f"worker rank {message.rank} failed: {kind}{message.message}")
 

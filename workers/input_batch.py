@@ -18,7 +18,7 @@ copies (a step that samples nothing never synchronises on its own).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -26,6 +26,8 @@ import torch
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
+from asyncllm.workers.logits_processors import RowLogitsParams, build_logits_processors_metadata
+from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
 
 __all__ = ["BlockTable", "InputBatch", "RequestState", "StepInputs"]
@@ -42,6 +44,8 @@ class RequestState:
     num_prompt_tokens: int
     num_computed_tokens: int
     params: SamplingParams
+    logits_params: RowLogitsParams | None = None
+    """logit_bias / min_tokens / penalty settings; None when the request has none."""
 
     @property
     def num_tokens(self) -> int:
@@ -109,6 +113,8 @@ class StepInputs:
     logits_indices: torch.Tensor  # [S] int64: the last token of each sampling request
     sampling_metadata: SamplingMetadata
     """Settings of the sampling requests, in ``sample_indices`` order."""
+    prompt_logprobs_jobs: list[PromptLogprobsJob] = field(default_factory=list)
+    """Prompt logprobs to compute from this step's hidden states."""
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +137,11 @@ class InputBatch:
         self.block_size = block_size
         self.device = device
         self.requests: dict[str, RequestState] = {}
+        self.prompt_logprobs_req_ids: set[str] = set()
+        """Requests that asked for prompt logprobs and have not sampled yet."""
+        self._num_logits_params = 0
+        self._num_logprobs = 0
+        """Rows with logits processors / logprobs: when 0, a step skips gathering them."""
         max_blocks = -(-max_model_len // block_size)
         self.block_table = BlockTable(max_num_reqs, max_blocks)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
@@ -174,7 +185,11 @@ class InputBatch:
             num_prompt_tokens=new.num_prompt_tokens,
             num_computed_tokens=new.num_computed_tokens,
             params=new.params,
+            logits_params=RowLogitsParams.from_params(new.params, new.eos_token_ids),
         )
+        if new.params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
+            self.prompt_logprobs_req_ids.add(new.req_id)
+        self._count_extras(self.requests[new.req_id], 1)
         self.block_table.append(row, new.block_ids)
         params = new.params
         self.temperature[row] = params.temperature
@@ -184,9 +199,15 @@ class InputBatch:
 
     def remove_request(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
+        self.prompt_logprobs_req_ids.discard(req_id)
         if state is not None:
+            self._count_extras(state, -1)
             self.block_table.clear(state.row)
             self._free_rows.append(state.row)
+
+    def _count_extras(self, state: RequestState, sign: int) -> None:
+        self._num_logits_params += sign * (state.logits_params is not None)
+        self._num_logprobs += sign * (state.params.logprobs is not None)
 
     def _update_request(self, cached: CachedRequestData) -> None:
         state = self.requests[cached.req_id]
@@ -229,7 +250,24 @@ class InputBatch:
         sample_indices = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
         self.logits_indices.np[: len(sample_indices)] = query_start_loc[1:][sample_indices] - 1
         sampling_metadata = self._sampling_metadata([states[i] for i in sample_indices])
-        return self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata)
+        inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata)
+        if self.prompt_logprobs_req_ids:
+            inputs.prompt_logprobs_jobs = self._prompt_logprobs_jobs(states, computed, num_scheduled, query_start_loc)
+        return inputs
+
+    def _prompt_logprobs_jobs(
+        self, states: list[RequestState], computed: np.ndarray, num_scheduled: np.ndarray, query_start_loc: np.ndarray
+    ) -> list[PromptLogprobsJob]:
+        jobs = []
+        for i, state in enumerate(states):
+            if state.req_id in self.prompt_logprobs_req_ids:
+                job = plan_prompt_logprobs(
+                    state.req_id, state.token_ids, state.num_prompt_tokens, int(computed[i]), int(num_scheduled[i]),
+                    int(query_start_loc[i]), state.params.prompt_logprobs or 0,
+                )
+                if job is not None:
+                    jobs.append(job)
+        return jobs
 
     def _write_positions_and_slots(
         self, states: list[RequestState], num_scheduled: np.ndarray, computed: np.ndarray, query_start_loc: np.ndarray
@@ -281,6 +319,9 @@ class InputBatch:
 
     def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
+        device = self.device
+        processors = build_logits_processors_metadata(states, device) if self._num_logits_params else None
+        logprobs = LogprobsMetadata.build([s.params.logprobs for s in states], device) if self._num_logprobs else None
         return SamplingMetadata.from_arrays(
             self.temperature[rows],
             self.top_k[rows],
@@ -289,6 +330,8 @@ class InputBatch:
             seeds=[s.params.seed for s in states],
             positions=[s.num_tokens for s in states],
             device=self.device,
+            logits_processors=processors,
+            logprobs=logprobs,
         )
 
     # ------------------------------------------------------------ after the step
@@ -298,3 +341,5 @@ class InputBatch:
             self.requests[req_id].num_computed_tokens += num
         for i, token in zip(inputs.sample_indices, sampled):
             self.requests[inputs.req_ids[i]].token_ids.append(token)
+        if self.prompt_logprobs_req_ids:
+            self.prompt_logprobs_req_ids.difference_update(inputs.req_ids[i] for i in inputs.sample_indices)

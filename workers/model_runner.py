@@ -22,16 +22,20 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec
-from asyncllm.protocol import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from asyncllm.protocol import LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
-from asyncllm.workers.input_batch import InputBatch
-from asyncllm.workers.sampler import Sampler
+from asyncllm.workers.input_batch import InputBatch, StepInputs
+from asyncllm.workers.logprobs import compute_prompt_logprobs
+from asyncllm.workers.sampler import Sampler, SamplerOutput
+from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
 
 __all__ = ["ModelRunner", "profile_step"]
 
 _PROFILE_STEP_ID = -1
-_PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01)
-"""Every filter on, so profiling measures the sampler's largest buffers (the sort)."""
+_PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
+                                 frequency_penalty=0.1, logprobs=20, prompt_logprobs=20)
+"""Every filter, penalty and logprobs on, so profiling measures the sampler's largest buffers
+(the sort, the penalty tables, prompt-logprobs slices)."""
 
 
 class ModelRunner:
@@ -60,6 +64,8 @@ class ModelRunner:
         self.dtype: torch.dtype | None = None
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.swap_space: CPUSwapSpace | None = None
+        """CPU copies of preempted requests' blocks (preemption_mode='swap')."""
 
     # ------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -98,6 +104,14 @@ class ModelRunner:
                 "after the weights and activations: raise it, or lower max_num_batched_tokens",
             )
         return int(num_blocks)
+
+    def determine_num_cpu_blocks(self) -> int:
+        """KV blocks that fit in swap_space GiB of CPU memory on this rank."""
+        return num_swap_blocks(self.config.swap_space, self.bytes_per_block)
+
+    def init_swap_space(self, num_cpu_blocks: int) -> None:
+        """Allocate the CPU swap space (after `init_cache`: it takes the KV cache's layout)."""
+        self.swap_space = CPUSwapSpace(num_cpu_blocks, self.kv_caches)
 
     def init_cache(self, num_gpu_blocks: int) -> None:
         """Allocate the paged KV cache: per layer ``[2, blocks, block_size, kv_heads, head_dim]``."""
@@ -153,21 +167,39 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; every scheduled request gets an entry ([] for a prefill chunk)."""
+        if sched_out.blocks_to_swap_out or sched_out.blocks_to_swap_in:
+            assert self.swap_space is not None, "a swap step without a swap space"
+            self.swap_space.swap(self.kv_caches, sched_out.blocks_to_swap_out, sched_out.blocks_to_swap_in)
         batch = self.input_batch
         batch.update_states(sched_out)
         if not sched_out.num_scheduled_tokens:
             return ModelRunnerOutput(sched_out.step_id, [], [])
         inputs = batch.prepare_inputs(sched_out)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        prompt_logprobs: dict[str, LogprobsArrays] = {}
+        if inputs.prompt_logprobs_jobs:
+            prompt_logprobs = compute_prompt_logprobs(hidden, inputs.prompt_logprobs_jobs, self.model.compute_logits)
         sampled: list[int] = []
+        sampler_out = None
         if inputs.sample_indices:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
-            sampled = self.sampler(logits, inputs.sampling_metadata).tolist()
+            sampler_out = self.sampler(logits, inputs.sampling_metadata)
+            sampled = sampler_out.sampled_token_ids.tolist()
         batch.finish_step(inputs, sched_out, sampled)
         sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         for i, token in zip(inputs.sample_indices, sampled):
             sampled_token_ids[i] = [token]
-        return ModelRunnerOutput(sched_out.step_id, inputs.req_ids, sampled_token_ids)
+        logprobs = _logprobs_by_request(inputs, sampler_out) if sampler_out is not None else {}
+        return ModelRunnerOutput(sched_out.step_id, inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs)
+
+
+def _logprobs_by_request(inputs: StepInputs, sampler_out: SamplerOutput) -> dict[str, LogprobsArrays]:
+    """The sampler's logprobs rows keyed by request id."""
+    meta = inputs.sampling_metadata.logprobs
+    if meta is None or sampler_out.logprobs is None:
+        return {}
+    req_ids = [inputs.req_ids[inputs.sample_indices[r]] for r in meta.row_indices]
+    return dict(zip(req_ids, sampler_out.logprobs))
 
 
 def profile_step(

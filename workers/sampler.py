@@ -1,9 +1,11 @@
 """Turn the logits of one step into token ids, one per sampling request.
 
-Vectorised over the batch: greedy rows take the argmax of the raw logits;
-random rows are divided by their temperature, filtered by top-k, top-p and
-min-p, and sampled with the exponential race (``argmax(probs / q)`` with
-``q ~ Exp(1)``, which draws from ``probs`` exactly).
+Vectorised over the batch: first the logprobs of the raw logits for rows that
+asked (`workers/logprobs.py`), then logit_bias, the min_tokens mask and the
+penalties for every row that has them (`workers/logits_processors.py`); then
+greedy rows take the argmax; random rows are divided by their temperature,
+filtered by top-k, top-p and min-p, and sampled with the exponential race
+(``argmax(probs / q)`` with ``q ~ Exp(1)``, which draws from ``probs`` exactly).
 
 Reproducibility. The noise ``q`` of a request with a ``seed`` comes from a
 generator seeded with a mix of (seed, position of the token being sampled),
@@ -24,9 +26,20 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from asyncllm.protocol import LogprobsArrays
 from asyncllm.sampling import SamplingParams
+from asyncllm.workers.logits_processors import (
+    LogitsProcessorsMetadata,
+    PenaltyTables,
+    RowLogitsParams,
+    apply_logits_processors,
+    build_logits_processors_metadata,
+)
+from asyncllm.workers.logprobs import LogprobsMetadata, sampled_logprobs
 
-__all__ = ["GREEDY_EPS", "Sampler", "SamplingMetadata", "mix_seed", "apply_top_k_top_p", "apply_min_p"]
+__all__ = [
+    "GREEDY_EPS", "Sampler", "SamplerOutput", "SamplingMetadata", "mix_seed", "apply_top_k_top_p", "apply_min_p",
+]
 
 GREEDY_EPS = 1e-5
 """Temperatures below this are greedy: dividing by them would overflow float32."""
@@ -64,6 +77,10 @@ class SamplingMetadata:
     min_p: torch.Tensor | None  # [R] float32
     seeds: list[int | None]  # [R]
     positions: list[int]  # [R] index of the token each random row samples
+    logits_processors: LogitsProcessorsMetadata | None = None
+    """logit_bias / min_tokens / penalties of all rows (greedy ones too); None when no row has any."""
+    logprobs: LogprobsMetadata | None = None
+    """Rows that return logprobs; None when none does."""
 
     @classmethod
     def from_arrays(
@@ -75,12 +92,14 @@ class SamplingMetadata:
         seeds: Sequence[int | None],
         positions: Sequence[int],
         device: torch.device,
+        logits_processors: LogitsProcessorsMetadata | None = None,
+        logprobs: LogprobsMetadata | None = None,
     ) -> "SamplingMetadata":
         """Build from per-row host arrays (top_k <= 0 means off)."""
         num_rows = len(temperature)
         random = np.flatnonzero(temperature >= GREEDY_EPS)
         if len(random) == 0:
-            return cls(num_rows, None, False, None, None, None, None, [], [])
+            return cls(num_rows, None, False, None, None, None, None, [], [], logits_processors, logprobs)
         top_k, top_p, min_p = top_k[random], top_p[random], min_p[random]
         return cls(
             num_rows=num_rows,
@@ -92,13 +111,27 @@ class SamplingMetadata:
             min_p=_to_device(min_p.astype(np.float32), device) if (min_p > 0.0).any() else None,
             seeds=[seeds[i] for i in random],
             positions=[int(positions[i]) for i in random],
+            logits_processors=logits_processors,
+            logprobs=logprobs,
         )
 
     @classmethod
     def from_params(
-        cls, params: Sequence[SamplingParams], positions: Sequence[int], device: torch.device
+        cls, params: Sequence[SamplingParams], positions: Sequence[int], device: torch.device,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+        eos_token_ids: Sequence[int] = (),
     ) -> "SamplingMetadata":
-        """Build from one `SamplingParams` per row (tests, profiling)."""
+        """Build from one `SamplingParams` per row (tests); row i has ``prompt_token_ids[i]``
+        then ``output_token_ids[i]`` (for penalties and min_tokens; empty by default).
+
+        Penalty statistics live in the `Sampler`'s table row of the same index:
+        use a fresh `Sampler` per call.
+        """
+        prompts = prompt_token_ids if prompt_token_ids is not None else [[] for _ in params]
+        outputs = output_token_ids if output_token_ids is not None else [[] for _ in params]
+        rows = [_TestRow(i, [*prompt, *out], len(prompt), RowLogitsParams.from_params(p, eos_token_ids))
+                for i, (p, prompt, out) in enumerate(zip(params, prompts, outputs))]
         return cls.from_arrays(
             np.array([p.temperature for p in params], np.float32),
             np.array([p.top_k for p in params], np.int64),
@@ -107,7 +140,19 @@ class SamplingMetadata:
             [p.seed for p in params],
             positions,
             device,
+            build_logits_processors_metadata(rows, device),
+            LogprobsMetadata.build([p.logprobs for p in params], device),
         )
+
+
+@dataclass
+class _TestRow:
+    """A request row for `SamplingMetadata.from_params` (the input batch uses its own)."""
+
+    row: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    logits_params: RowLogitsParams | None
 
 
 def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -117,18 +162,45 @@ def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor
+    """[N] int64, one per logits row."""
+    logprobs: list[LogprobsArrays] | None = None
+    """One per row of `SamplingMetadata.logprobs`, in its order."""
+
+
 class Sampler:
-    """Samples one token per logits row; owns the worker's unseeded generator."""
+    """Samples one token per logits row; owns the worker's unseeded generator and penalty tables."""
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._seeded_generator = torch.Generator(device=device)
+        self.penalty_tables = PenaltyTables(device)
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-        """``logits`` [N, V] float32 -> token ids [N] int64."""
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        """``logits`` [N, V] float32 -> one token id per row, and logprobs where asked.
+
+        ``logits`` is modified in place when a row has logit_bias, min_tokens or penalties.
+        """
         assert logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
+        raw_logprobs = None
+        if metadata.logprobs is not None:
+            raw_logprobs = logits.index_select(0, metadata.logprobs.rows).log_softmax(dim=-1)
+        processors = metadata.logits_processors
+        if processors is not None:
+            apply_logits_processors(logits, processors, self.penalty_tables)
+        tokens = self._sample(logits, metadata)
+        if processors is not None and processors.penalties is not None:
+            self.penalty_tables.record(processors.penalties, tokens)
+        if raw_logprobs is None:
+            return SamplerOutput(tokens)
+        assert metadata.logprobs is not None
+        return SamplerOutput(tokens, sampled_logprobs(raw_logprobs, tokens, metadata.logprobs))
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         if metadata.random_rows is None:
             return logits.argmax(dim=-1)
         rows = logits if metadata.all_random else logits.index_select(0, metadata.random_rows)

@@ -37,6 +37,8 @@ from asyncllm.errors import ConfigError
 from asyncllm.procutil import exit_when_parent_dies
 from asyncllm.workers.shm_broadcast import BroadcastReader, RingHandle
 
+__all__ = ["Worker", "main", "run_worker", "resolve_device", "load_runner_class", "error_message"]
+
 logger = logging.getLogger("asyncllm.workers.worker")
 
 _RESULT_LINGER_MS = 5000
@@ -91,8 +93,8 @@ def init_distributed(device: torch.device, rank: int, world_size: int, port: int
 
 def error_message(rank: int, exc: BaseException) -> protocol.WorkerError:
     """A `WorkerError` that keeps the exception's type (and a ConfigError's field)."""
-    config_error = [exc.field, repr(exc.value), exc.allowed] if isinstance(exc, ConfigError) else []
-    return protocol.WorkerError(rank, str(exc) or type(exc).__name__, type(exc).__name__, config_error)
+    parts = protocol.config_error_parts(exc)
+    return protocol.WorkerError(rank, str(exc) or type(exc).__name__, type(exc).__name__, parts)
 
 
 class Worker:
@@ -107,11 +109,12 @@ class Worker:
         self.decoder = msgspec.msgpack.Decoder(protocol.WorkerCommand)
         self.reader: BroadcastReader | None = None
         self.runner: Any = None
+        self.config: EngineConfig | None = None
 
     def setup(self) -> None:
         """Attach to the ring, pick the device, join the TP group, build the runner."""
         args = self.args
-        config = EngineConfig.from_dict(msgspec.json.decode(args.config_json))
+        config = self.config = EngineConfig.from_dict(msgspec.json.decode(args.config_json))
         self.reader = BroadcastReader(msgspec.json.decode(args.ring_json, type=RingHandle), self.rank)
         device = resolve_device(config.device, self.rank)
         if device.type == "cpu":
@@ -124,7 +127,9 @@ class Worker:
         """Load the model, size the KV cache, and say so to the executor."""
         self.runner.load_model()
         num_blocks = int(self.runner.determine_num_available_blocks())
-        self.send(protocol.WorkerReady(self.rank, num_blocks))
+        swap = self.config is not None and self.config.preemption_mode == "swap"
+        num_cpu_blocks = int(self.runner.determine_num_cpu_blocks()) if swap else 0
+        self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks))
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""
@@ -137,6 +142,8 @@ class Worker:
                     self.send(output)
             elif isinstance(command, protocol.InitCache):
                 self.runner.init_cache(command.num_gpu_blocks)
+                if command.num_cpu_blocks:
+                    self.runner.init_swap_space(command.num_cpu_blocks)
                 self.send(protocol.CacheReady(self.rank))
             else:
                 assert isinstance(command, protocol.ShutdownWorker), command

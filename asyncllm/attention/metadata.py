@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,3 +30,10 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+class RotaryInputs(NamedTuple):
+    """What a backend needs to rotate q and k itself (GPT-NeoX layout), e.g. fused with the KV write."""
+
+    positions: torch.Tensor  # [T] int64: each token's position in its sequence
+    cos_sin_cache: torch.Tensor  # [max_position, rotary_dim] float32: cos then sin (see reference.build_cos_sin_cache)

@@ -1,17 +1,19 @@
 """The torch_sdpa attention backend: the CPU default and the reference for the others.
 
-It writes the step's K/V into the paged cache, then runs one
-``scaled_dot_product_attention`` per request over that request's whole context
-gathered from its block table (see `asyncllm.kernels.reference.paged_attention`).
-Simple and exact rather than fast: the GPU path has its own kernels.
+It rotates q and k (when the layer hands it the rotary inputs), writes the
+step's K/V into the paged cache, then runs one ``scaled_dot_product_attention``
+per request over that request's whole context gathered from its block table
+(see `asyncllm.kernels.reference.paged_attention`). Simple and exact rather
+than fast: the GPU path has its own kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.kernels import reference
+from asyncllm.models.ops import REFERENCE_OPS, ModelOps
 
 __all__ = ["TorchSDPABackend"]
 
@@ -20,6 +22,7 @@ class TorchSDPABackend:
     """Paged attention with torch only; holds no state, so one instance serves every layer."""
 
     name = "torch_sdpa"
+    ops: ModelOps = REFERENCE_OPS
 
     def forward(
         self,
@@ -30,10 +33,13 @@ class TorchSDPABackend:
         metadata: AttentionMetadata,
         scale: float,
         sliding_window: int | None = None,
+        rotary: RotaryInputs | None = None,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place.
         """
+        if rotary is not None:
+            query, key = reference.apply_rotary(query, key, rotary.positions, rotary.cos_sin_cache)
         reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return reference.paged_attention(query, kv_cache, metadata, scale, sliding_window)

@@ -8,18 +8,22 @@ import uuid
 from typing import Any
 
 import anyio
+import msgspec
 
 from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig
+from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.launch import CoreProcess, launch_core
 from asyncllm.engine.prepare import prepare
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions, RequestStream, check_prompt
+from asyncllm.metrics.observer import RequestObserver
+from asyncllm.metrics.tracing import capture_context
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
-from asyncllm.sampling import SamplingParams
+from asyncllm.sampling import RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncEngine"]
 
@@ -32,8 +36,30 @@ class AsyncEngine:
     its workers. Every `EngineConfig` field is accepted as a keyword.
     """
 
-    def __init__(self, model: str, **kwargs: Any) -> None:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        """`model`: a local folder or hub id; None serves the bundled tiny model (no download)."""
+        if model is None:
+            from asyncllm.bundled import bundled_model_path
+
+            model = bundled_model_path()
         self._init(EngineConfig.create(model, **kwargs))
+
+    @classmethod
+    def connect(cls, address: str | None = None, **kwargs: Any) -> "AsyncEngine":
+        """An engine attached to a running core (``asyncllm engine MODEL --address ipc:///...``;
+        no address: the default one of ``asyncllm engine``).
+
+        Cheap like the constructor: the first request (or `start`) asks the core
+        which model it serves and loads the tokenizer. `kwargs` are the host-side
+        fields (disable_log_stats, prometheus_registry, ...); `aclose` detaches
+        and leaves the core running for the other hosts.
+        """
+        from asyncllm.engine.connect import check_address, default_address
+
+        address = check_address(default_address() if address is None else address)
+        engine = cls(address, **kwargs)  # the address stands in for the model until start
+        engine._connect_address = address
+        return engine
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -43,11 +69,16 @@ class AsyncEngine:
 
     def _init(self, config: EngineConfig) -> None:
         self.config = config
+        self._connect_address: str | None = None
+        """Set by `connect`: attach to this core instead of starting one."""
         self._processor: Processor | None = None
         self._core: CoreProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._start_lock: asyncio.Lock | None = None
-        self._stats = protocol.SchedulerStats()
+        self._observer = RequestObserver(config.model, config.prometheus_registry)
+        self._admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens)
+        self.metrics_registry = self._observer.registry
+        """The prometheus_client CollectorRegistry holding this engine's `asyncllm:` series."""
         self._closed = False
 
     # ------------------------------------------------------------ lifecycle
@@ -74,15 +105,23 @@ class AsyncEngine:
 
     async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        prepared = await anyio.to_thread.run_sync(prepare, self.config)
-        self.config = prepared.config
-        core = await anyio.to_thread.run_sync(launch_core, self.config)
+        core: CoreProcess | None = None
+        if self._connect_address is not None:
+            from asyncllm.engine.connect import prepare_attached
+
+            prepared = await anyio.to_thread.run_sync(
+                prepare_attached, self.config, self._connect_address, envs.ENGINE_STARTUP_TIMEOUT_S.get())
+            self.config = prepared.config
+        else:
+            prepared = await anyio.to_thread.run_sync(prepare, self.config)
+            self.config = prepared.config
+            core = await anyio.to_thread.run_sync(launch_core, self.config)
         obs = self.config.observability_config
         processor = Processor(
-            address=core.address, tokenizer=prepared.tokenizer, eos_token_ids=prepared.eos_token_ids,
+            address=core.address if core is not None else self._connect_address, tokenizer=prepared.tokenizer, eos_token_ids=prepared.eos_token_ids,
             vocab_size=prepared.vocab_size, deliver=self._deliver_threadsafe, core=core,
-            stats_logger=None if obs.disable_log_stats else StatsLogger(obs.log_stats_interval),
-            startup_timeout_s=envs.ENGINE_STARTUP_TIMEOUT_S.get(),
+            stats_logger=None if obs.disable_log_stats else StatsLogger(obs.log_stats_interval, self._observer.stats),
+            startup_timeout_s=envs.ENGINE_STARTUP_TIMEOUT_S.get(), observer=self._observer,
         )
         try:
             await asyncio.wrap_future(processor.start())
@@ -100,6 +139,7 @@ class AsyncEngine:
         if processor is not None:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_stop, processor, core)
+            self._observer.on_closed()
 
     # ------------------------------------------------------------ requests
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
@@ -117,34 +157,43 @@ class AsyncEngine:
         return RequestStream(self, messages, _params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
-        """Run one completion to the end and return it whole (options as for `stream`)."""
+        """Run one request to the end and return it whole, every sample in `.outputs` (options as for `stream`).
+
+        `params.output_kind` does not apply: samples are collected whole on the
+        host (FINAL_ONLY), so the caller's task wakes once per sample.
+        """
+        params = _params(params)
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         stream = self.stream(prompt, params, **options)
-        text: list[str] = []
-        token_ids: list[int] = []
-        last = None
+        outputs: dict[int, CompletionOutput] = {}
         async with stream:
             async for delta in stream:
-                text.append(delta.text)
-                token_ids.extend(delta.token_ids)
-                last = delta
+                outputs[delta.index] = CompletionOutput(delta.index, delta.text, delta.token_ids, delta.finish_reason,
+                                                        delta.stop_reason, delta.logprobs)
         collector = stream.collector
-        assert collector is not None and last is not None
-        completion = CompletionOutput(0, "".join(text), token_ids, last.finish_reason, last.stop_reason)
+        assert collector is not None and len(outputs) == collector.num_samples, (len(outputs), collector)
         return RequestOutput(collector.request_id, prompt if isinstance(prompt, str) else None,
-                             collector.prompt_token_ids, [completion], collector.metrics,
-                             collector.num_cached_tokens)
+                             collector.prompt_token_ids, [outputs[i] for i in sorted(outputs)], collector.metrics,
+                             collector.num_cached_tokens, prompt_logprobs=collector.prompt_logprobs)
+
+    async def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
+                            max_concurrency: int | None = None) -> list[RequestOutput]:
+        """Run a batch job: one `RequestOutput` per prompt, in input order.
+
+        `params` is one `SamplingParams` for all or a list with one per prompt;
+        `progress` shows a tqdm bar; at most `max_concurrency` requests are in
+        flight (default: 2 x max_num_seqs, enough to keep every batch slot fed).
+        The first error cancels the rest and is raised.
+        """
+        from asyncllm.engine.batch import generate_many
+
+        return await generate_many(self, prompts, params, progress=progress, max_concurrency=max_concurrency)
 
     def stats(self) -> EngineStats:
-        """The latest snapshot of the engine's gauges and counters (no I/O)."""
-        s = self._stats
+        """The latest snapshot of the engine's gauges and counters (no I/O; cheap enough per request)."""
         alive = self._processor is not None and self._processor.dead is None
-        return EngineStats(
-            num_requests_running=s.num_requests_running, num_requests_waiting=s.num_requests_waiting,
-            kv_cache_usage=s.kv_cache_usage, num_gpu_blocks=s.num_gpu_blocks, num_used_blocks=s.num_used_blocks,
-            num_preemptions_total=s.num_preemptions_total, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits, prompt_tokens_total=s.prompt_tokens_total,
-            generation_tokens_total=s.generation_tokens_total, engine_alive=alive,
-        )
+        return self._observer.stats.snapshot(engine_alive=alive)
 
     # ------------------------------------------------------------ internals used by RequestStream
     async def _submit(self, prompt: Any, params: SamplingParams, options: RequestOptions, chat: bool) -> RequestCollector:
@@ -157,8 +206,9 @@ class AsyncEngine:
             raise EngineDeadError("the engine was closed")
         if processor.dead is not None:
             raise EngineDeadError(f"the engine is dead: {processor.dead}")
-        collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time())
-        processor.submit(Submit(collector, prompt, params, options, chat))
+        self._admission.admit(self._observer.stats.scheduler, prompt, chat, params.n)  # refuse before tokenizing
+        collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind)
+        processor.submit(Submit(collector, prompt, params, options, chat, trace_context=capture_context()))
         return collector
 
     def _abort(self, request_id: str) -> None:
@@ -176,8 +226,6 @@ class AsyncEngine:
             pass
 
     def _on_delivery(self, batch: Delivery, stats: protocol.SchedulerStats | None) -> None:
-        if stats is not None:
-            self._stats = stats
         for collector, item in batch:
             if isinstance(item, BaseException):
                 collector.put_error(item)

@@ -1,42 +1,124 @@
-"""Per-request mailboxes on the host's event loop, and the stream object.
+"""Per-request mailboxes on the host's event loop.
 
-A `RequestCollector` holds at most one pending `StreamDelta`: when the consumer
-is slower than the engine, new deltas are merged into it, so memory stays
-bounded and the processor thread never waits for a client.
+A `RequestCollector` holds at most one pending `StreamDelta` per sample: when
+the consumer is slower than the engine, new deltas of a sample are merged
+into its pending one, so memory stays bounded (n deltas) and the processor
+thread never waits for a client. With ``output_kind`` CUMULATIVE or
+FINAL_ONLY it accumulates each sample's whole output instead and hands out a
+snapshot of it: after every change (CUMULATIVE) or once, when the sample
+finishes (FINAL_ONLY).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from asyncllm.outputs import RequestMetrics, StreamDelta
+from asyncllm.outputs import PromptLogprobs, RequestMetrics, StreamDelta
+from asyncllm.sampling import RequestOutputKind
+
+__all__ = ["RequestCollector"]
+
+
+class _SampleOutput:
+    """The whole output of one sample so far (CUMULATIVE / FINAL_ONLY)."""
+
+    __slots__ = ("index", "chunks", "token_ids", "logprobs", "finish_reason", "stop_reason", "prompt_logprobs")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.chunks: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list | None = None
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
+
+    def add(self, delta: StreamDelta) -> None:
+        self.chunks.append(delta.text)
+        self.token_ids.extend(delta.token_ids)
+        if delta.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(delta.logprobs)
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+
+    def snapshot(self) -> StreamDelta:
+        """A delta holding everything so far (its lists are copies the consumer may keep)."""
+        text = "".join(self.chunks)
+        self.chunks = [text]
+        logprobs = None if self.logprobs is None else list(self.logprobs)
+        return StreamDelta(self.index, text, list(self.token_ids), self.finish_reason, self.stop_reason,
+                           logprobs, self.prompt_logprobs)
+
+
+def _merge(into: StreamDelta, delta: StreamDelta) -> None:
+    """Append `delta` (the same sample, later) to the pending `into`."""
+    into.text += delta.text
+    into.token_ids.extend(delta.token_ids)
+    if delta.logprobs is not None:  # `into` came from the processor thread: its list is ours to extend
+        if into.logprobs is None:
+            into.logprobs = delta.logprobs
+        else:
+            into.logprobs.extend(delta.logprobs)
+    into.finish_reason = delta.finish_reason
+    into.stop_reason = delta.stop_reason
+    if delta.prompt_logprobs is not None:
+        into.prompt_logprobs = delta.prompt_logprobs
 
 
 class RequestCollector:
-    """Single-slot mailbox; `put*` and `get` run on the event loop thread."""
+    """Mailbox of one request's `n` samples; `put*` and `get` run on the event loop thread.
 
-    def __init__(self, request_id: str, arrival_time: float) -> None:
+    The processor thread sets `prompt_token_ids`, `num_cached_tokens`,
+    `prompt_logprobs` and the `metrics` timestamps before the loop sees the
+    deltas that depend on them.
+    """
+
+    def __init__(self, request_id: str, arrival_time: float, n: int = 1,
+                 output_kind: RequestOutputKind = RequestOutputKind.DELTA) -> None:
         self.request_id = request_id
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_token_ids: list[int] = []
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.num_cached_tokens = 0
+        self.num_samples = n
         self.finished = False
-        self._pending: StreamDelta | None = None
+        """Every sample finished, or the request failed: nothing more is accepted."""
+        self._num_unfinished = n
+        self._pending: dict[int, StreamDelta] = {}
+        """DELTA: the merged pending delta of each sample, in arrival order."""
+        self._samples = None if output_kind is RequestOutputKind.DELTA else [_SampleOutput(i) for i in range(n)]
+        self._final_only = output_kind is RequestOutputKind.FINAL_ONLY
+        self._changed: dict[int, None] = {}
+        """CUMULATIVE / FINAL_ONLY: samples to snapshot, in order (an ordered set)."""
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
+
+    @property
+    def done(self) -> bool:
+        """Finished without error and everything handed out: the stream ends."""
+        return self.finished and self._error is None and not self._pending and not self._changed
 
     def put(self, delta: StreamDelta) -> None:
         if self.finished:
             return
-        if self._pending is None:
-            self._pending = delta
-        else:
-            self._pending.text += delta.text
-            self._pending.token_ids.extend(delta.token_ids)
-            self._pending.finish_reason = delta.finish_reason
-            self._pending.stop_reason = delta.stop_reason
         if delta.finish_reason is not None:
-            self.finished = True
+            self._num_unfinished -= 1
+            self.finished = self._num_unfinished == 0
+        if self._samples is None:
+            pending = self._pending.get(delta.index)
+            if pending is None:
+                self._pending[delta.index] = delta
+            else:
+                _merge(pending, delta)
+        else:
+            self._samples[delta.index].add(delta)
+            if not self._final_only or delta.finish_reason is not None:
+                self._changed[delta.index] = None
+            if not self._changed:
+                return
         self._ready.set()
 
     def put_error(self, error: BaseException) -> None:
@@ -47,13 +129,19 @@ class RequestCollector:
         self._ready.set()
 
     async def get(self) -> StreamDelta:
-        """The merged delta since the last call; raises the request's error."""
+        """The next sample's merged delta (or snapshot); raises the request's error once all are out."""
         await self._ready.wait()
-        self._ready.clear()
-        delta, self._pending = self._pending, None
-        if delta is not None:
-            if self._error is not None:
-                self._ready.set()
-            return delta
-        assert self._error is not None
-        raise self._error
+        if self._pending:
+            index = next(iter(self._pending))
+            delta = self._pending.pop(index)
+        elif self._changed:
+            index = next(iter(self._changed))
+            del self._changed[index]
+            assert self._samples is not None
+            delta = self._samples[index].snapshot()
+        else:
+            assert self._error is not None
+            raise self._error
+        if not self._pending and not self._changed and self._error is None:
+            self._ready.clear()
+        return delta

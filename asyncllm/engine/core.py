@@ -37,13 +37,16 @@ class EngineCore:
         self.config = config
         self.io = io
         self.clients: set[bytes] = set()
+        self.stats_reporter: bytes | None = None
+        """The one host that exports the engine-wide metrics (the earliest still attached)."""
         self.executor = Executor(config)
         self._running = True
         available = self.executor.start()
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
         _check_kv_fits(config, self.num_gpu_blocks)
-        self.executor.init_cache(self.num_gpu_blocks)
-        self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len)
+        self.num_cpu_blocks = _swap_blocks(config, self.executor.num_cpu_blocks)
+        self.executor.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
+        self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len, num_cpu_blocks=self.num_cpu_blocks)
 
     # ------------------------------------------------------------ busy loop
     def run(self) -> None:
@@ -52,29 +55,33 @@ class EngineCore:
             changed = self._drain_inbox(block=not has_work)
             if not self._running:
                 break
+            expired = self.scheduler.finish_expired_requests()  # one comparison when none is due
             if self.scheduler.has_unfinished_requests():
-                self._step()
-            elif changed:
-                self._broadcast_stats()
+                self._step(expired, changed)
+            elif changed or expired:
+                self._send_outputs(expired)
 
-    def _step(self) -> None:
+    def _step(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]], changed: bool) -> None:
+        """Schedule and run one step; `outputs` (timeouts) go out with its results."""
         sched_out = self.scheduler.schedule()
         if not (sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids or sched_out.preempted_req_ids):
-            time.sleep(0.001)  # nothing fits right now; wait for an abort to free blocks
+            if outputs or changed:  # the queue changed: hosts' admission estimates need fresh stats
+                self._send_outputs(outputs)
+            time.sleep(0.001)  # nothing fits right now; wait for an abort, a timeout or a finish to free blocks
             return
         runner_out = self.executor.execute_model(sched_out)
+        self._send_outputs(outputs + self.scheduler.update_from_output(sched_out, runner_out))
+
+    def _send_outputs(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]]) -> None:
+        """Each host gets its requests' deltas and the stats snapshot (every host, even with no delta)."""
         per_client: dict[bytes, list[protocol.RequestOutputDelta]] = defaultdict(list)
-        for client_id, delta in self.scheduler.update_from_output(sched_out, runner_out):
+        for client_id, delta in outputs:
             per_client[client_id].append(delta)
         stats = self.scheduler.get_stats()
         now = time.time()
         for client_id in self.clients:
-            self.io.send(client_id, protocol.Outputs(per_client.get(client_id, []), stats, now))
-
-    def _broadcast_stats(self) -> None:
-        stats = self.scheduler.get_stats()
-        for client_id in self.clients:
-            self.io.send(client_id, protocol.Outputs([], stats, time.time()))
+            self.io.send(client_id, protocol.Outputs(per_client.get(client_id, []), stats, now,
+                                                     stats_reporter=client_id == self.stats_reporter))
 
     # ------------------------------------------------------------ host messages
     def _drain_inbox(self, block: bool) -> bool:
@@ -98,10 +105,14 @@ class EngineCore:
             self.scheduler.abort_requests(message.request_ids)
         elif isinstance(message, protocol.Hello):
             self.clients.add(client_id)
+            if self.stats_reporter is None:
+                self.stats_reporter = client_id
             self.io.send(client_id, self._ready())
         elif isinstance(message, protocol.Goodbye):
             self.scheduler.abort_client(client_id)
             self.clients.discard(client_id)
+            if self.stats_reporter == client_id:
+                self.stats_reporter = next(iter(self.clients), None)
             if message.shutdown:
                 self._running = False
         return True
@@ -110,12 +121,19 @@ class EngineCore:
         try:
             message.params.validate()
             self.scheduler.add_request(Request.from_add_request(message, client_id))
-        except errors.InvalidRequestError as exc:
-            delta = protocol.RequestOutputDelta(message.request_id, [], "abort", error=str(exc))
+        except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
+            delta = protocol.RequestOutputDelta(message.request_id, [], "abort", error=str(exc),
+                                                error_type=type(exc).__name__)
             self.io.send(client_id, protocol.Outputs([delta], None, time.time()))
 
     def _ready(self) -> protocol.Ready:
-        return protocol.Ready(self.num_gpu_blocks, self.config.block_size, self.config.max_model_len, os.getpid())
+        config = self.config
+        return protocol.Ready(self.num_gpu_blocks, config.block_size, config.max_model_len, os.getpid(),
+                              config.model, config.tokenizer or "", config.revision)
+
+    def stop(self) -> None:
+        """End `run()` after the current step (a standalone core's signal handler calls this)."""
+        self._running = False
 
     def shutdown(self) -> None:
         self.executor.shutdown()
@@ -132,11 +150,22 @@ def _check_kv_fits(config: EngineConfig, num_gpu_blocks: int) -> None:
         )
 
 
+def _swap_blocks(config: EngineConfig, num_cpu_blocks: int) -> int:
+    """CPU swap blocks for the scheduler: the workers' count under preemption_mode='swap', else 0."""
+    if config.preemption_mode != "swap":
+        return 0
+    if num_cpu_blocks == 0:
+        logger.warning(
+            "preemption_mode='swap' but swap_space=%s GiB holds no KV block: every preemption will recompute; "
+            "raise swap_space", config.swap_space,
+        )
+    return num_cpu_blocks
+
+
 def _fail_startup(io: CoreIO, exc: BaseException, grace_s: float = 3.0) -> None:
     """Tell every host that says hello within `grace_s` why startup failed."""
     error_type = type(exc).__name__ if isinstance(exc, errors.AsyncLLMError) else "EngineDeadError"
-    details = [exc.field, repr(exc.value), exc.allowed] if isinstance(exc, errors.ConfigError) else []
-    failed = protocol.EngineFailed(error_type, f"engine core failed to start: {exc}", details)
+    failed = protocol.EngineFailed(error_type, f"engine core failed to start: {exc}", protocol.config_error_parts(exc))
     deadline = time.monotonic() + grace_s
     told: set[bytes] = set()
     while time.monotonic() < deadline:

@@ -28,7 +28,9 @@ class CoreProcess:
         return self.proc.poll()
 
     def stop(self, timeout: float = 10.0) -> None:
-        procutil.stop_process(self.proc, timeout)
+        """After Goodbye(shutdown=True) the core shuts its workers down and exits;
+        wait for that before cutting its lifeline."""
+        procutil.stop_process(self.proc, timeout, grace=timeout)
         procutil.remove_dir(self.ipc_dir)
 
 

@@ -26,8 +26,10 @@ from asyncllm import errors, protocol
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.detokenizer import IncrementalDetokenizer
 from asyncllm.engine.launch import CoreProcess
+from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions
+from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import apply_chat_template, encode_prompt
@@ -48,12 +50,19 @@ class Submit:
     params: SamplingParams
     options: RequestOptions
     chat: bool = False
+    trace_context: Any = None
+    """The caller's OpenTelemetry context, captured on its task (None without OTel)."""
 
 
 @dataclass
 class _Tracked:
+    """One core request: the whole request when n == 1, else sample `index` of it."""
+
     collector: RequestCollector
     detokenizer: IncrementalDetokenizer
+    index: int = 0
+    prompt_logprobs: PromptLogprobsBuffer | None = None
+    """Filled by prefill chunks; handed over with the first token."""
 
 
 class Processor:
@@ -61,7 +70,7 @@ class Processor:
 
     def __init__(self, *, address: str, tokenizer: Any, eos_token_ids: list[int], vocab_size: int,
                  deliver: Deliver, core: CoreProcess | None, stats_logger: StatsLogger | None,
-                 startup_timeout_s: float) -> None:
+                 startup_timeout_s: float, observer: RequestObserver | None = None) -> None:
         self._address = address
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
@@ -69,9 +78,14 @@ class Processor:
         self._deliver = deliver
         self._core = core
         self._stats_logger = stats_logger
+        self._observer = observer if observer is not None else RequestObserver("")
         self._startup_timeout_s = startup_timeout_s
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}
+        """Core request id -> its state; an n > 1 request has n core requests ``<id>-<i>``."""
+        self._samples: dict[str, list[str]] = {}
+        """Request id -> the core request ids of its unfinished samples."""
+        self._logprobs_decoder = LogprobsDecoder(tokenizer)
         self._ctx = zmq.Context()
         self._doorbell_address = f"inproc://asyncllm-doorbell-{uuid.uuid4().hex}"
         self._doorbell_pull = self._ctx.socket(zmq.PULL)
@@ -186,32 +200,54 @@ class Processor:
             if isinstance(job, Submit):
                 self._add_request(dealer, job)
             elif job[0] == "abort":
-                if self._tracked.pop(job[1], None) is not None:
-                    dealer.send(self._encoder.encode(protocol.AbortRequests([job[1]])))
+                untracked = self._untrack(job[1])
+                if untracked:
+                    dealer.send(self._encoder.encode(protocol.AbortRequests([core_id for core_id, _ in untracked])))
+                    now = time.time()
+                    for _, tracked in untracked:
+                        self._observer.on_aborted(tracked.collector, now)
             elif job[0] == "close":
                 dealer.send(self._encoder.encode(protocol.Goodbye(shutdown=job[1])))
                 self._fail_all(None)
                 return False
 
+    def _untrack(self, request_id: str) -> list[tuple[str, _Tracked]]:
+        """Forget every unfinished sample of a request; their (core id, state)."""
+        untracked = []
+        for core_id in self._samples.pop(request_id, ()):
+            tracked = self._tracked.pop(core_id, None)
+            if tracked is not None:
+                untracked.append((core_id, tracked))
+        return untracked
+
     def _add_request(self, dealer: zmq.Socket, job: Submit) -> None:
         collector = job.collector
-        if collector.request_id in self._tracked:
+        core_ids = sample_request_ids(collector.request_id, job.params.n)
+        if collector.request_id in self._samples or any(core_id in self._tracked for core_id in core_ids):
             error = errors.InvalidRequestError("request_id", f"{collector.request_id!r} is already in flight")
+            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
             self._deliver([(collector, error)], None)
             return
         try:
+            job.params.check_vocab(self._vocab_size)
             token_ids = self._tokenize(job)
         except errors.InvalidRequestError as exc:
+            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, exc, time.time())
             self._deliver([(collector, exc)], None)
             return
         collector.prompt_token_ids = token_ids
-        detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, job.params)
-        self._tracked[collector.request_id] = _Tracked(collector, detokenizer)
         options = job.options
-        message = protocol.AddRequest(collector.request_id, token_ids, job.params, self._eos_token_ids,
-                                      collector.metrics.arrival_time, options.priority, options.cache_salt,
-                                      options.timeout)
-        dealer.send(self._encoder.encode(message))
+        self._samples[collector.request_id] = list(core_ids)
+        for index, core_id in enumerate(core_ids):  # n > 1: one core request per sample (see docs/sampling.md)
+            params = job.params if len(core_ids) == 1 else job.params.for_sample(index)
+            buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
+            detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, params)
+            self._tracked[core_id] = _Tracked(collector, detokenizer, index, buffer)
+            message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
+                                          collector.metrics.arrival_time, options.priority, options.cache_salt,
+                                          options.timeout)
+            dealer.send(self._encoder.encode(message))
+        self._observer.on_added(collector, job.params, job.chat, job.trace_context)
 
     def _tokenize(self, job: Submit) -> list[int]:
         if job.chat:
@@ -245,20 +281,27 @@ class Processor:
             if tracked is None:
                 continue
             item = self._process_output(tracked, out, now, aborts)
+            if item is None:
+                continue  # prompt logprobs of a prefill chunk: they go out with the first token
+            self._observer.on_output(tracked.collector, out, item, now)
             batch.append((tracked.collector, item))
         if aborts:
             dealer.send(self._encoder.encode(protocol.AbortRequests(aborts)))
-        if message.stats is not None and self._stats_logger is not None:
-            self._stats_logger.record(message.stats)
+        if message.stats is not None:
+            self._observer.on_scheduler_stats(message.stats, message.stats_reporter)
         if batch or message.stats is not None:
             self._deliver(batch, message.stats)
 
     def _process_output(self, tracked: _Tracked, out: protocol.RequestOutputDelta, now: float,
-                        aborts: list[str]) -> StreamDelta | BaseException:
+                        aborts: list[str]) -> StreamDelta | BaseException | None:
         collector = tracked.collector
         if out.error is not None:
-            del self._tracked[out.request_id]
+            aborts.extend(core_id for core_id, _ in self._untrack(collector.request_id) if core_id != out.request_id)
             return _request_error(out.error_type, out.error)
+        if out.prompt_logprobs is not None and tracked.prompt_logprobs is not None:
+            tracked.prompt_logprobs.add(out.prompt_logprobs, self._logprobs_decoder)
+        if not out.new_token_ids and out.finish_reason is None:
+            return None
         metrics = collector.metrics
         if out.new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now
@@ -274,10 +317,28 @@ class Processor:
             finish_reason, stop_reason = "stop", update.stop_string
             if not finished:
                 aborts.append(out.request_id)
+        delta = StreamDelta(tracked.index, update.text, token_ids, finish_reason, stop_reason)
+        if out.logprobs is not None:
+            delta.logprobs = self._logprobs_decoder.decode(out.logprobs)[: len(token_ids)]
+        if tracked.prompt_logprobs is not None:
+            delta.prompt_logprobs = collector.prompt_logprobs = tracked.prompt_logprobs.entries
+            tracked.prompt_logprobs = None
         if finish_reason is not None:
-            metrics.finished_time = now
             del self._tracked[out.request_id]
-        return StreamDelta(0, update.text, token_ids, finish_reason, stop_reason)
+            if self._sample_finished(collector.request_id, out.request_id):
+                metrics.finished_time = now
+        return delta
+
+    def _sample_finished(self, request_id: str, core_id: str) -> bool:
+        """Count one sample of a request as finished; True when it was the last one."""
+        unfinished = self._samples.get(request_id)
+        if unfinished is None:
+            return True
+        unfinished.remove(core_id)
+        if unfinished:
+            return False
+        del self._samples[request_id]
+        return True
 
     def _core_died(self) -> bool:
         if self._core is None or self._core.exit_code() is None:
@@ -290,12 +351,23 @@ class Processor:
         if error is not None:
             self.dead = error
         batch: Delivery = []
+        now = time.time()
         for tracked in self._tracked.values():
-            item = error if error is not None else StreamDelta(0, "", [], "abort")
+            item = error if error is not None else StreamDelta(tracked.index, "", [], "abort")
             batch.append((tracked.collector, item))
+            if error is not None:  # once per sample: the observer counts samples, ends a span once
+                self._observer.on_error(tracked.collector, error, now)
+            else:
+                self._observer.on_aborted(tracked.collector, now)
         self._tracked.clear()
+        self._samples.clear()
         if batch or error is not None:
             self._deliver(batch, None)
+
+
+def sample_request_ids(request_id: str, n: int) -> list[str]:
+    """Core request ids of a request's samples: the id itself when n == 1, else ``<id>-<i>``."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
 
 
 def _request_error(error_type: str, text: str) -> BaseException:
@@ -307,9 +379,7 @@ def _request_error(error_type: str, text: str) -> BaseException:
 
 
 def _error_from(message: protocol.EngineFailed) -> BaseException:
-    if message.error_type in ("ConfigError", "NotBuiltError") and len(message.config_error) == 3:
-        field, value, allowed = message.config_error
-        return errors.ConfigError(field, value, allowed)
-    return errors.EngineDeadError(message.message)
+    config_error = protocol.config_error_from_parts(message.config_error)
+    return config_error if config_error is not None else errors.EngineDeadError(message.message)
 
 

@@ -1,41 +1,47 @@
-"""The periodic stats log line, in the spirit of vLLM's."""
+"""The periodic stats log line, in the spirit of vLLM's.
+
+Logged on the ``asyncllm.engine.stats`` logger only: the host's logging
+configuration decides where it goes (asyncllm never adds a handler to the
+root logger of the host process). Throughputs count this host's requests;
+running, waiting, preemptions, KV usage and the prefix-cache hit rate are
+engine-wide (see docs/observability.md).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from asyncllm.protocol import SchedulerStats
+from asyncllm.metrics.host_stats import HostStats
+from asyncllm.outputs import EngineStats
 
 logger = logging.getLogger("asyncllm.engine.stats")
 
 
 class StatsLogger:
-    """Logs one line every `interval_s` while the engine is busy (or just was)."""
+    """Logs one line every `interval_s` while the engine is busy (or just was); runs on the processor thread."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, stats: HostStats) -> None:
         self.interval_s = interval_s
-        self._latest = SchedulerStats()
-        self._last = SchedulerStats()
+        self._stats = stats
+        self._last = stats.snapshot()
         self._last_time = time.monotonic()
-
-    def record(self, stats: SchedulerStats) -> None:
-        self._latest = stats
 
     def maybe_log(self) -> None:
         now = time.monotonic()
         if now - self._last_time < self.interval_s:
             return
-        line = self.format_line(self._last, self._latest, now - self._last_time)
+        current = self._stats.snapshot()
+        line = self.format_line(self._last, current, now - self._last_time)
         if line is not None:
             logger.info(line)
-        self._last, self._last_time = self._latest, now
+        self._last, self._last_time = current, now
 
     @staticmethod
-    def format_line(prev: SchedulerStats, cur: SchedulerStats, elapsed_s: float) -> str | None:
+    def format_line(prev: EngineStats, cur: EngineStats, elapsed_s: float) -> str | None:
         """None when nothing happened since `prev` and nothing is in flight."""
         busy = cur.num_requests_running or cur.num_requests_waiting
-        if prev == cur and not busy:
+        if not busy and _activity(prev) == _activity(cur):
             return None
         prompt_tps = (cur.prompt_tokens_total - prev.prompt_tokens_total) / elapsed_s
         gen_tps = (cur.generation_tokens_total - prev.generation_tokens_total) / elapsed_s
@@ -50,3 +56,9 @@ class StatsLogger:
             f"KV cache usage: {100.0 * cur.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {hit_rate:.1f}%"
         )
+
+
+def _activity(stats: EngineStats) -> tuple[int, ...]:
+    """What changes when the engine works (not num_gpu_blocks, which arrives once at start)."""
+    return (stats.prompt_tokens_total, stats.generation_tokens_total, stats.num_preemptions_total,
+            stats.prefix_cache_queries, stats.num_used_blocks)

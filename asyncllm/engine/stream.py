@@ -76,7 +76,7 @@ class RequestStream:
         except BaseException:
             self._leave()
             raise
-        if delta.finished:
+        if self.collector.done:  # every sample finished and was handed out
             self._done = True
         return delta
 

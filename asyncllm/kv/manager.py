@@ -101,6 +101,17 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * bs
 
+    def num_blocks_to_allocate(
+        self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
+    ) -> int:
+        """Free blocks `allocate_slots` would take for these arguments (revived prefix hits included)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        hits = new_computed_blocks or []
+        num_held = len(hits) + (len(blocks) if blocks is not None else 0)
+        num_tokens = request.num_computed_tokens + num_new_tokens + len(hits) * self.block_size
+        num_new_blocks = max(_cdiv(num_tokens, self.block_size) - num_held, 0)
+        return num_new_blocks + sum(1 for block in hits if block.ref_cnt == 0)
+
     # ------------------------------------------------------------ actions
     def allocate_slots(
         self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.kernels import reference
+from asyncllm.models.ops import REFERENCE_OPS, ModelOps
 
 __all__ = [
     "TensorParallel",
@@ -129,19 +129,23 @@ def kv_heads_per_rank(total_kv_heads: int, tp_size: int) -> int:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with HF's rounding; ``forward(x, residual)`` fuses the residual add."""
+    """RMSNorm with HF's rounding; ``forward(x, residual)`` fuses the residual add.
 
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+    ``ops`` are the kernels it runs (the attention backend's, see `ModelOps`).
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, ops: ModelOps = REFERENCE_OPS) -> None:
         super().__init__()
         self.weight = new_param(hidden_size, dtype=dtype)
         self.eps = eps
+        self.ops = ops
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return reference.rms_norm(x, self.weight, self.eps)
-        return reference.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -170,9 +174,11 @@ class Attention(nn.Module):
         value: torch.Tensor,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
+        rotary: RotaryInputs | None = None,
     ) -> torch.Tensor:
-        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> ``[T, Hq * D]``."""
-        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window)
+        """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (rotated by the backend when ``rotary``
+        is given, so it can fuse that with the KV-cache write) -> ``[T, Hq * D]``."""
+        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window, rotary)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

@@ -15,10 +15,9 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.kernels import reference
 from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, head_dim_of
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -70,8 +69,8 @@ class LlamaAttention(nn.Module):
         o_input_size = cfg.num_attention_heads * head_dim
         self.o_proj = RowParallelLinear(o_input_size, cfg.hidden_size, b.flags.o_bias, b.tp, b.dtype)
         if b.flags.qk_norm:
-            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
-            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.qk_norm = b.flags.qk_norm
         self.rotary_emb = b.rotary_emb
         qkv = self.qkv_proj
@@ -84,8 +83,8 @@ class LlamaAttention(nn.Module):
         query, key, value = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
         if self.qk_norm:
             query, key = self.q_norm(query), self.k_norm(key)
-        query, key = self.rotary_emb(positions, query, key)
-        return self.o_proj(self.attn(query, key, value, kv_cache, metadata))
+        rotary = RotaryInputs(positions, self.rotary_emb.cos_sin_cache)  # the backend rotates (fused with the KV write)
+        return self.o_proj(self.attn(query, key, value, kv_cache, metadata, rotary))
 
 
 class LlamaMLP(nn.Module):
@@ -97,18 +96,19 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], b.flags.mlp_bias, b.tp, b.dtype)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, b.flags.mlp_bias, b.tp, b.dtype)
+        self.silu_and_mul = b.attn_backend.ops.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(reference.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, b: _Build, layer_idx: int) -> None:
         super().__init__()
         cfg = b.hf_config
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.self_attn = LlamaAttention(b, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.mlp = LlamaMLP(b)
 
     def forward(
@@ -135,7 +135,7 @@ class LlamaModel(nn.Module):
         cfg = b.hf_config
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, b.tp, b.dtype)
         self.layers = nn.ModuleList(LlamaDecoderLayer(b, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
 
     def forward(
         self,

@@ -125,7 +125,7 @@ def load_model(
             hf_config,
             dtype=dtype,
             tp=tp,
-            attn_backend=get_attention_backend(config.attention_backend, device),
+            attn_backend=get_attention_backend(config.attention_backend, device, dtype),
             max_position=max_position,
         )
     if config.load_format == "dummy":

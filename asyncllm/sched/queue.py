@@ -2,7 +2,8 @@
 
 `peek`/`pop` give the next request to admit; `add` queues a new request and
 `add_preempted` puts a preempted one back so that it is admitted before the
-requests that arrived after it.
+requests that arrived after it. Each queue keeps `num_tokens`, the known
+tokens of its requests, in O(1) per change (admission control reads it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ __all__ = ["RequestQueue", "FCFSRequestQueue", "PriorityRequestQueue", "create_r
 
 class RequestQueue(abc.ABC):
     """Waiting requests in admission order."""
+
+    num_tokens: int = 0
+    """Sum of `Request.num_tokens` over the queued requests (a waiting request does not grow)."""
 
     @abc.abstractmethod
     def add(self, request: Request) -> None:
@@ -57,21 +61,27 @@ class FCFSRequestQueue(RequestQueue):
 
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
+        self.num_tokens = 0
 
     def add(self, request: Request) -> None:
         self._queue.append(request)
+        self.num_tokens += request.num_tokens
 
     def add_preempted(self, request: Request) -> None:
         self._queue.appendleft(request)
+        self.num_tokens += request.num_tokens
 
     def peek(self) -> Request:
         return self._queue[0]
 
     def pop(self) -> Request:
-        return self._queue.popleft()
+        request = self._queue.popleft()
+        self.num_tokens -= request.num_tokens
+        return request
 
     def remove_requests(self, req_ids: Collection[str]) -> None:
         self._queue = deque(r for r in self._queue if r.request_id not in req_ids)
+        self.num_tokens = sum(r.num_tokens for r in self._queue)
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -90,9 +100,11 @@ class PriorityRequestQueue(RequestQueue):
     def __init__(self) -> None:
         self._heap: list[tuple[int, float, int, Request]] = []
         self._counter = itertools.count()
+        self.num_tokens = 0
 
     def add(self, request: Request) -> None:
         heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._counter), request))
+        self.num_tokens += request.num_tokens
 
     def add_preempted(self, request: Request) -> None:
         self.add(request)
@@ -101,11 +113,14 @@ class PriorityRequestQueue(RequestQueue):
         return self._heap[0][3]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
+        request = heapq.heappop(self._heap)[3]
+        self.num_tokens -= request.num_tokens
+        return request
 
     def remove_requests(self, req_ids: Collection[str]) -> None:
         self._heap = [entry for entry in self._heap if entry[3].request_id not in req_ids]
         heapq.heapify(self._heap)
+        self.num_tokens = sum(entry[3].num_tokens for entry in self._heap)
 
     def __len__(self) -> int:
         return len(self._heap)

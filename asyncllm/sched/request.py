@@ -8,6 +8,7 @@ sampled token and decide whether the request is done.
 from __future__ import annotations
 
 import enum
+import time
 
 from asyncllm import protocol
 from asyncllm.kv.hashing import BlockHash
@@ -25,6 +26,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_TIMEOUT = enum.auto()
 
     @property
     def is_finished(self) -> bool:
@@ -35,6 +37,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_TIMEOUT: "timeout",
 }
 
 
@@ -42,10 +45,11 @@ class Request:
     """One request: its tokens, how far the KV cache covers them, and why it stopped."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "output_token_ids", "_all_token_ids", "num_prompt_tokens", "num_tokens",
+        "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "num_prompt_tokens", "num_tokens",
         "num_computed_tokens", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "client_id", "status", "finish_reason", "stop_reason", "num_preemptions",
-        "cache_salt", "block_hashes", "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids",
+        "cache_salt", "block_hashes", "events", "timeout", "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids",
+        "stop_check_token_ids", "max_num_tokens",
     )
 
     def __init__(
@@ -58,11 +62,13 @@ class Request:
         priority: int = 0,
         client_id: bytes = b"",
         cache_salt: str | None = None,
+        timeout: float | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
-        self._all_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(prompt_token_ids)
+        """Prompt then outputs, kept in step with `output_token_ids` (append through the methods below)."""
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_tokens = self.num_prompt_tokens
         """len(all_token_ids), kept as a plain attribute because the scheduler reads it every step."""
@@ -78,7 +84,7 @@ class Request:
         """The DEALER identity of the host that sent the request."""
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        """'stop', 'length' or 'abort' once finished."""
+        """'stop', 'length', 'abort' or 'timeout' once finished."""
         self.stop_reason: int | None = None
         """The stop_token_ids entry that ended the request (None for EOS and other reasons)."""
         self.num_preemptions = 0
@@ -86,11 +92,20 @@ class Request:
         """Requests with different salts never share prefix-cache blocks."""
         self.block_hashes: list[BlockHash] = []
         """Prefix-cache hashes of full blocks, filled by the KV manager."""
+        self.timeout = timeout
+        """Seconds after the core received the request at which it ends with finish_reason 'timeout'."""
+        self.events: list[protocol.EngineCoreEvent] | None = None
+        """Scheduling events not yet sent to the host (see `record_event`)."""
         # copies of the stop settings, read once per generated token
         self._max_tokens = params.max_tokens
         self._min_tokens = params.min_tokens
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        self.stop_check_token_ids = self._stop_token_ids | self._eos_token_ids
+        """Every token that may stop the request: after any other, only the length limits can
+        (the scheduler's decode loop skips `check_stop` then)."""
+        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else 1 << 62
+        """`num_tokens` at which max_tokens is reached."""
 
     @classmethod
     def from_add_request(cls, msg: protocol.AddRequest, client_id: bytes) -> "Request":
@@ -104,14 +119,24 @@ class Request:
             priority=msg.priority,
             client_id=client_id,
             cache_salt=msg.cache_salt,
+            timeout=msg.timeout,
         )
 
-    # ------------------------------------------------------------ tokens
-    @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then outputs; kept in step with appends (do not mutate it)."""
-        return self._all_token_ids
+    # ------------------------------------------------------------ events
+    def record_event(self, event_type: protocol.EngineCoreEventType) -> None:
+        """Timestamp a scheduling event; it rides on the request's next output delta."""
+        event = protocol.EngineCoreEvent(event_type, time.time())
+        if self.events is None:
+            self.events = [event]
+        else:
+            self.events.append(event)
 
+    def take_events(self) -> list[protocol.EngineCoreEvent] | None:
+        """The events recorded since the last call (None when there are none)."""
+        events, self.events = self.events, None
+        return events
+
+    # ------------------------------------------------------------ tokens
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
@@ -122,17 +147,14 @@ class Request:
 
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         self.num_tokens += 1
 
     def append_sampled_tokens(self, token_ids: list[int], max_model_len: int) -> list[int]:
-        """Append sampled tokens up to the first that stops the request; the ones appended."""
-        if len(token_ids) == 1:  # the common case, kept cheap: one token per step
-            self.output_token_ids.append(token_ids[0])
-            self._all_token_ids.append(token_ids[0])
-            self.num_tokens += 1
-            self.check_stop(max_model_len)
-            return token_ids
+        """Append sampled tokens up to the first that stops the request; the ones appended.
+
+        The scheduler's decode loop inlines the one-token case (see `update_from_output`).
+        """
         appended = []
         for token_id in token_ids:
             self.append_output_token(token_id)

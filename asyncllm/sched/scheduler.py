@@ -1,26 +1,27 @@
-"""`Scheduler`: continuous batching over a paged KV cache.
+"""`Scheduler`: continuous batching over a paged KV cache (docs/scheduling.md).
 
-One `schedule()` builds one step under two budgets, `max_num_batched_tokens`
-tokens and `max_num_seqs` requests:
+One `schedule()` builds one step under `max_num_batched_tokens` tokens and
+`max_num_seqs` requests:
 
-1. RUNNING requests first, in admission order (decodes, and prefills under
-   way). When the KV cache has no block for one, the most recently admitted
-   running request (fcfs; the lowest priority one under 'priority') is
-   preempted by recompute: its blocks are freed and it goes back to the front
-   of the waiting queue. A request may preempt itself.
-2. If nothing was preempted, WAITING requests in queue order with what is
-   left: prefix-cache lookup, then a chunk of the prompt when the whole does
-   not fit the token budget (chunked prefill), until blocks, budget or
-   `max_num_seqs` run out (no preemption to admit a request).
+0. 'priority' only: while the first waiting request outranks the last running
+   one and finds no seat or too few free blocks, that running request is preempted.
+1. RUNNING requests first, in the policy's order (`insert_running`): decodes
+   and prefills under way. When no block is free for one, the last running
+   request is preempted (maybe itself): by recompute, or by swap to the CPU
+   `SwapSpace` (recompute when it is full), and queued again at the front.
+2. If step 1 preempted nothing, WAITING requests in queue order with what is
+   left: prefix-cache hits (plus a swapped request's swap-in), then the prompt
+   or a chunk of it, until blocks, budget or seats run out.
 
-`update_from_output()` applies what the workers computed and sampled, and
-returns the deltas to send to the hosts. Both calls are O(scheduled requests):
-no per-step work walks the block pool.
+Every swap-out of a step is decided before any swap-in, and workers copy out,
+then in, then run the forward: a GPU block freed by a swap-out may be reused
+in the same step, a CPU block freed by a swap-in only in a later one.
 
-The worker samples a request when the step's tokens reach the end of its known
-tokens (``num_computed_tokens + num_scheduled == num_tokens``), and samples
-nothing for a prefill chunk. `num_computed_tokens` advances in
-`update_from_output`, so the two calls alternate: schedule, run, update.
+`update_from_output()` applies what the workers computed and sampled and
+returns the deltas for the hosts; `finish_expired_requests()` ends timed-out
+requests between steps. Each is O(scheduled requests) (O(1) when no deadline
+is due): nothing walks the block pool. The worker samples a request when the
+step reaches the end of its known tokens, so schedule, run, update alternate.
 """
 
 from __future__ import annotations
@@ -32,7 +33,15 @@ from collections.abc import Callable, Iterable
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidRequestError
+from asyncllm.kv.block_pool import KVCacheBlock
 from asyncllm.kv.manager import KVCacheManager
+from asyncllm.kv.swap import SwapSpace
+from asyncllm.protocol import EngineCoreEventType
+from asyncllm.sched.admission import check_queue_capacity, check_request
+from asyncllm.sched.chunking import ChunkPolicy, token_budget
+from asyncllm.sched.deadlines import DeadlineHeap
+from asyncllm.sched.logprobs import attach_logprobs
+from asyncllm.sched.preemption import PreemptionLogger, Preemptor, insert_running
 from asyncllm.sched.queue import create_request_queue
 from asyncllm.sched.request import Request, RequestStatus
 
@@ -41,35 +50,13 @@ __all__ = ["Scheduler", "PreemptionLogger"]
 logger = logging.getLogger("asyncllm.sched")
 
 
-class PreemptionLogger:
-    """Warns about preemptions at most once per `interval_s`, counting the ones it kept quiet."""
-
-    def __init__(self, interval_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self.interval_s = interval_s
-        self._clock = clock
-        self._last_logged: float | None = None
-        self._num_suppressed = 0
-
-    def record(self, request_id: str, mode: str, num_preemptions_total: int) -> None:
-        now = self._clock()
-        if self._last_logged is not None and now - self._last_logged < self.interval_s:
-            self._num_suppressed += 1
-            return
-        suppressed = f" ({self._num_suppressed} more not logged)" if self._num_suppressed else ""
-        self._last_logged, self._num_suppressed = now, 0
-        logger.warning(
-            "Request %s was preempted (mode=%s) because the KV cache ran out of free blocks; "
-            "%d preemptions so far%s. Preemption hurts latency and throughput: raise "
-            "gpu_memory_utilization or tensor_parallel_size, or lower max_num_seqs or "
-            "max_num_batched_tokens.",
-            request_id, mode, num_preemptions_total, suppressed,
-        )
-
-
 class _Step:
     """What one `schedule()` call has decided so far."""
 
-    __slots__ = ("budget", "num_scheduled_tokens", "new_reqs", "cached_reqs", "preempted_req_ids")
+    __slots__ = (
+        "budget", "num_scheduled_tokens", "new_reqs", "cached_reqs", "preempted_req_ids",
+        "blocks_to_swap_out", "blocks_to_swap_in",
+    )
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -77,21 +64,30 @@ class _Step:
         self.new_reqs: list[protocol.NewRequestData] = []
         self.cached_reqs: list[protocol.CachedRequestData] = []
         self.preempted_req_ids: list[str] = []
+        self.blocks_to_swap_out: list[list[int]] = []
+        self.blocks_to_swap_in: list[list[int]] = []
 
 
 class Scheduler:
     """Decides every step which requests run and how many tokens each computes."""
 
     def __init__(
-        self, config: EngineConfig, num_gpu_blocks: int, max_model_len: int, preemption_log_interval_s: float = 5.0
+        self,
+        config: EngineConfig,
+        num_gpu_blocks: int,
+        max_model_len: int,
+        preemption_log_interval_s: float = 5.0,
+        num_cpu_blocks: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.block_size: int = config.block_size
         self.max_model_len = max_model_len
         self.max_num_seqs: int = config.max_num_seqs
-        self.max_num_batched_tokens = _token_budget(config, max_model_len)
+        self.max_num_batched_tokens = token_budget(config, max_model_len)
         self.enable_chunked_prefill: bool = config.enable_chunked_prefill
-        self.long_prefill_token_threshold: int = config.long_prefill_token_threshold
+        self.chunking = ChunkPolicy(self.max_num_batched_tokens, self.enable_chunked_prefill,
+                                    config.long_prefill_token_threshold)
         self.policy: str = config.scheduling_policy
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, config.enable_prefix_caching)
         self.max_seq_len = min(max_model_len, num_gpu_blocks * self.block_size)
@@ -106,38 +102,69 @@ class Scheduler:
         """Every unfinished request (waiting, running or preempted) by request_id."""
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
-        """Running requests in admission order (the last one is preempted first under fcfs)."""
+        """Running requests in the policy's order (`insert_running`): the last one is preempted first."""
+        self.swap_space = SwapSpace(num_cpu_blocks, self.block_size) if config.preemption_mode == "swap" else None
+        """The CPU blocks of swapped-out requests (preemption_mode='swap' only)."""
+        self.deadlines = DeadlineHeap()
+        self._clock = clock
+        """time.monotonic; deadlines are measured from add_request on this clock."""
         self._finished_req_ids: list[str] = []
         self._step_id = 0
-        self._preemption_logger = PreemptionLogger(preemption_log_interval_s)
-        self.num_preemptions_total = 0
+        self.preemptor = Preemptor(config.preemption_mode, self.kv_cache_manager, self.swap_space, self.waiting,
+                                   preemption_log_interval_s)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps_total = 0
 
     # ------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
-        """Queue a new request; `InvalidRequestError` if it could never run."""
+        """Queue a new request; `InvalidRequestError` if it could never run, `EngineOverloadedError` if the queue is full.
+
+        A request's `timeout` counts from now (when the core received it).
+        """
         self._check_request(request)
+        config = self.config
+        check_queue_capacity(self.waiting, request, config.max_num_queued_requests, config.max_num_queued_tokens)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if request.timeout is not None:
+            self.deadlines.add(request, self._clock() + request.timeout)
+        request.record_event(EngineCoreEventType.QUEUED)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:
         """Finish these requests as aborted and free their blocks now; unknown ids are ignored."""
-        aborted = []
-        for req_id in req_ids:
-            request = self.requests.pop(req_id, None)
-            if request is None:
-                continue
-            request.finish(RequestStatus.FINISHED_ABORTED)
-            self.kv_cache_manager.free(request)
-            self._finished_req_ids.append(req_id)
-            aborted.append(request)
-        if aborted:
-            gone = {r.request_id for r in aborted}
-            self.running = [r for r in self.running if r.request_id not in gone]
-            self.waiting.remove_requests(gone)
+        aborted = [request for request in map(self.requests.get, dict.fromkeys(req_ids)) if request is not None]
+        self._finish_unscheduled(aborted, RequestStatus.FINISHED_ABORTED)
         return aborted
+
+    def finish_expired_requests(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
+        """End requests whose timeout passed (finish_reason 'timeout'); one delta per request.
+
+        Call between steps, never between `schedule()` and `update_from_output()`.
+        """
+        if not self.deadlines:
+            return []
+        expired = self.deadlines.pop_expired(self._clock())
+        self._finish_unscheduled(expired, RequestStatus.FINISHED_TIMEOUT)
+        return [
+            (r.client_id, protocol.RequestOutputDelta(r.request_id, [], r.finish_reason, events=r.take_events()))
+            for r in expired
+        ]
+
+    def _finish_unscheduled(self, requests: list[Request], status: RequestStatus) -> None:
+        """Finish requests outside a step, wherever they are, and free their GPU and CPU blocks now."""
+        if not requests:
+            return
+        for request in requests:
+            del self.requests[request.request_id]
+            request.finish(status)
+            self.kv_cache_manager.free(request)
+            if self.swap_space is not None:
+                self.swap_space.free(request.request_id)
+            self._finished_req_ids.append(request.request_id)
+        gone = {r.request_id for r in requests}
+        self.running = [r for r in self.running if r.request_id not in gone]
+        self.waiting.remove_requests(gone)
 
     def abort_client(self, client_id: bytes) -> list[Request]:
         """Abort every request of one host (it said goodbye or died)."""
@@ -153,12 +180,14 @@ class Scheduler:
             num_requests_waiting=len(self.waiting),
             num_gpu_blocks=kv.num_gpu_blocks,
             num_used_blocks=kv.num_used_blocks,
-            num_preemptions_total=self.num_preemptions_total,
+            num_preemptions_total=self.preemptor.num_preemptions_total,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_steps_total=self.num_steps_total,
+            num_waiting_tokens=self.waiting.num_tokens,
+            num_swapped_total=self.preemptor.num_swapped_total,
         )
 
     # ------------------------------------------------------------ schedule
@@ -169,8 +198,11 @@ class Scheduler:
         it carries `finished_req_ids` and `preempted_req_ids` only once.
         """
         step = _Step(self.max_num_batched_tokens)
+        if self.policy == "priority" and self.waiting and self.running:
+            self._preempt_for_priority(step)
+        num_preempted = len(step.preempted_req_ids)
         self._schedule_running(step)
-        if not step.preempted_req_ids:
+        if len(step.preempted_req_ids) == num_preempted:
             self._schedule_waiting(step)
         total = sum(step.num_scheduled_tokens.values())
         out = protocol.SchedulerOutput(
@@ -181,6 +213,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
+            blocks_to_swap_out=step.blocks_to_swap_out,
+            blocks_to_swap_in=step.blocks_to_swap_in,
         )
         self._finished_req_ids = []
         self._step_id += 1
@@ -189,70 +223,98 @@ class Scheduler:
         return out
 
     def _schedule_running(self, step: _Step) -> None:
-        # The hot loop of a decode step: names bound once, one allocate_slots call per request.
-        allocate_slots = self.kv_cache_manager.allocate_slots
+        # The hot loop of a decode step: names bound once, the KV manager's decode fast path inlined
+        # (a request whose last block has room for its one new token needs no allocate_slots call).
+        kv = self.kv_cache_manager
+        allocate_slots, req_to_blocks, block_size = kv.allocate_slots, kv.req_to_blocks, self.block_size
         running = self.running
         cached_reqs = step.cached_reqs
         num_scheduled_tokens = step.num_scheduled_tokens
         CachedRequestData = protocol.CachedRequestData
-        index = 0
-        while index < len(running) and step.budget > 0:
-            request = running[index]
-            num_new = request.num_tokens - request.num_computed_tokens
-            if num_new != 1:
-                num_new = self._chunk(num_new, step.budget)
-            assert num_new > 0, request
-            new_block_ids = allocate_slots(request, num_new)
-            if new_block_ids is None:
-                new_block_ids = self._preempt_until_allocated(request, num_new, index, step)
+        budget = step.budget
+        # Preemption only pops the list's tail (never a request before this one), so iterating while it
+        # shrinks is safe: when the request preempts itself it was the last one and the loop ends.
+        for request in running:
+            if budget <= 0:
+                break
+            req_id = request.request_id
+            num_computed = request.num_computed_tokens
+            num_new = request.num_tokens - num_computed
+            if num_new == 1 and num_computed < len(req_to_blocks[req_id]) * block_size:
+                new_block_ids = []
+            else:
+                if num_new != 1:
+                    num_new = self.chunking.chunk(num_new, budget)
+                assert num_new > 0, request
+                new_block_ids = allocate_slots(request, num_new)
                 if new_block_ids is None:
-                    continue  # the request preempted itself; the running list shrank
-            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
-            num_scheduled_tokens[request.request_id] = num_new
-            step.budget -= num_new
-            index += 1
+                    new_block_ids = self._preempt_until_allocated(request, num_new, step)
+                    if new_block_ids is None:
+                        break  # the request preempted itself: it was the last one
+            cached_reqs.append(CachedRequestData(req_id, new_block_ids, num_computed))
+            num_scheduled_tokens[req_id] = num_new
+            budget -= num_new
+        step.budget = budget
 
-    def _preempt_until_allocated(self, request: Request, num_new: int, index: int, step: _Step) -> list[int] | None:
-        """Preempt running requests (maybe `request` itself) until its slots fit; None if it was the victim."""
+    def _preempt_until_allocated(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
+        """Preempt the last running requests (maybe `request` itself) until its slots fit; None if it was the victim.
+
+        The last running request is never one scheduled in this step: those
+        come before `request`, which is itself still in the list.
+        """
         while True:
-            victim = self.running.pop(self._victim_index(index))
-            self._preempt(victim)
-            step.preempted_req_ids.append(victim.request_id)
+            victim = self.running.pop()
+            self._preempt(victim, step)
             if victim is request:
                 return None
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_block_ids is not None:
                 return new_block_ids
 
-    def _victim_index(self, first_unscheduled: int) -> int:
-        """The request to preempt, among those not scheduled yet in this step."""
-        if self.policy == "fcfs":
-            return len(self.running) - 1
-        candidates = range(first_unscheduled, len(self.running))
-        return max(candidates, key=lambda i: (self.running[i].priority, self.running[i].arrival_time, i))
+    def _preempt_for_priority(self, step: _Step) -> None:
+        """Preempt lower-priority running requests while the first waiting one lacks a seat or blocks."""
+        head = self.waiting.peek()
+        while self.running and self.running[-1].priority > head.priority and self._lacks_room(head):
+            self._preempt(self.running.pop(), step, why=f"request {head.request_id} of higher priority was waiting")
 
-    def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.waiting.add_preempted(request)
-        self.num_preemptions_total += 1
-        self._preemption_logger.record(request.request_id, self.config.preemption_mode, self.num_preemptions_total)
+    def _lacks_room(self, head: Request) -> bool:
+        """Whether `head` finds no seat, or fewer free blocks than its first chunk and the decodes need."""
+        if len(self.running) >= self.max_num_seqs:
+            return True
+        kv = self.kv_cache_manager
+        hits, num_computed, _ = self._resume_point(head)
+        num_new = self.chunking.admission_chunk(head.num_tokens - num_computed, self.max_num_batched_tokens)
+        needed = kv.num_blocks_to_allocate(head, num_computed - len(hits) * self.block_size + num_new, hits)
+        decodes = sum(kv.num_blocks_to_allocate(r, 1) for r in self.running)
+        return needed + decodes > kv.num_free_blocks
+
+    def _preempt(self, request: Request, step: _Step, why: str = "the KV cache ran out of free blocks") -> None:
+        assert not step.blocks_to_swap_in, "a swap-out after a swap-in could reuse a CPU block being read"
+        self.preemptor.preempt(request, step.blocks_to_swap_out, why)
+        step.preempted_req_ids.append(request.request_id)
+
+    @property
+    def num_preemptions_total(self) -> int:
+        return self.preemptor.num_preemptions_total
 
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
-            hits, num_hit_tokens = kv.get_computed_blocks(request)
-            num_new = self._admission_chunk(request.num_tokens - num_hit_tokens, step.budget)
+            if step.preempted_req_ids and request.request_id in step.preempted_req_ids:
+                break  # preempted for a higher-priority request in this very step
+            hits, num_computed, swapped = self._resume_point(request)
+            num_new = self.chunking.admission_chunk(request.num_tokens - num_computed, step.budget)
             if num_new == 0:
                 break
-            block_ids = kv.allocate_slots(request, num_new, hits)
+            block_ids = kv.allocate_slots(request, num_computed - len(hits) * self.block_size + num_new, hits)
             if block_ids is None:
                 break
             self.waiting.pop()
-            self._admit(request, num_hit_tokens)
+            if swapped:
+                assert self.swap_space is not None
+                step.blocks_to_swap_in += self.swap_space.resume(request.request_id, len(hits), block_ids[len(hits):])
+            self._admit(request, num_computed)
             step.new_reqs.append(
                 protocol.NewRequestData(
                     req_id=request.request_id,
@@ -260,38 +322,39 @@ class Scheduler:
                     num_prompt_tokens=request.num_prompt_tokens,
                     params=request.params,
                     block_ids=block_ids,
-                    num_computed_tokens=num_hit_tokens,
+                    num_computed_tokens=num_computed,
+                    eos_token_ids=request.eos_token_ids,
                 )
             )
             step.num_scheduled_tokens[request.request_id] = num_new
             step.budget -= num_new
 
-    def _chunk(self, num_remaining: int, budget: int) -> int:
-        """Tokens a request computes this step: capped by the budget and the long-prefill threshold."""
-        threshold = self.long_prefill_token_threshold
-        if threshold > 0 and self.enable_chunked_prefill:
-            num_remaining = min(num_remaining, threshold)
-        return min(num_remaining, budget)
+    def _resume_point(self, request: Request) -> tuple[list[KVCacheBlock], int, bool]:
+        """A waiting request's prefix hits, the tokens it starts with computed, and whether it is swapped out.
 
-    def _admission_chunk(self, num_remaining: int, budget: int) -> int:
-        """Like `_chunk`, but 0 (wait) when chunking is off and the rest does not fit this step.
-
-        A request whose rest exceeds even an empty step (only a request resumed
-        after preemption, whose outputs grew it) is chunked anyway, or it
-        could never run again.
+        A swapped-out request starts with all its swapped tokens computed
+        (hits for the leading blocks still cached, the rest swapped in), or
+        with its hits alone when they cover more.
         """
-        if self.enable_chunked_prefill or num_remaining <= budget:
-            return self._chunk(num_remaining, budget)
-        if num_remaining <= self.max_num_batched_tokens:
-            return 0
-        return budget
+        if request.params.prompt_logprobs is None:
+            hits, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+        else:  # prompt_logprobs need the logits of every prompt position: no prefix-cache reads (as vLLM)
+            hits, num_computed = [], 0
+        swap = self.swap_space
+        if swap is None or not swap.swapped:
+            return hits, num_computed, False
+        entry = swap.swapped.get(request.request_id)
+        if entry is None:
+            return hits, num_computed, False
+        return hits, max(num_computed, entry.num_computed_tokens), True
 
-    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+    def _admit(self, request: Request, num_computed_tokens: int) -> None:
         request.status = RequestStatus.RUNNING
-        request.num_computed_tokens = num_hit_tokens
+        request.record_event(EngineCoreEventType.SCHEDULED)
+        request.num_computed_tokens = num_computed_tokens
         if request.num_preemptions == 0:
-            request.num_cached_tokens = num_hit_tokens
-        self.running.append(request)
+            request.num_cached_tokens = num_computed_tokens
+        insert_running(self.running, request, self.policy)
 
     # ------------------------------------------------------------ update
     def update_from_output(
@@ -304,42 +367,56 @@ class Scheduler:
         assert runner_out.step_id == sched_out.step_id, (runner_out.step_id, sched_out.step_id)
         sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
         outputs: list[tuple[bytes, protocol.RequestOutputDelta]] = []
-        # The hot loop of a decode step: names bound once.
-        requests, advance, max_seq_len = self.requests, self._advance, self.max_seq_len
+        # The hot loop of a decode step: names bound once, `Request.take_events` inlined.
+        requests, max_seq_len, block_size = self.requests, self.max_seq_len, self.block_size
+        cache_full_blocks = self.kv_cache_manager.cache_full_blocks
         RequestOutputDelta, RUNNING = protocol.RequestOutputDelta, RequestStatus.RUNNING
         any_finished = False
+        num_generated = 0
         for req_id, num_scheduled in sched_out.num_scheduled_tokens.items():
             request = requests.get(req_id)
             if request is None or request.status is not RUNNING:
                 continue
-            if not advance(request, num_scheduled):
+            before = request.num_computed_tokens
+            after = request.num_computed_tokens = before + num_scheduled
+            if before < request.num_prompt_tokens:
+                self.prompt_tokens_total += min(after, request.num_prompt_tokens) - before
+            if after // block_size != before // block_size:
+                cache_full_blocks(request)
+            if after < request.num_tokens:
                 continue  # a prefill chunk: nothing sampled
             token_ids = sampled.get(req_id)
             assert token_ids, f"the worker sampled no token for {req_id} at the end of its tokens"
             first = not request.output_token_ids
-            new_token_ids = request.append_sampled_tokens(token_ids, max_seq_len)
-            self.generation_tokens_total += len(new_token_ids)
+            if len(token_ids) == 1:  # Request.append_sampled_tokens for one token, inlined: no call per request
+                token = token_ids[0]
+                request.output_token_ids.append(token)
+                request.all_token_ids.append(token)
+                num_tokens = request.num_tokens = request.num_tokens + 1
+                if (token in request.stop_check_token_ids or num_tokens >= request.max_num_tokens
+                        or num_tokens >= max_seq_len):
+                    request.check_stop(max_seq_len)
+                new_token_ids = token_ids
+            else:
+                new_token_ids = request.append_sampled_tokens(token_ids, max_seq_len)
+            num_generated += len(new_token_ids)
+            events = request.events
+            if events is not None:
+                request.events = None
             delta = RequestOutputDelta(
                 req_id, new_token_ids, request.finish_reason, request.stop_reason,
-                request.num_cached_tokens if first else 0,
+                request.num_cached_tokens if first else 0, events=events,
             )
             outputs.append((request.client_id, delta))
             if request.finish_reason is not None:
                 self._free_finished(request)
                 any_finished = True
+        self.generation_tokens_total += num_generated
         if any_finished:
             self.running = [r for r in self.running if not r.status.is_finished]
+        if runner_out.logprobs or runner_out.prompt_logprobs:
+            attach_logprobs(outputs, runner_out, requests)
         return outputs
-
-    def _advance(self, request: Request, num_scheduled: int) -> bool:
-        """Count `num_scheduled` tokens as computed and cache blocks they filled; True if all known tokens are."""
-        before = request.num_computed_tokens
-        after = request.num_computed_tokens = before + num_scheduled
-        if before < request.num_prompt_tokens:
-            self.prompt_tokens_total += min(after, request.num_prompt_tokens) - before
-        if after // self.block_size > before // self.block_size:
-            self.kv_cache_manager.cache_full_blocks(request)
-        return after >= request.num_tokens
 
     def _free_finished(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
@@ -348,36 +425,8 @@ class Scheduler:
 
     # ------------------------------------------------------------ checks
     def _check_request(self, request: Request) -> None:
-        num_prompt = request.num_prompt_tokens
         assert request.status is RequestStatus.WAITING and not request.output_token_ids, request
-        if num_prompt == 0:
-            raise InvalidRequestError("prompt", "is empty: at least one token is needed")
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already used by an unfinished request")
-        if num_prompt > self.max_model_len - 1:
-            raise InvalidRequestError(
-                "prompt",
-                f"{num_prompt} tokens is too long: max_model_len={self.max_model_len} leaves room for "
-                f"at most {self.max_model_len - 1} prompt tokens and one generated token",
-            )
         capacity = self.kv_cache_manager.num_gpu_blocks * self.block_size
-        if num_prompt > capacity - 1:
-            raise InvalidRequestError(
-                "prompt",
-                f"{num_prompt} tokens do not fit in the whole KV cache ({capacity} tokens, one of which "
-                f"the first generated token needs): shorten the prompt, or raise gpu_memory_utilization, "
-                f"num_gpu_blocks_override or tensor_parallel_size",
-            )
-        if not self.enable_chunked_prefill and num_prompt > self.max_num_batched_tokens:
-            raise InvalidRequestError(
-                "prompt",
-                f"{num_prompt} tokens exceed max_num_batched_tokens={self.max_num_batched_tokens} with "
-                f"enable_chunked_prefill=False: enable chunked prefill or raise max_num_batched_tokens",
-            )
-
-
-def _token_budget(config: EngineConfig, max_model_len: int) -> int:
-    """`resolved_max_num_batched_tokens`, using the model's max_model_len when the config has none yet."""
-    if config.max_num_batched_tokens is None and not config.enable_chunked_prefill:
-        return max(max_model_len, config.max_num_seqs)
-    return config.resolved_max_num_batched_tokens
+        check_request(request, self.max_model_len, capacity, self.enable_chunked_prefill, self.max_num_batched_tokens)

@@ -30,5 +30,7 @@ def test_wheel_contains_every_package(tmp_path: pathlib.Path) -> None:
             expected.add(f"asyncllm/{dest}/{py.relative_to(ROOT / src)}")
     for py in (ROOT / "asyncllm").rglob("*.py"):
         expected.add(str(py.relative_to(ROOT)))
+    for data in (ROOT / "asyncllm" / "data" / "tiny-llama").iterdir():  # the bundled model (package data)
+        expected.add(str(data.relative_to(ROOT)))
     missing = sorted(expected - set(names))
     assert not missing, f"missing from the wheel: {missing}"

@@ -25,7 +25,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], positions: list[i
            sampler: Sampler | None = None) -> list[int]:
     positions = positions if positions is not None else [10] * len(params)
     metadata = SamplingMetadata.from_params(params, positions, CPU)
-    return (sampler or Sampler(0, CPU))(logits, metadata).tolist()
+    return (sampler or Sampler(0, CPU))(logits, metadata).sampled_token_ids.tolist()
 
 
 def chi_square_p_value(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -171,3 +171,20 @@ def test_chi_square_helper_rejects_a_wrong_distribution() -> None:
     assert chi_square_p_value(counts, softmax(LOGITS_5)) > ALPHA
     assert chi_square_p_value(counts, softmax(LOGITS_5 / 1.2)) < ALPHA
     assert math.isclose(chi_square_p_value(np.array([50, 50]), np.array([0.5, 0.5])), 1.0)
+
+
+def test_min_p_renormalises_over_the_kept_tokens() -> None:
+    counts = draw_counts(SamplingParams(temperature=1.0, min_p=0.3), 20000)  # probs / max: 1, .61, .37, .22, .14
+    assert counts[3:].sum() == 0
+    assert chi_square_p_value(counts[:3], softmax(LOGITS_5[:3])) > ALPHA
+
+
+def test_penalised_sampling_fits_the_penalised_softmax() -> None:
+    num = 20000
+    params = SamplingParams(temperature=0.8, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.5)
+    meta = SamplingMetadata.from_params([params] * num, [10] * num, CPU, [[4]] * num, [[0, 0, 1]] * num)
+    tokens = Sampler(1234, CPU)(LOGITS_5.expand(num, 5).contiguous(), meta).sampled_token_ids
+    # repetition on prompt + output tokens {0, 1, 4}, then frequency (counts 2, 1) and presence on outputs
+    penalised = torch.tensor([1.0 / 1.5 - 0.6 - 0.4, 0.5 / 1.5 - 0.3 - 0.4, 0.0, -0.5, -1.0 * 1.5])
+    assert chi_square_p_value(np.bincount(tokens.numpy(), minlength=5), softmax(penalised / 0.8)) > ALPHA
+    assert chi_square_p_value(np.bincount(tokens.numpy(), minlength=5), softmax(LOGITS_5 / 0.8)) < ALPHA

@@ -219,8 +219,7 @@ def test_two_preemptions_in_one_step_log_one_warning(caplog):
 
 
 def test_priority_policy_preempts_the_lowest_priority_request_first():
-    sched = make_scheduler(num_gpu_blocks=3, max_model_len=12, enable_prefix_caching=False)
-    sched.policy, sched.waiting = "priority", PriorityRequestQueue()  # EngineConfig refuses 'priority' for now
+    sched = make_scheduler(num_gpu_blocks=3, max_model_len=12, enable_prefix_caching=False, scheduling_policy="priority")
     for req_id, priority in (("a", 0), ("b", 5), ("c", 1)):
         req = make_request(req_id, 4)
         req.priority = priority

@@ -1,11 +1,13 @@
-"""Property test: random add / abort / step sequences never leak, double-own or corrupt KV blocks.
+"""Property test: random add / abort / step / timeout sequences never leak, double-own or corrupt KV blocks.
 
 A fake worker keeps per-request state from the `SchedulerOutput` diffs alone
 (as the real one does) and a fake KV cache whose slot for position p holds the
-tokens up to p. Every step it checks that the KV a request is told it has
-computed (prefix hits included) is right, and it samples a token that is a
-function of the tokens so far, so each request's output must equal what it
-would generate alone, whatever the batching, chunking, preemption or prefix hits.
+tokens up to p, plus a fake CPU swap space it copies blocks to and from as the
+step says (out first, then in). Every step it checks that the KV a request is
+told it has computed (prefix hits and swapped-in blocks included) is right,
+and it samples a token that is a function of the tokens so far, so each
+request's output must equal what it would generate alone, whatever the
+batching, chunking, policy, preemption (recompute or swap) or prefix hits.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import EngineOverloadedError, InvalidRequestError
 from asyncllm.sampling import SamplingParams
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.scheduler import Scheduler
@@ -47,13 +49,18 @@ def generate_alone(req: Request, max_seq_len: int) -> tuple[list[int], str]:
 class FakeWorker:
     """Per-request token lists and block tables built from the step diffs, over a fake KV cache."""
 
-    def __init__(self, num_gpu_blocks: int, block_size: int) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int = 0) -> None:
         self.block_size = block_size
         self.kv: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_gpu_blocks)]
+        self.cpu: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.tokens: dict[str, list[int]] = {}
         self.block_ids: dict[str, list[int]] = {}
 
     def execute(self, out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
+        for gpu, cpu in out.blocks_to_swap_out:
+            self.cpu[cpu] = list(self.kv[gpu])
+        for gpu, cpu in out.blocks_to_swap_in:
+            self.kv[gpu] = list(self.cpu[cpu])
         for req_id in out.finished_req_ids + out.preempted_req_ids:
             self.tokens.pop(req_id, None)
             self.block_ids.pop(req_id, None)
@@ -108,6 +115,26 @@ def check_invariants(sched: Scheduler) -> None:
     assert running == set(kv.req_to_blocks) and not running & waiting
     assert running | waiting == set(sched.requests)
     assert len(running) <= sched.max_num_seqs
+    assert sched.waiting.num_tokens == sum(r.num_tokens for r in sched.waiting)
+    if sched.policy == "priority":
+        keys = [(r.priority, r.arrival_time) for r in sched.running]
+        assert keys == sorted(keys)
+    check_swap_space(sched)
+
+
+def check_swap_space(sched: Scheduler) -> None:
+    """Swapped requests wait, hold no GPU block, and own disjoint CPU blocks covering their computed tokens."""
+    swap = sched.swap_space
+    if swap is None:
+        return
+    owned = [cpu for entry in swap.swapped.values() for cpu in entry.cpu_block_ids]
+    assert len(owned) == len(set(owned))
+    assert sorted(owned + swap.free_block_ids()) == list(range(swap.num_cpu_blocks))
+    for req_id, entry in swap.swapped.items():
+        req = sched.requests[req_id]
+        assert req.status is RequestStatus.PREEMPTED and req_id not in sched.kv_cache_manager.req_to_blocks
+        assert len(entry.cpu_block_ids) == -(-entry.num_computed_tokens // sched.block_size)
+        assert 0 < entry.num_computed_tokens < req.num_tokens
 
 
 STEMS = ([1, 2, 0, 4, 5, 1, 2, 0, 4, 5, 1, 2, 0, 4, 5, 1], [5, 4, 0, 2, 1, 5, 4, 0, 2, 1, 5, 4, 0, 2, 1, 5])
@@ -119,8 +146,9 @@ prompts = st.builds(
 )
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["add", "add", "add", "abort", "step", "step", "step"]),
+        st.sampled_from(["add", "add", "add", "abort", "step", "step", "step", "step", "tick"]),
         prompts, st.integers(1, 10), st.booleans(), st.integers(0, 40),
+        st.integers(0, 2), st.sampled_from([None, None, None, 2, 5]),
     ),
     min_size=8,
     max_size=40,
@@ -137,20 +165,69 @@ ops = st.lists(
     chunked=st.booleans(),
     prefix_caching=st.booleans(),
     threshold=st.sampled_from([0, 5]),
+    preemption_mode=st.sampled_from(["recompute", "swap"]),
+    num_cpu_blocks=st.sampled_from([0, 2, 16]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    max_queued=st.sampled_from([None, 3]),
 )
 def test_random_schedules_keep_the_kv_cache_consistent(
-    ops, num_gpu_blocks, block_size, budget, max_num_seqs, chunked, prefix_caching, threshold
+    ops, num_gpu_blocks, block_size, budget, max_num_seqs, chunked, prefix_caching, threshold,
+    preemption_mode, num_cpu_blocks, policy, max_queued,
 ):
     config = EngineConfig.create(
         "dummy-model", block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching, long_prefill_token_threshold=threshold,
+        preemption_mode=preemption_mode, scheduling_policy=policy, max_num_queued_requests=max_queued,
     )
-    sched = Scheduler(config, num_gpu_blocks, max_model_len=20)
-    worker = FakeWorker(num_gpu_blocks, block_size)
+    run_ops(ops, config, num_gpu_blocks, num_cpu_blocks)
+
+
+pressure_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["add", "add", "step", "step", "step", "step", "abort", "tick"]),
+        prompts, st.integers(4, 10), st.just(True), st.integers(0, 40),
+        st.integers(0, 3), st.sampled_from([None, None, None, 4]),
+    ),
+    min_size=20,
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ops=pressure_ops,
+    num_gpu_blocks=st.integers(4, 7),
+    num_cpu_blocks=st.sampled_from([3, 6, 32]),
+    policy=st.sampled_from(["fcfs", "priority"]),
+    prefix_caching=st.booleans(),
+    max_num_seqs=st.integers(2, 4),
+)
+def test_swap_and_priority_under_memory_pressure(ops, num_gpu_blocks, num_cpu_blocks, policy, prefix_caching, max_num_seqs):
+    """Few GPU blocks and long outputs, so that requests are swapped out and in (and preempted by priority) often."""
+    config = EngineConfig.create(
+        "dummy-model", block_size=2, max_num_batched_tokens=16, max_num_seqs=max_num_seqs,
+        enable_prefix_caching=prefix_caching, preemption_mode="swap", scheduling_policy=policy,
+    )
+    run_ops(ops, config, num_gpu_blocks, num_cpu_blocks)
+
+
+def run_ops(ops: list[tuple], config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+    """Play the ops (add, abort, step, tick = one second passes), then run to the end; check every step."""
+    now = [0.0]
+    sched = Scheduler(config, num_gpu_blocks, max_model_len=20, num_cpu_blocks=num_cpu_blocks, clock=lambda: now[0])
+    worker = FakeWorker(num_gpu_blocks, config.block_size, num_cpu_blocks)
+    budget = sched.max_num_batched_tokens
     added: list[Request] = []
     aborted: set[str] = set()
     outputs: dict[str, list[int]] = {}
     finish: dict[str, str] = {}
+
+    def record(deltas: list[protocol.RequestOutputDelta]) -> None:
+        for delta in deltas:
+            assert delta.request_id not in finish
+            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
+            if delta.finish_reason is not None:
+                finish[delta.request_id] = delta.finish_reason
 
     def step(abort_index: int | None = None) -> None:
         out = sched.schedule()
@@ -158,21 +235,20 @@ def test_random_schedules_keep_the_kv_cache_consistent(
         if abort_index is not None and added:  # an abort that lands while the step runs
             aborted.update(r.request_id for r in sched.abort_requests([added[abort_index % len(added)].request_id]))
         runner_out = worker.execute(out)
-        for _, delta in sched.update_from_output(out, runner_out):
-            assert delta.request_id not in finish
-            outputs.setdefault(delta.request_id, []).extend(delta.new_token_ids)
-            if delta.finish_reason is not None:
-                finish[delta.request_id] = delta.finish_reason
+        record([delta for _, delta in sched.update_from_output(out, runner_out)])
         check_invariants(sched)
 
-    for kind, prompt, max_tokens, ignore_eos, index in ops:
+    for kind, prompt, max_tokens, ignore_eos, index, priority, timeout in ops:
         if kind == "add":
-            req = Request(f"r{len(added)}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos),
-                          [EOS], float(len(added)))
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+            req = Request(f"r{len(added)}", prompt, params, [EOS], float(len(added)), priority=priority, timeout=timeout)
             try:
                 sched.add_request(req)
             except InvalidRequestError:
-                assert len(prompt) > sched.max_seq_len - 1 or (not chunked and len(prompt) > budget)
+                assert len(prompt) > sched.max_seq_len - 1 or (not config.enable_chunked_prefill and len(prompt) > budget)
+                continue
+            except EngineOverloadedError:
+                assert config.max_num_queued_requests is not None and len(sched.waiting) >= config.max_num_queued_requests
                 continue
             added.append(req)
         elif kind == "abort" and added:
@@ -180,6 +256,12 @@ def test_random_schedules_keep_the_kv_cache_consistent(
             check_invariants(sched)
         elif kind == "step":
             step(index if index % 4 == 0 else None)
+        elif kind == "tick":
+            now[0] += 1.0
+            expired = sched.finish_expired_requests()
+            assert all(delta.finish_reason == "timeout" and not delta.new_token_ids for _, delta in expired)
+            record([delta for _, delta in expired])
+            check_invariants(sched)
 
     for _ in range(500):
         if not sched.has_unfinished_requests():
@@ -187,11 +269,17 @@ def test_random_schedules_keep_the_kv_cache_consistent(
         step()
     assert not sched.has_unfinished_requests()
     assert sched.kv_cache_manager.num_used_blocks == 0 and not sched.kv_cache_manager.req_to_blocks
+    if sched.swap_space is not None:
+        assert sched.swap_space.num_used_blocks == 0 and not sched.swap_space.swapped
     for req in added:
         assert req.status.is_finished
         if req.request_id in aborted:
             assert req.status is RequestStatus.FINISHED_ABORTED
             continue
         expected, reason = generate_alone(req, sched.max_seq_len)
+        if req.status is RequestStatus.FINISHED_TIMEOUT:
+            got = outputs.get(req.request_id, [])
+            assert finish[req.request_id] == "timeout" and got == expected[: len(got)] and req.timeout is not None
+            continue
         assert (outputs[req.request_id], finish[req.request_id]) == (expected, reason)
         assert req.output_token_ids == expected

@@ -1,0 +1,68 @@
+"""``asyncllm bench WORKLOAD [flags]``: parse, run the workload, exit 0 (or 2 on a bad flag).
+
+The workloads and what they measure are in docs/benchmarks.md; every run
+prints the decode roofline and a summary table, ``--output-json`` saves it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import ModuleType
+from typing import Any
+
+from asyncllm.bench import common, kernels, latency, loop_lag, scheduler, serve, throughput
+from asyncllm.errors import ConfigError
+
+__all__ = ["main", "parser", "WORKLOADS"]
+
+WORKLOADS: dict[str, tuple[ModuleType, str]] = {
+    "throughput": (throughput, "many requests at once: output and total tokens/s"),
+    "latency": (latency, "one request at a time: decode tokens/s and TTFT"),
+    "serve": (serve, "Poisson arrivals through the async API: TTFT and ITL p50/p99"),
+    "loop-lag": (loop_lag, "host event-loop lag while 256 streams are consumed"),
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="asyncllm bench", description="asyncllm's standard benchmark workloads")
+    workloads = top.add_subparsers(dest="workload", required=True)
+    for name, (module, help_text) in WORKLOADS.items():
+        sub = workloads.add_parser(name, help=help_text, description=module.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_args(sub)
+        common.add_common_args(sub)
+    kernel_parser = workloads.add_parser("kernels", help="Triton kernel micro-benchmarks (GPU only)",
+                                         description=kernels.__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    kernels.add_args(kernel_parser)
+    workloads.add_parser("scheduler", help="the scheduler alone, no model (asyncllm bench scheduler --help)",
+                         add_help=False)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["scheduler"]:  # its own parser (asyncllm.bench.scheduler)
+        scheduler.main(argv[1:])
+        return 0
+    args = parser().parse_args(argv)
+    try:
+        run(args, argv)
+    except ConfigError as exc:
+        print(f"asyncllm bench: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> Any:
+    if args.workload == "kernels":
+        return kernels.run(args, argv)
+    module, _ = WORKLOADS[args.workload]
+    if getattr(args, "compare", None) and args.preset is None and args.model is None:
+        raise ConfigError("compare", args.compare, "a --model or --preset")
+    return module.run(args, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

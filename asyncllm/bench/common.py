@@ -1,0 +1,154 @@
+"""What every workload shares: the command-line flags, the engine, warm-up, roofline and report."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import torch
+
+from asyncllm.bench import report
+from asyncllm.bench.model import PRESETS, BenchModel, resolve_bench_model
+from asyncllm.bench.roofline import Roofline, decode_roofline, measure_copy_bandwidth
+
+__all__ = ["add_common_args", "BenchContext", "make_context", "open_engine", "finish", "int_range"]
+
+
+def int_range(text: str) -> tuple[int, int]:
+    """``"100,1024"`` or ``"100:1024"`` -> (100, 1024), inclusive."""
+    parts = text.replace(":", ",").split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected LO,HI, got {text!r}")
+    lo, hi = int(parts[0]), int(parts[1])
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model and engine")
+    model.add_argument("--model", help="a local checkpoint folder")
+    model.add_argument("--preset", choices=PRESETS,
+                       help="a shipped model shape with dummy weights (tiny: asyncllm's tiny Llama)")
+    model.add_argument("--load-format", choices=("auto", "safetensors", "dummy"), default=None,
+                       help="default: dummy for shape presets, auto otherwise")
+    model.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    model.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    model.add_argument("--max-num-seqs", type=int, default=256)
+    model.add_argument("--max-num-batched-tokens", type=int, default=None)
+    model.add_argument("--max-model-len", type=int, default=None, help="default: the workload's longest request")
+    model.add_argument("--attention-backend", default=None, help="torch_sdpa or triton (default: the device's)")
+    model.add_argument("--tensor-parallel-size", type=int, default=1)
+    model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    model.add_argument("--enforce-eager", action="store_true")
+    model.add_argument("--seed", type=int, default=0, help="seeds the synthetic workload and the engine")
+    out = parser.add_argument_group("output")
+    out.add_argument("--output-json", help="write the result (metadata, settings, metrics) to this file")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@dataclass
+class BenchContext:
+    """A run's settings, resolved once."""
+
+    args: argparse.Namespace
+    model: BenchModel
+    device: torch.device
+    dtype: torch.dtype
+    argv: list[str] | None
+    extra_engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def show_progress(self) -> bool:
+        return not self.args.no_progress
+
+
+def make_context(args: argparse.Namespace, argv: list[str] | None) -> BenchContext:
+    from asyncllm.models.loader import load_hf_config, resolve_dtype
+
+    model = resolve_bench_model(args.model, args.preset, args.load_format)
+    device_name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device_name)
+    dtype = resolve_dtype(args.dtype, load_hf_config(model.path), device)
+    return BenchContext(args, model, device, dtype, argv)
+
+
+def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
+    a = ctx.args
+    kwargs: dict[str, Any] = dict(
+        load_format=ctx.model.load_format, dtype=str(ctx.dtype).removeprefix("torch."), device=ctx.device.type,
+        max_num_seqs=a.max_num_seqs,
+        max_model_len=a.max_model_len or min(max_model_len, ctx.model.max_position_embeddings),
+        attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size,
+        gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager, seed=a.seed,
+        disable_log_stats=True,
+    )
+    if a.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
+    kwargs.update(ctx.extra_engine_kwargs)
+    return kwargs
+
+
+@contextlib.asynccontextmanager
+async def open_engine(ctx: BenchContext, max_model_len: int) -> AsyncIterator[Any]:
+    """A started engine, warmed up with a few requests of mixed lengths (kernel compilation, first allocations)."""
+    from asyncllm import AsyncEngine, SamplingParams
+
+    async with AsyncEngine(ctx.model.path, **engine_kwargs(ctx, max_model_len)) as engine:
+        rng = random.Random(ctx.args.seed + 1)
+        lengths = [n for n in (5, 17, 33, 64) if n < max_model_len - 8] or [1]
+        prompts = [[rng.randrange(10, ctx.model.vocab_size) for _ in range(n)] for n in lengths]
+        params = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+        await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        yield engine
+
+
+def roofline(ctx: BenchContext, decode_batch: int, mean_context: float) -> Roofline:
+    """The decode roofline on this device: measured copy bandwidth, the model's bytes."""
+    bandwidth = measure_copy_bandwidth(ctx.device)
+    return decode_roofline(ctx.model.path, ctx.dtype, bandwidth, decode_batch, mean_context)
+
+
+def finish(
+    ctx: BenchContext, workload: str, settings: dict[str, Any], metrics: dict[str, Any],
+    line: Roofline, decode_tokens_per_s: float, peers: dict[str, dict[str, Any]] | None = None,
+    ratio_metric: str | None = None,
+) -> dict[str, Any]:
+    """Print the roofline and the summary table, write the JSON; returns the result."""
+    fraction = line.fraction(decode_tokens_per_s)
+    result: dict[str, Any] = {
+        "workload": workload,
+        "meta": report.run_metadata(ctx.argv),
+        "model": {"name": ctx.model.name, "path": ctx.model.path, "load_format": ctx.model.load_format,
+                  "dtype": str(ctx.dtype).removeprefix("torch.")},
+        "settings": settings,
+        "metrics": metrics,
+        "roofline": {**line.as_dict(), "measured_tokens_per_s": decode_tokens_per_s, "fraction": fraction},
+    }
+    rows = [(k, v) for k, v in metrics.items() if not isinstance(v, list)]  # per-iteration lists: JSON only
+    if peers:
+        result["peers"] = peers
+        result["ratios"] = {}
+        for name, peer in peers.items():
+            ratio = metrics[ratio_metric] / peer[ratio_metric] if peer.get(ratio_metric) else 0.0
+            result["ratios"][name] = ratio
+            rows.append((f"{name} {ratio_metric}", peer[ratio_metric]))
+            rows.append((f"asyncllm / {name}", ratio))
+    print(
+        f"[roofline] {line.copy_bandwidth_gb_s:,.1f} GB/s copy bandwidth; a decode step reads "
+        f"{line.weight_bytes_per_step / 1e9:.3f} GB of weights + {line.kv_bytes_per_token / 1024:.1f} KiB/token of KV "
+        f"x {line.decode_batch} requests x {line.mean_context:.0f} tokens -> roofline "
+        f"{line.output_tokens_per_s:,.1f} tokens/s; measured {decode_tokens_per_s:,.1f} = {fraction:.1%}",
+        flush=True,
+    )
+    rows.append(("roofline tokens/s", line.output_tokens_per_s))
+    rows.append(("fraction of roofline", fraction))
+    report.print_summary(f"asyncllm bench {workload} | {ctx.model.name} | {result['model']['dtype']} | "
+                         f"{result['meta']['device']}", rows)
+    if ctx.args.output_json:
+        report.write_json(ctx.args.output_json, result)
+    return result

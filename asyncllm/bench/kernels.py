@@ -1,0 +1,140 @@
+"""kernels: micro-benchmarks of the Triton kernels against their torch references (GPU only).
+
+For each kernel at the real shapes of a preset (Qwen3-0.6B, Llama-3.1-8B):
+time per call (``triton.testing.do_bench``, median), the bytes it must move,
+the bandwidth that implies and its fraction of the measured copy bandwidth
+(every one of these kernels is memory-bound), and the speed-up over the
+torch reference. Without a CUDA device it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from typing import Any, Callable
+
+import torch
+
+from asyncllm.bench import report
+from asyncllm.bench.model import preset_config
+
+__all__ = ["add_args", "run"]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", action="append", choices=("qwen3-0.6b", "llama3.1-8b"),
+                        help="model shapes to use (repeatable; default: both)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--output-json", help="write the results to this file")
+    parser.add_argument("--no-progress", action="store_true", help="accepted for symmetry: there is no bar")
+
+
+def _bench(fn: Callable[[], Any]) -> float:
+    """Median milliseconds per call."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def _row(name: str, shape: str, nbytes: int, triton_ms: float, torch_ms: float, bandwidth: float) -> dict[str, Any]:
+    achieved = nbytes / (triton_ms / 1000)
+    return {"kernel": name, "shape": shape, "triton_us": 1000 * triton_ms, "torch_us": 1000 * torch_ms,
+            "speedup": torch_ms / triton_ms, "gb_s": achieved / 1e9, "fraction_of_copy_bw": achieved / bandwidth}
+
+
+def _elementwise(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> list[dict[str, Any]]:
+    from asyncllm.kernels import reference
+    from asyncllm.kernels.rms_norm import fused_add_rms_norm
+    from asyncllm.kernels.silu_and_mul import silu_and_mul
+
+    rows, hidden, inter = [], cfg["hidden_size"], cfg["intermediate_size"]
+    size = torch.empty((), dtype=dtype).element_size()
+    for tokens in (256, 8192):
+        x, r = (torch.randn(tokens, hidden, dtype=dtype, device="cuda") for _ in range(2))
+        w = torch.randn(hidden, dtype=dtype, device="cuda")
+        rows.append(_row("fused_add_rms_norm", f"{tokens}x{hidden}", 4 * tokens * hidden * size,
+                         _bench(lambda: fused_add_rms_norm(x, r, w, 1e-6)),
+                         _bench(lambda: reference.fused_add_rms_norm(x, r, w, 1e-6)), bandwidth))
+        gate_up = torch.randn(tokens, 2 * inter, dtype=dtype, device="cuda")
+        rows.append(_row("silu_and_mul", f"{tokens}x{2 * inter}", 3 * tokens * inter * size,
+                         _bench(lambda: silu_and_mul(gate_up)), _bench(lambda: reference.silu_and_mul(gate_up)),
+                         bandwidth))
+    return rows
+
+
+def _rotary(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> list[dict[str, Any]]:
+    from asyncllm.kernels import reference
+    from asyncllm.kernels.rotary_kv import rotary_embedding_with_kv_cache
+
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    size, rows = torch.empty((), dtype=dtype).element_size(), []
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cuda") / head_dim))
+    cos_sin = reference.build_cos_sin_cache(inv_freq, 1.0, 8192)
+    for tokens in (256, 8192):
+        q = torch.randn(tokens, heads, head_dim, dtype=dtype, device="cuda")
+        k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
+        cache = torch.zeros(2, tokens // 16 + 1, 16, kv_heads, head_dim, dtype=dtype, device="cuda")
+        positions = torch.randint(0, 8192, (tokens,), device="cuda")
+        slots = torch.randperm(tokens, device="cuda")
+
+        def torch_path() -> None:
+            qr, kr = reference.apply_rotary(q, k, positions, cos_sin)
+            reference.write_kv_cache(kr, v, cache, slots)
+
+        nbytes = 2 * tokens * (heads + 2 * kv_heads) * head_dim * size
+        rows.append(_row("rotary_kv", f"{tokens}x({heads}+{kv_heads})x{head_dim}", nbytes,
+                         _bench(lambda: rotary_embedding_with_kv_cache(
+                             q, k, v, positions, cos_sin, cache[0], cache[1], slots)),
+                         _bench(torch_path), bandwidth))
+    return rows
+
+
+def _attention(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> list[dict[str, Any]]:
+    from asyncllm.bench.kernel_steps import attention_step
+    from asyncllm.kernels import reference
+    from asyncllm.kernels.paged_attention import paged_attention
+
+    rows = []
+    cases = {"decode 256 x 1k": [(1024, 1)] * 256, "decode 1 x 4k": [(4096, 1)],
+             "prefill 8 x 1k": [(0, 1024)] * 8, "chunk 512 over 3.5k": [(3584, 512)]}
+    for name, requests in cases.items():
+        step = attention_step(cfg, requests, dtype, random.Random(0))
+        md, q, cache = step.metadata, step.query, step.kv_cache
+        scale = step.head_dim**-0.5
+        rows.append(_row(f"paged_attention {name}", f"{len(requests)} reqs", step.bytes_read,
+                         _bench(lambda: paged_attention(q, cache[0], cache[1], md.query_start_loc, md.seq_lens,
+                                                        md.block_tables, scale)),
+                         _bench(lambda: reference.paged_attention(q, cache, md, scale)), bandwidth))
+    return rows
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | None:
+    if not torch.cuda.is_available():
+        print("asyncllm bench kernels: the kernel micro-benchmarks need a CUDA device, and none is visible; "
+              "nothing to measure here (the kernels' correctness tests run on the CPU under TRITON_INTERPRET=1).",
+              file=sys.stderr)
+        return None
+    from asyncllm.bench.roofline import measure_copy_bandwidth
+
+    dtype = getattr(torch, args.dtype)
+    bandwidth = measure_copy_bandwidth(torch.device("cuda"))
+    print(f"[roofline] measured copy bandwidth {bandwidth / 1e9:,.1f} GB/s (read + write)", flush=True)
+    results: dict[str, Any] = {"meta": report.run_metadata(argv), "copy_bandwidth_gb_s": bandwidth / 1e9, "presets": {}}
+    for preset in args.preset or ["qwen3-0.6b", "llama3.1-8b"]:
+        cfg = preset_config(preset)
+        rows = _elementwise(cfg, dtype, bandwidth) + _rotary(cfg, dtype, bandwidth) + _attention(cfg, dtype, bandwidth)
+        results["presets"][preset] = rows
+        _print_rows(f"asyncllm bench kernels | {preset} | {args.dtype} | {results['meta']['device']}", rows)
+    if args.output_json:
+        report.write_json(args.output_json, results)
+    return results
+
+
+def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
+    print(title)
+    print(f"{'kernel':<36} {'shape':<22} {'triton us':>10} {'torch us':>10} {'speedup':>8} {'GB/s':>8} {'of copy':>8}")
+    for r in rows:
+        print(f"{r['kernel']:<36} {r['shape']:<22} {r['triton_us']:>10.1f} {r['torch_us']:>10.1f} "
+              f"{r['speedup']:>8.2f} {r['gb_s']:>8.0f} {r['fraction_of_copy_bw']:>8.1%}", flush=True)

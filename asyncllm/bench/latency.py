@@ -1,0 +1,75 @@
+"""latency: one request at a time, 128 prompt tokens and 512 output tokens; decode tokens/s and TTFT.
+
+Each iteration streams one request (ignoring EOS); TTFT is submission to the
+first token, decode tokens/s the tokens after the first over the time after
+it. The median over ``--num-iters`` iterations is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from typing import Any
+
+from asyncllm.bench import common
+from asyncllm.bench.requests import BenchRequest, fixed_requests
+
+__all__ = ["add_args", "run"]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--num-iters", type=int, default=3, help="requests run one after another; medians reported")
+    parser.add_argument("--compare", choices=("hf",), default=None, help="also run transformers' batch-1 generate")
+
+
+async def _one(engine: Any, request: BenchRequest) -> tuple[float, float, int]:
+    """(TTFT, seconds after the first token, tokens) of one streamed request."""
+    from asyncllm import SamplingParams
+
+    params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0)
+    start = time.perf_counter()
+    first = last = 0.0
+    tokens = 0
+    async for delta in engine.stream(request.prompt_token_ids, params):
+        now = time.perf_counter()
+        if delta.token_ids and tokens == 0:
+            first = now
+        tokens += len(delta.token_ids)
+        last = now
+    return first - start, last - first, tokens
+
+
+async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest]) -> dict[str, Any]:
+    longest = len(requests[0].prompt_token_ids) + requests[0].output_len
+    async with common.open_engine(ctx, longest) as engine:
+        runs = [await _one(engine, request) for request in requests]
+    ttfts = [ttft for ttft, _, _ in runs]
+    decodes = [(tokens - 1) / decode_s if decode_s > 0 else 0.0 for _, decode_s, tokens in runs]
+    if any(tokens != requests[0].output_len for _, _, tokens in runs):
+        raise RuntimeError(f"a request generated {[t for _, _, t in runs]} tokens, not {requests[0].output_len}")
+    return {
+        "ttft_s": statistics.median(ttfts),
+        "decode_tokens_per_s": statistics.median(decodes),
+        "ms_per_output_token": 1000.0 / statistics.median(decodes) if statistics.median(decodes) else 0.0,
+        "ttft_s_all": ttfts,
+        "decode_tokens_per_s_all": decodes,
+    }
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    ctx = common.make_context(args, argv)
+    requests = fixed_requests(args.num_iters, args.input_len, args.output_len, ctx.model.vocab_size, args.seed)
+    metrics = asyncio.run(run_engine(ctx, requests))
+    line = common.roofline(ctx, 1, args.input_len + args.output_len / 2)
+    peers = None
+    if args.compare == "hf":
+        from asyncllm.bench import hf_peer
+
+        peers = hf_peer.latency_peer(ctx, requests[0])
+    settings = {"input_len": args.input_len, "output_len": args.output_len, "num_iters": args.num_iters}
+    return common.finish(ctx, "latency", settings, metrics, line, metrics["decode_tokens_per_s"],
+                         peers, "decode_tokens_per_s")

@@ -1,0 +1,72 @@
+"""Seeded synthetic requests: token-id prompts and the number of tokens each must generate.
+
+Prompts are random token ids (no two share a prefix, so the prefix cache
+never helps), and every request ignores EOS, so each engine does exactly the
+same work. ``sharegpt_like`` draws lengths from log-normal distributions with
+the medians and spread of ShareGPT conversations (prompts ~ 200 tokens,
+replies ~ 150, long tails), clipped to the model length.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+__all__ = ["BenchRequest", "uniform_requests", "sharegpt_like_requests", "fixed_requests", "total_tokens"]
+
+_FIRST_ID = 10
+"""Prompt ids start past the low ids where special tokens usually sit."""
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(_FIRST_ID, vocab_size) for _ in range(length)]
+
+
+def uniform_requests(
+    num_requests: int, input_len_range: tuple[int, int], output_len_range: tuple[int, int], vocab_size: int, seed: int
+) -> list[BenchRequest]:
+    """Input and output lengths each uniform in their inclusive range (the nano-vllm workload)."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        input_len = rng.randint(*input_len_range)
+        output_len = rng.randint(*output_len_range)
+        requests.append(BenchRequest(_prompt(rng, input_len, vocab_size), output_len))
+    return requests
+
+
+def fixed_requests(
+    num_requests: int, input_len: int, output_len: int, vocab_size: int, seed: int
+) -> list[BenchRequest]:
+    rng = random.Random(seed)
+    return [BenchRequest(_prompt(rng, input_len, vocab_size), output_len) for _ in range(num_requests)]
+
+
+def _lognormal_len(rng: random.Random, median: float, sigma: float, lo: int, hi: int) -> int:
+    return max(lo, min(hi, round(rng.lognormvariate(math.log(median), sigma))))
+
+
+def sharegpt_like_requests(
+    num_requests: int, vocab_size: int, seed: int, max_input_len: int = 2048, max_output_len: int = 1024,
+    input_median: float = 200.0, output_median: float = 150.0,
+) -> list[BenchRequest]:
+    """Lengths with ShareGPT's shape: log-normal (sigma 1.0 for prompts, 0.9 for replies), clipped."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        input_len = _lognormal_len(rng, input_median, 1.0, 4, max_input_len)
+        output_len = _lognormal_len(rng, output_median, 0.9, 4, max_output_len)
+        requests.append(BenchRequest(_prompt(rng, input_len, vocab_size), output_len))
+    return requests
+
+
+def total_tokens(requests: list[BenchRequest]) -> tuple[int, int]:
+    """(prompt tokens, output tokens) of a workload."""
+    return sum(len(r.prompt_token_ids) for r in requests), sum(r.output_len for r in requests)

@@ -1,0 +1,112 @@
+"""serve: Poisson arrivals at ``--request-rate`` through the async API; TTFT, ITL and output tokens/s.
+
+Requests with ShareGPT-like synthetic lengths (seeded) arrive with exponential
+gaps of mean ``1 / request_rate`` (``inf``: all at once) and are streamed
+concurrently. TTFT is arrival to first token; each later delta adds one
+inter-token-latency sample (the gap since the previous delta: the bench
+consumes promptly, so deltas carry one token each unless the engine is faster
+than the event loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import time
+from typing import Any
+
+from asyncllm.bench import common
+from asyncllm.bench.report import percentile, progress
+from asyncllm.bench.requests import BenchRequest, sharegpt_like_requests, total_tokens
+
+__all__ = ["add_args", "run"]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--request-rate", type=float, default=8.0, help="mean arrivals per second (inf: all at once)")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--max-input-len", type=int, default=2048)
+    parser.add_argument("--max-output-len", type=int, default=1024)
+
+
+async def _stream(engine: Any, request: BenchRequest, delay: float, t0: float) -> dict[str, Any]:
+    from asyncllm import SamplingParams
+
+    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
+    params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=0.0)
+    arrival = previous = time.perf_counter()
+    ttft, itls, tokens = 0.0, [], 0
+    async for delta in engine.stream(request.prompt_token_ids, params):
+        now = time.perf_counter()
+        if delta.token_ids:
+            if tokens == 0:
+                ttft = now - arrival
+            else:
+                itls.append(now - previous)
+            previous = now
+            tokens += len(delta.token_ids)
+    return {"ttft": ttft, "itls": itls, "tokens": tokens, "e2e": time.perf_counter() - arrival}
+
+
+def _arrival_delays(num: int, rate: float, seed: int) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * num
+    rng = random.Random(seed + 2)
+    delays, t = [], 0.0
+    for _ in range(num):
+        delays.append(t)
+        t += rng.expovariate(rate)
+    return delays
+
+
+async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], rate: float) -> dict[str, Any]:
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    delays = _arrival_delays(len(requests), rate, ctx.args.seed)
+    async with common.open_engine(ctx, longest) as engine:
+        bar = progress(len(requests), "asyncllm serve", ctx.show_progress)
+
+        async def one(request: BenchRequest, delay: float) -> dict[str, Any]:
+            result = await _stream(engine, request, delay, t0)
+            bar.update(1)
+            return result
+
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(r, d) for r, d in zip(requests, delays)))
+        elapsed = time.perf_counter() - t0
+        bar.close()
+    return _metrics(requests, results, elapsed)
+
+
+def _metrics(requests: list[BenchRequest], results: list[dict[str, Any]], elapsed: float) -> dict[str, Any]:
+    output_tokens = sum(r["tokens"] for r in results)
+    expected = total_tokens(requests)[1]
+    if output_tokens != expected:
+        raise RuntimeError(f"the engine generated {output_tokens} tokens, {expected} were requested")
+    ttfts = [r["ttft"] for r in results]
+    itls = [itl for r in results for itl in r["itls"]]
+    return {
+        "num_requests": len(requests),
+        "elapsed_s": elapsed,
+        "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "ttft_p50_ms": 1000 * percentile(ttfts, 50),
+        "ttft_p99_ms": 1000 * percentile(ttfts, 99),
+        "itl_p50_ms": 1000 * percentile(itls, 50),
+        "itl_p99_ms": 1000 * percentile(itls, 99),
+        "mean_concurrency": sum(r["e2e"] for r in results) / elapsed,
+    }
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    ctx = common.make_context(args, argv)
+    requests = sharegpt_like_requests(args.num_requests, ctx.model.vocab_size, args.seed,
+                                      args.max_input_len, args.max_output_len)
+    metrics = asyncio.run(run_engine(ctx, requests, args.request_rate))
+    prompt_tokens, output_tokens = total_tokens(requests)
+    batch = min(args.max_num_seqs, max(1, round(metrics["mean_concurrency"])))
+    line = common.roofline(ctx, batch, (prompt_tokens + output_tokens / 2) / len(requests))
+    settings = {"request_rate": args.request_rate, "num_requests": args.num_requests,
+                "max_input_len": args.max_input_len, "max_output_len": args.max_output_len}
+    return common.finish(ctx, "serve", settings, metrics, line, metrics["output_tokens_per_s"])

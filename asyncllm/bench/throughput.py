@@ -1,0 +1,90 @@
+"""throughput: many requests submitted at once (the nano-vllm workload); output and total tokens/s.
+
+256 requests by default, input and output lengths each uniform in [100, 1024]
+(seeded), every request ignoring EOS. The clock runs from the first
+submission to the last completion, after a warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+from asyncllm.bench import common
+from asyncllm.bench.requests import BenchRequest, total_tokens, uniform_requests
+
+__all__ = ["add_args", "run"]
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--input-len-range", type=common.int_range, default=(100, 1024), metavar="LO,HI")
+    parser.add_argument("--output-len-range", type=common.int_range, default=(100, 1024), metavar="LO,HI")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--compare", choices=("hf",), default=None, help="also run transformers on the same requests")
+    parser.add_argument("--compare-num-requests", type=int, default=None,
+                        help="run the peer on only the first N requests (its tokens/s is compared); default: all")
+    parser.add_argument("--hf-batch-size", type=int, default=64, help="transformers' static batch size")
+
+
+async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], temperature: float) -> dict[str, Any]:
+    """Submit every request at once; returns the measured metrics."""
+    from asyncllm import SamplingParams
+
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    async with common.open_engine(ctx, longest) as engine:
+        bar = report_bar(ctx, len(requests))
+
+        async def one(request: BenchRequest) -> int:
+            params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=temperature)
+            out = await engine.generate(request.prompt_token_ids, params)
+            bar.update(1)
+            return len(out.token_ids)
+
+        start = time.perf_counter()
+        generated = await asyncio.gather(*(one(r) for r in requests))
+        elapsed = time.perf_counter() - start
+        bar.close()
+        stats = engine.stats()
+    prompt_tokens, output_tokens = total_tokens(requests)
+    if sum(generated) != output_tokens:
+        raise RuntimeError(f"the engine generated {sum(generated)} tokens, {output_tokens} were requested")
+    return {
+        "num_requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": output_tokens,
+        "elapsed_s": elapsed,
+        "requests_per_s": len(requests) / elapsed,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
+        "num_preemptions": stats.num_preemptions_total,
+    }
+
+
+def report_bar(ctx: common.BenchContext, total: int) -> Any:
+    from asyncllm.bench.report import progress
+
+    return progress(total, "asyncllm", ctx.show_progress)
+
+
+def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    ctx = common.make_context(args, argv)
+    requests = uniform_requests(args.num_requests, args.input_len_range, args.output_len_range,
+                                ctx.model.vocab_size, args.seed)
+    metrics = asyncio.run(run_engine(ctx, requests, args.temperature))
+    prompt_tokens, output_tokens = total_tokens(requests)
+    mean_context = (prompt_tokens + output_tokens / 2) / len(requests)
+    line = common.roofline(ctx, min(len(requests), args.max_num_seqs), mean_context)
+    peers = None
+    if args.compare == "hf":
+        from asyncllm.bench import hf_peer
+
+        subset = requests[: args.compare_num_requests] if args.compare_num_requests else requests
+        peers = hf_peer.throughput_peers(ctx, subset, args.hf_batch_size)
+    settings = {"num_requests": args.num_requests, "input_len_range": list(args.input_len_range),
+                "output_len_range": list(args.output_len_range), "temperature": args.temperature,
+                "compare_num_requests": args.compare_num_requests, "hf_batch_size": args.hf_batch_size}
+    return common.finish(ctx, "throughput", settings, metrics, line, metrics["output_tokens_per_s"],
+                         peers, "output_tokens_per_s")

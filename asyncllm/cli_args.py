@@ -1,0 +1,115 @@
+"""Command-line flags generated from `EngineConfig`'s fields, so the two never drift.
+
+Every field of every config section becomes ``--field-name`` (``model`` is the
+command's positional argument; host-only objects such as a Prometheus registry
+have no flag). The flag's type comes from the field's annotation, its help
+from the field's docstring in asyncllm/config.py, and a flag the user does not
+give is left out, so `EngineConfig`'s own defaults and validation apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+from dataclasses import MISSING, Field, fields
+from functools import lru_cache
+from typing import Any, Callable
+
+from asyncllm import config as config_module
+
+__all__ = ["ENGINE_FLAG_FIELDS", "add_engine_args", "engine_kwargs"]
+
+_SECTIONS = (
+    config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
+    config_module.ParallelConfig, config_module.MultiModalConfig, config_module.ObservabilityConfig,
+    config_module.LoRAConfig,
+)
+_NO_FLAG = frozenset({"model", "prometheus_registry"})
+"""`model` is positional; a registry object cannot come from a command line."""
+
+
+def _flag_fields() -> list[Field]:
+    return [f for section in _SECTIONS for f in fields(section) if f.name not in _NO_FLAG]
+
+
+ENGINE_FLAG_FIELDS = tuple(f.name for f in _flag_fields())
+"""The EngineConfig fields that have a flag, in config order."""
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per EngineConfig field, in a group of its own."""
+    group = parser.add_argument_group("engine", "EngineConfig fields (docs/configuration.md); unset = the default")
+    docs = _field_docs()
+    for field in _flag_fields():
+        flag = "--" + field.name.replace("_", "-")
+        help_text = f"{docs.get(field.name, '')} (default: {_default(field)!r})".replace("%", "%%")
+        parse = _parser_for(str(field.type))
+        if parse is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument(flag, type=parse, default=argparse.SUPPRESS, metavar=_metavar(str(field.type)),
+                               help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the user gave on the command line."""
+    return {name: getattr(args, name) for name in ENGINE_FLAG_FIELDS if hasattr(args, name)}
+
+
+def _parser_for(annotation: str) -> Callable[[str], Any] | type[bool]:
+    base = annotation.replace(" ", "").split("|")
+    optional = "None" in base
+    kind = next((part for part in base if part != "None"), "str")
+    if kind == "bool":
+        return bool
+    convert: Callable[[str], Any] = {"int": int, "float": float, "dict": _json_object}.get(kind, str)
+
+    def parse(raw: str) -> Any:
+        if optional and raw.lower() == "none":
+            return None
+        try:
+            return convert(raw)
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not {kind}{' or none' if optional else ''}") from exc
+
+    parse.__name__ = kind  # argparse names the type in its error messages
+    return parse
+
+
+def _json_object(raw: str) -> dict:
+    value = json.loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
+
+
+def _metavar(annotation: str) -> str:
+    kind = next((p for p in annotation.replace(" ", "").split("|") if p != "None"), "str")
+    return {"dict": "JSON"}.get(kind, kind.upper())
+
+
+def _default(field: Field) -> Any:
+    if field.default is not MISSING:
+        return field.default
+    if field.default_factory is not MISSING:
+        return field.default_factory()
+    return None
+
+
+@lru_cache(maxsize=1)
+def _field_docs() -> dict[str, str]:
+    """Each field's docstring (the string literal under it in config.py), first sentence-ish line."""
+    tree = ast.parse(inspect.getsource(config_module))
+    docs: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        body = node.body
+        for stmt, following in zip(body, body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                    and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
+                    and isinstance(following.value.value, str)):
+                docs[stmt.target.id] = " ".join(following.value.value.split())
+    return docs

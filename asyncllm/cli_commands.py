@@ -1,0 +1,114 @@
+"""``asyncllm serve`` (the OpenAI-compatible server) and ``asyncllm engine`` (a shared standalone core).
+
+Both take every `EngineConfig` field as a flag (asyncllm/cli_args.py) and the
+bundled tiny model when no model is given; docs/cli.md is their reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from asyncllm import envs
+from asyncllm.cli_args import add_engine_args, engine_kwargs
+from asyncllm.errors import ConfigError
+
+__all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine"]
+
+_HOST_SIDE_FIELDS = frozenset({"disable_log_stats", "log_stats_interval"})
+"""Fields a host that attaches to a shared core may still set; the rest belong to the core."""
+
+
+def add_serve_parser(commands: Any) -> None:
+    serve = commands.add_parser(
+        "serve", help="run the OpenAI-compatible HTTP server (uvicorn)",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics.",
+    )
+    serve.add_argument("model", nargs="?", default=None,
+                       help="local folder or hub id; default: the bundled tiny model (no download)")
+    serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, this machine only)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model id clients send (default: MODEL as given, or asyncllm-tiny)")
+    serve.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set {envs.API_KEY.name})")
+    serve.add_argument("--connect", default=None, metavar="ADDRESS",
+                       help="attach to a running `asyncllm engine` core at ADDRESS instead of starting one")
+    serve.add_argument("--max-n", type=int, default=16, help="largest n per request (default: %(default)s)")
+    serve.add_argument("--max-tokens-limit", type=int, default=None,
+                       help="largest max_tokens per request (default: max_model_len)")
+    serve.add_argument("--max-prompts", type=int, default=64, help="most prompts per /v1/completions request")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(serve)
+
+
+def add_engine_parser(commands: Any) -> None:
+    from asyncllm.engine.connect import default_address
+
+    core = commands.add_parser(
+        "engine", help="run a standalone engine core that several host processes share",
+        description="Load MODEL and serve hosts that attach with AsyncEngine.connect(ADDRESS) "
+                    "(uvicorn/gunicorn workers, Celery workers, scripts) until SIGTERM or Ctrl-C.",
+    )
+    core.add_argument("model", nargs="?", default=None,
+                      help="local folder or hub id; default: the bundled tiny model (no download)")
+    core.add_argument("--address", default=default_address(),
+                      help="ipc://PATH socket to listen on (default: %(default)s); tcp:// is refused until "
+                           "authentication is built")
+    add_engine_args(core)
+
+
+def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    import uvicorn
+
+    from asyncllm.integrations.openai_protocol import ServerLimits
+    from asyncllm.integrations.openai_server import create_app
+
+    try:
+        engine, name = _serve_engine(args)
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+                              max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts)
+        app = create_app(engine, model_name=name, api_key=args.api_key or envs.API_KEY.get() or None, limits=limits)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    print(f"[asyncllm] serving on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _serve_engine(args: argparse.Namespace) -> tuple[Any, str | None]:
+    from asyncllm import AsyncEngine
+
+    kwargs = engine_kwargs(args)
+    if args.connect is not None:
+        core_side = sorted(set(kwargs) - _HOST_SIDE_FIELDS)
+        if args.model is not None or core_side:
+            raise ConfigError("connect", args.connect,
+                              f"no MODEL or core flags with --connect ({core_side or 'MODEL'}): give them to "
+                              "`asyncllm engine`")
+        return AsyncEngine.connect(args.connect, **kwargs), args.served_model_name
+    return AsyncEngine(args.model, **kwargs), args.served_model_name
+
+
+def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    from asyncllm.bundled import bundled_model_path
+    from asyncllm.config import EngineConfig
+    from asyncllm.engine.standalone import run_standalone_core
+
+    try:
+        config = EngineConfig.create(args.model or bundled_model_path(), **engine_kwargs(args))
+    except ConfigError as exc:
+        parser.error(str(exc))
+
+    def announce() -> None:
+        print(f"[asyncllm] engine core serving {config.model} at {args.address} "
+              f"(attach with AsyncEngine.connect({args.address!r}); stop with Ctrl-C or SIGTERM)",
+              file=sys.stderr, flush=True)
+
+    try:
+        run_standalone_core(config, args.address, on_ready=announce)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    except KeyboardInterrupt:  # Ctrl-C while the model was still loading
+        sys.exit(130)

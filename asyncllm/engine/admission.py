@@ -1,0 +1,89 @@
+"""The host's early admission check: refuse before tokenizing when the core's queue is full.
+
+The engine core is authoritative (`asyncllm.sched.admission`): it refuses an
+`AddRequest` past `max_num_queued_requests` / `max_num_queued_tokens` with
+`EngineOverloadedError`. Checking on the host too means that under overload
+most refused requests cost no tokenization, no chat template and no socket
+round trip: `AsyncEngine._submit` raises at once, on the event loop.
+
+The host estimates the queue from the latest `SchedulerStats` it received
+(the core sends one every step) plus what this host submitted since that
+snapshot arrived. Approximations, all on the side of letting a request
+through (the core then refuses it after tokenization):
+
+- a submission is counted until the next snapshot arrives, even if that
+  snapshot was taken before the core received it;
+- other hosts sharing the core are seen only through the snapshots;
+- a text prompt's tokens are estimated as ``len(text) // 4`` (about four
+  characters per token of English text; code and most other scripts have
+  fewer characters per token, so this rather underestimates); token ids count
+  exactly; chat messages count their text contents the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.errors import EngineOverloadedError
+from asyncllm.protocol import SchedulerStats
+
+__all__ = ["HostAdmission", "estimate_prompt_tokens"]
+
+CHARS_PER_TOKEN = 4
+
+
+def estimate_prompt_tokens(prompt: Any, chat: bool) -> int:
+    """A cheap, rather low estimate of the prompt's tokens (no tokenizer)."""
+    if chat:
+        return sum(len(str(m.get("content", ""))) for m in prompt if isinstance(m, dict)) // CHARS_PER_TOKEN
+    if isinstance(prompt, str):
+        return len(prompt) // CHARS_PER_TOKEN
+    return len(prompt)
+
+
+class HostAdmission:
+    """Estimates the core's waiting queue; runs on the event loop only."""
+
+    def __init__(self, max_num_queued_requests: int | None, max_num_queued_tokens: int | None) -> None:
+        self.max_num_queued_requests = max_num_queued_requests
+        self.max_num_queued_tokens = max_num_queued_tokens
+        self._snapshot: SchedulerStats | None = None
+        self._num_submitted = 0
+        """Requests submitted since `_snapshot` arrived."""
+        self._num_submitted_tokens = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_num_queued_requests is not None or self.max_num_queued_tokens is not None
+
+    def admit(self, stats: SchedulerStats, prompt: Any, chat: bool, num_samples: int = 1) -> None:
+        """Count the request as submitted, or raise `EngineOverloadedError` if the queue looks full.
+
+        `stats` is the latest snapshot from the core; a new object means a new
+        snapshot, which already counts what was submitted before it. A request
+        of `num_samples` (SamplingParams.n) samples is that many core requests.
+        """
+        if not self.enabled:
+            return
+        if stats is not self._snapshot:
+            self._snapshot, self._num_submitted, self._num_submitted_tokens = stats, 0, 0
+        num_tokens = estimate_prompt_tokens(prompt, chat) if self.max_num_queued_tokens is not None else 0
+        self._check(stats, num_tokens)
+        self._num_submitted += num_samples
+        self._num_submitted_tokens += num_tokens * num_samples
+
+    def _check(self, stats: SchedulerStats, num_tokens: int) -> None:
+        limit = self.max_num_queued_requests
+        waiting = stats.num_requests_waiting + self._num_submitted
+        if limit is not None and waiting >= limit:
+            raise EngineOverloadedError(
+                f"max_num_queued_requests={limit}: about {waiting} requests are already waiting; "
+                "retry later, or raise max_num_queued_requests or the engine's capacity"
+            )
+        limit = self.max_num_queued_tokens
+        queued = stats.num_waiting_tokens + self._num_submitted_tokens
+        if limit is not None and queued > 0 and queued + num_tokens > limit:
+            raise EngineOverloadedError(
+                f"max_num_queued_tokens={limit}: about {queued} tokens are already waiting and this prompt "
+                f"has about {num_tokens}; retry later, or raise max_num_queued_tokens or the engine's capacity"
+            )

@@ -1,0 +1,75 @@
+"""`AsyncEngine.generate_many`: a batch job over many prompts, results in input order.
+
+A fixed pool of worker tasks takes prompts in order from one shared iterator,
+so at most `max_concurrency` requests are in flight (memory stays bounded for a
+million prompts) while the scheduler always has enough waiting requests to
+fill its batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.outputs import RequestOutput
+
+__all__ = ["generate_many"]
+
+
+async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any = None, *,
+                        progress: bool = False, max_concurrency: int | None = None) -> list[RequestOutput]:
+    prompts = list(prompts)
+    per_prompt = _params_per_prompt(params, len(prompts))
+    limit = _concurrency(engine, max_concurrency)
+    results: list[RequestOutput | None] = [None] * len(prompts)
+    indices = iter(range(len(prompts)))
+    bar = _progress_bar(len(prompts)) if progress else None
+
+    async def worker() -> None:
+        for i in indices:  # the shared iterator hands each index to exactly one worker
+            results[i] = await engine.generate(prompts[i], per_prompt[i])
+            if bar is not None:
+                bar.update(1)
+
+    tasks = [asyncio.ensure_future(worker()) for _ in range(min(limit, len(prompts)))]
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()  # their streams abort their requests as they unwind
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    return results  # type: ignore[return-value] - every slot is filled once gather returns
+
+
+def _params_per_prompt(params: Any, count: int) -> list[SamplingParams | None]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params] * count
+    if isinstance(params, (list, tuple)):
+        if len(params) != count:
+            raise InvalidRequestError("params", f"got {len(params)} SamplingParams for {count} prompts")
+        return list(params)
+    raise InvalidRequestError("params", f"must be a SamplingParams or a list of them, got {type(params).__name__}")
+
+
+def _concurrency(engine: AsyncEngine, max_concurrency: int | None) -> int:
+    if max_concurrency is None:
+        return 2 * engine.config.max_num_seqs
+    if isinstance(max_concurrency, bool) or not isinstance(max_concurrency, int) or max_concurrency < 1:
+        raise InvalidRequestError("max_concurrency", f"must be a positive int, got {max_concurrency!r}")
+    return max_concurrency
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate_many", unit="req", dynamic_ncols=True)

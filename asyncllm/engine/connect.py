@@ -1,0 +1,92 @@
+"""Attach a host to an engine core that is already running (`AsyncEngine.connect`).
+
+A standalone core (``asyncllm engine MODEL --address ipc:///...``) serves
+several host processes, each with its own DEALER. A host that attaches asks the
+core what it serves (the `Ready` reply names the model folder, the tokenizer
+and max_model_len), then loads the tokenizer itself: tokenization and
+detokenization stay in each host's processor thread, as with an owned core.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import msgspec
+import zmq
+
+from asyncllm import protocol
+from asyncllm.config import EngineConfig
+from asyncllm.engine.prepare import Prepared, prepare
+from asyncllm.errors import ConfigError, EngineDeadError, NotBuiltError
+
+__all__ = ["check_address", "default_address", "handshake", "prepare_attached"]
+
+
+def default_address() -> str:
+    """Where ``asyncllm engine`` listens and `AsyncEngine.connect()` looks by default: an ``ipc://``
+    socket in a per-user folder of the temp dir (created 0700, so other users cannot attach)."""
+    folder = os.path.join(tempfile.gettempdir(), f"asyncllm-{os.getuid()}")
+    return f"ipc://{os.path.join(folder, 'engine.sock')}"
+
+
+def check_address(address: object) -> str:
+    """An engine address hosts may use: ``ipc://PATH`` only, for now.
+
+    TCP would let any machine that reaches the port submit requests; it needs
+    the authentication that is not built yet, so it is refused, not half-allowed.
+    """
+    if not isinstance(address, str):
+        raise ConfigError("address", address, "an 'ipc:///path/to/socket' string")
+    if address.startswith("tcp://"):
+        raise NotBuiltError("address", address, "a TCP engine address (it needs authentication); use ipc://")
+    if not address.startswith("ipc://") or len(address) <= len("ipc://"):
+        raise ConfigError("address", address, "an 'ipc:///path/to/socket' address")
+    return address
+
+
+def handshake(address: str, timeout_s: float) -> protocol.Ready:
+    """Say hello on a throwaway DEALER, return the core's `Ready`, then say goodbye (shutdown=False)."""
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 1000)  # let the Goodbye out before the socket closes
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(protocol.CoreMessage)
+    try:
+        dealer.connect(address)
+        dealer.send(encoder.encode(protocol.Hello(pid=0)))
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not dealer.poll(100):
+                continue
+            message = decoder.decode(dealer.recv())
+            if isinstance(message, protocol.EngineFailed):
+                raise EngineDeadError(f"the engine core at {address} failed: {message.message}")
+            if isinstance(message, protocol.Ready):
+                dealer.send(encoder.encode(protocol.Goodbye(shutdown=False)))
+                return message
+        raise EngineDeadError(
+            f"no engine core answered at {address} within {timeout_s:.0f} s; start one with "
+            f"`asyncllm engine MODEL --address {address}`",
+        )
+    finally:
+        dealer.close()
+        ctx.term()
+
+
+def prepare_attached(config: EngineConfig, address: str, timeout_s: float) -> Prepared:
+    """Ask the core at `address` what it serves and load that tokenizer (runs in a worker thread).
+
+    A core binds its socket before it loads the model, so a missing socket file
+    means no core, not a slow one: that fails at once instead of after `timeout_s`.
+    """
+    if not os.path.exists(address[len("ipc://"):]):
+        raise EngineDeadError(f"no engine core listens at {address}; start one with "
+                              f"`asyncllm engine MODEL --address {address}`")
+    ready = handshake(address, timeout_s)
+    if not ready.model:
+        raise EngineDeadError(f"the engine core at {address} did not say which model it serves (an older asyncllm?)")
+    served = config.replace(model=ready.model, tokenizer=ready.tokenizer or None, revision=ready.revision,
+                            max_model_len=ready.max_model_len)
+    return prepare(served)

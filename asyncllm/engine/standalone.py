@@ -1,0 +1,92 @@
+"""A standalone engine core that several host processes share (``asyncllm engine MODEL``).
+
+An owned core (started by `AsyncEngine`) exits when its host dies. A standalone
+core runs in the foreground of its own process, is not tied to any host, binds
+a known ``ipc://`` address that hosts attach to with `AsyncEngine.connect`, and
+lives until SIGTERM or SIGINT, when it stops its workers and removes its socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from collections.abc import Callable
+from types import FrameType
+
+from asyncllm import protocol
+from asyncllm.config import EngineConfig
+from asyncllm.engine.connect import check_address, handshake
+from asyncllm.engine.core import EngineCore, _setup_logging
+from asyncllm.engine.core_io import CoreIO
+from asyncllm.engine.prepare import prepare
+from asyncllm.errors import ConfigError, EngineDeadError
+
+logger = logging.getLogger("asyncllm.engine.core")
+
+__all__ = ["run_standalone_core"]
+
+
+def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[], None] | None = None) -> None:
+    """Load the model, serve hosts on `address` until SIGTERM/SIGINT, then shut down cleanly.
+
+    `on_ready` is called once the core serves (the CLI prints the address).
+    """
+    check_address(address)
+    _setup_logging()
+    config = prepare(config).config  # resolve the model folder and max_model_len as a host would
+    socket_path = address[len("ipc://"):]
+    _claim_socket(socket_path)
+    io = CoreIO(address)
+    try:
+        core = EngineCore(config, io)
+    except BaseException:
+        io.close()
+        _remove(socket_path)
+        raise
+    previous = _install_stop_handlers(core)
+    try:
+        if on_ready is not None:
+            on_ready()
+        core.run()
+    finally:
+        _restore(previous)
+        for client_id in core.clients:  # attached hosts fail their requests at once instead of hanging
+            io.send(client_id, protocol.EngineFailed("EngineDeadError", "the standalone engine core stopped"))
+        core.shutdown()
+        io.close()
+        _remove(socket_path)
+
+
+def _claim_socket(socket_path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(socket_path))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o700)
+    if os.path.exists(socket_path):
+        try:
+            handshake(f"ipc://{socket_path}", timeout_s=1.0)
+        except EngineDeadError:
+            os.unlink(socket_path)  # a core that was killed left its socket behind: binding would fail
+        else:
+            raise ConfigError("address", f"ipc://{socket_path}", "a free address: an engine core already serves there")
+
+
+def _install_stop_handlers(core: EngineCore) -> dict[int, object]:
+    def stop(signum: int, frame: FrameType | None) -> None:
+        logger.info("received %s: stopping the engine core", signal.Signals(signum).name)
+        core.stop()
+
+    return {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def _restore(previous: dict[int, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+

@@ -1,0 +1,108 @@
+"""Host-side counters and histograms: one source for `stats()`, Prometheus and the log line.
+
+The processor thread is the only writer, so updates take no lock: a histogram
+observation is a bisect and two additions. Readers (the event loop's `stats()`,
+a Prometheus scrape thread, the stats logger) may see a histogram's count one
+observation ahead of its sum for the length of a batch; Prometheus tolerates that.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+from asyncllm.outputs import EngineStats
+from asyncllm.protocol import SchedulerStats
+
+__all__ = ["Histogram", "HostStats", "FINISH_REASONS"]
+
+# vLLM's buckets, with finer ones at the low end of the inter-token latency (fast GPUs decode in < 10 ms).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
+"""1, 2, 5, 10, 20, 50, ... 5,000,000 tokens."""
+
+FINISH_REASONS = ("stop", "length", "abort")
+"""Always exported (at 0 until seen), so rate() works from the first request on."""
+
+
+class Histogram:
+    """Bucket counts and a sum, Prometheus-style (`le` buckets, +Inf last)."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)
+        """Per-bucket (not cumulative) counts; the last one is +Inf."""
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+
+class HostStats:
+    """What this `AsyncEngine` knows: the core's latest `SchedulerStats` and its own requests.
+
+    `reports_engine` is True on the one host the engine core picked to export the
+    engine-wide series (the earliest host still attached: the one that launched an
+    owned core), so hosts sharing one core report them once.
+    """
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.reports_engine = False
+        self.scheduler = SchedulerStats()
+        """The core's latest snapshot (gauges and engine-wide counters)."""
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.request_success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        self.time_to_first_token = Histogram(TTFT_BUCKETS)
+        self.inter_token_latency = Histogram(ITL_BUCKETS)
+        self.e2e_request_latency = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = Histogram(REQUEST_LATENCY_BUCKETS)
+        self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
+        self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
+
+    def count_finished(self, finish_reason: str) -> None:
+        self.request_success[finish_reason] = self.request_success.get(finish_reason, 0) + 1
+
+    def mark_closed(self) -> None:
+        """The engine is gone for this host: nothing runs or waits any more, no block is in use.
+
+        It stops exporting the engine-wide series: another host attached to the
+        same core (if any) exports them now, and counting its counters twice
+        would be wrong.
+        """
+        self.reports_engine = False
+        s = self.scheduler
+        self.scheduler = SchedulerStats(
+            num_gpu_blocks=s.num_gpu_blocks, num_preemptions_total=s.num_preemptions_total,
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
+            num_steps_total=s.num_steps_total,
+        )
+
+    def snapshot(self, engine_alive: bool = True) -> EngineStats:
+        """A typed copy of every gauge and counter (no I/O; a few microseconds)."""
+        s = self.scheduler
+        return EngineStats(
+            num_requests_running=s.num_requests_running, num_requests_waiting=s.num_requests_waiting,
+            kv_cache_usage=s.kv_cache_usage, num_gpu_blocks=s.num_gpu_blocks, num_used_blocks=s.num_used_blocks,
+            num_preemptions_total=s.num_preemptions_total, prefix_cache_queries=s.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits, prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total, engine_alive=engine_alive,
+            request_success_total=dict(self.request_success), num_swapped_total=s.num_swapped_total,
+        )

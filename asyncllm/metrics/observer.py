@@ -1,0 +1,136 @@
+"""`RequestObserver`: the hooks the processor thread calls, feeding stats, metrics and spans.
+
+Every method runs on the processor thread, once per request event or once per
+output delta; none does I/O. The per-delta path (`on_output`) is a few
+attribute updates and at most one histogram observation unless the request
+finished or the core sent scheduling events.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.metrics.host_stats import HostStats
+from asyncllm.metrics.prometheus import attach
+from asyncllm.metrics.request_timing import apply_events, observe_finished
+from asyncllm.metrics.tracing import RequestTracer, tracing_available
+from asyncllm.protocol import RequestOutputDelta, SchedulerStats
+
+if TYPE_CHECKING:
+    from asyncllm.engine.collector import RequestCollector
+    from asyncllm.outputs import StreamDelta
+    from asyncllm.sampling import SamplingParams
+
+__all__ = ["RequestObserver"]
+
+
+class _Traced:
+    """A request's recording span and the finish reasons of its samples so far."""
+
+    __slots__ = ("span", "finish_reasons")
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+        self.finish_reasons: list[str] = []
+
+
+class RequestObserver:
+    """Owns one engine's `HostStats`, its registry attachment and its request spans.
+
+    A request with n > 1 samples runs as n core requests that share one
+    collector: tokens and `request_success_total` count every sample (as vLLM
+    counts child requests); the latency and length histograms and the span see
+    the request once, when its last sample finishes (the processor sets
+    `metrics.finished_time` then).
+    """
+
+    def __init__(self, model_name: str, registry: Any = None) -> None:
+        self.stats = HostStats(model_name)
+        self.registry = attach(self.stats, registry)
+        """The `CollectorRegistry` the metrics live in (the host's, or a private one)."""
+        self._tracer = RequestTracer(model_name) if tracing_available() else None
+        self._traced: dict[str, _Traced] = {}
+        """request_id -> its span, only while the host has a tracer provider."""
+
+    # ------------------------------------------------------------ request start
+    def on_added(self, collector: RequestCollector, params: SamplingParams, chat: bool, trace_context: Any) -> None:
+        """The request was tokenized and sent to the core."""
+        if self._tracer is not None:
+            span = self._tracer.start(collector.request_id, params, chat, len(collector.prompt_token_ids),
+                                      trace_context, collector.metrics.arrival_time)
+            if span is not None:
+                self._traced[collector.request_id] = _Traced(span)
+
+    def on_rejected(self, collector: RequestCollector, params: SamplingParams, chat: bool, trace_context: Any,
+                    error: BaseException, now: float) -> None:
+        """The host refused the request before sending it (a bad prompt, a duplicate id)."""
+        if self._tracer is not None:
+            span = self._tracer.start(collector.request_id, params, chat, 0, trace_context,
+                                      collector.metrics.arrival_time)
+            if span is not None:
+                RequestTracer.fail(span, error, now)
+
+    # ------------------------------------------------------------ outputs
+    def on_scheduler_stats(self, stats: SchedulerStats, reporter: bool) -> None:
+        """The core's snapshot; `reporter` says whether this host exports the engine-wide series."""
+        self.stats.scheduler = stats
+        self.stats.reports_engine = reporter
+
+    def on_output(self, collector: RequestCollector, out: RequestOutputDelta, item: StreamDelta | BaseException,
+                  now: float) -> None:
+        """One core output delta, after the processor turned it into `item`."""
+        metrics = collector.metrics
+        traced = self._traced.get(collector.request_id) if self._traced else None
+        if out.events:
+            apply_events(metrics, out.events)
+            if traced is not None:
+                RequestTracer.add_core_events(traced.span, out.events)
+        if isinstance(item, BaseException):
+            self.on_error(collector, item, now)
+            return
+        if out.new_token_ids:
+            self._on_tokens(collector, len(out.new_token_ids), traced, now)
+        if item.finish_reason is not None:
+            self.stats.count_finished(item.finish_reason)
+            if traced is not None:
+                traced.finish_reasons.append(item.finish_reason)
+            if metrics.finished_time is not None:  # the request's last sample
+                self._on_request_finished(collector, item.finish_reason, now)
+
+    def _on_tokens(self, collector: RequestCollector, num_new: int, traced: _Traced | None, now: float) -> None:
+        stats, metrics = self.stats, collector.metrics
+        last = metrics.last_token_time
+        if last is None:
+            stats.prompt_tokens_total += len(collector.prompt_token_ids)
+            stats.time_to_first_token.observe(now - metrics.arrival_time)
+            if traced is not None:
+                RequestTracer.first_token(traced.span, now)
+        elif now != last:  # once per core step, however many samples of the request it carried
+            stats.inter_token_latency.observe(now - last)
+        metrics.last_token_time = now
+        stats.generation_tokens_total += num_new
+
+    def _on_request_finished(self, collector: RequestCollector, finish_reason: str, now: float) -> None:
+        if finish_reason != "abort":
+            observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids))
+        traced = self._traced.pop(collector.request_id, None) if self._traced else None
+        if traced is not None:
+            RequestTracer.finish(traced.span, collector.metrics, traced.finish_reasons, collector.num_cached_tokens,
+                                 now)
+
+    # ------------------------------------------------------------ early ends
+    def on_aborted(self, collector: RequestCollector, now: float) -> None:
+        """The caller left, or the engine closed, before this sample finished (called once per sample)."""
+        self.stats.count_finished("abort")
+        traced = self._traced.pop(collector.request_id, None) if self._traced else None
+        if traced is not None:
+            RequestTracer.cancel(traced.span, collector.metrics, now)
+
+    def on_error(self, collector: RequestCollector, error: BaseException, now: float) -> None:
+        """The request failed (the core refused it, or the engine died); safe to call once per sample."""
+        traced = self._traced.pop(collector.request_id, None) if self._traced else None
+        if traced is not None:
+            RequestTracer.fail(traced.span, error, now)
+
+    def on_closed(self) -> None:
+        self.stats.mark_closed()

@@ -1,0 +1,183 @@
+"""Prometheus series under the ``asyncllm:`` prefix, vLLM's names and meanings.
+
+Each `CollectorRegistry` holds one `AsyncLLMCollector`, shared by every engine
+that uses the registry (the host's registry passed as ``prometheus_registry=``,
+or a private one per engine). At scrape time it reads the engines' `HostStats`
+(held weakly: a garbage-collected engine drops out) and sums engines that
+serve the same ``model_name``. Nothing is ever registered in
+``prometheus_client.REGISTRY`` unless the host passes it.
+
+Engine-wide series (the gauges, preemptions, prefix-cache counters) come from
+the engine core's snapshots, which every attached host receives; the core
+flags one host (the earliest still attached) as their reporter, and only that
+host exports them, so hosts sharing one core report them once. Request series (tokens,
+finished requests, latency and length histograms) are exported by each host
+for its own requests; Prometheus sums them across processes.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+from asyncllm.metrics.host_stats import Histogram, HostStats
+from asyncllm.protocol import SchedulerStats
+
+__all__ = ["AsyncLLMCollector", "attach", "PREFIX"]
+
+PREFIX = "asyncllm:"
+_LABELS = ["model_name"]
+
+_GAUGES: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
+    ("num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_requests_running),
+    ("num_requests_waiting", "Number of requests waiting to be processed.", lambda s: s.num_requests_waiting),
+    ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", lambda s: s.kv_cache_usage),
+]
+_ENGINE_COUNTERS: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
+    ("num_preemptions", "Cumulative number of preemptions from the engine.", lambda s: s.num_preemptions_total),
+    ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+     lambda s: s.prefix_cache_queries),
+    ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", lambda s: s.prefix_cache_hits),
+]
+_REQUEST_COUNTERS: list[tuple[str, str, Callable[[HostStats], float]]] = [
+    ("prompt_tokens", "Number of prefill tokens processed.", lambda h: h.prompt_tokens_total),
+    ("generation_tokens", "Number of generation tokens processed.", lambda h: h.generation_tokens_total),
+]
+_HISTOGRAMS: list[tuple[str, str, str]] = [
+    ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", "time_to_first_token"),
+    ("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", "inter_token_latency"),
+    ("e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.", "e2e_request_latency"),
+    ("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", "request_queue_time"),
+    ("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+     "request_prefill_time"),
+    ("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", "request_decode_time"),
+    ("request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+     "request_inference_time"),
+    ("request_prompt_tokens", "Number of prefill tokens processed.", "request_prompt_tokens"),
+    ("request_generation_tokens", "Number of generation tokens processed.", "request_generation_tokens"),
+]
+
+
+class AsyncLLMCollector(Collector):
+    """Reads the `HostStats` of the engines attached to one registry at scrape time."""
+
+    def __init__(self) -> None:
+        self._sources: weakref.WeakSet[HostStats] = weakref.WeakSet()
+        self._lock = threading.Lock()
+
+    def add(self, stats: HostStats) -> None:
+        with self._lock:
+            self._sources.add(stats)
+
+    def describe(self) -> Iterable[Metric]:
+        """The families without samples, so the registry refuses a clashing name up front."""
+        return _families({})
+
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            sources = list(self._sources)
+        by_model: dict[str, list[HostStats]] = defaultdict(list)
+        for stats in sources:
+            by_model[stats.model_name].append(stats)
+        return _families(by_model)
+
+
+def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
+    engines = dict(_engine_stats(by_model))
+    for name, doc, read in _GAUGES:
+        family = GaugeMetricFamily(PREFIX + name, doc, labels=_LABELS)
+        for model, scheduler in engines.items():
+            family.add_metric([model], read(scheduler))
+        yield family
+    for name, doc, read in _ENGINE_COUNTERS:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)
+        for model, scheduler in engines.items():
+            family.add_metric([model], read(scheduler))
+        yield family
+    for name, doc, read_host in _REQUEST_COUNTERS:
+        family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)
+        for model, group in by_model.items():
+            family.add_metric([model], sum(read_host(h) for h in group))
+        yield family
+    yield _request_success(by_model)
+    for name, doc, attribute in _HISTOGRAMS:
+        family = HistogramMetricFamily(PREFIX + name, doc, labels=_LABELS)
+        for model, group in by_model.items():
+            buckets, total = _merged_buckets([getattr(h, attribute) for h in group])
+            family.add_metric([model], buckets, total)
+        yield family
+
+
+def _engine_stats(by_model: dict[str, list[HostStats]]) -> Iterator[tuple[str, SchedulerStats]]:
+    """Per model, the core snapshots of the engines this process reports for, summed."""
+    for model, group in by_model.items():
+        reported = [h.scheduler for h in group if h.reports_engine]
+        if len(reported) == 1:
+            yield model, reported[0]
+        elif reported:
+            yield model, _summed(reported)
+
+
+def _summed(snapshots: list[SchedulerStats]) -> SchedulerStats:
+    """Numbers add up (KV usage then is used / total blocks of all engines); anything else is the first's."""
+    fields = {}
+    for name in SchedulerStats.__struct_fields__:
+        values = [getattr(s, name) for s in snapshots]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        fields[name] = sum(values) if numeric else values[0]
+    return SchedulerStats(**fields)
+
+
+def _request_success(by_model: dict[str, list[HostStats]]) -> Metric:
+    family = CounterMetricFamily(PREFIX + "request_success", "Count of successfully processed requests.",
+                                 labels=[*_LABELS, "finished_reason"])
+    for model, group in by_model.items():
+        totals: dict[str, int] = defaultdict(int)
+        for stats in group:
+            for reason, count in list(stats.request_success.items()):
+                totals[reason] += count
+        for reason, count in totals.items():
+            family.add_metric([model, reason], count)
+    return family
+
+
+def _merged_buckets(histograms: list[Histogram]) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative `le` buckets (+Inf last) and the sum over histograms with the same bounds."""
+    bounds = histograms[0].bounds
+    counts = [0] * (len(bounds) + 1)
+    total = 0.0
+    for histogram in histograms:
+        for i, count in enumerate(list(histogram.counts)):
+            counts[i] += count
+        total += histogram.sum
+    buckets, cumulative = [], 0
+    for bound, count in zip([*map(floatToGoString, bounds), "+Inf"], counts, strict=True):
+        cumulative += count
+        buckets.append((bound, cumulative))
+    return buckets, total
+
+
+_collectors: weakref.WeakKeyDictionary[CollectorRegistry, AsyncLLMCollector] = weakref.WeakKeyDictionary()
+_collectors_lock = threading.Lock()
+
+
+def attach(stats: HostStats, registry: Any = None) -> CollectorRegistry:
+    """Export `stats` through `registry` (a new private one when None); returns the registry."""
+    if registry is None:
+        registry = CollectorRegistry()
+    with _collectors_lock:
+        collector = _collectors.get(registry)
+        if collector is None:
+            collector = AsyncLLMCollector()
+            registry.register(collector)
+            _collectors[registry] = collector
+    collector.add(stats)
+    return registry

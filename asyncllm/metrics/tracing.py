@@ -1,0 +1,157 @@
+"""One OpenTelemetry span per request, from the tracer provider the host set.
+
+asyncllm never installs a provider or an exporter: spans come from
+``opentelemetry.trace.get_tracer("asyncllm")``, which is a no-op until the
+host sets its provider. The caller's context is captured on its task (the
+processor thread has none), so the span is a child of the span current where
+`stream()` / `generate()` / `chat()` was called. Spans are started, annotated
+and ended on the processor thread (OpenTelemetry is thread-safe). Without
+opentelemetry-api installed, `capture_context` returns None and no
+`RequestTracer` is made: the whole feature costs one None check per call site.
+
+Attributes follow the gen_ai semantic conventions; asyncllm's own timing
+goes under ``asyncllm.*``. Events: queued, scheduled, preempted, first_token,
+finished. A cancelled request ends with status ERROR "cancelled"; a failed
+one with status ERROR and the exception recorded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.outputs import RequestMetrics
+from asyncllm.protocol import EngineCoreEvent, EngineCoreEventType
+from asyncllm.sampling import SamplingParams
+
+try:
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace as otel_trace
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+except ImportError:  # opentelemetry-api is optional (the `tracing` extra)
+    otel_trace = None
+
+__all__ = ["RequestTracer", "capture_context", "tracing_available"]
+
+_EVENT_NAMES = {
+    EngineCoreEventType.QUEUED: "queued",
+    EngineCoreEventType.SCHEDULED: "scheduled",
+    EngineCoreEventType.PREEMPTED: "preempted",
+}
+
+
+def tracing_available() -> bool:
+    return otel_trace is not None
+
+
+def capture_context() -> Any:
+    """The caller's current OpenTelemetry context (call it on the caller's task); None without OTel."""
+    return None if otel_trace is None else otel_context.get_current()
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+class RequestTracer:
+    """Starts, annotates and ends request spans; build it only when `tracing_available()`."""
+
+    def __init__(self, model_name: str) -> None:
+        from asyncllm import __version__
+
+        assert otel_trace is not None
+        self.model_name = model_name
+        self._tracer = otel_trace.get_tracer("asyncllm", __version__)
+
+    def start(self, request_id: str, params: SamplingParams, chat: bool, num_prompt_tokens: int,
+              context: Any, arrival_time: float) -> Any:
+        """A recording span, or None when the host set no tracer provider (nothing more to pay)."""
+        operation = "chat" if chat else "text_completion"
+        span = self._tracer.start_span(
+            f"{operation} {self.model_name}", context=context, kind=SpanKind.INTERNAL,
+            start_time=_ns(arrival_time), attributes=self._request_attributes(operation, request_id, params),
+        )
+        if not span.is_recording():
+            return None
+        if num_prompt_tokens:
+            span.set_attribute("gen_ai.usage.input_tokens", num_prompt_tokens)
+        return span
+
+    def _request_attributes(self, operation: str, request_id: str, params: SamplingParams) -> dict[str, Any]:
+        attributes: dict[str, Any] = {
+            "gen_ai.operation.name": operation,
+            "gen_ai.provider.name": "asyncllm",
+            "gen_ai.request.model": self.model_name,
+            "gen_ai.response.id": request_id,
+            "gen_ai.request.temperature": params.temperature,
+            "gen_ai.request.top_p": params.top_p,
+        }
+        if params.max_tokens is not None:
+            attributes["gen_ai.request.max_tokens"] = params.max_tokens
+        if params.top_k > 0:
+            attributes["gen_ai.request.top_k"] = params.top_k
+        if params.seed is not None:
+            attributes["gen_ai.request.seed"] = params.seed
+        if params.n != 1:
+            attributes["gen_ai.request.choice.count"] = params.n
+        if params.stop:
+            attributes["gen_ai.request.stop_sequences"] = list(params.stop)
+        return attributes
+
+    @staticmethod
+    def add_core_events(span: Any, events: list[EngineCoreEvent]) -> None:
+        for event in events:
+            span.add_event(_EVENT_NAMES[event.type], timestamp=_ns(event.timestamp))
+
+    @staticmethod
+    def first_token(span: Any, now: float) -> None:
+        span.add_event("first_token", timestamp=_ns(now))
+
+    @staticmethod
+    def finish(span: Any, metrics: RequestMetrics, finish_reasons: list[str], num_cached_tokens: int,
+               now: float) -> None:
+        """End the span of a request whose samples all finished (status ERROR "cancelled" if one was aborted)."""
+        span.set_attributes(_timing_attributes(metrics, num_cached_tokens))
+        span.set_attribute("gen_ai.response.finish_reasons", finish_reasons)
+        span.add_event("finished", {"finish_reason": finish_reasons[-1]}, timestamp=_ns(now))
+        if "abort" in finish_reasons:
+            _set_cancelled(span)
+        span.end(end_time=_ns(now))
+
+    @staticmethod
+    def cancel(span: Any, metrics: RequestMetrics, now: float) -> None:
+        """End the span of a request its caller left (or the engine closed) before it finished."""
+        span.set_attributes(_timing_attributes(metrics, None))
+        span.add_event("finished", {"finish_reason": "abort"}, timestamp=_ns(now))
+        _set_cancelled(span)
+        span.end(end_time=_ns(now))
+
+    @staticmethod
+    def fail(span: Any, error: BaseException, now: float) -> None:
+        span.set_attribute("error.type", type(error).__name__)
+        span.record_exception(error, timestamp=_ns(now))
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end(end_time=_ns(now))
+
+
+def _set_cancelled(span: Any) -> None:
+    span.set_attribute("error.type", "cancelled")
+    span.set_status(Status(StatusCode.ERROR, "cancelled"))
+
+
+def _timing_attributes(metrics: RequestMetrics, num_cached_tokens: int | None) -> dict[str, Any]:
+    attributes: dict[str, Any] = {
+        "gen_ai.usage.output_tokens": metrics.num_generated_tokens,
+        "asyncllm.request.num_preemptions": metrics.num_preemptions,
+    }
+    if num_cached_tokens is not None:
+        attributes["asyncllm.request.num_cached_tokens"] = num_cached_tokens
+    for name, value in (
+        ("asyncllm.latency.queue", metrics.queue_time),
+        ("asyncllm.latency.time_to_first_token", metrics.time_to_first_token),
+        ("asyncllm.latency.prefill", metrics.prefill_time),
+        ("asyncllm.latency.decode", metrics.decode_time),
+        ("asyncllm.latency.e2e", metrics.e2e_latency),
+    ):
+        if value is not None:
+            attributes[name] = value
+    return attributes

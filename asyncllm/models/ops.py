@@ -1,0 +1,35 @@
+"""The non-attention ops a model's layers call, as one swappable set.
+
+The attention backend carries the set its layers should use (`AttentionBackend.ops`):
+torch_sdpa carries `REFERENCE_OPS` (torch, every device, the reference), the
+triton backend carries the Triton kernels of `asyncllm.kernels`. So choosing a
+backend in `asyncllm.attention.selector` chooses every kernel of the model in
+one place, and the torch path stays the exact reference end to end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from asyncllm.kernels import reference
+
+__all__ = ["ModelOps", "REFERENCE_OPS"]
+
+
+@dataclass(frozen=True)
+class ModelOps:
+    """RMSNorm (plain and fused with the residual add) and SiLU-and-mul, same signatures as `reference`."""
+
+    name: str
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    fused_add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+
+
+REFERENCE_OPS = ModelOps("reference", reference.rms_norm, reference.fused_add_rms_norm, reference.silu_and_mul)
+"""The torch reference ops."""

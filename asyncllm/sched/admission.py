@@ -1,0 +1,73 @@
+"""What the scheduler checks before it queues a request.
+
+Two kinds of refusal, both at once and before the request holds anything:
+
+- `check_request`: the request could never run (empty, longer than
+  max_model_len or than the whole KV cache, or longer than one step with
+  chunked prefill off): `InvalidRequestError` naming the prompt.
+- `check_queue_capacity`: admission control, `max_num_queued_requests` and
+  `max_num_queued_tokens`: `EngineOverloadedError`. The core is authoritative;
+  the host also checks an estimate before tokenizing
+  (`asyncllm.engine.admission`), so most refusals cost no tokenization.
+"""
+
+from __future__ import annotations
+
+from asyncllm.errors import EngineOverloadedError, InvalidRequestError
+from asyncllm.sched.queue import RequestQueue
+from asyncllm.sched.request import Request
+
+__all__ = ["check_request", "check_queue_capacity"]
+
+
+def check_request(
+    request: Request, max_model_len: int, kv_capacity: int, enable_chunked_prefill: bool, max_num_batched_tokens: int
+) -> None:
+    """`InvalidRequestError` (field "prompt") if the request could never be scheduled."""
+    num_prompt = request.num_prompt_tokens
+    if num_prompt == 0:
+        raise InvalidRequestError("prompt", "is empty: at least one token is needed")
+    if num_prompt > max_model_len - 1:
+        raise InvalidRequestError(
+            "prompt",
+            f"{num_prompt} tokens is too long: max_model_len={max_model_len} leaves room for "
+            f"at most {max_model_len - 1} prompt tokens and one generated token",
+        )
+    if num_prompt > kv_capacity - 1:
+        raise InvalidRequestError(
+            "prompt",
+            f"{num_prompt} tokens do not fit in the whole KV cache ({kv_capacity} tokens, one of which "
+            f"the first generated token needs): shorten the prompt, or raise gpu_memory_utilization, "
+            f"num_gpu_blocks_override or tensor_parallel_size",
+        )
+    if not enable_chunked_prefill and num_prompt > max_num_batched_tokens:
+        raise InvalidRequestError(
+            "prompt",
+            f"{num_prompt} tokens exceed max_num_batched_tokens={max_num_batched_tokens} with "
+            f"enable_chunked_prefill=False: enable chunked prefill or raise max_num_batched_tokens",
+        )
+
+
+def check_queue_capacity(
+    waiting: RequestQueue, request: Request, max_num_queued_requests: int | None, max_num_queued_tokens: int | None
+) -> None:
+    """`EngineOverloadedError` if queueing `request` would pass a limit.
+
+    `max_num_queued_requests`: refused while that many requests wait.
+    `max_num_queued_tokens`: refused when the waiting requests' tokens plus
+    this prompt would pass it; an empty queue accepts any prompt, so a long
+    prompt is delayed by load, never refused forever.
+    """
+    if max_num_queued_requests is not None and len(waiting) >= max_num_queued_requests:
+        raise EngineOverloadedError(
+            f"max_num_queued_requests={max_num_queued_requests}: {len(waiting)} requests are already waiting; "
+            "retry later, or raise max_num_queued_requests or the engine's capacity"
+        )
+    if max_num_queued_tokens is not None and waiting.num_tokens > 0:
+        total = waiting.num_tokens + request.num_prompt_tokens
+        if total > max_num_queued_tokens:
+            raise EngineOverloadedError(
+                f"max_num_queued_tokens={max_num_queued_tokens}: {waiting.num_tokens} tokens are already waiting "
+                f"and this prompt has {request.num_prompt_tokens}; retry later, or raise max_num_queued_tokens "
+                "or the engine's capacity"
+            )

@@ -1,0 +1,50 @@
+"""The chunked-prefill policy: how many tokens one request computes in a step.
+
+- `enable_chunked_prefill=True` (default): a prompt that does not fit what is
+  left of the step's token budget runs in chunks across steps, so decodes
+  keep running beside long prefills; `long_prefill_token_threshold` (> 0)
+  caps one request's chunk, so one long prompt cannot take a whole step.
+- `enable_chunked_prefill=False`: a waiting prompt is scheduled whole or not
+  at all, and a prompt longer than `max_num_batched_tokens` is refused at
+  arrival (`asyncllm.sched.admission.check_request`). The one exception is a
+  request resumed after preemption whose outputs made it longer than a whole
+  step: it is chunked anyway, or it could never run again.
+"""
+
+from __future__ import annotations
+
+from asyncllm.config import EngineConfig
+
+__all__ = ["ChunkPolicy", "token_budget"]
+
+
+def token_budget(config: EngineConfig, max_model_len: int) -> int:
+    """`resolved_max_num_batched_tokens`, using the model's max_model_len when the config has none yet."""
+    if config.max_num_batched_tokens is None and not config.enable_chunked_prefill:
+        return max(max_model_len, config.max_num_seqs)
+    return config.resolved_max_num_batched_tokens
+
+
+class ChunkPolicy:
+    """Chunk sizes under `max_num_batched_tokens`, `enable_chunked_prefill` and `long_prefill_token_threshold`."""
+
+    __slots__ = ("max_num_batched_tokens", "enable_chunked_prefill", "_threshold")
+
+    def __init__(self, max_num_batched_tokens: int, enable_chunked_prefill: bool, long_prefill_token_threshold: int):
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self._threshold = long_prefill_token_threshold if enable_chunked_prefill else 0
+
+    def chunk(self, num_remaining: int, budget: int) -> int:
+        """Tokens a request computes this step: capped by the budget and the long-prefill threshold."""
+        if 0 < self._threshold < num_remaining:
+            num_remaining = self._threshold
+        return min(num_remaining, budget)
+
+    def admission_chunk(self, num_remaining: int, budget: int) -> int:
+        """Like `chunk`, but 0 (wait) when chunking is off and the rest does not fit this step."""
+        if self.enable_chunked_prefill or num_remaining <= budget:
+            return self.chunk(num_remaining, budget)
+        if num_remaining <= self.max_num_batched_tokens:
+            return 0
+        return budget

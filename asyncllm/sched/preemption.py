@@ -1,0 +1,103 @@
+"""Preemption: taking a running request's KV blocks away, and the running order victims come from.
+
+The scheduler keeps `running` ordered so that the victim is always its last
+element: admission order under 'fcfs' (the most recently admitted request
+goes first), ``(priority, arrival_time)`` under 'priority' (the lowest
+priority, latest arrival goes first). The same order decides who is served
+first when the token budget is short.
+
+`Preemptor.preempt` frees the victim's GPU blocks, by recompute (its KV is
+dropped) or by swap (its computed blocks are copied to the CPU `SwapSpace`
+first; recompute when that is full), puts it back at the front of the
+waiting queue, counts it and warns (rate-limited).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+
+from asyncllm.kv.manager import KVCacheManager
+from asyncllm.kv.swap import SwapSpace
+from asyncllm.protocol import EngineCoreEventType
+from asyncllm.sched.queue import RequestQueue
+from asyncllm.sched.request import Request, RequestStatus
+
+__all__ = ["PreemptionLogger", "Preemptor", "insert_running"]
+
+logger = logging.getLogger("asyncllm.sched")
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    return request.priority, request.arrival_time
+
+
+def insert_running(running: list[Request], request: Request, policy: str) -> None:
+    """Add an admitted request to `running`, keeping the policy's order (victim last)."""
+    if policy == "priority":
+        bisect.insort_right(running, request, key=_priority_key)
+    else:
+        running.append(request)
+
+
+class PreemptionLogger:
+    """Warns about preemptions at most once per `interval_s`, counting the ones it kept quiet."""
+
+    def __init__(self, interval_s: float = 5.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s = interval_s
+        self._clock = clock
+        self._last_logged: float | None = None
+        self._num_suppressed = 0
+
+    def record(self, request_id: str, mode: str, num_preemptions_total: int, why: str = "the KV cache ran out of free blocks") -> None:
+        """One preemption; `mode` is how it was done ('recompute', 'swap', or a fallback note)."""
+        now = self._clock()
+        if self._last_logged is not None and now - self._last_logged < self.interval_s:
+            self._num_suppressed += 1
+            return
+        suppressed = f" ({self._num_suppressed} more not logged)" if self._num_suppressed else ""
+        self._last_logged, self._num_suppressed = now, 0
+        logger.warning(
+            "Request %s was preempted (mode=%s) because %s; "
+            "%d preemptions so far%s. Preemption hurts latency and throughput: raise "
+            "gpu_memory_utilization or tensor_parallel_size, or lower max_num_seqs or "
+            "max_num_batched_tokens.",
+            request_id, mode, why, num_preemptions_total, suppressed,
+        )
+
+
+class Preemptor:
+    """Preempts running requests by `preemption_mode`; counts them (`num_preemptions_total`, `num_swapped_total`)."""
+
+    def __init__(self, mode: str, kv_cache_manager: KVCacheManager, swap_space: SwapSpace | None,
+                 waiting: RequestQueue, log_interval_s: float) -> None:
+        self.mode = mode
+        self.kv_cache_manager = kv_cache_manager
+        self.swap_space = swap_space
+        self.waiting = waiting
+        self.logger = PreemptionLogger(log_interval_s)
+        self.num_preemptions_total = 0
+        self.num_swapped_total = 0
+        """Preemptions done by swapping to the CPU (the others recomputed)."""
+
+    def preempt(self, request: Request, blocks_to_swap_out: list[list[int]], why: str) -> None:
+        """Free the request's GPU blocks (after queueing its swap-out copies, room permitting); queue it again."""
+        mode = self.mode
+        swap = self.swap_space
+        if swap is not None:
+            if swap.can_swap_out(request.num_computed_tokens):
+                block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+                blocks_to_swap_out += swap.swap_out(request.request_id, block_ids, request.num_computed_tokens)
+                self.num_swapped_total += 1
+            else:
+                mode = "recompute: the swap space is full"
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0  # a swapped request's computed count is kept by the swap space
+        request.num_preemptions += 1
+        request.record_event(EngineCoreEventType.PREEMPTED)
+        self.waiting.add_preempted(request)
+        self.num_preemptions_total += 1
+        self.logger.record(request.request_id, mode, self.num_preemptions_total, why)

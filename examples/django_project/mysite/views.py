@@ -1,0 +1,29 @@
+"""Async views over the process's engine (made from settings.ASYNCLLM, started by the first request)."""
+
+import json
+
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_GET, require_POST
+
+from asyncllm import AsyncLLMError, SamplingParams
+from asyncllm.integrations.django import error_response, get_engine, stream_response
+
+
+@require_GET
+async def complete(request: HttpRequest):
+    """GET /complete?prompt=...: the completion, streamed as plain text."""
+    params = SamplingParams(max_tokens=int(request.GET.get("max_tokens", 64)), temperature=0.7)
+    return await stream_response(get_engine().stream(request.GET.get("prompt", "def main():"), params))
+
+
+@csrf_exempt
+@require_POST
+async def chat(request: HttpRequest):
+    """POST /chat {"messages": [...]}: the whole reply as JSON."""
+    messages = json.loads(request.body)["messages"]
+    try:
+        text = "".join([d.text async for d in get_engine().chat(messages, SamplingParams(max_tokens=64))])
+    except AsyncLLMError as exc:
+        return error_response(exc)
+    return JsonResponse({"role": "assistant", "content": text})

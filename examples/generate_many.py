@@ -1,0 +1,22 @@
+"""A batch job: many prompts, a progress bar, results in input order.
+
+    python examples/generate_many.py
+"""
+
+import asyncio
+
+from asyncllm import AsyncEngine, SamplingParams
+
+
+async def main() -> None:
+    prompts = [f"def function_{i}(" for i in range(200)]
+    async with AsyncEngine(disable_log_stats=True) as engine:
+        outputs = await engine.generate_many(prompts, SamplingParams(max_tokens=32, temperature=0.8, seed=0),
+                                             progress=True)
+    for prompt, out in list(zip(prompts, outputs))[:3]:
+        print(prompt + out.text)
+        print("-" * 40)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

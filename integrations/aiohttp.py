@@ -1,0 +1,104 @@
+"""aiohttp: the engine in an `aiohttp.web.Application`, and a streaming handler.
+
+::
+
+    app = web.Application()
+    setup_engine(app, AsyncEngine("path/or/hub-id"))      # starts with the app, closes at cleanup
+
+    async def handler(request):
+        engine = request.app[ENGINE_KEY]
+        return await stream_text(request, engine.stream(prompt, params))
+
+`create_app(engine)` builds a ready app with ``POST /generate`` (JSON in,
+streamed text out). A client that disconnects aborts its request: the write
+fails, the handler leaves the stream, and leaving a stream aborts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
+from asyncllm.integrations.errors import error_body
+from asyncllm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.engine.stream import RequestStream
+
+__all__ = ["ENGINE_KEY", "setup_engine", "stream_text", "generate_handler", "create_app"]
+
+ENGINE_KEY: web.AppKey[Any] = web.AppKey("asyncllm_engine")
+"""``request.app[ENGINE_KEY]`` is the engine that `setup_engine` registered."""
+
+
+def setup_engine(app: web.Application, engine: AsyncEngine, *, close: bool = True) -> None:
+    """Register `engine` on `app`: started on app startup, closed on cleanup (unless `close=False`)."""
+    app[ENGINE_KEY] = engine
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        await engine.start()
+        yield
+        if close:
+            await engine.aclose()
+
+    app.cleanup_ctx.append(lifecycle)
+
+
+async def stream_text(request: web.Request, stream: RequestStream, *,
+                      content_type: str = "text/plain") -> web.StreamResponse:
+    """Write the generated text as chunks as it comes.
+
+    The first delta is awaited before the status line goes out, so a bad
+    prompt or an overloaded engine becomes a 400 / 429 JSON error, not a
+    broken 200 stream.
+    """
+    async with stream:
+        try:
+            first = await stream.__anext__()
+        except AsyncLLMError as exc:
+            return _error(exc)
+        response = web.StreamResponse(headers={"Content-Type": f"{content_type}; charset=utf-8"})
+        await response.prepare(request)
+        if first.text:
+            await response.write(first.text.encode())
+        async for delta in stream:
+            if delta.text:
+                await response.write(delta.text.encode())  # raises once the client is gone: the stream aborts
+        await response.write_eof()
+        return response
+
+
+async def generate_handler(request: web.Request) -> web.StreamResponse:
+    """``POST {"prompt": str, ...SamplingParams fields}`` -> the completion's text, streamed."""
+    try:
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("prompt"), str):
+            raise InvalidRequestError("prompt", "send a JSON object with a string 'prompt'")
+        prompt = body.pop("prompt")
+        params = SamplingParams(**body)
+    except AsyncLLMError as exc:
+        return _error(exc)
+    except (ValueError, TypeError) as exc:  # bad JSON, an unknown SamplingParams field
+        return _error(InvalidRequestError("body", str(exc)))
+    return await stream_text(request, request.app[ENGINE_KEY].stream(prompt, params))
+
+
+def create_app(engine: AsyncEngine | None = None) -> web.Application:
+    """An app with ``POST /generate``; `engine` defaults to the bundled tiny model."""
+    if engine is None:
+        from asyncllm import AsyncEngine
+
+        engine = AsyncEngine(disable_log_stats=True)
+    app = web.Application()
+    setup_engine(app, engine)
+    app.router.add_post("/generate", generate_handler)
+    return app
+
+
+def _error(exc: AsyncLLMError) -> web.Response:
+    status, body, headers = error_body(exc)
+    return web.json_response(body, status=status, headers=headers)

@@ -1,0 +1,125 @@
+"""Django (ASGI): one lazily started engine per process, and streaming async views.
+
+Django has no lifespan hook, so the engine is made on first use from the
+``ASYNCLLM`` setting (``{"model": "path/or/hub-id", **EngineConfig fields}``;
+no setting: the bundled tiny model) and starts with its first request::
+
+    from asyncllm.integrations.django import get_engine, stream_response
+
+    async def complete(request):
+        return stream_response(get_engine().stream(request.GET["prompt"], SamplingParams(max_tokens=64)))
+
+Serve the project with an ASGI server (uvicorn, daphne, granian): under WSGI
+Django runs each async view on a fresh event loop, and an engine belongs to
+the loop it started on, so `get_engine` refuses a second loop with a clear error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from django.conf import settings
+from django.core.exceptions import ImproperlyConfigured
+from django.http import JsonResponse, StreamingHttpResponse
+
+from asyncllm.errors import AsyncLLMError
+from asyncllm.integrations.errors import error_body
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.engine.stream import RequestStream
+    from asyncllm.outputs import StreamDelta
+
+__all__ = ["get_engine", "use_engine", "stream_response", "error_response", "close_engine"]
+
+_lock = threading.Lock()
+_engine: AsyncEngine | None = None
+_loop: asyncio.AbstractEventLoop | None = None
+
+
+def get_engine() -> AsyncEngine:
+    """This process's engine, made from ``settings.ASYNCLLM`` on first call (it starts on first request)."""
+    global _engine, _loop
+    loop = _running_loop()
+    with _lock:
+        if _engine is None:
+            _engine = _make_engine()
+        if loop is not None:
+            if _loop is None or not _engine.started:
+                _loop = loop  # the loop the engine will start on
+            elif loop is not _loop:
+                raise ImproperlyConfigured(
+                    "asyncllm's engine was started on another event loop: serve Django with ASGI "
+                    "(uvicorn/daphne), not WSGI, so that async views share one loop",
+                )
+        return _engine
+
+
+def use_engine(engine: AsyncEngine | None) -> None:
+    """Make `engine` this process's engine instead of one made from settings
+    (e.g. ``AsyncEngine.connect()`` to share a standalone core between Django workers);
+    None forgets it (without closing it), so the next `get_engine` reads the settings again."""
+    global _engine, _loop
+    with _lock:
+        _engine, _loop = engine, None
+
+
+async def close_engine() -> None:
+    """Close the process's engine (tests, or a shutdown hook); the next `get_engine` makes a new one."""
+    global _engine, _loop
+    with _lock:
+        engine, _engine, _loop = _engine, None, None
+    if engine is not None:
+        await engine.aclose()
+
+
+async def stream_response(stream: RequestStream, *, content_type: str = "text/plain; charset=utf-8"
+                          ) -> StreamingHttpResponse | JsonResponse:
+    """A `StreamingHttpResponse` of the generated text (await it in an async view).
+
+    The first delta is awaited first, so a bad prompt or an overloaded engine
+    is a 400 / 429 JSON error, not a broken 200. Django's ASGI handler stops
+    the iterator when the client disconnects, which leaves the stream and
+    aborts the request.
+    """
+    try:
+        first = await stream.__anext__()
+    except AsyncLLMError as exc:
+        await stream.aclose()
+        return error_response(exc)
+    return StreamingHttpResponse(_text(stream, first), content_type=content_type)
+
+
+def error_response(exc: AsyncLLMError) -> JsonResponse:
+    status, body, headers = error_body(exc)
+    response = JsonResponse(body, status=status)
+    for name, value in headers.items():
+        response[name] = value
+    return response
+
+
+async def _text(stream: RequestStream, first: StreamDelta) -> AsyncIterator[str]:
+    async with stream:  # however the iteration ends, the request is aborted if unfinished
+        if first.text:
+            yield first.text
+        async for delta in stream:
+            if delta.text:
+                yield delta.text
+
+
+def _make_engine() -> AsyncEngine:
+    from asyncllm import AsyncEngine
+
+    options: dict[str, Any] = dict(getattr(settings, "ASYNCLLM", None) or {})
+    model = options.pop("model", None)
+    return AsyncEngine(model, **options)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

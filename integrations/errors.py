@@ -1,0 +1,55 @@
+"""HTTP status and OpenAI-style error bodies for asyncllm errors, for every web adapter.
+
+``{"error": {"message", "type", "param", "code"}}``, as the official OpenAI
+clients parse it (``openai.BadRequestError`` for 400, ``RateLimitError`` for
+429, ...). Framework-free: each adapter wraps the body in its own response.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.errors import (
+    AsyncLLMError, ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestTimeoutError,
+)
+
+__all__ = ["ApiError", "error_body", "status_of"]
+
+
+class ApiError(Exception):
+    """An HTTP-level refusal that is not an engine error (auth, routing, body size)."""
+
+    def __init__(self, status: int, message: str, type: str, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+_STATUS = (
+    # (error class, HTTP status, OpenAI error type, code), most specific first
+    (InvalidRequestError, 400, "invalid_request_error", None),
+    (EngineOverloadedError, 429, "rate_limit_error", "engine_overloaded"),
+    (RequestTimeoutError, 408, "timeout_error", "request_timeout"),
+    (EngineDeadError, 503, "server_error", "engine_dead"),
+    (ConfigError, 503, "server_error", "engine_misconfigured"),
+)
+
+
+def status_of(exc: AsyncLLMError) -> tuple[int, str, str | None]:
+    """(HTTP status, OpenAI error type, code) of an asyncllm error; 500 for an unmapped one."""
+    for cls, status, kind, code in _STATUS:
+        if isinstance(exc, cls):
+            return status, kind, code
+    return 500, "server_error", None
+
+
+def error_body(exc: AsyncLLMError | ApiError) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, JSON body, extra headers): 429 and 503 say ``Retry-After`` so clients back off."""
+    if isinstance(exc, ApiError):
+        status, kind, code, param, message = exc.status, exc.type, exc.code, exc.param, exc.message
+    else:
+        status, kind, code = status_of(exc)
+        param = exc.field if isinstance(exc, InvalidRequestError) else None
+        message = str(exc)
+    headers = {"Retry-After": "1"} if status in (429, 503) else {}
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}, headers

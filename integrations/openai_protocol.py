@@ -1,0 +1,200 @@
+"""OpenAI request bodies as msgspec Structs, and their mapping to `SamplingParams`.
+
+Unknown fields are refused with a 400 naming them (OpenAI does the same), so a
+client never believes an option took effect when asyncllm does not build it;
+options asyncllm does not build yet (``echo``, ``suffix``, ``tools``,
+``response_format`` other than text, ``best_of`` != n) are refused by name too.
+vLLM's sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) are accepted, as a
+vLLM user expects.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import SamplingParams
+
+__all__ = [
+    "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest",
+    "decode_request", "completion_params", "chat_params", "completion_prompts", "chat_messages",
+]
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request bounds the server enforces before anything reaches the engine."""
+
+    max_body_bytes: int = 1 << 20
+    """Largest request body (413 beyond)."""
+    max_n: int = 16
+    """Largest `n` (samples per prompt)."""
+    max_tokens: int | None = None
+    """Largest `max_tokens`; None = the model's max_model_len bounds it."""
+    max_prompts: int = 64
+    """Most prompts in one /v1/completions request (a list prompt)."""
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+    """Send one last chunk with the request's token usage (and no choices)."""
+
+
+class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Fields both endpoints share (OpenAI's, then vLLM's extensions)."""
+
+    model: str
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    """End-user id for the caller's own abuse tracking; accepted and not used by asyncllm."""
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
+    prompt: str | list[Any]
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+
+
+_AT_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
+_NAMED_FIELD = re.compile(r"field `([^`]+)`")
+
+
+def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
+    """Decode and type-check a JSON body; msgspec's error becomes an `InvalidRequestError` naming the field."""
+    try:
+        return msgspec.json.decode(body, type=request_type)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _AT_FIELD.search(text) or _NAMED_FIELD.search(text)
+        raise InvalidRequestError(match.group(1) if match else "body", text) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
+
+
+def completion_prompts(prompt: str | list[Any], limits: ServerLimits) -> list[str | list[int]]:
+    """OpenAI's four prompt shapes as a list of engine prompts."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(_is_int(t) for t in prompt):
+        return [list(prompt)]
+    if prompt and (all(isinstance(p, str) for p in prompt) or all(_is_token_list(p) for p in prompt)):
+        if len(prompt) > limits.max_prompts:
+            raise InvalidRequestError("prompt", f"at most {limits.max_prompts} prompts per request, got {len(prompt)}")
+        return list(prompt)
+    raise InvalidRequestError("prompt", "must be a string, a list of strings, a list of token ids, or a list of those lists")
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """Messages with text-part lists flattened to strings (the engine's chat template takes strings)."""
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list):
+            content = "".join(_text_part(i, part) for part in content)
+        elif content is None:
+            content = ""
+        extra = set(message) - {"role", "content", "name"}
+        if extra:
+            raise InvalidRequestError("messages", f"item {i} has fields asyncllm does not build yet: {sorted(extra)}")
+        out.append({"role": message.get("role"), "content": content})
+    return out
+
+
+def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingParams:
+    _refuse(req.echo, "echo", "echoing the prompt is not built yet")
+    _refuse(req.suffix is not None, "suffix", "suffix (insertion) is not built yet")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequestError("best_of", "only best_of == n is supported (no server-side ranking)")
+    return _params(req, req.max_tokens, req.logprobs, limits)
+
+
+def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingParams:
+    _refuse(bool(req.tools), "tools", "tool calling is not built yet")
+    _refuse(req.tool_choice not in (None, "none"), "tool_choice", "tool calling is not built yet")
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        raise InvalidRequestError("response_format", "only {'type': 'text'}: structured output is not built yet")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return _params(req, max_tokens, logprobs, limits)
+
+
+def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: ServerLimits) -> SamplingParams:
+    if _is_int(req.n) and req.n > limits.max_n:
+        raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
+    if limits.max_tokens is not None:
+        if max_tokens is None:
+            max_tokens = limits.max_tokens
+        elif max_tokens > limits.max_tokens:
+            raise InvalidRequestError("max_tokens", f"at most {limits.max_tokens} on this server, got {max_tokens}")
+    params = SamplingParams(
+        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=req.logit_bias, logprobs=logprobs,
+    )
+    params.validate()
+    return params
+
+
+def _text_part(i: int, part: object) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise InvalidRequestError("messages", f"item {i}: only text content parts are built, got {kind!r}")
+
+
+def _refuse(condition: bool, field: str, why: str) -> None:
+    if condition:
+        raise InvalidRequestError(field, why)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_list(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)

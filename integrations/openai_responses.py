@@ -1,0 +1,116 @@
+"""OpenAI response bodies and stream chunks, built from the engine's `StreamDelta`s.
+
+One `Choices` object follows a whole request (every prompt, every sample):
+it accumulates text, token counts and logprobs per choice, so the same code
+serves the non-streaming body (everything at the end) and the SSE chunks (one
+per delta). OpenAI counts a prompt's tokens once however many samples it has;
+completion tokens are every generated token of every choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from asyncllm.outputs import Logprob, StreamDelta
+
+__all__ = ["Choices", "usage"]
+
+Entries = list[dict[int, Logprob]]
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Entries = field(default_factory=list)
+    text_offset: int = 0
+    """Characters of this choice's text before the next logprob's token (completions' text_offset)."""
+
+
+class Choices:
+    """Every choice of one request: choice index = prompt index * n + sample index."""
+
+    def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool) -> None:
+        self.n = n
+        self.top_logprobs = top_logprobs
+        self.chat = chat
+        self._choices = [_Choice() for _ in range(num_prompts * n)]
+        self.prompt_tokens = [0] * num_prompts
+
+    def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
+        """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
+        index = prompt_index * self.n + delta.index
+        choice = self._choices[index]
+        choice.text.append(delta.text)
+        choice.num_tokens += len(delta.token_ids)
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+        logprobs = None
+        if self.top_logprobs is not None and delta.logprobs is not None:
+            choice.token_ids.extend(delta.token_ids)
+            choice.logprobs.extend(delta.logprobs)
+            logprobs = self._format_logprobs(choice, delta.token_ids, delta.logprobs)
+        return index, logprobs
+
+    def usage(self) -> dict[str, int]:
+        return usage(sum(self.prompt_tokens), sum(c.num_tokens for c in self._choices))
+
+    def final_choices(self) -> list[dict[str, Any]]:
+        """The `choices` of a non-streaming response."""
+        out = []
+        for index, choice in enumerate(self._choices):
+            text = "".join(choice.text)
+            logprobs = None
+            if self.top_logprobs is not None:
+                choice.text_offset = 0
+                logprobs = self._format_logprobs(choice, choice.token_ids, choice.logprobs)
+            if self.chat:
+                out.append({"index": index, "message": {"role": "assistant", "content": text},
+                            "logprobs": logprobs, "finish_reason": choice.finish_reason})
+            else:
+                out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
+        return out
+
+    def _format_logprobs(self, choice: _Choice, token_ids: list[int], entries: Entries) -> dict[str, Any]:
+        top_n = self.top_logprobs or 0
+        if self.chat:
+            return {"content": [_chat_token(t, e, top_n) for t, e in zip(token_ids, entries)]}
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        for token_id, entry in zip(token_ids, entries):
+            token = _token_text(token_id, entry)
+            tokens.append(token)
+            token_logprobs.append(_logprob(token_id, entry))
+            tops.append({_token_text(t, entry): lp.logprob for t, lp in _top(entry, top_n)} if top_n else None)
+            offsets.append(choice.text_offset)
+            choice.text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _chat_token(token_id: int, entry: dict[int, Logprob], top_n: int) -> dict[str, Any]:
+    token = _token_text(token_id, entry)
+    top = [{"token": _token_text(t, entry), "logprob": lp.logprob, "bytes": list(_token_text(t, entry).encode())}
+           for t, lp in _top(entry, top_n)]
+    return {"token": token, "logprob": _logprob(token_id, entry), "bytes": list(token.encode()), "top_logprobs": top}
+
+
+def _top(entry: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
+    """The `top_n` most likely tokens: the entry holds them and the sampled token (which may be one of them)."""
+    return sorted(entry.items(), key=lambda item: -item[1].logprob)[:top_n]
+
+
+def _token_text(token_id: int, entry: dict[int, Logprob]) -> str:
+    logprob = entry.get(token_id)
+    return (logprob.decoded_token if logprob is not None else None) or ""
+
+
+def _logprob(token_id: int, entry: dict[int, Logprob]) -> float:
+    logprob = entry.get(token_id)
+    return logprob.logprob if logprob is not None else float("-inf")

@@ -1,0 +1,265 @@
+"""An OpenAI-compatible ASGI app (Starlette) over one `AsyncEngine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE
+streaming and ``stream_options.include_usage``), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text). Errors are OpenAI-style
+bodies ``{"error": {"message", "type", "param", "code"}}`` with the status
+of the asyncllm error (400 invalid request, 401 bad API key, 404 unknown model
+or route, 413 body too large, 429 engine overloaded, 503 engine dead). A
+client that disconnects aborts its requests in the engine, streaming or not.
+
+``asyncllm serve`` runs this app with uvicorn; ``create_app(engine)`` mounts
+it in any ASGI server.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from asyncllm.errors import AsyncLLMError
+from asyncllm.integrations.errors import ApiError, error_body
+from asyncllm.integrations.openai_protocol import (
+    ChatCompletionRequest, CompletionRequest, ServerLimits, chat_messages, chat_params, completion_params,
+    completion_prompts, decode_request,
+)
+from asyncllm.integrations.openai_responses import Choices
+from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
+from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.engine.stream import RequestStream
+
+__all__ = ["create_app", "OpenAIServer", "ServerLimits"]
+
+logger = logging.getLogger("asyncllm.integrations.openai")
+
+
+def create_app(engine: AsyncEngine | None = None, *, model_name: str | None = None, api_key: str | None = None,
+               limits: ServerLimits | None = None, manage_engine: bool = True) -> Starlette:
+    """The app; `engine` defaults to one over the bundled tiny model.
+
+    `model_name` is the id clients pass as ``model`` (default: the model as
+    configured, or ``asyncllm-tiny`` for the bundled one). With `manage_engine`
+    the app's lifespan starts the engine and closes it at shutdown.
+    """
+    if engine is None:
+        from asyncllm import AsyncEngine
+
+        engine = AsyncEngine(disable_log_stats=True)
+    server = OpenAIServer(engine, model_name or _served_name(engine.config.model), api_key, limits or ServerLimits())
+    return server.app(manage_engine)
+
+
+def _served_name(model: str) -> str | None:
+    """The bundled model's short name; None for an engine attached to a shared core (its model is known
+    once attached); else the model as configured (before the engine resolves it to a folder)."""
+    from asyncllm.bundled import BUNDLED_MODEL_NAME, bundled_model_path
+
+    if model.startswith("ipc://"):
+        return None
+    try:
+        return BUNDLED_MODEL_NAME if model == bundled_model_path() else model
+    except AsyncLLMError:  # no bundled model in this install
+        return model
+
+
+class OpenAIServer:
+    """The route handlers; one per app."""
+
+    def __init__(self, engine: AsyncEngine, model_name: str | None, api_key: str | None,
+                 limits: ServerLimits) -> None:
+        self.engine = engine
+        self._model_name = model_name
+        self.limits = limits
+        self._api_key = api_key.encode() if api_key else None
+        self._created = int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        """The id clients send as ``model``."""
+        if self._model_name is None:  # attached to a shared core: name it after what the core serves
+            return _served_name(self.engine.config.model) or self.engine.config.model
+        return self._model_name
+
+    def app(self, manage_engine: bool = True) -> Starlette:
+        routes = [
+            Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
+            Route("/v1/chat/completions", self._guarded(self.chat_completions), methods=["POST"]),
+            Route("/v1/models", self._guarded(self.models), methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics, methods=["GET"]),
+        ]
+        lifespan = engine_lifespan(self.engine) if manage_engine else None
+        app = Starlette(routes=routes, lifespan=lifespan,
+                        exception_handlers={404: _not_found, 405: _not_allowed})
+        app.state.openai_server = self
+        return app
+
+    # ------------------------------------------------------------ routes
+    async def completions(self, request: Request) -> Response:
+        req = decode_request(await self._body(request), CompletionRequest)
+        self._check_model(req.model)
+        params = completion_params(req, self.limits)
+        prompts = completion_prompts(req.prompt, self.limits)
+        streams = [self.engine.stream(prompt, params) for prompt in prompts]
+        choices = Choices(len(prompts), params.n, params.logprobs, chat=False)
+        return await self._respond(request, req, streams, choices, "cmpl", "text_completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = decode_request(await self._body(request), ChatCompletionRequest)
+        self._check_model(req.model)
+        params = chat_params(req, self.limits)
+        streams = [self.engine.chat(chat_messages(req.messages), params)]
+        choices = Choices(1, params.n, params.logprobs, chat=True)
+        return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "asyncllm",
+                "max_model_len": self.engine.config.max_model_len}
+        return _json({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        """200 while the engine serves; 503 once it died or was closed (or before it started)."""
+        alive = self.engine.started and self.engine.stats().engine_alive
+        return _json({"status": "ok" if alive else "unavailable"}, 200 if alive else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        registry = getattr(self.engine, "metrics_registry", None)
+        if registry is None:
+            return error_response(ApiError(404, "this engine exports no Prometheus metrics", "not_found_error"))
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    # ------------------------------------------------------------ shared steps
+    def _guarded(self, handler: Any) -> Any:
+        """API-key check and error mapping around a /v1 handler."""
+
+        async def guarded(request: Request) -> Response:
+            try:
+                self._check_api_key(request)
+                return await handler(request)
+            except (AsyncLLMError, ApiError) as exc:
+                return error_response(exc)
+            except ClientDisconnected:
+                return Response(status_code=499)  # nobody reads it: the client is gone, its requests aborted
+            except Exception as exc:  # noqa: BLE001 - an OpenAI-style 500 instead of a bare one; logged
+                logger.exception("unexpected error in %s", request.url.path)
+                return error_response(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+        return guarded
+
+    def _check_api_key(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
+            raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                           "authentication_error", code="invalid_api_key")
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.limits.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "not_found_error", param="model", code="model_not_found")
+
+    async def _respond(self, request: Request, req: Any, streams: list[RequestStream], choices: Choices,
+                       id_prefix: str, kind: str) -> Response:
+        chunk_kind = kind + ".chunk" if choices.chat else kind
+        meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": chunk_kind if req.stream else kind,
+                "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            firsts = await first_deltas(streams)  # errors before the first token keep their status code
+            _count_prompts(streams, choices)
+            include_usage = req.stream_options is not None and req.stream_options.include_usage
+            events = self._sse(request, streams, firsts, choices, meta, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
+            choices.add(prompt_index, delta)
+        _count_prompts(streams, choices)
+        return _json({**meta, "choices": choices.final_choices(), "usage": choices.usage()})
+
+    async def _sse(self, request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
+                   meta: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+        extra = {"usage": None} if include_usage else {}
+        try:
+            if choices.chat:
+                for index in range(len(choices.prompt_tokens) * choices.n):
+                    yield _event({**meta, "choices": [_chat_chunk(index, {"role": "assistant", "content": ""})], **extra})
+            async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
+                index, logprobs = choices.add(prompt_index, delta)
+                if not delta.text and delta.finish_reason is None and logprobs is None:
+                    continue
+                choice = (_chat_chunk(index, {"content": delta.text} if delta.text else {}, logprobs, delta.finish_reason)
+                          if choices.chat else
+                          {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason})
+                yield _event({**meta, "choices": [choice], **extra})
+            if include_usage:
+                yield _event({**meta, "choices": [], "usage": choices.usage()})
+        except AsyncLLMError as exc:  # after the first token the status is sent: report in the stream
+            yield _event(error_body(exc)[1])
+        except ClientDisconnected:
+            return
+        yield b"data: [DONE]\n\n"
+
+
+def _count_prompts(streams: list[RequestStream], choices: Choices) -> None:
+    for i, stream in enumerate(streams):
+        if stream.collector is not None:
+            choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
+
+
+def _chat_chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def error_response(exc: AsyncLLMError | ApiError) -> Response:
+    status, body, headers = error_body(exc)
+    return _json(body, status, headers)
+
+
+def _json(payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status, media_type="application/json", headers=headers)
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes", "invalid_request_error",
+                    code="request_too_large")
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(404, f"no route {request.url.path}", "not_found_error"))
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                                   "invalid_request_error"))

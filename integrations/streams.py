@@ -1,0 +1,77 @@
+"""Framework-agnostic helpers over `RequestStream`s: first deltas, merging, disconnects.
+
+Each stream has at most one pending ``__anext__`` at a time, so a slow client
+lets the engine's collector merge deltas (memory stays bounded) instead of a
+queue growing here. Leaving early in any way cancels the pending steps and
+closes every stream, which aborts their requests in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncllm.engine.stream import RequestStream
+    from asyncllm.outputs import StreamDelta
+
+__all__ = ["ClientDisconnected", "first_deltas", "merge_streams"]
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was complete."""
+
+
+async def first_deltas(streams: Sequence[RequestStream]) -> list[StreamDelta]:
+    """Submit every stream at once and wait for each one's first delta.
+
+    A server calls this before it sends a status line, so that an error raised
+    at submission (a prompt longer than max_model_len, an overloaded engine)
+    becomes a 400 or a 429 rather than an error event inside a 200 stream.
+    """
+    steps = [asyncio.ensure_future(stream.__anext__()) for stream in streams]
+    try:
+        return list(await asyncio.gather(*steps))
+    except BaseException:
+        await _leave(steps, streams)
+        raise
+
+
+async def merge_streams(streams: Sequence[RequestStream], firsts: Sequence[StreamDelta] = (), *,
+                        until: Callable[[], Awaitable[object]] | None = None,
+                        ) -> AsyncIterator[tuple[int, StreamDelta]]:
+    """Yield ``(stream index, delta)`` from all streams as deltas arrive, after `firsts` (from `first_deltas`).
+
+    `until` returns an awaitable that completes when the client disconnects:
+    then every request is aborted and `ClientDisconnected` is raised.
+    """
+    for index, delta in enumerate(firsts):
+        yield index, delta
+    pending = {asyncio.ensure_future(stream.__anext__()): i for i, stream in enumerate(streams)}
+    watcher = asyncio.ensure_future(until()) if until is not None else None
+    try:
+        while pending:
+            waiting = set(pending) if watcher is None else {*pending, watcher}
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            if watcher is not None and watcher in done:
+                raise ClientDisconnected()
+            for step in sorted(done, key=pending.__getitem__):
+                index = pending.pop(step)
+                try:
+                    delta = step.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[index].__anext__())] = index
+                yield index, delta
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        await _leave(list(pending), streams)
+
+
+async def _leave(steps: list[asyncio.Future], streams: Sequence[RequestStream]) -> None:
+    for step in steps:
+        step.cancel()
+    for stream in streams:
+        await stream.aclose()

@@ -1,0 +1,163 @@
+"""`SyncEngine`: a thread-safe blocking facade for code without an event loop.
+
+Celery tasks, scripts, notebooks and thread pools call ``generate`` /
+``stream`` / ``chat`` like ordinary functions. The facade owns a private event
+loop in one background thread where its `AsyncEngine` lives; every call posts a
+coroutine there with `asyncio.run_coroutine_threadsafe` and waits on the
+future, so any number of threads may call it at once and their requests are
+batched together by the engine. It also works from inside a running loop's
+thread pool (``await loop.run_in_executor(None, engine.generate, ...)``);
+calling it on its own loop's thread would deadlock and raises instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from asyncllm.errors import EngineDeadError
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.engine.stream import RequestStream
+    from asyncllm.outputs import EngineStats, RequestOutput, StreamDelta
+    from asyncllm.sampling import SamplingParams
+
+__all__ = ["SyncEngine"]
+
+T = TypeVar("T")
+
+
+class SyncEngine:
+    """Blocking calls over an `AsyncEngine` that runs on a private loop thread.
+
+    ``SyncEngine(model, **fields)`` takes what `AsyncEngine` takes (no model:
+    the bundled tiny one); `SyncEngine.connect(address)` attaches to a shared
+    standalone core. Starting is lazy (the first call) unless `start` is called;
+    `close` (or leaving ``with``) stops the engine and the thread.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        from asyncllm.engine.async_engine import AsyncEngine
+
+        self._setup(lambda: AsyncEngine(model, **kwargs))
+
+    @classmethod
+    def connect(cls, address: str | None = None, **kwargs: Any) -> "SyncEngine":
+        """Attach to a standalone core (``asyncllm engine``), as `AsyncEngine.connect`."""
+        from asyncllm.engine.async_engine import AsyncEngine
+
+        engine = cls.__new__(cls)
+        engine._setup(lambda: AsyncEngine.connect(address, **kwargs))
+        return engine
+
+    def _setup(self, make_engine: Any) -> None:
+        self._engine: AsyncEngine = make_engine()  # cheap: nothing starts before the first call
+        self._loop = asyncio.new_event_loop()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="asyncllm-sync-loop", daemon=True)
+        self._thread.start()
+
+    @property
+    def engine(self) -> AsyncEngine:
+        """The `AsyncEngine` behind the facade (use it only from coroutines run with `run`)."""
+        return self._engine
+
+    # ------------------------------------------------------------ lifecycle
+    def __enter__(self) -> "SyncEngine":
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        """Start the engine now (otherwise the first request does)."""
+        self.run(self._engine.start())
+
+    def close(self) -> None:
+        """Abort what is in flight, stop the engine, then the loop thread. Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self._call(self._engine.aclose())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._loop.close()
+
+    # ------------------------------------------------------------ requests
+    def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
+        """Run one request to the end (options as for `AsyncEngine.generate`)."""
+        return self.run(self._engine.generate(prompt, params, **options))
+
+    def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
+                      max_concurrency: int | None = None) -> list[RequestOutput]:
+        """A batch job, results in input order (see `AsyncEngine.generate_many`)."""
+        return self.run(self._engine.generate_many(prompts, params, progress=progress,
+                                                   max_concurrency=max_concurrency))
+
+    def stream(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> Iterator[StreamDelta]:
+        """Iterate `StreamDelta`s as they come; leaving the loop early aborts the request."""
+        return self._iterate(lambda: self._engine.stream(prompt, params, **options))
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, **options: Any) -> Iterator[StreamDelta]:
+        """Iterate the deltas of a reply to chat `messages` (see `stream`)."""
+        return self._iterate(lambda: self._engine.chat(messages, params, **options))
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run any coroutine on the engine's loop and wait for its result (thread-safe)."""
+        self._check_open(coro)
+        return self._call(coro)
+
+    # ------------------------------------------------------------ internals
+    def _iterate(self, make_stream: Any) -> Iterator[StreamDelta]:
+        self._check_open()
+        stream: RequestStream = make_stream()
+        try:
+            while True:
+                try:
+                    yield self._call(stream.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:  # break, exception or garbage collection of the generator: abort the request
+            if not self._closed:
+                self._call(stream.aclose())
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()  # KeyboardInterrupt in the caller: cancel the coroutine (its stream aborts)
+            raise
+
+    def _check_open(self, coro: Coroutine[Any, Any, Any] | None = None) -> None:
+        problem = None
+        if self._closed:
+            problem = EngineDeadError("this SyncEngine was closed; create a new one")
+        elif threading.current_thread() is self._thread:
+            problem = RuntimeError("SyncEngine called from its own loop thread would deadlock; "
+                                   "in a coroutine use the AsyncEngine (`sync_engine.engine`) and await it")
+        if problem is not None:
+            if coro is not None:
+                coro.close()  # never awaited: close it so Python does not warn
+            raise problem
+
+    def __del__(self) -> None:
+        # A forgotten close: stop the loop thread; the engine's processes exit with this process.
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not loop.is_closed() and not getattr(self, "_closed", True):
+            try:
+                loop.call_soon_threadsafe(loop.stop)
+            except RuntimeError:
+                pass
+

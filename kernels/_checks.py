@@ -1,0 +1,37 @@
+"""Argument checks shared by the Triton launchers (internal).
+
+A Triton kernel reads raw pointers: a wrong dtype, shape or stride gives
+silently wrong numbers rather than an error, so every launcher checks its
+inputs here first and raises `ValueError` naming the argument.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["FLOAT_DTYPES", "check", "check_float", "check_last_dim_contiguous", "check_same_device"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The activation dtypes every kernel supports."""
+
+
+def check(ok: bool, message: str) -> None:
+    """`ValueError(message)` unless ``ok``."""
+    if not ok:
+        raise ValueError(message)
+
+
+def check_float(name: str, tensor: torch.Tensor, ndim: int) -> None:
+    """``tensor`` is float32/float16/bfloat16 with ``ndim`` dims."""
+    check(tensor.dtype in FLOAT_DTYPES, f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+    check(tensor.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(tensor.shape)}")
+
+
+def check_last_dim_contiguous(name: str, tensor: torch.Tensor) -> None:
+    """The kernels index the last dim with unit stride."""
+    check(tensor.stride(-1) == 1 or tensor.shape[-1] == 1, f"{name} must be contiguous in its last dim")
+
+
+def check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {name: t.device for name, t in tensors.items()}
+    check(len(set(devices.values())) == 1, f"tensors on different devices: {devices}")

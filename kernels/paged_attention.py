@@ -1,0 +1,188 @@
+"""Triton paged attention: one varlen kernel for prefill chunks (with cached context) and decodes.
+
+The step's queries are laid end to end (``query_start_loc``); request i has
+``seq_lens[i]`` tokens of context in the KV cache, the last ``q_len_i`` of them
+being its queries (already written, e.g. by `rotary_embedding_with_kv_cache`).
+Query j of request i sits at position ``seq_lens[i] - q_len_i + j`` and attends
+causally to the keys at or before it (and, with a sliding window, only the
+last ``sliding_window`` of them), as `asyncllm.kernels.reference.paged_attention`.
+
+Grid: (query blocks, KV heads). A program takes ``BLOCK_Q`` consecutive query
+tokens of one request times the ``Hq / Hkv`` query heads sharing one KV head
+(GQA): ``BLOCK_M = BLOCK_Q * queries_per_kv`` rows, so a decode batch still
+fills a matrix tile. It finds its request by binary search over
+``query_start_loc`` (no host-side index, so the launch is graph-capturable),
+then streams the context in tiles of ``TILE_N`` keys gathered through the block
+table with an online softmax. Head dims that are not a power of two are padded
+and masked. Offsets into the cache are int64 (blocks * block_size * heads *
+head_dim overflows int32 on large caches).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
+
+__all__ = ["paged_attention"]
+
+_MIN_BLOCK_M = 16  # tl.dot needs M >= 16 on the GPU
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr):
+    """The request whose query blocks contain ``q_block`` (request i starts at block qsl[i] // BLOCK_Q + i)."""
+    lo: tl.int32 = 0
+    hi = num_reqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start_block = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start_block <= q_block:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    scale, num_reqs, head_dim, block_size, sliding_window,
+    q_token_stride, q_head_stride, out_token_stride, out_head_stride,
+    cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
+    QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    req = _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    local_block = q_block - (q_start // BLOCK_Q + req)
+    if local_block * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + req)
+    context_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_pos = local_block * BLOCK_Q + rows // QUERIES_PER_KV  # index of the query within the request
+    heads = kv_head * QUERIES_PER_KV + rows % QUERIES_PER_KV
+    row_mask = (rows < BLOCK_Q * QUERIES_PER_KV) & (q_pos < q_len)
+    dims = tl.arange(0, HEAD_DIM)
+    dim_mask = dims < head_dim
+    tokens = (q_start + q_pos).to(tl.int64)
+    q_offsets = tokens[:, None] * q_token_stride + heads[:, None] * q_head_stride + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    abs_pos = context_len + q_pos  # the query's position in its sequence
+    # keys this block can see: up to its last query's position (and within the window of its first)
+    kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
+    kv_start = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(context_len + local_block * BLOCK_Q - sliding_window + 1, 0)
+    table = block_tables_ptr + req.to(tl.int64) * block_table_stride
+    for tile_start in range((kv_start // TILE_N) * TILE_N, kv_end, TILE_N):
+        kv_pos = tile_start + tl.arange(0, TILE_N)
+        kv_mask = kv_pos < kv_end
+        block = tl.load(table + kv_pos // block_size, mask=kv_mask, other=0).to(tl.int64)
+        kv_offsets = (block * cache_block_stride + (kv_pos % block_size) * cache_slot_stride
+                      + kv_head * cache_head_stride)
+        k_mask = kv_mask[None, :] & dim_mask[:, None]
+        k = tl.load(k_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=k_mask, other=0.0)  # [D, N]
+        scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale
+        visible = row_mask[:, None] & kv_mask[None, :] & (kv_pos[None, :] <= abs_pos[:, None])
+        if USE_WINDOW:
+            visible = visible & (kv_pos[None, :] > abs_pos[:, None] - sliding_window)
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_mask = kv_mask[:, None] & dim_mask[None, :]
+        v = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=v_mask, other=0.0)  # [N, D]
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PRECISION)
+        m_i = m_new
+    acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_offsets = tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride + dims[None, :]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def _check_args(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+) -> None:
+    check_float("query", query, 3)
+    check_last_dim_contiguous("query", query)
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_float(name, t, 4)
+        check_last_dim_contiguous(name, t)
+        check(t.shape[3] == query.shape[2], f"{name} head dim {t.shape[3]} != query head dim {query.shape[2]}")
+    check(key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride(),
+          "key_cache and value_cache must share shape and strides")
+    check(query.shape[1] % key_cache.shape[2] == 0,
+          f"query heads {query.shape[1]} must be a multiple of KV heads {key_cache.shape[2]}")
+    num_reqs = seq_lens.shape[0]
+    check(query_start_loc.dim() == 1 and query_start_loc.shape[0] == num_reqs + 1, "query_start_loc must be [R + 1]")
+    check(block_tables.dim() == 2 and block_tables.shape[0] >= num_reqs and block_tables.stride(1) == 1,
+          "block_tables must be [>= R, max_blocks] with unit stride in its last dim")
+    for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("block_tables", block_tables)):
+        check(t.dtype in (torch.int32, torch.int64), f"{name} must be int32 or int64, got {t.dtype}")
+    check_same_device(query=query, key_cache=key_cache, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                      block_tables=block_tables)
+
+
+def _block_shape(queries_per_kv: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_M): enough query tokens that BLOCK_Q * queries_per_kv rows fill a tile."""
+    block_m = max(_MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv))
+    return block_m // queries_per_kv, block_m
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    tile_n: int | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of query ``[T, Hq, D]`` over each request's cached context.
+
+    ``key_cache`` / ``value_cache`` are ``[num_blocks, block_size, Hkv, D]``. Returns ``[T, Hq, D]``
+    in query's dtype; rows past ``query_start_loc[-1]`` (padding) are left unwritten. ``tile_n``
+    (keys per inner step, a power of two >= 16) defaults to 64 for head dims up to 128, else 32.
+    """
+    _check_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
+    queries_per_kv = num_q_heads // num_kv_heads
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    tile_n = tile_n or (64 if head_dim_padded <= 128 else 32)
+    check(tile_n >= 16 and tile_n == triton.next_power_of_2(tile_n), f"tile_n must be a power of two >= 16: {tile_n}")
+    check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1: {sliding_window}")
+    block_q, block_m = _block_shape(queries_per_kv)
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    num_reqs = seq_lens.shape[0]
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    grid = (num_tokens // block_q + num_reqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        scale, num_reqs, head_dim, block_size, sliding_window or 0,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
+        QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
+        HEAD_DIM=head_dim_padded, USE_WINDOW=sliding_window is not None,
+        # exact fp32 products; "tf32" is Triton's default, which half-precision inputs ignore
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4 if head_dim_padded <= 64 else 8, num_stages=2,
+    )
+    return out

@@ -1,0 +1,141 @@
+"""Triton rotary embedding (GPT-NeoX layout) fused with the paged KV-cache write.
+
+One program per token: it rotates all of the token's query heads (written to a
+new query tensor) and key heads by the token's position, and stores the
+rotated keys and the values into ``key_cache`` / ``value_cache`` at the token's
+slot (``block = slot // block_size``, ``offset = slot % block_size``); a
+negative slot is padding and is not stored. Dims past the rotary dim
+(``cos_sin_cache.shape[-1]``) pass through unchanged.
+
+Rounding follows `asyncllm.kernels.reference.apply_rotary` (HF's): cos and sin
+are rounded to the activation dtype, and each product and the sum are rounded
+to it, so half-precision results match torch's bit for bit up to float32
+contraction.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
+
+__all__ = ["rotary_embedding_with_kv_cache"]
+
+
+@triton.jit
+def _rotate_heads(
+    src_ptr, src_token_stride, src_head_stride, dst_ptr, dst_token_stride, dst_head_stride,
+    token, num_heads, head_dim, half, cos, sin,
+    HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """Rotate ``num_heads`` heads of one token from src into dst (same dtype rounding as torch)."""
+    dtype = dst_ptr.dtype.element_ty
+    heads = tl.arange(0, HEADS)[:, None]
+    dims = tl.arange(0, HALF)[None, :]
+    mask = (heads < num_heads) & (dims < half)
+    src = src_ptr + token * src_token_stride + heads * src_head_stride
+    dst = dst_ptr + token * dst_token_stride + heads * dst_head_stride
+    x1 = tl.load(src + dims, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half + dims, mask=mask, other=0.0).to(tl.float32)
+    out1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(dst + dims, out1, mask=mask)
+    tl.store(dst + half + dims, out2, mask=mask)
+    rest = tl.arange(0, HEAD_DIM)[None, :]
+    rest_mask = (heads < num_heads) & (rest >= 2 * half) & (rest < head_dim)
+    tl.store(dst + rest, tl.load(src + rest, mask=rest_mask, other=0.0).to(dtype), mask=rest_mask)
+
+
+@triton.jit
+def _rotary_kv_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
+    q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride,
+    q_out_token_stride, q_out_head_stride,
+    cache_block_stride, cache_slot_stride, cache_head_stride, cos_sin_stride,
+    num_q_heads, num_kv_heads, head_dim, half, block_size,
+    Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    dtype = q_out_ptr.dtype.element_ty
+    position = tl.load(positions_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF)[None, :]
+    row = cos_sin_ptr + position * cos_sin_stride
+    cos = tl.load(row + dims, mask=dims < half, other=0.0).to(dtype).to(tl.float32)
+    sin = tl.load(row + half + dims, mask=dims < half, other=0.0).to(dtype).to(tl.float32)
+    _rotate_heads(q_ptr, q_token_stride, q_head_stride, q_out_ptr, q_out_token_stride, q_out_head_stride,
+                  token, num_q_heads, head_dim, half, cos, sin, Q_HEADS, HALF, HEAD_DIM)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot >= 0:
+        cache_offset = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
+        _rotate_heads(k_ptr, k_token_stride, k_head_stride, k_cache_ptr + cache_offset, 0, cache_head_stride,
+                      token, num_kv_heads, head_dim, half, cos, sin, KV_HEADS, HALF, HEAD_DIM)
+        heads = tl.arange(0, KV_HEADS)[:, None]
+        all_dims = tl.arange(0, HEAD_DIM)[None, :]
+        mask = (heads < num_kv_heads) & (all_dims < head_dim)
+        value = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + all_dims, mask=mask, other=0.0)
+        v_dst = v_cache_ptr + cache_offset + heads * cache_head_stride + all_dims
+        tl.store(v_dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_args(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_float(name, t, 3)
+        check_last_dim_contiguous(name, t)
+    num_tokens, _, head_dim = query.shape
+    check(key.shape == value.shape and key.shape[0] == num_tokens and key.shape[2] == head_dim,
+          f"key/value must be [T, Hkv, {head_dim}] with T={num_tokens}: {tuple(key.shape)}, {tuple(value.shape)}")
+    check(key.dtype == query.dtype == value.dtype, "query, key and value must share a dtype")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        check_float(name, t, 4)
+        check_last_dim_contiguous(name, t)
+        check(tuple(t.shape[2:]) == (key.shape[1], head_dim), f"{name} must be [blocks, block_size, Hkv, D]")
+    check(key_cache.stride() == value_cache.stride(), "key_cache and value_cache must share strides")
+    check(positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,),
+          "positions and slot_mapping must be [T]")
+    check(not positions.is_floating_point() and not slot_mapping.is_floating_point(),
+          "positions and slot_mapping must be integer tensors")
+    check(cos_sin_cache.dim() == 2 and cos_sin_cache.dtype == torch.float32 and cos_sin_cache.stride(-1) == 1,
+          "cos_sin_cache must be float32 [max_position, rotary_dim] contiguous in its last dim")
+    rotary_dim = cos_sin_cache.shape[1]
+    check(rotary_dim % 2 == 0 and rotary_dim <= head_dim, f"rotary dim {rotary_dim} must be even and <= {head_dim}")
+    check_same_device(query=query, key=key, value=value, positions=positions, cos_sin_cache=cos_sin_cache,
+                      key_cache=key_cache, slot_mapping=slot_mapping)
+
+
+def rotary_embedding_with_kv_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Rotate query ``[T, Hq, D]`` and key ``[T, Hkv, D]``; store rotated keys and values at their slots.
+
+    ``key_cache`` / ``value_cache`` are ``[num_blocks, block_size, Hkv, D]`` (e.g. ``kv_cache[0]``,
+    ``kv_cache[1]``). Returns the rotated query (a new contiguous tensor).
+    """
+    _check_args(query, key, value, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads, half = key.shape[1], cos_sin_cache.shape[1] // 2
+    query_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
+    if num_tokens == 0:
+        return query_out
+    _rotary_kv_kernel[(num_tokens,)](
+        query, key, value, query_out, key_cache, value_cache, positions, cos_sin_cache, slot_mapping,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        query_out.stride(0), query_out.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), cos_sin_cache.stride(0),
+        num_q_heads, num_kv_heads, head_dim, half, key_cache.shape[1],
+        Q_HEADS=triton.next_power_of_2(num_q_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        HALF=triton.next_power_of_2(max(half, 1)), HEAD_DIM=triton.next_power_of_2(head_dim),
+        num_warps=4,
+    )
+    return query_out

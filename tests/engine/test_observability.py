@@ -1,0 +1,216 @@
+"""Prometheus series, OpenTelemetry spans, the stats log and per-request timing on a real engine.
+
+One engine for the module, with a KV cache of 8 blocks so that a known
+workload is forced into preemptions. The tracer provider is set here, in the
+test only (asyncllm never installs one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import prometheus_client
+import pytest
+import pytest_asyncio
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
+
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+EXPORTER = InMemorySpanExporter()
+MAX_TOKENS = 50
+PROMPTS = [[3 + 7 * i + j for j in range(10 + i)] for i in range(4)]
+"""Four distinct prompts (10..13 tokens): with 50 outputs each needs 4 of the 8 KV blocks."""
+
+
+def _install_test_tracer_provider() -> None:
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        provider = TracerProvider()
+        trace.set_tracer_provider(provider)
+    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+
+
+@pytest.fixture(scope="module")
+def root_handlers() -> list:
+    return list(logging.getLogger().handlers)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama: str, root_handlers: list):
+    _install_test_tracer_provider()
+    engine = AsyncEngine(tiny_llama, max_model_len=128, num_gpu_blocks_override=8, log_stats_interval=0.2)
+    async with engine:
+        assert logging.getLogger().handlers == root_handlers, "asyncllm must not touch the root logger"
+        yield engine
+    EXPORTER.shutdown()  # later test modules' spans are dropped, not kept in memory
+
+
+def _value(engine: AsyncEngine, name: str, **labels: str) -> float:
+    value = engine.metrics_registry.get_sample_value(name, {"model_name": engine._observer.stats.model_name, **labels})
+    return 0.0 if value is None else value
+
+
+def _scrape(engine: AsyncEngine) -> dict[str, float]:
+    names = ["prompt_tokens_total", "generation_tokens_total", "num_preemptions_total"]
+    names += [f"{h}_count" for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                                     "e2e_request_latency_seconds", "request_queue_time_seconds",
+                                     "request_prefill_time_seconds", "request_decode_time_seconds",
+                                     "request_prompt_tokens", "request_generation_tokens")]
+    scraped = {name: _value(engine, f"asyncllm:{name}") for name in names}
+    scraped["request_prompt_tokens_sum"] = _value(engine, "asyncllm:request_prompt_tokens_sum")
+    for reason in ("stop", "length", "abort"):
+        scraped[reason] = _value(engine, "asyncllm:request_success_total", finished_reason=reason)
+    return scraped
+
+
+async def _wait_for(predicate, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_known_workload_counters_and_histograms(engine: AsyncEngine, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="asyncllm")
+    before = _scrape(engine)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
+    await _wait_for(lambda: engine.stats().num_requests_running == 0)
+    after = _scrape(engine)
+    delta = {name: after[name] - before[name] for name in after}
+    num_prompt = sum(len(p) for p in PROMPTS)
+    assert delta["prompt_tokens_total"] == num_prompt == delta["request_prompt_tokens_sum"]
+    assert delta["generation_tokens_total"] == 4 * MAX_TOKENS
+    assert (delta["length"], delta["stop"], delta["abort"]) == (4, 0, 0)
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time",
+                 "request_decode_time", "request_prompt_tokens", "request_generation_tokens"):
+        assert delta[f"{name}{'' if 'tokens' in name else '_seconds'}_count"] == 4, name
+    assert delta["inter_token_latency_seconds_count"] == 4 * (MAX_TOKENS - 1)
+    # preemptions: forced by the small KV cache, counted by the core, and seen by each request's events
+    preempted = sum(out.metrics.num_preemptions for out in outs)
+    assert preempted > 0 and delta["num_preemptions_total"] == preempted
+    assert engine.stats().num_preemptions_total == after["num_preemptions_total"]
+    for out in outs:
+        m = out.metrics
+        assert m.queue_time >= 0 and m.prefill_time >= 0 and m.decode_time >= 0
+        assert m.arrival_time <= m.queued_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+    # the stats line went through the asyncllm logger hierarchy only
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncllm.engine.stats"]
+    assert any("Avg generation throughput" in line and "Preemptions:" in line for line in lines)
+    assert logging.getLogger("asyncllm").handlers == []
+    assert all(type(h).__module__.startswith("_pytest") for h in logging.getLogger().handlers)
+
+
+async def test_stats_snapshot_matches_the_registry(engine: AsyncEngine) -> None:
+    await engine.generate(PROMPTS[0], SamplingParams(max_tokens=3, ignore_eos=True))
+    s = engine.stats()
+    assert s.prompt_tokens_total == _value(engine, "asyncllm:prompt_tokens_total")
+    assert s.generation_tokens_total == _value(engine, "asyncllm:generation_tokens_total")
+    length = _value(engine, "asyncllm:request_success_total", finished_reason="length")
+    assert s.request_success_total["length"] == length
+    assert s.prefix_cache_queries == _value(engine, "asyncllm:prefix_cache_queries_total")
+    assert s.num_gpu_blocks == 8 and s.engine_alive
+
+
+def _spans_named(request_id: str) -> list:
+    return [s for s in EXPORTER.get_finished_spans() if s.attributes.get("gen_ai.response.id") == request_id]
+
+
+async def test_span_is_a_child_of_the_callers_span_with_gen_ai_attributes(engine: AsyncEngine) -> None:
+    tracer = trace.get_tracer("test")
+    params = SamplingParams(temperature=0.5, top_p=0.9, max_tokens=5, ignore_eos=True, seed=1)
+    with tracer.start_as_current_span("caller") as caller:
+        out = await engine.generate(PROMPTS[1], params, request_id="traced-1")
+    (span,) = _spans_named("traced-1")
+    assert span.parent.span_id == caller.get_span_context().span_id
+    assert span.context.trace_id == caller.get_span_context().trace_id
+    a = span.attributes
+    model_name = engine._observer.stats.model_name
+    assert a["gen_ai.operation.name"] == "text_completion" and span.name == f"text_completion {model_name}"
+    assert a["gen_ai.request.model"] == engine._observer.stats.model_name
+    assert (a["gen_ai.request.max_tokens"], a["gen_ai.request.temperature"], a["gen_ai.request.top_p"]) == (5, 0.5, 0.9)
+    assert (a["gen_ai.usage.input_tokens"], a["gen_ai.usage.output_tokens"]) == (len(PROMPTS[1]), 5)
+    assert a["gen_ai.response.finish_reasons"] == ("length",)
+    assert a["asyncllm.latency.time_to_first_token"] == pytest.approx(out.metrics.time_to_first_token)
+    assert a["asyncllm.latency.queue"] >= 0 and a["asyncllm.latency.decode"] >= 0
+    assert a["asyncllm.request.num_preemptions"] == out.metrics.num_preemptions
+    names = [e.name for e in span.events]
+    assert names[:3] == ["queued", "scheduled", "first_token"] and names[-1] == "finished"
+    assert span.status.status_code is StatusCode.UNSET
+    assert span.start_time == int(out.metrics.arrival_time * 1e9)
+
+
+async def test_a_request_with_two_samples_has_one_span(engine: AsyncEngine) -> None:
+    before = _scrape(engine)
+    await engine.generate(PROMPTS[3], SamplingParams(n=2, max_tokens=4, ignore_eos=True), request_id="traced-n2")
+    (span,) = _spans_named("traced-n2")
+    assert span.attributes["gen_ai.response.finish_reasons"] == ("length", "length")
+    assert (span.attributes["gen_ai.usage.output_tokens"], span.attributes["gen_ai.request.choice.count"]) == (8, 2)
+    after = _scrape(engine)
+    assert after["length"] - before["length"] == 2  # one per sample, as vLLM counts child requests
+    assert after["e2e_request_latency_seconds_count"] - before["e2e_request_latency_seconds_count"] == 1
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == len(PROMPTS[3])
+
+
+async def test_cancelled_request_span_has_error_status(engine: AsyncEngine) -> None:
+    stream = engine.stream(PROMPTS[2], SamplingParams(max_tokens=100, ignore_eos=True), request_id="traced-cancel")
+    async for _ in stream:
+        break
+    await stream.aclose()
+    await _wait_for(lambda: _spans_named("traced-cancel"))
+    (span,) = _spans_named("traced-cancel")
+    assert (span.status.status_code, span.status.description) == (StatusCode.ERROR, "cancelled")
+    assert span.events[-1].attributes["finish_reason"] == "abort"
+
+
+async def test_failed_request_span_records_the_error(engine: AsyncEngine) -> None:
+    with pytest.raises(InvalidRequestError):
+        await engine.generate(list(range(1, 200)), request_id="traced-error")  # longer than max_model_len
+    (span,) = _spans_named("traced-error")
+    assert span.status.status_code is StatusCode.ERROR and "InvalidRequestError" in span.status.description
+    assert span.attributes["error.type"] == "InvalidRequestError"
+    assert [e.name for e in span.events] == ["exception"]
+
+
+async def test_two_engines_keep_separate_metrics_and_the_global_registry_stays_empty(
+        engine: AsyncEngine, tiny_llama: str) -> None:
+    host_registry = prometheus_client.CollectorRegistry()
+    before = _scrape(engine)
+    async with AsyncEngine(tiny_llama, max_model_len=64, disable_log_stats=True,
+                           prometheus_registry=host_registry) as other:
+        assert other.metrics_registry is host_registry
+        await other.generate([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+        labels = {"model_name": tiny_llama}
+        length = {**labels, "finished_reason": "length"}
+        assert host_registry.get_sample_value("asyncllm:request_success_total", length) == 1
+        assert host_registry.get_sample_value("asyncllm:prompt_tokens_total", labels) == 3
+        assert host_registry.get_sample_value("asyncllm:generation_tokens_total", labels) == 2
+    assert _scrape(engine) == before
+    global_names = {m.name for m in prometheus_client.REGISTRY.collect()}
+    assert not any(name.startswith("asyncllm:") for name in global_names)
+
+
+async def test_a_second_host_exports_only_its_own_requests(engine: AsyncEngine) -> None:
+    guest = AsyncEngine.connect(engine._core.address, disable_log_stats=True)
+    owner_before = _scrape(engine)
+    async with guest:
+        await guest.generate([9, 8, 7, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+        await _wait_for(lambda: guest.stats().num_gpu_blocks == 8)
+        address = {"model_name": engine._core.address}
+        assert guest.metrics_registry.get_sample_value("asyncllm:prompt_tokens_total", address) == 4
+        assert guest.metrics_registry.get_sample_value("asyncllm:num_requests_running", address) is None
+        assert guest.metrics_registry.get_sample_value("asyncllm:num_preemptions_total", address) is None
+        assert guest.stats().num_preemptions_total == engine.stats().num_preemptions_total  # stats() shows it anyway
+    owner_labels = {"model_name": engine._observer.stats.model_name}
+    # the owner still reports the engine
+    assert engine.metrics_registry.get_sample_value("asyncllm:num_requests_running", owner_labels) == 0
+    owner_after = _scrape(engine)
+    assert owner_after["prompt_tokens_total"] == owner_before["prompt_tokens_total"]

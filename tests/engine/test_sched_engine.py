@@ -1,0 +1,143 @@
+"""Issue 3 end to end on a real engine: prefix caching with cache_salt, timeouts wherever the request
+is, admission control on the host and in the core, and KV-cache sizing errors at start."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import pytest_asyncio
+
+from asyncllm import AsyncEngine, ConfigError, EngineOverloadedError, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama: str):
+    engine = AsyncEngine(
+        tiny_llama, disable_log_stats=True, max_model_len=2048, max_num_seqs=1, max_num_batched_tokens=16,
+        max_num_queued_requests=2, max_num_queued_tokens=100,
+    )
+    async with engine:
+        yield engine
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def step_s(engine: AsyncEngine) -> float:
+    """Seconds per decode step on this machine now (timeouts below are multiples of it)."""
+    await engine.generate([5, 6, 7], GREEDY)
+    start = time.perf_counter()
+    await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    return (time.perf_counter() - start) / 40
+
+
+def _prompt(n: int, offset: int = 0) -> list[int]:
+    return [3 + (i * 7 + offset) % 500 for i in range(n)]
+
+
+async def _wait_for(engine: AsyncEngine, predicate, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate(engine.stats()):
+        assert time.monotonic() < deadline, f"engine state not reached: {engine.stats()}"
+        await asyncio.sleep(0.01)
+
+
+async def _wait_idle(engine: AsyncEngine) -> None:
+    await _wait_for(engine, lambda s: s.num_requests_running == s.num_requests_waiting == s.num_used_blocks == 0)
+
+
+async def _start_long(engine: AsyncEngine):
+    """A request that keeps the only seat (max_num_seqs=1) busy; returns its stream after the first token."""
+    stream = engine.stream([9, 10, 11], LONG)
+    await stream.__anext__()
+    return stream
+
+
+# ------------------------------------------------------------------ prefix caching and cache_salt
+async def test_a_second_identical_600_token_prompt_hits_the_prefix_cache(engine: AsyncEngine) -> None:
+    prompt = _prompt(600)
+
+    async def run(salt: str | None) -> tuple[list[int], int]:
+        before = engine.stats().prefix_cache_hits
+        out = await engine.generate(prompt, GREEDY, cache_salt=salt)
+        await _wait_idle(engine)
+        return out.token_ids, engine.stats().prefix_cache_hits - before
+
+    first, hits = await run(None)
+    assert hits == 0
+    second, hits = await run(None)
+    assert hits == 592 >= 576 and second == first  # 37 full blocks; the last token is always recomputed
+    salted, hits = await run("tenant-b")
+    assert hits == 0 and salted == first  # another salt never shares blocks
+    salted_again, hits = await run("tenant-b")
+    assert hits == 592 and salted_again == first
+
+
+# ------------------------------------------------------------------ timeouts
+async def test_a_request_times_out_while_waiting(engine: AsyncEngine, step_s: float) -> None:
+    long = await _start_long(engine)
+    out = await engine.generate([5, 6, 7], GREEDY, timeout=max(0.2, 20 * step_s))
+    assert (out.finish_reason, out.token_ids) == ("timeout", [])
+    await long.aclose()
+    await _wait_idle(engine)
+
+
+async def test_a_request_times_out_while_prefilling(engine: AsyncEngine, step_s: float) -> None:
+    """2000 prompt tokens at 16 per step: 125 prefill steps; the timeout comes after about 20."""
+    stream = engine.stream(_prompt(2000, offset=1), GREEDY, timeout=max(0.2, 20 * step_s))
+    first = asyncio.ensure_future(stream.__anext__())
+    await _wait_for(engine, lambda s: s.num_requests_running == 1 or first.done())
+    assert not first.done()  # admitted (running), no token yet: it is prefilling
+    delta = await first
+    assert (delta.finish_reason, delta.token_ids) == ("timeout", [])
+    await _wait_idle(engine)
+
+
+async def test_a_request_times_out_while_decoding(engine: AsyncEngine, step_s: float) -> None:
+    out = await engine.generate([5, 6, 7], LONG, timeout=max(0.5, 100 * step_s))
+    assert out.finish_reason == "timeout" and 0 < len(out.token_ids) < LONG.max_tokens
+    await _wait_idle(engine)
+
+
+# ------------------------------------------------------------------ admission control
+async def test_the_host_refuses_past_max_num_queued_requests_before_tokenizing(engine: AsyncEngine) -> None:
+    long = await _start_long(engine)
+    waiting = [asyncio.ensure_future(engine.generate([5, 6], GREEDY)) for _ in range(2)]
+    await asyncio.sleep(0)
+    started = time.perf_counter()
+    with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=2: about 2 requests"):
+        await engine.generate("never tokenized", GREEDY)
+    assert time.perf_counter() - started < 0.05  # refused on the event loop, no round trip
+    await long.aclose()
+    assert [len(o.token_ids) for o in await asyncio.gather(*waiting)] == [8, 8]
+    await _wait_idle(engine)
+
+
+async def test_the_core_refuses_past_max_num_queued_tokens(engine: AsyncEngine) -> None:
+    long = await _start_long(engine)
+    queued = asyncio.ensure_future(engine.generate(_prompt(80), GREEDY))
+    await _wait_for(engine, lambda s: s.num_requests_waiting == 1)
+    # 62 characters: the host estimates 15 tokens (80 + 15 <= 100); the tokenizer makes 58 of them
+    text = "zq xv kj wp zq xv kj wp zq xv kj wp zq xv kj wp zq xv kj wp zq"
+    with pytest.raises(EngineOverloadedError, match="80 tokens are already waiting and this prompt has 58") as info:
+        await engine.generate(text, GREEDY)
+    assert "about" not in str(info.value)  # the core's wording, not the host's estimate
+    await long.aclose()
+    assert len((await queued).token_ids) == 8
+    await _wait_idle(engine)
+
+
+# ------------------------------------------------------------------ KV sizing
+async def test_max_model_len_larger_than_the_kv_cache_fails_at_start(tiny_llama: str) -> None:
+    engine = AsyncEngine(tiny_llama, disable_log_stats=True, num_gpu_blocks_override=4, max_model_len=100)
+    with pytest.raises(ConfigError) as info:
+        await engine.start()
+    await engine.aclose()
+    assert info.value.field == "max_model_len"
+    assert "at most 64 tokens fit in the KV cache (4 blocks of 16)" in str(info.value)
+    assert "lower max_model_len" in str(info.value)

@@ -1,0 +1,29 @@
+"""One engine over the bundled tiny model, shared by every integration test on the session loop.
+
+Integration modules mark themselves ``pytest.mark.asyncio(loop_scope="session")``
+so they all reach this engine (an engine belongs to the loop it started on);
+that keeps the engine starts of tests/integrations to a handful.
+"""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+
+from asyncllm import AsyncEngine
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def bundled_engine():
+    engine = AsyncEngine(disable_log_stats=True, max_num_seqs=16)
+    async with engine:
+        yield engine
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer():
+    from transformers import AutoTokenizer
+
+    from asyncllm.bundled import bundled_model_path
+
+    return AutoTokenizer.from_pretrained(bundled_model_path())

@@ -1,0 +1,108 @@
+"""`asyncllm serve` / `asyncllm engine`: flags generated from EngineConfig, and a real `serve` run."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import fields
+
+import httpx
+import pytest
+
+from asyncllm import config as config_module
+from asyncllm.cli import _parser
+from asyncllm.cli_args import ENGINE_FLAG_FIELDS, add_engine_args, engine_kwargs
+
+
+def _all_config_fields() -> set[str]:
+    sections = [config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
+                config_module.ParallelConfig, config_module.MultiModalConfig, config_module.ObservabilityConfig,
+                config_module.LoRAConfig]
+    return {f.name for section in sections for f in fields(section)}
+
+
+def test_every_config_field_has_a_flag() -> None:
+    assert set(ENGINE_FLAG_FIELDS) == _all_config_fields() - {"model", "prometheus_registry"}
+    for command in ("serve", "engine"):
+        options = _subparser(command)._option_string_actions
+        for name in ENGINE_FLAG_FIELDS:
+            assert "--" + name.replace("_", "-") in options, (command, name)
+
+
+def test_flags_parse_to_config_kwargs() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-num-seqs", "3", "--no-enable-prefix-caching", "--max-model-len", "none",
+                              "--gpu-memory-utilization", "0.5", "--dtype", "float32", "--disable-log-stats",
+                              "--speculative-config", '{"k": 1}'])
+    assert engine_kwargs(args) == {"max_num_seqs": 3, "enable_prefix_caching": False, "max_model_len": None,
+                                   "gpu_memory_utilization": 0.5, "dtype": "float32", "disable_log_stats": True,
+                                   "speculative_config": {"k": 1}}
+    assert engine_kwargs(parser.parse_args([])) == {}  # unset flags keep EngineConfig's defaults
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--max-num-seqs", "many"])
+
+
+def test_help_comes_from_the_field_docstrings() -> None:
+    text = _subparser("serve").format_help()
+    assert "Most requests in one step. (default: 256)" in " ".join(text.split())
+
+
+def test_connect_refuses_core_flags(capsys) -> None:
+    from asyncllm.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--connect", "ipc:///tmp/x.sock", "--max-num-seqs", "4"])
+    assert exit_info.value.code == 2 and "max_num_seqs" in capsys.readouterr().err
+
+
+def _subparser(command: str) -> argparse.ArgumentParser:
+    actions = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return actions[0].choices[command]
+
+
+def test_serve_runs_the_bundled_model_on_localhost() -> None:
+    from asyncllm.procutil import free_tcp_port
+
+    port = free_tcp_port()
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "asyncllm", "serve", "--port", str(port),
+                             "--max-num-seqs", "4", "--disable-log-stats", "--log-level", "warning"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if httpx.get(base + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "asyncllm serve did not come up"
+            time.sleep(0.2)
+        models = httpx.get(base + "/v1/models").json()
+        completion = httpx.post(base + "/v1/completions", json={"model": "asyncllm-tiny", "prompt": "def ",
+                                                                "max_tokens": 3, "ignore_eos": True}).json()
+        assert [m["id"] for m in models["data"]] == ["asyncllm-tiny"]
+        assert completion["usage"]["completion_tokens"] == 3
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert f"http://127.0.0.1:{port}/v1" in stderr  # bound to localhost by default
+
+
+def test_cli_reference_lists_every_flag() -> None:
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
+    for name in ENGINE_FLAG_FIELDS:
+        assert f"`--{name.replace('_', '-')}`" in text, name
+    for command in ("serve", "engine"):
+        for action in _subparser(command)._actions:
+            for option in action.option_strings:
+                if option.startswith("--") and not option.startswith("--no-") and option != "--help":
+                    assert f"`{option}" in text, (command, option)

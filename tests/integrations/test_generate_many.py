@@ -1,0 +1,74 @@
+"""`AsyncEngine.generate_many`: input order, per-prompt params, progress bar, bounded concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from asyncllm import InvalidRequestError, SamplingParams
+from asyncllm.engine.batch import generate_many
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPTS = [f"value_{i} = " for i in range(9)]
+
+
+async def test_results_in_input_order(bundled_engine, capsys) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=5)
+    outputs = await bundled_engine.generate_many(PROMPTS, params, progress=True, max_concurrency=3)
+    singles = [await bundled_engine.generate(p, params) for p in PROMPTS]
+    assert [o.prompt for o in outputs] == PROMPTS
+    assert [o.token_ids for o in outputs] == [s.token_ids for s in singles]
+    assert "9/9" in capsys.readouterr().err  # tqdm's bar on stderr
+
+
+async def test_params_per_prompt(bundled_engine) -> None:
+    params = [SamplingParams(temperature=0.0, max_tokens=i + 1, ignore_eos=True) for i in range(3)]
+    outputs = await bundled_engine.generate_many(PROMPTS[:3], params)
+    assert [len(o.token_ids) for o in outputs] == [1, 2, 3]
+    with pytest.raises(InvalidRequestError, match="params"):
+        await bundled_engine.generate_many(PROMPTS[:3], params[:2])
+    with pytest.raises(InvalidRequestError, match="max_concurrency"):
+        await bundled_engine.generate_many(PROMPTS[:3], max_concurrency=0)
+
+
+class _CountingEngine:
+    """Records how many `generate` calls overlap; fails on the prompt "boom"."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(max_num_seqs=2)
+        self.in_flight = self.peak = 0
+        self.cancelled = 0
+
+    async def generate(self, prompt, params):
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            await asyncio.sleep(0.01 if prompt != "slow" else 10)
+            if prompt == "boom":
+                raise InvalidRequestError("prompt", "boom")
+            return SimpleNamespace(prompt=prompt)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        finally:
+            self.in_flight -= 1
+
+
+async def test_concurrency_is_bounded() -> None:
+    engine = _CountingEngine()
+    outputs = await generate_many(engine, [str(i) for i in range(20)])
+    assert [o.prompt for o in outputs] == [str(i) for i in range(20)]
+    assert engine.peak == 4  # default: 2 x max_num_seqs
+    engine.peak = 0
+    await generate_many(engine, [str(i) for i in range(20)], max_concurrency=3)
+    assert engine.peak == 3
+
+
+async def test_first_error_cancels_the_rest() -> None:
+    engine = _CountingEngine()
+    with pytest.raises(InvalidRequestError, match="boom"):
+        await generate_many(engine, ["slow", "boom", "slow"], max_concurrency=3)
+    assert engine.cancelled == 2 and engine.in_flight == 0

@@ -1,0 +1,252 @@
+"""The OpenAI-compatible app over httpx's ASGI transport: every route and every error status."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from asyncllm import EngineDeadError, EngineOverloadedError, InvalidRequestError, SamplingParams
+from asyncllm.integrations.openai_protocol import ServerLimits
+from asyncllm.integrations.openai_server import create_app
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+MODEL = "asyncllm-tiny"
+GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 6}
+
+
+def _client(app) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+@pytest.fixture(scope="module")
+def app(bundled_engine):
+    return create_app(bundled_engine, manage_engine=False)
+
+
+def _events(text: str) -> list:
+    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+async def test_models_health_metrics(app, bundled_engine) -> None:
+    async with _client(app) as client:
+        models = (await client.get("/v1/models")).json()
+        health = await client.get("/health")
+        metrics = await client.get("/metrics")
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_model_len"] == bundled_engine.config.max_model_len
+    assert (health.status_code, health.json()) == (200, {"status": "ok"})
+    assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
+    assert "asyncllm:num_requests_running" in metrics.text
+
+
+async def test_completion_matches_engine_and_usage_is_exact(app, bundled_engine, bundled_tokenizer) -> None:
+    prompt = "def add(a, b):"
+    expected = await bundled_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=6))
+    async with _client(app) as client:
+        body = (await client.post("/v1/completions", json={**GREEDY, "prompt": prompt})).json()
+    assert body["object"] == "text_completion" and body["model"] == MODEL
+    assert body["choices"] == [{"index": 0, "text": expected.text, "logprobs": None,
+                                "finish_reason": expected.finish_reason}]
+    prompt_tokens = len(bundled_tokenizer(prompt).input_ids)
+    completion_tokens = len(expected.token_ids)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens}
+
+
+async def test_completion_list_prompts_and_n(app, bundled_engine) -> None:
+    prompts = ["import os\n", "class A:"]
+    async with _client(app) as client:
+        body = (await client.post("/v1/completions", json={**GREEDY, "prompt": prompts, "n": 2})).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for i, prompt in enumerate(prompts):
+        expected = await bundled_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=6))
+        assert [c["text"] for c in body["choices"][2 * i: 2 * i + 2]] == [expected.text] * 2  # greedy samples agree
+
+
+async def test_completion_stream_equals_non_stream(app) -> None:
+    request = {**GREEDY, "prompt": "for i in range(", "max_tokens": 12}
+    async with _client(app) as client:
+        whole = (await client.post("/v1/completions", json=request)).json()
+        streamed = await client.post("/v1/completions", json={**request, "stream": True,
+                                                                "stream_options": {"include_usage": True}})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = _events(streamed.text)
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == whole["choices"][0]["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
+    assert all(e["usage"] is None for e in events[:-1])
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+
+
+async def test_chat_stream_and_not(app, bundled_engine) -> None:
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
+    expected = [d async for d in bundled_engine.chat([{"role": "user", "content": "hello"}],
+                                                      SamplingParams(temperature=0, max_tokens=8))]
+    text = "".join(d.text for d in expected)
+    request = {**GREEDY, "max_tokens": 8, "messages": messages}
+    async with _client(app) as client:
+        whole = (await client.post("/v1/chat/completions", json=request)).json()
+        streamed = await client.post("/v1/chat/completions", json={**request, "stream": True})
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": text}
+    events = _events(streamed.text)
+    assert {e["object"] for e in events} == {"chat.completion.chunk"}
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:]) == text
+    assert events[-1]["choices"][0]["finish_reason"] == expected[-1].finish_reason
+    assert "usage" not in events[0]
+
+
+async def test_stop_string_truncates(app) -> None:
+    request = {**GREEDY, "prompt": "def add(a, b):", "max_tokens": 16}
+    async with _client(app) as client:
+        text = (await client.post("/v1/completions", json=request)).json()["choices"][0]["text"]
+        stop = text[3:5]
+        stopped = (await client.post("/v1/completions", json={**request, "stop": [stop]})).json()
+    assert stopped["choices"][0]["text"] == text[: text.index(stop)]
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_completion_logprobs(app) -> None:
+    async with _client(app) as client:
+        body = (await client.post("/v1/completions", json={**GREEDY, "prompt": "x = ", "logprobs": 3})).json()
+    choice = body["choices"][0]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert len(logprobs["token_logprobs"]) == body["usage"]["completion_tokens"]
+    for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert len(top) == 3 and top[token] == logprob == max(top.values())  # greedy: the token is the top one
+    offsets = logprobs["text_offset"]
+    assert offsets == [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(len(offsets))]
+
+
+@pytest.mark.parametrize(("request_body", "param"), [
+    ({"prompt": "x", "foo": 1}, "foo"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "best_of": 3}, "best_of"),
+    ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": "<longer than max_model_len>"}, "prompt"),  # found when the engine tokenizes it
+    ({}, "prompt"),
+])
+async def test_invalid_completion_is_400_naming_the_field(app, bundled_engine, request_body, param) -> None:
+    if request_body.get("prompt") == "<longer than max_model_len>":
+        request_body = {"prompt": "x " * bundled_engine.config.max_model_len}
+    async with _client(app) as client:
+        response = await client.post("/v1/completions", json={"model": MODEL, **request_body})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["type"] == "invalid_request_error"
+    assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize(("request_body", "param"), [
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+])
+async def test_invalid_chat_is_400(app, request_body, param) -> None:
+    async with _client(app) as client:
+        response = await client.post("/v1/chat/completions", json={"model": MODEL, **request_body})
+    assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
+
+
+async def test_http_level_errors(app) -> None:
+    async with _client(app) as client:
+        wrong_model = await client.post("/v1/completions", json={**GREEDY, "model": "gpt-4", "prompt": "x"})
+        no_route = await client.get("/v1/nothing")
+        wrong_method = await client.get("/v1/completions")
+        bad_json = await client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert (wrong_model.status_code, wrong_model.json()["error"]["code"]) == (404, "model_not_found")
+    assert no_route.status_code == 404 and no_route.json()["error"]["type"] == "not_found_error"
+    assert wrong_method.status_code == 405
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["param"] == "body"
+
+
+async def test_body_size_and_limits(bundled_engine) -> None:
+    app = create_app(bundled_engine, manage_engine=False,
+                     limits=ServerLimits(max_body_bytes=200, max_n=2, max_tokens=4))
+    async with _client(app) as client:
+        too_big = await client.post("/v1/completions", json={**GREEDY, "prompt": "x" * 300})
+        too_many = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "n": 3})
+        too_long = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "max_tokens": 5})
+        capped = await client.post("/v1/chat/completions", json={"model": MODEL, "temperature": 0, "ignore_eos": True,
+                                                                   "messages": [{"role": "user", "content": "x"}]})
+    assert (too_big.status_code, too_big.json()["error"]["code"]) == (413, "request_too_large")
+    assert (too_many.status_code, too_many.json()["error"]["param"]) == (400, "n")
+    assert (too_long.status_code, too_long.json()["error"]["param"]) == (400, "max_tokens")
+    assert capped.json()["usage"]["completion_tokens"] == 4  # no max_tokens: the server's limit applies
+
+
+async def test_api_key(bundled_engine) -> None:
+    app = create_app(bundled_engine, manage_engine=False, api_key="sekret")
+    async with _client(app) as client:
+        missing = await client.get("/v1/models")
+        wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+        right = await client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
+        health = await client.get("/health")
+    assert (missing.status_code, missing.json()["error"]["code"]) == (401, "invalid_api_key")
+    assert wrong.status_code == 401 and right.status_code == 200 and health.status_code == 200
+
+
+class _FailingEngine:
+    """Stands in for an engine whose requests fail with `error` (overloaded, dead)."""
+
+    def __init__(self, error: Exception, alive: bool = True) -> None:
+        from asyncllm.config import EngineConfig
+
+        self.error, self.alive, self.started = error, alive, True
+        self.config = EngineConfig.create("fake", max_model_len=64)
+        self.metrics_registry = None
+
+    def stream(self, prompt, params):
+        return self._Stream(self.error)
+
+    chat = stream
+
+    def stats(self):
+        from asyncllm.outputs import EngineStats
+
+        return EngineStats(engine_alive=self.alive)
+
+    class _Stream:
+        def __init__(self, error: Exception) -> None:
+            self.error, self.collector = error, None
+
+        async def __anext__(self):
+            raise self.error
+
+        async def aclose(self) -> None:
+            pass
+
+
+@pytest.mark.parametrize(("error", "status", "kind"), [
+    (EngineOverloadedError("the queue is full"), 429, "rate_limit_error"),
+    (EngineDeadError("engine core exited"), 503, "server_error"),
+    (InvalidRequestError("prompt", "too long"), 400, "invalid_request_error"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_engine_errors_map_to_status(error, status, kind, stream) -> None:
+    app = create_app(_FailingEngine(error), model_name="fake", manage_engine=False)
+    async with _client(app) as client:
+        response = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": stream})
+    assert (response.status_code, response.json()["error"]["type"]) == (status, kind)
+    assert response.json()["error"]["message"] == str(error)
+    assert ("retry-after" in response.headers) == (status in (429, 503))
+
+
+async def test_health_and_metrics_of_a_dead_engine() -> None:
+    app = create_app(_FailingEngine(EngineDeadError("x"), alive=False), model_name="fake", manage_engine=False)
+    async with _client(app) as client:
+        health = await client.get("/health")
+        metrics = await client.get("/metrics")
+    assert (health.status_code, health.json()) == (503, {"status": "unavailable"})
+    assert metrics.status_code == 404

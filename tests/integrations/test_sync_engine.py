@@ -1,0 +1,88 @@
+"""`SyncEngine` from plain threads, from a running loop's thread pool, and as a sync iterator."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from transformers import AutoTokenizer
+
+from asyncllm import EngineDeadError, SamplingParams
+from asyncllm.integrations.sync import SyncEngine
+from hf_reference import hf_greedy
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = ["def main():", "import os\n", "class Config:", "for x in y:"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: str):
+    engine = SyncEngine(tiny_llama, disable_log_stats=True)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama: str) -> dict[str, list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    return {p: hf_greedy(tiny_llama, tokenizer(p).input_ids, 12) for p in PROMPTS}
+
+
+def test_generate_from_many_plain_threads(engine, expected) -> None:
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outputs = list(pool.map(lambda p: engine.generate(p, GREEDY), PROMPTS))
+    assert [o.token_ids for o in outputs] == [expected[p] for p in PROMPTS]
+
+
+def test_stream_is_a_sync_iterator(engine, expected) -> None:
+    deltas = list(engine.stream(PROMPTS[0], GREEDY))
+    assert [t for d in deltas for t in d.token_ids] == expected[PROMPTS[0]]
+    assert deltas[-1].finish_reason == "length"
+    assert "".join(d.text for d in deltas) == engine.generate(PROMPTS[0], GREEDY).text
+
+
+def test_leaving_a_stream_early_aborts(engine) -> None:
+    before = engine.stats().request_success_total.get("abort", 0)
+    for _ in engine.stream("x", SamplingParams(max_tokens=1000, ignore_eos=True)):
+        break  # the generator is closed here: its request is aborted
+    deadline = time.monotonic() + 5
+    while engine.stats().num_requests_running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().num_requests_running == 0
+    assert engine.stats().request_success_total.get("abort", 0) == before + 1
+
+
+def test_chat_and_generate_many(engine, expected) -> None:
+    reply = "".join(d.text for d in engine.chat([{"role": "user", "content": "hi"}], GREEDY))
+    assert isinstance(reply, str)
+    outputs = engine.generate_many(PROMPTS, GREEDY, max_concurrency=2)
+    assert [o.token_ids for o in outputs] == [expected[p] for p in PROMPTS]
+
+
+def test_from_a_running_loops_thread_pool(engine, expected) -> None:
+    async def handler() -> list[list[int]]:
+        loop = asyncio.get_running_loop()
+        calls = [loop.run_in_executor(None, engine.generate, p, GREEDY) for p in PROMPTS]
+        return [o.token_ids for o in await asyncio.gather(*calls)]
+
+    assert asyncio.run(handler()) == [expected[p] for p in PROMPTS]
+
+
+def test_calling_it_on_its_own_loop_is_refused(engine) -> None:
+    async def nested() -> None:
+        engine.generate("x", GREEDY)  # would wait for the loop it is blocking
+
+    with pytest.raises(RuntimeError, match="deadlock"):
+        engine.run(nested())
+
+
+def test_close_then_use(tiny_llama: str) -> None:
+    engine = SyncEngine(tiny_llama)  # never started: close is cheap and idempotent
+    engine.close()
+    engine.close()
+    with pytest.raises(EngineDeadError):
+        engine.generate("x")
+    assert not any(t.name == "asyncllm-sync-loop" and t is engine._thread for t in threading.enumerate())

@@ -1,0 +1,114 @@
+"""The unified Triton paged-attention kernel against `reference.paged_attention`
+(itself checked against float64 loops in tests/unit/test_reference_ops.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.kernels import reference
+from asyncllm.kernels.paged_attention import paged_attention
+from kernel_testing import ATTENTION_TOL, DEVICE, DTYPES, assert_close, randn, requires_gpu
+
+# (cached tokens, query tokens) per request: a decode, a chunk continuing a cached prefix,
+# a fresh prefill, a decode at position 1, a request with no query this step, a long decode
+MIXED_STEP = [(37, 1), (23, 7), (0, 19), (1, 1), (5, 0), (70, 1)]
+
+
+def _metadata(requests: list[tuple[int, int]], block_size: int, seed: int) -> AttentionMetadata:
+    """Each request's blocks drawn at random from the whole cache (block tables padded with 0)."""
+    per_req = [-(-(cached + new) // block_size) for cached, new in requests]
+    blocks = list(range(sum(per_req) + 2))
+    random.Random(seed).shuffle(blocks)
+    tables, start = [], 0
+    for n in per_req:
+        tables.append(blocks[start : start + n])
+        start += n
+    width = max(per_req)
+    query_start_loc = [0]
+    for _, new in requests:
+        query_start_loc.append(query_start_loc[-1] + new)
+    seq_lens = [cached + new for cached, new in requests]
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=DEVICE),  # the step's K/V are already cached
+        query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEVICE),
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+        block_size=block_size,
+    )
+
+
+def _check(
+    requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+    dtype: torch.dtype, sliding_window: int | None = None, tile_n: int | None = None,
+) -> None:
+    metadata = _metadata(requests, block_size, seed=num_heads * head_dim)
+    num_blocks = int(metadata.block_tables.max()) + 2
+    # the whole cache is random, so a read of a wrong block or slot changes the output
+    kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=1)
+    query = randn(metadata.query_start_loc_cpu[-1], num_heads, head_dim, dtype=dtype, seed=2)
+    scale = head_dim**-0.5
+    out = paged_attention(
+        query, kv_cache[0], kv_cache[1], metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+        scale, sliding_window, tile_n=tile_n,
+    )
+    expected = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window)
+    assert out.shape == query.shape and out.dtype == dtype
+    assert_close(out, expected, ATTENTION_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size",
+    [
+        (4, 4, 64, 16),  # multi-head attention
+        (8, 2, 128, 4),  # GQA 4:1, head dim 128, small blocks
+        (6, 2, 24, 8),  # 3 queries per KV head, head dim not a power of two
+        (2, 1, 16, 1),  # block size 1
+    ],
+)
+def test_mixed_prefill_and_decode(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype
+) -> None:
+    _check(MIXED_STEP, num_heads, num_kv_heads, head_dim, block_size, dtype, tile_n=16)
+
+
+@pytest.mark.parametrize("sliding_window", [1, 5, 64])
+def test_sliding_window(sliding_window: int) -> None:
+    _check(MIXED_STEP, 4, 2, 32, 4, torch.float32, sliding_window=sliding_window, tile_n=16)
+
+
+def test_decode_batch_only() -> None:
+    _check([(c, 1) for c in (0, 3, 16, 17, 40)], 4, 2, 64, 16, torch.float32)
+
+
+def test_launcher_rejects_bad_arguments() -> None:
+    md = _metadata([(3, 2)], 4, seed=0)
+    cache = randn(2, 4, 4, 2, 16, dtype=torch.float32, seed=3)
+    query = randn(2, 3, 16, dtype=torch.float32, seed=4)
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        paged_attention(query, cache[0], cache[1], md.query_start_loc, md.seq_lens, md.block_tables, 0.25)
+    with pytest.raises(ValueError, match="head dim"):
+        paged_attention(query[..., :8], cache[0], cache[1], md.query_start_loc, md.seq_lens, md.block_tables, 0.25)
+    with pytest.raises(ValueError, match="query_start_loc must be"):
+        paged_attention(query[:, :2], cache[0], cache[1], md.seq_lens, md.seq_lens, md.block_tables, 0.25)
+    with pytest.raises(ValueError, match="tile_n"):
+        paged_attention(query[:, :2], cache[0], cache[1], md.query_start_loc, md.seq_lens, md.block_tables, 0.25,
+                        tile_n=24)
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(16, 8), (32, 8)])  # Qwen3-0.6B, Llama-3.1-8B
+def test_real_shapes(num_heads: int, num_kv_heads: int, dtype: torch.dtype) -> None:
+    rng = random.Random(0)
+    requests = [(rng.randint(0, 2000), 1) for _ in range(48)]  # decodes
+    requests += [(rng.randint(0, 1500), rng.randint(100, 600)) for _ in range(6)]  # chunks over cached prefixes
+    requests += [(0, 1024), (0, 37)]  # fresh prefills
+    _check(requests, num_heads, num_kv_heads, 128, 16, dtype)

@@ -1,0 +1,57 @@
+"""The triton attention backend end to end in a model, and how it is selected.
+
+Tiny float32 Mistral (sliding window, head dim 24) and Qwen3 (per-head q/k
+norms) run chunked prefills mixed with decodes over a
+paged cache with every op on the Triton kernels; logits must match
+transformers' within the same 1e-4 as the torch_sdpa path (tests/unit/test_models.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_utils import PagedRun, hf_logits, save_tiny_checkpoint
+
+from asyncllm.attention.selector import get_attention_backend
+from asyncllm.attention.triton import TritonBackend
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError
+from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.registry import kv_cache_spec
+from kernel_testing import DEVICE
+
+ATOL = 1e-4
+SEQ_LENS = [8, 14, 20]
+CHUNKED = [[3, 6, 0], [2, 5, 9], [1, 1, 8], [1, 1, 1], [1, 1, 1], [0, 0, 1]]  # prefill chunks mixed with decodes
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen3"])  # Llama: test_triton_engine.py, through the engine
+def test_triton_model_logits_match_transformers(family: str, tmp_path) -> None:
+    hf_model = save_tiny_checkpoint(tmp_path, family, seed=len(family))
+    hf_config = load_hf_config(str(tmp_path))
+    config = EngineConfig.create(str(tmp_path), attention_backend="triton")
+    model = load_model(config, hf_config, DEVICE, torch.float32)
+    assert isinstance(model.model.layers[0].self_attn.attn.backend, TritonBackend)
+    spec = kv_cache_spec(hf_config, 1)
+    gen = torch.Generator().manual_seed(7)
+    sequences = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in SEQ_LENS]
+    run = PagedRun(model, sequences, block_size=4)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    for tokens, logits in zip(sequences, run.run(CHUNKED)):
+        expected = hf_logits(hf_model, tokens)
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+        assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_selector_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    assert get_attention_backend(None, cpu).name == "torch_sdpa"
+    assert get_attention_backend("torch_sdpa", cpu).name == "torch_sdpa"
+    with pytest.raises(ConfigError, match="bfloat16"):
+        get_attention_backend("triton", cpu, torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="CUDA device") as info:
+        get_attention_backend("triton", cpu, torch.float32)
+    assert info.value.field == "attention_backend"
+    with pytest.raises(ConfigError, match="pip install flash-attn"):
+        get_attention_backend("flash_attn", cpu)

@@ -1,0 +1,42 @@
+"""attention_backend in EngineConfig: a missing package is named, an installed unbuilt one is NotBuilt."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm import EngineConfig
+from asyncllm.attention import availability
+from asyncllm.errors import ConfigError, NotBuiltError
+
+
+def _pretend_installed(monkeypatch: pytest.MonkeyPatch, installed: set[str]) -> None:
+    monkeypatch.setattr(availability, "package_installed", lambda package: package in installed)
+
+
+@pytest.mark.parametrize("backend, pip_name", [("flashinfer", "flashinfer-python"), ("flash_attn", "flash-attn"),
+                                               ("triton", "triton")])
+def test_missing_package_is_named(monkeypatch: pytest.MonkeyPatch, backend: str, pip_name: str) -> None:
+    _pretend_installed(monkeypatch, set())
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create("m", attention_backend=backend)
+    assert not isinstance(info.value, NotBuiltError)
+    assert info.value.field == "attention_backend" and f"pip install {pip_name}" in str(info.value)
+
+
+@pytest.mark.parametrize("backend", ["flashinfer", "flash_attn"])
+def test_installed_but_unbuilt_backend(monkeypatch: pytest.MonkeyPatch, backend: str) -> None:
+    _pretend_installed(monkeypatch, {backend})
+    with pytest.raises(NotBuiltError, match=f"the {backend} attention backend is not built yet"):
+        EngineConfig.create("m", attention_backend=backend)
+
+
+def test_built_backends_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
+    _pretend_installed(monkeypatch, {"triton"})
+    assert EngineConfig.create("m", attention_backend="triton").attention_backend == "triton"
+    assert EngineConfig.create("m", attention_backend="torch_sdpa").attention_backend == "torch_sdpa"
+    with pytest.raises(ConfigError, match="one of"):
+        EngineConfig.create("m", attention_backend="xformers")
+
+
+def test_package_lookup_does_not_import() -> None:
+    assert availability.package_installed("json") and not availability.package_installed("no_such_pkg_xyz")

@@ -1,0 +1,69 @@
+"""The pieces of `asyncllm bench` that need no engine: requests, percentiles, the roofline's byte counts."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+from model_utils import save_tiny_checkpoint
+
+from asyncllm.bench.common import int_range
+from asyncllm.bench.report import percentile
+from asyncllm.bench.requests import sharegpt_like_requests, total_tokens, uniform_requests
+from asyncllm.bench.roofline import decode_roofline, model_bytes
+from asyncllm.config import EngineConfig
+from asyncllm.models.loader import load_hf_config, load_model
+
+
+def test_uniform_requests_are_seeded_and_in_range() -> None:
+    a = uniform_requests(50, (100, 1024), (5, 9), vocab_size=1000, seed=3)
+    assert a == uniform_requests(50, (100, 1024), (5, 9), vocab_size=1000, seed=3)
+    assert a != uniform_requests(50, (100, 1024), (5, 9), vocab_size=1000, seed=4)
+    assert all(100 <= len(r.prompt_token_ids) <= 1024 and 5 <= r.output_len <= 9 for r in a)
+    assert all(10 <= t < 1000 for r in a for t in r.prompt_token_ids)
+    assert total_tokens(a) == (sum(len(r.prompt_token_ids) for r in a), sum(r.output_len for r in a))
+
+
+def test_sharegpt_like_lengths_have_a_long_tail_and_respect_the_caps() -> None:
+    requests = sharegpt_like_requests(2000, vocab_size=500, seed=0, max_input_len=1024, max_output_len=512)
+    inputs = sorted(len(r.prompt_token_ids) for r in requests)
+    outputs = sorted(r.output_len for r in requests)
+    assert 150 < inputs[1000] < 260 and 110 < outputs[1000] < 200  # medians ~200 and ~150
+    assert inputs[-1] == 1024 and outputs[-1] == 512 and inputs[0] >= 4  # clipped tails
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(range(101), 99) == 99.0
+
+
+def test_int_range() -> None:
+    assert int_range("100,1024") == (100, 1024) and int_range("7:7") == (7, 7)
+    for bad in ("9,3", "0,4", "5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            int_range(bad)
+
+
+@pytest.mark.parametrize("family", ["llama_bias", "qwen2", "qwen3"])  # biases, tied embeddings, q/k norms
+def test_model_bytes_count_every_parameter_read_by_a_decode_step(family: str, tmp_path) -> None:
+    save_tiny_checkpoint(tmp_path, family)
+    hf_config = load_hf_config(str(tmp_path))
+    model = load_model(EngineConfig.create(str(tmp_path)), hf_config, torch.device("cpu"), torch.float32)
+    params = sum(p.numel() for p in model.parameters())
+    if not hf_config.tie_word_embeddings:  # only the batch's rows of a separate embedding table are read
+        params -= model.model.embed_tokens.weight.numel()
+    weight_bytes, kv_per_token = model_bytes(str(tmp_path), torch.float32)
+    assert weight_bytes == 4 * params
+    head_dim = getattr(hf_config, "head_dim", None) or 64 // 4
+    assert kv_per_token == 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim * 4
+
+
+def test_decode_roofline_arithmetic(tmp_path) -> None:
+    save_tiny_checkpoint(tmp_path, "llama")
+    weight_bytes, kv = model_bytes(str(tmp_path), torch.bfloat16)
+    line = decode_roofline(str(tmp_path), torch.bfloat16, bandwidth=1e12, decode_batch=4, mean_context=100)
+    assert line.output_tokens_per_s == pytest.approx(4 * 1e12 / (weight_bytes + 4 * 100 * kv))
+    assert line.fraction(line.output_tokens_per_s / 2) == pytest.approx(0.5)

@@ -1,0 +1,53 @@
+"""The host's early admission check: estimates from the core's latest stats plus its own submissions."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm.engine.admission import HostAdmission, estimate_prompt_tokens
+from asyncllm.errors import EngineOverloadedError
+from asyncllm.protocol import SchedulerStats
+
+
+def test_prompt_token_estimates():
+    assert estimate_prompt_tokens([5, 6, 7], chat=False) == 3
+    assert estimate_prompt_tokens("x" * 41, chat=False) == 10
+    messages = [{"role": "system", "content": "a" * 20}, {"role": "user", "content": "b" * 21}]
+    assert estimate_prompt_tokens(messages, chat=True) == 10
+
+
+def test_disabled_admission_counts_nothing():
+    admission = HostAdmission(None, None)
+    for _ in range(100):
+        admission.admit(SchedulerStats(num_requests_waiting=10**6), "hi", chat=False)
+    assert not admission.enabled
+
+
+def test_submissions_count_until_the_next_snapshot():
+    admission = HostAdmission(max_num_queued_requests=3, max_num_queued_tokens=None)
+    stats = SchedulerStats(num_requests_waiting=1)
+    admission.admit(stats, "a", chat=False)
+    admission.admit(stats, "b", chat=False)  # 1 waiting + 1 submitted < 3
+    with pytest.raises(EngineOverloadedError, match="max_num_queued_requests=3: about 3 requests"):
+        admission.admit(stats, "c", chat=False)
+    admission.admit(SchedulerStats(num_requests_waiting=2), "c", chat=False)  # a new snapshot: counts restart
+    with pytest.raises(EngineOverloadedError):
+        admission.admit(SchedulerStats(num_requests_waiting=3), "d", chat=False)
+
+
+def test_n_samples_count_as_n_requests():
+    admission = HostAdmission(max_num_queued_requests=4, max_num_queued_tokens=None)
+    stats = SchedulerStats()
+    admission.admit(stats, "a", chat=False, num_samples=3)
+    admission.admit(stats, "b", chat=False)  # 3 < 4
+    with pytest.raises(EngineOverloadedError, match="about 4 requests"):
+        admission.admit(stats, "c", chat=False)
+
+
+def test_token_limit_accepts_any_prompt_on_an_empty_queue():
+    admission = HostAdmission(max_num_queued_requests=None, max_num_queued_tokens=100)
+    admission.admit(SchedulerStats(), [1] * 500, chat=False)  # nothing queued: accepted (the core agrees)
+    stats = SchedulerStats(num_waiting_tokens=60)
+    admission.admit(stats, "x" * 160, chat=False)  # 60 + 40 = 100: fits
+    with pytest.raises(EngineOverloadedError, match="about 100 tokens are already waiting and this prompt has about 1"):
+        admission.admit(stats, "abcd", chat=False)

@@ -1,0 +1,207 @@
+"""Logits processors and logprobs against transformers' processors and the OpenAI formula.
+
+Each test runs the worker's code path (`SamplingMetadata.from_params` ->
+`apply_logits_processors` / `Sampler`) on the same random logits as the
+reference and compares: exact where the operations are the same (masks,
+additions), within 1e-6 where float rounding may differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+from asyncllm.workers.logits_processors import (
+    PenaltyTables,
+    RowLogitsParams,
+    apply_logits_processors,
+    build_logits_processors_metadata,
+)
+from asyncllm.workers.sampler import Sampler, SamplingMetadata, apply_min_p, apply_top_k_top_p
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from asyncllm.sampling import SamplingParams
+
+CPU = torch.device("cpu")
+VOCAB = 50
+
+
+def random_logits(rows: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def processed(logits: torch.Tensor, params: list[SamplingParams], prompts: list[list[int]],
+              outputs: list[list[int]], eos: tuple[int, ...] = ()) -> torch.Tensor:
+    """The worker's logits after logit_bias, min_tokens and penalties."""
+    meta = SamplingMetadata.from_params(params, [0] * len(params), CPU, prompts, outputs, eos)
+    out = logits.clone()
+    assert meta.logits_processors is not None
+    apply_logits_processors(out, meta.logits_processors, PenaltyTables(CPU))
+    return out
+
+
+def openai_penalties(logits: torch.Tensor, outputs: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """mu[j] - c[j] * frequency - (c[j] > 0) * presence (the OpenAI API reference)."""
+    counts = np.bincount(outputs, minlength=VOCAB)
+    expected = logits.clone()
+    for j in range(VOCAB):
+        expected[j] -= counts[j] * frequency + float(counts[j] > 0) * presence
+    return expected
+
+
+# ------------------------------------------------------------------ penalties
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_matches_transformers(penalty: float) -> None:
+    logits = random_logits(3)
+    prompts = [random_ids(12, 1), random_ids(5, 2), random_ids(1, 3)]
+    outputs = [random_ids(7, 4), [], random_ids(20, 5)]
+    got = processed(logits, [SamplingParams(repetition_penalty=penalty)] * 3, prompts, outputs)
+    hf = RepetitionPenaltyLogitsProcessor(penalty)
+    for i in range(3):
+        input_ids = torch.tensor([prompts[i] + outputs[i]])
+        torch.testing.assert_close(got[i], hf(input_ids, logits[i : i + 1].clone())[0], rtol=0, atol=1e-6)
+    assert not torch.equal(got, logits)
+
+
+def test_presence_and_frequency_penalties_match_the_openai_formula() -> None:
+    logits = random_logits(3, seed=1)
+    prompts = [random_ids(9, 6), random_ids(9, 7), random_ids(9, 8)]
+    outputs = [random_ids(30, 8), random_ids(3, 9), random_ids(5, 10)]
+    params = [SamplingParams(presence_penalty=0.8, frequency_penalty=0.3), SamplingParams(),
+              SamplingParams(presence_penalty=-1.5, frequency_penalty=2.0)]
+    got = processed(logits, params, prompts, outputs)
+    for i, p in enumerate(params):  # prompt tokens do not count for these two
+        expected = openai_penalties(logits[i], outputs[i], p.presence_penalty, p.frequency_penalty)
+        torch.testing.assert_close(got[i], expected, rtol=0, atol=1e-5)
+    assert torch.equal(got[1], logits[1])  # a row without penalties in a penalized batch
+
+
+def test_all_penalties_together_compose_in_vllm_order() -> None:
+    logits = random_logits(1, seed=2)
+    prompt, output = random_ids(10, 10), random_ids(15, 11)
+    params = SamplingParams(repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.25)
+    got = processed(logits, [params], [prompt], [output])
+    repeated = RepetitionPenaltyLogitsProcessor(1.2)(torch.tensor([prompt + output]), logits.clone())[0]
+    torch.testing.assert_close(got[0], openai_penalties(repeated, output, 0.5, 0.25), rtol=0, atol=1e-5)
+
+
+def test_penalty_counts_are_kept_incrementally_across_steps() -> None:
+    """The sampler's tables, initialised once and updated with each sampled token, equal a recount."""
+    sampler = Sampler(0, CPU)
+    prompt = random_ids(6, 12)
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.2, repetition_penalty=1.1)
+    row = _Row(row=5, token_ids=list(prompt), num_prompt_tokens=len(prompt),
+               logits_params=RowLogitsParams.from_params(params, ()))
+    for step in range(12):
+        logits = random_logits(1, seed=100 + step)
+        outputs = row.token_ids[len(prompt):]
+        repeated = RepetitionPenaltyLogitsProcessor(1.1)(torch.tensor([row.token_ids]), logits.clone())[0]
+        expected = openai_penalties(repeated, outputs, 0.2, 0.7)
+        processors = build_logits_processors_metadata([row], CPU)
+        assert processors is not None and processors.penalties is not None
+        assert len(processors.penalties.fresh) == (1 if step == 0 else 0)  # later steps only record
+        meta = SamplingMetadata.from_arrays(np.zeros(1, np.float32), np.zeros(1, np.int64), np.ones(1, np.float32),
+                                            np.zeros(1, np.float32), [None], [0], CPU, processors)
+        token = sampler(logits, meta).sampled_token_ids.item()
+        assert token == int(expected.argmax())
+        row.token_ids.append(token)
+    counts = sampler.penalty_tables.output_counts
+    assert counts is not None and counts.shape[0] >= 6
+    assert counts[5].tolist() == np.bincount(row.token_ids[len(prompt):], minlength=VOCAB).tolist()
+    assert len(set(row.token_ids[len(prompt):])) > 3  # the penalties moved the argmax around
+
+
+@dataclass
+class _Row:
+    row: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    logits_params: RowLogitsParams | None
+
+
+# ------------------------------------------------------------------ logit_bias, min_tokens, min_p, top-k/top-p
+def test_logit_bias_matches_sequence_bias() -> None:
+    logits = random_logits(2, seed=3)
+    bias = {3: 2.5, 17: -100.0, 49: 0.125}
+    got = processed(logits, [SamplingParams(logit_bias=bias), SamplingParams()], [[1], [1]], [[], []])
+    hf = SequenceBiasLogitsProcessor([[[t], b] for t, b in bias.items()])
+    assert torch.equal(got[0], hf(torch.tensor([[1]]), logits[:1].clone())[0])
+    assert torch.equal(got[1], logits[1])
+
+
+def test_min_tokens_matches_min_new_tokens_and_masks_stop_token_ids() -> None:
+    logits = random_logits(3, seed=4)
+    eos = (7, 9)
+    params = [SamplingParams(min_tokens=4), SamplingParams(min_tokens=4, stop_token_ids=[2]),
+              SamplingParams(min_tokens=4, ignore_eos=True, stop_token_ids=[2])]
+    prompt = random_ids(5, 13)
+    got = processed(logits, params, [prompt] * 3, [[1, 1, 1]] * 3, eos)  # 3 outputs < 4: masked
+    hf = MinNewTokensLengthLogitsProcessor(len(prompt), 4, list(eos))
+    assert torch.equal(got[0], hf(torch.tensor([prompt + [1, 1, 1]]), logits[:1].clone())[0])
+    inf = float("-inf")
+    assert got[1, [2, 7, 9]].tolist() == [inf] * 3 and got[2, 2] == inf and got[2, [7, 9]].tolist() == logits[2, [7, 9]].tolist()
+    reached = SamplingMetadata.from_params(params, [0] * 3, CPU, [prompt] * 3, [[1] * 4] * 3, eos)
+    assert reached.logits_processors is None  # nothing left to do once min_tokens outputs exist
+
+
+def test_min_p_matches_transformers() -> None:
+    logits = random_logits(4, seed=5)
+    min_p = torch.tensor([0.05, 0.2, 0.5, 0.9])
+    got = apply_min_p(logits, min_p)
+    for i in range(4):
+        expected = MinPLogitsWarper(float(min_p[i]))(torch.tensor([[0]]), logits[i : i + 1].clone())[0]
+        assert torch.equal(got[i], expected)
+
+
+def test_top_k_and_top_p_match_transformers() -> None:
+    logits = random_logits(2, seed=6)
+    got_k = apply_top_k_top_p(logits, torch.tensor([5, 12]), None)
+    got_p = apply_top_k_top_p(logits, None, torch.tensor([0.3, 0.9]))
+    for i, (k, p) in enumerate([(5, 0.3), (12, 0.9)]):
+        ids = torch.tensor([[0]])
+        assert torch.equal(got_k[i], TopKLogitsWarper(k)(ids, logits[i : i + 1].clone())[0])
+        assert torch.equal(got_p[i].isinf(), TopPLogitsWarper(p)(ids, logits[i : i + 1].clone())[0].isinf())
+
+
+def test_greedy_rows_get_processors_too() -> None:
+    logits = random_logits(2, seed=7)
+    target = int(logits[0].argmin())
+    params = [SamplingParams(temperature=0.0, logit_bias={target: 100.0}), SamplingParams(temperature=0.0)]
+    tokens = Sampler(0, CPU)(logits.clone(), SamplingMetadata.from_params(params, [0, 0], CPU)).sampled_token_ids
+    assert tokens.tolist() == [target, int(logits[1].argmax())]
+
+
+# ------------------------------------------------------------------ logprobs
+def test_logprobs_are_raw_log_softmax_with_ranks_and_top_n() -> None:
+    logits = random_logits(3, seed=8)
+    params = [SamplingParams(temperature=0.8, logprobs=4, seed=1, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=0, logit_bias={0: 100.0})]
+    meta = SamplingMetadata.from_params(params, [5, 5, 5], CPU, [[0, 1]] * 3, [[2]] * 3)
+    out = Sampler(0, CPU)(logits.clone(), meta)
+    reference = logits.log_softmax(-1)  # before bias, penalties and temperature
+    assert out.logprobs is not None and len(out.logprobs) == 2
+    for arrays, row in zip(out.logprobs, (0, 2)):
+        ids = np.frombuffer(arrays.token_ids, "<i4").reshape(-1, arrays.width)
+        values = np.frombuffer(arrays.logprobs, "<f4").reshape(-1, arrays.width)
+        rank = int(np.frombuffer(arrays.ranks, "<i4")[0])
+        token = int(out.sampled_token_ids[row])
+        assert ids[0, 0] == token and values[0, 0] == pytest.approx(float(reference[row, token]), abs=1e-6)
+        assert rank == int((reference[row] >= reference[row, token]).sum())
+        top = reference[row].topk(arrays.width - 1)
+        assert ids[0, 1:].tolist() == top.indices.tolist()
+        np.testing.assert_allclose(values[0, 1:], top.values.numpy(), atol=1e-6)
+    assert out.logprobs[0].width == 5 and out.logprobs[1].width == 1
+    assert int(out.sampled_token_ids[2]) == 0

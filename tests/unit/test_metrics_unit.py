@@ -1,0 +1,201 @@
+"""Host-side stats, the Prometheus collector, request timing and the stats line, without an engine."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+
+import prometheus_client
+import pytest
+from prometheus_client import CollectorRegistry
+
+from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.stats_log import StatsLogger
+from asyncllm.metrics.host_stats import Histogram, HostStats
+from asyncllm.metrics.observer import RequestObserver
+from asyncllm.metrics.prometheus import attach
+from asyncllm.metrics.request_timing import apply_events
+from asyncllm.outputs import EngineStats, RequestMetrics, StreamDelta
+from asyncllm.protocol import EngineCoreEvent, EngineCoreEventType, RequestOutputDelta, SchedulerStats
+
+QUEUED, SCHEDULED, PREEMPTED = EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED, EngineCoreEventType.PREEMPTED
+
+
+def test_histogram_buckets_are_le_inclusive() -> None:
+    h = Histogram([0.1, 1.0])
+    for value in (0.05, 0.1, 0.5, 1.0, 3.0):
+        h.observe(value)
+    assert h.counts == [2, 2, 1] and h.count == 5 and h.sum == pytest.approx(4.65)
+
+
+def test_events_fill_request_metrics() -> None:
+    m = RequestMetrics(arrival_time=10.0)
+    apply_events(m, [EngineCoreEvent(QUEUED, 10.5), EngineCoreEvent(SCHEDULED, 11.0)])
+    apply_events(m, [EngineCoreEvent(PREEMPTED, 12.0), EngineCoreEvent(SCHEDULED, 13.0)])
+    m.first_token_time, m.last_token_time, m.finished_time = 11.25, 14.0, 14.0
+    assert (m.queued_time, m.first_scheduled_time, m.num_preemptions) == (10.5, 11.0, 1)
+    assert (m.queue_time, m.prefill_time, m.decode_time, m.inference_time) == (0.5, 0.25, 2.75, 3.0)
+    assert (m.time_to_first_token, m.e2e_latency) == (1.25, 4.0)
+
+
+def _collector(request_id: str, prompt_len: int, arrival: float) -> RequestCollector:
+    collector = RequestCollector(request_id, arrival)
+    collector.prompt_token_ids = [1] * prompt_len
+    return collector
+
+
+def _feed(observer: RequestObserver, collector: RequestCollector, times: list[float], reason: str) -> None:
+    """Deliver one token per time, the way the processor does (it sets first_token/finished times first)."""
+    metrics = collector.metrics
+    for i, now in enumerate(times):
+        last = i == len(times) - 1
+        events = None
+        if i == 0:
+            arrival = metrics.arrival_time
+            events = [EngineCoreEvent(QUEUED, arrival), EngineCoreEvent(SCHEDULED, arrival + 0.5)]
+        out = RequestOutputDelta(collector.request_id, [7], reason if last else None, events=events)
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.num_generated_tokens += 1
+        if last:
+            metrics.finished_time = now
+        observer.on_output(collector, out, StreamDelta(0, "x", [7], reason if last else None), now)
+
+
+def test_observer_counts_tokens_requests_and_histograms() -> None:
+    observer = RequestObserver("m")
+    a, b = _collector("a", 5, 100.0), _collector("b", 3, 100.0)
+    _feed(observer, a, [101.0, 101.5, 102.0], "length")
+    _feed(observer, b, [101.0, 103.0], "stop")
+    observer.on_aborted(_collector("c", 4, 100.0), 104.0)
+    observer.on_scheduler_stats(SchedulerStats(num_requests_running=2, num_gpu_blocks=10, num_used_blocks=4,
+                                               num_preemptions_total=3, prefix_cache_queries=8, prefix_cache_hits=4),
+                                reporter=True)
+    assert observer.stats.reports_engine
+    s = observer.stats
+    assert (s.prompt_tokens_total, s.generation_tokens_total) == (8, 5)
+    assert s.request_success == {"stop": 1, "length": 1, "abort": 1}
+    assert (s.time_to_first_token.count, s.time_to_first_token.sum) == (2, 2.0)
+    assert (s.inter_token_latency.count, s.inter_token_latency.sum) == (3, 3.0)
+    assert (s.e2e_request_latency.count, s.e2e_request_latency.sum) == (2, 5.0)  # the aborted one is not observed
+    assert (s.request_queue_time.sum, s.request_prefill_time.sum, s.request_decode_time.sum) == (1.0, 1.0, 3.0)
+    assert (s.request_prompt_tokens.sum, s.request_generation_tokens.sum) == (8, 5)
+    snap = observer.stats.snapshot()
+    assert (snap.num_requests_running, snap.kv_cache_usage, snap.num_preemptions_total) == (2, 0.4, 3)
+    assert snap.request_success_total == {"stop": 1, "length": 1, "abort": 1} and snap.prefix_cache_hit_rate == 0.5
+
+
+def test_samples_of_one_request_count_tokens_and_reasons_each_and_latencies_once() -> None:
+    observer = RequestObserver("m")
+    collector = _collector("r", 4, 100.0)
+    metrics = collector.metrics
+    for now, reasons in ((101.0, (None, None)), (102.0, ("stop", None)), (103.0, (None, "length"))):
+        for index, reason in enumerate(reasons):
+            if reason is None and now == 103.0:
+                continue  # sample 0 already finished
+            metrics.first_token_time = metrics.first_token_time or now
+            metrics.num_generated_tokens += 1
+            if reason == "length":  # the processor stamps the request's end at its last sample
+                metrics.finished_time = now
+            observer.on_output(collector, RequestOutputDelta(f"r-{index}", [7], reason),
+                               StreamDelta(index, "x", [7], reason), now)
+    s = observer.stats
+    assert (s.prompt_tokens_total, s.generation_tokens_total) == (4, 5)
+    assert (s.request_success["stop"], s.request_success["length"]) == (1, 1)
+    assert (s.inter_token_latency.count, s.inter_token_latency.sum) == (2, 2.0)  # once per step, not per sample
+    assert (s.e2e_request_latency.count, s.request_generation_tokens.sum) == (1, 5)
+
+
+def test_private_registry_exports_the_series_and_never_the_global_one() -> None:
+    observer = RequestObserver("my-model")
+    observer.stats.reports_engine = True
+    _feed(observer, _collector("a", 5, 100.0), [100.25, 100.5], "stop")
+    reg, labels = observer.registry, {"model_name": "my-model"}
+    assert reg.get_sample_value("asyncllm:prompt_tokens_total", labels) == 5
+    assert reg.get_sample_value("asyncllm:generation_tokens_total", labels) == 2
+    assert reg.get_sample_value("asyncllm:request_success_total", {**labels, "finished_reason": "stop"}) == 1
+    assert reg.get_sample_value("asyncllm:request_success_total", {**labels, "finished_reason": "abort"}) == 0
+    assert reg.get_sample_value("asyncllm:time_to_first_token_seconds_bucket", {**labels, "le": "0.2"}) is None
+    assert reg.get_sample_value("asyncllm:time_to_first_token_seconds_bucket", {**labels, "le": "0.1"}) == 0
+    assert reg.get_sample_value("asyncllm:time_to_first_token_seconds_bucket", {**labels, "le": "0.25"}) == 1
+    assert reg.get_sample_value("asyncllm:inter_token_latency_seconds_count", labels) == 1
+    assert reg.get_sample_value("asyncllm:num_requests_running", labels) == 0
+    names = {m.name for m in prometheus_client.REGISTRY.collect()}
+    assert not any(name.startswith("asyncllm:") for name in names)
+
+
+def test_engines_sharing_a_registry_sum_per_model_and_engine_series_come_from_the_owner() -> None:
+    reg = CollectorRegistry()
+    owner, guest, other = HostStats("m"), HostStats("m"), HostStats("n")
+    owner.reports_engine, other.reports_engine = True, True
+    for stats, running in ((owner, 2), (guest, 5), (other, 1)):
+        attach(stats, reg)
+        stats.scheduler = SchedulerStats(num_requests_running=running, num_gpu_blocks=10, num_used_blocks=running)
+        stats.prompt_tokens_total = 10 * running
+    # the guest does not export engine-wide series; each host exports its own requests
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "m"}) == 2
+    assert reg.get_sample_value("asyncllm:kv_cache_usage_perc", {"model_name": "m"}) == 0.2
+    assert reg.get_sample_value("asyncllm:prompt_tokens_total", {"model_name": "m"}) == 70  # each host its own requests
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "n"}) == 1
+    twin = HostStats("n")
+    twin.reports_engine = True
+    twin.scheduler = SchedulerStats(num_requests_running=3, num_gpu_blocks=30, num_used_blocks=3)
+    attach(twin, reg)
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "n"}) == 4
+    assert reg.get_sample_value("asyncllm:kv_cache_usage_perc", {"model_name": "n"}) == 0.1  # 4 of 40 blocks
+    del twin
+    gc.collect()
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "n"}) == 1  # a dropped engine drops out
+
+
+def test_mark_closed_zeroes_the_gauges_and_stops_reporting_the_engine() -> None:
+    stats = HostStats("m")
+    reg = attach(stats, None)
+    stats.reports_engine = True
+    stats.scheduler = SchedulerStats(num_requests_running=2, num_gpu_blocks=10, num_used_blocks=5,
+                                     num_preemptions_total=4)
+    assert reg.get_sample_value("asyncllm:num_preemptions_total", {"model_name": "m"}) == 4
+    stats.mark_closed()
+    snap = stats.snapshot(engine_alive=False)
+    assert (snap.num_requests_running, snap.num_used_blocks, snap.num_preemptions_total) == (0, 0, 4)
+    assert not snap.engine_alive
+    assert reg.get_sample_value("asyncllm:num_preemptions_total", {"model_name": "m"}) is None
+
+
+def test_stats_line_format_and_quiet_when_idle() -> None:
+    prev = EngineStats(num_gpu_blocks=100, prompt_tokens_total=100, generation_tokens_total=50,
+                       prefix_cache_queries=40, prefix_cache_hits=10)
+    cur = EngineStats(num_requests_running=3, num_requests_waiting=1, num_gpu_blocks=100, num_used_blocks=25,
+                      kv_cache_usage=0.25, num_preemptions_total=2, prompt_tokens_total=300,
+                      generation_tokens_total=150, prefix_cache_queries=80, prefix_cache_hits=30)
+    assert StatsLogger.format_line(prev, cur, 10.0) == (
+        "Avg prompt throughput: 20.0 tokens/s, Avg generation throughput: 10.0 tokens/s, Running: 3 reqs, "
+        "Waiting: 1 reqs, Preemptions: 2, KV cache usage: 25.0%, Prefix cache hit rate: 50.0%"
+    )
+    assert StatsLogger.format_line(EngineStats(), EngineStats(num_gpu_blocks=100), 10.0) is None
+
+
+def test_without_opentelemetry_tracing_is_a_none_check() -> None:
+    code = (
+        "import sys; sys.modules['opentelemetry'] = None\n"  # makes `import opentelemetry...` raise ImportError
+        "from asyncllm.metrics.observer import RequestObserver\n"
+        "from asyncllm.metrics.tracing import capture_context, tracing_available\n"
+        "assert not tracing_available() and capture_context() is None\n"
+        "assert RequestObserver('m')._tracer is None\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_grafana_dashboard_uses_only_exported_series() -> None:
+    import pathlib
+    import re
+
+    dashboard = pathlib.Path(__file__).resolve().parents[2] / "examples" / "grafana_dashboard.json"
+    used = set(re.findall(r"asyncllm:[a-z0-9_]+", dashboard.read_text()))
+    observer = RequestObserver("m")
+    observer.stats.reports_engine = True
+    registry = observer.registry
+    exported = {sample.name for family in registry.collect() for sample in family.samples}
+    exported |= {family.name + suffix for family in registry.collect() for suffix in ("", "_total")}
+    assert used and used <= exported, used - exported

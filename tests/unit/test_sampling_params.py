@@ -1,0 +1,73 @@
+"""`SamplingParams`: every field validated with an error naming it; n > 1 fan-out parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from asyncllm import InvalidRequestError, RequestOutputKind, SamplingParams
+from asyncllm.engine.processor import sample_request_ids
+from asyncllm.sampling import MAX_LOGPROBS, sample_seed
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("n", 0), ("n", 1.5), ("temperature", -0.1), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
+        ("seed", -1), ("max_tokens", 0), ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]),
+        ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", "1"),
+        ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")), ("repetition_penalty", float("nan")),
+        ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: "x"}), ("logit_bias", [1.0]),
+        ("logit_bias", {"abc": 1.0}), ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", True),
+        ("prompt_logprobs", 21), ("output_kind", "sometimes"), ("output_kind", 5), ("skip_special_tokens", 1),
+    ],
+)
+def test_each_bad_value_names_its_field(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value}).validate()
+    assert info.value.field == field
+
+
+def test_min_tokens_above_max_tokens_names_min_tokens() -> None:
+    with pytest.raises(InvalidRequestError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=4).validate()
+
+
+def test_defaults_are_vllms_and_valid() -> None:
+    p = SamplingParams()
+    p.validate()
+    assert (p.n, p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1, 0.0, 0.0, 1.0)
+    assert (p.logit_bias, p.logprobs, p.prompt_logprobs, p.output_kind) == (None, None, None, RequestOutputKind.DELTA)
+
+
+def test_convenient_spellings_are_normalised() -> None:
+    p = SamplingParams(logit_bias={"17": 5, 3: -1.5}, output_kind="final_only", stop="x")
+    p.validate()
+    assert p.logit_bias == {17: 5, 3: -1.5} and p.output_kind is RequestOutputKind.FINAL_ONLY and p.stop == ["x"]
+    assert SamplingParams(output_kind=0).output_kind is RequestOutputKind.CUMULATIVE
+
+
+def test_round_trips_the_wire_with_every_new_field() -> None:
+    p = SamplingParams(n=3, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                       logit_bias={5: 2.0}, logprobs=3, prompt_logprobs=0, output_kind=RequestOutputKind.CUMULATIVE)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
+
+
+def test_check_vocab_names_logit_bias() -> None:
+    SamplingParams(logit_bias={99: 1.0}).check_vocab(100)
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(logit_bias={100: 1.0}).check_vocab(100)
+    assert info.value.field == "logit_bias"
+
+
+def test_samples_of_an_n_request() -> None:
+    p = SamplingParams(n=3, seed=42, prompt_logprobs=2, logprobs=1)
+    samples = [p.for_sample(i) for i in range(3)]
+    assert [s.n for s in samples] == [1, 1, 1] and [s.logprobs for s in samples] == [1, 1, 1]
+    assert [s.prompt_logprobs for s in samples] == [2, None, None]  # computed once, by sample 0
+    assert samples[0].seed == 42 and len({s.seed for s in samples}) == 3
+    assert sample_seed(42, 1) != sample_seed(43, 0) and sample_seed(42, 1) == samples[1].seed
+    assert SamplingParams(n=2).for_sample(1).seed is None
+    assert sample_request_ids("abc", 1) == ["abc"] and sample_request_ids("abc", 3) == ["abc-0", "abc-1", "abc-2"]

@@ -1,0 +1,279 @@
+"""Logits processors that change which token wins: logit_bias, min_tokens, penalties.
+
+They run on the raw logits of a step, before temperature and the top-k /
+top-p / min-p filters, in vLLM's order: logit_bias, then the min_tokens mask
+(EOS and stop_token_ids set to -inf until enough tokens exist), then the
+repetition, frequency and presence penalties. Greedy rows get them too.
+
+Vectorised over the batch. What a request needs is precomputed once when the
+worker learns about it (`RowLogitsParams`); each step gathers the sampling
+rows that need anything into a few index tensors (`LogitsProcessorsMetadata`).
+Penalties need token statistics: `PenaltyTables` keeps, per input-batch row,
+a prompt-token mask and output-token counts on the device, initialised the
+first time the row samples and then updated with each sampled token, so no
+step recounts a sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from asyncllm.sampling import SamplingParams
+
+__all__ = [
+    "LogitsProcessorsMetadata",
+    "PenaltyMetadata",
+    "PenaltyTables",
+    "RowLogitsParams",
+    "apply_logit_bias",
+    "apply_logits_processors",
+    "apply_min_tokens",
+    "apply_penalties",
+    "build_logits_processors_metadata",
+]
+
+
+@dataclass
+class RowLogitsParams:
+    """One request's logits-processor settings, precomputed when its row is added."""
+
+    bias_token_ids: np.ndarray | None
+    """int64 token ids of logit_bias (None without it)."""
+    bias_values: np.ndarray | None
+    """float32 biases, aligned with ``bias_token_ids``."""
+    min_tokens: int
+    stop_token_ids: np.ndarray
+    """int64: EOS ids (unless ignore_eos) and stop_token_ids, masked while outputs < min_tokens."""
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    penalty_tables_ready: bool = False
+    """Whether `PenaltyTables` holds this row's statistics (set when first sent to be initialised)."""
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @classmethod
+    def from_params(cls, params: SamplingParams, eos_token_ids: Sequence[int]) -> "RowLogitsParams | None":
+        """None when the request needs none of these processors (the common case: no per-step cost)."""
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        min_tokens = params.min_tokens if stop_ids else 0
+        row = cls(
+            bias_token_ids=np.fromiter(params.logit_bias, np.int64) if params.logit_bias else None,
+            bias_values=np.fromiter(params.logit_bias.values(), np.float32) if params.logit_bias else None,
+            min_tokens=min_tokens,
+            stop_token_ids=np.array(sorted(stop_ids), np.int64),
+            presence_penalty=params.presence_penalty,
+            frequency_penalty=params.frequency_penalty,
+            repetition_penalty=params.repetition_penalty,
+        )
+        return row if row.bias_token_ids is not None or min_tokens > 0 or row.penalized else None
+
+
+class RowState(Protocol):
+    """What the metadata builder reads from a worker's request row (`input_batch.RequestState`)."""
+
+    row: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    logits_params: RowLogitsParams | None
+
+
+@dataclass
+class PenaltyMetadata:
+    """The penalized rows of one step."""
+
+    rows: torch.Tensor
+    """int64 indices into the step's logits rows."""
+    table_rows: torch.Tensor
+    """int64 rows of `PenaltyTables` (the input-batch rows)."""
+    presence: torch.Tensor  # [R] float32
+    frequency: torch.Tensor  # [R] float32
+    repetition: torch.Tensor  # [R] float32
+    fresh: list[tuple[int, list[int], int]]
+    """(table row, token ids, num prompt tokens) of rows whose statistics must be (re)built first."""
+    max_table_row: int
+
+
+@dataclass
+class LogitsProcessorsMetadata:
+    """Index tensors of one step; a processor that no row uses is None."""
+
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    """(logits rows, token ids, values)."""
+    min_tokens: tuple[torch.Tensor, torch.Tensor] | None
+    """(logits rows, token ids) to set to -inf."""
+    penalties: PenaltyMetadata | None
+
+
+def build_logits_processors_metadata(
+    states: Sequence[RowState], device: torch.device
+) -> LogitsProcessorsMetadata | None:
+    """Gather the processors of the sampling rows `states` (logits row i is states[i])."""
+    bias: list[tuple[int, RowLogitsParams]] = []
+    masked: list[tuple[int, RowLogitsParams]] = []
+    penalized: list[tuple[int, RowState, RowLogitsParams]] = []
+    for i, state in enumerate(states):
+        params = state.logits_params
+        if params is None:
+            continue
+        if params.bias_token_ids is not None:
+            bias.append((i, params))
+        if len(state.token_ids) - state.num_prompt_tokens < params.min_tokens:
+            masked.append((i, params))
+        if params.penalized:
+            penalized.append((i, state, params))
+    if not (bias or masked or penalized):
+        return None
+    return LogitsProcessorsMetadata(
+        bias=_bias_indices(bias, device) if bias else None,
+        min_tokens=_min_tokens_indices(masked, device) if masked else None,
+        penalties=_penalty_metadata(penalized, device) if penalized else None,
+    )
+
+
+def _bias_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    ids = [p.bias_token_ids for _, p in rows]
+    counts = [len(a) for a in ids]  # type: ignore[arg-type]
+    row_idx = np.repeat(np.array([i for i, _ in rows], np.int64), counts)
+    return (
+        _tensor(row_idx, device),
+        _tensor(np.concatenate(ids), device),  # type: ignore[arg-type]
+        _tensor(np.concatenate([p.bias_values for _, p in rows]), device),  # type: ignore[misc]
+    )
+
+
+def _min_tokens_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    counts = [len(p.stop_token_ids) for _, p in rows]
+    row_idx = np.repeat(np.array([i for i, _ in rows], np.int64), counts)
+    return _tensor(row_idx, device), _tensor(np.concatenate([p.stop_token_ids for _, p in rows]), device)
+
+
+def _penalty_metadata(rows: list[tuple[int, RowState, RowLogitsParams]], device: torch.device) -> PenaltyMetadata:
+    fresh = []
+    for _, state, params in rows:
+        if not params.penalty_tables_ready:
+            fresh.append((state.row, list(state.token_ids), state.num_prompt_tokens))
+            params.penalty_tables_ready = True
+    table_rows = np.array([s.row for _, s, _ in rows], np.int64)
+    return PenaltyMetadata(
+        rows=_tensor(np.array([i for i, _, _ in rows], np.int64), device),
+        table_rows=_tensor(table_rows, device),
+        presence=_tensor(np.array([p.presence_penalty for _, _, p in rows], np.float32), device),
+        frequency=_tensor(np.array([p.frequency_penalty for _, _, p in rows], np.float32), device),
+        repetition=_tensor(np.array([p.repetition_penalty for _, _, p in rows], np.float32), device),
+        fresh=fresh,
+        max_table_row=int(table_rows.max()),
+    )
+
+
+def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
+
+
+# ------------------------------------------------------------------ the processors (pure functions)
+def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> None:
+    """Add ``values`` at (rows, token_ids), in place."""
+    logits.index_put_((rows, token_ids), values, accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Forbid (rows, token_ids): the stop tokens of rows that have not reached min_tokens, in place."""
+    logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    output_counts: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """Penalised copy of ``logits`` [R, V] given each row's prompt mask and output counts [R, V].
+
+    Repetition (HF / CTRL): a token seen in the prompt or the output has its
+    logit divided by the penalty when positive, multiplied when negative.
+    Frequency and presence (OpenAI): ``logit -= count * frequency + (count > 0) * presence``
+    over output tokens only.
+    """
+    output_mask = output_counts > 0
+    rep = repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(prompt_mask | output_mask, penalized, logits)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * output_mask
+
+
+class PenaltyTables:
+    """Per-row prompt masks [rows, V] (bool) and output counts [rows, V] (int32), on the device.
+
+    Allocated when the first penalized request samples; grown when a row
+    index exceeds them.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.prompt_mask: torch.Tensor | None = None
+        self.output_counts: torch.Tensor | None = None
+
+    def apply(self, logits: torch.Tensor, meta: PenaltyMetadata) -> None:
+        """Penalise the rows of ``meta`` in place (initialising fresh rows first)."""
+        self._ensure(meta.max_table_row + 1, logits.shape[1])
+        assert self.prompt_mask is not None and self.output_counts is not None
+        for table_row, token_ids, num_prompt in meta.fresh:
+            self._init_row(table_row, token_ids, num_prompt)
+        every_row = meta.rows.shape[0] == logits.shape[0]  # rows are increasing: then they are all, in order
+        rows = logits if every_row else logits.index_select(0, meta.rows)
+        penalized = apply_penalties(
+            rows, self.prompt_mask.index_select(0, meta.table_rows),
+            self.output_counts.index_select(0, meta.table_rows), meta.presence, meta.frequency, meta.repetition,
+        )
+        if every_row:
+            logits.copy_(penalized)
+        else:
+            logits.index_copy_(0, meta.rows, penalized)
+
+    def record(self, meta: PenaltyMetadata, sampled: torch.Tensor) -> None:
+        """Count each penalized row's sampled token (``sampled`` holds one id per logits row)."""
+        assert self.output_counts is not None
+        tokens = sampled.index_select(0, meta.rows)
+        ones = torch.ones_like(tokens, dtype=torch.int32)
+        self.output_counts.index_put_((meta.table_rows, tokens), ones, accumulate=True)
+
+    def _init_row(self, row: int, token_ids: list[int], num_prompt: int) -> None:
+        assert self.prompt_mask is not None and self.output_counts is not None
+        ids = torch.tensor(token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.prompt_mask[row].zero_()
+        self.prompt_mask[row].index_fill_(0, ids[:num_prompt], True)
+        self.output_counts[row].zero_()
+        outputs = ids[num_prompt:]
+        self.output_counts[row].index_add_(0, outputs, torch.ones_like(outputs, dtype=torch.int32))
+
+    def _ensure(self, num_rows: int, vocab_size: int) -> None:
+        old = 0 if self.prompt_mask is None else self.prompt_mask.shape[0]
+        if old >= num_rows:
+            return
+        new = max(num_rows, 2 * old, 8)
+        mask = torch.zeros((new, vocab_size), dtype=torch.bool, device=self.device)
+        counts = torch.zeros((new, vocab_size), dtype=torch.int32, device=self.device)
+        if self.prompt_mask is not None and self.output_counts is not None:
+            mask[:old] = self.prompt_mask
+            counts[:old] = self.output_counts
+        self.prompt_mask, self.output_counts = mask, counts
+
+
+def apply_logits_processors(logits: torch.Tensor, meta: LogitsProcessorsMetadata, tables: PenaltyTables) -> None:
+    """logit_bias, then the min_tokens mask, then penalties; all in place on ``logits`` [N, V]."""
+    if meta.bias is not None:
+        apply_logit_bias(logits, *meta.bias)
+    if meta.min_tokens is not None:
+        apply_min_tokens(logits, *meta.min_tokens)
+    if meta.penalties is not None:
+        tables.apply(logits, meta.penalties)
