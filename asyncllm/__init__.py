@@ -19,7 +19,7 @@ from asyncllm.errors import (
     RequestTimeoutError,
 )
 from asyncllm.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput, StreamDelta
-from asyncllm.sampling import RequestOutputKind, SamplingParams
+from asyncllm.sampling import RequestOutputKind, SamplingParams, StructuredOutputs
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -31,6 +31,7 @@ __all__ = [
     "EngineConfig",
     "SamplingParams",
     "RequestOutputKind",
+    "StructuredOutputs",
     "StreamDelta",
     "RequestOutput",
     "CompletionOutput",

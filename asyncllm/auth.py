@@ -15,6 +15,7 @@ Nothing here travels as pickle: CURVE wraps the same msgpack frames.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 from dataclasses import dataclass
@@ -61,8 +62,9 @@ def resolve_key(address: str, key: str | None) -> str | None:
     return key
 
 
+@functools.lru_cache(maxsize=4)
 def derive_keys(key: str) -> CurveKeys:
-    """Both CURVE key pairs from the shared secret (about 50 ms: call once per socket setup)."""
+    """Both CURVE key pairs from the shared secret (scrypt: tenths of a second, so cached)."""
     server_public, server_secret = _key_pair(key, b"core")
     client_public, client_secret = _key_pair(key, b"host")
     return CurveKeys(server_public, server_secret, client_public, client_secret)

@@ -55,8 +55,8 @@ def add_engine_parser(commands: Any) -> None:
     core.add_argument("model", nargs="?", default=None,
                       help="local folder or hub id; default: the bundled tiny model (no download)")
     core.add_argument("--address", default=default_address(),
-                      help="ipc://PATH socket to listen on (default: %(default)s); tcp:// is refused until "
-                           "authentication is built")
+                      help="ipc://PATH socket to listen on (default: %(default)s), or tcp://HOST:PORT with "
+                           "ASYNCLLM_ENGINE_KEY set (CURVE-encrypted and authenticated; docs/security.md)")
     add_engine_args(core)
 
 

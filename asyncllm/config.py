@@ -153,6 +153,9 @@ class SchedulerConfig:
     """Speculative decoding settings (not built yet: only None)."""
     max_num_queued_tokens: int | None = None
     """Admission control: reject new requests with EngineOverloadedError when the waiting prompts' tokens would exceed this; None = no limit."""
+    structured_output_compile_timeout_s: float = 30.0
+    """Structured output: a request whose grammar has not compiled after this many seconds fails with
+    InvalidRequestError (the first structured request's tokenizer loading does not count)."""
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)
@@ -163,6 +166,8 @@ class SchedulerConfig:
         _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
         _int("max_num_queued_requests", self.max_num_queued_requests, 1, optional=True)
         _int("max_num_queued_tokens", self.max_num_queued_tokens, 1, optional=True)
+        _float("structured_output_compile_timeout_s", self.structured_output_compile_timeout_s, 0.0, 86400.0,
+               lo_open=True)
         if self.speculative_config is not None:
             raise NotBuiltError("speculative_config", self.speculative_config, "speculative decoding")
 
@@ -197,20 +202,26 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class MultiModalConfig:
-    """Settings of multimodal models; no multimodal family is built yet, so a
-    multimodal checkpoint is refused at load time with `NotBuiltError`."""
+    """Settings of multimodal models (LLaVA; docs/multimodal.md)."""
 
     mm_processor_cache_gb: float = 4.0
     """GiB of processed multimodal inputs to cache; 0 disables the cache."""
     mm_processor_cache_type: str = "lru"
-    """lru (key-replicated between host and core) or shm (shared-memory ring)."""
+    """lru (key-replicated between host and core); shm (shared-memory ring) is not built yet."""
     mm_encoder_tp_mode: str = "weights"
-    """weights: shard the encoder like the decoder; data: replicate it and split the images."""
+    """weights: the decoder sharded, the (small) vision tower replicated; data (images split over ranks) is not built yet."""
+    mm_max_image_pixels: int = 16_777_216
+    """Largest image accepted (width x height, read from its header before decoding)."""
 
     def __post_init__(self) -> None:
         _float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)
         _choice("mm_processor_cache_type", self.mm_processor_cache_type, ("lru", "shm"))
         _choice("mm_encoder_tp_mode", self.mm_encoder_tp_mode, ("weights", "data"))
+        _int("mm_max_image_pixels", self.mm_max_image_pixels, 1)
+        if self.mm_processor_cache_type == "shm":
+            raise NotBuiltError("mm_processor_cache_type", "shm", "the shared-memory processor cache (use 'lru')")
+        if self.mm_encoder_tp_mode == "data":
+            raise NotBuiltError("mm_encoder_tp_mode", "data", "data-parallel vision encoding (use 'weights')")
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,10 @@ class EngineStats:
     """This host's finished requests by finish reason ("stop", "length", "abort", ...)."""
     num_swapped_total: int = 0
     """Preemptions that swapped the victim's KV to the CPU (preemption_mode='swap'); the rest recomputed."""
+    mm_cache_queries: int = 0
+    """Images this host looked up in the multimodal processor cache."""
+    mm_cache_hits: int = 0
+    """Images found there: they crossed to the core as their key only."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:

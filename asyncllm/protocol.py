@@ -35,7 +35,27 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     cache_salt: str | None = None
     """Mixed into the first block's hash: requests with different salts never share cached KV."""
     timeout: float | None = None
-    """Seconds after arrival at which the core ends the request with finish_reason "timeout"."""
+    """Seconds after the core receives this message at which it ends the request with finish_reason "timeout"."""
+    mm_items: list["MultiModalItem"] = []
+    """Images of the prompt, in prompt order (asyncllm/mm/; empty for text prompts)."""
+
+
+class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One image's processed input and where its placeholder tokens sit in the prompt.
+
+    ``data`` is the processor's output as raw bytes (``shape``, ``dtype`` say how to
+    view it; no pickle). It is None when the host's processor-cache mirror says the
+    core already holds ``mm_hash`` (docs/multimodal.md): the core fills it in.
+    """
+
+    mm_hash: str
+    offset: int
+    """Index of the first placeholder token in the prompt."""
+    length: int
+    """Placeholder tokens: one per feature row the encoder outputs."""
+    data: bytes | None = None
+    shape: list[int] = []
+    dtype: str = "float32"
 
 
 class AbortRequests(msgspec.Struct, **_STRUCT):
@@ -179,6 +199,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     num_computed_tokens: int
     eos_token_ids: list[int] = []
     """The tokenizer's EOS ids: masked until min_tokens outputs exist (unless ignore_eos)."""
+    mm_items: list[MultiModalItem] = []
+    """The prompt's images, with their data (the worker encodes the ones a step reaches)."""
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -205,6 +227,17 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):
     """[gpu_block, cpu_block] pairs to copy to the CPU swap space before this step's forward."""
     blocks_to_swap_in: list[list[int]] = []
     """[gpu_block, cpu_block] pairs to copy back from the CPU after the swap-outs, before the forward."""
+    grammar_bitmask: "GrammarBitmask | None" = None
+    """Allowed tokens of the structured-output requests that sample in this step (None: no such request)."""
+
+
+class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True):
+    """xgrammar's int32 token bitmask rows, packed: bit j of word w allows token 32 * w + j."""
+
+    req_ids: list[str]
+    """The request of each row, in row order."""
+    bitmask: bytes
+    """len(req_ids) rows of ceil(vocab_size / 32) little-endian int32 words."""
 
 
 class InitCache(msgspec.Struct, **_STRUCT):
@@ -227,6 +260,8 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     """Blocks this rank can hold in its memory budget (the core takes the min)."""
     num_cpu_blocks: int = 0
     """Blocks of swap_space GiB on this rank (preemption_mode='swap' only; the core takes the min)."""
+    vocab_size: int = 0
+    """Rows of the model's embedding: the core refuses token ids outside [0, vocab_size) (0: unknown)."""
 
 
 class CacheReady(msgspec.Struct, **_STRUCT):

@@ -13,8 +13,9 @@ import math
 import msgspec
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.structured.spec import StructuredOutputs
 
-__all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams", "sample_seed"]
+__all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams", "StructuredOutputs", "sample_seed"]
 
 _MAX_SEED = 2**63 - 1
 _MASK64 = (1 << 64) - 1
@@ -80,6 +81,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     """Return the logprob of each prompt token and of the N most likely ones there (disables prefix-cache reads)."""
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     """What `stream` yields: deltas, cumulative outputs, or each sample once at its end."""
+    structured: StructuredOutputs | None = None
+    """Constrain the output to a JSON schema, a regex, a choice list or an EBNF grammar (needs xgrammar)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +93,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             self.output_kind = RequestOutputKind(self.output_kind)
         if isinstance(self.logit_bias, dict) and any(isinstance(k, str) for k in self.logit_bias):
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}  # JSON clients send str keys
+        if isinstance(self.structured, dict):
+            self.structured = _structured_from_dict(self.structured)
 
     @property
     def greedy(self) -> bool:
@@ -143,6 +148,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequestError("output_kind", f"must be a RequestOutputKind or one of "
                                       f"{[k.lower() for k in RequestOutputKind.__members__]}, got {self.output_kind!r}")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutputs):
+                raise InvalidRequestError("structured", f"must be a StructuredOutputs, got {type(self.structured).__name__}")
+            self.structured.validate()
+            if self.min_tokens:  # the grammar decides where the output ends; min_tokens would forbid that end
+                raise InvalidRequestError("structured", "cannot be combined with min_tokens > 0")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise `InvalidRequestError` if a token id in the parameters is not below `vocab_size`."""
@@ -180,6 +191,14 @@ def _int_key(key: object) -> object:
     if isinstance(key, str) and key.strip().lstrip("-").isdigit():
         return int(key)
     return key
+
+
+def _structured_from_dict(value: dict) -> object:
+    """`structured={"json": schema}` as a StructuredOutputs; unknown keys are left for validate() to name."""
+    try:
+        return StructuredOutputs(**value)
+    except TypeError:
+        return value
 
 
 def _is_int(value: object) -> bool:

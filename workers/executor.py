@@ -7,8 +7,9 @@ socket in short slices and checks the worker processes in between, so a rank
 that dies or reports a `WorkerError` turns into `EngineDeadError` (or the
 worker's `ConfigError`) within about `_POLL_S`, never a hang.
 
-A step has no deadline of its own (a first step may compile for minutes): a
-rank that hangs while alive hangs the step, but a dead one never does.
+A step's deadline is `worker_step_timeout_s` (None: no deadline, for a first
+step that compiles for minutes): a rank that hangs past it fails the step like
+a dead one. The engine core then restarts the workers (workers/restart.py).
 
 After a failure the executor is dead: every later call raises the same
 `EngineDeadError` at once, and `shutdown()` still frees everything.
@@ -75,6 +76,8 @@ class Executor:
         self._closed = False
         self.num_cpu_blocks = 0
         """Swap-space blocks every rank can hold (the min over ranks), known after `start()`."""
+        self.vocab_size = 0
+        """The model's vocabulary size as the workers loaded it (0: unknown), known after `start()`."""
 
     @property
     def worker_pids(self) -> list[int]:
@@ -99,6 +102,7 @@ class Executor:
             self.shutdown()
             raise
         self.num_cpu_blocks = min(msg.num_cpu_blocks for msg in ready)
+        self.vocab_size = min(msg.vocab_size for msg in ready)
         return min(msg.num_available_blocks for msg in ready)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
@@ -108,12 +112,19 @@ class Executor:
         self._gather(protocol.CacheReady, deadline, "allocate the KV cache")
 
     def execute_model(self, sched_out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
-        """Run one step on every rank; return rank 0's output."""
-        self._broadcast(sched_out, None)
-        message = self._receive(None, f"run step {sched_out.step_id}")
+        """Run one step on every rank; return rank 0's output (`EngineDeadError` past the watchdog)."""
+        timeout = self.config.worker_step_timeout_s
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._broadcast(sched_out, deadline)
+        message = self._receive(deadline, f"run step {sched_out.step_id}", f"worker_step_timeout_s={timeout}")
         assert isinstance(message, protocol.ModelRunnerOutput), f"expected step output, got {message!r}"
         assert message.step_id == sched_out.step_id, f"output of step {message.step_id} for step {sched_out.step_id}"
         return message
+
+    def check_workers(self) -> None:
+        """`EngineDeadError` if the executor failed or a worker exited (the core calls it while idle)."""
+        self._raise_if_failed()
+        self._check_workers()
 
     def shutdown(self) -> None:
         """Stop every worker (politely, then by force), free the ring and the sockets; idempotent."""
@@ -199,7 +210,8 @@ class Executor:
             got[message.rank] = message
         return [got[rank] for rank in range(self._world_size)]
 
-    def _receive(self, deadline: float | None, what: str) -> protocol.WorkerMessage:
+    def _receive(self, deadline: float | None, what: str,
+                 limit: str = f"the startup timeout ({envs.ENGINE_STARTUP_TIMEOUT_S.name})") -> protocol.WorkerMessage:
         """The next worker message; a WorkerError, a dead worker or the deadline raise instead."""
         self._raise_if_failed()
         assert self._results is not None
@@ -211,8 +223,7 @@ class Executor:
                 return message
             self._check_workers()
             if deadline is not None and time.monotonic() >= deadline:
-                self._fail(EngineDeadError(f"workers did not {what} within the startup timeout "
-                                           f"({envs.ENGINE_STARTUP_TIMEOUT_S.name})"))
+                self._fail(EngineDeadError(f"workers did not {what} within {limit}"))
 
     # ------------------------------------------------------------ failures
     def _check_workers(self) -> None:
@@ -263,7 +274,9 @@ class Executor:
             except subprocess.TimeoutExpired:
                 pass
         for proc in self._procs:
-            stop_process(proc, timeout=2.0)
+            if not polite:  # a hung or stopped rank ignores stdin EOF and SIGTERM: nothing of it is worth waiting for
+                proc.kill()
+            stop_process(proc, timeout=2.0)  # reaps it and closes its stdin pipe
 
 
 def _error_from(message: protocol.WorkerError) -> AsyncLLMError:

@@ -24,8 +24,10 @@ from asyncllm.models.loader import load_hf_config, load_model, resolve_dtype, re
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec
 from asyncllm.protocol import LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
+from asyncllm.structured.bitmask import apply_grammar_bitmask
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs
+from asyncllm.workers.mm_runner import MultiModalRunner, is_multimodal
 from asyncllm.workers.sampler import Sampler, SamplerOutput
 from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
 
@@ -66,6 +68,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.swap_space: CPUSwapSpace | None = None
         """CPU copies of preempted requests' blocks (preemption_mode='swap')."""
+        self.mm_runner: MultiModalRunner | None = None
+        """Images and encoder outputs, for multimodal models only."""
 
     # ------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -81,6 +85,7 @@ class ModelRunner:
         self.model = model
         self.kv_spec = kv_spec
         self.dtype = dtype
+        self.mm_runner = MultiModalRunner(model, self.device) if is_multimodal(model) else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -172,10 +177,14 @@ class ModelRunner:
             self.swap_space.swap(self.kv_caches, sched_out.blocks_to_swap_out, sched_out.blocks_to_swap_in)
         batch = self.input_batch
         batch.update_states(sched_out)
+        if self.mm_runner is not None:
+            self.mm_runner.update_states(sched_out)
         if not sched_out.num_scheduled_tokens:
             return ModelRunnerOutput(sched_out.step_id, [], [])
         inputs = batch.prepare_inputs(sched_out)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        embeds = self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None else None
+        extra = {} if embeds is None else {"inputs_embeds": embeds}
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, **extra)
         prompt_logprobs: dict[str, LogprobsArrays] = {}
         if inputs.prompt_logprobs_jobs:
             prompt_logprobs = compute_prompt_logprobs(hidden, inputs.prompt_logprobs_jobs, self.model.compute_logits)
@@ -183,6 +192,8 @@ class ModelRunner:
         sampler_out = None
         if inputs.sample_indices:
             logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            if sched_out.grammar_bitmask is not None:  # structured output: only the grammar's tokens may be sampled
+                apply_grammar_bitmask(logits, sched_out.grammar_bitmask, [inputs.req_ids[i] for i in inputs.sample_indices])
             sampler_out = self.sampler(logits, inputs.sampling_metadata)
             sampled = sampler_out.sampled_token_ids.tolist()
         batch.finish_step(inputs, sched_out, sampled)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 import torch
@@ -60,7 +60,6 @@ class BenchContext:
     device: torch.device
     dtype: torch.dtype
     argv: list[str] | None
-    extra_engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def show_progress(self) -> bool:
@@ -89,7 +88,6 @@ def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
     )
     if a.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
-    kwargs.update(ctx.extra_engine_kwargs)
     return kwargs
 
 

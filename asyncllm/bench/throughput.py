@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from asyncllm.bench import common
+from asyncllm.bench.report import progress
 from asyncllm.bench.requests import BenchRequest, total_tokens, uniform_requests
 
 __all__ = ["add_args", "run"]
@@ -35,7 +36,7 @@ async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], tem
 
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     async with common.open_engine(ctx, longest) as engine:
-        bar = report_bar(ctx, len(requests))
+        bar = progress(len(requests), "asyncllm", ctx.show_progress)
 
         async def one(request: BenchRequest) -> int:
             params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=temperature)
@@ -61,12 +62,6 @@ async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], tem
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
         "num_preemptions": stats.num_preemptions_total,
     }
-
-
-def report_bar(ctx: common.BenchContext, total: int) -> Any:
-    from asyncllm.bench.report import progress
-
-    return progress(total, "asyncllm", ctx.show_progress)
 
 
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+import weakref
 from typing import Any
 
 import anyio
@@ -19,6 +20,8 @@ from asyncllm.engine.prepare import prepare
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions, RequestStream, check_prompt
+from asyncllm.engine.supervisor import CoreSupervisor
+from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS, check_params_text, check_text
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.tracing import capture_context
 from asyncllm.errors import EngineDeadError, InvalidRequestError
@@ -45,20 +48,23 @@ class AsyncEngine:
         self._init(EngineConfig.create(model, **kwargs))
 
     @classmethod
-    def connect(cls, address: str | None = None, **kwargs: Any) -> "AsyncEngine":
+    def connect(cls, address: str | None = None, *, key: str | None = None, **kwargs: Any) -> "AsyncEngine":
         """An engine attached to a running core (``asyncllm engine MODEL --address ipc:///...``;
         no address: the default one of ``asyncllm engine``).
 
         Cheap like the constructor: the first request (or `start`) asks the core
         which model it serves and loads the tokenizer. `kwargs` are the host-side
         fields (disable_log_stats, prometheus_registry, ...); `aclose` detaches
-        and leaves the core running for the other hosts.
+        and leaves the core running for the other hosts. A ``tcp://`` address
+        needs the core's shared secret: `key`, or ASYNCLLM_ENGINE_KEY (docs/security.md).
         """
+        from asyncllm.auth import resolve_key
         from asyncllm.engine.connect import check_address, default_address
 
-        address = check_address(default_address() if address is None else address)
+        address = check_address(default_address() if address is None else address, key)
         engine = cls(address, **kwargs)  # the address stands in for the model until start
         engine._connect_address = address
+        engine._engine_key = resolve_key(address, key)
         return engine
 
     @classmethod
@@ -71,6 +77,8 @@ class AsyncEngine:
         self.config = config
         self._connect_address: str | None = None
         """Set by `connect`: attach to this core instead of starting one."""
+        self._engine_key: str | None = None
+        """The shared secret of a tcp:// `_connect_address` (never logged, never in the config)."""
         self._processor: Processor | None = None
         self._core: CoreProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -80,6 +88,10 @@ class AsyncEngine:
         self.metrics_registry = self._observer.registry
         """The prometheus_client CollectorRegistry holding this engine's `asyncllm:` series."""
         self._closed = False
+        self._draining = False
+        self._in_flight: weakref.WeakSet[RequestCollector] = weakref.WeakSet()
+        """Collectors of submitted requests (for `aclose(drain=True)`); a dropped stream drops out."""
+        self._supervisor = CoreSupervisor(config.max_core_restarts, self._restart_core)
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "AsyncEngine":
@@ -110,7 +122,8 @@ class AsyncEngine:
             from asyncllm.engine.connect import prepare_attached
 
             prepared = await anyio.to_thread.run_sync(
-                prepare_attached, self.config, self._connect_address, envs.ENGINE_STARTUP_TIMEOUT_S.get())
+                prepare_attached, self.config, self._connect_address, envs.ENGINE_STARTUP_TIMEOUT_S.get(),
+                self._engine_key)
             self.config = prepared.config
         else:
             prepared = await anyio.to_thread.run_sync(prepare, self.config)
@@ -122,7 +135,10 @@ class AsyncEngine:
             vocab_size=prepared.vocab_size, deliver=self._deliver_threadsafe, core=core,
             stats_logger=None if obs.disable_log_stats else StatsLogger(obs.log_stats_interval, self._observer.stats),
             startup_timeout_s=envs.ENGINE_STARTUP_TIMEOUT_S.get(), observer=self._observer,
+            engine_key=self._engine_key, mm=prepared.mm,
         )
+        if prepared.mm is not None:
+            prepared.mm.stats = self._observer.stats
         try:
             await asyncio.wrap_future(processor.start())
         except BaseException:
@@ -131,15 +147,49 @@ class AsyncEngine:
         self.tokenizer = prepared.tokenizer
         self._core, self._processor = core, processor
 
-    async def aclose(self) -> None:
-        """Abort what is in flight, stop the core and workers, free everything."""
+    async def aclose(self, drain: bool = False, timeout: float | None = None) -> None:
+        """Stop the engine core and its workers; free every process, socket and shared-memory segment.
+
+        ``drain=False`` aborts what is in flight (open streams end with
+        finish_reason "abort"). ``drain=True`` first refuses new requests
+        (`EngineDeadError`) and waits until every submitted request finished,
+        at most `timeout` seconds (None: no limit); the rest is then aborted.
+        """
+        if drain and not self._closed and self._processor is not None:
+            self._draining = True
+            await self._wait_drained(timeout)
         self._closed = True
+        with anyio.CancelScope(shield=True):
+            await self._supervisor.wait()  # a half-done core restart must finish before its processes can be stopped
         processor, core = self._processor, self._core
         self._processor = self._core = None
         if processor is not None:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_stop, processor, core)
             self._observer.on_closed()
+
+    async def _wait_drained(self, timeout: float | None) -> None:
+        with anyio.move_on_after(timeout):
+            while any(not collector.finished for collector in list(self._in_flight)):
+                processor = self._processor
+                if processor is None or processor.dead is not None:
+                    return  # nothing more will finish
+                await asyncio.sleep(0.01)
+
+    async def _restart_core(self) -> None:
+        """The supervisor's restart: stop the dead processor thread and core, start new ones."""
+        processor, core = self._processor, self._core
+        if self._closed or processor is None:
+            return
+        await anyio.to_thread.run_sync(_stop, processor, core)
+        assert self._start_lock is not None
+        async with self._start_lock:
+            self._processor = self._core = None
+            try:
+                await self._start()
+            except BaseException:
+                self._processor = processor  # still dead: stats() and new requests say so
+                raise
 
     # ------------------------------------------------------------ requests
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
@@ -200,14 +250,21 @@ class AsyncEngine:
         check_prompt(prompt, chat)
         params.validate()
         options.validate()
+        _check_strings(params, options)
+        if self._draining:
+            raise EngineDeadError("the engine is closing (aclose(drain=True)); it takes no new requests")
         await self.start()
         processor = self._processor
+        if processor is not None and processor.dead is not None and self._supervisor.restarting:
+            await self._supervisor.wait()  # the core is being restarted: this request goes to the new one
+            processor = self._processor
         if processor is None:
             raise EngineDeadError("the engine was closed")
         if processor.dead is not None:
             raise EngineDeadError(f"the engine is dead: {processor.dead}")
         self._admission.admit(self._observer.stats.scheduler, prompt, chat, params.n)  # refuse before tokenizing
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind)
+        self._in_flight.add(collector)
         processor.submit(Submit(collector, prompt, params, options, chat, trace_context=capture_context()))
         return collector
 
@@ -231,6 +288,9 @@ class AsyncEngine:
                 collector.put_error(item)
             else:
                 collector.put(item)
+        processor = self._processor
+        if processor is not None and processor.dead is not None and not self._closed:
+            self._supervisor.on_core_dead(processor.dead)
 
 
 def _params(params: SamplingParams | None) -> SamplingParams:
@@ -239,6 +299,17 @@ def _params(params: SamplingParams | None) -> SamplingParams:
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
     return params
+
+
+def _check_strings(params: SamplingParams, options: RequestOptions) -> None:
+    """Strings that cross the wire must be valid UTF-8 (a lone surrogate would fail the processor's encoder)."""
+    check_params_text(params)
+    if options.request_id is not None:
+        check_text("request_id", options.request_id)
+        if len(options.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters")
+    if options.cache_salt is not None:
+        check_text("cache_salt", options.cache_salt)
 
 
 def _stop(processor: Processor, core: CoreProcess | None) -> None:

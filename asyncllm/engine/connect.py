@@ -17,9 +17,11 @@ import msgspec
 import zmq
 
 from asyncllm import protocol
+from asyncllm.auth import resolve_key
 from asyncllm.config import EngineConfig
+from asyncllm.engine.channel import ConnectionWatch, open_dealer
 from asyncllm.engine.prepare import Prepared, prepare
-from asyncllm.errors import ConfigError, EngineDeadError, NotBuiltError
+from asyncllm.errors import ConfigError, EngineDeadError
 
 __all__ = ["check_address", "default_address", "handshake", "prepare_attached"]
 
@@ -31,34 +33,38 @@ def default_address() -> str:
     return f"ipc://{os.path.join(folder, 'engine.sock')}"
 
 
-def check_address(address: object) -> str:
-    """An engine address hosts may use: ``ipc://PATH`` only, for now.
+def check_address(address: object, key: str | None = None) -> str:
+    """An engine address hosts may use: ``ipc://PATH``, or ``tcp://HOST:PORT`` with a shared secret.
 
-    TCP would let any machine that reaches the port submit requests; it needs
-    the authentication that is not built yet, so it is refused, not half-allowed.
+    TCP lets any machine that reaches the port try to connect, so a tcp://
+    address is served and reached only over CURVE with keys derived from
+    `key` or ASYNCLLM_ENGINE_KEY (asyncllm/auth.py); without one it is refused.
     """
     if not isinstance(address, str):
-        raise ConfigError("address", address, "an 'ipc:///path/to/socket' string")
+        raise ConfigError("address", address, "an 'ipc:///path/to/socket' or 'tcp://host:port' string")
     if address.startswith("tcp://"):
-        raise NotBuiltError("address", address, "a TCP engine address (it needs authentication); use ipc://")
+        resolve_key(address, key)
+        return address
     if not address.startswith("ipc://") or len(address) <= len("ipc://"):
-        raise ConfigError("address", address, "an 'ipc:///path/to/socket' address")
+        raise ConfigError("address", address, "an 'ipc:///path/to/socket' or 'tcp://host:port' address")
     return address
 
 
-def handshake(address: str, timeout_s: float) -> protocol.Ready:
+def handshake(address: str, timeout_s: float, key: str | None = None) -> protocol.Ready:
     """Say hello on a throwaway DEALER, return the core's `Ready`, then say goodbye (shutdown=False)."""
     ctx = zmq.Context()
-    dealer = ctx.socket(zmq.DEALER)
-    dealer.setsockopt(zmq.LINGER, 1000)  # let the Goodbye out before the socket closes
+    dealer = open_dealer(ctx, address, resolve_key(address, key), linger_ms=1000)  # linger: let the Goodbye out
+    watch = ConnectionWatch(dealer)
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(protocol.CoreMessage)
     try:
-        dealer.connect(address)
         dealer.send(encoder.encode(protocol.Hello(pid=0)))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not dealer.poll(100):
+                lost = watch.lost()
+                if lost is not None:
+                    raise EngineDeadError(f"{lost} ({address})")
                 continue
             message = decoder.decode(dealer.recv())
             if isinstance(message, protocol.EngineFailed):
@@ -71,20 +77,21 @@ def handshake(address: str, timeout_s: float) -> protocol.Ready:
             f"`asyncllm engine MODEL --address {address}`",
         )
     finally:
+        watch.close()
         dealer.close()
         ctx.term()
 
 
-def prepare_attached(config: EngineConfig, address: str, timeout_s: float) -> Prepared:
+def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: str | None = None) -> Prepared:
     """Ask the core at `address` what it serves and load that tokenizer (runs in a worker thread).
 
     A core binds its socket before it loads the model, so a missing socket file
     means no core, not a slow one: that fails at once instead of after `timeout_s`.
     """
-    if not os.path.exists(address[len("ipc://"):]):
+    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
         raise EngineDeadError(f"no engine core listens at {address}; start one with "
                               f"`asyncllm engine MODEL --address {address}`")
-    ready = handshake(address, timeout_s)
+    ready = handshake(address, timeout_s, key)
     if not ready.model:
         raise EngineDeadError(f"the engine core at {address} did not say which model it serves (an older asyncllm?)")
     served = config.replace(model=ready.model, tokenizer=ready.tokenizer or None, revision=ready.revision,

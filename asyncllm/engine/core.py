@@ -20,14 +20,20 @@ import msgspec
 from asyncllm import errors, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.engine.core_io import CoreIO
+from asyncllm.engine.validation import check_add_request
+from asyncllm.mm.cache import ProcessorCacheStore, fill_mm_items
 from asyncllm.procutil import exit_when_parent_dies
 from asyncllm.sched.request import Request
 from asyncllm.sched.scheduler import Scheduler
+from asyncllm.structured.manager import StructuredOutputManager
 from asyncllm.workers.executor import Executor
+from asyncllm.workers.restart import WorkerRestarter
 
 logger = logging.getLogger("asyncllm.engine.core")
 
 _IDLE_POLL_S = 0.05
+_IDLE_HEALTH_CHECK_S = 0.5
+"""While idle, check the workers this often: a dead one is restarted before a request needs it."""
 
 
 class EngineCore:
@@ -41,12 +47,19 @@ class EngineCore:
         """The one host that exports the engine-wide metrics (the earliest still attached)."""
         self.executor = Executor(config)
         self._running = True
+        cache_gb = config.multimodal_config.mm_processor_cache_gb
+        self.mm_store = ProcessorCacheStore(int(cache_gb * 2**30)) if cache_gb > 0 else None
+        """The data half of the key-replicated multimodal processor cache (asyncllm/mm/cache.py)."""
         available = self.executor.start()
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
         _check_kv_fits(config, self.num_gpu_blocks)
         self.num_cpu_blocks = _swap_blocks(config, self.executor.num_cpu_blocks)
         self.executor.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
         self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len, num_cpu_blocks=self.num_cpu_blocks)
+        self.structured = StructuredOutputManager(config.tokenizer or config.model, self.executor.vocab_size,
+                                                  config.structured_output_compile_timeout_s, config.revision)
+        self.restarter = WorkerRestarter(config, self.num_gpu_blocks, self.num_cpu_blocks)
+        self._next_health_check = 0.0
 
     # ------------------------------------------------------------ busy loop
     def run(self) -> None:
@@ -56,10 +69,14 @@ class EngineCore:
             if not self._running:
                 break
             expired = self.scheduler.finish_expired_requests()  # one comparison when none is due
+            if self.structured.pending:  # requests waiting for their grammar (polled at least every 50 ms)
+                expired += self._admit_compiled()
             if self.scheduler.has_unfinished_requests():
                 self._step(expired, changed)
-            elif changed or expired:
-                self._send_outputs(expired)
+            else:
+                if changed or expired:
+                    self._send_outputs(expired)
+                self._check_idle_workers()
 
     def _step(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]], changed: bool) -> None:
         """Schedule and run one step; `outputs` (timeouts) go out with its results."""
@@ -69,8 +86,29 @@ class EngineCore:
                 self._send_outputs(outputs)
             time.sleep(0.001)  # nothing fits right now; wait for an abort, a timeout or a finish to free blocks
             return
-        runner_out = self.executor.execute_model(sched_out)
-        self._send_outputs(outputs + self.scheduler.update_from_output(sched_out, runner_out))
+        if self.structured.matchers:
+            sched_out.grammar_bitmask = self.structured.grammar_bitmask(sched_out, self.scheduler.requests)
+        try:
+            runner_out = self.executor.execute_model(sched_out)
+        except errors.EngineDeadError as exc:  # nothing of the step was applied: recompute its requests
+            self.executor = self.restarter.recover(self.executor, self.scheduler, exc)
+            self._send_outputs(outputs)
+            return
+        step_outputs = self.scheduler.update_from_output(sched_out, runner_out)
+        if self.structured.matchers:
+            self.structured.accept(step_outputs, self.scheduler.finish_requests)
+        self._send_outputs(outputs + step_outputs)
+
+    def _check_idle_workers(self) -> None:
+        """Find a worker that died while nothing ran (at most every `_IDLE_HEALTH_CHECK_S`)."""
+        now = time.monotonic()
+        if now < self._next_health_check:
+            return
+        self._next_health_check = now + _IDLE_HEALTH_CHECK_S
+        try:
+            self.executor.check_workers()
+        except errors.EngineDeadError as exc:
+            self.executor = self.restarter.recover(self.executor, self.scheduler, exc)
 
     def _send_outputs(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]]) -> None:
         """Each host gets its requests' deltas and the stats snapshot (every host, even with no delta)."""
@@ -78,6 +116,8 @@ class EngineCore:
         for client_id, delta in outputs:
             per_client[client_id].append(delta)
         stats = self.scheduler.get_stats()
+        if self.structured.pending:  # requests waiting for their grammar wait too
+            stats.num_requests_waiting += len(self.structured.pending)
         now = time.time()
         for client_id in self.clients:
             self.io.send(client_id, protocol.Outputs(per_client.get(client_id, []), stats, now,
@@ -99,10 +139,17 @@ class EngineCore:
                 return changed
 
     def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
+        if isinstance(message, (protocol.AddRequest, protocol.AbortRequests)) and client_id not in self.clients:
+            logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
+            return False
         if isinstance(message, protocol.AddRequest):
             self._add_request(client_id, message)
-        elif isinstance(message, protocol.AbortRequests):
-            self.scheduler.abort_requests(message.request_ids)
+        elif isinstance(message, protocol.AbortRequests):  # a host aborts its own requests only
+            requests = self.scheduler.requests
+            self.scheduler.abort_requests(
+                [rid for rid in message.request_ids if (r := requests.get(rid)) is not None and r.client_id == client_id])
+            if self.structured.pending:
+                self.structured.abort(message.request_ids, client_id)
         elif isinstance(message, protocol.Hello):
             self.clients.add(client_id)
             if self.stats_reporter is None:
@@ -110,6 +157,7 @@ class EngineCore:
             self.io.send(client_id, self._ready())
         elif isinstance(message, protocol.Goodbye):
             self.scheduler.abort_client(client_id)
+            self.structured.abort_client(client_id)
             self.clients.discard(client_id)
             if self.stats_reporter == client_id:
                 self.stats_reporter = next(iter(self.clients), None)
@@ -119,12 +167,30 @@ class EngineCore:
 
     def _add_request(self, client_id: bytes, message: protocol.AddRequest) -> None:
         try:
-            message.params.validate()
-            self.scheduler.add_request(Request.from_add_request(message, client_id))
+            check_add_request(message, self.executor.vocab_size)  # the host checked too; other peers may not have
+            if message.mm_items:
+                fill_mm_items(self.mm_store, message)
+            request = Request.from_add_request(message, client_id)
+            if message.params.structured is not None:
+                self.structured.add(request)  # queued once its grammar has compiled (`_admit_compiled`)
+            else:
+                self.scheduler.add_request(request)
         except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
             delta = protocol.RequestOutputDelta(message.request_id, [], "abort", error=str(exc),
                                                 error_type=type(exc).__name__)
             self.io.send(client_id, protocol.Outputs([delta], None, time.time()))
+
+    def _admit_compiled(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
+        """Queue the requests whose grammar is ready; error deltas for those that failed or timed out."""
+        ready, failed = self.structured.poll()
+        for request in ready:
+            try:
+                self.scheduler.add_request(request)
+            except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
+                self.structured.matchers.pop(request.request_id, None)
+                failed.append((request.client_id, protocol.RequestOutputDelta(
+                    request.request_id, [], "abort", error=str(exc), error_type=type(exc).__name__)))
+        return failed
 
     def _ready(self) -> protocol.Ready:
         config = self.config
@@ -136,6 +202,7 @@ class EngineCore:
         self._running = False
 
     def shutdown(self) -> None:
+        self.structured.shutdown()
         self.executor.shutdown()
 
 
@@ -209,6 +276,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         core.shutdown()
         io.close()
+    core.structured.exit_if_compiling()  # a runaway grammar compile must not hold up the core's exit
 
 
 def _setup_logging() -> None:

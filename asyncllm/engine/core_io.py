@@ -16,22 +16,39 @@ import msgspec
 import zmq
 
 from asyncllm import protocol
+from asyncllm.auth import ServerAuth, derive_keys, resolve_key
+from asyncllm.errors import ConfigError
 
 logger = logging.getLogger("asyncllm.engine.core")
 
 _STOP = b"\x00stop"
+_MAX_FRAME_BYTES = 64 << 20
+"""A peer sending a larger frame is disconnected by zmq before anything is decoded."""
 
 
 class CoreIO:
     """Owns the ROUTER socket; `inbox` yields (client_id, HostMessage)."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, key: str | None = None) -> None:
+        """`key`: the shared secret of a tcp:// address (default ASYNCLLM_ENGINE_KEY; asyncllm/auth.py)."""
         self.inbox: queue.Queue[tuple[bytes, protocol.HostMessage]] = queue.Queue()
         self._ctx = zmq.Context()
+        key = resolve_key(address, key)
+        self._auth = ServerAuth(self._ctx, derive_keys(key)) if key is not None else None
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        self._router.bind(address)
+        self._router.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME_BYTES)
+        if self._auth is not None:
+            self._auth.secure(self._router)  # CURVE, and only peers holding the hosts' key get through
+        try:
+            self._router.bind(address)
+        except zmq.ZMQError as exc:
+            self._router.close(linger=0)
+            if self._auth is not None:
+                self._auth.stop()
+            self._ctx.term()
+            raise ConfigError("address", address, f"an address this process can listen on ({exc})") from exc
         self._outbox_address = f"inproc://asyncllm-core-out-{uuid.uuid4().hex}"
         self._outbox_pull = self._ctx.socket(zmq.PULL)
         self._outbox_pull.bind(self._outbox_address)
@@ -50,6 +67,8 @@ class CoreIO:
         self._outbox_push.send_multipart([_STOP, b""])
         self._thread.join(timeout=5)
         self._outbox_push.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
 
     def _run(self) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.loader import load_hf_config, resolve_model_path
-from asyncllm.models.registry import get_model_class
+from asyncllm.models.registry import get_model_class, text_config_of
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -22,17 +22,27 @@ class Prepared:
     tokenizer: Any
     eos_token_ids: list[int]
     vocab_size: int
+    mm: Any = None
+    """The `MultiModalProcessor` of a multimodal model (asyncllm/mm/), else None."""
 
 
 def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(path)
-    get_model_class(hf_config)  # refuse an unsupported architecture before spawning anything
-    max_model_len = _max_model_len(config, hf_config)
+    model_cls = get_model_class(hf_config)  # refuse an unsupported architecture before spawning anything
+    max_model_len = _max_model_len(config, text_config_of(hf_config))
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
-    return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), hf_config.vocab_size)
+    text_config = text_config_of(hf_config)
+    mm = None
+    if hasattr(model_cls, "mm_placeholder_length"):
+        from asyncllm.mm.processor import MultiModalProcessor
+
+        mm_config = config.multimodal_config
+        mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
+                                 mm_config.mm_max_image_pixels)
+    return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm)
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:

@@ -23,15 +23,20 @@ import msgspec
 import zmq
 
 from asyncllm import errors, protocol
+from asyncllm.engine.channel import ConnectionWatch, open_dealer
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.detokenizer import IncrementalDetokenizer
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions
+from asyncllm.engine.validation import check_params_vocab, check_text, check_token_ids, max_prompt_chars
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
+from asyncllm.mm.cache import CACHE_MISS_ERROR
+from asyncllm.mm.host import multimodal_prompt, resend_with_data
+from asyncllm.mm.processor import MultiModalPrompt, MultiModalProcessor
 from asyncllm.tokenizer import apply_chat_template, encode_prompt
 
 logger = logging.getLogger("asyncllm.engine")
@@ -52,6 +57,8 @@ class Submit:
     chat: bool = False
     trace_context: Any = None
     """The caller's OpenTelemetry context, captured on its task (None without OTel)."""
+    mm_prompt: MultiModalPrompt | None = None
+    """Set by tokenization for a prompt with images (asyncllm/mm/)."""
 
 
 @dataclass
@@ -63,6 +70,8 @@ class _Tracked:
     index: int = 0
     prompt_logprobs: PromptLogprobsBuffer | None = None
     """Filled by prefill chunks; handed over with the first token."""
+    mm_resend: tuple[protocol.AddRequest, MultiModalPrompt] | None = None
+    """A request with images: what to resend if the core misses a processor-cache key."""
 
 
 class Processor:
@@ -70,8 +79,15 @@ class Processor:
 
     def __init__(self, *, address: str, tokenizer: Any, eos_token_ids: list[int], vocab_size: int,
                  deliver: Deliver, core: CoreProcess | None, stats_logger: StatsLogger | None,
-                 startup_timeout_s: float, observer: RequestObserver | None = None) -> None:
+                 startup_timeout_s: float, observer: RequestObserver | None = None,
+                 engine_key: str | None = None, mm: MultiModalProcessor | None = None) -> None:
         self._address = address
+        self._mm = mm
+        """Image processing, for multimodal models only."""
+        self._engine_key = engine_key
+        """The shared secret of a tcp:// address (CURVE); None for ipc://."""
+        self._watch: ConnectionWatch | None = None
+        self._max_prompt_chars = 2**62
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
         self._vocab_size = vocab_size
@@ -128,9 +144,8 @@ class Processor:
 
     # ------------------------------------------------------------ thread side
     def _run(self) -> None:
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.connect(self._address)
+        dealer = open_dealer(self._ctx, self._address, self._engine_key)
+        self._watch = watch = ConnectionWatch(dealer)
         try:
             dealer.send(self._encoder.encode(protocol.Hello(pid=os.getpid())))
             if self._await_ready(dealer):
@@ -139,6 +154,7 @@ class Processor:
             logger.exception("asyncllm processor thread failed")
             self._fail_all(errors.EngineDeadError(f"processor thread failed: {exc}"))
         finally:
+            watch.close()
             dealer.close(linger=0)
             self._doorbell_pull.close(linger=0)
 
@@ -149,6 +165,7 @@ class Processor:
                 message = self._decoder.decode(dealer.recv())
                 if isinstance(message, protocol.Ready):
                     self.max_model_len = message.max_model_len
+                    self._max_prompt_chars = max_prompt_chars(self._tokenizer, message.max_model_len)
                     self.ready.set_result(message)
                     return True
                 if isinstance(message, protocol.EngineFailed):
@@ -157,6 +174,10 @@ class Processor:
             if self._core is not None and self._core.exit_code() is not None:
                 code = self._core.exit_code()
                 self.ready.set_exception(errors.EngineDeadError(f"engine core exited with code {code} while starting (its log is above)"))
+                return False
+            lost = self._lost_connection(dealer)
+            if lost is not None:
+                self.ready.set_exception(lost)
                 return False
             if self._close_requested():
                 self.ready.set_exception(errors.EngineDeadError("engine closed while starting"))
@@ -176,6 +197,8 @@ class Processor:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._doorbell_pull, zmq.POLLIN)
+        assert self._watch is not None
+        poller.register(self._watch.socket, zmq.POLLIN)
         while True:
             events = dict(poller.poll(_POLL_MS))
             if self._doorbell_pull in events:
@@ -188,6 +211,11 @@ class Processor:
                     self._on_core_message(dealer, dealer.recv())
             if self._core_died():
                 return
+            if self._watch.socket in events:
+                lost = self._lost_connection(dealer)
+                if lost is not None:
+                    self._fail_all(lost)
+                    return
             if self._stats_logger is not None:
                 self._stats_logger.maybe_log()
 
@@ -229,11 +257,13 @@ class Processor:
             self._deliver([(collector, error)], None)
             return
         try:
-            job.params.check_vocab(self._vocab_size)
+            check_params_vocab(job.params, self._vocab_size)
             token_ids = self._tokenize(job)
-        except errors.InvalidRequestError as exc:
-            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, exc, time.time())
-            self._deliver([(collector, exc)], None)
+        except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread
+            error = exc if isinstance(exc, errors.InvalidRequestError) else errors.InvalidRequestError(
+                "messages" if job.chat else "prompt", f"could not be tokenized ({type(exc).__name__}: {exc})")
+            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
+            self._deliver([(collector, error)], None)
             return
         collector.prompt_token_ids = token_ids
         options = job.options
@@ -242,23 +272,33 @@ class Processor:
             params = job.params if len(core_ids) == 1 else job.params.for_sample(index)
             buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
             detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, params)
-            self._tracked[core_id] = _Tracked(collector, detokenizer, index, buffer)
+            self._tracked[core_id] = tracked = _Tracked(collector, detokenizer, index, buffer)
             message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
                                           collector.metrics.arrival_time, options.priority, options.cache_salt,
                                           options.timeout)
+            if job.mm_prompt is not None:
+                message.mm_items = job.mm_prompt.items
+                tracked.mm_resend = (message, job.mm_prompt)
             dealer.send(self._encoder.encode(message))
         self._observer.on_added(collector, job.params, job.chat, job.trace_context)
 
     def _tokenize(self, job: Submit) -> list[int]:
+        if self._mm is not None or isinstance(job.prompt, dict):
+            job.mm_prompt = multimodal_prompt(self._mm, job.prompt, job.chat, self.max_model_len)
+            if job.mm_prompt is not None:
+                return job.mm_prompt.token_ids
         if job.chat:
             token_ids = apply_chat_template(self._tokenizer, job.prompt)
         elif isinstance(job.prompt, str):
+            if len(job.prompt) > self._max_prompt_chars:
+                raise errors.InvalidRequestError(
+                    "prompt", f"{len(job.prompt)} characters cannot fit in max_model_len={self.max_model_len} tokens")
+            check_text("prompt", job.prompt)
             token_ids = encode_prompt(self._tokenizer, job.prompt)
         else:
             token_ids = list(job.prompt)
-            bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < self._vocab_size)]
-            if bad:
-                raise errors.InvalidRequestError("prompt", f"token ids must be ints in [0, {self._vocab_size}); got {bad[:5]}")
+            if len(token_ids) < self.max_model_len:  # a huge list is refused below without a look at each id
+                check_token_ids("prompt", token_ids, self._vocab_size)
         if not token_ids:
             raise errors.InvalidRequestError("prompt", "the prompt is empty")
         if len(token_ids) >= self.max_model_len:
@@ -280,6 +320,11 @@ class Processor:
             tracked = self._tracked.get(out.request_id)
             if tracked is None:
                 continue
+            if tracked.mm_resend is not None:
+                resend, tracked.mm_resend = tracked.mm_resend, None  # any answer means the core has the items
+                if out.error_type == CACHE_MISS_ERROR and self._mm is not None:
+                    dealer.send(self._encoder.encode(resend_with_data(self._mm, *resend)))  # all data: no second miss
+                    continue
             item = self._process_output(tracked, out, now, aborts)
             if item is None:
                 continue  # prompt logprobs of a prefill chunk: they go out with the first token
@@ -339,6 +384,18 @@ class Processor:
             return False
         del self._samples[request_id]
         return True
+
+    def _lost_connection(self, dealer: zmq.Socket) -> BaseException | None:
+        """The error that ends the engine if the connection to the core broke (the core's last word first)."""
+        assert self._watch is not None
+        reason = self._watch.lost()
+        if reason is None:
+            return None
+        while dealer.poll(0):  # an EngineFailed sent just before the core went away says more
+            message = self._decoder.decode(dealer.recv())
+            if isinstance(message, protocol.EngineFailed):
+                return _error_from(message)
+        return errors.EngineDeadError(f"{reason} ({self._address})")
 
     def _core_died(self) -> bool:
         if self._core is None or self._core.exit_code() is None:

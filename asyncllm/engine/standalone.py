@@ -35,14 +35,16 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
     check_address(address)
     _setup_logging()
     config = prepare(config).config  # resolve the model folder and max_model_len as a host would
-    socket_path = address[len("ipc://"):]
-    _claim_socket(socket_path)
+    socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)
+    if socket_path is not None:
+        _claim_socket(socket_path)
     io = CoreIO(address)
     try:
         core = EngineCore(config, io)
     except BaseException:
         io.close()
-        _remove(socket_path)
+        if socket_path is not None:
+            _remove(socket_path)
         raise
     previous = _install_stop_handlers(core)
     try:
@@ -55,7 +57,8 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
             io.send(client_id, protocol.EngineFailed("EngineDeadError", "the standalone engine core stopped"))
         core.shutdown()
         io.close()
-        _remove(socket_path)
+        if socket_path is not None:
+            _remove(socket_path)
 
 
 def _claim_socket(socket_path: str) -> None:

@@ -29,7 +29,8 @@ class RequestOptions:
     request_id: str | None = None
     """Caller-given id (unique among in-flight requests); by default the engine makes one."""
     timeout: float | None = None
-    """Seconds after arrival at which the request ends with finish_reason "timeout"."""
+    """Seconds after the engine core receives the request at which it ends with finish_reason "timeout"
+    (wherever it is: queued, prefilling, decoding or swapped out; its blocks are freed)."""
     cache_salt: str | None = None
     """Requests with different salts never share prefix-cached KV blocks."""
 
@@ -113,9 +114,7 @@ def check_prompt(prompt: Any, chat: bool) -> None:
             raise InvalidRequestError("prompt", "the prompt is empty")
         return
     if isinstance(prompt, dict):
-        if "images" in prompt:
-            raise InvalidRequestError("prompt.images", "multimodal inputs are not built yet")
-        raise InvalidRequestError("prompt", "a dict prompt needs multimodal support, which is not built yet; pass a str or a list of token ids")
+        return  # {"prompt": str, "images": [...]}: checked and processed on the processor thread (asyncllm/mm/)
     if isinstance(prompt, (list, tuple)):
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")

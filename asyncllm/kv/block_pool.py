@@ -128,6 +128,15 @@ class BlockPool:
         self._cached[block_hash] = block
         return True
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block: the workers' KV cache was lost (a worker restart). No block may be held."""
+        assert self.num_used_blocks == 0, f"{self.num_used_blocks} blocks are still held"
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self._cached.clear()
+        self._free = OrderedDict((b.block_id, b) for b in self.blocks)
+
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:
             return

@@ -21,11 +21,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
-__all__ = ["BlockHash", "ROOT_PARENT_HASH", "hash_block_tokens", "block_extra_keys", "extend_block_hashes"]
+__all__ = ["BlockHash", "MultiModalPlaceholder", "ROOT_PARENT_HASH", "hash_block_tokens", "block_extra_keys", "extend_block_hashes"]
 
 BlockHash = bytes
 """A 32-byte sha256 digest naming a full block and everything before it."""
@@ -57,21 +57,38 @@ def hash_block_tokens(
     return hashlib.sha256(data).digest()
 
 
-def block_extra_keys(block_index: int, cache_salt: str | None) -> tuple[Any, ...]:
+class MultiModalPlaceholder(Protocol):
+    """What the hash reads of a multimodal item (`asyncllm.protocol.MultiModalItem` has it)."""
+
+    mm_hash: str
+    offset: int
+    length: int
+
+
+def block_extra_keys(
+    block_index: int, cache_salt: str | None, mm_keys: tuple[tuple[str, int], ...] = ()
+) -> tuple[Any, ...]:
     """Extra keys of block `block_index` of a request, beyond its token ids.
 
     The cache salt goes into the first block only: the chain carries it into
     every later block, so requests with different salts never share a block.
 
-    Hook for features not built yet: a LoRA adapter id would be added to every
+    Each multimodal item overlapping the block adds ``(mm_hash, offset of the
+    item relative to the block start)`` (`mm_keys`): its placeholder tokens are
+    equal for every image, so the content hash must be part of the key.
+
+    Hook for a feature not built yet: a LoRA adapter id would be added to every
     block's keys (``("lora", lora_id)``: the same tokens under another adapter
-    have other KV), and each multimodal item overlapping the block would add
-    ``(mm_hash, start_offset)`` (its placeholder tokens are equal for every
-    image, so the content hash must be part of the key).
+    have other KV).
     """
-    if block_index == 0 and cache_salt is not None:
-        return ("salt", cache_salt)
-    return ()
+    salt: tuple[Any, ...] = ("salt", cache_salt) if block_index == 0 and cache_salt is not None else ()
+    return salt + (("mm", mm_keys),) if mm_keys else salt
+
+
+def _mm_keys(mm_items: Sequence[MultiModalPlaceholder], start: int, end: int) -> tuple[tuple[str, int], ...]:
+    """``(mm_hash, offset - start)`` of the items overlapping tokens ``[start, end)``."""
+    return tuple((item.mm_hash, item.offset - start) for item in mm_items
+                 if item.offset < end and item.offset + item.length > start)
 
 
 def extend_block_hashes(
@@ -80,6 +97,7 @@ def extend_block_hashes(
     block_size: int,
     num_blocks: int,
     cache_salt: str | None,
+    mm_items: Sequence[MultiModalPlaceholder] = (),
 ) -> None:
     """Append hashes to `block_hashes` until it covers `num_blocks` full blocks.
 
@@ -91,5 +109,6 @@ def extend_block_hashes(
     for index in range(len(block_hashes), num_blocks):
         start = index * block_size
         block_tokens = token_ids[start : start + block_size]
-        parent = hash_block_tokens(parent, block_tokens, block_extra_keys(index, cache_salt))
+        mm_keys = _mm_keys(mm_items, start, start + block_size) if mm_items else ()
+        parent = hash_block_tokens(parent, block_tokens, block_extra_keys(index, cache_salt, mm_keys))
         block_hashes.append(parent)

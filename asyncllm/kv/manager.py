@@ -15,10 +15,11 @@ the whole pool, so a decode step costs O(running requests).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from asyncllm.kv.block_pool import BlockPool, KVCacheBlock
-from asyncllm.kv.hashing import BlockHash, extend_block_hashes
+from asyncllm.kv.hashing import BlockHash, MultiModalPlaceholder, extend_block_hashes
 
 __all__ = ["KVCacheManager", "KVRequest"]
 
@@ -29,6 +30,8 @@ class KVRequest(Protocol):
     request_id: str
     num_computed_tokens: int
     cache_salt: str | None
+    mm_items: Sequence[MultiModalPlaceholder]
+    """Images whose hashes and offsets key the blocks they overlap."""
     block_hashes: list[BlockHash]
     """Hashes of the request's full blocks, filled lazily by the manager."""
 
@@ -91,7 +94,8 @@ class KVCacheManager:
             return [], 0
         token_ids = request.all_token_ids
         max_blocks = (request.num_tokens - 1) // self.block_size
-        extend_block_hashes(request.block_hashes, token_ids, self.block_size, max_blocks, request.cache_salt)
+        extend_block_hashes(request.block_hashes, token_ids, self.block_size, max_blocks, request.cache_salt,
+                            request.mm_items)
         hits: list[KVCacheBlock] = []
         bs = self.block_size
         for index in range(max_blocks):
@@ -132,16 +136,19 @@ class KVCacheManager:
             return []  # the decode fast path: the last block still has room
         hits = new_computed_blocks or []
         num_held = len(hits) + (len(blocks) if blocks is not None else 0)
-        num_new_blocks = _cdiv(num_needed + len(hits) * self.block_size, self.block_size) - num_held
-        num_revived = sum(1 for block in hits if block.ref_cnt == 0)
-        if not self.pool.can_allocate(max(num_new_blocks, 0) + num_revived):
+        num_new_blocks = max(_cdiv(num_needed + len(hits) * self.block_size, self.block_size) - num_held, 0)
+        num_revived = sum(1 for block in hits if block.ref_cnt == 0) if hits else 0
+        if not self.pool.can_allocate(num_new_blocks + num_revived):
             return None
         if blocks is None:
             blocks = self.req_to_blocks[req_id] = []
             self._num_cached_blocks[req_id] = len(hits)
             self._count_query(request, len(hits))
-        self.pool.touch(hits)
-        appended = hits + self.pool.allocate(max(num_new_blocks, 0))
+        if hits:
+            self.pool.touch(hits)
+            appended = hits + self.pool.allocate(num_new_blocks)
+        else:  # a decode crossing into a new block: the common slow path
+            appended = self.pool.allocate(num_new_blocks)
         blocks.extend(appended)
         return [block.block_id for block in appended]
 
@@ -157,7 +164,7 @@ class KVCacheManager:
         blocks = self.req_to_blocks[req_id]
         end = min(request.num_computed_tokens // bs, len(blocks))
         token_ids = request.all_token_ids
-        extend_block_hashes(request.block_hashes, token_ids, bs, end, request.cache_salt)
+        extend_block_hashes(request.block_hashes, token_ids, bs, end, request.cache_salt, request.mm_items)
         for index in range(start, end):
             block = blocks[index]
             if block.block_hash is None:

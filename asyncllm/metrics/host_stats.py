@@ -66,6 +66,9 @@ class HostStats:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.request_success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
+        self.mm_cache_queries = 0
+        """Images this host looked up in its multimodal processor-cache mirror (asyncllm/mm/cache.py)."""
+        self.mm_cache_hits = 0
         self.time_to_first_token = Histogram(TTFT_BUCKETS)
         self.inter_token_latency = Histogram(ITL_BUCKETS)
         self.e2e_request_latency = Histogram(REQUEST_LATENCY_BUCKETS)
@@ -105,4 +108,5 @@ class HostStats:
             prefix_cache_hits=s.prefix_cache_hits, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total, engine_alive=engine_alive,
             request_success_total=dict(self.request_success), num_swapped_total=s.num_swapped_total,
+            mm_cache_queries=self.mm_cache_queries, mm_cache_hits=self.mm_cache_hits,
         )

@@ -143,8 +143,10 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
@@ -188,9 +190,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[T]`` token ids at ``[T]`` positions -> final hidden states ``[T, hidden]``."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        """``[T]`` token ids at ``[T]`` positions -> final hidden states ``[T, hidden]``.
+
+        ``inputs_embeds`` (``[T, hidden]``) replaces the token embeddings: a multimodal
+        model passes its text embeddings with encoder outputs scattered in (asyncllm/mm/)."""
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` token ids -> ``[T, hidden]`` embeddings (what `forward` starts from)."""
+        return self.model.embed_tokens(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> float32 logits over the full vocabulary (on every rank)."""

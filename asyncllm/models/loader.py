@@ -21,7 +21,7 @@ from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.layers import LoadedWeight, TensorParallel
-from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class
+from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
 
 __all__ = [
     "resolve_model_path",
@@ -117,7 +117,7 @@ def load_model(
     """
     check_tensor_parallel(hf_config, tp_size)
     model_cls = get_model_class(hf_config)
-    max_position = max(hf_config.max_position_embeddings, config.max_model_len or 0)
+    max_position = max(text_config_of(hf_config).max_position_embeddings, config.max_model_len or 0)
     tp = TensorParallel(tp_rank, tp_size)
     tp.check_group()
     with torch.device(device):

@@ -12,6 +12,7 @@ from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
 from asyncllm.models.llama import LlamaForCausalLM
+from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 
@@ -22,6 +23,7 @@ __all__ = [
     "get_model_class",
     "kv_cache_spec",
     "check_tensor_parallel",
+    "text_config_of",
 ]
 
 
@@ -58,6 +60,7 @@ _MODELS: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
 
@@ -86,8 +89,14 @@ class KVCacheSpec:
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
 
+def text_config_of(hf_config: Any) -> Any:
+    """The decoder's config: ``text_config`` of a multimodal checkpoint, else the config itself."""
+    return getattr(hf_config, "text_config", None) or hf_config
+
+
 def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
     """`ConfigError` unless the model's heads and MLP split evenly over ``tp_size`` ranks."""
+    hf_config = text_config_of(hf_config)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     problems = []
     if heads % tp_size:
@@ -103,6 +112,7 @@ def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
 def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
     """Per-rank KV-cache shape; KV heads are replicated when there are fewer than ranks."""
     check_tensor_parallel(hf_config, tp_size)
+    hf_config = text_config_of(hf_config)
     return KVCacheSpec(
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, tp_size),

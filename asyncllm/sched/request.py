@@ -49,7 +49,7 @@ class Request:
         "num_computed_tokens", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "client_id", "status", "finish_reason", "stop_reason", "num_preemptions",
         "cache_salt", "block_hashes", "events", "timeout", "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids",
-        "stop_check_token_ids", "max_num_tokens",
+        "stop_check_token_ids", "max_num_tokens", "mm_items",
     )
 
     def __init__(
@@ -63,6 +63,7 @@ class Request:
         client_id: bytes = b"",
         cache_salt: str | None = None,
         timeout: float | None = None,
+        mm_items: list[protocol.MultiModalItem] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -94,6 +95,8 @@ class Request:
         """Prefix-cache hashes of full blocks, filled by the KV manager."""
         self.timeout = timeout
         """Seconds after the core received the request at which it ends with finish_reason 'timeout'."""
+        self.mm_items: list[protocol.MultiModalItem] = mm_items or []
+        """The prompt's images (data filled in); their hashes and offsets key the prefix cache."""
         self.events: list[protocol.EngineCoreEvent] | None = None
         """Scheduling events not yet sent to the host (see `record_event`)."""
         # copies of the stop settings, read once per generated token
@@ -120,6 +123,7 @@ class Request:
             client_id=client_id,
             cache_salt=msg.cache_salt,
             timeout=msg.timeout,
+            mm_items=msg.mm_items,
         )
 
     # ------------------------------------------------------------ events

@@ -137,6 +137,10 @@ class Scheduler:
         self._finish_unscheduled(aborted, RequestStatus.FINISHED_ABORTED)
         return aborted
 
+    def finish_requests(self, req_ids: Iterable[str], status: RequestStatus = RequestStatus.FINISHED_STOPPED) -> None:
+        """Finish these requests between steps and free their blocks now (a structured request's grammar ended)."""
+        self._finish_unscheduled([r for r in map(self.requests.get, dict.fromkeys(req_ids)) if r is not None], status)
+
     def finish_expired_requests(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
         """End requests whose timeout passed (finish_reason 'timeout'); one delta per request.
 
@@ -324,6 +328,7 @@ class Scheduler:
                     block_ids=block_ids,
                     num_computed_tokens=num_computed,
                     eos_token_ids=request.eos_token_ids,
+                    mm_items=request.mm_items,
                 )
             )
             step.num_scheduled_tokens[request.request_id] = num_new

@@ -1,10 +1,12 @@
 """Greedy outputs equal transformers' token for token under every scheduling path of issue 3:
-preemption by swap (and its fallback to recompute), priority scheduling with priority preemption,
-prefix-cache hits, the long-prefill threshold, and whole-prompt scheduling (chunked prefill off)."""
+preemption by swap (and its fallback to recompute) and by recompute, priority scheduling with
+priority preemption, prefix-cache hits, the long-prefill threshold, and whole-prompt scheduling
+(chunked prefill off). Four engines; the transformers references are computed once per prompt."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 
 import pytest
@@ -35,9 +37,14 @@ async def _run_all(engine: AsyncEngine, prompts: list[list[int]], priorities: li
     return [o.token_ids for o in outs]
 
 
+@functools.lru_cache(maxsize=None)
+def _reference(path: str, prompt: tuple[int, ...]) -> list[int]:
+    return hf_greedy(path, list(prompt), MAX_TOKENS)
+
+
 def _check(path: str, prompts: list[list[int]], got: list[list[int]]) -> None:
     for prompt, tokens in zip(prompts, got):
-        assert tokens == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens diverged"
+        assert tokens == _reference(path, tuple(prompt)), f"prompt of {len(prompt)} tokens diverged"
 
 
 PRESSURE = {"num_gpu_blocks_override": 12, "max_model_len": 128}
@@ -45,10 +52,10 @@ PRESSURE = {"num_gpu_blocks_override": 12, "max_model_len": 128}
 
 CASES = {
     "swap": dict(PRESSURE, preemption_mode="swap", swap_space=0.001),
-    "priority": dict(PRESSURE, scheduling_policy="priority"),
+    "priority-recompute-threshold": dict(PRESSURE, scheduling_policy="priority", max_num_batched_tokens=32,
+                                         long_prefill_token_threshold=8),
     "priority-swap-small-pool": dict(PRESSURE, scheduling_policy="priority", preemption_mode="swap",
                                      swap_space=4 * BYTES_PER_BLOCK / 2**30),
-    "long-prefill-threshold": {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 8},
 }
 
 
@@ -60,33 +67,26 @@ async def test_llama_parity_under_scheduling_policies(tiny_llama: str, case: str
         got = await _run_all(engine, prompts, priorities)
         stats = engine.stats()
     _check(tiny_llama, prompts, got)
-    if case != "long-prefill-threshold":
-        assert stats.num_preemptions_total > 0
+    assert stats.num_preemptions_total > 0
     if case == "swap":
         assert stats.num_swapped_total > 0
     if case == "priority-swap-small-pool":  # 4 CPU blocks: some victims swap, longer ones fall back to recompute
         assert stats.num_preemptions_total > stats.num_swapped_total
 
 
-async def test_prefix_hits_give_the_same_tokens(tiny_llama: str) -> None:
+async def test_prefix_hits_and_whole_prompt_scheduling_give_the_same_tokens(tiny_llama: str) -> None:
+    """Chunked prefill off: prompts run whole (longer ones are refused); a second pass hits the prefix cache."""
     prompts = _prompts(8, seed=4, stem_len=48, max_len=80)
-    async with AsyncEngine(tiny_llama, disable_log_stats=True) as engine:
+    async with AsyncEngine(tiny_llama, disable_log_stats=True, enable_chunked_prefill=False,
+                           max_num_batched_tokens=96) as engine:
         first = await _run_all(engine, prompts)
         before = engine.stats().prefix_cache_hits
         second = await _run_all(engine, prompts)
         hits = engine.stats().prefix_cache_hits - before
+        with pytest.raises(InvalidRequestError, match="97 tokens exceed max_num_batched_tokens=96") as info:
+            await engine.generate(list(range(3, 100)), SamplingParams(max_tokens=2))
+    assert info.value.field == "prompt" and "enable_chunked_prefill=False" in str(info.value)
     # every block but the one holding the last prompt token is cached by the first pass
     assert hits == sum((len(p) - 1) // 16 * 16 for p in prompts)
     assert second == first
     _check(tiny_llama, prompts, first)
-
-
-async def test_without_chunked_prefill_whole_prompts_run_and_longer_ones_are_refused(tiny_llama: str) -> None:
-    prompts = _prompts(8, seed=5, stem_len=0, max_len=48)
-    async with AsyncEngine(tiny_llama, disable_log_stats=True, enable_chunked_prefill=False,
-                           max_num_batched_tokens=48) as engine:
-        got = await _run_all(engine, prompts)
-        with pytest.raises(InvalidRequestError, match="49 tokens exceed max_num_batched_tokens=48") as info:
-            await engine.generate(list(range(3, 52)), SamplingParams(max_tokens=2))
-    assert info.value.field == "prompt" and "enable_chunked_prefill=False" in str(info.value)
-    _check(tiny_llama, prompts, got)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from asyncllm import AsyncEngine, ConfigError, EngineDeadError, NotBuiltError
+from asyncllm import AsyncEngine, ConfigError, EngineDeadError
 from asyncllm.engine.connect import handshake
 from hf_reference import hf_greedy
 
@@ -98,8 +98,9 @@ def test_sigterm_stops_the_core_cleanly(core) -> None:
     assert not os.path.exists(address[len("ipc://"):])  # the socket is removed
 
 
-async def test_connect_refuses_tcp_and_bad_addresses(tmp_path: Path) -> None:
-    with pytest.raises(NotBuiltError, match="authentication"):
+async def test_connect_refuses_tcp_and_bad_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCLLM_ENGINE_KEY", raising=False)
+    with pytest.raises(ConfigError, match="ASYNCLLM_ENGINE_KEY"):  # tcp:// needs the shared secret (tests/unit/test_auth.py)
         AsyncEngine.connect("tcp://127.0.0.1:5555")
     with pytest.raises(ConfigError, match="address"):
         AsyncEngine.connect("/tmp/sock")

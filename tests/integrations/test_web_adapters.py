@@ -27,11 +27,13 @@ async def test_aiohttp_streams_generated_text(bundled_engine) -> None:
         response = await client.post("/generate", json={"prompt": "while True:", **PARAMS})
         chunks = [chunk async for chunk in response.content.iter_any()]
         bad = await client.post("/generate", json={"prompt": "x", "temperature": -1})
+        bad_body = await bad.json()
         unknown = await client.post("/generate", json={"prompt": "x", "colour": "red"})
+        unknown_body = await unknown.json()
     assert response.status == 200 and response.headers["Content-Type"].startswith("text/plain")
     assert b"".join(chunks).decode() == await _expected(bundled_engine, "while True:")
-    assert bad.status == 400 and (await bad.json())["error"]["param"] == "temperature"
-    assert unknown.status == 400 and (await unknown.json())["error"]["param"] == "body"
+    assert bad.status == 400 and bad_body["error"]["param"] == "temperature"
+    assert unknown.status == 400 and unknown_body["error"]["param"] == "body"
     assert bundled_engine.started  # close=False: the app's cleanup left the shared engine running
 
 

@@ -36,8 +36,10 @@ def test_triton_model_logits_match_transformers(family: str, tmp_path) -> None:
     gen = torch.Generator().manual_seed(7)
     sequences = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in SEQ_LENS]
     run = PagedRun(model, sequences, block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
-    for tokens, logits in zip(sequences, run.run(CHUNKED)):
+    with torch.device(DEVICE):  # the driver's step tensors on the model's device (a GPU when there is one)
+        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+        all_logits = [logits.cpu() for logits in run.run(CHUNKED)]
+    for tokens, logits in zip(sequences, all_logits):
         expected = hf_logits(hf_model, tokens)
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
         assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
@@ -47,6 +49,7 @@ def test_selector_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None
     cpu = torch.device("cpu")
     assert get_attention_backend(None, cpu).name == "torch_sdpa"
     assert get_attention_backend("torch_sdpa", cpu).name == "torch_sdpa"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ConfigError, match="bfloat16"):
         get_attention_backend("triton", cpu, torch.bfloat16)
     monkeypatch.setenv("TRITON_INTERPRET", "0")

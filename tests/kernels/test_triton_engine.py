@@ -16,7 +16,7 @@ async def test_triton_engine_greedy_parity(tiny_llama: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     async with AsyncEngine(
         tiny_llama, attention_backend="triton", dtype="float32", max_num_batched_tokens=16, block_size=8,
-        disable_log_stats=True,
+        num_gpu_blocks_override=256, disable_log_stats=True,
     ) as engine:  # 16-token steps: the longer prompt is chunked over cached context while the other decodes
         outs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
     for prompt, out in zip(PROMPTS, outs):

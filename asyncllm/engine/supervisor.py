@@ -1,0 +1,73 @@
+"""The host's engine-core supervisor (`max_core_restarts`): a dead core is replaced, the engine lives on.
+
+When the engine core dies (killed, crashed, or its workers failed past
+`max_worker_restarts`), the processor thread fails every open stream with
+`EngineDeadError` within a second: their state died with the core. Without a
+supervisor the engine stays dead (fail-stop, vLLM's behaviour). With one,
+the loop starts a restart at once: the old processor thread and core are
+stopped, a new core is launched (or, for `AsyncEngine.connect`, the shared
+core is attached to again), and requests submitted meanwhile wait for it.
+Restarts are bounded like worker restarts: `max_core_restarts` within
+`RESTART_WINDOW_S`; past that, or if a restart fails, the engine stays dead.
+
+The restart task is owned by the engine: `aclose` waits for it (a restart
+that was half done would otherwise leave a core process behind).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from asyncllm.workers.restart import RESTART_WINDOW_S, RestartBudget
+
+__all__ = ["CoreSupervisor"]
+
+logger = logging.getLogger("asyncllm.engine")
+
+
+class CoreSupervisor:
+    """Runs `restart` (on the loop) after the core died, while the restart budget lasts."""
+
+    def __init__(self, max_restarts: int, restart: Callable[[], Awaitable[None]]) -> None:
+        self.budget = RestartBudget(max_restarts)
+        self._restart = restart
+        self._task: asyncio.Task[None] | None = None
+        self.last_error: BaseException | None = None
+        """Why the latest restart failed (None while restarts succeed)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget.max_restarts > 0
+
+    @property
+    def restarting(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def on_core_dead(self, error: BaseException) -> None:
+        """The processor reported the core dead (on the loop): start a restart if the budget allows."""
+        if not self.enabled or self.restarting:
+            return
+        if not self.budget.try_take():
+            logger.error("engine core died (%s); max_core_restarts=%d within %.0f s is spent: the engine stays dead",
+                         error, self.budget.max_restarts, RESTART_WINDOW_S)
+            return
+        logger.error("engine core died (%s); restarting it (restart %d)", error, self.budget.num_restarts_total)
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="asyncllm-core-restart")
+
+    async def wait(self) -> None:
+        """Until the restart in progress (if any) is done; never raises (the engine's state tells)."""
+        task = self._task
+        if task is not None and not task.done():
+            await asyncio.wait([task])
+
+    async def _run(self) -> None:
+        try:
+            await self._restart()
+        except Exception as exc:  # noqa: BLE001 - the engine stays dead and says why
+            self.last_error = exc
+            logger.error("restarting the engine core failed: %s", exc)
+        else:
+            self.last_error = None
+            logger.warning("engine core restarted")

@@ -1,0 +1,105 @@
+"""Checks on what enters the engine, so that a bad request fails alone and never takes the engine down.
+
+The host checks first (types and values on the loop, token ids and lengths on
+the processor thread): a bad prompt or parameter gets `InvalidRequestError`
+naming the field before anything reaches the core. The core checks again what
+it decodes (`check_add_request`), because its socket may be reached by other
+hosts (`AsyncEngine.connect`) or by anything that can write to it: msgspec
+already enforces the types of every frame, this adds the values a worker would
+crash on (token ids outside the vocabulary, non-finite numbers).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from asyncllm import protocol
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import SamplingParams
+
+__all__ = [
+    "MAX_REQUEST_ID_CHARS", "check_add_request", "check_text", "check_params_text", "check_params_vocab",
+    "check_token_ids",
+    "max_prompt_chars",
+]
+
+MAX_REQUEST_ID_CHARS = 1024
+"""Longest request id (caller-given ids are echoed in logs, metrics and every delta)."""
+_UNKNOWN_VOCAB_LIMIT = 2**31
+"""Bound on token ids when the vocabulary size is unknown (test runners): they must fit int32 tensors."""
+_PRIORITY_LIMIT = 2**63
+"""Priorities are compared as ints; beyond int64 is certainly a mistake."""
+
+
+# ---------------------------------------------------------------- host side
+def check_text(field: str, text: str) -> None:
+    """`InvalidRequestError` if `text` cannot be encoded as UTF-8 (a lone surrogate, e.g. from a bad decode)."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(field, f"is not valid Unicode text: {exc.reason} at index {exc.start}") from None
+
+
+def check_params_text(params: SamplingParams) -> None:
+    """The strings of the parameters must cross the wire as UTF-8 (after `params.validate()`)."""
+    for stop in params.stop:
+        check_text("stop", stop)
+
+
+def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
+    """Characters beyond which a text prompt certainly has more than max_model_len tokens.
+
+    No vocabulary entry spells more than its string's length in characters of
+    text, so a prompt longer than ``max_model_len * longest entry`` cannot fit:
+    refusing it before tokenizing keeps a huge string from stalling the
+    processor thread for every other request.
+    """
+    try:
+        longest = max(len(token) for token in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):  # a tokenizer without a vocabulary listing: no bound
+        return 2**62
+    return max_model_len * max(longest, 1)
+
+
+def check_token_ids(field: str, token_ids: list[Any], vocab_size: int) -> None:
+    """Every id an int (not a bool) in [0, vocab_size); O(n) in C for the common case."""
+    if not all(type(t) is int for t in token_ids):
+        bad = [t for t in token_ids if type(t) is not int][:5]
+        raise InvalidRequestError(field, f"token ids must be ints, got {bad!r}")
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab_size):
+        bad = [t for t in token_ids if not 0 <= t < vocab_size][:5]
+        raise InvalidRequestError(field, f"token ids must be in [0, {vocab_size}), got {bad}")
+
+
+def check_params_vocab(params: SamplingParams, vocab_size: int) -> None:
+    """Token ids inside the parameters (logit_bias keys, stop_token_ids) must be below `vocab_size`:
+    the workers index logits with them."""
+    params.check_vocab(vocab_size)
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidRequestError("stop_token_ids", f"token ids must be < the vocabulary size {vocab_size}, got {bad[:5]}")
+
+
+# ---------------------------------------------------------------- core side
+def check_add_request(message: protocol.AddRequest, vocab_size: int) -> None:
+    """`InvalidRequestError` naming the field for a decoded `AddRequest` a worker could not run.
+
+    `vocab_size` 0 means unknown: ids must then fit int32.
+    """
+    if not message.request_id or len(message.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"must be 1 to {MAX_REQUEST_ID_CHARS} characters")
+    message.params.validate()
+    limit = vocab_size or _UNKNOWN_VOCAB_LIMIT
+    check_token_ids("prompt", message.prompt_token_ids, limit)
+    check_token_ids("eos_token_ids", message.eos_token_ids, limit)
+    check_params_vocab(message.params, limit)
+    if not math.isfinite(message.arrival_time):
+        raise InvalidRequestError("arrival_time", f"must be a finite time, got {message.arrival_time}")
+    if not -_PRIORITY_LIMIT <= message.priority < _PRIORITY_LIMIT:
+        raise InvalidRequestError("priority", f"must fit in int64, got {message.priority}")
+    timeout = message.timeout
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {timeout}")

@@ -1,0 +1,125 @@
+"""The multimodal processor cache, key-replicated: keys and sizes on the host, data in the core.
+
+Both sides run the same LRU over the same byte budget (``mm_processor_cache_gb``)
+and see the same sequence of operations (the host records an item when it sends
+it; the core when it receives it, in the same order over one socket), so the
+host knows which items the core holds without asking: a repeated image crosses
+the socket as its hash only. When the two drift anyway (another host attached to
+a standalone core, or a budget too small for an item), the core answers
+`CacheMiss` and the host resends the request with data (docs/multimodal.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import math
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.protocol import AddRequest, MultiModalItem
+
+__all__ = [
+    "CACHE_MISS_ERROR", "LRUBudget", "MultiModalCacheMiss", "ProcessorCacheMirror", "ProcessorCacheStore",
+    "fill_mm_items",
+]
+
+_ITEM_DTYPES = {"float32": 4, "float16": 2}
+
+
+V = TypeVar("V")
+
+
+class LRUBudget(Generic[V]):
+    """An LRU map whose entries have byte sizes; inserting evicts the oldest until the total fits."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.total_bytes = 0
+        self._entries: OrderedDict[str, tuple[int, V]] = OrderedDict()
+
+    def get(self, key: str) -> V | None:
+        entry = self._entries.get(key)
+        if entry is None:
+            return None
+        self._entries.move_to_end(key)
+        return entry[1]
+
+    def put(self, key: str, size: int, value: V) -> None:
+        """Insert (or refresh) ``key``; an entry larger than the whole budget is not kept."""
+        self.drop(key)
+        if size > self.capacity_bytes:
+            return
+        while self.total_bytes + size > self.capacity_bytes:
+            _, (old_size, _) = self._entries.popitem(last=False)
+            self.total_bytes -= old_size
+        self._entries[key] = (size, value)
+        self.total_bytes += size
+
+    def drop(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.total_bytes -= entry[0]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass(frozen=True)
+class MirrorEntry:
+    """What the host needs to send an item as its key only: its placeholder count."""
+
+    length: int
+
+
+class ProcessorCacheMirror(LRUBudget[MirrorEntry]):
+    """The host's half: hashes -> placeholder counts, sized as the data the core holds."""
+
+
+class ProcessorCacheStore(LRUBudget[MultiModalItem]):
+    """The core's half: hashes -> processed items (with data)."""
+
+    def fill(self, items: list[MultiModalItem]) -> list[str]:
+        """Record items that carry data; fill key-only items in place. Returns the hashes not found."""
+        missing = []
+        for i, item in enumerate(items):
+            if item.data is not None:
+                self.put(item.mm_hash, len(item.data), item)
+                continue
+            cached = self.get(item.mm_hash)
+            if cached is None:
+                missing.append(item.mm_hash)
+            else:
+                items[i] = MultiModalItem(item.mm_hash, item.offset, item.length, cached.data, cached.shape, cached.dtype)
+        return missing
+
+
+class MultiModalCacheMiss(InvalidRequestError):
+    """The core's store lacks a key the host sent without data; the host resends (never user-facing)."""
+
+
+CACHE_MISS_ERROR = MultiModalCacheMiss.__name__
+
+
+def _check_item(item: MultiModalItem, index: int, num_prompt_tokens: int, previous_end: int) -> int:
+    field = f"mm_items[{index}]"
+    if not (previous_end <= item.offset and item.length > 0 and item.offset + item.length <= num_prompt_tokens):
+        raise InvalidRequestError(field, f"placeholders [{item.offset}, {item.offset + item.length}) must be in "
+                                  f"the prompt, after the previous item's, in order")
+    if item.data is not None:
+        itemsize = _ITEM_DTYPES.get(item.dtype)
+        if itemsize is None or len(item.data) != itemsize * math.prod(item.shape) or not item.shape:
+            raise InvalidRequestError(field, f"data of {len(item.data)} bytes does not match shape {item.shape} "
+                                      f"and dtype {item.dtype!r} (one of {', '.join(_ITEM_DTYPES)})")
+    return item.offset + item.length
+
+
+def fill_mm_items(store: ProcessorCacheStore | None, message: AddRequest) -> None:
+    """Check the request's items and fill key-only ones from the store (`MultiModalCacheMiss` if absent)."""
+    end = 0
+    for index, item in enumerate(message.mm_items):
+        end = _check_item(item, index, len(message.prompt_token_ids), end)
+    missing = store.fill(message.mm_items) if store is not None else [i.mm_hash for i in message.mm_items if i.data is None]
+    if missing:
+        raise MultiModalCacheMiss("mm_items", f"not in the core's processor cache: {', '.join(missing)}")

@@ -1,0 +1,65 @@
+"""The processor thread's multimodal entry points: prompt -> `MultiModalPrompt`, and cache-miss resends."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from asyncllm import protocol
+from asyncllm.errors import InvalidRequestError
+from asyncllm.mm.processor import MultiModalProcessor, MultiModalPrompt, split_chat_images
+from asyncllm.tokenizer import encode_prompt
+
+__all__ = ["multimodal_prompt", "resend_with_data"]
+
+
+def _is_multimodal_chat(messages: Any) -> bool:
+    return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+
+
+def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, max_model_len: int) -> MultiModalPrompt | None:
+    """A dict prompt or chat messages with content parts, processed; None for a text-only prompt."""
+    if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
+        return None
+    field = "messages" if chat else "prompt.images"
+    if mm is None:
+        raise InvalidRequestError(field, "this model takes no images (it is not a multimodal architecture)")
+    if chat:
+        messages, images = split_chat_images(prompt)
+        token_ids = _render_chat(mm, messages)
+    else:
+        unknown = set(prompt) - {"prompt", "images"}
+        if unknown or not isinstance(prompt.get("prompt"), str) or not prompt["prompt"]:
+            raise InvalidRequestError("prompt", f"a dict prompt is {{'prompt': str, 'images': [...]}}; got keys {sorted(prompt)}")
+        images = prompt.get("images", [])
+        token_ids = encode_prompt(mm.tokenizer, prompt["prompt"])
+    result = mm.process(token_ids, images, field)
+    if len(result.token_ids) >= max_model_len:
+        raise InvalidRequestError(
+            "prompt", f"{len(result.token_ids)} tokens with image placeholders, but max_model_len is {max_model_len}")
+    return result
+
+
+def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]]) -> list[int]:
+    """The chat template over messages whose content may be a list of text and image parts."""
+    from jinja2 import TemplateError
+
+    if not getattr(mm.tokenizer, "chat_template", None):
+        raise InvalidRequestError("messages", "the tokenizer has no chat template; send a {'prompt', 'images'} dict")
+    try:
+        token_ids = mm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except (TemplateError, TypeError, KeyError) as exc:
+        raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
+    return [int(t) for t in token_ids]
+
+
+def resend_with_data(mm: MultiModalProcessor, message: protocol.AddRequest, prompt: MultiModalPrompt) -> protocol.AddRequest:
+    """The same request with every item's data, after the core reported a processor-cache miss.
+
+    The host's mirror and the core's store have drifted; the request's keys are
+    dropped from the mirror so the images are processed and sent again.
+    """
+    mm.forget([item.mm_hash for item in message.mm_items])
+    again = mm.process_items(prompt)
+    return msgspec.structs.replace(message, mm_items=again)

@@ -1,0 +1,73 @@
+"""Image inputs: bytes, a path or a PIL image -> (RGB image, content hash), bounded and typed.
+
+Runs on the processor thread. The size is read from the image header before any
+pixel is decoded, so an oversized image costs nothing; anything PIL cannot
+decode fails its own request with `InvalidRequestError`, never the engine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from typing import Any
+
+from asyncllm.errors import InvalidRequestError
+
+__all__ = ["ImageInput", "decode_image", "image_hash", "load_image"]
+
+ImageInput = Any
+"""``bytes``, a path (``str`` / ``os.PathLike``) or a ``PIL.Image.Image``."""
+
+
+def _raw(image: ImageInput, field: str) -> bytes | Any:
+    """Encoded bytes for bytes and paths, the image itself for a PIL image."""
+    from PIL import Image
+
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, Image.Image):
+        return image
+    if isinstance(image, str) and image.startswith(("http://", "https://", "data:")):
+        raise InvalidRequestError(field, "URLs are not fetched; pass bytes")
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            with open(image, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise InvalidRequestError(field, f"cannot read image file {os.fspath(image)!r}: {exc.strerror}") from exc
+    raise InvalidRequestError(field, f"an image must be bytes, a path or a PIL image, got {type(image).__name__}")
+
+
+def image_hash(raw: bytes | Any) -> str:
+    """A content hash (blake2b-128) of the encoded bytes, or of a PIL image's mode, size and pixels."""
+    digest = hashlib.blake2b(digest_size=16)
+    if isinstance(raw, bytes):
+        digest.update(b"bytes:")
+        digest.update(raw)
+    else:
+        digest.update(f"pil:{raw.mode}:{raw.size}:".encode())
+        digest.update(raw.tobytes())
+    return digest.hexdigest()
+
+
+def load_image(image: ImageInput, field: str) -> tuple[bytes | Any, str]:
+    """(the raw input to decode later, its content hash); cheap: nothing is decoded yet."""
+    raw = _raw(image, field)
+    return raw, image_hash(raw)
+
+
+def decode_image(raw: bytes | Any, field: str, max_pixels: int) -> Any:
+    """The RGB image, after checking its size against ``max_pixels`` (mm_max_image_pixels)."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        image = Image.open(io.BytesIO(raw)) if isinstance(raw, bytes) else raw
+        width, height = image.size
+        if width * height > max_pixels:
+            raise InvalidRequestError(
+                field, f"the image is {width}x{height} = {width * height} pixels, over mm_max_image_pixels={max_pixels}"
+            )
+        return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InvalidRequestError(field, f"cannot decode the image: {exc}") from exc

@@ -1,0 +1,145 @@
+"""LLaVA: a CLIP vision tower, a two-layer projector, and the Llama decoder of llama.py.
+
+The language model is `LlamaForCausalLM` itself (Llama, Mistral, Qwen2 or Qwen3
+by ``text_config.model_type``), on the paged KV cache; this file adds only the
+image encoder. The rest of the multimodal path is shared in asyncllm/mm/:
+placeholder expansion on the host, and in the worker the encoder-output cache
+and the scatter into the input embeddings, which call `embed_multimodal` here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.clip import CLIPVisionTower, activation
+from asyncllm.models.layers import LoadedWeight, TensorParallel, copy_weight
+from asyncllm.models.llama import LlamaForCausalLM
+from asyncllm.models.qwen2 import Qwen2ForCausalLM
+from asyncllm.models.qwen3 import Qwen3ForCausalLM
+
+__all__ = ["LlavaForConditionalGeneration", "normalize_llava_name"]
+
+_LANGUAGE_MODELS: dict[str, type[LlamaForCausalLM]] = {
+    "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
+}
+
+
+def normalize_llava_name(name: str) -> str:
+    """Map the layouts LLaVA checkpoints were saved in (original and transformers 4.52+) to ours."""
+    name = name.removeprefix("model.")
+    if name.startswith("lm_head."):
+        return "language_model." + name
+    if name.startswith("vision_tower.vision_model."):
+        return "vision_tower." + name.removeprefix("vision_tower.vision_model.")
+    if name.startswith("language_model.") and not name.startswith(("language_model.model.", "language_model.lm_head.")):
+        return "language_model.model." + name.removeprefix("language_model.")
+    return name
+
+
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, hf_config: Any) -> None:
+        super().__init__()
+        bias = bool(getattr(hf_config, "multimodal_projector_bias", True))
+        vision, text = hf_config.vision_config.hidden_size, hf_config.text_config.hidden_size
+        self.linear_1 = nn.Linear(vision, text, bias=bias)
+        self.act = activation(hf_config.projector_hidden_act, "projector_hidden_act")
+        self.linear_2 = nn.Linear(text, text, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(nn.Module):
+    """Image features replace the ``<image>`` placeholder embeddings; the rest is the decoder."""
+
+    def __init__(
+        self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend, max_position: int
+    ) -> None:
+        super().__init__()
+        text_config = hf_config.text_config
+        if text_config.model_type not in _LANGUAGE_MODELS:
+            raise NotBuiltError("model", text_config.model_type, f"a LLaVA language model of type {', '.join(_LANGUAGE_MODELS)}")
+        vision_type = hf_config.vision_config.model_type
+        if vision_type != "clip_vision_model":
+            raise NotBuiltError("model", vision_type, "a LLaVA vision tower of type clip_vision_model")
+        strategy = hf_config.vision_feature_select_strategy
+        if strategy not in ("default", "full"):
+            raise NotBuiltError("vision_feature_select_strategy", strategy, "'default' or 'full'")
+        self.drop_cls = strategy == "default"
+        self.vision_tower = CLIPVisionTower(hf_config.vision_config, hf_config.vision_feature_layer).to(dtype)
+        self.multi_modal_projector = LlavaMultiModalProjector(hf_config).to(dtype)
+        self.language_model = _LANGUAGE_MODELS[text_config.model_type](
+            text_config, dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position
+        )
+
+    # ---- multimodal hooks (asyncllm/mm/)
+    @staticmethod
+    def mm_placeholder_token_id(hf_config: Any) -> int:
+        """The prompt token that marks an image (``<image>``)."""
+        token_id = getattr(hf_config, "image_token_id", None)
+        return int(token_id if token_id is not None else hf_config.image_token_index)
+
+    @staticmethod
+    def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
+        """Feature rows (= placeholder tokens) of an image of ``[C, H, W]`` pixels: one per patch (+ CLS for 'full')."""
+        patch = hf_config.vision_config.patch_size
+        patches = (pixel_shape[-2] // patch) * (pixel_shape[-1] // patch)
+        return patches + (0 if hf_config.vision_feature_select_strategy == "default" else 1)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        attn_metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, C, H, W]`` images -> ``[N, tokens per image, text hidden]``: one row per placeholder."""
+        features = self.vision_tower(pixel_values)
+        if self.drop_cls:
+            features = features[:, 1:]
+        return self.multi_modal_projector(features)
+
+    # ---- weights
+    def checkpoint_weight_names(self) -> set[str]:
+        names = {"language_model." + name for name in self.language_model.checkpoint_weight_names()}
+        names.update(name for name, _ in self.named_parameters() if not name.startswith("language_model."))
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Route ``language_model.*`` to the decoder's loader; copy the (replicated) rest."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        text: list[tuple[str, LoadedWeight]] = []
+        unexpected: list[str] = []
+        for raw_name, weight in weights:
+            name = normalize_llava_name(raw_name)
+            if name.startswith("language_model."):
+                text.append((name.removeprefix("language_model."), weight))
+            elif name in params:
+                try:
+                    copy_weight(params[name].data, weight)
+                except ValueError as exc:
+                    raise ConfigError("model", raw_name, f"a weight matching config.json, but it {exc}") from exc
+                loaded.add(name)
+            elif not name.endswith("position_ids"):
+                unexpected.append(raw_name)
+        if unexpected:
+            raise ConfigError("model", type(self).__name__, f"a LLaVA checkpoint; unexpected weights: {', '.join(unexpected[:8])}")
+        loaded.update("language_model." + name for name in self.language_model.load_weights(text))
+        return loaded

@@ -1,0 +1,36 @@
+"""The worker's side of structured output: mask the logits with the core's grammar bitmask.
+
+A torch equivalent of xgrammar's `apply_token_bitmask_inplace` (so workers need
+no xgrammar): the packed int32 words are unpacked to one bool per token and
+every disallowed token's logit becomes -inf before the sampler sees it, so
+penalties, temperature, top-k/p and logprobs all work on the allowed tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncllm.protocol import GrammarBitmask
+
+__all__ = ["apply_grammar_bitmask", "unpack_bitmask"]
+
+_BITS = torch.arange(32, dtype=torch.int32)
+
+
+def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, W] int32 words -> [rows, vocab_size] bool, True where the token is allowed (bit j of word w: 32w + j)."""
+    bits = (words.unsqueeze(-1) >> _BITS.to(words.device)) & 1
+    return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, row_req_ids: list[str]) -> None:
+    """Set to -inf, in place, the logits of tokens the grammar forbids; `row_req_ids[i]` is the request of row i."""
+    row_of = {req_id: i for i, req_id in enumerate(row_req_ids)}
+    rows = [row_of[req_id] for req_id in grammar.req_ids]
+    words = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(len(rows), -1)
+    vocab_size = logits.shape[-1]
+    if words.shape[1] * 32 < vocab_size:
+        raise ValueError(f"grammar bitmask covers {words.shape[1] * 32} tokens, the logits {vocab_size}")
+    allowed = unpack_bitmask(words.to(logits.device), vocab_size)
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

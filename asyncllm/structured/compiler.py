@@ -1,0 +1,185 @@
+"""Grammar compilation off the core's step loop: a small thread pool and a cache of compiled grammars.
+
+xgrammar compiles a JSON schema, regex, choice list or EBNF grammar against the
+model's vocabulary (its `TokenizerInfo`, built once, lazily, from the model
+folder's tokenizer: the core holds no tokenizer otherwise). Compiling can take
+from microseconds to minutes (a pathological grammar), so the core never
+waits: it submits, keeps stepping the other requests, and polls.
+
+A compile job is shared by every request with the same constraint (the
+samples of an n > 1 request, repeated schemas) through the cache: one future
+per (kind, text), kept after it finishes (LRU, `_CACHE_SIZE` entries). A job
+nobody waits for any more is cancelled if it has not started; one already
+running in xgrammar's C++ cannot be interrupted, so it finishes in the
+background and its result stays in the cache for the next request.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import queue
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from typing import Any
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.structured.spec import StructuredOutputs
+
+__all__ = ["GrammarCompilerPool", "check_xgrammar_installed"]
+
+_CACHE_SIZE = 256
+_NUM_THREADS = 2
+"""Compile threads for queued jobs. Daemon threads (not a ThreadPoolExecutor, whose threads the
+interpreter joins at exit): a runaway compile must not delay the core's shutdown."""
+_MAX_THREADS = 8
+"""Threads at most, counting those still busy with an abandoned (timed-out or aborted) compile."""
+
+_xgrammar_installed: bool | None = None
+
+
+def check_xgrammar_installed() -> None:
+    """Raise `InvalidRequestError` on 'structured' when xgrammar cannot be imported (checked once)."""
+    global _xgrammar_installed
+    if _xgrammar_installed is None:
+        _xgrammar_installed = importlib.util.find_spec("xgrammar") is not None
+    if not _xgrammar_installed:
+        raise InvalidRequestError(
+            "structured", "structured output needs the xgrammar package: pip install 'asyncllm[structured]'"
+        )
+
+
+class GrammarCompilerPool:
+    """Compiles constraints in background threads; `submit` returns the shared future of a compiled grammar."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, revision: str | None = None) -> None:
+        self._tokenizer_path = tokenizer_path
+        self._revision = revision
+        self._vocab_size = vocab_size
+        self._jobs: queue.SimpleQueue[tuple[Future[Any], tuple[str, str]] | None] = queue.SimpleQueue()
+        self._threads_lock = threading.Lock()
+        self._num_threads = 0
+        self._num_abandoned = 0
+        self._num_busy = 0
+        """Threads busy with a compile nobody waits for: each has a replacement, and exits when it is done."""
+        for _ in range(_NUM_THREADS):
+            self._start_thread()
+        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._compiler: Any = None
+        self._tokenizer_info: Any = None
+        self._compiler_lock = threading.Lock()
+        self.ready_since: float | None = None
+        """time.monotonic() when the vocabulary became ready; compile timeouts count from then at the earliest."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether a thread is compiling right now."""
+        return self._num_busy > 0
+
+    @property
+    def bitmask_vocab_size(self) -> int:
+        """Tokens a bitmask row covers: the model's vocabulary (after the first compile job loaded it)."""
+        return self._tokenizer_info.vocab_size
+
+    def submit(self, structured: StructuredOutputs) -> Future[Any]:
+        """The future of `structured`'s compiled grammar: from the cache, or a new job."""
+        key = structured.cache_key()
+        future = self._cache.get(key)
+        if future is not None and not (future.cancelled() or (future.done() and future.exception() is not None)):
+            self._cache.move_to_end(key)
+            return future
+        future: Future[Any] = Future()
+        self._jobs.put((future, key))
+        self._cache[key] = future
+        if len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def release(self, structured: StructuredOutputs, future: Future[Any], still_wanted: bool) -> None:
+        """A request stopped waiting for `future` (aborted, timed out).
+
+        If nobody else waits: a queued job is cancelled; a running one cannot
+        be, so its thread is abandoned to finish (its grammar stays cached)
+        and a new thread serves the queue meanwhile, up to `_MAX_THREADS`.
+        """
+        if still_wanted or future.done():
+            return
+        if future.cancel():
+            key = structured.cache_key()
+            if self._cache.get(key) is future:
+                del self._cache[key]
+            return
+        with self._threads_lock:
+            if self._num_threads < _MAX_THREADS:
+                self._num_abandoned += 1
+                self._start_thread()
+
+    def shutdown(self) -> None:
+        """Stop the threads once they finish their current job (queued jobs are cancelled)."""
+        for future in self._cache.values():
+            future.cancel()
+        with self._threads_lock:
+            for _ in range(self._num_threads):
+                self._jobs.put(None)
+
+    # ------------------------------------------------------------ compile threads
+    def _start_thread(self) -> None:
+        self._num_threads += 1
+        threading.Thread(target=self._work, name="asyncllm-grammar", daemon=True).start()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, key = job
+            if not future.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            with self._threads_lock:
+                self._num_busy += 1
+            try:
+                future.set_result(self._compile(key))
+            except BaseException as exc:  # noqa: BLE001 - delivered to the waiting requests by the core's poll
+                future.set_exception(exc)
+            with self._threads_lock:
+                self._num_busy -= 1
+                if self._num_abandoned:  # this or another thread was replaced: one of them goes
+                    self._num_abandoned -= 1
+                    self._num_threads -= 1
+                    return
+        with self._threads_lock:
+            self._num_threads -= 1
+
+    def _get_compiler(self) -> Any:
+        with self._compiler_lock:
+            if self._compiler is None:
+                self._compiler = self._build_compiler()
+                self.ready_since = time.monotonic()
+            return self._compiler
+
+    def _build_compiler(self) -> Any:
+        import xgrammar as xgr
+
+        from asyncllm.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(self._tokenizer_path, self._revision)
+        info = self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size or None)
+        return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+
+    def _compile(self, key: tuple[str, str]) -> Any:
+        kind, text = key
+        compiler = self._get_compiler()
+        try:
+            if kind == "json":
+                return compiler.compile_json_schema(text, any_whitespace=False)
+            if kind == "regex":
+                return compiler.compile_regex(text)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(text)))
+            return compiler.compile_grammar(text)
+        except (RuntimeError, ValueError) as exc:  # xgrammar's parse errors: the user's constraint is invalid
+            raise InvalidRequestError("structured", f"invalid {kind}: {exc}") from None
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly `choices` (JSON string escapes are EBNF string escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)

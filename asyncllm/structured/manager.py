@@ -1,0 +1,223 @@
+"""`StructuredOutputManager`: the core's side of structured output (docs/sampling.md#structured-output).
+
+1. `add` parks a request whose `params.structured` is set until its grammar
+   compiles (`GrammarCompilerPool`, off the step loop); `poll` hands the
+   ready ones to the scheduler and fails the broken or timed-out ones with an
+   error delta. A parked request holds no KV block and is never scheduled;
+   the other requests keep running.
+2. `grammar_bitmask` fills one xgrammar token-bitmask row per structured
+   request that samples in this step; it rides to the workers on the
+   `SchedulerOutput`, where `apply_grammar_bitmask` masks the logits.
+3. `accept` advances each matcher with the sampled tokens and finishes a
+   request with finish_reason "stop" when its grammar has ended.
+
+Nothing here runs when no request is structured: the core checks `active` first.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from asyncllm import protocol
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sched.request import Request
+from asyncllm.structured.compiler import GrammarCompilerPool, check_xgrammar_installed
+
+__all__ = ["StructuredOutputManager"]
+
+logger = logging.getLogger("asyncllm.structured")
+
+
+class _Pending:
+    __slots__ = ("request", "future", "submitted_at")
+
+    def __init__(self, request: Request, future: Future[Any], submitted_at: float) -> None:
+        self.request = request
+        self.future = future
+        self.submitted_at = submitted_at
+
+
+class StructuredOutputManager:
+    """Grammar compilation, per-step bitmasks and matchers of the structured requests."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, compile_timeout_s: float, revision: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._tokenizer_path, self._vocab_size, self._revision = tokenizer_path, vocab_size, revision
+        self.compile_timeout_s = compile_timeout_s
+        self._clock = clock
+        self._compilers: GrammarCompilerPool | None = None
+        self.pending: dict[str, _Pending] = {}
+        """Requests waiting for their grammar, by request id."""
+        self.matchers: dict[str, Any] = {}
+        """xgrammar GrammarMatcher of every structured request handed to the scheduler."""
+        self._bitmask: Any = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.pending or self.matchers)
+
+    # ------------------------------------------------------------ compile
+    def add(self, request: Request) -> None:
+        """Park `request` until its grammar compiles; `InvalidRequestError` when xgrammar is missing."""
+        check_xgrammar_installed()
+        if request.request_id in self.pending:
+            raise InvalidRequestError("request_id", f"{request.request_id!r} is already used by an unfinished request")
+        if self._compilers is None:
+            self._compilers = GrammarCompilerPool(self._tokenizer_path, self._vocab_size, self._revision)
+        structured = request.params.structured
+        assert structured is not None
+        self.pending[request.request_id] = _Pending(request, self._compilers.submit(structured), self._clock())
+
+    def abort(self, req_ids: list[str], client_id: bytes) -> None:
+        """`client_id`'s parked requests among these stop waiting (their job is cancelled if nobody else waits).
+
+        Matchers of scheduled requests go in `grammar_bitmask`, once the scheduler has let them go.
+        """
+        for req_id in req_ids:
+            entry = self.pending.get(req_id)
+            if entry is not None and entry.request.client_id == client_id:
+                del self.pending[req_id]
+                self._release(entry)
+
+    def abort_client(self, client_id: bytes) -> None:
+        self.abort(list(self.pending), client_id)
+
+    def poll(self) -> tuple[list[Request], list[tuple[bytes, protocol.RequestOutputDelta]]]:
+        """(requests whose grammar is ready, with their matchers made; deltas of failed or timed-out ones).
+
+        A request's own `timeout` counts while it is parked (finish_reason
+        "timeout"); the scheduler gets what is left of it.
+        """
+        ready: list[Request] = []
+        failed: list[tuple[bytes, protocol.RequestOutputDelta]] = []
+        if not self.pending:
+            return ready, failed
+        now = self._clock()
+        for req_id, entry in list(self.pending.items()):
+            request = entry.request
+            if request.timeout is not None and now - entry.submitted_at >= request.timeout:
+                del self.pending[req_id]  # the request's own timeout runs while it is parked too
+                self._release(entry)
+                failed.append((request.client_id, protocol.RequestOutputDelta(req_id, [], "timeout")))
+                continue
+            error = self._check(entry, now)
+            if error is None and not entry.future.done():
+                continue
+            del self.pending[req_id]
+            if error is None:
+                error = self._make_matcher(entry)
+            if error is None:
+                if request.timeout is not None:  # what is left of it once the scheduler holds the request
+                    request.timeout -= now - entry.submitted_at
+                ready.append(request)
+                continue
+            self._release(entry)
+            delta = protocol.RequestOutputDelta(req_id, [], "abort", error=str(error), error_type=type(error).__name__)
+            failed.append((entry.request.client_id, delta))
+        return ready, failed
+
+    def _check(self, entry: _Pending, now: float) -> InvalidRequestError | None:
+        """The timeout error once `compile_timeout_s` passed since submission (or since the vocabulary was ready)."""
+        if entry.future.done():
+            return None
+        ready_since = self._compilers.ready_since if self._compilers is not None else None
+        if ready_since is None:
+            return None  # the first job is still loading the tokenizer: that does not count against the grammar
+        if now - max(entry.submitted_at, ready_since) < self.compile_timeout_s:
+            return None
+        return InvalidRequestError("structured", f"grammar compilation timed out after {self.compile_timeout_s} s "
+                                                 "(structured_output_compile_timeout_s)")
+
+    def _make_matcher(self, entry: _Pending) -> BaseException | None:
+        exc = entry.future.exception()
+        if exc is not None:
+            if not isinstance(exc, InvalidRequestError):
+                logger.error("grammar compilation failed for %s", entry.request.request_id, exc_info=exc)
+                exc = InvalidRequestError("structured", f"grammar compilation failed: {type(exc).__name__}: {exc}")
+            return exc
+        import xgrammar as xgr
+
+        request = entry.request
+        self.matchers[request.request_id] = xgr.GrammarMatcher(
+            entry.future.result(), override_stop_tokens=list(request.eos_token_ids) or None
+        )
+        return None
+
+    def _release(self, entry: _Pending) -> None:
+        assert self._compilers is not None
+        wanted = any(e.future is entry.future for e in self.pending.values())
+        self._compilers.release(entry.request.params.structured, entry.future, still_wanted=wanted)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------ steps
+    def grammar_bitmask(self, sched_out: protocol.SchedulerOutput,
+                        requests: dict[str, Request]) -> protocol.GrammarBitmask | None:
+        """The bitmask rows of the structured requests that sample in this step (None if none does).
+
+        Also drops the matchers of requests the scheduler no longer holds
+        (finished, aborted, timed out), whatever ended them.
+        """
+        num_scheduled = sched_out.num_scheduled_tokens
+        req_ids: list[str] = []
+        for req_id in list(self.matchers):
+            request = requests.get(req_id)
+            if request is None:
+                del self.matchers[req_id]
+            elif req_id in num_scheduled and request.num_computed_tokens + num_scheduled[req_id] >= request.num_tokens:
+                req_ids.append(req_id)
+        if not req_ids:
+            return None
+        bitmask = self._bitmask_rows(len(req_ids))
+        for row, req_id in enumerate(req_ids):
+            self.matchers[req_id].fill_next_token_bitmask(bitmask, row)
+        return protocol.GrammarBitmask(req_ids, bitmask[: len(req_ids)].numpy().tobytes())
+
+    def _bitmask_rows(self, num_rows: int) -> Any:
+        """A reused int32 [rows, ceil(vocab / 32)] tensor with at least `num_rows` rows."""
+        if self._bitmask is None or self._bitmask.shape[0] < num_rows:
+            import xgrammar as xgr
+
+            assert self._compilers is not None
+            self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self._compilers.bitmask_vocab_size)
+        return self._bitmask
+
+    def accept(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]],
+               finish: Callable[[list[str]], None]) -> None:
+        """Advance the matchers with this step's tokens; `finish` the requests whose grammar ended ("stop")."""
+        ended: list[str] = []
+        for _, delta in outputs:
+            matcher = self.matchers.get(delta.request_id)
+            if matcher is None:
+                continue
+            for token in delta.new_token_ids:
+                if not matcher.accept_token(token):
+                    delta.error = f"structured: token {token} is not allowed by the grammar"
+                    break
+            if delta.finish_reason is not None:
+                del self.matchers[delta.request_id]
+            elif matcher.is_terminated() or delta.error is not None:
+                delta.finish_reason = "stop" if delta.error is None else "abort"
+                del self.matchers[delta.request_id]
+                ended.append(delta.request_id)
+        if ended:
+            finish(ended)
+
+    def shutdown(self) -> None:
+        if self._compilers is not None:
+            self._compilers.shutdown()
+
+    def exit_if_compiling(self) -> None:
+        """End the process at once (code 0) while a compile thread is still busy, after `shutdown`.
+
+        xgrammar's compile cannot be interrupted, and the interpreter's exit
+        would wait for it, or abort in its C++ code: the engine core's `main`
+        calls this last, when nothing else is left to clean up.
+        """
+        if self._compilers is not None and self._compilers.busy:
+            logger.info("exiting without waiting for a grammar compilation still running")
+            logging.shutdown()
+            os._exit(0)

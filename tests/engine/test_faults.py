@@ -1,0 +1,146 @@
+"""Faults on a real engine: a worker killed or hung mid-generation, workers that keep failing, a killed core.
+
+A worker fault is recovered inside the core (new workers, running requests
+recomputed): streams continue token-exact. A core fault fails every open
+stream with EngineDeadError within a second; the supervisor (max_core_restarts)
+then serves new requests on a new core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from asyncllm import AsyncEngine, EngineDeadError, SamplingParams
+from hf_reference import hf_greedy
+
+PROMPTS = ["def main():", "import os\n", "class Config:"]
+MAX_TOKENS = 48
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+ENGINE_KWARGS = dict(disable_log_stats=True, max_model_len=256, num_gpu_blocks_override=64)
+
+
+def _workers(core_pid: int) -> list[int]:
+    """The worker processes of a core: its live children running asyncllm.workers.worker, from /proc."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    cmdline = f.read()
+            except OSError:
+                continue
+            if int(fields[1]) == core_pid and fields[0] != "Z" and b"asyncllm.workers.worker" in cmdline:
+                found.append(int(entry))
+    return found
+
+
+class Streams:
+    """Consume one greedy stream per prompt in the background, recording tokens and how each ended."""
+
+    def __init__(self, engine: AsyncEngine, prompts: list[str]) -> None:
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.errors: list[tuple[BaseException, float] | None] = [None for _ in prompts]
+        self.finish: list[str | None] = [None for _ in prompts]
+        self.tasks = [asyncio.create_task(self._consume(engine, i, p)) for i, p in enumerate(prompts)]
+
+    async def _consume(self, engine: AsyncEngine, index: int, prompt: str) -> None:
+        try:
+            async for delta in engine.stream(prompt, GREEDY):
+                self.tokens[index] += delta.token_ids
+                self.finish[index] = delta.finish_reason
+        except EngineDeadError as exc:
+            self.errors[index] = (exc, time.monotonic())
+
+    async def wait_for_tokens(self, at_least: int, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while min(len(t) for t in self.tokens) < at_least:
+            assert time.monotonic() < deadline, f"streams too slow: {[len(t) for t in self.tokens]}"
+            await asyncio.sleep(0.005)
+
+    async def join(self, timeout: float = 120.0) -> None:
+        await asyncio.wait_for(asyncio.gather(*self.tasks), timeout)
+
+
+async def _wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if s.num_requests_running == 0 and s.num_requests_waiting == 0 and s.num_used_blocks == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"engine not idle after {timeout}s: {engine.stats()}")
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama: str) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    return [hf_greedy(tiny_llama, tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS]
+
+
+async def test_worker_killed_or_hung_mid_generation_streams_stay_exact(tiny_llama: str, expected) -> None:
+    engine = AsyncEngine(tiny_llama, worker_step_timeout_s=2.0, **ENGINE_KWARGS)
+    async with engine:
+        for fault in (signal.SIGKILL, signal.SIGSTOP):  # dead, then hung past the watchdog
+            [worker] = _workers(engine._core.pid)
+            streams = Streams(engine, PROMPTS)
+            await streams.wait_for_tokens(5)
+            os.kill(worker, fault)
+            assert streams.finish == [None] * 3  # the fault hit mid-generation
+            await streams.join()
+            assert streams.errors == [None, None, None], fault
+            assert streams.finish == ["length"] * 3
+            assert streams.tokens == expected, fault  # nothing lost, nothing repeated, greedy unchanged
+            [new_worker] = _workers(engine._core.pid)
+            assert new_worker != worker
+            await _wait_idle(engine)
+            assert engine.stats().engine_alive
+        out = await engine.generate(PROMPTS[0], GREEDY)
+        assert out.token_ids == expected[0]
+
+
+async def test_workers_failing_past_max_worker_restarts_fail_every_stream(tiny_llama: str) -> None:
+    engine = AsyncEngine(tiny_llama, max_worker_restarts=0, **ENGINE_KWARGS)
+    async with engine:
+        [worker] = _workers(engine._core.pid)
+        streams = Streams(engine, PROMPTS)
+        await streams.wait_for_tokens(3)
+        os.kill(worker, signal.SIGKILL)
+        await streams.join(timeout=10)
+        assert all(error is not None for error in streams.errors), streams.errors
+        assert "max_worker_restarts=0" in str(streams.errors[0][0])
+        assert not engine.stats().engine_alive
+        with pytest.raises(EngineDeadError):
+            await engine.generate(PROMPTS[0], GREEDY)
+
+
+async def test_killed_core_fails_streams_within_a_second_and_the_supervisor_restarts_it(tiny_llama: str,
+                                                                                          expected) -> None:
+    engine = AsyncEngine(tiny_llama, max_core_restarts=1, **ENGINE_KWARGS)
+    async with engine:
+        core_pid = engine._core.pid
+        [worker] = _workers(core_pid)
+        streams = Streams(engine, PROMPTS)
+        await streams.wait_for_tokens(3)
+        killed_at = time.monotonic()
+        os.kill(core_pid, signal.SIGKILL)
+        await streams.join(timeout=10)
+        assert all(error is not None for error in streams.errors), streams.errors
+        latencies = [at - killed_at for _, at in streams.errors]  # type: ignore[misc]
+        assert max(latencies) < 1.0, latencies
+        assert not engine.stats().engine_alive  # until the new core serves
+
+        out = await engine.generate(PROMPTS[1], GREEDY)  # waits for the restart, then runs on the new core
+        assert out.token_ids == expected[1]
+        assert engine._core.pid != core_pid and engine.stats().engine_alive
+        deadline = time.monotonic() + 10
+        while os.path.exists(f"/proc/{worker}") and time.monotonic() < deadline:  # the old worker followed its core
+            await asyncio.sleep(0.05)
+        assert not os.path.exists(f"/proc/{worker}")

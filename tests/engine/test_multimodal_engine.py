@@ -1,0 +1,155 @@
+"""LLaVA end to end: parity with transformers, placeholders split by chunked prefill, both caches, bad images."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import pytest_asyncio
+from mm_utils import NUM_IMAGE_TOKENS, hf_llava_greedy, make_image, make_tiny_llava
+
+from asyncllm import AsyncEngine, SamplingParams
+from asyncllm.errors import InvalidRequestError
+from asyncllm.mm.cache import MirrorEntry
+from asyncllm.mm.images import image_hash
+from asyncllm.protocol import AddRequest
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+BUDGET = 6
+"""max_num_batched_tokens: smaller than an image's 16 placeholders, so every image is split across steps."""
+
+
+class _Recorder:
+    """Wraps the processor's msgpack encoder: every AddRequest sent, with its encoded size."""
+
+    def __init__(self, encoder: msgspec.msgpack.Encoder) -> None:
+        self.encoder = encoder
+        self.sent: list[tuple[AddRequest, int]] = []
+
+    def encode(self, message: object) -> bytes:
+        data = self.encoder.encode(message)
+        if isinstance(message, AddRequest):
+            self.sent.append((message, len(data)))
+        return data
+
+
+@pytest.fixture(scope="module")
+def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_llava(tmp_path_factory.mktemp("llava"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llava: str):
+    engine = AsyncEngine(tiny_llava, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
+                         max_num_seqs=4, enable_prefix_caching=True, mm_max_image_pixels=200 * 200)
+    await engine.start()
+    engine._processor._encoder = _Recorder(engine._processor._encoder)  # type: ignore[union-attr]
+    yield engine
+    await engine.aclose()
+
+
+def _sent(engine: AsyncEngine) -> list[tuple[AddRequest, int]]:
+    return engine._processor._encoder.sent  # type: ignore[union-attr]
+
+
+async def _core_stats(engine: AsyncEngine, queries_at_least: int):
+    """The core's stats once they count ``queries_at_least`` prefix-cache lookups (they ride on outputs)."""
+    for _ in range(100):
+        stats = engine.stats()
+        if stats.prefix_cache_queries >= queries_at_least:
+            return stats
+        await asyncio.sleep(0.02)
+    return engine.stats()
+
+
+async def test_one_image_matches_transformers_with_the_image_split_across_chunks(engine, tiny_llava):
+    image = make_image(40, 30, seed=1)
+    out = await engine.generate({"prompt": "Describe <image> please", "images": [image]}, GREEDY)
+    hf_prompt, hf_tokens = hf_llava_greedy(tiny_llava, "Describe <image> please", [image], 8)
+    assert out.prompt_token_ids == hf_prompt
+    assert hf_prompt.count(hf_prompt[hf_prompt.index(512)]) == NUM_IMAGE_TOKENS > BUDGET
+    assert out.outputs[0].token_ids == hf_tokens
+
+
+async def test_several_images_of_different_sizes_match_transformers(engine, tiny_llava):
+    images = [make_image(40, 30, seed=2), make_image(120, 90, seed=3), make_image(64, 64, seed=4)]
+    text = "<image> then <image> and <image> end"
+    out = await engine.generate({"prompt": text, "images": images}, GREEDY)
+    hf_prompt, hf_tokens = hf_llava_greedy(tiny_llava, text, images, 8)
+    assert out.prompt_token_ids == hf_prompt
+    assert out.outputs[0].token_ids == hf_tokens
+
+
+async def test_chat_messages_with_openai_image_parts_match_transformers(engine, tiny_llava):
+    image = make_image(50, 40, seed=5)
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is "},
+                                             {"type": "image_url", "image_url": {"url": image}}]}]
+    stream = engine.chat(messages, GREEDY)
+    tokens = [token for delta in [d async for d in stream] for token in delta.token_ids]
+    hf_messages = [{"role": "user", "content": [{"type": "text", "text": "what is "}, {"type": "image"}]}]
+    hf_prompt, hf_tokens = hf_llava_greedy(tiny_llava, None, [image], 8, messages=hf_messages)
+    assert stream.collector.prompt_token_ids == hf_prompt
+    assert tokens == hf_tokens
+
+
+async def test_a_repeated_image_crosses_as_its_key_and_hits_both_caches(engine):
+    image, other = make_image(80, 60, seed=6), make_image(80, 60, seed=7)
+    prompt = "Look: <image> what?"
+    first = await engine.generate({"prompt": prompt, "images": [image]}, GREEDY)
+    before = engine.stats()
+    second = await engine.generate({"prompt": prompt, "images": [image]}, GREEDY)
+    (msg1, size1), (msg2, size2) = _sent(engine)[-2:]
+    assert msg1.mm_items[0].data is not None and msg2.mm_items[0].data is None
+    assert msg1.mm_items[0].mm_hash == msg2.mm_items[0].mm_hash
+    assert size2 < 300 and size1 > len(msg1.mm_items[0].data) == 3 * 56 * 56 * 4  # the key only, vs the pixels
+    assert engine.stats().mm_cache_hits == before.mm_cache_hits + 1
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    item = msg1.mm_items[0]
+    assert second.num_cached_tokens >= (item.offset + item.length) // 4 * 4  # prefix cache covers the image
+    third = await engine.generate({"prompt": prompt, "images": [other]}, GREEDY)
+    msg3 = _sent(engine)[-1][0]
+    assert msg3.mm_items[0].data is not None and msg3.mm_items[0].mm_hash != item.mm_hash
+    assert engine.stats().mm_cache_hits == before.mm_cache_hits + 1  # a different image never hits
+    assert third.num_cached_tokens <= item.offset  # only the text before the image is shared
+    assert third.outputs[0].token_ids != first.outputs[0].token_ids
+
+
+async def test_a_cache_miss_from_drift_is_resent_with_data(engine, tiny_llava):
+    image = make_image(70, 50, seed=8)
+    mm = engine._processor._mm  # type: ignore[union-attr]
+    mm.mirror.put(image_hash(image), 1, MirrorEntry(NUM_IMAGE_TOKENS))  # the host wrongly believes the core has it
+    out = await engine.generate({"prompt": "Again <image>", "images": [image]}, GREEDY)
+    (miss, _), (resent, _) = _sent(engine)[-2:]
+    assert miss.request_id == resent.request_id
+    assert miss.mm_items[0].data is None and resent.mm_items[0].data is not None
+    assert out.outputs[0].token_ids == hf_llava_greedy(tiny_llava, "Again <image>", [image], 8)[1]
+
+
+async def test_bad_images_fail_only_their_request(engine):
+    with pytest.raises(InvalidRequestError, match=r"prompt.images\[0\]: cannot decode the image"):
+        await engine.generate({"prompt": "x <image>", "images": [b"not an image at all"]}, GREEDY)
+    with pytest.raises(InvalidRequestError, match="URLs are not fetched; pass bytes"):
+        await engine.generate({"prompt": "x <image>", "images": ["https://example.com/cat.png"]}, GREEDY)
+    with pytest.raises(InvalidRequestError, match="over mm_max_image_pixels=40000"):
+        await engine.generate({"prompt": "x <image>", "images": [make_image(300, 300, seed=9)]}, GREEDY)
+    with pytest.raises(InvalidRequestError, match="1 image placeholder tokens .* but 2 images"):
+        await engine.generate({"prompt": "x <image>", "images": [make_image(20, 20, 1)] * 2}, GREEDY)
+    out = await engine.generate({"prompt": "still <image> serving", "images": [make_image(30, 30, seed=10)]}, GREEDY)
+    assert len(out.outputs[0].token_ids) == 8
+    text = await engine.generate("plain text still works", GREEDY)
+    assert len(text.outputs[0].token_ids) == 8
+
+
+async def test_the_processor_cache_off_and_tp2_give_the_same_tokens(engine, tiny_llava):
+    images = [make_image(40, 30, seed=11), make_image(40, 30, seed=11)]  # the same image twice in one prompt
+    prompt = {"prompt": "<image> twice <image>", "images": images}
+    cached = await engine.generate(prompt, GREEDY)
+    assert _sent(engine)[-1][0].mm_items[1].data is None  # the second copy rides on the first one's data
+    async with AsyncEngine(tiny_llava, disable_log_stats=True, mm_processor_cache_gb=0, tensor_parallel_size=2,
+                           max_num_batched_tokens=BUDGET, max_num_seqs=4) as uncached:  # decoder sharded, tower replicated
+        out = await uncached.generate(prompt, GREEDY)
+        assert uncached.stats().mm_cache_queries == 0
+    assert out.outputs[0].token_ids == cached.outputs[0].token_ids

@@ -1,0 +1,116 @@
+"""Structured output on a real engine: JSON schema, regex, choices, compile timeout, abort while compiling."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import time
+
+import pytest
+import pytest_asyncio
+
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams, StructuredOutputs
+
+pytest.importorskip("xgrammar")
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+COMPILE_TIMEOUT_S = 1.5
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": -1000, "maximum": 1000}, "b": {"type": "string", "maxLength": 5}},
+    "required": ["a", "b"],
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama: str):
+    engine = AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=1024,
+                         structured_output_compile_timeout_s=COMPILE_TIMEOUT_S)
+    async with engine:
+        yield engine
+
+
+def _slow_regex(seed: int) -> str:
+    """An alternation of 20,000 random words: several seconds for xgrammar to compile (and then it finishes)."""
+    rnd = random.Random(seed)
+    return "(" + "|".join("".join(rnd.choice("abcdefghij") for _ in range(12)) for _ in range(20000)) + ")"
+
+
+async def _wait_stats(engine: AsyncEngine, running: int, waiting: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        s = engine.stats()
+        if (s.num_requests_running, s.num_requests_waiting) == (running, waiting) and (running or not s.num_used_blocks):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"expected running={running} waiting={waiting}: {engine.stats()}")
+
+
+def _check_against_schema(value: object) -> None:
+    try:
+        import jsonschema
+    except ImportError:
+        assert isinstance(value, dict) and set(value) == {"a", "b"}
+        assert type(value["a"]) is int and -1000 <= value["a"] <= 1000
+        assert isinstance(value["b"], str) and len(value["b"]) <= 5
+    else:
+        jsonschema.validate(value, SCHEMA)
+
+
+async def test_fifty_seeded_json_samples_all_validate(engine: AsyncEngine) -> None:
+    def params(seed: int) -> SamplingParams:
+        return SamplingParams(n=25, seed=seed, temperature=1.0, max_tokens=100, structured=StructuredOutputs(json=SCHEMA))
+
+    outs = await asyncio.gather(engine.generate("Answer in JSON:", params(1)), engine.generate("JSON:", params(2)))
+    samples = [o for out in outs for o in out.outputs]
+    assert len(samples) == 50
+    for sample in samples:
+        assert sample.finish_reason == "stop", sample
+        # strict=False: xgrammar's maxLength string rule admits U+0000-U+001F, which strict JSON refuses
+        _check_against_schema(json.loads(sample.text, strict=False))
+    assert len({s.text for s in samples}) > 10  # temperature 1.0 really sampled
+    await _wait_stats(engine, 0, 0)
+
+
+async def test_regex_and_choice_are_obeyed(engine: AsyncEngine) -> None:
+    regex = SamplingParams(n=10, seed=3, max_tokens=30, structured=StructuredOutputs(regex=r"[a-z]{3}-\d{2}"))
+    choice = SamplingParams(n=10, seed=4, max_tokens=30, structured=StructuredOutputs(choice=["yes", "no", "maybe so"]))
+    by_regex, by_choice = await asyncio.gather(engine.generate("id:", regex), engine.generate("ok?", choice))
+    assert all(re.fullmatch(r"[a-z]{3}-\d{2}", o.text) and o.finish_reason == "stop" for o in by_regex.outputs)
+    assert all(o.text in ("yes", "no", "maybe so") and o.finish_reason == "stop" for o in by_choice.outputs)
+    greedy = SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutputs(grammar='root ::= "x" [0-9] "y"'))
+    out = await engine.generate("ebnf:", greedy)
+    assert re.fullmatch(r"x[0-9]y", out.text) and out.finish_reason == "stop"
+
+
+async def test_invalid_regex_is_a_typed_error(engine: AsyncEngine) -> None:
+    with pytest.raises(InvalidRequestError, match="^structured: invalid regex: ") as info:
+        await engine.generate("x", SamplingParams(structured=StructuredOutputs(regex="(a")))
+    assert info.value.field == "structured"
+
+
+async def test_compile_timeout_fails_the_request_and_others_keep_running(engine: AsyncEngine) -> None:
+    slow = SamplingParams(max_tokens=5, structured=StructuredOutputs(regex=_slow_regex(1)))
+    structured = asyncio.create_task(engine.generate("slow", slow))
+    await _wait_stats(engine, 0, 1)  # parked in the core, no KV block
+    plain = await engine.generate("meanwhile", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert len(plain.token_ids) == 8 and not structured.done()
+    with pytest.raises(InvalidRequestError) as info:
+        await structured
+    assert str(info.value) == (f"structured: grammar compilation timed out after {COMPILE_TIMEOUT_S} s "
+                               "(structured_output_compile_timeout_s)")
+    await _wait_stats(engine, 0, 0)
+
+
+async def test_abort_while_compiling_frees_the_request(engine: AsyncEngine) -> None:
+    slow = SamplingParams(max_tokens=5, structured=StructuredOutputs(regex=_slow_regex(2)))
+    task = asyncio.create_task(engine.generate("slow", slow))
+    await _wait_stats(engine, 0, 1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _wait_stats(engine, 0, 0)  # the core forgot it at once, without waiting for the compile
+    out = await engine.generate("after", SamplingParams(max_tokens=10, seed=0, structured=StructuredOutputs(choice=["ok"])))
+    assert out.text == "ok"

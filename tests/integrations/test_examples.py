@@ -1,0 +1,24 @@
+"""The examples stay valid: every file compiles, and the app modules build their apps (nothing starts)."""
+
+from __future__ import annotations
+
+import importlib.util
+import py_compile
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.rglob("*.py")), ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_example_compiles(path: Path) -> None:
+    py_compile.compile(str(path), doraise=True)
+
+
+@pytest.mark.parametrize("name", ["starlette_app", "aiohttp_app", "shared_engine/app"])
+def test_example_app_builds(name: str) -> None:
+    spec = importlib.util.spec_from_file_location(name.replace("/", "_"), EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # constructing an engine is cheap: nothing starts before a request
+    assert module.app is not None

@@ -1,0 +1,108 @@
+"""A tiny random LLaVA checkpoint (CLIP vision tower + Llama decoder) for the multimodal tests."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+IMAGE_TOKEN = "<image>"
+IMAGE_SIZE = 56
+PATCH_SIZE = 14
+NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
+"""Placeholder tokens per image: one per patch (the CLS feature is dropped)."""
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<image>' }}{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ eos_token }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
+    """Save a tiny random ``LlavaForConditionalGeneration`` with its processor in ``path``."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessorPil,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    image_token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    text = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    )
+    vision = CLIPVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=image_token_id,
+        vision_feature_layer=-2, vision_feature_select_strategy="default", image_seq_length=NUM_IMAGE_TOKENS,
+    )
+    torch.manual_seed(seed)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 1.0 if "norm" in name and name.endswith("weight") else 0.2)
+    model.save_pretrained(path)
+    image_processor = CLIPImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+    )
+    processor = LlavaProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default", image_token=IMAGE_TOKEN, num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    return str(path)
+
+
+def make_image(width: int, height: int, seed: int) -> bytes:
+    """A PNG of random pixels (so different seeds differ)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def hf_llava_greedy(path: str, text: str | None, images: list[bytes], max_new_tokens: int,
+                    messages: list | None = None) -> tuple[list[int], list[int]]:
+    """transformers' (prompt ids, greedy tokens) for a text with ``<image>`` markers (or chat messages)."""
+    import torch
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(path)
+    if messages is not None:
+        text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+    inputs = processor(text=text, images=pil or None, return_tensors="pt", add_special_tokens=messages is None)
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    return prompt_ids, out[0, len(prompt_ids):].tolist()

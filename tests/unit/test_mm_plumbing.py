@@ -1,0 +1,149 @@
+"""The multimodal plumbing without processes: the processor cache's two halves, item checks, block keys, chat parts."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm.config import EngineConfig
+from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.kv.hashing import extend_block_hashes
+from asyncllm.mm.cache import LRUBudget, MirrorEntry, MultiModalCacheMiss, ProcessorCacheStore, fill_mm_items
+from asyncllm.mm.processor import split_chat_images
+from asyncllm.models.llava import normalize_llava_name
+from asyncllm.protocol import AddRequest, MultiModalItem
+from asyncllm.sampling import SamplingParams
+
+
+def _item(mm_hash: str, offset: int = 1, length: int = 2, data: bytes | None = b"\0" * 8) -> MultiModalItem:
+    return MultiModalItem(mm_hash, offset, length, data, [2] if data else [], "float32")
+
+
+def _add(items: list[MultiModalItem], num_tokens: int = 8) -> AddRequest:
+    return AddRequest("r", [5] * num_tokens, SamplingParams(), [1], 0.0, mm_items=items)
+
+
+def test_lru_budget_evicts_oldest_first_and_refreshes_on_get():
+    lru: LRUBudget[int] = LRUBudget(10)
+    lru.put("a", 4, 1)
+    lru.put("b", 4, 2)
+    assert lru.get("a") == 1  # "b" is now the oldest
+    lru.put("c", 4, 3)
+    assert (lru.get("a"), lru.get("b"), lru.get("c"), lru.total_bytes) == (1, None, 3, 8)
+    lru.put("huge", 11, 4)  # larger than the whole budget: not kept, nothing evicted
+    assert (lru.get("huge"), len(lru)) == (None, 2)
+
+
+def test_mirror_and_store_stay_in_step_under_the_same_operations():
+    mirror: LRUBudget[MirrorEntry] = LRUBudget(16)
+    store = ProcessorCacheStore(16)
+    for key in ["a", "b", "a", "c", "d"]:  # the host sends data on a mirror miss, the key on a hit
+        hit = mirror.get(key) is not None
+        if not hit:
+            mirror.put(key, 8, MirrorEntry(2))
+        message = _add([_item(key, data=None if hit else b"\0" * 8)])
+        fill_mm_items(store, message)
+        assert message.mm_items[0].data == b"\0" * 8
+    assert [k for k in "abcd" if mirror.get(k)] == [k for k in "abcd" if store.get(k)] == ["c", "d"]
+
+
+def test_a_key_the_store_lacks_is_a_cache_miss_naming_it():
+    with pytest.raises(MultiModalCacheMiss, match="not in the core's processor cache: gone"):
+        fill_mm_items(ProcessorCacheStore(100), _add([_item("gone", data=None)]))
+    with pytest.raises(MultiModalCacheMiss):
+        fill_mm_items(None, _add([_item("off", data=None)]))  # the cache is disabled: data is required
+
+
+@pytest.mark.parametrize("items, match", [
+    ([_item("a", offset=7, length=2)], r"mm_items\[0\]: placeholders \[7, 9\) must be in the prompt"),
+    ([_item("a", 1, 3), _item("b", 2, 2)], r"mm_items\[1\]"),
+    ([MultiModalItem("a", 1, 2, b"\0" * 7, [2], "float32")], "does not match shape"),
+    ([MultiModalItem("a", 1, 2, b"\0" * 8, [2], "object")], "dtype 'object'"),
+])
+def test_malformed_items_are_refused_with_the_field(items, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        fill_mm_items(ProcessorCacheStore(100), _add(items))
+
+
+def test_block_hashes_key_on_the_image_and_its_place():
+    tokens = [9] * 12  # placeholders are all the same token
+    def hashes(items):
+        out: list[bytes] = []
+        extend_block_hashes(out, tokens, 4, 3, None, items)
+        return out
+    plain, same = hashes([]), hashes([_item("img", 2, 4)])
+    assert hashes([_item("img", 2, 4)]) == same  # same image, same place: hits
+    other = hashes([_item("other", 2, 4)])
+    assert other[0] != same[0] and other[1] != same[1]  # a different image never hits
+    assert hashes([_item("img", 3, 4)])[0] != same[0]  # same image elsewhere: another key
+    assert plain[2] != same[2]  # the chain carries the image into later blocks
+
+
+def test_chat_image_parts_become_template_parts_and_images_in_order():
+    messages = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "image", "image": b"A"}, {"type": "text", "text": "and"},
+                                     {"type": "image_url", "image_url": {"url": b"B"}}]},
+    ]
+    rendered, images = split_chat_images(messages)
+    assert images == [b"A", b"B"]
+    assert rendered[0] == messages[0]
+    assert rendered[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
+    with pytest.raises(InvalidRequestError, match="unknown type 'audio'"):
+        split_chat_images([{"role": "user", "content": [{"type": "audio"}]}])
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("vision_tower.vision_model.encoder.layers.0.mlp.fc1.weight", "vision_tower.encoder.layers.0.mlp.fc1.weight"),
+    ("model.vision_tower.embeddings.class_embedding", "vision_tower.embeddings.class_embedding"),
+    ("model.language_model.layers.0.self_attn.q_proj.weight", "language_model.model.layers.0.self_attn.q_proj.weight"),
+    ("lm_head.weight", "language_model.lm_head.weight"),
+    ("language_model.model.norm.weight", "language_model.model.norm.weight"),
+    ("multi_modal_projector.linear_1.bias", "multi_modal_projector.linear_1.bias"),
+])
+def test_llava_checkpoint_layouts_map_to_one_naming(name, expected):
+    assert normalize_llava_name(name) == expected
+
+
+@pytest.mark.parametrize("field, value", [("mm_processor_cache_type", "shm"), ("mm_encoder_tp_mode", "data")])
+def test_unbuilt_multimodal_modes_are_refused_at_config_time(field, value):
+    with pytest.raises(NotBuiltError, match="not built yet") as info:
+        EngineConfig.create("m", **{field: value})
+    assert info.value.field == field
+
+
+class _FakeModel:
+    """Embeddings = the token id; an image's features = its first pixel + row index (2 rows per image)."""
+
+    def __init__(self) -> None:
+        self.encoded: list[int] = []
+
+    def embed_input_ids(self, input_ids):
+        return input_ids.float().unsqueeze(1)
+
+    def embed_multimodal(self, pixels):
+        import torch
+
+        self.encoded += [int(p.flatten()[0]) for p in pixels]
+        return pixels.flatten(1)[:, :1].unsqueeze(1) + torch.arange(2.0).view(1, 2, 1)
+
+
+def test_an_image_split_across_steps_is_encoded_once_and_scattered_row_by_row():
+    import numpy as np
+    import torch
+
+    from asyncllm.mm.embeddings import EncoderOutputCache, ScheduledSpan
+
+    def image(value: float, offset: int) -> MultiModalItem:
+        return MultiModalItem(f"h{value}", offset, 2, np.full(4, value, np.float32).tobytes(), [4], "float32")
+
+    model = _FakeModel()
+    cache = EncoderOutputCache(model, torch.device("cpu"))
+    cache.add_request("a", [image(100.0, 1), image(200.0, 3)])  # prompt: t I I J J t
+    step1 = cache.inputs_embeds(torch.tensor([9, 7, 0]), [ScheduledSpan("a", 0, 2, 1)])  # another request's token first
+    assert step1.flatten().tolist() == [9.0, 7.0, 100.0]  # the chunk ends inside the first image
+    step2 = cache.inputs_embeds(torch.tensor([0, 0, 0]), [ScheduledSpan("a", 2, 3, 0)])
+    assert step2.flatten().tolist() == [101.0, 200.0, 201.0]
+    assert model.encoded == [100, 200] and cache.outputs == {}  # each once; freed once the prefill passed them
+    assert cache.inputs_embeds(torch.tensor([5]), [ScheduledSpan("a", 5, 1, 0)]) is None  # past every image
+    cache.remove_request("a")
+    assert cache.items == {}

@@ -1,0 +1,233 @@
+"""Structured output without an engine: the constraint's validation, the bitmask, the core's manager."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgspec
+import pytest
+import torch
+
+from asyncllm import protocol
+from asyncllm import InvalidRequestError, SamplingParams, StructuredOutputs
+from asyncllm.sched.request import Request
+from asyncllm.structured.bitmask import apply_grammar_bitmask, unpack_bitmask
+from asyncllm.structured.compiler import choice_grammar
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+# ------------------------------------------------------------ the constraint
+@pytest.mark.parametrize("structured, why", [
+    (StructuredOutputs(), "set exactly one of json, regex, choice, grammar; got none"),
+    (StructuredOutputs(regex="a", choice=["x"]), "set exactly one of json, regex, choice, grammar; got ['regex', 'choice']"),
+    (StructuredOutputs(choice=[]), "choice must be a non-empty list of non-empty strings"),
+    (StructuredOutputs(choice=["a", ""]), "choice must be a non-empty list of non-empty strings"),
+    (StructuredOutputs(regex=""), "regex must be a non-empty string"),
+    (StructuredOutputs(grammar=3), "grammar must be a non-empty string"),  # type: ignore[arg-type]
+    (StructuredOutputs(json="[1"), "json is not valid JSON text"),
+    (StructuredOutputs(json=[1]), "json must be a JSON schema object, got list"),  # type: ignore[arg-type]
+    ({"jsn": {}}, "must be a StructuredOutputs, got dict"),
+])
+def test_invalid_constraint_names_structured(structured: object, why: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(structured=structured).validate()  # type: ignore[arg-type]
+    assert info.value.field == "structured"
+    assert why in str(info.value)
+
+
+def test_min_tokens_is_refused_with_a_constraint() -> None:
+    with pytest.raises(InvalidRequestError, match="^structured: cannot be combined with min_tokens > 0$"):
+        SamplingParams(min_tokens=2, structured=StructuredOutputs(regex="a")).validate()
+
+
+def test_missing_xgrammar_names_the_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncllm.structured import compiler
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    monkeypatch.setattr(compiler, "_xgrammar_installed", False)
+    manager = StructuredOutputManager("unused", 512, compile_timeout_s=1.0)
+    with pytest.raises(InvalidRequestError) as info:
+        manager.add(_request("r", StructuredOutputs(regex="a")))
+    assert str(info.value) == ("structured: structured output needs the xgrammar package: "
+                               "pip install 'asyncllm[structured]'")
+    assert not manager.active
+
+
+def test_constraint_crosses_the_wire_and_samples_keep_it() -> None:
+    params = SamplingParams(n=3, seed=5, structured={"json": SCHEMA})  # type: ignore[arg-type]
+    params.validate()
+    assert params.structured == StructuredOutputs(json=SCHEMA)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(params), type=SamplingParams)
+    assert decoded.structured == StructuredOutputs(json=SCHEMA)
+    assert params.for_sample(2).structured is params.structured
+
+
+def test_cache_key_is_canonical() -> None:
+    as_text = StructuredOutputs(json=json.dumps({"required": ["a"], "type": "object"}, indent=2))
+    as_dict = StructuredOutputs(json={"type": "object", "required": ["a"]})
+    assert as_text.cache_key() == as_dict.cache_key() == ("json", '{"required":["a"],"type":"object"}')
+    assert StructuredOutputs(regex="a+").cache_key() == ("regex", "a+")
+    assert choice_grammar(['say "hi"', "ü\n"]) == 'root ::= "say \\"hi\\"" | "ü\\n"'
+
+
+# ------------------------------------------------------------ the worker's mask
+def test_unpack_bitmask_matches_xgrammar() -> None:
+    xgr = pytest.importorskip("xgrammar")
+    vocab_size = 77  # not a multiple of 32: the last word is partly padding
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(-2**31, 2**31 - 1, (3, 3), dtype=torch.int32, generator=gen)
+    logits = torch.randn(3, vocab_size, generator=gen)
+    expected = logits.clone()
+    xgr.apply_token_bitmask_inplace(expected, words)
+    allowed = unpack_bitmask(words, vocab_size)
+    assert torch.equal(logits.masked_fill(~allowed, float("-inf")), expected)
+    assert allowed[0, 5].item() == bool((words[0, 0].item() >> 5) & 1)
+
+
+def test_apply_grammar_bitmask_maps_rows_by_request() -> None:
+    logits = torch.zeros(3, 40)
+    row_b = torch.zeros(2, dtype=torch.int32)
+    row_b[0] = (1 << 3) - (1 << 31)  # tokens 3 and 31 (bit 31 is the int32 sign bit)
+    row_b[1] = 1 << 7  # token 39
+    row_a = torch.tensor([1, 0], dtype=torch.int32)  # token 0
+    grammar = protocol.GrammarBitmask(["b", "a"], torch.stack([row_b, row_a]).numpy().tobytes())
+    apply_grammar_bitmask(logits, grammar, ["a", "free", "b"])
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [0]
+    assert torch.isfinite(logits[1]).all()
+    assert torch.isfinite(logits[2]).nonzero().flatten().tolist() == [3, 31, 39]
+
+
+# ------------------------------------------------------------ the core's manager
+@pytest.fixture(scope="module")
+def manager_args(tiny_llama: str) -> tuple[str, int]:
+    pytest.importorskip("xgrammar")
+    return tiny_llama, 512
+
+
+def _request(req_id: str, structured: StructuredOutputs, client: bytes = b"c") -> Request:
+    params = SamplingParams(max_tokens=20, structured=structured)
+    message = protocol.AddRequest(req_id, [5, 6, 7], params, [1], time.time())
+    return Request.from_add_request(message, client)
+
+
+def _wait_polled(manager, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ready, failed = manager.poll()
+        if ready or failed:
+            return ready, failed
+        time.sleep(0.01)
+    raise AssertionError("nothing compiled")
+
+
+def test_manager_compiles_masks_and_finishes_on_the_grammar_end(manager_args, tiny_llama: str) -> None:
+    from transformers import AutoTokenizer
+
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    manager = StructuredOutputManager(*manager_args, compile_timeout_s=60.0)
+    request = _request("r", StructuredOutputs(choice=["yes", "no"]))
+    manager.add(request)
+    assert manager.pending and not manager.matchers
+    ready, failed = _wait_polled(manager)
+    assert ready == [request] and failed == [] and not manager.pending
+    sched_out = protocol.SchedulerOutput(0, [], [], {"r": 3}, 3)
+    grammar = manager.grammar_bitmask(sched_out, {"r": request})
+    assert grammar is not None and grammar.req_ids == ["r"]
+    allowed = unpack_bitmask(torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(1, -1), 512)
+    allowed_text = {tokenizer.decode([t]) for t in allowed[0].nonzero().flatten().tolist()}
+    assert allowed_text and all("yes".startswith(t) or "no".startswith(t) for t in allowed_text)
+    finished: list[list[str]] = []
+    tokens = tokenizer.encode("yes", add_special_tokens=False)
+    delta = protocol.RequestOutputDelta("r", tokens)
+    manager.accept([(b"c", delta)], finished.append)
+    assert manager.matchers["r"].is_terminated() is False  # 'yes' is complete; EOS (1) ends it
+    manager.accept([(b"c", protocol.RequestOutputDelta("r", [1]))], finished.append)
+    assert finished == [["r"]] and "r" not in manager.matchers
+    manager.shutdown()
+
+
+def test_manager_timeout_and_abort_while_compiling(manager_args) -> None:
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    now = [0.0]
+    manager = StructuredOutputManager(*manager_args, compile_timeout_s=5.0, clock=lambda: now[0])
+    slow = StructuredOutputs(regex="(" + "|".join(f"{i:06d}x{i * 7919 % 999983:06d}" for i in range(10000)) + ")")
+    manager.add(_request("slow", slow))
+    future = manager.pending["slow"].future
+    manager.add(_request("slow-2", slow))  # the same constraint: one shared job
+    assert manager.pending["slow"].future is manager.pending["slow-2"].future
+    manager.abort(["slow-2"], b"someone-else")  # a host aborts only its own requests
+    assert "slow-2" in manager.pending
+    manager.abort(["slow-2"], b"c")
+    assert "slow-2" not in manager.pending and not manager.pending["slow"].future.cancelled()
+    while manager._compilers.ready_since is None:  # the tokenizer loading does not count
+        time.sleep(0.01)
+    now[0] = 5.0 + time.monotonic()  # past the deadline whatever ready_since is
+    ready, failed = manager.poll()
+    assert ready == [] and not manager.pending
+    [(client, delta)] = failed
+    assert client == b"c" and delta.finish_reason == "abort" and delta.error_type == "InvalidRequestError"
+    assert delta.error == "structured: grammar compilation timed out after 5.0 s (structured_output_compile_timeout_s)"
+    pool = manager._compilers
+    assert pool.busy and pool._num_threads == 3  # the abandoned compile's thread has a replacement
+    future.result(timeout=300)  # it still finishes (a C++ compile cannot be interrupted) ...
+    deadline = time.monotonic() + 10
+    while pool._num_threads != 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool._num_threads == 2 and not pool.busy  # ... and then its thread goes
+    manager.shutdown()
+
+
+def test_invalid_grammar_is_a_typed_error(manager_args) -> None:
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(*manager_args, compile_timeout_s=60.0)
+    manager.add(_request("bad", StructuredOutputs(grammar="root ::= ( 'a'")))
+    ready, [(_, delta)] = _wait_polled(manager)
+    assert ready == [] and delta.error is not None and delta.error.startswith("structured: invalid grammar: ")
+    manager.shutdown()
+
+
+class _ManualPool:
+    """A compile pool whose jobs the test finishes by hand."""
+
+    ready_since = None
+
+    def __init__(self) -> None:
+        self.futures: list = []
+        self.released: list = []
+
+    def submit(self, structured: StructuredOutputs):
+        from concurrent.futures import Future
+
+        self.futures.append(Future())
+        return self.futures[-1]
+
+    def release(self, structured, future, still_wanted: bool) -> None:
+        self.released.append((future, still_wanted))
+
+
+def test_request_timeout_counts_while_parked(manager_args) -> None:
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    now = [100.0]
+    manager = StructuredOutputManager(*manager_args, compile_timeout_s=60.0, clock=lambda: now[0])
+    pool = manager._compilers = _ManualPool()  # type: ignore[assignment]
+    for req_id in ("late", "parked-too-long"):
+        request = _request(req_id, StructuredOutputs(choice=["x"]))
+        request.timeout = 2.0
+        manager.add(request)
+    now[0] = 101.5
+    assert manager.poll() == ([], [])  # vocabulary not ready: no compile timeout, request timeouts not due
+    pool.futures[0].set_result(None)  # "late" compiled (a None grammar: no matcher is needed to test this)
+    manager._make_matcher = lambda entry: None  # type: ignore[method-assign]
+    ready, failed = manager.poll()
+    assert [r.request_id for r in ready] == ["late"] and ready[0].timeout == 0.5 and failed == []
+    now[0] = 102.0
+    ready, [(client, delta)] = manager.poll()
+    assert ready == [] and (client, delta.request_id, delta.finish_reason, delta.error) == (b"c", "parked-too-long", "timeout", None)
+    assert pool.released == [(pool.futures[1], False)] and not manager.active
