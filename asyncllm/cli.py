@@ -18,7 +18,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", default=None,
                      help="local folder or hub id; default: the bundled tiny model (no download)")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--temperature", type=float, default=0.7,
+                     help="0 is greedy; the default samples, which reads better from small models (default: 0.7)")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
     gen.add_argument("--dtype", default="auto")

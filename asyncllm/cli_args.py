@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 from asyncllm import config as config_module
 
-__all__ = ["ENGINE_FLAG_FIELDS", "add_engine_args", "engine_kwargs"]
+__all__ = ["ENGINE_FLAG_FIELDS", "add_engine_args", "engine_kwargs", "markdown_table"]
 
 _SECTIONS = (
     config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
@@ -113,3 +113,22 @@ def _field_docs() -> dict[str, str]:
                     and isinstance(following.value.value, str)):
                 docs[stmt.target.id] = " ".join(following.value.value.split())
     return docs
+
+
+def markdown_table() -> str:
+    """The engine-flag table of docs/cli.md: ``python -m asyncllm.cli_args`` prints it."""
+    docs = _field_docs()
+    rows = ["| flag | value | default | what |", "|---|---|---|---|"]
+    for field in _flag_fields():
+        flag, annotation = field.name.replace("_", "-"), str(field.type)
+        if _parser_for(annotation) is bool:
+            name, value = f"`--{flag}` / `--no-{flag}`", ""
+        else:
+            name, value = f"`--{flag}`", _metavar(annotation) + (" or `none`" if "None" in annotation else "")
+        what = docs.get(field.name, "").replace("|", "\\|")
+        rows.append(f"| {name} | {value} | `{_default(field)!r}` | {what} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(markdown_table())

@@ -30,7 +30,7 @@ async def stop_engine(state: TaskiqState) -> None:
 
 @broker.task
 async def complete(prompt: str, max_tokens: int = 32) -> str:
-    out = await engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    out = await engine.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.7, seed=0))
     return out.text
 
 

@@ -19,13 +19,19 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import SamplingParams
 
 __all__ = [
-    "MAX_REQUEST_ID_CHARS", "check_add_request", "check_text", "check_params_text", "check_params_vocab",
+    "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_text", "check_params_text", "check_params_vocab",
     "check_token_ids",
     "max_prompt_chars",
 ]
 
 MAX_REQUEST_ID_CHARS = 1024
 """Longest request id (caller-given ids are echoed in logs, metrics and every delta)."""
+MAX_N = 1024
+"""Most samples per request: each is a request in the core, so n is bounded like a batch, not like an int."""
+MAX_STOP_STRINGS = 256
+"""Most stop strings per request: the processor thread matches each against every new piece of text."""
+MAX_STOP_CHARS = 4096
+"""Longest stop string: the detokenizer holds back that much text before a stream may show it."""
 _UNKNOWN_VOCAB_LIMIT = 2**31
 """Bound on token ids when the vocabulary size is unknown (test runners): they must fit int32 tensors."""
 _PRIORITY_LIMIT = 2**63
@@ -44,8 +50,14 @@ def check_text(field: str, text: str) -> None:
 
 
 def check_params_text(params: SamplingParams) -> None:
-    """The strings of the parameters must cross the wire as UTF-8 (after `params.validate()`)."""
+    """Sizes the host's processor thread pays for per token, and UTF-8 strings (after `params.validate()`)."""
+    if params.n > MAX_N:
+        raise InvalidRequestError("n", f"at most {MAX_N} samples per request, got {params.n}")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
     for stop in params.stop:
+        if len(stop) > MAX_STOP_CHARS:
+            raise InvalidRequestError("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters, got {len(stop)}")
         check_text("stop", stop)
 
 

@@ -18,28 +18,12 @@ from transformers import AutoTokenizer
 
 from asyncllm import AsyncEngine, EngineDeadError, SamplingParams
 from hf_reference import hf_greedy
+from proc_utils import worker_pids
 
 PROMPTS = ["def main():", "import os\n", "class Config:"]
 MAX_TOKENS = 48
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE_KWARGS = dict(disable_log_stats=True, max_model_len=256, num_gpu_blocks_override=64)
-
-
-def _workers(core_pid: int) -> list[int]:
-    """The worker processes of a core: its live children running asyncllm.workers.worker, from /proc."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmdline = f.read()
-            except OSError:
-                continue
-            if int(fields[1]) == core_pid and fields[0] != "Z" and b"asyncllm.workers.worker" in cmdline:
-                found.append(int(entry))
-    return found
 
 
 class Streams:
@@ -89,7 +73,7 @@ async def test_worker_killed_or_hung_mid_generation_streams_stay_exact(tiny_llam
     engine = AsyncEngine(tiny_llama, worker_step_timeout_s=2.0, **ENGINE_KWARGS)
     async with engine:
         for fault in (signal.SIGKILL, signal.SIGSTOP):  # dead, then hung past the watchdog
-            [worker] = _workers(engine._core.pid)
+            [worker] = worker_pids(engine._core.pid)
             streams = Streams(engine, PROMPTS)
             await streams.wait_for_tokens(5)
             os.kill(worker, fault)
@@ -98,7 +82,7 @@ async def test_worker_killed_or_hung_mid_generation_streams_stay_exact(tiny_llam
             assert streams.errors == [None, None, None], fault
             assert streams.finish == ["length"] * 3
             assert streams.tokens == expected, fault  # nothing lost, nothing repeated, greedy unchanged
-            [new_worker] = _workers(engine._core.pid)
+            [new_worker] = worker_pids(engine._core.pid)
             assert new_worker != worker
             await _wait_idle(engine)
             assert engine.stats().engine_alive
@@ -109,7 +93,7 @@ async def test_worker_killed_or_hung_mid_generation_streams_stay_exact(tiny_llam
 async def test_workers_failing_past_max_worker_restarts_fail_every_stream(tiny_llama: str) -> None:
     engine = AsyncEngine(tiny_llama, max_worker_restarts=0, **ENGINE_KWARGS)
     async with engine:
-        [worker] = _workers(engine._core.pid)
+        [worker] = worker_pids(engine._core.pid)
         streams = Streams(engine, PROMPTS)
         await streams.wait_for_tokens(3)
         os.kill(worker, signal.SIGKILL)
@@ -126,7 +110,7 @@ async def test_killed_core_fails_streams_within_a_second_and_the_supervisor_rest
     engine = AsyncEngine(tiny_llama, max_core_restarts=1, **ENGINE_KWARGS)
     async with engine:
         core_pid = engine._core.pid
-        [worker] = _workers(core_pid)
+        [worker] = worker_pids(core_pid)
         streams = Streams(engine, PROMPTS)
         await streams.wait_for_tokens(3)
         killed_at = time.monotonic()

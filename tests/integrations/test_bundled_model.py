@@ -11,8 +11,6 @@ from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.bundled import bundled_model_path
 from hf_reference import hf_greedy
 
-pytestmark = pytest.mark.asyncio(loop_scope="session")
-
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -38,12 +36,14 @@ def test_it_is_the_default_model() -> None:
     assert AsyncEngine(None, max_num_seqs=2).config.max_num_seqs == 2
 
 
+@pytest.mark.asyncio(loop_scope="session")
 async def test_greedy_matches_transformers(bundled_engine, bundled_tokenizer) -> None:
     prompt = "def read_config(path):\n"
     out = await bundled_engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert out.token_ids == hf_greedy(bundled_model_path(), bundled_tokenizer(prompt).input_ids, 24)
 
 
+@pytest.mark.asyncio(loop_scope="session")
 async def test_chat_template(bundled_engine, bundled_tokenizer) -> None:
     messages = [{"role": "user", "content": "hi"}]
     rendered = bundled_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -18,7 +18,7 @@ PROMPTS = [f"value_{i} = " for i in range(9)]
 async def test_results_in_input_order(bundled_engine, capsys) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=5)
     outputs = await bundled_engine.generate_many(PROMPTS, params, progress=True, max_concurrency=3)
-    singles = [await bundled_engine.generate(p, params) for p in PROMPTS]
+    singles = await asyncio.gather(*(bundled_engine.generate(p, params) for p in PROMPTS))
     assert [o.prompt for o in outputs] == PROMPTS
     assert [o.token_ids for o in outputs] == [s.token_ids for s in singles]
     assert "9/9" in capsys.readouterr().err  # tqdm's bar on stderr
