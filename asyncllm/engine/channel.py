@@ -24,12 +24,12 @@ HEARTBEAT_TIMEOUT_MS = 1000
 """No traffic from the core for this long: the connection is dropped (and reported as lost)."""
 
 _LOST_EVENTS = {
-    zmq.EVENT_DISCONNECTED: "the connection to the engine core closed (the core process died or was stopped)",
-    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the engine core refused this host's key (ASYNCLLM_ENGINE_KEY differs)",
-    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the CURVE handshake with the engine core failed "
-                                          "(ASYNCLLM_ENGINE_KEY differs from the core's)",
-    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the engine core speaks another security mechanism "
-                                         "(a tcp:// core needs ASYNCLLM_ENGINE_KEY on both sides)",
+    zmq.EVENT_DISCONNECTED: "the connection to the engine core closed: the core process died or was stopped",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the engine core refused this host's key: ASYNCLLM_ENGINE_KEY differs",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the CURVE handshake with the engine core failed: "
+                                          "ASYNCLLM_ENGINE_KEY differs from the core's",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the engine core speaks another security mechanism: "
+                                         "a tcp:// core needs ASYNCLLM_ENGINE_KEY on both sides",
 }
 
 

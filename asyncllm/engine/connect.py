@@ -64,7 +64,7 @@ def handshake(address: str, timeout_s: float, key: str | None = None) -> protoco
             if not dealer.poll(100):
                 lost = watch.lost()
                 if lost is not None:
-                    raise EngineDeadError(f"{lost} ({address})")
+                    raise EngineDeadError(f"{lost} (engine address {address})")
                 continue
             message = decoder.decode(dealer.recv())
             if isinstance(message, protocol.EngineFailed):

@@ -395,7 +395,7 @@ class Processor:
             message = self._decoder.decode(dealer.recv())
             if isinstance(message, protocol.EngineFailed):
                 return _error_from(message)
-        return errors.EngineDeadError(f"{reason} ({self._address})")
+        return errors.EngineDeadError(f"{reason} (engine address {self._address})")
 
     def _core_died(self) -> bool:
         if self._core is None or self._core.exit_code() is None:

@@ -26,7 +26,7 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))
 """1, 2, 5, 10, 20, 50, ... 5,000,000 tokens."""
 
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "timeout")
 """Always exported (at 0 until seen), so rate() works from the first request on."""
 
 

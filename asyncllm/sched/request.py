@@ -108,7 +108,7 @@ class Request:
         """Every token that may stop the request: after any other, only the length limits can
         (the scheduler's decode loop skips `check_stop` then)."""
         self.max_num_tokens = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else 1 << 62
-        """`num_tokens` at which max_tokens is reached."""
+        """`num_tokens` at which the request stops by length: max_tokens, capped by the scheduler at its max_seq_len."""
 
     @classmethod
     def from_add_request(cls, msg: protocol.AddRequest, client_id: bytes) -> "Request":

@@ -123,6 +123,7 @@ class Scheduler:
         A request's `timeout` counts from now (when the core received it).
         """
         self._check_request(request)
+        request.max_num_tokens = min(request.max_num_tokens, self.max_seq_len)  # one length check per token
         config = self.config
         check_queue_capacity(self.waiting, request, config.max_num_queued_requests, config.max_num_queued_tokens)
         self.requests[request.request_id] = request
@@ -398,22 +399,20 @@ class Scheduler:
                 request.output_token_ids.append(token)
                 request.all_token_ids.append(token)
                 num_tokens = request.num_tokens = request.num_tokens + 1
-                if (token in request.stop_check_token_ids or num_tokens >= request.max_num_tokens
-                        or num_tokens >= max_seq_len):
-                    request.check_stop(max_seq_len)
-                new_token_ids = token_ids
+                if token in request.stop_check_token_ids or num_tokens >= request.max_num_tokens:
+                    request.check_stop(max_seq_len)  # max_num_tokens is capped at max_seq_len (add_request)
+                num_generated += 1
             else:
-                new_token_ids = request.append_sampled_tokens(token_ids, max_seq_len)
-            num_generated += len(new_token_ids)
-            events = request.events
-            if events is not None:
-                request.events = None
+                token_ids = request.append_sampled_tokens(token_ids, max_seq_len)
+                num_generated += len(token_ids)
+            finish_reason = request.finish_reason
             delta = RequestOutputDelta(
-                req_id, new_token_ids, request.finish_reason, request.stop_reason,
-                request.num_cached_tokens if first else 0, events=events,
+                req_id, token_ids, finish_reason, request.stop_reason, request.num_cached_tokens if first else 0
             )
+            if request.events is not None:
+                delta.events, request.events = request.events, None
             outputs.append((request.client_id, delta))
-            if request.finish_reason is not None:
+            if finish_reason is not None:
                 self._free_finished(request)
                 any_finished = True
         self.generation_tokens_total += num_generated

@@ -162,3 +162,13 @@ def test_no_pickle_on_the_wire() -> None:
     offenders = [str(path.relative_to(root)) for top in PACKAGE_ROOTS for path in (root / top).rglob("*.py")
                  if pattern.search(path.read_text(encoding="utf-8"))]
     assert offenders == []
+
+
+def test_openai_server_binds_localhost_and_limits_requests_by_default() -> None:
+    """`asyncllm serve` listens on 127.0.0.1 unless --host says otherwise, with finite request limits
+    (their enforcement: tests/integrations/test_openai_asgi.py::test_body_size_and_limits)."""
+    from asyncllm.cli import _parser
+
+    args = _parser().parse_args(["serve"])
+    assert args.host == "127.0.0.1"
+    assert args.max_body_bytes == 1 << 20 and args.max_n == 16 and args.max_prompts == 64
