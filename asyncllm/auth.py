@@ -30,7 +30,8 @@ from asyncllm.errors import ConfigError, NotBuiltError
 __all__ = ["MIN_KEY_LENGTH", "CurveKeys", "derive_keys", "resolve_key", "secure_client", "ServerAuth"]
 
 MIN_KEY_LENGTH = 16
-"""Shortest shared secret accepted (``python -c "import secrets; print(secrets.token_urlsafe(32))"`` makes a good one)."""
+"""Shortest shared secret accepted; ``python -c "import secrets; print(secrets.token_urlsafe(32))"``
+makes a good one."""
 _KDF_SALT = b"asyncllm-engine-curve-v1"
 _ZAP_DOMAIN = "asyncllm"
 

@@ -45,6 +45,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="requests cut by the client's asyncio.wait_for")
     parser.add_argument("--warmup-fraction", type=float, default=0.1,
                         help="share of the duration before the starting memory sample (default: %(default)s)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=None,
+                        help="KV blocks (num_gpu_blocks_override; default: sized from memory). The prefix cache keeps "
+                             "a hash and the tokens of every block it has filled, so the core's memory grows until "
+                             "every block was used once: a smaller cache reaches that plateau within the warm-up")
     parser.add_argument("--max-rss-growth", type=float, default=0.25,
                         help="fail if any process's RSS grew by more than this fraction (and 64 MiB) after warm-up")
 
@@ -184,8 +188,12 @@ async def _wait_idle(engine: Any, timeout: float = 60.0) -> Any:
 
 
 async def run_engine(ctx: common.BenchContext, args: argparse.Namespace) -> dict[str, Any]:
-    longest = args.input_len[1] + args.output_len[1]
-    async with common.open_engine(ctx, longest) as engine:
+    from asyncllm import AsyncEngine
+
+    kwargs = common.engine_kwargs(ctx, args.input_len[1] + args.output_len[1])
+    if args.num_gpu_blocks is not None:
+        kwargs["num_gpu_blocks_override"] = args.num_gpu_blocks
+    async with AsyncEngine(ctx.model.path, **kwargs) as engine:  # the warm-up is the first part of the load
         tally, memory = _Tally(), []
         probe = _LagProbe(args.seed)
         probe_task = asyncio.create_task(probe.run())
@@ -212,6 +220,7 @@ def _metrics(args: argparse.Namespace, tally: _Tally, memory: list[tuple[float, 
         **{f"num_{k}": v for k, v in tally.outcomes.items()},
         "output_tokens_per_s": tally.output_tokens / elapsed,
         "kv_blocks_in_use_after": idle.num_used_blocks,
+        "num_preemptions": idle.num_preemptions_total,
         "requests_left_after": idle.num_requests_running + idle.num_requests_waiting,
         "loop_lag_p50_ms": 1000 * percentile(probe.samples, 50),
         "loop_lag_p99_ms": 1000 * percentile(probe.samples, 99),
@@ -247,7 +256,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     mean_context = sum(args.input_len) / 2 + sum(args.output_len) / 4
     line = common.roofline(ctx, min(args.num_streams, args.max_num_seqs), mean_context)
     settings = {k: getattr(args, k) for k in ("num_streams", "duration", "input_len", "output_len", "cancel_fraction",
-                                              "timeout_fraction", "client_timeout_fraction")}
+                                              "timeout_fraction", "client_timeout_fraction", "num_gpu_blocks")}
     result = common.finish(ctx, "soak", settings, metrics, line, metrics["output_tokens_per_s"])
     problems = _problems(args, metrics)
     if problems:

@@ -19,7 +19,8 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import SamplingParams
 
 __all__ = [
-    "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_text", "check_params_text", "check_params_vocab",
+    "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_text",
+    "check_params_text", "check_params_vocab",
     "check_token_ids",
     "max_prompt_chars",
 ]
@@ -57,7 +58,8 @@ def check_params_text(params: SamplingParams) -> None:
         raise InvalidRequestError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}")
     for stop in params.stop:
         if len(stop) > MAX_STOP_CHARS:
-            raise InvalidRequestError("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters, got {len(stop)}")
+            raise InvalidRequestError("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters, "
+                                      f"got {len(stop)}")
         check_text("stop", stop)
 
 
@@ -92,7 +94,8 @@ def check_params_vocab(params: SamplingParams, vocab_size: int) -> None:
     params.check_vocab(vocab_size)
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
-        raise InvalidRequestError("stop_token_ids", f"token ids must be < the vocabulary size {vocab_size}, got {bad[:5]}")
+        raise InvalidRequestError("stop_token_ids",
+                                  f"token ids must be < the vocabulary size {vocab_size}, got {bad[:5]}")
 
 
 # ---------------------------------------------------------------- core side

@@ -92,9 +92,11 @@ PARAMS = st.one_of(  # in-range values only (every path to the workers), or a fe
     st.fixed_dictionaries({}, optional=_PARAM_FIELDS),
     st.fixed_dictionaries({}, optional={name: _or_junk(good) for name, good in _PARAM_FIELDS.items()}),
 )
-_GOOD_PROMPTS = st.one_of(st.text(max_size=40, min_size=1), st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
+_GOOD_PROMPTS = st.one_of(st.text(max_size=40, min_size=1),
+                          st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=20))
 PROMPTS = st.one_of(
-    _GOOD_PROMPTS, _GOOD_PROMPTS, _GOOD_PROMPTS, _GOOD_PROMPTS, st.text(ANY_CHAR, max_size=40), st.lists(st.integers(-3, VOCAB + 50), max_size=MAX_MODEL_LEN + 5),
+    _GOOD_PROMPTS, _GOOD_PROMPTS, _GOOD_PROMPTS, _GOOD_PROMPTS,
+    st.text(ANY_CHAR, max_size=40), st.lists(st.integers(-3, VOCAB + 50), max_size=MAX_MODEL_LEN + 5),
     st.lists(JUNK, max_size=3), JUNK, st.dictionaries(st.text(max_size=6), JUNK, max_size=2),
 )
 _ROLES = st.sampled_from(["user", "assistant", "system"])
@@ -183,9 +185,11 @@ WIRE_PARAMS = _one_field_off(
               stop_token_ids=st.lists(st.integers(0, VOCAB - 1), max_size=2), repetition_penalty=st.floats(0.5, 2),
               logit_bias=st.one_of(st.none(), st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100),
                                                               max_size=2)),
-              logprobs=st.one_of(st.none(), st.integers(0, 20)), prompt_logprobs=st.one_of(st.none(), st.integers(0, 20))),
+              logprobs=st.one_of(st.none(), st.integers(0, 20)),
+              prompt_logprobs=st.one_of(st.none(), st.integers(0, 20))),
     {"n": WIRE_INTS, "temperature": FLOATS, "top_p": FLOATS, "top_k": WIRE_INTS, "min_p": FLOATS,
-     "max_tokens": WIRE_INTS, "min_tokens": WIRE_INTS, "seed": WIRE_INTS, "stop_token_ids": st.lists(WIRE_INTS, max_size=3),
+     "max_tokens": WIRE_INTS, "min_tokens": WIRE_INTS, "seed": WIRE_INTS,
+     "stop_token_ids": st.lists(WIRE_INTS, max_size=3),
      "repetition_penalty": FLOATS, "presence_penalty": FLOATS, "frequency_penalty": FLOATS,
      "logit_bias": st.dictionaries(WIRE_INTS, FLOATS, max_size=2), "logprobs": WIRE_INTS, "prompt_logprobs": WIRE_INTS},
 )
@@ -259,7 +263,8 @@ def test_frames_from_a_host_that_never_said_hello_are_dropped(engine_thread: Eng
 
 @FUZZ
 @given(frames=FRAMES)
-def test_raw_frame_fuzz_never_kills_the_core(engine_thread: EngineThread, raw_host: RawHost, frames: list[bytes]) -> None:
+def test_raw_frame_fuzz_never_kills_the_core(engine_thread: EngineThread, raw_host: RawHost,
+                                             frames: list[bytes]) -> None:
     raw_host.dealer.send_multipart(frames)
     raw_host.drain(0.0)
     assert engine_thread.engine._core.exit_code() is None

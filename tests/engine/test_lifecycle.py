@@ -76,7 +76,9 @@ async def _drain(model: str) -> dict[str, Any]:
         await engine.generate("late", LONG)
     except EngineDeadError as exc:
         refused = str(exc)
-    rests = [[d async for d in s] for s in streams]
+    rests = []
+    for stream in streams:
+        rests.append([d async for d in stream])
     await closing
     deltas = [[first, *rest] for first, rest in zip(firsts, rests)]
     return {
@@ -128,8 +130,11 @@ def test_two_engines_in_a_thread_under_asyncio_run_twice_leave_nothing_behind(ti
     assert _signal_handlers() == handlers
     assert _shm_segments_of([drain["core_pid"], abort["core_pid"]]) == []
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (_resources()["fds"], _resources()["children"]) != (before["fds"], before["children"]):
-        time.sleep(0.1)  # exiting threads and children take a moment
-    after = _resources()
-    assert (after["fds"], after["children"]) == (before["fds"], before["children"])
+    def fds_and_children() -> tuple[int, set[int]]:
+        now = _resources()
+        return now["fds"], now["children"]
+
+    while time.monotonic() < deadline and fds_and_children() != (before["fds"], before["children"]):
+        time.sleep(0.1)  # exiting children take a moment
+    assert fds_and_children() == (before["fds"], before["children"])
     assert _settled_thread_count() == results["threads_between"] - 1  # "between" counted the engine-host thread

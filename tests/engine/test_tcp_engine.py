@@ -22,8 +22,9 @@ KEY = "tcp-test-secret-0123456789abcdef"
 def tcp_core(tiny_llama: str):
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     env = {**os.environ, "ASYNCLLM_ENGINE_KEY": KEY}
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "asyncllm", "engine", tiny_llama, "--address", address,
-                             "--disable-log-stats", "--max-model-len", "128"], env=env, stderr=subprocess.PIPE, text=True)
+    command = [sys.executable, "-P", "-m", "asyncllm", "engine", tiny_llama, "--address", address,
+               "--disable-log-stats", "--max-model-len", "128"]
+    proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while True:
         assert proc.poll() is None, proc.stderr.read()[-3000:]

@@ -141,8 +141,11 @@ async def test_client_disconnect_aborts(base_url, bundled_engine) -> None:
                 break  # one chunk, then hang up
         await _wait_idle(bundled_engine)
         task = asyncio.ensure_future(http.post("/v1/completions", json=request))
-        while bundled_engine.stats().num_requests_running == 0:
+        for _ in range(1000):
+            if bundled_engine.stats().num_requests_running or task.done():
+                break
             await asyncio.sleep(0.01)
+        assert not task.done(), task.result().text  # still generating: 400 tokens take far longer
         task.cancel()  # closes the connection mid-request
         await _wait_idle(bundled_engine)
     assert bundled_engine.stats().request_success_total.get("abort", 0) == aborted_before + 2  # not "length"

@@ -91,7 +91,8 @@ def test_unauthenticated_peers_are_refused_and_the_core_keeps_serving(core_io) -
         rogue = ctx.socket(zmq.DEALER)
         rogue.setsockopt(zmq.LINGER, 0)
         public, secret = zmq.curve_keypair()
-        rogue.curve_serverkey, rogue.curve_publickey, rogue.curve_secretkey = derive_keys(KEY).server_public, public, secret
+        rogue.curve_serverkey = derive_keys(KEY).server_public
+        rogue.curve_publickey, rogue.curve_secretkey = public, secret
         rogue_watch = ConnectionWatch(rogue)
         rogue.connect(address)
         rogue.send(msgspec.msgpack.encode(protocol.Hello(pid=1)))
