@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.auth.thread
@@ -41,9 +41,9 @@ class CurveKeys:
     """The core's and the hosts' CURVE key pairs (z85 bytes), both derived from the shared secret."""
 
     server_public: bytes
-    server_secret: bytes
-    client_public: bytes
-    client_secret: bytes
+    server_secret: bytes = field(repr=False)
+    client_public: bytes = field(repr=False)
+    client_secret: bytes = field(repr=False)
 
 
 def resolve_key(address: str, key: str | None) -> str | None:

@@ -125,6 +125,7 @@ class AsyncEngine:
                 prepare_attached, self.config, self._connect_address, envs.ENGINE_STARTUP_TIMEOUT_S.get(),
                 self._engine_key)
             self.config = prepared.config
+            self._observer.set_model_name(self.config.model)
         else:
             prepared = await anyio.to_thread.run_sync(prepare, self.config)
             self.config = prepared.config

@@ -52,6 +52,12 @@ class RequestObserver:
         self._traced: dict[str, _Traced] = {}
         """request_id -> its span, only while the host has a tracer provider."""
 
+    def set_model_name(self, model_name: str) -> None:
+        """Relabel metrics and spans (an attached host learns the model from the core)."""
+        self.stats.model_name = model_name
+        if self._tracer is not None:
+            self._tracer.model_name = model_name
+
     # ------------------------------------------------------------ request start
     def on_added(self, collector: RequestCollector, params: SamplingParams, chat: bool, trace_context: Any) -> None:
         """The request was tokenized and sent to the core."""

@@ -30,7 +30,7 @@ from proc_utils import worker_pids
 VOCAB = 512  # asyncllm's tiny Llama
 MAX_MODEL_LEN = 64
 TYPED = (InvalidRequestError, EngineOverloadedError)
-FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                       HealthCheck.too_slow])
 
 

@@ -66,7 +66,7 @@ def _scrape(engine: AsyncEngine) -> dict[str, float]:
                                      "request_prompt_tokens", "request_generation_tokens")]
     scraped = {name: _value(engine, f"asyncllm:{name}") for name in names}
     scraped["request_prompt_tokens_sum"] = _value(engine, "asyncllm:request_prompt_tokens_sum")
-    for reason in ("stop", "length", "abort"):
+    for reason in ("stop", "length", "abort", "timeout"):
         scraped[reason] = _value(engine, "asyncllm:request_success_total", finished_reason=reason)
     return scraped
 
@@ -204,10 +204,10 @@ async def test_a_second_host_exports_only_its_own_requests(engine: AsyncEngine) 
     async with guest:
         await guest.generate([9, 8, 7, 6], SamplingParams(max_tokens=3, ignore_eos=True))
         await _wait_for(lambda: guest.stats().num_gpu_blocks == 8)
-        address = {"model_name": engine._core.address}
-        assert guest.metrics_registry.get_sample_value("asyncllm:prompt_tokens_total", address) == 4
-        assert guest.metrics_registry.get_sample_value("asyncllm:num_requests_running", address) is None
-        assert guest.metrics_registry.get_sample_value("asyncllm:num_preemptions_total", address) is None
+        served = {"model_name": engine.config.model}  # an attached host labels with the model the core serves
+        assert guest.metrics_registry.get_sample_value("asyncllm:prompt_tokens_total", served) == 4
+        assert guest.metrics_registry.get_sample_value("asyncllm:num_requests_running", served) is None
+        assert guest.metrics_registry.get_sample_value("asyncllm:num_preemptions_total", served) is None
         assert guest.stats().num_preemptions_total == engine.stats().num_preemptions_total  # stats() shows it anyway
     owner_labels = {"model_name": engine._observer.stats.model_name}
     # the owner still reports the engine

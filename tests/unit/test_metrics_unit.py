@@ -75,7 +75,7 @@ def test_observer_counts_tokens_requests_and_histograms() -> None:
     assert observer.stats.reports_engine
     s = observer.stats
     assert (s.prompt_tokens_total, s.generation_tokens_total) == (8, 5)
-    assert s.request_success == {"stop": 1, "length": 1, "abort": 1}
+    assert s.request_success == {"stop": 1, "length": 1, "abort": 1, "timeout": 0}
     assert (s.time_to_first_token.count, s.time_to_first_token.sum) == (2, 2.0)
     assert (s.inter_token_latency.count, s.inter_token_latency.sum) == (3, 3.0)
     assert (s.e2e_request_latency.count, s.e2e_request_latency.sum) == (2, 5.0)  # the aborted one is not observed
@@ -83,7 +83,7 @@ def test_observer_counts_tokens_requests_and_histograms() -> None:
     assert (s.request_prompt_tokens.sum, s.request_generation_tokens.sum) == (8, 5)
     snap = observer.stats.snapshot()
     assert (snap.num_requests_running, snap.kv_cache_usage, snap.num_preemptions_total) == (2, 0.4, 3)
-    assert snap.request_success_total == {"stop": 1, "length": 1, "abort": 1} and snap.prefix_cache_hit_rate == 0.5
+    assert snap.request_success_total == {"stop": 1, "length": 1, "abort": 1, "timeout": 0} and snap.prefix_cache_hit_rate == 0.5
 
 
 def test_samples_of_one_request_count_tokens_and_reasons_each_and_latencies_once() -> None:
