@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import pytest_asyncio
@@ -11,6 +10,7 @@ from transformers import AutoTokenizer
 
 from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
 from hf_reference import hf_greedy
+from engine_helpers import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -27,17 +27,6 @@ async def engine(tiny_llama: str):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama: str):
     return AutoTokenizer.from_pretrained(tiny_llama)
-
-
-async def _wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
-    """Wait until the core reports nothing running and no block in use."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s.num_requests_running == 0 and s.num_requests_waiting == 0 and s.num_used_blocks == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle after {timeout}s: {engine.stats()}")
 
 
 async def _take(stream, n: int) -> list:

@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 from asyncllm import AsyncEngine, EngineDeadError, SamplingParams
 from hf_reference import hf_greedy
 from proc_utils import worker_pids
+from engine_helpers import wait_idle as _wait_idle
 
 PROMPTS = ["def main():", "import os\n", "class Config:"]
 MAX_TOKENS = 48
@@ -51,16 +52,6 @@ class Streams:
 
     async def join(self, timeout: float = 120.0) -> None:
         await asyncio.wait_for(asyncio.gather(*self.tasks), timeout)
-
-
-async def _wait_idle(engine: AsyncEngine, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s.num_requests_running == 0 and s.num_requests_waiting == 0 and s.num_used_blocks == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle after {timeout}s: {engine.stats()}")
 
 
 @pytest.fixture(scope="module")

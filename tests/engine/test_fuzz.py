@@ -26,6 +26,7 @@ from transformers import AutoTokenizer
 from asyncllm import AsyncEngine, EngineOverloadedError, InvalidRequestError, SamplingParams, protocol
 from hf_reference import hf_greedy
 from proc_utils import worker_pids
+from engine_helpers import wait_idle as _wait_idle
 
 VOCAB = 512  # asyncllm's tiny Llama
 MAX_MODEL_LEN = 64
@@ -113,16 +114,6 @@ OPTIONS = st.fixed_dictionaries({}, optional={  # a request_id may repeat one in
     "priority": _or_junk(st.integers(-5, 5)), "request_id": _or_junk(st.text(ANY_CHAR, min_size=1, max_size=8)),
     "timeout": _or_junk(st.floats(0.001, 5)), "cache_salt": _or_junk(ANY_TEXT),
 })
-
-
-async def _wait_idle(engine: AsyncEngine, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s.num_requests_running == 0 and s.num_requests_waiting == 0 and s.num_used_blocks == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle after {timeout}s: {engine.stats()}")
 
 
 def _assert_still_serves(runner: EngineThread, model: str) -> None:

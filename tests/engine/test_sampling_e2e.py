@@ -9,7 +9,6 @@ with max_num_batched_tokens=64 so long prompts are prefilled in chunks.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import pytest_asyncio
@@ -19,6 +18,7 @@ from transformers import AutoTokenizer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from asyncllm import AsyncEngine, InvalidRequestError, RequestOutputKind, SamplingParams
+from engine_helpers import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -39,16 +39,6 @@ async def engine(tiny_llama: str):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_llama: str):
     return AutoTokenizer.from_pretrained(tiny_llama)
-
-
-async def _wait_idle(engine: AsyncEngine, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        s = engine.stats()
-        if s.num_requests_running == 0 and s.num_requests_waiting == 0 and s.num_used_blocks == 0:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle after {timeout}s: {engine.stats()}")
 
 
 def _check_logprob_entry(entry: dict, token_id: int, reference: torch.Tensor, num_top: int, tokenizer) -> None:
