@@ -196,7 +196,9 @@ class BroadcastWriter:
         view.seq[slot] = seq
         _fence(self._lock)
         self._next_seq = seq + 1
-        for reader in np.flatnonzero(view.sleeping).tolist():
+        # snapshot first: readers flip their flag concurrently, and numpy's nonzero
+        # refuses an array whose count changes under it
+        for reader in np.flatnonzero(view.sleeping.copy()).tolist():
             self._pub.send(_doorbell_topic(reader))
 
     def _wait_slot_free(self, slot: int, deadline: float | None) -> None:
