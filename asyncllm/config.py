@@ -86,7 +86,7 @@ class ModelConfig:
     quantization: str | None = None
     """Weight quantization method (not built yet: only None)."""
     enforce_eager: bool = False
-    """Never capture CUDA graphs. Graphs are not built yet, so the GPU path is always eager."""
+    """Never capture CUDA graphs. Otherwise, on CUDA with the triton backend and one rank, decode batches replay graphs captured at start (docs/kernels.md); the CPU and torch_sdpa always run eagerly."""
     attention_backend: str | None = None
     """torch_sdpa (CPU default, the reference) or triton (CUDA default; on CPU only with TRITON_INTERPRET=1);
     flashinfer, flash_attn: an error naming the package when it is missing, not built yet otherwise. None picks the default."""
@@ -156,6 +156,9 @@ class SchedulerConfig:
     structured_output_compile_timeout_s: float = 30.0
     """Structured output: a request whose grammar has not compiled after this many seconds fails with
     InvalidRequestError (the first structured request's tokenizer loading does not count)."""
+    async_scheduling: bool = False
+    """Overlap the core's scheduling of step N+1 with the workers' step N (outputs stay token-exact; some steps
+    still run synchronously, see docs/scheduling.md)."""
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)
@@ -168,6 +171,7 @@ class SchedulerConfig:
         _int("max_num_queued_tokens", self.max_num_queued_tokens, 1, optional=True)
         _float("structured_output_compile_timeout_s", self.structured_output_compile_timeout_s, 0.0, 86400.0,
                lo_open=True)
+        _bool("async_scheduling", self.async_scheduling)
         if self.speculative_config is not None:
             raise NotBuiltError("speculative_config", self.speculative_config, "speculative decoding")
 
@@ -207,21 +211,22 @@ class MultiModalConfig:
     mm_processor_cache_gb: float = 4.0
     """GiB of processed multimodal inputs to cache; 0 disables the cache."""
     mm_processor_cache_type: str = "lru"
-    """lru (key-replicated between host and core); shm (shared-memory ring) is not built yet."""
+    """lru: key-replicated (keys on the host, data in the core); shm: data in a shared-memory ring the host writes
+    and the core reads, keys in the host (docs/multimodal.md)."""
     mm_encoder_tp_mode: str = "weights"
-    """weights: the decoder sharded, the (small) vision tower replicated; data (images split over ranks) is not built yet."""
+    """weights: the decoder sharded, the (small) vision tower replicated, every rank encodes every image; data: each
+    rank encodes a share of a step's images and the features are all-gathered."""
     mm_max_image_pixels: int = 16_777_216
     """Largest image accepted (width x height, read from its header before decoding)."""
+    mm_encoder_cache_gb: float = 0.5
+    """GiB of encoder outputs kept per worker across requests (by image hash); 0 keeps them only during a prefill."""
 
     def __post_init__(self) -> None:
         _float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)
         _choice("mm_processor_cache_type", self.mm_processor_cache_type, ("lru", "shm"))
         _choice("mm_encoder_tp_mode", self.mm_encoder_tp_mode, ("weights", "data"))
         _int("mm_max_image_pixels", self.mm_max_image_pixels, 1)
-        if self.mm_processor_cache_type == "shm":
-            raise NotBuiltError("mm_processor_cache_type", "shm", "the shared-memory processor cache (use 'lru')")
-        if self.mm_encoder_tp_mode == "data":
-            raise NotBuiltError("mm_encoder_tp_mode", "data", "data-parallel vision encoding (use 'weights')")
+        _float("mm_encoder_cache_gb", self.mm_encoder_cache_gb, 0.0, 1024.0)
 
 
 @dataclass(frozen=True)

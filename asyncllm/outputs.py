@@ -186,6 +186,10 @@ class EngineStats:
     """Images this host looked up in the multimodal processor cache."""
     mm_cache_hits: int = 0
     """Images found there: they crossed to the core as their key only."""
+    mm_encoder_cache_queries: int = 0
+    """Images the workers looked up in their encoder cache, engine-wide (each time a prefill reached one)."""
+    mm_encoder_cache_hits: int = 0
+    """Images found there: the vision tower ran ``mm_encoder_cache_queries - mm_encoder_cache_hits`` times."""
 
     @property
     def prefix_cache_hit_rate(self) -> float:

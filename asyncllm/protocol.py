@@ -23,6 +23,8 @@ class Hello(msgspec.Struct, **_STRUCT):
     """First frame of a host: registers its DEALER identity with the core."""
 
     pid: int
+    mm_shm_ring: str = ""
+    """The host's shared-memory processor cache segment (mm_processor_cache_type="shm"), for the core to map."""
 
 
 class AddRequest(msgspec.Struct, **_STRUCT):
@@ -56,6 +58,10 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     data: bytes | None = None
     shape: list[int] = []
     dtype: str = "float32"
+    shm_offset: int = -1
+    """Where the data lies in the host's shm ring (>= 0 only when ``data`` is None and the cache type is shm)."""
+    shm_generation: int = 0
+    """The ring entry's generation: the core uses the data only if the entry still has it (docs/multimodal.md)."""
 
 
 class AbortRequests(msgspec.Struct, **_STRUCT):
@@ -87,6 +93,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """Known tokens of the waiting requests (admission control's max_num_queued_tokens)."""
     num_swapped_total: int = 0
     """Preemptions that swapped the victim's KV to the CPU (the others recomputed)."""
+    mm_encoder_cache_queries: int = 0
+    """Images the workers looked up in their encoder cache (reached by a prefill)."""
+    mm_encoder_cache_hits: int = 0
+    """Images found there: the vision tower ran queries - hits times."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -104,6 +114,8 @@ class Ready(msgspec.Struct, **_STRUCT):
     """Tokenizer folder or hub id (empty: the model folder's)."""
     revision: str | None = None
     """Hub revision of `tokenizer`, if it is a hub id."""
+    mm_shm_ring_mapped: bool = False
+    """The core mapped the ring named in the host's Hello (False: the host sends image data inline)."""
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -203,12 +215,18 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """The prompt's images, with their data (the worker encodes the ones a step reaches)."""
 
 
-class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """A request the workers know: only what changed since the last step (``gc=False``: one per running request per step)."""
+class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
+    """The step's requests that the workers know, as parallel lists: only what changed since the last step.
 
-    req_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int
+    One struct per step, not one per request: a decode step of a thousand
+    requests costs the core two list appends per request and no object.
+    """
+
+    req_ids: list[str] = []
+    num_computed_tokens: list[int] = []
+    """``num_computed_tokens[i]``: tokens of ``req_ids[i]`` computed before this step."""
+    new_block_ids: dict[str, list[int]] = {}
+    """Blocks appended to a request's block table this step; only requests that got some are listed."""
 
 
 class SchedulerOutput(msgspec.Struct, **_STRUCT):
@@ -216,7 +234,7 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):
 
     step_id: int
     new_reqs: list[NewRequestData]
-    cached_reqs: list[CachedRequestData]
+    cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_req_ids: list[str] = []
@@ -277,6 +295,10 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     """Logprobs of the sampled tokens, for the requests that asked."""
     prompt_logprobs: dict[str, LogprobsArrays] = {}
     """Logprobs of the prompt tokens this step covered, for the requests that asked."""
+    mm_encoder_cache_queries: int = 0
+    """Images this step's prefills reached for the first time (looked up in the worker's encoder cache)."""
+    mm_encoder_cache_hits: int = 0
+    """Of those, images not run through the encoder again (asyncllm/mm/encoder_cache.py)."""
 
 
 class WorkerError(msgspec.Struct, **_STRUCT):

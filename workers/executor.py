@@ -11,6 +11,10 @@ A step's deadline is `worker_step_timeout_s` (None: no deadline, for a first
 step that compiles for minutes): a rank that hangs past it fails the step like
 a dead one. The engine core then restarts the workers (workers/restart.py).
 
+`execute_model` runs one step and waits for it. With async_scheduling the
+core uses its halves instead: `submit` step N+1 while step N still runs, then
+`collect` step N (docs/scheduling.md, "Overlapped scheduling").
+
 After a failure the executor is dead: every later call raises the same
 `EngineDeadError` at once, and `shutdown()` still frees everything.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
+from collections import deque
 from typing import TypeVar
 
 import msgspec
@@ -74,6 +79,9 @@ class Executor:
         self._ring: BroadcastWriter | None = None
         self._failure: AsyncLLMError | None = None
         self._closed = False
+        self._pending: deque[tuple[int, float]] = deque()
+        """(step_id, submitted at) of the steps submitted and not collected, oldest first."""
+        self._last_reply_at = 0.0
         self.num_cpu_blocks = 0
         """Swap-space blocks every rank can hold (the min over ranks), known after `start()`."""
         self.vocab_size = 0
@@ -113,13 +121,41 @@ class Executor:
 
     def execute_model(self, sched_out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
         """Run one step on every rank; return rank 0's output (`EngineDeadError` past the watchdog)."""
+        assert not self._pending, "execute_model() with steps still in flight: collect() them first"
+        self.submit(sched_out)
+        return self.collect()
+
+    def submit(self, sched_out: protocol.SchedulerOutput) -> None:
+        """Send one step to every rank without waiting for it (async_scheduling: at most two in flight).
+
+        Workers run steps in submission order; `collect()` returns their outputs in that order.
+        """
         timeout = self.config.worker_step_timeout_s
         deadline = None if timeout is None else time.monotonic() + timeout
         self._broadcast(sched_out, deadline)
-        message = self._receive(deadline, f"run step {sched_out.step_id}", f"worker_step_timeout_s={timeout}")
+        self._pending.append((sched_out.step_id, time.monotonic()))
+
+    def collect(self) -> protocol.ModelRunnerOutput:
+        """Rank 0's output of the oldest submitted step (`EngineDeadError` past the watchdog).
+
+        A step's watchdog counts from when it could start: its submission, or
+        the previous step's reply if that came later (the workers were busy).
+        """
+        assert self._pending, "collect() with no step in flight"
+        step_id, submitted_at = self._pending[0]
+        timeout = self.config.worker_step_timeout_s
+        deadline = None if timeout is None else max(submitted_at, self._last_reply_at) + timeout
+        message = self._receive(deadline, f"run step {step_id}", f"worker_step_timeout_s={timeout}")
         assert isinstance(message, protocol.ModelRunnerOutput), f"expected step output, got {message!r}"
-        assert message.step_id == sched_out.step_id, f"output of step {message.step_id} for step {sched_out.step_id}"
+        assert message.step_id == step_id, f"output of step {message.step_id} for step {step_id}"
+        self._pending.popleft()
+        self._last_reply_at = time.monotonic()
         return message
+
+    @property
+    def num_steps_in_flight(self) -> int:
+        """Steps submitted and not collected yet."""
+        return len(self._pending)
 
     def check_workers(self) -> None:
         """`EngineDeadError` if the executor failed or a worker exited (the core calls it while idle)."""
@@ -247,8 +283,9 @@ class Executor:
         return None
 
     def _fail(self, error: AsyncLLMError) -> None:
-        """Remember the failure (every later call re-raises it) and raise it."""
+        """Remember the failure (every later call re-raises it) and raise it; the steps in flight are lost."""
         self._failure = error
+        self._pending.clear()
         raise error
 
     def _raise_if_failed(self) -> None:

@@ -172,8 +172,7 @@ class InputBatch:
             self.remove_request(req_id)
         for new in sched_out.new_reqs:
             self.add_request(new)
-        for cached in sched_out.cached_reqs:
-            self._update_request(cached)
+        self._update_requests(sched_out.cached_reqs)
 
     def add_request(self, new: NewRequestData) -> None:
         self.remove_request(new.req_id)  # a resumed request replaces any stale row
@@ -209,11 +208,12 @@ class InputBatch:
         self._num_logits_params += sign * (state.logits_params is not None)
         self._num_logprobs += sign * (state.params.logprobs is not None)
 
-    def _update_request(self, cached: CachedRequestData) -> None:
-        state = self.requests[cached.req_id]
-        state.num_computed_tokens = cached.num_computed_tokens
-        if cached.new_block_ids:
-            self.block_table.append(state.row, cached.new_block_ids)
+    def _update_requests(self, cached: CachedRequestData) -> None:
+        requests = self.requests
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens, strict=True):
+            requests[req_id].num_computed_tokens = num_computed
+        for req_id, new_block_ids in cached.new_block_ids.items():
+            self.block_table.append(requests[req_id].row, new_block_ids)
 
     def _take_row(self) -> int:
         """A free row; rows grow past max_num_reqs rather than fail (the table is host memory)."""

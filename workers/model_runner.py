@@ -20,14 +20,16 @@ import torch
 from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
+from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec
-from asyncllm.protocol import LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from asyncllm.protocol import CachedRequestData, LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.structured.bitmask import apply_grammar_bitmask
+from asyncllm.workers.cuda_graphs import CudaGraphRunner, capture_decode_graphs
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs
-from asyncllm.workers.mm_runner import MultiModalRunner, is_multimodal
+from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal
 from asyncllm.workers.sampler import Sampler, SamplerOutput
 from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
 
@@ -70,6 +72,8 @@ class ModelRunner:
         """CPU copies of preempted requests' blocks (preemption_mode='swap')."""
         self.mm_runner: MultiModalRunner | None = None
         """Images and encoder outputs, for multimodal models only."""
+        self.cuda_graphs: CudaGraphRunner | None = None
+        """Captured decode forwards (workers/cuda_graphs.py); None when the runner stays eager."""
 
     # ------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -85,7 +89,8 @@ class ModelRunner:
         self.model = model
         self.kv_spec = kv_spec
         self.dtype = dtype
-        self.mm_runner = MultiModalRunner(model, self.device) if is_multimodal(model) else None
+        tp = TensorParallel(self.rank, self.tp_size)
+        self.mm_runner = MultiModalRunner(model, self.device, self.config, tp) if is_multimodal(model) else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -95,8 +100,9 @@ class ModelRunner:
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit this rank's memory budget (the core takes the min over ranks)."""
-        if self.device.type == "cuda":
-            budget, field = self._profile_cuda_kv_budget(), "gpu_memory_utilization"
+        if self.device.type == "cuda":  # a multimodal model's encoder cache is not the KV cache's
+            budget = self._profile_cuda_kv_budget() - (encoder_cache_bytes(self.config) if self.mm_runner else 0)
+            field = "gpu_memory_utilization"
             value: object = self.config.gpu_memory_utilization
         else:
             budget, field = int(envs.CPU_KVCACHE_SPACE_GB.get() * 2**30), envs.CPU_KVCACHE_SPACE_GB.name
@@ -121,6 +127,7 @@ class ModelRunner:
     def init_cache(self, num_gpu_blocks: int) -> None:
         """Allocate the paged KV cache: per layer ``[2, blocks, block_size, kv_heads, head_dim]``."""
         self.kv_caches = self._allocate_kv_caches(num_gpu_blocks)
+        self.cuda_graphs = capture_decode_graphs(self)  # the graphs bake in the KV cache's addresses
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         spec = self.kv_spec
@@ -184,7 +191,11 @@ class ModelRunner:
         inputs = batch.prepare_inputs(sched_out)
         embeds = self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None else None
         extra = {} if embeds is None else {"inputs_embeds": embeds}
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, **extra)
+        graphs = self.cuda_graphs if embeds is None else None
+        if graphs is not None and graphs.can_run(inputs):  # a decode batch: replay its captured forward
+            hidden = graphs.forward(inputs)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, **extra)
         prompt_logprobs: dict[str, LogprobsArrays] = {}
         if inputs.prompt_logprobs_jobs:
             prompt_logprobs = compute_prompt_logprobs(hidden, inputs.prompt_logprobs_jobs, self.model.compute_logits)
@@ -201,7 +212,10 @@ class ModelRunner:
         for i, token in zip(inputs.sample_indices, sampled):
             sampled_token_ids[i] = [token]
         logprobs = _logprobs_by_request(inputs, sampler_out) if sampler_out is not None else {}
-        return ModelRunnerOutput(sched_out.step_id, inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs)
+        output = ModelRunnerOutput(sched_out.step_id, inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs)
+        if self.mm_runner is not None:
+            output.mm_encoder_cache_queries, output.mm_encoder_cache_hits = self.mm_runner.take_stats()
+        return output
 
 
 def _logprobs_by_request(inputs: StepInputs, sampler_out: SamplerOutput) -> dict[str, LogprobsArrays]:
@@ -239,4 +253,4 @@ def profile_step(
         )
         next_block += blocks
     scheduled = {new.req_id: len(new.token_ids) for new in new_reqs}
-    return SchedulerOutput(_PROFILE_STEP_ID, new_reqs, [], scheduled, num_tokens), next_block
+    return SchedulerOutput(_PROFILE_STEP_ID, new_reqs, CachedRequestData(), scheduled, num_tokens), next_block

@@ -45,6 +45,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--tensor-parallel-size", type=int, default=1)
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     model.add_argument("--enforce-eager", action="store_true")
+    model.add_argument("--async-scheduling", action="store_true",
+                       help="schedule step N+1 while the workers run step N (docs/scheduling.md)")
     model.add_argument("--seed", type=int, default=0, help="seeds the synthetic workload and the engine")
     out = parser.add_argument_group("output")
     out.add_argument("--output-json", help="write the result (metadata, settings, metrics) to this file")
@@ -84,6 +86,7 @@ def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
         max_model_len=a.max_model_len or min(max_model_len, ctx.model.max_position_embeddings),
         attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager, seed=a.seed,
+        async_scheduling=a.async_scheduling,
         disable_log_stats=True,
     )
     if a.max_num_batched_tokens is not None:

@@ -48,9 +48,12 @@ STEPS: list[Step] = [
     # every kernel test (the small shapes run on the GPU too) and the gpu-marked real-shape and parity tests
     Step("gpu-tests", ["-q", "-p", "no:cacheprovider", "tests/kernels", "tests/engine/test_gpu_parity.py"],
          170, pytest=True),
-    Step("kernels", ["kernels"], 90),
+    Step("kernels", ["kernels"], 60),
     Step("throughput-qwen3", ["throughput", *_QWEN, "--compare", "hf", "--compare-num-requests", "32"], 200),
+    Step("throughput-qwen3-async", ["throughput", *_QWEN, "--async-scheduling"], 100),
     Step("latency-qwen3", ["latency", *_QWEN, "--compare", "hf"], 70),
+    Step("latency-qwen3-async", ["latency", *_QWEN, "--async-scheduling"], 60),
+    Step("latency-qwen3-eager", ["latency", *_QWEN, "--enforce-eager"], 60),
     Step("latency-llama8b", ["latency", *_LLAMA, "--compare", "hf", "--num-iters", "2"], 150),
     Step("serve-qwen3-rate4", ["serve", *_QWEN, "--request-rate", "4", "--num-requests", "64"], 60),
     Step("serve-qwen3-rate16", ["serve", *_QWEN, "--request-rate", "16", "--num-requests", "128"], 60),

@@ -80,6 +80,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         peers = hf_peer.throughput_peers(ctx, subset, args.hf_batch_size)
     settings = {"num_requests": args.num_requests, "input_len_range": list(args.input_len_range),
                 "output_len_range": list(args.output_len_range), "temperature": args.temperature,
-                "compare_num_requests": args.compare_num_requests, "hf_batch_size": args.hf_batch_size}
+                "compare_num_requests": args.compare_num_requests, "hf_batch_size": args.hf_batch_size,
+                "async_scheduling": args.async_scheduling}
     return common.finish(ctx, "throughput", settings, metrics, line, metrics["output_tokens_per_s"],
                          peers, "output_tokens_per_s")

@@ -2,7 +2,9 @@
 
 receive requests and aborts -> schedule one step -> the executor runs it on the
 workers -> update requests with the sampled tokens -> send outputs to the host
-that owns each request. Run as ``python -m asyncllm.engine.core``.
+that owns each request (with async_scheduling, the next step is scheduled and
+submitted before the current one's output is collected: engine/overlap.py).
+Run as ``python -m asyncllm.engine.core``.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import msgspec
 from asyncllm import errors, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.engine.core_io import CoreIO
+from asyncllm.engine.overlap import OverlappedSteps
 from asyncllm.engine.validation import check_add_request
-from asyncllm.mm.cache import ProcessorCacheStore, fill_mm_items
+from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.procutil import exit_when_parent_dies
 from asyncllm.sched.request import Request
 from asyncllm.sched.scheduler import Scheduler
@@ -47,9 +50,8 @@ class EngineCore:
         """The one host that exports the engine-wide metrics (the earliest still attached)."""
         self.executor = Executor(config)
         self._running = True
-        cache_gb = config.multimodal_config.mm_processor_cache_gb
-        self.mm_store = ProcessorCacheStore(int(cache_gb * 2**30)) if cache_gb > 0 else None
-        """The data half of the key-replicated multimodal processor cache (asyncllm/mm/cache.py)."""
+        self.mm_cache = CoreProcessorCache(config.multimodal_config)
+        """The core's half of the multimodal processor cache: the lru store, each host's shm ring (asyncllm/mm/)."""
         available = self.executor.start()
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
         _check_kv_fits(config, self.num_gpu_blocks)
@@ -60,11 +62,14 @@ class EngineCore:
                                                   config.structured_output_compile_timeout_s, config.revision)
         self.restarter = WorkerRestarter(config, self.num_gpu_blocks, self.num_cpu_blocks)
         self._next_health_check = 0.0
+        self.overlap = OverlappedSteps(self) if config.async_scheduling else None
+        """async_scheduling: the steps scheduled ahead of their outputs (asyncllm/engine/overlap.py)."""
 
     # ------------------------------------------------------------ busy loop
     def run(self) -> None:
         while self._running:
-            has_work = self.scheduler.has_unfinished_requests()
+            in_flight = self.overlap is not None and self.overlap.in_flight
+            has_work = in_flight or self.scheduler.has_unfinished_requests()
             changed = self._drain_inbox(block=not has_work)
             if not self._running:
                 break
@@ -73,17 +78,22 @@ class EngineCore:
                 expired += self._admit_compiled()
             if self.scheduler.has_unfinished_requests():
                 self._step(expired, changed)
+            elif in_flight:  # everything left was aborted or timed out while a step ran
+                self.overlap.drain(expired)
             else:
                 if changed or expired:
-                    self._send_outputs(expired)
+                    self.send_outputs(expired)
                 self._check_idle_workers()
 
     def _step(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]], changed: bool) -> None:
         """Schedule and run one step; `outputs` (timeouts) go out with its results."""
+        if self.overlap is not None:
+            self.overlap.step(outputs, changed)
+            return
         sched_out = self.scheduler.schedule()
         if not (sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids or sched_out.preempted_req_ids):
             if outputs or changed:  # the queue changed: hosts' admission estimates need fresh stats
-                self._send_outputs(outputs)
+                self.send_outputs(outputs)
             time.sleep(0.001)  # nothing fits right now; wait for an abort, a timeout or a finish to free blocks
             return
         if self.structured.matchers:
@@ -91,13 +101,17 @@ class EngineCore:
         try:
             runner_out = self.executor.execute_model(sched_out)
         except errors.EngineDeadError as exc:  # nothing of the step was applied: recompute its requests
-            self.executor = self.restarter.recover(self.executor, self.scheduler, exc)
-            self._send_outputs(outputs)
+            self.recover_workers(exc)
+            self.send_outputs(outputs)
             return
         step_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.structured.matchers:
             self.structured.accept(step_outputs, self.scheduler.finish_requests)
-        self._send_outputs(outputs + step_outputs)
+        self.send_outputs(outputs + step_outputs)
+
+    def recover_workers(self, exc: errors.EngineDeadError) -> None:
+        """Replace failed workers; every running request is recomputed (`EngineDeadError` past the budget)."""
+        self.executor = self.restarter.recover(self.executor, self.scheduler, exc)
 
     def _check_idle_workers(self) -> None:
         """Find a worker that died while nothing ran (at most every `_IDLE_HEALTH_CHECK_S`)."""
@@ -108,9 +122,9 @@ class EngineCore:
         try:
             self.executor.check_workers()
         except errors.EngineDeadError as exc:
-            self.executor = self.restarter.recover(self.executor, self.scheduler, exc)
+            self.recover_workers(exc)
 
-    def _send_outputs(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]]) -> None:
+    def send_outputs(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]]) -> None:
         """Each host gets its requests' deltas and the stats snapshot (every host, even with no delta)."""
         per_client: dict[bytes, list[protocol.RequestOutputDelta]] = defaultdict(list)
         for client_id, delta in outputs:
@@ -154,11 +168,14 @@ class EngineCore:
             self.clients.add(client_id)
             if self.stats_reporter is None:
                 self.stats_reporter = client_id
-            self.io.send(client_id, self._ready())
+            ready = self._ready()
+            ready.mm_shm_ring_mapped = self.mm_cache.attach(client_id, message.mm_shm_ring)
+            self.io.send(client_id, ready)
         elif isinstance(message, protocol.Goodbye):
             self.scheduler.abort_client(client_id)
             self.structured.abort_client(client_id)
             self.clients.discard(client_id)
+            self.mm_cache.detach(client_id)
             if self.stats_reporter == client_id:
                 self.stats_reporter = next(iter(self.clients), None)
             if message.shutdown:
@@ -169,7 +186,7 @@ class EngineCore:
         try:
             check_add_request(message, self.executor.vocab_size)  # the host checked too; other peers may not have
             if message.mm_items:
-                fill_mm_items(self.mm_store, message)
+                self.mm_cache.fill(client_id, message)
             request = Request.from_add_request(message, client_id)
             if message.params.structured is not None:
                 self.structured.add(request)  # queued once its grammar has compiled (`_admit_compiled`)
@@ -202,6 +219,10 @@ class EngineCore:
         self._running = False
 
     def shutdown(self) -> None:
+        if self.overlap is not None:
+            logger.info("async_scheduling: %d steps, %d of them scheduled synchronously",
+                        self.scheduler.num_steps_total, self.overlap.num_sync_steps)
+        self.mm_cache.close()
         self.structured.shutdown()
         self.executor.shutdown()
 

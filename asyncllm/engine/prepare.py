@@ -41,7 +41,7 @@ def prepare(config: EngineConfig) -> Prepared:
 
         mm_config = config.multimodal_config
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
-                                 mm_config.mm_max_image_pixels)
+                                 mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm)
 
 

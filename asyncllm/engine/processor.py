@@ -147,13 +147,18 @@ class Processor:
         dealer = open_dealer(self._ctx, self._address, self._engine_key)
         self._watch = watch = ConnectionWatch(dealer)
         try:
-            dealer.send(self._encoder.encode(protocol.Hello(pid=os.getpid())))
+            ring = self._mm.open_cache() if self._mm is not None else ""  # the shm processor cache's segment
+            dealer.send(self._encoder.encode(protocol.Hello(pid=os.getpid(), mm_shm_ring=ring)))
             if self._await_ready(dealer):
                 self._serve(dealer)
         except BaseException as exc:  # noqa: BLE001 - never die silently: fail every stream
             logger.exception("asyncllm processor thread failed")
+            if not self.ready.done():
+                self.ready.set_exception(exc)
             self._fail_all(errors.EngineDeadError(f"processor thread failed: {exc}"))
         finally:
+            if self._mm is not None:
+                self._mm.close_cache()
             watch.close()
             dealer.close(linger=0)
             self._doorbell_pull.close(linger=0)
@@ -164,6 +169,8 @@ class Processor:
             if dealer.poll(_POLL_MS):
                 message = self._decoder.decode(dealer.recv())
                 if isinstance(message, protocol.Ready):
+                    if self._mm is not None:
+                        self._mm.cache_mapped(message.mm_shm_ring_mapped)
                     self.max_model_len = message.max_model_len
                     self._max_prompt_chars = max_prompt_chars(self._tokenizer, message.max_model_len)
                     self.ready.set_result(message)
@@ -323,8 +330,11 @@ class Processor:
             if tracked.mm_resend is not None:
                 resend, tracked.mm_resend = tracked.mm_resend, None  # any answer means the core has the items
                 if out.error_type == CACHE_MISS_ERROR and self._mm is not None:
-                    dealer.send(self._encoder.encode(resend_with_data(self._mm, *resend)))  # all data: no second miss
-                    continue
+                    try:
+                        dealer.send(self._encoder.encode(resend_with_data(self._mm, *resend)))  # all data: no second miss
+                        continue
+                    except errors.InvalidRequestError as exc:  # an image that cannot be read again fails its request
+                        out = msgspec.structs.replace(out, error=str(exc), error_type=type(exc).__name__)
             item = self._process_output(tracked, out, now, aborts)
             if item is None:
                 continue  # prompt logprobs of a prefill chunk: they go out with the first token

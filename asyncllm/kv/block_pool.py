@@ -27,7 +27,7 @@ class KVCacheBlock:
         self.ref_cnt = 0
         """Requests whose block table holds this block."""
         self.block_hash: BlockHash | None = None
-        """Set once the block is full, computed and registered in the prefix cache."""
+        """Set once the block is full and registered in the prefix cache (when its step is scheduled)."""
         self.token_ids: tuple[int, ...] | None = None
         """The tokens of a cached block, re-checked on every hit."""
 
@@ -88,11 +88,13 @@ class BlockPool:
 
     def allocate(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the front of the free queue (evicting their cache entries)."""
-        assert self.can_allocate(num_blocks), (num_blocks, len(self._free))
+        free = self._free
+        assert num_blocks <= len(free), (num_blocks, len(free))
         taken = []
         for _ in range(num_blocks):
-            _, block = self._free.popitem(last=False)
-            self._evict(block)
+            _, block = free.popitem(last=False)
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
             taken.append(block)
         return taken
@@ -115,10 +117,12 @@ class BlockPool:
                     self._free.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVCacheBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> bool:
-        """Register a full, computed block under `block_hash`; False if another block already holds it.
+        """Register a full block under `block_hash`; False if another block already holds it.
 
-        When two requests computed the same prefix in the same step, the
-        second copy stays unregistered and is reused as a plain block once freed.
+        The block may be computed in the step being scheduled (see
+        `KVCacheManager`). When two requests computed the same prefix (one
+        admitted before the other's blocks were registered), the second copy
+        stays unregistered and is reused as a plain block once freed.
         """
         assert block.ref_cnt > 0 and block.block_hash is None, block
         if block_hash in self._cached:
@@ -127,6 +131,11 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block
         return True
+
+    def uncache(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop these blocks' prefix-cache entries (their KV was never computed); they stay allocated."""
+        for block in blocks:
+            self._evict(block)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block: the workers' KV cache was lost (a worker restart). No block may be held."""

@@ -34,8 +34,14 @@ ROOT_PARENT_HASH: BlockHash = hashlib.sha256(b"asyncllm.prefix-cache.root.v1").d
 """The parent hash of a request's first block."""
 
 _ENCODER = msgspec.msgpack.Encoder()
-_PACKERS: dict[int, struct.Struct] = {}
-"""Little-endian int64 packers by token count (in practice one: the block size)."""
+_sha256 = hashlib.sha256
+_PACKERS: dict[int, tuple[bytes, struct.Struct]] = {}
+"""Token count -> (its 4-byte little-endian prefix, a little-endian int64 packer); in practice one entry."""
+
+
+def _packer(num_tokens: int) -> tuple[bytes, struct.Struct]:
+    entry = _PACKERS[num_tokens] = (num_tokens.to_bytes(4, "little"), struct.Struct(f"<{num_tokens}q"))
+    return entry
 
 
 def hash_block_tokens(
@@ -43,18 +49,16 @@ def hash_block_tokens(
 ) -> BlockHash:
     """Hash of one full block given its parent's hash, its tokens and its extra keys.
 
-    The token count is part of the digest so that no two (tokens, extra keys)
-    pairs share an encoding. The bytes are hashed in one call: a decoding
-    request hashes a block every `block_size` steps, so this is on the hot path.
+    The digest reads ``parent (32 bytes) | token count (4 bytes) | tokens
+    (int64 each) | msgpack(extra keys)``: the count makes the token bytes
+    self-delimiting, so no two (tokens, extra keys) pairs share an encoding.
+    The bytes are hashed in one call: a decoding request hashes a block every
+    `block_size` steps, so this is on the hot path.
     """
-    num_tokens = len(token_ids)
-    packer = _PACKERS.get(num_tokens)
-    if packer is None:
-        packer = _PACKERS[num_tokens] = struct.Struct(f"<{num_tokens}q")
-    data = parent_hash + num_tokens.to_bytes(4, "little") + packer.pack(*token_ids)
+    prefix, packer = _PACKERS.get(len(token_ids)) or _packer(len(token_ids))
     if extra_keys:
-        data += _ENCODER.encode(extra_keys)
-    return hashlib.sha256(data).digest()
+        return _sha256(parent_hash + prefix + packer.pack(*token_ids) + _ENCODER.encode(extra_keys)).digest()
+    return _sha256(parent_hash + prefix + packer.pack(*token_ids)).digest()
 
 
 class MultiModalPlaceholder(Protocol):
@@ -105,10 +109,18 @@ def extend_block_hashes(
     request costs one hash per `block_size` generated tokens.
     """
     num_blocks = min(num_blocks, len(token_ids) // block_size)
+    start_index = len(block_hashes)
+    if start_index >= num_blocks:
+        return
     parent = block_hashes[-1] if block_hashes else ROOT_PARENT_HASH
-    for index in range(len(block_hashes), num_blocks):
+    prefix, packer = _PACKERS.get(block_size) or _packer(block_size)
+    pack, append = packer.pack, block_hashes.append
+    for index in range(start_index, num_blocks):
         start = index * block_size
         block_tokens = token_ids[start : start + block_size]
-        mm_keys = _mm_keys(mm_items, start, start + block_size) if mm_items else ()
-        parent = hash_block_tokens(parent, block_tokens, block_extra_keys(index, cache_salt, mm_keys))
-        block_hashes.append(parent)
+        if mm_items or (index == 0 and cache_salt is not None):
+            mm_keys = _mm_keys(mm_items, start, start + block_size) if mm_items else ()
+            parent = hash_block_tokens(parent, block_tokens, block_extra_keys(index, cache_salt, mm_keys))
+        else:  # no extra keys: `hash_block_tokens` inlined (one full block per `block_size` decode steps)
+            parent = _sha256(parent + prefix + pack(*block_tokens)).digest()
+        append(parent)

@@ -5,9 +5,19 @@ sequence for one request is::
 
     blocks, num_hit = manager.get_computed_blocks(req)         # admission only
     new_ids = manager.allocate_slots(req, n, blocks)            # None: not enough blocks
+    manager.cache_full_blocks(req, req.num_computed_tokens + n) # register the blocks this step fills
     ... the model computes the n tokens ...
-    manager.cache_full_blocks(req)                              # after num_computed_tokens advanced
     manager.free(req)                                           # finished, aborted or preempted
+
+Blocks are registered in the prefix cache when they are scheduled, before the
+model computes them: a request admitted later in the same step (the n samples
+of one prompt) hits them and reads KV that the same forward pass writes (every
+attention backend stores a layer's K/V for the whole batch before that layer's
+attention reads the cache). Such a block becomes safe to hand out in a later
+step only once its step ran; a step either runs or is lost with the workers
+(which resets the whole prefix cache), and `free` unregisters the blocks of a
+request freed before its scheduled tokens were applied
+(docs/scheduling.md, "Prompt sharing in one step").
 
 Every call is O(blocks of that request touched by the call): nothing walks
 the whole pool, so a decode step costs O(running requests).
@@ -19,7 +29,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from asyncllm.kv.block_pool import BlockPool, KVCacheBlock
-from asyncllm.kv.hashing import BlockHash, MultiModalPlaceholder, extend_block_hashes
+from asyncllm.kv.hashing import BlockHash, MultiModalPlaceholder, extend_block_hashes, hash_block_tokens
 
 __all__ = ["KVCacheManager", "KVRequest"]
 
@@ -132,51 +142,87 @@ class KVCacheManager:
         req_id = request.request_id
         blocks = self.req_to_blocks.get(req_id)
         num_needed = request.num_computed_tokens + num_new_tokens
-        if blocks is not None and not new_computed_blocks and num_needed <= len(blocks) * self.block_size:
-            return []  # the decode fast path: the last block still has room
+        bs = self.block_size
+        if blocks is not None and not new_computed_blocks:  # a running request: no hits, plain growth
+            num_new_blocks = -(-num_needed // bs) - len(blocks)
+            if num_new_blocks <= 0:
+                return []  # the decode fast path: the last block still has room
+            if num_new_blocks > self.pool.num_free_blocks:
+                return None
+            appended = self.pool.allocate(num_new_blocks)
+            blocks.extend(appended)
+            return [block.block_id for block in appended]
         hits = new_computed_blocks or []
         num_held = len(hits) + (len(blocks) if blocks is not None else 0)
-        num_new_blocks = max(_cdiv(num_needed + len(hits) * self.block_size, self.block_size) - num_held, 0)
-        num_revived = sum(1 for block in hits if block.ref_cnt == 0) if hits else 0
+        num_new_blocks = max(_cdiv(num_needed + len(hits) * bs, bs) - num_held, 0)
+        num_revived = sum(1 for block in hits if block.ref_cnt == 0)
         if not self.pool.can_allocate(num_new_blocks + num_revived):
             return None
         if blocks is None:
             blocks = self.req_to_blocks[req_id] = []
             self._num_cached_blocks[req_id] = len(hits)
             self._count_query(request, len(hits))
-        if hits:
-            self.pool.touch(hits)
-            appended = hits + self.pool.allocate(num_new_blocks)
-        else:  # a decode crossing into a new block: the common slow path
-            appended = self.pool.allocate(num_new_blocks)
+        self.pool.touch(hits)
+        appended = hits + self.pool.allocate(num_new_blocks)
         blocks.extend(appended)
         return [block.block_id for block in appended]
 
-    def cache_full_blocks(self, request: KVRequest) -> None:
-        """Register the request's full, computed blocks so that later requests can hit them."""
+    def cache_full_blocks(self, request: KVRequest, num_tokens: int | None = None) -> None:
+        """Register the request's blocks that are full in its first `num_tokens` tokens (default: its computed ones).
+
+        The scheduler passes the tokens computed once this step has run, so
+        that a request admitted later in the same step can hit them.
+        """
         if not self.enable_prefix_caching:
             return
         req_id = request.request_id
         start = self._num_cached_blocks.get(req_id)
         bs = self.block_size
-        if start is None or request.num_computed_tokens // bs <= start:
+        end = (request.num_computed_tokens if num_tokens is None else num_tokens) // bs
+        if start is None or end <= start:
             return  # the decode fast path: no block became full
         blocks = self.req_to_blocks[req_id]
-        end = min(request.num_computed_tokens // bs, len(blocks))
-        token_ids = request.all_token_ids
-        extend_block_hashes(request.block_hashes, token_ids, bs, end, request.cache_salt, request.mm_items)
+        if end > len(blocks):
+            end = len(blocks)
+        token_ids, block_hashes = request.all_token_ids, request.block_hashes
+        if end == start + 1 == len(block_hashes) + 1 and start and not request.mm_items:
+            # one block of a decode, no extra keys (the salt keys block 0 only): `extend_block_hashes` inlined
+            block_tokens = token_ids[start * bs : end * bs]
+            if len(block_tokens) < bs:
+                return  # its last token is an async-scheduling placeholder: registered once it is known
+            block_hash = hash_block_tokens(block_hashes[-1], block_tokens)
+            block_hashes.append(block_hash)
+            block = blocks[start]
+            if block.block_hash is None:
+                self.pool.cache_block(block, block_hash, block_tokens)
+            self._num_cached_blocks[req_id] = end
+            return
+        if len(block_hashes) < end:
+            extend_block_hashes(block_hashes, token_ids, bs, end, request.cache_salt, request.mm_items)
+            end = min(end, len(block_hashes))  # async scheduling: a block ending in a placeholder waits for its token
+        cache_block = self.pool.cache_block
         for index in range(start, end):
             block = blocks[index]
             if block.block_hash is None:
-                self.pool.cache_block(block, request.block_hashes[index], token_ids[index * bs : (index + 1) * bs])
+                cache_block(block, block_hashes[index], token_ids[index * bs : (index + 1) * bs])
         self._num_cached_blocks[req_id] = end
 
     def free(self, request: KVRequest) -> None:
-        """Release the request's blocks; the tail goes first so that it is evicted first."""
-        blocks = self.req_to_blocks.pop(request.request_id, None)
-        self._num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            self.pool.free(reversed(blocks))
+        """Release the request's blocks; the tail goes first so that it is evicted first.
+
+        Blocks it registered for tokens not yet computed (freed between
+        `schedule()` and `update_from_output()`) leave the prefix cache first:
+        nothing may hit them in a later step.
+        """
+        req_id = request.request_id
+        blocks = self.req_to_blocks.pop(req_id, None)
+        num_cached = self._num_cached_blocks.pop(req_id, 0)
+        if not blocks:
+            return
+        num_computed_blocks = request.num_computed_tokens // self.block_size
+        if num_cached > num_computed_blocks:
+            self.pool.uncache(blocks[num_computed_blocks:num_cached])
+        self.pool.free(reversed(blocks))
 
     def _count_query(self, request: KVRequest, num_hit_blocks: int) -> None:
         """Count one admission's lookup (once per admission, however often admission was retried)."""

@@ -95,7 +95,8 @@ class HostStats:
             num_gpu_blocks=s.num_gpu_blocks, num_preemptions_total=s.num_preemptions_total,
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
-            num_steps_total=s.num_steps_total,
+            num_steps_total=s.num_steps_total, mm_encoder_cache_queries=s.mm_encoder_cache_queries,
+            mm_encoder_cache_hits=s.mm_encoder_cache_hits,
         )
 
     def snapshot(self, engine_alive: bool = True) -> EngineStats:
@@ -109,4 +110,5 @@ class HostStats:
             generation_tokens_total=self.generation_tokens_total, engine_alive=engine_alive,
             request_success_total=dict(self.request_success), num_swapped_total=s.num_swapped_total,
             mm_cache_queries=self.mm_cache_queries, mm_cache_hits=self.mm_cache_hits,
+            mm_encoder_cache_queries=s.mm_encoder_cache_queries, mm_encoder_cache_hits=s.mm_encoder_cache_hits,
         )

@@ -2,9 +2,12 @@
 
 Host side (the processor thread): `images` decodes and bounds image inputs,
 `processor` runs the checkpoint's HF image processor and expands each image's
-placeholder token into one token per feature row, `cache` is the processor
-cache (keys on the host, data in the core). Worker side: `embeddings` runs the
+placeholder token into one token per feature row; the processor cache has
+its host half in `host_cache` (lru mirror or the writer of the `shm_ring`) and
+its core half in `core_cache` (the lru store of `cache`, each host's ring
+reader). Worker side: `embeddings` runs the
 model's encoder for the placeholder ranges a step reaches and scatters the
-features into the input embeddings. A model family adds only its model file
+features into the input embeddings; `encoder_cache` keeps encoder outputs
+across requests by item hash. A model family adds only its model file
 (``embed_multimodal`` and ``mm_placeholder_length``).
 """

@@ -1,4 +1,4 @@
-"""The multimodal processor cache, key-replicated: keys and sizes on the host, data in the core.
+"""The multimodal processor cache, key-replicated (``lru``): keys and sizes on the host, data in the core.
 
 Both sides run the same LRU over the same byte budget (``mm_processor_cache_gb``)
 and see the same sequence of operations (the host records an item when it sends
@@ -7,22 +7,28 @@ host knows which items the core holds without asking: a repeated image crosses
 the socket as its hash only. When the two drift anyway (another host attached to
 a standalone core, or a budget too small for an item), the core answers
 `CacheMiss` and the host resends the request with data (docs/multimodal.md).
+`fill_mm_items` also takes items from a host's shared-memory ring (``shm``,
+asyncllm/mm/shm_ring.py).
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-import math
+import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.protocol import AddRequest, MultiModalItem
 
+if TYPE_CHECKING:
+    from asyncllm.mm.shm_ring import ShmRingReader
+
 __all__ = [
     "CACHE_MISS_ERROR", "LRUBudget", "MultiModalCacheMiss", "ProcessorCacheMirror", "ProcessorCacheStore",
-    "fill_mm_items",
+    "data_bytes", "fill_mm_items",
 ]
 
 _ITEM_DTYPES = {"float32": 4, "float16": 2}
@@ -91,7 +97,7 @@ class ProcessorCacheStore(LRUBudget[MultiModalItem]):
             if cached is None:
                 missing.append(item.mm_hash)
             else:
-                items[i] = MultiModalItem(item.mm_hash, item.offset, item.length, cached.data, cached.shape, cached.dtype)
+                items[i] = msgspec.structs.replace(item, data=cached.data, shape=cached.shape, dtype=cached.dtype)
         return missing
 
 
@@ -107,19 +113,52 @@ def _check_item(item: MultiModalItem, index: int, num_prompt_tokens: int, previo
     if not (previous_end <= item.offset and item.length > 0 and item.offset + item.length <= num_prompt_tokens):
         raise InvalidRequestError(field, f"placeholders [{item.offset}, {item.offset + item.length}) must be in "
                                   f"the prompt, after the previous item's, in order")
-    if item.data is not None:
+    if item.data is not None or _in_ring(item):
+        nbytes = len(item.data) if item.data is not None else data_bytes(item)
         itemsize = _ITEM_DTYPES.get(item.dtype)
-        if itemsize is None or len(item.data) != itemsize * math.prod(item.shape) or not item.shape:
-            raise InvalidRequestError(field, f"data of {len(item.data)} bytes does not match shape {item.shape} "
+        if itemsize is None or nbytes != itemsize * math.prod(item.shape) or not item.shape:
+            raise InvalidRequestError(field, f"data of {nbytes} bytes does not match shape {item.shape} "
                                       f"and dtype {item.dtype!r} (one of {', '.join(_ITEM_DTYPES)})")
     return item.offset + item.length
 
 
-def fill_mm_items(store: ProcessorCacheStore | None, message: AddRequest) -> None:
-    """Check the request's items and fill key-only ones from the store (`MultiModalCacheMiss` if absent)."""
+def _in_ring(item: MultiModalItem) -> bool:
+    return item.data is None and item.shm_offset >= 0
+
+
+def data_bytes(item: MultiModalItem) -> int:
+    """The byte size of an item's data, from its shape and dtype."""
+    return _ITEM_DTYPES.get(item.dtype, 0) * math.prod(item.shape)
+
+
+def _fill_from_ring(ring: ShmRingReader | None, items: list[MultiModalItem]) -> list[str]:
+    """Copy the items that carry a ring location out of the host's ring; the hashes whose entry is gone."""
+    missing = []
+    for i, item in enumerate(items):
+        if not _in_ring(item):
+            continue
+        data = None
+        if ring is not None:
+            data = ring.read(item.mm_hash, item.shm_offset, item.shm_generation, data_bytes(item), f"mm_items[{i}]")
+        if data is None:
+            missing.append(item.mm_hash)
+        else:
+            items[i] = msgspec.structs.replace(item, data=data, shm_offset=-1, shm_generation=0)
+    return missing
+
+
+def fill_mm_items(store: ProcessorCacheStore | None, message: AddRequest, ring: ShmRingReader | None = None) -> None:
+    """Check the request's items and give each its data: from ``ring`` (an shm location), the store (a key only)
+    or the message itself; `MultiModalCacheMiss` naming the items none of them has."""
     end = 0
     for index, item in enumerate(message.mm_items):
         end = _check_item(item, index, len(message.prompt_token_ids), end)
-    missing = store.fill(message.mm_items) if store is not None else [i.mm_hash for i in message.mm_items if i.data is None]
+    items = message.mm_items
+    plain = [i for i, item in enumerate(items) if not _in_ring(item)]  # with data, or a key for the lru store
+    subset = [items[i] for i in plain]
+    missing = store.fill(subset) if store is not None else [item.mm_hash for item in subset if item.data is None]
+    for i, item in zip(plain, subset):
+        items[i] = item
+    missing += _fill_from_ring(ring, items)
     if missing:
         raise MultiModalCacheMiss("mm_items", f"not in the core's processor cache: {', '.join(missing)}")

@@ -1,23 +1,31 @@
 """Worker side: encoder outputs for the placeholder ranges a step reaches, scattered into the embeddings.
 
 A step may cover only part of an image's placeholder range (chunked prefill, or a
-prefix-cache hit that ends inside it). The encoder runs once per image, when its
-range is first reached, and its output stays cached for the request until the
-prefill has passed the range (or the request leaves the worker); each step
-copies the rows it covers into the text embeddings at those positions.
+prefix-cache hit that ends inside it). When a request's prefill first reaches an
+image, its features are looked up by item hash in the `EncoderCache`
+(asyncllm/mm/encoder_cache.py) and encoded only when missing (every image a step
+misses in one encoder call, images of one shape batched); the entry stays pinned
+until the prefill has passed the range (or the request leaves the worker), then it
+stays cached for later requests while the byte budget allows. Each step copies
+the rows it covers into the text embeddings at those positions.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from asyncllm.mm.encoder_cache import EncoderCache
 from asyncllm.protocol import MultiModalItem
 
-__all__ = ["EncoderOutputCache", "ScheduledSpan"]
+__all__ = ["EncodeFn", "EncoderOutputCache", "ScheduledSpan", "encode_items"]
+
+EncodeFn = Callable[[list[MultiModalItem], int, torch.dtype], list[torch.Tensor]]
+"""(items, hidden size, dtype) -> one ``[item.length, hidden]`` tensor per item, in order."""
 
 
 @dataclass(frozen=True)
@@ -36,25 +44,48 @@ def _pixels(item: MultiModalItem, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(array.copy()).to(device)
 
 
-class EncoderOutputCache:
-    """Per-request multimodal items and the encoder outputs still needed by their prefill."""
+def encode_items(model: Any, items: list[MultiModalItem], device: torch.device) -> list[torch.Tensor]:
+    """Run ``model.embed_multimodal`` over ``items`` on this rank (batched by pixel shape); features in item order."""
+    by_shape: dict[tuple[int, ...], list[int]] = {}
+    for i, item in enumerate(items):
+        by_shape.setdefault(tuple(item.shape), []).append(i)
+    out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+    for indices in by_shape.values():
+        features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in indices]))
+        for i, rows in zip(indices, features):
+            if rows.shape[0] != items[i].length:
+                raise ValueError(f"image {items[i].mm_hash}: {rows.shape[0]} features for {items[i].length} placeholders")
+            out[i] = rows
+    return out
 
-    def __init__(self, model: Any, device: torch.device) -> None:
+
+class EncoderOutputCache:
+    """Per-request multimodal items, the cached encoder outputs they pin, and the scatter into embeddings."""
+
+    def __init__(self, model: Any, device: torch.device, budget_bytes: int = 0, encode: EncodeFn | None = None) -> None:
         self.model = model
-        self.device = device
         self.items: dict[str, list[MultiModalItem]] = {}
-        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
-        """(request id, item index) -> ``[length, hidden]`` features."""
-        self.num_encoded = 0
-        """Images encoded so far (tests check that a prefix-cache hit skips the encoder)."""
+        self.store = EncoderCache(budget_bytes)
+        self.encode: EncodeFn = encode or (lambda items, hidden, dtype: encode_items(model, items, device))
+        self._pinned: dict[str, set[int]] = {}
+        """request id -> indices of its items whose features it pins (reached, not yet passed)."""
+        self.num_queries = 0
+        """Items looked up when a prefill first reached them."""
+        self.num_hits = 0
+        """Of those, items whose features were already cached (or encoded once for another item of the same step)."""
+
+    @property
+    def num_encoded(self) -> int:
+        """Images run through the encoder so far."""
+        return self.num_queries - self.num_hits
 
     def add_request(self, req_id: str, items: list[MultiModalItem]) -> None:
         self.items[req_id] = items
 
     def remove_request(self, req_id: str) -> None:
-        items = self.items.pop(req_id, None)
-        for index in range(len(items or ())):
-            self.outputs.pop((req_id, index), None)
+        items = self.items.pop(req_id, [])
+        for index in self._pinned.pop(req_id, ()):
+            self.store.release(items[index].mm_hash)
 
     def inputs_embeds(self, input_ids: torch.Tensor, spans: list[ScheduledSpan]) -> torch.Tensor | None:
         """The step's input embeddings with image features in place; None when no span touches an image."""
@@ -62,28 +93,38 @@ class EncoderOutputCache:
                    if item.offset < span.start + span.length and item.offset + item.length > span.start]
         if not touched:
             return None
-        self._encode_missing([(span.req_id, index, item) for span, index, item in touched])
         embeds = self.model.embed_input_ids(input_ids)
+        self._pin_reached([(span.req_id, index, item) for span, index, item in touched], embeds)
         for span, index, item in touched:
             lo, hi = max(span.start, item.offset), min(span.start + span.length, item.offset + item.length)
-            features = self.outputs[(span.req_id, index)]
+            features = self.store.get_pinned(item.mm_hash)
             dst = span.flat_offset + lo - span.start
             embeds[dst : dst + hi - lo] = features[lo - item.offset : hi - item.offset].to(embeds.dtype)
-            if hi == item.offset + item.length:
-                del self.outputs[(span.req_id, index)]  # the prefill has passed this image
+            if hi == item.offset + item.length:  # the prefill has passed this image
+                self._pinned[span.req_id].discard(index)
+                self.store.release(item.mm_hash)
         return embeds
 
-    def _encode_missing(self, wanted: list[tuple[str, int, MultiModalItem]]) -> None:
-        """Run the encoder once over every needed image not cached yet (batched by pixel shape)."""
-        by_shape: dict[tuple[int, ...], list[tuple[str, int, MultiModalItem]]] = {}
+    def _pin_reached(self, wanted: list[tuple[str, int, MultiModalItem]], embeds: torch.Tensor) -> None:
+        """Pin the features of every item reached for the first time, encoding the ones not cached (once each)."""
+        missing: dict[str, MultiModalItem] = {}
+        repeats: list[str] = []
         for req_id, index, item in wanted:
-            if (req_id, index) not in self.outputs:
-                by_shape.setdefault(tuple(item.shape), []).append((req_id, index, item))
-        for group in by_shape.values():
-            pixels = torch.stack([_pixels(item, self.device) for _, _, item in group])
-            features = self.model.embed_multimodal(pixels)
-            self.num_encoded += len(group)
-            for (req_id, index, item), rows in zip(group, features):
-                if rows.shape[0] != item.length:
-                    raise ValueError(f"image {index} of {req_id}: {rows.shape[0]} features for {item.length} placeholders")
-                self.outputs[(req_id, index)] = rows
+            pinned = self._pinned.setdefault(req_id, set())
+            if index in pinned:
+                continue
+            pinned.add(index)
+            self.num_queries += 1
+            if item.mm_hash in missing:
+                repeats.append(item.mm_hash)
+            elif self.store.acquire(item.mm_hash) is None:
+                missing[item.mm_hash] = item
+            else:
+                self.num_hits += 1
+        if missing:
+            features = self.encode(list(missing.values()), embeds.shape[-1], embeds.dtype)
+            for mm_hash, rows in zip(missing, features):
+                self.store.insert(mm_hash, rows.clone())  # a copy: a view would keep the whole batch alive
+        for mm_hash in repeats:  # the same image twice in one step: encoded once, pinned by each
+            self.store.acquire(mm_hash)
+            self.num_hits += 1

@@ -8,7 +8,12 @@ import msgspec
 
 from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
-from asyncllm.mm.processor import MultiModalProcessor, MultiModalPrompt, split_chat_images
+from asyncllm.mm.images import check_uuids
+from asyncllm.mm.processor import (
+    MultiModalProcessor,
+    MultiModalPrompt,
+    split_chat_images,
+)
 from asyncllm.tokenizer import encode_prompt
 
 __all__ = ["multimodal_prompt", "resend_with_data"]
@@ -26,15 +31,18 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
     if mm is None:
         raise InvalidRequestError(field, "this model takes no images (it is not a multimodal architecture)")
     if chat:
-        messages, images = split_chat_images(prompt)
+        messages, images, uuids = split_chat_images(prompt)
         token_ids = _render_chat(mm, messages)
     else:
-        unknown = set(prompt) - {"prompt", "images"}
+        unknown = set(prompt) - {"prompt", "images", "image_uuids"}
         if unknown or not isinstance(prompt.get("prompt"), str) or not prompt["prompt"]:
-            raise InvalidRequestError("prompt", f"a dict prompt is {{'prompt': str, 'images': [...]}}; got keys {sorted(prompt)}")
+            raise InvalidRequestError("prompt", "a dict prompt is {'prompt': str, 'images': [...], 'image_uuids': "
+                                      f"[...] (optional)}}; got keys {sorted(prompt)}")
         images = prompt.get("images", [])
+        uuids = (check_uuids(prompt.get("image_uuids"), len(images), "prompt.image_uuids")
+                 if isinstance(images, (list, tuple)) else None)  # not a list: mm.process says so
         token_ids = encode_prompt(mm.tokenizer, prompt["prompt"])
-    result = mm.process(token_ids, images, field)
+    result = mm.process(token_ids, images, field, uuids)
     if len(result.token_ids) >= max_model_len:
         raise InvalidRequestError(
             "prompt", f"{len(result.token_ids)} tokens with image placeholders, but max_model_len is {max_model_len}")
@@ -57,9 +65,11 @@ def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]]) -> lis
 def resend_with_data(mm: MultiModalProcessor, message: protocol.AddRequest, prompt: MultiModalPrompt) -> protocol.AddRequest:
     """The same request with every item's data, after the core reported a processor-cache miss.
 
-    The host's mirror and the core's store have drifted; the request's keys are
-    dropped from the mirror so the images are processed and sent again.
+    The host's half of the cache and the core's have drifted (lru), or a ring
+    entry was overwritten before the core read it (shm); the request's keys are
+    dropped from the host's half and the images processed and sent again, with
+    their data (in shm mode inline, so that this copy cannot be overwritten).
     """
     mm.forget([item.mm_hash for item in message.mm_items])
-    again = mm.process_items(prompt)
+    again = mm.process_items(prompt, inline=mm.cache_type == "shm")
     return msgspec.structs.replace(message, mm_items=again)

@@ -1,4 +1,8 @@
-"""Image inputs: bytes, a path or a PIL image -> (RGB image, content hash), bounded and typed.
+"""Image inputs: bytes, a path or a PIL image -> (RGB image, item key), bounded and typed.
+
+An item's key is the content hash of the image, or a hash of the caller's uuid
+for it (``image_uuids``, or a chat part's ``"uuid"``): then no pixel byte is read
+for the key, and the same uuid means the same image (the caller's contract).
 
 Runs on the processor thread. The size is read from the image header before any
 pixel is decoded, so an oversized image costs nothing; anything PIL cannot
@@ -14,13 +18,13 @@ from typing import Any
 
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["ImageInput", "decode_image", "image_hash", "load_image"]
+__all__ = ["ImageInput", "check_uuid", "check_uuids", "decode_image", "image_hash", "load_image", "read_image", "uuid_key"]
 
 ImageInput = Any
 """``bytes``, a path (``str`` / ``os.PathLike``) or a ``PIL.Image.Image``."""
 
 
-def _raw(image: ImageInput, field: str) -> bytes | Any:
+def read_image(image: ImageInput, field: str) -> bytes | Any:
     """Encoded bytes for bytes and paths, the image itself for a PIL image."""
     from PIL import Image
 
@@ -53,8 +57,30 @@ def image_hash(raw: bytes | Any) -> str:
 
 def load_image(image: ImageInput, field: str) -> tuple[bytes | Any, str]:
     """(the raw input to decode later, its content hash); cheap: nothing is decoded yet."""
-    raw = _raw(image, field)
+    raw = read_image(image, field)
     return raw, image_hash(raw)
+
+
+def uuid_key(uuid: str) -> str:
+    """The item key of a caller-given uuid (blake2b-128 of it, apart from every content hash)."""
+    return hashlib.blake2b(b"uuid:" + uuid.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def check_uuids(uuids: Any, num_images: int, field: str) -> list[str | None]:
+    """The caller's uuids, one per image (None: hash that image's content); `InvalidRequestError` naming ``field``."""
+    if uuids is None:
+        return [None] * num_images
+    if not isinstance(uuids, (list, tuple)) or len(uuids) != num_images:
+        got = f"{len(uuids)} uuids" if isinstance(uuids, (list, tuple)) else f"a {type(uuids).__name__}"
+        raise InvalidRequestError(field, f"must be a list with one uuid (str or None) per image: {num_images} images, got {got}")
+    return [check_uuid(uuid, f"{field}[{index}]") for index, uuid in enumerate(uuids)]
+
+
+def check_uuid(uuid: Any, field: str) -> str | None:
+    """One caller uuid: a non-empty str, or None (hash the content)."""
+    if uuid is not None and (not isinstance(uuid, str) or not uuid):
+        raise InvalidRequestError(field, f"a uuid must be a non-empty str or None, got {uuid!r:.80}")
+    return uuid
 
 
 def decode_image(raw: bytes | Any, field: str, max_pixels: int) -> Any:

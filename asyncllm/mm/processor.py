@@ -4,18 +4,37 @@ Runs on the processor thread (never the event loop). Each image's placeholder
 token in the prompt (LLaVA's ``<image>``) is expanded to one token per feature
 row its encoder outputs, so prompt positions and KV blocks cover image
 features one to one; the items carry their offsets. The HF image processor is
-the checkpoint's own (``AutoImageProcessor`` from the model folder).
+the checkpoint's own (``AutoImageProcessor`` from the model folder). The host's
+half of the processor cache is here too: the lru mirror (asyncllm/mm/cache.py)
+or the shm ring's writer (asyncllm/mm/shm_ring.py).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
-from asyncllm.mm.cache import MirrorEntry, ProcessorCacheMirror
-from asyncllm.mm.images import ImageInput, decode_image, load_image
+from asyncllm.mm.host_cache import (
+    HostProcessorCache,
+    LruHostCache,
+    ShmHostCache,
+    inline_item,
+)
+from asyncllm.mm.images import (
+    ImageInput,
+    check_uuid,
+    decode_image,
+    load_image,
+    read_image,
+    uuid_key,
+)
+from asyncllm.mm.shm_ring import check_ring_room
 from asyncllm.protocol import MultiModalItem
+
+logger = logging.getLogger("asyncllm.mm")
 
 __all__ = ["MultiModalProcessor", "MultiModalPrompt", "split_chat_images"]
 
@@ -28,15 +47,19 @@ class MultiModalPrompt:
     items: list[MultiModalItem]
     images: list[ImageInput]
     """The caller's images, kept until the core accepts the request (to resend after a cache miss)."""
+    uuids: list[str | None] = dataclass_field(default_factory=list)
+    """The caller's uuid of each image (None: keyed by its content hash)."""
 
 
-def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput]]:
-    """OpenAI-style messages -> (messages with ``{"type": "image"}`` parts the template renders, images).
+def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput], list[str | None]]:
+    """OpenAI-style messages -> (messages with ``{"type": "image"}`` parts the template renders, images, uuids).
 
     Image parts are ``{"type": "image", "image": ...}`` or ``{"type": "image_url",
-    "image_url": {"url": ...}}``; URLs are refused (`load_image`), so pass bytes.
+    "image_url": {"url": ...}}``, each with an optional ``"uuid"`` (the caller's
+    key for the image); URLs are refused (`load_image`), so pass bytes.
     """
     images: list[ImageInput] = []
+    uuids: list[str | None] = []
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -44,21 +67,22 @@ def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, An
             out.append(message)
             continue
         parts = []
-        for part in content:
+        for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
-            elif kind == "image":
+                continue
+            if kind == "image":
                 images.append(part.get("image"))
-                parts.append({"type": "image"})
             elif kind == "image_url":
                 url = part.get("image_url")
                 images.append(url.get("url") if isinstance(url, dict) else url)
-                parts.append({"type": "image"})
             else:
                 raise InvalidRequestError("messages", f"item {i} has a content part of unknown type {kind!r}")
+            uuids.append(check_uuid(part.get("uuid"), f"messages[{i}].content[{j}].uuid"))
+            parts.append({"type": "image"})
         out.append({**message, "content": parts})
-    return out, images
+    return out, images, uuids
 
 
 class _Counters:
@@ -67,10 +91,10 @@ class _Counters:
 
 
 class MultiModalProcessor:
-    """One model's image processing, placeholder expansion and processor-cache mirror."""
+    """One model's image processing, placeholder expansion and the host's half of the processor cache."""
 
     def __init__(self, model_path: str, hf_config: Any, model_cls: Any, tokenizer: Any, cache_bytes: int,
-                 max_image_pixels: int) -> None:
+                 max_image_pixels: int, cache_type: str = "lru") -> None:
         try:
             import PIL  # noqa: F401
         except ImportError as exc:
@@ -83,14 +107,46 @@ class MultiModalProcessor:
         self._hf_config = hf_config
         self._model_cls = model_cls
         self.max_image_pixels = max_image_pixels
-        self.mirror = ProcessorCacheMirror(cache_bytes) if cache_bytes > 0 else None
+        self.cache_type = cache_type
+        self.cache_bytes = cache_bytes
+        if cache_type == "shm" and cache_bytes > 0:
+            check_ring_room(cache_bytes)  # before any process starts (the ring itself is made per connection)
+        self.cache: HostProcessorCache | None = LruHostCache(cache_bytes) if cache_type == "lru" and cache_bytes > 0 else None
+        """lru: from the start; shm: while connected to a core (`open_cache`)."""
         self.stats: Any = _Counters()
         """Where ``mm_cache_queries`` / ``mm_cache_hits`` are counted: the engine sets its HostStats."""
 
-    def process(self, token_ids: list[int], images: list[ImageInput], field: str) -> MultiModalPrompt:
-        """Expand each placeholder token of ``token_ids`` and process its image."""
+    # ------------------------------------------------------------ the shm ring's lifetime (processor thread)
+    def open_cache(self) -> str:
+        """Create the shm ring for a new connection to a core; its name for the Hello ("" unless shm)."""
+        if self.cache_type != "shm" or self.cache_bytes <= 0:
+            return ""
+        self.close_cache()
+        self.cache = ShmHostCache(self.cache_bytes)
+        return self.cache.name
+
+    def cache_mapped(self, mapped: bool) -> None:
+        """The core's Ready says whether it mapped the ring: unlink its name either way (nobody else may map it)."""
+        if not isinstance(self.cache, ShmHostCache):
+            return
+        self.cache.ring.unlink()
+        if not mapped:
+            logger.warning("the engine core could not map this host's shm processor cache (is it on another "
+                           "machine?): images are sent with their data, uncached")
+            self.close_cache()
+
+    def close_cache(self) -> None:
+        if isinstance(self.cache, ShmHostCache):
+            self.cache.close()
+            self.cache = None
+
+    # ------------------------------------------------------------ prompts
+    def process(self, token_ids: list[int], images: list[ImageInput], field: str,
+                uuids: list[str | None] | None = None) -> MultiModalPrompt:
+        """Expand each placeholder token of ``token_ids`` and process its image (keyed by its uuid, if given)."""
         if not isinstance(images, (list, tuple)):
             raise InvalidRequestError(field, f"must be a list of images, got {type(images).__name__}")
+        uuids = uuids if uuids is not None else [None] * len(images)
         slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(slots) != len(images):
             raise InvalidRequestError(
@@ -99,39 +155,42 @@ class MultiModalProcessor:
         expanded: list[int] = []
         items: list[MultiModalItem] = []
         previous = 0
-        for index, (slot, image) in enumerate(zip(slots, images)):
+        for index, (slot, image, uuid) in enumerate(zip(slots, images, uuids)):
             expanded += token_ids[previous:slot]
-            item = self._item(image, f"{field}[{index}]", len(expanded))
+            item = self._item(image, uuid, f"{field}[{index}]", len(expanded))
             expanded += [self.image_token_id] * item.length
             items.append(item)
             previous = slot + 1
         expanded += token_ids[previous:]
-        return MultiModalPrompt(expanded, items, list(images))
+        return MultiModalPrompt(expanded, items, list(images), list(uuids))
 
-    def process_items(self, prompt: MultiModalPrompt) -> list[MultiModalItem]:
-        """``prompt``'s items again, processed from its images (with data unless the mirror has them)."""
-        return [self._item(image, f"images[{i}]", item.offset) for i, (image, item) in enumerate(zip(prompt.images, prompt.items))]
+    def process_items(self, prompt: MultiModalPrompt, inline: bool = False) -> list[MultiModalItem]:
+        """``prompt``'s items again, processed from its images (``inline``: every one with its data)."""
+        uuids = prompt.uuids or [None] * len(prompt.images)
+        return [self._item(image, uuid, f"images[{i}]", item.offset, inline)
+                for i, (image, uuid, item) in enumerate(zip(prompt.images, uuids, prompt.items))]
 
     def forget(self, mm_hashes: list[str]) -> None:
         """The core lacks these (drift): the next request sends their data again."""
-        if self.mirror is not None:
-            for mm_hash in mm_hashes:
-                self.mirror.drop(mm_hash)
+        if self.cache is not None:
+            self.cache.forget(mm_hashes)
 
-    def _item(self, image: ImageInput, field: str, offset: int) -> MultiModalItem:
-        raw, mm_hash = load_image(image, field)
-        if self.mirror is not None:
+    def _item(self, image: ImageInput, uuid: str | None, field: str, offset: int, inline: bool = False) -> MultiModalItem:
+        """One image's item: key-only (or a ring location) on a cache hit, else processed and recorded."""
+        raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field)
+        cache = None if inline else self.cache
+        if cache is not None:
             self.stats.mm_cache_queries += 1
-            entry = self.mirror.get(mm_hash)
-            if entry is not None:
+            hit = cache.lookup(key, offset)
+            if hit is not None:
                 self.stats.mm_cache_hits += 1
-                return MultiModalItem(mm_hash, offset, entry.length)
-        pixel_values = self._preprocess(decode_image(raw, field, self.max_image_pixels), field)
+                return hit
+        decoded = decode_image(raw if raw is not None else read_image(image, field), field, self.max_image_pixels)
+        pixel_values = self._preprocess(decoded, field)
         length = self._model_cls.mm_placeholder_length(self._hf_config, pixel_values.shape)
-        data = pixel_values.tobytes()
-        if self.mirror is not None:
-            self.mirror.put(mm_hash, len(data), MirrorEntry(length))
-        return MultiModalItem(mm_hash, offset, length, data, list(pixel_values.shape), str(pixel_values.dtype))
+        if cache is None:
+            return inline_item(key, offset, length, pixel_values)
+        return cache.record(key, offset, length, pixel_values)
 
     def _preprocess(self, image: Any, field: str) -> Any:
         """The HF image processor's ``pixel_values`` of one image, as a float32 numpy array."""

@@ -1,10 +1,15 @@
-"""The CLIP ViT vision tower of LLaVA-style models (replicated on every rank).
+"""The CLIP ViT vision tower of LLaVA-style models.
 
 Module and parameter names mirror transformers' ``CLIPVisionTransformer``
 (``embeddings``, ``pre_layrnorm`` sic, ``encoder.layers``, ``post_layernorm``) so
-checkpoint names map one to one. Images are few per step and the tower is small
-next to the decoder, so it runs in plain torch (SDPA, no paged KV, no tensor
-parallelism): every rank computes the same features.
+checkpoint names map one to one. Images are few per step, so the tower runs in
+plain torch (SDPA over whole images, no paged KV). Its encoder layers are sharded
+over ``tp`` like the decoder's: q/k/v and ``fc1`` column-parallel (each rank keeps
+``heads / tp`` attention heads and ``intermediate / tp`` MLP features), ``out_proj``
+and ``fc2`` row-parallel (one all-reduce each); the patch and position embeddings
+and the layer norms are replicated. LLaVA passes a one-rank ``tp`` for
+``mm_encoder_tp_mode="data"``, where the whole tower lives on every rank and the
+images are split instead (workers/mm_encoder.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.errors import NotBuiltError
+from asyncllm.models.layers import TensorParallel
+from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["CLIPVisionTower", "activation"]
 
@@ -60,14 +67,17 @@ class CLIPVisionEmbeddings(nn.Module):
 
 
 class CLIPAttention(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    """Bidirectional self-attention over this rank's ``heads / tp`` heads."""
+
+    def __init__(self, cfg: Any, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // self.num_heads
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.out_proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        hidden = cfg.hidden_size
+        self.num_heads = tp.split(cfg.num_attention_heads)
+        self.head_dim = hidden // cfg.num_attention_heads
+        self.q_proj = ColumnParallelLinear(hidden, hidden, True, tp, dtype)
+        self.k_proj = ColumnParallelLinear(hidden, hidden, True, tp, dtype)
+        self.v_proj = ColumnParallelLinear(hidden, hidden, True, tp, dtype)
+        self.out_proj = RowParallelLinear(hidden, hidden, True, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape
@@ -80,23 +90,23 @@ class CLIPAttention(nn.Module):
 
 
 class CLIPMLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
         self.act = activation(cfg.hidden_act, "vision_config.hidden_act")
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, True, tp, dtype)
+        self.fc2 = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, True, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
 class CLIPEncoderLayer(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
-        self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.self_attn = CLIPAttention(cfg)
-        self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = CLIPMLP(cfg)
+        self.layer_norm1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
+        self.self_attn = CLIPAttention(cfg, tp, dtype)
+        self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
+        self.mlp = CLIPMLP(cfg, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.layer_norm1(x))
@@ -104,9 +114,9 @@ class CLIPEncoderLayer(nn.Module):
 
 
 class CLIPEncoder(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(CLIPEncoderLayer(cfg, tp, dtype) for _ in range(cfg.num_hidden_layers))
 
 
 class CLIPVisionTower(nn.Module):
@@ -118,7 +128,7 @@ class CLIPVisionTower(nn.Module):
     not use; it is kept so that the checkpoint loads completely.
     """
 
-    def __init__(self, cfg: Any, feature_layer: int) -> None:
+    def __init__(self, cfg: Any, feature_layer: int, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
         if not isinstance(feature_layer, int):
             raise NotBuiltError("vision_feature_layer", feature_layer, "a single feature layer (not a list)")
@@ -126,10 +136,10 @@ class CLIPVisionTower(nn.Module):
         self.num_layers_run = feature_layer if feature_layer >= 0 else num_layers + 1 + feature_layer
         if not 0 <= self.num_layers_run <= num_layers:
             raise NotBuiltError("vision_feature_layer", feature_layer, f"a layer index in [-{num_layers + 1}, {num_layers}]")
-        self.embeddings = CLIPVisionEmbeddings(cfg)
-        self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.encoder = CLIPEncoder(cfg)
-        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.embeddings = CLIPVisionEmbeddings(cfg).to(dtype)
+        self.pre_layrnorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
+        self.encoder = CLIPEncoder(cfg, tp, dtype)
+        self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         hidden = self.pre_layrnorm(self.embeddings(pixel_values))

@@ -22,7 +22,7 @@ from asyncllm.models.layers import (
     weight_narrow,
 )
 
-__all__ = ["MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear"]
 
 
 class _ColumnParallelLinear(nn.Module):
@@ -37,7 +37,7 @@ class _ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: object) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
         """Copy rows of the checkpoint matrix into a slice of this rank's rows."""
         dst_offset, src_offset, length = self._shard_rows(shard_id)
         src = weight_narrow(loaded, 0, src_offset, length)
@@ -46,6 +46,22 @@ class _ColumnParallelLinear(nn.Module):
     def _shard_rows(self, shard_id: object) -> tuple[int, int, int]:
         """(offset in this rank's param, offset in the checkpoint matrix, row count)."""
         raise NotImplementedError
+
+
+class ColumnParallelLinear(_ColumnParallelLinear):
+    """One projection split by output features: rank r keeps rows ``[r * n / tp, (r + 1) * n / tp)``.
+
+    Its checkpoint matrix loads unfused (no shard id). Splitting a projection whose rows
+    are attention heads (``head_dim`` rows each, in head order) splits it by heads.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel, dtype: torch.dtype):
+        super().__init__(input_size, tp.split(output_size), bias, tp, dtype)
+
+    def _shard_rows(self, shard_id: object) -> tuple[int, int, int]:
+        assert shard_id is None, shard_id
+        length = self.weight.shape[0]
+        return 0, self.tp.rank * length, length
 
 
 class MergedColumnParallelLinear(_ColumnParallelLinear):

@@ -2,7 +2,11 @@
 
 The language model is `LlamaForCausalLM` itself (Llama, Mistral, Qwen2 or Qwen3
 by ``text_config.model_type``), on the paged KV cache; this file adds only the
-image encoder. The rest of the multimodal path is shared in asyncllm/mm/:
+image encoder. ``mm_encoder_tp_mode`` decides how the encoder (tower and projector)
+spreads over the tensor-parallel ranks: "weights" shards it like the decoder
+(clip.py; the projector's ``linear_1`` column-parallel, ``linear_2`` row-parallel),
+"data" keeps a whole copy on every rank and splits the images instead
+(workers/mm_encoder.py). The rest of the multimodal path is shared in asyncllm/mm/:
 placeholder expansion on the host, and in the worker the encoder-output cache
 and the scatter into the input embeddings, which call `embed_multimodal` here.
 """
@@ -18,12 +22,13 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.clip import CLIPVisionTower, activation
-from asyncllm.models.layers import LoadedWeight, TensorParallel, copy_weight
+from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_loader
+from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 
-__all__ = ["LlavaForConditionalGeneration", "normalize_llava_name"]
+__all__ = ["LlavaForConditionalGeneration", "check_encoder_tensor_parallel", "normalize_llava_name"]
 
 _LANGUAGE_MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
@@ -42,14 +47,34 @@ def normalize_llava_name(name: str) -> str:
     return name
 
 
+def check_encoder_tensor_parallel(hf_config: Any, tp_size: int) -> None:
+    """`ConfigError` unless the vision tower and the projector shard evenly over ``tp_size`` ranks
+    (``mm_encoder_tp_mode="weights"``)."""
+    vision = hf_config.vision_config
+    sizes = {
+        "vision_config.num_attention_heads": vision.num_attention_heads,
+        "vision_config.intermediate_size": vision.intermediate_size,
+        "text_config.hidden_size": hf_config.text_config.hidden_size,  # the projector's width
+    }
+    problems = [f"{name}={size}" for name, size in sizes.items() if size % tp_size]
+    if problems:
+        allowed = (
+            f"a size that divides the vision encoder's {', '.join(problems)} with mm_encoder_tp_mode='weights' "
+            "(mm_encoder_tp_mode='data' keeps the encoder whole on every rank and takes any size)"
+        )
+        raise ConfigError("tensor_parallel_size", tp_size, allowed)
+
+
 class LlavaMultiModalProjector(nn.Module):
-    def __init__(self, hf_config: Any) -> None:
+    """vision hidden -> text hidden: ``linear_1`` column-parallel, ``linear_2`` row-parallel (one all-reduce)."""
+
+    def __init__(self, hf_config: Any, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
         bias = bool(getattr(hf_config, "multimodal_projector_bias", True))
         vision, text = hf_config.vision_config.hidden_size, hf_config.text_config.hidden_size
-        self.linear_1 = nn.Linear(vision, text, bias=bias)
+        self.linear_1 = ColumnParallelLinear(vision, text, bias, tp, dtype)
         self.act = activation(hf_config.projector_hidden_act, "projector_hidden_act")
-        self.linear_2 = nn.Linear(text, text, bias=bias)
+        self.linear_2 = RowParallelLinear(text, text, bias, tp, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_2(self.act(self.linear_1(x)))
@@ -58,8 +83,20 @@ class LlavaMultiModalProjector(nn.Module):
 class LlavaForConditionalGeneration(nn.Module):
     """Image features replace the ``<image>`` placeholder embeddings; the rest is the decoder."""
 
+    supports_encoder_data_parallel = True
+    """Built with ``mm_encoder_tp_mode="data"`` (the loader passes the mode to a class that says
+    this), the vision tower and projector are whole on every rank, so a step's images may be
+    split across the ranks (workers/mm_encoder.py)."""
+
     def __init__(
-        self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend, max_position: int
+        self,
+        hf_config: Any,
+        *,
+        dtype: torch.dtype,
+        tp: TensorParallel,
+        attn_backend: AttentionBackend,
+        max_position: int,
+        mm_encoder_tp_mode: str = "weights",
     ) -> None:
         super().__init__()
         text_config = hf_config.text_config
@@ -72,11 +109,23 @@ class LlavaForConditionalGeneration(nn.Module):
         if strategy not in ("default", "full"):
             raise NotBuiltError("vision_feature_select_strategy", strategy, "'default' or 'full'")
         self.drop_cls = strategy == "default"
-        self.vision_tower = CLIPVisionTower(hf_config.vision_config, hf_config.vision_feature_layer).to(dtype)
-        self.multi_modal_projector = LlavaMultiModalProjector(hf_config).to(dtype)
+        self.encoder_tp = self._encoder_tp(hf_config, tp, mm_encoder_tp_mode)
+        """The vision encoder's ranks: ``tp`` ("weights"), or this rank alone (whole encoder, "data")."""
+        vision_config, feature_layer = hf_config.vision_config, hf_config.vision_feature_layer
+        self.vision_tower = CLIPVisionTower(vision_config, feature_layer, self.encoder_tp, dtype)
+        self.multi_modal_projector = LlavaMultiModalProjector(hf_config, self.encoder_tp, dtype)
         self.language_model = _LANGUAGE_MODELS[text_config.model_type](
             text_config, dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position
         )
+
+    @staticmethod
+    def _encoder_tp(hf_config: Any, tp: TensorParallel, mode: str) -> TensorParallel:
+        if mode == "data":
+            return TensorParallel()
+        if mode != "weights":
+            raise ConfigError("mm_encoder_tp_mode", mode, "'weights' or 'data'")
+        check_encoder_tensor_parallel(hf_config, tp.size)
+        return tp
 
     # ---- multimodal hooks (asyncllm/mm/)
     @staticmethod
@@ -122,7 +171,7 @@ class LlavaForConditionalGeneration(nn.Module):
         return names
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        """Route ``language_model.*`` to the decoder's loader; copy the (replicated) rest."""
+        """Route ``language_model.*`` to the decoder's loader; the encoder's parameters keep their shard."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         text: list[tuple[str, LoadedWeight]] = []
@@ -132,8 +181,9 @@ class LlavaForConditionalGeneration(nn.Module):
             if name.startswith("language_model."):
                 text.append((name.removeprefix("language_model."), weight))
             elif name in params:
+                param = params[name]
                 try:
-                    copy_weight(params[name].data, weight)
+                    getattr(param, "weight_loader", default_weight_loader)(param, weight)
                 except ValueError as exc:
                     raise ConfigError("model", raw_name, f"a weight matching config.json, but it {exc}") from exc
                 loaded.add(name)

@@ -101,6 +101,11 @@ def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dty
     return ckpt_dtype if ckpt_dtype in _HALF_DTYPES else torch.bfloat16
 
 
+def _has_encoder_modes(model_cls: type) -> bool:
+    """Whether the class takes ``mm_encoder_tp_mode`` (its encoder may be sharded or replicated)."""
+    return bool(getattr(model_cls, "supports_encoder_data_parallel", False))
+
+
 def load_model(
     config: EngineConfig,
     hf_config: Any,
@@ -120,6 +125,8 @@ def load_model(
     max_position = max(text_config_of(hf_config).max_position_embeddings, config.max_model_len or 0)
     tp = TensorParallel(tp_rank, tp_size)
     tp.check_group()
+    # a model whose encoder can be replicated is told how to spread it (docs/multimodal.md)
+    encoder_options = {"mm_encoder_tp_mode": config.mm_encoder_tp_mode} if _has_encoder_modes(model_cls) else {}
     with torch.device(device):
         model = model_cls(
             hf_config,
@@ -127,6 +134,7 @@ def load_model(
             tp=tp,
             attn_backend=get_attention_backend(config.attention_backend, device, dtype),
             max_position=max_position,
+            **encoder_options,
         )
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)

@@ -2,12 +2,14 @@
 
 The scheduler owns every `Request`; workers see only `NewRequestData` /
 `CachedRequestData` diffs. `append_output_token` + `check_stop` run after each
-sampled token and decide whether the request is done.
+sampled token and decide whether the request is done. The tokens live in one
+list, `all_token_ids` (prompt then outputs): a decode step appends once.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import time
 
 from asyncllm import protocol
@@ -41,15 +43,29 @@ _FINISH_REASONS = {
 }
 
 
+_NO_LENGTH_LIMIT = 1 << 62
+
+
+@functools.lru_cache(maxsize=256)
+def _shared(value: frozenset[int] | int) -> frozenset[int] | int:
+    """One object per distinct value (stop token sets, output limits), shared by the requests that have it.
+
+    The scheduler reads these for every request every step; one shared object stays in the CPU
+    cache where a thousand private copies, allocated when each request arrived, would not.
+    """
+    return value
+
+
 class Request:
     """One request: its tokens, how far the KV cache covers them, and why it stopped."""
 
     __slots__ = (
-        "request_id", "prompt_token_ids", "output_token_ids", "all_token_ids", "num_prompt_tokens", "num_tokens",
-        "num_computed_tokens", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
-        "priority", "client_id", "status", "finish_reason", "stop_reason", "num_preemptions",
-        "cache_salt", "block_hashes", "events", "timeout", "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids",
-        "stop_check_token_ids", "max_num_tokens", "mm_items",
+        # read every step by the scheduler's loops: first, so that they share the object's first cache lines
+        "status", "request_id", "num_computed_tokens", "num_tokens", "num_prompt_tokens", "all_token_ids",
+        "stop_check_token_ids", "max_output_tokens", "finish_reason", "events", "client_id", "block_hashes",
+        "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
+        "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
+        "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids", "mm_items",
     )
 
     def __init__(
@@ -67,9 +83,8 @@ class Request:
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
         self.all_token_ids = list(prompt_token_ids)
-        """Prompt then outputs, kept in step with `output_token_ids` (append through the methods below)."""
+        """Prompt then outputs (append through the methods below, or keep `num_tokens` in step)."""
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_tokens = self.num_prompt_tokens
         """len(all_token_ids), kept as a plain attribute because the scheduler reads it every step."""
@@ -104,11 +119,13 @@ class Request:
         self._min_tokens = params.min_tokens
         self._stop_token_ids = frozenset(params.stop_token_ids)
         self._eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
-        self.stop_check_token_ids = self._stop_token_ids | self._eos_token_ids
+        self.stop_check_token_ids = _shared(self._stop_token_ids | self._eos_token_ids)
         """Every token that may stop the request: after any other, only the length limits can
-        (the scheduler's decode loop skips `check_stop` then)."""
-        self.max_num_tokens = self.num_prompt_tokens + params.max_tokens if params.max_tokens is not None else 1 << 62
-        """`num_tokens` at which the request stops by length: max_tokens, capped by the scheduler at its max_seq_len."""
+        (the scheduler's decode loop skips `check_stop` then). Requests with equal sets share one
+        object, which stays in the CPU cache while the decode loop reads it for every request."""
+        self.max_output_tokens = _shared(params.max_tokens if params.max_tokens is not None else _NO_LENGTH_LIMIT)
+        """Outputs at which the request stops by length: max_tokens, or fewer (`cap_length`) where the
+        sequence would pass the scheduler's longest sequence."""
 
     @classmethod
     def from_add_request(cls, msg: protocol.AddRequest, client_id: bytes) -> "Request":
@@ -142,15 +159,19 @@ class Request:
 
     # ------------------------------------------------------------ tokens
     @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens (a copy: append through `append_output_token`)."""
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
     def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
+        return self.num_tokens - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 
     def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.num_tokens += 1
 
@@ -168,6 +189,10 @@ class Request:
         return appended
 
     # ------------------------------------------------------------ stopping
+    def cap_length(self, max_seq_len: int) -> None:
+        """Lower `max_output_tokens` so that the request stops by length at `max_seq_len` tokens at the latest."""
+        self.max_output_tokens = _shared(min(self.max_output_tokens, max_seq_len - self.num_prompt_tokens))
+
     def check_stop(self, max_model_len: int) -> bool:
         """After a token was appended: finish the request if it must stop; True if it did.
 
@@ -175,8 +200,8 @@ class Request:
         `min_tokens` outputs exist; they are checked before the length limits,
         so a stop token that is also the last allowed token reports 'stop'.
         """
-        num_output = len(self.output_token_ids)
-        last = self.output_token_ids[-1]
+        num_output = self.num_tokens - self.num_prompt_tokens
+        last = self.all_token_ids[-1]
         if num_output >= self._min_tokens:
             if last in self._stop_token_ids:
                 self.stop_reason = last

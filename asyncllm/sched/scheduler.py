@@ -17,6 +17,10 @@ Every swap-out of a step is decided before any swap-in, and workers copy out,
 then in, then run the forward: a GPU block freed by a swap-out may be reused
 in the same step, a CPU block freed by a swap-in only in a later one.
 
+A block this step fills enters the prefix cache when it is scheduled, so a
+waiting request admitted after it in the same step (the n samples of one
+prompt) hits it and computes only the rest (docs/scheduling.md).
+
 `update_from_output()` applies what the workers computed and sampled and
 returns the deltas for the hosts; `finish_expired_requests()` ends timed-out
 requests between steps. Each is O(scheduled requests) (O(1) when no deadline
@@ -62,7 +66,7 @@ class _Step:
         self.budget = budget
         self.num_scheduled_tokens: dict[str, int] = {}
         self.new_reqs: list[protocol.NewRequestData] = []
-        self.cached_reqs: list[protocol.CachedRequestData] = []
+        self.cached_reqs = protocol.CachedRequestData()
         self.preempted_req_ids: list[str] = []
         self.blocks_to_swap_out: list[list[int]] = []
         self.blocks_to_swap_in: list[list[int]] = []
@@ -115,6 +119,9 @@ class Scheduler:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.num_steps_total = 0
+        self.mm_encoder_cache_queries = 0
+        """Images the workers looked up in their encoder cache (rank 0's counts, from `ModelRunnerOutput`)."""
+        self.mm_encoder_cache_hits = 0
 
     # ------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -123,7 +130,7 @@ class Scheduler:
         A request's `timeout` counts from now (when the core received it).
         """
         self._check_request(request)
-        request.max_num_tokens = min(request.max_num_tokens, self.max_seq_len)  # one length check per token
+        request.cap_length(self.max_seq_len)  # then one length check per token covers max_tokens and max_seq_len
         config = self.config
         check_queue_capacity(self.waiting, request, config.max_num_queued_requests, config.max_num_queued_tokens)
         self.requests[request.request_id] = request
@@ -193,6 +200,8 @@ class Scheduler:
             num_steps_total=self.num_steps_total,
             num_waiting_tokens=self.waiting.num_tokens,
             num_swapped_total=self.preemptor.num_swapped_total,
+            mm_encoder_cache_queries=self.mm_encoder_cache_queries,
+            mm_encoder_cache_hits=self.mm_encoder_cache_hits,
         )
 
     # ------------------------------------------------------------ schedule
@@ -209,7 +218,7 @@ class Scheduler:
         self._schedule_running(step)
         if len(step.preempted_req_ids) == num_preempted:
             self._schedule_waiting(step)
-        total = sum(step.num_scheduled_tokens.values())
+        total = self.max_num_batched_tokens - step.budget  # every scheduled token was taken from the budget
         out = protocol.SchedulerOutput(
             step_id=self._step_id,
             new_reqs=step.new_reqs,
@@ -231,11 +240,13 @@ class Scheduler:
         # The hot loop of a decode step: names bound once, the KV manager's decode fast path inlined
         # (a request whose last block has room for its one new token needs no allocate_slots call).
         kv = self.kv_cache_manager
-        allocate_slots, req_to_blocks, block_size = kv.allocate_slots, kv.req_to_blocks, self.block_size
+        allocate_slots, cache_full_blocks, block_size = kv.allocate_slots, kv.cache_full_blocks, self.block_size
+        last_slot = block_size - 1
         running = self.running
-        cached_reqs = step.cached_reqs
+        cached = step.cached_reqs  # flat lists, one entry per request: no object per request
+        append_cached_id, append_cached_computed = cached.req_ids.append, cached.num_computed_tokens.append
+        cached_new_block_ids = cached.new_block_ids
         num_scheduled_tokens = step.num_scheduled_tokens
-        CachedRequestData = protocol.CachedRequestData
         budget = step.budget
         # Preemption only pops the list's tail (never a request before this one), so iterating while it
         # shrinks is safe: when the request preempts itself it was the last one and the loop ends.
@@ -245,8 +256,10 @@ class Scheduler:
             req_id = request.request_id
             num_computed = request.num_computed_tokens
             num_new = request.num_tokens - num_computed
-            if num_new == 1 and num_computed < len(req_to_blocks[req_id]) * block_size:
-                new_block_ids = []
+            slot = num_computed % block_size
+            if num_new == 1 and slot:  # the block of the last computed token has room for this one
+                if slot == last_slot:  # and this token fills it: register it now
+                    cache_full_blocks(request, num_computed + 1)
             else:
                 if num_new != 1:
                     num_new = self.chunking.chunk(num_new, budget)
@@ -256,7 +269,12 @@ class Scheduler:
                     new_block_ids = self._preempt_until_allocated(request, num_new, step)
                     if new_block_ids is None:
                         break  # the request preempted itself: it was the last one
-            cached_reqs.append(CachedRequestData(req_id, new_block_ids, num_computed))
+                if new_block_ids:
+                    cached_new_block_ids[req_id] = new_block_ids
+                if (num_computed + num_new) % block_size < num_new:  # this step fills a block: register it now
+                    cache_full_blocks(request, num_computed + num_new)
+            append_cached_id(req_id)
+            append_cached_computed(num_computed)
             num_scheduled_tokens[req_id] = num_new
             budget -= num_new
         step.budget = budget
@@ -320,6 +338,7 @@ class Scheduler:
                 assert self.swap_space is not None
                 step.blocks_to_swap_in += self.swap_space.resume(request.request_id, len(hits), block_ids[len(hits):])
             self._admit(request, num_computed)
+            kv.cache_full_blocks(request, num_computed + num_new)  # siblings admitted after it may hit these
             step.new_reqs.append(
                 protocol.NewRequestData(
                     req_id=request.request_id,
@@ -371,51 +390,56 @@ class Scheduler:
         Requests aborted since `schedule()` are skipped.
         """
         assert runner_out.step_id == sched_out.step_id, (runner_out.step_id, sched_out.step_id)
-        sampled = dict(zip(runner_out.req_ids, runner_out.sampled_token_ids))
+        self.mm_encoder_cache_queries += runner_out.mm_encoder_cache_queries
+        self.mm_encoder_cache_hits += runner_out.mm_encoder_cache_hits
+        num_scheduled_tokens = sched_out.num_scheduled_tokens
         outputs: list[tuple[bytes, protocol.RequestOutputDelta]] = []
-        # The hot loop of a decode step: names bound once, `Request.take_events` inlined.
+        # The hot loop of a decode step: names bound once, `Request.append_sampled_tokens` inlined for one
+        # token, and a two-field delta unless the request finished, has events or got its first token.
         requests, max_seq_len, block_size = self.requests, self.max_seq_len, self.block_size
         cache_full_blocks = self.kv_cache_manager.cache_full_blocks
+        append_output = outputs.append
         RequestOutputDelta, RUNNING = protocol.RequestOutputDelta, RequestStatus.RUNNING
         any_finished = False
-        num_generated = 0
-        for req_id, num_scheduled in sched_out.num_scheduled_tokens.items():
+        num_extra_tokens = num_prompt_computed = 0  # tokens generated: one per output, plus these
+        for (req_id, num_scheduled), token_ids in zip(num_scheduled_tokens.items(),
+                                                      _sampled_in_order(num_scheduled_tokens, runner_out)):
             request = requests.get(req_id)
             if request is None or request.status is not RUNNING:
                 continue
             before = request.num_computed_tokens
             after = request.num_computed_tokens = before + num_scheduled
-            if before < request.num_prompt_tokens:
-                self.prompt_tokens_total += min(after, request.num_prompt_tokens) - before
-            if after // block_size != before // block_size:
-                cache_full_blocks(request)
-            if after < request.num_tokens:
+            num_prompt = request.num_prompt_tokens
+            if before < num_prompt:
+                num_prompt_computed += (after if after < num_prompt else num_prompt) - before
+            if after % block_size < num_scheduled and len(request.block_hashes) < after // block_size:
+                cache_full_blocks(request)  # a block filled whose last token was unknown when scheduled (async)
+            num_tokens = request.num_tokens
+            if after < num_tokens:
                 continue  # a prefill chunk: nothing sampled
-            token_ids = sampled.get(req_id)
             assert token_ids, f"the worker sampled no token for {req_id} at the end of its tokens"
-            first = not request.output_token_ids
-            if len(token_ids) == 1:  # Request.append_sampled_tokens for one token, inlined: no call per request
+            if len(token_ids) == 1:
                 token = token_ids[0]
-                request.output_token_ids.append(token)
                 request.all_token_ids.append(token)
-                num_tokens = request.num_tokens = request.num_tokens + 1
-                if token in request.stop_check_token_ids or num_tokens >= request.max_num_tokens:
-                    request.check_stop(max_seq_len)  # max_num_tokens is capped at max_seq_len (add_request)
-                num_generated += 1
+                request.num_tokens = num_tokens + 1
+                if token in request.stop_check_token_ids or num_tokens + 1 - num_prompt >= request.max_output_tokens:
+                    request.check_stop(max_seq_len)  # max_output_tokens is capped by max_seq_len (add_request)
             else:
                 token_ids = request.append_sampled_tokens(token_ids, max_seq_len)
-                num_generated += len(token_ids)
+                num_extra_tokens += len(token_ids) - 1
             finish_reason = request.finish_reason
-            delta = RequestOutputDelta(
-                req_id, token_ids, finish_reason, request.stop_reason, request.num_cached_tokens if first else 0
-            )
-            if request.events is not None:
-                delta.events, request.events = request.events, None
-            outputs.append((request.client_id, delta))
+            if finish_reason is None and request.events is None and num_tokens != num_prompt:
+                append_output((request.client_id, RequestOutputDelta(req_id, token_ids)))
+                continue
+            delta = RequestOutputDelta(req_id, token_ids, finish_reason, request.stop_reason,
+                                       request.num_cached_tokens if num_tokens == num_prompt else 0)
+            delta.events, request.events = request.events, None
+            append_output((request.client_id, delta))
             if finish_reason is not None:
                 self._free_finished(request)
                 any_finished = True
-        self.generation_tokens_total += num_generated
+        self.prompt_tokens_total += num_prompt_computed
+        self.generation_tokens_total += len(outputs) + num_extra_tokens
         if any_finished:
             self.running = [r for r in self.running if not r.status.is_finished]
         if runner_out.logprobs or runner_out.prompt_logprobs:
@@ -429,8 +453,21 @@ class Scheduler:
 
     # ------------------------------------------------------------ checks
     def _check_request(self, request: Request) -> None:
-        assert request.status is RequestStatus.WAITING and not request.output_token_ids, request
+        assert request.status is RequestStatus.WAITING and request.num_tokens == request.num_prompt_tokens, request
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already used by an unfinished request")
         capacity = self.kv_cache_manager.num_gpu_blocks * self.block_size
         check_request(request, self.max_model_len, capacity, self.enable_chunked_prefill, self.max_num_batched_tokens)
+
+
+def _sampled_in_order(num_scheduled_tokens: dict[str, int], runner_out: protocol.ModelRunnerOutput) -> list[list[int]]:
+    """The worker's sampled tokens for each scheduled request, in `num_scheduled_tokens` order (None: none returned).
+
+    Workers answer in that order already (one list per scheduled request), so
+    the usual cost is one comparison of the id lists, not a dict.
+    """
+    req_ids = runner_out.req_ids
+    if len(req_ids) == len(num_scheduled_tokens) and req_ids == list(num_scheduled_tokens):
+        return runner_out.sampled_token_ids
+    by_id = dict(zip(req_ids, runner_out.sampled_token_ids))
+    return [by_id.get(req_id) for req_id in num_scheduled_tokens]  # type: ignore[misc]

@@ -1,9 +1,16 @@
 """On a CUDA device (skipped without one): the whole engine's greedy tokens equal transformers'
-for the tiny float32 checkpoints, on the triton backend (the GPU default) and on torch_sdpa."""
+for the tiny float32 checkpoints, on the triton backend (the GPU default) with CUDA graphs on
+and off (``enforce_eager``), and on torch_sdpa (always eager).
+
+Besides 12 prompts at once, rounds of 1, 3 and 17 requests whose max_tokens differ: the
+decode batch shrinks as requests finish, so graphs are replayed padded (3 -> 4, 17 -> 24,
+and every size in between) and at exact sizes.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 
 import pytest
@@ -15,18 +22,44 @@ from asyncllm import AsyncEngine, SamplingParams
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MAX_TOKENS = 24
+MODES = [
+    pytest.param("triton", False, id="triton-graphs"),
+    pytest.param("triton", True, id="triton-eager"),
+    pytest.param("torch_sdpa", False, id="torch_sdpa"),  # graphs need triton: eager regardless
+]
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch_sdpa"])
-@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
-async def test_gpu_greedy_parity_fp32(request: pytest.FixtureRequest, fixture: str, backend: str) -> None:
-    path = request.getfixturevalue(fixture)
+@functools.cache
+def _expected(path: str, prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    return hf_greedy(path, list(prompt), max_tokens)
+
+
+def _rounds() -> list[list[tuple[list[int], int]]]:
+    """(prompt, max_tokens) per request: 12 at once, then rounds of 1, 3 and 17 finishing at different lengths."""
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, 500) for _ in range(rng.randint(3, 70))] for _ in range(12)]
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+    def prompt() -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(rng.randint(3, 70))]
+
+    rounds = [[(prompt(), MAX_TOKENS) for _ in range(12)]]
+    for size in (1, 3, 17):
+        rounds.append([(prompt(), rng.randint(2, MAX_TOKENS)) for _ in range(size)])
+    return rounds
+
+
+@pytest.mark.parametrize(("backend", "enforce_eager"), MODES)
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+async def test_gpu_greedy_parity_fp32(request: pytest.FixtureRequest, fixture: str, backend: str,
+                                      enforce_eager: bool) -> None:
+    path = request.getfixturevalue(fixture)
     async with AsyncEngine(path, device="cuda", dtype="float32", attention_backend=backend,
+                           enforce_eager=enforce_eager, max_num_seqs=32,  # graphs of 1, 2, 4, 8, 16, 24, 32
                            max_num_batched_tokens=64, num_gpu_blocks_override=1024,  # not 90% of the GPU
                            disable_log_stats=True) as engine:
-        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens diverged"
+        for requests in _rounds():
+            outs = await asyncio.gather(*(
+                engine.generate(p, SamplingParams(temperature=0.0, max_tokens=n)) for p, n in requests
+            ))
+            for (prompt, max_tokens), out in zip(requests, outs):
+                expected = _expected(path, tuple(prompt), max_tokens)
+                assert out.token_ids == expected, f"{len(requests)} requests: a prompt of {len(prompt)} diverged"

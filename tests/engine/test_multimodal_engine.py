@@ -120,7 +120,7 @@ async def test_a_repeated_image_crosses_as_its_key_and_hits_both_caches(engine):
 async def test_a_cache_miss_from_drift_is_resent_with_data(engine, tiny_llava):
     image = make_image(70, 50, seed=8)
     mm = engine._processor._mm  # type: ignore[union-attr]
-    mm.mirror.put(image_hash(image), 1, MirrorEntry(NUM_IMAGE_TOKENS))  # the host wrongly believes the core has it
+    mm.cache.mirror.put(image_hash(image), 1, MirrorEntry(NUM_IMAGE_TOKENS))  # the host wrongly believes the core has it
     out = await engine.generate({"prompt": "Again <image>", "images": [image]}, GREEDY)
     (miss, _), (resent, _) = _sent(engine)[-2:]
     assert miss.request_id == resent.request_id

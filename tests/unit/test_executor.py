@@ -85,7 +85,7 @@ def make_config(tp: int, model: str = "/nonexistent/fake-model", **kwargs: objec
 
 def step(step_id: int, tokens: dict[str, int]) -> SchedulerOutput:
     new = [NewRequestData(r, [1] * n, n, SamplingParams(), [0], 0) for r, n in tokens.items()]
-    return SchedulerOutput(step_id, new, [], tokens, sum(tokens.values()))
+    return SchedulerOutput(step_id, new, CachedRequestData(), tokens, sum(tokens.values()))
 
 
 def alive(pid: int) -> bool:
@@ -240,11 +240,11 @@ def test_real_model_runner_tp1_and_tp2_match_transformers(tiny_llama: str, runti
             assert executor.start() > 0
             executor.init_cache(8)
             new = NewRequestData("r", prompt, len(prompt), greedy, [0, 1], 0)
-            out = executor.execute_model(SchedulerOutput(0, [new], [], {"r": len(prompt)}, len(prompt)))
+            out = executor.execute_model(SchedulerOutput(0, [new], CachedRequestData(), {"r": len(prompt)}, len(prompt)))
             tokens = out.sampled_token_ids[0]
             for i in range(1, 4):
                 computed = len(prompt) + i - 1
-                cached = CachedRequestData("r", [2] if computed == 8 else [], computed)
-                out = executor.execute_model(SchedulerOutput(i, [], [cached], {"r": 1}, 1))
+                cached = CachedRequestData(["r"], [computed], {"r": [2]} if computed == 8 else {})
+                out = executor.execute_model(SchedulerOutput(i, [], cached, {"r": 1}, 1))
                 tokens += out.sampled_token_ids[0]
         assert tokens == expected, f"tp={tp}"

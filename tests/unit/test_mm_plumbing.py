@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncllm.config import EngineConfig
-from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.kv.hashing import extend_block_hashes
 from asyncllm.mm.cache import LRUBudget, MirrorEntry, MultiModalCacheMiss, ProcessorCacheStore, fill_mm_items
 from asyncllm.mm.processor import split_chat_images
@@ -84,8 +84,8 @@ def test_chat_image_parts_become_template_parts_and_images_in_order():
         {"role": "user", "content": [{"type": "image", "image": b"A"}, {"type": "text", "text": "and"},
                                      {"type": "image_url", "image_url": {"url": b"B"}}]},
     ]
-    rendered, images = split_chat_images(messages)
-    assert images == [b"A", b"B"]
+    rendered, images, uuids = split_chat_images(messages)
+    assert images == [b"A", b"B"] and uuids == [None, None]
     assert rendered[0] == messages[0]
     assert rendered[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
     with pytest.raises(InvalidRequestError, match="unknown type 'audio'"):
@@ -104,11 +104,11 @@ def test_llava_checkpoint_layouts_map_to_one_naming(name, expected):
     assert normalize_llava_name(name) == expected
 
 
-@pytest.mark.parametrize("field, value", [("mm_processor_cache_type", "shm"), ("mm_encoder_tp_mode", "data")])
-def test_unbuilt_multimodal_modes_are_refused_at_config_time(field, value):
-    with pytest.raises(NotBuiltError, match="not built yet") as info:
-        EngineConfig.create("m", **{field: value})
-    assert info.value.field == field
+def test_both_processor_cache_types_are_accepted_and_others_refused():
+    assert EngineConfig.create("m", mm_processor_cache_type="shm").multimodal_config.mm_processor_cache_type == "shm"
+    with pytest.raises(ConfigError, match="mm_processor_cache_type='disk'") as info:
+        EngineConfig.create("m", mm_processor_cache_type="disk")
+    assert not isinstance(info.value, NotBuiltError)
 
 
 class _FakeModel:
@@ -143,7 +143,7 @@ def test_an_image_split_across_steps_is_encoded_once_and_scattered_row_by_row():
     assert step1.flatten().tolist() == [9.0, 7.0, 100.0]  # the chunk ends inside the first image
     step2 = cache.inputs_embeds(torch.tensor([0, 0, 0]), [ScheduledSpan("a", 2, 3, 0)])
     assert step2.flatten().tolist() == [101.0, 200.0, 201.0]
-    assert model.encoded == [100, 200] and cache.outputs == {}  # each once; freed once the prefill passed them
+    assert model.encoded == [100, 200] and len(cache.store) == 0  # each once; no budget: freed once the prefill passed them
     assert cache.inputs_embeds(torch.tensor([5]), [ScheduledSpan("a", 5, 1, 0)]) is None  # past every image
     cache.remove_request("a")
     assert cache.items == {}

@@ -63,7 +63,7 @@ class FakeCore:
         self.preempted.append(req_id)
 
     def step(self, num_scheduled: dict[str, int]) -> dict[str, list[int]]:
-        new_reqs, cached_reqs = [], []
+        new_reqs, cached_reqs = [], CachedRequestData()
         for req_id, num in num_scheduled.items():
             new_blocks = self._allocate(req_id, self.computed[req_id] + num)
             if req_id in self.unsent:
@@ -71,7 +71,10 @@ class FakeCore:
                 new_reqs.append(NewRequestData(req_id, list(self.tokens[req_id]), self.num_prompt[req_id],
                                                self.params[req_id], list(self.blocks[req_id]), self.computed[req_id]))
             else:
-                cached_reqs.append(CachedRequestData(req_id, new_blocks, self.computed[req_id]))
+                cached_reqs.req_ids.append(req_id)
+                cached_reqs.num_computed_tokens.append(self.computed[req_id])
+                if new_blocks:
+                    cached_reqs.new_block_ids[req_id] = new_blocks
         sched_out = SchedulerOutput(self.step_id, new_reqs, cached_reqs, dict(num_scheduled),
                                     sum(num_scheduled.values()), preempted_req_ids=self.preempted)
         self.step_id, self.preempted = self.step_id + 1, []
@@ -167,7 +170,7 @@ def test_prepare_inputs_flattens_the_step_exactly() -> None:
     batch = InputBatch(max_num_reqs=4, max_num_batched_tokens=16, max_model_len=32, block_size=4, device=CPU)
     first = SchedulerOutput(0, [NewRequestData("a", list(range(100, 109)), 9, GREEDY, [7, 2], 0),
                                 NewRequestData("b", [50, 51], 2, GREEDY, [3], 0)],
-                            [], {"a": 5, "b": 2}, 7)
+                            CachedRequestData(), {"a": 5, "b": 2}, 7)
     batch.update_states(first)
     step = batch.prepare_inputs(first)
     assert step.input_ids.tolist() == [100, 101, 102, 103, 104, 50, 51]
@@ -180,8 +183,7 @@ def test_prepare_inputs_flattens_the_step_exactly() -> None:
     batch.finish_step(step, first, [77])
     assert batch.requests["b"].token_ids == [50, 51, 77]
 
-    second = SchedulerOutput(1, [], [CachedRequestData("b", [], 2), CachedRequestData("a", [5], 5)],
-                             {"b": 1, "a": 4}, 5)
+    second = SchedulerOutput(1, [], CachedRequestData(["b", "a"], [2, 5], {"a": [5]}), {"b": 1, "a": 4}, 5)
     batch.update_states(second)
     step = batch.prepare_inputs(second)
     assert step.input_ids.tolist() == [77, 105, 106, 107, 108]
@@ -196,12 +198,12 @@ def test_dropped_rows_are_reused_and_rows_grow_past_max_num_reqs() -> None:
     batch = InputBatch(max_num_reqs=2, max_num_batched_tokens=16, max_model_len=16, block_size=4, device=CPU)
     hot = SamplingParams(temperature=0.5, top_k=3)
     new = lambda rid, blocks, params=GREEDY: NewRequestData(rid, [1, 2], 2, params, blocks, 0)  # noqa: E731
-    batch.update_states(SchedulerOutput(0, [new("a", [1]), new("b", [2])], [], {}, 0))
+    batch.update_states(SchedulerOutput(0, [new("a", [1]), new("b", [2])], CachedRequestData(), {}, 0))
     row_of_a = batch.requests["a"].row
-    batch.update_states(SchedulerOutput(1, [new("c", [3], hot)], [], {}, 0, finished_req_ids=["a"]))
+    batch.update_states(SchedulerOutput(1, [new("c", [3], hot)], CachedRequestData(), {}, 0, finished_req_ids=["a"]))
     assert batch.requests["c"].row == row_of_a
     assert batch.block_table.table[batch.requests["c"].row, :2].tolist() == [3, 0]
-    batch.update_states(SchedulerOutput(2, [new("d", [4]), new("e", [5])], [], {}, 0))
+    batch.update_states(SchedulerOutput(2, [new("d", [4]), new("e", [5])], CachedRequestData(), {}, 0))
     assert sorted(s.row for s in batch.requests.values()) == [0, 1, 2, 3]
     assert batch.temperature[batch.requests["c"].row] == 0.5 and batch.top_k[batch.requests["c"].row] == 3
     assert batch.top_p.tolist() == [1.0] * 4
@@ -298,7 +300,7 @@ def test_finished_requests_are_dropped_and_empty_steps_return_nothing(fake_runne
     core = FakeCore(fake_runner, 80)
     core.add("a", PROMPTS["a"])
     core.step({"a": 7})
-    out = fake_runner.execute_model(SchedulerOutput(9, [], [], {}, 0, finished_req_ids=["a"]))
+    out = fake_runner.execute_model(SchedulerOutput(9, [], CachedRequestData(), {}, 0, finished_req_ids=["a"]))
     assert (out.step_id, out.req_ids, out.sampled_token_ids) == (9, [], [])
     assert fake_runner.input_batch.requests == {}
 

@@ -47,7 +47,7 @@ def test_a_swapped_request_resumes_with_its_computed_tokens(caplog):
         steps = [run_step(sched)[0] for _ in range(4)]
     out = steps[3]
     assert (out.preempted_req_ids, out.blocks_to_swap_out, out.blocks_to_swap_in) == (["b"], [[2, 0], [3, 1]], [])
-    assert out.num_scheduled_tokens == {"a": 1} and [c.new_block_ids for c in out.cached_reqs] == [[2]]
+    assert out.num_scheduled_tokens == {"a": 1} and out.cached_reqs.new_block_ids == {"a": [2]}
     b = sched.requests["b"]
     assert (b.status, b.num_computed_tokens, b.output_token_ids) == (RequestStatus.PREEMPTED, 0, [7, 7, 7])
     assert sched.swap_space.swapped == {"b": SwappedRequest([0, 1], 8)}
@@ -71,7 +71,7 @@ def test_swap_in_takes_blocks_still_in_the_prefix_cache_and_copies_the_rest():
     steps = [run_step(sched)[0] for _ in range(7)]
     out = steps[5]  # a needs a 4th block: b (12 tokens computed, 3 full blocks) is swapped out
     assert (out.preempted_req_ids, out.blocks_to_swap_out) == (["b"], [[2, 0], [3, 1], [5, 2]])
-    assert [c.new_block_ids for c in out.cached_reqs] == [[5]]  # b's third block, evicted from the cache
+    assert out.cached_reqs.new_block_ids == {"a": [5]}  # b's third block, evicted from the cache
     out = steps[6]  # b's two prompt blocks are still cached: hits; only its third block is copied in
     assert out.blocks_to_swap_in == [[5, 2]]
     assert [(n.block_ids, n.num_computed_tokens) for n in out.new_reqs] == [([2, 3, 5, 4], 12)]

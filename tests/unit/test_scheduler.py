@@ -58,8 +58,8 @@ def test_a_long_prompt_is_chunked_under_a_small_budget():
     assert [out.step_id for out, _ in steps] == [0, 1, 2, 3]
     first = steps[0][0]
     assert [(n.req_id, n.num_computed_tokens, n.block_ids) for n in first.new_reqs] == [("a", 0, list(range(8)))]
-    assert [(c.num_computed_tokens, c.new_block_ids) for c in steps[1][0].cached_reqs] == [(32, list(range(8, 16)))]
-    assert [(c.num_computed_tokens, c.new_block_ids) for c in steps[2][0].cached_reqs] == [(64, [16, 17])]
+    assert steps[1][0].cached_reqs == protocol.CachedRequestData(["a"], [32], {"a": list(range(8, 16))})
+    assert steps[2][0].cached_reqs == protocol.CachedRequestData(["a"], [64], {"a": [16, 17]})
     assert [d for _, d in steps[:2]] == [[], []]  # a prefill chunk samples nothing
     assert [d.new_token_ids for d in steps[2][1]] == [[7]]
     assert [d.new_token_ids for d in steps[3][1]] == [[7]]
@@ -73,7 +73,7 @@ def test_running_requests_go_before_waiting_ones():
     out, _ = run_step(sched)
     assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
     assert out.total_num_scheduled_tokens == 16
-    assert [c.req_id for c in out.cached_reqs] == ["a"] and [n.req_id for n in out.new_reqs] == ["b"]
+    assert out.cached_reqs.req_ids == ["a"] and [n.req_id for n in out.new_reqs] == ["b"]
     out, _ = run_step(sched)
     assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 15)]
 
@@ -146,7 +146,7 @@ def test_preemption_evicts_the_latest_admitted_request(caplog):
     out, _ = steps[3]
     assert out.preempted_req_ids == ["b"]
     assert out.num_scheduled_tokens == {"a": 1}
-    assert [c.new_block_ids for c in out.cached_reqs] == [[2]]
+    assert out.cached_reqs.new_block_ids == {"a": [2]}
     b = sched.requests["b"]
     assert (b.status, b.num_computed_tokens, b.num_preemptions) == (RequestStatus.PREEMPTED, 0, 1)
     assert b.output_token_ids == [7, 7, 7]

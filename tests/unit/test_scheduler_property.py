@@ -70,9 +70,11 @@ class FakeWorker:
             self.tokens[new.req_id] = list(new.token_ids)
             self.block_ids[new.req_id] = list(new.block_ids)
             computed[new.req_id] = new.num_computed_tokens
-        for cached in out.cached_reqs:
-            self.block_ids[cached.req_id] += cached.new_block_ids
-            computed[cached.req_id] = cached.num_computed_tokens
+        cached = out.cached_reqs
+        assert len(cached.req_ids) == len(cached.num_computed_tokens) and set(cached.new_block_ids) <= set(cached.req_ids)
+        for req_id, num_computed in zip(cached.req_ids, cached.num_computed_tokens):
+            self.block_ids[req_id] += cached.new_block_ids.get(req_id, [])
+            computed[req_id] = num_computed
         req_ids, sampled = [], []
         for req_id, num in out.num_scheduled_tokens.items():
             req_ids.append(req_id)

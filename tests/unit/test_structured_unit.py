@@ -134,7 +134,7 @@ def test_manager_compiles_masks_and_finishes_on_the_grammar_end(manager_args, ti
     assert manager.pending and not manager.matchers
     ready, failed = _wait_polled(manager)
     assert ready == [request] and failed == [] and not manager.pending
-    sched_out = protocol.SchedulerOutput(0, [], [], {"r": 3}, 3)
+    sched_out = protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {"r": 3}, 3)
     grammar = manager.grammar_bitmask(sched_out, {"r": request})
     assert grammar is not None and grammar.req_ids == ["r"]
     allowed = unpack_bitmask(torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(1, -1), 512)

@@ -70,10 +70,10 @@ class Driver:
         new_blocks = list(range(len(self.blocks) + 10, len(self.blocks) + 10 + needed))
         self.blocks += new_blocks
         if self.sent:
-            new, cached = [], [CachedRequestData("r", new_blocks, self.computed)]
+            new, cached = [], CachedRequestData(["r"], [self.computed], {"r": new_blocks} if new_blocks else {})
         else:
             new = [NewRequestData("r", list(self.tokens), len(PROMPT), self.params, list(self.blocks), self.computed, EOS)]
-            cached, self.sent = [], True
+            cached, self.sent = CachedRequestData(), True
         out = self.runner.execute_model(SchedulerOutput(self.step_id, new, cached, {"r": num}, num,
                                                         preempted_req_ids=self.preempted))
         self.step_id, self.preempted = self.step_id + 1, []

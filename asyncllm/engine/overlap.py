@@ -1,0 +1,98 @@
+"""The engine core's overlapped step (``async_scheduling=True``): schedule step N+1 while the workers run step N.
+
+One call of `OverlappedSteps.step`, in the steady state: schedule step N+1
+(its decodes read the placeholders of step N, asyncllm/sched/placeholders.py),
+submit it to the workers, then collect step N, apply it and send its outputs.
+The workers go from step N to step N+1 without waiting for the core, and the
+core's scheduling, output handling and host messages run while they compute.
+At most one step runs ahead.
+
+A step is scheduled synchronously, after collecting the one in flight, when it
+needs every token known: while structured-output requests run (the grammar
+bitmask of step N+1 needs step N's token) and when `schedule()` could preempt
+(`OutputPlaceholders.may_preempt`). A worker failure drops the steps in
+flight; the restarted workers recompute them (workers/restart.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from asyncllm import errors, protocol
+from asyncllm.sched.placeholders import OutputPlaceholders
+
+if TYPE_CHECKING:
+    from asyncllm.engine.core import EngineCore
+
+__all__ = ["OverlappedSteps"]
+
+_Outputs = list[tuple[bytes, protocol.RequestOutputDelta]]
+
+
+class OverlappedSteps:
+    """The core's steps with at most one step in flight ahead of its output."""
+
+    def __init__(self, core: "EngineCore") -> None:
+        self.core = core
+        self.placeholders = OutputPlaceholders(core.scheduler)
+        self.num_sync_steps = 0
+        """Steps scheduled after collecting the one in flight (structured output, possible preemption)."""
+
+    @property
+    def in_flight(self) -> bool:
+        return len(self.placeholders) > 0
+
+    def step(self, outputs: _Outputs, changed: bool) -> None:
+        """Schedule and submit one step, collect the previous one; `outputs` (timeouts) go out with its results."""
+        core = self.core
+        collected = False
+        try:
+            if self.in_flight and (core.structured.matchers or self.placeholders.may_preempt()):
+                outputs = outputs + self._collect()
+                collected = True
+                self.num_sync_steps += 1
+            sched_out = core.scheduler.schedule()
+            if not (sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids or sched_out.preempted_req_ids):
+                self._idle_step(outputs, changed or collected)
+                return
+            if core.structured.matchers:
+                sched_out.grammar_bitmask = core.structured.grammar_bitmask(sched_out, core.scheduler.requests)
+            self.placeholders.advance(sched_out)
+            core.executor.submit(sched_out)
+            if len(self.placeholders) > 1:
+                outputs = outputs + self._collect()
+                collected = True
+        except errors.EngineDeadError as exc:  # the steps in flight are lost: their requests are recomputed
+            self.placeholders.discard_all()
+            core.recover_workers(exc)
+            collected = True  # the hosts' stats changed (requests went back to waiting)
+        if outputs or changed or collected:
+            core.send_outputs(outputs)
+
+    def drain(self, outputs: _Outputs) -> None:
+        """Collect every step in flight and send its outputs (nothing is left to schedule)."""
+        try:
+            while self.in_flight:
+                outputs = outputs + self._collect()
+        except errors.EngineDeadError as exc:
+            self.placeholders.discard_all()
+            self.core.recover_workers(exc)
+        self.core.send_outputs(outputs)
+
+    def _idle_step(self, outputs: _Outputs, changed: bool) -> None:
+        """Nothing was scheduled: collect the step in flight, or wait for blocks to free up."""
+        if self.in_flight:  # its output may finish requests: schedule again at once
+            self.core.send_outputs(outputs + self._collect())
+            return
+        if outputs or changed:  # the queue changed: hosts' admission estimates need fresh stats
+            self.core.send_outputs(outputs)
+        time.sleep(0.001)  # nothing fits right now; wait for an abort, a timeout or a finish to free blocks
+
+    def _collect(self) -> _Outputs:
+        """Wait for the oldest step in flight and apply it."""
+        core = self.core
+        step_outputs = self.placeholders.commit(core.executor.collect())
+        if core.structured.matchers:
+            core.structured.accept(step_outputs, core.scheduler.finish_requests)
+        return step_outputs

@@ -1,0 +1,109 @@
+"""The host-side logic of the decode CUDA graphs (workers/cuda_graphs.py), exactly, on the CPU:
+capture sizes, the padded size of a batch, when graphs are off, and the padded inputs.
+
+The padded forward itself (padding changes no real row and writes no KV) runs in
+tests/kernels/test_cuda_graph_padding.py; capture and replay in the gpu-marked tests.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from asyncllm.config import EngineConfig
+from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
+from asyncllm.sampling import SamplingParams
+from asyncllm.workers.cuda_graphs import (
+    DecodeBuffers, capture_sizes, graphs_off_reason, padded_size,
+)
+from asyncllm.workers.input_batch import InputBatch
+from asyncllm.workers.model_runner import ModelRunner
+from model_utils import save_tiny_checkpoint
+
+CPU = torch.device("cpu")
+CUDA = torch.device("cuda")  # only a name here: nothing is allocated on it
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_capture_sizes() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(17) == [1, 2, 4, 8, 16, 17]
+    assert capture_sizes(256) == [1, 2, 4] + list(range(8, 257, 8))
+    assert capture_sizes(1000) == [1, 2, 4] + list(range(8, 513, 8))
+    assert capture_sizes(100, cap=20) == [1, 2, 4, 8, 16, 20]
+
+
+def test_padded_size() -> None:
+    sizes = [1, 2, 4, 8, 16, 17]
+    assert [padded_size(n, sizes) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 17]
+    assert padded_size(18, sizes) is None
+
+
+def test_graphs_off_reason(tmp_path: Path) -> None:
+    config = EngineConfig.create(str(tmp_path))
+    assert graphs_off_reason(config, CUDA, "triton", 1, False) is None
+    assert "not CUDA" in graphs_off_reason(config, CPU, "triton", 1, False)
+    eager = EngineConfig.create(str(tmp_path), enforce_eager=True)
+    assert graphs_off_reason(eager, CUDA, "triton", 1, False) == "enforce_eager=True"
+    assert "torch_sdpa" in graphs_off_reason(config, CUDA, "torch_sdpa", 1, False)
+    assert "tensor_parallel_size" in graphs_off_reason(config, CUDA, "triton", 2, False)
+    assert "multimodal" in graphs_off_reason(config, CUDA, "triton", 1, True)
+
+
+def test_a_cpu_runner_captures_nothing(tmp_path: Path) -> None:
+    save_tiny_checkpoint(tmp_path, "llama")
+    config = EngineConfig.create(str(tmp_path), max_model_len=64, block_size=4, max_num_seqs=4, device="cpu")
+    runner = ModelRunner(config, rank=0, tp_size=1, device=CPU)
+    runner.load_model()
+    runner.init_cache(16)
+    assert runner.cuda_graphs is None
+
+
+def _decode_step(batch: InputBatch) -> SchedulerOutput:
+    """Three requests prefilled (tokens sampled by hand), then one decode step of all three."""
+    prefill = SchedulerOutput(0, [NewRequestData("a", [5, 6, 7], 3, GREEDY, [9], 0),
+                                  NewRequestData("b", [8] * 5, 5, GREEDY, [2, 4], 0),
+                                  NewRequestData("c", [3], 1, GREEDY, [7], 0)],
+                              CachedRequestData(), {"a": 3, "b": 5, "c": 1}, 9)
+    batch.update_states(prefill)
+    batch.finish_step(batch.prepare_inputs(prefill), prefill, [11, 12, 13])
+    decode = SchedulerOutput(1, [], CachedRequestData(["a", "b", "c"], [3, 5, 1], {}), {"a": 1, "b": 1, "c": 1}, 3)
+    batch.update_states(decode)
+    return decode
+
+
+def test_decode_buffers_pad_a_step_exactly() -> None:
+    batch = InputBatch(max_num_reqs=4, max_num_batched_tokens=16, max_model_len=16, block_size=4, device=CPU)
+    inputs = batch.prepare_inputs(_decode_step(batch))
+    buffers = DecodeBuffers(max_size=8, max_blocks_per_req=4, block_size=4, device=CPU)
+    buffers.load_warmup(8)  # whatever a capture left behind is overwritten or padded
+    meta = buffers.load(inputs, 4)
+    assert buffers.input_ids[:3].tolist() == [11, 12, 13]
+    assert buffers.positions[:3].tolist() == [3, 5, 1]
+    assert meta.slot_mapping.tolist() == [39, 17, 29, -1]  # block 9 slot 3, block 4 slot 1, block 7 slot 1, pad
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 3]
+    assert meta.seq_lens.tolist() == [4, 6, 2, 0]
+    assert meta.block_tables[:3].tolist() == [[9, 0, 0, 0], [2, 4, 0, 0], [7, 0, 0, 0]]
+    assert (meta.query_start_loc_cpu, meta.seq_lens_cpu, meta.num_reqs) == ([0, 1, 2, 3, 3], [4, 6, 2, 0], 4)
+    assert meta.slot_mapping.data_ptr() == buffers.slot_mapping.data_ptr()  # views of the fixed buffers
+
+    meta = buffers.load(inputs, 8)
+    assert meta.slot_mapping.tolist() == [39, 17, 29] + [-1] * 5
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]
+    assert meta.seq_lens.tolist() == [4, 6, 2, 0, 0, 0, 0, 0]
+    meta = buffers.load(inputs, 3)  # an exact size: no padding
+    assert meta.query_start_loc.tolist() == [0, 1, 2, 3] and meta.seq_lens.tolist() == [4, 6, 2]
+
+
+def test_decode_buffers_refuse_a_prefill_step() -> None:
+    batch = InputBatch(max_num_reqs=4, max_num_batched_tokens=16, max_model_len=16, block_size=4, device=CPU)
+    step = SchedulerOutput(0, [NewRequestData("a", [5, 6, 7], 3, GREEDY, [1], 0)], CachedRequestData(), {"a": 3}, 3)
+    batch.update_states(step)
+    buffers = DecodeBuffers(max_size=8, max_blocks_per_req=4, block_size=4, device=CPU)
+    with pytest.raises(AssertionError):
+        buffers.load(batch.prepare_inputs(step), 4)
+

@@ -1,0 +1,179 @@
+"""The worker's encoder cache (across requests, pinned while a prefill needs it) and the data-parallel encoder."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+from model_utils import free_port
+
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.mm.embeddings import EncoderOutputCache, ScheduledSpan, encode_items
+from asyncllm.mm.encoder_cache import EncoderCache
+from asyncllm.models.layers import TensorParallel
+from asyncllm.protocol import MultiModalItem
+from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes
+
+ROW_BYTES = 4
+"""One feature row of `_FakeEncoder` (hidden 1, float32)."""
+
+
+class _FakeEncoder:
+    """Embeddings = the token id; an image's row p = its pixel p (one row per pixel, hidden size 1)."""
+
+    def __init__(self) -> None:
+        self.encoded: list[int] = []
+        """The first pixel of every image run through the encoder."""
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return input_ids.float().unsqueeze(1)
+
+    def embed_multimodal(self, pixels: torch.Tensor) -> torch.Tensor:
+        self.encoded += [int(p.flatten()[0]) for p in pixels]
+        return pixels.flatten(1).unsqueeze(2)
+
+
+def _image(first: int, offset: int, length: int = 2) -> MultiModalItem:
+    """An image whose features are ``first, first + 1, ...`` (one row per placeholder); its hash is ``first``."""
+    pixels = np.arange(first, first + length, dtype=np.float32)
+    return MultiModalItem(f"h{first}", offset, length, pixels.tobytes(), [length], "float32")
+
+
+def _embeds(cache: EncoderOutputCache, req_id: str, start: int, length: int) -> list[float]:
+    return cache.inputs_embeds(torch.zeros(length), [ScheduledSpan(req_id, start, length, 0)]).flatten().tolist()
+
+
+def test_pinned_entries_survive_the_budget_and_released_ones_go_oldest_first():
+    cache = EncoderCache(budget_bytes=8)
+    for name in "abc":
+        cache.insert(name, torch.zeros(1))  # 4 bytes each, pinned: 12 > 8 is allowed
+    assert (len(cache), cache.total_bytes) == (3, 12)
+    cache.release("a")
+    assert "a" not in cache and cache.total_bytes == 8  # over budget: the only unpinned entry goes
+    cache.release("b")
+    cache.release("c")
+    assert ("b" in cache, "c" in cache) == (True, True)  # 8 bytes fit
+    assert cache.acquire("b") is not None  # pinned again, so "c" is the only evictable one
+    cache.insert("d", torch.zeros(1))
+    cache.release("d")
+    assert ("b" in cache, "c" in cache, "d" in cache) == (True, False, True)
+    cache.release("b")
+    cache.insert("e", torch.zeros(2))  # 8 bytes: everything unpinned makes room
+    assert ("b" in cache, "d" in cache, cache.total_bytes) == (False, False, 8)
+
+
+def test_a_second_request_with_the_same_image_elsewhere_skips_the_encoder():
+    model = _FakeEncoder()
+    cache = EncoderOutputCache(model, torch.device("cpu"), budget_bytes=100 * ROW_BYTES)
+    cache.add_request("a", [_image(100, 1)])  # t I I
+    assert _embeds(cache, "a", 0, 3) == [0.0, 100.0, 101.0]
+    cache.remove_request("a")
+    cache.add_request("b", [_image(100, 4)])  # t t t t I I: other text before the same image
+    assert _embeds(cache, "b", 0, 6) == [0.0, 0.0, 0.0, 0.0, 100.0, 101.0]
+    assert model.encoded == [100]
+    assert (cache.num_queries, cache.num_hits, cache.num_encoded) == (2, 1, 1)
+
+
+def test_without_a_budget_outputs_live_only_for_the_prefill():
+    model = _FakeEncoder()
+    cache = EncoderOutputCache(model, torch.device("cpu"), budget_bytes=0)
+    for req_id in "ab":
+        cache.add_request(req_id, [_image(100, 1)])
+        _embeds(cache, req_id, 0, 3)
+        cache.remove_request(req_id)
+    assert model.encoded == [100, 100] and len(cache.store) == 0
+
+
+def test_a_tiny_budget_evicts_between_requests_but_never_inside_a_prefill():
+    model = _FakeEncoder()
+    cache = EncoderOutputCache(model, torch.device("cpu"), budget_bytes=2 * ROW_BYTES)  # one image
+    cache.add_request("a", [_image(100, 0)])
+    cache.add_request("b", [_image(200, 0), _image(300, 2)])
+    assert _embeds(cache, "a", 0, 1) == [100.0]  # "a" stops inside its image: pinned
+    assert _embeds(cache, "b", 0, 4) == [200.0, 201.0, 300.0, 301.0]  # two more images, over the budget
+    assert _embeds(cache, "a", 1, 1) == [101.0]  # still there: no second encoder run
+    assert model.encoded == [100, 200, 300]
+    assert ("h100" in cache.store, "h200" in cache.store, "h300" in cache.store) == (True, False, False)
+    cache.remove_request("a")
+    cache.add_request("c", [_image(200, 0)])  # evicted: encoded again, same features
+    assert _embeds(cache, "c", 0, 2) == [200.0, 201.0]
+    assert model.encoded == [100, 200, 300, 200]
+
+
+def test_the_same_image_twice_in_one_step_is_encoded_once():
+    model = _FakeEncoder()
+    cache = EncoderOutputCache(model, torch.device("cpu"), budget_bytes=0)
+    cache.add_request("a", [_image(100, 0), _image(100, 3)])  # I I t I I
+    assert _embeds(cache, "a", 0, 5) == [100.0, 101.0, 0.0, 100.0, 101.0]
+    assert model.encoded == [100] and (cache.num_queries, cache.num_hits) == (2, 1)
+    cache.remove_request("a")
+    assert len(cache.store) == 0  # both pins released
+
+
+def test_a_preempted_request_releases_its_pins():
+    cache = EncoderOutputCache(_FakeEncoder(), torch.device("cpu"), budget_bytes=0)
+    cache.add_request("a", [_image(100, 0, length=4)])
+    _embeds(cache, "a", 0, 2)
+    assert "h100" in cache.store
+    cache.remove_request("a")
+    assert len(cache.store) == 0 and cache.items == {}
+
+
+def test_the_config_takes_data_mode_and_a_budget_and_refuses_a_negative_one():
+    config = EngineConfig.create("m", mm_encoder_tp_mode="data", mm_encoder_cache_gb=0.25)
+    assert (config.mm_encoder_tp_mode, encoder_cache_bytes(config)) == ("data", 2**28)
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create("m", mm_encoder_cache_gb=-1)
+    assert info.value.field == "mm_encoder_cache_gb"
+
+
+def test_data_mode_needs_a_model_that_opts_in():
+    config = EngineConfig.create("m", mm_encoder_tp_mode="data")
+    with pytest.raises(NotBuiltError, match="data-parallel encoding for _FakeEncoder") as info:
+        MultiModalRunner(_FakeEncoder(), torch.device("cpu"), config, TensorParallel(0, 2))
+    assert info.value.field == "mm_encoder_tp_mode"
+    MultiModalRunner(_FakeEncoder(), torch.device("cpu"), config, TensorParallel(0, 1))  # alone: nothing to split
+
+
+# ---- mm_encoder_tp_mode="data": the split and the gather, on two gloo ranks
+IMAGES = [_image(10, 0, 4), _image(20, 4, 3), _image(30, 7, 6)]
+"""Uneven feature lengths, so the ranks' shares differ in size."""
+
+
+def _dp_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from asyncllm.workers.mm_encoder import DataParallelEncoder
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = _FakeEncoder()
+        encoder = DataParallelEncoder(model, torch.device("cpu"), TensorParallel(rank, world_size))
+        results = {n: encoder(IMAGES[:n], 1, torch.float32) for n in (1, 2, 3)}
+        bf16 = encoder(IMAGES, 1, torch.bfloat16)  # any dtype crosses (gathered as bytes)
+        torch.save({"results": results, "bf16": bf16, "encoded": model.encoded}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_data_parallel_encoding_splits_unevenly_and_gathers_everything(tmp_path):
+    mp.spawn(_dp_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    expected = encode_items(_FakeEncoder(), IMAGES, torch.device("cpu"))
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)]
+    for got in ranks:
+        for n, features in got["results"].items():
+            assert len(features) == n
+            for rows, ref in zip(features, expected):
+                assert torch.equal(rows, ref)
+        assert all(torch.equal(rows, ref.bfloat16()) for rows, ref in zip(got["bf16"], expected))
+    # round-robin shares: 1 image -> rank 0 alone; 2 -> one each; 3 -> two and one (then 3 again in bf16)
+    assert ranks[0]["encoded"] == [10, 10, 10, 30, 10, 30]
+    assert ranks[1]["encoded"] == [20, 20, 20]

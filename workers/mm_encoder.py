@@ -1,0 +1,66 @@
+"""Batch-level data parallelism for the vision encoder (``mm_encoder_tp_mode="data"``).
+
+The encoder's weights are replicated on every tensor-parallel rank (the model is
+built with ``mm_encoder_tp_mode="data"``, so its tower is not sharded). The images a
+step must encode (the same list, in the same order, on every rank: the ranks run
+the same steps over identical encoder caches) are dealt round-robin: rank r encodes
+images r, r + size, ... Each rank's features, flattened to ``[rows, hidden]`` and
+padded to the largest share, are all-gathered as raw bytes (any dtype, gloo or
+NCCL), and every rank unpacks the full list. A rank whose share is empty (fewer
+images than ranks) still takes part in the gather with padding only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncllm.mm.embeddings import encode_items
+from asyncllm.models.layers import TensorParallel
+from asyncllm.protocol import MultiModalItem
+
+__all__ = ["DataParallelEncoder"]
+
+
+class DataParallelEncoder:
+    """An `EncodeFn` that splits the images across the TP ranks and gathers the features on all of them."""
+
+    def __init__(self, model: Any, device: torch.device, tp: TensorParallel) -> None:
+        # a sharded encoder would run collectives inside each rank's share: built for "data", it is whole
+        assert getattr(model, "encoder_tp", TensorParallel()).size == 1, "the encoder must be built whole on every rank"
+        self.model = model
+        self.device = device
+        self.tp = tp
+        self.num_encoded_here = 0
+        """Images this rank ran through the encoder (its shares only)."""
+
+    def shares(self, items: list[MultiModalItem]) -> list[list[MultiModalItem]]:
+        """Rank r's images, for every r."""
+        return [items[rank :: self.tp.size] for rank in range(self.tp.size)]
+
+    def __call__(self, items: list[MultiModalItem], hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        shares = self.shares(items)
+        rows_per_rank = [sum(item.length for item in share) for share in shares]
+        mine = shares[self.tp.rank]
+        padded = torch.zeros(max(rows_per_rank), hidden, dtype=dtype, device=self.device)
+        if mine:
+            features = encode_items(self.model, mine, self.device)
+            self.num_encoded_here += len(mine)
+            padded[: rows_per_rank[self.tp.rank]] = torch.cat(features).to(dtype)
+        gathered = self._all_gather_bytes(padded)
+        out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        for rank, (share, flat) in enumerate(zip(shares, gathered)):
+            start = 0
+            for k, item in enumerate(share):
+                out[rank + k * self.tp.size] = flat[start : start + item.length]
+                start += item.length
+        return out
+
+    def _all_gather_bytes(self, padded: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``padded`` (same shape and dtype on all), rank order; gathered as uint8."""
+        raw = padded.view(torch.uint8)
+        parts = [torch.empty_like(raw) for _ in range(self.tp.size)]
+        dist.all_gather(parts, raw)
+        return [part.view(padded.dtype) for part in parts]
