@@ -49,9 +49,10 @@ STEPS: list[Step] = [
     Step("gpu-tests", ["-q", "-p", "no:cacheprovider", "tests/kernels", "tests/engine/test_gpu_parity.py"],
          170, pytest=True),
     Step("kernels", ["kernels"], 60),
-    Step("throughput-qwen3", ["throughput", *_QWEN, "--compare", "hf", "--compare-num-requests", "32"], 200),
+    # the transformers peer did not finish 16 or 32 requests within 200 s on an H100 (2026-11-22)
+    Step("throughput-qwen3", ["throughput", *_QWEN, "--compare", "hf", "--compare-num-requests", "8"], 280),
     Step("throughput-qwen3-async", ["throughput", *_QWEN, "--async-scheduling"], 100),
-    Step("latency-qwen3", ["latency", *_QWEN, "--compare", "hf"], 70),
+    Step("latency-qwen3", ["latency", *_QWEN, "--compare", "hf"], 150),
     Step("latency-qwen3-async", ["latency", *_QWEN, "--async-scheduling"], 60),
     Step("latency-qwen3-eager", ["latency", *_QWEN, "--enforce-eager"], 60),
     Step("latency-llama8b", ["latency", *_LLAMA, "--compare", "hf", "--num-iters", "2"], 150),

@@ -25,6 +25,7 @@ cache miss: the host resends the request with its data (docs/multimodal.md).
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import secrets
 import threading
@@ -75,10 +76,33 @@ class RingEntry(Generic[M]):
         return self.offset + _padded(self.nbytes)
 
 
+class _OwnedSegment:
+    """A new POSIX shared-memory segment (``/dev/shm/NAME``, mode 0600) that Python's resource_tracker
+    never hears of: before 3.13, ``SharedMemory(create=True)`` starts a tracker process that outlives the
+    engine in the host. The same interface as SharedMemory's: name, size, buf, close, unlink."""
+
+    def __init__(self, name: str, size: int) -> None:
+        fd = os.open(os.path.join("/dev/shm", name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            self._mmap = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self.name, self.size = name, size
+        self.buf = memoryview(self._mmap)
+
+    def close(self) -> None:
+        self.buf.release()
+        self._mmap.close()
+
+    def unlink(self) -> None:
+        os.unlink(os.path.join("/dev/shm", self.name))
+
+
 class _Header:
     """Typed views of the ring's words (generation and nbytes are aligned uint64)."""
 
-    def __init__(self, shm: SharedMemory) -> None:
+    def __init__(self, shm: SharedMemory | _OwnedSegment) -> None:
         self.words = np.ndarray((shm.size // 8,), dtype=np.uint64, buffer=shm.buf)
         self.buf = shm.buf
 
@@ -95,7 +119,7 @@ class ShmRingWriter(Generic[M]):
     def __init__(self, capacity_bytes: int) -> None:
         capacity = capacity_bytes // HEADER_BYTES * HEADER_BYTES
         check_ring_room(capacity)
-        self._shm = SharedMemory(name=f"asyncllm-{os.getpid()}-mm-{secrets.token_hex(4)}", create=True, size=capacity)
+        self._shm = _OwnedSegment(f"asyncllm-{os.getpid()}-mm-{secrets.token_hex(4)}", capacity)
         self.capacity = capacity
         self.name = self._shm.name
         self._view = _Header(self._shm)
