@@ -46,10 +46,16 @@ _ENGINE_COUNTERS: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
     ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
      lambda s: s.prefix_cache_queries),
     ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", lambda s: s.prefix_cache_hits),
+    ("mm_encoder_cache_queries", "Multimodal items looked up in the workers' encoder-output cache.",
+     lambda s: s.mm_encoder_cache_queries),
+    ("mm_encoder_cache_hits", "Multimodal items whose encoder output was cached (the vision tower did not run).",
+     lambda s: s.mm_encoder_cache_hits),
 ]
 _REQUEST_COUNTERS: list[tuple[str, str, Callable[[HostStats], float]]] = [
     ("prompt_tokens", "Number of prefill tokens processed.", lambda h: h.prompt_tokens_total),
     ("generation_tokens", "Number of generation tokens processed.", lambda h: h.generation_tokens_total),
+    ("mm_cache_queries", "Multimodal items looked up in the processor cache.", lambda h: h.mm_cache_queries),
+    ("mm_cache_hits", "Multimodal items found in the processor cache.", lambda h: h.mm_cache_hits),
 ]
 _HISTOGRAMS: list[tuple[str, str, str]] = [
     ("time_to_first_token_seconds", "Histogram of time to first token in seconds.", "time_to_first_token"),
