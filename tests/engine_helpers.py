@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 from asyncllm import AsyncEngine
@@ -17,3 +18,14 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 20.0) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"engine not idle after {timeout}s: {engine.stats()}")
+
+
+def random_prompts(num: int, seed: int, stem_len: int = 0, max_len: int = 70) -> list[list[int]]:
+    """Seeded random token-id prompts; with `stem_len`, every other one starts with the same tokens (prefix hits)."""
+    rng = random.Random(seed)
+    stem = [rng.randrange(3, 500) for _ in range(stem_len)]
+    prompts = []
+    for i in range(num):
+        tail = [rng.randrange(3, 500) for _ in range(rng.randint(3, max_len - stem_len))]
+        prompts.append(stem + tail if i % 2 else tail)
+    return prompts

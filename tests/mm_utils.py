@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 from pathlib import Path
+from typing import Any
 
 IMAGE_TOKEN = "<image>"
 IMAGE_SIZE = 56
@@ -106,3 +107,28 @@ def hf_llava_greedy(path: str, text: str | None, images: list[bytes], max_new_to
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     prompt_ids = inputs["input_ids"][0].tolist()
     return prompt_ids, out[0, len(prompt_ids):].tolist()
+
+
+class _Recorder:
+    """Wraps a processor's msgpack encoder: every AddRequest sent, with its encoded size."""
+
+    def __init__(self, encoder: Any) -> None:
+        self.encoder = encoder
+        self.sent: list[tuple[Any, int]] = []
+
+    def encode(self, message: object) -> bytes:
+        from asyncllm.protocol import AddRequest
+
+        data = self.encoder.encode(message)
+        if isinstance(message, AddRequest):
+            self.sent.append((message, len(data)))
+        return data
+
+
+def sent_requests(engine: Any) -> list[tuple[Any, int]]:
+    """The (AddRequest, encoded bytes) the engine's processor sent to the core since this was first called."""
+    processor = engine._processor
+    assert processor is not None
+    if not isinstance(processor._encoder, _Recorder):
+        processor._encoder = _Recorder(processor._encoder)
+    return processor._encoder.sent

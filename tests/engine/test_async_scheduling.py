@@ -5,29 +5,21 @@ Greedy outputs equal transformers' under every batch shape, chunked prefill, pre
 tensor parallelism and prefix hits; max_tokens=1, EOS and stop_token_ids end requests mid-batch at the right
 token (the token already scheduled after it is dropped); seeded sampling, penalties and logprobs equal the
 synchronous engine's; aborts mid-stream leak no block; structured-output requests run (synchronous steps);
-a worker killed or hung mid-generation is replaced and the streams stay exact.
+a worker killed or hung with steps in flight: tests/engine/test_faults.py (parametrized over the mode).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import re
-import signal
 
 import pytest
 import pytest_asyncio
-from transformers import AutoTokenizer
 
 from asyncllm import AsyncEngine, SamplingParams
-from engine_helpers import wait_idle
+from engine_helpers import random_prompts, wait_idle
 from hf_reference import hf_greedy
-from proc_utils import worker_pids
-from test_faults import ENGINE_KWARGS as FAULT_ENGINE_KWARGS
-from test_faults import MAX_TOKENS as FAULT_MAX_TOKENS
-from test_faults import PROMPTS as FAULT_PROMPTS
-from test_faults import Streams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -37,17 +29,6 @@ EOS = 1
 BYTES_PER_BLOCK = 8192
 """The tiny Llama's KV block: 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes."""
 ENGINE = dict(disable_log_stats=True, async_scheduling=True)
-
-
-def _prompts(num: int, seed: int, stem_len: int = 0, max_len: int = 70) -> list[list[int]]:
-    """Random prompts; with `stem_len`, every other one starts with the same tokens (prefix hits)."""
-    rng = random.Random(seed)
-    stem = [rng.randrange(3, 500) for _ in range(stem_len)]
-    prompts = []
-    for i in range(num):
-        tail = [rng.randrange(3, 500) for _ in range(rng.randint(3, max_len - stem_len))]
-        prompts.append(stem + tail if i % 2 else tail)
-    return prompts
 
 
 _REFERENCES: dict[tuple[str, tuple[int, ...]], list[int]] = {}
@@ -98,7 +79,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 async def test_greedy_parity_with_transformers(tiny_llama: str, case: str) -> None:
-    prompts = _prompts(14, seed=0)
+    prompts = random_prompts(14, seed=0)
     async with AsyncEngine(tiny_llama, **ENGINE, **CASES[case]) as engine:
         priorities = [random.Random(i).randrange(3) for i in range(len(prompts))]
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
@@ -113,7 +94,7 @@ async def test_greedy_parity_with_transformers(tiny_llama: str, case: str) -> No
 
 
 async def test_prefix_hits_keep_greedy_parity(engine: AsyncEngine, tiny_llama: str) -> None:
-    prompts = _prompts(8, seed=4, stem_len=48, max_len=80)
+    prompts = random_prompts(8, seed=4, stem_len=48, max_len=80)
     first = await _greedy(engine, prompts)
     before = engine.stats().prefix_cache_hits
     second = await _greedy(engine, prompts)
@@ -124,7 +105,7 @@ async def test_prefix_hits_keep_greedy_parity(engine: AsyncEngine, tiny_llama: s
 
 
 async def test_max_tokens_one_beside_long_requests(engine: AsyncEngine, tiny_llama: str) -> None:
-    prompts = _prompts(10, seed=5)
+    prompts = random_prompts(10, seed=5)
     lengths = [1, MAX_TOKENS, 1, 2, MAX_TOKENS, 1, 3, MAX_TOKENS, 1, 1]
     outs = await asyncio.gather(*(engine.generate(p, SamplingParams(temperature=0.0, max_tokens=n))
                                   for p, n in zip(prompts, lengths)))
@@ -137,7 +118,7 @@ async def test_max_tokens_one_beside_long_requests(engine: AsyncEngine, tiny_lla
 # ------------------------------------------------------------------ stops mid-batch
 async def test_stop_token_ids_end_requests_mid_batch(engine: AsyncEngine, tiny_llama: str) -> None:
     """Each request stops at a different step on one of its own greedy tokens; the others run on."""
-    prompts = _prompts(8, seed=6)
+    prompts = random_prompts(8, seed=6)
     jobs = []
     for i, prompt in enumerate(prompts):
         ref = _reference(tiny_llama, prompt)
@@ -158,7 +139,7 @@ async def test_stop_token_ids_end_requests_mid_batch(engine: AsyncEngine, tiny_l
 
 async def test_eos_ends_requests_mid_batch(engine: AsyncEngine, tiny_llama: str) -> None:
     """min_tokens holds EOS back for k tokens, a logit bias then makes it the next one: a stop at token k + 1."""
-    prompts = _prompts(6, seed=7)
+    prompts = random_prompts(6, seed=7)
     stops = [2, None, 5, 1, None, 9]
 
     def params(k: int | None) -> SamplingParams:
@@ -189,7 +170,7 @@ SAMPLING = {
 
 @pytest.mark.parametrize("kind", list(SAMPLING))
 async def test_sampling_equals_the_synchronous_engine(engine: AsyncEngine, sync_engine: AsyncEngine, kind: str) -> None:
-    prompts = _prompts(6, seed=8)
+    prompts = random_prompts(6, seed=8)
     base = SAMPLING[kind]
     variants = [SamplingParams(**{**_fields(base), "seed": base.seed + i}) if base.seed is not None else base
                 for i in range(len(prompts))]
@@ -227,7 +208,7 @@ def _fields(params: SamplingParams) -> dict:
 
 # ------------------------------------------------------------------ aborts
 async def test_aborts_mid_stream_leak_no_block(engine: AsyncEngine, tiny_llama: str) -> None:
-    prompts = _prompts(10, seed=9)
+    prompts = random_prompts(10, seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
     async def consume(i: int, prompt: list[int]) -> list[int]:
@@ -253,7 +234,7 @@ async def test_structured_requests_run_beside_overlapped_ones(engine: AsyncEngin
     pytest.importorskip("xgrammar")
     from asyncllm import StructuredOutputs
 
-    prompts = _prompts(4, seed=10)
+    prompts = random_prompts(4, seed=10)
     regex = SamplingParams(n=3, seed=3, max_tokens=30, structured=StructuredOutputs(regex=r"[a-z]{3}-\d{2}"))
     plain_before = asyncio.gather(*(engine.generate(p, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
                                     for p in prompts))
@@ -262,29 +243,3 @@ async def test_structured_requests_run_beside_overlapped_ones(engine: AsyncEngin
     assert all(re.fullmatch(r"[a-z]{3}-\d{2}", o.text) and o.finish_reason == "stop" for o in structured.outputs)
     _check(tiny_llama, prompts, [o.token_ids for o in plain])
     await wait_idle(engine)
-
-
-# ------------------------------------------------------------------ worker faults
-@pytest.fixture(scope="module")
-def fault_expected(tiny_llama: str) -> list[list[int]]:
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    return [hf_greedy(tiny_llama, tokenizer(p).input_ids, FAULT_MAX_TOKENS) for p in FAULT_PROMPTS]
-
-
-async def test_worker_killed_or_hung_with_steps_in_flight_streams_stay_exact(tiny_llama: str, fault_expected) -> None:
-    engine = AsyncEngine(tiny_llama, worker_step_timeout_s=2.0, async_scheduling=True, **FAULT_ENGINE_KWARGS)
-    async with engine:
-        for fault in (signal.SIGKILL, signal.SIGSTOP):  # dead, then hung past the watchdog
-            [worker] = worker_pids(engine._core.pid)
-            streams = Streams(engine, FAULT_PROMPTS)
-            await streams.wait_for_tokens(5)
-            os.kill(worker, fault)
-            assert streams.finish == [None] * 3  # the fault hit mid-generation
-            await streams.join()
-            assert streams.errors == [None, None, None], fault
-            assert streams.finish == ["length"] * 3
-            assert streams.tokens == fault_expected, fault  # nothing lost, nothing repeated, greedy unchanged
-            [new_worker] = worker_pids(engine._core.pid)
-            assert new_worker != worker
-            await wait_idle(engine)
-            assert engine.stats().engine_alive

@@ -60,8 +60,11 @@ def expected(tiny_llama: str) -> list[list[int]]:
     return [hf_greedy(tiny_llama, tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS]
 
 
-async def test_worker_killed_or_hung_mid_generation_streams_stay_exact(tiny_llama: str, expected) -> None:
-    engine = AsyncEngine(tiny_llama, worker_step_timeout_s=2.0, **ENGINE_KWARGS)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+async def test_worker_killed_or_hung_mid_generation_streams_stay_exact(tiny_llama: str, expected,
+                                                                      async_scheduling: bool) -> None:
+    """With async_scheduling, two steps may be in flight when the worker dies: both are recomputed."""
+    engine = AsyncEngine(tiny_llama, worker_step_timeout_s=2.0, async_scheduling=async_scheduling, **ENGINE_KWARGS)
     async with engine:
         for fault in (signal.SIGKILL, signal.SIGSTOP):  # dead, then hung past the watchdog
             [worker] = worker_pids(engine._core.pid)

@@ -4,36 +4,20 @@ from __future__ import annotations
 
 import asyncio
 
-import msgspec
 import pytest
 import pytest_asyncio
-from mm_utils import NUM_IMAGE_TOKENS, hf_llava_greedy, make_image, make_tiny_llava
+from mm_utils import NUM_IMAGE_TOKENS, hf_llava_greedy, make_image, make_tiny_llava, sent_requests
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.cache import MirrorEntry
 from asyncllm.mm.images import image_hash
-from asyncllm.protocol import AddRequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 BUDGET = 6
 """max_num_batched_tokens: smaller than an image's 16 placeholders, so every image is split across steps."""
-
-
-class _Recorder:
-    """Wraps the processor's msgpack encoder: every AddRequest sent, with its encoded size."""
-
-    def __init__(self, encoder: msgspec.msgpack.Encoder) -> None:
-        self.encoder = encoder
-        self.sent: list[tuple[AddRequest, int]] = []
-
-    def encode(self, message: object) -> bytes:
-        data = self.encoder.encode(message)
-        if isinstance(message, AddRequest):
-            self.sent.append((message, len(data)))
-        return data
 
 
 @pytest.fixture(scope="module")
@@ -46,13 +30,9 @@ async def engine(tiny_llava: str):
     engine = AsyncEngine(tiny_llava, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
                          max_num_seqs=4, enable_prefix_caching=True, mm_max_image_pixels=200 * 200)
     await engine.start()
-    engine._processor._encoder = _Recorder(engine._processor._encoder)  # type: ignore[union-attr]
+    sent_requests(engine)  # records every AddRequest from now on
     yield engine
     await engine.aclose()
-
-
-def _sent(engine: AsyncEngine) -> list[tuple[AddRequest, int]]:
-    return engine._processor._encoder.sent  # type: ignore[union-attr]
 
 
 async def _core_stats(engine: AsyncEngine, queries_at_least: int):
@@ -101,7 +81,7 @@ async def test_a_repeated_image_crosses_as_its_key_and_hits_both_caches(engine):
     first = await engine.generate({"prompt": prompt, "images": [image]}, GREEDY)
     before = engine.stats()
     second = await engine.generate({"prompt": prompt, "images": [image]}, GREEDY)
-    (msg1, size1), (msg2, size2) = _sent(engine)[-2:]
+    (msg1, size1), (msg2, size2) = sent_requests(engine)[-2:]
     assert msg1.mm_items[0].data is not None and msg2.mm_items[0].data is None
     assert msg1.mm_items[0].mm_hash == msg2.mm_items[0].mm_hash
     assert size2 < 300 and size1 > len(msg1.mm_items[0].data) == 3 * 56 * 56 * 4  # the key only, vs the pixels
@@ -110,7 +90,7 @@ async def test_a_repeated_image_crosses_as_its_key_and_hits_both_caches(engine):
     item = msg1.mm_items[0]
     assert second.num_cached_tokens >= (item.offset + item.length) // 4 * 4  # prefix cache covers the image
     third = await engine.generate({"prompt": prompt, "images": [other]}, GREEDY)
-    msg3 = _sent(engine)[-1][0]
+    msg3 = sent_requests(engine)[-1][0]
     assert msg3.mm_items[0].data is not None and msg3.mm_items[0].mm_hash != item.mm_hash
     assert engine.stats().mm_cache_hits == before.mm_cache_hits + 1  # a different image never hits
     assert third.num_cached_tokens <= item.offset  # only the text before the image is shared
@@ -122,7 +102,7 @@ async def test_a_cache_miss_from_drift_is_resent_with_data(engine, tiny_llava):
     mm = engine._processor._mm  # type: ignore[union-attr]
     mm.cache.mirror.put(image_hash(image), 1, MirrorEntry(NUM_IMAGE_TOKENS))  # the host wrongly believes the core has it
     out = await engine.generate({"prompt": "Again <image>", "images": [image]}, GREEDY)
-    (miss, _), (resent, _) = _sent(engine)[-2:]
+    (miss, _), (resent, _) = sent_requests(engine)[-2:]
     assert miss.request_id == resent.request_id
     assert miss.mm_items[0].data is None and resent.mm_items[0].data is not None
     assert out.outputs[0].token_ids == hf_llava_greedy(tiny_llava, "Again <image>", [image], 8)[1]
@@ -147,7 +127,7 @@ async def test_the_processor_cache_off_and_tp2_give_the_same_tokens(engine, tiny
     images = [make_image(40, 30, seed=11), make_image(40, 30, seed=11)]  # the same image twice in one prompt
     prompt = {"prompt": "<image> twice <image>", "images": images}
     cached = await engine.generate(prompt, GREEDY)
-    assert _sent(engine)[-1][0].mm_items[1].data is None  # the second copy rides on the first one's data
+    assert sent_requests(engine)[-1][0].mm_items[1].data is None  # the second copy rides on the first one's data
     async with AsyncEngine(tiny_llava, disable_log_stats=True, mm_processor_cache_gb=0, tensor_parallel_size=2,
                            max_num_batched_tokens=BUDGET, max_num_seqs=4) as uncached:  # decoder sharded, tower replicated
         out = await uncached.generate(prompt, GREEDY)

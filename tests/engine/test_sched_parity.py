@@ -12,22 +12,12 @@ import random
 import pytest
 
 from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+from engine_helpers import random_prompts
 from hf_reference import hf_greedy
 
 MAX_TOKENS = 24
 BYTES_PER_BLOCK = 8192
 """The tiny Llama's KV block: 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes."""
-
-
-def _prompts(num: int, seed: int, stem_len: int = 32, max_len: int = 70) -> list[list[int]]:
-    """Random prompts; every other one starts with the same `stem_len` tokens, so prefix hits happen."""
-    rng = random.Random(seed)
-    stem = [rng.randrange(3, 500) for _ in range(stem_len)]
-    prompts = []
-    for i in range(num):
-        tail = [rng.randrange(3, 500) for _ in range(rng.randint(3, max_len - stem_len))]
-        prompts.append(stem + tail if i % 2 else tail)
-    return prompts
 
 
 async def _run_all(engine: AsyncEngine, prompts: list[list[int]], priorities: list[int] | None = None) -> list[list[int]]:
@@ -61,7 +51,7 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 async def test_llama_parity_under_scheduling_policies(tiny_llama: str, case: str) -> None:
-    prompts = _prompts(14, seed=3)
+    prompts = random_prompts(14, seed=3, stem_len=32)
     priorities = [random.Random(i).randrange(4) for i in range(len(prompts))]
     async with AsyncEngine(tiny_llama, disable_log_stats=True, **CASES[case]) as engine:
         got = await _run_all(engine, prompts, priorities)
@@ -76,7 +66,7 @@ async def test_llama_parity_under_scheduling_policies(tiny_llama: str, case: str
 
 async def test_prefix_hits_and_whole_prompt_scheduling_give_the_same_tokens(tiny_llama: str) -> None:
     """Chunked prefill off: prompts run whole (longer ones are refused); a second pass hits the prefix cache."""
-    prompts = _prompts(8, seed=4, stem_len=48, max_len=80)
+    prompts = random_prompts(8, seed=4, stem_len=48, max_len=80)
     async with AsyncEngine(tiny_llama, disable_log_stats=True, enable_chunked_prefill=False,
                            max_num_batched_tokens=96) as engine:
         first = await _run_all(engine, prompts)
