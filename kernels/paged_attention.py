@@ -143,6 +143,14 @@ def _block_shape(queries_per_kv: int) -> tuple[int, int]:
     return block_m // queries_per_kv, block_m
 
 
+def _tile_shape(head_dim: int, tile_n: int | None) -> tuple[int, int]:
+    """(HEAD_DIM: the head dim padded to a power of two >= 16, TILE_N: keys per inner step, checked)."""
+    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
+    tile_n = tile_n or (64 if head_dim_padded <= 128 else 32)
+    check(tile_n >= 16 and tile_n == triton.next_power_of_2(tile_n), f"tile_n must be a power of two >= 16: {tile_n}")
+    return head_dim_padded, tile_n
+
+
 def paged_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -164,9 +172,7 @@ def paged_attention(
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     queries_per_kv = num_q_heads // num_kv_heads
-    head_dim_padded = max(16, triton.next_power_of_2(head_dim))
-    tile_n = tile_n or (64 if head_dim_padded <= 128 else 32)
-    check(tile_n >= 16 and tile_n == triton.next_power_of_2(tile_n), f"tile_n must be a power of two >= 16: {tile_n}")
+    head_dim_padded, tile_n = _tile_shape(head_dim, tile_n)
     check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1: {sliding_window}")
     block_q, block_m = _block_shape(queries_per_kv)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 
 __all__ = [
     "rms_norm",
@@ -22,6 +22,7 @@ __all__ = [
     "rotate_half",
     "build_cos_sin_cache",
     "apply_rotary",
+    "norm_and_rotate",
     "write_kv_cache",
     "gather_kv",
     "paged_attention",
@@ -94,6 +95,16 @@ def apply_rotary(
         return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
     return rotate(q), rotate(k)
+
+
+def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, rotary: RotaryInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a backend does with `RotaryInputs`: each q and k head RMS-normalised over its head dim
+    when ``rotary`` carries the norm weights (Qwen3's q_norm / k_norm, as HF runs them), then
+    `apply_rotary`. The reference of the rotary_kv kernel."""
+    if rotary.q_norm_weight is not None:
+        q = rms_norm(q, rotary.q_norm_weight, rotary.norm_eps)
+        k = rms_norm(k, rotary.k_norm_weight, rotary.norm_eps)
+    return apply_rotary(q, k, rotary.positions, rotary.cos_sin_cache)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:

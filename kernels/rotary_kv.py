@@ -7,10 +7,17 @@ slot (``block = slot // block_size``, ``offset = slot % block_size``); a
 negative slot is padding and is not stored. Dims past the rotary dim
 (``cos_sin_cache.shape[-1]``) pass through unchanged.
 
-Rounding follows `asyncllm.kernels.reference.apply_rotary` (HF's): cos and sin
-are rounded to the activation dtype, and each product and the sum are rounded
-to it, so half-precision results match torch's bit for bit up to float32
-contraction.
+With ``q_norm_weight`` / ``k_norm_weight`` (Qwen3's per-head q/k RMSNorm) each
+query and key head is first RMS-normalised over its head dim, in the same
+program: one launch instead of three, and q and k are read once. Values are
+never normed; the stored key is the normed and rotated one.
+
+Rounding follows `asyncllm.kernels.reference.norm_and_rotate` (HF's): the norm
+takes its statistics in float32, rounds the normalised head to the activation
+dtype and then the weight times it (as `reference.rms_norm`); the rotation
+rounds cos and sin to the dtype, and each product and the sum, so
+half-precision results match torch's bit for bit up to float32 contraction
+(and, with the norm, the order of the float32 sum of squares).
 """
 
 from __future__ import annotations
@@ -25,52 +32,81 @@ __all__ = ["rotary_embedding_with_kv_cache"]
 
 
 @triton.jit
+def _round(x, dtype):
+    """x rounded to the activation dtype, kept in float32 for the next product."""
+    return x.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_heads(x1, x2, rest, weight_ptr, eps, head_dim, half, dims, rest_dims, rest_mask, dtype):
+    """RMSNorm of each head (a row) given as its two rotary halves and the pass-through rest
+    (masked lanes are 0, so they add nothing to the sum of squares)."""
+    sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(rest * rest, axis=1)
+    rstd = tl.rsqrt(sum_sq / head_dim + eps)[:, None]
+    w1 = tl.load(weight_ptr + dims, mask=dims < half, other=0.0).to(tl.float32)
+    w2 = tl.load(weight_ptr + half + dims, mask=dims < half, other=0.0).to(tl.float32)
+    w_rest = tl.load(weight_ptr + rest_dims, mask=rest_mask, other=0.0).to(tl.float32)
+    return (_round(w1 * _round(x1 * rstd, dtype), dtype), _round(w2 * _round(x2 * rstd, dtype), dtype),
+            _round(w_rest * _round(rest * rstd, dtype), dtype))
+
+
+@triton.jit
 def _rotate_heads(
     src_ptr, src_token_stride, src_head_stride, dst_ptr, dst_token_stride, dst_head_stride,
+    norm_weight_ptr, norm_eps,
     token, num_heads, head_dim, half, cos, sin,
-    HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    """Rotate ``num_heads`` heads of one token from src into dst (same dtype rounding as torch)."""
+    """(Norm and) rotate ``num_heads`` heads of one token from src into dst (same dtype rounding as torch)."""
     dtype = dst_ptr.dtype.element_ty
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = (heads < num_heads) & (dims < half)
+    rest_dims = tl.arange(0, HEAD_DIM)[None, :]
+    rest_mask = (rest_dims >= 2 * half) & (rest_dims < head_dim)
+    rest_heads_mask = (heads < num_heads) & rest_mask
     src = src_ptr + token * src_token_stride + heads * src_head_stride
     dst = dst_ptr + token * dst_token_stride + heads * dst_head_stride
     x1 = tl.load(src + dims, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + half + dims, mask=mask, other=0.0).to(tl.float32)
-    out1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
-    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    rest = tl.load(src + rest_dims, mask=rest_heads_mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        x1, x2, rest = _rms_norm_heads(x1, x2, rest, norm_weight_ptr, norm_eps, head_dim, half, dims, rest_dims,
+                                       rest_mask, src_ptr.dtype.element_ty)
+    out1 = (_round(x1 * cos, dtype) + _round(-x2 * sin, dtype)).to(dtype)
+    out2 = (_round(x2 * cos, dtype) + _round(x1 * sin, dtype)).to(dtype)
     tl.store(dst + dims, out1, mask=mask)
     tl.store(dst + half + dims, out2, mask=mask)
-    rest = tl.arange(0, HEAD_DIM)[None, :]
-    rest_mask = (heads < num_heads) & (rest >= 2 * half) & (rest < head_dim)
-    tl.store(dst + rest, tl.load(src + rest, mask=rest_mask, other=0.0).to(dtype), mask=rest_mask)
+    tl.store(dst + rest_dims, rest.to(dtype), mask=rest_heads_mask)
 
 
 @triton.jit
 def _rotary_kv_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, cos_sin_ptr, slot_mapping_ptr,
+    q_norm_ptr, k_norm_ptr,
     q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride, v_head_stride,
     q_out_token_stride, q_out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, cos_sin_stride,
-    num_q_heads, num_kv_heads, head_dim, half, block_size,
+    num_q_heads, num_kv_heads, head_dim, half, block_size, norm_eps,
     Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     dtype = q_out_ptr.dtype.element_ty
     position = tl.load(positions_ptr + token).to(tl.int64)
     dims = tl.arange(0, HALF)[None, :]
     row = cos_sin_ptr + position * cos_sin_stride
-    cos = tl.load(row + dims, mask=dims < half, other=0.0).to(dtype).to(tl.float32)
-    sin = tl.load(row + half + dims, mask=dims < half, other=0.0).to(dtype).to(tl.float32)
+    cos = _round(tl.load(row + dims, mask=dims < half, other=0.0), dtype)
+    sin = _round(tl.load(row + half + dims, mask=dims < half, other=0.0), dtype)
     _rotate_heads(q_ptr, q_token_stride, q_head_stride, q_out_ptr, q_out_token_stride, q_out_head_stride,
-                  token, num_q_heads, head_dim, half, cos, sin, Q_HEADS, HALF, HEAD_DIM)
+                  q_norm_ptr, norm_eps, token, num_q_heads, head_dim, half, cos, sin,
+                  Q_HEADS, HALF, HEAD_DIM, HAS_NORM)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         cache_offset = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
         _rotate_heads(k_ptr, k_token_stride, k_head_stride, k_cache_ptr + cache_offset, 0, cache_head_stride,
-                      token, num_kv_heads, head_dim, half, cos, sin, KV_HEADS, HALF, HEAD_DIM)
+                      k_norm_ptr, norm_eps, token, num_kv_heads, head_dim, half, cos, sin,
+                      KV_HEADS, HALF, HEAD_DIM, HAS_NORM)
         heads = tl.arange(0, KV_HEADS)[:, None]
         all_dims = tl.arange(0, HEAD_DIM)[None, :]
         mask = (heads < num_kv_heads) & (all_dims < head_dim)
@@ -107,6 +143,18 @@ def _check_args(
                       key_cache=key_cache, slot_mapping=slot_mapping)
 
 
+def _check_norm(query: torch.Tensor, q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                norm_eps: float | None) -> None:
+    check((q_norm_weight is None) == (k_norm_weight is None) == (norm_eps is None),
+          "q_norm_weight, k_norm_weight and norm_eps go together: give all three or none")
+    for name, weight in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if weight is not None:
+            check(weight.shape == (query.shape[2],) and weight.is_contiguous(),
+                  f"{name} must be a contiguous [{query.shape[2]}]: {tuple(weight.shape)}")
+            check(weight.dtype == query.dtype, f"{name} dtype {weight.dtype} must equal the query's {query.dtype}")
+            check_same_device(query=query, **{name: weight})
+
+
 def rotary_embedding_with_kv_cache(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -116,26 +164,34 @@ def rotary_embedding_with_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> torch.Tensor:
     """Rotate query ``[T, Hq, D]`` and key ``[T, Hkv, D]``; store rotated keys and values at their slots.
 
     ``key_cache`` / ``value_cache`` are ``[num_blocks, block_size, Hkv, D]`` (e.g. ``kv_cache[0]``,
-    ``kv_cache[1]``). Returns the rotated query (a new contiguous tensor).
+    ``kv_cache[1]``). With ``q_norm_weight`` / ``k_norm_weight`` (``[D]``) and ``norm_eps``, each
+    query and key head is RMS-normalised before the rotation. Returns the rotated query (a new
+    contiguous tensor).
     """
     _check_args(query, key, value, positions, cos_sin_cache, key_cache, value_cache, slot_mapping)
+    _check_norm(query, q_norm_weight, k_norm_weight, norm_eps)
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, half = key.shape[1], cos_sin_cache.shape[1] // 2
     query_out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return query_out
+    has_norm = q_norm_weight is not None
     _rotary_kv_kernel[(num_tokens,)](
         query, key, value, query_out, key_cache, value_cache, positions, cos_sin_cache, slot_mapping,
+        q_norm_weight if has_norm else query, k_norm_weight if has_norm else query,  # unread without the norm
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         query_out.stride(0), query_out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), cos_sin_cache.stride(0),
-        num_q_heads, num_kv_heads, head_dim, half, key_cache.shape[1],
+        num_q_heads, num_kv_heads, head_dim, half, key_cache.shape[1], norm_eps if has_norm else 0.0,
         Q_HEADS=triton.next_power_of_2(num_q_heads), KV_HEADS=triton.next_power_of_2(num_kv_heads),
         HALF=triton.next_power_of_2(max(half, 1)), HEAD_DIM=triton.next_power_of_2(head_dim),
-        num_warps=4,
+        HAS_NORM=has_norm, num_warps=4,
     )
     return query_out

@@ -33,7 +33,14 @@ class AttentionMetadata:
 
 
 class RotaryInputs(NamedTuple):
-    """What a backend needs to rotate q and k itself (GPT-NeoX layout), e.g. fused with the KV write."""
+    """What a backend needs to rotate q and k itself (GPT-NeoX layout), e.g. fused with the KV write.
+
+    A model with per-head q/k RMSNorm before the rotation (Qwen3) hands over the norms' weights and
+    eps too, so the backend can fuse them as well; the three go together (all None without the norm).
+    """
 
     positions: torch.Tensor  # [T] int64: each token's position in its sequence
     cos_sin_cache: torch.Tensor  # [max_position, rotary_dim] float32: cos then sin (see reference.build_cos_sin_cache)
+    q_norm_weight: torch.Tensor | None = None  # [head_dim]: RMSNorm of every query head, before the rotation
+    k_norm_weight: torch.Tensor | None = None  # [head_dim]: the same for every key head (values are not normed)
+    norm_eps: float | None = None

@@ -1,7 +1,8 @@
 """The torch_sdpa attention backend: the CPU default and the reference for the others.
 
-It rotates q and k (when the layer hands it the rotary inputs), writes the
-step's K/V into the paged cache, then runs one ``scaled_dot_product_attention``
+It rotates q and k when the layer hands it the rotary inputs (after their
+per-head RMSNorm, for Qwen3: `asyncllm.kernels.reference.norm_and_rotate`),
+writes the step's K/V into the paged cache, then runs one ``scaled_dot_product_attention``
 per request over that request's whole context gathered from its block table
 (see `asyncllm.kernels.reference.paged_attention`). Simple and exact rather
 than fast: the GPU path has its own kernels.
@@ -40,6 +41,6 @@ class TorchSDPABackend:
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place.
         """
         if rotary is not None:
-            query, key = reference.apply_rotary(query, key, rotary.positions, rotary.cos_sin_cache)
+            query, key = reference.norm_and_rotate(query, key, rotary)
         reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return reference.paged_attention(query, kv_cache, metadata, scale, sliding_window)

@@ -1,8 +1,11 @@
 """The triton attention backend: the GPU default, built on the Triton kernels of `asyncllm.kernels`.
 
-Per layer, two launches: `rotary_embedding_with_kv_cache` rotates q and k and
-stores k and v at the step's slots, then the unified varlen `paged_attention`
-kernel serves prefill chunks (with cached context) and decodes in one grid.
+Per layer, two launches: `rotary_embedding_with_kv_cache` rotates q and k (after
+Qwen3's per-head q/k RMSNorm, fused in) and stores k and v at the step's slots,
+then the unified varlen `paged_attention` kernel serves prefill chunks (with
+cached context) and decodes in one grid.
+A decode-only step too small to fill the GPU runs the split-KV `paged_decode`
+kernels instead (`split_kv_segments` decides).
 The model's norms and SiLU-and-mul run the Triton kernels too (`ops`).
 
 Importing this module imports triton: only `asyncllm.attention.selector`
@@ -12,17 +15,23 @@ Triton's interpreter (``TRITON_INTERPRET=1``, for tests; slow).
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import triton
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.kernels import reference
 from asyncllm.kernels.paged_attention import paged_attention
+from asyncllm.kernels.paged_decode import paged_decode
 from asyncllm.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from asyncllm.kernels.rotary_kv import rotary_embedding_with_kv_cache
 from asyncllm.kernels.silu_and_mul import silu_and_mul
 from asyncllm.models.ops import ModelOps
 
-__all__ = ["TritonBackend", "TRITON_OPS"]
+__all__ = ["TritonBackend", "TRITON_OPS", "split_kv_segments"]
+
+_MAX_SEGMENTS = 16  # split-KV segments per request: more adds combine work for little extra parallelism
 
 TRITON_OPS = ModelOps("triton", rms_norm, fused_add_rms_norm, silu_and_mul)
 """The model's non-attention ops as Triton kernels."""
@@ -55,9 +64,37 @@ class TritonBackend:
         else:
             query = rotary_embedding_with_kv_cache(
                 query, key, value, rotary.positions, rotary.cos_sin_cache, key_cache, value_cache,
-                metadata.slot_mapping,
+                metadata.slot_mapping, rotary.q_norm_weight, rotary.k_norm_weight, rotary.norm_eps,
+            )
+        num_segments = split_kv_segments(query.shape[0], metadata.num_reqs, key_cache.shape[2], _num_sms(query.device))
+        if num_segments:
+            return paged_decode(
+                query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+                scale, num_segments, sliding_window,
             )
         return paged_attention(
             query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
             scale, sliding_window,
         )
+
+
+def split_kv_segments(num_tokens: int, num_reqs: int, num_kv_heads: int, num_sms: int) -> int:
+    """Segments per request for the split-KV decode kernels, or 0 for the unified kernel.
+
+    The unified kernel runs ``num_reqs * num_kv_heads`` programs on a decode step; when that
+    leaves SMs idle, a decode-only step (one token per request: host-known, and static under a
+    CUDA graph) splits each context so that about two programs run per SM, at most 16 segments
+    (a power of two). Only static values decide, so a captured graph keeps its choice.
+    """
+    programs = num_reqs * num_kv_heads
+    if num_tokens != num_reqs or programs >= num_sms:
+        return 0
+    return min(_MAX_SEGMENTS, triton.next_power_of_2(-(-2 * num_sms // programs)))
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """The GPU's SM count; an H100's (132) for Triton's CPU interpreter."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -64,7 +64,11 @@ def _elementwise(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> l
 
 
 def _rotary(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> list[dict[str, Any]]:
+    """The rotary/KV-write kernel; for a model with per-head q/k RMSNorm (Qwen3) also with the norm
+    fused in, next to the three launches it replaces (two Triton RMSNorms, then the rotary kernel)."""
+    from asyncllm.attention.metadata import RotaryInputs
     from asyncllm.kernels import reference
+    from asyncllm.kernels.rms_norm import rms_norm
     from asyncllm.kernels.rotary_kv import rotary_embedding_with_kv_cache
 
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -72,22 +76,36 @@ def _rotary(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> list[d
     size, rows = torch.empty((), dtype=dtype).element_size(), []
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device="cuda") / head_dim))
     cos_sin = reference.build_cos_sin_cache(inv_freq, 1.0, 8192)
-    for tokens in (256, 8192):
+    q_w, k_w = (1 + 0.5 * torch.randn(head_dim, dtype=dtype, device="cuda") for _ in range(2))
+    eps, qk_norm = cfg.get("rms_norm_eps", 1e-6), cfg.get("model_type") == "qwen3"
+    for tokens in (1, 256, 8192):  # a batch-1 decode (launch-bound), a decode batch, a prefill
         q = torch.randn(tokens, heads, head_dim, dtype=dtype, device="cuda")
         k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=dtype, device="cuda") for _ in range(2))
         cache = torch.zeros(2, tokens // 16 + 1, 16, kv_heads, head_dim, dtype=dtype, device="cuda")
         positions = torch.randint(0, 8192, (tokens,), device="cuda")
         slots = torch.randperm(tokens, device="cuda")
 
-        def torch_path() -> None:
-            qr, kr = reference.apply_rotary(q, k, positions, cos_sin)
+        def torch_path(rotary: RotaryInputs) -> None:
+            qr, kr = reference.norm_and_rotate(q, k, rotary)
             reference.write_kv_cache(kr, v, cache, slots)
 
+        def fused(*norm: Any) -> None:
+            rotary_embedding_with_kv_cache(q, k, v, positions, cos_sin, cache[0], cache[1], slots, *norm)
+
+        def three_launches() -> None:
+            normed = rms_norm(q, q_w, eps), rms_norm(k, k_w, eps)
+            rotary_embedding_with_kv_cache(*normed, v, positions, cos_sin, cache[0], cache[1], slots)
+
+        shape = f"{tokens}x({heads}+{kv_heads})x{head_dim}"
         nbytes = 2 * tokens * (heads + 2 * kv_heads) * head_dim * size
-        rows.append(_row("rotary_kv", f"{tokens}x({heads}+{kv_heads})x{head_dim}", nbytes,
-                         _bench(lambda: rotary_embedding_with_kv_cache(
-                             q, k, v, positions, cos_sin, cache[0], cache[1], slots)),
-                         _bench(torch_path), bandwidth))
+        plain_torch_ms = _bench(lambda: torch_path(RotaryInputs(positions, cos_sin)))
+        rows.append(_row("rotary_kv", shape, nbytes, _bench(fused), plain_torch_ms, bandwidth))
+        if qk_norm:
+            torch_ms = _bench(lambda: torch_path(RotaryInputs(positions, cos_sin, q_w, k_w, eps)))
+            rows.append(_row("rotary_kv + qk_norm fused", shape, nbytes, _bench(lambda: fused(q_w, k_w, eps)),
+                             torch_ms, bandwidth))
+            rows.append(_row("rotary_kv + qk_norm 3 launches", shape, nbytes, _bench(three_launches), torch_ms,
+                             bandwidth))
     return rows
 
 
@@ -97,7 +115,7 @@ def _attention(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> lis
     from asyncllm.kernels.paged_attention import paged_attention
 
     rows = []
-    cases = {"decode 256 x 1k": [(1024, 1)] * 256, "decode 1 x 4k": [(4096, 1)],
+    cases = {"decode 256 x 1k": [(1024, 1)] * 256, "decode 1 x 4k": [(4096, 1)], "decode 1 x 640": [(640, 1)],
              "prefill 8 x 1k": [(0, 1024)] * 8, "chunk 512 over 3.5k": [(3584, 512)]}
     for name, requests in cases.items():
         step = attention_step(cfg, requests, dtype, random.Random(0))
@@ -106,6 +124,26 @@ def _attention(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> lis
         rows.append(_row(f"paged_attention {name}", f"{len(requests)} reqs", step.bytes_read,
                          _bench(lambda: paged_attention(q, cache[0], cache[1], md.query_start_loc, md.seq_lens,
                                                         md.block_tables, scale)),
+                         _bench(lambda: reference.paged_attention(q, cache, md, scale)), bandwidth))
+    return rows
+
+
+def _split_decode(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> list[dict[str, Any]]:
+    """The split-KV decode kernels on the batch-1 decodes the unified kernel leaves SMs idle on."""
+    from asyncllm.attention.triton import split_kv_segments
+    from asyncllm.bench.kernel_steps import attention_step
+    from asyncllm.kernels import reference
+    from asyncllm.kernels.paged_decode import paged_decode
+
+    rows, sms = [], torch.cuda.get_device_properties(0).multi_processor_count
+    segments = split_kv_segments(1, 1, cfg["num_key_value_heads"], sms)
+    for name, context in (("1 x 4k", 4096), ("1 x 640", 640)):
+        step = attention_step(cfg, [(context, 1)], dtype, random.Random(0))
+        md, q, cache = step.metadata, step.query, step.kv_cache
+        scale = step.head_dim**-0.5
+        rows.append(_row(f"paged_decode split-KV decode {name}", f"1 req, {segments} segments", step.bytes_read,
+                         _bench(lambda: paged_decode(q, cache[0], cache[1], md.query_start_loc, md.seq_lens,
+                                                     md.block_tables, scale, segments)),
                          _bench(lambda: reference.paged_attention(q, cache, md, scale)), bandwidth))
     return rows
 
@@ -124,7 +162,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
     results: dict[str, Any] = {"meta": report.run_metadata(argv), "copy_bandwidth_gb_s": bandwidth / 1e9, "presets": {}}
     for preset in args.preset or ["qwen3-0.6b", "llama3.1-8b"]:
         cfg = preset_config(preset)
-        rows = _elementwise(cfg, dtype, bandwidth) + _rotary(cfg, dtype, bandwidth) + _attention(cfg, dtype, bandwidth)
+        rows = (_elementwise(cfg, dtype, bandwidth) + _rotary(cfg, dtype, bandwidth) + _attention(cfg, dtype, bandwidth)
+                + _split_decode(cfg, dtype, bandwidth))
         results["presets"][preset] = rows
         _print_rows(f"asyncllm bench kernels | {preset} | {args.dtype} | {results['meta']['device']}", rows)
     if args.output_json:

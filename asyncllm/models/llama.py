@@ -68,9 +68,9 @@ class LlamaAttention(nn.Module):
         )
         o_input_size = cfg.num_attention_heads * head_dim
         self.o_proj = RowParallelLinear(o_input_size, cfg.hidden_size, b.flags.o_bias, b.tp, b.dtype)
-        if b.flags.qk_norm:
-            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
-            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
+        if b.flags.qk_norm:  # per-head norms: their weights ride in RotaryInputs, the backend runs them
+            self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
+            self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
         self.qk_norm = b.flags.qk_norm
         self.rotary_emb = b.rotary_emb
         qkv = self.qkv_proj
@@ -81,10 +81,15 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         query, key, value = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
-        if self.qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        rotary = RotaryInputs(positions, self.rotary_emb.cos_sin_cache)  # the backend rotates (fused with the KV write)
-        return self.o_proj(self.attn(query, key, value, kv_cache, metadata, rotary))
+        return self.o_proj(self.attn(query, key, value, kv_cache, metadata, self._rotary_inputs(positions)))
+
+    def _rotary_inputs(self, positions: torch.Tensor) -> RotaryInputs:
+        """The backend norms (Qwen3) and rotates q and k itself, fused with the KV write on the triton
+        backend: one launch instead of three."""
+        if not self.qk_norm:
+            return RotaryInputs(positions, self.rotary_emb.cos_sin_cache)
+        return RotaryInputs(positions, self.rotary_emb.cos_sin_cache, self.q_norm.weight, self.k_norm.weight,
+                            self.q_norm.eps)
 
 
 class LlamaMLP(nn.Module):

@@ -20,7 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from asyncllm.kernels import paged_attention, rms_norm, rotary_kv, silu_and_mul  # noqa: E402
+from asyncllm.kernels import paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul  # noqa: E402
 
 
 def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int):
@@ -43,16 +43,26 @@ def cases(dtype: str):
            dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, residual_out_ptr=p), ("eps",),
            dict(HAS_RESIDUAL=True, BLOCK=4096), 16)
     yield ("silu_and_mul", silu_and_mul._silu_and_mul_kernel, dict(x_ptr=p, out_ptr=p), (), dict(BLOCK=1024), 4)
-    yield ("rotary_kv", rotary_kv._rotary_kv_kernel,
-           dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, positions_ptr="*i64",
-                cos_sin_ptr="*fp32", slot_mapping_ptr="*i64"), (),
-           dict(Q_HEADS=32, KV_HEADS=8, HALF=64, HEAD_DIM=128), 4)
+    for heads, norm in ((32, False), (16, True)):  # Llama-3.1-8B; Qwen3-0.6B with its q/k norm fused in
+        yield (f"rotary_kv qk_norm={norm}", rotary_kv._rotary_kv_kernel,
+               dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, positions_ptr="*i64",
+                    cos_sin_ptr="*fp32", slot_mapping_ptr="*i64", q_norm_ptr=p, k_norm_ptr=p), ("norm_eps",),
+               dict(Q_HEADS=heads, KV_HEADS=8, HALF=64, HEAD_DIM=128, HAS_NORM=norm), 4)
     for window in (False, True):
         yield (f"paged_attention window={window}", paged_attention._paged_attention_kernel,
                dict(out_ptr=p, q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                     query_start_loc_ptr="*i32"), ("scale",),
                dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, HEAD_DIM=128, USE_WINDOW=window,
                     DOT_PRECISION="tf32"), 8)
+    decode = dict(TILE_N=64, HEAD_DIM=128, NUM_SEGMENTS=16)
+    for window in (False, True):
+        yield (f"paged_decode segment window={window}", paged_decode._decode_segment_kernel,
+               dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p,
+                    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale",),
+               dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=window, DOT_PRECISION="tf32", **decode), 4)
+    yield ("paged_decode combine", paged_decode._decode_combine_kernel,
+           dict(out_ptr=p, max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", seq_lens_ptr="*i32",
+                query_start_loc_ptr="*i32"), (), dict(USE_WINDOW=True, **decode), 4)
 
 
 def main(archs: list[int]) -> int:

@@ -1,9 +1,11 @@
-"""The whole engine on the triton backend (interpreted on a CPU): greedy tokens equal transformers'."""
+"""The whole engine on the triton backend (interpreted on a CPU): greedy tokens equal transformers',
+for Llama and for Qwen3 (its per-head q/k RMSNorm fused into the rotary/KV-write kernel)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 from hf_reference import hf_greedy
 
 from asyncllm import AsyncEngine, SamplingParams
@@ -12,13 +14,15 @@ MAX_TOKENS = 6
 PROMPTS = [[7, 99, 23, 5, 411, 62, 9, 300, 18], [45, 12, 230, 77, 3, 150, 89, 64, 33, 21, 8, 402, 17, 260, 95]]
 
 
-async def test_triton_engine_greedy_parity(tiny_llama: str) -> None:
+@pytest.mark.parametrize("fixture", ["tiny_llama", "tiny_qwen3"])
+async def test_triton_engine_greedy_parity(request: pytest.FixtureRequest, fixture: str) -> None:
+    path = request.getfixturevalue(fixture)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     async with AsyncEngine(
-        tiny_llama, attention_backend="triton", dtype="float32", max_num_batched_tokens=16, block_size=8,
+        path, attention_backend="triton", dtype="float32", max_num_batched_tokens=16, block_size=8,
         num_gpu_blocks_override=256, disable_log_stats=True,
     ) as engine:  # 16-token steps: the longer prompt is chunked over cached context while the other decodes
         outs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
     for prompt, out in zip(PROMPTS, outs):
-        assert out.token_ids == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
+        assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS)
 
