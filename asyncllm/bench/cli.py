@@ -62,6 +62,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> Any:
     module, _ = WORKLOADS[args.workload]
     if getattr(args, "compare", None) and args.preset is None and args.model is None:
         raise ConfigError("compare", args.compare, "a --model or --preset")
+    for flag in ("compare_time_budget", "compare_num_requests"):
+        if getattr(args, flag, None) is not None and not args.compare:
+            raise ConfigError("--" + flag.replace("_", "-"), getattr(args, flag), "only with --compare hf")
     return module.run(args, argv)
 
 

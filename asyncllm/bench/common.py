@@ -135,10 +135,13 @@ def finish(
         result["peers"] = peers
         result["ratios"] = {}
         for name, peer in peers.items():
-            ratio = metrics[ratio_metric] / peer[ratio_metric] if peer.get(ratio_metric) else 0.0
+            ratio = metrics[ratio_metric] / peer[ratio_metric] if peer.get(ratio_metric) else None
             result["ratios"][name] = ratio
-            rows.append((f"{name} {ratio_metric}", peer[ratio_metric]))
-            rows.append((f"asyncllm / {name}", ratio))
+            rows.append((f"{name} {ratio_metric}", peer.get(ratio_metric, "failed" if "error" in peer else "n/a")))
+            if "completed" in peer:  # a peer cut by its time budget says so here and in its ratio's name
+                rows.append((f"{name} completed", peer["completed"]))
+            cut = " (peer cut by its time budget)" if peer.get("cut") else ""
+            rows.append((f"asyncllm / {name}{cut}", "n/a" if ratio is None else ratio))
     print(
         f"[roofline] {line.copy_bandwidth_gb_s:,.1f} GB/s copy bandwidth; a decode step reads "
         f"{line.weight_bytes_per_step / 1e9:.3f} GB of weights + {line.kv_bytes_per_token / 1024:.1f} KiB/token of KV "
