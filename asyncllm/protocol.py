@@ -184,6 +184,10 @@ class Outputs(msgspec.Struct, **_STRUCT):
     timestamp: float = 0.0
     stats_reporter: bool = False
     """True for the one host that exports the engine-wide metrics, so hosts sharing a core report them once."""
+    token_req_ids: list[str] = []
+    """Requests whose only news is one new token (the decode steady state), parallel to `token_ids`:
+    each is the delta ``RequestOutputDelta(token_req_ids[i], [token_ids[i]])`` (asyncllm/sched/step_outputs.py)."""
+    token_ids: list[int] = []
 
 
 class EngineFailed(msgspec.Struct, **_STRUCT):

@@ -28,6 +28,7 @@ from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.procutil import exit_when_parent_dies
 from asyncllm.sched.request import Request
 from asyncllm.sched.scheduler import Scheduler
+from asyncllm.sched.step_outputs import StepOutputs
 from asyncllm.structured.manager import StructuredOutputManager
 from asyncllm.workers.executor import Executor
 from asyncllm.workers.restart import WorkerRestarter
@@ -106,7 +107,7 @@ class EngineCore:
             return
         step_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.structured.matchers:
-            self.structured.accept(step_outputs, self.scheduler.finish_requests)
+            self.structured.accept(step_outputs.deltas, self.scheduler.finish_requests)
         self.send_outputs(outputs + step_outputs)
 
     def recover_workers(self, exc: errors.EngineDeadError) -> None:
@@ -124,18 +125,23 @@ class EngineCore:
         except errors.EngineDeadError as exc:
             self.recover_workers(exc)
 
-    def send_outputs(self, outputs: list[tuple[bytes, protocol.RequestOutputDelta]]) -> None:
-        """Each host gets its requests' deltas and the stats snapshot (every host, even with no delta)."""
+    def send_outputs(self, outputs: StepOutputs | list[tuple[bytes, protocol.RequestOutputDelta]]) -> None:
+        """Each host gets its requests' outputs and the stats snapshot (every host, even with no output)."""
+        if not isinstance(outputs, StepOutputs):
+            outputs = StepOutputs(outputs)
         per_client: dict[bytes, list[protocol.RequestOutputDelta]] = defaultdict(list)
-        for client_id, delta in outputs:
+        for client_id, delta in outputs.deltas:
             per_client[client_id].append(delta)
+        tokens = outputs.tokens
         stats = self.scheduler.get_stats()
         if self.structured.pending:  # requests waiting for their grammar wait too
             stats.num_requests_waiting += len(self.structured.pending)
         now = time.time()
         for client_id in self.clients:
+            token_req_ids, token_ids = tokens.get(client_id, ([], []))
             self.io.send(client_id, protocol.Outputs(per_client.get(client_id, []), stats, now,
-                                                     stats_reporter=client_id == self.stats_reporter))
+                                                     stats_reporter=client_id == self.stats_reporter,
+                                                     token_req_ids=token_req_ids, token_ids=token_ids))
 
     # ------------------------------------------------------------ host messages
     def _drain_inbox(self, block: bool) -> bool:

@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING
 
 from asyncllm import errors, protocol
 from asyncllm.sched.placeholders import OutputPlaceholders
+from asyncllm.sched.step_outputs import StepOutputs
 
 if TYPE_CHECKING:
     from asyncllm.engine.core import EngineCore
 
 __all__ = ["OverlappedSteps"]
 
-_Outputs = list[tuple[bytes, protocol.RequestOutputDelta]]
+_Outputs = StepOutputs | list[tuple[bytes, protocol.RequestOutputDelta]]
 
 
 class OverlappedSteps:
@@ -89,10 +90,10 @@ class OverlappedSteps:
             self.core.send_outputs(outputs)
         time.sleep(0.001)  # nothing fits right now; wait for an abort, a timeout or a finish to free blocks
 
-    def _collect(self) -> _Outputs:
+    def _collect(self) -> StepOutputs:
         """Wait for the oldest step in flight and apply it."""
         core = self.core
         step_outputs = self.placeholders.commit(core.executor.collect())
         if core.structured.matchers:
-            core.structured.accept(step_outputs, core.scheduler.finish_requests)
+            core.structured.accept(step_outputs.deltas, core.scheduler.finish_requests)
         return step_outputs

@@ -324,28 +324,35 @@ class Processor:
         batch: Delivery = []
         aborts: list[str] = []
         for out in message.outputs:
-            tracked = self._tracked.get(out.request_id)
-            if tracked is None:
-                continue
-            if tracked.mm_resend is not None:
-                resend, tracked.mm_resend = tracked.mm_resend, None  # any answer means the core has the items
-                if out.error_type == CACHE_MISS_ERROR and self._mm is not None:
-                    try:
-                        dealer.send(self._encoder.encode(resend_with_data(self._mm, *resend)))  # all data: no second miss
-                        continue
-                    except errors.InvalidRequestError as exc:  # an image that cannot be read again fails its request
-                        out = msgspec.structs.replace(out, error=str(exc), error_type=type(exc).__name__)
-            item = self._process_output(tracked, out, now, aborts)
-            if item is None:
-                continue  # prompt logprobs of a prefill chunk: they go out with the first token
-            self._observer.on_output(tracked.collector, out, item, now)
-            batch.append((tracked.collector, item))
+            self._on_delta(dealer, out, now, batch, aborts)
+        for req_id, token in zip(message.token_req_ids, message.token_ids):
+            self._on_delta(dealer, protocol.RequestOutputDelta(req_id, [token]), now, batch, aborts)
         if aborts:
             dealer.send(self._encoder.encode(protocol.AbortRequests(aborts)))
         if message.stats is not None:
             self._observer.on_scheduler_stats(message.stats, message.stats_reporter)
         if batch or message.stats is not None:
             self._deliver(batch, message.stats)
+
+    def _on_delta(self, dealer: zmq.Socket, out: protocol.RequestOutputDelta, now: float, batch: Delivery,
+                  aborts: list[str]) -> None:
+        """One request's output: into `batch` for the loop (and its id into `aborts` when a stop string ended it)."""
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:
+            return
+        if tracked.mm_resend is not None:
+            resend, tracked.mm_resend = tracked.mm_resend, None  # any answer means the core has the items
+            if out.error_type == CACHE_MISS_ERROR and self._mm is not None:
+                try:
+                    dealer.send(self._encoder.encode(resend_with_data(self._mm, *resend)))  # all data: no second miss
+                    return
+                except errors.InvalidRequestError as exc:  # an image that cannot be read again fails its request
+                    out = msgspec.structs.replace(out, error=str(exc), error_type=type(exc).__name__)
+        item = self._process_output(tracked, out, now, aborts)
+        if item is None:
+            return  # prompt logprobs of a prefill chunk: they go out with the first token
+        self._observer.on_output(tracked.collector, out, item, now)
+        batch.append((tracked.collector, item))
 
     def _process_output(self, tracked: _Tracked, out: protocol.RequestOutputDelta, now: float,
                         aborts: list[str]) -> StreamDelta | BaseException | None:

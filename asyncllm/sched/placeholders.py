@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from asyncllm import protocol
 from asyncllm.sched.request import Request
+from asyncllm.sched.step_outputs import StepOutputs
 
 if TYPE_CHECKING:
     from asyncllm.sched.scheduler import Scheduler
@@ -69,7 +70,7 @@ class OutputPlaceholders:
         entries = [(requests[req_id], num, 0) for req_id, num in sched_out.num_scheduled_tokens.items()]
         self._in_flight.append(_InFlightStep(sched_out, _advance(entries, requests)))
 
-    def commit(self, runner_out: protocol.ModelRunnerOutput) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
+    def commit(self, runner_out: protocol.ModelRunnerOutput) -> StepOutputs:
         """Apply the oldest in-flight step's output; the deltas for the hosts (as `update_from_output`)."""
         step = self._in_flight.popleft()
         assert runner_out.step_id == step.sched_out.step_id, (runner_out.step_id, step.sched_out.step_id)

@@ -62,7 +62,8 @@ class Request:
     __slots__ = (
         # read every step by the scheduler's loops: first, so that they share the object's first cache lines
         "status", "request_id", "num_computed_tokens", "num_tokens", "num_prompt_tokens", "all_token_ids",
-        "stop_check_token_ids", "max_output_tokens", "finish_reason", "events", "client_id", "block_hashes",
+        "stop_check_token_ids", "max_output_tokens", "finish_reason", "events", "client_id", "plain_outputs",
+        "block_hashes",
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
         "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids", "mm_items",
@@ -114,6 +115,8 @@ class Request:
         """The prompt's images (data filled in); their hashes and offsets key the prefix cache."""
         self.events: list[protocol.EngineCoreEvent] | None = None
         """Scheduling events not yet sent to the host (see `record_event`)."""
+        self.plain_outputs = params.logprobs is None and params.prompt_logprobs is None and params.structured is None
+        """Whether a step's one new token may travel in `StepOutputs.tokens` (nothing attaches to its deltas)."""
         # copies of the stop settings, read once per generated token
         self._max_tokens = params.max_tokens
         self._min_tokens = params.min_tokens

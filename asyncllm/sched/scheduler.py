@@ -48,6 +48,7 @@ from asyncllm.sched.logprobs import attach_logprobs
 from asyncllm.sched.preemption import PreemptionLogger, Preemptor, insert_running
 from asyncllm.sched.queue import create_request_queue
 from asyncllm.sched.request import Request, RequestStatus
+from asyncllm.sched.step_outputs import StepOutputs
 
 __all__ = ["Scheduler", "PreemptionLogger"]
 
@@ -384,22 +385,26 @@ class Scheduler:
     # ------------------------------------------------------------ update
     def update_from_output(
         self, sched_out: protocol.SchedulerOutput, runner_out: protocol.ModelRunnerOutput
-    ) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
-        """Apply one step's results; one (client_id, delta) per request with new tokens or finished.
+    ) -> StepOutputs:
+        """Apply one step's results; an output for each request with new tokens or finished.
 
+        A request's one new token with nothing else to report goes into the
+        per-host token lists of `StepOutputs`, any other output is a full delta.
         Requests aborted since `schedule()` are skipped.
         """
         assert runner_out.step_id == sched_out.step_id, (runner_out.step_id, sched_out.step_id)
         self.mm_encoder_cache_queries += runner_out.mm_encoder_cache_queries
         self.mm_encoder_cache_hits += runner_out.mm_encoder_cache_hits
         num_scheduled_tokens = sched_out.num_scheduled_tokens
-        outputs: list[tuple[bytes, protocol.RequestOutputDelta]] = []
+        step_outputs = StepOutputs()
+        outputs = step_outputs.deltas
         # The hot loop of a decode step: names bound once, `Request.append_sampled_tokens` inlined for one
-        # token, and a two-field delta unless the request finished, has events or got its first token.
+        # token, and no delta but two list appends unless the request finished, has events or got its first token.
         requests, max_seq_len, block_size = self.requests, self.max_seq_len, self.block_size
         cache_full_blocks = self.kv_cache_manager.cache_full_blocks
         append_output = outputs.append
-        RequestOutputDelta, RUNNING = protocol.RequestOutputDelta, RequestStatus.RUNNING
+        RUNNING = RequestStatus.RUNNING
+        last_client = append_req_id = append_token = None  # the token lists of the last plain output's host
         any_finished = False
         num_extra_tokens = num_prompt_computed = 0  # tokens generated: one per output, plus these
         for (req_id, num_scheduled), token_ids in zip(num_scheduled_tokens.items(),
@@ -424,14 +429,20 @@ class Scheduler:
                 request.num_tokens = num_tokens + 1
                 if token in request.stop_check_token_ids or num_tokens + 1 - num_prompt >= request.max_output_tokens:
                     request.check_stop(max_seq_len)  # max_output_tokens is capped by max_seq_len (add_request)
+                elif request.events is None and num_tokens != num_prompt and request.plain_outputs:
+                    client_id = request.client_id  # not finished, nothing to report but the token: the host's lists
+                    if client_id is not last_client:
+                        last_client = client_id
+                        req_ids, tokens = step_outputs.token_lists(client_id)
+                        append_req_id, append_token = req_ids.append, tokens.append
+                    append_req_id(req_id)
+                    append_token(token)
+                    continue
             else:
                 token_ids = request.append_sampled_tokens(token_ids, max_seq_len)
                 num_extra_tokens += len(token_ids) - 1
             finish_reason = request.finish_reason
-            if finish_reason is None and request.events is None and num_tokens != num_prompt:
-                append_output((request.client_id, RequestOutputDelta(req_id, token_ids)))
-                continue
-            delta = RequestOutputDelta(req_id, token_ids, finish_reason, request.stop_reason,
+            delta = protocol.RequestOutputDelta(req_id, token_ids, finish_reason, request.stop_reason,
                                        request.num_cached_tokens if num_tokens == num_prompt else 0)
             delta.events, request.events = request.events, None
             append_output((request.client_id, delta))
@@ -439,12 +450,13 @@ class Scheduler:
                 self._free_finished(request)
                 any_finished = True
         self.prompt_tokens_total += num_prompt_computed
-        self.generation_tokens_total += len(outputs) + num_extra_tokens
+        num_plain = sum(len(req_ids) for req_ids, _ in step_outputs.tokens.values())
+        self.generation_tokens_total += len(outputs) + num_plain + num_extra_tokens
         if any_finished:
             self.running = [r for r in self.running if not r.status.is_finished]
         if runner_out.logprobs or runner_out.prompt_logprobs:
             attach_logprobs(outputs, runner_out, requests)
-        return outputs
+        return step_outputs
 
     def _free_finished(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
