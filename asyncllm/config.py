@@ -156,9 +156,9 @@ class SchedulerConfig:
     structured_output_compile_timeout_s: float = 30.0
     """Structured output: a request whose grammar has not compiled after this many seconds fails with
     InvalidRequestError (the first structured request's tokenizer loading does not count)."""
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     """Overlap the core's scheduling of step N+1 with the workers' step N (outputs stay token-exact; some steps
-    still run synchronously, see docs/scheduling.md)."""
+    still run synchronously, see docs/scheduling.md); False runs every step synchronously."""
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)

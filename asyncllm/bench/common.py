@@ -45,8 +45,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--tensor-parallel-size", type=int, default=1)
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     model.add_argument("--enforce-eager", action="store_true")
-    model.add_argument("--async-scheduling", action="store_true",
-                       help="schedule step N+1 while the workers run step N (docs/scheduling.md)")
+    model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                       help="schedule step N+1 while the workers run step N (docs/scheduling.md; the engine's "
+                            "default); --no-async-scheduling runs every step synchronously")
     model.add_argument("--seed", type=int, default=0, help="seeds the synthetic workload and the engine")
     out = parser.add_argument_group("output")
     out.add_argument("--output-json", help="write the result (metadata, settings, metrics) to this file")

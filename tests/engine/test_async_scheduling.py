@@ -60,7 +60,7 @@ async def engine(tiny_llama: str):
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def sync_engine(tiny_llama: str):
-    async with AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=256, max_num_batched_tokens=64) as engine:
+    async with AsyncEngine(tiny_llama, disable_log_stats=True, async_scheduling=False, max_model_len=256, max_num_batched_tokens=64) as engine:
         yield engine
 
 

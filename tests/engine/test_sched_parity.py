@@ -42,6 +42,7 @@ PRESSURE = {"num_gpu_blocks_override": 12, "max_model_len": 128}
 
 CASES = {
     "swap": dict(PRESSURE, preemption_mode="swap", swap_space=0.001),
+    "swap-synchronous": dict(PRESSURE, preemption_mode="swap", swap_space=0.001, async_scheduling=False),
     "priority-recompute-threshold": dict(PRESSURE, scheduling_policy="priority", max_num_batched_tokens=32,
                                          long_prefill_token_threshold=8),
     "priority-swap-small-pool": dict(PRESSURE, scheduling_policy="priority", preemption_mode="swap",
@@ -58,7 +59,7 @@ async def test_llama_parity_under_scheduling_policies(tiny_llama: str, case: str
         stats = engine.stats()
     _check(tiny_llama, prompts, got)
     assert stats.num_preemptions_total > 0
-    if case == "swap":
+    if case.startswith("swap"):
         assert stats.num_swapped_total > 0
     if case == "priority-swap-small-pool":  # 4 CPU blocks: some victims swap, longer ones fall back to recompute
         assert stats.num_preemptions_total > stats.num_swapped_total
