@@ -14,7 +14,6 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
-import numpy as np
 import pytest
 import torch
 
