@@ -202,7 +202,9 @@ class ModelRunner:
         sampled: list[int] = []
         sampler_out = None
         if inputs.sample_indices:
-            logits = self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+            every_token_samples = len(inputs.sample_indices) == inputs.num_tokens  # a decode batch: rows in order
+            selected = hidden if every_token_samples else hidden.index_select(0, inputs.logits_indices)
+            logits = self.model.compute_logits(selected)
             if sched_out.grammar_bitmask is not None:  # structured output: only the grammar's tokens may be sampled
                 apply_grammar_bitmask(logits, sched_out.grammar_bitmask, [inputs.req_ids[i] for i in inputs.sample_indices])
             sampler_out = self.sampler(logits, inputs.sampling_metadata)
