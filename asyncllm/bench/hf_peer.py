@@ -261,9 +261,7 @@ def latency_peer(ctx: BenchContext, request: BenchRequest, budget_s: float) -> d
     """Batch-1 ``generate``: TTFT and decode tokens/s; a decode cut by the budget is measured over what ran."""
     clock = PeerClock(budget_s)
     clock.say(f"transformers batch-1 generate of {request.output_len} tokens, time budget {budget_s:.0f}s")
-    result = _guarded(clock, "the latency peer", _latency, ctx, request, clock)
-    result["phases"] = clock.records
-    return {"hf_generate": result}
+    return {"hf_generate": _guarded(clock, "the latency peer", _latency, ctx, request, clock)}
 
 
 def _latency(ctx: BenchContext, request: BenchRequest, clock: PeerClock) -> dict[str, Any]:

@@ -443,15 +443,14 @@ class Scheduler:
                 num_extra_tokens += len(token_ids) - 1
             finish_reason = request.finish_reason
             delta = protocol.RequestOutputDelta(req_id, token_ids, finish_reason, request.stop_reason,
-                                       request.num_cached_tokens if num_tokens == num_prompt else 0)
+                                                request.num_cached_tokens if num_tokens == num_prompt else 0)
             delta.events, request.events = request.events, None
             append_output((request.client_id, delta))
             if finish_reason is not None:
                 self._free_finished(request)
                 any_finished = True
         self.prompt_tokens_total += num_prompt_computed
-        num_plain = sum(len(req_ids) for req_ids, _ in step_outputs.tokens.values())
-        self.generation_tokens_total += len(outputs) + num_plain + num_extra_tokens
+        self.generation_tokens_total += len(step_outputs) + num_extra_tokens  # before logprobs add prompt-only deltas
         if any_finished:
             self.running = [r for r in self.running if not r.status.is_finished]
         if runner_out.logprobs or runner_out.prompt_logprobs:
