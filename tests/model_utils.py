@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -170,6 +173,30 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@contextmanager
+def gloo_rank(rank: int, world_size: int, port: int, timeout_s: float) -> Iterator[None]:
+    """Run the body as one rank of a spawned gloo group, then leave without a teardown.
+
+    gloo's teardown (destroy_process_group, then its threads at interpreter exit) now
+    and then aborts a rank with "terminate called without an active exception" once
+    the peer has closed its sockets: a SIGABRT after the work was done and saved. So
+    the ranks meet at a barrier (both finished) and leave with os._exit(0); an error
+    in the body still propagates to torch.multiprocessing.spawn as a traceback.
+    """
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    yield
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def tp_worker(
     rank: int,
     world_size: int,
@@ -181,17 +208,11 @@ def tp_worker(
 ) -> None:
     """One TP rank (spawned): for each checkpoint, load this rank's shard, run the
     schedule and save the logits to ``out_dir/rank{rank}_{index}.pt``."""
-    import torch.distributed as dist
-
     from asyncllm.config import EngineConfig
     from asyncllm.models.loader import load_hf_config, load_model
     from asyncllm.models.registry import kv_cache_spec
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    try:
+    with gloo_rank(rank, world_size, port, timeout_s=60):
         for index, path in enumerate(paths):
             hf_config = load_hf_config(path)
             config = EngineConfig.create(path)
@@ -200,5 +221,3 @@ def tp_worker(
             run = PagedRun(model, sequences)
             run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
             torch.save(run.run(schedule), os.path.join(out_dir, f"rank{rank}_{index}.pt"))
-    finally:
-        dist.destroy_process_group()

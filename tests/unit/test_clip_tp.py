@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from model_utils import free_port
+from model_utils import free_port, gloo_rank
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
 
 from asyncllm.attention.selector import get_attention_backend
@@ -73,12 +72,7 @@ def _reference(seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor, to
 
 
 def _tp_rank(rank: int, world_size: int, port: int, ref_path: str, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))
-    try:
+    with gloo_rank(rank, world_size, port, timeout_s=120):
         weights, pixels, _ = torch.load(ref_path)
         out = {}
         for mode in ("weights", "data"):
@@ -92,8 +86,6 @@ def _tp_rank(rank: int, world_size: int, port: int, ref_path: str, out_dir: str)
             loaded = load_model(config, _config(), torch.device("cpu"), torch.float32, rank, world_size)
             out[mode]["loader_shapes"] = _encoder_shapes(loaded)  # the worker's path passes the mode on
         torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 def _shard(full: torch.Tensor, name: str, rank: int) -> torch.Tensor:

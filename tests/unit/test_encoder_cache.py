@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
-from model_utils import free_port
+from model_utils import free_port, gloo_rank
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
@@ -146,21 +145,14 @@ IMAGES = [_image(10, 0, 4), _image(20, 4, 3), _image(30, 7, 6)]
 
 
 def _dp_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
     from asyncllm.workers.mm_encoder import DataParallelEncoder
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
-    try:
+    with gloo_rank(rank, world_size, port, timeout_s=60):
         model = _FakeEncoder()
         encoder = DataParallelEncoder(model, torch.device("cpu"), TensorParallel(rank, world_size))
         results = {n: encoder(IMAGES[:n], 1, torch.float32) for n in (1, 2, 3)}
         bf16 = encoder(IMAGES, 1, torch.bfloat16)  # any dtype crosses (gathered as bytes)
         torch.save({"results": results, "bf16": bf16, "encoded": model.encoded}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.slow
