@@ -48,5 +48,11 @@ ENGINE_KEY = EnvVar(
     "Shared secret of a tcp:// engine address (at least 16 characters; the core and every host set the same): "
     "CURVE keys derived from it encrypt and authenticate the connection (docs/security.md).",
 )
+WORKER_PIPELINE = EnvVar(
+    "ASYNCLLM_WORKER_PIPELINE", True, lambda raw: raw.strip().lower() not in ("0", "false", "no", "off"),
+    "Workers launch a step before the previous one's sampled ids reach the host (docs/scheduling.md, "
+    "'Deferred sampled ids'); 0 runs each step to the end first (for comparisons). Read at worker start.",
+)
 
-REGISTRY = (API_KEY, CPU_KVCACHE_SPACE_GB, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR, TRITON_INTERPRET)
+REGISTRY = (API_KEY, CPU_KVCACHE_SPACE_GB, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR, TRITON_INTERPRET,
+            WORKER_PIPELINE)

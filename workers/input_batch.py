@@ -29,6 +29,7 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.workers.logits_processors import RowLogitsParams, build_logits_processors_metadata
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
+from asyncllm.workers.token_feedback import PendingTokens, TokenFeedback
 
 __all__ = ["BlockTable", "InputBatch", "RequestState", "StepInputs"]
 
@@ -148,6 +149,8 @@ class InputBatch:
         self._init_sampling_rows(max_num_reqs)
         self._init_step_buffers(max_num_reqs, max_num_batched_tokens, max_blocks)
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
+        self.feedback = TokenFeedback(max_num_reqs, device)
+        """The last deferred step's sampled ids, for the next step's inputs (workers/token_feedback.py)."""
 
     def _init_sampling_rows(self, num_rows: int) -> None:
         self.temperature = np.zeros(num_rows, np.float32)
@@ -204,6 +207,11 @@ class InputBatch:
             self.block_table.clear(state.row)
             self._free_rows.append(state.row)
 
+    @property
+    def num_logits_params_rows(self) -> int:
+        """Rows with logit_bias, min_tokens or penalties (their processors read output tokens on the host)."""
+        return self._num_logits_params
+
     def _count_extras(self, state: RequestState, sign: int) -> None:
         self._num_logits_params += sign * (state.logits_params is not None)
         self._num_logprobs += sign * (state.params.logprobs is not None)
@@ -251,6 +259,11 @@ class InputBatch:
         self.logits_indices.np[: len(sample_indices)] = query_start_loc[1:][sample_indices] - 1
         sampling_metadata = self._sampling_metadata([states[i] for i in sample_indices])
         inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata)
+        if self.feedback.pending is not None:
+            self.feedback.fill(self.input_ids.np, inputs.input_ids, query_start_loc, computed,
+                               [s.token_ids for s in states])
+        if self._copies_done is not None:
+            self._copies_done.record()
         if self.prompt_logprobs_req_ids:
             inputs.prompt_logprobs_jobs = self._prompt_logprobs_jobs(states, computed, num_scheduled, query_start_loc)
         return inputs
@@ -286,7 +299,7 @@ class InputBatch:
     def _to_device(
         self, req_ids: list[str], num_tokens: int, sample_indices: list[int], sampling_metadata: SamplingMetadata
     ) -> StepInputs:
-        """Copy the written host buffers to the device and record when the copies are done."""
+        """Copy the written host buffers to the device (`prepare_inputs` records when the copies are done)."""
         num_reqs = len(req_ids)
         inputs = StepInputs(
             req_ids=req_ids,
@@ -305,8 +318,6 @@ class InputBatch:
             logits_indices=self.logits_indices.to_device(len(sample_indices)),
             sampling_metadata=sampling_metadata,
         )
-        if self._copies_done is not None:
-            self._copies_done.record()
         return inputs
 
     def _write_token_ids(
@@ -337,9 +348,23 @@ class InputBatch:
     # ------------------------------------------------------------ after the step
     def finish_step(self, inputs: StepInputs, sched_out: SchedulerOutput, sampled: list[int]) -> None:
         """Advance computed counts and append the sampled tokens to their rows."""
-        for req_id, num in sched_out.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num
+        self._advance(sched_out)
         for i, token in zip(inputs.sample_indices, sampled):
             self.requests[inputs.req_ids[i]].token_ids.append(token)
         if self.prompt_logprobs_req_ids:
             self.prompt_logprobs_req_ids.difference_update(inputs.req_ids[i] for i in inputs.sample_indices)
+
+    def defer_step(self, inputs: StepInputs, sched_out: SchedulerOutput, device_tokens: torch.Tensor) -> PendingTokens:
+        """`finish_step` with the sampled ids still on the device: the rows get `PENDING_TOKEN` for now.
+
+        The caller resolves the returned `PendingTokens` (after launching the next step, typically).
+        """
+        assert not self.prompt_logprobs_req_ids, "a step with prompt logprobs rows is finished, not deferred"
+        self._advance(sched_out)
+        requests, req_ids = self.requests, inputs.req_ids
+        return self.feedback.defer(device_tokens, [requests[req_ids[i]].token_ids for i in inputs.sample_indices])
+
+    def _advance(self, sched_out: SchedulerOutput) -> None:
+        requests = self.requests
+        for req_id, num in sched_out.num_scheduled_tokens.items():
+            requests[req_id].num_computed_tokens += num

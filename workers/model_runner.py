@@ -32,6 +32,7 @@ from asyncllm.workers.logprobs import compute_prompt_logprobs
 from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal
 from asyncllm.workers.sampler import Sampler, SamplerOutput
 from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
+from asyncllm.workers.token_feedback import InFlightStep
 
 __all__ = ["ModelRunner", "profile_step"]
 
@@ -176,14 +177,35 @@ class ModelRunner:
         return num_blocks * self.bytes_per_block
 
     # ------------------------------------------------------------ steps
-    @torch.inference_mode()
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; every scheduled request gets an entry ([] for a prefill chunk)."""
+        result = self.launch_step(sched_out, defer=False)
+        assert isinstance(result, ModelRunnerOutput)
+        return result
+
+    def finish_step(self, step: InFlightStep) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled ids; its output (workers/token_feedback.py)."""
+        sampled = step.pending.resolve()
+        self.input_batch.feedback.forget(step.pending)
+        return self._output(step.sched_out, step.inputs, sampled, None, {})
+
+    @torch.inference_mode()
+    def launch_step(self, sched_out: SchedulerOutput, defer: bool = True) -> ModelRunnerOutput | InFlightStep:
+        """Run one step up to its sampled ids; with ``defer``, return before they reach the host.
+
+        A deferred step comes back as an `InFlightStep` (its sampled ids stay on
+        the device and feed the next step's inputs): pass it to `finish_step`,
+        typically after launching the next step. Steps with logprobs, prompt
+        logprobs, a grammar or images are never deferred.
+        """
         if sched_out.blocks_to_swap_out or sched_out.blocks_to_swap_in:
             assert self.swap_space is not None, "a swap step without a swap space"
             self.swap_space.swap(self.kv_caches, sched_out.blocks_to_swap_out, sched_out.blocks_to_swap_in)
         batch = self.input_batch
         batch.update_states(sched_out)
+        if batch.feedback.pending is not None and self._needs_host_tokens():
+            batch.feedback.pending.resolve()  # its InFlightStep's finish_step gets the same ids
+            batch.feedback.forget(batch.feedback.pending)
         if self.mm_runner is not None:
             self.mm_runner.update_states(sched_out)
         if not sched_out.num_scheduled_tokens:
@@ -208,8 +230,24 @@ class ModelRunner:
             if sched_out.grammar_bitmask is not None:  # structured output: only the grammar's tokens may be sampled
                 apply_grammar_bitmask(logits, sched_out.grammar_bitmask, [inputs.req_ids[i] for i in inputs.sample_indices])
             sampler_out = self.sampler(logits, inputs.sampling_metadata)
+            if defer and not prompt_logprobs and sampler_out.logprobs is None and self._may_defer(sched_out):
+                pending = batch.defer_step(inputs, sched_out, sampler_out.sampled_token_ids)
+                return InFlightStep(sched_out, inputs, pending)
             sampled = sampler_out.sampled_token_ids.tolist()
         batch.finish_step(inputs, sched_out, sampled)
+        return self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs)
+
+    def _may_defer(self, sched_out: SchedulerOutput) -> bool:
+        return sched_out.grammar_bitmask is None and self.mm_runner is None and not self.input_batch.prompt_logprobs_req_ids
+
+    def _needs_host_tokens(self) -> bool:
+        """Whether building a step reads rows' output tokens on the host (penalties, prompt logprobs, images)."""
+        batch = self.input_batch
+        return bool(batch.num_logits_params_rows or batch.prompt_logprobs_req_ids or self.mm_runner is not None)
+
+
+    def _output(self, sched_out: SchedulerOutput, inputs: StepInputs, sampled: list[int],
+                sampler_out: SamplerOutput | None, prompt_logprobs: dict[str, LogprobsArrays]) -> ModelRunnerOutput:
         sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         for i, token in zip(inputs.sample_indices, sampled):
             sampled_token_ids[i] = [token]

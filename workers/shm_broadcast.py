@@ -264,6 +264,11 @@ class BroadcastReader:
         self._next_seq = seq + 1
         return payload
 
+    def has_message(self) -> bool:
+        """Whether `dequeue` would return at once (the next message is published)."""
+        seq = self._next_seq
+        return bool(self._view.seq[(seq - 1) % self.handle.num_slots] == seq)
+
     def _wait_published(self, slot: int, seq: int, deadline: float | None) -> None:
         seqs = self._view.seq
         spin_end = time.monotonic() + self._spin_s

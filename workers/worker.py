@@ -31,11 +31,12 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from asyncllm import protocol
+from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.procutil import exit_when_parent_dies
 from asyncllm.workers.shm_broadcast import BroadcastReader, RingHandle
+from asyncllm.workers.step_pipeline import StepPipeline
 
 __all__ = ["Worker", "main", "run_worker", "resolve_device", "load_runner_class", "error_message"]
 
@@ -91,6 +92,10 @@ def init_distributed(device: torch.device, rank: int, world_size: int, port: int
     )
 
 
+def _drop(output: protocol.ModelRunnerOutput) -> None:
+    """Ranks other than 0 finish every step but send nothing."""
+
+
 def error_message(rank: int, exc: BaseException) -> protocol.WorkerError:
     """A `WorkerError` that keeps the exception's type (and a ConfigError's field)."""
     parts = protocol.config_error_parts(exc)
@@ -135,13 +140,16 @@ class Worker:
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""
         assert self.reader is not None, "setup() first"
+        reader = self.reader
+        pipeline = StepPipeline(self.runner, self.send if self.rank == 0 else _drop, envs.WORKER_PIPELINE.get())
         while True:
-            command = self.decoder.decode(self.reader.dequeue())
+            pipeline.wait(reader.has_message)
+            command = self.decoder.decode(reader.dequeue())
             if isinstance(command, protocol.SchedulerOutput):
-                output = self.runner.execute_model(command)
-                if self.rank == 0:
-                    self.send(output)
-            elif isinstance(command, protocol.InitCache):
+                pipeline.step(command)
+                continue
+            pipeline.flush()
+            if isinstance(command, protocol.InitCache):
                 self.runner.init_cache(command.num_gpu_blocks)
                 if command.num_cpu_blocks:
                     self.runner.init_swap_space(command.num_cpu_blocks)

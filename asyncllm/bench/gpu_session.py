@@ -47,6 +47,8 @@ class Step:
     pytest: bool = False
     min_s: int = 30
     """Skipped when less than this is left of the budget (a peer step: its whole limit)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Extra environment variables of the step's process."""
 
 
 _QWEN = ["--preset", "qwen3-0.6b"]
@@ -58,14 +60,17 @@ _HF_THROUGHPUT = ["--compare", "hf", "--compare-num-requests", "64", "--compare-
 _HF_LATENCY = ["--compare", "hf", "--compare-time-budget", "120"]
 STEPS: list[Step] = [
     # every kernel test (the small shapes run on the GPU too) and the gpu-marked real-shape and parity tests
-    Step("gpu-tests", ["-q", "-p", "no:cacheprovider", "tests/kernels", "tests/engine/test_gpu_parity.py"],
-         170, pytest=True),
+    Step("gpu-tests", ["-q", "-p", "no:cacheprovider", "tests/kernels", "tests/engine/test_gpu_parity.py",
+                       "tests/unit/test_token_feedback.py"], 170, pytest=True),
     Step("kernels", ["kernels"], 60),
     Step("throughput-qwen3", ["throughput", *_QWEN], 100),
     Step("throughput-qwen3-sync", ["throughput", *_QWEN, "--no-async-scheduling"], 100),
     Step("latency-qwen3", ["latency", *_QWEN], 60),
     Step("latency-qwen3-sync", ["latency", *_QWEN, "--no-async-scheduling"], 60),
     Step("latency-qwen3-eager", ["latency", *_QWEN, "--enforce-eager"], 60),
+    # the workers' pipelined steps off (docs/scheduling.md, "Deferred sampled ids"): their share of the gain
+    Step("latency-qwen3-nopipe", ["latency", *_QWEN], 60, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),
+    Step("throughput-qwen3-nopipe", ["throughput", *_QWEN], 100, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),
     Step("latency-llama8b", ["latency", *_LLAMA, "--num-iters", "2"], 100),
     Step("serve-qwen3-rate4", ["serve", *_QWEN, "--request-rate", "4", "--num-requests", "64"], 60),
     Step("serve-qwen3-rate16", ["serve", *_QWEN, "--request-rate", "16", "--num-requests", "128"], 60),
@@ -101,7 +106,7 @@ def _run_step(step: Step, timeout: float, log: IO[str]) -> dict[str, Any]:
     log.flush()
     start = time.perf_counter()
     # the device has no network: offline, the hub is never waited on (transformers' flash-attention kernel lookup)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **dict(step.env)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     lines: list[str] = []

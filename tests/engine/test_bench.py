@@ -131,6 +131,17 @@ def test_gpu_session_step_output_survives_a_timeout(tmp_path: Path, monkeypatch:
     assert "[slow-peer] [hf peer   1.0s] static batch 1/1: start" in capsys.readouterr().out
 
 
+def test_gpu_session_step_gets_its_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncllm.bench import gpu_session
+
+    script = "import os; print('pipeline=' + os.environ['ASYNCLLM_WORKER_PIPELINE'])"
+    step = gpu_session.Step("env-step", [], 20, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),))
+    monkeypatch.setattr(gpu_session, "STEPS", [step])
+    monkeypatch.setattr(gpu_session, "_command", lambda step, json_path: [sys.executable, "-c", script])
+    assert gpu_session.main(["--out", str(tmp_path), "--budget-s", "60"]) == 0
+    assert "pipeline=0" in (tmp_path / "session.log").read_text()
+
+
 def test_latency(tmp_path: Path) -> None:
     result = _run(tmp_path, ["latency", "--input-len", "16", "--output-len", "12", "--num-iters", "2"])
     metrics = result["metrics"]

@@ -19,6 +19,7 @@ import msgspec
 import pytest
 
 from asyncllm.procutil import private_ipc_dir, remove_dir
+from asyncllm.workers import shm_broadcast
 from asyncllm.workers.shm_broadcast import BroadcastReader, BroadcastWriter, RingHandle
 
 SLOT_BYTES = 4096
@@ -177,3 +178,23 @@ def test_wait_for_readers_times_out_without_readers(ipc_dir):
 
 if __name__ == "__main__":
     _reader_main(sys.argv[1:])
+
+
+def test_has_message_tells_whether_dequeue_would_return_at_once(ipc_dir, monkeypatch):
+    writer = _writer(ipc_dir, num_readers=1, num_slots=2)
+    # A reader in the writer's process: its attach must not drop the writer's tracker registration.
+    monkeypatch.setattr(shm_broadcast.resource_tracker, "unregister", lambda *args: None)
+    reader = BroadcastReader(writer.handle, 0)
+    try:
+        writer.wait_for_readers(timeout=10)
+        assert not reader.has_message()
+        writer.enqueue(b"one", timeout=5)
+        writer.enqueue(b"two", timeout=5)
+        assert reader.has_message() and reader.has_message()  # asking takes nothing
+        assert reader.dequeue(timeout=5) == b"one" and reader.has_message()
+        assert reader.dequeue(timeout=5) == b"two" and not reader.has_message()
+        writer.enqueue(b"three", timeout=5)  # the slot of "one" again: its old sequence number is not taken for it
+        assert reader.has_message() and reader.dequeue(timeout=5) == b"three"
+    finally:
+        reader.close()
+        writer.close()
