@@ -17,8 +17,16 @@ class EnvVar(Generic[T]):
     doc: str
 
     def get(self) -> T:
+        """The variable's value; `ConfigError` naming it when it cannot be parsed."""
         raw = os.environ.get(self.name)
-        return self.default if raw is None or raw == "" else self.parse(raw)
+        if raw is None or raw == "":
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as exc:
+            from asyncllm.errors import ConfigError
+
+            raise ConfigError(self.name, raw, str(exc)) from None
 
 
 CPU_KVCACHE_SPACE_GB = EnvVar(
@@ -48,10 +56,19 @@ ENGINE_KEY = EnvVar(
     "Shared secret of a tcp:// engine address (at least 16 characters; the core and every host set the same): "
     "CURVE keys derived from it encrypt and authenticate the connection (docs/security.md).",
 )
+def _on_off_auto(raw: str) -> str:
+    value = raw.strip().lower()
+    for mode, spellings in (("on", ("1", "true", "yes", "on")), ("off", ("0", "false", "no", "off")), ("auto", ("auto",))):
+        if value in spellings:
+            return mode
+    raise ValueError(f"expected 1, 0 or auto, got {raw!r}")
+
+
 WORKER_PIPELINE = EnvVar(
-    "ASYNCLLM_WORKER_PIPELINE", True, lambda raw: raw.strip().lower() not in ("0", "false", "no", "off"),
-    "Workers launch a step before the previous one's sampled ids reach the host (docs/scheduling.md, "
-    "'Deferred sampled ids'); 0 runs each step to the end first (for comparisons). Read at worker start.",
+    "ASYNCLLM_WORKER_PIPELINE", "auto", _on_off_auto,
+    "Whether workers launch a step before the previous one's sampled ids reach the host (docs/scheduling.md, "
+    "'Deferred sampled ids'): 'auto' on CUDA only (a CPU computes the step before the launch returns, so there "
+    "it would only delay outputs), 1 everywhere (tests), 0 nowhere (comparisons). Read at worker start.",
 )
 
 REGISTRY = (API_KEY, CPU_KVCACHE_SPACE_GB, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR, TRITON_INTERPRET,

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from asyncllm import AsyncEngine
 
@@ -18,6 +21,23 @@ async def wait_idle(engine: AsyncEngine, timeout: float = 20.0) -> None:
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"engine not idle after {timeout}s: {engine.stats()}")
+
+
+@contextmanager
+def worker_pipeline_on() -> Iterator[None]:
+    """Workers started inside pipeline their steps even on the CPU (ASYNCLLM_WORKER_PIPELINE=1, read at their start).
+
+    The default pipelines on CUDA only; this puts the CPU engine tests on the same path.
+    """
+    before = os.environ.get("ASYNCLLM_WORKER_PIPELINE")
+    os.environ["ASYNCLLM_WORKER_PIPELINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["ASYNCLLM_WORKER_PIPELINE"]
+        else:
+            os.environ["ASYNCLLM_WORKER_PIPELINE"] = before
 
 
 def random_prompts(num: int, seed: int, stem_len: int = 0, max_len: int = 70) -> list[list[int]]:

@@ -8,8 +8,10 @@ and only then is the earlier step finished and its output sent; when the
 GPU finishes first, the step is finished and sent at once, so a core that
 waits for it (synchronous scheduling) is never kept waiting.
 
-Runners without `launch_step` (test runners), and every runner with
-``ASYNCLLM_WORKER_PIPELINE=0``, run each step to the end.
+Runners without `launch_step` (test runners) run each step to the end, and
+so does every runner where ``ASYNCLLM_WORKER_PIPELINE`` says no (by default
+a CPU worker: its launch computes the whole step, so deferring the send
+would only delay the output).
 """
 
 from __future__ import annotations

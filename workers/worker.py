@@ -92,6 +92,13 @@ def init_distributed(device: torch.device, rank: int, world_size: int, port: int
     )
 
 
+def _pipelined(runner: Any) -> bool:
+    """ASYNCLLM_WORKER_PIPELINE: 'auto' pipelines on CUDA, where a launch returns before the GPU is done."""
+    mode = envs.WORKER_PIPELINE.get()
+    device = getattr(runner, "device", None)
+    return mode == "on" or (mode == "auto" and device is not None and device.type == "cuda")
+
+
 def _drop(output: protocol.ModelRunnerOutput) -> None:
     """Ranks other than 0 finish every step but send nothing."""
 
@@ -115,6 +122,8 @@ class Worker:
         self.reader: BroadcastReader | None = None
         self.runner: Any = None
         self.config: EngineConfig | None = None
+        self.pipelined = False
+        """Launch each step before sending the last one's output (`StepPipeline`, ASYNCLLM_WORKER_PIPELINE)."""
 
     def setup(self) -> None:
         """Attach to the ring, pick the device, join the TP group, build the runner."""
@@ -127,6 +136,7 @@ class Worker:
         init_distributed(device, self.rank, self.world_size, args.dist_port)
         runner_cls = load_runner_class(args.runner)
         self.runner = runner_cls(config, self.rank, self.world_size, device)
+        self.pipelined = _pipelined(self.runner)
 
     def start(self) -> None:
         """Load the model, size the KV cache, and say so to the executor."""
@@ -141,7 +151,7 @@ class Worker:
         """The command loop; returns on `ShutdownWorker`."""
         assert self.reader is not None, "setup() first"
         reader = self.reader
-        pipeline = StepPipeline(self.runner, self.send if self.rank == 0 else _drop, envs.WORKER_PIPELINE.get())
+        pipeline = StepPipeline(self.runner, self.send if self.rank == 0 else _drop, self.pipelined)
         while True:
             pipeline.wait(reader.has_message)
             command = self.decoder.decode(reader.dequeue())

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncEngine, SamplingParams
-from engine_helpers import random_prompts, wait_idle
+from engine_helpers import random_prompts, wait_idle, worker_pipeline_on
 from hf_reference import hf_greedy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -54,8 +54,14 @@ def _check(path: str, prompts: list[list[int]], got: list[list[int]]) -> None:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_llama: str):
-    async with AsyncEngine(tiny_llama, max_model_len=256, max_num_batched_tokens=64, **ENGINE) as engine:
+    """The async engine, its workers pipelining their steps as on a GPU (docs/scheduling.md)."""
+    engine = AsyncEngine(tiny_llama, max_model_len=256, max_num_batched_tokens=64, **ENGINE)
+    with worker_pipeline_on():
+        await engine.start()
+    try:
         yield engine
+    finally:
+        await engine.aclose()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -80,7 +86,10 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 async def test_greedy_parity_with_transformers(tiny_llama: str, case: str) -> None:
     prompts = random_prompts(14, seed=0)
-    async with AsyncEngine(tiny_llama, **ENGINE, **CASES[case]) as engine:
+    engine = AsyncEngine(tiny_llama, **ENGINE, **CASES[case])
+    with worker_pipeline_on():  # the workers read it at their start
+        await engine.start()
+    async with engine:  # started already: closes it
         priorities = [random.Random(i).randrange(3) for i in range(len(prompts))]
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         outs = await asyncio.gather(*(engine.generate(p, params, priority=k) for p, k in zip(prompts, priorities)))

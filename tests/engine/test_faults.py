@@ -60,10 +60,16 @@ def expected(tiny_llama: str) -> list[list[int]]:
     return [hf_greedy(tiny_llama, tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize(("async_scheduling", "pipeline"), [(False, "auto"), (True, "auto"), (True, "1")],
+                         ids=["sync", "async", "async-pipelined"])
 async def test_worker_killed_or_hung_mid_generation_streams_stay_exact(tiny_llama: str, expected,
-                                                                      async_scheduling: bool) -> None:
-    """With async_scheduling, two steps may be in flight when the worker dies: both are recomputed."""
+                                                                      async_scheduling: bool, pipeline: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """With async_scheduling, two steps may be in flight when the worker dies: both are recomputed.
+
+    "async-pipelined": the workers (restarted ones too) also launch a step before sending the last one.
+    """
+    monkeypatch.setenv("ASYNCLLM_WORKER_PIPELINE", pipeline)  # the core passes it on to every worker it starts
     engine = AsyncEngine(tiny_llama, worker_step_timeout_s=2.0, async_scheduling=async_scheduling, **ENGINE_KWARGS)
     async with engine:
         for fault in (signal.SIGKILL, signal.SIGSTOP):  # dead, then hung past the watchdog

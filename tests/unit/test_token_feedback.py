@@ -224,12 +224,28 @@ def test_pipeline_off_runs_each_step_to_the_end() -> None:
     assert runner.events == ["execute 0", "execute 1"] and sent == [0, 1]
 
 
-@pytest.mark.parametrize(("raw", "expected"), [(None, True), ("1", True), ("0", False), ("off", False)])
-def test_worker_pipeline_env(monkeypatch: pytest.MonkeyPatch, raw: str | None, expected: bool) -> None:
-    from asyncllm import envs
+@pytest.mark.parametrize(("raw", "on_cpu", "on_cuda"), [
+    (None, False, True), ("auto", False, True), ("1", True, True), ("on", True, True), ("0", False, False),
+])
+def test_worker_pipeline_env(monkeypatch: pytest.MonkeyPatch, raw: str | None, on_cpu: bool, on_cuda: bool) -> None:
+    from asyncllm.workers.worker import _pipelined
 
     if raw is None:
         monkeypatch.delenv("ASYNCLLM_WORKER_PIPELINE", raising=False)
     else:
         monkeypatch.setenv("ASYNCLLM_WORKER_PIPELINE", raw)
-    assert envs.WORKER_PIPELINE.get() is expected
+    runner = _FakeRunner()
+    runner.device = torch.device("cpu")  # type: ignore[attr-defined]
+    assert _pipelined(runner) is on_cpu
+    runner.device = torch.device("cuda")  # type: ignore[attr-defined]
+    assert _pipelined(runner) is on_cuda
+
+
+def test_worker_pipeline_env_rejects_other_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncllm import envs
+
+    from asyncllm.errors import ConfigError
+
+    monkeypatch.setenv("ASYNCLLM_WORKER_PIPELINE", "sometimes")
+    with pytest.raises(ConfigError, match="ASYNCLLM_WORKER_PIPELINE='sometimes' is not allowed: expected 1, 0 or auto"):
+        envs.WORKER_PIPELINE.get()
