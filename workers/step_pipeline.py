@@ -35,12 +35,17 @@ class StepPipeline:
         """Called with every step's output, in step order (a no-op on ranks other than 0)."""
         self.inflight: InFlightStep | None = None
         self._launch = getattr(runner, "launch_step", None) if pipelined else None
+        self.num_steps = 0
+        self.num_overlapped = 0
+        """Steps launched while the previous one was still in flight (the GPU had the next step queued)."""
 
     def step(self, sched_out: SchedulerOutput) -> None:
         """Launch this step, then finish and send the one before it."""
+        self.num_steps += 1
         if self._launch is None:
             self.send_output(self.runner.execute_model(sched_out))
             return
+        self.num_overlapped += self.inflight is not None
         result = self._launch(sched_out)
         self.flush()
         if isinstance(result, InFlightStep):

@@ -166,6 +166,9 @@ class Worker:
                 self.send(protocol.CacheReady(self.rank))
             else:
                 assert isinstance(command, protocol.ShutdownWorker), command
+                if self.pipelined and pipeline.num_steps:
+                    logger.info("pipelined steps: %d of %d launched while the previous one was in flight",
+                                pipeline.num_overlapped, pipeline.num_steps)
                 return
 
     def send(self, message: protocol.WorkerMessage) -> None:

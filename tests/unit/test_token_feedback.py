@@ -186,6 +186,8 @@ def test_pipeline_launches_the_next_step_before_sending_the_last() -> None:
     assert sent == [0, 1] and pipeline.inflight is None
     pipeline.flush()
     assert sent == [0, 1]
+    pipeline.step(_sched(2))  # nothing in flight before it
+    assert (pipeline.num_steps, pipeline.num_overlapped) == (3, 1)
 
 
 def test_pipeline_waits_for_whichever_comes_first() -> None:
