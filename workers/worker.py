@@ -8,7 +8,9 @@ OOM kills the worker and not the engine core.
 Life of a worker: join the torch.distributed group, load the model, report
 `WorkerReady` with the KV blocks it can hold, then loop: read a
 `WorkerCommand` from the shared-memory ring, run it, reply on zmq (only rank 0
-returns `ModelRunnerOutput`; every rank acknowledges `InitCache`). Any
+returns `ModelRunnerOutput`; every rank acknowledges `InitCache`). On CUDA a
+step's output is sent once the next step is launched, when that one is
+already waiting (`StepPipeline`, workers/step_pipeline.py). Any
 exception is reported as `WorkerError` and the worker exits with code 1; it
 exits with code 0 on `ShutdownWorker`, and at once when the core dies.
 """
