@@ -5,9 +5,9 @@ still run step N. Every request that samples in step N is assumed to get
 exactly one token there: `advance` counts the step's tokens as computed and
 adds one *placeholder* to the request's `num_tokens` (not to its token ids),
 so the next `schedule()` gives it a one-token decode at that position. The
-workers need nothing more from the core: they run steps in order, and a
-worker appends the token it sampled in step N to its own row before step N+1
-starts, so that row's next input id is that token.
+workers need nothing more from the core: they run steps in order, and the
+token a worker sampled in step N becomes that row's next input id (on the
+host, or on the device when the worker pipelines: workers/token_feedback.py).
 
 When step N's output arrives, `commit` takes back every in-flight step's
 advance (each request is then exactly as the synchronous scheduler would see
