@@ -56,12 +56,16 @@ ENGINE_KEY = EnvVar(
     "Shared secret of a tcp:// engine address (at least 16 characters; the core and every host set the same): "
     "CURVE keys derived from it encrypt and authenticate the connection (docs/security.md).",
 )
+
+_ON_OFF_AUTO = {"1": "on", "true": "on", "yes": "on", "on": "on", "0": "off", "false": "off", "no": "off",
+                "off": "off", "auto": "auto"}
+
+
 def _on_off_auto(raw: str) -> str:
-    value = raw.strip().lower()
-    for mode, spellings in (("on", ("1", "true", "yes", "on")), ("off", ("0", "false", "no", "off")), ("auto", ("auto",))):
-        if value in spellings:
-            return mode
-    raise ValueError(f"expected 1, 0 or auto, got {raw!r}")
+    mode = _ON_OFF_AUTO.get(raw.strip().lower())
+    if mode is None:
+        raise ValueError(f"expected 1, 0 or auto, got {raw!r}")
+    return mode
 
 
 WORKER_PIPELINE = EnvVar(

@@ -185,8 +185,7 @@ class ModelRunner:
 
     def finish_step(self, step: InFlightStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids; its output (workers/token_feedback.py)."""
-        sampled = step.pending.resolve()
-        self.input_batch.feedback.forget(step.pending)
+        sampled = self.input_batch.feedback.resolve(step.pending)
         return self._output(step.sched_out, step.inputs, sampled, None, {})
 
     @torch.inference_mode()
@@ -204,8 +203,7 @@ class ModelRunner:
         batch = self.input_batch
         batch.update_states(sched_out)
         if batch.feedback.pending is not None and self._needs_host_tokens():
-            batch.feedback.pending.resolve()  # its InFlightStep's finish_step gets the same ids
-            batch.feedback.forget(batch.feedback.pending)
+            batch.feedback.resolve(batch.feedback.pending)  # its InFlightStep's finish_step gets the same ids
         if self.mm_runner is not None:
             self.mm_runner.update_states(sched_out)
         if not sched_out.num_scheduled_tokens:
@@ -230,21 +228,22 @@ class ModelRunner:
             if sched_out.grammar_bitmask is not None:  # structured output: only the grammar's tokens may be sampled
                 apply_grammar_bitmask(logits, sched_out.grammar_bitmask, [inputs.req_ids[i] for i in inputs.sample_indices])
             sampler_out = self.sampler(logits, inputs.sampling_metadata)
-            if defer and not prompt_logprobs and sampler_out.logprobs is None and self._may_defer(sched_out):
+            if defer and self._may_defer(sched_out, sampler_out):
                 pending = batch.defer_step(inputs, sched_out, sampler_out.sampled_token_ids)
                 return InFlightStep(sched_out, inputs, pending)
             sampled = sampler_out.sampled_token_ids.tolist()
         batch.finish_step(inputs, sched_out, sampled)
         return self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs)
 
-    def _may_defer(self, sched_out: SchedulerOutput) -> bool:
-        return sched_out.grammar_bitmask is None and self.mm_runner is None and not self.input_batch.prompt_logprobs_req_ids
+    def _may_defer(self, sched_out: SchedulerOutput, sampler_out: SamplerOutput) -> bool:
+        """No logprobs, grammar or images, and no prompt logprobs row (one computed this step is still in the set)."""
+        return (sampler_out.logprobs is None and sched_out.grammar_bitmask is None and self.mm_runner is None
+                and not self.input_batch.prompt_logprobs_req_ids)
 
     def _needs_host_tokens(self) -> bool:
         """Whether building a step reads rows' output tokens on the host (penalties, prompt logprobs, images)."""
         batch = self.input_batch
         return bool(batch.num_logits_params_rows or batch.prompt_logprobs_req_ids or self.mm_runner is not None)
-
 
     def _output(self, sched_out: SchedulerOutput, inputs: StepInputs, sampled: list[int],
                 sampler_out: SamplerOutput | None, prompt_logprobs: dict[str, LogprobsArrays]) -> ModelRunnerOutput:

@@ -102,10 +102,12 @@ class TokenFeedback:
         self.pending = PendingTokens(device_tokens, host, rows, event)
         return self.pending
 
-    def forget(self, pending: PendingTokens) -> None:
-        """``pending`` was resolved: the next step's inputs hold its ids on the host."""
+    def resolve(self, pending: PendingTokens) -> list[int]:
+        """Wait for ``pending``'s ids and write them into its rows; from then on inputs take them from the host."""
+        tokens = pending.resolve()
         if self.pending is pending:
             self.pending = None
+        return tokens
 
     def fill(self, input_ids_host: np.ndarray, input_ids: torch.Tensor, query_start_loc: np.ndarray,
              computed: np.ndarray, row_lists: list[list[int]]) -> None:
