@@ -11,7 +11,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from asyncllm.bench import common, kernels, latency, loop_lag, scheduler, serve, soak, throughput
+from asyncllm.bench import common, kernels, latency, loop_lag, profile, scheduler, serve, soak, throughput
 from asyncllm.errors import ConfigError
 
 __all__ = ["main", "parser", "WORKLOADS"]
@@ -22,6 +22,7 @@ WORKLOADS: dict[str, tuple[ModuleType, str]] = {
     "serve": (serve, "Poisson arrivals through the async API: TTFT and ITL p50/p99"),
     "loop-lag": (loop_lag, "host event-loop lag while 256 streams are consumed"),
     "soak": (soak, "2,000 streams for 10 minutes, random cancels and timeouts: no leak, no hang"),
+    "profile": (profile, "one decode step's phases and device kernels by kind (in-process, synchronous)"),
 }
 
 
@@ -32,7 +33,7 @@ def parser() -> argparse.ArgumentParser:
         sub = workloads.add_parser(name, help=help_text, description=module.__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_args(sub)
-        common.add_common_args(sub)
+        common.add_common_args(sub, overlapped_steps=module is not profile)
     kernel_parser = workloads.add_parser("kernels", help="Triton kernel micro-benchmarks (GPU only)",
                                          description=kernels.__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)

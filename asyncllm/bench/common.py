@@ -29,7 +29,9 @@ def int_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def add_common_args(parser: argparse.ArgumentParser) -> None:
+def add_common_args(parser: argparse.ArgumentParser, overlapped_steps: bool = True) -> None:
+    """The model, engine and output flags; ``--async-scheduling`` only for workloads that run the engine's
+    own loop (``overlapped_steps``)."""
     model = parser.add_argument_group("model and engine")
     model.add_argument("--model", help="a local checkpoint folder")
     model.add_argument("--preset", choices=PRESETS,
@@ -45,9 +47,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--tensor-parallel-size", type=int, default=1)
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     model.add_argument("--enforce-eager", action="store_true")
-    model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                       help="schedule step N+1 while the workers run step N (docs/scheduling.md; the engine's "
-                            "default); --no-async-scheduling runs every step synchronously")
+    if overlapped_steps:
+        model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                           help="schedule step N+1 while the workers run step N (docs/scheduling.md; the engine's "
+                                "default); --no-async-scheduling runs every step synchronously")
     model.add_argument("--seed", type=int, default=0, help="seeds the synthetic workload and the engine")
     out = parser.add_argument_group("output")
     out.add_argument("--output-json", help="write the result (metadata, settings, metrics) to this file")
@@ -87,7 +90,7 @@ def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
         max_model_len=a.max_model_len or min(max_model_len, ctx.model.max_position_embeddings),
         attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager, seed=a.seed,
-        async_scheduling=a.async_scheduling,
+        async_scheduling=getattr(a, "async_scheduling", False),
         disable_log_stats=True,
     )
     if a.max_num_batched_tokens is not None:
@@ -131,7 +134,7 @@ def finish(
         "metrics": metrics,
         "roofline": {**line.as_dict(), "measured_tokens_per_s": decode_tokens_per_s, "fraction": fraction},
     }
-    rows = [(k, v) for k, v in metrics.items() if not isinstance(v, list)]  # per-iteration lists: JSON only
+    rows = [(k, v) for k, v in metrics.items() if not isinstance(v, (list, dict))]  # lists, tables: JSON only
     if peers:
         result["peers"] = peers
         result["ratios"] = {}

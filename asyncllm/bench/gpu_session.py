@@ -68,6 +68,9 @@ STEPS: list[Step] = [
     Step("latency-qwen3", ["latency", *_QWEN], 60),
     Step("latency-qwen3-sync", ["latency", *_QWEN, "--no-async-scheduling"], 60),
     Step("latency-qwen3-eager", ["latency", *_QWEN, "--enforce-eager"], 60),
+    # where a decode step's time goes (host phases, device kernels by kind): the note of a missed target cites it
+    Step("profile-qwen3-b1", ["profile", *_QWEN, "--batch-size", "1"], 90),
+    Step("profile-qwen3-b256", ["profile", *_QWEN, "--batch-size", "256"], 120),
     # the workers' pipelined steps off (docs/scheduling.md, "Deferred sampled ids"): their share of the gain
     Step("latency-qwen3-nopipe", ["latency", *_QWEN], 60, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),
     Step("throughput-qwen3-nopipe", ["throughput", *_QWEN], 100, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),
