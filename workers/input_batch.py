@@ -5,8 +5,9 @@ kept apart. `InputBatch` holds one row per request the worker knows (token
 ids, computed count, block-table row, sampling settings); each step applies
 only the scheduler's diffs to those rows (drop finished and preempted ids,
 add new requests, append new block ids), then gathers the scheduled rows
-into per-step buffers. The block table is one persistent array updated in
-place, so a later device-side table can take the same diffs.
+into per-step buffers. The block table is persistent on the host and on the
+device (`workers/block_table.py`): both take the same diffs, and a step
+gathers its rows on the device.
 
 Per-step buffers are allocated once at their largest size: a host buffer
 (pinned on CUDA) mirrored by a device buffer, so inputs keep fixed device
@@ -26,12 +27,13 @@ import torch
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
+from asyncllm.workers.block_table import BlockTable
 from asyncllm.workers.logits_processors import RowLogitsParams, build_logits_processors_metadata
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
 from asyncllm.workers.token_feedback import PendingTokens, TokenFeedback
 
-__all__ = ["BlockTable", "InputBatch", "RequestState", "StepInputs"]
+__all__ = ["InputBatch", "RequestState", "StepInputs"]
 
 
 @dataclass
@@ -55,34 +57,6 @@ class RequestState:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-
-class BlockTable:
-    """Persistent ``[num_rows, max_blocks_per_req]`` int32 block ids, one row per request.
-
-    Unused entries hold 0 (a valid block id) so that any gather stays in bounds.
-    """
-
-    def __init__(self, num_rows: int, max_blocks_per_req: int) -> None:
-        self.max_blocks_per_req = max_blocks_per_req
-        self.table = np.zeros((num_rows, max_blocks_per_req), dtype=np.int32)
-        self.num_blocks = np.zeros(num_rows, dtype=np.int32)
-
-    def append(self, row: int, block_ids: list[int]) -> None:
-        start = int(self.num_blocks[row])
-        end = start + len(block_ids)
-        assert end <= self.max_blocks_per_req, f"{end} blocks exceed max_blocks_per_req={self.max_blocks_per_req}"
-        self.table[row, start:end] = block_ids
-        self.num_blocks[row] = end
-
-    def clear(self, row: int) -> None:
-        self.table[row, : self.num_blocks[row]] = 0
-        self.num_blocks[row] = 0
-
-    def grow(self, num_rows: int) -> None:
-        extra = num_rows - len(self.num_blocks)
-        self.table = np.concatenate([self.table, np.zeros((extra, self.max_blocks_per_req), np.int32)])
-        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(extra, np.int32)])
 
 
 class _Staged:
@@ -144,7 +118,7 @@ class InputBatch:
         self._num_logprobs = 0
         """Rows with logits processors / logprobs: when 0, a step skips gathering them."""
         max_blocks = -(-max_model_len // block_size)
-        self.block_table = BlockTable(max_num_reqs, max_blocks)
+        self.block_table = BlockTable(max_num_reqs, max_blocks, device)
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))
         self._init_sampling_rows(max_num_reqs)
         self._init_step_buffers(max_num_reqs, max_num_batched_tokens, max_blocks)
@@ -165,7 +139,9 @@ class InputBatch:
         self.slot_mapping = _Staged((max_tokens,), torch.int64, device)
         self.query_start_loc = _Staged((max_reqs + 1,), torch.int32, device)
         self.seq_lens = _Staged((max_reqs,), torch.int32, device)
-        self.block_tables = _Staged((max_reqs, max_blocks), torch.int32, device)
+        self.rows = _Staged((max_reqs,), torch.int64, device)
+        """The step's request rows: the device gathers their block tables (`BlockTable.gather`)."""
+        self.block_tables = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
         self.logits_indices = _Staged((max_reqs,), torch.int64, device)
 
     # ------------------------------------------------------------ state diffs
@@ -290,10 +266,9 @@ class InputBatch:
         req_index = np.repeat(np.arange(num_reqs), num_scheduled)
         positions = computed[req_index] + np.arange(num_tokens) - query_start_loc[req_index]
         self.positions.np[:num_tokens] = positions
-        rows = np.fromiter((s.row for s in states), np.int64, num_reqs)
-        block_tables = self.block_tables.np[:num_reqs]
-        np.take(self.block_table.table, rows, axis=0, out=block_tables)
-        block_ids = block_tables[req_index, positions // self.block_size].astype(np.int64)
+        rows = self.rows.np[:num_reqs]
+        rows[:] = np.fromiter((s.row for s in states), np.int64, num_reqs)
+        block_ids = self.block_table.table[rows[req_index], positions // self.block_size].astype(np.int64)
         self.slot_mapping.np[:num_tokens] = block_ids * self.block_size + positions % self.block_size
 
     def _to_device(
@@ -309,7 +284,7 @@ class InputBatch:
                 slot_mapping=self.slot_mapping.to_device(num_tokens),
                 query_start_loc=self.query_start_loc.to_device(num_reqs + 1),
                 seq_lens=self.seq_lens.to_device(num_reqs),
-                block_tables=self.block_tables.to_device(num_reqs),
+                block_tables=self.block_table.gather(self.rows.to_device(num_reqs), self.block_tables),
                 query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1].tolist(),
                 seq_lens_cpu=self.seq_lens.np[:num_reqs].tolist(),
                 block_size=self.block_size,

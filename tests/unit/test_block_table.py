@@ -1,0 +1,94 @@
+"""`BlockTable`: the device mirror takes the host table's diffs, and steps gather their rows from it.
+
+On the CPU the mirror is forced on (`BlockTable.MIRROR_ON_CPU`), so the diff
+path (queued writes, one indexed write, growth) runs here; the fake model
+reads its whole context back from the KV cache, so a wrong block id changes
+the tokens.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import test_model_runner as tmr
+from test_model_runner import CPU, FAKE_SPEC, FakeModel, make_config, tiny_checkpoints  # noqa: F401
+
+from asyncllm.workers.block_table import BlockTable
+from asyncllm.workers.model_runner import ModelRunner
+
+
+@pytest.fixture
+def mirrored(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(BlockTable, "MIRROR_ON_CPU", True)
+
+
+def _device_rows(table: BlockTable, rows: list[int]) -> np.ndarray:
+    out = torch.full((len(rows) + 2, table.max_blocks_per_req), -1, dtype=torch.int32)
+    return table.gather(torch.tensor(rows, dtype=torch.int64), out)[: len(rows)].numpy()
+
+
+def test_the_mirror_follows_random_writes(mirrored: None) -> None:
+    rng = random.Random(0)
+    table = BlockTable(4, 6, CPU)
+    assert table.device_table.data_ptr() != table.table.ctypes.data  # a separate table, updated by diffs
+    for _ in range(300):
+        rows = len(table.num_blocks)
+        op = rng.random()
+        row = rng.randrange(rows)
+        if op < 0.55 and table.num_blocks[row] < 6:
+            table.append(row, [rng.randrange(1, 1000) for _ in range(rng.randint(1, 6 - table.num_blocks[row]))])
+        elif op < 0.85:
+            table.clear(row)
+        elif op < 0.88:
+            table.grow(rows + 2)
+        if rng.random() < 0.3:  # several writes to one cell before a flush: the last one holds
+            picked = rng.sample(range(len(table.num_blocks)), 3)
+            assert (_device_rows(table, picked) == table.table[picked]).all()
+    table.flush()
+    assert (table.device_table.numpy() == table.table).all()
+    assert len(table.num_blocks) > 4  # growth was exercised
+
+
+def test_a_write_after_a_clear_in_one_flush_keeps_the_last_value(mirrored: None) -> None:
+    table = BlockTable(2, 4, CPU)
+    table.append(0, [5, 6, 7])
+    table.clear(0)
+    table.append(0, [9])
+    table.append(1, [3])
+    assert _device_rows(table, [1, 0]).tolist() == [[3, 0, 0, 0], [9, 0, 0, 0]]
+
+
+def test_without_the_mirror_the_cpu_table_is_the_host_table() -> None:
+    table = BlockTable(2, 4, CPU)
+    table.append(1, [4, 2])
+    assert table.device_table.data_ptr() == table.table.ctypes.data and not table._pending
+    assert _device_rows(table, [1]).tolist() == [[4, 2, 0, 0]]
+    table.grow(4)
+    table.append(3, [8])
+    assert _device_rows(table, [3, 1]).tolist() == [[8, 0, 0, 0], [4, 2, 0, 0]]
+
+
+@pytest.mark.parametrize("model", ["fake", "llama"])
+def test_a_runner_with_a_mirrored_table_gives_the_reference_tokens(
+    mirrored: None, request: pytest.FixtureRequest, tmp_path: Path, model: str
+) -> None:
+    """Chunked prefill, a late arrival, a preemption and its recompute: steps read the gathered device rows."""
+    for scenario in (tmr.test_chunked_prefill_and_late_arrival_match_reference,
+                     tmr.test_preempted_request_resumes_identically):
+        if model == "fake":
+            runner = ModelRunner(make_config(tmp_path), rank=0, tp_size=1, device=CPU)
+            runner.attach_model(FakeModel(), FAKE_SPEC, torch.float32)
+            reference = runner.model.greedy
+        else:
+            path, reference = request.getfixturevalue("tiny_checkpoints")["llama"]
+            runner = ModelRunner(make_config(path, dtype="float32"), rank=0, tp_size=1, device=CPU)
+            runner.load_model()
+        runner.init_cache(80)
+        scenario((runner, reference))
+        table = runner.input_batch.block_table
+        table.flush()
+        assert table._mirrored and (table.device_table.numpy() == table.table).all()
