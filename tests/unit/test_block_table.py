@@ -27,13 +27,18 @@ def mirrored(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _device_rows(table: BlockTable, rows: list[int]) -> np.ndarray:
-    out = torch.full((len(rows) + 2, table.max_blocks_per_req), -1, dtype=torch.int32)
-    return table.gather(torch.tensor(rows, dtype=torch.int64), out)[: len(rows)].numpy()
+    device = table.device
+    out = torch.full((len(rows) + 2, table.max_blocks_per_req), -1, dtype=torch.int32, device=device)
+    return table.gather(torch.tensor(rows, dtype=torch.int64, device=device), out)[: len(rows)].cpu().numpy()
 
 
-def test_the_mirror_follows_random_writes(mirrored: None) -> None:
+_CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_CUDA)])
+def test_the_mirror_follows_random_writes(mirrored: None, device: str) -> None:
     rng = random.Random(0)
-    table = BlockTable(4, 6, CPU)
+    table = BlockTable(4, 6, torch.device(device))
     assert table.device_table.data_ptr() != table.table.ctypes.data  # a separate table, updated by diffs
     for _ in range(300):
         rows = len(table.num_blocks)
@@ -49,7 +54,7 @@ def test_the_mirror_follows_random_writes(mirrored: None) -> None:
             picked = rng.sample(range(len(table.num_blocks)), 3)
             assert (_device_rows(table, picked) == table.table[picked]).all()
     table.flush()
-    assert (table.device_table.numpy() == table.table).all()
+    assert (table.device_table.cpu().numpy() == table.table).all()
     assert len(table.num_blocks) > 4  # growth was exercised
 
 
