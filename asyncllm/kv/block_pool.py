@@ -99,6 +99,16 @@ class BlockPool:
             taken.append(block)
         return taken
 
+    def allocate_one(self) -> KVCacheBlock | None:
+        """`allocate(1)`'s block, or None when no block is free (a decode's next block: the hot path)."""
+        if not self._free:
+            return None
+        _, block = self._free.popitem(last=False)
+        if block.block_hash is not None:
+            self._evict(block)
+        block.ref_cnt = 1
+        return block
+
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix hit), out of the free queue if it was free."""
         for block in blocks:

@@ -147,6 +147,12 @@ class KVCacheManager:
             num_new_blocks = -(-num_needed // bs) - len(blocks)
             if num_new_blocks <= 0:
                 return []  # the decode fast path: the last block still has room
+            if num_new_blocks == 1:  # a decode entering its next block
+                block = self.pool.allocate_one()
+                if block is None:
+                    return None
+                blocks.append(block)
+                return [block.block_id]
             if num_new_blocks > self.pool.num_free_blocks:
                 return None
             appended = self.pool.allocate(num_new_blocks)

@@ -113,3 +113,17 @@ def test_extend_block_hashes_is_incremental_and_only_hashes_full_blocks():
     salted: list[bytes] = []
     extend_block_hashes(salted, tokens, 4, 2, "s")
     assert salted[0] != hashes[0] and salted[1] != hashes[1]
+
+
+def test_allocate_one_is_allocate_of_one_block():
+    """The decode hot path: the front block, its stale cache entry evicted, None once the pool is empty."""
+    pool = BlockPool(2)
+    b0 = pool.allocate(1)[0]
+    digest = hash_block_tokens(ROOT_PARENT_HASH, [1, 2])
+    pool.cache_block(b0, digest, [1, 2])
+    pool.free([b0])  # cached: joins the back, after block 1
+    assert pool.allocate_one().block_id == 1
+    again = pool.allocate_one()
+    assert again is b0 and again.ref_cnt == 1 and again.block_hash is None
+    assert pool.get_cached_block(digest, [1, 2]) is None  # evicted when handed out
+    assert pool.allocate_one() is None and pool.num_free_blocks == 0
