@@ -61,7 +61,7 @@ _HF_LATENCY = ["--compare", "hf", "--compare-time-budget", "120"]
 STEPS: list[Step] = [
     # every kernel test (the small shapes run on the GPU too) and the gpu-marked real-shape and parity tests
     Step("gpu-tests", ["-q", "-p", "no:cacheprovider", "tests/kernels", "tests/engine/test_gpu_parity.py",
-                       "tests/unit/test_token_feedback.py", "tests/unit/test_block_table.py"], 170, pytest=True),
+                       "tests/unit/test_token_feedback.py", "tests/unit/test_block_table.py"], 240, pytest=True),
     Step("kernels", ["kernels"], 60),
     Step("throughput-qwen3", ["throughput", *_QWEN], 100),
     Step("throughput-qwen3-sync", ["throughput", *_QWEN, "--no-async-scheduling"], 100),
