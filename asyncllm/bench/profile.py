@@ -126,7 +126,7 @@ class _StepLoop:
         for i in range(batch_size):
             prompt = [rng.randrange(10, ctx.model.vocab_size) for _ in range(input_len)]
             self.scheduler.add_request(Request(f"profile-{i}", prompt, params, [], time.time()))
-        self._sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
+        self.sync = torch.cuda.synchronize if ctx.device.type == "cuda" else (lambda: None)
 
     def prefill(self) -> None:
         while self.scheduler.waiting or any(r.num_output_tokens == 0 for r in self.scheduler.running):
@@ -135,7 +135,7 @@ class _StepLoop:
     def step(self, decode: bool = True) -> tuple[float, float, float]:
         """One step; its (schedule, model, update) seconds."""
         scheduler = self.scheduler
-        self._sync()
+        self.sync()
         t0 = time.perf_counter()
         sched_out = scheduler.schedule()
         t1 = time.perf_counter()
@@ -158,7 +158,7 @@ def _profile(loop: _StepLoop, steps: int, device: torch.device) -> list[tuple[st
     with profile(activities=activities) as prof:
         for _ in range(steps):
             loop.step()
-        loop._sync()
+        loop.sync()
     rows = []
     for event in prof.key_averages():
         if cuda:
