@@ -19,6 +19,7 @@ __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
     "silu_and_mul",
+    "decode_linear",
     "rotate_half",
     "build_cos_sin_cache",
     "apply_rotary",
@@ -52,6 +53,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` where x is ``[..., 2 * d]`` = gate then up."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def decode_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, prologue: str | None = None,
+    residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The unfused ops `kernels.decode_linear` replaces: the prologue's op, then ``F.linear`` in float32
+    (rounded to x's dtype once, as a float32-accumulating kernel does)."""
+    new_residual = None
+    if prologue == "add_rms_norm":
+        assert residual is not None and norm_weight is not None
+        x, new_residual = fused_add_rms_norm(x, residual, norm_weight, eps)
+    elif prologue == "silu_and_mul":
+        x = silu_and_mul(x)
+    out = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return out if new_residual is None else (out, new_residual)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,49 @@ def _split_decode(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> 
     return rows
 
 
+def _decode_linear(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: str = "cuda") -> list[dict[str, Any]]:
+    """The decode matrix-vector kernel with its prologue fused, against what it would replace: the
+    Triton norm or activation kernel, then torch's matmul (cuBLAS); plain products against the matmul alone."""
+    hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    size, rows = torch.empty((), dtype=dtype).element_size(), []
+    products = {  # name: (prologue, input width, output width)
+        "qkv (+add_rms_norm)": ("add_rms_norm", hidden, (heads + 2 * kv_heads) * head_dim),
+        "gate_up (+add_rms_norm)": ("add_rms_norm", hidden, 2 * inter),
+        "down (+silu_and_mul)": ("silu_and_mul", inter, hidden),
+        "o_proj": (None, heads * head_dim, hidden),
+        "lm_head": (None, hidden, vocab),
+    }
+    for num_rows in (1, 8):
+        for name, (prologue, k, n) in products.items():
+            fused, unfused = _linear_pair(prologue, num_rows, k, n, dtype, device)
+            nbytes = (n * k + num_rows * (k + n)) * size
+            rows.append(_row(f"decode_linear {name} vs cuBLAS", f"{num_rows}x{k}->{n}", nbytes, _bench(fused),
+                             _bench(unfused), bandwidth))
+    return rows
+
+
+def _linear_pair(prologue: str | None, num_rows: int, k: int, n: int, dtype: torch.dtype,
+                 device: str) -> tuple[Callable[[], Any], Callable[[], Any]]:
+    """(the fused kernel's call, the unfused calls) on random inputs of one product's shape."""
+    import torch.nn.functional as F
+
+    from asyncllm.kernels.decode_linear import decode_linear
+    from asyncllm.kernels.rms_norm import fused_add_rms_norm
+    from asyncllm.kernels.silu_and_mul import silu_and_mul
+
+    x = torch.randn(num_rows, 2 * k if prologue == "silu_and_mul" else k, dtype=dtype, device=device)
+    w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+    res, norm_w = torch.randn(num_rows, k, dtype=dtype, device=device), torch.ones(k, dtype=dtype, device=device)
+    if prologue == "add_rms_norm":
+        return (lambda: decode_linear(x, w, prologue=prologue, residual=res, norm_weight=norm_w),
+                lambda: F.linear(fused_add_rms_norm(x, res, norm_w, 1e-6)[0], w))
+    if prologue == "silu_and_mul":
+        return lambda: decode_linear(x, w, prologue=prologue), lambda: F.linear(silu_and_mul(x), w)
+    return lambda: decode_linear(x, w), lambda: F.linear(x, w)
+
+
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | None:
     if not torch.cuda.is_available():
         print("asyncllm bench kernels: the kernel micro-benchmarks need a CUDA device, and none is visible; "
@@ -163,7 +206,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
     for preset in args.preset or ["qwen3-0.6b", "llama3.1-8b"]:
         cfg = preset_config(preset)
         rows = (_elementwise(cfg, dtype, bandwidth) + _rotary(cfg, dtype, bandwidth) + _attention(cfg, dtype, bandwidth)
-                + _split_decode(cfg, dtype, bandwidth))
+                + _split_decode(cfg, dtype, bandwidth) + _decode_linear(cfg, dtype, bandwidth))
         results["presets"][preset] = rows
         _print_rows(f"asyncllm bench kernels | {preset} | {args.dtype} | {results['meta']['device']}", rows)
     if args.output_json:
@@ -173,7 +216,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
 
 def _print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     print(title)
-    print(f"{'kernel':<36} {'shape':<22} {'triton us':>10} {'torch us':>10} {'speedup':>8} {'GB/s':>8} {'of copy':>8}")
+    print(f"{'kernel':<44} {'shape':<22} {'triton us':>10} {'torch us':>10} {'speedup':>8} {'GB/s':>8} {'of copy':>8}")
     for r in rows:
-        print(f"{r['kernel']:<36} {r['shape']:<22} {r['triton_us']:>10.1f} {r['torch_us']:>10.1f} "
+        print(f"{r['kernel']:<44} {r['shape']:<22} {r['triton_us']:>10.1f} {r['torch_us']:>10.1f} "
               f"{r['speedup']:>8.2f} {r['gb_s']:>8.0f} {r['fraction_of_copy_bw']:>8.1%}", flush=True)

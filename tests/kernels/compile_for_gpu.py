@@ -20,7 +20,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from asyncllm.kernels import paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul  # noqa: E402
+from asyncllm.kernels import decode_linear, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul  # noqa: E402
 
 
 def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int):
@@ -60,6 +60,10 @@ def cases(dtype: str):
                dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p,
                     block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale",),
                dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=window, DOT_PRECISION="tf32", **decode), 4)
+    for prologue, block_n, block_k in ((0, 64, 128), (1, 16, 512), (2, 4, 512)):  # LM head, QKV, down projection
+        yield (f"decode_linear prologue={prologue}", decode_linear._decode_linear_kernel,
+               dict(x_ptr=p, residual_ptr=p, norm_w_ptr=p, weight_ptr=p, bias_ptr=p, out_ptr=p, residual_out_ptr=p),
+               ("eps",), dict(PROLOGUE=prologue, HAS_BIAS=prologue == 0, BLOCK_N=block_n, BLOCK_K=block_k), 4)
     yield ("paged_decode combine", paged_decode._decode_combine_kernel,
            dict(out_ptr=p, max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", seq_lens_ptr="*i32",
                 query_start_loc_ptr="*i32"), (), dict(USE_WINDOW=True, **decode), 4)
