@@ -75,5 +75,22 @@ WORKER_PIPELINE = EnvVar(
     "it would only delay outputs), 1 everywhere (tests), 0 nowhere (comparisons). Read at worker start.",
 )
 
-REGISTRY = (API_KEY, CPU_KVCACHE_SPACE_GB, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR, TRITON_INTERPRET,
-            WORKER_PIPELINE)
+
+
+def _on_off(raw: str) -> bool:
+    mode = _ON_OFF_AUTO.get(raw.strip().lower())
+    if mode is None or mode == "auto":
+        raise ValueError(f"expected 1 or 0, got {raw!r}")
+    return mode == "on"
+
+
+DECODE_LINEAR = EnvVar(
+    "ASYNCLLM_DECODE_LINEAR", False, _on_off,
+    "1: on the triton backend at tensor_parallel_size 1, decode batches of at most 16 requests run each layer's "
+    "QKV, gate-up and down products as kernels/decode_linear.py with the norm or SiLU-and-mul before them fused "
+    "in (seven launches per layer instead of ten). Off until a GPU session measures it (docs/kernels.md). "
+    "Read when a worker builds the model.",
+)
+
+REGISTRY = (API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR,
+            TRITON_INTERPRET, WORKER_PIPELINE)

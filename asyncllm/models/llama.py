@@ -15,6 +15,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from asyncllm import envs
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
@@ -22,6 +23,9 @@ from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, head_dim_of
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncllm.models.rotary import RotaryEmbedding
+
+MAX_ROWS = 16
+"""Rows up to which a layer with `fused_decode` runs `forward_fused_decode` (kernels/decode_linear.py's limit)."""
 
 __all__ = ["DecoderFlags", "LlamaForCausalLM", "sliding_window_of"]
 
@@ -80,7 +84,13 @@ class LlamaAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
-        query, key, value = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        return self.attend(positions, self.qkv_proj(hidden), kv_cache, metadata)
+
+    def attend(
+        self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """Attention and the output projection, from the QKV projection's output."""
+        query, key, value = self.qkv_proj.split_qkv(qkv)
         return self.o_proj(self.attn(query, key, value, kv_cache, metadata, self._rotary_inputs(positions)))
 
     def _rotary_inputs(self, positions: torch.Tensor) -> RotaryInputs:
@@ -115,6 +125,13 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(b, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.mlp = LlamaMLP(b)
+        self.fused_decode = b.attn_backend.name == "triton" and b.tp.size == 1 and envs.DECODE_LINEAR.get()
+        """Decode batches run `forward_fused_decode` (ASYNCLLM_DECODE_LINEAR)."""
+        if self.fused_decode:  # imported only then: it imports triton
+            from asyncllm.kernels import decode_linear
+
+            assert MAX_ROWS <= decode_linear.MAX_ROWS
+            self.decode_linear = decode_linear.decode_linear
 
     def forward(
         self,
@@ -125,6 +142,8 @@ class LlamaDecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it): the next norm adds them."""
+        if self.fused_decode and residual is not None and hidden.shape[0] <= MAX_ROWS:
+            return self.forward_fused_decode(positions, hidden, residual, kv_cache, metadata)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -132,6 +151,25 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn(positions, hidden, kv_cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+
+    def forward_fused_decode(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a few rows: each norm and the SiLU-and-mul run inside the product after them."""
+        attn, mlp, norm, decode_linear = self.self_attn, self.mlp, self.input_layernorm, self.decode_linear
+        qkv, residual = decode_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, "add_rms_norm", residual,
+                                      norm.weight, norm.eps)
+        hidden = attn.attend(positions, qkv, kv_cache, metadata)
+        norm = self.post_attention_layernorm
+        gate_up, residual = decode_linear(hidden, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, "add_rms_norm",
+                                          residual, norm.weight, norm.eps)
+        return decode_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, "silu_and_mul"), residual
 
 
 class LlamaModel(nn.Module):

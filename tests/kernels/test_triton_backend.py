@@ -25,13 +25,18 @@ SEQ_LENS = [8, 14, 20]
 CHUNKED = [[3, 6, 0], [2, 5, 9], [1, 1, 8], [1, 1, 1], [1, 1, 1], [0, 0, 1]]  # prefill chunks mixed with decodes
 
 
+@pytest.mark.parametrize("decode_linear", [False, True], ids=["", "decode_linear"])
 @pytest.mark.parametrize("family", ["mistral", "qwen3"])  # Llama: test_triton_engine.py, through the engine
-def test_triton_model_logits_match_transformers(family: str, tmp_path) -> None:
+def test_triton_model_logits_match_transformers(family: str, decode_linear: bool, tmp_path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ASYNCLLM_DECODE_LINEAR=1 every step here (at most 16 rows) runs the layers' fused products."""
+    monkeypatch.setenv("ASYNCLLM_DECODE_LINEAR", "1" if decode_linear else "0")
     hf_model = save_tiny_checkpoint(tmp_path, family, seed=len(family))
     hf_config = load_hf_config(str(tmp_path))
     config = EngineConfig.create(str(tmp_path), attention_backend="triton")
     model = load_model(config, hf_config, DEVICE, torch.float32)
     assert isinstance(model.model.layers[0].self_attn.attn.backend, TritonBackend)
+    assert all(layer.fused_decode == decode_linear for layer in model.model.layers)
     spec = kv_cache_spec(hf_config, 1)
     gen = torch.Generator().manual_seed(7)
     sequences = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in SEQ_LENS]
@@ -58,3 +63,17 @@ def test_selector_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None
     assert info.value.field == "attention_backend"
     with pytest.raises(ConfigError, match="pip install flash-attn"):
         get_attention_backend("flash_attn", cpu)
+
+
+def test_decode_linear_switch_refuses_a_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ASYNCLLM_DECODE_LINEAR: 1/0 (and their spellings), off by default; anything else names the variable."""
+    from asyncllm import envs
+
+    monkeypatch.delenv("ASYNCLLM_DECODE_LINEAR", raising=False)
+    assert envs.DECODE_LINEAR.get() is False
+    for raw, expected in (("1", True), ("on", True), ("0", False), ("no", False)):
+        monkeypatch.setenv("ASYNCLLM_DECODE_LINEAR", raw)
+        assert envs.DECODE_LINEAR.get() is expected
+    monkeypatch.setenv("ASYNCLLM_DECODE_LINEAR", "auto")
+    with pytest.raises(ConfigError, match="ASYNCLLM_DECODE_LINEAR='auto' is not allowed: expected 1 or 0"):
+        envs.DECODE_LINEAR.get()
