@@ -148,7 +148,9 @@ def _split_decode(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float) -> 
     return rows
 
 
-def _decode_linear(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: str = "cuda") -> list[dict[str, Any]]:
+def _decode_linear(
+    cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: str = "cuda"
+) -> list[dict[str, Any]]:
     """The decode matrix-vector kernel with its prologue fused, against what it would replace: the
     Triton norm or activation kernel, then torch's matmul (cuBLAS); plain products against the matmul alone."""
     hidden, inter, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]

@@ -152,7 +152,6 @@ class LlamaDecoderLayer(nn.Module):
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
-
     def forward_fused_decode(
         self,
         positions: torch.Tensor,

@@ -26,8 +26,9 @@ def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, prologue: str | None,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("prologue", [None, "add_rms_norm", "silu_and_mul"])
-@pytest.mark.parametrize(("rows", "n", "k", "bias"), [(1, 37, 100, False), (3, 130, 300, True), (MAX_ROWS, 8, 1030, False)],
-                         ids=["1x37x100", "3x130x300-bias", "16x8x1030"])  # odd sizes: masked tails; K over 2 steps
+@pytest.mark.parametrize(("rows", "n", "k", "bias"),  # odd sizes: masked tails; K = 1030 takes three K steps
+                         [(1, 37, 100, False), (3, 130, 300, True), (MAX_ROWS, 8, 1030, False)],
+                         ids=["1x37x100", "3x130x300-bias", "16x8x1030"])
 def test_decode_linear_matches_reference(dtype: torch.dtype, prologue: str | None, rows: int, n: int, k: int,
                                          bias: bool) -> None:
     args = _inputs(rows, n, k, dtype, prologue, bias)
