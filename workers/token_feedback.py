@@ -20,7 +20,7 @@ The GPU never waits for the host in steady decoding. The tokens are the
 same as without deferral: the ids are the ones the sampler produced, only
 read from the device instead of the host. Steps that need a row's tokens
 on the host (penalties, prompt logprobs, multimodal rows) resolve the
-pending step first (`ModelRunner.needs_resolved_tokens`).
+pending step first (`ModelRunner._needs_host_tokens`).
 """
 
 from __future__ import annotations

@@ -24,9 +24,6 @@ from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParal
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncllm.models.rotary import RotaryEmbedding
 
-MAX_ROWS = 16
-"""Rows up to which a layer with `fused_decode` runs `forward_fused_decode` (kernels/decode_linear.py's limit)."""
-
 __all__ = ["DecoderFlags", "LlamaForCausalLM", "sliding_window_of"]
 
 
@@ -125,12 +122,12 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(b, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.mlp = LlamaMLP(b)
-        self.fused_decode = b.attn_backend.name == "triton" and b.tp.size == 1 and envs.DECODE_LINEAR.get()
-        """Decode batches run `forward_fused_decode` (ASYNCLLM_DECODE_LINEAR)."""
-        if self.fused_decode:  # imported only then: it imports triton
-            from asyncllm.kernels import decode_linear
+        self.fused_decode_rows = 0
+        """Steps of at most this many tokens run `forward_fused_decode` (0: none; ASYNCLLM_DECODE_LINEAR)."""
+        if b.attn_backend.name == "triton" and b.tp.size == 1 and envs.DECODE_LINEAR.get():
+            from asyncllm.kernels import decode_linear  # imported only then: it imports triton
 
-            assert MAX_ROWS <= decode_linear.MAX_ROWS
+            self.fused_decode_rows = decode_linear.MAX_ROWS
             self.decode_linear = decode_linear.decode_linear
 
     def forward(
@@ -142,7 +139,7 @@ class LlamaDecoderLayer(nn.Module):
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it): the next norm adds them."""
-        if self.fused_decode and residual is not None and hidden.shape[0] <= MAX_ROWS:
+        if hidden.shape[0] <= self.fused_decode_rows and residual is not None:
             return self.forward_fused_decode(positions, hidden, residual, kv_cache, metadata)
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden

@@ -37,7 +37,7 @@ def test_triton_model_logits_match_transformers(family: str, decode_linear: bool
     config = EngineConfig.create(str(tmp_path), attention_backend="triton")
     model = load_model(config, hf_config, DEVICE, torch.float32)
     assert isinstance(model.model.layers[0].self_attn.attn.backend, TritonBackend)
-    assert all(layer.fused_decode == decode_linear for layer in model.model.layers)
+    assert all((layer.fused_decode_rows == 16) == decode_linear for layer in model.model.layers)
     spec = kv_cache_spec(hf_config, 1)
     gen = torch.Generator().manual_seed(7)
     sequences = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in SEQ_LENS]
