@@ -149,7 +149,7 @@ async def test_invalid_completion_is_400_naming_the_field(app, bundled_engine, r
 @pytest.mark.parametrize(("request_body", "param"), [
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
 ])
@@ -157,6 +157,17 @@ async def test_invalid_chat_is_400(app, request_body, param) -> None:
     async with _client(app) as client:
         response = await client.post("/v1/chat/completions", json={"model": MODEL, **request_body})
     assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
+
+
+async def test_a_request_without_model_gets_the_served_model(app) -> None:
+    body = {k: v for k, v in GREEDY.items() if k != "model"}
+    async with _client(app) as client:
+        named = await client.post("/v1/completions", json={**GREEDY, "prompt": "import os"})
+        unnamed = await client.post("/v1/completions", json={**body, "prompt": "import os"})
+        chat = await client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "x"}]})
+    assert unnamed.status_code == 200 and chat.status_code == 200, (unnamed.text, chat.text)
+    assert unnamed.json()["model"] == chat.json()["model"] == MODEL
+    assert unnamed.json()["choices"][0]["text"] == named.json()["choices"][0]["text"]
 
 
 async def test_http_level_errors(app) -> None:
