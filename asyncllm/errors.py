@@ -56,6 +56,8 @@ class InvalidRequestError(AsyncLLMError, ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
+        self.message = message
+        """What was wrong, without the field name."""
         super().__init__(f"{field}: {message}")
 
 

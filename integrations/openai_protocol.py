@@ -3,10 +3,12 @@
 Unknown fields are refused with a 400 naming them (OpenAI does the same), so a
 client never believes an option took effect when asyncllm does not build it;
 options asyncllm does not build yet (``echo``, ``suffix``, ``tools``,
-``response_format`` other than text, ``best_of`` != n) are refused by name too.
-vLLM's sampling extensions (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...) are accepted, as a
-vLLM user expects.
+``best_of`` != n) are refused by name too. vLLM's sampling extensions
+(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
+``stop_token_ids``, ...) are accepted, as a vLLM user expects, and so is
+structured output: OpenAI's ``response_format`` (``json_object``,
+``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
+``choice``, ``grammar``, ``json_object``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import msgspec
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.sampling import SamplingParams
+from asyncllm.sampling import SamplingParams, StructuredOutputs
 
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest",
@@ -48,7 +50,8 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Fields both endpoints share (OpenAI's, then vLLM's extensions)."""
 
-    model: str
+    model: str | None = None
+    """The served model's name; left out, the served model (as vLLM's server)."""
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
@@ -69,6 +72,10 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    response_format: dict[str, Any] | None = None
+    """OpenAI's: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", ...}}``."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (EBNF), ``json_object: true``."""
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -87,7 +94,6 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
 
@@ -148,8 +154,6 @@ def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingP
 def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingParams:
     _refuse(bool(req.tools), "tools", "tool calling is not built yet")
     _refuse(req.tool_choice not in (None, "none"), "tool_choice", "tool calling is not built yet")
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        raise InvalidRequestError("response_format", "only {'type': 'text'}: structured output is not built yet")
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs", "needs logprobs: true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -176,8 +180,50 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=req.logit_bias, logprobs=logprobs,
     )
-    params.validate()
+    params.structured, field = _structured(req)
+    try:
+        params.validate()
+    except InvalidRequestError as exc:  # the constraint's errors name the field the client used
+        raise InvalidRequestError(field, exc.message) if exc.field == "structured" else exc from None
     return params
+
+
+_JSON_OBJECT = {"type": "object"}
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar")
+
+
+def _structured(req: _Common) -> tuple[StructuredOutputs | None, str]:
+    """The request's output constraint, and the field that set it: ``response_format`` or ``structured_outputs``."""
+    response_format = req.response_format
+    if response_format is not None and response_format.get("type") == "text":
+        response_format = None
+    if response_format is not None and req.structured_outputs is not None:
+        raise InvalidRequestError("structured_outputs", "set response_format or structured_outputs, not both")
+    if req.structured_outputs is not None:
+        return _from_structured_outputs(req.structured_outputs), "structured_outputs"
+    if response_format is None:
+        return None, "response_format"
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return StructuredOutputs(json=_JSON_OBJECT), "response_format"
+    if kind != "json_schema":
+        raise InvalidRequestError("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise InvalidRequestError("response_format", "json_schema must be an object with a 'schema' (and a 'name')")
+    return StructuredOutputs(json=spec["schema"]), "response_format"
+
+
+def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
+    unknown = sorted(set(value) - {*_STRUCTURED_KEYS, "json_object"})
+    if unknown:
+        raise InvalidRequestError("structured_outputs", f"keys asyncllm does not build: {unknown}")
+    fields = {key: value[key] for key in _STRUCTURED_KEYS if value.get(key) is not None}
+    if value.get("json_object"):
+        if "json" in fields:
+            raise InvalidRequestError("structured_outputs", "set json or json_object, not both")
+        fields["json"] = _JSON_OBJECT
+    return StructuredOutputs(**fields)  # more than one kind: validate() names them
 
 
 def _text_part(i: int, part: object) -> str:
