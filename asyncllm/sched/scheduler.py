@@ -469,6 +469,9 @@ class Scheduler:
         assert request.status is RequestStatus.WAITING and request.num_tokens == request.num_prompt_tokens, request
         if request.request_id in self.requests:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already used by an unfinished request")
+        if request.priority and self.policy != "priority":  # as vLLM: a priority the policy would ignore is an error
+            raise InvalidRequestError("priority", f"is {request.priority}, but this engine schedules {self.policy!r}: "
+                                                  "start it with scheduling_policy='priority'")
         capacity = self.kv_cache_manager.num_gpu_blocks * self.block_size
         check_request(request, self.max_model_len, capacity, self.enable_chunked_prefill, self.max_num_batched_tokens)
 

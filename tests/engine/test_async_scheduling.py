@@ -90,7 +90,8 @@ async def test_greedy_parity_with_transformers(tiny_llama: str, case: str) -> No
     with worker_pipeline_on():  # the workers read it at their start
         await engine.start()
     async with engine:  # started already: closes it
-        priorities = [random.Random(i).randrange(3) for i in range(len(prompts))]
+        prioritised = CASES[case].get("scheduling_policy") == "priority"  # fcfs refuses a priority it would ignore
+        priorities = [random.Random(i).randrange(3) if prioritised else 0 for i in range(len(prompts))]
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
         outs = await asyncio.gather(*(engine.generate(p, params, priority=k) for p, k in zip(prompts, priorities)))
         await wait_idle(engine)

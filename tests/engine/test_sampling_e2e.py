@@ -214,6 +214,13 @@ async def test_stop_string_split_across_tokens_never_leaks_into_the_stream(engin
         assert text == full.text[:end] and delta.finish_reason == "stop" and delta.stop_reason == stop
 
 
+async def test_a_priority_under_fcfs_is_a_typed_error_and_the_engine_serves_on(engine: AsyncEngine) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.generate(PROMPT, SamplingParams(max_tokens=2), priority=3)
+    assert info.value.field == "priority"
+    assert len((await engine.generate(PROMPT, SamplingParams(max_tokens=2), priority=0)).token_ids) == 2
+
+
 async def test_caller_request_ids_are_unique_among_in_flight_requests(engine: AsyncEngine) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     async with engine.stream(PROMPT, long, request_id="dup") as first:

@@ -53,7 +53,8 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 async def test_llama_parity_under_scheduling_policies(tiny_llama: str, case: str) -> None:
     prompts = random_prompts(14, seed=3, stem_len=32)
-    priorities = [random.Random(i).randrange(4) for i in range(len(prompts))]
+    prioritised = CASES[case].get("scheduling_policy") == "priority"  # fcfs refuses a priority it would ignore
+    priorities = [random.Random(i).randrange(4) if prioritised else 0 for i in range(len(prompts))]
     async with AsyncEngine(tiny_llama, disable_log_stats=True, **CASES[case]) as engine:
         got = await _run_all(engine, prompts, priorities)
         stats = engine.stats()

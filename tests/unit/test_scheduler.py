@@ -376,6 +376,16 @@ def test_add_request_refuses_a_request_id_in_use():
     assert info.value.field == "request_id"
 
 
+def test_a_priority_is_refused_unless_the_policy_is_priority():
+    request = make_request("a", 4)
+    request.priority = 1
+    with pytest.raises(InvalidRequestError, match="scheduling_policy='priority'") as info:
+        make_scheduler().add_request(request)
+    assert info.value.field == "priority"
+    make_scheduler(scheduling_policy="priority").add_request(request)
+    make_scheduler().add_request(make_request("b", 4))  # priority 0: any policy
+
+
 def test_from_add_request_copies_the_message():
     msg = protocol.AddRequest("r", [1, 2, 3], SamplingParams(max_tokens=4), [2, 3], 12.5, priority=3)
     req = Request.from_add_request(msg, b"client")

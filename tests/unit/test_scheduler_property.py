@@ -243,6 +243,8 @@ def run_ops(ops: list[tuple], config: EngineConfig, num_gpu_blocks: int, num_cpu
     for kind, prompt, max_tokens, ignore_eos, index, priority, timeout in ops:
         if kind == "add":
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+            if config.scheduling_policy != "priority":
+                priority = 0  # the fcfs scheduler refuses a priority it would ignore
             req = Request(f"r{len(added)}", prompt, params, [EOS], float(len(added)), priority=priority, timeout=timeout)
             try:
                 sched.add_request(req)
