@@ -24,7 +24,7 @@ from asyncllm.sampling import SamplingParams, StructuredOutputs
 
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest",
-    "decode_request", "completion_params", "chat_params", "completion_prompts", "chat_messages",
+    "decode_request", "completion_params", "chat_params", "completion_prompts", "chat_messages", "request_options",
 ]
 
 
@@ -76,6 +76,10 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """OpenAI's: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", ...}}``."""
     structured_outputs: dict[str, Any] | None = None
     """vLLM's: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (EBNF), ``json_object: true``."""
+    priority: int = 0
+    """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
+    cache_salt: str | None = None
+    """vLLM's: requests with different salts never share prefix-cached KV."""
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -141,6 +145,11 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
             raise InvalidRequestError("messages", f"item {i} has fields asyncllm does not build yet: {sorted(extra)}")
         out.append({"role": message.get("role"), "content": content})
     return out
+
+
+def request_options(req: _Common) -> dict[str, Any]:
+    """The engine's per-request options of `AsyncEngine.stream` / `chat` (vLLM's extensions)."""
+    return {"priority": req.priority, "cache_salt": req.cache_salt}
 
 
 def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingParams:

@@ -31,7 +31,7 @@ from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, ServerLimits, chat_messages, chat_params, completion_params,
-    completion_prompts, decode_request,
+    completion_prompts, decode_request, request_options,
 )
 from asyncllm.integrations.openai_responses import Choices
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
@@ -113,7 +113,7 @@ class OpenAIServer:
         self._check_model(req.model)
         params = completion_params(req, self.limits)
         prompts = completion_prompts(req.prompt, self.limits)
-        streams = [self.engine.stream(prompt, params) for prompt in prompts]
+        streams = [self.engine.stream(prompt, params, **request_options(req)) for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False)
         return await self._respond(request, req, streams, choices, "cmpl", "text_completion")
 
@@ -121,7 +121,7 @@ class OpenAIServer:
         req = decode_request(await self._body(request), ChatCompletionRequest)
         self._check_model(req.model)
         params = chat_params(req, self.limits)
-        streams = [self.engine.chat(chat_messages(req.messages), params)]
+        streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req))]
         choices = Choices(1, params.n, params.logprobs, chat=True)
         return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
 

@@ -170,6 +170,24 @@ async def test_a_request_without_model_gets_the_served_model(app) -> None:
     assert unnamed.json()["choices"][0]["text"] == named.json()["choices"][0]["text"]
 
 
+async def test_vllm_priority_and_cache_salt(app, bundled_engine) -> None:
+    body = {**GREEDY, "prompt": "class Salted:\n    def method(self, value):\n        return value * 2\n" * 2}
+    chat = {**GREEDY, "messages": [{"role": "user", "content": "x"}]}
+    hits, texts = [], []
+    async with _client(app) as client:
+        refused = await client.post("/v1/completions", json={**body, "priority": 1})
+        refused_chat = await client.post("/v1/chat/completions", json={**chat, "priority": -2})
+        salted_chat = await client.post("/v1/chat/completions", json={**chat, "cache_salt": "c", "priority": 0})
+        for salt in ("a", "a", "b"):
+            before = bundled_engine.stats().prefix_cache_hits
+            texts.append((await client.post("/v1/completions", json={**body, "cache_salt": salt})).json())
+            hits.append(bundled_engine.stats().prefix_cache_hits - before)
+    assert [(r.status_code, r.json()["error"]["param"]) for r in (refused, refused_chat)] == [(400, "priority")] * 2
+    assert salted_chat.status_code == 200
+    assert hits[0] == 0 and hits[1] >= 16 and hits[2] == 0, hits  # a salt shares only with its own salt
+    assert len({t["choices"][0]["text"] for t in texts}) == 1
+
+
 async def test_http_level_errors(app) -> None:
     async with _client(app) as client:
         wrong_model = await client.post("/v1/completions", json={**GREEDY, "model": "gpt-4", "prompt": "x"})
@@ -218,7 +236,7 @@ class _FailingEngine:
         self.config = EngineConfig.create("fake", max_model_len=64)
         self.metrics_registry = None
 
-    def stream(self, prompt, params):
+    def stream(self, prompt, params, **options):
         return self._Stream(self.error)
 
     chat = stream
