@@ -23,7 +23,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import SamplingParams, StructuredOutputs
 
 __all__ = [
-    "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest",
+    "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "decode_request", "completion_params", "chat_params", "completion_prompts", "chat_messages", "request_options",
 ]
 
@@ -100,6 +100,25 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    """For a prompt: the tokenizer's special tokens (BOS), as the engine adds them."""
+    add_generation_prompt: bool = True
+    """For messages: end with the assistant's turn opening, as chat completions do."""
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 _AT_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")

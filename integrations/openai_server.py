@@ -1,7 +1,8 @@
 """An OpenAI-compatible ASGI app (Starlette) over one `AsyncEngine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE
-streaming and ``stream_options.include_usage``), ``GET /v1/models``,
+streaming and ``stream_options.include_usage``), ``GET /v1/models``, vLLM's
+``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
 ``GET /health``, ``GET /metrics`` (Prometheus text). Errors are OpenAI-style
 bodies ``{"error": {"message", "type", "param", "code"}}`` with the status
 of the asyncllm error (400 invalid request, 401 bad API key, 404 unknown model
@@ -21,21 +22,23 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
+import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from asyncllm.errors import AsyncLLMError
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, ServerLimits, chat_messages, chat_params, completion_params,
-    completion_prompts, decode_request, request_options,
+    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
+    chat_params, completion_params, completion_prompts, decode_request, request_options,
 )
 from asyncllm.integrations.openai_responses import Choices
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
+from asyncllm.tokenizer import apply_chat_template
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -98,6 +101,9 @@ class OpenAIServer:
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guarded(self.chat_completions), methods=["POST"]),
             Route("/v1/models", self._guarded(self.models), methods=["GET"]),
+            Route("/tokenize", self._guarded(self.tokenize), methods=["POST"]),
+            Route("/detokenize", self._guarded(self.detokenize), methods=["POST"]),
+            Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
@@ -129,6 +135,43 @@ class OpenAIServer:
         card = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "asyncllm",
                 "max_model_len": self.engine.config.max_model_len}
         return _json({"object": "list", "data": [card]})
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's: the token ids the engine would run for a prompt or for chat messages (on a worker thread)."""
+        req = decode_request(await self._body(request), TokenizeRequest)
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("prompt", "give a prompt or messages (one of them)")
+        tokenizer = await self._tokenizer()
+        if req.prompt is not None:
+            prompt, special = req.prompt, req.add_special_tokens
+            tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
+        else:
+            messages = chat_messages(req.messages)
+            tokens = await anyio.to_thread.run_sync(apply_chat_template, tokenizer, messages, req.add_generation_prompt)
+        return _json({"count": len(tokens), "max_model_len": self.engine.config.max_model_len,
+                      "tokens": [int(t) for t in tokens], "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's: the text of token ids (special tokens included)."""
+        req = decode_request(await self._body(request), DetokenizeRequest)
+        self._check_model(req.model)
+        tokenizer = await self._tokenizer()
+        bad = [t for t in req.tokens if not 0 <= t < len(tokenizer)]
+        if bad:
+            raise InvalidRequestError("tokens", f"ids must be in [0, {len(tokenizer)}), got {bad[:5]}")
+        return _json({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, req.tokens)})
+
+    async def version(self, request: Request) -> Response:
+        from asyncllm import __version__
+
+        return _json({"version": __version__})
+
+    async def _tokenizer(self) -> Any:
+        """The engine's tokenizer (the engine starts on first use, as it does for a completion)."""
+        if not self.engine.started:
+            await self.engine.start()
+        return self.engine.tokenizer
 
     async def health(self, request: Request) -> Response:
         """200 while the engine serves; 503 once it died or was closed (or before it started)."""

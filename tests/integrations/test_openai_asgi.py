@@ -188,6 +188,28 @@ async def test_vllm_priority_and_cache_salt(app, bundled_engine) -> None:
     assert len({t["choices"][0]["text"] for t in texts}) == 1
 
 
+async def test_vllm_tokenize_detokenize_and_version(app, bundled_tokenizer) -> None:
+    prompt, messages = "def add(a, b):", [{"role": "user", "content": "hi"}]
+    async with _client(app) as client:
+        tokens = (await client.post("/tokenize", json={"model": MODEL, "prompt": prompt})).json()
+        plain = (await client.post("/tokenize", json={"prompt": prompt, "add_special_tokens": False})).json()
+        chat = (await client.post("/tokenize", json={"messages": messages})).json()
+        usage = (await client.post("/v1/chat/completions", json={**GREEDY, "messages": messages})).json()["usage"]
+        text = (await client.post("/detokenize", json={"tokens": tokens["tokens"]})).json()
+        errors = [await client.post("/detokenize", json={"tokens": [len(bundled_tokenizer)]}),
+                  await client.post("/tokenize", json={}),
+                  await client.post("/tokenize", json={"prompt": "x", "messages": messages}),
+                  await client.post("/tokenize", json={"model": "gpt-4", "prompt": "x"})]
+        version = await client.get("/version")
+    assert tokens["tokens"] == bundled_tokenizer(prompt).input_ids and tokens["count"] == len(tokens["tokens"])
+    assert plain["tokens"] == bundled_tokenizer(prompt, add_special_tokens=False).input_ids
+    assert chat["count"] == usage["prompt_tokens"]  # what a chat completion runs
+    assert text == {"prompt": bundled_tokenizer.decode(tokens["tokens"])}
+    assert [r.status_code for r in errors] == [400, 400, 400, 404]
+    assert [r.json()["error"]["param"] for r in errors[:3]] == ["tokens", "prompt", "prompt"]
+    assert version.status_code == 200 and version.json()["version"]
+
+
 async def test_http_level_errors(app) -> None:
     async with _client(app) as client:
         wrong_model = await client.post("/v1/completions", json={**GREEDY, "model": "gpt-4", "prompt": "x"})
