@@ -2,8 +2,7 @@
 
 Unknown fields are refused with a 400 naming them (OpenAI does the same), so a
 client never believes an option took effect when asyncllm does not build it;
-options asyncllm does not build yet (``echo``, ``suffix``, ``tools``,
-``best_of`` != n) are refused by name too. vLLM's sampling extensions
+options asyncllm does not build yet (``suffix``, ``tools``, ``best_of`` != n) are refused by name too. vLLM's sampling extensions
 (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
 ``stop_token_ids``, ...) are accepted, as a vLLM user expects, and so is
 structured output: OpenAI's ``response_format`` (``json_object``,
@@ -25,6 +24,7 @@ from asyncllm.sampling import SamplingParams, StructuredOutputs
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "decode_request", "completion_params", "chat_params", "completion_prompts", "chat_messages", "request_options",
+    "echo_only",
 ]
 
 
@@ -172,11 +172,26 @@ def request_options(req: _Common) -> dict[str, Any]:
 
 
 def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingParams:
-    _refuse(req.echo, "echo", "echoing the prompt is not built yet")
+    """`SamplingParams` of a completion; with ``echo`` and ``logprobs`` the prompt's logprobs too.
+
+    ``echo`` with ``max_tokens`` 0 (the prompt's logprobs alone, as evaluation
+    harnesses ask) generates one token that the response leaves out
+    (`echo_only`).
+    """
     _refuse(req.suffix is not None, "suffix", "suffix (insertion) is not built yet")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of", "only best_of == n is supported (no server-side ranking)")
-    return _params(req, req.max_tokens, req.logprobs, limits)
+    prompt_logprobs = None
+    if req.echo and req.logprobs is not None:
+        _refuse(req.n != 1, "echo", "with logprobs needs n=1 (the prompt's logprobs are computed once)")
+        prompt_logprobs = req.logprobs
+    max_tokens = 1 if echo_only(req) else req.max_tokens
+    return _params(req, max_tokens, req.logprobs, limits, prompt_logprobs)
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens`` 0: the response is the prompt alone."""
+    return req.echo and req.max_tokens == 0
 
 
 def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingParams:
@@ -189,7 +204,8 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingPar
     return _params(req, max_tokens, logprobs, limits)
 
 
-def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: ServerLimits) -> SamplingParams:
+def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: ServerLimits,
+            prompt_logprobs: int | None = None) -> SamplingParams:
     if _is_int(req.n) and req.n > limits.max_n:
         raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
     if limits.max_tokens is not None:
@@ -206,7 +222,7 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
         include_stop_str_in_output=req.include_stop_str_in_output,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        logit_bias=req.logit_bias, logprobs=logprobs,
+        logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )
     params.structured, field = _structured(req)
     try:

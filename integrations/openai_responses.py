@@ -9,14 +9,16 @@ completion tokens are every generated token of every choice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncllm.outputs import Logprob, StreamDelta
+from asyncllm.outputs import Logprob, PromptLogprobs, StreamDelta
 
 __all__ = ["Choices", "usage"]
 
-Entries = list[dict[int, Logprob]]
+Entries = list["dict[int, Logprob] | None"]
+"""One logprob entry per token; None for an echoed prompt's first token (nothing predicts it)."""
 
 
 @dataclass
@@ -33,15 +35,26 @@ class _Choice:
 class Choices:
     """Every choice of one request: choice index = prompt index * n + sample index."""
 
-    def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool) -> None:
+    def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool,
+                 token_text: Callable[[int], str] | None = None, echo_only: bool = False) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
         self._choices = [_Choice() for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
+        self.prompt_logprobs: list[PromptLogprobs | None] = [None] * num_prompts
+        self._token_text = token_text
+        """A token id's text, for an echoed prompt's first token (it has no logprob entry)."""
+        self.echo_only = echo_only
+        """Completions' ``echo`` with ``max_tokens`` 0: the prompt is the whole choice, generated tokens are dropped."""
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs[prompt_index] = delta.prompt_logprobs
+        if self.echo_only:
+            finish = None if delta.finish_reason is None else "length"
+            delta = StreamDelta(delta.index, "", [], finish)
         index = prompt_index * self.n + delta.index
         choice = self._choices[index]
         choice.text.append(delta.text)
@@ -54,6 +67,26 @@ class Choices:
             choice.logprobs.extend(delta.logprobs)
             logprobs = self._format_logprobs(choice, delta.token_ids, delta.logprobs)
         return index, logprobs
+
+    def echo(self, prompt_index: int, text: str, token_ids: list[int]) -> list[tuple[int, dict[str, Any] | None]]:
+        """Put the prompt before each choice of this prompt (completions' ``echo``).
+
+        Streaming, call it before the prompt's deltas: it returns (choice index,
+        the prompt's logprobs or None) per choice for the first chunks. The
+        prompt's logprobs are `prompt_logprobs` (from its first delta).
+        """
+        entries = self.prompt_logprobs[prompt_index]
+        out = []
+        for index in range(prompt_index * self.n, (prompt_index + 1) * self.n):
+            choice = self._choices[index]
+            choice.text.insert(0, text)
+            logprobs = None
+            if self.top_logprobs is not None and entries is not None:
+                choice.token_ids[:0] = token_ids
+                choice.logprobs[:0] = entries
+                logprobs = self._format_logprobs(choice, token_ids, entries)
+            out.append((index, logprobs))
+        return out
 
     def usage(self) -> dict[str, int]:
         return usage(sum(self.prompt_tokens), sum(c.num_tokens for c in self._choices))
@@ -80,10 +113,14 @@ class Choices:
             return {"content": [_chat_token(t, e, top_n) for t, e in zip(token_ids, entries)]}
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries):
-            token = _token_text(token_id, entry)
+            if entry is None:  # an echoed prompt's first token: nothing predicts it
+                token, logprob, top = self._token_text(token_id) if self._token_text else "", None, None
+            else:
+                token, logprob = _token_text(token_id, entry), _logprob(token_id, entry)
+                top = {_token_text(t, entry): lp.logprob for t, lp in _top(entry, top_n)} if top_n else None
             tokens.append(token)
-            token_logprobs.append(_logprob(token_id, entry))
-            tops.append({_token_text(t, entry): lp.logprob for t, lp in _top(entry, top_n)} if top_n else None)
+            token_logprobs.append(logprob)
+            tops.append(top)
             offsets.append(choice.text_offset)
             choice.text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

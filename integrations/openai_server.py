@@ -33,7 +33,7 @@ from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
-    chat_params, completion_params, completion_prompts, decode_request, request_options,
+    chat_params, completion_params, completion_prompts, decode_request, echo_only, request_options,
 )
 from asyncllm.integrations.openai_responses import Choices
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
@@ -120,8 +120,10 @@ class OpenAIServer:
         params = completion_params(req, self.limits)
         prompts = completion_prompts(req.prompt, self.limits)
         streams = [self.engine.stream(prompt, params, **request_options(req)) for prompt in prompts]
-        choices = Choices(len(prompts), params.n, params.logprobs, chat=False)
-        return await self._respond(request, req, streams, choices, "cmpl", "text_completion")
+        choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
+                          echo_only=echo_only(req))
+        return await self._respond(request, req, streams, choices, "cmpl", "text_completion",
+                                   echo=prompts if req.echo else None)
 
     async def chat_completions(self, request: Request) -> Response:
         req = decode_request(await self._body(request), ChatCompletionRequest)
@@ -225,35 +227,62 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def _echo(self, choices: Choices, streams: list[RequestStream], prompts: list[str | list[int]],
+              firsts: list[Any] = ()) -> list[tuple[int, dict[str, Any] | None, str]]:
+        """Completions' ``echo``: each prompt (its text, and its logprobs when asked) before its choices.
+
+        Streaming, `firsts` (the streams' first deltas, not yet added) carry the
+        prompts' logprobs; the result is one (choice index, logprobs, text) per
+        choice for the first chunks.
+        """
+        out = []
+        for i, (stream, prompt) in enumerate(zip(streams, prompts)):
+            if i < len(firsts) and firsts[i].prompt_logprobs is not None:
+                choices.prompt_logprobs[i] = firsts[i].prompt_logprobs
+            token_ids = stream.collector.prompt_token_ids if stream.collector is not None else []
+            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(token_ids)
+            out += [(index, logprobs, text) for index, logprobs in choices.echo(i, text, token_ids)]
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "not_found_error", param="model", code="model_not_found")
 
     async def _respond(self, request: Request, req: Any, streams: list[RequestStream], choices: Choices,
-                       id_prefix: str, kind: str) -> Response:
+                       id_prefix: str, kind: str, echo: list[str | list[int]] | None = None) -> Response:
         chunk_kind = kind + ".chunk" if choices.chat else kind
         meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": chunk_kind if req.stream else kind,
                 "created": int(time.time()), "model": self.model_name}
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             _count_prompts(streams, choices)
+            echoed = self._echo(choices, streams, echo, firsts) if echo is not None else []
             include_usage = req.stream_options is not None and req.stream_options.include_usage
-            events = self._sse(request, streams, firsts, choices, meta, include_usage)
+            events = self._sse(request, streams, firsts, choices, meta, include_usage, echoed)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
             choices.add(prompt_index, delta)
         _count_prompts(streams, choices)
+        if echo is not None:
+            self._echo(choices, streams, echo)
         return _json({**meta, "choices": choices.final_choices(), "usage": choices.usage()})
 
     async def _sse(self, request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
-                   meta: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+                   meta: dict[str, Any], include_usage: bool,
+                   echoed: list[tuple[int, dict[str, Any] | None, str]]) -> AsyncIterator[bytes]:
         extra = {"usage": None} if include_usage else {}
         try:
             if choices.chat:
                 for index in range(len(choices.prompt_tokens) * choices.n):
                     yield _event({**meta, "choices": [_chat_chunk(index, {"role": "assistant", "content": ""})], **extra})
+            for index, logprobs, text in echoed:
+                yield _event({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
+                                                   "finish_reason": None}], **extra})
             async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
                 index, logprobs = choices.add(prompt_index, delta)
                 if not delta.text and delta.finish_reason is None and logprobs is None:

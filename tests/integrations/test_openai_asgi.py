@@ -130,7 +130,7 @@ async def test_completion_logprobs(app) -> None:
     ({"prompt": "x", "n": 17}, "n"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo (the prompt alone)
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": [1.5]}, "prompt"),
     ({"prompt": "<longer than max_model_len>"}, "prompt"),  # found when the engine tokenizes it

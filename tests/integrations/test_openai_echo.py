@@ -1,0 +1,61 @@
+"""Completions' `echo`: the prompt before the completion, with its logprobs (what evaluation harnesses ask for)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_openai_asgi import GREEDY, _client
+
+from asyncllm import SamplingParams
+from asyncllm.integrations.openai_server import create_app
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PROMPT = "def add(a, b):\n    return"
+
+
+@pytest.fixture(scope="module")
+def app(bundled_engine):
+    return create_app(bundled_engine, manage_engine=False)
+
+
+async def test_echo_with_max_tokens_zero_gives_the_prompt_logprobs(app, bundled_engine, bundled_tokenizer) -> None:
+    expected = await bundled_engine.generate(PROMPT, SamplingParams(max_tokens=1, prompt_logprobs=2))
+    prompt_ids = bundled_tokenizer(PROMPT).input_ids
+    async with _client(app) as client:
+        body = (await client.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 0,
+                                                          "logprobs": 2})).json()
+    choice = body["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 0, "total_tokens": len(prompt_ids)}
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt_ids) and logprobs["token_logprobs"][0] is None
+    assert logprobs["top_logprobs"][0] is None and logprobs["text_offset"][0] == 0
+    for i in range(1, len(prompt_ids)):
+        entry = expected.prompt_logprobs[i]
+        assert logprobs["token_logprobs"][i] == pytest.approx(entry[prompt_ids[i]].logprob)
+        assert len(logprobs["top_logprobs"][i]) <= 2
+        assert logprobs["text_offset"][i] == logprobs["text_offset"][i - 1] + len(logprobs["tokens"][i - 1])
+
+
+async def test_echo_then_generated_tokens_streamed_or_not(app) -> None:
+    body = {**GREEDY, "prompt": PROMPT, "logprobs": 1}
+    async with _client(app) as client:
+        plain = (await client.post("/v1/completions", json=body)).json()["choices"][0]
+        echoed = (await client.post("/v1/completions", json={**body, "echo": True})).json()["choices"][0]
+        streamed = await client.post("/v1/completions", json={**body, "echo": True, "stream": True})
+        tokens = await client.post("/v1/completions", json={**GREEDY, "prompt": [5, 6, 7], "echo": True})
+        two = await client.post("/v1/completions", json={**GREEDY, "prompt": PROMPT, "echo": True, "n": 2,
+                                                         "temperature": 1.0})
+        refused = await client.post("/v1/completions", json={**body, "echo": True, "n": 2, "temperature": 1.0})
+    assert echoed["text"] == PROMPT + plain["text"]
+    generated = len(plain["logprobs"]["tokens"])
+    assert echoed["logprobs"]["token_logprobs"][-generated:] == plain["logprobs"]["token_logprobs"]
+    assert echoed["logprobs"]["tokens"][-generated:] == plain["logprobs"]["tokens"]
+    chunks = [json.loads(line[6:]) for line in streamed.text.split("\n\n") if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["text"] == PROMPT
+    assert "".join(c["choices"][0]["text"] for c in chunks) == echoed["text"]
+    assert tokens.json()["choices"][0]["text"].startswith(app.state.openai_server.engine.tokenizer.decode([5, 6, 7]))
+    assert all(c["text"].startswith(PROMPT) for c in two.json()["choices"])
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "echo")
