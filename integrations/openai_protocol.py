@@ -2,10 +2,11 @@
 
 Unknown fields are refused with a 400 naming them (OpenAI does the same), so a
 client never believes an option took effect when asyncllm does not build it;
-options asyncllm does not build yet (``suffix``, ``tools``, ``best_of`` != n) are refused by name too. vLLM's sampling extensions
-(``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``,
-``stop_token_ids``, ...) are accepted, as a vLLM user expects, and so is
-structured output: OpenAI's ``response_format`` (``json_object``,
+options asyncllm does not build yet (``suffix``, ``tools``, ``best_of`` != n)
+are refused by name too. vLLM's extensions (``top_k``, ``min_p``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``priority``, ``cache_salt``, ...) are accepted, as a vLLM user expects, and so
+is structured output: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
 ``choice``, ``grammar``, ``json_object``).
 """

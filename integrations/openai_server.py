@@ -227,8 +227,8 @@ class OpenAIServer:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _echo(self, choices: Choices, streams: list[RequestStream], prompts: list[str | list[int]],
-              firsts: list[Any] = ()) -> list[tuple[int, dict[str, Any] | None, str]]:
+    async def _echo(self, choices: Choices, streams: list[RequestStream], prompts: list[str | list[int]],
+                    firsts: list[Any] = ()) -> list[tuple[int, dict[str, Any] | None, str]]:
         """Completions' ``echo``: each prompt (its text, and its logprobs when asked) before its choices.
 
         Streaming, `firsts` (the streams' first deltas, not yet added) carry the
@@ -240,7 +240,10 @@ class OpenAIServer:
             if i < len(firsts) and firsts[i].prompt_logprobs is not None:
                 choices.prompt_logprobs[i] = firsts[i].prompt_logprobs
             token_ids = stream.collector.prompt_token_ids if stream.collector is not None else []
-            text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(token_ids)
+            if isinstance(prompt, str):
+                text = prompt
+            else:  # token ids: their text, decoded off the event loop
+                text = await anyio.to_thread.run_sync(self.engine.tokenizer.decode, token_ids)
             out += [(index, logprobs, text) for index, logprobs in choices.echo(i, text, token_ids)]
         return out
 
@@ -260,7 +263,7 @@ class OpenAIServer:
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             _count_prompts(streams, choices)
-            echoed = self._echo(choices, streams, echo, firsts) if echo is not None else []
+            echoed = await self._echo(choices, streams, echo, firsts) if echo is not None else []
             include_usage = req.stream_options is not None and req.stream_options.include_usage
             events = self._sse(request, streams, firsts, choices, meta, include_usage, echoed)
             return StreamingResponse(events, media_type="text/event-stream",
@@ -269,7 +272,7 @@ class OpenAIServer:
             choices.add(prompt_index, delta)
         _count_prompts(streams, choices)
         if echo is not None:
-            self._echo(choices, streams, echo)
+            await self._echo(choices, streams, echo)
         return _json({**meta, "choices": choices.final_choices(), "usage": choices.usage()})
 
     async def _sse(self, request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,

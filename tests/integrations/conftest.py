@@ -27,3 +27,11 @@ def bundled_tokenizer():
     from asyncllm.bundled import bundled_model_path
 
     return AutoTokenizer.from_pretrained(bundled_model_path())
+
+
+@pytest.fixture(scope="module")
+def app(bundled_engine):
+    """The OpenAI-compatible app over the shared engine (the engine outlives it)."""
+    from asyncllm.integrations.openai_server import create_app
+
+    return create_app(bundled_engine, manage_engine=False)

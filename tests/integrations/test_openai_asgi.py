@@ -21,11 +21,6 @@ def _client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
-@pytest.fixture(scope="module")
-def app(bundled_engine):
-    return create_app(bundled_engine, manage_engine=False)
-
-
 def _events(text: str) -> list:
     lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"

@@ -8,16 +8,10 @@ import pytest
 from test_openai_asgi import GREEDY, _client
 
 from asyncllm import SamplingParams
-from asyncllm.integrations.openai_server import create_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 PROMPT = "def add(a, b):\n    return"
-
-
-@pytest.fixture(scope="module")
-def app(bundled_engine):
-    return create_app(bundled_engine, manage_engine=False)
 
 
 async def test_echo_with_max_tokens_zero_gives_the_prompt_logprobs(app, bundled_engine, bundled_tokenizer) -> None:

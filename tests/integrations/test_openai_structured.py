@@ -8,8 +8,6 @@ import re
 import pytest
 from test_openai_asgi import _client
 
-from asyncllm.integrations.openai_server import create_app
-
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -21,11 +19,6 @@ SCHEMA = {
 }
 SAMPLED = {"temperature": 1.0, "seed": 7, "max_tokens": 100}
 CHAT = {"messages": [{"role": "user", "content": "Answer in JSON"}]}
-
-
-@pytest.fixture(scope="module")
-def app(bundled_engine):
-    return create_app(bundled_engine, manage_engine=False)
 
 
 def _json(text: str) -> object:
