@@ -19,7 +19,22 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["load_tokenizer", "encode_prompt", "apply_chat_template", "eos_token_ids"]
+__all__ = ["load_tokenizer", "encode_prompt", "apply_chat_template", "check_template_kwargs", "eos_token_ids"]
+
+_RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "chat_template",
+                                       "tools", "documents", "padding", "truncation", "max_length"})
+"""Arguments of transformers' ``apply_chat_template`` that are not template variables: never taken from requests."""
+
+
+def check_template_kwargs(kwargs: object) -> None:
+    """`InvalidRequestError("chat_template_kwargs")` unless `kwargs` is None or a dict of template variables."""
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise InvalidRequestError("chat_template_kwargs", f"must be a dict with str keys, got {kwargs!r}")
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise InvalidRequestError("chat_template_kwargs", f"{reserved} are not template variables")
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
@@ -44,13 +59,18 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Render ``messages`` with the tokenizer's chat template and tokenize them.
 
     The template writes the special tokens itself (BOS included), so the
     rendered text is tokenized without adding any, as transformers does.
+    `template_kwargs` are variables the template reads (``enable_thinking``
+    for Qwen3, say); an ``add_generation_prompt`` among them wins.
     """
     _check_messages(messages)
+    check_template_kwargs(template_kwargs)
+    kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "messages", f"the tokenizer of {tokenizer.name_or_path or 'this model'} has no chat template; "
@@ -59,9 +79,7 @@ def apply_chat_template(
     from jinja2 import TemplateError
 
     try:
-        token_ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False,
-        )
+        token_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
     except TemplateError as exc:  # raise_exception() in the template, or a template bug
         raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
     return [int(t) for t in token_ids]

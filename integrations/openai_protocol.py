@@ -25,7 +25,7 @@ from asyncllm.sampling import SamplingParams, StructuredOutputs
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "decode_request", "completion_params", "chat_params", "completion_prompts", "chat_messages", "request_options",
-    "echo_only",
+    "echo_only", "template_kwargs",
 ]
 
 
@@ -101,6 +101,10 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    """vLLM's: end the rendered prompt with the assistant's turn opening."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """vLLM's: variables for the chat template (``{"enable_thinking": false}`` for Qwen3)."""
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -113,6 +117,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """For a prompt: the tokenizer's special tokens (BOS), as the engine adds them."""
     add_generation_prompt: bool = True
     """For messages: end with the assistant's turn opening, as chat completions do."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """For messages: variables for the chat template, as chat completions take them."""
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -170,6 +176,11 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
 def request_options(req: _Common) -> dict[str, Any]:
     """The engine's per-request options of `AsyncEngine.stream` / `chat` (vLLM's extensions)."""
     return {"priority": req.priority, "cache_salt": req.cache_salt}
+
+
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+    """The chat template's variables of a request: ``add_generation_prompt``, then ``chat_template_kwargs`` (which win)."""
+    return {"add_generation_prompt": req.add_generation_prompt, **(req.chat_template_kwargs or {})}
 
 
 def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingParams:

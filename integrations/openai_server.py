@@ -33,7 +33,7 @@ from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
-    chat_params, completion_params, completion_prompts, decode_request, echo_only, request_options,
+    chat_params, completion_params, completion_prompts, decode_request, echo_only, request_options, template_kwargs,
 )
 from asyncllm.integrations.openai_responses import Choices
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
@@ -129,7 +129,8 @@ class OpenAIServer:
         req = decode_request(await self._body(request), ChatCompletionRequest)
         self._check_model(req.model)
         params = chat_params(req, self.limits)
-        streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req))]
+        streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
+                                    chat_template_kwargs=template_kwargs(req))]
         choices = Choices(1, params.n, params.logprobs, chat=True)
         return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
 
@@ -149,8 +150,8 @@ class OpenAIServer:
             prompt, special = req.prompt, req.add_special_tokens
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         else:
-            messages = chat_messages(req.messages)
-            tokens = await anyio.to_thread.run_sync(apply_chat_template, tokenizer, messages, req.add_generation_prompt)
+            messages, kwargs = chat_messages(req.messages), template_kwargs(req)
+            tokens = await anyio.to_thread.run_sync(apply_chat_template, tokenizer, messages, True, kwargs)
         return _json({"count": len(tokens), "max_model_len": self.engine.config.max_model_len,
                       "tokens": [int(t) for t in tokens], "token_strs": None})
 

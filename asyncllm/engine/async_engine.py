@@ -202,9 +202,14 @@ class AsyncEngine:
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,
              request_id: str | None = None, timeout: float | None = None,
-             cache_salt: str | None = None) -> RequestStream:
-        """Stream a reply to chat `messages`, formatted by the tokenizer's chat template."""
-        options = RequestOptions(priority, request_id, timeout, cache_salt)
+             cache_salt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> RequestStream:
+        """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
+
+        `chat_template_kwargs` are variables for the template, as in
+        transformers' ``apply_chat_template`` (``{"enable_thinking": False}``
+        for Qwen3; ``{"add_generation_prompt": False}`` to continue the last message).
+        """
+        options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs)
         return RequestStream(self, messages, _params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:

@@ -15,6 +15,7 @@ from asyncllm.engine.collector import RequestCollector
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
+from asyncllm.tokenizer import check_template_kwargs
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -33,6 +34,8 @@ class RequestOptions:
     (wherever it is: queued, prefilling, decoding or swapped out; its blocks are freed)."""
     cache_salt: str | None = None
     """Requests with different salts never share prefix-cached KV blocks."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """`chat` only: variables for the chat template (``add_generation_prompt``, ``enable_thinking``, ...)."""
 
     def validate(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -45,6 +48,7 @@ class RequestOptions:
                 raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {self.timeout!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt", f"must be a str, got {self.cache_salt!r}")
+        check_template_kwargs(self.chat_template_kwargs)
 
 
 class RequestStream:

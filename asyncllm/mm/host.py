@@ -23,8 +23,12 @@ def _is_multimodal_chat(messages: Any) -> bool:
     return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
 
 
-def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, max_model_len: int) -> MultiModalPrompt | None:
-    """A dict prompt or chat messages with content parts, processed; None for a text-only prompt."""
+def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, max_model_len: int,
+                      template_kwargs: dict[str, Any] | None = None) -> MultiModalPrompt | None:
+    """A dict prompt or chat messages with content parts, processed; None for a text-only prompt.
+
+    `template_kwargs` are the chat template's variables (`AsyncEngine.chat`'s ``chat_template_kwargs``).
+    """
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
         return None
     field = "messages" if chat else "prompt.images"
@@ -32,7 +36,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         raise InvalidRequestError(field, "this model takes no images (it is not a multimodal architecture)")
     if chat:
         messages, images, uuids = split_chat_images(prompt)
-        token_ids = _render_chat(mm, messages)
+        token_ids = _render_chat(mm, messages, template_kwargs)
     else:
         unknown = set(prompt) - {"prompt", "images", "image_uuids"}
         if unknown or not isinstance(prompt.get("prompt"), str) or not prompt["prompt"]:
@@ -49,14 +53,16 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
     return result
 
 
-def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]]) -> list[int]:
+def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]],
+                 template_kwargs: dict[str, Any] | None) -> list[int]:
     """The chat template over messages whose content may be a list of text and image parts."""
     from jinja2 import TemplateError
 
     if not getattr(mm.tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "the tokenizer has no chat template; send a {'prompt', 'images'} dict")
     try:
-        token_ids = mm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+        token_ids = mm.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
     except (TemplateError, TypeError, KeyError) as exc:
         raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
     return [int(t) for t in token_ids]

@@ -132,6 +132,21 @@ async def test_chat_applies_template(engine: AsyncEngine, tokenizer) -> None:
     assert token_ids == hf_greedy(engine.config.model, list(expected_prompt), 5)
 
 
+async def test_chat_template_kwargs_reach_the_template(engine: AsyncEngine, tokenizer) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    expected_prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=False, tokenize=True)
+    if hasattr(expected_prompt, "keys"):  # transformers 5 returns a BatchEncoding
+        expected_prompt = expected_prompt["input_ids"]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    stream = engine.chat(messages, params, chat_template_kwargs={"add_generation_prompt": False})
+    token_ids = [t for d in [d async for d in stream] for t in d.token_ids]
+    assert token_ids == hf_greedy(engine.config.model, list(expected_prompt), 5)
+    for bad in ({"tokenize": False}, ["add_generation_prompt"], {1: True}):
+        with pytest.raises(InvalidRequestError) as info:
+            [d async for d in engine.chat(messages, params, chat_template_kwargs=bad)]
+        assert info.value.field == "chat_template_kwargs"
+
+
 @pytest.mark.parametrize(
     "prompt, params, field",
     [

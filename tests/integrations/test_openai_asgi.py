@@ -205,6 +205,19 @@ async def test_vllm_tokenize_detokenize_and_version(app, bundled_tokenizer) -> N
     assert version.status_code == 200 and version.json()["version"]
 
 
+async def test_chat_template_variables(app) -> None:
+    chat = {**GREEDY, "messages": [{"role": "user", "content": "hi"}]}
+    async with _client(app) as client:
+        counts = [(await client.post("/tokenize", json={"messages": chat["messages"], **extra})).json()["count"]
+                  for extra in ({}, {"add_generation_prompt": False})]
+        prompt_tokens = [(await client.post("/v1/chat/completions", json={**chat, **extra})).json()["usage"]["prompt_tokens"]
+                         for extra in ({"chat_template_kwargs": {"add_generation_prompt": False}},
+                                       {"add_generation_prompt": False})]
+        reserved = await client.post("/v1/chat/completions", json={**chat, "chat_template_kwargs": {"tokenize": True}})
+    assert counts[1] < counts[0] and prompt_tokens == [counts[1]] * 2
+    assert (reserved.status_code, reserved.json()["error"]["param"]) == (400, "chat_template_kwargs")
+
+
 async def test_http_level_errors(app) -> None:
     async with _client(app) as client:
         wrong_model = await client.post("/v1/completions", json={**GREEDY, "model": "gpt-4", "prompt": "x"})
