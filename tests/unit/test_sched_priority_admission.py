@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncllm.config import EngineConfig
-from asyncllm.errors import EngineOverloadedError
+from asyncllm.errors import EngineOverloadedError, InvalidRequestError
 from asyncllm.sched.deadlines import DeadlineHeap
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.scheduler import Scheduler
@@ -76,11 +76,13 @@ def test_equal_or_lower_priority_arrivals_wait(waiting_priority):
     assert out.preempted_req_ids == [] and out.num_scheduled_tokens == {"a": 1}
 
 
-def test_fcfs_never_preempts_for_a_waiting_request():
+def test_fcfs_refuses_priorities_and_never_preempts_for_a_waiting_request():
     sched = scheduler(max_num_seqs=1)
-    sched.add_request(request("a", 5, priority=5, max_tokens=3))
+    with pytest.raises(InvalidRequestError, match="scheduling_policy='priority'"):
+        sched.add_request(request("x", 5, priority=5))
+    sched.add_request(request("a", 5, max_tokens=3))
     run_step(sched)
-    sched.add_request(request("b", 6, priority=0, arrival=1.0))
+    sched.add_request(request("b", 6, arrival=1.0))
     assert run_step(sched)[0].preempted_req_ids == []
 
 
