@@ -76,7 +76,6 @@ WORKER_PIPELINE = EnvVar(
 )
 
 
-
 def _on_off(raw: str) -> bool:
     mode = _ON_OFF_AUTO.get(raw.strip().lower())
     if mode is None or mode == "auto":
