@@ -13,6 +13,7 @@ from typing import Any
 from asyncllm import envs
 from asyncllm.cli_args import add_engine_args, engine_kwargs
 from asyncllm.errors import ConfigError
+from asyncllm.tool_calls import TOOL_PARSERS
 
 __all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine"]
 
@@ -40,6 +41,10 @@ def add_serve_parser(commands: Any) -> None:
                        help="largest max_tokens per request (default: max_model_len)")
     serve.add_argument("--max-prompts", type=int, default=64, help="most prompts per /v1/completions request")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the format of the model's tool calls (hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.x)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(serve)
 
@@ -66,11 +71,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     from asyncllm.integrations.openai_protocol import ServerLimits
     from asyncllm.integrations.openai_server import create_app
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     try:
         engine, name = _serve_engine(args)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts)
-        app = create_app(engine, model_name=name, api_key=args.api_key or envs.API_KEY.get() or None, limits=limits)
+        app = create_app(engine, model_name=name, api_key=args.api_key or envs.API_KEY.get() or None, limits=limits,
+                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     except ConfigError as exc:
         parser.error(str(exc))
     print(f"[asyncllm] serving on http://{args.host}:{args.port}/v1", file=sys.stderr)

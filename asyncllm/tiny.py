@@ -38,17 +38,42 @@ SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", 
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% if tools %}"
+    "{{ '<|system|>' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments within '"
+    "'<tool_call></tool_call>:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n"
+    "</tool_call>' + eos_token }}"
     "{% endif %}"
-    "{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}"
+    "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|user|><tool_response>\\n' + message['content'] + '\\n</tool_response>' + eos_token }}"
+    "{% elif message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role: ' + message['role']) }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>\\n{\"name\": ' + (function['name'] | tojson) + ', \"arguments\": ' + (function['arguments'] | tojson)"
+    " + '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ eos_token }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
-"""Jinja chat template of the tiny tokenizer: ``<|bos|><|user|>Hi<|eos|><|assistant|>``."""
+"""Jinja chat template of the tiny tokenizer: ``<|bos|><|user|>Hi<|eos|><|assistant|>``.
 
-_FORMAT_VERSION = 1
+With ``tools`` it also writes them into a system turn, and an assistant's
+``tool_calls`` as Hermes ``<tool_call>`` blocks (the ``hermes`` tool parser
+reads them back); a ``tool`` message is a user turn in ``<tool_response>``.
+Without tools and tool messages it renders as it always did.
+"""
+
+_FORMAT_VERSION = 2
 """Bump when the checkpoint layout or the recipe changes, so cached builds are rebuilt."""
 
 _CORPUS_FILES = (

@@ -19,7 +19,9 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["load_tokenizer", "encode_prompt", "apply_chat_template", "check_template_kwargs", "eos_token_ids"]
+__all__ = [
+    "load_tokenizer", "encode_prompt", "apply_chat_template", "template_messages", "check_template_kwargs", "eos_token_ids",
+]
 
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "chat_template",
                                        "tools", "documents", "padding", "truncation", "max_length"})
@@ -59,18 +61,21 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
 
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-    template_kwargs: dict[str, Any] | None = None,
+    template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Render ``messages`` with the tokenizer's chat template and tokenize them.
 
     The template writes the special tokens itself (BOS included), so the
     rendered text is tokenized without adding any, as transformers does.
     `template_kwargs` are variables the template reads (``enable_thinking``
-    for Qwen3, say); an ``add_generation_prompt`` among them wins.
+    for Qwen3, say); an ``add_generation_prompt`` among them wins. `tools`
+    (OpenAI function tools) go to the template's ``tools``.
     """
-    _check_messages(messages)
+    messages = template_messages(messages)
     check_template_kwargs(template_kwargs)
     kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
+    if tools:
+        kwargs["tools"] = tools
     if not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "messages", f"the tokenizer of {tokenizer.name_or_path or 'this model'} has no chat template; "
@@ -85,15 +90,51 @@ def apply_chat_template(
     return [int(t) for t in token_ids]
 
 
-def _check_messages(messages: object) -> None:
+def template_messages(messages: object) -> list[dict[str, Any]]:
+    """Checked messages as chat templates read them.
+
+    Each is a dict with a str ``role`` and ``content``; an assistant message
+    with ``tool_calls`` (OpenAI's shape) may have ``content`` None (rendered
+    as ""), and its calls' ``arguments`` JSON text is parsed into the dict the
+    templates write (as vLLM does). Other keys (``tool_call_id``, ``name``)
+    pass through.
+    """
     if not isinstance(messages, list) or not messages:
         raise InvalidRequestError("messages", "must be a non-empty list of {'role': str, 'content': str} dicts")
+    out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequestError("messages", f"item {i} must be a dict, got {type(message).__name__}")
+        if message.get("tool_calls") is not None:
+            message = {**message, "content": message.get("content") or "",
+                       "tool_calls": [_template_call(i, call) for call in _listed(i, message["tool_calls"])]}
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise InvalidRequestError("messages", f"item {i} needs a str {key!r}, got {message.get(key)!r}")
+        out.append(message)
+    return out
+
+
+def _listed(i: int, calls: object) -> list[Any]:
+    if not isinstance(calls, list):
+        raise InvalidRequestError("messages", f"item {i}: tool_calls must be a list, got {type(calls).__name__}")
+    return calls
+
+
+def _template_call(i: int, call: object) -> dict[str, Any]:
+    """One of an assistant's ``tool_calls`` with its arguments as a dict."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidRequestError("messages", f"item {i}: each tool call needs a 'function' with a str 'name'")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except ValueError:
+            raise InvalidRequestError("messages", f"item {i}: tool call arguments are not JSON: {arguments!r}") from None
+    if not isinstance(arguments, dict):
+        raise InvalidRequestError("messages", f"item {i}: tool call arguments must be a JSON object")
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str) -> list[int]:

@@ -2,8 +2,8 @@
 
 Unknown fields are refused with a 400 naming them (OpenAI does the same), so a
 client never believes an option took effect when asyncllm does not build it;
-options asyncllm does not build yet (``suffix``, ``tools``, ``best_of`` != n)
-are refused by name too. vLLM's extensions (``top_k``, ``min_p``,
+options asyncllm does not build yet (``suffix``, ``best_of`` != n) are refused
+by name too. Tool calling (``tools``, ``tool_choice``) is in openai_tools.py. vLLM's extensions (``top_k``, ``min_p``,
 ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``priority``, ``cache_salt``, ...) are accepted, as a vLLM user expects, and so
 is structured output: OpenAI's ``response_format`` (``json_object``,
@@ -100,7 +100,11 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
+    """OpenAI function tools: rendered by the chat template, their calls read back (openai_tools.py)."""
     tool_choice: str | dict[str, Any] | None = None
+    """'none', 'auto' (the default with tools), 'required', or ``{"type": "function", "function": {"name"}}``."""
+    parallel_tool_calls: bool | None = None
+    """False: at most one call per reply."""
     add_generation_prompt: bool = True
     """vLLM's: end the rendered prompt with the assistant's turn opening."""
     chat_template_kwargs: dict[str, Any] | None = None
@@ -113,6 +117,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    """For messages: function tools for the chat template, as chat completions take them."""
     add_special_tokens: bool = True
     """For a prompt: the tokenizer's special tokens (BOS), as the engine adds them."""
     add_generation_prompt: bool = True
@@ -157,8 +163,15 @@ def completion_prompts(prompt: str | list[Any], limits: ServerLimits) -> list[st
     raise InvalidRequestError("prompt", "must be a string, a list of strings, a list of token ids, or a list of those lists")
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """Messages with text-part lists flattened to strings (the engine's chat template takes strings)."""
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages with text-part lists flattened to strings (the engine's chat template takes strings).
+
+    An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
+    the template (the engine parses the calls' JSON arguments for it).
+    """
     out = []
     for i, message in enumerate(messages):
         content = message.get("content")
@@ -166,10 +179,10 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
             content = "".join(_text_part(i, part) for part in content)
         elif content is None:
             content = ""
-        extra = set(message) - {"role", "content", "name"}
+        extra = set(message) - _MESSAGE_KEYS
         if extra:
             raise InvalidRequestError("messages", f"item {i} has fields asyncllm does not build yet: {sorted(extra)}")
-        out.append({"role": message.get("role"), "content": content})
+        out.append({**message, "content": content})
     return out
 
 
@@ -206,18 +219,18 @@ def echo_only(req: CompletionRequest) -> bool:
     return req.echo and req.max_tokens == 0
 
 
-def chat_params(req: ChatCompletionRequest, limits: ServerLimits) -> SamplingParams:
-    _refuse(bool(req.tools), "tools", "tool calling is not built yet")
-    _refuse(req.tool_choice not in (None, "none"), "tool_choice", "tool calling is not built yet")
+def chat_params(req: ChatCompletionRequest, limits: ServerLimits,
+                tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
+    """`SamplingParams` of a chat completion; `tool_constraint` is a named or required tool choice's output schema."""
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs", "needs logprobs: true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _params(req, max_tokens, logprobs, limits)
+    return _params(req, max_tokens, logprobs, limits, tool_constraint=tool_constraint)
 
 
 def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: ServerLimits,
-            prompt_logprobs: int | None = None) -> SamplingParams:
+            prompt_logprobs: int | None = None, tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
     if _is_int(req.n) and req.n > limits.max_n:
         raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
     if limits.max_tokens is not None:
@@ -237,6 +250,11 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
         logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )
     params.structured, field = _structured(req)
+    if tool_constraint is not None:
+        if params.structured is not None:
+            raise InvalidRequestError("tool_choice", f"a named or 'required' tool choice constrains the output: "
+                                                     f"it cannot be combined with {field}")
+        params.structured, field = tool_constraint, "tools"
     try:
         params.validate()
     except InvalidRequestError as exc:  # the constraint's errors name the field the client used

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncllm.integrations.openai_tools import ToolMode, ToolReply, merge_deltas
 from asyncllm.outputs import Logprob, PromptLogprobs, StreamDelta
 
 __all__ = ["Choices", "usage"]
@@ -30,13 +31,16 @@ class _Choice:
     logprobs: Entries = field(default_factory=list)
     text_offset: int = 0
     """Characters of this choice's text before the next logprob's token (completions' text_offset)."""
+    reply: ToolReply | None = None
+    """A streamed chat choice's reply (its tool calls)."""
 
 
 class Choices:
     """Every choice of one request: choice index = prompt index * n + sample index."""
 
     def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool,
-                 token_text: Callable[[int], str] | None = None, echo_only: bool = False) -> None:
+                 token_text: Callable[[int], str] | None = None, echo_only: bool = False,
+                 tool_mode: ToolMode | None = None) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -47,6 +51,8 @@ class Choices:
         """A token id's text, for an echoed prompt's first token (it has no logprob entry)."""
         self.echo_only = echo_only
         """Completions' ``echo`` with ``max_tokens`` 0: the prompt is the whole choice, generated tokens are dropped."""
+        self.tool_mode = tool_mode or ToolMode("none")
+        """Chat: how replies are read for tool calls (openai_tools.py)."""
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
@@ -67,6 +73,17 @@ class Choices:
             choice.logprobs.extend(delta.logprobs)
             logprobs = self._format_logprobs(choice, delta.token_ids, delta.logprobs)
         return index, logprobs
+
+    def chat_deltas(self, index: int, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
+        """Streaming chat: the OpenAI deltas of choice `index`'s next text, and the finish_reason to send."""
+        choice = self._choices[index]
+        if choice.reply is None:
+            choice.reply = ToolReply(self.tool_mode)
+        deltas = choice.reply.feed(text)
+        if finish_reason is not None:
+            more, finish_reason = choice.reply.finish(finish_reason)
+            deltas += more
+        return deltas, finish_reason
 
     def echo(self, prompt_index: int, text: str, token_ids: list[int]) -> list[tuple[int, dict[str, Any] | None]]:
         """Put the prompt before each choice of this prompt (completions' ``echo``).
@@ -101,8 +118,11 @@ class Choices:
                 choice.text_offset = 0
                 logprobs = self._format_logprobs(choice, choice.token_ids, choice.logprobs)
             if self.chat:
-                out.append({"index": index, "message": {"role": "assistant", "content": text},
-                            "logprobs": logprobs, "finish_reason": choice.finish_reason})
+                reply = ToolReply(self.tool_mode)
+                deltas = reply.feed(text)
+                more, finish_reason = reply.finish(choice.finish_reason)
+                message = merge_deltas(deltas + more, tools=self.tool_mode.kind != "none")
+                out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
             else:
                 out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
         return out

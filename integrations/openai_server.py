@@ -3,7 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE
 streaming and ``stream_options.include_usage``), ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
-``GET /health``, ``GET /metrics`` (Prometheus text). Errors are OpenAI-style
+``GET /health``, ``GET /metrics`` (Prometheus text). Chat completions take
+``tools`` and ``tool_choice`` (openai_tools.py); ``"auto"`` needs the app made
+with a `tool_call_parser`. Errors are OpenAI-style
 bodies ``{"error": {"message", "type", "param", "code"}}`` with the status
 of the asyncllm error (400 invalid request, 401 bad API key, 404 unknown model
 or route, 413 body too large, 429 engine overloaded, 503 engine dead). A
@@ -36,9 +38,11 @@ from asyncllm.integrations.openai_protocol import (
     chat_params, completion_params, completion_prompts, decode_request, echo_only, request_options, template_kwargs,
 )
 from asyncllm.integrations.openai_responses import Choices
+from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.tokenizer import apply_chat_template
+from asyncllm.tool_calls import ToolParser, check_tools, get_tool_parser
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -50,18 +54,23 @@ logger = logging.getLogger("asyncllm.integrations.openai")
 
 
 def create_app(engine: AsyncEngine | None = None, *, model_name: str | None = None, api_key: str | None = None,
-               limits: ServerLimits | None = None, manage_engine: bool = True) -> Starlette:
+               limits: ServerLimits | None = None, manage_engine: bool = True,
+               tool_call_parser: str | None = None) -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
     `model_name` is the id clients pass as ``model`` (default: the model as
     configured, or ``asyncllm-tiny`` for the bundled one). With `manage_engine`
     the app's lifespan starts the engine and closes it at shutdown.
+    `tool_call_parser` (``"hermes"``, ``"llama3_json"``) enables
+    ``tool_choice: "auto"`` (vLLM's ``--enable-auto-tool-choice --tool-call-parser``).
     """
+    parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     if engine is None:
         from asyncllm import AsyncEngine
 
         engine = AsyncEngine(disable_log_stats=True)
-    server = OpenAIServer(engine, model_name or _served_name(engine.config.model), api_key, limits or ServerLimits())
+    server = OpenAIServer(engine, model_name or _served_name(engine.config.model), api_key, limits or ServerLimits(),
+                          parser)
     return server.app(manage_engine)
 
 
@@ -82,8 +91,10 @@ class OpenAIServer:
     """The route handlers; one per app."""
 
     def __init__(self, engine: AsyncEngine, model_name: str | None, api_key: str | None,
-                 limits: ServerLimits) -> None:
+                 limits: ServerLimits, tool_parser: ToolParser | None = None) -> None:
         self.engine = engine
+        self.tool_parser = tool_parser
+        """Reads the calls of ``tool_choice: "auto"`` replies; None: "auto" is refused."""
         self._model_name = model_name
         self.limits = limits
         self._api_key = api_key.encode() if api_key else None
@@ -128,10 +139,11 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         req = decode_request(await self._body(request), ChatCompletionRequest)
         self._check_model(req.model)
-        params = chat_params(req, self.limits)
+        tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        params = chat_params(req, self.limits, tools.constraint)
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
-                                    chat_template_kwargs=template_kwargs(req))]
-        choices = Choices(1, params.n, params.logprobs, chat=True)
+                                    chat_template_kwargs=template_kwargs(req), tools=req.tools)]
+        choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=tools)
         return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
 
     async def models(self, request: Request) -> Response:
@@ -150,8 +162,9 @@ class OpenAIServer:
             prompt, special = req.prompt, req.add_special_tokens
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         else:
-            messages, kwargs = chat_messages(req.messages), template_kwargs(req)
-            tokens = await anyio.to_thread.run_sync(apply_chat_template, tokenizer, messages, True, kwargs)
+            messages, kwargs, tools = chat_messages(req.messages), template_kwargs(req), req.tools
+            check_tools(tools)
+            tokens = await anyio.to_thread.run_sync(apply_chat_template, tokenizer, messages, True, kwargs, tools)
         return _json({"count": len(tokens), "max_model_len": self.engine.config.max_model_len,
                       "tokens": [int(t) for t in tokens], "token_strs": None})
 
@@ -289,12 +302,13 @@ class OpenAIServer:
                                                    "finish_reason": None}], **extra})
             async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
                 index, logprobs = choices.add(prompt_index, delta)
-                if not delta.text and delta.finish_reason is None and logprobs is None:
-                    continue
-                choice = (_chat_chunk(index, {"content": delta.text} if delta.text else {}, logprobs, delta.finish_reason)
-                          if choices.chat else
-                          {"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason})
-                yield _event({**meta, "choices": [choice], **extra})
+                if choices.chat:
+                    for choice in _chat_choices(choices, index, delta, logprobs):
+                        yield _event({**meta, "choices": [choice], **extra})
+                elif delta.text or delta.finish_reason is not None or logprobs is not None:
+                    choice = {"index": index, "text": delta.text, "logprobs": logprobs,
+                              "finish_reason": delta.finish_reason}
+                    yield _event({**meta, "choices": [choice], **extra})
             if include_usage:
                 yield _event({**meta, "choices": [], "usage": choices.usage()})
         except AsyncLLMError as exc:  # after the first token the status is sent: report in the stream
@@ -308,6 +322,18 @@ def _count_prompts(streams: list[RequestStream], choices: Choices) -> None:
     for i, stream in enumerate(streams):
         if stream.collector is not None:
             choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
+
+
+def _chat_choices(choices: Choices, index: int, delta: Any, logprobs: Any) -> list[dict[str, Any]]:
+    """The chunks' choices of one delta of a chat: one per OpenAI delta (content, a tool call), logprobs on the
+    first, the finish_reason on the last; none when there is nothing to send."""
+    parts, finish_reason = choices.chat_deltas(index, delta.text, delta.finish_reason)
+    if not parts and finish_reason is None and logprobs is None:
+        return []
+    parts = parts or [{}]
+    last = len(parts) - 1
+    return [_chat_chunk(index, part, logprobs if k == 0 else None, finish_reason if k == last else None)
+            for k, part in enumerate(parts)]
 
 
 def _chat_chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> dict:

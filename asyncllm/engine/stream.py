@@ -16,6 +16,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import check_template_kwargs
+from asyncllm.tool_calls import check_tools
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -36,6 +37,8 @@ class RequestOptions:
     """Requests with different salts never share prefix-cached KV blocks."""
     chat_template_kwargs: dict[str, Any] | None = None
     """`chat` only: variables for the chat template (``add_generation_prompt``, ``enable_thinking``, ...)."""
+    tools: list[dict[str, Any]] | None = None
+    """`chat` only: OpenAI function tools, rendered by the chat template (asyncllm/tool_calls.py)."""
 
     def validate(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -49,6 +52,7 @@ class RequestOptions:
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt", f"must be a str, got {self.cache_salt!r}")
         check_template_kwargs(self.chat_template_kwargs)
+        check_tools(self.tools)
 
 
 class RequestStream:

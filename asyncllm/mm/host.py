@@ -24,10 +24,12 @@ def _is_multimodal_chat(messages: Any) -> bool:
 
 
 def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, max_model_len: int,
-                      template_kwargs: dict[str, Any] | None = None) -> MultiModalPrompt | None:
+                      template_kwargs: dict[str, Any] | None = None,
+                      tools: list[dict[str, Any]] | None = None) -> MultiModalPrompt | None:
     """A dict prompt or chat messages with content parts, processed; None for a text-only prompt.
 
-    `template_kwargs` are the chat template's variables (`AsyncEngine.chat`'s ``chat_template_kwargs``).
+    `template_kwargs` are the chat template's variables (`AsyncEngine.chat`'s ``chat_template_kwargs``),
+    `tools` its function tools.
     """
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
         return None
@@ -36,7 +38,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         raise InvalidRequestError(field, "this model takes no images (it is not a multimodal architecture)")
     if chat:
         messages, images, uuids = split_chat_images(prompt)
-        token_ids = _render_chat(mm, messages, template_kwargs)
+        token_ids = _render_chat(mm, messages, template_kwargs, tools)
     else:
         unknown = set(prompt) - {"prompt", "images", "image_uuids"}
         if unknown or not isinstance(prompt.get("prompt"), str) or not prompt["prompt"]:
@@ -54,7 +56,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
 
 
 def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]],
-                 template_kwargs: dict[str, Any] | None) -> list[int]:
+                 template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> list[int]:
     """The chat template over messages whose content may be a list of text and image parts."""
     from jinja2 import TemplateError
 
@@ -62,6 +64,8 @@ def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]],
         raise InvalidRequestError("messages", "the tokenizer has no chat template; send a {'prompt', 'images'} dict")
     try:
         kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
+        if tools:
+            kwargs["tools"] = tools
         token_ids = mm.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
     except (TemplateError, TypeError, KeyError) as exc:
         raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc

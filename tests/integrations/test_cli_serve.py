@@ -59,6 +59,14 @@ def test_connect_refuses_core_flags(capsys) -> None:
     assert exit_info.value.code == 2 and "max_num_seqs" in capsys.readouterr().err
 
 
+def test_auto_tool_choice_needs_a_parser(capsys) -> None:
+    from asyncllm.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--enable-auto-tool-choice"])
+    assert exit_info.value.code == 2 and "--tool-call-parser" in capsys.readouterr().err
+
+
 def _subparser(command: str) -> argparse.ArgumentParser:
     actions = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
     return actions[0].choices[command]

@@ -100,8 +100,8 @@ def test_malformed_messages_are_invalid_request(tokenizer: Any, messages: Any) -
 
 
 def test_template_exception_is_invalid_request(tokenizer: Any) -> None:
-    with pytest.raises(InvalidRequestError, match="unknown role: tool"):
-        apply_chat_template(tokenizer, [{"role": "tool", "content": "{}"}])
+    with pytest.raises(InvalidRequestError, match="unknown role: robot"):
+        apply_chat_template(tokenizer, [{"role": "robot", "content": "{}"}])
 
 
 def _with_generation_config(tiny_path: str, tmp_path: Path, eos: object) -> str:

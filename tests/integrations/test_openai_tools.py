@@ -1,0 +1,120 @@
+"""Tool calling through the OpenAI server and `AsyncEngine.chat(tools=...)`, on the bundled model (hermes format)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_openai_asgi import _client, _events
+
+from asyncllm import SamplingParams
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome", "oslo"]}},
+        "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city", "parameters": CITY}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+             "required": ["a"], "additionalProperties": False}}}]
+HISTORY = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"},
+           {"role": "assistant", "content": None, "tool_calls": [
+               {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+SAMPLED = {"temperature": 1.0, "seed": 11, "max_tokens": 120}
+# what a hermes model writes: forced here with a regex, since the tiny model never chooses to call a tool
+HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(paris|rome)"\}\}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def hermes_app(bundled_engine):
+    from asyncllm.integrations.openai_server import create_app
+
+    return create_app(bundled_engine, manage_engine=False, tool_call_parser="hermes")
+
+
+def _rendered(tokenizer, messages=HISTORY, tools=TOOLS) -> list[int]:
+    template = [dict(m) for m in messages]
+    template[2] = {**template[2], "content": "", "tool_calls": [
+        {**template[2]["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "paris"}}}]}
+    return tokenizer.apply_chat_template(template, tools=tools, add_generation_prompt=True, return_dict=False)
+
+
+async def test_tools_and_tool_history_reach_the_template(app, bundled_engine, bundled_tokenizer) -> None:
+    expected = _rendered(bundled_tokenizer)
+    assert "get_weather" in bundled_tokenizer.decode(expected) and "sunny" in bundled_tokenizer.decode(expected)
+    async with _client(app) as client:
+        tokenized = await client.post("/tokenize", json={"messages": HISTORY, "tools": TOOLS})
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"] == expected
+    stream = bundled_engine.chat(HISTORY, SamplingParams(temperature=0, max_tokens=2), tools=TOOLS)
+    async with stream:
+        async for _ in stream:
+            pass
+    assert stream.collector.prompt_token_ids == expected
+
+
+async def test_named_tool_choice_streamed_and_whole(app) -> None:
+    body = {"messages": HISTORY, "tools": TOOLS, **SAMPLED,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    async with _client(app) as client:
+        whole = await client.post("/v1/chat/completions", json=body)
+        streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    assert whole.status_code == 200, whole.text
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather" and call["id"].startswith("call_")
+    jsonschema.validate(json.loads(call["function"]["arguments"]), CITY)
+    items = [item for event in _events(streamed.text) for c in event["choices"]
+             for item in c["delta"].get("tool_calls", ())]
+    assert items[0]["function"]["name"] == "get_weather" and all(item["index"] == 0 for item in items)
+    assert "".join(item["function"]["arguments"] for item in items) == call["function"]["arguments"]  # same seed
+
+
+async def test_required_tool_choice(app) -> None:
+    body = {"messages": HISTORY, "tools": TOOLS, **SAMPLED, "n": 2, "tool_choice": "required",
+            "parallel_tool_calls": False}
+    async with _client(app) as client:
+        response = await client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    for choice in response.json()["choices"]:
+        assert choice["finish_reason"] == "tool_calls", choice
+        (call,) = choice["message"]["tool_calls"]
+        schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call["function"]["name"])
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
+async def test_auto_reads_the_models_calls(hermes_app) -> None:
+    body = {"messages": HISTORY, "tools": TOOLS, **SAMPLED, "structured_outputs": {"regex": HERMES_CALL}}
+    async with _client(hermes_app) as client:
+        whole = await client.post("/v1/chat/completions", json=body)
+        streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+        text = await client.post("/v1/chat/completions", json={**body, "structured_outputs": {"regex": "It is sunny"}})
+    choice = whole.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+    (call,) = choice["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in ("paris", "rome")
+    chunks = [c for event in _events(streamed.text) for c in event["choices"]]
+    items = [item for c in chunks for item in c["delta"].get("tool_calls", ())]
+    assert len(items) == 1 and items[0]["function"]["name"] == "get_weather" and items[0]["id"].startswith("call_")
+    assert not any(c["delta"].get("content") for c in chunks)  # the call's text is not content
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    plain = text.json()["choices"][0]
+    assert plain["message"] == {"role": "assistant", "content": "It is sunny"} and plain["finish_reason"] == "stop"
+
+
+async def test_tool_requests_the_server_cannot_take(app, hermes_app) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    cases = [(app, {"tools": TOOLS}, "enable-auto-tool-choice"),  # auto by default: this server has no parser
+             (hermes_app, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+             (hermes_app, {"tool_choice": "required"}, "needs tools"),
+             (hermes_app, {"tools": TOOLS, "tool_choice": named, "response_format": {"type": "json_object"}}, "response_format"),
+             (hermes_app, {"tools": [{"type": "function", "function": {}}]}, "name")]
+    for server, extra, match in cases:
+        async with _client(server) as client:
+            response = await client.post("/v1/chat/completions", json={"messages": HISTORY, "max_tokens": 2, **extra})
+        assert response.status_code == 400, (extra, response.text)
+        error = response.json()["error"]
+        assert match in error["message"] and error["param"] in ("tools", "tool_choice"), error

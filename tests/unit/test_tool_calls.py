@@ -1,0 +1,138 @@
+"""Tool calling without a model: the parsers (whole and streamed), tool checks, template messages, tool modes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.integrations.openai_tools import ToolReply, merge_deltas, tool_mode
+from asyncllm.tokenizer import template_messages
+from asyncllm.tool_calls import check_tools, get_tool_parser
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add"}}
+HERMES_REPLY = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>')
+
+
+def _streamed(parser_name: str, text: str, seed: int) -> tuple[str, list[tuple[str, str]]]:
+    """`text` fed in random pieces: the content and the (name, arguments) of the calls."""
+    rng, stream, content, calls, pos = random.Random(seed), get_tool_parser(parser_name).stream(), "", [], 0
+    while pos < len(text):
+        size = rng.randint(1, 7)
+        piece_content, piece_calls = stream.feed(text[pos:pos + size])
+        content, calls, pos = content + piece_content, calls + piece_calls, pos + size
+    tail, more = stream.finish()
+    return content + tail, [(c.name, c.arguments) for c in calls + more]
+
+
+def test_hermes_reply_with_two_calls() -> None:
+    parsed = get_tool_parser("hermes").parse(HERMES_REPLY)
+    assert parsed.content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert len({c.id for c in parsed.tool_calls}) == 2 and parsed.tool_calls[0].id.startswith("call_")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_hermes_streamed_in_any_pieces_equals_whole(seed: int) -> None:
+    content, calls = _streamed("hermes", HERMES_REPLY, seed)
+    assert content == "Let me look.\n"  # streamed content keeps its trailing newline; nothing else is content
+    assert calls == [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1, "b": 2}')]
+
+
+def test_hermes_keeps_text_that_is_not_a_call() -> None:
+    parser = get_tool_parser("hermes")
+    assert parser.parse("just text").content == "just text" and parser.parse("just text").tool_calls == []
+    bad = "a <tool_call>{not json}</tool_call> b"
+    assert parser.parse(bad).content == bad and parser.parse(bad).tool_calls == []
+    unfinished = 'x <tool_call>\n{"name": "f", "argu'  # cut by max_tokens: all of it stays
+    assert _streamed("hermes", unfinished, 0) == (unfinished, [])
+    assert _streamed("hermes", "a <tool_ca", 1) == ("a <tool_ca", [])  # a held-back tag start is flushed
+
+
+def test_llama3_json_calls_and_content() -> None:
+    parser = get_tool_parser("llama3_json")
+    parsed = parser.parse('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+                          '{"name": "add", "arguments": {"a": 2}}')
+    assert parsed.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Rome"}), ("add", {"a": 2})]
+    assert parser.parse("The weather is fine.").content == "The weather is fine."
+    assert parser.parse('{"not": "a call"}').content == '{"not": "a call"}'
+    assert _streamed("llama3_json", ' {"name": "add", "parameters": {}}', 2) == ("", [("add", "{}")])
+    assert _streamed("llama3_json", "Sure, no tools.", 3) == ("Sure, no tools.", [])
+
+
+def test_unknown_parser_and_bad_tools_are_named() -> None:
+    with pytest.raises(ConfigError, match="tool_call_parser.*hermes"):
+        get_tool_parser("nope")
+    check_tools([WEATHER, ADD])
+    for tools, match in [({"a": 1}, "list"), ([{"type": "function"}], "item 0"),
+                         ([{"type": "function", "function": {"name": ""}}], "name"),
+                         ([{"type": "function", "function": {"name": "f", "parameters": []}}], "parameters")]:
+        with pytest.raises(InvalidRequestError, match=match):
+            check_tools(tools)
+
+
+def test_template_messages_parse_call_arguments() -> None:
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "1"}]
+    out = template_messages(messages)
+    assert out[1]["content"] == "" and out[1]["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert out[2] == messages[2] and messages[1]["content"] is None  # the caller's messages are not changed
+    bad = [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "add", "arguments": "{x"}}]}]
+    with pytest.raises(InvalidRequestError, match="not JSON"):
+        template_messages(bad)
+
+
+def test_tool_modes_refuse_what_they_cannot_take() -> None:
+    parser = get_tool_parser("hermes")
+    assert tool_mode(None, None, None, None).kind == "none"
+    assert tool_mode([WEATHER], "none", None, None).kind == "none"
+    assert tool_mode([WEATHER], None, None, parser).kind == "auto"  # auto is the default with tools
+    cases = [([WEATHER], None, None, "enable-auto-tool-choice"), (None, "required", parser, "needs tools"),
+             ([WEATHER], {"type": "function", "function": {"name": "add"}}, parser, "not among"),
+             ([WEATHER], "sometimes", parser, "must be")]
+    for tools, choice, server_parser, match in cases:
+        with pytest.raises(InvalidRequestError, match=match) as info:
+            tool_mode(tools, choice, None, server_parser)
+        assert info.value.field == "tool_choice"
+    named = tool_mode([WEATHER, ADD], {"type": "function", "function": {"name": "get_weather"}}, None, None)
+    assert named.constraint.json == WEATHER["function"]["parameters"]
+    required = tool_mode([WEATHER, ADD], "required", False, None)
+    assert required.constraint.json["maxItems"] == 1 and len(required.constraint.json["items"]["anyOf"]) == 2
+
+
+def test_named_reply_streams_arguments_and_merges() -> None:
+    mode = tool_mode([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, None)
+    reply = ToolReply(mode)
+    deltas = reply.feed('{"city"') + reply.feed(': "Oslo"}')
+    more, finish = reply.finish("stop")
+    assert finish == "stop" and more == []
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city"'}
+    assert "id" not in deltas[1]["tool_calls"][0]
+    message = merge_deltas(deltas, tools=True)
+    assert message["content"] is None and message["tool_calls"][0]["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+def test_required_and_auto_replies() -> None:
+    required = ToolReply(tool_mode([WEATHER, ADD], "required", None, None))
+    assert required.feed('[{"name": "add", "parameters": {"a": 3}}]') == []
+    deltas, finish = required.finish("stop")
+    assert finish == "tool_calls" and merge_deltas(deltas, True)["tool_calls"][0]["function"]["arguments"] == '{"a": 3}'
+    cut = ToolReply(tool_mode([WEATHER], "required", None, None))
+    cut.feed('[{"name": "get_w')
+    deltas, finish = cut.finish("length")  # cut short: the text, not a broken call
+    assert finish == "length" and merge_deltas(deltas, True) == {"role": "assistant", "content": '[{"name": "get_w'}
+    single = ToolReply(tool_mode([WEATHER, ADD], "auto", False, get_tool_parser("hermes")))
+    deltas, finish = single.feed(HERMES_REPLY), None
+    more, finish = single.finish("stop")
+    message = merge_deltas(deltas + more, True)
+    assert finish == "tool_calls" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
