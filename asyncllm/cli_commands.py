@@ -45,6 +45,10 @@ def add_serve_parser(commands: Any) -> None:
                        help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the format of the model's tool calls (hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.x)")
+    serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                       help="a Jinja chat template (file or text) used instead of the tokenizer's")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests bring their own chat_template (Jinja from clients)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(serve)
 
@@ -78,7 +82,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts)
         app = create_app(engine, model_name=name, api_key=args.api_key or envs.API_KEY.get() or None, limits=limits,
-                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template)
     except ConfigError as exc:
         parser.error(str(exc))
     print(f"[asyncllm] serving on http://{args.host}:{args.port}/v1", file=sys.stderr)

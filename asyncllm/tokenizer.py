@@ -20,7 +20,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "load_tokenizer", "encode_prompt", "apply_chat_template", "template_messages", "check_template_kwargs", "eos_token_ids",
+    "load_tokenizer", "encode_prompt", "apply_chat_template", "template_arguments", "template_messages",
+    "check_template_kwargs", "check_chat_template", "load_chat_template", "eos_token_ids",
 ]
 
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "chat_template",
@@ -37,6 +38,22 @@ def check_template_kwargs(kwargs: object) -> None:
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
     if reserved:
         raise InvalidRequestError("chat_template_kwargs", f"{reserved} are not template variables")
+
+
+def check_chat_template(chat_template: object) -> None:
+    """`InvalidRequestError("chat_template")` unless it is None or a non-empty Jinja template string."""
+    if chat_template is not None and (not isinstance(chat_template, str) or not chat_template.strip()):
+        raise InvalidRequestError("chat_template", f"must be a non-empty Jinja template string, got {chat_template!r}")
+
+
+def load_chat_template(value: str) -> str:
+    """A chat template given as a file path or as the Jinja text itself (vLLM's ``--chat-template``)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as file:
+            return file.read()
+    if "{" not in value:
+        raise ConfigError("chat_template", value, "a Jinja template file that exists, or the template text")
+    return value
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
@@ -59,24 +76,39 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     return token_ids
 
 
-def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+def template_arguments(
     template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-) -> list[int]:
-    """Render ``messages`` with the tokenizer's chat template and tokenize them.
+    chat_template: str | None = None, add_generation_prompt: bool = True,
+) -> dict[str, Any]:
+    """Keyword arguments of transformers' ``apply_chat_template`` for one request.
 
-    The template writes the special tokens itself (BOS included), so the
-    rendered text is tokenized without adding any, as transformers does.
     `template_kwargs` are variables the template reads (``enable_thinking``
-    for Qwen3, say); an ``add_generation_prompt`` among them wins. `tools`
-    (OpenAI function tools) go to the template's ``tools``.
+    for Qwen3, say; an ``add_generation_prompt`` or ``continue_final_message``
+    among them wins); `tools` (OpenAI function tools) go to the template's
+    ``tools``; `chat_template` replaces the tokenizer's template.
     """
-    messages = template_messages(messages)
     check_template_kwargs(template_kwargs)
     kwargs = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
     if tools:
         kwargs["tools"] = tools
-    if not getattr(tokenizer, "chat_template", None):
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    return kwargs
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+) -> list[int]:
+    """Render ``messages`` with the chat template and tokenize them (arguments: `template_arguments`).
+
+    The template writes the special tokens itself (BOS included), so the
+    rendered text is tokenized without adding any, as transformers does.
+    """
+    messages = template_messages(messages)
+    kwargs = template_arguments(template_kwargs, tools, chat_template, add_generation_prompt)
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
             "messages", f"the tokenizer of {tokenizer.name_or_path or 'this model'} has no chat template; "
             "send a plain prompt instead",

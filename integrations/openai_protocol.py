@@ -107,8 +107,12 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     """False: at most one call per reply."""
     add_generation_prompt: bool = True
     """vLLM's: end the rendered prompt with the assistant's turn opening."""
+    continue_final_message: bool = False
+    """vLLM's: leave the last (assistant) message open, to be continued; needs add_generation_prompt false."""
     chat_template_kwargs: dict[str, Any] | None = None
     """vLLM's: variables for the chat template (``{"enable_thinking": false}`` for Qwen3)."""
+    chat_template: str | None = None
+    """vLLM's: a Jinja template for this request; only on a server started with --trust-request-chat-template."""
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -123,8 +127,10 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """For a prompt: the tokenizer's special tokens (BOS), as the engine adds them."""
     add_generation_prompt: bool = True
     """For messages: end with the assistant's turn opening, as chat completions do."""
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     """For messages: variables for the chat template, as chat completions take them."""
+    chat_template: str | None = None
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -192,8 +198,13 @@ def request_options(req: _Common) -> dict[str, Any]:
 
 
 def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
-    """The chat template's variables of a request: ``add_generation_prompt``, then ``chat_template_kwargs`` (which win)."""
-    return {"add_generation_prompt": req.add_generation_prompt, **(req.chat_template_kwargs or {})}
+    """The chat template's variables of a request: ``add_generation_prompt`` and ``continue_final_message``,
+    then ``chat_template_kwargs`` (which win)."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise InvalidRequestError("continue_final_message", "continues the last message: set add_generation_prompt "
+                                                            "to false (a new assistant turn cannot follow it)")
+    extra = {"continue_final_message": True} if req.continue_final_message else {}
+    return {"add_generation_prompt": req.add_generation_prompt, **extra, **(req.chat_template_kwargs or {})}
 
 
 def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingParams:

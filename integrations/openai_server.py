@@ -17,11 +17,13 @@ it in any ASGI server.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -41,7 +43,7 @@ from asyncllm.integrations.openai_responses import Choices
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
-from asyncllm.tokenizer import apply_chat_template
+from asyncllm.tokenizer import apply_chat_template, load_chat_template
 from asyncllm.tool_calls import ToolParser, check_tools, get_tool_parser
 
 if TYPE_CHECKING:
@@ -55,7 +57,8 @@ logger = logging.getLogger("asyncllm.integrations.openai")
 
 def create_app(engine: AsyncEngine | None = None, *, model_name: str | None = None, api_key: str | None = None,
                limits: ServerLimits | None = None, manage_engine: bool = True,
-               tool_call_parser: str | None = None) -> Starlette:
+               tool_call_parser: str | None = None, chat_template: str | None = None,
+               trust_request_chat_template: bool = False) -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
     `model_name` is the id clients pass as ``model`` (default: the model as
@@ -63,14 +66,19 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | None = No
     the app's lifespan starts the engine and closes it at shutdown.
     `tool_call_parser` (``"hermes"``, ``"llama3_json"``) enables
     ``tool_choice: "auto"`` (vLLM's ``--enable-auto-tool-choice --tool-call-parser``).
+    `chat_template` (a file path or the Jinja text) replaces the tokenizer's
+    for every chat request; a request's own ``chat_template`` is taken only
+    with `trust_request_chat_template` (vLLM's flags of the same names).
     """
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
+    templates = ChatTemplates(load_chat_template(chat_template) if chat_template is not None else None,
+                              trust_request_chat_template)
     if engine is None:
         from asyncllm import AsyncEngine
 
         engine = AsyncEngine(disable_log_stats=True)
     server = OpenAIServer(engine, model_name or _served_name(engine.config.model), api_key, limits or ServerLimits(),
-                          parser)
+                          parser, templates)
     return server.app(manage_engine)
 
 
@@ -87,12 +95,32 @@ def _served_name(model: str) -> str | None:
         return model
 
 
+@dataclass(frozen=True)
+class ChatTemplates:
+    """Which chat template a request is rendered with."""
+
+    default: str | None = None
+    """The server's (``--chat-template``); None: the tokenizer's."""
+    trust_request: bool = False
+    """Whether a request may bring its own (``--trust-request-chat-template``): Jinja from clients."""
+
+    def pick(self, requested: str | None) -> str | None:
+        if requested is None:
+            return self.default
+        if not self.trust_request:
+            raise InvalidRequestError("chat_template", "this server does not take templates from requests (start it "
+                                                       "with --trust-request-chat-template to allow them)")
+        return requested
+
+
 class OpenAIServer:
     """The route handlers; one per app."""
 
     def __init__(self, engine: AsyncEngine, model_name: str | None, api_key: str | None,
-                 limits: ServerLimits, tool_parser: ToolParser | None = None) -> None:
+                 limits: ServerLimits, tool_parser: ToolParser | None = None,
+                 templates: ChatTemplates = ChatTemplates()) -> None:
         self.engine = engine
+        self.templates = templates
         self.tool_parser = tool_parser
         """Reads the calls of ``tool_choice: "auto"`` replies; None: "auto" is refused."""
         self._model_name = model_name
@@ -142,7 +170,8 @@ class OpenAIServer:
         tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         params = chat_params(req, self.limits, tools.constraint)
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
-                                    chat_template_kwargs=template_kwargs(req), tools=req.tools)]
+                                    chat_template_kwargs=template_kwargs(req), tools=req.tools,
+                                    chat_template=self.templates.pick(req.chat_template))]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=tools)
         return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
 
@@ -162,9 +191,11 @@ class OpenAIServer:
             prompt, special = req.prompt, req.add_special_tokens
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         else:
-            messages, kwargs, tools = chat_messages(req.messages), template_kwargs(req), req.tools
-            check_tools(tools)
-            tokens = await anyio.to_thread.run_sync(apply_chat_template, tokenizer, messages, True, kwargs, tools)
+            check_tools(req.tools)
+            render = functools.partial(apply_chat_template, tokenizer, chat_messages(req.messages),
+                                       template_kwargs=template_kwargs(req), tools=req.tools,
+                                       chat_template=self.templates.pick(req.chat_template))
+            tokens = await anyio.to_thread.run_sync(render)
         return _json({"count": len(tokens), "max_model_len": self.engine.config.max_model_len,
                       "tokens": [int(t) for t in tokens], "token_strs": None})
 

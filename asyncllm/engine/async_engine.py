@@ -203,7 +203,7 @@ class AsyncEngine:
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,
              request_id: str | None = None, timeout: float | None = None,
              cache_salt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> RequestStream:
+             tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
 
         `chat_template_kwargs` are variables for the template, as in
@@ -211,8 +211,9 @@ class AsyncEngine:
         for Qwen3; ``{"add_generation_prompt": False}`` to continue the last message).
         `tools` are OpenAI function tools for the template; the reply's text
         holds the calls in the model's format (`asyncllm.tool_calls` parses them).
+        `chat_template` (Jinja) replaces the tokenizer's template for this request.
         """
-        options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools)
+        options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template)
         return RequestStream(self, messages, _params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:

@@ -290,14 +290,15 @@ class Processor:
         self._observer.on_added(collector, job.params, job.chat, job.trace_context)
 
     def _tokenize(self, job: Submit) -> list[int]:
+        options = job.options
         if self._mm is not None or isinstance(job.prompt, dict):
             job.mm_prompt = multimodal_prompt(self._mm, job.prompt, job.chat, self.max_model_len,
-                                              job.options.chat_template_kwargs, job.options.tools)
+                                              options.chat_template_kwargs, options.tools, options.chat_template)
             if job.mm_prompt is not None:
                 return job.mm_prompt.token_ids
         if job.chat:
-            token_ids = apply_chat_template(self._tokenizer, job.prompt,
-                                            template_kwargs=job.options.chat_template_kwargs, tools=job.options.tools)
+            token_ids = apply_chat_template(self._tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs,
+                                            tools=options.tools, chat_template=options.chat_template)
         elif isinstance(job.prompt, str):
             if len(job.prompt) > self._max_prompt_chars:
                 raise errors.InvalidRequestError(

@@ -15,7 +15,7 @@ from asyncllm.engine.collector import RequestCollector
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
-from asyncllm.tokenizer import check_template_kwargs
+from asyncllm.tokenizer import check_chat_template, check_template_kwargs
 from asyncllm.tool_calls import check_tools
 
 if TYPE_CHECKING:
@@ -39,6 +39,8 @@ class RequestOptions:
     """`chat` only: variables for the chat template (``add_generation_prompt``, ``enable_thinking``, ...)."""
     tools: list[dict[str, Any]] | None = None
     """`chat` only: OpenAI function tools, rendered by the chat template (asyncllm/tool_calls.py)."""
+    chat_template: str | None = None
+    """`chat` only: a Jinja chat template used instead of the tokenizer's."""
 
     def validate(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -53,6 +55,7 @@ class RequestOptions:
             raise InvalidRequestError("cache_salt", f"must be a str, got {self.cache_salt!r}")
         check_template_kwargs(self.chat_template_kwargs)
         check_tools(self.tools)
+        check_chat_template(self.chat_template)
 
 
 class RequestStream:

@@ -14,7 +14,7 @@ from asyncllm.mm.processor import (
     MultiModalPrompt,
     split_chat_images,
 )
-from asyncllm.tokenizer import encode_prompt
+from asyncllm.tokenizer import encode_prompt, template_arguments
 
 __all__ = ["multimodal_prompt", "resend_with_data"]
 
@@ -25,11 +25,12 @@ def _is_multimodal_chat(messages: Any) -> bool:
 
 def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, max_model_len: int,
                       template_kwargs: dict[str, Any] | None = None,
-                      tools: list[dict[str, Any]] | None = None) -> MultiModalPrompt | None:
+                      tools: list[dict[str, Any]] | None = None,
+                      chat_template: str | None = None) -> MultiModalPrompt | None:
     """A dict prompt or chat messages with content parts, processed; None for a text-only prompt.
 
-    `template_kwargs` are the chat template's variables (`AsyncEngine.chat`'s ``chat_template_kwargs``),
-    `tools` its function tools.
+    `template_kwargs`, `tools` and `chat_template` are `AsyncEngine.chat`'s
+    (asyncllm.tokenizer.template_arguments).
     """
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
         return None
@@ -38,7 +39,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         raise InvalidRequestError(field, "this model takes no images (it is not a multimodal architecture)")
     if chat:
         messages, images, uuids = split_chat_images(prompt)
-        token_ids = _render_chat(mm, messages, template_kwargs, tools)
+        token_ids = _render_chat(mm, messages, template_arguments(template_kwargs, tools, chat_template))
     else:
         unknown = set(prompt) - {"prompt", "images", "image_uuids"}
         if unknown or not isinstance(prompt.get("prompt"), str) or not prompt["prompt"]:
@@ -55,17 +56,13 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
     return result
 
 
-def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]],
-                 template_kwargs: dict[str, Any] | None, tools: list[dict[str, Any]] | None) -> list[int]:
+def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:
     """The chat template over messages whose content may be a list of text and image parts."""
     from jinja2 import TemplateError
 
-    if not getattr(mm.tokenizer, "chat_template", None):
+    if "chat_template" not in kwargs and not getattr(mm.tokenizer, "chat_template", None):
         raise InvalidRequestError("messages", "the tokenizer has no chat template; send a {'prompt', 'images'} dict")
     try:
-        kwargs = {"add_generation_prompt": True, **(template_kwargs or {})}
-        if tools:
-            kwargs["tools"] = tools
         token_ids = mm.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
     except (TemplateError, TypeError, KeyError) as exc:
         raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc

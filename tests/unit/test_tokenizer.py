@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.tiny import make_tiny_checkpoint
-from asyncllm.tokenizer import apply_chat_template, encode_prompt, eos_token_ids, load_tokenizer
+from asyncllm.tokenizer import apply_chat_template, encode_prompt, eos_token_ids, load_chat_template, load_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -137,3 +137,12 @@ def test_unreadable_generation_config_is_config_error(tokenizer: Any, tiny_path:
     with pytest.raises(ConfigError) as info:
         eos_token_ids(tokenizer, folder)
     assert info.value.field == "model"
+
+
+def test_chat_template_flag_value(tmp_path: Path) -> None:
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template, encoding="utf-8")
+    assert load_chat_template(str(path)) == template and load_chat_template(template) == template
+    with pytest.raises(ConfigError, match="chat_template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))

@@ -1,0 +1,51 @@
+"""Chat templates through the server: continue_final_message, --chat-template, a request's own chat_template."""
+
+from __future__ import annotations
+
+import pytest
+from test_openai_asgi import GREEDY, _client
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PLAIN = "{% for m in messages %}{{ '[' + m['role'] + '] ' + m['content'] + '\\n' }}{% endfor %}"
+"""A template that writes no special tokens, so its tokens are the tokenizer's on the same text."""
+MESSAGES = [{"role": "user", "content": "Write a function"}, {"role": "assistant", "content": "def add(a, b):"}]
+
+
+@pytest.fixture(scope="module")
+def template_app(bundled_engine, tmp_path_factory):
+    from asyncllm.integrations.openai_server import create_app
+
+    path = tmp_path_factory.mktemp("template") / "plain.jinja"
+    path.write_text(PLAIN, encoding="utf-8")
+    return create_app(bundled_engine, manage_engine=False, chat_template=str(path), trust_request_chat_template=True)
+
+
+async def test_continue_final_message(app, bundled_tokenizer) -> None:
+    body = {"messages": MESSAGES, "add_generation_prompt": False, "continue_final_message": True}
+    expected = bundled_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=False, continue_final_message=True,
+                                                     return_dict=False)
+    async with _client(app) as client:
+        tokenized = await client.post("/tokenize", json=body)
+        chat = await client.post("/v1/chat/completions", json={**GREEDY, **body})
+        both = await client.post("/v1/chat/completions", json={**GREEDY, **body, "add_generation_prompt": True})
+    assert tokenized.json()["tokens"] == expected
+    assert bundled_tokenizer.decode(expected).endswith("def add(a, b):")  # left open: no end of turn after it
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
+    assert (both.status_code, both.json()["error"]["param"]) == (400, "continue_final_message")
+
+
+async def test_server_and_request_chat_templates(app, template_app, bundled_tokenizer) -> None:
+    own = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    async with _client(template_app) as client:
+        served = (await client.post("/tokenize", json={"messages": MESSAGES, "add_generation_prompt": False})).json()
+        chat = await client.post("/v1/chat/completions", json={**GREEDY, "messages": MESSAGES})
+        requested = (await client.post("/tokenize", json={"messages": MESSAGES, "chat_template": own})).json()
+    async with _client(app) as client:
+        refused = await client.post("/v1/chat/completions", json={**GREEDY, "messages": MESSAGES, "chat_template": own})
+    text = "[user] Write a function\n[assistant] def add(a, b):\n"
+    assert served["tokens"] == bundled_tokenizer(text, add_special_tokens=False).input_ids
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == served["count"]
+    assert requested["tokens"] == bundled_tokenizer("Write a functiondef add(a, b):", add_special_tokens=False).input_ids
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "chat_template")
+
