@@ -13,6 +13,7 @@ from typing import Any
 from asyncllm import envs
 from asyncllm.cli_args import add_engine_args, engine_kwargs
 from asyncllm.errors import ConfigError
+from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
 
 __all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine"]
@@ -45,6 +46,8 @@ def add_serve_parser(commands: Any) -> None:
                        help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the format of the model's tool calls (hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.x)")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split chat replies into reasoning and content (deepseek_r1: DeepSeek-R1, QwQ; qwen3)")
     serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                        help="a Jinja chat template (file or text) used instead of the tokenizer's")
     serve.add_argument("--trust-request-chat-template", action="store_true",
@@ -83,7 +86,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                               max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts)
         app = create_app(engine, model_name=name, api_key=args.api_key or envs.API_KEY.get() or None, limits=limits,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template)
+                         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                         reasoning_parser=args.reasoning_parser)
     except ConfigError as exc:
         parser.error(str(exc))
     print(f"[asyncllm] serving on http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -27,7 +27,7 @@ from typing import Any
 from asyncllm.errors import ConfigError, InvalidRequestError
 
 __all__ = ["ToolCall", "ParsedReply", "ToolParser", "ToolCallStream", "TOOL_PARSERS", "get_tool_parser",
-           "check_tools", "tool_call_id"]
+           "check_tools", "tool_call_id", "partial_tag_suffix"]
 
 
 def tool_call_id() -> str:
@@ -162,7 +162,7 @@ class _HermesStream(ToolCallStream):
                 continue
             start = self._buffer.find(self.OPEN)
             if start < 0:
-                keep = _partial_suffix(self._buffer, self.OPEN)
+                keep = partial_tag_suffix(self._buffer, self.OPEN)
                 content.append(self._buffer[: len(self._buffer) - keep])
                 self._buffer = self._buffer[len(self._buffer) - keep:]
                 break
@@ -181,7 +181,7 @@ class _HermesStream(ToolCallStream):
         return "" if self._calls and not text.strip() else text
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_tag_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag` (held back: the next delta may complete it)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):

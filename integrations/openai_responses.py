@@ -13,8 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncllm.integrations.openai_tools import ToolMode, ToolReply, merge_deltas
+from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
+from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.outputs import Logprob, PromptLogprobs, StreamDelta
+from asyncllm.reasoning import ReasoningParser
 
 __all__ = ["Choices", "usage"]
 
@@ -31,8 +33,8 @@ class _Choice:
     logprobs: Entries = field(default_factory=list)
     text_offset: int = 0
     """Characters of this choice's text before the next logprob's token (completions' text_offset)."""
-    reply: ToolReply | None = None
-    """A streamed chat choice's reply (its tool calls)."""
+    reply: ChatReply | None = None
+    """A streamed chat choice's reply (its reasoning and tool calls)."""
 
 
 class Choices:
@@ -40,7 +42,7 @@ class Choices:
 
     def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool,
                  token_text: Callable[[int], str] | None = None, echo_only: bool = False,
-                 tool_mode: ToolMode | None = None) -> None:
+                 tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -53,6 +55,8 @@ class Choices:
         """Completions' ``echo`` with ``max_tokens`` 0: the prompt is the whole choice, generated tokens are dropped."""
         self.tool_mode = tool_mode or ToolMode("none")
         """Chat: how replies are read for tool calls (openai_tools.py)."""
+        self.reasoning = reasoning
+        """Chat: the server's reasoning parser, or None."""
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
@@ -78,7 +82,7 @@ class Choices:
         """Streaming chat: the OpenAI deltas of choice `index`'s next text, and the finish_reason to send."""
         choice = self._choices[index]
         if choice.reply is None:
-            choice.reply = ToolReply(self.tool_mode)
+            choice.reply = ChatReply(self.tool_mode, self.reasoning)
         deltas = choice.reply.feed(text)
         if finish_reason is not None:
             more, finish_reason = choice.reply.finish(finish_reason)
@@ -118,7 +122,7 @@ class Choices:
                 choice.text_offset = 0
                 logprobs = self._format_logprobs(choice, choice.token_ids, choice.logprobs)
             if self.chat:
-                reply = ToolReply(self.tool_mode)
+                reply = ChatReply(self.tool_mode, self.reasoning)
                 deltas = reply.feed(text)
                 more, finish_reason = reply.finish(choice.finish_reason)
                 message = merge_deltas(deltas + more, tools=self.tool_mode.kind != "none")

@@ -5,7 +5,8 @@ streaming and ``stream_options.include_usage``), ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
 ``GET /health``, ``GET /metrics`` (Prometheus text). Chat completions take
 ``tools`` and ``tool_choice`` (openai_tools.py); ``"auto"`` needs the app made
-with a `tool_call_parser`. Errors are OpenAI-style
+with a `tool_call_parser`; a `reasoning_parser` splits replies into
+``reasoning`` and ``content`` (openai_reply.py). Errors are OpenAI-style
 bodies ``{"error": {"message", "type", "param", "code"}}`` with the status
 of the asyncllm error (400 invalid request, 401 bad API key, 404 unknown model
 or route, 413 body too large, 429 engine overloaded, 503 engine dead). A
@@ -44,6 +45,7 @@ from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.tokenizer import apply_chat_template, load_chat_template
+from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
 from asyncllm.tool_calls import ToolParser, check_tools, get_tool_parser
 
 if TYPE_CHECKING:
@@ -58,7 +60,7 @@ logger = logging.getLogger("asyncllm.integrations.openai")
 def create_app(engine: AsyncEngine | None = None, *, model_name: str | None = None, api_key: str | None = None,
                limits: ServerLimits | None = None, manage_engine: bool = True,
                tool_call_parser: str | None = None, chat_template: str | None = None,
-               trust_request_chat_template: bool = False) -> Starlette:
+               trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
     `model_name` is the id clients pass as ``model`` (default: the model as
@@ -69,6 +71,8 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | None = No
     `chat_template` (a file path or the Jinja text) replaces the tokenizer's
     for every chat request; a request's own ``chat_template`` is taken only
     with `trust_request_chat_template` (vLLM's flags of the same names).
+    `reasoning_parser` (``"deepseek_r1"``, ``"qwen3"``) splits chat replies
+    into ``reasoning`` and ``content`` (vLLM's ``--reasoning-parser``).
     """
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     templates = ChatTemplates(load_chat_template(chat_template) if chat_template is not None else None,
@@ -78,7 +82,7 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | None = No
 
         engine = AsyncEngine(disable_log_stats=True)
     server = OpenAIServer(engine, model_name or _served_name(engine.config.model), api_key, limits or ServerLimits(),
-                          parser, templates)
+                          parser, templates, get_reasoning_parser(reasoning_parser) if reasoning_parser else None)
     return server.app(manage_engine)
 
 
@@ -118,8 +122,9 @@ class OpenAIServer:
 
     def __init__(self, engine: AsyncEngine, model_name: str | None, api_key: str | None,
                  limits: ServerLimits, tool_parser: ToolParser | None = None,
-                 templates: ChatTemplates = ChatTemplates()) -> None:
+                 templates: ChatTemplates = ChatTemplates(), reasoning: ReasoningParser | None = None) -> None:
         self.engine = engine
+        self.reasoning = reasoning
         self.templates = templates
         self.tool_parser = tool_parser
         """Reads the calls of ``tool_choice: "auto"`` replies; None: "auto" is refused."""
@@ -172,7 +177,7 @@ class OpenAIServer:
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template))]
-        choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=tools)
+        choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=tools, reasoning=self.reasoning)
         return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
 
     async def models(self, request: Request) -> Response:

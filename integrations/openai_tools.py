@@ -11,24 +11,19 @@
 - ``"required"``: the output is constrained to a JSON list of one or more
   ``{"name", "parameters"}`` calls (finish_reason "tool_calls").
 
-`ToolReply` turns one choice's text deltas into OpenAI chat deltas (content
-and ``tool_calls`` items); a non-streaming message is the merge of the same
-deltas, so both forms always agree. Streaming, a named call's arguments flow
-as the tokens come; an ``auto`` or ``required`` call is sent whole once its
-text is complete.
+openai_reply.py turns replies into messages and deltas under a `ToolMode`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import StructuredOutputs
-from asyncllm.tool_calls import ToolCall, ToolCallStream, ToolParser, check_tools, tool_call_id
+from asyncllm.tool_calls import ToolParser, check_tools
 
-__all__ = ["ToolMode", "tool_mode", "ToolReply", "merge_deltas"]
+__all__ = ["ToolMode", "tool_mode"]
 
 
 @dataclass(frozen=True)
@@ -91,89 +86,3 @@ def _required_schema(functions: Any, parallel: bool) -> StructuredOutputs:
     if not parallel:
         schema["maxItems"] = 1
     return StructuredOutputs(json=schema)
-
-
-class ToolReply:
-    """One choice's reply under a `ToolMode`: text deltas in, OpenAI chat deltas out."""
-
-    def __init__(self, mode: ToolMode) -> None:
-        self.mode = mode
-        self._stream: ToolCallStream | None = mode.parser.stream() if mode.parser is not None else None
-        self._text: list[str] = []
-        self._calls = 0
-        self._named_id = tool_call_id()
-
-    def feed(self, text: str) -> list[dict[str, Any]]:
-        """The deltas `text` (the next part of the reply) releases."""
-        kind = self.mode.kind
-        if not text:
-            return []
-        if kind == "none":
-            return [{"content": text}]
-        if kind == "named":
-            first = self._calls == 0
-            self._calls = 1
-            function = {"name": self.mode.function, "arguments": text} if first else {"arguments": text}
-            return [{"tool_calls": [{"index": 0, **({"id": self._named_id, "type": "function"} if first else {}),
-                                     "function": function}]}]
-        if kind == "required":
-            self._text.append(text)
-            return []
-        assert self._stream is not None
-        return self._deltas(*self._stream.feed(text))
-
-    def finish(self, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
-        """At the reply's end: the held-back deltas, and the finish_reason to report."""
-        kind = self.mode.kind
-        if kind == "required":
-            calls = _required_calls("".join(self._text))
-            if calls is None:  # cut short (length) or not a list of calls: the text as it is
-                return [{"content": "".join(self._text)}] if self._text else [], finish_reason
-            deltas = self._deltas("", calls)
-            return deltas, "tool_calls" if finish_reason == "stop" else finish_reason
-        if kind == "auto":
-            assert self._stream is not None
-            deltas = self._deltas(*self._stream.finish())
-            if self._calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
-            return deltas, finish_reason
-        return [], finish_reason
-
-    def _deltas(self, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
-        deltas: list[dict[str, Any]] = [{"content": content}] if content else []
-        for call in calls:
-            if self._calls and not self.mode.parallel:
-                break  # parallel_tool_calls false: the first call only
-            deltas.append({"tool_calls": [{"index": self._calls, **call.to_openai()}]})
-            self._calls += 1
-        return deltas
-
-
-def _required_calls(text: str) -> list[ToolCall] | None:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    if not isinstance(value, list) or not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in value):
-        return None
-    return [ToolCall(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
-
-
-def merge_deltas(deltas: list[dict[str, Any]], tools: bool) -> dict[str, Any]:
-    """The assistant message the deltas stream: content joined, each call's argument parts joined.
-
-    Without tool calling the content is always a str (as before tools
-    existed); with it, None when there is none (as OpenAI).
-    """
-    content = "".join(d["content"] for d in deltas if "content" in d)
-    calls: list[dict[str, Any]] = []
-    for delta in deltas:
-        for item in delta.get("tool_calls", ()):
-            if item["index"] == len(calls):
-                calls.append({"id": item["id"], "type": "function",
-                              "function": {"name": item["function"]["name"], "arguments": ""}})
-            calls[item["index"]]["function"]["arguments"] += item["function"]["arguments"]
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not tools else None}
-    if calls:
-        message["tool_calls"] = calls
-    return message

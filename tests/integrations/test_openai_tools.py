@@ -118,3 +118,20 @@ async def test_tool_requests_the_server_cannot_take(app, hermes_app) -> None:
         assert response.status_code == 400, (extra, response.text)
         error = response.json()["error"]
         assert match in error["message"] and error["param"] in ("tools", "tool_choice"), error
+
+
+async def test_reasoning_parser_splits_replies(bundled_engine) -> None:
+    from asyncllm.integrations.openai_server import create_app
+
+    app = create_app(bundled_engine, manage_engine=False, reasoning_parser="deepseek_r1")
+    # what an R1-style model writes after the prompt's <think>: forced with a regex
+    body = {"messages": HISTORY[:2], **SAMPLED, "structured_outputs": {"regex": r"Hm[a-z ]{1,8}</think>\n\nIt is [0-9]"}}
+    async with _client(app) as client:
+        whole = await client.post("/v1/chat/completions", json=body)
+        streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    message = whole.json()["choices"][0]["message"]
+    assert message["reasoning"].startswith("Hm") and "</think>" not in message["reasoning"], message
+    assert message["content"].startswith("It is "), message
+    deltas = [c["delta"] for event in _events(streamed.text) for c in event["choices"]]
+    assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]  # same seed, same split
+    assert "".join(d.get("content", "") for d in deltas) == message["content"]

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from asyncllm.errors import ConfigError, InvalidRequestError
-from asyncllm.integrations.openai_tools import ToolReply, merge_deltas, tool_mode
+from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
+from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.tokenizer import template_messages
 from asyncllm.tool_calls import check_tools, get_tool_parser
 
@@ -112,7 +113,7 @@ def test_tool_modes_refuse_what_they_cannot_take() -> None:
 
 def test_named_reply_streams_arguments_and_merges() -> None:
     mode = tool_mode([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, None)
-    reply = ToolReply(mode)
+    reply = ChatReply(mode)
     deltas = reply.feed('{"city"') + reply.feed(': "Oslo"}')
     more, finish = reply.finish("stop")
     assert finish == "stop" and more == []
@@ -123,15 +124,15 @@ def test_named_reply_streams_arguments_and_merges() -> None:
 
 
 def test_required_and_auto_replies() -> None:
-    required = ToolReply(tool_mode([WEATHER, ADD], "required", None, None))
+    required = ChatReply(tool_mode([WEATHER, ADD], "required", None, None))
     assert required.feed('[{"name": "add", "parameters": {"a": 3}}]') == []
     deltas, finish = required.finish("stop")
     assert finish == "tool_calls" and merge_deltas(deltas, True)["tool_calls"][0]["function"]["arguments"] == '{"a": 3}'
-    cut = ToolReply(tool_mode([WEATHER], "required", None, None))
+    cut = ChatReply(tool_mode([WEATHER], "required", None, None))
     cut.feed('[{"name": "get_w')
     deltas, finish = cut.finish("length")  # cut short: the text, not a broken call
     assert finish == "length" and merge_deltas(deltas, True) == {"role": "assistant", "content": '[{"name": "get_w'}
-    single = ToolReply(tool_mode([WEATHER, ADD], "auto", False, get_tool_parser("hermes")))
+    single = ChatReply(tool_mode([WEATHER, ADD], "auto", False, get_tool_parser("hermes")))
     deltas, finish = single.feed(HERMES_REPLY), None
     more, finish = single.finish("stop")
     message = merge_deltas(deltas + more, True)

@@ -1,0 +1,116 @@
+"""Reasoning parsers: a thinking model's reply split into its reasoning and its answer.
+
+Reasoning models write their thoughts between ``<think>`` and ``</think>``
+before the answer. The parsers have vLLM's names (``--reasoning-parser``):
+
+- ``deepseek_r1`` (DeepSeek-R1 and its distills, QwQ): the template opens
+  ``<think>`` in the prompt, so the reply is reasoning up to ``</think>`` (a
+  leading ``<think>`` is dropped); a reply without ``</think>`` is all
+  reasoning (cut short while thinking).
+- ``qwen3`` (Qwen3): reasoning only when the reply opens ``<think>`` itself;
+  a reply that does not (``enable_thinking: false``, whose template writes an
+  empty think block in the prompt) is all answer, streamed as it comes.
+  (A template that opens ``<think>`` in the prompt: use ``deepseek_r1``.)
+
+`ReasoningParser.parse` splits a whole reply; `ReasoningParser.stream` splits
+text deltas as they come, holding back only the characters that may begin a
+tag.
+"""
+
+from __future__ import annotations
+
+from asyncllm.errors import ConfigError
+from asyncllm.tool_calls import partial_tag_suffix
+
+__all__ = ["ReasoningParser", "ReasoningStream", "REASONING_PARSERS", "get_reasoning_parser"]
+
+_OPEN, _CLOSE = "<think>", "</think>"
+
+
+class ReasoningStream:
+    """One reply's deltas in, (reasoning, content) deltas out."""
+
+    def __init__(self, opened_by_prompt: bool) -> None:
+        self._opened_by_prompt = opened_by_prompt
+        self._thinking: bool | None = None
+        """None until the reply's first characters show whether it opens ``<think>``."""
+        self._answer_started = False
+        self._buffer = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """The reasoning and the content this delta releases."""
+        if self._thinking is False:
+            return "", self._answer(text)
+        self._buffer += text
+        if self._thinking is None:
+            head = self._buffer.lstrip()
+            if len(head) < len(_OPEN) and _OPEN.startswith(head):
+                return "", ""  # whitespace, or the opening tag's first characters: wait
+            self._thinking = head.startswith(_OPEN) or self._opened_by_prompt
+            if head.startswith(_OPEN):
+                self._buffer = head[len(_OPEN):]
+            elif not self._thinking:
+                text, self._buffer = self._buffer, ""
+                return "", self._answer(text)
+        end = self._buffer.find(_CLOSE)
+        if end >= 0:
+            reasoning, rest = self._buffer[:end], self._buffer[end + len(_CLOSE):]
+            self._buffer, self._thinking = "", False
+            return reasoning, self._answer(rest)
+        keep = partial_tag_suffix(self._buffer, _CLOSE)
+        released, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+        return released, ""
+
+    def finish(self) -> tuple[str, str]:
+        """At the reply's end: what was held back (reasoning when cut short while thinking)."""
+        rest, self._buffer = self._buffer, ""
+        thinking = self._opened_by_prompt if self._thinking is None else self._thinking
+        return (rest, "") if thinking else ("", self._answer(rest))
+
+    def _answer(self, text: str) -> str:
+        """Content; the newlines between ``</think>`` and the answer are not part of it."""
+        if not self._answer_started:
+            text = text.lstrip("\n")
+            self._answer_started = bool(text)
+        return text
+
+
+class ReasoningParser:
+    """A thinking model's tag convention."""
+
+    name = ""
+    opened_by_prompt = True
+    """Whether the chat template opens ``<think>`` in the prompt (the reply is reasoning until ``</think>``)."""
+
+    def stream(self) -> ReasoningStream:
+        return ReasoningStream(self.opened_by_prompt)
+
+    def parse(self, text: str) -> tuple[str | None, str | None]:
+        """A whole reply's reasoning and content (None where there is none)."""
+        stream = self.stream()
+        reasoning, content = stream.feed(text)
+        more_reasoning, more_content = stream.finish()
+        return reasoning + more_reasoning or None, content + more_content or None
+
+
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    name = "deepseek_r1"
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    name = "qwen3"
+    opened_by_prompt = False
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser,
+}
+"""Parser name (vLLM's ``--reasoning-parser`` names) -> parser."""
+
+
+def get_reasoning_parser(name: str) -> ReasoningParser:
+    """The parser called `name`; a `ConfigError` naming the known ones otherwise."""
+    parser = REASONING_PARSERS.get(name)
+    if parser is None:
+        raise ConfigError("reasoning_parser", name, f"one of {sorted(REASONING_PARSERS)}")
+    return parser()

@@ -1,0 +1,128 @@
+"""One chat choice's reply as OpenAI deltas: reasoning, content and tool calls.
+
+`ChatReply` takes the reply's text deltas and returns OpenAI chat deltas:
+``{"reasoning": ...}`` (with a reasoning parser, the thoughts before
+``</think>``), ``{"content": ...}`` and ``{"tool_calls": [...]}`` items (under
+a `ToolMode`, the answer after the thoughts). A non-streaming message is
+`merge_deltas` of the same deltas, so both forms always agree. Streaming, a
+named call's arguments flow as the tokens come; an ``auto`` or ``required``
+call is sent whole once its text is complete.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from asyncllm.integrations.openai_tools import ToolMode
+from asyncllm.reasoning import ReasoningParser
+from asyncllm.tool_calls import ToolCall, ToolCallStream, tool_call_id
+
+__all__ = ["ChatReply", "merge_deltas"]
+
+Delta = dict[str, Any]
+
+
+class ChatReply:
+    """One choice's reply: text deltas in, OpenAI chat deltas out."""
+
+    def __init__(self, mode: ToolMode, reasoning: ReasoningParser | None = None) -> None:
+        self.mode = mode
+        self._reasoning = reasoning.stream() if reasoning is not None else None
+        self._calls_stream: ToolCallStream | None = mode.parser.stream() if mode.parser is not None else None
+        self._text: list[str] = []
+        self._calls = 0
+        self._named_id = tool_call_id()
+
+    def feed(self, text: str) -> list[Delta]:
+        """The deltas `text` (the next part of the reply) releases."""
+        if self._reasoning is None:
+            return self._answer(text)
+        reasoning, text = self._reasoning.feed(text)
+        return ([{"reasoning": reasoning}] if reasoning else []) + self._answer(text)
+
+    def finish(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
+        """At the reply's end: the held-back deltas, and the finish_reason to report."""
+        deltas: list[Delta] = []
+        if self._reasoning is not None:
+            reasoning, text = self._reasoning.finish()
+            deltas = ([{"reasoning": reasoning}] if reasoning else []) + self._answer(text)
+        more, finish_reason = self._finish_answer(finish_reason)
+        return deltas + more, finish_reason
+
+    def _answer(self, text: str) -> list[Delta]:
+        kind = self.mode.kind
+        if not text:
+            return []
+        if kind == "none":
+            return [{"content": text}]
+        if kind == "named":
+            first = self._calls == 0
+            self._calls = 1
+            function = {"name": self.mode.function, "arguments": text} if first else {"arguments": text}
+            return [{"tool_calls": [{"index": 0, **({"id": self._named_id, "type": "function"} if first else {}),
+                                     "function": function}]}]
+        if kind == "required":
+            self._text.append(text)
+            return []
+        assert self._calls_stream is not None
+        return self._deltas(*self._calls_stream.feed(text))
+
+    def _finish_answer(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
+        kind = self.mode.kind
+        if kind == "required":
+            calls = _required_calls("".join(self._text))
+            if calls is None:  # cut short (length) or not a list of calls: the text as it is
+                return [{"content": "".join(self._text)}] if self._text else [], finish_reason
+            deltas = self._deltas("", calls)
+            return deltas, "tool_calls" if finish_reason == "stop" else finish_reason
+        if kind == "auto":
+            assert self._calls_stream is not None
+            deltas = self._deltas(*self._calls_stream.finish())
+            if self._calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            return deltas, finish_reason
+        return [], finish_reason
+
+    def _deltas(self, content: str, calls: list[ToolCall]) -> list[Delta]:
+        deltas: list[Delta] = [{"content": content}] if content else []
+        for call in calls:
+            if self._calls and not self.mode.parallel:
+                break  # parallel_tool_calls false: the first call only
+            deltas.append({"tool_calls": [{"index": self._calls, **call.to_openai()}]})
+            self._calls += 1
+        return deltas
+
+
+def _required_calls(text: str) -> list[ToolCall] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in value):
+        return None
+    return [ToolCall(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+
+
+def merge_deltas(deltas: list[Delta], tools: bool) -> dict[str, Any]:
+    """The assistant message the deltas stream: content joined, each call's argument parts joined.
+
+    Without tool calling the content is always a str (as before tools
+    existed); with it, None when there is none (as OpenAI). ``reasoning``
+    is there when a reasoning parser found some.
+    """
+    content = "".join(d["content"] for d in deltas if "content" in d)
+    reasoning = "".join(d["reasoning"] for d in deltas if "reasoning" in d)
+    calls: list[dict[str, Any]] = []
+    for delta in deltas:
+        for item in delta.get("tool_calls", ()):
+            if item["index"] == len(calls):
+                calls.append({"id": item["id"], "type": "function",
+                              "function": {"name": item["function"]["name"], "arguments": ""}})
+            calls[item["index"]]["function"]["arguments"] += item["function"]["arguments"]
+    message: dict[str, Any] = {"role": "assistant", "content": content if content or not tools else None}
+    if reasoning:
+        message["reasoning"] = reasoning
+    if calls:
+        message["tool_calls"] = calls
+    return message

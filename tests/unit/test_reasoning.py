@@ -1,0 +1,60 @@
+"""Reasoning parsers without a model: whole replies, replies streamed in any pieces, and with tool calls."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from asyncllm.errors import ConfigError
+from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
+from asyncllm.integrations.openai_tools import tool_mode
+from asyncllm.reasoning import get_reasoning_parser
+from asyncllm.tool_calls import get_tool_parser
+
+CASES = {  # reply: (deepseek_r1's split, qwen3's split)
+    "<think>\nLet me see.\n</think>\n\nIt is 4.": (("\nLet me see.\n", "It is 4."), ("\nLet me see.\n", "It is 4.")),
+    "Opened by the prompt.</think>\n\nFour.": (("Opened by the prompt.", "Four."),
+                                               (None, "Opened by the prompt.</think>\n\nFour.")),
+    "<think>cut short while thinking": (("cut short while thinking", None), ("cut short while thinking", None)),
+    "No thinking at all": (("No thinking at all", None), (None, "No thinking at all")),
+    "": ((None, None), (None, None)),
+}
+
+
+def _streamed(name: str, text: str, seed: int) -> tuple[str | None, str | None]:
+    rng, stream, reasoning, content, pos = random.Random(seed), get_reasoning_parser(name).stream(), "", "", 0
+    while pos < len(text):
+        size = rng.randint(1, 6)
+        r, c = stream.feed(text[pos:pos + size])
+        reasoning, content, pos = reasoning + r, content + c, pos + size
+    r, c = stream.finish()
+    return reasoning + r or None, content + c or None
+
+
+@pytest.mark.parametrize("reply", list(CASES))
+def test_whole_and_streamed_splits(reply: str) -> None:
+    for name, expected in zip(("deepseek_r1", "qwen3"), CASES[reply]):
+        assert get_reasoning_parser(name).parse(reply) == expected, name
+        assert all(_streamed(name, reply, seed) == expected for seed in range(8)), name
+
+
+def test_qwen3_answer_streams_at_once() -> None:
+    stream = get_reasoning_parser("qwen3").stream()
+    assert stream.feed("Hello") == ("", "Hello") and stream.feed(" there") == ("", " there")
+
+
+def test_reasoning_then_a_tool_call() -> None:
+    reply = ChatReply(tool_mode([{"type": "function", "function": {"name": "f"}}], "auto", None,
+                                get_tool_parser("hermes")), get_reasoning_parser("deepseek_r1"))
+    text = 'I should call f.</think>\n\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+    deltas = [d for i in range(0, len(text), 5) for d in reply.feed(text[i:i + 5])]
+    more, finish = reply.finish("stop")
+    message = merge_deltas(deltas + more, tools=True)
+    assert message["reasoning"] == "I should call f." and message["content"] is None
+    assert message["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"x": 1}'} and finish == "tool_calls"
+
+
+def test_unknown_reasoning_parser() -> None:
+    with pytest.raises(ConfigError, match="reasoning_parser.*qwen3"):
+        get_reasoning_parser("o1")
