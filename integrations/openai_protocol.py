@@ -46,6 +46,8 @@ class ServerLimits:
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
     """Send one last chunk with the request's token usage (and no choices)."""
+    continuous_usage_stats: bool = False
+    """vLLM's: with include_usage, every chunk carries the usage so far (instead of null)."""
 
 
 class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

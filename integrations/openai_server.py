@@ -314,8 +314,10 @@ class OpenAIServer:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             _count_prompts(streams, choices)
             echoed = await self._echo(choices, streams, echo, firsts) if echo is not None else []
-            include_usage = req.stream_options is not None and req.stream_options.include_usage
-            events = self._sse(request, streams, firsts, choices, meta, include_usage, echoed)
+            options = req.stream_options
+            usage = "none" if options is None or not options.include_usage else (
+                "continuous" if options.continuous_usage_stats else "last")
+            events = self._sse(request, streams, firsts, choices, meta, usage, echoed)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
@@ -326,26 +328,30 @@ class OpenAIServer:
         return _json({**meta, "choices": choices.final_choices(), "usage": choices.usage()})
 
     async def _sse(self, request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
-                   meta: dict[str, Any], include_usage: bool,
+                   meta: dict[str, Any], usage: str,
                    echoed: list[tuple[int, dict[str, Any] | None, str]]) -> AsyncIterator[bytes]:
-        extra = {"usage": None} if include_usage else {}
+        """The chunks; `usage` is "none", "last" (a final usage chunk, null in the others) or "continuous"
+        (vLLM's continuous_usage_stats: every chunk has the usage so far, then the final chunk)."""
+
+        def chunk(choice: dict[str, Any]) -> bytes:
+            extra = {} if usage == "none" else {"usage": choices.usage() if usage == "continuous" else None}
+            return _event({**meta, "choices": [choice], **extra})
+
         try:
             if choices.chat:
                 for index in range(len(choices.prompt_tokens) * choices.n):
-                    yield _event({**meta, "choices": [_chat_chunk(index, {"role": "assistant", "content": ""})], **extra})
+                    yield chunk(_chat_chunk(index, {"role": "assistant", "content": ""}))
             for index, logprobs, text in echoed:
-                yield _event({**meta, "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                                   "finish_reason": None}], **extra})
+                yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
             async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
                 index, logprobs = choices.add(prompt_index, delta)
                 if choices.chat:
                     for choice in _chat_choices(choices, index, delta, logprobs):
-                        yield _event({**meta, "choices": [choice], **extra})
+                        yield chunk(choice)
                 elif delta.text or delta.finish_reason is not None or logprobs is not None:
-                    choice = {"index": index, "text": delta.text, "logprobs": logprobs,
-                              "finish_reason": delta.finish_reason}
-                    yield _event({**meta, "choices": [choice], **extra})
-            if include_usage:
+                    yield chunk({"index": index, "text": delta.text, "logprobs": logprobs,
+                                 "finish_reason": delta.finish_reason})
+            if usage != "none":
                 yield _event({**meta, "choices": [], "usage": choices.usage()})
         except AsyncLLMError as exc:  # after the first token the status is sent: report in the stream
             yield _event(error_body(exc)[1])

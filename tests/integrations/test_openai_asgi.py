@@ -77,6 +77,17 @@ async def test_completion_stream_equals_non_stream(app) -> None:
     assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
 
 
+async def test_continuous_usage_stats(app) -> None:
+    request = {**GREEDY, "prompt": "for i in range(", "max_tokens": 12, "stream": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    async with _client(app) as client:
+        events = _events((await client.post("/v1/completions", json=request)).text)
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == events[-1]["usage"]["completion_tokens"] > counts[0]
+    assert {e["usage"]["prompt_tokens"] for e in events} == {events[-1]["usage"]["prompt_tokens"]}
+    assert events[-1]["choices"] == [] and events[-2]["usage"] == events[-1]["usage"]
+
+
 async def test_chat_stream_and_not(app, bundled_engine) -> None:
     messages = [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]
     expected = [d async for d in bundled_engine.chat([{"role": "user", "content": "hello"}],
