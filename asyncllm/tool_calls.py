@@ -19,6 +19,7 @@ is ever lost.
 
 from __future__ import annotations
 
+import abc
 import json
 import uuid
 from dataclasses import dataclass, field
@@ -75,30 +76,26 @@ def check_tools(tools: object, field_name: str = "tools") -> None:
             raise InvalidRequestError(field_name, f"item {i}: function 'parameters' must be a JSON schema object")
 
 
-class ToolCallStream:
+class ToolCallStream(abc.ABC):
     """One reply's deltas in, content deltas and finished calls out (see `ToolParser.stream`)."""
 
+    @abc.abstractmethod
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """The content this delta releases, and the calls it completes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the reply's end: whatever was held back (an unfinished call's text is content)."""
-        raise NotImplementedError
-
-    @property
-    def num_calls(self) -> int:
-        """Calls reported so far."""
-        raise NotImplementedError
 
 
-class ToolParser:
+class ToolParser(abc.ABC):
     """A format of tool calls in a model's text."""
 
     name = ""
 
+    @abc.abstractmethod
     def stream(self) -> ToolCallStream:
-        raise NotImplementedError
+        """A parser of one reply's deltas."""
 
     def parse(self, text: str) -> ParsedReply:
         """A whole reply's content and calls."""
@@ -137,10 +134,6 @@ class _HermesStream(ToolCallStream):
         self._buffer = ""
         self._in_call = False
         self._calls = 0
-
-    @property
-    def num_calls(self) -> int:
-        return self._calls
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         self._buffer += text
@@ -206,24 +199,21 @@ class _Llama3JsonStream(ToolCallStream):
     def __init__(self) -> None:
         self._buffer = ""
         self._mode: str | None = None  # None: undecided, "content" or "calls"
-        self._calls = 0
-
-    @property
-    def num_calls(self) -> int:
-        return self._calls
 
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         if self._mode == "content":
             return text, []
         self._buffer += text
+        if self._mode == "calls":
+            return "", []  # read whole at the end
         head = self._buffer.lstrip()
         if not head or self.TAG.startswith(head):
             return "", []  # whitespace, or the tag's first characters: not decided yet
         self._mode = "calls" if head.startswith(("{", self.TAG)) else "content"
-        if self._mode == "content":
-            text, self._buffer = self._buffer, ""
-            return text, []
-        return "", []
+        if self._mode == "calls":
+            return "", []
+        text, self._buffer = self._buffer, ""
+        return text, []
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         text, self._buffer = self._buffer, ""
@@ -232,7 +222,6 @@ class _Llama3JsonStream(ToolCallStream):
         calls = _llama3_calls(text.strip().removeprefix(self.TAG))
         if calls is None:
             return text, []
-        self._calls += len(calls)
         return "", calls
 
 

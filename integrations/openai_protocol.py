@@ -3,12 +3,13 @@
 Unknown fields are refused with a 400 naming them (OpenAI does the same), so a
 client never believes an option took effect when asyncllm does not build it;
 options asyncllm does not build yet (``suffix``, ``best_of`` != n) are refused
-by name too. Tool calling (``tools``, ``tool_choice``) is in openai_tools.py. vLLM's extensions (``top_k``, ``min_p``,
-``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``priority``, ``cache_salt``, ...) are accepted, as a vLLM user expects, and so
-is structured output: OpenAI's ``response_format`` (``json_object``,
+by name too. vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
+``cache_salt``, ``chat_template``, ...) are accepted, as a vLLM user expects,
+and so is structured output: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
-``choice``, ``grammar``, ``json_object``).
+``choice``, ``grammar``, ``json_object``). Tool calling (``tools``,
+``tool_choice``) is read in openai_tools.py.
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ from asyncllm.integrations.openai_responses import Choices
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
-from asyncllm.tokenizer import apply_chat_template, load_chat_template
 from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
+from asyncllm.tokenizer import apply_chat_template, load_chat_template
 from asyncllm.tool_calls import ToolParser, check_tools, get_tool_parser
 
 if TYPE_CHECKING:
@@ -172,12 +172,12 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         req = decode_request(await self._body(request), ChatCompletionRequest)
         self._check_model(req.model)
-        tools = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
-        params = chat_params(req, self.limits, tools.constraint)
+        mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        params = chat_params(req, self.limits, mode.constraint)
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template))]
-        choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=tools, reasoning=self.reasoning)
+        choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning)
         return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
 
     async def models(self, request: Request) -> Response:
