@@ -1,6 +1,8 @@
 """Host-side preparation before the core starts: find the model, load the tokenizer.
 
-Runs in a worker thread (file and hub I/O), never on the event loop.
+Runs in a worker thread (file and hub I/O, the imports of transformers), never
+on the event loop. It needs no model class (a multimodal model's image
+processing aside): the host is the user's app process, the workers run the model.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
-from asyncllm.models.loader import load_hf_config, resolve_model_path
-from asyncllm.models.registry import get_model_class, text_config_of
+from asyncllm.models.architectures import MULTIMODAL_ARCHITECTURES, architecture_of
+from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -29,15 +31,18 @@ class Prepared:
 def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(path)
-    model_cls = get_model_class(hf_config)  # refuse an unsupported architecture before spawning anything
-    max_model_len = _max_model_len(config, text_config_of(hf_config))
+    arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
+    text_config = getattr(hf_config, "text_config", None) or hf_config
+    max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
-    text_config = text_config_of(hf_config)
     mm = None
-    if hasattr(model_cls, "mm_placeholder_length"):
+    if arch in MULTIMODAL_ARCHITECTURES:
         from asyncllm.mm.processor import MultiModalProcessor
+        from asyncllm.models.registry import get_model_class
+
+        model_cls = get_model_class(hf_config)
 
         mm_config = config.multimodal_config
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),

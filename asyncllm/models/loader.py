@@ -1,8 +1,8 @@
 """From a model name to a loaded in-house model on one rank.
 
 ``resolve_model_path`` finds the checkpoint folder (a local folder, or a hub id
-through huggingface_hub's cache), ``load_hf_config`` reads its config.json,
-``resolve_dtype`` picks the activation dtype and ``load_model`` builds the model
+through huggingface_hub's cache), ``load_hf_config`` reads its config.json
+(both in asyncllm/models/checkpoint.py, which needs no torch), ``resolve_dtype`` picks the activation dtype and ``load_model`` builds the model
 on the device and fills it from the safetensors files (each rank reads only its
 shard of each tensor) or with random dummy weights.
 """
@@ -15,11 +15,11 @@ import os
 from typing import Any, Iterator
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
 
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
+from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
 
@@ -34,57 +34,9 @@ __all__ = [
     "init_dummy_weights",
 ]
 
-# What a snapshot needs for serving: configs, safetensors weights, tokenizer files.
-_HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _DUMMY_STD = 0.02
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-
-
-def resolve_model_path(model: str, revision: str | None = None) -> str:
-    """A local folder as is; otherwise a hub id looked up through huggingface_hub.
-
-    The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import),
-    and huggingface_hub falls back to its cache (HF_HUB_CACHE) when the hub is
-    unreachable. Anything else is a `ConfigError` saying what was tried.
-    """
-    if os.path.isdir(model):
-        return model
-    from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
-
-    offline = constants.HF_HUB_OFFLINE or _env_flag("HF_HUB_OFFLINE")
-    cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
-    try:
-        return snapshot_download(
-            model, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=_HUB_ALLOW_PATTERNS
-        )
-    except HFValidationError as exc:
-        raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
-    except LocalEntryNotFoundError as exc:
-        hub = "offline mode is on (HF_HUB_OFFLINE=1)" if offline else "the hub could not be reached"
-        raise ConfigError(
-            "model",
-            model,
-            f"a local folder or a hub id in the Hugging Face cache: it is not a folder, not in the cache "
-            f"({cache_dir}), and {hub}; set HF_HUB_OFFLINE=0 or download it first "
-            f"(`huggingface-cli download {model}`)",
-        ) from exc
-    except OSError as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HTTP errors
-        raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
-
-
-def load_hf_config(path: str) -> PretrainedConfig:
-    """The checkpoint's transformers config (no remote code is ever run)."""
-    try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
-    except (OSError, ValueError, KeyError) as exc:
-        allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
-        raise ConfigError("model", path, allowed) from exc
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:

@@ -9,7 +9,8 @@ import torch
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import ConfigError
+from asyncllm.models.architectures import SUPPORTED_ARCHITECTURES, architecture_of
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
@@ -62,17 +63,12 @@ _MODELS: dict[str, type] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODELS)
+assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 
 
 def get_model_class(hf_config: Any) -> type[CausalLM]:
     """The class for ``hf_config.architectures[0]``; `NotBuiltError` for any other."""
-    architectures = getattr(hf_config, "architectures", None) or []
-    arch = architectures[0] if architectures else None
-    if arch not in _MODELS:
-        supported = ", ".join(SUPPORTED_ARCHITECTURES)
-        raise NotBuiltError("model", arch, f"the {arch} architecture (supported: {supported})")
-    return _MODELS[arch]
+    return _MODELS[architecture_of(hf_config)]
 
 
 @dataclass(frozen=True)

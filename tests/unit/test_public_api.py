@@ -21,6 +21,15 @@ def test_import_is_cheap_and_cuda_free() -> None:
     assert out.strip() == "[]"
 
 
+def test_engine_class_import_leaves_torch_to_start() -> None:
+    """`from asyncllm import AsyncEngine` at an app's module level does not import torch or the model classes:
+    `start()` prepares the engine on a worker thread (transformers' tokenizer brings torch there, off the loop)."""
+    code = ("import sys; from asyncllm import AsyncEngine\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'asyncllm.models.registry') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_error_tree() -> None:
     for name in errors.__all__:
         assert issubclass(getattr(errors, name), errors.AsyncLLMError)

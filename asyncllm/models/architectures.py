@@ -1,0 +1,28 @@
+"""The architectures asyncllm runs, by name: checked on the host before anything is spawned, without torch.
+
+asyncllm/models/registry.py maps each name to its in-house class (torch);
+this table only says which names exist and which take images, so that the
+host refuses an unsupported checkpoint at once without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.errors import NotBuiltError
+
+__all__ = ["TEXT_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "architecture_of"]
+
+TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
+"""Architectures that take images (their host processes them: asyncllm/mm/)."""
+SUPPORTED_ARCHITECTURES = TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES
+
+
+def architecture_of(hf_config: Any) -> str:
+    """``hf_config.architectures[0]`` when asyncllm runs it; `NotBuiltError` naming the supported ones otherwise."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    arch = architectures[0] if architectures else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise NotBuiltError("model", arch, f"the {arch} architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return arch

@@ -1,0 +1,73 @@
+"""Finding a checkpoint and reading its config, without torch (the host process runs these).
+
+``resolve_model_path`` finds the checkpoint folder (a local folder, or a hub id
+through huggingface_hub's cache); ``load_hf_config`` reads its config.json with
+transformers' ``AutoConfig`` (no remote code). The host prepares an engine
+with these and the architecture table (asyncllm/models/architectures.py), so
+importing `AsyncEngine` imports neither torch nor the model classes; the
+engine's start does its preparation on a worker thread (where transformers,
+when torch is installed, imports it), never at an app's import time.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from asyncllm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+__all__ = ["resolve_model_path", "load_hf_config"]
+
+_HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+"""What a snapshot needs for serving: configs, safetensors weights, tokenizer files."""
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def resolve_model_path(model: str, revision: str | None = None) -> str:
+    """A local folder as is; otherwise a hub id looked up through huggingface_hub.
+
+    The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import),
+    and huggingface_hub falls back to its cache (HF_HUB_CACHE) when the hub is
+    unreachable. Anything else is a `ConfigError` saying what was tried.
+    """
+    if os.path.isdir(model):
+        return model
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = constants.HF_HUB_OFFLINE or _env_flag("HF_HUB_OFFLINE")
+    cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    try:
+        return snapshot_download(
+            model, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=_HUB_ALLOW_PATTERNS
+        )
+    except HFValidationError as exc:
+        raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
+    except LocalEntryNotFoundError as exc:
+        hub = "offline mode is on (HF_HUB_OFFLINE=1)" if offline else "the hub could not be reached"
+        raise ConfigError(
+            "model",
+            model,
+            f"a local folder or a hub id in the Hugging Face cache: it is not a folder, not in the cache "
+            f"({cache_dir}), and {hub}; set HF_HUB_OFFLINE=0 or download it first "
+            f"(`huggingface-cli download {model}`)",
+        ) from exc
+    except OSError as exc:  # RepositoryNotFoundError, GatedRepoError, RevisionNotFoundError, HTTP errors
+        raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
+
+
+def load_hf_config(path: str) -> PretrainedConfig:
+    """The checkpoint's transformers config (no remote code is ever run)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError, KeyError) as exc:
+        allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
+        raise ConfigError("model", path, allowed) from exc
