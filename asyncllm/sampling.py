@@ -83,6 +83,13 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     """What `stream` yields: deltas, cumulative outputs, or each sample once at its end."""
     structured: StructuredOutputs | None = None
     """Constrain the output to a JSON schema, a regex, a choice list or an EBNF grammar (needs xgrammar)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be generated (every other logit is set to -inf)."""
+    bad_words: list[str] = []
+    """Words that may not be generated: a word's last token is forbidden where the output ends with its
+    other tokens (each word tokenized with and without a leading space; the engine fills bad_words_token_ids)."""
+    bad_words_token_ids: list[list[int]] = []
+    """Token sequences that may not be generated (as bad_words, in ids); filled from bad_words by the engine."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -139,6 +146,15 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 if not _is_int(token_id) or token_id < 0:
                     raise InvalidRequestError("logit_bias", f"keys must be non-negative token ids, got {token_id!r}")
                 _check_float("logit_bias", bias, -_MAX_LOGIT_BIAS, _MAX_LOGIT_BIAS)
+        if self.allowed_token_ids is not None and (
+                not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
+                or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
+            raise InvalidRequestError("allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise InvalidRequestError("bad_words", "must be a list of non-blank strings")
+        if not isinstance(self.bad_words_token_ids, list) or not all(
+                isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids) for ids in self.bad_words_token_ids):
+            raise InvalidRequestError("bad_words_token_ids", "must be a list of non-empty lists of non-negative token ids")
 
     def _validate_outputs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -157,10 +173,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise `InvalidRequestError` if a token id in the parameters is not below `vocab_size`."""
-        if self.logit_bias:
-            bad = [t for t in self.logit_bias if t >= vocab_size]
+        fields = {"logit_bias": list(self.logit_bias or ()), "allowed_token_ids": self.allowed_token_ids or [],
+                  "bad_words_token_ids": [t for ids in self.bad_words_token_ids for t in ids]}
+        for name, token_ids in fields.items():
+            bad = [t for t in token_ids if t >= vocab_size]
             if bad:
-                raise InvalidRequestError("logit_bias", f"token ids must be < the vocabulary size {vocab_size}, got {bad[:5]}")
+                raise InvalidRequestError(name, f"token ids must be < the vocabulary size {vocab_size}, got {bad[:5]}")
 
     def for_sample(self, index: int) -> "SamplingParams":
         """The parameters of sample `index` of an n > 1 request, sent to the core as its own request.

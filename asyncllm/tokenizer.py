@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "load_tokenizer", "encode_prompt", "apply_chat_template", "template_arguments", "template_messages",
-    "check_template_kwargs", "check_chat_template", "load_chat_template", "eos_token_ids",
+    "check_template_kwargs", "check_chat_template", "load_chat_template", "bad_words_token_ids", "eos_token_ids",
 ]
 
 _RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "tokenize", "return_dict", "return_tensors", "chat_template",
@@ -74,6 +74,17 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
     if not token_ids:
         raise InvalidRequestError("prompt", "encodes to no tokens; give at least one character")
     return token_ids
+
+
+def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:
+    """Each word's token ids as it is written at a text's start and after a space, without duplicates."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def template_arguments(

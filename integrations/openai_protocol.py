@@ -4,7 +4,8 @@ Unknown fields are refused with a 400 naming them (OpenAI does the same), so a
 client never believes an option took effect when asyncllm does not build it;
 options asyncllm does not build yet (``suffix``, ``best_of`` != n) are refused
 by name too. vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``priority``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``,
+``bad_words``, ``priority``,
 ``cache_salt``, ``chat_template``, ...) are accepted, as a vLLM user expects,
 and so is structured output: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
@@ -74,6 +75,8 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
@@ -262,6 +265,7 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or [],
     )
     params.structured, field = _structured(req)
     if tool_constraint is not None:

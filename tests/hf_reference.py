@@ -13,15 +13,15 @@ def _hf_model(path: str):
     return model.eval()
 
 
-def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy `generate` for one prompt (no padding involved)."""
+def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """transformers' greedy `generate` for one prompt (no padding involved); `generate_kwargs` go to `generate`."""
     import torch
 
     model = _hf_model(path)
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), **generate_kwargs,
         )
     return out[0, len(prompt_ids):].tolist()
 

@@ -1,9 +1,11 @@
-"""Logits processors that change which token wins: logit_bias, min_tokens, penalties.
+"""Logits processors that change which token wins: allowed tokens, bad words, logit_bias, min_tokens, penalties.
 
 They run on the raw logits of a step, before temperature and the top-k /
-top-p / min-p filters, in vLLM's order: logit_bias, then the min_tokens mask
-(EOS and stop_token_ids set to -inf until enough tokens exist), then the
-repetition, frequency and presence penalties. Greedy rows get them too.
+top-p / min-p filters, in vLLM's order: the allowed_token_ids mask, the bad
+words (a word's last token set to -inf where the output ends with its other
+tokens), logit_bias, then the min_tokens mask (EOS and stop_token_ids set to
+-inf until enough tokens exist), then the repetition, frequency and presence
+penalties. Greedy rows get them too.
 
 Vectorised over the batch. What a request needs is precomputed once when the
 worker learns about it (`RowLogitsParams`); each step gathers the sampling
@@ -30,9 +32,10 @@ __all__ = [
     "PenaltyMetadata",
     "PenaltyTables",
     "RowLogitsParams",
+    "apply_allowed_token_ids",
     "apply_logit_bias",
     "apply_logits_processors",
-    "apply_min_tokens",
+    "forbid_tokens",
     "apply_penalties",
     "build_logits_processors_metadata",
 ]
@@ -52,6 +55,10 @@ class RowLogitsParams:
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float
+    allowed_token_ids: np.ndarray | None = None
+    """int64 ids that alone may be sampled (None: any)."""
+    bad_words: tuple[tuple[tuple[int, ...], int], ...] = ()
+    """(the tokens before, the token to forbid) of each bad word."""
     penalty_tables_ready: bool = False
     """Whether `PenaltyTables` holds this row's statistics (set when first sent to be initialised)."""
 
@@ -72,8 +79,13 @@ class RowLogitsParams:
             presence_penalty=params.presence_penalty,
             frequency_penalty=params.frequency_penalty,
             repetition_penalty=params.repetition_penalty,
+            allowed_token_ids=(np.array(sorted(set(params.allowed_token_ids)), np.int64)
+                               if params.allowed_token_ids else None),
+            bad_words=tuple((tuple(ids[:-1]), ids[-1]) for ids in params.bad_words_token_ids),
         )
-        return row if row.bias_token_ids is not None or min_tokens > 0 or row.penalized else None
+        needed = (row.bias_token_ids is not None or min_tokens > 0 or row.penalized
+                  or row.allowed_token_ids is not None or row.bad_words)
+        return row if needed else None
 
 
 class RowState(Protocol):
@@ -110,6 +122,10 @@ class LogitsProcessorsMetadata:
     min_tokens: tuple[torch.Tensor, torch.Tensor] | None
     """(logits rows, token ids) to set to -inf."""
     penalties: PenaltyMetadata | None
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    """(logits rows, each row once; the rows repeated per id; the allowed ids)."""
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(logits rows, token ids) the bad words forbid this step."""
 
 
 def build_logits_processors_metadata(
@@ -119,23 +135,46 @@ def build_logits_processors_metadata(
     bias: list[tuple[int, RowLogitsParams]] = []
     masked: list[tuple[int, RowLogitsParams]] = []
     penalized: list[tuple[int, RowState, RowLogitsParams]] = []
+    allowed: list[tuple[int, RowLogitsParams]] = []
+    banned: list[tuple[int, int]] = []
     for i, state in enumerate(states):
         params = state.logits_params
         if params is None:
             continue
+        if params.allowed_token_ids is not None:
+            allowed.append((i, params))
+        if params.bad_words:
+            banned += [(i, token) for token in _banned_tokens(state, params)]
         if params.bias_token_ids is not None:
             bias.append((i, params))
         if len(state.token_ids) - state.num_prompt_tokens < params.min_tokens:
             masked.append((i, params))
         if params.penalized:
             penalized.append((i, state, params))
-    if not (bias or masked or penalized):
+    if not (bias or masked or penalized or allowed or banned):
         return None
     return LogitsProcessorsMetadata(
         bias=_bias_indices(bias, device) if bias else None,
         min_tokens=_min_tokens_indices(masked, device) if masked else None,
         penalties=_penalty_metadata(penalized, device) if penalized else None,
+        allowed=_allowed_indices(allowed, device) if allowed else None,
+        banned=(_tensor(np.array([i for i, _ in banned], np.int64), device),
+                _tensor(np.array([t for _, t in banned], np.int64), device)) if banned else None,
     )
+
+
+def _banned_tokens(state: RowState, params: RowLogitsParams) -> list[int]:
+    """The last tokens of the bad words whose other tokens end the output so far."""
+    outputs = state.token_ids[state.num_prompt_tokens:]
+    return [last for before, last in params.bad_words
+            if len(before) <= len(outputs) and (not before or tuple(outputs[-len(before):]) == before)]
+
+
+def _allowed_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    ids = [p.allowed_token_ids for _, p in rows]
+    row_idx = np.array([i for i, _ in rows], np.int64)
+    repeated = np.repeat(row_idx, [len(a) for a in ids])  # type: ignore[arg-type]
+    return _tensor(row_idx, device), _tensor(repeated, device), _tensor(np.concatenate(ids), device)  # type: ignore[arg-type]
 
 
 def _bias_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -178,13 +217,21 @@ def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------ the processors (pure functions)
+def apply_allowed_token_ids(logits: torch.Tensor, rows: torch.Tensor, repeated_rows: torch.Tensor,
+                            token_ids: torch.Tensor) -> None:
+    """Set every logit of `rows` to -inf except at (repeated_rows, token_ids), in place."""
+    kept = logits[repeated_rows, token_ids]
+    logits.index_fill_(0, rows, float("-inf"))
+    logits.index_put_((repeated_rows, token_ids), kept)
+
+
 def apply_logit_bias(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, values: torch.Tensor) -> None:
     """Add ``values`` at (rows, token_ids), in place."""
     logits.index_put_((rows, token_ids), values, accumulate=True)
 
 
-def apply_min_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
-    """Forbid (rows, token_ids): the stop tokens of rows that have not reached min_tokens, in place."""
+def forbid_tokens(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    """Set (rows, token_ids) to -inf, in place: bad words' last tokens, stop tokens before min_tokens."""
     logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
 
 
@@ -270,10 +317,14 @@ class PenaltyTables:
 
 
 def apply_logits_processors(logits: torch.Tensor, meta: LogitsProcessorsMetadata, tables: PenaltyTables) -> None:
-    """logit_bias, then the min_tokens mask, then penalties; all in place on ``logits`` [N, V]."""
+    """The allowed-ids mask, bad words, logit_bias, the min_tokens mask, then penalties; in place on ``logits`` [N, V]."""
+    if meta.allowed is not None:
+        apply_allowed_token_ids(logits, *meta.allowed)
+    if meta.banned is not None:
+        forbid_tokens(logits, *meta.banned)
     if meta.bias is not None:
         apply_logit_bias(logits, *meta.bias)
     if meta.min_tokens is not None:
-        apply_min_tokens(logits, *meta.min_tokens)
+        forbid_tokens(logits, *meta.min_tokens)
     if meta.penalties is not None:
         tables.apply(logits, meta.penalties)

@@ -37,7 +37,7 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.mm.cache import CACHE_MISS_ERROR
 from asyncllm.mm.host import multimodal_prompt, resend_with_data
 from asyncllm.mm.processor import MultiModalPrompt, MultiModalProcessor
-from asyncllm.tokenizer import apply_chat_template, encode_prompt
+from asyncllm.tokenizer import apply_chat_template, bad_words_token_ids, encode_prompt
 
 logger = logging.getLogger("asyncllm.engine")
 
@@ -264,6 +264,9 @@ class Processor:
             self._deliver([(collector, error)], None)
             return
         try:
+            if job.params.bad_words:
+                ids = job.params.bad_words_token_ids + bad_words_token_ids(self._tokenizer, job.params.bad_words)
+                job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
             check_params_vocab(job.params, self._vocab_size)
             token_ids = self._tokenize(job)
         except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread

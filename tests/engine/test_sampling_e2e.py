@@ -13,11 +13,12 @@ import asyncio
 import pytest
 import pytest_asyncio
 import torch
-from hf_reference import hf_logits
+from hf_reference import hf_greedy, hf_logits
 from transformers import AutoTokenizer
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from asyncllm import AsyncEngine, InvalidRequestError, RequestOutputKind, SamplingParams
+from asyncllm.tokenizer import bad_words_token_ids
 from engine_helpers import wait_idle as _wait_idle
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -115,6 +116,28 @@ async def test_logit_bias_forces_and_bans_and_is_checked_against_the_vocab(engin
     with pytest.raises(InvalidRequestError) as info:
         await engine.generate(PROMPT, SamplingParams(logit_bias={512: 1.0}))
     assert info.value.field == "logit_bias"
+
+
+async def test_allowed_token_ids_and_bad_words_match_transformers(engine: AsyncEngine, tokenizer) -> None:
+    greedy = {"temperature": 0.0, "max_tokens": 12, "ignore_eos": True}
+    plain = await engine.generate(PROMPT, SamplingParams(**greedy))
+    path, prompt_ids = engine.config.model, plain.prompt_token_ids
+    allowed = sorted(set(plain.token_ids[1::3]) | {42, 77})
+    restricted = await engine.generate(PROMPT, SamplingParams(**greedy, allowed_token_ids=allowed))
+    assert restricted.token_ids == hf_greedy(path, prompt_ids, 12, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+    assert set(restricted.token_ids) <= set(allowed) and restricted.token_ids != plain.token_ids
+    pieces = [plain.token_ids[i:i + size] for size in (2, 1) for i in range(1, 10)]
+    pieces = [p for p in pieces if tokenizer.decode(p).strip() and tokenizer.encode(tokenizer.decode(p), add_special_tokens=False) == p]
+    words = [tokenizer.decode(pieces[0]), tokenizer.decode(pieces[-1])]  # a two-token word and a one-token word
+    banned = await engine.generate(PROMPT, SamplingParams(**greedy, bad_words=words))
+    ids = bad_words_token_ids(tokenizer, words)
+    assert pieces[0] in ids and pieces[-1] in ids
+    assert banned.token_ids == hf_greedy(path, prompt_ids, 12, bad_words_ids=ids) != plain.token_ids
+    for errors, field in [({"allowed_token_ids": [512]}, "allowed_token_ids"), ({"allowed_token_ids": []}, "allowed_token_ids"),
+                          ({"bad_words": [" "]}, "bad_words")]:
+        with pytest.raises(InvalidRequestError) as info:
+            await engine.generate(PROMPT, SamplingParams(**errors))
+        assert info.value.field == field
 
 
 async def test_min_tokens_masks_eos_and_stop_token_ids(engine: AsyncEngine) -> None:

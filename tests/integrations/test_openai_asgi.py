@@ -320,3 +320,14 @@ async def test_health_and_metrics_of_a_dead_engine() -> None:
         metrics = await client.get("/metrics")
     assert (health.status_code, health.json()) == (503, {"status": "unavailable"})
     assert metrics.status_code == 404
+
+
+async def test_allowed_token_ids_and_bad_words_fields(app, bundled_tokenizer) -> None:
+    body = {**GREEDY, "prompt": "import os", "max_tokens": 4, "ignore_eos": True}
+    async with _client(app) as client:
+        plain = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
+        only = (await client.post("/v1/completions", json={**body, "allowed_token_ids": [42]})).json()
+        word = plain.split()[0] if plain.split() else plain
+        banned = (await client.post("/v1/completions", json={**body, "bad_words": [word]})).json()
+    assert only["choices"][0]["text"] == bundled_tokenizer.decode([42] * 4)
+    assert banned["choices"][0]["text"] != plain
