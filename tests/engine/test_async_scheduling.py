@@ -175,6 +175,8 @@ SAMPLING = {
     "seeded-penalties": SamplingParams(temperature=0.8, min_p=0.05, seed=5, max_tokens=16, ignore_eos=True,
                                        frequency_penalty=0.6, presence_penalty=0.5, min_tokens=4),
     "logprobs": SamplingParams(temperature=0.0, max_tokens=8, logprobs=3, prompt_logprobs=2),
+    "token-masks": SamplingParams(temperature=0.9, seed=3, max_tokens=16, ignore_eos=True,
+                                  allowed_token_ids=list(range(8, 120)), bad_words_token_ids=[[20, 21], [22]]),
 }
 
 
