@@ -5,7 +5,7 @@ client never believes an option took effect when asyncllm does not build it;
 options asyncllm does not build yet (``suffix``, ``best_of`` != n) are refused
 by name too. vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``,
-``bad_words``, ``priority``,
+``bad_words``, ``truncate_prompt_tokens``, ``prompt_logprobs``, ``priority``,
 ``cache_salt``, ``chat_template``, ...) are accepted, as a vLLM user expects,
 and so is structured output: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
@@ -77,6 +77,10 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows)."""
+    prompt_logprobs: int | None = None
+    """vLLM's: each prompt token's logprob and the N most likely there (not with stream)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
@@ -223,10 +227,10 @@ def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingP
     _refuse(req.suffix is not None, "suffix", "suffix (insertion) is not built yet")
     if req.best_of is not None and req.best_of != req.n:
         raise InvalidRequestError("best_of", "only best_of == n is supported (no server-side ranking)")
-    prompt_logprobs = None
+    prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         _refuse(req.n != 1, "echo", "with logprobs needs n=1 (the prompt's logprobs are computed once)")
-        prompt_logprobs = req.logprobs
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
     max_tokens = 1 if echo_only(req) else req.max_tokens
     return _params(req, max_tokens, req.logprobs, limits, prompt_logprobs)
 
@@ -243,11 +247,12 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits,
         raise InvalidRequestError("top_logprobs", "needs logprobs: true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _params(req, max_tokens, logprobs, limits, tool_constraint=tool_constraint)
+    return _params(req, max_tokens, logprobs, limits, req.prompt_logprobs, tool_constraint)
 
 
 def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: ServerLimits,
             prompt_logprobs: int | None = None, tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
+    _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
     if _is_int(req.n) and req.n > limits.max_n:
         raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
     if limits.max_tokens is not None:
@@ -266,6 +271,7 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or [],
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
     params.structured, field = _structured(req)
     if tool_constraint is not None:

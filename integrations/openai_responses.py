@@ -42,7 +42,8 @@ class Choices:
 
     def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool,
                  token_text: Callable[[int], str] | None = None, echo_only: bool = False,
-                 tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None) -> None:
+                 tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None,
+                 return_prompt_logprobs: bool = False) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -57,6 +58,8 @@ class Choices:
         """Chat: how replies are read for tool calls (openai_tools.py)."""
         self.reasoning = reasoning
         """Chat: the server's reasoning parser, or None."""
+        self.return_prompt_logprobs = return_prompt_logprobs
+        """vLLM's ``prompt_logprobs`` field: on each completion choice, at the top of a chat response."""
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
@@ -129,7 +132,15 @@ class Choices:
                 out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
             else:
                 out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
+                if self.return_prompt_logprobs:
+                    out[-1]["prompt_logprobs"] = prompt_logprobs_body(self.prompt_logprobs[index // self.n])
         return out
+
+    def response_fields(self) -> dict[str, Any]:
+        """Fields of a non-streaming response besides its choices: a chat's ``prompt_logprobs`` when asked."""
+        if self.chat and self.return_prompt_logprobs:
+            return {"prompt_logprobs": prompt_logprobs_body(self.prompt_logprobs[0])}
+        return {}
 
     def _format_logprobs(self, choice: _Choice, token_ids: list[int], entries: Entries) -> dict[str, Any]:
         top_n = self.top_logprobs or 0
@@ -148,6 +159,15 @@ class Choices:
             offsets.append(choice.text_offset)
             choice.text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs_body(entries: PromptLogprobs | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if entry is None else {
+        str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for token_id, lp in entry.items()} for entry in entries]
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

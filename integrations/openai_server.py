@@ -165,7 +165,7 @@ class OpenAIServer:
         prompts = completion_prompts(req.prompt, self.limits)
         streams = [self.engine.stream(prompt, params, **request_options(req)) for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
-                          echo_only=echo_only(req))
+                          echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None)
         return await self._respond(request, req, streams, choices, "cmpl", "text_completion",
                                    echo=prompts if req.echo else None)
 
@@ -177,7 +177,8 @@ class OpenAIServer:
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template))]
-        choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning)
+        choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
+                          return_prompt_logprobs=req.prompt_logprobs is not None)
         return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
 
     async def models(self, request: Request) -> Response:
@@ -325,7 +326,7 @@ class OpenAIServer:
         _count_prompts(streams, choices)
         if echo is not None:
             await self._echo(choices, streams, echo)
-        return _json({**meta, "choices": choices.final_choices(), "usage": choices.usage()})
+        return _json({**meta, "choices": choices.final_choices(), "usage": choices.usage(), **choices.response_fields()})
 
     async def _sse(self, request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
                    meta: dict[str, Any], usage: str,

@@ -292,24 +292,38 @@ class Processor:
             dealer.send(self._encoder.encode(message))
         self._observer.on_added(collector, job.params, job.chat, job.trace_context)
 
+    def _truncated(self, params: SamplingParams, token_ids: list[int]) -> list[int]:
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: the last max_model_len - 1, leaving one to generate)."""
+        limit = params.truncate_prompt_tokens
+        if limit is None:
+            return token_ids
+        keep = self.max_model_len - 1 if limit == -1 else limit
+        if keep >= self.max_model_len:
+            raise errors.InvalidRequestError("truncate_prompt_tokens", f"is {limit}, but a prompt can have at most "
+                                             f"max_model_len - 1 = {self.max_model_len - 1} tokens (or give -1)")
+        return token_ids[-keep:]
+
     def _tokenize(self, job: Submit) -> list[int]:
         options = job.options
         if self._mm is not None or isinstance(job.prompt, dict):
             job.mm_prompt = multimodal_prompt(self._mm, job.prompt, job.chat, self.max_model_len,
                                               options.chat_template_kwargs, options.tools, options.chat_template)
             if job.mm_prompt is not None:
+                if job.params.truncate_prompt_tokens is not None:
+                    raise errors.InvalidRequestError("truncate_prompt_tokens", "cannot cut a prompt with images")
                 return job.mm_prompt.token_ids
         if job.chat:
-            token_ids = apply_chat_template(self._tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs,
-                                            tools=options.tools, chat_template=options.chat_template)
+            token_ids = self._truncated(job.params, apply_chat_template(
+                self._tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
+                chat_template=options.chat_template))
         elif isinstance(job.prompt, str):
-            if len(job.prompt) > self._max_prompt_chars:
+            if len(job.prompt) > self._max_prompt_chars and job.params.truncate_prompt_tokens is None:
                 raise errors.InvalidRequestError(
                     "prompt", f"{len(job.prompt)} characters cannot fit in max_model_len={self.max_model_len} tokens")
             check_text("prompt", job.prompt)
-            token_ids = encode_prompt(self._tokenizer, job.prompt)
+            token_ids = self._truncated(job.params, encode_prompt(self._tokenizer, job.prompt))
         else:
-            token_ids = list(job.prompt)
+            token_ids = self._truncated(job.params, list(job.prompt))
             if len(token_ids) < self.max_model_len:  # a huge list is refused below without a look at each id
                 check_token_ids("prompt", token_ids, self._vocab_size)
         if not token_ids:

@@ -147,6 +147,24 @@ async def test_chat_template_kwargs_reach_the_template(engine: AsyncEngine, toke
         assert info.value.field == "chat_template_kwargs"
 
 
+async def test_truncate_prompt_tokens_keeps_the_end(engine: AsyncEngine, tokenizer) -> None:
+    text = "def area(r):\n    return 3.14 * r * r\n" * 60
+    ids = tokenizer(text).input_ids
+    assert len(ids) > 1024  # too long for this engine without truncation
+    greedy = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+    cut = await engine.generate(text, SamplingParams(**greedy, truncate_prompt_tokens=100))
+    assert cut.prompt_token_ids == ids[-100:]
+    assert cut.token_ids == hf_greedy(engine.config.model, ids[-100:], 6)
+    longest = await engine.generate(ids, SamplingParams(**greedy, truncate_prompt_tokens=-1))
+    assert longest.prompt_token_ids == ids[-1023:]
+    chat = [{"role": "user", "content": text}]
+    rendered = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    stream = engine.chat(chat, SamplingParams(**greedy, truncate_prompt_tokens=50))
+    async with stream:
+        [d async for d in stream]
+    assert stream.collector.prompt_token_ids == rendered[-50:]
+
+
 @pytest.mark.parametrize(
     "prompt, params, field",
     [
@@ -159,6 +177,8 @@ async def test_chat_template_kwargs_reach_the_template(engine: AsyncEngine, toke
         ("hi", SamplingParams(top_p=1.5), "top_p"),
         ("hi", {"max_tokens": 3}, "params"),
         ([5] * 2000, None, "prompt"),
+        ("hi", SamplingParams(truncate_prompt_tokens=1024), "truncate_prompt_tokens"),
+        ("hi", SamplingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens"),
     ],
 )
 async def test_bad_requests_are_typed_and_engine_keeps_serving(engine: AsyncEngine, prompt, params, field: str) -> None:

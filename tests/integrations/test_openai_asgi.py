@@ -331,3 +331,23 @@ async def test_allowed_token_ids_and_bad_words_fields(app, bundled_tokenizer) ->
         banned = (await client.post("/v1/completions", json={**body, "bad_words": [word]})).json()
     assert only["choices"][0]["text"] == bundled_tokenizer.decode([42] * 4)
     assert banned["choices"][0]["text"] != plain
+
+
+async def test_prompt_logprobs_and_truncation_fields(app, bundled_engine) -> None:
+    prompt = "import os\nimport sys\n"
+    body = {**GREEDY, "prompt": prompt, "max_tokens": 2}
+    chat = {**GREEDY, "max_tokens": 2, "messages": [{"role": "user", "content": prompt}], "prompt_logprobs": 1}
+    async with _client(app) as client:
+        completion = (await client.post("/v1/completions", json={**body, "prompt_logprobs": 2})).json()
+        chat_body = (await client.post("/v1/chat/completions", json=chat)).json()
+        streamed = await client.post("/v1/completions", json={**body, "prompt_logprobs": 2, "stream": True})
+        cut = (await client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 3})).json()
+    expected = await bundled_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
+    entries = completion["choices"][0]["prompt_logprobs"]
+    assert len(entries) == completion["usage"]["prompt_tokens"] == len(expected.prompt_token_ids) and entries[0] is None
+    for token_id, entry, want in zip(expected.prompt_token_ids[1:], entries[1:], expected.prompt_logprobs[1:]):
+        assert str(token_id) in entry and entry == {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in want.items()}
+    assert len(chat_body["prompt_logprobs"]) == chat_body["usage"]["prompt_tokens"]
+    assert (streamed.status_code, streamed.json()["error"]["param"]) == (400, "prompt_logprobs")
+    assert cut["usage"]["prompt_tokens"] == 3
