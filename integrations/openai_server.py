@@ -1,7 +1,8 @@
 """An OpenAI-compatible ASGI app (Starlette) over one `AsyncEngine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE
-streaming and ``stream_options.include_usage``), ``GET /v1/models``, vLLM's
+streaming and ``stream_options.include_usage``), ``POST /v1/responses``
+(OpenAI's Responses API, responses_api.py), ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
 ``GET /health``, ``GET /metrics`` (Prometheus text). Chat completions take
 ``tools`` and ``tool_choice`` (openai_tools.py); ``"auto"`` needs the app made
@@ -42,6 +43,7 @@ from asyncllm.integrations.openai_protocol import (
 )
 from asyncllm.integrations.openai_responses import Choices
 from asyncllm.integrations.openai_tools import tool_mode
+from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, chat_request, response_body
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
@@ -144,6 +146,7 @@ class OpenAIServer:
         routes = [
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guarded(self.chat_completions), methods=["POST"]),
+            Route("/v1/responses", self._guarded(self.responses), methods=["POST"]),
             Route("/v1/models", self._guarded(self.models), methods=["GET"]),
             Route("/tokenize", self._guarded(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._guarded(self.detokenize), methods=["POST"]),
@@ -172,6 +175,27 @@ class OpenAIServer:
     async def chat_completions(self, request: Request) -> Response:
         req = decode_request(await self._body(request), ChatCompletionRequest)
         self._check_model(req.model)
+        streams, choices = self._start_chat(req)
+        return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
+
+    async def responses(self, request: Request) -> Response:
+        """OpenAI's Responses API over a chat completion (responses_api.py)."""
+        req = decode_request(await self._body(request), ResponsesRequest)
+        self._check_model(req.model)
+        streams, choices = self._start_chat(chat_request(req))
+        if req.stream:
+            firsts = await first_deltas(streams)  # errors before the first token keep their status code
+            _count_prompts(streams, choices)
+            return StreamingResponse(self._response_events(request, req, streams, firsts, choices),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
+            choices.add(prompt_index, delta)
+        _count_prompts(streams, choices)
+        choice = choices.final_choices()[0]
+        return _json(response_body(req, self.model_name, choice["message"], choice["finish_reason"], choices.usage()))
+
+    def _start_chat(self, req: ChatCompletionRequest) -> tuple[list[RequestStream], Choices]:
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         params = chat_params(req, self.limits, mode.constraint)
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
@@ -179,7 +203,7 @@ class OpenAIServer:
                                     chat_template=self.templates.pick(req.chat_template))]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
                           return_prompt_logprobs=req.prompt_logprobs is not None)
-        return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
+        return streams, choices
 
     async def models(self, request: Request) -> Response:
         card = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "asyncllm",
@@ -327,6 +351,25 @@ class OpenAIServer:
         if echo is not None:
             await self._echo(choices, streams, echo)
         return _json({**meta, "choices": choices.final_choices(), "usage": choices.usage(), **choices.response_fields()})
+
+    async def _response_events(self, request: Request, req: ResponsesRequest, streams: list[RequestStream],
+                               firsts: list[Any], choices: Choices) -> AsyncIterator[bytes]:
+        events = ResponseEvents(req, self.model_name)
+        for event in events.start():
+            yield event
+        try:
+            async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
+                index, _ = choices.add(prompt_index, delta)
+                parts, finish_reason = choices.chat_deltas(index, delta.text, delta.finish_reason)
+                for event in events.feed(parts):
+                    yield event
+                if finish_reason is not None:
+                    for event in events.finish(finish_reason, choices.usage()):
+                        yield event
+        except AsyncLLMError as exc:  # after the first event the status is sent: report in the stream
+            yield events.error(error_body(exc)[1]["error"])
+        except ClientDisconnected:
+            return
 
     async def _sse(self, request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
                    meta: dict[str, Any], usage: str,

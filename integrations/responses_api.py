@@ -1,0 +1,329 @@
+"""OpenAI's Responses API (``POST /v1/responses``), run through the chat machinery.
+
+A request's ``input`` (a string, or message / ``function_call`` /
+``function_call_output`` items) and ``instructions`` become chat messages;
+``tools`` (flat function tools), ``tool_choice``, ``text.format`` and the
+sampling fields become a `ChatCompletionRequest`, so templates, tool calling,
+reasoning parsers and structured output behave exactly as in chat
+completions. The reply comes back as output items: ``reasoning`` (with a
+reasoning parser), ``message`` (``output_text``) and ``function_call``; a
+streamed reply as the API's semantic events (``response.created``, ...,
+``response.output_text.delta``, ..., ``response.completed``).
+
+Not built, and refused by name: ``previous_response_id`` and stored
+responses (``store`` is answered ``false``), ``background``, ``include``,
+``truncation: "auto"``, non-function tools, ``reasoning`` settings.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_protocol import ChatCompletionRequest
+
+__all__ = ["ResponsesRequest", "chat_request", "response_body", "ResponseEvents"]
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/responses`` (OpenAI's fields, then vLLM's sampling extensions)."""
+
+    input: str | list[dict[str, Any]]
+    model: str | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    """``{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}``."""
+    store: bool | None = None
+    """Accepted; nothing is stored (the response says ``"store": false``)."""
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    previous_response_id: str | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    truncation: str | None = None
+    reasoning: dict[str, Any] | None = None
+    service_tier: str | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+def _refused(req: ResponsesRequest) -> None:
+    checks = [
+        (req.previous_response_id is not None, "previous_response_id",
+         "stored responses are not built: send the whole conversation as input"),
+        (bool(req.background), "background", "background responses are not built"),
+        (bool(req.include), "include", "extra output data is not built"),
+        (req.truncation not in (None, "disabled"), "truncation", "only 'disabled' is built"),
+        (bool(req.reasoning), "reasoning", "reasoning settings are not built (a reasoning parser splits the reply)"),
+        (req.service_tier not in (None, "auto", "default"), "service_tier", "this server has one tier"),
+    ]
+    for failed, field, why in checks:
+        if failed:
+            raise InvalidRequestError(field, why)
+
+
+def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat completion that runs this response (every check of chat completions applies)."""
+    _refused(req)
+    fields: dict[str, Any] = {
+        "model": req.model, "messages": input_messages(req.input, req.instructions),
+        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice),
+        "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
+        "seed": req.seed, "top_k": req.top_k, "min_p": req.min_p, "repetition_penalty": req.repetition_penalty,
+        "priority": req.priority, "cache_salt": req.cache_salt, "chat_template_kwargs": req.chat_template_kwargs,
+        "user": req.user, "stream": req.stream,
+    }
+    return msgspec.convert({k: v for k, v in fields.items() if v is not None}, ChatCompletionRequest)
+
+
+def input_messages(items: str | list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
+    """Chat messages of ``input``: messages, and function calls and their outputs as tool history.
+
+    ``developer`` is the system role; ``reasoning`` items (earlier thoughts a
+    client sends back) are dropped, as chat templates drop them.
+    """
+    messages: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(items, str):
+        return messages + [{"role": "user", "content": items}]
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise InvalidRequestError("input", f"item {i} must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            messages.append({"role": "system" if role == "developer" else role, "content": _text(i, item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
+                last["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _text(i, output)})
+        elif kind != "reasoning":
+            raise InvalidRequestError("input", f"item {i}: type {kind!r} is not built (message, function_call, "
+                                               "function_call_output, reasoning are)")
+    return messages
+
+
+def _text(i: int, content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise InvalidRequestError("input", f"item {i}: only text content parts are built, got {kind!r}")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+    raise InvalidRequestError("input", f"item {i}: content must be a string or a list of text parts")
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Flat Responses function tools ``{"type", "name", "parameters", ...}`` in the chat shape."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+            raise InvalidRequestError("tools", f"item {i}: only function tools are built, got {kind!r}")
+        function = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return None
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
+    return {"type": fmt.get("type")}
+
+
+# ------------------------------------------------------------------ the response
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _usage(usage: dict[str, int]) -> dict[str, Any]:
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
+
+
+def _skeleton(req: ResponsesRequest, response_id: str, model: str, created: int) -> dict[str, Any]:
+    return {
+        "id": response_id, "object": "response", "created_at": created, "model": model, "status": "in_progress",
+        "output": [], "error": None, "incomplete_details": None, "instructions": req.instructions,
+        "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
+        "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
+        "top_p": req.top_p, "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
+        "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "store": False,
+        "truncation": "disabled", "usage": None,
+    }
+
+
+def _finished(body: dict[str, Any], finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+    incomplete = finish_reason == "length"
+    return {**body, "status": "incomplete" if incomplete else "completed", "usage": _usage(usage),
+            "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}] if text or status == "completed" else []}
+
+
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
+
+
+def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call["id"], "name": call["function"]["name"],
+            "arguments": call["function"]["arguments"], "status": status}
+
+
+def response_body(req: ResponsesRequest, model: str, message: dict[str, Any], finish_reason: str | None,
+                  usage: dict[str, int]) -> dict[str, Any]:
+    """A whole response from a chat choice's merged message."""
+    output = []
+    if message.get("reasoning"):
+        output.append(_reasoning_item(_new_id("rs"), message["reasoning"]))
+    if message.get("content"):
+        output.append(_message_item(_new_id("msg"), message["content"], "completed"))
+    for call in message.get("tool_calls", ()):
+        output.append(_call_item(_new_id("fc"), call, "completed"))
+    body = _skeleton(req, _new_id("resp"), model, int(time.time()))
+    return {**_finished(body, finish_reason, usage), "output": output}
+
+
+class ResponseEvents:
+    """A streamed response: chat deltas (openai_reply.py) in, the API's SSE events out."""
+
+    def __init__(self, req: ResponsesRequest, model: str) -> None:
+        self.body = _skeleton(req, _new_id("resp"), model, int(time.time()))
+        self._sequence = 0
+        self._open: dict[str, Any] | None = None
+        """The output item being streamed: {"kind", "id", "index", "text" or "call"}."""
+        self._output: list[dict[str, Any]] = []
+
+    def start(self) -> list[bytes]:
+        return [self._event("response.created", response=self.body),
+                self._event("response.in_progress", response=self.body)]
+
+    def feed(self, deltas: list[dict[str, Any]]) -> list[bytes]:
+        events: list[bytes] = []
+        for delta in deltas:
+            if "reasoning" in delta:
+                events += self._text_delta("reasoning", delta["reasoning"])
+            elif "content" in delta:
+                events += self._text_delta("message", delta["content"])
+            for item in delta.get("tool_calls", ()):
+                events += self._call_delta(item)
+        return events
+
+    def finish(self, finish_reason: str | None, usage: dict[str, int]) -> list[bytes]:
+        events = self._close()
+        self.body = {**_finished(self.body, finish_reason, usage), "output": self._output}
+        kind = "response.incomplete" if self.body["status"] == "incomplete" else "response.completed"
+        return events + [self._event(kind, response=self.body)]
+
+    def error(self, error: dict[str, Any]) -> bytes:
+        """An ``error`` event (an engine error after the stream began): OpenAI's message, type, param, code."""
+        return self._event("error", **error)
+
+    def _text_delta(self, kind: str, text: str) -> list[bytes]:
+        events = self._switch(kind)
+        assert self._open is not None
+        self._open["text"] += text
+        name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+        extra = {} if kind == "reasoning" else {"logprobs": []}
+        return events + [self._event(name, item_id=self._open["id"], output_index=self._open["index"],
+                                     content_index=0, delta=text, **extra)]
+
+    def _call_delta(self, item: dict[str, Any]) -> list[bytes]:
+        events: list[bytes] = []
+        if "id" in item:  # a new call
+            events = self._close()
+            call = {"id": item["id"], "function": {"name": item["function"]["name"], "arguments": ""}}
+            self._open = {"kind": "call", "id": _new_id("fc"), "index": len(self._output), "call": call}
+            events.append(self._event("response.output_item.added", output_index=self._open["index"],
+                                      item=_call_item(self._open["id"], call, "in_progress")))
+        assert self._open is not None and self._open["kind"] == "call"
+        arguments = item["function"].get("arguments", "")
+        self._open["call"]["function"]["arguments"] += arguments
+        return events + [self._event("response.function_call_arguments.delta", item_id=self._open["id"],
+                                     output_index=self._open["index"], delta=arguments)]
+
+    def _switch(self, kind: str) -> list[bytes]:
+        """Open an item of `kind` unless one is open (closing another kind first)."""
+        if self._open is not None and self._open["kind"] == kind:
+            return []
+        events = self._close()
+        self._open = {"kind": kind, "id": _new_id("rs" if kind == "reasoning" else "msg"), "index": len(self._output),
+                      "text": ""}
+        index, item_id = self._open["index"], self._open["id"]
+        if kind == "reasoning":
+            return events + [self._event("response.output_item.added", output_index=index, item=_reasoning_item(item_id, ""))]
+        part = {"type": "output_text", "text": "", "annotations": []}
+        return events + [self._event("response.output_item.added", output_index=index,
+                                     item=_message_item(item_id, "", "in_progress")),
+                         self._event("response.content_part.added", item_id=item_id, output_index=index,
+                                     content_index=0, part=part)]
+
+    def _close(self) -> list[bytes]:
+        open_, self._open = self._open, None
+        if open_ is None:
+            return []
+        index, item_id = open_["index"], open_["id"]
+        if open_["kind"] == "call":
+            item = _call_item(item_id, open_["call"], "completed")
+            events = [self._event("response.function_call_arguments.done", item_id=item_id, output_index=index,
+                                  arguments=item["arguments"])]
+        elif open_["kind"] == "reasoning":
+            item = _reasoning_item(item_id, open_["text"])
+            events = [self._event("response.reasoning_text.done", item_id=item_id, output_index=index,
+                                  content_index=0, text=open_["text"])]
+        else:
+            item = _message_item(item_id, open_["text"], "completed")
+            events = [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
+                                  text=open_["text"], logprobs=[]),
+                      self._event("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
+                                  part=item["content"][0])]
+        self._output.append(item)
+        return events + [self._event("response.output_item.done", output_index=index, item=item)]
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(payload) + b"\n\n"

@@ -1,0 +1,89 @@
+"""OpenAI's Responses API (`POST /v1/responses`) through the official `openai` client, on the bundled model."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from test_openai_asgi import _client
+
+from asyncllm import SamplingParams
+from asyncllm.integrations.responses_api import input_messages
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+MODEL = "asyncllm-tiny"
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["paris", "rome"]}},
+        "required": ["city"], "additionalProperties": False}
+TOOLS = [{"type": "function", "name": "get_weather", "description": "Weather in a city", "parameters": CITY}]
+CONVERSATION = [
+    {"role": "developer", "content": "You help."},
+    {"role": "user", "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+    {"type": "reasoning", "id": "rs_1", "summary": []},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "paris"}'},
+    {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+]
+
+
+@pytest.fixture
+def client(app) -> openai.AsyncOpenAI:
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test/v1")
+    return openai.AsyncOpenAI(api_key="unused", base_url="http://test/v1", http_client=http)
+
+
+async def test_text_response_whole_and_streamed(client, bundled_engine) -> None:
+    whole = await client.responses.create(model=MODEL, instructions="Be brief.", input="def add(a, b):",
+                                          max_output_tokens=10, temperature=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def add(a, b):"}]
+    expected = "".join([d.text async for d in bundled_engine.chat(messages, SamplingParams(temperature=0, max_tokens=10))])
+    assert whole.output_text == expected and whole.status in ("completed", "incomplete")
+    assert whole.usage.output_tokens == 10 or whole.status == "completed"
+    events = [event async for event in await client.responses.create(
+        model=MODEL, instructions="Be brief.", input="def add(a, b):", max_output_tokens=10, temperature=0, stream=True)]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type in ("response.completed", "response.incomplete")
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected
+    assert events[-1].response.output_text == expected and events[-1].response.usage.total_tokens == whole.usage.total_tokens
+
+
+async def test_function_calls_and_their_history(client, app, bundled_tokenizer) -> None:
+    named = await client.responses.create(model=MODEL, input=CONVERSATION, tools=TOOLS, max_output_tokens=60,
+                                          tool_choice={"type": "function", "name": "get_weather"}, temperature=0)
+    (call,) = named.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), CITY)
+    # the history reached the template: the prompt is the chat rendering of the converted messages with the tools
+    chat_tools = [{"type": "function", "function": {k: v for k, v in TOOLS[0].items() if k != "type"}}]
+    async with _client(app) as http:
+        rendered = (await http.post("/tokenize", json={"messages": input_messages(CONVERSATION, None),
+                                                       "tools": chat_tools})).json()
+    assert named.usage.input_tokens == rendered["count"]
+    assert "sunny" in bundled_tokenizer.decode(rendered["tokens"]) and "You help." in bundled_tokenizer.decode(rendered["tokens"])
+    streamed = [e async for e in await client.responses.create(
+        model=MODEL, input="weather?", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        max_output_tokens=60, temperature=0, stream=True)]
+    done = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert [item.type for item in done] == ["function_call"] and streamed[-1].response.output[0].name == "get_weather"
+
+
+async def test_json_schema_text_format(client) -> None:
+    response = await client.responses.create(
+        model=MODEL, input="A city:", max_output_tokens=40, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}})
+    jsonschema.validate(json.loads(response.output_text), CITY)
+
+
+async def test_what_is_not_built_is_refused_by_name(app) -> None:
+    cases = [({"previous_response_id": "resp_1"}, "previous_response_id"),
+             ({"tools": [{"type": "web_search"}]}, "tools"),
+             ({"reasoning": {"effort": "low"}}, "reasoning"),
+             ({"input": [{"type": "image_generation_call"}]}, "input"),
+             ({"unknown_field": 1}, "unknown_field")]
+    async with _client(app) as http:
+        for extra, param in cases:
+            response = await http.post("/v1/responses", json={"model": MODEL, "input": "x", **extra})
+            assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
