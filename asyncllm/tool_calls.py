@@ -8,7 +8,9 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
   blocks (Hermes 2/3, Qwen2.5, Qwen3, QwQ, and the bundled tiny model's
   template);
 - ``llama3_json``: a JSON object ``{"name": ..., "parameters": {...}}`` (or
-  several joined by ``;``), maybe after ``<|python_tag|>`` (Llama 3.1-3.3).
+  several joined by ``;``), maybe after ``<|python_tag|>`` (Llama 3.1-3.3);
+- ``pythonic``: a Python list of calls ``[f(a=1), g(b="x")]`` with literal
+  arguments (Llama 3.2 and 4, and other models prompted that way).
 
 Each parser reads a whole reply (`ToolParser.parse`) or a stream of text
 deltas (`ToolParser.stream`): content is passed on as it comes, except the
@@ -20,8 +22,10 @@ is ever lost.
 from __future__ import annotations
 
 import abc
+import ast
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,12 +195,12 @@ class HermesToolParser(ToolParser):
         return _HermesStream()
 
 
-class _Llama3JsonStream(ToolCallStream):
-    """A reply that starts with ``{`` (or ``<|python_tag|>``) is calls, read whole at the end; else content."""
+class _WholeReplyStream(ToolCallStream):
+    """A reply that opens with one of `openers` is calls, read whole at its end; any other reply is content."""
 
-    TAG = "<|python_tag|>"
-
-    def __init__(self) -> None:
+    def __init__(self, openers: tuple[str, ...], parse: Callable[[str], list[ToolCall] | None]) -> None:
+        self._openers = openers
+        self._parse = parse
         self._buffer = ""
         self._mode: str | None = None  # None: undecided, "content" or "calls"
 
@@ -207,9 +211,9 @@ class _Llama3JsonStream(ToolCallStream):
         if self._mode == "calls":
             return "", []  # read whole at the end
         head = self._buffer.lstrip()
-        if not head or self.TAG.startswith(head):
-            return "", []  # whitespace, or the tag's first characters: not decided yet
-        self._mode = "calls" if head.startswith(("{", self.TAG)) else "content"
+        if not head or any(opener.startswith(head) for opener in self._openers):
+            return "", []  # whitespace, or an opener's first characters: not decided yet
+        self._mode = "calls" if head.startswith(self._openers) else "content"
         if self._mode == "calls":
             return "", []
         text, self._buffer = self._buffer, ""
@@ -217,16 +221,16 @@ class _Llama3JsonStream(ToolCallStream):
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         text, self._buffer = self._buffer, ""
-        if self._mode != "calls":
-            return text, []
-        calls = _llama3_calls(text.strip().removeprefix(self.TAG))
-        if calls is None:
-            return text, []
-        return "", calls
+        calls = self._parse(text.strip()) if self._mode == "calls" else None
+        return ("", calls) if calls else (text, [])
+
+
+_PYTHON_TAG = "<|python_tag|>"
 
 
 def _llama3_calls(text: str) -> list[ToolCall] | None:
-    """Calls from ``{...}; {...}``; None when any part is not a call."""
+    """Calls from ``{...}; {...}`` (maybe after ``<|python_tag|>``); None when any part is not a call."""
+    text = text.removeprefix(_PYTHON_TAG)
     decoder, calls, pos = json.JSONDecoder(), [], 0
     while pos < len(text):
         try:
@@ -249,10 +253,44 @@ class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
 
     def stream(self) -> ToolCallStream:
-        return _Llama3JsonStream()
+        return _WholeReplyStream(("{", _PYTHON_TAG), _llama3_calls)
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+def _pythonic_calls(text: str) -> list[ToolCall] | None:
+    """Calls from a Python list of calls with literal keyword arguments: ``[f(a=1), g(b="x")]``."""
+    text = text.removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+        except ValueError:
+            return None
+        if len(arguments) != len(node.keywords):
+            return None  # **kwargs
+        calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+class PythonicToolParser(ToolParser):
+    """``[get_weather(city="Paris"), add(a=1, b=2)]``: a Python list of calls (Llama 3.2 / 4 and others)."""
+
+    name = "pythonic"
+
+    def stream(self) -> ToolCallStream:
+        return _WholeReplyStream(("[", "<|python_start|>"), _pythonic_calls)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
+}
 """Parser name (vLLM's ``--tool-call-parser`` names) -> parser."""
 
 

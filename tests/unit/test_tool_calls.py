@@ -137,3 +137,15 @@ def test_required_and_auto_replies() -> None:
     more, finish = single.finish("stop")
     message = merge_deltas(deltas + more, True)
     assert finish == "tool_calls" and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+
+
+def test_pythonic_calls() -> None:
+    parser = get_tool_parser("pythonic")
+    parsed = parser.parse('[get_weather(city="Paris", days=2), add(a=1, b=[2, 3], exact=True)]')
+    assert parsed.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris", "days": 2}), ("add", {"a": 1, "b": [2, 3], "exact": True})]
+    assert _streamed("pythonic", '<|python_start|>[f(x="a")]<|python_end|>', 4) == ("", [("f", '{"x": "a"}')])
+    for text in ("[1, 2]", "[f(1)]", "[f(x=y)]", "[f(**k)]", "[broken(", "Plain text."):  # not calls: content
+        assert parser.parse(text).content == text and parser.parse(text).tool_calls == []
+    assert _streamed("pythonic", "Sure.", 5) == ("Sure.", [])
