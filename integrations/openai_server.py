@@ -202,7 +202,8 @@ class OpenAIServer:
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template))]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
-                          return_prompt_logprobs=req.prompt_logprobs is not None)
+                          return_prompt_logprobs=req.prompt_logprobs is not None,
+                          constrained=params.structured is not None)
         return streams, choices
 
     async def models(self, request: Request) -> Response:
