@@ -31,8 +31,9 @@ def add_serve_parser(commands: Any) -> None:
                        help="local folder or hub id; default: the bundled tiny model (no download)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, this machine only)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
-    serve.add_argument("--served-model-name", default=None,
-                       help="the model id clients send (default: MODEL as given, or asyncllm-tiny)")
+    serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
+                       help="the model ids clients may send; responses carry the first "
+                            "(default: MODEL as given, or asyncllm-tiny)")
     serve.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on /v1 routes (or set {envs.API_KEY.name})")
     serve.add_argument("--connect", default=None, metavar="ADDRESS",

@@ -24,7 +24,7 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,14 +59,17 @@ __all__ = ["create_app", "OpenAIServer", "ServerLimits"]
 logger = logging.getLogger("asyncllm.integrations.openai")
 
 
-def create_app(engine: AsyncEngine | None = None, *, model_name: str | None = None, api_key: str | None = None,
+def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[str] | None = None,
+               api_key: str | None = None,
                limits: ServerLimits | None = None, manage_engine: bool = True,
                tool_call_parser: str | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
     `model_name` is the id clients pass as ``model`` (default: the model as
-    configured, or ``asyncllm-tiny`` for the bundled one). With `manage_engine`
+    configured, or ``asyncllm-tiny`` for the bundled one); several names are
+    all accepted, and responses carry the first (vLLM's ``--served-model-name
+    a b``). With `manage_engine`
     the app's lifespan starts the engine and closes it at shutdown.
     `tool_call_parser` (``"hermes"``, ``"llama3_json"``) enables
     ``tool_choice: "auto"`` (vLLM's ``--enable-auto-tool-choice --tool-call-parser``).
@@ -83,7 +86,8 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | None = No
         from asyncllm import AsyncEngine
 
         engine = AsyncEngine(disable_log_stats=True)
-    server = OpenAIServer(engine, model_name or _served_name(engine.config.model), api_key, limits or ServerLimits(),
+    names = [model_name] if isinstance(model_name, str) else list(model_name or [])
+    server = OpenAIServer(engine, names or [_served_name(engine.config.model)], api_key, limits or ServerLimits(),
                           parser, templates, get_reasoning_parser(reasoning_parser) if reasoning_parser else None)
     return server.app(manage_engine)
 
@@ -122,7 +126,7 @@ class ChatTemplates:
 class OpenAIServer:
     """The route handlers; one per app."""
 
-    def __init__(self, engine: AsyncEngine, model_name: str | None, api_key: str | None,
+    def __init__(self, engine: AsyncEngine, model_names: list[str | None], api_key: str | None,
                  limits: ServerLimits, tool_parser: ToolParser | None = None,
                  templates: ChatTemplates = ChatTemplates(), reasoning: ReasoningParser | None = None) -> None:
         self.engine = engine
@@ -130,17 +134,23 @@ class OpenAIServer:
         self.templates = templates
         self.tool_parser = tool_parser
         """Reads the calls of ``tool_choice: "auto"`` replies; None: "auto" is refused."""
-        self._model_name = model_name
+        self._model_names = model_names
+        """The names clients may send as ``model``; [None] until a shared core's model is known."""
         self.limits = limits
         self._api_key = api_key.encode() if api_key else None
         self._created = int(time.time())
 
     @property
+    def model_names(self) -> list[str]:
+        """The ids clients may send as ``model``; responses carry the first."""
+        if self._model_names == [None]:  # attached to a shared core: name it after what the core serves
+            return [_served_name(self.engine.config.model) or self.engine.config.model]
+        return [name for name in self._model_names if name is not None]
+
+    @property
     def model_name(self) -> str:
-        """The id clients send as ``model``."""
-        if self._model_name is None:  # attached to a shared core: name it after what the core serves
-            return _served_name(self.engine.config.model) or self.engine.config.model
-        return self._model_name
+        """The id responses carry."""
+        return self.model_names[0]
 
     def app(self, manage_engine: bool = True) -> Starlette:
         routes = [
@@ -207,9 +217,10 @@ class OpenAIServer:
         return streams, choices
 
     async def models(self, request: Request) -> Response:
-        card = {"id": self.model_name, "object": "model", "created": self._created, "owned_by": "asyncllm",
-                "max_model_len": self.engine.config.max_model_len}
-        return _json({"object": "list", "data": [card]})
+        cards = [{"id": name, "object": "model", "created": self._created, "owned_by": "asyncllm",
+                  "root": self.engine.config.model, "max_model_len": self.engine.config.max_model_len}
+                 for name in self.model_names]
+        return _json({"object": "list", "data": cards})
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's: the token ids the engine would run for a prompt or for chat messages (on a worker thread)."""
@@ -327,8 +338,8 @@ class OpenAIServer:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+        if model is not None and model not in self.model_names:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_names}",
                            "not_found_error", param="model", code="model_not_found")
 
     async def _respond(self, request: Request, req: Any, streams: list[RequestStream], choices: Choices,

@@ -351,3 +351,16 @@ async def test_prompt_logprobs_and_truncation_fields(app, bundled_engine) -> Non
     assert len(chat_body["prompt_logprobs"]) == chat_body["usage"]["prompt_tokens"]
     assert (streamed.status_code, streamed.json()["error"]["param"]) == (400, "prompt_logprobs")
     assert cut["usage"]["prompt_tokens"] == 3
+
+
+async def test_several_served_model_names(bundled_engine) -> None:
+    from asyncllm.integrations.openai_server import create_app
+
+    app = create_app(bundled_engine, model_name=["tiny", "tiny-alias"], manage_engine=False)
+    async with _client(app) as client:
+        models = (await client.get("/v1/models")).json()["data"]
+        alias = await client.post("/v1/completions", json={**GREEDY, "model": "tiny-alias", "prompt": "x"})
+        other = await client.post("/v1/completions", json={**GREEDY, "model": "asyncllm-tiny", "prompt": "x"})
+    assert [m["id"] for m in models] == ["tiny", "tiny-alias"]
+    assert alias.status_code == 200 and alias.json()["model"] == "tiny"
+    assert other.status_code == 404 and "tiny-alias" in other.json()["error"]["message"]
