@@ -63,10 +63,13 @@ class Executor:
         runner: str | None = None,
         ring_slots: int = 8,
         ring_slot_bytes: int = 1 << 20,
+        hf_config_json: str | None = None,
     ) -> None:
         assert config.max_model_len is not None, "the host resolves max_model_len before starting the executor"
         self.config = config
         self._runner = runner
+        self._hf_config_json = hf_config_json
+        """The checkpoint's config as the host read it: the workers build their model from it."""
         self._ring_slots = ring_slots
         self._ring_slot_bytes = ring_slot_bytes
         self._world_size: int = config.tensor_parallel_size
@@ -205,6 +208,8 @@ class Executor:
         ]
         if self._runner is not None:
             common += ["--runner", self._runner]
+        if self._hf_config_json is not None:
+            common += ["--hf-config-json", self._hf_config_json]
         for rank in range(self._world_size):
             self._procs.append(spawn_module("asyncllm.workers.worker", ["--rank", str(rank), *common]))
 

@@ -66,6 +66,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed, device)
         self.model: Any = None
         self.hf_config: Any = None
+        """The checkpoint's config: the host's, set by the worker before `load_model`, else read there."""
         self.dtype: torch.dtype | None = None
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list[torch.Tensor] = []
@@ -79,7 +80,9 @@ class ModelRunner:
     # ------------------------------------------------------------ setup
     def load_model(self) -> None:
         """Load this rank's shard of the weights onto the device."""
-        hf_config = load_hf_config(resolve_model_path(self.config.model, self.config.revision))
+        hf_config = self.hf_config
+        if hf_config is None:  # no config from the host (a runner built directly): read it
+            hf_config = load_hf_config(resolve_model_path(self.config.model, self.config.revision))
         dtype = resolve_dtype(self.config.dtype, hf_config, self.device)
         model = load_model(self.config, hf_config, self.device, dtype, self.rank, self.tp_size)
         self.attach_model(model, kv_cache_spec(hf_config, self.tp_size), dtype)

@@ -36,6 +36,7 @@ import zmq
 from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
+from asyncllm.models.checkpoint import hf_config_from_json
 from asyncllm.procutil import exit_when_parent_dies
 from asyncllm.workers.shm_broadcast import BroadcastReader, RingHandle
 from asyncllm.workers.step_pipeline import StepPipeline
@@ -138,6 +139,8 @@ class Worker:
         init_distributed(device, self.rank, self.world_size, args.dist_port)
         runner_cls = load_runner_class(args.runner)
         self.runner = runner_cls(config, self.rank, self.world_size, device)
+        if args.hf_config_json is not None and hasattr(self.runner, "hf_config"):
+            self.runner.hf_config = hf_config_from_json(args.hf_config_json)  # not read again (and no config class)
         self.pipelined = _pipelined(self.runner)
 
     def start(self) -> None:
@@ -189,6 +192,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--config-json", required=True, help="EngineConfig.to_dict(wire=True) as JSON")
+    parser.add_argument("--hf-config-json", default=None, help="the checkpoint's config as the host read it")
     parser.add_argument("--ring-json", required=True, help="the broadcast ring's RingHandle as JSON")
     parser.add_argument("--result-address", required=True, help="zmq address of the executor's PULL socket")
     parser.add_argument("--dist-port", type=int, required=True, help="torch.distributed TCP rendezvous port")

@@ -129,7 +129,7 @@ class AsyncEngine:
         else:
             prepared = await anyio.to_thread.run_sync(prepare, self.config)
             self.config = prepared.config
-            core = await anyio.to_thread.run_sync(launch_core, self.config)
+            core = await anyio.to_thread.run_sync(launch_core, self.config, prepared.hf_config_json)
         obs = self.config.observability_config
         processor = Processor(
             address=core.address if core is not None else self._connect_address, tokenizer=prepared.tokenizer, eos_token_ids=prepared.eos_token_ids,

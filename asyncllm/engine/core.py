@@ -43,13 +43,13 @@ _IDLE_HEALTH_CHECK_S = 0.5
 class EngineCore:
     """Owns the scheduler and the executor; `run()` is the busy loop."""
 
-    def __init__(self, config: EngineConfig, io: CoreIO) -> None:
+    def __init__(self, config: EngineConfig, io: CoreIO, hf_config_json: str | None = None) -> None:
         self.config = config
         self.io = io
         self.clients: set[bytes] = set()
         self.stats_reporter: bytes | None = None
         """The one host that exports the engine-wide metrics (the earliest still attached)."""
-        self.executor = Executor(config)
+        self.executor = Executor(config, hf_config_json=hf_config_json)
         self._running = True
         self.mm_cache = CoreProcessorCache(config.multimodal_config)
         """The core's half of the multimodal processor cache: the lru store, each host's shm ring (asyncllm/mm/)."""
@@ -279,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="asyncllm.engine.core")
     parser.add_argument("--address", required=True)
     parser.add_argument("--config-json", required=True)
+    parser.add_argument("--hf-config-json", default=None, help="the checkpoint's config, as the host read it")
     args = parser.parse_args(argv)
     exit_when_parent_dies()
     _setup_logging()
@@ -286,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     io = CoreIO(args.address)
     core = None
     try:
-        core = EngineCore(config, io)
+        core = EngineCore(config, io, args.hf_config_json)
     except BaseException as exc:  # noqa: BLE001 - reported to the host, then exit
         logger.exception("engine core failed to start")
         _fail_startup(io, exc)

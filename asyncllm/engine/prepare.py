@@ -13,7 +13,7 @@ from typing import Any
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import MULTIMODAL_ARCHITECTURES, architecture_of
-from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
+from asyncllm.models.checkpoint import hf_config_json, load_hf_config, resolve_model_path
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -26,6 +26,8 @@ class Prepared:
     vocab_size: int
     mm: Any = None
     """The `MultiModalProcessor` of a multimodal model (asyncllm/mm/), else None."""
+    hf_config_json: str | None = None
+    """The checkpoint's config, defaults filled in, for the workers (read once, here)."""
 
 
 def prepare(config: EngineConfig) -> Prepared:
@@ -47,7 +49,8 @@ def prepare(config: EngineConfig) -> Prepared:
         mm_config = config.multimodal_config
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type)
-    return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm)
+    return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
+                    hf_config_json(hf_config))
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:

@@ -34,13 +34,14 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
     """
     check_address(address)
     _setup_logging()
-    config = prepare(config).config  # resolve the model folder and max_model_len as a host would
+    prepared = prepare(config)  # resolve the model folder and max_model_len as a host would
+    config = prepared.config
     socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)
     if socket_path is not None:
         _claim_socket(socket_path)
     io = CoreIO(address)
     try:
-        core = EngineCore(config, io)
+        core = EngineCore(config, io, prepared.hf_config_json)
     except BaseException:
         io.close()
         if socket_path is not None:

@@ -11,15 +11,16 @@ when torch is installed, imports it), never at an app's import time.
 
 from __future__ import annotations
 
+import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["resolve_model_path", "load_hf_config"]
+__all__ = ["resolve_model_path", "load_hf_config", "hf_config_json", "hf_config_from_json"]
 
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 """What a snapshot needs for serving: configs, safetensors weights, tokenizer files."""
@@ -71,3 +72,25 @@ def load_hf_config(path: str) -> PretrainedConfig:
     except (OSError, ValueError, KeyError) as exc:
         allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
         raise ConfigError("model", path, allowed) from exc
+
+
+def hf_config_json(hf_config: PretrainedConfig) -> str:
+    """The config with every default filled in, as JSON: the host sends it to the workers."""
+    return json.dumps(hf_config.to_dict(), default=str)
+
+
+def hf_config_from_json(text: str) -> PretrainedConfig:
+    """`hf_config_json`'s config again, as a plain ``PretrainedConfig`` (its sub-configs too).
+
+    The model classes read only attributes, all of them in the JSON, so a
+    worker rebuilds the host's config without importing the architecture's
+    config class (in transformers 5 that import alone costs seconds).
+    """
+    from transformers.configuration_utils import PretrainedConfig
+
+    def build(values: dict[str, Any]) -> PretrainedConfig:
+        nested = {k: build(v) for k, v in values.items() if isinstance(v, dict) and "model_type" in v}
+        return PretrainedConfig.from_dict({**values, **nested})
+
+    return build(json.loads(text))
+

@@ -207,3 +207,26 @@ def test_kv_cache_spec_and_tp_checks():
     assert kv_cache_spec(qwen3, 1).bytes_per_block(16, torch.bfloat16) == 2 * 2 * 16 * 2 * 32 * 2
     with pytest.raises(ConfigError, match=r"tensor_parallel_size=3 .*num_attention_heads=4"):
         kv_cache_spec(qwen3, 3)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "llava"])
+def test_workers_rebuild_the_hosts_config(family: str, tmp_path: Path) -> None:
+    """The config a worker rebuilds from the host's JSON (no config class) builds the same model."""
+    from asyncllm.models.checkpoint import hf_config_from_json, hf_config_json
+
+    if family == "llava":
+        from mm_utils import make_tiny_llava
+
+        path = make_tiny_llava(tmp_path / "llava")
+    else:
+        save_tiny_checkpoint(tmp_path, family)
+        path = str(tmp_path)
+    read = load_hf_config(path)
+    rebuilt = hf_config_from_json(hf_config_json(read))
+    assert type(rebuilt).__name__ != type(read).__name__  # a plain config: the class was not needed
+    config = EngineConfig.create(path, max_model_len=64)
+    first, second = (load_model(config, c, CPU, torch.float32) for c in (read, rebuilt))
+    assert first.state_dict().keys() == second.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert all(torch.equal(a, b) for a, b in zip(first.buffers(), second.buffers()))
+    assert kv_cache_spec(read, 1) == kv_cache_spec(rebuilt, 1)
