@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "load_tokenizer", "encode_prompt", "apply_chat_template", "template_arguments", "template_messages",
+    "with_template_calls",
     "check_template_kwargs", "check_chat_template", "load_chat_template", "bad_words_token_ids", "eos_token_ids",
 ]
 
@@ -148,14 +149,20 @@ def template_messages(messages: object) -> list[dict[str, Any]]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             raise InvalidRequestError("messages", f"item {i} must be a dict, got {type(message).__name__}")
-        if message.get("tool_calls") is not None:
-            message = {**message, "content": message.get("content") or "",
-                       "tool_calls": [_template_call(i, call) for call in _listed(i, message["tool_calls"])]}
+        message = with_template_calls(i, message)
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
                 raise InvalidRequestError("messages", f"item {i} needs a str {key!r}, got {message.get(key)!r}")
         out.append(message)
     return out
+
+
+def with_template_calls(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    """Message `i` with its ``tool_calls`` (if any) as templates read them: arguments parsed, content None as ""."""
+    if message.get("tool_calls") is None:
+        return message
+    calls = [_template_call(i, call) for call in _listed(i, message["tool_calls"])]
+    return {**message, "content": message.get("content") or "", "tool_calls": calls}
 
 
 def _listed(i: int, calls: object) -> list[Any]:

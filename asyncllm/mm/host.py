@@ -14,7 +14,7 @@ from asyncllm.mm.processor import (
     MultiModalPrompt,
     split_chat_images,
 )
-from asyncllm.tokenizer import encode_prompt, template_arguments
+from asyncllm.tokenizer import encode_prompt, template_arguments, with_template_calls
 
 __all__ = ["multimodal_prompt", "resend_with_data"]
 
@@ -39,6 +39,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         raise InvalidRequestError(field, "this model takes no images (it is not a multimodal architecture)")
     if chat:
         messages, images, uuids = split_chat_images(prompt)
+        messages = [with_template_calls(i, m) if isinstance(m, dict) else m for i, m in enumerate(messages)]
         token_ids = _render_chat(mm, messages, template_arguments(template_kwargs, tools, chat_template))
     else:
         unknown = set(prompt) - {"prompt", "images", "image_uuids"}

@@ -133,3 +133,27 @@ async def test_the_processor_cache_off_and_tp2_give_the_same_tokens(engine, tiny
         out = await uncached.generate(prompt, GREEDY)
         assert uncached.stats().mm_cache_queries == 0
     assert out.outputs[0].token_ids == cached.outputs[0].token_ids
+
+
+async def test_tool_history_beside_images_reaches_the_template(engine):
+    """Tool calls in an image chat get their JSON arguments parsed for the template, as in a text chat."""
+    from mm_utils import CHAT_TEMPLATE
+
+    template = CHAT_TEMPLATE.replace("{{ eos_token }}", "{% for call in message.get('tool_calls') or [] %}"
+                                     "{{ call['function']['arguments'] | tojson }}{% endfor %}{{ eos_token }}")
+    image = make_image(20, 20, seed=9)
+
+    def messages(arguments):
+        return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "x"}]},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+                {"role": "user", "content": "ok"}]
+
+    prompts = []
+    for arguments in ('{"a": 1}', {"a": 1}):
+        stream = engine.chat(messages(arguments), SamplingParams(max_tokens=1), chat_template=template)
+        async with stream:
+            [d async for d in stream]
+        prompts.append(stream.collector.prompt_token_ids)
+    assert prompts[0] == prompts[1]
+    assert '{"a": 1}' in engine.tokenizer.decode(prompts[0])
