@@ -49,8 +49,14 @@ def prepare(config: EngineConfig) -> Prepared:
         mm_config = config.multimodal_config
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type)
+    config_json = hf_config_json(hf_config)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
-                    hf_config_json(hf_config))
+                    config_json if len(config_json) <= _MAX_CONFIG_ARG else None)
+
+
+_MAX_CONFIG_ARG = 64 * 1024
+"""Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);
+a longer one is not sent, and the workers read config.json themselves."""
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
