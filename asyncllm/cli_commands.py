@@ -46,7 +46,8 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="the format of the model's tool calls (hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.1; pythonic)")
+                       help="the format of the model's tool calls "
+                            "(hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.1; pythonic: Llama 3.2/4)")
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split chat replies into reasoning and content (deepseek_r1: DeepSeek-R1, QwQ; qwen3)")
     serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",

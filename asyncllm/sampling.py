@@ -156,9 +156,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             raise InvalidRequestError("allowed_token_ids", "must be a non-empty list of non-negative token ids")
         if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
             raise InvalidRequestError("bad_words", "must be a list of non-blank strings")
-        if not isinstance(self.bad_words_token_ids, list) or not all(
-                isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids) for ids in self.bad_words_token_ids):
-            raise InvalidRequestError("bad_words_token_ids", "must be a list of non-empty lists of non-negative token ids")
+        sequences = self.bad_words_token_ids
+        if not isinstance(sequences, list) or not all(
+                isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids) for ids in sequences):
+            raise InvalidRequestError("bad_words_token_ids", "must be a list of non-empty lists of token ids >= 0")
 
     def _validate_outputs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):

@@ -293,7 +293,7 @@ class Processor:
         self._observer.on_added(collector, job.params, job.chat, job.trace_context)
 
     def _truncated(self, params: SamplingParams, token_ids: list[int]) -> list[int]:
-        """The prompt's last `truncate_prompt_tokens` tokens (-1: the last max_model_len - 1, leaving one to generate)."""
+        """The prompt's last `truncate_prompt_tokens` tokens (-1: the last max_model_len - 1, one left to generate)."""
         limit = params.truncate_prompt_tokens
         if limit is None:
             return token_ids

@@ -2,7 +2,8 @@
 
 ``resolve_model_path`` finds the checkpoint folder (a local folder, or a hub id
 through huggingface_hub's cache), ``load_hf_config`` reads its config.json
-(both in asyncllm/models/checkpoint.py, which needs no torch), ``resolve_dtype`` picks the activation dtype and ``load_model`` builds the model
+(both in asyncllm/models/checkpoint.py, which needs no torch), ``resolve_dtype``
+picks the activation dtype and ``load_model`` builds the model
 on the device and fills it from the safetensors files (each rank reads only its
 shard of each tensor) or with random dummy weights.
 """
