@@ -30,10 +30,8 @@ _OPEN, _CLOSE = "<think>", "</think>"
 class ReasoningStream:
     """One reply's deltas in, (reasoning, content) deltas out."""
 
-    def __init__(self, opened_by_prompt: bool, constrained: bool = False) -> None:
+    def __init__(self, opened_by_prompt: bool) -> None:
         self._opened_by_prompt = opened_by_prompt
-        self._constrained = constrained
-        """A grammar shapes the whole reply: it is reasoning only if it closes ``</think>`` (held until then)."""
         self._thinking: bool | None = None
         """None until the reply's first characters show whether it opens ``<think>``."""
         self._answer_started = False
@@ -44,13 +42,6 @@ class ReasoningStream:
         if self._thinking is False:
             return "", self._answer(text)
         self._buffer += text
-        if self._constrained and self._thinking is None:
-            end = self._buffer.find(_CLOSE)
-            if end < 0:
-                return "", ""
-            head = self._buffer.lstrip()
-            self._buffer = head[len(_OPEN):] if head.startswith(_OPEN) else self._buffer
-            self._thinking = True
         if self._thinking is None:
             head = self._buffer.lstrip()
             if len(head) < len(_OPEN) and _OPEN.startswith(head):
@@ -73,8 +64,6 @@ class ReasoningStream:
     def finish(self) -> tuple[str, str]:
         """At the reply's end: what was held back (reasoning when cut short while thinking)."""
         rest, self._buffer = self._buffer, ""
-        if self._thinking is None and self._constrained:
-            return "", self._answer(rest)  # a grammar's reply that never closed </think>: all answer
         thinking = self._opened_by_prompt if self._thinking is None else self._thinking
         return (rest, "") if thinking else ("", self._answer(rest))
 
@@ -90,13 +79,14 @@ class ReasoningParser:
     """A thinking model's tag convention."""
 
     name = ""
+    end_tag = _CLOSE
+    """What ends the thinking: a constraint (structured output, a tool choice) starts after it."""
     opened_by_prompt = True
     """Whether the chat template opens ``<think>`` in the prompt (the reply is reasoning until ``</think>``)."""
 
-    def stream(self, constrained: bool = False) -> ReasoningStream:
-        """A parser of one reply's deltas; `constrained`: a grammar shapes the reply (structured output), so it is
-        reasoning only up to a ``</think>`` it writes, and all answer without one (its text waits until then)."""
-        return ReasoningStream(self.opened_by_prompt, constrained)
+    def stream(self) -> ReasoningStream:
+        """A parser of one reply's deltas."""
+        return ReasoningStream(self.opened_by_prompt)
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
         """A whole reply's reasoning and content (None where there is none)."""

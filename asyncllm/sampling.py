@@ -179,7 +179,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def check_vocab(self, vocab_size: int) -> None:
         """Raise `InvalidRequestError` if a token id in the parameters is not below `vocab_size`."""
         fields = {"logit_bias": list(self.logit_bias or ()), "allowed_token_ids": self.allowed_token_ids or [],
-                  "bad_words_token_ids": [t for ids in self.bad_words_token_ids for t in ids]}
+                  "bad_words_token_ids": [t for ids in self.bad_words_token_ids for t in ids],
+                  "structured": self.structured.start_after_token_ids if isinstance(self.structured, StructuredOutputs)
+                  else []}
         for name, token_ids in fields.items():
             bad = [t for t in token_ids if t >= vocab_size]
             if bad:

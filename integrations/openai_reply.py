@@ -26,13 +26,11 @@ Delta = dict[str, Any]
 class ChatReply:
     """One choice's reply: text deltas in, OpenAI chat deltas out."""
 
-    def __init__(self, mode: ToolMode, reasoning: ReasoningParser | None = None, constrained: bool = False) -> None:
-        """`constrained`: a grammar shapes the reply (structured output); named and required tool choices
-        are never split into reasoning (their reply is the call's JSON)."""
+    def __init__(self, mode: ToolMode, reasoning: ReasoningParser | None = None) -> None:
+        """With `reasoning`, a constraint (a named or required tool choice's) applies after the thinking
+        (`StructuredOutputs.start_after`, set by the server): the thoughts come first in any mode."""
         self.mode = mode
-        if mode.constraint is not None:
-            reasoning = None
-        self._reasoning = reasoning.stream(constrained) if reasoning is not None else None
+        self._reasoning = reasoning.stream() if reasoning is not None else None
         self._calls_stream: ToolCallStream | None = mode.parser.stream() if mode.parser is not None else None
         self._text: list[str] = []
         self._calls = 0

@@ -43,7 +43,7 @@ class Choices:
     def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool,
                  token_text: Callable[[int], str] | None = None, echo_only: bool = False,
                  tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None,
-                 return_prompt_logprobs: bool = False, constrained: bool = False) -> None:
+                 return_prompt_logprobs: bool = False) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -58,8 +58,6 @@ class Choices:
         """Chat: how replies are read for tool calls (openai_tools.py)."""
         self.reasoning = reasoning
         """Chat: the server's reasoning parser, or None."""
-        self.constrained = constrained
-        """Chat: structured output shapes the replies (how the reasoning parser reads them)."""
         self.return_prompt_logprobs = return_prompt_logprobs
         """vLLM's ``prompt_logprobs`` field: on each completion choice, at the top of a chat response."""
 
@@ -87,7 +85,7 @@ class Choices:
         """Streaming chat: the OpenAI deltas of choice `index`'s next text, and the finish_reason to send."""
         choice = self._choices[index]
         if choice.reply is None:
-            choice.reply = ChatReply(self.tool_mode, self.reasoning, self.constrained)
+            choice.reply = ChatReply(self.tool_mode, self.reasoning)
         deltas = choice.reply.feed(text)
         if finish_reason is not None:
             more, finish_reason = choice.reply.finish(finish_reason)
@@ -127,7 +125,7 @@ class Choices:
                 choice.text_offset = 0
                 logprobs = self._format_logprobs(choice, choice.token_ids, choice.logprobs)
             if self.chat:
-                reply = ChatReply(self.tool_mode, self.reasoning, self.constrained)
+                reply = ChatReply(self.tool_mode, self.reasoning)
                 deltas = reply.feed(text)
                 more, finish_reason = reply.finish(choice.finish_reason)
                 message = merge_deltas(deltas + more, tools=self.tool_mode.kind != "none")

@@ -208,12 +208,13 @@ class OpenAIServer:
     def _start_chat(self, req: ChatCompletionRequest) -> tuple[list[RequestStream], Choices]:
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         params = chat_params(req, self.limits, mode.constraint)
+        if self.reasoning is not None and params.structured is not None:  # think freely, then follow the grammar
+            params.structured = msgspec.structs.replace(params.structured, start_after=self.reasoning.end_tag)
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template))]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
-                          return_prompt_logprobs=req.prompt_logprobs is not None,
-                          constrained=params.structured is not None)
+                          return_prompt_logprobs=req.prompt_logprobs is not None)
         return streams, choices
 
     async def models(self, request: Request) -> Response:

@@ -11,6 +11,10 @@
 3. `accept` advances each matcher with the sampled tokens and finishes a
    request with finish_reason "stop" when its grammar has ended.
 
+A constraint with `start_after_token_ids` (a reasoning model's ``</think>``)
+waits: no bitmask row and no matcher step until the output has written them;
+the tokens after them are the grammar's.
+
 Nothing here runs when no request is structured: the core checks `active` first.
 """
 
@@ -55,6 +59,8 @@ class StructuredOutputManager:
         """Requests waiting for their grammar, by request id."""
         self.matchers: dict[str, Any] = {}
         """xgrammar GrammarMatcher of every structured request handed to the scheduler."""
+        self.waiting: dict[str, tuple[list[int], list[int]]] = {}
+        """Requests whose constraint starts later: (its start_after_token_ids, the output's last tokens)."""
         self._bitmask: Any = None
 
     @property
@@ -146,6 +152,9 @@ class StructuredOutputManager:
         self.matchers[request.request_id] = xgr.GrammarMatcher(
             entry.future.result(), override_stop_tokens=list(request.eos_token_ids) or None
         )
+        start_after = request.params.structured.start_after_token_ids  # type: ignore[union-attr]
+        if start_after:
+            self.waiting[request.request_id] = (list(start_after), [])
         return None
 
     def _release(self, entry: _Pending) -> None:
@@ -167,6 +176,9 @@ class StructuredOutputManager:
             request = requests.get(req_id)
             if request is None:
                 del self.matchers[req_id]
+                self.waiting.pop(req_id, None)
+            elif req_id in self.waiting:
+                continue  # free text until its start_after tokens
             elif req_id in num_scheduled and request.num_computed_tokens + num_scheduled[req_id] >= request.num_tokens:
                 req_ids.append(req_id)
         if not req_ids:
@@ -193,18 +205,35 @@ class StructuredOutputManager:
             matcher = self.matchers.get(delta.request_id)
             if matcher is None:
                 continue
-            for token in delta.new_token_ids:
+            for token in self._grammar_tokens(delta.request_id, delta.new_token_ids):
                 if not matcher.accept_token(token):
                     delta.error = f"structured: token {token} is not allowed by the grammar"
                     break
             if delta.finish_reason is not None:
                 del self.matchers[delta.request_id]
+                self.waiting.pop(delta.request_id, None)
+            elif delta.request_id in self.waiting:
+                continue
             elif matcher.is_terminated() or delta.error is not None:
                 delta.finish_reason = "stop" if delta.error is None else "abort"
                 del self.matchers[delta.request_id]
                 ended.append(delta.request_id)
         if ended:
             finish(ended)
+
+    def _grammar_tokens(self, req_id: str, tokens: list[int]) -> list[int]:
+        """The tokens the grammar reads: all of them, or for a waiting request those after its start_after ids."""
+        waiting = self.waiting.get(req_id)
+        if waiting is None:
+            return tokens
+        start_after, recent = waiting
+        for k, token in enumerate(tokens):
+            recent.append(token)
+            del recent[:-len(start_after)]
+            if recent == start_after:
+                del self.waiting[req_id]
+                return tokens[k + 1:]
+        return []
 
     def shutdown(self) -> None:
         if self._compilers is not None:

@@ -30,6 +30,11 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     """The output is exactly one of these strings."""
     grammar: str | None = None
     """An EBNF grammar (xgrammar's GBNF dialect, start rule ``root``)."""
+    start_after: str | None = None
+    """The constraint starts once the output has written this text (a reasoning model's ``</think>``):
+    what comes before is free. Already in the end of the prompt, it starts at once."""
+    start_after_token_ids: list[int] = []
+    """`start_after` as token ids; the engine fills them from `start_after`."""
 
     @property
     def kind(self) -> str:
@@ -41,6 +46,11 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
         given = [k for k in _KINDS if getattr(self, k) is not None]
         if len(given) != 1:
             raise InvalidRequestError("structured", f"set exactly one of {', '.join(_KINDS)}; got {given or 'none'}")
+        if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
+            raise InvalidRequestError("structured", "start_after must be a non-empty string")
+        ids = self.start_after_token_ids
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise InvalidRequestError("structured", "start_after_token_ids must be a list of token ids >= 0")
         kind = given[0]
         if kind == "json":
             _check_schema(self.json)

@@ -85,6 +85,22 @@ async def test_regex_and_choice_are_obeyed(engine: AsyncEngine) -> None:
     assert re.fullmatch(r"x[0-9]y", out.text) and out.finish_reason == "stop"
 
 
+async def test_a_constraint_starts_after_its_start_after_text(engine: AsyncEngine) -> None:
+    """Free text until `start_after` ("<|user|>", one token here, forced by logit_bias), then the grammar;
+    already at the prompt's end, the grammar starts at once (and then forbids that token)."""
+    user = engine.tokenizer.convert_tokens_to_ids("<|user|>")
+    grammar = StructuredOutputs(regex=r"x[0-9]y")
+    later = StructuredOutputs(regex=r"x[0-9]y", start_after="<|user|>")
+    greedy = {"temperature": 0.0, "max_tokens": 12, "logit_bias": {user: 100.0}, "skip_special_tokens": False}
+    free = await engine.generate("ebnf:", SamplingParams(**greedy, structured=later))
+    assert free.token_ids[0] == user and re.fullmatch(r"<\|user\|>x[0-9]y(<\|eos\|>)?", free.text), free.text
+    assert free.finish_reason == "stop"
+    at_once = await engine.generate("ebnf:", SamplingParams(**greedy, structured=grammar))
+    already = await engine.generate("ebnf:<|user|>", SamplingParams(**greedy, structured=later))
+    for out in (at_once, already):  # the grammar from the first token: <|user|>, forced by the bias, is not allowed
+        assert re.fullmatch(r"x[0-9]y(<\|eos\|>)?", out.text) and user not in out.token_ids, out.text
+
+
 async def test_invalid_regex_is_a_typed_error(engine: AsyncEngine) -> None:
     with pytest.raises(InvalidRequestError, match="^structured: invalid regex: ") as info:
         await engine.generate("x", SamplingParams(structured=StructuredOutputs(regex="(a")))

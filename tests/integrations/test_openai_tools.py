@@ -120,18 +120,24 @@ async def test_tool_requests_the_server_cannot_take(app, hermes_app) -> None:
         assert match in error["message"] and error["param"] in ("tools", "tool_choice"), error
 
 
-async def test_reasoning_parser_splits_replies(bundled_engine) -> None:
+async def test_reasoning_parser_wiring(bundled_engine, app) -> None:
+    """Replies go to `reasoning` until </think> (the tiny model never writes it: all reasoning), and a grammar
+    waits for the thinking to end (so here it never starts; without a reasoning parser it does at once)."""
     from asyncllm.integrations.openai_server import create_app
 
-    app = create_app(bundled_engine, manage_engine=False, reasoning_parser="deepseek_r1")
-    # what an R1-style model writes after the prompt's <think>: forced with a regex
-    body = {"messages": HISTORY[:2], **SAMPLED, "structured_outputs": {"regex": r"Hm[a-z ]{1,8}</think>\n\nIt is [0-9]"}}
-    async with _client(app) as client:
-        whole = await client.post("/v1/chat/completions", json=body)
+    r1 = create_app(bundled_engine, manage_engine=False, reasoning_parser="deepseek_r1")
+    body = {"messages": HISTORY[:2], "temperature": 0, "max_tokens": 12}
+    structured = {**body, "response_format": {"type": "json_object"}}
+    async with _client(r1) as client:
+        whole = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
         streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
-    message = whole.json()["choices"][0]["message"]
-    assert message["reasoning"].startswith("Hm") and "</think>" not in message["reasoning"], message
-    assert message["content"].startswith("It is "), message
+        thinking = (await client.post("/v1/chat/completions", json=structured)).json()["choices"][0]
+    async with _client(app) as client:
+        plain = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
+        constrained = (await client.post("/v1/chat/completions", json=structured)).json()["choices"][0]
+    assert whole["message"]["reasoning"] == plain["message"]["content"] and whole["message"]["content"] == ""
     deltas = [c["delta"] for event in _events(streamed.text) for c in event["choices"]]
-    assert "".join(d.get("reasoning", "") for d in deltas) == message["reasoning"]  # same seed, same split
-    assert "".join(d.get("content", "") for d in deltas) == message["content"]
+    assert "".join(d.get("reasoning", "") for d in deltas) == plain["message"]["content"]
+    assert not any(d.get("content") for d in deltas)
+    assert thinking["message"]["reasoning"] == plain["message"]["content"]  # free text: the grammar waits
+    assert constrained["message"]["content"].lstrip().startswith("{") and not plain["message"]["content"].startswith("{")

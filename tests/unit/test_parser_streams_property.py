@@ -40,11 +40,11 @@ def test_tool_parsers_stream_like_whole(reply: str, sizes: list[int], name: str)
 
 
 @settings(max_examples=150, deadline=None)
-@given(reply=replies, sizes=cuts, name=st.sampled_from(sorted(REASONING_PARSERS)), constrained=st.booleans())
-def test_reasoning_parsers_stream_like_whole(reply: str, sizes: list[int], name: str, constrained: bool) -> None:
-    whole_stream = get_reasoning_parser(name).stream(constrained)
+@given(reply=replies, sizes=cuts, name=st.sampled_from(sorted(REASONING_PARSERS)))
+def test_reasoning_parsers_stream_like_whole(reply: str, sizes: list[int], name: str) -> None:
+    whole_stream = get_reasoning_parser(name).stream()
     whole = tuple(a + b for a, b in zip(whole_stream.feed(reply), whole_stream.finish()))
-    stream, reasoning, content = get_reasoning_parser(name).stream(constrained), "", ""
+    stream, reasoning, content = get_reasoning_parser(name).stream(), "", ""
     for piece in _pieces(reply, sizes):
         r, c = stream.feed(piece)
         reasoning, content = reasoning + r, content + c
@@ -66,7 +66,7 @@ def test_chat_reply_streamed_merges_to_the_whole_message(reply: str, sizes: list
     parser = get_reasoning_parser(reasoning) if reasoning else None
 
     def message(pieces: list[str]) -> tuple[dict, str | None]:
-        reply_ = ChatReply(mode, parser, constrained=kind == "named")
+        reply_ = ChatReply(mode, parser)
         deltas = [d for piece in pieces for d in reply_.feed(piece)]
         more, finish = reply_.finish("stop")
         merged = merge_deltas(deltas + more, tools=kind != "none")

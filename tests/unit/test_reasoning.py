@@ -60,21 +60,12 @@ def test_unknown_reasoning_parser() -> None:
         get_reasoning_parser("o1")
 
 
-def test_constrained_replies_are_reasoning_only_up_to_a_close_tag() -> None:
-    for name in ("deepseek_r1", "qwen3"):
-        stream = get_reasoning_parser(name).stream(constrained=True)
-        assert stream.feed('{"a": ') == ("", "") and stream.feed("1}") == ("", "")  # held: maybe thoughts
-        assert stream.finish() == ("", '{"a": 1}')  # no </think>: all answer
-        stream = get_reasoning_parser(name).stream(constrained=True)
-        assert stream.feed("<think>Hm</thi") == ("", "")
-        assert stream.feed("nk>\n\nX") == ("Hm", "X") and stream.feed("Y") == ("", "Y")
-
-
-def test_named_tool_choice_is_never_reasoning() -> None:
+def test_a_named_call_after_thoughts() -> None:
+    """With a reasoning parser the server lets a tool choice's grammar start after </think>: thoughts, then the call."""
     tools = [{"type": "function", "function": {"name": "f"}}]
     reply = ChatReply(tool_mode(tools, {"type": "function", "function": {"name": "f"}}, None, None),
-                      get_reasoning_parser("deepseek_r1"), constrained=True)
-    deltas = reply.feed('{"x": 1}')
+                      get_reasoning_parser("deepseek_r1"))
+    deltas = reply.feed("Use f.</think>\n\n") + reply.feed('{"x": 1}')
     more, finish = reply.finish("stop")
     message = merge_deltas(deltas + more, tools=True)
-    assert "reasoning" not in message and message["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+    assert message["reasoning"] == "Use f." and message["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
