@@ -4,7 +4,8 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE
 streaming and ``stream_options.include_usage``), ``POST /v1/responses``
 (OpenAI's Responses API, responses_api.py), ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
-``GET /health``, ``GET /metrics`` (Prometheus text). Chat completions take
+``GET /health`` (and SageMaker's ``/ping``, with ``POST /invocations``),
+``GET /metrics`` (Prometheus text). Chat completions take
 ``tools`` and ``tool_choice`` (openai_tools.py); ``"auto"`` needs the app made
 with a `tool_call_parser`; a `reasoning_parser` splits replies into
 ``reasoning`` and ``content`` (openai_reply.py). Errors are OpenAI-style
@@ -162,6 +163,8 @@ class OpenAIServer:
             Route("/detokenize", self._guarded(self.detokenize), methods=["POST"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/ping", self.health, methods=["GET", "POST"]),
+            Route("/invocations", self._guarded(self.invocations), methods=["POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
         lifespan = engine_lifespan(self.engine) if manage_engine else None
@@ -171,8 +174,8 @@ class OpenAIServer:
         return app
 
     # ------------------------------------------------------------ routes
-    async def completions(self, request: Request) -> Response:
-        req = decode_request(await self._body(request), CompletionRequest)
+    async def completions(self, request: Request, body: bytes | None = None) -> Response:
+        req = decode_request(await self._body(request) if body is None else body, CompletionRequest)
         self._check_model(req.model)
         params = completion_params(req, self.limits)
         prompts = completion_prompts(req.prompt, self.limits)
@@ -182,11 +185,24 @@ class OpenAIServer:
         return await self._respond(request, req, streams, choices, "cmpl", "text_completion",
                                    echo=prompts if req.echo else None)
 
-    async def chat_completions(self, request: Request) -> Response:
-        req = decode_request(await self._body(request), ChatCompletionRequest)
+    async def chat_completions(self, request: Request, body: bytes | None = None) -> Response:
+        req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
         self._check_model(req.model)
         streams, choices = self._start_chat(req)
         return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
+
+    async def invocations(self, request: Request) -> Response:
+        """SageMaker's (as vLLM): a body with ``messages`` is a chat completion, one with ``prompt`` a completion."""
+        body = await self._body(request)
+        try:
+            keys = msgspec.json.decode(body)
+        except msgspec.DecodeError as exc:
+            raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
+        if isinstance(keys, dict) and "messages" in keys:
+            return await self.chat_completions(request, body)
+        if isinstance(keys, dict) and "prompt" in keys:
+            return await self.completions(request, body)
+        raise InvalidRequestError("body", "an invocation has 'messages' (a chat completion) or 'prompt' (a completion)")
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API over a chat completion (responses_api.py)."""

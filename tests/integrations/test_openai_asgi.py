@@ -364,3 +364,17 @@ async def test_several_served_model_names(bundled_engine) -> None:
     assert [m["id"] for m in models] == ["tiny", "tiny-alias"]
     assert alias.status_code == 200 and alias.json()["model"] == "tiny"
     assert other.status_code == 404 and "tiny-alias" in other.json()["error"]["message"]
+
+
+async def test_sagemaker_ping_and_invocations(app) -> None:
+    async with _client(app) as client:
+        ping = await client.get("/ping")
+        completion = await client.post("/invocations", json={**GREEDY, "prompt": "import os"})
+        direct = await client.post("/v1/completions", json={**GREEDY, "prompt": "import os"})
+        chat = await client.post("/invocations", json={**GREEDY, "messages": [{"role": "user", "content": "x"}]})
+        neither = await client.post("/invocations", json={"model": MODEL})
+    assert ping.status_code == 200 and ping.json() == {"status": "ok"}
+    assert completion.json()["object"] == "text_completion"
+    assert completion.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
+    assert chat.json()["object"] == "chat.completion"
+    assert (neither.status_code, neither.json()["error"]["param"]) == (400, "body")
