@@ -78,7 +78,6 @@ class ReasoningStream:
 class ReasoningParser:
     """A thinking model's tag convention."""
 
-    name = ""
     end_tag = _CLOSE
     """What ends the thinking: a constraint (structured output, a tool choice) starts after it."""
     opened_by_prompt = True
@@ -97,11 +96,12 @@ class ReasoningParser:
 
 
 class DeepSeekR1ReasoningParser(ReasoningParser):
-    name = "deepseek_r1"
+    """DeepSeek-R1 and its distills, QwQ: the template opens ``<think>`` in the prompt."""
 
 
 class Qwen3ReasoningParser(ReasoningParser):
-    name = "qwen3"
+    """Qwen3: the reply opens ``<think>`` itself when it thinks."""
+
     opened_by_prompt = False
 
 

@@ -60,7 +60,7 @@ class ParsedReply:
     tool_calls: list[ToolCall]
 
 
-def check_tools(tools: object, field_name: str = "tools") -> None:
+def check_tools(tools: object) -> None:
     """`InvalidRequestError` unless `tools` is None or a list of OpenAI function tools.
 
     A tool is ``{"type": "function", "function": {"name": str, "description": str,
@@ -69,15 +69,15 @@ def check_tools(tools: object, field_name: str = "tools") -> None:
     if tools is None:
         return
     if not isinstance(tools, list):
-        raise InvalidRequestError(field_name, f"must be a list of tools, got {type(tools).__name__}")
+        raise InvalidRequestError("tools", f"must be a list of tools, got {type(tools).__name__}")
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-            raise InvalidRequestError(field_name, f"item {i} must be {{'type': 'function', 'function': {{...}}}}")
+            raise InvalidRequestError("tools", f"item {i} must be {{'type': 'function', 'function': {{...}}}}")
         if not isinstance(function.get("name"), str) or not function["name"]:
-            raise InvalidRequestError(field_name, f"item {i}: function needs a non-empty str 'name'")
+            raise InvalidRequestError("tools", f"item {i}: function needs a non-empty str 'name'")
         if not isinstance(function.get("parameters", {}), dict):
-            raise InvalidRequestError(field_name, f"item {i}: function 'parameters' must be a JSON schema object")
+            raise InvalidRequestError("tools", f"item {i}: function 'parameters' must be a JSON schema object")
 
 
 class ToolCallStream(abc.ABC):
@@ -94,8 +94,6 @@ class ToolCallStream(abc.ABC):
 
 class ToolParser(abc.ABC):
     """A format of tool calls in a model's text."""
-
-    name = ""
 
     @abc.abstractmethod
     def stream(self) -> ToolCallStream:
@@ -189,8 +187,6 @@ def partial_tag_suffix(text: str, tag: str) -> int:
 class HermesToolParser(ToolParser):
     """``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call."""
 
-    name = "hermes"
-
     def stream(self) -> ToolCallStream:
         return _HermesStream()
 
@@ -250,8 +246,6 @@ def _llama3_calls(text: str) -> list[ToolCall] | None:
 class Llama3JsonToolParser(ToolParser):
     """``{"name": "f", "parameters": {...}}`` (``; `` between several), maybe after ``<|python_tag|>``."""
 
-    name = "llama3_json"
-
     def stream(self) -> ToolCallStream:
         return _WholeReplyStream(("{", _PYTHON_TAG), _llama3_calls)
 
@@ -281,8 +275,6 @@ def _pythonic_calls(text: str) -> list[ToolCall] | None:
 
 class PythonicToolParser(ToolParser):
     """``[get_weather(city="Paris"), add(a=1, b=2)]``: a Python list of calls (Llama 3.2 / 4 and others)."""
-
-    name = "pythonic"
 
     def stream(self) -> ToolCallStream:
         return _WholeReplyStream(("[", "<|python_start|>"), _pythonic_calls)
