@@ -32,7 +32,8 @@ from typing import Any
 from asyncllm.errors import ConfigError, InvalidRequestError
 
 __all__ = ["ToolCall", "ParsedReply", "ToolParser", "ToolCallStream", "TOOL_PARSERS", "get_tool_parser",
-           "check_tools", "tool_call_id", "partial_tag_suffix"]
+           "check_tools", "tool_call_id", "partial_tag_suffix",
+           "call_from_value"]
 
 
 def tool_call_id() -> str:
@@ -117,10 +118,11 @@ def _call_from_json(text: str, arguments_keys: tuple[str, ...]) -> ToolCall | No
         value = json.loads(text)
     except ValueError:
         return None
-    return _call_from_value(value, arguments_keys)
+    return call_from_value(value, arguments_keys)
 
 
-def _call_from_value(value: object, arguments_keys: tuple[str, ...]) -> ToolCall | None:
+def call_from_value(value: object, arguments_keys: tuple[str, ...]) -> ToolCall | None:
+    """A call from ``{"name": str, <one of arguments_keys>: {...}}``; None when `value` is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = next((value[key] for key in arguments_keys if key in value), {})
@@ -233,7 +235,7 @@ def _llama3_calls(text: str) -> list[ToolCall] | None:
             value, end = decoder.raw_decode(text, pos)
         except ValueError:
             return None
-        call = _call_from_value(value, ("parameters", "arguments"))
+        call = call_from_value(value, ("parameters", "arguments"))
         if call is None:
             return None
         calls.append(call)

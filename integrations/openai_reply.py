@@ -16,7 +16,7 @@ from typing import Any
 
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.reasoning import ReasoningParser
-from asyncllm.tool_calls import ToolCall, ToolCallStream, tool_call_id
+from asyncllm.tool_calls import ToolCall, ToolCallStream, call_from_value, tool_call_id
 
 __all__ = ["ChatReply", "merge_deltas"]
 
@@ -101,9 +101,10 @@ def _required_calls(text: str) -> list[ToolCall] | None:
         value = json.loads(text)
     except ValueError:
         return None
-    if not isinstance(value, list) or not all(isinstance(v, dict) and isinstance(v.get("name"), str) for v in value):
+    if not isinstance(value, list):
         return None
-    return [ToolCall(v["name"], json.dumps(v.get("parameters", {}), ensure_ascii=False)) for v in value]
+    calls = [call_from_value(v, ("parameters",)) for v in value]
+    return None if None in calls else calls  # type: ignore[return-value]
 
 
 def merge_deltas(deltas: list[Delta], tools: bool) -> dict[str, Any]:
