@@ -18,6 +18,7 @@ from asyncllm.errors import (
     NotBuiltError,
     RequestTimeoutError,
 )
+from asyncllm.lora import LoRARequest
 from asyncllm.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncllm.sampling import RequestOutputKind, SamplingParams, StructuredOutputs
 
@@ -32,6 +33,7 @@ __all__ = [
     "SamplingParams",
     "RequestOutputKind",
     "StructuredOutputs",
+    "LoRARequest",
     "StreamDelta",
     "RequestOutput",
     "CompletionOutput",

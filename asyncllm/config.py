@@ -248,18 +248,25 @@ class ObservabilityConfig:
 @dataclass(frozen=True)
 class LoRAConfig:
     enable_lora: bool = False
-    """Serve LoRA adapters (not built yet)."""
+    """Serve LoRA adapters: a request's ``lora_request`` names its adapter (docs/lora.md)."""
     max_loras: int = 1
-    """Adapters in one batch."""
+    """Adapters in one batch: the workers hold this many adapter slots; a request whose adapter would be
+    one more waits for a step with room."""
     max_lora_rank: int = 16
-    """Largest adapter rank."""
+    """Largest adapter rank: the slots' size (a request whose adapter has a higher rank is refused)."""
+    max_cpu_loras: int | None = None
+    """Adapters each worker keeps in CPU memory after reading them (None: max_loras); at least max_loras."""
 
     def __post_init__(self) -> None:
         _bool("enable_lora", self.enable_lora)
         _int("max_loras", self.max_loras, 1)
-        _int("max_lora_rank", self.max_lora_rank, 1)
-        if self.enable_lora:
-            raise NotBuiltError("enable_lora", True, "LoRA adapters")
+        _int("max_lora_rank", self.max_lora_rank, 1, 512)
+        if self.max_cpu_loras is not None:
+            _int("max_cpu_loras", self.max_cpu_loras, self.max_loras)
+
+    @property
+    def resolved_max_cpu_loras(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from typing import Union
 import msgspec
 
 from asyncllm.errors import ConfigError
+from asyncllm.lora import LoRARequest
 from asyncllm.sampling import SamplingParams
 
 _STRUCT = dict(tag=True, array_like=True, omit_defaults=True)
@@ -40,6 +41,8 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     """Seconds after the core receives this message at which it ends the request with finish_reason "timeout"."""
     mm_items: list["MultiModalItem"] = []
     """Images of the prompt, in prompt order (asyncllm/mm/; empty for text prompts)."""
+    lora: LoRARequest | None = None
+    """The request's adapter, checked by the host (``lora_path`` a local folder); None: the base model."""
 
 
 class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -116,6 +119,9 @@ class Ready(msgspec.Struct, **_STRUCT):
     """Hub revision of `tokenizer`, if it is a hub id."""
     mm_shm_ring_mapped: bool = False
     """The core mapped the ring named in the host's Hello (False: the host sends image data inline)."""
+    max_lora_rank: int = 0
+    """The core's max_lora_rank when it serves LoRA adapters (0: enable_lora is off), for an attached host."""
+    max_loras: int = 1
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -217,6 +223,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """The tokenizer's EOS ids: masked until min_tokens outputs exist (unless ignore_eos)."""
     mm_items: list[MultiModalItem] = []
     """The prompt's images, with their data (the worker encodes the ones a step reaches)."""
+    lora: LoRARequest | None = None
+    """The request's adapter (the worker puts it in a slot for the steps that run the request)."""
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

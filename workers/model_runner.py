@@ -29,6 +29,7 @@ from asyncllm.structured.bitmask import apply_grammar_bitmask
 from asyncllm.workers.cuda_graphs import CudaGraphRunner, capture_decode_graphs
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs
+from asyncllm.workers.lora_runner import LoRARunner
 from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal
 from asyncllm.workers.sampler import Sampler, SamplerOutput
 from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
@@ -76,6 +77,8 @@ class ModelRunner:
         """Images and encoder outputs, for multimodal models only."""
         self.cuda_graphs: CudaGraphRunner | None = None
         """Captured decode forwards (workers/cuda_graphs.py); None when the runner stays eager."""
+        self.lora_runner: LoRARunner | None = None
+        """Adapter slots and each request's adapter (enable_lora only; workers/lora_runner.py)."""
 
     # ------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -95,6 +98,8 @@ class ModelRunner:
         self.dtype = dtype
         tp = TensorParallel(self.rank, self.tp_size)
         self.mm_runner = MultiModalRunner(model, self.device, self.config, tp) if is_multimodal(model) else None
+        if self.config.enable_lora:
+            self.lora_runner = LoRARunner(model, self.config.lora_config, dtype, self.device)
 
     @property
     def bytes_per_block(self) -> int:
@@ -209,12 +214,15 @@ class ModelRunner:
             batch.feedback.resolve(batch.feedback.pending)  # its InFlightStep's finish_step gets the same ids
         if self.mm_runner is not None:
             self.mm_runner.update_states(sched_out)
+        if self.lora_runner is not None:
+            self.lora_runner.update_states(sched_out)
         if not sched_out.num_scheduled_tokens:
             return ModelRunnerOutput(sched_out.step_id, [], [])
         inputs = batch.prepare_inputs(sched_out)
         embeds = self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None else None
         extra = {} if embeds is None else {"inputs_embeds": embeds}
-        graphs = self.cuda_graphs if embeds is None else None
+        with_lora = self.lora_runner is not None and self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens)
+        graphs = self.cuda_graphs if embeds is None and not with_lora else None  # adapters run eagerly
         if graphs is not None and graphs.can_run(inputs):  # a decode batch: replay its captured forward
             hidden = graphs.forward(inputs)
         else:

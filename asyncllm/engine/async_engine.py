@@ -25,6 +25,7 @@ from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS, check_params_text, 
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.tracing import capture_context
 from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.lora import LoRARequest
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from asyncllm.sampling import RequestOutputKind, SamplingParams
 
@@ -136,7 +137,7 @@ class AsyncEngine:
             vocab_size=prepared.vocab_size, deliver=self._deliver_threadsafe, core=core,
             stats_logger=None if obs.disable_log_stats else StatsLogger(obs.log_stats_interval, self._observer.stats),
             startup_timeout_s=envs.ENGINE_STARTUP_TIMEOUT_S.get(), observer=self._observer,
-            engine_key=self._engine_key, mm=prepared.mm,
+            engine_key=self._engine_key, mm=prepared.mm, lora=prepared.lora,
         )
         if prepared.mm is not None:
             prepared.mm.stats = self._observer.stats
@@ -195,15 +196,18 @@ class AsyncEngine:
     # ------------------------------------------------------------ requests
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
                request_id: str | None = None, timeout: float | None = None,
-               cache_salt: str | None = None) -> RequestStream:
-        """Stream `StreamDelta`s of one completion; leaving the loop aborts it."""
-        options = RequestOptions(priority, request_id, timeout, cache_salt)
+               cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+        """Stream `StreamDelta`s of one completion; leaving the loop aborts it.
+
+        `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md)."""
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request)
         return RequestStream(self, prompt, _params(params), options, chat=False)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,
              request_id: str | None = None, timeout: float | None = None,
              cache_salt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None, chat_template: str | None = None) -> RequestStream:
+             tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+             lora_request: LoRARequest | None = None) -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
 
         `chat_template_kwargs` are variables for the template, as in
@@ -213,7 +217,8 @@ class AsyncEngine:
         holds the calls in the model's format (`asyncllm.tool_calls` parses them).
         `chat_template` (Jinja) replaces the tokenizer's template for this request.
         """
-        options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template)
+        options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
+                                 lora_request)
         return RequestStream(self, messages, _params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
@@ -249,6 +254,18 @@ class AsyncEngine:
         from asyncllm.engine.batch import generate_many
 
         return await generate_many(self, prompts, params, progress=progress, max_concurrency=max_concurrency)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Check a LoRA adapter now (folder, config, every tensor's shape against the model) rather than at
+        its first request; `InvalidRequestError` says what is wrong. Its weights are read by the workers
+        when a request first uses it (docs/lora.md)."""
+        options = RequestOptions(lora_request=lora_request)
+        options.validate()
+        await self.start()
+        processor = self._processor
+        if processor is None:
+            raise EngineDeadError("the engine was closed")
+        await anyio.to_thread.run_sync(processor.check_lora, lora_request)
 
     def stats(self) -> EngineStats:
         """The latest snapshot of the engine's gauges and counters (no I/O; cheap enough per request)."""

@@ -217,8 +217,10 @@ class EngineCore:
 
     def _ready(self) -> protocol.Ready:
         config = self.config
+        lora = config.lora_config
         return protocol.Ready(self.num_gpu_blocks, config.block_size, config.max_model_len, os.getpid(),
-                              config.model, config.tokenizer or "", config.revision)
+                              config.model, config.tokenizer or "", config.revision,
+                              max_lora_rank=lora.max_lora_rank if lora.enable_lora else 0, max_loras=lora.max_loras)
 
     def stop(self) -> None:
         """End `run()` after the current step (a standalone core's signal handler calls this)."""

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.config import EngineConfig
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.lora import AdapterChecker
 from asyncllm.models.architectures import MULTIMODAL_ARCHITECTURES, architecture_of
 from asyncllm.models.checkpoint import hf_config_json, load_hf_config, resolve_model_path
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
@@ -28,6 +29,8 @@ class Prepared:
     """The `MultiModalProcessor` of a multimodal model (asyncllm/mm/), else None."""
     hf_config_json: str | None = None
     """The checkpoint's config, defaults filled in, for the workers (read once, here)."""
+    lora: AdapterChecker | None = None
+    """Checks requests' LoRA adapters against the model (enable_lora only)."""
 
 
 def prepare(config: EngineConfig) -> Prepared:
@@ -39,6 +42,11 @@ def prepare(config: EngineConfig) -> Prepared:
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
+    lora = None
+    if config.enable_lora:
+        if arch in MULTIMODAL_ARCHITECTURES:
+            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text models only)")
+        lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if arch in MULTIMODAL_ARCHITECTURES:
         from asyncllm.mm.processor import MultiModalProcessor
@@ -51,7 +59,7 @@ def prepare(config: EngineConfig) -> Prepared:
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type)
     config_json = hf_config_json(hf_config)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
-                    config_json if len(config_json) <= _MAX_CONFIG_ARG else None)
+                    config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora)
 
 
 _MAX_CONFIG_ARG = 64 * 1024

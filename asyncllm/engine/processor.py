@@ -31,6 +31,7 @@ from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.validation import check_params_vocab, check_text, check_token_ids, max_prompt_chars
+from asyncllm.lora import AdapterChecker, LoRARequest
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
@@ -83,8 +84,11 @@ class Processor:
     def __init__(self, *, address: str, tokenizer: Any, eos_token_ids: list[int], vocab_size: int,
                  deliver: Deliver, core: CoreProcess | None, stats_logger: StatsLogger | None,
                  startup_timeout_s: float, observer: RequestObserver | None = None,
-                 engine_key: str | None = None, mm: MultiModalProcessor | None = None) -> None:
+                 engine_key: str | None = None, mm: MultiModalProcessor | None = None,
+                 lora: AdapterChecker | None = None) -> None:
         self._address = address
+        self._lora = lora
+        """Checks requests' adapters (None: the engine serves none)."""
         self._mm = mm
         """Image processing, for multimodal models only."""
         self._engine_key = engine_key
@@ -267,6 +271,7 @@ class Processor:
             self._deliver([(collector, error)], None)
             return
         try:
+            lora = self.check_lora(job.options.lora_request)
             if job.params.bad_words:
                 ids = job.params.bad_words_token_ids + bad_words_token_ids(self._tokenizer, job.params.bad_words)
                 job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
@@ -289,12 +294,22 @@ class Processor:
             self._tracked[core_id] = tracked = _Tracked(collector, detokenizer, index, buffer)
             message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
                                           collector.metrics.arrival_time, options.priority, options.cache_salt,
-                                          options.timeout)
+                                          options.timeout, lora=lora)
             if job.mm_prompt is not None:
                 message.mm_items = job.mm_prompt.items
                 tracked.mm_resend = (message, job.mm_prompt)
             dealer.send(self._encoder.encode(message))
         self._observer.on_added(collector, job.params, job.chat, job.trace_context)
+
+    def check_lora(self, request: LoRARequest | None) -> LoRARequest | None:
+        """The request's adapter with a local folder, checked against the model (once per adapter id;
+        thread-safe: `AsyncEngine.add_lora` calls it from another thread)."""
+        if request is None:
+            return None
+        if self._lora is None:
+            raise errors.InvalidRequestError("lora_request", "this engine serves no LoRA adapters: "
+                                                             "start it with enable_lora=True")
+        return self._lora.check(request)
 
     def _with_start_after(self, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
         """A constraint's `start_after` as token ids; dropped when the prompt's end already wrote it

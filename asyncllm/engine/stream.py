@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.errors import InvalidRequestError
+from asyncllm.lora import LoRARequest
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import check_chat_template, check_template_kwargs
@@ -41,6 +42,8 @@ class RequestOptions:
     """`chat` only: OpenAI function tools, rendered by the chat template (asyncllm/tool_calls.py)."""
     chat_template: str | None = None
     """`chat` only: a Jinja chat template used instead of the tokenizer's."""
+    lora_request: LoRARequest | None = None
+    """The LoRA adapter to run the request with (enable_lora; docs/lora.md); None: the base model."""
 
     def validate(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -53,6 +56,10 @@ class RequestOptions:
                 raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {self.timeout!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt", f"must be a str, got {self.cache_salt!r}")
+        if self.lora_request is not None:
+            if not isinstance(self.lora_request, LoRARequest):
+                raise InvalidRequestError("lora_request", f"must be an asyncllm.LoRARequest, got {self.lora_request!r}")
+            self.lora_request.validate()
         check_template_kwargs(self.chat_template_kwargs)
         check_tools(self.tools)
         check_chat_template(self.chat_template)

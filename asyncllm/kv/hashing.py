@@ -70,23 +70,23 @@ class MultiModalPlaceholder(Protocol):
 
 
 def block_extra_keys(
-    block_index: int, cache_salt: str | None, mm_keys: tuple[tuple[str, int], ...] = ()
+    block_index: int, cache_salt: str | None, mm_keys: tuple[tuple[str, int], ...] = (), lora_id: int = 0
 ) -> tuple[Any, ...]:
     """Extra keys of block `block_index` of a request, beyond its token ids.
 
-    The cache salt goes into the first block only: the chain carries it into
-    every later block, so requests with different salts never share a block.
+    The cache salt and the LoRA adapter id go into the first block only: the
+    chain carries them into every later block, so requests with different
+    salts, or under different adapters (whose KV differs for the same tokens),
+    never share a block.
 
     Each multimodal item overlapping the block adds ``(mm_hash, offset of the
     item relative to the block start)`` (`mm_keys`): its placeholder tokens are
     equal for every image, so the content hash must be part of the key.
-
-    Hook for a feature not built yet: a LoRA adapter id would be added to every
-    block's keys (``("lora", lora_id)``: the same tokens under another adapter
-    have other KV).
     """
-    salt: tuple[Any, ...] = ("salt", cache_salt) if block_index == 0 and cache_salt is not None else ()
-    return salt + (("mm", mm_keys),) if mm_keys else salt
+    keys: tuple[Any, ...] = ()
+    if block_index == 0:
+        keys = (("salt", cache_salt) if cache_salt is not None else ()) + (("lora", lora_id) if lora_id else ())
+    return keys + (("mm", mm_keys),) if mm_keys else keys
 
 
 def _mm_keys(mm_items: Sequence[MultiModalPlaceholder], start: int, end: int) -> tuple[tuple[str, int], ...]:
@@ -102,6 +102,7 @@ def extend_block_hashes(
     num_blocks: int,
     cache_salt: str | None,
     mm_items: Sequence[MultiModalPlaceholder] = (),
+    lora_id: int = 0,
 ) -> None:
     """Append hashes to `block_hashes` until it covers `num_blocks` full blocks.
 
@@ -118,9 +119,9 @@ def extend_block_hashes(
     for index in range(start_index, num_blocks):
         start = index * block_size
         block_tokens = token_ids[start : start + block_size]
-        if mm_items or (index == 0 and cache_salt is not None):
+        if mm_items or (index == 0 and (cache_salt is not None or lora_id)):
             mm_keys = _mm_keys(mm_items, start, start + block_size) if mm_items else ()
-            parent = hash_block_tokens(parent, block_tokens, block_extra_keys(index, cache_salt, mm_keys))
+            parent = hash_block_tokens(parent, block_tokens, block_extra_keys(index, cache_salt, mm_keys, lora_id))
         else:  # no extra keys: `hash_block_tokens` inlined (one full block per `block_size` decode steps)
             parent = _sha256(parent + prefix + pack(*block_tokens)).digest()
         append(parent)

@@ -40,6 +40,8 @@ class KVRequest(Protocol):
     request_id: str
     num_computed_tokens: int
     cache_salt: str | None
+    lora_int_id: int
+    """The request's LoRA adapter (0: none): keys its blocks like the salt."""
     mm_items: Sequence[MultiModalPlaceholder]
     """Images whose hashes and offsets key the blocks they overlap."""
     block_hashes: list[BlockHash]
@@ -105,7 +107,7 @@ class KVCacheManager:
         token_ids = request.all_token_ids
         max_blocks = (request.num_tokens - 1) // self.block_size
         extend_block_hashes(request.block_hashes, token_ids, self.block_size, max_blocks, request.cache_salt,
-                            request.mm_items)
+                            request.mm_items, request.lora_int_id)
         hits: list[KVCacheBlock] = []
         bs = self.block_size
         for index in range(max_blocks):
@@ -192,7 +194,7 @@ class KVCacheManager:
             end = len(blocks)
         token_ids, block_hashes = request.all_token_ids, request.block_hashes
         if end == start + 1 == len(block_hashes) + 1 and start and not request.mm_items:
-            # one block of a decode, no extra keys (the salt keys block 0 only): `extend_block_hashes` inlined
+            # one block of a decode, no extra keys (the salt and the LoRA id key block 0 only): `extend_block_hashes` inlined
             block_tokens = token_ids[start * bs : end * bs]
             if len(block_tokens) < bs:
                 return  # its last token is an async-scheduling placeholder: registered once it is known
@@ -204,7 +206,8 @@ class KVCacheManager:
             self._num_cached_blocks[req_id] = end
             return
         if len(block_hashes) < end:
-            extend_block_hashes(block_hashes, token_ids, bs, end, request.cache_salt, request.mm_items)
+            extend_block_hashes(block_hashes, token_ids, bs, end, request.cache_salt, request.mm_items,
+                                request.lora_int_id)
             end = min(end, len(block_hashes))  # async scheduling: a block ending in a placeholder waits for its token
         cache_block = self.pool.cache_block
         for index in range(start, end):

@@ -33,9 +33,12 @@ class _ColumnParallelLinear(nn.Module):
         self.tp = tp
         self.weight = new_param(output_size_per_rank, input_size, dtype=dtype, loader=self.weight_loader)
         self.bias = new_param(output_size_per_rank, dtype=dtype, loader=self.weight_loader) if bias else None
+        self.lora: nn.Module | None = None
+        """The adapters' products added to the output (asyncllm/models/lora.py; enable_lora only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        out = F.linear(x, self.weight, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
         """Copy rows of the checkpoint matrix into a slice of this rank's rows."""
@@ -142,11 +145,15 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_rank = tp.split(input_size)
         self.weight = new_param(output_size, self.input_size_per_rank, dtype=dtype, loader=self.weight_loader)
         self.bias = new_param(output_size, dtype=dtype) if bias else None
+        self.lora: nn.Module | None = None
+        """The adapters' products added to this rank's partial output (asyncllm/models/lora.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            out = F.linear(x, self.weight, self.bias)
+            return out if self.lora is None else self.lora(x, out)
+        out = F.linear(x, self.weight)
+        out = self.tp.all_reduce(out if self.lora is None else self.lora(x, out))
         return out if self.bias is None else out + self.bias
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:

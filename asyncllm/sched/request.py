@@ -14,6 +14,7 @@ import time
 
 from asyncllm import protocol
 from asyncllm.kv.hashing import BlockHash
+from asyncllm.lora import LoRARequest
 from asyncllm.sampling import SamplingParams
 
 __all__ = ["RequestStatus", "Request"]
@@ -66,7 +67,7 @@ class Request:
         "block_hashes",
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
-        "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids", "mm_items",
+        "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids", "mm_items", "lora", "lora_int_id",
     )
 
     def __init__(
@@ -81,6 +82,7 @@ class Request:
         cache_salt: str | None = None,
         timeout: float | None = None,
         mm_items: list[protocol.MultiModalItem] | None = None,
+        lora: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -113,6 +115,10 @@ class Request:
         """Seconds after the core received the request at which it ends with finish_reason 'timeout'."""
         self.mm_items: list[protocol.MultiModalItem] = mm_items or []
         """The prompt's images (data filled in); their hashes and offsets key the prefix cache."""
+        self.lora = lora
+        """The request's adapter (None: the base model)."""
+        self.lora_int_id = 0 if lora is None else lora.lora_int_id
+        """Its id (0: none): keys the prefix cache and counts against max_loras."""
         self.events: list[protocol.EngineCoreEvent] | None = None
         """Scheduling events not yet sent to the host (see `record_event`)."""
         self.plain_outputs = params.logprobs is None and params.prompt_logprobs is None and params.structured is None
@@ -144,6 +150,7 @@ class Request:
             cache_salt=msg.cache_salt,
             timeout=msg.timeout,
             mm_items=msg.mm_items,
+            lora=msg.lora,
         )
 
     # ------------------------------------------------------------ events

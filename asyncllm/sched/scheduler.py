@@ -94,6 +94,8 @@ class Scheduler:
         self.chunking = ChunkPolicy(self.max_num_batched_tokens, self.enable_chunked_prefill,
                                     config.long_prefill_token_threshold)
         self.policy: str = config.scheduling_policy
+        self.max_loras: int = config.max_loras if config.enable_lora else 0
+        """Adapters among the running requests at most (0: LoRA off)."""
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, config.enable_prefix_caching)
         self.max_seq_len = min(max_model_len, num_gpu_blocks * self.block_size)
         """Longest sequence: max_model_len, or less when the whole KV cache holds fewer tokens."""
@@ -323,10 +325,16 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
+        skipped: list[Request] = []  # their adapter would be one too many (max_loras): they keep their place
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
             if step.preempted_req_ids and request.request_id in step.preempted_req_ids:
                 break  # preempted for a higher-priority request in this very step
+            lora_id = request.lora_int_id
+            if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
+                skipped.append(self.waiting.pop())
+                continue
             hits, num_computed, swapped = self._resume_point(request)
             num_new = self.chunking.admission_chunk(request.num_tokens - num_computed, step.budget)
             if num_new == 0:
@@ -339,6 +347,8 @@ class Scheduler:
                 assert self.swap_space is not None
                 step.blocks_to_swap_in += self.swap_space.resume(request.request_id, len(hits), block_ids[len(hits):])
             self._admit(request, num_computed)
+            if lora_id:
+                loras.add(lora_id)
             kv.cache_full_blocks(request, num_computed + num_new)  # siblings admitted after it may hit these
             step.new_reqs.append(
                 protocol.NewRequestData(
@@ -350,10 +360,13 @@ class Scheduler:
                     num_computed_tokens=num_computed,
                     eos_token_ids=request.eos_token_ids,
                     mm_items=request.mm_items,
+                    lora=request.lora,
                 )
             )
             step.num_scheduled_tokens[request.request_id] = num_new
             step.budget -= num_new
+        for request in reversed(skipped):
+            self.waiting.add_preempted(request)
 
     def _resume_point(self, request: Request) -> tuple[list[KVCacheBlock], int, bool]:
         """A waiting request's prefix hits, the tokens it starts with computed, and whether it is swapped out.
@@ -472,6 +485,8 @@ class Scheduler:
         if request.priority and self.policy != "priority":  # as vLLM: a priority the policy would ignore is an error
             raise InvalidRequestError("priority", f"is {request.priority}, but this engine schedules {self.policy!r}: "
                                                   "start it with scheduling_policy='priority'")
+        if request.lora_int_id and not self.max_loras:
+            raise InvalidRequestError("lora_request", "this engine serves no LoRA adapters: start it with enable_lora=True")
         capacity = self.kv_cache_manager.num_gpu_blocks * self.block_size
         check_request(request, self.max_model_len, capacity, self.enable_chunked_prefill, self.max_num_batched_tokens)
 

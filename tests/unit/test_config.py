@@ -14,7 +14,7 @@ enable_chunked_prefill long_prefill_token_threshold preemption_mode swap_space s
 max_num_queued_requests tensor_parallel_size pipeline_parallel_size data_parallel_size
 enable_expert_parallel quantization enforce_eager attention_backend disable_log_stats log_stats_interval
 prometheus_registry mm_processor_cache_gb mm_processor_cache_type mm_encoder_tp_mode speculative_config
-enable_lora max_loras max_lora_rank""".split()
+enable_lora max_loras max_lora_rank max_cpu_loras""".split()
 
 
 def test_every_design_field_exists_with_a_docstring() -> None:
@@ -92,7 +92,6 @@ def test_unknown_field_is_refused() -> None:
         ("data_parallel_size", 2),
         ("enable_expert_parallel", True),
         ("speculative_config", {"method": "ngram"}),
-        ("enable_lora", True),
     ],
 )
 def test_unbuilt_features_raise_not_built(field: str, value: object) -> None:

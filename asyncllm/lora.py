@@ -1,0 +1,245 @@
+"""LoRA adapters: the request type, and reading a PEFT adapter folder (torch-free).
+
+A request names its adapter with a `LoRARequest` (vLLM's: name, integer id,
+folder or hub id). The host checks the adapter once per id before the request
+reaches the core (`AdapterChecker`): the folder, its ``adapter_config.json``,
+and every tensor's name and shape against the served model, so a bad adapter
+is the request's `InvalidRequestError`, never a worker's failure. The workers
+read the same folder with `read_adapter` (the modules, ranks and scalings) and
+load its tensors (asyncllm/models/lora.py). docs/lora.md has the whole story.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from asyncllm.errors import ConfigError, InvalidRequestError
+
+__all__ = ["LoRARequest", "AdapterModule", "Adapter", "AdapterChecker", "read_adapter", "module_shapes",
+           "LORA_TARGETS"]
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+_PEFT_PREFIX = "base_model.model."
+_FIELD = "lora_request"
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The projections an adapter may change (every linear layer of a decoder layer)."""
+_TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+
+
+class LoRARequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
+    """Which adapter a request runs with (vLLM's ``LoRARequest``).
+
+    ``lora_int_id`` (>= 1) identifies the adapter inside the engine: the
+    workers keep its weights under it and prefix caching keys blocks by it, so
+    one id must always mean the same adapter. ``lora_path`` is a PEFT adapter
+    folder or a hub id.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    def validate(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise InvalidRequestError(_FIELD, f"lora_name must be a non-empty str, got {self.lora_name!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise InvalidRequestError(_FIELD, f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise InvalidRequestError(_FIELD, f"lora_path must be a non-empty str, got {self.lora_path!r}")
+
+
+@dataclass(frozen=True)
+class AdapterModule:
+    """One adapted projection: ``W x + scaling * B (A x)``."""
+
+    name: str
+    """The projection's checkpoint name, e.g. ``model.layers.0.self_attn.q_proj``."""
+    rank: int
+    scaling: float
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """An adapter folder as read from its config and tensor headers (no tensor data)."""
+
+    path: str
+    modules: dict[str, AdapterModule]
+    """By checkpoint name."""
+
+    @property
+    def weights_path(self) -> str:
+        return os.path.join(self.path, WEIGHTS_FILE)
+
+    @property
+    def max_rank(self) -> int:
+        return max(module.rank for module in self.modules.values())
+
+
+def read_adapter(path: str) -> Adapter:
+    """Read a PEFT LoRA folder: its config and its tensors' names and shapes; `InvalidRequestError` if unusable."""
+    config = _read_config(path)
+    shapes = _tensor_shapes(path)
+    modules: dict[str, AdapterModule] = {}
+    for name, (a_shape, b_shape) in _pairs(shapes, path).items():
+        rank = a_shape[0]
+        if b_shape[1] != rank:
+            _fail(path, f"{name}: lora_A has rank {rank} but lora_B {b_shape[1]}")
+        alpha = _pattern_value(config.get("alpha_pattern") or {}, name, config.get("lora_alpha", 8))
+        scale_rank = math.sqrt(rank) if config.get("use_rslora") else rank
+        modules[name] = AdapterModule(name, rank, float(alpha) / scale_rank, a_shape[1], b_shape[0])
+    if not modules:
+        _fail(path, "it holds no LoRA weights")
+    return Adapter(path, modules)
+
+
+def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
+    """(input features, output features) of every adaptable projection of the model, by projection name."""
+    hidden = hf_config.hidden_size
+    head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
+    q = hf_config.num_attention_heads * head_dim
+    kv = hf_config.num_key_value_heads * head_dim
+    inter = hf_config.intermediate_size
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+class AdapterChecker:
+    """The host's check of each request's adapter, once per adapter id (thread-safe)."""
+
+    def __init__(self, hf_text_config: Any, max_lora_rank: int) -> None:
+        self.max_lora_rank = max_lora_rank
+        self._num_layers = hf_text_config.num_hidden_layers
+        self._shapes = module_shapes(hf_text_config)
+        self._checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}
+        """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder)."""
+        self._lock = threading.Lock()
+
+    def check(self, request: LoRARequest) -> LoRARequest:
+        """The request with ``lora_path`` resolved to a local folder; `InvalidRequestError` for a bad adapter."""
+        request.validate()
+        with self._lock:
+            known = self._checked.get(request.lora_int_id)
+        if known is not None:
+            given, checked = known
+            if given != request and not _same_folder(checked, request):
+                raise InvalidRequestError(_FIELD, f"lora_int_id {request.lora_int_id} already names adapter "
+                                                  f"{checked.lora_name!r} at {checked.lora_path}: one id, one adapter")
+            return checked
+        resolved = msgspec.structs.replace(request, lora_path=_resolve(request.lora_path))
+        self._check_adapter(read_adapter(resolved.lora_path))
+        with self._lock:
+            self._checked[request.lora_int_id] = (request, resolved)
+        return resolved
+
+    def _check_adapter(self, adapter: Adapter) -> None:
+        if adapter.max_rank > self.max_lora_rank:
+            _fail(adapter.path, f"its rank {adapter.max_rank} is above max_lora_rank={self.max_lora_rank}: "
+                                f"start the engine with max_lora_rank >= {adapter.max_rank}")
+        for name, module in adapter.modules.items():
+            match = _TENSOR_NAME.fullmatch(f"{name}.lora_A.weight")
+            assert match is not None, name
+            layer, projection = int(match.group(1)), match.group(3)
+            if layer >= self._num_layers:
+                _fail(adapter.path, f"{name}: the model has {self._num_layers} layers")
+            expected = self._shapes[projection]
+            if (module.in_features, module.out_features) != expected:
+                _fail(adapter.path, f"{name} maps {module.in_features} -> {module.out_features} features, this "
+                                    f"model's projection {expected[0]} -> {expected[1]} (an adapter of another model?)")
+
+
+def _same_folder(checked: LoRARequest, request: LoRARequest) -> bool:
+    """Whether a repeated id names the adapter it was checked with (same name, same local folder)."""
+    return request.lora_name == checked.lora_name and os.path.isdir(request.lora_path) and (
+        os.path.realpath(request.lora_path) == os.path.realpath(checked.lora_path))
+
+
+def _resolve(path: str) -> str:
+    from asyncllm.models.checkpoint import resolve_model_path
+
+    try:
+        return os.path.abspath(resolve_model_path(path))
+    except ConfigError as exc:
+        raise InvalidRequestError(_FIELD, f"lora_path {path!r}: {exc.allowed}") from exc
+
+
+def _read_config(path: str) -> dict[str, Any]:
+    try:
+        with open(os.path.join(path, CONFIG_FILE), encoding="utf-8") as f:
+            config = json.load(f)
+    except FileNotFoundError:
+        _fail(path, f"it has no {CONFIG_FILE} (a PEFT LoRA adapter folder is expected)")
+    except (OSError, ValueError) as exc:
+        _fail(path, f"its {CONFIG_FILE} could not be read ({exc})")
+    if not isinstance(config, dict):
+        _fail(path, f"its {CONFIG_FILE} is not a JSON object")
+    if config.get("peft_type", "LORA") != "LORA":
+        _fail(path, f"it is a {config.get('peft_type')} adapter; only LoRA adapters are served")
+    unsupported = {
+        "use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained layers)",
+        "trainable_token_indices": "trainable tokens", "layer_replication": "layer replication",
+        "target_parameters": "target_parameters", "lora_bias": "LoRA biases",
+    }
+    for key, what in unsupported.items():
+        if config.get(key):
+            _fail(path, f"it uses {what} ({key}), which asyncllm does not serve")
+    if config.get("bias", "none") != "none":
+        _fail(path, f"it trains biases (bias={config.get('bias')!r}), which asyncllm does not serve")
+    if config.get("fan_in_fan_out"):
+        _fail(path, "it stores transposed weights (fan_in_fan_out), used by GPT-2 style layers only")
+    return config
+
+
+def _tensor_shapes(path: str) -> dict[str, list[int]]:
+    weights = os.path.join(path, WEIGHTS_FILE)
+    if not os.path.isfile(weights):
+        other = " (adapter_model.bin: re-save it with safetensors)" if os.path.isfile(
+            os.path.join(path, "adapter_model.bin")) else ""
+        _fail(path, f"it has no {WEIGHTS_FILE}{other}")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(weights, framework="numpy") as f:
+            return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as exc:  # noqa: BLE001 - a corrupt file of any kind is the request's error
+        _fail(path, f"its {WEIGHTS_FILE} could not be read ({type(exc).__name__}: {exc})")
+
+
+def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[list[int], list[int]]]:
+    """Projection name -> (lora_A shape, lora_B shape); `InvalidRequestError` for any other tensor."""
+    found: dict[str, dict[str, list[int]]] = {}
+    for key, shape in shapes.items():
+        name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        match = _TENSOR_NAME.fullmatch(name)
+        if match is None or match.group(3) not in LORA_TARGETS or len(shape) != 2:
+            _fail(path, f"tensor {key} {shape}: only LoRA A and B matrices of the decoder layers' projections "
+                        f"({', '.join(LORA_TARGETS)}) are served (not embeddings or lm_head)")
+        module = name[: name.index(".lora_")]
+        found.setdefault(module, {})[match.group(4)] = shape
+    for module, parts in found.items():
+        if set(parts) != {"A", "B"}:
+            _fail(path, f"{module} has lora_{'A' if 'A' in parts else 'B'} without its partner")
+    return {module: (parts["A"], parts["B"]) for module, parts in found.items()}
+
+
+def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
+    """PEFT's per-module override: the first pattern matching the module name's end."""
+    for pattern, value in patterns.items():
+        if re.match(rf"(.*\.)?({pattern})$", name):
+            return value
+    return default
+
+
+def _fail(path: str, message: str) -> Any:
+    raise InvalidRequestError(_FIELD, f"the adapter at {path}: {message}")

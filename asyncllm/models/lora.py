@@ -1,0 +1,124 @@
+"""LoRA on the worker: every adapted projection computes ``W x + sum over slots of mask * B_s (A_s x)``.
+
+Each projection of every decoder layer gets a `LoRALayer` holding the A and
+B matrices of ``max_loras`` adapter slots, stacked: A is ``[slots * width,
+in]`` and B ``[out, slots * width]``, where ``width`` is ``max_lora_rank``
+times the projection's parts (q, k, v for ``qkv_proj``; gate, up for
+``gate_up_proj``). B is stored already multiplied by the adapter's scaling,
+and its unused rows and columns are zeros. A step's `LoRAContext.mask`
+(``[tokens, slots]``, one 1 per token whose request has an adapter) zeroes
+every other slot's intermediate values, so one pair of matrix products serves
+a batch that mixes adapters and the base model, with shapes that do not
+depend on which adapters are in it. Steps without an adapter skip it all
+(``mask`` None): the base model's computation, unchanged.
+
+Tensor parallel: a column-parallel projection keeps A whole and this rank's
+rows of B (the rows its weight keeps); a row-parallel one keeps this rank's
+columns of A and all of B, and adds its partial product before the all-reduce.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.lora import Adapter
+from asyncllm.models.linear import RowParallelLinear, _ColumnParallelLinear
+
+__all__ = ["LoRAContext", "LoRALayer", "attach_lora_layers", "load_adapter_tensors"]
+
+
+class LoRAContext:
+    """The step's adapter mask, shared by every `LoRALayer` of a model."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+        """``[tokens, slots]`` in the model's dtype: 1 where the token's request uses the slot's adapter."""
+
+
+class LoRALayer(nn.Module):
+    """The adapter slots of one projection (`attach_lora_layers` puts one on every projection)."""
+
+    def __init__(self, base: nn.Module, parts: list[object], num_slots: int, max_rank: int,
+                 context: LoRAContext) -> None:
+        super().__init__()
+        weight = base.weight
+        self.row_parallel = isinstance(base, RowParallelLinear)
+        self.base = [base]  # a list: not a submodule (the projection owns this layer, not the reverse)
+        self.parts = parts
+        """The shard ids of the checkpoint matrices stacked in the projection (``[None]`` when unfused)."""
+        self.num_slots = num_slots
+        self.max_rank = max_rank
+        self.width = max_rank * len(parts)
+        self.context = context
+        out_features, in_features = weight.shape
+        self.register_buffer("a", weight.new_zeros(num_slots * self.width, in_features), persistent=False)
+        self.register_buffer("b", weight.new_zeros(out_features, num_slots * self.width), persistent=False)
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the projection's output for ``x``) plus the step's adapters' products."""
+        mask = self.context.mask
+        if mask is None:
+            return out
+        num_tokens = x.shape[0]
+        xa = F.linear(x, self.a).view(num_tokens, self.num_slots, self.width) * mask[:, :, None]
+        return out + F.linear(xa.view(num_tokens, -1), self.b)
+
+    def clear(self, slot: int) -> None:
+        columns = slice(slot * self.width, (slot + 1) * self.width)
+        self.a[columns].zero_()
+        self.b[:, columns].zero_()
+
+    def set(self, slot: int, part: object, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> None:
+        """Write one checkpoint matrix's adapter (``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]``) into a slot."""
+        base = self.base[0]
+        rank = lora_a.shape[0]
+        start = slot * self.width + self.parts.index(part) * self.max_rank
+        columns = slice(start, start + rank)
+        lora_b = lora_b * scaling
+        if self.row_parallel:
+            width = base.input_size_per_rank
+            self.a[columns].copy_(lora_a[:, base.tp.rank * width:(base.tp.rank + 1) * width])
+            self.b[:, columns].copy_(lora_b)
+            return
+        assert isinstance(base, _ColumnParallelLinear)
+        dst, src, length = base._shard_rows(part)
+        self.a[columns].copy_(lora_a)
+        self.b[dst:dst + length, columns].copy_(lora_b[src:src + length])
+
+
+def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAContext) -> dict[str, LoRALayer]:
+    """Give every projection named in the model's checkpoint a `LoRALayer`; them by projection module name."""
+    layers: dict[str, LoRALayer] = {}
+    packed = model.packed_modules
+    for name, module in model.named_modules():
+        if not isinstance(module, (_ColumnParallelLinear, RowParallelLinear)) or ".layers." not in name:
+            continue
+        fused = name.rsplit(".", 1)[-1]
+        parts = [shard for _, shard in packed[fused]] if fused in packed else [None]
+        module.lora = layers[name] = LoRALayer(module, parts, num_slots, max_rank, context)
+    for layer in getattr(getattr(model, "model", None), "layers", []):
+        layer.fused_decode_rows = 0  # the fused decode path reads the weights directly, past the LoRA layers
+    return layers
+
+
+def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object, torch.Tensor, torch.Tensor, float]]:
+    """The adapter's matrices as (projection module name, part, A, B, scaling), on the CPU."""
+    from safetensors.torch import load_file
+
+    tensors = load_file(adapter.weights_path, device="cpu")
+    loaded = []
+    for name, module in adapter.modules.items():
+        param_name, part = model._packed(f"{name}.weight")
+        lora_a = _tensor(tensors, name, "A")
+        lora_b = _tensor(tensors, name, "B")
+        loaded.append((param_name[: -len(".weight")], part, lora_a, lora_b, module.scaling))
+    return loaded
+
+
+def _tensor(tensors: dict[str, torch.Tensor], name: str, which: str) -> torch.Tensor:
+    key = f"{name}.lora_{which}.weight"
+    return tensors[key] if key in tensors else tensors[f"base_model.model.{key}"]

@@ -1,0 +1,106 @@
+"""The model runner's LoRA hooks: which request runs which adapter, adapters into slots, the step's mask.
+
+The model's projections hold ``max_loras`` adapter slots (asyncllm/models/lora.py).
+Before a step, every adapter its requests use is put in a slot (the scheduler
+never sends more than ``max_loras`` adapters in one step): a slot already
+holding it is kept, otherwise the least recently used slot not needed by the
+step is overwritten. Adapter weights read from disk stay in a CPU cache of
+``max_cpu_loras`` adapters, so swapping one back into a slot reads no file.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from asyncllm.config import LoRAConfig
+from asyncllm.lora import LoRARequest, read_adapter
+from asyncllm.models.lora import LoRAContext, LoRALayer, attach_lora_layers, load_adapter_tensors
+from asyncllm.protocol import SchedulerOutput
+
+__all__ = ["LoRARunner"]
+
+_Loaded = list[tuple[str, object, torch.Tensor, torch.Tensor, float]]
+
+
+class LoRARunner:
+    """Keeps each request's adapter and the slots' contents of one rank."""
+
+    def __init__(self, model: Any, config: LoRAConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.model = model
+        self.num_slots = config.max_loras
+        self.max_cpu_loras = config.resolved_max_cpu_loras
+        self.dtype = dtype
+        self.device = device
+        self.context = LoRAContext()
+        self.layers: dict[str, LoRALayer] = attach_lora_layers(model, self.num_slots, config.max_lora_rank,
+                                                               self.context)
+        self.requests: dict[str, LoRARequest] = {}
+        """Request id -> its adapter (requests without one are not listed)."""
+        self.slots: OrderedDict[int, int] = OrderedDict()
+        """Adapter id -> the slot holding it, least recently used first."""
+        self.cpu_cache: OrderedDict[int, _Loaded] = OrderedDict()
+        """Adapter id -> its matrices on the CPU, least recently used first."""
+        self.num_loads = 0
+        """Adapters read from disk (tests check the CPU cache with it)."""
+
+    def update_states(self, sched_out: SchedulerOutput) -> None:
+        """Forget finished and preempted requests (a resumed one comes back as new), learn new ones."""
+        for req_id in sched_out.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in sched_out.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        for new in sched_out.new_reqs:
+            if new.lora is not None:
+                self.requests[new.req_id] = new.lora
+
+    def prepare(self, req_ids: list[str], num_scheduled_tokens: dict[str, int]) -> bool:
+        """Set the step's mask (None when no request of the step has an adapter); whether one has."""
+        adapters = [self.requests.get(req_id) for req_id in req_ids]
+        if not any(adapters):
+            self.context.mask = None
+            return False
+        needed = {adapter.lora_int_id: adapter for adapter in adapters if adapter is not None}
+        assert len(needed) <= self.num_slots, f"{len(needed)} adapters in one step, max_loras={self.num_slots}"
+        for adapter in needed.values():
+            self._ensure_slot(adapter, needed)
+        token_slots = torch.tensor([-1 if a is None else self.slots[a.lora_int_id] for a in adapters])
+        counts = torch.tensor([num_scheduled_tokens[req_id] for req_id in req_ids])
+        token_slots = torch.repeat_interleave(token_slots, counts)
+        mask = token_slots[:, None] == torch.arange(self.num_slots)[None, :]
+        self.context.mask = mask.to(device=self.device, dtype=self.dtype)
+        return True
+
+    def _ensure_slot(self, adapter: LoRARequest, needed: dict[int, LoRARequest]) -> None:
+        adapter_id = adapter.lora_int_id
+        if adapter_id in self.slots:
+            self.slots.move_to_end(adapter_id)
+            return
+        used = set(self.slots.values())
+        free = [slot for slot in range(self.num_slots) if slot not in used]
+        if free:
+            slot = free[0]
+        else:
+            victim = next(other for other in self.slots if other not in needed)
+            slot = self.slots.pop(victim)
+        loaded = self._load(adapter)
+        for layer in self.layers.values():
+            layer.clear(slot)
+        for module_name, part, lora_a, lora_b, scaling in loaded:
+            self.layers[module_name].set(slot, part, lora_a, lora_b, scaling)
+        self.slots[adapter_id] = slot
+
+    def _load(self, adapter: LoRARequest) -> _Loaded:
+        """The adapter's matrices, from the CPU cache or its folder."""
+        cached = self.cpu_cache.get(adapter.lora_int_id)
+        if cached is not None:
+            self.cpu_cache.move_to_end(adapter.lora_int_id)
+            return cached
+        loaded = load_adapter_tensors(read_adapter(adapter.lora_path), self.model)
+        self.num_loads += 1
+        self.cpu_cache[adapter.lora_int_id] = loaded
+        while len(self.cpu_cache) > self.max_cpu_loras:
+            self.cpu_cache.popitem(last=False)
+        return loaded
