@@ -97,10 +97,10 @@ class SyncEngine:
         return self.run(self._engine.generate(prompt, params, **options))
 
     def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
-                      max_concurrency: int | None = None) -> list[RequestOutput]:
+                      max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """A batch job, results in input order (see `AsyncEngine.generate_many`)."""
         return self.run(self._engine.generate_many(prompts, params, progress=progress,
-                                                   max_concurrency=max_concurrency))
+                                                   max_concurrency=max_concurrency, lora_request=lora_request))
 
     def stream(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> Iterator[StreamDelta]:
         """Iterate `StreamDelta`s as they come; leaving the loop early aborts the request."""

@@ -243,17 +243,19 @@ class AsyncEngine:
                              collector.num_cached_tokens, prompt_logprobs=collector.prompt_logprobs)
 
     async def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
-                            max_concurrency: int | None = None) -> list[RequestOutput]:
+                            max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:
         """Run a batch job: one `RequestOutput` per prompt, in input order.
 
-        `params` is one `SamplingParams` for all or a list with one per prompt;
+        `params` is one `SamplingParams` for all or a list with one per prompt,
+        and so is `lora_request` (a `LoRARequest`, or None for the base model);
         `progress` shows a tqdm bar; at most `max_concurrency` requests are in
         flight (default: 2 x max_num_seqs, enough to keep every batch slot fed).
         The first error cancels the rest and is raised.
         """
         from asyncllm.engine.batch import generate_many
 
-        return await generate_many(self, prompts, params, progress=progress, max_concurrency=max_concurrency)
+        return await generate_many(self, prompts, params, progress=progress, max_concurrency=max_concurrency,
+                                   lora_request=lora_request)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Check a LoRA adapter now (folder, config, every tensor's shape against the model) rather than at

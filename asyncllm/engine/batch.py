@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.lora import LoRARequest
 from asyncllm.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -23,9 +24,11 @@ __all__ = ["generate_many"]
 
 
 async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any = None, *,
-                        progress: bool = False, max_concurrency: int | None = None) -> list[RequestOutput]:
+                        progress: bool = False, max_concurrency: int | None = None,
+                        lora_request: Any = None) -> list[RequestOutput]:
     prompts = list(prompts)
-    per_prompt = _params_per_prompt(params, len(prompts))
+    per_prompt = _per_prompt("params", params, SamplingParams, len(prompts))
+    loras = _per_prompt("lora_request", lora_request, LoRARequest, len(prompts))
     limit = _concurrency(engine, max_concurrency)
     results: list[RequestOutput | None] = [None] * len(prompts)
     indices = iter(range(len(prompts)))
@@ -33,7 +36,8 @@ async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any
 
     async def worker() -> None:
         for i in indices:  # the shared iterator hands each index to exactly one worker
-            results[i] = await engine.generate(prompts[i], per_prompt[i])
+            options = {} if loras[i] is None else {"lora_request": loras[i]}
+            results[i] = await engine.generate(prompts[i], per_prompt[i], **options)
             if bar is not None:
                 bar.update(1)
 
@@ -51,14 +55,15 @@ async def generate_many(engine: AsyncEngine, prompts: Iterable[Any], params: Any
     return results  # type: ignore[return-value] - every slot is filled once gather returns
 
 
-def _params_per_prompt(params: Any, count: int) -> list[SamplingParams | None]:
-    if params is None or isinstance(params, SamplingParams):
-        return [params] * count
-    if isinstance(params, (list, tuple)):
-        if len(params) != count:
-            raise InvalidRequestError("params", f"got {len(params)} SamplingParams for {count} prompts")
-        return list(params)
-    raise InvalidRequestError("params", f"must be a SamplingParams or a list of them, got {type(params).__name__}")
+def _per_prompt(field: str, value: Any, kind: type, count: int) -> list[Any]:
+    """One value for every prompt, or a list with one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise InvalidRequestError(field, f"got {len(value)} {kind.__name__}s for {count} prompts")
+        return list(value)
+    raise InvalidRequestError(field, f"must be a {kind.__name__} or a list of them, got {type(value).__name__}")
 
 
 def _concurrency(engine: AsyncEngine, max_concurrency: int | None) -> int:

@@ -5,9 +5,11 @@ A fake worker keeps per-request state from the `SchedulerOutput` diffs alone
 tokens up to p, plus a fake CPU swap space it copies blocks to and from as the
 step says (out first, then in). Every step it checks that the KV a request is
 told it has computed (prefix hits and swapped-in blocks included) is right,
-and it samples a token that is a function of the tokens so far, so each
+and it samples a token that is a function of the tokens so far (and of the
+request's LoRA adapter, whose KV differs for the same tokens), so each
 request's output must equal what it would generate alone, whatever the
-batching, chunking, policy, preemption (recompute or swap) or prefix hits.
+batching, chunking, policy, preemption (recompute or swap), prefix hits or
+adapters (no more than max_loras among the running requests).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hypothesis import strategies as st
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import EngineOverloadedError, InvalidRequestError
+from asyncllm.lora import LoRARequest
 from asyncllm.sampling import SamplingParams
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.scheduler import Scheduler
@@ -28,16 +31,16 @@ EOS = 3
 VOCAB = 6
 
 
-def next_token(tokens: list[int]) -> int:
-    """The fake model: a deterministic function of every token so far."""
-    return (sum((i + 1) * t for i, t in enumerate(tokens)) * 7 + len(tokens)) % VOCAB
+def next_token(tokens: list[int], lora_id: int = 0) -> int:
+    """The fake model: a deterministic function of every token so far and of the adapter."""
+    return (sum((i + 1) * t for i, t in enumerate(tokens)) * 7 + len(tokens) + lora_id) % VOCAB
 
 
 def generate_alone(req: Request, max_seq_len: int) -> tuple[list[int], str]:
     """What `req` outputs when it runs alone (the reference for every schedule)."""
     tokens, out = list(req.prompt_token_ids), []
     while True:
-        token = next_token(tokens)
+        token = next_token(tokens, req.lora_int_id)
         tokens.append(token)
         out.append(token)
         if token == EOS and not req.params.ignore_eos:
@@ -55,6 +58,7 @@ class FakeWorker:
         self.cpu: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_cpu_blocks)]
         self.tokens: dict[str, list[int]] = {}
         self.block_ids: dict[str, list[int]] = {}
+        self.lora_ids: dict[str, int] = {}
 
     def execute(self, out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
         for gpu, cpu in out.blocks_to_swap_out:
@@ -69,6 +73,7 @@ class FakeWorker:
             assert new.req_id not in self.tokens
             self.tokens[new.req_id] = list(new.token_ids)
             self.block_ids[new.req_id] = list(new.block_ids)
+            self.lora_ids[new.req_id] = new.lora.lora_int_id if new.lora is not None else 0
             computed[new.req_id] = new.num_computed_tokens
         cached = out.cached_reqs
         assert len(cached.req_ids) == len(cached.num_computed_tokens) and set(cached.new_block_ids) <= set(cached.req_ids)
@@ -83,14 +88,15 @@ class FakeWorker:
 
     def _run(self, req_id: str, num_computed: int, num: int) -> list[int]:
         tokens, table, bs = self.tokens[req_id], self.block_ids[req_id], self.block_size
+        lora_id = self.lora_ids[req_id]
         assert num > 0 and num_computed + num <= len(tokens) and len(table) * bs >= num_computed + num
         for pos in range(num_computed):
-            assert self.kv[table[pos // bs]][pos % bs] == tuple(tokens[: pos + 1]), (req_id, pos)
+            assert self.kv[table[pos // bs]][pos % bs] == (lora_id, *tokens[: pos + 1]), (req_id, pos)
         for pos in range(num_computed, num_computed + num):
-            self.kv[table[pos // bs]][pos % bs] = tuple(tokens[: pos + 1])
+            self.kv[table[pos // bs]][pos % bs] = (lora_id, *tokens[: pos + 1])
         if num_computed + num < len(tokens):
             return []
-        token = next_token(tokens)
+        token = next_token(tokens, lora_id)
         tokens.append(token)
         return [token]
 
@@ -117,6 +123,7 @@ def check_invariants(sched: Scheduler) -> None:
     assert running == set(kv.req_to_blocks) and not running & waiting
     assert running | waiting == set(sched.requests)
     assert len(running) <= sched.max_num_seqs
+    assert len({r.lora_int_id for r in sched.running if r.lora_int_id}) <= sched.max_loras
     assert sched.waiting.num_tokens == sum(r.num_tokens for r in sched.waiting)
     if sched.policy == "priority":
         keys = [(r.priority, r.arrival_time) for r in sched.running]
@@ -171,15 +178,18 @@ ops = st.lists(
     num_cpu_blocks=st.sampled_from([0, 2, 16]),
     policy=st.sampled_from(["fcfs", "priority"]),
     max_queued=st.sampled_from([None, 3]),
+    max_loras=st.sampled_from([0, 1, 2]),
 )
 def test_random_schedules_keep_the_kv_cache_consistent(
     ops, num_gpu_blocks, block_size, budget, max_num_seqs, chunked, prefix_caching, threshold,
-    preemption_mode, num_cpu_blocks, policy, max_queued,
+    preemption_mode, num_cpu_blocks, policy, max_queued, max_loras,
 ):
+    """max_loras 0: LoRA off; else requests take adapters 0 (none) to 3 by their index."""
     config = EngineConfig.create(
         "dummy-model", block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching, long_prefill_token_threshold=threshold,
         preemption_mode=preemption_mode, scheduling_policy=policy, max_num_queued_requests=max_queued,
+        enable_lora=max_loras > 0, max_loras=max(max_loras, 1),
     )
     run_ops(ops, config, num_gpu_blocks, num_cpu_blocks)
 
@@ -245,7 +255,10 @@ def run_ops(ops: list[tuple], config: EngineConfig, num_gpu_blocks: int, num_cpu
             params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
             if config.scheduling_policy != "priority":
                 priority = 0  # the fcfs scheduler refuses a priority it would ignore
-            req = Request(f"r{len(added)}", prompt, params, [EOS], float(len(added)), priority=priority, timeout=timeout)
+            lora_id = index % 4 if config.enable_lora else 0
+            lora = LoRARequest(f"a{lora_id}", lora_id, f"/adapters/{lora_id}") if lora_id else None
+            req = Request(f"r{len(added)}", prompt, params, [EOS], float(len(added)), priority=priority, timeout=timeout,
+                          lora=lora)
             try:
                 sched.add_request(req)
             except InvalidRequestError:

@@ -1,0 +1,94 @@
+"""LoRA adapters end to end: greedy outputs equal PEFT's, token for token, in batches that mix adapters and the
+base model, under chunked prefill, max_loras, slot eviction, the CPU cache and tensor parallelism; prefix caching
+never shares KV across adapters; a bad adapter is the request's error and the engine serves on."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from asyncllm import AsyncEngine, InvalidRequestError, LoRARequest, SamplingParams
+from engine_helpers import random_prompts
+from hf_reference import hf_greedy
+from lora_utils import make_adapter, peft_greedy
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest]:
+    """Three adapters of the tiny Llama: every projection at rank 8; attention only at rank 4; MLP only, rsLoRA."""
+    specs = [dict(rank=8), dict(rank=4, targets=["q_proj", "k_proj", "v_proj", "o_proj"]),
+             dict(rank=16, alpha=4, targets=["gate_proj", "up_proj", "down_proj"], use_rslora=True)]
+    return [LoRARequest(f"adapter{i}", i, make_adapter(tiny_llama, str(tmp_path_factory.mktemp(f"a{i}")), seed=i,
+                                                        **spec))
+            for i, spec in enumerate(specs, start=1)]
+
+
+def _reference(base: str, lora: LoRARequest | None, prompt: list[int]) -> list[int]:
+    return hf_greedy(base, prompt, MAX_TOKENS) if lora is None else peft_greedy(base, lora.lora_path, prompt, MAX_TOKENS)
+
+
+async def test_mixed_batches_equal_peft_with_max_loras_and_slot_eviction(tiny_llama: str,
+                                                                        adapters: list[LoRARequest]) -> None:
+    """Four variants of five prompts at once: three adapters for two slots (max_loras=2), so the scheduler holds
+    requests back and the workers evict slots; max_cpu_loras=2 makes them read an evicted adapter again."""
+    prompts = random_prompts(5, seed=11, max_len=60)
+    variants: list[LoRARequest | None] = [None, *adapters]
+    async with AsyncEngine(tiny_llama, enable_lora=True, max_loras=2, max_cpu_loras=2, max_num_batched_tokens=32,
+                           disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY, lora_request=v) for p in prompts for v in variants))
+    got = iter(outs)
+    for prompt in prompts:
+        for variant in variants:
+            assert next(got).token_ids == _reference(tiny_llama, variant, prompt), (variant, prompt)
+
+
+async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, adapters: list[LoRARequest],
+                                                             tmp_path) -> None:
+    prompt = random_prompts(2, seed=12, stem_len=40, max_len=45)[1]  # 43 to 45 tokens: two full blocks
+    a1, a2 = adapters[:2]
+    async with AsyncEngine(tiny_llama, enable_lora=True, max_loras=2, disable_log_stats=True) as engine:
+        first = await engine.generate(prompt, GREEDY, lora_request=a1)
+        again = await engine.generate(prompt, GREEDY, lora_request=a1)
+        other = await engine.generate(prompt, GREEDY, lora_request=a2)
+        base = await engine.generate(prompt, GREEDY)
+        assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+        assert (other.num_cached_tokens, base.num_cached_tokens) == (0, 0)
+        for out, lora in [(again, a1), (other, a2), (base, None)]:
+            assert out.token_ids == _reference(tiny_llama, lora, prompt)
+
+        # bad adapters: the request's typed error, and the engine serves on
+        high_rank = make_adapter(tiny_llama, str(tmp_path / "r32"), seed=9, rank=32)
+        with pytest.raises(InvalidRequestError, match="max_lora_rank=16"):
+            await engine.generate(prompt, GREEDY, lora_request=LoRARequest("big", 7, high_rank))
+        with pytest.raises(InvalidRequestError, match="no adapter_config.json"):
+            await engine.add_lora(LoRARequest("empty", 8, str(tmp_path)))
+        with pytest.raises(InvalidRequestError, match="one id, one adapter"):
+            await engine.generate(prompt, GREEDY, lora_request=LoRARequest("other", a1.lora_int_id, a2.lora_path))
+        await engine.add_lora(adapters[2])
+        outs = await engine.generate_many([prompt, prompt], GREEDY, lora_request=[adapters[2], None])
+        assert [o.token_ids for o in outs] == [_reference(tiny_llama, adapters[2], prompt), base.token_ids]
+        with pytest.raises(InvalidRequestError, match="got 1 LoRARequests for 2 prompts"):
+            await engine.generate_many([prompt, prompt], GREEDY, lora_request=[a1])
+
+
+async def test_an_adapter_without_enable_lora_is_refused(tiny_llama: str, adapters: list[LoRARequest]) -> None:
+    async with AsyncEngine(tiny_llama, disable_log_stats=True) as engine:
+        with pytest.raises(InvalidRequestError, match="enable_lora=True"):
+            await engine.generate([5, 6, 7], GREEDY, lora_request=adapters[0])
+        assert (await engine.generate([5, 6, 7], GREEDY)).token_ids == hf_greedy(tiny_llama, [5, 6, 7], MAX_TOKENS)
+
+
+async def test_tensor_parallel_adapters_equal_peft(tiny_qwen3: str, tmp_path) -> None:
+    """Qwen3 (explicit head_dim, q/k norms) on two ranks: column-parallel B rows and row-parallel A columns."""
+    lora = LoRARequest("q", 1, make_adapter(tiny_qwen3, str(tmp_path / "q"), seed=5, rank=8))
+    prompts = random_prompts(3, seed=13, max_len=40)
+    async with AsyncEngine(tiny_qwen3, tensor_parallel_size=2, enable_lora=True, disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY, lora_request=v) for v in (None, lora) for p in prompts))
+    got = iter(outs)
+    for variant in (None, lora):
+        for prompt in prompts:
+            assert next(got).token_ids == _reference(tiny_qwen3, variant, prompt), (variant, prompt)
