@@ -54,8 +54,23 @@ def add_serve_parser(commands: Any) -> None:
                        help="a Jinja chat template (file or text) used instead of the tokenizer's")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests bring their own chat_template (Jinja from clients)")
+    serve.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module, default=None,
+                       metavar="NAME=PATH",
+                       help="LoRA adapters served as models of their own: a request with model NAME runs with the "
+                            "adapter at PATH; also JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+                            "(needs --enable-lora)")
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(serve)
+
+
+def _lora_module(raw: str) -> Any:
+    """One ``--lora-modules`` item; argparse reports a bad one with what is wrong."""
+    from asyncllm.integrations.openai_lora import LoRAModule
+
+    try:
+        return LoRAModule.parse(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_engine_parser(commands: Any) -> None:
@@ -82,6 +97,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    if args.lora_modules and args.connect is None and not getattr(args, "enable_lora", False):
+        parser.error("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
     try:
         engine, name = _serve_engine(args)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n,
@@ -89,7 +106,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         app = create_app(engine, model_name=name, api_key=args.api_key or envs.API_KEY.get() or None, limits=limits,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                          chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                         reasoning_parser=args.reasoning_parser)
+                         reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or ())
     except ConfigError as exc:
         parser.error(str(exc))
     print(f"[asyncllm] serving on http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -91,5 +91,12 @@ DECODE_LINEAR = EnvVar(
     "Read when a worker builds the model.",
 )
 
-REGISTRY = (API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR,
-            TRITON_INTERPRET, WORKER_PIPELINE)
+ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
+    "ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING", False, _on_off,
+    "1: the OpenAI-compatible server (`asyncllm serve`, create_app) adds vLLM's POST /v1/load_lora_adapter and "
+    "/v1/unload_lora_adapter, so API clients load LoRA adapters from the server's disk or the hub while it "
+    "serves (trusted clients only); 0: the routes do not exist (404). Read when the app is made.",
+)
+
+REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENGINE_KEY,
+            ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR, TRITON_INTERPRET, WORKER_PIPELINE)

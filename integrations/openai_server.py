@@ -5,7 +5,10 @@ streaming and ``stream_options.include_usage``), ``POST /v1/responses``
 (OpenAI's Responses API, responses_api.py), ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
 ``GET /health`` (and SageMaker's ``/ping``, with ``POST /invocations``),
-``GET /metrics`` (Prometheus text). Chat completions take
+``GET /metrics`` (Prometheus text), and with
+ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM's ``POST /v1/load_lora_adapter``
+and ``POST /v1/unload_lora_adapter``. A request whose ``model`` is a LoRA
+module's name (``--lora-modules``) runs with that adapter. Chat completions take
 ``tools`` and ``tool_choice`` (openai_tools.py); ``"auto"`` needs the app made
 with a `tool_call_parser`; a `reasoning_parser` splits replies into
 ``reasoning`` and ``content`` (openai_reply.py). Errors are OpenAI-style
@@ -26,6 +29,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,8 +40,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from asyncllm import envs
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body
+from asyncllm.integrations.openai_lora import LoadLoRAAdapterRequest, LoRAModels, LoRAModule, UnloadLoRAAdapterRequest
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
     chat_params, completion_params, completion_prompts, decode_request, echo_only, request_options, template_kwargs,
@@ -47,6 +53,7 @@ from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, chat_request, response_body
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
+from asyncllm.lora import LoRARequest
 from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
 from asyncllm.tokenizer import apply_chat_template, load_chat_template
 from asyncllm.tool_calls import ToolParser, check_tools, get_tool_parser
@@ -64,7 +71,8 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
                api_key: str | None = None,
                limits: ServerLimits | None = None, manage_engine: bool = True,
                tool_call_parser: str | None = None, chat_template: str | None = None,
-               trust_request_chat_template: bool = False, reasoning_parser: str | None = None) -> Starlette:
+               trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
+               lora_modules: Sequence[LoRAModule] = ()) -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
     `model_name` is the id clients pass as ``model`` (default: the model as
@@ -79,6 +87,11 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     with `trust_request_chat_template` (vLLM's flags of the same names).
     `reasoning_parser` (``"deepseek_r1"``, ``"qwen3"``) splits chat replies
     into ``reasoning`` and ``content`` (vLLM's ``--reasoning-parser``).
+    `lora_modules` are LoRA adapters served as models of their own (vLLM's
+    ``--lora-modules``; the engine needs enable_lora): a request naming one
+    as ``model`` runs with it; the app's startup checks each with
+    `AsyncEngine.add_lora`. ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING adds the
+    routes that load and unload adapters while serving.
     """
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     templates = ChatTemplates(load_chat_template(chat_template) if chat_template is not None else None,
@@ -89,7 +102,8 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
         engine = AsyncEngine(disable_log_stats=True)
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
     server = OpenAIServer(engine, names or [_served_name(engine.config.model)], api_key, limits or ServerLimits(),
-                          parser, templates, get_reasoning_parser(reasoning_parser) if reasoning_parser else None)
+                          parser, templates, get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
+                          lora_modules=lora_modules, runtime_lora=envs.ALLOW_RUNTIME_LORA_UPDATING.get())
     return server.app(manage_engine)
 
 
@@ -129,7 +143,8 @@ class OpenAIServer:
 
     def __init__(self, engine: AsyncEngine, model_names: list[str | None], api_key: str | None,
                  limits: ServerLimits, tool_parser: ToolParser | None = None,
-                 templates: ChatTemplates = ChatTemplates(), reasoning: ReasoningParser | None = None) -> None:
+                 templates: ChatTemplates = ChatTemplates(), reasoning: ReasoningParser | None = None, *,
+                 lora_modules: Sequence[LoRAModule] = (), runtime_lora: bool = False) -> None:
         self.engine = engine
         self.reasoning = reasoning
         self.templates = templates
@@ -140,6 +155,9 @@ class OpenAIServer:
         self.limits = limits
         self._api_key = api_key.encode() if api_key else None
         self._created = int(time.time())
+        self.runtime_lora = runtime_lora
+        """Whether the load/unload adapter routes exist (ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
+        self.loras = LoRAModels(lora_modules, [name for name in model_names if name is not None])
 
     @property
     def model_names(self) -> list[str]:
@@ -154,6 +172,8 @@ class OpenAIServer:
         return self.model_names[0]
 
     def app(self, manage_engine: bool = True) -> Starlette:
+        """The Starlette app; with `manage_engine` its lifespan starts and closes the engine. Its startup
+        checks the LoRA modules (`check_lora_modules`)."""
         routes = [
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guarded(self.chat_completions), methods=["POST"]),
@@ -167,29 +187,58 @@ class OpenAIServer:
             Route("/invocations", self._guarded(self.invocations), methods=["POST"]),
             Route("/metrics", self.metrics, methods=["GET"]),
         ]
-        lifespan = engine_lifespan(self.engine) if manage_engine else None
-        app = Starlette(routes=routes, lifespan=lifespan,
+        if self.runtime_lora:
+            logger.warning("runtime LoRA updating is on (%s): API clients may load adapters from this server's "
+                           "disk or the hub; serve trusted clients only", envs.ALLOW_RUNTIME_LORA_UPDATING.name)
+            routes += [
+                Route("/v1/load_lora_adapter", self._guarded(self.load_lora_adapter), methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self._guarded(self.unload_lora_adapter), methods=["POST"]),
+            ]
+        app = Starlette(routes=routes, lifespan=self._lifespan(manage_engine),
                         exception_handlers={404: _not_found, 405: _not_allowed})
         app.state.openai_server = self
         return app
 
+    def _lifespan(self, manage_engine: bool) -> Any:
+        """The engine's lifespan (`manage_engine`) with the LoRA modules checked at startup; None: neither."""
+        if not self.loras.loras:
+            return engine_lifespan(self.engine) if manage_engine else None
+        engine_life = engine_lifespan(self.engine) if manage_engine else None
+
+        @asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any] | None]:
+            if engine_life is None:
+                await self.check_lora_modules()
+                yield None
+                return
+            async with engine_life(app) as state:  # a failed check closes the engine
+                await self.check_lora_modules()
+                yield state
+
+        return lifespan
+
+    async def check_lora_modules(self) -> None:
+        """Start the engine and check every LoRA module with it (`ConfigError` naming the first bad one)."""
+        await self.engine.start()
+        await self.loras.check(self.engine, self.model_names)
+
     # ------------------------------------------------------------ routes
     async def completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, CompletionRequest)
-        self._check_model(req.model)
+        model, lora = self._model(req.model)
         params = completion_params(req, self.limits)
         prompts = completion_prompts(req.prompt, self.limits)
-        streams = [self.engine.stream(prompt, params, **request_options(req)) for prompt in prompts]
+        streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora) for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
                           echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None)
-        return await self._respond(request, req, streams, choices, "cmpl", "text_completion",
+        return await self._respond(request, req, model, streams, choices, "cmpl", "text_completion",
                                    echo=prompts if req.echo else None)
 
     async def chat_completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
-        self._check_model(req.model)
-        streams, choices = self._start_chat(req)
-        return await self._respond(request, req, streams, choices, "chatcmpl", "chat.completion")
+        model, lora = self._model(req.model)
+        streams, choices = self._start_chat(req, lora)
+        return await self._respond(request, req, model, streams, choices, "chatcmpl", "chat.completion")
 
     async def invocations(self, request: Request) -> Response:
         """SageMaker's (as vLLM): a body with ``messages`` is a chat completion, one with ``prompt`` a completion."""
@@ -207,42 +256,62 @@ class OpenAIServer:
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API over a chat completion (responses_api.py)."""
         req = decode_request(await self._body(request), ResponsesRequest)
-        self._check_model(req.model)
-        streams, choices = self._start_chat(chat_request(req))
+        model, lora = self._model(req.model)
+        streams, choices = self._start_chat(chat_request(req), lora)
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             _count_prompts(streams, choices)
-            return StreamingResponse(self._response_events(request, req, streams, firsts, choices),
+            return StreamingResponse(self._response_events(request, req, model, streams, firsts, choices),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
             choices.add(prompt_index, delta)
         _count_prompts(streams, choices)
         choice = choices.final_choices()[0]
-        return _json(response_body(req, self.model_name, choice["message"], choice["finish_reason"], choices.usage()))
+        return _json(response_body(req, model, choice["message"], choice["finish_reason"], choices.usage()))
 
-    def _start_chat(self, req: ChatCompletionRequest) -> tuple[list[RequestStream], Choices]:
+    def _start_chat(self, req: ChatCompletionRequest,
+                    lora: LoRARequest | None = None) -> tuple[list[RequestStream], Choices]:
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         params = chat_params(req, self.limits, mode.constraint)
         if self.reasoning is not None and params.structured is not None:  # think freely, then follow the grammar
             params.structured = msgspec.structs.replace(params.structured, start_after=self.reasoning.end_tag)
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
-                                    chat_template=self.templates.pick(req.chat_template))]
+                                    chat_template=self.templates.pick(req.chat_template), lora_request=lora)]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
                           return_prompt_logprobs=req.prompt_logprobs is not None)
         return streams, choices
 
     async def models(self, request: Request) -> Response:
-        cards = [{"id": name, "object": "model", "created": self._created, "owned_by": "asyncllm",
-                  "root": self.engine.config.model, "max_model_len": self.engine.config.max_model_len}
-                 for name in self.model_names]
+        """The served names, then each LoRA module with its path as ``root`` and its base model as ``parent``."""
+        cards = [self._model_card(name, self.engine.config.model) for name in self.model_names]
+        cards += [self._model_card(name, served.request.lora_path, served.parent or self.model_name)
+                  for name, served in list(self.loras.loras.items())]
         return _json({"object": "list", "data": cards})
+
+    def _model_card(self, name: str, root: str, parent: str | None = None) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self._created, "owned_by": "asyncllm", "root": root,
+                "parent": parent, "max_model_len": self.engine.config.max_model_len}
+
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: serve the adapter at ``lora_path`` as the model ``lora_name`` (openai_lora.py)."""
+        req = decode_request(await self._body(request), LoadLoRAAdapterRequest)
+        lora = await self.loras.load(self.engine, req, self.model_names)
+        logger.info("loaded LoRA adapter %r from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
+        return _text(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        """vLLM's: stop serving the model ``lora_name`` (404 if no adapter has that name)."""
+        req = decode_request(await self._body(request), UnloadLoRAAdapterRequest)
+        await self.loras.unload(req)
+        logger.info("unloaded LoRA adapter %r", req.lora_name)
+        return _text(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's: the token ids the engine would run for a prompt or for chat messages (on a worker thread)."""
         req = decode_request(await self._body(request), TokenizeRequest)
-        self._check_model(req.model)
+        self._model(req.model)  # an adapter shares the model's tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("prompt", "give a prompt or messages (one of them)")
         tokenizer = await self._tokenizer()
@@ -261,7 +330,7 @@ class OpenAIServer:
     async def detokenize(self, request: Request) -> Response:
         """vLLM's: the text of token ids (special tokens included)."""
         req = decode_request(await self._body(request), DetokenizeRequest)
-        self._check_model(req.model)
+        self._model(req.model)
         tokenizer = await self._tokenizer()
         bad = [t for t in req.tokens if not 0 <= t < len(tokenizer)]
         if bad:
@@ -354,16 +423,23 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.model_names}",
+    def _model(self, model: str | None) -> tuple[str, LoRARequest | None]:
+        """The name a response carries and the adapter a request runs with: a served name (or none) is the
+        base model, a LoRA module's name its adapter; any other name is a 404."""
+        if model is None or model in self.model_names:
+            return self.model_name, None
+        lora = self.loras.get(model)
+        if lora is None:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                                f"{self.model_names + list(self.loras.loras)}",
                            "not_found_error", param="model", code="model_not_found")
+        return model, lora
 
-    async def _respond(self, request: Request, req: Any, streams: list[RequestStream], choices: Choices,
+    async def _respond(self, request: Request, req: Any, model: str, streams: list[RequestStream], choices: Choices,
                        id_prefix: str, kind: str, echo: list[str | list[int]] | None = None) -> Response:
         chunk_kind = kind + ".chunk" if choices.chat else kind
         meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": chunk_kind if req.stream else kind,
-                "created": int(time.time()), "model": self.model_name}
+                "created": int(time.time()), "model": model}
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             _count_prompts(streams, choices)
@@ -381,9 +457,9 @@ class OpenAIServer:
             await self._echo(choices, streams, echo)
         return _json({**meta, "choices": choices.final_choices(), "usage": choices.usage(), **choices.response_fields()})
 
-    async def _response_events(self, request: Request, req: ResponsesRequest, streams: list[RequestStream],
-                               firsts: list[Any], choices: Choices) -> AsyncIterator[bytes]:
-        events = ResponseEvents(req, self.model_name)
+    async def _response_events(self, request: Request, req: ResponsesRequest, model: str,
+                               streams: list[RequestStream], firsts: list[Any], choices: Choices) -> AsyncIterator[bytes]:
+        events = ResponseEvents(req, model)
         for event in events.start():
             yield event
         try:
@@ -466,6 +542,11 @@ def error_response(exc: AsyncLLMError | ApiError) -> Response:
 
 def _json(payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(msgspec.json.encode(payload), status_code=status, media_type="application/json", headers=headers)
+
+
+def _text(message: str) -> Response:
+    """A plain-text 200, as vLLM answers its adapter routes."""
+    return Response(message, media_type="text/plain")
 
 
 def _too_large(limit: int) -> ApiError:

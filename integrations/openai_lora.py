@@ -1,0 +1,149 @@
+"""LoRA adapters served as models of their own (vLLM's ``--lora-modules``), and the runtime adapter routes.
+
+A request whose ``model`` is a module's name runs with that adapter. Each
+module gets an id never used before in this server (the workers keep an
+adapter's weights under its id, so a name loaded again gets a new one).
+With ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING, vLLM's ``POST /v1/load_lora_adapter``
+and ``POST /v1/unload_lora_adapter`` change the set while serving.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+
+from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.integrations.errors import ApiError
+from asyncllm.lora import LoRARequest
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+
+__all__ = ["LoRAModule", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "ServedLoRA", "LoRAModels"]
+
+
+class LoRAModule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A LoRA adapter served as a model of its own (vLLM's ``--lora-modules``): requests send `name` as ``model``."""
+
+    name: str
+    path: str
+    """A PEFT LoRA adapter folder or hub id."""
+    base_model_name: str | None = None
+    """The served model it adapts (its ``parent`` in /v1/models); None: the first served name."""
+
+    @classmethod
+    def parse(cls, raw: str) -> LoRAModule:
+        """``NAME=PATH``, or vLLM's JSON ``{"name": ..., "path": ..., "base_model_name": ...}``; `ValueError`
+        saying what is wrong."""
+        text = raw.strip()
+        if text.startswith("{"):
+            try:
+                module = msgspec.json.decode(text, type=cls)
+            except msgspec.DecodeError as exc:  # ValidationError included: a missing or unknown key
+                raise ValueError(f"{raw!r}: {exc}") from None
+        else:
+            name, sep, path = text.partition("=")
+            if not sep:
+                raise ValueError(f"{raw!r} is neither NAME=PATH nor a JSON object with name and path")
+            module = cls(name.strip(), path.strip())
+        for field in ("name", "path", "base_model_name"):
+            value = getattr(module, field)
+            if value is not None and not value.strip():
+                raise ValueError(f"{raw!r}: its {field} is empty")
+        return module
+
+
+class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``POST /v1/load_lora_adapter``: serve the adapter at `lora_path` as the model `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``POST /v1/unload_lora_adapter``: stop serving the model `lora_name`."""
+
+    lora_name: str
+
+
+@dataclass(frozen=True)
+class ServedLoRA:
+    """A LoRA adapter served under its own model name."""
+
+    request: LoRARequest
+    """What requests naming it run with: its name, its id (fixed while served), its path as given."""
+    parent: str | None = None
+    """The served model it adapts (``base_model_name``); None: the first served name."""
+
+
+class LoRAModels:
+    """The server's LoRA modules by model name, in the order /v1/models lists them."""
+
+    def __init__(self, modules: Sequence[LoRAModule], served_names: list[str]) -> None:
+        self.loras: dict[str, ServedLoRA] = {}
+        self._next_id = 1
+        self._lock = anyio.Lock()
+        for module in modules:
+            self.loras[module.name] = ServedLoRA(self._new_request(module.name, module.path), module.base_model_name)
+        self.check_names([module.name for module in modules], served_names)  # a shared core's: at startup
+
+    def get(self, model: str) -> LoRARequest | None:
+        served = self.loras.get(model)
+        return None if served is None else served.request
+
+    async def check(self, engine: AsyncEngine, served_names: list[str]) -> None:
+        """Check every module with the (started) engine: a `ConfigError` naming the first bad one, with what
+        is wrong (no folder, not a LoRA adapter, another model's shapes, an engine without enable_lora)."""
+        self.check_names(list(self.loras), served_names)  # again: a shared core's model is known now
+        for name, served in list(self.loras.items()):
+            try:
+                await engine.add_lora(served.request)
+            except InvalidRequestError as exc:
+                raise ConfigError("lora_modules", f"{name}={served.request.lora_path}", exc.message) from None
+
+    def check_names(self, names: list[str], served: list[str]) -> None:
+        """`ConfigError` for a module name given twice or equal to a `served` model name, or a base_model_name
+        that is not one (no `served` names: not known yet, checked at startup)."""
+        for i, name in enumerate(names):
+            if name in names[:i]:
+                raise ConfigError("lora_modules", name, "two LoRA modules have this name")
+            if name in served:
+                raise ConfigError("lora_modules", name, f"it is a served model name ({served}); name the adapter "
+                                                        "otherwise")
+            parent = self.loras[name].parent
+            if served and parent is not None and parent not in served:
+                raise ConfigError("lora_modules", name, f"its base_model_name {parent!r} is not a served model "
+                                                        f"name ({served})")
+
+    async def load(self, engine: AsyncEngine, req: LoadLoRAAdapterRequest, served_names: list[str]) -> LoRARequest:
+        """Serve the adapter at ``lora_path`` as ``lora_name``, checked first (a bad adapter or a name already
+        served is an `InvalidRequestError`)."""
+        if not req.lora_name.strip():
+            raise InvalidRequestError("lora_name", "must not be empty")
+        async with self._lock:
+            if req.lora_name in self.loras or req.lora_name in served_names:
+                raise InvalidRequestError("lora_name", f"the model {req.lora_name!r} is already served "
+                                                       "(unload the adapter first to replace it)")
+            lora = self._new_request(req.lora_name, req.lora_path)
+            try:
+                await engine.add_lora(lora)
+            except InvalidRequestError as exc:
+                raise InvalidRequestError("lora_path", exc.message) from None
+            self.loras[req.lora_name] = ServedLoRA(lora)
+        return lora
+
+    async def unload(self, req: UnloadLoRAAdapterRequest) -> None:
+        """Stop serving ``lora_name`` (a 404 if no adapter has that name); requests running with it finish."""
+        async with self._lock:
+            if self.loras.pop(req.lora_name, None) is None:
+                raise ApiError(404, f"the LoRA adapter {req.lora_name!r} cannot be found; loaded: {list(self.loras)}",
+                               "not_found_error", param="lora_name", code="model_not_found")
+
+    def _new_request(self, name: str, path: str) -> LoRARequest:
+        request = LoRARequest(name, self._next_id, path)
+        self._next_id += 1
+        return request
