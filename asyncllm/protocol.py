@@ -311,6 +311,9 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     """Images this step's prefills reached for the first time (looked up in the worker's encoder cache)."""
     mm_encoder_cache_hits: int = 0
     """Of those, images not run through the encoder again (asyncllm/mm/encoder_cache.py)."""
+    failed_requests: dict[str, str] = {}
+    """Requests the workers could not run (their LoRA adapter could not be read), with the error: the core ends
+    them with it and drops whatever they sampled."""
 
 
 class WorkerError(msgspec.Struct, **_STRUCT):

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+import logging
+
 import torch
 
 from asyncllm.config import LoRAConfig
@@ -21,6 +23,8 @@ from asyncllm.models.lora import LoRAContext, LoRALayer, attach_lora_layers, loa
 from asyncllm.protocol import SchedulerOutput
 
 __all__ = ["LoRARunner"]
+
+logger = logging.getLogger("asyncllm.workers")
 
 _Loaded = list[tuple[str, object, torch.Tensor, torch.Tensor, float]]
 
@@ -56,28 +60,47 @@ class LoRARunner:
             if new.lora is not None:
                 self.requests[new.req_id] = new.lora
 
-    def prepare(self, req_ids: list[str], num_scheduled_tokens: dict[str, int]) -> bool:
-        """Set the step's mask (None when no request of the step has an adapter); whether one has."""
+    def prepare(self, req_ids: list[str], num_scheduled_tokens: dict[str, int]) -> dict[str, str]:
+        """Set the step's mask (None when no request of the step has an adapter).
+
+        Returns the requests whose adapter could not be read (its folder gone or
+        changed since the host checked it), with the error: they run without an
+        adapter this step, and the core ends them with the error and drops their
+        tokens; the other requests are not affected.
+        """
         adapters = [self.requests.get(req_id) for req_id in req_ids]
         if not any(adapters):
             self.context.mask = None
-            return False
+            return {}
         needed = {adapter.lora_int_id: adapter for adapter in adapters if adapter is not None}
         assert len(needed) <= self.num_slots, f"{len(needed)} adapters in one step, max_loras={self.num_slots}"
-        for adapter in needed.values():
-            self._ensure_slot(adapter, needed)
-        token_slots = torch.tensor([-1 if a is None else self.slots[a.lora_int_id] for a in adapters])
+        errors = {}
+        for adapter_id, adapter in needed.items():
+            try:
+                self._ensure_slot(adapter, needed)
+            except Exception as exc:  # noqa: BLE001 - one unreadable adapter fails its requests, not the worker
+                logger.error("LoRA adapter %r (id %d) at %s could not be loaded: %s", adapter.lora_name, adapter_id,
+                             adapter.lora_path, exc)
+                errors[adapter_id] = (f"lora_request: the workers could not load the adapter at {adapter.lora_path} "
+                                      f"({type(exc).__name__}: {exc})")
+        failed = {req_id: errors[a.lora_int_id] for req_id, a in zip(req_ids, adapters)
+                  if a is not None and a.lora_int_id in errors}
+        for req_id in failed:
+            del self.requests[req_id]
+        token_slots = torch.tensor([-1 if a is None or a.lora_int_id in errors else self.slots[a.lora_int_id]
+                                    for a in adapters])
         counts = torch.tensor([num_scheduled_tokens[req_id] for req_id in req_ids])
         token_slots = torch.repeat_interleave(token_slots, counts)
         mask = token_slots[:, None] == torch.arange(self.num_slots)[None, :]
-        self.context.mask = mask.to(device=self.device, dtype=self.dtype)
-        return True
+        self.context.mask = mask.to(device=self.device, dtype=self.dtype) if bool(mask.any()) else None
+        return failed
 
     def _ensure_slot(self, adapter: LoRARequest, needed: dict[int, LoRARequest]) -> None:
         adapter_id = adapter.lora_int_id
         if adapter_id in self.slots:
             self.slots.move_to_end(adapter_id)
             return
+        loaded = self._load(adapter)  # first: an adapter that cannot be read changes no slot
         used = set(self.slots.values())
         free = [slot for slot in range(self.num_slots) if slot not in used]
         if free:
@@ -85,7 +108,6 @@ class LoRARunner:
         else:
             victim = next(other for other in self.slots if other not in needed)
             slot = self.slots.pop(victim)
-        loaded = self._load(adapter)
         for layer in self.layers.values():
             layer.clear(slot)
         for module_name, part, lora_a, lora_b, scaling in loaded:

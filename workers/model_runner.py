@@ -221,7 +221,8 @@ class ModelRunner:
         inputs = batch.prepare_inputs(sched_out)
         embeds = self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None else None
         extra = {} if embeds is None else {"inputs_embeds": embeds}
-        with_lora = self.lora_runner is not None and self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens)
+        failed = self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens) if self.lora_runner else {}
+        with_lora = self.lora_runner is not None and self.lora_runner.context.mask is not None
         graphs = self.cuda_graphs if embeds is None and not with_lora else None  # adapters run eagerly
         if graphs is not None and graphs.can_run(inputs):  # a decode batch: replay its captured forward
             hidden = graphs.forward(inputs)
@@ -239,12 +240,14 @@ class ModelRunner:
             if sched_out.grammar_bitmask is not None:  # structured output: only the grammar's tokens may be sampled
                 apply_grammar_bitmask(logits, sched_out.grammar_bitmask, [inputs.req_ids[i] for i in inputs.sample_indices])
             sampler_out = self.sampler(logits, inputs.sampling_metadata)
-            if defer and self._may_defer(sched_out, sampler_out):
+            if defer and not failed and self._may_defer(sched_out, sampler_out):
                 pending = batch.defer_step(inputs, sched_out, sampler_out.sampled_token_ids)
                 return InFlightStep(sched_out, inputs, pending)
             sampled = sampler_out.sampled_token_ids.tolist()
         batch.finish_step(inputs, sched_out, sampled)
-        return self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs)
+        output = self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs)
+        output.failed_requests = failed
+        return output
 
     def _may_defer(self, sched_out: SchedulerOutput, sampler_out: SamplerOutput) -> bool:
         """No logprobs, grammar or images, and no prompt logprobs row (one computed this step is still in the set)."""

@@ -93,7 +93,10 @@ class OverlappedSteps:
     def _collect(self) -> StepOutputs:
         """Wait for the oldest step in flight and apply it."""
         core = self.core
-        step_outputs = self.placeholders.commit(core.executor.collect())
+        runner_out = core.executor.collect()
+        failed = core.fail_requests(runner_out)
+        step_outputs = self.placeholders.commit(runner_out)
         if core.structured.matchers:
             core.structured.accept(step_outputs.deltas, core.scheduler.finish_requests)
+        step_outputs.deltas[:0] = failed
         return step_outputs

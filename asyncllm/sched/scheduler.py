@@ -152,6 +152,14 @@ class Scheduler:
         """Finish these requests between steps and free their blocks now (a structured request's grammar ended)."""
         self._finish_unscheduled([r for r in map(self.requests.get, dict.fromkeys(req_ids)) if r is not None], status)
 
+    def fail_requests(self, failed: dict[str, str]) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
+        """End requests the workers could not run (`ModelRunnerOutput.failed_requests`) with their error, as
+        aborts: call before the step's `update_from_output`, which then drops what they sampled."""
+        requests = [r for r in map(self.requests.get, failed) if r is not None]
+        self._finish_unscheduled(requests, RequestStatus.FINISHED_ABORTED)
+        return [(r.client_id, protocol.RequestOutputDelta(r.request_id, [], "abort", error=failed[r.request_id],
+                                                          error_type="InvalidRequestError")) for r in requests]
+
     def finish_expired_requests(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
         """End requests whose timeout passed (finish_reason 'timeout'); one delta per request.
 

@@ -92,3 +92,32 @@ async def test_tensor_parallel_adapters_equal_peft(tiny_qwen3: str, tmp_path) ->
     for variant in (None, lora):
         for prompt in prompts:
             assert next(got).token_ids == _reference(tiny_qwen3, variant, prompt), (variant, prompt)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+async def test_an_adapter_gone_before_the_workers_read_it_fails_its_requests_only(tiny_llama: str, tmp_path,
+                                                                                   async_scheduling: bool) -> None:
+    """The folder passes the host's check, then its weights are corrupted before a worker loads them: the
+    requests with that adapter end with InvalidRequestError, the base model's request in the same batch and the
+    engine go on, and the adapter's id works again once its folder is good (nothing cached a failure)."""
+    import shutil
+
+    folder = make_adapter(tiny_llama, str(tmp_path / "flaky"), seed=6, rank=4)
+    good = str(tmp_path / "good.safetensors")
+    weights = f"{folder}/adapter_model.safetensors"
+    shutil.copy(weights, good)
+    lora = LoRARequest("flaky", 1, folder)
+    prompt = [5, 6, 7, 8]
+    async with AsyncEngine(tiny_llama, enable_lora=True, async_scheduling=async_scheduling,
+                           disable_log_stats=True) as engine:
+        await engine.add_lora(lora)  # checked by the host now
+        with open(weights, "wb") as f:
+            f.write(b"not safetensors")
+        results = await asyncio.gather(engine.generate(prompt, GREEDY, lora_request=lora),
+                                       engine.generate(prompt, GREEDY), return_exceptions=True)
+        assert isinstance(results[0], InvalidRequestError) and "could not load the adapter" in str(results[0])
+        assert results[0].field == "lora_request"
+        assert results[1].token_ids == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
+        shutil.copy(good, weights)
+        out = await engine.generate(prompt, GREEDY, lora_request=lora)
+        assert out.token_ids == _reference(tiny_llama, lora, prompt)
