@@ -105,15 +105,12 @@ class EngineCore:
             self.recover_workers(exc)
             self.send_outputs(outputs)
             return
-        failed = self.fail_requests(runner_out)
+        failed = self.scheduler.fail_requests(runner_out.failed_requests)  # before the step: drop their tokens
         step_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.structured.matchers:
             self.structured.accept(step_outputs.deltas, self.scheduler.finish_requests)
         self.send_outputs(outputs + failed + step_outputs)
 
-    def fail_requests(self, runner_out: protocol.ModelRunnerOutput) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
-        """End the requests the workers could not run with their errors (before the step's output is applied)."""
-        return self.scheduler.fail_requests(runner_out.failed_requests) if runner_out.failed_requests else []
 
     def recover_workers(self, exc: errors.EngineDeadError) -> None:
         """Replace failed workers; every running request is recomputed (`EngineDeadError` past the budget)."""

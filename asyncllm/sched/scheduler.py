@@ -155,6 +155,8 @@ class Scheduler:
     def fail_requests(self, failed: dict[str, str]) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
         """End requests the workers could not run (`ModelRunnerOutput.failed_requests`) with their error, as
         aborts: call before the step's `update_from_output`, which then drops what they sampled."""
+        if not failed:
+            return []
         requests = [r for r in map(self.requests.get, failed) if r is not None]
         self._finish_unscheduled(requests, RequestStatus.FINISHED_ABORTED)
         return [(r.client_id, protocol.RequestOutputDelta(r.request_id, [], "abort", error=failed[r.request_id],
