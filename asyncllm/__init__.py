@@ -19,6 +19,7 @@ from asyncllm.errors import (
     RequestTimeoutError,
 )
 from asyncllm.lora import LoRARequest
+from asyncllm.pooling import EmbeddingOutput, PoolingParams
 from asyncllm.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncllm.sampling import RequestOutputKind, SamplingParams, StructuredOutputs
 
@@ -34,6 +35,8 @@ __all__ = [
     "RequestOutputKind",
     "StructuredOutputs",
     "LoRARequest",
+    "PoolingParams",
+    "EmbeddingOutput",
     "StreamDelta",
     "RequestOutput",
     "CompletionOutput",

@@ -14,6 +14,7 @@ import msgspec
 
 from asyncllm.errors import ConfigError
 from asyncllm.lora import LoRARequest
+from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import SamplingParams
 
 _STRUCT = dict(tag=True, array_like=True, omit_defaults=True)
@@ -43,6 +44,8 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     """Images of the prompt, in prompt order (asyncllm/mm/; empty for text prompts)."""
     lora: LoRARequest | None = None
     """The request's adapter, checked by the host (``lora_path`` a local folder); None: the base model."""
+    pooling: PoolingParams | None = None
+    """An embedding request (`AsyncEngine.embed`): the worker returns the pooled hidden state with its token."""
 
 
 class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -182,6 +185,8 @@ class RequestOutputDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc
     """Rows for prompt tokens computed this step, when the request asked for prompt_logprobs."""
     events: list[EngineCoreEvent] | None = None
     """Scheduling events since the request's previous delta (None on most deltas)."""
+    embedding: bytes | None = None
+    """An embedding request's embedding: little-endian float32 (`ModelRunnerOutput.embeddings`)."""
 
 
 class Outputs(msgspec.Struct, **_STRUCT):
@@ -225,6 +230,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """The prompt's images, with their data (the worker encodes the ones a step reaches)."""
     lora: LoRARequest | None = None
     """The request's adapter (the worker puts it in a slot for the steps that run the request)."""
+    pooling: PoolingParams | None = None
+    """An embedding request: the step that samples its token also returns its embedding."""
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -311,6 +318,8 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     """Images this step's prefills reached for the first time (looked up in the worker's encoder cache)."""
     mm_encoder_cache_hits: int = 0
     """Of those, images not run through the encoder again (asyncllm/mm/encoder_cache.py)."""
+    embeddings: dict[str, bytes] = {}
+    """The embedding requests that sampled this step: their embeddings, little-endian float32."""
     failed_requests: dict[str, str] = {}
     """Requests the workers could not run (their LoRA adapter could not be read), with the error: the core ends
     them with it and drops whatever they sampled."""

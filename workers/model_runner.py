@@ -30,6 +30,7 @@ from asyncllm.workers.cuda_graphs import CudaGraphRunner, capture_decode_graphs
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
+from asyncllm.workers.pooler import Pooler
 from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal
 from asyncllm.workers.sampler import Sampler, SamplerOutput
 from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
@@ -77,6 +78,8 @@ class ModelRunner:
         """Images and encoder outputs, for multimodal models only."""
         self.cuda_graphs: CudaGraphRunner | None = None
         """Captured decode forwards (workers/cuda_graphs.py); None when the runner stays eager."""
+        self.pooler = Pooler()
+        """The embedding requests (asyncllm/pooling.py)."""
         self.lora_runner: LoRARunner | None = None
         """Adapter slots and each request's adapter (enable_lora only; workers/lora_runner.py)."""
 
@@ -216,6 +219,7 @@ class ModelRunner:
             self.mm_runner.update_states(sched_out)
         if self.lora_runner is not None:
             self.lora_runner.update_states(sched_out)
+        self.pooler.update_states(sched_out)
         if not sched_out.num_scheduled_tokens:
             return ModelRunnerOutput(sched_out.step_id, [], [])
         inputs = batch.prepare_inputs(sched_out)
@@ -233,20 +237,24 @@ class ModelRunner:
             prompt_logprobs = compute_prompt_logprobs(hidden, inputs.prompt_logprobs_jobs, self.model.compute_logits)
         sampled: list[int] = []
         sampler_out = None
+        embeddings: dict[str, bytes] = {}
         if inputs.sample_indices:
             every_token_samples = len(inputs.sample_indices) == inputs.num_tokens  # a decode batch: rows in order
             selected = hidden if every_token_samples else hidden.index_select(0, inputs.logits_indices)
+            if self.pooler.samples_any(inputs.req_ids, inputs.sample_indices):
+                embeddings = self.pooler.embeddings(inputs.req_ids, inputs.sample_indices, selected)
             logits = self.model.compute_logits(selected)
             if sched_out.grammar_bitmask is not None:  # structured output: only the grammar's tokens may be sampled
                 apply_grammar_bitmask(logits, sched_out.grammar_bitmask, [inputs.req_ids[i] for i in inputs.sample_indices])
             sampler_out = self.sampler(logits, inputs.sampling_metadata)
-            if defer and not failed and self._may_defer(sched_out, sampler_out):
+            if defer and not failed and not embeddings and self._may_defer(sched_out, sampler_out):
                 pending = batch.defer_step(inputs, sched_out, sampler_out.sampled_token_ids)
                 return InFlightStep(sched_out, inputs, pending)
             sampled = sampler_out.sampled_token_ids.tolist()
         batch.finish_step(inputs, sched_out, sampled)
         output = self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs)
         output.failed_requests = failed
+        output.embeddings = embeddings
         return output
 
     def _may_defer(self, sched_out: SchedulerOutput, sampler_out: SamplerOutput) -> bool:

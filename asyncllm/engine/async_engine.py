@@ -26,6 +26,7 @@ from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.tracing import capture_context
 from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.lora import LoRARequest
+from asyncllm.pooling import EmbeddingOutput, PoolingParams
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from asyncllm.sampling import RequestOutputKind, SamplingParams
 
@@ -137,7 +138,7 @@ class AsyncEngine:
             vocab_size=prepared.vocab_size, deliver=self._deliver_threadsafe, core=core,
             stats_logger=None if obs.disable_log_stats else StatsLogger(obs.log_stats_interval, self._observer.stats),
             startup_timeout_s=envs.ENGINE_STARTUP_TIMEOUT_S.get(), observer=self._observer,
-            engine_key=self._engine_key, mm=prepared.mm, lora=prepared.lora,
+            engine_key=self._engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
         )
         if prepared.mm is not None:
             prepared.mm.stats = self._observer.stats
@@ -241,6 +242,26 @@ class AsyncEngine:
         return RequestOutput(collector.request_id, prompt if isinstance(prompt, str) else None,
                              collector.prompt_token_ids, [outputs[i] for i in sorted(outputs)], collector.metrics,
                              collector.num_cached_tokens, prompt_logprobs=collector.prompt_logprobs)
+
+    async def embed(self, prompt: Any, pooling_params: PoolingParams | None = None, *, priority: int = 0,
+                    request_id: str | None = None, timeout: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None,
+                    truncate_prompt_tokens: int | None = None) -> EmbeddingOutput:
+        """The embedding of a prompt (text or token ids): its last token's final hidden state, normalized
+        unless `pooling_params` says otherwise (docs/embeddings.md). It is scheduled like any request (one
+        prefill and one dropped token), so embeddings and generations share batches."""
+        pooling = PoolingParams() if pooling_params is None else pooling_params
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY,
+                                truncate_prompt_tokens=truncate_prompt_tokens)
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling)
+        stream = RequestStream(self, prompt, params, options, chat=False)
+        async with stream:
+            async for _ in stream:
+                pass
+        collector = stream.collector
+        assert collector is not None and collector.embedding is not None, collector
+        return EmbeddingOutput(collector.request_id, collector.prompt_token_ids, collector.embedding,
+                               collector.metrics, collector.num_cached_tokens)
 
     async def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
                             max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:

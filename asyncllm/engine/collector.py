@@ -82,6 +82,8 @@ class RequestCollector:
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         self.prompt_token_ids: list[int] = []
         self.prompt_logprobs: PromptLogprobs | None = None
+        self.embedding: list[float] | None = None
+        """An embedding request's embedding, set by the processor thread with the request's last delta."""
         self.num_cached_tokens = 0
         self.num_samples = n
         self.finished = False

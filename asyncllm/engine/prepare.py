@@ -31,6 +31,8 @@ class Prepared:
     """The checkpoint's config, defaults filled in, for the workers (read once, here)."""
     lora: AdapterChecker | None = None
     """Checks requests' LoRA adapters against the model (enable_lora only)."""
+    hidden_size: int = 0
+    """The model's embedding width (`PoolingParams.dimensions` may not exceed it)."""
 
 
 def prepare(config: EngineConfig) -> Prepared:
@@ -59,7 +61,7 @@ def prepare(config: EngineConfig) -> Prepared:
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type)
     config_json = hf_config_json(hf_config)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
-                    config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora)
+                    config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size)
 
 
 _MAX_CONFIG_ARG = 64 * 1024

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgspec
+import numpy as np
 import zmq
 
 from asyncllm import errors, protocol
@@ -85,8 +86,10 @@ class Processor:
                  deliver: Deliver, core: CoreProcess | None, stats_logger: StatsLogger | None,
                  startup_timeout_s: float, observer: RequestObserver | None = None,
                  engine_key: str | None = None, mm: MultiModalProcessor | None = None,
-                 lora: AdapterChecker | None = None) -> None:
+                 lora: AdapterChecker | None = None, hidden_size: int | None = None) -> None:
         self._address = address
+        self._hidden_size = hidden_size
+        """The model's embedding width, for `PoolingParams.dimensions`."""
         self._lora = lora
         """Checks requests' adapters (None: the engine serves none)."""
         self._mm = mm
@@ -272,6 +275,8 @@ class Processor:
             return
         try:
             lora = self.check_lora(job.options.lora_request)
+            if job.options.pooling is not None:
+                job.options.pooling.validate(self._hidden_size)
             if job.params.bad_words:
                 ids = job.params.bad_words_token_ids + bad_words_token_ids(self._tokenizer, job.params.bad_words)
                 job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
@@ -294,7 +299,7 @@ class Processor:
             self._tracked[core_id] = tracked = _Tracked(collector, detokenizer, index, buffer)
             message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
                                           collector.metrics.arrival_time, options.priority, options.cache_salt,
-                                          options.timeout, lora=lora)
+                                          options.timeout, lora=lora, pooling=options.pooling)
             if job.mm_prompt is not None:
                 message.mm_items = job.mm_prompt.items
                 tracked.mm_resend = (message, job.mm_prompt)
@@ -418,6 +423,8 @@ class Processor:
             tracked.prompt_logprobs.add(out.prompt_logprobs, self._logprobs_decoder)
         if not out.new_token_ids and out.finish_reason is None:
             return None
+        if out.embedding is not None:
+            collector.embedding = np.frombuffer(out.embedding, dtype="<f4").tolist()
         metrics = collector.metrics
         if out.new_token_ids and metrics.first_token_time is None:
             metrics.first_token_time = now

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.errors import InvalidRequestError
 from asyncllm.lora import LoRARequest
+from asyncllm.pooling import PoolingParams
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import check_chat_template, check_template_kwargs
@@ -44,6 +45,8 @@ class RequestOptions:
     """`chat` only: a Jinja chat template used instead of the tokenizer's."""
     lora_request: LoRARequest | None = None
     """The LoRA adapter to run the request with (enable_lora; docs/lora.md); None: the base model."""
+    pooling: PoolingParams | None = None
+    """`embed` only: how the embedding is made (docs/embeddings.md)."""
 
     def validate(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -60,6 +63,10 @@ class RequestOptions:
             if not isinstance(self.lora_request, LoRARequest):
                 raise InvalidRequestError("lora_request", f"must be an asyncllm.LoRARequest, got {self.lora_request!r}")
             self.lora_request.validate()
+        if self.pooling is not None:
+            if not isinstance(self.pooling, PoolingParams):
+                raise InvalidRequestError("pooling_params", f"must be an asyncllm.PoolingParams, got {self.pooling!r}")
+            self.pooling.validate()
         check_template_kwargs(self.chat_template_kwargs)
         check_tools(self.tools)
         check_chat_template(self.chat_template)

@@ -1,7 +1,7 @@
-"""Passing the workers' logprobs through the core to the hosts.
+"""Passing the workers' logprobs (and embeddings) through the core to the hosts.
 
-The core never looks inside `protocol.LogprobsArrays`: it attaches each
-request's arrays to that request's `RequestOutputDelta`. Prompt logprobs of a
+The core never looks inside `protocol.LogprobsArrays` or an embedding: it
+attaches each request's arrays to that request's `RequestOutputDelta`. Prompt logprobs of a
 prefill chunk that samples nothing get a delta of their own (no tokens), so
 the host can assemble them as the prompt is computed.
 """
@@ -21,7 +21,7 @@ def attach_logprobs(
     runner_out: protocol.ModelRunnerOutput,
     requests: Mapping[str, Request],
 ) -> None:
-    """Attach ``runner_out``'s logprobs to the step's deltas, adding deltas for prompt-only chunks.
+    """Attach ``runner_out``'s logprobs and embeddings to the step's deltas, adding deltas for prompt-only chunks.
 
     Requests that finished or were aborted since the step was scheduled get nothing.
     """
@@ -30,6 +30,10 @@ def attach_logprobs(
         delta = deltas.get(req_id)
         if delta is not None:
             delta.logprobs = arrays
+    for req_id, embedding in runner_out.embeddings.items():
+        delta = deltas.get(req_id)
+        if delta is not None:
+            delta.embedding = embedding
     for req_id, arrays in runner_out.prompt_logprobs.items():
         delta = deltas.get(req_id)
         if delta is None:

@@ -15,6 +15,7 @@ import time
 from asyncllm import protocol
 from asyncllm.kv.hashing import BlockHash
 from asyncllm.lora import LoRARequest
+from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import SamplingParams
 
 __all__ = ["RequestStatus", "Request"]
@@ -67,7 +68,7 @@ class Request:
         "block_hashes",
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
-        "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids", "mm_items", "lora", "lora_int_id",
+        "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids", "mm_items", "lora", "lora_int_id", "pooling",
     )
 
     def __init__(
@@ -83,6 +84,7 @@ class Request:
         timeout: float | None = None,
         mm_items: list[protocol.MultiModalItem] | None = None,
         lora: LoRARequest | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -119,6 +121,8 @@ class Request:
         """The request's adapter (None: the base model)."""
         self.lora_int_id = 0 if lora is None else lora.lora_int_id
         """Its id (0: none): keys the prefix cache and counts against max_loras."""
+        self.pooling = pooling
+        """Set for an embedding request (one output token; the worker returns the embedding with it)."""
         self.events: list[protocol.EngineCoreEvent] | None = None
         """Scheduling events not yet sent to the host (see `record_event`)."""
         self.plain_outputs = params.logprobs is None and params.prompt_logprobs is None and params.structured is None
@@ -151,6 +155,7 @@ class Request:
             timeout=msg.timeout,
             mm_items=msg.mm_items,
             lora=msg.lora,
+            pooling=msg.pooling,
         )
 
     # ------------------------------------------------------------ events

@@ -371,6 +371,7 @@ class Scheduler:
                     eos_token_ids=request.eos_token_ids,
                     mm_items=request.mm_items,
                     lora=request.lora,
+                    pooling=request.pooling,
                 )
             )
             step.num_scheduled_tokens[request.request_id] = num_new
@@ -478,7 +479,7 @@ class Scheduler:
         self.generation_tokens_total += len(step_outputs) + num_extra_tokens  # before logprobs add prompt-only deltas
         if any_finished:
             self.running = [r for r in self.running if not r.status.is_finished]
-        if runner_out.logprobs or runner_out.prompt_logprobs:
+        if runner_out.logprobs or runner_out.prompt_logprobs or runner_out.embeddings:
             attach_logprobs(outputs, runner_out, requests)
         return step_outputs
 
