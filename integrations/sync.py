@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
     from asyncllm.engine.stream import RequestStream
     from asyncllm.outputs import EngineStats, RequestOutput, StreamDelta
+    from asyncllm.pooling import EmbeddingOutput, PoolingParams
     from asyncllm.sampling import SamplingParams
 
 __all__ = ["SyncEngine"]
@@ -95,6 +96,10 @@ class SyncEngine:
     def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
         """Run one request to the end (options as for `AsyncEngine.generate`)."""
         return self.run(self._engine.generate(prompt, params, **options))
+
+    def embed(self, prompt: Any, pooling_params: PoolingParams | None = None, **options: Any) -> EmbeddingOutput:
+        """The embedding of a prompt (options as for `AsyncEngine.embed`)."""
+        return self.run(self._engine.embed(prompt, pooling_params, **options))
 
     def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
                       max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:

@@ -60,6 +60,9 @@ def test_chat_and_generate_many(engine, expected) -> None:
     assert isinstance(reply, str)
     outputs = engine.generate_many(PROMPTS, GREEDY, max_concurrency=2)
     assert [o.token_ids for o in outputs] == [expected[p] for p in PROMPTS]
+    embedded = engine.embed(PROMPTS[0])
+    assert embedded.prompt_token_ids == outputs[0].prompt_token_ids
+    assert abs(sum(x * x for x in embedded.embedding) - 1.0) < 1e-5  # normalized
 
 
 def test_from_a_running_loops_thread_pool(engine, expected) -> None:
