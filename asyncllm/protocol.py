@@ -103,6 +103,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """Images the workers looked up in their encoder cache (reached by a prefill)."""
     mm_encoder_cache_hits: int = 0
     """Images found there: the vision tower ran queries - hits times."""
+    max_lora: int = 0
+    """max_loras when the engine serves LoRA adapters (0: enable_lora off)."""
+    running_lora_adapters: list[str] = []
+    """Names of the adapters of the running requests (sorted; LoRA on only)."""
+    waiting_lora_adapters: list[str] = []
+    """Names of the adapters of the waiting requests (sorted; LoRA on only)."""
 
     @property
     def kv_cache_usage(self) -> float:

@@ -114,6 +114,7 @@ def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
             family.add_metric([model], sum(read_host(h) for h in group))
         yield family
     yield _request_success(by_model)
+    yield _lora_info(engines)
     for name, doc, attribute in _HISTOGRAMS:
         family = HistogramMetricFamily(PREFIX + name, doc, labels=_LABELS)
         for model, group in by_model.items():
@@ -140,6 +141,18 @@ def _summed(snapshots: list[SchedulerStats]) -> SchedulerStats:
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
         fields[name] = sum(values) if numeric else values[0]
     return SchedulerStats(**fields)
+
+
+def _lora_info(engines: dict[str, SchedulerStats]) -> Metric:
+    """vLLM's ``lora_requests_info``: one sample per engine serving adapters, its labels saying which adapters
+    the running and the waiting requests use (comma-separated names) and max_loras; the value is 1."""
+    family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
+                               labels=[*_LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    for model, scheduler in engines.items():
+        if scheduler.max_lora:
+            family.add_metric([model, str(scheduler.max_lora), ",".join(scheduler.running_lora_adapters),
+                               ",".join(scheduler.waiting_lora_adapters)], 1.0)
+    return family
 
 
 def _request_success(by_model: dict[str, list[HostStats]]) -> Metric:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
@@ -215,7 +216,16 @@ class Scheduler:
             num_swapped_total=self.preemptor.num_swapped_total,
             mm_encoder_cache_queries=self.mm_encoder_cache_queries,
             mm_encoder_cache_hits=self.mm_encoder_cache_hits,
+            **(self._lora_stats() if self.max_loras else {}),
         )
+
+    def _lora_stats(self) -> dict[str, Any]:
+        """The adapters of the running and the waiting requests, by name (vLLM's lora_requests_info)."""
+        def names(requests: Iterable[Request]) -> list[str]:
+            return sorted({r.lora.lora_name for r in requests if r.lora is not None})
+
+        return {"max_lora": self.max_loras, "running_lora_adapters": names(self.running),
+                "waiting_lora_adapters": names(self.waiting)}
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> protocol.SchedulerOutput:

@@ -27,6 +27,14 @@ def adapters(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> list[
             for i, spec in enumerate(specs, start=1)]
 
 
+def _lora_info(engine: AsyncEngine) -> dict[str, str]:
+    """The labels of the engine's asyncllm:lora_requests_info sample."""
+    for family in engine.metrics_registry.collect():
+        if family.name == "asyncllm:lora_requests_info":
+            return dict(family.samples[0].labels) if family.samples else {}
+    raise AssertionError("no asyncllm:lora_requests_info family")
+
+
 def _reference(base: str, lora: LoRARequest | None, prompt: list[int]) -> list[int]:
     return hf_greedy(base, prompt, MAX_TOKENS) if lora is None else peft_greedy(base, lora.lora_path, prompt, MAX_TOKENS)
 
@@ -59,6 +67,17 @@ async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, ad
         assert (other.num_cached_tokens, base.num_cached_tokens) == (0, 0)
         for out, lora in [(again, a1), (other, a2), (base, None)]:
             assert out.token_ids == _reference(tiny_llama, lora, prompt)
+
+        # vLLM's lora_requests_info names the adapters of the running requests while they run
+        stream = engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                               lora_request=a2)
+        async with stream:
+            async for _ in stream:
+                info = _lora_info(engine)
+                if info.get("running_lora_adapters"):
+                    break
+        assert info == {"max_lora": "2", "running_lora_adapters": "adapter2", "waiting_lora_adapters": "",
+                        "model_name": info["model_name"]}
 
         # bad adapters: the request's typed error, and the engine serves on
         high_rank = make_adapter(tiny_llama, str(tmp_path / "r32"), seed=9, rank=32)
