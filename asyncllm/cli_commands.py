@@ -47,7 +47,7 @@ def add_serve_parser(commands: Any) -> None:
                        help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the format of the model's tool calls "
-                            "(hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.1; pythonic: Llama 3.2/4)")
+                            "(hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.1; pythonic: Llama 3.2/4; mistral: Mistral)")
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split chat replies into reasoning and content (deepseek_r1: DeepSeek-R1, QwQ; qwen3)")
     serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
@@ -96,7 +96,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     from asyncllm.integrations.openai_server import create_app
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, pythonic or mistral)")
     if args.lora_modules and args.connect is None and not getattr(args, "enable_lora", False):
         parser.error("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
     try:

@@ -96,6 +96,10 @@ class ToolCallStream(abc.ABC):
 class ToolParser(abc.ABC):
     """A format of tool calls in a model's text."""
 
+    needs_special_tokens = False
+    """Its calls start with a special token (Mistral's ``[TOOL_CALLS]``): the server keeps special tokens in the
+    reply's text (``skip_special_tokens`` false) for requests it reads, as vLLM does."""
+
     @abc.abstractmethod
     def stream(self) -> ToolCallStream:
         """A parser of one reply's deltas."""
@@ -282,8 +286,46 @@ class PythonicToolParser(ToolParser):
         return _WholeReplyStream(("[", "<|python_start|>"), _pythonic_calls)
 
 
+_MISTRAL_TAG, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+
+def _mistral_calls(text: str) -> list[ToolCall] | None:
+    """Calls after ``[TOOL_CALLS]``: a JSON list of ``{"name", "arguments"}`` (Mistral's tokenizers before v11) or
+    ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (v11 and later); None when not calls."""
+    body = text.removeprefix(_MISTRAL_TAG).strip()
+    if body.startswith("["):
+        try:
+            values = json.loads(body)
+        except ValueError:
+            return None
+        calls = [call_from_value(value, ("arguments",)) for value in values] if isinstance(values, list) else []
+        return None if not calls or None in calls else calls  # type: ignore[return-value]
+    calls = []
+    for part in body.split(_MISTRAL_TAG):
+        name, sep, arguments = part.partition(_MISTRAL_ARGS)
+        try:
+            value = json.loads(arguments) if sep and name.strip() else None
+        except ValueError:
+            return None
+        if not isinstance(value, dict):
+            return None
+        calls.append(ToolCall(name.strip(), json.dumps(value, ensure_ascii=False)))
+    return calls
+
+
+class MistralToolParser(ToolParser):
+    """``[TOOL_CALLS][{"name": "f", "arguments": {...}}]`` or ``[TOOL_CALLS]f[ARGS]{...}`` (Mistral, Mixtral,
+    Ministral, Devstral); ``[TOOL_CALLS]`` is a special token, so the server keeps special tokens for it."""
+
+    needs_special_tokens = True
+
+    def stream(self) -> ToolCallStream:
+        return _WholeReplyStream((_MISTRAL_TAG,), _mistral_calls)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
+    "mistral": MistralToolParser,
 }
 """Parser name (vLLM's ``--tool-call-parser`` names) -> parser."""
 

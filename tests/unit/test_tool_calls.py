@@ -149,3 +149,18 @@ def test_pythonic_calls() -> None:
     for text in ("[1, 2]", "[f(1)]", "[f(x=y)]", "[f(**k)]", "[broken(", "Plain text."):  # not calls: content
         assert parser.parse(text).content == text and parser.parse(text).tool_calls == []
     assert _streamed("pythonic", "Sure.", 5) == ("Sure.", [])
+
+
+def test_mistral_calls_in_both_formats() -> None:
+    parser = get_tool_parser("mistral")
+    assert parser.needs_special_tokens and not get_tool_parser("hermes").needs_special_tokens
+    old = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {}}]'
+    new = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]add[ARGS]{}'
+    for text in (old, new):
+        parsed = parser.parse(text)
+        assert parsed.content is None
+        assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+            ("get_weather", {"city": "Paris"}), ("add", {})]
+        assert _streamed("mistral", text, 7)[1] == [("get_weather", '{"city": "Paris"}'), ("add", "{}")]
+    for text in ('[TOOL_CALLS]f[ARGS]{"x": ', "[TOOL_CALLS]f{}", "[TOOL_CALLS][1]", "[TOOL_CALLS][ARGS]{}", "Bonjour."):
+        assert parser.parse(text).content == text and parser.parse(text).tool_calls == []
