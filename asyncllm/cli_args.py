@@ -61,7 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 def _parser_for(annotation: str) -> Callable[[str], Any] | type[bool]:
     base = annotation.replace(" ", "").split("|")
     optional = "None" in base
-    kind = next((part for part in base if part != "None"), "str")
+    kind = next((part for part in base if part != "None"), "str").split("[")[0]  # dict[str, Any] -> dict
     if kind == "bool":
         return bool
     convert: Callable[[str], Any] = {"int": int, "float": float, "dict": _json_object}.get(kind, str)
@@ -86,7 +86,7 @@ def _json_object(raw: str) -> dict:
 
 
 def _metavar(annotation: str) -> str:
-    kind = next((p for p in annotation.replace(" ", "").split("|") if p != "None"), "str")
+    kind = next((p for p in annotation.replace(" ", "").split("|") if p != "None"), "str").split("[")[0]
     return {"dict": "JSON"}.get(kind, kind.upper())
 
 

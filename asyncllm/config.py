@@ -46,6 +46,20 @@ def _int(name: str, value: object, lo: int, hi: int | None = None, optional: boo
         raise ConfigError(name, value, bound + (" or None" if optional else ""))
 
 
+def _sampling_fields(name: str, value: object) -> None:
+    """None, or a dict of SamplingParams field names (checked by building one)."""
+    if value is None:
+        return
+    from asyncllm.sampling import SamplingParams
+
+    if not isinstance(value, dict):
+        raise ConfigError(name, value, "a dict of SamplingParams fields, or None")
+    try:
+        SamplingParams(**value).validate()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(name, value, f"SamplingParams fields with valid values ({exc})") from None
+
+
 def _float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
     ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     ok = ok and (value > lo if lo_open else value >= lo) and value <= hi  # type: ignore[operator]
@@ -90,6 +104,12 @@ class ModelConfig:
     attention_backend: str | None = None
     """torch_sdpa (CPU default, the reference) or triton (CUDA default; on CPU only with TRITON_INTERPRET=1);
     flashinfer, flash_attn: an error naming the package when it is missing, not built yet otherwise. None picks the default."""
+    generation_config: str = "auto"
+    """Default sampling parameters (requests without SamplingParams, server fields left unset): auto = the model
+    folder's generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as
+    max_tokens), vllm = none (SamplingParams' own defaults), or a folder holding a generation_config.json."""
+    override_generation_config: dict[str, Any] | None = None
+    """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -105,6 +125,9 @@ class ModelConfig:
         if self.attention_backend is not None:
             _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
             check_backend_available(self.attention_backend)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ConfigError("generation_config", self.generation_config, "'auto', 'vllm' or a folder")
+        _sampling_fields("override_generation_config", self.override_generation_config)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS, check_params_text, check_text
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.tracing import capture_context
-from asyncllm.errors import EngineDeadError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, EngineDeadError, InvalidRequestError
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import EmbeddingOutput, PoolingParams
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -94,6 +94,8 @@ class AsyncEngine:
         self._in_flight: weakref.WeakSet[RequestCollector] = weakref.WeakSet()
         """Collectors of submitted requests (for `aclose(drain=True)`); a dropped stream drops out."""
         self._supervisor = CoreSupervisor(config.max_core_restarts, self._restart_core)
+        self._default_sampling: dict[str, Any] | None = None
+        """SamplingParams fields of requests without SamplingParams (the model's generation config), set by start."""
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "AsyncEngine":
@@ -140,6 +142,7 @@ class AsyncEngine:
             startup_timeout_s=envs.ENGINE_STARTUP_TIMEOUT_S.get(), observer=self._observer,
             engine_key=self._engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
         )
+        self._default_sampling = prepared.default_sampling
         if prepared.mm is not None:
             prepared.mm.stats = self._observer.stats
         try:
@@ -202,7 +205,7 @@ class AsyncEngine:
 
         `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md)."""
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request)
-        return RequestStream(self, prompt, _params(params), options, chat=False)
+        return RequestStream(self, prompt, _checked_params(params), options, chat=False)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,
              request_id: str | None = None, timeout: float | None = None,
@@ -220,7 +223,7 @@ class AsyncEngine:
         """
         options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
                                  lora_request)
-        return RequestStream(self, messages, _params(params), options, chat=True)
+        return RequestStream(self, messages, _checked_params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
         """Run one request to the end and return it whole, every sample in `.outputs` (options as for `stream`).
@@ -228,7 +231,9 @@ class AsyncEngine:
         `params.output_kind` does not apply: samples are collected whole on the
         host (FINAL_ONLY), so the caller's task wakes once per sample.
         """
-        params = _params(params)
+        if _checked_params(params) is None:
+            await self.start()
+            params = self.default_sampling_params()
         if params.output_kind != RequestOutputKind.FINAL_ONLY:
             params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
         stream = self.stream(prompt, params, **options)
@@ -278,6 +283,14 @@ class AsyncEngine:
         return await generate_many(self, prompts, params, progress=progress, max_concurrency=max_concurrency,
                                    lora_request=lora_request)
 
+    def default_sampling_params(self) -> SamplingParams:
+        """What a request without `SamplingParams` runs with (vLLM's ``get_default_sampling_params``): the model's
+        generation_config.json sampling fields and ``override_generation_config`` over SamplingParams' defaults
+        (``generation_config="vllm"``: those alone). Known once the engine started (it reads the file then)."""
+        if self._default_sampling is None:
+            raise AsyncLLMError("the default sampling parameters are read when the engine starts: await start() first")
+        return SamplingParams(**self._default_sampling)
+
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Check a LoRA adapter now (folder, config, every tensor's shape against the model) rather than at
         its first request; `InvalidRequestError` says what is wrong. Its weights are read by the workers
@@ -296,8 +309,12 @@ class AsyncEngine:
         return self._observer.stats.snapshot(engine_alive=alive)
 
     # ------------------------------------------------------------ internals used by RequestStream
-    async def _submit(self, prompt: Any, params: SamplingParams, options: RequestOptions, chat: bool) -> RequestCollector:
+    async def _submit(self, prompt: Any, params: SamplingParams | None, options: RequestOptions,
+                      chat: bool) -> RequestCollector:
         check_prompt(prompt, chat)
+        if params is None:
+            await self.start()
+            params = self.default_sampling_params()
         params.validate()
         options.validate()
         _check_strings(params, options)
@@ -343,10 +360,9 @@ class AsyncEngine:
             self._supervisor.on_core_dead(processor.dead)
 
 
-def _params(params: SamplingParams | None) -> SamplingParams:
-    if params is None:
-        return SamplingParams()
-    if not isinstance(params, SamplingParams):
+def _checked_params(params: SamplingParams | None) -> SamplingParams | None:
+    """`params` if it is a SamplingParams or None (the engine's defaults, resolved once it started)."""
+    if params is not None and not isinstance(params, SamplingParams):
         raise InvalidRequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
     return params
 

@@ -7,10 +7,11 @@ processing aside): the host is the user's app process, the workers run the model
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.config import EngineConfig
+from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.lora import AdapterChecker
 from asyncllm.models.architectures import MULTIMODAL_ARCHITECTURES, architecture_of
@@ -33,6 +34,8 @@ class Prepared:
     """Checks requests' LoRA adapters against the model (enable_lora only)."""
     hidden_size: int = 0
     """The model's embedding width (`PoolingParams.dimensions` may not exceed it)."""
+    default_sampling: dict[str, Any] = field(default_factory=dict)
+    """SamplingParams fields from the model's generation config (asyncllm/engine/defaults.py)."""
 
 
 def prepare(config: EngineConfig) -> Prepared:
@@ -61,7 +64,8 @@ def prepare(config: EngineConfig) -> Prepared:
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type)
     config_json = hf_config_json(hf_config)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
-                    config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size)
+                    config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size,
+                    default_sampling_fields(config.generation_config, path, config.override_generation_config))
 
 
 _MAX_CONFIG_ARG = 64 * 1024

@@ -75,7 +75,7 @@ class RequestOptions:
 class RequestStream:
     """Iterate with ``async for delta in stream``; deltas are `StreamDelta`s."""
 
-    def __init__(self, engine: "AsyncEngine", prompt: Any, params: SamplingParams, options: RequestOptions,
+    def __init__(self, engine: "AsyncEngine", prompt: Any, params: SamplingParams | None, options: RequestOptions,
                  chat: bool) -> None:
         self._engine = engine
         self._prompt = prompt
