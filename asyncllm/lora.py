@@ -94,6 +94,8 @@ def read_adapter(path: str) -> Adapter:
     modules: dict[str, AdapterModule] = {}
     for name, (a_shape, b_shape) in _pairs(shapes, path).items():
         rank = a_shape[0]
+        if rank < 1:
+            _fail(path, f"{name}: lora_A has rank 0")
         if b_shape[1] != rank:
             _fail(path, f"{name}: lora_A has rank {rank} but lora_B {b_shape[1]}")
         alpha = _pattern_value(config.get("alpha_pattern") or {}, name, config.get("lora_alpha", 8))
