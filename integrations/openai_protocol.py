@@ -42,7 +42,7 @@ class ServerLimits:
     max_tokens: int | None = None
     """Largest `max_tokens`; None = the model's max_model_len bounds it."""
     max_prompts: int = 64
-    """Most prompts in one /v1/completions request (a list prompt)."""
+    """Most prompts in one /v1/completions request (a list prompt), or inputs in one /v1/embeddings request."""
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -166,17 +166,17 @@ def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
         raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
 
 
-def completion_prompts(prompt: str | list[Any], limits: ServerLimits) -> list[str | list[int]]:
-    """OpenAI's four prompt shapes as a list of engine prompts."""
+def completion_prompts(prompt: str | list[Any], limits: ServerLimits, field: str = "prompt") -> list[str | list[int]]:
+    """OpenAI's four prompt shapes as a list of engine prompts; errors name `field` (embeddings': ``input``)."""
     if isinstance(prompt, str):
         return [prompt]
     if prompt and all(_is_int(t) for t in prompt):
         return [list(prompt)]
     if prompt and (all(isinstance(p, str) for p in prompt) or all(_is_token_list(p) for p in prompt)):
         if len(prompt) > limits.max_prompts:
-            raise InvalidRequestError("prompt", f"at most {limits.max_prompts} prompts per request, got {len(prompt)}")
+            raise InvalidRequestError(field, f"at most {limits.max_prompts} prompts per request, got {len(prompt)}")
         return list(prompt)
-    raise InvalidRequestError("prompt", "must be a string, a list of strings, a list of token ids, or a list of those lists")
+    raise InvalidRequestError(field, "must be a string, a list of strings, a list of token ids, or a list of those lists")
 
 
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})

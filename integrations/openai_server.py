@@ -2,7 +2,9 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE
 streaming and ``stream_options.include_usage``), ``POST /v1/responses``
-(OpenAI's Responses API, responses_api.py), ``GET /v1/models``, vLLM's
+(OpenAI's Responses API, responses_api.py), ``POST /v1/embeddings`` (of
+``input`` or, as vLLM's, of chat ``messages``; openai_embeddings.py),
+``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
 ``GET /health`` (and SageMaker's ``/ping``, with ``POST /invocations``),
 ``GET /metrics`` (Prometheus text), and with
@@ -43,6 +45,7 @@ from starlette.routing import Route
 from asyncllm import envs
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body
+from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, embedding_response
 from asyncllm.integrations.openai_lora import LoadLoRAAdapterRequest, LoRAModels, LoRAModule, UnloadLoRAAdapterRequest
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
@@ -178,6 +181,7 @@ class OpenAIServer:
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guarded(self.chat_completions), methods=["POST"]),
             Route("/v1/responses", self._guarded(self.responses), methods=["POST"]),
+            Route("/v1/embeddings", self._guarded(self.embeddings), methods=["POST"]),
             Route("/v1/models", self._guarded(self.models), methods=["GET"]),
             Route("/tokenize", self._guarded(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._guarded(self.detokenize), methods=["POST"]),
@@ -240,8 +244,19 @@ class OpenAIServer:
         streams, choices = self._start_chat(req, lora)
         return await self._respond(request, req, model, streams, choices, "chatcmpl", "chat.completion")
 
+    async def embeddings(self, request: Request, body: bytes | None = None) -> Response:
+        """OpenAI's: one embedding per ``input``, or (vLLM's) of chat ``messages`` (openai_embeddings.py)."""
+        req = decode_request(await self._body(request) if body is None else body, EmbeddingRequest)
+        model, lora = self._model(req.model)
+        prompts = embedding_inputs(req, self.limits)
+        if prompts is None:
+            prompts = [await self._chat_tokens(req)]
+        outputs = await embed_all(self.engine, prompts, req, lora, until=lambda: wait_disconnect(request))
+        return _json(embedding_response(outputs, model, req.encoding_format))
+
     async def invocations(self, request: Request) -> Response:
-        """SageMaker's (as vLLM): a body with ``messages`` is a chat completion, one with ``prompt`` a completion."""
+        """SageMaker's (as vLLM): a body with ``messages`` is a chat completion, one with ``prompt`` a completion,
+        one with ``input`` an embedding."""
         body = await self._body(request)
         try:
             keys = msgspec.json.decode(body)
@@ -251,7 +266,10 @@ class OpenAIServer:
             return await self.chat_completions(request, body)
         if isinstance(keys, dict) and "prompt" in keys:
             return await self.completions(request, body)
-        raise InvalidRequestError("body", "an invocation has 'messages' (a chat completion) or 'prompt' (a completion)")
+        if isinstance(keys, dict) and "input" in keys:
+            return await self.embeddings(request, body)
+        raise InvalidRequestError("body", "an invocation has 'messages' (a chat completion), 'prompt' (a completion) "
+                                          "or 'input' (embeddings)")
 
     async def responses(self, request: Request) -> Response:
         """OpenAI's Responses API over a chat completion (responses_api.py)."""
@@ -314,16 +332,13 @@ class OpenAIServer:
         self._model(req.model)  # an adapter shares the model's tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("prompt", "give a prompt or messages (one of them)")
-        tokenizer = await self._tokenizer()
         if req.prompt is not None:
+            tokenizer = await self._tokenizer()
             prompt, special = req.prompt, req.add_special_tokens
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         else:
             check_tools(req.tools)
-            render = functools.partial(apply_chat_template, tokenizer, chat_messages(req.messages),
-                                       template_kwargs=template_kwargs(req), tools=req.tools,
-                                       chat_template=self.templates.pick(req.chat_template))
-            tokens = await anyio.to_thread.run_sync(render)
+            tokens = await self._chat_tokens(req, req.tools)
         return _json({"count": len(tokens), "max_model_len": self.engine.config.max_model_len,
                       "tokens": [int(t) for t in tokens], "token_strs": None})
 
@@ -341,6 +356,15 @@ class OpenAIServer:
         from asyncllm import __version__
 
         return _json({"version": __version__})
+
+    async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest, tools: list[Any] | None = None) -> list[int]:
+        """A request's ``messages`` rendered with the chat template (the server's, or the request's when trusted)
+        and tokenized, on a worker thread: the ids the engine's chat would run."""
+        tokenizer = await self._tokenizer()
+        render = functools.partial(apply_chat_template, tokenizer, chat_messages(req.messages),
+                                   template_kwargs=template_kwargs(req), tools=tools,
+                                   chat_template=self.templates.pick(req.chat_template))
+        return await anyio.to_thread.run_sync(render)
 
     async def _tokenizer(self) -> Any:
         """The engine's tokenizer (the engine starts on first use, as it does for a completion)."""

@@ -1,0 +1,138 @@
+"""OpenAI's ``POST /v1/embeddings`` as vLLM serves it: the request body, its prompts, the engine calls, the response.
+
+The body has OpenAI's ``input`` (a string, a list of strings, a list of token
+ids, or a list of token-id lists), ``encoding_format`` (``"float"`` or
+``"base64"``: little-endian float32 bytes), ``dimensions`` and ``user``, and
+vLLM's ``truncate_prompt_tokens``, ``normalize``, ``priority`` and
+``cache_salt``; or, instead of ``input``, vLLM's chat ``messages``, rendered
+with the chat template (``add_generation_prompt`` false by default, as vLLM's).
+Every input is one `AsyncEngine.embed` call, all of them at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_protocol import ServerLimits, completion_prompts, request_options
+from asyncllm.integrations.streams import ClientDisconnected
+from asyncllm.pooling import EmbeddingOutput, PoolingParams
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.lora import LoRARequest
+
+__all__ = ["EmbeddingRequest", "embedding_inputs", "embed_all", "embedding_response"]
+
+
+class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /v1/embeddings``: ``input`` or (vLLM's) ``messages``, not both."""
+
+    model: str | None = None
+    """A served name or a LoRA module's name; left out, the served model."""
+    input: str | list[Any] | None = None
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    messages: list[dict[str, Any]] | None = None
+    """vLLM's: chat messages, embedded as the chat template renders them (one embedding)."""
+    encoding_format: Literal["float", "base64"] = "float"
+    """``"base64"``: each embedding as the base64 text of its little-endian float32 bytes."""
+    dimensions: int | None = None
+    """Keep the first this many features, then normalize (Matryoshka); at most the model's hidden size."""
+    user: str | None = None
+    """End-user id for the caller's own abuse tracking; accepted and not used by asyncllm."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows)."""
+    normalize: bool | None = None
+    """vLLM's: false returns the raw hidden state; null or left out: normalized (L2)."""
+    priority: int = 0
+    """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
+    cache_salt: str | None = None
+    """vLLM's: requests with different salts never share prefix-cached KV."""
+    add_generation_prompt: bool = False
+    """For messages (vLLM's): end the rendered prompt with the assistant's turn opening."""
+    continue_final_message: bool = False
+    """For messages (vLLM's): leave the last message open; needs add_generation_prompt false."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """For messages (vLLM's): variables for the chat template."""
+    chat_template: str | None = None
+    """For messages (vLLM's): a Jinja template; only on a server started with --trust-request-chat-template."""
+
+
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template_kwargs", "chat_template")
+_DEFAULTS = EmbeddingRequest()
+
+
+def embedding_inputs(req: EmbeddingRequest, limits: ServerLimits) -> list[str | list[int]] | None:
+    """The engine prompts of ``input`` (at most `limits.max_prompts`); None for a request with ``messages``
+    (the server renders them). A request with both, neither, or an empty input is a 400."""
+    if (req.input is None) == (req.messages is None):
+        raise InvalidRequestError("input", "give input or messages (one of them)")
+    if req.messages is not None:
+        return None
+    chat_only = [name for name in _CHAT_ONLY if getattr(req, name) != getattr(_DEFAULTS, name)]
+    if chat_only:
+        raise InvalidRequestError(chat_only[0], "applies to messages only, not to input")
+    prompts = completion_prompts(req.input, limits, field="input")
+    if any(prompt == "" for prompt in prompts):
+        raise InvalidRequestError("input", "an input is an empty string: there is nothing to embed")
+    return prompts
+
+
+def pooling_params(req: EmbeddingRequest) -> PoolingParams:
+    """The request's `PoolingParams` (the engine checks ``dimensions`` against the model's hidden size)."""
+    return PoolingParams(normalize=req.normalize is not False, dimensions=req.dimensions)
+
+
+async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req: EmbeddingRequest,
+                    lora: LoRARequest | None = None, *,
+                    until: Callable[[], Awaitable[object]] | None = None) -> list[EmbeddingOutput]:
+    """Embed every prompt at once, results in input order.
+
+    The first error cancels the others (each cancelled `embed` aborts its
+    request in the engine) and is raised; `until` completing (the client went
+    away) does the same and raises `ClientDisconnected`.
+    """
+    pooling = pooling_params(req)
+    options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
+    tasks = [asyncio.ensure_future(engine.embed(prompt, pooling, **options)) for prompt in prompts]
+    watcher = asyncio.ensure_future(until()) if until is not None else None
+    try:
+        pending = set(tasks)
+        while pending:
+            done, _ = await asyncio.wait(pending if watcher is None else {*pending, watcher},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if watcher is not None and watcher in done:
+                raise ClientDisconnected()
+            for task in sorted(done, key=tasks.index):  # the first input's error when several fail at once
+                task.result()
+            pending -= done
+        return [task.result() for task in tasks]
+    finally:
+        for future in [*tasks, *([watcher] if watcher is not None else [])]:
+            future.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def embedding_response(outputs: Sequence[EmbeddingOutput], model: str,
+                       encoding_format: str = "float") -> dict[str, Any]:
+    """The response body: one ``embedding`` item per input, in order, and the prompts' token usage."""
+    data = [{"object": "embedding", "index": i, "embedding": encode_embedding(out.embedding, encoding_format)}
+            for i, out in enumerate(outputs)]
+    tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+            "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+def encode_embedding(embedding: list[float], encoding_format: str) -> list[float] | str:
+    """The floats, or for ``"base64"`` the base64 text of their little-endian float32 bytes (OpenAI's)."""
+    if encoding_format == "base64":
+        return base64.b64encode(struct.pack(f"<{len(embedding)}f", *embedding)).decode("ascii")
+    return embedding
