@@ -16,7 +16,9 @@ and so is structured output: OpenAI's ``response_format`` (``json_object``,
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import msgspec
@@ -217,7 +219,8 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, A
     return {"add_generation_prompt": req.add_generation_prompt, **extra, **(req.chat_template_kwargs or {})}
 
 
-def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingParams:
+def completion_params(req: CompletionRequest, limits: ServerLimits,
+                      defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
     """`SamplingParams` of a completion; with ``echo`` and ``logprobs`` the prompt's logprobs too.
 
     ``echo`` with ``max_tokens`` 0 (the prompt's logprobs alone, as evaluation
@@ -232,7 +235,7 @@ def completion_params(req: CompletionRequest, limits: ServerLimits) -> SamplingP
         _refuse(req.n != 1, "echo", "with logprobs needs n=1 (the prompt's logprobs are computed once)")
         prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
     max_tokens = 1 if echo_only(req) else req.max_tokens
-    return _params(req, max_tokens, req.logprobs, limits, prompt_logprobs)
+    return _params(req, max_tokens, req.logprobs, limits, defaults, prompt_logprobs)
 
 
 def echo_only(req: CompletionRequest) -> bool:
@@ -240,35 +243,39 @@ def echo_only(req: CompletionRequest) -> bool:
     return req.echo and req.max_tokens == 0
 
 
-def chat_params(req: ChatCompletionRequest, limits: ServerLimits,
-                tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
-    """`SamplingParams` of a chat completion; `tool_constraint` is a named or required tool choice's output schema."""
+def chat_params(req: ChatCompletionRequest, limits: ServerLimits, tool_constraint: StructuredOutputs | None = None,
+                defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
+    """`SamplingParams` of a chat completion; `tool_constraint` is a named or required tool choice's output schema,
+    `defaults` the engine's default sampling fields (`AsyncEngine.default_sampling_fields`) for unset ones."""
     if req.top_logprobs is not None and not req.logprobs:
         raise InvalidRequestError("top_logprobs", "needs logprobs: true")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _params(req, max_tokens, logprobs, limits, req.prompt_logprobs, tool_constraint)
+    return _params(req, max_tokens, logprobs, limits, defaults, req.prompt_logprobs, tool_constraint)
 
 
 def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: ServerLimits,
-            prompt_logprobs: int | None = None, tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
+            defaults: Mapping[str, Any], prompt_logprobs: int | None = None,
+            tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
     _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
     if _is_int(req.n) and req.n > limits.max_n:
         raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
     if limits.max_tokens is not None:
         if max_tokens is None:
             max_tokens = limits.max_tokens
         elif max_tokens > limits.max_tokens:
             raise InvalidRequestError("max_tokens", f"at most {limits.max_tokens} on this server, got {max_tokens}")
     params = SamplingParams(
-        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        n=req.n, temperature=_unset_or(req.temperature, defaults, "temperature", 1.0),
+        top_p=_unset_or(req.top_p, defaults, "top_p", 1.0), top_k=_unset_or(req.top_k, defaults, "top_k", 0),
+        min_p=_unset_or(req.min_p, defaults, "min_p", 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        repetition_penalty=_unset_or(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
         logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
         allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or [],
         truncate_prompt_tokens=req.truncate_prompt_tokens,
@@ -284,6 +291,11 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
     except InvalidRequestError as exc:  # the constraint's errors name the field the client used
         raise InvalidRequestError(field, exc.message) if exc.field == "structured" else exc from None
     return params
+
+
+def _unset_or(value: Any, defaults: Mapping[str, Any], field: str, fallback: Any) -> Any:
+    """A request's field; when unset (None), the engine's default for it, else `fallback`."""
+    return value if value is not None else defaults.get(field, fallback)
 
 
 _JSON_OBJECT = {"type": "object"}

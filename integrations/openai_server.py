@@ -230,7 +230,7 @@ class OpenAIServer:
     async def completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, CompletionRequest)
         model, lora = self._model(req.model)
-        params = completion_params(req, self.limits)
+        params = completion_params(req, self.limits, await self._sampling_defaults())
         prompts = completion_prompts(req.prompt, self.limits)
         streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora) for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
@@ -241,7 +241,7 @@ class OpenAIServer:
     async def chat_completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
         model, lora = self._model(req.model)
-        streams, choices = self._start_chat(req, lora)
+        streams, choices = self._start_chat(req, lora, await self._sampling_defaults())
         return await self._respond(request, req, model, streams, choices, "chatcmpl", "chat.completion")
 
     async def embeddings(self, request: Request, body: bytes | None = None) -> Response:
@@ -275,7 +275,7 @@ class OpenAIServer:
         """OpenAI's Responses API over a chat completion (responses_api.py)."""
         req = decode_request(await self._body(request), ResponsesRequest)
         model, lora = self._model(req.model)
-        streams, choices = self._start_chat(chat_request(req), lora)
+        streams, choices = self._start_chat(chat_request(req), lora, await self._sampling_defaults())
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             _count_prompts(streams, choices)
@@ -288,10 +288,17 @@ class OpenAIServer:
         choice = choices.final_choices()[0]
         return _json(response_body(req, model, choice["message"], choice["finish_reason"], choices.usage()))
 
-    def _start_chat(self, req: ChatCompletionRequest,
-                    lora: LoRARequest | None = None) -> tuple[list[RequestStream], Choices]:
+    async def _sampling_defaults(self) -> dict[str, Any]:
+        """The engine's default sampling fields (the model's generation config) for fields a request leaves unset."""
+        await self.engine.start()
+        return self.engine.default_sampling_fields()
+
+    def _start_chat(self, req: ChatCompletionRequest, lora: LoRARequest | None,
+                    defaults: dict[str, Any]) -> tuple[list[RequestStream], Choices]:
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
-        params = chat_params(req, self.limits, mode.constraint)
+        params = chat_params(req, self.limits, mode.constraint, defaults)
+        if mode.parser is not None and mode.parser.needs_special_tokens:  # its calls open with a special token
+            params.skip_special_tokens = False
         if self.reasoning is not None and params.structured is not None:  # think freely, then follow the grammar
             params.structured = msgspec.structs.replace(params.structured, start_after=self.reasoning.end_tag)
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),

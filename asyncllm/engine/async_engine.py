@@ -287,9 +287,14 @@ class AsyncEngine:
         """What a request without `SamplingParams` runs with (vLLM's ``get_default_sampling_params``): the model's
         generation_config.json sampling fields and ``override_generation_config`` over SamplingParams' defaults
         (``generation_config="vllm"``: those alone). Known once the engine started (it reads the file then)."""
+        return SamplingParams(**self.default_sampling_fields())
+
+    def default_sampling_fields(self) -> dict[str, Any]:
+        """The `SamplingParams` fields that generation_config and override_generation_config set (a copy; the
+        OpenAI server uses them for fields a request leaves unset). Known once the engine started."""
         if self._default_sampling is None:
             raise AsyncLLMError("the default sampling parameters are read when the engine starts: await start() first")
-        return SamplingParams(**self._default_sampling)
+        return dict(self._default_sampling)
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Check a LoRA adapter now (folder, config, every tensor's shape against the model) rather than at

@@ -29,6 +29,25 @@ async def test_requests_without_params_use_the_models_generation_config(tiny_lla
         out = await engine.generate(prompt)
         streamed = [t async for d in engine.stream(prompt) for t in d.token_ids]
         explicit = await engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))  # exactly these
+        served, served_explicit = await _served(engine, prompt)
+        three = await engine.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3))
     want = hf_greedy(model, prompt, 5, repetition_penalty=1.3)
     assert out.token_ids == streamed == want and len(want) == 5
     assert explicit.token_ids == hf_greedy(model, prompt, 8, repetition_penalty=1.0)  # not the file's
+    assert served == out.text  # the server's unset fields take the same defaults
+    assert served_explicit == three.text and three.token_ids == hf_greedy(model, prompt, 3, repetition_penalty=1.0)
+
+
+async def _served(engine: AsyncEngine, prompt: list[int]) -> tuple[str, str]:
+    """Completions through the OpenAI server: fields unset, then set (temperature, max_tokens, penalty)."""
+    import httpx
+
+    from asyncllm.integrations.openai_server import create_app
+
+    app = create_app(engine, model_name="m", manage_engine=False)
+    body = {"model": "m", "prompt": prompt}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        unset = (await client.post("/v1/completions", json={**body, "max_tokens": None})).json()
+        explicit = (await client.post("/v1/completions", json={**body, "max_tokens": 3, "temperature": 0,
+                                                               "repetition_penalty": 1.0})).json()
+    return unset["choices"][0]["text"], explicit["choices"][0]["text"]

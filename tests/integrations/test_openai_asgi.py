@@ -282,6 +282,12 @@ class _FailingEngine:
 
     chat = stream
 
+    async def start(self) -> None:
+        pass
+
+    def default_sampling_fields(self) -> dict:
+        return {}
+
     def stats(self):
         from asyncllm.outputs import EngineStats
 
@@ -378,3 +384,30 @@ async def test_sagemaker_ping_and_invocations(app) -> None:
     assert completion.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]
     assert chat.json()["object"] == "chat.completion"
     assert (neither.status_code, neither.json()["error"]["param"]) == (400, "body")
+
+
+class _RecordingEngine(_FailingEngine):
+    """Records the SamplingParams of each request (which then fails as overloaded)."""
+
+    def __init__(self) -> None:
+        super().__init__(EngineOverloadedError("recorded"))
+        self.params: list = []
+
+    def stream(self, prompt, params, **options):
+        self.params.append(params)
+        return self._Stream(self.error)
+
+    chat = stream
+
+
+async def test_the_mistral_parser_keeps_special_tokens_for_the_requests_it_reads() -> None:
+    """[TOOL_CALLS] is a special token: auto tool choice with the mistral parser must see it in the text."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for parser, tool_choice, keeps in [("mistral", "auto", True), ("mistral", "none", False),
+                                       ("hermes", "auto", False)]:
+        engine = _RecordingEngine()
+        app = create_app(engine, model_name="fake", manage_engine=False, tool_call_parser=parser)
+        async with _client(app) as client:
+            await client.post("/v1/chat/completions", json={"model": "fake", "tools": tools, "tool_choice": tool_choice,
+                                                           "messages": [{"role": "user", "content": "hi"}]})
+        assert engine.params[0].skip_special_tokens is not keeps, (parser, tool_choice)
