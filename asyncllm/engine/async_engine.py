@@ -141,6 +141,7 @@ class AsyncEngine:
             stats_logger=None if obs.disable_log_stats else StatsLogger(obs.log_stats_interval, self._observer.stats),
             startup_timeout_s=envs.ENGINE_STARTUP_TIMEOUT_S.get(), observer=self._observer,
             engine_key=self._engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
+            embedding_only=prepared.embedding_only,
         )
         self._default_sampling = prepared.default_sampling
         if prepared.mm is not None:

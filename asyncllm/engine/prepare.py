@@ -14,7 +14,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.lora import AdapterChecker
-from asyncllm.models.architectures import MULTIMODAL_ARCHITECTURES, architecture_of
+from asyncllm.models.architectures import EMBEDDING_ARCHITECTURES, MULTIMODAL_ARCHITECTURES, architecture_of
 from asyncllm.models.checkpoint import hf_config_json, load_hf_config, resolve_model_path
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
@@ -36,6 +36,8 @@ class Prepared:
     """The model's embedding width (`PoolingParams.dimensions` may not exceed it)."""
     default_sampling: dict[str, Any] = field(default_factory=dict)
     """SamplingParams fields from the model's generation config (asyncllm/engine/defaults.py)."""
+    embedding_only: str | None = None
+    """The architecture of a checkpoint without an LM head (``LlamaModel`` & co.): it serves embeddings only."""
 
 
 def prepare(config: EngineConfig) -> Prepared:
@@ -65,7 +67,8 @@ def prepare(config: EngineConfig) -> Prepared:
     config_json = hf_config_json(hf_config)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size,
-                    default_sampling_fields(config.generation_config, path, config.override_generation_config))
+                    default_sampling_fields(config.generation_config, path, config.override_generation_config),
+                    arch if arch in EMBEDDING_ARCHITECTURES else None)
 
 
 _MAX_CONFIG_ARG = 64 * 1024

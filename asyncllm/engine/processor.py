@@ -86,8 +86,11 @@ class Processor:
                  deliver: Deliver, core: CoreProcess | None, stats_logger: StatsLogger | None,
                  startup_timeout_s: float, observer: RequestObserver | None = None,
                  engine_key: str | None = None, mm: MultiModalProcessor | None = None,
-                 lora: AdapterChecker | None = None, hidden_size: int | None = None) -> None:
+                 lora: AdapterChecker | None = None, hidden_size: int | None = None,
+                 embedding_only: str | None = None) -> None:
         self._address = address
+        self._embedding_only = embedding_only
+        """The architecture of a model without an LM head (None: any request runs)."""
         self._hidden_size = hidden_size
         """The model's embedding width, for `PoolingParams.dimensions`."""
         self._lora = lora
@@ -274,6 +277,9 @@ class Processor:
             self._deliver([(collector, error)], None)
             return
         try:
+            if self._embedding_only is not None and job.options.pooling is None:
+                raise errors.InvalidRequestError("prompt", f"this model ({self._embedding_only}, no LM head) serves "
+                                                           "embeddings only: use embed() or /v1/embeddings")
             lora = self.check_lora(job.options.lora_request)
             if job.options.pooling is not None:
                 job.options.pooling.validate(self._hidden_size)

@@ -11,12 +11,16 @@ from typing import Any
 
 from asyncllm.errors import NotBuiltError
 
-__all__ = ["TEXT_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "architecture_of"]
+__all__ = ["TEXT_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "SUPPORTED_ARCHITECTURES",
+           "architecture_of"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """Architectures that take images (their host processes them: asyncllm/mm/)."""
-SUPPORTED_ARCHITECTURES = TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+"""Bare decoders without an LM head (what ``AutoModel`` saves: embedding models such as e5-mistral):
+they serve embeddings only (docs/embeddings.md)."""
+SUPPORTED_ARCHITECTURES = TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + EMBEDDING_ARCHITECTURES
 
 
 def architecture_of(hf_config: Any) -> str:

@@ -195,6 +195,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama-style causal LM over a paged KV cache (one cache tensor per layer)."""
 
+    has_lm_head = True
+    """False for a bare decoder's checkpoint (``LlamaModel`` & co.: names without ``model.``, no ``lm_head``):
+    its LM head stays zero, and the host refuses generation (`headless`)."""
+
     # fused parameter -> the checkpoint matrices stacked in it, with their shard ids
     packed_modules: dict[str, list[tuple[str, object]]] = {
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
@@ -222,6 +226,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(build)
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype, tied_to)
+        if not self.has_lm_head and tied_to is None:
+            nn.init.zeros_(self.lm_head.weight)  # never loaded: finite logits for the embedding path's dropped token
 
     def forward(
         self,
@@ -251,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
         names = set()
         for name, _ in self.named_parameters():
             names.update(ckpt for ckpt, _ in self._unpacked(name))
-        return names
+        return names if self.has_lm_head else names - {"lm_head.weight"}
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Load (checkpoint name, weight) pairs, each rank keeping its shard.
@@ -264,6 +270,8 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         unexpected: list[str] = []
         for ckpt_name, weight in weights:
+            if not self.has_lm_head and not ckpt_name.startswith("model."):
+                ckpt_name = "model." + ckpt_name  # a bare decoder's names
             if "rotary_emb.inv_freq" in ckpt_name or (self.tie_word_embeddings and ckpt_name == "lm_head.weight"):
                 continue
             param_name, shard_id = self._packed(ckpt_name)

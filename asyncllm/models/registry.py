@@ -56,12 +56,21 @@ class CausalLM(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]: ...
 
 
+def headless(cls: type) -> type:
+    """`cls` for a bare decoder's checkpoint (``LlamaModel`` & co.): no LM head to load (embeddings only)."""
+    return type(cls.__name__ + "Headless", (cls,), {"has_lm_head": False})
+
+
 _MODELS: dict[str, type] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlamaModel": headless(LlamaForCausalLM),
+    "MistralModel": headless(LlamaForCausalLM),
+    "Qwen2Model": headless(Qwen2ForCausalLM),
+    "Qwen3Model": headless(Qwen3ForCausalLM),
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 

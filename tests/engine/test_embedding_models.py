@@ -1,0 +1,46 @@
+"""Checkpoints of bare decoders (``LlamaModel``, ``Qwen3Model``: what AutoModel saves, as embedding models ship)
+load without an LM head and serve embeddings equal to transformers'; generation is refused by name."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from asyncllm import AsyncEngine, InvalidRequestError
+
+
+def _bare_decoder(source: str, folder: str) -> str:
+    """`source`'s decoder saved alone (AutoModel's checkpoint: no ``model.`` prefix, no lm_head)."""
+    import torch
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(source, dtype=torch.float32)
+    model.save_pretrained(folder)
+    for name in os.listdir(source):
+        if "token" in name or name.endswith(".jinja"):
+            shutil.copy(os.path.join(source, name), folder)
+    return folder
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+async def test_a_bare_decoder_serves_embeddings_only(family: str, tmp_path, request) -> None:
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModel
+
+    path = _bare_decoder(request.getfixturevalue(f"tiny_{family}"), str(tmp_path / family))
+    assert AutoConfig.from_pretrained(path).architectures[0].endswith("Model")
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert not any(name.startswith(("model.", "lm_head")) for name in f.keys())
+    prompt = [5, 9, 14, 3, 77, 21]
+    async with AsyncEngine(path, disable_log_stats=True) as engine:
+        out = await engine.embed(prompt)
+        with pytest.raises(InvalidRequestError, match="embeddings only") as info:
+            await engine.generate(prompt)
+        assert info.value.field == "prompt"
+    with torch.no_grad():
+        hidden = AutoModel.from_pretrained(path, dtype=torch.float32)(torch.tensor([prompt])).last_hidden_state[0, -1]
+    want = torch.nn.functional.normalize(hidden, dim=0)
+    assert (torch.tensor(out.embedding) - want).abs().max() < 1e-5
