@@ -7,6 +7,9 @@ that keeps the engine starts of tests/integrations to a handful.
 
 from __future__ import annotations
 
+import asyncio
+import socket
+
 import pytest
 import pytest_asyncio
 
@@ -35,3 +38,24 @@ def app(bundled_engine):
     from asyncllm.integrations.openai_server import create_app
 
     return create_app(bundled_engine, manage_engine=False)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def base_url(bundled_engine):
+    """uvicorn serving the app over the shared engine on a free port, as a task of the session loop."""
+    import uvicorn
+
+    from asyncllm.integrations.openai_server import create_app
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(bundled_engine, manage_engine=False), host="127.0.0.1", port=port,
+                            log_level="warning", lifespan="off")
+    server = uvicorn.Server(config)
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    await task

@@ -3,37 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
-import uvicorn
 
 from asyncllm import SamplingParams
-from asyncllm.integrations.openai_server import create_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
 MODEL = "asyncllm-tiny"
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def base_url(bundled_engine):
-    """uvicorn serving the app as a task of the session loop (the engine's loop)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(bundled_engine, manage_engine=False), host="127.0.0.1", port=port,
-                            log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    await task
 
 
 @pytest.fixture

@@ -8,14 +8,11 @@ import asyncio
 import base64
 import functools
 import json
-import socket
 import struct
 
 import httpx
 import openai
 import pytest
-import pytest_asyncio
-import uvicorn
 
 from asyncllm.integrations.openai_protocol import ServerLimits
 from asyncllm.integrations.openai_server import create_app
@@ -201,23 +198,6 @@ async def test_client_disconnect_aborts_the_inputs(app, bundled_engine) -> None:
     else:
         raise AssertionError(f"the engine still runs requests: {bundled_engine.stats()}")
     assert bundled_engine.stats().request_success_total.get("abort", 0) > aborted_before
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def base_url(bundled_engine):
-    """uvicorn serving the app as a task of the session loop (the engine's loop)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(bundled_engine, manage_engine=False), host="127.0.0.1", port=port,
-                            log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    task = asyncio.ensure_future(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    await task
 
 
 async def test_official_client(base_url, bundled_tokenizer) -> None:
