@@ -10,10 +10,9 @@ step is overwritten. Adapter weights read from disk stay in a CPU cache of
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Any
-
-import logging
 
 import torch
 
@@ -21,6 +20,7 @@ from asyncllm.config import LoRAConfig
 from asyncllm.lora import LoRARequest, read_adapter
 from asyncllm.models.lora import LoRAContext, LoRALayer, attach_lora_layers, load_adapter_tensors
 from asyncllm.protocol import SchedulerOutput
+from asyncllm.workers.request_fields import RequestField
 
 __all__ = ["LoRARunner"]
 
@@ -41,24 +41,15 @@ class LoRARunner:
         self.context = LoRAContext()
         self.layers: dict[str, LoRALayer] = attach_lora_layers(model, self.num_slots, config.max_lora_rank,
                                                                self.context)
-        self.requests: dict[str, LoRARequest] = {}
-        """Request id -> its adapter (requests without one are not listed)."""
+        self.requests: RequestField = RequestField("lora")
+        """Request id -> its `LoRARequest` (requests without one are not listed)."""
         self.slots: OrderedDict[int, int] = OrderedDict()
         """Adapter id -> the slot holding it, least recently used first."""
         self.cpu_cache: OrderedDict[int, _Loaded] = OrderedDict()
         """Adapter id -> its matrices on the CPU, least recently used first."""
-        self.num_loads = 0
-        """Adapters read from disk (tests check the CPU cache with it)."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
-        """Forget finished and preempted requests (a resumed one comes back as new), learn new ones."""
-        for req_id in sched_out.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for req_id in sched_out.preempted_req_ids:
-            self.requests.pop(req_id, None)
-        for new in sched_out.new_reqs:
-            if new.lora is not None:
-                self.requests[new.req_id] = new.lora
+        self.requests.update_states(sched_out)
 
     def prepare(self, req_ids: list[str], num_scheduled_tokens: dict[str, int]) -> dict[str, str]:
         """Set the step's mask (None when no request of the step has an adapter).
@@ -121,7 +112,6 @@ class LoRARunner:
             self.cpu_cache.move_to_end(adapter.lora_int_id)
             return cached
         loaded = load_adapter_tensors(read_adapter(adapter.lora_path), self.model)
-        self.num_loads += 1
         self.cpu_cache[adapter.lora_int_id] = loaded
         while len(self.cpu_cache) > self.max_cpu_loras:
             self.cpu_cache.popitem(last=False)

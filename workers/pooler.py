@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from asyncllm.pooling import PoolingParams
 from asyncllm.protocol import SchedulerOutput
+from asyncllm.workers.request_fields import RequestField
 
 __all__ = ["Pooler"]
 
@@ -21,18 +21,11 @@ class Pooler:
     """Which requests of this rank want an embedding."""
 
     def __init__(self) -> None:
-        self.requests: dict[str, PoolingParams] = {}
+        self.requests: RequestField = RequestField("pooling")
+        """Request id -> its `PoolingParams` (embedding requests only)."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
-        """Forget finished and preempted requests (a resumed one comes back as new), learn new ones."""
-        if self.requests:
-            for req_id in sched_out.finished_req_ids:
-                self.requests.pop(req_id, None)
-            for req_id in sched_out.preempted_req_ids:
-                self.requests.pop(req_id, None)
-        for new in sched_out.new_reqs:
-            if new.pooling is not None:
-                self.requests[new.req_id] = new.pooling
+        self.requests.update_states(sched_out)
 
     def samples_any(self, req_ids: list[str], sample_indices: list[int]) -> bool:
         """Whether an embedding request samples this step (its embedding goes out with the step's output)."""

@@ -345,7 +345,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: _Step) -> None:
         kv = self.kv_cache_manager
-        loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras else set()
+        loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras and self.waiting else set()
         skipped: list[Request] = []  # their adapter would be one too many (max_loras): they keep their place
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting.peek()
