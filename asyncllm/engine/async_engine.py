@@ -301,8 +301,9 @@ class AsyncEngine:
         """Check a LoRA adapter now (folder, config, every tensor's shape against the model) rather than at
         its first request; `InvalidRequestError` says what is wrong. Its weights are read by the workers
         when a request first uses it (docs/lora.md)."""
-        options = RequestOptions(lora_request=lora_request)
-        options.validate()
+        if lora_request is None:
+            raise InvalidRequestError("lora_request", "must be an asyncllm.LoRARequest, got None")
+        RequestOptions(lora_request=lora_request).validate()
         await self.start()
         processor = self._processor
         if processor is None:

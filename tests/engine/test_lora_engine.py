@@ -83,6 +83,8 @@ async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, ad
         high_rank = make_adapter(tiny_llama, str(tmp_path / "r32"), seed=9, rank=32)
         with pytest.raises(InvalidRequestError, match="max_lora_rank=16"):
             await engine.generate(prompt, GREEDY, lora_request=LoRARequest("big", 7, high_rank))
+        with pytest.raises(InvalidRequestError, match="got None"):
+            await engine.add_lora(None)
         with pytest.raises(InvalidRequestError, match="no adapter_config.json"):
             await engine.add_lora(LoRARequest("empty", 8, str(tmp_path)))
         with pytest.raises(InvalidRequestError, match="one id, one adapter"):
