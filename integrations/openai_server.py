@@ -290,7 +290,8 @@ class OpenAIServer:
 
     async def _sampling_defaults(self) -> dict[str, Any]:
         """The engine's default sampling fields (the model's generation config) for fields a request leaves unset."""
-        await self.engine.start()
+        if not self.engine.started:
+            await self.engine.start()
         return self.engine.default_sampling_fields()
 
     def _start_chat(self, req: ChatCompletionRequest, lora: LoRARequest | None,

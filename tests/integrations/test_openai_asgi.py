@@ -282,9 +282,6 @@ class _FailingEngine:
 
     chat = stream
 
-    async def start(self) -> None:
-        pass
-
     def default_sampling_fields(self) -> dict:
         return {}
 
