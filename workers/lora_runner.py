@@ -59,7 +59,7 @@ class LoRARunner:
         adapter this step, and the core ends them with the error and drops their
         tokens; the other requests are not affected.
         """
-        adapters = [self.requests.get(req_id) for req_id in req_ids]
+        adapters = [self.requests.get(req_id) for req_id in req_ids] if self.requests else []
         if not any(adapters):
             self.context.mask = None
             return {}
