@@ -13,6 +13,7 @@ from typing import Any
 
 from asyncllm.attention.availability import ATTENTION_BACKENDS, check_backend_available
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.spec.config import SpeculativeConfig
 
 __all__ = [
     "EngineConfig",
@@ -173,7 +174,9 @@ class SchedulerConfig:
     max_num_queued_requests: int | None = None
     """Admission control: reject new requests with EngineOverloadedError while this many wait; None = no limit."""
     speculative_config: dict | None = None
-    """Speculative decoding settings (not built yet: only None)."""
+    """Speculative decoding as vLLM's dict: ``{"method": "ngram", "num_speculative_tokens": 4,
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (n-gram only; docs/speculative.md). Steps then run
+    synchronously (async_scheduling does not apply); None: off."""
     max_num_queued_tokens: int | None = None
     """Admission control: reject new requests with EngineOverloadedError when the waiting prompts' tokens would exceed this; None = no limit."""
     structured_output_compile_timeout_s: float = 30.0
@@ -195,8 +198,12 @@ class SchedulerConfig:
         _float("structured_output_compile_timeout_s", self.structured_output_compile_timeout_s, 0.0, 86400.0,
                lo_open=True)
         _bool("async_scheduling", self.async_scheduling)
-        if self.speculative_config is not None:
-            raise NotBuiltError("speculative_config", self.speculative_config, "speculative decoding")
+        self.speculative  # noqa: B018 - validates speculative_config
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` read and checked; None when off."""
+        return None if self.speculative_config is None else SpeculativeConfig.from_dict(self.speculative_config)
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,19 @@ class EngineStats:
     """Images the workers looked up in their encoder cache, engine-wide (each time a prefill reached one)."""
     mm_encoder_cache_hits: int = 0
     """Images found there: the vision tower ran ``mm_encoder_cache_queries - mm_encoder_cache_hits`` times."""
+    spec_decode_num_drafts: int = 0
+    """Speculative decoding, engine-wide: request-steps that carried drafts."""
+    spec_decode_num_draft_tokens: int = 0
+    """Drafts proposed."""
+    spec_decode_num_accepted_tokens: int = 0
+    """Drafts the model accepted (each one a token generated without a step of its own)."""
+    spec_decode_accepted_per_pos: list[int] = field(default_factory=list)
+    """Drafts accepted at each draft position (num_speculative_tokens entries)."""
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted drafts / proposed drafts (0.0 before any draft)."""
+        return self.spec_decode_num_accepted_tokens / self.spec_decode_num_draft_tokens if self.spec_decode_num_draft_tokens else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -109,6 +109,12 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """Names of the adapters of the running requests (sorted; LoRA on only)."""
     waiting_lora_adapters: list[str] = []
     """Names of the adapters of the waiting requests (sorted; LoRA on only)."""
+    spec_decode_num_drafts: int = 0
+    """Speculative decoding: request-steps that carried drafts (asyncllm/spec/stats.py)."""
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: list[int] = []
+    """Drafts accepted at each draft position (num_speculative_tokens entries; speculative decoding on only)."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -272,6 +278,9 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):
     """[gpu_block, cpu_block] pairs to copy back from the CPU after the swap-outs, before the forward."""
     grammar_bitmask: "GrammarBitmask | None" = None
     """Allowed tokens of the structured-output requests that sample in this step (None: no such request)."""
+    spec_token_ids: dict[str, list[int]] = {}
+    """Speculative decoding: each drafted request's drafts. Such a request's scheduled tokens are its last
+    token and these; the workers verify them and sample the accepted drafts and one token more."""
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -315,7 +324,8 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     step_id: int
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
-    """One list per scheduled request; empty for a prefill chunk that samples nothing."""
+    """One list per scheduled request; empty for a prefill chunk that samples nothing. A drafted request's
+    list is its accepted drafts, then the token sampled after them."""
     logprobs: dict[str, LogprobsArrays] = {}
     """Logprobs of the sampled tokens, for the requests that asked."""
     prompt_logprobs: dict[str, LogprobsArrays] = {}

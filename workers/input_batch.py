@@ -31,6 +31,7 @@ from asyncllm.workers.block_table import BlockTable
 from asyncllm.workers.logits_processors import RowLogitsParams, build_logits_processors_metadata
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
+from asyncllm.workers.spec_decode import DraftedRequest, plan_drafted
 from asyncllm.workers.token_feedback import PendingTokens, TokenFeedback
 
 __all__ = ["InputBatch", "RequestState", "StepInputs"]
@@ -85,11 +86,14 @@ class StepInputs:
     attn_metadata: AttentionMetadata
     sample_indices: list[int]
     """Indices into ``req_ids`` of the requests that sample a token this step."""
-    logits_indices: torch.Tensor  # [S] int64: the last token of each sampling request
+    logits_indices: torch.Tensor
+    """[S + E] int64: the last token of each sampling request, then the E draft positions of `drafted`."""
     sampling_metadata: SamplingMetadata
-    """Settings of the sampling requests, in ``sample_indices`` order."""
+    """Settings of the logits rows: the sampling requests in ``sample_indices`` order, then the draft rows."""
     prompt_logprobs_jobs: list[PromptLogprobsJob] = field(default_factory=list)
     """Prompt logprobs to compute from this step's hidden states."""
+    drafted: list[DraftedRequest] = field(default_factory=list)
+    """The requests whose drafts this step verifies (speculative decoding; workers/spec_decode.py)."""
 
     @property
     def num_tokens(self) -> int:
@@ -142,7 +146,7 @@ class InputBatch:
         self.rows = _Staged((max_reqs,), torch.int64, device)
         """The step's request rows: the device gathers their block tables (`BlockTable.gather`)."""
         self.block_tables = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
-        self.logits_indices = _Staged((max_reqs,), torch.int64, device)
+        self.logits_indices = _Staged((max(max_reqs, max_tokens),), torch.int64, device)  # draft rows too
 
     # ------------------------------------------------------------ state diffs
     def update_states(self, sched_out: SchedulerOutput) -> None:
@@ -219,6 +223,8 @@ class InputBatch:
         num_reqs = len(req_ids)
         assert 0 < num_reqs <= self.max_num_reqs, num_reqs
         states = [self.requests[req_id] for req_id in req_ids]
+        for req_id, drafts in sched_out.spec_token_ids.items():  # inputs like known tokens until `finish_step`
+            self.requests[req_id].token_ids += drafts
         num_scheduled = np.fromiter(sched_out.num_scheduled_tokens.values(), np.int64, num_reqs)
         assert num_scheduled.sum() <= self.max_num_batched_tokens and (num_scheduled > 0).all(), num_scheduled
         if self._copies_done is not None:
@@ -232,9 +238,21 @@ class InputBatch:
         self._write_token_ids(states, query_start_loc, computed, seq_lens)
         self._write_positions_and_slots(states, num_scheduled, computed, query_start_loc)
         sample_indices = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
-        self.logits_indices.np[: len(sample_indices)] = query_start_loc[1:][sample_indices] - 1
-        sampling_metadata = self._sampling_metadata([states[i] for i in sample_indices])
-        inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata)
+        num_sampling = len(sample_indices)
+        self.logits_indices.np[:num_sampling] = query_start_loc[1:][sample_indices] - 1
+        sampling_states = [states[i] for i in sample_indices]
+        positions = [s.num_tokens for s in sampling_states]
+        drafted: list[DraftedRequest] = []
+        if sched_out.spec_token_ids:  # the draft positions' rows follow the usual ones
+            drafted, extra = plan_drafted(req_ids, sample_indices, sched_out.spec_token_ids, query_start_loc)
+            self.logits_indices.np[num_sampling : num_sampling + len(extra)] = extra
+            for request in drafted:
+                state, k = sampling_states[request.sample], len(request.drafts)
+                sampling_states += [state] * k
+                positions += range(state.num_tokens - k, state.num_tokens)
+        sampling_metadata = self._sampling_metadata(sampling_states, positions)
+        inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata, len(positions))
+        inputs.drafted = drafted
         if self.feedback.pending is not None:
             self.feedback.fill(self.input_ids.np, inputs.input_ids, query_start_loc, computed,
                                [s.token_ids for s in states])
@@ -272,7 +290,8 @@ class InputBatch:
         self.slot_mapping.np[:num_tokens] = block_ids * self.block_size + positions % self.block_size
 
     def _to_device(
-        self, req_ids: list[str], num_tokens: int, sample_indices: list[int], sampling_metadata: SamplingMetadata
+        self, req_ids: list[str], num_tokens: int, sample_indices: list[int], sampling_metadata: SamplingMetadata,
+        num_logits_rows: int,
     ) -> StepInputs:
         """Copy the written host buffers to the device (`prepare_inputs` records when the copies are done)."""
         num_reqs = len(req_ids)
@@ -290,7 +309,7 @@ class InputBatch:
                 block_size=self.block_size,
             ),
             sample_indices=sample_indices,
-            logits_indices=self.logits_indices.to_device(len(sample_indices)),
+            logits_indices=self.logits_indices.to_device(num_logits_rows),
             sampling_metadata=sampling_metadata,
         )
         return inputs
@@ -303,7 +322,7 @@ class InputBatch:
             assert seq_lens[i] <= state.num_tokens, (state.req_id, int(seq_lens[i]), state.num_tokens)
             input_ids[query_start_loc[i] : query_start_loc[i + 1]] = state.token_ids[computed[i] : seq_lens[i]]
 
-    def _sampling_metadata(self, states: list[RequestState]) -> SamplingMetadata:
+    def _sampling_metadata(self, states: list[RequestState], positions: list[int]) -> SamplingMetadata:
         rows = np.fromiter((s.row for s in states), np.int64, len(states))
         device = self.device
         processors = build_logits_processors_metadata(states, device) if self._num_logits_params else None
@@ -314,18 +333,26 @@ class InputBatch:
             self.top_p[rows],
             self.min_p[rows],
             seeds=[s.params.seed for s in states],
-            positions=[s.num_tokens for s in states],
+            positions=positions,
             device=self.device,
             logits_processors=processors,
             logprobs=logprobs,
         )
 
     # ------------------------------------------------------------ after the step
-    def finish_step(self, inputs: StepInputs, sched_out: SchedulerOutput, sampled: list[int]) -> None:
-        """Advance computed counts and append the sampled tokens to their rows."""
+    def finish_step(self, inputs: StepInputs, sched_out: SchedulerOutput, sampled: list[int],
+                    verified: dict[int, list[int]] | None = None) -> None:
+        """Advance computed counts and append the sampled tokens to their rows (``verified``: a drafted
+        request's tokens by sampling index, in place of its drafts)."""
         self._advance(sched_out)
         for i, token in zip(inputs.sample_indices, sampled):
             self.requests[inputs.req_ids[i]].token_ids.append(token)
+        for request in inputs.drafted:
+            assert verified is not None
+            state, tokens = self.requests[inputs.req_ids[inputs.sample_indices[request.sample]]], verified[request.sample]
+            del state.token_ids[-len(request.drafts) - 1 :]  # the drafts and the usual row's token
+            state.token_ids += tokens
+            state.num_computed_tokens -= len(request.drafts) + 1 - len(tokens)  # rejected drafts: not computed
         if self.prompt_logprobs_req_ids:
             self.prompt_logprobs_req_ids.difference_update(inputs.req_ids[i] for i in inputs.sample_indices)
 

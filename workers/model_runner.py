@@ -33,6 +33,7 @@ from asyncllm.workers.lora_runner import LoRARunner
 from asyncllm.workers.pooler import Pooler
 from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal
 from asyncllm.workers.sampler import Sampler, SamplerOutput
+from asyncllm.workers.spec_decode import verify_drafts
 from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
 from asyncllm.workers.token_feedback import InFlightStep
 
@@ -170,7 +171,9 @@ class ModelRunner:
         Leaves no request rows, no KV cache and a fresh sampler behind (unseeded
         draws start from the engine seed). Returns the temporary cache's bytes.
         """
-        sched_out, num_blocks = profile_step(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len, self.block_size)
+        spec = self.config.scheduler_config.speculative
+        sched_out, num_blocks = profile_step(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                                             self.block_size, spec.num_speculative_tokens if spec is not None else 0)
         self.kv_caches = self._allocate_kv_caches(num_blocks)
         try:
             self.execute_model(sched_out)
@@ -240,6 +243,7 @@ class ModelRunner:
         embeddings: dict[str, bytes] = {}
         if inputs.sample_indices:
             every_token_samples = len(inputs.sample_indices) == inputs.num_tokens  # a decode batch: rows in order
+            every_token_samples = every_token_samples and not inputs.drafted
             selected = hidden if every_token_samples else hidden.index_select(0, inputs.logits_indices)
             if self.pooler.samples_any(inputs.req_ids, inputs.sample_indices):
                 embeddings = self.pooler.embeddings(inputs.req_ids, inputs.sample_indices, selected)
@@ -251,16 +255,20 @@ class ModelRunner:
                 pending = batch.defer_step(inputs, sched_out, sampler_out.sampled_token_ids)
                 return InFlightStep(sched_out, inputs, pending)
             sampled = sampler_out.sampled_token_ids.tolist()
-        batch.finish_step(inputs, sched_out, sampled)
-        output = self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs)
+        verified = None
+        if inputs.drafted:  # speculative decoding: the draft rows follow the usual ones
+            verified = verify_drafts(sampled, inputs.drafted)
+            del sampled[len(inputs.sample_indices) :]
+        batch.finish_step(inputs, sched_out, sampled, verified)
+        output = self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs, verified)
         output.failed_requests = failed
         output.embeddings = embeddings
         return output
 
     def _may_defer(self, sched_out: SchedulerOutput, sampler_out: SamplerOutput) -> bool:
-        """No logprobs, grammar or images, and no prompt logprobs row (one computed this step is still in the set)."""
+        """No logprobs, grammar, images or drafts, and no prompt logprobs row (one computed this step is still in the set)."""
         return (sampler_out.logprobs is None and sched_out.grammar_bitmask is None and self.mm_runner is None
-                and not self.input_batch.prompt_logprobs_req_ids)
+                and not self.input_batch.prompt_logprobs_req_ids and not sched_out.spec_token_ids)
 
     def _needs_host_tokens(self) -> bool:
         """Whether building a step reads rows' output tokens on the host (penalties, prompt logprobs, images)."""
@@ -268,10 +276,13 @@ class ModelRunner:
         return bool(batch.num_logits_params_rows or batch.prompt_logprobs_req_ids or self.mm_runner is not None)
 
     def _output(self, sched_out: SchedulerOutput, inputs: StepInputs, sampled: list[int],
-                sampler_out: SamplerOutput | None, prompt_logprobs: dict[str, LogprobsArrays]) -> ModelRunnerOutput:
+                sampler_out: SamplerOutput | None, prompt_logprobs: dict[str, LogprobsArrays],
+                verified: dict[int, list[int]] | None = None) -> ModelRunnerOutput:
         sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
         for i, token in zip(inputs.sample_indices, sampled):
             sampled_token_ids[i] = [token]
+        for sample, tokens in (verified or {}).items():  # a drafted request: its accepted drafts and one token
+            sampled_token_ids[inputs.sample_indices[sample]] = tokens
         logprobs = _logprobs_by_request(inputs, sampler_out) if sampler_out is not None else {}
         output = ModelRunnerOutput(sched_out.step_id, inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs)
         if self.mm_runner is not None:
@@ -280,38 +291,45 @@ class ModelRunner:
 
 
 def _logprobs_by_request(inputs: StepInputs, sampler_out: SamplerOutput) -> dict[str, LogprobsArrays]:
-    """The sampler's logprobs rows keyed by request id."""
+    """The sampler's logprobs rows of the sampling requests, keyed by request id."""
     meta = inputs.sampling_metadata.logprobs
     if meta is None or sampler_out.logprobs is None:
         return {}
-    req_ids = [inputs.req_ids[inputs.sample_indices[r]] for r in meta.row_indices]
-    return dict(zip(req_ids, sampler_out.logprobs))
+    num_sampling = len(inputs.sample_indices)  # rows past these are draft positions (only the profile step's log)
+    return {inputs.req_ids[inputs.sample_indices[r]]: row
+            for r, row in zip(meta.row_indices, sampler_out.logprobs) if r < num_sampling}
 
 
 def profile_step(
-    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int
+    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int, num_drafts: int = 0
 ) -> tuple[SchedulerOutput, int]:
-    """The largest step the scheduler can send: as many tokens and sampling requests as allowed.
+    """The largest step the scheduler can send: as many tokens and sampling requests as allowed, each with
+    ``num_drafts`` drafts where it is long enough (speculative decoding: 1 + num_drafts logits rows each).
 
     Returns the step and the number of KV blocks it needs (ids 0..n-1).
     """
     num_reqs = min(max_num_seqs, max_num_batched_tokens)
     num_tokens = min(max_num_batched_tokens, num_reqs * max_model_len)
     base, extra = divmod(num_tokens, num_reqs)
-    new_reqs, next_block = [], 0
+    new_reqs, next_block, spec_token_ids = [], 0, {}
     for i in range(num_reqs):
         length = base + (1 if i < extra else 0)
         blocks = -(-length // block_size)
+        drafts = num_drafts if length > num_drafts else 0
+        if drafts:
+            spec_token_ids[f"profile-{i}"] = [0] * drafts
         new_reqs.append(
             NewRequestData(
                 req_id=f"profile-{i}",
-                token_ids=[0] * length,
-                num_prompt_tokens=length,
+                token_ids=[0] * (length - drafts),
+                num_prompt_tokens=length - drafts,
                 params=_PROFILE_PARAMS,
                 block_ids=list(range(next_block, next_block + blocks)),
                 num_computed_tokens=0,
             )
         )
         next_block += blocks
-    scheduled = {new.req_id: len(new.token_ids) for new in new_reqs}
-    return SchedulerOutput(_PROFILE_STEP_ID, new_reqs, CachedRequestData(), scheduled, num_tokens), next_block
+    scheduled = {new.req_id: len(new.token_ids) + len(spec_token_ids.get(new.req_id, ())) for new in new_reqs}
+    step = SchedulerOutput(_PROFILE_STEP_ID, new_reqs, CachedRequestData(), scheduled, num_tokens,
+                           spec_token_ids=spec_token_ids)
+    return step, next_block

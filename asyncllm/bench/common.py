@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import random
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -51,6 +52,10 @@ def add_common_args(parser: argparse.ArgumentParser, overlapped_steps: bool = Tr
         model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                            help="schedule step N+1 while the workers run step N (docs/scheduling.md; the engine's "
                                 "default); --no-async-scheduling runs every step synchronously")
+    model.add_argument("--speculative-config", type=json.loads, default=None,
+                       help="speculative decoding as JSON, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                            "(docs/speculative.md; drafts need outputs that repeat their context, which random "
+                            "prompts on dummy weights seldom do)")
     model.add_argument("--seed", type=int, default=0, help="seeds the synthetic workload and the engine")
     out = parser.add_argument_group("output")
     out.add_argument("--output-json", help="write the result (metadata, settings, metrics) to this file")
@@ -95,6 +100,8 @@ def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
     )
     if a.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = a.max_num_batched_tokens
+    if getattr(a, "speculative_config", None) is not None:
+        kwargs["speculative_config"] = a.speculative_config
     return kwargs
 
 

@@ -63,8 +63,10 @@ class EngineCore:
                                                   config.structured_output_compile_timeout_s, config.revision)
         self.restarter = WorkerRestarter(config, self.num_gpu_blocks, self.num_cpu_blocks)
         self._next_health_check = 0.0
-        self.overlap = OverlappedSteps(self) if config.async_scheduling else None
-        """async_scheduling: the steps scheduled ahead of their outputs (asyncllm/engine/overlap.py)."""
+        overlapped = config.async_scheduling and config.scheduler_config.speculative_config is None
+        self.overlap = OverlappedSteps(self) if overlapped else None
+        """async_scheduling: the steps scheduled ahead of their outputs (asyncllm/engine/overlap.py); not with
+        speculative decoding, whose next drafts need the step's accepted tokens."""
 
     # ------------------------------------------------------------ busy loop
     def run(self) -> None:

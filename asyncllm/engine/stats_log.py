@@ -55,7 +55,21 @@ class StatsLogger:
             f"Preemptions: {cur.num_preemptions_total}, "
             f"KV cache usage: {100.0 * cur.kv_cache_usage:.1f}%, "
             f"Prefix cache hit rate: {hit_rate:.1f}%"
-        )
+        ) + _spec_decoding(prev, cur)
+
+
+def _spec_decoding(prev: EngineStats, cur: EngineStats) -> str:
+    """vLLM's speculative-decoding figures over the interval ('' when no draft was verified in it)."""
+    drafts = cur.spec_decode_num_drafts - prev.spec_decode_num_drafts
+    if not drafts:
+        return ""
+    drafted = cur.spec_decode_num_draft_tokens - prev.spec_decode_num_draft_tokens
+    accepted = cur.spec_decode_num_accepted_tokens - prev.spec_decode_num_accepted_tokens
+    before = prev.spec_decode_accepted_per_pos or [0] * len(cur.spec_decode_accepted_per_pos)
+    per_pos = ", ".join(f"{(n - m) / drafts:.3f}" for n, m in zip(cur.spec_decode_accepted_per_pos, before))
+    return (f", SpecDecoding: Mean acceptance length: {1 + accepted / drafts:.2f}, "
+            f"Accepted: {accepted} tokens, Drafted: {drafted} tokens, "
+            f"Draft acceptance rate: {100.0 * accepted / drafted:.1f}%, Per-position acceptance rate: {per_pos}")
 
 
 def _activity(stats: EngineStats) -> tuple[int, ...]:

@@ -96,7 +96,10 @@ class HostStats:
             prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
             num_steps_total=s.num_steps_total, mm_encoder_cache_queries=s.mm_encoder_cache_queries,
-            mm_encoder_cache_hits=s.mm_encoder_cache_hits,
+            mm_encoder_cache_hits=s.mm_encoder_cache_hits, spec_decode_num_drafts=s.spec_decode_num_drafts,
+            spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
+            spec_decode_accepted_per_pos=s.spec_decode_accepted_per_pos,
         )
 
     def snapshot(self, engine_alive: bool = True) -> EngineStats:
@@ -111,4 +114,7 @@ class HostStats:
             request_success_total=dict(self.request_success), num_swapped_total=s.num_swapped_total,
             mm_cache_queries=self.mm_cache_queries, mm_cache_hits=self.mm_cache_hits,
             mm_encoder_cache_queries=s.mm_encoder_cache_queries, mm_encoder_cache_hits=s.mm_encoder_cache_hits,
+            spec_decode_num_drafts=s.spec_decode_num_drafts, spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
+            spec_decode_accepted_per_pos=list(s.spec_decode_accepted_per_pos),
         )

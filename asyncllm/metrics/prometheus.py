@@ -50,6 +50,9 @@ _ENGINE_COUNTERS: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
      lambda s: s.mm_encoder_cache_queries),
     ("mm_encoder_cache_hits", "Multimodal items whose encoder output was cached (the vision tower did not run).",
      lambda s: s.mm_encoder_cache_hits),
+    ("spec_decode_num_drafts", "Number of spec decoding drafts.", lambda s: s.spec_decode_num_drafts),
+    ("spec_decode_num_draft_tokens", "Number of draft tokens.", lambda s: s.spec_decode_num_draft_tokens),
+    ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", lambda s: s.spec_decode_num_accepted_tokens),
 ]
 _REQUEST_COUNTERS: list[tuple[str, str, Callable[[HostStats], float]]] = [
     ("prompt_tokens", "Number of prefill tokens processed.", lambda h: h.prompt_tokens_total),
@@ -115,6 +118,7 @@ def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
         yield family
     yield _request_success(by_model)
     yield _lora_info(engines)
+    yield _accepted_per_pos(engines)
     for name, doc, attribute in _HISTOGRAMS:
         family = HistogramMetricFamily(PREFIX + name, doc, labels=_LABELS)
         for model, group in by_model.items():
@@ -140,6 +144,7 @@ def _summed(snapshots: list[SchedulerStats]) -> SchedulerStats:
         values = [getattr(s, name) for s in snapshots]
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
         fields[name] = sum(values) if numeric else values[0]
+    fields["spec_decode_accepted_per_pos"] = [sum(n) for n in zip(*(s.spec_decode_accepted_per_pos for s in snapshots))]
     return SchedulerStats(**fields)
 
 
@@ -152,6 +157,16 @@ def _lora_info(engines: dict[str, SchedulerStats]) -> Metric:
         if scheduler.max_lora:
             family.add_metric([model, str(scheduler.max_lora), ",".join(scheduler.running_lora_adapters),
                                ",".join(scheduler.waiting_lora_adapters)], 1.0)
+    return family
+
+
+def _accepted_per_pos(engines: dict[str, SchedulerStats]) -> Metric:
+    """vLLM's ``spec_decode_num_accepted_tokens_per_pos``: accepted drafts by draft position (label position)."""
+    family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                 "Accepted tokens per draft position.", labels=[*_LABELS, "position"])
+    for model, scheduler in engines.items():
+        for position, count in enumerate(scheduler.spec_decode_accepted_per_pos):
+            family.add_metric([model, str(position)], count)
     return family
 
 

@@ -69,6 +69,7 @@ class Request:
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
         "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids", "mm_items", "lora", "lora_int_id", "pooling",
+        "draft_buffer",
     )
 
     def __init__(
@@ -123,6 +124,9 @@ class Request:
         """Its id (0: none): keys the prefix cache and counts against max_loras."""
         self.pooling = pooling
         """Set for an embedding request (one output token; the worker returns the embedding with it)."""
+        self.draft_buffer: bytearray | None = None
+        """Speculative decoding: the tokens as int32 bytes for the n-gram lookup (asyncllm/spec/ngram.py);
+        None when the request is not drafted."""
         self.events: list[protocol.EngineCoreEvent] | None = None
         """Scheduling events not yet sent to the host (see `record_event`)."""
         self.plain_outputs = params.logprobs is None and params.prompt_logprobs is None and params.structured is None

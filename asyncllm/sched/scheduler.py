@@ -50,6 +50,8 @@ from asyncllm.sched.preemption import PreemptionLogger, Preemptor, insert_runnin
 from asyncllm.sched.queue import create_request_queue
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.step_outputs import StepOutputs
+from asyncllm.spec.ngram import NgramProposer, can_speculate
+from asyncllm.spec.stats import SpecDecodingStats
 
 __all__ = ["Scheduler", "PreemptionLogger"]
 
@@ -61,7 +63,7 @@ class _Step:
 
     __slots__ = (
         "budget", "num_scheduled_tokens", "new_reqs", "cached_reqs", "preempted_req_ids",
-        "blocks_to_swap_out", "blocks_to_swap_in",
+        "blocks_to_swap_out", "blocks_to_swap_in", "spec_token_ids",
     )
 
     def __init__(self, budget: int) -> None:
@@ -72,6 +74,7 @@ class _Step:
         self.preempted_req_ids: list[str] = []
         self.blocks_to_swap_out: list[list[int]] = []
         self.blocks_to_swap_in: list[list[int]] = []
+        self.spec_token_ids: dict[str, list[int]] = {}
 
 
 class Scheduler:
@@ -126,6 +129,10 @@ class Scheduler:
         self.mm_encoder_cache_queries = 0
         """Images the workers looked up in their encoder cache (rank 0's counts, from `ModelRunnerOutput`)."""
         self.mm_encoder_cache_hits = 0
+        spec = config.scheduler_config.speculative
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        """Speculative decoding's drafts (asyncllm/spec/); None when off."""
+        self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec is not None else 0)
 
     # ------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -135,6 +142,8 @@ class Scheduler:
         """
         self._check_request(request)
         request.cap_length(self.max_seq_len)  # then one length check per token covers max_tokens and max_seq_len
+        if self.proposer is not None and request.pooling is None and can_speculate(request.params):
+            request.draft_buffer = bytearray()
         config = self.config
         check_queue_capacity(self.waiting, request, config.max_num_queued_requests, config.max_num_queued_tokens)
         self.requests[request.request_id] = request
@@ -217,7 +226,14 @@ class Scheduler:
             mm_encoder_cache_queries=self.mm_encoder_cache_queries,
             mm_encoder_cache_hits=self.mm_encoder_cache_hits,
             **(self._lora_stats() if self.max_loras else {}),
+            **(self._spec_stats() if self.proposer is not None else {}),
         )
+
+    def _spec_stats(self) -> dict[str, Any]:
+        spec = self.spec_stats
+        return {"spec_decode_num_drafts": spec.num_drafts, "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
+                "spec_decode_accepted_per_pos": list(spec.accepted_per_pos)}
 
     def _lora_stats(self) -> dict[str, Any]:
         """The adapters of the running and the waiting requests, by name (vLLM's lora_requests_info)."""
@@ -252,6 +268,7 @@ class Scheduler:
             preempted_req_ids=step.preempted_req_ids,
             blocks_to_swap_out=step.blocks_to_swap_out,
             blocks_to_swap_in=step.blocks_to_swap_in,
+            spec_token_ids=step.spec_token_ids,
         )
         self._finished_req_ids = []
         self._step_id += 1
@@ -273,21 +290,28 @@ class Scheduler:
         budget = step.budget
         # Preemption only pops the list's tail (never a request before this one), so iterating while it
         # shrinks is safe: when the request preempts itself it was the last one and the loop ends.
+        draft = self._drafts if self.proposer is not None else None
         for request in running:
             if budget <= 0:
                 break
             req_id = request.request_id
             num_computed = request.num_computed_tokens
             num_new = request.num_tokens - num_computed
+            drafts = draft(request, budget) if draft is not None and num_new == 1 else None
             slot = num_computed % block_size
-            if num_new == 1 and slot:  # the block of the last computed token has room for this one
+            if num_new == 1 and slot and not drafts:  # the block of the last computed token has room for this one
                 if slot == last_slot:  # and this token fills it: register it now
                     cache_full_blocks(request, num_computed + 1)
             else:
-                if num_new != 1:
+                if drafts:
+                    num_new += len(drafts)
+                elif num_new != 1:
                     num_new = self.chunking.chunk(num_new, budget)
                 assert num_new > 0, request
                 new_block_ids = allocate_slots(request, num_new)
+                if new_block_ids is None and drafts:  # no room for the drafts: one token, as without them
+                    drafts, num_new = None, 1
+                    new_block_ids = allocate_slots(request, num_new)
                 if new_block_ids is None:
                     new_block_ids = self._preempt_until_allocated(request, num_new, step)
                     if new_block_ids is None:
@@ -295,12 +319,22 @@ class Scheduler:
                 if new_block_ids:
                     cached_new_block_ids[req_id] = new_block_ids
                 if (num_computed + num_new) % block_size < num_new:  # this step fills a block: register it now
-                    cache_full_blocks(request, num_computed + num_new)
+                    cache_full_blocks(request, min(num_computed + num_new, request.num_tokens))  # drafts wait
+                if drafts:
+                    step.spec_token_ids[req_id] = drafts
             append_cached_id(req_id)
             append_cached_computed(num_computed)
             num_scheduled_tokens[req_id] = num_new
             budget -= num_new
         step.budget = budget
+
+    def _drafts(self, request: Request, budget: int) -> list[int]:
+        """A decoding request's drafts: as many as the budget, max_tokens and the sequence length leave room for."""
+        buffer = request.draft_buffer
+        if buffer is None:
+            return []
+        room = min(budget - 1, request.max_output_tokens - (request.num_tokens - request.num_prompt_tokens) - 1)
+        return self.proposer.propose(request.all_token_ids, buffer, room)  # type: ignore[union-attr]
 
     def _preempt_until_allocated(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
         """Preempt the last running requests (maybe `request` itself) until its slots fit; None if it was the victim.
@@ -430,6 +464,7 @@ class Scheduler:
         self.mm_encoder_cache_queries += runner_out.mm_encoder_cache_queries
         self.mm_encoder_cache_hits += runner_out.mm_encoder_cache_hits
         num_scheduled_tokens = sched_out.num_scheduled_tokens
+        spec_token_ids = sched_out.spec_token_ids
         step_outputs = StepOutputs()
         outputs = step_outputs.deltas
         # The hot loop of a decode step: names bound once, the requests looked up in one pass before it (a C
@@ -448,12 +483,15 @@ class Scheduler:
             if request is None or request.status is not RUNNING:
                 continue
             req_id = request.request_id
+            drafts = spec_token_ids.get(req_id) if spec_token_ids else None
+            if drafts is not None:  # the KV holds the last token and the accepted drafts; the rest is rejected
+                num_scheduled = self.spec_stats.observe(len(drafts), token_ids)
             before = request.num_computed_tokens
             after = request.num_computed_tokens = before + num_scheduled
             num_prompt = request.num_prompt_tokens
             if before < num_prompt:
                 num_prompt_computed += (after if after < num_prompt else num_prompt) - before
-            if after % block_size < num_scheduled and len(request.block_hashes) < after // block_size:
+            if after % block_size < num_scheduled and len(request.block_hashes) < after // block_size and not drafts:
                 cache_full_blocks(request)  # a block filled whose last token was unknown when scheduled (async)
             num_tokens = request.num_tokens
             if after < num_tokens:
@@ -477,6 +515,8 @@ class Scheduler:
             else:
                 token_ids = request.append_sampled_tokens(token_ids, max_seq_len)
                 num_extra_tokens += len(token_ids) - 1
+                if drafts:  # blocks the accepted drafts filled (known tokens now), before a finished request frees them
+                    cache_full_blocks(request)
             finish_reason = request.finish_reason
             delta = protocol.RequestOutputDelta(req_id, token_ids, finish_reason, request.stop_reason,
                                                 request.num_cached_tokens if num_tokens == num_prompt else 0)

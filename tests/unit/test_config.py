@@ -91,7 +91,7 @@ def test_unknown_field_is_refused() -> None:
         ("pipeline_parallel_size", 2),
         ("data_parallel_size", 2),
         ("enable_expert_parallel", True),
-        ("speculative_config", {"method": "ngram"}),
+        ("speculative_config", {"method": "eagle", "num_speculative_tokens": 3}),
     ],
 )
 def test_unbuilt_features_raise_not_built(field: str, value: object) -> None:

@@ -352,3 +352,38 @@ def test_profile_step_runs_through_the_runner_and_leaves_nothing(fake_runner: Mo
     assert fake_runner.input_batch.requests == {} and fake_runner.kv_caches == []
     assert not fake_runner.input_batch.block_table.num_blocks.any()
     assert torch.equal(fake_runner.sampler.generator.get_state(), before)
+
+
+# ------------------------------------------------------------------ speculative decoding
+def test_a_drafted_step_keeps_the_accepted_drafts_and_the_kv_stays_right(fake_runner: ModelRunner) -> None:
+    """Drafts right, then wrong (its KV written, then overwritten), then all right: the tokens stay greedy's."""
+    prompt = PROMPTS["a"]  # 7 tokens: blocks 0-1
+    ref = FakeModel().greedy(prompt, 9)
+    out = fake_runner.execute_model(SchedulerOutput(0, [NewRequestData("a", prompt, 7, GREEDY, [0, 1], 0)],
+                                                    CachedRequestData(), {"a": 7}, 7))
+    assert out.sampled_token_ids == [ref[:1]]
+
+    def drafted(step_id: int, computed: int, drafts: list[int], new_blocks: list[int]) -> list[list[int]]:
+        step = SchedulerOutput(step_id, [], CachedRequestData(["a"], [computed], {"a": new_blocks} if new_blocks else {}),
+                               {"a": 1 + len(drafts)}, 1 + len(drafts), spec_token_ids={"a": drafts})
+        return fake_runner.execute_model(step).sampled_token_ids
+
+    wrong = [(t + 1) % 40 for t in ref]  # the fake vocabulary has 40 tokens
+    assert drafted(1, 7, [ref[1], ref[2], wrong[3]], [2]) == [ref[1:4]]  # positions 7-10; the one at 10 rejected
+    state = fake_runner.input_batch.requests["a"]
+    assert state.token_ids == prompt + ref[:4] and state.num_computed_tokens == 10
+    assert drafted(2, 10, ref[4:6], [3]) == [ref[4:7]]  # position 10 (the rejected draft's KV) is written again
+    assert drafted(3, 13, wrong[7:9], []) == [ref[7:8]]
+    assert state.token_ids == prompt + ref[:8] and state.num_computed_tokens == 14
+
+
+def test_the_profile_step_gives_drafts_to_requests_long_enough(fake_runner: ModelRunner) -> None:
+    sched_out, _ = profile_step(max_num_batched_tokens=50, max_num_seqs=8, max_model_len=32, block_size=4, num_drafts=6)
+    assert sched_out.spec_token_ids == {"profile-0": [0] * 6, "profile-1": [0] * 6}  # 7 tokens; the others have 6
+    assert sched_out.total_num_scheduled_tokens == sum(sched_out.num_scheduled_tokens.values()) == 50
+    assert [len(r.token_ids) for r in sched_out.new_reqs] == [1, 1, 6, 6, 6, 6, 6, 6]
+    runner = ModelRunner(make_config("m", speculative_config={"method": "ngram", "num_speculative_tokens": 3}),
+                         rank=0, tp_size=1, device=CPU)
+    runner.attach_model(FakeModel(), FAKE_SPEC, torch.float32)
+    assert runner.run_profile_step() == 16 * runner.bytes_per_block
+    assert runner.input_batch.requests == {} and runner.kv_caches == []

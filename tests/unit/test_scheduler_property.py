@@ -83,22 +83,32 @@ class FakeWorker:
         req_ids, sampled = [], []
         for req_id, num in out.num_scheduled_tokens.items():
             req_ids.append(req_id)
-            sampled.append(self._run(req_id, computed[req_id], num))
+            sampled.append(self._run(req_id, computed[req_id], num, out.spec_token_ids.get(req_id, [])))
         return protocol.ModelRunnerOutput(out.step_id, req_ids, sampled)
 
-    def _run(self, req_id: str, num_computed: int, num: int) -> list[int]:
+    def _run(self, req_id: str, num_computed: int, num: int, drafts: list[int]) -> list[int]:
+        """Drafts (speculative decoding) are inputs like known tokens: their KV is written, then the ones the
+        fake model agrees with are accepted, and one token more, as the real worker does."""
         tokens, table, bs = self.tokens[req_id], self.block_ids[req_id], self.block_size
         lora_id = self.lora_ids[req_id]
-        assert num > 0 and num_computed + num <= len(tokens) and len(table) * bs >= num_computed + num
+        inputs = tokens + drafts
+        assert num > 0 and num_computed + num <= len(inputs) and len(table) * bs >= num_computed + num
+        assert not drafts or num_computed + num == len(inputs) and num == len(drafts) + 1
         for pos in range(num_computed):
             assert self.kv[table[pos // bs]][pos % bs] == (lora_id, *tokens[: pos + 1]), (req_id, pos)
         for pos in range(num_computed, num_computed + num):
-            self.kv[table[pos // bs]][pos % bs] = (lora_id, *tokens[: pos + 1])
-        if num_computed + num < len(tokens):
+            self.kv[table[pos // bs]][pos % bs] = (lora_id, *inputs[: pos + 1])
+        if num_computed + num < len(inputs):
             return []
-        token = next_token(tokens, lora_id)
-        tokens.append(token)
-        return [token]
+        sampled = []
+        for draft in drafts:
+            sampled.append(next_token(tokens + sampled, lora_id))
+            if sampled[-1] != draft:
+                break
+        else:
+            sampled.append(next_token(tokens + sampled, lora_id))
+        tokens += sampled
+        return sampled
 
 
 def check_invariants(sched: Scheduler) -> None:
@@ -179,17 +189,20 @@ ops = st.lists(
     policy=st.sampled_from(["fcfs", "priority"]),
     max_queued=st.sampled_from([None, 3]),
     max_loras=st.sampled_from([0, 1, 2]),
+    num_drafts=st.sampled_from([0, 0, 1, 3]),
 )
 def test_random_schedules_keep_the_kv_cache_consistent(
     ops, num_gpu_blocks, block_size, budget, max_num_seqs, chunked, prefix_caching, threshold,
-    preemption_mode, num_cpu_blocks, policy, max_queued, max_loras,
+    preemption_mode, num_cpu_blocks, policy, max_queued, max_loras, num_drafts,
 ):
-    """max_loras 0: LoRA off; else requests take adapters 0 (none) to 3 by their index."""
+    """max_loras 0: LoRA off; else requests take adapters 0 (none) to 3 by their index. num_drafts > 0:
+    n-gram speculative decoding (the fake model's small vocabulary makes drafts often right, often wrong)."""
+    spec = {"method": "ngram", "num_speculative_tokens": num_drafts, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     config = EngineConfig.create(
         "dummy-model", block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching, long_prefill_token_threshold=threshold,
         preemption_mode=preemption_mode, scheduling_policy=policy, max_num_queued_requests=max_queued,
-        enable_lora=max_loras > 0, max_loras=max(max_loras, 1),
+        enable_lora=max_loras > 0, max_loras=max(max_loras, 1), speculative_config=spec if num_drafts else None,
     )
     run_ops(ops, config, num_gpu_blocks, num_cpu_blocks)
 

@@ -1,0 +1,82 @@
+"""`NgramProposer`: drafts copied from where the request's latest tokens appeared before.
+
+For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last n
+tokens of the request (prompt and outputs) are looked up earlier in the same
+tokens; for the longest n that matches, the drafts are the tokens that
+followed its latest occurrence with k tokens after it (else its latest
+occurrence, with fewer). Repeated text (code edits, quoting
+the prompt, lists, loops of a small model) is where the drafts get accepted.
+
+Each request keeps its tokens as a bytearray of little-endian int32 (extended
+by the tokens added since its last proposal), so the lookup is one C-speed
+``bytearray.rfind`` per n; a match at an offset that is not a whole token is
+skipped.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+from asyncllm.sampling import SamplingParams
+from asyncllm.spec.config import SpeculativeConfig
+
+__all__ = ["NgramProposer", "can_speculate"]
+
+_WIDTH = array("i").itemsize
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether a request's tokens may be drafted: its sampler treats every position alike.
+
+    Requests with logprobs, penalties, logit_bias, min_tokens, allowed or bad
+    words, or a grammar decode one token per step (their processors depend on
+    each position's preceding outputs); docs/speculative.md.
+    """
+    p = params
+    return (p.logprobs is None and p.prompt_logprobs is None and p.structured is None and not p.logit_bias
+            and p.min_tokens == 0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and p.repetition_penalty == 1.0 and p.allowed_token_ids is None and not p.bad_words
+            and not p.bad_words_token_ids)
+
+
+class NgramProposer:
+    """Proposes each step's drafts from the request's own tokens."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.sizes = range(config.prompt_lookup_max, config.prompt_lookup_min - 1, -1)
+        self.min_size = config.prompt_lookup_min
+
+    def propose(self, token_ids: list[int], buffer: bytearray, max_drafts: int) -> list[int]:
+        """Up to ``min(k, max_drafts)`` drafts for the tokens after ``token_ids``; ``buffer`` holds a prefix of
+        them as int32 bytes and is brought up to date here."""
+        num_tokens = len(token_ids)
+        known = len(buffer) // _WIDTH
+        if known < num_tokens:
+            buffer += array("i", token_ids[known:]).tobytes()
+        k = min(self.k, max_drafts)
+        if k <= 0 or num_tokens <= self.min_size:
+            return []
+        for n in self.sizes:
+            if n >= num_tokens:
+                continue
+            pattern = bytes(buffer[(num_tokens - n) * _WIDTH :])
+            # the latest occurrence followed by k tokens, else the latest followed by any
+            start = _rfind_token_aligned(buffer, pattern, max(num_tokens - k, n) * _WIDTH)
+            if start < 0:
+                start = _rfind_token_aligned(buffer, pattern, (num_tokens - 1) * _WIDTH)
+            if start >= 0:
+                follow = start + n
+                return token_ids[follow : follow + k]
+        return []
+
+
+def _rfind_token_aligned(buffer: bytearray, pattern: bytes, end: int) -> int:
+    """The token index of the last whole-token occurrence of ``pattern`` in ``buffer[:end]``, or -1."""
+    while True:
+        at = buffer.rfind(pattern, 0, end)
+        if at < 0:
+            return -1
+        if at % _WIDTH == 0:
+            return at // _WIDTH
+        end = at + len(pattern) - 1  # a match starting before this one

@@ -1,0 +1,135 @@
+"""Speculative decoding end to end: drafts change how many steps a request takes, never its tokens.
+
+Greedy outputs equal transformers' with drafts under chunked prefill, a small
+step budget, preemption (recompute and swap) and tensor parallelism; on the bundled model (trained
+on Python source, so its outputs repeat and drafts are often right) outputs
+equal those of an engine without drafts, for greedy and seeded sampling and
+next to requests that are not drafted, and the accepted drafts are exactly
+those an n-gram proposer over the final tokens accepts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+
+from asyncllm import AsyncEngine, SamplingParams
+from asyncllm.bundled import bundled_model_path
+from asyncllm.spec.config import SpeculativeConfig
+from asyncllm.spec.ngram import NgramProposer
+from engine_helpers import random_prompts
+from hf_reference import hf_greedy
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+MAX_TOKENS = 24
+CODE = [
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n\n    def __repr__(self):\n",
+    "import os\nimport sys\n\ndef main(argv):\n    parser = argparse.ArgumentParser()\n    parser.add_argument(",
+    "    def test_one(self):\n        self.assertEqual(f(1), 1)\n\n    def test_two(self):\n        self.assertEqual(",
+    "for name in names:\n    if name.startswith('_'):\n        continue\n    print(name)\nfor name in",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(path: str, prompt: tuple[int, ...]) -> list[int]:
+    return hf_greedy(path, list(prompt), MAX_TOKENS)
+
+
+CASES = {
+    "default": {},
+    "small-budget": {"max_num_batched_tokens": 16},
+    "recompute": {"num_gpu_blocks_override": 12, "max_model_len": 128},
+    "swap": {"num_gpu_blocks_override": 12, "max_model_len": 128, "preemption_mode": "swap", "swap_space": 0.001},
+    "tp2": {"tensor_parallel_size": 2},
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_greedy_output_equals_transformers_with_drafts(tiny_llama: str, case: str) -> None:
+    prompts = random_prompts(10, seed=3, stem_len=32)
+    prompts += [[5, 6, 7, 8, 9] * 6, list(range(10, 30)) * 3]  # drafts from the prompt
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    async with AsyncEngine(tiny_llama, disable_log_stats=True, speculative_config=SPEC, **CASES[case]) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        stats = engine.stats()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == _reference(tiny_llama, tuple(prompt)), f"prompt of {len(prompt)} tokens diverged"
+    assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
+    if case in ("recompute", "swap"):
+        assert stats.num_preemptions_total > 0
+
+
+def _expected_acceptance(prompt: list[int], output: list[int], max_tokens: int) -> tuple[int, int, int]:
+    """(drafted steps, drafts, accepted drafts) of one request decoded alone with SPEC, from its final tokens."""
+    proposer, buffer = NgramProposer(SpeculativeConfig.from_dict(SPEC)), bytearray()
+    tokens, n, steps, drafted, accepted = prompt + output[:1], 1, 0, 0, 0
+    while n < len(output):
+        drafts = proposer.propose(tokens, buffer, max_tokens - n - 1)
+        m = 0
+        while m < len(drafts) and drafts[m] == output[n + m]:
+            m += 1
+        steps, drafted, accepted = steps + bool(drafts), drafted + len(drafts), accepted + m
+        tokens += output[n : n + m + 1]
+        n += m + 1
+    return steps, drafted, accepted
+
+
+async def _generate(engine: AsyncEngine, prompts: list, params: list[SamplingParams]) -> list:
+    return await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params)))
+
+
+async def test_the_bundled_model_accepts_drafts_without_changing_a_token() -> None:
+    path = bundled_model_path()
+    greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    params = [greedy] * len(CODE)
+    params += [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=48, ignore_eos=True) for i in range(4)]
+    params += [SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.2),  # not drafted: they share
+               SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)]  # steps with drafted ones
+    prompts = (CODE * 3)[: len(params)]
+    async with AsyncEngine(path, disable_log_stats=True) as engine:
+        base = await _generate(engine, prompts, params)
+    async with AsyncEngine(path, disable_log_stats=True, speculative_config=SPEC) as engine:
+        greedy_alone = [await engine.generate(p, greedy) for p in CODE]  # one at a time: acceptance is exact
+        stats = engine.stats()
+        drafted = await _generate(engine, prompts, params)
+        stops = [SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[b.token_ids[j]])
+                 for b, j in zip(base, (5, 9, 13, 17))]
+        stopped = await _generate(engine, CODE, stops)
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in base]
+    assert [o.token_ids for o in greedy_alone] == [o.token_ids for o in base[: len(CODE)]]
+    for got, want in zip(drafted[-1].logprobs, base[-1].logprobs, strict=True):  # other batches: float noise only
+        assert got.keys() == want.keys()
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 and got[t].rank == want[t].rank for t in got)
+    expected = [_expected_acceptance(o.prompt_token_ids, o.token_ids, 48) for o in greedy_alone]
+    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) \
+        == tuple(map(sum, zip(*expected)))
+    assert stats.spec_decode_num_accepted_tokens >= 20, "the bundled model's outputs repeat: drafts get accepted"
+    assert sum(stats.spec_decode_accepted_per_pos) == stats.spec_decode_num_accepted_tokens
+    assert stats.spec_decode_accepted_per_pos[3] > 0
+    for out, b, j in zip(stopped, base, (5, 9, 13, 17)):  # a stop token inside accepted drafts ends the request
+        first = b.token_ids.index(b.token_ids[j])
+        assert out.token_ids == b.token_ids[: first + 1] and out.finish_reason == "stop"
+
+
+async def test_blocks_filled_by_accepted_drafts_enter_the_prefix_cache() -> None:
+    """A prompt that continues an earlier output hits as many blocks with drafts as without."""
+    path = bundled_model_path()
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    hits, outputs = [], []
+    for spec in (None, SPEC):
+        async with AsyncEngine(path, disable_log_stats=True, speculative_config=spec) as engine:
+            first = await _generate(engine, CODE, [params] * len(CODE))
+            before = engine.stats().prefix_cache_hits
+            continued = [o.prompt_token_ids + o.token_ids for o in first]
+            again = await _generate(engine, continued, [SamplingParams(temperature=0.0, max_tokens=8)] * len(CODE))
+            hits.append(engine.stats().prefix_cache_hits - before)
+            outputs.append([o.token_ids for o in first + again])
+            if spec is not None:
+                assert engine.stats().spec_decode_num_accepted_tokens > 0
+                value = engine.metrics_registry.get_sample_value(
+                    "asyncllm:spec_decode_num_accepted_tokens_total", {"model_name": engine._observer.stats.model_name})
+                assert value == engine.stats().spec_decode_num_accepted_tokens
+    assert outputs[0] == outputs[1]
+    assert hits[0] == hits[1] >= 4 * 64 - 4 * 16

@@ -1,0 +1,73 @@
+"""Verifying a step's drafts (speculative decoding; docs/speculative.md).
+
+A drafted request schedules its last token and its k drafts. Its logits rows
+are the k + 1 positions: the usual sampling row (the last position) keeps
+its place among the step's sampling rows, and the k positions before it are
+extra rows appended after them (`DraftedRequest`). Every row is sampled by
+the ordinary sampler, as if it were a decode step at that position (seeded
+requests draw the noise of that position), and the drafts are accepted
+while each equals the token sampled at its position; the first position
+where they differ gives its sampled token instead, and if every draft is
+accepted the last row's token follows them.
+
+For greedy requests this is the argmax at each position, so the output is
+token for token the output without drafts. For random sampling it is exact
+rejection sampling for a draft that proposes one token with certainty (the
+n-gram proposer): a draft ``d`` is accepted with probability ``p(d)``, and
+a rejected one is replaced by a token drawn from ``p`` without ``d``, so
+every token is drawn from the target distribution; with a seed, a request's
+tokens are the ones it samples without speculation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["DraftedRequest", "plan_drafted", "verify_drafts"]
+
+
+@dataclass
+class DraftedRequest:
+    """Where one drafted request's rows are among the step's logits rows."""
+
+    sample: int
+    """Its index among the sampling requests (its last position's row)."""
+    first_row: int
+    """The logits row of its first draft position; the k rows from here are its draft positions."""
+    drafts: list[int]
+
+
+def plan_drafted(
+    req_ids: list[str], sample_indices: list[int], spec_token_ids: dict[str, list[int]], query_start_loc: np.ndarray
+) -> tuple[list[DraftedRequest], np.ndarray]:
+    """The drafted requests of a step and the token indices of their extra logits rows (after the usual ones)."""
+    drafted, extra = [], []
+    next_row = len(sample_indices)
+    for sample, index in enumerate(sample_indices):
+        drafts = spec_token_ids.get(req_ids[index])
+        if drafts:
+            k = len(drafts)
+            end = int(query_start_loc[index + 1]) - 1  # the last position: its usual row
+            extra.append(np.arange(end - k, end))
+            drafted.append(DraftedRequest(sample, next_row, drafts))
+            next_row += k
+    return drafted, (np.concatenate(extra) if extra else np.zeros(0, np.int64))
+
+
+def verify_drafts(sampled: list[int], drafted: list[DraftedRequest]) -> dict[int, list[int]]:
+    """Each drafted request's output tokens (by sampling index): the accepted drafts, then one sampled token."""
+    out = {}
+    for request in drafted:
+        tokens = []
+        row = request.first_row
+        for j, draft in enumerate(request.drafts):
+            target = sampled[row + j]
+            tokens.append(target)
+            if target != draft:
+                break
+        else:
+            tokens.append(sampled[request.sample])
+        out[request.sample] = tokens
+    return out
