@@ -98,5 +98,11 @@ ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
     "serves (trusted clients only); 0: the routes do not exist (404). Read when the app is made.",
 )
 
+SERVER_DEV_MODE = EnvVar(
+    "ASYNCLLM_SERVER_DEV_MODE", False, _on_off,
+    "1: the OpenAI-compatible server adds vLLM's development routes: POST /reset_prefix_cache (forget the "
+    "prefix cache, e.g. between benchmark runs); 0: they do not exist (404). Read when the app is made.",
+)
+
 REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENGINE_KEY,
-            ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR, TRITON_INTERPRET, WORKER_PIPELINE)
+            ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE)

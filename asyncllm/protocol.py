@@ -80,7 +80,12 @@ class Goodbye(msgspec.Struct, **_STRUCT):
     shutdown: bool = False
 
 
-HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye]
+class ResetPrefixCache(msgspec.Struct, **_STRUCT):
+    """Forget every prefix-cache entry (vLLM's reset_prefix_cache): requests the core handles after this
+    message hit nothing computed before it. Running requests keep their blocks."""
+
+
+HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache]
 
 
 # ---------------------------------------------------------------- core -> host

@@ -198,6 +198,8 @@ class OpenAIServer:
                 Route("/v1/load_lora_adapter", self._guarded(self.load_lora_adapter), methods=["POST"]),
                 Route("/v1/unload_lora_adapter", self._guarded(self.unload_lora_adapter), methods=["POST"]),
             ]
+        if envs.SERVER_DEV_MODE.get():
+            routes.append(Route("/reset_prefix_cache", self._guarded(self.reset_prefix_cache), methods=["POST"]))
         app = Starlette(routes=routes, lifespan=self._lifespan(manage_engine),
                         exception_handlers={404: _not_found, 405: _not_allowed})
         app.state.openai_server = self
@@ -319,6 +321,11 @@ class OpenAIServer:
     def _model_card(self, name: str, root: str, parent: str | None = None) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "asyncllm", "root": root,
                 "parent": parent, "max_model_len": self.engine.config.max_model_len}
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's development route (ASYNCLLM_SERVER_DEV_MODE): forget the prefix cache."""
+        await self.engine.reset_prefix_cache()
+        return Response(status_code=200)
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's: serve the adapter at ``lora_path`` as the model ``lora_name`` (openai_lora.py)."""

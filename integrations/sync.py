@@ -115,6 +115,10 @@ class SyncEngine:
         """Iterate the deltas of a reply to chat `messages` (see `stream`)."""
         return self._iterate(lambda: self._engine.chat(messages, params, **options))
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (see `AsyncEngine.reset_prefix_cache`)."""
+        return self.run(self._engine.reset_prefix_cache())
+
     def stats(self) -> EngineStats:
         return self._engine.stats()
 

@@ -310,6 +310,17 @@ class AsyncEngine:
             raise EngineDeadError("the engine was closed")
         await anyio.to_thread.run_sync(processor.check_lora, lora_request)
 
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's ``reset_prefix_cache``), e.g. after new weights or between benchmark
+        runs: requests this engine submits afterwards hit nothing computed before; running requests keep their
+        KV blocks. Returns True (it cannot fail while the engine lives; `EngineDeadError` otherwise)."""
+        await self.start()
+        processor = self._processor
+        if processor is None or processor.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {processor.dead}" if processor else "the engine was closed")
+        processor.reset_prefix_cache()
+        return True
+
     def stats(self) -> EngineStats:
         """The latest snapshot of the engine's gauges and counters (no I/O; cheap enough per request)."""
         alive = self._processor is not None and self._processor.dead is None

@@ -163,7 +163,8 @@ class EngineCore:
                 return changed
 
     def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
-        if isinstance(message, (protocol.AddRequest, protocol.AbortRequests)) and client_id not in self.clients:
+        if isinstance(message, (protocol.AddRequest, protocol.AbortRequests, protocol.ResetPrefixCache)) \
+                and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
             return False
         if isinstance(message, protocol.AddRequest):
@@ -181,6 +182,9 @@ class EngineCore:
             ready = self._ready()
             ready.mm_shm_ring_mapped = self.mm_cache.attach(client_id, message.mm_shm_ring)
             self.io.send(client_id, ready)
+        elif isinstance(message, protocol.ResetPrefixCache):
+            self.scheduler.reset_prefix_cache()
+            logger.info("prefix cache reset (asked by a host)")
         elif isinstance(message, protocol.Goodbye):
             self.scheduler.abort_client(client_id)
             self.structured.abort_client(client_id)

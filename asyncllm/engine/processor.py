@@ -140,6 +140,10 @@ class Processor:
     def abort(self, request_id: str) -> None:
         self._post(("abort", request_id))
 
+    def reset_prefix_cache(self) -> None:
+        """Send `ResetPrefixCache` after every request submitted before (the jobs keep their order)."""
+        self._post(("reset_prefix_cache",))
+
     def close(self, shutdown_core: bool) -> None:
         """Say goodbye to the core and stop the thread (blocking: call off the loop)."""
         if self._thread.is_alive():
@@ -254,6 +258,8 @@ class Processor:
                     now = time.time()
                     for _, tracked in untracked:
                         self._observer.on_aborted(tracked.collector, now)
+            elif job[0] == "reset_prefix_cache":
+                dealer.send(self._encoder.encode(protocol.ResetPrefixCache()))
             elif job[0] == "close":
                 dealer.send(self._encoder.encode(protocol.Goodbye(shutdown=job[1])))
                 self._fail_all(None)

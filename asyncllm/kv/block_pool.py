@@ -148,13 +148,18 @@ class BlockPool:
             self._evict(block)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block: the workers' KV cache was lost (a worker restart). No block may be held."""
-        assert self.num_used_blocks == 0, f"{self.num_used_blocks} blocks are still held"
+        """Forget every cached block, free or held: no later lookup hits KV computed before now.
+
+        Held blocks stay with their requests (their KV is still theirs) and
+        return to the free queue as plain blocks; free ones are plain at once.
+        With no block held the pool is as new (free queue in id order).
+        """
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = None
         self._cached.clear()
-        self._free = OrderedDict((b.block_id, b) for b in self.blocks)
+        if self.num_used_blocks == 0:
+            self._free = OrderedDict((b.block_id, b) for b in self.blocks)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:

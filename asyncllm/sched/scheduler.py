@@ -205,6 +205,10 @@ class Scheduler:
         """Abort every request of one host (it said goodbye or died)."""
         return self.abort_requests([r.request_id for r in self.requests.values() if r.client_id == client_id])
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (`BlockPool.reset_prefix_cache`); the hit counters keep counting."""
+        self.kv_cache_manager.pool.reset_prefix_cache()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

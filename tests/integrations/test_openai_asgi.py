@@ -408,3 +408,21 @@ async def test_the_mistral_parser_keeps_special_tokens_for_the_requests_it_reads
             await client.post("/v1/chat/completions", json={"model": "fake", "tools": tools, "tool_choice": tool_choice,
                                                            "messages": [{"role": "user", "content": "hi"}]})
         assert engine.params[0].skip_special_tokens is not keeps, (parser, tool_choice)
+
+
+async def test_reset_prefix_cache_route_exists_only_in_dev_mode(bundled_engine, monkeypatch) -> None:
+    from asyncllm import envs
+
+    prompt = "import os\nimport sys\n" * 12  # several full blocks
+    async with _client(create_app(bundled_engine, manage_engine=False)) as client:
+        assert (await client.post("/reset_prefix_cache")).status_code == 404
+    monkeypatch.setenv(envs.SERVER_DEV_MODE.name, "1")
+    async with _client(create_app(bundled_engine, manage_engine=False)) as client:
+        for _ in range(2):
+            await client.post("/v1/completions", json={**GREEDY, "prompt": prompt})
+        hits = bundled_engine.stats().prefix_cache_hits
+        assert (await client.post("/reset_prefix_cache")).status_code == 200
+        await client.post("/v1/completions", json={**GREEDY, "prompt": prompt})
+        assert bundled_engine.stats().prefix_cache_hits == hits  # forgotten: nothing hit
+        await client.post("/v1/completions", json={**GREEDY, "prompt": prompt})
+        assert bundled_engine.stats().prefix_cache_hits > hits  # cached again by the last request

@@ -416,3 +416,22 @@ def test_priority_queue_orders_by_priority_then_arrival():
     queue.remove_requests({"d"})
     assert [queue.pop().request_id for _ in range(3)] == ["b", "c", "a"]
     assert not queue
+
+
+def test_reset_prefix_cache_unhashes_free_and_held_blocks():
+    sched = make_scheduler()
+    prompt = list(range(100, 109))  # 9 tokens: 2 full blocks of 4
+    sched.add_request(make_request("a", prompt, max_tokens=1))
+    run_step(sched)  # a finishes: its 2 full blocks stay cached, free
+    sched.add_request(make_request("b", prompt, max_tokens=8))
+    run_step(sched)
+    assert sched.kv_cache_manager.prefix_cache_hits == 8
+    pool = sched.kv_cache_manager.pool
+    held = list(sched.kv_cache_manager.req_to_blocks["b"])
+    sched.reset_prefix_cache()
+    assert all(block.block_hash is None for block in pool.blocks) and sched.kv_cache_manager.num_used_blocks == len(held)
+    while sched.has_unfinished_requests():
+        run_step(sched)  # b goes on with its blocks; blocks it fills now are cached again
+    sched.add_request(make_request("c", prompt, max_tokens=1))
+    run_step(sched)
+    assert sched.kv_cache_manager.prefix_cache_hits == 8  # nothing of before the reset was hit
