@@ -18,6 +18,7 @@ from asyncllm.errors import (
     NotBuiltError,
     RequestTimeoutError,
 )
+from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import EmbeddingOutput, PoolingParams
 from asyncllm.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput, StreamDelta
@@ -35,6 +36,9 @@ __all__ = [
     "RequestOutputKind",
     "StructuredOutputs",
     "LoRARequest",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "PoolingParams",
     "EmbeddingOutput",
     "StreamDelta",

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from asyncllm.errors import EngineDeadError
 
 if TYPE_CHECKING:
+    from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
     from asyncllm.engine.async_engine import AsyncEngine
     from asyncllm.engine.stream import RequestStream
     from asyncllm.outputs import EngineStats, RequestOutput, StreamDelta
@@ -114,6 +115,10 @@ class SyncEngine:
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **options: Any) -> Iterator[StreamDelta]:
         """Iterate the deltas of a reply to chat `messages` (see `stream`)."""
         return self._iterate(lambda: self._engine.chat(messages, params, **options))
+
+    def beam_search(self, prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
+        """Beam search (see `AsyncEngine.beam_search`)."""
+        return self.run(self._engine.beam_search(prompt, params, **options))
 
     def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (see `AsyncEngine.reset_prefix_cache`)."""

@@ -27,6 +27,7 @@ from asyncllm.metrics.tracing import capture_context
 from asyncllm.errors import AsyncLLMError, EngineDeadError, InvalidRequestError
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import EmbeddingOutput, PoolingParams
+from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from asyncllm.sampling import RequestOutputKind, SamplingParams
 
@@ -152,6 +153,8 @@ class AsyncEngine:
             await anyio.to_thread.run_sync(_stop, processor, core)
             raise
         self.tokenizer = prepared.tokenizer
+        self.eos_token_ids: list[int] = list(prepared.eos_token_ids)
+        """The tokenizer's and generation_config's EOS ids (known once started)."""
         self._core, self._processor = core, processor
 
     async def aclose(self, drain: bool = False, timeout: float | None = None) -> None:
@@ -283,6 +286,13 @@ class AsyncEngine:
 
         return await generate_many(self, prompts, params, progress=progress, max_concurrency=max_concurrency,
                                    lora_request=lora_request)
+
+    async def beam_search(self, prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
+        """Beam search (vLLM's ``LLM.beam_search``): the `params.beam_width` most likely continuations, best first
+        (asyncllm/beam_search.py). `options` (priority, lora_request, ...) apply to every step's requests."""
+        from asyncllm.beam_search import beam_search
+
+        return await beam_search(self, prompt, params, **options)
 
     def default_sampling_params(self) -> SamplingParams:
         """What a request without `SamplingParams` runs with (vLLM's ``get_default_sampling_params``): the model's

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncllm import AsyncEngine, SamplingParams
+from asyncllm import AsyncEngine, BeamSearchParams, SamplingParams
 from asyncllm.integrations.sync import SyncEngine
 
 PROMPT = list(range(3, 67))  # 64 tokens: 4 blocks of 16
@@ -39,8 +39,10 @@ async def test_a_reset_forgets_cached_blocks_and_running_requests_keep_theirs(ti
         assert await _hits(engine, PROMPT[::-1]) == (48, expected[:8])
 
 
-def test_the_sync_engine_resets_too(tiny_llama: str) -> None:
+def test_the_sync_engine_resets_and_searches_beams_too(tiny_llama: str) -> None:
     with SyncEngine(tiny_llama, disable_log_stats=True) as engine:
+        beams = engine.beam_search(PROMPT, BeamSearchParams(beam_width=2, max_tokens=3))
+        assert len(beams.sequences) == 2 and all(len(s.tokens) == len(PROMPT) + 3 for s in beams.sequences)
         engine.generate(PROMPT, GREEDY)
         assert engine.reset_prefix_cache() is True
         before = engine.stats().prefix_cache_hits

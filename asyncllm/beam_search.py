@@ -1,0 +1,109 @@
+"""Beam search over the engine, as vLLM's ``LLM.beam_search``: `BeamSearchParams` in, `BeamSearchOutput` out.
+
+It runs on the host, one token at a time: every step each live beam is one
+engine request of ``max_tokens=1`` that returns its top ``2 * beam_width``
+logprobs (the requests of a step run concurrently, and the prefix cache holds
+each beam's prefix, so a step recomputes about one token per beam). The
+candidates (a beam and one of its tokens) are ranked by cumulative logprob
+and the best ``beam_width`` of those not ending in EOS go on; every
+candidate ending in EOS (unless ``ignore_eos``) is complete. At the end the complete and
+the live beams are ranked by ``cumulative_logprob / length ** length_penalty``
+(length: prompt and output tokens, as vLLM) and the best ``beam_width`` are
+returned. Logprobs are the model's raw ones (greedy, no temperature).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+
+__all__ = ["BeamSearchParams", "BeamSearchSequence", "BeamSearchOutput", "beam_search"]
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's beam-search settings (``temperature`` only 0: the beams follow the raw logprobs)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    """Kept for vLLM compatibility: beam search has no stop strings, so it changes nothing but must be False."""
+
+    def validate(self) -> None:
+        if not isinstance(self.beam_width, int) or not 1 <= self.beam_width <= 64:
+            raise InvalidRequestError("beam_width", f"must be an int in [1, 64], got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be an int >= 1, got {self.max_tokens!r}")
+        if self.temperature != 0.0:
+            raise InvalidRequestError("temperature", "beam search ranks the raw logprobs: only 0.0 is built")
+        if self.include_stop_str_in_output:
+            raise InvalidRequestError("include_stop_str_in_output", "beam search has no stop strings")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One beam: every token (prompt first), its cumulative logprob and its text (the output tokens)."""
+
+    tokens: list[int]
+    cum_logprob: float = 0.0
+    logprobs: list[float] = field(default_factory=list)
+    """The logprob of each output token."""
+    text: str = ""
+    finish_reason: str | None = None
+    """'stop' (it ended with EOS) or 'length'."""
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.logprobs)
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]
+    """The best ``beam_width`` beams, best first."""
+
+
+def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
+    return beam.cum_logprob / (len(beam.tokens) ** length_penalty)
+
+
+async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
+    """See the module docstring; `prompt` is text or token ids."""
+    params.validate()
+    await engine.start()
+    prompt_ids = list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids
+    width = params.beam_width
+    step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
+    eos = set() if params.ignore_eos else set(engine.eos_token_ids)
+    beams, complete = [BeamSearchSequence(list(prompt_ids))], []
+    for _ in range(params.max_tokens):
+        outs = await asyncio.gather(*(engine.generate(b.tokens, step, **options) for b in beams))
+        candidates = []
+        for beam, out in zip(beams, outs):
+            for token, logprob in out.outputs[0].logprobs[0].items():  # type: ignore[index]
+                candidate = BeamSearchSequence(beam.tokens + [token], beam.cum_logprob + logprob.logprob,
+                                               beam.logprobs + [logprob.logprob])
+                if token in eos:
+                    candidate.finish_reason = "stop"
+                    complete.append(candidate)
+                else:
+                    candidates.append(candidate)
+        beams = sorted(candidates, key=lambda b: b.cum_logprob, reverse=True)[:width]
+        if not beams:
+            break
+    for beam in beams:
+        beam.finish_reason = "length"
+    best = sorted(complete + beams, key=lambda b: _score(b, params.length_penalty), reverse=True)[:width]
+    for beam in best:
+        beam.text = engine.tokenizer.decode(beam.tokens[len(prompt_ids):], skip_special_tokens=True)
+    return BeamSearchOutput(best)

@@ -1,0 +1,50 @@
+"""`AsyncEngine.beam_search` (vLLM's ``LLM.beam_search``) against transformers' beam search."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncllm import AsyncEngine, BeamSearchParams, InvalidRequestError
+from engine_helpers import random_prompts
+from hf_reference import _hf_model
+
+
+def _hf_beams(path: str, prompt: list[int], width: int, max_tokens: int, no_eos: int) -> list[list[int]]:
+    """transformers' beams, best first, with an EOS id that never comes up (so no beam ends early)."""
+    model = _hf_model(path)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             num_beams=width, num_return_sequences=width, do_sample=False, max_new_tokens=max_tokens,
+                             length_penalty=1.0, eos_token_id=no_eos, pad_token_id=no_eos)
+    return [row[len(prompt):].tolist() for row in out]
+
+
+async def test_beams_equal_transformers_when_no_beam_ends(tiny_llama: str) -> None:
+    width, max_tokens = 3, 8
+    params = BeamSearchParams(beam_width=width, max_tokens=max_tokens, ignore_eos=True)
+    async with AsyncEngine(tiny_llama, disable_log_stats=True) as engine:
+        for prompt in random_prompts(3, seed=11):
+            out = await engine.beam_search(prompt, params)
+            got = [seq.tokens[len(prompt):] for seq in out.sequences]
+            no_eos = max(engine.tokenizer.get_vocab().values())  # an id far down every candidate list
+            assert all(no_eos not in tokens for tokens in got)
+            assert got == _hf_beams(tiny_llama, prompt, width, max_tokens, no_eos)
+            scores = [seq.cum_logprob / len(seq.tokens) for seq in out.sequences]
+            assert scores == sorted(scores, reverse=True)
+            assert all(seq.finish_reason == "length" and seq.num_output_tokens == max_tokens for seq in out.sequences)
+            assert out.sequences[0].text == engine.tokenizer.decode(got[0], skip_special_tokens=True)
+        prompt = random_prompts(1, seed=12)[0]
+        best = (await engine.beam_search(prompt, params)).sequences[0].tokens[len(prompt):]
+        engine.eos_token_ids = [best[2]]  # a token the best beam takes: candidates ending in it complete
+        out = await engine.beam_search(prompt, BeamSearchParams(beam_width=width, max_tokens=max_tokens))
+        stopped = [seq for seq in out.sequences if seq.finish_reason == "stop"]
+        assert stopped and all(seq.tokens[-1] == best[2] and seq.num_output_tokens <= max_tokens for seq in stopped)
+        scores = [seq.cum_logprob / len(seq.tokens) for seq in out.sequences]
+        assert scores == sorted(scores, reverse=True) and len(out.sequences) == width
+        text = await engine.beam_search("def add(a, b):", BeamSearchParams(beam_width=2, max_tokens=4))
+        assert len(text.sequences) == 2 and all(s.cum_logprob < 0 for s in text.sequences)
+        for bad in (BeamSearchParams(beam_width=0, max_tokens=4), BeamSearchParams(beam_width=2, max_tokens=4,
+                                                                                    temperature=0.7)):
+            with pytest.raises(InvalidRequestError):
+                await engine.beam_search([5, 6, 7], bad)
