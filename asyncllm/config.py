@@ -31,6 +31,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""auto = the model dtype; fp8 and fp8_e4m3 = float8_e4m3fn; fp8_e5m2 = float8_e5m2 (docs/fp8-kv-cache.md)."""
 
 
 def _choice(name: str, value: object, allowed: tuple) -> None:
@@ -140,7 +142,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
     """Use exactly this many KV blocks instead of sizing from memory."""
     kv_cache_dtype: str = "auto"
-    """auto = the model dtype; fp8 is not built yet."""
+    """auto = the model dtype; fp8 / fp8_e4m3 (float8_e4m3fn) or fp8_e5m2 (float8_e5m2): K and V stored in
+    one byte each with scale 1.0, twice the blocks of bfloat16 (docs/fp8-kv-cache.md)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     swap_space: float = 4.0
@@ -150,9 +153,7 @@ class CacheConfig:
         _choice("block_size", self.block_size, BLOCK_SIZES)
         _float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
         _int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
-        _choice("kv_cache_dtype", self.kv_cache_dtype, ("auto", "fp8"))
-        if self.kv_cache_dtype == "fp8":
-            raise NotBuiltError("kv_cache_dtype", "fp8", "the fp8 KV cache")
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _bool("enable_prefix_caching", self.enable_prefix_caching)
         _float("swap_space", self.swap_space, 0.0, 1024.0)
 

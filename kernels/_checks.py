@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLOAT_DTYPES", "check", "check_float", "check_last_dim_contiguous", "check_same_device"]
+__all__ = [
+    "FLOAT_DTYPES", "FP8_DTYPES", "check", "check_float", "check_kv_cache", "check_last_dim_contiguous",
+    "check_same_device",
+]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The activation dtypes every kernel supports."""
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The fp8 KV-cache element types (kv_cache_dtype='fp8' / 'fp8_e4m3', 'fp8_e5m2')."""
 
 
 def check(ok: bool, message: str) -> None:
@@ -24,6 +29,13 @@ def check(ok: bool, message: str) -> None:
 def check_float(name: str, tensor: torch.Tensor, ndim: int) -> None:
     """``tensor`` is float32/float16/bfloat16 with ``ndim`` dims."""
     check(tensor.dtype in FLOAT_DTYPES, f"{name} must be float32, float16 or bfloat16, got {tensor.dtype}")
+    check(tensor.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(tensor.shape)}")
+
+
+def check_kv_cache(name: str, tensor: torch.Tensor, ndim: int) -> None:
+    """A KV cache: an activation dtype or an fp8 type, with ``ndim`` dims."""
+    check(tensor.dtype in FLOAT_DTYPES + FP8_DTYPES,
+          f"{name} must be float32, float16, bfloat16, float8_e4m3fn or float8_e5m2, got {tensor.dtype}")
     check(tensor.dim() == ndim, f"{name} must have {ndim} dims, got shape {tuple(tensor.shape)}")
 
 

@@ -16,6 +16,11 @@ then streams the context in tiles of ``TILE_N`` keys gathered through the block
 table with an online softmax. Head dims that are not a power of two are padded
 and masked. Offsets into the cache are int64 (blocks * block_size * heads *
 head_dim overflows int32 on large caches).
+
+The cache may hold fp8 (float8_e4m3fn or float8_e5m2, kv_cache_dtype='fp8'): each
+loaded K and V tile is cast to the query's dtype before its product (exact: every
+fp8 value is a float16, bfloat16 and float32 value), a no-op for a cache of the
+query's dtype.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
+from asyncllm.kernels._checks import check, check_float, check_kv_cache, check_last_dim_contiguous, check_same_device
 
 __all__ = ["paged_attention"]
 
@@ -120,11 +125,14 @@ def _check_args(
     check_float("query", query, 3)
     check_last_dim_contiguous("query", query)
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_float(name, t, 4)
+        check_kv_cache(name, t, 4)
         check_last_dim_contiguous(name, t)
         check(t.shape[3] == query.shape[2], f"{name} head dim {t.shape[3]} != query head dim {query.shape[2]}")
     check(key_cache.shape == value_cache.shape and key_cache.stride() == value_cache.stride(),
           "key_cache and value_cache must share shape and strides")
+    check(key_cache.dtype == value_cache.dtype, "key_cache and value_cache must share a dtype")
+    check(key_cache.dtype == query.dtype or key_cache.dtype.itemsize == 1,
+          f"the KV cache must be of the query's dtype {query.dtype} or an fp8 type, got {key_cache.dtype}")
     check(query.shape[1] % key_cache.shape[2] == 0,
           f"query heads {query.shape[1]} must be a multiple of KV heads {key_cache.shape[2]}")
     num_reqs = seq_lens.shape[0]

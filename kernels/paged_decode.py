@@ -22,6 +22,9 @@ returns at once and stage 2 masks them out by the same arithmetic. The grid
 and ``NUM_SEGMENTS`` depend only on host-known shapes, so a launch is
 CUDA-graph capturable.
 
+An fp8 cache is read as in the unified kernel: K and V tiles cast to the query's
+dtype before their products.
+
 Every request holds at most one query token: one (a decode) or none (a padding
 row of a CUDA-graph batch, with ``seq_len`` 0), which reads and writes nothing.
 """

@@ -24,6 +24,7 @@ __all__ = [
     "build_cos_sin_cache",
     "apply_rotary",
     "norm_and_rotate",
+    "to_kv_cache_dtype",
     "write_kv_cache",
     "gather_kv",
     "paged_attention",
@@ -124,8 +125,18 @@ def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, rotary: RotaryInputs) -> t
     return apply_rotary(q, k, rotary.positions, rotary.cos_sin_cache)
 
 
+def to_kv_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a KV cache of ``dtype`` stores it: an fp8 type (scale 1.0) rounds to the nearest value and
+    saturates at the largest finite one (as vLLM's conversion and the Triton KV write do); others cast."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        limit = torch.finfo(dtype).max
+        return x.clamp(-limit, limit).to(dtype)
+    return x.to(dtype)
+
+
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v ``[T, Hkv, D]`` into ``kv_cache [2, num_blocks, block_size, Hkv, D]`` at their slots.
+    """Store k, v ``[T, Hkv, D]`` into ``kv_cache [2, num_blocks, block_size, Hkv, D]`` at their slots,
+    cast to the cache's dtype (`to_kv_cache_dtype`: an fp8 cache holds the nearest fp8 values).
 
     A negative slot marks a padding token, which is not written.
     """
@@ -134,8 +145,11 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slo
     valid = slots >= 0
     if not bool(valid.all()):
         slots, k, v = slots[valid], k[valid], v[valid]
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v.to(kv_cache.dtype))
+    k, v = to_kv_cache_dtype(k, kv_cache.dtype), to_kv_cache_dtype(v, kv_cache.dtype)
+    if kv_cache.dtype.itemsize == 1:  # torch's CPU index_copy_ has no float8 kernel: copy the bytes
+        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
+    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
+    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,8 +157,9 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].to(torch.long)
-    key = kv_cache[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
-    value = kv_cache[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+    raw = kv_cache.view(torch.uint8) if kv_cache.dtype.itemsize == 1 else kv_cache  # fp8: gather the bytes
+    key = raw[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].view(kv_cache.dtype)
+    value = raw[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].view(kv_cache.dtype)
     return key, value
 
 
@@ -177,8 +192,9 @@ def paged_attention(
     """Causal GQA attention of each request's queries over its whole cached context.
 
     ``query`` is ``[T, Hq, D]`` for the flattened step; the step's K/V must already be
-    in ``kv_cache``. Returns ``[T, Hq, D]``; rows past ``query_start_loc[-1]``
-    (padding) are zero. One ``scaled_dot_product_attention`` call per request.
+    in ``kv_cache`` (of query's dtype, or fp8: the gathered K/V are cast to query's dtype).
+    Returns ``[T, Hq, D]``; rows past ``query_start_loc[-1]`` (padding) are zero. One
+    ``scaled_dot_product_attention`` call per request.
     """
     out = torch.zeros_like(query)
     qsl = metadata.query_start_loc_cpu

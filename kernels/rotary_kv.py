@@ -18,6 +18,12 @@ dtype and then the weight times it (as `reference.rms_norm`); the rotation
 rounds cos and sin to the dtype, and each product and the sum, so
 half-precision results match torch's bit for bit up to float32 contraction
 (and, with the norm, the order of the float32 sum of squares).
+
+An fp8 KV cache (``key_cache`` / ``value_cache`` of float8_e4m3fn or float8_e5m2,
+kv_cache_dtype='fp8'): the key is computed and rounded in the activation dtype
+exactly as above, then it and the value are stored as their nearest fp8 value,
+saturated (`asyncllm.kernels._fp8.to_storage`), which is `reference.write_kv_cache`'s
+cast bit for bit. The rotated query stays in the activation dtype.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
+from asyncllm.kernels._checks import check, check_float, check_kv_cache, check_last_dim_contiguous, check_same_device
+from asyncllm.kernels._fp8 import to_storage
 
 __all__ = ["rotary_embedding_with_kv_cache"]
 
@@ -54,11 +61,12 @@ def _rms_norm_heads(x1, x2, rest, weight_ptr, eps, head_dim, half, dims, rest_di
 def _rotate_heads(
     src_ptr, src_token_stride, src_head_stride, dst_ptr, dst_token_stride, dst_head_stride,
     norm_weight_ptr, norm_eps,
-    token, num_heads, head_dim, half, cos, sin,
+    token, num_heads, head_dim, half, cos, sin, dtype,
     HEADS: tl.constexpr, HALF: tl.constexpr, HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
 ):
-    """(Norm and) rotate ``num_heads`` heads of one token from src into dst (same dtype rounding as torch)."""
-    dtype = dst_ptr.dtype.element_ty
+    """(Norm and) rotate ``num_heads`` heads of one token from src into dst, rounding as torch does in the
+    activation ``dtype``; stored in dst's element type (an fp8 KV cache: cast from the rounded result)."""
+    store_dtype = dst_ptr.dtype.element_ty
     heads = tl.arange(0, HEADS)[:, None]
     dims = tl.arange(0, HALF)[None, :]
     mask = (heads < num_heads) & (dims < half)
@@ -75,9 +83,9 @@ def _rotate_heads(
                                        rest_mask, src_ptr.dtype.element_ty)
     out1 = (_round(x1 * cos, dtype) + _round(-x2 * sin, dtype)).to(dtype)
     out2 = (_round(x2 * cos, dtype) + _round(x1 * sin, dtype)).to(dtype)
-    tl.store(dst + dims, out1, mask=mask)
-    tl.store(dst + half + dims, out2, mask=mask)
-    tl.store(dst + rest_dims, rest.to(dtype), mask=rest_heads_mask)
+    tl.store(dst + dims, to_storage(out1, store_dtype), mask=mask)
+    tl.store(dst + half + dims, to_storage(out2, store_dtype), mask=mask)
+    tl.store(dst + rest_dims, to_storage(rest.to(dtype), store_dtype), mask=rest_heads_mask)
 
 
 @triton.jit
@@ -99,20 +107,20 @@ def _rotary_kv_kernel(
     cos = _round(tl.load(row + dims, mask=dims < half, other=0.0), dtype)
     sin = _round(tl.load(row + half + dims, mask=dims < half, other=0.0), dtype)
     _rotate_heads(q_ptr, q_token_stride, q_head_stride, q_out_ptr, q_out_token_stride, q_out_head_stride,
-                  q_norm_ptr, norm_eps, token, num_q_heads, head_dim, half, cos, sin,
+                  q_norm_ptr, norm_eps, token, num_q_heads, head_dim, half, cos, sin, dtype,
                   Q_HEADS, HALF, HEAD_DIM, HAS_NORM)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot >= 0:
         cache_offset = (slot // block_size) * cache_block_stride + (slot % block_size) * cache_slot_stride
         _rotate_heads(k_ptr, k_token_stride, k_head_stride, k_cache_ptr + cache_offset, 0, cache_head_stride,
-                      k_norm_ptr, norm_eps, token, num_kv_heads, head_dim, half, cos, sin,
+                      k_norm_ptr, norm_eps, token, num_kv_heads, head_dim, half, cos, sin, dtype,
                       KV_HEADS, HALF, HEAD_DIM, HAS_NORM)
         heads = tl.arange(0, KV_HEADS)[:, None]
         all_dims = tl.arange(0, HEAD_DIM)[None, :]
         mask = (heads < num_kv_heads) & (all_dims < head_dim)
         value = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + all_dims, mask=mask, other=0.0)
         v_dst = v_cache_ptr + cache_offset + heads * cache_head_stride + all_dims
-        tl.store(v_dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, to_storage(value, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_args(
@@ -127,10 +135,13 @@ def _check_args(
           f"key/value must be [T, Hkv, {head_dim}] with T={num_tokens}: {tuple(key.shape)}, {tuple(value.shape)}")
     check(key.dtype == query.dtype == value.dtype, "query, key and value must share a dtype")
     for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
-        check_float(name, t, 4)
+        check_kv_cache(name, t, 4)
         check_last_dim_contiguous(name, t)
         check(tuple(t.shape[2:]) == (key.shape[1], head_dim), f"{name} must be [blocks, block_size, Hkv, D]")
     check(key_cache.stride() == value_cache.stride(), "key_cache and value_cache must share strides")
+    check(key_cache.dtype == value_cache.dtype, "key_cache and value_cache must share a dtype")
+    check(key_cache.dtype == query.dtype or key_cache.dtype.itemsize == 1,
+          f"the KV cache must be of the query's dtype {query.dtype} or an fp8 type, got {key_cache.dtype}")
     check(positions.shape == (num_tokens,) and slot_mapping.shape == (num_tokens,),
           "positions and slot_mapping must be [T]")
     check(not positions.is_floating_point() and not slot_mapping.is_floating_point(),

@@ -22,11 +22,11 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
-from asyncllm.models.registry import KVCacheSpec, kv_cache_spec
+from asyncllm.models.registry import KVCacheSpec, kv_cache_spec, kv_cache_torch_dtype
 from asyncllm.protocol import CachedRequestData, LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.structured.bitmask import apply_grammar_bitmask
-from asyncllm.workers.cuda_graphs import CudaGraphRunner, capture_decode_graphs
+from asyncllm.workers.cuda_graphs import CudaGraphRunner, attention_backend_name, capture_decode_graphs
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
@@ -71,6 +71,8 @@ class ModelRunner:
         self.hf_config: Any = None
         """The checkpoint's config: the host's, set by the worker before `load_model`, else read there."""
         self.dtype: torch.dtype | None = None
+        self.kv_cache_dtype: torch.dtype | None = None
+        """The KV cache's element type: the model dtype, or an fp8 type (kv_cache_dtype; docs/fp8-kv-cache.md)."""
         self.kv_spec: KVCacheSpec | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.swap_space: CPUSwapSpace | None = None
@@ -100,6 +102,8 @@ class ModelRunner:
         self.model = model
         self.kv_spec = kv_spec
         self.dtype = dtype
+        self.kv_cache_dtype = kv_cache_torch_dtype(self.config.kv_cache_dtype, dtype)
+        _check_kv_cache_dtype_runs(self.config.kv_cache_dtype, self.kv_cache_dtype, self.device, model)
         tp = TensorParallel(self.rank, self.tp_size)
         self.mm_runner = MultiModalRunner(model, self.device, self.config, tp) if is_multimodal(model) else None
         if self.config.enable_lora:
@@ -107,9 +111,9 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        """KV bytes of one block on this rank: all layers, K and V."""
-        assert self.kv_spec is not None and self.dtype is not None, "load_model() first"
-        return self.kv_spec.bytes_per_block(self.block_size, self.dtype)
+        """KV bytes of one block on this rank: all layers, K and V (one byte per element with an fp8 cache)."""
+        assert self.kv_spec is not None and self.kv_cache_dtype is not None, "load_model() first"
+        return self.kv_spec.bytes_per_block(self.block_size, self.kv_cache_dtype)
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit this rank's memory budget (the core takes the min over ranks)."""
@@ -146,7 +150,7 @@ class ModelRunner:
         spec = self.kv_spec
         assert spec is not None, "load_model() first"
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(spec.num_layers)]
+        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(spec.num_layers)]
 
     def _profile_cuda_kv_budget(self) -> int:
         """Bytes left for the KV cache after a worst-case step, under gpu_memory_utilization.
@@ -288,6 +292,20 @@ class ModelRunner:
         if self.mm_runner is not None:
             output.mm_encoder_cache_queries, output.mm_encoder_cache_hits = self.mm_runner.take_stats()
         return output
+
+
+def _check_kv_cache_dtype_runs(name: str, kv_cache_dtype: torch.dtype, device: torch.device, model: Any) -> None:
+    """`ConfigError` for float8_e4m3fn under the triton backend on a GPU older than sm_89 (Ada, Hopper):
+    Triton has no e4m3 conversions there (torch_sdpa and fp8_e5m2 work)."""
+    if kv_cache_dtype != torch.float8_e4m3fn or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9) and attention_backend_name(model) == "triton":
+        raise ConfigError(
+            "kv_cache_dtype", name,
+            f"'fp8_e5m2' on this GPU (sm_{capability[0]}{capability[1]}): Triton converts float8_e4m3fn only "
+            "on sm_89 and newer (or use attention_backend='torch_sdpa', or kv_cache_dtype='auto')",
+        )
 
 
 def _logprobs_by_request(inputs: StepInputs, sampler_out: SamplerOutput) -> dict[str, LogprobsArrays]:

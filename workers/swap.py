@@ -9,7 +9,8 @@ rewritten by this very step), then copies in.
 Per layer the CPU tensor has the GPU cache's layout,
 ``[2, num_cpu_blocks, block_size, num_kv_heads, head_dim]``, in pinned memory
 on CUDA so that copies in are DMA transfers; a copy is one gather and one
-scatter per layer, whatever the number of blocks.
+scatter per layer, whatever the number of blocks. An fp8 cache is copied as
+bytes (``uint8`` views: torch's CPU ``index_copy_`` has no float8 kernel).
 """
 
 from __future__ import annotations
@@ -38,16 +39,22 @@ class CPUSwapSpace:
     def swap(self, gpu_caches: list[torch.Tensor], blocks_to_swap_out: list[list[int]],
              blocks_to_swap_in: list[list[int]]) -> None:
         """Copy ``[gpu, cpu]`` pairs out to the CPU, then the other pairs back in to the GPU cache."""
+        gpu_caches, cpu_caches = [_copyable(c) for c in gpu_caches], [_copyable(c) for c in self.caches]
         if blocks_to_swap_out:
             gpu_ids, cpu_ids = self._indices(blocks_to_swap_out, gpu_caches[0].device)
-            for gpu_cache, cpu_cache in zip(gpu_caches, self.caches):
+            for gpu_cache, cpu_cache in zip(gpu_caches, cpu_caches):
                 cpu_cache.index_copy_(1, cpu_ids, gpu_cache.index_select(1, gpu_ids).cpu())
         if blocks_to_swap_in:
             gpu_ids, cpu_ids = self._indices(blocks_to_swap_in, gpu_caches[0].device)
-            for gpu_cache, cpu_cache in zip(gpu_caches, self.caches):
+            for gpu_cache, cpu_cache in zip(gpu_caches, cpu_caches):
                 gpu_cache.index_copy_(1, gpu_ids, cpu_cache.index_select(1, cpu_ids).to(gpu_cache.device))
 
     @staticmethod
     def _indices(pairs: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor(pairs, dtype=torch.int64).reshape(-1, 2)
         return ids[:, 0].to(device), ids[:, 1].contiguous()
+
+
+def _copyable(cache: torch.Tensor) -> torch.Tensor:
+    """The cache itself, or for a one-byte (fp8) cache a ``uint8`` view of the same memory."""
+    return cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache

@@ -19,7 +19,7 @@ import torch
 
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
@@ -38,6 +38,8 @@ __all__ = [
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _DUMMY_STD = 0.02
+KV_CACHE_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale")
+"""Endings of the calibrated KV-cache scale tensors of fp8 checkpoints (``self_attn.k_scale`` & co.)."""
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -92,7 +94,7 @@ def load_model(
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        load_checkpoint(model, resolve_model_path(config.model, config.revision))
+        load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
     model.eval()  # type: ignore[attr-defined]
     return model
 
@@ -131,13 +133,34 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, LoadedWeight]]:
                 yield name, f.get_slice(name)
 
 
-def load_checkpoint(model: CausalLM, path: str) -> None:
-    """Fill every parameter from the safetensors in ``path``; `ConfigError` naming missing weights."""
-    loaded = model.load_weights(iterate_safetensors(checkpoint_files(path)))
+def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto") -> None:
+    """Fill every parameter from the safetensors in ``path``; `ConfigError` naming missing weights.
+
+    With an fp8 ``kv_cache_dtype``, a checkpoint carrying calibrated KV-cache scales is refused with
+    `NotBuiltError` rather than run with scale 1.0 (with ``auto`` they are unexpected weights, as before).
+    """
+    files = checkpoint_files(path)
+    if kv_cache_dtype != "auto":
+        _refuse_kv_cache_scales(files, kv_cache_dtype)
+    loaded = model.load_weights(iterate_safetensors(files))
     missing = sorted(model.checkpoint_weight_names() - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ConfigError("model", path, f"a checkpoint with every weight of its architecture; missing: {shown}")
+
+
+def _refuse_kv_cache_scales(files: list[str], kv_cache_dtype: str) -> None:
+    from safetensors import safe_open
+
+    names = []
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names += [name for name in f.keys() if name.endswith(KV_CACHE_SCALE_SUFFIXES)]
+    if names:
+        shown = names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+        raise NotBuiltError("kv_cache_dtype", kv_cache_dtype,
+                            f"loading calibrated fp8 KV-cache scales (the checkpoint has {shown}; asyncllm's fp8 "
+                            "KV cache uses scale 1.0 for every layer)")
 
 
 @torch.no_grad()

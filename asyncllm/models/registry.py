@@ -19,10 +19,12 @@ from asyncllm.models.qwen3 import Qwen3ForCausalLM
 
 __all__ = [
     "CausalLM",
+    "FP8_KV_CACHE_DTYPES",
     "KVCacheSpec",
     "SUPPORTED_ARCHITECTURES",
     "get_model_class",
     "kv_cache_spec",
+    "kv_cache_torch_dtype",
     "check_tensor_parallel",
     "text_config_of",
 ]
@@ -92,6 +94,19 @@ class KVCacheSpec:
         """Bytes one block costs across all layers (K and V)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+
+FP8_KV_CACHE_DTYPES = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+"""`kv_cache_dtype` values that store K and V in one byte (vLLM's names), and their torch dtypes."""
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: ``model_dtype`` for ``auto``, else the fp8 type named."""
+    return model_dtype if kv_cache_dtype == "auto" else FP8_KV_CACHE_DTYPES[kv_cache_dtype]
 
 
 def text_config_of(hf_config: Any) -> Any:

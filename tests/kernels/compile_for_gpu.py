@@ -67,6 +67,27 @@ def cases(dtype: str):
     yield ("paged_decode combine", paged_decode._decode_combine_kernel,
            dict(out_ptr=p, max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", seq_lens_ptr="*i32",
                 query_start_loc_ptr="*i32"), (), dict(USE_WINDOW=True, **decode), 4)
+    yield from fp8_cache_cases(p, decode)
+
+
+def fp8_cache_cases(p: str, decode: dict):
+    """The kernels that write or read the KV cache, over an fp8 cache (kv_cache_dtype='fp8' / 'fp8_e5m2')."""
+    for fp8 in ("fp8e4nv", "fp8e5"):
+        c = f"*{fp8}"
+        yield (f"rotary_kv {fp8} cache", rotary_kv._rotary_kv_kernel,
+               dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=c, v_cache_ptr=c, positions_ptr="*i64",
+                    cos_sin_ptr="*fp32", slot_mapping_ptr="*i64", q_norm_ptr=p, k_norm_ptr=p), ("norm_eps",),
+               dict(Q_HEADS=16, KV_HEADS=8, HALF=64, HEAD_DIM=128, HAS_NORM=True), 4)
+    c = "*fp8e4nv"
+    yield ("paged_attention fp8e4nv cache", paged_attention._paged_attention_kernel,
+           dict(out_ptr=p, q_ptr=p, k_cache_ptr=c, v_cache_ptr=c, block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                query_start_loc_ptr="*i32"), ("scale",),
+           dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, HEAD_DIM=128, USE_WINDOW=False,
+                DOT_PRECISION="tf32"), 8)
+    yield ("paged_decode segment fp8e4nv cache", paged_decode._decode_segment_kernel,
+           dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=c, v_cache_ptr=c,
+                block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale",),
+           dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=False, DOT_PRECISION="tf32", **decode), 4)
 
 
 def main(archs: list[int]) -> int:

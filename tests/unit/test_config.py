@@ -68,6 +68,9 @@ def test_kwargs_and_from_config_agree() -> None:
         ("max_num_queued_tokens", 0),
         ("preemption_mode", "offload"),
         ("scheduling_policy", "lifo"),
+        ("kv_cache_dtype", "fp8_e4m3fn"),  # torch's name, not vLLM's
+        ("kv_cache_dtype", "int8"),
+        ("kv_cache_dtype", "bfloat16"),
     ],
 )
 def test_bad_values_name_the_field(field: str, value: object) -> None:
@@ -87,7 +90,6 @@ def test_unknown_field_is_refused() -> None:
     "field, value",
     [
         ("quantization", "awq"),
-        ("kv_cache_dtype", "fp8"),
         ("pipeline_parallel_size", 2),
         ("data_parallel_size", 2),
         ("enable_expert_parallel", True),
@@ -98,6 +100,13 @@ def test_unbuilt_features_raise_not_built(field: str, value: object) -> None:
     with pytest.raises(NotBuiltError) as info:
         EngineConfig.create("m", **{field: value})
     assert info.value.field == field and "not built yet" in str(info.value)
+
+
+@pytest.mark.parametrize("value", ["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+def test_kv_cache_dtypes_are_accepted(value: str) -> None:
+    cfg = EngineConfig.create("m", kv_cache_dtype=value)
+    assert cfg.kv_cache_dtype == value == cfg.cache_config.kv_cache_dtype
+    assert EngineConfig.from_dict(cfg.to_dict(wire=True)) == cfg
 
 
 def test_default_batched_tokens() -> None:

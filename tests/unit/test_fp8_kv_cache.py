@@ -1,0 +1,137 @@
+"""The fp8 KV cache (kv_cache_dtype='fp8' / 'fp8_e4m3' / 'fp8_e5m2') outside the Triton kernels:
+the torch_sdpa backend, the runner's cache and sizing, the CPU swap space, calibrated scales refused.
+(Kernels: tests/kernels/test_fp8_kv_cache_kernels.py; the engine: tests/engine/test_fp8_kv_cache_engine.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from model_utils import make_attn_metadata
+from safetensors.torch import load_file, save_file
+
+from asyncllm.attention.metadata import RotaryInputs
+from asyncllm.attention.torch_sdpa import TorchSDPABackend
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.kernels import reference
+from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.registry import kv_cache_torch_dtype
+from asyncllm.workers import model_runner
+from asyncllm.workers.model_runner import ModelRunner
+from asyncllm.workers.swap import CPUSwapSpace
+
+CPU = torch.device("cpu")
+FP8 = [pytest.param(torch.float8_e4m3fn, id="e4m3"), pytest.param(torch.float8_e5m2, id="e5m2")]
+
+
+def test_kv_cache_dtype_names() -> None:
+    assert kv_cache_torch_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert kv_cache_torch_dtype("fp8", torch.float32) == kv_cache_torch_dtype("fp8_e4m3", torch.float16)
+    assert kv_cache_torch_dtype("fp8", torch.float32) == torch.float8_e4m3fn
+    assert kv_cache_torch_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_sdpa_backend_over_an_fp8_cache(fp8: torch.dtype, dtype: torch.dtype) -> None:
+    """A decode, a chunk over a cached prefix and a fresh prefill through the backend: the cache holds the
+    rotated K and the V rounded to fp8, and the output is attention over those rounded values, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    computed, scheduled = [9, 5, 0], [1, 3, 6]
+    tables = [[3, 7, 1], [0, 5], [2, 6]]
+    metadata, positions = make_attn_metadata(computed, scheduled, tables, block_size=4)
+    num_tokens, num_kv_heads, head_dim = sum(scheduled), 2, 32
+    query, key, value = ((torch.randn(num_tokens, h, head_dim, generator=gen) * 2).to(dtype) for h in (4, 2, 2))
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    rotary = RotaryInputs(positions, reference.build_cos_sin_cache(inv_freq, 1.0, 64))
+    full = (torch.randn(2, 8, 4, num_kv_heads, head_dim, generator=gen) * 2).to(dtype)  # the cached context
+    cache = reference.to_kv_cache_dtype(full, fp8)
+    rounded = cache.to(dtype)  # the same context, upcast: the reference's cache
+
+    out = TorchSDPABackend().forward(query, key, value, cache, metadata, head_dim**-0.5, rotary=rotary)
+
+    rot_q, rot_k = reference.norm_and_rotate(query, key, rotary)
+    reference.write_kv_cache(reference.to_kv_cache_dtype(rot_k, fp8).to(dtype),
+                             reference.to_kv_cache_dtype(value, fp8).to(dtype), rounded, metadata.slot_mapping)
+    assert cache.dtype == fp8 and torch.equal(cache.to(dtype), rounded)
+    expected = reference.paged_attention(rot_q, rounded, metadata, head_dim**-0.5)
+    assert out.dtype == dtype and torch.equal(out, expected)
+    exact = full.clone()
+    reference.write_kv_cache(rot_k, value, exact, metadata.slot_mapping)
+    unrounded = reference.paged_attention(rot_q, exact, metadata, head_dim**-0.5)
+    assert float((out.float() - unrounded.float()).abs().max()) > 1e-2  # the cache really holds fp8
+
+
+@pytest.mark.parametrize("fp8", FP8)
+def test_cpu_swap_space_copies_fp8_blocks_exactly(fp8: torch.dtype) -> None:
+    """Out and back in, byte for byte (torch's CPU index_copy_ has no float8 kernel: the copies go as bytes)."""
+    gpu = [reference.to_kv_cache_dtype(torch.randn(2, 6, 4, 2, 3, generator=torch.Generator().manual_seed(i)) * 3,
+                                       fp8) for i in range(2)]
+    before = [layer.view(torch.uint8).clone() for layer in gpu]
+    swap = CPUSwapSpace(3, gpu)
+    assert all(c.dtype == fp8 for c in swap.caches)
+    swap.swap(gpu, blocks_to_swap_out=[[1, 0], [4, 2]], blocks_to_swap_in=[])
+    for layer in gpu:
+        layer[:, [1, 4]] = reference.to_kv_cache_dtype(torch.zeros(2, 2, 4, 2, 3), fp8)  # the blocks are reused
+    swap.swap(gpu, blocks_to_swap_out=[], blocks_to_swap_in=[[4, 0], [1, 2]])
+    for layer, old in zip(gpu, before):
+        raw = layer.view(torch.uint8)
+        assert torch.equal(raw[:, 4], old[:, 1]) and torch.equal(raw[:, 1], old[:, 4])
+        assert torch.equal(raw[:, [0, 2, 3, 5]], old[:, [0, 2, 3, 5]])
+
+
+def _runner(path: str, kv_cache_dtype: str) -> ModelRunner:
+    config = EngineConfig.create(str(path), kv_cache_dtype=kv_cache_dtype, dtype="float32", device="cpu",
+                                 max_model_len=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    runner = ModelRunner(config, rank=0, tp_size=1, device=CPU)
+    runner.load_model()
+    return runner
+
+
+def test_the_runner_sizes_and_allocates_one_byte_per_element(tiny_llama: str, monkeypatch) -> None:
+    """Four times the blocks of float32 in the same CPU budget; the cache tensors and the profile step's
+    temporary cache are fp8; the profile step runs the real model over it."""
+    monkeypatch.setenv("ASYNCLLM_CPU_KVCACHE_SPACE_GB", "0.001")
+    fp32, fp8 = _runner(tiny_llama, "auto"), _runner(tiny_llama, "fp8")
+    assert fp8.kv_cache_dtype == torch.float8_e4m3fn and fp32.kv_cache_dtype == torch.float32
+    assert fp32.bytes_per_block == 4 * fp8.bytes_per_block
+    assert fp8.determine_num_available_blocks() // 4 == fp32.determine_num_available_blocks() > 0
+    assert fp8.run_profile_step() == 8 * fp8.bytes_per_block  # 4 requests x 8 tokens / 4 per block
+    fp8.init_cache(8)
+    assert [c.dtype for c in fp8.kv_caches] == [torch.float8_e4m3fn] * 2 and fp8.kv_caches[0].shape[1] == 8
+    assert fp8.determine_num_cpu_blocks() // 4 == fp32.determine_num_cpu_blocks() > 0
+
+
+def test_e4m3_needs_sm89_for_the_triton_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton has no float8_e4m3fn conversions before sm_89: a ConfigError naming kv_cache_dtype, not a
+    compile error at the first step; e5m2 and torch_sdpa pass."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(model_runner, "attention_backend_name", lambda model: "triton")
+    cuda = torch.device("cuda")
+    with pytest.raises(ConfigError, match="fp8_e5m2") as info:
+        model_runner._check_kv_cache_dtype_runs("fp8", torch.float8_e4m3fn, cuda, object())
+    assert info.value.field == "kv_cache_dtype" and info.value.value == "fp8"
+    model_runner._check_kv_cache_dtype_runs("fp8_e5m2", torch.float8_e5m2, cuda, object())
+    monkeypatch.setattr(model_runner, "attention_backend_name", lambda model: "torch_sdpa")
+    model_runner._check_kv_cache_dtype_runs("fp8", torch.float8_e4m3fn, cuda, object())
+
+
+def test_calibrated_kv_cache_scales_are_refused_not_ignored(tiny_llama: str, tmp_path: Path) -> None:
+    """A checkpoint with k_scale / v_scale tensors: fp8 refuses it (NotBuiltError naming the feature) instead
+    of running with scale 1.0; auto reports them as unexpected weights, as before."""
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((Path(tiny_llama) / name).read_bytes())
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.05)
+    weights["model.layers.0.self_attn.v_scale"] = torch.tensor(0.02)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    hf_config = load_hf_config(str(tmp_path))
+    for kv_cache_dtype in ("fp8", "fp8_e5m2"):
+        config = EngineConfig.create(str(tmp_path), kv_cache_dtype=kv_cache_dtype)
+        with pytest.raises(NotBuiltError, match="calibrated fp8 KV-cache scales") as info:
+            load_model(config, hf_config, CPU, torch.float32)
+        assert info.value.field == "kv_cache_dtype" and "self_attn.k_scale and 1 more" in str(info.value)
+    with pytest.raises(ConfigError, match="unexpected weights: model.layers.0.self_attn.k_scale"):
+        load_model(EngineConfig.create(str(tmp_path)), hf_config, CPU, torch.float32)
