@@ -80,6 +80,8 @@ def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
 async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
     """See the module docstring; `prompt` is text or token ids."""
     params.validate()
+    if options.get("request_id") is not None:
+        raise InvalidRequestError("request_id", "beam search runs one request per beam and step and names them itself")
     await engine.start()
     prompt_ids = list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids
     width = params.beam_width

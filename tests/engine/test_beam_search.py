@@ -48,3 +48,5 @@ async def test_beams_equal_transformers_when_no_beam_ends(tiny_llama: str) -> No
                                                                                     temperature=0.7)):
             with pytest.raises(InvalidRequestError):
                 await engine.beam_search([5, 6, 7], bad)
+        with pytest.raises(InvalidRequestError, match="request_id"):
+            await engine.beam_search([5, 6, 7], params, request_id="mine")
