@@ -18,7 +18,7 @@ from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.outputs import Logprob, PromptLogprobs, StreamDelta
 from asyncllm.reasoning import ReasoningParser
 
-__all__ = ["Choices", "usage"]
+__all__ = ["Choices", "chat_chunk", "chat_stream_choices", "usage"]
 
 Entries = list["dict[int, Logprob] | None"]
 """One logprob entry per token; None for an echoed prompt's first token (nothing predicts it)."""
@@ -195,3 +195,19 @@ def _token_text(token_id: int, entry: dict[int, Logprob]) -> str:
 def _logprob(token_id: int, entry: dict[int, Logprob]) -> float:
     logprob = entry.get(token_id)
     return logprob.logprob if logprob is not None else float("-inf")
+
+
+def chat_stream_choices(choices: Choices, index: int, delta: Any, logprobs: Any) -> list[dict[str, Any]]:
+    """The chunks' choices of one delta of a chat: one per OpenAI delta (content, a tool call), logprobs on the
+    first, the finish_reason on the last; none when there is nothing to send."""
+    parts, finish_reason = choices.chat_deltas(index, delta.text, delta.finish_reason)
+    if not parts and finish_reason is None and logprobs is None:
+        return []
+    parts = parts or [{}]
+    last = len(parts) - 1
+    return [chat_chunk(index, part, logprobs if k == 0 else None, finish_reason if k == last else None)
+            for k, part in enumerate(parts)]
+
+
+def chat_chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

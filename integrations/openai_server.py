@@ -51,7 +51,7 @@ from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
     chat_params, completion_params, completion_prompts, decode_request, echo_only, request_options, template_kwargs,
 )
-from asyncllm.integrations.openai_responses import Choices
+from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, chat_request, response_body
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
@@ -528,13 +528,13 @@ class OpenAIServer:
         try:
             if choices.chat:
                 for index in range(len(choices.prompt_tokens) * choices.n):
-                    yield chunk(_chat_chunk(index, {"role": "assistant", "content": ""}))
+                    yield chunk(chat_chunk(index, {"role": "assistant", "content": ""}))
             for index, logprobs, text in echoed:
                 yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
             async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
                 index, logprobs = choices.add(prompt_index, delta)
                 if choices.chat:
-                    for choice in _chat_choices(choices, index, delta, logprobs):
+                    for choice in chat_stream_choices(choices, index, delta, logprobs):
                         yield chunk(choice)
                 elif delta.text or delta.finish_reason is not None or logprobs is not None:
                     yield chunk({"index": index, "text": delta.text, "logprobs": logprobs,
@@ -552,22 +552,6 @@ def _count_prompts(streams: list[RequestStream], choices: Choices) -> None:
     for i, stream in enumerate(streams):
         if stream.collector is not None:
             choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
-
-
-def _chat_choices(choices: Choices, index: int, delta: Any, logprobs: Any) -> list[dict[str, Any]]:
-    """The chunks' choices of one delta of a chat: one per OpenAI delta (content, a tool call), logprobs on the
-    first, the finish_reason on the last; none when there is nothing to send."""
-    parts, finish_reason = choices.chat_deltas(index, delta.text, delta.finish_reason)
-    if not parts and finish_reason is None and logprobs is None:
-        return []
-    parts = parts or [{}]
-    last = len(parts) - 1
-    return [_chat_chunk(index, part, logprobs if k == 0 else None, finish_reason if k == last else None)
-            for k, part in enumerate(parts)]
-
-
-def _chat_chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def _event(payload: dict[str, Any]) -> bytes:
