@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_paged_attention_kernel import MIXED_STEP, _metadata
 from test_paged_decode_kernel import LENGTHS, _decode, _decode_step
-from test_rotary_kv_kernel import _cos_sin_cache
+from test_rotary_kv_kernel import _cos_sin_cache, rotary_step
 
 from asyncllm.attention.metadata import RotaryInputs
 from asyncllm.attention.triton import TritonBackend
@@ -53,19 +53,11 @@ def test_rotary_kv_write_stores_the_fp8_value(fp8: torch.dtype, dtype: torch.dty
     and untouched), the values are the reference's ``v.to(fp8)``, and the rotated query is unchanged."""
     num_tokens, num_heads, num_kv_heads, head_dim, rotary_dim, block_size = 13, 6, 2, 40, 24, 4  # partial rotary
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=0, scale=3.0)
+    qkv, query, key, value, slots, positions, num_blocks = rotary_step(
+        num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, 3.0, padding=2)
     extremes = torch.tensor([65504.0, -65504.0, 0.0, -0.0], dtype=dtype)  # saturated; the sign of zero kept
-    qkv[0, q_size + rotary_dim : q_size + rotary_dim + 4] = extremes  # a key's pass-through dims
+    qkv[0, q_size + rotary_dim : q_size + rotary_dim + 4] = extremes  # a key's pass-through dims (through the views)
     qkv[0, q_size + kv_size : q_size + kv_size + 4] = extremes  # a value
-    query = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
-    key = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
-    value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
-    num_blocks = num_tokens // block_size + 3
-    gen = torch.Generator().manual_seed(1)
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
-    slots[-2:] = -1  # padding
-    slots = slots.to(DEVICE)
-    positions = torch.randint(0, 500, (num_tokens,), generator=gen).to(DEVICE)
     cos_sin = _cos_sin_cache(rotary_dim, 512)
     norm = (randn(head_dim, dtype=dtype, seed=6, scale=0.5) + 1, randn(head_dim, dtype=dtype, seed=7, scale=0.5) + 1,
             1e-6) if qk_norm else (None, None, None)

@@ -42,15 +42,15 @@ def _assert_rounding_close(
 
 
 
-def _run(
-    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, block_size: int,
-    dtype: torch.dtype, padding: int = 0, ulp_check: bool = False, qk_norm: bool = False,
-) -> None:
-    """q, k, v are strided views of one fused qkv output, as the model hands them over;
-    slots are shuffled over the cache, the last ``padding`` tokens get slot -1. With ``qk_norm``
-    each q and k head is RMS-normalised first (Qwen3's eps, 1e-6)."""
+def rotary_step(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
+    scale: float, padding: int,
+) -> tuple[torch.Tensor, ...]:
+    """One step's inputs: the fused qkv output and q, k, v as strided views of it (as the model hands them
+    over), slots shuffled over a cache of ``num_blocks`` blocks (the last ``padding`` tokens get -1), positions.
+    Returns (qkv, query, key, value, slots, positions, num_blocks)."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=0, scale=2.0)
+    qkv = randn(num_tokens, q_size + 2 * kv_size, dtype=dtype, seed=0, scale=scale)
     query = qkv[:, :q_size].view(num_tokens, num_heads, head_dim)
     key = qkv[:, q_size : q_size + kv_size].view(num_tokens, num_kv_heads, head_dim)
     value = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)
@@ -58,8 +58,19 @@ def _run(
     gen = torch.Generator().manual_seed(1)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
     slots[num_tokens - padding :] = -1
-    slots = slots.to(DEVICE)
     positions = torch.randint(0, 500, (num_tokens,), generator=gen).to(DEVICE)
+    return qkv, query, key, value, slots.to(DEVICE), positions, num_blocks
+
+
+def _run(
+    num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int, rotary_dim: int, block_size: int,
+    dtype: torch.dtype, padding: int = 0, ulp_check: bool = False, qk_norm: bool = False,
+) -> None:
+    """q, k, v are strided views of one fused qkv output, as the model hands them over;
+    slots are shuffled over the cache, the last ``padding`` tokens get slot -1. With ``qk_norm``
+    each q and k head is RMS-normalised first (Qwen3's eps, 1e-6)."""
+    _, query, key, value, slots, positions, num_blocks = rotary_step(
+        num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, 2.0, padding)
     cos_sin = _cos_sin_cache(rotary_dim, 512)
     kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=2)
     expected_cache = kv_cache.clone()
