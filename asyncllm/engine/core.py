@@ -64,6 +64,8 @@ class EngineCore:
         self.restarter = WorkerRestarter(config, self.num_gpu_blocks, self.num_cpu_blocks)
         self._next_health_check = 0.0
         overlapped = config.async_scheduling and config.scheduler_config.speculative_config is None
+        if config.async_scheduling and not overlapped:
+            logger.info("speculative decoding: every step runs synchronously (async_scheduling does not apply)")
         self.overlap = OverlappedSteps(self) if overlapped else None
         """async_scheduling: the steps scheduled ahead of their outputs (asyncllm/engine/overlap.py); not with
         speculative decoding, whose next drafts need the step's accepted tokens."""
