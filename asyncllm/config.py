@@ -31,6 +31,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+QUANTIZATIONS = ("fp8",)
+"""Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md)."""
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """auto = the model dtype; fp8 and fp8_e4m3 = float8_e4m3fn; fp8_e5m2 = float8_e5m2 (docs/fp8-kv-cache.md)."""
 
@@ -101,7 +103,9 @@ class ModelConfig:
     load_format: str = "auto"
     """auto/safetensors read the checkpoint; dummy makes random weights of the real shapes."""
     quantization: str | None = None
-    """Weight quantization method (not built yet: only None)."""
+    """Weight quantization: None, or fp8 (online: every decoder linear's weight quantized at load to float8_e4m3fn
+    with one scale per tensor and rank, activations per token; see docs/quantization.md). Pre-quantized checkpoints
+    and other methods are not built yet."""
     enforce_eager: bool = False
     """Never capture CUDA graphs. Otherwise, on CUDA with the triton backend and one rank, decode batches replay graphs captured at start (docs/kernels.md); the CPU and torch_sdpa always run eagerly."""
     attention_backend: str | None = None
@@ -122,8 +126,11 @@ class ModelConfig:
         _int("seed", self.seed, 0)
         _int("max_model_len", self.max_model_len, 1, optional=True)
         _choice("load_format", self.load_format, LOAD_FORMATS)
-        if self.quantization is not None:
-            raise NotBuiltError("quantization", self.quantization, "weight quantization")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            if not isinstance(self.quantization, str):
+                raise ConfigError("quantization", self.quantization, "None or 'fp8'")
+            raise NotBuiltError("quantization", self.quantization, f"{self.quantization!r} weight quantization "
+                                "(only 'fp8', online from a float checkpoint)")
         _bool("enforce_eager", self.enforce_eager)
         if self.attention_backend is not None:
             _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -216,7 +223,8 @@ class ParallelConfig:
     data_parallel_size: int = 1
     """Engine replicas (not built yet: only 1)."""
     enable_expert_parallel: bool = False
-    """Expert parallelism for MoE models (not built yet)."""
+    """MoE models: each TP rank holds a 1/tp share of the experts whole, instead of a 1/tp slice of every
+    expert (docs/moe.md); a dense model refuses it."""
 
     def __post_init__(self) -> None:
         _int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
@@ -227,8 +235,6 @@ class ParallelConfig:
         if self.data_parallel_size != 1:
             raise NotBuiltError("data_parallel_size", self.data_parallel_size, "data parallelism")
         _bool("enable_expert_parallel", self.enable_expert_parallel)
-        if self.enable_expert_parallel:
-            raise NotBuiltError("enable_expert_parallel", True, "expert parallelism")
 
     @property
     def world_size(self) -> int:

@@ -20,6 +20,7 @@ __all__ = [
     "fused_add_rms_norm",
     "silu_and_mul",
     "decode_linear",
+    "fused_moe",
     "rotate_half",
     "build_cos_sin_cache",
     "apply_rotary",
@@ -70,6 +71,27 @@ def decode_linear(
         x = silu_and_mul(x)
     out = F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
     return out if new_residual is None else (out, new_residual)
+
+
+def fused_moe(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """A mixture-of-experts MLP: each token's sum over its k experts of ``weight * down_e(silu(gate_e x) * up_e x)``.
+
+    hidden ``[T, H]``; w13 ``[E, 2I, H]`` (each expert's gate rows, then its up rows); w2 ``[E, H, I]``;
+    topk_weights ``[T, k]`` float32; topk_ids ``[T, k]`` integer. An id outside ``[0, E)`` (an expert
+    another rank holds, under expert parallelism) adds nothing. Each expert's product is rounded to
+    hidden's dtype, scaled by its weight in float32, and summed into the output in hidden's dtype,
+    expert by expert in id order (transformers' order)."""
+    out = torch.zeros_like(hidden)
+    num_experts = w13.shape[0]
+    local = (topk_ids >= 0) & (topk_ids < num_experts)
+    for expert in torch.unique(topk_ids[local]).tolist():
+        token_idx, slot = torch.where(topk_ids == expert)
+        act = silu_and_mul(F.linear(hidden[token_idx], w13[expert]))
+        down = F.linear(act, w2[expert])
+        out.index_add_(0, token_idx, (down * topk_weights[token_idx, slot, None]).to(hidden.dtype))
+    return out
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -49,3 +49,12 @@ def random_prompts(num: int, seed: int, stem_len: int = 0, max_len: int = 70) ->
         tail = [rng.randrange(3, 500) for _ in range(rng.randint(3, max_len - stem_len))]
         prompts.append(stem + tail if i % 2 else tail)
     return prompts
+
+
+CODE_PROMPTS = [  # code, as the bundled model was trained on; 22, 36, 65 and 13 tokens
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
+    "import numpy as np\n\nclass Matrix:\n    def __init__(self, rows, cols):\n        self.rows = rows",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "for i in range(10):\n    print(i)\n",
+]
+"""Prompts for the bundled model (asyncllm.bundled): its accuracy tests score these."""

@@ -6,7 +6,7 @@ then the unified varlen `paged_attention` kernel serves prefill chunks (with
 cached context) and decodes in one grid.
 A decode-only step too small to fill the GPU runs the split-KV `paged_decode`
 kernels instead (`split_kv_segments` decides).
-The model's norms and SiLU-and-mul run the Triton kernels too (`ops`).
+The model's norms, SiLU-and-mul and mixture-of-experts MLPs run the Triton kernels too (`ops`).
 
 Importing this module imports triton: only `asyncllm.attention.selector`
 does, and only when the backend is chosen. On a CPU the kernels run under
@@ -22,6 +22,7 @@ import triton
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.kernels import reference
+from asyncllm.kernels.fused_moe import fused_moe
 from asyncllm.kernels.paged_attention import paged_attention
 from asyncllm.kernels.paged_decode import paged_decode
 from asyncllm.kernels.rms_norm import fused_add_rms_norm, rms_norm
@@ -33,7 +34,7 @@ __all__ = ["TritonBackend", "TRITON_OPS", "split_kv_segments"]
 
 _MAX_SEGMENTS = 16  # split-KV segments per request: more adds combine work for little extra parallelism
 
-TRITON_OPS = ModelOps("triton", rms_norm, fused_add_rms_norm, silu_and_mul)
+TRITON_OPS = ModelOps("triton", rms_norm, fused_add_rms_norm, silu_and_mul, fused_moe)
 """The model's non-attention ops as Triton kernels."""
 
 

@@ -48,6 +48,12 @@ def add_common_args(parser: argparse.ArgumentParser, overlapped_steps: bool = Tr
     model.add_argument("--tensor-parallel-size", type=int, default=1)
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     model.add_argument("--enforce-eager", action="store_true")
+    model.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                       help="an fp8 KV cache (docs/fp8-kv-cache.md); the roofline counts its bytes")
+    model.add_argument("--quantization", default=None, choices=("fp8",),
+                       help="online fp8 weight quantization (docs/quantization.md); the roofline counts its bytes")
+    model.add_argument("--enable-expert-parallel", action="store_true",
+                       help="MoE models: split the experts whole over the tensor-parallel ranks (docs/moe.md)")
     if overlapped_steps:
         model.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                            help="schedule step N+1 while the workers run step N (docs/scheduling.md; the engine's "
@@ -95,6 +101,7 @@ def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
         max_model_len=a.max_model_len or min(max_model_len, ctx.model.max_position_embeddings),
         attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size,
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager, seed=a.seed,
+        kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization, enable_expert_parallel=a.enable_expert_parallel,
         async_scheduling=getattr(a, "async_scheduling", False),
         disable_log_stats=True,
     )
@@ -122,7 +129,8 @@ async def open_engine(ctx: BenchContext, max_model_len: int) -> AsyncIterator[An
 def roofline(ctx: BenchContext, decode_batch: int, mean_context: float) -> Roofline:
     """The decode roofline on this device: measured copy bandwidth, the model's bytes."""
     bandwidth = measure_copy_bandwidth(ctx.device)
-    return decode_roofline(ctx.model.path, ctx.dtype, bandwidth, decode_batch, mean_context)
+    return decode_roofline(ctx.model.path, ctx.dtype, bandwidth, decode_batch, mean_context,
+                           ctx.args.kv_cache_dtype, ctx.args.quantization)
 
 
 def finish(

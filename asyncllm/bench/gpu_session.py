@@ -79,6 +79,12 @@ STEPS: list[Step] = [
     Step("latency-qwen3-nopipe", ["latency", *_QWEN], 60, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),
     Step("throughput-qwen3-nopipe", ["throughput", *_QWEN], 100, env=(("ASYNCLLM_WORKER_PIPELINE", "0"),)),
     Step("latency-llama8b", ["latency", *_LLAMA, "--num-iters", "2"], 100),
+    # fp8 weights (torch._scaled_mm) and the fp8 KV cache, against latency-qwen3 / throughput-qwen3
+    Step("latency-qwen3-fp8w", ["latency", *_QWEN, "--quantization", "fp8"], 60),
+    Step("throughput-qwen3-fp8kv", ["throughput", *_QWEN, "--kv-cache-dtype", "fp8"], 100),
+    # the mixture of experts (fused_moe kernel; 61 GB of bf16 weights: no peer fits beside it)
+    Step("latency-qwen3moe", ["latency", "--preset", "qwen3-30b-a3b", "--num-iters", "2"], 150),
+    Step("throughput-qwen3moe", ["throughput", "--preset", "qwen3-30b-a3b"], 200),
     Step("serve-qwen3-rate4", ["serve", *_QWEN, "--request-rate", "4", "--num-requests", "64"], 60),
     Step("serve-qwen3-rate16", ["serve", *_QWEN, "--request-rate", "16", "--num-requests", "128"], 60),
     Step("serve-qwen3-rate64", ["serve", *_QWEN, "--request-rate", "64", "--num-requests", "256"], 60),

@@ -1,6 +1,7 @@
 """kernels: micro-benchmarks of the Triton kernels against their torch references (GPU only).
 
-For each kernel at the real shapes of a preset (Qwen3-0.6B, Llama-3.1-8B):
+For each kernel at the real shapes of a preset (Qwen3-0.6B, Llama-3.1-8B; the fused MoE at
+Qwen3-30B-A3B's experts, once):
 time per call (``triton.testing.do_bench``, median), the bytes it must move,
 the bandwidth that implies and its fraction of the measured copy bandwidth
 (every one of these kernels is memory-bound), and the speed-up over the
@@ -193,6 +194,38 @@ def _linear_pair(prologue: str | None, num_rows: int, k: int, n: int, dtype: tor
     return lambda: decode_linear(x, w), lambda: F.linear(x, w)
 
 
+MOE_SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8}
+"""Qwen3-30B-A3B's experts (its config.json's keys): the fused-MoE rows' shape, measured once, whatever the
+``--preset`` (this command's presets are dense models)."""
+
+
+def _fused_moe(
+    shape: dict[str, int], dtype: torch.dtype, bandwidth: float, device: str = "cuda"
+) -> list[dict[str, Any]]:
+    """The fused-MoE kernels (alignment, gate_up + SiLU, down, sum over k) against `reference.fused_moe`
+    (a loop over the routed experts) at decode batches; bytes: the routed experts' weights plus the
+    activations (weights dominate: at 256 tokens nearly every expert is routed to)."""
+    from asyncllm.kernels import reference
+    from asyncllm.kernels.fused_moe import fused_moe
+
+    hidden, inter = shape["hidden_size"], shape["moe_intermediate_size"]
+    experts, k = shape["num_experts"], shape["num_experts_per_tok"]
+    size, rows = torch.empty((), dtype=dtype).element_size(), []
+    gen = torch.Generator(device=device).manual_seed(0)
+    w13 = torch.randn(experts, 2 * inter, hidden, dtype=dtype, device=device, generator=gen) * hidden**-0.5
+    w2 = torch.randn(experts, hidden, inter, dtype=dtype, device=device, generator=gen) * inter**-0.5
+    for tokens in (1, 64, 256):
+        x = torch.randn(tokens, hidden, dtype=dtype, device=device, generator=gen)
+        logits = torch.randn(tokens, experts, device=device, generator=gen)
+        topk_weights, topk_ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+        routed = int(torch.unique(topk_ids).numel())
+        nbytes = (3 * routed * hidden * inter + 2 * tokens * hidden + 3 * tokens * k * inter) * size
+        rows.append(_row(f"fused_moe E={experts} k={k} vs torch", f"{tokens}x{hidden}x{inter}", nbytes,
+                         _bench(lambda: fused_moe(x, w13, w2, topk_weights, topk_ids)),
+                         _bench(lambda: reference.fused_moe(x, w13, w2, topk_weights, topk_ids)), bandwidth))
+    return rows
+
+
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | None:
     if not torch.cuda.is_available():
         print("asyncllm bench kernels: the kernel micro-benchmarks need a CUDA device, and none is visible; "
@@ -211,6 +244,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
                 + _split_decode(cfg, dtype, bandwidth) + _decode_linear(cfg, dtype, bandwidth))
         results["presets"][preset] = rows
         _print_rows(f"asyncllm bench kernels | {preset} | {args.dtype} | {results['meta']['device']}", rows)
+    results["moe"] = _fused_moe(MOE_SHAPE, dtype, bandwidth)
+    _print_rows(f"asyncllm bench kernels | Qwen3-30B-A3B experts | {args.dtype} | {results['meta']['device']}",
+                results["moe"])
     if args.output_json:
         report.write_json(args.output_json, results)
     return results

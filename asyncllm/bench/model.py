@@ -23,8 +23,9 @@ from asyncllm.errors import ConfigError
 
 __all__ = ["PRESETS", "BenchModel", "resolve_bench_model", "preset_config"]
 
-PRESETS = ("qwen3-0.6b", "llama3.1-8b", "tiny")
-"""Shape presets (dummy weights, synthetic tokenizer), and ``tiny``: asyncllm's tiny random Llama (CPU runs)."""
+PRESETS = ("qwen3-0.6b", "llama3.1-8b", "qwen3-30b-a3b", "tiny")
+"""Shape presets (dummy weights, synthetic tokenizer; qwen3-30b-a3b is a mixture of experts), and ``tiny``:
+asyncllm's tiny random Llama (CPU runs)."""
 
 
 @dataclass(frozen=True)

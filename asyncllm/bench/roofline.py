@@ -63,34 +63,58 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
     return 2 * nbytes * iters / elapsed
 
 
-def model_bytes(path: str, dtype: torch.dtype) -> tuple[int, int]:
-    """(weight bytes one decode step reads, KV-cache bytes per token) for the checkpoint's config.
+def model_bytes(
+    path: str, dtype: torch.dtype, decode_batch: int = 1, kv_cache_dtype: str = "auto", quantization: str | None = None
+) -> tuple[int, int]:
+    """(weight bytes one decode step of ``decode_batch`` requests reads, KV-cache bytes per token).
 
     Counted from the config with the family's flags (biases, q/k norms) as
-    asyncllm's Llama-style decoder lays its parameters out.
+    asyncllm's Llama-style decoder lays its parameters out. A mixture-of-experts
+    layer reads its router, shared expert, and the experts the batch routes to:
+    ``E * (1 - (1 - k / E) ** batch)`` of them on average under uniform routing
+    (k at batch 1, all of them for large batches). With ``quantization="fp8"``
+    the decoder's linear weights count one byte each (docs/quantization.md), with
+    an fp8 ``kv_cache_dtype`` the KV cache one byte per element.
     """
     from asyncllm.models.layers import head_dim_of
     from asyncllm.models.loader import load_hf_config
-    from asyncllm.models.registry import get_model_class, kv_cache_spec
+    from asyncllm.models.registry import get_model_class, kv_cache_spec, kv_cache_torch_dtype
 
     cfg = load_hf_config(path)
-    flags = get_model_class(cfg).decoder_flags(cfg)  # type: ignore[attr-defined]
-    hidden, inter, head_dim = cfg.hidden_size, cfg.intermediate_size, head_dim_of(cfg)
+    model_cls = get_model_class(cfg)
+    flags = model_cls.decoder_flags(cfg)  # type: ignore[attr-defined]
+    hidden, head_dim = cfg.hidden_size, head_dim_of(cfg)
     q_size, kv_size = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
-    layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter + 2 * hidden
-    layer += (q_size + 2 * kv_size) * flags.qkv_bias + hidden * flags.o_bias + (2 * inter + hidden) * flags.mlp_bias
-    layer += 2 * head_dim * flags.qk_norm
+    linear = hidden * (q_size + 2 * kv_size) + q_size * hidden  # the attention's projections
+    other = 2 * hidden + (q_size + 2 * kv_size) * flags.qkv_bias + hidden * flags.o_bias + 2 * head_dim * flags.qk_norm
+    layers = [_mlp_params(model_cls, cfg, i, flags.mlp_bias, decode_batch) for i in range(cfg.num_hidden_layers)]
+    linear = cfg.num_hidden_layers * linear + sum(mlp_linear for mlp_linear, _ in layers)
     # the LM head reads the whole vocabulary matrix; a separate embedding table only the batch's rows
-    params = cfg.num_hidden_layers * layer + hidden + cfg.vocab_size * hidden
+    other = cfg.num_hidden_layers * other + sum(mlp_other for _, mlp_other in layers) + hidden + cfg.vocab_size * hidden
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return int(params * itemsize), kv_cache_spec(cfg, 1).bytes_per_block(1, dtype)
+    linear_itemsize = 1 if quantization == "fp8" else itemsize
+    kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
+    return int(linear * linear_itemsize + other * itemsize), kv_cache_spec(cfg, 1).bytes_per_block(1, kv_dtype)
+
+
+def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode_batch: int) -> tuple[float, float]:
+    """(linear-layer parameters, others) of layer ``layer_idx``'s MLP a decode step reads (expected, for a mixture
+    of experts: its stacked experts and router are not linear layers, and fp8 quantization leaves them)."""
+    hidden = cfg.hidden_size
+    spec = model_cls.moe_spec(cfg, layer_idx) if getattr(model_cls, "is_moe", False) else None
+    if spec is None:
+        return 3 * hidden * cfg.intermediate_size, (2 * cfg.intermediate_size + hidden) * mlp_bias
+    experts = spec.num_experts * (1 - (1 - spec.top_k / spec.num_experts) ** max(1, decode_batch))
+    shared_gate = hidden if spec.shared_expert_size else 0
+    return 3 * hidden * spec.shared_expert_size, spec.num_experts * hidden + experts * 3 * hidden * spec.intermediate_size + shared_gate
 
 
 def decode_roofline(
-    path: str, dtype: torch.dtype, bandwidth: float, decode_batch: int, mean_context: float
+    path: str, dtype: torch.dtype, bandwidth: float, decode_batch: int, mean_context: float,
+    kv_cache_dtype: str = "auto", quantization: str | None = None,
 ) -> Roofline:
-    weight_bytes, kv_per_token = model_bytes(path, dtype)
     batch = max(1, decode_batch)
+    weight_bytes, kv_per_token = model_bytes(path, dtype, batch, kv_cache_dtype, quantization)
     step_bytes = weight_bytes + batch * mean_context * kv_per_token
     return Roofline(
         copy_bandwidth_gb_s=bandwidth / 1e9,

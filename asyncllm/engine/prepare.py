@@ -14,8 +14,13 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.lora import AdapterChecker
-from asyncllm.models.architectures import EMBEDDING_ARCHITECTURES, MULTIMODAL_ARCHITECTURES, architecture_of
-from asyncllm.models.checkpoint import hf_config_json, load_hf_config, resolve_model_path
+from asyncllm.models.architectures import (
+    EMBEDDING_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    MULTIMODAL_ARCHITECTURES,
+    architecture_of,
+)
+from asyncllm.models.checkpoint import hf_config_json, load_hf_config, refuse_prequantized, resolve_model_path
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -44,15 +49,18 @@ def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
+    refuse_prequantized(hf_config, config.model)  # fp8/awq/gptq/... checkpoints: NotBuiltError, before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
     max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
+    if config.enable_expert_parallel and arch not in MOE_ARCHITECTURES:
+        raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:
-        if arch in MULTIMODAL_ARCHITECTURES:
-            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text models only)")
+        if arch in MULTIMODAL_ARCHITECTURES or arch in MOE_ARCHITECTURES:
+            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (dense text models only)")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if arch in MULTIMODAL_ARCHITECTURES:

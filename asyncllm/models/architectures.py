@@ -11,10 +11,13 @@ from typing import Any
 
 from asyncllm.errors import NotBuiltError
 
-__all__ = ["TEXT_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "SUPPORTED_ARCHITECTURES",
+__all__ = ["TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "SUPPORTED_ARCHITECTURES",
            "architecture_of"]
 
-TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+"""Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """Architectures that take images (their host processes them: asyncllm/mm/)."""
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")

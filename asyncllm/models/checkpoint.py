@@ -15,12 +15,13 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, NotBuiltError
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-__all__ = ["resolve_model_path", "load_hf_config", "hf_config_json", "hf_config_from_json"]
+__all__ = ["resolve_model_path", "load_hf_config", "hf_config_json", "hf_config_from_json",
+           "checkpoint_quantization", "refuse_prequantized"]
 
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 """What a snapshot needs for serving: configs, safetensors weights, tokenizer files."""
@@ -94,3 +95,31 @@ def hf_config_from_json(text: str) -> PretrainedConfig:
 
     return build(json.loads(text))
 
+
+_QUANTIZATION_CONFIG_KEYS = ("quantization_config", "compression_config")
+"""Where config.json names a pre-quantized checkpoint's method (compressed-tensors' older name second)."""
+
+
+def checkpoint_quantization(hf_config: Any) -> str | None:
+    """The method a pre-quantized checkpoint's config names (``quant_method``: fp8, awq, gptq,
+    compressed-tensors, bitsandbytes, ...), or None for a float checkpoint (a multimodal one's
+    ``text_config`` is looked at too)."""
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        for key in _QUANTIZATION_CONFIG_KEYS:
+            section = getattr(cfg, key, None) if cfg is not None else None
+            if not section:
+                continue
+            if not isinstance(section, dict):  # a transformers QuantizationConfigMixin
+                section = section.to_dict() if hasattr(section, "to_dict") else {}
+            return str(section.get("quant_method") or section.get("format") or "unknown")
+    return None
+
+
+def refuse_prequantized(hf_config: Any, model: str) -> None:
+    """`NotBuiltError` for a pre-quantized checkpoint: asyncllm only quantizes float weights itself."""
+    method = checkpoint_quantization(hf_config)
+    if method is not None:
+        raise NotBuiltError("model", model,
+                            f"loading a pre-quantized {method!r} checkpoint (its config.json has a quantization_config; "
+                            "asyncllm quantizes only online: quantization='fp8' on a bfloat16/float16/float32 "
+                            "checkpoint, docs/quantization.md)")

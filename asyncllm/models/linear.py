@@ -5,9 +5,15 @@ communication; row-parallel layers split their input features and sum the
 partial products with an all_reduce. Fused projections (``qkv_proj``,
 ``gate_up_proj``) load each checkpoint matrix (q/k/v, gate/up) into its slice of
 this rank's shard through a ``weight_loader(param, loaded, shard_id)``.
+
+Every layer computes its product through `LinearBase.matmul`: ``F.linear`` on the
+model-dtype weight, or, once asyncllm/models/quantization.py has quantized the
+weight after loading (``quantization="fp8"``), the layer's ``quant_method``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,14 +28,34 @@ from asyncllm.models.layers import (
     weight_narrow,
 )
 
-__all__ = ["ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear"]
+__all__ = ["LinearBase", "ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear",
+           "RowParallelLinear"]
 
 
-class _ColumnParallelLinear(nn.Module):
+class LinearBase(nn.Module):
+    """What every parallel linear layer shares: its model dtype and how its product is computed."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.params_dtype = dtype
+        """The model dtype: the weight's until it is quantized, the activations' and the bias's always."""
+        self.quant_method: Any = None
+        """None: ``F.linear`` on the weight. Set after loading by asyncllm/models/quantization.py
+        (``quantization="fp8"``): an object whose ``apply(layer, x, bias)`` computes ``x W^T + b`` from the
+        layer's quantized ``weight`` and its ``weight_scale``."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x W^T (+ bias)`` on this rank's shard."""
+        if self.quant_method is None:
+            return F.linear(x, self.weight, bias)
+        return self.quant_method.apply(self, x, bias)
+
+
+class _ColumnParallelLinear(LinearBase):
     """``y = x W^T + b`` with this rank's ``output_size_per_rank`` rows of W and b."""
 
     def __init__(self, input_size: int, output_size_per_rank: int, bias: bool, tp: TensorParallel, dtype: torch.dtype):
-        super().__init__()
+        super().__init__(dtype)
         self.tp = tp
         self.weight = new_param(output_size_per_rank, input_size, dtype=dtype, loader=self.weight_loader)
         self.bias = new_param(output_size_per_rank, dtype=dtype, loader=self.weight_loader) if bias else None
@@ -37,7 +63,7 @@ class _ColumnParallelLinear(nn.Module):
         """The adapters' products added to the output (asyncllm/models/lora.py; enable_lora only)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.matmul(x, self.bias)
         return out if self.lora is None else self.lora(x, out)
 
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
@@ -132,7 +158,7 @@ class QKVParallelLinear(_ColumnParallelLinear):
         )
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """``y = all_reduce(x_rank W_rank^T) + b``: W split by input columns, b kept whole.
 
     The input ``x_rank`` is this rank's slice of the features (the output of a
@@ -140,7 +166,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size: int, output_size: int, bias: bool, tp: TensorParallel, dtype: torch.dtype):
-        super().__init__()
+        super().__init__(dtype)
         self.tp = tp
         self.input_size_per_rank = tp.split(input_size)
         self.weight = new_param(output_size, self.input_size_per_rank, dtype=dtype, loader=self.weight_loader)
@@ -150,9 +176,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            out = F.linear(x, self.weight, self.bias)
+            out = self.matmul(x, self.bias)
             return out if self.lora is None else self.lora(x, out)
-        out = F.linear(x, self.weight)
+        out = self.matmul(x, None)
         out = self.tp.all_reduce(out if self.lora is None else self.lora(x, out))
         return out if self.bias is None else out + self.bias
 

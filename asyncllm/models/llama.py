@@ -10,7 +10,7 @@ names map one to one, except the fused ``qkv_proj`` and ``gate_up_proj``
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -24,7 +24,7 @@ from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParal
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncllm.models.rotary import RotaryEmbedding
 
-__all__ = ["DecoderFlags", "LlamaForCausalLM", "sliding_window_of"]
+__all__ = ["DecoderBuild", "DecoderFlags", "LlamaForCausalLM", "LlamaMLP", "check_silu", "sliding_window_of"]
 
 
 @dataclass(frozen=True)
@@ -47,8 +47,14 @@ def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
     return window
 
 
+def check_silu(hf_config: Any) -> None:
+    """`NotBuiltError` unless the MLPs' activation is SiLU (the gated SiLU MLP is the one built)."""
+    if hf_config.hidden_act != "silu":
+        raise NotBuiltError("model", hf_config.hidden_act, f"the {hf_config.hidden_act!r} MLP activation (only 'silu')")
+
+
 @dataclass(frozen=True)
-class _Build:
+class DecoderBuild:
     """Everything a layer needs to build itself besides the HF config."""
 
     hf_config: Any
@@ -57,10 +63,15 @@ class _Build:
     tp: TensorParallel
     attn_backend: AttentionBackend
     rotary_emb: RotaryEmbedding
+    make_mlp: Callable[[DecoderBuild, int], nn.Module]
+    """The layer's MLP from (this build, layer index): `LlamaForCausalLM.make_mlp`, a mixture of experts in
+    MoE families (asyncllm/models/moe.py)."""
+    expert_parallel: bool = False
+    """MoE layers split their experts over the TP ranks instead of each expert's intermediate dim."""
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, b: _Build, layer_idx: int) -> None:
+    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
         super().__init__()
         cfg = b.hf_config
         head_dim = head_dim_of(cfg)
@@ -100,12 +111,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, b: _Build) -> None:
+    def __init__(self, b: DecoderBuild, intermediate_size: int | None = None) -> None:
         super().__init__()
         cfg = b.hf_config
-        if cfg.hidden_act != "silu":
-            raise NotBuiltError("model", cfg.hidden_act, f"the {cfg.hidden_act!r} MLP activation (only 'silu')")
-        size = cfg.intermediate_size
+        check_silu(cfg)
+        size = cfg.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], b.flags.mlp_bias, b.tp, b.dtype)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, b.flags.mlp_bias, b.tp, b.dtype)
         self.silu_and_mul = b.attn_backend.ops.silu_and_mul
@@ -115,16 +125,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, b: _Build, layer_idx: int) -> None:
+    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
         super().__init__()
         cfg = b.hf_config
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.self_attn = LlamaAttention(b, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
-        self.mlp = LlamaMLP(b)
+        self.mlp = b.make_mlp(b, layer_idx)
         self.fused_decode_rows = 0
         """Steps of at most this many tokens run `forward_fused_decode` (0: none; ASYNCLLM_DECODE_LINEAR)."""
-        if b.attn_backend.name == "triton" and b.tp.size == 1 and envs.DECODE_LINEAR.get():
+        dense = isinstance(self.mlp, LlamaMLP)
+        if dense and b.attn_backend.name == "triton" and b.tp.size == 1 and envs.DECODE_LINEAR.get():
             from asyncllm.kernels import decode_linear  # imported only then: it imports triton
 
             self.fused_decode_rows = decode_linear.MAX_ROWS
@@ -169,7 +180,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, b: _Build) -> None:
+    def __init__(self, b: DecoderBuild) -> None:
         super().__init__()
         cfg = b.hf_config
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, b.tp, b.dtype)
@@ -196,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
     """Llama-style causal LM over a paged KV cache (one cache tensor per layer)."""
 
     has_lm_head = True
+    is_moe = False
+    """True for mixture-of-experts families (asyncllm/models/moe.py): they take ``expert_parallel``."""
     """False for a bare decoder's checkpoint (``LlamaModel`` & co.: names without ``model.``, no ``lm_head``):
     its LM head stays zero, and the host refuses generation (`headless`)."""
 
@@ -210,6 +223,11 @@ class LlamaForCausalLM(nn.Module):
         bias = bool(getattr(hf_config, "attention_bias", False))
         return DecoderFlags(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(hf_config, "mlp_bias", False)))
 
+    @classmethod
+    def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``'s MLP: the dense gated SiLU MLP in every layer."""
+        return LlamaMLP(b)
+
     def __init__(
         self,
         hf_config: Any,
@@ -218,10 +236,12 @@ class LlamaForCausalLM(nn.Module):
         tp: TensorParallel,
         attn_backend: AttentionBackend,
         max_position: int,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
-        build = _Build(hf_config, self.decoder_flags(hf_config), dtype, tp, attn_backend, rotary_emb)
+        build = DecoderBuild(hf_config, self.decoder_flags(hf_config), dtype, tp, attn_backend, rotary_emb,
+                             self.make_mlp, expert_parallel)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = LlamaModel(build)
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None

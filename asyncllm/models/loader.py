@@ -20,7 +20,7 @@ import torch
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
+from asyncllm.models.checkpoint import load_hf_config, refuse_prequantized, resolve_model_path
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
 
@@ -75,13 +75,17 @@ def load_model(
     ``tp_size`` ranks. The model is returned in eval mode; call it under
     ``torch.inference_mode()``.
     """
-    check_tensor_parallel(hf_config, tp_size)
+    refuse_prequantized(hf_config, config.model)
+    check_tensor_parallel(hf_config, tp_size, config.enable_expert_parallel)
     model_cls = get_model_class(hf_config)
     max_position = max(text_config_of(hf_config).max_position_embeddings, config.max_model_len or 0)
     tp = TensorParallel(tp_rank, tp_size)
     tp.check_group()
-    # a model whose encoder can be replicated is told how to spread it (docs/multimodal.md)
-    encoder_options = {"mm_encoder_tp_mode": config.mm_encoder_tp_mode} if _has_encoder_modes(model_cls) else {}
+    # a model whose encoder can be replicated is told how to spread it (docs/multimodal.md), an MoE model
+    # how to spread its experts (docs/moe.md)
+    options: dict[str, Any] = {"mm_encoder_tp_mode": config.mm_encoder_tp_mode} if _has_encoder_modes(model_cls) else {}
+    if getattr(model_cls, "is_moe", False):
+        options["expert_parallel"] = config.enable_expert_parallel
     with torch.device(device):
         model = model_cls(
             hf_config,
@@ -89,12 +93,16 @@ def load_model(
             tp=tp,
             attn_backend=get_attention_backend(config.attention_backend, device, dtype),
             max_position=max_position,
-            **encoder_options,
+            **options,
         )
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
+    if config.quantization is not None:  # after the weights are in (or drawn): asyncllm/models/quantization.py
+        from asyncllm.models.quantization import quantize_model
+
+        quantize_model(model, config.quantization)
     model.eval()  # type: ignore[attr-defined]
     return model
 

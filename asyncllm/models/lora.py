@@ -55,8 +55,11 @@ class LoRALayer(nn.Module):
         self.width = max_rank * len(parts)
         self.context = context
         out_features, in_features = weight.shape
-        self.register_buffer("a", weight.new_zeros(num_slots * self.width, in_features), persistent=False)
-        self.register_buffer("b", weight.new_zeros(out_features, num_slots * self.width), persistent=False)
+        dtype = base.params_dtype  # the model dtype, also over an fp8 weight (quantization="fp8")
+        self.register_buffer("a", weight.new_zeros(num_slots * self.width, in_features, dtype=dtype),
+                             persistent=False)
+        self.register_buffer("b", weight.new_zeros(out_features, num_slots * self.width, dtype=dtype),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the projection's output for ``x``) plus the step's adapters' products."""

@@ -21,7 +21,8 @@ __all__ = ["ModelOps", "REFERENCE_OPS"]
 
 @dataclass(frozen=True)
 class ModelOps:
-    """RMSNorm (plain and fused with the residual add) and SiLU-and-mul, same signatures as `reference`."""
+    """RMSNorm (plain and fused with the residual add), SiLU-and-mul and the mixture-of-experts MLP
+    (``fused_moe(hidden, w13, w2, topk_weights, topk_ids)``), same signatures as `reference`."""
 
     name: str
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -29,7 +30,10 @@ class ModelOps:
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
     ]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    fused_moe: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-REFERENCE_OPS = ModelOps("reference", reference.rms_norm, reference.fused_add_rms_norm, reference.silu_and_mul)
+REFERENCE_OPS = ModelOps(
+    "reference", reference.rms_norm, reference.fused_add_rms_norm, reference.silu_and_mul, reference.fused_moe
+)
 """The torch reference ops."""

@@ -14,8 +14,12 @@ from asyncllm.models.architectures import SUPPORTED_ARCHITECTURES, architecture_
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
+from asyncllm.models.mixtral import MixtralForCausalLM
+from asyncllm.models.moe import moe_parallel_problems
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
+from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
+from asyncllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 __all__ = [
     "CausalLM",
@@ -68,6 +72,9 @@ _MODELS: dict[str, type] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
@@ -114,8 +121,9 @@ def text_config_of(hf_config: Any) -> Any:
     return getattr(hf_config, "text_config", None) or hf_config
 
 
-def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
-    """`ConfigError` unless the model's heads and MLP split evenly over ``tp_size`` ranks."""
+def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = False) -> None:
+    """`ConfigError` unless the model's heads and MLPs (dense or experts) split evenly over ``tp_size`` ranks."""
+    model_cls = _MODELS.get((getattr(hf_config, "architectures", None) or [""])[0])
     hf_config = text_config_of(hf_config)
     heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
     problems = []
@@ -123,8 +131,12 @@ def check_tensor_parallel(hf_config: Any, tp_size: int) -> None:
         problems.append(f"num_attention_heads={heads}")
     if kv_heads % tp_size and tp_size % kv_heads:
         problems.append(f"num_key_value_heads={kv_heads} (a multiple or a divisor of tp)")
-    if hf_config.intermediate_size % tp_size:
+    specs = [model_cls.moe_spec(hf_config, i) if getattr(model_cls, "is_moe", False) else None
+             for i in range(hf_config.num_hidden_layers)]
+    if None in specs and hf_config.intermediate_size % tp_size:
         problems.append(f"intermediate_size={hf_config.intermediate_size}")
+    for spec in set(specs) - {None}:
+        problems += [p for p in moe_parallel_problems(spec, tp_size, expert_parallel) if p not in problems]
     if problems:
         raise ConfigError("tensor_parallel_size", tp_size, "a size that divides the model's " + ", ".join(problems))
 

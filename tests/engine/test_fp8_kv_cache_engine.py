@@ -18,15 +18,10 @@ import torch
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.bundled import bundled_model_path
-from engine_helpers import random_prompts
+from engine_helpers import CODE_PROMPTS, random_prompts
 from hf_reference import hf_greedy, hf_logits
 
-PROMPTS = [  # code, as the bundled model was trained on; 22, 36, 65 and 13 tokens
-    "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
-    "import numpy as np\n\nclass Matrix:\n    def __init__(self, rows, cols):\n        self.rows = rows",
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "for i in range(10):\n    print(i)\n",
-]
+PROMPTS = CODE_PROMPTS
 MAX_TOKENS = 16
 FP32_BLOCK_BYTES = 4 * 2 * 16 * 1 * 64 * 4
 """The bundled model's float32 KV block: 4 layers x K,V x 16 tokens x 1 KV head x 64 dims x 4 bytes."""

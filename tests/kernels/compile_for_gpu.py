@@ -16,14 +16,19 @@ import warnings
 assert os.environ.get("TRITON_INTERPRET", "0") != "1", "run without TRITON_INTERPRET"
 warnings.filterwarnings("ignore")
 
+import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from asyncllm.kernels import decode_linear, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul  # noqa: E402
+from asyncllm.kernels import decode_linear, fused_moe, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul  # noqa: E402,E501
 
 
-def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int):
+def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int,
+             divisible: tuple[str, ...] = (), stages: int | None = None):
+    """``divisible``: the arguments Triton's launcher specializes as multiples of 16 at the real shapes
+    (it does so for any such pointer or integer; a kernel whose loads vectorize, and so pipeline, only
+    then is compiled as it runs). ``stages``: num_stages, when the launcher sets it."""
     signature = {}
     for name in kernel.arg_names:
         if name in consts:
@@ -32,8 +37,10 @@ def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: 
             signature[name] = pointers[name]
         else:
             signature[name] = "fp32" if name in floats else "i32"
-    src = ASTSource(fn=kernel, signature=signature, constexprs=consts)
-    return triton.compile(src, target=target, options={"num_warps": warps})
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    options = {"num_warps": warps} if stages is None else {"num_warps": warps, "num_stages": stages}
+    return triton.compile(src, target=target, options=options)
 
 
 def cases(dtype: str):
@@ -68,6 +75,7 @@ def cases(dtype: str):
            dict(out_ptr=p, max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", seq_lens_ptr="*i32",
                 query_start_loc_ptr="*i32"), (), dict(USE_WINDOW=True, **decode), 4)
     yield from fp8_cache_cases(p, decode)
+    yield from moe_cases(p)
 
 
 def fp8_cache_cases(p: str, decode: dict):
@@ -90,14 +98,32 @@ def fp8_cache_cases(p: str, decode: dict):
            dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=False, DOT_PRECISION="tf32", **decode), 4)
 
 
+def moe_cases(p: str):
+    """The fused-MoE grouped products at both block configurations `moe_config` picks on a GPU (decode,
+    prefill), with the real shapes' multiples of 16 (H 2048, I 768, contiguous weights), as launched."""
+    aligned = dict(sorted_pairs_ptr="*i32", block_experts_ptr="*i32", total_rows_ptr="*i64")
+    for num_pairs in (8, 65536):  # Qwen3-30B-A3B (E=128, k=8): 1 token, 8192 tokens
+        cfg = fused_moe.moe_config(num_pairs, 128, torch.bfloat16, on_gpu=True)
+        blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
+        for name, kernel, pointers, consts in (
+            ("gate_up", fused_moe._gate_up_kernel, dict(hidden_ptr=p, w13_ptr=p, act_ptr=p), dict(TOP_K=8)),
+            ("down", fused_moe._down_kernel, dict(act_ptr=p, w2_ptr=p, out_ptr=p, topk_weights_ptr="*fp32"), {}),
+        ):
+            consts = {**consts, **blocks}
+            divisible = tuple(n for n in kernel.arg_names if n not in consts and n != "num_pairs")
+            yield (f"fused_moe {name} BLOCK_M={cfg.block_m}", kernel, {**pointers, **aligned}, (), consts,
+                   cfg.num_warps, dict(divisible=divisible, stages=cfg.num_stages))
+
+
 def main(archs: list[int]) -> int:
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
         for dtype in ("bf16",):
-            for name, kernel, pointers, floats, consts, warps in cases(dtype):
+            for name, kernel, pointers, floats, consts, warps, *extra in cases(dtype):
                 start = time.perf_counter()
                 try:
-                    compiled = _compile(kernel, pointers, floats, consts, target, warps)
+                    options = extra[0] if extra else {}
+                    compiled = _compile(kernel, pointers, floats, consts, target, warps, **options)
                 except Exception as exc:  # noqa: BLE001 - report which kernel failed, then fail
                     print(f"FAIL sm_{arch} {dtype} {name}: {type(exc).__name__}: {exc}")
                     return 1

@@ -67,3 +67,31 @@ def test_decode_roofline_arithmetic(tmp_path) -> None:
     line = decode_roofline(str(tmp_path), torch.bfloat16, bandwidth=1e12, decode_batch=4, mean_context=100)
     assert line.output_tokens_per_s == pytest.approx(4 * 1e12 / (weight_bytes + 4 * 100 * kv))
     assert line.fraction(line.output_tokens_per_s / 2) == pytest.approx(0.5)
+
+
+def test_moe_model_bytes_count_the_experts_a_batch_reads() -> None:
+    """Batch 1 reads k experts per MoE layer; a large batch reads every parameter (less the embedding table)."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("qwen3_moe", mlp_only_layers=[1])  # 8 experts, top 2, one dense layer
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+    every = sum(p.numel() for p in model.parameters()) - model.model.embed_tokens.weight.numel()
+    experts = model.model.layers[0].mlp.experts
+    one_expert = (experts.w13_weight.numel() + experts.w2_weight.numel()) // 8
+    assert model_bytes(path, torch.float32, 10**6)[0] == 4 * every
+    assert model_bytes(path, torch.float32, 1)[0] == 4 * (every - 6 * one_expert)
+
+
+def test_model_bytes_with_fp8_weights_and_kv_cache(tmp_path) -> None:
+    """fp8 quantization counts the decoder's linear weights at one byte; an fp8 cache one byte per element."""
+    from asyncllm.models.linear import LinearBase
+
+    save_tiny_checkpoint(tmp_path, "qwen3")
+    model = load_model(EngineConfig.create(str(tmp_path)), load_hf_config(str(tmp_path)), torch.device("cpu"),
+                       torch.float32)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, LinearBase))
+    plain, kv = model_bytes(str(tmp_path), torch.bfloat16)
+    quantized, kv_fp8 = model_bytes(str(tmp_path), torch.bfloat16, kv_cache_dtype="fp8", quantization="fp8")
+    assert plain - quantized == linear
+    assert kv == 2 * kv_fp8

@@ -92,7 +92,6 @@ def test_unknown_field_is_refused() -> None:
         ("quantization", "awq"),
         ("pipeline_parallel_size", 2),
         ("data_parallel_size", 2),
-        ("enable_expert_parallel", True),
         ("speculative_config", {"method": "eagle", "num_speculative_tokens": 3}),
     ],
 )

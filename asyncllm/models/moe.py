@@ -1,0 +1,210 @@
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE) and how their checkpoints load.
+
+A router (a replicated ``[E, H]`` matrix) scores the experts of each token; the
+top ``k`` run, weighted by their softmax probabilities (renormalised over the
+k when the family does). The experts are stacked in two parameters, ``w13``
+``[E, 2I, H]`` (gate rows then up rows) and ``w2`` ``[E, H, I]``, that the
+backend's ``fused_moe`` op consumes in one call (a Triton kernel on the GPU,
+`asyncllm.kernels.reference.fused_moe` on the CPU).
+
+Across tensor-parallel ranks the experts are split one of two ways:
+- by default each rank keeps every expert's slice of the intermediate dim
+  (``I / tp`` rows of gate and up, columns of down), as the dense MLP does;
+- with ``enable_expert_parallel`` each rank keeps ``E / tp`` whole experts, and
+  routes the others' ids to nothing.
+Either way each rank computes a partial sum and an all-reduce completes it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.errors import ConfigError
+from asyncllm.models.layers import LoadedWeight, TensorParallel, copy_weight, new_param, weight_narrow
+from asyncllm.models.llama import DecoderBuild, LlamaMLP, check_silu
+
+__all__ = ["MoESpec", "num_experts_of", "FusedMoE", "SparseMoeBlock", "MoECausalLM", "select_experts", "moe_parallel_problems"]
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """One family's MoE layer, read from its HF config."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    """Rescale the k chosen probabilities to sum to 1 (Mixtral always; Qwen by ``norm_topk_prob``)."""
+    weights_in_model_dtype: bool
+    """Round the routing weights to the model's dtype before scaling (Qwen's order; Mixtral keeps float32)."""
+    shared_expert_size: int = 0
+    """A dense expert every token also runs, gated by a sigmoid (Qwen2-MoE); 0 for none."""
+
+
+def num_experts_of(hf_config: Any) -> int:
+    """The expert count: ``num_local_experts`` (Mixtral, and what transformers 5 writes for Qwen-MoE) or
+    ``num_experts`` (Qwen-MoE checkpoints' config.json); the workers' plain config has no alias map."""
+    value = getattr(hf_config, "num_local_experts", None)
+    return int(getattr(hf_config, "num_experts", 0) if value is None else value)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, E]`` logits -> (weights ``[T, k]`` float32, expert ids ``[T, k]``): the softmax's top k, in
+    float32 as transformers computes it; no host sync, so it runs inside a CUDA graph."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_parallel_problems(spec: MoESpec, tp_size: int, expert_parallel: bool) -> list[str]:
+    """What of ``spec`` does not split over ``tp_size`` ranks (phrases for `check_tensor_parallel`)."""
+    problems = []
+    if expert_parallel and spec.num_experts % tp_size:
+        problems.append(f"the number of experts ({spec.num_experts}, with enable_expert_parallel)")
+    if not expert_parallel and spec.intermediate_size % tp_size:
+        problems.append(f"the experts' intermediate size ({spec.intermediate_size})")
+    if spec.shared_expert_size % tp_size:
+        problems.append(f"shared_expert_intermediate_size={spec.shared_expert_size}")
+    return problems
+
+
+class FusedMoE(nn.Module):
+    """This rank's experts: ``forward(x, weights, ids)`` -> ``[T, H]``, summed over the ranks."""
+
+    def __init__(self, spec: MoESpec, hidden_size: int, b: DecoderBuild) -> None:
+        super().__init__()
+        tp = b.tp
+        self.tp = tp
+        self.expert_parallel = b.expert_parallel and tp.size > 1
+        self.num_local_experts = tp.split(spec.num_experts) if self.expert_parallel else spec.num_experts
+        self.expert_start = tp.rank * self.num_local_experts if self.expert_parallel else 0
+        self.intermediate = spec.intermediate_size if self.expert_parallel else tp.split(spec.intermediate_size)
+        n, inter = self.num_local_experts, self.intermediate
+        self.w13_weight = new_param(n, 2 * inter, hidden_size, dtype=b.dtype, loader=self.weight_loader)
+        self.w2_weight = new_param(n, hidden_size, inter, dtype=b.dtype, loader=self.weight_loader)
+        self.fused_moe = b.attn_backend.ops.fused_moe
+
+    def is_local(self, expert: int) -> bool:
+        """Whether this rank holds ``expert`` (every expert unless expert parallel)."""
+        return 0 <= expert - self.expert_start < self.num_local_experts
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids)))
+
+    def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Expert ids as indices into this rank's experts; -1 (nothing to add) for other ranks' experts."""
+        if not self.expert_parallel:
+            return ids
+        ids = ids - self.expert_start
+        return torch.where((ids >= 0) & (ids < self.num_local_experts), ids, -1)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: tuple[int, str]) -> None:
+        """One expert's gate, up or down matrix (``shard_id = (expert, "gate" | "up" | "down")``)."""
+        expert, part = shard_id
+        dst = param.data[expert - self.expert_start]
+        inter, start = self.intermediate, 0 if self.expert_parallel else self.tp.rank * self.intermediate
+        if part == "down":
+            copy_weight(dst, weight_narrow(loaded, 1, start, inter))
+        else:
+            copy_weight(dst.narrow(0, 0 if part == "gate" else inter, inter), weight_narrow(loaded, 0, start, inter))
+
+
+class _Replicated(nn.Module):
+    """A small matrix every rank keeps whole (the router, Qwen2-MoE's shared-expert gate)."""
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_param(out_features, in_features, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    """The MLP of an MoE layer: route, run the experts (and the shared expert), sum."""
+
+    def __init__(self, spec: MoESpec, b: DecoderBuild) -> None:
+        super().__init__()
+        check_silu(b.hf_config)
+        hidden = b.hf_config.hidden_size
+        self.spec = spec
+        self.gate = _Replicated(spec.num_experts, hidden, b.dtype)
+        self.experts = FusedMoE(spec, hidden, b)
+        if spec.shared_expert_size:
+            self.shared_expert = LlamaMLP(b, spec.shared_expert_size)
+            self.shared_expert_gate = _Replicated(1, hidden, b.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        weights, ids = select_experts(self.gate(x), spec.top_k, spec.renormalize)
+        if spec.weights_in_model_dtype:
+            weights = weights.to(x.dtype).float()
+        out = self.experts(x, weights, ids)
+        if spec.shared_expert_size:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+_EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+class MoECausalLM:
+    """Mixin before a Llama-style causal LM whose MLPs are (some or all) `SparseMoeBlock`: builds them
+    and maps the checkpoint's per-expert matrices onto the stacked ``w13`` / ``w2`` parameters."""
+
+    is_moe = True
+    moe_module = "mlp"
+    """The MoE block's name in the checkpoint (Mixtral: ``block_sparse_moe``); the model calls it ``mlp``."""
+    expert_parts = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    """The experts' checkpoint matrix names -> gate, up, down."""
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
+        """Layer ``layer_idx``'s MoE, or None for a dense MLP layer."""
+        raise NotImplementedError
+
+    @classmethod
+    def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
+        spec = cls.moe_spec(b.hf_config, layer_idx)
+        return LlamaMLP(b) if spec is None else SparseMoeBlock(spec, b)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """As the dense model's, skipping the experts other ranks hold (expert parallel)."""
+        return super().load_weights(  # type: ignore[misc]
+            (name, weight) for name, weight in weights if self._on_this_rank(name))
+
+    def _on_this_rank(self, ckpt_name: str) -> bool:
+        param_name, shard_id = self._packed(ckpt_name)
+        if not isinstance(shard_id, tuple):
+            return True
+        experts = self.get_submodule(param_name.rsplit(".", 1)[0])  # type: ignore[attr-defined]
+        return not isinstance(experts, FusedMoE) or experts.is_local(shard_id[0])
+
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        name = ckpt_name.replace(f".{self.moe_module}.", ".mlp.")
+        match = _EXPERT_NAME.match(name)
+        if match is None or match.group(3) not in self.expert_parts:
+            return super()._packed(name)  # type: ignore[misc]
+        prefix, expert, part = match.group(1), int(match.group(2)), self.expert_parts[match.group(3)]
+        return f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}_weight", (expert, part)
+
+    def _unpacked(self, param_name: str) -> list[tuple[str, object]]:
+        prefix, _, leaf = param_name.rpartition(".experts.")
+        ckpt_prefix = prefix.removesuffix(".mlp") + f".{self.moe_module}"
+        if leaf in ("w13_weight", "w2_weight"):
+            experts: FusedMoE = self.get_submodule(f"{prefix}.experts")  # type: ignore[attr-defined]
+            parts = ("down",) if leaf == "w2_weight" else ("gate", "up")
+            names = {part: ckpt for ckpt, part in self.expert_parts.items()}
+            return [(f"{ckpt_prefix}.experts.{e}.{names[part]}.weight", (e, part))
+                    for e in range(experts.expert_start, experts.expert_start + experts.num_local_experts)
+                    for part in parts]
+        return [(name.replace(".mlp.", f".{self.moe_module}."), shard)
+                for name, shard in super()._unpacked(param_name)]  # type: ignore[misc]

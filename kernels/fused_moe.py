@@ -1,0 +1,235 @@
+"""Triton fused mixture-of-experts MLP: two grouped matrix products over tokens sorted by expert.
+
+``fused_moe(hidden, w13, w2, topk_weights, topk_ids)`` computes, for each token, the sum over its k
+experts of ``weight * down_e(silu(gate_e x) * up_e x)``, the meaning of `reference.fused_moe`. Three
+steps, none of which reads a device value on the host (so a call is CUDA-graph capturable):
+
+1. `align_tokens` (torch ops): the ``T * k`` (token, slot) pairs are sorted by expert (stable, so a
+   group keeps token order), each expert's group is padded to a multiple of ``BLOCK_M`` rows, and
+   every block of ``BLOCK_M`` rows gets the expert it belongs to. The buffers have their worst-case
+   size (``T*k + min(E, T*k) * (BLOCK_M - 1)`` rows) and the padded total stays in a device tensor;
+   a pair whose id is outside ``[0, E)`` (an expert another rank holds) is in no group.
+2. `_gate_up_kernel`, grid (row blocks, column blocks of I): a program multiplies its block's
+   tokens (gathered from ``hidden``) by one column block of its expert's gate rows and the same
+   block of its up rows, and stores ``silu(gate) * up`` per pair, rounded as `silu_and_mul` rounds
+   after a product in the dtype (SiLU-and-mul fused: no ``[*, 2I]`` buffer, one launch fewer).
+3. `_down_kernel`, grid (row blocks, column blocks of H): the down product of each pair's
+   activation, rounded to the dtype, times the pair's routing weight in float32, rounded again
+   (the reference's rounding), stored at the pair's row of a ``[T, k, H]`` buffer (zeros where a
+   pair has no local expert), which a torch ``sum`` over k reduces: deterministic, no atomics.
+
+Blocks past the padded total return at once (they read the total from the device). Products
+accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
+
+__all__ = ["Alignment", "MoeConfig", "align_tokens", "fused_moe", "moe_config"]
+
+
+class MoeConfig(NamedTuple):
+    """Block sizes and launch settings of both grouped products."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+class Alignment(NamedTuple):
+    """The pairs sorted by expert, in padded groups (`align_tokens`)."""
+
+    sorted_pairs: torch.Tensor
+    """int32 ``[num_blocks * BLOCK_M]``: pair index ``token * k + slot`` per row; ``T * k`` on padding rows."""
+    block_experts: torch.Tensor
+    """int32 ``[num_blocks]``: the expert of each block; ``E`` for blocks past the padded total."""
+    total_rows: torch.Tensor
+    """int64 ``[1]``: the padded row count (a multiple of BLOCK_M), on the device."""
+
+
+def moe_config(num_pairs: int, num_experts: int, dtype: torch.dtype, on_gpu: bool) -> MoeConfig:
+    """Block sizes: 16-row blocks while an expert gets few rows (decode), 64 once most get many
+    (prefill); small blocks on the CPU, where the interpreter runs them (tests: fast, masked tails)."""
+    if not on_gpu:
+        return MoeConfig(16, 16, 16, 4, 1)
+    stages = 2 if dtype == torch.float32 else 3
+    if num_pairs < 32 * num_experts:  # fewer than 32 rows per expert on average
+        return MoeConfig(16, 64, 64, 4, stages)
+    return MoeConfig(64, 128, 64, 8 if dtype != torch.float32 else 4, stages)
+
+
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+    """Sort the ``T * k`` pairs of ``topk_ids [T, k]`` by expert into groups padded to ``block_m`` rows.
+
+    Sync-free torch ops at worst-case sizes: counts by ``scatter_add_``, a stable sort, offsets by
+    ``cumsum``, each block's expert by ``searchsorted``. Ids outside ``[0, num_experts)`` are dropped."""
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    num_blocks = triton.cdiv(num_pairs + min(num_experts, num_pairs) * (block_m - 1), block_m)
+    rows = num_blocks * block_m
+    local = (flat >= 0) & (flat < num_experts)
+    keys = torch.where(local, flat, num_experts)  # the other ranks' pairs in one last bucket
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, keys, torch.ones_like(keys))
+    padded = (counts[:num_experts] + (block_m - 1)) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    group_start = counts.cumsum(0) - counts
+    sorted_keys, order = torch.sort(keys, stable=True)
+    rank = torch.arange(num_pairs, device=device) - group_start[sorted_keys]
+    row = padded_start[sorted_keys.clamp(max=num_experts - 1)] + rank
+    dest = torch.where(sorted_keys < num_experts, row, rows)  # the other ranks' pairs to row `rows`, dropped
+    sorted_pairs = torch.full((rows + 1,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(num_blocks, dtype=torch.int64, device=device) * block_m
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True)
+    return Alignment(sorted_pairs[:rows], block_experts.to(torch.int32), padded_end[num_experts - 1:])
+
+
+@triton.jit
+def _silu_mul(gate, up, dtype):
+    """``silu(gate) * up`` for float32 products, rounded as `silu_and_mul` on their dtype roundings."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
+def _gate_up_kernel(
+    hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr,
+    hidden_stride, w13_stride_e, w13_stride_n, act_stride,
+    num_pairs, H, I,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_rows_ptr):
+        return
+    dtype = act_ptr.dtype.element_ty
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = pairs < num_pairs
+    tokens = tl.where(row_mask, pairs // TOP_K, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + offs_k[None, :]
+    gate_ptrs = w13_ptr + expert * w13_stride_e + offs_n.to(tl.int64)[None, :] * w13_stride_n + offs_k[:, None]
+    up_ptrs = gate_ptrs + I * w13_stride_n
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k_mask = offs_k < H - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+        up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    out_ptrs = act_ptr + pairs[:, None] * act_stride + offs_n[None, :]
+    tl.store(out_ptrs, _silu_mul(acc_gate, acc_up, dtype), mask=row_mask[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr,
+    act_stride, w2_stride_e, w2_stride_n, out_stride,
+    num_pairs, H, I,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(total_rows_ptr):
+        return
+    dtype = out_ptr.dtype.element_ty
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    row_mask = pairs < num_pairs
+    pairs = tl.where(row_mask, pairs, 0)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + pairs[:, None] * act_stride + offs_k[None, :]
+    w_ptrs = w2_ptr + expert * w2_stride_e + offs_n.to(tl.int64)[None, :] * w2_stride_n + offs_k[:, None]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = offs_k < I - k0
+        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    weight = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
+    out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    tl.store(out_ptr + pairs[:, None] * out_stride + offs_n[None, :], out, mask=row_mask[:, None] & n_mask[None, :])
+
+
+def fused_moe(
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """hidden ``[T, H]``, w13 ``[E, 2I, H]`` (gate rows, then up rows), w2 ``[E, H, I]``, topk_weights
+    ``[T, k]`` float32, topk_ids ``[T, k]`` int32/int64 -> ``[T, H]`` in hidden's dtype.
+
+    An id outside ``[0, E)`` adds nothing (expert parallelism: another rank's expert)."""
+    check_float("hidden", hidden, 2)
+    check_last_dim_contiguous("hidden", hidden)
+    num_tokens, h = hidden.shape
+    check(w13.dim() == 3 and w13.dtype == hidden.dtype and w13.shape[2] == h and w13.shape[1] % 2 == 0
+          and w13.shape[0] >= 1,
+          f"w13 must be [E, 2I, {h}] of {hidden.dtype}, got {tuple(w13.shape)} of {w13.dtype}")
+    check_last_dim_contiguous("w13", w13)
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    check(w2.dim() == 3 and w2.dtype == hidden.dtype and tuple(w2.shape) == (num_experts, h, inter),
+          f"w2 must be [{num_experts}, {h}, {inter}] of {hidden.dtype}, got {tuple(w2.shape)} of {w2.dtype}")
+    check_last_dim_contiguous("w2", w2)
+    check(topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    check(topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens and topk_ids.shape[1] >= 1,
+          f"topk_ids must be [{num_tokens}, k], got shape {tuple(topk_ids.shape)}")
+    top_k = topk_ids.shape[1]
+    check(topk_weights.dtype == torch.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
+    check(tuple(topk_weights.shape) == (num_tokens, top_k),
+          f"topk_weights must be [{num_tokens}, {top_k}] like topk_ids, got shape {tuple(topk_weights.shape)}")
+    check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+
+    num_pairs = num_tokens * top_k
+    if num_pairs == 0 or h == 0:
+        return torch.zeros_like(hidden)
+    cfg = moe_config(num_pairs, num_experts, hidden.dtype, hidden.is_cuda)
+    aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
+    num_blocks = aligned.block_experts.shape[0]
+    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
+    out = torch.zeros((num_tokens, top_k, h), dtype=hidden.dtype, device=hidden.device)
+    if inter > 0:
+        act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
+        _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
+            hidden, w13, act, aligned.sorted_pairs, aligned.block_experts, aligned.total_rows,
+            hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+            num_pairs, h, inter,
+            TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        out2 = out.view(num_pairs, h)
+        _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
+            act, w2, out2, topk_weights.reshape(-1).contiguous(), aligned.sorted_pairs, aligned.block_experts,
+            aligned.total_rows,
+            act.stride(0), w2.stride(0), w2.stride(1), out2.stride(0),
+            num_pairs, h, inter,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    return out.sum(dim=1)
