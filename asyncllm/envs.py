@@ -104,5 +104,28 @@ SERVER_DEV_MODE = EnvVar(
     "prefix cache, e.g. between benchmark runs); 0: they do not exist (404). Read when the app is made.",
 )
 
-REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENGINE_KEY,
-            ENGINE_STARTUP_TIMEOUT_S, RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE)
+ENABLE_RESPONSES_API_STORE = EnvVar(
+    "ASYNCLLM_ENABLE_RESPONSES_API_STORE", False, _on_off,
+    "1: the OpenAI-compatible server keeps Responses API responses (those made without store: false) in its "
+    "process's memory, for GET /v1/responses/{id} and previous_response_id (vLLM's "
+    "VLLM_ENABLE_RESPONSES_API_STORE); 0: store is accepted and answered false, nothing is kept. Read when the "
+    "app is made.",
+)
+
+
+def _positive_int(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError(f"expected a positive integer, got {value}")
+    return value
+
+
+RESPONSES_API_STORE_MAX_ENTRIES = EnvVar(
+    "ASYNCLLM_RESPONSES_API_STORE_MAX_ENTRIES", 1000, _positive_int,
+    "With ASYNCLLM_ENABLE_RESPONSES_API_STORE=1: the most responses one server process keeps; past it the least "
+    "recently used (stored, retrieved or continued) is dropped. Read when the app is made.",
+)
+
+REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENABLE_RESPONSES_API_STORE,
+            ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, RESPONSES_API_STORE_MAX_ENTRIES, RUNTIME_DIR, SERVER_DEV_MODE,
+            TRITON_INTERPRET, WORKER_PIPELINE)

@@ -6,8 +6,9 @@ options asyncllm does not build yet (``suffix``, ``best_of`` != n) are refused
 by name too. vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``,
 ``bad_words``, ``truncate_prompt_tokens``, ``prompt_logprobs``, ``priority``,
-``cache_salt``, ``chat_template``, ...) are accepted, as a vLLM user expects,
-and so is structured output: OpenAI's ``response_format`` (``json_object``,
+``cache_salt``, ``chat_template``, ...) are accepted, as a vLLM user expects, and
+so are vLLM's ``use_beam_search`` (openai_beam_search.py runs it) and
+structured output: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
 ``choice``, ``grammar``, ``json_object``). Tool calling (``tools``,
 ``tool_choice``) is read in openai_tools.py.
@@ -93,6 +94,10 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
     cache_salt: str | None = None
     """vLLM's: requests with different salts never share prefix-cached KV."""
+    use_beam_search: bool = False
+    """vLLM's: beam search of width n (completions: best_of when given) instead of sampling (openai_beam_search.py)."""
+    length_penalty: float = 1.0
+    """vLLM's, with use_beam_search: beams are ranked by cumulative logprob / length ** length_penalty."""
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -258,6 +263,7 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
             defaults: Mapping[str, Any], prompt_logprobs: int | None = None,
             tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
     _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
+    _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
     if _is_int(req.n) and req.n > limits.max_n:
         raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
     if max_tokens is None:

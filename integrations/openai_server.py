@@ -1,10 +1,11 @@
 """An OpenAI-compatible ASGI app (Starlette) over one `AsyncEngine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with SSE
-streaming and ``stream_options.include_usage``), ``POST /v1/responses``
-(OpenAI's Responses API, responses_api.py), ``POST /v1/embeddings`` (of
-``input`` or, as vLLM's, of chat ``messages``; openai_embeddings.py),
-``GET /v1/models``, vLLM's
+streaming and ``stream_options.include_usage``, and vLLM's ``use_beam_search``,
+openai_beam_search.py), ``POST /v1/responses`` (OpenAI's Responses API,
+responses_api.py; kept responses, ``GET /v1/responses/{id}``, with
+ASYNCLLM_ENABLE_RESPONSES_API_STORE: responses_store.py), ``POST /v1/embeddings``
+(of ``input`` or, as vLLM's, of chat ``messages``; openai_embeddings.py), ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
 ``GET /health`` (and SageMaker's ``/ping``, with ``POST /invocations``),
 ``GET /metrics`` (Prometheus text), and with
@@ -45,6 +46,7 @@ from starlette.routing import Route
 from asyncllm import envs
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body
+from asyncllm.integrations.openai_beam_search import beam_search_response
 from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, embedding_response
 from asyncllm.integrations.openai_lora import LoadLoRAAdapterRequest, LoRAModels, LoRAModule, UnloadLoRAAdapterRequest
 from asyncllm.integrations.openai_protocol import (
@@ -53,7 +55,8 @@ from asyncllm.integrations.openai_protocol import (
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices
 from asyncllm.integrations.openai_tools import tool_mode
-from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, chat_request, response_body
+from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
+from asyncllm.integrations.responses_store import ResponseStore
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.lora import LoRARequest
@@ -161,6 +164,7 @@ class OpenAIServer:
         self.runtime_lora = runtime_lora
         """Whether the load/unload adapter routes exist (ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING)."""
         self.loras = LoRAModels(lora_modules, [name for name in model_names if name is not None])
+        self.responses_store = ResponseStore.from_env()  # ASYNCLLM_ENABLE_RESPONSES_API_STORE (responses_store.py)
 
     @property
     def model_names(self) -> list[str]:
@@ -181,6 +185,7 @@ class OpenAIServer:
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guarded(self.chat_completions), methods=["POST"]),
             Route("/v1/responses", self._guarded(self.responses), methods=["POST"]),
+            *self.responses_store.routes(self._guarded),  # GET/DELETE /v1/responses/{id}, POST .../cancel
             Route("/v1/embeddings", self._guarded(self.embeddings), methods=["POST"]),
             Route("/v1/models", self._guarded(self.models), methods=["GET"]),
             Route("/tokenize", self._guarded(self.tokenize), methods=["POST"]),
@@ -232,6 +237,8 @@ class OpenAIServer:
     async def completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, CompletionRequest)
         model, lora = self._model(req.model)
+        if req.use_beam_search:  # vLLM's beam search (openai_beam_search.py)
+            return await beam_search_response(self, request, req, model, lora)
         params = completion_params(req, self.limits, await self._sampling_defaults())
         prompts = completion_prompts(req.prompt, self.limits)
         streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora) for prompt in prompts]
@@ -243,6 +250,8 @@ class OpenAIServer:
     async def chat_completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
         model, lora = self._model(req.model)
+        if req.use_beam_search:
+            return await beam_search_response(self, request, req, model, lora)
         streams, choices = self._start_chat(req, lora, await self._sampling_defaults())
         return await self._respond(request, req, model, streams, choices, "chatcmpl", "chat.completion")
 
@@ -277,18 +286,20 @@ class OpenAIServer:
         """OpenAI's Responses API over a chat completion (responses_api.py)."""
         req = decode_request(await self._body(request), ResponsesRequest)
         model, lora = self._model(req.model)
-        streams, choices = self._start_chat(chat_request(req), lora, await self._sampling_defaults())
+        turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
+        streams, choices = self._start_chat(turn.chat_request(), lora, await self._sampling_defaults())
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             _count_prompts(streams, choices)
-            return StreamingResponse(self._response_events(request, req, model, streams, firsts, choices),
+            events = ResponseEvents(turn.req, model, on_finish=turn.keep)  # kept before its last event is sent
+            return StreamingResponse(self._response_events(request, events, streams, firsts, choices),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
             choices.add(prompt_index, delta)
         _count_prompts(streams, choices)
         choice = choices.final_choices()[0]
-        return _json(response_body(req, model, choice["message"], choice["finish_reason"], choices.usage()))
+        return _json(turn.keep(response_body(turn.req, model, choice["message"], choice["finish_reason"], choices.usage())))
 
     async def _sampling_defaults(self) -> dict[str, Any]:
         """The engine's default sampling fields (the model's generation config) for fields a request leaves unset."""
@@ -372,7 +383,8 @@ class OpenAIServer:
 
         return _json({"version": __version__})
 
-    async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest, tools: list[Any] | None = None) -> list[int]:
+    async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,
+                           tools: list[Any] | None = None) -> list[int]:
         """A request's ``messages`` rendered with the chat template (the server's, or the request's when trusted)
         and tokenized, on a worker thread: the ids the engine's chat would run."""
         tokenizer = await self._tokenizer()
@@ -496,9 +508,8 @@ class OpenAIServer:
             await self._echo(choices, streams, echo)
         return _json({**meta, "choices": choices.final_choices(), "usage": choices.usage(), **choices.response_fields()})
 
-    async def _response_events(self, request: Request, req: ResponsesRequest, model: str,
-                               streams: list[RequestStream], firsts: list[Any], choices: Choices) -> AsyncIterator[bytes]:
-        events = ResponseEvents(req, model)
+    async def _response_events(self, request: Request, events: ResponseEvents, streams: list[RequestStream],
+                               firsts: list[Any], choices: Choices) -> AsyncIterator[bytes]:
         for event in events.start():
             yield event
         try:

@@ -10,15 +10,18 @@ reasoning parser), ``message`` (``output_text``) and ``function_call``; a
 streamed reply as the API's semantic events (``response.created``, ...,
 ``response.output_text.delta``, ..., ``response.completed``).
 
-Not built, and refused by name: ``previous_response_id`` and stored
-responses (``store`` is answered ``false``), ``background``, ``include``,
-``truncation: "auto"``, non-function tools, ``reasoning`` settings.
+``store`` and ``previous_response_id`` are resolved by the server's response
+store (responses_store.py): `chat_request` runs the items it hands over
+before ``input``. Not built, and refused by name: ``background``,
+``include``, ``truncation: "auto"``, non-function tools, ``reasoning``
+settings.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -26,7 +29,7 @@ import msgspec
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import ChatCompletionRequest
 
-__all__ = ["ResponsesRequest", "chat_request", "response_body", "ResponseEvents"]
+__all__ = ["ResponsesRequest", "chat_request", "input_items", "response_body", "ResponseEvents"]
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -45,7 +48,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     text: dict[str, Any] | None = None
     """``{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}``."""
     store: bool | None = None
-    """Accepted; nothing is stored (the response says ``"store": false``)."""
+    """Keep the response (default: yes, as OpenAI) when the server's store is on (responses_store.py); else
+    accepted and answered ``false``."""
     metadata: dict[str, str] | None = None
     user: str | None = None
     previous_response_id: str | None = None
@@ -65,8 +69,6 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
 
 def _refused(req: ResponsesRequest) -> None:
     checks = [
-        (req.previous_response_id is not None, "previous_response_id",
-         "stored responses are not built: send the whole conversation as input"),
         (bool(req.background), "background", "background responses are not built"),
         (bool(req.include), "include", "extra output data is not built"),
         (req.truncation not in (None, "disabled"), "truncation", "only 'disabled' is built"),
@@ -78,11 +80,19 @@ def _refused(req: ResponsesRequest) -> None:
             raise InvalidRequestError(field, why)
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat completion that runs this response (every check of chat completions applies)."""
+def chat_request(req: ResponsesRequest, history: Sequence[dict[str, Any]] | None = None) -> ChatCompletionRequest:
+    """The chat completion that runs this response (every check of chat completions applies).
+
+    `history`: the conversation before ``input`` that ``previous_response_id``
+    names (input items, as the response store hands them over); without it a
+    ``previous_response_id`` is refused.
+    """
     _refused(req)
+    if req.previous_response_id is not None and history is None:
+        raise InvalidRequestError("previous_response_id", "continuing a response needs the server's response store")
+    items = [*history, *input_items(req.input)] if history else req.input
     fields: dict[str, Any] = {
-        "model": req.model, "messages": input_messages(req.input, req.instructions),
+        "model": req.model, "messages": input_messages(items, req.instructions),
         "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
         "tools": _chat_tools(req.tools), "tool_choice": _chat_tool_choice(req.tool_choice),
         "parallel_tool_calls": req.parallel_tool_calls, "response_format": _response_format(req.text),
@@ -91,6 +101,11 @@ def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         "user": req.user, "stream": req.stream,
     }
     return msgspec.convert({k: v for k, v in fields.items() if v is not None}, ChatCompletionRequest)
+
+
+def input_items(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``input`` as a list of items: a string is one user message."""
+    return [{"type": "message", "role": "user", "content": items}] if isinstance(items, str) else items
 
 
 def input_messages(items: str | list[dict[str, Any]], instructions: str | None) -> list[dict[str, Any]]:
@@ -188,8 +203,8 @@ def _skeleton(req: ResponsesRequest, response_id: str, model: str, created: int)
         "max_output_tokens": req.max_output_tokens, "metadata": req.metadata or {},
         "parallel_tool_calls": req.parallel_tool_calls is not False, "temperature": req.temperature,
         "top_p": req.top_p, "tool_choice": req.tool_choice if req.tool_choice is not None else "auto",
-        "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "store": False,
-        "truncation": "disabled", "usage": None,
+        "tools": req.tools or [], "text": req.text or {"format": {"type": "text"}}, "store": req.store is True,
+        "previous_response_id": req.previous_response_id, "truncation": "disabled", "usage": None,
     }
 
 
@@ -230,8 +245,11 @@ def response_body(req: ResponsesRequest, model: str, message: dict[str, Any], fi
 class ResponseEvents:
     """A streamed response: chat deltas (openai_reply.py) in, the API's SSE events out."""
 
-    def __init__(self, req: ResponsesRequest, model: str) -> None:
+    def __init__(self, req: ResponsesRequest, model: str,
+                 on_finish: Callable[[dict[str, Any]], Any] | None = None) -> None:
         self.body = _skeleton(req, _new_id("resp"), model, int(time.time()))
+        self._on_finish = on_finish
+        """Called with the finished body before the last event (the response store keeps it)."""
         self._sequence = 0
         self._open: dict[str, Any] | None = None
         """The output item being streamed: {"kind", "id", "index", "text" or "call"}."""
@@ -255,6 +273,8 @@ class ResponseEvents:
     def finish(self, finish_reason: str | None, usage: dict[str, int]) -> list[bytes]:
         events = self._close()
         self.body = {**_finished(self.body, finish_reason, usage), "output": self._output}
+        if self._on_finish is not None:
+            self._on_finish(self.body)
         kind = "response.incomplete" if self.body["status"] == "incomplete" else "response.completed"
         return events + [self._event(kind, response=self.body)]
 

@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.errors import ConfigError
-from asyncllm.models.layers import LoadedWeight, TensorParallel, copy_weight, new_param, weight_narrow
+from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
 from asyncllm.models.llama import DecoderBuild, LlamaMLP, check_silu
 
 __all__ = ["MoESpec", "num_experts_of", "FusedMoE", "SparseMoeBlock", "MoECausalLM", "select_experts", "moe_parallel_problems"]

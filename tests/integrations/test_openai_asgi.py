@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
 from asyncllm import EngineDeadError, EngineOverloadedError, InvalidRequestError, SamplingParams
 from asyncllm.integrations.openai_protocol import ServerLimits
 from asyncllm.integrations.openai_server import create_app
+from asgi_helpers import asgi_client, sse_events
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -17,18 +15,8 @@ MODEL = "asyncllm-tiny"
 GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 6}
 
 
-def _client(app) -> httpx.AsyncClient:
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-def _events(text: str) -> list:
-    lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
-    assert lines[-1] == "[DONE]"
-    return [json.loads(line) for line in lines[:-1]]
-
-
 async def test_models_health_metrics(app, bundled_engine) -> None:
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         models = (await client.get("/v1/models")).json()
         health = await client.get("/health")
         metrics = await client.get("/metrics")
@@ -42,7 +30,7 @@ async def test_models_health_metrics(app, bundled_engine) -> None:
 async def test_completion_matches_engine_and_usage_is_exact(app, bundled_engine, bundled_tokenizer) -> None:
     prompt = "def add(a, b):"
     expected = await bundled_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=6))
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         body = (await client.post("/v1/completions", json={**GREEDY, "prompt": prompt})).json()
     assert body["object"] == "text_completion" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": expected.text, "logprobs": None,
@@ -55,7 +43,7 @@ async def test_completion_matches_engine_and_usage_is_exact(app, bundled_engine,
 
 async def test_completion_list_prompts_and_n(app, bundled_engine) -> None:
     prompts = ["import os\n", "class A:"]
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         body = (await client.post("/v1/completions", json={**GREEDY, "prompt": prompts, "n": 2})).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     for i, prompt in enumerate(prompts):
@@ -65,12 +53,12 @@ async def test_completion_list_prompts_and_n(app, bundled_engine) -> None:
 
 async def test_completion_stream_equals_non_stream(app) -> None:
     request = {**GREEDY, "prompt": "for i in range(", "max_tokens": 12}
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         whole = (await client.post("/v1/completions", json=request)).json()
         streamed = await client.post("/v1/completions", json={**request, "stream": True,
                                                                 "stream_options": {"include_usage": True}})
     assert streamed.headers["content-type"].startswith("text/event-stream")
-    events = _events(streamed.text)
+    events = sse_events(streamed.text)
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == whole["choices"][0]["text"]
     assert events[-2]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"]
     assert all(e["usage"] is None for e in events[:-1])
@@ -80,8 +68,8 @@ async def test_completion_stream_equals_non_stream(app) -> None:
 async def test_continuous_usage_stats(app) -> None:
     request = {**GREEDY, "prompt": "for i in range(", "max_tokens": 12, "stream": True,
                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
-    async with _client(app) as client:
-        events = _events((await client.post("/v1/completions", json=request)).text)
+    async with asgi_client(app) as client:
+        events = sse_events((await client.post("/v1/completions", json=request)).text)
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert counts == sorted(counts) and counts[-1] == events[-1]["usage"]["completion_tokens"] > counts[0]
     assert {e["usage"]["prompt_tokens"] for e in events} == {events[-1]["usage"]["prompt_tokens"]}
@@ -94,12 +82,12 @@ async def test_chat_stream_and_not(app, bundled_engine) -> None:
                                                       SamplingParams(temperature=0, max_tokens=8))]
     text = "".join(d.text for d in expected)
     request = {**GREEDY, "max_tokens": 8, "messages": messages}
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         whole = (await client.post("/v1/chat/completions", json=request)).json()
         streamed = await client.post("/v1/chat/completions", json={**request, "stream": True})
     assert whole["object"] == "chat.completion"
     assert whole["choices"][0]["message"] == {"role": "assistant", "content": text}
-    events = _events(streamed.text)
+    events = sse_events(streamed.text)
     assert {e["object"] for e in events} == {"chat.completion.chunk"}
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[1:]) == text
@@ -109,7 +97,7 @@ async def test_chat_stream_and_not(app, bundled_engine) -> None:
 
 async def test_stop_string_truncates(app) -> None:
     request = {**GREEDY, "prompt": "def add(a, b):", "max_tokens": 16}
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         text = (await client.post("/v1/completions", json=request)).json()["choices"][0]["text"]
         stop = text[3:5]
         stopped = (await client.post("/v1/completions", json={**request, "stop": [stop]})).json()
@@ -118,7 +106,7 @@ async def test_stop_string_truncates(app) -> None:
 
 
 async def test_completion_logprobs(app) -> None:
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         body = (await client.post("/v1/completions", json={**GREEDY, "prompt": "x = ", "logprobs": 3})).json()
     choice = body["choices"][0]
     logprobs = choice["logprobs"]
@@ -145,7 +133,7 @@ async def test_completion_logprobs(app) -> None:
 async def test_invalid_completion_is_400_naming_the_field(app, bundled_engine, request_body, param) -> None:
     if request_body.get("prompt") == "<longer than max_model_len>":
         request_body = {"prompt": "x " * bundled_engine.config.max_model_len}
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         response = await client.post("/v1/completions", json={"model": MODEL, **request_body})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["type"] == "invalid_request_error"
@@ -160,14 +148,14 @@ async def test_invalid_completion_is_400_naming_the_field(app, bundled_engine, r
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
 ])
 async def test_invalid_chat_is_400(app, request_body, param) -> None:
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         response = await client.post("/v1/chat/completions", json={"model": MODEL, **request_body})
     assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
 
 
 async def test_a_request_without_model_gets_the_served_model(app) -> None:
     body = {k: v for k, v in GREEDY.items() if k != "model"}
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         named = await client.post("/v1/completions", json={**GREEDY, "prompt": "import os"})
         unnamed = await client.post("/v1/completions", json={**body, "prompt": "import os"})
         chat = await client.post("/v1/chat/completions", json={**body, "messages": [{"role": "user", "content": "x"}]})
@@ -180,7 +168,7 @@ async def test_vllm_priority_and_cache_salt(app, bundled_engine) -> None:
     body = {**GREEDY, "prompt": "class Salted:\n    def method(self, value):\n        return value * 2\n" * 2}
     chat = {**GREEDY, "messages": [{"role": "user", "content": "x"}]}
     hits, texts = [], []
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         refused = await client.post("/v1/completions", json={**body, "priority": 1})
         refused_chat = await client.post("/v1/chat/completions", json={**chat, "priority": -2})
         salted_chat = await client.post("/v1/chat/completions", json={**chat, "cache_salt": "c", "priority": 0})
@@ -196,7 +184,7 @@ async def test_vllm_priority_and_cache_salt(app, bundled_engine) -> None:
 
 async def test_vllm_tokenize_detokenize_and_version(app, bundled_tokenizer) -> None:
     prompt, messages = "def add(a, b):", [{"role": "user", "content": "hi"}]
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         tokens = (await client.post("/tokenize", json={"model": MODEL, "prompt": prompt})).json()
         plain = (await client.post("/tokenize", json={"prompt": prompt, "add_special_tokens": False})).json()
         chat = (await client.post("/tokenize", json={"messages": messages})).json()
@@ -218,7 +206,7 @@ async def test_vllm_tokenize_detokenize_and_version(app, bundled_tokenizer) -> N
 
 async def test_chat_template_variables(app) -> None:
     chat = {**GREEDY, "messages": [{"role": "user", "content": "hi"}]}
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         counts = [(await client.post("/tokenize", json={"messages": chat["messages"], **extra})).json()["count"]
                   for extra in ({}, {"add_generation_prompt": False})]
         prompt_tokens = [(await client.post("/v1/chat/completions", json={**chat, **extra})).json()["usage"]["prompt_tokens"]
@@ -230,7 +218,7 @@ async def test_chat_template_variables(app) -> None:
 
 
 async def test_http_level_errors(app) -> None:
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         wrong_model = await client.post("/v1/completions", json={**GREEDY, "model": "gpt-4", "prompt": "x"})
         no_route = await client.get("/v1/nothing")
         wrong_method = await client.get("/v1/completions")
@@ -244,7 +232,7 @@ async def test_http_level_errors(app) -> None:
 async def test_body_size_and_limits(bundled_engine) -> None:
     app = create_app(bundled_engine, manage_engine=False,
                      limits=ServerLimits(max_body_bytes=200, max_n=2, max_tokens=4))
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         too_big = await client.post("/v1/completions", json={**GREEDY, "prompt": "x" * 300})
         too_many = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "n": 3})
         too_long = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "max_tokens": 5})
@@ -258,7 +246,7 @@ async def test_body_size_and_limits(bundled_engine) -> None:
 
 async def test_api_key(bundled_engine) -> None:
     app = create_app(bundled_engine, manage_engine=False, api_key="sekret")
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         missing = await client.get("/v1/models")
         wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
         right = await client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
@@ -309,7 +297,7 @@ class _FailingEngine:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_engine_errors_map_to_status(error, status, kind, stream) -> None:
     app = create_app(_FailingEngine(error), model_name="fake", manage_engine=False)
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         response = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": stream})
     assert (response.status_code, response.json()["error"]["type"]) == (status, kind)
     assert response.json()["error"]["message"] == str(error)
@@ -318,7 +306,7 @@ async def test_engine_errors_map_to_status(error, status, kind, stream) -> None:
 
 async def test_health_and_metrics_of_a_dead_engine() -> None:
     app = create_app(_FailingEngine(EngineDeadError("x"), alive=False), model_name="fake", manage_engine=False)
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         health = await client.get("/health")
         metrics = await client.get("/metrics")
     assert (health.status_code, health.json()) == (503, {"status": "unavailable"})
@@ -327,7 +315,7 @@ async def test_health_and_metrics_of_a_dead_engine() -> None:
 
 async def test_allowed_token_ids_and_bad_words_fields(app, bundled_tokenizer) -> None:
     body = {**GREEDY, "prompt": "import os", "max_tokens": 4, "ignore_eos": True}
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         plain = (await client.post("/v1/completions", json=body)).json()["choices"][0]["text"]
         only = (await client.post("/v1/completions", json={**body, "allowed_token_ids": [42]})).json()
         word = plain.split()[0] if plain.split() else plain
@@ -340,7 +328,7 @@ async def test_prompt_logprobs_and_truncation_fields(app, bundled_engine) -> Non
     prompt = "import os\nimport sys\n"
     body = {**GREEDY, "prompt": prompt, "max_tokens": 2}
     chat = {**GREEDY, "max_tokens": 2, "messages": [{"role": "user", "content": prompt}], "prompt_logprobs": 1}
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         completion = (await client.post("/v1/completions", json={**body, "prompt_logprobs": 2})).json()
         chat_body = (await client.post("/v1/chat/completions", json=chat)).json()
         streamed = await client.post("/v1/completions", json={**body, "prompt_logprobs": 2, "stream": True})
@@ -360,7 +348,7 @@ async def test_several_served_model_names(bundled_engine) -> None:
     from asyncllm.integrations.openai_server import create_app
 
     app = create_app(bundled_engine, model_name=["tiny", "tiny-alias"], manage_engine=False)
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         models = (await client.get("/v1/models")).json()["data"]
         alias = await client.post("/v1/completions", json={**GREEDY, "model": "tiny-alias", "prompt": "x"})
         other = await client.post("/v1/completions", json={**GREEDY, "model": "asyncllm-tiny", "prompt": "x"})
@@ -370,7 +358,7 @@ async def test_several_served_model_names(bundled_engine) -> None:
 
 
 async def test_sagemaker_ping_and_invocations(app) -> None:
-    async with _client(app) as client:
+    async with asgi_client(app) as client:
         ping = await client.get("/ping")
         completion = await client.post("/invocations", json={**GREEDY, "prompt": "import os"})
         direct = await client.post("/v1/completions", json={**GREEDY, "prompt": "import os"})
@@ -404,7 +392,7 @@ async def test_the_mistral_parser_keeps_special_tokens_for_the_requests_it_reads
                                        ("hermes", "auto", False)]:
         engine = _RecordingEngine()
         app = create_app(engine, model_name="fake", manage_engine=False, tool_call_parser=parser)
-        async with _client(app) as client:
+        async with asgi_client(app) as client:
             await client.post("/v1/chat/completions", json={"model": "fake", "tools": tools, "tool_choice": tool_choice,
                                                            "messages": [{"role": "user", "content": "hi"}]})
         assert engine.params[0].skip_special_tokens is not keeps, (parser, tool_choice)
@@ -414,10 +402,10 @@ async def test_reset_prefix_cache_route_exists_only_in_dev_mode(bundled_engine, 
     from asyncllm import envs
 
     prompt = "import os\nimport sys\n" * 12  # several full blocks
-    async with _client(create_app(bundled_engine, manage_engine=False)) as client:
+    async with asgi_client(create_app(bundled_engine, manage_engine=False)) as client:
         assert (await client.post("/reset_prefix_cache")).status_code == 404
     monkeypatch.setenv(envs.SERVER_DEV_MODE.name, "1")
-    async with _client(create_app(bundled_engine, manage_engine=False)) as client:
+    async with asgi_client(create_app(bundled_engine, manage_engine=False)) as client:
         for _ in range(2):
             await client.post("/v1/completions", json={**GREEDY, "prompt": prompt})
         hits = bundled_engine.stats().prefix_cache_hits

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_openai_asgi import GREEDY, _client
+from asgi_helpers import asgi_client as _client
+from test_openai_asgi import GREEDY
 
 from asyncllm import SamplingParams
 

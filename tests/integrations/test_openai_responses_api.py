@@ -7,7 +7,7 @@ import json
 import httpx
 import openai
 import pytest
-from test_openai_asgi import _client
+from asgi_helpers import asgi_client as _client
 
 from asyncllm import SamplingParams
 from asyncllm.integrations.responses_api import input_messages
@@ -80,7 +80,7 @@ async def test_json_schema_text_format(client) -> None:
 
 
 async def test_what_is_not_built_is_refused_by_name(app) -> None:
-    cases = [({"previous_response_id": "resp_1"}, "previous_response_id"),
+    cases = [({"background": True}, "background"),
              ({"tools": [{"type": "web_search"}]}, "tools"),
              ({"reasoning": {"effort": "low"}}, "reasoning"),
              ({"input": [{"type": "image_generation_call"}]}, "input"),

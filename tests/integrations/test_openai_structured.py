@@ -6,7 +6,7 @@ import json
 import re
 
 import pytest
-from test_openai_asgi import _client
+from asgi_helpers import asgi_client as _client
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from test_openai_asgi import GREEDY, _client
+from asgi_helpers import asgi_client as _client
+from test_openai_asgi import GREEDY
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 

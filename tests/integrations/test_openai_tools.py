@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_openai_asgi import _client, _events
+from asgi_helpers import asgi_client as _client, sse_events as _events
 
 from asyncllm import SamplingParams
 

@@ -1,0 +1,251 @@
+"""vLLM's ``use_beam_search`` on ``/v1/completions`` and ``/v1/chat/completions``: `AsyncEngine.beam_search`
+behind the OpenAI bodies.
+
+The beam width is ``n`` (as vLLM), or completions' ``best_of`` when given
+(then the best ``n`` of the ``best_of`` beams are returned); the response has
+``n`` choices per prompt, the beams best first, each with its text and
+finish_reason ("stop": it ended with EOS, "length"). ``max_tokens``,
+``ignore_eos`` and vLLM's ``length_penalty`` go to `BeamSearchParams`.
+Beam search follows the model's raw logprobs: ``temperature`` must be unset
+or 0 (the model's generation config does not apply), and every field that
+would change the distribution or the output (penalties, ``logit_bias``,
+``stop``, structured output, tools, ...) is a 400 naming it, never ignored.
+``logprobs`` give each chosen token's logprob, with no alternatives (top-N 0).
+Streamed, the search runs to its end first (as vLLM's, whose beam search
+yields once) and each choice comes whole in one chunk. Usage: each prompt's
+tokens once, completion tokens summed over the returned beams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
+from asyncllm.engine.validation import check_text
+from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, completion_prompts
+from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices
+from asyncllm.integrations.starlette import wait_disconnect
+from asyncllm.integrations.streams import ClientDisconnected
+from asyncllm.outputs import Logprob, StreamDelta
+from asyncllm.tokenizer import encode_prompt
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.integrations.openai_server import OpenAIServer
+    from asyncllm.lora import LoRARequest
+
+__all__ = ["beam_search_response", "check_beam_search_request"]
+
+
+def check_beam_search_request(req: CompletionRequest | ChatCompletionRequest) -> None:
+    """`InvalidRequestError` naming the first field beam search cannot honour."""
+    raw, no_sampling = "beam search follows the raw logprobs", "beam search does not sample"
+    refusals: list[tuple[bool, str, str]] = [
+        (req.temperature not in (None, 0), "temperature", f"only 0 or unset ({raw})"),
+        (req.top_p not in (None, 1), "top_p", f"only 1 or unset ({no_sampling})"),
+        (req.top_k not in (None, 0, -1), "top_k", f"only 0, -1 or unset ({no_sampling})"),
+        (req.min_p not in (None, 0), "min_p", f"only 0 or unset ({no_sampling})"),
+        (req.presence_penalty != 0, "presence_penalty", f"only 0 ({raw})"),
+        (req.frequency_penalty != 0, "frequency_penalty", f"only 0 ({raw})"),
+        (req.repetition_penalty not in (None, 1), "repetition_penalty", f"only 1 or unset ({raw})"),
+        (bool(req.logit_bias), "logit_bias", f"not built ({raw})"),
+        (bool(req.stop), "stop", "not built (beam search has no stop strings: EOS ends a beam)"),
+        (bool(req.stop_token_ids), "stop_token_ids", "not built (EOS alone ends a beam)"),
+        (req.min_tokens != 0, "min_tokens", "not built"),
+        (req.allowed_token_ids is not None, "allowed_token_ids", "not built"),
+        (bool(req.bad_words), "bad_words", "not built"),
+        (req.prompt_logprobs is not None, "prompt_logprobs", "not built"),
+        (not req.skip_special_tokens, "skip_special_tokens", "only true (the beams' text leaves special tokens out)"),
+        (req.include_stop_str_in_output, "include_stop_str_in_output", "only false (beam search has no stop strings)"),
+        (req.response_format is not None and req.response_format.get("type") != "text", "response_format",
+         "structured output is not built"),
+        (req.structured_outputs is not None, "structured_outputs", "structured output is not built"),
+    ]
+    if isinstance(req, CompletionRequest):
+        refusals += [
+            (req.echo, "echo", "not built"),
+            (req.suffix is not None, "suffix", "not built"),
+            (req.logprobs not in (None, 0), "logprobs", "only 0 (each chosen token's logprob, no alternatives)"),
+            (req.best_of is not None and req.best_of < req.n, "best_of", "is the beam width: at least n"),
+        ]
+    else:
+        refusals += [
+            (bool(req.tools), "tools", "tool calling is not built"),
+            (req.tool_choice not in (None, "none"), "tool_choice", "tool calling is not built"),
+            (req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs: true"),
+            (req.top_logprobs not in (None, 0), "top_logprobs", "only 0 (each chosen token's logprob, no alternatives)"),
+        ]
+    for refused, field, why in refusals:
+        if refused:
+            raise InvalidRequestError(field, f"with use_beam_search: {why}")
+
+
+async def beam_search_response(server: OpenAIServer, request: Request, req: CompletionRequest | ChatCompletionRequest,
+                               model: str, lora: LoRARequest | None) -> Response:
+    """The response of a ``use_beam_search`` request (see the module docstring)."""
+    chat = isinstance(req, ChatCompletionRequest)
+    check_beam_search_request(req)
+    width = req.best_of if isinstance(req, CompletionRequest) and req.best_of is not None else req.n
+    for field, value in (("n", req.n), ("best_of", width)):
+        if value < 1:
+            raise InvalidRequestError(field, f"is the beam width: at least 1, got {value}")
+        if value > server.limits.max_n:
+            raise InvalidRequestError(field, f"at most {server.limits.max_n} on this server, got {value}")
+    defaults = await server._sampling_defaults()  # starts the engine
+    engine = server.engine
+    if chat:
+        prompts = [await server._chat_tokens(req)]
+    else:
+        prompts = [await _prompt_ids(engine, prompt) for prompt in completion_prompts(req.prompt, server.limits)]
+    max_model_len = engine.config.max_model_len
+    prompts = [_truncated(ids, req.truncate_prompt_tokens, max_model_len) for ids in prompts]
+    max_tokens = _max_tokens(req, server.limits.max_tokens, defaults)
+    params = []
+    for ids in prompts:
+        if len(ids) >= max_model_len:
+            raise InvalidRequestError("prompt", f"{len(ids)} tokens, but max_model_len is {max_model_len} "
+                                                "(prompt plus at least one generated token)")
+        room = max_model_len - len(ids)
+        params.append(BeamSearchParams(width, room if max_tokens is None else min(max_tokens, room), req.ignore_eos,
+                                       length_penalty=req.length_penalty))
+        try:
+            params[-1].validate()
+        except InvalidRequestError as exc:  # name the request's field
+            field = {"beam_width": "n" if width == req.n else "best_of"}.get(exc.field, exc.field)
+            raise InvalidRequestError(field, exc.message) from None
+    options = {"priority": req.priority, "cache_salt": req.cache_salt, "lora_request": lora}
+    outputs = await _search_all(engine, prompts, params, options, until=lambda: wait_disconnect(request))
+    top_logprobs = (0 if req.logprobs else None) if chat else req.logprobs
+    choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None)
+    for prompt_index, ids in enumerate(prompts):
+        choices.prompt_tokens[prompt_index] = len(ids)
+    deltas = await anyio.to_thread.run_sync(_deltas, engine.tokenizer, prompts, outputs, req.n, top_logprobs is not None)
+    kind = "chat.completion" if chat else "text_completion"
+    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": kind + ".chunk" if chat and req.stream else kind, "created": int(time.time()), "model": model}
+    if req.stream:
+        return StreamingResponse(_sse(req, choices, deltas, meta), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    for prompt_index, delta in deltas:
+        choices.add(prompt_index, delta)
+    body = {**meta, "choices": choices.final_choices(), "usage": choices.usage()}
+    return Response(msgspec.json.encode(body), media_type="application/json")
+
+
+async def _prompt_ids(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
+    """A completion prompt's token ids, as the engine tokenizes it (text off the event loop)."""
+    if not isinstance(prompt, str):
+        return list(prompt)  # the engine checks the ids at the first step
+    check_text("prompt", prompt)
+    return await anyio.to_thread.run_sync(encode_prompt, engine.tokenizer, prompt)
+
+
+def _truncated(ids: list[int], limit: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as max_model_len allows)."""
+    if limit is None:
+        return ids
+    keep = max_model_len - 1 if limit == -1 else limit
+    if not 1 <= keep < max_model_len:
+        raise InvalidRequestError("truncate_prompt_tokens", f"is {limit}, but a prompt can have 1 to max_model_len - 1 "
+                                                            f"= {max_model_len - 1} tokens (or give -1)")
+    return ids[-keep:]
+
+
+def _max_tokens(req: CompletionRequest | ChatCompletionRequest, limit: int | None,
+                defaults: dict[str, Any]) -> int | None:
+    """The request's max_tokens (chat: max_completion_tokens first), else the model's default, else the server's
+    limit; None: up to max_model_len."""
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        max_tokens = req.max_completion_tokens
+    else:
+        max_tokens = req.max_tokens
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens", limit)
+    if limit is not None and max_tokens is not None and max_tokens > limit:
+        raise InvalidRequestError("max_tokens", f"at most {limit} on this server, got {max_tokens}")
+    return max_tokens
+
+
+async def _search_all(engine: AsyncEngine, prompts: Sequence[list[int]], params: Sequence[BeamSearchParams],
+                      options: dict[str, Any], until: Callable[[], Awaitable[object]]) -> list[BeamSearchOutput]:
+    """Every prompt's beam search at once, results in prompt order; the first error cancels the others (each
+    cancelled step aborts its requests in the engine), and so does the client leaving (`ClientDisconnected`)."""
+    tasks = [asyncio.ensure_future(engine.beam_search(ids, p, **options)) for ids, p in zip(prompts, params)]
+    watcher = asyncio.ensure_future(until())
+    try:
+        pending = set(tasks)
+        while pending:
+            done, _ = await asyncio.wait({*pending, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher in done:
+                raise ClientDisconnected()
+            for task in sorted(done, key=tasks.index):
+                task.result()
+            pending -= done
+        return [task.result() for task in tasks]
+    finally:
+        for future in [*tasks, watcher]:
+            future.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _deltas(tokenizer: Any, prompts: Sequence[list[int]], outputs: Sequence[BeamSearchOutput], n: int,
+            logprobs: bool) -> list[tuple[int, StreamDelta]]:
+    """(prompt index, delta) per returned beam: each beam whole as one delta of sample `rank` (its text, output
+    tokens, finish_reason and, when asked, each token's logprob as a one-token entry whose ``decoded_token`` is
+    the token alone with special tokens kept, as the engine writes them). On a worker thread: it decodes."""
+    texts: dict[int, str] = {}
+
+    def text(token: int) -> str:
+        if token not in texts:
+            texts[token] = tokenizer.decode([token], skip_special_tokens=False)
+        return texts[token]
+
+    out = []
+    for prompt_index, (ids, output) in enumerate(zip(prompts, outputs)):
+        for rank, beam in enumerate(output.sequences[:n]):
+            tokens = beam.tokens[len(ids):]
+            entries = [{token: Logprob(logprob, None, text(token))}
+                       for token, logprob in zip(tokens, beam.logprobs)] if logprobs else None
+            out.append((prompt_index, StreamDelta(rank, beam.text, tokens, beam.finish_reason, logprobs=entries)))
+    return out
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+async def _sse(req: CompletionRequest | ChatCompletionRequest, choices: Choices,
+               deltas: list[tuple[int, StreamDelta]], meta: dict[str, Any]) -> AsyncIterator[bytes]:
+    """The chunks of a finished search: chat's role chunks, then each choice whole in one chunk (its text,
+    logprobs and finish_reason), the usage chunk when asked, ``[DONE]``."""
+    options = req.stream_options
+    usage = "none" if options is None or not options.include_usage else (
+        "continuous" if options.continuous_usage_stats else "last")
+
+    def chunk(choice: dict[str, Any]) -> bytes:
+        extra = {} if usage == "none" else {"usage": choices.usage() if usage == "continuous" else None}
+        return _event({**meta, "choices": [choice], **extra})
+
+    if choices.chat:
+        for index in range(len(deltas)):
+            yield chunk(chat_chunk(index, {"role": "assistant", "content": ""}))
+    for prompt_index, delta in deltas:
+        index, logprobs = choices.add(prompt_index, delta)
+        if choices.chat:
+            for choice in chat_stream_choices(choices, index, delta, logprobs):
+                yield chunk(choice)
+        else:
+            yield chunk({"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason})
+    if usage != "none":
+        yield _event({**meta, "choices": [], "usage": choices.usage()})
+    yield b"data: [DONE]\n\n"

@@ -1,0 +1,159 @@
+"""vLLM's ``use_beam_search`` on /v1/completions and /v1/chat/completions: the choices are
+`AsyncEngine.beam_search`'s beams, best first; usage; streaming; every refused combination is a 400."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm import BeamSearchParams
+from asyncllm.integrations.openai_protocol import ServerLimits
+from asyncllm.integrations.openai_server import create_app
+from asgi_helpers import asgi_client, sse_events
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+BEAM = {"model": "asyncllm-tiny", "use_beam_search": True, "max_tokens": 6}
+MESSAGES = [{"role": "user", "content": "Write a function that adds two numbers."}]
+
+
+def _usage(prompt_tokens: int, beams) -> dict[str, int]:
+    completion = sum(beam.num_output_tokens for beam in beams)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion}
+
+
+async def test_completion_choices_are_the_engines_beams(app, bundled_engine, bundled_tokenizer) -> None:
+    prompt = "def add(a, b):"
+    ids = bundled_tokenizer(prompt).input_ids
+    expected = (await bundled_engine.beam_search(ids, BeamSearchParams(beam_width=3, max_tokens=6))).sequences
+    async with asgi_client(app) as client:
+        body = (await client.post("/v1/completions", json={**BEAM, "prompt": prompt, "n": 3, "logprobs": 0})).json()
+    assert body["object"] == "text_completion" and body["model"] == "asyncllm-tiny"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in body["choices"]] == [beam.text for beam in expected]
+    assert [c["finish_reason"] for c in body["choices"]] == [beam.finish_reason for beam in expected]
+    for choice, beam in zip(body["choices"], expected):  # each chosen token's logprob, no alternatives
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(beam.logprobs)
+        assert choice["logprobs"]["top_logprobs"] == [None] * beam.num_output_tokens
+    assert body["usage"] == _usage(len(ids), expected)
+
+
+async def test_completion_best_of_prompt_list_and_options(app, bundled_engine, bundled_tokenizer) -> None:
+    """best_of is the beam width (the best n returned); each prompt of a list (here token ids) is searched; length_penalty,
+    ignore_eos and truncate_prompt_tokens reach the search."""
+    prompts = [bundled_tokenizer(text).input_ids for text in ("import os\n", "class A:")]
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True, length_penalty=0.5)
+    request = {**BEAM, "prompt": prompts, "n": 2, "best_of": 3, "max_tokens": 5, "ignore_eos": True,
+               "length_penalty": 0.5, "truncate_prompt_tokens": 3}
+    async with asgi_client(app) as client:
+        body = (await client.post("/v1/completions", json=request)).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    beams = []
+    for i, prompt in enumerate(prompts):
+        expected = (await bundled_engine.beam_search(prompt[-3:], params)).sequences[:2]
+        assert [c["text"] for c in body["choices"][2 * i: 2 * i + 2]] == [beam.text for beam in expected]
+        assert all(c["finish_reason"] == "length" for c in body["choices"])
+        beams += expected
+    assert body["usage"] == _usage(6, beams)  # each prompt's 3 tokens once, every returned beam's tokens
+
+
+async def test_chat_choices_are_the_beams_of_the_rendered_prompt(app, bundled_engine, bundled_tokenizer) -> None:
+    ids = bundled_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = (await bundled_engine.beam_search(ids, BeamSearchParams(beam_width=2, max_tokens=8))).sequences
+    request = {**BEAM, "messages": MESSAGES, "n": 2, "max_completion_tokens": 8, "logprobs": True,
+               "temperature": 0, "seed": 1}
+    async with asgi_client(app) as client:
+        body = (await client.post("/v1/chat/completions", json=request)).json()
+    assert body["object"] == "chat.completion"
+    assert [c["message"] for c in body["choices"]] == [{"role": "assistant", "content": beam.text} for beam in expected]
+    assert [c["finish_reason"] for c in body["choices"]] == [beam.finish_reason for beam in expected]
+    for choice, beam in zip(body["choices"], expected):
+        content = choice["logprobs"]["content"]
+        assert [t["logprob"] for t in content] == pytest.approx(beam.logprobs)
+        assert all(t["top_logprobs"] == [] for t in content)
+    assert body["usage"] == _usage(len(ids), expected)
+
+
+async def test_stream_sends_each_beam_whole(app) -> None:
+    completion = {**BEAM, "prompt": "for i in range(", "n": 2, "stream_options": {"include_usage": True}}
+    chat = {**BEAM, "messages": MESSAGES, "n": 2, "stream_options": {"include_usage": True}}
+    async with asgi_client(app) as client:
+        whole = (await client.post("/v1/completions", json={**completion, "stream_options": None})).json()
+        streamed = await client.post("/v1/completions", json={**completion, "stream": True})
+        whole_chat = (await client.post("/v1/chat/completions", json={**chat, "stream_options": None})).json()
+        streamed_chat = await client.post("/v1/chat/completions", json={**chat, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(streamed.text)
+    assert [e["choices"] for e in events[:-1]] == [[c] for c in whole["choices"]]
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == whole["usage"]
+    events = sse_events(streamed_chat.text)
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert [e["choices"][0]["delta"] for e in events[:2]] == [{"role": "assistant", "content": ""}] * 2
+    assert [(e["choices"][0]["delta"]["content"], e["choices"][0]["finish_reason"]) for e in events[2:-1]] == [
+        (c["message"]["content"], c["finish_reason"]) for c in whole_chat["choices"]]
+    assert events[-1]["usage"] == whole_chat["usage"]
+
+
+async def test_beams_stop_at_max_model_len(app, bundled_engine) -> None:
+    room = 3
+    ids = [5 + i % 50 for i in range(bundled_engine.config.max_model_len - room)]
+    async with asgi_client(app) as client:
+        body = (await client.post("/v1/completions", json={**BEAM, "prompt": ids, "n": 2, "max_tokens": 10})).json()
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert body["usage"]["completion_tokens"] == 2 * room
+    async with asgi_client(app) as client:
+        too_long = await client.post("/v1/completions", json={**BEAM, "prompt": ids + [5] * room})
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
+
+
+COMPLETION_REFUSALS = [
+    ({"temperature": 0.7}, "temperature"), ({"top_p": 0.9}, "top_p"), ({"top_k": 5}, "top_k"),
+    ({"min_p": 0.1}, "min_p"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"), ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"stop": ["\n"]}, "stop"), ({"stop_token_ids": [5]}, "stop_token_ids"),
+    ({"min_tokens": 2}, "min_tokens"), ({"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ({"bad_words": ["x"]}, "bad_words"), ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"skip_special_tokens": False}, "skip_special_tokens"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+    ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"n": 3, "best_of": 2}, "best_of"),
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2, "best_of": 17}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
+    ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
+]
+CHAT_REFUSALS = [
+    ({"temperature": 1.0}, "temperature"), ({"logit_bias": {"5": -1.0}}, "logit_bias"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
+     "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ({"top_logprobs": 0}, "top_logprobs"), ({"stop": "x"}, "stop"), ({"best_of": 2}, "best_of"),
+]
+
+
+async def test_refused_combinations_name_the_field(app) -> None:
+    async with asgi_client(app) as client:
+        for path, base, cases in (("/v1/completions", {**BEAM, "prompt": "x"}, COMPLETION_REFUSALS),
+                                  ("/v1/chat/completions", {**BEAM, "messages": MESSAGES}, CHAT_REFUSALS)):
+            for fields, param in cases:
+                for stream in (False, True):
+                    response = await client.post(path, json={**base, **fields, "stream": stream})
+                    assert response.status_code == 400, (path, fields, response.text)
+                    assert response.json()["error"]["param"] == param, (path, fields, response.text)
+        # length_penalty means something only with beam search; use_beam_search false is ordinary sampling
+        for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+            response = await client.post(path, json={**base, "max_tokens": 2, "length_penalty": 0.5})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "length_penalty"
+            response = await client.post(path, json={**base, "max_tokens": 2, "use_beam_search": False})
+            assert response.status_code == 200
+
+
+async def test_server_limits_apply(bundled_engine) -> None:
+    app = create_app(bundled_engine, manage_engine=False, limits=ServerLimits(max_n=2, max_tokens=4))
+    async with asgi_client(app) as client:
+        too_wide = await client.post("/v1/completions", json={**BEAM, "prompt": "x", "n": 3})
+        too_long = await client.post("/v1/completions", json={**BEAM, "prompt": "x", "max_tokens": 5})
+        capped = (await client.post("/v1/chat/completions", json={"messages": MESSAGES, "use_beam_search": True,
+                                                                  "n": 2})).json()
+    assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "n"
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+    assert capped["usage"]["completion_tokens"] <= 2 * 4 and len(capped["choices"]) == 2
