@@ -30,8 +30,16 @@ from asyncllm.errors import ConfigError
 
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-"""The architectures `make_tiny_checkpoint` can build."""
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+"""The architectures `make_tiny_checkpoint` can build (the last three are mixtures of experts)."""
+
+_MOE_SHAPES: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=96, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+}
+"""The tiny MoE models' experts: small, several per token, one family without renormalised weights."""
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>")
 """Special tokens of the tiny tokenizer; their ids are 0..5 in this order."""
@@ -237,15 +245,18 @@ def _build_config(
     config_cls = {
         "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+        "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
         initializer_range=_INIT_STD, dtype="float32",
     )
-    if arch != "qwen2":  # these default head_dim to 128 instead of hidden_size // num_heads
+    if arch not in ("qwen2", "qwen2_moe"):  # these default head_dim to 128 instead of hidden_size // num_heads
         fields["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         fields["sliding_window"] = None  # full attention unless asked for
+    fields.update(_MOE_SHAPES.get(arch, {}))
     fields.update(overrides)
     return config_cls(**fields)
 
