@@ -30,10 +30,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
-from asyncllm.engine.validation import check_text
+from asyncllm.engine.validation import check_text, truncated_prompt
 from asyncllm.errors import InvalidRequestError
-from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, completion_prompts
-from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices
+from asyncllm.integrations.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ServerLimits,
+    completion_prompts,
+    resolve_max_tokens,
+)
+from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected
 from asyncllm.outputs import Logprob, StreamDelta
@@ -108,8 +114,8 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     else:
         prompts = [await _prompt_ids(engine, prompt) for prompt in completion_prompts(req.prompt, server.limits)]
     max_model_len = engine.config.max_model_len
-    prompts = [_truncated(ids, req.truncate_prompt_tokens, max_model_len) for ids in prompts]
-    max_tokens = _max_tokens(req, server.limits.max_tokens, defaults)
+    prompts = [truncated_prompt(ids, req.truncate_prompt_tokens, max_model_len) for ids in prompts]
+    max_tokens = _max_tokens(req, server.limits, defaults)
     params = []
     for ids in prompts:
         if len(ids) >= max_model_len:
@@ -150,30 +156,14 @@ async def _prompt_ids(engine: AsyncEngine, prompt: str | list[int]) -> list[int]
     return await anyio.to_thread.run_sync(encode_prompt, engine.tokenizer, prompt)
 
 
-def _truncated(ids: list[int], limit: int | None, max_model_len: int) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last k tokens (-1: as many as max_model_len allows)."""
-    if limit is None:
-        return ids
-    keep = max_model_len - 1 if limit == -1 else limit
-    if not 1 <= keep < max_model_len:
-        raise InvalidRequestError("truncate_prompt_tokens", f"is {limit}, but a prompt can have 1 to max_model_len - 1 "
-                                                            f"= {max_model_len - 1} tokens (or give -1)")
-    return ids[-keep:]
-
-
-def _max_tokens(req: CompletionRequest | ChatCompletionRequest, limit: int | None,
+def _max_tokens(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits,
                 defaults: dict[str, Any]) -> int | None:
-    """The request's max_tokens (chat: max_completion_tokens first), else the model's default, else the server's
-    limit; None: up to max_model_len."""
+    """The request's max_tokens (chat: max_completion_tokens first) resolved as for sampling; None: up to
+    max_model_len."""
+    requested = req.max_tokens
     if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        max_tokens = req.max_completion_tokens
-    else:
-        max_tokens = req.max_tokens
-    if max_tokens is None:
-        max_tokens = defaults.get("max_tokens", limit)
-    if limit is not None and max_tokens is not None and max_tokens > limit:
-        raise InvalidRequestError("max_tokens", f"at most {limit} on this server, got {max_tokens}")
-    return max_tokens
+        requested = req.max_completion_tokens
+    return resolve_max_tokens(requested, limits, defaults)
 
 
 async def _search_all(engine: AsyncEngine, prompts: Sequence[list[int]], params: Sequence[BeamSearchParams],
@@ -220,10 +210,6 @@ def _deltas(tokenizer: Any, prompts: Sequence[list[int]], outputs: Sequence[Beam
     return out
 
 
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
-
-
 async def _sse(req: CompletionRequest | ChatCompletionRequest, choices: Choices,
                deltas: list[tuple[int, StreamDelta]], meta: dict[str, Any]) -> AsyncIterator[bytes]:
     """The chunks of a finished search: chat's role chunks, then each choice whole in one chunk (its text,
@@ -234,7 +220,7 @@ async def _sse(req: CompletionRequest | ChatCompletionRequest, choices: Choices,
 
     def chunk(choice: dict[str, Any]) -> bytes:
         extra = {} if usage == "none" else {"usage": choices.usage() if usage == "continuous" else None}
-        return _event({**meta, "choices": [choice], **extra})
+        return sse_event({**meta, "choices": [choice], **extra})
 
     if choices.chat:
         for index in range(len(deltas)):
@@ -247,5 +233,5 @@ async def _sse(req: CompletionRequest | ChatCompletionRequest, choices: Choices,
         else:
             yield chunk({"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason})
     if usage != "none":
-        yield _event({**meta, "choices": [], "usage": choices.usage()})
+        yield sse_event({**meta, "choices": [], "usage": choices.usage()})
     yield b"data: [DONE]\n\n"

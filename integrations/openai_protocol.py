@@ -30,7 +30,7 @@ from asyncllm.sampling import SamplingParams, StructuredOutputs
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "decode_request", "completion_params", "chat_params", "completion_prompts", "chat_messages", "request_options",
-    "echo_only", "template_kwargs",
+    "echo_only", "template_kwargs", "resolve_max_tokens",
 ]
 
 
@@ -259,6 +259,19 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, tool_constrain
     return _params(req, max_tokens, logprobs, limits, defaults, req.prompt_logprobs, tool_constraint)
 
 
+def resolve_max_tokens(max_tokens: int | None, limits: ServerLimits, defaults: Mapping[str, Any]) -> int | None:
+    """The request's max_tokens, else the model's default, else the server's limit (None: up to max_model_len);
+    more than the limit is an `InvalidRequestError`."""
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
+    if limits.max_tokens is not None:
+        if max_tokens is None:
+            return limits.max_tokens
+        if max_tokens > limits.max_tokens:
+            raise InvalidRequestError("max_tokens", f"at most {limits.max_tokens} on this server, got {max_tokens}")
+    return max_tokens
+
+
 def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: ServerLimits,
             defaults: Mapping[str, Any], prompt_logprobs: int | None = None,
             tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
@@ -266,13 +279,7 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
     _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
     if _is_int(req.n) and req.n > limits.max_n:
         raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
-    if max_tokens is None:
-        max_tokens = defaults.get("max_tokens")
-    if limits.max_tokens is not None:
-        if max_tokens is None:
-            max_tokens = limits.max_tokens
-        elif max_tokens > limits.max_tokens:
-            raise InvalidRequestError("max_tokens", f"at most {limits.max_tokens} on this server, got {max_tokens}")
+    max_tokens = resolve_max_tokens(max_tokens, limits, defaults)
     params = SamplingParams(
         n=req.n, temperature=_unset_or(req.temperature, defaults, "temperature", 1.0),
         top_p=_unset_or(req.top_p, defaults, "top_p", 1.0), top_k=_unset_or(req.top_k, defaults, "top_k", 0),

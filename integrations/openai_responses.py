@@ -13,12 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.outputs import Logprob, PromptLogprobs, StreamDelta
 from asyncllm.reasoning import ReasoningParser
 
-__all__ = ["Choices", "chat_chunk", "chat_stream_choices", "usage"]
+__all__ = ["Choices", "chat_chunk", "chat_stream_choices", "sse_event", "usage"]
 
 Entries = list["dict[int, Logprob] | None"]
 """One logprob entry per token; None for an echoed prompt's first token (nothing predicts it)."""
@@ -211,3 +213,8 @@ def chat_stream_choices(choices: Choices, index: int, delta: Any, logprobs: Any)
 
 def chat_chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> dict:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    """One server-sent event carrying ``payload`` as JSON."""
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"

@@ -53,7 +53,7 @@ from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
     chat_params, completion_params, completion_prompts, decode_request, echo_only, request_options, template_kwargs,
 )
-from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices
+from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
 from asyncllm.integrations.responses_store import ResponseStore
@@ -534,7 +534,7 @@ class OpenAIServer:
 
         def chunk(choice: dict[str, Any]) -> bytes:
             extra = {} if usage == "none" else {"usage": choices.usage() if usage == "continuous" else None}
-            return _event({**meta, "choices": [choice], **extra})
+            return sse_event({**meta, "choices": [choice], **extra})
 
         try:
             if choices.chat:
@@ -551,9 +551,9 @@ class OpenAIServer:
                     yield chunk({"index": index, "text": delta.text, "logprobs": logprobs,
                                  "finish_reason": delta.finish_reason})
             if usage != "none":
-                yield _event({**meta, "choices": [], "usage": choices.usage()})
+                yield sse_event({**meta, "choices": [], "usage": choices.usage()})
         except AsyncLLMError as exc:  # after the first token the status is sent: report in the stream
-            yield _event(error_body(exc)[1])
+            yield sse_event(error_body(exc)[1])
         except ClientDisconnected:
             return
         yield b"data: [DONE]\n\n"
@@ -565,8 +565,6 @@ def _count_prompts(streams: list[RequestStream], choices: Choices) -> None:
             choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
 
 
-def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
 
 
 def error_response(exc: AsyncLLMError | ApiError) -> Response:

@@ -106,6 +106,14 @@ def _silu_mul(gate, up, dtype):
 
 
 @triton.jit
+def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+    """Row block ``pid_m``: its expert, its rows' pair indices (int64), and which rows are pairs (not padding)."""
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    return expert, pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr,
     hidden_stride, w13_stride_e, w13_stride_n, act_stride,
@@ -118,9 +126,7 @@ def _gate_up_kernel(
     if pid_m * BLOCK_M >= tl.load(total_rows_ptr):
         return
     dtype = act_ptr.dtype.element_ty
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = pairs < num_pairs
+    expert, pairs, row_mask = _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M)
     tokens = tl.where(row_mask, pairs // TOP_K, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -157,9 +163,7 @@ def _down_kernel(
     if pid_m * BLOCK_M >= tl.load(total_rows_ptr):
         return
     dtype = out_ptr.dtype.element_ty
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_mask = pairs < num_pairs
+    expert, pairs, row_mask = _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M)
     pairs = tl.where(row_mask, pairs, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H

@@ -31,7 +31,13 @@ from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions
-from asyncllm.engine.validation import check_params_vocab, check_text, check_token_ids, max_prompt_chars
+from asyncllm.engine.validation import (
+    check_params_vocab,
+    check_text,
+    check_token_ids,
+    max_prompt_chars,
+    truncated_prompt,
+)
 from asyncllm.lora import AdapterChecker, LoRARequest
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import StreamDelta
@@ -344,15 +350,7 @@ class Processor:
         return params
 
     def _truncated(self, params: SamplingParams, token_ids: list[int]) -> list[int]:
-        """The prompt's last `truncate_prompt_tokens` tokens (-1: the last max_model_len - 1, one left to generate)."""
-        limit = params.truncate_prompt_tokens
-        if limit is None:
-            return token_ids
-        keep = self.max_model_len - 1 if limit == -1 else limit
-        if keep >= self.max_model_len:
-            raise errors.InvalidRequestError("truncate_prompt_tokens", f"is {limit}, but a prompt can have at most "
-                                             f"max_model_len - 1 = {self.max_model_len - 1} tokens (or give -1)")
-        return token_ids[-keep:]
+        return truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
 
     def _tokenize(self, job: Submit) -> list[int]:
         options = job.options

@@ -19,6 +19,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import SamplingParams
 
 __all__ = [
+    "truncated_prompt",
     "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_text",
     "check_params_text", "check_params_vocab",
     "check_token_ids",
@@ -118,3 +119,15 @@ def check_add_request(message: protocol.AddRequest, vocab_size: int) -> None:
     timeout = message.timeout
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {timeout}")
+
+
+def truncated_prompt(token_ids: list[int], limit: int | None, max_model_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``limit`` tokens (-1: the last max_model_len - 1, one
+    left to generate); `InvalidRequestError` when that leaves no room or no prompt."""
+    if limit is None:
+        return token_ids
+    keep = max_model_len - 1 if limit == -1 else limit
+    if not 1 <= keep < max_model_len:
+        raise InvalidRequestError("truncate_prompt_tokens", f"is {limit}, but a prompt can have 1 to max_model_len - 1 "
+                                                            f"= {max_model_len - 1} tokens (or give -1)")
+    return token_ids[-keep:]
