@@ -9,7 +9,10 @@ and the best ``beam_width`` of those not ending in EOS go on; every
 candidate ending in EOS (unless ``ignore_eos``) is complete. At the end the complete and
 the live beams are ranked by ``cumulative_logprob / length ** length_penalty``
 (length: prompt and output tokens, as vLLM) and the best ``beam_width`` are
-returned. Logprobs are the model's raw ones (greedy, no temperature).
+returned. Logprobs are the model's raw ones (greedy, no temperature); each
+beam keeps, per output token, the step's whole entry (vLLM's form): the
+``2 * beam_width`` most likely tokens with their logprobs and ranks, the
+chosen one among them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.outputs import Logprob
 from asyncllm.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -56,8 +60,8 @@ class BeamSearchSequence:
 
     tokens: list[int]
     cum_logprob: float = 0.0
-    logprobs: list[float] = field(default_factory=list)
-    """The logprob of each output token."""
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    """Per output token, the step's top ``2 * beam_width`` tokens (the chosen one among them): vLLM's form."""
     text: str = ""
     finish_reason: str | None = None
     """'stop' (it ended with EOS) or 'length'."""
@@ -65,6 +69,12 @@ class BeamSearchSequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.logprobs)
+
+    @property
+    def token_logprobs(self) -> list[float]:
+        """The logprob of each output token (the chosen one of each step)."""
+        return [entry[token].logprob for token, entry in zip(self.tokens[-len(self.logprobs):], self.logprobs)] \
+            if self.logprobs else []
 
 
 @dataclass
@@ -92,9 +102,10 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
         outs = await asyncio.gather(*(engine.generate(b.tokens, step, **options) for b in beams))
         candidates = []
         for beam, out in zip(beams, outs):
-            for token, logprob in out.outputs[0].logprobs[0].items():  # type: ignore[index]
+            entry = out.outputs[0].logprobs[0]  # type: ignore[index]
+            for token, logprob in entry.items():
                 candidate = BeamSearchSequence(beam.tokens + [token], beam.cum_logprob + logprob.logprob,
-                                               beam.logprobs + [logprob.logprob])
+                                               beam.logprobs + [entry])
                 if token in eos:
                     candidate.finish_reason = "stop"
                     complete.append(candidate)

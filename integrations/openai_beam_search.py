@@ -10,7 +10,8 @@ Beam search follows the model's raw logprobs: ``temperature`` must be unset
 or 0 (the model's generation config does not apply), and every field that
 would change the distribution or the output (penalties, ``logit_bias``,
 ``stop``, structured output, tools, ...) is a 400 naming it, never ignored.
-``logprobs`` give each chosen token's logprob, with no alternatives (top-N 0).
+``logprobs`` (completions) / ``top_logprobs`` (chat) give each chosen token's
+logprob and up to ``2 * beam_width`` alternatives: the tokens each step ranks.
 Streamed, the search runs to its end first (as vLLM's, whose beam search
 yields once) and each choice comes whole in one chunk. Usage: each prompt's
 tokens once, completion tokens summed over the returned beams.
@@ -42,7 +43,7 @@ from asyncllm.integrations.openai_protocol import (
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected
-from asyncllm.outputs import Logprob, StreamDelta
+from asyncllm.outputs import StreamDelta
 from asyncllm.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
@@ -81,7 +82,6 @@ def check_beam_search_request(req: CompletionRequest | ChatCompletionRequest) ->
         refusals += [
             (req.echo, "echo", "not built"),
             (req.suffix is not None, "suffix", "not built"),
-            (req.logprobs not in (None, 0), "logprobs", "only 0 (each chosen token's logprob, no alternatives)"),
             (req.best_of is not None and req.best_of < req.n, "best_of", "is the beam width: at least n"),
         ]
     else:
@@ -89,7 +89,6 @@ def check_beam_search_request(req: CompletionRequest | ChatCompletionRequest) ->
             (bool(req.tools), "tools", "tool calling is not built"),
             (req.tool_choice not in (None, "none"), "tool_choice", "tool calling is not built"),
             (req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs: true"),
-            (req.top_logprobs not in (None, 0), "top_logprobs", "only 0 (each chosen token's logprob, no alternatives)"),
         ]
     for refused, field, why in refusals:
         if refused:
@@ -131,11 +130,14 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
             raise InvalidRequestError(field, exc.message) from None
     options = {"priority": req.priority, "cache_salt": req.cache_salt, "lora_request": lora}
     outputs = await _search_all(engine, prompts, params, options, until=lambda: wait_disconnect(request))
-    top_logprobs = (0 if req.logprobs else None) if chat else req.logprobs
+    top_logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
+    if top_logprobs is not None and top_logprobs > 2 * width:
+        raise InvalidRequestError("top_logprobs" if chat else "logprobs", f"with use_beam_search: at most 2 * beam "
+                                  f"width = {2 * width} (the alternatives each step ranks), got {top_logprobs}")
     choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None)
     for prompt_index, ids in enumerate(prompts):
         choices.prompt_tokens[prompt_index] = len(ids)
-    deltas = await anyio.to_thread.run_sync(_deltas, engine.tokenizer, prompts, outputs, req.n, top_logprobs is not None)
+    deltas = _deltas(prompts, outputs, req.n, top_logprobs is not None)
     kind = "chat.completion" if chat else "text_completion"
     meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
             "object": kind + ".chunk" if chat and req.stream else kind, "created": int(time.time()), "model": model}
@@ -188,25 +190,17 @@ async def _search_all(engine: AsyncEngine, prompts: Sequence[list[int]], params:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _deltas(tokenizer: Any, prompts: Sequence[list[int]], outputs: Sequence[BeamSearchOutput], n: int,
+def _deltas(prompts: Sequence[list[int]], outputs: Sequence[BeamSearchOutput], n: int,
             logprobs: bool) -> list[tuple[int, StreamDelta]]:
     """(prompt index, delta) per returned beam: each beam whole as one delta of sample `rank` (its text, output
-    tokens, finish_reason and, when asked, each token's logprob as a one-token entry whose ``decoded_token`` is
-    the token alone with special tokens kept, as the engine writes them). On a worker thread: it decodes."""
-    texts: dict[int, str] = {}
-
-    def text(token: int) -> str:
-        if token not in texts:
-            texts[token] = tokenizer.decode([token], skip_special_tokens=False)
-        return texts[token]
-
+    tokens, finish_reason and, when asked, its per-token logprob entries: the chosen token among the step's
+    top ``2 * beam_width``)."""
     out = []
     for prompt_index, (ids, output) in enumerate(zip(prompts, outputs)):
         for rank, beam in enumerate(output.sequences[:n]):
-            tokens = beam.tokens[len(ids):]
-            entries = [{token: Logprob(logprob, None, text(token))}
-                       for token, logprob in zip(tokens, beam.logprobs)] if logprobs else None
-            out.append((prompt_index, StreamDelta(rank, beam.text, tokens, beam.finish_reason, logprobs=entries)))
+            entries = list(beam.logprobs) if logprobs else None
+            out.append((prompt_index, StreamDelta(rank, beam.text, beam.tokens[len(ids):], beam.finish_reason,
+                                                  logprobs=entries)))
     return out
 
 

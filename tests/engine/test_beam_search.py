@@ -34,6 +34,11 @@ async def test_beams_equal_transformers_when_no_beam_ends(tiny_llama: str) -> No
             assert scores == sorted(scores, reverse=True)
             assert all(seq.finish_reason == "length" and seq.num_output_tokens == max_tokens for seq in out.sequences)
             assert out.sequences[0].text == engine.tokenizer.decode(got[0], skip_special_tokens=True)
+            for seq in out.sequences:  # vLLM's entries: each step's top 2 * width, the chosen token among them
+                assert all(len(entry) == 2 * width for entry in seq.logprobs)
+                assert [sorted(lp.rank for lp in entry.values()) for entry in seq.logprobs] == \
+                    [list(range(1, 2 * width + 1))] * max_tokens
+                assert sum(seq.token_logprobs) == pytest.approx(seq.cum_logprob)
         prompt = random_prompts(1, seed=12)[0]
         best = (await engine.beam_search(prompt, params)).sequences[0].tokens[len(prompt):]
         engine.eos_token_ids = [best[2]]  # a token the best beam takes: candidates ending in it complete

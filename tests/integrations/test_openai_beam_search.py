@@ -26,14 +26,17 @@ async def test_completion_choices_are_the_engines_beams(app, bundled_engine, bun
     ids = bundled_tokenizer(prompt).input_ids
     expected = (await bundled_engine.beam_search(ids, BeamSearchParams(beam_width=3, max_tokens=6))).sequences
     async with asgi_client(app) as client:
-        body = (await client.post("/v1/completions", json={**BEAM, "prompt": prompt, "n": 3, "logprobs": 0})).json()
+        body = (await client.post("/v1/completions", json={**BEAM, "prompt": prompt, "n": 3, "logprobs": 6})).json()
     assert body["object"] == "text_completion" and body["model"] == "asyncllm-tiny"
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert [c["text"] for c in body["choices"]] == [beam.text for beam in expected]
     assert [c["finish_reason"] for c in body["choices"]] == [beam.finish_reason for beam in expected]
-    for choice, beam in zip(body["choices"], expected):  # each chosen token's logprob, no alternatives
-        assert choice["logprobs"]["token_logprobs"] == pytest.approx(beam.logprobs)
-        assert choice["logprobs"]["top_logprobs"] == [None] * beam.num_output_tokens
+    for choice, beam in zip(body["choices"], expected):  # each chosen token's logprob and the 2 * width alternatives
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(beam.token_logprobs)
+        for top, entry in zip(choice["logprobs"]["top_logprobs"], beam.logprobs, strict=True):
+            assert top == pytest.approx({lp.decoded_token: lp.logprob for lp in entry.values()})
+        assert choice["logprobs"]["tokens"] == [entry[t].decoded_token for t, entry in
+                                                zip(beam.tokens[len(ids):], beam.logprobs)]
     assert body["usage"] == _usage(len(ids), expected)
 
 
@@ -59,7 +62,7 @@ async def test_completion_best_of_prompt_list_and_options(app, bundled_engine, b
 async def test_chat_choices_are_the_beams_of_the_rendered_prompt(app, bundled_engine, bundled_tokenizer) -> None:
     ids = bundled_tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True, return_dict=False)
     expected = (await bundled_engine.beam_search(ids, BeamSearchParams(beam_width=2, max_tokens=8))).sequences
-    request = {**BEAM, "messages": MESSAGES, "n": 2, "max_completion_tokens": 8, "logprobs": True,
+    request = {**BEAM, "messages": MESSAGES, "n": 2, "max_completion_tokens": 8, "logprobs": True, "top_logprobs": 2,
                "temperature": 0, "seed": 1}
     async with asgi_client(app) as client:
         body = (await client.post("/v1/chat/completions", json=request)).json()
@@ -68,8 +71,10 @@ async def test_chat_choices_are_the_beams_of_the_rendered_prompt(app, bundled_en
     assert [c["finish_reason"] for c in body["choices"]] == [beam.finish_reason for beam in expected]
     for choice, beam in zip(body["choices"], expected):
         content = choice["logprobs"]["content"]
-        assert [t["logprob"] for t in content] == pytest.approx(beam.logprobs)
-        assert all(t["top_logprobs"] == [] for t in content)
+        assert [t["logprob"] for t in content] == pytest.approx(beam.token_logprobs)
+        for token, entry in zip(content, beam.logprobs, strict=True):
+            best_two = sorted((lp.logprob for lp in entry.values()), reverse=True)[:2]
+            assert [top["logprob"] for top in token["top_logprobs"]] == pytest.approx(best_two)
     assert body["usage"] == _usage(len(ids), expected)
 
 
@@ -116,7 +121,7 @@ COMPLETION_REFUSALS = [
     ({"include_stop_str_in_output": True}, "include_stop_str_in_output"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-    ({"echo": True}, "echo"), ({"logprobs": 2}, "logprobs"), ({"n": 3, "best_of": 2}, "best_of"),
+    ({"echo": True}, "echo"), ({"n": 2, "logprobs": 5}, "logprobs"), ({"n": 3, "best_of": 2}, "best_of"),
     ({"n": 0}, "n"), ({"n": 17}, "n"), ({"n": 2, "best_of": 17}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
     ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
 ]
@@ -125,7 +130,7 @@ CHAT_REFUSALS = [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}},
      "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"), ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"n": 2, "logprobs": True, "top_logprobs": 5}, "top_logprobs"),
     ({"top_logprobs": 0}, "top_logprobs"), ({"stop": "x"}, "stop"), ({"best_of": 2}, "best_of"),
 ]
 
