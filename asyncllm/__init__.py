@@ -20,7 +20,7 @@ from asyncllm.errors import (
 )
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from asyncllm.lora import LoRARequest
-from asyncllm.pooling import EmbeddingOutput, PoolingParams
+from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
 from asyncllm.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput, StreamDelta
 from asyncllm.sampling import RequestOutputKind, SamplingParams, StructuredOutputs
 
@@ -41,6 +41,8 @@ __all__ = [
     "BeamSearchSequence",
     "PoolingParams",
     "EmbeddingOutput",
+    "ClassificationOutput",
+    "ScoringOutput",
     "StreamDelta",
     "RequestOutput",
     "CompletionOutput",

@@ -104,8 +104,9 @@ class ModelConfig:
     """auto/safetensors read the checkpoint; dummy makes random weights of the real shapes."""
     quantization: str | None = None
     """Weight quantization: None, or fp8 (online: every decoder linear's weight quantized at load to float8_e4m3fn
-    with one scale per tensor and rank, activations per token; see docs/quantization.md). Pre-quantized checkpoints
-    and other methods are not built yet."""
+    with one scale per tensor and rank, activations per token; see docs/quantization.md). A pre-quantized fp8
+    checkpoint (config.json's quantization_config) is served in its own fp8 with None or fp8; other methods are not
+    built yet."""
     enforce_eager: bool = False
     """Never capture CUDA graphs. Otherwise, on CUDA with the triton backend and one rank, decode batches replay graphs captured at start (docs/kernels.md); the CPU and torch_sdpa always run eagerly."""
     attention_backend: str | None = None

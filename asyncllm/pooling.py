@@ -1,11 +1,13 @@
-"""Embeddings: `PoolingParams` and the result of `AsyncEngine.embed` (torch-free).
+"""Pooling: `PoolingParams` and the results of `AsyncEngine.embed`, `classify` and `score` (torch-free).
 
 An embedding request runs as a one-token generation whose prompt's last token's
 final hidden state (after the model's last norm) is the embedding: last-token
 pooling, what decoder embedding models (Qwen3-Embedding, gte-Qwen2, e5-mistral)
 use. The worker truncates it to `dimensions` (Matryoshka), normalizes it
 (L2) when asked, and returns it with the step's output; the sampled token is
-dropped. docs/embeddings.md has the details.
+dropped. docs/embeddings.md has the details. A classification request
+(``task="classify"``) runs the same way, and the worker applies the model's
+``score`` head to that hidden state instead (docs/pooling.md).
 """
 
 from __future__ import annotations
@@ -17,7 +19,10 @@ import msgspec
 from asyncllm.errors import InvalidRequestError
 from asyncllm.outputs import RequestMetrics
 
-__all__ = ["PoolingParams", "EmbeddingOutput"]
+__all__ = ["PoolingParams", "EmbeddingOutput", "ClassificationOutput", "ScoringOutput", "POOLING_TASKS"]
+
+POOLING_TASKS = ("embed", "classify")
+"""What a pooling request returns: ``embed`` the hidden state, ``classify`` a classification model's logits."""
 
 
 class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -27,10 +32,17 @@ class PoolingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=
     """Divide by the L2 norm (after truncating to `dimensions`)."""
     dimensions: int | None = None
     """Keep the first this many features (Matryoshka embeddings); None: all ``hidden_size``."""
+    task: str = "embed"
+    """``"embed"``; ``"classify"`` (what `AsyncEngine.classify` and `score` send): the model's ``score`` head
+    applied to the hidden state, raw logits (``normalize`` and ``dimensions`` do not apply)."""
 
     def validate(self, hidden_size: int | None = None) -> None:
         if not isinstance(self.normalize, bool):
             raise InvalidRequestError("normalize", f"must be a bool, got {self.normalize!r}")
+        if self.task not in POOLING_TASKS:
+            raise InvalidRequestError("task", f"must be one of {', '.join(POOLING_TASKS)}, got {self.task!r}")
+        if self.task == "classify" and self.dimensions is not None:
+            raise InvalidRequestError("dimensions", "applies to embeddings, not to classification")
         if self.dimensions is None:
             return
         if isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int) or self.dimensions < 1:
@@ -49,3 +61,35 @@ class EmbeddingOutput:
     embedding: list[float]
     metrics: RequestMetrics
     num_cached_tokens: int = 0
+
+
+@dataclass(slots=True)
+class ClassificationOutput:
+    """The result of `AsyncEngine.classify` (vLLM's ``ClassificationOutput``, flattened)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    probs: list[float]
+    """The logits through the model's activation: softmax over the labels (sigmoid for one label; docs/pooling.md)."""
+    logits: list[float]
+    """The ``score`` head's raw output, one per label."""
+    label: str
+    """The name (``id2label``) of the label with the highest probability."""
+    metrics: RequestMetrics
+    num_cached_tokens: int = 0
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """One pair's result of `AsyncEngine.score` (vLLM's ``ScoringRequestOutput``, flattened)."""
+
+    score: float
+    """A cross-encoder's activated logit (sigmoid by default), or the cosine similarity of two embeddings."""
+    prompt_token_ids: list[int]
+    """The tokens the pair ran as: a cross-encoder's one prompt, or the two texts' tokens one after the other."""
+    request_id: str
+    """The request's id; for an embedding model the two embeddings' ids joined by ``_``."""

@@ -11,7 +11,6 @@ Every input is one `AsyncEngine.embed` call, all of them at once.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import struct
 import time
@@ -23,7 +22,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import ServerLimits, completion_prompts, request_options
-from asyncllm.integrations.streams import ClientDisconnected
+from asyncllm.integrations.streams import gather_until
 from asyncllm.pooling import EmbeddingOutput, PoolingParams
 
 if TYPE_CHECKING:
@@ -102,23 +101,7 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
     """
     pooling = pooling_params(req)
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
-    tasks = [asyncio.ensure_future(engine.embed(prompt, pooling, **options)) for prompt in prompts]
-    watcher = asyncio.ensure_future(until()) if until is not None else None
-    try:
-        pending = set(tasks)
-        while pending:
-            done, _ = await asyncio.wait(pending if watcher is None else {*pending, watcher},
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if watcher is not None and watcher in done:
-                raise ClientDisconnected()
-            for task in sorted(done, key=tasks.index):  # the first input's error when several fail at once
-                task.result()
-            pending -= done
-        return [task.result() for task in tasks]
-    finally:
-        for future in [*tasks, *([watcher] if watcher is not None else [])]:
-            future.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
 
 
 def embedding_response(outputs: Sequence[EmbeddingOutput], model: str,

@@ -7,6 +7,7 @@ responses_api.py; kept responses, ``GET /v1/responses/{id}``, with
 ASYNCLLM_ENABLE_RESPONSES_API_STORE: responses_store.py), ``POST /v1/embeddings``
 (of ``input`` or, as vLLM's, of chat ``messages``; openai_embeddings.py), ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
+vLLM's ``POST /classify``, ``/score`` and ``/rerank`` (openai_score.py),
 ``GET /health`` (and SageMaker's ``/ping``, with ``POST /invocations``),
 ``GET /metrics`` (Prometheus text), and with
 ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM's ``POST /v1/load_lora_adapter``
@@ -54,6 +55,7 @@ from asyncllm.integrations.openai_protocol import (
     chat_params, completion_params, completion_prompts, decode_request, echo_only, request_options, template_kwargs,
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
+from asyncllm.integrations.openai_score import score_routes
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
 from asyncllm.integrations.responses_store import ResponseStore
@@ -187,6 +189,7 @@ class OpenAIServer:
             Route("/v1/responses", self._guarded(self.responses), methods=["POST"]),
             *self.responses_store.routes(self._guarded),  # GET/DELETE /v1/responses/{id}, POST .../cancel
             Route("/v1/embeddings", self._guarded(self.embeddings), methods=["POST"]),
+            *score_routes(self),  # vLLM's /classify, /score, /rerank (openai_score.py)
             Route("/v1/models", self._guarded(self.models), methods=["GET"]),
             Route("/tokenize", self._guarded(self.tokenize), methods=["POST"]),
             Route("/detokenize", self._guarded(self.detokenize), methods=["POST"]),

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
     from asyncllm.outputs import StreamDelta
 
-__all__ = ["ClientDisconnected", "first_deltas", "merge_streams"]
+__all__ = ["ClientDisconnected", "first_deltas", "merge_streams", "gather_until"]
+
+T = TypeVar("T")
 
 
 class ClientDisconnected(Exception):
@@ -75,3 +77,29 @@ async def _leave(steps: list[asyncio.Future], streams: Sequence[RequestStream]) 
         step.cancel()
     for stream in streams:
         await stream.aclose()
+
+
+async def gather_until(awaitables: Sequence[Awaitable[T]], until: Callable[[], Awaitable[object]] | None = None) -> list[T]:
+    """Run every awaitable at once, results in order (whole-response requests: embeddings, scores).
+
+    The first error cancels the others (each cancelled engine call aborts its
+    request) and is raised; `until` completing (the client went away) does the
+    same and raises `ClientDisconnected`.
+    """
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    watcher = asyncio.ensure_future(until()) if until is not None else None
+    try:
+        pending = set(tasks)
+        while pending:
+            done, _ = await asyncio.wait(pending if watcher is None else {*pending, watcher},
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if watcher is not None and watcher in done:
+                raise ClientDisconnected()
+            for task in sorted(done, key=tasks.index):  # the first input's error when several fail at once
+                task.result()
+            pending -= done
+        return [task.result() for task in tasks]
+    finally:
+        for future in [*tasks, *([watcher] if watcher is not None else [])]:
+            future.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -29,6 +29,12 @@ __all__ = [
     "write_kv_cache",
     "gather_kv",
     "paged_attention",
+    "FP8_E4M3_MAX",
+    "FP8_MIN_SCALE",
+    "expand_block_scales",
+    "per_token_group_quant_fp8",
+    "dequantize_fp8_blocks",
+    "w8a8_block_fp8_matmul",
 ]
 
 
@@ -235,3 +241,48 @@ def paged_attention(
             enable_gqa=True,
         ).transpose(0, 1)
     return out
+
+
+# ---------------------------------------------------------------- block-scaled fp8 (pre-quantized checkpoints)
+FP8_E4M3_MAX = 448.0
+"""The largest float8_e4m3fn value."""
+FP8_MIN_SCALE = 1.0 / (448.0 * 512.0)
+"""The smallest scale (vLLM's ``_FP8_MIN_SCALING_FACTOR``): an all-zero group quantizes to zeros, not NaN."""
+
+
+def expand_block_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
+    """``scale [ceil(R/br), ceil(C/bc)]`` repeated over its ``block = (br, bc)`` cells: ``[R, C]``."""
+    rows, cols = shape
+    return scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (float8_e4m3fn ``[M, K]``, float32 scales ``[M, ceil(K / group_size)]``).
+
+    Each row's features in consecutive groups of ``group_size`` (the last may be shorter) get one scale,
+    ``max|group| / 448`` (at least `FP8_MIN_SCALE`), and are stored as ``fp8(clamp(x / scale, -448, 448))``,
+    rounded to nearest even, in float32."""
+    num_rows, k = x.shape
+    groups = -(-k // group_size)
+    grouped = F.pad(x.float(), (0, groups * group_size - k)).view(num_rows, groups, group_size)
+    scale = (grouped.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)
+    q = (grouped / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.view(num_rows, groups * group_size)[:, :k], scale.squeeze(-1)
+
+
+def dequantize_fp8_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``q * scale`` in float32, each scale covering a ``block = (rows, cols)`` cell of ``q [R, C]``."""
+    return q.float() * expand_block_scales(scale, tuple(q.shape), block)
+
+
+def w8a8_block_fp8_matmul(
+    a_q: torch.Tensor, a_s: torch.Tensor, b_q: torch.Tensor, b_s: torch.Tensor, block_size: tuple[int, int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``dq(a) @ dq(b).T`` in float32, rounded once to ``out_dtype``: a ``[M, K]`` fp8 with per-token-group scales
+    ``a_s [M, ceil(K/bk)]``, b ``[N, K]`` fp8 with block scales ``b_s [ceil(N/bn), ceil(K/bk)]``,
+    ``block_size = (bn, bk)``."""
+    block_n, block_k = block_size
+    a = dequantize_fp8_blocks(a_q, a_s, (1, block_k))
+    b = dequantize_fp8_blocks(b_q, b_s, (block_n, block_k))
+    return (a @ b.T).to(out_dtype)

@@ -34,3 +34,19 @@ def hf_logits(path: str, token_ids: list[int]):
     with torch.no_grad():
         out = model(torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long))
     return out.logits[0].float()
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_base(path: str):
+    import torch
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_last_hidden_state(path: str, token_ids: list[int]) -> list[float]:
+    """transformers' final hidden state (after the last norm) of one sequence's last token, in float32."""
+    import torch
+
+    with torch.no_grad():
+        return _hf_base(path)(torch.tensor([token_ids])).last_hidden_state[0, -1].tolist()

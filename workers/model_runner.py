@@ -106,6 +106,7 @@ class ModelRunner:
         _check_kv_cache_dtype_runs(self.config.kv_cache_dtype, self.kv_cache_dtype, self.device, model)
         tp = TensorParallel(self.rank, self.tp_size)
         self.mm_runner = MultiModalRunner(model, self.device, self.config, tp) if is_multimodal(model) else None
+        self.pooler.classifier = getattr(model, "classify", None)  # *ForSequenceClassification: its score head
         if self.config.enable_lora:
             self.lora_runner = LoRARunner(model, self.config.lora_config, dtype, self.device)
 

@@ -194,6 +194,31 @@ def _linear_pair(prologue: str | None, num_rows: int, k: int, n: int, dtype: tor
     return lambda: decode_linear(x, w), lambda: F.linear(x, w)
 
 
+def _block_fp8(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: str = "cuda") -> list[dict[str, Any]]:
+    """A pre-quantized fp8 checkpoint's product (128x128 weight blocks): the per-token-group quantizer plus the
+    block-scaled fp8 GEMM, against torch's matmul of the model-dtype weight (cuBLAS) that it replaces; bytes: the
+    fp8 weight, its scales and the activations."""
+    import torch.nn.functional as F
+
+    from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8, w8a8_block_fp8_matmul
+
+    hidden, inter, size, rows = cfg["hidden_size"], cfg["intermediate_size"], dtype.itemsize, []
+    for name, k, n in (("gate_up", hidden, 2 * inter), ("down", inter, hidden)):
+        w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+        w_q = w.to(torch.float8_e4m3fn)
+        w_s = torch.ones(-(-n // 128), -(-k // 128), device=device)
+        for tokens in (1, 16, 256):
+            x = torch.randn(tokens, k, dtype=dtype, device=device)
+
+            def fp8(x: torch.Tensor = x) -> torch.Tensor:
+                return w8a8_block_fp8_matmul(*per_token_group_quant_fp8(x, 128), w_q, w_s, (128, 128), dtype)
+
+            nbytes = n * k + w_s.numel() * 4 + tokens * (k + n) * size
+            rows.append(_row(f"block_fp8 {name} vs cuBLAS {str(dtype)[6:]}", f"{tokens}x{k}->{n}", nbytes, _bench(fp8),
+                             _bench(lambda x=x, w=w: F.linear(x, w)), bandwidth))
+    return rows
+
+
 MOE_SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8}
 """Qwen3-30B-A3B's experts (its config.json's keys): the fused-MoE rows' shape, measured once, whatever the
 ``--preset`` (this command's presets are dense models)."""
@@ -241,7 +266,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
     for preset in args.preset or ["qwen3-0.6b", "llama3.1-8b"]:
         cfg = preset_config(preset)
         rows = (_elementwise(cfg, dtype, bandwidth) + _rotary(cfg, dtype, bandwidth) + _attention(cfg, dtype, bandwidth)
-                + _split_decode(cfg, dtype, bandwidth) + _decode_linear(cfg, dtype, bandwidth))
+                + _split_decode(cfg, dtype, bandwidth) + _decode_linear(cfg, dtype, bandwidth)
+                + _block_fp8(cfg, dtype, bandwidth))
         results["presets"][preset] = rows
         _print_rows(f"asyncllm bench kernels | {preset} | {args.dtype} | {results['meta']['device']}", rows)
     results["moe"] = _fused_moe(MOE_SHAPE, dtype, bandwidth)

@@ -16,6 +16,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.launch import CoreProcess, launch_core
+from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import prepare
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.stats_log import StatsLogger
@@ -26,7 +27,7 @@ from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.tracing import capture_context
 from asyncllm.errors import AsyncLLMError, EngineDeadError, InvalidRequestError
 from asyncllm.lora import LoRARequest
-from asyncllm.pooling import EmbeddingOutput, PoolingParams
+from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from asyncllm.sampling import RequestOutputKind, SamplingParams
@@ -97,6 +98,9 @@ class AsyncEngine:
         self._supervisor = CoreSupervisor(config.max_core_restarts, self._restart_core)
         self._default_sampling: dict[str, Any] | None = None
         """SamplingParams fields of requests without SamplingParams (the model's generation config), set by start."""
+        self.pooling_model: PoolingModel | None = None
+        """What the model serves (generation, embeddings, classification) and a classifier's labels, set by start
+        (asyncllm/engine/pooling_model.py)."""
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "AsyncEngine":
@@ -142,8 +146,9 @@ class AsyncEngine:
             stats_logger=None if obs.disable_log_stats else StatsLogger(obs.log_stats_interval, self._observer.stats),
             startup_timeout_s=envs.ENGINE_STARTUP_TIMEOUT_S.get(), observer=self._observer,
             engine_key=self._engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
-            embedding_only=prepared.embedding_only,
+            pooling_model=prepared.pooling_model,
         )
+        self.pooling_model = prepared.pooling_model
         self._default_sampling = prepared.default_sampling
         if prepared.mm is not None:
             prepared.mm.stats = self._observer.stats
@@ -260,17 +265,47 @@ class AsyncEngine:
         unless `pooling_params` says otherwise (docs/embeddings.md). It is scheduled like any request (one
         prefill and one dropped token), so embeddings and generations share batches."""
         pooling = PoolingParams() if pooling_params is None else pooling_params
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling)
+        collector = await self._pool(prompt, options, truncate_prompt_tokens)
+        return EmbeddingOutput(collector.request_id, collector.prompt_token_ids, collector.embedding,
+                               collector.metrics, collector.num_cached_tokens)
+
+    async def classify(self, prompt: Any, *, priority: int = 0, request_id: str | None = None,
+                       timeout: float | None = None, cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None,
+                       truncate_prompt_tokens: int | None = None) -> ClassificationOutput:
+        """A ``*ForSequenceClassification`` model's verdict on a prompt (text or token ids): its score head's
+        logits over the last token, the probabilities (softmax; sigmoid for one label) and the top label's
+        name (docs/pooling.md). Scheduled as `embed` is; any other model refuses it."""
+        from asyncllm.engine.scoring import classify
+
+        return await classify(self, prompt, RequestOptions(priority, request_id, timeout, cache_salt,
+                                                           lora_request=lora_request), truncate_prompt_tokens)
+
+    async def score(self, text_1: str | list[str], text_2: str | list[str], *, priority: int = 0,
+                    timeout: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None,
+                    truncate_prompt_tokens: int | None = None) -> list[ScoringOutput]:
+        """vLLM's ``LLM.score``: how well each text of `text_2` matches `text_1` (one text for all, 1:N; or
+        one per text, N:N), one `ScoringOutput` per pair in `text_2`'s order. A cross-encoder (a classifier
+        with one label) reads each pair as one prompt (sigmoid of its logit); any other model scores the
+        cosine similarity of the two embeddings (docs/pooling.md)."""
+        from asyncllm.engine.scoring import score
+
+        options = RequestOptions(priority, None, timeout, cache_salt, lora_request=lora_request)
+        return await score(self, text_1, text_2, options, truncate_prompt_tokens)
+
+    async def _pool(self, prompt: Any, options: RequestOptions, truncate_prompt_tokens: int | None) -> RequestCollector:
+        """Run a pooling request (`options.pooling` set) to its end; its collector holds the pooled vector."""
         params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY,
                                 truncate_prompt_tokens=truncate_prompt_tokens)
-        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling)
         stream = RequestStream(self, prompt, params, options, chat=False)
         async with stream:
             async for _ in stream:
                 pass
         collector = stream.collector
         assert collector is not None and collector.embedding is not None, collector
-        return EmbeddingOutput(collector.request_id, collector.prompt_token_ids, collector.embedding,
-                               collector.metrics, collector.num_cached_tokens)
+        return collector
 
     async def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
                             max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:

@@ -14,13 +14,13 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.lora import AdapterChecker
+from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
 from asyncllm.models.architectures import (
-    EMBEDDING_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
     architecture_of,
 )
-from asyncllm.models.checkpoint import hf_config_json, load_hf_config, refuse_prequantized, resolve_model_path
+from asyncllm.models.checkpoint import hf_config_json, load_hf_config, prequantized_fp8_config, resolve_model_path
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -41,15 +41,16 @@ class Prepared:
     """The model's embedding width (`PoolingParams.dimensions` may not exceed it)."""
     default_sampling: dict[str, Any] = field(default_factory=dict)
     """SamplingParams fields from the model's generation config (asyncllm/engine/defaults.py)."""
-    embedding_only: str | None = None
-    """The architecture of a checkpoint without an LM head (``LlamaModel`` & co.): it serves embeddings only."""
+    pooling_model: PoolingModel | None = None
+    """Which requests the model takes (bare decoders embed only, classifiers classify only) and a classifier's
+    labels (asyncllm/engine/pooling_model.py)."""
 
 
 def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
-    refuse_prequantized(hf_config, config.model)  # fp8/awq/gptq/... checkpoints: NotBuiltError, before spawning
+    prequantized_fp8_config(hf_config, config.model, config.quantization)  # awq/gptq/...: NotBuiltError, before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
     max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
@@ -76,7 +77,7 @@ def prepare(config: EngineConfig) -> Prepared:
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size,
                     default_sampling_fields(config.generation_config, path, config.override_generation_config),
-                    arch if arch in EMBEDDING_ARCHITECTURES else None)
+                    pooling_model_of(arch, text_config))
 
 
 _MAX_CONFIG_ARG = 64 * 1024

@@ -29,6 +29,7 @@ from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.detokenizer import IncrementalDetokenizer
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
+from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.validation import (
@@ -93,10 +94,10 @@ class Processor:
                  startup_timeout_s: float, observer: RequestObserver | None = None,
                  engine_key: str | None = None, mm: MultiModalProcessor | None = None,
                  lora: AdapterChecker | None = None, hidden_size: int | None = None,
-                 embedding_only: str | None = None) -> None:
+                 pooling_model: PoolingModel | None = None) -> None:
         self._address = address
-        self._embedding_only = embedding_only
-        """The architecture of a model without an LM head (None: any request runs)."""
+        self._pooling_model = pooling_model
+        """Which requests the model takes (asyncllm/engine/pooling_model.py); None: any request runs."""
         self._hidden_size = hidden_size
         """The model's embedding width, for `PoolingParams.dimensions`."""
         self._lora = lora
@@ -289,9 +290,8 @@ class Processor:
             self._deliver([(collector, error)], None)
             return
         try:
-            if self._embedding_only is not None and job.options.pooling is None:
-                raise errors.InvalidRequestError("prompt", f"this model ({self._embedding_only}, no LM head) serves "
-                                                           "embeddings only: use embed() or /v1/embeddings")
+            if self._pooling_model is not None:
+                self._pooling_model.check(job.options.pooling)
             lora = self.check_lora(job.options.lora_request)
             if job.options.pooling is not None:
                 job.options.pooling.validate(self._hidden_size)
@@ -366,11 +366,12 @@ class Processor:
                 self._tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
                 chat_template=options.chat_template))
         elif isinstance(job.prompt, str):
-            if len(job.prompt) > self._max_prompt_chars and job.params.truncate_prompt_tokens is None:
+            chars = len(job.prompt) + len(options.text_pair or "")
+            if chars > self._max_prompt_chars and job.params.truncate_prompt_tokens is None:
                 raise errors.InvalidRequestError(
-                    "prompt", f"{len(job.prompt)} characters cannot fit in max_model_len={self.max_model_len} tokens")
+                    "prompt", f"{chars} characters cannot fit in max_model_len={self.max_model_len} tokens")
             check_text("prompt", job.prompt)
-            token_ids = self._truncated(job.params, encode_prompt(self._tokenizer, job.prompt))
+            token_ids = self._truncated(job.params, self._encode(job.prompt, options.text_pair))
         else:
             token_ids = self._truncated(job.params, list(job.prompt))
             if len(token_ids) < self.max_model_len:  # a huge list is refused below without a look at each id
@@ -381,6 +382,13 @@ class Processor:
             raise errors.InvalidRequestError(
                 "prompt", f"{len(token_ids)} tokens, but max_model_len is {self.max_model_len} (prompt plus at least one generated token)")
         return token_ids
+
+    def _encode(self, prompt: str, text_pair: str | None) -> list[int]:
+        """A text's token ids; with `text_pair`, the pair's one prompt as the classifier encodes it (`score`)."""
+        if text_pair is None:
+            return encode_prompt(self._tokenizer, prompt)
+        assert self._pooling_model is not None, "score sends pairs to a started engine's classifier"
+        return self._pooling_model.encode_pair(self._tokenizer, prompt, text_pair)
 
     def _on_core_message(self, dealer: zmq.Socket, payload: bytes) -> None:
         message = self._decoder.decode(payload)

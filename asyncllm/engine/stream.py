@@ -17,6 +17,7 @@ from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
+from asyncllm.engine.validation import check_text
 from asyncllm.tokenizer import check_chat_template, check_template_kwargs
 from asyncllm.tool_calls import check_tools
 
@@ -46,7 +47,9 @@ class RequestOptions:
     lora_request: LoRARequest | None = None
     """The LoRA adapter to run the request with (enable_lora; docs/lora.md); None: the base model."""
     pooling: PoolingParams | None = None
-    """`embed` only: how the embedding is made (docs/embeddings.md)."""
+    """`embed`, `classify` and `score` only: what the request returns (docs/embeddings.md, docs/pooling.md)."""
+    text_pair: str | None = None
+    """`score` on a cross-encoder only: the second text, tokenized with the prompt as one pair (docs/pooling.md)."""
 
     def validate(self) -> None:
         if isinstance(self.priority, bool) or not isinstance(self.priority, int):
@@ -67,6 +70,10 @@ class RequestOptions:
             if not isinstance(self.pooling, PoolingParams):
                 raise InvalidRequestError("pooling_params", f"must be an asyncllm.PoolingParams, got {self.pooling!r}")
             self.pooling.validate()
+        if self.text_pair is not None:
+            if not isinstance(self.text_pair, str):
+                raise InvalidRequestError("text_2", f"must be a str, got {type(self.text_pair).__name__}")
+            check_text("text_2", self.text_pair)
         check_template_kwargs(self.chat_template_kwargs)
         check_tools(self.tools)
         check_chat_template(self.chat_template)

@@ -11,7 +11,8 @@ from typing import Any
 
 from asyncllm.errors import NotBuiltError
 
-__all__ = ["TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "SUPPORTED_ARCHITECTURES",
+__all__ = ["TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES", "EMBEDDING_ARCHITECTURES",
+           "CLASSIFICATION_ARCHITECTURES", "SUPPORTED_ARCHITECTURES",
            "architecture_of"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
@@ -23,7 +24,12 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
 """Bare decoders without an LM head (what ``AutoModel`` saves: embedding models such as e5-mistral):
 they serve embeddings only (docs/embeddings.md)."""
-SUPPORTED_ARCHITECTURES = TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + EMBEDDING_ARCHITECTURES
+CLASSIFICATION_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
+                                "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+"""Decoders with a ``score`` head over the last token (classifiers, reward models, cross-encoders): they serve
+classification and scores only (docs/pooling.md)."""
+SUPPORTED_ARCHITECTURES = (TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + EMBEDDING_ARCHITECTURES
+                           + CLASSIFICATION_ARCHITECTURES)
 
 
 def architecture_of(hf_config: Any) -> str:

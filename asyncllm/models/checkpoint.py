@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 __all__ = ["resolve_model_path", "load_hf_config", "hf_config_json", "hf_config_from_json",
-           "checkpoint_quantization", "refuse_prequantized"]
+           "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config"]
 
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 """What a snapshot needs for serving: configs, safetensors weights, tokenizer files."""
@@ -100,10 +101,8 @@ _QUANTIZATION_CONFIG_KEYS = ("quantization_config", "compression_config")
 """Where config.json names a pre-quantized checkpoint's method (compressed-tensors' older name second)."""
 
 
-def checkpoint_quantization(hf_config: Any) -> str | None:
-    """The method a pre-quantized checkpoint's config names (``quant_method``: fp8, awq, gptq,
-    compressed-tensors, bitsandbytes, ...), or None for a float checkpoint (a multimodal one's
-    ``text_config`` is looked at too)."""
+def _quantization_section(hf_config: Any) -> dict[str, Any] | None:
+    """The ``quantization_config`` (or ``compression_config``) of the config or its ``text_config``, as a dict."""
     for cfg in (hf_config, getattr(hf_config, "text_config", None)):
         for key in _QUANTIZATION_CONFIG_KEYS:
             section = getattr(cfg, key, None) if cfg is not None else None
@@ -111,15 +110,80 @@ def checkpoint_quantization(hf_config: Any) -> str | None:
                 continue
             if not isinstance(section, dict):  # a transformers QuantizationConfigMixin
                 section = section.to_dict() if hasattr(section, "to_dict") else {}
-            return str(section.get("quant_method") or section.get("format") or "unknown")
+            return section
     return None
 
 
-def refuse_prequantized(hf_config: Any, model: str) -> None:
-    """`NotBuiltError` for a pre-quantized checkpoint: asyncllm only quantizes float weights itself."""
+def checkpoint_quantization(hf_config: Any) -> str | None:
+    """The method a pre-quantized checkpoint's config names (``quant_method``: fp8, awq, gptq,
+    compressed-tensors, bitsandbytes, ...), or None for a float checkpoint (a multimodal one's
+    ``text_config`` is looked at too)."""
+    section = _quantization_section(hf_config)
+    if section is None:
+        return None
+    return str(section.get("quant_method") or section.get("format") or "unknown")
+
+
+@dataclass(frozen=True)
+class Fp8CheckpointConfig:
+    """A pre-quantized fp8 checkpoint's ``quantization_config`` (asyncllm/models/fp8_checkpoint.py loads it)."""
+
+    weight_block_size: tuple[int, int] | None
+    """``(rows, cols)`` of a weight block with one ``weight_scale_inv`` each; None: one ``weight_scale`` per tensor."""
+    ignored_layers: tuple[str, ...] = ()
+    """``modules_to_not_convert`` / ``ignored_layers``: a layer whose checkpoint name contains one of these loads
+    unquantized (transformers' rule)."""
+
+    def is_ignored(self, checkpoint_name: str) -> bool:
+        return any(entry in checkpoint_name for entry in self.ignored_layers)
+
+
+def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None) -> Fp8CheckpointConfig | None:
+    """What a pre-quantized checkpoint asks for: None for a float checkpoint, the `Fp8CheckpointConfig` of an
+    ``"fp8"`` one (served with ``quantization`` None, "use the checkpoint's method", or "fp8"); `NotBuiltError`
+    for other methods, static activation scales and fp8 mixture-of-experts or multimodal models."""
     method = checkpoint_quantization(hf_config)
-    if method is not None:
+    if method is None:
+        return None
+    if method != "fp8":
         raise NotBuiltError("model", model,
-                            f"loading a pre-quantized {method!r} checkpoint (its config.json has a quantization_config; "
-                            "asyncllm quantizes only online: quantization='fp8' on a bfloat16/float16/float32 "
-                            "checkpoint, docs/quantization.md)")
+                            f"loading a pre-quantized {method!r} checkpoint (its config.json has a "
+                            "quantization_config; "
+                            "asyncllm loads pre-quantized 'fp8' checkpoints, and quantizes float checkpoints "
+                            "online with quantization='fp8', docs/quantization.md)")
+    if quantization not in (None, "fp8"):
+        raise ConfigError("quantization", quantization,
+                          "None or 'fp8': the checkpoint is pre-quantized with 'fp8' "
+                          "(its config.json's quantization_config)")
+    section = _quantization_section(hf_config) or {}
+    if section.get("activation_scheme", "dynamic") != "dynamic":
+        raise NotBuiltError("model", model, f"static fp8 activation scales (activation_scheme="
+                            f"{section.get('activation_scheme')!r}, input_scale tensors): only 'dynamic' is built")
+    _refuse_fp8_architecture(hf_config, model)
+    ignored = tuple(section.get("modules_to_not_convert") or ()) + tuple(section.get("ignored_layers") or ())
+    return Fp8CheckpointConfig(_block_size(section.get("weight_block_size"), model), ignored)
+
+
+def _block_size(value: Any, model: str) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value)):
+        raise ConfigError("model", model, f"a quantization_config whose weight_block_size is two positive integers, "
+                                          f"not {value!r}")
+    return int(value[0]), int(value[1])
+
+
+def _refuse_fp8_architecture(hf_config: Any, model: str) -> None:
+    from asyncllm.models.architectures import (
+        MOE_ARCHITECTURES,
+        MULTIMODAL_ARCHITECTURES,
+        architecture_of,
+    )
+
+    arch = architecture_of(hf_config)
+    if arch in MOE_ARCHITECTURES:
+        raise NotBuiltError("model", model, f"pre-quantized fp8 mixture-of-experts experts ({arch}: FusedMoE has no "
+                                            "fp8 weights yet; online quantization='fp8' keeps experts unquantized)")
+    if arch in MULTIMODAL_ARCHITECTURES:
+        raise NotBuiltError("model", model, f"a pre-quantized fp8 {arch} checkpoint (text models only)")

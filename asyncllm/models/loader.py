@@ -20,7 +20,7 @@ import torch
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.checkpoint import load_hf_config, refuse_prequantized, resolve_model_path
+from asyncllm.models.checkpoint import Fp8CheckpointConfig, load_hf_config, prequantized_fp8_config, resolve_model_path
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
 
@@ -75,7 +75,7 @@ def load_model(
     ``tp_size`` ranks. The model is returned in eval mode; call it under
     ``torch.inference_mode()``.
     """
-    refuse_prequantized(hf_config, config.model)
+    fp8_checkpoint = prequantized_fp8_config(hf_config, config.model, config.quantization)
     check_tensor_parallel(hf_config, tp_size, config.enable_expert_parallel)
     model_cls = get_model_class(hf_config)
     max_position = max(text_config_of(hf_config).max_position_embeddings, config.max_model_len or 0)
@@ -95,16 +95,31 @@ def load_model(
             max_position=max_position,
             **options,
         )
-    if config.load_format == "dummy":
+    if fp8_checkpoint is not None:  # a pre-quantized fp8 checkpoint: asyncllm/models/fp8_checkpoint.py
+        _fill_fp8_weights(model, config, fp8_checkpoint)
+    elif config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
-    if config.quantization is not None:  # after the weights are in (or drawn): asyncllm/models/quantization.py
+    if config.quantization is not None and fp8_checkpoint is None:  # online: asyncllm/models/quantization.py
         from asyncllm.models.quantization import quantize_model
 
         quantize_model(model, config.quantization)
     model.eval()  # type: ignore[attr-defined]
     return model
+
+
+def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8CheckpointConfig) -> None:
+    """The fp8 weights and scales read into fp8 parameters, or drawn and quantized into the same format."""
+    from asyncllm.models import fp8_checkpoint as fp8
+
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed)
+        fp8.quantize_drawn_weights(model, fp8_checkpoint)  # type: ignore[arg-type]
+        return
+    fp8.make_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
+    load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
+    fp8.finish_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
 
 
 def checkpoint_files(path: str) -> list[str]:

@@ -49,6 +49,8 @@ __all__ = [
     "dequantize_fp8",
     "fp8_linear_fallback",
     "quantize_fp8_linear",
+    "attach_fp8_weight",
+    "disable_fused_decode",
     "quantize_fp8_linears",
     "quantize_model",
     "scaled_mm_supported",
@@ -200,7 +202,12 @@ def quantize_fp8_linear(layer: LinearBase) -> Fp8LinearMethod:
     through an `Fp8LinearMethod`. The model-dtype weight is freed as soon as nothing else holds it."""
     weight = layer.weight
     assert weight.dtype != FP8_DTYPE and layer.quant_method is None, "already quantized"
-    w_q, scale = quantize_fp8_per_tensor(weight.data)
+    return attach_fp8_weight(layer, *quantize_fp8_per_tensor(weight.data))
+
+
+def attach_fp8_weight(layer: LinearBase, w_q: torch.Tensor, scale: torch.Tensor) -> Fp8LinearMethod:
+    """Make ``w_q`` (float8_e4m3fn) and its per-tensor ``scale`` the layer's weight, and route its product
+    through an `Fp8LinearMethod` (the online path, and pre-quantized per-tensor checkpoints)."""
     layer.weight = nn.Parameter(w_q, requires_grad=False)
     layer.register_buffer("weight_scale", scale)
     out_features, in_features = w_q.shape
@@ -219,6 +226,13 @@ def _text_decoder(model: nn.Module) -> nn.Module:
     """The part of the model whose linears are quantized: a multimodal model's language model, else all."""
     language_model = getattr(model, "language_model", None)
     return language_model if isinstance(language_model, nn.Module) else model
+
+
+def disable_fused_decode(model: nn.Module) -> None:
+    """Turn off the decoder layers' fused decode path: kernels/decode_linear.py reads model-dtype weights."""
+    for module in model.modules():
+        if getattr(module, "fused_decode_rows", 0):
+            module.fused_decode_rows = 0
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:
@@ -241,9 +255,7 @@ def quantize_fp8_linears(model: nn.Module) -> QuantizationSummary:
         before += _nbytes(layer.weight)
         methods.add("_scaled_mm" if quantize_fp8_linear(layer).scaled_mm else "dequantize")
         after += _nbytes(layer.weight, layer.weight_scale)
-    for module in decoder.modules():
-        if getattr(module, "fused_decode_rows", 0):
-            module.fused_decode_rows = 0  # kernels/decode_linear.py reads model-dtype weights
+    disable_fused_decode(decoder)
     devices = {layer.weight.device for layer in layers}
     if any(device.type == "cuda" for device in devices):
         torch.cuda.empty_cache()  # the model-dtype weights' memory goes back before the KV cache is sized

@@ -11,6 +11,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import SUPPORTED_ARCHITECTURES, architecture_of
+from asyncllm.models.classifier import sequence_classifier
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
@@ -80,6 +81,10 @@ _MODELS: dict[str, type] = {
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),
     "Qwen3Model": headless(Qwen3ForCausalLM),
+    "LlamaForSequenceClassification": sequence_classifier(LlamaForCausalLM),
+    "MistralForSequenceClassification": sequence_classifier(LlamaForCausalLM),
+    "Qwen2ForSequenceClassification": sequence_classifier(Qwen2ForCausalLM),
+    "Qwen3ForSequenceClassification": sequence_classifier(Qwen3ForCausalLM),
 }
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 

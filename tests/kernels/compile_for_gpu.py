@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from asyncllm.kernels import decode_linear, fused_moe, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul  # noqa: E402,E501
+from asyncllm.kernels import block_fp8, decode_linear, fused_moe, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul  # noqa: E402,E501
 
 
 def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int,
@@ -76,6 +76,7 @@ def cases(dtype: str):
                 query_start_loc_ptr="*i32"), (), dict(USE_WINDOW=True, **decode), 4)
     yield from fp8_cache_cases(p, decode)
     yield from moe_cases(p)
+    yield from block_fp8_cases(p)
 
 
 def fp8_cache_cases(p: str, decode: dict):
@@ -113,6 +114,22 @@ def moe_cases(p: str):
             divisible = tuple(n for n in kernel.arg_names if n not in consts and n != "num_pairs")
             yield (f"fused_moe {name} BLOCK_M={cfg.block_m}", kernel, {**pointers, **aligned}, (), consts,
                    cfg.num_warps, dict(divisible=divisible, stages=cfg.num_stages))
+
+
+def block_fp8_cases(p: str):
+    """Pre-quantized fp8 checkpoints (128x128 weight blocks): the activation quantizer, and the GEMM on fp8
+    tensor cores at a decode and a prefill tile, as `block_fp8.matmul_config` launches them on a GPU."""
+    fp8 = "*fp8e4nv"
+    yield ("block_fp8 group_quant", block_fp8._group_quant_kernel, dict(x_ptr=p, q_ptr=fp8, s_ptr="*fp32"), (),
+           dict(GROUP=128, BLOCK=128, FP8_MAX=448.0, MIN_SCALE=1.0 / (448.0 * 512.0)), 4)
+    for rows in (1, 4096):
+        cfg = block_fp8.matmul_config(rows, 4096, on_gpu=True)
+        consts = dict(GROUP_N=128, GROUP_K=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=128,
+                      UPCAST=False)
+        pointers = dict(a_ptr=fp8, a_s_ptr="*fp32", b_ptr=fp8, b_s_ptr="*fp32", out_ptr=p)
+        divisible = ("a_ptr", "b_ptr", "out_ptr", "a_stride", "b_stride", "out_stride", "K", "N")
+        yield (f"block_fp8 matmul BLOCK_M={cfg['BLOCK_M']}", block_fp8._block_fp8_matmul_kernel, pointers, (), consts,
+               cfg["num_warps"], dict(divisible=divisible, stages=cfg["num_stages"]))
 
 
 def main(archs: list[int]) -> int:

@@ -276,8 +276,7 @@ def test_quantization_values() -> None:
     assert not isinstance(info.value, NotBuiltError)
 
 
-@pytest.mark.parametrize("section", [
-    {"quant_method": "fp8", "activation_scheme": "dynamic"},
+@pytest.mark.parametrize("section", [  # pre-quantized fp8 loads: tests/unit/test_fp8_checkpoint.py
     {"quant_method": "awq", "bits": 4, "group_size": 128},
     {"quant_method": "gptq", "bits": 4},
     {"quant_method": "compressed-tensors", "format": "float-quantized"},

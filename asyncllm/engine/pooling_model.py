@@ -1,0 +1,124 @@
+"""What the served model does, read from its config on the host: `PoolingModel` (torch-free).
+
+A causal LM generates and embeds; a bare decoder (``LlamaModel`` & co.) embeds
+only; a ``*ForSequenceClassification`` checkpoint classifies and scores only.
+The processor thread refuses any other request by name before tokenizing it
+(`PoolingModel.check`). A classifier's `ClassifierHead` holds what the host
+needs to turn its logits into vLLM's outputs: the label names, the activations
+and how a pair of texts becomes one prompt (docs/pooling.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES
+from asyncllm.pooling import PoolingParams
+
+__all__ = ["ClassifierHead", "PoolingModel", "pooling_model_of"]
+
+_SCORE_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "classify", "Softmax": "classify"}
+"""sentence-transformers' cross-encoder activations (``torch.nn.modules.*`` class names) asyncllm applies."""
+
+
+@dataclass(frozen=True)
+class ClassifierHead:
+    """A classification model's labels, activations and pair encoding."""
+
+    labels: tuple[str, ...]
+    """``id2label`` in label order (transformers' default names ``LABEL_0``, ...)."""
+    classify_activation: str = "classify"
+    """For `classify`: ``"classify"`` (softmax over the labels; sigmoid for one label), ``"sigmoid"`` (config
+    ``problem_type`` multi_label_classification) or ``"identity"`` (regression), as vLLM."""
+    score_activation: str = "classify"
+    """For `score`: ``"classify"``, or ``"identity"`` when the sentence-transformers config says Identity."""
+    use_sep_token: bool = True
+    """A pair is ``tokenizer(text_1, text_2)`` (cross-encoders); False (config ``use_sep_token`` or
+    ``use_pad_token`` false, vLLM's "LLM as reranker"): the one text ``text_1 + text_2``."""
+
+    @classmethod
+    def from_hf_config(cls, hf_config: Any) -> ClassifierHead:
+        id2label = getattr(hf_config, "id2label", None) or {0: "LABEL_0"}
+        labels = tuple(str(id2label[i]) for i in sorted(id2label, key=int))
+        problem = getattr(hf_config, "problem_type", None)
+        classify = {"regression": "identity", "multi_label_classification": "sigmoid"}.get(problem, "classify")
+        separate = all(getattr(hf_config, key, True) is not False for key in ("use_sep_token", "use_pad_token"))
+        return cls(labels, classify, _score_activation(hf_config), separate)
+
+    @property
+    def num_labels(self) -> int:
+        return len(self.labels)
+
+    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str) -> list[int]:
+        """The token ids of the pair's one prompt (vLLM's cross-encoder encoding)."""
+        if self.use_sep_token:
+            return list(tokenizer(text_1, text_2).input_ids)
+        return list(tokenizer(text_1 + text_2).input_ids)
+
+
+def activate(logits: list[float], activation: str) -> list[float]:
+    """``"identity"``, ``"sigmoid"`` (each logit) or ``"classify"`` (softmax; sigmoid for a single logit)."""
+    if activation == "identity":
+        return list(logits)
+    if activation == "sigmoid" or len(logits) < 2:
+        return [0.5 * (1.0 + math.tanh(x / 2)) for x in logits]  # sigmoid without overflow
+    top = max(logits)
+    exps = [math.exp(x - top) for x in logits]
+    total = sum(exps)
+    return [e / total for e in exps]
+
+
+def _score_activation(hf_config: Any) -> str:
+    name = (getattr(hf_config, "sentence_transformers", None) or {}).get("activation_fn") \
+        or getattr(hf_config, "sbert_ce_default_activation_function", None)
+    if name is None:
+        return "classify"
+    activation = _SCORE_ACTIVATIONS.get(str(name).rsplit(".", 1)[-1])
+    if activation is None or not str(name).startswith("torch.nn.modules."):
+        raise NotBuiltError("model", name, f"the cross-encoder activation {name} (built: "
+                                           f"{', '.join(_SCORE_ACTIVATIONS)})")
+    return activation
+
+
+@dataclass(frozen=True)
+class PoolingModel:
+    """The served architecture and which requests it takes."""
+
+    architecture: str
+    generates: bool = True
+    """False for a model without an LM head."""
+    classifier: ClassifierHead | None = None
+    """Set for a ``*ForSequenceClassification`` model (it classifies and scores only)."""
+
+    def check(self, pooling: PoolingParams | None) -> None:
+        """`InvalidRequestError` unless the model serves this request (``pooling`` None: a generation)."""
+        task = "generate" if pooling is None else pooling.task
+        arch = self.architecture
+        if self.classifier is not None:
+            if task != "classify":
+                raise InvalidRequestError("prompt" if task == "generate" else "model",
+                                          f"this model ({arch}) serves classification and scores only: use "
+                                          "classify() or score() (/classify, /score, /rerank)")
+        elif task == "classify":
+            raise InvalidRequestError("model", f"this model ({arch}) has no classification head: classify needs a "
+                                               "*ForSequenceClassification checkpoint")
+        elif task == "generate" and not self.generates:
+            raise InvalidRequestError("prompt", f"this model ({arch}, no LM head) serves embeddings only: use "
+                                                "embed() or /v1/embeddings")
+
+    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str) -> list[int]:
+        if self.classifier is None:
+            raise InvalidRequestError("text_2", f"this model ({self.architecture}) has no classification head to "
+                                                "score a pair as one prompt")
+        return self.classifier.encode_pair(tokenizer, text_1, text_2)
+
+
+def pooling_model_of(architecture: str, hf_config: Any) -> PoolingModel:
+    """What ``architecture`` serves; a classifier's head from its config (`NotBuiltError` for an activation
+    asyncllm does not apply)."""
+    if architecture in CLASSIFICATION_ARCHITECTURES:
+        return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config))
+    return PoolingModel(architecture, generates=architecture not in EMBEDDING_ARCHITECTURES)

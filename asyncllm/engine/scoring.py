@@ -1,0 +1,129 @@
+"""`AsyncEngine.classify` and `AsyncEngine.score` (vLLM's ``LLM.classify`` and ``LLM.score``) over the pooling path.
+
+A classification request is an embedding request whose `PoolingParams.task`
+is ``"classify"``: the worker applies the model's score head to the last
+token's hidden row and returns the logits; the activation and the label names
+are applied here, on the host (asyncllm/engine/pooling_model.py).
+
+`score` pairs ``text_1`` with each text of ``text_2`` (1:1, 1:N or N:N, as
+vLLM). A cross-encoder (a classifier with one label) reads a pair as one
+prompt (``tokenizer(text_1, text_2)``, tokenized on the processor thread) and
+scores the activated logit; any other model embeds each distinct text once and
+scores the cosine similarity of two embeddings. docs/pooling.md has the details.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from asyncllm.engine.pooling_model import ClassifierHead, activate
+from asyncllm.engine.stream import RequestOptions
+from asyncllm.errors import InvalidRequestError
+from asyncllm.pooling import ClassificationOutput, PoolingParams, ScoringOutput
+
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.engine.collector import RequestCollector
+
+__all__ = ["classify", "score", "score_pairs", "cosine_similarity"]
+
+_CLASSIFY = PoolingParams(task="classify")
+_EMBED = PoolingParams()
+T = TypeVar("T")
+
+
+async def classify(engine: AsyncEngine, prompt: Any, options: RequestOptions,
+                   truncate_prompt_tokens: int | None) -> ClassificationOutput:
+    collector = await engine._pool(prompt, dataclasses.replace(options, pooling=_CLASSIFY), truncate_prompt_tokens)
+    head = _classifier(engine)
+    logits = collector.embedding or []
+    probs = activate(logits, head.classify_activation)
+    top = max(range(len(probs)), key=probs.__getitem__)
+    return ClassificationOutput(collector.request_id, collector.prompt_token_ids, probs, logits, head.labels[top],
+                                collector.metrics, collector.num_cached_tokens)
+
+
+async def score(engine: AsyncEngine, text_1: Any, text_2: Any, options: RequestOptions,
+                truncate_prompt_tokens: int | None) -> list[ScoringOutput]:
+    firsts, seconds = score_pairs(text_1, text_2)
+    await engine.start()
+    assert engine.pooling_model is not None, "set by start"
+    head = engine.pooling_model.classifier
+    if head is None:
+        return await _embedding_scores(engine, firsts, seconds, options, truncate_prompt_tokens)
+    if head.num_labels != 1:
+        raise InvalidRequestError("model", f"score needs a cross-encoder (a classification model with one label); "
+                                           f"this one has {head.num_labels}: use classify()")
+    pairs = [_cross_encode(engine, head, first, second, options, truncate_prompt_tokens)
+             for first, second in zip(firsts, seconds)]
+    return await _gather(pairs)
+
+
+def score_pairs(text_1: Any, text_2: Any) -> tuple[list[str], list[str]]:
+    """The pairs to score: ``text_1`` repeated for every ``text_2`` (1:N) or zipped with it (N:N)."""
+    firsts, seconds = _texts("text_1", text_1), _texts("text_2", text_2)
+    if len(firsts) == 1:
+        return firsts * len(seconds), seconds
+    if len(firsts) != len(seconds):
+        raise InvalidRequestError("text_2", f"has {len(seconds)} texts for the {len(firsts)} of text_1: give one "
+                                            "text_1 for all of them (1:N) or one per text (N:N)")
+    return firsts, seconds
+
+
+def cosine_similarity(a: Sequence[float], b: Sequence[float]) -> float:
+    norms = math.sqrt(sum(x * x for x in a)) * math.sqrt(sum(y * y for y in b))
+    return sum(x * y for x, y in zip(a, b)) / norms if norms else 0.0
+
+
+async def _cross_encode(engine: AsyncEngine, head: ClassifierHead, text_1: str, text_2: str, options: RequestOptions,
+                        truncate_prompt_tokens: int | None) -> ScoringOutput:
+    pair = dataclasses.replace(options, pooling=_CLASSIFY, text_pair=text_2)
+    collector = await engine._pool(text_1, pair, truncate_prompt_tokens)
+    value = activate(collector.embedding or [], head.score_activation)[0]
+    return ScoringOutput(value, collector.prompt_token_ids, collector.request_id)
+
+
+async def _embedding_scores(engine: AsyncEngine, firsts: list[str], seconds: list[str], options: RequestOptions,
+                            truncate_prompt_tokens: int | None) -> list[ScoringOutput]:
+    texts = list(dict.fromkeys([*firsts, *seconds]))  # each distinct text is embedded once (a 1:N query too)
+    embed = dataclasses.replace(options, pooling=_EMBED)
+    pooled = await _gather([engine._pool(text, embed, truncate_prompt_tokens) for text in texts])
+    by_text: dict[str, RequestCollector] = dict(zip(texts, pooled))
+    return [_embedding_score(by_text[first], by_text[second]) for first, second in zip(firsts, seconds)]
+
+
+def _embedding_score(first: RequestCollector, second: RequestCollector) -> ScoringOutput:
+    value = cosine_similarity(first.embedding or [], second.embedding or [])
+    return ScoringOutput(value, first.prompt_token_ids + second.prompt_token_ids,
+                         f"{first.request_id}_{second.request_id}")
+
+
+def _texts(field: str, value: Any) -> list[str]:
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(text, str) for text in texts):
+        raise InvalidRequestError(field, f"must be a str or a non-empty list of str, got {value!r:.80}")
+    if not all(texts):
+        raise InvalidRequestError(field, "has an empty text: there is nothing to score")
+    return texts
+
+
+def _classifier(engine: AsyncEngine) -> ClassifierHead:
+    model = engine.pooling_model
+    assert model is not None and model.classifier is not None, "the processor refuses classify on other models"
+    return model.classifier
+
+
+async def _gather(awaitables: Sequence[Awaitable[T]]) -> list[T]:
+    """All at once, results in order; the first error cancels the others (each aborts its request) and is raised."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise

@@ -1,0 +1,267 @@
+"""Serving pre-quantized fp8 checkpoints (config.json ``quantization_config.quant_method == "fp8"``), as vLLM does.
+
+`loader.load_model` calls, around the checkpoint's loading:
+
+1. `make_fp8_params`: every parallel linear layer (`LinearBase`) that the checkpoint quantized gets a
+   float8_e4m3fn ``weight`` and the checkpoint's scales as parameters, each with a ``weight_loader`` that
+   copies this rank's part, so the model's ``load_weights`` (fused q/k/v and gate/up included) fills them:
+   - **block-wise** (``weight_block_size = [bn, bk]``, DeepSeek-V3 / Qwen3-FP8): ``weight_scale_inv``
+     ``[ceil(out/bn), ceil(in/bk)]``, the multiplier of each ``bn x bk`` block. A fused layer's shards, and
+     under tensor parallelism each rank's slice, must start on a block boundary: a split through a block is
+     a `ConfigError` naming the layer and the sizes (vLLM's ``validate_fp8_block_shape``);
+   - **per-tensor** (no block size): ``weight_scale`` with one scalar per checkpoint tensor (q, k and v of a
+     ``qkv_proj`` each have theirs).
+   Layers named in ``modules_to_not_convert`` / ``ignored_layers`` stay as they are (model dtype).
+2. `finish_fp8_params` once the weights are in: block-wise layers compute through `Fp8BlockLinearMethod`;
+   per-tensor layers requantize their shards to the largest shard scale (vLLM's
+   ``requantize_with_max_scale``) and then compute as online fp8 (`quantization.Fp8LinearMethod`).
+
+With ``load_format="dummy"``, `quantize_drawn_weights` quantizes the drawn model-dtype weights into the same
+formats instead. The arithmetic, and what is not built, are in docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.errors import ConfigError
+from asyncllm.kernels import reference
+from asyncllm.models.checkpoint import Fp8CheckpointConfig
+from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
+from asyncllm.models.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from asyncllm.models.quantization import (
+    FP8_DTYPE,
+    attach_fp8_weight,
+    disable_fused_decode,
+    fp8_to_float,
+    quantize_fp8,
+    quantize_fp8_per_tensor,
+    scaled_mm_supported,
+)
+
+__all__ = ["Fp8BlockLinearMethod", "block_fp8_linear_fallback", "quantize_fp8_blocks", "make_fp8_params",
+           "finish_fp8_params", "quantize_drawn_weights"]
+
+
+# ---------------------------------------------------------------- the product
+def block_fp8_linear_fallback(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+                              block: tuple[int, int], bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear(dq(q(x)), dq(W_q), b)`` in ``dtype``: ``x [M, K]`` quantized per token in groups of ``bk``,
+    the weight dequantized per ``bn x bk`` block, each rounded once to ``dtype``."""
+    x_q, x_s = reference.per_token_group_quant_fp8(x, block[1])
+    x_dq = fp8_to_float(x_q) * reference.expand_block_scales(x_s, tuple(x_q.shape), (1, block[1]))
+    w_dq = fp8_to_float(weight) * reference.expand_block_scales(weight_scale_inv, tuple(weight.shape), block)
+    return F.linear(x_dq.to(dtype), w_dq.to(dtype), bias)
+
+
+class Fp8BlockLinearMethod:
+    """A block-quantized layer's product (`LinearBase.quant_method`): on CUDA with fp8 support (compute capability
+    >= 8.9) the Triton kernels of kernels/block_fp8.py (per-token-group quantization, block-scaled fp8 GEMM), else
+    the dequantize fallback."""
+
+    def __init__(self, block: tuple[int, int], use_triton: bool) -> None:
+        self.block = block
+        self.use_triton = use_triton
+
+    def __repr__(self) -> str:
+        return f"Fp8BlockLinearMethod(block={list(self.block)}, {'triton' if self.use_triton else 'dequantize'})"
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1])
+        if not self.use_triton:
+            out = block_fp8_linear_fallback(x2, layer.weight, layer.weight_scale_inv, self.block, bias,
+                                            layer.params_dtype)
+        else:
+            from asyncllm.kernels.block_fp8 import (
+                per_token_group_quant_fp8,
+                w8a8_block_fp8_matmul,
+            )
+
+            x_q, x_s = per_token_group_quant_fp8(x2.contiguous(), self.block[1])
+            out = w8a8_block_fp8_matmul(x_q, x_s, layer.weight, layer.weight_scale_inv, self.block,
+                                        layer.params_dtype)
+            if bias is not None:
+                out = out + bias
+        return out.view(*lead, out.shape[-1])
+
+
+@torch.no_grad()
+def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [R, C]`` -> (float8_e4m3fn ``[R, C]``, float32 ``[ceil(R/bn), ceil(C/bk)]``): one scale per block,
+    ``max|block| / 448``, the checkpoints' ``weight_scale_inv`` (``w ~ q * scale`` per block)."""
+    (rows, cols), (bn, bk) = w.shape, block
+    rb, cb = -(-rows // bn), -(-cols // bk)
+    padded = F.pad(w.float(), (0, cb * bk - cols, 0, rb * bn - rows)).view(rb, bn, cb, bk)
+    scale = (padded.abs().amax(dim=(1, 3)) / reference.FP8_E4M3_MAX).clamp(min=reference.FP8_MIN_SCALE)
+    q = quantize_fp8(w, reference.expand_block_scales(scale, (rows, cols), block))
+    return q, scale
+
+
+# ---------------------------------------------------------------- which layers, and their shards
+def _checkpoint_modules(model: nn.Module, name: str) -> list[str]:
+    """The checkpoint's module names loaded into the model's module ``name`` (q/k/v_proj for a qkv_proj)."""
+    leaf = name.rsplit(".", 1)[-1]
+    parts = getattr(model, "packed_modules", {}).get(leaf)
+    return [name[: -len(leaf)] + part for part, _ in parts] if parts else [name]
+
+
+def _fp8_layers(model: nn.Module, cfg: Fp8CheckpointConfig) -> Iterator[tuple[str, LinearBase]]:
+    """(name, layer) of every parallel linear the checkpoint quantized; `ConfigError` for a fused layer whose
+    parts are ignored in part (they would need two formats in one matmul)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, LinearBase):
+            continue
+        ignored = [cfg.is_ignored(part) for part in _checkpoint_modules(model, name)]
+        if all(ignored):
+            continue
+        if any(ignored):
+            raise ConfigError("model", name, "a quantization_config that ignores all the projections fused in "
+                                             f"{name} or none of them ({_checkpoint_modules(model, name)})")
+        yield name, module
+
+
+def _output_partitions(layer: LinearBase) -> list[int]:
+    """This rank's row counts of each checkpoint tensor stacked in the layer, in order."""
+    if isinstance(layer, QKVParallelLinear):
+        return [layer.q_size, layer.kv_size, layer.kv_size]
+    if isinstance(layer, MergedColumnParallelLinear):
+        return list(layer.output_sizes_per_rank)
+    assert isinstance(layer, (ColumnParallelLinear, RowParallelLinear)), type(layer)
+    return [layer.weight.shape[0]]
+
+
+def _shard_index(layer: LinearBase, shard_id: object) -> int:
+    if isinstance(layer, QKVParallelLinear):
+        return "qkv".index(str(shard_id))
+    return 0 if shard_id is None else int(shard_id)  # type: ignore[call-overload]
+
+
+def _check_block_split(name: str, layer: LinearBase, block: tuple[int, int]) -> None:
+    """Every shard's, and under TP every rank's, rows (columns for a row-parallel layer) start on a block."""
+    (bn, bk), tp_size = block, layer.tp.size
+    if isinstance(layer, RowParallelLinear):
+        sizes, split, what = [layer.input_size_per_rank], tp_size > 1, ("input features", bk, "columns")
+    else:
+        sizes = _output_partitions(layer)
+        split, what = tp_size > 1 or len(sizes) > 1, ("output rows", bn, "rows")
+    bad = [size for size in sizes if size % what[1]]
+    if split and bad:
+        raise ConfigError("tensor_parallel_size", tp_size,
+                          f"a split on whole fp8 weight blocks: {name} holds {sizes} {what[0]} per checkpoint tensor "
+                          f"on each rank, and {bad} is not a multiple of the block's {what[1]} {what[2]} "
+                          f"(weight_block_size {list(block)})")
+
+
+# ---------------------------------------------------------------- the scales' loaders
+def _load_column_blocks(layer: LinearBase, block_rows: int, param: nn.Parameter, loaded: LoadedWeight,
+                        shard_id: object = None) -> None:
+    """The checkpoint tensor's block rows of this rank's rows, into the shard's block rows."""
+    dst, src, length = layer._shard_rows(shard_id)  # type: ignore[attr-defined]
+    blocks = -(-length // block_rows)
+    copy_weight(param.data.narrow(0, dst // block_rows, blocks), weight_narrow(loaded, 0, src // block_rows, blocks))
+
+
+def _load_row_blocks(layer: RowParallelLinear, block_cols: int, param: nn.Parameter, loaded: LoadedWeight) -> None:
+    """The checkpoint tensor's block columns of this rank's input columns."""
+    start = layer.tp.rank * layer.input_size_per_rank // block_cols
+    copy_weight(param.data, weight_narrow(loaded, 1, start, param.shape[1]))
+
+
+def _load_tensor_scale(layer: LinearBase, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
+    """A checkpoint tensor's scalar ``weight_scale`` into its shard's slot."""
+    value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+    if value.numel() != 1:
+        raise ValueError(f"has shape {tuple(value.shape)}, a per-tensor weight_scale is a scalar")
+    param.data[_shard_index(layer, shard_id)] = value.reshape(())
+
+
+# ---------------------------------------------------------------- before and after loading
+def _replace_weight(layer: LinearBase) -> torch.device:
+    """An empty fp8 weight of the same shape and loader (the model-dtype one is freed)."""
+    old = layer.weight
+    with torch.device(old.device):
+        layer.weight = new_param(*old.shape, dtype=FP8_DTYPE, loader=old.weight_loader)  # type: ignore[attr-defined]
+    return old.device
+
+
+def _make_layer_params(name: str, layer: LinearBase, cfg: Fp8CheckpointConfig) -> None:
+    block = cfg.weight_block_size
+    if block is not None:
+        _check_block_split(name, layer, block)
+    out_features, in_features = layer.weight.shape
+    with torch.device(_replace_weight(layer)):
+        if block is None:
+            loader = functools.partial(_load_tensor_scale, layer)
+            layer.weight_scale = new_param(len(_output_partitions(layer)), dtype=torch.float32, loader=loader)
+        elif isinstance(layer, RowParallelLinear):
+            loader = functools.partial(_load_row_blocks, layer, block[1])
+            layer.weight_scale_inv = new_param(-(-out_features // block[0]), -(-in_features // block[1]),
+                                               dtype=torch.float32, loader=loader)
+        else:
+            loader = functools.partial(_load_column_blocks, layer, block[0])
+            layer.weight_scale_inv = new_param(-(-out_features // block[0]), -(-in_features // block[1]),
+                                               dtype=torch.float32, loader=loader)
+
+
+def make_fp8_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> int:
+    """Give every layer the checkpoint quantized its fp8 weight and scale parameters (before loading); returns
+    how many. `ConfigError` when a block-wise layer's TP split or fused shards cut through a block."""
+    count = 0
+    for name, layer in _fp8_layers(model, cfg):
+        _make_layer_params(name, layer, cfg)
+        count += 1
+    disable_fused_decode(model)
+    return count
+
+
+@torch.no_grad()
+def _requantize_to_max_scale(layer: LinearBase) -> None:
+    """Per-tensor: one scale for the layer, the largest of its shards'; the others' rows are requantized."""
+    scales = layer.weight_scale.data
+    del layer.weight_scale
+    weight, max_scale = layer.weight.data, scales.max()
+    start = 0
+    for size, scale in zip(_output_partitions(layer), scales.tolist()):
+        rows = weight[start:start + size]
+        if scale != float(max_scale):
+            rows.copy_(quantize_fp8(fp8_to_float(rows) * scale, max_scale))
+        start += size
+    attach_fp8_weight(layer, weight, max_scale)
+
+
+def finish_fp8_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
+    """After loading: each fp8 layer's product (see the module's docstring)."""
+    for _, layer in _fp8_layers(model, cfg):
+        if cfg.weight_block_size is None:
+            _requantize_to_max_scale(layer)
+        else:
+            layer.quant_method = Fp8BlockLinearMethod(cfg.weight_block_size, scaled_mm_supported(layer.weight.device))
+
+
+@torch.no_grad()
+def quantize_drawn_weights(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
+    """``load_format="dummy"``: the drawn model-dtype weights quantized into the checkpoint's format (each rank's
+    shard whole: block-wise, or one scale per layer), then `finish_fp8_params`."""
+    block = cfg.weight_block_size
+    for name, layer in _fp8_layers(model, cfg):
+        if block is not None:
+            _check_block_split(name, layer, block)
+            w_q, scale = quantize_fp8_blocks(layer.weight.data, block)
+            layer.weight = nn.Parameter(w_q, requires_grad=False)
+            layer.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+            layer.quant_method = Fp8BlockLinearMethod(block, scaled_mm_supported(w_q.device))
+        else:
+            attach_fp8_weight(layer, *quantize_fp8_per_tensor(layer.weight.data))
+    disable_fused_decode(model)

@@ -1,0 +1,173 @@
+"""vLLM's classification and scoring routes: ``POST /classify``, ``/score`` (``/v1/score``) and ``/rerank``
+(``/v1/rerank``, ``/v2/rerank``, Jina's and Cohere's shape).
+
+``/classify`` runs `AsyncEngine.classify` on each ``input`` (the four prompt
+shapes of /v1/completions); ``/score`` runs `AsyncEngine.score` on ``text_1``
+and ``text_2`` (1:1, 1:N, N:N); ``/rerank`` scores ``query`` against each of
+``documents`` and answers them sorted by relevance, best first (``top_n`` of
+them). A model that cannot answer (a generative model asked to classify, a
+classifier with several labels asked to score) is a 400 from the engine's
+`InvalidRequestError`. Every route runs its requests at once; a client that
+leaves aborts them all. docs/integrations/openai-server.md has the details.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_protocol import completion_prompts, decode_request
+from asyncllm.integrations.starlette import wait_disconnect
+from asyncllm.integrations.streams import gather_until
+from asyncllm.pooling import ClassificationOutput, ScoringOutput
+
+if TYPE_CHECKING:
+    from asyncllm.integrations.openai_server import OpenAIServer
+    from asyncllm.lora import LoRARequest
+
+__all__ = ["ClassificationRequest", "ScoreRequest", "RerankRequest", "score_routes", "rerank_results"]
+
+
+class _PoolingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None
+    """A served name or a LoRA module's name; left out, the served model."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM's: keep each prompt's last k tokens (-1: as many as max_model_len allows)."""
+    priority: int = 0
+    """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
+    cache_salt: str | None = None
+    """Requests with different salts never share prefix-cached KV."""
+
+
+class ClassificationRequest(_PoolingRequest, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /classify``."""
+
+    input: str | list[Any]
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    user: str | None = None
+    """Accepted, unused."""
+
+
+class ScoreRequest(_PoolingRequest, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /score``: ``text_1`` against each of ``text_2``."""
+
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+
+class RerankDocument(msgspec.Struct, forbid_unknown_fields=True):
+    text: str
+
+
+class RerankRequest(_PoolingRequest, kw_only=True, forbid_unknown_fields=True):
+    """The body of ``POST /rerank``: ``documents`` ranked by their relevance to ``query``."""
+
+    query: str
+    documents: list[str | RerankDocument]
+    """Strings, or Jina's ``{"text": ...}`` objects."""
+    top_n: int = 0
+    """The best this many; 0 (vLLM's default) or more than there are: all of them."""
+    return_documents: bool = True
+    """Each result carries its ``document`` (vLLM always does); false: index and score only."""
+
+
+def score_routes(server: OpenAIServer) -> list[Route]:
+    """The routes, each wrapped in the server's API-key check and error mapping."""
+    handlers = _Handlers(server)
+    guard = server._guarded
+    scoring = [Route(path, guard(handlers.score), methods=["POST"]) for path in ("/score", "/v1/score")]
+    rerank = [Route(path, guard(handlers.rerank), methods=["POST"]) for path in ("/rerank", "/v1/rerank", "/v2/rerank")]
+    return [Route("/classify", guard(handlers.classify), methods=["POST"]), *scoring, *rerank]
+
+
+class _Handlers:
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+
+    async def classify(self, request: Request) -> Response:
+        req = decode_request(await self.server._body(request), ClassificationRequest)
+        model, lora = self.server._model(req.model)
+        prompts = completion_prompts(req.input, self.server.limits, field="input")
+        if any(prompt == "" for prompt in prompts):
+            raise InvalidRequestError("input", "an input is an empty string: there is nothing to classify")
+        engine, options = self.server.engine, _options(req, lora)
+        calls = [engine.classify(prompt, **options) for prompt in prompts]
+        outputs = await gather_until(calls, lambda: wait_disconnect(request))
+        data = [{"index": i, "label": out.label, "probs": out.probs, "num_classes": out.num_classes}
+                for i, out in enumerate(outputs)]
+        return _json(_listing("classify", model, data, outputs))
+
+    async def score(self, request: Request) -> Response:
+        req = decode_request(await self.server._body(request), ScoreRequest)
+        model, lora = self.server._model(req.model)
+        _check_count("text_2", req.text_2, self.server.limits.max_prompts)
+        outputs = await self._score(request, req.text_1, req.text_2, _options(req, lora))
+        data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
+        return _json(_listing("score", model, data, outputs))
+
+    async def rerank(self, request: Request) -> Response:
+        req = decode_request(await self.server._body(request), RerankRequest)
+        model, lora = self.server._model(req.model)
+        if not req.documents:
+            raise InvalidRequestError("documents", "is empty: give at least one document to rank")
+        if req.top_n < 0:
+            raise InvalidRequestError("top_n", f"must be 0 (all) or positive, got {req.top_n}")
+        _check_count("documents", req.documents, self.server.limits.max_prompts)
+        texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
+        try:
+            outputs = await self._score(request, req.query, texts, _options(req, lora))
+        except InvalidRequestError as exc:  # the engine names its own fields: name the request's
+            field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
+            raise InvalidRequestError(field, exc.message) from None
+        tokens = sum(len(out.prompt_token_ids) for out in outputs)
+        return _json({"id": f"rerank-{uuid.uuid4().hex}", "model": model,
+                      "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+                      "results": rerank_results(texts, outputs, req.top_n, req.return_documents)})
+
+    async def _score(self, request: Request, text_1: Any, text_2: Any, options: dict[str, Any]) -> list[ScoringOutput]:
+        call = self.server.engine.score(text_1, text_2, **options)
+        return (await gather_until([call], lambda: wait_disconnect(request)))[0]
+
+
+def rerank_results(documents: Sequence[str], outputs: Sequence[ScoringOutput], top_n: int,
+                   return_documents: bool) -> list[dict[str, Any]]:
+    """Best first (ties in input order), the first `top_n` (0: all)."""
+    order = sorted(range(len(outputs)), key=lambda i: -outputs[i].score)
+    results = []
+    for i in order[: top_n or None]:
+        result: dict[str, Any] = {"index": i, "relevance_score": outputs[i].score}
+        if return_documents:
+            result["document"] = {"text": documents[i]}
+        results.append(result)
+    return results
+
+
+def _options(req: _PoolingRequest, lora: LoRARequest | None) -> dict[str, Any]:
+    return {"priority": req.priority, "cache_salt": req.cache_salt, "lora_request": lora,
+            "truncate_prompt_tokens": req.truncate_prompt_tokens}
+
+
+def _check_count(field: str, texts: str | Sequence[Any], limit: int) -> None:
+    if not isinstance(texts, str) and len(texts) > limit:
+        raise InvalidRequestError(field, f"at most {limit} per request, got {len(texts)}")
+
+
+def _listing(kind: str, model: str, data: list[dict[str, Any]],
+             outputs: Sequence[ClassificationOutput | ScoringOutput]) -> dict[str, Any]:
+    """vLLM's list response: ``data`` in input order and the prompts' token usage."""
+    tokens = sum(len(out.prompt_token_ids) for out in outputs)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
+    return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+            "data": data, "usage": usage}
+
+
+def _json(payload: dict[str, Any]) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json")

@@ -1,0 +1,42 @@
+"""Tiny ``*ForSequenceClassification`` checkpoints (a tiny decoder with a random ``score`` head), and transformers'
+classification logits, the reference the classification and scoring tests compare against."""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+
+
+def tiny_classifier(source: str, folder: str, num_labels: int, seed: int = 0, **config: object) -> str:
+    """`source`'s decoder with a seeded random score head, saved as transformers saves a classifier
+    (weights ``model.*`` and ``score.weight``, architecture ``*ForSequenceClassification``)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    torch.manual_seed(seed)
+    labels = {i: f"class_{i}" for i in range(num_labels)}
+    model = AutoModelForSequenceClassification.from_pretrained(
+        source, num_labels=num_labels, id2label=labels, label2id={v: k for k, v in labels.items()},
+        dtype=torch.float32, **config)
+    model.save_pretrained(folder)
+    for name in os.listdir(source):
+        if "token" in name or name.endswith(".jinja"):
+            shutil.copy(os.path.join(source, name), folder)
+    return folder
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_classifier(path: str):
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    return AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_classifier_logits(path: str, token_ids: list[int]) -> list[float]:
+    """transformers' float32 logits of one prompt (batch 1, no padding: the last token's score)."""
+    import torch
+
+    with torch.no_grad():
+        return _hf_classifier(path)(torch.tensor([token_ids])).logits[0].tolist()

@@ -1,0 +1,112 @@
+"""A ``Qwen3ForSequenceClassification`` cross-encoder (one label) over two tensor-parallel ranks: `classify` logits
+equal transformers' in chunked batches with prefix-cache hits, `score` reads each pair as transformers'
+``tokenizer(text_1, text_2)`` and answers the sigmoid of its logit (1:1, 1:N, N:N); refusals are typed and named;
+the server's /classify, /score and /rerank over this engine (one engine for all: engine starts are the cost).
+Three labels (softmax) in the runner: tests/unit/test_classifier.py; the cosine scores of embedding models:
+tests/integrations/test_openai_score.py."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import pytest_asyncio
+
+from asyncllm import AsyncEngine, InvalidRequestError, PoolingParams
+from asyncllm.integrations.openai_server import create_app
+from asgi_helpers import asgi_client
+from classifier_utils import hf_classifier_logits, tiny_classifier
+from engine_helpers import random_prompts
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+TOLERANCE = 1e-5
+"""float32 logits against transformers' (two ranks sum their attention and MLP shares in another order)."""
+
+
+@pytest.fixture(scope="module")
+def reranker(tiny_qwen3: str, tmp_path_factory) -> str:
+    return tiny_classifier(tiny_qwen3, str(tmp_path_factory.mktemp("qwen3-reranker")), num_labels=1, seed=3)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(reranker: str):
+    async with AsyncEngine(reranker, tensor_parallel_size=2, max_num_batched_tokens=24,
+                           disable_log_stats=True) as engine:
+        yield engine
+
+
+def _sigmoid(x: float) -> float:
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+async def test_classify_equals_transformers_in_chunked_batches(engine: AsyncEngine, reranker: str) -> None:
+    prompts = random_prompts(5, seed=7, stem_len=40, max_len=70)  # every other one shares a 40-token stem
+    outs = await asyncio.gather(*(engine.classify(prompt) for prompt in prompts))
+    again = await engine.classify(prompts[1])  # its stem is cached now: a prefix hit
+    for prompt, out in zip([*prompts, prompts[1]], [*outs, again]):
+        want = hf_classifier_logits(reranker, prompt)
+        assert out.prompt_token_ids == prompt and out.num_classes == 1 and out.label == "class_0"
+        assert abs(out.logits[0] - want[0]) < TOLERANCE, (out.logits, want)
+        assert abs(out.probs[0] - _sigmoid(out.logits[0])) < 1e-12
+    assert again.num_cached_tokens >= 32
+    assert len({round(out.logits[0], 4) for out in outs}) == len(outs)  # the head tells the prompts apart
+
+
+async def test_score_reads_each_pair_as_one_prompt(engine: AsyncEngine, reranker: str) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(reranker)
+    query, docs = "how do I sort a list?", ["sorted(items)", "import os", "list.sort() sorts in place"]
+    one_to_n = await engine.score(query, docs)
+    one_to_one = await engine.score(query, docs[2])
+    n_to_n = await engine.score([docs[0], query], [query, docs[1]])
+    pairs = [*((query, doc) for doc in docs), (query, docs[2]), (docs[0], query), (query, docs[1])]
+    for (text_1, text_2), out in zip(pairs, [*one_to_n, *one_to_one, *n_to_n]):
+        ids = tokenizer(text_1, text_2).input_ids
+        assert out.prompt_token_ids == ids
+        assert abs(out.score - _sigmoid(hf_classifier_logits(reranker, ids)[0])) < TOLERANCE
+    assert len(one_to_n) == 3 and len(one_to_one) == 1 and len(n_to_n) == 2
+
+
+async def test_refusals_name_the_field(engine: AsyncEngine) -> None:
+    cases = [
+        (engine.generate([5, 9, 14]), "prompt", "classification and scores only"),
+        (engine.embed([5, 9, 14]), "model", "classification and scores only"),
+        (engine.score(["a", "b"], ["c", "d", "e"]), "text_2", "1:N"),
+        (engine.score([], "c"), "text_1", "non-empty list"),
+        (engine.score("a", ["c", ""]), "text_2", "empty text"),
+        (engine.score("a", [3, 4]), "text_2", "list of str"),
+        (engine.embed([5, 9], PoolingParams(task="rerank")), "task", "embed, classify"),
+    ]
+    for call, field, message in cases:
+        with pytest.raises(InvalidRequestError, match=message) as info:
+            await call
+        assert info.value.field == field
+    assert engine.stats().num_requests_running == 0
+
+
+async def test_the_server_classifies_scores_and_reranks(engine: AsyncEngine, reranker: str) -> None:
+    query, docs = "how do I sort a list?", ["import os", "sorted(items)", "list.sort() sorts in place"]
+    want = {doc: (await engine.score(query, doc))[0].score for doc in docs}  # checked against transformers above
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        classified = (await client.post("/classify", json={"input": [[5, 9, 14], [7, 300, 12]]})).json()
+        scored = (await client.post("/v1/score", json={"text_1": query, "text_2": docs})).json()
+        reranked = (await client.post("/v2/rerank", json={"query": query, "documents": docs, "top_n": 2})).json()
+        chat = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        embedded = await client.post("/v1/embeddings", json={"input": "hi"})
+    for i, prompt in enumerate([[5, 9, 14], [7, 300, 12]]):
+        item = classified["data"][i]
+        assert (item["index"], item["label"], item["num_classes"]) == (i, "class_0", 1)
+        assert abs(item["probs"][0] - _sigmoid(hf_classifier_logits(reranker, prompt)[0])) < TOLERANCE
+    assert classified["usage"]["prompt_tokens"] == 6
+    assert all(abs(d["score"] - want[doc]) < TOLERANCE for d, doc in zip(scored["data"], docs))  # another batch
+    assert scored["usage"]["prompt_tokens"] == sum(len(out.prompt_token_ids) for out in await engine.score(query, docs))
+    best = sorted(docs, key=want.__getitem__, reverse=True)[:2]
+    assert min(abs(a - b) for a in want.values() for b in want.values() if a != b) > 1e-3  # no near tie
+    assert [r["document"]["text"] for r in reranked["results"]] == best
+    assert all(abs(r["relevance_score"] - want[doc]) < TOLERANCE for r, doc in zip(reranked["results"], best))
+    assert [r["index"] for r in reranked["results"]] == [docs.index(doc) for doc in best]
+    for response in (chat, embedded):
+        assert response.status_code == 400 and "classification and scores only" in response.json()["error"]["message"]

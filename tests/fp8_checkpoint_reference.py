@@ -1,0 +1,149 @@
+"""Pre-quantized fp8 checkpoints written on the fly, and an independent reference for serving them.
+
+Written from the checkpoint format (transformers' FineGrainedFP8, DeepSeek-V3 and Qwen3-FP8 checkpoints: a
+float8_e4m3fn ``weight`` and a float32 ``weight_scale_inv`` per 2-D block, the multiplier; or one scalar
+``weight_scale`` per tensor) and docs/quantization.md, not from asyncllm's code:
+
+- `write_fp8_checkpoint` quantizes a float checkpoint's decoder projections block by block (or per tensor),
+  in plain loops, and writes safetensors plus a config.json with its ``quantization_config``;
+- `Fp8Reference` is transformers' float32 model of the float checkpoint whose quantized projections hold the
+  dequantized weights (per tensor: the fused shards requantized to their largest scale, as vLLM serves them)
+  and fake-quantize their input per token: in groups of ``bk`` features (block-wise), or whole (per tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = 1.0 / (448.0 * 512.0)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _scale(t: torch.Tensor) -> torch.Tensor:
+    return (t.abs().max().float() / FP8_MAX).clamp(min=MIN_SCALE)
+
+
+def _to_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def quantize_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 weight, float32 ``weight_scale_inv``): each ``block`` cell its own ``max|cell| / 448``."""
+    bn, bk = block
+    q = torch.empty(w.shape, dtype=FP8)
+    scale = torch.empty(-(-w.shape[0] // bn), -(-w.shape[1] // bk))
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            cell = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            scale[i, j] = _scale(cell)
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = _to_fp8(cell, scale[i, j])
+    return q, scale
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    bn, bk = block
+    out = q.float()
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= scale[i, j]
+    return out
+
+
+def _is_projection(name: str) -> bool:
+    return name.startswith("model.layers.") and name.split(".")[-2] in PROJECTIONS and name.endswith(".weight")
+
+
+def write_fp8_checkpoint(src: str, dst: Path, block: tuple[int, int] | None, ignored: tuple[str, ...] = (),
+                         extra_config: dict | None = None) -> dict[str, torch.Tensor]:
+    """``src``'s checkpoint in ``dst`` with its decoder projections in fp8 (those containing an ``ignored`` entry
+    stay float); returns the checkpoint tensors."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(src).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    for name in [n for n in tensors if _is_projection(n) and not any(entry in n for entry in ignored)]:
+        w = tensors.pop(name)
+        if block is None:
+            tensors[name + "_scale"] = _scale(w)
+            tensors[name] = _to_fp8(w, tensors[name + "_scale"])
+        else:
+            tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(w, block)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    section = {"quant_method": "fp8", "activation_scheme": "dynamic", **(extra_config or {})}
+    if block is not None:
+        section["weight_block_size"] = list(block)
+    if ignored:
+        section["modules_to_not_convert"] = list(ignored)
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": section}))
+    return tensors
+
+
+def _group_fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
+    out = torch.empty_like(x, dtype=torch.float32)
+    for start in range(0, x.shape[-1], group):
+        part = x[..., start:start + group].float()
+        scale = (part.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
+        out[..., start:start + group] = _to_fp8(part, scale).float() * scale
+    return out.to(x.dtype)
+
+
+def _requantized(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """Per tensor: the dequantized weights after requantizing each fused group to its largest scale."""
+    max_scale = torch.stack([tensors[n + "_scale"] for n in names]).max()
+    out = {}
+    for n in names:
+        value = tensors[n].float() * tensors[n + "_scale"]
+        out[n] = _to_fp8(value, max_scale).float() * max_scale
+    return out
+
+
+def dequantized_weights(tensors: dict[str, torch.Tensor], block: tuple[int, int] | None) -> dict[str, torch.Tensor]:
+    """Every fp8 projection's weight as the engine computes with it."""
+    fp8_names = [n for n in tensors if _is_projection(n) and tensors[n].dtype == FP8]
+    if block is not None:
+        return {n: dequantize_blocks(tensors[n], tensors[n + "_scale_inv"], block) for n in fp8_names}
+    out: dict[str, torch.Tensor] = {}
+    for name in fp8_names:
+        group = next((g for g in FUSED if name.split(".")[-2] in g), (name.split(".")[-2],))
+        members = [name.replace(f".{name.split('.')[-2]}.", f".{part}.") for part in group]
+        out.update(_requantized(tensors, members))
+    return out
+
+
+class Fp8Reference:
+    """transformers' float32 model of ``src`` computing as a server of the fp8 checkpoint ``tensors`` does."""
+
+    def __init__(self, src: str, tensors: dict[str, torch.Tensor], block: tuple[int, int] | None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        modules = dict(self.model.named_modules())
+        group = block[1] if block is not None else None
+        with torch.no_grad():
+            for name, weight in dequantized_weights(tensors, block).items():
+                linear = modules[name.removesuffix(".weight")]
+                linear.weight.copy_(weight)
+                linear.register_forward_pre_hook(
+                    lambda _m, args: (_group_fake_quant(args[0], group or args[0].shape[-1]),) + tuple(args[1:]))
+
+    @torch.no_grad()
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor([token_ids])
+        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                  do_sample=False)
+        return out[0, len(prompt):].tolist()

@@ -1,0 +1,85 @@
+"""``POST /score`` and ``/rerank`` over a generative model: each score is the cosine similarity of the two texts'
+embeddings (transformers' last hidden states), results sorted by relevance with ``top_n`` and ``return_documents``;
+the refusals are 400s naming the field. (A cross-encoder's routes: tests/engine/test_classification.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from asgi_helpers import asgi_client
+from hf_reference import hf_last_hidden_state
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+TOLERANCE = 1e-5
+QUERY = "def add(a, b):"
+DOCS = ["    return a + b", "import os", "class Matrix:", "def sub(a, b):"]
+
+
+def _cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
+
+
+@pytest.fixture(scope="module")
+def want(bundled_tokenizer) -> tuple[dict[str, float], dict[str, int]]:
+    """Each document's cosine similarity to the query (transformers), and every text's token count."""
+    from asyncllm.bundled import bundled_model_path
+
+    ids = {text: bundled_tokenizer(text).input_ids for text in [QUERY, *DOCS]}
+    hidden = {text: hf_last_hidden_state(bundled_model_path(), token_ids) for text, token_ids in ids.items()}
+    return {doc: _cosine(hidden[QUERY], hidden[doc]) for doc in DOCS}, {text: len(t) for text, t in ids.items()}
+
+
+async def _post(app, path: str, body: dict, status: int = 200) -> dict:
+    async with asgi_client(app) as client:
+        response = await client.post(path, json=body)
+    assert response.status_code == status, response.text
+    return response.json()
+
+
+async def test_scores_are_the_cosine_of_the_embeddings(app, want) -> None:
+    scores, lengths = want
+    one_to_n = await _post(app, "/score", {"text_1": QUERY, "text_2": DOCS})
+    n_to_n = await _post(app, "/v1/score", {"text_1": [QUERY, DOCS[1]], "text_2": [DOCS[0], QUERY]})
+    assert [item["index"] for item in one_to_n["data"]] == [0, 1, 2, 3]
+    for item, doc in zip(one_to_n["data"], DOCS):
+        assert item["object"] == "score" and abs(item["score"] - scores[doc]) < TOLERANCE
+    assert abs(n_to_n["data"][1]["score"] - scores[DOCS[1]]) < TOLERANCE  # cosine is symmetric
+    assert one_to_n["usage"]["prompt_tokens"] == sum(lengths[QUERY] + lengths[doc] for doc in DOCS)
+    assert len(set(scores.values())) == len(DOCS)  # the order below is not a tie
+
+
+async def test_rerank_sorts_by_relevance(app, want) -> None:
+    scores, lengths = want
+    best = sorted(DOCS, key=scores.__getitem__, reverse=True)
+    documents = [DOCS[0], {"text": DOCS[1]}, *DOCS[2:]]  # Jina's {"text": ...} objects too
+    full = await _post(app, "/rerank", {"query": QUERY, "documents": documents})
+    top = await _post(app, "/v1/rerank", {"query": QUERY, "documents": DOCS, "top_n": 2, "return_documents": False})
+    assert [r["document"]["text"] for r in full["results"]] == best
+    assert [r["index"] for r in full["results"]] == [DOCS.index(doc) for doc in best]
+    assert all(abs(r["relevance_score"] - scores[r["document"]["text"]]) < TOLERANCE for r in full["results"])
+    assert [r["index"] for r in top["results"]] == [DOCS.index(doc) for doc in best[:2]]
+    assert all("document" not in r for r in top["results"])
+    assert full["usage"]["total_tokens"] == sum(lengths[QUERY] + lengths[doc] for doc in DOCS)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/classify", {"input": "def add(a, b):"}, "model"),  # a generative model has no classification head
+    ("/v2/rerank", {"query": QUERY, "documents": []}, "documents"),
+    ("/rerank", {"query": QUERY, "documents": ["a", ""]}, "documents"),
+    ("/rerank", {"query": QUERY, "documents": ["a"], "top_n": -1}, "top_n"),
+    ("/rerank", {"query": "", "documents": ["a"]}, "query"),
+    ("/score", {"text_1": ["a", "b"], "text_2": ["c"]}, "text_2"),
+    ("/score", {"text_1": "a", "text_2": "b", "use_activation": False}, "use_activation"),
+    ("/classify", {"input": ""}, "input"),
+])
+async def test_bad_requests_are_400s_naming_the_field(app, path: str, body: dict, param: str) -> None:
+    error = (await _post(app, path, body, status=400))["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+
+
+async def test_an_unknown_model_is_a_404(app) -> None:
+    error = (await _post(app, "/score", {"model": "nope", "text_1": "a", "text_2": "b"}, status=404))["error"]
+    assert error["code"] == "model_not_found"
