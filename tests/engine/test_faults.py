@@ -60,19 +60,23 @@ def expected(tiny_llama: str) -> list[list[int]]:
     return [hf_greedy(tiny_llama, tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS]
 
 
-@pytest.mark.parametrize(("async_scheduling", "pipeline"), [(False, "auto"), (True, "auto"), (True, "1")],
+@pytest.mark.parametrize(("async_scheduling", "pipeline", "faults"),
+                         [(False, "auto", (signal.SIGKILL, signal.SIGSTOP)), (True, "auto", (signal.SIGSTOP,)),
+                          (True, "1", (signal.SIGKILL, signal.SIGSTOP))],
                          ids=["sync", "async", "async-pipelined"])
 async def test_worker_killed_or_hung_mid_generation_streams_stay_exact(tiny_llama: str, expected,
                                                                       async_scheduling: bool, pipeline: str,
+                                                                      faults: tuple[signal.Signals, ...],
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """With async_scheduling, two steps may be in flight when the worker dies: both are recomputed.
 
-    "async-pipelined": the workers (restarted ones too) also launch a step before sending the last one.
+    "async-pipelined": the workers (restarted ones too) also launch a step before sending the last one (the
+    most steps in flight, so it takes both faults; "async" without the pipeline takes the hang only).
     """
     monkeypatch.setenv("ASYNCLLM_WORKER_PIPELINE", pipeline)  # the core passes it on to every worker it starts
     engine = AsyncEngine(tiny_llama, worker_step_timeout_s=2.0, async_scheduling=async_scheduling, **ENGINE_KWARGS)
     async with engine:
-        for fault in (signal.SIGKILL, signal.SIGSTOP):  # dead, then hung past the watchdog
+        for fault in faults:  # dead, then hung past the watchdog
             [worker] = worker_pids(engine._core.pid)
             streams = Streams(engine, PROMPTS)
             await streams.wait_for_tokens(5)

@@ -1,5 +1,6 @@
 """Greedy outputs equal transformers' `generate`, token for token, whatever the
-batch composition, chunk size, preemption or tensor parallelism."""
+batch composition, preemption or tensor parallelism (chunk sizes, tiny batches,
+swap and priorities: tests/engine/test_async_scheduling.py and test_sched_parity.py)."""
 
 from __future__ import annotations
 
@@ -33,16 +34,16 @@ def _check(path: str, prompts: list[list[int]], got: list[list[int]]) -> None:
 
 CASES = {
     "default": {},
-    "chunked": {"max_num_batched_tokens": 16},
     "preempt": {"num_gpu_blocks_override": 12, "max_model_len": 128},
-    "tiny-batches": {"max_num_seqs": 3, "block_size": 8},
 }
+"""The synchronous engine's cases; tests/engine/test_async_scheduling.py runs these and chunked prefill, tiny
+batches, swap and priorities with TP under the (default) overlapped scheduling."""
 
 
 @pytest.mark.parametrize("case", list(CASES))
 async def test_llama_parity(tiny_llama: str, case: str) -> None:
     prompts = _prompts()
-    async with AsyncEngine(tiny_llama, disable_log_stats=True, **CASES[case]) as engine:
+    async with AsyncEngine(tiny_llama, disable_log_stats=True, async_scheduling=False, **CASES[case]) as engine:
         got = await _run_all(engine, prompts)
         stats = engine.stats()
     _check(tiny_llama, prompts, got)
@@ -59,10 +60,10 @@ async def test_qwen_parity(request: pytest.FixtureRequest, fixture: str) -> None
     _check(path, prompts, got)
 
 
-@pytest.mark.parametrize("case", ["default", "preempt"])
-async def test_tensor_parallel_parity(tiny_llama: str, case: str) -> None:
+async def test_tensor_parallel_parity(tiny_llama: str) -> None:
+    """Chunked (24-token steps) at TP=2; with preemption and priorities: tests/engine/test_async_scheduling.py."""
     prompts = _prompts(seed=1)
-    kwargs = dict(CASES[case], max_num_batched_tokens=24)
+    kwargs = dict(max_num_batched_tokens=24)
     async with AsyncEngine(tiny_llama, tensor_parallel_size=2, disable_log_stats=True, **kwargs) as engine:
         got = await _run_all(engine, prompts)
     _check(tiny_llama, prompts, got)

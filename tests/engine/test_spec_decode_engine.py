@@ -14,6 +14,7 @@ import asyncio
 import functools
 
 import pytest
+import pytest_asyncio
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.bundled import bundled_model_path
@@ -80,56 +81,71 @@ async def _generate(engine: AsyncEngine, prompts: list, params: list[SamplingPar
     return await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(prompts, params)))
 
 
-async def test_the_bundled_model_accepts_drafts_without_changing_a_token() -> None:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def bundled_engines():
+    """The bundled model without and with drafts, shared by the tests below (each reads stats as differences)."""
     path = bundled_model_path()
+    async with AsyncEngine(path, disable_log_stats=True) as base, \
+            AsyncEngine(path, disable_log_stats=True, speculative_config=SPEC) as drafting:
+        yield base, drafting
+
+
+def _spec_counts(engine: AsyncEngine) -> tuple[int, int, int]:
+    stats = engine.stats()
+    return stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_bundled_model_accepts_drafts_without_changing_a_token(bundled_engines) -> None:
+    base_engine, engine = bundled_engines
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     params = [greedy] * len(CODE)
     params += [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=48, ignore_eos=True) for i in range(4)]
     params += [SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.2),  # not drafted: they share
                SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)]  # steps with drafted ones
     prompts = (CODE * 3)[: len(params)]
-    async with AsyncEngine(path, disable_log_stats=True) as engine:
-        base = await _generate(engine, prompts, params)
-    async with AsyncEngine(path, disable_log_stats=True, speculative_config=SPEC) as engine:
-        greedy_alone = [await engine.generate(p, greedy) for p in CODE]  # one at a time: acceptance is exact
-        stats = engine.stats()
-        drafted = await _generate(engine, prompts, params)
-        stops = [SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[b.token_ids[j]])
-                 for b, j in zip(base, (5, 9, 13, 17))]
-        stopped = await _generate(engine, CODE, stops)
+    base = await _generate(base_engine, prompts, params)
+    before, per_pos_before = _spec_counts(engine), list(engine.stats().spec_decode_accepted_per_pos)
+    greedy_alone = [await engine.generate(p, greedy) for p in CODE]  # one at a time: acceptance is exact
+    counts = tuple(after - was for after, was in zip(_spec_counts(engine), before))
+    per_pos = [after - was for after, was in zip(engine.stats().spec_decode_accepted_per_pos, per_pos_before)]
+    drafted = await _generate(engine, prompts, params)
+    stops = [SamplingParams(temperature=0.0, max_tokens=48, stop_token_ids=[b.token_ids[j]])
+             for b, j in zip(base, (5, 9, 13, 17))]
+    stopped = await _generate(engine, CODE, stops)
     assert [o.token_ids for o in drafted] == [o.token_ids for o in base]
     assert [o.token_ids for o in greedy_alone] == [o.token_ids for o in base[: len(CODE)]]
     for got, want in zip(drafted[-1].logprobs, base[-1].logprobs, strict=True):  # other batches: float noise only
         assert got.keys() == want.keys()
         assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 and got[t].rank == want[t].rank for t in got)
     expected = [_expected_acceptance(o.prompt_token_ids, o.token_ids, 48) for o in greedy_alone]
-    assert (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens) \
-        == tuple(map(sum, zip(*expected)))
-    assert stats.spec_decode_num_accepted_tokens >= 20, "the bundled model's outputs repeat: drafts get accepted"
-    assert sum(stats.spec_decode_accepted_per_pos) == stats.spec_decode_num_accepted_tokens
-    assert stats.spec_decode_accepted_per_pos[3] > 0
+    assert counts == tuple(map(sum, zip(*expected)))
+    assert counts[2] >= 20, "the bundled model's outputs repeat: drafts get accepted"
+    assert sum(per_pos) == counts[2]
+    assert per_pos[3] > 0
     for out, b, j in zip(stopped, base, (5, 9, 13, 17)):  # a stop token inside accepted drafts ends the request
         first = b.token_ids.index(b.token_ids[j])
         assert out.token_ids == b.token_ids[: first + 1] and out.finish_reason == "stop"
 
 
-async def test_blocks_filled_by_accepted_drafts_enter_the_prefix_cache() -> None:
+@pytest.mark.asyncio(loop_scope="module")
+async def test_blocks_filled_by_accepted_drafts_enter_the_prefix_cache(bundled_engines) -> None:
     """A prompt that continues an earlier output hits as many blocks with drafts as without."""
-    path = bundled_model_path()
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     hits, outputs = [], []
-    for spec in (None, SPEC):
-        async with AsyncEngine(path, disable_log_stats=True, speculative_config=spec) as engine:
-            first = await _generate(engine, CODE, [params] * len(CODE))
-            before = engine.stats().prefix_cache_hits
-            continued = [o.prompt_token_ids + o.token_ids for o in first]
-            again = await _generate(engine, continued, [SamplingParams(temperature=0.0, max_tokens=8)] * len(CODE))
-            hits.append(engine.stats().prefix_cache_hits - before)
-            outputs.append([o.token_ids for o in first + again])
-            if spec is not None:
-                assert engine.stats().spec_decode_num_accepted_tokens > 0
-                value = engine.metrics_registry.get_sample_value(
-                    "asyncllm:spec_decode_num_accepted_tokens_total", {"model_name": engine._observer.stats.model_name})
-                assert value == engine.stats().spec_decode_num_accepted_tokens
+    for engine in bundled_engines:
+        assert await engine.reset_prefix_cache()  # both start from an empty cache (the test above filled them)
+        accepted = engine.stats().spec_decode_num_accepted_tokens
+        first = await _generate(engine, CODE, [params] * len(CODE))
+        before = engine.stats().prefix_cache_hits
+        continued = [o.prompt_token_ids + o.token_ids for o in first]
+        again = await _generate(engine, continued, [SamplingParams(temperature=0.0, max_tokens=8)] * len(CODE))
+        hits.append(engine.stats().prefix_cache_hits - before)
+        outputs.append([o.token_ids for o in first + again])
+        if engine.config.speculative_config is not None:
+            assert engine.stats().spec_decode_num_accepted_tokens > accepted
+            value = engine.metrics_registry.get_sample_value(
+                "asyncllm:spec_decode_num_accepted_tokens_total", {"model_name": engine._observer.stats.model_name})
+            assert value == engine.stats().spec_decode_num_accepted_tokens
     assert outputs[0] == outputs[1]
     assert hits[0] == hits[1] >= 4 * 64 - 4 * 16
