@@ -10,13 +10,20 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
 - ``llama3_json``: a JSON object ``{"name": ..., "parameters": {...}}`` (or
   several joined by ``;``), maybe after ``<|python_tag|>`` (Llama 3.1-3.3);
 - ``pythonic``: a Python list of calls ``[f(a=1), g(b="x")]`` with literal
-  arguments (Llama 3.2 and 4, and other models prompted that way).
+  arguments (Llama 3.2 and 4, and other models prompted that way);
+- ``mistral``: ``[TOOL_CALLS]`` and a JSON list of calls, or ``name[ARGS]{...}``
+  per call (Mistral's models).
 
 Each parser reads a whole reply (`ToolParser.parse`) or a stream of text
-deltas (`ToolParser.stream`): content is passed on as it comes, except the
-few characters that may open a call; a call is reported once its text is
-complete. A call whose JSON does not parse is left in the content, so no text
-is ever lost.
+deltas: `ToolParser.stream` reports each call once its text is complete,
+`ToolParser.delta_stream` reports `ToolCallDelta` pieces, the ``hermes``,
+``llama3_json`` and ``mistral`` calls' arguments as they are generated
+(tool_call_streams.py, tool_call_replies.py; ``pythonic`` calls whole, at the
+reply's end). Content is passed on as
+it comes, except the few characters that may open a call. A call whose JSON
+does not parse is left in the content, so no text is ever lost (a streamed
+call that broke after its first piece stays as it was sent, and its text is
+content too). A call's arguments are its JSON as ``json.dumps`` writes it.
 """
 
 from __future__ import annotations
@@ -24,21 +31,19 @@ from __future__ import annotations
 import abc
 import ast
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.tool_call_replies import Llama3JsonStream, MistralStream
+from asyncllm.tool_call_streams import (HermesStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
+                                        tool_call_id)
 
-__all__ = ["ToolCall", "ParsedReply", "ToolParser", "ToolCallStream", "TOOL_PARSERS", "get_tool_parser",
+__all__ = ["ToolCall", "ToolCallDelta", "ReplyPart", "ParsedReply", "ToolParser", "ToolCallDeltaStream",
+           "ToolCallStream", "TOOL_PARSERS", "get_tool_parser",
            "check_tools", "tool_call_id", "partial_tag_suffix",
            "call_from_value"]
-
-
-def tool_call_id() -> str:
-    """A fresh id for one call (``call_`` and 24 hex digits, as OpenAI's)."""
-    return "call_" + uuid.uuid4().hex[:24]
 
 
 @dataclass
@@ -51,6 +56,10 @@ class ToolCall:
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+    def as_delta(self, index: int) -> ToolCallDelta:
+        """The whole call as one piece, call number `index` of its reply."""
+        return ToolCallDelta(index, self.arguments, self.name, self.id, done=True)
 
 
 @dataclass
@@ -81,16 +90,26 @@ def check_tools(tools: object) -> None:
             raise InvalidRequestError("tools", f"item {i}: function 'parameters' must be a JSON schema object")
 
 
-class ToolCallStream(abc.ABC):
-    """One reply's deltas in, content deltas and finished calls out (see `ToolParser.stream`)."""
+class ToolCallStream:
+    """One reply's deltas in, content deltas and whole calls out (`ToolParser.stream`)."""
 
-    @abc.abstractmethod
+    def __init__(self, parts: ToolCallDeltaStream) -> None:
+        self._parts = parts
+        """A stream that reports each call whole, in one piece."""
+
     def feed(self, text: str) -> tuple[str, list[ToolCall]]:
         """The content this delta releases, and the calls it completes."""
+        return _content_and_calls(self._parts.feed(text))
 
-    @abc.abstractmethod
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the reply's end: whatever was held back (an unfinished call's text is content)."""
+        return _content_and_calls(self._parts.finish())
+
+
+def _content_and_calls(parts: list[ReplyPart]) -> tuple[str, list[ToolCall]]:
+    calls = [ToolCall(p.name, p.arguments, p.id) for p in parts if isinstance(p, ToolCallDelta)
+             if p.name is not None and p.id is not None]
+    return "".join(p for p in parts if isinstance(p, str)), calls
 
 
 class ToolParser(abc.ABC):
@@ -101,8 +120,19 @@ class ToolParser(abc.ABC):
     reply's text (``skip_special_tokens`` false) for requests it reads, as vLLM does."""
 
     @abc.abstractmethod
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        """A parser of one reply's deltas.
+
+        With `stream_arguments`, a call's first piece comes once its name is
+        read and its arguments as they are generated (formats that cannot,
+        whole); a call that then turns out broken stays as it was sent, and
+        its text comes as content as well. Without it, each call comes whole,
+        in one piece, once it is known to be one (a broken call is content only).
+        """
+
     def stream(self) -> ToolCallStream:
-        """A parser of one reply's deltas."""
+        """A parser of one reply's deltas that reports whole calls."""
+        return ToolCallStream(self.delta_stream(stream_arguments=False))
 
     def parse(self, text: str) -> ParsedReply:
         """A whole reply's content and calls."""
@@ -116,15 +146,6 @@ class ToolParser(abc.ABC):
         return ParsedReply(content or None, calls)
 
 
-def _call_from_json(text: str, arguments_keys: tuple[str, ...]) -> ToolCall | None:
-    """A call from the text of ``{"name": str, <one of arguments_keys>: {...}}``; None when it is not one."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return None
-    return call_from_value(value, arguments_keys)
-
-
 def call_from_value(value: object, arguments_keys: tuple[str, ...]) -> ToolCall | None:
     """A call from ``{"name": str, <one of arguments_keys>: {...}}``; None when `value` is not one."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
@@ -135,69 +156,14 @@ def call_from_value(value: object, arguments_keys: tuple[str, ...]) -> ToolCall 
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
-class _HermesStream(ToolCallStream):
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-    def __init__(self) -> None:
-        self._buffer = ""
-        self._in_call = False
-        self._calls = 0
-
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
-        self._buffer += text
-        content: list[str] = []
-        calls: list[ToolCall] = []
-        while True:
-            if self._in_call:
-                end = self._buffer.find(self.CLOSE)
-                if end < 0:
-                    break
-                block, self._buffer = self._buffer[:end], self._buffer[end + len(self.CLOSE):]
-                self._in_call = False
-                call = _call_from_json(block.strip(), ("arguments",))
-                if call is None:
-                    content.append(self.OPEN + block + self.CLOSE)  # not a call after all: keep its text
-                else:
-                    calls.append(call)
-                    self._calls += 1
-                continue
-            start = self._buffer.find(self.OPEN)
-            if start < 0:
-                keep = partial_tag_suffix(self._buffer, self.OPEN)
-                content.append(self._buffer[: len(self._buffer) - keep])
-                self._buffer = self._buffer[len(self._buffer) - keep:]
-                break
-            content.append(self._buffer[:start])
-            self._buffer = self._buffer[start + len(self.OPEN):]
-            self._in_call = True
-        return self._content("".join(content)), calls
-
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        rest = (self.OPEN if self._in_call else "") + self._buffer
-        self._buffer, self._in_call = "", False
-        return self._content(rest), []
-
-    def _content(self, text: str) -> str:
-        """Text between calls that is only whitespace (the newlines around blocks) is not content."""
-        return "" if self._calls and not text.strip() else text
-
-
-def partial_tag_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag` (held back: the next delta may complete it)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
-
-
 class HermesToolParser(ToolParser):
     """``<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>``, one block per call."""
 
-    def stream(self) -> ToolCallStream:
-        return _HermesStream()
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        return HermesStream(stream_arguments)
 
 
-class _WholeReplyStream(ToolCallStream):
+class _WholeReplyStream(ToolCallDeltaStream):
     """A reply that opens with one of `openers` is calls, read whole at its end; any other reply is content."""
 
     def __init__(self, openers: tuple[str, ...], parse: Callable[[str], list[ToolCall] | None]) -> None:
@@ -206,54 +172,34 @@ class _WholeReplyStream(ToolCallStream):
         self._buffer = ""
         self._mode: str | None = None  # None: undecided, "content" or "calls"
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> list[ReplyPart]:
         if self._mode == "content":
-            return text, []
+            return [text] if text else []
         self._buffer += text
         if self._mode == "calls":
-            return "", []  # read whole at the end
+            return []  # read whole at the end
         head = self._buffer.lstrip()
         if not head or any(opener.startswith(head) for opener in self._openers):
-            return "", []  # whitespace, or an opener's first characters: not decided yet
+            return []  # whitespace, or an opener's first characters: not decided yet
         self._mode = "calls" if head.startswith(self._openers) else "content"
         if self._mode == "calls":
-            return "", []
+            return []
         text, self._buffer = self._buffer, ""
-        return text, []
+        return [text]
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> list[ReplyPart]:
         text, self._buffer = self._buffer, ""
         calls = self._parse(text.strip()) if self._mode == "calls" else None
-        return ("", calls) if calls else (text, [])
-
-
-_PYTHON_TAG = "<|python_tag|>"
-
-
-def _llama3_calls(text: str) -> list[ToolCall] | None:
-    """Calls from ``{...}; {...}`` (maybe after ``<|python_tag|>``); None when any part is not a call."""
-    text = text.removeprefix(_PYTHON_TAG)
-    decoder, calls, pos = json.JSONDecoder(), [], 0
-    while pos < len(text):
-        try:
-            value, end = decoder.raw_decode(text, pos)
-        except ValueError:
-            return None
-        call = call_from_value(value, ("parameters", "arguments"))
-        if call is None:
-            return None
-        calls.append(call)
-        pos = end
-        while pos < len(text) and text[pos] in " \t\r\n;":
-            pos += 1
-    return calls or None
+        if not calls:
+            return [text] if text else []
+        return [call.as_delta(index) for index, call in enumerate(calls)]
 
 
 class Llama3JsonToolParser(ToolParser):
     """``{"name": "f", "parameters": {...}}`` (``; `` between several), maybe after ``<|python_tag|>``."""
 
-    def stream(self) -> ToolCallStream:
-        return _WholeReplyStream(("{", _PYTHON_TAG), _llama3_calls)
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        return Llama3JsonStream(stream_arguments)
 
 
 def _pythonic_calls(text: str) -> list[ToolCall] | None:
@@ -282,35 +228,8 @@ def _pythonic_calls(text: str) -> list[ToolCall] | None:
 class PythonicToolParser(ToolParser):
     """``[get_weather(city="Paris"), add(a=1, b=2)]``: a Python list of calls (Llama 3.2 / 4 and others)."""
 
-    def stream(self) -> ToolCallStream:
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
         return _WholeReplyStream(("[", "<|python_start|>"), _pythonic_calls)
-
-
-_MISTRAL_TAG, _MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
-
-
-def _mistral_calls(text: str) -> list[ToolCall] | None:
-    """Calls after ``[TOOL_CALLS]``: a JSON list of ``{"name", "arguments"}`` (Mistral's tokenizers before v11) or
-    ``name[ARGS]{...}`` per call, each after its own ``[TOOL_CALLS]`` (v11 and later); None when not calls."""
-    body = text.removeprefix(_MISTRAL_TAG).strip()
-    if body.startswith("["):
-        try:
-            values = json.loads(body)
-        except ValueError:
-            return None
-        calls = [call_from_value(value, ("arguments",)) for value in values] if isinstance(values, list) else []
-        return None if not calls or None in calls else calls  # type: ignore[return-value]
-    calls = []
-    for part in body.split(_MISTRAL_TAG):
-        name, sep, arguments = part.partition(_MISTRAL_ARGS)
-        try:
-            value = json.loads(arguments) if sep and name.strip() else None
-        except ValueError:
-            return None
-        if not isinstance(value, dict):
-            return None
-        calls.append(ToolCall(name.strip(), json.dumps(value, ensure_ascii=False)))
-    return calls
 
 
 class MistralToolParser(ToolParser):
@@ -319,8 +238,8 @@ class MistralToolParser(ToolParser):
 
     needs_special_tokens = True
 
-    def stream(self) -> ToolCallStream:
-        return _WholeReplyStream((_MISTRAL_TAG,), _mistral_calls)
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        return MistralStream(stream_arguments)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

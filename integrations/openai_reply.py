@@ -4,9 +4,15 @@
 ``{"reasoning": ...}`` (with a reasoning parser, the thoughts before
 ``</think>``), ``{"content": ...}`` and ``{"tool_calls": [...]}`` items (under
 a `ToolMode`, the answer after the thoughts). A non-streaming message is
-`merge_deltas` of the same deltas, so both forms always agree. Streaming, a
-named call's arguments flow as the tokens come; an ``auto`` or ``required``
-call is sent whole once its text is complete.
+`merge_deltas` of the deltas of the whole text (``stream_arguments`` false), so
+both forms agree. Streaming, a named call's arguments flow as the tokens
+come, and so do an ``auto`` call's once its name is read (``pythonic`` calls
+come whole, at the reply's end); a ``required`` call is sent whole once its
+text is complete. The one way the forms differ: an ``auto`` call that breaks
+after its first piece (its JSON stops being JSON, the reply is cut short, or a
+``llama3_json``/``mistral`` reply turns out not to be all calls) stays in the
+stream as it was sent, while the whole reply has only its text, as content
+(both have the text).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.reasoning import ReasoningParser
-from asyncllm.tool_calls import ToolCall, ToolCallStream, call_from_value, tool_call_id
+from asyncllm.tool_calls import ReplyPart, ToolCall, ToolCallDelta, ToolCallDeltaStream, call_from_value, tool_call_id
 
 __all__ = ["ChatReply", "merge_deltas"]
 
@@ -26,14 +32,25 @@ Delta = dict[str, Any]
 class ChatReply:
     """One choice's reply: text deltas in, OpenAI chat deltas out."""
 
-    def __init__(self, mode: ToolMode, reasoning: ReasoningParser | None = None) -> None:
+    def __init__(self, mode: ToolMode, reasoning: ReasoningParser | None = None, stream_arguments: bool = True) -> None:
         """With `reasoning`, a constraint (a named or required tool choice's) applies after the thinking
-        (`StructuredOutputs.start_after`, set by the server): the thoughts come first in any mode."""
+        (`StructuredOutputs.start_after`, set by the server): the thoughts come first in any mode.
+
+        `stream_arguments` (a streamed reply): an ``auto`` call's arguments come
+        in pieces as they are generated; a call that breaks after its first
+        piece stays as sent (its text comes as content too). False (a whole
+        reply): each call comes whole once it is one, and a broken one is content
+        only (`ToolParser.delta_stream`).
+        """
         self.mode = mode
         self._reasoning = reasoning.stream() if reasoning is not None else None
-        self._calls_stream: ToolCallStream | None = mode.parser.stream() if mode.parser is not None else None
+        self._calls_stream: ToolCallDeltaStream | None = (
+            mode.parser.delta_stream(stream_arguments) if mode.parser is not None else None)
         self._text: list[str] = []
         self._calls = 0
+        self._indexes: dict[int, int | None] = {}
+        """An auto call's index in the parser's stream -> its index in the reply (None: left out, not parallel)."""
+        self._whole_calls = 0
         self._named_id = tool_call_id()
 
     def feed(self, text: str) -> list[Delta]:
@@ -68,7 +85,7 @@ class ChatReply:
             self._text.append(text)
             return []
         assert self._calls_stream is not None
-        return self._deltas(*self._calls_stream.feed(text))
+        return self._deltas(self._calls_stream.feed(text))
 
     def _finish_answer(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
         kind = self.mode.kind
@@ -76,24 +93,37 @@ class ChatReply:
             calls = _required_calls("".join(self._text))
             if calls is None:  # cut short (length) or not a list of calls: the text as it is
                 return [{"content": "".join(self._text)}] if self._text else [], finish_reason
-            deltas = self._deltas("", calls)
+            deltas = self._deltas([call.as_delta(index) for index, call in enumerate(calls)])
             return deltas, "tool_calls" if finish_reason == "stop" else finish_reason
         if kind == "auto":
             assert self._calls_stream is not None
-            deltas = self._deltas(*self._calls_stream.finish())
-            if self._calls and finish_reason == "stop":
+            deltas = self._deltas(self._calls_stream.finish())
+            if self._whole_calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
             return deltas, finish_reason
         return [], finish_reason
 
-    def _deltas(self, content: str, calls: list[ToolCall]) -> list[Delta]:
-        deltas: list[Delta] = [{"content": content}] if content else []
-        for call in calls:
-            if self._calls and not self.mode.parallel:
-                break  # parallel_tool_calls false: the first call only
-            deltas.append({"tool_calls": [{"index": self._calls, **call.to_openai()}]})
-            self._calls += 1
+    def _deltas(self, parts: list[ReplyPart]) -> list[Delta]:
+        deltas: list[Delta] = []
+        for part in parts:
+            if isinstance(part, ToolCallDelta):
+                deltas += self._call_delta(part)
+            elif part:
+                deltas.append({"content": part})
         return deltas
+
+    def _call_delta(self, part: ToolCallDelta) -> list[Delta]:
+        if part.index not in self._indexes:  # a new call; parallel_tool_calls false: the first one only
+            self._indexes[part.index] = self._calls if self.mode.parallel or not self._calls else None
+            self._calls += self._indexes[part.index] is not None
+        index = self._indexes[part.index]
+        if index is None:
+            return []
+        self._whole_calls += part.done
+        if part.name is not None:
+            return [{"tool_calls": [{"index": index, "id": part.id, "type": "function",
+                                     "function": {"name": part.name, "arguments": part.arguments}}]}]
+        return [{"tool_calls": [{"index": index, "function": {"arguments": part.arguments}}]}] if part.arguments else []
 
 
 def _required_calls(text: str) -> list[ToolCall] | None:

@@ -127,7 +127,7 @@ class Choices:
                 choice.text_offset = 0
                 logprobs = self._format_logprobs(choice, choice.token_ids, choice.logprobs)
             if self.chat:
-                reply = ChatReply(self.tool_mode, self.reasoning)
+                reply = ChatReply(self.tool_mode, self.reasoning, stream_arguments=False)
                 deltas = reply.feed(text)
                 more, finish_reason = reply.finish(choice.finish_reason)
                 message = merge_deltas(deltas + more, tools=self.tool_mode.kind != "none")

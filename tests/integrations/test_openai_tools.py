@@ -98,7 +98,9 @@ async def test_auto_reads_the_models_calls(hermes_app) -> None:
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"])["city"] in ("paris", "rome")
     chunks = [c for event in _events(streamed.text) for c in event["choices"]]
     items = [item for c in chunks for item in c["delta"].get("tool_calls", ())]
-    assert len(items) == 1 and items[0]["function"]["name"] == "get_weather" and items[0]["id"].startswith("call_")
+    assert items[0]["function"] == {"name": "get_weather", "arguments": ""} and items[0]["id"].startswith("call_")
+    assert len(items) > 2 and all(item["index"] == 0 and "id" not in item for item in items[1:])  # arguments in pieces
+    assert "".join(item["function"]["arguments"] for item in items) == call["function"]["arguments"]  # same seed
     assert not any(c["delta"].get("content") for c in chunks)  # the call's text is not content
     assert chunks[-1]["finish_reason"] == "tool_calls"
     plain = text.json()["choices"][0]

@@ -1,0 +1,273 @@
+"""The streams of formats whose whole reply is calls: ``llama3_json`` and ``mistral``.
+
+Such a reply opens with its format's opener and is calls only if all of it
+reads as calls (and there is one); otherwise all of it is content, at its end,
+as `ToolParser.parse` has always read it. Streamed (``stream_arguments``), a
+call's first piece goes out once its name is read and its arguments as they
+are read (tool_call_streams.py), but it is `done` only at the reply's end,
+once the reply is known to be calls; a call that started streaming in a reply
+that then is not calls stays as it was sent. Without ``stream_arguments``
+every call waits for the reply's end.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import replace
+
+from asyncllm.json_stream import JsonObjectScanner
+from asyncllm.tool_call_streams import (CallObject, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
+                                        tool_call_id)
+
+__all__ = ["ArgumentsObject", "Llama3JsonStream", "MistralStream", "PYTHON_TAG", "TOOL_CALLS", "ARGS"]
+
+PYTHON_TAG = "<|python_tag|>"
+TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+_JSON_SPACE = " \t\n\r"
+
+
+class ArgumentsObject:
+    """A call whose name came before its arguments object (Mistral's ``name[ARGS]{...}``): the object's text is
+    the arguments. Streamed, its first piece goes out at once."""
+
+    def __init__(self, index: int, name: str, stream_arguments: bool) -> None:
+        self.json = JsonObjectScanner()
+        self.index, self.name, self.id = index, name, tool_call_id()
+        self._stream = stream_arguments
+        self._sent = 0  # pieces of the object's text sent
+
+    def first(self) -> list[ToolCallDelta]:
+        """Its first piece (streaming; none without)."""
+        return [ToolCallDelta(self.index, "", self.name, self.id)] if self._stream else []
+
+    def feed(self, text: str) -> tuple[int, list[ToolCallDelta]]:
+        pos = 0
+        while not self.json.text and pos < len(text) and text[pos] in _JSON_SPACE:
+            pos += 1  # json.loads takes JSON whitespace before the object, nothing else
+        if not self.json.text and pos < len(text) and text[pos] != "{":
+            self.json.fail()
+            return pos, []
+        used = pos + self.json.feed(text[pos:])
+        new = "".join(self.json.text[self._sent:]) if self._stream else ""
+        self._sent = len(self.json.text)
+        return used, [ToolCallDelta(self.index, new)] if new else []
+
+    def close(self) -> list[ToolCallDelta] | None:
+        if not self.json.done:
+            return None
+        if self._stream:
+            return [ToolCallDelta(self.index, done=True)]  # all of it was sent
+        return [ToolCallDelta(self.index, "".join(self.json.text), self.name, self.id, done=True)]
+
+
+class _CallsReplyStream(ToolCallDeltaStream):
+    """A reply that opens with one of `OPENERS` is calls (read after `TAG`: `_between` reads what is outside
+    calls, a call's reader the rest); any other reply is content, as it comes."""
+
+    OPENERS: tuple[str, ...] = ()
+    TAG = ""
+
+    def __init__(self, stream_arguments: bool) -> None:
+        self._stream_arguments = stream_arguments
+        self._mode: str | None = None  # None: undecided, "content", "calls" or "broken"
+        self._text: list[str] = []  # the reply (its content if it is not calls)
+        self._pending = ""  # calls: the text not read yet
+        self._call: CallObject | ArgumentsObject | None = None
+        self._held: list[ReplyPart] = []  # without stream_arguments: the calls, until the reply's end
+        self._index = 0  # whole calls read
+        self._trailing_space = False  # past whitespace that only the reply's end may follow
+
+    def feed(self, text: str) -> list[ReplyPart]:
+        if self._mode == "content":
+            return [text] if text else []
+        self._text.append(text)
+        if self._mode is not None:
+            self._pending += text
+        elif self._decide() == "content":
+            return ["".join(self._text)]
+        return self._read() if self._mode == "calls" else []
+
+    def finish(self) -> list[ReplyPart]:
+        if self._mode == "content":
+            return []
+        if self._mode == "calls" and self._call is None and self._index and self._complete():
+            if self._stream_arguments:  # the calls were sent: now they are known whole
+                return [ToolCallDelta(index, done=True) for index in range(self._index)]
+            return self._held
+        text = "".join(self._text)  # not calls: all of it is content
+        return [text] if text else []
+
+    @abc.abstractmethod
+    def _between(self, parts: list[ReplyPart]) -> bool:
+        """Read `_pending` outside a call (maybe opening one, or breaking the reply); False to wait for more."""
+
+    def _complete(self) -> bool:
+        """At the reply's end, outside a call: whether what was read is whole."""
+        return True
+
+    def _call_text(self) -> str:
+        """What of `_pending` the open call may read ("" to wait for more)."""
+        return self._pending
+
+    def _decide(self) -> str | None:
+        head = "".join(self._text).lstrip()
+        if not head or any(opener.startswith(head) for opener in self.OPENERS):
+            return None  # whitespace, or an opener's first characters
+        self._mode = "calls" if head.startswith(self.OPENERS) else "content"
+        self._pending = head.removeprefix(self.TAG)
+        return self._mode
+
+    def _read(self) -> list[ReplyPart]:
+        parts: list[ReplyPart] = []
+        while self._mode == "calls" and self._pending:
+            if self._call is None:
+                if not self._between(parts):
+                    break
+                continue
+            text = self._call_text()
+            if not text:
+                break
+            parts += self._feed_call(text)
+        if self._stream_arguments:
+            return parts
+        self._held += parts
+        return []
+
+    def _feed_call(self, text: str) -> list[ReplyPart]:
+        """`text` (the start of `_pending`) to the open call; its pieces."""
+        assert self._call is not None
+        used, deltas = self._call.feed(text)
+        self._pending = self._pending[used:]
+        if self._call.json.error:
+            self._mode = "broken"
+        elif self._call.json.done:
+            return [*deltas, *self._close()]
+        return list(deltas)
+
+    def _close(self) -> list[ReplyPart]:
+        assert self._call is not None
+        call, self._call = self._call, None
+        deltas = call.close()
+        if deltas is None:
+            self._mode = "broken"
+            return []
+        self._index = call.index + 1
+        if not self._stream_arguments:
+            return list(deltas)
+        return [replace(delta, done=False) for delta in deltas]  # done once the reply is known to be calls
+
+    def _trailing(self) -> None:
+        """Whitespace that only the reply's end may follow (``text.strip()`` drops it there)."""
+        if self._pending[:1].isspace():
+            self._pending, self._trailing_space = self._pending[1:], True
+        else:
+            self._mode = "broken"
+
+
+class Llama3JsonStream(_CallsReplyStream):
+    """``llama3_json``: ``{"name", "parameters"}`` objects joined by ``;`` and whitespace, maybe after
+    ``<|python_tag|>`` (the first object right after it)."""
+
+    OPENERS = ("{", PYTHON_TAG)
+    TAG = PYTHON_TAG
+    SEPARATORS = " \t\r\n;"
+
+    def _between(self, parts: list[ReplyPart]) -> bool:
+        char = self._pending[0]
+        if char == "{" and not self._trailing_space:
+            self._call = CallObject(self._index, ("parameters", "arguments"), self._stream_arguments)
+        elif self._index == 0:
+            self._mode = "broken"  # the first object comes at once
+        elif self._trailing_space or char not in self.SEPARATORS:
+            self._trailing()
+        else:
+            self._pending = self._pending[1:]
+        return True
+
+
+class MistralStream(_CallsReplyStream):
+    """``mistral``: after ``[TOOL_CALLS]``, a JSON list of ``{"name", "arguments"}`` objects (tokenizers before
+    v11), or ``name[ARGS]{...}`` after each ``[TOOL_CALLS]`` (v11 and later)."""
+
+    OPENERS = (TOOL_CALLS,)
+    TAG = TOOL_CALLS
+
+    def __init__(self, stream_arguments: bool) -> None:
+        super().__init__(stream_arguments)
+        self._state = "start"  # start; v11: name, after (an object); a list: item, next, end
+        self._name: list[str] = []
+
+    def _complete(self) -> bool:
+        return self._state in ("after", "end") and not self._pending.strip()
+
+    def _call_text(self) -> str:
+        if self._state != "after":
+            return self._pending  # an item of a list: [TOOL_CALLS] is no tag there
+        tag = self._pending.find(TOOL_CALLS)
+        if tag == 0:
+            self._mode = "broken"  # the next call began inside this one's object
+        end = tag if tag >= 0 else len(self._pending) - partial_tag_suffix(self._pending, TOOL_CALLS)
+        return self._pending[:end]
+
+    def _between(self, parts: list[ReplyPart]) -> bool:
+        if self._state == "start":
+            self._pending = self._pending.lstrip()
+            if self._pending:
+                self._state = "item" if self._pending[0] == "[" else "name"
+                self._pending = self._pending.removeprefix("[")
+            return bool(self._pending)
+        if self._state == "name":
+            return self._read_name(parts)
+        if self._state == "after":
+            return self._after_object()
+        return self._list_step(parts)
+
+    def _read_name(self, parts: list[ReplyPart]) -> bool:
+        """The call's name, up to ``[ARGS]``; its arguments object follows."""
+        end, tag = self._pending.find(ARGS), self._pending.find(TOOL_CALLS)
+        if 0 <= tag and (end < 0 or tag < end):
+            self._mode = "broken"  # a call without [ARGS]
+            return True
+        if end < 0:
+            keep = max(partial_tag_suffix(self._pending, ARGS), partial_tag_suffix(self._pending, TOOL_CALLS))
+            self._name.append(self._pending[:len(self._pending) - keep])
+            self._pending = self._pending[len(self._pending) - keep:]
+            return False
+        name = ("".join(self._name) + self._pending[:end]).strip()
+        self._pending, self._name, self._state = self._pending[end + len(ARGS):], [], "after"
+        if not name:
+            self._mode = "broken"
+        else:
+            self._call = ArgumentsObject(self._index, name, self._stream_arguments)
+            parts += self._call.first()
+        return True
+
+    def _after_object(self) -> bool:
+        """JSON whitespace after a call's object, then the next call's ``[TOOL_CALLS]`` or the reply's end."""
+        if not self._trailing_space:
+            self._pending = self._pending.lstrip(_JSON_SPACE)
+        if not self._trailing_space and self._pending.startswith(TOOL_CALLS):
+            self._pending, self._state = self._pending[len(TOOL_CALLS):], "name"
+        elif not self._trailing_space and TOOL_CALLS.startswith(self._pending):
+            return False  # "" or the tag's first characters
+        else:
+            self._trailing()
+        return True
+
+    def _list_step(self, parts: list[ReplyPart]) -> bool:
+        if self._state != "end":
+            self._pending = self._pending.lstrip(_JSON_SPACE)
+        char = self._pending[:1]
+        if not char:
+            return False
+        if self._state == "end":
+            self._trailing()
+        elif self._state == "item" and char == "{":
+            self._state = "next"
+            self._call = CallObject(self._index, ("arguments",), self._stream_arguments)
+        elif self._state == "next" and char in ",]":
+            self._pending, self._state = self._pending[1:], "item" if char == "," else "end"
+        else:
+            self._mode = "broken"  # not a call, an empty list, or a comma before "]"
+        return True
+
