@@ -5,8 +5,8 @@ Hugging Face checkpoint (config, safetensors weights, tokenizer, chat template,
 generation config) that loads with both transformers and asyncllm. This module
 makes one in about a second: a byte-level BPE tokenizer trained on a fixed
 slice of the Python standard library's own source (so it needs no data set and
-round-trips any Unicode text), and a Llama / Mistral / Qwen2 / Qwen3 model with
-seeded random weights.
+round-trips any Unicode text), and a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 /
+Gemma 3 model (or a mixture of experts) with seeded random weights.
 
 The weights are drawn wider than transformers' default initialisation, and the
 norm weights and biases are random too, so that logits are far from uniform
@@ -16,6 +16,7 @@ weight or a bias produces different tokens instead of passing unnoticed.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -30,8 +31,8 @@ from asyncllm.errors import ConfigError
 
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
-"""The architectures `make_tiny_checkpoint` can build (the last three are mixtures of experts)."""
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")
+"""The architectures `make_tiny_checkpoint` can build (mixtral and the *_moe ones are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -40,6 +41,18 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }
 """The tiny MoE models' experts: small, several per token, one family without renormalised weights."""
+
+_GEMMA_SHAPES: dict[str, dict[str, Any]] = {
+    "gemma2": dict(sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=30.0),
+    "gemma3": dict(sliding_window=8, query_pre_attn_scalar=32, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+    }),
+}
+"""The tiny Gemma models: a window of 8 tokens (so test prompts outrun it), an attention scale that is not
+``head_dim ** -0.5``, Gemma 2's caps low enough to change the scores, Gemma 3's two ropes (the global one
+scaled, as in the 4B-27B checkpoints); sliding and global layers alternate."""
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>")
 """Special tokens of the tiny tokenizer; their ids are 0..5 in this order."""
@@ -114,10 +127,13 @@ def make_tiny_checkpoint(
     num_kv_heads: int = 2,
     intermediate_size: int = 128,
     max_position_embeddings: int = 2048,
-    tie_word_embeddings: bool = False,
+    tie_word_embeddings: bool | None = None,
     **config_overrides: Any,
 ) -> str:
     """Write a tiny random model, its tokenizer and generation config to ``path``; return the path.
+
+    ``tie_word_embeddings`` None is the family's usual: tied for Gemma (as every Gemma checkpoint), untied
+    for the others.
 
     ``config_overrides`` are passed to the transformers config class as is
     (e.g. ``rope_parameters``, ``sliding_window``, ``rms_norm_eps``).
@@ -137,7 +153,8 @@ def make_tiny_checkpoint(
         arch, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id,
         dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
              num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
-             max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings),
+             max_position_embeddings=max_position_embeddings,
+             tie_word_embeddings=arch in _GEMMA_SHAPES if tie_word_embeddings is None else tie_word_embeddings),
         config_overrides,
     )
     _build_model(config, seed).save_pretrained(out, safe_serialization=True)
@@ -246,7 +263,8 @@ def _build_config(
         "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
         "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
-        "qwen3_moe": transformers.Qwen3MoeConfig,
+        "qwen3_moe": transformers.Qwen3MoeConfig, "gemma2": transformers.Gemma2Config,
+        "gemma3": transformers.Gemma3TextConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -257,6 +275,9 @@ def _build_config(
     if arch in ("mistral", "mixtral"):
         fields["sliding_window"] = None  # full attention unless asked for
     fields.update(_MOE_SHAPES.get(arch, {}))
+    if arch in _GEMMA_SHAPES:
+        fields.update(copy.deepcopy(_GEMMA_SHAPES[arch]), layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])
     fields.update(overrides)
     return config_cls(**fields)
 

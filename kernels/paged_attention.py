@@ -6,6 +6,8 @@ being its queries (already written, e.g. by `rotary_embedding_with_kv_cache`).
 Query j of request i sits at position ``seq_lens[i] - q_len_i + j`` and attends
 causally to the keys at or before it (and, with a sliding window, only the
 last ``sliding_window`` of them), as `asyncllm.kernels.reference.paged_attention`.
+With ``softcap`` (Gemma 2) each score is capped to ``softcap * tanh(score / softcap)``
+before the mask and the softmax; off, the kernel is compiled without it.
 
 Grid: (query blocks, KV heads). A program takes ``BLOCK_Q`` consecutive query
 tokens of one request times the ``Hq / Hkv`` query heads sharing one KV head
@@ -30,6 +32,7 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels._checks import check, check_float, check_kv_cache, check_last_dim_contiguous, check_same_device
+from asyncllm.kernels._math import softcap as cap_scores
 
 __all__ = ["paged_attention"]
 
@@ -54,11 +57,11 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, num_reqs, head_dim, block_size, sliding_window,
+    scale, num_reqs, head_dim, block_size, sliding_window, softcap,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -100,6 +103,8 @@ def _paged_attention_kernel(
         k_mask = kv_mask[None, :] & dim_mask[:, None]
         k = tl.load(k_cache_ptr + kv_offsets[None, :] + dims[:, None], mask=k_mask, other=0.0)  # [D, N]
         scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale
+        if USE_SOFTCAP:
+            scores = cap_scores(scores, softcap)
         visible = row_mask[:, None] & kv_mask[None, :] & (kv_pos[None, :] <= abs_pos[:, None])
         if USE_WINDOW:
             visible = visible & (kv_pos[None, :] > abs_pos[:, None] - sliding_window)
@@ -145,6 +150,11 @@ def _check_args(
                       block_tables=block_tables)
 
 
+def check_window_and_softcap(sliding_window: int | None, softcap: float | None) -> None:
+    check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1: {sliding_window}")
+    check(softcap is None or softcap >= 0, f"softcap must be >= 0 (0: off): {softcap}")
+
+
 def _block_shape(queries_per_kv: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M): enough query tokens that BLOCK_Q * queries_per_kv rows fill a tile."""
     block_m = max(_MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv))
@@ -169,19 +179,21 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     tile_n: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of query ``[T, Hq, D]`` over each request's cached context.
 
     ``key_cache`` / ``value_cache`` are ``[num_blocks, block_size, Hkv, D]``. Returns ``[T, Hq, D]``
     in query's dtype; rows past ``query_start_loc[-1]`` (padding) are left unwritten. ``tile_n``
     (keys per inner step, a power of two >= 16) defaults to 64 for head dims up to 128, else 32.
+    ``softcap`` > 0 caps the scores (None or 0: off).
     """
     _check_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, head_dim = query.shape
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     queries_per_kv = num_q_heads // num_kv_heads
     head_dim_padded, tile_n = _tile_shape(head_dim, tile_n)
-    check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1: {sliding_window}")
+    check_window_and_softcap(sliding_window, softcap)
     block_q, block_m = _block_shape(queries_per_kv)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     num_reqs = seq_lens.shape[0]
@@ -190,11 +202,11 @@ def paged_attention(
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, num_reqs, head_dim, block_size, sliding_window or 0,
+        scale, num_reqs, head_dim, block_size, sliding_window or 0, softcap or 0.0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
-        HEAD_DIM=head_dim_padded, USE_WINDOW=sliding_window is not None,
+        HEAD_DIM=head_dim_padded, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(softcap),
         # exact fp32 products; "tf32" is Triton's default, which half-precision inputs ignore
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4 if head_dim_padded <= 64 else 8, num_stages=2,

@@ -22,6 +22,7 @@ returns at once and stage 2 masks them out by the same arithmetic. The grid
 and ``NUM_SEGMENTS`` depend only on host-known shapes, so a launch is
 CUDA-graph capturable.
 
+Scores are capped (``softcap``) as in the unified kernel.
 An fp8 cache is read as in the unified kernel: K and V tiles cast to the query's
 dtype before their products.
 
@@ -36,7 +37,10 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels._checks import check
-from asyncllm.kernels.paged_attention import _block_shape, _check_args, _tile_shape  # the unified kernel's rules and rows
+from asyncllm.kernels._math import softcap as cap_scores
+from asyncllm.kernels.paged_attention import (  # the unified kernel's rules and rows
+    _block_shape, _check_args, _tile_shape, check_window_and_softcap,
+)
 
 __all__ = ["paged_decode"]
 
@@ -56,10 +60,10 @@ def _segment_bounds(seq_len, sliding_window, USE_WINDOW: tl.constexpr, NUM_SEGME
 @triton.jit
 def _decode_segment_kernel(
     max_ptr, sum_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, num_q_heads, head_dim, block_size, sliding_window,
+    scale, num_q_heads, head_dim, block_size, sliding_window, softcap,
     q_token_stride, q_head_stride, cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -95,6 +99,8 @@ def _decode_segment_kernel(
         k = tl.load(k_cache_ptr + kv_offsets[None, :] + dims[:, None],
                     mask=kv_mask[None, :] & dim_mask[:, None], other=0.0)  # [D, N]
         scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale
+        if USE_SOFTCAP:
+            scores = cap_scores(scores, softcap)
         scores = tl.where(row_mask[:, None] & kv_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows never see a key
@@ -152,6 +158,7 @@ def paged_decode(
     num_segments: int,
     sliding_window: int | None = None,
     tile_n: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`paged_attention` for a decode-only step, each request's context split into ``num_segments``.
 
@@ -165,7 +172,7 @@ def paged_decode(
           f"a decode step has one query row per request: {num_reqs} rows, {seq_lens.shape[0]} requests")
     check(1 <= num_segments <= 64 and num_segments == triton.next_power_of_2(num_segments),
           f"num_segments must be a power of two from 1 to 64: {num_segments}")
-    check(sliding_window is None or sliding_window >= 1, f"sliding_window must be >= 1: {sliding_window}")
+    check_window_and_softcap(sliding_window, softcap)
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     head_dim_padded, tile_n = _tile_shape(head_dim, tile_n)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -181,10 +188,10 @@ def paged_decode(
     _, block_m = _block_shape(num_q_heads // num_kv_heads)
     _decode_segment_kernel[(num_reqs, num_kv_heads, num_segments)](
         partial_max, partial_sum, partial_acc, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, num_q_heads, head_dim, block_size, sliding_window or 0,
+        scale, num_q_heads, head_dim, block_size, sliding_window or 0, softcap or 0.0,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
-        QUERIES_PER_KV=num_q_heads // num_kv_heads, BLOCK_M=block_m,
+        QUERIES_PER_KV=num_q_heads // num_kv_heads, BLOCK_M=block_m, USE_SOFTCAP=bool(softcap),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # as the unified kernel
         num_warps=4, num_stages=2, **shared,
     )

@@ -18,7 +18,10 @@ from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 __all__ = [
     "rms_norm",
     "fused_add_rms_norm",
+    "gemma_rms_norm",
+    "gemma_fused_add_rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "decode_linear",
     "fused_moe",
     "rotate_half",
@@ -57,10 +60,32 @@ def fused_add_rms_norm(
     return rms_norm(new_residual, weight, eps), new_residual
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: the weight is stored as an offset from 1, and the whole norm runs in float32,
+    rounded to x's dtype once at the end (``(x32 * rsqrt(mean(x32^2) + eps) * (1 + w32)).to(x.dtype)``)."""
+    x32 = x.to(torch.float32)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (normed * (1.0 + weight.to(torch.float32))).to(x.dtype)
+
+
+def gemma_fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fused_add_rms_norm` with `gemma_rms_norm`: ``(gemma_rms_norm(x + residual), x + residual)``."""
+    new_residual = x + residual
+    return gemma_rms_norm(new_residual, weight, eps), new_residual
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` where x is ``[..., 2 * d]`` = gate then up."""
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(gate) * up`` (GeGLU, transformers' ``gelu_pytorch_tanh``) where x is ``[..., 2 * d]``."""
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate="tanh") * x[..., d:]
 
 
 def decode_linear(
@@ -210,19 +235,35 @@ def _context_mask(
     return mask
 
 
+def _softcapped_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
+    softcap: float,
+) -> torch.Tensor:
+    """Attention with tanh-capped scores, ``softcap * tanh(q.k * scale / softcap)``, in transformers' eager
+    order (cap, mask, float32 softmax rounded to the dtype, then ``P @ V``). ``[H, L, D]`` heads first."""
+    groups = query.shape[0] // key.shape[0]
+    key, value = key.repeat_interleave(groups, 0), value.repeat_interleave(groups, 0)
+    scores = torch.tanh(query @ key.transpose(-1, -2) * scale / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
+
+
 def paged_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its whole cached context.
 
     ``query`` is ``[T, Hq, D]`` for the flattened step; the step's K/V must already be
     in ``kv_cache`` (of query's dtype, or fp8: the gathered K/V are cast to query's dtype).
     Returns ``[T, Hq, D]``; rows past ``query_start_loc[-1]`` (padding) are zero. One
-    ``scaled_dot_product_attention`` call per request.
+    ``scaled_dot_product_attention`` call per request; with ``softcap`` (Gemma 2's
+    attn_logit_softcapping; None or 0 is off) the scores are capped first (`_softcapped_attention`).
     """
     out = torch.zeros_like(query)
     qsl = metadata.query_start_loc_cpu
@@ -232,14 +273,13 @@ def paged_attention(
             continue
         key, value = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
         mask = _context_mask(end - start, seq_len, sliding_window, query.device)
-        out[start:end] = F.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1),
-            key.transpose(0, 1).to(query.dtype),
-            value.transpose(0, 1).to(query.dtype),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        ).transpose(0, 1)
+        q = query[start:end].transpose(0, 1)
+        k, v = (t.transpose(0, 1).to(query.dtype) for t in (key, value))
+        if softcap:
+            attended = _softcapped_attention(q, k, v, mask, scale, softcap)
+        else:
+            attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start:end] = attended.transpose(0, 1)
     return out
 
 

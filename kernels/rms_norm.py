@@ -4,6 +4,9 @@ Same rounding as `asyncllm.kernels.reference.rms_norm` (HF's): the residual
 sum is rounded to the activation dtype, statistics are taken in float32, the
 normalised row is rounded to the dtype before the weight multiplies it. One
 program per row; the whole row sits in registers (hidden sizes up to 64K).
+
+The ``gemma_`` pair is Gemma's norm (`reference.gemma_rms_norm`): the weight is an
+offset from 1 and the row is rounded once, after ``(1 + weight)`` multiplies it in float32.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import triton.language as tl
 
 from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
 
-__all__ = ["rms_norm", "fused_add_rms_norm"]
+__all__ = ["rms_norm", "fused_add_rms_norm", "gemma_rms_norm", "gemma_fused_add_rms_norm"]
 
 _MAX_BLOCK = 65536
 
@@ -24,7 +27,7 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     x_stride, residual_stride, out_stride, residual_out_stride,
     hidden_size, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, GEMMA: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -37,9 +40,13 @@ def _rms_norm_kernel(
         tl.store(residual_out_ptr + row * residual_out_stride + cols, summed, mask=mask)
         x = summed.to(tl.float32)
     variance = tl.sum(x * x, axis=0) / hidden_size
-    normed = (x * tl.rsqrt(variance + eps)).to(dtype).to(tl.float32)
+    normed = x * tl.rsqrt(variance + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (weight * normed).to(dtype), mask=mask)
+    if GEMMA:
+        out = normed * (1.0 + weight)
+    else:
+        out = weight * normed.to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * out_stride + cols, out.to(dtype), mask=mask)
 
 
 def _rows(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +57,7 @@ def _rows(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, gemma: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     check_float("x", x, x.dim())
     check(weight.dtype == x.dtype, f"weight dtype {weight.dtype} must equal x dtype {x.dtype}")
@@ -76,7 +83,7 @@ def _launch(
             x2.stride(0), res2.stride(0) if res2 is not None else 0, out2.stride(0),
             res_out2.stride(0) if res_out2 is not None else 0,
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
+            HAS_RESIDUAL=residual is not None, BLOCK=block, GEMMA=gemma, num_warps=min(max(block // 256, 1), 16),
         )
     return out, res_out
 
@@ -92,5 +99,20 @@ def fused_add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` in one pass over the row."""
     out, res_out = _launch(x, residual, weight, eps)
+    assert res_out is not None
+    return out, res_out
+
+
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm over the last dim of ``x [..., hidden]``; returns a new tensor."""
+    out, _ = _launch(x, None, weight, eps, gemma=True)
+    return out
+
+
+def gemma_fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gemma_rms_norm(x + residual), x + residual)`` in one pass over the row."""
+    out, res_out = _launch(x, residual, weight, eps, gemma=True)
     assert res_out is not None
     return out, res_out

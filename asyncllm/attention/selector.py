@@ -40,9 +40,10 @@ class AttentionBackend(Protocol):
         scale: float,
         sliding_window: int | None = None,
         rotary: RotaryInputs | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Rotate q/k by ``rotary`` (if given), write key/value ``[T, Hkv, D]`` at the step's slots,
-        attend query ``[T, Hq, D]``."""
+        attend query ``[T, Hq, D]`` (scores capped to ``softcap * tanh(s / softcap)`` when ``softcap``)."""
         ...
 
 

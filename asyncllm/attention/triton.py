@@ -25,16 +25,17 @@ from asyncllm.kernels import reference
 from asyncllm.kernels.fused_moe import fused_moe
 from asyncllm.kernels.paged_attention import paged_attention
 from asyncllm.kernels.paged_decode import paged_decode
-from asyncllm.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from asyncllm.kernels.rms_norm import fused_add_rms_norm, gemma_fused_add_rms_norm, gemma_rms_norm, rms_norm
 from asyncllm.kernels.rotary_kv import rotary_embedding_with_kv_cache
-from asyncllm.kernels.silu_and_mul import silu_and_mul
+from asyncllm.kernels.silu_and_mul import gelu_tanh_and_mul, silu_and_mul
 from asyncllm.models.ops import ModelOps
 
 __all__ = ["TritonBackend", "TRITON_OPS", "split_kv_segments"]
 
 _MAX_SEGMENTS = 16  # split-KV segments per request: more adds combine work for little extra parallelism
 
-TRITON_OPS = ModelOps("triton", rms_norm, fused_add_rms_norm, silu_and_mul, fused_moe)
+TRITON_OPS = ModelOps("triton", rms_norm, fused_add_rms_norm, silu_and_mul, fused_moe, gemma_rms_norm=gemma_rms_norm,
+                      gemma_fused_add_rms_norm=gemma_fused_add_rms_norm, gelu_tanh_and_mul=gelu_tanh_and_mul)
 """The model's non-attention ops as Triton kernels."""
 
 
@@ -54,10 +55,12 @@ class TritonBackend:
         scale: float,
         sliding_window: int | None = None,
         rotary: RotaryInputs | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
-        ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place.
+        ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place. ``softcap``
+        caps the scores (Gemma 2) in either kernel.
         """
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if rotary is None:
@@ -71,11 +74,11 @@ class TritonBackend:
         if num_segments:
             return paged_decode(
                 query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-                scale, num_segments, sliding_window,
+                scale, num_segments, sliding_window, softcap=softcap,
             )
         return paged_attention(
             query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-            scale, sliding_window,
+            scale, sliding_window, softcap=softcap,
         )
 
 

@@ -16,6 +16,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.lora import AdapterChecker
 from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
 from asyncllm.models.architectures import (
+    GEMMA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
     architecture_of,
@@ -60,8 +61,8 @@ def prepare(config: EngineConfig) -> Prepared:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:
-        if arch in MULTIMODAL_ARCHITECTURES or arch in MOE_ARCHITECTURES:
-            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (dense text models only)")
+        if arch in MULTIMODAL_ARCHITECTURES or arch in MOE_ARCHITECTURES or arch in GEMMA_ARCHITECTURES:
+            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (Llama-style dense text models only)")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if arch in MULTIMODAL_ARCHITECTURES:

@@ -158,14 +158,18 @@ class Attention(nn.Module):
         head_dim: int,
         backend: AttentionBackend,
         sliding_window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> None:
+        """``scale`` defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma 2; None: off)."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
         self.backend = backend
         self.sliding_window = sliding_window
+        self.softcap = softcap or None
 
     def forward(
         self,
@@ -178,11 +182,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (rotated by the backend when ``rotary``
         is given, so it can fuse that with the KV-cache write) -> ``[T, Hq * D]``."""
-        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window, rotary)
+        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window, rotary,
+                                   self.softcap)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"backend={self.backend.name}, sliding_window={self.sliding_window}"
+            + ("" if self.softcap is None else f", softcap={self.softcap}")
         )

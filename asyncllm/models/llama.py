@@ -180,12 +180,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # what a family may swap (asyncllm/models/gemma.py): same constructor arguments
+    embedding_cls: type[VocabParallelEmbedding] = VocabParallelEmbedding
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
+    norm_cls: type[nn.Module] = RMSNorm
+
     def __init__(self, b: DecoderBuild) -> None:
         super().__init__()
         cfg = b.hf_config
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, b.tp, b.dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(b, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
+        self.embed_tokens = self.embedding_cls(cfg.vocab_size, cfg.hidden_size, b.tp, b.dtype)
+        self.layers = nn.ModuleList(self.layer_cls(b, i) for i in range(cfg.num_hidden_layers))
+        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
 
     def forward(
         self,
@@ -211,6 +216,8 @@ class LlamaForCausalLM(nn.Module):
     """True for mixture-of-experts families (asyncllm/models/moe.py): they take ``expert_parallel``."""
     """False for a bare decoder's checkpoint (``LlamaModel`` & co.: names without ``model.``, no ``lm_head``):
     its LM head stays zero, and the host refuses generation (`headless`)."""
+    model_cls: type[LlamaModel] = LlamaModel
+    """The decoder stack (embeddings, layers, final norm) under ``model.``."""
 
     # fused parameter -> the checkpoint matrices stacked in it, with their shard ids
     packed_modules: dict[str, list[tuple[str, object]]] = {
@@ -228,6 +235,16 @@ class LlamaForCausalLM(nn.Module):
         """Layer ``layer_idx``'s MLP: the dense gated SiLU MLP in every layer."""
         return LlamaMLP(b)
 
+    @classmethod
+    def decoder_build(
+        cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend, max_position: int,
+        expert_parallel: bool,
+    ) -> DecoderBuild:
+        """What every layer is built from (a family with more to hand its layers returns a subclass)."""
+        rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
+        return DecoderBuild(hf_config, cls.decoder_flags(hf_config), dtype, tp, attn_backend, rotary_emb,
+                            cls.make_mlp, expert_parallel)
+
     def __init__(
         self,
         hf_config: Any,
@@ -239,11 +256,9 @@ class LlamaForCausalLM(nn.Module):
         expert_parallel: bool = False,
     ) -> None:
         super().__init__()
-        rotary_emb = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
-        build = DecoderBuild(hf_config, self.decoder_flags(hf_config), dtype, tp, attn_backend, rotary_emb,
-                             self.make_mlp, expert_parallel)
+        build = self.decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.model = LlamaModel(build)
+        self.model = self.model_cls(build)
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype, tied_to)
         if not self.has_lm_head and tied_to is None:

@@ -22,7 +22,8 @@ __all__ = ["ModelOps", "REFERENCE_OPS"]
 @dataclass(frozen=True)
 class ModelOps:
     """RMSNorm (plain and fused with the residual add), SiLU-and-mul and the mixture-of-experts MLP
-    (``fused_moe(hidden, w13, w2, topk_weights, topk_ids)``), same signatures as `reference`."""
+    (``fused_moe(hidden, w13, w2, topk_weights, topk_ids)``), same signatures as `reference`; Gemma's
+    RMSNorm pair (weight as an offset from 1, rounded once) and its GeGLU (``gelu_tanh_and_mul``)."""
 
     name: str
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
@@ -31,9 +32,16 @@ class ModelOps:
     ]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     fused_moe: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    gemma_rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+    gemma_fused_add_rms_norm: Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
+    ]
+    gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor]
 
 
 REFERENCE_OPS = ModelOps(
-    "reference", reference.rms_norm, reference.fused_add_rms_norm, reference.silu_and_mul, reference.fused_moe
+    "reference", reference.rms_norm, reference.fused_add_rms_norm, reference.silu_and_mul, reference.fused_moe,
+    gemma_rms_norm=reference.gemma_rms_norm, gemma_fused_add_rms_norm=reference.gemma_fused_add_rms_norm,
+    gelu_tanh_and_mul=reference.gelu_tanh_and_mul,
 )
 """The torch reference ops."""

@@ -12,6 +12,8 @@ from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import SUPPORTED_ARCHITECTURES, architecture_of
 from asyncllm.models.classifier import sequence_classifier
+from asyncllm.models.gemma2 import Gemma2ForCausalLM
+from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
@@ -76,6 +78,9 @@ _MODELS: dict[str, type] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3TextOnly,  # text prompts only: the vision tower is not read
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),

@@ -23,10 +23,13 @@ __all__ = ["rope_parameters", "compute_inv_freq", "RotaryEmbedding"]
 _LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
-def rope_parameters(hf_config: Any) -> dict[str, Any]:
+def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
     """The config's rope parameters as one dict (transformers 5 ``rope_parameters``, or the
-    older ``rope_theta`` + ``rope_scaling`` pair)."""
+    older ``rope_theta`` + ``rope_scaling`` pair). Where they are given per layer type (Gemma 3:
+    ``{"sliding_attention": {...}, "full_attention": {...}}``), those of ``layer_type``."""
     params = getattr(hf_config, "rope_parameters", None)
+    if _per_layer_type(hf_config, layer_type):
+        return dict(params[layer_type])
     if params:
         return dict(params)
     params = dict(getattr(hf_config, "rope_scaling", None) or {})
@@ -35,13 +38,20 @@ def rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq ``[rotary_dim / 2]`` float32, attention_scaling) exactly as transformers computes them.
+def _per_layer_type(hf_config: Any, layer_type: str | None) -> bool:
+    """Whether the config gives ``layer_type`` rope parameters of its own."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    return layer_type is not None and isinstance(params.get(layer_type), dict)
+
+
+def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq ``[rotary_dim / 2]`` float32, attention_scaling) exactly as transformers computes them
+    (for the layers of ``layer_type`` when the config has rope parameters per layer type).
 
     ``rotary_dim = head_dim * partial_rotary_factor``: only the first rotary_dim
     features of each head rotate.
     """
-    params = rope_parameters(hf_config)
+    params = rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
@@ -49,16 +59,17 @@ def compute_inv_freq(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, float
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
     if rope_type in _LENGTH_DEPENDENT_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
         raise NotBuiltError("model", rope_type, f"rotary embedding with rope_type={rope_type!r}")
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    per_type = {"layer_type": layer_type} if _per_layer_type(hf_config, layer_type) else {}
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **per_type)
     return inv_freq.to(torch.float32), float(attention_scaling)
 
 
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions from a precomputed float32 cos/sin table."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, attention_scaling = compute_inv_freq(hf_config, head_dim)
+        inv_freq, attention_scaling = compute_inv_freq(hf_config, head_dim, layer_type)
         self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.numel()
         self.max_position = max_position

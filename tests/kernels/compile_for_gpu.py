@@ -46,27 +46,34 @@ def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: 
 def cases(dtype: str):
     """Every kernel at the real models' constexprs (fp32 differs only in the dot precision: GPU tests cover it)."""
     p = f"*{dtype}"
-    yield ("rms_norm", rms_norm._rms_norm_kernel,
-           dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, residual_out_ptr=p), ("eps",),
-           dict(HAS_RESIDUAL=True, BLOCK=4096), 16)
-    yield ("silu_and_mul", silu_and_mul._silu_and_mul_kernel, dict(x_ptr=p, out_ptr=p), (), dict(BLOCK=1024), 4)
+    for gemma in (False, True):  # Gemma 2 / 3's norm: (1 + weight), one rounding
+        yield (f"rms_norm gemma={gemma}", rms_norm._rms_norm_kernel,
+               dict(x_ptr=p, residual_ptr=p, weight_ptr=p, out_ptr=p, residual_out_ptr=p), ("eps",),
+               dict(HAS_RESIDUAL=True, BLOCK=4096, GEMMA=gemma), 16)
+    for gelu in (False, True):  # SiLU; Gemma's GeGLU
+        yield (f"silu_and_mul gelu_tanh={gelu}", silu_and_mul._silu_and_mul_kernel, dict(x_ptr=p, out_ptr=p), (),
+               dict(BLOCK=1024, GELU_TANH=gelu), 4)
     for heads, norm in ((32, False), (16, True)):  # Llama-3.1-8B; Qwen3-0.6B with its q/k norm fused in
         yield (f"rotary_kv qk_norm={norm}", rotary_kv._rotary_kv_kernel,
                dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, positions_ptr="*i64",
                     cos_sin_ptr="*fp32", slot_mapping_ptr="*i64", q_norm_ptr=p, k_norm_ptr=p), ("norm_eps",),
                dict(Q_HEADS=heads, KV_HEADS=8, HALF=64, HEAD_DIM=128, HAS_NORM=norm), 4)
-    for window in (False, True):
-        yield (f"paged_attention window={window}", paged_attention._paged_attention_kernel,
+    # Llama (no window), Mistral (window), Gemma 2's sliding layers (window + score cap: 8 heads, 4 KV heads, D 256)
+    for window, softcap, queries_per_kv, head_dim, tile_n in ((False, False, 4, 128, 64), (True, False, 4, 128, 64),
+                                                              (True, True, 2, 256, 32)):
+        block_q = 16 // queries_per_kv
+        yield (f"paged_attention window={window} softcap={softcap}", paged_attention._paged_attention_kernel,
                dict(out_ptr=p, q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                    query_start_loc_ptr="*i32"), ("scale",),
-               dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, HEAD_DIM=128, USE_WINDOW=window,
-                    DOT_PRECISION="tf32"), 8)
+                    query_start_loc_ptr="*i32"), ("scale", "softcap"),
+               dict(QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=16, TILE_N=tile_n, HEAD_DIM=head_dim,
+                    USE_WINDOW=window, USE_SOFTCAP=softcap, DOT_PRECISION="tf32"), 8)
     decode = dict(TILE_N=64, HEAD_DIM=128, NUM_SEGMENTS=16)
-    for window in (False, True):
-        yield (f"paged_decode segment window={window}", paged_decode._decode_segment_kernel,
+    for window, softcap in ((False, False), (True, False), (True, True)):
+        yield (f"paged_decode segment window={window} softcap={softcap}", paged_decode._decode_segment_kernel,
                dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p,
-                    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale",),
-               dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=window, DOT_PRECISION="tf32", **decode), 4)
+                    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
+               dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=window, USE_SOFTCAP=softcap, DOT_PRECISION="tf32",
+                    **decode), 4)
     for prologue, block_n, block_k in ((0, 64, 128), (1, 16, 512), (2, 4, 512)):  # LM head, QKV, down projection
         yield (f"decode_linear prologue={prologue}", decode_linear._decode_linear_kernel,
                dict(x_ptr=p, residual_ptr=p, norm_w_ptr=p, weight_ptr=p, bias_ptr=p, out_ptr=p, residual_out_ptr=p),
@@ -90,13 +97,13 @@ def fp8_cache_cases(p: str, decode: dict):
     c = "*fp8e4nv"
     yield ("paged_attention fp8e4nv cache", paged_attention._paged_attention_kernel,
            dict(out_ptr=p, q_ptr=p, k_cache_ptr=c, v_cache_ptr=c, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                query_start_loc_ptr="*i32"), ("scale",),
+                query_start_loc_ptr="*i32"), ("scale", "softcap"),
            dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, HEAD_DIM=128, USE_WINDOW=False,
-                DOT_PRECISION="tf32"), 8)
+                USE_SOFTCAP=False, DOT_PRECISION="tf32"), 8)
     yield ("paged_decode segment fp8e4nv cache", paged_decode._decode_segment_kernel,
            dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=c, v_cache_ptr=c,
-                block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale",),
-           dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=False, DOT_PRECISION="tf32", **decode), 4)
+                block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
+           dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=False, USE_SOFTCAP=False, DOT_PRECISION="tf32", **decode), 4)
 
 
 def moe_cases(p: str):

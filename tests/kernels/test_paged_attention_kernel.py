@@ -45,7 +45,7 @@ def _metadata(requests: list[tuple[int, int]], block_size: int, seed: int) -> At
 
 def _check(
     requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-    dtype: torch.dtype, sliding_window: int | None = None, tile_n: int | None = None,
+    dtype: torch.dtype, sliding_window: int | None = None, tile_n: int | None = None, softcap: float | None = None,
 ) -> None:
     metadata = _metadata(requests, block_size, seed=num_heads * head_dim)
     num_blocks = int(metadata.block_tables.max()) + 2
@@ -55,9 +55,9 @@ def _check(
     scale = head_dim**-0.5
     out = paged_attention(
         query, kv_cache[0], kv_cache[1], metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-        scale, sliding_window, tile_n=tile_n,
+        scale, sliding_window, tile_n=tile_n, softcap=softcap,
     )
-    expected = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window)
+    expected = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap)
     assert out.shape == query.shape and out.dtype == dtype
     assert_close(out, expected, ATTENTION_TOL[dtype])
 
@@ -81,6 +81,13 @@ def test_mixed_prefill_and_decode(
 @pytest.mark.parametrize("sliding_window", [1, 5, 64])
 def test_sliding_window(sliding_window: int) -> None:
     _check(MIXED_STEP, 4, 2, 32, 4, torch.float32, sliding_window=sliding_window, tile_n=16)
+
+
+@pytest.mark.parametrize("softcap, sliding_window, dtype", [(2.0, None, torch.float16), (0.5, 5, torch.float32)])
+def test_softcap(softcap: float, sliding_window: int | None, dtype: torch.dtype) -> None:
+    """Gemma 2's score cap, alone and with a window; caps well under the scores' spread (a few units at
+    this scale), so a kernel that skipped it would be far off."""
+    _check(MIXED_STEP, 6, 2, 24, 4, dtype, sliding_window=sliding_window, tile_n=16, softcap=softcap)
 
 
 def test_decode_batch_only() -> None:

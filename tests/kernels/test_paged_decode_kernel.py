@@ -39,15 +39,17 @@ def _decode_step(
     return metadata, query, kv_cache
 
 
-def _decode(query, kv_cache, md: AttentionMetadata, num_segments: int, window: int | None = None, tile_n=16):
+def _decode(query, kv_cache, md: AttentionMetadata, num_segments: int, window: int | None = None, tile_n=16,
+            softcap=None):
     return paged_decode(query, kv_cache[0], kv_cache[1], md.query_start_loc, md.seq_lens, md.block_tables,
-                        query.shape[-1] ** -0.5, num_segments, window, tile_n=tile_n)
+                        query.shape[-1] ** -0.5, num_segments, window, tile_n=tile_n, softcap=softcap)
 
 
-def _check(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, num_segments=4, window=None, tile_n=16):
+def _check(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, num_segments=4, window=None, tile_n=16,
+           softcap=None):
     md, query, kv_cache = _decode_step(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype)
-    out = _decode(query, kv_cache, md, num_segments, window, tile_n)
-    expected = reference.paged_attention(query, kv_cache, md, head_dim**-0.5, window)
+    out = _decode(query, kv_cache, md, num_segments, window, tile_n, softcap)
+    expected = reference.paged_attention(query, kv_cache, md, head_dim**-0.5, window, softcap)
     assert out.shape == query.shape and out.dtype == dtype
     assert_close(out, expected, ATTENTION_TOL[dtype])
 
@@ -76,6 +78,12 @@ def test_one_request_any_segment_count(num_segments: int) -> None:
 def test_sliding_window(window: int) -> None:
     """The window's span is what is split: a window of 5 over 200 keys is one segment of one tile."""
     _check(LENGTHS, 4, 2, 32, 4, torch.float32, window=window)
+
+
+@pytest.mark.parametrize("softcap, window, dtype", [(2.0, None, torch.float16), (0.5, 5, torch.float32)])
+def test_softcap(softcap: float, window: int | None, dtype: torch.dtype) -> None:
+    """Gemma 2's score cap in every segment (40 keys: 3 of 4 segments used), alone and with a window."""
+    _check([1, 17, 40], 4, 2, 32, 4, dtype, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])

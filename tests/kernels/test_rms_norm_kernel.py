@@ -1,4 +1,4 @@
-"""Triton RMSNorm (plain and fused with the residual add) against `reference`."""
+"""Triton RMSNorm (plain and fused with the residual add; Llama's and Gemma's) against `reference`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncllm.kernels import reference
-from asyncllm.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from asyncllm.kernels.rms_norm import fused_add_rms_norm, gemma_fused_add_rms_norm, gemma_rms_norm, rms_norm
 from kernel_testing import DTYPES, ELEMENTWISE_TOL, assert_close, randn, requires_gpu
 
 SHAPES = [(1, 8), (7, 100), (3, 5, 96), (33, 1000)]  # odd rows and widths (not powers of two), a 3-D input
@@ -30,6 +30,19 @@ def test_fused_add_rms_norm_matches_reference(shape: tuple[int, ...], dtype: tor
     out, new_residual = fused_add_rms_norm(x, residual, weight, 1e-5)
     expected_out, expected_residual = reference.fused_add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(new_residual, expected_residual)  # one rounded add: exact
+    assert_close(out, expected_out, ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(7, 100), (3, 5, 96)], ids=str)
+def test_gemma_rms_norm_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Gemma's norm: ``(1 + weight)``, one rounding at the end; plain and after the residual add."""
+    x, residual = randn(*shape, dtype=dtype, seed=12, scale=3.0), randn(*shape, dtype=dtype, seed=13)
+    weight = randn(shape[-1], dtype=dtype, seed=14)
+    assert_close(gemma_rms_norm(x, weight, 1e-6), reference.gemma_rms_norm(x, weight, 1e-6), ELEMENTWISE_TOL[dtype])
+    out, new_residual = gemma_fused_add_rms_norm(x, residual, weight, 1e-6)
+    expected_out, expected_residual = reference.gemma_fused_add_rms_norm(x, residual, weight, 1e-6)
+    assert torch.equal(new_residual, expected_residual)
     assert_close(out, expected_out, ELEMENTWISE_TOL[dtype])
 
 

@@ -1,4 +1,4 @@
-"""Triton SiLU-and-mul against `reference`."""
+"""Triton SiLU-and-mul and GeGLU's gelu-tanh-and-mul against `reference`."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncllm.kernels import reference
-from asyncllm.kernels.silu_and_mul import silu_and_mul
+from asyncllm.kernels.silu_and_mul import gelu_tanh_and_mul, silu_and_mul
 from kernel_testing import DTYPES, ELEMENTWISE_TOL, assert_close, randn, requires_gpu
 
 
@@ -17,6 +17,16 @@ def test_silu_and_mul_matches_reference(shape: tuple[int, ...], dtype: torch.dty
     out = silu_and_mul(x)
     assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
     assert_close(out, reference.silu_and_mul(x), ELEMENTWISE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 18), (9, 2 * 1500)], ids=str)
+def test_gelu_tanh_and_mul_matches_reference(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """Gates over [-12, 12]: tanh's saturated tails and its steep middle."""
+    x = randn(*shape, dtype=dtype, seed=3, scale=4.0)
+    out = gelu_tanh_and_mul(x)
+    assert out.shape == (*shape[:-1], shape[-1] // 2) and out.dtype == dtype
+    assert_close(out, reference.gelu_tanh_and_mul(x), ELEMENTWISE_TOL[dtype])
 
 
 def test_launcher_rejects_bad_arguments() -> None:

@@ -1,7 +1,8 @@
 """The triton attention backend end to end in a model, and how it is selected.
 
-Tiny float32 Mistral (sliding window, head dim 24) and Qwen3 (per-head q/k
-norms) run chunked prefills mixed with decodes over a
+Tiny float32 Mistral (sliding window, head dim 24), Qwen3 (per-head q/k
+norms) and Gemma 2 (capped attention scores, Gemma's norm and GeGLU kernels)
+run chunked prefills mixed with decodes over a
 paged cache with every op on the Triton kernels; logits must match
 transformers' within the same 1e-4 as the torch_sdpa path (tests/unit/test_models.py).
 """
@@ -49,6 +50,28 @@ def test_triton_model_logits_match_transformers(family: str, decode_linear: bool
         expected = hf_logits(hf_model, tokens)
         torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
         assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_triton_gemma2_logits_match_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both attention kernels cap the scores (the prefills: unified; the decode-only step after them: split-KV),
+    the 8-token window cutting into both; Gemma layers never take the fused decode products, even when asked."""
+    from hf_reference import hf_logits as hf_path_logits
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    monkeypatch.setenv("ASYNCLLM_DECODE_LINEAR", "1")
+    path = tiny_checkpoint("gemma2")
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    assert not any(hasattr(layer, "fused_decode_rows") for layer in model.model.layers)
+    spec = kv_cache_spec(hf_config, 1)
+    sequences = [list(range(40, 49)), list(range(300, 313))]
+    run = PagedRun(model, sequences, block_size=4)
+    with torch.device(DEVICE):
+        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+        all_logits = [logits.cpu() for logits in run.run([[8, 12], [1, 1]])]
+    for tokens, logits in zip(sequences, all_logits):
+        torch.testing.assert_close(logits, hf_path_logits(path, tokens), atol=ATOL, rtol=0)
 
 
 def test_selector_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:

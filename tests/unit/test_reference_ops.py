@@ -47,6 +47,33 @@ def test_silu_and_mul():
     torch.testing.assert_close(reference.silu_and_mul(x).double(), expected, atol=1e-6, rtol=1e-6)
 
 
+def test_gemma_rms_norm_weight_is_an_offset_from_one():
+    x, w = _randn(5, 48), _randn(48, seed=1)
+    expected = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w.double())
+    torch.testing.assert_close(reference.gemma_rms_norm(x, w, 1e-6).double(), expected, atol=1e-6, rtol=1e-6)
+    out, new_residual = reference.gemma_fused_add_rms_norm(x, -x / 2, w, 1e-6)
+    assert torch.equal(new_residual, x / 2) and torch.equal(out, reference.gemma_rms_norm(x / 2, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gemma_rms_norm_half_is_bit_identical_to_transformers(dtype):
+    """transformers' Gemma order (float32 throughout, (1 + w), one cast at the end), not Llama's."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    x, w = _randn(3, 64, dtype=dtype) * 4, _randn(64, seed=1, dtype=dtype)
+    hf_norm = Gemma3RMSNorm(64, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        hf_norm.weight.copy_(w)
+        assert torch.equal(reference.gemma_rms_norm(x, w, 1e-6), hf_norm(x))
+
+
+def test_gelu_tanh_and_mul():
+    x = _randn(3, 2 * 20) * 3
+    gate, up = x[:, :20].double(), x[:, 20:].double()
+    expected = 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3))) * up
+    torch.testing.assert_close(reference.gelu_tanh_and_mul(x).double(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rotary_dim", [16, 8])
 def test_apply_rotary_is_a_rotation_of_each_pair(rotary_dim):
     """NeoX layout: features i and i + rotary_dim/2 rotate by position * inv_freq[i]; the rest pass."""
@@ -76,6 +103,25 @@ def test_cos_sin_cache_is_bit_identical_to_transformers(family):
     assert torch.equal(cache[:, :8], cos[0, :, :8]) and torch.equal(cache[:, 8:], sin[0, :, :8])
 
 
+def test_gemma3_ropes_per_layer_type_are_bit_identical_to_transformers():
+    """A hub-style Gemma 3 config (``rope_theta``, ``rope_local_base_freq``, linear ``rope_scaling`` on the
+    global layers) gives each layer type transformers' cos/sin."""
+    from transformers import Gemma3TextConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    from asyncllm.models.gemma import rotary_by_layer_type
+
+    config = Gemma3TextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_hidden_layers=6, intermediate_size=32, vocab_size=300, rope_theta=1e6,
+                              rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0})
+    ropes = rotary_by_layer_type(config, 40)
+    assert set(ropes) == {"sliding_attention", "full_attention"}
+    for layer_type, rope in ropes.items():
+        cos, sin = Gemma3RotaryEmbedding(config)(torch.zeros(1), torch.arange(40)[None], layer_type)
+        assert torch.equal(rope.cos_sin_cache, torch.cat((cos[0, :, :8], sin[0, :, :8]), dim=-1)), layer_type
+    assert not torch.equal(ropes["sliding_attention"].cos_sin_cache, ropes["full_attention"].cos_sin_cache)
+
+
 def test_write_kv_cache_exact_slots_and_padding():
     kv_cache = torch.zeros(2, 3, 4, 2, 8)
     k, v = _randn(4, 2, 8), _randn(4, 2, 8, seed=1)
@@ -87,8 +133,9 @@ def test_write_kv_cache_exact_slots_and_padding():
     assert int((kv_cache.abs().sum(-1).sum(-1) > 0).sum()) == 2 * 3  # nothing else written
 
 
-def _naive_attention(q, keys, values, scale, window):
-    """Loops in float64: query j of a context of n keys sits at n - q_len + j."""
+def _naive_attention(q, keys, values, scale, window, softcap=None):
+    """Loops in float64: query j of a context of n keys sits at n - q_len + j; scores capped to
+    ``softcap * tanh(s / softcap)`` when ``softcap``."""
     q_len, num_heads, _ = q.shape
     n, num_kv_heads, _ = keys.shape
     out = torch.zeros(q_len, num_heads, q.shape[-1], dtype=torch.float64)
@@ -98,13 +145,15 @@ def _naive_attention(q, keys, values, scale, window):
         for h in range(num_heads):
             kv_h = h // (num_heads // num_kv_heads)
             scores = torch.tensor([float(q[j, h].double() @ keys[t, kv_h].double()) * scale for t in visible])
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
             probs = torch.softmax(scores, dim=0)
             out[j, h] = sum(p * values[t, kv_h].double() for p, t in zip(probs, visible))
     return out
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_paged_attention_against_naive_math(window):
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 0.7), (5, 0.7)])
+def test_paged_attention_against_naive_math(window, softcap):
     """Three requests: a decode, a chunk continuing a prefill, a fresh prefill; 2 padding rows."""
     block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
     num_computed, num_scheduled = [9, 4, 0], [1, 3, 7]
@@ -121,10 +170,10 @@ def test_paged_attention_against_naive_math(window):
     num_tokens = sum(num_scheduled) + 2
     query = _randn(num_tokens, num_heads, head_dim, seed=3)
     scale = 1 / math.sqrt(head_dim)
-    out = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window=window)
+    out = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window=window, softcap=softcap)
     qsl = metadata.query_start_loc_cpu
     for i, (keys, values) in enumerate(contexts):
-        expected = _naive_attention(query[qsl[i] : qsl[i + 1]], keys, values, scale, window)
+        expected = _naive_attention(query[qsl[i] : qsl[i + 1]], keys, values, scale, window, softcap)
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].double(), expected, atol=1e-5, rtol=0)
     assert torch.equal(out[qsl[-1] :], torch.zeros(2, num_heads, head_dim))
 
