@@ -28,6 +28,8 @@ _SECTIONS = (
 )
 _NO_FLAG = frozenset({"model", "prometheus_registry"})
 """`model` is positional; a registry object cannot come from a command line."""
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
+"""vLLM's short forms."""
 
 
 def _flag_fields() -> list[Field]:
@@ -43,13 +45,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine", "EngineConfig fields (docs/configuration.md); unset = the default")
     docs = _field_docs()
     for field in _flag_fields():
-        flag = "--" + field.name.replace("_", "-")
+        flags = ["--" + field.name.replace("_", "-")] + ([_SHORT_FLAGS[field.name]] if field.name in _SHORT_FLAGS else [])
         help_text = f"{docs.get(field.name, '')} (default: {_default(field)!r})".replace("%", "%%")
         parse = _parser_for(str(field.type))
         if parse is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=help_text)
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_text)
         else:
-            group.add_argument(flag, type=parse, default=argparse.SUPPRESS, metavar=_metavar(str(field.type)),
+            group.add_argument(*flags, dest=field.name, type=parse, default=argparse.SUPPRESS, metavar=_metavar(str(field.type)),
                                help=help_text)
 
 
@@ -125,6 +128,8 @@ def markdown_table() -> str:
             name, value = f"`--{flag}` / `--no-{flag}`", ""
         else:
             name, value = f"`--{flag}`", _metavar(annotation) + (" or `none`" if "None" in annotation else "")
+            if field.name in _SHORT_FLAGS:
+                name += f" / `{_SHORT_FLAGS[field.name]}`"
         what = docs.get(field.name, "").replace("|", "\\|")
         rows.append(f"| {name} | {value} | `{_default(field)!r}` | {what} |")
     return "\n".join(rows)

@@ -135,7 +135,8 @@ class Worker:
         self.reader = BroadcastReader(msgspec.json.decode(args.ring_json, type=RingHandle), self.rank)
         device = resolve_device(config.device, self.rank)
         if device.type == "cpu":
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // self.world_size))
+            ranks_on_host = self.world_size * config.data_parallel_size  # every replica's workers share the CPUs
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_host))
         init_distributed(device, self.rank, self.world_size, args.dist_port)
         runner_cls = load_runner_class(args.runner)
         self.runner = runner_cls(config, self.rank, self.world_size, device)

@@ -11,21 +11,21 @@ from typing import Any
 import anyio
 import msgspec
 
-from asyncllm import envs, protocol
+from asyncllm import protocol
 from asyncllm.config import EngineConfig
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
-from asyncllm.engine.launch import CoreProcess, launch_core
+from asyncllm.engine.data_parallel import replica_devices
+from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.pooling_model import PoolingModel
-from asyncllm.engine.prepare import prepare
 from asyncllm.engine.processor import Delivery, Processor, Submit
-from asyncllm.engine.stats_log import StatsLogger
+from asyncllm.engine.replica import LaunchSpec, Replica, ReplicaSet, start_replica, start_replicas, stop_replicas
 from asyncllm.engine.stream import RequestOptions, RequestStream, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS, check_params_text, check_text
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.tracing import capture_context
-from asyncllm.errors import AsyncLLMError, EngineDeadError, InvalidRequestError
+from asyncllm.errors import AsyncLLMError, EngineDeadError, InvalidRequestError, NotBuiltError
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
@@ -67,6 +67,9 @@ class AsyncEngine:
 
         address = check_address(default_address() if address is None else address, key)
         engine = cls(address, **kwargs)  # the address stands in for the model until start
+        if engine.config.data_parallel_size > 1:
+            raise NotBuiltError("data_parallel_size", engine.config.data_parallel_size,
+                                "data parallelism over a shared engine core (AsyncEngine.connect, `asyncllm engine`)")
         engine._connect_address = address
         engine._engine_key = resolve_key(address, key)
         return engine
@@ -83,19 +86,19 @@ class AsyncEngine:
         """Set by `connect`: attach to this core instead of starting one."""
         self._engine_key: str | None = None
         """The shared secret of a tcp:// `_connect_address` (never logged, never in the config)."""
-        self._processor: Processor | None = None
-        self._core: CoreProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._start_lock: asyncio.Lock | None = None
         self._observer = RequestObserver(config.model, config.prometheus_registry)
-        self._admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens)
+        """Replica 0's observer (the only one with data_parallel_size 1)."""
         self.metrics_registry = self._observer.registry
         """The prometheus_client CollectorRegistry holding this engine's `asyncllm:` series."""
+        self._replicas = ReplicaSet([self._new_replica(i) for i in range(config.data_parallel_size)])
+        """One per data-parallel replica: its core, processor thread, observer, supervisor (asyncllm/engine/replica.py)."""
+        self._started = False
         self._closed = False
         self._draining = False
         self._in_flight: weakref.WeakSet[RequestCollector] = weakref.WeakSet()
         """Collectors of submitted requests (for `aclose(drain=True)`); a dropped stream drops out."""
-        self._supervisor = CoreSupervisor(config.max_core_restarts, self._restart_core)
         self._default_sampling: dict[str, Any] | None = None
         """SamplingParams fields of requests without SamplingParams (the model's generation config), set by start."""
         self.pooling_model: PoolingModel | None = None
@@ -110,101 +113,100 @@ class AsyncEngine:
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
 
+    def _new_replica(self, index: int) -> Replica:
+        config = self.config
+        observer = self._observer if index == 0 else RequestObserver(config.model, self.metrics_registry)
+        if config.data_parallel_size > 1:
+            observer.stats.engine_index = index  # Prometheus labels its engine-wide series engine="<index>"
+        admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens)
+        name = "engine core" if config.data_parallel_size == 1 else f"engine core {index}"
+        supervisor = CoreSupervisor(config.max_core_restarts, lambda: self._restart_replica(index), name)
+        return Replica(index, observer, admission, supervisor)
+
     @property
     def started(self) -> bool:
-        return self._processor is not None
+        return self._started
+
+    @property
+    def _processor(self) -> Processor | None:
+        """Replica 0's processor thread (the engine's only one with data_parallel_size 1)."""
+        return self._replicas[0].processor
+
+    @property
+    def _core(self) -> CoreProcess | None:
+        """Replica 0's engine-core process (None when attached to a shared core)."""
+        return self._replicas[0].core
 
     async def start(self) -> None:
-        """Start the engine core and its workers; returns once they serve."""
+        """Start the engine core(s) and their workers; returns once they serve."""
         if self._closed:
             raise EngineDeadError("this AsyncEngine was closed; create a new one")
+        if self._started:
+            return  # (a replica's core restart does not hold up requests to the others)
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
         async with self._start_lock:
-            if self._processor is None:
+            if not self._started:
                 await self._start()
+
+    def _launch_spec(self) -> LaunchSpec:
+        return LaunchSpec(self._deliver_threadsafe, self._connect_address, self._engine_key,
+                          replica_devices(self.config))
 
     async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        core: CoreProcess | None = None
-        if self._connect_address is not None:
-            from asyncllm.engine.connect import prepare_attached
-
-            prepared = await anyio.to_thread.run_sync(
-                prepare_attached, self.config, self._connect_address, envs.ENGINE_STARTUP_TIMEOUT_S.get(),
-                self._engine_key)
-            self.config = prepared.config
-            self._observer.set_model_name(self.config.model)
-        else:
-            prepared = await anyio.to_thread.run_sync(prepare, self.config)
-            self.config = prepared.config
-            core = await anyio.to_thread.run_sync(launch_core, self.config, prepared.hf_config_json)
-        obs = self.config.observability_config
-        processor = Processor(
-            address=core.address if core is not None else self._connect_address, tokenizer=prepared.tokenizer, eos_token_ids=prepared.eos_token_ids,
-            vocab_size=prepared.vocab_size, deliver=self._deliver_threadsafe, core=core,
-            stats_logger=None if obs.disable_log_stats else StatsLogger(obs.log_stats_interval, self._observer.stats),
-            startup_timeout_s=envs.ENGINE_STARTUP_TIMEOUT_S.get(), observer=self._observer,
-            engine_key=self._engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
-            pooling_model=prepared.pooling_model,
-        )
+        prepared = await start_replicas(self._replicas.replicas, self.config, self._launch_spec())
+        self.config = prepared.config
         self.pooling_model = prepared.pooling_model
         self._default_sampling = prepared.default_sampling
-        if prepared.mm is not None:
-            prepared.mm.stats = self._observer.stats
-        try:
-            await asyncio.wrap_future(processor.start())
-        except BaseException:
-            await anyio.to_thread.run_sync(_stop, processor, core)
-            raise
         self.tokenizer = prepared.tokenizer
         self.eos_token_ids: list[int] = list(prepared.eos_token_ids)
         """The tokenizer's and generation_config's EOS ids (known once started)."""
-        self._core, self._processor = core, processor
+        self._started = True
 
     async def aclose(self, drain: bool = False, timeout: float | None = None) -> None:
-        """Stop the engine core and its workers; free every process, socket and shared-memory segment.
+        """Stop the engine core(s) and their workers; free every process, socket and shared-memory segment.
 
         ``drain=False`` aborts what is in flight (open streams end with
         finish_reason "abort"). ``drain=True`` first refuses new requests
         (`EngineDeadError`) and waits until every submitted request finished,
         at most `timeout` seconds (None: no limit); the rest is then aborted.
         """
-        if drain and not self._closed and self._processor is not None:
+        if drain and not self._closed and self._started:
             self._draining = True
             await self._wait_drained(timeout)
         self._closed = True
         with anyio.CancelScope(shield=True):
-            await self._supervisor.wait()  # a half-done core restart must finish before its processes can be stopped
-        processor, core = self._processor, self._core
-        self._processor = self._core = None
-        if processor is not None:
+            for replica in self._replicas:  # a half-done core restart must finish before its processes can be stopped
+                await replica.supervisor.wait()
+        if self._started:
+            self._started = False
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_stop, processor, core)
-            self._observer.on_closed()
+                await anyio.to_thread.run_sync(stop_replicas, self._replicas.replicas)
+            for replica in self._replicas:
+                replica.processor = replica.core = None
+                replica.observer.on_closed()
 
     async def _wait_drained(self, timeout: float | None) -> None:
         with anyio.move_on_after(timeout):
             while any(not collector.finished for collector in list(self._in_flight)):
-                processor = self._processor
-                if processor is None or processor.dead is not None:
+                if not self._replicas.any_alive:
                     return  # nothing more will finish
                 await asyncio.sleep(0.01)
 
-    async def _restart_core(self) -> None:
-        """The supervisor's restart: stop the dead processor thread and core, start new ones."""
-        processor, core = self._processor, self._core
+    async def _restart_replica(self, index: int) -> None:
+        """A replica's supervisor's restart: stop its dead processor thread and core, start new ones."""
+        replica = self._replicas[index]
+        processor = replica.processor
         if self._closed or processor is None:
             return
-        await anyio.to_thread.run_sync(_stop, processor, core)
-        assert self._start_lock is not None
-        async with self._start_lock:
-            self._processor = self._core = None
-            try:
-                await self._start()
-            except BaseException:
-                self._processor = processor  # still dead: stats() and new requests say so
-                raise
+        await anyio.to_thread.run_sync(replica.stop)
+        replica.processor = replica.core = None
+        try:
+            await start_replica(replica, self.config, self._launch_spec())
+        except BaseException:
+            replica.processor = processor  # still dead: stats() and new requests say so
+            raise
 
     # ------------------------------------------------------------ requests
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
@@ -350,26 +352,23 @@ class AsyncEngine:
             raise InvalidRequestError("lora_request", "must be an asyncllm.LoRARequest, got None")
         RequestOptions(lora_request=lora_request).validate()
         await self.start()
-        processor = self._processor
-        if processor is None:
-            raise EngineDeadError("the engine was closed")
-        await anyio.to_thread.run_sync(processor.check_lora, lora_request)
+        for processor in self._replicas.live_processors():  # each replica's host side has its own checker
+            await anyio.to_thread.run_sync(processor.check_lora, lora_request)
 
     async def reset_prefix_cache(self) -> bool:
-        """Forget the prefix cache (vLLM's ``reset_prefix_cache``), e.g. after new weights or between benchmark
-        runs: requests this engine submits afterwards hit nothing computed before; running requests keep their
-        KV blocks. Returns True (it cannot fail while the engine lives; `EngineDeadError` otherwise)."""
+        """Forget the prefix cache (vLLM's ``reset_prefix_cache``) of every replica, e.g. after new weights or
+        between benchmark runs: requests this engine submits afterwards hit nothing computed before; running
+        requests keep their KV blocks. Returns True (it cannot fail while the engine lives; `EngineDeadError`
+        otherwise)."""
         await self.start()
-        processor = self._processor
-        if processor is None or processor.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {processor.dead}" if processor else "the engine was closed")
-        processor.reset_prefix_cache()
+        for processor in self._replicas.live_processors():
+            processor.reset_prefix_cache()
         return True
 
     def stats(self) -> EngineStats:
-        """The latest snapshot of the engine's gauges and counters (no I/O; cheap enough per request)."""
-        alive = self._processor is not None and self._processor.dead is None
-        return self._observer.stats.snapshot(engine_alive=alive)
+        """The latest snapshot of the engine's gauges and counters (no I/O; cheap enough per request). With
+        data_parallel_size > 1 the replicas' numbers added up, each replica's own in `replicas`."""
+        return self._replicas.stats()
 
     # ------------------------------------------------------------ internals used by RequestStream
     async def _submit(self, prompt: Any, params: SamplingParams | None, options: RequestOptions,
@@ -384,24 +383,20 @@ class AsyncEngine:
         if self._draining:
             raise EngineDeadError("the engine is closing (aclose(drain=True)); it takes no new requests")
         await self.start()
-        processor = self._processor
-        if processor is not None and processor.dead is not None and self._supervisor.restarting:
-            await self._supervisor.wait()  # the core is being restarted: this request goes to the new one
-            processor = self._processor
-        if processor is None:
+        if self._closed:
             raise EngineDeadError("the engine was closed")
-        if processor.dead is not None:
-            raise EngineDeadError(f"the engine is dead: {processor.dead}")
-        self._admission.admit(self._observer.stats.scheduler, prompt, chat, params.n)  # refuse before tokenizing
+        replica = await self._replicas.pick(options.request_id)
+        processor = replica.processor
+        assert processor is not None
+        replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n)  # refuse before tokenizing
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind)
+        self._replicas.placed(replica, collector, params.n)
         self._in_flight.add(collector)
         processor.submit(Submit(collector, prompt, params, options, chat, trace_context=capture_context()))
         return collector
 
     def _abort(self, request_id: str) -> None:
-        processor = self._processor
-        if processor is not None:
-            processor.abort(request_id)
+        self._replicas.abort(request_id)
 
     def _deliver_threadsafe(self, batch: Delivery, stats: protocol.SchedulerStats | None) -> None:
         loop = self._loop
@@ -418,9 +413,10 @@ class AsyncEngine:
                 collector.put_error(item)
             else:
                 collector.put(item)
-        processor = self._processor
-        if processor is not None and processor.dead is not None and not self._closed:
-            self._supervisor.on_core_dead(processor.dead)
+        if self._closed:
+            return
+        for replica in self._replicas:  # a dead core failed its own replica's requests; its supervisor restarts it
+            replica.check_dead()
 
 
 def _checked_params(params: SamplingParams | None) -> SamplingParams | None:
@@ -439,9 +435,3 @@ def _check_strings(params: SamplingParams, options: RequestOptions) -> None:
             raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters")
     if options.cache_salt is not None:
         check_text("cache_salt", options.cache_salt)
-
-
-def _stop(processor: Processor, core: CoreProcess | None) -> None:
-    processor.close(shutdown_core=core is not None)
-    if core is not None:
-        core.stop()

@@ -88,6 +88,8 @@ class RequestCollector:
         self.num_samples = n
         self.finished = False
         """Every sample finished, or the request failed: nothing more is accepted."""
+        self.replica = 0
+        """The data-parallel replica (engine core) that serves every sample of it (docs/parallelism.md)."""
         self._num_unfinished = n
         self._pending: dict[int, StreamDelta] = {}
         """DELTA: the merged pending delta of each sample, in arrival order."""

@@ -20,7 +20,7 @@ from asyncllm.engine.connect import check_address, handshake
 from asyncllm.engine.core import EngineCore, _setup_logging
 from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.prepare import prepare
-from asyncllm.errors import ConfigError, EngineDeadError
+from asyncllm.errors import ConfigError, EngineDeadError, NotBuiltError
 
 logger = logging.getLogger("asyncllm.engine.core")
 
@@ -33,6 +33,9 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
     `on_ready` is called once the core serves (the CLI prints the address).
     """
     check_address(address)
+    if config.data_parallel_size > 1:  # hosts balance over replicas; one address would need a balancing core
+        raise NotBuiltError("data_parallel_size", config.data_parallel_size,
+                            "data parallelism in a standalone engine core (`asyncllm engine`)")
     _setup_logging()
     prepared = prepare(config)  # resolve the model folder and max_model_len as a host would
     config = prepared.config

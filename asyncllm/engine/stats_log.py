@@ -21,9 +21,11 @@ logger = logging.getLogger("asyncllm.engine.stats")
 class StatsLogger:
     """Logs one line every `interval_s` while the engine is busy (or just was); runs on the processor thread."""
 
-    def __init__(self, interval_s: float, stats: HostStats) -> None:
+    def __init__(self, interval_s: float, stats: HostStats, prefix: str = "") -> None:
         self.interval_s = interval_s
         self._stats = stats
+        self._prefix = prefix
+        """Put before each line: "Engine 001: " for a data-parallel replica's core (vLLM's form), else empty."""
         self._last = stats.snapshot()
         self._last_time = time.monotonic()
 
@@ -34,7 +36,7 @@ class StatsLogger:
         current = self._stats.snapshot()
         line = self.format_line(self._last, current, now - self._last_time)
         if line is not None:
-            logger.info(line)
+            logger.info(self._prefix + line)
         self._last, self._last_time = current, now
 
     @staticmethod

@@ -30,8 +30,10 @@ logger = logging.getLogger("asyncllm.engine")
 class CoreSupervisor:
     """Runs `restart` (on the loop) after the core died, while the restart budget lasts."""
 
-    def __init__(self, max_restarts: int, restart: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, max_restarts: int, restart: Callable[[], Awaitable[None]], name: str = "engine core") -> None:
         self.budget = RestartBudget(max_restarts)
+        self.name = name
+        """What the log lines call the core ("engine core 1" for a data-parallel replica's)."""
         self._restart = restart
         self._task: asyncio.Task[None] | None = None
         self.last_error: BaseException | None = None
@@ -50,10 +52,10 @@ class CoreSupervisor:
         if not self.enabled or self.restarting:
             return
         if not self.budget.try_take():
-            logger.error("engine core died (%s); max_core_restarts=%d within %.0f s is spent: the engine stays dead",
-                         error, self.budget.max_restarts, RESTART_WINDOW_S)
+            logger.error("%s died (%s); max_core_restarts=%d within %.0f s is spent: it stays dead",
+                         self.name, error, self.budget.max_restarts, RESTART_WINDOW_S)
             return
-        logger.error("engine core died (%s); restarting it (restart %d)", error, self.budget.num_restarts_total)
+        logger.error("%s died (%s); restarting it (restart %d)", self.name, error, self.budget.num_restarts_total)
         self._task = asyncio.get_running_loop().create_task(self._run(), name="asyncllm-core-restart")
 
     async def wait(self) -> None:
@@ -67,7 +69,7 @@ class CoreSupervisor:
             await self._restart()
         except Exception as exc:  # noqa: BLE001 - the engine stays dead and says why
             self.last_error = exc
-            logger.error("restarting the engine core failed: %s", exc)
+            logger.error("restarting the %s failed: %s", self.name, exc)
         else:
             self.last_error = None
-            logger.warning("engine core restarted")
+            logger.warning("%s restarted", self.name)

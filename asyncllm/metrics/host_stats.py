@@ -60,6 +60,9 @@ class HostStats:
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
+        self.engine_index: int | None = None
+        """The data-parallel replica whose core this host follows (data_parallel_size > 1; its engine-wide series
+        carry the label engine="<index>"), else None (no engine label)."""
         self.reports_engine = False
         self.scheduler = SchedulerStats()
         """The core's latest snapshot (gauges and engine-wide counters)."""

@@ -13,6 +13,11 @@ flags one host (the earliest still attached) as their reporter, and only that
 host exports them, so hosts sharing one core report them once. Request series (tokens,
 finished requests, latency and length histograms) are exported by each host
 for its own requests; Prometheus sums them across processes.
+
+With data_parallel_size > 1 every replica's core has its own `HostStats`: the
+engine-wide series are exported per replica with vLLM's ``engine="<index>"``
+label (``sum by (model_name)`` adds them up); the request series are summed
+over the replicas, as over engines.
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ __all__ = ["AsyncLLMCollector", "attach", "PREFIX"]
 
 PREFIX = "asyncllm:"
 _LABELS = ["model_name"]
+_EngineKey = tuple[str, "int | None"]
+"""(model_name, data-parallel replica index or None): one engine-wide series each."""
 
 _GAUGES: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
     ("num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_requests_running),
@@ -100,16 +107,16 @@ class AsyncLLMCollector(Collector):
 
 
 def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
-    engines = dict(_engine_stats(by_model))
+    engines = _engine_stats(by_model)
     for name, doc, read in _GAUGES:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=_LABELS)
-        for model, scheduler in engines.items():
-            family.add_metric([model], read(scheduler))
+        for key, scheduler in engines.items():
+            family.add_sample(PREFIX + name, _labels(key), read(scheduler))
         yield family
     for name, doc, read in _ENGINE_COUNTERS:
         family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)
-        for model, scheduler in engines.items():
-            family.add_metric([model], read(scheduler))
+        for key, scheduler in engines.items():
+            family.add_sample(PREFIX + name + "_total", _labels(key), read(scheduler))
         yield family
     for name, doc, read_host in _REQUEST_COUNTERS:
         family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)
@@ -127,14 +134,20 @@ def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
         yield family
 
 
-def _engine_stats(by_model: dict[str, list[HostStats]]) -> Iterator[tuple[str, SchedulerStats]]:
-    """Per model, the core snapshots of the engines this process reports for, summed."""
+def _engine_stats(by_model: dict[str, list[HostStats]]) -> dict[_EngineKey, SchedulerStats]:
+    """Per model (and data-parallel replica), the core snapshots of the engines this process reports for, summed."""
+    reported: dict[_EngineKey, list[SchedulerStats]] = defaultdict(list)
     for model, group in by_model.items():
-        reported = [h.scheduler for h in group if h.reports_engine]
-        if len(reported) == 1:
-            yield model, reported[0]
-        elif reported:
-            yield model, _summed(reported)
+        for h in group:
+            if h.reports_engine:
+                reported[(model, h.engine_index)].append(h.scheduler)
+    return {key: group[0] if len(group) == 1 else _summed(group) for key, group in reported.items()}
+
+
+def _labels(key: _EngineKey, **extra: str) -> dict[str, str]:
+    model, engine_index = key
+    labels = {"model_name": model} if engine_index is None else {"model_name": model, "engine": str(engine_index)}
+    return {**labels, **extra}
 
 
 def _summed(snapshots: list[SchedulerStats]) -> SchedulerStats:
@@ -148,25 +161,27 @@ def _summed(snapshots: list[SchedulerStats]) -> SchedulerStats:
     return SchedulerStats(**fields)
 
 
-def _lora_info(engines: dict[str, SchedulerStats]) -> Metric:
+def _lora_info(engines: dict[_EngineKey, SchedulerStats]) -> Metric:
     """vLLM's ``lora_requests_info``: one sample per engine serving adapters, its labels saying which adapters
     the running and the waiting requests use (comma-separated names) and max_loras; the value is 1."""
     family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
                                labels=[*_LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-    for model, scheduler in engines.items():
+    for key, scheduler in engines.items():
         if scheduler.max_lora:
-            family.add_metric([model, str(scheduler.max_lora), ",".join(scheduler.running_lora_adapters),
-                               ",".join(scheduler.waiting_lora_adapters)], 1.0)
+            family.add_sample(family.name, _labels(key, max_lora=str(scheduler.max_lora),
+                                                   running_lora_adapters=",".join(scheduler.running_lora_adapters),
+                                                   waiting_lora_adapters=",".join(scheduler.waiting_lora_adapters)),
+                              1.0)
     return family
 
 
-def _accepted_per_pos(engines: dict[str, SchedulerStats]) -> Metric:
+def _accepted_per_pos(engines: dict[_EngineKey, SchedulerStats]) -> Metric:
     """vLLM's ``spec_decode_num_accepted_tokens_per_pos``: accepted drafts by draft position (label position)."""
     family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                  "Accepted tokens per draft position.", labels=[*_LABELS, "position"])
-    for model, scheduler in engines.items():
+    for key, scheduler in engines.items():
         for position, count in enumerate(scheduler.spec_decode_accepted_per_pos):
-            family.add_metric([model, str(position)], count)
+            family.add_sample(family.name + "_total", _labels(key, position=str(position)), count)
     return family
 
 

@@ -1,0 +1,115 @@
+"""data_parallel_size > 1: the pieces that need no engine (docs/parallelism.md).
+
+Each replica is a whole engine core with its own tensor_parallel_size workers,
+KV cache and scheduler. This module says which CUDA devices a replica's
+workers see, which replica takes a request (vLLM's frontend rule: the least
+``4 x waiting + running``, ties to the lowest index) and how the replicas'
+stats add up to the engine's. None of it imports torch or touches CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import fields
+from itertools import zip_longest
+
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError
+from asyncllm.outputs import EngineStats
+from asyncllm.protocol import SchedulerStats
+
+__all__ = ["ReplicaLoad", "WAITING_WEIGHT", "combined_stats", "replica_devices", "replica_env",
+           "visible_cuda_devices"]
+
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+WAITING_WEIGHT = 4
+"""vLLM's balancing score: a waiting request weighs as much as four running ones (it still needs a slot and its
+whole prefill)."""
+
+
+def visible_cuda_devices() -> list[str]:
+    """The CUDA devices this host may use, found without initialising CUDA: CUDA_VISIBLE_DEVICES when set, else
+    the driver's list (``/proc/driver/nvidia/gpus``, or the ``/dev/nvidiaN`` device nodes of a container)."""
+    listed = os.environ.get(CUDA_VISIBLE_DEVICES)
+    if listed is not None:
+        return [device.strip() for device in listed.split(",") if device.strip()]
+    try:
+        count = len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        try:
+            count = sum(1 for name in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", name))
+        except OSError:
+            count = 0
+    return [str(i) for i in range(count)]
+
+
+def replica_devices(config: EngineConfig) -> list[list[str]] | None:
+    """The CUDA devices of each replica (replica i: devices i*tp .. (i+1)*tp-1 of the visible ones), or None when
+    the workers run on the CPU (device "cpu", or "auto" without a GPU) or there is one replica.
+
+    Raises `ConfigError` when fewer than data_parallel_size x tensor_parallel_size devices are visible.
+    """
+    dp, tp = config.data_parallel_size, config.tensor_parallel_size
+    if dp == 1 or config.device == "cpu":
+        return None
+    visible = visible_cuda_devices()
+    if config.device == "auto" and not visible:
+        return None
+    if len(visible) < dp * tp:
+        raise ConfigError("data_parallel_size", dp, f"data_parallel_size x tensor_parallel_size = {dp * tp} CUDA "
+                          f"devices, but {len(visible)} are visible ({CUDA_VISIBLE_DEVICES}="
+                          f"{os.environ.get(CUDA_VISIBLE_DEVICES, 'unset')}); lower data_parallel_size")
+    return [visible[i * tp:(i + 1) * tp] for i in range(dp)]
+
+
+def replica_env(devices: list[list[str]] | None, index: int) -> dict[str, str] | None:
+    """Environment of replica `index`'s core (its workers inherit it): its own devices only, so that each worker
+    picks ``cuda:rank`` among them."""
+    return None if devices is None else {CUDA_VISIBLE_DEVICES: ",".join(devices[index])}
+
+
+class ReplicaLoad:
+    """The host's estimate of one replica's queue, on the event loop: its core's latest `SchedulerStats` plus the
+    core requests sent to it since that snapshot arrived (a new snapshot already counts them, mostly)."""
+
+    __slots__ = ("_snapshot", "_num_sent")
+
+    def __init__(self) -> None:
+        self._snapshot: SchedulerStats | None = None
+        self._num_sent = 0
+
+    def score(self, stats: SchedulerStats) -> int:
+        """``4 x waiting + running`` (vLLM's DP load balancer), counting what was sent since `stats` as waiting."""
+        if stats is not self._snapshot:
+            self._snapshot, self._num_sent = stats, 0
+        return WAITING_WEIGHT * (stats.num_requests_waiting + self._num_sent) + stats.num_requests_running
+
+    def sent(self, num_requests: int) -> None:
+        self._num_sent += num_requests
+
+
+_NOT_SUMMED = frozenset({"engine_alive", "kv_cache_usage", "extra", "replicas"})
+
+
+def combined_stats(replicas: list[EngineStats]) -> EngineStats:
+    """The engine's stats from its replicas': counters and gauges added up (dicts per key, lists per position),
+    KV usage as used over total blocks, alive while any replica is; `replicas` keeps the per-replica snapshots."""
+    total = EngineStats(engine_alive=any(s.engine_alive for s in replicas), replicas=list(replicas))
+    for field in fields(EngineStats):
+        if field.name in _NOT_SUMMED:
+            continue
+        values = [getattr(s, field.name) for s in replicas]
+        if isinstance(values[0], dict):
+            merged: dict = {}
+            for value in values:
+                for key, count in value.items():
+                    merged[key] = merged.get(key, 0) + count
+            setattr(total, field.name, merged)
+        elif isinstance(values[0], list):
+            setattr(total, field.name, [sum(column) for column in zip_longest(*values, fillvalue=0)])
+        else:
+            setattr(total, field.name, sum(values))
+    total.kv_cache_usage = total.num_used_blocks / total.num_gpu_blocks if total.num_gpu_blocks else 0.0
+    return total

@@ -1,0 +1,245 @@
+"""`Replica`: one engine core and the host side that talks to it.
+
+An `AsyncEngine` holds `data_parallel_size` replicas (one unless data
+parallelism is on). Each has its own processor thread (DEALER socket,
+tokenizer, detokenizers), its own `RequestObserver` (so each processor thread
+is the only writer of its counters, and Prometheus sums them), its own
+admission estimate, load estimate and core supervisor: a dead core fails and
+restarts only its replica's requests (docs/parallelism.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import anyio
+
+from asyncllm import envs
+from asyncllm.config import EngineConfig
+from asyncllm.engine.admission import HostAdmission
+from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.data_parallel import ReplicaLoad, combined_stats, replica_env
+from asyncllm.errors import EngineDeadError
+from asyncllm.engine.launch import CoreProcess, launch_core
+from asyncllm.engine.prepare import Prepared, prepare
+from asyncllm.engine.processor import Deliver, Processor
+from asyncllm.engine.stats_log import StatsLogger
+from asyncllm.engine.supervisor import CoreSupervisor
+from asyncllm.metrics.observer import RequestObserver
+from asyncllm.outputs import EngineStats
+
+__all__ = ["LaunchSpec", "Replica", "ReplicaSet", "pick_replica", "start_replica", "start_replicas", "stop_replicas"]
+
+
+@dataclass(eq=False)
+class Replica:
+    """Replica `index`: its processor thread and (unless attached to a shared core) its core process."""
+
+    index: int
+    observer: RequestObserver
+    admission: HostAdmission
+    supervisor: CoreSupervisor
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    processor: Processor | None = None
+    core: CoreProcess | None = None
+    _seen_dead: Processor | None = None
+    """The dead processor whose core's gauges were zeroed already (`check_dead`)."""
+
+    @property
+    def alive(self) -> bool:
+        return self.processor is not None and self.processor.dead is None
+
+    def score(self) -> int:
+        """Its load for the balancer (see `ReplicaLoad.score`)."""
+        return self.load.score(self.observer.stats.scheduler)
+
+    def snapshot(self) -> EngineStats:
+        return self.observer.stats.snapshot(engine_alive=self.alive)
+
+    def check_dead(self) -> None:
+        """On the loop after a delivery: a dead core's gauges are zeroed once (its stale running and waiting
+        counts must not steer the balancer or show in stats), and its supervisor is told."""
+        processor = self.processor
+        if processor is None or processor.dead is None:
+            return
+        if self._seen_dead is not processor:
+            self._seen_dead = processor
+            self.observer.stats.mark_closed()
+        self.supervisor.on_core_dead(processor.dead)
+
+    def stop(self) -> None:
+        """Say goodbye (shutting an owned core down), stop the thread and the core (blocking: off the loop)."""
+        processor, core = self.processor, self.core
+        if processor is not None:
+            _stop(processor, core)
+
+
+class ReplicaSet:
+    """The engine's replicas, in index order: which one takes a request, where its abort goes, what serves."""
+
+    def __init__(self, replicas: list[Replica]) -> None:
+        self.replicas = replicas
+        self._placed: weakref.WeakValueDictionary[str, RequestCollector] = weakref.WeakValueDictionary()
+        """data_parallel_size > 1: request id -> its collector, whose `replica` says where aborts go."""
+
+    def __iter__(self):
+        return iter(self.replicas)
+
+    def __getitem__(self, index: int) -> Replica:
+        return self.replicas[index]
+
+    @property
+    def any_alive(self) -> bool:
+        return any(replica.alive for replica in self.replicas)
+
+    async def pick(self, request_id: str | None) -> Replica:
+        """The replica for a new request: the least loaded live one (a request id still in flight: its replica,
+        which refuses the duplicate). Waits for a core restart when no replica is alive but one restarts."""
+        if not self.any_alive:
+            for replica in self.replicas:
+                if replica.supervisor.restarting:
+                    await replica.supervisor.wait()  # the core is being restarted: this request goes to the new one
+        previous = self._placed.get(request_id) if request_id is not None else None
+        if previous is not None and not previous.finished and self.replicas[previous.replica].alive:
+            return self.replicas[previous.replica]
+        replica = pick_replica(self.replicas)
+        if replica is None:
+            raise self.dead_error()
+        return replica
+
+    def placed(self, replica: Replica, collector: RequestCollector, num_samples: int) -> None:
+        """`collector`'s request goes to `replica`: count it there and remember where (for its abort)."""
+        replica.load.sent(num_samples)
+        collector.replica = replica.index
+        if len(self.replicas) > 1:
+            self._placed[collector.request_id] = collector
+
+    def abort(self, request_id: str) -> None:
+        """To the request's replica (to every replica if it is not known: an unknown id is ignored there)."""
+        collector = self._placed.get(request_id) if len(self.replicas) > 1 else None
+        for replica in self.replicas if collector is None else [self.replicas[collector.replica]]:
+            if replica.processor is not None:
+                replica.processor.abort(request_id)
+
+    def live_processors(self) -> list[Processor]:
+        """The processor threads of the replicas that serve; `EngineDeadError` when none does."""
+        live = [replica.processor for replica in self.replicas if replica.alive]
+        if not live:
+            raise self.dead_error()
+        return live  # type: ignore[return-value]
+
+    def dead_error(self) -> EngineDeadError:
+        processor = self.replicas[0].processor
+        return EngineDeadError(f"the engine is dead: {processor.dead}" if processor else "the engine was closed")
+
+    def stats(self) -> EngineStats:
+        if len(self.replicas) == 1:
+            return self.replicas[0].snapshot()
+        return combined_stats([replica.snapshot() for replica in self.replicas])
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What starting any replica needs from its engine."""
+
+    deliver: Deliver
+    connect_address: str | None = None
+    """Attach to this shared core (`AsyncEngine.connect`) instead of launching one."""
+    engine_key: str | None = None
+    devices: list[list[str]] | None = None
+    """Each replica's CUDA devices (`data_parallel.replica_devices`); None: CPU, or one replica."""
+
+
+def pick_replica(replicas: list[Replica]) -> Replica | None:
+    """The live replica with the lowest load score, the lowest index on a tie; None when none is alive."""
+    best: Replica | None = None
+    best_score = 0
+    for replica in replicas:
+        if replica.alive:
+            score = replica.score()
+            if best is None or score < best_score:
+                best, best_score = replica, score
+    return best
+
+
+async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec) -> Prepared:
+    """Prepare the host side (model folder, tokenizer), launch or attach to the core, start the processor thread;
+    returns once the core serves. On failure nothing of it is left running."""
+    timeout_s = envs.ENGINE_STARTUP_TIMEOUT_S.get()
+    core: CoreProcess | None = None
+    if spec.connect_address is not None:
+        from asyncllm.engine.connect import prepare_attached
+
+        prepared = await anyio.to_thread.run_sync(prepare_attached, config, spec.connect_address, timeout_s,
+                                                  spec.engine_key)
+        replica.observer.set_model_name(prepared.config.model)
+    else:
+        prepared = await anyio.to_thread.run_sync(prepare, config)
+        core = await anyio.to_thread.run_sync(launch_core, prepared.config, prepared.hf_config_json,
+                                              replica_env(spec.devices, replica.index))
+    processor = _processor(replica, prepared, core, spec, timeout_s)
+    try:
+        await asyncio.wrap_future(processor.start())
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(_stop, processor, core)
+        raise
+    replica.processor, replica.core = processor, core
+    return prepared
+
+
+def _processor(replica: Replica, prepared: Prepared, core: CoreProcess | None, spec: LaunchSpec,
+               timeout_s: float) -> Processor:
+    obs = prepared.config.observability_config
+    prefix = f"Engine {replica.index:03d}: " if prepared.config.data_parallel_size > 1 else ""
+    stats_logger = None if obs.disable_log_stats else StatsLogger(obs.log_stats_interval, replica.observer.stats,
+                                                                  prefix)
+    if prepared.mm is not None:
+        prepared.mm.stats = replica.observer.stats
+    return Processor(
+        address=core.address if core is not None else spec.connect_address, tokenizer=prepared.tokenizer,
+        eos_token_ids=prepared.eos_token_ids, vocab_size=prepared.vocab_size, deliver=spec.deliver, core=core,
+        stats_logger=stats_logger, startup_timeout_s=timeout_s, observer=replica.observer,
+        engine_key=spec.engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
+        pooling_model=prepared.pooling_model,
+    )
+
+
+async def start_replicas(replicas: list[Replica], config: EngineConfig, spec: LaunchSpec) -> Prepared:
+    """Start every replica at once (cores load their models in parallel); if one fails, stop the others and raise
+    its error. Returns replica 0's `Prepared` (the engine's tokenizer, defaults, ...)."""
+    try:
+        results = await asyncio.gather(*(start_replica(r, config, spec) for r in replicas), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+    except BaseException:  # a failed replica, or the start cancelled: none may be left running
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(stop_replicas, replicas)
+        for replica in replicas:
+            replica.processor = replica.core = None
+        raise
+    prepared = results[0]
+    assert isinstance(prepared, Prepared)
+    return prepared
+
+
+def stop_replicas(replicas: list[Replica]) -> None:
+    """Stop every replica, in parallel threads (each waits up to seconds for its core to exit)."""
+    if len(replicas) == 1:
+        replicas[0].stop()
+        return
+    threads = [threading.Thread(target=r.stop, name=f"asyncllm-stop-replica-{r.index}") for r in replicas]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+
+def _stop(processor: Processor, core: CoreProcess | None) -> None:
+    processor.close(shutdown_core=core is not None)
+    if core is not None:
+        core.stop()

@@ -1,0 +1,95 @@
+"""data_parallel_size: validation, device assignment, the balancer's score, summed stats (no engine started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm import AsyncEngine, ConfigError, EngineConfig
+from asyncllm.engine.data_parallel import ReplicaLoad, combined_stats, replica_devices, replica_env
+from asyncllm.errors import NotBuiltError
+from asyncllm.outputs import EngineStats
+from asyncllm.protocol import SchedulerStats
+
+
+@pytest.mark.parametrize("value", [0, -1, 65, 1.5, True, "2"])
+def test_bad_data_parallel_sizes_are_refused(value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.create("m", data_parallel_size=value)
+    assert info.value.field == "data_parallel_size"
+
+
+def test_expert_parallel_with_data_parallel_is_not_built() -> None:
+    assert EngineConfig.create("m", data_parallel_size=2).data_parallel_size == 2
+    with pytest.raises(NotBuiltError) as info:
+        EngineConfig.create("m", data_parallel_size=2, enable_expert_parallel=True)
+    assert info.value.field == "enable_expert_parallel" and "data_parallel_size > 1" in str(info.value)
+
+
+def test_a_shared_core_with_data_parallel_is_not_built(tmp_path) -> None:
+    with pytest.raises(NotBuiltError, match="shared engine core"):
+        AsyncEngine.connect(f"ipc://{tmp_path}/engine.sock", data_parallel_size=2)
+    from asyncllm.engine.standalone import run_standalone_core
+
+    with pytest.raises(NotBuiltError, match="standalone engine core"):
+        run_standalone_core(EngineConfig.create("m", data_parallel_size=2), f"ipc://{tmp_path}/engine.sock")
+
+
+def test_replica_i_gets_devices_i_tp_to_i_plus_1_tp(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    devices = replica_devices(EngineConfig.create("m", device="cuda", data_parallel_size=2, tensor_parallel_size=2))
+    assert devices == [["4", "5"], ["6", "7"]]
+    assert replica_env(devices, 1) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    assert replica_devices(EngineConfig.create("m", device="cpu", data_parallel_size=2)) is None
+    assert replica_devices(EngineConfig.create("m", device="cuda")) is None  # one replica: the environment as is
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert replica_devices(EngineConfig.create("m", device="auto", data_parallel_size=2)) is None  # no GPU: CPU
+
+
+def test_too_few_devices_is_a_config_error(monkeypatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(ConfigError) as info:
+        replica_devices(EngineConfig.create("m", device="auto", data_parallel_size=2, tensor_parallel_size=2))
+    assert info.value.field == "data_parallel_size" and "4 CUDA devices, but 3 are visible" in str(info.value)
+
+
+def test_the_score_counts_waiting_four_times_and_what_was_sent_since_the_snapshot() -> None:
+    load = ReplicaLoad()
+    snapshot = SchedulerStats(num_requests_running=3, num_requests_waiting=1)
+    assert load.score(snapshot) == 4 * 1 + 3
+    load.sent(2)
+    assert load.score(snapshot) == 4 * 3 + 3
+    assert load.score(SchedulerStats(num_requests_running=5)) == 5  # a new snapshot counts them itself
+
+
+def test_combined_stats_add_up_and_keep_each_replica() -> None:
+    a = EngineStats(num_requests_running=2, num_gpu_blocks=10, num_used_blocks=5, prefix_cache_hits=3,
+                    request_success_total={"stop": 1}, spec_decode_accepted_per_pos=[1, 2])
+    b = EngineStats(num_requests_running=1, num_gpu_blocks=30, num_used_blocks=3, engine_alive=False,
+                    request_success_total={"stop": 2, "abort": 1}, spec_decode_accepted_per_pos=[4])
+    total = combined_stats([a, b])
+    assert (total.num_requests_running, total.num_gpu_blocks, total.num_used_blocks) == (3, 40, 8)
+    assert total.kv_cache_usage == 8 / 40 and total.prefix_cache_hits == 3 and total.engine_alive
+    assert total.request_success_total == {"stop": 3, "abort": 1}
+    assert total.spec_decode_accepted_per_pos == [5, 2]
+    assert total.replicas == [a, b]
+    assert not combined_stats([b]).engine_alive
+
+
+def test_replicas_export_engine_series_per_engine_label_and_request_series_summed() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from asyncllm.metrics.host_stats import HostStats
+    from asyncllm.metrics.prometheus import attach
+
+    registry = CollectorRegistry()
+    replicas = [HostStats("m"), HostStats("m")]
+    for index, stats in enumerate(replicas):
+        stats.engine_index, stats.reports_engine = index, True
+        stats.scheduler = SchedulerStats(num_requests_running=index + 1, num_preemptions_total=10 * index)
+        stats.prompt_tokens_total = 5
+        attach(stats, registry)
+    value = registry.get_sample_value
+    assert value("asyncllm:num_requests_running", {"model_name": "m", "engine": "1"}) == 2
+    assert value("asyncllm:num_preemptions_total", {"model_name": "m", "engine": "1"}) == 10
+    assert value("asyncllm:num_requests_running", {"model_name": "m"}) is None
+    assert value("asyncllm:prompt_tokens_total", {"model_name": "m"}) == 10
