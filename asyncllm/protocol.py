@@ -344,6 +344,9 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     failed_requests: dict[str, str] = {}
     """Requests the workers could not run (their LoRA adapter could not be read), with the error: the core ends
     them with it and drops whatever they sampled."""
+    draft_token_ids: dict[str, list[int]] = {}
+    """Speculative decoding with a draft model: the drafts proposed after this step's tokens, for the next step
+    (every sampling request that may be drafted; workers/draft_runner.py)."""
 
 
 class WorkerError(msgspec.Struct, **_STRUCT):

@@ -27,6 +27,7 @@ from asyncllm.protocol import CachedRequestData, LogprobsArrays, ModelRunnerOutp
 from asyncllm.sampling import SamplingParams
 from asyncllm.structured.bitmask import apply_grammar_bitmask
 from asyncllm.workers.cuda_graphs import CudaGraphRunner, attention_backend_name, capture_decode_graphs
+from asyncllm.workers.draft_runner import DraftModelRunner
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
@@ -85,6 +86,8 @@ class ModelRunner:
         """The embedding requests (asyncllm/pooling.py)."""
         self.lora_runner: LoRARunner | None = None
         """Adapter slots and each request's adapter (enable_lora only; workers/lora_runner.py)."""
+        self.drafter: DraftModelRunner | None = None
+        """The draft model (speculative decoding with a draft model only; workers/draft_runner.py)."""
 
     # ------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -96,6 +99,10 @@ class ModelRunner:
         model = load_model(self.config, hf_config, self.device, dtype, self.rank, self.tp_size)
         self.attach_model(model, kv_cache_spec(hf_config, self.tp_size), dtype)
         self.hf_config = hf_config
+        spec = self.config.scheduler_config.speculative
+        if spec is not None and spec.uses_draft_model:
+            self.drafter = DraftModelRunner(self.config, spec, self.device)
+            self.drafter.load_model(dtype, self.kv_cache_dtype, self.rank, self.tp_size)  # type: ignore[arg-type]
 
     def attach_model(self, model: Any, kv_spec: KVCacheSpec, dtype: torch.dtype) -> None:
         """Use an already built model (`load_model` ends here; tests pass their own)."""
@@ -112,9 +119,11 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        """KV bytes of one block on this rank: all layers, K and V (one byte per element with an fp8 cache)."""
+        """KV bytes of one block on this rank: all layers, K and V (one byte per element with an fp8 cache), the
+        draft model's too."""
         assert self.kv_spec is not None and self.kv_cache_dtype is not None, "load_model() first"
-        return self.kv_spec.bytes_per_block(self.block_size, self.kv_cache_dtype)
+        draft = self.drafter.bytes_per_block if self.drafter is not None else 0
+        return self.kv_spec.bytes_per_block(self.block_size, self.kv_cache_dtype) + draft
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit this rank's memory budget (the core takes the min over ranks)."""
@@ -125,6 +134,8 @@ class ModelRunner:
         else:
             budget, field = int(envs.CPU_KVCACHE_SPACE_GB.get() * 2**30), envs.CPU_KVCACHE_SPACE_GB.name
             value = envs.CPU_KVCACHE_SPACE_GB.get()
+        if self.drafter is not None:  # the draft's scratch blocks for its proposals (workers/draft_runner.py)
+            budget -= self.drafter.scratch_bytes
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise ConfigError(
@@ -140,11 +151,13 @@ class ModelRunner:
 
     def init_swap_space(self, num_cpu_blocks: int) -> None:
         """Allocate the CPU swap space (after `init_cache`: it takes the KV cache's layout)."""
-        self.swap_space = CPUSwapSpace(num_cpu_blocks, self.kv_caches)
+        self.swap_space = CPUSwapSpace(num_cpu_blocks, self._all_kv_caches())
 
     def init_cache(self, num_gpu_blocks: int) -> None:
         """Allocate the paged KV cache: per layer ``[2, blocks, block_size, kv_heads, head_dim]``."""
         self.kv_caches = self._allocate_kv_caches(num_gpu_blocks)
+        if self.drafter is not None:
+            self.drafter.allocate(num_gpu_blocks)
         self.cuda_graphs = capture_decode_graphs(self)  # the graphs bake in the KV cache's addresses
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
@@ -152,6 +165,10 @@ class ModelRunner:
         assert spec is not None, "load_model() first"
         shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
         return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(spec.num_layers)]
+
+    def _all_kv_caches(self) -> list[torch.Tensor]:
+        """The target's KV cache layers, then the draft model's (they share block ids: swapped together)."""
+        return self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
 
     def _profile_cuda_kv_budget(self) -> int:
         """Bytes left for the KV cache after a worst-case step, under gpu_memory_utilization.
@@ -180,6 +197,8 @@ class ModelRunner:
         sched_out, num_blocks = profile_step(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                                              self.block_size, spec.num_speculative_tokens if spec is not None else 0)
         self.kv_caches = self._allocate_kv_caches(num_blocks)
+        if self.drafter is not None:
+            self.drafter.allocate(num_blocks)
         try:
             self.execute_model(sched_out)
         except torch.cuda.OutOfMemoryError as exc:
@@ -190,10 +209,12 @@ class ModelRunner:
             ) from exc
         finally:
             self.kv_caches = []
+            if self.drafter is not None:
+                self.drafter.kv_caches = []
             for req_id in sched_out.num_scheduled_tokens:
                 self.input_batch.remove_request(req_id)
         self.sampler = Sampler(self.config.seed, self.device)
-        return num_blocks * self.bytes_per_block
+        return num_blocks * self.bytes_per_block + (self.drafter.scratch_bytes if self.drafter is not None else 0)
 
     # ------------------------------------------------------------ steps
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
@@ -218,7 +239,7 @@ class ModelRunner:
         """
         if sched_out.blocks_to_swap_out or sched_out.blocks_to_swap_in:
             assert self.swap_space is not None, "a swap step without a swap space"
-            self.swap_space.swap(self.kv_caches, sched_out.blocks_to_swap_out, sched_out.blocks_to_swap_in)
+            self.swap_space.swap(self._all_kv_caches(), sched_out.blocks_to_swap_out, sched_out.blocks_to_swap_in)
         batch = self.input_batch
         batch.update_states(sched_out)
         if batch.feedback.pending is not None and self._needs_host_tokens():
@@ -268,12 +289,22 @@ class ModelRunner:
         output = self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs, verified)
         output.failed_requests = failed
         output.embeddings = embeddings
+        if self.drafter is not None:  # the draft's KV of this step's tokens, and the next step's drafts
+            output.draft_token_ids = self._propose_drafts(inputs, failed)
         return output
+
+    def _propose_drafts(self, inputs: StepInputs, failed: dict[str, str]) -> dict[str, list[int]]:
+        assert self.drafter is not None
+        batch, req_ids = self.input_batch, inputs.req_ids
+        sampled = [batch.requests[req_ids[i]] for i in inputs.sample_indices
+                   if req_ids[i] not in failed and req_ids[i] not in self.pooler.requests]
+        return self.drafter.step(inputs, sampled, batch.block_table)
 
     def _may_defer(self, sched_out: SchedulerOutput, sampler_out: SamplerOutput) -> bool:
         """No logprobs, grammar, images or drafts, and no prompt logprobs row (one computed this step is still in the set)."""
         return (sampler_out.logprobs is None and sched_out.grammar_bitmask is None and self.mm_runner is None
-                and not self.input_batch.prompt_logprobs_req_ids and not sched_out.spec_token_ids)
+                and not self.input_batch.prompt_logprobs_req_ids and not sched_out.spec_token_ids
+                and self.drafter is None)
 
     def _needs_host_tokens(self) -> bool:
         """Whether building a step reads rows' output tokens on the host (penalties, prompt logprobs, images)."""

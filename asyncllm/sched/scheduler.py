@@ -50,6 +50,7 @@ from asyncllm.sched.preemption import PreemptionLogger, Preemptor, insert_runnin
 from asyncllm.sched.queue import create_request_queue
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.step_outputs import StepOutputs
+from asyncllm.spec.draft_model import DraftModelProposer
 from asyncllm.spec.ngram import NgramProposer, can_speculate
 from asyncllm.spec.stats import SpecDecodingStats
 
@@ -130,8 +131,10 @@ class Scheduler:
         """Images the workers looked up in their encoder cache (rank 0's counts, from `ModelRunnerOutput`)."""
         self.mm_encoder_cache_hits = 0
         spec = config.scheduler_config.speculative
-        self.proposer = NgramProposer(spec) if spec is not None else None
-        """Speculative decoding's drafts (asyncllm/spec/); None when off."""
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        """Speculative decoding's drafts (asyncllm/spec/): n-grams, or the draft model's from the workers; None when off."""
+        if spec is not None:
+            self.proposer = DraftModelProposer() if spec.uses_draft_model else NgramProposer(spec)
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec is not None else 0)
 
     # ------------------------------------------------------------ requests in and out
@@ -338,6 +341,8 @@ class Scheduler:
         if buffer is None:
             return []
         room = min(budget - 1, request.max_output_tokens - (request.num_tokens - request.num_prompt_tokens) - 1)
+        if isinstance(self.proposer, DraftModelProposer):  # proposed by the workers after the last step
+            return self.proposer.take(request.request_id, room)
         return self.proposer.propose(request.all_token_ids, buffer, room)  # type: ignore[union-attr]
 
     def _preempt_until_allocated(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
@@ -467,6 +472,8 @@ class Scheduler:
         assert runner_out.step_id == sched_out.step_id, (runner_out.step_id, sched_out.step_id)
         self.mm_encoder_cache_queries += runner_out.mm_encoder_cache_queries
         self.mm_encoder_cache_hits += runner_out.mm_encoder_cache_hits
+        if isinstance(self.proposer, DraftModelProposer):
+            self.proposer.update(runner_out.draft_token_ids)
         num_scheduled_tokens = sched_out.num_scheduled_tokens
         spec_token_ids = sched_out.spec_token_ids
         step_outputs = StepOutputs()

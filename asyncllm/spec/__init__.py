@@ -1,1 +1,2 @@
-"""Speculative decoding: n-gram drafts proposed by the core, verified by the workers (docs/speculative.md)."""
+"""Speculative decoding: n-gram drafts proposed by the core or a draft model's by the workers, verified by the
+workers (docs/speculative.md)."""

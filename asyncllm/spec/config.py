@@ -1,9 +1,11 @@
 """`SpeculativeConfig`: the ``speculative_config`` dict, read as vLLM reads it.
 
-Only the n-gram method (prompt lookup) is built: drafts are copied from an
-earlier place in the request's own tokens, so no draft model runs. Every
-other vLLM method is a `NotBuiltError` naming it; an unknown key is a
-`ConfigError`, never ignored.
+Two methods are built: ``ngram`` (prompt lookup: drafts copied from an
+earlier place in the request's own tokens, proposed by the core) and
+``draft_model`` (a small model sharing the target's vocabulary runs in the
+workers and proposes its greedy continuation; a ``model`` key without a
+method means it, as in vLLM). Every other vLLM method is a `NotBuiltError`
+naming it; an unknown key is a `ConfigError`, never ignored.
 """
 
 from __future__ import annotations
@@ -16,47 +18,96 @@ from asyncllm.errors import ConfigError, NotBuiltError
 __all__ = ["SpeculativeConfig"]
 
 _FIELD = "speculative_config"
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
-_MODEL_METHODS = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+_DRAFT_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "max_model_len",
+               "quantization", "revision")
+_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 _DEFAULT_LOOKUP = 5
 """vLLM's n-gram size when neither prompt_lookup_min nor prompt_lookup_max is given."""
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """N-gram speculation: up to `num_speculative_tokens` drafts per decode step."""
+    """Up to `num_speculative_tokens` drafts per decode step, from n-grams or from a draft model."""
 
     num_speculative_tokens: int
     """Drafts proposed per request and step (the step computes this many tokens more per request)."""
-    prompt_lookup_min: int
-    """Shortest suffix of the request's tokens looked up earlier in them."""
-    prompt_lookup_max: int
-    """Longest such suffix: the longest one that matches decides the drafts."""
+    prompt_lookup_min: int = _DEFAULT_LOOKUP
+    """ngram: shortest suffix of the request's tokens looked up earlier in them."""
+    prompt_lookup_max: int = _DEFAULT_LOOKUP
+    """ngram: longest such suffix: the longest one that matches decides the drafts."""
+    method: str = "ngram"
+    """``ngram`` or ``draft_model``."""
+    model: str | None = None
+    """draft_model: the draft checkpoint (local folder or hub id; the host resolves it to a folder)."""
+    revision: str | None = None
+    """draft_model: the draft checkpoint's hub revision."""
+    max_model_len: int | None = None
+    """draft_model: no drafts for a request past this length (default: the target's max_model_len, capped by the
+    draft's max_position_embeddings)."""
+    quantization: str | None = None
+    """draft_model: None, or ``fp8`` (the draft's weights quantized at load, or its pre-quantized fp8 checkpoint)."""
+    draft_tensor_parallel_size: int | None = None
+    """draft_model: must be the target's tensor_parallel_size (None means that); another size is not built."""
+
+    @property
+    def uses_draft_model(self) -> bool:
+        return self.method == "draft_model"
 
     @classmethod
     def from_dict(cls, value: Any) -> "SpeculativeConfig":
-        """Validate vLLM's dict form: ``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}``."""
+        """Validate vLLM's dict form: ``{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}``
+        or ``{"model": "path/or/hub-id", "num_speculative_tokens": 5}``."""
         if not isinstance(value, dict):
             raise ConfigError(_FIELD, value, "a dict such as {'method': 'ngram', 'num_speculative_tokens': 5}, or None")
-        if value.get("model") is not None:
-            raise NotBuiltError(_FIELD, value, "speculative decoding with a draft model (only method='ngram')")
-        unknown = sorted(set(value) - set(_KEYS) - {"model"})
-        if unknown:
-            raise ConfigError(_FIELD, value, f"only the keys {', '.join(_KEYS)} (unknown: {', '.join(unknown)})")
         method = value.get("method")
+        if method is None and value.get("model") is not None:
+            method = "draft_model"  # vLLM: a model without a method is a draft model
         if method in _MODEL_METHODS:
-            raise NotBuiltError(_FIELD, value, f"speculative decoding with method={method!r} (only 'ngram')")
-        if method != "ngram":
-            raise ConfigError(_FIELD, value, "method='ngram' (the one speculation method built)")
+            raise NotBuiltError(_FIELD, value, f"speculative decoding with method={method!r} (only 'ngram' and "
+                                               "'draft_model')")
+        if method not in ("ngram", "draft_model"):
+            raise ConfigError(_FIELD, value, "method='ngram', or method='draft_model' with a 'model' (a draft "
+                                             "checkpoint sharing the target's vocabulary)")
+        keys = _NGRAM_KEYS if method == "ngram" else _DRAFT_KEYS
+        unknown = sorted(set(value) - set(keys))
+        if unknown:
+            raise ConfigError(_FIELD, value, f"with method={method!r} only the keys {', '.join(keys)} "
+                                             f"(unknown: {', '.join(unknown)})")
         num = value.get("num_speculative_tokens")
+        _check_int(value, "num_speculative_tokens", num, 64, "(num_speculative_tokens is required)")
+        if method == "draft_model":
+            return _draft_model_config(value, num)
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo = hi = _DEFAULT_LOOKUP
         lo = hi if lo is None else lo
         hi = lo if hi is None else hi
-        for key, n in (("num_speculative_tokens", num), ("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
-                raise ConfigError(_FIELD, value, f"{key} an int in [1, 64] (num_speculative_tokens is required)")
+        for key, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            _check_int(value, key, n, 64)
         if lo > hi:
             raise ConfigError(_FIELD, value, "prompt_lookup_min <= prompt_lookup_max")
         return cls(num, lo, hi)
+
+
+def _draft_model_config(value: dict, num: int) -> SpeculativeConfig:
+    model, revision, quantization = value.get("model"), value.get("revision"), value.get("quantization")
+    if not isinstance(model, str) or not model:
+        raise ConfigError(_FIELD, value, "method='draft_model' with 'model': the draft checkpoint's folder or hub id")
+    for key, item in (("revision", revision), ("quantization", quantization)):
+        if item is not None and not isinstance(item, str):
+            raise ConfigError(_FIELD, value, f"{key} a string or None")
+    if quantization not in (None, "fp8"):
+        raise NotBuiltError(_FIELD, value, f"a draft model with quantization={quantization!r} (None or 'fp8')")
+    max_len, draft_tp = value.get("max_model_len"), value.get("draft_tensor_parallel_size")
+    if max_len is not None:
+        _check_int(value, "max_model_len", max_len, 2**31)
+    if draft_tp is not None:
+        _check_int(value, "draft_tensor_parallel_size", draft_tp, 64)
+    return SpeculativeConfig(num, method="draft_model", model=model, revision=revision, max_model_len=max_len,
+                             quantization=quantization, draft_tensor_parallel_size=draft_tp)
+
+
+def _check_int(value: dict, key: str, n: Any, hi: int, more: str = "") -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= hi:
+        raise ConfigError(_FIELD, value, f"{key} an int in [1, {hi}] {more}".rstrip())

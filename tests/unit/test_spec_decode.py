@@ -32,7 +32,8 @@ def test_the_config_reads_vllm_s_dict_and_its_defaults():
 
 @pytest.mark.parametrize("value, error, words", [
     ({"method": "eagle", "num_speculative_tokens": 3}, NotBuiltError, "method='eagle'"),
-    ({"model": "some/draft", "num_speculative_tokens": 3}, NotBuiltError, "draft model"),
+    ({"model": "some/draft", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, ConfigError,
+     "unknown: prompt_lookup_max"),
     ({"method": "ngram"}, ConfigError, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, ConfigError, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, ConfigError,

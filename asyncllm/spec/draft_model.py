@@ -1,0 +1,72 @@
+"""Draft-model speculation on the host and in the core (the workers' half: workers/draft_runner.py).
+
+`prepare_draft_model` runs in the host's preparation, before anything is
+spawned: it finds the draft checkpoint, refuses a draft whose vocabulary
+differs from the target's (naming both sizes), an architecture that is not
+built, and a draft tensor-parallel size other than the target's, and
+resolves the draft's ``model`` to a folder and its ``max_model_len``.
+
+`DraftModelProposer` is the scheduler's side: the workers return each step's
+drafts with its output (`ModelRunnerOutput.draft_token_ids`, proposed after
+the step's tokens were verified), and the next step takes them as its drafts
+under the same budget and KV rules as n-gram drafts (docs/speculative.md).
+Only the last step's drafts are kept, so nothing outlives its request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.spec.config import SpeculativeConfig
+
+__all__ = ["DraftModelProposer", "prepare_draft_model"]
+
+_FIELD = "speculative_config"
+
+
+class DraftModelProposer:
+    """The drafts the workers proposed in the last step, by request id."""
+
+    def __init__(self) -> None:
+        self.drafts: dict[str, list[int]] = {}
+
+    def update(self, draft_token_ids: dict[str, list[int]]) -> None:
+        """Take one step's drafts (replacing the last step's: they were for tokens now known)."""
+        self.drafts = draft_token_ids
+
+    def take(self, req_id: str, max_drafts: int) -> list[int]:
+        """The request's drafts for its next step, at most ``max_drafts`` of them."""
+        drafts = self.drafts.pop(req_id, None)
+        if not drafts or max_drafts <= 0:
+            return []
+        return drafts[:max_drafts]
+
+
+def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config: Any, tensor_parallel_size: int,
+                        max_model_len: int, multimodal: bool) -> dict:
+    """Check the draft checkpoint against the target; returns ``speculative_config`` with the draft's folder."""
+    from asyncllm.models.architectures import TEXT_ARCHITECTURES, architecture_of
+    from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
+
+    if multimodal:
+        raise NotBuiltError(_FIELD, spec_dict, "a draft model for a multimodal target")
+    draft_tp = spec.draft_tensor_parallel_size
+    if draft_tp is not None and draft_tp != tensor_parallel_size:
+        raise NotBuiltError(_FIELD, spec_dict, f"draft_tensor_parallel_size={draft_tp} other than the target's "
+                                               f"tensor_parallel_size={tensor_parallel_size}")
+    path = resolve_model_path(spec.model, spec.revision)  # type: ignore[arg-type]
+    draft_config = load_hf_config(path)
+    arch = architecture_of(draft_config)
+    if arch not in TEXT_ARCHITECTURES:
+        raise NotBuiltError(_FIELD, spec_dict, f"a {arch} draft model (text decoders only: "
+                                               f"{', '.join(TEXT_ARCHITECTURES)})")
+    draft_vocab, target_vocab = draft_config.vocab_size, target_config.vocab_size
+    if draft_vocab != target_vocab:
+        raise ConfigError(_FIELD, spec_dict, f"a draft model with the target's vocabulary: the draft {spec.model} has "
+                                             f"vocab_size={draft_vocab}, the target {target_vocab}")
+    limit = getattr(draft_config, "max_position_embeddings", None) or max_model_len
+    draft_len = min(max_model_len, limit) if spec.max_model_len is None else spec.max_model_len
+    if draft_len > limit:
+        raise ConfigError(_FIELD, spec_dict, f"max_model_len at most the draft's max_position_embeddings ({limit})")
+    return {**spec_dict, "method": "draft_model", "model": path, "revision": None, "max_model_len": draft_len}
