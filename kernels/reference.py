@@ -38,6 +38,9 @@ __all__ = [
     "per_token_group_quant_fp8",
     "dequantize_fp8_blocks",
     "w8a8_block_fp8_matmul",
+    "unpack_int_rows",
+    "dequantize_int_weight",
+    "w4a16_matmul",
 ]
 
 
@@ -326,3 +329,29 @@ def w8a8_block_fp8_matmul(
     a = dequantize_fp8_blocks(a_q, a_s, (1, block_k))
     b = dequantize_fp8_blocks(b_q, b_s, (block_n, block_k))
     return (a @ b.T).to(out_dtype)
+
+
+# ---------------------------------------------------------------- integer weight-only (AWQ / GPTQ checkpoints)
+def unpack_int_rows(qweight: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 ``[K / p, N]`` (``p = 32 / bits`` values per int32 along K, the first in the lowest bits) -> int32
+    ``[K, N]``, each value in ``[0, 2**bits)``."""
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=qweight.device)
+    values = (qweight[:, None, :] >> shifts[None, :, None]) & ((1 << bits) - 1)
+    return values.reshape(-1, qweight.shape[1])
+
+
+def dequantize_int_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor | None,
+                          bits: int, group_size: int) -> torch.Tensor:
+    """``W [K, N]`` in float32: ``(q[k, n] - zeros[g, n]) * scales[g, n]`` with ``g = g_idx[k]``, or ``k //
+    group_size`` without ``g_idx``; ``zeros`` are the zero points themselves (any checkpoint offset applied)."""
+    q = unpack_int_rows(qweight, bits)
+    groups = torch.arange(q.shape[0], device=q.device) // group_size if g_idx is None else g_idx.long()
+    return (q.float() - zeros.float()[groups]) * scales.float()[groups]
+
+
+def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                 g_idx: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
+    """``x [M, K] @ W`` (`dequantize_int_weight`, rounded once to x's dtype) with float32 accumulation, in x's
+    dtype."""
+    w = dequantize_int_weight(qweight, scales, zeros, g_idx, bits, group_size).to(x.dtype)
+    return (x.float() @ w.float()).to(x.dtype)

@@ -219,6 +219,35 @@ def _block_fp8(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device
     return rows
 
 
+def _w4a16(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: str = "cuda") -> list[dict[str, Any]]:
+    """A pre-quantized AWQ / GPTQ checkpoint's product (4-bit values, groups of 128; in order, and GPTQ's
+    act-order g_idx) against torch's matmul of the model-dtype weight (cuBLAS) that it replaces; bytes: the packed
+    weight, its float16 scales and zero points, and the activations."""
+    import torch.nn.functional as F
+
+    from asyncllm.kernels.w4a16 import w4a16_matmul
+
+    hidden, inter, size, rows = cfg["hidden_size"], cfg["intermediate_size"], dtype.itemsize, []
+    if dtype == torch.float32:
+        return rows  # the kernel's float32 path is the exact (slow) one: no row against cuBLAS's tf32
+    for name, k, n in (("gate_up", hidden, 2 * inter), ("down", inter, hidden)):
+        w = torch.randn(n, k, dtype=dtype, device=device) * 0.02
+        qweight = torch.randint(-2**31, 2**31 - 1, (k // 8, n), dtype=torch.int32, device=device)
+        scales = torch.full((k // 128, n), 0.002, dtype=torch.float16, device=device)
+        zeros = torch.full_like(scales, 8.0)
+        act_order = (torch.arange(k, device=device) // 128)[torch.randperm(k, device=device)].to(torch.int32)
+        for tokens in (1, 16, 256):
+            x = torch.randn(tokens, k, dtype=dtype, device=device)
+            nbytes = k * n // 2 + 2 * scales.numel() * 2 + tokens * (k + n) * size
+            for label, g_idx in (("", None), (" act-order", act_order)):
+                def int4(x: torch.Tensor = x, g_idx: torch.Tensor | None = g_idx) -> torch.Tensor:
+                    return w4a16_matmul(x, qweight, scales, zeros, g_idx, 4, 128)
+
+                rows.append(_row(f"w4a16{label} {name} vs cuBLAS {str(dtype)[6:]}", f"{tokens}x{k}->{n}", nbytes,
+                                 _bench(int4), _bench(lambda x=x, w=w: F.linear(x, w)), bandwidth))
+    return rows
+
+
 MOE_SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8}
 """Qwen3-30B-A3B's experts (its config.json's keys): the fused-MoE rows' shape, measured once, whatever the
 ``--preset`` (this command's presets are dense models)."""
@@ -267,7 +296,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
         cfg = preset_config(preset)
         rows = (_elementwise(cfg, dtype, bandwidth) + _rotary(cfg, dtype, bandwidth) + _attention(cfg, dtype, bandwidth)
                 + _split_decode(cfg, dtype, bandwidth) + _decode_linear(cfg, dtype, bandwidth)
-                + _block_fp8(cfg, dtype, bandwidth))
+                + _block_fp8(cfg, dtype, bandwidth) + _w4a16(cfg, dtype, bandwidth))
         results["presets"][preset] = rows
         _print_rows(f"asyncllm bench kernels | {preset} | {args.dtype} | {results['meta']['device']}", rows)
     results["moe"] = _fused_moe(MOE_SHAPE, dtype, bandwidth)

@@ -126,13 +126,13 @@ async def test_fp8_with_dummy_weights_generates(tiny_llama: str) -> None:
 
 
 async def test_a_pre_quantized_checkpoint_fails_the_start(tiny_llama: str, tmp_path) -> None:
-    path = tmp_path / "awq"
+    path = tmp_path / "bnb"
     shutil.copytree(tiny_llama, path)
     config_json = json.loads((path / "config.json").read_text())
-    config_json["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    config_json["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (path / "config.json").write_text(json.dumps(config_json))
     engine = AsyncEngine(str(path), disable_log_stats=True)
-    with pytest.raises(NotBuiltError, match="pre-quantized 'awq' checkpoint"):
+    with pytest.raises(NotBuiltError, match="pre-quantized 'bitsandbytes' checkpoint"):
         await engine.start()
     await engine.aclose()
 

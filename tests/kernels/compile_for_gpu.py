@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from asyncllm.kernels import block_fp8, decode_linear, fused_moe, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul  # noqa: E402,E501
+from asyncllm.kernels import block_fp8, decode_linear, fused_moe, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul, w4a16  # noqa: E402,E501
 
 
 def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int,
@@ -84,6 +84,7 @@ def cases(dtype: str):
     yield from fp8_cache_cases(p, decode)
     yield from moe_cases(p)
     yield from block_fp8_cases(p)
+    yield from w4a16_cases(p)
 
 
 def fp8_cache_cases(p: str, decode: dict):
@@ -137,6 +138,21 @@ def block_fp8_cases(p: str):
         divisible = ("a_ptr", "b_ptr", "out_ptr", "a_stride", "b_stride", "out_stride", "K", "N")
         yield (f"block_fp8 matmul BLOCK_M={cfg['BLOCK_M']}", block_fp8._block_fp8_matmul_kernel, pointers, (), consts,
                cfg["num_warps"], dict(divisible=divisible, stages=cfg["num_stages"]))
+
+
+def w4a16_cases(p: str):
+    """Pre-quantized AWQ / GPTQ checkpoints (groups of 128): the int4 GEMM at a decode and a prefill tile, as
+    `w4a16.matmul_config` launches it on a GPU, with groups in order and with GPTQ's act-order g_idx, and GPTQ's
+    8-bit values."""
+    pointers = dict(a_ptr=p, qw_ptr="*i32", s_ptr="*fp16", z_ptr="*fp16", g_ptr="*i32", out_ptr=p)
+    divisible = ("a_ptr", "qw_ptr", "s_ptr", "z_ptr", "out_ptr", "a_stride", "qw_stride", "s_stride", "out_stride",
+                 "K", "N")
+    for rows, bits, act_order in ((1, 4, False), (4096, 4, False), (4096, 4, True), (16, 8, False)):
+        cfg = w4a16.matmul_config(rows, 4096, 128, act_order, on_gpu=True)
+        consts = dict(BITS=bits, GROUP=128, HAS_G_IDX=act_order, TILE_IN_GROUP=not act_order,
+                      BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=False)
+        yield (f"w4a16 matmul bits={bits} act_order={act_order} BLOCK_M={cfg['BLOCK_M']}", w4a16._w4a16_matmul_kernel,
+               pointers, (), consts, cfg["num_warps"], dict(divisible=divisible, stages=cfg["num_stages"]))
 
 
 def main(archs: list[int]) -> int:
