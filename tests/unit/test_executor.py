@@ -229,13 +229,14 @@ def test_workers_die_with_a_killed_parent(runtime_dir: Path) -> None:
         assert not any(n.startswith(f"asyncllm-{parent.pid}-") for n in os.listdir("/dev/shm"))
 
 
-def test_real_model_runner_tp1_and_tp2_match_transformers(tiny_llama: str, runtime_dir: Path) -> None:
+def test_real_model_runner_at_tp2_matches_transformers(tiny_llama: str, runtime_dir: Path) -> None:
+    """Two ranks through the executor's own step path (one rank: every engine test)."""
     from hf_reference import hf_greedy
 
     prompt = [7, 300, 41, 9, 250, 12, 88]
     greedy = SamplingParams(temperature=0.0, max_tokens=4)
     expected = hf_greedy(tiny_llama, prompt, 4)
-    for tp in (1, 2):
+    for tp in (2,):
         with Executor(make_config(tp, model=tiny_llama, dtype="float32", block_size=4)) as executor:
             assert executor.start() > 0
             executor.init_cache(8)
