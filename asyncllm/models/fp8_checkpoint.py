@@ -23,7 +23,6 @@ formats instead. The arithmetic, and what is not built, are in docs/quantization
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +33,10 @@ from asyncllm.kernels import reference
 from asyncllm.models.checkpoint import Fp8CheckpointConfig
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
 from asyncllm.models.linear import (
-    ColumnParallelLinear,
     LinearBase,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
 )
+from asyncllm.models.quantized_layers import output_partitions, quantized_layers, shard_index
 from asyncllm.models.quantization import (
     FP8_DTYPE,
     attach_fp8_weight,
@@ -109,52 +106,14 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
     return q, scale
 
 
-# ---------------------------------------------------------------- which layers, and their shards
-def _checkpoint_modules(model: nn.Module, name: str) -> list[str]:
-    """The checkpoint's module names loaded into the model's module ``name`` (q/k/v_proj for a qkv_proj)."""
-    leaf = name.rsplit(".", 1)[-1]
-    parts = getattr(model, "packed_modules", {}).get(leaf)
-    return [name[: -len(leaf)] + part for part, _ in parts] if parts else [name]
-
-
-def _fp8_layers(model: nn.Module, cfg: Fp8CheckpointConfig) -> Iterator[tuple[str, LinearBase]]:
-    """(name, layer) of every parallel linear the checkpoint quantized; `ConfigError` for a fused layer whose
-    parts are ignored in part (they would need two formats in one matmul)."""
-    for name, module in model.named_modules():
-        if not isinstance(module, LinearBase):
-            continue
-        ignored = [cfg.is_ignored(part) for part in _checkpoint_modules(model, name)]
-        if all(ignored):
-            continue
-        if any(ignored):
-            raise ConfigError("model", name, "a quantization_config that ignores all the projections fused in "
-                                             f"{name} or none of them ({_checkpoint_modules(model, name)})")
-        yield name, module
-
-
-def _output_partitions(layer: LinearBase) -> list[int]:
-    """This rank's row counts of each checkpoint tensor stacked in the layer, in order."""
-    if isinstance(layer, QKVParallelLinear):
-        return [layer.q_size, layer.kv_size, layer.kv_size]
-    if isinstance(layer, MergedColumnParallelLinear):
-        return list(layer.output_sizes_per_rank)
-    assert isinstance(layer, (ColumnParallelLinear, RowParallelLinear)), type(layer)
-    return [layer.weight.shape[0]]
-
-
-def _shard_index(layer: LinearBase, shard_id: object) -> int:
-    if isinstance(layer, QKVParallelLinear):
-        return "qkv".index(str(shard_id))
-    return 0 if shard_id is None else int(shard_id)  # type: ignore[call-overload]
-
-
+# ---------------------------------------------------------------- block boundaries
 def _check_block_split(name: str, layer: LinearBase, block: tuple[int, int]) -> None:
     """Every shard's, and under TP every rank's, rows (columns for a row-parallel layer) start on a block."""
     (bn, bk), tp_size = block, layer.tp.size
     if isinstance(layer, RowParallelLinear):
         sizes, split, what = [layer.input_size_per_rank], tp_size > 1, ("input features", bk, "columns")
     else:
-        sizes = _output_partitions(layer)
+        sizes = output_partitions(layer)
         split, what = tp_size > 1 or len(sizes) > 1, ("output rows", bn, "rows")
     bad = [size for size in sizes if size % what[1]]
     if split and bad:
@@ -184,7 +143,7 @@ def _load_tensor_scale(layer: LinearBase, param: nn.Parameter, loaded: LoadedWei
     value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
     if value.numel() != 1:
         raise ValueError(f"has shape {tuple(value.shape)}, a per-tensor weight_scale is a scalar")
-    param.data[_shard_index(layer, shard_id)] = value.reshape(())
+    param.data[shard_index(layer, shard_id)] = value.reshape(())
 
 
 # ---------------------------------------------------------------- before and after loading
@@ -204,7 +163,7 @@ def _make_layer_params(name: str, layer: LinearBase, cfg: Fp8CheckpointConfig) -
     with torch.device(_replace_weight(layer)):
         if block is None:
             loader = functools.partial(_load_tensor_scale, layer)
-            layer.weight_scale = new_param(len(_output_partitions(layer)), dtype=torch.float32, loader=loader)
+            layer.weight_scale = new_param(len(output_partitions(layer)), dtype=torch.float32, loader=loader)
         elif isinstance(layer, RowParallelLinear):
             loader = functools.partial(_load_row_blocks, layer, block[1])
             layer.weight_scale_inv = new_param(-(-out_features // block[0]), -(-in_features // block[1]),
@@ -219,7 +178,7 @@ def make_fp8_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> int:
     """Give every layer the checkpoint quantized its fp8 weight and scale parameters (before loading); returns
     how many. `ConfigError` when a block-wise layer's TP split or fused shards cut through a block."""
     count = 0
-    for name, layer in _fp8_layers(model, cfg):
+    for name, layer in quantized_layers(model, cfg.is_ignored):
         _make_layer_params(name, layer, cfg)
         count += 1
     disable_fused_decode(model)
@@ -233,7 +192,7 @@ def _requantize_to_max_scale(layer: LinearBase) -> None:
     del layer.weight_scale
     weight, max_scale = layer.weight.data, scales.max()
     start = 0
-    for size, scale in zip(_output_partitions(layer), scales.tolist()):
+    for size, scale in zip(output_partitions(layer), scales.tolist()):
         rows = weight[start:start + size]
         if scale != float(max_scale):
             rows.copy_(quantize_fp8(fp8_to_float(rows) * scale, max_scale))
@@ -243,7 +202,7 @@ def _requantize_to_max_scale(layer: LinearBase) -> None:
 
 def finish_fp8_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
     """After loading: each fp8 layer's product (see the module's docstring)."""
-    for _, layer in _fp8_layers(model, cfg):
+    for _, layer in quantized_layers(model, cfg.is_ignored):
         if cfg.weight_block_size is None:
             _requantize_to_max_scale(layer)
         else:
@@ -255,7 +214,7 @@ def quantize_drawn_weights(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
     """``load_format="dummy"``: the drawn model-dtype weights quantized into the checkpoint's format (each rank's
     shard whole: block-wise, or one scale per layer), then `finish_fp8_params`."""
     block = cfg.weight_block_size
-    for name, layer in _fp8_layers(model, cfg):
+    for name, layer in quantized_layers(model, cfg.is_ignored):
         if block is not None:
             _check_block_split(name, layer, block)
             w_q, scale = quantize_fp8_blocks(layer.weight.data, block)

@@ -33,7 +33,7 @@ from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
-from asyncllm.models.fp8_checkpoint import _checkpoint_modules, _output_partitions, _shard_index
+from asyncllm.models.quantized_layers import output_partitions, quantized_layers, shard_index
 from asyncllm.models.int4_config import Int4CheckpointConfig
 from asyncllm.models.layers import LoadedWeight, copy_weight, default_weight_loader, new_param, weight_narrow
 from asyncllm.models.linear import LinearBase, RowParallelLinear
@@ -84,21 +84,7 @@ class UnpackedWeight:
         return (self.q.float() - self.zeros[self.groups].float()) * self.scales[self.groups]
 
 
-# ---------------------------------------------------------------- which layers
-def _int4_layers(model: nn.Module, cfg: Int4CheckpointConfig) -> Iterator[tuple[str, LinearBase]]:
-    """(name, layer) of every parallel linear the checkpoint quantized (a fused layer: all its parts or none)."""
-    for name, module in model.named_modules():
-        if not isinstance(module, LinearBase):
-            continue
-        ignored = [cfg.is_ignored(part) for part in _checkpoint_modules(model, name)]
-        if all(ignored):
-            continue
-        if any(ignored):
-            raise ConfigError("model", name, "a quantization_config that ignores all the projections fused in "
-                                             f"{name} or none of them ({_checkpoint_modules(model, name)})")
-        yield name, module
-
-
+# ---------------------------------------------------------------- groups and shards
 def _group(layer: LinearBase, cfg: Int4CheckpointConfig) -> int:
     """Input features per group (-1: the whole input, of every rank)."""
     if cfg.group_size > 0:
@@ -129,7 +115,7 @@ def _check_split(name: str, layer: LinearBase, cfg: Int4CheckpointConfig) -> Non
             raise _split_error(name, layer, f"holds {k} input features per rank, not a multiple of the "
                                             f"group_size {cfg.group_size}")
         return
-    sizes = _output_partitions(layer)
+    sizes = output_partitions(layer)
     bad = [size for size in sizes if size % pack]
     if bad:
         raise _split_error(name, layer, f"holds {sizes} output features per checkpoint tensor on each rank, and "
@@ -154,7 +140,7 @@ def _load_rows(layer: RowParallelLinear, param: nn.Parameter, loaded: LoadedWeig
 
 def _load_g_idx(layer: LinearBase, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
     """``g_idx`` of one checkpoint tensor into its shard's row (they must agree: `_groups` checks)."""
-    row = param.data[_shard_index(layer, shard_id)]
+    row = param.data[shard_index(layer, shard_id)]
     if isinstance(layer, RowParallelLinear):
         loaded = weight_narrow(loaded, 0, layer.tp.rank * row.shape[0], row.shape[0])
     copy_weight(row, loaded)
@@ -168,7 +154,7 @@ def _make_layer_params(name: str, layer: LinearBase, cfg: Int4CheckpointConfig) 
     _check_split(name, layer, cfg)
     out_features, in_features = layer.weight.shape
     group, pack, row = _group(layer, cfg), cfg.pack_factor, isinstance(layer, RowParallelLinear)
-    device, shards = layer.weight.device, 1 if row else len(_output_partitions(layer))
+    device, shards = layer.weight.device, 1 if row else len(output_partitions(layer))
     del layer.weight
     layer.in_features, layer.out_features = in_features, out_features  # type: ignore[assignment]
     groups = -(-in_features // group) if not row or _scales_split(layer, cfg) else -(-in_features * layer.tp.size
@@ -191,7 +177,7 @@ def make_int4_params(model: nn.Module, cfg: Int4CheckpointConfig) -> int:
     """Give every layer the checkpoint quantized its checkpoint tensors as parameters (before loading); returns
     how many layers. `ConfigError` when a fused shard or a tensor-parallel slice cuts a pack or a group."""
     count = 0
-    for name, layer in _int4_layers(model, cfg):
+    for name, layer in quantized_layers(model, cfg.is_ignored):
         _make_layer_params(name, layer, cfg)
         count += 1
     return count
@@ -319,7 +305,7 @@ def finish_int4_params(model: nn.Module, cfg: Int4CheckpointConfig, use_triton: 
     ``keep_packed`` (default: ``use_triton``) with ``use_triton`` False: packed layers through the torch reference
     (the GPU's layout and arithmetic on the CPU, for tests)."""
     keep_packed = use_triton if keep_packed is None else keep_packed
-    for name, layer in _int4_layers(model, cfg):
+    for name, layer in quantized_layers(model, cfg.is_ignored):
         if keep_packed:
             _pack_layer(name, layer, cfg, use_triton)
         else:
@@ -335,7 +321,7 @@ def _draw_int4_weights(model: nn.Module, cfg: Int4CheckpointConfig, seed: int) -
     """``load_format="dummy"``: random packed values and zero points, scales up to 0.005 (weights of about the
     dummy float weights' size), trivial ``g_idx``."""
     gen = torch.Generator().manual_seed(seed)
-    for _, layer in _int4_layers(model, cfg):
+    for _, layer in quantized_layers(model, cfg.is_ignored):
         for attr in ("qweight", "qzeros"):
             param = getattr(layer, attr)
             param.copy_(torch.randint(-2**31, 2**31 - 1, param.shape, generator=gen, dtype=torch.int32))
