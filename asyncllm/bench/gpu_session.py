@@ -13,7 +13,7 @@ as such; a peer step starts only when its whole limit fits. Everything lands in
   killed mid-step keeps it); the peer's phase lines (``[hf peer ...]``) are also
   echoed to this module's stdout, so the device tool's output tail shows them;
 - ``results.json``: per step its command, exit code, seconds, and the JSON the workload wrote;
-- ``tests.log``: pytest's report of the GPU tests.
+- ``tests.log``: pytest's report of the GPU tests (``<step>.log`` for the other pytest steps).
 
 The device image has torch, triton and transformers but not every dependency
 of asyncllm: carry wheels of msgspec, pyzmq and pytest-asyncio (see
@@ -62,6 +62,10 @@ STEPS: list[Step] = [
     # every kernel test (the small shapes run on the GPU too) and the gpu-marked real-shape and parity tests
     Step("gpu-tests", ["-q", "-p", "no:cacheprovider", "tests/kernels", "tests/engine/test_gpu_parity.py",
                        "tests/unit/test_token_feedback.py", "tests/unit/test_block_table.py"], 240, pytest=True),
+    # the gpu-marked tests of quantized weights (online fp8, AWQ / GPTQ checkpoints), not in the folders above
+    Step("gpu-tests-quant", ["-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/unit/test_quantization.py",
+                             "tests/engine/test_quantization_engine.py", "tests/engine/test_int4_checkpoint_engine.py"],
+         120, pytest=True),
     Step("kernels", ["kernels"], 60),
     Step("throughput-qwen3", ["throughput", *_QWEN], 100),
     Step("throughput-qwen3-sync", ["throughput", *_QWEN, "--no-async-scheduling"], 100),
@@ -165,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"in {results[step.name]['seconds']:.0f}s", flush=True)
             with open(os.path.join(args.out, "results.json"), "w") as f:
                 json.dump(results, f, indent=2)
-    if "output" in results.get("gpu-tests", {}):
-        with open(os.path.join(args.out, "tests.log"), "w") as f:
-            f.write(results["gpu-tests"].pop("output"))
+    for name, result in results.items():  # each pytest step's report: tests.log (gpu-tests), <step>.log
+        if "output" in result:
+            with open(os.path.join(args.out, "tests.log" if name == "gpu-tests" else f"{name}.log"), "w") as f:
+                f.write(result.pop("output"))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     return 0
