@@ -6,7 +6,7 @@ generation config) that loads with both transformers and asyncllm. This module
 makes one in about a second: a byte-level BPE tokenizer trained on a fixed
 slice of the Python standard library's own source (so it needs no data set and
 round-trips any Unicode text), and a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 /
-Gemma 3 model (or a mixture of experts) with seeded random weights.
+Gemma 3 / Phi-3 model (or a mixture of experts) with seeded random weights.
 
 The weights are drawn wider than transformers' default initialisation, and the
 norm weights and biases are random too, so that logits are far from uniform
@@ -31,7 +31,7 @@ from asyncllm.errors import ConfigError
 
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3")
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3")
 """The architectures `make_tiny_checkpoint` can build (mixtral and the *_moe ones are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -53,6 +53,13 @@ _GEMMA_SHAPES: dict[str, dict[str, Any]] = {
 """The tiny Gemma models: a window of 8 tokens (so test prompts outrun it), an attention scale that is not
 ``head_dim ** -0.5``, Gemma 2's caps low enough to change the scores, Gemma 3's two ropes (the global one
 scaled, as in the 4B-27B checkpoints); sliding and global layers alternate."""
+
+_PHI3_SHAPE: dict[str, Any] = dict(original_max_position_embeddings=64, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
+    "short_factor": [1.0, 1.2, 1.5, 1.9, 2.4, 3.0], "long_factor": [3.0, 4.0, 6.0, 9.0, 14.0, 20.0],
+})
+"""The tiny Phi-3 is shaped as Phi-4-mini: rotary on 3/4 of each head (12 of 16 dims), LongRoPE pretrained on 64
+positions (short and long factors far apart, so using the wrong set shows), no sliding window unless asked."""
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>")
 """Special tokens of the tiny tokenizer; their ids are 0..5 in this order."""
@@ -264,17 +271,19 @@ def _build_config(
         "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
         "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig, "gemma2": transformers.Gemma2Config,
-        "gemma3": transformers.Gemma3TextConfig,
+        "gemma3": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
         initializer_range=_INIT_STD, dtype="float32",
     )
-    if arch not in ("qwen2", "qwen2_moe"):  # these default head_dim to 128 instead of hidden_size // num_heads
+    if arch not in ("qwen2", "qwen2_moe", "phi3"):  # qwen2*: head_dim defaults to 128; phi3 has none
         fields["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
     if arch in ("mistral", "mixtral"):
         fields["sliding_window"] = None  # full attention unless asked for
     fields.update(_MOE_SHAPES.get(arch, {}))
+    if arch == "phi3":
+        fields.update(copy.deepcopy(_PHI3_SHAPE))
     if arch in _GEMMA_SHAPES:
         fields.update(copy.deepcopy(_GEMMA_SHAPES[arch]), layer_types=[
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])

@@ -11,16 +11,18 @@ from typing import Any
 
 from asyncllm.errors import NotBuiltError
 
-__all__ = ["TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
-           "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES", "SUPPORTED_ARCHITECTURES",
-           "architecture_of"]
+__all__ = ["TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES",
+           "MULTIMODAL_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
+           "SUPPORTED_ARCHITECTURES", "architecture_of"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
-                      "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+                      "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 """Gemma decoders (asyncllm/models/gemma.py): no LoRA adapters yet; Gemma 3's image-text checkpoints are served
 as text only (docs/gemma.md)."""
+PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
+"""Phi-3, Phi-3.5, Phi-4, Phi-4-mini (asyncllm/models/phi3.py): no LoRA adapters yet (docs/phi3.md)."""
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)

@@ -19,6 +19,7 @@ from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.moe import moe_parallel_problems
+from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
@@ -81,6 +82,7 @@ _MODELS: dict[str, type] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOnly,  # text prompts only: the vision tower is not read
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),

@@ -3,10 +3,15 @@
 transformers' own ``ROPE_INIT_FUNCTIONS`` give the frequencies of every scaled
 rope_type (linear, llama3, yarn, ...), so a checkpoint's ``rope_parameters``
 mean exactly what they mean in HF. The cos/sin table is built once in float32.
+
+LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) has two sets of factors and transformers picks one per
+forward by the sequence's length; `fix_longrope_factors` picks one set for the whole model from
+``max_model_len`` (docs/phi3.md), after which the rope no longer depends on the length.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -16,7 +21,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from asyncllm.errors import NotBuiltError
 from asyncllm.kernels import reference
 
-__all__ = ["rope_parameters", "compute_inv_freq", "RotaryEmbedding"]
+__all__ = ["rope_parameters", "compute_inv_freq", "fix_longrope_factors", "RotaryEmbedding"]
 
 # Their frequencies change with the batch's sequence length in HF, so the same
 # token would get different rotations depending on what it is batched with.
@@ -44,6 +49,30 @@ def _per_layer_type(hf_config: Any, layer_type: str | None) -> bool:
     return layer_type is not None and isinstance(params.get(layer_type), dict)
 
 
+def _length_dependent(params: dict[str, Any]) -> bool:
+    """Whether the rotation of a position depends on the sequence it is in (see above); a LongRoPE whose
+    short and long factors agree (`fix_longrope_factors`) does not."""
+    if params.get("rope_type") == "longrope":
+        return list(params["short_factor"]) != list(params["long_factor"])
+    return params.get("rope_type") in _LENGTH_DEPENDENT_ROPE_TYPES
+
+
+def fix_longrope_factors(hf_config: Any, max_model_len: int) -> Any:
+    """``hf_config`` itself, or, for a LongRoPE rope, a copy that rotates every position with one set of factors:
+    the short ones when ``max_model_len <= original_max_position_embeddings`` (what transformers uses for every
+    sequence that fits there: outputs equal its), the long ones otherwise (vLLM's choice; transformers switches
+    to them only for a sequence longer than that). ``attention_factor`` stays as transformers computes it."""
+    params = rope_parameters(hf_config)
+    if params.get("rope_type") != "longrope":
+        return hf_config
+    original = params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings
+    factors = list(params["long_factor"] if max_model_len > original else params["short_factor"])
+    fixed = copy.copy(hf_config)
+    fixed.rope_parameters = {**params, "original_max_position_embeddings": original, "short_factor": factors,
+                             "long_factor": factors}
+    return fixed
+
+
 def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq ``[rotary_dim / 2]`` float32, attention_scaling) exactly as transformers computes them
     (for the layers of ``layer_type`` when the config has rope parameters per layer type).
@@ -57,7 +86,7 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
         return 1.0 / (params["rope_theta"] ** exponents), 1.0
-    if rope_type in _LENGTH_DEPENDENT_ROPE_TYPES or rope_type not in ROPE_INIT_FUNCTIONS:
+    if _length_dependent(params) or rope_type not in ROPE_INIT_FUNCTIONS:
         raise NotBuiltError("model", rope_type, f"rotary embedding with rope_type={rope_type!r}")
     per_type = {"layer_type": layer_type} if _per_layer_type(hf_config, layer_type) else {}
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **per_type)

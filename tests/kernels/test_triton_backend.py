@@ -1,8 +1,8 @@
 """The triton attention backend end to end in a model, and how it is selected.
 
 Tiny float32 Mistral (sliding window, head dim 24), Qwen3 (per-head q/k
-norms) and Gemma 2 (capped attention scores, Gemma's norm and GeGLU kernels)
-run chunked prefills mixed with decodes over a
+norms), Gemma 2 (capped attention scores, Gemma's norm and GeGLU kernels) and
+Phi-3 (partial rotary, LongRoPE) run chunked prefills mixed with decodes over a
 paged cache with every op on the Triton kernels; logits must match
 transformers' within the same 1e-4 as the torch_sdpa path (tests/unit/test_models.py).
 """
@@ -67,6 +67,28 @@ def test_triton_gemma2_logits_match_transformers(monkeypatch: pytest.MonkeyPatch
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
     assert not any(hasattr(layer, "fused_decode_rows") for layer in model.model.layers)
+    spec = kv_cache_spec(hf_config, 1)
+    sequences = [list(range(40, 49)), list(range(300, 313))]
+    run = PagedRun(model, sequences, block_size=4)
+    with torch.device(DEVICE):
+        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+        all_logits = [logits.cpu() for logits in run.run([[8, 12], [1, 1]])]
+    for tokens, logits in zip(sequences, all_logits):
+        torch.testing.assert_close(logits, hf_path_logits(path, tokens), atol=ATOL, rtol=0)
+
+
+def test_triton_phi3_logits_match_transformers() -> None:
+    """Phi-4-mini's rope on the fused rotary/KV-write kernel: 12 of each head's 16 dims rotated, the rest passed
+    through, with LongRoPE's short factors (max_model_len 64: docs/phi3.md); prefills, then a decode-only step."""
+    from hf_reference import hf_logits as hf_path_logits
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("phi3")
+    hf_config = load_hf_config(path)
+    config = EngineConfig.create(path, attention_backend="triton", max_model_len=64)
+    model = load_model(config, hf_config, DEVICE, torch.float32)
+    assert model.model.layers[0].self_attn.rotary_emb.rotary_dim == 12
     spec = kv_cache_spec(hf_config, 1)
     sequences = [list(range(40, 49)), list(range(300, 313))]
     run = PagedRun(model, sequences, block_size=4)

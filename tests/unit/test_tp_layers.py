@@ -75,7 +75,9 @@ TP_CASES = {  # family -> overrides: replicated KV heads with biases, a tied voc
     "qwen2": {},
     "qwen3": {},
 }
-TINY_TP_ARCHS = ("gemma2",)  # asyncllm.tiny checkpoints too: scaled tied embeddings, capped scores, an 8-token window
+TINY_TP_ARCHS = ("gemma2", "phi3")
+"""asyncllm.tiny checkpoints too: Gemma 2 (scaled tied embeddings, capped scores, an 8-token window), Phi-3 (the
+checkpoint's stacked qkv_proj / gate_up_proj cut into each rank's shards, partial rotary, LongRoPE)."""
 
 
 @pytest.mark.slow

@@ -1,0 +1,101 @@
+"""Phi-3 (asyncllm/models/phi3.py) against transformers' forward over a paged KV cache, and its fused weights.
+
+The tiny checkpoint (asyncllm.tiny "phi3") is shaped as Phi-4-mini: rotary on 12 of each head's 16 dims and
+LongRoPE pretrained on 64 positions, its short and long factors far apart. transformers uses the short factors
+for a sequence of at most 64 tokens and the long ones for a longer sequence; asyncllm uses the short ones at
+every position when max_model_len <= 64 and the long ones otherwise (docs/phi3.md), so each regime is compared
+on the sequences transformers treats the same way. Requests run as chunked prefills mixed with decodes, and
+every position's float32 logits must match transformers' within 1e-4.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_reference import hf_logits
+from model_utils import PagedRun
+from safetensors.torch import load_file
+
+from asyncllm.attention.selector import get_attention_backend
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.layers import TensorParallel
+from asyncllm.models.loader import checkpoint_files, iterate_safetensors, load_hf_config, load_model
+from asyncllm.models.phi3 import Phi3ForCausalLM
+from asyncllm.models.registry import kv_cache_spec
+from asyncllm.tiny import tiny_checkpoint
+
+ATOL = 1e-4
+SHORT = ([12, 20, 27], [[5, 9, 0], [4, 9, 16], [1, 1, 9], [1, 1, 1], [1, 0, 1]])
+"""Sequences within the 64 pretrained positions (transformers: short factors), chunked, with decodes."""
+LONG = ([70, 66, 81], [[33, 40, 16], [36, 25, 32], [1, 1, 32], [0, 0, 1]])
+"""Sequences past them (transformers: long factors for the whole sequence)."""
+CASES = {  # name: (tiny_checkpoint overrides, max_model_len, sequences)
+    "short_factors": ({}, 64, SHORT),
+    "long_factors": ({}, None, LONG),  # max_model_len: max_position_embeddings, 2048
+    "sliding_window": ({"sliding_window": 8}, 64, SHORT),  # as some Phi-3-mini-4k configs (2047)
+}
+
+
+def _load(path: str, max_model_len: int | None = None) -> Phi3ForCausalLM:
+    config = EngineConfig.create(path, max_model_len=max_model_len)
+    return load_model(config, load_hf_config(path), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(case: str) -> None:
+    overrides, max_model_len, (seq_lens, schedule) = CASES[case]
+    path = tiny_checkpoint("phi3", **overrides)
+    model = _load(path, max_model_len)
+    assert type(model) is Phi3ForCausalLM
+    spec = kv_cache_spec(load_hf_config(path), 1)
+    gen = torch.Generator().manual_seed(len(case))
+    sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in seq_lens]
+    run = PagedRun(model, sequences, block_size=4)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    for tokens, logits in zip(sequences, run.run(schedule)):
+        expected = hf_logits(path, tokens)
+        assert expected.std() > 0.5  # logits far from uniform, so the comparison means something
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+        assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+def test_partial_rotary_and_window_reach_the_layers() -> None:
+    model = _load(tiny_checkpoint("phi3", sliding_window=8), 64)
+    attn = model.model.layers[0].self_attn
+    assert (attn.rotary_emb.head_dim, attn.rotary_emb.rotary_dim) == (16, 12)
+    assert [layer.self_attn.attn.sliding_window for layer in model.model.layers] == [8, 8]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_fused_weights_split_per_shard_over_two_ranks(rank: int) -> None:
+    """Each TP rank keeps its q heads, its k heads and its v heads of the fused ``qkv_proj`` (and its rows of
+    gate and of up), read from the safetensors slices lazily; the checkpoint's names are the ones required."""
+    path = tiny_checkpoint("phi3")
+    hf_config = load_hf_config(path)
+    backend = get_attention_backend("torch_sdpa", torch.device("cpu"), torch.float32)
+    model = Phi3ForCausalLM(hf_config, dtype=torch.float32, tp=TensorParallel(rank, 2), attn_backend=backend,
+                            max_position=2048)
+    files = checkpoint_files(path)
+    assert model.load_weights(iterate_safetensors(files)) == model.checkpoint_weight_names()
+    full = {k: v for f in files for k, v in load_file(f).items()}
+    qkv, gate_up = full["model.layers.1.self_attn.qkv_proj.weight"], full["model.layers.1.mlp.gate_up_proj.weight"]
+    q, k, v = qkv.split([64, 32, 32])  # 4 query heads, 2 KV heads, 16 dims: rank r keeps q heads 2r, 2r+1, KV head r
+    gate, up = gate_up.split([128, 128])
+    layer = model.model.layers[1]
+    expected_qkv = torch.cat([q[32 * rank:32 * (rank + 1)], k[16 * rank:16 * (rank + 1)], v[16 * rank:16 * (rank + 1)]])
+    assert torch.equal(layer.self_attn.qkv_proj.weight, expected_qkv)
+    assert torch.equal(layer.mlp.gate_up_proj.weight, torch.cat([gate[64 * rank:64 * (rank + 1)],
+                                                                 up[64 * rank:64 * (rank + 1)]]))
+    with pytest.raises(ConfigError, match="fused weight of 64 \\+ 32 \\+ 32 rows"):
+        model.load_weights([("model.layers.0.self_attn.qkv_proj.weight", qkv[:96])])
+
+
+def test_prequantized_checkpoint_is_not_built() -> None:
+    hf_config = copy.copy(load_hf_config(tiny_checkpoint("phi3")))
+    hf_config.quantization_config = {"quant_method": "fp8"}
+    backend = get_attention_backend("torch_sdpa", torch.device("cpu"), torch.float32)
+    with pytest.raises(NotBuiltError, match="pre-quantized Phi-3"):
+        Phi3ForCausalLM(hf_config, dtype=torch.float32, tp=TensorParallel(), attn_backend=backend, max_position=64)
