@@ -31,8 +31,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-QUANTIZATIONS = ("fp8",)
-"""Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md)."""
+QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "gguf")
+"""Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md); awq, gptq
+and their _marlin names serve checkpoints pre-quantized with that method (asyncllm/models/int4_checkpoint.py),
+gguf a .gguf file (asyncllm/models/gguf_loader.py)."""
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """auto = the model dtype; fp8 and fp8_e4m3 = float8_e4m3fn; fp8_e5m2 = float8_e5m2 (docs/fp8-kv-cache.md)."""
 
@@ -105,7 +107,9 @@ class ModelConfig:
     quantization: str | None = None
     """Weight quantization: None, or fp8 (online: every decoder linear's weight quantized at load to float8_e4m3fn
     with one scale per tensor and rank, activations per token; see docs/quantization.md). A pre-quantized fp8
-    checkpoint (config.json's quantization_config) is served in its own fp8 with None or fp8; other methods are not
+    checkpoint (config.json's quantization_config) is served in its own fp8 with None or fp8; an AWQ or GPTQ one
+    (int4 weights, GPTQ int8 too) with None or its method's name (awq / gptq; vLLM's awq_marlin / gptq_marlin read
+    the same checkpoints); a GGUF file (the model given as a local .gguf) with None or gguf. Other methods are not
     built yet."""
     enforce_eager: bool = False
     """Never capture CUDA graphs. Otherwise, on CUDA with the triton backend and one rank, decode batches replay graphs captured at start (docs/kernels.md); the CPU and torch_sdpa always run eagerly."""
@@ -131,7 +135,8 @@ class ModelConfig:
             if not isinstance(self.quantization, str):
                 raise ConfigError("quantization", self.quantization, "None or 'fp8'")
             raise NotBuiltError("quantization", self.quantization, f"{self.quantization!r} weight quantization "
-                                "(only 'fp8', online from a float checkpoint)")
+                                "(only 'fp8', online or pre-quantized, pre-quantized 'awq' / 'gptq' checkpoints "
+                                "and 'gguf' files)")
         _bool("enforce_eager", self.enforce_eager)
         if self.attention_backend is not None:
             _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
@@ -184,7 +189,8 @@ class SchedulerConfig:
     """Admission control: reject new requests with EngineOverloadedError while this many wait; None = no limit."""
     speculative_config: dict | None = None
     """Speculative decoding as vLLM's dict: ``{"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}`` (n-gram only; docs/speculative.md). Steps then run
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``, or a draft model: ``{"model": "path/or/hub-id",
+    "num_speculative_tokens": 5}`` (docs/speculative.md). Steps then run
     synchronously (async_scheduling does not apply); None: off."""
     max_num_queued_tokens: int | None = None
     """Admission control: reject new requests with EngineOverloadedError when the waiting prompts' tokens would exceed this; None = no limit."""
@@ -222,20 +228,23 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Pipeline stages (not built yet: only 1)."""
     data_parallel_size: int = 1
-    """Engine replicas (not built yet: only 1)."""
+    """Engine replicas: N engine cores, each with its own tensor_parallel_size workers (on CUDA replica i uses
+    devices i*tp .. (i+1)*tp-1); requests go to the least loaded one (docs/parallelism.md)."""
     enable_expert_parallel: bool = False
     """MoE models: each TP rank holds a 1/tp share of the experts whole, instead of a 1/tp slice of every
-    expert (docs/moe.md); a dense model refuses it."""
+    expert (docs/moe.md); a dense model refuses it. Not with data_parallel_size > 1 (not built yet)."""
 
     def __post_init__(self) -> None:
         _int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
         _int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         if self.pipeline_parallel_size != 1:
             raise NotBuiltError("pipeline_parallel_size", self.pipeline_parallel_size, "pipeline parallelism")
-        _int("data_parallel_size", self.data_parallel_size, 1)
-        if self.data_parallel_size != 1:
-            raise NotBuiltError("data_parallel_size", self.data_parallel_size, "data parallelism")
+        _int("data_parallel_size", self.data_parallel_size, 1, 64)
         _bool("enable_expert_parallel", self.enable_expert_parallel)
+        if self.enable_expert_parallel and self.data_parallel_size > 1:
+            raise NotBuiltError("enable_expert_parallel", True, "expert parallelism with data_parallel_size > 1 "
+                                "(experts sharded over dp x tp ranks; without enable_expert_parallel each replica "
+                                "holds every expert, docs/parallelism.md)")
 
     @property
     def world_size(self) -> int:

@@ -58,10 +58,13 @@ def load_chat_template(value: str) -> str:
 
 
 def load_tokenizer(name_or_path: str, revision: str | None = None) -> PreTrainedTokenizerBase:
-    """Load the tokenizer with `AutoTokenizer` (never running remote code)."""
+    """Load the tokenizer with `AutoTokenizer` (never running remote code); a ``.gguf`` file's from its metadata."""
     from transformers import AutoTokenizer
 
     try:
+        if os.path.isfile(name_or_path) and name_or_path.lower().endswith(".gguf"):
+            folder, name = os.path.split(os.path.abspath(name_or_path))
+            return AutoTokenizer.from_pretrained(folder, gguf_file=name)
         return AutoTokenizer.from_pretrained(name_or_path, revision=revision)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ImportError...
         raise ConfigError("tokenizer", name_or_path, f"a loadable Hugging Face tokenizer ({exc})") from exc
@@ -207,7 +210,9 @@ def _listify(value: object) -> Iterable[object]:
 
 
 def _generation_config_eos(model_path: str) -> object:
-    """``eos_token_id`` of the model's generation config, or None when there is none."""
+    """``eos_token_id`` of the model's generation config, or None when there is none (a GGUF file has none)."""
+    if os.path.isfile(model_path):
+        return None
     if os.path.isdir(model_path):
         path = os.path.join(model_path, "generation_config.json")
         if not os.path.isfile(path):

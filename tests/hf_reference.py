@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import functools
+import os
 
 @functools.lru_cache(maxsize=None)
 def _hf_model(path: str):
     import torch
     from transformers import AutoModelForCausalLM
 
+    if path.endswith(".gguf"):  # a GGUF file: transformers dequantizes it
+        folder, name = os.path.split(path)
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return model.eval()
 

@@ -7,6 +7,7 @@ processing aside): the host is the user's app process, the workers run the model
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +20,11 @@ from asyncllm.models.architectures import (
     GEMMA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
+    PHI3_ARCHITECTURES,
     architecture_of,
 )
-from asyncllm.models.checkpoint import hf_config_json, load_hf_config, prequantized_fp8_config, resolve_model_path
+from asyncllm.models.checkpoint import hf_config_json, load_hf_config, prequantized_config, resolve_model_path
+from asyncllm.spec.draft_model import prepare_draft_model
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
 
@@ -51,17 +54,23 @@ def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
-    prequantized_fp8_config(hf_config, config.model, config.quantization)  # awq/gptq/...: NotBuiltError, before spawning
+    prequantized_config(hf_config, config.model, config.quantization)  # refused methods: errors before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
     max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
+    spec = config.scheduler_config.speculative
+    if spec is not None and spec.uses_draft_model:  # the draft checked against the target before spawning
+        resolved = resolved.replace(speculative_config=prepare_draft_model(
+            config.speculative_config, spec, text_config, config.tensor_parallel_size, max_model_len,  # type: ignore[arg-type]
+            arch in MULTIMODAL_ARCHITECTURES))
     if config.enable_expert_parallel and arch not in MOE_ARCHITECTURES:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:
-        if arch in MULTIMODAL_ARCHITECTURES or arch in MOE_ARCHITECTURES or arch in GEMMA_ARCHITECTURES:
+        no_lora = (*MULTIMODAL_ARCHITECTURES, *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES, *PHI3_ARCHITECTURES)
+        if arch in no_lora:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (Llama-style dense text models only)")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
@@ -77,13 +86,18 @@ def prepare(config: EngineConfig) -> Prepared:
     config_json = hf_config_json(hf_config)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size,
-                    default_sampling_fields(config.generation_config, path, config.override_generation_config),
+                    default_sampling_fields(_generation_config(config, path), path, config.override_generation_config),
                     pooling_model_of(arch, text_config))
 
 
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);
 a longer one is not sent, and the workers read config.json themselves."""
+
+
+def _generation_config(config: EngineConfig, path: str) -> str:
+    """``auto`` reads the model folder's generation_config.json; a GGUF file has none (its defaults: vLLM's)."""
+    return "vllm" if config.generation_config == "auto" and os.path.isfile(path) else config.generation_config
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:

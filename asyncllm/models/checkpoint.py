@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +22,11 @@ from asyncllm.errors import ConfigError, NotBuiltError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from asyncllm.models.gguf_config import GgufCheckpointConfig
+    from asyncllm.models.int4_config import Int4CheckpointConfig
+
 __all__ = ["resolve_model_path", "load_hf_config", "hf_config_json", "hf_config_from_json",
-           "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config"]
+           "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config", "prequantized_config"]
 
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
 """What a snapshot needs for serving: configs, safetensors weights, tokenizer files."""
@@ -37,10 +41,18 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
 
     The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import),
     and huggingface_hub falls back to its cache (HF_HUB_CACHE) when the hub is
-    unreachable. Anything else is a `ConfigError` saying what was tried.
+    unreachable. A ``.gguf`` file must exist locally (asyncllm/models/gguf_config.py; vLLM's hub form
+    ``repo:quant`` is a `NotBuiltError`). Anything else is a `ConfigError` saying what was tried.
     """
     if os.path.isdir(model):
         return model
+    if model.lower().endswith(".gguf"):
+        if not os.path.isfile(model):
+            raise ConfigError("model", model, "a local folder, a hub id, or a .gguf file that exists")
+        return model
+    if re.fullmatch(r"[\w.-]+/[\w.-]+:[\w.-]+", model):  # vLLM's "owner/repo:Q4_K_M"
+        raise NotBuiltError("model", model, "a hub GGUF named as 'repo:quant' (download the .gguf file and pass "
+                                            "its path)")
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
@@ -66,8 +78,13 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
 
 
 def load_hf_config(path: str) -> PretrainedConfig:
-    """The checkpoint's transformers config (no remote code is ever run)."""
+    """The checkpoint's transformers config (no remote code is ever run); a GGUF file's from its metadata."""
     from transformers import AutoConfig
+
+    if os.path.isfile(path) and path.lower().endswith(".gguf"):
+        from asyncllm.models.gguf_config import load_gguf_config
+
+        return load_gguf_config(path)
 
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
@@ -149,7 +166,8 @@ def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None
         raise NotBuiltError("model", model,
                             f"loading a pre-quantized {method!r} checkpoint (its config.json has a "
                             "quantization_config; "
-                            "asyncllm loads pre-quantized 'fp8' checkpoints, and quantizes float checkpoints "
+                            "asyncllm loads pre-quantized 'fp8', 'awq' and 'gptq' checkpoints, and quantizes float "
+                            "checkpoints "
                             "online with quantization='fp8', docs/quantization.md)")
     if quantization not in (None, "fp8"):
         raise ConfigError("quantization", quantization,
@@ -162,6 +180,30 @@ def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None
     _refuse_fp8_architecture(hf_config, model)
     ignored = tuple(section.get("modules_to_not_convert") or ()) + tuple(section.get("ignored_layers") or ())
     return Fp8CheckpointConfig(_block_size(section.get("weight_block_size"), model), ignored)
+
+
+def prequantized_config(
+    hf_config: Any, model: str, quantization: str | None,
+) -> Fp8CheckpointConfig | Int4CheckpointConfig | GgufCheckpointConfig | None:
+    """`prequantized_fp8_config`'s answer, or for an AWQ / GPTQ checkpoint its `Int4CheckpointConfig`
+    (asyncllm/models/int4_config.py), for a GGUF file its `GgufCheckpointConfig` (asyncllm/models/gguf_config.py);
+    `ConfigError` for ``quantization`` 'awq' / 'gptq' over a float checkpoint (there is no online AWQ or GPTQ) and
+    'gguf' over anything but a GGUF file."""
+    from asyncllm.models.gguf_config import gguf_checkpoint_config
+    from asyncllm.models.int4_config import INT4_METHODS, QUANTIZATION_NAMES, int4_checkpoint_config
+
+    gguf = gguf_checkpoint_config(model, quantization)
+    if gguf is not None:
+        return gguf
+
+    method = checkpoint_quantization(hf_config)
+    if method in INT4_METHODS:
+        return int4_checkpoint_config(_quantization_section(hf_config) or {}, hf_config, model, quantization)
+    if method is None and any(quantization in names for names in QUANTIZATION_NAMES.values()):
+        raise ConfigError("quantization", quantization, "None or 'fp8' for a float checkpoint: "
+                          f"{quantization!r} serves checkpoints pre-quantized with it (config.json's "
+                          "quantization_config); this one has none")
+    return prequantized_fp8_config(hf_config, model, quantization)
 
 
 def _block_size(value: Any, model: str) -> tuple[int, int] | None:

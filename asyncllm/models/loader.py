@@ -5,7 +5,7 @@ through huggingface_hub's cache), ``load_hf_config`` reads its config.json
 (both in asyncllm/models/checkpoint.py, which needs no torch), ``resolve_dtype``
 picks the activation dtype and ``load_model`` builds the model
 on the device and fills it from the safetensors files (each rank reads only its
-shard of each tensor) or with random dummy weights.
+shard of each tensor), a GGUF file (asyncllm/models/gguf_loader.py) or with random dummy weights.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from __future__ import annotations
 import glob
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.checkpoint import Fp8CheckpointConfig, load_hf_config, prequantized_fp8_config, resolve_model_path
+from asyncllm.models.checkpoint import Fp8CheckpointConfig, load_hf_config, prequantized_config, resolve_model_path
+from asyncllm.models.gguf_config import GgufCheckpointConfig
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
 
@@ -75,7 +76,8 @@ def load_model(
     ``tp_size`` ranks. The model is returned in eval mode; call it under
     ``torch.inference_mode()``.
     """
-    fp8_checkpoint = prequantized_fp8_config(hf_config, config.model, config.quantization)
+    prequantized = prequantized_config(hf_config, config.model, config.quantization)
+    fp8_checkpoint = prequantized if isinstance(prequantized, Fp8CheckpointConfig) else None
     check_tensor_parallel(hf_config, tp_size, config.enable_expert_parallel)
     model_cls = get_model_class(hf_config)
     max_position = max(text_config_of(hf_config).max_position_embeddings, config.max_model_len or 0)
@@ -86,6 +88,8 @@ def load_model(
     options: dict[str, Any] = {"mm_encoder_tp_mode": config.mm_encoder_tp_mode} if _has_encoder_modes(model_cls) else {}
     if getattr(model_cls, "is_moe", False):
         options["expert_parallel"] = config.enable_expert_parallel
+    if getattr(model_cls, "takes_max_model_len", False):  # LongRoPE's factors depend on it (docs/phi3.md)
+        options["max_model_len"] = config.max_model_len
     with torch.device(device):
         model = model_cls(
             hf_config,
@@ -97,11 +101,21 @@ def load_model(
         )
     if fp8_checkpoint is not None:  # a pre-quantized fp8 checkpoint: asyncllm/models/fp8_checkpoint.py
         _fill_fp8_weights(model, config, fp8_checkpoint)
+    elif isinstance(prequantized, GgufCheckpointConfig) and config.load_format != "dummy":
+        from asyncllm.models.gguf_loader import load_gguf_weights  # dequantized at load
+
+        load_gguf_weights(model, prequantized.path, hf_config)
+    elif isinstance(prequantized, GgufCheckpointConfig):
+        init_dummy_weights(model, config.seed)
+    elif prequantized is not None:  # AWQ / GPTQ: asyncllm/models/int4_checkpoint.py
+        from asyncllm.models.int4_checkpoint import fill_int4_weights
+
+        fill_int4_weights(model, config, prequantized, device)
     elif config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
         load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
-    if config.quantization is not None and fp8_checkpoint is None:  # online: asyncllm/models/quantization.py
+    if config.quantization is not None and prequantized is None:  # online: asyncllm/models/quantization.py
         from asyncllm.models.quantization import quantize_model
 
         quantize_model(model, config.quantization)
@@ -156,7 +170,9 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, LoadedWeight]]:
                 yield name, f.get_slice(name)
 
 
-def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto") -> None:
+def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto",
+                    weights_filter: Callable[[Iterator[tuple[str, LoadedWeight]]], Iterator[tuple[str, LoadedWeight]]]
+                    | None = None) -> None:
     """Fill every parameter from the safetensors in ``path``; `ConfigError` naming missing weights.
 
     With an fp8 ``kv_cache_dtype``, a checkpoint carrying calibrated KV-cache scales is refused with
@@ -165,7 +181,8 @@ def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto") ->
     files = checkpoint_files(path)
     if kv_cache_dtype != "auto":
         _refuse_kv_cache_scales(files, kv_cache_dtype)
-    loaded = model.load_weights(iterate_safetensors(files))
+    weights = iterate_safetensors(files)
+    loaded = model.load_weights(weights if weights_filter is None else weights_filter(weights))
     missing = sorted(model.checkpoint_weight_names() - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")

@@ -89,9 +89,8 @@ def test_unknown_field_is_refused() -> None:
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("quantization", "awq"),
+        ("quantization", "bitsandbytes"),
         ("pipeline_parallel_size", 2),
-        ("data_parallel_size", 2),
         ("speculative_config", {"method": "eagle", "num_speculative_tokens": 3}),
     ],
 )

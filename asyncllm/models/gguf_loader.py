@@ -1,0 +1,95 @@
+"""A GGUF checkpoint's weights, dequantized to the model dtype at load, on each rank.
+
+Each tensor of the file is dequantized alone with ``gguf.quants.dequantize`` (numpy, float32), renamed from
+GGUF's names (``blk.0.attn_q.weight``) to the checkpoint names the model loads (``model.layers.0.self_attn.
+q_proj.weight``, through gguf's own name table), and handed to the model's ``load_weights``: fused q/k/v and
+gate/up shards and tensor-parallel slices are then taken as from safetensors. A llama-family file's q and k rows
+are un-permuted first (llama.cpp's converter interleaves each head's rotary halves; transformers undoes it the same
+way). There is no quantized GEMM: the model holds the weights in its dtype (docs/quantization.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.gguf_config import gguf_architecture
+from asyncllm.models.registry import CausalLM, text_config_of
+
+__all__ = ["PERMUTED_QK_ARCHITECTURES", "gguf_weight_names", "iterate_gguf", "load_gguf_weights",
+           "unpermute_qk"]
+
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+"""GGUF architectures whose ``attn_q`` / ``attn_k`` rows llama.cpp's converter permuted (Qwen's are not)."""
+
+
+def gguf_weight_names(model: CausalLM, arch: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> the checkpoint name ``model`` loads, for every weight the model needs."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    gguf_arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == arch)
+    table = get_tensor_name_map(gguf_arch, num_layers)
+    names = {}
+    for ckpt_name in model.checkpoint_weight_names():
+        stem, _, suffix = ckpt_name.rpartition(".")
+        gguf_stem = table.get_name(stem)
+        if gguf_stem is not None:
+            names[f"{gguf_stem}.{suffix}"] = ckpt_name
+    return names
+
+
+def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's ``permute`` of a q or k projection (rows ``[heads * head_dim, ...]``): its converter
+    reorders each head's rows from the two rotary halves to interleaved pairs; this puts them back (transformers'
+    ``LlamaTensorProcessor._reverse_permute_weights``)."""
+    half = weight.shape[0] // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def _dequantized(tensor: Any) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        return dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError as exc:
+        raise NotBuiltError("model", tensor.name, f"dequantizing GGUF {tensor.tensor_type.name} tensors "
+                                                  f"(gguf {exc})") from exc
+
+
+def iterate_gguf(path: str, names: dict[str, str], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+    from gguf import GGUFReader
+
+    arch = gguf_architecture(path)
+    text_config = text_config_of(hf_config)
+    heads = {"attn_q": text_config.num_attention_heads, "attn_k": text_config.num_key_value_heads}
+    unknown = []
+    for tensor in GGUFReader(path).tensors:
+        if tensor.name not in names:
+            unknown.append(tensor.name)
+            continue
+        weight = _dequantized(tensor)
+        kind = tensor.name.split(".")[-2]
+        if arch in PERMUTED_QK_ARCHITECTURES and kind in heads:
+            weight = unpermute_qk(weight, heads[kind])
+        weight = np.ascontiguousarray(weight, dtype=np.float32)
+        yield names[tensor.name], torch.from_numpy(weight if weight.flags.writeable else weight.copy())
+    if unknown:
+        shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
+        raise ConfigError("model", path, f"a GGUF file of the {arch} architecture; tensors asyncllm's model has no "
+                                         f"parameter for: {shown}")
+
+
+def load_gguf_weights(model: CausalLM, path: str, hf_config: Any) -> None:
+    """Fill every parameter of ``model`` from the GGUF file; `ConfigError` naming missing or unknown tensors."""
+    text_config = text_config_of(hf_config)
+    names = gguf_weight_names(model, gguf_architecture(path), text_config.num_hidden_layers)
+    with torch.no_grad():
+        loaded = model.load_weights(iterate_gguf(path, names, hf_config))
+    missing = sorted(model.checkpoint_weight_names() - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ConfigError("model", path, f"a GGUF file with every weight of its architecture; missing: {shown}")

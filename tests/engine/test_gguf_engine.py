@@ -1,0 +1,28 @@
+"""The whole engine serving a GGUF file (the tiny Llama written as Q8_0 by tests/gguf_reference.py, the tokenizer
+from the original folder as vLLM's docs advise), against transformers' model loaded from the same file."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from engine_helpers import random_prompts
+from gguf_reference import write_gguf
+from hf_reference import hf_greedy
+
+from asyncllm import AsyncEngine, SamplingParams
+
+MAX_TOKENS = 10
+PROMPTS = random_prompts(4, seed=21, max_len=40)
+
+
+@pytest.fixture(scope="module")
+def gguf_llama(tiny_llama: str, tmp_path_factory) -> str:
+    return write_gguf(tiny_llama, str(tmp_path_factory.mktemp("gguf") / "tiny-llama.Q8_0.gguf"))
+
+
+async def test_greedy_tokens_equal_transformers_from_the_same_file(gguf_llama: str, tiny_llama: str) -> None:
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(gguf_llama, tokenizer=tiny_llama, quantization="gguf", disable_log_stats=True) as engine:
+        outputs = await asyncio.gather(*(engine.generate(p, greedy) for p in PROMPTS))
+    assert [out.token_ids for out in outputs] == [hf_greedy(gguf_llama, p, MAX_TOKENS) for p in PROMPTS]
