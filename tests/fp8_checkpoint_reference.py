@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from hf_reference import model_greedy, model_logits
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (448.0 * 512.0)
@@ -136,14 +138,8 @@ class Fp8Reference:
                 linear.register_forward_pre_hook(
                     lambda _m, args: (_group_fake_quant(args[0], group or args[0].shape[-1]),) + tuple(args[1:]))
 
-    @torch.no_grad()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor([token_ids])
-        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+        return model_logits(self.model, token_ids)
 
-    @torch.no_grad()
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  do_sample=False)
-        return out[0, len(prompt):].tolist()
+        return model_greedy(self.model, prompt, max_new_tokens)

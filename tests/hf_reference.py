@@ -19,9 +19,13 @@ def _hf_model(path: str):
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
     """transformers' greedy `generate` for one prompt (no padding involved); `generate_kwargs` go to `generate`."""
+    return model_greedy(_hf_model(path), prompt_ids, max_new_tokens, **generate_kwargs)
+
+
+def model_greedy(model, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """`hf_greedy` for a transformers model already built (e.g. holding a test's own weights)."""
     import torch
 
-    model = _hf_model(path)
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
@@ -32,9 +36,13 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, **generate_
 
 def hf_logits(path: str, token_ids: list[int]):
     """transformers' float32 logits at every position of one sequence: ``[len(token_ids), vocab]``."""
+    return model_logits(_hf_model(path), token_ids)
+
+
+def model_logits(model, token_ids: list[int]):
+    """`hf_logits` for a transformers model already built."""
     import torch
 
-    model = _hf_model(path)
     with torch.no_grad():
         out = model(torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long))
     return out.logits[0].float()

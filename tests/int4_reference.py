@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from hf_reference import model_greedy, model_logits
+
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -154,14 +156,8 @@ class Int4Reference:
             for name, weight in dequantized.items():
                 params[name].copy_(weight)
 
-    @torch.no_grad()
     def logits(self, token_ids: list[int]) -> torch.Tensor:
-        ids = torch.tensor([token_ids])
-        return self.model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+        return model_logits(self.model, token_ids)
 
-    @torch.no_grad()
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt])
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                  do_sample=False)
-        return out[0, len(prompt):].tolist()
+        return model_greedy(self.model, prompt, max_new_tokens)
