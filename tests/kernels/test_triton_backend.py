@@ -58,7 +58,6 @@ def test_triton_model_logits_match_transformers(family: str, decode_linear: bool
 def test_triton_gemma2_logits_match_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Both attention kernels cap the scores (the prefills: unified; the decode-only step after them: split-KV),
     the 8-token window cutting into both; Gemma layers never take the fused decode products, even when asked."""
-    from hf_reference import hf_logits as hf_path_logits
 
     from asyncllm.tiny import tiny_checkpoint
 
@@ -67,20 +66,12 @@ def test_triton_gemma2_logits_match_transformers(monkeypatch: pytest.MonkeyPatch
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
     assert not any(hasattr(layer, "fused_decode_rows") for layer in model.model.layers)
-    spec = kv_cache_spec(hf_config, 1)
-    sequences = [list(range(40, 49)), list(range(300, 313))]
-    run = PagedRun(model, sequences, block_size=4)
-    with torch.device(DEVICE):
-        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
-        all_logits = [logits.cpu() for logits in run.run([[8, 12], [1, 1]])]
-    for tokens, logits in zip(sequences, all_logits):
-        torch.testing.assert_close(logits, hf_path_logits(path, tokens), atol=ATOL, rtol=0)
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
 def test_triton_phi3_logits_match_transformers() -> None:
     """Phi-4-mini's rope on the fused rotary/KV-write kernel: 12 of each head's 16 dims rotated, the rest passed
     through, with LongRoPE's short factors (max_model_len 64: docs/phi3.md); prefills, then a decode-only step."""
-    from hf_reference import hf_logits as hf_path_logits
 
     from asyncllm.tiny import tiny_checkpoint
 
@@ -89,14 +80,7 @@ def test_triton_phi3_logits_match_transformers() -> None:
     config = EngineConfig.create(path, attention_backend="triton", max_model_len=64)
     model = load_model(config, hf_config, DEVICE, torch.float32)
     assert model.model.layers[0].self_attn.rotary_emb.rotary_dim == 12
-    spec = kv_cache_spec(hf_config, 1)
-    sequences = [list(range(40, 49)), list(range(300, 313))]
-    run = PagedRun(model, sequences, block_size=4)
-    with torch.device(DEVICE):
-        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
-        all_logits = [logits.cpu() for logits in run.run([[8, 12], [1, 1]])]
-    for tokens, logits in zip(sequences, all_logits):
-        torch.testing.assert_close(logits, hf_path_logits(path, tokens), atol=ATOL, rtol=0)
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
 def test_selector_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,3 +110,17 @@ def test_decode_linear_switch_refuses_a_bad_value(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("ASYNCLLM_DECODE_LINEAR", "auto")
     with pytest.raises(ConfigError, match="ASYNCLLM_DECODE_LINEAR='auto' is not allowed: expected 1 or 0"):
         envs.DECODE_LINEAR.get()
+
+
+def _two_prefills_then_a_decode_match_transformers(model, path: str, hf_config) -> None:
+    """Two sequences prefilled in chunks of 8 and 12 tokens, then one decode step each, on a paged cache."""
+    from hf_reference import hf_logits as hf_path_logits
+
+    spec = kv_cache_spec(hf_config, 1)
+    sequences = [list(range(40, 49)), list(range(300, 313))]
+    run = PagedRun(model, sequences, block_size=4)
+    with torch.device(DEVICE):
+        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+        all_logits = [logits.cpu() for logits in run.run([[8, 12], [1, 1]])]
+    for tokens, logits in zip(sequences, all_logits):
+        torch.testing.assert_close(logits, hf_path_logits(path, tokens), atol=ATOL, rtol=0)
