@@ -3,17 +3,21 @@
 Written from the format (llama.cpp's ``convert_hf_to_gguf.py``), not from asyncllm's loader: the tensors are
 renamed with gguf's own name table, a llama file's q and k rows are permuted as ``LlamaModel.permute`` does, 2-D
 weights are stored in ``qtype`` (quantized by ``gguf.quants.quantize``, numpy) and 1-D ones (norms, biases) in F32,
-and the metadata is what transformers reads back (config keys under the architecture's prefix, token ids).
+and the metadata is what transformers reads back (config keys under the architecture's prefix, token ids). Rope
+scaling is written as llama.cpp writes it: a linear one as ``rope.scaling.type`` / ``factor`` metadata, a llama3 one
+(Llama 3.1 / 3.2) as the ``rope_freqs.weight`` tensor of per-frequency divisors and no metadata.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, get_tensor_name_map
+from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, RopeScalingType, get_tensor_name_map
 from gguf.quants import quantize
 from safetensors.torch import load_file
 
@@ -31,6 +35,47 @@ def _config(folder: str) -> dict:
         return json.load(f)
 
 
+def _rope(cfg: dict) -> dict:
+    return dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+
+
+def llama3_rope_freqs(cfg: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's ``LlamaModel.generate_extra_tensors``: per frequency, the divisor taking the base inverse
+    frequency to the llama3-scaled one, in its float32 torch arithmetic. One deviation: llama.cpp reads
+    original_max_position_embeddings from the config's top level (8192 when absent, every Llama 3.1 / 3.2's
+    value); here it is the rope parameters' own, as transformers reads it, so a tiny model can use a small one."""
+    rope = _rope(cfg)
+    base = rope.get("rope_theta", 10000.0)
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    factors = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32).numpy()
+
+
+def _rope_scaling_metadata(writer: GGUFWriter, cfg: dict) -> None:
+    """llama.cpp's ``TextModel.set_gguf_parameters`` for linear and YaRN scaling (llama3 writes no metadata)."""
+    rope = _rope(cfg)
+    rope_type = rope.get("rope_type", rope.get("type"))
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope_type == "yarn":
+        writer.add_rope_scaling_type(RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+
+
 def _metadata(writer: GGUFWriter, cfg: dict, name: str, head_dim: int) -> None:
     writer.add_name(name)
     writer.add_context_length(cfg["max_position_embeddings"])
@@ -42,6 +87,7 @@ def _metadata(writer: GGUFWriter, cfg: dict, name: str, head_dim: int) -> None:
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
     writer.add_rope_dimension_count(head_dim)
+    _rope_scaling_metadata(writer, cfg)
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
@@ -90,11 +136,32 @@ def write_gguf(folder: str, path: str, arch: str = "llama",
         name = f"{table.get_name(stem)}.{suffix}"
         data, stored = _gguf_tensor(name, weight, cfg, arch, qtype)
         writer.add_tensor(name, data, raw_dtype=stored)
+    if _rope(cfg).get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(cfg, head_dim), raw_dtype=GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+"""Llama 3.1's rope scaling with a small original context, so prompts cross it; on the tiny Llama's head dim 16 it
+leaves frequency 0 as is, smooths frequency 1 and divides the other 6 by 8."""
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
+
+
+def with_rope_parameters(folder: str, rope: dict, dest: str) -> str:
+    """A copy of the checkpoint in ``folder`` at ``dest`` with ``rope`` as its config's ``rope_parameters`` (the
+    weights do not depend on them): the original model a scaled GGUF file is converted from."""
+    shutil.copytree(folder, dest)
+    cfg = _config(dest)
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = dict(rope)
+    with open(os.path.join(dest, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+    return dest
 
 
 def hf_gguf_state_dict(path: str) -> dict[str, torch.Tensor]:

@@ -3,19 +3,23 @@
 A model given as a local ``.gguf`` file (vLLM's ``vllm serve ./model.Q4_K_M.gguf``) is a GGUF checkpoint:
 `load_gguf_config` reads its transformers config from the file's metadata (transformers' own GGUF reader) after
 refusing an architecture asyncllm does not load from GGUF, and `gguf_checkpoint_config` checks ``quantization``
-against it. The weights are read and dequantized on each rank by asyncllm/models/gguf_loader.py; the format and
-what is built are in docs/quantization.md.
+against it. Rope scaling, which that reader drops, is added from the file as llama.cpp reads it (`_rope_scaling`):
+a linear ``rope.scaling.factor`` as rope_type "linear", Llama 3.1's ``rope_freqs.weight`` divisors as the config's
+``rope_freq_factors`` (asyncllm/models/rotary.py); any other scaling is a `NotBuiltError`. The weights are read
+and dequantized on each rank by asyncllm/models/gguf_loader.py; the format and what is built are in
+docs/quantization.md.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
 
-__all__ = ["GGUF_QUANTIZATION", "GGUF_ARCHITECTURES", "GgufCheckpointConfig", "is_gguf_file", "gguf_architecture",
+__all__ = ["GGUF_QUANTIZATION", "GGUF_ARCHITECTURES", "ROPE_FREQS_TENSOR", "GgufCheckpointConfig", "is_gguf_file", "gguf_architecture",
            "load_gguf_config", "gguf_checkpoint_config"]
 
 GGUF_QUANTIZATION = "gguf"
@@ -64,14 +68,75 @@ def gguf_architecture(path: str) -> str:
     return arch
 
 
-def _refuse_unread(reader: Any, arch: str, path: str) -> None:
-    """`NotBuiltError` for what changes the model's function but transformers' GGUF config does not carry."""
-    scaling = _string(reader, f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise NotBuiltError("model", path, f"GGUF rope scaling ({arch}.rope.scaling.type {scaling!r})")
-    if any(tensor.name == "rope_freqs.weight" for tensor in reader.tensors):
-        raise NotBuiltError("model", path, "GGUF per-frequency rotary factors (rope_freqs.weight: Llama 3.1's rope "
-                                           "scaling as llama.cpp stores it)")
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+"""llama.cpp's per-frequency rotary divisors (its converter writes Llama 3.1 / 3.2's llama3 rope scaling so); the
+config carries them as ``rope_freq_factors`` (asyncllm/models/rotary.py divides the inverse frequencies by them)."""
+_LINEAR_SCALING_TYPES = ("none", "linear")
+"""``rope.scaling.type`` values whose factor is a linear scale (llama.cpp: an absent type reads as "linear", and
+its ``1 / factor`` frequency scale is applied for "none" too)."""
+_INFORMATIONAL_ROPE_KEYS = ("type", "factor", "original_context_length", "finetuned")
+"""``rope.scaling.*`` keys of a linear scaling; llama.cpp reads original_context_length for YaRN only."""
+
+
+def _scalar(reader: Any, key: str) -> float | None:
+    field = reader.fields.get(key)
+    return None if field is None or not field.data else float(field.parts[field.data[0]][0])
+
+
+def _linear_rope_factor(reader: Any, arch: str, path: str) -> float:
+    """The linear rope scaling factor llama.cpp applies to the file (1.0: none); `NotBuiltError` for another
+    scaling type (YaRN, LongRoPE, ...) or a ``rope.scaling`` key asyncllm does not read."""
+    scaling = _string(reader, f"{arch}.rope.scaling.type") or "linear"
+    if scaling not in _LINEAR_SCALING_TYPES:
+        raise NotBuiltError("model", path, f"GGUF rope scaling {arch}.rope.scaling.type {scaling!r} (GGUF reads "
+                                           "'none' and 'linear', and llama3's rope_freqs.weight)")
+    prefix = f"{arch}.rope.scaling."
+    unread = sorted(key for key in reader.fields if key.startswith(prefix)
+                    and key[len(prefix):] not in _INFORMATIONAL_ROPE_KEYS)
+    if unread:
+        raise NotBuiltError("model", path, f"GGUF rope scaling keys {', '.join(unread)}")
+    factor = _scalar(reader, f"{prefix}factor")
+    if factor is None:
+        factor = _scalar(reader, f"{arch}.rope.scale_linear")
+    if factor is not None and (not math.isfinite(factor) or factor < 0):
+        raise ConfigError("model", path, f"a GGUF file with a finite positive {prefix}factor (not {factor})")
+    return 1.0 if not factor else factor  # llama.cpp: 0 or absent is no scaling
+
+
+def _rope_freqs(reader: Any, arch: str, path: str) -> list[float] | None:
+    """The ``rope_freqs.weight`` divisors, None without one; `NotBuiltError` outside the llama architecture."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS_TENSOR), None)
+    if tensor is None:
+        return None
+    if arch != "llama":
+        raise NotBuiltError("model", path, f"GGUF {ROPE_FREQS_TENSOR} in a {arch!r} file (read for 'llama' only)")
+    from gguf.quants import dequantize
+
+    factors = [float(x) for x in dequantize(tensor.data, tensor.tensor_type).reshape(-1)]
+    if not all(math.isfinite(x) and x > 0 for x in factors):
+        raise ConfigError("model", path, f"a GGUF file whose {ROPE_FREQS_TENSOR} is finite and positive")
+    return factors
+
+
+def _rope_scaling(reader: Any, arch: str, path: str) -> tuple[float, list[float] | None]:
+    """(linear factor, rope_freqs divisors or None) of the file; `NotBuiltError` for what asyncllm does not read."""
+    factor, freqs = _linear_rope_factor(reader, arch, path), _rope_freqs(reader, arch, path)
+    if freqs is not None and factor != 1.0:
+        raise NotBuiltError("model", path, f"GGUF {ROPE_FREQS_TENSOR} together with a linear rope scaling factor")
+    return factor, freqs
+
+
+def _apply_rope_scaling(hf_config: Any, factor: float, freqs: list[float] | None, path: str) -> None:
+    """Put the file's rope scaling, which transformers' GGUF config reader drops, into ``hf_config``: a linear
+    factor as transformers' ``rope_type`` "linear", llama3's rope_freqs as ``rope_freq_factors``."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if params.get("rope_type", "default") != "default":  # transformers read a scaling itself: not expected
+        raise NotBuiltError("model", path, f"a GGUF config transformers reads with rope_type {params['rope_type']!r}")
+    if factor != 1.0:
+        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        hf_config.rope_parameters = {**params, "rope_type": "linear", "factor": factor}
+    if freqs is not None:
+        hf_config.rope_freq_factors = freqs
 
 
 def load_gguf_config(path: str) -> Any:
@@ -84,7 +149,7 @@ def load_gguf_config(path: str) -> Any:
     if arch not in GGUF_ARCHITECTURES:
         raise NotBuiltError("model", path, f"GGUF checkpoints of the {arch!r} architecture (GGUF loads "
                                            f"{', '.join(map(repr, GGUF_ARCHITECTURES))})")
-    _refuse_unread(reader, arch, path)
+    factor, freqs = _rope_scaling(reader, arch, path)
     folder, name = os.path.split(os.path.abspath(path))
     try:
         hf_config = AutoConfig.from_pretrained(folder, gguf_file=name, trust_remote_code=False)
@@ -94,6 +159,7 @@ def load_gguf_config(path: str) -> Any:
         raise NotBuiltError("model", path, f"a GGUF {arch!r} file transformers reads as model_type "
                                            f"{hf_config.model_type!r}")
     hf_config.architectures = [_MODEL_TYPE_ARCHITECTURES[hf_config.model_type]]
+    _apply_rope_scaling(hf_config, factor, freqs, path)
     return hf_config
 
 

@@ -5,7 +5,8 @@ GGUF's names (``blk.0.attn_q.weight``) to the checkpoint names the model loads (
 q_proj.weight``, through gguf's own name table), and handed to the model's ``load_weights``: fused q/k/v and
 gate/up shards and tensor-parallel slices are then taken as from safetensors. A llama-family file's q and k rows
 are un-permuted first (llama.cpp's converter interleaves each head's rotary halves; transformers undoes it the same
-way). There is no quantized GEMM: the model holds the weights in its dtype (docs/quantization.md).
+way). ``rope_freqs.weight`` (llama3's rope scaling) is no parameter: the config carries it (gguf_config.py) and it
+is only checked here. There is no quantized GEMM: the model holds the weights in its dtype (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.gguf_config import gguf_architecture
+from asyncllm.models.gguf_config import ROPE_FREQS_TENSOR, gguf_architecture
 from asyncllm.models.registry import CausalLM, text_config_of
 
 __all__ = ["PERMUTED_QK_ARCHITECTURES", "gguf_weight_names", "iterate_gguf", "load_gguf_weights",
@@ -59,6 +60,15 @@ def _dequantized(tensor: Any) -> np.ndarray:
                                                   f"(gguf {exc})") from exc
 
 
+def _check_rope_freqs(tensor: Any, text_config: Any, path: str) -> None:
+    """`ConfigError` unless the config's ``rope_freq_factors`` are the file's ``rope_freqs.weight``."""
+    factors = getattr(text_config, "rope_freq_factors", None)
+    if factors is None or not np.array_equal(np.asarray(factors, dtype=np.float32),
+                                             _dequantized(tensor).reshape(-1)):
+        raise ConfigError("model", path, f"a config whose rope_freq_factors are the file's {ROPE_FREQS_TENSOR} (read "
+                                         "the config with asyncllm.models.gguf_config.load_gguf_config)")
+
+
 def iterate_gguf(path: str, names: dict[str, str], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, float32 tensor) for every tensor of the file, dequantized one at a time."""
     from gguf import GGUFReader
@@ -68,6 +78,9 @@ def iterate_gguf(path: str, names: dict[str, str], hf_config: Any) -> Iterator[t
     heads = {"attn_q": text_config.num_attention_heads, "attn_k": text_config.num_key_value_heads}
     unknown = []
     for tensor in GGUFReader(path).tensors:
+        if tensor.name == ROPE_FREQS_TENSOR:
+            _check_rope_freqs(tensor, text_config, path)
+            continue
         if tensor.name not in names:
             unknown.append(tensor.name)
             continue

@@ -7,6 +7,10 @@ mean exactly what they mean in HF. The cos/sin table is built once in float32.
 LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini) has two sets of factors and transformers picks one per
 forward by the sequence's length; `fix_longrope_factors` picks one set for the whole model from
 ``max_model_len`` (docs/phi3.md), after which the rope no longer depends on the length.
+
+A config with ``rope_freq_factors`` (a GGUF file's ``rope_freqs.weight``: llama.cpp's per-frequency divisors, how
+its converter stores Llama 3.1's llama3 scaling; asyncllm/models/gguf_config.py) has its inverse frequencies
+divided by them, as llama.cpp does.
 """
 
 from __future__ import annotations
@@ -18,14 +22,16 @@ import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from asyncllm.errors import NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
 
-__all__ = ["rope_parameters", "compute_inv_freq", "fix_longrope_factors", "RotaryEmbedding"]
+__all__ = ["FREQ_FACTORS", "rope_parameters", "compute_inv_freq", "fix_longrope_factors", "RotaryEmbedding"]
 
 # Their frequencies change with the batch's sequence length in HF, so the same
 # token would get different rotations depending on what it is batched with.
 _LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+FREQ_FACTORS = "rope_freq_factors"
+"""The config attribute of per-frequency divisors of the inverse frequencies (GGUF's ``rope_freqs.weight``)."""
 
 
 def rope_parameters(hf_config: Any, layer_type: str | None = None) -> dict[str, Any]:
@@ -75,7 +81,8 @@ def fix_longrope_factors(hf_config: Any, max_model_len: int) -> Any:
 
 def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq ``[rotary_dim / 2]`` float32, attention_scaling) exactly as transformers computes them
-    (for the layers of ``layer_type`` when the config has rope parameters per layer type).
+    (for the layers of ``layer_type`` when the config has rope parameters per layer type), divided by the
+    config's ``rope_freq_factors`` when it has them.
 
     ``rotary_dim = head_dim * partial_rotary_factor``: only the first rotary_dim
     features of each head rotate.
@@ -85,12 +92,24 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
     if rope_type == "default":
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
-        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+        return _divided_by_freq_factors(hf_config, 1.0 / (params["rope_theta"] ** exponents), rope_type), 1.0
     if _length_dependent(params) or rope_type not in ROPE_INIT_FUNCTIONS:
         raise NotBuiltError("model", rope_type, f"rotary embedding with rope_type={rope_type!r}")
     per_type = {"layer_type": layer_type} if _per_layer_type(hf_config, layer_type) else {}
     inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **per_type)
-    return inv_freq.to(torch.float32), float(attention_scaling)
+    return _divided_by_freq_factors(hf_config, inv_freq.to(torch.float32), rope_type), float(attention_scaling)
+
+
+def _divided_by_freq_factors(hf_config: Any, inv_freq: torch.Tensor, rope_type: str) -> torch.Tensor:
+    """``inv_freq / rope_freq_factors`` (llama.cpp's ``theta / freq_factor``), ``inv_freq`` without factors."""
+    factors = getattr(hf_config, FREQ_FACTORS, None)
+    if factors is None:
+        return inv_freq
+    if rope_type != "default":
+        raise NotBuiltError("model", rope_type, f"{FREQ_FACTORS} together with rope_type={rope_type!r}")
+    if len(factors) != inv_freq.numel():
+        raise ConfigError(FREQ_FACTORS, f"{len(factors)} factors", f"one per rotary frequency ({inv_freq.numel()})")
+    return inv_freq / torch.tensor(factors, dtype=torch.float32)
 
 
 class RotaryEmbedding(nn.Module):

@@ -1,5 +1,6 @@
 """The whole engine serving a GGUF file (the tiny Llama written as Q8_0 by tests/gguf_reference.py, the tokenizer
-from the original folder as vLLM's docs advise), against transformers' model loaded from the same file."""
+from the original folder as vLLM's docs advise), against transformers' model loaded from the same file; and a
+Llama 3.1-style rope-scaled one (F32, rope_freqs.weight) against transformers' model of the original checkpoint."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import asyncio
 
 import pytest
 from engine_helpers import random_prompts
-from gguf_reference import write_gguf
+from gguf import GGMLQuantizationType
+from gguf_reference import LLAMA3_ROPE, with_rope_parameters, write_gguf
 from hf_reference import hf_greedy
 
 from asyncllm import AsyncEngine, SamplingParams
@@ -26,3 +28,14 @@ async def test_greedy_tokens_equal_transformers_from_the_same_file(gguf_llama: s
     async with AsyncEngine(gguf_llama, tokenizer=tiny_llama, quantization="gguf", disable_log_stats=True) as engine:
         outputs = await asyncio.gather(*(engine.generate(p, greedy) for p in PROMPTS))
     assert [out.token_ids for out in outputs] == [hf_greedy(gguf_llama, p, MAX_TOKENS) for p in PROMPTS]
+
+
+async def test_llama3_rope_file_equals_the_original_checkpoint(tiny_llama: str, tmp_path) -> None:
+    """The rope_freqs reach the workers (in the config JSON) and every position past 32 is rotated as in HF."""
+    original = with_rope_parameters(tiny_llama, LLAMA3_ROPE, str(tmp_path / "llama3"))
+    path = write_gguf(original, str(tmp_path / "llama3.gguf"), qtype=GGMLQuantizationType.F32)
+    prompts = random_prompts(3, seed=0, max_len=60)  # 57, 33, 39 tokens
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(path, tokenizer=tiny_llama, disable_log_stats=True) as engine:
+        outputs = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
+    assert [out.token_ids for out in outputs] == [hf_greedy(original, p, MAX_TOKENS) for p in prompts]

@@ -1,14 +1,20 @@
 """GGUF checkpoints (asyncllm/models/gguf_config.py, gguf_loader.py): tiny float32 models written as GGUF files by
 tests/gguf_reference.py (llama.cpp's renaming and q/k permutation, F32, Q8_0 or Q4_0 weights), loaded by asyncllm and
 by transformers: the weights must be equal exactly, on one rank and on both of tensor_parallel_size=2. The tokenizer
-built from the file and what is refused are checked here too; the engine is in tests/engine/test_gguf_engine.py."""
+built from the file and what is refused are checked here too; the engine is in tests/engine/test_gguf_engine.py.
+A rope-scaled Llama (llama3 as llama.cpp stores it: rope_freqs.weight; linear: rope.scaling metadata), written F32,
+is compared with transformers' model of the ORIGINAL checkpoint (transformers' own GGUF reader drops the scaling)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from engine_helpers import random_prompts
 from gguf import GGMLQuantizationType, GGUFWriter
-from gguf_reference import hf_gguf_state_dict, write_gguf
+from gguf_reference import LINEAR_ROPE, LLAMA3_ROPE, hf_gguf_state_dict, with_rope_parameters, write_gguf
+from hf_reference import _hf_model, hf_logits
+from model_utils import PagedRun
 
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
@@ -18,6 +24,7 @@ from asyncllm.models.gguf_config import GgufCheckpointConfig
 from asyncllm.models.gguf_loader import load_gguf_weights
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.registry import get_model_class
+from asyncllm.models.rotary import compute_inv_freq
 
 CPU = torch.device("cpu")
 CASES = {  # tiny arch, its overrides, stored type of 2-D weights
@@ -117,16 +124,78 @@ def test_quantization_must_match_the_model(gguf_files, tiny_llama: str) -> None:
         resolve_model_path("TheBloke/TinyLlama-1.1B-Chat-v1.0-GGUF:Q4_K_M")
 
 
-def test_other_gguf_architectures_are_not_built(tmp_path) -> None:
-    path = str(tmp_path / "phi.gguf")
-    writer = GGUFWriter(path, "phi3")
+def _bare_gguf(path: str, arch: str, strings: dict[str, str] | None = None, floats: dict[str, float] | None = None,
+               rope_freqs: bool = False) -> str:
+    """A GGUF file of metadata only (and a rope_freqs tensor): enough for what is refused before transformers."""
+    writer = GGUFWriter(path, arch)
     writer.add_block_count(1)
+    for key, value in (strings or {}).items():
+        writer.add_string(key, value)
+    for key, value in (floats or {}).items():
+        writer.add_float32(key, value)
+    if rope_freqs:
+        writer.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_other_gguf_architectures_are_not_built(tmp_path) -> None:
     with pytest.raises(NotBuiltError, match="'phi3' architecture"):
-        load_hf_config(path)
+        load_hf_config(_bare_gguf(str(tmp_path / "phi.gguf"), "phi3"))
+
+
+@pytest.mark.parametrize("arch, strings, floats, rope_freqs, message", [
+    ("llama", {"llama.rope.scaling.type": "yarn"}, {"llama.rope.scaling.factor": 4.0}, False, "type 'yarn'"),
+    ("qwen2", {"qwen2.rope.scaling.type": "longrope"}, {}, False, "type 'longrope'"),
+    ("llama", {"llama.rope.scaling.type": "linear"}, {"llama.rope.scaling.attn_factor": 2.0}, False,
+     "keys llama.rope.scaling.attn_factor"),
+    ("qwen2", {}, {}, True, "rope_freqs.weight in a 'qwen2' file"),
+    ("llama", {}, {"llama.rope.scaling.factor": 2.0}, True, "together with a linear"),
+], ids=["yarn", "longrope", "attn-factor", "qwen2-rope-freqs", "rope-freqs-and-linear"])
+def test_rope_scaling_not_read_is_not_built(tmp_path, arch, strings, floats, rope_freqs, message) -> None:
+    with pytest.raises(NotBuiltError, match=message):
+        load_hf_config(_bare_gguf(str(tmp_path / "scaled.gguf"), arch, strings, floats, rope_freqs))
+
+
+# ------------------------------------------------------------------ rope scaling
+ROPES = {"llama3": LLAMA3_ROPE, "linear": LINEAR_ROPE}
+SEQUENCES = random_prompts(2, seed=5, max_len=60)  # 42 and 51 tokens: past original_max_position_embeddings (32)
+VS_ORIGINAL = 1e-4  # |logits - the original checkpoint's| (float32, F32 file)
+
+
+@pytest.fixture(scope="module")
+def scaled(tiny_llama: str, tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """kind -> (the original checkpoint with that rope scaling, its F32 GGUF file as llama.cpp writes it)."""
+    folder = tmp_path_factory.mktemp("scaled")
+    out = {}
+    for kind, rope in ROPES.items():
+        original = with_rope_parameters(tiny_llama, rope, str(folder / kind))
+        out[kind] = original, write_gguf(original, str(folder / f"{kind}.gguf"), qtype=GGMLQuantizationType.F32)
+    return out
+
+
+def _paged_logits(model: torch.nn.Module, hf_config, sequences: list[list[int]]) -> list[torch.Tensor]:
+    run = PagedRun(model, sequences)
+    run.new_kv_caches(hf_config.num_hidden_layers, hf_config.num_key_value_heads, hf_config.head_dim, torch.float32)
+    return run.run([[20, len(sequences[1])], [len(sequences[0]) - 20, 0]])
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_rope_scaled_file_equals_the_original_checkpoint(scaled, gguf_files, kind: str) -> None:
+    """Inverse frequencies (within float32 rounding: llama.cpp divides by 1 / ((1 - s) / factor + s) where
+    transformers multiplies by (1 - s) / factor + s) and logits at every position."""
+    original, path = scaled[kind]
+    hf_config = load_hf_config(path)
+    inv_freq, scaling = compute_inv_freq(hf_config, hf_config.head_dim)
+    assert scaling == 1.0
+    torch.testing.assert_close(inv_freq, _hf_model(original).model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
+    unscaled, _ = compute_inv_freq(load_hf_config(gguf_files["llama-f32"]), hf_config.head_dim)
+    assert int((inv_freq != unscaled).sum()) >= 6  # the scaling is there
+    for seq, logits in zip(SEQUENCES, _paged_logits(_load(path, 0, 1), hf_config, SEQUENCES)):
+        assert float((logits - hf_logits(original, seq)).abs().max()) < VS_ORIGINAL
 
 
 def test_without_a_tokenizer_it_is_built_from_the_file(gguf_files, tiny_llama: str) -> None:
@@ -137,3 +206,13 @@ def test_without_a_tokenizer_it_is_built_from_the_file(gguf_files, tiny_llama: s
         ids = ours(text).input_ids
         assert ids == original(text).input_ids and ours.decode(ids) == original.decode(ids), text
     assert eos_token_ids(ours, gguf_files["llama-q8_0"]) == [original.eos_token_id]
+
+
+def test_rope_freqs_need_the_config_that_carries_them(scaled, gguf_files) -> None:
+    """The loader checks the file's rope_freqs against the config's instead of dropping them."""
+    path = scaled["llama3"][1]
+    factors = load_hf_config(path).rope_freq_factors  # the 3 bands: kept, smoothed, divided by the factor
+    assert factors[0] == 1.0 and 1.0 < factors[1] < 8.0 and factors[2:] == [8.0] * 6
+    model = _load(gguf_files["llama-f32"], 0, 1)
+    with pytest.raises(ConfigError, match="rope_freq_factors are the file's rope_freqs.weight"):
+        load_gguf_weights(model, path, load_hf_config(gguf_files["llama-f32"]))
