@@ -31,8 +31,12 @@ CONFIG_FILE = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."
 _FIELD = "lora_request"
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-"""The projections an adapter may change (every linear layer of a decoder layer)."""
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
+                "gate_up_proj")
+"""The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
+gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3)."""
+FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM",)
+"""Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
 _TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -107,14 +111,23 @@ def read_adapter(path: str) -> Adapter:
 
 
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
-    """(input features, output features) of every adaptable projection of the model, by projection name."""
+    """(input features, output features) of every adaptable projection of the model, by projection name
+    (the checkpoint's names: fused ``qkv_proj`` and ``gate_up_proj`` for `FUSED_LORA_ARCHITECTURES`)."""
     hidden = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q = hf_config.num_attention_heads * head_dim
     kv = hf_config.num_key_value_heads * head_dim
     inter = hf_config.intermediate_size
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden)}
+    if _architecture(hf_config) in FUSED_LORA_ARCHITECTURES:
+        return {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter), **shared}
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "gate_proj": (hidden, inter),
+            "up_proj": (hidden, inter), **shared}
+
+
+def _architecture(hf_config: Any) -> str | None:
+    architectures = getattr(hf_config, "architectures", None) or []
+    return architectures[0] if architectures else None
 
 
 class AdapterChecker:
@@ -124,6 +137,7 @@ class AdapterChecker:
         self.max_lora_rank = max_lora_rank
         self._num_layers = hf_text_config.num_hidden_layers
         self._shapes = module_shapes(hf_text_config)
+        self._arch = _architecture(hf_text_config) or "this model"
         self._checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}
         """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder)."""
         self._lock = threading.Lock()
@@ -155,10 +169,19 @@ class AdapterChecker:
             layer, projection = int(match.group(1)), match.group(3)
             if layer >= self._num_layers:
                 _fail(adapter.path, f"{name}: the model has {self._num_layers} layers")
-            expected = self._shapes[projection]
+            expected = self._shapes.get(projection)
+            if expected is None:
+                _fail(adapter.path, f"{name}: {self._arch} has no {projection} to adapt (its projections: "
+                                    f"{', '.join(sorted(self._shapes))}){_fused_hint(projection)}")
             if (module.in_features, module.out_features) != expected:
                 _fail(adapter.path, f"{name} maps {module.in_features} -> {module.out_features} features, this "
                                     f"model's projection {expected[0]} -> {expected[1]} (an adapter of another model?)")
+
+
+def _fused_hint(projection: str) -> str:
+    if projection in ("qkv_proj", "gate_up_proj"):
+        return "; an adapter of a fused checkpoint (Phi-3) on a model with separate projections?"
+    return "; its checkpoint fuses q, k, v and gate, up, and so do its adapters (an adapter of another model?)"
 
 
 def _same_folder(checked: LoRARequest, request: LoRARequest) -> bool:

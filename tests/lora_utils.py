@@ -39,12 +39,24 @@ def _peft_model(base_path: str, adapter_path: str):
     return PeftModel.from_pretrained(model, adapter_path).eval()
 
 
-def peft_greedy(base_path: str, adapter_path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    """PEFT's greedy `generate` with the adapter (unmerged: base output plus the scaled B A product)."""
+def peft_greedy(base_path: str, adapter_path: str, prompt_ids: list[int], max_new_tokens: int,
+                **generate_kwargs: Any) -> list[int]:
+    """PEFT's greedy `generate` with the adapter (unmerged: base output plus the scaled B A product);
+    `generate_kwargs` go to `generate`."""
     import torch
 
     model = _peft_model(base_path, os.path.abspath(adapter_path))
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), **generate_kwargs)
     return out[0, len(prompt_ids):].tolist()
+
+
+def peft_logits(base_path: str, adapter_path: str, token_ids: list[int]):
+    """PEFT's float32 logits with the adapter at every position of one sequence: ``[len(token_ids), vocab]``."""
+    import torch
+
+    model = _peft_model(base_path, os.path.abspath(adapter_path))
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long))
+    return out.logits[0].float()

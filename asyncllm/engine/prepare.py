@@ -17,10 +17,8 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.lora import AdapterChecker
 from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
 from asyncllm.models.architectures import (
-    GEMMA_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
-    PHI3_ARCHITECTURES,
     architecture_of,
 )
 from asyncllm.models.checkpoint import hf_config_json, load_hf_config, prequantized_config, resolve_model_path
@@ -69,9 +67,9 @@ def prepare(config: EngineConfig) -> Prepared:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:
-        no_lora = (*MULTIMODAL_ARCHITECTURES, *MOE_ARCHITECTURES, *GEMMA_ARCHITECTURES, *PHI3_ARCHITECTURES)
-        if arch in no_lora:
-            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (Llama-style dense text models only)")
+        if arch in (*MULTIMODAL_ARCHITECTURES, *MOE_ARCHITECTURES, *_NO_LORA):
+            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (dense text decoders only: Llama, "
+                                                     "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3)")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if arch in MULTIMODAL_ARCHITECTURES:
@@ -89,6 +87,10 @@ def prepare(config: EngineConfig) -> Prepared:
                     default_sampling_fields(_generation_config(config, path), path, config.override_generation_config),
                     pooling_model_of(arch, text_config))
 
+
+_NO_LORA = ("Gemma3ForConditionalGeneration",)
+"""Text-only serving of an image-text checkpoint: its adapters' names (``language_model.``) and vision-tower
+targets are not mapped."""
 
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);

@@ -15,6 +15,13 @@ depend on which adapters are in it. Steps without an adapter skip it all
 Tensor parallel: a column-parallel projection keeps A whole and this rank's
 rows of B (the rows its weight keeps); a row-parallel one keeps this rank's
 columns of A and all of B, and adds its partial product before the all-reduce.
+
+Fused checkpoints (Phi-3: ``qkv_proj``, ``gate_up_proj``; the model's
+``fused_parts``): their adapters hold one A and one B over the fused rows, as
+vLLM's packed modules. The projection then has one part (``width`` is
+``max_lora_rank``): A goes in whole, and B is cut by the fused rows' parts
+(q, k, v; gate, up), each part's rows landing where the projection's weight
+keeps that part, so a rank keeps its heads of q, of k and of v.
 """
 
 from __future__ import annotations
@@ -43,13 +50,15 @@ class LoRALayer(nn.Module):
     """The adapter slots of one projection (`attach_lora_layers` puts one on every projection)."""
 
     def __init__(self, base: nn.Module, parts: list[object], num_slots: int, max_rank: int,
-                 context: LoRAContext) -> None:
+                 context: LoRAContext, fused_rows: list[tuple[object, int]] | None = None) -> None:
         super().__init__()
         weight = base.weight
         self.row_parallel = isinstance(base, RowParallelLinear)
         self.base = [base]  # a list: not a submodule (the projection owns this layer, not the reverse)
         self.parts = parts
         """The shard ids of the checkpoint matrices stacked in the projection (``[None]`` when unfused)."""
+        self.fused_rows = fused_rows
+        """A fused checkpoint matrix's parts in its row order, (shard id, rows); None when not fused."""
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.width = max_rank * len(parts)
@@ -88,21 +97,26 @@ class LoRALayer(nn.Module):
             self.b[:, columns].copy_(lora_b)
             return
         assert isinstance(base, _ColumnParallelLinear)
-        dst, src, length = base._shard_rows(part)
         self.a[columns].copy_(lora_a)
-        self.b[dst:dst + length, columns].copy_(lora_b[src:src + length])
+        assert self.fused_rows is None or part is None, part
+        fused_start = 0  # where the part's rows start in lora_b: a fused adapter's B stacks every part
+        for shard_id, fused_length in self.fused_rows or [(part, 0)]:
+            dst, src, length = base._shard_rows(shard_id)
+            self.b[dst:dst + length, columns].copy_(lora_b[fused_start + src:fused_start + src + length])
+            fused_start += fused_length
 
 
 def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAContext) -> dict[str, LoRALayer]:
     """Give every projection named in the model's checkpoint a `LoRALayer`; them by projection module name."""
     layers: dict[str, LoRALayer] = {}
     packed = model.packed_modules
+    fused_parts: dict[str, list[tuple[object, int]]] = getattr(model, "fused_parts", {})
     for name, module in model.named_modules():
         if not isinstance(module, (_ColumnParallelLinear, RowParallelLinear)) or ".layers." not in name:
             continue
         fused = name.rsplit(".", 1)[-1]
         parts = [shard for _, shard in packed[fused]] if fused in packed else [None]
-        module.lora = layers[name] = LoRALayer(module, parts, num_slots, max_rank, context)
+        module.lora = layers[name] = LoRALayer(module, parts, num_slots, max_rank, context, fused_parts.get(fused))
     for layer in getattr(getattr(model, "model", None), "layers", []):
         layer.fused_decode_rows = 0  # the fused decode path reads the weights directly, past the LoRA layers
     return layers

@@ -84,7 +84,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
             "qkv_proj": [("q", q_rows), ("k", kv_rows), ("v", kv_rows)],
             "gate_up_proj": [(0, mlp_rows), (1, mlp_rows)],
         }
-        """Each fused checkpoint matrix's parts, in its row order: (shard id, rows)."""
+        """Each fused checkpoint matrix's parts, in its row order: (shard id, rows). The weights load by it, and so
+        does a LoRA adapter's B of the fused module (asyncllm/models/lora.py)."""
 
     def _load_one(self, param: nn.Parameter, ckpt_name: str, weight: LoadedWeight, shard_id: object) -> None:
         parts = next((p for fused, p in self.fused_parts.items() if f".{fused}." in ckpt_name), None)

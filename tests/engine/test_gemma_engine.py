@@ -36,7 +36,21 @@ async def test_gemma_greedy_equals_transformers(arch: str) -> None:
         assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
 
 
-async def test_lora_on_gemma_is_not_built() -> None:
-    with pytest.raises(NotBuiltError, match="LoRA adapters for Gemma2ForCausalLM"):
-        async with AsyncEngine(tiny_checkpoint("gemma2"), enable_lora=True):
+async def test_lora_on_gemma3_image_text_checkpoints_is_not_built(tmp_path) -> None:
+    """Gemma 2 / Gemma 3 text adapters: tests/engine/test_lora_engine.py. An image-text checkpoint's (its
+    adapters' names and vision-tower targets are not mapped) is refused before anything starts."""
+    import shutil
+
+    import transformers
+
+    from asyncllm.models.loader import load_hf_config
+
+    text = tiny_checkpoint("gemma3")
+    shutil.copytree(text, tmp_path, dirs_exist_ok=True)
+    vision = dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=28, patch_size=14)
+    transformers.Gemma3Config(text_config=load_hf_config(text).to_dict(), vision_config=vision,
+                              architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(tmp_path)
+    with pytest.raises(NotBuiltError, match="LoRA adapters for Gemma3ForConditionalGeneration"):
+        async with AsyncEngine(str(tmp_path), enable_lora=True):
             pass

@@ -1,6 +1,7 @@
 """LoRA adapters end to end: greedy outputs equal PEFT's, token for token, in batches that mix adapters and the
 base model, under chunked prefill, max_loras, slot eviction, the CPU cache and tensor parallelism; prefix caching
-never shares KV across adapters; a bad adapter is the request's error and the engine serves on."""
+never shares KV across adapters; a bad adapter is the request's error and the engine serves on; Phi-3's fused
+adapters and Gemma's (their logits, and the fused split over two ranks: tests/unit/test_lora_models.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import asyncio
 import pytest
 
 from asyncllm import AsyncEngine, InvalidRequestError, LoRARequest, SamplingParams
+from asyncllm.tiny import tiny_checkpoint
 from engine_helpers import random_prompts
 from hf_reference import hf_greedy
 from lora_utils import make_adapter, peft_greedy
@@ -142,3 +144,22 @@ async def test_an_adapter_gone_before_the_workers_read_it_fails_its_requests_onl
         shutil.copy(good, weights)
         out = await engine.generate(prompt, GREEDY, lora_request=lora)
         assert out.token_ids == _reference(tiny_llama, lora, prompt)
+
+
+@pytest.mark.parametrize("arch, targets", [("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+                                           ("gemma2", None)])
+async def test_fused_phi3_and_gemma_adapters_equal_peft(arch: str, targets: list[str] | None, tmp_path) -> None:
+    """Phi-3's adapters target its checkpoint's fused qkv_proj and gate_up_proj; Gemma 2's every projection (its
+    scaled embeddings, extra norms and capped logits around them). Each prompt runs with the adapter and without
+    it, in the same batches, with 16-token chunks; sequences stay within Phi-3's 64 pretrained positions."""
+    path = tiny_checkpoint(arch)
+    lora = LoRARequest(arch, 1, make_adapter(path, str(tmp_path / arch), seed=7, rank=8, targets=targets))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = random_prompts(2, seed=14, max_len=40)
+    async with AsyncEngine(path, max_model_len=64, max_num_batched_tokens=16, enable_lora=True,
+                           disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params, lora_request=v) for p in prompts for v in (lora, None)))
+    got = iter(outs)
+    for prompt in prompts:
+        assert next(got).token_ids == peft_greedy(path, lora.lora_path, prompt, MAX_TOKENS, eos_token_id=None)
+        assert next(got).token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)

@@ -16,7 +16,6 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncEngine, SamplingParams
-from asyncllm.errors import NotBuiltError
 from asyncllm.tiny import tiny_checkpoint
 from hf_reference import hf_greedy
 
@@ -45,9 +44,3 @@ async def test_phi3_greedy_equals_transformers(engine: AsyncEngine, path: str) -
     assert engine.stats().prefix_cache_hits > 0
     for prompt, out in zip([*prompts, prompts[0] + [7, 8]], [*outs, again]):
         assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
-
-
-async def test_lora_on_phi3_is_not_built(path: str) -> None:
-    with pytest.raises(NotBuiltError, match="LoRA adapters for Phi3ForCausalLM"):
-        async with AsyncEngine(path, enable_lora=True):
-            pass

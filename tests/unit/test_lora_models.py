@@ -1,0 +1,132 @@
+"""LoRA on Gemma 2, Gemma 3 and Phi-3 in process: every position's logits equal PEFT's (fp32, 1e-4), for a
+sequence with the adapter batched with one without it; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` adapters
+split per part over two tensor-parallel ranks; the host's check of fused and separate module names.
+Through the whole engine: tests/engine/test_lora_engine.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import hf_logits
+from lora_utils import make_adapter, peft_logits
+from model_utils import PagedRun
+from safetensors.torch import load_file
+
+from asyncllm import InvalidRequestError, LoRARequest
+from asyncllm.attention.selector import get_attention_backend
+from asyncllm.config import EngineConfig
+from asyncllm.lora import AdapterChecker, read_adapter
+from asyncllm.models.layers import TensorParallel
+from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.lora import LoRAContext, attach_lora_layers, load_adapter_tensors
+from asyncllm.models.phi3 import Phi3ForCausalLM
+from asyncllm.models.registry import kv_cache_spec
+from asyncllm.tiny import tiny_checkpoint
+
+ATOL = 1e-4
+PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+SLOTS, MAX_RANK, SLOT = 2, 8, 1
+"""The adapter goes in slot 1 of 2 (slot 0 stays empty)."""
+ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate; Phi-3: the fused ones)
+    "gemma2": dict(seed=21, rank=8, alpha=16),
+    "gemma3": dict(seed=22, rank=4, alpha=8, use_rslora=True),
+    "phi3": dict(seed=23, rank=8, alpha=16, targets=PHI3_TARGETS, alpha_pattern={"qkv_proj": 32}),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {arch: make_adapter(tiny_checkpoint(arch), str(tmp_path_factory.mktemp(f"lora_{arch}")), **kwargs)
+            for arch, kwargs in ADAPTERS.items()}
+
+
+def _with_adapter(model: torch.nn.Module, adapter: str) -> LoRAContext:
+    """Attach LoRA layers to the model and put the adapter in `SLOT`; the context's mask is left to the caller."""
+    context = LoRAContext()
+    layers = attach_lora_layers(model, SLOTS, MAX_RANK, context)
+    for module_name, part, lora_a, lora_b, scaling in load_adapter_tensors(read_adapter(adapter), model):
+        layers[module_name].set(SLOT, part, lora_a, lora_b, scaling)
+    return context
+
+
+class MaskedRun(PagedRun):
+    """`PagedRun` that sets each step's LoRA mask: sequence i's tokens use slot ``slots[i]`` (-1: none)."""
+
+    context: LoRAContext
+    slots: list[int]
+
+    def step(self, num_scheduled: list[int]) -> None:
+        token_slots = torch.tensor([s for s, n in zip(self.slots, num_scheduled) for _ in range(n)])
+        self.context.mask = (token_slots[:, None] == torch.arange(SLOTS)[None, :]).float()
+        super().step(num_scheduled)
+
+
+@pytest.mark.parametrize("arch", sorted(ADAPTERS))
+def test_logits_equal_peft_with_the_base_model_in_the_same_batch(arch: str, adapters: dict[str, str]) -> None:
+    path = tiny_checkpoint(arch)
+    model = load_model(EngineConfig.create(path, max_model_len=64), load_hf_config(path), torch.device("cpu"),
+                       torch.float32)
+    gen = torch.Generator().manual_seed(len(arch))
+    sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in (23, 19)]
+    run = MaskedRun(model, sequences, block_size=4)
+    run.context, run.slots = _with_adapter(model, adapters[arch]), [SLOT, -1]
+    spec = kv_cache_spec(load_hf_config(path), 1)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    with_adapter, base = run.run([[9, 7], [6, 1], [1, 1], [1, 9], [6, 1]])  # chunks, one-token steps
+    expected = peft_logits(path, adapters[arch], sequences[0])
+    assert (expected - hf_logits(path, sequences[0])).abs().max() > 0.5  # the adapter changes the logits
+    torch.testing.assert_close(with_adapter, expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(base, hf_logits(path, sequences[1]), atol=ATOL, rtol=0)
+
+
+def test_phi3_fused_adapters_split_per_part_over_two_ranks(adapters: dict[str, str]) -> None:
+    """Each rank's column-parallel LoRA output is its rows of q, of k and of v (gate, up) of the whole product;
+    the row-parallel ranks' partial products add up to it."""
+    path = tiny_checkpoint("phi3")
+    hf_config = load_hf_config(path)
+    backend = get_attention_backend("torch_sdpa", torch.device("cpu"), torch.float32)
+    ranks = []
+    for rank in range(2):
+        model = Phi3ForCausalLM(hf_config, dtype=torch.float32, tp=TensorParallel(rank, 2), attn_backend=backend,
+                                max_position=64)
+        context = _with_adapter(model, adapters["phi3"])
+        context.mask = torch.tensor([[0.0, 1.0]] * 3)
+        ranks.append(model.model.layers[1])
+    read = read_adapter(adapters["phi3"])
+    tensors = load_file(read.weights_path)
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0))
+
+    def full(module: str, width: int) -> torch.Tensor:
+        key = f"base_model.model.model.layers.1.{module}"
+        a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
+        return x[:, :width] @ a.T @ b.T * read.modules[f"model.layers.1.{module}"].scaling
+
+    q, k, v = full("self_attn.qkv_proj", 64).split([64, 32, 32], dim=1)  # 4 q heads, 2 KV heads of 16 dims
+    gate, up = full("mlp.gate_up_proj", 64).split([128, 128], dim=1)
+    for rank, layer in enumerate(ranks):
+        def rows(t: torch.Tensor, n: int, rank: int = rank) -> torch.Tensor:  # this rank's n features of a part
+            return t[:, n * rank:n * (rank + 1)]
+
+        qkv_out = layer.self_attn.qkv_proj.lora(x[:, :64], torch.zeros(3, 64))
+        torch.testing.assert_close(qkv_out, torch.cat([rows(q, 32), rows(k, 16), rows(v, 16)], dim=1))
+        gate_up_out = layer.mlp.gate_up_proj.lora(x[:, :64], torch.zeros(3, 128))
+        torch.testing.assert_close(gate_up_out, torch.cat([rows(gate, 64), rows(up, 64)], dim=1))
+    for block, name, width in [("self_attn", "o_proj", 64), ("mlp", "down_proj", 128)]:  # row-parallel
+        half = width // 2
+        partials = [getattr(getattr(layer, block), name).lora(x[:, half * r:half * (r + 1)], torch.zeros(3, 64))
+                    for r, layer in enumerate(ranks)]
+        torch.testing.assert_close(partials[0] + partials[1], full(f"{block}.{name}", width))
+
+
+def test_the_host_checks_fused_and_separate_module_names(adapters: dict[str, str], tiny_llama: str,
+                                                          tmp_path) -> None:
+    phi3 = AdapterChecker(load_hf_config(tiny_checkpoint("phi3")), max_lora_rank=8)
+    assert phi3.check(LoRARequest("p", 1, adapters["phi3"])).lora_path == adapters["phi3"]
+    llama_adapter = make_adapter(tiny_llama, str(tmp_path / "llama"), seed=4, rank=4, targets=["q_proj"])
+    with pytest.raises(InvalidRequestError, match="Phi3ForCausalLM has no q_proj to adapt .* fuses q, k, v"):
+        phi3.check(LoRARequest("l", 2, llama_adapter))
+    llama = AdapterChecker(load_hf_config(tiny_llama), max_lora_rank=8)
+    with pytest.raises(InvalidRequestError, match="LlamaForCausalLM has no (qkv|gate_up)_proj to adapt .* fused checkpoint"):
+        llama.check(LoRARequest("p", 1, adapters["phi3"]))
+    gemma = AdapterChecker(load_hf_config(tiny_checkpoint("gemma2")), max_lora_rank=8)
+    assert gemma.check(LoRARequest("g", 1, adapters["gemma2"])).lora_path == adapters["gemma2"]
