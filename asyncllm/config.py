@@ -13,6 +13,7 @@ from typing import Any
 
 from asyncllm.attention.availability import ATTENTION_BACKENDS, check_backend_available
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.pooling import check_pooler_config
 from asyncllm.spec.config import SpeculativeConfig
 
 __all__ = [
@@ -122,6 +123,8 @@ class ModelConfig:
     max_tokens), vllm = none (SamplingParams' own defaults), or a folder holding a generation_config.json."""
     override_generation_config: dict[str, Any] | None = None
     """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}."""
+    pooler_config: dict[str, Any] | None = None
+    """vLLM's PoolerConfig as a dict: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (docs/embeddings.md)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -144,6 +147,7 @@ class ModelConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError("generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         _sampling_fields("override_generation_config", self.override_generation_config)
+        check_pooler_config(self.pooler_config)
 
 
 @dataclass(frozen=True)

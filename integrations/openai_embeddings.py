@@ -50,7 +50,8 @@ class EmbeddingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows)."""
     normalize: bool | None = None
-    """vLLM's: false returns the raw hidden state; null or left out: normalized (L2)."""
+    """vLLM's: false returns the raw hidden state; null or left out: the model's default (L2-normalized unless
+    the engine's ``pooler_config`` says otherwise)."""
     priority: int = 0
     """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
     cache_salt: str | None = None
@@ -87,7 +88,7 @@ def embedding_inputs(req: EmbeddingRequest, limits: ServerLimits) -> list[str | 
 
 def pooling_params(req: EmbeddingRequest) -> PoolingParams:
     """The request's `PoolingParams` (the engine checks ``dimensions`` against the model's hidden size)."""
-    return PoolingParams(normalize=req.normalize is not False, dimensions=req.dimensions)
+    return PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
 
 
 async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req: EmbeddingRequest,

@@ -261,6 +261,8 @@ class ModelRunner:
             hidden = graphs.forward(inputs)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, **extra)
+        if self.pooler.pools_all:  # MEAN / CLS embeddings: every prompt row of theirs, chunk by chunk
+            self.pooler.observe(inputs.req_ids, inputs.attn_metadata.query_start_loc_cpu, hidden)
         prompt_logprobs: dict[str, LogprobsArrays] = {}
         if inputs.prompt_logprobs_jobs:
             prompt_logprobs = compute_prompt_logprobs(hidden, inputs.prompt_logprobs_jobs, self.model.compute_logits)

@@ -1,11 +1,15 @@
 """The model runner's embedding hook: the embedding requests, and their embeddings from a step's hidden states.
 
 An embedding request (`asyncllm.pooling`) samples one token like any other;
-the step that samples it (its prompt's last token computed) also returns the
-final hidden state of that token, truncated to ``dimensions`` and L2-normalized
-as asked, in float32. A classification request (``task="classify"``) gets the
-model's ``score`` head applied to that row instead: its logits, in float32
-(asyncllm/models/classifier.py).
+the step that samples it (its prompt's last token computed) also returns its
+embedding, truncated to ``dimensions`` and L2-normalized as asked, in float32:
+the final hidden state of that last token (LAST pooling), or, for MEAN and CLS
+pooling, the float32 sum of every prompt row divided by their count, or the
+first prompt row, gathered by `Pooler.observe` over the request's chunks (the
+scheduler gives these requests no prefix-cache hits, so every prompt row is
+computed here; docs/embeddings.md). A classification request
+(``task="classify"``) gets the model's ``score`` head applied to the last row
+instead: its logits, in float32 (asyncllm/models/classifier.py).
 """
 
 from __future__ import annotations
@@ -30,9 +34,36 @@ class Pooler:
         """Request id -> its `PoolingParams` (embedding and classification requests only)."""
         self.classifier: Callable[[torch.Tensor], torch.Tensor] | None = None
         """The model's ``classify`` (hidden -> float32 logits) when it has a score head, set with the model."""
+        self.pooled: dict[str, tuple[torch.Tensor, int]] = {}
+        """MEAN / CLS requests: the float32 sum of their prompt rows so far (CLS: the first row) and the row count."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
         self.requests.update_states(sched_out)
+        for req_id in sched_out.finished_req_ids:
+            self.pooled.pop(req_id, None)
+        for new in sched_out.new_reqs:  # (re)started from its first token: recomputes every row
+            if new.num_computed_tokens == 0:
+                self.pooled.pop(new.req_id, None)
+
+    @property
+    def pools_all(self) -> bool:
+        """Whether a request of this rank pools more than its last row."""
+        return any(params.pooling_type != "LAST" for params in self.requests.values())
+
+    def observe(self, req_ids: list[str], query_start_loc: list[int], hidden: torch.Tensor) -> None:
+        """Add this step's rows of the MEAN / CLS requests (request i owns rows ``query_start_loc[i:i+2]``)."""
+        for i, req_id in enumerate(req_ids):
+            params = self.requests.get(req_id)
+            if params is None or params.pooling_type == "LAST":
+                continue
+            rows = hidden[query_start_loc[i] : query_start_loc[i + 1]].float()
+            total, count = self.pooled.get(req_id, (None, 0))
+            if params.pooling_type == "CLS":
+                if total is None:
+                    self.pooled[req_id] = (rows[0].clone(), 1)
+                continue
+            step_sum = rows.sum(dim=0)
+            self.pooled[req_id] = (step_sum if total is None else total + step_sum, count + rows.shape[0])
 
     def samples_any(self, req_ids: list[str], sample_indices: list[int]) -> bool:
         """Whether an embedding request samples this step (its embedding goes out with the step's output)."""
@@ -43,10 +74,15 @@ class Pooler:
         sampling request, in ``sample_indices`` order."""
         out = {}
         for row, index in enumerate(sample_indices):
-            params = self.requests.get(req_ids[index])
+            req_id = req_ids[index]
+            params = self.requests.get(req_id)
             if params is None:
                 continue
-            out[req_ids[index]] = self._pool(params, selected[row]).cpu().numpy().astype("<f4").tobytes()
+            hidden = selected[row]
+            if params.task == "embed" and params.pooling_type != "LAST":
+                total, count = self.pooled.pop(req_id)
+                hidden = total / count
+            out[req_id] = self._pool(params, hidden).cpu().numpy().astype("<f4").tobytes()
         return out
 
     def _pool(self, params: PoolingParams, hidden: torch.Tensor) -> torch.Tensor:
@@ -54,4 +90,4 @@ class Pooler:
             assert self.classifier is not None, "the host sends classification requests to classifiers only"
             return self.classifier(hidden)
         vector = hidden[: params.dimensions].float()
-        return F.normalize(vector, dim=0) if params.normalize else vector
+        return F.normalize(vector, dim=0) if params.normalize is not False else vector

@@ -263,9 +263,10 @@ class AsyncEngine:
                     request_id: str | None = None, timeout: float | None = None, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None,
                     truncate_prompt_tokens: int | None = None) -> EmbeddingOutput:
-        """The embedding of a prompt (text or token ids): its last token's final hidden state, normalized
-        unless `pooling_params` says otherwise (docs/embeddings.md). It is scheduled like any request (one
-        prefill and one dropped token), so embeddings and generations share batches."""
+        """The embedding of a prompt (text or token ids): its last token's final hidden state (or the model's
+        MEAN / CLS pooling, ``pooler_config``), normalized unless `pooling_params` says otherwise
+        (docs/embeddings.md). It is scheduled like any request (one prefill and one dropped token), so
+        embeddings and generations share batches."""
         pooling = PoolingParams() if pooling_params is None else pooling_params
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling)
         collector = await self._pool(prompt, options, truncate_prompt_tokens)

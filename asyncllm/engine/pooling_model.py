@@ -10,15 +10,23 @@ and how a pair of texts becomes one prompt (docs/pooling.md).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from asyncllm.errors import InvalidRequestError, NotBuiltError
 from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES
 from asyncllm.pooling import PoolingParams
 
-__all__ = ["ClassifierHead", "PoolingModel", "pooling_model_of"]
+__all__ = ["ClassifierHead", "PoolingModel", "pooling_model_of", "sentence_transformers_pooling"]
+
+_ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                     "pooling_mode_cls_token": "CLS"}
+_ST_UNBUILT_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
 
 _SCORE_ACTIVATIONS = {"Identity": "identity", "Sigmoid": "classify", "Softmax": "classify"}
 """sentence-transformers' cross-encoder activations (``torch.nn.modules.*`` class names) asyncllm applies."""
@@ -92,6 +100,17 @@ class PoolingModel:
     """False for a model without an LM head."""
     classifier: ClassifierHead | None = None
     """Set for a ``*ForSequenceClassification`` model (it classifies and scores only)."""
+    pooling_type: str = "LAST"
+    """How embeddings pool the prompt's hidden states (`asyncllm.pooling.POOLING_TYPES`)."""
+    normalize: bool = True
+    """Embeddings' ``normalize`` when a request leaves it None (``pooler_config``'s)."""
+
+    def apply(self, pooling: PoolingParams | None) -> PoolingParams | None:
+        """An embedding request's params with the model's pooling type and default ``normalize`` filled in."""
+        if pooling is None or pooling.task != "embed":
+            return pooling
+        normalize = self.normalize if pooling.normalize is None else pooling.normalize
+        return msgspec.structs.replace(pooling, normalize=normalize, pooling_type=self.pooling_type)
 
     def check(self, pooling: PoolingParams | None) -> None:
         """`InvalidRequestError` unless the model serves this request (``pooling`` None: a generation)."""
@@ -116,9 +135,38 @@ class PoolingModel:
         return self.classifier.encode_pair(tokenizer, text_1, text_2)
 
 
-def pooling_model_of(architecture: str, hf_config: Any) -> PoolingModel:
+def sentence_transformers_pooling(path: str | None) -> str | None:
+    """The pooling type the checkpoint folder's sentence-transformers config declares (``modules.json``'s
+    Pooling module's ``config.json``), None without one; `NotBuiltError` for a mode asyncllm does not pool."""
+    if path is None or not os.path.isfile(os.path.join(path, "modules.json")):
+        return None
+    with open(os.path.join(path, "modules.json")) as f:
+        modules = json.load(f)
+    for module in modules:
+        if str(module.get("type", "")).endswith(".Pooling"):
+            config_path = os.path.join(path, module.get("path", ""), "config.json")
+            if not os.path.isfile(config_path):
+                return None
+            with open(config_path) as f:
+                config = json.load(f)
+            on = [key for key, value in config.items() if key.startswith("pooling_mode_") and value]
+            if len(on) > 1 or any(key not in _ST_POOLING_MODES for key in on):
+                raise NotBuiltError("model", ", ".join(on), f"the sentence-transformers pooling {', '.join(on)} "
+                                    f"(built: one of {', '.join(_ST_POOLING_MODES)})")
+            return _ST_POOLING_MODES[on[0]] if on else None
+    return None
+
+
+def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
+                     pooler_config: dict[str, Any] | None = None) -> PoolingModel:
     """What ``architecture`` serves; a classifier's head from its config (`NotBuiltError` for an activation
-    asyncllm does not apply)."""
+    asyncllm does not apply); embeddings' pooling from ``pooler_config``, else the checkpoint folder's
+    sentence-transformers config, else LAST."""
+    pooler = pooler_config or {}
+    normalize = bool(pooler.get("normalize", True))
     if architecture in CLASSIFICATION_ARCHITECTURES:
+        if pooler.get("pooling_type", "LAST") != "LAST":
+            raise NotBuiltError("pooler_config", pooler_config, "classification models pooling other than LAST")
         return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config))
-    return PoolingModel(architecture, generates=architecture not in EMBEDDING_ARCHITECTURES)
+    pooling_type = pooler.get("pooling_type") or sentence_transformers_pooling(path) or "LAST"
+    return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES, None, pooling_type, normalize)

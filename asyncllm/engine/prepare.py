@@ -85,7 +85,7 @@ def prepare(config: EngineConfig) -> Prepared:
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size,
                     default_sampling_fields(_generation_config(config, path), path, config.override_generation_config),
-                    pooling_model_of(arch, text_config))
+                    pooling_model_of(arch, text_config, path, config.pooler_config))
 
 
 _NO_LORA = ("Gemma3ForConditionalGeneration",)

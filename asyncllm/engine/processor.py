@@ -10,6 +10,7 @@ request in the core), and hands one batch per core message to the loop.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import queue
@@ -292,6 +293,9 @@ class Processor:
         try:
             if self._pooling_model is not None:
                 self._pooling_model.check(job.options.pooling)
+                if job.options.pooling is not None:  # the model's pooling type and default normalize
+                    pooling = self._pooling_model.apply(job.options.pooling)
+                    job.options = dataclasses.replace(job.options, pooling=pooling)
             lora = self.check_lora(job.options.lora_request)
             if job.options.pooling is not None:
                 job.options.pooling.validate(self._hidden_size)

@@ -439,9 +439,10 @@ class Scheduler:
         (hits for the leading blocks still cached, the rest swapped in), or
         with its hits alone when they cover more.
         """
-        if request.params.prompt_logprobs is None:
+        pools_all = request.pooling is not None and request.pooling.pooling_type != "LAST"
+        if request.params.prompt_logprobs is None and not pools_all:
             hits, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-        else:  # prompt_logprobs need the logits of every prompt position: no prefix-cache reads (as vLLM)
+        else:  # prompt_logprobs, MEAN/CLS pooling need every prompt position's row: no prefix-cache reads (as vLLM)
             hits, num_computed = [], 0
         swap = self.swap_space
         if swap is None or not swap.swapped:
