@@ -100,8 +100,9 @@ ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
 
 SERVER_DEV_MODE = EnvVar(
     "ASYNCLLM_SERVER_DEV_MODE", False, _on_off,
-    "1: the OpenAI-compatible server adds vLLM's development routes: POST /reset_prefix_cache (forget the "
-    "prefix cache, e.g. between benchmark runs); 0: they do not exist (404). Read when the app is made.",
+    "1: the OpenAI-compatible server adds the development routes: vLLM's POST /reset_prefix_cache (forget the "
+    "prefix cache, e.g. between benchmark runs) and SGLang's POST /update_weights_from_disk (new weights in place, "
+    "docs/weight-updates.md); 0: they do not exist (404). Read when the app is made.",
 )
 
 ENABLE_RESPONSES_API_STORE = EnvVar(

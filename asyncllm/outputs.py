@@ -198,6 +198,9 @@ class EngineStats:
     """Drafts the model accepted (each one a token generated without a step of its own)."""
     spec_decode_accepted_per_pos: list[int] = field(default_factory=list)
     """Drafts accepted at each draft position (num_speculative_tokens entries)."""
+    weights_version: int = 0
+    """Successful `AsyncEngine.update_weights` of the engine core (0: the weights it started with); with
+    data_parallel_size > 1 the lowest over the replicas (docs/weight-updates.md)."""
     replicas: list["EngineStats"] = field(default_factory=list)
     """data_parallel_size > 1: one snapshot per replica (engine core), in replica order; the fields above are
     their sums (docs/parallelism.md). Empty with one engine core."""

@@ -85,7 +85,18 @@ class ResetPrefixCache(msgspec.Struct, **_STRUCT):
     message hit nothing computed before it. Running requests keep their blocks."""
 
 
-HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache]
+class UpdateWeights(msgspec.Struct, **_STRUCT):
+    """Reload every weight of the served model in place from ``model_path`` (docs/weight-updates.md): the core runs
+    it between steps, after the requests the host sent before it; the core passes it on to every worker rank."""
+
+    update_id: str
+    model_path: str
+    revision: str | None = None
+    hf_config_json: str = ""
+    """The new checkpoint's config as the host read it (`hf_config_json`; empty: each worker reads it)."""
+
+
+HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache, UpdateWeights]
 
 
 # ---------------------------------------------------------------- core -> host
@@ -120,6 +131,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: list[int] = []
     """Drafts accepted at each draft position (num_speculative_tokens entries; speculative decoding on only)."""
+    weights_version: int = 0
+    """Successful weight updates of this core (`UpdateWeights`; docs/weight-updates.md)."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -227,7 +240,26 @@ class EngineFailed(msgspec.Struct, **_STRUCT):
     """[field, value repr, allowed] when error_type is ConfigError."""
 
 
-CoreMessage = Union[Ready, Outputs, EngineFailed]
+class WeightsUpdated(msgspec.Struct, **_STRUCT):
+    """The answer to `UpdateWeights`: from each worker rank to the core, and from the core to the host that asked.
+
+    ``error_type`` empty: it succeeded. Otherwise nothing was copied, and the error is rebuilt from
+    ``error_type`` (InvalidRequestError or NotBuiltError), ``error_field``, ``error_value`` and ``error``.
+    """
+
+    update_id: str
+    weights_version: int = 0
+    """The core's weights version after the update (core -> host only)."""
+    rank: int = 0
+    error_type: str = ""
+    error_field: str = ""
+    error_value: str = ""
+    """NotBuiltError only: the refused value (a str: a field's name or a path)."""
+    error: str = ""
+    """InvalidRequestError's message, NotBuiltError's feature."""
+
+
+CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated]
 
 
 # ------------------------------------------------------------- core -> workers
@@ -307,7 +339,7 @@ class ShutdownWorker(msgspec.Struct, **_STRUCT):
     pass
 
 
-WorkerCommand = Union[SchedulerOutput, InitCache, ShutdownWorker]
+WorkerCommand = Union[SchedulerOutput, InitCache, ShutdownWorker, UpdateWeights]
 
 
 # ------------------------------------------------------------- workers -> core
@@ -358,7 +390,7 @@ class WorkerError(msgspec.Struct, **_STRUCT):
     """[field, value repr, allowed] when the exception is a ConfigError (as in EngineFailed)."""
 
 
-WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError]
+WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError, WeightsUpdated]
 
 
 # ------------------------------------------------------------- error helpers

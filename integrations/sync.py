@@ -124,6 +124,10 @@ class SyncEngine:
         """Forget the prefix cache (see `AsyncEngine.reset_prefix_cache`)."""
         return self.run(self._engine.reset_prefix_cache())
 
+    def update_weights(self, model_path: str, *, revision: str | None = None) -> int:
+        """Reload the weights in place from `model_path` (see `AsyncEngine.update_weights`); the new version."""
+        return self.run(self._engine.update_weights(model_path, revision=revision))
+
     def stats(self) -> EngineStats:
         return self._engine.stats()
 

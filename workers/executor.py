@@ -45,7 +45,7 @@ _LAST_WORDS_S = 0.2
 _SHUTDOWN_GRACE_S = 5.0
 """How long workers get to leave on ShutdownWorker before they are stopped."""
 
-_Reply = TypeVar("_Reply", protocol.WorkerReady, protocol.CacheReady)
+_Reply = TypeVar("_Reply", protocol.WorkerReady, protocol.CacheReady, protocol.WeightsUpdated)
 
 
 class Executor:
@@ -121,6 +121,14 @@ class Executor:
         deadline = time.monotonic() + envs.ENGINE_STARTUP_TIMEOUT_S.get()
         self._broadcast(protocol.InitCache(num_gpu_blocks, num_cpu_blocks), deadline)
         self._gather(protocol.CacheReady, deadline, "allocate the KV cache")
+
+    def update_weights(self, command: protocol.UpdateWeights) -> list[protocol.WeightsUpdated]:
+        """Every rank checks, then copies the new weights in place (workers/weight_update.py); their answers in
+        rank order. Call with no step in flight. A rank that fails while copying fails the executor."""
+        assert not self._pending, "update_weights() with steps still in flight: collect() them first"
+        deadline = time.monotonic() + envs.ENGINE_STARTUP_TIMEOUT_S.get()  # as long as loading the model may take
+        self._broadcast(command, deadline)
+        return self._gather(protocol.WeightsUpdated, deadline, "load the new weights")
 
     def execute_model(self, sched_out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
         """Run one step on every rank; return rank 0's output (`EngineDeadError` past the watchdog)."""

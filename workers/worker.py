@@ -170,6 +170,10 @@ class Worker:
                 if command.num_cpu_blocks:
                     self.runner.init_swap_space(command.num_cpu_blocks)
                 self.send(protocol.CacheReady(self.rank))
+            elif isinstance(command, protocol.UpdateWeights):  # after the flush: no step of the old weights in flight
+                from asyncllm.workers.weight_update import update_weights  # here: the tests' fake runners need no loader
+
+                self.send(update_weights(self.runner, command))
             else:
                 assert isinstance(command, protocol.ShutdownWorker), command
                 if self.pipelined and pipeline.num_steps:

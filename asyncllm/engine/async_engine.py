@@ -22,6 +22,7 @@ from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import LaunchSpec, Replica, ReplicaSet, start_replica, start_replicas, stop_replicas
 from asyncllm.engine.stream import RequestOptions, RequestStream, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
+from asyncllm.engine.weight_update import new_checkpoint_config
 from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS, check_params_text, check_text
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.tracing import capture_context
@@ -365,6 +366,28 @@ class AsyncEngine:
         for processor in self._replicas.live_processors():
             processor.reset_prefix_cache()
         return True
+
+    async def update_weights(self, model_path: str, *, revision: str | None = None) -> int:
+        """Reload every weight of the served model, in place, from a checkpoint folder or hub id of the same
+        architecture and shapes (SGLang's ``update_weights_from_disk``; for RL and fine-tuning loops). It runs in
+        the engine core after the requests this engine submitted before; running requests go on, recomputed with
+        the new weights, and the prefix cache is forgotten. Returns the new weights version (also in
+        `stats().weights_version`); with data_parallel_size > 1 every replica updates first. A checkpoint that
+        does not fit is an `InvalidRequestError` naming ``model_path`` (the old weights keep serving); a model
+        that cannot be updated (quantized, multimodal) a `NotBuiltError`. See docs/weight-updates.md."""
+        if not isinstance(model_path, str) or not model_path:
+            raise InvalidRequestError("model_path", f"a checkpoint folder or hub id (a non-empty str), got {model_path!r}")
+        if revision is not None and not isinstance(revision, str):
+            raise InvalidRequestError("revision", f"a hub revision (str) or None, got {revision!r}")
+        await self.start()
+        config_json = await anyio.to_thread.run_sync(new_checkpoint_config, model_path, revision)
+        futures = [processor.update_weights(model_path, revision, config_json)
+                   for processor in self._replicas.live_processors()]
+        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+        failed = next((r for r in results if isinstance(r, BaseException)), None)
+        if failed is not None:
+            raise failed
+        return min(results)  # type: ignore[type-var]
 
     def stats(self) -> EngineStats:
         """The latest snapshot of the engine's gauges and counters (no I/O; cheap enough per request). With

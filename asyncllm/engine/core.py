@@ -22,6 +22,7 @@ import msgspec
 from asyncllm import errors, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.engine.core_io import CoreIO
+from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
 from asyncllm.engine.validation import check_add_request
 from asyncllm.mm.core_cache import CoreProcessorCache
@@ -62,6 +63,8 @@ class EngineCore:
         self.structured = StructuredOutputManager(config.tokenizer or config.model, self.executor.vocab_size,
                                                   config.structured_output_compile_timeout_s, config.revision)
         self.restarter = WorkerRestarter(config, self.num_gpu_blocks, self.num_cpu_blocks)
+        self.weights = WeightUpdater(self)
+        """Live weight updates (`UpdateWeights`, docs/weight-updates.md) and the weights version."""
         self._next_health_check = 0.0
         overlapped = config.async_scheduling and config.scheduler_config.speculative_config is None
         if config.async_scheduling and not overlapped:
@@ -140,6 +143,7 @@ class EngineCore:
             per_client[client_id].append(delta)
         tokens = outputs.tokens
         stats = self.scheduler.get_stats()
+        stats.weights_version = self.weights.weights_version
         if self.structured.pending:  # requests waiting for their grammar wait too
             stats.num_requests_waiting += len(self.structured.pending)
         now = time.time()
@@ -165,8 +169,8 @@ class EngineCore:
                 return changed
 
     def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
-        if isinstance(message, (protocol.AddRequest, protocol.AbortRequests, protocol.ResetPrefixCache)) \
-                and client_id not in self.clients:
+        if isinstance(message, (protocol.AddRequest, protocol.AbortRequests, protocol.ResetPrefixCache,
+                                protocol.UpdateWeights)) and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
             return False
         if isinstance(message, protocol.AddRequest):
@@ -187,6 +191,8 @@ class EngineCore:
         elif isinstance(message, protocol.ResetPrefixCache):
             self.scheduler.reset_prefix_cache()
             logger.info("prefix cache reset (asked by a host)")
+        elif isinstance(message, protocol.UpdateWeights):
+            self.weights.update(client_id, message)
         elif isinstance(message, protocol.Goodbye):
             self.scheduler.abort_client(client_id)
             self.structured.abort_client(client_id)

@@ -90,7 +90,7 @@ class ReplicaLoad:
         self._num_sent += num_requests
 
 
-_NOT_SUMMED = frozenset({"engine_alive", "kv_cache_usage", "extra", "replicas"})
+_NOT_SUMMED = frozenset({"engine_alive", "kv_cache_usage", "extra", "replicas", "weights_version"})
 
 
 def combined_stats(replicas: list[EngineStats]) -> EngineStats:
@@ -112,4 +112,5 @@ def combined_stats(replicas: list[EngineStats]) -> EngineStats:
         else:
             setattr(total, field.name, sum(values))
     total.kv_cache_usage = total.num_used_blocks / total.num_gpu_blocks if total.num_gpu_blocks else 0.0
+    total.weights_version = min(s.weights_version for s in replicas)  # every replica serves at least these weights
     return total

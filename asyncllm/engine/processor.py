@@ -33,6 +33,7 @@ from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
 from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions
+from asyncllm.engine.weight_update import PendingWeightUpdates
 from asyncllm.engine.validation import (
     check_params_vocab,
     check_text,
@@ -123,6 +124,8 @@ class Processor:
         self._samples: dict[str, list[str]] = {}
         """Request id -> the core request ids of its unfinished samples."""
         self._logprobs_decoder = LogprobsDecoder(tokenizer)
+        self._weight_updates = PendingWeightUpdates()
+        """`UpdateWeights` sent and not answered yet (asyncllm/engine/weight_update.py)."""
         self._ctx = zmq.Context()
         self._doorbell_address = f"inproc://asyncllm-doorbell-{uuid.uuid4().hex}"
         self._doorbell_pull = self._ctx.socket(zmq.PULL)
@@ -151,6 +154,14 @@ class Processor:
     def reset_prefix_cache(self) -> None:
         """Send `ResetPrefixCache` after every request submitted before (the jobs keep their order)."""
         self._post(("reset_prefix_cache",))
+
+    def update_weights(self, model_path: str, revision: str | None, config_json: str) -> concurrent.futures.Future[int]:
+        """Send `UpdateWeights` after every request submitted before; the future of the new weights version."""
+        update_id, future = self._weight_updates.new()
+        self._post(("update_weights", protocol.UpdateWeights(update_id, model_path, revision, config_json)))
+        if not self._thread.is_alive():  # it ended (its last act failed the updates then pending) or never began
+            self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
+        return future
 
     def close(self, shutdown_core: bool) -> None:
         """Say goodbye to the core and stop the thread (blocking: call off the loop)."""
@@ -182,6 +193,7 @@ class Processor:
                 self.ready.set_exception(exc)
             self._fail_all(errors.EngineDeadError(f"processor thread failed: {exc}"))
         finally:
+            self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
             if self._mm is not None:
                 self._mm.close_cache()
             watch.close()
@@ -268,6 +280,8 @@ class Processor:
                         self._observer.on_aborted(tracked.collector, now)
             elif job[0] == "reset_prefix_cache":
                 dealer.send(self._encoder.encode(protocol.ResetPrefixCache()))
+            elif job[0] == "update_weights":
+                dealer.send(self._encoder.encode(job[1]))
             elif job[0] == "close":
                 dealer.send(self._encoder.encode(protocol.Goodbye(shutdown=job[1])))
                 self._fail_all(None)
@@ -399,6 +413,9 @@ class Processor:
         if isinstance(message, protocol.EngineFailed):
             self._fail_all(_error_from(message))
             return
+        if isinstance(message, protocol.WeightsUpdated):
+            self._weight_updates.resolve(message)
+            return
         if not isinstance(message, protocol.Outputs):
             return
         now = time.time()
@@ -507,6 +524,7 @@ class Processor:
         """End every tracked request: with `error`, or as aborted when None."""
         if error is not None:
             self.dead = error
+        self._weight_updates.fail_all(error or errors.EngineDeadError("the engine was closed"))
         batch: Delivery = []
         now = time.time()
         for tracked in self._tracked.values():

@@ -30,6 +30,7 @@ __all__ = [
     "load_hf_config",
     "resolve_dtype",
     "load_model",
+    "build_model",
     "checkpoint_files",
     "iterate_safetensors",
     "load_checkpoint",
@@ -79,26 +80,8 @@ def load_model(
     prequantized = prequantized_config(hf_config, config.model, config.quantization)
     fp8_checkpoint = prequantized if isinstance(prequantized, Fp8CheckpointConfig) else None
     check_tensor_parallel(hf_config, tp_size, config.enable_expert_parallel)
-    model_cls = get_model_class(hf_config)
-    max_position = max(text_config_of(hf_config).max_position_embeddings, config.max_model_len or 0)
-    tp = TensorParallel(tp_rank, tp_size)
-    tp.check_group()
-    # a model whose encoder can be replicated is told how to spread it (docs/multimodal.md), an MoE model
-    # how to spread its experts (docs/moe.md)
-    options: dict[str, Any] = {"mm_encoder_tp_mode": config.mm_encoder_tp_mode} if _has_encoder_modes(model_cls) else {}
-    if getattr(model_cls, "is_moe", False):
-        options["expert_parallel"] = config.enable_expert_parallel
-    if getattr(model_cls, "takes_max_model_len", False):  # LongRoPE's factors depend on it (docs/phi3.md)
-        options["max_model_len"] = config.max_model_len
-    with torch.device(device):
-        model = model_cls(
-            hf_config,
-            dtype=dtype,
-            tp=tp,
-            attn_backend=get_attention_backend(config.attention_backend, device, dtype),
-            max_position=max_position,
-            **options,
-        )
+    TensorParallel(tp_rank, tp_size).check_group()
+    model = build_model(config, hf_config, device, dtype, tp_rank, tp_size)
     if fp8_checkpoint is not None:  # a pre-quantized fp8 checkpoint: asyncllm/models/fp8_checkpoint.py
         _fill_fp8_weights(model, config, fp8_checkpoint)
     elif isinstance(prequantized, GgufCheckpointConfig) and config.load_format != "dummy":
@@ -121,6 +104,30 @@ def load_model(
         quantize_model(model, config.quantization)
     model.eval()  # type: ignore[attr-defined]
     return model
+
+
+def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtype: torch.dtype, tp_rank: int = 0,
+                tp_size: int = 1, tensor_device: torch.device | None = None) -> CausalLM:
+    """``hf_config``'s model for rank ``tp_rank``, its parameters uninitialised on ``tensor_device`` (default
+    ``device``; workers/weight_update.py builds one whose parameters are on the meta device)."""
+    model_cls = get_model_class(hf_config)
+    max_position = max(text_config_of(hf_config).max_position_embeddings, config.max_model_len or 0)
+    # a model whose encoder can be replicated is told how to spread it (docs/multimodal.md), an MoE model
+    # how to spread its experts (docs/moe.md)
+    options: dict[str, Any] = {"mm_encoder_tp_mode": config.mm_encoder_tp_mode} if _has_encoder_modes(model_cls) else {}
+    if getattr(model_cls, "is_moe", False):
+        options["expert_parallel"] = config.enable_expert_parallel
+    if getattr(model_cls, "takes_max_model_len", False):  # LongRoPE's factors depend on it (docs/phi3.md)
+        options["max_model_len"] = config.max_model_len
+    with torch.device(tensor_device or device):
+        return model_cls(
+            hf_config,
+            dtype=dtype,
+            tp=TensorParallel(tp_rank, tp_size),
+            attn_backend=get_attention_backend(config.attention_backend, device, dtype),
+            max_position=max_position,
+            **options,
+        )
 
 
 def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8CheckpointConfig) -> None:

@@ -18,7 +18,7 @@ from asyncllm.sched.request import RequestStatus
 if TYPE_CHECKING:
     from asyncllm.sched.scheduler import Scheduler
 
-__all__ = ["requeue_all_for_recompute"]
+__all__ = ["requeue_all_for_recompute", "recompute_with_new_weights"]
 
 
 def requeue_all_for_recompute(scheduler: "Scheduler") -> int:
@@ -44,3 +44,12 @@ def requeue_all_for_recompute(scheduler: "Scheduler") -> int:
     assert kv.num_used_blocks == 0, f"{kv.num_used_blocks} blocks are still held"
     kv.pool.reset_prefix_cache()
     return len(running)
+
+
+def recompute_with_new_weights(scheduler: "Scheduler") -> int:
+    """After a weight update (docs/weight-updates.md): as `requeue_all_for_recompute`, but the workers live on, so
+    the next step also tells them to drop the running requests' rows. Returns how many were running."""
+    running_ids = [request.request_id for request in scheduler.running]
+    num_running = requeue_all_for_recompute(scheduler)
+    scheduler.forget_on_workers(running_ids)
+    return num_running

@@ -212,6 +212,11 @@ class Scheduler:
         """Forget every cached block (`BlockPool.reset_prefix_cache`); the hit counters keep counting."""
         self.kv_cache_manager.pool.reset_prefix_cache()
 
+    def forget_on_workers(self, req_ids: Iterable[str]) -> None:
+        """The next step tells the workers to drop these requests' rows (as finished ones'); a request that runs
+        again comes back to them as new (asyncllm/sched/recovery.py, after a weight update)."""
+        self._finished_req_ids.extend(req_ids)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 

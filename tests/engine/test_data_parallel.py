@@ -110,6 +110,24 @@ async def test_reset_prefix_cache_reaches_both_replicas(engine: AsyncEngine) -> 
     await held.aclose()
 
 
+async def test_update_weights_reaches_both_replicas(engine: AsyncEngine, tiny_llama: str) -> None:
+    """docs/weight-updates.md: every replica loads the new weights before `update_weights` returns."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    other = tiny_checkpoint("llama", seed=1)
+    assert await engine.update_weights(other) == 1
+    assert [s.weights_version for s in engine.stats().replicas] == [1, 1]
+    expected = hf_greedy(other, PREFIX, MAX_TOKENS)
+    held = await _hold_replica_0(engine)
+    on_replica_1 = engine.stream(PREFIX, GREEDY)
+    tokens = [t async for delta in on_replica_1 for t in delta.token_ids]
+    assert on_replica_1.collector.replica == 1 and tokens == expected
+    await held.aclose()
+    assert (await engine.generate(PREFIX, GREEDY)).token_ids == expected
+    assert await engine.update_weights(tiny_llama) == 2  # the tests below expect the engine's own model
+    assert engine.stats().weights_version == 2
+
+
 async def test_engine_series_carry_the_engine_label_and_request_series_are_summed(engine: AsyncEngine) -> None:
     await _until(lambda: engine.stats().num_used_blocks == 0)
     registry, model = engine.metrics_registry, engine._observer.stats.model_name

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from asyncllm import AsyncEngine, BeamSearchParams, SamplingParams
+import pytest
+
+from asyncllm import AsyncEngine, BeamSearchParams, InvalidRequestError, SamplingParams
 from asyncllm.integrations.sync import SyncEngine
 
 PROMPT = list(range(3, 67))  # 64 tokens: 4 blocks of 16
@@ -48,3 +50,6 @@ def test_the_sync_engine_resets_and_searches_beams_too(tiny_llama: str) -> None:
         before = engine.stats().prefix_cache_hits
         engine.generate(PROMPT, GREEDY)
         assert engine.stats().prefix_cache_hits == before
+        with pytest.raises(InvalidRequestError, match="model_path"):  # the blocking update_weights (docs/weight-updates.md)
+            engine.update_weights("/no/such/checkpoint")
+        assert engine.stats().weights_version == 0

@@ -1,0 +1,78 @@
+"""The engine core's half of live weight updates (docs/weight-updates.md).
+
+The core handles an `UpdateWeights` between steps, in the order the host sent it: it collects the step in
+flight (async_scheduling), has every worker rank check and copy the new weights (workers/weight_update.py),
+and on success recomputes every running request from its prompt and the tokens it has so far and forgets the
+prefix cache, so no KV computed with the old weights is used again. Restarted workers load the last weights
+that loaded whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from asyncllm import errors, protocol
+from asyncllm.config import EngineConfig
+from asyncllm.engine.weight_update import OTHER_RANK_REFUSED, weights_error_reply
+from asyncllm.sched.recovery import recompute_with_new_weights
+
+if TYPE_CHECKING:
+    from asyncllm.engine.core import EngineCore
+
+__all__ = ["WeightUpdater", "config_with_weights"]
+
+logger = logging.getLogger("asyncllm.engine.core")
+
+
+def config_with_weights(config: EngineConfig, model_path: str, revision: str | None) -> EngineConfig:
+    """`config` whose workers load ``model_path`` (what a worker restart builds after an update)."""
+    model = config.model_config
+    load_format = "auto" if model.load_format == "dummy" else model.load_format
+    model = dataclasses.replace(model, model=model_path, revision=revision, load_format=load_format)
+    return dataclasses.replace(config, model_config=model)
+
+
+class WeightUpdater:
+    """Runs a host's `UpdateWeights` in the core and counts the successful ones (`weights_version`)."""
+
+    def __init__(self, core: "EngineCore") -> None:
+        self.core = core
+        self.weights_version = 0
+
+    def update(self, client_id: bytes, message: protocol.UpdateWeights) -> None:
+        """Run one update and answer the host that asked (after every host got the new stats)."""
+        core = self.core
+        if core.overlap is not None and core.overlap.in_flight:
+            core.overlap.drain([])  # the step in flight was computed with the old weights: deliver it first
+        reply = self._run(message)
+        reply.weights_version = self.weights_version
+        core.send_outputs([])
+        core.io.send(client_id, reply)
+
+    def _run(self, message: protocol.UpdateWeights) -> protocol.WeightsUpdated:
+        core = self.core
+        try:
+            replies = core.executor.update_weights(message)
+        except (errors.EngineDeadError, errors.ConfigError) as exc:  # a rank failed while copying: restart them all
+            core.recover_workers(exc if isinstance(exc, errors.EngineDeadError) else errors.EngineDeadError(str(exc)))
+            return weights_error_reply(message.update_id, errors.InvalidRequestError(
+                "model_path", f"the workers failed while loading {message.model_path!r} ({exc}); they were "
+                              f"restarted with the weights of version {self.weights_version}"))
+        refused = [reply for reply in replies if reply.error_type]
+        if refused:
+            logger.warning("weight update from %s refused: %s", message.model_path, refused[0].error)
+            return _most_telling(refused)
+        self.weights_version += 1
+        num_running = recompute_with_new_weights(core.scheduler)
+        core.restarter.config = config_with_weights(core.restarter.config, message.model_path, message.revision)
+        logger.info("weights updated from %s (version %d); %d running requests will be recomputed",
+                    message.model_path, self.weights_version, num_running)
+        return protocol.WeightsUpdated(message.update_id)
+
+
+def _most_telling(refused: list[protocol.WeightsUpdated]) -> protocol.WeightsUpdated:
+    """A rank's own reason first: the others only say that another rank refused."""
+    from_the_source = [reply for reply in refused if reply.error != OTHER_RANK_REFUSED]
+    return (from_the_source or refused)[0]

@@ -1,0 +1,115 @@
+"""Live weight updates, the torch-free half (docs/weight-updates.md): errors on the wire, the host's pending updates.
+
+A refused update (`InvalidRequestError` naming ``model_path``, or `NotBuiltError`) travels from a worker rank to
+the core and from the core to the host as a `protocol.WeightsUpdated` with ``error_type`` set; `weights_error`
+rebuilds the typed error on the other side. The processor thread keeps one future per update it sent
+(`PendingWeightUpdates`), resolved by the core's answer or failed when the core dies.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import uuid
+
+from asyncllm import errors, protocol
+from asyncllm.models.checkpoint import hf_config_json, load_hf_config, resolve_model_path
+
+__all__ = ["OTHER_RANK_REFUSED", "PendingWeightUpdates", "new_checkpoint_config", "read_update_config",
+           "resolve_update_path", "weights_error", "weights_error_reply"]
+
+OTHER_RANK_REFUSED = "another tensor-parallel rank refused it"
+"""The error of a rank whose own check passed (the core answers with the refusing rank's reason instead)."""
+
+
+def resolve_update_path(model_path: str, revision: str | None) -> str:
+    """The new checkpoint's folder (a hub id downloaded or found in the cache); `InvalidRequestError` if none."""
+    if model_path.lower().endswith(".gguf"):
+        raise errors.NotBuiltError("model_path", model_path, "update_weights from a GGUF file")
+    folder = os.path.expanduser(model_path)
+    if os.path.isabs(folder) or model_path.startswith("."):  # meant as a folder: no hub lookup
+        if not os.path.isdir(folder):
+            raise errors.InvalidRequestError("model_path", f"{model_path!r} is not a folder (a checkpoint folder "
+                                                           "or hub id)")
+        return folder
+    try:
+        return resolve_model_path(model_path, revision)
+    except errors.ConfigError as exc:
+        raise errors.InvalidRequestError("model_path", f"{model_path!r} cannot be found: {exc.allowed}") from exc
+
+
+def read_update_config(path: str) -> str:
+    """The folder's config.json, read by its architecture's class and written as `hf_config_json` (every default
+    filled in, as the workers got the served model's)."""
+    try:
+        return hf_config_json(load_hf_config(path))
+    except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError...: all mean unreadable
+        raise errors.InvalidRequestError("model_path", f"{path} has no readable config.json "
+                                                       f"({type(exc).__name__}: {exc})") from exc
+
+
+def new_checkpoint_config(model_path: str, revision: str | None) -> str:
+    """On the host (off the loop): the new checkpoint's config for the workers, so that they need not import its
+    config class (seconds in transformers 5). Empty when the host cannot read it: an attached host may not see
+    the core's disk (`AsyncEngine.connect` over tcp://), so the workers read it and give the refusal."""
+    try:
+        return read_update_config(resolve_update_path(model_path, revision))
+    except (errors.InvalidRequestError, errors.NotBuiltError):
+        return ""
+
+
+def weights_error_reply(update_id: str, exc: errors.InvalidRequestError | errors.NotBuiltError,
+                        rank: int = 0) -> protocol.WeightsUpdated:
+    """The `WeightsUpdated` that carries a refused update's error."""
+    if isinstance(exc, errors.NotBuiltError):
+        return protocol.WeightsUpdated(update_id, rank=rank, error_type="NotBuiltError", error_field=exc.field,
+                                       error_value=str(exc.value), error=exc.feature)
+    return protocol.WeightsUpdated(update_id, rank=rank, error_type="InvalidRequestError", error_field=exc.field,
+                                   error=exc.message)
+
+
+def weights_error(reply: protocol.WeightsUpdated) -> errors.AsyncLLMError | None:
+    """The typed error of a refused update; None when it succeeded."""
+    if not reply.error_type:
+        return None
+    if reply.error_type == "NotBuiltError":
+        return errors.NotBuiltError(reply.error_field, reply.error_value, reply.error)  # the values refused are str
+    return errors.InvalidRequestError(reply.error_field or "model_path", reply.error)
+
+
+class PendingWeightUpdates:
+    """The processor thread's updates sent to the core and not answered yet (the loop's thread adds them, the
+    processor thread resolves them)."""
+
+    def __init__(self) -> None:
+        self._futures: dict[str, concurrent.futures.Future[int]] = {}
+        self._lock = threading.Lock()
+
+    def new(self) -> tuple[str, concurrent.futures.Future[int]]:
+        """A fresh update id and the future of its weights version."""
+        update_id = uuid.uuid4().hex
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            self._futures[update_id] = future
+        return update_id, future
+
+    def resolve(self, reply: protocol.WeightsUpdated) -> None:
+        """The core's answer: the new version, or the typed error."""
+        with self._lock:
+            future = self._futures.pop(reply.update_id, None)
+        if future is None or future.done():
+            return
+        error = weights_error(reply)
+        if error is None:
+            future.set_result(reply.weights_version)
+        else:
+            future.set_exception(error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The core is gone (or the engine closes): no answer will come."""
+        with self._lock:
+            futures, self._futures = self._futures, {}
+        for future in futures.values():
+            if not future.done():
+                future.set_exception(error)

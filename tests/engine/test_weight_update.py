@@ -1,0 +1,129 @@
+"""`AsyncEngine.update_weights` (SGLang's update_weights_from_disk; docs/weight-updates.md) against transformers.
+
+One module-scoped engine, tensor_parallel_size=2 (gloo on the CPU: both ranks check, then both copy), starts on
+checkpoint A and goes, in order: refused updates (A still served), an update to B (B's greedy tokens; a prompt
+cached under A gets none of A's KV), a killed worker (the workers restart on B), a stream across an update back
+to A (its later tokens are A's continuation of everything before), and the dev route.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import pytest_asyncio
+
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams, envs
+from asyncllm.integrations.openai_server import create_app
+from asyncllm.tiny import tiny_checkpoint
+from asgi_helpers import asgi_client
+from hf_reference import hf_greedy
+from proc_utils import worker_pids
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MAX_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+PROMPT = list(range(3, 51))  # 48 tokens: 3 full blocks of 16
+OTHER = [11, 12, 13, 14, 15, 16, 17]
+
+
+@pytest.fixture(scope="module")
+def checkpoints() -> tuple[str, str]:
+    """A and B: the same tiny Llama shapes, different random weights."""
+    return tiny_checkpoint("llama"), tiny_checkpoint("llama", seed=1)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(checkpoints):
+    previous = os.environ.get("ASYNCLLM_WORKER_PIPELINE")
+    os.environ["ASYNCLLM_WORKER_PIPELINE"] = "1"  # the workers' pipelined steps too (off on the CPU by default)
+    try:
+        async with AsyncEngine(checkpoints[0], tensor_parallel_size=2, disable_log_stats=True,
+                               max_model_len=256) as engine:
+            yield engine
+    finally:
+        if previous is None:
+            os.environ.pop("ASYNCLLM_WORKER_PIPELINE")
+        else:
+            os.environ["ASYNCLLM_WORKER_PIPELINE"] = previous
+
+
+async def _greedy(engine: AsyncEngine, prompt: list[int]) -> tuple[list[int], int]:
+    """The engine's greedy tokens and the prompt tokens the prefix cache served."""
+    before = engine.stats().prefix_cache_hits
+    out = await engine.generate(prompt, GREEDY)
+    return out.token_ids, engine.stats().prefix_cache_hits - before
+
+
+async def test_a_checkpoint_that_does_not_fit_is_refused_and_changes_nothing(engine, checkpoints) -> None:
+    a = checkpoints[0]
+    expected = hf_greedy(a, PROMPT, MAX_TOKENS)
+    assert await _greedy(engine, PROMPT) == (expected, 0)
+    refused = {
+        "/no/such/checkpoint": "is not a folder",
+        tiny_checkpoint("llama", hidden_size=128): "hidden_size=128 (served: 64)",
+        tiny_checkpoint("qwen2"): "architectures=['Qwen2ForCausalLM'] (served: ['LlamaForCausalLM'])",
+    }
+    for path, why in refused.items():
+        with pytest.raises(InvalidRequestError, match="model_path") as info:
+            await engine.update_weights(path)
+        assert info.value.field == "model_path" and why in info.value.message
+    assert engine.stats().weights_version == 0
+    assert await _greedy(engine, PROMPT) == (expected, 32)  # A's KV still cached and served: nothing changed
+
+
+async def test_an_update_serves_the_new_weights_and_none_of_the_old_kv(engine, checkpoints) -> None:
+    b = checkpoints[1]
+    assert await engine.update_weights(b) == 1
+    assert engine.stats().weights_version == 1
+    expected = hf_greedy(b, PROMPT, MAX_TOKENS)
+    assert expected != hf_greedy(checkpoints[0], PROMPT, MAX_TOKENS)
+    assert await _greedy(engine, PROMPT) == (expected, 0)  # cached under A: computed again with B
+    assert await _greedy(engine, PROMPT) == (expected, 32)  # cached under B: served
+    assert (await _greedy(engine, OTHER))[0] == hf_greedy(b, OTHER, MAX_TOKENS)
+
+
+async def test_a_restarted_worker_loads_the_last_update(engine, checkpoints) -> None:
+    workers = worker_pids(engine._core.pid)
+    os.kill(workers[1], signal.SIGKILL)
+    tokens, _ = await _greedy(engine, OTHER)
+    assert not set(worker_pids(engine._core.pid)) & set(workers)  # both ranks were replaced
+    assert tokens == hf_greedy(checkpoints[1], OTHER, MAX_TOKENS)  # B, not the A the engine started with
+    assert engine.stats().weights_version == 1
+
+
+async def test_a_stream_across_an_update_continues_with_the_new_weights(engine, checkpoints) -> None:
+    a, b = checkpoints
+    num_tokens = 160  # room for a slow host: the core decodes on while the update is on its way
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    got: list[int] = []
+    async for delta in engine.stream(OTHER, params):
+        if not got:
+            assert await engine.update_weights(a) == 2  # answered after the core collected the step in flight
+        got += delta.token_ids
+    from_b = hf_greedy(b, OTHER, num_tokens)
+    split = next((i for i, (x, y) in enumerate(zip(got, from_b)) if x != y), len(got))  # the first not B's
+    assert 1 <= split < num_tokens - 8
+    assert got[split:] == hf_greedy(a, OTHER + got[:split], num_tokens - split)  # over the whole prefix, with A
+
+
+async def test_the_dev_route_updates_and_exists_only_in_dev_mode(engine, checkpoints, monkeypatch) -> None:
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        assert (await client.post("/update_weights_from_disk", json={"model_path": checkpoints[1]})).status_code == 404
+    monkeypatch.setenv(envs.SERVER_DEV_MODE.name, "1")
+    version = engine.stats().weights_version
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        ok = await client.post("/update_weights_from_disk", json={"model_path": checkpoints[1], "revision": None})
+        assert ok.status_code == 200
+        assert ok.json() == {"success": True, "weights_version": version + 1,
+                             "message": f"weights updated from {checkpoints[1]} (version {version + 1})"}
+        bad = await client.post("/update_weights_from_disk", json={"model_path": "/no/such/checkpoint"})
+        assert bad.status_code == 400
+        assert bad.json()["success"] is False and bad.json()["error"]["param"] == "model_path"
+        unknown = await client.post("/update_weights_from_disk", json={"model_path": checkpoints[0], "flush": 1})
+        assert unknown.status_code == 400
+    assert engine.stats().weights_version == version + 1
+    assert (await _greedy(engine, OTHER))[0] == hf_greedy(checkpoints[1], OTHER, MAX_TOKENS)
+

@@ -1,0 +1,149 @@
+"""One rank's weight update in process (workers/weight_update.py): the checks touch no parameter, the copy is in
+place, what is not built is refused by name, and a refusal crosses the wire typed (docs/weight-updates.md)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from asyncllm import protocol
+from asyncllm.config import EngineConfig
+from asyncllm.engine.weight_update import OTHER_RANK_REFUSED, weights_error, weights_error_reply
+from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.lora import LoRAContext, attach_lora_layers
+from asyncllm.tiny import tiny_checkpoint
+from asyncllm.workers.weight_update import check_update, update_weights
+
+CPU = torch.device("cpu")
+
+
+def _runner(path: str, **fields) -> SimpleNamespace:
+    """What `update_weights` reads of a `ModelRunner`, with the model of `path` loaded on the CPU."""
+    config = EngineConfig.create(path, max_model_len=256, **fields)
+    hf_config = load_hf_config(path)
+    model = load_model(config, hf_config, CPU, torch.float32)
+    return SimpleNamespace(config=config, hf_config=hf_config, model=model, device=CPU, dtype=torch.float32,
+                           rank=0, tp_size=1)
+
+
+def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in model.named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def runner() -> SimpleNamespace:
+    return _runner(tiny_checkpoint("llama"))
+
+
+def _altered_copy(tmp_path: Path, change) -> str:
+    """A copy of the tiny llama checkpoint B whose tensors `change` edits (a dict of name -> tensor)."""
+    source = Path(tiny_checkpoint("llama", seed=1))
+    folder = tmp_path / "altered"
+    shutil.copytree(source, folder)
+    [file] = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    change(tensors)
+    save_file(tensors, file)
+    return str(folder)
+
+
+def test_checks_refuse_missing_and_misshapen_tensors_and_touch_nothing(runner, tmp_path: Path) -> None:
+    before = _params(runner.model)
+    name = "model.layers.1.mlp.down_proj.weight"
+    missing = _altered_copy(tmp_path / "missing", lambda t: t.pop(name))
+    with pytest.raises(InvalidRequestError, match=f"missing: {name}") as info:
+        check_update(runner, missing, None)
+    assert info.value.field == "model_path"
+    misshapen = _altered_copy(tmp_path / "shape", lambda t: t.update({name: t[name][:, :-1].contiguous()}))
+    with pytest.raises(InvalidRequestError, match=r"at model.layers.1.mlp.down_proj.weight"):
+        check_update(runner, misshapen, None)
+    truncated = _altered_copy(tmp_path / "cut", lambda t: None)
+    [file] = Path(truncated).glob("*.safetensors")
+    file.write_bytes(file.read_bytes()[:1000])
+    with pytest.raises(InvalidRequestError, match="model_path"):
+        check_update(runner, truncated, None)
+    after = _params(runner.model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_an_update_copies_in_place_under_lora_layers(tmp_path: Path) -> None:
+    runner = _runner(tiny_checkpoint("llama"))
+    attach_lora_layers(runner.model, 1, 8, LoRAContext())  # adapter slots are buffers: they stay as they are
+    addresses = {name: param.data_ptr() for name, param in runner.model.named_parameters()}
+    path = tiny_checkpoint("llama", seed=1)
+    reply = update_weights(runner, protocol.UpdateWeights("u1", path))
+    assert reply == protocol.WeightsUpdated("u1")
+    expected = _params(_runner(path).model)
+    for name, param in runner.model.named_parameters():
+        assert param.data_ptr() == addresses[name], f"{name} was replaced, not copied into"
+        assert torch.equal(param, expected[name]), name
+
+
+def test_what_is_not_built_is_refused_by_name(runner) -> None:
+    fp8 = SimpleNamespace(**{**vars(runner), "config": EngineConfig.create(runner.config.model, quantization="fp8")})
+    with pytest.raises(NotBuiltError, match="quantization='fp8'"):
+        check_update(fp8, tiny_checkpoint("llama", seed=1), None)
+    vision = SimpleNamespace(**{**vars(runner), "model": SimpleNamespace(embed_multimodal=lambda *a: None)})
+    with pytest.raises(NotBuiltError, match="multimodal"):
+        check_update(vision, tiny_checkpoint("llama", seed=1), None)
+    with pytest.raises(NotBuiltError, match="GGUF"):
+        check_update(runner, "/models/tiny.gguf", None)
+
+
+def test_a_refusal_crosses_the_wire_typed() -> None:
+    for error in (InvalidRequestError("model_path", "differs: hidden_size=128 (served: 64)"),
+                  NotBuiltError("quantization", "fp8", "update_weights of a quantized model")):
+        reply = weights_error_reply("u", error, rank=1)
+        back = weights_error(protocol.WeightsUpdated(**{f: getattr(reply, f) for f in reply.__struct_fields__}))
+        assert type(back) is type(error) and str(back) == str(error) and back.field == error.field
+    assert weights_error(protocol.WeightsUpdated("u", weights_version=3)) is None
+
+
+class _Executor:
+    """The core's executor as `WeightUpdater` sees it: the ranks' replies, or the error of a failed copy."""
+
+    def __init__(self, outcome: list[protocol.WeightsUpdated] | BaseException) -> None:
+        self.outcome = outcome
+
+    def update_weights(self, message: protocol.UpdateWeights) -> list[protocol.WeightsUpdated]:
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+def test_the_core_counts_updates_and_restarts_workers_on_the_last_one() -> None:
+    from asyncllm.engine.core_weights import WeightUpdater
+    from asyncllm.errors import EngineDeadError
+    from asyncllm.sched.scheduler import Scheduler
+
+    config = EngineConfig.create(tiny_checkpoint("llama"), load_format="dummy", max_model_len=256)
+    sent: list[object] = []
+    recovered: list[BaseException] = []
+    core = SimpleNamespace(overlap=None, scheduler=Scheduler(config, 16, 256), restarter=SimpleNamespace(config=config),
+                           recover_workers=recovered.append, send_outputs=lambda outputs: sent.append("stats"),
+                           io=SimpleNamespace(send=lambda client_id, message: sent.append(message)))
+    updater = WeightUpdater(core)
+    refusal = weights_error_reply("u1", InvalidRequestError("model_path", "differs: hidden_size"), rank=1)
+    core.executor = _Executor([weights_error_reply("u1", InvalidRequestError("model_path", OTHER_RANK_REFUSED)), refusal])
+    updater.update(b"host", protocol.UpdateWeights("u1", "/ckpt/b"))
+    assert sent == ["stats", refusal] and updater.weights_version == 0  # the refusing rank's own reason
+    assert core.restarter.config is config
+    sent.clear()
+    core.executor = _Executor([protocol.WeightsUpdated("u2", rank=0), protocol.WeightsUpdated("u2", rank=1)])
+    updater.update(b"host", protocol.UpdateWeights("u2", "/ckpt/b", "main"))
+    assert sent == ["stats", protocol.WeightsUpdated("u2", weights_version=1)]  # every host's stats, then the answer
+    model = core.restarter.config.model_config
+    assert (model.model, model.revision, model.load_format) == ("/ckpt/b", "main", "auto")  # a restart loads it
+    sent.clear()
+    core.executor = _Executor(EngineDeadError("worker rank 1 was killed by SIGKILL"))
+    updater.update(b"host", protocol.UpdateWeights("u3", "/ckpt/c"))
+    [_, reply] = sent
+    assert isinstance(weights_error(reply), InvalidRequestError) and "failed while loading '/ckpt/c'" in reply.error
+    assert len(recovered) == 1 and updater.weights_version == reply.weights_version == 1
+    assert core.restarter.config.model_config.model == "/ckpt/b"  # the last update that loaded whole
