@@ -6,7 +6,8 @@ generation config) that loads with both transformers and asyncllm. This module
 makes one in about a second: a byte-level BPE tokenizer trained on a fixed
 slice of the Python standard library's own source (so it needs no data set and
 round-trips any Unicode text), and a Llama / Mistral / Qwen2 / Qwen3 / Gemma 2 /
-Gemma 3 / Phi-3 model (or a mixture of experts) with seeded random weights.
+Gemma 3 / Phi-3 / Granite / OLMo 2 model (or a mixture of experts: Mixtral, Qwen-MoE, gpt-oss) with seeded random
+weights.
 
 The weights are drawn wider than transformers' default initialisation, and the
 norm weights and biases are random too, so that logits are far from uniform
@@ -31,8 +32,9 @@ from asyncllm.errors import ConfigError
 
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
-TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3")
-"""The architectures `make_tiny_checkpoint` can build (mixtral and the *_moe ones are mixtures of experts)."""
+TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
+              "granite", "olmo2", "gpt_oss")
+"""The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -60,6 +62,19 @@ _PHI3_SHAPE: dict[str, Any] = dict(original_max_position_embeddings=64, rope_par
 })
 """The tiny Phi-3 is shaped as Phi-4-mini: rotary on 3/4 of each head (12 of 16 dims), LongRoPE pretrained on 64
 positions (short and long factors far apart, so using the wrong set shows), no sliding window unless asked."""
+
+_GRANITE_SHAPE: dict[str, Any] = dict(embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
+                                      attention_multiplier=0.015625)
+"""The tiny Granite: every multiplier far from 1 (the attention scale 1/64 against ``head_dim ** -0.5`` = 1/4),
+so dropping any one of them changes the logits; tied embeddings, as every Granite 3.x checkpoint."""
+
+_GPT_OSS_SHAPE: dict[str, Any] = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8, swiglu_limit=2.0,
+                                      rope_parameters={"rope_type": "yarn", "rope_theta": 150_000.0, "factor": 32.0,
+                                                       "original_max_position_embeddings": 64, "beta_fast": 32.0,
+                                                       "beta_slow": 1.0, "truncate": False})
+"""The tiny gpt-oss: 4 experts, 2 per token; a window of 8 (test prompts outrun it) on every other layer; the
+SwiGLU clamp at 2 rather than 7 so that it bites at these activations; YaRN as the real models' (factor 32) over
+64 original positions. Its sinks, router and expert biases are random like every bias here."""
 
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>")
 """Special tokens of the tiny tokenizer; their ids are 0..5 in this order."""
@@ -139,7 +154,7 @@ def make_tiny_checkpoint(
 ) -> str:
     """Write a tiny random model, its tokenizer and generation config to ``path``; return the path.
 
-    ``tie_word_embeddings`` None is the family's usual: tied for Gemma (as every Gemma checkpoint), untied
+    ``tie_word_embeddings`` None is the family's usual: tied for Gemma and Granite (as their checkpoints), untied
     for the others.
 
     ``config_overrides`` are passed to the transformers config class as is
@@ -161,11 +176,16 @@ def make_tiny_checkpoint(
         dict(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
              num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
              max_position_embeddings=max_position_embeddings,
-             tie_word_embeddings=arch in _GEMMA_SHAPES if tie_word_embeddings is None else tie_word_embeddings),
+             tie_word_embeddings=_tied(arch) if tie_word_embeddings is None else tie_word_embeddings),
         config_overrides,
     )
     _build_model(config, seed).save_pretrained(out, safe_serialization=True)
     return str(out)
+
+
+def _tied(arch: str) -> bool:
+    """Whether the family's checkpoints tie the LM head to the embeddings: every Gemma's and Granite 3.x's."""
+    return arch in (*_GEMMA_SHAPES, "granite")
 
 
 def tiny_cache_dir() -> Path:
@@ -272,6 +292,8 @@ def _build_config(
         "mixtral": transformers.MixtralConfig, "qwen2_moe": transformers.Qwen2MoeConfig,
         "qwen3_moe": transformers.Qwen3MoeConfig, "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config,
+        "granite": transformers.GraniteConfig, "olmo2": transformers.Olmo2Config,
+        "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -284,6 +306,10 @@ def _build_config(
     fields.update(_MOE_SHAPES.get(arch, {}))
     if arch == "phi3":
         fields.update(copy.deepcopy(_PHI3_SHAPE))
+    if arch == "granite":
+        fields.update(_GRANITE_SHAPE)
+    if arch == "gpt_oss":
+        fields.update(copy.deepcopy(_GPT_OSS_SHAPE))
     if arch in _GEMMA_SHAPES:
         fields.update(copy.deepcopy(_GEMMA_SHAPES[arch]), layer_types=[
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])
@@ -292,7 +318,8 @@ def _build_config(
 
 
 def _build_model(config: Any, seed: int) -> Any:
-    """Seeded random weights; 1-D parameters (norm weights, biases) randomised as well."""
+    """Seeded random weights; 1-D parameters (norm weights, biases, gpt-oss's sinks) and gpt-oss's stacked expert
+    biases randomised as well."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -300,7 +327,7 @@ def _build_model(config: Any, seed: int) -> Any:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 1:
+            if param.ndim == 1 or name.endswith("_proj_bias"):
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=_INIT_STD)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,

@@ -18,6 +18,11 @@ steps, none of which reads a device value on the host (so a call is CUDA-graph c
    (the reference's rounding), stored at the pair's row of a ``[T, k, H]`` buffer (zeros where a
    pair has no local expert), which a torch ``sum`` over k reduces: deterministic, no atomics.
 
+gpt-oss's experts add two compile-time switches: ``HAS_BIAS`` (an expert's bias added to its gate/up and its
+down products, each rounded first as the reference adds it after the product) and ``SWIGLU`` (the clamped
+SwiGLU of `reference.ClampedSwiglu` in place of SiLU-and-mul, rounded op by op as the reference's torch ops
+round). Off, the kernels compile as before.
+
 Blocks past the padded total return at once (they read the total from the device). Products
 accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
 """
@@ -31,6 +36,7 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
+from asyncllm.kernels.reference import ClampedSwiglu
 
 __all__ = ["Alignment", "MoeConfig", "align_tokens", "fused_moe", "moe_config"]
 
@@ -106,6 +112,26 @@ def _silu_mul(gate, up, dtype):
 
 
 @triton.jit
+def _clamped_swiglu(gate, up, alpha, limit, dtype):
+    """`reference.clamped_swiglu` of float32 values already in ``dtype``, each op rounded to ``dtype`` as torch's."""
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    scaled = (gate * alpha).to(dtype).to(tl.float32)
+    sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
+    glu = (gate * sig).to(dtype).to(tl.float32)
+    return ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
+
+
+@triton.jit
+def _plus_bias(product, bias_ptr, mask, HAS_BIAS: tl.constexpr, dtype):
+    """A float32 product rounded to ``dtype``, plus (when ``HAS_BIAS``) its row-broadcast bias, rounded again."""
+    out = product.to(dtype).to(tl.float32)
+    if HAS_BIAS:
+        out = (out + tl.load(bias_ptr, mask=mask, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+    return out
+
+
+@triton.jit
 def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     """Row block ``pid_m``: its expert, its rows' pair indices (int64), and which rows are pairs (not padding)."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
@@ -115,11 +141,11 @@ def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: 
 
 @triton.jit
 def _gate_up_kernel(
-    hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr,
-    hidden_stride, w13_stride_e, w13_stride_n, act_stride,
-    num_pairs, H, I,
+    hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr,
+    hidden_stride, w13_stride_e, w13_stride_n, act_stride, bias_stride_e,
+    num_pairs, H, I, alpha, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -147,16 +173,24 @@ def _gate_up_kernel(
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    gate_bias_ptrs = bias_ptr + expert * bias_stride_e + offs_n
+    gate = _plus_bias(acc_gate, gate_bias_ptrs, n_mask, HAS_BIAS, dtype)
+    up = _plus_bias(acc_up, gate_bias_ptrs + I, n_mask, HAS_BIAS, dtype)
+    if SWIGLU:
+        act = _clamped_swiglu(gate, up, alpha, limit, dtype)
+    else:
+        act = _silu_mul(gate, up, dtype)
     out_ptrs = act_ptr + pairs[:, None] * act_stride + offs_n[None, :]
-    tl.store(out_ptrs, _silu_mul(acc_gate, acc_up, dtype), mask=row_mask[:, None] & n_mask[None, :])
+    tl.store(out_ptrs, act, mask=row_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit
 def _down_kernel(
-    act_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr,
-    act_stride, w2_stride_e, w2_stride_n, out_stride,
+    act_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr,
+    act_stride, w2_stride_e, w2_stride_n, out_stride, bias_stride_e,
     num_pairs, H, I,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -179,17 +213,20 @@ def _down_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
-    out = (acc.to(dtype).to(tl.float32) * weight[:, None]).to(dtype)
+    down = _plus_bias(acc, bias_ptr + expert * bias_stride_e + offs_n, n_mask, HAS_BIAS, dtype)
+    out = (down * weight[:, None]).to(dtype)
     tl.store(out_ptr + pairs[:, None] * out_stride + offs_n[None, :], out, mask=row_mask[:, None] & n_mask[None, :])
 
 
 def fused_moe(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """hidden ``[T, H]``, w13 ``[E, 2I, H]`` (gate rows, then up rows), w2 ``[E, H, I]``, topk_weights
     ``[T, k]`` float32, topk_ids ``[T, k]`` int32/int64 -> ``[T, H]`` in hidden's dtype.
 
-    An id outside ``[0, E)`` adds nothing (expert parallelism: another rank's expert)."""
+    An id outside ``[0, E)`` adds nothing (expert parallelism: another rank's expert). gpt-oss: ``w13_bias
+    [E, 2I]``, ``w2_bias [E, H]`` (hidden's dtype) and the clamped SwiGLU ``swiglu``, as `reference.fused_moe`."""
     check_float("hidden", hidden, 2)
     check_last_dim_contiguous("hidden", hidden)
     num_tokens, h = hidden.shape
@@ -209,6 +246,8 @@ def fused_moe(
     check(tuple(topk_weights.shape) == (num_tokens, top_k),
           f"topk_weights must be [{num_tokens}, {top_k}] like topk_ids, got shape {tuple(topk_weights.shape)}")
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
+    _check_bias("w13_bias", w13_bias, hidden, (num_experts, 2 * inter))
+    _check_bias("w2_bias", w2_bias, hidden, (num_experts, h))
 
     num_pairs = num_tokens * top_k
     if num_pairs == 0 or h == 0:
@@ -222,18 +261,30 @@ def fused_moe(
         act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
         _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
             hidden, w13, act, aligned.sorted_pairs, aligned.block_experts, aligned.total_rows,
+            hidden if w13_bias is None else w13_bias,  # never read without HAS_BIAS
             hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            num_pairs, h, inter,
+            0 if w13_bias is None else w13_bias.stride(0),
+            num_pairs, h, inter, swiglu.alpha if swiglu else 0.0, swiglu.limit if swiglu else 0.0,
             TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         out2 = out.view(num_pairs, h)
         _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
             act, w2, out2, topk_weights.reshape(-1).contiguous(), aligned.sorted_pairs, aligned.block_experts,
-            aligned.total_rows,
-            act.stride(0), w2.stride(0), w2.stride(1), out2.stride(0),
+            aligned.total_rows, hidden if w2_bias is None else w2_bias,
+            act.stride(0), w2.stride(0), w2.stride(1), out2.stride(0), 0 if w2_bias is None else w2_bias.stride(0),
             num_pairs, h, inter,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+            HAS_BIAS=w2_bias is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return out.sum(dim=1)
+
+
+def _check_bias(name: str, bias: torch.Tensor | None, hidden: torch.Tensor, shape: tuple[int, int]) -> None:
+    if bias is None:
+        return
+    check(tuple(bias.shape) == shape and bias.dtype == hidden.dtype and bias.stride(1) == 1,
+          f"{name} must be {list(shape)} of {hidden.dtype}, contiguous rows; got {tuple(bias.shape)} of {bias.dtype}")
+    check_same_device(hidden=hidden, **{name: bias})

@@ -7,7 +7,10 @@ Query j of request i sits at position ``seq_lens[i] - q_len_i + j`` and attends
 causally to the keys at or before it (and, with a sliding window, only the
 last ``sliding_window`` of them), as `asyncllm.kernels.reference.paged_attention`.
 With ``softcap`` (Gemma 2) each score is capped to ``softcap * tanh(score / softcap)``
-before the mask and the softmax; off, the kernel is compiled without it.
+before the mask and the softmax; off, the kernel is compiled without it. With ``sinks``
+(gpt-oss: one logit per query head) each row's softmax starts from its head's sink, as if one
+more key scored ``sink`` and had a zero value: the running max starts at the sink and the running
+sum at 1 (``USE_SINKS``; off, compiled without it).
 
 Grid: (query blocks, KV heads). A program takes ``BLOCK_Q`` consecutive query
 tokens of one request times the ``Hq / Hkv`` query heads sharing one KV head
@@ -56,12 +59,13 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 
 @triton.jit
 def _paged_attention_kernel(
-    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     scale, num_reqs, head_dim, block_size, sliding_window, softcap,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -86,6 +90,8 @@ def _paged_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        m_i, l_i = _sink_start(sinks_ptr, heads, row_mask)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     abs_pos = context_len + q_pos  # the query's position in its sequence
     # keys this block can see: up to its last query's position (and within the window of its first)
@@ -123,6 +129,13 @@ def _paged_attention_kernel(
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
+@triton.jit
+def _sink_start(sinks_ptr, heads, row_mask):
+    """The online softmax's (running max, running sum) before any key: the sink's logit, ``exp(0)``."""
+    sink = tl.load(sinks_ptr + heads, mask=row_mask, other=float("-inf")).to(tl.float32)
+    return sink, tl.where(row_mask, 1.0, 0.0)
+
+
 def _check_args(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
@@ -155,6 +168,16 @@ def check_window_and_softcap(sliding_window: int | None, softcap: float | None) 
     check(softcap is None or softcap >= 0, f"softcap must be >= 0 (0: off): {softcap}")
 
 
+def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """``sinks`` checked to be one contiguous logit per query head; the query itself (never read) when None."""
+    if sinks is None:
+        return query
+    check(sinks.dim() == 1 and sinks.shape[0] == query.shape[1] and sinks.is_floating_point()
+          and sinks.stride(0) == 1, f"sinks must be a contiguous float [{query.shape[1]}], got {tuple(sinks.shape)}")
+    check_same_device(query=query, sinks=sinks)
+    return sinks
+
+
 def _block_shape(queries_per_kv: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M): enough query tokens that BLOCK_Q * queries_per_kv rows fill a tile."""
     block_m = max(_MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv))
@@ -180,13 +203,14 @@ def paged_attention(
     sliding_window: int | None = None,
     tile_n: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of query ``[T, Hq, D]`` over each request's cached context.
 
     ``key_cache`` / ``value_cache`` are ``[num_blocks, block_size, Hkv, D]``. Returns ``[T, Hq, D]``
     in query's dtype; rows past ``query_start_loc[-1]`` (padding) are left unwritten. ``tile_n``
     (keys per inner step, a power of two >= 16) defaults to 64 for head dims up to 128, else 32.
-    ``softcap`` > 0 caps the scores (None or 0: off).
+    ``softcap`` > 0 caps the scores (None or 0: off); ``sinks`` ``[Hq]`` joins each head's softmax (None: off).
     """
     _check_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -194,6 +218,7 @@ def paged_attention(
     queries_per_kv = num_q_heads // num_kv_heads
     head_dim_padded, tile_n = _tile_shape(head_dim, tile_n)
     check_window_and_softcap(sliding_window, softcap)
+    sinks_arg = check_sinks(sinks, query)
     block_q, block_m = _block_shape(queries_per_kv)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     num_reqs = seq_lens.shape[0]
@@ -201,12 +226,13 @@ def paged_attention(
         return out
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks_arg,
         scale, num_reqs, head_dim, block_size, sliding_window or 0, softcap or 0.0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         HEAD_DIM=head_dim_padded, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(softcap),
+        USE_SINKS=sinks is not None,
         # exact fp32 products; "tf32" is Triton's default, which half-precision inputs ignore
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4 if head_dim_padded <= 64 else 8, num_stages=2,

@@ -22,7 +22,9 @@ returns at once and stage 2 masks them out by the same arithmetic. The grid
 and ``NUM_SEGMENTS`` depend only on host-known shapes, so a launch is
 CUDA-graph capturable.
 
-Scores are capped (``softcap``) as in the unified kernel.
+Scores are capped (``softcap``) as in the unified kernel. Attention sinks (``sinks``, gpt-oss) join
+in stage 2 only, once per head: the sink's logit is one more partial max with sum ``exp(0)`` and a
+zero accumulator (``USE_SINKS``; off, compiled without it).
 An fp8 cache is read as in the unified kernel: K and V tiles cast to the query's
 dtype before their products.
 
@@ -39,7 +41,7 @@ import triton.language as tl
 from asyncllm.kernels._checks import check
 from asyncllm.kernels._math import softcap as cap_scores
 from asyncllm.kernels.paged_attention import (  # the unified kernel's rules and rows
-    _block_shape, _check_args, _tile_shape, check_window_and_softcap,
+    _block_shape, _check_args, _tile_shape, check_sinks, check_window_and_softcap,
 )
 
 __all__ = ["paged_decode"]
@@ -119,9 +121,10 @@ def _decode_segment_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    out_ptr, max_ptr, sum_ptr, acc_ptr, seq_lens_ptr, query_start_loc_ptr,
+    out_ptr, max_ptr, sum_ptr, acc_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     num_q_heads, head_dim, sliding_window, out_token_stride, out_head_stride,
     TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SINKS: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -140,8 +143,14 @@ def _decode_combine_kernel(
     acc = tl.load(acc_ptr + partial[:, None] * head_dim + dims[None, :], mask=used[:, None] & dim_mask[None, :],
                   other=0.0)
     m_max = tl.max(seg_max, axis=0)
-    weight = tl.exp(seg_max - tl.where(m_max == float("-inf"), 0.0, m_max))  # 0 for unused segments
+    if USE_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
+    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
+    weight = tl.exp(seg_max - m_safe)  # 0 for unused segments
     total = tl.sum(seg_sum * weight, axis=0)
+    if USE_SINKS:
+        total += tl.exp(sink - m_safe)
     out = tl.sum(acc * weight[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
     out_offsets = q_start.to(tl.int64) * out_token_stride + head * out_head_stride + dims
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
@@ -159,6 +168,7 @@ def paged_decode(
     sliding_window: int | None = None,
     tile_n: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` for a decode-only step, each request's context split into ``num_segments``.
 
@@ -173,6 +183,7 @@ def paged_decode(
     check(1 <= num_segments <= 64 and num_segments == triton.next_power_of_2(num_segments),
           f"num_segments must be a power of two from 1 to 64: {num_segments}")
     check_window_and_softcap(sliding_window, softcap)
+    sinks_arg = check_sinks(sinks, query)
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     head_dim_padded, tile_n = _tile_shape(head_dim, tile_n)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -196,8 +207,8 @@ def paged_decode(
         num_warps=4, num_stages=2, **shared,
     )
     _decode_combine_kernel[(num_reqs, num_q_heads)](
-        out, partial_max, partial_sum, partial_acc, seq_lens, query_start_loc,
+        out, partial_max, partial_sum, partial_acc, seq_lens, query_start_loc, sinks_arg,
         num_q_heads, head_dim, sliding_window or 0, out.stride(0), out.stride(1),
-        num_warps=4 if head_dim_padded <= 128 else 8, **shared,
+        USE_SINKS=sinks is not None, num_warps=4 if head_dim_padded <= 128 else 8, **shared,
     )
     return out

@@ -10,6 +10,8 @@ No policy lives here: shapes in, tensors out.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -23,6 +25,8 @@ __all__ = [
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "decode_linear",
+    "ClampedSwiglu",
+    "clamped_swiglu",
     "fused_moe",
     "rotate_half",
     "build_cos_sin_cache",
@@ -107,8 +111,25 @@ def decode_linear(
     return out if new_residual is None else (out, new_residual)
 
 
+class ClampedSwiglu(NamedTuple):
+    """gpt-oss's expert activation, in place of SiLU-and-mul: ``gate.clamp(max=limit)``,
+    ``up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)`` (vLLM's "swigluoai")."""
+
+    alpha: float
+    limit: float
+
+
+def clamped_swiglu(x: torch.Tensor, act: ClampedSwiglu) -> torch.Tensor:
+    """`ClampedSwiglu` of x ``[..., 2 * d]`` = gate then up, in transformers' order of operations."""
+    d = x.shape[-1] // 2
+    gate = x[..., :d].clamp(max=act.limit)
+    up = x[..., d:].clamp(min=-act.limit, max=act.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * act.alpha))
+
+
 def fused_moe(
-    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP: each token's sum over its k experts of ``weight * down_e(silu(gate_e x) * up_e x)``.
 
@@ -116,16 +137,23 @@ def fused_moe(
     topk_weights ``[T, k]`` float32; topk_ids ``[T, k]`` integer. An id outside ``[0, E)`` (an expert
     another rank holds, under expert parallelism) adds nothing. Each expert's product is rounded to
     hidden's dtype, scaled by its weight in float32, and summed into the output in hidden's dtype,
-    expert by expert in id order (transformers' order)."""
+    expert by expert in id order (transformers' order). gpt-oss: ``w13_bias [E, 2I]`` and ``w2_bias [E, H]``
+    are added after each product (before the routing weight), and ``swiglu`` replaces SiLU-and-mul."""
     out = torch.zeros_like(hidden)
     num_experts = w13.shape[0]
     local = (topk_ids >= 0) & (topk_ids < num_experts)
     for expert in torch.unique(topk_ids[local]).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
-        act = silu_and_mul(F.linear(hidden[token_idx], w13[expert]))
-        down = F.linear(act, w2[expert])
+        gate_up = _add_bias(F.linear(hidden[token_idx], w13[expert]), w13_bias, expert)
+        act = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, swiglu)
+        down = _add_bias(F.linear(act, w2[expert]), w2_bias, expert)
         out.index_add_(0, token_idx, (down * topk_weights[token_idx, slot, None]).to(hidden.dtype))
     return out
+
+
+def _add_bias(product: torch.Tensor, bias: torch.Tensor | None, expert: int) -> torch.Tensor:
+    """The product, rounded, plus the expert's bias (transformers adds it after the matmul)."""
+    return product if bias is None else product + bias[expert]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -238,18 +266,26 @@ def _context_mask(
     return mask
 
 
-def _softcapped_attention(
+def _eager_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    softcap: float,
+    softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Attention with tanh-capped scores, ``softcap * tanh(q.k * scale / softcap)``, in transformers' eager
-    order (cap, mask, float32 softmax rounded to the dtype, then ``P @ V``). ``[H, L, D]`` heads first."""
+    """Attention with explicit scores, in transformers' eager order: capped to ``softcap * tanh(q.k * scale /
+    softcap)`` when ``softcap`` (Gemma 2), masked, joined by each head's sink logit ``sinks [H]`` as one more
+    column of the softmax (gpt-oss: it takes probability mass and adds no value), a float32 softmax rounded to
+    the dtype, then ``P @ V``. ``[H, L, D]`` heads first."""
     groups = query.shape[0] // key.shape[0]
     key, value = key.repeat_interleave(groups, 0), value.repeat_interleave(groups, 0)
-    scores = torch.tanh(query @ key.transpose(-1, -2) * scale / softcap) * softcap
+    scores = query @ key.transpose(-1, -2) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype) @ value
+    sink_column = sinks.to(scores.dtype).reshape(-1, 1, 1).expand(-1, scores.shape[1], 1)
+    probs = torch.softmax(torch.cat([scores, sink_column], dim=-1), dim=-1, dtype=torch.float32)
+    return probs[..., :-1].to(query.dtype) @ value
 
 
 def paged_attention(
@@ -259,6 +295,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its whole cached context.
 
@@ -266,7 +303,8 @@ def paged_attention(
     in ``kv_cache`` (of query's dtype, or fp8: the gathered K/V are cast to query's dtype).
     Returns ``[T, Hq, D]``; rows past ``query_start_loc[-1]`` (padding) are zero. One
     ``scaled_dot_product_attention`` call per request; with ``softcap`` (Gemma 2's
-    attn_logit_softcapping; None or 0 is off) the scores are capped first (`_softcapped_attention`).
+    attn_logit_softcapping; None or 0 is off) the scores are capped first, and with ``sinks`` (gpt-oss: a
+    logit per query head, ``[Hq]``) each softmax's denominator takes ``exp(sink)`` too (`_eager_attention`).
     """
     out = torch.zeros_like(query)
     qsl = metadata.query_start_loc_cpu
@@ -278,8 +316,8 @@ def paged_attention(
         mask = _context_mask(end - start, seq_len, sliding_window, query.device)
         q = query[start:end].transpose(0, 1)
         k, v = (t.transpose(0, 1).to(query.dtype) for t in (key, value))
-        if softcap:
-            attended = _softcapped_attention(q, k, v, mask, scale, softcap)
+        if softcap or sinks is not None:
+            attended = _eager_attention(q, k, v, mask, scale, softcap, sinks)
         else:
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = attended.transpose(0, 1)

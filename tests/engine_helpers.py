@@ -51,6 +51,23 @@ def random_prompts(num: int, seed: int, stem_len: int = 0, max_len: int = 70) ->
     return prompts
 
 
+async def assert_greedy_with_prefix_hit_equals_transformers(engine: AsyncEngine, path: str, seed: int) -> None:
+    """Three prompts (37, 21, 12 tokens, past the tiny models' 8-token windows) at once, then the first one again
+    with two more tokens (its first 32 tokens' blocks cached): each request's 10 greedy tokens equal transformers'
+    ``generate``, and the prefix cache was hit."""
+    from asyncllm import SamplingParams
+    from hf_reference import hf_greedy
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(6, 512) for _ in range(n)] for n in (37, 21, 12)]
+    outs = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
+    again = await engine.generate(prompts[0] + [7, 8], greedy)
+    assert engine.stats().prefix_cache_hits > 0
+    for prompt, out in zip([*prompts, prompts[0] + [7, 8]], [*outs, again]):
+        assert out.token_ids == hf_greedy(path, prompt, 10, eos_token_id=None), f"{len(prompt)} tokens"
+
+
 CODE_PROMPTS = [  # code, as the bundled model was trained on; 22, 36, 65 and 13 tokens
     "def fibonacci(n):\n    if n < 2:\n        return n\n    return",
     "import numpy as np\n\nclass Matrix:\n    def __init__(self, rows, cols):\n        self.rows = rows",

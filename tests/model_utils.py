@@ -167,6 +167,28 @@ class PagedRun:
         return [torch.cat(parts) for parts in self.logits]
 
 
+def assert_paged_logits_match_checkpoint(model: Any, path: str, seq_lens: list[int], schedule: list[list[int]],
+                                         seed: int, atol: float = 1e-4) -> None:
+    """Random sequences of ``seq_lens`` tokens (ids 6-511: a tiny checkpoint's) run over a paged cache by
+    ``schedule``: every position's float32 logits equal transformers' for the checkpoint at ``path`` within
+    ``atol``, with the same argmax, and transformers' logits are far from uniform (the comparison means something)."""
+    from hf_reference import hf_logits as hf_path_logits
+
+    from asyncllm.models.loader import load_hf_config
+    from asyncllm.models.registry import kv_cache_spec
+
+    spec = kv_cache_spec(load_hf_config(path), 1)
+    gen = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in seq_lens]
+    run = PagedRun(model, sequences, block_size=4)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    for tokens, logits in zip(sequences, run.run(schedule)):
+        expected = hf_path_logits(path, tokens)
+        assert expected.std() > 0.5
+        torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+        assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

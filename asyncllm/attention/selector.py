@@ -41,9 +41,11 @@ class AttentionBackend(Protocol):
         sliding_window: int | None = None,
         rotary: RotaryInputs | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rotate q/k by ``rotary`` (if given), write key/value ``[T, Hkv, D]`` at the step's slots,
-        attend query ``[T, Hq, D]`` (scores capped to ``softcap * tanh(s / softcap)`` when ``softcap``)."""
+        attend query ``[T, Hq, D]`` (scores capped to ``softcap * tanh(s / softcap)`` when ``softcap``; each
+        head's softmax joined by its logit in ``sinks [Hq]`` when given, gpt-oss's attention sinks)."""
         ...
 
 

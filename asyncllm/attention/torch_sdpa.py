@@ -36,13 +36,14 @@ class TorchSDPABackend:
         sliding_window: int | None = None,
         rotary: RotaryInputs | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place. ``softcap``
-        caps the scores (Gemma 2: `reference.paged_attention`).
+        caps the scores (Gemma 2: `reference.paged_attention`); ``sinks [Hq]`` joins each softmax (gpt-oss).
         """
         if rotary is not None:
             query, key = reference.norm_and_rotate(query, key, rotary)
         reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap)
+        return reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap, sinks)

@@ -56,11 +56,12 @@ class TritonBackend:
         sliding_window: int | None = None,
         rotary: RotaryInputs | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place. ``softcap``
-        caps the scores (Gemma 2) in either kernel.
+        caps the scores (Gemma 2) and ``sinks [Hq]`` joins each softmax (gpt-oss) in either kernel.
         """
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if rotary is None:
@@ -74,11 +75,11 @@ class TritonBackend:
         if num_segments:
             return paged_decode(
                 query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-                scale, num_segments, sliding_window, softcap=softcap,
+                scale, num_segments, sliding_window, softcap=softcap, sinks=sinks,
             )
         return paged_attention(
             query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-            scale, sliding_window, softcap=softcap,
+            scale, sliding_window, softcap=softcap, sinks=sinks,
         )
 
 

@@ -69,7 +69,8 @@ def prepare(config: EngineConfig) -> Prepared:
     if config.enable_lora:
         if arch in (*MULTIMODAL_ARCHITECTURES, *MOE_ARCHITECTURES, *_NO_LORA):
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (dense text decoders only: Llama, "
-                                                     "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3)")
+                                                     "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, Granite, "
+                                                     "OLMo 2)")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if arch in MULTIMODAL_ARCHITECTURES:

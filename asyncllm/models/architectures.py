@@ -17,13 +17,14 @@ __all__ = ["TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PH
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
-                      "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM")
+                      "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM",
+                      "GraniteForCausalLM", "Olmo2ForCausalLM", "GptOssForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 """Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints are served as text only, without
 LoRA adapters (docs/gemma.md)."""
 PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
 """Phi-3, Phi-3.5, Phi-4, Phi-4-mini (asyncllm/models/phi3.py): fused checkpoints and adapters (docs/phi3.md)."""
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """Architectures that take images (their host processes them: asyncllm/mm/)."""

@@ -197,6 +197,9 @@ def prequantized_config(
         return gguf
 
     method = checkpoint_quantization(hf_config)
+    if method == "mxfp4":
+        _check_mxfp4(hf_config, model, quantization)
+        return None  # the experts are dequantized as they load (asyncllm/models/gpt_oss.py)
     if method in INT4_METHODS:
         return int4_checkpoint_config(_quantization_section(hf_config) or {}, hf_config, model, quantization)
     if method is None and any(quantization in names for names in QUANTIZATION_NAMES.values()):
@@ -204,6 +207,17 @@ def prequantized_config(
                           f"{quantization!r} serves checkpoints pre-quantized with it (config.json's "
                           "quantization_config); this one has none")
     return prequantized_fp8_config(hf_config, model, quantization)
+
+
+def _check_mxfp4(hf_config: Any, model: str, quantization: str | None) -> None:
+    """`NotBuiltError` for an MXFP4 checkpoint asyncllm cannot dequantize: another architecture than gpt-oss's,
+    or ``quantization`` set (nothing runs in MXFP4; the experts are dequantized to the model dtype at load)."""
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if arch != "GptOssForCausalLM":
+        raise NotBuiltError("model", model, f"an MXFP4 {arch} checkpoint (only gpt-oss's experts are dequantized)")
+    if quantization is not None:
+        raise NotBuiltError("quantization", quantization, "quantizing a gpt-oss MXFP4 checkpoint (its experts are "
+                            "dequantized to the model dtype at load; leave quantization unset)")
 
 
 def _block_size(value: Any, model: str) -> tuple[int, int] | None:

@@ -128,13 +128,10 @@ class GemmaAttention(LlamaAttention):
             self.q_norm = GemmaRMSNorm(head_dim, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
             self.k_norm = GemmaRMSNorm(head_dim, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
 
-    def attend(
-        self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        query, key, value = self.qkv_proj.split_qkv(qkv)
+    def norm_qk(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gemma_qk_norm:
-            query, key = self.q_norm(query), self.k_norm(key)
-        return self.o_proj(self.attn(query, key, value, kv_cache, metadata, self._rotary_inputs(positions)))
+            return self.q_norm(query), self.k_norm(key)
+        return query, key
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -179,11 +179,13 @@ class Attention(nn.Module):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         rotary: RotaryInputs | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (rotated by the backend when ``rotary``
-        is given, so it can fuse that with the KV-cache write) -> ``[T, Hq * D]``."""
+        is given, so it can fuse that with the KV-cache write) -> ``[T, Hq * D]``. ``sinks`` (this rank's
+        ``[Hq]`` sink logits, gpt-oss) is the caller's parameter, so the checkpoint names it where it is."""
         out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window, rotary,
-                                   self.softcap)
+                                   self.softcap, sinks)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:

@@ -1,9 +1,10 @@
 """The Llama-style decoder shared by Llama 2/3/3.1, Mistral, Qwen2/2.5 and Qwen3.
 
 The families differ only by a few flags (`DecoderFlags`: attention biases, MLP
-bias, per-head q/k RMSNorm), all read from the HF config; qwen2.py and qwen3.py
-just set them. Module and parameter names mirror transformers' so checkpoint
-names map one to one, except the fused ``qkv_proj`` and ``gate_up_proj``
+bias, per-head q/k RMSNorm, Granite's attention scale and residual multiplier),
+all read from the HF config; qwen2.py, qwen3.py and granite.py just set them.
+Module and parameter names mirror transformers' so checkpoint names map one to
+one, except the fused ``qkv_proj`` and ``gate_up_proj``
 (see ``packed_modules``).
 """
 
@@ -35,6 +36,10 @@ class DecoderFlags:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+    attention_scale: float | None = None
+    """The attention scores' scale (Granite's ``attention_multiplier``); None: ``head_dim ** -0.5``."""
+    residual_multiplier: float = 1.0
+    """Each attention and MLP output is scaled by it before it joins the residual stream (Granite)."""
 
 
 def sliding_window_of(hf_config: Any, layer_idx: int) -> int | None:
@@ -87,7 +92,8 @@ class LlamaAttention(nn.Module):
         self.rotary_emb = b.rotary_emb
         qkv = self.qkv_proj
         window = sliding_window_of(cfg, layer_idx)
-        self.attn = Attention(qkv.num_heads, qkv.num_kv_heads, head_dim, b.attn_backend, window)
+        self.attn = Attention(qkv.num_heads, qkv.num_kv_heads, head_dim, b.attn_backend, window,
+                              scale=b.flags.attention_scale)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -99,7 +105,13 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """Attention and the output projection, from the QKV projection's output."""
         query, key, value = self.qkv_proj.split_qkv(qkv)
+        query, key = self.norm_qk(query, key)
         return self.o_proj(self.attn(query, key, value, kv_cache, metadata, self._rotary_inputs(positions)))
+
+    def norm_qk(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k as the backend takes them: as projected here; a family whose q/k norms the backend's fused
+        per-head norm cannot run (OLMo 2's span every head) norms them in an override."""
+        return query, key
 
     def _rotary_inputs(self, positions: torch.Tensor) -> RotaryInputs:
         """The backend norms (Qwen3) and rotates q and k itself, fused with the KV write on the triton
@@ -125,13 +137,17 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = LlamaAttention
+    """What a family may swap (gpt-oss: attention sinks), same constructor arguments."""
+
     def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
         super().__init__()
         cfg = b.hf_config
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
-        self.self_attn = LlamaAttention(b, layer_idx)
+        self.self_attn = self.attention_cls(b, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.mlp = b.make_mlp(b, layer_idx)
+        self.residual_multiplier = b.flags.residual_multiplier
         self.fused_decode_rows = 0
         """Steps of at most this many tokens run `forward_fused_decode` (0: none; ASYNCLLM_DECODE_LINEAR)."""
         dense = isinstance(self.mlp, LlamaMLP)
@@ -156,9 +172,14 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden = self.to_residual(self.self_attn(positions, hidden, kv_cache, metadata))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.to_residual(self.mlp(hidden)), residual
+
+    def to_residual(self, out: torch.Tensor) -> torch.Tensor:
+        """A sublayer's output as it joins the residual stream: times Granite's ``residual_multiplier`` (rounded
+        to the dtype, as transformers' ``residual + out * m``) before the next norm's fused add takes it."""
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
     def forward_fused_decode(
         self,
@@ -172,11 +193,12 @@ class LlamaDecoderLayer(nn.Module):
         attn, mlp, norm, decode_linear = self.self_attn, self.mlp, self.input_layernorm, self.decode_linear
         qkv, residual = decode_linear(hidden, attn.qkv_proj.weight, attn.qkv_proj.bias, "add_rms_norm", residual,
                                       norm.weight, norm.eps)
-        hidden = attn.attend(positions, qkv, kv_cache, metadata)
+        hidden = self.to_residual(attn.attend(positions, qkv, kv_cache, metadata))
         norm = self.post_attention_layernorm
         gate_up, residual = decode_linear(hidden, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias, "add_rms_norm",
                                           residual, norm.weight, norm.eps)
-        return decode_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, "silu_and_mul"), residual
+        out = decode_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, "silu_and_mul")
+        return self.to_residual(out), residual
 
 
 class LlamaModel(nn.Module):

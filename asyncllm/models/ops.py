@@ -31,7 +31,9 @@ class ModelOps:
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
     ]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
-    fused_moe: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    fused_moe: Callable[..., torch.Tensor]
+    """``(hidden, w13, w2, topk_weights, topk_ids, w13_bias=None, w2_bias=None, swiglu=None)``: the biases and
+    the clamped SwiGLU are gpt-oss's."""
     gemma_rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
     gemma_fused_add_rms_norm: Callable[
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]

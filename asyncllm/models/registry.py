@@ -14,11 +14,14 @@ from asyncllm.models.architectures import SUPPORTED_ARCHITECTURES, architecture_
 from asyncllm.models.classifier import sequence_classifier
 from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
+from asyncllm.models.granite import GraniteForCausalLM
+from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.moe import moe_parallel_problems
+from asyncllm.models.olmo2 import Olmo2ForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -83,6 +86,9 @@ _MODELS: dict[str, type] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOnly,  # text prompts only: the vision tower is not read
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),

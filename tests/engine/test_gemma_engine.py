@@ -4,36 +4,19 @@ Gemma 2 over two tensor-parallel ranks: tests/unit/test_tp_layers.py (gloo ranks
 
 from __future__ import annotations
 
-import asyncio
-import random
-
 import pytest
+from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers
 
-from asyncllm import AsyncEngine, SamplingParams
+from asyncllm import AsyncEngine
 from asyncllm.errors import NotBuiltError
 from asyncllm.tiny import tiny_checkpoint
-from hf_reference import hf_greedy
-
-MAX_TOKENS = 10
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-def _prompts(seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(6, 512) for _ in range(n)] for n in (37, 21, 12)]
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 async def test_gemma_greedy_equals_transformers(arch: str) -> None:
     path = tiny_checkpoint(arch)
-    prompts = _prompts(seed=len(arch))
     async with AsyncEngine(path, max_num_batched_tokens=16, disable_log_stats=True) as engine:
-        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
-        again = await engine.generate(prompts[0] + [7, 8], GREEDY)  # its first 32 tokens' blocks are cached
-        stats = engine.stats()
-    assert stats.prefix_cache_hits > 0
-    for prompt, out in zip([*prompts, prompts[0] + [7, 8]], [*outs, again]):
-        assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
+        await assert_greedy_with_prefix_hit_equals_transformers(engine, path, seed=len(arch))
 
 
 async def test_lora_on_gemma3_image_text_checkpoints_is_not_built(tmp_path) -> None:

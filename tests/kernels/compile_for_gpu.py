@@ -58,15 +58,18 @@ def cases(dtype: str):
                dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, positions_ptr="*i64",
                     cos_sin_ptr="*fp32", slot_mapping_ptr="*i64", q_norm_ptr=p, k_norm_ptr=p), ("norm_eps",),
                dict(Q_HEADS=heads, KV_HEADS=8, HALF=64, HEAD_DIM=128, HAS_NORM=norm), 4)
-    # Llama (no window), Mistral (window), Gemma 2's sliding layers (window + score cap: 8 heads, 4 KV heads, D 256)
-    for window, softcap, queries_per_kv, head_dim, tile_n in ((False, False, 4, 128, 64), (True, False, 4, 128, 64),
-                                                              (True, True, 2, 256, 32)):
+    # Llama (no window), Mistral (window), Gemma 2's sliding layers (window + score cap: 8 heads, 4 KV heads, D 256),
+    # gpt-oss's sliding layers (window + sinks: 64 heads, 8 KV heads, D 64)
+    for window, softcap, sinks, queries_per_kv, head_dim, tile_n in (
+            (False, False, False, 4, 128, 64), (True, False, False, 4, 128, 64), (True, True, False, 2, 256, 32),
+            (True, False, True, 8, 64, 64)):
         block_q = 16 // queries_per_kv
-        yield (f"paged_attention window={window} softcap={softcap}", paged_attention._paged_attention_kernel,
+        yield (f"paged_attention window={window} softcap={softcap} sinks={sinks}",
+               paged_attention._paged_attention_kernel,
                dict(out_ptr=p, q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                    query_start_loc_ptr="*i32"), ("scale", "softcap"),
+                    query_start_loc_ptr="*i32", sinks_ptr=p), ("scale", "softcap"),
                dict(QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=16, TILE_N=tile_n, HEAD_DIM=head_dim,
-                    USE_WINDOW=window, USE_SOFTCAP=softcap, DOT_PRECISION="tf32"), 8)
+                    USE_WINDOW=window, USE_SOFTCAP=softcap, USE_SINKS=sinks, DOT_PRECISION="tf32"), 8)
     decode = dict(TILE_N=64, HEAD_DIM=128, NUM_SEGMENTS=16)
     for window, softcap in ((False, False), (True, False), (True, True)):
         yield (f"paged_decode segment window={window} softcap={softcap}", paged_decode._decode_segment_kernel,
@@ -78,9 +81,10 @@ def cases(dtype: str):
         yield (f"decode_linear prologue={prologue}", decode_linear._decode_linear_kernel,
                dict(x_ptr=p, residual_ptr=p, norm_w_ptr=p, weight_ptr=p, bias_ptr=p, out_ptr=p, residual_out_ptr=p),
                ("eps",), dict(PROLOGUE=prologue, HAS_BIAS=prologue == 0, BLOCK_N=block_n, BLOCK_K=block_k), 4)
-    yield ("paged_decode combine", paged_decode._decode_combine_kernel,
-           dict(out_ptr=p, max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", seq_lens_ptr="*i32",
-                query_start_loc_ptr="*i32"), (), dict(USE_WINDOW=True, **decode), 4)
+    for sinks in (False, True):  # gpt-oss: sinks
+        yield (f"paged_decode combine sinks={sinks}", paged_decode._decode_combine_kernel,
+               dict(out_ptr=p, max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", seq_lens_ptr="*i32",
+                    query_start_loc_ptr="*i32", sinks_ptr=p), (), dict(USE_WINDOW=True, USE_SINKS=sinks, **decode), 4)
     yield from fp8_cache_cases(p, decode)
     yield from moe_cases(p)
     yield from block_fp8_cases(p)
@@ -98,9 +102,9 @@ def fp8_cache_cases(p: str, decode: dict):
     c = "*fp8e4nv"
     yield ("paged_attention fp8e4nv cache", paged_attention._paged_attention_kernel,
            dict(out_ptr=p, q_ptr=p, k_cache_ptr=c, v_cache_ptr=c, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                query_start_loc_ptr="*i32"), ("scale", "softcap"),
+                query_start_loc_ptr="*i32", sinks_ptr=p), ("scale", "softcap"),
            dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, HEAD_DIM=128, USE_WINDOW=False,
-                USE_SOFTCAP=False, DOT_PRECISION="tf32"), 8)
+                USE_SOFTCAP=False, USE_SINKS=False, DOT_PRECISION="tf32"), 8)
     yield ("paged_decode segment fp8e4nv cache", paged_decode._decode_segment_kernel,
            dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=c, v_cache_ptr=c,
                 block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
@@ -110,18 +114,22 @@ def fp8_cache_cases(p: str, decode: dict):
 def moe_cases(p: str):
     """The fused-MoE grouped products at both block configurations `moe_config` picks on a GPU (decode,
     prefill), with the real shapes' multiples of 16 (H 2048, I 768, contiguous weights), as launched."""
-    aligned = dict(sorted_pairs_ptr="*i32", block_experts_ptr="*i32", total_rows_ptr="*i64")
-    for num_pairs in (8, 65536):  # Qwen3-30B-A3B (E=128, k=8): 1 token, 8192 tokens
-        cfg = fused_moe.moe_config(num_pairs, 128, torch.bfloat16, on_gpu=True)
-        blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32")
+    aligned = dict(sorted_pairs_ptr="*i32", block_experts_ptr="*i32", total_rows_ptr="*i64", bias_ptr=p)
+    # Qwen3-30B-A3B (E=128, k=8): 1 token, 8192 tokens; gpt-oss-20b (E=32, k=4, biases, clamped SwiGLU): 1 token
+    for num_pairs, experts, top_k, gpt_oss in ((8, 128, 8, False), (65536, 128, 8, False), (4, 32, 4, True)):
+        cfg = fused_moe.moe_config(num_pairs, experts, torch.bfloat16, on_gpu=True)
+        blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32",
+                      HAS_BIAS=gpt_oss)
         for name, kernel, pointers, consts in (
-            ("gate_up", fused_moe._gate_up_kernel, dict(hidden_ptr=p, w13_ptr=p, act_ptr=p), dict(TOP_K=8)),
+            ("gate_up", fused_moe._gate_up_kernel, dict(hidden_ptr=p, w13_ptr=p, act_ptr=p),
+             dict(TOP_K=top_k, SWIGLU=gpt_oss)),
             ("down", fused_moe._down_kernel, dict(act_ptr=p, w2_ptr=p, out_ptr=p, topk_weights_ptr="*fp32"), {}),
         ):
             consts = {**consts, **blocks}
-            divisible = tuple(n for n in kernel.arg_names if n not in consts and n != "num_pairs")
-            yield (f"fused_moe {name} BLOCK_M={cfg.block_m}", kernel, {**pointers, **aligned}, (), consts,
-                   cfg.num_warps, dict(divisible=divisible, stages=cfg.num_stages))
+            floats = tuple(n for n in ("alpha", "limit") if n in kernel.arg_names)
+            divisible = tuple(n for n in kernel.arg_names if n not in consts and n not in ("num_pairs", *floats))
+            yield (f"fused_moe {name} BLOCK_M={cfg.block_m} gpt_oss={gpt_oss}", kernel, {**pointers, **aligned},
+                   floats, consts, cfg.num_warps, dict(divisible=divisible, stages=cfg.num_stages))
 
 
 def block_fp8_cases(p: str):

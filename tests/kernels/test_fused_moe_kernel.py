@@ -54,6 +54,25 @@ def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int, routing: s
     assert_close(out, reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids), MOE_TOL[dtype])
 
 
+GPT_OSS_SWIGLU = reference.ClampedSwiglu(alpha=1.702, limit=0.8)
+"""gpt-oss's activation with the clamp low enough (gate and up are about N(0, 1) here) to cut about 40% of them."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("routing, down_bias", [("expert_parallel", True), ("unused_expert", False)])
+def test_gpt_oss_experts_match_reference(dtype: torch.dtype, routing: str, down_bias: bool) -> None:
+    """Biases and the clamped SwiGLU (gpt-oss): the gate/up bias alone is a tensor-parallel rank other than 0."""
+    hidden = randn(7, H, dtype=dtype, seed=0)
+    w13, w2 = _weights(E, H, I, dtype, seed=1)
+    w13_bias = randn(E, 2 * I, dtype=dtype, seed=2, scale=0.5)
+    w2_bias = randn(E, H, dtype=dtype, seed=3, scale=0.5) if down_bias else None
+    topk_weights, topk_ids = _routing(routing, 7, seed=4)
+    args = (hidden, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, GPT_OSS_SWIGLU)
+    expected = reference.fused_moe(*args)
+    assert not torch.equal(expected, reference.fused_moe(*args[:7]))  # the clamp bites
+    assert_close(fused_moe(*args), expected, MOE_TOL[dtype])
+
+
 def test_fused_moe_strided_inputs_and_wider_routing() -> None:
     """hidden a column slice of a wider tensor, expert weights slices of larger stacks, k = 3 of 9 experts,
     non-contiguous routing tensors, H = 70 over several K steps: only the last dims must be contiguous."""

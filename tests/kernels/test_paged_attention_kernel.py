@@ -46,6 +46,7 @@ def _metadata(requests: list[tuple[int, int]], block_size: int, seed: int) -> At
 def _check(
     requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     dtype: torch.dtype, sliding_window: int | None = None, tile_n: int | None = None, softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     metadata = _metadata(requests, block_size, seed=num_heads * head_dim)
     num_blocks = int(metadata.block_tables.max()) + 2
@@ -55,9 +56,9 @@ def _check(
     scale = head_dim**-0.5
     out = paged_attention(
         query, kv_cache[0], kv_cache[1], metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-        scale, sliding_window, tile_n=tile_n, softcap=softcap,
+        scale, sliding_window, tile_n=tile_n, softcap=softcap, sinks=sinks,
     )
-    expected = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap)
+    expected = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap, sinks)
     assert out.shape == query.shape and out.dtype == dtype
     assert_close(out, expected, ATTENTION_TOL[dtype])
 
@@ -88,6 +89,20 @@ def test_softcap(softcap: float, sliding_window: int | None, dtype: torch.dtype)
     """Gemma 2's score cap, alone and with a window; caps well under the scores' spread (a few units at
     this scale), so a kernel that skipped it would be far off."""
     _check(MIXED_STEP, 6, 2, 24, 4, dtype, sliding_window=sliding_window, tile_n=16, softcap=softcap)
+
+
+def sink_logits(num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """gpt-oss's per-head sink logits, spread over the scores' range and beyond (a sink of 3 takes most of a
+    row's probability mass, one of -3 little), so a kernel that dropped or doubled the sink would be far off."""
+    return torch.linspace(-3.0, 3.0, num_heads, dtype=torch.float32).to(dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sliding_window", [None, 5])
+def test_sinks(sliding_window: int | None, dtype: torch.dtype) -> None:
+    """gpt-oss's attention sinks, alone and with a window (its sliding layers), at an odd head dim and 3:1 GQA:
+    the attention tolerances of kernel_testing.py."""
+    _check(MIXED_STEP, 6, 2, 24, 4, dtype, sliding_window=sliding_window, tile_n=16, sinks=sink_logits(6, dtype))
 
 
 def test_decode_batch_only() -> None:

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from test_paged_attention_kernel import _metadata
+from test_paged_attention_kernel import _metadata, sink_logits
 
 from asyncllm.attention import triton as triton_backend
 from asyncllm.attention.metadata import AttentionMetadata
@@ -40,16 +40,16 @@ def _decode_step(
 
 
 def _decode(query, kv_cache, md: AttentionMetadata, num_segments: int, window: int | None = None, tile_n=16,
-            softcap=None):
+            softcap=None, sinks=None):
     return paged_decode(query, kv_cache[0], kv_cache[1], md.query_start_loc, md.seq_lens, md.block_tables,
-                        query.shape[-1] ** -0.5, num_segments, window, tile_n=tile_n, softcap=softcap)
+                        query.shape[-1] ** -0.5, num_segments, window, tile_n=tile_n, softcap=softcap, sinks=sinks)
 
 
 def _check(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, num_segments=4, window=None, tile_n=16,
-           softcap=None):
+           softcap=None, sinks=None):
     md, query, kv_cache = _decode_step(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype)
-    out = _decode(query, kv_cache, md, num_segments, window, tile_n, softcap)
-    expected = reference.paged_attention(query, kv_cache, md, head_dim**-0.5, window, softcap)
+    out = _decode(query, kv_cache, md, num_segments, window, tile_n, softcap, sinks)
+    expected = reference.paged_attention(query, kv_cache, md, head_dim**-0.5, window, softcap, sinks)
     assert out.shape == query.shape and out.dtype == dtype
     assert_close(out, expected, ATTENTION_TOL[dtype])
 
@@ -84,6 +84,14 @@ def test_sliding_window(window: int) -> None:
 def test_softcap(softcap: float, window: int | None, dtype: torch.dtype) -> None:
     """Gemma 2's score cap in every segment (40 keys: 3 of 4 segments used), alone and with a window."""
     _check([1, 17, 40], 4, 2, 32, 4, dtype, window=window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks(window: int | None, dtype: torch.dtype) -> None:
+    """gpt-oss's attention sinks, counted once per head across the segments (40 keys: 3 of 4 segments used;
+    a request of 1 key: one), alone and with a window; 6 query heads on 2 KV heads, head dim 24."""
+    _check([1, 17, 40], 6, 2, 24, 4, dtype, window=window, sinks=sink_logits(6, dtype))
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])

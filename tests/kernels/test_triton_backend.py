@@ -1,9 +1,10 @@
 """The triton attention backend end to end in a model, and how it is selected.
 
 Tiny float32 Mistral (sliding window, head dim 24), Qwen3 (per-head q/k
-norms), Gemma 2 (capped attention scores, Gemma's norm and GeGLU kernels) and
-Phi-3 (partial rotary, LongRoPE) run chunked prefills mixed with decodes over a
-paged cache with every op on the Triton kernels; logits must match
+norms), Gemma 2 (capped attention scores, Gemma's norm and GeGLU kernels),
+Phi-3 (partial rotary, LongRoPE), Granite (multipliers around the fused kernels), OLMo 2 (whole-projection
+q/k norms) and gpt-oss (attention sinks, experts with biases and a clamped SwiGLU) run chunked prefills mixed with
+decodes over a paged cache with every op on the Triton kernels; logits must match
 transformers' within the same 1e-4 as the torch_sdpa path (tests/unit/test_models.py).
 """
 
@@ -80,6 +81,37 @@ def test_triton_phi3_logits_match_transformers() -> None:
     config = EngineConfig.create(path, attention_backend="triton", max_model_len=64)
     model = load_model(config, hf_config, DEVICE, torch.float32)
     assert model.model.layers[0].self_attn.rotary_emb.rotary_dim == 12
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
+
+
+@pytest.mark.parametrize("arch", ["granite", "olmo2"])
+def test_triton_granite_and_olmo2_logits_match_transformers(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Granite's residual multiplier before the fused residual-add + RMSNorm kernel (the 20-row prefill step) and
+    before the fused decode products' add (the decode step); OLMo 2's whole-projection q/k norms before the
+    rotary/KV-write kernel, which must not norm per head."""
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    monkeypatch.setenv("ASYNCLLM_DECODE_LINEAR", "1")
+    path = tiny_checkpoint(arch)
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    fused_rows = [getattr(layer, "fused_decode_rows", None) for layer in model.model.layers]
+    assert fused_rows == ([16, 16] if arch == "granite" else [None, None])
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
+
+
+def test_triton_gpt_oss_logits_match_transformers() -> None:
+    """gpt-oss: both attention kernels with sinks (the prefills: unified; the decode-only step: split-KV), the
+    8-token window cutting into every other layer; the fused-MoE kernels with the experts' biases and the clamped
+    SwiGLU; YaRN's scaled cos/sin through the rotary/KV-write kernel."""
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("gpt_oss")
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    assert model.model.layers[0].mlp.experts.fused_moe.__module__ == "asyncllm.kernels.fused_moe"
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 

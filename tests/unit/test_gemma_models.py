@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_logits
-from model_utils import PagedRun, randomize_
+from model_utils import PagedRun, assert_paged_logits_match_checkpoint, randomize_
 from model_utils import hf_logits as model_hf_logits
 
 from asyncllm.config import EngineConfig
@@ -38,16 +37,7 @@ def gemma(request):
 def test_logits_match_transformers(gemma):
     family, path, hf_config, model = gemma
     assert type(model) is CLASSES[family]
-    spec = kv_cache_spec(hf_config, 1)
-    gen = torch.Generator().manual_seed(5)
-    sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in SEQ_LENS]
-    run = PagedRun(model, sequences, block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
-    for tokens, logits in zip(sequences, run.run(CHUNKED)):
-        expected = hf_logits(path, tokens)
-        assert expected.std() > 0.5  # logits far from uniform, so the comparison means something
-        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
-        assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    assert_paged_logits_match_checkpoint(model, path, SEQ_LENS, CHUNKED, seed=5, atol=ATOL)
 
 
 def test_gemma_structure(gemma):

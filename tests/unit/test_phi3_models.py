@@ -14,8 +14,7 @@ import copy
 
 import pytest
 import torch
-from hf_reference import hf_logits
-from model_utils import PagedRun
+from model_utils import assert_paged_logits_match_checkpoint
 from safetensors.torch import load_file
 
 from asyncllm.attention.selector import get_attention_backend
@@ -24,7 +23,6 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import checkpoint_files, iterate_safetensors, load_hf_config, load_model
 from asyncllm.models.phi3 import Phi3ForCausalLM
-from asyncllm.models.registry import kv_cache_spec
 from asyncllm.tiny import tiny_checkpoint
 
 ATOL = 1e-4
@@ -50,16 +48,7 @@ def test_logits_match_transformers(case: str) -> None:
     path = tiny_checkpoint("phi3", **overrides)
     model = _load(path, max_model_len)
     assert type(model) is Phi3ForCausalLM
-    spec = kv_cache_spec(load_hf_config(path), 1)
-    gen = torch.Generator().manual_seed(len(case))
-    sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in seq_lens]
-    run = PagedRun(model, sequences, block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
-    for tokens, logits in zip(sequences, run.run(schedule)):
-        expected = hf_logits(path, tokens)
-        assert expected.std() > 0.5  # logits far from uniform, so the comparison means something
-        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
-        assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+    assert_paged_logits_match_checkpoint(model, path, seq_lens, schedule, seed=len(case), atol=ATOL)
 
 
 def test_partial_rotary_and_window_reach_the_layers() -> None:

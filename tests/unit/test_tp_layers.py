@@ -75,9 +75,10 @@ TP_CASES = {  # family -> overrides: replicated KV heads with biases, a tied voc
     "qwen2": {},
     "qwen3": {},
 }
-TINY_TP_ARCHS = ("gemma2", "phi3")
+TINY_TP_ARCHS = ("gemma2", "phi3", "gpt_oss")
 """asyncllm.tiny checkpoints too: Gemma 2 (scaled tied embeddings, capped scores, an 8-token window), Phi-3 (the
-checkpoint's stacked qkv_proj / gate_up_proj cut into each rank's shards, partial rotary, LongRoPE)."""
+checkpoint's stacked qkv_proj / gate_up_proj cut into each rank's shards, partial rotary, LongRoPE), gpt-oss (each
+rank's heads' sinks; its slice of every expert's interleaved gate/up, their biases, the down bias added once)."""
 
 
 @pytest.mark.slow

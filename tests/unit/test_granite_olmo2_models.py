@@ -1,0 +1,95 @@
+"""Granite (asyncllm/models/granite.py) and OLMo 2 (asyncllm/models/olmo2.py) against transformers' forward over
+a paged KV cache, alone and over two tensor-parallel ranks.
+
+The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
+attention scale 1/64 instead of 1/4, logits / 8) and tied embeddings; the tiny OLMo 2 has post-sublayer norms
+and q/k norms over the whole projections with random weights. Requests run as chunked prefills mixed with
+decodes, and every position's float32 logits must match transformers' within 1e-4. Over two ranks each holds
+half the heads, so OLMo 2's q/k norms need the other rank's heads (`WholeProjectionRMSNorm`); with one KV head
+both ranks hold the same k head.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hf_reference import hf_logits
+from model_utils import PagedRun, free_port, tp_worker
+
+from asyncllm.config import EngineConfig
+from asyncllm.models.granite import GraniteForCausalLM
+from asyncllm.models.layers import TensorParallel
+from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.olmo2 import Olmo2ForCausalLM, WholeProjectionRMSNorm, olmo2_rms_norm
+from asyncllm.models.registry import kv_cache_spec
+from asyncllm.tiny import tiny_checkpoint
+
+ATOL = 1e-4
+MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM}
+SEQ_LENS = [12, 20, 11]
+SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
+"""Prefill chunks beside decodes, then decode-only steps."""
+
+
+def _sequences(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, 512, (n,), generator=gen).tolist() for n in SEQ_LENS]
+
+
+def _assert_match_transformers(path: str, sequences: list[list[int]], all_logits: list[torch.Tensor]) -> None:
+    for tokens, logits in zip(sequences, all_logits, strict=True):
+        expected = hf_logits(path, tokens)
+        assert expected.std() > 0.15  # far from uniform (Granite's are divided by 8): matching means something
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+        assert logits.argmax(-1).tolist() == expected.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("arch", sorted(MODEL_CLASSES))
+def test_logits_match_transformers(arch: str) -> None:
+    path = tiny_checkpoint(arch)
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+    assert type(model) is MODEL_CLASSES[arch]
+    spec = kv_cache_spec(hf_config, 1)
+    sequences = _sequences(len(arch))
+    run = PagedRun(model, sequences, block_size=4)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    _assert_match_transformers(path, sequences, run.run(SCHEDULE))
+
+
+def test_olmo2_qk_norms_span_the_projection_and_skip_the_backends_per_head_norm() -> None:
+    """The backend's fused q/k norm is per head (Qwen3): OLMo 2's norms must never be handed to it."""
+    path = tiny_checkpoint("olmo2")
+    model = load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
+    attn = model.model.layers[0].self_attn
+    assert (attn.q_norm.weight.shape, attn.k_norm.weight.shape) == ((64,), (32,))  # 4 and 2 heads of 16
+    assert attn._rotary_inputs(torch.zeros(1, dtype=torch.long)).q_norm_weight is None
+
+
+@pytest.mark.slow
+def test_tp2_logits_match_transformers(tmp_path) -> None:
+    """Two gloo ranks, each holding half the heads: every rank's logits equal transformers'."""
+    paths = [tiny_checkpoint("granite"), tiny_checkpoint("olmo2"), tiny_checkpoint("olmo2", num_kv_heads=1)]
+    sequences = _sequences(2)
+    mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
+    for index, path in enumerate(paths):
+        for rank in range(2):
+            _assert_match_transformers(path, sequences, torch.load(tmp_path / f"rank{rank}_{index}.pt"))
+
+
+def test_olmo2_norm_rounds_as_transformers_in_bfloat16() -> None:
+    """transformers multiplies OLMo 2's norm weight in float32 and rounds once (Llama's norm rounds first): in
+    bfloat16 the two differ, and only the first keeps greedy outputs equal on a GPU."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm as HFOlmo2RMSNorm
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 48, generator=gen).to(torch.bfloat16)
+    hf_norm = HFOlmo2RMSNorm(48, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        hf_norm.weight.copy_(1 + torch.randn(48, generator=gen))
+        expected = hf_norm(x)
+    ours = WholeProjectionRMSNorm(3, 3, 0, 16, 1e-6, torch.bfloat16, TensorParallel())
+    ours.weight.weight_loader(ours.weight, hf_norm.weight.detach())
+    assert torch.equal(olmo2_rms_norm(x, hf_norm.weight, 1e-6), expected)
+    assert torch.equal(ours(x.view(64, 3, 16)).view(64, 48), expected)
