@@ -17,7 +17,8 @@ ids into the text that is safe to show now, in three stages, token by token
 
 Exactness: without stop strings, the deltas add up to
 ``tokenizer.decode(output_token_ids, skip_special_tokens=...)``, the text HF
-users get. The prompt is deliberately not used as decoding context: with
+users get, less the EOS or stop token that ended the request (vLLM's rule,
+`IncrementalDetokenizer.update`). The prompt is deliberately not used as decoding context: with
 sentencepiece-style tokenizers (Llama 2, Mistral) it would add the leading
 space of the first output token, which ``decode(output_token_ids)`` drops.
 """
@@ -69,6 +70,7 @@ class IncrementalDetokenizer:
         self._cleanup = _SpacesCleanup(tokenizer.clean_up_tokenization) if _cleanup_applies(tokenizer) else None
         self._stops = _StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._min_tokens = params.min_tokens
+        self._include_stop_token = params.include_stop_str_in_output
         self._chunks: list[str] = []
 
     @property
@@ -78,7 +80,7 @@ class IncrementalDetokenizer:
             self._chunks = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
 
-    def update(self, new_token_ids: list[int], finished: bool) -> DetokenizerUpdate:
+    def update(self, new_token_ids: list[int], finished: bool, stop_terminated: bool = False) -> DetokenizerUpdate:
         """Consume newly sampled ids; return the text that is now safe to emit.
 
         Ids are consumed one by one, so the result does not depend on how they
@@ -87,14 +89,20 @@ class IncrementalDetokenizer:
         held-back text is flushed. After a stop string matched, later calls
         (tokens the core sampled before it saw the abort) return empty updates
         and consume nothing; `stop_string` keeps the match.
+
+        ``stop_terminated``: the last id is the EOS or ``stop_token_ids`` token that ended the request. As
+        vLLM, its text is left out (it stays in `token_ids`) unless ``include_stop_str_in_output``: it shows
+        only with ``skip_special_tokens=False`` or a stop token that is not special (a newline's id).
         """
         if self.stop_string is not None:
             return DetokenizerUpdate("")
         pieces: list[str] = []
-        for token_id in new_token_ids:
+        silent = new_token_ids[-1:] if stop_terminated and not self._include_stop_token else []
+        for token_id in new_token_ids[: len(new_token_ids) - len(silent)]:
             self.token_ids.append(token_id)
             if self._push(self._stream.step(token_id), pieces):
                 return self._emit(pieces)
+        self.token_ids += silent
         if finished:
             flushed = self._stream.flush()
             if self._cleanup is not None:

@@ -472,7 +472,8 @@ class Processor:
         finished = out.finish_reason is not None
         detokenizer = tracked.detokenizer
         num_before = len(detokenizer.token_ids)
-        update = detokenizer.update(out.new_token_ids, finished)
+        # the core finishes "stop" on an EOS or stop_token_ids token only (stop strings are found here)
+        update = detokenizer.update(out.new_token_ids, finished, stop_terminated=out.finish_reason == "stop")
         token_ids = detokenizer.token_ids[num_before:]
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         if update.stop_string is not None:

@@ -140,7 +140,7 @@ async def test_allowed_token_ids_and_bad_words_match_transformers(engine: AsyncE
         assert info.value.field == field
 
 
-async def test_min_tokens_masks_eos_and_stop_token_ids(engine: AsyncEngine) -> None:
+async def test_min_tokens_masks_eos_and_stop_token_ids(engine: AsyncEngine, tokenizer) -> None:
     out = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=5, logit_bias={EOS: 100}))
     assert out.token_ids[:5] != [EOS] * 5 and EOS not in out.token_ids[:5]
     assert out.token_ids[5:] == [EOS] and out.finish_reason == "stop"
@@ -148,6 +148,12 @@ async def test_min_tokens_masks_eos_and_stop_token_ids(engine: AsyncEngine) -> N
                                                        stop_token_ids=[42], logit_bias={42: 100}))
     assert len(out.token_ids) == 4 and 42 not in out.token_ids[:3]
     assert (out.token_ids[3], out.finish_reason, out.outputs[0].stop_reason) == (42, "stop", 42)
+    # as vLLM: the stop token's text is left out, unless include_stop_str_in_output
+    assert tokenizer.decode([42]) and out.text == tokenizer.decode(out.token_ids[:3])
+    kept = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=20, min_tokens=3,
+                                                        stop_token_ids=[42], logit_bias={42: 100},
+                                                        include_stop_str_in_output=True))
+    assert kept.token_ids == out.token_ids and kept.text == tokenizer.decode(out.token_ids)
 
 
 async def test_skip_special_tokens(engine: AsyncEngine) -> None:

@@ -278,6 +278,20 @@ def test_stop_strings_with_special_tokens_kept(byte_level: Any) -> None:
     assert (skipped.output_text, skipped.stop_string) == ("answermore", None)
 
 
+@pytest.mark.parametrize("skip", [True, False])
+def test_the_stop_token_that_ended_a_request_has_no_text(byte_level: Any, skip: bool) -> None:
+    """vLLM's rule: the EOS / stop_token_ids token that ended a request stays in token_ids without its text, a
+    special one (skip_special_tokens=False) or a plain one (a newline), unless include_stop_str_in_output."""
+    for stop_id in (3, _ids(byte_level, "\n")[0]):
+        ids = [*_ids(byte_level, "answer"), stop_id]
+        for include, expected in ((False, "answer"), (True, byte_level.decode(ids, skip_special_tokens=skip))):
+            detok = IncrementalDetokenizer(byte_level, [1], SamplingParams(skip_special_tokens=skip,
+                                                                           include_stop_str_in_output=include))
+            text = detok.update(ids[:2], False).text + detok.update(ids[2:], True, stop_terminated=True).text
+            assert (text, detok.output_text, detok.token_ids) == (expected, expected, ids)
+    assert byte_level.decode([3], skip_special_tokens=False) and byte_level.decode(_ids(byte_level, "\n"))
+
+
 def test_stop_strings_ignored_during_min_tokens(byte_level: Any) -> None:
     ids = _ids(byte_level, "ab", "c", "ab", "c")
     n_first = len(_ids(byte_level, "ab", "c"))
