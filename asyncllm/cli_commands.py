@@ -96,7 +96,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     from asyncllm.integrations.openai_server import create_app
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, pythonic or mistral)")
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser "
+                     "(hermes, llama3_json, pythonic, mistral or openai)")
     if args.lora_modules and args.connect is None and not getattr(args, "enable_lora", False):
         parser.error("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
     try:

@@ -11,6 +11,10 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
   a reply that does not (``enable_thinking: false``, whose template writes an
   empty think block in the prompt) is all answer, streamed as it comes.
   (A template that opens ``<think>`` in the prompt: use ``deepseek_r1``.)
+- ``openai_gptoss`` (gpt-oss): harmony channels, not tags (harmony.py): the
+  analysis channel is reasoning, the final channel (and commentary without a
+  recipient, a preamble) the answer; a message with a recipient (a tool call)
+  passes on as written, for the ``openai`` tool-call parser.
 
 `ReasoningParser.parse` splits a whole reply; `ReasoningParser.stream` splits
 text deltas as they come, holding back only the characters that may begin a
@@ -20,6 +24,7 @@ tag.
 from __future__ import annotations
 
 from asyncllm.errors import ConfigError
+from asyncllm.harmony import FINAL_START, HarmonyReasoningStream
 from asyncllm.tool_calls import partial_tag_suffix
 
 __all__ = ["ReasoningParser", "ReasoningStream", "REASONING_PARSERS", "get_reasoning_parser"]
@@ -82,8 +87,13 @@ class ReasoningParser:
     """What ends the thinking: a constraint (structured output, a tool choice) starts after it."""
     opened_by_prompt = True
     """Whether the chat template opens ``<think>`` in the prompt (the reply is reasoning until ``</think>``)."""
+    needs_special_tokens = False
+    """Its markers are special tokens (harmony's): the server keeps special tokens in every chat reply's text."""
+    forced_tool_calls = True
+    """Whether a named or ``required`` tool choice can be served: its grammar (after `end_tag`) writes the answer,
+    which is then the call. Not with harmony, where a call is a message of its own, before any final answer."""
 
-    def stream(self) -> ReasoningStream:
+    def stream(self) -> ReasoningStream | HarmonyReasoningStream:
         """A parser of one reply's deltas."""
         return ReasoningStream(self.opened_by_prompt)
 
@@ -105,8 +115,20 @@ class Qwen3ReasoningParser(ReasoningParser):
     opened_by_prompt = False
 
 
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss: harmony's channels (``<|channel|>analysis<|message|>``...), special tokens kept in the text; a
+    constraint starts with the final channel's message."""
+
+    end_tag = FINAL_START
+    needs_special_tokens = True
+    forced_tool_calls = False
+
+    def stream(self) -> HarmonyReasoningStream:
+        return HarmonyReasoningStream()
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    "deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser,
+    "deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser, "openai_gptoss": GptOssReasoningParser,
 }
 """Parser name (vLLM's ``--reasoning-parser`` names) -> parser."""
 

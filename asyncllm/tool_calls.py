@@ -12,14 +12,17 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
 - ``pythonic``: a Python list of calls ``[f(a=1), g(b="x")]`` with literal
   arguments (Llama 3.2 and 4, and other models prompted that way);
 - ``mistral``: ``[TOOL_CALLS]`` and a JSON list of calls, or ``name[ARGS]{...}``
-  per call (Mistral's models).
+  per call (Mistral's models);
+- ``openai``: gpt-oss's harmony messages addressed to ``functions.NAME``, their
+  body the JSON arguments (harmony.py; after the ``openai_gptoss`` reasoning
+  parser, which the server requires with it).
 
 Each parser reads a whole reply (`ToolParser.parse`) or a stream of text
 deltas: `ToolParser.stream` reports each call once its text is complete,
 `ToolParser.delta_stream` reports `ToolCallDelta` pieces, the ``hermes``,
-``llama3_json`` and ``mistral`` calls' arguments as they are generated
-(tool_call_streams.py, tool_call_replies.py; ``pythonic`` calls whole, at the
-reply's end). Content is passed on as
+``llama3_json``, ``mistral`` and ``openai`` calls' arguments as they are
+generated (tool_call_streams.py, tool_call_replies.py, harmony.py; ``pythonic``
+calls whole, at the reply's end). Content is passed on as
 it comes, except the few characters that may open a call. A call whose JSON
 does not parse is left in the content, so no text is ever lost (a streamed
 call that broke after its first piece stays as it was sent, and its text is
@@ -36,13 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.harmony import HarmonyToolStream
 from asyncllm.tool_call_replies import Llama3JsonStream, MistralStream
 from asyncllm.tool_call_streams import (HermesStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
                                         tool_call_id)
 
 __all__ = ["ToolCall", "ToolCallDelta", "ReplyPart", "ParsedReply", "ToolParser", "ToolCallDeltaStream",
            "ToolCallStream", "TOOL_PARSERS", "get_tool_parser",
-           "check_tools", "tool_call_id", "partial_tag_suffix",
+           "check_tools", "check_parser_pair", "tool_call_id", "partial_tag_suffix",
            "call_from_value"]
 
 
@@ -118,6 +122,8 @@ class ToolParser(abc.ABC):
     needs_special_tokens = False
     """Its calls start with a special token (Mistral's ``[TOOL_CALLS]``): the server keeps special tokens in the
     reply's text (``skip_special_tokens`` false) for requests it reads, as vLLM does."""
+    reasoning_parser: str | None = None
+    """The reasoning parser it reads after, which the server requires with it (None: any, or none)."""
 
     @abc.abstractmethod
     def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
@@ -242,11 +248,31 @@ class MistralToolParser(ToolParser):
         return MistralStream(stream_arguments)
 
 
+class OpenAIToolParser(ToolParser):
+    """gpt-oss: ``<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{...}<|call|>``
+    per call. It reads what ``openai_gptoss`` leaves as content (the final channel's text, and the messages with a
+    recipient as written); other recipients (built-in tools) stay content."""
+
+    needs_special_tokens = True
+    reasoning_parser = "openai_gptoss"
+
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        return HarmonyToolStream(stream_arguments)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
-    "mistral": MistralToolParser,
+    "mistral": MistralToolParser, "openai": OpenAIToolParser,
 }
 """Parser name (vLLM's ``--tool-call-parser`` names) -> parser."""
+
+
+def check_parser_pair(parser: ToolParser | None, reasoning_parser: str | None) -> None:
+    """`ConfigError` when `parser` reads what a reasoning parser other than `reasoning_parser` leaves (``openai``
+    without ``openai_gptoss`` would leave harmony's analysis and final messages, markers and all, in the content)."""
+    if parser is not None and parser.reasoning_parser not in (None, reasoning_parser):
+        raise ConfigError("reasoning_parser", reasoning_parser,
+                          f"{parser.reasoning_parser!r} with this tool-call parser")
 
 
 def get_tool_parser(name: str) -> ToolParser:

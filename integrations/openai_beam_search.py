@@ -100,6 +100,9 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     """The response of a ``use_beam_search`` request (see the module docstring)."""
     chat = isinstance(req, ChatCompletionRequest)
     check_beam_search_request(req)
+    if chat and server.reasoning is not None and server.reasoning.needs_special_tokens:
+        raise InvalidRequestError("use_beam_search", "not built with this server's reasoning parser (its markers are "
+                                  "special tokens, which the beams' text leaves out)")
     width = req.best_of if isinstance(req, CompletionRequest) and req.best_of is not None else req.n
     for field, value in (("n", req.n), ("best_of", width)):
         if value < 1:

@@ -65,7 +65,7 @@ from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merg
 from asyncllm.lora import LoRARequest
 from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
 from asyncllm.tokenizer import apply_chat_template, load_chat_template
-from asyncllm.tool_calls import ToolParser, check_tools, get_tool_parser
+from asyncllm.tool_calls import ToolParser, check_parser_pair, check_tools, get_tool_parser
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -89,12 +89,12 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     all accepted, and responses carry the first (vLLM's ``--served-model-name
     a b``). With `manage_engine`
     the app's lifespan starts the engine and closes it at shutdown.
-    `tool_call_parser` (``"hermes"``, ``"llama3_json"``) enables
+    `tool_call_parser` (``"hermes"``, ``"llama3_json"``, ``"openai"``, ...) enables
     ``tool_choice: "auto"`` (vLLM's ``--enable-auto-tool-choice --tool-call-parser``).
     `chat_template` (a file path or the Jinja text) replaces the tokenizer's
     for every chat request; a request's own ``chat_template`` is taken only
     with `trust_request_chat_template` (vLLM's flags of the same names).
-    `reasoning_parser` (``"deepseek_r1"``, ``"qwen3"``) splits chat replies
+    `reasoning_parser` (``"deepseek_r1"``, ``"qwen3"``, ``"openai_gptoss"``) splits chat replies
     into ``reasoning`` and ``content`` (vLLM's ``--reasoning-parser``).
     `lora_modules` are LoRA adapters served as models of their own (vLLM's
     ``--lora-modules``; the engine needs enable_lora): a request naming one
@@ -103,6 +103,7 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     routes that load and unload adapters while serving.
     """
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
+    check_parser_pair(parser, reasoning_parser)  # openai (gpt-oss's harmony) reads after openai_gptoss
     templates = ChatTemplates(load_chat_template(chat_template) if chat_template is not None else None,
                               trust_request_chat_template)
     if engine is None:
@@ -316,8 +317,13 @@ class OpenAIServer:
     def _start_chat(self, req: ChatCompletionRequest, lora: LoRARequest | None,
                     defaults: dict[str, Any]) -> tuple[list[RequestStream], Choices]:
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
+        if mode.constraint is not None and self.reasoning is not None and not self.reasoning.forced_tool_calls:
+            raise InvalidRequestError("tool_choice", "a named or 'required' choice is not built with this reasoning "
+                                      "parser (gpt-oss writes a call as a message of its own); use 'auto'")
         params = chat_params(req, self.limits, mode.constraint, defaults)
         if mode.parser is not None and mode.parser.needs_special_tokens:  # its calls open with a special token
+            params.skip_special_tokens = False
+        if self.reasoning is not None and self.reasoning.needs_special_tokens:  # harmony's channel markers
             params.skip_special_tokens = False
         if self.reasoning is not None and params.structured is not None:  # think freely, then follow the grammar
             params.structured = msgspec.structs.replace(params.structured, start_after=self.reasoning.end_tag)
