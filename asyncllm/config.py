@@ -125,6 +125,9 @@ class ModelConfig:
     """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}."""
     pooler_config: dict[str, Any] | None = None
     """vLLM's PoolerConfig as a dict: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (docs/embeddings.md)."""
+    enable_sleep_mode: bool = False
+    """Allow `AsyncEngine.sleep()` / `wake_up()` (vLLM's sleep mode, docs/sleep-mode.md): free the GPU memory of the
+    weights (level 1: kept in CPU memory; level 2: discarded) and of the KV cache between RL rollouts."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -141,6 +144,7 @@ class ModelConfig:
                                 "(only 'fp8', online or pre-quantized, pre-quantized 'awq' / 'gptq' checkpoints "
                                 "and 'gguf' files)")
         _bool("enforce_eager", self.enforce_eager)
+        _bool("enable_sleep_mode", self.enable_sleep_mode)
         if self.attention_backend is not None:
             _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
             check_backend_available(self.attention_backend)

@@ -101,8 +101,9 @@ ALLOW_RUNTIME_LORA_UPDATING = EnvVar(
 SERVER_DEV_MODE = EnvVar(
     "ASYNCLLM_SERVER_DEV_MODE", False, _on_off,
     "1: the OpenAI-compatible server adds the development routes: vLLM's POST /reset_prefix_cache (forget the "
-    "prefix cache, e.g. between benchmark runs) and SGLang's POST /update_weights_from_disk (new weights in place, "
-    "docs/weight-updates.md); 0: they do not exist (404). Read when the app is made.",
+    "prefix cache, e.g. between benchmark runs), SGLang's POST /update_weights_from_disk (new weights in place, "
+    "docs/weight-updates.md) and vLLM's POST /sleep, POST /wake_up, GET /is_sleeping (docs/sleep-mode.md); 0: they "
+    "do not exist (404). Read when the app is made.",
 )
 
 ENABLE_RESPONSES_API_STORE = EnvVar(

@@ -201,6 +201,13 @@ class EngineStats:
     weights_version: int = 0
     """Successful `AsyncEngine.update_weights` of the engine core (0: the weights it started with); with
     data_parallel_size > 1 the lowest over the replicas (docs/weight-updates.md)."""
+    is_sleeping: bool = False
+    """Some of the engine's memory (weights, KV cache) sleeps: `AsyncEngine.sleep` and not every part woken up
+    (docs/sleep-mode.md); with data_parallel_size > 1, any replica's."""
+    sleep_level: int = 0
+    """The level of the last sleep while sleeping (1 or 2), else 0; with data_parallel_size > 1 the highest."""
+    awaiting_weights: bool = False
+    """Woken after sleep(level=2) with no `update_weights` since: requests queue until one succeeds."""
     replicas: list["EngineStats"] = field(default_factory=list)
     """data_parallel_size > 1: one snapshot per replica (engine core), in replica order; the fields above are
     their sums (docs/parallelism.md). Empty with one engine core."""

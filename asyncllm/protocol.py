@@ -96,7 +96,25 @@ class UpdateWeights(msgspec.Struct, **_STRUCT):
     """The new checkpoint's config as the host read it (`hf_config_json`; empty: each worker reads it)."""
 
 
-HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache, UpdateWeights]
+class Sleep(msgspec.Struct, **_STRUCT):
+    """vLLM's sleep mode (docs/sleep-mode.md): free the GPU memory of the weights (level 1: kept in CPU memory;
+    level 2: discarded) and of the KV cache. The core runs it between steps, after the host's earlier messages,
+    and passes it on to every worker rank."""
+
+    call_id: str
+    level: int = 1
+    tags: list[str] = []
+    """Core -> workers only: the parts to put to sleep ("weights", "kv_cache"); empty: both."""
+
+
+class WakeUp(msgspec.Struct, **_STRUCT):
+    """Take the memory back (docs/sleep-mode.md): the parts named in ``tags`` ("weights", "kv_cache"); empty: all."""
+
+    call_id: str
+    tags: list[str] = []
+
+
+HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache, UpdateWeights, Sleep, WakeUp]
 
 
 # ---------------------------------------------------------------- core -> host
@@ -133,6 +151,10 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """Drafts accepted at each draft position (num_speculative_tokens entries; speculative decoding on only)."""
     weights_version: int = 0
     """Successful weight updates of this core (`UpdateWeights`; docs/weight-updates.md)."""
+    sleep_level: int = 0
+    """The level of the last `Sleep` while any part (weights, KV cache) still sleeps; 0: awake (docs/sleep-mode.md)."""
+    awaiting_weights: bool = False
+    """Woken after a level-2 sleep with no `UpdateWeights` since: no step runs until one succeeds."""
 
     @property
     def kv_cache_usage(self) -> float:
@@ -259,7 +281,26 @@ class WeightsUpdated(msgspec.Struct, **_STRUCT):
     """InvalidRequestError's message, NotBuiltError's feature."""
 
 
-CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated]
+class SleepModeDone(msgspec.Struct, **_STRUCT):
+    """The answer to `Sleep` or `WakeUp`: from each worker rank to the core, and from the core to the host.
+
+    ``error_type`` empty: it was done. Otherwise nothing changed, and the error is rebuilt from ``error_type``
+    (ConfigError, InvalidRequestError or NotBuiltError), ``error_field``, ``error_value`` and ``error``
+    (asyncllm/engine/sleep.py).
+    """
+
+    call_id: str
+    rank: int = 0
+    sleep_level: int = 0
+    """The core's `SchedulerStats.sleep_level` after the call (core -> host only)."""
+    error_type: str = ""
+    error_field: str = ""
+    error_value: str = ""
+    error: str = ""
+    """InvalidRequestError's message, NotBuiltError's feature, ConfigError's allowed values."""
+
+
+CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated, SleepModeDone]
 
 
 # ------------------------------------------------------------- core -> workers
@@ -339,7 +380,7 @@ class ShutdownWorker(msgspec.Struct, **_STRUCT):
     pass
 
 
-WorkerCommand = Union[SchedulerOutput, InitCache, ShutdownWorker, UpdateWeights]
+WorkerCommand = Union[SchedulerOutput, InitCache, ShutdownWorker, UpdateWeights, Sleep, WakeUp]
 
 
 # ------------------------------------------------------------- workers -> core
@@ -390,7 +431,7 @@ class WorkerError(msgspec.Struct, **_STRUCT):
     """[field, value repr, allowed] when the exception is a ConfigError (as in EngineFailed)."""
 
 
-WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError, WeightsUpdated]
+WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError, WeightsUpdated, SleepModeDone]
 
 
 # ------------------------------------------------------------- error helpers

@@ -56,6 +56,7 @@ from asyncllm.integrations.openai_protocol import (
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.openai_score import score_routes
+from asyncllm.integrations.openai_sleep import sleep_routes
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.openai_weights import UpdateWeightsFromDiskRequest, update_weights_from_disk
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
@@ -212,6 +213,7 @@ class OpenAIServer:
             routes.append(Route("/reset_prefix_cache", self._guarded(self.reset_prefix_cache), methods=["POST"]))
             routes.append(Route("/update_weights_from_disk", self._guarded(self.update_weights_from_disk),
                                 methods=["POST"]))
+            routes += sleep_routes(self)
         app = Starlette(routes=routes, lifespan=self._lifespan(manage_engine),
                         exception_handlers={404: _not_found, 405: _not_allowed})
         app.state.openai_server = self

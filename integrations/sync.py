@@ -128,6 +128,18 @@ class SyncEngine:
         """Reload the weights in place from `model_path` (see `AsyncEngine.update_weights`); the new version."""
         return self.run(self._engine.update_weights(model_path, revision=revision))
 
+    def sleep(self, level: int = 1) -> None:
+        """Free the GPU memory of the weights and the KV cache (see `AsyncEngine.sleep`)."""
+        self.run(self._engine.sleep(level))
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back, all of it or the parts in `tags` (see `AsyncEngine.wake_up`)."""
+        self.run(self._engine.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        """Whether any part of the engine's memory sleeps (see `AsyncEngine.is_sleeping`)."""
+        return self.run(self._engine.is_sleeping())
+
     def stats(self) -> EngineStats:
         return self._engine.stats()
 

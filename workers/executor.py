@@ -45,7 +45,8 @@ _LAST_WORDS_S = 0.2
 _SHUTDOWN_GRACE_S = 5.0
 """How long workers get to leave on ShutdownWorker before they are stopped."""
 
-_Reply = TypeVar("_Reply", protocol.WorkerReady, protocol.CacheReady, protocol.WeightsUpdated)
+_Reply = TypeVar("_Reply", protocol.WorkerReady, protocol.CacheReady, protocol.WeightsUpdated,
+                 protocol.SleepModeDone)
 
 
 class Executor:
@@ -129,6 +130,14 @@ class Executor:
         deadline = time.monotonic() + envs.ENGINE_STARTUP_TIMEOUT_S.get()  # as long as loading the model may take
         self._broadcast(command, deadline)
         return self._gather(protocol.WeightsUpdated, deadline, "load the new weights")
+
+    def sleep_mode(self, command: protocol.Sleep | protocol.WakeUp) -> list[protocol.SleepModeDone]:
+        """Every rank frees or takes back its memory (workers/sleep.py); their answers in rank order. Call with no
+        step in flight. A rank that fails (out of memory at wake-up) fails the executor."""
+        assert not self._pending, "sleep_mode() with steps still in flight: collect() them first"
+        deadline = time.monotonic() + envs.ENGINE_STARTUP_TIMEOUT_S.get()  # a wake-up may recapture CUDA graphs
+        self._broadcast(command, deadline)
+        return self._gather(protocol.SleepModeDone, deadline, "sleep or wake up")
 
     def execute_model(self, sched_out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
         """Run one step on every rank; return rank 0's output (`EngineDeadError` past the watchdog)."""

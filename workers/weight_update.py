@@ -39,7 +39,7 @@ from asyncllm.models.loader import build_model, load_checkpoint
 from asyncllm.models.registry import text_config_of
 from asyncllm.workers.mm_runner import is_multimodal
 
-__all__ = ["update_weights", "check_update", "SHAPE_KEYS"]
+__all__ = ["update_weights", "check_update", "refuse_unbuilt", "SHAPE_KEYS"]
 
 SHAPE_KEYS = (
     "architectures", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -70,7 +70,7 @@ def update_weights(runner: Any, command: protocol.UpdateWeights) -> protocol.Wei
 def check_update(runner: Any, model_path: str, revision: str | None, config_json: str = "") -> str:
     """The new checkpoint's folder, once everything but reading its tensors' data has been checked (its config
     as the host read it: `config_json`; empty: read here, which imports the architecture's config class)."""
-    _refuse_unbuilt(runner)
+    refuse_unbuilt(runner)
     path = resolve_update_path(model_path, revision)
     _check_config(runner.hf_config, hf_config_from_json(config_json or read_update_config(path)))
     headers = _HeadersOnly()
@@ -84,16 +84,17 @@ def check_update(runner: Any, model_path: str, revision: str | None, config_json
     return path
 
 
-def _refuse_unbuilt(runner: Any) -> None:
-    """What the in-place copy does not cover: weights transformed after loading, a vision tower."""
+def refuse_unbuilt(runner: Any, feature: str = "update_weights") -> None:
+    """What the in-place copy (and sleep mode's moves, `feature` "sleep mode") does not cover: weights transformed
+    after loading, a vision tower."""
     config = runner.config
     if config.quantization is not None:
-        raise NotBuiltError("quantization", config.quantization, "update_weights of a quantized model")
+        raise NotBuiltError("quantization", config.quantization, f"{feature} of a quantized model")
     method = checkpoint_quantization(runner.hf_config)
     if method is not None or config.model.lower().endswith(".gguf"):
-        raise NotBuiltError("model", config.model, f"update_weights of a pre-quantized checkpoint ({method or 'gguf'})")
+        raise NotBuiltError("model", config.model, f"{feature} of a pre-quantized checkpoint ({method or 'gguf'})")
     if is_multimodal(runner.model):
-        raise NotBuiltError("model", config.model, "update_weights of a multimodal model (its vision tower)")
+        raise NotBuiltError("model", config.model, f"{feature} of a multimodal model (its vision tower)")
 
 
 def _check_config(served: Any, new: Any) -> None:

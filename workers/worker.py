@@ -127,6 +127,8 @@ class Worker:
         self.config: EngineConfig | None = None
         self.pipelined = False
         """Launch each step before sending the last one's output (`StepPipeline`, ASYNCLLM_WORKER_PIPELINE)."""
+        self.sleeper: Any = None
+        """What of this rank's memory sleeps (workers/sleep.py; made at the first `Sleep`)."""
 
     def setup(self) -> None:
         """Attach to the ring, pick the device, join the TP group, build the runner."""
@@ -174,6 +176,11 @@ class Worker:
                 from asyncllm.workers.weight_update import update_weights  # here: the tests' fake runners need no loader
 
                 self.send(update_weights(self.runner, command))
+            elif isinstance(command, (protocol.Sleep, protocol.WakeUp)):  # after the flush: no step reads the memory
+                from asyncllm.workers.sleep import RunnerSleep
+
+                self.sleeper = self.sleeper or RunnerSleep(self.runner)
+                self.send(self.sleeper.handle(command, self.rank))
             else:
                 assert isinstance(command, protocol.ShutdownWorker), command
                 if self.pipelined and pipeline.num_steps:

@@ -61,6 +61,7 @@ _HF_LATENCY = ["--compare", "hf", "--compare-time-budget", "120"]
 STEPS: list[Step] = [
     # every kernel test (the small shapes run on the GPU too) and the gpu-marked real-shape and parity tests
     Step("gpu-tests", ["-q", "-p", "no:cacheprovider", "tests/kernels", "tests/engine/test_gpu_parity.py",
+                       "tests/engine/test_sleep_mode_gpu.py",
                        "tests/unit/test_token_feedback.py", "tests/unit/test_block_table.py"], 240, pytest=True),
     # the gpu-marked tests of quantized weights (online fp8, AWQ / GPTQ checkpoints), not in the folders above
     Step("gpu-tests-quant", ["-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/unit/test_quantization.py",

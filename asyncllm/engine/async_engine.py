@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 import uuid
 import weakref
@@ -22,6 +23,7 @@ from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import LaunchSpec, Replica, ReplicaSet, start_replica, start_replicas, stop_replicas
 from asyncllm.engine.stream import RequestOptions, RequestStream, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
+from asyncllm.engine.sleep import check_level, check_tags
 from asyncllm.engine.weight_update import new_checkpoint_config
 from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS, check_params_text, check_text
 from asyncllm.metrics.observer import RequestObserver
@@ -381,13 +383,34 @@ class AsyncEngine:
             raise InvalidRequestError("revision", f"a hub revision (str) or None, got {revision!r}")
         await self.start()
         config_json = await anyio.to_thread.run_sync(new_checkpoint_config, model_path, revision)
-        futures = [processor.update_weights(model_path, revision, config_json)
-                   for processor in self._replicas.live_processors()]
-        results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
-        failed = next((r for r in results if isinstance(r, BaseException)), None)
-        if failed is not None:
-            raise failed
-        return min(results)  # type: ignore[type-var]
+        return min(await _every_replica([processor.update_weights(model_path, revision, config_json)
+                                         for processor in self._replicas.live_processors()]))
+
+    async def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, for an RL trainer that shares the GPUs (docs/sleep-mode.md): free the GPU memory of
+        the weights (level 1: kept in CPU memory; level 2: discarded, `update_weights` loads new ones after
+        `wake_up`) and of the KV cache. It runs in the engine core after the requests this engine submitted
+        before; running requests are recomputed after the wake-up, new ones queue until then. Needs
+        ``enable_sleep_mode=True`` (a `ConfigError` naming it otherwise); with data_parallel_size > 1 every
+        replica sleeps."""
+        level = check_level(level)
+        await self._sleep_mode(protocol.Sleep("", level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back: every part, or those in ``tags`` ("weights", "kv_cache"), e.g. the weights
+        first, then `update_weights`, then the KV cache, so the peak stays low (docs/sleep-mode.md)."""
+        await self._sleep_mode(protocol.WakeUp("", check_tags(tags)))
+
+    async def is_sleeping(self) -> bool:
+        """Whether any part of the engine's memory sleeps (every host attached to the core sees it: `stats()`'s
+        ``is_sleeping``, which the core sends with its outputs)."""
+        await self.start()
+        return self.stats().is_sleeping
+
+    async def _sleep_mode(self, message: protocol.Sleep | protocol.WakeUp) -> None:
+        await self.start()
+        await _every_replica([processor.sleep_mode(msgspec.structs.replace(message))
+                              for processor in self._replicas.live_processors()])
 
     def stats(self) -> EngineStats:
         """The latest snapshot of the engine's gauges and counters (no I/O; cheap enough per request). With
@@ -441,6 +464,15 @@ class AsyncEngine:
             return
         for replica in self._replicas:  # a dead core failed its own replica's requests; its supervisor restarts it
             replica.check_dead()
+
+
+async def _every_replica(futures: list[concurrent.futures.Future[int]]) -> list[int]:
+    """Every replica's answer; the first error once all have answered (none is left running behind)."""
+    results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
+    failed = next((r for r in results if isinstance(r, BaseException)), None)
+    if failed is not None:
+        raise failed
+    return results  # type: ignore[return-value]
 
 
 def _checked_params(params: SamplingParams | None) -> SamplingParams | None:

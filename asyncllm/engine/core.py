@@ -22,6 +22,7 @@ import msgspec
 from asyncllm import errors, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.engine.core_io import CoreIO
+from asyncllm.engine.core_sleep import SleepController
 from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
 from asyncllm.engine.validation import check_add_request
@@ -65,6 +66,8 @@ class EngineCore:
         self.restarter = WorkerRestarter(config, self.num_gpu_blocks, self.num_cpu_blocks)
         self.weights = WeightUpdater(self)
         """Live weight updates (`UpdateWeights`, docs/weight-updates.md) and the weights version."""
+        self.sleep = SleepController(self)
+        """Sleep mode (`Sleep` / `WakeUp`, docs/sleep-mode.md): while it holds steps, requests only queue."""
         self._next_health_check = 0.0
         overlapped = config.async_scheduling and config.scheduler_config.speculative_config is None
         if config.async_scheduling and not overlapped:
@@ -77,14 +80,15 @@ class EngineCore:
     def run(self) -> None:
         while self._running:
             in_flight = self.overlap is not None and self.overlap.in_flight
-            has_work = in_flight or self.scheduler.has_unfinished_requests()
+            runnable = self.scheduler.has_unfinished_requests() and not self.sleep.holds_steps
+            has_work = in_flight or runnable
             changed = self._drain_inbox(block=not has_work)
             if not self._running:
                 break
             expired = self.scheduler.finish_expired_requests()  # one comparison when none is due
             if self.structured.pending:  # requests waiting for their grammar (polled at least every 50 ms)
                 expired += self._admit_compiled()
-            if self.scheduler.has_unfinished_requests():
+            if self.scheduler.has_unfinished_requests() and not self.sleep.holds_steps:
                 self._step(expired, changed)
             elif in_flight:  # everything left was aborted or timed out while a step ran
                 self.overlap.drain(expired)
@@ -122,6 +126,7 @@ class EngineCore:
     def recover_workers(self, exc: errors.EngineDeadError) -> None:
         """Replace failed workers; every running request is recomputed (`EngineDeadError` past the budget)."""
         self.executor = self.restarter.recover(self.executor, self.scheduler, exc)
+        self.sleep.after_restart()  # they started awake
 
     def _check_idle_workers(self) -> None:
         """Find a worker that died while nothing ran (at most every `_IDLE_HEALTH_CHECK_S`)."""
@@ -144,6 +149,7 @@ class EngineCore:
         tokens = outputs.tokens
         stats = self.scheduler.get_stats()
         stats.weights_version = self.weights.weights_version
+        stats.sleep_level, stats.awaiting_weights = self.sleep.sleep_level, self.sleep.awaiting_weights
         if self.structured.pending:  # requests waiting for their grammar wait too
             stats.num_requests_waiting += len(self.structured.pending)
         now = time.time()
@@ -170,7 +176,8 @@ class EngineCore:
 
     def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
         if isinstance(message, (protocol.AddRequest, protocol.AbortRequests, protocol.ResetPrefixCache,
-                                protocol.UpdateWeights)) and client_id not in self.clients:
+                                protocol.UpdateWeights, protocol.Sleep, protocol.WakeUp)) \
+                and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
             return False
         if isinstance(message, protocol.AddRequest):
@@ -193,6 +200,8 @@ class EngineCore:
             logger.info("prefix cache reset (asked by a host)")
         elif isinstance(message, protocol.UpdateWeights):
             self.weights.update(client_id, message)
+        elif isinstance(message, (protocol.Sleep, protocol.WakeUp)):
+            self.sleep.handle(client_id, message)
         elif isinstance(message, protocol.Goodbye):
             self.scheduler.abort_client(client_id)
             self.structured.abort_client(client_id)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from asyncllm import errors, protocol
 from asyncllm.config import EngineConfig
@@ -21,7 +21,7 @@ from asyncllm.sched.recovery import recompute_with_new_weights
 if TYPE_CHECKING:
     from asyncllm.engine.core import EngineCore
 
-__all__ = ["WeightUpdater", "config_with_weights"]
+__all__ = ["WeightUpdater", "answer_between_steps", "config_with_weights"]
 
 logger = logging.getLogger("asyncllm.engine.core")
 
@@ -34,6 +34,17 @@ def config_with_weights(config: EngineConfig, model_path: str, revision: str | N
     return dataclasses.replace(config, model_config=model)
 
 
+def answer_between_steps(core: "EngineCore", client_id: bytes, run: Callable[[], protocol.CoreMessage]) -> None:
+    """Run a host's call on the workers between two steps, then answer it (weight updates, sleep mode). The step
+    in flight is collected and delivered first: it was computed with the weights and memory the call changes.
+    Every host gets the new stats before the caller gets the answer, so its `stats()` is fresh when it returns."""
+    if core.overlap is not None and core.overlap.in_flight:
+        core.overlap.drain([])
+    reply = run()
+    core.send_outputs([])
+    core.io.send(client_id, reply)
+
+
 class WeightUpdater:
     """Runs a host's `UpdateWeights` in the core and counts the successful ones (`weights_version`)."""
 
@@ -43,16 +54,19 @@ class WeightUpdater:
 
     def update(self, client_id: bytes, message: protocol.UpdateWeights) -> None:
         """Run one update and answer the host that asked (after every host got the new stats)."""
-        core = self.core
-        if core.overlap is not None and core.overlap.in_flight:
-            core.overlap.drain([])  # the step in flight was computed with the old weights: deliver it first
-        reply = self._run(message)
-        reply.weights_version = self.weights_version
-        core.send_outputs([])
-        core.io.send(client_id, reply)
+
+        def run() -> protocol.WeightsUpdated:
+            reply = self._run(message)
+            reply.weights_version = self.weights_version
+            return reply
+
+        answer_between_steps(self.core, client_id, run)
 
     def _run(self, message: protocol.UpdateWeights) -> protocol.WeightsUpdated:
         core = self.core
+        refusal = core.sleep.refuse_update()
+        if refusal is not None:
+            return weights_error_reply(message.update_id, refusal)
         try:
             replies = core.executor.update_weights(message)
         except (errors.EngineDeadError, errors.ConfigError) as exc:  # a rank failed while copying: restart them all
@@ -65,6 +79,7 @@ class WeightUpdater:
             logger.warning("weight update from %s refused: %s", message.model_path, refused[0].error)
             return _most_telling(refused)
         self.weights_version += 1
+        core.sleep.weights_loaded()
         num_running = recompute_with_new_weights(core.scheduler)
         core.restarter.config = config_with_weights(core.restarter.config, message.model_path, message.revision)
         logger.info("weights updated from %s (version %d); %d running requests will be recomputed",

@@ -90,7 +90,8 @@ class ReplicaLoad:
         self._num_sent += num_requests
 
 
-_NOT_SUMMED = frozenset({"engine_alive", "kv_cache_usage", "extra", "replicas", "weights_version"})
+_NOT_SUMMED = frozenset({"engine_alive", "kv_cache_usage", "extra", "replicas", "weights_version", "is_sleeping",
+                         "sleep_level", "awaiting_weights"})
 
 
 def combined_stats(replicas: list[EngineStats]) -> EngineStats:
@@ -113,4 +114,7 @@ def combined_stats(replicas: list[EngineStats]) -> EngineStats:
             setattr(total, field.name, sum(values))
     total.kv_cache_usage = total.num_used_blocks / total.num_gpu_blocks if total.num_gpu_blocks else 0.0
     total.weights_version = min(s.weights_version for s in replicas)  # every replica serves at least these weights
+    total.is_sleeping = any(s.is_sleeping for s in replicas)  # sleep and wake_up fan out: they agree but briefly
+    total.sleep_level = max(s.sleep_level for s in replicas)
+    total.awaiting_weights = any(s.awaiting_weights for s in replicas)
     return total

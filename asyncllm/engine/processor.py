@@ -33,6 +33,7 @@ from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
 from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions
+from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.engine.weight_update import PendingWeightUpdates
 from asyncllm.engine.validation import (
     check_params_vocab,
@@ -126,6 +127,8 @@ class Processor:
         self._logprobs_decoder = LogprobsDecoder(tokenizer)
         self._weight_updates = PendingWeightUpdates()
         """`UpdateWeights` sent and not answered yet (asyncllm/engine/weight_update.py)."""
+        self._sleep_calls = PendingSleepCalls()
+        """`Sleep` / `WakeUp` sent and not answered yet (asyncllm/engine/sleep.py)."""
         self._ctx = zmq.Context()
         self._doorbell_address = f"inproc://asyncllm-doorbell-{uuid.uuid4().hex}"
         self._doorbell_pull = self._ctx.socket(zmq.PULL)
@@ -158,9 +161,18 @@ class Processor:
     def update_weights(self, model_path: str, revision: str | None, config_json: str) -> concurrent.futures.Future[int]:
         """Send `UpdateWeights` after every request submitted before; the future of the new weights version."""
         update_id, future = self._weight_updates.new()
-        self._post(("update_weights", protocol.UpdateWeights(update_id, model_path, revision, config_json)))
+        self._post(("send", protocol.UpdateWeights(update_id, model_path, revision, config_json)))
         if not self._thread.is_alive():  # it ended (its last act failed the updates then pending) or never began
             self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
+        return future
+
+    def sleep_mode(self, message: protocol.Sleep | protocol.WakeUp) -> concurrent.futures.Future[int]:
+        """Send `Sleep` or `WakeUp` (its call_id is set here) after every request submitted before; the future
+        of the core's sleep level after it."""
+        message.call_id, future = self._sleep_calls.new()
+        self._post(("send", message))
+        if not self._thread.is_alive():
+            self._sleep_calls.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
         return future
 
     def close(self, shutdown_core: bool) -> None:
@@ -194,6 +206,7 @@ class Processor:
             self._fail_all(errors.EngineDeadError(f"processor thread failed: {exc}"))
         finally:
             self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
+            self._sleep_calls.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
             if self._mm is not None:
                 self._mm.close_cache()
             watch.close()
@@ -280,7 +293,7 @@ class Processor:
                         self._observer.on_aborted(tracked.collector, now)
             elif job[0] == "reset_prefix_cache":
                 dealer.send(self._encoder.encode(protocol.ResetPrefixCache()))
-            elif job[0] == "update_weights":
+            elif job[0] == "send":  # a message that needs no bookkeeping here (UpdateWeights, Sleep, WakeUp)
                 dealer.send(self._encoder.encode(job[1]))
             elif job[0] == "close":
                 dealer.send(self._encoder.encode(protocol.Goodbye(shutdown=job[1])))
@@ -416,6 +429,9 @@ class Processor:
         if isinstance(message, protocol.WeightsUpdated):
             self._weight_updates.resolve(message)
             return
+        if isinstance(message, protocol.SleepModeDone):
+            self._sleep_calls.resolve(message)
+            return
         if not isinstance(message, protocol.Outputs):
             return
         now = time.time()
@@ -526,6 +542,7 @@ class Processor:
         if error is not None:
             self.dead = error
         self._weight_updates.fail_all(error or errors.EngineDeadError("the engine was closed"))
+        self._sleep_calls.fail_all(error or errors.EngineDeadError("the engine was closed"))
         batch: Delivery = []
         now = time.time()
         for tracked in self._tracked.values():

@@ -120,5 +120,6 @@ class HostStats:
             spec_decode_num_drafts=s.spec_decode_num_drafts, spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
             spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
             spec_decode_accepted_per_pos=list(s.spec_decode_accepted_per_pos),
-            weights_version=s.weights_version,
+            weights_version=s.weights_version, is_sleeping=s.sleep_level > 0, sleep_level=s.sleep_level,
+            awaiting_weights=s.awaiting_weights,
         )

@@ -4,7 +4,8 @@ and off (``enforce_eager``), and on torch_sdpa (always eager).
 
 Besides 12 prompts at once, rounds of 1, 3 and 17 requests whose max_tokens differ: the
 decode batch shrinks as requests finish, so graphs are replayed padded (3 -> 4, 17 -> 24,
-and every size in between) and at exact sizes.
+and every size in between) and at exact sizes. Live weight updates (docs/weight-updates.md) copy into the parameters the graphs
+read, so the graphs stay exact after one.
 """
 
 from __future__ import annotations
@@ -63,3 +64,23 @@ async def test_gpu_greedy_parity_fp32(request: pytest.FixtureRequest, fixture: s
             for (prompt, max_tokens), out in zip(requests, outs):
                 expected = _expected(path, tuple(prompt), max_tokens)
                 assert out.token_ids == expected, f"{len(requests)} requests: a prompt of {len(prompt)} diverged"
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+async def test_gpu_weight_update_keeps_graphs_exact(tiny_llama: str, enforce_eager: bool) -> None:
+    """`update_weights` copies into the parameters the captured decode graphs read: after it, graph replays give
+    checkpoint B's tokens (a graph holding stale weights would still give A's)."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    other = tiny_checkpoint("llama", seed=1)
+    async with AsyncEngine(tiny_llama, device="cuda", dtype="float32", enforce_eager=enforce_eager, max_num_seqs=32,
+                           max_num_batched_tokens=64, num_gpu_blocks_override=1024, disable_log_stats=True) as engine:
+        for index, path in enumerate((tiny_llama, other, tiny_llama)):
+            if index:
+                assert await engine.update_weights(path) == index
+            for requests in _rounds()[:2]:
+                outs = await asyncio.gather(*(
+                    engine.generate(p, SamplingParams(temperature=0.0, max_tokens=n)) for p, n in requests
+                ))
+                for (prompt, max_tokens), out in zip(requests, outs):
+                    assert out.token_ids == _expected(path, tuple(prompt), max_tokens), f"weights of {path} diverged"

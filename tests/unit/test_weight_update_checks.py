@@ -127,7 +127,8 @@ def test_the_core_counts_updates_and_restarts_workers_on_the_last_one() -> None:
     recovered: list[BaseException] = []
     core = SimpleNamespace(overlap=None, scheduler=Scheduler(config, 16, 256), restarter=SimpleNamespace(config=config),
                            recover_workers=recovered.append, send_outputs=lambda outputs: sent.append("stats"),
-                           io=SimpleNamespace(send=lambda client_id, message: sent.append(message)))
+                           io=SimpleNamespace(send=lambda client_id, message: sent.append(message)),
+                           sleep=SimpleNamespace(refuse_update=lambda: None, weights_loaded=lambda: None))  # awake
     updater = WeightUpdater(core)
     refusal = weights_error_reply("u1", InvalidRequestError("model_path", "differs: hidden_size"), rank=1)
     core.executor = _Executor([weights_error_reply("u1", InvalidRequestError("model_path", OTHER_RANK_REFUSED)), refusal])

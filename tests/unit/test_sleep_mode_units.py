@@ -1,0 +1,150 @@
+"""Sleep mode in process (docs/sleep-mode.md): one rank's moves on a CPU `ModelRunner` (weights kept or
+discarded, the KV cache freed and reallocated with as many blocks, CUDA graphs dropped and captured again once
+both are back), what is not built refused by name, and the core's state (refused without enable_sleep_mode,
+steps held, restarted workers put back to sleep)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncllm import protocol
+from asyncllm.config import EngineConfig
+from asyncllm.engine.core_sleep import SleepController
+from asyncllm.engine.sleep import check_level, check_tags, sleep_error
+from asyncllm.errors import ConfigError, EngineDeadError, InvalidRequestError, NotBuiltError
+from asyncllm.sched.scheduler import Scheduler
+from asyncllm.tiny import tiny_checkpoint
+from asyncllm.workers import cuda_graphs
+from asyncllm.workers.model_runner import ModelRunner
+from asyncllm.workers.sleep import RunnerSleep
+
+CPU = torch.device("cpu")
+NUM_BLOCKS = 8
+
+
+@pytest.fixture()
+def runner(monkeypatch) -> ModelRunner:
+    """A CPU runner of the tiny Llama with its KV cache, whose graph captures are recorded (a CPU runner has none:
+    the fake stands for the CUDA one, so that the recapture on wake-up is seen)."""
+    config = EngineConfig.create(tiny_checkpoint("llama"), max_model_len=64, max_num_seqs=4, device="cpu")
+    runner = ModelRunner(config, rank=0, tp_size=1, device=CPU)
+    runner.load_model()
+    runner.init_cache(NUM_BLOCKS)
+    runner.captures = []
+    monkeypatch.setattr(cuda_graphs, "capture_decode_graphs",
+                        lambda r: r.captures.append([c.data_ptr() for c in r.kv_caches]) or f"graphs {len(r.captures)}")
+    runner.cuda_graphs = "graphs 0"
+    return runner
+
+
+def _params(runner: ModelRunner) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for name, param in runner.model.named_parameters()}
+
+
+def test_level_1_keeps_the_weights_and_both_parts_come_back_in_two_calls(runner) -> None:
+    before, num_layers = _params(runner), len(runner.kv_caches)
+    sleeper = RunnerSleep(runner)
+    sleeper.sleep(1, ["weights", "kv_cache"])
+    assert runner.kv_caches == [] and runner.cuda_graphs is None
+    sleeper.wake_up(["weights"])
+    assert runner.captures == []  # the KV cache still sleeps: nothing to capture over
+    after = _params(runner)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    sleeper.wake_up(["kv_cache"])
+    assert [tuple(c.shape[:2]) for c in runner.kv_caches] == [(2, NUM_BLOCKS)] * num_layers  # as many blocks
+    assert all(not c.any() for c in runner.kv_caches)
+    assert runner.captures == [[c.data_ptr() for c in runner.kv_caches]] and runner.cuda_graphs == "graphs 1"
+    sleeper.wake_up(["weights", "kv_cache"])  # awake already: no second capture
+    assert len(runner.captures) == 1
+
+
+def test_level_2_discards_the_weights_and_brings_back_their_shapes(runner) -> None:
+    shapes = {name: (p.shape, p.dtype) for name, p in runner.model.named_parameters()}
+    loaders = {name: getattr(p, "weight_loader", None) for name, p in runner.model.named_parameters()}
+    sleeper = RunnerSleep(runner)
+    sleeper.sleep(2, ["weights", "kv_cache"])
+    assert all(p.numel() == 0 for p in runner.model.parameters())
+    sleeper.wake_up(["weights", "kv_cache"])
+    assert {name: (p.shape, p.dtype) for name, p in runner.model.named_parameters()} == shapes
+    assert {name: getattr(p, "weight_loader", None) for name, p in runner.model.named_parameters()} == loaders
+    assert len(runner.captures) == 1
+
+
+def test_what_is_not_built_is_refused_by_name_and_changes_nothing() -> None:
+    path = tiny_checkpoint("llama")
+    runner = SimpleNamespace(config=EngineConfig.create(path, max_model_len=64, enable_lora=True), hf_config=None,
+                             model=torch.nn.Linear(2, 2), drafter=None, kv_caches=["kept"])
+    reply = RunnerSleep(runner).handle(protocol.Sleep("s1", 1), rank=0)
+    error = sleep_error(reply)
+    assert isinstance(error, NotBuiltError) and error.field == "enable_lora" and runner.kv_caches == ["kept"]
+
+
+def test_levels_and_tags_are_checked_by_name() -> None:
+    assert check_level(2) == 2 and check_tags(None) == [] and check_tags(("weights", "weights")) == ["weights"]
+    for level in (0, 3, True, "1"):
+        with pytest.raises(InvalidRequestError, match="level"):
+            check_level(level)
+    for tags in ("weights", [], ["optimizer"]):
+        with pytest.raises(InvalidRequestError, match="tags"):
+            check_tags(tags)
+
+
+class _Executor:
+    """The core's executor as `SleepController` sees it: records the commands, answers each rank."""
+
+    def __init__(self, fail: BaseException | None = None) -> None:
+        self.commands: list[protocol.Sleep | protocol.WakeUp] = []
+        self.fail = fail
+
+    def sleep_mode(self, command: protocol.Sleep | protocol.WakeUp) -> list[protocol.SleepModeDone]:
+        self.commands.append(command)
+        if self.fail is not None:
+            raise self.fail
+        return [protocol.SleepModeDone(command.call_id)]
+
+
+def _core(enable: bool) -> SimpleNamespace:
+    config = EngineConfig.create(tiny_checkpoint("llama"), load_format="dummy", max_model_len=256,
+                                 enable_sleep_mode=enable)
+    sent: list[object] = []
+    return SimpleNamespace(config=config, overlap=None, scheduler=Scheduler(config, 16, 256), executor=_Executor(),
+                           sent=sent, send_outputs=lambda outputs: sent.append("stats"),
+                           io=SimpleNamespace(send=lambda client_id, message: sent.append(message)))
+
+
+def test_the_core_refuses_without_enable_sleep_mode_by_name() -> None:
+    core = _core(enable=False)
+    controller = SleepController(core)
+    controller.handle(b"host", protocol.Sleep("s1", 1))
+    [stats, reply] = core.sent
+    error = sleep_error(reply)
+    assert stats == "stats" and isinstance(error, ConfigError) and error.field == "enable_sleep_mode"
+    assert core.executor.commands == [] and not controller.holds_steps
+    core.config = core.config.replace(enable_sleep_mode=True)
+    controller.handle(b"peer", protocol.Sleep("s2", 3))  # checked in the core too: not every peer is an AsyncEngine
+    assert sleep_error(core.sent[-1]).field == "level" and core.executor.commands == []
+
+
+def test_the_core_holds_steps_and_puts_restarted_workers_back_to_sleep() -> None:
+    core = _core(enable=True)
+    controller = SleepController(core)
+    controller.handle(b"host", protocol.Sleep("s1", 2))
+    assert core.sent[-1] == protocol.SleepModeDone("s1", sleep_level=2) and controller.holds_steps
+    assert controller.refuse_update() is not None  # nothing to copy into
+    controller.handle(b"host", protocol.WakeUp("w1", ["weights"]))
+    assert controller.is_sleeping and controller.refuse_update() is None
+    core.executor = _Executor()  # restarted: awake, with the last weights
+    controller.after_restart()
+    assert core.executor.commands == [protocol.Sleep("restart", 1, ["kv_cache"])]
+    assert not controller.awaiting_weights  # the restart loaded real weights
+    controller.handle(b"host", protocol.WakeUp("w2"))
+    assert not controller.holds_steps and core.sent[-1] == protocol.SleepModeDone("w2")
+    recovered: list[BaseException] = []
+    core.recover_workers = recovered.append
+    core.executor = _Executor(EngineDeadError("rank 0 ran out of memory"))
+    controller.handle(b"host", protocol.Sleep("s2", 1))
+    assert isinstance(sleep_error(core.sent[-1]), EngineDeadError) and len(recovered) == 1
+    assert not controller.is_sleeping  # the state before the call
