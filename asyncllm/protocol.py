@@ -12,7 +12,7 @@ from typing import Union
 
 import msgspec
 
-from asyncllm.errors import ConfigError
+from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError, InvalidRequestError, NotBuiltError
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import SamplingParams
@@ -448,3 +448,30 @@ def config_error_from_parts(parts: list[str], where: str = "") -> ConfigError | 
         return None
     field, value_repr, allowed = parts
     return ConfigError(field, value_repr, allowed + where, value_repr=value_repr)
+
+
+def call_error_fields(exc: AsyncLLMError) -> dict[str, str]:
+    """A refused call's typed error as the ``error_*`` fields `WeightsUpdated` and `SleepModeDone` carry."""
+    if isinstance(exc, NotBuiltError):  # before ConfigError: its subclass; the values refused are str
+        return {"error_type": "NotBuiltError", "error_field": exc.field, "error_value": str(exc.value),
+                "error": exc.feature}
+    if isinstance(exc, ConfigError):
+        return {"error_type": "ConfigError", "error_field": exc.field, "error_value": repr(exc.value),
+                "error": exc.allowed}
+    if isinstance(exc, EngineDeadError):
+        return {"error_type": "EngineDeadError", "error": str(exc)}
+    assert isinstance(exc, InvalidRequestError), exc
+    return {"error_type": "InvalidRequestError", "error_field": exc.field, "error": exc.message}
+
+
+def call_error(reply: "WeightsUpdated | SleepModeDone", default_field: str = "") -> AsyncLLMError | None:
+    """The typed error `call_error_fields` sent; None when the call succeeded."""
+    if not reply.error_type:
+        return None
+    if reply.error_type == "NotBuiltError":
+        return NotBuiltError(reply.error_field, reply.error_value, reply.error)
+    if reply.error_type == "ConfigError":
+        return ConfigError(reply.error_field, reply.error_value, reply.error, value_repr=reply.error_value)
+    if reply.error_type == "EngineDeadError":
+        return EngineDeadError(reply.error)
+    return InvalidRequestError(reply.error_field or default_field, reply.error)

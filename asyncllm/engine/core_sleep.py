@@ -108,7 +108,7 @@ class SleepController:
             replies = self.core.executor.sleep_mode(message)
         except errors.EngineDeadError as exc:  # a rank failed (e.g. out of memory at wake-up): restart them all
             self.core.recover_workers(exc)
-            return protocol.SleepModeDone(message.call_id, error_type="EngineDeadError", error=(
+            return sleep_error_reply(message.call_id, errors.EngineDeadError(
                 f"the workers failed ({exc}); they were restarted and put back in the state before this call"))
         refused = [reply for reply in replies if reply.error_type]
         if refused:

@@ -39,28 +39,12 @@ def check_tags(tags: object) -> list[str]:
 
 def sleep_error_reply(call_id: str, exc: errors.AsyncLLMError, rank: int = 0) -> protocol.SleepModeDone:
     """The `SleepModeDone` that carries a refusal."""
-    if isinstance(exc, errors.NotBuiltError):  # before ConfigError: its subclass
-        return protocol.SleepModeDone(call_id, rank=rank, error_type="NotBuiltError", error_field=exc.field,
-                                      error_value=str(exc.value), error=exc.feature)
-    if isinstance(exc, errors.ConfigError):
-        return protocol.SleepModeDone(call_id, rank=rank, error_type="ConfigError", error_field=exc.field,
-                                      error_value=repr(exc.value), error=exc.allowed)
-    assert isinstance(exc, errors.InvalidRequestError), exc
-    return protocol.SleepModeDone(call_id, rank=rank, error_type="InvalidRequestError", error_field=exc.field,
-                                  error=exc.message)
+    return protocol.SleepModeDone(call_id, rank=rank, **protocol.call_error_fields(exc))
 
 
 def sleep_error(reply: protocol.SleepModeDone) -> errors.AsyncLLMError | None:
     """The typed error of a refused call; None when it was done."""
-    if not reply.error_type:
-        return None
-    if reply.error_type == "ConfigError":
-        return errors.ConfigError(reply.error_field, reply.error_value, reply.error, value_repr=reply.error_value)
-    if reply.error_type == "NotBuiltError":
-        return errors.NotBuiltError(reply.error_field, reply.error_value, reply.error)
-    if reply.error_type == "EngineDeadError":  # the workers failed during the call and were restarted
-        return errors.EngineDeadError(reply.error)
-    return errors.InvalidRequestError(reply.error_field, reply.error)
+    return protocol.call_error(reply)
 
 
 class PendingSleepCalls(PendingWeightUpdates):

@@ -62,20 +62,12 @@ def new_checkpoint_config(model_path: str, revision: str | None) -> str:
 def weights_error_reply(update_id: str, exc: errors.InvalidRequestError | errors.NotBuiltError,
                         rank: int = 0) -> protocol.WeightsUpdated:
     """The `WeightsUpdated` that carries a refused update's error."""
-    if isinstance(exc, errors.NotBuiltError):
-        return protocol.WeightsUpdated(update_id, rank=rank, error_type="NotBuiltError", error_field=exc.field,
-                                       error_value=str(exc.value), error=exc.feature)
-    return protocol.WeightsUpdated(update_id, rank=rank, error_type="InvalidRequestError", error_field=exc.field,
-                                   error=exc.message)
+    return protocol.WeightsUpdated(update_id, rank=rank, **protocol.call_error_fields(exc))
 
 
 def weights_error(reply: protocol.WeightsUpdated) -> errors.AsyncLLMError | None:
     """The typed error of a refused update; None when it succeeded."""
-    if not reply.error_type:
-        return None
-    if reply.error_type == "NotBuiltError":
-        return errors.NotBuiltError(reply.error_field, reply.error_value, reply.error)  # the values refused are str
-    return errors.InvalidRequestError(reply.error_field or "model_path", reply.error)
+    return protocol.call_error(reply, "model_path")
 
 
 class PendingWeightUpdates:

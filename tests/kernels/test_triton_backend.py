@@ -101,14 +101,16 @@ def test_triton_granite_and_olmo2_logits_match_transformers(arch: str, monkeypat
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
-def test_triton_gpt_oss_logits_match_transformers() -> None:
-    """gpt-oss: both attention kernels with sinks (the prefills: unified; the decode-only step: split-KV), the
-    8-token window cutting into every other layer; the fused-MoE kernels with the experts' biases and the clamped
-    SwiGLU; YaRN's scaled cos/sin through the rotary/KV-write kernel."""
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
+def test_triton_moe_logits_match_transformers(arch: str) -> None:
+    """The fused-MoE kernels: Qwen3-MoE's (SiLU-and-mul, no biases) and gpt-oss's, whose attention kernels also
+    take sinks (the prefills: unified; the decode-only step: split-KV), the 8-token window cutting into every
+    other layer, with the experts' biases and the clamped SwiGLU and YaRN's scaled cos/sin through the
+    rotary/KV-write kernel."""
 
     from asyncllm.tiny import tiny_checkpoint
 
-    path = tiny_checkpoint("gpt_oss")
+    path = tiny_checkpoint(arch)
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
     assert model.model.layers[0].mlp.experts.fused_moe.__module__ == "asyncllm.kernels.fused_moe"
