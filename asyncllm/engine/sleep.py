@@ -51,13 +51,14 @@ class PendingSleepCalls(PendingWeightUpdates):
     """The processor thread's `Sleep` / `WakeUp` sent and not answered yet; each future gets the core's sleep
     level after the call (0: awake)."""
 
-    def resolve(self, reply: protocol.SleepModeDone) -> None:  # type: ignore[override]
-        with self._lock:
-            future = self._futures.pop(reply.call_id, None)
-        if future is None or future.done():
-            return
-        error = sleep_error(reply)
-        if error is None:
-            future.set_result(reply.sleep_level)
-        else:
-            future.set_exception(error)
+    @staticmethod
+    def _call_id(reply: protocol.SleepModeDone) -> str:  # type: ignore[override]
+        return reply.call_id
+
+    @staticmethod
+    def _error(reply: protocol.SleepModeDone) -> errors.AsyncLLMError | None:  # type: ignore[override]
+        return sleep_error(reply)
+
+    @staticmethod
+    def _result(reply: protocol.SleepModeDone) -> int:  # type: ignore[override]
+        return reply.sleep_level

@@ -12,6 +12,7 @@ import concurrent.futures
 import os
 import threading
 import uuid
+from typing import Any
 
 from asyncllm import errors, protocol
 from asyncllm.models.checkpoint import hf_config_json, load_hf_config, resolve_model_path
@@ -86,17 +87,30 @@ class PendingWeightUpdates:
             self._futures[update_id] = future
         return update_id, future
 
-    def resolve(self, reply: protocol.WeightsUpdated) -> None:
-        """The core's answer: the new version, or the typed error."""
+    def resolve(self, reply: Any) -> None:
+        """The core's answer: the call's result (here the new weights version), or the typed error."""
         with self._lock:
-            future = self._futures.pop(reply.update_id, None)
+            future = self._futures.pop(self._call_id(reply), None)
         if future is None or future.done():
             return
-        error = weights_error(reply)
+        error = self._error(reply)
         if error is None:
-            future.set_result(reply.weights_version)
+            future.set_result(self._result(reply))
         else:
             future.set_exception(error)
+
+    # what a subclass for another call's reply overrides (asyncllm/engine/sleep.py)
+    @staticmethod
+    def _call_id(reply: protocol.WeightsUpdated) -> str:
+        return reply.update_id
+
+    @staticmethod
+    def _error(reply: protocol.WeightsUpdated) -> errors.AsyncLLMError | None:
+        return weights_error(reply)
+
+    @staticmethod
+    def _result(reply: protocol.WeightsUpdated) -> int:
+        return reply.weights_version
 
     def fail_all(self, error: BaseException) -> None:
         """The core is gone (or the engine closes): no answer will come."""
