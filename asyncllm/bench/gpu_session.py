@@ -90,6 +90,10 @@ STEPS: list[Step] = [
     # the mixture of experts (fused_moe kernel; 61 GB of bf16 weights: no peer fits beside it)
     Step("latency-qwen3moe", ["latency", "--preset", "qwen3-30b-a3b", "--num-iters", "2"], 150),
     Step("throughput-qwen3moe", ["throughput", "--preset", "qwen3-30b-a3b"], 200),
+    # gpt-oss (sinks, windows, expert biases and the clamped SwiGLU; 42 GB of bf16 weights, no peer beside it):
+    # fewer requests than the standard workloads, so both fit one call with the engine's two starts
+    Step("latency-gptoss20b", ["latency", "--preset", "gpt-oss-20b", "--num-iters", "2"], 150),
+    Step("throughput-gptoss20b", ["throughput", "--preset", "gpt-oss-20b", "--num-requests", "128"], 200),
     Step("serve-qwen3-rate4", ["serve", *_QWEN, "--request-rate", "4", "--num-requests", "64"], 60),
     Step("serve-qwen3-rate16", ["serve", *_QWEN, "--request-rate", "16", "--num-requests", "128"], 60),
     Step("serve-qwen3-rate64", ["serve", *_QWEN, "--request-rate", "64", "--num-requests", "256"], 60),

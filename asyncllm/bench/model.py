@@ -23,9 +23,10 @@ from asyncllm.errors import ConfigError
 
 __all__ = ["PRESETS", "BenchModel", "resolve_bench_model", "preset_config"]
 
-PRESETS = ("qwen3-0.6b", "llama3.1-8b", "qwen3-30b-a3b", "tiny")
-"""Shape presets (dummy weights, synthetic tokenizer; qwen3-30b-a3b is a mixture of experts), and ``tiny``:
-asyncllm's tiny random Llama (CPU runs)."""
+PRESETS = ("qwen3-0.6b", "llama3.1-8b", "qwen3-30b-a3b", "gpt-oss-20b", "tiny")
+"""Shape presets (dummy weights, synthetic tokenizer; qwen3-30b-a3b and gpt-oss-20b are mixtures of experts,
+gpt-oss-20b without its MXFP4 quantization_config: bf16 experts, as its checkpoint's are after load), and
+``tiny``: asyncllm's tiny random Llama (CPU runs)."""
 
 
 @dataclass(frozen=True)

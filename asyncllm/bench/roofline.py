@@ -5,8 +5,10 @@ LM head when the two are tied: otherwise just the batch's rows) and the KV
 cache of every running request. With the device's copy bandwidth measured by
 a large device-to-device copy (bytes read + bytes written, over time), the
 roofline is ``batch * bandwidth / (weight_bytes + batch * context * kv_bytes_per_token)``
-output tokens/s. It ignores compute, prefill and the host, so the fraction of
-it an engine reaches says how close to memory-bound its decode is.
+output tokens/s. A sliding-window layer's decode reads at most its window of the context (the
+attention kernels start at the window), so at a given context ``kv_bytes_per_token`` counts such a
+layer's bytes times ``min(context, window) / context``. It ignores compute, prefill and the host, so
+the fraction of it an engine reaches says how close to memory-bound its decode is.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ class Roofline:
     copy_bandwidth_gb_s: float
     """Measured device copy bandwidth, GB/s (1e9 bytes), read + write counted."""
     weight_bytes_per_step: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: float
+    """KV bytes a decode step reads per token of the mean context (sliding-window layers: only their window)."""
     decode_batch: int
     mean_context: float
     """Mean tokens of context each decoding request reads."""
@@ -64,8 +67,9 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
 
 
 def model_bytes(
-    path: str, dtype: torch.dtype, decode_batch: int = 1, kv_cache_dtype: str = "auto", quantization: str | None = None
-) -> tuple[int, int]:
+    path: str, dtype: torch.dtype, decode_batch: int = 1, kv_cache_dtype: str = "auto", quantization: str | None = None,
+    mean_context: float | None = None,
+) -> tuple[int, float]:
     """(weight bytes one decode step of ``decode_batch`` requests reads, KV-cache bytes per token).
 
     Counted from the config with the family's flags (biases, q/k norms) as
@@ -74,9 +78,15 @@ def model_bytes(
     ``E * (1 - (1 - k / E) ** batch)`` of them on average under uniform routing
     (k at batch 1, all of them for large batches). With ``quantization="fp8"``
     the decoder's linear weights count one byte each (docs/quantization.md), with
-    an fp8 ``kv_cache_dtype`` the KV cache one byte per element.
+    an fp8 ``kv_cache_dtype`` the KV cache one byte per element. gpt-oss adds its attention sinks
+    and its router's and experts' biases (the experts' as expected, like their weights).
+
+    The KV bytes per token are what the cache stores per token (every layer keeps a request's whole
+    context), or, given ``mean_context``, what a decode step at that context reads per token of it: a
+    sliding-window layer's share scaled by ``min(mean_context, window) / mean_context``.
     """
     from asyncllm.models.layers import head_dim_of
+    from asyncllm.models.llama import sliding_window_of
     from asyncllm.models.loader import load_hf_config
     from asyncllm.models.registry import get_model_class, kv_cache_spec, kv_cache_torch_dtype
 
@@ -87,6 +97,7 @@ def model_bytes(
     q_size, kv_size = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
     linear = hidden * (q_size + 2 * kv_size) + q_size * hidden  # the attention's projections
     other = 2 * hidden + (q_size + 2 * kv_size) * flags.qkv_bias + hidden * flags.o_bias + 2 * head_dim * flags.qk_norm
+    other += cfg.num_attention_heads * getattr(model_cls, "attention_sinks", False)  # one logit per query head
     layers = [_mlp_params(model_cls, cfg, i, flags.mlp_bias, decode_batch) for i in range(cfg.num_hidden_layers)]
     linear = cfg.num_hidden_layers * linear + sum(mlp_linear for mlp_linear, _ in layers)
     # the LM head reads the whole vocabulary matrix; a separate embedding table only the batch's rows
@@ -94,7 +105,18 @@ def model_bytes(
     itemsize = torch.empty((), dtype=dtype).element_size()
     linear_itemsize = 1 if quantization == "fp8" else itemsize
     kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
-    return int(linear * linear_itemsize + other * itemsize), kv_cache_spec(cfg, 1).bytes_per_block(1, kv_dtype)
+    spec = kv_cache_spec(cfg, 1)
+    layer_kv = spec.bytes_per_block(1, kv_dtype) // spec.num_layers  # one token of one layer, K and V
+    kv_per_token = sum(layer_kv * _window_share(sliding_window_of(cfg, i), mean_context)
+                       for i in range(cfg.num_hidden_layers))
+    return int(linear * linear_itemsize + other * itemsize), kv_per_token
+
+
+def _window_share(window: int | None, mean_context: float | None) -> float | int:
+    """The share of a context of ``mean_context`` tokens a layer with attention window ``window`` reads."""
+    if window is None or mean_context is None or mean_context <= window:
+        return 1
+    return window / mean_context
 
 
 def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode_batch: int) -> tuple[float, float]:
@@ -106,7 +128,12 @@ def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode
         return 3 * hidden * cfg.intermediate_size, (2 * cfg.intermediate_size + hidden) * mlp_bias
     experts = spec.num_experts * (1 - (1 - spec.top_k / spec.num_experts) ** max(1, decode_batch))
     shared_gate = hidden if spec.shared_expert_size else 0
-    return 3 * hidden * spec.shared_expert_size, spec.num_experts * hidden + experts * 3 * hidden * spec.intermediate_size + shared_gate
+    expert = 3 * hidden * spec.intermediate_size
+    router = spec.num_experts * hidden
+    if getattr(model_cls, "moe_biases", False):  # gpt-oss: the router's bias, each expert's gate/up and down biases
+        router += spec.num_experts
+        expert += 2 * spec.intermediate_size + hidden
+    return 3 * hidden * spec.shared_expert_size, router + experts * expert + shared_gate
 
 
 def decode_roofline(
@@ -114,7 +141,7 @@ def decode_roofline(
     kv_cache_dtype: str = "auto", quantization: str | None = None,
 ) -> Roofline:
     batch = max(1, decode_batch)
-    weight_bytes, kv_per_token = model_bytes(path, dtype, batch, kv_cache_dtype, quantization)
+    weight_bytes, kv_per_token = model_bytes(path, dtype, batch, kv_cache_dtype, quantization, mean_context)
     step_bytes = weight_bytes + batch * mean_context * kv_per_token
     return Roofline(
         copy_bandwidth_gb_s=bandwidth / 1e9,

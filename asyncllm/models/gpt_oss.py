@@ -180,6 +180,10 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     model_cls = GptOssModel
     is_moe = True
+    attention_sinks = True
+    """Each attention layer holds a sink logit per query head (asyncllm/bench/roofline.py counts them)."""
+    moe_biases = True
+    """The router and every expert have biases (counted by the roofline as well)."""
     packed_modules = {"qkv_proj": LlamaForCausalLM.packed_modules["qkv_proj"]}
 
     @classmethod

@@ -96,7 +96,8 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
     if _length_dependent(params) or rope_type not in ROPE_INIT_FUNCTIONS:
         raise NotBuiltError("model", rope_type, f"rotary embedding with rope_type={rope_type!r}")
     per_type = {"layer_type": layer_type} if _per_layer_type(hf_config, layer_type) else {}
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **per_type)
+    with torch.device("cpu"):  # the tables are computed on the host even inside a meta-device model build
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **per_type)
     return _divided_by_freq_factors(hf_config, inv_freq.to(torch.float32), rope_type), float(attention_scaling)
 
 

@@ -95,3 +95,37 @@ def test_model_bytes_with_fp8_weights_and_kv_cache(tmp_path) -> None:
     quantized, kv_fp8 = model_bytes(str(tmp_path), torch.bfloat16, kv_cache_dtype="fp8", quantization="fp8")
     assert plain - quantized == linear
     assert kv == 2 * kv_fp8
+
+
+def test_gpt_oss_20b_preset_bytes_match_its_parameters_and_windows(tmp_path) -> None:
+    """The preset's model, built on the meta device: the roofline reads each parameter (sinks, router and expert
+    biases included; the embedding table but its rows) once at a large batch, 4 of 32 experts a layer at batch 1;
+    its KV per token (bf16: K and V x 8 heads x 64 dims x 2 bytes = 2 KiB a layer) counts the 12 sliding-window
+    layers' 128 tokens only."""
+    import json
+
+    from asyncllm.bench.model import preset_config
+    from asyncllm.models.loader import build_model
+
+    (tmp_path / "config.json").write_text(json.dumps(preset_config("gpt-oss-20b")))
+    hf_config = load_hf_config(str(tmp_path))
+    assert "quantization_config" not in preset_config("gpt-oss-20b")  # dummy bf16 experts, as MXFP4's after load
+    model = build_model(EngineConfig.create(str(tmp_path)), hf_config, torch.device("cpu"), torch.bfloat16,
+                        tensor_device=torch.device("meta"))
+    params = sum(p.numel() for p in model.parameters())
+    assert params == 20_914_757_184  # gpt-oss-20b's 20.9 B
+    every = params - model.model.embed_tokens.weight.numel()
+    experts = model.model.layers[0].mlp.experts
+    one_expert = sum(p.numel() for p in (experts.w13_weight, experts.w2_weight, experts.w13_bias, experts.w2_bias))
+    assert one_expert % 32 == 0
+    one_expert //= 32
+    assert model_bytes(str(tmp_path), torch.bfloat16, 10**6)[0] == 2 * every
+    assert model_bytes(str(tmp_path), torch.bfloat16, 1)[0] == 2 * (every - 24 * 28 * one_expert) == 7_216_614_528
+
+    layer = 2 * 8 * 64 * 2
+    assert model_bytes(str(tmp_path), torch.bfloat16)[1] == 24 * layer  # what the cache stores per token
+    assert model_bytes(str(tmp_path), torch.bfloat16, mean_context=100)[1] == 24 * layer  # inside the window
+    assert model_bytes(str(tmp_path), torch.bfloat16, mean_context=512)[1] == 12 * layer + 12 * layer * 128 / 512
+    line = decode_roofline(str(tmp_path), torch.bfloat16, bandwidth=3e12, decode_batch=1, mean_context=512)
+    step = 7_216_614_528 + 12 * layer * 512 + 12 * layer * 128
+    assert line.output_tokens_per_s == pytest.approx(3e12 / step)
