@@ -56,9 +56,8 @@ from asyncllm.integrations.openai_protocol import (
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.openai_score import score_routes
-from asyncllm.integrations.openai_sleep import sleep_routes
+from asyncllm.integrations.openai_dev import dev_routes
 from asyncllm.integrations.openai_tools import tool_mode
-from asyncllm.integrations.openai_weights import UpdateWeightsFromDiskRequest, update_weights_from_disk
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
 from asyncllm.integrations.responses_store import ResponseStore
 from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
@@ -210,10 +209,7 @@ class OpenAIServer:
                 Route("/v1/unload_lora_adapter", self._guarded(self.unload_lora_adapter), methods=["POST"]),
             ]
         if envs.SERVER_DEV_MODE.get():
-            routes.append(Route("/reset_prefix_cache", self._guarded(self.reset_prefix_cache), methods=["POST"]))
-            routes.append(Route("/update_weights_from_disk", self._guarded(self.update_weights_from_disk),
-                                methods=["POST"]))
-            routes += sleep_routes(self)
+            routes += dev_routes(self)
         app = Starlette(routes=routes, lifespan=self._lifespan(manage_engine),
                         exception_handlers={404: _not_found, 405: _not_allowed})
         app.state.openai_server = self
@@ -346,17 +342,6 @@ class OpenAIServer:
     def _model_card(self, name: str, root: str, parent: str | None = None) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self._created, "owned_by": "asyncllm", "root": root,
                 "parent": parent, "max_model_len": self.engine.config.max_model_len}
-
-    async def reset_prefix_cache(self, request: Request) -> Response:
-        """vLLM's development route (ASYNCLLM_SERVER_DEV_MODE): forget the prefix cache."""
-        await self.engine.reset_prefix_cache()
-        return Response(status_code=200)
-
-    async def update_weights_from_disk(self, request: Request) -> Response:
-        """SGLang's development route (ASYNCLLM_SERVER_DEV_MODE): new weights in place (openai_weights.py)."""
-        body = decode_request(await self._body(request), UpdateWeightsFromDiskRequest)
-        status, payload = await update_weights_from_disk(self.engine, body)
-        return _json(payload, status)
 
     async def load_lora_adapter(self, request: Request) -> Response:
         """vLLM's: serve the adapter at ``lora_path`` as the model ``lora_name`` (openai_lora.py)."""
