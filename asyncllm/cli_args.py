@@ -28,7 +28,7 @@ _SECTIONS = (
 )
 _NO_FLAG = frozenset({"model", "prometheus_registry"})
 """`model` is positional; a registry object cannot come from a command line."""
-_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "data_parallel_size": "-dp"}
+_SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 """vLLM's short forms."""
 
 

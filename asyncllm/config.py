@@ -13,6 +13,7 @@ from typing import Any
 
 from asyncllm.attention.availability import ATTENTION_BACKENDS, check_backend_available
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.pipeline_parallel import check_pipeline_config
 from asyncllm.pooling import check_pooler_config
 from asyncllm.spec.config import SpeculativeConfig
 
@@ -32,10 +33,11 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "gguf")
+QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf")
 """Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md); awq, gptq
 and their _marlin names serve checkpoints pre-quantized with that method (asyncllm/models/int4_checkpoint.py),
-gguf a .gguf file (asyncllm/models/gguf_loader.py)."""
+compressed-tensors llm-compressor's checkpoints (asyncllm/models/compressed_tensors.py), gguf a .gguf file
+(asyncllm/models/gguf_loader.py)."""
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """auto = the model dtype; fp8 and fp8_e4m3 = float8_e4m3fn; fp8_e5m2 = float8_e5m2 (docs/fp8-kv-cache.md)."""
 
@@ -110,8 +112,9 @@ class ModelConfig:
     with one scale per tensor and rank, activations per token; see docs/quantization.md). A pre-quantized fp8
     checkpoint (config.json's quantization_config) is served in its own fp8 with None or fp8; an AWQ or GPTQ one
     (int4 weights, GPTQ int8 too) with None or its method's name (awq / gptq; vLLM's awq_marlin / gptq_marlin read
-    the same checkpoints); a GGUF file (the model given as a local .gguf) with None or gguf. Other methods are not
-    built yet."""
+    the same checkpoints); a compressed-tensors one (fp8 W8A8 per tensor, row or block, int8 W8A8, int4 / int8
+    W4A16 / W8A16) with None or compressed-tensors; a GGUF file (the model given as a local .gguf) with None or gguf.
+    Other methods are not built yet."""
     enforce_eager: bool = False
     """Never capture CUDA graphs. Otherwise, on CUDA with the triton backend and one rank, decode batches replay graphs captured at start (docs/kernels.md); the CPU and torch_sdpa always run eagerly."""
     attention_backend: str | None = None
@@ -141,8 +144,8 @@ class ModelConfig:
             if not isinstance(self.quantization, str):
                 raise ConfigError("quantization", self.quantization, "None or 'fp8'")
             raise NotBuiltError("quantization", self.quantization, f"{self.quantization!r} weight quantization "
-                                "(only 'fp8', online or pre-quantized, pre-quantized 'awq' / 'gptq' checkpoints "
-                                "and 'gguf' files)")
+                                "(only 'fp8', online or pre-quantized, pre-quantized 'awq' / 'gptq' / "
+                                "'compressed-tensors' checkpoints and 'gguf' files)")
         _bool("enforce_eager", self.enforce_eager)
         _bool("enable_sleep_mode", self.enable_sleep_mode)
         if self.attention_backend is not None:
@@ -234,7 +237,9 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Worker processes the model is sharded across (NCCL on GPU, gloo on CPU)."""
     pipeline_parallel_size: int = 1
-    """Pipeline stages (not built yet: only 1)."""
+    """Pipeline stages: the decoder layers split over this many stages of tensor_parallel_size workers each
+    (vLLM's split), run one after the other each step: it fits a model too big for one device, it adds no
+    throughput (docs/parallelism.md)."""
     data_parallel_size: int = 1
     """Engine replicas: N engine cores, each with its own tensor_parallel_size workers (on CUDA replica i uses
     devices i*tp .. (i+1)*tp-1); requests go to the least loaded one (docs/parallelism.md)."""
@@ -244,9 +249,7 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         _int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
-        _int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
-        if self.pipeline_parallel_size != 1:
-            raise NotBuiltError("pipeline_parallel_size", self.pipeline_parallel_size, "pipeline parallelism")
+        _int("pipeline_parallel_size", self.pipeline_parallel_size, 1, 64)
         _int("data_parallel_size", self.data_parallel_size, 1, 64)
         _bool("enable_expert_parallel", self.enable_expert_parallel)
         if self.enable_expert_parallel and self.data_parallel_size > 1:
@@ -370,6 +373,9 @@ class EngineConfig:
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     lora_config: LoRAConfig = field(default_factory=LoRAConfig)
     fault_tolerance_config: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+
+    def __post_init__(self) -> None:
+        check_pipeline_config(self)  # combinations across sections not built with pipeline parallelism
 
     @classmethod
     def create(cls, model: str, **kwargs: Any) -> "EngineConfig":

@@ -128,6 +128,13 @@ RESPONSES_API_STORE_MAX_ENTRIES = EnvVar(
     "recently used (stored, retrieved or continued) is dropped. Read when the app is made.",
 )
 
+PP_LAYER_PARTITION = EnvVar(
+    "ASYNCLLM_PP_LAYER_PARTITION", "", str,
+    "With pipeline_parallel_size > 1: the decoder layers of each stage, as comma-separated counts (vLLM's "
+    "VLLM_PP_LAYER_PARTITION, e.g. '3,5'); unset: vLLM's even split, the remainder to the stages before the last "
+    "(docs/parallelism.md). Read on the host at start and by every worker.",
+)
+
 REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENABLE_RESPONSES_API_STORE,
-            ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, RESPONSES_API_STORE_MAX_ENTRIES, RUNTIME_DIR, SERVER_DEV_MODE,
-            TRITON_INTERPRET, WORKER_PIPELINE)
+            ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES, RUNTIME_DIR,
+            SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE)

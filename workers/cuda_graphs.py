@@ -17,9 +17,9 @@ kernel returns at once for an empty query, so padding reads and writes no KV.
 Padding tokens' hidden states are left as garbage and dropped.
 
 Graphs need the triton backend (torch_sdpa loops over the requests on the
-host), a CUDA device, one rank (capturing the tensor-parallel all-reduce is
-not built yet) and a text-only model; `graphs_off_reason` says which is
-missing. ``enforce_eager=True`` turns them off.
+host), a CUDA device, one rank (capturing the tensor-parallel all-reduce and
+the pipeline stages' send/recv is not built yet) and a text-only model;
+`graphs_off_reason` says which is missing. ``enforce_eager=True`` turns them off.
 """
 
 from __future__ import annotations
@@ -77,6 +77,8 @@ def graphs_off_reason(
         return f"the device is {device.type}, not CUDA"
     if config.enforce_eager:
         return "enforce_eager=True"
+    if config.pipeline_parallel_size > 1:
+        return "pipeline_parallel_size > 1 (stages run eagerly: capturing their send/recv is not built)"
     if backend_name != "triton":
         return f"the {backend_name} attention backend reads host-side metadata (graphs need 'triton')"
     if tp_size > 1:

@@ -1,4 +1,4 @@
-"""The executor: starts one worker process per tensor-parallel rank and drives them.
+"""The executor: starts one worker process per rank (tensor x pipeline parallel) and drives them.
 
 The engine core calls it from its busy loop (one thread; not thread-safe).
 Commands go down once, through the shared-memory broadcast ring; replies come
@@ -73,7 +73,7 @@ class Executor:
         """The checkpoint's config as the host read it: the workers build their model from it."""
         self._ring_slots = ring_slots
         self._ring_slot_bytes = ring_slot_bytes
-        self._world_size: int = config.tensor_parallel_size
+        self._world_size: int = config.parallel_config.world_size  # tensor x pipeline parallel ranks
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(protocol.WorkerMessage)
         self._procs: list[subprocess.Popen] = []
@@ -140,7 +140,7 @@ class Executor:
         return self._gather(protocol.SleepModeDone, deadline, "sleep or wake up")
 
     def execute_model(self, sched_out: protocol.SchedulerOutput) -> protocol.ModelRunnerOutput:
-        """Run one step on every rank; return rank 0's output (`EngineDeadError` past the watchdog)."""
+        """Run one step on every rank; return the output rank's (`EngineDeadError` past the watchdog)."""
         assert not self._pending, "execute_model() with steps still in flight: collect() them first"
         self.submit(sched_out)
         return self.collect()
@@ -156,7 +156,8 @@ class Executor:
         self._pending.append((sched_out.step_id, time.monotonic()))
 
     def collect(self) -> protocol.ModelRunnerOutput:
-        """Rank 0's output of the oldest submitted step (`EngineDeadError` past the watchdog).
+        """The output rank's output of the oldest submitted step (`EngineDeadError` past the watchdog): rank 0's,
+        or with pipeline stages the last stage's first rank's (workers/pipeline.py).
 
         A step's watchdog counts from when it could start: its submission, or
         the previous step's reply if that came later (the workers were busy).

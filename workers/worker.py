@@ -1,4 +1,4 @@
-"""Worker process main: one per tensor-parallel rank, started by the `Executor`.
+"""Worker process main: one per rank (tensor x pipeline parallel), started by the `Executor`.
 
 Run as ``python -m asyncllm.workers.worker --rank R --world-size N ...`` (a
 fresh interpreter, never a fork, so CUDA state is never inherited). A worker
@@ -7,8 +7,9 @@ OOM kills the worker and not the engine core.
 
 Life of a worker: join the torch.distributed group, load the model, report
 `WorkerReady` with the KV blocks it can hold, then loop: read a
-`WorkerCommand` from the shared-memory ring, run it, reply on zmq (only rank 0
-returns `ModelRunnerOutput`; every rank acknowledges `InitCache`). On CUDA a
+`WorkerCommand` from the shared-memory ring, run it, reply on zmq (only rank 0, or
+with pipeline stages the last stage's first rank, returns `ModelRunnerOutput`; every
+rank acknowledges `InitCache`). On CUDA a
 step's output is sent once the next step is launched, when that one is
 already waiting (`StepPipeline`, workers/step_pipeline.py). Any
 exception is reported as `WorkerError` and the worker exits with code 1; it
@@ -37,6 +38,7 @@ from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.checkpoint import hf_config_from_json
+from asyncllm.pipeline_parallel import output_rank
 from asyncllm.procutil import exit_when_parent_dies
 from asyncllm.workers.shm_broadcast import BroadcastReader, RingHandle
 from asyncllm.workers.step_pipeline import StepPipeline
@@ -61,17 +63,23 @@ def resolve_device(device: str, rank: int) -> torch.device:
         raise ConfigError("device", device, "'cpu' or 'auto': no CUDA device is visible to the worker")
     count = torch.cuda.device_count()
     if rank >= count:
-        raise ConfigError("tensor_parallel_size", rank + 1, f"at most {count}, the number of visible CUDA devices")
+        raise ConfigError("tensor_parallel_size", rank + 1, f"at most {count}, the number of visible CUDA devices "
+                          "(one per rank: tensor_parallel_size x pipeline_parallel_size)")
     torch.cuda.set_device(rank)
     return torch.device("cuda", rank)
 
 
-def load_runner_class(spec: str | None) -> type:
-    """The model runner class: asyncllm's `ModelRunner`, or ``module:Class`` / ``file.py:Class``.
+def load_runner_class(spec: str | None, pipeline_parallel_size: int = 1) -> type:
+    """The model runner class: asyncllm's `ModelRunner` (`PipelineModelRunner` with pipeline stages), or
+    ``module:Class`` / ``file.py:Class``.
 
     The override is a seam for tests, which drive the worker plumbing with a
     fake runner instead of a model.
     """
+    if spec is None and pipeline_parallel_size > 1:
+        from asyncllm.workers.pipeline import PipelineModelRunner
+
+        return PipelineModelRunner
     if spec is None:
         from asyncllm.workers.model_runner import ModelRunner
 
@@ -103,7 +111,8 @@ def _pipelined(runner: Any) -> bool:
 
 
 def _drop(output: protocol.ModelRunnerOutput) -> None:
-    """Ranks other than 0 finish every step but send nothing."""
+    """Ranks other than the output rank (0; with pipeline stages the last stage's first) finish every step but
+    send nothing."""
 
 
 def error_message(rank: int, exc: BaseException) -> protocol.WorkerError:
@@ -140,11 +149,11 @@ class Worker:
             ranks_on_host = self.world_size * config.data_parallel_size  # every replica's workers share the CPUs
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_on_host))
         init_distributed(device, self.rank, self.world_size, args.dist_port)
-        runner_cls = load_runner_class(args.runner)
+        runner_cls = load_runner_class(args.runner, config.pipeline_parallel_size)
         self.runner = runner_cls(config, self.rank, self.world_size, device)
         if args.hf_config_json is not None and hasattr(self.runner, "hf_config"):
             self.runner.hf_config = hf_config_from_json(args.hf_config_json)  # not read again (and no config class)
-        self.pipelined = _pipelined(self.runner)
+        self.pipelined = _pipelined(self.runner) and config.pipeline_parallel_size == 1  # stages never defer
 
     def start(self) -> None:
         """Load the model, size the KV cache, and say so to the executor."""
@@ -157,9 +166,10 @@ class Worker:
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""
-        assert self.reader is not None, "setup() first"
+        assert self.reader is not None and self.config is not None, "setup() first"
         reader = self.reader
-        pipeline = StepPipeline(self.runner, self.send if self.rank == 0 else _drop, self.pipelined)
+        sends = self.rank == output_rank(self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
+        pipeline = StepPipeline(self.runner, self.send if sends else _drop, self.pipelined)
         while True:
             pipeline.wait(reader.has_message)
             command = self.decoder.decode(reader.dequeue())

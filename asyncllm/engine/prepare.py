@@ -22,6 +22,7 @@ from asyncllm.models.architectures import (
     architecture_of,
 )
 from asyncllm.models.checkpoint import hf_config_json, load_hf_config, prequantized_config, resolve_model_path
+from asyncllm.pipeline_parallel import check_pipeline_model
 from asyncllm.spec.draft_model import prepare_draft_model
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
@@ -52,8 +53,9 @@ def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
-    prequantized_config(hf_config, config.model, config.quantization)  # refused methods: errors before spawning
+    prequantized = prequantized_config(hf_config, config.model, config.quantization)  # refused: errors now
     text_config = getattr(hf_config, "text_config", None) or hf_config
+    check_pipeline_model(config, arch, text_config, prequantized)
     max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)

@@ -22,6 +22,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
+    from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig
     from asyncllm.models.gguf_config import GgufCheckpointConfig
     from asyncllm.models.int4_config import Int4CheckpointConfig
 
@@ -166,8 +167,8 @@ def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None
         raise NotBuiltError("model", model,
                             f"loading a pre-quantized {method!r} checkpoint (its config.json has a "
                             "quantization_config; "
-                            "asyncllm loads pre-quantized 'fp8', 'awq' and 'gptq' checkpoints, and quantizes float "
-                            "checkpoints "
+                            "asyncllm loads pre-quantized 'fp8', 'awq', 'gptq' and 'compressed-tensors' checkpoints, "
+                            "and quantizes float checkpoints "
                             "online with quantization='fp8', docs/quantization.md)")
     if quantization not in (None, "fp8"):
         raise ConfigError("quantization", quantization,
@@ -184,11 +185,14 @@ def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None
 
 def prequantized_config(
     hf_config: Any, model: str, quantization: str | None,
-) -> Fp8CheckpointConfig | Int4CheckpointConfig | GgufCheckpointConfig | None:
+) -> Fp8CheckpointConfig | Int4CheckpointConfig | CompressedTensorsCheckpointConfig | GgufCheckpointConfig | None:
     """`prequantized_fp8_config`'s answer, or for an AWQ / GPTQ checkpoint its `Int4CheckpointConfig`
-    (asyncllm/models/int4_config.py), for a GGUF file its `GgufCheckpointConfig` (asyncllm/models/gguf_config.py);
-    `ConfigError` for ``quantization`` 'awq' / 'gptq' over a float checkpoint (there is no online AWQ or GPTQ) and
-    'gguf' over anything but a GGUF file."""
+    (asyncllm/models/int4_config.py), for a compressed-tensors one its `CompressedTensorsCheckpointConfig`
+    (asyncllm/models/compressed_tensors_config.py), for a GGUF file its `GgufCheckpointConfig`
+    (asyncllm/models/gguf_config.py); `ConfigError` for ``quantization`` 'awq' / 'gptq' / 'compressed-tensors' over
+    a float checkpoint (there is no online AWQ, GPTQ or compressed-tensors) and 'gguf' over anything but a GGUF
+    file."""
+    from asyncllm.models.compressed_tensors_config import COMPRESSED_TENSORS, compressed_tensors_config
     from asyncllm.models.gguf_config import gguf_checkpoint_config
     from asyncllm.models.int4_config import INT4_METHODS, QUANTIZATION_NAMES, int4_checkpoint_config
 
@@ -202,7 +206,10 @@ def prequantized_config(
         return None  # the experts are dequantized as they load (asyncllm/models/gpt_oss.py)
     if method in INT4_METHODS:
         return int4_checkpoint_config(_quantization_section(hf_config) or {}, hf_config, model, quantization)
-    if method is None and any(quantization in names for names in QUANTIZATION_NAMES.values()):
+    if method == COMPRESSED_TENSORS:
+        return compressed_tensors_config(_quantization_section(hf_config) or {}, hf_config, model, quantization)
+    if method is None and (quantization == COMPRESSED_TENSORS
+                           or any(quantization in names for names in QUANTIZATION_NAMES.values())):
         raise ConfigError("quantization", quantization, "None or 'fp8' for a float checkpoint: "
                           f"{quantization!r} serves checkpoints pre-quantized with it (config.json's "
                           "quantization_config); this one has none")

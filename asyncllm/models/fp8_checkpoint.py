@@ -48,7 +48,8 @@ from asyncllm.models.quantization import (
 )
 
 __all__ = ["Fp8BlockLinearMethod", "block_fp8_linear_fallback", "quantize_fp8_blocks", "make_fp8_params",
-           "finish_fp8_params", "quantize_drawn_weights"]
+           "finish_fp8_params", "quantize_drawn_weights", "replace_weight", "load_tensor_scale", "check_block_split",
+           "new_block_scale", "attach_block_fp8_weight"]
 
 
 # ---------------------------------------------------------------- the product
@@ -107,8 +108,9 @@ def quantize_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.
 
 
 # ---------------------------------------------------------------- block boundaries
-def _check_block_split(name: str, layer: LinearBase, block: tuple[int, int]) -> None:
-    """Every shard's, and under TP every rank's, rows (columns for a row-parallel layer) start on a block."""
+def check_block_split(name: str, layer: LinearBase, block: tuple[int, int], label: str = "weight_block_size") -> None:
+    """Every shard's, and under TP every rank's, rows (columns for a row-parallel layer) start on a block; ``label``:
+    the checkpoint's name for the block."""
     (bn, bk), tp_size = block, layer.tp.size
     if isinstance(layer, RowParallelLinear):
         sizes, split, what = [layer.input_size_per_rank], tp_size > 1, ("input features", bk, "columns")
@@ -120,7 +122,7 @@ def _check_block_split(name: str, layer: LinearBase, block: tuple[int, int]) -> 
         raise ConfigError("tensor_parallel_size", tp_size,
                           f"a split on whole fp8 weight blocks: {name} holds {sizes} {what[0]} per checkpoint tensor "
                           f"on each rank, and {bad} is not a multiple of the block's {what[1]} {what[2]} "
-                          f"(weight_block_size {list(block)})")
+                          f"({label} {list(block)})")
 
 
 # ---------------------------------------------------------------- the scales' loaders
@@ -138,7 +140,7 @@ def _load_row_blocks(layer: RowParallelLinear, block_cols: int, param: nn.Parame
     copy_weight(param.data, weight_narrow(loaded, 1, start, param.shape[1]))
 
 
-def _load_tensor_scale(layer: LinearBase, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
+def load_tensor_scale(layer: LinearBase, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
     """A checkpoint tensor's scalar ``weight_scale`` into its shard's slot."""
     value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
     if value.numel() != 1:
@@ -147,31 +149,47 @@ def _load_tensor_scale(layer: LinearBase, param: nn.Parameter, loaded: LoadedWei
 
 
 # ---------------------------------------------------------------- before and after loading
-def _replace_weight(layer: LinearBase) -> torch.device:
-    """An empty fp8 weight of the same shape and loader (the model-dtype one is freed)."""
+def replace_weight(layer: LinearBase, dtype: torch.dtype = FP8_DTYPE) -> torch.device:
+    """An empty ``dtype`` (fp8; int8) weight of the same shape and loader (the model-dtype one is freed)."""
     old = layer.weight
     with torch.device(old.device):
-        layer.weight = new_param(*old.shape, dtype=FP8_DTYPE, loader=old.weight_loader)  # type: ignore[attr-defined]
+        layer.weight = new_param(*old.shape, dtype=dtype, loader=old.weight_loader)  # type: ignore[attr-defined]
     return old.device
+
+
+def new_block_scale(name: str, layer: LinearBase, block: tuple[int, int],
+                    label: str = "weight_block_size") -> nn.Parameter:
+    """The float32 ``[ceil(out/bn), ceil(in/bk)]`` block scales of a layer (on its weight's device), with the loader of
+    this rank's block rows (column-parallel) or block columns (row-parallel), after `check_block_split`."""
+    check_block_split(name, layer, block, label)
+    out_features, in_features = layer.weight.shape
+    if isinstance(layer, RowParallelLinear):
+        loader = functools.partial(_load_row_blocks, layer, block[1])
+    else:
+        loader = functools.partial(_load_column_blocks, layer, block[0])
+    with torch.device(layer.weight.device):
+        return new_param(-(-out_features // block[0]), -(-in_features // block[1]), dtype=torch.float32,
+                         loader=loader)
+
+
+def attach_block_fp8_weight(layer: LinearBase, w_q: torch.Tensor, scale: torch.Tensor,
+                            block: tuple[int, int]) -> Fp8BlockLinearMethod:
+    """Make ``w_q`` (float8_e4m3fn ``[N, K]``) and its block scales ``weight_scale_inv`` the layer's, computed by an
+    `Fp8BlockLinearMethod` (Triton on CUDA with fp8, else the fallback)."""
+    layer.weight = nn.Parameter(w_q, requires_grad=False)
+    layer.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
+    layer.quant_method = Fp8BlockLinearMethod(block, scaled_mm_supported(w_q.device))
+    return layer.quant_method
 
 
 def _make_layer_params(name: str, layer: LinearBase, cfg: Fp8CheckpointConfig) -> None:
     block = cfg.weight_block_size
     if block is not None:
-        _check_block_split(name, layer, block)
-    out_features, in_features = layer.weight.shape
-    with torch.device(_replace_weight(layer)):
+        layer.weight_scale_inv = new_block_scale(name, layer, block)
+    with torch.device(replace_weight(layer)):
         if block is None:
-            loader = functools.partial(_load_tensor_scale, layer)
+            loader = functools.partial(load_tensor_scale, layer)
             layer.weight_scale = new_param(len(output_partitions(layer)), dtype=torch.float32, loader=loader)
-        elif isinstance(layer, RowParallelLinear):
-            loader = functools.partial(_load_row_blocks, layer, block[1])
-            layer.weight_scale_inv = new_param(-(-out_features // block[0]), -(-in_features // block[1]),
-                                               dtype=torch.float32, loader=loader)
-        else:
-            loader = functools.partial(_load_column_blocks, layer, block[0])
-            layer.weight_scale_inv = new_param(-(-out_features // block[0]), -(-in_features // block[1]),
-                                               dtype=torch.float32, loader=loader)
 
 
 def make_fp8_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> int:
@@ -216,11 +234,8 @@ def quantize_drawn_weights(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
     block = cfg.weight_block_size
     for name, layer in quantized_layers(model, cfg.is_ignored):
         if block is not None:
-            _check_block_split(name, layer, block)
-            w_q, scale = quantize_fp8_blocks(layer.weight.data, block)
-            layer.weight = nn.Parameter(w_q, requires_grad=False)
-            layer.weight_scale_inv = nn.Parameter(scale, requires_grad=False)
-            layer.quant_method = Fp8BlockLinearMethod(block, scaled_mm_supported(w_q.device))
+            check_block_split(name, layer, block)
+            attach_block_fp8_weight(layer, *quantize_fp8_blocks(layer.weight.data, block), block)
         else:
             attach_fp8_weight(layer, *quantize_fp8_per_tensor(layer.weight.data))
     disable_fused_decode(model)

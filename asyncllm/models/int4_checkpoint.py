@@ -40,7 +40,8 @@ from asyncllm.models.linear import LinearBase, RowParallelLinear
 from asyncllm.models.quantization import disable_fused_decode
 
 __all__ = ["AWQ_ORDER", "Int4LinearMethod", "UnpackedWeight", "unpack_columns", "pack_rows", "unpacked_weight",
-           "make_int4_params", "finish_int4_params", "drop_extra_biases", "fill_int4_weights"]
+           "attach_packed", "attach_dequantized", "make_int4_params", "finish_int4_params", "drop_extra_biases",
+           "fill_int4_weights"]
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 """AWQ packing: the int32's value i (bits 4i..4i+3) holds output column ``8c + AWQ_ORDER[i]`` of pack c."""
@@ -274,29 +275,40 @@ def _drop_checkpoint_tensors(layer: LinearBase) -> None:
 
 
 @torch.no_grad()
-def _pack_layer(name: str, layer: LinearBase, cfg: Int4CheckpointConfig, use_triton: bool) -> None:
-    """The kernel's layout: ``qweight [K/p, N]`` along the input, ``scales`` and decoded ``zeros`` (float16 when
-    the scales are float16 values, else float32), ``g_idx`` int32 or None when it is ``k // group``."""
-    w, group, pack = unpacked_weight(name, layer, cfg), _group(layer, cfg), cfg.pack_factor
+def attach_packed(name: str, layer: LinearBase, w: UnpackedWeight, bits: int, group: int, use_triton: bool) -> None:
+    """The kernel's layout for ``w``: ``qweight [K/p, N]`` along the input, ``scales`` and decoded ``zeros``
+    (float16 when the scales are float16 values, else float32), ``g_idx`` int32 or None when it is ``k // group``;
+    the product through `Int4LinearMethod`."""
+    pack = 32 // bits
     if w.q.shape[0] % pack:
         raise ConfigError("model", name, f"a layer whose {w.q.shape[0]} input features are a multiple of {pack}, "
                                          "to pack them along the input for the GPU kernel")
     scale_dtype = torch.float16 if torch.equal(w.scales.half().float(), w.scales) else torch.float32
     trivial = torch.equal(w.groups, torch.arange(w.q.shape[0], device=w.q.device) // group)
-    _drop_checkpoint_tensors(layer)
-    layer.register_buffer("qweight", pack_rows(w.q, cfg.bits))
+    layer.register_buffer("qweight", pack_rows(w.q, bits))
     layer.register_buffer("scales", w.scales.to(scale_dtype))
     layer.register_buffer("zeros", w.zeros.to(scale_dtype))
     layer.register_buffer("g_idx", None if trivial else w.groups.to(torch.int32))
-    layer.quant_method = Int4LinearMethod(cfg.bits, group, use_triton)
+    layer.quant_method = Int4LinearMethod(bits, group, use_triton)
 
 
 @torch.no_grad()
-def _dequantize_layer(name: str, layer: LinearBase, cfg: Int4CheckpointConfig) -> None:
-    """The CPU path: the weight dequantized in float32, rounded once to the model dtype, ``[N, K]``."""
-    weight = unpacked_weight(name, layer, cfg).dequantize().t().to(layer.params_dtype).contiguous()
+def attach_dequantized(layer: LinearBase, w: UnpackedWeight) -> None:
+    """The CPU path: ``w`` dequantized in float32, rounded once to the model dtype, as the layer's ``[N, K]``
+    weight."""
+    layer.weight = nn.Parameter(w.dequantize().t().to(layer.params_dtype).contiguous(), requires_grad=False)
+
+
+def _pack_layer(name: str, layer: LinearBase, cfg: Int4CheckpointConfig, use_triton: bool) -> None:
+    w, group = unpacked_weight(name, layer, cfg), _group(layer, cfg)
     _drop_checkpoint_tensors(layer)
-    layer.weight = nn.Parameter(weight, requires_grad=False)
+    attach_packed(name, layer, w, cfg.bits, group, use_triton)
+
+
+def _dequantize_layer(name: str, layer: LinearBase, cfg: Int4CheckpointConfig) -> None:
+    w = unpacked_weight(name, layer, cfg)
+    _drop_checkpoint_tensors(layer)
+    attach_dequantized(layer, w)
 
 
 def finish_int4_params(model: nn.Module, cfg: Int4CheckpointConfig, use_triton: bool,

@@ -9,7 +9,7 @@ only the bytes of its own shard.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Union
 
 import torch
@@ -42,24 +42,27 @@ WeightLoader = Callable[..., None]
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This rank's place in the tensor-parallel group (torch.distributed's default group)."""
+    """This rank's place in the tensor-parallel group (torch.distributed's default group, or ``group``)."""
 
     rank: int = 0
     size: int = 1
+    group: Any = field(default=None, compare=False, repr=False)
+    """The TP ranks' process group: a pipeline stage's (asyncllm/models/pipeline.py); None: the default group."""
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, (self.rank, self.size)
 
     def check_group(self) -> None:
-        """The collectives need torch.distributed's default group to be exactly the TP ranks."""
+        """The collectives need the group (torch.distributed's default one, unless given) to be the TP ranks."""
         if self.size > 1:
             assert dist.is_initialized(), "torch.distributed must be initialised before a TP model is built"
-            assert (dist.get_world_size(), dist.get_rank()) == (self.size, self.rank), "TP group mismatch"
+            group = self.group
+            assert (dist.get_world_size(group), dist.get_rank(group)) == (self.size, self.rank), "TP group mismatch"
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of x over the ranks (in place; x itself when alone)."""
         if self.size > 1:
-            dist.all_reduce(x)
+            dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -67,7 +70,7 @@ class TensorParallel:
         if self.size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
     def split(self, total: int) -> int:

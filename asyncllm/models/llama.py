@@ -10,6 +10,7 @@ one, except the fused ``qkv_proj`` and ``gate_up_proj``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -23,6 +24,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, head_dim_of
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from asyncllm.models.pipeline import PipelineStage, PPMissingLayer, in_missing_part
 from asyncllm.models.rotary import RotaryEmbedding
 
 __all__ = ["DecoderBuild", "DecoderFlags", "LlamaForCausalLM", "LlamaMLP", "check_silu", "sliding_window_of"]
@@ -73,6 +75,8 @@ class DecoderBuild:
     MoE families (asyncllm/models/moe.py)."""
     expert_parallel: bool = False
     """MoE layers split their experts over the TP ranks instead of each expert's intermediate dim."""
+    pipeline: PipelineStage | None = dataclasses.field(default=None, kw_only=True)
+    """This rank's pipeline stage: the decoder builds only its parts (asyncllm/models/pipeline.py); None: all."""
 
 
 class LlamaAttention(nn.Module):
@@ -209,10 +213,15 @@ class LlamaModel(nn.Module):
 
     def __init__(self, b: DecoderBuild) -> None:
         super().__init__()
-        cfg = b.hf_config
-        self.embed_tokens = self.embedding_cls(cfg.vocab_size, cfg.hidden_size, b.tp, b.dtype)
-        self.layers = nn.ModuleList(self.layer_cls(b, i) for i in range(cfg.num_hidden_layers))
-        self.norm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
+        cfg, stage = b.hf_config, b.pipeline  # a pipeline stage: placeholders for the parts other stages hold
+        embeds = stage is None or stage.holds_embeddings(bool(getattr(cfg, "tie_word_embeddings", False)))
+        last = stage is None or stage.is_last
+        self.embed_tokens = (self.embedding_cls(cfg.vocab_size, cfg.hidden_size, b.tp, b.dtype) if embeds
+                             else PPMissingLayer())
+        self.layers = nn.ModuleList(self.layer_cls(b, i) if stage is None or stage.owns_layer(i) else PPMissingLayer()
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = (self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops) if last
+                     else PPMissingLayer())
 
     def forward(
         self,
@@ -276,11 +285,19 @@ class LlamaForCausalLM(nn.Module):
         attn_backend: AttentionBackend,
         max_position: int,
         expert_parallel: bool = False,
+        pipeline: PipelineStage | None = None,
     ) -> None:
+        """``pipeline``: this rank's stage, which builds only its parts (asyncllm/models/pipeline.py)."""
         super().__init__()
         build = self.decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
+        if pipeline is not None:
+            build = dataclasses.replace(build, pipeline=pipeline)
+        self.pipeline = pipeline
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.model = self.model_cls(build)
+        if pipeline is not None and not pipeline.is_last:
+            self.lm_head = PPMissingLayer()
+            return
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype, tied_to)
         if not self.has_lm_head and tied_to is None:
@@ -333,6 +350,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             param_name, shard_id = self._packed(ckpt_name)
             if param_name not in params:
+                if not self.holds_weight(param_name):  # another pipeline stage's: skipped unread
+                    continue
                 unexpected.append(ckpt_name)
                 continue
             self._load_one(params[param_name], ckpt_name, weight, shard_id)
@@ -342,6 +361,10 @@ class LlamaForCausalLM(nn.Module):
             allowed = f"a checkpoint of this architecture; unexpected weights: {shown}"
             raise ConfigError("model", type(self).__name__, allowed)
         return loaded
+
+    def holds_weight(self, param_name: str) -> bool:
+        """Whether this rank holds the parameter: False for a part another pipeline stage holds."""
+        return self.pipeline is None or not in_missing_part(self, param_name)
 
     def _load_one(self, param: nn.Parameter, ckpt_name: str, weight: LoadedWeight, shard_id: object) -> None:
         try:

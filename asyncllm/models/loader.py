@@ -21,8 +21,10 @@ from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.checkpoint import Fp8CheckpointConfig, load_hf_config, prequantized_config, resolve_model_path
+from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig
 from asyncllm.models.gguf_config import GgufCheckpointConfig
 from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.pipeline import PipelineStage
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
 
 __all__ = [
@@ -70,18 +72,19 @@ def load_model(
     dtype: torch.dtype,
     tp_rank: int = 0,
     tp_size: int = 1,
+    pipeline: PipelineStage | None = None,
 ) -> CausalLM:
     """Build ``hf_config``'s model on ``device`` for rank ``tp_rank`` and fill its weights.
 
-    With ``tp_size > 1`` the torch.distributed default group must already span the
-    ``tp_size`` ranks. The model is returned in eval mode; call it under
-    ``torch.inference_mode()``.
+    With ``tp_size > 1`` the torch.distributed default group (or ``pipeline``'s TP group) must already span
+    the ``tp_size`` ranks. ``pipeline``: only that stage's parts (asyncllm/models/pipeline.py). The model is
+    returned in eval mode; call it under ``torch.inference_mode()``.
     """
     prequantized = prequantized_config(hf_config, config.model, config.quantization)
     fp8_checkpoint = prequantized if isinstance(prequantized, Fp8CheckpointConfig) else None
     check_tensor_parallel(hf_config, tp_size, config.enable_expert_parallel)
-    TensorParallel(tp_rank, tp_size).check_group()
-    model = build_model(config, hf_config, device, dtype, tp_rank, tp_size)
+    _tensor_parallel(tp_rank, tp_size, pipeline).check_group()
+    model = build_model(config, hf_config, device, dtype, tp_rank, tp_size, pipeline=pipeline)
     if fp8_checkpoint is not None:  # a pre-quantized fp8 checkpoint: asyncllm/models/fp8_checkpoint.py
         _fill_fp8_weights(model, config, fp8_checkpoint)
     elif isinstance(prequantized, GgufCheckpointConfig) and config.load_format != "dummy":
@@ -90,6 +93,10 @@ def load_model(
         load_gguf_weights(model, prequantized.path, hf_config)
     elif isinstance(prequantized, GgufCheckpointConfig):
         init_dummy_weights(model, config.seed)
+    elif isinstance(prequantized, CompressedTensorsCheckpointConfig):  # asyncllm/models/compressed_tensors.py
+        from asyncllm.models.compressed_tensors import fill_compressed_tensors_weights
+
+        fill_compressed_tensors_weights(model, config, prequantized, device)
     elif prequantized is not None:  # AWQ / GPTQ: asyncllm/models/int4_checkpoint.py
         from asyncllm.models.int4_checkpoint import fill_int4_weights
 
@@ -107,7 +114,8 @@ def load_model(
 
 
 def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtype: torch.dtype, tp_rank: int = 0,
-                tp_size: int = 1, tensor_device: torch.device | None = None) -> CausalLM:
+                tp_size: int = 1, tensor_device: torch.device | None = None,
+                pipeline: PipelineStage | None = None) -> CausalLM:
     """``hf_config``'s model for rank ``tp_rank``, its parameters uninitialised on ``tensor_device`` (default
     ``device``; workers/weight_update.py builds one whose parameters are on the meta device)."""
     model_cls = get_model_class(hf_config)
@@ -119,15 +127,22 @@ def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtyp
         options["expert_parallel"] = config.enable_expert_parallel
     if getattr(model_cls, "takes_max_model_len", False):  # LongRoPE's factors depend on it (docs/phi3.md)
         options["max_model_len"] = config.max_model_len
+    if pipeline is not None:  # a pipeline stage: only its parts (asyncllm/models/pipeline.py)
+        options["pipeline"] = pipeline
     with torch.device(tensor_device or device):
         return model_cls(
             hf_config,
             dtype=dtype,
-            tp=TensorParallel(tp_rank, tp_size),
+            tp=_tensor_parallel(tp_rank, tp_size, pipeline),
             attn_backend=get_attention_backend(config.attention_backend, device, dtype),
             max_position=max_position,
             **options,
         )
+
+
+def _tensor_parallel(tp_rank: int, tp_size: int, pipeline: PipelineStage | None) -> TensorParallel:
+    """This rank's TP group: torch.distributed's default group, or its pipeline stage's."""
+    return TensorParallel(tp_rank, tp_size, None if pipeline is None else pipeline.tp_group)
 
 
 def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8CheckpointConfig) -> None:

@@ -184,6 +184,8 @@ class MoECausalLM:
         param_name, shard_id = self._packed(ckpt_name)
         if not isinstance(shard_id, tuple):
             return True
+        if not self.holds_weight(param_name):  # type: ignore[attr-defined] - another pipeline stage's layer
+            return False
         experts = self.get_submodule(param_name.rsplit(".", 1)[0])  # type: ignore[attr-defined]
         return not isinstance(experts, FusedMoE) or experts.is_local(shard_id[0])
 

@@ -45,6 +45,7 @@ __all__ = [
     "quantize_fp8",
     "quantize_fp8_per_tensor",
     "quantize_fp8_per_token",
+    "quantize_fp8_input",
     "fp8_to_float",
     "dequantize_fp8",
     "fp8_linear_fallback",
@@ -96,6 +97,15 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return quantize_fp8(x, scale), scale
 
 
+def quantize_fp8_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's input ``x [M, K]`` -> (float8_e4m3fn ``[M, K]``, float32 scales ``[M, 1]``): per token
+    (`quantize_fp8_per_token`) when ``input_scale`` is None, else with that static per-tensor scale (a checkpoint's
+    calibrated ``input_scale``) repeated for every row."""
+    if input_scale is None:
+        return quantize_fp8_per_token(x)
+    return quantize_fp8(x, input_scale), input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+
+
 @functools.lru_cache(maxsize=None)
 def _fp8_values() -> torch.Tensor:
     """The 256 float8_e4m3fn values as float32, by bit pattern (CPU)."""
@@ -115,10 +125,13 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
 
 
 def fp8_linear_fallback(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                        bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """The dequantize path: ``F.linear(dq(q(x)), dq(W_q), b)`` in ``dtype``, x quantized per token."""
-    x_q, x_scale = quantize_fp8_per_token(x)
-    return F.linear(dequantize_fp8(x_q, x_scale, dtype), dequantize_fp8(weight, weight_scale, dtype), bias)
+                        bias: torch.Tensor | None, dtype: torch.dtype,
+                        input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The dequantize path: ``F.linear(dq(q(x)), dq(W_q), b)`` in ``dtype``; x quantized per token, or with the
+    static ``input_scale``; ``weight_scale`` a scalar or one per output row (``[N, 1]``)."""
+    x_q, x_scale = quantize_fp8_input(x.reshape(-1, x.shape[-1]), input_scale)
+    out = F.linear(dequantize_fp8(x_q, x_scale, dtype), dequantize_fp8(weight, weight_scale, dtype), bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 # ---------------------------------------------------------------- the layer's product
@@ -147,27 +160,32 @@ def _mm_result(out: Any) -> torch.Tensor:
 
 
 class Fp8LinearMethod:
-    """A quantized layer's product (`LinearBase.quant_method`): fp8 weight, fp8 per-token activations.
+    """A quantized layer's product (`LinearBase.quant_method`): fp8 weight (one scale, or one per output row:
+    ``per_channel``), fp8 activations (per token, or with the layer's static ``input_scale``: ``static_input``).
 
     ``scaled_mm``: ``torch._scaled_mm`` (``rowwise``: both scales inside it, bfloat16 models; otherwise
     a float32 product scaled after, vLLM's ``torch_channelwise_w8a8_scaled_mm``). Else the dequantize
     fallback (`fp8_linear_fallback`).
     """
 
-    def __init__(self, scaled_mm: bool, rowwise: bool) -> None:
+    def __init__(self, scaled_mm: bool, rowwise: bool, per_channel: bool = False, static_input: bool = False) -> None:
         self.scaled_mm = scaled_mm
         self.rowwise = rowwise
+        self.per_channel = per_channel
+        self.static_input = static_input
 
     def __repr__(self) -> str:
         kind = ("_scaled_mm rowwise" if self.rowwise else "_scaled_mm") if self.scaled_mm else "dequantize"
-        return f"Fp8LinearMethod({kind})"
+        scales = ", per-channel weights" * self.per_channel + ", static input scale" * self.static_input
+        return f"Fp8LinearMethod({kind}{scales})"
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = layer.params_dtype
+        input_scale = layer.input_scale if self.static_input else None
         if not self.scaled_mm:
-            return fp8_linear_fallback(x, layer.weight, layer.weight_scale, bias, dtype)
+            return fp8_linear_fallback(x, layer.weight, layer.weight_scale, bias, dtype, input_scale)
         lead = x.shape[:-1]
-        x_q, x_scale = quantize_fp8_per_token(x.reshape(-1, x.shape[-1]))
+        x_q, x_scale = quantize_fp8_input(x.reshape(-1, x.shape[-1]), input_scale)
         weight_t = layer.weight.t()  # [K, N] column-major, as _scaled_mm wants its second operand
         if self.rowwise:
             out = _mm_result(torch._scaled_mm(x_q, weight_t, scale_a=x_scale, scale_b=layer.weight_scale_row,
@@ -175,9 +193,12 @@ class Fp8LinearMethod:
             if bias is not None:
                 out = out + bias
         else:
-            out = _mm_result(torch._scaled_mm(x_q, weight_t, scale_a=layer.unit_scale, scale_b=layer.weight_scale,
+            scale_b = layer.unit_scale if self.per_channel else layer.weight_scale  # a tensor-wise scale: a scalar
+            out = _mm_result(torch._scaled_mm(x_q, weight_t, scale_a=layer.unit_scale, scale_b=scale_b,
                                               out_dtype=torch.float32))
             out = out * x_scale
+            if self.per_channel:
+                out = out * layer.weight_scale_row
             out = (out if bias is None else out + bias).to(dtype)
         return out.view(*lead, out.shape[-1])
 
@@ -205,20 +226,26 @@ def quantize_fp8_linear(layer: LinearBase) -> Fp8LinearMethod:
     return attach_fp8_weight(layer, *quantize_fp8_per_tensor(weight.data))
 
 
-def attach_fp8_weight(layer: LinearBase, w_q: torch.Tensor, scale: torch.Tensor) -> Fp8LinearMethod:
-    """Make ``w_q`` (float8_e4m3fn) and its per-tensor ``scale`` the layer's weight, and route its product
-    through an `Fp8LinearMethod` (the online path, and pre-quantized per-tensor checkpoints)."""
+def attach_fp8_weight(layer: LinearBase, w_q: torch.Tensor, scale: torch.Tensor,
+                      input_scale: torch.Tensor | None = None) -> Fp8LinearMethod:
+    """Make ``w_q`` (float8_e4m3fn ``[N, K]``) and its ``scale`` (a scalar, or float32 ``[N, 1]``: one per output
+    row) the layer's weight, and route its product through an `Fp8LinearMethod` (the online path, and pre-quantized
+    checkpoints); ``input_scale``: a static per-tensor activation scale (None: per token)."""
     layer.weight = nn.Parameter(w_q, requires_grad=False)
     layer.register_buffer("weight_scale", scale)
     out_features, in_features = w_q.shape
+    per_channel = scale.numel() > 1
+    if input_scale is not None:
+        layer.register_buffer("input_scale", input_scale.float().reshape(()))
     # _scaled_mm wants both dims of the weight, and the activation's K, to be multiples of 16
     scaled_mm = scaled_mm_supported(w_q.device) and in_features % 16 == 0 and out_features % 16 == 0
     rowwise = scaled_mm and layer.params_dtype == torch.bfloat16 and _rowwise_scaled_mm_works(w_q.device)
-    if rowwise:
-        layer.register_buffer("weight_scale_row", scale.expand(1, out_features).contiguous(), persistent=False)
-    elif scaled_mm:
+    if rowwise or (scaled_mm and per_channel):
+        row = scale.reshape(1, out_features) if per_channel else scale.expand(1, out_features)
+        layer.register_buffer("weight_scale_row", row.contiguous(), persistent=False)
+    if scaled_mm and not rowwise:
         layer.register_buffer("unit_scale", torch.ones((), dtype=torch.float32, device=w_q.device), persistent=False)
-    layer.quant_method = Fp8LinearMethod(scaled_mm, rowwise)
+    layer.quant_method = Fp8LinearMethod(scaled_mm, rowwise, per_channel, input_scale is not None)
     return layer.quant_method
 
 

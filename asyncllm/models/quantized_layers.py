@@ -1,7 +1,8 @@
 """Which parallel linear layers a pre-quantized checkpoint quantized, and the checkpoint tensors stacked in each.
 
-Shared by the pre-quantized formats (asyncllm/models/fp8_checkpoint.py, int4_checkpoint.py): a fused layer
-(``qkv_proj``, ``gate_up_proj``) holds several checkpoint modules, each its own shard with its own scales.
+Shared by the pre-quantized formats (asyncllm/models/fp8_checkpoint.py, int4_checkpoint.py, compressed_tensors.py):
+a fused layer (``qkv_proj``, ``gate_up_proj``) holds several checkpoint modules, each its own shard with its own
+scales.
 """
 
 from __future__ import annotations

@@ -90,7 +90,6 @@ def test_unknown_field_is_refused() -> None:
     "field, value",
     [
         ("quantization", "bitsandbytes"),
-        ("pipeline_parallel_size", 2),
         ("speculative_config", {"method": "eagle", "num_speculative_tokens": 3}),
     ],
 )

@@ -268,9 +268,9 @@ def test_dummy_weights_quantize_and_run(tiny_llama: str) -> None:
 # ------------------------------------------------------------------ refusals
 def test_quantization_values() -> None:
     assert EngineConfig.create("m", quantization="fp8").quantization == "fp8"
-    for method in ("awq", "gptq", "awq_marlin", "gptq_marlin"):  # pre-quantized checkpoints: test_int4_checkpoint.py
-        assert EngineConfig.create("m", quantization=method).quantization == method
-    for method in ("bitsandbytes", "compressed-tensors", "fp4", "FP8"):
+    for method in ("awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors"):  # pre-quantized checkpoints
+        assert EngineConfig.create("m", quantization=method).quantization == method  # (test_int4_checkpoint.py, ...)
+    for method in ("bitsandbytes", "fp4", "FP8"):
         with pytest.raises(NotBuiltError, match=f"'{method}' weight quantization"):
             EngineConfig.create("m", quantization=method)
     with pytest.raises(ConfigError, match="None or 'fp8'") as info:
@@ -278,8 +278,8 @@ def test_quantization_values() -> None:
     assert not isinstance(info.value, NotBuiltError)
 
 
-@pytest.mark.parametrize("section", [  # fp8: test_fp8_checkpoint.py, AWQ / GPTQ: test_int4_checkpoint.py
-    {"quant_method": "compressed-tensors", "format": "float-quantized"},
+@pytest.mark.parametrize("section", [  # fp8: test_fp8_checkpoint.py, AWQ / GPTQ: test_int4_checkpoint.py,
+    {"quant_method": "quark", "global_quant_config": {}},  # compressed-tensors: test_compressed_tensors*.py
     {"quant_method": "bitsandbytes", "load_in_4bit": True},
 ])
 def test_a_pre_quantized_checkpoint_is_refused(tiny_llama: str, tmp_path, section: dict) -> None:

@@ -125,7 +125,7 @@ def test_the_core_counts_updates_and_restarts_workers_on_the_last_one() -> None:
     config = EngineConfig.create(tiny_checkpoint("llama"), load_format="dummy", max_model_len=256)
     sent: list[object] = []
     recovered: list[BaseException] = []
-    core = SimpleNamespace(overlap=None, scheduler=Scheduler(config, 16, 256), restarter=SimpleNamespace(config=config),
+    core = SimpleNamespace(config=config, overlap=None, scheduler=Scheduler(config, 16, 256), restarter=SimpleNamespace(config=config),
                            recover_workers=recovered.append, send_outputs=lambda outputs: sent.append("stats"),
                            io=SimpleNamespace(send=lambda client_id, message: sent.append(message)),
                            sleep=SimpleNamespace(refuse_update=lambda: None, weights_loaded=lambda: None))  # awake

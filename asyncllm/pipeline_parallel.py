@@ -1,0 +1,100 @@
+"""Pipeline parallelism's torch-free half: the layer split and what is refused (docs/parallelism.md).
+
+``pipeline_parallel_size=P`` splits the decoder layers over P stages of
+``tensor_parallel_size=T`` ranks each (world = T x P; rank = pp_rank x T + tp_rank, as vLLM orders them).
+`get_pp_indices` is vLLM's split; `check_pipeline_config` refuses at config time what is not built with
+P > 1 (it needs no model), `check_pipeline_model` on the host what depends on the checkpoint (its
+architecture, its layer count). The torch half: asyncllm/models/pipeline.py and workers/pipeline.py.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from asyncllm import envs
+from asyncllm.errors import ConfigError, NotBuiltError
+
+if TYPE_CHECKING:
+    from asyncllm.config import EngineConfig
+
+__all__ = ["PIPELINE_ARCHITECTURES", "check_pipeline_config", "check_pipeline_model", "get_pp_indices",
+           "layer_partition", "output_rank"]
+
+_FIELD = "pipeline_parallel_size"
+
+PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                          "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
+                          "Gemma3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
+                          "GptOssForCausalLM")
+"""The causal LMs on `LlamaForCausalLM`'s decoder stack (embeddings, layers passing (hidden, residual), final
+norm, LM head) that run split into stages; each is tested against its unsplit model (tests/unit)."""
+
+
+def layer_partition(num_layers: int, pp_size: int, partition: str | None = None) -> list[int]:
+    """Layers per stage. vLLM's rule: an even split, the remainder one each to the stages before the last,
+    from the second-to-last backwards (the last also holds the final norm and LM head); or ``partition``,
+    vLLM's ``VLLM_PP_LAYER_PARTITION`` format ("3,5": comma-separated counts, one per stage)."""
+    if partition:
+        try:
+            counts = [int(part) for part in partition.split(",")]
+        except ValueError:
+            raise ConfigError(envs.PP_LAYER_PARTITION.name, partition, "comma-separated layer counts") from None
+        if len(counts) != pp_size or sum(counts) != num_layers or min(counts) < 1:
+            raise ConfigError(envs.PP_LAYER_PARTITION.name, partition,
+                              f"{pp_size} positive layer counts (one per stage) adding up to the model's "
+                              f"{num_layers} layers")
+        return counts
+    counts = [num_layers // pp_size] * pp_size
+    for i in range(2, num_layers % pp_size + 2):
+        counts[-i] += 1
+    return counts
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int, partition: str | None = None) -> tuple[int, int]:
+    """Stage ``pp_rank``'s layers: ``[start, end)`` (`layer_partition`)."""
+    counts = layer_partition(num_layers, pp_size, partition)
+    start = sum(counts[:pp_rank])
+    return start, start + counts[pp_rank]
+
+
+def output_rank(tp_size: int, pp_size: int) -> int:
+    """The rank whose step outputs the executor takes: the last stage's first TP rank (0 without stages)."""
+    return (pp_size - 1) * tp_size
+
+
+def check_pipeline_config(config: EngineConfig) -> None:
+    """`NotBuiltError` naming a field whose feature is not built with ``pipeline_parallel_size > 1``."""
+    pp = config.pipeline_parallel_size
+    if pp == 1:
+        return
+    refused = [
+        ("data_parallel_size", config.data_parallel_size, config.data_parallel_size > 1),
+        ("speculative_config", config.speculative_config, config.speculative_config is not None),
+        ("enable_lora", True, config.enable_lora),
+        ("enable_sleep_mode", True, config.enable_sleep_mode),
+    ]
+    for field, value, on in refused:
+        if on:
+            raise NotBuiltError(field, value, f"{field} with pipeline_parallel_size={pp}")
+
+
+def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any, prequantized: Any) -> None:
+    """The host's checks once the checkpoint is known: an architecture that runs in stages, no more stages than
+    layers, a valid ASYNCLLM_PP_LAYER_PARTITION, not a pre-quantized checkpoint (``prequantized``:
+    `prequantized_config`'s answer)."""
+    pp = config.pipeline_parallel_size
+    if pp == 1:
+        return
+    if architecture not in PIPELINE_ARCHITECTURES:
+        raise NotBuiltError(_FIELD, pp, f"pipeline parallelism for {architecture} (built for "
+                                        f"{', '.join(PIPELINE_ARCHITECTURES)})")
+    num_layers = hf_config.num_hidden_layers
+    if pp > num_layers:
+        raise ConfigError(_FIELD, pp, f"at most the model's num_hidden_layers ({num_layers}): "
+                                      f"{pp} stages cannot split {num_layers} layers")
+    layer_partition(num_layers, pp, envs.PP_LAYER_PARTITION.get())
+    if prequantized is not None:
+        from asyncllm.models.checkpoint import checkpoint_quantization  # torch-free
+
+        method = checkpoint_quantization(hf_config) or "gguf"
+        raise NotBuiltError(_FIELD, pp, f"pipeline parallelism with a pre-quantized ({method}) checkpoint")

@@ -1,0 +1,97 @@
+"""Pipeline parallelism on a real engine (CPU, gloo): a 3-layer Llama split 2 + 1 over two stages (one worker
+each). Greedy tokens equal transformers' under chunked prefill, a prefix-cache hit and preemption (by swap: each
+stage copies its own layers' blocks out and back); the KV cache's block count is the first stage's (2 layers:
+the minimum over the ranks), not the whole model's; embeddings come from the last stage; update_weights is
+refused; a killed stage worker is replaced and its requests recomputed token-exact. The stages' parts and their
+logits against the unsplit model: tests/unit/test_pipeline_parallel.py."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+
+import pytest
+import pytest_asyncio
+import torch
+
+from asyncllm import AsyncEngine, NotBuiltError, SamplingParams
+from asyncllm.models.registry import KVCacheSpec
+from asyncllm.tiny import tiny_checkpoint
+from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers, wait_idle
+from hf_reference import hf_greedy, hf_last_hidden_state
+from proc_utils import worker_pids
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+KV_SPACE_GB = 0.000107
+"""ASYNCLLM_CPU_KVCACHE_SPACE_GB: 14 blocks of a 2-layer stage (8,192 bytes each), so requests get preempted."""
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _blocks(num_layers: int) -> int:
+    """KV blocks of `num_layers` layers of the tiny model (2 KV heads of 16, float32) in KV_SPACE_GB."""
+    return int(KV_SPACE_GB * 2**30) // KVCacheSpec(num_layers, 2, 16).bytes_per_block(16, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def path() -> str:
+    return tiny_checkpoint("llama", num_layers=3)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(path: str):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("ASYNCLLM_CPU_KVCACHE_SPACE_GB", str(KV_SPACE_GB))  # read by the workers the core starts
+        engine = AsyncEngine(path, pipeline_parallel_size=2, max_num_batched_tokens=16, max_model_len=128,
+                             preemption_mode="swap", swap_space=0.001,  # each stage swaps its own layers' blocks
+                             worker_step_timeout_s=20.0, disable_log_stats=True)
+        async with engine:
+            yield engine
+
+
+async def test_greedy_equals_transformers_chunked_with_prefix_hits_and_preemption(engine: AsyncEngine,
+                                                                                   path: str) -> None:
+    await assert_greedy_with_prefix_hit_equals_transformers(engine, path, seed=3)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(6, 500) for _ in range(rng.randint(5, 60))] for _ in range(8)]
+    outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+    stats = engine.stats()
+    assert stats.num_preemptions_total > 0
+    assert (stats.num_gpu_blocks, _blocks(3)) == (_blocks(2), 9)  # stage 0's 2 layers, not the model's 3
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, prompt, 24, eos_token_id=None), f"{len(prompt)} tokens"
+
+
+async def test_embeddings_come_from_the_last_stage(engine: AsyncEngine, path: str) -> None:
+    prompt = list(range(40, 75))
+    out = await engine.embed(prompt)
+    want = torch.nn.functional.normalize(torch.tensor(hf_last_hidden_state(path, prompt)), dim=0)
+    torch.testing.assert_close(torch.tensor(out.embedding), want, atol=1e-5, rtol=0)
+
+
+async def test_update_weights_is_refused(engine: AsyncEngine, path: str) -> None:
+    with pytest.raises(NotBuiltError, match="update_weights with pipeline parallelism") as info:
+        await engine.update_weights(path)
+    assert info.value.field == "pipeline_parallel_size"
+
+
+async def test_a_killed_stage_worker_is_replaced_and_streams_stay_exact(engine: AsyncEngine, path: str) -> None:
+    prompts = [list(range(10 + i, 40 + 3 * i)) for i in range(3)]
+    tokens: list[list[int]] = [[] for _ in prompts]
+
+    async def consume(index: int) -> None:
+        async for delta in engine.stream(prompts[index], GREEDY):
+            tokens[index] += delta.token_ids
+
+    tasks = [asyncio.create_task(consume(i)) for i in range(len(prompts))]
+    while min(len(t) for t in tokens) < 3:
+        await asyncio.sleep(0.005)
+    workers = worker_pids(engine._core.pid)
+    assert len(workers) == 2
+    os.kill(workers[1], signal.SIGKILL)  # stage 1: the one that samples
+    await asyncio.wait_for(asyncio.gather(*tasks), 120)
+    assert tokens == [hf_greedy(path, p, 24, eos_token_id=None) for p in prompts]
+    assert set(worker_pids(engine._core.pid)).isdisjoint(workers)  # every rank restarted
+    await wait_idle(engine)

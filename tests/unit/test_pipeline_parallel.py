@@ -1,0 +1,208 @@
+"""Pipeline parallelism without processes: vLLM's layer split, every refusal, and each family's stages built
+through the real loader, in one process, passing (hidden, residual) in memory: each stage holds exactly its
+parts, reads only its checkpoint tensors, and the stages' logits are bit-equal to the unsplit model's over a
+paged, chunked schedule. The engine over real worker processes: tests/engine/test_pipeline_parallel_engine.py."""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from asyncllm.config import EngineConfig
+from asyncllm.engine.prepare import prepare
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.loader import checkpoint_files, iterate_safetensors, load_hf_config, load_model
+from asyncllm.models.pipeline import PipelineStage, StageModel
+from asyncllm.models.registry import kv_cache_spec
+from asyncllm.pipeline_parallel import check_pipeline_model, get_pp_indices, layer_partition
+from asyncllm.tiny import tiny_checkpoint
+from model_utils import PagedRun
+
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize(("num_layers", "pp", "counts"), [
+    (4, 1, [4]), (4, 2, [2, 2]), (3, 2, [2, 1]), (5, 2, [3, 2]), (9, 3, [3, 3, 3]), (6, 4, [1, 2, 2, 1]),
+    (7, 4, [2, 2, 2, 1]), (10, 4, [2, 3, 3, 2]), (2, 2, [1, 1]), (80, 3, [27, 27, 26]),
+])
+def test_layer_partition_is_vllms(num_layers: int, pp: int, counts: list[int]) -> None:
+    """vLLM's get_pp_indices: even, the remainder one each to the stages before the last, backwards."""
+    assert layer_partition(num_layers, pp) == counts
+    bounds = [get_pp_indices(num_layers, rank, pp) for rank in range(pp)]
+    assert [end - start for start, end in bounds] == counts
+    assert [start for start, _ in bounds] == [0] + [end for _, end in bounds[:-1]] and bounds[-1][1] == num_layers
+
+
+def test_layer_partition_override() -> None:
+    assert [get_pp_indices(5, rank, 2, "1,4") for rank in range(2)] == [(0, 1), (1, 5)]
+    for bad in ("2,2", "1,2,2", "5,0", "a,b"):
+        with pytest.raises(ConfigError) as info:
+            layer_partition(5, 2, bad)
+        assert info.value.field == "ASYNCLLM_PP_LAYER_PARTITION"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("data_parallel_size", 2), ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
+    ("enable_lora", True), ("enable_sleep_mode", True),
+])
+def test_config_refuses_unbuilt_combinations(field: str, value: Any) -> None:
+    EngineConfig.create("m", **{field: value})  # fine alone
+    with pytest.raises(NotBuiltError, match="pipeline_parallel_size=2") as info:
+        EngineConfig.create("m", pipeline_parallel_size=2, **{field: value})
+    assert info.value.field == field
+    assert EngineConfig.create("m", pipeline_parallel_size=2).parallel_config.world_size == 2
+    with pytest.raises(ConfigError):
+        EngineConfig.create("m", pipeline_parallel_size=0)
+
+
+@pytest.mark.parametrize("arch", ["LlavaForConditionalGeneration", "LlamaModel", "Qwen3ForSequenceClassification",
+                                  "Gemma3ForConditionalGeneration"])
+def test_host_refuses_architectures_not_built(arch: str) -> None:
+    with pytest.raises(NotBuiltError, match=arch) as info:
+        check_pipeline_model(EngineConfig.create("m", pipeline_parallel_size=2), arch,
+                             SimpleNamespace(num_hidden_layers=4), None)
+    assert info.value.field == "pipeline_parallel_size"
+
+
+def test_host_refuses_prequantized_checkpoints_and_bad_partitions(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = EngineConfig.create("m", pipeline_parallel_size=2)
+    quantized = SimpleNamespace(num_hidden_layers=4, quantization_config={"quant_method": "fp8"})
+    with pytest.raises(NotBuiltError, match=r"pre-quantized \(fp8\)"):
+        check_pipeline_model(config, "LlamaForCausalLM", quantized, object())
+    monkeypatch.setenv("ASYNCLLM_PP_LAYER_PARTITION", "3,2")
+    with pytest.raises(ConfigError, match="adding up to the model's 4 layers"):
+        check_pipeline_model(config, "LlamaForCausalLM", SimpleNamespace(num_hidden_layers=4), None)
+
+
+def test_more_stages_than_layers_is_a_config_error_at_start() -> None:
+    """Through the host's `prepare`, before anything is spawned: the message names both numbers."""
+    with pytest.raises(ConfigError, match=r"num_hidden_layers \(2\): 3 stages") as info:
+        prepare(EngineConfig.create(tiny_checkpoint("llama"), pipeline_parallel_size=3))
+    assert (info.value.field, info.value.value) == ("pipeline_parallel_size", 3)
+
+
+class MemoryChannel:
+    """Stages in one process: (hidden, residual) handed over in memory, in order."""
+
+    def __init__(self) -> None:
+        self.queue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
+
+    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
+        self.queue.append((hidden.clone(), residual.clone()))
+
+    def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.queue.popleft()
+        assert hidden.shape[0] == residual.shape[0] == num_tokens
+        return hidden, residual
+
+
+class Stages:
+    """The stages run one after the other, as `PagedRun` calls a model (each takes its layers' KV caches)."""
+
+    def __init__(self, stages: list[StageModel]) -> None:
+        self.stages = stages
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                 metadata: Any) -> torch.Tensor:
+        first = 0
+        for stage in self.stages:
+            hidden = stage(input_ids, positions, kv_caches[first : first + stage.stage.num_layers], metadata)
+            first += stage.stage.num_layers
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.stages[-1].compute_logits(hidden)
+
+
+def _stage_params(full_names: set[str], stage: PipelineStage, tied: bool) -> set[str]:
+    """The unsplit model's parameter names that `stage` should hold."""
+    def held(name: str) -> bool:
+        layer = re.match(r"model\.layers\.(\d+)\.", name)
+        if layer is not None:
+            return stage.owns_layer(int(layer.group(1)))
+        if name.startswith("model.embed_tokens."):
+            return stage.is_first or (tied and stage.is_last)
+        return stage.is_last  # the final norm, the LM head
+
+    return {name for name in full_names if held(name)}
+
+
+def _paged_logits(model: Any, path: str) -> list[torch.Tensor]:
+    """Three requests in chunks of up to 8 tokens over a shuffled paged cache (block 4)."""
+    spec = kv_cache_spec(load_hf_config(path), 1)
+    gen = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(6, 500, (n,), generator=gen).tolist() for n in (19, 11, 30)]
+    run = PagedRun(model, sequences)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    return run.run([[8, 8, 8], [8, 3, 8], [3, 0, 8], [0, 0, 6]])
+
+
+CASES = [("llama", 3, 2), ("llama", 3, 3), ("llama", 5, 2), ("mistral", 2, 2), ("qwen2", 2, 2), ("qwen3", 2, 2),
+         ("granite", 2, 2), ("olmo2", 2, 2), ("gemma2", 2, 2), ("gemma3", 2, 2), ("phi3", 2, 2), ("mixtral", 2, 2),
+         ("qwen3_moe", 2, 2), ("gpt_oss", 2, 2)]
+"""(family, layers, stages): the odd splits on Llama, every family of PIPELINE_ARCHITECTURES (Granite and Gemma
+tie their LM head to the embeddings, the MoE families load per-expert tensors); Qwen2-MoE as Qwen3-MoE."""
+
+
+@pytest.mark.parametrize(("arch", "num_layers", "pp"), CASES, ids=[f"{a}-{n}L-pp{p}" for a, n, p in CASES])
+def test_stages_hold_their_parts_and_equal_the_unsplit_model(arch: str, num_layers: int, pp: int) -> None:
+    path = tiny_checkpoint(arch, num_layers=num_layers) if num_layers != 2 else tiny_checkpoint(arch)
+    hf_config = load_hf_config(path)
+    config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=pp)
+    full = load_model(config, hf_config, CPU, torch.float32)
+    full_names = {name for name, _ in full.named_parameters()}
+    channel, stages = MemoryChannel(), []
+    for rank in range(pp):
+        stage = PipelineStage(rank, pp, *get_pp_indices(num_layers, rank, pp))
+        model = load_model(config, hf_config, CPU, torch.float32, pipeline=stage)
+        held = {name for name, _ in model.named_parameters()}
+        assert held == _stage_params(full_names, stage, full.tie_word_embeddings)
+        stages.append(StageModel(model, stage, channel))
+    for got, want in zip(_paged_logits(Stages(stages), path), _paged_logits(full, path), strict=True):
+        assert torch.equal(got, want)
+    assert not channel.queue
+
+
+class _ReadSpy:
+    """A lazy safetensors slice that records the names whose data were read."""
+
+    def __init__(self, name: str, slice_: Any, read: set[str]) -> None:
+        self.name, self.slice, self.read = name, slice_, read
+
+    def get_shape(self) -> list[int]:
+        return self.slice.get_shape()
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        self.read.add(self.name)
+        return self.slice[index]
+
+
+def test_a_stage_reads_only_its_checkpoint_tensors() -> None:
+    path = tiny_checkpoint("llama", num_layers=5)
+    hf_config = load_hf_config(path)
+    config = EngineConfig.create(path, max_model_len=128, load_format="dummy", pipeline_parallel_size=2)
+    stage = PipelineStage(1, 2, *get_pp_indices(5, 1, 2))  # layers 3 and 4, the norm, the LM head
+    model = load_model(config, hf_config, CPU, torch.float32, pipeline=stage)
+    read: set[str] = set()
+    loaded = model.load_weights((n, _ReadSpy(n, w, read)) for n, w in iterate_safetensors(checkpoint_files(path)))
+    assert loaded == read == model.checkpoint_weight_names()
+    assert {re.match(r"model\.layers\.(\d+)\.", n).group(1) for n in read if n.startswith("model.layers.")} == \
+        {"3", "4"}
+    assert {n for n in read if not n.startswith("model.layers.")} == {"model.norm.weight", "lm_head.weight"}
+
+
+def test_online_fp8_stages_equal_the_unsplit_model() -> None:
+    path = tiny_checkpoint("llama", num_layers=3)
+    hf_config = load_hf_config(path)
+    config = EngineConfig.create(path, max_model_len=128, quantization="fp8", pipeline_parallel_size=2)
+    full = load_model(config, hf_config, CPU, torch.float32)
+    channel = MemoryChannel()
+    stages = [StageModel(load_model(config, hf_config, CPU, torch.float32, pipeline=stage), stage, channel)
+              for stage in (PipelineStage(r, 2, *get_pp_indices(3, r, 2)) for r in range(2))]
+    for got, want in zip(_paged_logits(Stages(stages), path), _paged_logits(full, path), strict=True):
+        assert torch.equal(got, want)

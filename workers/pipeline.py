@@ -1,0 +1,117 @@
+"""`PipelineModelRunner`: the model runner of one rank of a pipeline-parallel engine (docs/parallelism.md).
+
+World rank ``r`` is tensor-parallel rank ``r % tp`` of stage ``r // tp`` (vLLM's order). Each rank builds and
+loads only its stage's parts (asyncllm/models/pipeline.py) and sizes its KV cache for its stage's layers; the
+core takes the minimum block count over all ranks, as with tensor parallelism.
+
+Every rank gets every step (the executor's broadcast), and the stages run it one after the other: stage 0
+embeds and runs its layers, sends ``(hidden, residual)`` on, ..., the last stage runs its layers, the final
+norm, the LM head and the sampler, and its first TP rank's output is the step's (`output_rank`). Then the last
+stage broadcasts the sampled ids to every rank, so that each stage's persistent rows hold the same tokens
+(the next step's input ids, positions and prompt-logprobs bookkeeping). Steps are never deferred and no
+CUDA graph is captured (workers/cuda_graphs.py says why at start); overlapping the stages on several
+micro-batches is not built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from asyncllm import envs
+from asyncllm.config import EngineConfig
+from asyncllm.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
+from asyncllm.models.pipeline import PipelineStage, StageChannel, StageModel
+from asyncllm.models.registry import kv_cache_spec, text_config_of
+from asyncllm.pipeline_parallel import get_pp_indices, output_rank
+from asyncllm.protocol import ModelRunnerOutput, SchedulerOutput
+from asyncllm.workers.model_runner import ModelRunner
+from asyncllm.workers.token_feedback import InFlightStep
+
+__all__ = ["PipelineModelRunner", "make_stage_groups"]
+
+
+def make_stage_groups(tp_size: int, pp_size: int) -> list[dist.ProcessGroup | None]:
+    """Each stage's TP process group, stage order (every rank creates every group, in the same order); None per
+    stage with one rank."""
+    if tp_size == 1:
+        return [None] * pp_size
+    return [dist.new_group(list(range(p * tp_size, (p + 1) * tp_size))) for p in range(pp_size)]
+
+
+class PipelineModelRunner(ModelRunner):
+    """A `ModelRunner` over one pipeline stage; ``rank`` and ``world_size`` are the world's (tp x pp)."""
+
+    def __init__(self, config: EngineConfig, rank: int, world_size: int, device: torch.device) -> None:
+        tp_size, pp_size = config.tensor_parallel_size, config.pipeline_parallel_size
+        assert world_size == tp_size * pp_size, (world_size, tp_size, pp_size)
+        pp_rank, tp_rank = divmod(rank, tp_size)
+        super().__init__(config, tp_rank, tp_size, device)
+        self.world_rank = rank
+        self.stage = PipelineStage(pp_rank, pp_size, 0, 0, make_stage_groups(tp_size, pp_size)[pp_rank])
+        """Its layers are known once the checkpoint's config is (`load_model`)."""
+        self.sampling_rank = output_rank(tp_size, pp_size)
+        """The rank whose sampled ids every rank takes (the last stage's first)."""
+
+    def load_model(self) -> None:
+        """Build and load this stage's parts; the KV cache holds its layers only."""
+        hf_config = self.hf_config
+        if hf_config is None:
+            hf_config = load_hf_config(resolve_model_path(self.config.model, self.config.revision))
+        text_config = text_config_of(hf_config)
+        stage = self.stage
+        start, end = get_pp_indices(text_config.num_hidden_layers, stage.rank, stage.size,
+                                    envs.PP_LAYER_PARTITION.get())
+        stage = self.stage = dataclasses.replace(stage, start_layer=start, end_layer=end)
+        dtype = resolve_dtype(self.config.dtype, hf_config, self.device)
+        model = load_model(self.config, hf_config, self.device, dtype, self.rank, self.tp_size, pipeline=stage)
+        tp = self.tp_size
+        prev_rank = None if stage.is_first else self.world_rank - tp
+        next_rank = None if stage.is_last else self.world_rank + tp
+        channel = StageChannel(prev_rank, next_rank, text_config.hidden_size, dtype, self.device)
+        kv_spec = dataclasses.replace(kv_cache_spec(hf_config, tp), num_layers=stage.num_layers)
+        self.attach_model(StageModel(model, stage, channel), kv_spec, dtype)
+        self.hf_config = hf_config
+
+    @torch.inference_mode()
+    def launch_step(self, sched_out: SchedulerOutput, defer: bool = True) -> ModelRunnerOutput | InFlightStep:
+        """Run this stage's share of the step (never deferred: the next step needs the sampled ids on every
+        stage); the last stage's output is the step's, the others return an empty one."""
+        if not self.stage.is_last:
+            return self._inner_stage_step(sched_out)
+        output = super().launch_step(sched_out, defer=False)
+        assert isinstance(output, ModelRunnerOutput)
+        if sched_out.num_scheduled_tokens:  # the ids in sampling order (ascending rows)
+            sampled = [tokens[0] for tokens in output.sampled_token_ids if tokens]
+            self._share_sampled(sampled, len(sampled))
+        return output
+
+    def _inner_stage_step(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
+        """A stage before the last: update the rows, run its layers (they send on), take the sampled ids."""
+        if sched_out.blocks_to_swap_out or sched_out.blocks_to_swap_in:
+            assert self.swap_space is not None, "a swap step without a swap space"
+            self.swap_space.swap(self.kv_caches, sched_out.blocks_to_swap_out, sched_out.blocks_to_swap_in)
+        batch = self.input_batch
+        batch.update_states(sched_out)
+        empty = ModelRunnerOutput(sched_out.step_id, [], [])
+        if not sched_out.num_scheduled_tokens:
+            return empty
+        inputs = batch.prepare_inputs(sched_out)
+        self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        sampled = self._share_sampled(None, len(inputs.sample_indices))
+        batch.finish_step(inputs, sched_out, sampled)
+        return empty
+
+    def _share_sampled(self, sampled: list[int] | None, count: int) -> list[int]:
+        """The last stage's sampled ids on every rank (``sampled``: this rank's, on the sampling rank)."""
+        if count == 0:
+            return []
+        if self.world_rank == self.sampling_rank:
+            assert sampled is not None and len(sampled) == count
+            ids = torch.tensor(sampled, dtype=torch.int64, device=self.device)
+        else:
+            ids = torch.empty(count, dtype=torch.int64, device=self.device)
+        dist.broadcast(ids, self.sampling_rank)
+        return ids.tolist()
