@@ -340,19 +340,29 @@ class Processor:
             return
         collector.prompt_token_ids = token_ids
         options = job.options
-        self._samples[collector.request_id] = list(core_ids)
+        frames = []
         for index, core_id in enumerate(core_ids):  # n > 1: one core request per sample (see docs/sampling.md)
             params = job.params if len(core_ids) == 1 else job.params.for_sample(index)
             buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
             detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, params)
-            self._tracked[core_id] = tracked = _Tracked(collector, detokenizer, index, buffer)
+            tracked = _Tracked(collector, detokenizer, index, buffer)
             message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
                                           collector.metrics.arrival_time, options.priority, options.cache_salt,
                                           options.timeout, lora=lora, pooling=options.pooling)
             if job.mm_prompt is not None:
                 message.mm_items = job.mm_prompt.items
                 tracked.mm_resend = (message, job.mm_prompt)
-            dealer.send(self._encoder.encode(message))
+            try:
+                frames.append((core_id, tracked, self._encoder.encode(message)))
+            except Exception as exc:  # noqa: BLE001 - a value the wire cannot carry fails this request, not the thread
+                error = errors.InvalidRequestError("request", f"cannot be sent to the engine core ({exc})")
+                self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
+                self._deliver([(collector, error)], None)
+                return
+        self._samples[collector.request_id] = list(core_ids)
+        for core_id, tracked, frame in frames:
+            self._tracked[core_id] = tracked
+            dealer.send(frame)
         self._observer.on_added(collector, job.params, job.chat, job.trace_context)
 
     def check_lora(self, request: LoRARequest | None) -> LoRARequest | None:

@@ -17,7 +17,7 @@ from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
-from asyncllm.engine.validation import check_text
+from asyncllm.engine.validation import check_priority, check_text
 from asyncllm.tokenizer import check_chat_template, check_template_kwargs
 from asyncllm.tool_calls import check_tools
 
@@ -52,8 +52,7 @@ class RequestOptions:
     """`score` on a cross-encoder only: the second text, tokenized with the prompt as one pair (docs/pooling.md)."""
 
     def validate(self) -> None:
-        if isinstance(self.priority, bool) or not isinstance(self.priority, int):
-            raise InvalidRequestError("priority", f"must be an int, got {self.priority!r}")
+        check_priority(self.priority)
         if self.request_id is not None and (not isinstance(self.request_id, str) or not self.request_id):
             raise InvalidRequestError("request_id", f"must be a non-empty str, got {self.request_id!r}")
         if self.timeout is not None:

@@ -99,6 +99,14 @@ def check_params_vocab(params: SamplingParams, vocab_size: int) -> None:
                                   f"token ids must be < the vocabulary size {vocab_size}, got {bad[:5]}")
 
 
+def check_priority(priority: Any) -> None:
+    """`InvalidRequestError` unless ``priority`` is an int that fits the wire's int64."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise InvalidRequestError("priority", f"must be an int, got {priority!r}")
+    if not -_PRIORITY_LIMIT <= priority < _PRIORITY_LIMIT:
+        raise InvalidRequestError("priority", f"must fit in int64, got {priority}")
+
+
 # ---------------------------------------------------------------- core side
 def check_add_request(message: protocol.AddRequest, vocab_size: int) -> None:
     """`InvalidRequestError` naming the field for a decoded `AddRequest` a worker could not run.
@@ -114,8 +122,7 @@ def check_add_request(message: protocol.AddRequest, vocab_size: int) -> None:
     check_params_vocab(message.params, limit)
     if not math.isfinite(message.arrival_time):
         raise InvalidRequestError("arrival_time", f"must be a finite time, got {message.arrival_time}")
-    if not -_PRIORITY_LIMIT <= message.priority < _PRIORITY_LIMIT:
-        raise InvalidRequestError("priority", f"must fit in int64, got {message.priority}")
+    check_priority(message.priority)
     timeout = message.timeout
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {timeout}")

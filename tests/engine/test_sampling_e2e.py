@@ -247,6 +247,12 @@ async def test_a_priority_under_fcfs_is_a_typed_error_and_the_engine_serves_on(e
     with pytest.raises(InvalidRequestError) as info:
         await engine.generate(PROMPT, SamplingParams(max_tokens=2), priority=3)
     assert info.value.field == "priority"
+    for priority in (2**63, -2**63 - 1):  # past the wire's int64: refused on the host, not a dead processor thread
+        with pytest.raises(InvalidRequestError, match="int64") as info:
+            await engine.generate(PROMPT, SamplingParams(max_tokens=2), priority=priority)
+        assert info.value.field == "priority"
+    with pytest.raises(InvalidRequestError):  # a lone surrogate (no UTF-8): refused, the processor thread lives on
+        await engine.generate(PROMPT, SamplingParams(max_tokens=2, n=2), request_id="\ud800")
     assert len((await engine.generate(PROMPT, SamplingParams(max_tokens=2), priority=0)).token_ids) == 2
 
 
