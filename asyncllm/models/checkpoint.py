@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
     from asyncllm.models.gguf_config import GgufCheckpointConfig
     from asyncllm.models.int4_config import Int4CheckpointConfig
 
-__all__ = ["resolve_model_path", "load_hf_config", "hf_config_json", "hf_config_from_json",
+__all__ = ["resolve_model_path", "load_hf_config", "hf_config_json", "hf_config_from_json", "WireConfig",
+           "pretrained_config",
            "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config", "prequantized_config"]
 
 _HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -99,20 +101,46 @@ def hf_config_json(hf_config: PretrainedConfig) -> str:
     return json.dumps(hf_config.to_dict(), default=str)
 
 
-def hf_config_from_json(text: str) -> PretrainedConfig:
-    """`hf_config_json`'s config again, as a plain ``PretrainedConfig`` (its sub-configs too).
+class WireConfig(types.SimpleNamespace):
+    """A checkpoint's config rebuilt from the host's JSON (`hf_config_from_json`): every attribute of it, read as
+    attributes, with no transformers import (which alone costs a worker start 1 to 2 s)."""
 
-    The model classes read only attributes, all of them in the JSON, so a
-    worker rebuilds the host's config without importing the architecture's
-    config class (in transformers 5 that import alone costs seconds).
+    @property
+    def num_labels(self) -> int:
+        """transformers' ``PretrainedConfig.num_labels``: the number of ``id2label`` entries."""
+        return len(getattr(self, "id2label", None) or {})
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v.to_dict() if isinstance(v, WireConfig) else v for k, v in vars(self).items()}
+
+
+def hf_config_from_json(text: str) -> WireConfig:
+    """`hf_config_json`'s config again, as a `WireConfig` (its sub-configs too).
+
+    The model classes read only attributes, all of them in the JSON, so a worker rebuilds the host's config
+    without transformers; the rotary tables of scaled rope types convert it back (`pretrained_config`).
     """
+
+    def build(values: dict[str, Any]) -> WireConfig:
+        return WireConfig(**{k: build(v) if isinstance(v, dict) and "model_type" in v else v
+                             for k, v in values.items()})
+
+    return build(json.loads(text))
+
+
+def pretrained_config(hf_config: Any) -> PretrainedConfig:
+    """``hf_config`` as a transformers ``PretrainedConfig`` (itself when it is one): what transformers' own
+    functions take. A `WireConfig` becomes the plain ``PretrainedConfig`` of its values (its sub-configs too)."""
     from transformers.configuration_utils import PretrainedConfig
+
+    if not isinstance(hf_config, WireConfig):
+        return hf_config
 
     def build(values: dict[str, Any]) -> PretrainedConfig:
         nested = {k: build(v) for k, v in values.items() if isinstance(v, dict) and "model_type" in v}
         return PretrainedConfig.from_dict({**values, **nested})
 
-    return build(json.loads(text))
+    return build(hf_config.to_dict())
 
 
 _QUANTIZATION_CONFIG_KEYS = ("quantization_config", "compression_config")

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.checkpoint import pretrained_config
 from asyncllm.kernels import reference
 
 __all__ = ["FREQ_FACTORS", "rope_parameters", "compute_inv_freq", "fix_longrope_factors", "RotaryEmbedding"]
@@ -93,11 +93,14 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
         return _divided_by_freq_factors(hf_config, 1.0 / (params["rope_theta"] ** exponents), rope_type), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # only here: it imports transformers
+
     if _length_dependent(params) or rope_type not in ROPE_INIT_FUNCTIONS:
         raise NotBuiltError("model", rope_type, f"rotary embedding with rope_type={rope_type!r}")
     per_type = {"layer_type": layer_type} if _per_layer_type(hf_config, layer_type) else {}
     with torch.device("cpu"):  # the tables are computed on the host even inside a meta-device model build
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **per_type)
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](pretrained_config(hf_config), torch.device("cpu"),
+                                                                     **per_type)
     return _divided_by_freq_factors(hf_config, inv_freq.to(torch.float32), rope_type), float(attention_scaling)
 
 
