@@ -63,10 +63,12 @@ STEPS: list[Step] = [
     Step("gpu-tests", ["-q", "-p", "no:cacheprovider", "tests/kernels", "tests/engine/test_gpu_parity.py",
                        "tests/engine/test_sleep_mode_gpu.py",
                        "tests/unit/test_token_feedback.py", "tests/unit/test_block_table.py"], 240, pytest=True),
-    # the gpu-marked tests of quantized weights (online fp8, AWQ / GPTQ checkpoints), not in the folders above
+    # the gpu-marked tests of quantized weights (online fp8, AWQ / GPTQ and compressed-tensors checkpoints, W8A8
+    # int8), not in the folders above
     Step("gpu-tests-quant", ["-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/unit/test_quantization.py",
-                             "tests/engine/test_quantization_engine.py", "tests/engine/test_int4_checkpoint_engine.py"],
-         120, pytest=True),
+                             "tests/engine/test_quantization_engine.py", "tests/engine/test_int4_checkpoint_engine.py",
+                             "tests/unit/test_compressed_tensors.py", "tests/unit/test_int8.py"],
+         150, pytest=True),
     Step("kernels", ["kernels"], 60),
     Step("throughput-qwen3", ["throughput", *_QWEN], 100),
     Step("throughput-qwen3-sync", ["throughput", *_QWEN, "--no-async-scheduling"], 100),

@@ -10,6 +10,7 @@ Run as ``python -m asyncllm.engine.core``.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import queue
@@ -63,7 +64,10 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len, num_cpu_blocks=self.num_cpu_blocks)
         self.structured = StructuredOutputManager(config.tokenizer or config.model, self.executor.vocab_size,
                                                   config.structured_output_compile_timeout_s, config.revision)
-        self.restarter = WorkerRestarter(config, self.num_gpu_blocks, self.num_cpu_blocks)
+        # restarted workers get the same config JSON (no config.json read, no transformers import); after an
+        # update_weights it is still the served architecture's, which the running workers keep using too
+        self.restarter = WorkerRestarter(config, self.num_gpu_blocks, self.num_cpu_blocks,
+                                         functools.partial(Executor, hf_config_json=hf_config_json))
         self.weights = WeightUpdater(self)
         """Live weight updates (`UpdateWeights`, docs/weight-updates.md) and the weights version."""
         self.sleep = SleepController(self)
