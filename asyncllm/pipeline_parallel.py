@@ -78,10 +78,11 @@ def check_pipeline_config(config: EngineConfig) -> None:
             raise NotBuiltError(field, value, f"{field} with pipeline_parallel_size={pp}")
 
 
-def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any, prequantized: Any) -> None:
+def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any) -> None:
     """The host's checks once the checkpoint is known: an architecture that runs in stages, no more stages than
-    layers, a valid ASYNCLLM_PP_LAYER_PARTITION, not a pre-quantized checkpoint (``prequantized``:
-    `prequantized_config`'s answer)."""
+    layers, a valid ASYNCLLM_PP_LAYER_PARTITION. Pre-quantized checkpoints (fp8, AWQ / GPTQ, compressed-tensors,
+    GGUF) all run in stages, each stage making, loading and finishing the quantized parameters of its own layers
+    only (tests/unit/test_pipeline_parallel_quantized.py)."""
     pp = config.pipeline_parallel_size
     if pp == 1:
         return
@@ -93,8 +94,3 @@ def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any
         raise ConfigError(_FIELD, pp, f"at most the model's num_hidden_layers ({num_layers}): "
                                       f"{pp} stages cannot split {num_layers} layers")
     layer_partition(num_layers, pp, envs.PP_LAYER_PARTITION.get())
-    if prequantized is not None:
-        from asyncllm.models.checkpoint import checkpoint_quantization  # torch-free
-
-        method = checkpoint_quantization(hf_config) or "gguf"
-        raise NotBuiltError(_FIELD, pp, f"pipeline parallelism with a pre-quantized ({method}) checkpoint")

@@ -53,9 +53,9 @@ def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
     hf_config = load_hf_config(path)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
-    prequantized = prequantized_config(hf_config, config.model, config.quantization)  # refused: errors now
+    prequantized_config(hf_config, config.model, config.quantization)  # refused methods: errors before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
-    check_pipeline_model(config, arch, text_config, prequantized)
+    check_pipeline_model(config, arch, text_config)
     max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)

@@ -6,11 +6,14 @@ q_proj.weight``, through gguf's own name table), and handed to the model's ``loa
 gate/up shards and tensor-parallel slices are then taken as from safetensors. A llama-family file's q and k rows
 are un-permuted first (llama.cpp's converter interleaves each head's rotary halves; transformers undoes it the same
 way). ``rope_freqs.weight`` (llama3's rope scaling) is no parameter: the config carries it (gguf_config.py) and it
-is only checked here. There is no quantized GEMM: the model holds the weights in its dtype (docs/quantization.md).
+is only checked here. A pipeline stage's model (asyncllm/models/pipeline.py) skips the tensors of the parts other
+stages hold before dequantizing them (`other_stages_names`). There is no quantized GEMM: the model holds the
+weights in its dtype (docs/quantization.md).
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Iterator
 
 import numpy as np
@@ -21,25 +24,39 @@ from asyncllm.models.gguf_config import ROPE_FREQS_TENSOR, gguf_architecture
 from asyncllm.models.registry import CausalLM, text_config_of
 
 __all__ = ["PERMUTED_QK_ARCHITECTURES", "gguf_weight_names", "iterate_gguf", "load_gguf_weights",
-           "unpermute_qk"]
+           "other_stages_names", "unpermute_qk"]
 
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 """GGUF architectures whose ``attn_q`` / ``attn_k`` rows llama.cpp's converter permuted (Qwen's are not)."""
 
 
 def gguf_weight_names(model: CausalLM, arch: str, num_layers: int) -> dict[str, str]:
-    """GGUF tensor name -> the checkpoint name ``model`` loads, for every weight the model needs."""
+    """GGUF tensor name -> the checkpoint name ``model`` loads, for every weight the model needs (and, on a
+    pipeline stage, every weight of the other stages: `other_stages_names`)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     gguf_arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == arch)
     table = get_tensor_name_map(gguf_arch, num_layers)
     names = {}
-    for ckpt_name in model.checkpoint_weight_names():
+    for ckpt_name in model.checkpoint_weight_names() | other_stages_names(model, num_layers):
         stem, _, suffix = ckpt_name.rpartition(".")
         gguf_stem = table.get_name(stem)
         if gguf_stem is not None:
             names[f"{gguf_stem}.{suffix}"] = ckpt_name
     return names
+
+
+def other_stages_names(model: CausalLM, num_layers: int) -> set[str]:
+    """On a pipeline stage, the checkpoint names of the parts other stages hold (`PPMissingLayer` placeholders):
+    every layer's names as this stage's layers have them, the embeddings, final norm and LM head; empty without
+    stages. Their GGUF tensors are skipped undequantized."""
+    if getattr(model, "pipeline", None) is None:
+        return set()
+    layer_names = {re.sub(r"^model\.layers\.\d+\.", "", name) for name in model.checkpoint_weight_names()
+                   if name.startswith("model.layers.")}
+    candidates = {f"model.layers.{i}.{rest}" for i in range(num_layers) for rest in layer_names}
+    candidates |= {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    return {name for name in candidates if not model.holds_weight(name)}  # type: ignore[attr-defined]
 
 
 def unpermute_qk(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -69,8 +86,10 @@ def _check_rope_freqs(tensor: Any, text_config: Any, path: str) -> None:
                                          "the config with asyncllm.models.gguf_config.load_gguf_config)")
 
 
-def iterate_gguf(path: str, names: dict[str, str], hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, float32 tensor) for every tensor of the file, dequantized one at a time."""
+def iterate_gguf(path: str, names: dict[str, str], hf_config: Any, skipped: frozenset[str] = frozenset()
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, float32 tensor) for every tensor of the file, dequantized one at a time; those named in
+    ``skipped`` (another pipeline stage's) are left unread."""
     from gguf import GGUFReader
 
     arch = gguf_architecture(path)
@@ -83,6 +102,8 @@ def iterate_gguf(path: str, names: dict[str, str], hf_config: Any) -> Iterator[t
             continue
         if tensor.name not in names:
             unknown.append(tensor.name)
+            continue
+        if names[tensor.name] in skipped:
             continue
         weight = _dequantized(tensor)
         kind = tensor.name.split(".")[-2]
@@ -100,8 +121,9 @@ def load_gguf_weights(model: CausalLM, path: str, hf_config: Any) -> None:
     """Fill every parameter of ``model`` from the GGUF file; `ConfigError` naming missing or unknown tensors."""
     text_config = text_config_of(hf_config)
     names = gguf_weight_names(model, gguf_architecture(path), text_config.num_hidden_layers)
+    skipped = frozenset(other_stages_names(model, text_config.num_hidden_layers))
     with torch.no_grad():
-        loaded = model.load_weights(iterate_gguf(path, names, hf_config))
+        loaded = model.load_weights(iterate_gguf(path, names, hf_config, skipped))
     missing = sorted(model.checkpoint_weight_names() - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")

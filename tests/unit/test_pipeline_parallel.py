@@ -6,22 +6,20 @@ paged, chunked schedule. The engine over real worker processes: tests/engine/tes
 from __future__ import annotations
 
 import re
-from collections import deque
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from pipeline_utils import MemoryChannel, ReadSpy, Stages, paged_logits, stage_params
 
 from asyncllm.config import EngineConfig
 from asyncllm.engine.prepare import prepare
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.loader import checkpoint_files, iterate_safetensors, load_hf_config, load_model
 from asyncllm.models.pipeline import PipelineStage, StageModel
-from asyncllm.models.registry import kv_cache_spec
 from asyncllm.pipeline_parallel import check_pipeline_model, get_pp_indices, layer_partition
 from asyncllm.tiny import tiny_checkpoint
-from model_utils import PagedRun
 
 CPU = torch.device("cpu")
 
@@ -65,18 +63,19 @@ def test_config_refuses_unbuilt_combinations(field: str, value: Any) -> None:
 def test_host_refuses_architectures_not_built(arch: str) -> None:
     with pytest.raises(NotBuiltError, match=arch) as info:
         check_pipeline_model(EngineConfig.create("m", pipeline_parallel_size=2), arch,
-                             SimpleNamespace(num_hidden_layers=4), None)
+                             SimpleNamespace(num_hidden_layers=4))
     assert info.value.field == "pipeline_parallel_size"
 
 
-def test_host_refuses_prequantized_checkpoints_and_bad_partitions(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_takes_prequantized_checkpoints_and_refuses_bad_partitions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every pre-quantized format runs in stages (tests/unit/test_pipeline_parallel_quantized.py): none is refused."""
     config = EngineConfig.create("m", pipeline_parallel_size=2)
-    quantized = SimpleNamespace(num_hidden_layers=4, quantization_config={"quant_method": "fp8"})
-    with pytest.raises(NotBuiltError, match=r"pre-quantized \(fp8\)"):
-        check_pipeline_model(config, "LlamaForCausalLM", quantized, object())
+    for method in ("fp8", "awq", "gptq", "compressed-tensors"):
+        quantized = SimpleNamespace(num_hidden_layers=4, quantization_config={"quant_method": method})
+        check_pipeline_model(config, "LlamaForCausalLM", quantized)
     monkeypatch.setenv("ASYNCLLM_PP_LAYER_PARTITION", "3,2")
     with pytest.raises(ConfigError, match="adding up to the model's 4 layers"):
-        check_pipeline_model(config, "LlamaForCausalLM", SimpleNamespace(num_hidden_layers=4), None)
+        check_pipeline_model(config, "LlamaForCausalLM", SimpleNamespace(num_hidden_layers=4))
 
 
 def test_more_stages_than_layers_is_a_config_error_at_start() -> None:
@@ -84,62 +83,6 @@ def test_more_stages_than_layers_is_a_config_error_at_start() -> None:
     with pytest.raises(ConfigError, match=r"num_hidden_layers \(2\): 3 stages") as info:
         prepare(EngineConfig.create(tiny_checkpoint("llama"), pipeline_parallel_size=3))
     assert (info.value.field, info.value.value) == ("pipeline_parallel_size", 3)
-
-
-class MemoryChannel:
-    """Stages in one process: (hidden, residual) handed over in memory, in order."""
-
-    def __init__(self) -> None:
-        self.queue: deque[tuple[torch.Tensor, torch.Tensor]] = deque()
-
-    def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
-        self.queue.append((hidden.clone(), residual.clone()))
-
-    def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.queue.popleft()
-        assert hidden.shape[0] == residual.shape[0] == num_tokens
-        return hidden, residual
-
-
-class Stages:
-    """The stages run one after the other, as `PagedRun` calls a model (each takes its layers' KV caches)."""
-
-    def __init__(self, stages: list[StageModel]) -> None:
-        self.stages = stages
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                 metadata: Any) -> torch.Tensor:
-        first = 0
-        for stage in self.stages:
-            hidden = stage(input_ids, positions, kv_caches[first : first + stage.stage.num_layers], metadata)
-            first += stage.stage.num_layers
-        return hidden
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.stages[-1].compute_logits(hidden)
-
-
-def _stage_params(full_names: set[str], stage: PipelineStage, tied: bool) -> set[str]:
-    """The unsplit model's parameter names that `stage` should hold."""
-    def held(name: str) -> bool:
-        layer = re.match(r"model\.layers\.(\d+)\.", name)
-        if layer is not None:
-            return stage.owns_layer(int(layer.group(1)))
-        if name.startswith("model.embed_tokens."):
-            return stage.is_first or (tied and stage.is_last)
-        return stage.is_last  # the final norm, the LM head
-
-    return {name for name in full_names if held(name)}
-
-
-def _paged_logits(model: Any, path: str) -> list[torch.Tensor]:
-    """Three requests in chunks of up to 8 tokens over a shuffled paged cache (block 4)."""
-    spec = kv_cache_spec(load_hf_config(path), 1)
-    gen = torch.Generator().manual_seed(0)
-    sequences = [torch.randint(6, 500, (n,), generator=gen).tolist() for n in (19, 11, 30)]
-    run = PagedRun(model, sequences)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
-    return run.run([[8, 8, 8], [8, 3, 8], [3, 0, 8], [0, 0, 6]])
 
 
 CASES = [("llama", 3, 2), ("llama", 3, 3), ("llama", 5, 2), ("mistral", 2, 2), ("qwen2", 2, 2), ("qwen3", 2, 2),
@@ -161,25 +104,11 @@ def test_stages_hold_their_parts_and_equal_the_unsplit_model(arch: str, num_laye
         stage = PipelineStage(rank, pp, *get_pp_indices(num_layers, rank, pp))
         model = load_model(config, hf_config, CPU, torch.float32, pipeline=stage)
         held = {name for name, _ in model.named_parameters()}
-        assert held == _stage_params(full_names, stage, full.tie_word_embeddings)
+        assert held == stage_params(full_names, stage, full.tie_word_embeddings)
         stages.append(StageModel(model, stage, channel))
-    for got, want in zip(_paged_logits(Stages(stages), path), _paged_logits(full, path), strict=True):
+    for got, want in zip(paged_logits(Stages(stages), path), paged_logits(full, path), strict=True):
         assert torch.equal(got, want)
     assert not channel.queue
-
-
-class _ReadSpy:
-    """A lazy safetensors slice that records the names whose data were read."""
-
-    def __init__(self, name: str, slice_: Any, read: set[str]) -> None:
-        self.name, self.slice, self.read = name, slice_, read
-
-    def get_shape(self) -> list[int]:
-        return self.slice.get_shape()
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        self.read.add(self.name)
-        return self.slice[index]
 
 
 def test_a_stage_reads_only_its_checkpoint_tensors() -> None:
@@ -189,7 +118,7 @@ def test_a_stage_reads_only_its_checkpoint_tensors() -> None:
     stage = PipelineStage(1, 2, *get_pp_indices(5, 1, 2))  # layers 3 and 4, the norm, the LM head
     model = load_model(config, hf_config, CPU, torch.float32, pipeline=stage)
     read: set[str] = set()
-    loaded = model.load_weights((n, _ReadSpy(n, w, read)) for n, w in iterate_safetensors(checkpoint_files(path)))
+    loaded = model.load_weights((n, ReadSpy(n, w, read)) for n, w in iterate_safetensors(checkpoint_files(path)))
     assert loaded == read == model.checkpoint_weight_names()
     assert {re.match(r"model\.layers\.(\d+)\.", n).group(1) for n in read if n.startswith("model.layers.")} == \
         {"3", "4"}
@@ -204,5 +133,5 @@ def test_online_fp8_stages_equal_the_unsplit_model() -> None:
     channel = MemoryChannel()
     stages = [StageModel(load_model(config, hf_config, CPU, torch.float32, pipeline=stage), stage, channel)
               for stage in (PipelineStage(r, 2, *get_pp_indices(3, r, 2)) for r in range(2))]
-    for got, want in zip(_paged_logits(Stages(stages), path), _paged_logits(full, path), strict=True):
+    for got, want in zip(paged_logits(Stages(stages), path), paged_logits(full, path), strict=True):
         assert torch.equal(got, want)
