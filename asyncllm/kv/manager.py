@@ -196,14 +196,8 @@ class KVCacheManager:
         if end == start + 1 == len(block_hashes) + 1 and start and not request.mm_items:
             # one block of a decode, no extra keys (the salt and the LoRA id key block 0 only): `extend_block_hashes` inlined
             block_tokens = token_ids[start * bs : end * bs]
-            if len(block_tokens) < bs:
-                return  # its last token is an async-scheduling placeholder: registered once it is known
-            block_hash = hash_block_tokens(block_hashes[-1], block_tokens)
-            block_hashes.append(block_hash)
-            block = blocks[start]
-            if block.block_hash is None:
-                self.pool.cache_block(block, block_hash, block_tokens)
-            self._num_cached_blocks[req_id] = end
+            if len(block_tokens) == bs:  # else its last token is an async-scheduling placeholder: registered later
+                self._cache_decode_block(req_id, blocks, block_hashes, start, block_tokens)
             return
         if len(block_hashes) < end:
             extend_block_hashes(block_hashes, token_ids, bs, end, request.cache_salt, request.mm_items,
@@ -215,6 +209,55 @@ class KVCacheManager:
             if block.block_hash is None:
                 cache_block(block, block_hashes[index], token_ids[index * bs : (index + 1) * bs])
         self._num_cached_blocks[req_id] = end
+
+    def append_decode_blocks(self, requests: Sequence[KVRequest], num_computed: Sequence[int],
+                             new_block_ids: dict[str, list[int]]) -> int:
+        """One-token decodes whose token starts a block (`num_computed` a multiple of the block size): a block
+        for each, in order, its id into `new_block_ids`; how many got one (fewer when the free queue ran dry)."""
+        tables, allocate_one, bs = self.req_to_blocks, self.pool.allocate_one, self.block_size
+        for i, (request, computed) in enumerate(zip(requests, num_computed)):
+            req_id = request.request_id
+            blocks = tables[req_id]
+            if len(blocks) * bs > computed:
+                continue  # its table already reaches past this token
+            block = allocate_one()
+            if block is None:
+                return i
+            blocks.append(block)
+            new_block_ids[req_id] = [block.block_id]
+        return len(requests)
+
+    def cache_decode_blocks(self, requests: Sequence[KVRequest], num_tokens: Sequence[int]) -> None:
+        """`cache_full_blocks(request, n)` for one-token decodes whose token fills a block, inlined for the usual
+        case (one block, no multimodal keys): about one running request in `block_size` per decode step."""
+        if not self.enable_prefix_caching:
+            return
+        bs, num_cached, tables = self.block_size, self._num_cached_blocks, self.req_to_blocks
+        cache_decode_block = self._cache_decode_block
+        for request, end_token in zip(requests, num_tokens):
+            req_id = request.request_id
+            end = end_token // bs
+            start = end - 1
+            block_hashes = request.block_hashes
+            blocks = tables[req_id]
+            if num_cached.get(req_id) != start or len(block_hashes) != start or not start or request.mm_items \
+                    or len(blocks) < end:
+                self.cache_full_blocks(request, end_token)
+                continue
+            block_tokens = request.all_token_ids[start * bs : end_token]
+            if len(block_tokens) == bs:  # else its last token is an async-scheduling placeholder: registered later
+                cache_decode_block(req_id, blocks, block_hashes, start, block_tokens)
+
+    def _cache_decode_block(self, req_id: str, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], start: int,
+                            block_tokens: list[int]) -> None:
+        """Hash and register block `start` of a request whose earlier blocks are hashed (a decode filled it; no
+        extra keys: the salt and the LoRA id key block 0 only, multimodal requests go the general way)."""
+        block_hash = hash_block_tokens(block_hashes[-1], block_tokens)
+        block_hashes.append(block_hash)
+        block = blocks[start]
+        if block.block_hash is None:
+            self.pool.cache_block(block, block_hash, block_tokens)
+        self._num_cached_blocks[req_id] = start + 1
 
     def free(self, request: KVRequest) -> None:
         """Release the request's blocks; the tail goes first so that it is evicted first.

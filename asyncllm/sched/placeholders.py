@@ -20,6 +20,8 @@ arrives and never reaches a host. Its blocks are freed at once; that is safe
 because the workers run step N+1 before any later step can reuse them, and
 the block its extra token is written to was never full, so never cached.
 
+Each step's counts are advanced and taken back with array operations over
+its record (`Scheduler.step_records`: its requests' rows, asyncllm/sched/rows.py).
 The scheduler itself does not know about placeholders. Preemption must not
 happen while one is in flight (the victim's in-flight token would be lost and
 its counts corrupted): `may_preempt` tells the core when the next
@@ -32,8 +34,11 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from asyncllm import protocol
-from asyncllm.sched.request import Request
+from asyncllm.sched.decode_step import running_rows
+from asyncllm.sched.rows import RequestRows, StepRows
 from asyncllm.sched.step_outputs import StepOutputs
 
 if TYPE_CHECKING:
@@ -41,16 +46,14 @@ if TYPE_CHECKING:
 
 __all__ = ["OutputPlaceholders"]
 
-_Entry = tuple[Request, int, int]
-"""(request, tokens scheduled in the step, 1 if the step samples it: a placeholder, else 0)."""
-
 
 class _InFlightStep:
-    __slots__ = ("sched_out", "entries")
+    __slots__ = ("sched_out", "record")
 
-    def __init__(self, sched_out: protocol.SchedulerOutput, entries: list[_Entry]) -> None:
+    def __init__(self, sched_out: protocol.SchedulerOutput, record: StepRows) -> None:
         self.sched_out = sched_out
-        self.entries = entries
+        self.record = record
+        """The step's requests, rows and token counts (`Scheduler.step_records`), and its placeholders."""
 
 
 class OutputPlaceholders:
@@ -66,27 +69,27 @@ class OutputPlaceholders:
     def advance(self, sched_out: protocol.SchedulerOutput) -> None:
         """Right after `schedule()`: count the step's tokens as computed and its samples as placeholders."""
         assert not (sched_out.preempted_req_ids and self._in_flight), "preempted with a step in flight (may_preempt)"
-        requests = self.scheduler.requests
-        entries = [(requests[req_id], num, 0) for req_id, num in sched_out.num_scheduled_tokens.items()]
-        self._in_flight.append(_InFlightStep(sched_out, _advance(entries, requests)))
+        record = self.scheduler.step_records[sched_out.step_id]
+        _advance(record, self.scheduler.rows)
+        self._in_flight.append(_InFlightStep(sched_out, record))
 
     def commit(self, runner_out: protocol.ModelRunnerOutput) -> StepOutputs:
         """Apply the oldest in-flight step's output; the deltas for the hosts (as `update_from_output`)."""
         step = self._in_flight.popleft()
         assert runner_out.step_id == step.sched_out.step_id, (runner_out.step_id, step.sched_out.step_id)
-        requests = self.scheduler.requests
-        num_live = _rewind(step.entries, requests)
+        rows = self.scheduler.rows
+        live = _rewind(step.record, rows)
         for later in self._in_flight:
-            _rewind(later.entries, requests)
-        if num_live < len(step.sched_out.num_scheduled_tokens):  # some left while in flight
-            _drop_reused_ids(step, runner_out, requests)
+            _rewind(later.record, rows)
+        if not live.all():  # some left while in flight
+            _drop_reused_ids(step, live, runner_out, self.scheduler.requests)
         outputs = self.scheduler.update_from_output(step.sched_out, runner_out)
         for later in self._in_flight:
-            later.entries = _advance(later.entries, requests)
-            self._register_filled_blocks(later.entries)
+            _advance(later.record, rows)
+            self._register_filled_blocks(later.record)
         return outputs
 
-    def _register_filled_blocks(self, entries: list[_Entry]) -> None:
+    def _register_filled_blocks(self, record: StepRows) -> None:
         """Prefix-cache the blocks a step in flight fills that ended in a placeholder when it was scheduled.
 
         `schedule()` registers the blocks a step fills, but only as far as the
@@ -96,16 +99,17 @@ class OutputPlaceholders:
         kv = self.scheduler.kv_cache_manager
         if not kv.enable_prefix_caching:
             return
-        block_size, cache_full_blocks = kv.block_size, kv.cache_full_blocks
-        for request, num, _ in entries:
-            if request.num_computed_tokens % block_size < num:  # this step fills a block
-                cache_full_blocks(request, request.num_computed_tokens)
+        rows = self.scheduler.rows
+        computed = rows.computed[record.rows]
+        filled = np.flatnonzero(record.live(rows) & (computed % kv.block_size < record.num_scheduled))
+        for i in filled.tolist():  # about one request in block_size
+            kv.cache_full_blocks(record.requests[i], int(computed[i]))
 
     def discard_all(self) -> None:
         """Forget every in-flight step (the workers lost it): the requests' counts are real again."""
-        requests = self.scheduler.requests
+        rows = self.scheduler.rows
         while self._in_flight:
-            _rewind(self._in_flight.pop().entries, requests)
+            _rewind(self._in_flight.pop().record, rows)
 
     def may_preempt(self) -> bool:
         """Whether the next `schedule()` could preempt a running request (then it must not run ahead).
@@ -122,12 +126,16 @@ class OutputPlaceholders:
         if sched.policy == "priority" and sched.waiting and running[-1].priority > sched.waiting.peek().priority:
             return True
         kv = sched.kv_cache_manager
-        free, block_size, budget, tables = kv.num_free_blocks, sched.block_size, sched.max_num_batched_tokens, kv.req_to_blocks
-        for request in running:  # O(running requests), no call per request: the core runs this every step
-            num_needed = request.num_computed_tokens + budget
-            if num_needed > request.num_tokens:
-                num_needed = request.num_tokens
-            missing = -(-num_needed // block_size) - len(tables[request.request_id])
+        block_size, tables = sched.block_size, kv.req_to_blocks
+        order, rows = running_rows(sched), sched.rows
+        computed = rows.computed[order.rows]
+        needed = np.minimum(computed + sched.max_num_batched_tokens, rows.tokens[order.rows])
+        needed_blocks = -(-needed // block_size)
+        # A request's blocks cover its computed tokens: only those whose next chunk reaches past them may need more.
+        maybe = np.flatnonzero(needed_blocks > -(-computed // block_size))
+        free = kv.num_free_blocks
+        for i, num_blocks in zip(maybe.tolist(), needed_blocks[maybe].tolist()):
+            missing = num_blocks - len(tables[order.req_ids[i]])
             if missing > 0:
                 free -= missing
                 if free < 0:
@@ -135,43 +143,38 @@ class OutputPlaceholders:
         return False
 
 
-def _advance(entries: list[_Entry], requests: dict[str, Request]) -> list[_Entry]:
-    """Count the entries' tokens as computed and a placeholder where the step samples; the live entries.
+def _advance(record: StepRows, rows: RequestRows) -> None:
+    """Count the step's tokens as computed and a placeholder where it samples, for its requests still running.
 
-    Live: still the scheduler's request of that id (not finished, aborted or
-    timed out since, its id maybe taken by a new request). A live request is
-    running: preemption never happens with a step in flight (`may_preempt`).
+    A request that left since (finished, aborted or timed out; its id maybe
+    taken by a new request) holds no row of that serial and is skipped.
+    Preemption never happens with a step in flight (`may_preempt`).
     """
-    advanced: list[_Entry] = []
-    append, get = advanced.append, requests.get
-    for request, num, _ in entries:
-        if get(request.request_id) is not request:
-            continue
-        computed = request.num_computed_tokens = request.num_computed_tokens + num
-        if computed == request.num_tokens:  # the step reaches the end of the known tokens: it samples
-            request.num_tokens = computed + 1
-            append((request, num, 1))
-        else:
-            append((request, num, 0))
-    return advanced
+    live = record.live(rows)
+    row_ids = record.rows[live]
+    computed = rows.computed[row_ids] + record.num_scheduled[live]
+    rows.computed[row_ids] = computed
+    samples = computed == rows.tokens[row_ids]  # the step reaches the end of the known tokens: it samples
+    rows.tokens[row_ids[samples]] += 1
+    placeholders = np.zeros(len(record), dtype=np.bool_)
+    placeholders[np.flatnonzero(live)[samples]] = True
+    record.placeholders = placeholders
 
 
-def _rewind(entries: list[_Entry], requests: dict[str, Request]) -> int:
-    """Take the live entries' advance back; how many are live."""
-    num_live = 0
-    get = requests.get
-    for request, num, placeholder in entries:
-        if get(request.request_id) is request:
-            request.num_tokens -= placeholder
-            request.num_computed_tokens -= num
-            num_live += 1
-    return num_live
+def _rewind(record: StepRows, rows: RequestRows) -> np.ndarray:
+    """Take the advance back for the requests still running; which of the step's requests those are."""
+    live = record.live(rows)
+    assert record.placeholders is not None, "rewinding a step that was not advanced"
+    rows.tokens[record.rows[record.placeholders & live]] -= 1
+    rows.computed[record.rows[live]] -= record.num_scheduled[live]
+    return live
 
 
-def _drop_reused_ids(step: _InFlightStep, runner_out: protocol.ModelRunnerOutput, requests: dict[str, Request]) -> None:
+def _drop_reused_ids(step: _InFlightStep, live: np.ndarray, runner_out: protocol.ModelRunnerOutput,
+                     requests: dict) -> None:
     """A request that left while its step was in flight may have its id taken by a new one: skip that id."""
-    live = {request.request_id for request, _, _ in step.entries if requests.get(request.request_id) is request}
-    for req_id in [r for r in step.sched_out.num_scheduled_tokens if r not in live and r in requests]:
+    req_ids = step.record.req_ids
+    for req_id in [req_ids[i] for i in np.flatnonzero(~live).tolist() if req_ids[i] in requests]:
         del step.sched_out.num_scheduled_tokens[req_id]
         runner_out.logprobs.pop(req_id, None)
         runner_out.prompt_logprobs.pop(req_id, None)

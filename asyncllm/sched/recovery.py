@@ -31,6 +31,7 @@ def requeue_all_for_recompute(scheduler: "Scheduler") -> int:
     kv = scheduler.kv_cache_manager
     for request in reversed(running):  # add_preempted puts each in front: the first running ends up first
         kv.free(request)
+        scheduler.rows.detach(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

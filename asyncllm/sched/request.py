@@ -16,6 +16,7 @@ from asyncllm import protocol
 from asyncllm.kv.hashing import BlockHash
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
+from asyncllm.sched.rows import RequestRows
 from asyncllm.sampling import SamplingParams
 
 __all__ = ["RequestStatus", "Request"]
@@ -63,7 +64,8 @@ class Request:
 
     __slots__ = (
         # read every step by the scheduler's loops: first, so that they share the object's first cache lines
-        "status", "request_id", "num_computed_tokens", "num_tokens", "num_prompt_tokens", "all_token_ids",
+        "status", "request_id", "_rows", "_row", "_num_computed_tokens", "_num_tokens", "num_prompt_tokens",
+        "all_token_ids",
         "stop_check_token_ids", "max_output_tokens", "finish_reason", "events", "client_id", "plain_outputs",
         "block_hashes",
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
@@ -88,14 +90,15 @@ class Request:
         pooling: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
+        self._rows: RequestRows | None = None
+        """The scheduler's rows while the request runs (its counters live there then: asyncllm/sched/rows.py)."""
+        self._row = -1
         self.prompt_token_ids = list(prompt_token_ids)
         self.all_token_ids = list(prompt_token_ids)
         """Prompt then outputs (append through the methods below, or keep `num_tokens` in step)."""
         self.num_prompt_tokens = len(prompt_token_ids)
-        self.num_tokens = self.num_prompt_tokens
-        """len(all_token_ids), kept as a plain attribute because the scheduler reads it every step."""
-        self.num_computed_tokens = 0
-        """Leading tokens whose KV is in the cache (prefix hits included)."""
+        self._num_tokens = self.num_prompt_tokens
+        self._num_computed_tokens = 0
         self.num_cached_tokens = 0
         """Tokens found in the prefix cache at the first admission."""
         self.params = params
@@ -175,6 +178,35 @@ class Request:
         """The events recorded since the last call (None when there are none)."""
         events, self.events = self.events, None
         return events
+
+    # ------------------------------------------------------------ counters (in the scheduler's rows while running)
+    @property
+    def num_tokens(self) -> int:
+        """len(all_token_ids), plus a placeholder while an async-scheduled step samples it (sched/placeholders.py)."""
+        rows = self._rows
+        return self._num_tokens if rows is None else rows.num_tokens[self._row]
+
+    @num_tokens.setter
+    def num_tokens(self, value: int) -> None:
+        rows = self._rows
+        if rows is None:
+            self._num_tokens = value
+        else:
+            rows.num_tokens[self._row] = value
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Leading tokens whose KV is in the cache (prefix hits included)."""
+        rows = self._rows
+        return self._num_computed_tokens if rows is None else rows.num_computed[self._row]
+
+    @num_computed_tokens.setter
+    def num_computed_tokens(self, value: int) -> None:
+        rows = self._rows
+        if rows is None:
+            self._num_computed_tokens = value
+        else:
+            rows.num_computed[self._row] = value
 
     # ------------------------------------------------------------ tokens
     @property

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from itertools import islice
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -45,10 +46,12 @@ from asyncllm.protocol import EngineCoreEventType
 from asyncllm.sched.admission import check_queue_capacity, check_request
 from asyncllm.sched.chunking import ChunkPolicy, token_budget
 from asyncllm.sched.deadlines import DeadlineHeap
+from asyncllm.sched.decode_step import schedule_decodes, step_record, update_decodes
 from asyncllm.sched.logprobs import attach_logprobs
 from asyncllm.sched.preemption import PreemptionLogger, Preemptor, insert_running
 from asyncllm.sched.queue import create_request_queue
 from asyncllm.sched.request import Request, RequestStatus
+from asyncllm.sched.rows import RequestRows, StepRows
 from asyncllm.sched.step_outputs import StepOutputs
 from asyncllm.spec.draft_model import DraftModelProposer
 from asyncllm.spec.ngram import NgramProposer, can_speculate
@@ -115,6 +118,12 @@ class Scheduler:
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
         """Running requests in the policy's order (`insert_running`): the last one is preempted first."""
+        self.rows = RequestRows(config.max_num_seqs)
+        """The running requests' counters (asyncllm/sched/rows.py): each holds a row while in `running`."""
+        self.running_order: StepRows | None = None
+        """`running` with its rows, kept while it holds the same requests (asyncllm/sched/decode_step.py)."""
+        self.step_records: dict[int, StepRows] = {}
+        """Each step scheduled and not yet updated: its requests, rows and token counts, by step id."""
         self.swap_space = SwapSpace(num_cpu_blocks, self.block_size) if config.preemption_mode == "swap" else None
         """The CPU blocks of swapped-out requests (preemption_mode='swap' only)."""
         self.deadlines = DeadlineHeap()
@@ -195,6 +204,8 @@ class Scheduler:
             return
         for request in requests:
             del self.requests[request.request_id]
+            if request._rows is not None:
+                self.rows.detach(request)
             request.finish(status)
             self.kv_cache_manager.free(request)
             if self.swap_space is not None:
@@ -283,6 +294,7 @@ class Scheduler:
             spec_token_ids=step.spec_token_ids,
         )
         self._finished_req_ids = []
+        self.step_records[out.step_id] = step_record(self, out)
         self._step_id += 1
         if total:
             self.num_steps_total += 1
@@ -291,10 +303,14 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         # The hot loop of a decode step: names bound once, the KV manager's decode fast path inlined
         # (a request whose last block has room for its one new token needs no allocate_slots call).
+        running = self.running
+        draft = self._drafts if self.proposer is not None else None
+        start = schedule_decodes(self, step) if draft is None else 0  # every request decoding: vectorized
+        if start == len(running):
+            return
         kv = self.kv_cache_manager
         allocate_slots, cache_full_blocks, block_size = kv.allocate_slots, kv.cache_full_blocks, self.block_size
         last_slot = block_size - 1
-        running = self.running
         cached = step.cached_reqs  # flat lists, one entry per request: no object per request
         append_cached_id, append_cached_computed = cached.req_ids.append, cached.num_computed_tokens.append
         cached_new_block_ids = cached.new_block_ids
@@ -302,8 +318,7 @@ class Scheduler:
         budget = step.budget
         # Preemption only pops the list's tail (never a request before this one), so iterating while it
         # shrinks is safe: when the request preempts itself it was the last one and the loop ends.
-        draft = self._drafts if self.proposer is not None else None
-        for request in running:
+        for request in islice(running, start, None):
             if budget <= 0:
                 break
             req_id = request.request_id
@@ -384,6 +399,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, step: _Step, why: str = "the KV cache ran out of free blocks") -> None:
         assert not step.blocks_to_swap_in, "a swap-out after a swap-in could reuse a CPU block being read"
+        self.rows.detach(request)
         self.preemptor.preempt(request, step.blocks_to_swap_out, why)
         step.preempted_req_ids.append(request.request_id)
 
@@ -458,6 +474,7 @@ class Scheduler:
         return hits, max(num_computed, entry.num_computed_tokens), True
 
     def _admit(self, request: Request, num_computed_tokens: int) -> None:
+        self.rows.attach(request)
         request.status = RequestStatus.RUNNING
         request.record_event(EngineCoreEventType.SCHEDULED)
         request.num_computed_tokens = num_computed_tokens
@@ -480,6 +497,24 @@ class Scheduler:
         self.mm_encoder_cache_hits += runner_out.mm_encoder_cache_hits
         if isinstance(self.proposer, DraftModelProposer):
             self.proposer.update(runner_out.draft_token_ids)
+        record = self._pop_step_record(sched_out.step_id)
+        step_outputs = update_decodes(self, sched_out, runner_out, record) if record is not None else None
+        if step_outputs is None:
+            step_outputs = self._update_each(sched_out, runner_out)
+        if runner_out.logprobs or runner_out.prompt_logprobs or runner_out.embeddings:
+            attach_logprobs(step_outputs.deltas, runner_out, self.requests)
+        return step_outputs
+
+    def _pop_step_record(self, step_id: int) -> StepRows | None:
+        """The step's record; records of older steps (lost with failed workers) are dropped."""
+        records = self.step_records
+        while records and next(iter(records)) < step_id:
+            del records[next(iter(records))]
+        return records.pop(step_id, None)
+
+    def _update_each(self, sched_out: protocol.SchedulerOutput, runner_out: protocol.ModelRunnerOutput
+                     ) -> StepOutputs:
+        """`update_from_output`, one request at a time: any step (`update_decodes` does the usual ones)."""
         num_scheduled_tokens = sched_out.num_scheduled_tokens
         spec_token_ids = sched_out.spec_token_ids
         step_outputs = StepOutputs()
@@ -538,20 +573,20 @@ class Scheduler:
             delta = protocol.RequestOutputDelta(req_id, token_ids, finish_reason, request.stop_reason,
                                                 request.num_cached_tokens if num_tokens == num_prompt else 0)
             delta.events, request.events = request.events, None
+            self.rows.events_sent(request._row)  # (running: it holds a row until freed below)
             append_output((request.client_id, delta))
             if finish_reason is not None:
-                self._free_finished(request)
+                self.free_finished(request)
                 any_finished = True
         self.prompt_tokens_total += num_prompt_computed
         self.generation_tokens_total += len(step_outputs) + num_extra_tokens  # before logprobs add prompt-only deltas
         if any_finished:
             self.running = [r for r in self.running if not r.status.is_finished]
-        if runner_out.logprobs or runner_out.prompt_logprobs or runner_out.embeddings:
-            attach_logprobs(outputs, runner_out, requests)
         return step_outputs
 
-    def _free_finished(self, request: Request) -> None:
+    def free_finished(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        self.rows.detach(request)
         del self.requests[request.request_id]
         self._finished_req_ids.append(request.request_id)
 

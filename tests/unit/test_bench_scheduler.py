@@ -17,3 +17,9 @@ def test_main_prints_the_summary(capsys):
     out = capsys.readouterr().out
     assert "32 running requests, 5 decode steps (prefix caching off)" in out
     assert "schedule() + update_from_output(): median" in out
+    assert "overlapped core step" in out
+
+
+def test_overlapped_steps_are_timed():
+    result = scheduler.run_overlapped(num_requests=32, steps=6)
+    assert result["steps"] == 6 and 0 < result["min_ms"] <= result["median_ms"]

@@ -1,0 +1,234 @@
+"""The scheduler's decode step over all running requests at once (numpy over `RequestRows`).
+
+In a busy engine most steps only decode: every running request computes its
+one new token. `schedule_decodes` schedules such a step and
+`update_decodes` applies its output with whole-batch array operations; Python
+work per request is left only for what cannot be vectorized: the requests
+that enter a new KV block or fill one (allocation, prefix-cache hashing,
+about one in `block_size`), appending each sampled token to its request's
+token list, and a full delta for the requests that stop or report more than
+a token. Each function declines (returns 0 / None, having changed nothing)
+when the step is not of that kind; the scheduler's per-request loops then do
+the step, with the same result.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from itertools import chain
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from asyncllm import protocol
+from asyncllm.sched.rows import StepRows
+from asyncllm.sched.step_outputs import StepOutputs
+
+if TYPE_CHECKING:
+    from asyncllm.sched.request import Request
+    from asyncllm.sched.scheduler import Scheduler, _Step
+
+__all__ = ["running_rows", "schedule_decodes", "step_record", "update_decodes"]
+
+
+def running_rows(sched: Scheduler) -> StepRows:
+    """The running list's requests with their rows, kept while the list holds the same requests.
+
+    The same requests mean the same order: the list only changes by
+    admissions and removals, and every admission takes a new serial.
+    """
+    cached, running, rows = sched.running_order, sched.running, sched.rows
+    if cached is None or len(cached) != len(running) or not cached.live(rows).all():
+        cached = sched.running_order = rows.rows_of(list(running))
+    return cached
+
+
+def schedule_decodes(sched: Scheduler, step: _Step) -> int:
+    """Schedule one token for each running request from the first on; how many were scheduled.
+
+    Only when every running request decodes exactly one token and the budget
+    covers them all (else 0, nothing done). Stops at the first request that
+    finds no free block: the per-request loop goes on from there (preempting).
+    """
+    running = sched.running
+    num_running = len(running)
+    if not num_running or step.budget < num_running:
+        return 0
+    order = running_rows(sched)
+    rows = sched.rows
+    computed = rows.computed[order.rows]
+    if not (rows.tokens[order.rows] - computed == 1).all():
+        return 0
+    block_size = sched.block_size
+    slots = computed % block_size
+    kv = sched.kv_cache_manager
+    requests, num_computed = order.requests, computed.tolist()
+    num = num_running
+    starting = np.flatnonzero(slots == 0).tolist()  # their token starts a block: allocate it, in running order
+    if starting:
+        got = kv.append_decode_blocks([requests[i] for i in starting], [num_computed[i] for i in starting],
+                                      step.cached_reqs.new_block_ids)
+        if got < len(starting):  # the free queue ran dry here: the per-request loop preempts from this request on
+            num = starting[got]
+    filling = np.flatnonzero(slots[:num] == block_size - 1).tolist()  # their token fills a block: cache it now
+    if filling:
+        kv.cache_decode_blocks([requests[i] for i in filling], [num_computed[i] + 1 for i in filling])
+    req_ids = order.req_ids[:num]
+    step.cached_reqs.req_ids = req_ids
+    step.cached_reqs.num_computed_tokens = num_computed[:num]
+    step.num_scheduled_tokens = order.one_token_each() if num == num_running else dict.fromkeys(req_ids, 1)
+    step.budget -= num
+    return num
+
+
+def step_record(sched: Scheduler, out: protocol.SchedulerOutput) -> StepRows:
+    """The scheduled requests in `num_scheduled_tokens` order with their rows and token counts."""
+    num_scheduled = out.num_scheduled_tokens
+    order = sched.running_order
+    if (order is not None and len(order) == len(num_scheduled) and not out.new_reqs
+            and out.total_num_scheduled_tokens == len(order) and out.cached_reqs.req_ids == order.req_ids):
+        record = StepRows(order.requests, order.req_ids, order.rows, order.serials)  # the whole decode batch
+        record._token_lists = order.token_lists
+        record.num_scheduled = np.ones(len(order), dtype=np.int64)
+        return record
+    requests = sched.requests
+    record = sched.rows.rows_of([requests[req_id] for req_id in num_scheduled])
+    record.num_scheduled = np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(num_scheduled))
+    return record
+
+
+def update_decodes(sched: Scheduler, sched_out: protocol.SchedulerOutput, runner_out: protocol.ModelRunnerOutput,
+                   record: StepRows) -> StepOutputs | None:
+    """Apply a step in which every request is still running and sampled at most one token; None if it is not one.
+
+    Prefill chunks are fine (their counts advance, nothing is sampled);
+    speculative steps, several tokens per request and requests gone since
+    `schedule()` are for the per-request loop.
+    """
+    if sched_out.spec_token_ids or runner_out.req_ids != record.req_ids:
+        return None
+    rows = sched.rows
+    if not record.live(rows).all():
+        return None
+    sampled = runner_out.sampled_token_ids
+    row_ids, num_scheduled = record.rows, record.num_scheduled
+    before = rows.computed[row_ids]
+    after = before + num_scheduled
+    tokens = rows.tokens[row_ids]
+    samples = after >= tokens  # the step reached the end of its known tokens: the worker sampled it
+    new_tokens = _one_token_each(sampled, samples)
+    if new_tokens is None:  # several tokens for some (or a worker's bug): one request at a time
+        return None
+    rows.computed[row_ids] = after
+    prompt_left = rows.num_prompt[row_ids] - before
+    if (prompt_left > 0).any():  # prefill chunks
+        sched.prompt_tokens_total += int(np.minimum(num_scheduled, prompt_left).clip(0).sum())
+    if record.placeholders is not None:  # scheduled with a step in flight: some blocks ended in a placeholder
+        _register_filled_blocks(sched, record.requests, after, num_scheduled)
+    index = np.flatnonzero(samples)
+    if not len(index):  # prefill chunks only
+        return StepOutputs()
+    if len(index) == len(record):
+        requests, req_ids, token_lists = record.requests, record.req_ids, record.token_lists
+    else:
+        positions = index.tolist()
+        requests = [record.requests[i] for i in positions]
+        req_ids = [record.req_ids[i] for i in positions]
+        token_lists = [r.all_token_ids for r in requests]
+        row_ids, tokens = row_ids[index], tokens[index]
+    next_tokens = tokens + 1
+    rows.tokens[row_ids] = next_tokens
+    deque(map(list.append, token_lists, new_tokens), maxlen=0)  # each request's token onto its list
+    special = next_tokens >= rows.delta_from[row_ids]  # a first token, events, logprobs, or maybe its last token
+    if not rows.stop_tokens.isdisjoint(new_tokens):
+        special[_stopping(requests, new_tokens, rows.stop_tokens)] = True
+    outputs = StepOutputs()
+    any_special = special.any()
+    if not any_special and rows.num_clients == 1:  # one token each, one host: the lists are the step's
+        ids, token_ids = outputs.token_lists(requests[0].client_id)
+        ids.extend(req_ids)
+        token_ids.extend(new_tokens)
+    else:
+        _token_lists(outputs, requests, req_ids, new_tokens, rows.client[row_ids], special)
+    if any_special:
+        _full_deltas(sched, outputs, requests, new_tokens, tokens.tolist(), np.flatnonzero(special).tolist())
+    sched.generation_tokens_total += len(new_tokens)
+    return outputs
+
+
+def _one_token_each(sampled: list[list[int]], samples: np.ndarray) -> list[int] | None:
+    """The one token of each sampling request (workers send [] for the others); None unless there is exactly one."""
+    if samples.all():
+        try:
+            return [token for token, in sampled]
+        except ValueError:
+            return None
+    new_tokens = list(chain.from_iterable(sampled))
+    return new_tokens if len(new_tokens) == np.count_nonzero(samples) else None
+
+
+def _register_filled_blocks(sched: Scheduler, requests: list[Request], after: np.ndarray,
+                            num_scheduled: np.ndarray) -> None:
+    """Prefix-cache the blocks the step filled whose last token was unknown when it was scheduled (async)."""
+    block_size = sched.block_size
+    filled = np.flatnonzero(after % block_size < num_scheduled)
+    if not len(filled):
+        return
+    cache_full_blocks = sched.kv_cache_manager.cache_full_blocks
+    for i, num_computed in zip(filled.tolist(), after[filled].tolist()):
+        request = requests[i]
+        if len(request.block_hashes) < num_computed // block_size:
+            cache_full_blocks(request)
+
+
+def _stopping(requests: list[Request], new_tokens: list[int], stop_tokens: frozenset[int]) -> list[int]:
+    """The positions of the requests whose new token is one of their stop tokens (EOS, stop_token_ids)."""
+    return [i for i, token in enumerate(new_tokens) if token in stop_tokens and token in requests[i].stop_check_token_ids]
+
+
+def _token_lists(outputs: StepOutputs, requests: list[Request], req_ids: list[str], new_tokens: list[int],
+                 clients: np.ndarray, special: np.ndarray) -> None:
+    """The one-token outputs (not `special`) into their hosts' lists, in step order."""
+    plain = np.flatnonzero(~special)
+    if not len(plain):
+        return
+    if len(plain) < len(requests):
+        positions = plain.tolist()
+        req_ids = [req_ids[i] for i in positions]
+        new_tokens = [new_tokens[i] for i in positions]
+        requests = [requests[i] for i in positions]
+        clients = clients[plain]
+    if (clients == clients[0]).all():  # one host (the usual case)
+        ids, tokens = outputs.token_lists(requests[0].client_id)
+        ids.extend(req_ids)
+        tokens.extend(new_tokens)
+        return
+    _, firsts = np.unique(clients, return_index=True)
+    for first in sorted(firsts.tolist()):
+        mine = np.flatnonzero(clients == clients[first]).tolist()
+        ids, tokens = outputs.token_lists(requests[first].client_id)
+        ids.extend(req_ids[i] for i in mine)
+        tokens.extend(new_tokens[i] for i in mine)
+
+
+def _full_deltas(sched: Scheduler, outputs: StepOutputs, requests: list[Request], new_tokens: list[int],
+                 num_tokens_before: list[int], positions: list[int]) -> None:
+    """A delta for each of these requests (stop check first); the finished ones are freed, in step order."""
+    max_seq_len = sched.max_seq_len
+    any_finished = False
+    for i in positions:
+        request, token, num_tokens = requests[i], new_tokens[i], num_tokens_before[i]
+        num_prompt = request.num_prompt_tokens
+        if token in request.stop_check_token_ids or num_tokens + 1 - num_prompt >= request.max_output_tokens:
+            request.check_stop(max_seq_len)
+        finish_reason = request.finish_reason
+        delta = protocol.RequestOutputDelta(request.request_id, [token], finish_reason, request.stop_reason,
+                                            request.num_cached_tokens if num_tokens == num_prompt else 0)
+        delta.events, request.events = request.events, None
+        sched.rows.events_sent(request._row)
+        outputs.deltas.append((request.client_id, delta))
+        if finish_reason is not None:
+            sched.free_finished(request)
+            any_finished = True
+    if any_finished:
+        sched.running = [r for r in sched.running if not r.status.is_finished]
