@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from asyncllm import protocol
-from asyncllm.sched.decode_step import running_rows
+from asyncllm.sched.decode_step import running_rows, step_record
 from asyncllm.sched.rows import RequestRows, StepRows
 from asyncllm.sched.step_outputs import StepOutputs
 
@@ -69,7 +69,9 @@ class OutputPlaceholders:
     def advance(self, sched_out: protocol.SchedulerOutput) -> None:
         """Right after `schedule()`: count the step's tokens as computed and its samples as placeholders."""
         assert not (sched_out.preempted_req_ids and self._in_flight), "preempted with a step in flight (may_preempt)"
-        record = self.scheduler.step_records[sched_out.step_id]
+        record = self.scheduler.step_records.get(sched_out.step_id)
+        if record is None:  # nothing scheduled: the step carries finished or preempted ids only
+            record = step_record(self.scheduler, sched_out)
         _advance(record, self.scheduler.rows)
         self._in_flight.append(_InFlightStep(sched_out, record))
 

@@ -294,7 +294,8 @@ class Scheduler:
             spec_token_ids=step.spec_token_ids,
         )
         self._finished_req_ids = []
-        self.step_records[out.step_id] = step_record(self, out)
+        if total:  # an empty step is never updated (the core does not run it): no record
+            self.step_records[out.step_id] = step_record(self, out)
         self._step_id += 1
         if total:
             self.num_steps_total += 1

@@ -140,3 +140,17 @@ def test_request_rows_hold_the_counters_of_running_requests() -> None:
     for request in requests[::2] + [requests[1]]:
         rows.detach(request)
     assert rows.stop_tokens == frozenset()
+
+
+def test_only_steps_that_run_are_recorded() -> None:
+    """The core skips empty steps (no update follows): an idle scheduler keeps no step records."""
+    config = EngineConfig.create("dummy-model", block_size=4, max_model_len=64)
+    sched = Scheduler(config, num_gpu_blocks=8, max_model_len=64)
+    for _ in range(100):
+        sched.schedule()
+    assert sched.step_records == {}
+    sched.add_request(Request("r", [1, 2, 3], SamplingParams(max_tokens=2), [EOS], 0.0))
+    out = sched.schedule()
+    assert list(sched.step_records) == [out.step_id]
+    sched.update_from_output(out, Worker().execute(out))
+    assert sched.step_records == {}
