@@ -228,8 +228,8 @@ class KVCacheManager:
         return len(requests)
 
     def cache_decode_blocks(self, requests: Sequence[KVRequest], num_tokens: Sequence[int]) -> None:
-        """`cache_full_blocks(request, n)` for one-token decodes whose token fills a block, inlined for the usual
-        case (one block, no multimodal keys): about one running request in `block_size` per decode step."""
+        """`cache_full_blocks(request, n)` for each, inlined for the usual case of a decode: one block filled, no
+        multimodal keys (about one running request in `block_size` per decode step); the others go the general way."""
         if not self.enable_prefix_caching:
             return
         bs, num_cached, tables = self.block_size, self._num_cached_blocks, self.req_to_blocks

@@ -105,37 +105,45 @@ def update_decodes(sched: Scheduler, sched_out: protocol.SchedulerOutput, runner
     speculative steps, several tokens per request and requests gone since
     `schedule()` are for the per-request loop.
     """
-    if sched_out.spec_token_ids or runner_out.req_ids != record.req_ids:
-        return None
     rows = sched.rows
-    if not record.live(rows).all():
+    if sched_out.spec_token_ids or runner_out.req_ids != record.req_ids or not record.live(rows).all():
         return None
-    sampled = runner_out.sampled_token_ids
-    row_ids, num_scheduled = record.rows, record.num_scheduled
-    before = rows.computed[row_ids]
-    after = before + num_scheduled
-    tokens = rows.tokens[row_ids]
-    samples = after >= tokens  # the step reached the end of its known tokens: the worker sampled it
-    new_tokens = _one_token_each(sampled, samples)
+    before = rows.computed[record.rows]
+    after = before + record.num_scheduled
+    samples = after >= rows.tokens[record.rows]  # the step reached the end of its known tokens: the worker sampled it
+    new_tokens = _one_token_each(runner_out.sampled_token_ids, samples)
     if new_tokens is None:  # several tokens for some (or a worker's bug): one request at a time
         return None
-    rows.computed[row_ids] = after
-    prompt_left = rows.num_prompt[row_ids] - before
+    _count_computed(sched, record, before, after)
+    index = np.flatnonzero(samples)
+    if not len(index):  # prefill chunks only
+        return StepOutputs()
+    return _apply_tokens(sched, record, index, new_tokens)
+
+
+def _count_computed(sched: Scheduler, record: StepRows, before: np.ndarray, after: np.ndarray) -> None:
+    """The step's tokens are computed: the rows' counts, the prompt-token counter, the blocks they completed."""
+    rows, num_scheduled = sched.rows, record.num_scheduled
+    rows.computed[record.rows] = after
+    prompt_left = rows.num_prompt[record.rows] - before
     if (prompt_left > 0).any():  # prefill chunks
         sched.prompt_tokens_total += int(np.minimum(num_scheduled, prompt_left).clip(0).sum())
     if record.placeholders is not None:  # scheduled with a step in flight: some blocks ended in a placeholder
         _register_filled_blocks(sched, record.requests, after, num_scheduled)
-    index = np.flatnonzero(samples)
-    if not len(index):  # prefill chunks only
-        return StepOutputs()
+
+
+def _apply_tokens(sched: Scheduler, record: StepRows, index: np.ndarray, new_tokens: list[int]) -> StepOutputs:
+    """Append the sampled tokens (of the requests at `index` in the step) and build the hosts' outputs."""
+    rows = sched.rows
     if len(index) == len(record):
-        requests, req_ids, token_lists = record.requests, record.req_ids, record.token_lists
+        requests, req_ids, token_lists, row_ids = record.requests, record.req_ids, record.token_lists, record.rows
     else:
         positions = index.tolist()
         requests = [record.requests[i] for i in positions]
         req_ids = [record.req_ids[i] for i in positions]
         token_lists = [r.all_token_ids for r in requests]
-        row_ids, tokens = row_ids[index], tokens[index]
+        row_ids = record.rows[index]
+    tokens = rows.tokens[row_ids]
     next_tokens = tokens + 1
     rows.tokens[row_ids] = next_tokens
     deque(map(list.append, token_lists, new_tokens), maxlen=0)  # each request's token onto its list

@@ -104,8 +104,8 @@ class OutputPlaceholders:
         rows = self.scheduler.rows
         computed = rows.computed[record.rows]
         filled = np.flatnonzero(record.live(rows) & (computed % kv.block_size < record.num_scheduled))
-        for i in filled.tolist():  # about one request in block_size
-            kv.cache_full_blocks(record.requests[i], int(computed[i]))
+        if len(filled):  # about one request in block_size
+            kv.cache_decode_blocks([record.requests[i] for i in filled.tolist()], computed[filled].tolist())
 
     def discard_all(self) -> None:
         """Forget every in-flight step (the workers lost it): the requests' counts are real again."""
