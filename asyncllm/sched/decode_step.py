@@ -15,7 +15,7 @@ the step, with the same result.
 from __future__ import annotations
 
 from collections import deque
-from itertools import chain
+from itertools import chain, islice
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,26 +44,31 @@ def running_rows(sched: Scheduler) -> StepRows:
 
 
 def schedule_decodes(sched: Scheduler, step: _Step) -> int:
-    """Schedule one token for each running request from the first on; how many were scheduled.
+    """Schedule one token for each running request from the first on while they decode; how many were scheduled.
 
-    Only when every running request decodes exactly one token and the budget
-    covers them all (else 0, nothing done). Stops at the first request that
-    finds no free block: the per-request loop goes on from there (preempting).
+    Covers the running requests up to the first that does not decode exactly
+    one token (a prefill under way), or as many as the budget allows (0: none,
+    nothing done). Stops early at the first request that finds no free block.
+    The per-request loop goes on from the first request not covered.
     """
     running = sched.running
-    num_running = len(running)
-    if not num_running or step.budget < num_running:
+    if not running or step.budget <= 0:
         return 0
     order = running_rows(sched)
     rows = sched.rows
     computed = rows.computed[order.rows]
-    if not (rows.tokens[order.rows] - computed == 1).all():
+    decodes = rows.tokens[order.rows] - computed == 1
+    num_decodes = len(running) if decodes.all() else int(decodes.argmin())  # the first prefill's position
+    num_decodes = min(num_decodes, step.budget)
+    if not num_decodes:
         return 0
+    computed = computed[:num_decodes]
+    step.bulk = order
     block_size = sched.block_size
     slots = computed % block_size
     kv = sched.kv_cache_manager
     requests, num_computed = order.requests, computed.tolist()
-    num = num_running
+    num = num_decodes
     starting = np.flatnonzero(slots == 0).tolist()  # their token starts a block: allocate it, in running order
     if starting:
         got = kv.append_decode_blocks([requests[i] for i in starting], [num_computed[i] for i in starting],
@@ -76,24 +81,33 @@ def schedule_decodes(sched: Scheduler, step: _Step) -> int:
     req_ids = order.req_ids[:num]
     step.cached_reqs.req_ids = req_ids
     step.cached_reqs.num_computed_tokens = num_computed[:num]
-    step.num_scheduled_tokens = order.one_token_each() if num == num_running else dict.fromkeys(req_ids, 1)
+    step.num_scheduled_tokens = order.one_token_each() if num == len(order) else dict.fromkeys(req_ids, 1)
     step.budget -= num
+    step.num_bulk = num
     return num
 
 
-def step_record(sched: Scheduler, out: protocol.SchedulerOutput) -> StepRows:
-    """The scheduled requests in `num_scheduled_tokens` order with their rows and token counts."""
+def step_record(sched: Scheduler, out: protocol.SchedulerOutput, bulk: StepRows | None, num_bulk: int) -> StepRows:
+    """The scheduled requests in `num_scheduled_tokens` order with their rows and token counts.
+
+    The first `num_bulk` are the first of `bulk` (the running list as `schedule_decodes` saw it), one token each.
+    """
     num_scheduled = out.num_scheduled_tokens
-    order = sched.running_order
-    if (order is not None and len(order) == len(num_scheduled) and not out.new_reqs
-            and out.total_num_scheduled_tokens == len(order) and out.cached_reqs.req_ids == order.req_ids):
-        record = StepRows(order.requests, order.req_ids, order.rows, order.serials)  # the whole decode batch
-        record._token_lists = order.token_lists
-        record.num_scheduled = np.ones(len(order), dtype=np.int64)
+    if bulk is not None and num_bulk == len(num_scheduled) == len(bulk):  # the whole running list decodes
+        record = StepRows(bulk.requests, bulk.req_ids, bulk.rows, bulk.serials)
+        record._token_lists = bulk.token_lists
+        record.num_scheduled = np.ones(num_bulk, dtype=np.int64)
         return record
     requests = sched.requests
-    record = sched.rows.rows_of([requests[req_id] for req_id in num_scheduled])
-    record.num_scheduled = np.fromiter(num_scheduled.values(), dtype=np.int64, count=len(num_scheduled))
+    rest = sched.rows.rows_of([requests[req_id] for req_id in islice(num_scheduled, num_bulk, None)])
+    rest_counts = np.fromiter(islice(num_scheduled.values(), num_bulk, None), dtype=np.int64, count=len(rest))
+    if bulk is None or not num_bulk:
+        rest.num_scheduled = rest_counts
+        return rest
+    record = StepRows(bulk.requests[:num_bulk] + rest.requests, bulk.req_ids[:num_bulk] + rest.req_ids,
+                      np.concatenate([bulk.rows[:num_bulk], rest.rows]),
+                      np.concatenate([bulk.serials[:num_bulk], rest.serials]))
+    record.num_scheduled = np.concatenate([np.ones(num_bulk, dtype=np.int64), rest_counts])
     return record
 
 
@@ -135,14 +149,10 @@ def _count_computed(sched: Scheduler, record: StepRows, before: np.ndarray, afte
 def _apply_tokens(sched: Scheduler, record: StepRows, index: np.ndarray, new_tokens: list[int]) -> StepOutputs:
     """Append the sampled tokens (of the requests at `index` in the step) and build the hosts' outputs."""
     rows = sched.rows
-    if len(index) == len(record):
-        requests, req_ids, token_lists, row_ids = record.requests, record.req_ids, record.token_lists, record.rows
-    else:
-        positions = index.tolist()
-        requests = [record.requests[i] for i in positions]
-        req_ids = [record.req_ids[i] for i in positions]
-        token_lists = [r.all_token_ids for r in requests]
-        row_ids = record.rows[index]
+    requests, req_ids, token_lists, row_ids = record.requests, record.req_ids, record.token_lists, record.rows
+    if len(index) < len(record):  # some only computed a prefill chunk
+        requests, req_ids, token_lists = _select(index, len(record), requests, req_ids, token_lists)
+        row_ids = row_ids[index]
     tokens = rows.tokens[row_ids]
     next_tokens = tokens + 1
     rows.tokens[row_ids] = next_tokens
@@ -162,6 +172,22 @@ def _apply_tokens(sched: Scheduler, record: StepRows, index: np.ndarray, new_tok
         _full_deltas(sched, outputs, requests, new_tokens, tokens.tolist(), np.flatnonzero(special).tolist())
     sched.generation_tokens_total += len(new_tokens)
     return outputs
+
+
+def _select(index: np.ndarray, num: int, *columns: list) -> list[list]:
+    """The items at `index` (sorted positions out of `num`) of each list: copies with the few others deleted, or
+    gathered when few are kept."""
+    if len(index) * 2 < num:
+        positions = index.tolist()
+        return [[column[i] for i in positions] for column in columns]
+    dropped = np.setdiff1d(np.arange(num), index, assume_unique=True).tolist()[::-1]
+    selected = []
+    for column in columns:
+        column = list(column)
+        for i in dropped:
+            del column[i]
+        selected.append(column)
+    return selected
 
 
 def _one_token_each(sampled: list[list[int]], samples: np.ndarray) -> list[int] | None:

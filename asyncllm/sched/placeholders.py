@@ -71,7 +71,7 @@ class OutputPlaceholders:
         assert not (sched_out.preempted_req_ids and self._in_flight), "preempted with a step in flight (may_preempt)"
         record = self.scheduler.step_records.get(sched_out.step_id)
         if record is None:  # nothing scheduled: the step carries finished or preempted ids only
-            record = step_record(self.scheduler, sched_out)
+            record = step_record(self.scheduler, sched_out, None, 0)
         _advance(record, self.scheduler.rows)
         self._in_flight.append(_InFlightStep(sched_out, record))
 

@@ -67,7 +67,7 @@ class _Step:
 
     __slots__ = (
         "budget", "num_scheduled_tokens", "new_reqs", "cached_reqs", "preempted_req_ids",
-        "blocks_to_swap_out", "blocks_to_swap_in", "spec_token_ids",
+        "blocks_to_swap_out", "blocks_to_swap_in", "spec_token_ids", "bulk", "num_bulk",
     )
 
     def __init__(self, budget: int) -> None:
@@ -79,6 +79,9 @@ class _Step:
         self.blocks_to_swap_out: list[list[int]] = []
         self.blocks_to_swap_in: list[list[int]] = []
         self.spec_token_ids: dict[str, list[int]] = {}
+        self.bulk: StepRows | None = None
+        """The running list with its rows, when `schedule_decodes` scheduled its first `num_bulk` requests."""
+        self.num_bulk = 0
 
 
 class Scheduler:
@@ -295,7 +298,7 @@ class Scheduler:
         )
         self._finished_req_ids = []
         if total:  # an empty step is never updated (the core does not run it): no record
-            self.step_records[out.step_id] = step_record(self, out)
+            self.step_records[out.step_id] = step_record(self, out, step.bulk, step.num_bulk)
         self._step_id += 1
         if total:
             self.num_steps_total += 1
