@@ -230,18 +230,20 @@ class InputBatch:
         if self._copies_done is not None:
             self._copies_done.synchronize()  # the last step's copies may still read the pinned buffers
         computed = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)
+        num_tokens = np.fromiter(map(len, [s.token_ids for s in states]), np.int64, num_reqs)
         seq_lens = computed + num_scheduled
         query_start_loc = self.query_start_loc.np[: num_reqs + 1]
         query_start_loc[0] = 0
         np.cumsum(num_scheduled, out=query_start_loc[1:])
         self.seq_lens.np[:num_reqs] = seq_lens
-        self._write_token_ids(states, query_start_loc, computed, seq_lens)
+        self._write_token_ids(states, query_start_loc, computed, seq_lens, num_tokens)
         self._write_positions_and_slots(states, num_scheduled, computed, query_start_loc)
-        sample_indices = [i for i, s in enumerate(states) if seq_lens[i] == s.num_tokens]
+        sampling = np.flatnonzero(seq_lens == num_tokens)  # the step reaches the end of their known tokens
+        sample_indices = sampling.tolist()
         num_sampling = len(sample_indices)
-        self.logits_indices.np[:num_sampling] = query_start_loc[1:][sample_indices] - 1
-        sampling_states = [states[i] for i in sample_indices]
-        positions = [s.num_tokens for s in sampling_states]
+        self.logits_indices.np[:num_sampling] = query_start_loc[1:][sampling] - 1
+        sampling_states = list(states) if num_sampling == num_reqs else [states[i] for i in sample_indices]
+        positions = num_tokens[sampling].tolist()
         drafted: list[DraftedRequest] = []
         if sched_out.spec_token_ids:  # the draft positions' rows follow the usual ones
             drafted, extra = plan_drafted(req_ids, sample_indices, sched_out.spec_token_ids, query_start_loc)
@@ -315,12 +317,18 @@ class InputBatch:
         return inputs
 
     def _write_token_ids(
-        self, states: list[RequestState], query_start_loc: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray
+        self, states: list[RequestState], query_start_loc: np.ndarray, computed: np.ndarray, seq_lens: np.ndarray,
+        num_tokens: np.ndarray,
     ) -> None:
         input_ids = self.input_ids.np
-        for i, state in enumerate(states):
-            assert seq_lens[i] <= state.num_tokens, (state.req_id, int(seq_lens[i]), state.num_tokens)
-            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = state.token_ids[computed[i] : seq_lens[i]]
+        assert (seq_lens <= num_tokens).all(), [(s.req_id, n) for s, n in zip(states, seq_lens) if n > s.num_tokens]
+        decodes = seq_lens - computed == 1
+        if decodes.any():  # one token each (most rows of a busy step): gathered in one pass, written in one
+            rows = np.flatnonzero(decodes)
+            input_ids[query_start_loc[rows]] = [states[i].token_ids[c] for i, c in zip(rows.tolist(),
+                                                                                      computed[rows].tolist())]
+        for i in np.flatnonzero(~decodes).tolist():  # prefill chunks
+            input_ids[query_start_loc[i] : query_start_loc[i + 1]] = states[i].token_ids[computed[i] : seq_lens[i]]
 
     def _sampling_metadata(self, states: list[RequestState], positions: list[int]) -> SamplingMetadata:
         rows = np.fromiter((s.row for s in states), np.int64, len(states))

@@ -316,9 +316,12 @@ class ModelRunner:
     def _output(self, sched_out: SchedulerOutput, inputs: StepInputs, sampled: list[int],
                 sampler_out: SamplerOutput | None, prompt_logprobs: dict[str, LogprobsArrays],
                 verified: dict[int, list[int]] | None = None) -> ModelRunnerOutput:
-        sampled_token_ids: list[list[int]] = [[] for _ in inputs.req_ids]
-        for i, token in zip(inputs.sample_indices, sampled):
-            sampled_token_ids[i] = [token]
+        if len(sampled) == len(inputs.req_ids):  # every request sampled (sample_indices are 0, 1, ...): a decode batch
+            sampled_token_ids = [[token] for token in sampled]
+        else:
+            sampled_token_ids = [[] for _ in inputs.req_ids]
+            for i, token in zip(inputs.sample_indices, sampled):
+                sampled_token_ids[i] = [token]
         for sample, tokens in (verified or {}).items():  # a drafted request: its accepted drafts and one token
             sampled_token_ids[inputs.sample_indices[sample]] = tokens
         logprobs = _logprobs_by_request(inputs, sampler_out) if sampler_out is not None else {}
