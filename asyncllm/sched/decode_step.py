@@ -1,15 +1,17 @@
 """The scheduler's decode step over all running requests at once (numpy over `RequestRows`).
 
 In a busy engine most steps only decode: every running request computes its
-one new token. `schedule_decodes` schedules such a step and
-`update_decodes` applies its output with whole-batch array operations; Python
-work per request is left only for what cannot be vectorized: the requests
-that enter a new KV block or fill one (allocation, prefix-cache hashing,
-about one in `block_size`), appending each sampled token to its request's
-token list, and a full delta for the requests that stop or report more than
-a token. Each function declines (returns 0 / None, having changed nothing)
-when the step is not of that kind; the scheduler's per-request loops then do
-the step, with the same result.
+one new token. `schedule_decodes` schedules the running requests' one-token
+decodes (all of them, or those before the first prefill under way) and
+`update_decodes` applies any step whose requests sampled at most one token
+each, with whole-batch array operations; Python work per request is left only
+for what cannot be vectorized: the requests that enter a new KV block or fill
+one (allocation, prefix-cache hashing, about one in `block_size`), appending
+each sampled token to its request's token list, and a full delta for the
+requests that stop or report more than a token. Each declines (0 / None,
+nothing changed) or stops part-way when the step is not of that kind; the
+per-request loops (`Scheduler._schedule_running`, asyncllm/sched/update_each.py)
+do the rest, with the same result.
 """
 
 from __future__ import annotations
