@@ -261,7 +261,7 @@ def _full_deltas(sched: Scheduler, outputs: StepOutputs, requests: list[Request]
         delta = protocol.RequestOutputDelta(request.request_id, [token], finish_reason, request.stop_reason,
                                             request.num_cached_tokens if num_tokens == num_prompt else 0)
         delta.events, request.events = request.events, None
-        sched.rows.events_sent(request._row)
+        sched.rows.events_sent(request)
         outputs.deltas.append((request.client_id, delta))
         if finish_reason is not None:
             sched.free_finished(request)

@@ -22,7 +22,8 @@ the block its extra token is written to was never full, so never cached.
 
 Each step's counts are advanced and taken back with array operations over
 its record (`Scheduler.step_records`: its requests' rows, asyncllm/sched/rows.py).
-The scheduler itself does not know about placeholders. Preemption must not
+The scheduler knows of placeholders only that a step's record was advanced
+(`update_from_output` then looks for blocks a placeholder held back). Preemption must not
 happen while one is in flight (the victim's in-flight token would be lost and
 its counts corrupted): `may_preempt` tells the core when the next
 `schedule()` could preempt, and the core then collects the in-flight step

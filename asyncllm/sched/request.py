@@ -16,8 +16,8 @@ from asyncllm import protocol
 from asyncllm.kv.hashing import BlockHash
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
-from asyncllm.sched.rows import RequestRows
 from asyncllm.sampling import SamplingParams
+from asyncllm.sched.rows import RequestRows
 
 __all__ = ["RequestStatus", "Request"]
 

@@ -130,9 +130,13 @@ class RequestRows:
         self.serial[row] = serial
         request._row, request._rows = row, self
 
-    def events_sent(self, row: int) -> None:
-        """The request of this row has sent its events: its next tokens may travel in the token lists."""
-        self.delta_from[row] = self.quiet_delta_from[row]
+    def holds(self, request: Request) -> bool:
+        """Whether the request holds a row here (it is running)."""
+        return request._rows is self
+
+    def events_sent(self, request: Request) -> None:
+        """A running request sent its events: its next tokens may travel in the token lists."""
+        self.delta_from[request._row] = self.quiet_delta_from[request._row]
 
     def detach(self, request: Request) -> None:
         """Take the row back from a request that stops running; its counters move back into it."""

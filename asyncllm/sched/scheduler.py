@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import logging
 import time
-from itertools import islice
 from collections.abc import Callable, Iterable
+from itertools import islice
 from typing import Any
 
 from asyncllm import protocol
@@ -208,7 +208,7 @@ class Scheduler:
             return
         for request in requests:
             del self.requests[request.request_id]
-            if request._rows is not None:
+            if self.rows.holds(request):
                 self.rows.detach(request)
             request.finish(status)
             self.kv_cache_manager.free(request)
@@ -300,17 +300,17 @@ class Scheduler:
         self._finished_req_ids = []
         if total:  # an empty step is never updated (the core does not run it): no record
             self.step_records[out.step_id] = step_record(self, out, step.bulk, step.num_bulk)
-        self._step_id += 1
-        if total:
             self.num_steps_total += 1
+        self._step_id += 1
         return out
 
     def _schedule_running(self, step: _Step) -> None:
-        # The hot loop of a decode step: names bound once, the KV manager's decode fast path inlined
-        # (a request whose last block has room for its one new token needs no allocate_slots call).
+        # The decodes up to the first prefill under way go in bulk (asyncllm/sched/decode_step.py); this loop
+        # does the rest one request at a time (names bound once, a decode with room in its last block needs
+        # no allocate_slots call): prefills, drafts, and the requests after a decode that found no block.
         running = self.running
         draft = self._drafts if self.proposer is not None else None
-        start = schedule_decodes(self, step) if draft is None else 0  # every request decoding: vectorized
+        start = schedule_decodes(self, step) if draft is None else 0
         if start == len(running):
             return
         kv = self.kv_cache_manager

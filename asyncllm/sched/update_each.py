@@ -79,7 +79,7 @@ def update_each(sched: Scheduler, sched_out: protocol.SchedulerOutput, runner_ou
         delta = protocol.RequestOutputDelta(req_id, token_ids, finish_reason, request.stop_reason,
                                             request.num_cached_tokens if num_tokens == num_prompt else 0)
         delta.events, request.events = request.events, None
-        sched.rows.events_sent(request._row)  # (running: it holds a row until freed below)
+        sched.rows.events_sent(request)  # (running: it holds a row until freed below)
         append_output((request.client_id, delta))
         if finish_reason is not None:
             sched.free_finished(request)
