@@ -177,6 +177,8 @@ class EngineStats:
     generation_tokens_total: int = 0
     """Tokens generated for this host's requests."""
     engine_alive: bool = True
+    num_steps_total: int = 0
+    """Steps the engine core has run (each a batch of the running requests' tokens), engine-wide."""
     extra: dict = field(default_factory=dict)
     request_success_total: dict[str, int] = field(default_factory=dict)
     """This host's finished requests by finish reason ("stop", "length", "abort", ...)."""

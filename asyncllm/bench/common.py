@@ -46,6 +46,8 @@ def add_common_args(parser: argparse.ArgumentParser, overlapped_steps: bool = Tr
     model.add_argument("--max-model-len", type=int, default=None, help="default: the workload's longest request")
     model.add_argument("--attention-backend", default=None, help="torch_sdpa or triton (default: the device's)")
     model.add_argument("--tensor-parallel-size", type=int, default=1)
+    model.add_argument("--pipeline-parallel-size", type=int, default=1,
+                       help="decoder layers over this many stages (docs/parallelism.md)")
     model.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     model.add_argument("--enforce-eager", action="store_true")
     model.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
@@ -100,6 +102,7 @@ def engine_kwargs(ctx: BenchContext, max_model_len: int) -> dict[str, Any]:
         max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len or min(max_model_len, ctx.model.max_position_embeddings),
         attention_backend=a.attention_backend, tensor_parallel_size=a.tensor_parallel_size,
+        pipeline_parallel_size=getattr(a, "pipeline_parallel_size", 1),
         gpu_memory_utilization=a.gpu_memory_utilization, enforce_eager=a.enforce_eager, seed=a.seed,
         kv_cache_dtype=a.kv_cache_dtype, quantization=a.quantization, enable_expert_parallel=a.enable_expert_parallel,
         async_scheduling=getattr(a, "async_scheduling", False),

@@ -68,6 +68,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     if args.tensor_parallel_size != 1:
         raise ConfigError("tensor_parallel_size", args.tensor_parallel_size,
                           "1: the profile runs one rank in this process")
+    if args.pipeline_parallel_size != 1:
+        raise ConfigError("pipeline_parallel_size", args.pipeline_parallel_size,
+                          "1: the profile runs one rank in this process")
     for name in ("batch_size", "input_len", "num_steps", "profile_steps"):
         if getattr(args, name) < 1:
             raise ConfigError(name, getattr(args, name), "at least 1")

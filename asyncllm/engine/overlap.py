@@ -5,7 +5,8 @@ One call of `OverlappedSteps.step`, in the steady state: schedule step N+1
 submit it to the workers, then collect step N, apply it and send its outputs.
 The workers go from step N to step N+1 without waiting for the core, and the
 core's scheduling, output handling and host messages run while they compute.
-At most one step runs ahead.
+At most one step runs ahead; with pipeline micro-batches (P stages), P - 1
+(each of disjoint requests: asyncllm/sched/placeholders.py).
 
 A step is scheduled synchronously, after collecting the one in flight, when it
 needs every token known: while structured-output requests run (the grammar
@@ -37,6 +38,8 @@ class OverlappedSteps:
     def __init__(self, core: "EngineCore") -> None:
         self.core = core
         self.placeholders = OutputPlaceholders(core.scheduler)
+        self.max_in_flight = max(2, core.scheduler.concurrent_batches)
+        """Steps submitted and not collected at most: one running ahead, or one per pipeline stage."""
         self.num_sync_steps = 0
         """Steps scheduled after collecting the one in flight (structured output, possible preemption)."""
 
@@ -50,7 +53,8 @@ class OverlappedSteps:
         collected = False
         try:
             if self.in_flight and (core.structured.matchers or self.placeholders.may_preempt()):
-                outputs = outputs + self._collect()
+                while self.in_flight:
+                    outputs = outputs + self._collect()
                 collected = True
                 self.num_sync_steps += 1
             sched_out = core.scheduler.schedule()
@@ -61,7 +65,7 @@ class OverlappedSteps:
                 sched_out.grammar_bitmask = core.structured.grammar_bitmask(sched_out, core.scheduler.requests)
             self.placeholders.advance(sched_out)
             core.executor.submit(sched_out)
-            if len(self.placeholders) > 1:
+            if len(self.placeholders) >= self.max_in_flight:
                 outputs = outputs + self._collect()
                 collected = True
         except errors.EngineDeadError as exc:  # the steps in flight are lost: their requests are recomputed

@@ -114,6 +114,7 @@ class HostStats:
             num_preemptions_total=s.num_preemptions_total, prefix_cache_queries=s.prefix_cache_queries,
             prefix_cache_hits=s.prefix_cache_hits, prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total, engine_alive=engine_alive,
+            num_steps_total=s.num_steps_total,
             request_success_total=dict(self.request_success), num_swapped_total=s.num_swapped_total,
             mm_cache_queries=self.mm_cache_queries, mm_cache_hits=self.mm_cache_hits,
             mm_encoder_cache_queries=s.mm_encoder_cache_queries, mm_encoder_cache_hits=s.mm_encoder_cache_hits,

@@ -20,6 +20,12 @@ arrives and never reaches a host. Its blocks are freed at once; that is safe
 because the workers run step N+1 before any later step can reuse them, and
 the block its extra token is written to was never full, so never cached.
 
+Pipeline micro-batches (`Scheduler.concurrent_batches` > 1) take no
+placeholders: a sampling request is left with nothing to compute, so the
+next `schedule()` skips it and the steps in flight hold disjoint requests
+(the first stage could not start a step that needs a token the last stage
+has not sampled yet).
+
 Each step's counts are advanced and taken back with array operations over
 its record (`Scheduler.step_records`: its requests' rows, asyncllm/sched/rows.py).
 The scheduler knows of placeholders only that a step's record was advanced
@@ -63,6 +69,9 @@ class OutputPlaceholders:
     def __init__(self, scheduler: "Scheduler") -> None:
         self.scheduler = scheduler
         self._in_flight: deque[_InFlightStep] = deque()
+        self._placeholders = scheduler.concurrent_batches == 1
+        """Whether a sampling request gets a placeholder; pipeline micro-batches get none, so that `schedule()`
+        skips the request (nothing left to compute) until its token is committed."""
 
     def __len__(self) -> int:
         return len(self._in_flight)
@@ -73,7 +82,7 @@ class OutputPlaceholders:
         record = self.scheduler.step_records.get(sched_out.step_id)
         if record is None:  # nothing scheduled: the step carries finished or preempted ids only
             record = step_record(self.scheduler, sched_out, None, 0)
-        _advance(record, self.scheduler.rows)
+        _advance(record, self.scheduler.rows, self._placeholders)
         self._in_flight.append(_InFlightStep(sched_out, record))
 
     def commit(self, runner_out: protocol.ModelRunnerOutput) -> StepOutputs:
@@ -88,7 +97,7 @@ class OutputPlaceholders:
             _drop_reused_ids(step, live, runner_out, self.scheduler.requests)
         outputs = self.scheduler.update_from_output(step.sched_out, runner_out)
         for later in self._in_flight:
-            _advance(later.record, rows)
+            _advance(later.record, rows, self._placeholders)
             self._register_filled_blocks(later.record)
         return outputs
 
@@ -146,8 +155,9 @@ class OutputPlaceholders:
         return False
 
 
-def _advance(record: StepRows, rows: RequestRows) -> None:
-    """Count the step's tokens as computed and a placeholder where it samples, for its requests still running.
+def _advance(record: StepRows, rows: RequestRows, placeholders: bool = True) -> None:
+    """Count the step's tokens as computed and a placeholder where it samples (unless ``placeholders`` is
+    False), for its requests still running.
 
     A request that left since (finished, aborted or timed out; its id maybe
     taken by a new request) holds no row of that serial and is skipped.
@@ -157,11 +167,12 @@ def _advance(record: StepRows, rows: RequestRows) -> None:
     row_ids = record.rows[live]
     computed = rows.computed[row_ids] + record.num_scheduled[live]
     rows.computed[row_ids] = computed
-    samples = computed == rows.tokens[row_ids]  # the step reaches the end of the known tokens: it samples
-    rows.tokens[row_ids[samples]] += 1
-    placeholders = np.zeros(len(record), dtype=np.bool_)
-    placeholders[np.flatnonzero(live)[samples]] = True
-    record.placeholders = placeholders
+    held = np.zeros(len(record), dtype=np.bool_)
+    if placeholders:
+        samples = computed == rows.tokens[row_ids]  # the step reaches the end of the known tokens: it samples
+        rows.tokens[row_ids[samples]] += 1
+        held[np.flatnonzero(live)[samples]] = True
+    record.placeholders = held
 
 
 def _rewind(record: StepRows, rows: RequestRows) -> np.ndarray:

@@ -26,6 +26,12 @@ returns the deltas for the hosts; `finish_expired_requests()` ends timed-out
 requests between steps. Each is O(scheduled requests) (O(1) when no deadline
 is due): nothing walks the block pool. The worker samples a request when the
 step reaches the end of its known tokens, so schedule, run, update alternate.
+
+Pipeline micro-batches (``pipeline_parallel_size`` P > 1 with the core's
+overlapped steps): a step holds at most 1/P of the requests that can run, and
+a request whose sampled token is still in flight (a step scheduled, its output
+not applied) is skipped, so the steps in flight hold disjoint requests and the
+stages run P of them at once (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -68,11 +74,13 @@ class _Step:
 
     __slots__ = (
         "budget", "num_scheduled_tokens", "new_reqs", "cached_reqs", "preempted_req_ids",
-        "blocks_to_swap_out", "blocks_to_swap_in", "spec_token_ids", "bulk", "num_bulk",
+        "blocks_to_swap_out", "blocks_to_swap_in", "spec_token_ids", "bulk", "num_bulk", "max_reqs",
     )
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, max_reqs: int | None = None) -> None:
         self.budget = budget
+        self.max_reqs = max_reqs
+        """Requests this step may hold (pipeline micro-batches); None: no limit but the budget and the seats."""
         self.num_scheduled_tokens: dict[str, int] = {}
         self.new_reqs: list[protocol.NewRequestData] = []
         self.cached_reqs = protocol.CachedRequestData()
@@ -149,6 +157,9 @@ class Scheduler:
         if spec is not None:
             self.proposer = DraftModelProposer() if spec.uses_draft_model else NgramProposer(spec)
         self.spec_stats = SpecDecodingStats(spec.num_speculative_tokens if spec is not None else 0)
+        overlapped = config.async_scheduling and spec is None  # as the engine core decides (engine/core.py)
+        self.concurrent_batches: int = config.pipeline_parallel_size if overlapped else 1
+        """Steps in flight at once with disjoint requests: the pipeline's stages (1: every step takes all it can)."""
 
     # ------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -277,7 +288,7 @@ class Scheduler:
         Send every output to the workers, even one with no tokens scheduled:
         it carries `finished_req_ids` and `preempted_req_ids` only once.
         """
-        step = _Step(self.max_num_batched_tokens)
+        step = _Step(self.max_num_batched_tokens, self._micro_batch_size())
         if self.policy == "priority" and self.waiting and self.running:
             self._preempt_for_priority(step)
         num_preempted = len(step.preempted_req_ids)
@@ -304,13 +315,21 @@ class Scheduler:
         self._step_id += 1
         return out
 
+    def _micro_batch_size(self) -> int | None:
+        """A pipeline micro-batch: 1/P of the requests that can run (at least one); None without micro-batches."""
+        if self.concurrent_batches == 1:
+            return None
+        runnable = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        return max(1, -(-runnable // self.concurrent_batches))
+
     def _schedule_running(self, step: _Step) -> None:
         # The decodes up to the first prefill under way go in bulk (asyncllm/sched/decode_step.py); this loop
         # does the rest one request at a time (names bound once, a decode with room in its last block needs
         # no allocate_slots call): prefills, drafts, and the requests after a decode that found no block.
         running = self.running
         draft = self._drafts if self.proposer is not None else None
-        start = schedule_decodes(self, step) if draft is None else 0
+        max_reqs = step.max_reqs
+        start = schedule_decodes(self, step) if draft is None and max_reqs is None else 0
         if start == len(running):
             return
         kv = self.kv_cache_manager
@@ -324,11 +343,14 @@ class Scheduler:
         # Preemption only pops the list's tail (never a request before this one), so iterating while it
         # shrinks is safe: when the request preempts itself it was the last one and the loop ends.
         for request in islice(running, start, None):
-            if budget <= 0:
+            if budget <= 0 or (max_reqs is not None and len(num_scheduled_tokens) >= max_reqs):
                 break
             req_id = request.request_id
             num_computed = request.num_computed_tokens
             num_new = request.num_tokens - num_computed
+            if not num_new:  # a micro-batch in flight samples its next token
+                assert max_reqs is not None, request
+                continue
             drafts = draft(request, budget) if draft is not None and num_new == 1 else None
             slot = num_computed % block_size
             if num_new == 1 and slot and not drafts:  # the block of the last computed token has room for this one
@@ -417,6 +439,8 @@ class Scheduler:
         loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras and self.waiting else set()
         skipped: list[Request] = []  # their adapter would be one too many (max_loras): they keep their place
         while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
+            if step.max_reqs is not None and len(step.num_scheduled_tokens) >= step.max_reqs:
+                break
             request = self.waiting.peek()
             if step.preempted_req_ids and request.request_id in step.preempted_req_ids:
                 break  # preempted for a higher-priority request in this very step

@@ -2,7 +2,8 @@
 each). Greedy tokens equal transformers' under chunked prefill, a prefix-cache hit and preemption (by swap: each
 stage copies its own layers' blocks out and back); the KV cache's block count is the first stage's (2 layers:
 the minimum over the ranks), not the whole model's; embeddings come from the last stage; update_weights is
-refused; a killed stage worker is replaced and its requests recomputed token-exact. The stages' parts and their
+refused; a killed stage worker is replaced and its requests recomputed token-exact; micro-batches (two steps of
+disjoint requests in flight) keep every token. The stages' parts and their
 logits against the unsplit model: tests/unit/test_pipeline_parallel.py."""
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ async def test_greedy_equals_transformers_chunked_with_prefix_hits_and_preemptio
         assert out.token_ids == hf_greedy(path, prompt, 24, eos_token_id=None), f"{len(prompt)} tokens"
 
 
+async def test_micro_batches_split_the_requests_over_the_stages_and_keep_every_token(engine: AsyncEngine,
+                                                                                    path: str) -> None:
+    """Four requests decode two by two (a step holds half the seats: the stages run two steps at once), stage 0
+    taking each step's sampled ids after it has gone on (workers/pipeline.py), and every token stays exact."""
+    prompts = [list(range(20 + 7 * i, 32 + 7 * i)) for i in range(4)]
+    steps_before = engine.stats().num_steps_total
+    outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+    assert [out.token_ids for out in outs] == [hf_greedy(path, p, 24, eos_token_id=None) for p in prompts]
+    assert engine.stats().num_steps_total - steps_before >= 4 * 24 // 2  # at most two requests a step
+
+
 async def test_embeddings_come_from_the_last_stage(engine: AsyncEngine, path: str) -> None:
     prompt = list(range(40, 75))
     out = await engine.embed(prompt)
@@ -95,3 +107,16 @@ async def test_a_killed_stage_worker_is_replaced_and_streams_stay_exact(engine: 
     assert tokens == [hf_greedy(path, p, 24, eos_token_id=None) for p in prompts]
     assert set(worker_pids(engine._core.pid)).isdisjoint(workers)  # every rank restarted
     await wait_idle(engine)
+
+
+async def test_three_stages_run_three_micro_batches_token_exact(path: str) -> None:
+    """One layer per stage: the middle stage also goes on before its steps' ids arrive; up to three steps of
+    disjoint requests are in flight."""
+    rng = random.Random(7)
+    prompts = [[rng.randrange(6, 500) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    async with AsyncEngine(path, pipeline_parallel_size=3, max_num_batched_tokens=64, max_model_len=128,
+                           disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
+        assert engine.stats().num_steps_total >= 6 * 16 // 2  # at most ceil(6 / 3) requests a step
+    assert [out.token_ids for out in outs] == [hf_greedy(path, p, 16, eos_token_id=None) for p in prompts]

@@ -6,6 +6,9 @@ test_scheduler_property (which checks every step's KV against the tokens): colle
 when `may_preempt` says so, schedule, advance, submit (the fake worker runs a step when it is submitted: real
 workers run steps in submission order, so nothing the core does later can change what a step computes), and
 collect the older step once two are in flight. Aborts and timeouts land while steps are in flight.
+
+With pipeline micro-batches (``pipeline_parallel_size`` P > 1) up to P steps are in flight, and each new step
+must hold none of the requests that sample in a step in flight, and at most 1/P of the seats.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ class OverlapDriver:
         self.finish: dict[str, str] = {}
         self.num_ahead = 0
         """Steps scheduled while another was in flight."""
+        self.depth = max(2, sched.concurrent_batches)
+        """Steps in flight before the oldest is collected (asyncllm/engine/overlap.py)."""
 
     def record(self, deltas: list[protocol.RequestOutputDelta]) -> None:
         for delta in deltas:
@@ -50,18 +55,28 @@ class OverlapDriver:
 
     def step(self) -> None:
         if self.placeholders and self.placeholders.may_preempt():
-            self.collect()
+            self.drain()
         out = self.sched.schedule()
         if not (out.total_num_scheduled_tokens or out.finished_req_ids or out.preempted_req_ids):
             if self.placeholders:
                 self.collect()
             return
         self.num_ahead += bool(self.placeholders)
+        if self.sched.concurrent_batches > 1:
+            self.check_micro_batch(out)
         self.placeholders.advance(out)
         self.pending.append(self.worker.execute(out))
-        if len(self.placeholders) > 1:
+        if len(self.placeholders) >= self.depth:
             self.collect()
         check_invariants(self.sched)
+
+    def check_micro_batch(self, out: protocol.SchedulerOutput) -> None:
+        """No request of a step in flight that samples there, and at most 1/P of the seats."""
+        sampling = {req_id for pending in self.pending
+                    for req_id, tokens in zip(pending.req_ids, pending.sampled_token_ids) if tokens}
+        assert sampling.isdisjoint(out.num_scheduled_tokens), (sampling, out.num_scheduled_tokens)
+        seats = -(-self.sched.max_num_seqs // self.sched.concurrent_batches)
+        assert len(out.num_scheduled_tokens) <= seats, (out.num_scheduled_tokens, seats)
 
     def drain(self) -> None:
         while self.placeholders:
@@ -150,14 +165,15 @@ ops = st.lists(
     prefix_caching=st.booleans(),
     preemption_mode=st.sampled_from(["recompute", "swap"]),
     policy=st.sampled_from(["fcfs", "priority"]),
+    stages=st.sampled_from([1, 1, 2, 3]),
 )
 def test_overlapped_schedules_give_each_request_its_own_output(
-    ops, num_gpu_blocks, block_size, budget, max_num_seqs, chunked, prefix_caching, preemption_mode, policy,
+    ops, num_gpu_blocks, block_size, budget, max_num_seqs, chunked, prefix_caching, preemption_mode, policy, stages,
 ):
     config = EngineConfig.create(
         "dummy-model", block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked, enable_prefix_caching=prefix_caching, preemption_mode=preemption_mode,
-        scheduling_policy=policy,
+        scheduling_policy=policy, pipeline_parallel_size=stages,
     )
     run_overlapped(ops, config, num_gpu_blocks, num_cpu_blocks=8 if preemption_mode == "swap" else 0)
 
