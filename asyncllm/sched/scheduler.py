@@ -28,8 +28,8 @@ is due): nothing walks the block pool. The worker samples a request when the
 step reaches the end of its known tokens, so schedule, run, update alternate.
 
 Pipeline micro-batches (``pipeline_parallel_size`` P > 1 with the core's
-overlapped steps): a step holds at most 1/P of the requests that can run, and
-a request whose sampled token is still in flight (a step scheduled, its output
+overlapped steps): a step holds at most 1/P of the running requests (and of
+the seats the queue could fill, with its admissions), and a request whose sampled token is still in flight (a step scheduled, its output
 not applied) is skipped, so the steps in flight hold disjoint requests and the
 stages run P of them at once (docs/parallelism.md).
 """
@@ -74,13 +74,16 @@ class _Step:
 
     __slots__ = (
         "budget", "num_scheduled_tokens", "new_reqs", "cached_reqs", "preempted_req_ids",
-        "blocks_to_swap_out", "blocks_to_swap_in", "spec_token_ids", "bulk", "num_bulk", "max_reqs",
+        "blocks_to_swap_out", "blocks_to_swap_in", "spec_token_ids", "bulk", "num_bulk", "max_running", "max_reqs",
     )
 
-    def __init__(self, budget: int, max_reqs: int | None = None) -> None:
+    def __init__(self, budget: int, max_running: int | None = None, max_reqs: int | None = None) -> None:
         self.budget = budget
+        self.max_running = max_running
+        """Running requests this step may hold (pipeline micro-batches); None: no limit but the budget."""
         self.max_reqs = max_reqs
-        """Requests this step may hold (pipeline micro-batches); None: no limit but the budget and the seats."""
+        """Requests this step may hold, the admitted ones included (pipeline micro-batches); None: no limit but the
+        budget and the seats."""
         self.num_scheduled_tokens: dict[str, int] = {}
         self.new_reqs: list[protocol.NewRequestData] = []
         self.cached_reqs = protocol.CachedRequestData()
@@ -288,7 +291,7 @@ class Scheduler:
         Send every output to the workers, even one with no tokens scheduled:
         it carries `finished_req_ids` and `preempted_req_ids` only once.
         """
-        step = _Step(self.max_num_batched_tokens, self._micro_batch_size())
+        step = _Step(self.max_num_batched_tokens, *self._micro_batch_size())
         if self.policy == "priority" and self.waiting and self.running:
             self._preempt_for_priority(step)
         num_preempted = len(step.preempted_req_ids)
@@ -315,12 +318,19 @@ class Scheduler:
         self._step_id += 1
         return out
 
-    def _micro_batch_size(self) -> int | None:
-        """A pipeline micro-batch: 1/P of the requests that can run (at least one); None without micro-batches."""
-        if self.concurrent_batches == 1:
-            return None
-        runnable = min(len(self.running) + len(self.waiting), self.max_num_seqs)
-        return max(1, -(-runnable // self.concurrent_batches))
+    def _micro_batch_size(self) -> tuple[int | None, int | None]:
+        """A pipeline micro-batch's running requests and requests at most: 1/P of the running ones, and 1/P of the
+        seats the queue could fill (when its requests can be admitted); None, None without micro-batches.
+
+        The running ones alone set the first: waiting requests that find no blocks must not widen a micro-batch
+        to every running request, which would leave the next step empty.
+        """
+        stages = self.concurrent_batches
+        if stages == 1:
+            return None, None
+        max_running = max(1, -(-len(self.running) // stages))
+        seats = min(len(self.running) + len(self.waiting), self.max_num_seqs)
+        return max_running, max(max_running, -(-seats // stages))
 
     def _schedule_running(self, step: _Step) -> None:
         # The decodes up to the first prefill under way go in bulk (asyncllm/sched/decode_step.py); this loop
@@ -328,8 +338,8 @@ class Scheduler:
         # no allocate_slots call): prefills, drafts, and the requests after a decode that found no block.
         running = self.running
         draft = self._drafts if self.proposer is not None else None
-        max_reqs = step.max_reqs
-        start = schedule_decodes(self, step) if draft is None and max_reqs is None else 0
+        max_running = step.max_running
+        start = schedule_decodes(self, step) if draft is None and max_running is None else 0
         if start == len(running):
             return
         kv = self.kv_cache_manager
@@ -343,13 +353,13 @@ class Scheduler:
         # Preemption only pops the list's tail (never a request before this one), so iterating while it
         # shrinks is safe: when the request preempts itself it was the last one and the loop ends.
         for request in islice(running, start, None):
-            if budget <= 0 or (max_reqs is not None and len(num_scheduled_tokens) >= max_reqs):
+            if budget <= 0 or (max_running is not None and len(num_scheduled_tokens) >= max_running):
                 break
             req_id = request.request_id
             num_computed = request.num_computed_tokens
             num_new = request.num_tokens - num_computed
             if not num_new:  # a micro-batch in flight samples its next token
-                assert max_reqs is not None, request
+                assert max_running is not None, request
                 continue
             drafts = draft(request, budget) if draft is not None and num_new == 1 else None
             slot = num_computed % block_size

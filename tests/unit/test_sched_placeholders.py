@@ -40,6 +40,8 @@ class OverlapDriver:
         self.finish: dict[str, str] = {}
         self.num_ahead = 0
         """Steps scheduled while another was in flight."""
+        self.step_sizes: list[int] = []
+        """Requests in each step submitted."""
         self.depth = max(2, sched.concurrent_batches)
         """Steps in flight before the oldest is collected (asyncllm/engine/overlap.py)."""
 
@@ -65,6 +67,7 @@ class OverlapDriver:
         if self.sched.concurrent_batches > 1:
             self.check_micro_batch(out)
         self.placeholders.advance(out)
+        self.step_sizes.append(len(out.num_scheduled_tokens))
         self.pending.append(self.worker.execute(out))
         if len(self.placeholders) >= self.depth:
             self.collect()
@@ -287,3 +290,26 @@ def test_blocks_ending_in_a_placeholder_enter_the_prefix_cache_once_their_token_
             seen.add(pool.num_cached_blocks)
     driver.drain()
     assert seen == {0, 1, 2, 3} and req.output_token_ids == generate_alone(req, 20)[0]
+
+
+def test_micro_batches_split_the_running_requests_while_the_queue_waits_for_blocks():
+    """Two stages, four short requests admitted together and ten long ones waiting for blocks that the short ones
+    hold: once running, the four decode two by two (the waiting ones cannot run, so they must not widen the
+    micro-batch to all four, which would leave every other step empty), and every output is exact."""
+    config = EngineConfig.create("dummy-model", block_size=4, max_num_batched_tokens=64, max_num_seqs=8,
+                                 pipeline_parallel_size=2)
+    sched = make_scheduler(config, 8, 0, [0.0])
+    driver = OverlapDriver(sched, FakeWorker(8, 4))
+    short = [_add(sched, f"s{i}", [1 + i, 2, 4], 4) for i in range(4)]
+    long = [_add(sched, f"l{i}", [(i + j) % 6 for j in range(17)], 3) for i in range(10)]  # 5 blocks each
+    driver.step()
+    assert driver.step_sizes == [4] and len(sched.running) == 4  # a micro-batch of the 8 seats: the short ones
+    while any(not r.is_finished for r in short):
+        driver.step()
+    sizes = driver.step_sizes[1:]
+    assert len(sizes) >= 6 and max(sizes) <= 2 and driver.num_ahead > 0, sizes
+    while sched.has_unfinished_requests():
+        driver.step()
+    driver.drain()
+    for req in short + long:
+        assert driver.outputs[req.request_id] == generate_alone(req, 20)[0], req.request_id
