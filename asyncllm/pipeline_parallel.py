@@ -70,7 +70,6 @@ def check_pipeline_config(config: EngineConfig) -> None:
     refused = [
         ("data_parallel_size", config.data_parallel_size, config.data_parallel_size > 1),
         ("speculative_config", config.speculative_config, config.speculative_config is not None),
-        ("enable_lora", True, config.enable_lora),
         ("enable_sleep_mode", True, config.enable_sleep_mode),
     ]
     for field, value, on in refused:

@@ -102,7 +102,9 @@ class LoRARunner:
         for layer in self.layers.values():
             layer.clear(slot)
         for module_name, part, lora_a, lora_b, scaling in loaded:
-            self.layers[module_name].set(slot, part, lora_a, lora_b, scaling)
+            layer = self.layers.get(module_name)
+            if layer is not None:  # None: another pipeline stage's layer (the host checked the names)
+                layer.set(slot, part, lora_a, lora_b, scaling)
         self.slots[adapter_id] = slot
 
     def _load(self, adapter: LoRARequest) -> _Loaded:

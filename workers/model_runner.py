@@ -115,7 +115,8 @@ class ModelRunner:
         self.mm_runner = MultiModalRunner(model, self.device, self.config, tp) if is_multimodal(model) else None
         self.pooler.classifier = getattr(model, "classify", None)  # *ForSequenceClassification: its score head
         if self.config.enable_lora:
-            self.lora_runner = LoRARunner(model, self.config.lora_config, dtype, self.device)
+            causal_lm = getattr(model, "causal_lm", model)  # a pipeline stage's: its layers, the checkpoint's names
+            self.lora_runner = LoRARunner(causal_lm, self.config.lora_config, dtype, self.device)
 
     @property
     def bytes_per_block(self) -> int:

@@ -128,10 +128,14 @@ class PipelineModelRunner(ModelRunner):
         batch = self.input_batch
         self._resolve_pending(sched_out.num_scheduled_tokens)
         batch.update_states(sched_out)
+        if self.lora_runner is not None:
+            self.lora_runner.update_states(sched_out)
         empty = ModelRunnerOutput(sched_out.step_id, [], [])
         if not sched_out.num_scheduled_tokens:
             return empty
         inputs = batch.prepare_inputs(sched_out)
+        if self.lora_runner is not None:  # an adapter it cannot read: the last stage's rank reports it
+            self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens)
         self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         self._defer_sampled(inputs, sched_out)
         return empty

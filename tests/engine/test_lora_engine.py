@@ -117,6 +117,21 @@ async def test_tensor_parallel_adapters_equal_peft(tiny_qwen3: str, tmp_path) ->
             assert next(got).token_ids == _reference(tiny_qwen3, variant, prompt), (variant, prompt)
 
 
+async def test_pipeline_stages_each_apply_their_layers_adapters(tiny_llama: str, adapters: list[LoRARequest]) -> None:
+    """Two stages of one layer each: each stage puts its own layers' matrices of an adapter in its slots (the
+    other stage's are skipped) and masks its tokens; four variants in micro-batches, three adapters for two
+    slots, equal peft's tokens."""
+    prompts = random_prompts(3, seed=17, max_len=40)
+    variants: list[LoRARequest | None] = [None, *adapters]
+    async with AsyncEngine(tiny_llama, pipeline_parallel_size=2, enable_lora=True, max_loras=2,
+                           max_num_batched_tokens=32, disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY, lora_request=v) for p in prompts for v in variants))
+    got = iter(outs)
+    for prompt in prompts:
+        for variant in variants:
+            assert next(got).token_ids == _reference(tiny_llama, variant, prompt), (variant, prompt)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 async def test_an_adapter_gone_before_the_workers_read_it_fails_its_requests_only(tiny_llama: str, tmp_path,
                                                                                    async_scheduling: bool) -> None:
