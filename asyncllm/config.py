@@ -238,11 +238,12 @@ class ParallelConfig:
     """Worker processes the model is sharded across (NCCL on GPU, gloo on CPU)."""
     pipeline_parallel_size: int = 1
     """Pipeline stages: the decoder layers split over this many stages of tensor_parallel_size workers each
-    (vLLM's split), run one after the other each step: it fits a model too big for one device, it adds no
-    throughput (docs/parallelism.md)."""
+    (vLLM's split): it fits a model too big for one device; with async_scheduling the stages run that many
+    micro-batches of disjoint requests at once (docs/parallelism.md)."""
     data_parallel_size: int = 1
-    """Engine replicas: N engine cores, each with its own tensor_parallel_size workers (on CUDA replica i uses
-    devices i*tp .. (i+1)*tp-1); requests go to the least loaded one (docs/parallelism.md)."""
+    """Engine replicas: N engine cores, each with its own tensor_parallel_size x pipeline_parallel_size workers (on
+    CUDA replica i uses devices i*w .. (i+1)*w-1, w those workers); requests go to the least loaded one
+    (docs/parallelism.md)."""
     enable_expert_parallel: bool = False
     """MoE models: each TP rank holds a 1/tp share of the experts whole, instead of a 1/tp slice of every
     expert (docs/moe.md); a dense model refuses it. Not with data_parallel_size > 1 (not built yet)."""

@@ -68,7 +68,6 @@ def check_pipeline_config(config: EngineConfig) -> None:
     if pp == 1:
         return
     refused = [
-        ("data_parallel_size", config.data_parallel_size, config.data_parallel_size > 1),
         ("speculative_config", config.speculative_config, config.speculative_config is not None),
         ("enable_sleep_mode", True, config.enable_sleep_mode),
     ]

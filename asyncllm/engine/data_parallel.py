@@ -46,22 +46,24 @@ def visible_cuda_devices() -> list[str]:
 
 
 def replica_devices(config: EngineConfig) -> list[list[str]] | None:
-    """The CUDA devices of each replica (replica i: devices i*tp .. (i+1)*tp-1 of the visible ones), or None when
-    the workers run on the CPU (device "cpu", or "auto" without a GPU) or there is one replica.
+    """The CUDA devices of each replica (replica i: devices i*w .. (i+1)*w-1 of the visible ones, w its ranks:
+    tensor_parallel_size x pipeline_parallel_size), or None when the workers run on the CPU (device "cpu", or
+    "auto" without a GPU) or there is one replica.
 
-    Raises `ConfigError` when fewer than data_parallel_size x tensor_parallel_size devices are visible.
+    Raises `ConfigError` when fewer than data_parallel_size x w devices are visible.
     """
-    dp, tp = config.data_parallel_size, config.tensor_parallel_size
+    dp, world = config.data_parallel_size, config.parallel_config.world_size
     if dp == 1 or config.device == "cpu":
         return None
     visible = visible_cuda_devices()
     if config.device == "auto" and not visible:
         return None
-    if len(visible) < dp * tp:
-        raise ConfigError("data_parallel_size", dp, f"data_parallel_size x tensor_parallel_size = {dp * tp} CUDA "
-                          f"devices, but {len(visible)} are visible ({CUDA_VISIBLE_DEVICES}="
-                          f"{os.environ.get(CUDA_VISIBLE_DEVICES, 'unset')}); lower data_parallel_size")
-    return [visible[i * tp:(i + 1) * tp] for i in range(dp)]
+    if len(visible) < dp * world:
+        raise ConfigError("data_parallel_size", dp, f"data_parallel_size x tensor_parallel_size x "
+                          f"pipeline_parallel_size = {dp * world} CUDA devices, but {len(visible)} are visible "
+                          f"({CUDA_VISIBLE_DEVICES}={os.environ.get(CUDA_VISIBLE_DEVICES, 'unset')}); lower "
+                          "data_parallel_size")
+    return [visible[i * world:(i + 1) * world] for i in range(dp)]
 
 
 def replica_env(devices: list[list[str]] | None, index: int) -> dict[str, str] | None:

@@ -120,3 +120,16 @@ async def test_three_stages_run_three_micro_batches_token_exact(path: str) -> No
         outs = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
         assert engine.stats().num_steps_total >= 6 * 16 // 2  # at most ceil(6 / 3) requests a step
     assert [out.token_ids for out in outs] == [hf_greedy(path, p, 16, eos_token_id=None) for p in prompts]
+
+
+async def test_two_replicas_of_two_stages_each_serve_token_exact(path: str) -> None:
+    """data_parallel_size=2 x pipeline_parallel_size=2: two engine cores, each over its own two stages; both
+    replicas serve and every token equals transformers'."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(6, 500) for _ in range(rng.randint(3, 40))] for _ in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    async with AsyncEngine(path, data_parallel_size=2, pipeline_parallel_size=2, max_num_batched_tokens=64,
+                           max_model_len=128, disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
+        assert all(replica.prompt_tokens_total > 0 for replica in engine.stats().replicas)
+    assert [out.token_ids for out in outs] == [hf_greedy(path, p, 8, eos_token_id=None) for p in prompts]

@@ -39,6 +39,8 @@ def test_replica_i_gets_devices_i_tp_to_i_plus_1_tp(monkeypatch) -> None:
     devices = replica_devices(EngineConfig.create("m", device="cuda", data_parallel_size=2, tensor_parallel_size=2))
     assert devices == [["4", "5"], ["6", "7"]]
     assert replica_env(devices, 1) == {"CUDA_VISIBLE_DEVICES": "6,7"}
+    stages = EngineConfig.create("m", device="cuda", data_parallel_size=2, pipeline_parallel_size=2)
+    assert replica_devices(stages) == [["4", "5"], ["6", "7"]]  # each replica's two stages
     assert replica_devices(EngineConfig.create("m", device="cpu", data_parallel_size=2)) is None
     assert replica_devices(EngineConfig.create("m", device="cuda")) is None  # one replica: the environment as is
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
