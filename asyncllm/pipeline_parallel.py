@@ -67,13 +67,9 @@ def check_pipeline_config(config: EngineConfig) -> None:
     pp = config.pipeline_parallel_size
     if pp == 1:
         return
-    refused = [
-        ("speculative_config", config.speculative_config, config.speculative_config is not None),
-        ("enable_sleep_mode", True, config.enable_sleep_mode),
-    ]
-    for field, value, on in refused:
-        if on:
-            raise NotBuiltError(field, value, f"{field} with pipeline_parallel_size={pp}")
+    if config.speculative_config is not None:
+        raise NotBuiltError("speculative_config", config.speculative_config,
+                            f"speculative_config with pipeline_parallel_size={pp}")
 
 
 def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any) -> None:

@@ -6,7 +6,7 @@ Two phases, so that tensor-parallel ranks never end up with different weights:
    config.json has the served architecture and shapes, and the model's own loader accepts every tensor
    (names, this rank's shard shapes, nothing missing) on a copy of the model built on the meta device,
    from the safetensors headers only.
-2. Every rank tells the others whether its check passed (one all-reduce). Only if all passed does each
+2. Every rank (every pipeline stage's too) tells the others whether its check passed (one all-reduce). Only if all passed does each
    rank copy the weights in place (``param.data.copy_`` through the model's `load_weights`), so CUDA
    graphs captured over the parameters stay valid and no second copy of the model is allocated.
 
@@ -51,20 +51,23 @@ SHAPE_KEYS = (
 tables, norms), so only weights may change."""
 
 
-def update_weights(runner: Any, command: protocol.UpdateWeights) -> protocol.WeightsUpdated:
-    """Check, agree with the other ranks, copy; the reply for the core (an error reply changed nothing)."""
+def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | None = None) -> protocol.WeightsUpdated:
+    """Check, agree with the other ranks, copy; the reply for the core (an error reply changed nothing), from
+    ``rank`` (the worker's rank in the engine; default the runner's, which is its TP rank within a stage)."""
+    rank = runner.rank if rank is None else rank
     try:
         path = check_update(runner, command.model_path, command.revision, command.hf_config_json)
         error: InvalidRequestError | NotBuiltError | None = None
     except (InvalidRequestError, NotBuiltError) as exc:
         error = exc
-    if not _all_ranks_passed(error is None, runner.tp_size, runner.device):
+    if not _all_ranks_passed(error is None, runner.device):
         error = error or InvalidRequestError("model_path", OTHER_RANK_REFUSED)
-        return weights_error_reply(command.update_id, error, runner.rank)
-    load_checkpoint(runner.model, path, runner.config.kv_cache_dtype)  # in place: every loader copies into .data
+        return weights_error_reply(command.update_id, error, rank)
+    # in place: every loader copies into .data; a pipeline stage's model loads its own parts' tensors only
+    load_checkpoint(getattr(runner.model, "causal_lm", runner.model), path, runner.config.kv_cache_dtype)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)  # the host-to-device copies are done before the next step reads
-    return protocol.WeightsUpdated(command.update_id, rank=runner.rank)
+    return protocol.WeightsUpdated(command.update_id, rank=rank)
 
 
 def check_update(runner: Any, model_path: str, revision: str | None, config_json: str = "") -> str:
@@ -116,11 +119,12 @@ def _plain_dict(hf_config: Any) -> dict[str, Any]:
 
 
 def _meta_model(runner: Any) -> Any:
-    """The served model again, its parameters on the meta device (no memory), to run the loader over shapes only."""
+    """The served model again (a pipeline stage's parts only), its parameters on the meta device (no memory), to
+    run the loader over shapes only."""
     try:
         with _parameters_on_meta():
             return build_model(runner.config, runner.hf_config, runner.device, runner.dtype, runner.rank,
-                               runner.tp_size, tensor_device=torch.device("cpu"))
+                               runner.tp_size, tensor_device=torch.device("cpu"), pipeline=getattr(runner, "stage", None))
     except Exception as exc:  # noqa: BLE001 - an architecture whose layers need real tensors to be built
         raise NotBuiltError("model", runner.config.model,
                             f"update_weights of this architecture (it cannot be built on the meta device: {exc})") \
@@ -161,9 +165,9 @@ class _HeadersOnly:
             yield name, torch.empty(weight_shape(weight), device="meta")
 
 
-def _all_ranks_passed(passed: bool, tp_size: int, device: torch.device) -> bool:
-    """Whether every rank's check passed (the minimum over the TP group)."""
-    if tp_size == 1:
+def _all_ranks_passed(passed: bool, device: torch.device) -> bool:
+    """Whether every rank's check passed (the minimum over all the engine's ranks: every stage's TP ranks)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return passed
     flag = torch.tensor([1 if passed else 0], dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)

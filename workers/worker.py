@@ -185,7 +185,7 @@ class Worker:
             elif isinstance(command, protocol.UpdateWeights):  # after the flush: no step of the old weights in flight
                 from asyncllm.workers.weight_update import update_weights  # here: the tests' fake runners need no loader
 
-                self.send(update_weights(self.runner, command))
+                self.send(update_weights(self.runner, command, self.rank))
             elif isinstance(command, (protocol.Sleep, protocol.WakeUp)):  # after the flush: no step reads the memory
                 from asyncllm.workers.sleep import RunnerSleep
 

@@ -64,7 +64,7 @@ class WeightUpdater:
 
     def _run(self, message: protocol.UpdateWeights) -> protocol.WeightsUpdated:
         core = self.core
-        refusal = core.sleep.refuse_update() or _refuse_pipeline_stages(core.config)
+        refusal = core.sleep.refuse_update()
         if refusal is not None:
             return weights_error_reply(message.update_id, refusal)
         try:
@@ -85,13 +85,6 @@ class WeightUpdater:
         logger.info("weights updated from %s (version %d); %d running requests will be recomputed",
                     message.model_path, self.weights_version, num_running)
         return protocol.WeightsUpdated(message.update_id)
-
-
-def _refuse_pipeline_stages(config: EngineConfig) -> errors.NotBuiltError | None:
-    """Weight updates are not built with pipeline stages (each stage would load its own part)."""
-    pp = config.pipeline_parallel_size
-    return None if pp == 1 else errors.NotBuiltError("pipeline_parallel_size", pp,
-                                                     "update_weights with pipeline parallelism")
 
 
 def _most_telling(refused: list[protocol.WeightsUpdated]) -> protocol.WeightsUpdated:

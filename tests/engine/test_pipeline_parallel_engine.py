@@ -1,8 +1,8 @@
 """Pipeline parallelism on a real engine (CPU, gloo): a 3-layer Llama split 2 + 1 over two stages (one worker
 each). Greedy tokens equal transformers' under chunked prefill, a prefix-cache hit and preemption (by swap: each
 stage copies its own layers' blocks out and back); the KV cache's block count is the first stage's (2 layers:
-the minimum over the ranks), not the whole model's; embeddings come from the last stage; update_weights is
-refused; a killed stage worker is replaced and its requests recomputed token-exact; micro-batches (two steps of
+the minimum over the ranks), not the whole model's; embeddings come from the last stage; update_weights loads
+each stage's own tensors, and sleep mode's RL cycle runs over the stages; a killed stage worker is replaced and its requests recomputed token-exact; micro-batches (two steps of
 disjoint requests in flight) keep every token. The stages' parts and their
 logits against the unsplit model: tests/unit/test_pipeline_parallel.py."""
 
@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 import torch
 
-from asyncllm import AsyncEngine, NotBuiltError, SamplingParams
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
 from asyncllm.models.registry import KVCacheSpec
 from asyncllm.tiny import tiny_checkpoint
 from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers, wait_idle
@@ -83,10 +83,34 @@ async def test_embeddings_come_from_the_last_stage(engine: AsyncEngine, path: st
     torch.testing.assert_close(torch.tensor(out.embedding), want, atol=1e-5, rtol=0)
 
 
-async def test_update_weights_is_refused(engine: AsyncEngine, path: str) -> None:
-    with pytest.raises(NotBuiltError, match="update_weights with pipeline parallelism") as info:
-        await engine.update_weights(path)
-    assert info.value.field == "pipeline_parallel_size"
+async def test_update_weights_loads_each_stage_its_own_layers(engine: AsyncEngine, path: str) -> None:
+    """Each stage checks the new checkpoint against its own parts and copies only their tensors; all ranks agree
+    before any copies. A checkpoint of other shapes is refused by the stages and changes nothing."""
+    prompt = list(range(30, 58))
+    other = tiny_checkpoint("llama", num_layers=3, seed=1)
+    version = engine.stats().weights_version
+    assert await engine.update_weights(other) == version + 1
+    assert (await engine.generate(prompt, GREEDY)).token_ids == hf_greedy(other, prompt, 24, eos_token_id=None)
+    with pytest.raises(InvalidRequestError, match="num_hidden_layers"):
+        await engine.update_weights(tiny_checkpoint("llama", num_layers=2))
+    assert await engine.update_weights(path) == version + 2  # the module's later tests serve the first weights
+    assert (await engine.generate(prompt, GREEDY)).token_ids == hf_greedy(path, prompt, 24, eos_token_id=None)
+
+
+async def test_sleep_level_2_then_an_update_then_the_kv_cache(path: str) -> None:
+    """The RL cycle over two stages: each stage discards and takes back its own parameters and KV cache."""
+    prompt = list(range(12, 40))
+    other = tiny_checkpoint("llama", num_layers=3, seed=1)
+    async with AsyncEngine(path, pipeline_parallel_size=2, enable_sleep_mode=True, max_model_len=128,
+                           num_gpu_blocks_override=32, disable_log_stats=True) as engine:
+        await engine.sleep(level=1)
+        await engine.wake_up()
+        assert (await engine.generate(prompt, GREEDY)).token_ids == hf_greedy(path, prompt, 24, eos_token_id=None)
+        await engine.sleep(level=2)
+        await engine.wake_up(tags=["weights"])
+        assert await engine.update_weights(other) == 1
+        await engine.wake_up(tags=["kv_cache"])
+        assert (await engine.generate(prompt, GREEDY)).token_ids == hf_greedy(other, prompt, 24, eos_token_id=None)
 
 
 async def test_a_killed_stage_worker_is_replaced_and_streams_stay_exact(engine: AsyncEngine, path: str) -> None:

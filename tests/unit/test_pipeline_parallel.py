@@ -46,7 +46,6 @@ def test_layer_partition_override() -> None:
 
 @pytest.mark.parametrize(("field", "value"), [
     ("speculative_config", {"method": "ngram", "num_speculative_tokens": 2}),
-    ("enable_sleep_mode", True),
 ])
 def test_config_refuses_unbuilt_combinations(field: str, value: Any) -> None:
     EngineConfig.create("m", **{field: value})  # fine alone
