@@ -33,7 +33,7 @@ _Outputs = StepOutputs | list[tuple[bytes, protocol.RequestOutputDelta]]
 
 
 class OverlappedSteps:
-    """The core's steps with at most one step in flight ahead of its output."""
+    """The core's steps with at most one step in flight ahead of its output (P - 1 with pipeline micro-batches)."""
 
     def __init__(self, core: "EngineCore") -> None:
         self.core = core

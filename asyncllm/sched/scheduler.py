@@ -29,9 +29,10 @@ step reaches the end of its known tokens, so schedule, run, update alternate.
 
 Pipeline micro-batches (``pipeline_parallel_size`` P > 1 with the core's
 overlapped steps): a step holds at most 1/P of the running requests (and of
-the seats the queue could fill, with its admissions), and a request whose sampled token is still in flight (a step scheduled, its output
-not applied) is skipped, so the steps in flight hold disjoint requests and the
-stages run P of them at once (docs/parallelism.md).
+the seats the queue could fill, with its admissions), and a request whose
+sampled token is still in flight (a step scheduled, its output not applied)
+is skipped, so the steps in flight hold disjoint requests and the stages run
+P of them at once (docs/parallelism.md).
 """
 
 from __future__ import annotations
