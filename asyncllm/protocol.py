@@ -85,15 +85,33 @@ class ResetPrefixCache(msgspec.Struct, **_STRUCT):
     message hit nothing computed before it. Running requests keep their blocks."""
 
 
+class WeightTensor(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor of `update_weights_from_tensors` in the host's shared-memory segment: its checkpoint name, torch
+    dtype name ("bfloat16"), shape, and byte offset in the segment (contiguous, row-major)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+
+
 class UpdateWeights(msgspec.Struct, **_STRUCT):
-    """Reload every weight of the served model in place from ``model_path`` (docs/weight-updates.md): the core runs
-    it between steps, after the requests the host sent before it; the core passes it on to every worker rank."""
+    """Reload every weight of the served model in place from ``model_path``, or the weights in ``tensors`` from the
+    host's shared-memory ``segment`` (docs/weight-updates.md): the core runs it between steps, after the requests
+    the host sent before it; the core passes it on to every worker rank."""
 
     update_id: str
     model_path: str
     revision: str | None = None
     hf_config_json: str = ""
     """The new checkpoint's config as the host read it (`hf_config_json`; empty: each worker reads it)."""
+    segment: str = ""
+    """`update_weights_from_tensors`: the /dev/shm segment holding ``tensors`` (``model_path`` is empty)."""
+    tensors: list[WeightTensor] = []
+
+    def source(self) -> str:
+        """What the update loads, for logs and errors."""
+        return f"{len(self.tensors)} tensors from the host" if self.segment else repr(self.model_path)
 
 
 class Sleep(msgspec.Struct, **_STRUCT):
@@ -273,6 +291,9 @@ class WeightsUpdated(msgspec.Struct, **_STRUCT):
     weights_version: int = 0
     """The core's weights version after the update (core -> host only)."""
     rank: int = 0
+    weights_unwritten: int = 0
+    """Worker -> core: how many of this rank's weights nothing has written since they stopped being real (a
+    level-2 sleep, dummy weights); partial `update_weights_from_tensors` calls count down to 0."""
     error_type: str = ""
     error_field: str = ""
     error_value: str = ""

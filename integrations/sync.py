@@ -128,6 +128,11 @@ class SyncEngine:
         """Reload the weights in place from `model_path` (see `AsyncEngine.update_weights`); the new version."""
         return self.run(self._engine.update_weights(model_path, revision=revision))
 
+    def update_weights_from_tensors(self, named_tensors: Any) -> int:
+        """Write (name, tensor) pairs into the weights in place (see `AsyncEngine.update_weights_from_tensors`);
+        the new version."""
+        return self.run(self._engine.update_weights_from_tensors(named_tensors))
+
     def sleep(self, level: int = 1) -> None:
         """Free the GPU memory of the weights and the KV cache (see `AsyncEngine.sleep`)."""
         self.run(self._engine.sleep(level))

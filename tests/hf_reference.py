@@ -34,6 +34,23 @@ def model_greedy(model, prompt_ids: list[int], max_new_tokens: int, **generate_k
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_state_dict(path: str) -> dict:
+    """transformers' model's weights by checkpoint name (float32 copies): what an RL trainer would push."""
+    return {name: tensor.detach().clone() for name, tensor in _hf_model(path).state_dict().items()}
+
+
+def hf_greedy_with(path: str, replaced: dict, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """`hf_greedy` for the checkpoint at `path` with the weights in `replaced` (name -> tensor) swapped in."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, tensor in replaced.items():
+            model.get_parameter(name).copy_(tensor)
+    return model_greedy(model, prompt_ids, max_new_tokens)
+
+
 def hf_logits(path: str, token_ids: list[int]):
     """transformers' float32 logits at every position of one sequence: ``[len(token_ids), vocab]``."""
     return model_logits(_hf_model(path), token_ids)

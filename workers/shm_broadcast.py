@@ -40,12 +40,13 @@ import secrets
 import threading
 import time
 from collections import deque
-from multiprocessing import resource_tracker
 from multiprocessing.shared_memory import SharedMemory
 
 import msgspec
 import numpy as np
 import zmq
+
+from asyncllm.shm_segment import attach_untracked
 
 __all__ = ["RingHandle", "BroadcastWriter", "BroadcastReader"]
 
@@ -104,21 +105,6 @@ class _RingView:
 def _header_bytes(num_slots: int, num_readers: int) -> int:
     raw = 16 * num_slots + num_slots * num_readers + num_readers
     return (raw + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-def _attach_untracked(name: str) -> SharedMemory:
-    """Attach to a segment without Python's resource_tracker owning it.
-
-    Before 3.13 attaching registers the segment with the tracker, which would
-    unlink it (and warn about a "leak") when this reader exits; only the writer
-    owns the segment.
-    """
-    try:
-        return SharedMemory(name=name, track=False)  # type: ignore[call-arg]  # Python >= 3.13
-    except TypeError:
-        shm = SharedMemory(name=name)
-        resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        return shm
 
 
 class BroadcastWriter:
@@ -233,7 +219,7 @@ class BroadcastReader:
         self.handle = handle
         self.reader = reader
         self._spin_s = spin_s
-        self._shm = _attach_untracked(handle.shm_name)
+        self._shm = attach_untracked(handle.shm_name)
         self._view = _RingView(self._shm, handle)
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)

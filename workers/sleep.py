@@ -119,6 +119,7 @@ class RunnerSleep:
             for name, param in params.items():
                 param.data = torch.empty_like(self.discarded[name], device=device)
             self.discarded = {}
+            weight_update.forget_weights(self.runner)  # partial update_weights_from_tensors calls count them down
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the copies from pinned memory are done before a step reads them
         self.weights = "awake"

@@ -17,6 +17,7 @@ worker dies with a `WorkerError`, the core restarts its workers from the last we
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -26,6 +27,7 @@ from torch import nn
 from safetensors import SafetensorError
 
 from asyncllm import protocol
+from asyncllm.engine.weight_tensors import FIELD, WEIGHT_DTYPES, tensor_views
 from asyncllm.engine.weight_update import (
     OTHER_RANK_REFUSED,
     read_update_config,
@@ -37,9 +39,11 @@ from asyncllm.models.checkpoint import checkpoint_quantization, hf_config_from_j
 from asyncllm.models.layers import LoadedWeight, weight_shape
 from asyncllm.models.loader import build_model, load_checkpoint
 from asyncllm.models.registry import text_config_of
+from asyncllm.shm_segment import attach_untracked
 from asyncllm.workers.mm_runner import is_multimodal
 
-__all__ = ["update_weights", "check_update", "refuse_unbuilt", "SHAPE_KEYS"]
+__all__ = ["update_weights", "check_update", "check_tensor_update", "refuse_unbuilt", "forget_weights",
+           "unwritten_weights", "SHAPE_KEYS"]
 
 SHAPE_KEYS = (
     "architectures", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -55,19 +59,114 @@ def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | Non
     """Check, agree with the other ranks, copy; the reply for the core (an error reply changed nothing), from
     ``rank`` (the worker's rank in the engine; default the runner's, which is its TP rank within a stage)."""
     rank = runner.rank if rank is None else rank
+    segment = None
     try:
-        path = check_update(runner, command.model_path, command.revision, command.hf_config_json)
+        if command.segment:
+            segment = check_tensor_update(runner, command)
+        else:
+            path = check_update(runner, command.model_path, command.revision, command.hf_config_json)
         error: InvalidRequestError | NotBuiltError | None = None
     except (InvalidRequestError, NotBuiltError) as exc:
         error = exc
-    if not _all_ranks_passed(error is None, runner.device):
-        error = error or InvalidRequestError("model_path", OTHER_RANK_REFUSED)
-        return weights_error_reply(command.update_id, error, rank)
-    # in place: every loader copies into .data; a pipeline stage's model loads its own parts' tensors only
-    load_checkpoint(getattr(runner.model, "causal_lm", runner.model), path, runner.config.kv_cache_dtype)
+    try:
+        if not _all_ranks_passed(error is None, runner.device):
+            error = error or InvalidRequestError(_field(command), OTHER_RANK_REFUSED)
+            return weights_error_reply(command.update_id, error, rank)
+        if segment is not None:
+            unwritten = _written(runner, _copy_tensors(runner, segment, command.tensors))
+        else:  # in place: every loader copies into .data; a pipeline stage's model loads its own parts only
+            load_checkpoint(_loading_model(runner), path, runner.config.kv_cache_dtype)
+            unwritten = _written(runner, None)
+    finally:
+        if segment is not None:
+            _close(segment)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)  # the host-to-device copies are done before the next step reads
-    return protocol.WeightsUpdated(command.update_id, rank=rank)
+    return protocol.WeightsUpdated(command.update_id, rank=rank, weights_unwritten=unwritten)
+
+
+def check_tensor_update(runner: Any, command: protocol.UpdateWeights) -> Any:
+    """The host's segment, mapped, once the served model can take ``command.tensors`` (names, this rank's shard
+    shapes; any subset of the weights); `InvalidRequestError` naming ``named_tensors`` otherwise."""
+    refuse_unbuilt(runner, "update_weights_from_tensors")
+    refused = [f"{t.name!r} of {t.dtype}" for t in command.tensors if t.dtype not in WEIGHT_DTYPES]
+    if refused:
+        raise InvalidRequestError(FIELD, f"floating-point tensors, got {', '.join(refused)}")
+    try:
+        segment = attach_untracked(command.segment)
+    except (OSError, ValueError) as exc:  # a core on another machine than the host (tcp://), or a cancelled call's
+        raise InvalidRequestError(FIELD, "tensors in the host's shared memory, which this engine core cannot map "
+                                         f"({type(exc).__name__}: {exc}): is it on another machine?") from exc
+    try:
+        _check_fits(segment.size, command.tensors)
+        meta = iter((t.name, torch.empty(t.shape, device="meta")) for t in command.tensors)
+        headers = _HeadersOnly()
+        try:
+            _meta_model(runner).load_weights(headers(meta))
+        except (ConfigError, ValueError, RuntimeError) as exc:  # a name the model lacks, a shape
+            reason = exc.allowed if isinstance(exc, ConfigError) else str(exc)
+            where = f" (at {headers.last!r})" if headers.last is not None and "unexpected" not in reason else ""
+            raise InvalidRequestError(FIELD, f"weights the served model has, in its shapes{where}: {reason}") from exc
+    except BaseException:
+        _close(segment)
+        raise
+    return segment
+
+
+def _close(segment: Any) -> None:
+    """Unmap the host's segment (the host unlinks it); a view still alive keeps the mapping until it is freed."""
+    try:
+        segment.close()
+    except BufferError:
+        pass
+
+
+def _check_fits(size: int, tensors: list[protocol.WeightTensor]) -> None:
+    for spec in tensors:
+        end = spec.offset + math.prod(spec.shape) * WEIGHT_DTYPES[spec.dtype].itemsize
+        if spec.offset < 0 or end > size:
+            raise InvalidRequestError(FIELD, f"{spec.name!r} at bytes {spec.offset}..{end} of a {size}-byte segment")
+
+
+def _copy_tensors(runner: Any, segment: Any, tensors: list[protocol.WeightTensor]) -> set[str]:
+    """Copy each tensor (this rank's shard) into its parameter; the checkpoint names written."""
+    return _loading_model(runner).load_weights(zip([t.name for t in tensors], tensor_views(segment.buf, tensors)))
+
+
+def _written(runner: Any, names: set[str] | None) -> int:
+    """Record that ``names`` (None: every weight, a whole checkpoint) now hold real values; how many of this rank's
+    weights still do not."""
+    unwritten = unwritten_weights(runner)
+    if names is None:
+        unwritten.clear()
+    else:
+        unwritten -= names
+    return len(unwritten)
+
+
+def unwritten_weights(runner: Any) -> set[str]:
+    """The checkpoint names of this rank's weights that hold no real values (dummy weights; after a level-2 sleep,
+    `forget_weights`), kept on the runner."""
+    unwritten = getattr(runner, "unwritten_weights", None)
+    if unwritten is None:
+        dummy = runner.config.load_format == "dummy"
+        unwritten = set(_loading_model(runner).checkpoint_weight_names()) if dummy else set()
+        runner.unwritten_weights = unwritten
+    return unwritten
+
+
+def forget_weights(runner: Any) -> None:
+    """The weights were discarded (a level-2 sleep): none holds real values until updates write them."""
+    runner.unwritten_weights = set(_loading_model(runner).checkpoint_weight_names())
+
+
+def _loading_model(runner: Any) -> Any:
+    """The model whose `load_weights` takes checkpoint names (a pipeline stage's: its own parts only)."""
+    return getattr(runner.model, "causal_lm", runner.model)
+
+
+def _field(command: protocol.UpdateWeights) -> str:
+    return FIELD if command.segment else "model_path"
 
 
 def check_update(runner: Any, model_path: str, revision: str | None, config_json: str = "") -> str:

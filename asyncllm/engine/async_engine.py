@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 import time
 import uuid
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import anyio
 import msgspec
@@ -34,6 +35,9 @@ from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParam
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from asyncllm.sampling import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AsyncEngine"]
 
@@ -383,8 +387,33 @@ class AsyncEngine:
             raise InvalidRequestError("revision", f"a hub revision (str) or None, got {revision!r}")
         await self.start()
         config_json = await anyio.to_thread.run_sync(new_checkpoint_config, model_path, revision)
-        return min(await _every_replica([processor.update_weights(model_path, revision, config_json)
-                                         for processor in self._replicas.live_processors()]))
+        return await self._update_weights(protocol.UpdateWeights("", model_path, revision, config_json))
+
+    async def update_weights_from_tensors(
+            self, named_tensors: "Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]") -> int:
+        """Write the given weights into the served model, in place, without a checkpoint on disk (SGLang's
+        ``update_weights_from_tensor``; an RL trainer's tensors, e.g. ``model.state_dict()``, or a bucket of
+        them): (checkpoint name, tensor) pairs, any subset of the model's weights, CPU or GPU, cast to the served
+        dtype. The tensors are copied once into shared memory, which every worker rank reads its shard from; a
+        core on another machine cannot (`InvalidRequestError`). Otherwise as `update_weights`: all or nothing (a
+        name the model lacks or a wrong shape is an `InvalidRequestError` naming ``named_tensors``, and nothing is
+        written), after the requests this engine submitted before, running requests recomputed, the prefix cache
+        forgotten; returns the new weights version. See docs/weight-updates.md."""
+        from asyncllm.engine.weight_tensors import pack_tensors
+
+        await self.start()
+        packed = await anyio.to_thread.run_sync(pack_tensors, named_tensors)
+        message = protocol.UpdateWeights("", "", segment=packed.segment.name, tensors=packed.tensors)
+        return await self._update_weights(message, when_answered=packed.close)
+
+    async def _update_weights(self, message: protocol.UpdateWeights, when_answered: Any = None) -> int:
+        """Every replica's core runs `message`; the lowest weights version after it. ``when_answered()`` runs once
+        every replica has answered (or failed), even if the caller was cancelled before."""
+        futures = [processor.update_weights(msgspec.structs.replace(message))
+                   for processor in self._replicas.live_processors()]
+        if when_answered is not None:
+            _call_when_all_done(futures, when_answered)
+        return min(await _every_replica(futures))
 
     async def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode, for an RL trainer that shares the GPUs (docs/sleep-mode.md): free the GPU memory of
@@ -464,6 +493,24 @@ class AsyncEngine:
             return
         for replica in self._replicas:  # a dead core failed its own replica's requests; its supervisor restarts it
             replica.check_dead()
+
+
+def _call_when_all_done(futures: list[concurrent.futures.Future[int]], callback: Any) -> None:
+    """``callback()`` once, in whichever thread completes the last of ``futures``."""
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: concurrent.futures.Future[int]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    if not futures:
+        callback()
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 async def _every_replica(futures: list[concurrent.futures.Future[int]]) -> list[int]:

@@ -80,7 +80,11 @@ class SleepController:
 
     def after_restart(self) -> None:
         """Fresh workers loaded the last weights and allocated the KV cache: put asleep what sleeps."""
-        if self.weights != "discarded":
+        if self.core.weights.pushed:  # they started from dummy weights: the host's tensors are not on any disk
+            self.awaiting_weights = True
+            logger.error("restarted workers lost the weights written by update_weights_from_tensors: no step runs "
+                         "until updates write every weight again (stats().awaiting_weights)")
+        elif self.weights != "discarded":
             self.awaiting_weights = False  # real weights now, even if none had been loaded since a level-2 sleep
         tags = (["weights"] if self.weights != "awake" else []) + (["kv_cache"] if self.kv_asleep else [])
         if not tags:

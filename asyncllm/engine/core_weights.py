@@ -21,7 +21,7 @@ from asyncllm.sched.recovery import recompute_with_new_weights
 if TYPE_CHECKING:
     from asyncllm.engine.core import EngineCore
 
-__all__ = ["WeightUpdater", "answer_between_steps", "config_with_weights"]
+__all__ = ["WeightUpdater", "answer_between_steps", "config_with_pushed_weights", "config_with_weights"]
 
 logger = logging.getLogger("asyncllm.engine.core")
 
@@ -31,6 +31,13 @@ def config_with_weights(config: EngineConfig, model_path: str, revision: str | N
     model = config.model_config
     load_format = "auto" if model.load_format == "dummy" else model.load_format
     model = dataclasses.replace(model, model=model_path, revision=revision, load_format=load_format)
+    return dataclasses.replace(config, model_config=model)
+
+
+def config_with_pushed_weights(config: EngineConfig) -> EngineConfig:
+    """`config` whose workers start with dummy weights: those written from the host's tensors
+    (`update_weights_from_tensors`) exist nowhere else, so restarted workers wait for them again."""
+    model = dataclasses.replace(config.model_config, load_format="dummy")
     return dataclasses.replace(config, model_config=model)
 
 
@@ -51,6 +58,8 @@ class WeightUpdater:
     def __init__(self, core: "EngineCore") -> None:
         self.core = core
         self.weights_version = 0
+        self.pushed = False
+        """Weights were written from a host's tensors since the last checkpoint: a worker restart loses them."""
 
     def update(self, client_id: bytes, message: protocol.UpdateWeights) -> None:
         """Run one update and answer the host that asked (after every host got the new stats)."""
@@ -71,20 +80,33 @@ class WeightUpdater:
             replies = core.executor.update_weights(message)
         except (errors.EngineDeadError, errors.ConfigError) as exc:  # a rank failed while copying: restart them all
             core.recover_workers(exc if isinstance(exc, errors.EngineDeadError) else errors.EngineDeadError(str(exc)))
+            field = "named_tensors" if message.segment else "model_path"
             return weights_error_reply(message.update_id, errors.InvalidRequestError(
-                "model_path", f"the workers failed while loading {message.model_path!r} ({exc}); they were "
-                              f"restarted with the weights of version {self.weights_version}"))
+                field, f"the workers failed while loading {message.source()} ({exc}); they were restarted with "
+                       f"the weights of version {self.weights_version}"))
         refused = [reply for reply in replies if reply.error_type]
         if refused:
-            logger.warning("weight update from %s refused: %s", message.model_path, refused[0].error)
+            logger.warning("weight update from %s refused: %s", message.source(), refused[0].error)
             return _most_telling(refused)
         self.weights_version += 1
-        core.sleep.weights_loaded()
+        self._loaded(message, max(reply.weights_unwritten for reply in replies))
         num_running = recompute_with_new_weights(core.scheduler)
-        core.restarter.config = config_with_weights(core.restarter.config, message.model_path, message.revision)
         logger.info("weights updated from %s (version %d); %d running requests will be recomputed",
-                    message.model_path, self.weights_version, num_running)
+                    message.source(), self.weights_version, num_running)
         return protocol.WeightsUpdated(message.update_id)
+
+    def _loaded(self, message: protocol.UpdateWeights, unwritten: int) -> None:
+        """What restarted workers load from now on, and whether the weights are all real again."""
+        core = self.core
+        self.pushed = bool(message.segment)
+        if self.pushed:
+            core.restarter.config = config_with_pushed_weights(core.restarter.config)
+        else:
+            core.restarter.config = config_with_weights(core.restarter.config, message.model_path, message.revision)
+        if unwritten == 0:
+            core.sleep.weights_loaded()
+        elif core.sleep.awaiting_weights:
+            logger.info("%d weights of a rank are still to be written before steps run again", unwritten)
 
 
 def _most_telling(refused: list[protocol.WeightsUpdated]) -> protocol.WeightsUpdated:

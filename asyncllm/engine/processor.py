@@ -158,10 +158,11 @@ class Processor:
         """Send `ResetPrefixCache` after every request submitted before (the jobs keep their order)."""
         self._post(("reset_prefix_cache",))
 
-    def update_weights(self, model_path: str, revision: str | None, config_json: str) -> concurrent.futures.Future[int]:
-        """Send `UpdateWeights` after every request submitted before; the future of the new weights version."""
-        update_id, future = self._weight_updates.new()
-        self._post(("send", protocol.UpdateWeights(update_id, model_path, revision, config_json)))
+    def update_weights(self, message: protocol.UpdateWeights) -> concurrent.futures.Future[int]:
+        """Send `UpdateWeights` (its update_id is set here) after every request submitted before; the future of
+        the new weights version."""
+        message.update_id, future = self._weight_updates.new()
+        self._post(("send", message))
         if not self._thread.is_alive():  # it ended (its last act failed the updates then pending) or never began
             self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
         return future

@@ -25,7 +25,6 @@ cache miss: the host resends the request with its data (docs/multimodal.md).
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 import secrets
 import threading
@@ -37,7 +36,7 @@ from typing import Generic, TypeVar
 import numpy as np
 
 from asyncllm.errors import ConfigError, InvalidRequestError
-from asyncllm.workers.shm_broadcast import _attach_untracked
+from asyncllm.shm_segment import OwnedSegment, attach_untracked
 
 __all__ = ["HEADER_BYTES", "RingEntry", "ShmRingReader", "ShmRingWriter", "check_ring_room", "key_digest"]
 
@@ -76,33 +75,10 @@ class RingEntry(Generic[M]):
         return self.offset + _padded(self.nbytes)
 
 
-class _OwnedSegment:
-    """A new POSIX shared-memory segment (``/dev/shm/NAME``, mode 0600) that Python's resource_tracker
-    never hears of: before 3.13, ``SharedMemory(create=True)`` starts a tracker process that outlives the
-    engine in the host. The same interface as SharedMemory's: name, size, buf, close, unlink."""
-
-    def __init__(self, name: str, size: int) -> None:
-        fd = os.open(os.path.join("/dev/shm", name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            self._mmap = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self.name, self.size = name, size
-        self.buf = memoryview(self._mmap)
-
-    def close(self) -> None:
-        self.buf.release()
-        self._mmap.close()
-
-    def unlink(self) -> None:
-        os.unlink(os.path.join("/dev/shm", self.name))
-
-
 class _Header:
     """Typed views of the ring's words (generation and nbytes are aligned uint64)."""
 
-    def __init__(self, shm: SharedMemory | _OwnedSegment) -> None:
+    def __init__(self, shm: SharedMemory | OwnedSegment) -> None:
         self.words = np.ndarray((shm.size // 8,), dtype=np.uint64, buffer=shm.buf)
         self.buf = shm.buf
 
@@ -119,7 +95,7 @@ class ShmRingWriter(Generic[M]):
     def __init__(self, capacity_bytes: int) -> None:
         capacity = capacity_bytes // HEADER_BYTES * HEADER_BYTES
         check_ring_room(capacity)
-        self._shm = _OwnedSegment(f"asyncllm-{os.getpid()}-mm-{secrets.token_hex(4)}", capacity)
+        self._shm = OwnedSegment(f"asyncllm-{os.getpid()}-mm-{secrets.token_hex(4)}", capacity)
         self.capacity = capacity
         self.name = self._shm.name
         self._view = _Header(self._shm)
@@ -215,7 +191,7 @@ class ShmRingReader:
     """The core's view of one host's ring: copies entries out, verified against their header."""
 
     def __init__(self, name: str) -> None:
-        self._shm = _attach_untracked(name)
+        self._shm = attach_untracked(name)
         self._view = _Header(self._shm)
         self.size = self._shm.size
 

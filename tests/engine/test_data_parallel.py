@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncEngine, EngineDeadError, SamplingParams
-from hf_reference import hf_greedy
+from hf_reference import hf_greedy, hf_state_dict
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -124,8 +124,10 @@ async def test_update_weights_reaches_both_replicas(engine: AsyncEngine, tiny_ll
     assert on_replica_1.collector.replica == 1 and tokens == expected
     await held.aclose()
     assert (await engine.generate(PREFIX, GREEDY)).token_ids == expected
-    assert await engine.update_weights(tiny_llama) == 2  # the tests below expect the engine's own model
-    assert engine.stats().weights_version == 2
+    # back to the engine's own model (the tests below expect it), pushed from memory: one segment, both replicas
+    assert await engine.update_weights_from_tensors(hf_state_dict(tiny_llama)) == 2
+    assert [s.weights_version for s in engine.stats().replicas] == [2, 2]
+    assert (await engine.generate(PREFIX, GREEDY)).token_ids == hf_greedy(tiny_llama, PREFIX, MAX_TOKENS)
 
 
 async def test_engine_series_carry_the_engine_label_and_request_series_are_summed(engine: AsyncEngine) -> None:

@@ -21,7 +21,7 @@ from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
 from asyncllm.models.registry import KVCacheSpec
 from asyncllm.tiny import tiny_checkpoint
 from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers, wait_idle
-from hf_reference import hf_greedy, hf_last_hidden_state
+from hf_reference import hf_greedy, hf_last_hidden_state, hf_state_dict
 from proc_utils import worker_pids
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -98,7 +98,8 @@ async def test_update_weights_loads_each_stage_its_own_layers(engine: AsyncEngin
 
 
 async def test_sleep_level_2_then_an_update_then_the_kv_cache(engine: AsyncEngine, path: str) -> None:
-    """The RL cycle over two stages: each stage discards and takes back its own parameters and KV cache."""
+    """The RL cycle over two stages: each stage discards and takes back its own parameters and KV cache; the new
+    weights come from a trainer's state_dict (`update_weights_from_tensors`)."""
     prompt = list(range(12, 40))
     other = tiny_checkpoint("llama", num_layers=3, seed=1)
     await engine.sleep(level=1)
@@ -106,7 +107,8 @@ async def test_sleep_level_2_then_an_update_then_the_kv_cache(engine: AsyncEngin
     assert (await engine.generate(prompt, GREEDY)).token_ids == hf_greedy(path, prompt, 24, eos_token_id=None)
     await engine.sleep(level=2)
     await engine.wake_up(tags=["weights"])
-    version = await engine.update_weights(other)
+    version = await engine.update_weights_from_tensors(hf_state_dict(other))  # each stage writes its own parts
+    assert engine.stats().awaiting_weights is False  # every stage's weights written
     await engine.wake_up(tags=["kv_cache"])
     assert (await engine.generate(prompt, GREEDY)).token_ids == hf_greedy(other, prompt, 24, eos_token_id=None)
     assert await engine.update_weights(path) == version + 1  # the module's later tests serve the first weights

@@ -4,7 +4,8 @@ One module-scoped engine, tensor_parallel_size=1, enable_sleep_mode=True, starts
 order: sleep(1) and wake_up (A's tokens, none of the old prefix cache), a request sent while asleep (it waits,
 then runs), a stream across a sleep (recomputed: A's tokens throughout), an update while asleep at level 1 (the
 CPU copy), the RL cycle sleep(2) -> wake_up(["weights"]) -> update_weights(B) -> wake_up(["kv_cache"]) (B's
-tokens), a full wake-up after level 2 with no update (nothing runs until one), and the dev routes.
+tokens), a full wake-up after level 2 with no update (nothing runs until one), the same with
+`update_weights_from_tensors` in two buckets (nothing runs until both wrote), and the dev routes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams, envs
 from asyncllm.integrations.openai_server import create_app
 from asyncllm.tiny import tiny_checkpoint
 from asgi_helpers import asgi_client
-from hf_reference import hf_greedy
+from hf_reference import hf_greedy, hf_state_dict
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -125,6 +126,20 @@ async def test_a_full_wake_up_after_level_2_runs_nothing_until_an_update(engine,
     task = await _held(engine, OTHER)  # uninitialised weights never generate
     assert await engine.update_weights(a) == 4
     assert (await task).token_ids == hf_greedy(a, OTHER, MAX_TOKENS)
+
+
+async def test_after_level_2_pushed_buckets_run_nothing_until_every_weight_is_written(engine, checkpoints) -> None:
+    b = checkpoints[1]
+    await engine.sleep(2)
+    await engine.wake_up()
+    task = await _held(engine, OTHER)
+    buckets = list(hf_state_dict(b).items())
+    version = engine.stats().weights_version
+    assert await engine.update_weights_from_tensors(buckets[::2]) == version + 1
+    await asyncio.sleep(_HELD_S)
+    assert engine.stats().awaiting_weights and not task.done()  # half the weights are still uninitialised
+    assert await engine.update_weights_from_tensors(buckets[1::2]) == version + 2
+    assert (await task).token_ids == hf_greedy(b, OTHER, MAX_TOKENS)
 
 
 async def test_the_dev_routes_exist_only_in_dev_mode(engine, monkeypatch) -> None:

@@ -3,22 +3,26 @@
 One module-scoped engine, tensor_parallel_size=2 (gloo on the CPU: both ranks check, then both copy), starts on
 checkpoint A and goes, in order: refused updates (A still served), an update to B (B's greedy tokens; a prompt
 cached under A gets none of A's KV), a killed worker (the workers restart on B), a stream across an update back
-to A (its later tokens are A's continuation of everything before), and the dev route.
+to A (its later tokens are A's continuation of everything before), the dev route, then
+`update_weights_from_tensors`: a whole state_dict, one sharded part of a fused projection, refused pushes, and a
+killed worker after a push (the new workers wait until pushes have written every weight again).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
 import pytest
 import pytest_asyncio
+import torch
 
 from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams, envs
 from asyncllm.integrations.openai_server import create_app
 from asyncllm.tiny import tiny_checkpoint
 from asgi_helpers import asgi_client
-from hf_reference import hf_greedy
+from hf_reference import hf_greedy, hf_greedy_with, hf_state_dict
 from proc_utils import worker_pids
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -127,3 +131,69 @@ async def test_the_dev_route_updates_and_exists_only_in_dev_mode(engine, checkpo
     assert engine.stats().weights_version == version + 1
     assert (await _greedy(engine, OTHER))[0] == hf_greedy(checkpoints[1], OTHER, MAX_TOKENS)
 
+
+
+# ---------------------------------------------------------------- update_weights_from_tensors
+
+def _segments() -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith("asyncllm-weights-")]
+
+
+async def test_tensors_from_the_host_replace_the_weights_on_both_ranks(engine, checkpoints) -> None:
+    a, b = checkpoints
+    assert (await _greedy(engine, OTHER))[0] == hf_greedy(b, OTHER, MAX_TOKENS)  # B since the dev route
+    version = engine.stats().weights_version
+    assert await engine.update_weights_from_tensors(hf_state_dict(a)) == version + 1  # a mapping: state_dict()
+    assert await _greedy(engine, PROMPT) == (hf_greedy(a, PROMPT, MAX_TOKENS), 0)  # none of B's KV
+    assert not _segments()  # unlinked once answered
+
+
+async def test_a_subset_of_the_weights_changes_only_those(engine, checkpoints) -> None:
+    a, b = checkpoints
+    name = "model.layers.0.self_attn.k_proj.weight"  # a part of the fused qkv projection, sharded over the ranks
+    bucket = [(name, hf_state_dict(b)[name].to(torch.bfloat16))]  # cast to the served float32 as it is copied
+    version = engine.stats().weights_version
+    assert await engine.update_weights_from_tensors(bucket) == version + 1
+    expected = hf_greedy_with(a, dict(bucket), OTHER, MAX_TOKENS)
+    assert expected not in (hf_greedy(a, OTHER, MAX_TOKENS), hf_greedy(b, OTHER, MAX_TOKENS))
+    assert (await _greedy(engine, OTHER))[0] == expected
+    assert await engine.update_weights_from_tensors(hf_state_dict(a)) == version + 2
+
+
+@pytest.mark.parametrize("tensors, why", [
+    ({"model.layers.0.mlp.nope.weight": torch.zeros(4)}, "unexpected weights: model.layers.0.mlp.nope.weight"),
+    ({"model.norm.weight": torch.ones(3)}, "at 'model.norm.weight'"),
+    ([("model.norm.weight", torch.ones(64)), ("model.norm.weight", torch.ones(64))], "twice"),
+    ({"model.norm.weight": torch.ones(64, dtype=torch.int64)}, "floating-point"),
+    ([], "got none"),
+    ("model.norm.weight", "got str"),
+    ([("model.norm.weight", [1.0] * 64)], "got (str, list)"),
+])
+async def test_a_push_that_does_not_fit_is_refused_and_changes_nothing(engine, checkpoints, tensors, why) -> None:
+    version = engine.stats().weights_version
+    with pytest.raises(InvalidRequestError) as info:
+        await engine.update_weights_from_tensors(tensors)
+    assert info.value.field == "named_tensors" and why in info.value.message
+    assert engine.stats().weights_version == version and not _segments()
+    assert (await _greedy(engine, OTHER))[0] == hf_greedy(checkpoints[0], OTHER, MAX_TOKENS)
+
+
+async def test_restarted_workers_wait_until_pushes_write_every_weight_again(engine, checkpoints) -> None:
+    a, b = checkpoints
+    version = engine.stats().weights_version
+    assert await engine.update_weights_from_tensors(hf_state_dict(b)) == version + 1
+    workers = worker_pids(engine._core.pid)
+    os.kill(workers[0], signal.SIGKILL)  # the pushed weights are on no disk: the new workers start from dummy ones
+    task = asyncio.ensure_future(engine.generate(OTHER, GREEDY))
+    for _ in range(200):
+        await asyncio.sleep(0.05)
+        if engine.stats().awaiting_weights:
+            break
+    assert engine.stats().awaiting_weights and not task.done()
+    weights = list(hf_state_dict(b).items())
+    assert await engine.update_weights_from_tensors(weights[:5]) == version + 2  # some still unwritten: nothing runs
+    await asyncio.sleep(0.3)
+    assert engine.stats().awaiting_weights and not task.done()
+    assert await engine.update_weights_from_tensors(weights[5:]) == version + 3
+    assert (await asyncio.wait_for(task, 60)).token_ids == hf_greedy(b, OTHER, MAX_TOKENS)
+    assert not set(worker_pids(engine._core.pid)) & set(workers)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
+from asyncllm.engine.weight_tensors import pack_tensors
 from asyncllm.engine.weight_update import OTHER_RANK_REFUSED, weights_error, weights_error_reply
 from asyncllm.errors import InvalidRequestError, NotBuiltError
 from asyncllm.models.loader import load_hf_config, load_model
@@ -148,3 +149,70 @@ def test_the_core_counts_updates_and_restarts_workers_on_the_last_one() -> None:
     assert isinstance(weights_error(reply), InvalidRequestError) and "failed while loading '/ckpt/c'" in reply.error
     assert len(recovered) == 1 and updater.weights_version == reply.weights_version == 1
     assert core.restarter.config.model_config.model == "/ckpt/b"  # the last update that loaded whole
+
+
+def _push(runner: SimpleNamespace, named_tensors) -> protocol.WeightsUpdated:
+    """One rank's `update_weights_from_tensors`, in process: the host's packing and the worker's check and copy."""
+    packed = pack_tensors(named_tensors)
+    try:
+        return update_weights(runner, protocol.UpdateWeights("t", "", segment=packed.segment.name,
+                                                             tensors=packed.tensors))
+    finally:
+        packed.close()
+
+
+def test_pushed_tensors_are_copied_in_place_and_counted_down_from_dummy_weights() -> None:
+    runner = _runner(tiny_checkpoint("llama"), load_format="dummy")
+    addresses = {name: param.data_ptr() for name, param in runner.model.named_parameters()}
+    weights = load_file(next(Path(tiny_checkpoint("llama", seed=1)).glob("*.safetensors")))
+    name = "model.layers.1.mlp.down_proj.weight"
+    transposed = weights[name].t().contiguous().t()  # the same values, column-major
+    assert _push(runner, [(name, transposed)]).weights_unwritten == len(weights) - 1
+    rest = {key: value.to(torch.bfloat16) for key, value in weights.items() if key != name}
+    assert _push(runner, rest) == protocol.WeightsUpdated("t")  # every weight written: 0 left
+    params = dict(runner.model.named_parameters())
+    assert torch.equal(params[name], weights[name])  # exact: float32 in, float32 served
+    gate_up = params["model.layers.0.mlp.gate_up_proj.weight"]  # the fused parameter, both parts written
+    assert torch.equal(gate_up, torch.cat([rest["model.layers.0.mlp.gate_proj.weight"],
+                                           rest["model.layers.0.mlp.up_proj.weight"]]).float())
+    assert all(param.data_ptr() == addresses[key] for key, param in params.items())
+
+
+def test_a_refused_push_touches_nothing(runner) -> None:
+    before = _params(runner.model)
+    misshapen = {"model.norm.weight": torch.ones(64), "model.layers.0.mlp.up_proj.weight": torch.ones(3, 3)}
+    reply = _push(runner, misshapen)  # the first fits, the second does not: neither is written
+    assert "model.layers.0.mlp.up_proj.weight" in reply.error and weights_error(reply).field == "named_tensors"
+    assert all(torch.equal(param, before[name]) for name, param in runner.model.named_parameters())
+    vision = SimpleNamespace(**{**vars(runner), "model": SimpleNamespace(embed_multimodal=lambda *a: None)})
+    assert "update_weights_from_tensors of a multimodal model" in _push(vision, {"x": torch.ones(1)}).error
+    gone = update_weights(runner, protocol.UpdateWeights("t", "", segment="asyncllm-weights-gone", tensors=[
+        protocol.WeightTensor("model.norm.weight", "float32", [64], 0)]))
+    assert "cannot map" in gone.error and weights_error(gone).field == "named_tensors"
+
+
+def test_the_core_restarts_workers_on_dummy_weights_after_a_push_and_waits_for_every_weight() -> None:
+    from asyncllm.engine.core_weights import WeightUpdater
+    from asyncllm.sched.scheduler import Scheduler
+
+    config = EngineConfig.create(tiny_checkpoint("llama"), max_model_len=256)
+    loaded: list[bool] = []
+    core = SimpleNamespace(config=config, overlap=None, scheduler=Scheduler(config, 16, 256),
+                           restarter=SimpleNamespace(config=config), send_outputs=lambda outputs: None,
+                           io=SimpleNamespace(send=lambda client_id, message: None),
+                           sleep=SimpleNamespace(refuse_update=lambda: None, weights_loaded=lambda: loaded.append(True),
+                                                 awaiting_weights=True))
+    updater = WeightUpdater(core)
+    push = protocol.UpdateWeights("p", "", segment="asyncllm-weights-x", tensors=[])
+    core.executor = _Executor([protocol.WeightsUpdated("p", rank=0), protocol.WeightsUpdated("p", rank=1,
+                                                                                             weights_unwritten=3)])
+    updater.update(b"host", push)
+    assert updater.pushed and core.restarter.config.model_config.load_format == "dummy"  # on no disk
+    assert loaded == []  # rank 1 still has 3 weights to be written
+    core.executor = _Executor([protocol.WeightsUpdated("p", rank=0), protocol.WeightsUpdated("p", rank=1)])
+    updater.update(b"host", push)
+    assert loaded == [True] and updater.weights_version == 2
+    core.executor = _Executor([protocol.WeightsUpdated("u", rank=0), protocol.WeightsUpdated("u", rank=1)])
+    updater.update(b"host", protocol.UpdateWeights("u", "/ckpt/b"))
+    model = core.restarter.config.model_config
+    assert not updater.pushed and (model.model, model.load_format) == ("/ckpt/b", "auto")
