@@ -48,6 +48,17 @@ class LoRARunner:
         self.cpu_cache: OrderedDict[int, _Loaded] = OrderedDict()
         """Adapter id -> its matrices on the CPU, least recently used first."""
 
+    def release_slots(self) -> None:
+        """Sleep mode: the slots' memory goes with the weights'; every adapter is set again at its next step,
+        from the CPU cache or its folder."""
+        for layer in self.layers.values():
+            layer.release()
+        self.slots.clear()
+
+    def reallocate_slots(self) -> None:
+        for layer in self.layers.values():
+            layer.reallocate()
+
     def update_states(self, sched_out: SchedulerOutput) -> None:
         self.requests.update_states(sched_out)
 

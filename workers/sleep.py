@@ -33,10 +33,7 @@ logger = logging.getLogger(__name__)
 
 def refuse_unbuilt(runner: Any) -> None:
     """What moving the parameters does not cover: tensors built from the weights outside them (quantized
-    kernels' layouts, LoRA slots, the draft model, a vision tower's encoder cache)."""
-    config = runner.config
-    if config.enable_lora:  # first: it needs no model to tell
-        raise NotBuiltError("enable_lora", True, "sleep mode with LoRA adapters")
+    kernels' layouts, the draft model, a vision tower's encoder cache)."""
     weight_update.refuse_unbuilt(runner, "sleep mode")
     if getattr(runner, "drafter", None) is not None:
         raise NotBuiltError("speculative_config", "draft model", "sleep mode with a draft model")
@@ -74,6 +71,9 @@ class RunnerSleep:
             runner.cuda_graphs = None  # they replay over tensors that are about to move
             if "weights" in tags:
                 self._weights_asleep(level)
+                lora = getattr(runner, "lora_runner", None)
+                if lora is not None and self.weights != "awake":
+                    lora.release_slots()  # a second sleep finds them released
             if "kv_cache" in tags and not self.kv_asleep:
                 self.num_blocks = int(runner.kv_caches[0].shape[1])
                 runner.kv_caches = []
@@ -85,6 +85,8 @@ class RunnerSleep:
         with _memory_report(runner.device, f"wake_up(tags={tags})"):
             if "weights" in tags and self.weights != "awake":
                 self._weights_awake()
+                if getattr(runner, "lora_runner", None) is not None:
+                    runner.lora_runner.reallocate_slots()
                 woke = True
             if "kv_cache" in tags and self.kv_asleep:
                 runner.kv_caches = runner._allocate_kv_caches(self.num_blocks)  # new addresses, zeroed

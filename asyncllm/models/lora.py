@@ -69,6 +69,19 @@ class LoRALayer(nn.Module):
                              persistent=False)
         self.register_buffer("b", weight.new_zeros(out_features, num_slots * self.width, dtype=dtype),
                              persistent=False)
+        self.shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        """While released (sleep mode): the shapes of ``a`` and ``b``."""
+
+    def release(self) -> None:
+        """Sleep mode: give the slots' memory back (`reallocate` takes it back, every slot empty)."""
+        if self.shapes is None:  # not released already
+            self.shapes = (tuple(self.a.shape), tuple(self.b.shape))
+            self.a, self.b = self.a.new_empty(0), self.b.new_empty(0)
+
+    def reallocate(self) -> None:
+        if self.shapes is not None:
+            self.a, self.b = self.a.new_zeros(self.shapes[0]), self.b.new_zeros(self.shapes[1])
+            self.shapes = None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the projection's output for ``x``) plus the step's adapters' products."""

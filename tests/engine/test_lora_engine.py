@@ -178,3 +178,29 @@ async def test_fused_phi3_and_gemma_adapters_equal_peft(arch: str, targets: list
     for prompt in prompts:
         assert next(got).token_ids == peft_greedy(path, lora.lora_path, prompt, MAX_TOKENS, eos_token_id=None)
         assert next(got).token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)
+
+
+async def test_sleep_mode_releases_the_adapter_slots_and_sets_them_again(tiny_llama: str,
+                                                                         adapters: list[LoRARequest]) -> None:
+    """Sleep mode with enable_lora: the slots' memory goes with the weights at both levels; after the wake-up
+    each adapter is set again from the CPU cache (or its folder) and its tokens are PEFT's again."""
+    prompt = random_prompts(1, seed=13, max_len=40)[0]
+    a1, a3 = adapters[0], adapters[2]
+    expected = {a1.lora_int_id: _reference(tiny_llama, a1, prompt), a3.lora_int_id: _reference(tiny_llama, a3, prompt)}
+    async with AsyncEngine(tiny_llama, enable_lora=True, max_loras=2, enable_sleep_mode=True,
+                           disable_log_stats=True) as engine:
+
+        async def both() -> dict[int, list[int]]:
+            outs = await engine.generate_many([prompt, prompt], GREEDY, lora_request=[a1, a3])
+            return {lora.lora_int_id: out.token_ids for lora, out in zip([a1, a3], outs)}
+
+        assert await both() == expected
+        await engine.sleep(level=1)
+        await engine.wake_up()
+        assert await both() == expected
+        await engine.sleep(level=2)
+        await engine.wake_up(tags=["weights"])
+        await engine.update_weights(tiny_llama)
+        await engine.wake_up(tags=["kv_cache"])
+        assert await both() == expected
+        assert (await engine.generate(prompt, GREEDY)).token_ids == _reference(tiny_llama, None, prompt)

@@ -75,11 +75,11 @@ def test_level_2_discards_the_weights_and_brings_back_their_shapes(runner) -> No
 
 def test_what_is_not_built_is_refused_by_name_and_changes_nothing() -> None:
     path = tiny_checkpoint("llama")
-    runner = SimpleNamespace(config=EngineConfig.create(path, max_model_len=64, enable_lora=True), hf_config=None,
+    runner = SimpleNamespace(config=EngineConfig.create(path, max_model_len=64, quantization="fp8"), hf_config=None,
                              model=torch.nn.Linear(2, 2), drafter=None, kv_caches=["kept"])
     reply = RunnerSleep(runner).handle(protocol.Sleep("s1", 1), rank=0)
     error = sleep_error(reply)
-    assert isinstance(error, NotBuiltError) and error.field == "enable_lora" and runner.kv_caches == ["kept"]
+    assert isinstance(error, NotBuiltError) and error.field == "quantization" and runner.kv_caches == ["kept"]
 
 
 def test_levels_and_tags_are_checked_by_name() -> None:
@@ -112,7 +112,8 @@ def _core(enable: bool) -> SimpleNamespace:
     sent: list[object] = []
     return SimpleNamespace(config=config, overlap=None, scheduler=Scheduler(config, 16, 256), executor=_Executor(),
                            sent=sent, send_outputs=lambda outputs: sent.append("stats"),
-                           io=SimpleNamespace(send=lambda client_id, message: sent.append(message)))
+                           io=SimpleNamespace(send=lambda client_id, message: sent.append(message)),
+                           weights=SimpleNamespace(pushed=False))  # the WeightUpdater: no weights pushed
 
 
 def test_the_core_refuses_without_enable_sleep_mode_by_name() -> None:
@@ -148,3 +149,26 @@ def test_the_core_holds_steps_and_puts_restarted_workers_back_to_sleep() -> None
     controller.handle(b"host", protocol.Sleep("s2", 1))
     assert isinstance(sleep_error(core.sent[-1]), EngineDeadError) and len(recovered) == 1
     assert not controller.is_sleeping  # the state before the call
+    core.weights.pushed = True  # the last update came from a host's tensors: restarted workers have dummy weights
+    core.executor = _Executor()
+    controller.after_restart()
+    assert controller.awaiting_weights and controller.holds_steps and core.executor.commands == []
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_the_lora_slots_go_with_the_weights_and_come_back_empty(level: int) -> None:
+    config = EngineConfig.create(tiny_checkpoint("llama"), max_model_len=64, max_num_seqs=4, device="cpu",
+                                 enable_lora=True, max_loras=2)
+    runner = ModelRunner(config, rank=0, tp_size=1, device=CPU)
+    runner.load_model()
+    lora = runner.lora_runner
+    shapes = {name: (layer.a.shape, layer.b.shape) for name, layer in lora.layers.items()}
+    lora.slots[7] = 0  # adapter 7 set in slot 0
+    next(iter(lora.layers.values())).a.fill_(1.0)
+    sleeper = RunnerSleep(runner)
+    sleeper.sleep(level, ["weights"])
+    sleeper.sleep(2, ["weights"])  # a second sleep finds them released
+    assert all(layer.a.numel() == layer.b.numel() == 0 for layer in lora.layers.values()) and not lora.slots
+    sleeper.wake_up(["weights"])
+    assert {name: (layer.a.shape, layer.b.shape) for name, layer in lora.layers.items()} == shapes
+    assert not any(layer.a.any() or layer.b.any() for layer in lora.layers.values())
