@@ -73,6 +73,11 @@ class MultiModalRunner:
             flat_offset += num_tokens
         return self.cache.inputs_embeds(inputs.input_ids, spans)
 
+    def forget_encoder_outputs(self) -> None:
+        """After new weights or a sleep: drop every cached encoder output and request (the core recomputes every
+        running request, which comes back as new; its images are encoded again with the weights then served)."""
+        self.cache.clear()
+
     def take_stats(self) -> tuple[int, int]:
         """Encoder-cache (queries, hits) since the last call (they ride on the step's `ModelRunnerOutput`)."""
         now = (self.cache.num_queries, self.cache.num_hits)

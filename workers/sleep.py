@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 def refuse_unbuilt(runner: Any) -> None:
     """What moving the parameters does not cover: tensors built from the weights outside them (quantized
-    kernels' layouts, the draft model, a vision tower's encoder cache)."""
+    kernels' layouts, the draft model)."""
     weight_update.refuse_unbuilt(runner, "sleep mode")
     if getattr(runner, "drafter", None) is not None:
         raise NotBuiltError("speculative_config", "draft model", "sleep mode with a draft model")
@@ -69,6 +69,8 @@ class RunnerSleep:
         runner = self.runner
         with _memory_report(runner.device, f"sleep(level={level})"):
             runner.cuda_graphs = None  # they replay over tensors that are about to move
+            if getattr(runner, "mm_runner", None) is not None:
+                runner.mm_runner.forget_encoder_outputs()  # their memory too; the requests are recomputed anyway
             if "weights" in tags:
                 self._weights_asleep(level)
                 lora = getattr(runner, "lora_runner", None)

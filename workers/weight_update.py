@@ -40,10 +40,9 @@ from asyncllm.models.layers import LoadedWeight, weight_shape
 from asyncllm.models.loader import build_model, load_checkpoint
 from asyncllm.models.registry import text_config_of
 from asyncllm.shm_segment import attach_untracked
-from asyncllm.workers.mm_runner import is_multimodal
 
 __all__ = ["update_weights", "check_update", "check_tensor_update", "refuse_unbuilt", "forget_weights",
-           "unwritten_weights", "SHAPE_KEYS"]
+           "unwritten_weights", "SHAPE_KEYS", "VISION_KEYS"]
 
 SHAPE_KEYS = (
     "architectures", "hidden_size", "intermediate_size", "moe_intermediate_size",
@@ -53,6 +52,11 @@ SHAPE_KEYS = (
 )
 """config.json keys that must equal the served model's: the engine keeps the model it built (its shapes, rotary
 tables, norms), so only weights may change."""
+VISION_KEYS = ("image_token_index", "image_token_id", "vision_feature_layer", "vision_feature_select_strategy",
+               "projector_hidden_act", "image_seq_length", "mm_tokens_per_image")
+"""A multimodal model's config.json keys that must be equal too, with every key of its ``vision_config`` but
+`_NOT_SHAPES`."""
+_NOT_SHAPES = {"_name_or_path", "transformers_version", "dtype", "torch_dtype", "architectures"}
 
 
 def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | None = None) -> protocol.WeightsUpdated:
@@ -77,6 +81,8 @@ def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | Non
         else:  # in place: every loader copies into .data; a pipeline stage's model loads its own parts only
             load_checkpoint(_loading_model(runner), path, runner.config.kv_cache_dtype)
             unwritten = _written(runner, None)
+        if getattr(runner, "mm_runner", None) is not None:
+            runner.mm_runner.forget_encoder_outputs()  # computed by the old vision tower
     finally:
         if segment is not None:
             _close(segment)
@@ -188,22 +194,21 @@ def check_update(runner: Any, model_path: str, revision: str | None, config_json
 
 def refuse_unbuilt(runner: Any, feature: str = "update_weights") -> None:
     """What the in-place copy (and sleep mode's moves, `feature` "sleep mode") does not cover: weights transformed
-    after loading, a vision tower."""
+    after loading."""
     config = runner.config
     if config.quantization is not None:
         raise NotBuiltError("quantization", config.quantization, f"{feature} of a quantized model")
     method = checkpoint_quantization(runner.hf_config)
     if method is not None or config.model.lower().endswith(".gguf"):
         raise NotBuiltError("model", config.model, f"{feature} of a pre-quantized checkpoint ({method or 'gguf'})")
-    if is_multimodal(runner.model):
-        raise NotBuiltError("model", config.model, f"{feature} of a multimodal model (its vision tower)")
 
 
 def _check_config(served: Any, new: Any) -> None:
     """`InvalidRequestError` naming every key of `SHAPE_KEYS` whose value differs."""
     old_dict, new_dict = _plain_dict(served), _plain_dict(new)
+    vision = sorted(key for key in old_dict.keys() | new_dict.keys() if key.startswith("vision_config."))
     differ = [f"{key}={new_dict.get(key)!r} (served: {old_dict.get(key)!r})"
-              for key in SHAPE_KEYS if old_dict.get(key) != new_dict.get(key)]
+              for key in (*SHAPE_KEYS, *VISION_KEYS, *vision) if old_dict.get(key) != new_dict.get(key)]
     if differ:
         raise InvalidRequestError("model_path", "a checkpoint of the served model's architecture and shapes; its "
                                                 "config.json differs: " + ", ".join(differ))
@@ -211,9 +216,16 @@ def _check_config(served: Any, new: Any) -> None:
 
 def _plain_dict(hf_config: Any) -> dict[str, Any]:
     """The decoder's config as the workers get it from the host (`hf_config_from_json`), so that a config read
-    by the architecture's class and one rebuilt from JSON compare equal; with the checkpoint's architectures."""
-    values = text_config_of(hf_config_from_json(hf_config_json(hf_config))).to_dict()
+    by the architecture's class and one rebuilt from JSON compare equal; with the checkpoint's architectures and,
+    for a multimodal model, its vision tower's config and the keys that place its features (`VISION_KEYS`)."""
+    plain = hf_config_from_json(hf_config_json(hf_config))
+    values = text_config_of(plain).to_dict()
     values["architectures"] = getattr(hf_config, "architectures", None)
+    vision = getattr(plain, "vision_config", None)
+    if vision is not None:
+        values.update({f"vision_config.{key}": value for key, value in vision.to_dict().items()
+                       if key not in _NOT_SHAPES})
+        values.update({key: getattr(plain, key, None) for key in VISION_KEYS})
     return values
 
 

@@ -380,7 +380,7 @@ class AsyncEngine:
         the new weights, and the prefix cache is forgotten. Returns the new weights version (also in
         `stats().weights_version`); with data_parallel_size > 1 every replica updates first. A checkpoint that
         does not fit is an `InvalidRequestError` naming ``model_path`` (the old weights keep serving); a model
-        that cannot be updated (quantized, multimodal) a `NotBuiltError`. See docs/weight-updates.md."""
+        that cannot be updated (quantized) a `NotBuiltError`. See docs/weight-updates.md."""
         if not isinstance(model_path, str) or not model_path:
             raise InvalidRequestError("model_path", f"a checkpoint folder or hub id (a non-empty str), got {model_path!r}")
         if revision is not None and not isinstance(revision, str):

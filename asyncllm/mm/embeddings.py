@@ -79,6 +79,12 @@ class EncoderOutputCache:
         """Images run through the encoder so far."""
         return self.num_queries - self.num_hits
 
+    def clear(self) -> None:
+        """Forget every request and every cached output, pinned or not."""
+        self.items.clear()
+        self._pinned.clear()
+        self.store = EncoderCache(self.store.budget_bytes)
+
     def add_request(self, req_id: str, items: list[MultiModalItem]) -> None:
         self.items[req_id] = items
 

@@ -1,4 +1,5 @@
-"""LLaVA end to end: parity with transformers, placeholders split by chunked prefill, both caches, bad images."""
+"""LLaVA end to end: parity with transformers, placeholders split by chunked prefill, both caches, bad images, and
+new weights (a checkpoint, a sleep, tensors from memory) with the encoder cache forgotten."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def tiny_llava(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_llava: str):
     engine = AsyncEngine(tiny_llava, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
-                         max_num_seqs=4, enable_prefix_caching=True, mm_max_image_pixels=200 * 200)
+                         max_num_seqs=4, enable_prefix_caching=True, mm_max_image_pixels=200 * 200,
+                         enable_sleep_mode=True)
     await engine.start()
     sent_requests(engine)  # records every AddRequest from now on
     yield engine
@@ -157,3 +159,26 @@ async def test_tool_history_beside_images_reaches_the_template(engine):
         prompts.append(stream.collector.prompt_token_ids)
     assert prompts[0] == prompts[1]
     assert '{"a": 1}' in engine.tokenizer.decode(prompts[0])
+
+
+async def test_new_weights_encode_cached_images_again(engine, tiny_llava, tmp_path_factory):
+    """update_weights reloads the vision tower and projector too, and forgets the encoder outputs the old weights
+    computed: the first test's image, cached in the workers, is encoded again. Then a sleep, and a push of the
+    first weights from transformers' state_dict (`update_weights_from_tensors`)."""
+    import torch
+    from transformers import LlavaForConditionalGeneration
+
+    other = make_tiny_llava(tmp_path_factory.mktemp("llava_b"), seed=1)
+    image, text = make_image(40, 30, seed=1), "Describe <image> please"
+    version = engine.stats().weights_version
+    assert await engine.update_weights(other) == version + 1
+    expected = hf_llava_greedy(other, text, [image], 8)[1]
+    assert expected != hf_llava_greedy(tiny_llava, text, [image], 8)[1]
+    assert (await engine.generate({"prompt": text, "images": [image]}, GREEDY)).outputs[0].token_ids == expected
+    await engine.sleep(level=1)
+    await engine.wake_up()
+    assert (await engine.generate({"prompt": text, "images": [image]}, GREEDY)).outputs[0].token_ids == expected
+    weights = LlavaForConditionalGeneration.from_pretrained(tiny_llava, dtype=torch.float32).state_dict()
+    assert await engine.update_weights_from_tensors(weights) == version + 2
+    out = await engine.generate({"prompt": text, "images": [image]}, GREEDY)
+    assert out.outputs[0].token_ids == hf_llava_greedy(tiny_llava, text, [image], 8)[1]

@@ -90,9 +90,6 @@ def test_what_is_not_built_is_refused_by_name(runner) -> None:
     fp8 = SimpleNamespace(**{**vars(runner), "config": EngineConfig.create(runner.config.model, quantization="fp8")})
     with pytest.raises(NotBuiltError, match="quantization='fp8'"):
         check_update(fp8, tiny_checkpoint("llama", seed=1), None)
-    vision = SimpleNamespace(**{**vars(runner), "model": SimpleNamespace(embed_multimodal=lambda *a: None)})
-    with pytest.raises(NotBuiltError, match="multimodal"):
-        check_update(vision, tiny_checkpoint("llama", seed=1), None)
     with pytest.raises(NotBuiltError, match="GGUF"):
         check_update(runner, "/models/tiny.gguf", None)
 
@@ -184,8 +181,8 @@ def test_a_refused_push_touches_nothing(runner) -> None:
     reply = _push(runner, misshapen)  # the first fits, the second does not: neither is written
     assert "model.layers.0.mlp.up_proj.weight" in reply.error and weights_error(reply).field == "named_tensors"
     assert all(torch.equal(param, before[name]) for name, param in runner.model.named_parameters())
-    vision = SimpleNamespace(**{**vars(runner), "model": SimpleNamespace(embed_multimodal=lambda *a: None)})
-    assert "update_weights_from_tensors of a multimodal model" in _push(vision, {"x": torch.ones(1)}).error
+    fp8 = SimpleNamespace(**{**vars(runner), "config": EngineConfig.create(runner.config.model, quantization="fp8")})
+    assert "update_weights_from_tensors of a quantized model" in _push(fp8, {"x": torch.ones(1)}).error
     gone = update_weights(runner, protocol.UpdateWeights("t", "", segment="asyncllm-weights-gone", tensors=[
         protocol.WeightTensor("model.norm.weight", "float32", [64], 0)]))
     assert "cannot map" in gone.error and weights_error(gone).field == "named_tensors"
@@ -216,3 +213,21 @@ def test_the_core_restarts_workers_on_dummy_weights_after_a_push_and_waits_for_e
     updater.update(b"host", protocol.UpdateWeights("u", "/ckpt/b"))
     model = core.restarter.config.model_config
     assert not updater.pushed and (model.model, model.load_format) == ("/ckpt/b", "auto")
+
+
+def test_a_multimodal_checkpoint_must_keep_its_vision_tower_config() -> None:
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig
+
+    from asyncllm.workers.weight_update import _check_config
+
+    def llava(vision_hidden: int, layer: int = -2) -> LlavaConfig:
+        vision = CLIPVisionConfig(hidden_size=vision_hidden, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, image_size=28, patch_size=7)
+        return LlavaConfig(vision_config=vision, text_config=LlamaConfig(hidden_size=64, num_hidden_layers=2),
+                           vision_feature_layer=layer, architectures=["LlavaForConditionalGeneration"])
+
+    _check_config(llava(32), llava(32))
+    with pytest.raises(InvalidRequestError, match=r"vision_config.hidden_size=48 \(served: 32\)"):
+        _check_config(llava(32), llava(48))
+    with pytest.raises(InvalidRequestError, match=r"vision_feature_layer=-1 \(served: -2\)"):
+        _check_config(llava(32), llava(32, layer=-1))
