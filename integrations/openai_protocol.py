@@ -214,6 +214,22 @@ def request_options(req: _Common) -> dict[str, Any]:
     return {"priority": req.priority, "cache_salt": req.cache_salt}
 
 
+DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
+"""vLLM's request header naming the replica that runs a completion (`AsyncEngine.stream`'s data_parallel_rank)."""
+
+
+def header_data_parallel_rank(headers: Mapping[str, str]) -> int | None:
+    """The ``X-data-parallel-rank`` header's replica index; None without one."""
+    raw = headers.get(DATA_PARALLEL_RANK_HEADER)
+    if raw is None:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InvalidRequestError("data_parallel_rank", f"the X-data-parallel-rank header must be a replica index "
+                                                        f"(an int), got {raw!r}") from None
+
+
 def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
     """The chat template's variables of a request: ``add_generation_prompt`` and ``continue_final_message``,
     then ``chat_template_kwargs`` (which win)."""

@@ -52,7 +52,8 @@ from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all,
 from asyncllm.integrations.openai_lora import LoadLoRAAdapterRequest, LoRAModels, LoRAModule, UnloadLoRAAdapterRequest
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
-    chat_params, completion_params, completion_prompts, decode_request, echo_only, request_options, template_kwargs,
+    chat_params, completion_params, completion_prompts, decode_request, echo_only, header_data_parallel_rank,
+    request_options, template_kwargs,
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.openai_score import score_routes
@@ -246,7 +247,9 @@ class OpenAIServer:
             return await beam_search_response(self, request, req, model, lora)
         params = completion_params(req, self.limits, await self._sampling_defaults())
         prompts = completion_prompts(req.prompt, self.limits)
-        streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora) for prompt in prompts]
+        rank = header_data_parallel_rank(request.headers)
+        streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank)
+                   for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
                           echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None)
         return await self._respond(request, req, model, streams, choices, "cmpl", "text_completion",
@@ -257,7 +260,8 @@ class OpenAIServer:
         model, lora = self._model(req.model)
         if req.use_beam_search:
             return await beam_search_response(self, request, req, model, lora)
-        streams, choices = self._start_chat(req, lora, await self._sampling_defaults())
+        streams, choices = self._start_chat(req, lora, await self._sampling_defaults(),
+                                            header_data_parallel_rank(request.headers))
         return await self._respond(request, req, model, streams, choices, "chatcmpl", "chat.completion")
 
     async def embeddings(self, request: Request, body: bytes | None = None) -> Response:
@@ -292,7 +296,8 @@ class OpenAIServer:
         req = decode_request(await self._body(request), ResponsesRequest)
         model, lora = self._model(req.model)
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
-        streams, choices = self._start_chat(turn.chat_request(), lora, await self._sampling_defaults())
+        streams, choices = self._start_chat(turn.chat_request(), lora, await self._sampling_defaults(),
+                                            header_data_parallel_rank(request.headers))
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             _count_prompts(streams, choices)
@@ -312,8 +317,8 @@ class OpenAIServer:
             await self.engine.start()
         return self.engine.default_sampling_fields()
 
-    def _start_chat(self, req: ChatCompletionRequest, lora: LoRARequest | None,
-                    defaults: dict[str, Any]) -> tuple[list[RequestStream], Choices]:
+    def _start_chat(self, req: ChatCompletionRequest, lora: LoRARequest | None, defaults: dict[str, Any],
+                    data_parallel_rank: int | None = None) -> tuple[list[RequestStream], Choices]:
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         if mode.constraint is not None and self.reasoning is not None and not self.reasoning.forced_tool_calls:
             raise InvalidRequestError("tool_choice", "a named or 'required' choice is not built with this reasoning "
@@ -327,7 +332,8 @@ class OpenAIServer:
             params.structured = msgspec.structs.replace(params.structured, start_after=self.reasoning.end_tag)
         streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
-                                    chat_template=self.templates.pick(req.chat_template), lora_request=lora)]
+                                    chat_template=self.templates.pick(req.chat_template), lora_request=lora,
+                                    data_parallel_rank=data_parallel_rank)]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
                           return_prompt_logprobs=req.prompt_logprobs is not None)
         return streams, choices

@@ -218,18 +218,21 @@ class AsyncEngine:
     # ------------------------------------------------------------ requests
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
                request_id: str | None = None, timeout: float | None = None,
-               cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
+               cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+               data_parallel_rank: int | None = None) -> RequestStream:
         """Stream `StreamDelta`s of one completion; leaving the loop aborts it.
 
-        `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md)."""
-        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request)
+        `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md); `data_parallel_rank` on that
+        replica (data_parallel_size > 1; default: the least loaded)."""
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
+                                 data_parallel_rank=data_parallel_rank)
         return RequestStream(self, prompt, _checked_params(params), options, chat=False)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,
              request_id: str | None = None, timeout: float | None = None,
              cache_salt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
-             lora_request: LoRARequest | None = None) -> RequestStream:
+             lora_request: LoRARequest | None = None, data_parallel_rank: int | None = None) -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
 
         `chat_template_kwargs` are variables for the template, as in
@@ -240,7 +243,7 @@ class AsyncEngine:
         `chat_template` (Jinja) replaces the tokenizer's template for this request.
         """
         options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
-                                 lora_request)
+                                 lora_request, data_parallel_rank=data_parallel_rank)
         return RequestStream(self, messages, _checked_params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
@@ -269,13 +272,14 @@ class AsyncEngine:
     async def embed(self, prompt: Any, pooling_params: PoolingParams | None = None, *, priority: int = 0,
                     request_id: str | None = None, timeout: float | None = None, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None,
-                    truncate_prompt_tokens: int | None = None) -> EmbeddingOutput:
+                    truncate_prompt_tokens: int | None = None, data_parallel_rank: int | None = None) -> EmbeddingOutput:
         """The embedding of a prompt (text or token ids): its last token's final hidden state (or the model's
         MEAN / CLS pooling, ``pooler_config``), normalized unless `pooling_params` says otherwise
         (docs/embeddings.md). It is scheduled like any request (one prefill and one dropped token), so
         embeddings and generations share batches."""
         pooling = PoolingParams() if pooling_params is None else pooling_params
-        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling)
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling,
+                                 data_parallel_rank=data_parallel_rank)
         collector = await self._pool(prompt, options, truncate_prompt_tokens)
         return EmbeddingOutput(collector.request_id, collector.prompt_token_ids, collector.embedding,
                                collector.metrics, collector.num_cached_tokens)
@@ -283,14 +287,16 @@ class AsyncEngine:
     async def classify(self, prompt: Any, *, priority: int = 0, request_id: str | None = None,
                        timeout: float | None = None, cache_salt: str | None = None,
                        lora_request: LoRARequest | None = None,
-                       truncate_prompt_tokens: int | None = None) -> ClassificationOutput:
+                       truncate_prompt_tokens: int | None = None,
+                       data_parallel_rank: int | None = None) -> ClassificationOutput:
         """A ``*ForSequenceClassification`` model's verdict on a prompt (text or token ids): its score head's
         logits over the last token, the probabilities (softmax; sigmoid for one label) and the top label's
         name (docs/pooling.md). Scheduled as `embed` is; any other model refuses it."""
         from asyncllm.engine.scoring import classify
 
-        return await classify(self, prompt, RequestOptions(priority, request_id, timeout, cache_salt,
-                                                           lora_request=lora_request), truncate_prompt_tokens)
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
+                                 data_parallel_rank=data_parallel_rank)
+        return await classify(self, prompt, options, truncate_prompt_tokens)
 
     async def score(self, text_1: str | list[str], text_2: str | list[str], *, priority: int = 0,
                     timeout: float | None = None, cache_salt: str | None = None,
@@ -461,7 +467,7 @@ class AsyncEngine:
         await self.start()
         if self._closed:
             raise EngineDeadError("the engine was closed")
-        replica = await self._replicas.pick(options.request_id)
+        replica = await self._replicas.pick(options.request_id, options.data_parallel_rank)
         processor = replica.processor
         assert processor is not None
         replica.admission.admit(replica.observer.stats.scheduler, prompt, chat, params.n)  # refuse before tokenizing

@@ -22,7 +22,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.data_parallel import ReplicaLoad, combined_stats, replica_env
-from asyncllm.errors import EngineDeadError
+from asyncllm.errors import EngineDeadError, InvalidRequestError
 from asyncllm.engine.launch import CoreProcess, launch_core
 from asyncllm.engine.prepare import Prepared, prepare
 from asyncllm.engine.processor import Deliver, Processor
@@ -95,9 +95,12 @@ class ReplicaSet:
     def any_alive(self) -> bool:
         return any(replica.alive for replica in self.replicas)
 
-    async def pick(self, request_id: str | None) -> Replica:
-        """The replica for a new request: the least loaded live one (a request id still in flight: its replica,
-        which refuses the duplicate). Waits for a core restart when no replica is alive but one restarts."""
+    async def pick(self, request_id: str | None, rank: int | None = None) -> Replica:
+        """The replica for a new request: replica ``rank`` if given, else the least loaded live one (a request id
+        still in flight: its replica, which refuses the duplicate). Waits for a core restart when no replica is
+        alive (or replica ``rank`` is not) but one restarts."""
+        if rank is not None:
+            return await self._pinned(rank)
         if not self.any_alive:
             for replica in self.replicas:
                 if replica.supervisor.restarting:
@@ -108,6 +111,17 @@ class ReplicaSet:
         replica = pick_replica(self.replicas)
         if replica is None:
             raise self.dead_error()
+        return replica
+
+    async def _pinned(self, rank: int) -> Replica:
+        if rank >= len(self.replicas):
+            raise InvalidRequestError("data_parallel_rank", f"a replica index below data_parallel_size="
+                                                            f"{len(self.replicas)}, got {rank}")
+        replica = self.replicas[rank]
+        if not replica.alive and replica.supervisor.restarting:
+            await replica.supervisor.wait()
+        if not replica.alive:
+            raise self.dead_error() if not self.any_alive else EngineDeadError(f"replica {rank} is dead")
         return replica
 
     def placed(self, replica: Replica, collector: RequestCollector, num_samples: int) -> None:

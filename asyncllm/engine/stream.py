@@ -50,6 +50,9 @@ class RequestOptions:
     """`embed`, `classify` and `score` only: what the request returns (docs/embeddings.md, docs/pooling.md)."""
     text_pair: str | None = None
     """`score` on a cross-encoder only: the second text, tokenized with the prompt as one pair (docs/pooling.md)."""
+    data_parallel_rank: int | None = None
+    """data_parallel_size > 1: the replica that runs the request (vLLM's ``data_parallel_rank``); None: the least
+    loaded (docs/parallelism.md)."""
 
     def validate(self) -> None:
         check_priority(self.priority)
@@ -59,6 +62,9 @@ class RequestOptions:
             ok = isinstance(self.timeout, (int, float)) and not isinstance(self.timeout, bool)
             if not ok or math.isnan(self.timeout) or self.timeout <= 0:
                 raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {self.timeout!r}")
+        rank = self.data_parallel_rank
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 0):
+            raise InvalidRequestError("data_parallel_rank", f"must be a replica index (an int >= 0) or None, got {rank!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
             raise InvalidRequestError("cache_salt", f"must be a str, got {self.cache_salt!r}")
         if self.lora_request is not None:

@@ -1,7 +1,8 @@
 """data_parallel_size=2 on the CPU: two engine cores behind one AsyncEngine (docs/parallelism.md).
 
 One module-scoped engine serves every case: greedy parity with transformers, both replicas used, an abort on
-replica 1, reset_prefix_cache on both, per-engine Prometheus labels, and last a killed replica core.
+replica 1, reset_prefix_cache on both, requests pinned by data_parallel_rank, weight updates on both, per-engine
+Prometheus labels, and last a killed replica core.
 """
 
 from __future__ import annotations
@@ -108,6 +109,31 @@ async def test_reset_prefix_cache_reaches_both_replicas(engine: AsyncEngine) -> 
     held = await _hold_replica_0(engine)
     assert await _replica_hits(engine, 1, PREFIX) == 0
     await held.aclose()
+
+
+async def test_data_parallel_rank_pins_a_request_to_its_replica(engine: AsyncEngine) -> None:
+    """vLLM's data_parallel_rank: the named replica runs the request even when the other one is idle (the balancer
+    alone would pick replica 0 for both); the OpenAI server takes it from the X-data-parallel-rank header."""
+    from asgi_helpers import asgi_client
+    from asyncllm import InvalidRequestError
+    from asyncllm.integrations.openai_server import create_app
+
+    for rank in (1, 1, 0):
+        stream = engine.stream(PREFIX, GREEDY, data_parallel_rank=rank)
+        tokens = [t async for delta in stream for t in delta.token_ids]
+        assert stream.collector.replica == rank and tokens == hf_greedy(engine.config.model, PREFIX, MAX_TOKENS)
+    for rank in (2, -1, True, "1"):
+        with pytest.raises(InvalidRequestError) as info:
+            await engine.generate(PREFIX, GREEDY, data_parallel_rank=rank)
+        assert info.value.field == "data_parallel_rank"
+    before = [r.prompt_tokens_total for r in engine.stats().replicas]
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        body = {"model": engine.config.model, "prompt": PREFIX, "max_tokens": 2}
+        ok = await client.post("/v1/completions", json=body, headers={"X-data-parallel-rank": "1"})
+        bad = await client.post("/v1/completions", json=body, headers={"X-data-parallel-rank": "one"})
+    assert ok.status_code == 200 and bad.status_code == 400 and "X-data-parallel-rank" in bad.text
+    await _until(lambda: engine.stats().replicas[1].prompt_tokens_total == before[1] + len(PREFIX))
+    assert engine.stats().replicas[0].prompt_tokens_total == before[0]
 
 
 async def test_update_weights_reaches_both_replicas(engine: AsyncEngine, tiny_llama: str) -> None:
