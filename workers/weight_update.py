@@ -18,7 +18,7 @@ worker dies with a `WorkerError`, the core restarts its workers from the last we
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
 
 import torch
@@ -76,11 +76,12 @@ def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | Non
         if not _all_ranks_passed(error is None, runner.device):
             error = error or InvalidRequestError(_field(command), OTHER_RANK_REFUSED)
             return weights_error_reply(command.update_id, error, rank)
-        if segment is not None:
-            unwritten = _written(runner, _copy_tensors(runner, segment, command.tensors))
-        else:  # in place: every loader copies into .data; a pipeline stage's model loads its own parts only
-            load_checkpoint(_loading_model(runner), path, runner.config.kv_cache_dtype)
-            unwritten = _written(runner, None)
+        with _requantized(runner):  # online fp8: each layer's new float weights quantized into its fp8 ones
+            if segment is not None:
+                unwritten = _written(runner, _copy_tensors(runner, segment, command.tensors))
+            else:  # in place: every loader copies into .data; a pipeline stage's model loads its own parts only
+                load_checkpoint(_loading_model(runner), path, runner.config.kv_cache_dtype)
+                unwritten = _written(runner, None)
         if getattr(runner, "mm_runner", None) is not None:
             runner.mm_runner.forget_encoder_outputs()  # computed by the old vision tower
     finally:
@@ -171,6 +172,15 @@ def _loading_model(runner: Any) -> Any:
     return getattr(runner.model, "causal_lm", runner.model)
 
 
+def _requantized(runner: Any) -> Any:
+    """`requantizing` the model when it was quantized online (``quantization="fp8"``); else nothing to do."""
+    if runner.config.quantization is None:
+        return nullcontext()
+    from asyncllm.models.fp8_reload import requantizing
+
+    return requantizing(_loading_model(runner))
+
+
 def _field(command: protocol.UpdateWeights) -> str:
     return FIELD if command.segment else "model_path"
 
@@ -193,11 +203,9 @@ def check_update(runner: Any, model_path: str, revision: str | None, config_json
 
 
 def refuse_unbuilt(runner: Any, feature: str = "update_weights") -> None:
-    """What the in-place copy (and sleep mode's moves, `feature` "sleep mode") does not cover: weights transformed
-    after loading."""
+    """What the in-place copy (and sleep mode's moves, `feature` "sleep mode") does not cover: pre-quantized
+    checkpoints, whose kernels keep layouts built from the checkpoint's tensors (online fp8 is requantized)."""
     config = runner.config
-    if config.quantization is not None:
-        raise NotBuiltError("quantization", config.quantization, f"{feature} of a quantized model")
     method = checkpoint_quantization(runner.hf_config)
     if method is not None or config.model.lower().endswith(".gguf"):
         raise NotBuiltError("model", config.model, f"{feature} of a pre-quantized checkpoint ({method or 'gguf'})")

@@ -118,11 +118,26 @@ async def test_lora_adapters_on_fp8_layers(tiny_llama: str, tmp_path) -> None:
     assert any(out.token_ids != fp8_hf_greedy(tiny_llama, p, 10) for p, out in list(zip(prompts, outs))[1::2])
 
 
-async def test_fp8_with_dummy_weights_generates(tiny_llama: str) -> None:
+async def test_fp8_with_dummy_weights_then_real_ones_by_update_and_by_a_push_after_sleep(tiny_llama: str) -> None:
+    """An fp8 engine on dummy weights generates; update_weights then requantizes the checkpoint's float weights
+    layer by layer (the fake-quant reference's tokens), and so does a state_dict pushed after a level-2 sleep."""
+    from hf_reference import hf_state_dict
+
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    async with AsyncEngine(tiny_llama, quantization="fp8", load_format="dummy", disable_log_stats=True) as engine:
+    prompts = random_prompts(3, seed=8)
+    async with AsyncEngine(tiny_llama, quantization="fp8", load_format="dummy", enable_sleep_mode=True,
+                           disable_log_stats=True) as engine:
         out = await engine.generate([5, 6, 7, 8], params)
-    assert len(out.token_ids) == 8
+        assert len(out.token_ids) == 8
+        assert await engine.update_weights(tiny_llama) == 1
+        for prompt, out in zip(prompts, await asyncio.gather(*(engine.generate(p, params) for p in prompts))):
+            _check_greedy(tiny_llama, prompt, out.token_ids)
+        await engine.sleep(level=2)
+        await engine.wake_up(tags=["weights"])
+        assert await engine.update_weights_from_tensors(hf_state_dict(tiny_llama)) == 2
+        await engine.wake_up(tags=["kv_cache"])
+        for prompt, out in zip(prompts, await asyncio.gather(*(engine.generate(p, params) for p in prompts))):
+            _check_greedy(tiny_llama, prompt, out.token_ids)
 
 
 async def test_a_pre_quantized_checkpoint_fails_the_start(tiny_llama: str, tmp_path) -> None:

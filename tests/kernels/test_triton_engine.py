@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 from hf_reference import hf_greedy
 
 from asyncllm import AsyncEngine, SamplingParams

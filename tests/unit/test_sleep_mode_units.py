@@ -75,11 +75,11 @@ def test_level_2_discards_the_weights_and_brings_back_their_shapes(runner) -> No
 
 def test_what_is_not_built_is_refused_by_name_and_changes_nothing() -> None:
     path = tiny_checkpoint("llama")
-    runner = SimpleNamespace(config=EngineConfig.create(path, max_model_len=64, quantization="fp8"), hf_config=None,
-                             model=torch.nn.Linear(2, 2), drafter=None, kv_caches=["kept"])
+    runner = SimpleNamespace(config=EngineConfig.create(path, max_model_len=64), hf_config=None,
+                             model=torch.nn.Linear(2, 2), drafter=object(), kv_caches=["kept"])  # a draft model
     reply = RunnerSleep(runner).handle(protocol.Sleep("s1", 1), rank=0)
     error = sleep_error(reply)
-    assert isinstance(error, NotBuiltError) and error.field == "quantization" and runner.kv_caches == ["kept"]
+    assert isinstance(error, NotBuiltError) and error.field == "speculative_config" and runner.kv_caches == ["kept"]
 
 
 def test_levels_and_tags_are_checked_by_name() -> None:

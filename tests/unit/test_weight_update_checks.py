@@ -18,6 +18,7 @@ from asyncllm.engine.weight_update import OTHER_RANK_REFUSED, weights_error, wei
 from asyncllm.errors import InvalidRequestError, NotBuiltError
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.lora import LoRAContext, attach_lora_layers
+from asyncllm.models.quantization import fp8_to_float, quantize_fp8_per_tensor
 from asyncllm.tiny import tiny_checkpoint
 from asyncllm.workers.weight_update import check_update, update_weights
 
@@ -87,9 +88,6 @@ def test_an_update_copies_in_place_under_lora_layers(tmp_path: Path) -> None:
 
 
 def test_what_is_not_built_is_refused_by_name(runner) -> None:
-    fp8 = SimpleNamespace(**{**vars(runner), "config": EngineConfig.create(runner.config.model, quantization="fp8")})
-    with pytest.raises(NotBuiltError, match="quantization='fp8'"):
-        check_update(fp8, tiny_checkpoint("llama", seed=1), None)
     with pytest.raises(NotBuiltError, match="GGUF"):
         check_update(runner, "/models/tiny.gguf", None)
 
@@ -181,8 +179,6 @@ def test_a_refused_push_touches_nothing(runner) -> None:
     reply = _push(runner, misshapen)  # the first fits, the second does not: neither is written
     assert "model.layers.0.mlp.up_proj.weight" in reply.error and weights_error(reply).field == "named_tensors"
     assert all(torch.equal(param, before[name]) for name, param in runner.model.named_parameters())
-    fp8 = SimpleNamespace(**{**vars(runner), "config": EngineConfig.create(runner.config.model, quantization="fp8")})
-    assert "update_weights_from_tensors of a quantized model" in _push(fp8, {"x": torch.ones(1)}).error
     gone = update_weights(runner, protocol.UpdateWeights("t", "", segment="asyncllm-weights-gone", tensors=[
         protocol.WeightTensor("model.norm.weight", "float32", [64], 0)]))
     assert "cannot map" in gone.error and weights_error(gone).field == "named_tensors"
@@ -231,3 +227,36 @@ def test_a_multimodal_checkpoint_must_keep_its_vision_tower_config() -> None:
         _check_config(llava(32), llava(48))
     with pytest.raises(InvalidRequestError, match=r"vision_feature_layer=-1 \(served: -2\)"):
         _check_config(llava(32), llava(32, layer=-1))
+
+
+def _fp8_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every fp8 layer's weight bytes and scale, and every other parameter."""
+    state = {name: param.detach().clone() for name, param in model.named_parameters()}
+    state.update({name: buf.clone() for name, buf in model.named_buffers() if name.endswith("weight_scale")})
+    return state
+
+
+def test_online_fp8_weights_are_requantized_in_place_as_a_fresh_load_would() -> None:
+    a, b = tiny_checkpoint("llama"), tiny_checkpoint("llama", seed=1)
+    runner = _runner(a, quantization="fp8")
+    addresses = {name: param.data_ptr() for name, param in runner.model.named_parameters()}
+    assert update_weights(runner, protocol.UpdateWeights("u", b)) == protocol.WeightsUpdated("u")
+    fresh, got = _fp8_state(_runner(b, quantization="fp8").model), _fp8_state(runner.model)
+    assert fresh.keys() == got.keys() and any(t.dtype == torch.float8_e4m3fn for t in got.values())
+    for name, tensor in fresh.items():
+        assert torch.equal(got[name].view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else got[name],
+                           tensor.view(torch.uint8) if tensor.dtype == torch.float8_e4m3fn else tensor), name
+    assert all(param.data_ptr() == addresses[name] for name, param in runner.model.named_parameters())
+    # one part of a fused layer: its rows new, the other parts' values as served (dequantized) under a new scale
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    before = fp8_to_float(qkv.weight.data) * qkv.weight_scale
+    other = runner.model.model.layers[1].self_attn.qkv_proj.weight.detach().clone()
+    k_new = torch.randn(qkv.kv_size, qkv.weight.shape[1]) * 3
+    _push(runner, {"model.layers.0.self_attn.k_proj.weight": k_new})
+    after = fp8_to_float(qkv.weight.data) * qkv.weight_scale
+    expected = before.clone()
+    expected[qkv.q_size:qkv.q_size + qkv.kv_size] = k_new
+    w_q, scale = quantize_fp8_per_tensor(expected)
+    assert torch.equal(qkv.weight_scale, scale) and torch.equal(after, fp8_to_float(w_q) * scale)
+    assert torch.equal(runner.model.model.layers[1].self_attn.qkv_proj.weight.view(torch.uint8),
+                       other.view(torch.uint8))  # a layer no tensor came for is untouched
