@@ -92,6 +92,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     """Token sequences that may not be generated (as bad_words, in ids); filled from bad_words by the engine."""
     truncate_prompt_tokens: int | None = None
     """Keep only the last k prompt tokens (left truncation); -1 keeps as many as max_model_len allows."""
+    detokenize: bool = True
+    """False: the outputs carry token ids only (empty text, logprobs without ``decoded_token``), and the host
+    spends no time decoding: for callers that only need ids (RL rollouts). Stop strings need the text."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,9 +134,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             raise InvalidRequestError("stop", "must be a string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "must be a list of non-negative token ids")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, f"must be a bool, got {getattr(self, name)!r}")
+        if not self.detokenize and self.stop:
+            raise InvalidRequestError("stop", "stop strings are matched in the text: they need detokenize=True "
+                                              "(stop_token_ids work without it)")
         self._validate_logits_params()
         self._validate_outputs()
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from asyncllm.sampling import SamplingParams
 
-__all__ = ["DetokenizerUpdate", "IncrementalDetokenizer"]
+__all__ = ["DetokenizerUpdate", "IncrementalDetokenizer", "TokenIdsOnly", "new_detokenizer"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +56,36 @@ class DetokenizerUpdate:
     stop_string: str | None = None
 
 
+_NO_TEXT = DetokenizerUpdate("")
+
+def new_detokenizer(tokenizer: Any, prompt_token_ids: list[int],
+                    params: SamplingParams) -> "IncrementalDetokenizer | TokenIdsOnly":
+    """The request's detokenizer: none that decodes with ``detokenize=False``."""
+    if params.detokenize:
+        return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
+    return TokenIdsOnly(prompt_token_ids)
+
+
+class TokenIdsOnly:
+    """`IncrementalDetokenizer`'s interface for ``detokenize=False``: ids pass through, no text, no stop strings."""
+
+    decodes = False
+    stop_string = None
+    output_text = ""
+
+    def __init__(self, prompt_token_ids: list[int]) -> None:
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = []
+
+    def update(self, new_token_ids: list[int], finished: bool, stop_terminated: bool = False) -> DetokenizerUpdate:
+        self.token_ids += new_token_ids
+        return _NO_TEXT
+
+
 class IncrementalDetokenizer:
     """Turns one request's output token ids into text deltas and finds its stop strings."""
+
+    decodes = True
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.prompt_token_ids = prompt_token_ids

@@ -19,6 +19,10 @@ from asyncllm.protocol import LogprobsArrays
 __all__ = ["LogprobsDecoder", "PromptLogprobsBuffer"]
 
 
+def _no_text(token_id: int) -> None:
+    return None
+
+
 class LogprobsDecoder:
     """Builds `Logprob` dicts from packed arrays; one per processor thread (its cache is not locked)."""
 
@@ -32,13 +36,14 @@ class LogprobsDecoder:
             text = self._token_text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
-    def decode(self, arrays: LogprobsArrays) -> SampleLogprobs:
-        """One dict per row: the row's own token with its rank, then the top-N with ranks 1..N."""
+    def decode(self, arrays: LogprobsArrays, with_text: bool = True) -> SampleLogprobs:
+        """One dict per row: the row's own token with its rank, then the top-N with ranks 1..N (``decoded_token``
+        None without ``with_text``: a request with detokenize=False)."""
         width = arrays.width
         ids = np.frombuffer(arrays.token_ids, "<i4").reshape(-1, width).tolist()
         values = np.frombuffer(arrays.logprobs, "<f4").reshape(-1, width).tolist()
         ranks = np.frombuffer(arrays.ranks, "<i4").tolist()
-        text = self.token_text
+        text = self.token_text if with_text else _no_text
         out: SampleLogprobs = []
         for row_ids, row_values, rank in zip(ids, values, ranks):
             entry = {row_ids[0]: Logprob(row_values[0], rank, text(row_ids[0]))}
@@ -60,6 +65,6 @@ class PromptLogprobsBuffer:
     def __init__(self, num_prompt_tokens: int) -> None:
         self.entries: PromptLogprobs = [None] * num_prompt_tokens
 
-    def add(self, arrays: LogprobsArrays, decoder: LogprobsDecoder) -> None:
-        rows = decoder.decode(arrays)
+    def add(self, arrays: LogprobsArrays, decoder: LogprobsDecoder, with_text: bool = True) -> None:
+        rows = decoder.decode(arrays, with_text)
         self.entries[arrays.start : arrays.start + len(rows)] = rows

@@ -27,7 +27,7 @@ import zmq
 from asyncllm import errors, protocol
 from asyncllm.engine.channel import ConnectionWatch, open_dealer
 from asyncllm.engine.collector import RequestCollector
-from asyncllm.engine.detokenizer import IncrementalDetokenizer
+from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, new_detokenizer
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
 from asyncllm.engine.pooling_model import PoolingModel
@@ -81,7 +81,7 @@ class _Tracked:
     """One core request: the whole request when n == 1, else sample `index` of it."""
 
     collector: RequestCollector
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | TokenIdsOnly
     index: int = 0
     prompt_logprobs: PromptLogprobsBuffer | None = None
     """Filled by prefill chunks; handed over with the first token."""
@@ -345,7 +345,7 @@ class Processor:
         for index, core_id in enumerate(core_ids):  # n > 1: one core request per sample (see docs/sampling.md)
             params = job.params if len(core_ids) == 1 else job.params.for_sample(index)
             buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
-            detokenizer = IncrementalDetokenizer(self._tokenizer, token_ids, params)
+            detokenizer = new_detokenizer(self._tokenizer, token_ids, params)
             tracked = _Tracked(collector, detokenizer, index, buffer)
             message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
                                           collector.metrics.arrival_time, options.priority, options.cache_salt,
@@ -486,7 +486,7 @@ class Processor:
             aborts.extend(core_id for core_id, _ in self._untrack(collector.request_id) if core_id != out.request_id)
             return _request_error(out.error_type, out.error)
         if out.prompt_logprobs is not None and tracked.prompt_logprobs is not None:
-            tracked.prompt_logprobs.add(out.prompt_logprobs, self._logprobs_decoder)
+            tracked.prompt_logprobs.add(out.prompt_logprobs, self._logprobs_decoder, tracked.detokenizer.decodes)
         if not out.new_token_ids and out.finish_reason is None:
             return None
         if out.embedding is not None:
@@ -509,7 +509,7 @@ class Processor:
                 aborts.append(out.request_id)
         delta = StreamDelta(tracked.index, update.text, token_ids, finish_reason, stop_reason)
         if out.logprobs is not None:
-            delta.logprobs = self._logprobs_decoder.decode(out.logprobs)[: len(token_ids)]
+            delta.logprobs = self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes)[: len(token_ids)]
         if tracked.prompt_logprobs is not None:
             delta.prompt_logprobs = collector.prompt_logprobs = tracked.prompt_logprobs.entries
             tracked.prompt_logprobs = None

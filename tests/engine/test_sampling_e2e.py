@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import pytest_asyncio
 import torch
@@ -164,6 +165,24 @@ async def test_skip_special_tokens(engine: AsyncEngine) -> None:
 
 
 # ------------------------------------------------------------------ n > 1
+async def test_detokenize_false_gives_the_same_ids_and_logprobs_without_text(engine: AsyncEngine) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    text, ids_only = await asyncio.gather(
+        engine.generate(PROMPT, params), engine.generate(PROMPT, msgspec.structs.replace(params, detokenize=False)))
+    assert ids_only.token_ids == text.token_ids and text.outputs[0].text and ids_only.outputs[0].text == ""
+    for got, want in zip(ids_only.outputs[0].logprobs + ids_only.prompt_logprobs[1:],
+                         text.outputs[0].logprobs + text.prompt_logprobs[1:]):
+        assert list(got) == list(want)  # the same tokens; values within float32 rounding (batched together)
+        assert [lp.logprob for lp in got.values()] == pytest.approx([lp.logprob for lp in want.values()], abs=1e-5)
+        assert all(lp.decoded_token is None for lp in got.values())
+        assert all(lp.decoded_token is not None for lp in want.values())
+    streamed = [delta async for delta in engine.stream(PROMPT, SamplingParams(max_tokens=5, detokenize=False))]
+    assert all(d.text == "" for d in streamed) and sum(len(d.token_ids) for d in streamed) == 5
+    with pytest.raises(InvalidRequestError, match="detokenize=True") as info:
+        await engine.generate(PROMPT, SamplingParams(stop=["\n"], detokenize=False))
+    assert info.value.field == "stop"
+
+
 async def test_n_stream_carries_indexes_and_generate_returns_every_sample(engine: AsyncEngine) -> None:
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logprobs=1)
     streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
