@@ -19,7 +19,11 @@ from typing import Any
 import msgspec
 
 from asyncllm.errors import InvalidRequestError, NotBuiltError
-from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES
+from asyncllm.models.architectures import (
+    CLASSIFICATION_ARCHITECTURES,
+    EMBEDDING_ARCHITECTURES,
+    ENCODER_ARCHITECTURES,
+)
 from asyncllm.pooling import PoolingParams
 
 __all__ = ["ClassifierHead", "PoolingModel", "pooling_model_of", "sentence_transformers_pooling"]
@@ -168,5 +172,6 @@ def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
         if pooler.get("pooling_type", "LAST") != "LAST":
             raise NotBuiltError("pooler_config", pooler_config, "classification models pooling other than LAST")
         return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config))
-    pooling_type = pooler.get("pooling_type") or sentence_transformers_pooling(path) or "LAST"
+    default = "CLS" if architecture in ENCODER_ARCHITECTURES else "LAST"  # vLLM's defaults for each
+    pooling_type = pooler.get("pooling_type") or sentence_transformers_pooling(path) or default
     return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES, None, pooling_type, normalize)

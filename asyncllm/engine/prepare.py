@@ -7,6 +7,7 @@ processing aside): the host is the user's app process, the workers run the model
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,14 +18,18 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.lora import AdapterChecker
 from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
 from asyncllm.models.architectures import (
+    ENCODER_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
     architecture_of,
+    max_positions,
 )
 from asyncllm.models.checkpoint import hf_config_json, load_hf_config, prequantized_config, resolve_model_path
 from asyncllm.pipeline_parallel import check_pipeline_model
 from asyncllm.spec.draft_model import prepare_draft_model
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger("asyncllm.engine")
 
 
 @dataclass
@@ -60,6 +65,8 @@ def prepare(config: EngineConfig) -> Prepared:
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
+    if arch in ENCODER_ARCHITECTURES:
+        resolved = _encoder_config(resolved)
     spec = config.scheduler_config.speculative
     if spec is not None and spec.uses_draft_model:  # the draft checked against the target before spawning
         resolved = resolved.replace(speculative_config=prepare_draft_model(
@@ -91,9 +98,9 @@ def prepare(config: EngineConfig) -> Prepared:
                     pooling_model_of(arch, text_config, path, config.pooler_config))
 
 
-_NO_LORA = ("Gemma3ForConditionalGeneration",)
+_NO_LORA = ("Gemma3ForConditionalGeneration", *ENCODER_ARCHITECTURES)
 """Text-only serving of an image-text checkpoint: its adapters' names (``language_model.``) and vision-tower
-targets are not mapped."""
+targets are not mapped; the encoders' projections have no adapter layers."""
 
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);
@@ -105,8 +112,20 @@ def _generation_config(config: EngineConfig, path: str) -> str:
     return "vllm" if config.generation_config == "auto" and os.path.isfile(path) else config.generation_config
 
 
+def _encoder_config(config: EngineConfig) -> EngineConfig:
+    """A bidirectional encoder's scheduling (as vLLM's for encoder-only models): every prompt whole in one step,
+    no prefix caching (a cached prefix would skip tokens the others attend to), and KV blocks only for the
+    scheduler's accounting (the model keeps none): enough for max_num_seqs prompts of max_model_len."""
+    changes: dict[str, Any] = {"enable_chunked_prefill": False, "enable_prefix_caching": False}
+    if config.num_gpu_blocks_override is None:
+        blocks_per_prompt = -(-(config.max_model_len + 1) // config.block_size)
+        changes["num_gpu_blocks_override"] = config.max_num_seqs * blocks_per_prompt
+    logger.info("encoder model: each prompt runs whole in one step (chunked prefill and prefix caching off)")
+    return config.replace(**changes)
+
+
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    limit = getattr(hf_config, "max_position_embeddings", None)
+    limit = max_positions(hf_config)
     if config.max_model_len is None:
         return limit or 2048
     if limit is not None and config.max_model_len > limit:

@@ -12,8 +12,8 @@ from typing import Any
 from asyncllm.errors import NotBuiltError
 
 __all__ = ["TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES",
-           "MULTIMODAL_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
-           "SUPPORTED_ARCHITECTURES", "architecture_of"]
+           "MULTIMODAL_ARCHITECTURES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES",
+           "CLASSIFICATION_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
@@ -28,9 +28,12 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """Architectures that take images (their host processes them: asyncllm/mm/)."""
-EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
-"""Bare decoders without an LM head (what ``AutoModel`` saves: embedding models such as e5-mistral):
-they serve embeddings only (docs/embeddings.md)."""
+ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
+"""Bidirectional encoders (bge, e5, gte, all-MiniLM, multilingual-e5; asyncllm/models/bert.py): embeddings only,
+each prompt computed whole in one step, no chunked prefill, no prefix caching (docs/embeddings.md)."""
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model") + ENCODER_ARCHITECTURES
+"""Models without an LM head, which serve embeddings only (docs/embeddings.md): bare decoders (what ``AutoModel``
+saves: embedding models such as e5-mistral) and the encoders."""
 CLASSIFICATION_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
                                 "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
 """Decoders with a ``score`` head over the last token (classifiers, reward models, cross-encoders): they serve
@@ -46,3 +49,12 @@ def architecture_of(hf_config: Any) -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise NotBuiltError("model", arch, f"the {arch} architecture (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     return arch
+
+
+def max_positions(hf_config: Any) -> int | None:
+    """The longest prompt + output the model's position table holds: ``max_position_embeddings``, less RoBERTa's
+    and XLM-R's ``pad_token_id + 1`` (their positions start after it; 514 -> 512)."""
+    limit = getattr(hf_config, "max_position_embeddings", None)
+    if limit is not None and getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
+        limit -= int(hf_config.pad_token_id) + 1
+    return limit

@@ -10,7 +10,8 @@ import torch
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
-from asyncllm.models.architectures import SUPPORTED_ARCHITECTURES, architecture_of
+from asyncllm.models.architectures import ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_of
+from asyncllm.models.bert import BertEmbeddingModel
 from asyncllm.models.classifier import sequence_classifier
 from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
@@ -94,6 +95,9 @@ _MODELS: dict[str, type] = {
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),
     "Qwen3Model": headless(Qwen3ForCausalLM),
+    "BertModel": BertEmbeddingModel,
+    "RobertaModel": BertEmbeddingModel,
+    "XLMRobertaModel": BertEmbeddingModel,
     "LlamaForSequenceClassification": sequence_classifier(LlamaForCausalLM),
     "MistralForSequenceClassification": sequence_classifier(LlamaForCausalLM),
     "Qwen2ForSequenceClassification": sequence_classifier(Qwen2ForCausalLM),
@@ -143,7 +147,8 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = 
     """`ConfigError` unless the model's heads and MLPs (dense or experts) split evenly over ``tp_size`` ranks."""
     model_cls = _MODELS.get((getattr(hf_config, "architectures", None) or [""])[0])
     hf_config = text_config_of(hf_config)
-    heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads  # encoders: one KV head per head
     problems = []
     if heads % tp_size:
         problems.append(f"num_attention_heads={heads}")
@@ -162,6 +167,9 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = 
 def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
     """Per-rank KV-cache shape; KV heads are replicated when there are fewer than ranks."""
     check_tensor_parallel(hf_config, tp_size)
+    if (getattr(hf_config, "architectures", None) or [""])[0] in ENCODER_ARCHITECTURES:
+        # an encoder keeps no KV; one small layer's worth backs the scheduler's block accounting
+        return KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=head_dim_of(hf_config))
     hf_config = text_config_of(hf_config)
     return KVCacheSpec(
         num_layers=hf_config.num_hidden_layers,

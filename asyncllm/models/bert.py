@@ -1,0 +1,184 @@
+"""BERT-family encoders for embeddings: ``BertModel``, ``RobertaModel``, ``XLMRobertaModel`` (docs/embeddings.md).
+
+Sentence-embedding checkpoints such as bge, e5, gte, all-MiniLM and multilingual-e5 are bidirectional encoders:
+every token attends to every token of its prompt, so a prompt is computed whole, in one step (the host turns
+chunked prefill and prefix caching off for these architectures), and the model keeps no KV cache. Each layer is
+post-LN: ``h = LN(h + attn(h)); h = LN(h + down(act(up(h))))``. The embedding sums the word, absolute position
+and token-type (0) embeddings, then a LayerNorm. RoBERTa and XLM-R number positions from ``pad_token_id + 1``.
+
+The projections are the parallel linears (query, key and value fused in one column-parallel matrix, the output
+projections row-parallel), so tensor parallelism splits the heads and the intermediate features; the embeddings
+and norms are replicated. The checkpoint's ``pooler.dense`` (BERT's next-sentence head) is not used: sentence
+embeddings pool the last hidden states (CLS by default, or as the checkpoint's sentence-transformers config says).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_loader
+from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+__all__ = ["BertEmbeddingModel", "position_offset"]
+
+_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+                "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_PREFIXES = ("bert.", "roberta.", "model.")
+"""Prefixes a checkpoint saved from a task model (``BertForMaskedLM`` & co.) puts before the encoder's names."""
+_UNUSED = ("pooler.", "embeddings.position_ids", "cls.", "lm_head.")
+"""Checkpoint tensors the embedding model does not read: the pooler and task heads, a saved position table."""
+_PACKED = {"attention.self.query.": "q", "attention.self.key.": "k", "attention.self.value.": "v"}
+
+
+def position_offset(hf_config: Any) -> int:
+    """Where a prompt's positions start in the position table: ``pad_token_id + 1`` for RoBERTa and XLM-R."""
+    if getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
+        return int(hf_config.pad_token_id) + 1
+    return 0
+
+
+class _Layer(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, tp: TensorParallel) -> None:
+        super().__init__()
+        hidden, heads, eps = cfg.hidden_size, cfg.num_attention_heads, cfg.layer_norm_eps
+        self.qkv = QKVParallelLinear(hidden, hidden // heads, heads, heads, True, tp, dtype)
+        self.attn_out = RowParallelLinear(hidden, hidden, True, tp, dtype)
+        self.attn_norm = nn.LayerNorm(hidden, eps, dtype=dtype)
+        self.up = ColumnParallelLinear(hidden, cfg.intermediate_size, True, tp, dtype)
+        self.down = RowParallelLinear(cfg.intermediate_size, hidden, True, tp, dtype)
+        self.out_norm = nn.LayerNorm(hidden, eps, dtype=dtype)
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        q, k, v = self.qkv.split_qkv(self.qkv(hidden))
+        attn = torch.empty_like(q)
+        for start, end in spans:  # each prompt attends to itself only, both ways
+            attn[start:end] = F.scaled_dot_product_attention(
+                q[start:end].transpose(0, 1), k[start:end].transpose(0, 1), v[start:end].transpose(0, 1)
+            ).transpose(0, 1)
+        hidden = self.attn_norm(hidden + self.attn_out(attn.reshape(hidden.shape[0], -1)))
+        return self.out_norm(hidden + self.down(self.act(self.up(hidden))))
+
+
+class BertEmbeddingModel(nn.Module):
+    """A BERT-style encoder over whole prompts; its output is the last hidden states (no LM head)."""
+
+    has_lm_head = False
+    is_encoder = True
+    """Bidirectional: whole prompts in one step, no KV cache read or written (the host's preparation)."""
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
+                 max_position: int) -> None:
+        super().__init__()
+        cfg = hf_config
+        if cfg.hidden_act not in _ACTIVATIONS:
+            raise NotBuiltError("model", cfg.hidden_act, f"the {cfg.hidden_act!r} activation in a BERT encoder "
+                                                         f"(built: {', '.join(_ACTIVATIONS)})")
+        if getattr(cfg, "position_embedding_type", "absolute") != "absolute":
+            raise NotBuiltError("model", cfg.position_embedding_type, "BERT position embeddings other than absolute")
+        self.vocab_size = cfg.vocab_size
+        self.offset = position_offset(cfg)
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_norm = nn.LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype=dtype)
+        self.layers = nn.ModuleList(_Layer(cfg, dtype, tp) for _ in range(cfg.num_hidden_layers))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """``[T]`` ids of whole prompts laid end to end -> ``[T, hidden]`` last hidden states."""
+        starts = attn_metadata.query_start_loc_cpu
+        spans = list(zip(starts[:-1], starts[1:]))
+        hidden = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.offset)
+                  + self.token_type_embeddings.weight[0])
+        hidden = self.embed_norm(hidden)
+        for layer in self.layers:
+            hidden = layer(hidden, spans)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Zeros: the token an embedding request samples is dropped (an encoder has no LM head)."""
+        return hidden.new_zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32)
+
+    # ---- weights
+    def checkpoint_weight_names(self) -> set[str]:
+        names = set()
+        for name, _ in self.named_parameters():
+            for ckpt, _ in self._unpacked(name):
+                names.add(ckpt)
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """(checkpoint name, weight) pairs -> this rank's parameters; the checkpoint names read."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for raw_name, weight in weights:
+            name = _canonical(raw_name)
+            if name.startswith(_UNUSED):
+                continue
+            param_name, shard_id = self._packed(name)
+            param = params.get(param_name)
+            if param is None:
+                unexpected.append(raw_name)
+                continue
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, weight) if shard_id is None else loader(param, weight, shard_id)
+            except (ValueError, RuntimeError) as exc:  # a shape (the copy), or a shard past the tensor (narrow)
+                raise ConfigError("model", raw_name, f"a weight matching config.json, but it {exc}") from exc
+            loaded.add(name)
+        if unexpected:
+            shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+            raise ConfigError("model", type(self).__name__, f"a checkpoint of this architecture; unexpected weights: "
+                                                            f"{shown}")
+        return loaded
+
+    @staticmethod
+    def _packed(name: str) -> tuple[str, object]:
+        """Checkpoint name -> (parameter name, shard id or None)."""
+        if name.startswith("embeddings."):
+            return name.replace("embeddings.LayerNorm.", "embed_norm.").removeprefix("embeddings."), None
+        layer, _, rest = name.removeprefix("encoder.layer.").partition(".")
+        prefix = f"layers.{layer}."
+        for part, shard_id in _PACKED.items():
+            if rest.startswith(part):
+                return prefix + "qkv." + rest.removeprefix(part), shard_id
+        for old, new in (("attention.output.dense.", "attn_out."), ("attention.output.LayerNorm.", "attn_norm."),
+                         ("intermediate.dense.", "up."), ("output.dense.", "down."), ("output.LayerNorm.", "out_norm.")):
+            if rest.startswith(old):
+                return prefix + new + rest.removeprefix(old), None
+        return name, None
+
+    @staticmethod
+    def _unpacked(param_name: str) -> list[tuple[str, object]]:
+        """Parameter name -> the checkpoint names it loads from (the inverse of `_packed`)."""
+        if not param_name.startswith("layers."):
+            norm = param_name.replace("embed_norm.", "LayerNorm.")
+            return [("embeddings." + norm, None)]
+        _, layer, module, leaf = param_name.split(".")
+        base = f"encoder.layer.{layer}."
+        if module == "qkv":
+            return [(base + part + leaf, shard) for part, shard in _PACKED.items()]
+        old = {"attn_out": "attention.output.dense.", "attn_norm": "attention.output.LayerNorm.",
+               "up": "intermediate.dense.", "down": "output.dense.", "out_norm": "output.LayerNorm."}[module]
+        return [(base + old + leaf, None)]
+
+
+def _canonical(name: str) -> str:
+    """A checkpoint name without a task model's prefix, with old TF-era LayerNorm names (gamma, beta) renamed."""
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+            break
+    if name.endswith(".gamma"):
+        return name[: -len("gamma")] + "weight"
+    if name.endswith(".beta"):
+        return name[: -len("beta")] + "bias"
+    return name

@@ -1,0 +1,74 @@
+"""Tiny random BERT-family encoders with a WordPiece tokenizer, saved as transformers saves them, and their
+sentence embeddings from transformers (the reference of tests/engine/test_encoder_embeddings.py)."""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+
+__all__ = ["make_tiny_encoder", "hf_sentence_embedding"]
+
+_WORDS = ["the", "a", "is", "of", "paged", "attention", "engine", "token", "model", "query", "document", "what"]
+
+
+def _tokenizer():
+    """A lower-casing WordPiece tokenizer that writes ``[CLS] text [SEP]``, as BERT's does."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *_WORDS, *string.ascii_lowercase, *string.digits,
+             *string.punctuation, *(f"##{c}" for c in string.ascii_lowercase + string.digits)]
+    tokenizer = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tokenizer.decoder = decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+
+
+def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | None = None, seed: int = 0) -> str:
+    """A ``BertModel`` (``kind="bert"``) or ``XLMRobertaModel`` (``"xlm-roberta"``) of random weights in
+    ``folder``; ``pooling`` ("mean", "cls") writes a sentence-transformers Pooling module choosing it."""
+    import torch
+    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer()
+    shape = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 intermediate_size=64, max_position_embeddings=66)
+    if kind == "bert":
+        model = BertModel(BertConfig(**shape, pad_token_id=0))
+    else:
+        model = XLMRobertaModel(XLMRobertaConfig(**shape, pad_token_id=0, type_vocab_size=1))  # positions from 1
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.1 if "LayerNorm" in name else 0.3)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    if pooling is not None:
+        (folder / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        (folder / "1_Pooling").mkdir(exist_ok=True)
+        (folder / "1_Pooling" / "config.json").write_text(json.dumps(
+            {"word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
+             "pooling_mode_mean_tokens": pooling == "mean"}))
+    return str(folder)
+
+
+def hf_sentence_embedding(folder: str, text: str, pooling: str) -> list[float]:
+    """transformers' normalized sentence embedding of ``text``: the mean or the first of the last hidden states."""
+    import torch
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+    vector = hidden.mean(0) if pooling == "mean" else hidden[0]
+    return torch.nn.functional.normalize(vector, dim=0).tolist()

@@ -1,0 +1,34 @@
+"""BERT-family encoders (``BertModel``, ``XLMRobertaModel``) serving embeddings: each prompt whole in one step,
+bidirectional attention, equal to transformers' sentence embeddings (docs/embeddings.md, "Encoder models")."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from encoder_utils import hf_sentence_embedding, make_tiny_encoder
+
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+
+TEXTS = ["what is paged attention?", "the engine", "a query of a document: 42 tokens, then more words!"]
+
+
+@pytest.mark.parametrize("kind, pooling, tp", [("bert", "mean", 2), ("xlm-roberta", None, 1)])
+async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooling: str | None, tp: int) -> None:
+    """MEAN from a sentence-transformers config over two ranks (heads and MLP split); CLS, the encoders' default
+    without one, for XLM-R (positions after pad_token_id). Prompts of different lengths share each step."""
+    path = make_tiny_encoder(tmp_path / kind, kind, pooling=pooling)
+    async with AsyncEngine(path, tensor_parallel_size=tp, disable_log_stats=True) as engine:
+        assert (engine.config.enable_chunked_prefill, engine.config.enable_prefix_caching) == (False, False)
+        outs = await asyncio.gather(*(engine.embed(text) for text in TEXTS + TEXTS[:1]))
+        for text, out in zip(TEXTS + TEXTS[:1], outs):
+            expected = hf_sentence_embedding(path, text, pooling or "cls")
+            assert np.abs(np.array(out.embedding) - np.array(expected)).max() < 1e-5, text
+        assert outs[-1].num_cached_tokens == 0  # no prefix caching: a cached prefix would skip attended tokens
+        with pytest.raises(InvalidRequestError):
+            await engine.generate(TEXTS[0], SamplingParams(max_tokens=2))
+        too_long = " ".join(["engine"] * (engine.config.max_model_len + 1))
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            await engine.embed(too_long)
+        assert (await engine.embed(TEXTS[1])).embedding == outs[1].embedding  # served on after the refusals
