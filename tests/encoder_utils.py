@@ -7,13 +7,14 @@ import json
 import string
 from pathlib import Path
 
-__all__ = ["make_tiny_encoder", "hf_sentence_embedding"]
+__all__ = ["make_tiny_encoder", "hf_pair_logits", "hf_sentence_embedding"]
 
 _WORDS = ["the", "a", "is", "of", "paged", "attention", "engine", "token", "model", "query", "document", "what"]
 
 
-def _tokenizer():
-    """A lower-casing WordPiece tokenizer that writes ``[CLS] text [SEP]``, as BERT's does."""
+def _tokenizer(token_types: bool):
+    """A lower-casing WordPiece tokenizer that writes ``[CLS] text [SEP]``, as BERT's does; with ``token_types``
+    it returns them too (BERT's does, XLM-R's does not)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -26,24 +27,32 @@ def _tokenizer():
         single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     tokenizer.decoder = decoders.WordPiece()
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]",
-                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]",
+                                   model_input_names=["input_ids", "token_type_ids", "attention_mask"][
+                                       slice(None) if token_types else slice(0, None, 2)])
 
 
-def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | None = None, seed: int = 0) -> str:
+def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | None = None, seed: int = 0,
+                      num_labels: int | None = None) -> str:
     """A ``BertModel`` (``kind="bert"``) or ``XLMRobertaModel`` (``"xlm-roberta"``) of random weights in
-    ``folder``; ``pooling`` ("mean", "cls") writes a sentence-transformers Pooling module choosing it."""
+    ``folder``; with ``num_labels`` their ``*ForSequenceClassification``; ``pooling`` ("mean", "cls") writes a
+    sentence-transformers Pooling module choosing it."""
     import torch
-    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+    from transformers import (BertConfig, BertForSequenceClassification, BertModel, XLMRobertaConfig,
+                              XLMRobertaForSequenceClassification, XLMRobertaModel)
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    tokenizer = _tokenizer()
+    tokenizer = _tokenizer(token_types=kind == "bert")
     shape = dict(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                  intermediate_size=64, max_position_embeddings=66)
+    if num_labels is not None:
+        shape["num_labels"] = num_labels
     if kind == "bert":
-        model = BertModel(BertConfig(**shape, pad_token_id=0))
+        model = (BertModel if num_labels is None else BertForSequenceClassification)(BertConfig(**shape, pad_token_id=0))
     else:
-        model = XLMRobertaModel(XLMRobertaConfig(**shape, pad_token_id=0, type_vocab_size=1))  # positions from 1
+        config = XLMRobertaConfig(**shape, pad_token_id=0, type_vocab_size=1)  # positions from 1
+        model = (XLMRobertaModel if num_labels is None else XLMRobertaForSequenceClassification)(config)
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -72,3 +81,14 @@ def hf_sentence_embedding(folder: str, text: str, pooling: str) -> list[float]:
         hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
     vector = hidden.mean(0) if pooling == "mean" else hidden[0]
     return torch.nn.functional.normalize(vector, dim=0).tolist()
+
+
+def hf_pair_logits(folder: str, text_1: str, text_2: str | None = None) -> list[float]:
+    """transformers' classifier logits for one text or a pair (its tokenizer's token types)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(**tokenizer(text_1, text_2, return_tensors="pt")).logits[0].tolist()

@@ -79,7 +79,7 @@ class Pooler:
             if params is None:
                 continue
             hidden = selected[row]
-            if params.task == "embed" and params.pooling_type != "LAST":
+            if params.pooling_type != "LAST":  # MEAN / CLS embeddings; an encoder classifier's CLS row
                 total, count = self.pooled.pop(req_id)
                 hidden = total / count
             out[req_id] = self._pool(params, hidden).cpu().numpy().astype("<f4").tobytes()

@@ -110,9 +110,12 @@ class PoolingModel:
     """Embeddings' ``normalize`` when a request leaves it None (``pooler_config``'s)."""
 
     def apply(self, pooling: PoolingParams | None) -> PoolingParams | None:
-        """An embedding request's params with the model's pooling type and default ``normalize`` filled in."""
-        if pooling is None or pooling.task != "embed":
+        """An embedding request's params with the model's pooling type and default ``normalize`` filled in; a
+        classification request's with the pooling type (an encoder's head reads the CLS row)."""
+        if pooling is None:
             return pooling
+        if pooling.task != "embed":
+            return msgspec.structs.replace(pooling, pooling_type=self.pooling_type)
         normalize = self.normalize if pooling.normalize is None else pooling.normalize
         return msgspec.structs.replace(pooling, normalize=normalize, pooling_type=self.pooling_type)
 
@@ -169,9 +172,10 @@ def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
     pooler = pooler_config or {}
     normalize = bool(pooler.get("normalize", True))
     if architecture in CLASSIFICATION_ARCHITECTURES:
-        if pooler.get("pooling_type", "LAST") != "LAST":
-            raise NotBuiltError("pooler_config", pooler_config, "classification models pooling other than LAST")
-        return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config))
+        own = "CLS" if architecture in ENCODER_ARCHITECTURES else "LAST"  # where the head reads
+        if pooler.get("pooling_type", own) != own:
+            raise NotBuiltError("pooler_config", pooler_config, f"{architecture} pooling other than {own}")
+        return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config), own)
     default = "CLS" if architecture in ENCODER_ARCHITECTURES else "LAST"  # vLLM's defaults for each
     pooling_type = pooler.get("pooling_type") or sentence_transformers_pooling(path) or default
     return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES, None, pooling_type, normalize)

@@ -67,6 +67,8 @@ def prepare(config: EngineConfig) -> Prepared:
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
     if arch in ENCODER_ARCHITECTURES:
         resolved = _encoder_config(resolved)
+        if getattr(hf_config, "sep_token_id", None) is None:  # the model's token types follow it (models/bert.py)
+            hf_config.sep_token_id = getattr(tokenizer, "sep_token_id", None)
     spec = config.scheduler_config.speculative
     if spec is not None and spec.uses_draft_model:  # the draft checked against the target before spawning
         resolved = resolved.replace(speculative_config=prepare_draft_model(

@@ -28,14 +28,19 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """Architectures that take images (their host processes them: asyncllm/mm/)."""
-ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
-"""Bidirectional encoders (bge, e5, gte, all-MiniLM, multilingual-e5; asyncllm/models/bert.py): embeddings only,
-each prompt computed whole in one step, no chunked prefill, no prefix caching (docs/embeddings.md)."""
-EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model") + ENCODER_ARCHITECTURES
+ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
+ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
+                                    "XLMRobertaForSequenceClassification")
+ENCODER_ARCHITECTURES = ENCODER_EMBEDDING_ARCHITECTURES + ENCODER_CLASSIFIER_ARCHITECTURES
+"""Bidirectional encoders (asyncllm/models/bert.py): sentence-embedding models (bge, e5, gte, all-MiniLM,
+multilingual-e5) and cross-encoders (bge-reranker, ms-marco MiniLM); each prompt computed whole in one step, no
+chunked prefill, no prefix caching (docs/embeddings.md, docs/pooling.md)."""
+EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model") + ENCODER_EMBEDDING_ARCHITECTURES
 """Models without an LM head, which serve embeddings only (docs/embeddings.md): bare decoders (what ``AutoModel``
 saves: embedding models such as e5-mistral) and the encoders."""
 CLASSIFICATION_ARCHITECTURES = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
-                                "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification")
+                                "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
+                                *ENCODER_CLASSIFIER_ARCHITECTURES)
 """Decoders with a ``score`` head over the last token (classifiers, reward models, cross-encoders): they serve
 classification and scores only (docs/pooling.md)."""
 SUPPORTED_ARCHITECTURES = (TEXT_ARCHITECTURES + MULTIMODAL_ARCHITECTURES + EMBEDDING_ARCHITECTURES

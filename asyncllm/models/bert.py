@@ -25,7 +25,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_loader
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-__all__ = ["BertEmbeddingModel", "position_offset"]
+__all__ = ["BertEmbeddingModel", "BertForSequenceClassification", "position_offset"]
 
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
                 "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -70,6 +70,7 @@ class BertEmbeddingModel(nn.Module):
     """A BERT-style encoder over whole prompts; its output is the last hidden states (no LM head)."""
 
     has_lm_head = False
+    unused = _UNUSED
     is_encoder = True
     """Bidirectional: whole prompts in one step, no KV cache read or written (the host's preparation)."""
 
@@ -84,6 +85,8 @@ class BertEmbeddingModel(nn.Module):
             raise NotBuiltError("model", cfg.position_embedding_type, "BERT position embeddings other than absolute")
         self.vocab_size = cfg.vocab_size
         self.offset = position_offset(cfg)
+        self.sep_token_id = getattr(cfg, "sep_token_id", None) if cfg.type_vocab_size > 1 else None
+        """Token types follow it (set by the host from the tokenizer): 1 after a prompt's first separator."""
         self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size, dtype=dtype)
         self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size, dtype=dtype)
@@ -96,11 +99,24 @@ class BertEmbeddingModel(nn.Module):
         starts = attn_metadata.query_start_loc_cpu
         spans = list(zip(starts[:-1], starts[1:]))
         hidden = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.offset)
-                  + self.token_type_embeddings.weight[0])
+                  + self.token_type_embeddings(self._token_types(input_ids, spans)))
         hidden = self.embed_norm(hidden)
         for layer in self.layers:
             hidden = layer(hidden, spans)
         return hidden
+
+    def _token_types(self, input_ids: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """0 for every token, and 1 after the first separator of a prompt when the model has two types: a pair
+        ``[CLS] a [SEP] b [SEP]`` as BERT's tokenizer marks it."""
+        types = torch.zeros_like(input_ids)
+        if self.sep_token_id is None:
+            return types
+        seps = (input_ids == self.sep_token_id).nonzero().flatten().tolist()
+        for start, end in spans:
+            first = next((i for i in seps if start <= i < end), None)
+            if first is not None:
+                types[first + 1:end] = 1
+        return types
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Zeros: the token an embedding request samples is dropped (an encoder has no LM head)."""
@@ -121,7 +137,7 @@ class BertEmbeddingModel(nn.Module):
         unexpected: list[str] = []
         for raw_name, weight in weights:
             name = _canonical(raw_name)
-            if name.startswith(_UNUSED):
+            if name.startswith(self.unused):
                 continue
             param_name, shard_id = self._packed(name)
             param = params.get(param_name)
@@ -143,6 +159,8 @@ class BertEmbeddingModel(nn.Module):
     @staticmethod
     def _packed(name: str) -> tuple[str, object]:
         """Checkpoint name -> (parameter name, shard id or None)."""
+        if name.startswith(("pooler.", "classifier.")):  # a classifier's head: the same names
+            return name, None
         if name.startswith("embeddings."):
             return name.replace("embeddings.LayerNorm.", "embed_norm.").removeprefix("embeddings."), None
         layer, _, rest = name.removeprefix("encoder.layer.").partition(".")
@@ -159,6 +177,8 @@ class BertEmbeddingModel(nn.Module):
     @staticmethod
     def _unpacked(param_name: str) -> list[tuple[str, object]]:
         """Parameter name -> the checkpoint names it loads from (the inverse of `_packed`)."""
+        if param_name.startswith(("pooler.", "classifier.")):
+            return [(param_name, None)]
         if not param_name.startswith("layers."):
             norm = param_name.replace("embed_norm.", "LayerNorm.")
             return [("embeddings." + norm, None)]
@@ -182,3 +202,28 @@ def _canonical(name: str) -> str:
     if name.endswith(".beta"):
         return name[: -len("beta")] + "bias"
     return name
+
+
+class BertForSequenceClassification(BertEmbeddingModel):
+    """A cross-encoder or classifier: the encoder, then its head on the CLS row (the host pools CLS for it).
+    BERT's head is its ``pooler`` (dense, tanh) then ``classifier``; RoBERTa's and XLM-R's is
+    ``classifier.dense``, tanh, ``classifier.out_proj``. The head is small: every rank keeps all of it."""
+
+    unused = ("embeddings.position_ids", "cls.", "lm_head.")
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        super().__init__(hf_config, **kwargs)
+        dtype, hidden, labels = kwargs["dtype"], hf_config.hidden_size, hf_config.num_labels
+        if position_offset(hf_config):  # RoBERTa, XLM-R
+            self.classifier = nn.ModuleDict({"dense": nn.Linear(hidden, hidden, dtype=dtype),
+                                             "out_proj": nn.Linear(hidden, labels, dtype=dtype)})
+        else:
+            self.pooler = nn.ModuleDict({"dense": nn.Linear(hidden, hidden, dtype=dtype)})
+            self.classifier = nn.Linear(hidden, labels, dtype=dtype)
+
+    def classify(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The CLS row's final hidden state ``[..., hidden]`` -> float32 logits ``[..., num_labels]``."""
+        hidden = hidden.to(self.word_embeddings.weight.dtype)
+        if isinstance(self.classifier, nn.ModuleDict):
+            return self.classifier["out_proj"](torch.tanh(self.classifier["dense"](hidden))).float()
+        return self.classifier(torch.tanh(self.pooler["dense"](hidden))).float()

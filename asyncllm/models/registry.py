@@ -11,7 +11,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_of
-from asyncllm.models.bert import BertEmbeddingModel
+from asyncllm.models.bert import BertEmbeddingModel, BertForSequenceClassification
 from asyncllm.models.classifier import sequence_classifier
 from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
@@ -98,6 +98,9 @@ _MODELS: dict[str, type] = {
     "BertModel": BertEmbeddingModel,
     "RobertaModel": BertEmbeddingModel,
     "XLMRobertaModel": BertEmbeddingModel,
+    "BertForSequenceClassification": BertForSequenceClassification,
+    "RobertaForSequenceClassification": BertForSequenceClassification,
+    "XLMRobertaForSequenceClassification": BertForSequenceClassification,
     "LlamaForSequenceClassification": sequence_classifier(LlamaForCausalLM),
     "MistralForSequenceClassification": sequence_classifier(LlamaForCausalLM),
     "Qwen2ForSequenceClassification": sequence_classifier(Qwen2ForCausalLM),

@@ -7,7 +7,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from encoder_utils import hf_sentence_embedding, make_tiny_encoder
+from encoder_utils import hf_pair_logits, hf_sentence_embedding, make_tiny_encoder
 
 from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
 
@@ -32,3 +32,19 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
         with pytest.raises(InvalidRequestError, match="max_model_len"):
             await engine.embed(too_long)
         assert (await engine.embed(TEXTS[1])).embedding == outs[1].embedding  # served on after the refusals
+
+
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+async def test_cross_encoders_score_and_classify_as_transformers(tmp_path, kind: str) -> None:
+    """A one-logit cross-encoder (bge-reranker's form: XLM-R; ms-marco MiniLM's: BERT, whose pair's second text
+    has token type 1): `score` is the sigmoid of transformers' logit for each (query, document) pair, `classify`
+    of one text its logit."""
+    path = make_tiny_encoder(tmp_path / kind, kind, num_labels=1)
+    query, documents = TEXTS[0], TEXTS[1:] + ["paged attention is what the engine does"]
+    async with AsyncEngine(path, disable_log_stats=True) as engine:
+        scores = await engine.score(query, documents)
+        single = await engine.classify(TEXTS[2])
+    for document, out in zip(documents, scores):
+        [logit] = hf_pair_logits(path, query, document)
+        assert out.score == pytest.approx(1 / (1 + np.exp(-logit)), abs=1e-5), document
+    assert single.logits == pytest.approx(hf_pair_logits(path, TEXTS[2]), abs=1e-5)
