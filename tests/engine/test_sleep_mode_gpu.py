@@ -1,6 +1,7 @@
 """On a CUDA device (skipped without one): sleep mode (docs/sleep-mode.md) frees GPU memory and takes it back,
 and the decode graphs captured again at wake-up over the new weight and KV addresses give transformers' tokens
-(graphs still replaying the freed addresses would give garbage or fault).
+(graphs still replaying the freed addresses would give garbage or fault); and weights pushed from CUDA tensors
+(`update_weights_from_tensors`) land in place under the graphs captured at start.
 
 The free memory is read in this process (`torch.cuda.mem_get_info` is device-wide); the KV cache is sized to
 ~4 GiB so that what a sleep frees is far above the noise of other allocations.
@@ -52,4 +53,20 @@ async def test_gpu_sleep_frees_memory_and_wakes_up_exact(tiny_llama: str, enforc
         await engine.wake_up(tags=["weights"])
         await engine.update_weights(other)
         await engine.wake_up(tags=["kv_cache"])
+        assert await _tokens(engine) == [hf_greedy(other, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+
+
+async def test_gpu_tensors_pushed_in_place_keep_the_decode_graphs_exact(tiny_llama: str) -> None:
+    """`update_weights_from_tensors` with CUDA tensors (the host copies them into shared memory, each rank into
+    its parameters in place): the decode graphs captured at start replay over the same addresses, now holding
+    the pushed weights, so the tokens are the new checkpoint's."""
+    from asyncllm.tiny import tiny_checkpoint
+    from hf_reference import hf_state_dict
+
+    other = tiny_checkpoint("llama", seed=1)
+    async with AsyncEngine(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
+                           disable_log_stats=True) as engine:
+        assert await _tokens(engine) == [hf_greedy(tiny_llama, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
+        pushed = {name: tensor.cuda() for name, tensor in hf_state_dict(other).items()}
+        assert await engine.update_weights_from_tensors(pushed) == 1
         assert await _tokens(engine) == [hf_greedy(other, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
