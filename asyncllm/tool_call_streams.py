@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from asyncllm.json_stream import JsonObjectScanner
 
-__all__ = ["ToolCallDelta", "ReplyPart", "ToolCallDeltaStream", "CallObject", "HermesStream", "tool_call_id",
-           "partial_tag_suffix"]
+__all__ = ["ToolCallDelta", "ReplyPart", "ToolCallDeltaStream", "CallObject", "TaggedBlockStream", "HermesStream",
+           "tool_call_id", "partial_tag_suffix"]
 
 
 def tool_call_id() -> str:
@@ -137,34 +137,48 @@ class CallObject:
         return next((key for key in self._keys if key in self.json.values), None)
 
 
-class HermesStream(ToolCallDeltaStream):
-    """``<tool_call>`` blocks; a block's text is read up to its first ``</tool_call>`` (held back while the
-    text may be that tag's start, so none of it reaches the arguments)."""
+class TaggedBlockStream(ToolCallDeltaStream):
+    """Calls in ``<tool_call>`` blocks, content between them: the block text is read up to its first
+    ``</tool_call>`` (held back while the text may be that tag's start, so none of it reaches a call) and a block
+    that is not a call is content. A subclass reads a block's text (`_feed_block`) and closes it (`_close_block`)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def __init__(self, stream_arguments: bool) -> None:
-        self._stream_arguments = stream_arguments
+    def __init__(self) -> None:
         self._buffer = ""
-        self._call: CallObject | None = None  # the open block's call
+        self._in_block = False
         self._block: list[str] = []  # the open block's text (its content if it is not a call)
-        self._after_object = ""  # the open block's text after its object: whitespace, or it is not a call
         self._index = 0  # the next call's index
         self._calls = 0  # whole calls read
 
     def feed(self, text: str) -> list[ReplyPart]:
         self._buffer += text
         parts: list[ReplyPart] = []
-        while self._read_block(parts) if self._call is not None else self._read_content(parts):
+        while self._read_block(parts) if self._in_block else self._read_content(parts):
             pass
         return self._spacing(parts)
 
     def finish(self) -> list[ReplyPart]:
         rest = self._buffer
-        if self._call is not None:
+        if self._in_block:
             rest = self.OPEN + "".join(self._block) + rest
-        self._buffer, self._call, self._block = "", None, []
+        self._buffer, self._in_block, self._block = "", False, []
         return self._spacing([rest])
+
+    @abc.abstractmethod
+    def _open_block(self) -> None:
+        """A block opened: start reading a call."""
+
+    @abc.abstractmethod
+    def _feed_block(self, text: str) -> list[ReplyPart]:
+        """More of the open block's text; the call pieces it releases."""
+
+    @abc.abstractmethod
+    def _close_block(self) -> list[ReplyPart]:
+        """The block closed: its call's last pieces, or its text as content (`_as_content`)."""
+
+    def _as_content(self) -> list[ReplyPart]:
+        return [self.OPEN + "".join(self._block) + self.CLOSE]
 
     def _read_content(self, parts: list[ReplyPart]) -> bool:
         """Content up to the next block's start; True when a block opened."""
@@ -176,24 +190,48 @@ class HermesStream(ToolCallDeltaStream):
             return False
         parts.append(self._buffer[:start])
         self._buffer = self._buffer[start + len(self.OPEN):]
-        self._call, self._block, self._after_object = CallObject(self._index, ("arguments",), self._stream_arguments), [], ""
+        self._in_block, self._block = True, []
+        self._open_block()
         return True
 
     def _read_block(self, parts: list[ReplyPart]) -> bool:
         """The open block's text up to its closing tag (or what cannot begin it); True when the block closed."""
-        assert self._call is not None
         end = self._buffer.find(self.CLOSE)
         size = end if end >= 0 else len(self._buffer) - partial_tag_suffix(self._buffer, self.CLOSE)
         text, self._buffer = self._buffer[:size], self._buffer[size:]
         self._block.append(text)
-        used, deltas = self._call.feed(text)
-        self._after_object += text[used:]
-        parts += deltas
+        parts += self._feed_block(text)
         if end < 0:
             return False
         self._buffer = self._buffer[len(self.CLOSE):]
+        self._in_block = False
         parts += self._close_block()
         return True
+
+    def _spacing(self, parts: list[ReplyPart]) -> list[ReplyPart]:
+        """Text between calls that is only whitespace (the newlines around blocks) is not content."""
+        content = "".join(p for p in parts if isinstance(p, str))
+        if self._calls and not content.strip():
+            return [p for p in parts if not isinstance(p, str)]
+        return [p for p in parts if p != ""]
+
+class HermesStream(TaggedBlockStream):
+    """``<tool_call>`` blocks each holding one call's JSON object."""
+
+    def __init__(self, stream_arguments: bool) -> None:
+        super().__init__()
+        self._stream_arguments = stream_arguments
+        self._call: CallObject | None = None  # the open block's call
+        self._after_object = ""  # the open block's text after its object: whitespace, or it is not a call
+
+    def _open_block(self) -> None:
+        self._call, self._after_object = CallObject(self._index, ("arguments",), self._stream_arguments), ""
+
+    def _feed_block(self, text: str) -> list[ReplyPart]:
+        assert self._call is not None
+        used, deltas = self._call.feed(text)
+        self._after_object += text[used:]
+        return list(deltas)
 
     def _close_block(self) -> list[ReplyPart]:
         assert self._call is not None
@@ -202,13 +240,6 @@ class HermesStream(ToolCallDeltaStream):
         if deltas is not None or call.started:
             self._index = call.index + 1
         if deltas is None:  # not a call after all: its text is content (a call that started streaming stays)
-            return [self.OPEN + "".join(self._block) + self.CLOSE]
+            return self._as_content()
         self._calls += 1
         return list(deltas)
-
-    def _spacing(self, parts: list[ReplyPart]) -> list[ReplyPart]:
-        """Text between calls that is only whitespace (the newlines around blocks) is not content."""
-        content = "".join(p for p in parts if isinstance(p, str))
-        if self._calls and not content.strip():
-            return [p for p in parts if not isinstance(p, str)]
-        return [p for p in parts if p != ""]

@@ -16,12 +16,15 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
 - ``openai``: gpt-oss's harmony messages addressed to ``functions.NAME``, their
   body the JSON arguments (harmony.py; after the ``openai_gptoss`` reasoning
   parser, which the server requires with it).
+- ``qwen3_coder``: ``<tool_call>`` blocks of ``<function=NAME>`` and
+  ``<parameter=KEY>value</parameter>`` (Qwen3-Coder), the values typed by the
+  request's tool schemas (tool_call_xml.py; `ToolParser.for_tools`).
 
 Each parser reads a whole reply (`ToolParser.parse`) or a stream of text
 deltas: `ToolParser.stream` reports each call once its text is complete,
 `ToolParser.delta_stream` reports `ToolCallDelta` pieces, the ``hermes``,
 ``llama3_json``, ``mistral`` and ``openai`` calls' arguments as they are
-generated (tool_call_streams.py, tool_call_replies.py, harmony.py; ``pythonic``
+generated (``qwen3_coder``'s one parameter at a time) (tool_call_streams.py, tool_call_replies.py, harmony.py; ``pythonic``
 calls whole, at the reply's end). Content is passed on as
 it comes, except the few characters that may open a call. A call whose JSON
 does not parse is left in the content, so no text is ever lost (a streamed
@@ -41,6 +44,7 @@ from typing import Any
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.harmony import HarmonyToolStream
 from asyncllm.tool_call_replies import Llama3JsonStream, MistralStream
+from asyncllm.tool_call_xml import XmlCallsStream, parameter_types
 from asyncllm.tool_call_streams import (HermesStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
                                         tool_call_id)
 
@@ -135,6 +139,11 @@ class ToolParser(abc.ABC):
         its text comes as content as well. Without it, each call comes whole,
         in one piece, once it is known to be one (a broken call is content only).
         """
+
+    def for_tools(self, functions: dict[str, dict[str, Any]]) -> "ToolParser":
+        """The parser for a request offering ``functions`` (name -> OpenAI function: its ``parameters`` schema);
+        only a format whose arguments are typed by the schema (``qwen3_coder``) needs them."""
+        return self
 
     def stream(self) -> ToolCallStream:
         """A parser of one reply's deltas that reports whole calls."""
@@ -260,9 +269,23 @@ class OpenAIToolParser(ToolParser):
         return HarmonyToolStream(stream_arguments)
 
 
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3-Coder: ``<tool_call><function=f><parameter=k>value</parameter></function></tool_call>``, values typed
+    by the request's tool schemas (asyncllm/tool_call_xml.py)."""
+
+    def __init__(self, types: dict[str, dict[str, str]] | None = None) -> None:
+        self._types = types or {}
+
+    def for_tools(self, functions: dict[str, dict[str, Any]]) -> "ToolParser":
+        return Qwen3CoderToolParser(parameter_types(functions))
+
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        return XmlCallsStream(stream_arguments, self._types)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
-    "mistral": MistralToolParser, "openai": OpenAIToolParser,
+    "mistral": MistralToolParser, "openai": OpenAIToolParser, "qwen3_coder": Qwen3CoderToolParser,
 }
 """Parser name (vLLM's ``--tool-call-parser`` names) -> parser."""
 

@@ -56,7 +56,7 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, 
         if parser is None:
             raise InvalidRequestError("tool_choice", '"auto" needs a server started with --enable-auto-tool-choice '
                                                      "and --tool-call-parser (or choose 'none', 'required' or a function)")
-        return ToolMode("auto", parser=parser, parallel=parallel)
+        return ToolMode("auto", parser=parser.for_tools(functions), parallel=parallel)
     if tool_choice == "required":
         return ToolMode("required", parallel=parallel, constraint=_required_schema(functions.values(), parallel))
     name = _named(tool_choice)

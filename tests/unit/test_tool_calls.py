@@ -164,3 +164,45 @@ def test_mistral_calls_in_both_formats() -> None:
         assert _streamed("mistral", text, 7)[1] == [("get_weather", '{"city": "Paris"}'), ("add", "{}")]
     for text in ('[TOOL_CALLS]f[ARGS]{"x": ', "[TOOL_CALLS]f{}", "[TOOL_CALLS][1]", "[TOOL_CALLS][ARGS]{}", "Bonjour."):
         assert parser.parse(text).content == text and parser.parse(text).tool_calls == []
+
+
+QWEN3_CODER_TOOLS = {"get_weather": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "when": {"type": "object"}, "scale": {"type": "number"}, "code": {"type": "string"}}}}}
+QWEN3_CODER_REPLY = ("I will check.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                     "<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+                     '<parameter=when>\n{"from": "mon"}\n</parameter>\n<parameter=scale>\n1.5\n</parameter>\n'
+                     "<parameter=code>\n007\n</parameter>\n<parameter=note>\nnull\n</parameter>\n"
+                     "</function>\n</tool_call>\n<tool_call>\n<function=get_weather>\n</function>\n</tool_call>")
+QWEN3_CODER_ARGUMENTS = {"city": "Paris", "days": 3, "metric": True, "when": {"from": "mon"}, "scale": 1.5,
+                         "code": "007", "note": None}
+
+
+def test_qwen3_coder_values_are_typed_by_the_tool_schemas() -> None:
+    parser = get_tool_parser("qwen3_coder").for_tools(QWEN3_CODER_TOOLS)
+    parsed = parser.parse(QWEN3_CODER_REPLY)
+    assert parsed.content == "I will check."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", QWEN3_CODER_ARGUMENTS), ("get_weather", {})]
+    untyped = get_tool_parser("qwen3_coder").parse(QWEN3_CODER_REPLY)  # no schemas: every value a string
+    assert json.loads(untyped.tool_calls[0].arguments)["days"] == "3"
+    broken = "x <tool_call>\n<function=f>\n<parameter=a>\n1\n</tool_call> y"  # no </parameter>, </function>
+    assert parser.parse(broken).content == broken and parser.parse(broken).tool_calls == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_qwen3_coder_streamed_pieces_join_to_the_whole_calls(seed: int) -> None:
+    rng = random.Random(seed)
+    reply = ChatReply(tool_mode([{"type": "function", "function": f} for f in QWEN3_CODER_TOOLS.values()], "auto",
+                                None, get_tool_parser("qwen3_coder")))
+    deltas, pos = [], 0
+    while pos < len(QWEN3_CODER_REPLY):
+        size = rng.randint(1, 9)
+        deltas += reply.feed(QWEN3_CODER_REPLY[pos:pos + size])
+        pos += size
+    more, finish = reply.finish("stop")
+    merged = merge_deltas(deltas + more, tools=True)
+    assert finish == "tool_calls" and merged["content"] == "I will check.\n"
+    assert [json.loads(c["function"]["arguments"]) for c in merged["tool_calls"]] == [QWEN3_CODER_ARGUMENTS, {}]
+    pieces = [d for d in deltas if d.get("tool_calls")]
+    assert len(pieces) > 3  # arguments came a parameter at a time, not whole at the end

@@ -1,0 +1,155 @@
+"""Qwen3-Coder's tool calls: XML parameters inside ``<tool_call>`` blocks (vLLM's ``qwen3_coder`` parser).
+
+::
+
+    <tool_call>
+    <function=get_weather>
+    <parameter=city>
+    Paris
+    </parameter>
+    <parameter=days>
+    3
+    </parameter>
+    </function>
+    </tool_call>
+
+A parameter's value is its text less one newline at each end, typed by the tool's JSON schema as vLLM types it
+(`typed_value`): ``integer`` and ``number`` parsed as numbers, ``boolean`` from true / false, ``object`` and
+``array`` as JSON (or a Python literal), ``null`` as null, anything else (and a parameter the schema does not
+name) a string. Streamed, a call's first piece comes once ``<function=NAME>`` is read and its arguments one
+parameter at a time, each as soon as its ``</parameter>`` is: joined, they are the JSON object of the whole call.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+from typing import Any
+
+from asyncllm.tool_call_streams import ReplyPart, TaggedBlockStream, ToolCallDelta, tool_call_id
+
+__all__ = ["XmlCallsStream", "parameter_types", "typed_value"]
+
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_FUNCTION_END = re.compile(r"\s*</function>\s*$")
+_STRINGS = ("string", "str", "text", "varchar", "char", "enum")
+
+
+def parameter_types(functions: dict[str, dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Function name -> parameter name -> its JSON-schema ``type`` (the first of a list)."""
+    types: dict[str, dict[str, str]] = {}
+    for name, function in functions.items():
+        properties = (function.get("parameters") or {}).get("properties") or {}
+        types[name] = {}
+        for key, schema in properties.items():
+            kind = schema.get("type", "string") if isinstance(schema, dict) else "string"
+            types[name][key] = str(kind[0] if isinstance(kind, list) and kind else kind).lower()
+    return types
+
+
+def typed_value(text: str, kind: str | None) -> Any:
+    """A parameter's text as its schema type reads it; the text itself when it does not parse as that type."""
+    if text.lower() == "null":
+        return None
+    kind = kind or "string"
+    if kind in _STRINGS:
+        return text
+    if kind.startswith("int") or kind in ("uint", "long", "short"):
+        try:
+            return int(text)
+        except ValueError:
+            return text
+    if kind.startswith(("num", "float", "double")):
+        try:
+            number = float(text)
+        except ValueError:
+            return text
+        return int(number) if number.is_integer() and not any(c in text for c in ".eE") else number
+    if kind in ("boolean", "bool", "binary"):
+        return {"true": True, "false": False}.get(text.lower(), text)
+    for parse in (json.loads, ast.literal_eval):  # object, array, dict, list, and types the schema made up
+        try:
+            return parse(text)
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            continue
+    return text
+
+
+class _Block:
+    """One ``<tool_call>`` block's text as it comes: its function name, its finished parameters, whether its
+    ``</function>`` came."""
+
+    def __init__(self, index: int, types: dict[str, dict[str, str]]) -> None:
+        self.index, self.id, self.text = index, tool_call_id(), ""
+        self._types = types
+        self.name: str | None = None
+        self.arguments: list[str] = []  # one '"key": value' per finished parameter
+        self._end = 0  # where the text after the last finished parameter starts
+        self.closed = False
+        self.started = False
+        """Its first piece is out (streaming): it stays, whatever follows."""
+
+    def feed(self, text: str) -> None:
+        self.text += text
+        if self.name is None:
+            match = _FUNCTION.match(self.text)
+            if match is None:
+                return
+            self.name, self._end = match.group(1).strip(), match.end()
+        while (match := _PARAMETER.match(self.text, self._end)) is not None:
+            key, value = match.group(1).strip(), match.group(2)
+            value = value.removeprefix("\n").removesuffix("\n")
+            kind = self._types.get(self.name, {}).get(key)
+            self.arguments.append(f"{json.dumps(key)}: {json.dumps(typed_value(value, kind), ensure_ascii=False)}")
+            self._end = match.end()
+        self.closed = _FUNCTION_END.match(self.text, self._end) is not None
+
+    def arguments_text(self) -> str:
+        return "{" + ", ".join(self.arguments) + "}"
+
+
+class XmlCallsStream(TaggedBlockStream):
+    """``<tool_call>`` blocks of XML parameters; text outside them is content. A block whose text is not one
+    whole call is content (one that started streaming stays as sent, its text content as well)."""
+
+    def __init__(self, stream_arguments: bool, types: dict[str, dict[str, str]]) -> None:
+        super().__init__()
+        self._stream = stream_arguments
+        self._types = types
+        self._call: _Block | None = None
+        self._sent = 0  # the open block's parameters sent (streaming)
+
+    def _open_block(self) -> None:
+        self._call, self._sent = _Block(self._index, self._types), 0
+
+    def _feed_block(self, text: str) -> list[ReplyPart]:
+        assert self._call is not None
+        self._call.feed(text)
+        return list(self._streamed(self._call)) if self._stream else []
+
+    def _streamed(self, block: _Block) -> list[ToolCallDelta]:
+        """The pieces of the open block not sent yet: its first piece once named, then each finished parameter."""
+        if block.name is None:
+            return []
+        deltas = []
+        if not block.started:
+            block.started = True
+            deltas.append(ToolCallDelta(block.index, "", block.name, block.id))
+        for argument in block.arguments[self._sent:]:
+            deltas.append(ToolCallDelta(block.index, ("{" if self._sent == 0 else ", ") + argument))
+            self._sent += 1
+        return deltas
+
+    def _close_block(self) -> list[ReplyPart]:
+        block, self._call = self._call, None
+        assert block is not None
+        if block.started:
+            self._index = block.index + 1
+        if block.name is None or not block.closed:  # not one whole call: its text is content
+            return self._as_content()
+        self._index, self._calls = block.index + 1, self._calls + 1
+        if not self._stream:
+            return [ToolCallDelta(block.index, block.arguments_text(), block.name, block.id, done=True)]
+        return [ToolCallDelta(block.index, "}" if self._sent else "{}", done=True)]
