@@ -1,4 +1,5 @@
-"""The streams of formats whose whole reply is calls: ``llama3_json`` and ``mistral``.
+"""The streams of formats whose whole reply is calls: ``llama3_json``, ``mistral``, and ``granite`` and
+``phi4_mini_json`` (Mistral's list format after their own tag).
 
 Such a reply opens with its format's opener and is calls only if all of it
 reads as calls (and there is one); otherwise all of it is content, at its end,
@@ -19,10 +20,12 @@ from asyncllm.json_stream import JsonObjectScanner
 from asyncllm.tool_call_streams import (CallObject, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
                                         tool_call_id)
 
-__all__ = ["ArgumentsObject", "Llama3JsonStream", "MistralStream", "PYTHON_TAG", "TOOL_CALLS", "ARGS"]
+__all__ = ["ArgumentsObject", "Llama3JsonStream", "MistralStream", "GraniteStream", "Phi4MiniStream", "PYTHON_TAG",
+           "TOOL_CALLS", "ARGS", "GRANITE_TOOL_CALL", "FUNCTOOLS"]
 
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
+GRANITE_TOOL_CALL, FUNCTOOLS = "<|tool_call|>", "functools"
 _JSON_SPACE = " \t\n\r"
 
 
@@ -271,3 +274,16 @@ class MistralStream(_CallsReplyStream):
             self._mode = "broken"  # not a call, an empty list, or a comma before "]"
         return True
 
+
+class GraniteStream(MistralStream):
+    """``granite``: ``<|tool_call|>`` then a JSON list of ``{"name", "arguments"}`` objects (Granite 3.x)."""
+
+    OPENERS = (GRANITE_TOOL_CALL,)
+    TAG = GRANITE_TOOL_CALL
+
+
+class Phi4MiniStream(MistralStream):
+    """``phi4_mini_json``: ``functools`` then a JSON list of ``{"name", "arguments"}`` objects (Phi-4-mini)."""
+
+    OPENERS = (FUNCTOOLS,)
+    TAG = FUNCTOOLS

@@ -16,6 +16,8 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
 - ``openai``: gpt-oss's harmony messages addressed to ``functions.NAME``, their
   body the JSON arguments (harmony.py; after the ``openai_gptoss`` reasoning
   parser, which the server requires with it).
+- ``granite`` / ``phi4_mini_json``: ``<|tool_call|>`` / ``functools`` and a
+  JSON list of calls (Granite 3.x / Phi-4-mini);
 - ``qwen3_coder``: ``<tool_call>`` blocks of ``<function=NAME>`` and
   ``<parameter=KEY>value</parameter>`` (Qwen3-Coder), the values typed by the
   request's tool schemas (tool_call_xml.py; `ToolParser.for_tools`).
@@ -23,8 +25,8 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
 Each parser reads a whole reply (`ToolParser.parse`) or a stream of text
 deltas: `ToolParser.stream` reports each call once its text is complete,
 `ToolParser.delta_stream` reports `ToolCallDelta` pieces, the ``hermes``,
-``llama3_json``, ``mistral`` and ``openai`` calls' arguments as they are
-generated (``qwen3_coder``'s one parameter at a time) (tool_call_streams.py, tool_call_replies.py, harmony.py; ``pythonic``
+``llama3_json``, ``mistral``, ``granite``, ``phi4_mini_json`` and ``openai``
+calls' arguments as they are generated (``qwen3_coder``'s one parameter at a time) (tool_call_streams.py, tool_call_replies.py, harmony.py; ``pythonic``
 calls whole, at the reply's end). Content is passed on as
 it comes, except the few characters that may open a call. A call whose JSON
 does not parse is left in the content, so no text is ever lost (a streamed
@@ -43,7 +45,7 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.harmony import HarmonyToolStream
-from asyncllm.tool_call_replies import Llama3JsonStream, MistralStream
+from asyncllm.tool_call_replies import GraniteStream, Llama3JsonStream, MistralStream, Phi4MiniStream
 from asyncllm.tool_call_xml import XmlCallsStream, parameter_types
 from asyncllm.tool_call_streams import (HermesStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
                                         tool_call_id)
@@ -269,6 +271,23 @@ class OpenAIToolParser(ToolParser):
         return HarmonyToolStream(stream_arguments)
 
 
+class GraniteToolParser(ToolParser):
+    """Granite 3.x: ``<|tool_call|>[{"name": "f", "arguments": {...}}, ...]``; ``<|tool_call|>`` is a special
+    token, so the server keeps special tokens for it."""
+
+    needs_special_tokens = True
+
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        return GraniteStream(stream_arguments)
+
+
+class Phi4MiniJsonToolParser(ToolParser):
+    """Phi-4-mini: ``functools[{"name": "f", "arguments": {...}}, ...]``."""
+
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        return Phi4MiniStream(stream_arguments)
+
+
 class Qwen3CoderToolParser(ToolParser):
     """Qwen3-Coder: ``<tool_call><function=f><parameter=k>value</parameter></function></tool_call>``, values typed
     by the request's tool schemas (asyncllm/tool_call_xml.py)."""
@@ -286,6 +305,7 @@ class Qwen3CoderToolParser(ToolParser):
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
     "mistral": MistralToolParser, "openai": OpenAIToolParser, "qwen3_coder": Qwen3CoderToolParser,
+    "granite": GraniteToolParser, "phi4_mini_json": Phi4MiniJsonToolParser,
 }
 """Parser name (vLLM's ``--tool-call-parser`` names) -> parser."""
 

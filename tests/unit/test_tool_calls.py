@@ -206,3 +206,14 @@ def test_qwen3_coder_streamed_pieces_join_to_the_whole_calls(seed: int) -> None:
     assert [json.loads(c["function"]["arguments"]) for c in merged["tool_calls"]] == [QWEN3_CODER_ARGUMENTS, {}]
     pieces = [d for d in deltas if d.get("tool_calls")]
     assert len(pieces) > 3  # arguments came a parameter at a time, not whole at the end
+
+
+@pytest.mark.parametrize("parser_name, tag", [("granite", "<|tool_call|>"), ("phi4_mini_json", "functools")])
+def test_granite_and_phi4_mini_lists_of_calls(parser_name: str, tag: str) -> None:
+    reply = tag + '[{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arguments": {"a": 1}}]'
+    expected = [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 1}')]
+    parsed = get_tool_parser(parser_name).parse(reply)
+    assert parsed.content is None and [(c.name, c.arguments) for c in parsed.tool_calls] == expected
+    assert all(_streamed(parser_name, reply, seed) == ("", expected) for seed in range(3))
+    for text in ("no call here", tag + "[not json]"):  # content, whole
+        assert get_tool_parser(parser_name).parse(text).content == text
