@@ -11,6 +11,8 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
   a reply that does not (``enable_thinking: false``, whose template writes an
   empty think block in the prompt) is all answer, streamed as it comes.
   (A template that opens ``<think>`` in the prompt: use ``deepseek_r1``.)
+- ``mistral`` (Magistral): as ``qwen3`` with ``[THINK]`` and ``[/THINK]``
+  (special tokens, kept in the reply's text by the server).
 - ``openai_gptoss`` (gpt-oss): harmony channels, not tags (harmony.py): the
   analysis channel is reasoning, the final channel (and commentary without a
   recipient, a preamble) the answer; a message with a recipient (a tool call)
@@ -35,8 +37,9 @@ _OPEN, _CLOSE = "<think>", "</think>"
 class ReasoningStream:
     """One reply's deltas in, (reasoning, content) deltas out."""
 
-    def __init__(self, opened_by_prompt: bool) -> None:
+    def __init__(self, opened_by_prompt: bool, open_tag: str = _OPEN, close_tag: str = _CLOSE) -> None:
         self._opened_by_prompt = opened_by_prompt
+        self._open, self._close = open_tag, close_tag
         self._thinking: bool | None = None
         """None until the reply's first characters show whether it opens ``<think>``."""
         self._answer_started = False
@@ -49,20 +52,20 @@ class ReasoningStream:
         self._buffer += text
         if self._thinking is None:
             head = self._buffer.lstrip()
-            if len(head) < len(_OPEN) and _OPEN.startswith(head):
+            if len(head) < len(self._open) and self._open.startswith(head):
                 return "", ""  # whitespace, or the opening tag's first characters: wait
-            self._thinking = head.startswith(_OPEN) or self._opened_by_prompt
-            if head.startswith(_OPEN):
-                self._buffer = head[len(_OPEN):]
+            self._thinking = head.startswith(self._open) or self._opened_by_prompt
+            if head.startswith(self._open):
+                self._buffer = head[len(self._open):]
             elif not self._thinking:
                 text, self._buffer = self._buffer, ""
                 return "", self._answer(text)
-        end = self._buffer.find(_CLOSE)
+        end = self._buffer.find(self._close)
         if end >= 0:
-            reasoning, rest = self._buffer[:end], self._buffer[end + len(_CLOSE):]
+            reasoning, rest = self._buffer[:end], self._buffer[end + len(self._close):]
             self._buffer, self._thinking = "", False
             return reasoning, self._answer(rest)
-        keep = partial_tag_suffix(self._buffer, _CLOSE)
+        keep = partial_tag_suffix(self._buffer, self._close)
         released, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
         return released, ""
 
@@ -83,6 +86,8 @@ class ReasoningStream:
 class ReasoningParser:
     """A thinking model's tag convention."""
 
+    start_tag = _OPEN
+    """What opens the thinking (in the reply, or in the prompt: `opened_by_prompt`)."""
     end_tag = _CLOSE
     """What ends the thinking: a constraint (structured output, a tool choice) starts after it."""
     opened_by_prompt = True
@@ -95,7 +100,7 @@ class ReasoningParser:
 
     def stream(self) -> ReasoningStream | HarmonyReasoningStream:
         """A parser of one reply's deltas."""
-        return ReasoningStream(self.opened_by_prompt)
+        return ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag)
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
         """A whole reply's reasoning and content (None where there is none)."""
@@ -115,6 +120,15 @@ class Qwen3ReasoningParser(ReasoningParser):
     opened_by_prompt = False
 
 
+class MistralReasoningParser(ReasoningParser):
+    """Magistral: the reply opens ``[THINK]`` itself and closes it with ``[/THINK]``, both special tokens (kept in
+    the text by the server, as for harmony)."""
+
+    start_tag, end_tag = "[THINK]", "[/THINK]"
+    opened_by_prompt = False
+    needs_special_tokens = True
+
+
 class GptOssReasoningParser(ReasoningParser):
     """gpt-oss: harmony's channels (``<|channel|>analysis<|message|>``...), special tokens kept in the text; a
     constraint starts with the final channel's message."""
@@ -129,6 +143,7 @@ class GptOssReasoningParser(ReasoningParser):
 
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser, "openai_gptoss": GptOssReasoningParser,
+    "mistral": MistralReasoningParser,
 }
 """Parser name (vLLM's ``--reasoning-parser`` names) -> parser."""
 

@@ -39,6 +39,16 @@ def test_whole_and_streamed_splits(reply: str) -> None:
         assert all(_streamed(name, reply, seed) == expected for seed in range(8)), name
 
 
+@pytest.mark.parametrize("reply", list(CASES))
+def test_mistral_splits_as_qwen3_with_its_think_tokens(reply: str) -> None:
+    """Magistral's ``[THINK]`` / ``[/THINK]`` read as qwen3 reads ``<think>`` / ``</think>``."""
+    magistral = reply.replace("</think>", "[/THINK]").replace("<think>", "[THINK]")
+    expected = tuple(None if part is None else part.replace("</think>", "[/THINK]") for part in CASES[reply][1])
+    assert get_reasoning_parser("mistral").parse(magistral) == expected
+    assert all(_streamed("mistral", magistral, seed) == expected for seed in range(8))
+    assert get_reasoning_parser("mistral").needs_special_tokens
+
+
 def test_qwen3_answer_streams_at_once() -> None:
     stream = get_reasoning_parser("qwen3").stream()
     assert stream.feed("Hello") == ("", "Hello") and stream.feed(" there") == ("", " there")
