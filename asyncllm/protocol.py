@@ -108,10 +108,20 @@ class UpdateWeights(msgspec.Struct, **_STRUCT):
     segment: str = ""
     """`update_weights_from_tensors`: the /dev/shm segment holding ``tensors`` (``model_path`` is empty)."""
     tensors: list[WeightTensor] = []
+    weights_version: int = 0
+    """The version to take on success: a restarted core replaying the host's last update keeps its number (0: one
+    more than the core's)."""
 
     def source(self) -> str:
         """What the update loads, for logs and errors."""
         return f"{len(self.tensors)} tensors from the host" if self.segment else repr(self.model_path)
+
+
+class AwaitWeights(msgspec.Struct, **_STRUCT):
+    """To a restarted core whose host last pushed weights from memory (docs/weight-updates.md): those weights died
+    with the old core, so it runs no step until updates write every weight again; it is at ``weights_version``."""
+
+    weights_version: int
 
 
 class Sleep(msgspec.Struct, **_STRUCT):
@@ -132,7 +142,8 @@ class WakeUp(msgspec.Struct, **_STRUCT):
     tags: list[str] = []
 
 
-HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache, UpdateWeights, Sleep, WakeUp]
+HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache, UpdateWeights, AwaitWeights, Sleep,
+                    WakeUp]
 
 
 # ---------------------------------------------------------------- core -> host

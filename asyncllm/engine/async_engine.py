@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 import uuid
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["AsyncEngine"]
+
+logger = logging.getLogger("asyncllm.engine")
 
 
 class AsyncEngine:
@@ -93,6 +96,9 @@ class AsyncEngine:
         """Set by `connect`: attach to this core instead of starting one."""
         self._engine_key: str | None = None
         """The shared secret of a tcp:// `_connect_address` (never logged, never in the config)."""
+        self._last_update: tuple[protocol.UpdateWeights | None, int] | None = None
+        """The last successful weight update, for a restarted core: its message (None: tensors pushed from memory,
+        which died with the core) and the weights version it gave."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._start_lock: asyncio.Lock | None = None
         self._observer = RequestObserver(config.model, config.prometheus_registry)
@@ -209,11 +215,30 @@ class AsyncEngine:
             return
         await anyio.to_thread.run_sync(replica.stop)
         replica.processor = replica.core = None
+        last = self._last_update if self._connect_address is None else None  # a shared core's weights are its own
+        pushed = last is not None and last[0] is None
+        config = self.config.replace(load_format="dummy") if pushed else self.config  # the pushed ones come again
         try:
-            await start_replica(replica, self.config, self._launch_spec())
+            await start_replica(replica, config, self._launch_spec())
         except BaseException:
             replica.processor = processor  # still dead: stats() and new requests say so
             raise
+        if last is not None:  # sent now, before any request can reach the new core
+            await self._replay_update(replica, *last)
+
+    async def _replay_update(self, replica: Replica, message: protocol.UpdateWeights | None, version: int) -> None:
+        """The engine's last weight update, again, on a restarted core (docs/weight-updates.md): a checkpoint is
+        loaded again; weights pushed from memory are awaited (no step runs until pushes write them all)."""
+        processor = replica.processor
+        assert processor is not None
+        if message is None:
+            processor.await_weights(version)
+            return
+        try:
+            await asyncio.wrap_future(processor.update_weights(msgspec.structs.replace(message, weights_version=version)))
+        except AsyncLLMError as exc:
+            logger.error("the restarted engine core could not load the last weights again (%s); it serves the "
+                         "weights the engine started with (stats().weights_version 0)", exc)
 
     # ------------------------------------------------------------ requests
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
@@ -393,7 +418,10 @@ class AsyncEngine:
             raise InvalidRequestError("revision", f"a hub revision (str) or None, got {revision!r}")
         await self.start()
         config_json = await anyio.to_thread.run_sync(new_checkpoint_config, model_path, revision)
-        return await self._update_weights(protocol.UpdateWeights("", model_path, revision, config_json))
+        message = protocol.UpdateWeights("", model_path, revision, config_json)
+        version = await self._update_weights(message)
+        self._last_update = (message, version)
+        return version
 
     async def update_weights_from_tensors(
             self, named_tensors: "Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]") -> int:
@@ -410,7 +438,9 @@ class AsyncEngine:
         await self.start()
         packed = await anyio.to_thread.run_sync(pack_tensors, named_tensors)
         message = protocol.UpdateWeights("", "", segment=packed.segment.name, tensors=packed.tensors)
-        return await self._update_weights(message, when_answered=packed.close)
+        version = await self._update_weights(message, when_answered=packed.close)
+        self._last_update = (None, version)
+        return version
 
     async def _update_weights(self, message: protocol.UpdateWeights, when_answered: Any = None) -> int:
         """Every replica's core runs `message`; the lowest weights version after it. ``when_answered()`` runs once

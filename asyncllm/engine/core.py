@@ -180,7 +180,7 @@ class EngineCore:
 
     def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
         if isinstance(message, (protocol.AddRequest, protocol.AbortRequests, protocol.ResetPrefixCache,
-                                protocol.UpdateWeights, protocol.Sleep, protocol.WakeUp)) \
+                                protocol.UpdateWeights, protocol.AwaitWeights, protocol.Sleep, protocol.WakeUp)) \
                 and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
             return False
@@ -204,6 +204,8 @@ class EngineCore:
             logger.info("prefix cache reset (asked by a host)")
         elif isinstance(message, protocol.UpdateWeights):
             self.weights.update(client_id, message)
+        elif isinstance(message, protocol.AwaitWeights):
+            self.weights.await_pushed(message.weights_version)
         elif isinstance(message, (protocol.Sleep, protocol.WakeUp)):
             self.sleep.handle(client_id, message)
         elif isinstance(message, protocol.Goodbye):

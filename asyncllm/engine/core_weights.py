@@ -88,12 +88,23 @@ class WeightUpdater:
         if refused:
             logger.warning("weight update from %s refused: %s", message.source(), refused[0].error)
             return _most_telling(refused)
-        self.weights_version += 1
+        self.weights_version = message.weights_version or self.weights_version + 1
         self._loaded(message, max(reply.weights_unwritten for reply in replies))
         num_running = recompute_with_new_weights(core.scheduler)
         logger.info("weights updated from %s (version %d); %d running requests will be recomputed",
                     message.source(), self.weights_version, num_running)
         return protocol.WeightsUpdated(message.update_id)
+
+    def await_pushed(self, weights_version: int) -> None:
+        """A restarted core whose host had pushed weights from memory (`protocol.AwaitWeights`; its workers started
+        on dummy weights): no step runs until updates write every weight again."""
+        core = self.core
+        self.weights_version, self.pushed = weights_version, True
+        core.restarter.config = config_with_pushed_weights(core.restarter.config)
+        core.sleep.awaiting_weights = True
+        core.send_outputs([])  # every host sees awaiting_weights at once
+        logger.error("this core replaces one that died after weights were pushed from memory (version %d): no step "
+                     "runs until updates write every weight again (stats().awaiting_weights)", weights_version)
 
     def _loaded(self, message: protocol.UpdateWeights, unwritten: int) -> None:
         """What restarted workers load from now on, and whether the weights are all real again."""

@@ -167,6 +167,10 @@ class Processor:
             self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
         return future
 
+    def await_weights(self, weights_version: int) -> None:
+        """Send `AwaitWeights` (before any request: call it as the core restarts)."""
+        self._post(("send", protocol.AwaitWeights(weights_version)))
+
     def sleep_mode(self, message: protocol.Sleep | protocol.WakeUp) -> concurrent.futures.Future[int]:
         """Send `Sleep` or `WakeUp` (its call_id is set here) after every request submitted before; the future
         of the core's sleep level after it."""

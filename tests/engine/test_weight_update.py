@@ -197,3 +197,31 @@ async def test_restarted_workers_wait_until_pushes_write_every_weight_again(engi
     assert await engine.update_weights_from_tensors(weights[5:]) == version + 3
     assert (await asyncio.wait_for(task, 60)).token_ids == hf_greedy(b, OTHER, MAX_TOKENS)
     assert not set(worker_pids(engine._core.pid)) & set(workers)
+
+
+async def _until(predicate, timeout: float = 30.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_a_restarted_core_loads_the_last_checkpoint_or_awaits_pushed_weights(checkpoints) -> None:
+    """max_core_restarts: a core that dies after update_weights comes back with that checkpoint and its version;
+    one that dies after a push comes back awaiting the pushed weights (they died with it)."""
+    a, b = checkpoints
+    async with AsyncEngine(a, max_core_restarts=2, disable_log_stats=True, max_model_len=256) as engine:
+        assert await engine.update_weights(b) == 1
+        os.kill(engine._core.pid, signal.SIGKILL)
+        await _until(lambda: not engine.stats().engine_alive)
+        assert (await engine.generate(OTHER, GREEDY)).token_ids == hf_greedy(b, OTHER, MAX_TOKENS)  # after the restart
+        assert engine.stats().weights_version == 1
+        assert await engine.update_weights_from_tensors(hf_state_dict(a)) == 2
+        os.kill(engine._core.pid, signal.SIGKILL)
+        await _until(lambda: not engine.stats().engine_alive)
+        await _until(lambda: engine.stats().engine_alive and engine.stats().awaiting_weights)
+        task = asyncio.ensure_future(engine.generate(OTHER, GREEDY))
+        await asyncio.sleep(0.3)
+        assert not task.done() and engine.stats().weights_version == 2
+        assert await engine.update_weights_from_tensors(hf_state_dict(a)) == 3
+        assert (await asyncio.wait_for(task, 60)).token_ids == hf_greedy(a, OTHER, MAX_TOKENS)
