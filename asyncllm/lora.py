@@ -249,7 +249,8 @@ def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[list[int]
         match = _TENSOR_NAME.fullmatch(name)
         if match is None or match.group(3) not in LORA_TARGETS or len(shape) != 2:
             _fail(path, f"tensor {key} {shape}: only LoRA A and B matrices of the decoder layers' projections "
-                        f"({', '.join(LORA_TARGETS)}) are served (not embeddings or lm_head)")
+                        f"({', '.join(LORA_TARGETS)}) are served (not embeddings or lm_head, nor a "
+                        "mixture-of-experts model's experts, router or shared expert)")
         module = name[: name.index(".lora_")]
         found.setdefault(module, {})[match.group(4)] = shape
     for module, parts in found.items():

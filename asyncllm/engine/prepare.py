@@ -78,10 +78,10 @@ def prepare(config: EngineConfig) -> Prepared:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:
-        if arch in (*MULTIMODAL_ARCHITECTURES, *MOE_ARCHITECTURES, *_NO_LORA):
-            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (dense text decoders only: Llama, "
+        if arch in (*MULTIMODAL_ARCHITECTURES, *_NO_LORA):
+            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders only: Llama, "
                                                      "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, Granite, "
-                                                     "OLMo 2)")
+                                                     "OLMo 2, and the attention of Mixtral, Qwen2-MoE, Qwen3-MoE)")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if arch in MULTIMODAL_ARCHITECTURES:
@@ -100,9 +100,9 @@ def prepare(config: EngineConfig) -> Prepared:
                     pooling_model_of(arch, text_config, path, config.pooler_config))
 
 
-_NO_LORA = ("Gemma3ForConditionalGeneration", *ENCODER_ARCHITECTURES)
+_NO_LORA = ("Gemma3ForConditionalGeneration", "GptOssForCausalLM", *ENCODER_ARCHITECTURES)
 """Text-only serving of an image-text checkpoint: its adapters' names (``language_model.``) and vision-tower
-targets are not mapped; the encoders' projections have no adapter layers."""
+targets are not mapped; gpt-oss's adapters are untested; the encoders' projections have no adapter layers."""
 
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);

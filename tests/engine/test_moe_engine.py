@@ -1,5 +1,6 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy output equals transformers',
-token for token, alone, chunked, preempted, and split over two ranks by intermediate dim or by expert."""
+token for token, alone, chunked, preempted, and split over two ranks by intermediate dim or by expert; LoRA
+adapters on their attention equal PEFT's."""
 
 from __future__ import annotations
 
@@ -7,9 +8,10 @@ import asyncio
 import random
 
 import pytest
+import torch
 
 from asyncllm import AsyncEngine, SamplingParams
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import ConfigError
 from asyncllm.tiny import tiny_checkpoint
 from hf_reference import hf_greedy
 
@@ -56,7 +58,34 @@ async def test_expert_parallel_needs_experts(tiny_llama: str) -> None:
             pass
 
 
-async def test_lora_on_moe_is_not_built() -> None:
-    with pytest.raises(NotBuiltError, match="LoRA adapters for Qwen3MoeForCausalLM"):
-        async with AsyncEngine(tiny_checkpoint("qwen3_moe"), enable_lora=True):
-            pass
+async def test_lora_adapters_on_moe_attention_equal_peft(tmp_path) -> None:
+    """Adapters on a mixture-of-experts model's attention projections (the experts keep their weights), batched
+    with the base model: PEFT's tokens. An adapter naming an expert's matrix is the request's error."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from asyncllm import InvalidRequestError, LoRARequest
+    from lora_utils import make_adapter, peft_greedy
+
+    path = tiny_checkpoint("qwen3_moe")
+    adapter = make_adapter(path, str(tmp_path / "attn"), seed=3, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
+    experts = tmp_path / "experts"
+    experts.mkdir()
+    (experts / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    save_file({"base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(4, 64),
+               "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_B.weight": torch.zeros(32, 4)},
+              str(experts / "adapter_model.safetensors"))
+    prompts = _prompts(4, seed=9)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    lora = LoRARequest("attn", 1, adapter)
+    async with AsyncEngine(path, enable_lora=True, disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params, lora_request=lora if i % 2 else None)
+                                      for i, p in enumerate(prompts)))
+        with pytest.raises(InvalidRequestError, match="mixture-of-experts model's experts"):
+            await engine.generate(prompts[0], params, lora_request=LoRARequest("experts", 2, str(experts)))
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        expected = (peft_greedy(path, adapter, prompt, MAX_TOKENS, eos_token_id=None) if i % 2
+                    else hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None))
+        assert out.token_ids == expected, i
+    assert outs[1].token_ids != hf_greedy(path, prompts[1], MAX_TOKENS, eos_token_id=None)  # the adapter mattered
