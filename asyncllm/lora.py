@@ -37,6 +37,9 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3)."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM",)
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
+_LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
+"""An image-text checkpoint's language model (transformers 5's names, then older ones) -> the decoder's names."""
+_UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
 _TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
 
 
@@ -72,6 +75,9 @@ class AdapterModule:
     scaling: float
     in_features: int
     out_features: int
+    key: str = ""
+    """Its tensors' name in the file, before ``.lora_A.weight`` (an image-text checkpoint's adapter names its
+    language model's modules ``model.language_model.layers...``); empty: ``name`` or PEFT's prefix and ``name``."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def read_adapter(path: str) -> Adapter:
     config = _read_config(path)
     shapes = _tensor_shapes(path)
     modules: dict[str, AdapterModule] = {}
-    for name, (a_shape, b_shape) in _pairs(shapes, path).items():
+    for name, (key, a_shape, b_shape) in _pairs(shapes, path).items():
         rank = a_shape[0]
         if rank < 1:
             _fail(path, f"{name}: lora_A has rank 0")
@@ -104,9 +110,9 @@ def read_adapter(path: str) -> Adapter:
             _fail(path, f"{name}: lora_A has rank {rank} but lora_B {b_shape[1]}")
         alpha = _pattern_value(config.get("alpha_pattern") or {}, name, config.get("lora_alpha", 8))
         scale_rank = math.sqrt(rank) if config.get("use_rslora") else rank
-        modules[name] = AdapterModule(name, rank, float(alpha) / scale_rank, a_shape[1], b_shape[0])
+        modules[name] = AdapterModule(name, rank, float(alpha) / scale_rank, a_shape[1], b_shape[0], key)
     if not modules:
-        _fail(path, "it holds no LoRA weights")
+        _fail(path, "it holds no LoRA weights (of the language model)")
     return Adapter(path, modules)
 
 
@@ -241,11 +247,19 @@ def _tensor_shapes(path: str) -> dict[str, list[int]]:
         _fail(path, f"its {WEIGHTS_FILE} could not be read ({type(exc).__name__}: {exc})")
 
 
-def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[list[int], list[int]]]:
-    """Projection name -> (lora_A shape, lora_B shape); `InvalidRequestError` for any other tensor."""
+def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[str, list[int], list[int]]]:
+    """Projection name -> (its tensors' name in the file, lora_A shape, lora_B shape); `InvalidRequestError` for
+    any other tensor. A vision tower's and projector's matrices are left out: an image-text checkpoint served as
+    text (Gemma 3) never runs them."""
     found: dict[str, dict[str, list[int]]] = {}
+    keys: dict[str, str] = {}
     for key, shape in shapes.items():
         name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        if name.startswith(_UNSERVED_PREFIXES):
+            continue
+        for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
+            if name.startswith(prefix):
+                name = replacement + name[len(prefix):]
         match = _TENSOR_NAME.fullmatch(name)
         if match is None or match.group(3) not in LORA_TARGETS or len(shape) != 2:
             _fail(path, f"tensor {key} {shape}: only LoRA A and B matrices of the decoder layers' projections "
@@ -253,10 +267,11 @@ def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[list[int]
                         "mixture-of-experts model's experts, router or shared expert)")
         module = name[: name.index(".lora_")]
         found.setdefault(module, {})[match.group(4)] = shape
+        keys[module] = key[: key.index(".lora_")]
     for module, parts in found.items():
         if set(parts) != {"A", "B"}:
             _fail(path, f"{module} has lora_{'A' if 'A' in parts else 'B'} without its partner")
-    return {module: (parts["A"], parts["B"]) for module, parts in found.items()}
+    return {module: (keys[module], parts["A"], parts["B"]) for module, parts in found.items()}
 
 
 def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:

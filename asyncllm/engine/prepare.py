@@ -80,7 +80,7 @@ def prepare(config: EngineConfig) -> Prepared:
     if config.enable_lora:
         if arch in (*MULTIMODAL_ARCHITECTURES, *_NO_LORA):
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders only: Llama, "
-                                                     "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text, Phi-3, Granite, "
+                                                     "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Granite, "
                                                      "OLMo 2, and the attention of Mixtral, Qwen2-MoE, Qwen3-MoE)")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
@@ -100,9 +100,8 @@ def prepare(config: EngineConfig) -> Prepared:
                     pooling_model_of(arch, text_config, path, config.pooler_config))
 
 
-_NO_LORA = ("Gemma3ForConditionalGeneration", "GptOssForCausalLM", *ENCODER_ARCHITECTURES)
-"""Text-only serving of an image-text checkpoint: its adapters' names (``language_model.``) and vision-tower
-targets are not mapped; gpt-oss's adapters are untested; the encoders' projections have no adapter layers."""
+_NO_LORA = ("GptOssForCausalLM", *ENCODER_ARCHITECTURES)
+"""gpt-oss's adapters are untested; the encoders' projections have no adapter layers."""
 
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);

@@ -143,8 +143,8 @@ def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object
     loaded = []
     for name, module in adapter.modules.items():
         param_name, part = model._packed(f"{name}.weight")
-        lora_a = _tensor(tensors, name, "A")
-        lora_b = _tensor(tensors, name, "B")
+        lora_a = _tensor(tensors, module.key or name, "A")
+        lora_b = _tensor(tensors, module.key or name, "B")
         loaded.append((param_name[: -len(".weight")], part, lora_a, lora_b, module.scaling))
     return loaded
 
