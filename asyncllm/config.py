@@ -8,6 +8,8 @@ built yet raises `NotBuiltError` (a `ConfigError`) naming the feature.
 
 from __future__ import annotations
 
+import json
+
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -54,6 +56,18 @@ def _int(name: str, value: object, lo: int, hi: int | None = None, optional: boo
     if not ok:
         bound = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
         raise ConfigError(name, value, bound + (" or None" if optional else ""))
+
+
+def _json_dict(name: str, value: object) -> None:
+    """None, or a dict with str keys that JSON can write."""
+    if value is None:
+        return
+    try:
+        ok = isinstance(value, dict) and all(isinstance(key, str) for key in value) and bool(json.dumps(value))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(name, value, "a dict of config.json keys and JSON values, or None")
 
 
 def _sampling_fields(name: str, value: object) -> None:
@@ -131,6 +145,11 @@ class ModelConfig:
     enable_sleep_mode: bool = False
     """Allow `AsyncEngine.sleep()` / `wake_up()` (vLLM's sleep mode, docs/sleep-mode.md): free the GPU memory of the
     weights (level 1: kept in CPU memory; level 2: discarded) and of the KV cache between RL rollouts."""
+    hf_overrides: dict[str, Any] | None = None
+    """vLLM's: config.json keys set on top of the checkpoint's, e.g. {"max_position_embeddings": 4096}; a dict
+    value updates a nested config ({"text_config": {...}}). {"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true} serves Qwen3-Reranker as a
+    cross-encoder (docs/pooling.md). JSON values only (the config travels to the workers as JSON)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -155,6 +174,7 @@ class ModelConfig:
             raise ConfigError("generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         _sampling_fields("override_generation_config", self.override_generation_config)
         check_pooler_config(self.pooler_config)
+        _json_dict("hf_overrides", self.hf_overrides)
 
 
 @dataclass(frozen=True)

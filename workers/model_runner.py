@@ -21,7 +21,8 @@ from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.layers import TensorParallel
-from asyncllm.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
+from asyncllm.models.checkpoint import served_hf_config
+from asyncllm.models.loader import load_model, resolve_dtype, resolve_model_path
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec, kv_cache_torch_dtype
 from asyncllm.protocol import CachedRequestData, LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
@@ -94,7 +95,8 @@ class ModelRunner:
         """Load this rank's shard of the weights onto the device."""
         hf_config = self.hf_config
         if hf_config is None:  # no config from the host (a runner built directly): read it
-            hf_config = load_hf_config(resolve_model_path(self.config.model, self.config.revision))
+            hf_config = served_hf_config(resolve_model_path(self.config.model, self.config.revision),
+                                         self.config.hf_overrides)
         dtype = resolve_dtype(self.config.dtype, hf_config, self.device)
         model = load_model(self.config, hf_config, self.device, dtype, self.rank, self.tp_size)
         self.attach_model(model, kv_cache_spec(hf_config, self.tp_size), dtype)

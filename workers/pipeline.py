@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from asyncllm import envs
 from asyncllm.config import EngineConfig
-from asyncllm.models.loader import load_hf_config, load_model, resolve_dtype, resolve_model_path
+from asyncllm.models.checkpoint import served_hf_config
+from asyncllm.models.loader import load_model, resolve_dtype, resolve_model_path
 from asyncllm.models.pipeline import PipelineStage, StageChannel, StageModel
 from asyncllm.models.registry import kv_cache_spec, text_config_of
 from asyncllm.pipeline_parallel import get_pp_indices, output_rank
@@ -91,7 +92,8 @@ class PipelineModelRunner(ModelRunner):
         """Build and load this stage's parts; the KV cache holds its layers only."""
         hf_config = self.hf_config
         if hf_config is None:
-            hf_config = load_hf_config(resolve_model_path(self.config.model, self.config.revision))
+            hf_config = served_hf_config(resolve_model_path(self.config.model, self.config.revision),
+                                         self.config.hf_overrides)
         text_config = text_config_of(hf_config)
         stage = self.stage
         start, end = get_pp_indices(text_config.num_hidden_layers, stage.rank, stage.size,

@@ -35,7 +35,7 @@ from asyncllm.engine.weight_update import (
     weights_error_reply,
 )
 from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
-from asyncllm.models.checkpoint import checkpoint_quantization, hf_config_from_json, hf_config_json
+from asyncllm.models.checkpoint import apply_hf_overrides, checkpoint_quantization, hf_config_from_json, hf_config_json
 from asyncllm.models.layers import LoadedWeight, weight_shape
 from asyncllm.models.loader import build_model, load_checkpoint
 from asyncllm.models.registry import text_config_of
@@ -190,7 +190,8 @@ def check_update(runner: Any, model_path: str, revision: str | None, config_json
     as the host read it: `config_json`; empty: read here, which imports the architecture's config class)."""
     refuse_unbuilt(runner)
     path = resolve_update_path(model_path, revision)
-    _check_config(runner.hf_config, hf_config_from_json(config_json or read_update_config(path)))
+    new_config = hf_config_from_json(config_json or read_update_config(path))
+    _check_config(runner.hf_config, apply_hf_overrides(new_config, runner.config.hf_overrides))
     headers = _HeadersOnly()
     try:
         load_checkpoint(_meta_model(runner), path, runner.config.kv_cache_dtype, weights_filter=headers)

@@ -18,13 +18,14 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.lora import AdapterChecker
 from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
 from asyncllm.models.architectures import (
+    CLASSIFICATION_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
     architecture_of,
     max_positions,
 )
-from asyncllm.models.checkpoint import hf_config_json, load_hf_config, prequantized_config, resolve_model_path
+from asyncllm.models.checkpoint import hf_config_json, prequantized_config, resolve_model_path, served_hf_config
 from asyncllm.pipeline_parallel import check_pipeline_model
 from asyncllm.spec.draft_model import prepare_draft_model
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
@@ -56,7 +57,7 @@ class Prepared:
 
 def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
-    hf_config = load_hf_config(path)
+    hf_config = served_hf_config(path, config.hf_overrides)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
     prequantized_config(hf_config, config.model, config.quantization)  # refused methods: errors before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
@@ -65,6 +66,8 @@ def prepare(config: EngineConfig) -> Prepared:
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
+    if getattr(text_config, "classifier_from_token", None) is not None:
+        _classifier_from_tokens(text_config, arch, tokenizer)
     if arch in ENCODER_ARCHITECTURES:
         resolved = _encoder_config(resolved)
         if getattr(hf_config, "sep_token_id", None) is None:  # the model's token types follow it (models/bert.py)
@@ -111,6 +114,26 @@ a longer one is not sent, and the workers read config.json themselves."""
 def _generation_config(config: EngineConfig, path: str) -> str:
     """``auto`` reads the model folder's generation_config.json; a GGUF file has none (its defaults: vLLM's)."""
     return "vllm" if config.generation_config == "auto" and os.path.isfile(path) else config.generation_config
+
+
+def _classifier_from_tokens(hf_config: Any, arch: str, tokenizer: Any) -> None:
+    """vLLM's ``classifier_from_token`` (``hf_overrides``): a causal LM's checkpoint served as a classifier whose
+    head is its LM head's rows of these tokens. Their ids go to the workers in the config, with the label count
+    (one for ``is_original_qwen3_reranker``: the second token's row less the first's)."""
+    tokens = hf_config.classifier_from_token
+    field_value = f"classifier_from_token={tokens!r}"
+    if arch not in CLASSIFICATION_ARCHITECTURES or arch in ENCODER_ARCHITECTURES:
+        raise ConfigError("hf_overrides", field_value, "a decoder served as *ForSequenceClassification (set "
+                                                       "'architectures' too, e.g. ['Qwen3ForSequenceClassification'])")
+    ids = [tokenizer.convert_tokens_to_ids(token) for token in tokens] if isinstance(tokens, list) else []
+    unknown = [t for t, i in zip(tokens, ids) if not isinstance(i, int) or i == tokenizer.unk_token_id]
+    difference = bool(getattr(hf_config, "is_original_qwen3_reranker", False))
+    if not ids or unknown or (difference and len(ids) != 2):
+        raise ConfigError("hf_overrides", field_value, "a list of tokens of the vocabulary (two with "
+                                                       f"is_original_qwen3_reranker){'; unknown: ' if unknown else ''}"
+                                                       f"{', '.join(map(repr, unknown))}")
+    hf_config.classifier_from_token_ids = ids
+    hf_config.num_labels = 1 if difference else len(ids)
 
 
 def _encoder_config(config: EngineConfig) -> EngineConfig:

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from asyncllm.models.gguf_config import GgufCheckpointConfig
     from asyncllm.models.int4_config import Int4CheckpointConfig
 
-__all__ = ["resolve_model_path", "load_hf_config", "hf_config_json", "hf_config_from_json", "WireConfig",
+__all__ = ["resolve_model_path", "load_hf_config", "apply_hf_overrides", "served_hf_config", "hf_config_json", "hf_config_from_json", "WireConfig",
            "pretrained_config",
            "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config", "prequantized_config"]
 
@@ -94,6 +94,25 @@ def load_hf_config(path: str) -> PretrainedConfig:
     except (OSError, ValueError, KeyError) as exc:
         allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
         raise ConfigError("model", path, allowed) from exc
+
+
+def apply_hf_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | None) -> PretrainedConfig:
+    """``hf_config`` with the engine's ``hf_overrides`` set on it (in place; a dict value over a nested config
+    updates that config's keys)."""
+    from transformers import PretrainedConfig
+
+    for key, value in (overrides or {}).items():
+        nested = getattr(hf_config, key, None)
+        if isinstance(value, dict) and isinstance(nested, PretrainedConfig):
+            apply_hf_overrides(nested, value)
+        else:
+            setattr(hf_config, key, value)
+    return hf_config
+
+
+def served_hf_config(path: str, overrides: dict[str, Any] | None) -> PretrainedConfig:
+    """The checkpoint's config as the engine serves it: read (`load_hf_config`), ``hf_overrides`` applied."""
+    return apply_hf_overrides(load_hf_config(path), overrides)
 
 
 def hf_config_json(hf_config: PretrainedConfig) -> str:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from asyncllm.models.layers import LoadedWeight, new_param
+from asyncllm.models.layers import LoadedWeight, new_param, weight_narrow
 
 __all__ = ["ScoreHead", "SequenceClassification", "sequence_classifier"]
 
@@ -44,6 +44,12 @@ class SequenceClassification:
         self.lm_head = None  # never loaded nor run: `compute_logits` below stands in for it
         self.vocab_size: int = hf_config.vocab_size
         self.score = ScoreHead(hf_config.hidden_size, hf_config.num_labels, kwargs["dtype"])
+        self.from_tokens: list[int] | None = getattr(hf_config, "classifier_from_token_ids", None)
+        """A causal LM served as a classifier (``hf_overrides`` ``classifier_from_token``; the host resolved the
+        tokens' ids): the head is the LM head's rows of these tokens, read from the checkpoint."""
+        self.token_difference = bool(getattr(hf_config, "is_original_qwen3_reranker", False))
+        """Qwen3-Reranker: one label, the second token's row less the first's (sigmoid = softmax over the two)."""
+        self.tied = bool(getattr(hf_config, "tie_word_embeddings", False))
 
     def classify(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states ``[..., hidden]`` -> float32 logits ``[..., num_labels]`` (in the model's dtype
@@ -58,16 +64,30 @@ class SequenceClassification:
         """The decoder's weights as the causal LM loads them, and ``score.weight`` into the head."""
         head: set[str] = set()
 
+        lm_head = "model.embed_tokens.weight" if self.tied else "lm_head.weight"
+
         def decoder_weights() -> Iterable[tuple[str, LoadedWeight]]:
             for name, weight in weights:
-                if name == "score.weight":
+                if name == "score.weight" and self.from_tokens is None:
                     self._load_one(self.score.weight, name, weight, None)  # type: ignore[attr-defined]
                     head.add(name)
+                elif name == lm_head and self.from_tokens is not None:
+                    self._load_one(self.score.weight, "score.weight", self._token_rows(weight), None)  # type: ignore[attr-defined]
+                    head.add("score.weight")
+                    if self.tied:
+                        yield name, weight  # the embedding, too
                 else:
                     yield name, weight
 
         loaded = super().load_weights(decoder_weights())  # type: ignore[misc]
         return loaded | head
+
+
+    def _token_rows(self, lm_head: LoadedWeight) -> torch.Tensor:
+        """The score head from the LM head's rows of `from_tokens` (their difference for Qwen3-Reranker)."""
+        assert self.from_tokens is not None
+        rows = torch.cat([weight_narrow(lm_head, 0, token, 1) for token in self.from_tokens]).float()
+        return (rows[1:2] - rows[0:1]) if self.token_difference else rows
 
 
 def sequence_classifier(causal_lm: type) -> type:
