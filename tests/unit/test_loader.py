@@ -231,3 +231,16 @@ def test_workers_rebuild_the_hosts_config(family: str, tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
     assert all(torch.equal(a, b) for a, b in zip(first.buffers(), second.buffers()))
     assert kv_cache_spec(read, 1) == kv_cache_spec(rebuilt, 1)
+
+
+def test_hf_overrides_set_keys_and_update_nested_configs() -> None:
+    import transformers
+
+    from asyncllm.models.checkpoint import apply_hf_overrides
+
+    config = transformers.LlavaConfig(text_config={"model_type": "llama", "hidden_size": 64})
+    apply_hf_overrides(config, {"text_config": {"max_position_embeddings": 99}, "image_seq_length": 7, "new_key": [1]})
+    assert (config.text_config.max_position_embeddings, config.text_config.hidden_size) == (99, 64)
+    assert (config.image_seq_length, config.new_key) == (7, [1])
+    with pytest.raises(ConfigError, match="hf_overrides"):
+        EngineConfig.create("some/model", hf_overrides={"x": object()})
