@@ -231,6 +231,9 @@ class SchedulerConfig:
     async_scheduling: bool = True
     """Overlap the core's scheduling of step N+1 with the workers' step N (outputs stay token-exact; some steps
     still run synchronously, see docs/scheduling.md); False runs every step synchronously."""
+    stream_interval: int = 1
+    """vLLM's: a stream's deltas carry this many tokens (its first token and its last ones come at once); above 1
+    the host wakes each stream's consumer that many times less often (docs/sampling.md)."""
 
     def __post_init__(self) -> None:
         _int("max_num_seqs", self.max_num_seqs, 1)
@@ -245,6 +248,7 @@ class SchedulerConfig:
                lo_open=True)
         _bool("async_scheduling", self.async_scheduling)
         self.speculative  # noqa: B018 - validates speculative_config
+        _int("stream_interval", self.stream_interval, 1)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:

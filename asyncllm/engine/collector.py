@@ -16,7 +16,7 @@ import asyncio
 from asyncllm.outputs import PromptLogprobs, RequestMetrics, StreamDelta
 from asyncllm.sampling import RequestOutputKind
 
-__all__ = ["RequestCollector"]
+__all__ = ["RequestCollector", "merge_delta"]
 
 
 class _SampleOutput:
@@ -53,7 +53,7 @@ class _SampleOutput:
                            logprobs, self.prompt_logprobs)
 
 
-def _merge(into: StreamDelta, delta: StreamDelta) -> None:
+def merge_delta(into: StreamDelta, delta: StreamDelta) -> None:
     """Append `delta` (the same sample, later) to the pending `into`."""
     into.text += delta.text
     into.token_ids.extend(delta.token_ids)
@@ -116,7 +116,7 @@ class RequestCollector:
             if pending is None:
                 self._pending[delta.index] = delta
             else:
-                _merge(pending, delta)
+                merge_delta(pending, delta)
         else:
             self._samples[delta.index].add(delta)
             if not self._final_only or delta.finish_reason is not None:

@@ -26,7 +26,7 @@ import zmq
 
 from asyncllm import errors, protocol
 from asyncllm.engine.channel import ConnectionWatch, open_dealer
-from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.collector import RequestCollector, merge_delta
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, new_detokenizer
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
@@ -87,6 +87,9 @@ class _Tracked:
     """Filled by prefill chunks; handed over with the first token."""
     mm_resend: tuple[protocol.AddRequest, MultiModalPrompt] | None = None
     """A request with images: what to resend if the core misses a processor-cache key."""
+    held: StreamDelta | None = None
+    """``stream_interval`` > 1: the tokens not delivered yet (merged)."""
+    delivered: bool = False
 
 
 class Processor:
@@ -97,8 +100,10 @@ class Processor:
                  startup_timeout_s: float, observer: RequestObserver | None = None,
                  engine_key: str | None = None, mm: MultiModalProcessor | None = None,
                  lora: AdapterChecker | None = None, hidden_size: int | None = None,
-                 pooling_model: PoolingModel | None = None) -> None:
+                 pooling_model: PoolingModel | None = None, stream_interval: int = 1) -> None:
         self._address = address
+        self._stream_interval = stream_interval
+        """Tokens per delivered delta (`SchedulerConfig.stream_interval`): first and last tokens go at once."""
         self._pooling_model = pooling_model
         """Which requests the model takes (asyncllm/engine/pooling_model.py); None: any request runs."""
         self._hidden_size = hidden_size
@@ -481,7 +486,23 @@ class Processor:
         if item is None:
             return  # prompt logprobs of a prefill chunk: they go out with the first token
         self._observer.on_output(tracked.collector, out, item, now)
+        if isinstance(item, StreamDelta) and self._stream_interval > 1:
+            item = self._paced(tracked, item)
+            if item is None:
+                return
         batch.append((tracked.collector, item))
+
+    def _paced(self, tracked: _Tracked, delta: StreamDelta) -> StreamDelta | None:
+        """`delta`, or the held tokens with it once they are ``stream_interval`` many (the sample's first delta
+        and its last go at once); None: held."""
+        if tracked.held is not None:
+            merge_delta(tracked.held, delta)
+            delta, tracked.held = tracked.held, None
+        if delta.finished or not tracked.delivered or len(delta.token_ids) >= self._stream_interval:
+            tracked.delivered = True
+            return delta
+        tracked.held = delta
+        return None
 
     def _process_output(self, tracked: _Tracked, out: protocol.RequestOutputDelta, now: float,
                         aborts: list[str]) -> StreamDelta | BaseException | None:

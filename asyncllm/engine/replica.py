@@ -218,7 +218,7 @@ def _processor(replica: Replica, prepared: Prepared, core: CoreProcess | None, s
         eos_token_ids=prepared.eos_token_ids, vocab_size=prepared.vocab_size, deliver=spec.deliver, core=core,
         stats_logger=stats_logger, startup_timeout_s=timeout_s, observer=replica.observer,
         engine_key=spec.engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
-        pooling_model=prepared.pooling_model,
+        pooling_model=prepared.pooling_model, stream_interval=prepared.config.stream_interval,
     )
 
 

@@ -290,3 +290,16 @@ async def test_caller_request_ids_are_unique_among_in_flight_requests(engine: As
     out = await engine.generate(PROMPT, SamplingParams(max_tokens=2), request_id="dup")  # free again
     assert out.request_id == "dup"
     await _wait_idle(engine)
+
+
+async def test_stream_interval_batches_a_streams_tokens(tiny_llama: str) -> None:
+    """stream_interval=4: the first token comes alone, then deltas of 4 tokens or more (the consumer may merge
+    more), the last ones at once; the tokens are the same as without it."""
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    async with AsyncEngine(tiny_llama, stream_interval=4, disable_log_stats=True) as paced:
+        deltas = [delta async for delta in paced.stream(PROMPT, params)]
+    sizes = [len(delta.token_ids) for delta in deltas]
+    assert sum(sizes) == 14 and sizes[0] in (1, *range(5, 15)) and all(size >= 4 for size in sizes[1:-1]), sizes
+    assert len(sizes) <= 5 and deltas[-1].finish_reason == "length"
+    assert [t for d in deltas for t in d.token_ids] == hf_greedy(tiny_llama, list(AutoTokenizer.from_pretrained(
+        tiny_llama)(PROMPT).input_ids), 14, eos_token_id=None)
