@@ -34,7 +34,8 @@ def _tokenizer(token_types: bool):
 
 def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | None = None, seed: int = 0,
                       num_labels: int | None = None) -> str:
-    """A ``BertModel`` (``kind="bert"``) or ``XLMRobertaModel`` (``"xlm-roberta"``) of random weights in
+    """A ``BertModel`` (``kind="bert"``), ``XLMRobertaModel`` (``"xlm-roberta"``) or ``ModernBertModel``
+    (``"modernbert"``) of random weights in
     ``folder``; with ``num_labels`` their ``*ForSequenceClassification``; ``pooling`` ("mean", "cls") writes a
     sentence-transformers Pooling module choosing it."""
     import torch
@@ -50,6 +51,13 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
         shape["num_labels"] = num_labels
     if kind == "bert":
         model = (BertModel if num_labels is None else BertForSequenceClassification)(BertConfig(**shape, pad_token_id=0))
+    elif kind == "modernbert":  # 8-token local windows (a token sees 4 either side) in 2 of 3 layers
+        from transformers import ModernBertConfig, ModernBertForSequenceClassification, ModernBertModel
+
+        config = ModernBertConfig(**{**shape, "num_hidden_layers": 3}, local_attention=8, pad_token_id=0,
+                                  bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
+                                  classifier_pooling="mean")
+        model = (ModernBertModel if num_labels is None else ModernBertForSequenceClassification)(config)
     else:
         config = XLMRobertaConfig(**shape, pad_token_id=0, type_vocab_size=1)  # positions from 1
         model = (XLMRobertaModel if num_labels is None else XLMRobertaForSequenceClassification)(config)

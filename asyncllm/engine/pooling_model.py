@@ -172,7 +172,9 @@ def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
     pooler = pooler_config or {}
     normalize = bool(pooler.get("normalize", True))
     if architecture in CLASSIFICATION_ARCHITECTURES:
-        own = "CLS" if architecture in ENCODER_ARCHITECTURES else "LAST"  # where the head reads
+        own = "LAST"  # where the head reads: a decoder's last row, an encoder's CLS row (or ModernBERT's mean)
+        if architecture in ENCODER_ARCHITECTURES:
+            own = "MEAN" if getattr(hf_config, "classifier_pooling", "cls") == "mean" else "CLS"
         if pooler.get("pooling_type", own) != own:
             raise NotBuiltError("pooler_config", pooler_config, f"{architecture} pooling other than {own}")
         return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config), own)

@@ -28,12 +28,12 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """Architectures that take images (their host processes them: asyncllm/mm/)."""
-ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
+ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel")
 ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
-                                    "XLMRobertaForSequenceClassification")
+                                    "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")
 ENCODER_ARCHITECTURES = ENCODER_EMBEDDING_ARCHITECTURES + ENCODER_CLASSIFIER_ARCHITECTURES
-"""Bidirectional encoders (asyncllm/models/bert.py): sentence-embedding models (bge, e5, gte, all-MiniLM,
-multilingual-e5) and cross-encoders (bge-reranker, ms-marco MiniLM); each prompt computed whole in one step, no
+"""Bidirectional encoders (asyncllm/models/bert.py, modernbert.py): sentence-embedding models (bge, e5, gte,
+all-MiniLM, multilingual-e5, gte-modernbert) and cross-encoders (bge-reranker, ms-marco MiniLM, gte-reranker-modernbert); each prompt computed whole in one step, no
 chunked prefill, no prefix caching (docs/embeddings.md, docs/pooling.md)."""
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model") + ENCODER_EMBEDDING_ARCHITECTURES
 """Models without an LM head, which serve embeddings only (docs/embeddings.md): bare decoders (what ``AutoModel``

@@ -14,14 +14,15 @@ embeddings pool the last hidden states (CLS by default, or as the checkpoint's s
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import NotBuiltError
+from asyncllm.models.encoder import EncoderModel, prompt_spans
 from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_loader
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
@@ -66,13 +67,10 @@ class _Layer(nn.Module):
         return self.out_norm(hidden + self.down(self.act(self.up(hidden))))
 
 
-class BertEmbeddingModel(nn.Module):
+class BertEmbeddingModel(EncoderModel):
     """A BERT-style encoder over whole prompts; its output is the last hidden states (no LM head)."""
 
-    has_lm_head = False
     unused = _UNUSED
-    is_encoder = True
-    """Bidirectional: whole prompts in one step, no KV cache read or written (the host's preparation)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
                  max_position: int) -> None:
@@ -96,8 +94,7 @@ class BertEmbeddingModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """``[T]`` ids of whole prompts laid end to end -> ``[T, hidden]`` last hidden states."""
-        starts = attn_metadata.query_start_loc_cpu
-        spans = list(zip(starts[:-1], starts[1:]))
+        spans = prompt_spans(attn_metadata)
         hidden = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.offset)
                   + self.token_type_embeddings(self._token_types(input_ids, spans)))
         hidden = self.embed_norm(hidden)
@@ -118,43 +115,20 @@ class BertEmbeddingModel(nn.Module):
                 types[first + 1:end] = 1
         return types
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Zeros: the token an embedding request samples is dropped (an encoder has no LM head)."""
-        return hidden.new_zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32)
-
     # ---- weights
-    def checkpoint_weight_names(self) -> set[str]:
-        names = set()
-        for name, _ in self.named_parameters():
-            for ckpt, _ in self._unpacked(name):
-                names.add(ckpt)
-        return names
+    def _canonical(self, raw_name: str) -> str | None:
+        name = _canonical(raw_name)
+        return None if name.startswith(self.unused) else name
 
-    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        """(checkpoint name, weight) pairs -> this rank's parameters; the checkpoint names read."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for raw_name, weight in weights:
-            name = _canonical(raw_name)
-            if name.startswith(self.unused):
-                continue
-            param_name, shard_id = self._packed(name)
-            param = params.get(param_name)
-            if param is None:
-                unexpected.append(raw_name)
-                continue
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                loader(param, weight) if shard_id is None else loader(param, weight, shard_id)
-            except (ValueError, RuntimeError) as exc:  # a shape (the copy), or a shard past the tensor (narrow)
-                raise ConfigError("model", raw_name, f"a weight matching config.json, but it {exc}") from exc
-            loaded.add(name)
-        if unexpected:
-            shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
-            raise ConfigError("model", type(self).__name__, f"a checkpoint of this architecture; unexpected weights: "
-                                                            f"{shown}")
-        return loaded
+    def _target(self, name: str) -> tuple[str, object]:
+        return self._packed(name)
+
+    def _checkpoint_names(self, param_name: str) -> list[str]:
+        return [ckpt for ckpt, _ in self._unpacked(param_name)]
+
+    def _load(self, param: nn.Parameter, name: str, weight: LoadedWeight, shard_id: object) -> None:
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader(param, weight) if shard_id is None else loader(param, weight, shard_id)
 
     @staticmethod
     def _packed(name: str) -> tuple[str, object]:

@@ -21,6 +21,7 @@ from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.mixtral import MixtralForCausalLM
+from asyncllm.models.modernbert import ModernBertEmbeddingModel, ModernBertForSequenceClassification
 from asyncllm.models.moe import moe_parallel_problems
 from asyncllm.models.olmo2 import Olmo2ForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
@@ -101,6 +102,8 @@ _MODELS: dict[str, type] = {
     "BertForSequenceClassification": BertForSequenceClassification,
     "RobertaForSequenceClassification": BertForSequenceClassification,
     "XLMRobertaForSequenceClassification": BertForSequenceClassification,
+    "ModernBertModel": ModernBertEmbeddingModel,
+    "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
     "LlamaForSequenceClassification": sequence_classifier(LlamaForCausalLM),
     "MistralForSequenceClassification": sequence_classifier(LlamaForCausalLM),
     "Qwen2ForSequenceClassification": sequence_classifier(Qwen2ForCausalLM),

@@ -12,9 +12,10 @@ from encoder_utils import hf_pair_logits, hf_sentence_embedding, make_tiny_encod
 from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
 
 TEXTS = ["what is paged attention?", "the engine", "a query of a document: 42 tokens, then more words!"]
+"""The longest has 19 tokens: past ModernBERT's 4-token local reach."""
 
 
-@pytest.mark.parametrize("kind, pooling, tp", [("bert", "mean", 2), ("xlm-roberta", None, 1)])
+@pytest.mark.parametrize("kind, pooling, tp", [("bert", "mean", 2), ("xlm-roberta", None, 1), ("modernbert", "mean", 1)])
 async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooling: str | None, tp: int) -> None:
     """MEAN from a sentence-transformers config over two ranks (heads and MLP split); CLS, the encoders' default
     without one, for XLM-R (positions after pad_token_id). Prompts of different lengths share each step."""
@@ -34,7 +35,7 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
         assert (await engine.embed(TEXTS[1])).embedding == outs[1].embedding  # served on after the refusals
 
 
-@pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])
+@pytest.mark.parametrize("kind", ["bert", "xlm-roberta", "modernbert"])
 async def test_cross_encoders_score_and_classify_as_transformers(tmp_path, kind: str) -> None:
     """A one-logit cross-encoder (bge-reranker's form: XLM-R; ms-marco MiniLM's: BERT, whose pair's second text
     has token type 1): `score` is the sigmoid of transformers' logit for each (query, document) pair, `classify`

@@ -1,0 +1,76 @@
+"""What the bidirectional encoders share (asyncllm/models/bert.py, modernbert.py): whole prompts per step, no
+LM head, and loading checkpoint tensors by name through each family's own name mapping."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.errors import ConfigError
+from asyncllm.models.layers import LoadedWeight
+
+__all__ = ["EncoderModel", "prompt_spans"]
+
+
+def prompt_spans(attn_metadata: AttentionMetadata) -> list[tuple[int, int]]:
+    """Each prompt's rows in the step (the encoders compute whole prompts: query rows are the prompt)."""
+    starts = attn_metadata.query_start_loc_cpu
+    return list(zip(starts[:-1], starts[1:]))
+
+
+class EncoderModel(nn.Module):
+    """An encoder over whole prompts: the engine schedules them whole, keeps no KV cache for them
+    (``is_encoder``, read by the host's preparation) and drops the token they sample."""
+
+    has_lm_head = False
+    is_encoder = True
+    vocab_size: int
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Zeros: the token an embedding or classification request samples is dropped."""
+        return hidden.new_zeros(hidden.shape[0], self.vocab_size, dtype=torch.float32)
+
+    # ---- weights: a family maps checkpoint names (`_canonical`, `_target`, `_checkpoint_names`) and loads one
+    def checkpoint_weight_names(self) -> set[str]:
+        return {ckpt for name, _ in self.named_parameters() for ckpt in self._checkpoint_names(name)}
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """(checkpoint name, weight) pairs -> this rank's parameters; the (canonical) checkpoint names read."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unexpected: list[str] = []
+        for raw_name, weight in weights:
+            name = self._canonical(raw_name)
+            if name is None:
+                continue  # a tensor the model does not read (a task head, a saved position table)
+            param_name, shard_id = self._target(name)
+            if param_name not in params:
+                unexpected.append(raw_name)
+                continue
+            try:
+                self._load(params[param_name], name, weight, shard_id)
+            except (ValueError, RuntimeError) as exc:  # a shape (the copy), or a shard past the tensor (narrow)
+                raise ConfigError("model", raw_name, f"a weight matching config.json, but it {exc}") from exc
+            loaded.add(name)
+        if unexpected:
+            shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
+            raise ConfigError("model", type(self).__name__, f"a checkpoint of this architecture; unexpected weights: "
+                                                            f"{shown}")
+        return loaded
+
+    def _canonical(self, raw_name: str) -> str | None:
+        raise NotImplementedError
+
+    def _target(self, name: str) -> tuple[str, object]:
+        """Canonical checkpoint name -> (parameter name, shard id or None)."""
+        raise NotImplementedError
+
+    def _checkpoint_names(self, param_name: str) -> list[str]:
+        """Parameter name -> the canonical checkpoint names it loads from."""
+        raise NotImplementedError
+
+    def _load(self, param: nn.Parameter, name: str, weight: LoadedWeight, shard_id: object) -> None:
+        raise NotImplementedError
