@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import logging
-import threading
 import time
 import uuid
 import weakref
@@ -26,6 +23,7 @@ from asyncllm.engine.replica import LaunchSpec, Replica, ReplicaSet, start_repli
 from asyncllm.engine.stream import RequestOptions, RequestStream, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.sleep import check_level, check_tags
+from asyncllm.engine.engine_weights import EngineWeights, every_replica
 from asyncllm.engine.weight_update import new_checkpoint_config
 from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS, check_params_text, check_text
 from asyncllm.metrics.observer import RequestObserver
@@ -41,8 +39,6 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["AsyncEngine"]
-
-logger = logging.getLogger("asyncllm.engine")
 
 
 class AsyncEngine:
@@ -96,9 +92,8 @@ class AsyncEngine:
         """Set by `connect`: attach to this core instead of starting one."""
         self._engine_key: str | None = None
         """The shared secret of a tcp:// `_connect_address` (never logged, never in the config)."""
-        self._last_update: tuple[protocol.UpdateWeights | None, int] | None = None
-        """The last successful weight update, for a restarted core: its message (None: tensors pushed from memory,
-        which died with the core) and the weights version it gave."""
+        self._weights = EngineWeights()
+        """Weight updates on every replica, and the last one for a restarted core."""
         self._loop: asyncio.AbstractEventLoop | None = None
         self._start_lock: asyncio.Lock | None = None
         self._observer = RequestObserver(config.model, config.prometheus_registry)
@@ -215,30 +210,15 @@ class AsyncEngine:
             return
         await anyio.to_thread.run_sync(replica.stop)
         replica.processor = replica.core = None
-        last = self._last_update if self._connect_address is None else None  # a shared core's weights are its own
-        pushed = last is not None and last[0] is None
-        config = self.config.replace(load_format="dummy") if pushed else self.config  # the pushed ones come again
+        owned = self._connect_address is None  # a shared core's weights are its own: nothing to restore
+        config = self._weights.restart_config(self.config) if owned else self.config
         try:
             await start_replica(replica, config, self._launch_spec())
         except BaseException:
             replica.processor = processor  # still dead: stats() and new requests say so
             raise
-        if last is not None:  # sent now, before any request can reach the new core
-            await self._replay_update(replica, *last)
-
-    async def _replay_update(self, replica: Replica, message: protocol.UpdateWeights | None, version: int) -> None:
-        """The engine's last weight update, again, on a restarted core (docs/weight-updates.md): a checkpoint is
-        loaded again; weights pushed from memory are awaited (no step runs until pushes write them all)."""
-        processor = replica.processor
-        assert processor is not None
-        if message is None:
-            processor.await_weights(version)
-            return
-        try:
-            await asyncio.wrap_future(processor.update_weights(msgspec.structs.replace(message, weights_version=version)))
-        except AsyncLLMError as exc:
-            logger.error("the restarted engine core could not load the last weights again (%s); it serves the "
-                         "weights the engine started with (stats().weights_version 0)", exc)
+        if owned:  # sent now, before any request can reach the new core
+            await self._weights.replay(replica)
 
     # ------------------------------------------------------------ requests
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
@@ -418,10 +398,7 @@ class AsyncEngine:
             raise InvalidRequestError("revision", f"a hub revision (str) or None, got {revision!r}")
         await self.start()
         config_json = await anyio.to_thread.run_sync(new_checkpoint_config, model_path, revision)
-        message = protocol.UpdateWeights("", model_path, revision, config_json)
-        version = await self._update_weights(message)
-        self._last_update = (message, version)
-        return version
+        return await self._weights.update(self._replicas, protocol.UpdateWeights("", model_path, revision, config_json))
 
     async def update_weights_from_tensors(
             self, named_tensors: "Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]") -> int:
@@ -438,18 +415,7 @@ class AsyncEngine:
         await self.start()
         packed = await anyio.to_thread.run_sync(pack_tensors, named_tensors)
         message = protocol.UpdateWeights("", "", segment=packed.segment.name, tensors=packed.tensors)
-        version = await self._update_weights(message, when_answered=packed.close)
-        self._last_update = (None, version)
-        return version
-
-    async def _update_weights(self, message: protocol.UpdateWeights, when_answered: Any = None) -> int:
-        """Every replica's core runs `message`; the lowest weights version after it. ``when_answered()`` runs once
-        every replica has answered (or failed), even if the caller was cancelled before."""
-        futures = [processor.update_weights(msgspec.structs.replace(message))
-                   for processor in self._replicas.live_processors()]
-        if when_answered is not None:
-            _call_when_all_done(futures, when_answered)
-        return min(await _every_replica(futures))
+        return await self._weights.update(self._replicas, message, when_answered=packed.close)
 
     async def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode, for an RL trainer that shares the GPUs (docs/sleep-mode.md): free the GPU memory of
@@ -474,7 +440,7 @@ class AsyncEngine:
 
     async def _sleep_mode(self, message: protocol.Sleep | protocol.WakeUp) -> None:
         await self.start()
-        await _every_replica([processor.sleep_mode(msgspec.structs.replace(message))
+        await every_replica([processor.sleep_mode(msgspec.structs.replace(message))
                               for processor in self._replicas.live_processors()])
 
     def stats(self) -> EngineStats:
@@ -529,33 +495,6 @@ class AsyncEngine:
             return
         for replica in self._replicas:  # a dead core failed its own replica's requests; its supervisor restarts it
             replica.check_dead()
-
-
-def _call_when_all_done(futures: list[concurrent.futures.Future[int]], callback: Any) -> None:
-    """``callback()`` once, in whichever thread completes the last of ``futures``."""
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: concurrent.futures.Future[int]) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            callback()
-
-    if not futures:
-        callback()
-    for future in futures:
-        future.add_done_callback(one_done)
-
-
-async def _every_replica(futures: list[concurrent.futures.Future[int]]) -> list[int]:
-    """Every replica's answer; the first error once all have answered (none is left running behind)."""
-    results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
-    failed = next((r for r in results if isinstance(r, BaseException)), None)
-    if failed is not None:
-        raise failed
-    return results  # type: ignore[return-value]
 
 
 def _checked_params(params: SamplingParams | None) -> SamplingParams | None:
