@@ -150,10 +150,12 @@ async def test_update_weights_reaches_both_replicas(engine: AsyncEngine, tiny_ll
     assert on_replica_1.collector.replica == 1 and tokens == expected
     await held.aclose()
     assert (await engine.generate(PREFIX, GREEDY)).token_ids == expected
-    # back to the engine's own model (the tests below expect it), pushed from memory: one segment, both replicas
+    # back to the engine's own model, pushed from memory (one segment, both replicas), then from its folder: the
+    # tests below expect it, and a restarted replica loads that checkpoint again
     assert await engine.update_weights_from_tensors(hf_state_dict(tiny_llama)) == 2
     assert [s.weights_version for s in engine.stats().replicas] == [2, 2]
     assert (await engine.generate(PREFIX, GREEDY)).token_ids == hf_greedy(tiny_llama, PREFIX, MAX_TOKENS)
+    assert await engine.update_weights(tiny_llama) == 3
 
 
 async def test_engine_series_carry_the_engine_label_and_request_series_are_summed(engine: AsyncEngine) -> None:
@@ -186,6 +188,7 @@ async def test_a_killed_replica_fails_only_its_requests_and_is_restarted(engine:
     await held.aclose()
     await _until(lambda: engine.stats().replicas[1].engine_alive, timeout=30)  # the supervisor restarted it
     assert engine._replicas[1].core.pid != core.pid
+    await _until(lambda: engine.stats().replicas[1].weights_version == 3)  # the last update, replayed
     held = await _hold_replica_0(engine)
     stream = engine.stream(PREFIX, GREEDY)
     tokens = [t async for delta in stream for t in delta.token_ids]

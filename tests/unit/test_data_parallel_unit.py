@@ -95,3 +95,19 @@ def test_replicas_export_engine_series_per_engine_label_and_request_series_summe
     assert value("asyncllm:num_preemptions_total", {"model_name": "m", "engine": "1"}) == 10
     assert value("asyncllm:num_requests_running", {"model_name": "m"}) is None
     assert value("asyncllm:prompt_tokens_total", {"model_name": "m"}) == 10
+
+
+def test_a_replica_awaiting_weights_is_picked_only_when_every_replica_is() -> None:
+    """A replica restarted after a push (or woken after a level-2 sleep) runs nothing until weights come: new
+    requests go to the others, however loaded."""
+    from types import SimpleNamespace
+
+    from asyncllm.engine.replica import pick_replica
+
+    def replica(index: int, score: int, awaiting: bool) -> SimpleNamespace:
+        stats = SimpleNamespace(scheduler=SchedulerStats(awaiting_weights=awaiting))
+        return SimpleNamespace(index=index, alive=True, observer=SimpleNamespace(stats=stats), score=lambda: score)
+
+    idle_but_awaiting, busy = replica(0, 0, True), replica(1, 40, False)
+    assert pick_replica([idle_but_awaiting, busy]) is busy
+    assert pick_replica([idle_but_awaiting, replica(1, 40, True)]) is idle_but_awaiting  # all await: the least loaded
