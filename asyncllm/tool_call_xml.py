@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 import re
 from typing import Any
 
@@ -66,12 +67,16 @@ def typed_value(text: str, kind: str | None) -> Any:
             number = float(text)
         except ValueError:
             return text
+        if not math.isfinite(number):  # JSON has no nan or inf
+            return text
         return int(number) if number.is_integer() and not any(c in text for c in ".eE") else number
     if kind in ("boolean", "bool", "binary"):
         return {"true": True, "false": False}.get(text.lower(), text)
     for parse in (json.loads, ast.literal_eval):  # object, array, dict, list, and types the schema made up
         try:
-            return parse(text)
+            value = parse(text)
+            json.dumps(value, allow_nan=False)  # a Python literal JSON cannot write (a set, bytes) stays text
+            return value
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             continue
     return text

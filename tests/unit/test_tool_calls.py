@@ -217,3 +217,11 @@ def test_granite_and_phi4_mini_lists_of_calls(parser_name: str, tag: str) -> Non
     assert all(_streamed(parser_name, reply, seed) == ("", expected) for seed in range(3))
     for text in ("no call here", tag + "[not json]"):  # content, whole
         assert get_tool_parser(parser_name).parse(text).content == text
+
+
+def test_qwen3_coder_values_json_cannot_write_stay_text() -> None:
+    from asyncllm.tool_call_xml import typed_value
+
+    assert typed_value("nan", "number") == "nan" and typed_value("1e999", "number") == "1e999"
+    assert typed_value("{1, 2}", "object") == "{1, 2}" and typed_value("NaN", "array") == "NaN"
+    assert typed_value("(1, 2)", "array") == (1, 2) and typed_value("x", "integer") == "x"
