@@ -19,7 +19,7 @@ import msgspec
 import pytest
 
 from asyncllm.procutil import private_ipc_dir, remove_dir
-from asyncllm.workers import shm_broadcast
+from asyncllm import shm_segment
 from asyncllm.workers.shm_broadcast import BroadcastReader, BroadcastWriter, RingHandle
 
 SLOT_BYTES = 4096
@@ -181,9 +181,9 @@ if __name__ == "__main__":
 
 
 def test_has_message_tells_whether_dequeue_would_return_at_once(ipc_dir, monkeypatch):
-    writer = _writer(ipc_dir, num_readers=1, num_slots=2)
     # A reader in the writer's process: its attach must not drop the writer's tracker registration.
-    monkeypatch.setattr(shm_broadcast.resource_tracker, "unregister", lambda *args: None)
+    monkeypatch.setattr(shm_segment.resource_tracker, "unregister", lambda *args: None)
+    writer = _writer(ipc_dir, num_readers=1, num_slots=2)
     reader = BroadcastReader(writer.handle, 0)
     try:
         writer.wait_for_readers(timeout=10)
