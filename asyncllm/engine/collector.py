@@ -16,7 +16,7 @@ import asyncio
 from asyncllm.outputs import PromptLogprobs, RequestMetrics, StreamDelta
 from asyncllm.sampling import RequestOutputKind
 
-__all__ = ["RequestCollector", "merge_delta"]
+__all__ = ["RequestCollector", "StreamPacer", "merge_delta"]
 
 
 class _SampleOutput:
@@ -66,6 +66,29 @@ def merge_delta(into: StreamDelta, delta: StreamDelta) -> None:
     into.stop_reason = delta.stop_reason
     if delta.prompt_logprobs is not None:
         into.prompt_logprobs = delta.prompt_logprobs
+
+
+class StreamPacer:
+    """One sample's deltas grouped by ``stream_interval`` tokens on the processor thread (its first delta and its
+    last go at once)."""
+
+    __slots__ = ("interval", "held", "delivered")
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.held: StreamDelta | None = None
+        self.delivered = False
+
+    def offer(self, delta: StreamDelta) -> StreamDelta | None:
+        """`delta`, or the held tokens with it once they are `interval` many; None: held."""
+        if self.held is not None:
+            merge_delta(self.held, delta)
+            delta, self.held = self.held, None
+        if delta.finished or not self.delivered or len(delta.token_ids) >= self.interval:
+            self.delivered = True
+            return delta
+        self.held = delta
+        return None
 
 
 class RequestCollector:

@@ -26,7 +26,7 @@ import zmq
 
 from asyncllm import errors, protocol
 from asyncllm.engine.channel import ConnectionWatch, open_dealer
-from asyncllm.engine.collector import RequestCollector, merge_delta
+from asyncllm.engine.collector import RequestCollector, StreamPacer
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, new_detokenizer
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
@@ -87,9 +87,8 @@ class _Tracked:
     """Filled by prefill chunks; handed over with the first token."""
     mm_resend: tuple[protocol.AddRequest, MultiModalPrompt] | None = None
     """A request with images: what to resend if the core misses a processor-cache key."""
-    held: StreamDelta | None = None
-    """``stream_interval`` > 1: the tokens not delivered yet (merged)."""
-    delivered: bool = False
+    pacer: StreamPacer | None = None
+    """``stream_interval`` > 1: groups its deltas."""
 
 
 class Processor:
@@ -356,6 +355,8 @@ class Processor:
             buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
             detokenizer = new_detokenizer(self._tokenizer, token_ids, params)
             tracked = _Tracked(collector, detokenizer, index, buffer)
+            if self._stream_interval > 1:
+                tracked.pacer = StreamPacer(self._stream_interval)
             message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
                                           collector.metrics.arrival_time, options.priority, options.cache_salt,
                                           options.timeout, lora=lora, pooling=options.pooling)
@@ -486,23 +487,11 @@ class Processor:
         if item is None:
             return  # prompt logprobs of a prefill chunk: they go out with the first token
         self._observer.on_output(tracked.collector, out, item, now)
-        if isinstance(item, StreamDelta) and self._stream_interval > 1:
-            item = self._paced(tracked, item)
+        if isinstance(item, StreamDelta) and tracked.pacer is not None:
+            item = tracked.pacer.offer(item)
             if item is None:
                 return
         batch.append((tracked.collector, item))
-
-    def _paced(self, tracked: _Tracked, delta: StreamDelta) -> StreamDelta | None:
-        """`delta`, or the held tokens with it once they are ``stream_interval`` many (the sample's first delta
-        and its last go at once); None: held."""
-        if tracked.held is not None:
-            merge_delta(tracked.held, delta)
-            delta, tracked.held = tracked.held, None
-        if delta.finished or not tracked.delivered or len(delta.token_ids) >= self._stream_interval:
-            tracked.delivered = True
-            return delta
-        tracked.held = delta
-        return None
 
     def _process_output(self, tracked: _Tracked, out: protocol.RequestOutputDelta, now: float,
                         aborts: list[str]) -> StreamDelta | BaseException | None:

@@ -3,6 +3,7 @@ LM head, and loading checkpoint tensors by name through each family's own name m
 
 from __future__ import annotations
 
+import abc
 from typing import Iterable
 
 import torch
@@ -21,7 +22,7 @@ def prompt_spans(attn_metadata: AttentionMetadata) -> list[tuple[int, int]]:
     return list(zip(starts[:-1], starts[1:]))
 
 
-class EncoderModel(nn.Module):
+class EncoderModel(nn.Module, abc.ABC):
     """An encoder over whole prompts: the engine schedules them whole, keeps no KV cache for them
     (``is_encoder``, read by the host's preparation) and drops the token they sample."""
 
@@ -61,16 +62,18 @@ class EncoderModel(nn.Module):
                                                             f"{shown}")
         return loaded
 
+    @abc.abstractmethod
     def _canonical(self, raw_name: str) -> str | None:
-        raise NotImplementedError
+        """A checkpoint name as the family maps it; None: a tensor the model does not read."""
 
+    @abc.abstractmethod
     def _target(self, name: str) -> tuple[str, object]:
         """Canonical checkpoint name -> (parameter name, shard id or None)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _checkpoint_names(self, param_name: str) -> list[str]:
         """Parameter name -> the canonical checkpoint names it loads from."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _load(self, param: nn.Parameter, name: str, weight: LoadedWeight, shard_id: object) -> None:
-        raise NotImplementedError
+        """Copy this rank's shard of one checkpoint tensor into `param`."""
