@@ -1,7 +1,8 @@
 """LoRA adapters end to end: greedy outputs equal PEFT's, token for token, in batches that mix adapters and the
 base model, under chunked prefill, max_loras, slot eviction, the CPU cache and tensor parallelism; prefix caching
 never shares KV across adapters; a bad adapter is the request's error and the engine serves on; Phi-3's fused
-adapters and Gemma's (their logits, and the fused split over two ranks: tests/unit/test_lora_models.py)."""
+adapters and Gemma's (their logits, and the fused split over two ranks: tests/unit/test_lora_models.py); sleep mode
+frees the adapter slots and sets every adapter again after the wake-up."""
 
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, ad
                                                              tmp_path) -> None:
     prompt = random_prompts(2, seed=12, stem_len=40, max_len=45)[1]  # 43 to 45 tokens: two full blocks
     a1, a2 = adapters[:2]
-    async with AsyncEngine(tiny_llama, enable_lora=True, max_loras=2, disable_log_stats=True) as engine:
+    async with AsyncEngine(tiny_llama, enable_lora=True, max_loras=2, enable_sleep_mode=True,
+                           disable_log_stats=True) as engine:
         first = await engine.generate(prompt, GREEDY, lora_request=a1)
         again = await engine.generate(prompt, GREEDY, lora_request=a1)
         other = await engine.generate(prompt, GREEDY, lora_request=a2)
@@ -96,6 +98,18 @@ async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, ad
         assert [o.token_ids for o in outs] == [_reference(tiny_llama, adapters[2], prompt), base.token_ids]
         with pytest.raises(InvalidRequestError, match="got 1 LoRARequests for 2 prompts"):
             await engine.generate_many([prompt, prompt], GREEDY, lora_request=[a1])
+
+        # sleep mode: the slots' memory goes with the weights at both levels; after the wake-up each adapter is
+        # set again from the CPU cache (or its folder) and its tokens are PEFT's again
+        expected = [_reference(tiny_llama, a1, prompt), _reference(tiny_llama, adapters[2], prompt)]
+        for level in (1, 2):
+            await engine.sleep(level=level)
+            await engine.wake_up(tags=["weights"])
+            if level == 2:
+                await engine.update_weights(tiny_llama)
+            await engine.wake_up(tags=["kv_cache"])
+            outs = await engine.generate_many([prompt, prompt], GREEDY, lora_request=[a1, adapters[2]])
+            assert [o.token_ids for o in outs] == expected, level
 
 
 async def test_an_adapter_without_enable_lora_is_refused(tiny_llama: str, adapters: list[LoRARequest]) -> None:
@@ -178,29 +192,3 @@ async def test_fused_phi3_and_gemma_adapters_equal_peft(arch: str, targets: list
     for prompt in prompts:
         assert next(got).token_ids == peft_greedy(path, lora.lora_path, prompt, MAX_TOKENS, eos_token_id=None)
         assert next(got).token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)
-
-
-async def test_sleep_mode_releases_the_adapter_slots_and_sets_them_again(tiny_llama: str,
-                                                                         adapters: list[LoRARequest]) -> None:
-    """Sleep mode with enable_lora: the slots' memory goes with the weights at both levels; after the wake-up
-    each adapter is set again from the CPU cache (or its folder) and its tokens are PEFT's again."""
-    prompt = random_prompts(1, seed=13, max_len=40)[0]
-    a1, a3 = adapters[0], adapters[2]
-    expected = {a1.lora_int_id: _reference(tiny_llama, a1, prompt), a3.lora_int_id: _reference(tiny_llama, a3, prompt)}
-    async with AsyncEngine(tiny_llama, enable_lora=True, max_loras=2, enable_sleep_mode=True,
-                           disable_log_stats=True) as engine:
-
-        async def both() -> dict[int, list[int]]:
-            outs = await engine.generate_many([prompt, prompt], GREEDY, lora_request=[a1, a3])
-            return {lora.lora_int_id: out.token_ids for lora, out in zip([a1, a3], outs)}
-
-        assert await both() == expected
-        await engine.sleep(level=1)
-        await engine.wake_up()
-        assert await both() == expected
-        await engine.sleep(level=2)
-        await engine.wake_up(tags=["weights"])
-        await engine.update_weights(tiny_llama)
-        await engine.wake_up(tags=["kv_cache"])
-        assert await both() == expected
-        assert (await engine.generate(prompt, GREEDY)).token_ids == _reference(tiny_llama, None, prompt)

@@ -10,7 +10,7 @@ from hf_reference import hf_greedy
 
 from asyncllm import AsyncEngine, SamplingParams
 
-MAX_TOKENS = 6
+MAX_TOKENS = 4
 PROMPTS = [[7, 99, 23, 5, 411, 62, 9, 300, 18], [45, 12, 230, 77, 3, 150, 89, 64, 33, 21, 8, 402, 17, 260, 95]]
 
 

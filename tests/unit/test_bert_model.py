@@ -1,5 +1,6 @@
-"""The BERT encoder in process: transformers' last hidden states for prompts laid end to end, from checkpoint names
-as task models and old checkpoints write them (``bert.`` prefix, LayerNorm ``gamma`` / ``beta``)."""
+"""The BERT and ModernBERT encoders in process: transformers' last hidden states for prompts laid end to end, from
+checkpoint names as task models and old checkpoints write them (``bert.`` prefix, LayerNorm ``gamma`` / ``beta``);
+ModernBERT's classifier logits."""
 
 from __future__ import annotations
 
@@ -53,3 +54,35 @@ def test_unknown_and_misshapen_weights_are_refused_by_name() -> None:
         model.load_weights([("encoder.layer.0.crossattention.x.weight", torch.zeros(1))])
     with pytest.raises(ConfigError, match="encoder.layer.1.output.dense.weight"):
         model.load_weights([("encoder.layer.1.output.dense.weight", torch.zeros(32, 63))])
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls"])
+def test_modernbert_classifier_equals_transformers_past_its_local_window(pooling: str) -> None:
+    """ModernBERT (rotary per layer type, 8-token local windows, GLU) with its head over the mean of the rows or
+    the CLS row: transformers' logits for a 20-token prompt beside a 3-token one."""
+    from transformers import ModernBertConfig
+    from transformers import ModernBertForSequenceClassification as HfClassifier
+
+    from asyncllm.models.modernbert import ModernBertForSequenceClassification
+
+    config = ModernBertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                              intermediate_size=48, max_position_embeddings=64, local_attention=8, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2, num_labels=2,
+                              classifier_pooling=pooling)
+    torch.manual_seed(0)
+    reference = HfClassifier(config).eval()
+    with torch.no_grad():
+        for name, param in reference.named_parameters():
+            param.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.3)
+    model = ModernBertForSequenceClassification(config, dtype=torch.float32, tp=TensorParallel(0, 1),
+                                                attn_backend=None, max_position=64)
+    assert model.load_weights(reference.state_dict().items()) == model.checkpoint_weight_names()
+    prompts = [list(range(3, 23)), [5, 9, 11]]
+    ids = torch.tensor([t for p in prompts for t in p])
+    positions = torch.tensor([i for p in prompts for i in range(len(p))])
+    with torch.no_grad():
+        out = model(ids, positions, [], SimpleNamespace(query_start_loc_cpu=[0, 20, 23]))
+        for prompt, rows in zip(prompts, (out[:20], out[20:])):
+            pooled = rows.mean(0) if pooling == "mean" else rows[0]
+            expected = reference(torch.tensor([prompt])).logits[0]
+            torch.testing.assert_close(model.classify(pooled), expected, atol=1e-5, rtol=0)
