@@ -206,16 +206,13 @@ async def _until(predicate, timeout: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def test_a_restarted_core_loads_the_last_checkpoint_or_awaits_pushed_weights(checkpoints) -> None:
-    """max_core_restarts: a core that dies after update_weights comes back with that checkpoint and its version;
-    one that dies after a push comes back awaiting the pushed weights (they died with it)."""
+async def test_a_restarted_core_awaits_pushed_weights(checkpoints) -> None:
+    """max_core_restarts: a core that dies after a push comes back awaiting the pushed weights (they died with it),
+    at their version. (One that dies after update_weights loads that checkpoint again: the data-parallel test's
+    killed replica, tests/engine/test_data_parallel.py.)"""
     a, b = checkpoints
-    async with AsyncEngine(a, max_core_restarts=2, disable_log_stats=True, max_model_len=256) as engine:
+    async with AsyncEngine(a, max_core_restarts=1, disable_log_stats=True, max_model_len=256) as engine:
         assert await engine.update_weights(b) == 1
-        os.kill(engine._core.pid, signal.SIGKILL)
-        await _until(lambda: not engine.stats().engine_alive)
-        assert (await engine.generate(OTHER, GREEDY)).token_ids == hf_greedy(b, OTHER, MAX_TOKENS)  # after the restart
-        assert engine.stats().weights_version == 1
         assert await engine.update_weights_from_tensors(hf_state_dict(a)) == 2
         os.kill(engine._core.pid, signal.SIGKILL)
         await _until(lambda: not engine.stats().engine_alive)

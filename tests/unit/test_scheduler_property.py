@@ -174,7 +174,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=ops,
     num_gpu_blocks=st.integers(4, 10),
@@ -218,7 +218,7 @@ pressure_ops = st.lists(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     ops=pressure_ops,
     num_gpu_blocks=st.integers(4, 7),
