@@ -289,7 +289,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class MultiModalConfig:
-    """Settings of multimodal models (LLaVA; docs/multimodal.md)."""
+    """Settings of multimodal models (LLaVA, Qwen2-VL, Qwen2.5-VL; docs/multimodal.md)."""
 
     mm_processor_cache_gb: float = 4.0
     """GiB of processed multimodal inputs to cache; 0 disables the cache."""
@@ -303,6 +303,8 @@ class MultiModalConfig:
     """Largest image accepted (width x height, read from its header before decoding)."""
     mm_encoder_cache_gb: float = 0.5
     """GiB of encoder outputs kept per worker across requests (by image hash); 0 keeps them only during a prefill."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Overrides of the checkpoint's image processor settings, e.g. ``{"max_pixels": 1003520}`` for Qwen2-VL."""
 
     def __post_init__(self) -> None:
         _float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)
@@ -310,6 +312,8 @@ class MultiModalConfig:
         _choice("mm_encoder_tp_mode", self.mm_encoder_tp_mode, ("weights", "data"))
         _int("mm_max_image_pixels", self.mm_max_image_pixels, 1)
         _float("mm_encoder_cache_gb", self.mm_encoder_cache_gb, 0.0, 1024.0)
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
+            raise ConfigError("mm_processor_kwargs", self.mm_processor_kwargs, "a dict of image processor settings")
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from asyncllm.config import EngineConfig
@@ -22,7 +23,7 @@ from asyncllm.protocol import SchedulerOutput
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.mm_encoder import DataParallelEncoder
 
-__all__ = ["MultiModalRunner", "encoder_cache_bytes", "is_multimodal"]
+__all__ = ["MRopePositions", "MultiModalRunner", "encoder_cache_bytes", "is_multimodal"]
 
 
 def is_multimodal(model: Any) -> bool:
@@ -44,39 +45,84 @@ def _encode_fn(model: Any, config: EngineConfig, tp: TensorParallel, device: tor
     return DataParallelEncoder(model, device, tp)
 
 
+class MRopePositions:
+    """Each image-holding request's M-RoPE positions (asyncllm/models/mrope.py), and a step's ``[3, T]`` positions.
+
+    Requests without images keep ``[T]`` positions: their three axes are equal, so the ordinary rope is theirs."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.requests: dict[str, tuple[np.ndarray, int]] = {}
+        """request id -> (its prompt's ``[3, prompt_len]`` positions, the delta of every later token)."""
+
+    def add_request(self, req_id: str, num_prompt_tokens: int, items: list[Any]) -> None:
+        self.requests[req_id] = self.model.mrope_positions(num_prompt_tokens, items)
+
+    def positions(self, spans: list[ScheduledSpan], flat: np.ndarray, device: torch.device) -> torch.Tensor | None:
+        """``[3, T]`` positions for a step whose token indices are ``flat``; None when no span has images."""
+        spans = [span for span in spans if span.req_id in self.requests]
+        if not spans:
+            return None
+        out = np.repeat(flat[None, :], 3, axis=0)
+        for span in spans:
+            table, delta = self.requests[span.req_id]
+            index = flat[span.flat_offset : span.flat_offset + span.length]
+            inside = index < table.shape[1]
+            out[:, span.flat_offset : span.flat_offset + span.length] = np.where(
+                inside, table[:, np.minimum(index, table.shape[1] - 1)], index + delta)
+        return torch.from_numpy(out).to(device)
+
+
 class MultiModalRunner:
     """Keeps each request's images on this rank and builds the embeddings of steps that reach them."""
 
     def __init__(self, model: Any, device: torch.device, config: EngineConfig, tp: TensorParallel) -> None:
         self.cache = EncoderOutputCache(model, device, encoder_cache_bytes(config), _encode_fn(model, config, tp, device))
         self._reported = (0, 0)
+        self.mrope = MRopePositions(model) if callable(getattr(model, "mrope_positions", None)) else None
+        """M-RoPE models' positions (Qwen2-VL): None for the others."""
         """(queries, hits) already reported in a `ModelRunnerOutput`."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
         """Forget finished and preempted requests (a resumed one comes back as new), learn new ones."""
-        for req_id in sched_out.finished_req_ids:
+        for req_id in (*sched_out.finished_req_ids, *sched_out.preempted_req_ids):
             self.cache.remove_request(req_id)
-        for req_id in sched_out.preempted_req_ids:
-            self.cache.remove_request(req_id)
+            if self.mrope is not None:
+                self.mrope.requests.pop(req_id, None)
         for new in sched_out.new_reqs:
             if new.mm_items:
                 self.cache.add_request(new.req_id, new.mm_items)
+                if self.mrope is not None:
+                    self.mrope.add_request(new.req_id, new.num_prompt_tokens, new.mm_items)
 
-    def inputs_embeds(self, sched_out: SchedulerOutput, batch: InputBatch, inputs: StepInputs) -> torch.Tensor | None:
-        """Call after `prepare_inputs` and before `finish_step` (rows still hold this step's start)."""
-        if not self.cache.items:
-            return None
+    def _spans(self, sched_out: SchedulerOutput, batch: InputBatch) -> list[ScheduledSpan]:
+        """The step's requests with images, where their tokens start and lie in the flat batch."""
         spans, flat_offset = [], 0
         for req_id, num_tokens in sched_out.num_scheduled_tokens.items():
             if req_id in self.cache.items:
                 spans.append(ScheduledSpan(req_id, batch.requests[req_id].num_computed_tokens, num_tokens, flat_offset))
             flat_offset += num_tokens
-        return self.cache.inputs_embeds(inputs.input_ids, spans)
+        return spans
+
+    def inputs_embeds(self, sched_out: SchedulerOutput, batch: InputBatch,
+                      inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(the step's input embeddings, or None when no image is reached; its rope positions: ``inputs.positions``,
+        or M-RoPE's ``[3, T]`` when a request with images runs). Call after `prepare_inputs` and before
+        `finish_step` (rows still hold this step's start)."""
+        if not self.cache.items:
+            return None, inputs.positions
+        spans = self._spans(sched_out, batch)
+        positions = None
+        if self.mrope is not None:
+            positions = self.mrope.positions(spans, batch.positions.np[: inputs.num_tokens], inputs.positions.device)
+        return self.cache.inputs_embeds(inputs.input_ids, spans), inputs.positions if positions is None else positions
 
     def forget_encoder_outputs(self) -> None:
         """After new weights or a sleep: drop every cached encoder output and request (the core recomputes every
         running request, which comes back as new; its images are encoded again with the weights then served)."""
         self.cache.clear()
+        if self.mrope is not None:
+            self.mrope.requests.clear()
 
     def take_stats(self) -> tuple[int, int]:
         """Encoder-cache (queries, hits) since the last call (they ride on the step's `ModelRunnerOutput`)."""

@@ -255,7 +255,8 @@ class ModelRunner:
         if not sched_out.num_scheduled_tokens:
             return ModelRunnerOutput(sched_out.step_id, [], [])
         inputs = batch.prepare_inputs(sched_out)
-        embeds = self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None else None
+        embeds, positions = (self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None
+                             else (None, inputs.positions))  # M-RoPE's [3, T] positions for Qwen2-VL
         extra = {} if embeds is None else {"inputs_embeds": embeds}
         failed = self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens) if self.lora_runner else {}
         with_lora = self.lora_runner is not None and self.lora_runner.context.mask is not None
@@ -263,7 +264,7 @@ class ModelRunner:
         if graphs is not None and graphs.can_run(inputs):  # a decode batch: replay its captured forward
             hidden = graphs.forward(inputs)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata, **extra)
+            hidden = self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, **extra)
         if self.pooler.pools_all:  # MEAN / CLS embeddings: every prompt row of theirs, chunk by chunk
             self.pooler.observe(inputs.req_ids, inputs.attn_metadata.query_start_loc_cpu, hidden)
         prompt_logprobs: dict[str, LogprobsArrays] = {}

@@ -85,6 +85,22 @@ def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, An
     return out, images, uuids
 
 
+def load_image_processor(model_path: str, overrides: dict[str, Any]) -> Any:
+    """The checkpoint's HF image processor with ``mm_processor_kwargs`` applied; a `ConfigError` names a key that
+    changes nothing (transformers drops unknown ones without a word)."""
+    from transformers import AutoImageProcessor
+
+    processor = AutoImageProcessor.from_pretrained(model_path, **overrides)
+    if overrides:
+        plain = AutoImageProcessor.from_pretrained(model_path).to_dict()
+        for key, value in overrides.items():
+            ignored = AutoImageProcessor.from_pretrained(model_path, **{key: value}).to_dict() == plain
+            if ignored and plain.get(key) != value:
+                raise ConfigError(f"mm_processor_kwargs.{key}", value,
+                                  f"a setting of the model's {type(processor).__name__}")
+    return processor
+
+
 class _Counters:
     mm_cache_queries = 0
     mm_cache_hits = 0
@@ -94,14 +110,12 @@ class MultiModalProcessor:
     """One model's image processing, placeholder expansion and the host's half of the processor cache."""
 
     def __init__(self, model_path: str, hf_config: Any, model_cls: Any, tokenizer: Any, cache_bytes: int,
-                 max_image_pixels: int, cache_type: str = "lru") -> None:
+                 max_image_pixels: int, cache_type: str = "lru", processor_kwargs: dict[str, Any] | None = None) -> None:
         try:
             import PIL  # noqa: F401
         except ImportError as exc:
             raise ConfigError("model", model_path, "pillow installed for image inputs: pip install 'asyncllm[multimodal]'") from exc
-        from transformers import AutoImageProcessor
-
-        self.image_processor = AutoImageProcessor.from_pretrained(model_path)
+        self.image_processor = load_image_processor(model_path, processor_kwargs or {})
         self.tokenizer = tokenizer
         self.image_token_id: int = model_cls.mm_placeholder_token_id(hf_config)
         self._hf_config = hf_config
@@ -193,9 +207,9 @@ class MultiModalProcessor:
         return cache.record(key, offset, length, pixel_values)
 
     def _preprocess(self, image: Any, field: str) -> Any:
-        """The HF image processor's ``pixel_values`` of one image, as a float32 numpy array."""
+        """The HF image processor's output for one image, as the model's float32 numpy array (`mm_pixel_values`)."""
         try:
             out = self.image_processor(images=[image], return_tensors="np")
         except (ValueError, OSError) as exc:
             raise InvalidRequestError(field, f"the image processor rejected the image: {exc}") from exc
-        return out["pixel_values"][0].astype("float32", copy=False)
+        return self._model_cls.mm_pixel_values(out)

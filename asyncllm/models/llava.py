@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -22,11 +23,12 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.clip import CLIPVisionTower, activation
-from asyncllm.models.layers import LoadedWeight, TensorParallel, default_weight_loader
+from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
+from asyncllm.models.vision_language import load_vision_language_weights, vision_language_weight_names
 
 __all__ = ["LlavaForConditionalGeneration", "check_encoder_tensor_parallel", "normalize_llava_name"]
 
@@ -135,6 +137,11 @@ class LlavaForConditionalGeneration(nn.Module):
         return int(token_id if token_id is not None else hf_config.image_token_index)
 
     @staticmethod
+    def mm_pixel_values(processed: Any) -> np.ndarray:
+        """One image's processor output -> its ``[C, H, W]`` float32 pixels."""
+        return processed["pixel_values"][0].astype("float32", copy=False)
+
+    @staticmethod
     def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
         """Feature rows (= placeholder tokens) of an image of ``[C, H, W]`` pixels: one per patch (+ CLS for 'full')."""
         patch = hf_config.vision_config.patch_size
@@ -166,30 +173,8 @@ class LlavaForConditionalGeneration(nn.Module):
 
     # ---- weights
     def checkpoint_weight_names(self) -> set[str]:
-        names = {"language_model." + name for name in self.language_model.checkpoint_weight_names()}
-        names.update(name for name, _ in self.named_parameters() if not name.startswith("language_model."))
-        return names
+        return vision_language_weight_names(self)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Route ``language_model.*`` to the decoder's loader; the encoder's parameters keep their shard."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        text: list[tuple[str, LoadedWeight]] = []
-        unexpected: list[str] = []
-        for raw_name, weight in weights:
-            name = normalize_llava_name(raw_name)
-            if name.startswith("language_model."):
-                text.append((name.removeprefix("language_model."), weight))
-            elif name in params:
-                param = params[name]
-                try:
-                    getattr(param, "weight_loader", default_weight_loader)(param, weight)
-                except ValueError as exc:
-                    raise ConfigError("model", raw_name, f"a weight matching config.json, but it {exc}") from exc
-                loaded.add(name)
-            elif not name.endswith("position_ids"):
-                unexpected.append(raw_name)
-        if unexpected:
-            raise ConfigError("model", type(self).__name__, f"a LLaVA checkpoint; unexpected weights: {', '.join(unexpected[:8])}")
-        loaded.update("language_model." + name for name in self.language_model.load_weights(text))
-        return loaded
+        return load_vision_language_weights(self, weights, normalize_llava_name, "LLaVA", ("position_ids",))

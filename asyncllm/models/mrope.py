@@ -1,0 +1,96 @@
+"""Multimodal rotary position embedding (M-RoPE) of Qwen2-VL and Qwen2.5-VL.
+
+Each token has three positions (time, height, width) instead of one, and each
+rotary frequency takes its angle from one of them: ``mrope_section`` (e.g.
+[16, 24, 24]) splits the ``rotary_dim / 2`` frequencies into a time, a height and
+a width band. Text tokens have three equal positions, so they rotate exactly as
+with the ordinary rope at that position; an image's placeholder tokens take the
+row and column of their merged patch (offset by the text before the image), and
+the text after an image resumes at the largest position so far plus one.
+
+So a prompt's positions are a ``[3, prompt_len]`` table computed once per
+request from its images' grids (`mrope_positions`, transformers'
+``get_rope_index``), and every token after the prompt (generated, or drafted) is
+at ``index + delta`` on all three axes, ``delta`` being the table's maximum + 1
+minus the prompt's length (negative once an image is in it: an image of h x w
+merged patches spans ``max(h, w)`` positions but ``h * w`` tokens). The KV
+cache's slots keep following the token index; only the rotation uses these.
+
+`MRotaryEmbedding` turns a step's ``[3, T]`` positions into a ``[T, rotary_dim]``
+cos/sin table whose row t is token t's rotation; the attention backends then
+rotate with that table at positions ``0 .. T-1`` (their usual gather), so the
+torch and triton backends need nothing new. Steps whose positions are all text
+(``[T]`` positions, ``index + delta``) use the ordinary table.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
+
+__all__ = ["MRotaryEmbedding", "mrope_positions", "mrope_section"]
+
+
+def mrope_section(hf_config: Any, rotary_dim: int) -> list[int]:
+    """The config's ``mrope_section`` (time, height, width frequencies), checked against the rotary width."""
+    params = rope_parameters(hf_config)
+    if params.get("mrope_interleaved"):
+        raise NotBuiltError("model", "mrope_interleaved", "interleaved M-RoPE (Qwen3-VL)")
+    section = [int(n) for n in params.get("mrope_section") or ()]
+    if len(section) != 3 or sum(section) != rotary_dim // 2:
+        raise ConfigError("rope_parameters.mrope_section", section,
+                          f"three band sizes adding up to rotary_dim / 2 = {rotary_dim // 2}")
+    return section
+
+
+def mrope_positions(prompt_len: int, images: Sequence[tuple[int, int, Sequence[int]]],
+                    spatial_merge_size: int) -> tuple[np.ndarray, int]:
+    """(``[3, prompt_len]`` int64 positions, delta) of a prompt whose images are ``(offset, length, (t, h, w))``
+    (grid in patches, placeholders in order); text positions count on from where the last image left off."""
+    table = np.empty((3, prompt_len), dtype=np.int64)
+    cursor = position = 0
+    for offset, length, (t, h, w) in images:
+        table[:, cursor:offset] = position + np.arange(offset - cursor)
+        position += offset - cursor
+        rows, cols = h // spatial_merge_size, w // spatial_merge_size
+        if t * rows * cols != length:
+            raise ValueError(f"an image of grid {(t, h, w)} has {length} placeholder tokens, not {t * rows * cols}")
+        grid = np.indices((t, rows, cols)).reshape(3, -1)
+        table[:, offset : offset + length] = grid + position
+        position += max(rows, cols)
+        cursor = offset + length
+    table[:, cursor:] = position + np.arange(prompt_len - cursor)
+    delta = int(table.max()) + 1 - prompt_len if prompt_len else 0
+    return table, delta
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """The ordinary cos/sin table, and per step a table of each token's three-axis rotation (see above)."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+        super().__init__(hf_config, head_dim, max_position)
+        section = mrope_section(hf_config, self.rotary_dim)
+        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section))  # each frequency's axis
+        self.register_buffer("column_axis", torch.cat([axis, axis]), persistent=False)  # cos columns, then sin
+
+    def step_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[3, T]`` positions -> ``[T, rotary_dim]`` float32 cos/sin, column by column from its axis' position."""
+        rows = self.cos_sin_cache[positions]  # [3, T, rotary_dim]
+        index = self.column_axis.view(1, 1, -1).expand(1, rows.shape[1], -1)
+        return rows.gather(0, index)[0]
+
+    @contextmanager
+    def rotating_by(self, positions: torch.Tensor) -> Iterator[torch.Tensor]:
+        """While inside, the layers' table is this step's (`step_table`); yields the positions to rotate at."""
+        table = self.cos_sin_cache
+        self.cos_sin_cache = self.step_table(positions)
+        try:
+            yield torch.arange(positions.shape[1], device=positions.device)
+        finally:
+            self.cos_sin_cache = table

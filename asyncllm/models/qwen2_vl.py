@@ -1,0 +1,155 @@
+"""Qwen2-VL and Qwen2.5-VL: a native-resolution vision tower and the Qwen2 decoder with M-RoPE.
+
+The decoder is `Qwen2ForCausalLM` whose rotary embedding is multimodal
+(asyncllm/models/mrope.py): a step whose tokens include an image's placeholders,
+or follow one, gets ``[3, T]`` positions from the model runner
+(workers/mm_runner.py, from `mrope_positions` here), every other step ``[T]``.
+The vision tower (asyncllm/models/qwen_vision.py) encodes each image at its
+own resolution: the HF image processor resizes it to a multiple of 28 pixels
+within ``min_pixels`` / ``max_pixels`` and cuts it into 14 x 14 patches, and
+every 2 x 2 patches become one placeholder token. An image's item therefore
+has the shape ``(t, h, w, patch_features)``: its grid rides in the shape, so
+images of one grid batch together (asyncllm/mm/embeddings.py).
+
+Checkpoints come in two layouts: the original one (``visual.*``,
+``model.layers.*``, ``lm_head``) and transformers 5's (``model.visual.*``,
+``model.language_model.*``); both load.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import ConfigError
+from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
+from asyncllm.models.llama import DecoderBuild, LlamaModel
+from asyncllm.models.mrope import MRotaryEmbedding, mrope_positions
+from asyncllm.models.qwen2 import Qwen2ForCausalLM
+from asyncllm.models.qwen_vision import QwenVisionTower
+from asyncllm.models.vision_language import load_vision_language_weights, vision_language_weight_names
+
+__all__ = ["Qwen2VLForConditionalGeneration", "normalize_qwen2_vl_name"]
+
+
+def normalize_qwen2_vl_name(name: str) -> str:
+    """Either checkpoint layout -> ours: ``visual.*``, ``language_model.model.*``, ``language_model.lm_head.*``."""
+    name = name.removeprefix("model.") if name.startswith(("model.visual.", "model.language_model.")) else name
+    if name.startswith("language_model."):
+        return "language_model.model." + name.removeprefix("language_model.")
+    if name.startswith(("model.", "lm_head.")):
+        return "language_model." + name
+    return name
+
+
+class Qwen2VLTextModel(LlamaModel):
+    """The decoder stack; ``[3, T]`` positions rotate by their M-RoPE table for the step."""
+
+    def __init__(self, b: DecoderBuild) -> None:
+        super().__init__(b)
+        self.rotary_emb = b.rotary_emb
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        metadata: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if positions.dim() == 1:  # text only: three equal positions are the ordinary rope
+            return super().forward(input_ids, positions, kv_caches, metadata, inputs_embeds)
+        with self.rotary_emb.rotating_by(positions) as flat:
+            return super().forward(input_ids, flat, kv_caches, metadata, inputs_embeds)
+
+
+class Qwen2VLLanguageModel(Qwen2ForCausalLM):
+    model_cls = Qwen2VLTextModel
+
+    @classmethod
+    def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                      max_position: int, expert_parallel: bool) -> DecoderBuild:
+        build = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
+        return dataclasses.replace(build, rotary_emb=MRotaryEmbedding(hf_config, head_dim_of(hf_config), max_position))
+
+
+def _text_config(hf_config: Any) -> Any:
+    """A copy of ``text_config`` with the checkpoint's ``tie_word_embeddings``, which Qwen2-VL keeps at the top
+    level (the 2B model ties its LM head to the embeddings)."""
+    text = copy.copy(hf_config.text_config)
+    tie = getattr(hf_config, "tie_word_embeddings", None)
+    text.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False) if tie is None else tie)
+    return text
+
+
+class Qwen2VLForConditionalGeneration(nn.Module):
+    """Image features replace the ``<|image_pad|>`` placeholder embeddings; positions are M-RoPE's."""
+
+    supports_encoder_data_parallel = True
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+        super().__init__()
+        if mm_encoder_tp_mode not in ("weights", "data"):
+            raise ConfigError("mm_encoder_tp_mode", mm_encoder_tp_mode, "'weights' or 'data'")
+        self.encoder_tp = tp if mm_encoder_tp_mode == "weights" else TensorParallel()
+        self.merge = int(hf_config.vision_config.spatial_merge_size)
+        self.visual = QwenVisionTower(hf_config.vision_config, self.encoder_tp, dtype)  # checks the shards split
+        self.language_model = Qwen2VLLanguageModel(_text_config(hf_config), dtype=dtype, tp=tp,
+                                                   attn_backend=attn_backend, max_position=max_position)
+
+    # ---- multimodal hooks (asyncllm/mm/, workers/mm_runner.py)
+    @staticmethod
+    def mm_placeholder_token_id(hf_config: Any) -> int:
+        """The prompt token that marks an image (``<|image_pad|>``)."""
+        return int(hf_config.image_token_id)
+
+    @staticmethod
+    def mm_pixel_values(processed: Any) -> np.ndarray:
+        """One image's processor output -> ``(t, h, w, patch_features)`` float32 (the grid in the shape)."""
+        t, h, w = (int(n) for n in processed["image_grid_thw"][0])
+        return processed["pixel_values"].astype("float32", copy=False).reshape(t, h, w, -1)
+
+    @staticmethod
+    def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
+        """Placeholder tokens of an image of ``(t, h, w, features)`` patches: one per merged 2 x 2 patches."""
+        t, h, w = pixel_shape[:3]
+        return t * h * w // hf_config.vision_config.spatial_merge_size ** 2
+
+    def mrope_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
+        """The prompt's ``[3, prompt_len]`` M-RoPE positions and the delta of every later token (mrope.py)."""
+        images = [(item.offset, item.length, tuple(item.shape[:3])) for item in items]
+        return mrope_positions(prompt_len, images, self.merge)
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, t, h, w, features]`` images of one grid -> ``[N, t * h * w / 4, text hidden]``."""
+        n, t, h, w, features = pixel_values.shape
+        grid = [(t, h, w)] * n
+        out = self.visual(pixel_values.reshape(n * t * h * w, features), grid)
+        return out.view(n, -1, out.shape[-1])
+
+    # ---- the decoder
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    # ---- weights
+    def checkpoint_weight_names(self) -> set[str]:
+        return vision_language_weight_names(self)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Route the decoder's weights to its loader; the vision tower's parameters keep their shard."""
+        return load_vision_language_weights(self, weights, normalize_qwen2_vl_name, "Qwen2-VL")

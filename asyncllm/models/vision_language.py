@@ -1,0 +1,58 @@
+"""What the vision-language models share: routing a checkpoint's weights to the encoder and the decoder.
+
+LLaVA (llava.py) and Qwen2-VL (qwen2_vl.py) both hold an image encoder beside a
+``language_model`` decoder: each checkpoint name is mapped to ours by the
+model's ``normalize`` function, the decoder's go through its own loader (fused
+projections, TP shards), the encoder's straight to their parameters (whose
+``weight_loader`` takes the rank's shard).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from torch import nn
+
+from asyncllm.errors import ConfigError
+from asyncllm.models.layers import LoadedWeight, default_weight_loader
+
+__all__ = ["load_vision_language_weights", "vision_language_weight_names"]
+
+
+def load_vision_language_weights(model: nn.Module, weights: Iterable[tuple[str, LoadedWeight]],
+                                 normalize: Callable[[str], str], family: str,
+                                 ignored_suffixes: tuple[str, ...] = ()) -> set[str]:
+    """Load ``weights`` into ``model`` (its ``language_model`` and the rest); the names loaded, ours.
+
+    A name matching neither is a `ConfigError` naming it (after all are read), unless it ends with one of
+    ``ignored_suffixes`` (buffers some checkpoints carry, e.g. CLIP's ``position_ids``).
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    text: list[tuple[str, LoadedWeight]] = []
+    unexpected: list[str] = []
+    for raw_name, weight in weights:
+        name = normalize(raw_name)
+        if name.startswith("language_model."):
+            text.append((name.removeprefix("language_model."), weight))
+        elif name in params:
+            param = params[name]
+            try:
+                getattr(param, "weight_loader", default_weight_loader)(param, weight)
+            except ValueError as exc:
+                raise ConfigError("model", raw_name, f"a weight matching config.json, but it {exc}") from exc
+            loaded.add(name)
+        elif not (ignored_suffixes and name.endswith(ignored_suffixes)):
+            unexpected.append(raw_name)
+    if unexpected:
+        raise ConfigError("model", type(model).__name__, f"a {family} checkpoint; unexpected weights: "
+                                                         f"{', '.join(unexpected[:8])}")
+    loaded.update("language_model." + name for name in model.language_model.load_weights(text))
+    return loaded
+
+
+def vision_language_weight_names(model: nn.Module) -> set[str]:
+    """The checkpoint names ``model`` needs: its decoder's (fused parameters expanded) and its encoder's."""
+    names = {"language_model." + name for name in model.language_model.checkpoint_weight_names()}
+    names.update(name for name, _ in model.named_parameters() if not name.startswith("language_model."))
+    return names

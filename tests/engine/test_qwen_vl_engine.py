@@ -1,0 +1,93 @@
+"""Qwen2-VL and Qwen2.5-VL end to end: M-RoPE positions and native-resolution images, token for token equal to
+transformers with images split across prefill chunks, prefix-cache hits, batches, chat, and tensor parallelism."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+from qwen_vl_utils import IMAGE_PAD, IMAGE_PLACEHOLDER, hf_qwen_vl_greedy, make_image, make_tiny_qwen_vl
+
+from asyncllm import AsyncEngine, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+BUDGET = 8
+"""max_num_batched_tokens: fewer than most images' placeholders, so images are split across steps."""
+
+
+@pytest.fixture(scope="module")
+def qwen25_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl"), version="2.5")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(qwen25_vl: str):
+    async with AsyncEngine(qwen25_vl, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
+                           max_num_seqs=4, enable_prefix_caching=True) as engine:
+        yield engine
+
+
+async def test_one_image_matches_transformers_with_the_image_split_across_chunks(engine, qwen25_vl):
+    image = make_image(120, 90, seed=1)
+    text = f"Describe {IMAGE_PLACEHOLDER} please"
+    out = await engine.generate({"prompt": text, "images": [image]}, GREEDY)
+    hf_prompt, hf_tokens = hf_qwen_vl_greedy(qwen25_vl, text, [image], 8)
+    assert out.prompt_token_ids == hf_prompt
+    pad = engine.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert hf_prompt.count(pad) > BUDGET
+    assert out.outputs[0].token_ids == hf_tokens
+
+
+async def test_images_of_different_sizes_in_a_batch_with_text_and_a_prefix_hit_match_transformers(engine, qwen25_vl):
+    images = [make_image(60, 200, seed=2), make_image(150, 60, seed=3)]
+    text = f"{IMAGE_PLACEHOLDER} then {IMAGE_PLACEHOLDER} and the end"
+    prompts = [{"prompt": text, "images": images}, "a text prompt with no image at all",
+               {"prompt": text, "images": images}]
+    outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+    again = await engine.generate(prompts[0], GREEDY)  # its prefix, images included, from the cache
+    _, hf_tokens = hf_qwen_vl_greedy(qwen25_vl, text, images, 8)
+    _, hf_text = hf_qwen_vl_greedy(qwen25_vl, prompts[1], [], 8)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_tokens, hf_text, hf_tokens]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == hf_tokens
+
+
+async def test_chat_messages_with_image_parts_match_transformers(engine, qwen25_vl):
+    image = make_image(90, 90, seed=5)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                             {"type": "text", "text": "what is this?"}]}]
+    stream = engine.chat(messages, GREEDY)
+    tokens = [token for delta in [d async for d in stream] for token in delta.token_ids]
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
+    hf_prompt, hf_tokens = hf_qwen_vl_greedy(qwen25_vl, None, [image], 8, messages=hf_messages)
+    assert stream.collector.prompt_token_ids == hf_prompt
+    assert tokens == hf_tokens
+
+
+async def test_qwen2_vl_with_its_tower_sharded_over_two_ranks_matches_transformers(tmp_path_factory):
+    path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_vl"), version="2")
+    images = [make_image(100, 70, seed=6), make_image(56, 56, seed=7)]
+    text = f"look: {IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}."
+    async with AsyncEngine(path, disable_log_stats=True, tensor_parallel_size=2, block_size=4,
+                           max_num_batched_tokens=BUDGET, max_num_seqs=4) as engine:
+        out = await engine.generate({"prompt": text, "images": images}, GREEDY)
+    hf_prompt, hf_tokens = hf_qwen_vl_greedy(path, text, images, 8)
+    assert out.prompt_token_ids == hf_prompt
+    assert out.outputs[0].token_ids == hf_tokens
+
+
+async def test_mm_processor_kwargs_bound_an_image_and_an_unknown_key_is_refused(qwen25_vl):
+    from PIL import Image
+
+    from asyncllm.errors import ConfigError
+    from asyncllm.mm.processor import load_image_processor
+
+    image = Image.new("RGB", (400, 300))
+    default = load_image_processor(qwen25_vl, {})(images=[image], return_tensors="np")["image_grid_thw"][0]
+    bounded = load_image_processor(qwen25_vl, {"max_pixels": 28 * 28 * 4})(images=[image],
+                                                                          return_tensors="np")["image_grid_thw"][0]
+    assert default.prod() // 4 > 4 >= bounded.prod() // 4
+    with pytest.raises(ConfigError, match="mm_processor_kwargs.max_pixel"):  # a typo changes nothing
+        await AsyncEngine(qwen25_vl, mm_processor_kwargs={"max_pixel": 1000}).start()

@@ -1,0 +1,135 @@
+"""Tiny random Qwen2-VL / Qwen2.5-VL checkpoints (vision tower + Qwen2 decoder with M-RoPE) for the tests."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+from mm_utils import make_image
+
+__all__ = ["IMAGE_PAD", "IMAGE_PLACEHOLDER", "make_image", "make_tiny_qwen_vl", "hf_qwen_vl_greedy", "hf_qwen_vl_inputs"]
+
+VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
+IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
+"""What a prompt holds per image (the checkpoint's chat template renders the same)."""
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+MIN_PIXELS = 28 * 28 * 4
+MAX_PIXELS = 28 * 28 * 64
+"""The image processor's resize bounds: 4 to 64 merged tokens per image (small, so tests run fast)."""
+
+
+def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: int = 0) -> str:
+    """Save a tiny random ``Qwen2VLForConditionalGeneration`` (``version="2"``) or
+    ``Qwen2_5_VLForConditionalGeneration`` (``"2.5"``) with its processor in ``path``."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("qwen2"))
+    tokenizer.add_special_tokens({"additional_special_tokens": [VISION_START, IMAGE_PAD, VISION_END,
+                                                                "<|video_pad|>", "<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (VISION_START, IMAGE_PAD, VISION_END,
+                                                                        "<|video_pad|>")}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]},
+        bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
+    )
+    common = dict(image_token_id=ids[IMAGE_PAD], video_token_id=ids["<|video_pad|>"],
+                  vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
+    model_cls, config = _configs(version, text, common)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 1.0 if "norm" in name and name.endswith("weight") else 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    image_processor(path).save_pretrained(path)
+    return str(path)
+
+
+def _configs(version: str, text: dict, common: dict):
+    if version == "2":
+        from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=4, in_channels=3,
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+        return Qwen2VLForConditionalGeneration, Qwen2VLConfig(text_config=text, vision_config=vision, **common)
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    vision = dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=4, in_channels=3, out_hidden_size=64,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                  fullatt_block_indexes=[1])
+    return Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
+
+
+def image_processor(path: str | os.PathLike[str] | None = None):
+    """The checkpoint's image processor (the PIL one: no torchvision here), or a new one with the tests' bounds.
+
+    No ``Qwen2VLProcessor`` is saved: it needs a video processor, which needs torchvision.
+    """
+    from transformers import AutoImageProcessor, Qwen2VLImageProcessorPil
+
+    if path is not None and (Path(path) / "preprocessor_config.json").exists():
+        return AutoImageProcessor.from_pretrained(path)
+    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+
+
+def hf_qwen_vl_inputs(path: str, text: str, images: list[bytes], add_special_tokens: bool = True) -> dict:
+    """transformers' model inputs for ``text`` with one `IMAGE_PLACEHOLDER` per image (what its processor makes:
+    each ``<|image_pad|>`` repeated once per merged patch)."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    inputs: dict = {}
+    if images:
+        pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+        inputs = dict(image_processor(path)(images=pil, return_tensors="pt"))
+        counts = iter((inputs["image_grid_thw"].prod(-1) // 4).tolist())
+        text = _expand(text, counts)
+    inputs["input_ids"] = tokenizer([text], return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"]
+    # what the processor marks (1: image) and the model's M-RoPE positions need: without it, 1-D positions
+    inputs["mm_token_type_ids"] = (inputs["input_ids"] == tokenizer.convert_tokens_to_ids(IMAGE_PAD)).int()
+    return inputs
+
+
+def _expand(text: str, counts) -> str:
+    parts = text.split(IMAGE_PAD)
+    return parts[0] + "".join(IMAGE_PAD * next(counts) + part for part in parts[1:])
+
+
+def hf_qwen_vl_greedy(path: str, text: str | None, images: list[bytes], max_new_tokens: int,
+                      messages: list | None = None) -> tuple[list[int], list[int]]:
+    """transformers' (prompt ids, greedy tokens) for a text with image placeholders (or chat messages)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    if messages is not None:
+        text = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True,
+                                                                        tokenize=False)
+    inputs = hf_qwen_vl_inputs(path, text, images, add_special_tokens=messages is None)  # a template has its own
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    return prompt_ids, out[0, len(prompt_ids):].tolist()
