@@ -189,16 +189,23 @@ def completion_prompts(prompt: str | list[Any], limits: ServerLimits, field: str
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
 
 
-def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def chat_messages(messages: list[dict[str, Any]], images: bool = False) -> list[dict[str, Any]]:
     """Messages with text-part lists flattened to strings (the engine's chat template takes strings).
 
+    With ``images`` (a chat completion), a content list with ``image_url`` parts stays a list of text and image
+    parts, which the engine's chat splits (asyncllm/mm/): the url is a base64 ``data:`` URL (http(s) URLs are
+    refused by the engine, which fetches nothing), OpenAI's ``detail`` hint is dropped (as vLLM does), a part's
+    ``uuid`` is the image's cache key. Elsewhere (tokenize, beam search) an image part is an error.
     An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
     the template (the engine parses the calls' JSON arguments for it).
     """
     out = []
     for i, message in enumerate(messages):
         content = message.get("content")
-        if isinstance(content, list):
+        if isinstance(content, list) and images and any(_is_image_part(part) for part in content):
+            content = [_image_part(i, part) if _is_image_part(part) else {"type": "text", "text": _text_part(i, part)}
+                       for part in content]
+        elif isinstance(content, list):
             content = "".join(_text_part(i, part) for part in content)
         elif content is None:
             content = ""
@@ -365,11 +372,25 @@ def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
     return StructuredOutputs(**fields)  # more than one kind: validate() names them
 
 
+def _is_image_part(part: object) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image_url"
+
+
+def _image_part(i: int, part: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI ``image_url`` part as the engine's chat takes it: the url string and the optional uuid."""
+    image_url = part.get("image_url")
+    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError("messages", f"item {i}: an image_url part needs image_url.url (a data: URL)")
+    return {"type": "image_url", "image_url": {"url": url}, **({"uuid": part["uuid"]} if "uuid" in part else {})}
+
+
 def _text_part(i: int, part: object) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise InvalidRequestError("messages", f"item {i}: only text content parts are built, got {kind!r}")
+    raise InvalidRequestError("messages", f"item {i}: only text and image_url content parts are built (image_url "
+                                          f"in chat completions), got {kind!r}")
 
 
 def _refuse(condition: bool, field: str, why: str) -> None:

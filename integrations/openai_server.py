@@ -330,7 +330,7 @@ class OpenAIServer:
             params.skip_special_tokens = False
         if self.reasoning is not None and params.structured is not None:  # think freely, then follow the grammar
             params.structured = msgspec.structs.replace(params.structured, start_after=self.reasoning.end_tag)
-        streams = [self.engine.chat(chat_messages(req.messages), params, **request_options(req),
+        streams = [self.engine.chat(chat_messages(req.messages, images=True), params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
                                     data_parallel_rank=data_parallel_rank)]

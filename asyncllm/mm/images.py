@@ -1,4 +1,4 @@
-"""Image inputs: bytes, a path or a PIL image -> (RGB image, item key), bounded and typed.
+"""Image inputs: bytes, a data: URL, a path or a PIL image -> (RGB image, item key), bounded and typed.
 
 An item's key is the content hash of the image, or a hash of the caller's uuid
 for it (``image_uuids``, or a chat part's ``"uuid"``): then no pixel byte is read
@@ -11,6 +11,8 @@ decode fails its own request with `InvalidRequestError`, never the engine.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import os
@@ -18,10 +20,11 @@ from typing import Any
 
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["ImageInput", "check_uuid", "check_uuids", "decode_image", "image_hash", "load_image", "read_image", "uuid_key"]
+__all__ = ["ImageInput", "check_uuid", "check_uuids", "data_url_bytes", "decode_image", "image_hash", "load_image",
+           "read_image", "uuid_key"]
 
 ImageInput = Any
-"""``bytes``, a path (``str`` / ``os.PathLike``) or a ``PIL.Image.Image``."""
+"""``bytes``, a base64 ``data:`` URL, a path (``str`` / ``os.PathLike``) or a ``PIL.Image.Image``."""
 
 
 def read_image(image: ImageInput, field: str) -> bytes | Any:
@@ -32,8 +35,10 @@ def read_image(image: ImageInput, field: str) -> bytes | Any:
         return bytes(image)
     if isinstance(image, Image.Image):
         return image
-    if isinstance(image, str) and image.startswith(("http://", "https://", "data:")):
-        raise InvalidRequestError(field, "URLs are not fetched; pass bytes")
+    if isinstance(image, str) and image.startswith("data:"):
+        return data_url_bytes(image, field)
+    if isinstance(image, str) and image.startswith(("http://", "https://")):
+        raise InvalidRequestError(field, "URLs are not fetched; pass bytes or a base64 data: URL")
     if isinstance(image, (str, os.PathLike)):
         try:
             with open(image, "rb") as f:
@@ -41,6 +46,21 @@ def read_image(image: ImageInput, field: str) -> bytes | Any:
         except OSError as exc:
             raise InvalidRequestError(field, f"cannot read image file {os.fspath(image)!r}: {exc.strerror}") from exc
     raise InvalidRequestError(field, f"an image must be bytes, a path or a PIL image, got {type(image).__name__}")
+
+
+def data_url_bytes(url: str, field: str) -> bytes:
+    """The image of a ``data:[<media type>];base64,<data>`` URL (RFC 2397; what OpenAI clients send), decoded.
+
+    Only base64 data of an ``image/*`` type (or none given) is taken. The bytes are the key's content, so the
+    same image as a data URL or as bytes is one cache entry."""
+    header, comma, payload = url.partition(",")
+    params = header.removeprefix("data:").split(";")
+    if not comma or params[-1] != "base64" or (params[0] and not params[0].startswith("image/")):
+        raise InvalidRequestError(field, f"a data: URL must be 'data:image/<type>;base64,<data>', got {header!r:.60}")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as exc:
+        raise InvalidRequestError(field, f"the data: URL's base64 is invalid: {exc}") from exc
 
 
 def image_hash(raw: bytes | Any) -> str:

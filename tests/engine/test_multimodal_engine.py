@@ -113,7 +113,7 @@ async def test_a_cache_miss_from_drift_is_resent_with_data(engine, tiny_llava):
 async def test_bad_images_fail_only_their_request(engine):
     with pytest.raises(InvalidRequestError, match=r"prompt.images\[0\]: cannot decode the image"):
         await engine.generate({"prompt": "x <image>", "images": [b"not an image at all"]}, GREEDY)
-    with pytest.raises(InvalidRequestError, match="URLs are not fetched; pass bytes"):
+    with pytest.raises(InvalidRequestError, match="URLs are not fetched; pass bytes or a base64 data: URL"):
         await engine.generate({"prompt": "x <image>", "images": ["https://example.com/cat.png"]}, GREEDY)
     with pytest.raises(InvalidRequestError, match="over mm_max_image_pixels=40000"):
         await engine.generate({"prompt": "x <image>", "images": [make_image(300, 300, seed=9)]}, GREEDY)

@@ -91,3 +91,27 @@ async def test_mm_processor_kwargs_bound_an_image_and_an_unknown_key_is_refused(
     assert default.prod() // 4 > 4 >= bounded.prod() // 4
     with pytest.raises(ConfigError, match="mm_processor_kwargs.max_pixel"):  # a typo changes nothing
         await AsyncEngine(qwen25_vl, mm_processor_kwargs={"max_pixel": 1000}).start()
+
+
+async def test_openai_chat_completions_take_base64_data_url_images(engine, qwen25_vl):
+    import base64
+
+    from asgi_helpers import asgi_client
+
+    from asyncllm.integrations.openai_server import create_app
+
+    image = make_image(90, 90, seed=5)
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    content = [{"type": "image_url", "image_url": {"url": url, "detail": "high"}},
+               {"type": "text", "text": "what is this?"}]
+    body = {"model": qwen25_vl, "max_tokens": 8, "temperature": 0.0, "messages": [{"role": "user", "content": content}]}
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        ok = await client.post("/v1/chat/completions", json=body)
+        content[0]["image_url"]["url"] = "https://example.com/cat.png"
+        fetched = await client.post("/v1/chat/completions", json=body)
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
+    hf_prompt, hf_tokens = hf_qwen_vl_greedy(qwen25_vl, None, [image], 8, messages=hf_messages)
+    assert ok.status_code == 200, ok.text
+    assert ok.json()["usage"]["prompt_tokens"] == len(hf_prompt)
+    assert ok.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(hf_tokens, skip_special_tokens=True)
+    assert fetched.status_code == 400 and "URLs are not fetched" in fetched.json()["error"]["message"]

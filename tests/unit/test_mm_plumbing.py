@@ -9,7 +9,9 @@ from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.kv.hashing import extend_block_hashes
 from asyncllm.mm.cache import LRUBudget, MirrorEntry, MultiModalCacheMiss, ProcessorCacheStore, fill_mm_items
 from asyncllm.mm.processor import split_chat_images
+from asyncllm.mm.images import image_hash, load_image
 from asyncllm.models.llava import normalize_llava_name
+from asyncllm.models.qwen2_vl import normalize_qwen2_vl_name
 from asyncllm.protocol import AddRequest, MultiModalItem
 from asyncllm.sampling import SamplingParams
 
@@ -102,6 +104,32 @@ def test_chat_image_parts_become_template_parts_and_images_in_order():
 ])
 def test_llava_checkpoint_layouts_map_to_one_naming(name, expected):
     assert normalize_llava_name(name) == expected
+
+
+@pytest.mark.parametrize(("name", "expected"), [
+    ("visual.blocks.0.attn.qkv.weight", "visual.blocks.0.attn.qkv.weight"),  # the original layout
+    ("model.layers.0.mlp.up_proj.weight", "language_model.model.layers.0.mlp.up_proj.weight"),
+    ("lm_head.weight", "language_model.lm_head.weight"),
+    ("model.visual.merger.mlp.0.bias", "visual.merger.mlp.0.bias"),  # transformers 5's
+    ("model.language_model.norm.weight", "language_model.model.norm.weight"),
+])
+def test_qwen2_vl_checkpoint_layouts_map_to_one_naming(name, expected):
+    assert normalize_qwen2_vl_name(name) == expected
+
+
+def test_a_base64_data_url_is_its_image_and_bad_ones_name_the_field():
+    import base64
+
+    png = b"\x89PNG\r\n\x1a\n fake but bytes"
+    raw, key = load_image("data:image/png;base64," + base64.b64encode(png).decode(), "images[0]")
+    assert raw == png and key == image_hash(png)  # the same cache key as the bytes themselves
+    for url, match in [("data:text/plain;base64,aGk=", "data:image/<type>;base64"),
+                       ("data:image/png,rawtext", "data:image/<type>;base64"),
+                       ("data:image/png;base64,@@@", "base64 is invalid"),
+                       ("https://example.com/a.png", "URLs are not fetched")]:
+        with pytest.raises(InvalidRequestError, match=match) as info:
+            load_image(url, "images[3]")
+        assert info.value.field == "images[3]"
 
 
 def test_both_processor_cache_types_are_accepted_and_others_refused():
