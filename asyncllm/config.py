@@ -287,6 +287,23 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+def _check_mm_limits(limits: dict[str, int] | None) -> None:
+    """vLLM's ``limit_mm_per_prompt``: counts per modality; only images are built, so a video or audio count must
+    be 0."""
+    if limits is None:
+        return
+    if not isinstance(limits, dict):
+        raise ConfigError("limit_mm_per_prompt", limits, 'a dict of modality -> count, e.g. {"image": 4}')
+    for modality, count in limits.items():
+        field_name = f"limit_mm_per_prompt.{modality}"
+        if modality not in ("image", "video", "audio"):
+            raise ConfigError(field_name, count, "a modality of 'image', 'video', 'audio'")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ConfigError(field_name, count, "an int >= 0")
+        if modality != "image" and count:
+            raise NotBuiltError(field_name, count, f"{modality} inputs (images only; set it to 0 or leave it out)")
+
+
 @dataclass(frozen=True)
 class MultiModalConfig:
     """Settings of multimodal models (LLaVA, Qwen2-VL, Qwen2.5-VL; docs/multimodal.md)."""
@@ -305,6 +322,8 @@ class MultiModalConfig:
     """GiB of encoder outputs kept per worker across requests (by image hash); 0 keeps them only during a prefill."""
     mm_processor_kwargs: dict[str, Any] | None = None
     """Overrides of the checkpoint's image processor settings, e.g. ``{"max_pixels": 1003520}`` for Qwen2-VL."""
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """Most inputs per prompt of each modality, e.g. ``{"image": 4}``; 0 refuses that modality. None: no limit."""
 
     def __post_init__(self) -> None:
         _float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)
@@ -314,6 +333,7 @@ class MultiModalConfig:
         _float("mm_encoder_cache_gb", self.mm_encoder_cache_gb, 0.0, 1024.0)
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ConfigError("mm_processor_kwargs", self.mm_processor_kwargs, "a dict of image processor settings")
+        _check_mm_limits(self.limit_mm_per_prompt)
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ def prepare(config: EngineConfig) -> Prepared:
         mm_config = config.multimodal_config
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type,
-                                 mm_config.mm_processor_kwargs)
+                                 mm_config.mm_processor_kwargs, (mm_config.limit_mm_per_prompt or {}).get("image"))
     config_json = hf_config_json(hf_config)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size,

@@ -110,7 +110,8 @@ class MultiModalProcessor:
     """One model's image processing, placeholder expansion and the host's half of the processor cache."""
 
     def __init__(self, model_path: str, hf_config: Any, model_cls: Any, tokenizer: Any, cache_bytes: int,
-                 max_image_pixels: int, cache_type: str = "lru", processor_kwargs: dict[str, Any] | None = None) -> None:
+                 max_image_pixels: int, cache_type: str = "lru", processor_kwargs: dict[str, Any] | None = None,
+                 max_images: int | None = None) -> None:
         try:
             import PIL  # noqa: F401
         except ImportError as exc:
@@ -121,6 +122,8 @@ class MultiModalProcessor:
         self._hf_config = hf_config
         self._model_cls = model_cls
         self.max_image_pixels = max_image_pixels
+        self.max_images = max_images
+        """``limit_mm_per_prompt["image"]``: more images in one prompt fail it before any is read (None: no limit)."""
         self.cache_type = cache_type
         self.cache_bytes = cache_bytes
         if cache_type == "shm" and cache_bytes > 0:
@@ -160,6 +163,8 @@ class MultiModalProcessor:
         """Expand each placeholder token of ``token_ids`` and process its image (keyed by its uuid, if given)."""
         if not isinstance(images, (list, tuple)):
             raise InvalidRequestError(field, f"must be a list of images, got {type(images).__name__}")
+        if self.max_images is not None and len(images) > self.max_images:
+            raise InvalidRequestError(field, f"{len(images)} images, over limit_mm_per_prompt['image']={self.max_images}")
         uuids = uuids if uuids is not None else [None] * len(images)
         slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
         if len(slots) != len(images):

@@ -115,3 +115,25 @@ async def test_openai_chat_completions_take_base64_data_url_images(engine, qwen2
     assert ok.json()["usage"]["prompt_tokens"] == len(hf_prompt)
     assert ok.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(hf_tokens, skip_special_tokens=True)
     assert fetched.status_code == 400 and "URLs are not fetched" in fetched.json()["error"]["message"]
+
+
+async def test_limit_mm_per_prompt_fails_a_prompt_with_more_images_before_reading_them(qwen25_vl):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from asyncllm.config import EngineConfig
+    from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
+    from asyncllm.mm.processor import MultiModalProcessor
+    from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen25_vl)
+    mm = MultiModalProcessor(qwen25_vl, AutoConfig.from_pretrained(qwen25_vl), Qwen2VLForConditionalGeneration,
+                             tokenizer, 0, 10**6, max_images=1)
+    ids = tokenizer(IMAGE_PLACEHOLDER * 2)["input_ids"]
+    with pytest.raises(InvalidRequestError, match=r"2 images, over limit_mm_per_prompt\['image'\]=1"):
+        mm.process(ids, [b"never read", b"never read"], "prompt.images")
+    assert len(mm.process(tokenizer(IMAGE_PLACEHOLDER)["input_ids"], [make_image(56, 56, 1)], "x").items) == 1
+    with pytest.raises(NotBuiltError, match="limit_mm_per_prompt.video"):
+        EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"video": 1})
+    with pytest.raises(ConfigError, match="limit_mm_per_prompt.image"):
+        EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": -1})
+    assert EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": 0, "video": 0}).multimodal_config
