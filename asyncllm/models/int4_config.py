@@ -60,8 +60,8 @@ def int4_checkpoint_config(section: dict[str, Any], hf_config: Any, model: str,
         raise ConfigError("quantization", quantization,
                           f"None or one of {', '.join(map(repr, allowed))}: the checkpoint is pre-quantized with "
                           f"{method!r} (its config.json's quantization_config)")
-    _refuse_architecture(hf_config, model, method)
     ignored = tuple(section.get("modules_to_not_convert") or ())
+    _refuse_architecture(hf_config, model, method, ignored)
     if method == "awq":
         return _awq_config(section, model, ignored)
     return _gptq_config(section, model, ignored)
@@ -118,7 +118,12 @@ def _gptq_config(section: dict[str, Any], model: str, ignored: tuple[str, ...]) 
                                 _GPTQ_FORMATS[fmt], ignored)
 
 
-def _refuse_architecture(hf_config: Any, model: str, method: str) -> None:
+QUANTIZED_DECODER_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+"""Multimodal models served from AWQ / GPTQ checkpoints that quantized the decoder only (the vision tower named in
+``modules_to_not_convert``, as AutoAWQ and GPTQModel leave it)."""
+
+
+def _refuse_architecture(hf_config: Any, model: str, method: str, ignored: tuple[str, ...]) -> None:
     from asyncllm.models.architectures import (
         MOE_ARCHITECTURES,
         MULTIMODAL_ARCHITECTURES,
@@ -129,5 +134,9 @@ def _refuse_architecture(hf_config: Any, model: str, method: str) -> None:
     if arch in MOE_ARCHITECTURES:
         raise _not_built(model, f"a pre-quantized {method} mixture-of-experts model ({arch}: FusedMoE has no "
                                 "int4 experts)")
-    if arch in MULTIMODAL_ARCHITECTURES:
-        raise _not_built(model, f"a pre-quantized {method} {arch} checkpoint (text models only)")
+    if arch in QUANTIZED_DECODER_ARCHITECTURES and not any(entry in "visual.blocks.0.attn.qkv" for entry in ignored):
+        raise _not_built(model, f"a pre-quantized {method} {arch} checkpoint with a quantized vision tower (its "
+                                "modules_to_not_convert does not name 'visual')")
+    if arch in MULTIMODAL_ARCHITECTURES and arch not in QUANTIZED_DECODER_ARCHITECTURES:
+        raise _not_built(model, f"a pre-quantized {method} {arch} checkpoint (text models and Qwen2-VL / Qwen2.5-VL "
+                                "only)")

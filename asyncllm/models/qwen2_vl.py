@@ -93,6 +93,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     """Image features replace the ``<|image_pad|>`` placeholder embeddings; positions are M-RoPE's."""
 
     supports_encoder_data_parallel = True
+    packed_modules = Qwen2VLLanguageModel.packed_modules
+    """The decoder's fused layers (pre-quantized checkpoints look up which checkpoint tensors each holds)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
@@ -147,6 +149,14 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return self.language_model.embed_input_ids(input_ids)
 
     # ---- weights
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        """Checkpoint name -> (our parameter name, shard id or None), as `LlamaForCausalLM._packed`."""
+        name = normalize_qwen2_vl_name(ckpt_name)
+        if not name.startswith("language_model."):
+            return name, None
+        inner, shard_id = self.language_model._packed(name.removeprefix("language_model."))
+        return "language_model." + inner, shard_id
+
     def checkpoint_weight_names(self) -> set[str]:
         return vision_language_weight_names(self)
 

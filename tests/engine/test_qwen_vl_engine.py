@@ -137,3 +137,27 @@ async def test_limit_mm_per_prompt_fails_a_prompt_with_more_images_before_readin
     with pytest.raises(ConfigError, match="limit_mm_per_prompt.image"):
         EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": -1})
     assert EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": 0, "video": 0}).multimodal_config
+
+
+async def test_an_awq_checkpoint_with_the_tower_left_whole_matches_transformers_dequantized(qwen25_vl, tmp_path):
+    import torch
+    from int4_reference import write_int4_checkpoint
+    from transformers import AutoModelForImageTextToText
+
+    from qwen_vl_utils import hf_qwen_vl_inputs
+
+    awq = tmp_path / "awq"
+    dequantized = write_int4_checkpoint(qwen25_vl, awq, "awq", group=32, ignored=("visual",))
+    image, text = make_image(100, 80, seed=8), f"see {IMAGE_PLACEHOLDER} here"
+    async with AsyncEngine(str(awq), disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
+                           max_num_seqs=2) as engine:
+        out = await engine.generate({"prompt": text, "images": [image]}, GREEDY)
+    reference = AutoModelForImageTextToText.from_pretrained(qwen25_vl, dtype=torch.float32).eval()
+    params = dict(reference.named_parameters())
+    with torch.no_grad():
+        for name, weight in dequantized.items():  # model.layers.* in the checkpoint, model.language_model.* here
+            params[name.replace("model.", "model.language_model.", 1)].copy_(weight)
+        inputs = hf_qwen_vl_inputs(qwen25_vl, text, [image])
+        expected = reference.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert len(dequantized) == 2 * 7  # every decoder projection was quantized
+    assert out.outputs[0].token_ids == expected.tolist()

@@ -65,6 +65,7 @@ def test_the_quantization_config_is_read() -> None:
     (SimpleNamespace(architectures=LLAMA), "gptq", ConfigError, "this one has none"),
     (_hf(AWQ, ["Qwen3MoeForCausalLM"]), None, NotBuiltError, "awq mixture-of-experts model"),
     (_hf(GPTQ, ["LlavaForConditionalGeneration"]), None, NotBuiltError, "gptq LlavaForConditionalGeneration"),
+    (_hf(AWQ, ["Qwen2_5_VLForConditionalGeneration"]), None, NotBuiltError, "with a quantized vision tower"),
     (_hf({"quant_method": "bitsandbytes"}), None, NotBuiltError, "pre-quantized 'bitsandbytes' checkpoint"),
 ])
 def test_refused_configs(hf_config, quantization, error, message) -> None:
