@@ -81,10 +81,11 @@ def prepare(config: EngineConfig) -> Prepared:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:
-        if arch in (*MULTIMODAL_ARCHITECTURES, *_NO_LORA):
-            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders only: Llama, "
-                                                     "Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Granite, "
-                                                     "OLMo 2, and the attention of Mixtral, Qwen2-MoE, Qwen3-MoE)")
+        if arch in (*MULTIMODAL_ARCHITECTURES, *_NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
+            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders: Llama, Mistral, "
+                                                     "Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2, the "
+                                                     "attention of Mixtral, Qwen2-MoE, Qwen3-MoE; and the decoder of "
+                                                     "Qwen2-VL / Qwen2.5-VL)")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if arch in MULTIMODAL_ARCHITECTURES:
@@ -105,6 +106,9 @@ def prepare(config: EngineConfig) -> Prepared:
 
 
 _NO_LORA = ("GptOssForCausalLM", *ENCODER_ARCHITECTURES)
+LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+"""Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is
+refused)."""
 """gpt-oss's adapters are untested; the encoders' projections have no adapter layers."""
 
 _MAX_CONFIG_ARG = 64 * 1024

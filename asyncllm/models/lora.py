@@ -130,7 +130,8 @@ def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAC
         fused = name.rsplit(".", 1)[-1]
         parts = [shard for _, shard in packed[fused]] if fused in packed else [None]
         module.lora = layers[name] = LoRALayer(module, parts, num_slots, max_rank, context, fused_parts.get(fused))
-    for layer in getattr(getattr(model, "model", None), "layers", []):
+    decoder = getattr(model, "language_model", model)  # an image-text model's decoder holds the layers
+    for layer in getattr(getattr(decoder, "model", None), "layers", []):
         layer.fused_decode_rows = 0  # the fused decode path reads the weights directly, past the LoRA layers
     return layers
 

@@ -161,3 +161,41 @@ async def test_an_awq_checkpoint_with_the_tower_left_whole_matches_transformers_
         expected = reference.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
     assert len(dequantized) == 2 * 7  # every decoder projection was quantized
     assert out.outputs[0].token_ids == expected.tolist()
+
+
+async def test_a_peft_adapter_on_the_decoder_matches_peft_with_an_image(qwen25_vl, tmp_path):
+    import torch
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from asyncllm import LoRARequest
+    from asyncllm.errors import InvalidRequestError
+    from qwen_vl_utils import hf_qwen_vl_inputs
+
+    def adapter(targets: str, out: str) -> str:
+        torch.manual_seed(3)
+        model = AutoModelForImageTextToText.from_pretrained(qwen25_vl, dtype=torch.float32)
+        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, 0.3)
+        peft_model.save_pretrained(out)
+        return out
+
+    decoder = adapter(r".*language_model.*\.(q_proj|v_proj|o_proj|down_proj)", str(tmp_path / "decoder"))
+    tower = adapter(r".*visual.*\.(qkv|down_proj)", str(tmp_path / "tower"))
+    image, text = make_image(100, 80, seed=9), f"see {IMAGE_PLACEHOLDER} here"
+    async with AsyncEngine(qwen25_vl, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
+                           max_num_seqs=2, enable_lora=True, max_lora_rank=4) as engine:
+        prompt = {"prompt": text, "images": [image]}
+        base, out = await asyncio.gather(engine.generate(prompt, GREEDY), engine.generate(
+            prompt, GREEDY, lora_request=LoRARequest("decoder", 1, decoder)))
+        with pytest.raises(InvalidRequestError, match="adapters on the vision tower are not built"):
+            await engine.generate(prompt, GREEDY, lora_request=LoRARequest("tower", 2, tower))
+    reference = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(qwen25_vl, dtype=torch.float32),
+                                          decoder).eval()
+    inputs = hf_qwen_vl_inputs(qwen25_vl, text, [image])
+    with torch.no_grad():
+        expected = reference.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert out.outputs[0].token_ids == expected.tolist() != base.outputs[0].token_ids
