@@ -10,15 +10,16 @@ ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_adapter(base_path: str, out_dir: str, seed: int, rank: int = 8, alpha: int = 16,
-                 targets: list[str] | None = None, **lora_kwargs: Any) -> str:
-    """Save a PEFT LoRA adapter of the model at `base_path` with random A and B (PEFT starts B at zero,
-    which would change nothing), large enough to change greedy outputs."""
+                 targets: list[str] | str | None = None, auto_class: Any = None, **lora_kwargs: Any) -> str:
+    """Save a PEFT LoRA adapter of the model at `base_path` (loaded by ``auto_class``, default
+    ``AutoModelForCausalLM``) with random A and B (PEFT starts B at zero, which would change nothing), large
+    enough to change greedy outputs; ``targets``: module names, or PEFT's regex over the full names."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = (auto_class or AutoModelForCausalLM).from_pretrained(base_path, dtype=torch.float32)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, **lora_kwargs)
     peft_model = get_peft_model(model, config)
     with torch.no_grad():

@@ -26,8 +26,8 @@ def qwen25_vl(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(qwen25_vl: str):
     async with AsyncEngine(qwen25_vl, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
-                           max_num_seqs=4, enable_prefix_caching=True) as engine:
-        yield engine
+                           max_num_seqs=4, enable_prefix_caching=True, enable_lora=True, max_lora_rank=4) as engine:
+        yield engine  # requests without an adapter run the base model exactly
 
 
 async def test_one_image_matches_transformers_with_the_image_split_across_chunks(engine, qwen25_vl):
@@ -163,37 +163,27 @@ async def test_an_awq_checkpoint_with_the_tower_left_whole_matches_transformers_
     assert out.outputs[0].token_ids == expected.tolist()
 
 
-async def test_a_peft_adapter_on_the_decoder_matches_peft_with_an_image(qwen25_vl, tmp_path):
+async def test_a_peft_adapter_on_the_decoder_matches_peft_with_an_image(engine, qwen25_vl, tmp_path):
     import torch
-    from peft import LoraConfig, PeftModel, get_peft_model
-    from transformers import AutoModelForImageTextToText
+    from lora_utils import make_adapter
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText as ImageTextToText
 
     from asyncllm import LoRARequest
     from asyncllm.errors import InvalidRequestError
     from qwen_vl_utils import hf_qwen_vl_inputs
 
-    def adapter(targets: str, out: str) -> str:
-        torch.manual_seed(3)
-        model = AutoModelForImageTextToText.from_pretrained(qwen25_vl, dtype=torch.float32)
-        peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets))
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_" in name:
-                    param.normal_(0.0, 0.3)
-        peft_model.save_pretrained(out)
-        return out
-
-    decoder = adapter(r".*language_model.*\.(q_proj|v_proj|o_proj|down_proj)", str(tmp_path / "decoder"))
-    tower = adapter(r".*visual.*\.(qkv|down_proj)", str(tmp_path / "tower"))
+    decoder = make_adapter(qwen25_vl, str(tmp_path / "decoder"), 3, rank=4, alpha=8, auto_class=ImageTextToText,
+                           targets=r".*language_model.*\.(q_proj|v_proj|o_proj|down_proj)")
+    tower = make_adapter(qwen25_vl, str(tmp_path / "tower"), 3, rank=4, alpha=8, auto_class=ImageTextToText,
+                         targets=r".*visual.*\.(qkv|down_proj)")
     image, text = make_image(100, 80, seed=9), f"see {IMAGE_PLACEHOLDER} here"
-    async with AsyncEngine(qwen25_vl, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
-                           max_num_seqs=2, enable_lora=True, max_lora_rank=4) as engine:
-        prompt = {"prompt": text, "images": [image]}
-        base, out = await asyncio.gather(engine.generate(prompt, GREEDY), engine.generate(
-            prompt, GREEDY, lora_request=LoRARequest("decoder", 1, decoder)))
-        with pytest.raises(InvalidRequestError, match="adapters on the vision tower are not built"):
-            await engine.generate(prompt, GREEDY, lora_request=LoRARequest("tower", 2, tower))
-    reference = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(qwen25_vl, dtype=torch.float32),
+    prompt = {"prompt": text, "images": [image]}
+    base, out = await asyncio.gather(engine.generate(prompt, GREEDY), engine.generate(
+        prompt, GREEDY, lora_request=LoRARequest("decoder", 1, decoder)))
+    with pytest.raises(InvalidRequestError, match="adapters on the vision tower are not built"):
+        await engine.generate(prompt, GREEDY, lora_request=LoRARequest("tower", 2, tower))
+    reference = PeftModel.from_pretrained(ImageTextToText.from_pretrained(qwen25_vl, dtype=torch.float32),
                                           decoder).eval()
     inputs = hf_qwen_vl_inputs(qwen25_vl, text, [image])
     with torch.no_grad():
