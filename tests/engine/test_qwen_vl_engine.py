@@ -66,16 +66,23 @@ async def test_chat_messages_with_image_parts_match_transformers(engine, qwen25_
     assert tokens == hf_tokens
 
 
-async def test_qwen2_vl_with_its_tower_sharded_over_two_ranks_matches_transformers(tmp_path_factory):
+async def test_qwen2_vl_sharded_over_two_ranks_and_preempted_matches_transformers(tmp_path_factory):
+    """The tower and the decoder over two ranks; a KV cache too small for the three requests at once, so some are
+    preempted and recomputed (their M-RoPE tables rebuilt on resume)."""
     path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_vl"), version="2")
-    images = [make_image(100, 70, seed=6), make_image(56, 56, seed=7)]
-    text = f"look: {IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}."
+    images = [[make_image(100, 70, seed=6), make_image(56, 56, seed=7)], [make_image(90, 120, seed=8)],
+              [make_image(56, 112, seed=10)]]
+    texts = [f"look: {IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}.", f"{IMAGE_PLACEHOLDER} what?", f"a {IMAGE_PLACEHOLDER}"]
     async with AsyncEngine(path, disable_log_stats=True, tensor_parallel_size=2, block_size=4,
-                           max_num_batched_tokens=BUDGET, max_num_seqs=4) as engine:
-        out = await engine.generate({"prompt": text, "images": images}, GREEDY)
-    hf_prompt, hf_tokens = hf_qwen_vl_greedy(path, text, images, 8)
-    assert out.prompt_token_ids == hf_prompt
-    assert out.outputs[0].token_ids == hf_tokens
+                           max_num_batched_tokens=BUDGET, max_num_seqs=4, num_gpu_blocks_override=14,
+                           max_model_len=56) as engine:
+        outs = await asyncio.gather(*(engine.generate({"prompt": text, "images": image}, GREEDY)
+                                      for text, image in zip(texts, images)))
+        preemptions = engine.stats().num_preemptions_total
+    expected = [hf_qwen_vl_greedy(path, text, image, 8) for text, image in zip(texts, images)]
+    assert [out.prompt_token_ids for out in outs] == [prompt for prompt, _ in expected]
+    assert [out.outputs[0].token_ids for out in outs] == [tokens for _, tokens in expected]
+    assert preemptions > 0
 
 
 async def test_mm_processor_kwargs_bound_an_image_and_an_unknown_key_is_refused(qwen25_vl):
