@@ -116,14 +116,16 @@ def _calibrate(model, ranges) -> None:
         module.quantization_status = QuantizationStatus.FROZEN
 
 
-def write_ct_checkpoint(src: str, dst: Path, groups: dict[str, dict], ignore: tuple[str, ...] = ("lm_head",)) -> Path:
-    """``src``'s float checkpoint quantized and written by compressed-tensors into ``dst``; ``groups``: name ->
-    scheme fields (``weights``, ``input_activations``) and ``targets`` (default ``["Linear"]``)."""
+def write_ct_checkpoint(src: str, dst: Path, groups: dict[str, dict], ignore: tuple[str, ...] = ("lm_head",),
+                        auto_class=None) -> Path:
+    """``src``'s float checkpoint (loaded by ``auto_class``, default ``AutoModelForCausalLM``) quantized and written
+    by compressed-tensors into ``dst``; ``groups``: name -> scheme fields (``weights``, ``input_activations``) and
+    ``targets`` (default ``["Linear"]``)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    model = (auto_class or AutoModelForCausalLM).from_pretrained(src, dtype=torch.float32).eval()
     ranges = _input_ranges(model)
     config_groups = {name: {"targets": ["Linear"], **fields} for name, fields in groups.items()}
     apply_quantization_config(model, QuantizationConfig(config_groups=config_groups, ignore=list(ignore)),
@@ -133,7 +135,7 @@ def write_ct_checkpoint(src: str, dst: Path, groups: dict[str, dict], ignore: tu
     compressor.compress_model(model)
     model.save_pretrained(str(dst))
     compressor.update_config(str(dst))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "preprocessor_config.json"):
         if (Path(src) / name).exists():
             shutil.copy(Path(src) / name, dst / name)
     return dst

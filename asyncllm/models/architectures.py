@@ -7,13 +7,14 @@ host refuses an unsupported checkpoint at once without importing torch.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from asyncllm.errors import NotBuiltError
 
 __all__ = ["TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES",
            "MULTIMODAL_ARCHITECTURES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES",
-           "CLASSIFICATION_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions"]
+           "CLASSIFICATION_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions",
+           "refuse_quantized_multimodal"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
@@ -65,3 +66,23 @@ def max_positions(hf_config: Any) -> int | None:
     if limit is not None and getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
         limit -= int(hf_config.pad_token_id) + 1
     return limit
+
+
+QUANTIZED_DECODER_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+"""Multimodal models served from pre-quantized checkpoints (fp8, AWQ, GPTQ, compressed-tensors) that quantized the
+decoder only: the vision tower left whole, as AutoAWQ, GPTQModel and llm-compressor's recipes leave it."""
+_TOWER_LAYER = "visual.blocks.0.attn.qkv"
+"""A vision-tower layer's checkpoint name: the tower counts as left whole when the checkpoint ignores it."""
+
+
+def refuse_quantized_multimodal(arch: str, model: str, method: str, is_ignored: Callable[[str], bool]) -> None:
+    """`NotBuiltError` for a pre-quantized multimodal checkpoint, unless its architecture serves a quantized decoder
+    and ``is_ignored`` (the checkpoint's rule) leaves the vision tower whole."""
+    if arch not in MULTIMODAL_ARCHITECTURES:
+        return
+    if arch not in QUANTIZED_DECODER_ARCHITECTURES:
+        raise NotBuiltError("model", model, f"a pre-quantized {method} {arch} checkpoint (text models and "
+                                            "Qwen2-VL / Qwen2.5-VL only)")
+    if not is_ignored(_TOWER_LAYER):
+        raise NotBuiltError("model", model, f"a pre-quantized {method} {arch} checkpoint with a quantized vision "
+                                            "tower (its quantization_config does not leave 'visual' out)")

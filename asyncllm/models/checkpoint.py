@@ -225,9 +225,10 @@ def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None
     if section.get("activation_scheme", "dynamic") != "dynamic":
         raise NotBuiltError("model", model, f"static fp8 activation scales (activation_scheme="
                             f"{section.get('activation_scheme')!r}, input_scale tensors): only 'dynamic' is built")
-    _refuse_fp8_architecture(hf_config, model)
     ignored = tuple(section.get("modules_to_not_convert") or ()) + tuple(section.get("ignored_layers") or ())
-    return Fp8CheckpointConfig(_block_size(section.get("weight_block_size"), model), ignored)
+    cfg = Fp8CheckpointConfig(_block_size(section.get("weight_block_size"), model), ignored)
+    _refuse_fp8_architecture(hf_config, model, cfg)
+    return cfg
 
 
 def prequantized_config(
@@ -284,16 +285,11 @@ def _block_size(value: Any, model: str) -> tuple[int, int] | None:
     return int(value[0]), int(value[1])
 
 
-def _refuse_fp8_architecture(hf_config: Any, model: str) -> None:
-    from asyncllm.models.architectures import (
-        MOE_ARCHITECTURES,
-        MULTIMODAL_ARCHITECTURES,
-        architecture_of,
-    )
+def _refuse_fp8_architecture(hf_config: Any, model: str, cfg: Fp8CheckpointConfig) -> None:
+    from asyncllm.models.architectures import MOE_ARCHITECTURES, architecture_of, refuse_quantized_multimodal
 
     arch = architecture_of(hf_config)
     if arch in MOE_ARCHITECTURES:
         raise NotBuiltError("model", model, f"pre-quantized fp8 mixture-of-experts experts ({arch}: FusedMoE has no "
                                             "fp8 weights yet; online quantization='fp8' keeps experts unquantized)")
-    if arch in MULTIMODAL_ARCHITECTURES:
-        raise NotBuiltError("model", model, f"a pre-quantized fp8 {arch} checkpoint (text models only)")
+    refuse_quantized_multimodal(arch, model, "fp8", cfg.is_ignored)

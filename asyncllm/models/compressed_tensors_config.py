@@ -124,17 +124,18 @@ def compressed_tensors_config(section: dict[str, Any], hf_config: Any, model: st
         tuple(_group(name, group, top_format, model) for name, group in groups.items()), tuple(ignore))
     if cfg.scheme_of("lm_head") is not None:
         raise _not_built(model, "a quantized lm_head (its 'ignore' does not name it)")
+    from asyncllm.models.architectures import architecture_of, refuse_quantized_multimodal
+
+    refuse_quantized_multimodal(architecture_of(hf_config), model, COMPRESSED_TENSORS, cfg.is_ignored)
     return cfg
 
 
 def _refuse_architecture(hf_config: Any, model: str) -> None:
-    from asyncllm.models.architectures import MOE_ARCHITECTURES, MULTIMODAL_ARCHITECTURES, architecture_of
+    from asyncllm.models.architectures import MOE_ARCHITECTURES, architecture_of
 
     arch = architecture_of(hf_config)
     if arch in MOE_ARCHITECTURES:
         raise _not_built(model, f"a mixture-of-experts model ({arch}: FusedMoE has no quantized experts)")
-    if arch in MULTIMODAL_ARCHITECTURES:
-        raise _not_built(model, f"a {arch} model (text models only)")
     if arch in _REFUSED_ARCHITECTURES:
         raise _not_built(model, f"{_REFUSED_ARCHITECTURES[arch]}: {arch}")
 

@@ -118,25 +118,15 @@ def _gptq_config(section: dict[str, Any], model: str, ignored: tuple[str, ...]) 
                                 _GPTQ_FORMATS[fmt], ignored)
 
 
-QUANTIZED_DECODER_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
-"""Multimodal models served from AWQ / GPTQ checkpoints that quantized the decoder only (the vision tower named in
-``modules_to_not_convert``, as AutoAWQ and GPTQModel leave it)."""
-
-
 def _refuse_architecture(hf_config: Any, model: str, method: str, ignored: tuple[str, ...]) -> None:
     from asyncllm.models.architectures import (
         MOE_ARCHITECTURES,
-        MULTIMODAL_ARCHITECTURES,
         architecture_of,
+        refuse_quantized_multimodal,
     )
 
     arch = architecture_of(hf_config)
     if arch in MOE_ARCHITECTURES:
         raise _not_built(model, f"a pre-quantized {method} mixture-of-experts model ({arch}: FusedMoE has no "
                                 "int4 experts)")
-    if arch in QUANTIZED_DECODER_ARCHITECTURES and not any(entry in "visual.blocks.0.attn.qkv" for entry in ignored):
-        raise _not_built(model, f"a pre-quantized {method} {arch} checkpoint with a quantized vision tower (its "
-                                "modules_to_not_convert does not name 'visual')")
-    if arch in MULTIMODAL_ARCHITECTURES and arch not in QUANTIZED_DECODER_ARCHITECTURES:
-        raise _not_built(model, f"a pre-quantized {method} {arch} checkpoint (text models and Qwen2-VL / Qwen2.5-VL "
-                                "only)")
+    refuse_quantized_multimodal(arch, model, method, lambda name: any(entry in name for entry in ignored))

@@ -24,10 +24,13 @@ __all__ = ["checkpoint_modules", "quantized_layers", "output_partitions", "shard
 
 
 def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
-    """The checkpoint's module names loaded into the model's module ``name`` (q/k/v_proj for a qkv_proj)."""
+    """The checkpoint's module names loaded into the model's module ``name`` (q/k/v_proj for a qkv_proj), as the
+    checkpoint names them (a model whose module names differ says how: ``checkpoint_module_name``)."""
     leaf = name.rsplit(".", 1)[-1]
     parts = getattr(model, "packed_modules", {}).get(leaf)
-    return [name[: -len(leaf)] + part for part, _ in parts] if parts else [name]
+    names = [name[: -len(leaf)] + part for part, _ in parts] if parts else [name]
+    rename = getattr(model, "checkpoint_module_name", None)
+    return [rename(module) for module in names] if rename is not None else names
 
 
 def quantized_layers(model: nn.Module, is_ignored: Callable[[str], bool]) -> Iterator[tuple[str, LinearBase]]:

@@ -149,6 +149,11 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         return self.language_model.embed_input_ids(input_ids)
 
     # ---- weights
+    @staticmethod
+    def checkpoint_module_name(name: str) -> str:
+        """Our module name -> the original checkpoint layout's (a quantization_config's names are those)."""
+        return name.removeprefix("language_model.")
+
     def _packed(self, ckpt_name: str) -> tuple[str, object]:
         """Checkpoint name -> (our parameter name, shard id or None), as `LlamaForCausalLM._packed`."""
         name = normalize_qwen2_vl_name(ckpt_name)

@@ -196,3 +196,29 @@ async def test_a_peft_adapter_on_the_decoder_matches_peft_with_an_image(engine, 
     with torch.no_grad():
         expected = reference.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
     assert out.outputs[0].token_ids == expected.tolist() != base.outputs[0].token_ids
+
+
+async def test_an_fp8_compressed_tensors_checkpoint_matches_transformers_with_an_image(qwen25_vl, tmp_path):
+    """llm-compressor's FP8_DYNAMIC recipe for Qwen2.5-VL (the tower ignored), written by compressed-tensors."""
+    import json
+
+    import torch
+    from compressed_tensors_reference import FP8_DYNAMIC, write_ct_checkpoint
+    from transformers import AutoModelForImageTextToText
+
+    from qwen_vl_utils import hf_qwen_vl_inputs
+
+    path = write_ct_checkpoint(qwen25_vl, tmp_path / "fp8", {"fp8": FP8_DYNAMIC}, ignore=("lm_head", "re:.*visual.*"),
+                               auto_class=AutoModelForImageTextToText)
+    config = json.loads((path / "config.json").read_text())  # the recipe's ignore, not the saved layout's names,
+    config["quantization_config"]["ignore"] = ["lm_head", "re:.*visual.*"]  # which transformers 5 would not match
+    (path / "config.json").write_text(json.dumps(config))
+    image, text = make_image(100, 80, seed=11), f"see {IMAGE_PLACEHOLDER} here"
+    async with AsyncEngine(str(path), disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
+                           max_num_seqs=2) as engine:
+        out = await engine.generate({"prompt": text, "images": [image]}, GREEDY)
+    reference = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
+    inputs = hf_qwen_vl_inputs(qwen25_vl, text, [image])
+    with torch.no_grad():
+        expected = reference.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert out.outputs[0].token_ids == expected.tolist()

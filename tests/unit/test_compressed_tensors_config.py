@@ -221,7 +221,9 @@ REFUSED = {  # id: (section, architectures, error, message)
                       "a quantized lm_head"),
     "moe": (_section(_group(FP8_DYNAMIC)), ["Qwen3MoeForCausalLM"], NotBuiltError, "mixture-of-experts"),
     "llava": (_section(_group(FP8_DYNAMIC)), ["LlavaForConditionalGeneration"], NotBuiltError,
-              "LlavaForConditionalGeneration model \\(text models only\\)"),
+              "compressed-tensors LlavaForConditionalGeneration checkpoint \\(text models and Qwen2-VL"),
+    "qwen-vl-tower": (_section(_group(FP8_DYNAMIC)), ["Qwen2_5_VLForConditionalGeneration"], NotBuiltError,
+                      "with a quantized vision tower"),
     "phi3-fused": (_section(_group(FP8_DYNAMIC)), ["Phi3ForCausalLM"], NotBuiltError, "stored fused"),
     "group-size-0": (_section(_group(int_weights(4, 128)), fmt="pack-quantized")
                      | {"config_groups": {"g": _group({"weights": {**int_weights(4, 128)["weights"],
