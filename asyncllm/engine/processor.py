@@ -43,6 +43,7 @@ from asyncllm.engine.validation import (
     truncated_prompt,
 )
 from asyncllm.lora import AdapterChecker, LoRARequest
+from asyncllm.structured.start_after import with_start_after_ids
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
@@ -57,9 +58,6 @@ Delivery = list[tuple[RequestCollector, "StreamDelta | BaseException"]]
 Deliver = Callable[[Delivery, "protocol.SchedulerStats | None"], None]
 
 _POLL_MS = 100
-_START_AFTER_SLACK = 8
-"""Tokens after a constraint's `start_after` text at the prompt's end that still count as "already written"
-(Qwen3 without thinking ends its prompt with ``<think>\n\n</think>\n\n``)."""
 
 
 @dataclass
@@ -340,7 +338,7 @@ class Processor:
                 job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
             check_params_vocab(job.params, self._vocab_size)
             token_ids = self._tokenize(job)
-            job.params = self._with_start_after(job.params, token_ids)
+            job.params = with_start_after_ids(job.params, token_ids, self._tokenizer, self._vocab_size)
         except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread
             error = exc if isinstance(exc, errors.InvalidRequestError) else errors.InvalidRequestError(
                 "messages" if job.chat else "prompt", f"could not be tokenized ({type(exc).__name__}: {exc})")
@@ -385,21 +383,6 @@ class Processor:
             raise errors.InvalidRequestError("lora_request", "this engine serves no LoRA adapters: "
                                                              "start it with enable_lora=True")
         return self._lora.check(request)
-
-    def _with_start_after(self, params: SamplingParams, prompt_ids: list[int]) -> SamplingParams:
-        """A constraint's `start_after` as token ids; dropped when the prompt's end already wrote it
-        (thinking turned off by the template: the constraint starts at once)."""
-        structured = params.structured
-        if structured is None or structured.start_after is None or structured.start_after_token_ids:
-            return params
-        ids = [int(t) for t in self._tokenizer.encode(structured.start_after, add_special_tokens=False)]
-        tail = prompt_ids[-len(ids) - _START_AFTER_SLACK:]
-        done = any(tail[i:i + len(ids)] == ids for i in range(len(tail) - len(ids) + 1))
-        structured = msgspec.structs.replace(structured, start_after=None) if done else msgspec.structs.replace(
-            structured, start_after_token_ids=ids)
-        params = msgspec.structs.replace(params, structured=structured)
-        check_params_vocab(params, self._vocab_size)
-        return params
 
     def _truncated(self, params: SamplingParams, token_ids: list[int]) -> list[int]:
         return truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
