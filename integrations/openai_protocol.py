@@ -30,7 +30,7 @@ from asyncllm.sampling import SamplingParams, StructuredOutputs
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "decode_request", "completion_params", "chat_params", "completion_prompts", "chat_messages", "request_options",
-    "echo_only", "template_kwargs", "resolve_max_tokens",
+    "echo_only", "template_kwargs", "resolve_max_tokens", "ChatTemplates",
 ]
 
 
@@ -404,3 +404,21 @@ def _is_int(value: object) -> bool:
 
 def _is_token_list(value: object) -> bool:
     return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+
+
+@dataclass(frozen=True)
+class ChatTemplates:
+    """Which chat template a request is rendered with."""
+
+    default: str | None = None
+    """The server's (``--chat-template``); None: the tokenizer's."""
+    trust_request: bool = False
+    """Whether a request may bring its own (``--trust-request-chat-template``): Jinja from clients."""
+
+    def pick(self, requested: str | None) -> str | None:
+        if requested is None:
+            return self.default
+        if not self.trust_request:
+            raise InvalidRequestError("chat_template", "this server does not take templates from requests (start it "
+                                                       "with --trust-request-chat-template to allow them)")
+        return requested

@@ -34,7 +34,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -51,7 +50,7 @@ from asyncllm.integrations.openai_beam_search import beam_search_response
 from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, embedding_response
 from asyncllm.integrations.openai_lora import LoadLoRAAdapterRequest, LoRAModels, LoRAModule, UnloadLoRAAdapterRequest
 from asyncllm.integrations.openai_protocol import (
-    ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
+    ChatCompletionRequest, ChatTemplates, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
     chat_params, completion_params, completion_prompts, decode_request, echo_only, header_data_parallel_rank,
     request_options, template_kwargs,
 )
@@ -129,24 +128,6 @@ def _served_name(model: str) -> str | None:
         return BUNDLED_MODEL_NAME if model == bundled_model_path() else model
     except AsyncLLMError:  # no bundled model in this install
         return model
-
-
-@dataclass(frozen=True)
-class ChatTemplates:
-    """Which chat template a request is rendered with."""
-
-    default: str | None = None
-    """The server's (``--chat-template``); None: the tokenizer's."""
-    trust_request: bool = False
-    """Whether a request may bring its own (``--trust-request-chat-template``): Jinja from clients."""
-
-    def pick(self, requested: str | None) -> str | None:
-        if requested is None:
-            return self.default
-        if not self.trust_request:
-            raise InvalidRequestError("chat_template", "this server does not take templates from requests (start it "
-                                                       "with --trust-request-chat-template to allow them)")
-        return requested
 
 
 class OpenAIServer:
@@ -574,8 +555,6 @@ def _count_prompts(streams: list[RequestStream], choices: Choices) -> None:
     for i, stream in enumerate(streams):
         if stream.collector is not None:
             choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
-
-
 
 
 def error_response(exc: AsyncLLMError | ApiError) -> Response:
