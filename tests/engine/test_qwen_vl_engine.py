@@ -66,15 +66,16 @@ async def test_chat_messages_with_image_parts_match_transformers(engine, qwen25_
     assert tokens == hf_tokens
 
 
-async def test_qwen2_vl_sharded_over_two_ranks_and_preempted_matches_transformers(tmp_path_factory):
-    """The tower and the decoder over two ranks; a KV cache too small for the three requests at once, so some are
-    preempted and recomputed (their M-RoPE tables rebuilt on resume)."""
+async def test_qwen2_vl_over_two_ranks_encoding_by_data_and_preempted_matches_transformers(tmp_path_factory):
+    """The decoder over two ranks, the images split between them (``mm_encoder_tp_mode="data"``; the tower sharded
+    by weights is checked against one rank in tests/unit/test_qwen_vision.py); a KV cache too small for the three
+    requests at once, so some are preempted and recomputed (their M-RoPE tables rebuilt on resume)."""
     path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_vl"), version="2")
     images = [[make_image(100, 70, seed=6), make_image(56, 56, seed=7)], [make_image(90, 120, seed=8)],
               [make_image(56, 112, seed=10)]]
     texts = [f"look: {IMAGE_PLACEHOLDER} and {IMAGE_PLACEHOLDER}.", f"{IMAGE_PLACEHOLDER} what?", f"a {IMAGE_PLACEHOLDER}"]
-    async with AsyncEngine(path, disable_log_stats=True, tensor_parallel_size=2, block_size=4,
-                           max_num_batched_tokens=BUDGET, max_num_seqs=4, num_gpu_blocks_override=14,
+    async with AsyncEngine(path, disable_log_stats=True, tensor_parallel_size=2, mm_encoder_tp_mode="data",
+                           block_size=4, max_num_batched_tokens=BUDGET, max_num_seqs=4, num_gpu_blocks_override=14,
                            max_model_len=56) as engine:
         outs = await asyncio.gather(*(engine.generate({"prompt": text, "images": image}, GREEDY)
                                       for text, image in zip(texts, images)))
