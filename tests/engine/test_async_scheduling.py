@@ -73,8 +73,7 @@ async def sync_engine(tiny_llama: str):
 # ------------------------------------------------------------------ greedy parity with transformers
 CASES = {
     "default": {},
-    "chunked": {"max_num_batched_tokens": 16},
-    "tiny-batches": {"max_num_seqs": 3, "block_size": 8},
+    "chunked-tiny-batches": {"max_num_batched_tokens": 16, "max_num_seqs": 3, "block_size": 8},
     "preempt-recompute": {"num_gpu_blocks_override": 12, "max_model_len": 128},
     "preempt-swap": {"num_gpu_blocks_override": 12, "max_model_len": 128, "preemption_mode": "swap",
                      "swap_space": 4 * BYTES_PER_BLOCK / 2**30},

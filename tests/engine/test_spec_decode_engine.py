@@ -40,8 +40,7 @@ def _reference(path: str, prompt: tuple[int, ...]) -> list[int]:
 
 CASES = {
     "default": {},
-    "small-budget": {"max_num_batched_tokens": 16},
-    "recompute": {"num_gpu_blocks_override": 12, "max_model_len": 128},
+    "recompute-small-budget": {"num_gpu_blocks_override": 12, "max_model_len": 128, "max_num_batched_tokens": 16},
     "swap": {"num_gpu_blocks_override": 12, "max_model_len": 128, "preemption_mode": "swap", "swap_space": 0.001},
     "tp2": {"tensor_parallel_size": 2},
 }
@@ -58,7 +57,7 @@ async def test_greedy_output_equals_transformers_with_drafts(tiny_llama: str, ca
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == _reference(tiny_llama, tuple(prompt)), f"prompt of {len(prompt)} tokens diverged"
     assert stats.spec_decode_num_draft_tokens > 0 and stats.spec_decode_num_accepted_tokens > 0
-    if case in ("recompute", "swap"):
+    if case in ("recompute-small-budget", "swap"):
         assert stats.num_preemptions_total > 0
 
 
