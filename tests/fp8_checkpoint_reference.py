@@ -59,7 +59,9 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
 
 
 def _is_projection(name: str) -> bool:
-    return name.startswith("model.layers.") and name.split(".")[-2] in PROJECTIONS and name.endswith(".weight")
+    """A decoder projection's weight (an image-text checkpoint's language model in transformers 5's layout too)."""
+    return (name.startswith(("model.layers.", "model.language_model.layers.")) and name.split(".")[-2] in PROJECTIONS
+            and name.endswith(".weight"))
 
 
 def write_fp8_checkpoint(src: str, dst: Path, block: tuple[int, int] | None, ignored: tuple[str, ...] = (),
@@ -125,10 +127,11 @@ def dequantized_weights(tensors: dict[str, torch.Tensor], block: tuple[int, int]
 class Fp8Reference:
     """transformers' float32 model of ``src`` computing as a server of the fp8 checkpoint ``tensors`` does."""
 
-    def __init__(self, src: str, tensors: dict[str, torch.Tensor], block: tuple[int, int] | None) -> None:
+    def __init__(self, src: str, tensors: dict[str, torch.Tensor], block: tuple[int, int] | None,
+                 auto_class=None) -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        self.model = (auto_class or AutoModelForCausalLM).from_pretrained(src, dtype=torch.float32).eval()
         modules = dict(self.model.named_modules())
         group = block[1] if block is not None else None
         with torch.no_grad():

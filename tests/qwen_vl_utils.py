@@ -8,7 +8,8 @@ from pathlib import Path
 
 from mm_utils import make_image
 
-__all__ = ["IMAGE_PAD", "IMAGE_PLACEHOLDER", "make_image", "make_tiny_qwen_vl", "hf_qwen_vl_greedy", "hf_qwen_vl_inputs"]
+__all__ = ["IMAGE_PAD", "IMAGE_PLACEHOLDER", "make_image", "make_tiny_qwen_vl", "hf_qwen_vl_greedy", "hf_qwen_vl_inputs",
+           "load_tower", "random_patches"]
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
@@ -27,14 +28,12 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-MIN_PIXELS = 28 * 28 * 4
-MAX_PIXELS = 28 * 28 * 64
-"""The image processor's resize bounds: 4 to 64 merged tokens per image (small, so tests run fast)."""
 
 
 def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: int = 0) -> str:
-    """Save a tiny random ``Qwen2VLForConditionalGeneration`` (``version="2"``) or
-    ``Qwen2_5_VLForConditionalGeneration`` (``"2.5"``) with its processor in ``path``."""
+    """Save a tiny random ``Qwen2VLForConditionalGeneration`` (``version="2"``),
+    ``Qwen2_5_VLForConditionalGeneration`` (``"2.5"``) or ``Qwen3VLForConditionalGeneration`` (``"3"``) with its
+    tokenizer and image processor in ``path``."""
     import torch
     from transformers import AutoTokenizer
 
@@ -63,11 +62,19 @@ def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: in
             param.normal_(0.0, 1.0 if "norm" in name and name.endswith("weight") else 0.2)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    image_processor(path).save_pretrained(path)
+    image_processor(patch_size=16 if version == "3" else 14).save_pretrained(path)
     return str(path)
 
 
 def _configs(version: str, text: dict, common: dict):
+    if version == "3":
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+        text = {**text, "head_dim": 16, "rope_parameters": {**text["rope_parameters"], "mrope_interleaved": True}}
+        vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
+                      patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                      deepstack_visual_indexes=[0, 1])
+        return Qwen3VLForConditionalGeneration, Qwen3VLConfig(text_config=text, vision_config=vision, **common)
     if version == "2":
         from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
@@ -82,8 +89,9 @@ def _configs(version: str, text: dict, common: dict):
     return Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
 
 
-def image_processor(path: str | os.PathLike[str] | None = None):
-    """The checkpoint's image processor (the PIL one: no torchvision here), or a new one with the tests' bounds.
+def image_processor(path: str | os.PathLike[str] | None = None, patch_size: int = 14):
+    """The checkpoint's image processor (the PIL one: no torchvision here), or a new one with the tests' bounds
+    (4 to 64 merged tokens per image; Qwen3-VL's patches are 16 pixels).
 
     No ``Qwen2VLProcessor`` is saved: it needs a video processor, which needs torchvision.
     """
@@ -91,7 +99,8 @@ def image_processor(path: str | os.PathLike[str] | None = None):
 
     if path is not None and (Path(path) / "preprocessor_config.json").exists():
         return AutoImageProcessor.from_pretrained(path)
-    return Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    unit = (2 * patch_size) ** 2
+    return Qwen2VLImageProcessorPil(min_pixels=4 * unit, max_pixels=64 * unit, patch_size=patch_size)
 
 
 def hf_qwen_vl_inputs(path: str, text: str, images: list[bytes], add_special_tokens: bool = True) -> dict:
@@ -133,3 +142,23 @@ def hf_qwen_vl_greedy(path: str, text: str | None, images: list[bytes], max_new_
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     prompt_ids = inputs["input_ids"][0].tolist()
     return prompt_ids, out[0, len(prompt_ids):].tolist()
+
+
+def load_tower(tower, weights: dict):
+    """``tower`` (eval mode) with each checkpoint tensor loaded through its parameter's weight loader, as a model's
+    loader does; the names must be the checkpoint's, nothing extra, nothing missing."""
+    from asyncllm.models.layers import default_weight_loader
+
+    params = dict(tower.named_parameters())
+    assert params.keys() == weights.keys()
+    for name, tensor in weights.items():
+        getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor)
+    return tower.eval()
+
+
+def random_patches(grids: list[tuple[int, int, int]], width: int, seed: int = 1):
+    """Random processor-shaped pixel values ``[patches, width]`` for images of these (t, h, w) grids."""
+    import torch
+
+    patches = sum(t * h * w for t, h, w in grids)
+    return torch.randn(patches, width, generator=torch.Generator().manual_seed(seed))

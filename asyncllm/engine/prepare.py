@@ -85,7 +85,7 @@ def prepare(config: EngineConfig) -> Prepared:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders: Llama, Mistral, "
                                                      "Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2, the "
                                                      "attention of Mixtral, Qwen2-MoE, Qwen3-MoE; and the decoder of "
-                                                     "Qwen2-VL / Qwen2.5-VL)")
+                                                     "Qwen2-VL / Qwen2.5-VL / Qwen3-VL)")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if arch in MULTIMODAL_ARCHITECTURES:
@@ -106,7 +106,8 @@ def prepare(config: EngineConfig) -> Prepared:
 
 
 _NO_LORA = ("GptOssForCausalLM", *ENCODER_ARCHITECTURES)
-LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                                 "Qwen3VLForConditionalGeneration")
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is
 refused)."""
 """gpt-oss's adapters are untested; the encoders' projections have no adapter layers."""

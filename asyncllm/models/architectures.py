@@ -28,7 +28,7 @@ PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                            "Qwen2_5_VLForConditionalGeneration")
+                            "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 """Architectures that take images (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py)."""
 ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel")
@@ -68,11 +68,13 @@ def max_positions(hf_config: Any) -> int | None:
     return limit
 
 
-QUANTIZED_DECODER_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+QUANTIZED_DECODER_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
+                                   "Qwen3VLForConditionalGeneration")
 """Multimodal models served from pre-quantized checkpoints (fp8, AWQ, GPTQ, compressed-tensors) that quantized the
 decoder only: the vision tower left whole, as AutoAWQ, GPTQModel and llm-compressor's recipes leave it."""
-_TOWER_LAYER = "visual.blocks.0.attn.qkv"
-"""A vision-tower layer's checkpoint name: the tower counts as left whole when the checkpoint ignores it."""
+_TOWER_LAYERS = ("visual.blocks.0.attn.qkv", "model.visual.blocks.0.attn.qkv")
+"""A vision-tower layer's checkpoint name in either layout: the tower counts as left whole when the checkpoint
+ignores it."""
 
 
 def refuse_quantized_multimodal(arch: str, model: str, method: str, is_ignored: Callable[[str], bool]) -> None:
@@ -83,6 +85,6 @@ def refuse_quantized_multimodal(arch: str, model: str, method: str, is_ignored: 
     if arch not in QUANTIZED_DECODER_ARCHITECTURES:
         raise NotBuiltError("model", model, f"a pre-quantized {method} {arch} checkpoint (text models and "
                                             "Qwen2-VL / Qwen2.5-VL only)")
-    if not is_ignored(_TOWER_LAYER):
+    if not any(is_ignored(name) for name in _TOWER_LAYERS):
         raise NotBuiltError("model", model, f"a pre-quantized {method} {arch} checkpoint with a quantized vision "
                                             "tower (its quantization_config does not leave 'visual' out)")

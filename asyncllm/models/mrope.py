@@ -1,9 +1,9 @@
-"""Multimodal rotary position embedding (M-RoPE) of Qwen2-VL and Qwen2.5-VL.
+"""Multimodal rotary position embedding (M-RoPE) of Qwen2-VL, Qwen2.5-VL and Qwen3-VL.
 
 Each token has three positions (time, height, width) instead of one, and each
 rotary frequency takes its angle from one of them: ``mrope_section`` (e.g.
 [16, 24, 24]) splits the ``rotary_dim / 2`` frequencies into a time, a height and
-a width band. Text tokens have three equal positions, so they rotate exactly as
+a width band (Qwen3-VL interleaves them: `frequency_axes`). Text tokens have three equal positions, so they rotate exactly as
 with the ordinary rope at that position; an image's placeholder tokens take the
 row and column of their merged patch (offset by the text before the image), and
 the text after an image resumes at the largest position so far plus one.
@@ -31,22 +31,32 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import ConfigError
 from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
 
-__all__ = ["MRotaryEmbedding", "mrope_positions", "mrope_section"]
+__all__ = ["MRotaryEmbedding", "frequency_axes", "mrope_positions", "mrope_section"]
 
 
-def mrope_section(hf_config: Any, rotary_dim: int) -> list[int]:
-    """The config's ``mrope_section`` (time, height, width frequencies), checked against the rotary width."""
-    params = rope_parameters(hf_config)
-    if params.get("mrope_interleaved"):
-        raise NotBuiltError("model", "mrope_interleaved", "interleaved M-RoPE (Qwen3-VL)")
-    section = [int(n) for n in params.get("mrope_section") or ()]
+def mrope_section(hf_config: Any, rotary_dim: int, default: Sequence[int] = ()) -> list[int]:
+    """The config's ``mrope_section`` (time, height, width frequencies; ``default`` when it names none, as
+    transformers' classes do), checked against the rotary width."""
+    section = [int(n) for n in rope_parameters(hf_config).get("mrope_section") or default]
     if len(section) != 3 or sum(section) != rotary_dim // 2:
         raise ConfigError("rope_parameters.mrope_section", section,
                           f"three band sizes adding up to rotary_dim / 2 = {rotary_dim // 2}")
     return section
+
+
+def frequency_axes(section: Sequence[int], interleaved: bool) -> torch.Tensor:
+    """Each rotary frequency's axis (0 time, 1 height, 2 width): Qwen2-VL's bands of ``section`` frequencies in a
+    row; Qwen3-VL's interleaved ``t h w t h w ...`` (height on frequencies 1, 4, ... below ``3 * section[1]``,
+    width on 2, 5, ... below ``3 * section[2]``, time on the rest)."""
+    if not interleaved:
+        return torch.repeat_interleave(torch.arange(3), torch.tensor(list(section)))
+    axes = torch.zeros(sum(section), dtype=torch.int64)
+    for axis in (1, 2):
+        axes[axis : 3 * section[axis] : 3] = axis
+    return axes
 
 
 def mrope_positions(prompt_len: int, images: Sequence[tuple[int, int, Sequence[int]]],
@@ -73,10 +83,10 @@ def mrope_positions(prompt_len: int, images: Sequence[tuple[int, int, Sequence[i
 class MRotaryEmbedding(RotaryEmbedding):
     """The ordinary cos/sin table, and per step a table of each token's three-axis rotation (see above)."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int, interleaved: bool = False,
+                 default_section: Sequence[int] = ()) -> None:
         super().__init__(hf_config, head_dim, max_position)
-        section = mrope_section(hf_config, self.rotary_dim)
-        axis = torch.repeat_interleave(torch.arange(3), torch.tensor(section))  # each frequency's axis
+        axis = frequency_axes(mrope_section(hf_config, self.rotary_dim, default_section), interleaved)
         self.register_buffer("column_axis", torch.cat([axis, axis]), persistent=False)  # cos columns, then sin
 
     def step_table(self, positions: torch.Tensor) -> torch.Tensor:

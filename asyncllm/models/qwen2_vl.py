@@ -1,13 +1,15 @@
-"""Qwen2-VL and Qwen2.5-VL: a native-resolution vision tower and the Qwen2 decoder with M-RoPE.
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: a native-resolution vision tower and the Qwen2 / Qwen3 decoder with M-RoPE.
 
-The decoder is `Qwen2ForCausalLM` whose rotary embedding is multimodal
-(asyncllm/models/mrope.py): a step whose tokens include an image's placeholders,
-or follow one, gets ``[3, T]`` positions from the model runner
+The decoder is `Qwen2ForCausalLM` (Qwen3-VL: `Qwen3ForCausalLM`) whose rotary
+embedding is multimodal (asyncllm/models/mrope.py): a step whose tokens include an
+image's placeholders, or follow one, gets ``[3, T]`` positions from the model runner
 (workers/mm_runner.py, from `mrope_positions` here), every other step ``[T]``.
-The vision tower (asyncllm/models/qwen_vision.py) encodes each image at its
-own resolution: the HF image processor resizes it to a multiple of 28 pixels
-within ``min_pixels`` / ``max_pixels`` and cuts it into 14 x 14 patches, and
-every 2 x 2 patches become one placeholder token. An image's item therefore
+The vision tower (asyncllm/models/qwen_vision.py; Qwen3-VL's: qwen3_vision.py)
+encodes each image at its own resolution: the HF image processor resizes it to a
+multiple of 28 pixels (Qwen3-VL: 32) within its pixel bounds and cuts it into
+14 x 14 patches (16 x 16), and every 2 x 2 patches become one placeholder token.
+Qwen3-VL's tower also outputs deepstack features, which its decoder adds to the
+first layers' outputs at the image's tokens (`Qwen3VLTextModel`). An image's item therefore
 has the shape ``(t, h, w, patch_features)``: its grid rides in the shape, so
 images of one grid batch together (asyncllm/mm/embeddings.py).
 
@@ -33,10 +35,12 @@ from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild, LlamaModel
 from asyncllm.models.mrope import MRotaryEmbedding, mrope_positions
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
+from asyncllm.models.qwen3 import Qwen3ForCausalLM
+from asyncllm.models.qwen3_vision import Qwen3VisionTower
 from asyncllm.models.qwen_vision import QwenVisionTower
 from asyncllm.models.vision_language import load_vision_language_weights, vision_language_weight_names
 
-__all__ = ["Qwen2VLForConditionalGeneration", "normalize_qwen2_vl_name"]
+__all__ = ["Qwen2VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "normalize_qwen2_vl_name"]
 
 
 def normalize_qwen2_vl_name(name: str) -> str:
@@ -65,19 +69,64 @@ class Qwen2VLTextModel(LlamaModel):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if positions.dim() == 1:  # text only: three equal positions are the ordinary rope
-            return super().forward(input_ids, positions, kv_caches, metadata, inputs_embeds)
+            return self.decode(input_ids, positions, kv_caches, metadata, inputs_embeds)
         with self.rotary_emb.rotating_by(positions) as flat:
-            return super().forward(input_ids, flat, kv_caches, metadata, inputs_embeds)
+            return self.decode(input_ids, flat, kv_caches, metadata, inputs_embeds)
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+               metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """The layers at ``[T]`` positions (a step's own table's rows when M-RoPE's are rotating)."""
+        return super().forward(input_ids, positions, kv_caches, metadata, inputs_embeds)
 
 
-class Qwen2VLLanguageModel(Qwen2ForCausalLM):
-    model_cls = Qwen2VLTextModel
+class Qwen3VLTextModel(Qwen2VLTextModel):
+    """Qwen3-VL's decoder stack: deepstack features join the residual stream after the first layers.
+
+    A step with images gets ``inputs_embeds`` ``[T, hidden * (1 + k)]`` (`Qwen3VLForConditionalGeneration.
+    embed_input_ids`): the embeddings, then k deepstack rows (zeros where no image is). After layer i < k the
+    stream is summed as transformers does (``residual + output``, then ``+ deepstack[i]``), so the next layer
+    starts from it unfused.
+    """
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+               metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        width = self.norm.weight.shape[0]
+        if inputs_embeds is None or inputs_embeds.shape[-1] == width:
+            return super().decode(input_ids, positions, kv_caches, metadata, inputs_embeds)
+        deepstack = inputs_embeds[:, width:].unflatten(-1, (-1, width))
+        hidden, residual = inputs_embeds[:, :width], None
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+            if index < deepstack.shape[1]:
+                hidden, residual = residual + hidden + deepstack[:, index], None
+        return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
+
+
+class _MRopeBuild:
+    """The decoder's rotary embedding is M-RoPE's (interleaved for Qwen3-VL)."""
+
+    interleaved_mrope = False
+    default_mrope_section: tuple[int, ...] = ()
 
     @classmethod
     def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                       max_position: int, expert_parallel: bool) -> DecoderBuild:
-        build = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
-        return dataclasses.replace(build, rotary_emb=MRotaryEmbedding(hf_config, head_dim_of(hf_config), max_position))
+        build = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position,  # type: ignore[misc]
+                                      expert_parallel)
+        rotary = MRotaryEmbedding(hf_config, head_dim_of(hf_config), max_position, cls.interleaved_mrope,
+                                  cls.default_mrope_section)
+        return dataclasses.replace(build, rotary_emb=rotary)
+
+
+class Qwen2VLLanguageModel(_MRopeBuild, Qwen2ForCausalLM):
+    model_cls = Qwen2VLTextModel
+    default_mrope_section = (16, 24, 24)
+
+
+class Qwen3VLLanguageModel(_MRopeBuild, Qwen3ForCausalLM):
+    model_cls = Qwen3VLTextModel
+    interleaved_mrope = True
+    default_mrope_section = (24, 20, 20)
 
 
 def _text_config(hf_config: Any) -> Any:
@@ -93,6 +142,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     """Image features replace the ``<|image_pad|>`` placeholder embeddings; positions are M-RoPE's."""
 
     supports_encoder_data_parallel = True
+    tower_cls: type[nn.Module] = QwenVisionTower
+    language_model_cls: type[Qwen2ForCausalLM] = Qwen2VLLanguageModel
     packed_modules = Qwen2VLLanguageModel.packed_modules
     """The decoder's fused layers (pre-quantized checkpoints look up which checkpoint tensors each holds)."""
 
@@ -103,9 +154,9 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             raise ConfigError("mm_encoder_tp_mode", mm_encoder_tp_mode, "'weights' or 'data'")
         self.encoder_tp = tp if mm_encoder_tp_mode == "weights" else TensorParallel()
         self.merge = int(hf_config.vision_config.spatial_merge_size)
-        self.visual = QwenVisionTower(hf_config.vision_config, self.encoder_tp, dtype)  # checks the shards split
-        self.language_model = Qwen2VLLanguageModel(_text_config(hf_config), dtype=dtype, tp=tp,
-                                                   attn_backend=attn_backend, max_position=max_position)
+        self.visual = self.tower_cls(hf_config.vision_config, self.encoder_tp, dtype)  # checks the shards split
+        self.language_model = self.language_model_cls(_text_config(hf_config), dtype=dtype, tp=tp,
+                                                      attn_backend=attn_backend, max_position=max_position)
 
     # ---- multimodal hooks (asyncllm/mm/, workers/mm_runner.py)
     @staticmethod
@@ -151,7 +202,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     # ---- weights
     @staticmethod
     def checkpoint_module_name(name: str) -> str:
-        """Our module name -> the original checkpoint layout's (a quantization_config's names are those)."""
+        """Our module name -> the original checkpoint layout's (Qwen2-VL's and Qwen2.5-VL's checkpoints use it, so a
+        quantization_config's names are those)."""
         return name.removeprefix("language_model.")
 
     def _packed(self, ckpt_name: str) -> tuple[str, object]:
@@ -168,3 +220,24 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Route the decoder's weights to its loader; the vision tower's parameters keep their shard."""
         return load_vision_language_weights(self, weights, normalize_qwen2_vl_name, "Qwen2-VL")
+
+
+class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Qwen3-VL: its tower (learned position embeddings, deepstack mergers), the Qwen3 decoder with interleaved
+    M-RoPE, and the deepstack features added to the first layers' outputs at the image's tokens."""
+
+    tower_cls = Qwen3VisionTower
+    language_model_cls = Qwen3VLLanguageModel
+
+    @staticmethod
+    def checkpoint_module_name(name: str) -> str:
+        """Our module name -> transformers 5's layout, the one Qwen3-VL checkpoints are saved in."""
+        if name.startswith("language_model.model."):
+            return "model.language_model." + name.removeprefix("language_model.model.")
+        return name.removeprefix("language_model.") if name.startswith("language_model.") else "model." + name
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A step's input rows when images are in it: the token embeddings, then zeros where each image token's
+        deepstack features go (the encoder's rows are as wide: ``embed_multimodal``)."""
+        embeds = self.language_model.embed_input_ids(input_ids)
+        return torch.cat([embeds, embeds.new_zeros(embeds.shape[0], embeds.shape[1] * self.visual.num_deepstack)], -1)

@@ -40,7 +40,8 @@ from asyncllm.models.clip import activation
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, set_weight_loader, weight_narrow
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
-__all__ = ["QwenVisionTower", "check_vision_tensor_parallel"]
+__all__ = ["QwenPatchEmbed", "QwenVisionAttention", "QwenVisionTower", "Segments", "check_vision_tensor_parallel",
+           "patch_layout", "vision_rotary"]
 
 _QWEN2_VL = ("qwen2_vl_vision", "qwen2_vl")
 _QWEN2_5_VL = ("qwen2_5_vl_vision", "qwen2_5_vl")
@@ -78,7 +79,7 @@ def check_vision_tensor_parallel(cfg: Any, tp_size: int) -> None:
                           f"a size that divides the vision encoder's {', '.join(problems)}")
 
 
-class _Segments:
+class Segments:
     """Runs of consecutive tokens that attend only among themselves (frames or windows).
 
     Runs of one length are gathered into one batched SDPA call: a Qwen2.5-VL image has
@@ -122,17 +123,17 @@ def _window_order(t: int, unit_rows: int, unit_cols: int, side: int) -> tuple[to
 
 
 @dataclass(frozen=True)
-class _Layout:
+class PatchLayout:
     """Where one forward's patches sit and which of them attend to each other."""
 
     positions: torch.Tensor  # [N, 2] (row, col) of each patch, in the blocks' order
-    frames: _Segments
-    windows: _Segments | None  # Qwen2.5-VL's windows in the blocks' order (None: Qwen2-VL)
+    frames: Segments
+    windows: Segments | None  # Qwen2.5-VL's windows in the blocks' order (None: Qwen2-VL)
     units: torch.Tensor | None  # the blocks' order of merge units (None: the processor's)
     num_patches: int
 
 
-def _layout(grid_thw: Sequence[tuple[int, int, int]], merge: int, window: int | None, device: torch.device) -> _Layout:
+def patch_layout(grid_thw: Sequence[tuple[int, int, int]], merge: int, window: int | None, device: torch.device) -> PatchLayout:
     unit = merge * merge
     positions, frame_lengths, units, window_lengths, num_units = [], [], [], [], 0
     for t, h, w in grid_thw:
@@ -147,11 +148,22 @@ def _layout(grid_thw: Sequence[tuple[int, int, int]], merge: int, window: int | 
         num_units += t * h * w // unit
     position = torch.cat(positions)
     if window is None:
-        return _Layout(position.to(device), _Segments(frame_lengths, device), None, None, len(position))
+        return PatchLayout(position.to(device), Segments(frame_lengths, device), None, None, len(position))
     unit_order = torch.cat(units)
     patch_order = (unit_order[:, None] * unit + torch.arange(unit)).flatten()
-    return _Layout(position[patch_order].to(device), _Segments(frame_lengths, device),
-                   _Segments(window_lengths, device), unit_order.to(device), len(position))
+    return PatchLayout(position[patch_order].to(device), Segments(frame_lengths, device),
+                   Segments(window_lengths, device), unit_order.to(device), len(position))
+
+
+def vision_rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[N, head_dim]`` (float32) of patches at (row, col) ``positions``: a quarter of the angles from
+    the row, a quarter from the column, the halves repeated (``rotate_half`` pairs dim i with i + head_dim / 2)."""
+    half = head_dim // 2
+    exponents = torch.arange(0, half, 2, dtype=torch.float32, device=positions.device) / half
+    inv_freq = 1.0 / theta**exponents
+    angles = (positions[:, :, None].float() * inv_freq).flatten(1)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -181,7 +193,7 @@ class QwenVisionAttention(nn.Module):
         self.qkv = _FusedQKV(width, heads, tp, dtype)
         self.proj = RowParallelLinear(width, width, True, tp, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: _Segments) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         q, k, v = self.qkv.split_qkv(self.qkv(x))
         out = segments.attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
         return self.proj(out.flatten(1))
@@ -229,7 +241,7 @@ class QwenVisionBlock(nn.Module):
         mlp = QwenVisionGatedMLP if widths.qwen2_5 else QwenVisionMLP
         self.mlp = mlp(cfg, widths, tp, dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: _Segments) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), cos, sin, segments)
         return x + self.mlp(self.norm2(x))
 
@@ -237,18 +249,19 @@ class QwenVisionBlock(nn.Module):
 class QwenPatchEmbed(nn.Module):
     """``proj`` keeps the checkpoint's Conv3d weight; with stride == kernel the conv is a matmul per patch."""
 
-    def __init__(self, cfg: Any, width: int, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, width: int, dtype: torch.dtype, bias: bool = False) -> None:
         super().__init__()
         kernel = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, width, kernel, stride=kernel, bias=False, dtype=dtype)
-        self.proj.weight.requires_grad_(False)
+        self.proj = nn.Conv3d(cfg.in_channels, width, kernel, stride=kernel, bias=bias, dtype=dtype)
+        self.proj.requires_grad_(False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
         patch_size = weight[0].numel()
         if pixel_values.dim() != 2 or pixel_values.shape[1] != patch_size:
             raise ValueError(f"pixel_values of shape {tuple(pixel_values.shape)}, expected [patches, {patch_size}]")
-        return F.linear(pixel_values.to(weight.dtype), weight.view(weight.shape[0], -1))
+        out = F.linear(pixel_values.to(weight.dtype), weight.view(weight.shape[0], -1))
+        return out if self.proj.bias is None else out + self.proj.bias  # Qwen3-VL's conv has a bias
 
 
 class QwenPatchMerger(nn.Module):
@@ -295,11 +308,11 @@ class QwenVisionTower(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]) -> torch.Tensor:
         grids = [tuple(int(n) for n in grid) for grid in grid_thw]
-        layout = _layout(grids, self.merge, self.window, pixel_values.device)
+        layout = patch_layout(grids, self.merge, self.window, pixel_values.device)
         if pixel_values.shape[0] != layout.num_patches:
             raise ValueError(f"{pixel_values.shape[0]} patches of pixels for grids {grids} ({layout.num_patches})")
         hidden = self.patch_embed(pixel_values)
-        cos, sin = self._rotary(layout.positions)
+        cos, sin = vision_rotary(layout.positions, self.head_dim, self.rope_theta)
         if layout.units is not None:
             hidden = hidden.view(len(layout.units), -1, hidden.shape[-1])[layout.units].flatten(0, 1)
         for index, block in enumerate(self.blocks):
@@ -312,12 +325,4 @@ class QwenVisionTower(nn.Module):
         restored[layout.units] = merged
         return restored
 
-    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[N, head_dim]`` (float32): a quarter of the angles from the row, a quarter from the column,
-        the halves repeated (``rotate_half`` pairs dim i with i + head_dim / 2)."""
-        half = self.head_dim // 2
-        exponents = torch.arange(0, half, 2, dtype=torch.float32, device=positions.device) / half
-        inv_freq = 1.0 / self.rope_theta**exponents
-        angles = (positions[:, :, None].float() * inv_freq).flatten(1)
-        angles = torch.cat([angles, angles], dim=-1)
-        return angles.cos(), angles.sin()
+

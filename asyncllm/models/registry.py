@@ -20,7 +20,7 @@ from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
-from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.modernbert import ModernBertEmbeddingModel, ModernBertForSequenceClassification
 from asyncllm.models.moe import moe_parallel_problems
@@ -95,6 +95,7 @@ _MODELS: dict[str, type] = {
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),

@@ -66,6 +66,50 @@ async def test_chat_messages_with_image_parts_match_transformers(engine, qwen25_
     assert tokens == hf_tokens
 
 
+async def test_qwen3_vl_deepstack_and_interleaved_mrope_match_transformers(tmp_path_factory):
+    """Qwen3-VL: images split across chunks beside a text-only request, then the same prompt from the prefix cache
+    (the deepstack rows of a chunk's image tokens, the interleaved M-RoPE bands)."""
+    path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl"), version="3")
+    images = [make_image(120, 70, seed=12), make_image(64, 64, seed=13)]
+    text = f"first {IMAGE_PLACEHOLDER} then {IMAGE_PLACEHOLDER} end"
+    prompts = [{"prompt": text, "images": images}, "only some text here"]
+    async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
+                           max_num_seqs=4, enable_prefix_caching=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+        again = await engine.generate(prompts[0], GREEDY)
+    hf_prompt, hf_tokens = hf_qwen_vl_greedy(path, text, images, 8)
+    assert outs[0].prompt_token_ids == hf_prompt
+    assert [o.outputs[0].token_ids for o in outs] == [hf_tokens, hf_qwen_vl_greedy(path, prompts[1], [], 8)[1]]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == hf_tokens
+
+
+async def test_qwen3_vl_block_fp8_checkpoint_with_the_tower_left_out_matches_transformers(tmp_path_factory):
+    """Qwen3-VL's official FP8 layout: block-wise fp8 decoder projections, the tower's modules (transformers 5
+    names) in modules_to_not_convert."""
+    import torch
+    from fp8_checkpoint_reference import Fp8Reference, write_fp8_checkpoint
+    from transformers import AutoModelForImageTextToText
+
+    from qwen_vl_utils import hf_qwen_vl_inputs
+
+    src = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl_src"), version="3", seed=1)
+    float_model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
+    tower = tuple(f"model.visual.{name}" for name, module in float_model.model.visual.named_modules()
+                  if isinstance(module, torch.nn.Linear))
+    path = tmp_path_factory.mktemp("qwen3_vl_fp8") / "fp8"
+    tensors = write_fp8_checkpoint(src, path, (16, 16), ignored=("lm_head", *tower))
+    image, text = make_image(100, 80, seed=14), f"see {IMAGE_PLACEHOLDER} here"
+    async with AsyncEngine(str(path), disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
+                           max_num_seqs=2) as engine:
+        out = await engine.generate({"prompt": text, "images": [image]}, GREEDY)
+    reference = Fp8Reference(src, tensors, (16, 16), auto_class=AutoModelForImageTextToText).model
+    inputs = hf_qwen_vl_inputs(src, text, [image])
+    with torch.no_grad():
+        expected = reference.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert sum(t.dtype == torch.float8_e4m3fn for t in tensors.values()) == 2 * 7
+    assert out.outputs[0].token_ids == expected.tolist()
+
+
 async def test_qwen2_vl_over_two_ranks_encoding_by_data_and_preempted_matches_transformers(tmp_path_factory):
     """The decoder over two ranks, the images split between them (``mm_encoder_tp_mode="data"``; the tower sharded
     by weights is checked against one rank in tests/unit/test_qwen_vision.py); a KV cache too small for the three

@@ -90,3 +90,22 @@ def test_sections_that_do_not_cover_the_rotary_width_are_a_config_error():
     config.rope_parameters = {**config.rope_parameters, "mrope_section": [2, 2, 2]}
     with pytest.raises(ConfigError, match="mrope_section"):
         MRotaryEmbedding(config, head_dim=16, max_position=32)
+
+
+def test_qwen3_vl_interleaved_rotation_equals_transformers_bit_for_bit():
+    from transformers import Qwen3VLConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    from asyncllm.models.mrope import frequency_axes
+
+    text = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_hidden_layers=1,
+                rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True})
+    config = Qwen3VLConfig(text_config=text).text_config
+    rotary = MRotaryEmbedding(config, head_dim=16, max_position=128, interleaved=True)
+    assert frequency_axes([2, 3, 3], True).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]  # t h w t h w t h
+    ids, images = _prompt([3, (1, 4, 6), 5, (1, 8, 4), 2])
+    positions = torch.from_numpy(mrope_positions(len(ids), images, spatial_merge_size=2)[0])
+    cos, sin = Qwen3VLTextRotaryEmbedding(config)(torch.zeros(1, len(ids), 16), positions[:, None, :])
+    ours = rotary.step_table(positions)
+    assert torch.equal(ours[:, :8], cos[0, :, :8]) and torch.equal(ours[:, 8:], sin[0, :, :8])

@@ -8,10 +8,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 from model_utils import free_port, gloo_rank
+from qwen_vl_utils import load_tower, random_patches
 from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.layers import TensorParallel, default_weight_loader
+from asyncllm.models.layers import TensorParallel
 from asyncllm.models.qwen_vision import QwenVisionTower
 
 FP32_TOLERANCE = {"atol": 1e-5, "rtol": 0.0}
@@ -53,18 +54,11 @@ def _hf_tower(version: str, seed: int = 0) -> torch.nn.Module:
 
 
 def _tower(version: str, weights: dict[str, torch.Tensor], tp: TensorParallel | None = None) -> QwenVisionTower:
-    """Ours, each checkpoint tensor loaded through its parameter's weight loader (as a model's loader does)."""
-    tower = QwenVisionTower(VISION_CONFIGS[version](), tp or TensorParallel(), torch.float32).eval()
-    params = dict(tower.named_parameters())
-    assert params.keys() == weights.keys()  # names as in the checkpoint, nothing extra, nothing missing
-    for name, tensor in weights.items():
-        getattr(params[name], "weight_loader", default_weight_loader)(params[name], tensor)
-    return tower
+    return load_tower(QwenVisionTower(VISION_CONFIGS[version](), tp or TensorParallel(), torch.float32), weights)
 
 
 def _pixels(grids: list[tuple[int, int, int]], seed: int = 1) -> torch.Tensor:
-    patches = sum(t * h * w for t, h, w in grids)
-    return torch.randn(patches, PATCH_PIXELS, generator=torch.Generator().manual_seed(seed))
+    return random_patches(grids, PATCH_PIXELS, seed)
 
 
 @pytest.mark.parametrize("version", ["2", "2.5"])
