@@ -128,7 +128,6 @@ class Qwen3VisionTower(nn.Module):
     images concatenated) and each image's ``(t, h, w)`` in patches -> ``[patches / merge**2, out_hidden *
     (1 + num_deepstack)]``: the main merger's features, then each deepstack merger's, in block order."""
 
-
     def __init__(self, vision_config: Any, tp: TensorParallel, dtype: torch.dtype) -> None:
         super().__init__()
         cfg = vision_config
