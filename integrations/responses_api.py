@@ -1,7 +1,8 @@
 """OpenAI's Responses API (``POST /v1/responses``), run through the chat machinery.
 
 A request's ``input`` (a string, or message / ``function_call`` /
-``function_call_output`` items) and ``instructions`` become chat messages;
+``function_call_output`` items; messages with ``input_text`` and, for a
+multimodal model, ``input_image`` parts) and ``instructions`` become chat messages;
 ``tools`` (flat function tools), ``tool_choice``, ``text.format`` and the
 sampling fields become a `ChatCompletionRequest`, so templates, tool calling,
 reasoning parsers and structured output behave exactly as in chat
@@ -123,7 +124,8 @@ def input_messages(items: str | list[dict[str, Any]], instructions: str | None) 
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            messages.append({"role": "system" if role == "developer" else role, "content": _text(i, item.get("content"))})
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _content(i, item.get("content"))})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
@@ -140,6 +142,23 @@ def input_messages(items: str | list[dict[str, Any]], instructions: str | None) 
             raise InvalidRequestError("input", f"item {i}: type {kind!r} is not built (message, function_call, "
                                                "function_call_output, reasoning are)")
     return messages
+
+
+def _content(i: int, content: object) -> str | list[dict[str, Any]]:
+    """A message's content for the chat path: its text, or, with ``input_image`` parts (``image_url``: a base64
+    ``data:`` URL; ``detail`` dropped, as in chat completions), chat text and ``image_url`` parts in order."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+        return _text(i, content)
+    parts: list[dict[str, Any]] = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if part.get("file_id") is not None or not isinstance(part.get("image_url"), str):
+                raise InvalidRequestError("input", f"item {i}: an input_image needs image_url (a data: URL); "
+                                                   "file_id is not built")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            parts.append({"type": "text", "text": _text(i, [part])})
+    return parts
 
 
 def _text(i: int, content: object) -> str:

@@ -32,8 +32,8 @@ CHAT_TEMPLATE = (
 
 def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: int = 0) -> str:
     """Save a tiny random ``Qwen2VLForConditionalGeneration`` (``version="2"``),
-    ``Qwen2_5_VLForConditionalGeneration`` (``"2.5"``) or ``Qwen3VLForConditionalGeneration`` (``"3"``) with its
-    tokenizer and image processor in ``path``."""
+    ``Qwen2_5_VLForConditionalGeneration`` (``"2.5"``), ``Qwen3VLForConditionalGeneration`` (``"3"``) or
+    ``Qwen3VLMoeForConditionalGeneration`` (``"3-moe"``) with its tokenizer and image processor in ``path``."""
     import torch
     from transformers import AutoTokenizer
 
@@ -62,19 +62,24 @@ def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: in
             param.normal_(0.0, 1.0 if "norm" in name and name.endswith("weight") else 0.2)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    image_processor(patch_size=16 if version == "3" else 14).save_pretrained(path)
+    image_processor(patch_size=16 if version.startswith("3") else 14).save_pretrained(path)
     return str(path)
 
 
 def _configs(version: str, text: dict, common: dict):
-    if version == "3":
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    if version in ("3", "3-moe"):
+        import transformers
 
         text = {**text, "head_dim": 16, "rope_parameters": {**text["rope_parameters"], "mrope_interleaved": True}}
         vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
                       deepstack_visual_indexes=[0, 1])
-        return Qwen3VLForConditionalGeneration, Qwen3VLConfig(text_config=text, vision_config=vision, **common)
+        name = "Qwen3VL" if version == "3" else "Qwen3VLMoe"
+        if version == "3-moe":  # hidden 64 != 2 x 16: the fused experts' two layouts differ in shape
+            text = {**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                    "decoder_sparse_step": 1}
+        config = getattr(transformers, f"{name}Config")(text_config=text, vision_config=vision, **common)
+        return getattr(transformers, f"{name}ForConditionalGeneration"), config
     if version == "2":
         from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 

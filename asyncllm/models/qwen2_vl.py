@@ -148,7 +148,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
     """The decoder's fused layers (pre-quantized checkpoints look up which checkpoint tensors each holds)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
-                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+                 max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
+        """``decoder_options``: the decoder's own (an MoE decoder's ``expert_parallel``)."""
         super().__init__()
         if mm_encoder_tp_mode not in ("weights", "data"):
             raise ConfigError("mm_encoder_tp_mode", mm_encoder_tp_mode, "'weights' or 'data'")
@@ -156,7 +157,8 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self.visual = self.tower_cls(hf_config.vision_config, self.encoder_tp, dtype)  # checks the shards split
         self.language_model = self.language_model_cls(_text_config(hf_config), dtype=dtype, tp=tp,
-                                                      attn_backend=attn_backend, max_position=max_position)
+                                                      attn_backend=attn_backend, max_position=max_position,
+                                                      **decoder_options)
 
     # ---- multimodal hooks (asyncllm/mm/, workers/mm_runner.py)
     @staticmethod

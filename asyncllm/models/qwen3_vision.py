@@ -38,14 +38,15 @@ from asyncllm.models.qwen_vision import QwenPatchEmbed, QwenVisionAttention, Seg
 
 __all__ = ["Qwen3VisionTower", "check_qwen3_vision_tensor_parallel"]
 
-_MODEL_TYPE = "qwen3_vl_vision"
+_MODEL_TYPES = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
+"""Qwen3-VL's tower, and Qwen3-VL-MoE's (the same tower under its own name)."""
 _NORM_EPS = 1e-6  # fixed in transformers, not read from the config
 
 
 def check_qwen3_vision_tensor_parallel(cfg: Any, tp_size: int) -> None:
     """`NotBuiltError` unless ``cfg`` is Qwen3-VL's tower; `ConfigError` unless its heads, MLP and mergers
     split evenly over ``tp_size`` ranks."""
-    if cfg.model_type != _MODEL_TYPE:
+    if cfg.model_type not in _MODEL_TYPES:
         raise NotBuiltError("vision_config.model_type", cfg.model_type, "a vision tower other than Qwen3-VL's")
     sizes = {"vision_config.num_heads": cfg.num_heads, "vision_config.intermediate_size": cfg.intermediate_size,
              "merger width": cfg.hidden_size * cfg.spatial_merge_size**2}

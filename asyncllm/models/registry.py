@@ -21,6 +21,7 @@ from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
+from asyncllm.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.modernbert import ModernBertEmbeddingModel, ModernBertForSequenceClassification
 from asyncllm.models.moe import moe_parallel_problems
@@ -96,6 +97,7 @@ _MODELS: dict[str, type] = {
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
+    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),

@@ -1,4 +1,5 @@
-"""Encoder outputs cached across requests (mm_encoder_cache_gb) and mm_encoder_tp_mode="data" at TP=2."""
+"""Encoder outputs cached across requests (mm_encoder_cache_gb). mm_encoder_tp_mode="data" at TP=2: LLaVA's split
+in tests/unit/test_encoder_cache.py, an engine's in tests/engine/test_qwen_vl_engine.py (Qwen2-VL)."""
 
 from __future__ import annotations
 
@@ -80,19 +81,3 @@ async def test_a_tiny_budget_evicts_and_still_gives_the_transformers_tokens(tiny
         outs = await asyncio.gather(*(engine.generate({"prompt": t, "images": p}, GREEDY) for t, p in zip(texts, pairs)))
         for out, text, pair in zip(outs, texts, pairs):
             assert out.outputs[0].token_ids == hf_llava_greedy(tiny_llava, text, pair, GREEDY.max_tokens)[1]
-
-
-@pytest.mark.slow
-async def test_data_parallel_encoding_at_tp2_gives_the_transformers_tokens(tiny_llava):
-    """mm_encoder_tp_mode="data" (the default "weights" at TP=2: test_multimodal_engine.py, tests/unit/test_clip_tp.py)."""
-    images = [make_image(40, 30, seed=41), make_image(90, 70, seed=42), make_image(64, 64, seed=43)]
-    prompts = [("Just <image> this", images[:1]), ("<image> and <image>", images[:2]),
-               ("<image><image><image> three", images)]
-    # 40 tokens a step: the three-image prompt's first step reaches all three images (split 2 + 1
-    # over the ranks), the one-image prompt's leaves rank 1 without a share
-    async with AsyncEngine(tiny_llava, disable_log_stats=True, tensor_parallel_size=2, mm_encoder_tp_mode="data",
-                           max_num_batched_tokens=40, max_num_seqs=4, mm_encoder_cache_gb=0) as engine:
-        outs = [await engine.generate({"prompt": text, "images": imgs}, GREEDY) for text, imgs in prompts]
-    for (text, imgs), out in zip(prompts, outs):
-        got = out.outputs[0].token_ids
-        assert got == hf_llava_greedy(tiny_llava, text, imgs, GREEDY.max_tokens)[1]

@@ -83,6 +83,18 @@ async def test_qwen3_vl_deepstack_and_interleaved_mrope_match_transformers(tmp_p
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == hf_tokens
 
 
+async def test_qwen3_vl_moe_with_experts_split_over_two_ranks_matches_transformers(tmp_path_factory):
+    """Qwen3-VL-MoE: the fused experts tensors (transformers 5's layout) split per expert and held by two ranks
+    (expert parallel), deepstack and interleaved M-RoPE over the MoE decoder."""
+    path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl_moe"), version="3-moe")
+    image, text = make_image(90, 100, seed=15), f"look {IMAGE_PLACEHOLDER} closely"
+    async with AsyncEngine(path, disable_log_stats=True, tensor_parallel_size=2, enable_expert_parallel=True,
+                           block_size=4, max_num_batched_tokens=BUDGET, max_num_seqs=2) as engine:
+        out = await engine.generate({"prompt": text, "images": [image]}, GREEDY)
+    hf_prompt, hf_tokens = hf_qwen_vl_greedy(path, text, [image], 8)
+    assert out.prompt_token_ids == hf_prompt and out.outputs[0].token_ids == hf_tokens
+
+
 async def test_qwen3_vl_block_fp8_checkpoint_with_the_tower_left_out_matches_transformers(tmp_path_factory):
     """Qwen3-VL's official FP8 layout: block-wise fp8 decoder projections, the tower's modules (transformers 5
     names) in modules_to_not_convert."""
@@ -145,7 +157,7 @@ async def test_mm_processor_kwargs_bound_an_image_and_an_unknown_key_is_refused(
         await AsyncEngine(qwen25_vl, mm_processor_kwargs={"max_pixel": 1000}).start()
 
 
-async def test_openai_chat_completions_take_base64_data_url_images(engine, qwen25_vl):
+async def test_openai_chat_completions_and_responses_take_base64_data_url_images(engine, qwen25_vl):
     import base64
 
     from asgi_helpers import asgi_client
@@ -157,8 +169,12 @@ async def test_openai_chat_completions_take_base64_data_url_images(engine, qwen2
     content = [{"type": "image_url", "image_url": {"url": url, "detail": "high"}},
                {"type": "text", "text": "what is this?"}]
     body = {"model": qwen25_vl, "max_tokens": 8, "temperature": 0.0, "messages": [{"role": "user", "content": content}]}
+    responses_body = {"model": qwen25_vl, "max_output_tokens": 8, "temperature": 0.0, "store": False, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": url, "detail": "auto"},
+                                     {"type": "input_text", "text": "what is this?"}]}]}
     async with asgi_client(create_app(engine, manage_engine=False)) as client:
         ok = await client.post("/v1/chat/completions", json=body)
+        response = await client.post("/v1/responses", json=responses_body)
         content[0]["image_url"]["url"] = "https://example.com/cat.png"
         fetched = await client.post("/v1/chat/completions", json=body)
     hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
@@ -167,6 +183,9 @@ async def test_openai_chat_completions_take_base64_data_url_images(engine, qwen2
     assert ok.json()["usage"]["prompt_tokens"] == len(hf_prompt)
     assert ok.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(hf_tokens, skip_special_tokens=True)
     assert fetched.status_code == 400 and "URLs are not fetched" in fetched.json()["error"]["message"]
+    assert response.status_code == 200, response.text
+    message = next(item for item in response.json()["output"] if item["type"] == "message")
+    assert message["content"][0]["text"] == ok.json()["choices"][0]["message"]["content"]
 
 
 async def test_limit_mm_per_prompt_fails_a_prompt_with_more_images_before_reading_them(qwen25_vl):

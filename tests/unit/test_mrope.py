@@ -109,3 +109,21 @@ def test_qwen3_vl_interleaved_rotation_equals_transformers_bit_for_bit():
     cos, sin = Qwen3VLTextRotaryEmbedding(config)(torch.zeros(1, len(ids), 16), positions[:, None, :])
     ours = rotary.step_table(positions)
     assert torch.equal(ours[:, :8], cos[0, :, :8]) and torch.equal(ours[:, 8:], sin[0, :, :8])
+
+
+def test_fused_experts_of_either_layout_split_into_the_same_per_expert_matrices():
+    from asyncllm.models.qwen3_vl_moe import per_expert_weights
+
+    hidden, inter = 6, 2
+    gate_up = torch.randn(3, 2 * inter, hidden)  # transformers 5: [E, 2I, hidden]
+    down = torch.randn(3, hidden, inter)
+    name = "model.layers.0.mlp.experts."
+    new = dict(per_expert_weights(name + "gate_up_proj", gate_up, hidden, inter))
+    new.update(per_expert_weights(name + "down_proj", down, hidden, inter))
+    old = dict(per_expert_weights(name + "gate_up_proj", gate_up.transpose(1, 2), hidden, inter))  # 4.57's
+    old.update(per_expert_weights(name + "down_proj", down.transpose(1, 2), hidden, inter))
+    assert new.keys() == old.keys() and len(new) == 9
+    assert all(torch.equal(new[k], old[k]) for k in new)
+    assert torch.equal(new[name + "1.up_proj.weight"], gate_up[1, inter:])
+    with pytest.raises(ConfigError, match="fused experts of shape"):
+        list(per_expert_weights(name + "down_proj", torch.zeros(3, 5, 5), hidden, inter))

@@ -1,13 +1,10 @@
-"""The Qwen3-VL vision tower against transformers' ``model.visual``, whole and over two gloo ranks."""
+"""The Qwen3-VL vision tower against transformers' ``model.visual`` (over two ranks, sharded by weights: the
+Qwen3-VL-MoE engine test in tests/engine/test_qwen_vl_engine.py)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-import torch.multiprocessing as mp
-from model_utils import free_port, gloo_rank
 from qwen_vl_utils import load_tower, random_patches
 from transformers import Qwen3VLConfig
 
@@ -126,42 +123,3 @@ def test_refuses_other_towers_shards_that_do_not_split_bad_deepstack_and_bad_inp
     config.model_type = "qwen2_5_vl_vision"
     with pytest.raises(NotBuiltError, match="qwen2_5_vl_vision"):
         Qwen3VisionTower(config, TensorParallel(), torch.float32)
-
-
-def _tp_rank(rank: int, world_size: int, port: int, ref_path: str, out_dir: str) -> None:
-    with gloo_rank(rank, world_size, port, timeout_s=120):
-        weights, pixels, grids, _ = torch.load(ref_path)
-        tower = _tower(weights, TensorParallel(rank, world_size))
-        with torch.inference_mode():
-            out = {"features": tower(pixels, grids),
-                   "params": {name: p.clone() for name, p in tower.named_parameters()}}
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-
-
-def _shard(name: str, full: torch.Tensor, rank: int) -> torch.Tensor:
-    """What rank ``rank`` of two should hold of checkpoint tensor ``name``."""
-    if ".qkv." in name:  # each of q, k, v split by heads
-        return torch.cat([part.chunk(2, dim=0)[rank] for part in full.chunk(3, dim=0)])
-    if ".linear_fc1." in name:
-        return full.chunk(2, dim=0)[rank]
-    if name.endswith(("attn.proj.weight", "linear_fc2.weight")):
-        return full.chunk(2, dim=1)[rank]
-    return full
-
-
-@pytest.mark.slow
-def test_two_ranks_hold_their_shards_and_give_the_one_rank_output(tmp_path):
-    weights, grids = _hf_tower().state_dict(), GRIDS["two images"] + GRIDS["a clip and a one-unit image"]
-    pixels = _pixels(grids)
-    with torch.no_grad():
-        expected = _tower(weights)(pixels, grids)
-    torch.save((weights, pixels, grids, expected), tmp_path / "ref.pt")
-    mp.spawn(_tp_rank, args=(2, free_port(), str(tmp_path / "ref.pt"), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"rank{rank}.pt")
-        params = got["params"]
-        assert params.keys() == weights.keys()
-        for name, param in params.items():
-            assert torch.equal(param, _shard(name, weights[name], rank)), name
-        assert params["merger.linear_fc1.weight"].shape[0] == weights["merger.linear_fc1.weight"].shape[0] // 2
-        _assert_close(got["features"], expected)
