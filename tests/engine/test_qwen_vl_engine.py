@@ -286,3 +286,32 @@ async def test_an_fp8_compressed_tensors_checkpoint_matches_transformers_with_an
     with torch.no_grad():
         expected = reference.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
     assert out.outputs[0].token_ids == expected.tolist()
+
+
+async def test_a_trainers_state_dict_pushed_into_the_engine_serves_like_transformers(engine, qwen25_vl):
+    """RL on a VLM: an HF model's whole state_dict (transformers 5's names: model.visual.*, model.language_model.*)
+    pushed with update_weights_from_tensors, tower and decoder changed; the encoder cache forgets the old features.
+    The original weights are pushed back at the end (the module's engine is shared)."""
+    import torch
+    from transformers import AutoModelForImageTextToText
+
+    from qwen_vl_utils import hf_qwen_vl_inputs
+
+    image, text = make_image(100, 80, seed=9), f"see {IMAGE_PLACEHOLDER} here"
+    prompt = {"prompt": text, "images": [image]}
+    before = await engine.generate(prompt, GREEDY)  # its features now cached
+    model = AutoModelForImageTextToText.from_pretrained(qwen25_vl, dtype=torch.float32).eval()
+    original = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "visual.blocks.0." in name or "language_model.layers.1." in name:
+                param.mul_(1.5)
+    await engine.update_weights_from_tensors(model.state_dict())
+    after = await engine.generate(prompt, GREEDY)
+    await engine.update_weights_from_tensors(original)
+    restored = await engine.generate(prompt, GREEDY)
+    inputs = hf_qwen_vl_inputs(qwen25_vl, text, [image])
+    with torch.no_grad():
+        expected = model.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert after.outputs[0].token_ids == expected.tolist() != before.outputs[0].token_ids
+    assert restored.outputs[0].token_ids == before.outputs[0].token_ids
