@@ -42,19 +42,49 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         messages = [with_template_calls(i, m) if isinstance(m, dict) else m for i, m in enumerate(messages)]
         token_ids = _render_chat(mm, messages, template_arguments(template_kwargs, tools, chat_template))
     else:
-        unknown = set(prompt) - {"prompt", "images", "image_uuids"}
-        if unknown or not isinstance(prompt.get("prompt"), str) or not prompt["prompt"]:
-            raise InvalidRequestError("prompt", "a dict prompt is {'prompt': str, 'images': [...], 'image_uuids': "
-                                      f"[...] (optional)}}; got keys {sorted(prompt)}")
+        prompt = from_vllm_prompt(prompt)
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids"}
+        text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+        if unknown or (isinstance(text, str) and bool(text)) == (isinstance(ids, list) and bool(ids)):
+            raise InvalidRequestError("prompt", "a dict prompt is {'prompt': str (or 'prompt_token_ids': [int]), "
+                                      "'images': [...], 'image_uuids': [...] (optional)} or vLLM's "
+                                      f"{{'prompt', 'multi_modal_data': {{'image': ...}}}}; got keys {sorted(prompt)}")
         images = prompt.get("images", [])
         uuids = (check_uuids(prompt.get("image_uuids"), len(images), "prompt.image_uuids")
                  if isinstance(images, (list, tuple)) else None)  # not a list: mm.process says so
-        token_ids = encode_prompt(mm.tokenizer, prompt["prompt"])
+        token_ids = encode_prompt(mm.tokenizer, text) if ids is None else _token_ids(ids, mm)
     result = mm.process(token_ids, images, field, uuids)
     if len(result.token_ids) >= max_model_len:
         raise InvalidRequestError(
             "prompt", f"{len(result.token_ids)} tokens with image placeholders, but max_model_len is {max_model_len}")
     return result
+
+
+def from_vllm_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's prompt dict (``multi_modal_data={"image": image or [images]}``, ``multi_modal_uuids={"image": ...}``)
+    as ours (``images``, ``image_uuids``); ours unchanged. Other modalities: `InvalidRequestError` naming them."""
+    if "multi_modal_data" not in prompt and "multi_modal_uuids" not in prompt:
+        return prompt
+    out = {key: value for key, value in prompt.items() if key not in ("multi_modal_data", "multi_modal_uuids")}
+    for key, ours in (("multi_modal_data", "images"), ("multi_modal_uuids", "image_uuids")):
+        value = prompt.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, dict) or set(value) - {"image"}:
+            raise InvalidRequestError(f"prompt.{key}", "images only: {'image': an image or a list of images} "
+                                                       f"(videos and audio are not built), got {value!r:.80}")
+        if ours in out:
+            raise InvalidRequestError(f"prompt.{key}", f"give images as {key} or as {ours!r}, not both")
+        images = value.get("image", [])
+        out[ours] = list(images) if isinstance(images, (list, tuple)) else [images]
+    return out
+
+
+def _token_ids(ids: list[Any], mm: MultiModalProcessor) -> list[int]:
+    """A dict prompt's ``prompt_token_ids``, checked (the image placeholders among them, as in a text prompt)."""
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < len(mm.tokenizer) for t in ids):
+        raise InvalidRequestError("prompt.prompt_token_ids", f"token ids in [0, {len(mm.tokenizer)})")
+    return list(ids)
 
 
 def _render_chat(mm: MultiModalProcessor, messages: list[dict[str, Any]], kwargs: dict[str, Any]) -> list[int]:

@@ -10,6 +10,7 @@ import pytest_asyncio
 from qwen_vl_utils import IMAGE_PAD, IMAGE_PLACEHOLDER, hf_qwen_vl_greedy, make_image, make_tiny_qwen_vl
 
 from asyncllm import AsyncEngine, SamplingParams
+from asyncllm.errors import InvalidRequestError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -39,6 +40,14 @@ async def test_one_image_matches_transformers_with_the_image_split_across_chunks
     pad = engine.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     assert hf_prompt.count(pad) > BUDGET
     assert out.outputs[0].token_ids == hf_tokens
+    ids = engine.tokenizer(text)["input_ids"]  # one placeholder, expanded by the engine
+    vllm_style = await asyncio.gather(  # vLLM's prompt dicts: multi_modal_data / multi_modal_uuids
+        engine.generate({"prompt": text, "multi_modal_data": {"image": image}}, GREEDY),
+        engine.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [image]},
+                         "multi_modal_uuids": {"image": ["photo-1"]}}, GREEDY))
+    assert [o.outputs[0].token_ids for o in vllm_style] == [hf_tokens, hf_tokens]
+    with pytest.raises(InvalidRequestError, match="videos and audio are not built"):
+        await engine.generate({"prompt": text, "multi_modal_data": {"video": [image]}}, GREEDY)
 
 
 async def test_images_of_different_sizes_in_a_batch_with_text_and_a_prefix_hit_match_transformers(engine, qwen25_vl):
