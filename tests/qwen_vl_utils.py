@@ -94,7 +94,7 @@ def _configs(version: str, text: dict, common: dict):
     return Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig(text_config=text, vision_config=vision, **common)
 
 
-def image_processor(path: str | os.PathLike[str] | None = None, patch_size: int = 14):
+def image_processor(path: str | os.PathLike[str] | None = None, patch_size: int = 14, **overrides):
     """The checkpoint's image processor (the PIL one: no torchvision here), or a new one with the tests' bounds
     (4 to 64 merged tokens per image; Qwen3-VL's patches are 16 pixels).
 
@@ -103,12 +103,13 @@ def image_processor(path: str | os.PathLike[str] | None = None, patch_size: int 
     from transformers import AutoImageProcessor, Qwen2VLImageProcessorPil
 
     if path is not None and (Path(path) / "preprocessor_config.json").exists():
-        return AutoImageProcessor.from_pretrained(path)
+        return AutoImageProcessor.from_pretrained(path, **overrides)
     unit = (2 * patch_size) ** 2
     return Qwen2VLImageProcessorPil(min_pixels=4 * unit, max_pixels=64 * unit, patch_size=patch_size)
 
 
-def hf_qwen_vl_inputs(path: str, text: str, images: list[bytes], add_special_tokens: bool = True) -> dict:
+def hf_qwen_vl_inputs(path: str, text: str, images: list[bytes], add_special_tokens: bool = True,
+                      processor_kwargs: dict | None = None) -> dict:
     """transformers' model inputs for ``text`` with one `IMAGE_PLACEHOLDER` per image (what its processor makes:
     each ``<|image_pad|>`` repeated once per merged patch)."""
     from PIL import Image
@@ -118,7 +119,7 @@ def hf_qwen_vl_inputs(path: str, text: str, images: list[bytes], add_special_tok
     inputs: dict = {}
     if images:
         pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
-        inputs = dict(image_processor(path)(images=pil, return_tensors="pt"))
+        inputs = dict(image_processor(path, **(processor_kwargs or {}))(images=pil, return_tensors="pt"))
         counts = iter((inputs["image_grid_thw"].prod(-1) // 4).tolist())
         text = _expand(text, counts)
     inputs["input_ids"] = tokenizer([text], return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"]
@@ -133,7 +134,7 @@ def _expand(text: str, counts) -> str:
 
 
 def hf_qwen_vl_greedy(path: str, text: str | None, images: list[bytes], max_new_tokens: int,
-                      messages: list | None = None) -> tuple[list[int], list[int]]:
+                      messages: list | None = None, processor_kwargs: dict | None = None) -> tuple[list[int], list[int]]:
     """transformers' (prompt ids, greedy tokens) for a text with image placeholders (or chat messages)."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
@@ -141,7 +142,8 @@ def hf_qwen_vl_greedy(path: str, text: str | None, images: list[bytes], max_new_
     if messages is not None:
         text = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True,
                                                                         tokenize=False)
-    inputs = hf_qwen_vl_inputs(path, text, images, add_special_tokens=messages is None)  # a template has its own
+    inputs = hf_qwen_vl_inputs(path, text, images, add_special_tokens=messages is None,  # a template has its own
+                               processor_kwargs=processor_kwargs)
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)

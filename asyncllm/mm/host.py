@@ -43,17 +43,18 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         token_ids = _render_chat(mm, messages, template_arguments(template_kwargs, tools, chat_template))
     else:
         prompt = from_vllm_prompt(prompt)
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids"}
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids", "mm_processor_kwargs"}
         text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         if unknown or (isinstance(text, str) and bool(text)) == (isinstance(ids, list) and bool(ids)):
             raise InvalidRequestError("prompt", "a dict prompt is {'prompt': str (or 'prompt_token_ids': [int]), "
-                                      "'images': [...], 'image_uuids': [...] (optional)} or vLLM's "
+                                      "'images': [...], 'image_uuids', 'mm_processor_kwargs' (optional)} or vLLM's "
                                       f"{{'prompt', 'multi_modal_data': {{'image': ...}}}}; got keys {sorted(prompt)}")
         images = prompt.get("images", [])
         uuids = (check_uuids(prompt.get("image_uuids"), len(images), "prompt.image_uuids")
                  if isinstance(images, (list, tuple)) else None)  # not a list: mm.process says so
         token_ids = encode_prompt(mm.tokenizer, text) if ids is None else _token_ids(ids, mm)
-    result = mm.process(token_ids, images, field, uuids)
+    overrides = None if chat else prompt.get("mm_processor_kwargs")
+    result = mm.process(token_ids, images, field, uuids, overrides)
     if len(result.token_ids) >= max_model_len:
         raise InvalidRequestError(
             "prompt", f"{len(result.token_ids)} tokens with image placeholders, but max_model_len is {max_model_len}")

@@ -11,7 +11,10 @@ or the shm ring's writer (asyncllm/mm/shm_ring.py).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
@@ -49,6 +52,8 @@ class MultiModalPrompt:
     """The caller's images, kept until the core accepts the request (to resend after a cache miss)."""
     uuids: list[str | None] = dataclass_field(default_factory=list)
     """The caller's uuid of each image (None: keyed by its content hash)."""
+    overrides: dict[str, Any] = dataclass_field(default_factory=dict)
+    """The request's ``mm_processor_kwargs`` (over the engine's)."""
 
 
 def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput], list[str | None]]:
@@ -101,6 +106,19 @@ def load_image_processor(model_path: str, overrides: dict[str, Any]) -> Any:
     return processor
 
 
+_REQUEST_PROCESSORS = 8
+"""Image processors kept for requests' distinct ``mm_processor_kwargs``."""
+
+
+def overridden_key(key: str, overrides: dict[str, Any]) -> str:
+    """An image's item key under a request's ``mm_processor_kwargs``: its pixels differ, so its key does too
+    (processor, encoder and prefix caches); the plain key without them."""
+    if not overrides:
+        return key
+    text = key + json.dumps(overrides, sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
 class _Counters:
     mm_cache_queries = 0
     mm_cache_hits = 0
@@ -116,7 +134,11 @@ class MultiModalProcessor:
             import PIL  # noqa: F401
         except ImportError as exc:
             raise ConfigError("model", model_path, "pillow installed for image inputs: pip install 'asyncllm[multimodal]'") from exc
-        self.image_processor = load_image_processor(model_path, processor_kwargs or {})
+        self._model_path = model_path
+        self._engine_overrides = dict(processor_kwargs or {})
+        self.image_processor = load_image_processor(model_path, self._engine_overrides)
+        self._request_processors: OrderedDict[str, Any] = OrderedDict()
+        """Image processors of requests' ``mm_processor_kwargs`` (by their JSON), the last few used."""
         self.tokenizer = tokenizer
         self.image_token_id: int = model_cls.mm_placeholder_token_id(hf_config)
         self._hf_config = hf_config
@@ -159,8 +181,11 @@ class MultiModalProcessor:
 
     # ------------------------------------------------------------ prompts
     def process(self, token_ids: list[int], images: list[ImageInput], field: str,
-                uuids: list[str | None] | None = None) -> MultiModalPrompt:
-        """Expand each placeholder token of ``token_ids`` and process its image (keyed by its uuid, if given)."""
+                uuids: list[str | None] | None = None, overrides: dict[str, Any] | None = None) -> MultiModalPrompt:
+        """Expand each placeholder token of ``token_ids`` and process its image (keyed by its uuid, if given;
+        with the request's ``mm_processor_kwargs`` ``overrides``, by both)."""
+        overrides = overrides or {}
+        self._processor_for(overrides)  # a bad key fails the request before any image is read
         if not isinstance(images, (list, tuple)):
             raise InvalidRequestError(field, f"must be a list of images, got {type(images).__name__}")
         if self.max_images is not None and len(images) > self.max_images:
@@ -176,17 +201,17 @@ class MultiModalProcessor:
         previous = 0
         for index, (slot, image, uuid) in enumerate(zip(slots, images, uuids)):
             expanded += token_ids[previous:slot]
-            item = self._item(image, uuid, f"{field}[{index}]", len(expanded))
+            item = self._item(image, uuid, f"{field}[{index}]", len(expanded), overrides=overrides)
             expanded += [self.image_token_id] * item.length
             items.append(item)
             previous = slot + 1
         expanded += token_ids[previous:]
-        return MultiModalPrompt(expanded, items, list(images), list(uuids))
+        return MultiModalPrompt(expanded, items, list(images), list(uuids), overrides)
 
     def process_items(self, prompt: MultiModalPrompt, inline: bool = False) -> list[MultiModalItem]:
         """``prompt``'s items again, processed from its images (``inline``: every one with its data)."""
         uuids = prompt.uuids or [None] * len(prompt.images)
-        return [self._item(image, uuid, f"images[{i}]", item.offset, inline)
+        return [self._item(image, uuid, f"images[{i}]", item.offset, inline, prompt.overrides)
                 for i, (image, uuid, item) in enumerate(zip(prompt.images, uuids, prompt.items))]
 
     def forget(self, mm_hashes: list[str]) -> None:
@@ -194,9 +219,11 @@ class MultiModalProcessor:
         if self.cache is not None:
             self.cache.forget(mm_hashes)
 
-    def _item(self, image: ImageInput, uuid: str | None, field: str, offset: int, inline: bool = False) -> MultiModalItem:
+    def _item(self, image: ImageInput, uuid: str | None, field: str, offset: int, inline: bool = False,
+              overrides: dict[str, Any] | None = None) -> MultiModalItem:
         """One image's item: key-only (or a ring location) on a cache hit, else processed and recorded."""
         raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field)
+        key = overridden_key(key, overrides or {})
         cache = None if inline else self.cache
         if cache is not None:
             self.stats.mm_cache_queries += 1
@@ -205,16 +232,39 @@ class MultiModalProcessor:
                 self.stats.mm_cache_hits += 1
                 return hit
         decoded = decode_image(raw if raw is not None else read_image(image, field), field, self.max_image_pixels)
-        pixel_values = self._preprocess(decoded, field)
+        pixel_values = self._preprocess(decoded, field, overrides or {})
         length = self._model_cls.mm_placeholder_length(self._hf_config, pixel_values.shape)
         if cache is None:
             return inline_item(key, offset, length, pixel_values)
         return cache.record(key, offset, length, pixel_values)
 
-    def _preprocess(self, image: Any, field: str) -> Any:
+    def _processor_for(self, overrides: dict[str, Any]) -> Any:
+        """The image processor with a request's ``mm_processor_kwargs`` over the engine's (`ConfigError` -> the
+        request's `InvalidRequestError` for a key that changes nothing)."""
+        if not overrides:
+            return self.image_processor
+        if not isinstance(overrides, dict):
+            raise InvalidRequestError("prompt.mm_processor_kwargs", f"must be a dict, got {type(overrides).__name__}")
+        name = json.dumps(overrides, sort_keys=True, default=str)
+        if name not in self._request_processors:
+            try:
+                self._request_processors[name] = load_image_processor(self._model_path,
+                                                                      {**self._engine_overrides, **overrides})
+            except ConfigError as exc:
+                raise InvalidRequestError("prompt.mm_processor_kwargs", f"{exc.field}={exc.value!r}: {exc.allowed}") \
+                    from exc
+            except (TypeError, ValueError) as exc:  # a value of the wrong type for the processor
+                raise InvalidRequestError("prompt.mm_processor_kwargs", f"the image processor refused it: {exc}") \
+                    from exc
+            if len(self._request_processors) > _REQUEST_PROCESSORS:
+                self._request_processors.popitem(last=False)
+        self._request_processors.move_to_end(name)
+        return self._request_processors[name]
+
+    def _preprocess(self, image: Any, field: str, overrides: dict[str, Any]) -> Any:
         """The HF image processor's output for one image, as the model's float32 numpy array (`mm_pixel_values`)."""
         try:
-            out = self.image_processor(images=[image], return_tensors="np")
+            out = self._processor_for(overrides)(images=[image], return_tensors="np")
         except (ValueError, OSError) as exc:
             raise InvalidRequestError(field, f"the image processor rejected the image: {exc}") from exc
         return self._model_cls.mm_pixel_values(out)

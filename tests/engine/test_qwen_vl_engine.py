@@ -151,6 +151,19 @@ async def test_qwen2_vl_over_two_ranks_encoding_by_data_and_preempted_matches_tr
     assert preemptions > 0
 
 
+async def test_a_requests_mm_processor_kwargs_bound_its_image_and_key_it_apart(engine, qwen25_vl):
+    image, text = make_image(200, 150, seed=16), f"small {IMAGE_PLACEHOLDER} please"
+    small = {"max_pixels": 28 * 28 * 6}
+    default, bounded = await asyncio.gather(
+        engine.generate({"prompt": text, "images": [image]}, GREEDY),
+        engine.generate({"prompt": text, "images": [image], "mm_processor_kwargs": small}, GREEDY))
+    pad = engine.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert bounded.prompt_token_ids.count(pad) <= 6 < default.prompt_token_ids.count(pad)
+    assert bounded.outputs[0].token_ids == hf_qwen_vl_greedy(qwen25_vl, text, [image], 8, processor_kwargs=small)[1]
+    with pytest.raises(InvalidRequestError, match="prompt.mm_processor_kwargs"):
+        await engine.generate({"prompt": text, "images": [image], "mm_processor_kwargs": {"max_pixel": 9}}, GREEDY)
+
+
 async def test_mm_processor_kwargs_bound_an_image_and_an_unknown_key_is_refused(qwen25_vl):
     from PIL import Image
 
