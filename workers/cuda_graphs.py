@@ -69,9 +69,7 @@ def padded_size(num_reqs: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def graphs_off_reason(
-    config: EngineConfig, device: torch.device, backend_name: str | None, tp_size: int, multimodal: bool
-) -> str | None:
+def graphs_off_reason(config: EngineConfig, device: torch.device, backend_name: str | None, tp_size: int) -> str | None:
     """Why this runner must stay eager, or None when decode graphs can be captured."""
     if device.type != "cuda":
         return f"the device is {device.type}, not CUDA"
@@ -83,8 +81,6 @@ def graphs_off_reason(
         return f"the {backend_name} attention backend reads host-side metadata (graphs need 'triton')"
     if tp_size > 1:
         return "tensor_parallel_size > 1 (capturing the all-reduce is not built yet)"
-    if multimodal:
-        return "multimodal models run eagerly"
     return None
 
 
@@ -208,8 +204,7 @@ class CudaGraphRunner:
 def capture_decode_graphs(runner: ModelRunner) -> CudaGraphRunner | None:
     """Capture the runner's decode graphs over its current KV cache, or None when it stays eager."""
     model = runner.model
-    reason = graphs_off_reason(runner.config, runner.device, attention_backend_name(model), runner.tp_size,
-                               runner.mm_runner is not None)
+    reason = graphs_off_reason(runner.config, runner.device, attention_backend_name(model), runner.tp_size)
     if reason is not None:
         if runner.device.type == "cuda":
             logger.info("CUDA graphs off: %s", reason)

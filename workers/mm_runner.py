@@ -59,10 +59,17 @@ class MRopePositions:
         self.requests[req_id] = self.model.mrope_positions(num_prompt_tokens, items)
 
     def positions(self, spans: list[ScheduledSpan], flat: np.ndarray, device: torch.device) -> torch.Tensor | None:
-        """``[3, T]`` positions for a step whose token indices are ``flat``; None when no span has images."""
+        """The rope positions of a step whose token indices are ``flat``: None when no span has images; ``[T]``
+        (``index + delta``) when none of theirs is in its prompt (decode steps: the CUDA graphs take them);
+        else ``[3, T]``."""
         spans = [span for span in spans if span.req_id in self.requests]
         if not spans:
             return None
+        if all(flat[span.flat_offset] >= self.requests[span.req_id][0].shape[1] for span in spans):
+            out = flat.copy()
+            for span in spans:  # after the prompt: the three axes are equal, one shifted position
+                out[span.flat_offset : span.flat_offset + span.length] += self.requests[span.req_id][1]
+            return torch.from_numpy(out).to(device)
         out = np.repeat(flat[None, :], 3, axis=0)
         for span in spans:
             table, delta = self.requests[span.req_id]
@@ -107,8 +114,8 @@ class MultiModalRunner:
     def inputs_embeds(self, sched_out: SchedulerOutput, batch: InputBatch,
                       inputs: StepInputs) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(the step's input embeddings, or None when no image is reached; its rope positions: ``inputs.positions``,
-        or M-RoPE's ``[3, T]`` when a request with images runs). Call after `prepare_inputs` and before
-        `finish_step` (rows still hold this step's start)."""
+        or M-RoPE's when a request with images runs: `MRopePositions.positions`). Call after `prepare_inputs` and
+        before `finish_step` (rows still hold this step's start)."""
         if not self.cache.items:
             return None, inputs.positions
         spans = self._spans(sched_out, batch)

@@ -13,6 +13,7 @@ sends rank 0's output back.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -261,8 +262,8 @@ class ModelRunner:
         failed = self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens) if self.lora_runner else {}
         with_lora = self.lora_runner is not None and self.lora_runner.context.mask is not None
         graphs = self.cuda_graphs if embeds is None and not with_lora else None  # adapters run eagerly
-        if graphs is not None and graphs.can_run(inputs):  # a decode batch: replay its captured forward
-            hidden = graphs.forward(inputs)
+        if graphs is not None and positions.dim() == 1 and graphs.can_run(inputs):  # a decode batch: replay it
+            hidden = graphs.forward(inputs if positions is inputs.positions else replace(inputs, positions=positions))
         else:
             hidden = self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, **extra)
         if self.pooler.pools_all:  # MEAN / CLS embeddings: every prompt row of theirs, chunk by chunk

@@ -45,13 +45,12 @@ def test_padded_size() -> None:
 
 def test_graphs_off_reason(tmp_path: Path) -> None:
     config = EngineConfig.create(str(tmp_path))
-    assert graphs_off_reason(config, CUDA, "triton", 1, False) is None
-    assert "not CUDA" in graphs_off_reason(config, CPU, "triton", 1, False)
+    assert graphs_off_reason(config, CUDA, "triton", 1) is None
+    assert "not CUDA" in graphs_off_reason(config, CPU, "triton", 1)
     eager = EngineConfig.create(str(tmp_path), enforce_eager=True)
-    assert graphs_off_reason(eager, CUDA, "triton", 1, False) == "enforce_eager=True"
-    assert "torch_sdpa" in graphs_off_reason(config, CUDA, "torch_sdpa", 1, False)
-    assert "tensor_parallel_size" in graphs_off_reason(config, CUDA, "triton", 2, False)
-    assert "multimodal" in graphs_off_reason(config, CUDA, "triton", 1, True)
+    assert graphs_off_reason(eager, CUDA, "triton", 1) == "enforce_eager=True"
+    assert "torch_sdpa" in graphs_off_reason(config, CUDA, "torch_sdpa", 1)
+    assert "tensor_parallel_size" in graphs_off_reason(config, CUDA, "triton", 2)
 
 
 def test_a_cpu_runner_captures_nothing(tmp_path: Path) -> None:
