@@ -48,7 +48,7 @@ from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
 from asyncllm.mm.cache import CACHE_MISS_ERROR
-from asyncllm.mm.host import multimodal_prompt, resend_with_data
+from asyncllm.mm.host import multimodal_prompt, plain_prompt, resend_with_data
 from asyncllm.mm.processor import MultiModalPrompt, MultiModalProcessor
 from asyncllm.tokenizer import apply_chat_template, bad_words_token_ids, encode_prompt
 
@@ -389,6 +389,8 @@ class Processor:
 
     def _tokenize(self, job: Submit) -> list[int]:
         options = job.options
+        if isinstance(job.prompt, dict) and not job.chat:  # vLLM's TextPrompt / TokensPrompt: the plain prompt
+            job.prompt = plain_prompt(job.prompt) or job.prompt
         if self._mm is not None or isinstance(job.prompt, dict):
             job.mm_prompt = multimodal_prompt(self._mm, job.prompt, job.chat, self.max_model_len,
                                               options.chat_template_kwargs, options.tools, options.chat_template)

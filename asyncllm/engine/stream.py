@@ -151,7 +151,7 @@ def check_prompt(prompt: Any, chat: bool) -> None:
             raise InvalidRequestError("prompt", "the prompt is empty")
         return
     if isinstance(prompt, dict):
-        return  # {"prompt": str, "images": [...]}: checked and processed on the processor thread (asyncllm/mm/)
+        return  # {"prompt": str, "images": [...]}, vLLM's prompt dicts: checked on the processor thread (asyncllm/mm/)
     if isinstance(prompt, (list, tuple)):
         if not prompt:
             raise InvalidRequestError("prompt", "the prompt is empty")

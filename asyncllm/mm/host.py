@@ -16,7 +16,7 @@ from asyncllm.mm.processor import (
 )
 from asyncllm.tokenizer import encode_prompt, template_arguments, with_template_calls
 
-__all__ = ["multimodal_prompt", "resend_with_data"]
+__all__ = ["multimodal_prompt", "plain_prompt", "resend_with_data"]
 
 
 def _is_multimodal_chat(messages: Any) -> bool:
@@ -59,6 +59,23 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         raise InvalidRequestError(
             "prompt", f"{len(result.token_ids)} tokens with image placeholders, but max_model_len is {max_model_len}")
     return result
+
+
+def plain_prompt(prompt: dict[str, Any]) -> str | list[int] | None:
+    """A prompt dict without images (vLLM's ``TextPrompt`` / ``TokensPrompt``: ``{"prompt": str}``,
+    ``{"prompt_token_ids": [...]}``) as the plain prompt it is, for any model; None when it holds images (or is
+    malformed: `multimodal_prompt` names what is wrong)."""
+    if set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids", "multi_modal_data", "multi_modal_uuids"}:
+        return None
+    data = prompt.get("multi_modal_data")
+    if prompt.get("images") or (isinstance(data, dict) and any(data.values())) or (data and not isinstance(data, dict)):
+        return None
+    text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    if isinstance(text, str) and ids is None:
+        return text
+    if isinstance(ids, list) and text is None:
+        return ids
+    return None
 
 
 def from_vllm_prompt(prompt: dict[str, Any]) -> dict[str, Any]:

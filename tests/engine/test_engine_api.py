@@ -147,6 +147,17 @@ async def test_chat_template_kwargs_reach_the_template(engine: AsyncEngine, toke
         assert info.value.field == "chat_template_kwargs"
 
 
+async def test_vllm_prompt_dicts_are_their_plain_prompts(engine: AsyncEngine, tokenizer) -> None:
+    """vLLM's TextPrompt / TokensPrompt dicts on a text model; a dict with images still says it takes none."""
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    ids = tokenizer("def f(x):")["input_ids"]
+    outs = await asyncio.gather(engine.generate("def f(x):", params), engine.generate({"prompt": "def f(x):"}, params),
+                                engine.generate({"prompt_token_ids": ids}, params))
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids and outs[2].prompt_token_ids == ids
+    with pytest.raises(InvalidRequestError, match="takes no images"):
+        await engine.generate({"prompt": "x", "multi_modal_data": {"image": b"png"}}, params)
+
+
 async def test_truncate_prompt_tokens_keeps_the_end(engine: AsyncEngine, tokenizer) -> None:
     text = "def area(r):\n    return 3.14 * r * r\n" * 60
     ids = tokenizer(text).input_ids
