@@ -130,6 +130,8 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     """vLLM's: variables for the chat template (``{"enable_thinking": false}`` for Qwen3)."""
     chat_template: str | None = None
     """vLLM's: a Jinja template for this request; only on a server started with --trust-request-chat-template."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """vLLM's: the image processor's settings for this request's images (``{"max_pixels": ...}``)."""
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -314,7 +314,7 @@ class OpenAIServer:
         streams = [self.engine.chat(chat_messages(req.messages, images=True), params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
-                                    data_parallel_rank=data_parallel_rank)]
+                                    data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs)]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
                           return_prompt_logprobs=req.prompt_logprobs is not None)
         return streams, choices

@@ -237,7 +237,8 @@ class AsyncEngine:
              request_id: str | None = None, timeout: float | None = None,
              cache_salt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
-             lora_request: LoRARequest | None = None, data_parallel_rank: int | None = None) -> RequestStream:
+             lora_request: LoRARequest | None = None, data_parallel_rank: int | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
 
         `chat_template_kwargs` are variables for the template, as in
@@ -245,10 +246,12 @@ class AsyncEngine:
         for Qwen3; ``{"add_generation_prompt": False}`` to continue the last message).
         `tools` are OpenAI function tools for the template; the reply's text
         holds the calls in the model's format (`asyncllm.tool_calls` parses them).
-        `chat_template` (Jinja) replaces the tokenizer's template for this request.
+        `chat_template` (Jinja) replaces the tokenizer's template for this request; `mm_processor_kwargs` (vLLM's)
+        the image processor's settings for its images (over the engine's; docs/multimodal.md).
         """
         options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
-                                 lora_request, data_parallel_rank=data_parallel_rank)
+                                 lora_request, data_parallel_rank=data_parallel_rank,
+                                 mm_processor_kwargs=mm_processor_kwargs)
         return RequestStream(self, messages, _checked_params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:

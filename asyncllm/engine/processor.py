@@ -393,7 +393,8 @@ class Processor:
             job.prompt = plain_prompt(job.prompt) or job.prompt
         if self._mm is not None or isinstance(job.prompt, dict):
             job.mm_prompt = multimodal_prompt(self._mm, job.prompt, job.chat, self.max_model_len,
-                                              options.chat_template_kwargs, options.tools, options.chat_template)
+                                              options.chat_template_kwargs, options.tools, options.chat_template,
+                                              options.mm_processor_kwargs)
             if job.mm_prompt is not None:
                 if job.params.truncate_prompt_tokens is not None:
                     raise errors.InvalidRequestError("truncate_prompt_tokens", "cannot cut a prompt with images")

@@ -53,6 +53,9 @@ class RequestOptions:
     data_parallel_rank: int | None = None
     """data_parallel_size > 1: the replica that runs the request (vLLM's ``data_parallel_rank``); None: the least
     loaded (docs/parallelism.md)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """`chat` only: the image processor's settings for this request's images, over the engine's (a prompt dict
+    carries its own)."""
 
     def validate(self) -> None:
         check_priority(self.priority)

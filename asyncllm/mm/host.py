@@ -26,11 +26,12 @@ def _is_multimodal_chat(messages: Any) -> bool:
 def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, max_model_len: int,
                       template_kwargs: dict[str, Any] | None = None,
                       tools: list[dict[str, Any]] | None = None,
-                      chat_template: str | None = None) -> MultiModalPrompt | None:
+                      chat_template: str | None = None,
+                      mm_processor_kwargs: dict[str, Any] | None = None) -> MultiModalPrompt | None:
     """A dict prompt or chat messages with content parts, processed; None for a text-only prompt.
 
-    `template_kwargs`, `tools` and `chat_template` are `AsyncEngine.chat`'s
-    (asyncllm.tokenizer.template_arguments).
+    `template_kwargs`, `tools`, `chat_template` and `mm_processor_kwargs` are `AsyncEngine.chat`'s
+    (asyncllm.tokenizer.template_arguments); a dict prompt carries its own ``mm_processor_kwargs``.
     """
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
         return None
@@ -53,7 +54,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         uuids = (check_uuids(prompt.get("image_uuids"), len(images), "prompt.image_uuids")
                  if isinstance(images, (list, tuple)) else None)  # not a list: mm.process says so
         token_ids = encode_prompt(mm.tokenizer, text) if ids is None else _token_ids(ids, mm)
-    overrides = None if chat else prompt.get("mm_processor_kwargs")
+    overrides = mm_processor_kwargs if chat else prompt.get("mm_processor_kwargs")
     result = mm.process(token_ids, images, field, uuids, overrides)
     if len(result.token_ids) >= max_model_len:
         raise InvalidRequestError(

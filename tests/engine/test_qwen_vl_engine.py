@@ -197,14 +197,17 @@ async def test_openai_chat_completions_and_responses_take_base64_data_url_images
     async with asgi_client(create_app(engine, manage_engine=False)) as client:
         ok = await client.post("/v1/chat/completions", json=body)
         response = await client.post("/v1/responses", json=responses_body)
+        bounded = await client.post("/v1/chat/completions", json={**body, "mm_processor_kwargs": {"max_pixels": 3136}})
         content[0]["image_url"]["url"] = "https://example.com/cat.png"
         fetched = await client.post("/v1/chat/completions", json=body)
     hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
     hf_prompt, hf_tokens = hf_qwen_vl_greedy(qwen25_vl, None, [image], 8, messages=hf_messages)
+    pad = engine.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     assert ok.status_code == 200, ok.text
     assert ok.json()["usage"]["prompt_tokens"] == len(hf_prompt)
     assert ok.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(hf_tokens, skip_special_tokens=True)
     assert fetched.status_code == 400 and "URLs are not fetched" in fetched.json()["error"]["message"]
+    assert bounded.json()["usage"]["prompt_tokens"] == len(hf_prompt) - hf_prompt.count(pad) + 4  # 56 x 56 pixels
     assert response.status_code == 200, response.text
     message = next(item for item in response.json()["output"] if item["type"] == "message")
     assert message["content"][0]["text"] == ok.json()["choices"][0]["message"]["content"]
