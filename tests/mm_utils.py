@@ -29,7 +29,6 @@ CHAT_TEMPLATE = (
 
 def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
     """Save a tiny random ``LlavaForConditionalGeneration`` with its processor in ``path``."""
-    import torch
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessorPil,
@@ -60,12 +59,7 @@ def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
         vision_config=vision, text_config=text, image_token_index=image_token_id,
         vision_feature_layer=-2, vision_feature_select_strategy="default", image_seq_length=NUM_IMAGE_TOKENS,
     )
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 1.0 if "norm" in name and name.endswith("weight") else 0.2)
-    model.save_pretrained(path)
+    random_model(LlavaForConditionalGeneration, config, seed).save_pretrained(path)
     image_processor = CLIPImageProcessorPil(
         size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
     )
@@ -76,6 +70,19 @@ def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
     )
     processor.save_pretrained(path)
     return str(path)
+
+
+def random_model(model_cls, config, seed: int):
+    """``model_cls(config)`` with seeded random weights wider than transformers' initialisation (norm scales
+    N(0, 1), the rest N(0, 0.2)), so that greedy outputs do not hinge on rounding noise."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.normal_(0.0, 1.0 if "norm" in name and name.endswith("weight") else 0.2)
+    return model
 
 
 def make_image(width: int, height: int, seed: int) -> bytes:

@@ -6,7 +6,7 @@ import io
 import os
 from pathlib import Path
 
-from mm_utils import make_image
+from mm_utils import make_image, random_model
 
 __all__ = ["IMAGE_PAD", "IMAGE_PLACEHOLDER", "make_image", "make_tiny_qwen_vl", "hf_qwen_vl_greedy", "hf_qwen_vl_inputs",
            "load_tower", "random_patches"]
@@ -34,7 +34,6 @@ def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: in
     """Save a tiny random ``Qwen2VLForConditionalGeneration`` (``version="2"``),
     ``Qwen2_5_VLForConditionalGeneration`` (``"2.5"``), ``Qwen3VLForConditionalGeneration`` (``"3"``) or
     ``Qwen3VLMoeForConditionalGeneration`` (``"3-moe"``) with its tokenizer and image processor in ``path``."""
-    import torch
     from transformers import AutoTokenizer
 
     from asyncllm.tiny import tiny_checkpoint
@@ -55,12 +54,7 @@ def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: in
     common = dict(image_token_id=ids[IMAGE_PAD], video_token_id=ids["<|video_pad|>"],
                   vision_start_token_id=ids[VISION_START], vision_end_token_id=ids[VISION_END])
     model_cls, config = _configs(version, text, common)
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            param.normal_(0.0, 1.0 if "norm" in name and name.endswith("weight") else 0.2)
-    model.save_pretrained(path)
+    random_model(model_cls, config, seed).save_pretrained(path)
     tokenizer.save_pretrained(path)
     image_processor(patch_size=16 if version.startswith("3") else 14).save_pretrained(path)
     return str(path)
