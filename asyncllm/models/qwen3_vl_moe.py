@@ -5,10 +5,11 @@ gate and up projections (``mlp.experts.gate_up_proj``: gate rows, then up rows) 
 one for their down projections (``mlp.experts.down_proj``), in either of two
 layouts: transformers 4.57's ``[E, hidden, 2I]`` / ``[E, I, hidden]`` (how the
 released checkpoints were saved) or transformers 5's transposed ``[E, 2I, hidden]``
-/ ``[E, hidden, I]``. The loader tells them apart by shape (``hidden != 2I`` in every
-released model) and hands each expert's matrices to the fused-MoE loader as
+/ ``[E, hidden, I]``. The loader tells them apart by shape (no released model has
+square expert matrices) and hands each expert's matrices to the fused-MoE loader as
 per-expert checkpoint tensors would be (so tensor and expert parallelism, and the
-missing-weights check, work unchanged). The router always renormalizes its top-k
+missing-weights check, work unchanged); a model whose matrices are square (``hidden`` equal to
+``2I``, or to ``I`` for the down projections) is refused. The router always renormalizes its top-k
 weights (transformers' rule for this family).
 """
 
@@ -36,7 +37,7 @@ def per_expert_weights(name: str, tensor: torch.Tensor, hidden: int, inter: int)
     gate_up = name.endswith("gate_up_proj")
     shape = tuple(tensor.shape[1:])
     new, old = ((2 * inter, hidden), (hidden, 2 * inter)) if gate_up else ((hidden, inter), (inter, hidden))
-    if hidden == 2 * inter and gate_up or shape not in (new, old):
+    if new == old or shape not in (new, old):  # square matrices: the two layouts cannot be told apart
         raise ConfigError("model", name, f"fused experts of shape [E, {new[0]}, {new[1]}] or [E, {old[0]}, {old[1]}] "
                                          f"(hidden_size={hidden}, moe_intermediate_size={inter}), got "
                                          f"{list(tensor.shape)}")

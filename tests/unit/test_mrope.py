@@ -127,3 +127,5 @@ def test_fused_experts_of_either_layout_split_into_the_same_per_expert_matrices(
     assert torch.equal(new[name + "1.up_proj.weight"], gate_up[1, inter:])
     with pytest.raises(ConfigError, match="fused experts of shape"):
         list(per_expert_weights(name + "down_proj", torch.zeros(3, 5, 5), hidden, inter))
+    with pytest.raises(ConfigError, match="fused experts of shape"):  # square: either layout would fit
+        list(per_expert_weights(name + "down_proj", torch.zeros(3, 4, 4), 4, 4))
