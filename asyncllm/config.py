@@ -288,8 +288,8 @@ class ParallelConfig:
 
 
 def _check_mm_limits(limits: dict[str, int] | None) -> None:
-    """vLLM's ``limit_mm_per_prompt``: counts per modality; only images are built, so a video or audio count must
-    be 0."""
+    """vLLM's ``limit_mm_per_prompt``: counts per modality; audio is not built, so an audio count must be 0 (a
+    video count for a model without videos is refused when the model is known: asyncllm/engine/prepare.py)."""
     if limits is None:
         return
     if not isinstance(limits, dict):
@@ -300,8 +300,22 @@ def _check_mm_limits(limits: dict[str, int] | None) -> None:
             raise ConfigError(field_name, count, "a modality of 'image', 'video', 'audio'")
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ConfigError(field_name, count, "an int >= 0")
-        if modality != "image" and count:
-            raise NotBuiltError(field_name, count, f"{modality} inputs (images only; set it to 0 or leave it out)")
+        if modality == "audio" and count:
+            raise NotBuiltError(field_name, count, "audio inputs (images and videos only; set it to 0 or leave it out)")
+
+
+def _check_media_io(settings: dict[str, Any] | None) -> None:
+    """``media_io_kwargs``: only the video loader's ``num_frames`` is built."""
+    if settings is None:
+        return
+    if not isinstance(settings, dict) or not all(isinstance(v, dict) for v in settings.values()):
+        raise ConfigError("media_io_kwargs", settings, 'a dict of modality -> settings, e.g. {"video": {"num_frames": 16}}')
+    for modality, values in settings.items():
+        for key, value in values.items():
+            if (modality, key) != ("video", "num_frames"):
+                raise NotBuiltError(f"media_io_kwargs.{modality}.{key}", value, "media_io_kwargs other than video num_frames")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 768:
+                raise ConfigError("media_io_kwargs.video.num_frames", value, "an int in [1, 768]")
 
 
 @dataclass(frozen=True)
@@ -322,8 +336,12 @@ class MultiModalConfig:
     """GiB of encoder outputs kept per worker across requests (by image hash); 0 keeps them only during a prefill."""
     mm_processor_kwargs: dict[str, Any] | None = None
     """Overrides of the checkpoint's image processor settings, e.g. ``{"max_pixels": 1003520}`` for Qwen2-VL."""
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    """vLLM's media loading settings per modality: ``{"video": {"num_frames": 32}}``, the frames taken (evenly
+    spaced) from an encoded video file; None: 32."""
     limit_mm_per_prompt: dict[str, int] | None = None
-    """Most inputs per prompt of each modality, e.g. ``{"image": 4}``; 0 refuses that modality. None: no limit."""
+    """Most inputs per prompt of each modality, e.g. ``{"image": 4, "video": 1}``; 0 refuses that modality. None:
+    no limit."""
 
     def __post_init__(self) -> None:
         _float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)
@@ -334,6 +352,12 @@ class MultiModalConfig:
         if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
             raise ConfigError("mm_processor_kwargs", self.mm_processor_kwargs, "a dict of image processor settings")
         _check_mm_limits(self.limit_mm_per_prompt)
+        _check_media_io(self.media_io_kwargs)
+
+    @property
+    def video_num_frames(self) -> int:
+        """Frames sampled from an encoded video file."""
+        return int(((self.media_io_kwargs or {}).get("video") or {}).get("num_frames", 32))
 
 
 @dataclass(frozen=True)

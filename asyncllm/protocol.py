@@ -49,7 +49,7 @@ class AddRequest(msgspec.Struct, **_STRUCT):
 
 
 class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One image's processed input and where its placeholder tokens sit in the prompt.
+    """One image's (or video's, or a video frame's) processed input and where its placeholder tokens sit in the prompt.
 
     ``data`` is the processor's output as raw bytes (``shape``, ``dtype`` say how to
     view it; no pickle). It is None when the host's processor-cache mirror says the
@@ -68,6 +68,9 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     """Where the data lies in the host's shm ring (>= 0 only when ``data`` is None and the cache type is shm)."""
     shm_generation: int = 0
     """The ring entry's generation: the core uses the data only if the entry still has it (docs/multimodal.md)."""
+    time_interval: float = 1.0
+    """A video's M-RoPE time positions per temporal patch (Qwen2.5-VL: ``tokens_per_second`` x seconds per patch;
+    asyncllm/models/mrope.py); 1 for images and the other models."""
 
 
 class AbortRequests(msgspec.Struct, **_STRUCT):

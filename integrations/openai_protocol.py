@@ -194,10 +194,10 @@ _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_i
 def chat_messages(messages: list[dict[str, Any]], images: bool = False) -> list[dict[str, Any]]:
     """Messages with text-part lists flattened to strings (the engine's chat template takes strings).
 
-    With ``images`` (a chat completion), a content list with ``image_url`` parts stays a list of text and image
-    parts, which the engine's chat splits (asyncllm/mm/): the url is a base64 ``data:`` URL (http(s) URLs are
-    refused by the engine, which fetches nothing), OpenAI's ``detail`` hint is dropped (as vLLM does), a part's
-    ``uuid`` is the image's cache key. Elsewhere (tokenize, beam search) an image part is an error.
+    With ``images`` (a chat completion), a content list with ``image_url`` (or vLLM's ``video_url``) parts stays a
+    list of text and media parts, which the engine's chat splits (asyncllm/mm/): the url is a base64 ``data:`` URL
+    (http(s) URLs are refused by the engine, which fetches nothing), OpenAI's ``detail`` hint is dropped (as vLLM
+    does), a part's ``uuid`` is the input's cache key. Elsewhere (tokenize, beam search) a media part is an error.
     An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
     the template (the engine parses the calls' JSON arguments for it).
     """
@@ -375,24 +375,26 @@ def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
 
 
 def _is_image_part(part: object) -> bool:
-    return isinstance(part, dict) and part.get("type") == "image_url"
+    return isinstance(part, dict) and part.get("type") in ("image_url", "video_url")
 
 
 def _image_part(i: int, part: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI ``image_url`` part as the engine's chat takes it: the url string and the optional uuid."""
-    image_url = part.get("image_url")
-    url = image_url.get("url") if isinstance(image_url, dict) else image_url
+    """An OpenAI ``image_url`` (vLLM's ``video_url``) part as the engine's chat takes it: the url string and the
+    optional uuid."""
+    kind = part["type"]
+    value = part.get(kind)
+    url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
-        raise InvalidRequestError("messages", f"item {i}: an image_url part needs image_url.url (a data: URL)")
-    return {"type": "image_url", "image_url": {"url": url}, **({"uuid": part["uuid"]} if "uuid" in part else {})}
+        raise InvalidRequestError("messages", f"item {i}: an {kind} part needs {kind}.url (a data: URL)")
+    return {"type": kind, kind: {"url": url}, **({"uuid": part["uuid"]} if "uuid" in part else {})}
 
 
 def _text_part(i: int, part: object) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise InvalidRequestError("messages", f"item {i}: only text and image_url content parts are built (image_url "
-                                          f"in chat completions), got {kind!r}")
+    raise InvalidRequestError("messages", f"item {i}: only text, image_url and video_url content parts are built "
+                                          f"(the media parts in chat completions), got {kind!r}")
 
 
 def _refuse(condition: bool, field: str, why: str) -> None:

@@ -8,12 +8,15 @@ from pathlib import Path
 
 from mm_utils import make_image, random_model
 
-__all__ = ["IMAGE_PAD", "IMAGE_PLACEHOLDER", "make_image", "make_tiny_qwen_vl", "hf_qwen_vl_greedy", "hf_qwen_vl_inputs",
-           "load_tower", "random_patches"]
+__all__ = ["IMAGE_PAD", "IMAGE_PLACEHOLDER", "VIDEO_PAD", "VIDEO_PLACEHOLDER", "make_image", "make_tiny_qwen_vl",
+           "make_mp4", "make_video", "hf_qwen_vl_greedy", "hf_qwen_vl_inputs", "hf_qwen_vl_video_greedy", "load_tower",
+           "random_patches"]
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
 IMAGE_PLACEHOLDER = VISION_START + IMAGE_PAD + VISION_END
 """What a prompt holds per image (the checkpoint's chat template renders the same)."""
+VIDEO_PAD = "<|video_pad|>"
+VIDEO_PLACEHOLDER = VISION_START + VIDEO_PAD + VISION_END
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -21,6 +24,7 @@ CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}"
     "{% else %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "{{ '<|im_end|>\n' }}"
@@ -57,7 +61,44 @@ def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: in
     random_model(model_cls, config, seed).save_pretrained(path)
     tokenizer.save_pretrained(path)
     image_processor(patch_size=16 if version.startswith("3") else 14).save_pretrained(path)
+    _save_video_settings(path, patch_size=16 if version.startswith("3") else 14)
     return str(path)
+
+
+def _save_video_settings(path: Path, patch_size: int) -> None:
+    """The checkpoint's ``video_preprocessor_config.json`` (written by hand: transformers' video processors need
+    torchvision) with the tests' bounds: 4 to 64 merged tokens per frame (Qwen3-VL: over all the frames)."""
+    import json
+
+    unit = (2 * patch_size) ** 2
+    (path / "video_preprocessor_config.json").write_text(json.dumps(
+        {"size": {"shortest_edge": 4 * unit, "longest_edge": 64 * unit}, "patch_size": patch_size,
+         "temporal_patch_size": 2, "merge_size": 2}))
+
+
+def make_mp4(frames: int, width: int = 64, height: int = 48) -> bytes:
+    """An mpeg4 video file of ``frames`` grey frames at 10 fps, frame i of grey level 12 i mod 256 (PyAV)."""
+    import av
+    import numpy as np
+
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=10)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for i in range(frames):
+            frame = av.VideoFrame.from_ndarray(np.full((height, width, 3), i * 12 % 256, np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buffer.getvalue()
+
+
+def make_video(frames: int, width: int, height: int, seed: int):
+    """A random ``[frames, height, width, 3]`` uint8 video."""
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
 
 
 def _configs(version: str, text: dict, common: dict):
@@ -163,3 +204,67 @@ def random_patches(grids: list[tuple[int, int, int]], width: int, seed: int = 1)
 
     patches = sum(t * h * w for t, h, w in grids)
     return torch.randn(patches, width, generator=torch.Generator().manual_seed(seed))
+
+
+def hf_qwen_vl_video_greedy(path: str, prompt_ids: list[int], videos: list, images: list[bytes],
+                            max_new_tokens: int, seconds_per_grid: list[float] | None = None) -> list[int]:
+    """transformers' greedy tokens for expanded ``prompt_ids`` with these videos' pixel values (``(t, h, w,
+    features)`` arrays: transformers' video processor needs torchvision) and images (its image processor).
+
+    ``seconds_per_grid`` (Qwen2-VL and Qwen2.5-VL): each video's seconds per temporal patch; then the positions are
+    the Qwen rule's, given to transformers (`qwen_rope_positions`)."""
+    import numpy as np
+    import torch
+    from PIL import Image
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([prompt_ids])
+    inputs: dict = {"input_ids": ids}
+    if images:
+        pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+        inputs.update(image_processor(path)(images=pil, return_tensors="pt"))
+    inputs["pixel_values_videos"] = torch.from_numpy(np.concatenate([v.reshape(-1, v.shape[-1]) for v in videos]))
+    inputs["video_grid_thw"] = torch.tensor([list(v.shape[:3]) for v in videos])
+    if seconds_per_grid is not None and hasattr(AutoConfig.from_pretrained(path).vision_config, "tokens_per_second"):
+        inputs["second_per_grid_ts"] = torch.tensor(seconds_per_grid)
+    inputs["mm_token_type_ids"] = ((ids == tokenizer.convert_tokens_to_ids(IMAGE_PAD)).int()
+                                   + 2 * (ids == tokenizer.convert_tokens_to_ids(VIDEO_PAD)).int())
+    if seconds_per_grid is not None:  # the Qwen rule's positions, given (see qwen_rope_positions)
+        per_second = getattr(AutoConfig.from_pretrained(path).vision_config, "tokens_per_second", None)
+        intervals = [1.0 if per_second is None else float(np.float32(per_second) * np.float32(s))
+                     for s in seconds_per_grid]
+        inputs["position_ids"] = qwen_rope_positions(
+            prompt_ids, tokenizer.convert_tokens_to_ids(IMAGE_PAD), tokenizer.convert_tokens_to_ids(VIDEO_PAD),
+            inputs.get("image_grid_thw", torch.zeros(0, 3)).tolist(), inputs["video_grid_thw"].tolist(), intervals)
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def qwen_rope_positions(prompt_ids: list[int], image_pad: int, video_pad: int, image_grids: list, video_grids: list,
+                        video_intervals: list[float], merge: int = 2):
+    """``[4, 1, L]`` position ids by the Qwen models' own rule (transformers' ``get_rope_index`` up to 5.2, vLLM's):
+    row 0 the token index, rows 1-3 M-RoPE's, the text after an image or video starting at its largest position +
+    1 (transformers >= 5.3 starts it at ``max(h, w) / merge`` past the video's start instead, and ``generate``
+    continues from the last prompt position: given these, it continues from their last + 1)."""
+    import torch
+
+    images, videos = iter(image_grids), iter(zip(video_grids, video_intervals))
+    out = torch.zeros(3, len(prompt_ids), dtype=torch.long)
+    index = position = 0
+    while index < len(prompt_ids):
+        token = prompt_ids[index]
+        if token not in (image_pad, video_pad):
+            out[:, index] = position
+            index, position = index + 1, position + 1
+            continue
+        (t, h, w), interval = (next(images), 1.0) if token == image_pad else next(videos)
+        rows, cols = h // merge, w // merge
+        time = (torch.arange(t, dtype=torch.float32) * torch.tensor(interval, dtype=torch.float32)).long()
+        grid = torch.stack(torch.meshgrid(time, torch.arange(rows), torch.arange(cols), indexing="ij")).reshape(3, -1)
+        out[:, index : index + grid.shape[1]] = grid + position
+        position = int(out[:, index : index + grid.shape[1]].max()) + 1
+        index += grid.shape[1]
+    return torch.cat([torch.arange(len(prompt_ids))[None], out])[:, None, :]

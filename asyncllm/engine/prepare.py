@@ -95,9 +95,13 @@ def prepare(config: EngineConfig) -> Prepared:
         model_cls = get_model_class(hf_config)
 
         mm_config = config.multimodal_config
+        limits = mm_config.limit_mm_per_prompt or {}
+        if limits.get("video") and not hasattr(model_cls, "mm_video_token_id"):
+            raise ConfigError("limit_mm_per_prompt.video", limits["video"], f"0: {arch} takes no videos")
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type,
-                                 mm_config.mm_processor_kwargs, (mm_config.limit_mm_per_prompt or {}).get("image"))
+                                 mm_config.mm_processor_kwargs, limits.get("image"), limits.get("video"),
+                                 mm_config.video_num_frames)
     config_json = hf_config_json(hf_config)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size,

@@ -1,8 +1,9 @@
 """Multimodal plumbing shared by every vision-language family (docs/multimodal.md).
 
 Host side (the processor thread): `images` decodes and bounds image inputs,
-`processor` runs the checkpoint's HF image processor and expands each image's
-placeholder token into one token per feature row; the processor cache has
+`videos` (and `video_files`, with PyAV) video inputs, `qwen_video` processes a
+Qwen-VL video's frames, `processor` runs the checkpoint's HF image processor and
+expands each image's and video's placeholder token into one token per feature row; the processor cache has
 its host half in `host_cache` (lru mirror or the writer of the `shm_ring`) and
 its core half in `core_cache` (the lru store of `cache`, each host's ring
 reader). Worker side: `embeddings` runs the

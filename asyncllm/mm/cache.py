@@ -113,6 +113,8 @@ def _check_item(item: MultiModalItem, index: int, num_prompt_tokens: int, previo
     if not (previous_end <= item.offset and item.length > 0 and item.offset + item.length <= num_prompt_tokens):
         raise InvalidRequestError(field, f"placeholders [{item.offset}, {item.offset + item.length}) must be in "
                                   f"the prompt, after the previous item's, in order")
+    if not (math.isfinite(item.time_interval) and item.time_interval >= 0):
+        raise InvalidRequestError(f"{field}.time_interval", f"a finite number >= 0, got {item.time_interval!r}")
     if item.data is not None or _in_ring(item):
         nbytes = len(item.data) if item.data is not None else data_bytes(item)
         itemsize = _ITEM_DTYPES.get(item.dtype)

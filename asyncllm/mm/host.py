@@ -10,10 +10,12 @@ from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.images import check_uuids
 from asyncllm.mm.processor import (
+    MultiModalInputs,
     MultiModalProcessor,
     MultiModalPrompt,
-    split_chat_images,
+    split_chat_media,
 )
+from asyncllm.mm.videos import is_one_video
 from asyncllm.tokenizer import encode_prompt, template_arguments, with_template_calls
 
 __all__ = ["multimodal_prompt", "plain_prompt", "resend_with_data"]
@@ -39,37 +41,46 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
     if mm is None:
         raise InvalidRequestError(field, "this model takes no images (it is not a multimodal architecture)")
     if chat:
-        messages, images, uuids = split_chat_images(prompt)
+        messages, inputs = split_chat_media(prompt)
         messages = [with_template_calls(i, m) if isinstance(m, dict) else m for i, m in enumerate(messages)]
         token_ids = _render_chat(mm, messages, template_arguments(template_kwargs, tools, chat_template))
     else:
         prompt = from_vllm_prompt(prompt)
-        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids", "mm_processor_kwargs"}
+        unknown = set(prompt) - _DICT_KEYS
         text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         if unknown or (isinstance(text, str) and bool(text)) == (isinstance(ids, list) and bool(ids)):
             raise InvalidRequestError("prompt", "a dict prompt is {'prompt': str (or 'prompt_token_ids': [int]), "
-                                      "'images': [...], 'image_uuids', 'mm_processor_kwargs' (optional)} or vLLM's "
-                                      f"{{'prompt', 'multi_modal_data': {{'image': ...}}}}; got keys {sorted(prompt)}")
-        images = prompt.get("images", [])
-        uuids = (check_uuids(prompt.get("image_uuids"), len(images), "prompt.image_uuids")
-                 if isinstance(images, (list, tuple)) else None)  # not a list: mm.process says so
+                                      "'images', 'image_uuids', 'videos', 'video_uuids', 'mm_processor_kwargs' "
+                                      "(optional)} or vLLM's {'prompt', 'multi_modal_data': {'image': ..., "
+                                      f"'video': ...}}}}; got keys {sorted(prompt)}")
+        inputs = MultiModalInputs(prompt.get("images", []), None, prompt.get("videos", []), None)
+        for kind in ("image", "video"):
+            given = getattr(inputs, kind + "s")
+            if isinstance(given, (list, tuple)):  # not a list: mm.process says so
+                setattr(inputs, kind + "_uuids",
+                        check_uuids(prompt.get(kind + "_uuids"), len(given), f"prompt.{kind}_uuids"))
         token_ids = encode_prompt(mm.tokenizer, text) if ids is None else _token_ids(ids, mm)
     overrides = mm_processor_kwargs if chat else prompt.get("mm_processor_kwargs")
-    result = mm.process(token_ids, images, field, uuids, overrides)
+    result = mm.process(token_ids, inputs, field, overrides)
     if len(result.token_ids) >= max_model_len:
         raise InvalidRequestError(
             "prompt", f"{len(result.token_ids)} tokens with image placeholders, but max_model_len is {max_model_len}")
     return result
 
 
+_DICT_KEYS = {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids", "mm_processor_kwargs"}
+
+
 def plain_prompt(prompt: dict[str, Any]) -> str | list[int] | None:
-    """A prompt dict without images (vLLM's ``TextPrompt`` / ``TokensPrompt``: ``{"prompt": str}``,
-    ``{"prompt_token_ids": [...]}``) as the plain prompt it is, for any model; None when it holds images (or is
+    """A prompt dict without images or videos (vLLM's ``TextPrompt`` / ``TokensPrompt``: ``{"prompt": str}``,
+    ``{"prompt_token_ids": [...]}``) as the plain prompt it is, for any model; None when it holds media (or is
     malformed: `multimodal_prompt` names what is wrong)."""
-    if set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids", "multi_modal_data", "multi_modal_uuids"}:
+    if set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids",
+                      "multi_modal_data", "multi_modal_uuids"}:
         return None
     data = prompt.get("multi_modal_data")
-    if prompt.get("images") or (isinstance(data, dict) and any(data.values())) or (data and not isinstance(data, dict)):
+    values = [prompt.get("images"), prompt.get("videos"), *(data.values() if isinstance(data, dict) else [data])]
+    if any(value is not None and not _empty(value) for value in values):
         return None
     text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
     if isinstance(text, str) and ids is None:
@@ -79,23 +90,30 @@ def plain_prompt(prompt: dict[str, Any]) -> str | list[int] | None:
     return None
 
 
+def _empty(value: Any) -> bool:
+    return isinstance(value, (list, tuple, dict, str)) and not value
+
+
 def from_vllm_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's prompt dict (``multi_modal_data={"image": image or [images]}``, ``multi_modal_uuids={"image": ...}``)
-    as ours (``images``, ``image_uuids``); ours unchanged. Other modalities: `InvalidRequestError` naming them."""
+    """vLLM's prompt dict (``multi_modal_data={"image": image or [images], "video": video or [videos]}``,
+    ``multi_modal_uuids`` alike) as ours (``images``, ``image_uuids``, ``videos``, ``video_uuids``); ours unchanged.
+    Other modalities: `InvalidRequestError` naming them."""
     if "multi_modal_data" not in prompt and "multi_modal_uuids" not in prompt:
         return prompt
     out = {key: value for key, value in prompt.items() if key not in ("multi_modal_data", "multi_modal_uuids")}
-    for key, ours in (("multi_modal_data", "images"), ("multi_modal_uuids", "image_uuids")):
+    for key, suffix in (("multi_modal_data", "s"), ("multi_modal_uuids", "_uuids")):
         value = prompt.get(key)
         if value is None:
             continue
-        if not isinstance(value, dict) or set(value) - {"image"}:
-            raise InvalidRequestError(f"prompt.{key}", "images only: {'image': an image or a list of images} "
-                                                       f"(videos and audio are not built), got {value!r:.80}")
-        if ours in out:
-            raise InvalidRequestError(f"prompt.{key}", f"give images as {key} or as {ours!r}, not both")
-        images = value.get("image", [])
-        out[ours] = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not isinstance(value, dict) or set(value) - {"image", "video"}:
+            raise InvalidRequestError(f"prompt.{key}", "images and videos only: {'image': an image or a list, "
+                                                       f"'video': a video or a list}} (audio is not built), got {value!r:.80}")
+        for kind, given in value.items():
+            ours = kind + suffix
+            if ours in out:
+                raise InvalidRequestError(f"prompt.{key}", f"give {kind}s as {key} or as {ours!r}, not both")
+            one = is_one_video(given) if kind == "video" and suffix == "s" else not isinstance(given, (list, tuple))
+            out[ours] = [given] if one else list(given)
     return out
 
 

@@ -1,10 +1,12 @@
-"""Host-side multimodal processing: images -> processed items, prompt -> placeholder tokens.
+"""Host-side multimodal processing: images and videos -> processed items, prompt -> placeholder tokens.
 
 Runs on the processor thread (never the event loop). Each image's placeholder
 token in the prompt (LLaVA's ``<image>``) is expanded to one token per feature
 row its encoder outputs, so prompt positions and KV blocks cover image
 features one to one; the items carry their offsets. The HF image processor is
-the checkpoint's own (``AutoImageProcessor`` from the model folder). The host's
+the checkpoint's own (``AutoImageProcessor`` from the model folder). A video's
+placeholder (Qwen-VL's ``<|video_pad|>``) becomes the tokens and items the model
+makes of it (``mm_video_pieces``; asyncllm/mm/qwen_video.py). The host's
 half of the processor cache is here too: the lru mirror (asyncllm/mm/cache.py)
 or the shm ring's writer (asyncllm/mm/shm_ring.py).
 """
@@ -18,6 +20,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from typing import Any
+
+import msgspec
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.mm.host_cache import (
@@ -34,12 +38,24 @@ from asyncllm.mm.images import (
     read_image,
     uuid_key,
 )
+from asyncllm.mm.qwen_video import load_video_settings, video_grid, video_patches
 from asyncllm.mm.shm_ring import check_ring_room
+from asyncllm.mm.videos import VideoInput, read_video
 from asyncllm.protocol import MultiModalItem
 
 logger = logging.getLogger("asyncllm.mm")
 
-__all__ = ["MultiModalProcessor", "MultiModalPrompt", "split_chat_images"]
+__all__ = ["MultiModalInputs", "MultiModalProcessor", "MultiModalPrompt", "split_chat_media"]
+
+
+@dataclass
+class MultiModalInputs:
+    """A prompt's images and videos, and the caller's uuid of each (None: keyed by its content hash)."""
+
+    images: list[ImageInput] = dataclass_field(default_factory=list)
+    image_uuids: list[str | None] | None = None
+    videos: list[VideoInput] = dataclass_field(default_factory=list)
+    video_uuids: list[str | None] | None = None
 
 
 @dataclass
@@ -48,23 +64,24 @@ class MultiModalPrompt:
 
     token_ids: list[int]
     items: list[MultiModalItem]
-    images: list[ImageInput]
-    """The caller's images, kept until the core accepts the request (to resend after a cache miss)."""
-    uuids: list[str | None] = dataclass_field(default_factory=list)
-    """The caller's uuid of each image (None: keyed by its content hash)."""
+    inputs: MultiModalInputs
+    """The caller's images and videos, kept until the core accepts the request (to resend after a cache miss)."""
+    prompt_token_ids: list[int] = dataclass_field(default_factory=list)
+    """The prompt before its placeholders were expanded."""
     overrides: dict[str, Any] = dataclass_field(default_factory=dict)
     """The request's ``mm_processor_kwargs`` (over the engine's)."""
 
 
-def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[ImageInput], list[str | None]]:
-    """OpenAI-style messages -> (messages with ``{"type": "image"}`` parts the template renders, images, uuids).
+def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], MultiModalInputs]:
+    """OpenAI-style messages -> (messages with ``{"type": "image"}`` / ``{"type": "video"}`` parts the template
+    renders, their images and videos).
 
     Image parts are ``{"type": "image", "image": ...}`` or ``{"type": "image_url",
-    "image_url": {"url": ...}}``, each with an optional ``"uuid"`` (the caller's
-    key for the image); URLs are refused (`load_image`), so pass bytes.
+    "image_url": {"url": ...}}``, video parts ``{"type": "video", "video": ...}`` or ``{"type": "video_url",
+    "video_url": {"url": ...}}``, each with an optional ``"uuid"`` (the caller's key for it); URLs are refused
+    (`load_image`, `read_video`), so pass bytes, frames or data: URLs.
     """
-    images: list[ImageInput] = []
-    uuids: list[str | None] = []
+    inputs = MultiModalInputs(image_uuids=[], video_uuids=[])
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -77,17 +94,16 @@ def split_chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, An
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
                 continue
-            if kind == "image":
-                images.append(part.get("image"))
-            elif kind == "image_url":
-                url = part.get("image_url")
-                images.append(url.get("url") if isinstance(url, dict) else url)
-            else:
+            if kind not in ("image", "image_url", "video", "video_url"):
                 raise InvalidRequestError("messages", f"item {i} has a content part of unknown type {kind!r}")
-            uuids.append(check_uuid(part.get("uuid"), f"messages[{i}].content[{j}].uuid"))
-            parts.append({"type": "image"})
+            media = kind.removesuffix("_url")
+            value = part.get(kind)
+            value = value.get("url") if kind.endswith("_url") and isinstance(value, dict) else value
+            getattr(inputs, media + "s").append(value)
+            getattr(inputs, media + "_uuids").append(check_uuid(part.get("uuid"), f"messages[{i}].content[{j}].uuid"))
+            parts.append({"type": media})
         out.append({**message, "content": parts})
-    return out, images, uuids
+    return out, inputs
 
 
 def load_image_processor(model_path: str, overrides: dict[str, Any]) -> Any:
@@ -129,7 +145,7 @@ class MultiModalProcessor:
 
     def __init__(self, model_path: str, hf_config: Any, model_cls: Any, tokenizer: Any, cache_bytes: int,
                  max_image_pixels: int, cache_type: str = "lru", processor_kwargs: dict[str, Any] | None = None,
-                 max_images: int | None = None) -> None:
+                 max_images: int | None = None, max_videos: int | None = None, video_num_frames: int = 32) -> None:
         try:
             import PIL  # noqa: F401
         except ImportError as exc:
@@ -146,6 +162,15 @@ class MultiModalProcessor:
         self.max_image_pixels = max_image_pixels
         self.max_images = max_images
         """``limit_mm_per_prompt["image"]``: more images in one prompt fail it before any is read (None: no limit)."""
+        self.max_videos = max_videos
+        """``limit_mm_per_prompt["video"]``."""
+        self.video_num_frames = video_num_frames
+        """Frames sampled from an encoded video file (``media_io_kwargs``)."""
+        video_token = getattr(model_cls, "mm_video_token_id", None)
+        self.video_token_id: int | None = video_token(hf_config) if video_token is not None else None
+        """The prompt token that marks a video; None: the model takes no videos."""
+        self.video_settings = (load_video_settings(model_path, model_cls.video_settings)
+                               if self.video_token_id is not None else None)
         self.cache_type = cache_type
         self.cache_bytes = cache_bytes
         if cache_type == "shm" and cache_bytes > 0:
@@ -180,39 +205,57 @@ class MultiModalProcessor:
             self.cache = None
 
     # ------------------------------------------------------------ prompts
-    def process(self, token_ids: list[int], images: list[ImageInput], field: str,
-                uuids: list[str | None] | None = None, overrides: dict[str, Any] | None = None) -> MultiModalPrompt:
-        """Expand each placeholder token of ``token_ids`` and process its image (keyed by its uuid, if given;
-        with the request's ``mm_processor_kwargs`` ``overrides``, by both)."""
+    def process(self, token_ids: list[int], inputs: MultiModalInputs, field: str,
+                overrides: dict[str, Any] | None = None, inline: bool = False) -> MultiModalPrompt:
+        """Expand each image's and video's placeholder token of ``token_ids`` and process its input (keyed by its
+        uuid, if given; an image with the request's ``mm_processor_kwargs`` ``overrides`` by both). ``field`` names
+        the images (their videos: ``...videos``); ``inline``: every item with its data, the cache untouched."""
         overrides = overrides or {}
         self._processor_for(overrides)  # a bad key fails the request before any image is read
-        if not isinstance(images, (list, tuple)):
-            raise InvalidRequestError(field, f"must be a list of images, got {type(images).__name__}")
-        if self.max_images is not None and len(images) > self.max_images:
-            raise InvalidRequestError(field, f"{len(images)} images, over limit_mm_per_prompt['image']={self.max_images}")
-        uuids = uuids if uuids is not None else [None] * len(images)
-        slots = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        if len(slots) != len(images):
-            raise InvalidRequestError(
-                field, f"the prompt has {len(slots)} image placeholder tokens (id {self.image_token_id}) "
-                f"but {len(images)} images were given: put one placeholder per image")
+        video_field = field.removesuffix("images") + "videos" if field.endswith("images") else field
+        media = {"image": self._checked(inputs.images, inputs.image_uuids, field, "image", self.max_images),
+                 "video": self._checked(inputs.videos, inputs.video_uuids, video_field, "video", self.max_videos)}
+        tokens = {self.image_token_id: "image", **({self.video_token_id: "video"} if self.video_token_id is not None else {})}
+        slots = [(i, tokens[t]) for i, t in enumerate(token_ids) if t in tokens]
+        for kind, (given, _) in media.items():
+            count = sum(1 for _, k in slots if k == kind)
+            if count != len(given):
+                token = self.image_token_id if kind == "image" else self.video_token_id
+                raise InvalidRequestError(
+                    field if kind == "image" else video_field,
+                    f"the prompt has {count} {kind} placeholder tokens (id {token}) but {len(given)} {kind}s were "
+                    f"given: put one placeholder per {kind}")
         expanded: list[int] = []
         items: list[MultiModalItem] = []
-        previous = 0
-        for index, (slot, image, uuid) in enumerate(zip(slots, images, uuids)):
+        previous, seen = 0, {"image": 0, "video": 0}
+        for slot, kind in slots:
             expanded += token_ids[previous:slot]
-            item = self._item(image, uuid, f"{field}[{index}]", len(expanded), overrides=overrides)
-            expanded += [self.image_token_id] * item.length
-            items.append(item)
+            index, seen[kind] = seen[kind], seen[kind] + 1
+            value, uuid = media[kind][0][index], media[kind][1][index]
+            if kind == "image":
+                item = self._item(value, uuid, f"{field}[{index}]", len(expanded), inline, overrides)
+                expanded += [self.image_token_id] * item.length
+                items.append(item)
+            else:
+                self._video(value, uuid, f"{video_field}[{index}]", expanded, items, inline)
             previous = slot + 1
         expanded += token_ids[previous:]
-        return MultiModalPrompt(expanded, items, list(images), list(uuids), overrides)
+        return MultiModalPrompt(expanded, items, inputs, list(token_ids), overrides)
+
+    def _checked(self, given: Any, uuids: list[str | None] | None, field: str, kind: str,
+                 limit: int | None) -> tuple[list[Any], list[str | None]]:
+        """A prompt's inputs of one kind and their uuids, checked against ``limit_mm_per_prompt``."""
+        if not isinstance(given, (list, tuple)):
+            raise InvalidRequestError(field, f"must be a list of {kind}s, got {type(given).__name__}")
+        if given and kind == "video" and self.video_token_id is None:
+            raise InvalidRequestError(field, f"{self._model_cls.__name__} takes no videos")
+        if limit is not None and len(given) > limit:
+            raise InvalidRequestError(field, f"{len(given)} {kind}s, over limit_mm_per_prompt[{kind!r}]={limit}")
+        return list(given), list(uuids) if uuids is not None else [None] * len(given)
 
     def process_items(self, prompt: MultiModalPrompt, inline: bool = False) -> list[MultiModalItem]:
-        """``prompt``'s items again, processed from its images (``inline``: every one with its data)."""
-        uuids = prompt.uuids or [None] * len(prompt.images)
-        return [self._item(image, uuid, f"images[{i}]", item.offset, inline, prompt.overrides)
-                for i, (image, uuid, item) in enumerate(zip(prompt.images, uuids, prompt.items))]
+        """``prompt``'s items again, processed from its inputs (``inline``: every one with its data)."""
+        return self.process(prompt.prompt_token_ids, prompt.inputs, "prompt.images", prompt.overrides, inline).items
 
     def forget(self, mm_hashes: list[str]) -> None:
         """The core lacks these (drift): the next request sends their data again."""
@@ -224,19 +267,49 @@ class MultiModalProcessor:
         """One image's item: key-only (or a ring location) on a cache hit, else processed and recorded."""
         raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field)
         key = overridden_key(key, overrides or {})
-        cache = None if inline else self.cache
-        if cache is not None:
-            self.stats.mm_cache_queries += 1
-            hit = cache.lookup(key, offset)
-            if hit is not None:
-                self.stats.mm_cache_hits += 1
-                return hit
+        hit = self._lookup(key, offset, inline)
+        if hit is not None:
+            return hit
         decoded = decode_image(raw if raw is not None else read_image(image, field), field, self.max_image_pixels)
-        pixel_values = self._preprocess(decoded, field, overrides or {})
+        return self._record(key, offset, self._preprocess(decoded, field, overrides or {}), inline)
+
+    def _video(self, value: VideoInput, uuid: str | None, field: str, expanded: list[int],
+               items: list[MultiModalItem], inline: bool) -> None:
+        """Append a video's tokens to ``expanded`` and its items (one per piece the model makes of it) to ``items``;
+        its frames are processed once, and only when some piece misses the cache."""
+        video = read_video(value, field, self.max_image_pixels, self.video_num_frames)
+        grid = video_grid(video, self.video_settings, field)
+        pieces = self._model_cls.mm_video_pieces(self._hf_config, self.tokenizer, video, grid)
+        key = uuid_key(uuid) if uuid is not None else video.key()
+        patches = None
+        for index, piece in enumerate(pieces):
+            expanded += piece.before
+            piece_key = key if len(pieces) == 1 else overridden_key(key, {"piece": index})
+            item = self._lookup(piece_key, len(expanded), inline)
+            if item is None:
+                patches = video_patches(video, self.video_settings, field) if patches is None else patches
+                item = self._record(piece_key, len(expanded), patches[piece.frames], inline)
+            if piece.time_interval != 1.0:
+                item = msgspec.structs.replace(item, time_interval=piece.time_interval)
+            items.append(item)
+            expanded += [self.video_token_id] * item.length + piece.after
+
+    def _lookup(self, key: str, offset: int, inline: bool) -> MultiModalItem | None:
+        """The cached item of ``key`` (key-only or a ring location), counted; None on a miss or ``inline``."""
+        if inline or self.cache is None:
+            return None
+        self.stats.mm_cache_queries += 1
+        hit = self.cache.lookup(key, offset)
+        if hit is not None:
+            self.stats.mm_cache_hits += 1
+        return hit
+
+    def _record(self, key: str, offset: int, pixel_values: Any, inline: bool) -> MultiModalItem:
+        """A processed item, recorded in the cache unless ``inline``."""
         length = self._model_cls.mm_placeholder_length(self._hf_config, pixel_values.shape)
-        if cache is None:
+        if inline or self.cache is None:
             return inline_item(key, offset, length, pixel_values)
-        return cache.record(key, offset, length, pixel_values)
+        return self.cache.record(key, offset, length, pixel_values)
 
     def _processor_for(self, overrides: dict[str, Any]) -> Any:
         """The image processor with a request's ``mm_processor_kwargs`` over the engine's (`ConfigError` -> the

@@ -59,21 +59,31 @@ def frequency_axes(section: Sequence[int], interleaved: bool) -> torch.Tensor:
     return axes
 
 
-def mrope_positions(prompt_len: int, images: Sequence[tuple[int, int, Sequence[int]]],
+def mrope_positions(prompt_len: int, images: Sequence[tuple[int, int, Sequence[int]] | tuple[int, int, Sequence[int], float]],
                     spatial_merge_size: int) -> tuple[np.ndarray, int]:
-    """(``[3, prompt_len]`` int64 positions, delta) of a prompt whose images are ``(offset, length, (t, h, w))``
-    (grid in patches, placeholders in order); text positions count on from where the last image left off."""
+    """(``[3, prompt_len]`` int64 positions, delta) of a prompt whose images and videos are ``(offset, length,
+    (t, h, w)[, time_interval])`` (grid in patches, placeholders in order); text positions count on from where the
+    last item left off (its largest position + 1). A video's temporal patch i is at time ``int(i * time_interval)``
+    past its start (float32, as transformers; ``time_interval`` 1 when not given).
+
+    This is the Qwen models' own rule (vLLM's, and transformers' ``get_rope_index`` up to 5.2). From 5.3 on,
+    transformers starts the text after a video ``max(h, w) / merge`` past the video's start and continues decoding
+    from the last prompt position: the same for images, different for videos whose time axis reaches further
+    than their rows and columns (docs/multimodal.md)."""
     table = np.empty((3, prompt_len), dtype=np.int64)
     cursor = position = 0
-    for offset, length, (t, h, w) in images:
+    for offset, length, (t, h, w), *interval in images:
         table[:, cursor:offset] = position + np.arange(offset - cursor)
         position += offset - cursor
         rows, cols = h // spatial_merge_size, w // spatial_merge_size
         if t * rows * cols != length:
             raise ValueError(f"an image of grid {(t, h, w)} has {length} placeholder tokens, not {t * rows * cols}")
         grid = np.indices((t, rows, cols)).reshape(3, -1)
+        if interval and interval[0] != 1.0:
+            times = (np.arange(t, dtype=np.float32) * np.float32(interval[0])).astype(np.int64)
+            grid[0] = times[grid[0]]
         table[:, offset : offset + length] = grid + position
-        position += max(rows, cols)
+        position = int(table[:, offset : offset + length].max()) + 1
         cursor = offset + length
     table[:, cursor:] = position + np.arange(prompt_len - cursor)
     delta = int(table.max()) + 1 - prompt_len if prompt_len else 0

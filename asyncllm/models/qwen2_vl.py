@@ -31,6 +31,8 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
+from asyncllm.mm.qwen_video import QWEN3_VIDEO_SETTINGS, VideoPiece, VideoSettings, frame_timestamps
+from asyncllm.mm.videos import Video
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild, LlamaModel
 from asyncllm.models.mrope import MRotaryEmbedding, mrope_positions
@@ -178,9 +180,28 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         t, h, w = pixel_shape[:3]
         return t * h * w // hf_config.vision_config.spatial_merge_size ** 2
 
+    video_settings = VideoSettings()
+    """The video processor's defaults (asyncllm/mm/qwen_video.py; the checkpoint's config overrides them)."""
+
+    @staticmethod
+    def mm_video_token_id(hf_config: Any) -> int:
+        """The prompt token that marks a video (``<|video_pad|>``)."""
+        return int(hf_config.video_token_id)
+
+    @classmethod
+    def mm_video_pieces(cls, hf_config: Any, tokenizer: Any, video: Video, grid: tuple[int, int, int]) -> list[VideoPiece]:
+        """A video is one run of placeholders; Qwen2.5-VL spaces its temporal patches ``tokens_per_second`` x
+        their seconds apart on the time axis (float32, as transformers), Qwen2-VL one apart."""
+        per_second = getattr(hf_config.vision_config, "tokens_per_second", None)
+        interval = 1.0
+        if per_second is not None:
+            seconds = np.float32(hf_config.vision_config.temporal_patch_size / video.sampled_fps)
+            interval = float(np.float32(per_second) * seconds)
+        return [VideoPiece([], slice(0, grid[0]), [], interval)]
+
     def mrope_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
         """The prompt's ``[3, prompt_len]`` M-RoPE positions and the delta of every later token (mrope.py)."""
-        images = [(item.offset, item.length, tuple(item.shape[:3])) for item in items]
+        images = [(item.offset, item.length, tuple(item.shape[:3]), item.time_interval) for item in items]
         return mrope_positions(prompt_len, images, self.merge)
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -237,6 +258,17 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         if name.startswith("language_model.model."):
             return "model.language_model." + name.removeprefix("language_model.model.")
         return name.removeprefix("language_model.") if name.startswith("language_model.") else "model." + name
+
+    video_settings = QWEN3_VIDEO_SETTINGS
+
+    @classmethod
+    def mm_video_pieces(cls, hf_config: Any, tokenizer: Any, video: Video, grid: tuple[int, int, int]) -> list[VideoPiece]:
+        """One run per temporal patch, as transformers' processor writes it: ``<{seconds:.1f} seconds>``, vision
+        start, the patch's placeholders, vision end; each is positioned as an image of one frame."""
+        start, end = int(hf_config.vision_start_token_id), int(hf_config.vision_end_token_id)
+        times = frame_timestamps(video, hf_config.vision_config.temporal_patch_size)
+        return [VideoPiece(tokenizer.encode(f"<{seconds:.1f} seconds>", add_special_tokens=False) + [start],
+                           slice(i, i + 1), [end]) for i, seconds in enumerate(times[: grid[0]])]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """A step's input rows when images are in it: the token embeddings, then zeros where each image token's

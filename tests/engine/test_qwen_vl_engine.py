@@ -46,8 +46,8 @@ async def test_one_image_matches_transformers_with_the_image_split_across_chunks
         engine.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [image]},
                          "multi_modal_uuids": {"image": ["photo-1"]}}, GREEDY))
     assert [o.outputs[0].token_ids for o in vllm_style] == [hf_tokens, hf_tokens]
-    with pytest.raises(InvalidRequestError, match="videos and audio are not built"):
-        await engine.generate({"prompt": text, "multi_modal_data": {"video": [image]}}, GREEDY)
+    with pytest.raises(InvalidRequestError, match="audio is not built"):
+        await engine.generate({"prompt": text, "multi_modal_data": {"audio": [image]}}, GREEDY)
 
 
 async def test_images_of_different_sizes_in_a_batch_with_text_and_a_prefix_hit_match_transformers(engine, qwen25_vl):
@@ -218,7 +218,7 @@ async def test_limit_mm_per_prompt_fails_a_prompt_with_more_images_before_readin
 
     from asyncllm.config import EngineConfig
     from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
-    from asyncllm.mm.processor import MultiModalProcessor
+    from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
     from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
     tokenizer = AutoTokenizer.from_pretrained(qwen25_vl)
@@ -226,10 +226,11 @@ async def test_limit_mm_per_prompt_fails_a_prompt_with_more_images_before_readin
                              tokenizer, 0, 10**6, max_images=1)
     ids = tokenizer(IMAGE_PLACEHOLDER * 2)["input_ids"]
     with pytest.raises(InvalidRequestError, match=r"2 images, over limit_mm_per_prompt\['image'\]=1"):
-        mm.process(ids, [b"never read", b"never read"], "prompt.images")
-    assert len(mm.process(tokenizer(IMAGE_PLACEHOLDER)["input_ids"], [make_image(56, 56, 1)], "x").items) == 1
-    with pytest.raises(NotBuiltError, match="limit_mm_per_prompt.video"):
-        EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"video": 1})
+        mm.process(ids, MultiModalInputs([b"never read", b"never read"]), "prompt.images")
+    assert len(mm.process(tokenizer(IMAGE_PLACEHOLDER)["input_ids"], MultiModalInputs([make_image(56, 56, 1)]),
+                          "x").items) == 1
+    with pytest.raises(NotBuiltError, match="limit_mm_per_prompt.audio"):
+        EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"audio": 1})
     with pytest.raises(ConfigError, match="limit_mm_per_prompt.image"):
         EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": -1})
     assert EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": 0, "video": 0}).multimodal_config

@@ -8,7 +8,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.kv.hashing import extend_block_hashes
 from asyncllm.mm.cache import LRUBudget, MirrorEntry, MultiModalCacheMiss, ProcessorCacheStore, fill_mm_items
-from asyncllm.mm.processor import split_chat_images
+from asyncllm.mm.processor import split_chat_media
 from asyncllm.mm.images import image_hash, load_image
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.qwen2_vl import normalize_qwen2_vl_name
@@ -80,18 +80,21 @@ def test_block_hashes_key_on_the_image_and_its_place():
     assert plain[2] != same[2]  # the chain carries the image into later blocks
 
 
-def test_chat_image_parts_become_template_parts_and_images_in_order():
+def test_chat_media_parts_become_template_parts_and_inputs_in_order():
     messages = [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": [{"type": "image", "image": b"A"}, {"type": "text", "text": "and"},
                                      {"type": "image_url", "image_url": {"url": b"B"}}]},
     ]
-    rendered, images, uuids = split_chat_images(messages)
-    assert images == [b"A", b"B"] and uuids == [None, None]
+    messages[1]["content"].append({"type": "video_url", "video_url": {"url": b"V"}, "uuid": "clip"})
+    rendered, inputs = split_chat_media(messages)
+    assert inputs.images == [b"A", b"B"] and inputs.image_uuids == [None, None]
+    assert inputs.videos == [b"V"] and inputs.video_uuids == ["clip"]
     assert rendered[0] == messages[0]
-    assert rendered[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
+    assert rendered[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
+                                      {"type": "video"}]
     with pytest.raises(InvalidRequestError, match="unknown type 'audio'"):
-        split_chat_images([{"role": "user", "content": [{"type": "audio"}]}])
+        split_chat_media([{"role": "user", "content": [{"type": "audio"}]}])
 
 
 @pytest.mark.parametrize("name, expected", [

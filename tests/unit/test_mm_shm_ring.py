@@ -15,7 +15,7 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.mm.cache import MultiModalCacheMiss, fill_mm_items
 from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.mm.images import check_uuids, image_hash, uuid_key
-from asyncllm.mm.processor import split_chat_images
+from asyncllm.mm.processor import split_chat_media
 from asyncllm.mm.shm_ring import HEADER_BYTES, ShmRingReader, ShmRingWriter
 from asyncllm.protocol import AddRequest, MultiModalItem
 from asyncllm.sampling import SamplingParams
@@ -200,9 +200,9 @@ def test_uuids_replace_content_hashes_and_bad_ones_name_their_field():
         check_uuids(["a", 7], 2, "prompt.image_uuids")
     messages = [{"role": "user", "content": [{"type": "image", "image": b"A", "uuid": "u-a"},
                                              {"type": "image_url", "image_url": {"url": b"B"}}]}]
-    rendered, images, uuids = split_chat_images(messages)
-    assert images == [b"A", b"B"] and uuids == ["u-a", None]
+    rendered, inputs = split_chat_media(messages)
+    assert inputs.images == [b"A", b"B"] and inputs.image_uuids == ["u-a", None]
     assert rendered[0]["content"] == [{"type": "image"}, {"type": "image"}]  # the uuid is not for the template
     messages[0]["content"][1]["uuid"] = ""
     with pytest.raises(InvalidRequestError, match=r"^messages\[0\].content\[1\].uuid: "):
-        split_chat_images(messages)
+        split_chat_media(messages)

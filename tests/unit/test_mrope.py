@@ -56,6 +56,40 @@ def test_prompt_positions_and_delta_equal_transformers_get_rope_index(pieces):
         assert delta < 0  # an image spans fewer positions than tokens
 
 
+def _qwen25_model():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                                        "mrope_section": [2, 3, 3]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  spatial_merge_size=2, tokens_per_second=2)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=60, video_token_id=61)
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+@pytest.mark.parametrize("seconds, equal_to_transformers", [(0.5, True), (1 / 3, True), (2.0, False)])
+def test_video_positions_space_time_as_qwen25_and_text_resumes_past_the_video(seconds, equal_to_transformers):
+    """A video's temporal patches ``tokens_per_second x seconds`` apart (truncated in float32, transformers'
+    rounding); the text after it from the video's largest position + 1, the Qwen rule, which transformers >= 5.3
+    follows too while the video's time axis stays within its rows and columns."""
+    from qwen_vl_utils import qwen_rope_positions
+
+    ids = [5] * 3 + [61] * (4 * 8 * 6 // 4) + [5] * 4 + [60] * 4 + [5] * 2  # a 4 x 8 x 6 video, then a 1 x 4 x 4 image
+    interval = float(np.float32(2) * np.float32(seconds))
+    items = [(3, 48, (4, 8, 6), interval), (55, 4, (1, 4, 4))]
+    table, delta = mrope_positions(len(ids), items, spatial_merge_size=2)
+    reference = qwen_rope_positions(ids, 60, 61, [[1, 4, 4]], [[4, 8, 6]], [interval])[1:, 0].numpy()
+    assert np.array_equal(table, reference) and delta == int(reference.max()) + 1 - len(ids)
+    input_ids = torch.tensor([ids])
+    hf, _ = _qwen25_model().model.get_rope_index(
+        input_ids, mm_token_type_ids=(input_ids == 60).int() + 2 * (input_ids == 61).int(),
+        image_grid_thw=torch.tensor([[1, 4, 4]]), video_grid_thw=torch.tensor([[4, 8, 6]]),
+        second_per_grid_ts=torch.tensor([seconds]))
+    assert np.array_equal(table[:, 3:51], hf[:, 0, 3:51].numpy())  # the video itself: always equal
+    assert np.array_equal(table, hf[:, 0].numpy()) == equal_to_transformers
+
+
 def test_a_grid_that_does_not_match_its_placeholders_is_refused():
     with pytest.raises(ValueError, match="placeholder"):
         mrope_positions(10, [(2, 5, (1, 4, 4))], spatial_merge_size=2)

@@ -1,0 +1,95 @@
+"""Encoded video files (mp4, webm, ...) -> sampled RGB frames and their timing, with PyAV.
+
+A file is given as bytes, a path or a base64 ``data:video/<type>;base64,...`` URL
+(http(s) URLs are refused: the engine fetches nothing). Its size is read from
+the stream header before any frame is decoded; ``num_frames`` frames
+(``media_io_kwargs={"video": {"num_frames": N}}``, vLLM's knob; 32 by default)
+are taken at evenly spaced indices over the whole video, as vLLM's loader does, and
+their indices and the stream's frame rate become the video's metadata
+(asyncllm/mm/videos.py), so the model sees their real timing.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import os
+from typing import Any
+
+import numpy as np
+
+from asyncllm.errors import InvalidRequestError
+
+__all__ = ["DEFAULT_NUM_FRAMES", "decode_video_file", "sample_indices"]
+
+DEFAULT_NUM_FRAMES = 32
+"""Frames taken from a video file when ``media_io_kwargs`` names no ``num_frames`` (vLLM's default)."""
+
+
+def sample_indices(total: int, num_frames: int) -> list[int]:
+    """``num_frames`` evenly spaced frame indices over ``total`` frames (all of them when there are fewer)."""
+    if total <= num_frames:
+        return list(range(total))
+    return sorted({int(i) for i in np.linspace(0, total - 1, num_frames).round()})
+
+
+def _file_source(source: Any, field: str) -> Any:
+    """A file-like object or path PyAV can open."""
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return io.BytesIO(bytes(source))
+    if isinstance(source, str) and source.startswith("data:"):
+        header, comma, payload = source.partition(",")
+        params = header.removeprefix("data:").split(";")
+        if not comma or params[-1] != "base64" or (params[0] and not params[0].startswith("video/")):
+            raise InvalidRequestError(field, f"a data: URL must be 'data:video/<type>;base64,<data>', got {header!r:.60}")
+        try:
+            return io.BytesIO(base64.b64decode(payload, validate=True))
+        except binascii.Error as exc:
+            raise InvalidRequestError(field, f"the data: URL's base64 is invalid: {exc}") from exc
+    if isinstance(source, str) and source.startswith(("http://", "https://")):
+        raise InvalidRequestError(field, "URLs are not fetched; pass the video's bytes, a base64 data: URL or frames")
+    if not os.path.isfile(os.fspath(source)):
+        raise InvalidRequestError(field, f"no video file at {os.fspath(source)!r}")
+    return os.fspath(source)
+
+
+def decode_video_file(source: Any, field: str, max_frame_pixels: int,
+                      num_frames: int = DEFAULT_NUM_FRAMES) -> tuple[np.ndarray, dict[str, Any]]:
+    """(``[n, H, W, 3]`` uint8 frames, vLLM's metadata dict) of an encoded video; `InvalidRequestError` for anything
+    that is not a decodable video within ``max_frame_pixels`` per frame."""
+    try:
+        import av
+    except ImportError as exc:
+        raise InvalidRequestError(field, "decoding video files needs PyAV (pip install 'asyncllm[multimodal]'); "
+                                         "or pass decoded frames") from exc
+    opened = _file_source(source, field)
+    try:
+        return _decode(av, opened, field, max_frame_pixels, num_frames)
+    except av.FFmpegError as exc:
+        raise InvalidRequestError(field, f"cannot decode the video: {exc}") from exc
+
+
+def _decode(av: Any, opened: Any, field: str, max_frame_pixels: int, num_frames: int) -> tuple[np.ndarray, dict[str, Any]]:
+    with av.open(opened) as container:
+        if not container.streams.video:
+            raise InvalidRequestError(field, "the file has no video stream")
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        if width * height > max_frame_pixels:
+            raise InvalidRequestError(field, f"the video is {width}x{height} = {width * height} pixels a frame, over "
+                                             f"mm_max_image_pixels={max_frame_pixels}")
+        total = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+        fps = float(stream.average_rate or stream.guessed_rate or 0) or None
+        wanted = sample_indices(total, num_frames)
+        container.seek(0)
+        keep, frames = set(wanted), []
+        for index, frame in enumerate(container.decode(stream)):
+            if index in keep:
+                frames.append(frame.to_ndarray(format="rgb24"))
+            if wanted and index >= wanted[-1]:
+                break
+    if not frames:
+        raise InvalidRequestError(field, "the video has no frames")
+    taken = wanted[: len(frames)]
+    return np.stack(frames), {"fps": fps, "frames_indices": taken, "total_num_frames": max(total, taken[-1] + 1)}
