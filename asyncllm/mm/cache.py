@@ -74,9 +74,11 @@ class LRUBudget(Generic[V]):
 
 @dataclass(frozen=True)
 class MirrorEntry:
-    """What the host needs to send an item as its key only: its placeholder count."""
+    """What the host needs to send an item as its key only: its placeholder count and data shape (the placeholder
+    tokens of some models follow from it: Mistral 3's row breaks)."""
 
     length: int
+    shape: tuple[int, ...] = ()
 
 
 class ProcessorCacheMirror(LRUBudget[MirrorEntry]):

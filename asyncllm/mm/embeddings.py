@@ -7,7 +7,9 @@ image, its features are looked up by item hash in the `EncoderCache`
 misses in one encoder call, images of one shape batched); the entry stays pinned
 until the prefill has passed the range (or the request leaves the worker), then it
 stays cached for later requests while the byte budget allows. Each step copies
-the rows it covers into the text embeddings at those positions.
+the rows it covers into the text embeddings at those positions, except rows whose
+tokens keep their own embeddings inside an item (the model's ``mm_text_rows``:
+Mistral 3's row breaks).
 """
 
 from __future__ import annotations
@@ -105,11 +107,21 @@ class EncoderOutputCache:
             lo, hi = max(span.start, item.offset), min(span.start + span.length, item.offset + item.length)
             features = self.store.get_pinned(item.mm_hash)
             dst = span.flat_offset + lo - span.start
+            kept = self._text_rows(item, lo, hi, embeds.device) + dst
+            text = embeds[kept]
             embeds[dst : dst + hi - lo] = features[lo - item.offset : hi - item.offset].to(embeds.dtype)
+            embeds[kept] = text
             if hi == item.offset + item.length:  # the prefill has passed this image
                 self._pinned[span.req_id].discard(index)
                 self.store.release(item.mm_hash)
         return embeds
+
+    def _text_rows(self, item: MultiModalItem, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """The prompt positions in ``[lo, hi)`` of ``item`` whose tokens keep their own embeddings (Mistral 3's
+        row breaks: ``mm_text_rows``), relative to ``lo``; empty for the other models."""
+        layout = getattr(self.model, "mm_text_rows", None)
+        rows = np.empty(0, dtype=np.int64) if layout is None else layout(tuple(item.shape)) + item.offset
+        return torch.from_numpy(rows[(rows >= lo) & (rows < hi)] - lo).to(device)
 
     def _pin_reached(self, wanted: list[tuple[str, int, MultiModalItem]], embeds: torch.Tensor) -> None:
         """Pin the features of every item reached for the first time, encoding the ones not cached (once each)."""

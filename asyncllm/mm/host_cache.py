@@ -36,10 +36,10 @@ class LruHostCache:
 
     def lookup(self, key: str, offset: int) -> MultiModalItem | None:
         entry = self.mirror.get(key)
-        return None if entry is None else MultiModalItem(key, offset, entry.length)
+        return None if entry is None else MultiModalItem(key, offset, entry.length, shape=list(entry.shape))
 
     def record(self, key: str, offset: int, length: int, pixel_values: np.ndarray) -> MultiModalItem:
-        self.mirror.put(key, pixel_values.nbytes, MirrorEntry(length))  # the core stores what it receives
+        self.mirror.put(key, pixel_values.nbytes, MirrorEntry(length, tuple(pixel_values.shape)))  # as the core
         return inline_item(key, offset, length, pixel_values)
 
     def forget(self, keys: list[str]) -> None:

@@ -157,6 +157,9 @@ class MultiModalProcessor:
         """Image processors of requests' ``mm_processor_kwargs`` (by their JSON), the last few used."""
         self.tokenizer = tokenizer
         self.image_token_id: int = model_cls.mm_placeholder_token_id(hf_config)
+        call_kwargs = getattr(model_cls, "mm_processor_call_kwargs", None)
+        self._call_kwargs: dict[str, Any] = call_kwargs(hf_config) if call_kwargs is not None else {}
+        """What the model's HF processor passes its image processor per call (Mistral 3's patch size)."""
         self._hf_config = hf_config
         self._model_cls = model_cls
         self.max_image_pixels = max_image_pixels
@@ -234,13 +237,21 @@ class MultiModalProcessor:
             value, uuid = media[kind][0][index], media[kind][1][index]
             if kind == "image":
                 item = self._item(value, uuid, f"{field}[{index}]", len(expanded), inline, overrides)
-                expanded += [self.image_token_id] * item.length
+                expanded += self._placeholder_ids(item)
                 items.append(item)
             else:
                 self._video(value, uuid, f"{video_field}[{index}]", expanded, items, inline)
             previous = slot + 1
         expanded += token_ids[previous:]
         return MultiModalPrompt(expanded, items, inputs, list(token_ids), overrides)
+
+    def _placeholder_ids(self, item: MultiModalItem) -> list[int]:
+        """An image's placeholder tokens: the model's layout (``mm_placeholder_ids``: Mistral 3's rows), else one
+        image token per feature row."""
+        layout = getattr(self._model_cls, "mm_placeholder_ids", None)
+        if layout is None:
+            return [self.image_token_id] * item.length
+        return layout(self._hf_config, self.tokenizer, tuple(item.shape))
 
     def _checked(self, given: Any, uuids: list[str | None] | None, field: str, kind: str,
                  limit: int | None) -> tuple[list[Any], list[str | None]]:
@@ -337,7 +348,7 @@ class MultiModalProcessor:
     def _preprocess(self, image: Any, field: str, overrides: dict[str, Any]) -> Any:
         """The HF image processor's output for one image, as the model's float32 numpy array (`mm_pixel_values`)."""
         try:
-            out = self._processor_for(overrides)(images=[image], return_tensors="np")
+            out = self._processor_for(overrides)(images=[image], return_tensors="np", **self._call_kwargs)
         except (ValueError, OSError) as exc:
             raise InvalidRequestError(field, f"the image processor rejected the image: {exc}") from exc
         return self._model_cls.mm_pixel_values(out)

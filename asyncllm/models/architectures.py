@@ -30,9 +30,9 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                            "Qwen3VLMoeForConditionalGeneration")
+                            "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration")
 """Architectures that take images (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
-by M-RoPE (asyncllm/models/mrope.py)."""
+by M-RoPE (asyncllm/models/mrope.py) and take videos too."""
 ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel")
 ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                     "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")
@@ -86,7 +86,7 @@ def refuse_quantized_multimodal(arch: str, model: str, method: str, is_ignored: 
         return
     if arch not in QUANTIZED_DECODER_ARCHITECTURES:
         raise NotBuiltError("model", model, f"a pre-quantized {method} {arch} checkpoint (text models and "
-                                            "Qwen2-VL / Qwen2.5-VL only)")
+                                            "the Qwen-VL decoders only)")
     if not any(is_ignored(name) for name in _TOWER_LAYERS):
         raise NotBuiltError("model", model, f"a pre-quantized {method} {arch} checkpoint with a quantized vision "
                                             "tower (its quantization_config does not leave 'visual' out)")

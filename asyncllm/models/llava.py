@@ -19,7 +19,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.clip import CLIPVisionTower, activation
@@ -28,7 +27,7 @@ from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
-from asyncllm.models.vision_language import load_vision_language_weights, vision_language_weight_names
+from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights
 
 __all__ = ["LlavaForConditionalGeneration", "check_encoder_tensor_parallel", "normalize_llava_name"]
 
@@ -82,7 +81,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(nn.Module):
+class LlavaForConditionalGeneration(VisionLanguageModel):
     """Image features replace the ``<image>`` placeholder embeddings; the rest is the decoder."""
 
     supports_encoder_data_parallel = True
@@ -148,22 +147,6 @@ class LlavaForConditionalGeneration(nn.Module):
         patches = (pixel_shape[-2] // patch) * (pixel_shape[-1] // patch)
         return patches + (0 if hf_config.vision_feature_select_strategy == "default" else 1)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        attn_metadata: AttentionMetadata,
-        inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, C, H, W]`` images -> ``[N, tokens per image, text hidden]``: one row per placeholder."""
         features = self.vision_tower(pixel_values)
@@ -172,9 +155,6 @@ class LlavaForConditionalGeneration(nn.Module):
         return self.multi_modal_projector(features)
 
     # ---- weights
-    def checkpoint_weight_names(self) -> set[str]:
-        return vision_language_weight_names(self)
-
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Route ``language_model.*`` to the decoder's loader; the encoder's parameters keep their shard."""
         return load_vision_language_weights(self, weights, normalize_llava_name, "LLaVA", ("position_ids",))

@@ -20,7 +20,6 @@ Checkpoints come in two layouts: the original one (``visual.*``,
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from typing import Any, Iterable
 
@@ -31,7 +30,12 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
-from asyncllm.mm.qwen_video import QWEN3_VIDEO_SETTINGS, VideoPiece, VideoSettings, frame_timestamps
+from asyncllm.mm.qwen_video import (
+    QWEN3_VIDEO_SETTINGS,
+    VideoPiece,
+    VideoSettings,
+    frame_timestamps,
+)
 from asyncllm.mm.videos import Video
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild, LlamaModel
@@ -40,7 +44,7 @@ from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 from asyncllm.models.qwen3_vision import Qwen3VisionTower
 from asyncllm.models.qwen_vision import QwenVisionTower
-from asyncllm.models.vision_language import load_vision_language_weights, vision_language_weight_names
+from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights, text_config_of
 
 __all__ = ["Qwen2VLForConditionalGeneration", "Qwen3VLForConditionalGeneration", "normalize_qwen2_vl_name"]
 
@@ -131,16 +135,7 @@ class Qwen3VLLanguageModel(_MRopeBuild, Qwen3ForCausalLM):
     default_mrope_section = (24, 20, 20)
 
 
-def _text_config(hf_config: Any) -> Any:
-    """A copy of ``text_config`` with the checkpoint's ``tie_word_embeddings``, which Qwen2-VL keeps at the top
-    level (the 2B model ties its LM head to the embeddings)."""
-    text = copy.copy(hf_config.text_config)
-    tie = getattr(hf_config, "tie_word_embeddings", None)
-    text.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False) if tie is None else tie)
-    return text
-
-
-class Qwen2VLForConditionalGeneration(nn.Module):
+class Qwen2VLForConditionalGeneration(VisionLanguageModel):
     """Image features replace the ``<|image_pad|>`` placeholder embeddings; positions are M-RoPE's."""
 
     supports_encoder_data_parallel = True
@@ -158,7 +153,7 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         self.encoder_tp = tp if mm_encoder_tp_mode == "weights" else TensorParallel()
         self.merge = int(hf_config.vision_config.spatial_merge_size)
         self.visual = self.tower_cls(hf_config.vision_config, self.encoder_tp, dtype)  # checks the shards split
-        self.language_model = self.language_model_cls(_text_config(hf_config), dtype=dtype, tp=tp,
+        self.language_model = self.language_model_cls(text_config_of(hf_config), dtype=dtype, tp=tp,
                                                       attn_backend=attn_backend, max_position=max_position,
                                                       **decoder_options)
 
@@ -211,17 +206,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
         out = self.visual(pixel_values.reshape(n * t * h * w, features), grid)
         return out.view(n, -1, out.shape[-1])
 
-    # ---- the decoder
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_input_ids(input_ids)
-
     # ---- weights
     @staticmethod
     def checkpoint_module_name(name: str) -> str:
@@ -236,9 +220,6 @@ class Qwen2VLForConditionalGeneration(nn.Module):
             return name, None
         inner, shard_id = self.language_model._packed(name.removeprefix("language_model."))
         return "language_model." + inner, shard_id
-
-    def checkpoint_weight_names(self) -> set[str]:
-        return vision_language_weight_names(self)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Route the decoder's weights to its loader; the vision tower's parameters keep their shard."""

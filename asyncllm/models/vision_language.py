@@ -1,6 +1,6 @@
 """What the vision-language models share: routing a checkpoint's weights to the encoder and the decoder.
 
-LLaVA (llava.py) and Qwen2-VL (qwen2_vl.py) both hold an image encoder beside a
+LLaVA (llava.py), Qwen2-VL (qwen2_vl.py) and Mistral 3 (mistral3.py) hold an image encoder beside a
 ``language_model`` decoder: each checkpoint name is mapped to ours by the
 model's ``normalize`` function, the decoder's go through its own loader (fused
 projections, TP shards), the encoder's straight to their parameters (whose
@@ -9,14 +9,26 @@ projections, TP shards), the encoder's straight to their parameters (whose
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import copy
+from typing import Any, Callable, Iterable
 
+import torch
 from torch import nn
 
+from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import ConfigError
 from asyncllm.models.layers import LoadedWeight, default_weight_loader
 
-__all__ = ["load_vision_language_weights", "vision_language_weight_names"]
+__all__ = ["VisionLanguageModel", "load_vision_language_weights", "text_config_of", "vision_language_weight_names"]
+
+
+def text_config_of(hf_config: Any) -> Any:
+    """A copy of ``text_config`` with the checkpoint's ``tie_word_embeddings``, which Qwen2-VL and Mistral 3 keep at
+    the top level (a tied checkpoint saves no LM head)."""
+    text = copy.copy(hf_config.text_config)
+    tie = getattr(hf_config, "tie_word_embeddings", None)
+    text.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False) if tie is None else tie)
+    return text
 
 
 def load_vision_language_weights(model: nn.Module, weights: Iterable[tuple[str, LoadedWeight]],
@@ -56,3 +68,22 @@ def vision_language_weight_names(model: nn.Module) -> set[str]:
     names = {"language_model." + name for name in model.language_model.checkpoint_weight_names()}
     names.update(name for name, _ in model.named_parameters() if not name.startswith("language_model."))
     return names
+
+
+class VisionLanguageModel(nn.Module):
+    """An image encoder beside ``self.language_model``: the decoder's entry points delegated to it."""
+
+    language_model: nn.Module
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_input_ids(input_ids)
+
+    def checkpoint_weight_names(self) -> set[str]:
+        return vision_language_weight_names(self)

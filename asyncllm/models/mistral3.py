@@ -1,0 +1,112 @@
+"""Mistral 3 (``Mistral3ForConditionalGeneration``: Mistral-Small-3.1 / 3.2, Magistral-Small, Devstral-Small 2505+):
+Pixtral's vision tower and Mistral 3's projector (pixtral.py) before the Mistral decoder of llama.py.
+
+An image of ``rows x cols`` merged patches (28 x 28 pixels each) takes ``rows``
+runs of ``[IMG] * cols`` in the prompt, each run closed by ``[IMG_BREAK]``, the
+last by ``[IMG_END]``, as transformers' ``PixtralProcessor`` writes them. The whole
+run is one item: the encoder outputs a row per token, and the break and end
+tokens keep their own embeddings (`mm_text_rows`), so chunked prefill and the
+caches treat the image as one span. The image's size rides in its item's shape
+``(3, H, W)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.llama import LlamaForCausalLM
+from asyncllm.models.llava import normalize_llava_name
+from asyncllm.models.pixtral import Mistral3Projector, PixtralVisionTower
+from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights, text_config_of
+
+__all__ = ["Mistral3ForConditionalGeneration"]
+
+IMAGE_BREAK, IMAGE_END = "[IMG_BREAK]", "[IMG_END]"
+
+
+def _grid(hf_config: Any, pixel_shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, cols) of merged patches of an image of ``(3, H, W)`` pixels."""
+    unit = hf_config.vision_config.patch_size * hf_config.spatial_merge_size
+    return pixel_shape[-2] // unit, pixel_shape[-1] // unit
+
+
+class Mistral3ForConditionalGeneration(VisionLanguageModel):
+    """Image features replace the ``[IMG]`` placeholders' embeddings; the rest is the Mistral decoder."""
+
+    supports_encoder_data_parallel = True
+    """The tower and projector are whole on every rank in either mode, so "data" splits a step's images."""
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+        super().__init__()
+        if mm_encoder_tp_mode not in ("weights", "data"):
+            raise ConfigError("mm_encoder_tp_mode", mm_encoder_tp_mode, "'weights' or 'data'")
+        text_config = text_config_of(hf_config)
+        if text_config.model_type not in ("mistral", "llama"):
+            raise NotBuiltError("text_config.model_type", text_config.model_type, "a Mistral 3 decoder of type mistral")
+        if hf_config.vision_config.model_type != "pixtral":
+            raise NotBuiltError("vision_config.model_type", hf_config.vision_config.model_type, "a Pixtral tower")
+        self.vision_tower = PixtralVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, dtype)
+        self.multi_modal_projector = Mistral3Projector(hf_config, dtype)
+        self.language_model = LlamaForCausalLM(text_config, dtype=dtype, tp=tp, attn_backend=attn_backend,
+                                               max_position=max_position)
+        self.hf_config = hf_config
+
+    # ---- multimodal hooks (asyncllm/mm/)
+    @staticmethod
+    def mm_placeholder_token_id(hf_config: Any) -> int:
+        """The prompt token that marks an image (``[IMG]``)."""
+        return int(hf_config.image_token_id if getattr(hf_config, "image_token_id", None) is not None
+                   else hf_config.image_token_index)
+
+    @staticmethod
+    def mm_processor_call_kwargs(hf_config: Any) -> dict[str, Any]:
+        """What ``PixtralProcessor`` passes its image processor: patches of a merged token's size (28 pixels)."""
+        return {"patch_size": hf_config.vision_config.patch_size * hf_config.spatial_merge_size}
+
+    @staticmethod
+    def mm_pixel_values(processed: Any) -> np.ndarray:
+        """One image's processor output -> its ``(3, H, W)`` float32 pixels (a batch of one is never padded)."""
+        height, width = (int(n) for n in processed["image_sizes"][0])
+        return processed["pixel_values"][0, :, :height, :width].astype("float32", copy=False)
+
+    @staticmethod
+    def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
+        rows, cols = _grid(hf_config, pixel_shape)
+        return rows * (cols + 1)
+
+    @staticmethod
+    def mm_placeholder_ids(hf_config: Any, tokenizer: Any, pixel_shape: tuple[int, ...]) -> list[int]:
+        """``([IMG] * cols + [IMG_BREAK]) * rows``, the last break an ``[IMG_END]``."""
+        rows, cols = _grid(hf_config, pixel_shape)
+        image, brk, end = (Mistral3ForConditionalGeneration.mm_placeholder_token_id(hf_config),
+                           *(int(tokenizer.convert_tokens_to_ids(t)) for t in (IMAGE_BREAK, IMAGE_END)))
+        ids = ([image] * cols + [brk]) * rows
+        ids[-1] = end
+        return ids
+
+    def mm_text_rows(self, pixel_shape: tuple[int, ...]) -> np.ndarray:
+        """The item's rows whose tokens keep their own embeddings (the breaks and the end)."""
+        rows, cols = _grid(self.hf_config, pixel_shape)
+        return np.arange(1, rows + 1) * (cols + 1) - 1
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, 3, H, W]`` images of one size -> ``[N, rows * (cols + 1), text hidden]``: each row of merged
+        patches' features, then a zero row where its break (or the end) token keeps its embedding."""
+        rows, cols = _grid(self.hf_config, tuple(pixel_values.shape))
+        patches = self.vision_tower(pixel_values)
+        merge = self.hf_config.spatial_merge_size
+        features = self.multi_modal_projector(patches, rows * merge, cols * merge).view(len(pixel_values), rows, cols, -1)
+        out = torch.cat([features, features.new_zeros(len(pixel_values), rows, 1, features.shape[-1])], dim=2)
+        return out.view(len(pixel_values), rows * (cols + 1), -1)
+
+    # ---- weights
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Both layouts (``model.vision_tower.*`` / ``vision_tower.*``, ...) as LLaVA's."""
+        return load_vision_language_weights(self, weights, normalize_llava_name, "Mistral 3")

@@ -1,0 +1,56 @@
+"""Mistral 3 (Pixtral tower) end to end: images whose rows of ``[IMG]`` are closed by ``[IMG_BREAK]`` / ``[IMG_END]``
+tokens that keep their own embeddings, token for token equal to transformers with images split across prefill
+chunks, beside text-only requests, from the prefix cache, in chat, and encoded by data over two ranks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from mistral3_utils import IMAGE, hf_mistral3_greedy, make_tiny_mistral3
+from mm_utils import make_image
+
+from asyncllm import AsyncEngine, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def mistral3(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_mistral3(tmp_path_factory.mktemp("mistral3"))
+
+
+async def test_images_of_two_sizes_beside_text_and_from_the_prefix_cache_match_transformers(mistral3):
+    images = [make_image(100, 60, seed=1), make_image(50, 112, seed=2)]
+    text = f"look {IMAGE} and {IMAGE} please"
+    prompts = [{"prompt": text, "images": images}, "a text prompt with no image"]
+    async with AsyncEngine(mistral3, disable_log_stats=True, block_size=4, max_num_batched_tokens=8, max_num_seqs=4,
+                           enable_prefix_caching=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+        again = await engine.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": images[1]}},
+                                                 {"type": "text", "text": "what is it?"}]}]
+        stream = engine.chat(messages, GREEDY)
+        chat_tokens = [token for delta in [d async for d in stream] for token in delta.token_ids]
+    hf_prompt, hf_tokens = hf_mistral3_greedy(mistral3, text, images, 8)
+    breaks = [engine.tokenizer.convert_tokens_to_ids(t) for t in ("[IMG_BREAK]", "[IMG_END]")]
+    assert outs[0].prompt_token_ids == hf_prompt and sum(hf_prompt.count(t) for t in breaks) == 3 + 4
+    assert [o.outputs[0].token_ids for o in outs] == [hf_tokens, hf_mistral3_greedy(mistral3, prompts[1], [], 8)[1]]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == hf_tokens
+    chat_text = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}], tokenize=False)
+    chat_prompt, expected = hf_mistral3_greedy(mistral3, chat_text, [images[1]], 8, add_special_tokens=False)
+    assert stream.collector.prompt_token_ids == chat_prompt and chat_tokens == expected
+
+
+async def test_two_ranks_encoding_by_data_match_transformers(mistral3):
+    images = [make_image(112, 112, seed=3), make_image(30, 40, seed=4)]
+    texts = [f"{IMAGE} one", f"and {IMAGE} two"]
+    async with AsyncEngine(mistral3, disable_log_stats=True, tensor_parallel_size=2, mm_encoder_tp_mode="data",
+                           block_size=4, max_num_batched_tokens=16, max_num_seqs=2) as engine:
+        outs = await asyncio.gather(*(engine.generate({"prompt": t, "images": [i]}, GREEDY)
+                                      for t, i in zip(texts, images)))
+    assert [o.outputs[0].token_ids for o in outs] == [hf_mistral3_greedy(mistral3, t, [i], 8)[1]
+                                                       for t, i in zip(texts, images)]

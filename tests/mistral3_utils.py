@@ -1,0 +1,81 @@
+"""A tiny random Mistral 3 checkpoint (Pixtral tower + projector + Mistral decoder) for the tests."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+from mm_utils import random_model
+
+__all__ = ["IMAGE", "hf_mistral3_greedy", "make_tiny_mistral3"]
+
+IMAGE, IMAGE_BREAK, IMAGE_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST]' }}{% endif %}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '[IMG]' }}{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[/INST]' }}{% else %}{{ eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0) -> str:
+    """Save a tiny random ``Mistral3ForConditionalGeneration`` with its tokenizer and Pixtral image processor (longest
+    edge 112 pixels: at most 4 x 4 merged patches an image) in ``path``."""
+    from transformers import (
+        AutoTokenizer,
+        Mistral3Config,
+        Mistral3ForConditionalGeneration,
+        MistralConfig,
+        PixtralImageProcessorPil,
+        PixtralVisionConfig,
+    )
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = Path(path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE, IMAGE_BREAK, IMAGE_END, "[INST]", "[/INST]"]})
+    tokenizer.chat_template = CHAT_TEMPLATE
+    text = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                         bos_token_id=0, eos_token_id=1, pad_token_id=2, sliding_window=None)
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 patch_size=14, image_size=112)
+    config = Mistral3Config(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+                            spatial_merge_size=2, vision_feature_layer=-1, multimodal_projector_bias=False)
+    random_model(Mistral3ForConditionalGeneration, config, seed).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14).save_pretrained(path)
+    return str(path)
+
+
+def hf_mistral3_greedy(path: str, text: str, images: list[bytes], max_new_tokens: int,
+                       add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+    """transformers' (prompt ids, greedy tokens): each ``[IMG]`` expanded as ``PixtralProcessor`` does (rows of
+    ``[IMG]`` closed by ``[IMG_BREAK]``, the last by ``[IMG_END]``), the image processor called with 28-pixel patches."""
+    import torch
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    inputs: dict = {}
+    if images:
+        pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+        inputs = dict(AutoImageProcessor.from_pretrained(path)(images=pil, return_tensors="pt", patch_size=28))
+        parts = text.split(IMAGE)
+        for (height, width), i in zip(inputs["image_sizes"].tolist(), range(1, len(parts))):
+            row = IMAGE * (width // 28) + IMAGE_BREAK
+            parts[i] = (row * (height // 28))[: -len(IMAGE_BREAK)] + IMAGE_END + parts[i]
+        text = "".join(parts)
+    inputs["input_ids"] = tokenizer([text], return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"]
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    prompt = inputs["input_ids"][0].tolist()
+    return prompt, out[0, len(prompt):].tolist()
