@@ -33,7 +33,7 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "gpt_oss")
+              "granite", "olmo2", "olmo3", "smollm3", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -55,6 +55,17 @@ _GEMMA_SHAPES: dict[str, dict[str, Any]] = {
 """The tiny Gemma models: a window of 8 tokens (so test prompts outrun it), an attention scale that is not
 ``head_dim ** -0.5``, Gemma 2's caps low enough to change the scores, Gemma 3's two ropes (the global one
 scaled, as in the 4B-27B checkpoints); sliding and global layers alternate."""
+
+_OLMO3_SHAPE: dict[str, Any] = dict(sliding_window=8, rope_parameters={
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    "full_attention": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                       "rope_theta": 500_000.0, "beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 1.2},
+})
+"""The tiny OLMo 3: a window of 8 tokens and a different rope per layer type (the full layers' YaRN-scaled, as the
+long-context checkpoints'); sliding and full layers alternate."""
+
+_SMOLLM3_SHAPE: dict[str, Any] = dict(no_rope_layers=[1, 0])
+"""The tiny SmolLM3: its second layer uses no positions (NoPE)."""
 
 _PHI3_SHAPE: dict[str, Any] = dict(original_max_position_embeddings=64, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
@@ -293,6 +304,7 @@ def _build_config(
         "qwen3_moe": transformers.Qwen3MoeConfig, "gemma2": transformers.Gemma2Config,
         "gemma3": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config,
         "granite": transformers.GraniteConfig, "olmo2": transformers.Olmo2Config,
+        "olmo3": transformers.Olmo3Config, "smollm3": transformers.SmolLM3Config,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(
@@ -310,6 +322,11 @@ def _build_config(
         fields.update(_GRANITE_SHAPE)
     if arch == "gpt_oss":
         fields.update(copy.deepcopy(_GPT_OSS_SHAPE))
+    if arch == "olmo3":
+        fields.update(copy.deepcopy(_OLMO3_SHAPE), layer_types=[
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])
+    if arch == "smollm3":
+        fields.update(_SMOLLM3_SHAPE)
     if arch in _GEMMA_SHAPES:
         fields.update(copy.deepcopy(_GEMMA_SHAPES[arch]), layer_types=[
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])

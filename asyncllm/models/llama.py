@@ -77,6 +77,9 @@ class DecoderBuild:
     """MoE layers split their experts over the TP ranks instead of each expert's intermediate dim."""
     pipeline: PipelineStage | None = dataclasses.field(default=None, kw_only=True)
     """This rank's pipeline stage: the decoder builds only its parts (asyncllm/models/pipeline.py); None: all."""
+    layer_rotary: tuple[RotaryEmbedding, ...] | None = dataclasses.field(default=None, kw_only=True)
+    """Each layer's rotary embedding where layers differ (SmolLM3's layers without rope, OLMo 3's rope per layer
+    type); None: `rotary_emb` in every layer."""
 
 
 class LlamaAttention(nn.Module):
@@ -93,7 +96,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
             self.k_norm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
         self.qk_norm = b.flags.qk_norm
-        self.rotary_emb = b.rotary_emb
+        self.rotary_emb = b.rotary_emb if b.layer_rotary is None else b.layer_rotary[layer_idx]
         qkv = self.qkv_proj
         window = sliding_window_of(cfg, layer_idx)
         self.attn = Attention(qkv.num_heads, qkv.num_kv_heads, head_dim, b.attn_backend, window,

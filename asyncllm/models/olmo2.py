@@ -1,5 +1,5 @@
 """AllenAI OLMo 2 (OLMo-2-1124-7B / 13B, OLMo-2-0325-32B, OLMo-2-0425-1B and their SFT / DPO / Instruct
-checkpoints): ``Olmo2ForCausalLM``.
+checkpoints): ``Olmo2ForCausalLM``; and OLMo 3 (Olmo-3-7B / 32B, Think and Instruct): ``Olmo3ForCausalLM``.
 
 The Llama decoder's projections, rotary, MLP and weight loading (asyncllm/models/llama.py) with OLMo 2's
 differences, in transformers' order of operations:
@@ -14,20 +14,27 @@ differences, in transformers' order of operations:
   norms the whole and keeps its slice: the same numbers, more traffic);
 - every RMSNorm multiplies its weight in float32 and rounds once (`Olmo2RMSNorm`; Llama's rounds before the
   weight), so these norms run in torch on every backend rather than in the fused residual-add kernels.
+
+OLMo 3 is OLMo 2 with three sliding-window layers to each full one (``layer_types``) and a rope per layer type
+(``rope_parameters["sliding_attention"]`` / ``["full_attention"]``: the long-context checkpoints scale only the
+full layers' with YaRN).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.selector import AttentionBackend
 from asyncllm.models.layers import (
     LoadedWeight, RMSNorm, TensorParallel, copy_weight, head_dim_of, new_param, weight_narrow,
 )
 from asyncllm.models.llama import DecoderBuild, LlamaAttention, LlamaForCausalLM, LlamaModel
 
-__all__ = ["Olmo2ForCausalLM", "Olmo2RMSNorm", "WholeProjectionRMSNorm", "olmo2_rms_norm"]
+__all__ = ["Olmo2ForCausalLM", "Olmo2RMSNorm", "Olmo3ForCausalLM", "WholeProjectionRMSNorm", "olmo2_rms_norm"]
 
 
 def olmo2_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variance: torch.Tensor | None = None
@@ -128,3 +135,17 @@ class Olmo2ForCausalLM(LlamaForCausalLM):
     """OLMo 2's causal LM: post-sublayer norms and whole-projection q/k norms on Llama's layers."""
 
     model_cls = Olmo2Model
+
+
+class Olmo3ForCausalLM(Olmo2ForCausalLM):
+    """OLMo 2's layers; sliding or full attention per ``layer_types``, each with its layer type's rope."""
+
+    @classmethod
+    def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                      max_position: int, expert_parallel: bool) -> DecoderBuild:
+        from asyncllm.models.gemma import rotary_by_layer_type
+
+        ropes = rotary_by_layer_type(hf_config, max_position)
+        return DecoderBuild(hf_config, cls.decoder_flags(hf_config), dtype, tp, attn_backend, ropes["full_attention"],
+                            cls.make_mlp, expert_parallel,
+                            layer_rotary=tuple(ropes[kind] for kind in hf_config.layer_types))

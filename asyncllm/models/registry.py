@@ -26,7 +26,8 @@ from asyncllm.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.modernbert import ModernBertEmbeddingModel, ModernBertForSequenceClassification
 from asyncllm.models.moe import moe_parallel_problems
-from asyncllm.models.olmo2 import Olmo2ForCausalLM
+from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
+from asyncllm.models.smollm3 import SmolLM3ForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -93,6 +94,8 @@ _MODELS: dict[str, type] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
+    "Olmo3ForCausalLM": Olmo3ForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,

@@ -25,7 +25,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.checkpoint import pretrained_config
 from asyncllm.kernels import reference
 
-__all__ = ["FREQ_FACTORS", "rope_parameters", "compute_inv_freq", "fix_longrope_factors", "RotaryEmbedding"]
+__all__ = ["FREQ_FACTORS", "rope_parameters", "compute_inv_freq", "fix_longrope_factors", "RotaryEmbedding", "identity_rotary"]
 
 # Their frequencies change with the batch's sequence length in HF, so the same
 # token would get different rotations depending on what it is batched with.
@@ -136,3 +136,13 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
+
+
+def identity_rotary(hf_config: Any, head_dim: int, max_position: int) -> RotaryEmbedding:
+    """A rotary embedding that turns nothing (cos 1, sin 0 at every position: ``x * 1 + rotated * 0`` is x
+    exactly), for the layers of a model that use no positions there (SmolLM3's NoPE layers), so the backends and
+    their fused rotary kernels need no other path."""
+    rotary = RotaryEmbedding(hf_config, head_dim, max_position)
+    zeros = torch.zeros(rotary.rotary_dim // 2, device=rotary.cos_sin_cache.device)
+    rotary.cos_sin_cache = reference.build_cos_sin_cache(zeros, 1.0, max_position)
+    return rotary

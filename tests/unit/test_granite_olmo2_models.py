@@ -1,5 +1,5 @@
-"""Granite (asyncllm/models/granite.py) and OLMo 2 (asyncllm/models/olmo2.py) against transformers' forward over
-a paged KV cache, alone and over two tensor-parallel ranks.
+"""Granite (asyncllm/models/granite.py), OLMo 2 and 3 (asyncllm/models/olmo2.py) and SmolLM3 (smollm3.py) against
+transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
 attention scale 1/64 instead of 1/4, logits / 8) and tied embeddings; the tiny OLMo 2 has post-sublayer norms
@@ -21,12 +21,14 @@ from asyncllm.config import EngineConfig
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import load_hf_config, load_model
-from asyncllm.models.olmo2 import Olmo2ForCausalLM, WholeProjectionRMSNorm, olmo2_rms_norm
+from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, WholeProjectionRMSNorm, olmo2_rms_norm
 from asyncllm.models.registry import kv_cache_spec
+from asyncllm.models.smollm3 import SmolLM3ForCausalLM
 from asyncllm.tiny import tiny_checkpoint
 
 ATOL = 1e-4
-MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM}
+MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
+                 "smollm3": SmolLM3ForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
