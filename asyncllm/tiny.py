@@ -33,7 +33,7 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "olmo3", "smollm3", "gpt_oss")
+              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -66,6 +66,9 @@ long-context checkpoints'); sliding and full layers alternate."""
 
 _SMOLLM3_SHAPE: dict[str, Any] = dict(no_rope_layers=[1, 0])
 """The tiny SmolLM3: its second layer uses no positions (NoPE)."""
+
+_EXAONE4_SHAPE: dict[str, Any] = dict(sliding_window=8, sliding_window_pattern=2)
+"""The tiny EXAONE 4: an 8-token window in its first layer, the second full and without positions."""
 
 _PHI3_SHAPE: dict[str, Any] = dict(original_max_position_embeddings=64, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
@@ -305,6 +308,7 @@ def _build_config(
         "gemma3": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config,
         "granite": transformers.GraniteConfig, "olmo2": transformers.Olmo2Config,
         "olmo3": transformers.Olmo3Config, "smollm3": transformers.SmolLM3Config,
+        "exaone4": transformers.Exaone4Config,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(
@@ -327,6 +331,8 @@ def _build_config(
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])
     if arch == "smollm3":
         fields.update(_SMOLLM3_SHAPE)
+    if arch == "exaone4":
+        fields.update(_EXAONE4_SHAPE)
     if arch in _GEMMA_SHAPES:
         fields.update(copy.deepcopy(_GEMMA_SHAPES[arch]), layer_types=[
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])

@@ -102,13 +102,17 @@ class Olmo2Attention(LlamaAttention):
 
 
 class Olmo2DecoderLayer(nn.Module):
+    attention_cls: type[LlamaAttention] = Olmo2Attention
+    norm_cls: type[RMSNorm] = Olmo2RMSNorm
+    """What a family may swap (EXAONE 4: per-head q/k norms, Llama's norms), same constructor arguments."""
+
     def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
         super().__init__()
         cfg = b.hf_config
-        self.self_attn = Olmo2Attention(b, layer_idx)
-        self.post_attention_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.self_attn = self.attention_cls(b, layer_idx)
+        self.post_attention_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
         self.mlp = b.make_mlp(b, layer_idx)
-        self.post_feedforward_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.post_feedforward_layernorm = self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
 
     def forward(
         self,

@@ -28,6 +28,7 @@ from asyncllm.models.modernbert import ModernBertEmbeddingModel, ModernBertForSe
 from asyncllm.models.moe import moe_parallel_problems
 from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from asyncllm.models.smollm3 import SmolLM3ForCausalLM
+from asyncllm.models.exaone4 import Exaone4ForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -96,6 +97,7 @@ _MODELS: dict[str, type] = {
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
+    "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,

@@ -1,4 +1,5 @@
-"""Granite (asyncllm/models/granite.py), OLMo 2 and 3 (asyncllm/models/olmo2.py) and SmolLM3 (smollm3.py) against
+"""Granite (asyncllm/models/granite.py), OLMo 2 and 3 (asyncllm/models/olmo2.py), SmolLM3 (smollm3.py) and EXAONE 4
+(exaone4.py) against
 transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
@@ -18,6 +19,7 @@ from hf_reference import hf_logits
 from model_utils import PagedRun, free_port, tp_worker
 
 from asyncllm.config import EngineConfig
+from asyncllm.models.exaone4 import Exaone4ForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import load_hf_config, load_model
@@ -28,7 +30,7 @@ from asyncllm.tiny import tiny_checkpoint
 
 ATOL = 1e-4
 MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
-                 "smollm3": SmolLM3ForCausalLM}
+                 "smollm3": SmolLM3ForCausalLM, "exaone4": Exaone4ForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
