@@ -33,7 +33,7 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "gpt_oss")
+              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -308,7 +308,7 @@ def _build_config(
         "gemma3": transformers.Gemma3TextConfig, "phi3": transformers.Phi3Config,
         "granite": transformers.GraniteConfig, "olmo2": transformers.Olmo2Config,
         "olmo3": transformers.Olmo3Config, "smollm3": transformers.SmolLM3Config,
-        "exaone4": transformers.Exaone4Config,
+        "exaone4": transformers.Exaone4Config, "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(

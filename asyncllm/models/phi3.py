@@ -26,7 +26,7 @@ from asyncllm.models.layers import LoadedWeight, head_dim_of, weight_shape
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.rotary import fix_longrope_factors
 
-__all__ = ["FusedRows", "Phi3ForCausalLM", "fused_rows"]
+__all__ = ["FusedCheckpointLoading", "FusedRows", "Phi3ForCausalLM", "fused_rows"]
 
 
 class FusedRows:
@@ -64,7 +64,29 @@ def check_phi3(hf_config: Any) -> None:
                             "quantization='fp8' is quantized online)")
 
 
-class Phi3ForCausalLM(LlamaForCausalLM):
+class FusedCheckpointLoading:
+    """For a decoder whose checkpoint stores some projections fused (``self.fused_parts``: fused module name ->
+    its parts in row order, (shard id, rows)): each fused matrix is cut into its parts, and each part loads as the
+    separate matrices of Llama's checkpoints do (every tensor-parallel rank its rows of each)."""
+
+    fused_parts: dict[str, list[tuple[object, int]]]
+
+    def _load_one(self, param: nn.Parameter, ckpt_name: str, weight: LoadedWeight, shard_id: object) -> None:
+        parts = next((p for fused, p in self.fused_parts.items() if f".{fused}." in ckpt_name), None)
+        if parts is None:
+            super()._load_one(param, ckpt_name, weight, shard_id)  # type: ignore[misc]
+            return
+        rows = weight_shape(weight)[0]
+        if rows != sum(n for _, n in parts):
+            sizes = " + ".join(str(n) for _, n in parts)
+            raise ConfigError("model", ckpt_name, f"a fused weight of {sizes} rows (config.json), not {rows}")
+        start = 0
+        for part_id, length in parts:
+            super()._load_one(param, ckpt_name, fused_rows(weight, start, length), part_id)  # type: ignore[misc]
+            start += length
+
+
+class Phi3ForCausalLM(FusedCheckpointLoading, LlamaForCausalLM):
     """The Phi-3 family's causal LM: Llama's layers, Phi-3's checkpoint layout and rope."""
 
     packed_modules: dict[str, list[tuple[str, object]]] = {}
@@ -86,17 +108,3 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         }
         """Each fused checkpoint matrix's parts, in its row order: (shard id, rows). The weights load by it, and so
         does a LoRA adapter's B of the fused module (asyncllm/models/lora.py)."""
-
-    def _load_one(self, param: nn.Parameter, ckpt_name: str, weight: LoadedWeight, shard_id: object) -> None:
-        parts = next((p for fused, p in self.fused_parts.items() if f".{fused}." in ckpt_name), None)
-        if parts is None:
-            super()._load_one(param, ckpt_name, weight, shard_id)
-            return
-        rows = weight_shape(weight)[0]
-        if rows != sum(n for _, n in parts):
-            sizes = " + ".join(str(n) for _, n in parts)
-            raise ConfigError("model", ckpt_name, f"a fused weight of {sizes} rows (config.json), not {rows}")
-        start = 0
-        for part_id, length in parts:
-            super()._load_one(param, ckpt_name, fused_rows(weight, start, length), part_id)
-            start += length

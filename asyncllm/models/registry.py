@@ -29,6 +29,7 @@ from asyncllm.models.moe import moe_parallel_problems
 from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from asyncllm.models.smollm3 import SmolLM3ForCausalLM
 from asyncllm.models.exaone4 import Exaone4ForCausalLM
+from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -98,6 +99,8 @@ _MODELS: dict[str, type] = {
     "Olmo3ForCausalLM": Olmo3ForCausalLM,
     "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
+    "GlmForCausalLM": GlmForCausalLM,
+    "Glm4ForCausalLM": Glm4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,

@@ -1,5 +1,5 @@
 """Granite (asyncllm/models/granite.py), OLMo 2 and 3 (asyncllm/models/olmo2.py), SmolLM3 (smollm3.py) and EXAONE 4
-(exaone4.py) against
+(exaone4.py), GLM and GLM-4 (glm4.py) against
 transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
@@ -20,6 +20,7 @@ from model_utils import PagedRun, free_port, tp_worker
 
 from asyncllm.config import EngineConfig
 from asyncllm.models.exaone4 import Exaone4ForCausalLM
+from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import load_hf_config, load_model
@@ -30,7 +31,8 @@ from asyncllm.tiny import tiny_checkpoint
 
 ATOL = 1e-4
 MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
-                 "smollm3": SmolLM3ForCausalLM, "exaone4": Exaone4ForCausalLM}
+                 "smollm3": SmolLM3ForCausalLM, "exaone4": Exaone4ForCausalLM, "glm": GlmForCausalLM,
+                 "glm4": Glm4ForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
@@ -74,7 +76,8 @@ def test_olmo2_qk_norms_span_the_projection_and_skip_the_backends_per_head_norm(
 @pytest.mark.slow
 def test_tp2_logits_match_transformers(tmp_path) -> None:
     """Two gloo ranks, each holding half the heads: every rank's logits equal transformers'."""
-    paths = [tiny_checkpoint("granite"), tiny_checkpoint("olmo2"), tiny_checkpoint("olmo2", num_kv_heads=1)]
+    paths = [tiny_checkpoint("granite"), tiny_checkpoint("olmo2"), tiny_checkpoint("olmo2", num_kv_heads=1),
+             tiny_checkpoint("glm4")]  # GLM-4: its reordered q/k rows and fused gate_up cut per rank
     sequences = _sequences(2)
     mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
     for index, path in enumerate(paths):
