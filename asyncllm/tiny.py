@@ -33,7 +33,7 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "gpt_oss")
+              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -69,6 +69,11 @@ _SMOLLM3_SHAPE: dict[str, Any] = dict(no_rope_layers=[1, 0])
 
 _EXAONE4_SHAPE: dict[str, Any] = dict(sliding_window=8, sliding_window_pattern=2)
 """The tiny EXAONE 4: an 8-token window in its first layer, the second full and without positions."""
+
+_BIAS_SHAPES: dict[str, dict[str, Any]] = {
+    "ernie4_5": dict(use_bias=True), "seed_oss": dict(attention_bias=True, attention_out_bias=False),
+}
+"""The tiny ERNIE 4.5 with biases on every projection; Seed-OSS with q/k/v biases and none on o (its checkpoints')."""
 
 _PHI3_SHAPE: dict[str, Any] = dict(original_max_position_embeddings=64, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
@@ -309,6 +314,8 @@ def _build_config(
         "granite": transformers.GraniteConfig, "olmo2": transformers.Olmo2Config,
         "olmo3": transformers.Olmo3Config, "smollm3": transformers.SmolLM3Config,
         "exaone4": transformers.Exaone4Config, "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config,
+        "ernie4_5": transformers.Ernie4_5Config, "seed_oss": transformers.SeedOssConfig,
+        "arcee": transformers.ArceeConfig,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(
@@ -333,6 +340,7 @@ def _build_config(
         fields.update(_SMOLLM3_SHAPE)
     if arch == "exaone4":
         fields.update(_EXAONE4_SHAPE)
+    fields.update(_BIAS_SHAPES.get(arch, {}))
     if arch in _GEMMA_SHAPES:
         fields.update(copy.deepcopy(_GEMMA_SHAPES[arch]), layer_types=[
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])

@@ -20,7 +20,8 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                       "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Phi3ForCausalLM",
                       "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM",
-                      "Exaone4ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "GptOssForCausalLM")
+                      "Exaone4ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
+                      "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "GptOssForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 """Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints are served as text only, without
 LoRA adapters (docs/gemma.md)."""

@@ -27,7 +27,7 @@ from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaDecoderLayer,
 from asyncllm.models.phi3 import FusedCheckpointLoading, check_phi3
 from asyncllm.models.rotary import rope_parameters
 
-__all__ = ["Glm4ForCausalLM", "GlmForCausalLM", "interleaved_to_half"]
+__all__ = ["Glm4ForCausalLM", "GlmForCausalLM", "InterleavedRotaryLoading", "interleaved_to_half"]
 
 
 def interleaved_to_half(weight: torch.Tensor, head_dim: int, rotary_dim: int) -> torch.Tensor:
@@ -63,12 +63,37 @@ class Glm4Model(LlamaModel):
     layer_cls = Glm4DecoderLayer
 
 
-class GlmForCausalLM(FusedCheckpointLoading, LlamaForCausalLM):
+class InterleavedRotaryLoading:
+    """For a decoder whose rotary turns interleaved pairs: the q and k projections' rows reordered at load
+    (`interleaved_to_half`), so the backends' half-split rotary gives the same attention."""
+
+    default_partial_rotary = 1.0
+    """The rotated fraction of each head when the config names none (GLM: 0.5)."""
+
+    def reorder_rotary_rows(self, hf_config: Any) -> None:
+        """Read the head and rotary widths (call in ``__init__``)."""
+        self.head_dim = head_dim_of(hf_config)
+        partial = rope_parameters(hf_config).get("partial_rotary_factor", self.default_partial_rotary)
+        self.rotary_dim = int(self.head_dim * partial)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights((name, self._half_split(name, w)) for name, w in weights)  # type: ignore[misc]
+
+    def _half_split(self, name: str, weight: LoadedWeight) -> LoadedWeight:
+        """q and k projections (read whole) with their rotary rows reordered."""
+        if ".q_proj." not in name and ".k_proj." not in name:
+            return weight
+        tensor = weight if isinstance(weight, torch.Tensor) else weight[:]
+        return interleaved_to_half(tensor, self.head_dim, self.rotary_dim)
+
+
+class GlmForCausalLM(InterleavedRotaryLoading, FusedCheckpointLoading, LlamaForCausalLM):
     """GLM-4's causal LM: Llama's layers, interleaved partial rotary (reordered at load), fused gate_up."""
 
     packed_modules: dict[str, list[tuple[str, object]]] = {
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
     }
+    default_partial_rotary = 0.5
 
     @classmethod
     def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
@@ -80,18 +105,7 @@ class GlmForCausalLM(FusedCheckpointLoading, LlamaForCausalLM):
             raise NotBuiltError("model", hf_config.hidden_act, "GLM's MLP activation silu")
         super().__init__(hf_config, **kwargs)
         self.fused_parts = {"gate_up_proj": [(0, hf_config.intermediate_size), (1, hf_config.intermediate_size)]}
-        self.head_dim = head_dim_of(hf_config)
-        self.rotary_dim = int(self.head_dim * rope_parameters(hf_config).get("partial_rotary_factor", 0.5))
-
-    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        return super().load_weights((name, self._half_split(name, weight)) for name, weight in weights)
-
-    def _half_split(self, name: str, weight: LoadedWeight) -> LoadedWeight:
-        """q and k projections (read whole) with their rotary rows reordered (`interleaved_to_half`)."""
-        if ".q_proj." not in name and ".k_proj." not in name:
-            return weight
-        tensor = weight if isinstance(weight, torch.Tensor) else weight[:]
-        return interleaved_to_half(tensor, self.head_dim, self.rotary_dim)
+        self.reorder_rotary_rows(hf_config)
 
 
 class Glm4ForCausalLM(GlmForCausalLM):

@@ -30,6 +30,7 @@ from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from asyncllm.models.smollm3 import SmolLM3ForCausalLM
 from asyncllm.models.exaone4 import Exaone4ForCausalLM
 from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
+from asyncllm.models.ernie_seed_arcee import ArceeForCausalLM, Ernie4_5ForCausalLM, SeedOssForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -101,6 +102,9 @@ _MODELS: dict[str, type] = {
     "Exaone4ForCausalLM": Exaone4ForCausalLM,
     "GlmForCausalLM": GlmForCausalLM,
     "Glm4ForCausalLM": Glm4ForCausalLM,
+    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
+    "SeedOssForCausalLM": SeedOssForCausalLM,
+    "ArceeForCausalLM": ArceeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
