@@ -33,7 +33,7 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "gpt_oss")
+              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -72,8 +72,10 @@ _EXAONE4_SHAPE: dict[str, Any] = dict(sliding_window=8, sliding_window_pattern=2
 
 _BIAS_SHAPES: dict[str, dict[str, Any]] = {
     "ernie4_5": dict(use_bias=True), "seed_oss": dict(attention_bias=True, attention_out_bias=False),
+    "cohere": dict(logit_scale=0.5), "cohere2": dict(logit_scale=0.5, sliding_window=8, sliding_window_pattern=2),
 }
-"""The tiny ERNIE 4.5 with biases on every projection; Seed-OSS with q/k/v biases and none on o (its checkpoints')."""
+"""The tiny ERNIE 4.5 with biases on every projection; Seed-OSS with q/k/v biases and none on o (its checkpoints');
+Cohere's logits halved; Cohere2's first layer with an 8-token window, the second full and without positions."""
 
 _PHI3_SHAPE: dict[str, Any] = dict(original_max_position_embeddings=64, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
@@ -315,7 +317,8 @@ def _build_config(
         "olmo3": transformers.Olmo3Config, "smollm3": transformers.SmolLM3Config,
         "exaone4": transformers.Exaone4Config, "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config,
         "ernie4_5": transformers.Ernie4_5Config, "seed_oss": transformers.SeedOssConfig,
-        "arcee": transformers.ArceeConfig,
+        "arcee": transformers.ArceeConfig, "cohere": transformers.CohereConfig,
+        "cohere2": transformers.Cohere2Config,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(

@@ -110,12 +110,12 @@ def prepare(config: EngineConfig) -> Prepared:
 
 
 _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM",
-            *ENCODER_ARCHITECTURES)
+            "CohereForCausalLM", "Cohere2ForCausalLM", *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration")
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is
 refused)."""
-"""gpt-oss's and Arcee's adapters are untested; GLM's and ERNIE's q and k rows are reordered at load
+"""gpt-oss's and Arcee's adapters are untested; GLM's, ERNIE's and Cohere's q and k rows are reordered at load
 (asyncllm/models/glm4.py), which an adapter's would need too; the encoders' projections have no adapter layers."""
 
 _MAX_CONFIG_ARG = 64 * 1024

@@ -31,6 +31,7 @@ from asyncllm.models.smollm3 import SmolLM3ForCausalLM
 from asyncllm.models.exaone4 import Exaone4ForCausalLM
 from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from asyncllm.models.ernie_seed_arcee import ArceeForCausalLM, Ernie4_5ForCausalLM, SeedOssForCausalLM
+from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -105,6 +106,8 @@ _MODELS: dict[str, type] = {
     "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
     "SeedOssForCausalLM": SeedOssForCausalLM,
     "ArceeForCausalLM": ArceeForCausalLM,
+    "CohereForCausalLM": CohereForCausalLM,
+    "Cohere2ForCausalLM": Cohere2ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,

@@ -1,0 +1,113 @@
+"""Cohere Command R (c4ai-command-r-v01, -08-2024, Aya-23 / Aya-Expanse: ``CohereForCausalLM``) and Command R7B /
+Command A (``Cohere2ForCausalLM``).
+
+Llama's projections and gated SiLU MLP (asyncllm/models/llama.py) in Cohere's block:
+
+- one LayerNorm (mean-centred, no bias, weight multiplied in float32: `CohereLayerNorm`) feeds both the
+  attention and the MLP, whose outputs join the residual stream together: ``x + attn(ln(x)) + mlp(ln(x))``,
+  summed in that order, as transformers does;
+- the rotary turns interleaved pairs: the q and k rows are reordered at load, as GLM's
+  (`InterleavedRotaryLoading`);
+- the logits are multiplied by ``logit_scale``;
+- Cohere2: three sliding-window layers to each full one (``layer_types``); only the sliding ones rotate (the
+  full ones use no positions: `identity_rotary`).
+
+``use_qk_norm`` (Command R+: a LayerNorm per q and k head) is a `NotBuiltError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import NotBuiltError
+from asyncllm.models.glm4 import InterleavedRotaryLoading
+from asyncllm.models.layers import RMSNorm, TensorParallel, head_dim_of
+from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaAttention, LlamaForCausalLM, LlamaModel
+from asyncllm.models.rotary import identity_rotary
+
+__all__ = ["Cohere2ForCausalLM", "CohereForCausalLM", "CohereLayerNorm"]
+
+
+class CohereLayerNorm(RMSNorm):
+    """transformers' ``CohereLayerNorm``: ``w * (x - mean) * rsqrt(var + eps)`` in float32, rounded once; ``forward(x,
+    residual)`` adds the residual first and returns both, as `RMSNorm`."""
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True)
+        out = (self.weight.float() * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        return out if residual is None else (out, x)
+
+
+class CohereDecoderLayer(nn.Module):
+    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        self.input_layernorm = CohereLayerNorm(cfg.hidden_size, cfg.layer_norm_eps, b.dtype)
+        self.self_attn = LlamaAttention(b, layer_idx)
+        self.mlp = b.make_mlp(b, layer_idx)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, None]:
+        """The next layer's input, whole (``residual`` is always None here: the sum is this layer's, in
+        transformers' order)."""
+        normed = self.input_layernorm(hidden)
+        return hidden + self.self_attn(positions, normed, kv_cache, metadata) + self.mlp(normed), None
+
+
+class CohereModel(LlamaModel):
+    layer_cls = CohereDecoderLayer
+    norm_cls = CohereLayerNorm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden, _ = layer(positions, hidden, None, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class CohereForCausalLM(InterleavedRotaryLoading, LlamaForCausalLM):
+    """Cohere's block and LayerNorm, its interleaved rotary reordered at load, logits times ``logit_scale``."""
+
+    model_cls = CohereModel
+
+    @classmethod
+    def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
+        bias = bool(getattr(hf_config, "attention_bias", False))
+        return DecoderFlags(qkv_bias=bias, o_bias=bias)
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        if getattr(hf_config, "use_qk_norm", False):
+            raise NotBuiltError("use_qk_norm", True, "Cohere's per-head q/k LayerNorm (Command R+)")
+        hf_config = copy.copy(hf_config)
+        hf_config.rms_norm_eps = hf_config.layer_norm_eps  # the final norm's eps, as LlamaModel builds it
+        super().__init__(hf_config, **kwargs)
+        self.reorder_rotary_rows(hf_config)
+        self.logit_scale = float(getattr(hf_config, "logit_scale", None) or 1.0)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """transformers' ``lm_head(hidden) * logit_scale`` (in the model dtype), then float32."""
+        return (self.lm_head(hidden) * self.logit_scale).float()
+
+
+class Cohere2ForCausalLM(CohereForCausalLM):
+    """Command R7B / A: Cohere's layers; sliding layers rotate, full ones use no positions."""
+
+    @classmethod
+    def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                      max_position: int, expert_parallel: bool) -> DecoderBuild:
+        build = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
+        nope = identity_rotary(hf_config, head_dim_of(hf_config), max_position)
+        return dataclasses.replace(build, layer_rotary=tuple(
+            build.rotary_emb if kind == "sliding_attention" else nope for kind in hf_config.layer_types))
