@@ -71,7 +71,9 @@ class InterleavedRotaryLoading:
     """The rotated fraction of each head when the config names none (GLM: 0.5)."""
 
     def reorder_rotary_rows(self, hf_config: Any) -> None:
-        """Read the head and rotary widths (call in ``__init__``)."""
+        """Read the head and rotary widths (call in ``__init__``); a pre-quantized checkpoint is a `NotBuiltError`
+        (its packed q/k matrices and scales would need the same reordering)."""
+        check_phi3(hf_config, type(self).__name__.removesuffix("ForCausalLM"))
         self.head_dim = head_dim_of(hf_config)
         partial = rope_parameters(hf_config).get("partial_rotary_factor", self.default_partial_rotary)
         self.rotary_dim = int(self.head_dim * partial)
@@ -100,7 +102,6 @@ class GlmForCausalLM(InterleavedRotaryLoading, FusedCheckpointLoading, LlamaForC
         return DecoderFlags(qkv_bias=bool(getattr(hf_config, "attention_bias", True)), o_bias=False)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        check_phi3(hf_config)  # pre-quantized: the fused gate_up's scales are not split
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise NotBuiltError("model", hf_config.hidden_act, "GLM's MLP activation silu")
         super().__init__(hf_config, **kwargs)

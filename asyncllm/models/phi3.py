@@ -55,12 +55,13 @@ def fused_rows(loaded: LoadedWeight, start: int, length: int) -> LoadedWeight:
     return FusedRows(loaded, start, length)
 
 
-def check_phi3(hf_config: Any) -> None:
-    """`NotBuiltError` for a pre-quantized Phi-3 checkpoint (its fused matrices' scales are not split)."""
+def check_phi3(hf_config: Any, family: str = "Phi-3") -> None:
+    """`NotBuiltError` for a pre-quantized checkpoint of ``family``, whose weights are reshaped at load (Phi-3's fused
+    matrices cut, GLM's and Cohere's q/k rows reordered) where their packed values and scales are not."""
     quant = getattr(hf_config, "quantization_config", None)
     if quant:
         method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", quant)
-        raise NotBuiltError("model", method, "pre-quantized Phi-3 checkpoints (a bfloat16 one with "
+        raise NotBuiltError("model", method, f"pre-quantized {family} checkpoints (a bfloat16 one with "
                             "quantization='fp8' is quantized online)")
 
 

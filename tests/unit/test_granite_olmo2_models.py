@@ -104,3 +104,14 @@ def test_olmo2_norm_rounds_as_transformers_in_bfloat16() -> None:
     ours.weight.weight_loader(ours.weight, hf_norm.weight.detach())
     assert torch.equal(olmo2_rms_norm(x, hf_norm.weight, 1e-6), expected)
     assert torch.equal(ours(x.view(64, 3, 16)).view(64, 48), expected)
+
+
+@pytest.mark.parametrize("arch", ["glm4", "ernie4_5", "cohere"])
+def test_prequantized_checkpoints_of_families_reordered_at_load_are_refused(arch: str) -> None:
+    """Their q/k rows are reordered at load, where packed int4 values and scales would not be."""
+    from asyncllm.errors import NotBuiltError
+
+    hf_config = load_hf_config(tiny_checkpoint(arch))
+    hf_config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 32}
+    with pytest.raises(NotBuiltError, match="pre-quantized"):
+        load_model(EngineConfig.create(tiny_checkpoint(arch)), hf_config, torch.device("cpu"), torch.float32)
