@@ -33,7 +33,7 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "gpt_oss")
+              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "ministral", "ministral3", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -73,9 +73,15 @@ _EXAONE4_SHAPE: dict[str, Any] = dict(sliding_window=8, sliding_window_pattern=2
 _BIAS_SHAPES: dict[str, dict[str, Any]] = {
     "ernie4_5": dict(use_bias=True), "seed_oss": dict(attention_bias=True, attention_out_bias=False),
     "cohere": dict(logit_scale=0.5), "cohere2": dict(logit_scale=0.5, sliding_window=8, sliding_window_pattern=2),
+    "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "ministral3": dict(rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 16,
+        "max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
+        "llama_4_scaling_beta": 0.5}),
 }
 """The tiny ERNIE 4.5 with biases on every projection; Seed-OSS with q/k/v biases and none on o (its checkpoints');
-Cohere's logits halved; Cohere2's first layer with an 8-token window, the second full and without positions."""
+Cohere's logits halved; Cohere2's first layer with an 8-token window, the second full and without positions;
+Ministral's an 8-token window then a full layer; Ministral 3's YaRN rope and attention temperature from position 16."""
 
 _PHI3_SHAPE: dict[str, Any] = dict(original_max_position_embeddings=64, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
@@ -318,7 +324,8 @@ def _build_config(
         "exaone4": transformers.Exaone4Config, "glm": transformers.GlmConfig, "glm4": transformers.Glm4Config,
         "ernie4_5": transformers.Ernie4_5Config, "seed_oss": transformers.SeedOssConfig,
         "arcee": transformers.ArceeConfig, "cohere": transformers.CohereConfig,
-        "cohere2": transformers.Cohere2Config,
+        "cohere2": transformers.Cohere2Config, "ministral": transformers.MinistralConfig,
+        "ministral3": transformers.Ministral3Config,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(

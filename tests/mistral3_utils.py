@@ -24,9 +24,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0) -> str:
+def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0, decoder: str = "mistral") -> str:
     """Save a tiny random ``Mistral3ForConditionalGeneration`` with its tokenizer and Pixtral image processor (longest
-    edge 112 pixels: at most 4 x 4 merged patches an image) in ``path``."""
+    edge 112 pixels: at most 4 x 4 merged patches an image) in ``path``; ``decoder`` "ministral3": Ministral 3's
+    (a YaRN rope, the attention temperature from position 16 on)."""
     from transformers import (
         AutoTokenizer,
         Mistral3Config,
@@ -42,9 +43,17 @@ def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0) -> str:
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE, IMAGE_BREAK, IMAGE_END, "[INST]", "[/INST]"]})
     tokenizer.chat_template = CHAT_TEMPLATE
-    text = MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=2, sliding_window=None)
+    shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                 bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    if decoder == "ministral3":
+        from transformers import Ministral3Config
+
+        text = Ministral3Config(**shape, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 32.0, "original_max_position_embeddings": 16,
+            "max_position_embeddings": 512, "beta_fast": 32.0, "beta_slow": 1.0, "llama_4_scaling_beta": 0.5})
+    else:
+        text = MistralConfig(**shape, sliding_window=None)
     vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                  patch_size=14, image_size=112)
     config = Mistral3Config(vision_config=vision, text_config=text, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),

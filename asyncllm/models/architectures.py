@@ -22,7 +22,7 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM",
                       "Exaone4ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
                       "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "CohereForCausalLM",
-                      "Cohere2ForCausalLM", "GptOssForCausalLM")
+                      "Cohere2ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM", "GptOssForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 """Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints are served as text only, without
 LoRA adapters (docs/gemma.md)."""

@@ -1,5 +1,6 @@
-"""Mistral 3 (``Mistral3ForConditionalGeneration``: Mistral-Small-3.1 / 3.2, Magistral-Small, Devstral-Small 2505+):
-Pixtral's vision tower and Mistral 3's projector (pixtral.py) before the Mistral decoder of llama.py.
+"""Mistral 3 (``Mistral3ForConditionalGeneration``: Mistral-Small-3.1 / 3.2, Magistral-Small, Devstral-Small 2505+,
+Ministral 3): Pixtral's vision tower and Mistral 3's projector (pixtral.py) before the Mistral decoder of llama.py
+(Ministral 3's: ministral3.py).
 
 An image of ``rows x cols`` merged patches (28 x 28 pixels each) takes ``rows``
 runs of ``[IMG] * cols`` in the prompt, each run closed by ``[IMG_BREAK]``, the
@@ -22,12 +23,18 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import normalize_llava_name
+from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.pixtral import Mistral3Projector, PixtralVisionTower
 from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights, text_config_of
 
 __all__ = ["Mistral3ForConditionalGeneration"]
 
 IMAGE_BREAK, IMAGE_END = "[IMG_BREAK]", "[IMG_END]"
+
+_DECODERS: dict[str, type[LlamaForCausalLM]] = {
+    "mistral": LlamaForCausalLM, "llama": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM,
+}
+"""The decoders under the tower: Mistral Small 3.1 / 3.2's (Mistral), Ministral 3's (its attention temperature)."""
 
 
 def _grid(hf_config: Any, pixel_shape: tuple[int, ...]) -> tuple[int, int]:
@@ -48,14 +55,16 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
         if mm_encoder_tp_mode not in ("weights", "data"):
             raise ConfigError("mm_encoder_tp_mode", mm_encoder_tp_mode, "'weights' or 'data'")
         text_config = text_config_of(hf_config)
-        if text_config.model_type not in ("mistral", "llama"):
-            raise NotBuiltError("text_config.model_type", text_config.model_type, "a Mistral 3 decoder of type mistral")
+        decoder_cls = _DECODERS.get(text_config.model_type)
+        if decoder_cls is None:
+            raise NotBuiltError("text_config.model_type", text_config.model_type,
+                                f"a Mistral 3 decoder of type {', '.join(_DECODERS)}")
         if hf_config.vision_config.model_type != "pixtral":
             raise NotBuiltError("vision_config.model_type", hf_config.vision_config.model_type, "a Pixtral tower")
         self.vision_tower = PixtralVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, dtype)
         self.multi_modal_projector = Mistral3Projector(hf_config, dtype)
-        self.language_model = LlamaForCausalLM(text_config, dtype=dtype, tp=tp, attn_backend=attn_backend,
-                                               max_position=max_position)
+        self.language_model = decoder_cls(text_config, dtype=dtype, tp=tp, attn_backend=attn_backend,
+                                          max_position=max_position)
         self.hf_config = hf_config
 
     # ---- multimodal hooks (asyncllm/mm/)

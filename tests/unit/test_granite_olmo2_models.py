@@ -1,6 +1,6 @@
 """Granite (asyncllm/models/granite.py), OLMo 2 and 3 (asyncllm/models/olmo2.py), SmolLM3 (smollm3.py), EXAONE 4
 (exaone4.py), GLM and GLM-4 (glm4.py), ERNIE 4.5, Seed-OSS and Arcee (ernie_seed_arcee.py), Command R and R7B
-(cohere.py) against
+(cohere.py), Ministral and Ministral 3 (ministral3.py) against
 transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
@@ -26,6 +26,8 @@ from asyncllm.models.exaone4 import Exaone4ForCausalLM
 from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.layers import TensorParallel
+from asyncllm.models.llama import LlamaForCausalLM
+from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, WholeProjectionRMSNorm, olmo2_rms_norm
 from asyncllm.models.registry import kv_cache_spec
@@ -36,7 +38,8 @@ ATOL = 1e-4
 MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo3": Olmo3ForCausalLM,
                  "smollm3": SmolLM3ForCausalLM, "exaone4": Exaone4ForCausalLM, "glm": GlmForCausalLM,
                  "glm4": Glm4ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM, "seed_oss": SeedOssForCausalLM,
-                 "arcee": ArceeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM}
+                 "arcee": ArceeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
+                 "ministral": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
