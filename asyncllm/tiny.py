@@ -33,7 +33,7 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "ministral", "ministral3", "gpt_oss")
+              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -41,6 +41,7 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
                       shared_expert_intermediate_size=96, norm_topk_prob=False),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
 }
 """The tiny MoE models' experts: small, several per token, one family without renormalised weights."""
 
@@ -212,7 +213,7 @@ def make_tiny_checkpoint(
 
 def _tied(arch: str) -> bool:
     """Whether the family's checkpoints tie the LM head to the embeddings: every Gemma's and Granite 3.x's."""
-    return arch in (*_GEMMA_SHAPES, "granite")
+    return arch in (*_GEMMA_SHAPES, "granite", "granitemoe")
 
 
 def tiny_cache_dir() -> Path:
@@ -325,7 +326,7 @@ def _build_config(
         "ernie4_5": transformers.Ernie4_5Config, "seed_oss": transformers.SeedOssConfig,
         "arcee": transformers.ArceeConfig, "cohere": transformers.CohereConfig,
         "cohere2": transformers.Cohere2Config, "ministral": transformers.MinistralConfig,
-        "ministral3": transformers.Ministral3Config,
+        "ministral3": transformers.Ministral3Config, "granitemoe": transformers.GraniteMoeConfig,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(
@@ -339,7 +340,7 @@ def _build_config(
     fields.update(_MOE_SHAPES.get(arch, {}))
     if arch == "phi3":
         fields.update(copy.deepcopy(_PHI3_SHAPE))
-    if arch == "granite":
+    if arch in ("granite", "granitemoe"):
         fields.update(_GRANITE_SHAPE)
     if arch == "gpt_oss":
         fields.update(copy.deepcopy(_GPT_OSS_SHAPE))

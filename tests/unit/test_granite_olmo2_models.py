@@ -1,6 +1,6 @@
 """Granite (asyncllm/models/granite.py), OLMo 2 and 3 (asyncllm/models/olmo2.py), SmolLM3 (smollm3.py), EXAONE 4
 (exaone4.py), GLM and GLM-4 (glm4.py), ERNIE 4.5, Seed-OSS and Arcee (ernie_seed_arcee.py), Command R and R7B
-(cohere.py), Ministral and Ministral 3 (ministral3.py) against
+(cohere.py), Ministral and Ministral 3 (ministral3.py), Granite MoE (granitemoe.py) against
 transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
@@ -25,6 +25,7 @@ from asyncllm.models.ernie_seed_arcee import ArceeForCausalLM, Ernie4_5ForCausal
 from asyncllm.models.exaone4 import Exaone4ForCausalLM
 from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
+from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
@@ -39,7 +40,7 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "smollm3": SmolLM3ForCausalLM, "exaone4": Exaone4ForCausalLM, "glm": GlmForCausalLM,
                  "glm4": Glm4ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM, "seed_oss": SeedOssForCausalLM,
                  "arcee": ArceeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
-                 "ministral": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM}
+                 "ministral": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM, "granitemoe": GraniteMoeForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
@@ -84,7 +85,8 @@ def test_olmo2_qk_norms_span_the_projection_and_skip_the_backends_per_head_norm(
 def test_tp2_logits_match_transformers(tmp_path) -> None:
     """Two gloo ranks, each holding half the heads: every rank's logits equal transformers'."""
     paths = [tiny_checkpoint("granite"), tiny_checkpoint("olmo2"), tiny_checkpoint("olmo2", num_kv_heads=1),
-             tiny_checkpoint("glm4")]  # GLM-4: its reordered q/k rows and fused gate_up cut per rank
+             tiny_checkpoint("glm4"),  # GLM-4: its reordered q/k rows and fused gate_up cut per rank
+             tiny_checkpoint("granitemoe")]  # Granite MoE: its fused experts split, then each rank's slice
     sequences = _sequences(2)
     mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
     for index, path in enumerate(paths):
@@ -118,3 +120,30 @@ def test_prequantized_checkpoints_of_families_reordered_at_load_are_refused(arch
     hf_config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": 32}
     with pytest.raises(NotBuiltError, match="pre-quantized"):
         load_model(EngineConfig.create(tiny_checkpoint(arch)), hf_config, torch.device("cpu"), torch.float32)
+
+
+def test_granitemoe_checkpoints_of_transformers_5_names_load_the_same(tmp_path) -> None:
+    """Granite MoE checkpoints name the router ``router.layer`` and the fused experts ``input_linear`` /
+    ``output_linear`` (what transformers writes, and the tiny checkpoint has); transformers 5 calls them
+    ``router`` and ``experts.gate_up_proj`` / ``experts.down_proj`` in memory, which a converted checkpoint may
+    carry: both give transformers' logits."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = tiny_checkpoint("granitemoe")
+    old = tmp_path / "granitemoe-5x"
+    shutil.copytree(src, old)
+    renames = {".router.layer.weight": ".router.weight", ".input_linear.weight": ".experts.gate_up_proj",
+               ".output_linear.weight": ".experts.down_proj"}
+    tensors = load_file(old / "model.safetensors")
+    renamed = {next((k.replace(a, b) for a, b in renames.items() if k.endswith(a)), k): v for k, v in tensors.items()}
+    assert renamed.keys() != tensors.keys()
+    save_file(renamed, old / "model.safetensors", metadata={"format": "pt"})
+    hf_config = load_hf_config(str(old))
+    model = load_model(EngineConfig.create(str(old)), hf_config, torch.device("cpu"), torch.float32)
+    spec = kv_cache_spec(hf_config, 1)
+    sequences = _sequences(3)
+    run = PagedRun(model, sequences, block_size=4)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    _assert_match_transformers(src, sequences, run.run(SCHEDULE))
