@@ -33,7 +33,7 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "gpt_oss")
+              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -42,6 +42,7 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
                       shared_expert_intermediate_size=96, norm_topk_prob=False),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
 }
 """The tiny MoE models' experts: small, several per token, one family without renormalised weights."""
 
@@ -327,6 +328,7 @@ def _build_config(
         "arcee": transformers.ArceeConfig, "cohere": transformers.CohereConfig,
         "cohere2": transformers.Cohere2Config, "ministral": transformers.MinistralConfig,
         "ministral3": transformers.Ministral3Config, "granitemoe": transformers.GraniteMoeConfig,
+        "olmoe": transformers.OlmoeConfig,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(

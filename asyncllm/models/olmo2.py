@@ -37,13 +37,16 @@ from asyncllm.models.llama import DecoderBuild, LlamaAttention, LlamaForCausalLM
 __all__ = ["Olmo2ForCausalLM", "Olmo2RMSNorm", "Olmo3ForCausalLM", "WholeProjectionRMSNorm", "olmo2_rms_norm"]
 
 
-def olmo2_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variance: torch.Tensor | None = None
-                   ) -> torch.Tensor:
+def olmo2_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, variance: torch.Tensor | None = None,
+                   weight_after_rounding: bool = False) -> torch.Tensor:
     """transformers' ``Olmo2RMSNorm``: ``(w * x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)``, the weight
-    multiplied in float32. ``variance`` (``[..., 1]`` float32): the mean square when it spans more than x."""
+    multiplied in float32 (``weight_after_rounding``: Llama's order, ``w * (...).to(x.dtype)``, OLMoE's).
+    ``variance`` (``[..., 1]`` float32): the mean square when it spans more than x."""
     x32 = x.to(torch.float32)
     if variance is None:
         variance = x32.pow(2).mean(-1, keepdim=True)
+    if weight_after_rounding:
+        return weight * (x32 * torch.rsqrt(variance + eps)).to(x.dtype)
     return (weight * (x32 * torch.rsqrt(variance + eps))).to(x.dtype)
 
 
@@ -68,6 +71,8 @@ class WholeProjectionRMSNorm(nn.Module):
         super().__init__()
         self.tp, self.eps, self.width = tp, eps, total_heads * head_dim
         self.start, self.rows = head_start * head_dim, num_heads * head_dim
+        self.weight_after_rounding = False
+        """Llama's rounding order (OLMoE's norms) instead of OLMo 2's."""
         self.replicas = tp.size * num_heads // total_heads
         """Ranks holding each head: more than 1 for k when there are fewer KV heads than ranks."""
         self.weight = new_param(self.rows, dtype=dtype, loader=self.weight_loader)
@@ -82,7 +87,7 @@ class WholeProjectionRMSNorm(nn.Module):
         if self.tp.size > 1:
             sum_sq = flat.to(torch.float32).pow(2).sum(-1, keepdim=True)
             variance = self.tp.all_reduce(sum_sq) / (self.replicas * self.width)
-        return olmo2_rms_norm(flat, self.weight, self.eps, variance).view_as(x)
+        return olmo2_rms_norm(flat, self.weight, self.eps, variance, self.weight_after_rounding).view_as(x)
 
 
 class Olmo2Attention(LlamaAttention):

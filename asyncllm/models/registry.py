@@ -34,6 +34,7 @@ from asyncllm.models.ernie_seed_arcee import ArceeForCausalLM, Ernie4_5ForCausal
 from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
+from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -113,6 +114,7 @@ _MODELS: dict[str, type] = {
     "MinistralForCausalLM": LlamaForCausalLM,  # Mistral's layers; sliding windows per layer_types
     "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,

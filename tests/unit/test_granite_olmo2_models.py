@@ -1,6 +1,6 @@
 """Granite (asyncllm/models/granite.py), OLMo 2 and 3 (asyncllm/models/olmo2.py), SmolLM3 (smollm3.py), EXAONE 4
 (exaone4.py), GLM and GLM-4 (glm4.py), ERNIE 4.5, Seed-OSS and Arcee (ernie_seed_arcee.py), Command R and R7B
-(cohere.py), Ministral and Ministral 3 (ministral3.py), Granite MoE (granitemoe.py) against
+(cohere.py), Ministral and Ministral 3 (ministral3.py), Granite MoE (granitemoe.py), OLMoE (olmoe.py) against
 transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
@@ -30,6 +30,7 @@ from asyncllm.models.layers import TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, WholeProjectionRMSNorm, olmo2_rms_norm
 from asyncllm.models.registry import kv_cache_spec
 from asyncllm.models.smollm3 import SmolLM3ForCausalLM
@@ -40,7 +41,8 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "smollm3": SmolLM3ForCausalLM, "exaone4": Exaone4ForCausalLM, "glm": GlmForCausalLM,
                  "glm4": Glm4ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM, "seed_oss": SeedOssForCausalLM,
                  "arcee": ArceeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
-                 "ministral": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM, "granitemoe": GraniteMoeForCausalLM}
+                 "ministral": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM, "granitemoe": GraniteMoeForCausalLM,
+                 "olmoe": OlmoeForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
@@ -86,7 +88,8 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
     """Two gloo ranks, each holding half the heads: every rank's logits equal transformers'."""
     paths = [tiny_checkpoint("granite"), tiny_checkpoint("olmo2"), tiny_checkpoint("olmo2", num_kv_heads=1),
              tiny_checkpoint("glm4"),  # GLM-4: its reordered q/k rows and fused gate_up cut per rank
-             tiny_checkpoint("granitemoe")]  # Granite MoE: its fused experts split, then each rank's slice
+             tiny_checkpoint("granitemoe"),  # Granite MoE: its fused experts split, then each rank's slice
+             tiny_checkpoint("olmoe")]  # OLMoE: whole-projection q/k norms (Llama's rounding) and experts
     sequences = _sequences(2)
     mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
     for index, path in enumerate(paths):
