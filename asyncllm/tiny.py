@@ -270,11 +270,34 @@ def _corpus() -> list[str]:
     return [*texts, _CORPUS_EXTRA]
 
 
+_TRAINED: dict[int, str] = {}
+"""vocab size -> the trained BPE on the default corpus (its JSON): deterministic, so a process trains it once."""
+
+
 def _build_tokenizer(vocab_size: int, model_max_length: int, corpus: list[str] | None = None) -> Any:
     """Train the byte-level BPE (on ``corpus``, default the fixed stdlib slice) and wrap it as a
     transformers fast tokenizer."""
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
+
+    if corpus is None and vocab_size in _TRAINED:
+        backend = Tokenizer.from_str(_TRAINED[vocab_size])
+    else:
+        backend = _train_backend(vocab_size, corpus)
+        if corpus is None:
+            _TRAINED[vocab_size] = backend.to_str()
+    bos = SPECIAL_TOKENS[0]
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=SPECIAL_TOKENS[1], pad_token=SPECIAL_TOKENS[2],
+        clean_up_tokenization_spaces=False, model_max_length=model_max_length,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _train_backend(vocab_size: int, corpus: list[str] | None) -> Any:
+    """The byte-level BPE trained on ``corpus`` (default the fixed stdlib slice), with its BOS post-processor."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     backend = Tokenizer(models.BPE())
     # Qwen2's exact pipeline: transformers rebuilds it for model_type "qwen2" whatever the file
@@ -294,12 +317,7 @@ def _build_tokenizer(vocab_size: int, model_max_length: int, corpus: list[str] |
     backend.post_processor = processors.TemplateProcessing(
         single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, backend.token_to_id(bos))],
     )
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token=bos, eos_token=SPECIAL_TOKENS[1], pad_token=SPECIAL_TOKENS[2],
-        clean_up_tokenization_spaces=False, model_max_length=model_max_length,
-    )
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
+    return backend
 
 
 def _pin_no_unk_token(tokenizer_config: Path) -> None:
