@@ -33,7 +33,7 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "gpt_oss")
+              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
@@ -76,6 +76,7 @@ _BIAS_SHAPES: dict[str, dict[str, Any]] = {
     "ernie4_5": dict(use_bias=True), "seed_oss": dict(attention_bias=True, attention_out_bias=False),
     "cohere": dict(logit_scale=0.5), "cohere2": dict(logit_scale=0.5, sliding_window=8, sliding_window_pattern=2),
     "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    "starcoder2": dict(sliding_window=8),
     "ministral3": dict(rope_parameters={
         "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 16,
         "max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
@@ -346,7 +347,7 @@ def _build_config(
         "arcee": transformers.ArceeConfig, "cohere": transformers.CohereConfig,
         "cohere2": transformers.Cohere2Config, "ministral": transformers.MinistralConfig,
         "ministral3": transformers.Ministral3Config, "granitemoe": transformers.GraniteMoeConfig,
-        "olmoe": transformers.OlmoeConfig,
+        "olmoe": transformers.OlmoeConfig, "starcoder2": transformers.Starcoder2Config,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(

@@ -35,6 +35,7 @@ from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.olmoe import OlmoeForCausalLM
+from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -115,6 +116,7 @@ _MODELS: dict[str, type] = {
     "Ministral3ForCausalLM": Ministral3ForCausalLM,
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,

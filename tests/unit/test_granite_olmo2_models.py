@@ -1,6 +1,6 @@
 """Granite (asyncllm/models/granite.py), OLMo 2 and 3 (asyncllm/models/olmo2.py), SmolLM3 (smollm3.py), EXAONE 4
 (exaone4.py), GLM and GLM-4 (glm4.py), ERNIE 4.5, Seed-OSS and Arcee (ernie_seed_arcee.py), Command R and R7B
-(cohere.py), Ministral and Ministral 3 (ministral3.py), Granite MoE (granitemoe.py), OLMoE (olmoe.py) against
+(cohere.py), Ministral and Ministral 3 (ministral3.py), Granite MoE (granitemoe.py), OLMoE (olmoe.py), StarCoder2 (starcoder2.py) against
 transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
@@ -34,6 +34,7 @@ from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, WholeProjectionRMSNorm, olmo2_rms_norm
 from asyncllm.models.registry import kv_cache_spec
 from asyncllm.models.smollm3 import SmolLM3ForCausalLM
+from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
 from asyncllm.tiny import tiny_checkpoint
 
 ATOL = 1e-4
@@ -42,7 +43,7 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "glm4": Glm4ForCausalLM, "ernie4_5": Ernie4_5ForCausalLM, "seed_oss": SeedOssForCausalLM,
                  "arcee": ArceeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
                  "ministral": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM, "granitemoe": GraniteMoeForCausalLM,
-                 "olmoe": OlmoeForCausalLM}
+                 "olmoe": OlmoeForCausalLM, "starcoder2": Starcoder2ForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
