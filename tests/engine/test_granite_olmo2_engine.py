@@ -1,15 +1,11 @@
-"""Granite, OLMo 2 / 3, SmolLM3, EXAONE 4 and GLM-4 through the whole engine: greedy output equals
-transformers', token for token.
+"""Granite, OLMo 2 and EXAONE 4 through the whole engine: greedy output equals transformers', token for token.
 
 One engine per family on its tiny checkpoint (asyncllm.tiny "granite": every multiplier far from 1, tied
-embeddings; "olmo2": post-sublayer norms, q/k norms over the whole projections; "olmo3": OLMo 2's with an
-8-token window in alternate layers and a YaRN rope in the others; "smollm3": a layer without positions;
-"exaone4": OLMo 2's layer shape with per-head q/k norms, a sliding layer and a full one without positions;
-"glm4": interleaved partial rotary, post-sublayer norms, a fused gate_up),
-16-token chunked prefill
+embeddings; "olmo2": post-sublayer norms, q/k norms over the whole projections; "exaone4": OLMo 2's layer shape
+with per-head q/k norms, a sliding layer and a full one without positions), 16-token chunked prefill
 and a prefix-cache hit; sampled and prompt logprobs equal transformers' log-softmax (Granite's logits divided
-by ``logits_scaling`` on every path). Logits per position and the tensor-parallel split:
-tests/unit/test_granite_olmo2_models.py.
+by ``logits_scaling`` on every path). Logits per position and the tensor-parallel split of these and the other
+families of docs/granite-olmo2.md (OLMo 3, SmolLM3, GLM, ...): tests/unit/test_granite_olmo2_models.py.
 """
 
 from __future__ import annotations
@@ -28,7 +24,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 LOGPROBS_ATOL = 1e-4
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm4"])
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=["granite", "olmo2", "exaone4"])
 async def served(request: pytest.FixtureRequest):
     path = tiny_checkpoint(request.param)
     async with AsyncEngine(path, max_model_len=64, max_num_batched_tokens=16, disable_log_stats=True) as engine:

@@ -221,7 +221,7 @@ REFUSED = {  # id: (section, architectures, error, message)
                       "a quantized lm_head"),
     "moe": (_section(_group(FP8_DYNAMIC)), ["Qwen3MoeForCausalLM"], NotBuiltError, "mixture-of-experts"),
     "llava": (_section(_group(FP8_DYNAMIC)), ["LlavaForConditionalGeneration"], NotBuiltError,
-              "compressed-tensors LlavaForConditionalGeneration checkpoint \\(text models and Qwen2-VL"),
+              "compressed-tensors LlavaForConditionalGeneration checkpoint \\(text models and the Qwen-VL decoders"),
     "qwen-vl-tower": (_section(_group(FP8_DYNAMIC)), ["Qwen2_5_VLForConditionalGeneration"], NotBuiltError,
                       "with a quantized vision tower"),
     "phi3-fused": (_section(_group(FP8_DYNAMIC)), ["Phi3ForCausalLM"], NotBuiltError, "stored fused"),
