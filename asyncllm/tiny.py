@@ -33,8 +33,10 @@ from asyncllm.errors import ConfigError
 __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoint", "tiny_checkpoint", "tiny_cache_dir"]
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
-              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee", "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2", "gpt_oss")
-"""The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones and gpt_oss are mixtures of experts)."""
+              "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee",
+              "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2", "gpt_oss")
+"""The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe and gpt_oss are
+mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),

@@ -107,21 +107,25 @@ class EncoderOutputCache:
             lo, hi = max(span.start, item.offset), min(span.start + span.length, item.offset + item.length)
             features = self.store.get_pinned(item.mm_hash)
             dst = span.flat_offset + lo - span.start
-            kept = self._text_rows(item, lo, hi, embeds.device) + dst
-            text = embeds[kept]
+            kept = self._text_rows(item, lo, hi, embeds.device)
+            text = None if kept is None else embeds[kept + dst]
             embeds[dst : dst + hi - lo] = features[lo - item.offset : hi - item.offset].to(embeds.dtype)
-            embeds[kept] = text
+            if kept is not None:
+                embeds[kept + dst] = text
             if hi == item.offset + item.length:  # the prefill has passed this image
                 self._pinned[span.req_id].discard(index)
                 self.store.release(item.mm_hash)
         return embeds
 
-    def _text_rows(self, item: MultiModalItem, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+    def _text_rows(self, item: MultiModalItem, lo: int, hi: int, device: torch.device) -> torch.Tensor | None:
         """The prompt positions in ``[lo, hi)`` of ``item`` whose tokens keep their own embeddings (Mistral 3's
-        row breaks: ``mm_text_rows``), relative to ``lo``; empty for the other models."""
+        row breaks: ``mm_text_rows``), relative to ``lo``; None when there are none (the other models)."""
         layout = getattr(self.model, "mm_text_rows", None)
-        rows = np.empty(0, dtype=np.int64) if layout is None else layout(tuple(item.shape)) + item.offset
-        return torch.from_numpy(rows[(rows >= lo) & (rows < hi)] - lo).to(device)
+        if layout is None:
+            return None
+        rows = layout(tuple(item.shape)) + item.offset
+        rows = rows[(rows >= lo) & (rows < hi)] - lo
+        return torch.from_numpy(rows).to(device) if len(rows) else None
 
     def _pin_reached(self, wanted: list[tuple[str, int, MultiModalItem]], embeds: torch.Tensor) -> None:
         """Pin the features of every item reached for the first time, encoding the ones not cached (once each)."""

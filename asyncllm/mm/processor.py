@@ -40,6 +40,7 @@ from asyncllm.mm.images import (
 )
 from asyncllm.mm.qwen_video import load_video_settings, video_grid, video_patches
 from asyncllm.mm.shm_ring import check_ring_room
+from asyncllm.mm.video_files import DEFAULT_NUM_FRAMES
 from asyncllm.mm.videos import VideoInput, read_video
 from asyncllm.protocol import MultiModalItem
 
@@ -145,7 +146,7 @@ class MultiModalProcessor:
 
     def __init__(self, model_path: str, hf_config: Any, model_cls: Any, tokenizer: Any, cache_bytes: int,
                  max_image_pixels: int, cache_type: str = "lru", processor_kwargs: dict[str, Any] | None = None,
-                 max_images: int | None = None, max_videos: int | None = None, video_num_frames: int = 32) -> None:
+                 max_images: int | None = None, max_videos: int | None = None, video_num_frames: int = DEFAULT_NUM_FRAMES) -> None:
         try:
             import PIL  # noqa: F401
         except ImportError as exc:

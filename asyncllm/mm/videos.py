@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.mm.video_files import DEFAULT_NUM_FRAMES, decode_video_file
 
 __all__ = ["DEFAULT_FPS", "MAX_FRAMES", "Video", "VideoInput", "is_one_video", "read_video"]
 
@@ -74,13 +75,11 @@ def is_one_video(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(_is_frame(f) for f in value)
 
 
-def read_video(video: VideoInput, field: str, max_frame_pixels: int, num_frames: int = 32) -> Video:
+def read_video(video: VideoInput, field: str, max_frame_pixels: int, num_frames: int = DEFAULT_NUM_FRAMES) -> Video:
     """The checked `Video`: ``max_frame_pixels`` (mm_max_image_pixels) bounds each frame, `MAX_FRAMES` their count;
     ``num_frames`` are sampled from an encoded file (``media_io_kwargs``)."""
     frames, metadata = (video[0], video[1]) if _is_pair(video) else (video, None)
     if isinstance(frames, (bytes, bytearray, memoryview, str)) or hasattr(frames, "__fspath__"):
-        from asyncllm.mm.video_files import decode_video_file
-
         frames, decoded_meta = decode_video_file(frames, field, max_frame_pixels, num_frames)
         metadata = {**decoded_meta, **(metadata or {})}
     array = _frames_array(frames, field, max_frame_pixels)
