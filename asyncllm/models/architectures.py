@@ -34,7 +34,8 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-                            "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration")
+                            "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                            "InternVLForConditionalGeneration")
 """Architectures that take images (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too."""
 ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel")

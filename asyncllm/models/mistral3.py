@@ -19,13 +19,13 @@ import numpy as np
 import torch
 
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import NotBuiltError
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.pixtral import Mistral3Projector, PixtralVisionTower
-from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights, text_config_of
+from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
 
 __all__ = ["Mistral3ForConditionalGeneration"]
 
@@ -52,19 +52,12 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
         super().__init__()
-        if mm_encoder_tp_mode not in ("weights", "data"):
-            raise ConfigError("mm_encoder_tp_mode", mm_encoder_tp_mode, "'weights' or 'data'")
-        text_config = text_config_of(hf_config)
-        decoder_cls = _DECODERS.get(text_config.model_type)
-        if decoder_cls is None:
-            raise NotBuiltError("text_config.model_type", text_config.model_type,
-                                f"a Mistral 3 decoder of type {', '.join(_DECODERS)}")
         if hf_config.vision_config.model_type != "pixtral":
             raise NotBuiltError("vision_config.model_type", hf_config.vision_config.model_type, "a Pixtral tower")
+        self.language_model = build_decoder(hf_config, _DECODERS, "Mistral 3", mm_encoder_tp_mode, dtype=dtype, tp=tp,
+                                            attn_backend=attn_backend, max_position=max_position)
         self.vision_tower = PixtralVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, dtype)
         self.multi_modal_projector = Mistral3Projector(hf_config, dtype)
-        self.language_model = decoder_cls(text_config, dtype=dtype, tp=tp, attn_backend=attn_backend,
-                                          max_position=max_position)
         self.hf_config = hf_config
 
     # ---- multimodal hooks (asyncllm/mm/)

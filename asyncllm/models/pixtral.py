@@ -25,10 +25,10 @@ from torch import nn
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.clip import activation
 
-__all__ = ["Mistral3Projector", "PixtralVisionTower"]
+__all__ = ["Mistral3Projector", "PixtralVisionTower", "VisionRMSNorm"]
 
 
-class _RMSNorm(nn.Module):
+class VisionRMSNorm(nn.Module):
     """transformers' RMSNorm: normalized in float32, cast back, then scaled."""
 
     def __init__(self, width: int, eps: float, dtype: torch.dtype) -> None:
@@ -74,9 +74,9 @@ class _MLP(nn.Module):
 class _Layer(nn.Module):
     def __init__(self, config: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        self.attention_norm = _RMSNorm(config.hidden_size, 1e-5, dtype)
+        self.attention_norm = VisionRMSNorm(config.hidden_size, 1e-5, dtype)
         self.attention = _Attention(config.hidden_size, config.num_attention_heads, dtype)
-        self.ffn_norm = _RMSNorm(config.hidden_size, 1e-5, dtype)
+        self.ffn_norm = VisionRMSNorm(config.hidden_size, 1e-5, dtype)
         self.feed_forward = _MLP(config.hidden_size, config.intermediate_size, config.hidden_act, dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -115,7 +115,7 @@ class PixtralVisionTower(nn.Module):
         self.theta = float(rope.get("rope_theta", getattr(config, "rope_theta", 10_000.0)))
         self.patch_conv = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size, config.patch_size,
                                     bias=False, dtype=dtype)
-        self.ln_pre = _RMSNorm(config.hidden_size, 1e-5, dtype)
+        self.ln_pre = VisionRMSNorm(config.hidden_size, 1e-5, dtype)
         self.transformer = _Transformer(config, _feature_layers(config, feature_layer), dtype)
 
     def rotary(self, rows: int, cols: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +159,7 @@ class Mistral3Projector(nn.Module):
         super().__init__()
         vision, text = hf_config.vision_config.hidden_size, hf_config.text_config.hidden_size
         bias = bool(getattr(hf_config, "multimodal_projector_bias", False))
-        self.norm = _RMSNorm(vision, hf_config.text_config.rms_norm_eps, dtype)
+        self.norm = VisionRMSNorm(vision, hf_config.text_config.rms_norm_eps, dtype)
         self.patch_merger = _PatchMerger(vision, int(hf_config.spatial_merge_size), dtype)
         self.linear_1 = _linear(vision, text, dtype, bias)
         self.act = activation(hf_config.projector_hidden_act, "projector_hidden_act")

@@ -21,6 +21,7 @@ from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration
+from asyncllm.models.internvl import InternVLForConditionalGeneration
 from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 from asyncllm.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 from asyncllm.models.mixtral import MixtralForCausalLM
@@ -120,6 +121,7 @@ _MODELS: dict[str, type] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
+    "InternVLForConditionalGeneration": InternVLForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,

@@ -19,7 +19,8 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import ConfigError
 from asyncllm.models.layers import LoadedWeight, default_weight_loader
 
-__all__ = ["VisionLanguageModel", "load_vision_language_weights", "text_config_of", "vision_language_weight_names"]
+__all__ = ["VisionLanguageModel", "build_decoder", "load_vision_language_weights", "text_config_of",
+           "vision_language_weight_names"]
 
 
 def text_config_of(hf_config: Any) -> Any:
@@ -87,3 +88,20 @@ class VisionLanguageModel(nn.Module):
 
     def checkpoint_weight_names(self) -> set[str]:
         return vision_language_weight_names(self)
+
+
+def build_decoder(hf_config: Any, decoders: dict[str, type], family: str, mm_encoder_tp_mode: str,
+                  **kwargs: Any) -> nn.Module:
+    """The decoder of a vision-language checkpoint whose tower is whole on every rank (either
+    ``mm_encoder_tp_mode``): ``decoders[text_config.model_type]`` over `text_config_of`; `NotBuiltError` for
+    another decoder type."""
+    from asyncllm.errors import NotBuiltError
+
+    if mm_encoder_tp_mode not in ("weights", "data"):
+        raise ConfigError("mm_encoder_tp_mode", mm_encoder_tp_mode, "'weights' or 'data'")
+    text_config = text_config_of(hf_config)
+    decoder_cls = decoders.get(text_config.model_type)
+    if decoder_cls is None:
+        raise NotBuiltError("text_config.model_type", text_config.model_type,
+                            f"a {family} decoder of type {', '.join(decoders)}")
+    return decoder_cls(text_config, **kwargs)
