@@ -34,7 +34,8 @@ __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoin
 
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
               "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee",
-              "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2", "gpt_oss")
+              "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
+              "hunyuan_v1_dense", "gpt_oss")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe and gpt_oss are
 mixtures of experts)."""
 
@@ -79,6 +80,8 @@ _BIAS_SHAPES: dict[str, dict[str, Any]] = {
     "cohere": dict(logit_scale=0.5), "cohere2": dict(logit_scale=0.5, sliding_window=8, sliding_window_pattern=2),
     "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     "starcoder2": dict(sliding_window=8),
+    "hunyuan_v1_dense": dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10_000.0,
+                                              "factor": 1.0}),
     "ministral3": dict(rope_parameters={
         "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 16,
         "max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
@@ -86,7 +89,8 @@ _BIAS_SHAPES: dict[str, dict[str, Any]] = {
 }
 """The tiny ERNIE 4.5 with biases on every projection; Seed-OSS with q/k/v biases and none on o (its checkpoints');
 Cohere's logits halved; Cohere2's first layer with an 8-token window, the second full and without positions;
-Ministral's an 8-token window then a full layer; Ministral 3's YaRN rope and attention temperature from position 16."""
+Ministral's an 8-token window then a full layer; Ministral 3's YaRN rope and attention temperature from position 16;
+StarCoder2's an 8-token window; Hunyuan's fixed-alpha NTK rope."""
 
 _PHI3_SHAPE: dict[str, Any] = dict(original_max_position_embeddings=64, rope_parameters={
     "rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.75,
@@ -350,6 +354,7 @@ def _build_config(
         "cohere2": transformers.Cohere2Config, "ministral": transformers.MinistralConfig,
         "ministral3": transformers.Ministral3Config, "granitemoe": transformers.GraniteMoeConfig,
         "olmoe": transformers.OlmoeConfig, "starcoder2": transformers.Starcoder2Config,
+        "hunyuan_v1_dense": transformers.HunYuanDenseV1Config,
         "gpt_oss": transformers.GptOssConfig,
     }[arch]
     fields: dict[str, Any] = dict(

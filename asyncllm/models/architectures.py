@@ -23,7 +23,7 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Exaone4ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
                       "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "CohereForCausalLM",
                       "Cohere2ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM", "GraniteMoeForCausalLM",
-                      "OlmoeForCausalLM", "Starcoder2ForCausalLM", "GptOssForCausalLM")
+                      "OlmoeForCausalLM", "Starcoder2ForCausalLM", "HunYuanDenseV1ForCausalLM", "GptOssForCausalLM")
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 """Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints are served as text only, without
 LoRA adapters (docs/gemma.md)."""

@@ -37,6 +37,7 @@ from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
+from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -118,6 +119,7 @@ _MODELS: dict[str, type] = {
     "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
     "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
+    "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,

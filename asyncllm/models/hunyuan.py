@@ -1,0 +1,83 @@
+"""Tencent Hunyuan dense (Hunyuan-0.5B / 1.8B / 4B / 7B, pretrain and instruct): ``HunYuanDenseV1ForCausalLM``.
+
+The Llama decoder (asyncllm/models/llama.py) with two differences:
+
+- q and k are normed per head *after* the rotary (``query_layernorm``, ``key_layernorm``), where the backends'
+  fused norm-and-rotate norms before it: this attention rotates q and k itself (the torch reference rotation,
+  as transformers does it), norms them, and hands the backend an identity table (`identity_rotary`), so the
+  backends' kernels, KV cache and CUDA graphs run unchanged;
+- the rope: the checkpoints' ``{"rope_type": "dynamic", "alpha": a}`` is NTK scaling with a fixed alpha, base
+  ``rope_theta * a ** (head_dim / (head_dim - 2))``, so it does not depend on the sequence length (transformers
+  calls it ``ntk_alpha``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+import torch
+
+from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.kernels import reference
+from asyncllm.models.layers import RMSNorm, TensorParallel, head_dim_of
+from asyncllm.models.llama import DecoderBuild, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from asyncllm.models.rotary import identity_rotary, rope_parameters
+
+__all__ = ["HunYuanDenseV1ForCausalLM", "ntk_alpha_config"]
+
+
+def ntk_alpha_config(hf_config: Any) -> Any:
+    """``hf_config`` with a fixed-alpha "dynamic" rope as the plain rope of its stretched base (a copy); others as
+    they are."""
+    params = rope_parameters(hf_config)
+    if params.get("rope_type") != "dynamic" or not params.get("alpha"):
+        return hf_config
+    dim = head_dim_of(hf_config)
+    fixed = copy.copy(hf_config)
+    fixed.rope_parameters = {"rope_type": "default",
+                             "rope_theta": params["rope_theta"] * params["alpha"] ** (dim / (dim - 2))}
+    return fixed
+
+
+class HunYuanAttention(LlamaAttention):
+    """Rotate q and k here (the model's rope), norm each head, then the backend with the identity table."""
+
+    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
+        super().__init__(b, layer_idx)
+        cfg, head_dim = b.hf_config, head_dim_of(b.hf_config)
+        self.rope = b.rotary_emb
+        self.query_layernorm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
+        self.key_layernorm = RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        query, key, value = self.qkv_proj.split_qkv(qkv)
+        query, key = reference.apply_rotary(query, key, positions, self.rope.cos_sin_cache)
+        query, key = self.query_layernorm(query), self.key_layernorm(key)
+        rotary = RotaryInputs(positions, self.rotary_emb.cos_sin_cache)  # the identity: already turned
+        return self.o_proj(self.attn(query, key, value, kv_cache, metadata, rotary))
+
+
+class HunYuanDecoderLayer(LlamaDecoderLayer):
+    attention_cls = HunYuanAttention
+
+
+class HunYuanModel(LlamaModel):
+    layer_cls = HunYuanDecoderLayer
+
+
+class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
+    """Llama's layers; q and k normed per head after the rotary; the fixed-alpha NTK rope."""
+
+    model_cls = HunYuanModel
+
+    @classmethod
+    def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                      max_position: int, expert_parallel: bool) -> DecoderBuild:
+        rope_config = ntk_alpha_config(hf_config)
+        build = super().decoder_build(rope_config, dtype, tp, attn_backend, max_position, expert_parallel)
+        identity = identity_rotary(rope_config, head_dim_of(hf_config), max_position)
+        return dataclasses.replace(build, hf_config=hf_config, layer_rotary=(identity,) * hf_config.num_hidden_layers)
