@@ -9,7 +9,7 @@ from pathlib import Path
 from mm_utils import make_image, random_model
 
 __all__ = ["IMAGE_PAD", "IMAGE_PLACEHOLDER", "VIDEO_PAD", "VIDEO_PLACEHOLDER", "make_image", "make_tiny_qwen_vl",
-           "make_mp4", "make_video", "hf_qwen_vl_greedy", "hf_qwen_vl_inputs", "hf_qwen_vl_video_greedy", "load_tower",
+           "make_mp4", "make_video", "video_patches_of", "hf_qwen_vl_greedy", "hf_qwen_vl_inputs", "hf_qwen_vl_video_greedy", "load_tower",
            "random_patches"]
 
 VISION_START, IMAGE_PAD, VISION_END = "<|vision_start|>", "<|image_pad|>", "<|vision_end|>"
@@ -268,3 +268,16 @@ def qwen_rope_positions(prompt_ids: list[int], image_pad: int, video_pad: int, i
         position = int(out[:, index : index + grid.shape[1]].max()) + 1
         index += grid.shape[1]
     return torch.cat([torch.arange(len(prompt_ids))[None], out])[:, None, :]
+
+
+def video_patches_of(path: str, video):
+    """A video's pixel values as the engine makes them for the checkpoint at ``path`` (checked against
+    transformers' image processor in tests/unit/test_qwen_video.py)."""
+    from transformers import AutoConfig
+
+    from asyncllm.mm.qwen_video import load_video_settings, video_patches
+    from asyncllm.mm.videos import read_video
+    from asyncllm.models.registry import get_model_class
+
+    settings = load_video_settings(path, get_model_class(AutoConfig.from_pretrained(path)).video_settings)
+    return video_patches(read_video(video, "video", 10**8), settings, "video")

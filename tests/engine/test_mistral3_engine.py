@@ -1,7 +1,6 @@
 """Mistral 3 (Pixtral tower) end to end: images whose rows of ``[IMG]`` are closed by ``[IMG_BREAK]`` / ``[IMG_END]``
 tokens that keep their own embeddings, token for token equal to transformers with images split across prefill
-chunks, beside text-only requests, from the prefix cache, in chat, and (Ministral 3's decoder) encoded by data over
-two ranks."""
+chunks, beside text-only requests, from the prefix cache, in chat, and under Ministral 3's decoder."""
 
 from __future__ import annotations
 
@@ -46,13 +45,13 @@ async def test_images_of_two_sizes_beside_text_and_from_the_prefix_cache_match_t
     assert stream.collector.prompt_token_ids == chat_prompt and chat_tokens == expected
 
 
-async def test_ministral3_over_two_ranks_encoding_by_data_matches_transformers(tmp_path_factory):
-    """Ministral 3's decoder (YaRN, the attention temperature past position 16) under the tower, two ranks."""
+async def test_ministral3_under_the_tower_matches_transformers(tmp_path_factory):
+    """Ministral 3's decoder (YaRN, the attention temperature past position 16) under the tower."""
     ministral3 = make_tiny_mistral3(tmp_path_factory.mktemp("ministral3"), decoder="ministral3")
     images = [make_image(112, 112, seed=3), make_image(30, 40, seed=4)]
     texts = [f"{IMAGE} one", f"and {IMAGE} two"]
-    async with AsyncEngine(ministral3, disable_log_stats=True, tensor_parallel_size=2, mm_encoder_tp_mode="data",
-                           block_size=4, max_num_batched_tokens=16, max_num_seqs=2) as engine:
+    async with AsyncEngine(ministral3, disable_log_stats=True, block_size=4, max_num_batched_tokens=16,
+                           max_num_seqs=2) as engine:
         outs = await asyncio.gather(*(engine.generate({"prompt": t, "images": [i]}, GREEDY)
                                       for t, i in zip(texts, images)))
     assert [o.outputs[0].token_ids for o in outs] == [hf_mistral3_greedy(ministral3, t, [i], 8)[1]

@@ -77,19 +77,42 @@ async def test_chat_messages_with_image_parts_match_transformers(engine, qwen25_
 
 async def test_qwen3_vl_deepstack_and_interleaved_mrope_match_transformers(tmp_path_factory):
     """Qwen3-VL: images split across chunks beside a text-only request, then the same prompt from the prefix cache
-    (the deepstack rows of a chunk's image tokens, the interleaved M-RoPE bands)."""
+    (the deepstack rows of a chunk's image tokens, the interleaved M-RoPE bands); and a video: each temporal patch
+    after its ``<t seconds>`` text between vision start and end tokens (the prompt its processor writes), an item
+    each, with deepstack rows, then from the prefix cache."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+
+    from qwen_vl_utils import VIDEO_PAD, VIDEO_PLACEHOLDER, hf_qwen_vl_video_greedy, make_video, video_patches_of
+
     path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl"), version="3")
     images = [make_image(120, 70, seed=12), make_image(64, 64, seed=13)]
     text = f"first {IMAGE_PLACEHOLDER} then {IMAGE_PLACEHOLDER} end"
     prompts = [{"prompt": text, "images": images}, "only some text here"]
+    video = (make_video(6, 96, 64, seed=5), {"fps": 12.0, "frames_indices": [0, 5, 10, 15, 20, 25],
+                                             "total_num_frames": 30})
+    video_text = f"see {VIDEO_PLACEHOLDER} and {IMAGE_PLACEHOLDER}"
+    video_prompt = {"prompt": video_text, "videos": [video], "images": [images[1]]}
     async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
                            max_num_seqs=4, enable_prefix_caching=True) as engine:
         outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
         again = await engine.generate(prompts[0], GREEDY)
+        with_video = await engine.generate(video_prompt, GREEDY)
+        video_again = await engine.generate(video_prompt, GREEDY)
     hf_prompt, hf_tokens = hf_qwen_vl_greedy(path, text, images, 8)
     assert outs[0].prompt_token_ids == hf_prompt
     assert [o.outputs[0].token_ids for o in outs] == [hf_tokens, hf_qwen_vl_greedy(path, prompts[1], [], 8)[1]]
     assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == hf_tokens
+    patches = video_patches_of(path, video)
+    times = Qwen3VLProcessor._calculate_timestamps(None, video[1]["frames_indices"], 12.0, 2)
+    per_frame = "".join(f"<{t:.1f} seconds><|vision_start|>" + VIDEO_PAD * (patches.shape[1] * patches.shape[2] // 4)
+                        + "<|vision_end|>" for t in times)
+    expected_ids = AutoTokenizer.from_pretrained(path)(
+        video_text.replace(VIDEO_PAD, per_frame).replace("<|image_pad|>", "<|image_pad|>" * 4))["input_ids"]
+    assert with_video.prompt_token_ids == expected_ids and len(times) == 3
+    expected = hf_qwen_vl_video_greedy(path, with_video.prompt_token_ids, [patches], [images[1]], 8)
+    assert with_video.outputs[0].token_ids == expected
+    assert video_again.num_cached_tokens > 0 and video_again.outputs[0].token_ids == expected
 
 
 async def test_qwen3_vl_moe_with_experts_split_over_two_ranks_matches_transformers(tmp_path_factory):

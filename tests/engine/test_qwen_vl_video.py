@@ -1,14 +1,14 @@
-"""Videos on Qwen2-VL, Qwen2.5-VL and Qwen3-VL end to end, token for token equal to transformers' model given the same
-pixels (its video processor needs torchvision): time-spaced M-RoPE positions, videos split across prefill chunks
-beside images and text-only requests, prefix-cache hits, vLLM's prompt dicts, chat parts, video files, the OpenAI
-server's video_url parts, and Qwen3-VL's per-frame timestamps."""
+"""Videos on Qwen2-VL and Qwen2.5-VL end to end, token for token equal to transformers' model given the same pixels
+(its video processor needs torchvision): time-spaced M-RoPE positions, videos split across prefill chunks beside
+images and text-only requests, prefix-cache hits, vLLM's prompt dicts, chat parts, video files and the OpenAI
+server's video_url parts. Qwen3-VL's per-frame timestamps: tests/engine/test_qwen_vl_engine.py (its Qwen3-VL
+engine)."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 
-import numpy as np
 import pytest
 import pytest_asyncio
 from qwen_vl_utils import (
@@ -21,6 +21,7 @@ from qwen_vl_utils import (
     make_mp4,
     make_tiny_qwen_vl,
     make_video,
+    video_patches_of,
 )
 
 from asyncllm import AsyncEngine, SamplingParams
@@ -30,19 +31,6 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 BUDGET = 8
-
-
-def _patches(path: str, video) -> np.ndarray:
-    """The video's pixel values as the engine makes them (checked against transformers' image processor in
-    tests/unit/test_qwen_video.py)."""
-    from transformers import AutoConfig
-
-    from asyncllm.mm.qwen_video import load_video_settings, video_patches
-    from asyncllm.mm.videos import read_video
-    from asyncllm.models.registry import get_model_class
-
-    settings = load_video_settings(path, get_model_class(AutoConfig.from_pretrained(path)).video_settings)
-    return video_patches(read_video(video, "video", 10**8), settings, "video")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +53,7 @@ async def test_a_video_and_an_image_split_across_chunks_beside_text_match_transf
     prompts = [{"prompt": text, "videos": [video], "images": [image]}, "a text prompt with no video at all"]
     outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
     again = await engine.generate({"prompt": text, "multi_modal_data": {"video": video, "image": image}}, GREEDY)
-    patches = _patches(qwen25_vl, video)
+    patches = video_patches_of(qwen25_vl, video)
     hf_tokens = hf_qwen_vl_video_greedy(qwen25_vl, outs[0].prompt_token_ids, [patches], [image], 8, [4.0])
     assert outs[0].prompt_token_ids.count(engine.tokenizer.convert_tokens_to_ids(VIDEO_PAD)) == 3 * 4 * 3 > BUDGET
     assert [o.outputs[0].token_ids for o in outs] == [hf_tokens, hf_qwen_vl_greedy(qwen25_vl, prompts[1], [], 8)[1]]
@@ -94,7 +82,7 @@ async def test_chat_video_parts_and_the_openai_servers_video_url_match_transform
         response = await client.post("/v1/chat/completions", json=body)
     prompt_ids = stream.collector.prompt_token_ids
     seconds = 2 / meta["fps"]  # every frame taken: 12 frames at 10 fps
-    expected = hf_qwen_vl_video_greedy(qwen25_vl, prompt_ids, [_patches(qwen25_vl, (frames, meta))], [], 8, [seconds])
+    expected = hf_qwen_vl_video_greedy(qwen25_vl, prompt_ids, [video_patches_of(qwen25_vl, (frames, meta))], [], 8, [seconds])
     assert frames.shape[0] == 12 and tokens == expected
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(expected,
@@ -116,49 +104,18 @@ async def test_bad_videos_fail_their_own_request(engine):
 
 
 async def test_qwen2_vl_video_from_a_file_matches_transformers(tmp_path_factory):
-    """Qwen2-VL: temporal patches one position apart; the file's frames sampled (media_io_kwargs num_frames); the
-    decoder over two ranks, the video encoded by one of them (mm_encoder_tp_mode="data")."""
+    """Qwen2-VL: temporal patches one position apart; the file's frames sampled (media_io_kwargs num_frames)."""
     from asyncllm.mm.video_files import decode_video_file
 
     path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen2_vl_video"), version="2")
     data, text = make_mp4(30, width=112, height=56), f"clip: {VIDEO_PLACEHOLDER} ok"
     async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
-                           max_num_seqs=2, media_io_kwargs={"video": {"num_frames": 6}}, tensor_parallel_size=2,
-                           mm_encoder_tp_mode="data") as engine:
+                           max_num_seqs=2, media_io_kwargs={"video": {"num_frames": 6}}) as engine:
         out = await engine.generate({"prompt": text, "multi_modal_data": {"video": data}}, GREEDY)
     frames, meta = decode_video_file(data, "video", 10**6, num_frames=6)
     assert meta["frames_indices"] == [0, 6, 12, 17, 23, 29]
-    expected = hf_qwen_vl_video_greedy(path, out.prompt_token_ids, [_patches(path, (frames, meta))], [], 8, [1.0])
+    expected = hf_qwen_vl_video_greedy(path, out.prompt_token_ids, [video_patches_of(path, (frames, meta))], [], 8, [1.0])
     assert out.outputs[0].token_ids == expected
-
-
-async def test_qwen3_vl_video_frames_with_timestamps_match_transformers(tmp_path_factory):
-    """Qwen3-VL: each temporal patch after its ``<t seconds>`` text between vision start and end tokens (as its
-    processor writes them), an item each, with deepstack rows; split across chunks and then from the prefix cache."""
-    from transformers import AutoTokenizer
-    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
-
-    path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl_video"), version="3")
-    frames = make_video(6, 96, 64, seed=5)
-    metadata = {"fps": 12.0, "frames_indices": [0, 5, 10, 15, 20, 25], "total_num_frames": 30}
-    text = f"see {VIDEO_PLACEHOLDER} and {IMAGE_PLACEHOLDER}"
-    image = make_image(64, 64, seed=6)
-    prompt = {"prompt": text, "videos": [(frames, metadata)], "images": [image]}
-    async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
-                           max_num_seqs=2, enable_prefix_caching=True) as engine:
-        out = await engine.generate(prompt, GREEDY)
-        again = await engine.generate(prompt, GREEDY)
-    patches = _patches(path, (frames, metadata))
-    per_frame = patches.shape[1] * patches.shape[2] // 4
-    times = Qwen3VLProcessor._calculate_timestamps(None, metadata["frames_indices"], 12.0, 2)
-    video_text = "".join(f"<{t:.1f} seconds><|vision_start|>" + VIDEO_PAD * per_frame + "<|vision_end|>"
-                         for t in times)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    expected_ids = tokenizer(text.replace(VIDEO_PAD, video_text).replace("<|image_pad|>", "<|image_pad|>" * 4))
-    assert out.prompt_token_ids == expected_ids["input_ids"] and len(times) == 3
-    expected = hf_qwen_vl_video_greedy(path, out.prompt_token_ids, [patches], [image], 8)
-    assert out.outputs[0].token_ids == expected
-    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected
 
 
 async def test_a_model_without_videos_refuses_them(tmp_path):
