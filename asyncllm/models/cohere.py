@@ -45,7 +45,8 @@ class CohereLayerNorm(RMSNorm):
             x = x + residual
         x32 = x.float()
         centred = x32 - x32.mean(-1, keepdim=True)
-        out = (self.weight.float() * (centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (self.weight.float() * normed).to(x.dtype)
         return out if residual is None else (out, x)
 
 
