@@ -10,7 +10,7 @@ Llama's projections and gated SiLU MLP (asyncllm/models/llama.py) in Cohere's bl
   (`InterleavedRotaryLoading`);
 - the logits are multiplied by ``logit_scale``;
 - Cohere2: three sliding-window layers to each full one (``layer_types``); only the sliding ones rotate (the
-  full ones use no positions: `identity_rotary`).
+  full ones use no positions: `with_rope_only_in`).
 
 ``use_qk_norm`` (Command R+: a LayerNorm per q and k head) is a `NotBuiltError`.
 """
@@ -18,7 +18,6 @@ Llama's projections and gated SiLU MLP (asyncllm/models/llama.py) in Cohere's bl
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any
 
 import torch
@@ -28,9 +27,15 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.glm4 import InterleavedRotaryLoading
-from asyncllm.models.layers import RMSNorm, TensorParallel, head_dim_of
-from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaAttention, LlamaForCausalLM, LlamaModel
-from asyncllm.models.rotary import identity_rotary
+from asyncllm.models.layers import RMSNorm, TensorParallel
+from asyncllm.models.llama import (
+    DecoderBuild,
+    DecoderFlags,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaModel,
+    with_rope_only_in,
+)
 
 __all__ = ["Cohere2ForCausalLM", "CohereForCausalLM", "CohereLayerNorm"]
 
@@ -109,6 +114,4 @@ class Cohere2ForCausalLM(CohereForCausalLM):
     def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                       max_position: int, expert_parallel: bool) -> DecoderBuild:
         build = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
-        nope = identity_rotary(hf_config, head_dim_of(hf_config), max_position)
-        return dataclasses.replace(build, layer_rotary=tuple(
-            build.rotary_emb if kind == "sliding_attention" else nope for kind in hf_config.layer_types))
+        return with_rope_only_in(build, [kind == "sliding_attention" for kind in hf_config.layer_types], max_position)

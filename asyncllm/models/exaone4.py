@@ -6,21 +6,26 @@ Qwen3's per-head q/k RMSNorm (the backends' fused norm-and-rotate), Llama's
 RMSNorm rounding, and a hybrid attention: with a ``sliding_window``, three
 sliding-window layers to each full one (``layer_types``), and only the sliding
 ones rotate (the full layers use no positions: an identity table,
-`identity_rotary`); without one, every layer is full and rotates.
+`with_rope_only_in`); without one, every layer is full and rotates.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.models.layers import RMSNorm, TensorParallel, head_dim_of
-from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaAttention, LlamaForCausalLM, LlamaModel
+from asyncllm.models.layers import RMSNorm, TensorParallel
+from asyncllm.models.llama import (
+    DecoderBuild,
+    DecoderFlags,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaModel,
+    with_rope_only_in,
+)
 from asyncllm.models.olmo2 import Olmo2DecoderLayer
-from asyncllm.models.rotary import identity_rotary
 
 __all__ = ["Exaone4ForCausalLM"]
 
@@ -50,6 +55,4 @@ class Exaone4ForCausalLM(LlamaForCausalLM):
         build = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
         if getattr(hf_config, "sliding_window", None) is None:
             return build
-        nope = identity_rotary(hf_config, head_dim_of(hf_config), max_position)
-        return dataclasses.replace(build, layer_rotary=tuple(
-            build.rotary_emb if kind == "sliding_attention" else nope for kind in hf_config.layer_types))
+        return with_rope_only_in(build, [kind == "sliding_attention" for kind in hf_config.layer_types], max_position)

@@ -4,7 +4,7 @@ The Llama decoder (asyncllm/models/llama.py) with two differences:
 
 - q and k are normed per head *after* the rotary (``query_layernorm``, ``key_layernorm``), where the backends'
   fused norm-and-rotate norms before it: this attention rotates q and k itself (the torch reference rotation,
-  as transformers does it), norms them, and hands the backend an identity table (`identity_rotary`), so the
+  as transformers does it), norms them, and hands the backend an identity table (`with_rope_only_in`), so the
   backends' kernels, KV cache and CUDA graphs run unchanged;
 - the rope: the checkpoints' ``{"rope_type": "dynamic", "alpha": a}`` is NTK scaling with a fixed alpha, base
   ``rope_theta * a ** (head_dim / (head_dim - 2))``, so it does not depend on the sequence length (transformers
@@ -23,8 +23,15 @@ from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.kernels import reference
 from asyncllm.models.layers import RMSNorm, TensorParallel, head_dim_of
-from asyncllm.models.llama import DecoderBuild, LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
-from asyncllm.models.rotary import identity_rotary, rope_parameters
+from asyncllm.models.llama import (
+    DecoderBuild,
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    with_rope_only_in,
+)
+from asyncllm.models.rotary import rope_parameters
 
 __all__ = ["HunYuanDenseV1ForCausalLM", "ntk_alpha_config"]
 
@@ -79,5 +86,5 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
                       max_position: int, expert_parallel: bool) -> DecoderBuild:
         rope_config = ntk_alpha_config(hf_config)
         build = super().decoder_build(rope_config, dtype, tp, attn_backend, max_position, expert_parallel)
-        identity = identity_rotary(rope_config, head_dim_of(hf_config), max_position)
-        return dataclasses.replace(build, hf_config=hf_config, layer_rotary=(identity,) * hf_config.num_hidden_layers)
+        build = with_rope_only_in(build, [False] * hf_config.num_hidden_layers, max_position)
+        return dataclasses.replace(build, hf_config=hf_config)

@@ -25,9 +25,10 @@ from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, head_dim_of
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncllm.models.pipeline import PipelineStage, PPMissingLayer, in_missing_part
-from asyncllm.models.rotary import RotaryEmbedding
+from asyncllm.models.rotary import RotaryEmbedding, identity_rotary
 
-__all__ = ["DecoderBuild", "DecoderFlags", "LlamaForCausalLM", "LlamaMLP", "check_silu", "sliding_window_of"]
+__all__ = ["DecoderBuild", "DecoderFlags", "LlamaForCausalLM", "LlamaMLP", "check_silu", "sliding_window_of",
+           "with_rope_only_in"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,14 @@ class DecoderBuild:
     layer_rotary: tuple[RotaryEmbedding, ...] | None = dataclasses.field(default=None, kw_only=True)
     """Each layer's rotary embedding where layers differ (SmolLM3's layers without rope, OLMo 3's rope per layer
     type); None: `rotary_emb` in every layer."""
+
+
+def with_rope_only_in(build: DecoderBuild, uses_rope: Iterable[bool], max_position: int) -> DecoderBuild:
+    """``build`` whose layers with ``uses_rope[i]`` false turn q and k by nothing (`identity_rotary`, exact): layers
+    without positions (SmolLM3's NoPE layers, EXAONE 4's and Cohere2's full layers, Hunyuan's, which rotate
+    themselves), through the same backends, kernels and CUDA graphs."""
+    nope = identity_rotary(build.hf_config, head_dim_of(build.hf_config), max_position)
+    return dataclasses.replace(build, layer_rotary=tuple(build.rotary_emb if use else nope for use in uses_rope))
 
 
 class LlamaAttention(nn.Module):

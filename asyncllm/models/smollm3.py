@@ -3,23 +3,21 @@
 The Llama decoder (asyncllm/models/llama.py) in which some layers use no
 positions at all: ``no_rope_layers[i] == 0`` (every fourth layer in SmolLM3-3B,
 transformers' default) skips the rotary embedding there. Those layers rotate
-by an identity table (`identity_rotary`: cos 1, sin 0, exact), so the attention
+by an identity table (`with_rope_only_in`: cos 1, sin 0, exact), so the attention
 backends, their fused rotary and KV-write kernels and CUDA graphs run unchanged.
 Sliding-window layers (``use_sliding_window``) follow ``layer_types`` as Qwen2's do.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
-from asyncllm.models.layers import TensorParallel, head_dim_of
-from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM
-from asyncllm.models.rotary import identity_rotary
+from asyncllm.models.layers import TensorParallel
+from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM, with_rope_only_in
 
 __all__ = ["SmolLM3ForCausalLM"]
 
@@ -34,5 +32,4 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
         uses_rope = list(hf_config.no_rope_layers)
         if len(uses_rope) != hf_config.num_hidden_layers or set(uses_rope) - {0, 1}:
             raise ConfigError("no_rope_layers", uses_rope, f"one 0 or 1 per layer ({hf_config.num_hidden_layers})")
-        nope = identity_rotary(hf_config, head_dim_of(hf_config), max_position)
-        return dataclasses.replace(build, layer_rotary=tuple(build.rotary_emb if use else nope for use in uses_rope))
+        return with_rope_only_in(build, [bool(use) for use in uses_rope], max_position)
