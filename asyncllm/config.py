@@ -340,8 +340,8 @@ class MultiModalConfig:
     """vLLM's media loading settings per modality: ``{"video": {"num_frames": 32}}``, the frames taken (evenly
     spaced) from an encoded video file; None: 32."""
     limit_mm_per_prompt: dict[str, int] | None = None
-    """Most inputs per prompt of each modality, e.g. ``{"image": 4, "video": 1}``; 0 refuses that modality. None:
-    no limit."""
+    """Most inputs per prompt of each modality, e.g. ``{"image": 4, "video": 1}``; 0 refuses that modality (all 0 on
+    Gemma 3: its text decoder alone). None: no limit."""
 
     def __post_init__(self) -> None:
         _float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)

@@ -71,6 +71,9 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     time_interval: float = 1.0
     """A video's M-RoPE time positions per temporal patch (Qwen2.5-VL: ``tokens_per_second`` x seconds per patch;
     asyncllm/models/mrope.py); 1 for images and the other models."""
+    bidirectional: list[int] = []
+    """``[start, stop)`` relative to ``offset``: the rows whose tokens attend to each other both ways in a prefill
+    (Gemma 3's image tokens), so no prefill chunk ends inside them; empty: causal like text."""
 
 
 class AbortRequests(msgspec.Struct, **_STRUCT):

@@ -10,7 +10,10 @@ With ``softcap`` (Gemma 2) each score is capped to ``softcap * tanh(score / soft
 before the mask and the softmax; off, the kernel is compiled without it. With ``sinks``
 (gpt-oss: one logit per query head) each row's softmax starts from its head's sink, as if one
 more key scored ``sink`` and had a zero value: the running max starts at the sink and the running
-sum at 1 (``USE_SINKS``; off, compiled without it).
+sum at 1 (``USE_SINKS``; off, compiled without it). With ``attend_limit`` (Gemma 3's bidirectional
+image tokens: one last visible key position per query token) a query sees the keys up to its limit
+instead of its own position, the window still counting back from its position, and a program's key range
+reaches its rows' largest limit (``USE_LIMIT``; off, compiled without it).
 
 Grid: (query blocks, KV heads). A program takes ``BLOCK_Q`` consecutive query
 tokens of one request times the ``Hq / Hkv`` query heads sharing one KV head
@@ -60,12 +63,13 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
+    attend_limit_ptr,
     scale, num_reqs, head_dim, block_size, sliding_window, softcap,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    USE_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -96,6 +100,9 @@ def _paged_attention_kernel(
     abs_pos = context_len + q_pos  # the query's position in its sequence
     # keys this block can see: up to its last query's position (and within the window of its first)
     kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
+    last_pos = abs_pos  # the last key each row sees
+    if USE_LIMIT:
+        last_pos, kv_end = _limit_range(attend_limit_ptr, tokens, row_mask, kv_end, seq_len)
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(context_len + local_block * BLOCK_Q - sliding_window + 1, 0)
@@ -111,7 +118,7 @@ def _paged_attention_kernel(
         scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale
         if USE_SOFTCAP:
             scores = cap_scores(scores, softcap)
-        visible = row_mask[:, None] & kv_mask[None, :] & (kv_pos[None, :] <= abs_pos[:, None])
+        visible = row_mask[:, None] & kv_mask[None, :] & (kv_pos[None, :] <= last_pos[:, None])
         if USE_WINDOW:
             visible = visible & (kv_pos[None, :] > abs_pos[:, None] - sliding_window)
         scores = tl.where(visible, scores, float("-inf"))
@@ -127,6 +134,13 @@ def _paged_attention_kernel(
     acc = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_offsets = tokens[:, None] * out_token_stride + heads[:, None] * out_head_stride + dims[None, :]
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _limit_range(attend_limit_ptr, tokens, row_mask, kv_end, seq_len):
+    """(each row's last visible key, the program's key range end widened to its rows' largest limit)."""
+    limit = tl.load(attend_limit_ptr + tokens, mask=row_mask, other=0).to(tl.int32)  # masked rows: 0
+    return limit, tl.minimum(tl.maximum(kv_end, tl.max(limit, axis=0) + 1), seq_len)
 
 
 @triton.jit
@@ -178,6 +192,19 @@ def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor
     return sinks
 
 
+def check_attend_limit(attend_limit: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """``attend_limit`` checked to be a contiguous integer vector over the query's tokens; the query (never read)
+    when None."""
+    if attend_limit is None:
+        return query
+    check(attend_limit.dim() == 1 and attend_limit.shape[0] >= query.shape[0] and attend_limit.stride(0) == 1,
+          f"attend_limit must be a contiguous [>= {query.shape[0]}], got {tuple(attend_limit.shape)}")
+    check(attend_limit.dtype in (torch.int32, torch.int64),
+          f"attend_limit must be int32 or int64, got {attend_limit.dtype}")
+    check_same_device(query=query, attend_limit=attend_limit)
+    return attend_limit
+
+
 def _block_shape(queries_per_kv: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_M): enough query tokens that BLOCK_Q * queries_per_kv rows fill a tile."""
     block_m = max(_MIN_BLOCK_M, triton.next_power_of_2(queries_per_kv))
@@ -204,6 +231,7 @@ def paged_attention(
     tile_n: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attend_limit: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of query ``[T, Hq, D]`` over each request's cached context.
 
@@ -211,6 +239,7 @@ def paged_attention(
     in query's dtype; rows past ``query_start_loc[-1]`` (padding) are left unwritten. ``tile_n``
     (keys per inner step, a power of two >= 16) defaults to 64 for head dims up to 128, else 32.
     ``softcap`` > 0 caps the scores (None or 0: off); ``sinks`` ``[Hq]`` joins each head's softmax (None: off).
+    ``attend_limit`` ``[>= T]`` int32/int64: the last key position each query token sees (None: its own, causal).
     """
     _check_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -219,6 +248,7 @@ def paged_attention(
     head_dim_padded, tile_n = _tile_shape(head_dim, tile_n)
     check_window_and_softcap(sliding_window, softcap)
     sinks_arg = check_sinks(sinks, query)
+    limit_arg = check_attend_limit(attend_limit, query)
     block_q, block_m = _block_shape(queries_per_kv)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     num_reqs = seq_lens.shape[0]
@@ -226,13 +256,13 @@ def paged_attention(
         return out
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks_arg,
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks_arg, limit_arg,
         scale, num_reqs, head_dim, block_size, sliding_window or 0, softcap or 0.0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         HEAD_DIM=head_dim_padded, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(softcap),
-        USE_SINKS=sinks is not None,
+        USE_SINKS=sinks is not None, USE_LIMIT=attend_limit is not None,
         # exact fp32 products; "tf32" is Triton's default, which half-precision inputs ignore
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4 if head_dim_padded <= 64 else 8, num_stages=2,

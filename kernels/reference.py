@@ -248,19 +248,20 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
 
 
 def _context_mask(
-    q_len: int, seq_len: int, sliding_window: int | None, device: torch.device
+    q_len: int, seq_len: int, sliding_window: int | None, device: torch.device, limit: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """Boolean ``[q_len, seq_len]`` (True = attend), or None when every key is visible.
 
-    Query j sits at position ``seq_len - q_len + j``; it sees keys at or before it,
-    and with a sliding window only the last ``sliding_window`` of them (HF's rule).
+    Query j sits at position ``seq_len - q_len + j``; it sees keys at or before it (at or before
+    ``limit[j]`` when a ``[q_len]`` limit is given: `AttentionMetadata.attend_limit`), and with a
+    sliding window only those after its own position minus ``sliding_window`` (HF's rule).
     """
     window_covers_all = sliding_window is None or sliding_window >= seq_len
-    if q_len == 1 and window_covers_all:
+    if q_len == 1 and window_covers_all and limit is None:
         return None
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
-    mask = k_pos <= q_pos
+    mask = k_pos <= (q_pos if limit is None else limit.to(device)[:, None])
     if not window_covers_all:
         mask &= k_pos > q_pos - sliding_window
     return mask
@@ -305,6 +306,7 @@ def paged_attention(
     ``scaled_dot_product_attention`` call per request; with ``softcap`` (Gemma 2's
     attn_logit_softcapping; None or 0 is off) the scores are capped first, and with ``sinks`` (gpt-oss: a
     logit per query head, ``[Hq]``) each softmax's denominator takes ``exp(sink)`` too (`_eager_attention`).
+    With ``metadata.attend_limit`` a query sees the keys up to its limit instead of its own position.
     """
     out = torch.zeros_like(query)
     qsl = metadata.query_start_loc_cpu
@@ -313,7 +315,8 @@ def paged_attention(
         if end == start:
             continue
         key, value = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
-        mask = _context_mask(end - start, seq_len, sliding_window, query.device)
+        limit = None if metadata.attend_limit is None else metadata.attend_limit[start:end]
+        mask = _context_mask(end - start, seq_len, sliding_window, query.device, limit)
         q = query[start:end].transpose(0, 1)
         k, v = (t.transpose(0, 1).to(query.dtype) for t in (key, value))
         if softcap or sinks is not None:

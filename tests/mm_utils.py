@@ -72,16 +72,16 @@ def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
     return str(path)
 
 
-def random_model(model_cls, config, seed: int):
+def random_model(model_cls, config, seed: int, std: float = 0.2):
     """``model_cls(config)`` with seeded random weights wider than transformers' initialisation (norm scales
-    N(0, 1), the rest N(0, 0.2)), so that greedy outputs do not hinge on rounding noise."""
+    N(0, 1), the rest N(0, ``std``)), so that greedy outputs do not hinge on rounding noise."""
     import torch
 
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.normal_(0.0, 1.0 if "norm" in name and name.endswith("weight") else 0.2)
+            param.normal_(0.0, 1.0 if "norm" in name and name.endswith("weight") else std)
     return model
 
 

@@ -23,7 +23,7 @@ from asyncllm.protocol import SchedulerOutput
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.mm_encoder import DataParallelEncoder
 
-__all__ = ["MRopePositions", "MultiModalRunner", "encoder_cache_bytes", "is_multimodal"]
+__all__ = ["MRopePositions", "MultiModalRunner", "attend_limit", "encoder_cache_bytes", "is_multimodal"]
 
 
 def is_multimodal(model: Any) -> bool:
@@ -43,6 +43,27 @@ def _encode_fn(model: Any, config: EngineConfig, tp: TensorParallel, device: tor
     if not getattr(model, "supports_encoder_data_parallel", False):
         raise NotBuiltError("mm_encoder_tp_mode", "data", f"data-parallel encoding for {type(model).__name__}")
     return DataParallelEncoder(model, device, tp)
+
+
+def attend_limit(items: dict[str, list[Any]], spans: list[ScheduledSpan], flat: np.ndarray, num_rows: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """``[num_rows]`` int32: the last position each query token of the step may attend to, for a step that reaches
+    an item's bidirectional rows (Gemma 3's images: each row sees its whole image; `AttentionMetadata.attend_limit`),
+    else None. Other tokens keep their own position (causal); ``flat`` holds the step's positions."""
+    limit = None
+    for span in spans:
+        for item in items.get(span.req_id, ()):
+            if not item.bidirectional:
+                continue
+            start, stop = item.offset + item.bidirectional[0], item.offset + item.bidirectional[1]
+            lo, hi = max(span.start, start), min(span.start + span.length, stop)
+            if lo >= hi:
+                continue
+            if limit is None:
+                limit = np.zeros(num_rows, np.int32)
+                limit[: len(flat)] = flat
+            limit[span.flat_offset + lo - span.start : span.flat_offset + hi - span.start] = stop - 1
+    return None if limit is None else torch.from_numpy(limit).to(device)
 
 
 class MRopePositions:
@@ -120,8 +141,11 @@ class MultiModalRunner:
             return None, inputs.positions
         spans = self._spans(sched_out, batch)
         positions = None
+        flat = batch.positions.np[: inputs.num_tokens]
         if self.mrope is not None:
-            positions = self.mrope.positions(spans, batch.positions.np[: inputs.num_tokens], inputs.positions.device)
+            positions = self.mrope.positions(spans, flat, inputs.positions.device)
+        inputs.attn_metadata.attend_limit = attend_limit(self.cache.items, spans, flat, inputs.input_ids.shape[0],
+                                                         inputs.positions.device)
         return self.cache.inputs_embeds(inputs.input_ids, spans), inputs.positions if positions is None else positions
 
     def forget_encoder_outputs(self) -> None:

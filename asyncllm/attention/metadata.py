@@ -17,6 +17,10 @@ class AttentionMetadata:
     stored in the KV-cache blocks ``block_tables[i, :ceil(seq_lens[i]/block_size)]``.
     Token t of the step is written to KV slot ``slot_mapping[t]``
     (= block_id * block_size + offset).
+    ``attend_limit[t]``, when set, is the last key position (0-based, in its sequence) token t
+    may attend to: its own position for an ordinary token, the last position of its image's token
+    run for an image token (Gemma 3's bidirectional image attention). A sliding window still counts
+    back from the token's own position. None: causal.
     """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64
@@ -26,6 +30,7 @@ class AttentionMetadata:
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
     block_size: int
+    attend_limit: torch.Tensor | None = None  # [num_tokens] int32, on the device of the tensors above; None: causal
 
     @property
     def num_reqs(self) -> int:

@@ -61,7 +61,8 @@ class TritonBackend:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place. ``softcap``
-        caps the scores (Gemma 2) and ``sinks [Hq]`` joins each softmax (gpt-oss) in either kernel.
+        caps the scores (Gemma 2) and ``sinks [Hq]`` joins each softmax (gpt-oss) in either kernel;
+        ``metadata.attend_limit`` (Gemma 3's image tokens) always takes the unified kernel.
         """
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if rotary is None:
@@ -71,7 +72,10 @@ class TritonBackend:
                 query, key, value, rotary.positions, rotary.cos_sin_cache, key_cache, value_cache,
                 metadata.slot_mapping, rotary.q_norm_weight, rotary.k_norm_weight, rotary.norm_eps,
             )
-        num_segments = split_kv_segments(query.shape[0], metadata.num_reqs, key_cache.shape[2], _num_sms(query.device))
+        num_segments = 0
+        if metadata.attend_limit is None:  # the split-KV kernels are causal only (image tokens come in prefills)
+            num_segments = split_kv_segments(query.shape[0], metadata.num_reqs, key_cache.shape[2],
+                                             _num_sms(query.device))
         if num_segments:
             return paged_decode(
                 query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
@@ -79,7 +83,7 @@ class TritonBackend:
             )
         return paged_attention(
             query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-            scale, sliding_window, softcap=softcap, sinks=sinks,
+            scale, sliding_window, softcap=softcap, sinks=sinks, attend_limit=metadata.attend_limit,
         )
 
 

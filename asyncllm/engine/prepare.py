@@ -24,6 +24,7 @@ from asyncllm.models.architectures import (
     MULTIMODAL_ARCHITECTURES,
     architecture_of,
     max_positions,
+    serves_text_only,
 )
 from asyncllm.models.checkpoint import hf_config_json, prequantized_config, resolve_model_path, served_hf_config
 from asyncllm.pipeline_parallel import check_pipeline_model
@@ -59,6 +60,7 @@ def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
     hf_config = served_hf_config(path, config.hf_overrides)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
+    multimodal = arch in MULTIMODAL_ARCHITECTURES and not serves_text_only(arch, config.multimodal_config.limit_mm_per_prompt)
     prequantized_config(hf_config, config.model, config.quantization)  # refused methods: errors before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
     check_pipeline_model(config, arch, text_config)
@@ -76,23 +78,24 @@ def prepare(config: EngineConfig) -> Prepared:
     if spec is not None and spec.uses_draft_model:  # the draft checked against the target before spawning
         resolved = resolved.replace(speculative_config=prepare_draft_model(
             config.speculative_config, spec, text_config, config.tensor_parallel_size, max_model_len,  # type: ignore[arg-type]
-            arch in MULTIMODAL_ARCHITECTURES))
+            multimodal))
     if config.enable_expert_parallel and arch not in MOE_ARCHITECTURES:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
     if config.enable_lora:
-        if arch in (*MULTIMODAL_ARCHITECTURES, *_NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
+        if (multimodal or arch in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders: Llama, Mistral, "
                                                      "Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2, the "
                                                      "attention of Mixtral, Qwen2-MoE, Qwen3-MoE; and the decoder of "
-                                                     "Qwen2-VL / Qwen2.5-VL / Qwen3-VL)")
+                                                     "Qwen2-VL / Qwen2.5-VL / Qwen3-VL; Gemma 3 image-text "
+                                                     "checkpoints as text: limit_mm_per_prompt={'image': 0})")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
-    if arch in MULTIMODAL_ARCHITECTURES:
+    if multimodal:
         from asyncllm.mm.processor import MultiModalProcessor
         from asyncllm.models.registry import get_model_class
 
-        model_cls = get_model_class(hf_config)
+        model_cls = get_model_class(hf_config, config.multimodal_config.limit_mm_per_prompt)
 
         mm_config = config.multimodal_config
         limits = mm_config.limit_mm_per_prompt or {}

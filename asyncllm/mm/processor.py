@@ -158,6 +158,14 @@ class MultiModalProcessor:
         """Image processors of requests' ``mm_processor_kwargs`` (by their JSON), the last few used."""
         self.tokenizer = tokenizer
         self.image_token_id: int = model_cls.mm_placeholder_token_id(hf_config)
+        image_text = getattr(model_cls, "mm_image_text", None)
+        self._image_text: tuple[list[int], list[int]] = image_text(hf_config, tokenizer) if image_text else ([], [])
+        """Text tokens before and after each image's rows (Gemma 3's ``\n\n<start_of_image>`` ...)."""
+        merges = getattr(model_cls, "mm_token_merges", None)
+        self._merges: dict[tuple[int, int], int] = merges(tokenizer) if merges else {}
+        """Token pairs that become one token where that text meets the prompt's (Gemma 3's newline runs)."""
+        self._bidirectional = bool(getattr(model_cls, "mm_bidirectional", False))
+        """Whether an image's rows attend to each other both ways (`MultiModalItem.bidirectional`)."""
         call_kwargs = getattr(model_cls, "mm_processor_call_kwargs", None)
         self._call_kwargs: dict[str, Any] = call_kwargs(hf_config) if call_kwargs is not None else {}
         """What the model's HF processor passes its image processor per call (Mistral 3's patch size)."""
@@ -232,19 +240,32 @@ class MultiModalProcessor:
         expanded: list[int] = []
         items: list[MultiModalItem] = []
         previous, seen = 0, {"image": 0, "video": 0}
+        before, after = self._image_text
         for slot, kind in slots:
-            expanded += token_ids[previous:slot]
+            self._join(expanded, token_ids[previous:slot])
             index, seen[kind] = seen[kind], seen[kind] + 1
             value, uuid = media[kind][0][index], media[kind][1][index]
             if kind == "image":
+                self._join(expanded, before)
                 item = self._item(value, uuid, f"{field}[{index}]", len(expanded), inline, overrides)
-                expanded += self._placeholder_ids(item)
+                if self._bidirectional:
+                    item = msgspec.structs.replace(item, bidirectional=[0, item.length])
+                expanded += self._placeholder_ids(item) + after
                 items.append(item)
             else:
                 self._video(value, uuid, f"{video_field}[{index}]", expanded, items, inline)
             previous = slot + 1
-        expanded += token_ids[previous:]
+        self._join(expanded, token_ids[previous:])
         return MultiModalPrompt(expanded, items, inputs, list(token_ids), overrides)
+
+    def _join(self, expanded: list[int], tokens: list[int]) -> None:
+        """Append ``tokens`` to ``expanded``, the two tokens at the seam merged when the model says they make one
+        (``mm_token_merges``: Gemma 3's ``"\n"`` before its ``"\n\n<start_of_image>"`` is one ``"\n\n\n"``, as
+        its tokenizer reads the text its processor writes). Only text meets at these seams."""
+        if self._merges and expanded and tokens and (expanded[-1], tokens[0]) in self._merges:
+            expanded[-1] = self._merges[(expanded[-1], tokens[0])]
+            tokens = tokens[1:]
+        expanded += tokens
 
     def _placeholder_ids(self, item: MultiModalItem) -> list[int]:
         """An image's placeholder tokens: the model's layout (``mm_placeholder_ids``: Mistral 3's rows), else one

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from asyncllm.errors import NotBuiltError
 
-__all__ = ["TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES",
+__all__ = ["TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES",
            "MULTIMODAL_ARCHITECTURES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES",
            "CLASSIFICATION_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions",
            "refuse_quantized_multimodal"]
@@ -35,9 +35,19 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                            "InternVLForConditionalGeneration")
+                            "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration")
 """Architectures that take images (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too."""
+TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration",)
+"""Image-text architectures that can serve text alone, their vision tower unread (vLLM's language-model-only mode:
+``limit_mm_per_prompt`` of 0 images and 0 videos; asyncllm/models/registry.py names the classes)."""
+
+
+def serves_text_only(arch: str, limits: dict[str, int] | None) -> bool:
+    """Whether ``arch`` runs as its text-only class under these ``limit_mm_per_prompt``."""
+    return arch in TEXT_ONLY_CAPABLE_ARCHITECTURES and limits is not None and not any(limits.values())
+
+
 ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel")
 ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                     "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")

@@ -118,7 +118,7 @@ def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtyp
                 pipeline: PipelineStage | None = None) -> CausalLM:
     """``hf_config``'s model for rank ``tp_rank``, its parameters uninitialised on ``tensor_device`` (default
     ``device``; workers/weight_update.py builds one whose parameters are on the meta device)."""
-    model_cls = get_model_class(hf_config)
+    model_cls = get_model_class(hf_config, config.multimodal_config.limit_mm_per_prompt)
     max_position = max(text_config_of(hf_config).max_position_embeddings, config.max_model_len or 0)
     # a model whose encoder can be replicated is told how to spread it (docs/multimodal.md), an MoE model
     # how to spread its experts (docs/moe.md)

@@ -10,11 +10,14 @@ import torch
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
-from asyncllm.models.architectures import ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, architecture_of
+from asyncllm.models.architectures import (
+    ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
+)
 from asyncllm.models.bert import BertEmbeddingModel, BertForSequenceClassification
 from asyncllm.models.classifier import sequence_classifier
 from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
+from asyncllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
@@ -100,7 +103,7 @@ _MODELS: dict[str, type] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3TextOnly,  # text prompts only: the vision tower is not read
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # limit_mm_per_prompt image 0: Gemma3TextOnly
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
@@ -148,9 +151,15 @@ _MODELS: dict[str, type] = {
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 
 
-def get_model_class(hf_config: Any) -> type[CausalLM]:
-    """The class for ``hf_config.architectures[0]``; `NotBuiltError` for any other."""
-    return _MODELS[architecture_of(hf_config)]
+_TEXT_ONLY: dict[str, type[CausalLM]] = {"Gemma3ForConditionalGeneration": Gemma3TextOnly}
+assert set(_TEXT_ONLY) == set(TEXT_ONLY_CAPABLE_ARCHITECTURES)
+
+
+def get_model_class(hf_config: Any, limits: dict[str, int] | None = None) -> type[CausalLM]:
+    """The class for ``hf_config.architectures[0]`` (its text-only class when `serves_text_only` under the
+    ``limit_mm_per_prompt`` given); `NotBuiltError` for any other."""
+    arch = architecture_of(hf_config)
+    return _TEXT_ONLY[arch] if serves_text_only(arch, limits) else _MODELS[arch]
 
 
 @dataclass(frozen=True)

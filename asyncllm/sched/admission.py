@@ -40,6 +40,14 @@ def check_request(
             f"the first generated token needs): shorten the prompt, or raise gpu_memory_utilization, "
             f"num_gpu_blocks_override or tensor_parallel_size",
         )
+    longest = max((item.bidirectional[1] - item.bidirectional[0] for item in request.mm_items if item.bidirectional),
+                  default=0)
+    if longest > max_num_batched_tokens:
+        raise InvalidRequestError(
+            "prompt",
+            f"an image of {longest} tokens that attend to each other must be prefilled in one step, more than "
+            f"max_num_batched_tokens={max_num_batched_tokens}: raise max_num_batched_tokens to at least {longest}",
+        )
     if not enable_chunked_prefill and num_prompt > max_num_batched_tokens:
         raise InvalidRequestError(
             "prompt",

@@ -13,9 +13,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from asyncllm.config import EngineConfig
 
-__all__ = ["ChunkPolicy", "token_budget"]
+__all__ = ["ChunkPolicy", "token_budget", "whole_spans"]
 
 
 def token_budget(config: EngineConfig, max_model_len: int) -> int:
@@ -48,3 +50,21 @@ class ChunkPolicy:
         if num_remaining <= self.max_num_batched_tokens:
             return 0
         return budget
+
+
+def whole_spans(mm_items: list[Any], num_computed: int, num_new: int, budget: int) -> int:
+    """``num_new`` (a chunk from ``num_computed`` on) adjusted so that it does not end inside an item's bidirectional
+    rows (`asyncllm.protocol.MultiModalItem.bidirectional`: Gemma 3's images, whose rows see each other): cut
+    before the rows, or stretched to their end (past `long_prefill_token_threshold`) when the chunk starts at or in
+    them and the budget holds the rest; 0 (wait for a fuller budget) when it does not."""
+    end = num_computed + num_new
+    for item in mm_items:
+        if not item.bidirectional:
+            continue
+        start, stop = item.offset + item.bidirectional[0], item.offset + item.bidirectional[1]
+        if start < end < stop:
+            if num_computed < start:
+                end = start
+            else:
+                end = stop if stop - num_computed <= budget else num_computed
+    return end - num_computed

@@ -51,7 +51,7 @@ from asyncllm.kv.manager import KVCacheManager
 from asyncllm.kv.swap import SwapSpace
 from asyncllm.protocol import EngineCoreEventType
 from asyncllm.sched.admission import check_queue_capacity, check_request
-from asyncllm.sched.chunking import ChunkPolicy, token_budget
+from asyncllm.sched.chunking import ChunkPolicy, token_budget, whole_spans
 from asyncllm.sched.deadlines import DeadlineHeap
 from asyncllm.sched.decode_step import schedule_decodes, step_record, update_decodes
 from asyncllm.sched.logprobs import attach_logprobs
@@ -372,6 +372,10 @@ class Scheduler:
                     num_new += len(drafts)
                 elif num_new != 1:
                     num_new = self.chunking.chunk(num_new, budget)
+                    if request.mm_items:
+                        num_new = whole_spans(request.mm_items, num_computed, num_new, budget)
+                        if not num_new:  # an image's rows need a fuller step
+                            continue
                 assert num_new > 0, request
                 new_block_ids = allocate_slots(request, num_new)
                 if new_block_ids is None and drafts:  # no room for the drafts: one token, as without them
@@ -461,6 +465,8 @@ class Scheduler:
                 continue
             hits, num_computed, swapped = self._resume_point(request)
             num_new = self.chunking.admission_chunk(request.num_tokens - num_computed, step.budget)
+            if request.mm_items:
+                num_new = whole_spans(request.mm_items, num_computed, num_new, step.budget)
             if num_new == 0:
                 break
             block_ids = kv.allocate_slots(request, num_computed - len(hits) * self.block_size + num_new, hits)

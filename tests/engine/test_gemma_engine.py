@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers
 
-from asyncllm import AsyncEngine
+from asyncllm import AsyncEngine, NotBuiltError
 from asyncllm.tiny import tiny_checkpoint
 
 
@@ -22,7 +22,7 @@ async def test_gemma_greedy_equals_transformers(arch: str) -> None:
 
 
 async def test_lora_on_a_gemma3_image_text_checkpoint_equals_peft(tmp_path) -> None:
-    """An image-text checkpoint (served as text) with a PEFT adapter made on it: its matrices are named
+    """An image-text checkpoint (served as text: ``limit_mm_per_prompt`` of 0 images) with a PEFT adapter made on it: its matrices are named
     ``model.language_model.layers...`` and, for ``q_proj`` and the like, the SigLIP tower's too (never run on
     text). The adapter's tokens and the base model's, batched together, equal PEFT's and transformers'."""
     import shutil
@@ -51,7 +51,7 @@ async def test_lora_on_a_gemma3_image_text_checkpoint_equals_peft(tmp_path) -> N
     lora = LoRARequest("it", 1, adapter)
     prompts = random_prompts(4, seed=21, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    async with AsyncEngine(path, enable_lora=True, disable_log_stats=True) as engine:
+    async with AsyncEngine(path, enable_lora=True, limit_mm_per_prompt={"image": 0}, disable_log_stats=True) as engine:
         outs = await asyncio.gather(*(engine.generate(p, params, lora_request=lora if i % 2 else None)
                                       for i, p in enumerate(prompts)))
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
@@ -59,3 +59,6 @@ async def test_lora_on_a_gemma3_image_text_checkpoint_equals_peft(tmp_path) -> N
                     else hf_greedy(path, prompt, 8, eos_token_id=None))
         assert out.token_ids == expected, i
     assert any(out.token_ids != hf_greedy(path, p, 8, eos_token_id=None) for p, out in list(zip(prompts, outs))[1::2])
+    with pytest.raises(NotBuiltError, match="limit_mm_per_prompt"):  # with images: not built
+        async with AsyncEngine(path, enable_lora=True):
+            pass

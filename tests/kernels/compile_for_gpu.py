@@ -60,16 +60,17 @@ def cases(dtype: str):
                dict(Q_HEADS=heads, KV_HEADS=8, HALF=64, HEAD_DIM=128, HAS_NORM=norm), 4)
     # Llama (no window), Mistral (window), Gemma 2's sliding layers (window + score cap: 8 heads, 4 KV heads, D 256),
     # gpt-oss's sliding layers (window + sinks: 64 heads, 8 KV heads, D 64)
-    for window, softcap, sinks, queries_per_kv, head_dim, tile_n in (
-            (False, False, False, 4, 128, 64), (True, False, False, 4, 128, 64), (True, True, False, 2, 256, 32),
-            (True, False, True, 8, 64, 64)):
+    for window, softcap, sinks, limit, queries_per_kv, head_dim, tile_n in (
+            (False, False, False, False, 4, 128, 64), (True, False, False, False, 4, 128, 64),
+            (True, True, False, False, 2, 256, 32), (True, False, True, False, 8, 64, 64),
+            (True, True, False, True, 2, 256, 32)):
         block_q = 16 // queries_per_kv
-        yield (f"paged_attention window={window} softcap={softcap} sinks={sinks}",
+        yield (f"paged_attention window={window} softcap={softcap} sinks={sinks} attend_limit={limit}",
                paged_attention._paged_attention_kernel,
                dict(out_ptr=p, q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                    query_start_loc_ptr="*i32", sinks_ptr=p), ("scale", "softcap"),
+                    query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32"), ("scale", "softcap"),
                dict(QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=16, TILE_N=tile_n, HEAD_DIM=head_dim,
-                    USE_WINDOW=window, USE_SOFTCAP=softcap, USE_SINKS=sinks, DOT_PRECISION="tf32"), 8)
+                    USE_WINDOW=window, USE_SOFTCAP=softcap, USE_SINKS=sinks, USE_LIMIT=limit, DOT_PRECISION="tf32"), 8)
     decode = dict(TILE_N=64, HEAD_DIM=128, NUM_SEGMENTS=16)
     for window, softcap in ((False, False), (True, False), (True, True)):
         yield (f"paged_decode segment window={window} softcap={softcap}", paged_decode._decode_segment_kernel,
@@ -102,9 +103,9 @@ def fp8_cache_cases(p: str, decode: dict):
     c = "*fp8e4nv"
     yield ("paged_attention fp8e4nv cache", paged_attention._paged_attention_kernel,
            dict(out_ptr=p, q_ptr=p, k_cache_ptr=c, v_cache_ptr=c, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                query_start_loc_ptr="*i32", sinks_ptr=p), ("scale", "softcap"),
+                query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32"), ("scale", "softcap"),
            dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, HEAD_DIM=128, USE_WINDOW=False,
-                USE_SOFTCAP=False, USE_SINKS=False, DOT_PRECISION="tf32"), 8)
+                USE_SOFTCAP=False, USE_SINKS=False, USE_LIMIT=False, DOT_PRECISION="tf32"), 8)
     yield ("paged_decode segment fp8e4nv cache", paged_decode._decode_segment_kernel,
            dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=c, v_cache_ptr=c,
                 block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),

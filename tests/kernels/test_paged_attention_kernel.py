@@ -43,16 +43,23 @@ def _metadata(requests: list[tuple[int, int]], block_size: int, seed: int) -> At
     )
 
 
+def _inputs(
+    metadata: AttentionMetadata, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_cache, query): the whole cache is random, so a read of a wrong block or slot changes the output."""
+    num_blocks = int(metadata.block_tables.max()) + 2
+    kv_cache = randn(2, num_blocks, metadata.block_size, num_kv_heads, head_dim, dtype=dtype, seed=1)
+    query = randn(metadata.query_start_loc_cpu[-1], num_heads, head_dim, dtype=dtype, seed=2)
+    return kv_cache, query
+
+
 def _check(
     requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     dtype: torch.dtype, sliding_window: int | None = None, tile_n: int | None = None, softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> None:
     metadata = _metadata(requests, block_size, seed=num_heads * head_dim)
-    num_blocks = int(metadata.block_tables.max()) + 2
-    # the whole cache is random, so a read of a wrong block or slot changes the output
-    kv_cache = randn(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, seed=1)
-    query = randn(metadata.query_start_loc_cpu[-1], num_heads, head_dim, dtype=dtype, seed=2)
+    kv_cache, query = _inputs(metadata, num_heads, num_kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
     out = paged_attention(
         query, kv_cache[0], kv_cache[1], metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
@@ -105,6 +112,52 @@ def test_sinks(sliding_window: int | None, dtype: torch.dtype) -> None:
     _check(MIXED_STEP, 6, 2, 24, 4, dtype, sliding_window=sliding_window, tile_n=16, sinks=sink_logits(6, dtype))
 
 
+# (cached tokens, query tokens, image runs as [start, end) offsets into the chunk) per request: a run inside a
+# chunk over a cached prefix, a fresh prefill that is all one image, a run reaching the chunk's end, two runs, a decode
+IMAGE_STEP = [(5, 12, [(2, 9)]), (0, 10, [(0, 10)]), (9, 13, [(6, 13)]), (3, 11, [(0, 3), (5, 8)]), (20, 1, [])]
+
+
+def image_limits(step: list[tuple[int, int, list[tuple[int, int]]]], dtype: torch.dtype) -> torch.Tensor:
+    """`AttentionMetadata.attend_limit` of a step: each token's own position, the last of its run for an image's."""
+    limits = []
+    for cached, new, runs in step:
+        chunk = list(range(cached, cached + new))
+        for start, end in runs:
+            chunk[start:end] = [cached + end - 1] * (end - start)
+        limits += chunk
+    return torch.tensor(limits, dtype=dtype, device=DEVICE)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 4])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size, dtype, limit_dtype",
+    [
+        (8, 2, 64, 4, torch.float32, torch.int32),  # GQA 4:1: 4-token query blocks, so the runs cross blocks
+        (6, 2, 24, 8, torch.float16, torch.int64),  # 3 queries per KV head, head dim not a power of two
+    ],
+)
+def test_attend_limit(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, limit_dtype: torch.dtype,
+    sliding_window: int | None,
+) -> None:
+    """Gemma 3's image tokens see their whole run (a window of 4, under the chunks' lengths, still cutting in):
+    the kernel matches the reference; image rows differ from causal attention, the other rows do not."""
+    metadata = _metadata([(cached, new) for cached, new, _ in IMAGE_STEP], block_size, seed=num_heads * head_dim)
+    metadata.attend_limit = image_limits(IMAGE_STEP, limit_dtype)
+    kv_cache, query = _inputs(metadata, num_heads, num_kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    args = (query, kv_cache[0], kv_cache[1], metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+            scale, sliding_window)
+    out = paged_attention(*args, tile_n=16, attend_limit=metadata.attend_limit)
+    expected = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window)
+    assert_close(out, expected, ATTENTION_TOL[dtype])
+    causal = paged_attention(*args, tile_n=16)
+    positions = image_limits([(cached, new, []) for cached, new, _ in IMAGE_STEP], limit_dtype)
+    sees_ahead = metadata.attend_limit > positions
+    assert_close(out[~sees_ahead], causal[~sees_ahead], ATTENTION_TOL[dtype])
+    assert (out[sees_ahead] - causal[sees_ahead]).float().abs().amax(dim=(1, 2)).min() > 0.05
+
+
 def test_decode_batch_only() -> None:
     _check([(c, 1) for c in (0, 3, 16, 17, 40)], 4, 2, 64, 16, torch.float32)
 
@@ -122,6 +175,10 @@ def test_launcher_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="tile_n"):
         paged_attention(query[:, :2], cache[0], cache[1], md.query_start_loc, md.seq_lens, md.block_tables, 0.25,
                         tile_n=24)
+    for bad_limit in (torch.tensor([3], device=DEVICE), torch.tensor([3.0, 4.0], device=DEVICE)):
+        with pytest.raises(ValueError, match="attend_limit"):
+            paged_attention(query[:, :2], cache[0], cache[1], md.query_start_loc, md.seq_lens, md.block_tables, 0.25,
+                            attend_limit=bad_limit)
 
 
 @pytest.mark.gpu

@@ -56,8 +56,9 @@ def test_gemma_structure(gemma):
 
 
 def test_image_text_checkpoint_serves_text(tmp_path):
-    """``Gemma3ForConditionalGeneration`` (a tiny SigLIP tower around the tiny Gemma 3): its language model's
-    logits for a text prompt equal transformers', the vision weights left unread."""
+    """``Gemma3ForConditionalGeneration`` (a tiny SigLIP tower around the tiny Gemma 3) in language-model-only mode
+    (``limit_mm_per_prompt`` of 0 images): its language model's logits for a text prompt equal transformers', the
+    vision weights left unread."""
     import transformers
 
     text_config = load_hf_config(tiny_checkpoint("gemma3"))
@@ -68,8 +69,11 @@ def test_image_text_checkpoint_serves_text(tmp_path):
     randomize_(hf_model, seed=3)
     hf_model.save_pretrained(tmp_path)
     hf_config = load_hf_config(str(tmp_path))
-    model = load_model(EngineConfig.create(str(tmp_path)), hf_config, torch.device("cpu"), torch.float32)
+    text_only = EngineConfig.create(str(tmp_path), limit_mm_per_prompt={"image": 0})  # language-model-only mode
+    model = load_model(text_only, hf_config, torch.device("cpu"), torch.float32)
     assert type(model) is Gemma3TextOnly
+    assert type(load_model(EngineConfig.create(str(tmp_path)), hf_config, torch.device("cpu"),
+                           torch.float32)).__name__ == "Gemma3ForConditionalGeneration"
     spec = kv_cache_spec(hf_config, 1)
     sequences = [list(range(10, 31)), list(range(100, 112))]
     run = PagedRun(model, sequences, block_size=4)

@@ -1,0 +1,137 @@
+"""Gemma 3 with images (``Gemma3ForConditionalGeneration``: gemma-3-4b/12b/27b-it): a SigLIP tower (siglip.py),
+Gemma 3's projector, and the Gemma 3 decoder of gemma3.py.
+
+An image is one fixed-size crop (the image processor resizes it to the tower's ``image_size``); the tower's
+patch features are average-pooled to ``mm_tokens_per_image`` (256) rows, Gemma-RMS-normed and projected to the
+decoder's width. In the prompt each ``<start_of_image>`` becomes ``"\\n\\n<start_of_image>"``, the image's
+``<image_soft_token>`` rows (one item), ``"<end_of_image>\\n\\n"``, as transformers' ``Gemma3Processor`` writes
+it; newline tokens on either side merge as its tokenizer would have merged them (`newline_merges`). The
+image's rows attend to each other both ways in the prefill (transformers' block mask over
+``token_type_ids``): its item says so (``bidirectional``), the scheduler never ends a prefill chunk inside
+it and the attention backends get each query's last visible position (``attend_limit``; docs/gemma.md).
+Pan-and-scan crops are not built.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import NotBuiltError
+from asyncllm.models.gemma3 import Gemma3ForCausalLM
+from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.llava import normalize_llava_name
+from asyncllm.models.siglip import SiglipVisionTower
+from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
+
+__all__ = ["Gemma3ForConditionalGeneration", "newline_merges"]
+
+_MAX_NEWLINES = 32
+
+
+def newline_merges(tokenizer: Any) -> dict[tuple[int, int], int]:
+    """(newline token, newline token) -> the one token of both runs together, for the runs the tokenizer has a
+    single token for (Gemma's has one for 1 to 31 newlines)."""
+    runs: dict[int, int] = {}
+    for n in range(1, _MAX_NEWLINES):
+        ids = tokenizer.encode("\n" * n, add_special_tokens=False)
+        if len(ids) == 1:
+            runs[n] = int(ids[0])
+    return {(runs[a], runs[b]): runs[a + b] for a in runs for b in runs if a + b in runs}
+
+
+class Gemma3MultiModalProjector(nn.Module):
+    """Patch features ``[N, P, vision]`` -> ``[N, mm_tokens_per_image, text]``: a ``k x k`` average pool over the
+    patch grid, Gemma's RMSNorm (``1 + weight``, float32), then ``mm_input_projection_weight`` ``[vision, text]``."""
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        vision = hf_config.vision_config
+        self.mm_input_projection_weight = nn.Parameter(
+            torch.empty(vision.hidden_size, hf_config.text_config.hidden_size, dtype=dtype), requires_grad=False)
+        self.mm_soft_emb_norm = nn.Module()
+        self.mm_soft_emb_norm.weight = nn.Parameter(torch.empty(vision.hidden_size, dtype=dtype), requires_grad=False)
+        self.eps = vision.layer_norm_eps
+        self.patches_per_side = vision.image_size // vision.patch_size
+        tokens_per_side = int(round(hf_config.mm_tokens_per_image**0.5))
+        if tokens_per_side**2 != hf_config.mm_tokens_per_image or self.patches_per_side % tokens_per_side:
+            raise NotBuiltError("mm_tokens_per_image", hf_config.mm_tokens_per_image,
+                                f"a square number whose side divides the {self.patches_per_side} patches a side")
+        self.kernel = self.patches_per_side // tokens_per_side
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        n, _, width = patches.shape
+        grid = patches.transpose(1, 2).reshape(n, width, self.patches_per_side, self.patches_per_side)
+        pooled = nn.functional.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
+        x = pooled.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.mm_soft_emb_norm.weight.float())
+        return torch.matmul(normed.type_as(pooled), self.mm_input_projection_weight).type_as(patches)
+
+
+class Gemma3ForConditionalGeneration(VisionLanguageModel):
+    """Image features replace the ``<image_soft_token>`` rows' embeddings (after the decoder's embedding scale,
+    as transformers); the rest is the Gemma 3 decoder."""
+
+    supports_encoder_data_parallel = True
+    """The tower and projector are whole on every rank in either mode, so "data" splits a step's images."""
+    mm_bidirectional = True
+    """An image's rows attend to each other both ways in the prefill (`asyncllm.protocol.MultiModalItem`)."""
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+        super().__init__()
+        if hf_config.vision_config.model_type != "siglip_vision_model":
+            raise NotBuiltError("vision_config.model_type", hf_config.vision_config.model_type, "a SigLIP tower")
+        self.language_model = build_decoder(hf_config, {"gemma3_text": Gemma3ForCausalLM}, "Gemma 3",
+                                            mm_encoder_tp_mode, dtype=dtype, tp=tp, attn_backend=attn_backend,
+                                            max_position=max_position)
+        self.vision_tower = SiglipVisionTower(hf_config.vision_config, TensorParallel(), dtype)
+        self.multi_modal_projector = Gemma3MultiModalProjector(hf_config, dtype)
+
+    # ---- multimodal hooks (asyncllm/mm/)
+    @staticmethod
+    def mm_placeholder_token_id(hf_config: Any) -> int:
+        """The prompt token that marks an image: ``<start_of_image>``."""
+        return int(hf_config.boi_token_index)
+
+    @staticmethod
+    def mm_image_text(hf_config: Any, tokenizer: Any) -> tuple[list[int], list[int]]:
+        """The text around an image's rows: ``"\\n\\n<start_of_image>"`` before, ``"<end_of_image>\\n\\n"`` after."""
+        newlines = [int(t) for t in tokenizer.encode("\n\n", add_special_tokens=False)]
+        return newlines + [int(hf_config.boi_token_index)], [int(hf_config.eoi_token_index)] + newlines
+
+    @staticmethod
+    def mm_token_merges(tokenizer: Any) -> dict[tuple[int, int], int]:
+        return newline_merges(tokenizer)
+
+    @staticmethod
+    def mm_pixel_values(processed: Any) -> np.ndarray:
+        """One image's processor output -> its ``[3, S, S]`` float32 pixels; pan-and-scan crops are refused."""
+        pixels = processed["pixel_values"]
+        if len(pixels) != 1:
+            raise NotBuiltError("mm_processor_kwargs.do_pan_and_scan", True, "Gemma 3 images without pan-and-scan crops")
+        return pixels[0].astype("float32", copy=False)
+
+    @staticmethod
+    def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
+        return int(hf_config.mm_tokens_per_image)
+
+    @staticmethod
+    def mm_placeholder_ids(hf_config: Any, tokenizer: Any, pixel_shape: tuple[int, ...]) -> list[int]:
+        """``<image_soft_token>`` once per feature row."""
+        return [int(hf_config.image_token_index)] * int(hf_config.mm_tokens_per_image)
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, 3, S, S]`` images -> ``[N, mm_tokens_per_image, text hidden]``."""
+        return self.multi_modal_projector(self.vision_tower(pixel_values))
+
+    # ---- weights
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Both layouts (``model.vision_tower.*`` / ``vision_tower.*``, ...) as LLaVA's; the SigLIP pooling head's
+        weights (``vision_use_head``) are left unread, as transformers' Gemma 3 never runs it."""
+        used = ((name, w) for name, w in weights if not normalize_llava_name(name).startswith("vision_tower.head."))
+        return load_vision_language_weights(self, used, normalize_llava_name, "Gemma 3", ("position_ids",))

@@ -1,0 +1,63 @@
+"""Gemma 3 with images end to end: each image's 16 rows attend to each other both ways in the prefill (so no
+prefill chunk may end inside them), the prompt's newlines merge around the image text as Gemma 3's processor and
+tokenizer make them; greedy tokens equal transformers' with two images across 20-token chunks beside a text-only
+request, from the prefix cache, and in chat. Language-model-only mode (``limit_mm_per_prompt`` of 0 images) serves
+the text decoder alone (tests/engine/test_gemma_engine.py, LoRA)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from gemma3_mm_utils import BOI, hf_gemma3_greedy, hf_gemma3_prompt, make_tiny_gemma3_mm
+from mm_utils import make_image
+
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_gemma3_mm(tmp_path_factory.mktemp("gemma3"))
+
+
+async def test_images_beside_text_in_chunks_from_the_prefix_cache_and_in_chat_match_transformers(gemma3):
+    images = [make_image(100, 60, seed=7), make_image(50, 112, seed=8)]  # seeds whose tokens the mask changes
+    text = f"look at this\n{BOI} and then at {BOI}\nwhat are they"
+    prompts = [{"prompt": text, "images": images}, "a text prompt with no image at all"]
+    async with AsyncEngine(gemma3, disable_log_stats=True, block_size=4, max_num_batched_tokens=20, max_num_seqs=4,
+                           enable_prefix_caching=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+        again = await engine.generate({"prompt": text, "multi_modal_data": {"image": images}}, GREEDY)
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": images[1]}},
+                                                 {"type": "text", "text": "what is it?"}]}]
+        stream = engine.chat(messages, GREEDY)
+        chat_tokens = [token for delta in [d async for d in stream] for token in delta.token_ids]
+    hf_prompt, hf_tokens = hf_gemma3_greedy(gemma3, text, images, 10)
+    assert outs[0].prompt_token_ids == hf_prompt
+    assert outs[0].outputs[0].token_ids == hf_tokens
+    assert hf_tokens != hf_gemma3_greedy(gemma3, text, images, 10, bidirectional=False)[1]  # the mask matters
+    assert outs[1].outputs[0].token_ids == hf_gemma3_greedy(gemma3, prompts[1], [], 10)[1]
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == hf_tokens
+    chat_text = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is it?"}]}], tokenize=False,
+        add_generation_prompt=True)
+    chat_prompt, expected = hf_gemma3_greedy(gemma3, chat_text, [images[1]], 10, add_special_tokens=False)
+    newlines3 = engine.tokenizer.convert_tokens_to_ids("\n\n\n")
+    assert stream.collector.prompt_token_ids == chat_prompt and newlines3 in chat_prompt  # "user\n" + "\n\n<boi>"
+    assert chat_tokens == expected
+
+
+async def test_an_image_longer_than_a_step_is_refused_and_the_engine_serves_on(gemma3):
+    image = make_image(64, 64, seed=3)
+    async with AsyncEngine(gemma3, disable_log_stats=True, block_size=4, max_num_batched_tokens=12,
+                           max_num_seqs=2) as engine:
+        with pytest.raises(InvalidRequestError, match="max_num_batched_tokens"):
+            await engine.generate({"prompt": f"see {BOI}", "images": [image]}, GREEDY)
+        text = "still serving text"
+        out = await engine.generate(text, GREEDY)
+    assert out.outputs[0].token_ids == hf_gemma3_greedy(gemma3, text, [], 10)[1]
+    assert out.prompt_token_ids == hf_gemma3_prompt(gemma3, text)
