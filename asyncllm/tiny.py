@@ -35,9 +35,9 @@ __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoin
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
               "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee",
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
-              "hunyuan_v1_dense", "gpt_oss")
-"""The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe and gpt_oss are
-mixtures of experts)."""
+              "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3")
+"""The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
+deepseek ones are mixtures of experts)."""
 
 _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
@@ -48,6 +48,20 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "olmoe": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
 }
 """The tiny MoE models' experts: small, several per token, one family without renormalised weights."""
+
+_DEEPSEEK_LATENT = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=32,
+                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=4,
+                        topk_group=2)
+_DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
+    "deepseek_v2": dict(_DEEPSEEK_LATENT, q_lora_rank=None, topk_method="group_limited_greedy",
+                        routed_scaling_factor=1.5, norm_topk_prob=False),
+    "deepseek_v3": dict(_DEEPSEEK_LATENT, q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 512, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                         "beta_fast": 32.0, "beta_slow": 1.0}),
+}
+"""DeepSeek's latent attention (V2: the full-rank query; V3: the low-rank one, YaRN with its softmax mscale, the
+interleaved rope), one dense layer, then grouped routing over 8 experts and a shared one."""
 
 _GEMMA_SHAPES: dict[str, dict[str, Any]] = {
     "gemma2": dict(sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
@@ -355,14 +369,17 @@ def _build_config(
         "ministral3": transformers.Ministral3Config, "granitemoe": transformers.GraniteMoeConfig,
         "olmoe": transformers.OlmoeConfig, "starcoder2": transformers.Starcoder2Config,
         "hunyuan_v1_dense": transformers.HunYuanDenseV1Config,
-        "gpt_oss": transformers.GptOssConfig,
+        "gpt_oss": transformers.GptOssConfig, "deepseek_v2": transformers.DeepseekV2Config,
+        "deepseek_v3": transformers.DeepseekV3Config,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
         initializer_range=_INIT_STD, dtype="float32",
     )
-    if arch not in ("qwen2", "qwen2_moe", "phi3"):  # qwen2*: head_dim defaults to 128; phi3 has none
+    if arch not in ("qwen2", "qwen2_moe", "phi3", *_DEEPSEEK_SHAPES):  # qwen2*: head_dim defaults to 128; phi3 none
         fields["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
+    if arch in _DEEPSEEK_SHAPES:  # every head has its own key and value (from the latent)
+        fields.update(copy.deepcopy(_DEEPSEEK_SHAPES[arch]), num_key_value_heads=shape["num_attention_heads"])
     if arch in ("mistral", "mixtral"):
         fields["sliding_window"] = None  # full attention unless asked for
     fields.update(_MOE_SHAPES.get(arch, {}))
@@ -399,6 +416,9 @@ def _build_model(config: Any, seed: int) -> Any:
         for name, param in model.named_parameters():
             if param.ndim == 1 or name.endswith("_proj_bias"):
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=_INIT_STD)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing correction (zeros at init)
+                buffer.normal_(std=_INIT_STD)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
     )

@@ -41,6 +41,7 @@ from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
 from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
+from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -131,6 +132,8 @@ _MODELS: dict[str, type] = {
     "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
     "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),
@@ -221,9 +224,10 @@ def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
     if (getattr(hf_config, "architectures", None) or [""])[0] in ENCODER_ARCHITECTURES:
         # an encoder keeps no KV; one small layer's worth backs the scheduler's block accounting
         return KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=head_dim_of(hf_config))
+    model_cls = _MODELS.get((getattr(hf_config, "architectures", None) or [""])[0])
     hf_config = text_config_of(hf_config)
     return KVCacheSpec(
         num_layers=hf_config.num_hidden_layers,
         num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, tp_size),
-        head_dim=head_dim_of(hf_config),
+        head_dim=getattr(model_cls, "kv_head_dim", head_dim_of)(hf_config),  # DeepSeek: its expanded key's width
     )

@@ -1,4 +1,4 @@
-"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE): greedy output equals transformers',
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2 / V3): greedy output equals transformers',
 token for token, alone, chunked, preempted, and split over two ranks by intermediate dim or by expert; LoRA
 adapters on their attention equal PEFT's."""
 
@@ -46,7 +46,18 @@ async def test_moe_parity_chunked_and_preempted() -> None:
     assert engine.stats().num_preemptions_total > 0
 
 
-@pytest.mark.parametrize("arch, expert_parallel", [("mixtral", False), ("qwen2_moe", True), ("qwen3_moe", True)])
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+async def test_deepseek_parity_chunked_preempted_and_from_the_prefix_cache(arch: str) -> None:
+    """Latent attention expanded into the cache, dense then routed layers: small chunks, recompute preemption,
+    then the same prompts again from the prefix cache."""
+    path, prompts = tiny_checkpoint(arch), _prompts(8, seed=4)
+    engine = await _greedy_matches_hf(path, prompts + prompts[:2], max_num_batched_tokens=16,
+                                      num_gpu_blocks_override=12, max_model_len=96)
+    assert engine.stats().num_preemptions_total > 0
+
+
+@pytest.mark.parametrize("arch, expert_parallel", [("mixtral", False), ("qwen2_moe", True), ("qwen3_moe", True),
+                                                   ("deepseek_v3", True)])
 async def test_moe_tensor_and_expert_parallel(arch: str, expert_parallel: bool) -> None:
     await _greedy_matches_hf(tiny_checkpoint(arch), _prompts(5, seed=2), tensor_parallel_size=2,
                              enable_expert_parallel=expert_parallel)

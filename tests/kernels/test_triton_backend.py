@@ -3,7 +3,8 @@
 Tiny float32 Mistral (sliding window, head dim 24), Qwen3 (per-head q/k
 norms), Gemma 2 (capped attention scores, Gemma's norm and GeGLU kernels),
 Phi-3 (partial rotary, LongRoPE), Granite (multipliers around the fused kernels), OLMo 2 (whole-projection
-q/k norms) and gpt-oss (attention sinks, experts with biases and a clamped SwiGLU) run chunked prefills mixed with
+q/k norms), gpt-oss (attention sinks, experts with biases and a clamped SwiGLU) and DeepSeek-V3 (latent attention
+expanded into the cache) run chunked prefills mixed with
 decodes over a paged cache with every op on the Triton kernels; logits must match
 transformers' within the same 1e-4 as the torch_sdpa path (tests/unit/test_models.py).
 """
@@ -95,19 +96,20 @@ def test_triton_granite_and_olmo2_logits_match_transformers(arch: str, monkeypat
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe", "deepseek_v3"])
 def test_triton_moe_logits_match_transformers(arch: str) -> None:
     """The fused-MoE kernels: Qwen3-MoE's (SiLU-and-mul, no biases) and gpt-oss's, whose attention kernels also
     take sinks (the prefills: unified; the decode-only step: split-KV), the 8-token window cutting into every
     other layer, with the experts' biases and the clamped SwiGLU and YaRN's scaled cos/sin through the
-    rotary/KV-write kernel."""
+    rotary/KV-write kernel; DeepSeek-V3's expanded latent keys (24 wide, 8 of them rotated) and zero-padded
+    values, with grouped sigmoid routing."""
 
     from asyncllm.tiny import tiny_checkpoint
 
     path = tiny_checkpoint(arch)
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
-    assert model.model.layers[0].mlp.experts.fused_moe.__module__ == "asyncllm.kernels.fused_moe"
+    assert model.model.layers[-1].mlp.experts.fused_moe.__module__ == "asyncllm.kernels.fused_moe"
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 

@@ -1,0 +1,250 @@
+"""DeepSeek-V2 / V2-Lite / V2.5 (``DeepseekV2ForCausalLM``) and DeepSeek-V3 / R1 / V3.1 (``DeepseekV3ForCausalLM``):
+multi-head latent attention and a mixture of experts with shared experts, on the Llama layers of llama.py.
+
+- **Attention.** Queries come from ``q_proj`` (or the low-rank ``q_a_proj`` -> RMSNorm -> ``q_b_proj``); keys and
+  values from one latent: ``kv_a_proj_with_mqa`` gives the latent and a single rotary key shared by every head, the
+  latent is normed and ``kv_b_proj`` expands it to each head's key (no rope) and value. Each head's key is
+  ``[rotary, no-rope]`` (192 = 64 + 128 wide), its value 128 wide. The paged cache holds these expanded keys and
+  values (the value padded with zeros to the key's width), so the backends and kernels run as for any model with
+  a partial rotary (Phi-3's path: the first 64 features of each head turn): exact, but the cache costs
+  ``2 * heads * 192`` values a token where vLLM's MLA caches the 576-wide latent (docs/deepseek.md).
+  Interleaved rotary pairs (V2; V3's ``rope_interleave``) are de-interleaved before the half-split rotation, which
+  turns them by the same angles: q . k is unchanged. The scores' scale is ``192 ** -0.5`` times YaRN's
+  ``mscale(factor, mscale_all_dim) ** 2``.
+- **Experts.** The first ``first_k_dense_replace`` layers are dense; the others route each token to
+  ``num_experts_per_tok`` of ``n_routed_experts`` (the fused-MoE op) and add ``n_shared_experts`` dense experts.
+  V2: a float32 softmax, the top k (``greedy``) or the top k of the best ``topk_group`` groups by their best expert
+  (``group_limited_greedy``). V3: sigmoid scores, chosen by score plus ``e_score_correction_bias`` among the
+  ``topk_group`` groups whose two best sum highest, weighted by the plain scores (renormalized when
+  ``norm_topk_prob``). Both scale the weights by ``routed_scaling_factor``, as transformers does.
+
+A checkpoint's multi-token-prediction layers (layer indices past ``num_hidden_layers``) are left unread, as
+transformers does.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
+from asyncllm.errors import NotBuiltError
+from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, new_param
+from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
+from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
+from asyncllm.models.phi3 import check_phi3
+from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
+
+__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "kv_head_dim"]
+
+_LATENT_NORM_EPS = 1e-6
+"""transformers' q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not ``rms_norm_eps``."""
+
+
+def kv_head_dim(hf_config: Any) -> int:
+    """The width of a cached key (and padded value) head: the rotary part plus the rest."""
+    return int(hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim)
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def attention_scale(hf_config: Any) -> float:
+    """``head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2`` under a scaled rope (YaRN)."""
+    scale = kv_head_dim(hf_config) ** -0.5
+    params = rope_parameters(hf_config)
+    if params.get("rope_type", "default") != "default" and params.get("mscale_all_dim"):
+        scale *= _yarn_mscale(params["factor"], params["mscale_all_dim"]) ** 2
+    return scale
+
+
+def pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
+    """Interleaved rotary pairs ``(x0, x1), (x2, x3), ...`` -> ``x0, x2, ..., x1, x3, ...`` (last dim)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class DeepseekAttention(nn.Module):
+    """Multi-head latent attention, its keys and values expanded into the paged cache (see the module doc)."""
+
+    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
+        super().__init__()
+        cfg, tp, dtype, ops = b.hf_config, b.tp, b.dtype, b.attn_backend.ops
+        self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.latent = cfg.kv_lora_rank
+        self.head_dim = kv_head_dim(cfg)
+        heads, hidden, bias = cfg.num_attention_heads, cfg.hidden_size, bool(getattr(cfg, "attention_bias", False))
+        self.num_heads = tp.split(heads)
+        whole = TensorParallel()  # the low-rank down projections: every rank computes them whole
+        self.q_lora = cfg.q_lora_rank is not None
+        if self.q_lora:
+            self.q_a_proj = ColumnParallelLinear(hidden, cfg.q_lora_rank, bias, whole, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LATENT_NORM_EPS, dtype, ops)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * self.head_dim, False, tp, dtype)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, heads * self.head_dim, False, tp, dtype)
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, self.latent + self.rope, bias, whole, dtype)
+        self.kv_a_layernorm = RMSNorm(self.latent, _LATENT_NORM_EPS, dtype, ops)
+        self.kv_b_proj = ColumnParallelLinear(self.latent, heads * (self.nope + self.v_dim), False, tp, dtype)
+        self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, dtype)
+        self.interleaved = b.hf_config.model_type == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", False))
+        self.rotary_emb = b.rotary_emb
+        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, b.attn_backend,
+                              scale=attention_scale(cfg))
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        tokens, heads = hidden.shape[0], self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.q_lora else self.q_proj(hidden)
+        q_nope, q_rot = q.view(tokens, heads, self.head_dim).split([self.nope, self.rope], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.latent, self.rope], dim=-1)
+        k_nope, value = self.kv_b_proj(self.kv_a_layernorm(latent)).view(tokens, heads, -1).split(
+            [self.nope, self.v_dim], dim=-1)
+        if self.interleaved:
+            q_rot, k_rot = pairs_to_halves(q_rot), pairs_to_halves(k_rot)
+        query = torch.cat([q_rot, q_nope], dim=-1)
+        key = torch.cat([k_rot.unsqueeze(1).expand(tokens, heads, self.rope), k_nope], dim=-1)
+        value = F.pad(value, (0, self.head_dim - self.v_dim))
+        rotary = RotaryInputs(positions, self.rotary_emb.cos_sin_cache)
+        out = self.attn(query, key, value, kv_cache, metadata, rotary).view(tokens, heads, self.head_dim)
+        return self.o_proj(out[..., : self.v_dim].reshape(tokens, heads * self.v_dim))
+
+
+class DeepseekRouter(nn.Module):
+    """The gate: float32 ``[E, H]`` logits (transformers keeps this matrix in float32) -> (weights, ids)."""
+
+    def __init__(self, hf_config: Any, spec: MoESpec) -> None:
+        super().__init__()
+        self.v3 = hf_config.model_type != "deepseek_v2"
+        self.top_k, self.num_experts = spec.top_k, spec.num_experts
+        self.groups, self.topk_group = int(hf_config.n_group or 1), int(hf_config.topk_group or 1)
+        self.method = "noaux_tc" if self.v3 else hf_config.topk_method
+        self.renormalize = spec.renormalize
+        self.scaling = float(hf_config.routed_scaling_factor)
+        self.weight = new_param(spec.num_experts, hf_config.hidden_size, dtype=torch.float32)
+        if self.v3:
+            self.e_score_correction_bias = new_param(spec.num_experts, dtype=torch.float32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight)
+        if self.v3:
+            scores = logits.sigmoid()
+            ids = self._top_k(scores + self.e_score_correction_bias, lambda g: g.topk(2, dim=-1)[0].sum(-1), -math.inf)
+            weights = scores.gather(1, ids)
+            if self.renormalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            scores = logits.softmax(dim=-1)
+            if self.method == "group_limited_greedy":
+                ids = self._top_k(scores, lambda g: g.max(dim=-1).values, 0.0)
+            else:
+                ids = scores.topk(self.top_k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+        return weights * self.scaling, ids
+
+    def _top_k(self, scores: torch.Tensor, group_score: Any, fill: float) -> torch.Tensor:
+        """The top k experts among the ``topk_group`` groups that ``group_score`` ranks best."""
+        grouped = scores.view(-1, self.groups, self.num_experts // self.groups)
+        best = group_score(grouped).topk(self.topk_group, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best, True)
+        masked = grouped.masked_fill(~keep.unsqueeze(-1), fill).view(-1, self.num_experts)
+        return masked.topk(self.top_k, dim=-1, sorted=False)[1]
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts (fused) plus the shared experts every token runs."""
+
+    def __init__(self, spec: MoESpec, b: DecoderBuild) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        self.gate = DeepseekRouter(cfg, spec)
+        self.experts = FusedMoE(spec, cfg.hidden_size, b)
+        self.shared_experts = LlamaMLP(b, spec.shared_expert_size) if spec.shared_expert_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    attention_cls = DeepseekAttention  # type: ignore[assignment]
+
+    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
+        super().__init__(b, layer_idx)
+        self.fused_decode_rows = 0  # the fused decode products read a qkv_proj these layers do not have
+
+
+class DeepseekModel(LlamaModel):
+    layer_cls = DeepseekDecoderLayer
+
+
+class DeepseekV2ForCausalLM(MoECausalLM, LlamaForCausalLM):
+    """DeepSeek-V2's layers: latent attention, dense then mixture-of-experts MLPs."""
+
+    model_cls = DeepseekModel
+    kv_head_dim = staticmethod(kv_head_dim)
+    """The KV cache's head width (asyncllm/models/registry.py `kv_cache_spec`): the expanded key's."""
+    packed_modules = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
+    """The attention's projections load as the checkpoint names them; only the MLPs' gate and up are fused."""
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
+        if layer_idx < hf_config.first_k_dense_replace or not hf_config.n_routed_experts:
+            return None
+        return MoESpec(hf_config.n_routed_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                       renormalize=bool(getattr(hf_config, "norm_topk_prob", False)), weights_in_model_dtype=False,
+                       shared_expert_size=hf_config.moe_intermediate_size * (hf_config.n_shared_experts or 0))
+
+    @classmethod
+    def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
+        spec = cls.moe_spec(b.hf_config, layer_idx)
+        return LlamaMLP(b) if spec is None else DeepseekMoE(spec, b)
+
+    @classmethod
+    def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
+                      max_position: int, expert_parallel: bool) -> DecoderBuild:
+        rotary = RotaryEmbedding(hf_config, hf_config.qk_rope_head_dim, max_position)
+        return DecoderBuild(hf_config, cls.decoder_flags(hf_config), dtype, tp, attn_backend, rotary, cls.make_mlp,
+                            expert_parallel)
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        check_deepseek(hf_config)
+        super().__init__(hf_config, **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """As the MoE models', the multi-token-prediction layers past ``num_hidden_layers`` left unread."""
+        layers = self.model.layers
+        return super().load_weights((name, w) for name, w in weights if not _past_last_layer(name, len(layers)))
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """DeepSeek-V3's: the same layers, sigmoid routing with a score correction."""
+
+
+def _past_last_layer(name: str, num_layers: int) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) >= num_layers
+
+
+def check_deepseek(hf_config: Any) -> None:
+    """`NotBuiltError` for the DeepSeek variants not built."""
+    check_phi3(hf_config, "DeepSeek")  # the fp8 block checkpoints: not yet
+    v2 = hf_config.model_type == "deepseek_v2"
+    method = getattr(hf_config, "topk_method", None) or ("greedy" if v2 else "noaux_tc")
+    built = ("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)
+    if method not in built:
+        raise NotBuiltError("topk_method", method, f"DeepSeek-{'V2' if v2 else 'V3'} routing by {' or '.join(built)}")
+    scoring = getattr(hf_config, "scoring_func", None) or ("softmax" if v2 else "sigmoid")
+    if scoring != ("softmax" if v2 else "sigmoid"):
+        raise NotBuiltError("scoring_func", scoring, "DeepSeek's own scoring function for its version")
+    if v2 and getattr(hf_config, "norm_topk_prob", False):
+        raise NotBuiltError("norm_topk_prob", True, "DeepSeek-V2 routing weights renormalized (transformers ignores it)")
+    if hf_config.hidden_act != "silu":
+        raise NotBuiltError("hidden_act", hf_config.hidden_act, "DeepSeek with SiLU MLPs")

@@ -1,0 +1,85 @@
+"""DeepSeek-V2 and V3 (asyncllm/models/deepseek.py) against transformers: float32 logits within 1e-4 at every
+position over a paged cache (chunked prefills mixed with decodes), for V2's full-rank queries, interleaved rope and
+group-limited softmax routing, and V3's low-rank queries, YaRN (its softmax mscale) and grouped sigmoid routing with
+the score correction and renormalized weights; over two tensor-parallel ranks; and what is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from model_utils import assert_paged_logits_match_checkpoint, free_port, tp_worker
+
+from asyncllm.config import EngineConfig
+from asyncllm.errors import NotBuiltError
+from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, pairs_to_halves
+from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.registry import kv_cache_spec
+from asyncllm.tiny import tiny_checkpoint
+
+SEQ_LENS = [12, 20, 11]
+SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
+
+
+def _model(arch: str, **fields) -> torch.nn.Module:
+    path = tiny_checkpoint(arch)
+    return load_model(EngineConfig.create(path, **fields), load_hf_config(path), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize(("arch", "cls"), [("deepseek_v2", DeepseekV2ForCausalLM), ("deepseek_v3", DeepseekV3ForCausalLM)])
+def test_logits_match_transformers(arch: str, cls: type) -> None:
+    model = _model(arch)
+    assert type(model) is cls
+    assert kv_cache_spec(load_hf_config(tiny_checkpoint(arch)), 1).head_dim == 16 + 8  # no-rope + rotary key
+    assert_paged_logits_match_checkpoint(model, tiny_checkpoint(arch), SEQ_LENS, SCHEDULE, seed=len(arch))
+
+
+@pytest.mark.parametrize("change", ["rope pairs", "yarn mscale", "score correction", "renormalize"])
+def test_each_deepseek_detail_matters(change: str) -> None:
+    """Leaving out any one of V3's details breaks the match (so the test above checks them)."""
+    model = _model("deepseek_v3")
+    attns, gate = [layer.self_attn for layer in model.model.layers], model.model.layers[1].mlp.gate
+    if change == "rope pairs":
+        for attn in attns:
+            attn.interleaved = False
+    elif change == "yarn mscale":
+        for attn in attns:
+            attn.attn.scale = attn.head_dim**-0.5
+    elif change == "score correction":
+        gate.e_score_correction_bias.data.zero_()
+    else:
+        gate.renormalize = False
+    with pytest.raises(AssertionError):
+        assert_paged_logits_match_checkpoint(model, tiny_checkpoint("deepseek_v3"), SEQ_LENS, SCHEDULE, seed=11)
+
+
+def test_pairs_to_halves() -> None:
+    assert pairs_to_halves(torch.arange(8.0)).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+
+
+@pytest.mark.slow
+def test_tp2_logits_match_transformers(tmp_path) -> None:
+    """Two gloo ranks: each holds half the heads (q, kv_b and o split; the latent projections whole) and half of
+    every expert's width; every rank's logits equal transformers'."""
+    from hf_reference import hf_logits
+
+    paths = [tiny_checkpoint("deepseek_v2"), tiny_checkpoint("deepseek_v3")]
+    gen = torch.Generator().manual_seed(2)
+    sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in SEQ_LENS]
+    mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
+    for index, path in enumerate(paths):
+        for rank in range(2):
+            for tokens, logits in zip(sequences, torch.load(tmp_path / f"rank{rank}_{index}.pt")):
+                torch.testing.assert_close(logits, hf_logits(path, tokens), atol=1e-4, rtol=0)
+
+
+def test_refused_variants() -> None:
+    path = tiny_checkpoint("deepseek_v3")
+    hf_config = load_hf_config(path)
+    hf_config.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    with pytest.raises(NotBuiltError, match="pre-quantized"):
+        load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+    hf_config = load_hf_config(tiny_checkpoint("deepseek_v2"))
+    hf_config.topk_method = "noaux_tc"
+    with pytest.raises(NotBuiltError, match="topk_method"):
+        load_model(EngineConfig.create(tiny_checkpoint("deepseek_v2")), hf_config, torch.device("cpu"), torch.float32)
