@@ -35,7 +35,7 @@ __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoin
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
               "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee",
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
-              "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3")
+              "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -49,9 +49,9 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
 }
 """The tiny MoE models' experts: small, several per token, one family without renormalised weights."""
 
-_DEEPSEEK_LATENT = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, moe_intermediate_size=32,
-                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=4,
-                        topk_group=2)
+_DEEPSEEK_LATENT = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                        first_k_dense_replace=1, n_group=4, topk_group=2)
 _DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
     "deepseek_v2": dict(_DEEPSEEK_LATENT, q_lora_rank=None, topk_method="group_limited_greedy",
                         routed_scaling_factor=1.5, norm_topk_prob=False),
@@ -62,6 +62,11 @@ _DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
 }
 """DeepSeek's latent attention (V2: the full-rank query; V3: the low-rank one, YaRN with its softmax mscale, the
 interleaved rope), one dense layer, then grouped routing over 8 experts and a shared one."""
+
+_GLM4_MOE_SHAPE = dict(moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                       first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
+                       use_qk_norm=True, attention_bias=True)
+"""GLM-4.5's: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing."""
 
 _GEMMA_SHAPES: dict[str, dict[str, Any]] = {
     "gemma2": dict(sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
@@ -370,7 +375,7 @@ def _build_config(
         "olmoe": transformers.OlmoeConfig, "starcoder2": transformers.Starcoder2Config,
         "hunyuan_v1_dense": transformers.HunYuanDenseV1Config,
         "gpt_oss": transformers.GptOssConfig, "deepseek_v2": transformers.DeepseekV2Config,
-        "deepseek_v3": transformers.DeepseekV3Config,
+        "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -394,6 +399,8 @@ def _build_config(
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])
     if arch == "smollm3":
         fields.update(_SMOLLM3_SHAPE)
+    if arch == "glm4_moe":
+        fields.update(_GLM4_MOE_SHAPE)
     if arch == "exaone4":
         fields.update(_EXAONE4_SHAPE)
     fields.update(_BIAS_SHAPES.get(arch, {}))

@@ -54,7 +54,8 @@ def make_tiny_gemma3_mm(path: str | os.PathLike[str], seed: int = 0) -> str:
                                 image_size=64, patch_size=8, vision_use_head=False)
     config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=TOKENS_PER_IMAGE,
                           boi_token_index=ids[BOI], eoi_token_index=ids[EOI], image_token_index=ids[SOFT])
-    random_model(Gemma3ForConditionalGeneration, config, seed, std=0.05).save_pretrained(path)  # 0.2: one token repeated
+    # std 0.05: with the usual 0.2 this tiny Gemma repeats one token whatever the image
+    random_model(Gemma3ForConditionalGeneration, config, seed, std=0.05).save_pretrained(path)
     tokenizer.save_pretrained(path)
     Gemma3ImageProcessorPil(size={"height": 64, "width": 64}).save_pretrained(path)
     return str(path)

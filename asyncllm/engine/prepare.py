@@ -114,7 +114,7 @@ def prepare(config: EngineConfig) -> Prepared:
 
 _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM",
             "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-            *ENCODER_ARCHITECTURES)
+            "Glm4MoeForCausalLM", *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration")
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is

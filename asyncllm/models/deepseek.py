@@ -40,7 +40,8 @@ from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
 
-__all__ = ["DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "kv_head_dim"]
+__all__ = ["DeepseekExperts", "DeepseekMoE", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "check_routing",
+           "kv_head_dim"]
 
 _LATENT_NORM_EPS = 1e-6
 """transformers' q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not ``rms_norm_eps``."""
@@ -185,14 +186,9 @@ class DeepseekModel(LlamaModel):
     layer_cls = DeepseekDecoderLayer
 
 
-class DeepseekV2ForCausalLM(MoECausalLM, LlamaForCausalLM):
-    """DeepSeek-V2's layers: latent attention, dense then mixture-of-experts MLPs."""
-
-    model_cls = DeepseekModel
-    kv_head_dim = staticmethod(kv_head_dim)
-    """The KV cache's head width (asyncllm/models/registry.py `kv_cache_spec`): the expanded key's."""
-    packed_modules = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
-    """The attention's projections load as the checkpoint names them; only the MLPs' gate and up are fused."""
+class DeepseekExperts(MoECausalLM):
+    """Mixin before `LlamaForCausalLM` for DeepSeek-style experts (DeepSeek, GLM-4.5): dense first layers, then
+    `DeepseekMoE`; the multi-token-prediction layers past ``num_hidden_layers`` left unread."""
 
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
@@ -207,6 +203,20 @@ class DeepseekV2ForCausalLM(MoECausalLM, LlamaForCausalLM):
         spec = cls.moe_spec(b.hf_config, layer_idx)
         return LlamaMLP(b) if spec is None else DeepseekMoE(spec, b)
 
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        num_layers = len(self.model.layers)  # type: ignore[attr-defined]
+        return super().load_weights((name, w) for name, w in weights if not _past_last_layer(name, num_layers))
+
+
+class DeepseekV2ForCausalLM(DeepseekExperts, LlamaForCausalLM):
+    """DeepSeek-V2's layers: latent attention, dense then mixture-of-experts MLPs."""
+
+    model_cls = DeepseekModel
+    kv_head_dim = staticmethod(kv_head_dim)
+    """The KV cache's head width (asyncllm/models/registry.py `kv_cache_spec`): the expanded key's."""
+    packed_modules = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
+    """The attention's projections load as the checkpoint names them; only the MLPs' gate and up are fused."""
+
     @classmethod
     def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
                       max_position: int, expert_parallel: bool) -> DecoderBuild:
@@ -218,17 +228,13 @@ class DeepseekV2ForCausalLM(MoECausalLM, LlamaForCausalLM):
         check_deepseek(hf_config)
         super().__init__(hf_config, **kwargs)
 
-    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        """As the MoE models', the multi-token-prediction layers past ``num_hidden_layers`` left unread."""
-        layers = self.model.layers
-        return super().load_weights((name, w) for name, w in weights if not _past_last_layer(name, len(layers)))
-
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3's: the same layers, sigmoid routing with a score correction."""
 
 
 def _past_last_layer(name: str, num_layers: int) -> bool:
+    """Whether a checkpoint name is a layer's past ``num_layers`` (a multi-token-prediction layer)."""
     parts = name.split(".")
     return len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) >= num_layers
 
@@ -236,6 +242,14 @@ def _past_last_layer(name: str, num_layers: int) -> bool:
 def check_deepseek(hf_config: Any) -> None:
     """`NotBuiltError` for the DeepSeek variants not built."""
     check_phi3(hf_config, "DeepSeek")  # the fp8 block checkpoints: not yet
+    if hf_config.num_key_value_heads != hf_config.num_attention_heads:
+        raise NotBuiltError("num_key_value_heads", hf_config.num_key_value_heads,
+                            "DeepSeek with one key and value head per query head (its latent expands to every head)")
+    check_routing(hf_config)
+
+
+def check_routing(hf_config: Any) -> None:
+    """`NotBuiltError` for routing settings other than the version's own (V2: softmax; V3 and GLM-4.5: sigmoid)."""
     v2 = hf_config.model_type == "deepseek_v2"
     method = getattr(hf_config, "topk_method", None) or ("greedy" if v2 else "noaux_tc")
     built = ("greedy", "group_limited_greedy") if v2 else ("noaux_tc",)
@@ -245,6 +259,7 @@ def check_deepseek(hf_config: Any) -> None:
     if scoring != ("softmax" if v2 else "sigmoid"):
         raise NotBuiltError("scoring_func", scoring, "DeepSeek's own scoring function for its version")
     if v2 and getattr(hf_config, "norm_topk_prob", False):
-        raise NotBuiltError("norm_topk_prob", True, "DeepSeek-V2 routing weights renormalized (transformers ignores it)")
+        raise NotBuiltError("norm_topk_prob", True,
+                            "DeepSeek-V2 routing weights renormalized (transformers ignores it)")
     if hf_config.hidden_act != "silu":
         raise NotBuiltError("hidden_act", hf_config.hidden_act, "DeepSeek with SiLU MLPs")

@@ -68,7 +68,8 @@ class Gemma3MultiModalProjector(nn.Module):
         grid = patches.transpose(1, 2).reshape(n, width, self.patches_per_side, self.patches_per_side)
         pooled = nn.functional.avg_pool2d(grid, self.kernel, self.kernel).flatten(2).transpose(1, 2)
         x = pooled.float()
-        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.mm_soft_emb_norm.weight.float())
+        scale = 1.0 + self.mm_soft_emb_norm.weight.float()
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
         return torch.matmul(normed.type_as(pooled), self.mm_input_projection_weight).type_as(patches)
 
 
@@ -113,7 +114,8 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         """One image's processor output -> its ``[3, S, S]`` float32 pixels; pan-and-scan crops are refused."""
         pixels = processed["pixel_values"]
         if len(pixels) != 1:
-            raise NotBuiltError("mm_processor_kwargs.do_pan_and_scan", True, "Gemma 3 images without pan-and-scan crops")
+            raise NotBuiltError("mm_processor_kwargs.do_pan_and_scan", True,
+                                "Gemma 3 images without pan-and-scan crops")
         return pixels[0].astype("float32", copy=False)
 
     @staticmethod

@@ -42,6 +42,7 @@ from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
 from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
 from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -134,6 +135,7 @@ _MODELS: dict[str, type] = {
     "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),

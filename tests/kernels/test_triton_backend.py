@@ -96,13 +96,13 @@ def test_triton_granite_and_olmo2_logits_match_transformers(arch: str, monkeypat
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
-@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_moe", "deepseek_v3", "glm4_moe"])
 def test_triton_moe_logits_match_transformers(arch: str) -> None:
     """The fused-MoE kernels: Qwen3-MoE's (SiLU-and-mul, no biases) and gpt-oss's, whose attention kernels also
     take sinks (the prefills: unified; the decode-only step: split-KV), the 8-token window cutting into every
     other layer, with the experts' biases and the clamped SwiGLU and YaRN's scaled cos/sin through the
     rotary/KV-write kernel; DeepSeek-V3's expanded latent keys (24 wide, 8 of them rotated) and zero-padded
-    values, with grouped sigmoid routing."""
+    values, with grouped sigmoid routing; GLM-4.5's per-head q/k norms fused before a half-head rotary."""
 
     from asyncllm.tiny import tiny_checkpoint
 

@@ -38,7 +38,8 @@ def test_a_chunk_never_ends_inside_bidirectional_rows(computed, new, budget, exp
 def test_the_scheduler_cuts_prefill_chunks_at_image_rows():
     sched = make_scheduler(max_num_batched_tokens=12)
     prompt = list(range(100, 140))
-    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=2), [2], 0.0, mm_items=[image(6, 10), image(20, 12)]))
+    items = [image(6, 10), image(20, 12)]
+    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=2), [2], 0.0, mm_items=items))
     chunks = [run_step(sched)[0].num_scheduled_tokens.get("a") for _ in range(5)]
     assert chunks == [6, 12, 2, 12, 8]  # 0..5, 6..17 (the first image whole), 18..19, the second image, the rest
 

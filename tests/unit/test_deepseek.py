@@ -26,7 +26,8 @@ def _model(arch: str, **fields) -> torch.nn.Module:
     return load_model(EngineConfig.create(path, **fields), load_hf_config(path), torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize(("arch", "cls"), [("deepseek_v2", DeepseekV2ForCausalLM), ("deepseek_v3", DeepseekV3ForCausalLM)])
+@pytest.mark.parametrize(("arch", "cls"), [("deepseek_v2", DeepseekV2ForCausalLM),
+                                           ("deepseek_v3", DeepseekV3ForCausalLM)])
 def test_logits_match_transformers(arch: str, cls: type) -> None:
     model = _model(arch)
     assert type(model) is cls

@@ -1,7 +1,8 @@
-"""Granite, OLMo 2 / 3, SmolLM3, EXAONE 4, GLM / GLM-4, ERNIE 4.5, Seed-OSS, Arcee, Command R / R7B, Ministral /
-Ministral 3, Granite MoE, OLMoE, StarCoder2 and Hunyuan (asyncllm/models/: granite.py, olmo2.py, smollm3.py,
-exaone4.py, glm4.py, ernie_seed_arcee.py, cohere.py, ministral3.py, granitemoe.py, olmoe.py, starcoder2.py,
-hunyuan.py) against transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
+"""Granite, OLMo 2 / 3, SmolLM3, EXAONE 4, GLM / GLM-4 / GLM-4.5 (MoE), ERNIE 4.5, Seed-OSS, Arcee, Command R /
+R7B, Ministral / Ministral 3, Granite MoE, OLMoE, StarCoder2 and Hunyuan (asyncllm/models/: granite.py, olmo2.py,
+smollm3.py, exaone4.py, glm4.py, glm4_moe.py, ernie_seed_arcee.py, cohere.py, ministral3.py, granitemoe.py,
+olmoe.py, starcoder2.py, hunyuan.py) against transformers' forward over a paged KV cache, alone and over two
+tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
 attention scale 1/64 instead of 1/4, logits / 8) and tied embeddings; the tiny OLMo 2 has post-sublayer norms
@@ -24,6 +25,7 @@ from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from asyncllm.models.ernie_seed_arcee import ArceeForCausalLM, Ernie4_5ForCausalLM, SeedOssForCausalLM
 from asyncllm.models.exaone4 import Exaone4ForCausalLM
 from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
+from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
@@ -45,7 +47,7 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "arcee": ArceeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
                  "ministral": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM, "granitemoe": GraniteMoeForCausalLM,
                  "olmoe": OlmoeForCausalLM, "starcoder2": Starcoder2ForCausalLM,
-                 "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM}
+                 "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM, "glm4_moe": Glm4MoeForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
