@@ -35,7 +35,8 @@ __all__ = ["TINY_ARCHS", "SPECIAL_TOKENS", "CHAT_TEMPLATE", "make_tiny_checkpoin
 TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "gemma2", "gemma3", "phi3",
               "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee",
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
-              "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")
+              "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
+              "qwen3_5_moe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -46,6 +47,8 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
+    "qwen3_5_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
+                        shared_expert_intermediate_size=48),
 }
 """The tiny MoE models' experts: small, several per token, one family without renormalised weights."""
 
@@ -67,6 +70,10 @@ _GLM4_MOE_SHAPE = dict(moe_intermediate_size=32, n_routed_experts=8, n_shared_ex
                        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
                        use_qk_norm=True, attention_bias=True)
 """GLM-4.5's: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing."""
+
+_QWEN3_5_SHAPE = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2)
+"""Qwen3.5's hybrid: a Gated DeltaNet layer (two key heads serving four value heads), then gated full attention."""
 
 _GEMMA_SHAPES: dict[str, dict[str, Any]] = {
     "gemma2": dict(sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
@@ -376,6 +383,7 @@ def _build_config(
         "hunyuan_v1_dense": transformers.HunYuanDenseV1Config,
         "gpt_oss": transformers.GptOssConfig, "deepseek_v2": transformers.DeepseekV2Config,
         "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
+        "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -401,6 +409,8 @@ def _build_config(
         fields.update(_SMOLLM3_SHAPE)
     if arch == "glm4_moe":
         fields.update(_GLM4_MOE_SHAPE)
+    if arch in ("qwen3_5", "qwen3_5_moe"):
+        fields.update(_QWEN3_5_SHAPE)
     if arch == "exaone4":
         fields.update(_EXAONE4_SHAPE)
     fields.update(_BIAS_SHAPES.get(arch, {}))

@@ -151,6 +151,8 @@ class PagedRun:
         scheduled = [num_scheduled[i] for i in reqs]
         tables = [self.block_tables[i] for i in reqs]
         metadata, positions = make_attn_metadata(computed, scheduled, tables, self.block_size)
+        metadata.request_rows_cpu = [2 * i + 1 for i in reqs]  # rows apart: a linear layer's state is per row
+        metadata.request_rows = torch.tensor(metadata.request_rows_cpu)
         chunks = [self.sequences[i][c : c + n] for i, c, n in zip(reqs, computed, scheduled)]
         input_ids = torch.tensor([t for chunk in chunks for t in chunk])
         logits = self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, metadata))

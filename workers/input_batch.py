@@ -145,6 +145,9 @@ class InputBatch:
         self.seq_lens = _Staged((max_reqs,), torch.int32, device)
         self.rows = _Staged((max_reqs,), torch.int64, device)
         """The step's request rows: the device gathers their block tables (`BlockTable.gather`)."""
+        self.keeps_states = False
+        """The model keeps per-request recurrent states by row (linear attention): the step's metadata lists the rows
+        on the host too (`AttentionMetadata.request_rows_cpu`)."""
         self.block_tables = torch.zeros((max_reqs, max_blocks), dtype=torch.int32, device=device)
         self.logits_indices = _Staged((max(max_reqs, max_tokens),), torch.int64, device)  # draft rows too
 
@@ -297,6 +300,7 @@ class InputBatch:
     ) -> StepInputs:
         """Copy the written host buffers to the device (`prepare_inputs` records when the copies are done)."""
         num_reqs = len(req_ids)
+        rows = self.rows.to_device(num_reqs)
         inputs = StepInputs(
             req_ids=req_ids,
             input_ids=self.input_ids.to_device(num_tokens),
@@ -305,10 +309,12 @@ class InputBatch:
                 slot_mapping=self.slot_mapping.to_device(num_tokens),
                 query_start_loc=self.query_start_loc.to_device(num_reqs + 1),
                 seq_lens=self.seq_lens.to_device(num_reqs),
-                block_tables=self.block_table.gather(self.rows.to_device(num_reqs), self.block_tables),
+                block_tables=self.block_table.gather(rows, self.block_tables),
                 query_start_loc_cpu=self.query_start_loc.np[: num_reqs + 1].tolist(),
                 seq_lens_cpu=self.seq_lens.np[:num_reqs].tolist(),
                 block_size=self.block_size,
+                request_rows=rows,
+                request_rows_cpu=self.rows.np[:num_reqs].tolist() if self.keeps_states else None,
             ),
             sample_indices=sample_indices,
             logits_indices=self.logits_indices.to_device(num_logits_rows),

@@ -116,6 +116,7 @@ class ModelRunner:
         _check_kv_cache_dtype_runs(self.config.kv_cache_dtype, self.kv_cache_dtype, self.device, model)
         tp = TensorParallel(self.rank, self.tp_size)
         self.mm_runner = MultiModalRunner(model, self.device, self.config, tp) if is_multimodal(model) else None
+        self.input_batch.keeps_states = bool(getattr(model, "keeps_request_states", False))
         self.pooler.classifier = getattr(model, "classify", None)  # *ForSequenceClassification: its score head
         if self.config.enable_lora:
             causal_lm = getattr(model, "causal_lm", model)  # a pipeline stage's: its layers, the checkpoint's names

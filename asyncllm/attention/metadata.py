@@ -31,6 +31,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     block_size: int
     attend_limit: torch.Tensor | None = None  # [num_tokens] int32, on the device of the tensors above; None: causal
+    request_rows: torch.Tensor | None = None
+    """[num_reqs] int64: each request's row in the worker (kept for its life there): where a linear-attention layer
+    keeps its recurrent state (asyncllm/models/gated_deltanet.py). None outside the model runner's steps."""
+    request_rows_cpu: list[int] | None = None
 
     @property
     def num_reqs(self) -> int:

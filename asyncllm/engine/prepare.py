@@ -20,6 +20,7 @@ from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
 from asyncllm.models.architectures import (
     CLASSIFICATION_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
+    HYBRID_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
     architecture_of,
@@ -60,7 +61,8 @@ def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
     hf_config = served_hf_config(path, config.hf_overrides)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
-    multimodal = arch in MULTIMODAL_ARCHITECTURES and not serves_text_only(arch, config.multimodal_config.limit_mm_per_prompt)
+    limits = config.multimodal_config.limit_mm_per_prompt
+    multimodal = arch in MULTIMODAL_ARCHITECTURES and not serves_text_only(arch, limits)
     prequantized_config(hf_config, config.model, config.quantization)  # refused methods: errors before spawning
     text_config = getattr(hf_config, "text_config", None) or hf_config
     check_pipeline_model(config, arch, text_config)
@@ -68,6 +70,8 @@ def prepare(config: EngineConfig) -> Prepared:
     tokenizer_name = config.tokenizer or path
     tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
+    if arch in HYBRID_ARCHITECTURES:
+        resolved = _hybrid_config(resolved, arch)
     if getattr(text_config, "classifier_from_token", None) is not None:
         _classifier_from_tokens(text_config, arch, tokenizer)
     if arch in ENCODER_ARCHITECTURES:
@@ -112,9 +116,23 @@ def prepare(config: EngineConfig) -> Prepared:
                     pooling_model_of(arch, text_config, path, config.pooler_config))
 
 
+def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
+    """A linear-attention hybrid's config: its per-request states cannot be swapped, drafted past or restored from
+    cached blocks, so swap preemption and speculative decoding are refused and prefix caching is turned off (as
+    vLLM did for such models; a log line says so)."""
+    if config.preemption_mode == "swap":
+        raise NotBuiltError("preemption_mode", "swap", f"swap preemption for {arch}'s recurrent states (recompute)")
+    if config.scheduler_config.speculative is not None:
+        raise NotBuiltError("speculative_config", "set", f"speculative decoding with {arch}'s recurrent states")
+    if config.enable_prefix_caching:
+        logger.warning("prefix caching is off for %s: its linear-attention states are not kept per block", arch)
+        config = config.replace(enable_prefix_caching=False)
+    return config
+
+
 _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM",
             "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-            "Glm4MoeForCausalLM", *ENCODER_ARCHITECTURES)
+            "Glm4MoeForCausalLM", *HYBRID_ARCHITECTURES, *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration")
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from asyncllm.errors import NotBuiltError
 
-__all__ = ["TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES",
+__all__ = ["HYBRID_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES",
            "MULTIMODAL_ARCHITECTURES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES",
            "CLASSIFICATION_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions",
            "refuse_quantized_multimodal"]
@@ -24,15 +24,21 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "CohereForCausalLM",
                       "Cohere2ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM", "GraniteMoeForCausalLM",
                       "OlmoeForCausalLM", "Starcoder2ForCausalLM", "HunYuanDenseV1ForCausalLM", "GptOssForCausalLM",
-                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM",
+                      "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+                        "Qwen3_5MoeForConditionalGeneration")
+"""Models whose linear-attention layers keep per-request recurrent states (asyncllm/models/gated_deltanet.py): no
+prefix caching, no swap preemption, no speculative decoding (docs/qwen3_5.md)."""
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
-"""Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints take images (asyncllm/models/gemma3_mm.py)
-or, in language-model-only mode, serve text with LoRA adapters (docs/gemma.md)."""
+"""Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints take images
+(asyncllm/models/gemma3_mm.py) or, in language-model-only mode, serve text with LoRA adapters (docs/gemma.md)."""
 PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
 """Phi-3, Phi-3.5, Phi-4, Phi-4-mini (asyncllm/models/phi3.py): fused checkpoints and adapters (docs/phi3.md)."""
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
                      "Qwen3VLMoeForConditionalGeneration", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
-                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
+                     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",

@@ -25,7 +25,7 @@ from asyncllm.models.moe import MoESpec, num_experts_of
 from asyncllm.models.qwen2_vl import Qwen3VLForConditionalGeneration, Qwen3VLTextModel, _MRopeBuild
 from asyncllm.models.qwen3_moe import Qwen3MoeForCausalLM, qwen_moe_layer
 
-__all__ = ["Qwen3VLMoeForConditionalGeneration", "per_expert_weights"]
+__all__ = ["Qwen3VLMoeForConditionalGeneration", "per_expert_weights", "split_fused_experts"]
 
 _FUSED = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
 
@@ -68,15 +68,19 @@ class Qwen3VLMoeLanguageModel(_MRopeBuild, Qwen3MoeForCausalLM):
         """(hidden, I): what tells the fused experts' two layouts apart."""
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        return super().load_weights(self._split_experts(weights))
+        return super().load_weights(split_fused_experts(weights, *self.expert_sizes))
 
-    def _split_experts(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
-        for name, weight in weights:
-            if name.endswith(_FUSED):
-                full = weight if isinstance(weight, torch.Tensor) else weight[:]
-                yield from per_expert_weights(name, full, *self.expert_sizes)
-            else:
-                yield name, weight
+
+def split_fused_experts(weights: Iterable[tuple[str, LoadedWeight]], hidden: int,
+                        inter: int) -> Iterator[tuple[str, LoadedWeight]]:
+    """``weights`` with each fused experts tensor (``mlp.experts.gate_up_proj`` / ``down_proj``, either layout) cut
+    into its experts' per-expert matrices (`per_expert_weights`); the rest as given."""
+    for name, weight in weights:
+        if name.endswith(_FUSED):
+            full = weight if isinstance(weight, torch.Tensor) else weight[:]
+            yield from per_expert_weights(name, full, hidden, inter)
+        else:
+            yield name, weight
 
 
 class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):

@@ -43,6 +43,7 @@ from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
 from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
 from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
+from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextOnly, Qwen3_5TextOnly
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -136,6 +137,10 @@ _MODELS: dict[str, type] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5TextOnly,  # text prompts only: the vision tower is not read
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOnly,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),
@@ -229,7 +234,7 @@ def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
     model_cls = _MODELS.get((getattr(hf_config, "architectures", None) or [""])[0])
     hf_config = text_config_of(hf_config)
     return KVCacheSpec(
-        num_layers=hf_config.num_hidden_layers,
+        num_layers=getattr(model_cls, "kv_cache_layers", lambda c: c.num_hidden_layers)(hf_config),  # hybrids: fewer
         num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, tp_size),
         head_dim=getattr(model_cls, "kv_head_dim", head_dim_of)(hf_config),  # DeepSeek: its expanded key's width
     )

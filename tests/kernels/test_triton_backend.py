@@ -113,6 +113,17 @@ def test_triton_moe_logits_match_transformers(arch: str) -> None:
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
+def test_triton_qwen3_5_logits_match_transformers() -> None:
+    """Qwen3.5's gated full attention (zero-centred q/k norms in the model, a quarter-head rotary in the fused
+    rotary/KV-write kernel) on the Triton kernels, its Gated DeltaNet layer in torch beside it."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("qwen3_5")
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
+
+
 def test_selector_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert get_attention_backend(None, cpu).name == "torch_sdpa"

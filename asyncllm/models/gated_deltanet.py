@@ -1,0 +1,214 @@
+"""Gated DeltaNet linear attention (Qwen3.5's ``linear_attention`` layers) with per-request recurrent state.
+
+A layer keeps, for each request, a state that replaces a KV cache: the last ``K - 1`` inputs of its causal
+depthwise convolution (``conv_state``) and a ``[value heads, key dim, value dim]`` float32 matrix
+(``ssm_state``). Both live in buffers with one row per worker row (`AttentionMetadata.request_rows`: the row a
+request keeps for its whole life in the worker); a request whose context is empty at a step (its first chunk)
+starts from zeros, so a reused row never leaks. Each token then:
+
+- projects to q, k (``linear_num_key_heads``) and v (``linear_num_value_heads``), run through the convolution
+  (SiLU), a gate ``z``, a write strength ``beta = sigmoid(b)`` and a log decay ``g = -exp(A_log) *
+  softplus(a + dt_bias)``;
+- updates the state by the gated delta rule, per value head (q and k L2-normed, q scaled by ``key dim ** -0.5``,
+  each key head serving ``Hv / Hk`` consecutive value heads): ``S <- exp(g) S``; ``S <- S + k (beta (v - S^T k))^T``;
+  output ``S^T q``;
+- norms each head's output (RMSNorm, weight as stored) times ``silu(z)``, then ``out_proj``.
+
+A prefill chunk runs the rule in blocks of 64 tokens (`chunked_delta_rule`: the standard WY form, one triangular
+solve a block), a decode step for every request at once (`recurrent_step`); both equal the token-by-token
+recurrence (tests/unit/test_gated_deltanet.py) and transformers' float32 results. The prefix cache, swap
+preemption, speculative decoding and CUDA graphs do not apply to these states (docs/qwen3_5.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.models.layers import TensorParallel, new_param
+from asyncllm.models.linear import ColumnParallelLinear
+
+__all__ = ["GatedDeltaNet", "causal_conv", "chunked_delta_rule", "recurrent_step"]
+
+_BLOCK = 64
+"""Tokens per block of `chunked_delta_rule`."""
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, Hk, Dk]`` queries and keys -> float32 ``[T, Hv, Dk]``: L2-normed, q scaled by ``Dk ** -0.5``, each
+    key head repeated for its ``Hv / Hk`` value heads."""
+    repeat = num_v_heads // q.shape[1]
+    q, k = (_l2norm(t.float()).repeat_interleave(repeat, dim=1) for t in (q, k))
+    return q * q.shape[-1] ** -0.5, k
+
+
+def recurrent_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor) -> torch.Tensor:
+    """One token of each of N requests: ``state [N, Hv, Dk, Dv]`` (updated in place), ``q, k [N, Hv, Dk]`` (from
+    `prepare_qk`), ``v [N, Hv, Dv]``, ``g, beta [N, Hv]`` float32 -> output ``[N, Hv, Dv]``."""
+    state.mul_(g.exp()[..., None, None])
+    predicted = torch.einsum("nhkv,nhk->nhv", state, k)
+    state.add_(k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2))
+    return torch.einsum("nhkv,nhk->nhv", state, q)
+
+
+def chunked_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                       beta: torch.Tensor) -> torch.Tensor:
+    """One request's ``T`` tokens: ``state [Hv, Dk, Dv]`` (updated in place), ``q, k [T, Hv, Dk]``, ``v [T, Hv, Dv]``,
+    ``g, beta [T, Hv]``, all float32 -> output ``[T, Hv, Dv]``.
+
+    Within a block of C tokens with cumulative log decay ``c_i``: the values each token writes,
+    ``u = (I + A)^-1 (beta v - beta e^c k S0)`` with ``A_ij = beta_i e^(c_i - c_j) k_i . k_j`` below the diagonal;
+    the outputs ``e^c q S0 + ((q k^T) * e^(c_i - c_j), j <= i) u``; the state ``e^(c_C) S0 + (e^(c_C - c) k)^T u``."""
+    out = torch.empty_like(v)
+    for start in range(0, q.shape[0], _BLOCK):
+        block = slice(start, start + _BLOCK)
+        out[block] = _block(state, *(t[block].transpose(0, 1) for t in (q, k, v, g, beta))).transpose(0, 1)
+    return out
+
+
+def _block(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+           beta: torch.Tensor) -> torch.Tensor:
+    """`chunked_delta_rule` on one block, heads first: ``q, k [H, C, Dk]``, ``v [H, C, Dv]``, ``g, beta [H, C]``."""
+    size = q.shape[1]
+    c = g.cumsum(dim=-1)
+    below = torch.ones(size, size, dtype=torch.bool, device=q.device).tril()
+    decay = (c.unsqueeze(-1) - c.unsqueeze(-2)).masked_fill(~below, float("-inf")).exp()  # e^(c_i - c_j), j <= i
+    k_beta = k * beta.unsqueeze(-1)
+    system = (k_beta @ k.transpose(-1, -2) * decay).tril(-1) + torch.eye(size, device=q.device)
+    u = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False)
+    u = u - torch.linalg.solve_triangular(system, k_beta * c.exp().unsqueeze(-1), upper=False) @ state
+    out = (q * c.exp().unsqueeze(-1)) @ state + (q @ k.transpose(-1, -2) * decay) @ u
+    last = c[:, -1:]
+    state.mul_(last.exp().unsqueeze(-1)).add_((k * (last - c).exp().unsqueeze(-1)).transpose(-1, -2) @ u)
+    return out
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One request's ``x [T, C]`` through the depthwise causal convolution ``weight [C, K]`` after its previous
+    ``K - 1`` inputs ``state [C, K - 1]`` (replaced by the last ``K - 1`` now), then SiLU: ``[T, C]``."""
+    extended = torch.cat([state, x.t().to(state.dtype)], dim=1)
+    state.copy_(extended[:, extended.shape[1] - state.shape[1]:])
+    out = F.conv1d(extended.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])[0]
+    return F.silu(out).t().to(x.dtype)
+
+
+class GatedRMSNorm(nn.Module):
+    """``weight * rmsnorm(x)`` (rounded to x's dtype first) times ``silu(gate)`` in float32, as transformers."""
+
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_param(size, dtype=dtype)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.weight * normed.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
+
+
+class _Conv(nn.Module):
+    """The depthwise convolution's weight ``[C, 1, K]`` (transformers' ``conv1d.weight``; no bias)."""
+
+    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_param(channels, 1, kernel, dtype=dtype)
+
+
+class GatedDeltaNet(nn.Module):
+    """A ``linear_attention`` layer; every tensor-parallel rank computes it whole (its projections are not split)."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_rows: int) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        key, value = self.num_k_heads * self.k_dim, self.num_v_heads * self.v_dim
+        self.split = [key, key, value]
+        whole, hidden = TensorParallel(), cfg.hidden_size
+        self.in_proj_qkv = ColumnParallelLinear(hidden, 2 * key + value, False, whole, dtype)
+        self.in_proj_z = ColumnParallelLinear(hidden, value, False, whole, dtype)
+        self.in_proj_b = ColumnParallelLinear(hidden, self.num_v_heads, False, whole, dtype)
+        self.in_proj_a = ColumnParallelLinear(hidden, self.num_v_heads, False, whole, dtype)
+        self.conv1d = _Conv(2 * key + value, cfg.linear_conv_kernel_dim, dtype)
+        self.dt_bias = new_param(self.num_v_heads, dtype=dtype)
+        self.A_log = new_param(self.num_v_heads, dtype=dtype)
+        self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps, dtype)
+        self.out_proj = ColumnParallelLinear(value, hidden, False, whole, dtype)
+        self.conv_state = torch.zeros(max_rows, 2 * key + value, cfg.linear_conv_kernel_dim - 1, dtype=dtype)
+        self.ssm_state = torch.zeros(max_rows, self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: Any,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        rows, row_list = _rows(metadata)
+        self._fit(max(row_list, default=-1) + 1, hidden.device)
+        tokens = hidden.shape[0]
+        mixed = self.in_proj_qkv(hidden)
+        z = self.in_proj_z(hidden).view(tokens, self.num_v_heads, self.v_dim)
+        beta = self.in_proj_b(hidden).sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+        lengths = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
+        fresh = [row for row, n, seq in zip(row_list, lengths, seq_lens) if n and seq == n]
+        if fresh:  # a request's first chunk: a reused row starts from zeros
+            self.conv_state[fresh] = 0
+            self.ssm_state[fresh] = 0
+        out = torch.zeros(tokens, self.num_v_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
+        if all(n == 1 for n in lengths):
+            self._decode(mixed, g, beta, rows, out)
+        else:
+            for i, (row, n) in enumerate(zip(row_list, lengths)):
+                if n:
+                    span = slice(qsl[i], qsl[i + 1])
+                    self._prefill(mixed[span], g[span], beta[span], row, out[span])
+        normed = self.norm(out.view(-1, self.v_dim), z.view(-1, self.v_dim)).view(tokens, -1)
+        return self.out_proj(normed)
+
+    def _heads(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = mixed.split(self.split, dim=-1)
+        n = mixed.shape[0]
+        q, k = prepare_qk(q.reshape(n, self.num_k_heads, self.k_dim), k.reshape(n, self.num_k_heads, self.k_dim),
+                          self.num_v_heads)
+        return q, k, v.reshape(n, self.num_v_heads, self.v_dim).float()
+
+    def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, row: int, out: torch.Tensor) -> None:
+        convolved = causal_conv(mixed, self.conv_state[row], self.conv1d.weight[:, 0])
+        q, k, v = self._heads(convolved)
+        out.copy_(chunked_delta_rule(self.ssm_state[row], q, k, v, g, beta))
+
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: torch.Tensor,
+                out: torch.Tensor) -> None:
+        """One token per request, all at once: the rows' states gathered, stepped, scattered back."""
+        n = len(rows)
+        conv = torch.cat([self.conv_state[rows], mixed[:n].unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)
+        self.conv_state[rows] = conv[..., 1:]
+        weight = self.conv1d.weight[:, 0]
+        convolved = F.silu((conv.to(weight.dtype) * weight).sum(-1)).to(mixed.dtype)
+        q, k, v = self._heads(convolved)
+        state = self.ssm_state[rows]
+        out[:n] = recurrent_step(state, q, k, v, g[:n], beta[:n]).to(out.dtype)
+        self.ssm_state[rows] = state
+
+    def _fit(self, num_rows: int, device: torch.device) -> None:
+        """Grow the state buffers to hold ``num_rows`` rows (rows can outgrow ``max_num_seqs``, rarely)."""
+        if self.ssm_state.device != device:
+            self.conv_state, self.ssm_state = self.conv_state.to(device), self.ssm_state.to(device)
+        have = self.ssm_state.shape[0]
+        if num_rows > have:
+            grow = max(num_rows, 2 * have) - have
+            self.conv_state = torch.cat([self.conv_state, self.conv_state.new_zeros(grow, *self.conv_state.shape[1:])])
+            self.ssm_state = torch.cat([self.ssm_state, self.ssm_state.new_zeros(grow, *self.ssm_state.shape[1:])])
+
+
+def _rows(metadata: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
+    """The step's request rows, on the device and the host."""
+    rows, row_list = metadata.request_rows, metadata.request_rows_cpu
+    if rows is None or row_list is None:
+        raise RuntimeError("a linear-attention layer needs each request's worker row (AttentionMetadata.request_rows)")
+    return rows, row_list

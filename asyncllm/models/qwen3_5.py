@@ -1,0 +1,203 @@
+"""Qwen3.5 (``Qwen3_5ForCausalLM``; the text of ``Qwen3_5ForConditionalGeneration`` checkpoints in
+language-model-only mode): a hybrid of Gated DeltaNet linear-attention layers (asyncllm/models/gated_deltanet.py)
+and, every ``full_attention_interval``-th layer, gated full attention on the paged KV cache.
+
+- Full attention: ``q_proj`` gives each head a query and an output gate (``[q, gate]`` per head: loaded as twice as
+  many query heads, split after the projection); per-head q and k RMSNorms and every norm of the model are
+  zero-centred (``1 + weight``, Gemma's: asyncllm/models/gemma.py); a partial rotary over the first
+  ``partial_rotary_factor`` (0.25) of each head (Qwen3.5's M-RoPE sections coincide for text: the three axes
+  share one position); the attention output times ``sigmoid(gate)`` before ``o_proj``.
+- Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``): every MLP is Qwen2-MoE's (softmax top k, renormalized and rounded to the
+  model dtype, a shared expert scaled by ``sigmoid(shared_expert_gate(x))``); experts per expert or fused.
+- Only the full-attention layers have KV-cache tensors (``kv_cache_layers``); the linear layers keep per-request
+  states in their own buffers, preallocated for ``max_num_seqs`` rows before the KV cache is sized.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
+from asyncllm.errors import NotBuiltError
+from asyncllm.models.gated_deltanet import GatedDeltaNet
+from asyncllm.models.gemma import GemmaRMSNorm
+from asyncllm.models.layers import Attention, LoadedWeight, TensorParallel
+from asyncllm.models.linear import QKVParallelLinear, RowParallelLinear
+from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM, LlamaModel
+from asyncllm.models.moe import MoECausalLM, MoESpec
+from asyncllm.models.phi3 import check_phi3
+from asyncllm.models.qwen3_vl_moe import split_fused_experts
+
+__all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextOnly", "Qwen3_5TextOnly", "kv_cache_layers"]
+
+_LINEAR = "linear_attention"
+
+
+def kv_cache_layers(hf_config: Any) -> int:
+    """The layers with a KV cache: the full-attention ones."""
+    return sum(1 for kind in hf_config.layer_types if kind != _LINEAR)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridBuild(DecoderBuild):
+    max_rows: int = 256
+    """Rows of recurrent state each linear-attention layer preallocates (``max_num_seqs``)."""
+
+
+class GatedAttention(nn.Module):
+    """Full attention with a sigmoid output gate per head, zero-centred q/k norms and a partial rotary."""
+
+    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
+        super().__init__()
+        cfg, ops = b.hf_config, b.attn_backend.ops
+        self.head_dim = cfg.head_dim
+        bias = bool(cfg.attention_bias)
+        # each head's [query, gate] rows as two "heads": a rank keeps whole pairs
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, 2 * cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, bias, b.tp, b.dtype)
+        self.num_heads = self.qkv_proj.num_heads // 2
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim, cfg.hidden_size, bias, b.tp, b.dtype)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, b.dtype, ops)
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, b.dtype, ops)
+        self.rotary_emb = b.rotary_emb
+        self.attn = Attention(self.num_heads, self.qkv_proj.num_kv_heads, self.head_dim, b.attn_backend)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        query_gate, key, value = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        tokens = hidden.shape[0]
+        pairs = query_gate.view(tokens, self.num_heads, 2, self.head_dim)
+        query, gate = self.q_norm(pairs[:, :, 0]), pairs[:, :, 1].reshape(tokens, -1)
+        out = self.attn(query, self.k_norm(key), value, kv_cache, metadata,
+                        RotaryInputs(positions, self.rotary_emb.cos_sin_cache))
+        return self.o_proj(out * torch.sigmoid(gate))
+
+
+class HybridDecoderLayer(nn.Module):
+    """Zero-centred pre-norms around a linear-attention or a gated full-attention mixer, then the MLP."""
+
+    def __init__(self, b: HybridBuild, layer_idx: int) -> None:
+        super().__init__()
+        cfg = b.hf_config
+
+        def norm() -> GemmaRMSNorm:
+            return GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
+
+        self.is_linear = cfg.layer_types[layer_idx] == _LINEAR
+        self.input_layernorm = norm()
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(cfg, b.dtype, b.max_rows)
+        else:
+            self.self_attn = GatedAttention(b, layer_idx)
+        self.post_attention_layernorm = norm()
+        self.mlp = b.make_mlp(b, layer_idx)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        mixer = self.linear_attn if self.is_linear else self.self_attn
+        hidden, residual = self.post_attention_layernorm(mixer(positions, hidden, kv_cache, metadata), residual)
+        return self.mlp(hidden), residual
+
+
+class HybridModel(LlamaModel):
+    layer_cls = HybridDecoderLayer
+    norm_cls = GemmaRMSNorm
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """As Llama's, the KV caches handed to the full-attention layers in order (the linear ones have none)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual, caches = None, iter(kv_caches)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, None if layer.is_linear else next(caches), metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3_5ForCausalLM(LlamaForCausalLM):
+    """Qwen3.5's dense text model."""
+
+    model_cls = HybridModel
+    keeps_request_states = True
+    """Its linear-attention layers keep per-request states by worker row (workers/input_batch.py)."""
+    takes_max_num_seqs = True
+    """The loader passes ``max_num_seqs``: the states' rows are preallocated."""
+    kv_cache_layers = staticmethod(kv_cache_layers)
+
+    def __init__(self, hf_config: Any, *, max_num_seqs: int = 256, **kwargs: Any) -> None:
+        check_phi3(hf_config, "Qwen3.5")
+        if getattr(hf_config, "hidden_act", "silu") != "silu":
+            raise NotBuiltError("hidden_act", hf_config.hidden_act, "Qwen3.5 with SiLU")
+        self.max_num_seqs = max_num_seqs
+        super().__init__(hf_config, **kwargs)
+
+    def decoder_build(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel,  # type: ignore[override]
+                      attn_backend: Any, max_position: int, expert_parallel: bool) -> HybridBuild:
+        """Llama's build plus the rows of state to preallocate (an instance's: it knows ``max_num_seqs``)."""
+        base = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
+        return HybridBuild(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                           max_rows=self.max_num_seqs)
+
+
+def _text_config(hf_config: Any) -> Any:
+    """An image-text checkpoint's ``text_config`` with the outer ``tie_word_embeddings``."""
+    text_config = copy.copy(hf_config.text_config)
+    text_config.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return text_config
+
+
+def qwen3_5_text_name(name: str) -> str | None:
+    """An image-text checkpoint's weight name as `Qwen3_5ForCausalLM` names it; None for the vision tower's."""
+    if name.startswith(("model.visual.", "visual.")):
+        return None
+    if name.startswith("model.language_model."):
+        return "model." + name.removeprefix("model.language_model.")
+    return name
+
+
+class Qwen3_5TextOnly(Qwen3_5ForCausalLM):
+    """A ``Qwen3_5ForConditionalGeneration`` checkpoint's language model, for text prompts
+    (``limit_mm_per_prompt`` of 0 images and 0 videos)."""
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        super().__init__(_text_config(hf_config), **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights((text, w) for name, w in weights if (text := qwen3_5_text_name(name)) is not None)
+
+
+class Qwen3_5MoeForCausalLM(MoECausalLM, Qwen3_5ForCausalLM):
+    """Qwen3.5-MoE: the hybrid layers with a mixture of experts (and a gated shared expert) in every layer."""
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec:
+        return MoESpec(hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                       renormalize=True, weights_in_model_dtype=True,
+                       shared_expert_size=hf_config.shared_expert_intermediate_size)
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        super().__init__(hf_config, **kwargs)
+        self.expert_sizes = (int(hf_config.hidden_size), int(hf_config.moe_intermediate_size))
+        """(hidden, I): what tells fused experts' two layouts apart."""
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights(split_fused_experts(weights, *self.expert_sizes))
+
+
+class Qwen3_5MoeTextOnly(Qwen3_5MoeForCausalLM):
+    """A ``Qwen3_5MoeForConditionalGeneration`` checkpoint's language model, for text prompts."""
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        super().__init__(_text_config(hf_config), **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights((text, w) for name, w in weights if (text := qwen3_5_text_name(name)) is not None)
