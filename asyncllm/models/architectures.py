@@ -11,10 +11,10 @@ from typing import Any, Callable
 
 from asyncllm.errors import NotBuiltError
 
-__all__ = ["HYBRID_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "TEXT_ARCHITECTURES", "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES",
-           "MULTIMODAL_ARCHITECTURES", "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES",
-           "CLASSIFICATION_ARCHITECTURES", "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions",
-           "refuse_quantized_multimodal"]
+__all__ = ["HYBRID_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "TEXT_ARCHITECTURES",
+           "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
+           "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
+           "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
 
 TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
@@ -25,9 +25,10 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Cohere2ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM", "GraniteMoeForCausalLM",
                       "OlmoeForCausalLM", "Starcoder2ForCausalLM", "HunYuanDenseV1ForCausalLM", "GptOssForCausalLM",
                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM",
-                      "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+                      "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
+                      "Qwen3NextForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                        "Qwen3_5MoeForConditionalGeneration")
+                        "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
 """Models whose linear-attention layers keep per-request recurrent states (asyncllm/models/gated_deltanet.py): no
 prefix caching, no swap preemption, no speculative decoding (docs/qwen3_5.md)."""
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -38,7 +39,7 @@ PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
                      "Qwen3VLMoeForConditionalGeneration", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
-                     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+                     "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",

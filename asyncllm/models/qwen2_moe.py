@@ -10,7 +10,16 @@ from asyncllm.models.moe import MoECausalLM, MoESpec, num_experts_of
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen3_moe import qwen_moe_layer
 
-__all__ = ["Qwen2MoeForCausalLM"]
+__all__ = ["Qwen2MoeForCausalLM", "shared_expert_moe_spec"]
+
+
+def shared_expert_moe_spec(hf_config: Any, layer_idx: int) -> MoESpec | None:
+    """A Qwen MoE layer with a gated shared expert (Qwen2-MoE, Qwen3-Next), or None for a dense one."""
+    if not qwen_moe_layer(hf_config, layer_idx):
+        return None
+    return MoESpec(num_experts_of(hf_config), hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                   renormalize=bool(hf_config.norm_topk_prob), weights_in_model_dtype=True,
+                   shared_expert_size=hf_config.shared_expert_intermediate_size)
 
 
 class Qwen2MoeForCausalLM(MoECausalLM, Qwen2ForCausalLM):
@@ -20,8 +29,4 @@ class Qwen2MoeForCausalLM(MoECausalLM, Qwen2ForCausalLM):
 
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
-        if not qwen_moe_layer(hf_config, layer_idx):
-            return None
-        return MoESpec(num_experts_of(hf_config), hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
-                       renormalize=bool(hf_config.norm_topk_prob), weights_in_model_dtype=True,
-                       shared_expert_size=hf_config.shared_expert_intermediate_size)
+        return shared_expert_moe_spec(hf_config, layer_idx)

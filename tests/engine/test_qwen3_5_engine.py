@@ -1,4 +1,4 @@
-"""Qwen3.5's hybrid (Gated DeltaNet + gated full attention; dense and MoE) through the engine: greedy tokens equal
+"""Qwen3.5's hybrid (Gated DeltaNet + gated full attention; dense, MoE, Qwen3-Next) through the engine: greedy tokens equal
 transformers' with 16-token chunks, two seats (rows reused by later requests), recompute preemption and async scheduling;
 prefix caching is turned off for it, swap preemption and speculative decoding refused."""
 
@@ -21,7 +21,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(6, 512) for _ in range(rng.randint(3, 50))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 async def test_greedy_equals_transformers_chunked_preempted_and_on_reused_rows(arch: str) -> None:
     path, prompts = tiny_checkpoint(arch), _prompts(6, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -1,6 +1,7 @@
 """Gated DeltaNet (asyncllm/models/gated_deltanet.py) and Qwen3.5 (asyncllm/models/qwen3_5.py): the blocked delta
 rule and the batched decode step equal the token-by-token recurrence, across block edges and from a carried state;
-the causal convolution continues across chunks; Qwen3.5's logits equal transformers' within 1e-4 over a paged run
+the causal convolution continues across chunks; Qwen3.5's (dense, MoE) and Qwen3-Next's (fused projections cut at
+load) logits equal transformers' within 1e-4 over a paged run
 (chunked prefills beside decodes, states in rows apart); a reused row starts from zeros."""
 
 from __future__ import annotations
@@ -74,7 +75,7 @@ def _qwen3_5() -> Qwen3_5ForCausalLM:
     return load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_qwen3_5_logits_match_transformers(arch: str) -> None:
     path = tiny_checkpoint(arch)
     model = load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
