@@ -36,7 +36,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee",
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
-              "qwen3_5_moe", "qwen3_next")
+              "qwen3_5_moe", "qwen3_next", "minimax_m2")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -49,6 +49,7 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "olmoe": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
     "qwen3_5_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
                         shared_expert_intermediate_size=48),
+    "minimax_m2": dict(num_local_experts=6, num_experts_per_tok=2, rotary_dim=8),
     "qwen3_next": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
                        shared_expert_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0]),
 }
@@ -386,7 +387,7 @@ def _build_config(
         "gpt_oss": transformers.GptOssConfig, "deepseek_v2": transformers.DeepseekV2Config,
         "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
         "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
-        "qwen3_next": transformers.Qwen3NextConfig,
+        "qwen3_next": transformers.Qwen3NextConfig, "minimax_m2": transformers.MiniMaxM2Config,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

@@ -1,7 +1,7 @@
 """Granite, OLMo 2 / 3, SmolLM3, EXAONE 4, GLM / GLM-4 / GLM-4.5 (MoE), ERNIE 4.5, Seed-OSS, Arcee, Command R /
-R7B, Ministral / Ministral 3, Granite MoE, OLMoE, StarCoder2 and Hunyuan (asyncllm/models/: granite.py, olmo2.py,
-smollm3.py, exaone4.py, glm4.py, glm4_moe.py, ernie_seed_arcee.py, cohere.py, ministral3.py, granitemoe.py,
-olmoe.py, starcoder2.py, hunyuan.py) against transformers' forward over a paged KV cache, alone and over two
+R7B, Ministral / Ministral 3, Granite MoE, OLMoE, MiniMax-M2, StarCoder2 and Hunyuan (asyncllm/models/:
+granite.py, olmo2.py, smollm3.py, exaone4.py, glm4.py, glm4_moe.py, ernie_seed_arcee.py, cohere.py, ministral3.py,
+granitemoe.py, olmoe.py, minimax_m2.py, starcoder2.py, hunyuan.py) against transformers' forward over a paged KV cache, alone and over two
 tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
@@ -31,6 +31,7 @@ from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
+from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.olmoe import OlmoeForCausalLM
@@ -47,7 +48,8 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "arcee": ArceeForCausalLM, "cohere": CohereForCausalLM, "cohere2": Cohere2ForCausalLM,
                  "ministral": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM, "granitemoe": GraniteMoeForCausalLM,
                  "olmoe": OlmoeForCausalLM, "starcoder2": Starcoder2ForCausalLM,
-                 "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM, "glm4_moe": Glm4MoeForCausalLM}
+                 "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
+                 "minimax_m2": MiniMaxM2ForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
@@ -94,7 +96,8 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
     paths = [tiny_checkpoint("granite"), tiny_checkpoint("olmo2"), tiny_checkpoint("olmo2", num_kv_heads=1),
              tiny_checkpoint("glm4"),  # GLM-4: its reordered q/k rows and fused gate_up cut per rank
              tiny_checkpoint("granitemoe"),  # Granite MoE: its fused experts split, then each rank's slice
-             tiny_checkpoint("olmoe")]  # OLMoE: whole-projection q/k norms (Llama's rounding) and experts
+             tiny_checkpoint("olmoe"),  # OLMoE: whole-projection q/k norms (Llama's rounding) and experts
+             tiny_checkpoint("minimax_m2")]  # MiniMax-M2: the same norms, a partial rotary, corrected sigmoid routing
     sequences = _sequences(2)
     mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
     for index, path in enumerate(paths):
