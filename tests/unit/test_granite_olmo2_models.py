@@ -1,8 +1,8 @@
 """Granite, OLMo 2 / 3, SmolLM3, EXAONE 4, GLM / GLM-4 / GLM-4.5 (MoE), ERNIE 4.5, Seed-OSS, Arcee, Command R /
 R7B, Ministral / Ministral 3, Granite MoE, OLMoE, MiniMax-M2, StarCoder2 and Hunyuan (asyncllm/models/:
 granite.py, olmo2.py, smollm3.py, exaone4.py, glm4.py, glm4_moe.py, ernie_seed_arcee.py, cohere.py, ministral3.py,
-granitemoe.py, olmoe.py, minimax_m2.py, starcoder2.py, hunyuan.py) against transformers' forward over a paged KV cache, alone and over two
-tensor-parallel ranks.
+granitemoe.py, olmoe.py, minimax_m2.py, starcoder2.py, hunyuan.py) against transformers' forward over a paged KV
+cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
 attention scale 1/64 instead of 1/4, logits / 8) and tied embeddings; the tiny OLMo 2 has post-sublayer norms
