@@ -36,7 +36,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "granite", "olmo2", "olmo3", "smollm3", "exaone4", "glm", "glm4", "ernie4_5", "seed_oss", "arcee",
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
-              "qwen3_5_moe", "qwen3_next", "minimax_m2")
+              "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -73,6 +73,12 @@ _GLM4_MOE_SHAPE = dict(moe_intermediate_size=32, n_routed_experts=8, n_shared_ex
                        first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
                        use_qk_norm=True, attention_bias=True)
 """GLM-4.5's: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing."""
+
+_GRANITE4_SHAPE = dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_n_groups=2,
+                       mamba_d_state=8, mamba_d_head=32, mamba_d_conv=4, mamba_expand=2, shared_intermediate_size=48,
+                       num_local_experts=4, num_experts_per_tok=2, position_embedding_type=None)
+"""Granite 4.0's hybrid: a Mamba2 layer (4 heads in 2 groups), an attention layer without positions, experts and
+the shared MLP in both."""
 
 _QWEN3_5_SHAPE = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                       linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2)
@@ -388,6 +394,7 @@ def _build_config(
         "deepseek_v3": transformers.DeepseekV3Config, "glm4_moe": transformers.Glm4MoeConfig,
         "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
         "qwen3_next": transformers.Qwen3NextConfig, "minimax_m2": transformers.MiniMaxM2Config,
+        "granitemoehybrid": transformers.GraniteMoeHybridConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -402,8 +409,10 @@ def _build_config(
     fields.update(_MOE_SHAPES.get(arch, {}))
     if arch == "phi3":
         fields.update(copy.deepcopy(_PHI3_SHAPE))
-    if arch in ("granite", "granitemoe"):
+    if arch in ("granite", "granitemoe", "granitemoehybrid"):
         fields.update(_GRANITE_SHAPE)
+    if arch == "granitemoehybrid":
+        fields.update(_GRANITE4_SHAPE)
     if arch == "gpt_oss":
         fields.update(copy.deepcopy(_GPT_OSS_SHAPE))
     if arch == "olmo3":

@@ -26,11 +26,11 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "OlmoeForCausalLM", "Starcoder2ForCausalLM", "HunYuanDenseV1ForCausalLM", "GptOssForCausalLM",
                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM",
                       "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-                      "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM")
+                      "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                        "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM")
+                        "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM")
 """Models whose linear-attention layers keep per-request recurrent states (asyncllm/models/gated_deltanet.py): no
-prefix caching, no swap preemption, no speculative decoding (docs/qwen3_5.md)."""
+prefix caching, no swap preemption, no speculative decoding (docs/hybrid-models.md)."""
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
 """Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints take images
 (asyncllm/models/gemma3_mm.py) or, in language-model-only mode, serve text with LoRA adapters (docs/gemma.md)."""
@@ -40,7 +40,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "Qwen3VLMoeForConditionalGeneration", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
                      "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM",
-                     "MiniMaxM2ForCausalLM")
+                     "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",

@@ -1,10 +1,8 @@
 """Gated DeltaNet linear attention (Qwen3.5's ``linear_attention`` layers) with per-request recurrent state.
 
 A layer keeps, for each request, a state that replaces a KV cache: the last ``K - 1`` inputs of its causal
-depthwise convolution (``conv_state``) and a ``[value heads, key dim, value dim]`` float32 matrix
-(``ssm_state``). Both live in buffers with one row per worker row (`AttentionMetadata.request_rows`: the row a
-request keeps for its whole life in the worker); a request whose context is empty at a step (its first chunk)
-starts from zeros, so a reused row never leaks. Each token then:
+depthwise convolution (``conv``) and a ``[value heads, key dim, value dim]`` float32 matrix (``ssm``), by worker
+row (asyncllm/models/row_states.py). Each token then:
 
 - projects to q, k (``linear_num_key_heads``) and v (``linear_num_value_heads``), run through the convolution
   (SiLU), a gate ``z``, a write strength ``beta = sigmoid(b)`` and a log decay ``g = -exp(A_log) *
@@ -17,7 +15,7 @@ starts from zeros, so a reused row never leaks. Each token then:
 A prefill chunk runs the rule in blocks of 64 tokens (`chunked_delta_rule`: the standard WY form, one triangular
 solve a block), a decode step for every request at once (`recurrent_step`); both equal the token-by-token
 recurrence (tests/unit/test_gated_deltanet.py) and transformers' float32 results. The prefix cache, swap
-preemption, speculative decoding and CUDA graphs do not apply to these states (docs/qwen3_5.md).
+preemption, speculative decoding and CUDA graphs do not apply to these states (docs/hybrid-models.md).
 """
 
 from __future__ import annotations
@@ -31,8 +29,9 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
+from asyncllm.models.row_states import RowStates, StepRows, causal_conv, conv_step
 
-__all__ = ["GatedDeltaNet", "causal_conv", "chunked_delta_rule", "recurrent_step"]
+__all__ = ["GatedDeltaNet", "chunked_delta_rule", "prepare_qk", "recurrent_step"]
 
 _BLOCK = 64
 """Tokens per block of `chunked_delta_rule`."""
@@ -92,15 +91,6 @@ def _block(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return out
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """One request's ``x [T, C]`` through the depthwise causal convolution ``weight [C, K]`` after its previous
-    ``K - 1`` inputs ``state [C, K - 1]`` (replaced by the last ``K - 1`` now), then SiLU: ``[T, C]``."""
-    extended = torch.cat([state, x.t().to(state.dtype)], dim=1)
-    state.copy_(extended[:, extended.shape[1] - state.shape[1]:])
-    out = F.conv1d(extended.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), groups=weight.shape[0])[0]
-    return F.silu(out).t().to(x.dtype)
-
-
 class GatedRMSNorm(nn.Module):
     """``weight * rmsnorm(x)`` (rounded to x's dtype first) times ``silu(gate)`` in float32, as transformers."""
 
@@ -141,31 +131,26 @@ class GatedDeltaNet(nn.Module):
         self.A_log = new_param(self.num_v_heads, dtype=dtype)
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = ColumnParallelLinear(value, hidden, False, whole, dtype)
-        self.conv_state = torch.zeros(max_rows, 2 * key + value, cfg.linear_conv_kernel_dim - 1, dtype=dtype)
-        self.ssm_state = torch.zeros(max_rows, self.num_v_heads, self.k_dim, self.v_dim, dtype=torch.float32)
+        self.states = RowStates(max_rows, {
+            "conv": ((2 * key + value, cfg.linear_conv_kernel_dim - 1), dtype),
+            "ssm": ((self.num_v_heads, self.k_dim, self.v_dim), torch.float32),
+        })
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: Any,
                 metadata: AttentionMetadata) -> torch.Tensor:
-        rows, row_list = _rows(metadata)
-        self._fit(max(row_list, default=-1) + 1, hidden.device)
+        step = self.states.begin(metadata, hidden.device)
         tokens = hidden.shape[0]
         mixed = self.in_proj_qkv(hidden)
         z = self.in_proj_z(hidden).view(tokens, self.num_v_heads, self.v_dim)
         beta = self.in_proj_b(hidden).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
-        qsl, seq_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-        lengths = [qsl[i + 1] - qsl[i] for i in range(len(seq_lens))]
-        fresh = [row for row, n, seq in zip(row_list, lengths, seq_lens) if n and seq == n]
-        if fresh:  # a request's first chunk: a reused row starts from zeros
-            self.conv_state[fresh] = 0
-            self.ssm_state[fresh] = 0
         out = torch.zeros(tokens, self.num_v_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
-        if all(n == 1 for n in lengths):
-            self._decode(mixed, g, beta, rows, out)
+        if step.decode_only:
+            self._decode(mixed, g, beta, step, out)
         else:
-            for i, (row, n) in enumerate(zip(row_list, lengths)):
+            for row, start, n in zip(step.row_list, step.starts, step.lengths):
                 if n:
-                    span = slice(qsl[i], qsl[i + 1])
+                    span = slice(start, start + n)
                     self._prefill(mixed[span], g[span], beta[span], row, out[span])
         normed = self.norm(out.view(-1, self.v_dim), z.view(-1, self.v_dim)).view(tokens, -1)
         return self.out_proj(normed)
@@ -178,37 +163,15 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(n, self.num_v_heads, self.v_dim).float()
 
     def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, row: int, out: torch.Tensor) -> None:
-        convolved = causal_conv(mixed, self.conv_state[row], self.conv1d.weight[:, 0])
+        convolved = causal_conv(mixed, self.states["conv"][row], self.conv1d.weight[:, 0])
         q, k, v = self._heads(convolved)
-        out.copy_(chunked_delta_rule(self.ssm_state[row], q, k, v, g, beta))
+        out.copy_(chunked_delta_rule(self.states["ssm"][row], q, k, v, g, beta))
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: torch.Tensor,
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StepRows,
                 out: torch.Tensor) -> None:
         """One token per request, all at once: the rows' states gathered, stepped, scattered back."""
-        n = len(rows)
-        conv = torch.cat([self.conv_state[rows], mixed[:n].unsqueeze(-1).to(self.conv_state.dtype)], dim=-1)
-        self.conv_state[rows] = conv[..., 1:]
-        weight = self.conv1d.weight[:, 0]
-        convolved = F.silu((conv.to(weight.dtype) * weight).sum(-1)).to(mixed.dtype)
-        q, k, v = self._heads(convolved)
-        state = self.ssm_state[rows]
+        n, rows = len(step.rows), step.rows
+        q, k, v = self._heads(conv_step(mixed[:n], self.states["conv"], rows, self.conv1d.weight[:, 0]))
+        state = self.states["ssm"][rows]
         out[:n] = recurrent_step(state, q, k, v, g[:n], beta[:n]).to(out.dtype)
-        self.ssm_state[rows] = state
-
-    def _fit(self, num_rows: int, device: torch.device) -> None:
-        """Grow the state buffers to hold ``num_rows`` rows (rows can outgrow ``max_num_seqs``, rarely)."""
-        if self.ssm_state.device != device:
-            self.conv_state, self.ssm_state = self.conv_state.to(device), self.ssm_state.to(device)
-        have = self.ssm_state.shape[0]
-        if num_rows > have:
-            grow = max(num_rows, 2 * have) - have
-            self.conv_state = torch.cat([self.conv_state, self.conv_state.new_zeros(grow, *self.conv_state.shape[1:])])
-            self.ssm_state = torch.cat([self.ssm_state, self.ssm_state.new_zeros(grow, *self.ssm_state.shape[1:])])
-
-
-def _rows(metadata: AttentionMetadata) -> tuple[torch.Tensor, list[int]]:
-    """The step's request rows, on the device and the host."""
-    rows, row_list = metadata.request_rows, metadata.request_rows_cpu
-    if rows is None or row_list is None:
-        raise RuntimeError("a linear-attention layer needs each request's worker row (AttentionMetadata.request_rows)")
-    return rows, row_list
+        self.states["ssm"][rows] = state

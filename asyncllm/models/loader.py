@@ -127,7 +127,7 @@ def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtyp
         options["expert_parallel"] = config.enable_expert_parallel
     if getattr(model_cls, "takes_max_model_len", False):  # LongRoPE's factors depend on it (docs/phi3.md)
         options["max_model_len"] = config.max_model_len
-    if getattr(model_cls, "takes_max_num_seqs", False):  # linear attention's state rows (docs/qwen3_5.md)
+    if getattr(model_cls, "takes_max_num_seqs", False):  # linear attention's state rows (docs/hybrid-models.md)
         options["max_num_seqs"] = config.max_num_seqs
     if pipeline is not None:  # a pipeline stage: only its parts (asyncllm/models/pipeline.py)
         options["pipeline"] = pipeline

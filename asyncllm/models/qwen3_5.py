@@ -9,14 +9,13 @@ and, every ``full_attention_interval``-th layer, gated full attention on the pag
   share one position); the attention output times ``sigmoid(gate)`` before ``o_proj``.
 - Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``): every MLP is Qwen2-MoE's (softmax top k, renormalized and rounded to the
   model dtype, a shared expert scaled by ``sigmoid(shared_expert_gate(x))``); experts per expert or fused.
-- Only the full-attention layers have KV-cache tensors (``kv_cache_layers``); the linear layers keep per-request
-  states in their own buffers, preallocated for ``max_num_seqs`` rows before the KV cache is sized.
+- Only the full-attention layers have KV-cache tensors; the linear layers keep per-request states by worker row,
+  preallocated for ``max_num_seqs`` rows before the KV cache is sized (asyncllm/models/hybrid.py).
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
 from typing import Any, Iterable
 
 import torch
@@ -26,28 +25,15 @@ from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.gated_deltanet import GatedDeltaNet
 from asyncllm.models.gemma import GemmaRMSNorm
-from asyncllm.models.layers import Attention, LoadedWeight, TensorParallel
+from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin, is_state_layer
+from asyncllm.models.layers import Attention, LoadedWeight
 from asyncllm.models.linear import QKVParallelLinear, RowParallelLinear
-from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM, LlamaModel
+from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM
 from asyncllm.models.moe import MoECausalLM, MoESpec
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.qwen3_vl_moe import split_fused_experts
 
-__all__ = ["Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextOnly", "Qwen3_5TextOnly", "kv_cache_layers"]
-
-_LINEAR = "linear_attention"
-
-
-def kv_cache_layers(hf_config: Any) -> int:
-    """The layers with a KV cache: the full-attention ones."""
-    return sum(1 for kind in hf_config.layer_types if kind != _LINEAR)
-
-
-@dataclasses.dataclass(frozen=True)
-class HybridBuild(DecoderBuild):
-    max_rows: int = 256
-    """Rows of recurrent state each linear-attention layer preallocates (``max_num_seqs``)."""
-
+__all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextOnly", "Qwen3_5TextOnly"]
 
 class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate per head, zero-centred q/k norms and a partial rotary."""
@@ -78,7 +64,7 @@ class GatedAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate))
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(HybridLayer):
     """Zero-centred pre-norms around a linear-attention or a gated full-attention mixer, then the MLP."""
 
     def __init__(self, b: HybridBuild, layer_idx: int) -> None:
@@ -88,7 +74,7 @@ class HybridDecoderLayer(nn.Module):
         def norm() -> GemmaRMSNorm:
             return GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
 
-        self.is_linear = cfg.layer_types[layer_idx] == _LINEAR
+        self.is_linear = is_state_layer(cfg, layer_idx)
         self.input_layernorm = norm()
         if self.is_linear:
             self.linear_attn = GatedDeltaNet(cfg, b.dtype, b.max_rows)
@@ -97,55 +83,30 @@ class HybridDecoderLayer(nn.Module):
         self.post_attention_layernorm = norm()
         self.mlp = b.make_mlp(b, layer_idx)
 
+    def mixer(self) -> nn.Module:
+        return self.linear_attn if self.is_linear else self.self_attn
+
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        mixer = self.linear_attn if self.is_linear else self.self_attn
-        hidden, residual = self.post_attention_layernorm(mixer(positions, hidden, kv_cache, metadata), residual)
+        hidden, residual = self.post_attention_layernorm(*self.mix(positions, hidden, residual, kv_cache, metadata))
         return self.mlp(hidden), residual
 
 
-class HybridModel(LlamaModel):
+class Qwen3_5Model(HybridModel):
     layer_cls = HybridDecoderLayer
     norm_cls = GemmaRMSNorm
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """As Llama's, the KV caches handed to the full-attention layers in order (the linear ones have none)."""
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual, caches = None, iter(kv_caches)
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, None if layer.is_linear else next(caches), metadata)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
-
-class Qwen3_5ForCausalLM(LlamaForCausalLM):
+class Qwen3_5ForCausalLM(StateLayersMixin, LlamaForCausalLM):
     """Qwen3.5's dense text model."""
 
-    model_cls = HybridModel
-    keeps_request_states = True
-    """Its linear-attention layers keep per-request states by worker row (workers/input_batch.py)."""
-    takes_max_num_seqs = True
-    """The loader passes ``max_num_seqs``: the states' rows are preallocated."""
-    kv_cache_layers = staticmethod(kv_cache_layers)
+    model_cls = Qwen3_5Model
 
-    def __init__(self, hf_config: Any, *, max_num_seqs: int = 256, **kwargs: Any) -> None:
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_phi3(hf_config, "Qwen3.5")
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise NotBuiltError("hidden_act", hf_config.hidden_act, "Qwen3.5 with SiLU")
-        self.max_num_seqs = max_num_seqs
         super().__init__(hf_config, **kwargs)
-
-    def decoder_build(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel,  # type: ignore[override]
-                      attn_backend: Any, max_position: int, expert_parallel: bool) -> HybridBuild:
-        """Llama's build plus the rows of state to preallocate (an instance's: it knows ``max_num_seqs``)."""
-        base = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
-        return HybridBuild(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                           max_rows=self.max_num_seqs)
 
 
 def _text_config(hf_config: Any) -> Any:

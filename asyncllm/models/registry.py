@@ -46,6 +46,7 @@ from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextOnly, Qwen3_5TextOnly
 from asyncllm.models.qwen3_next import Qwen3NextForCausalLM
 from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
+from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -145,6 +146,7 @@ _MODELS: dict[str, type] = {
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOnly,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),

@@ -34,7 +34,10 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
         too_long = " ".join(["engine"] * (engine.config.max_model_len + 1))
         with pytest.raises(InvalidRequestError, match="max_model_len"):
             await engine.embed(too_long)
-        assert (await engine.embed(TEXTS[1])).embedding == outs[1].embedding  # served on after the refusals
+        again = (await engine.embed(TEXTS[1])).embedding  # served on after the refusals
+        # alone in its step now: the products' shapes differ from the first batch's (which arrival timing decides),
+        # so only the last bits may
+        np.testing.assert_allclose(again, outs[1].embedding, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])  # ModernBERT's head: tests/unit/test_bert_model.py

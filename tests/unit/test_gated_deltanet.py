@@ -11,10 +11,11 @@ import torch
 from model_utils import PagedRun, assert_paged_logits_match_checkpoint
 
 from asyncllm.config import EngineConfig
-from asyncllm.models.gated_deltanet import causal_conv, chunked_delta_rule, prepare_qk, recurrent_step
+from asyncllm.models.gated_deltanet import chunked_delta_rule, prepare_qk, recurrent_step
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM
 from asyncllm.models.registry import kv_cache_spec
+from asyncllm.models.row_states import causal_conv
 from asyncllm.tiny import tiny_checkpoint
 
 
@@ -120,4 +121,4 @@ def test_a_reused_row_starts_from_zeros() -> None:
     first, again = (run.run([[11, 8], [1, 1]]) for run in runs)  # the second on the rows the first left
     for before, after in zip(first, again):
         torch.testing.assert_close(after, before)
-    assert model.model.layers[0].linear_attn.ssm_state[1].abs().sum() > 0  # the rows did hold a state
+    assert model.model.layers[0].linear_attn.states["ssm"][1].abs().sum() > 0  # the rows did hold a state

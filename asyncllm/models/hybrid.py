@@ -1,0 +1,98 @@
+"""What the hybrid decoders share (Qwen3.5: asyncllm/models/qwen3_5.py; Granite 4.0: asyncllm/models/granite4.py):
+layers that keep per-request states (Gated DeltaNet, Mamba2: asyncllm/models/row_states.py) beside attention
+layers on the paged KV cache.
+
+- `StateLayersMixin` (before the causal LM class): the loader passes ``max_num_seqs`` so the state layers
+  preallocate that many rows (`HybridBuild.max_rows`); the worker lists each step's rows for them
+  (``keeps_request_states``); only the attention layers count in the KV-cache spec (``kv_cache_layers``).
+- `HybridModel`: Llama's decoder stack whose forward hands the KV caches to the attention layers only (a layer
+  with ``is_linear`` set gets None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.models.layers import TensorParallel
+from asyncllm.models.llama import DecoderBuild, LlamaModel
+
+__all__ = ["HybridBuild", "HybridLayer", "HybridModel", "STATE_LAYER_TYPES", "StateLayersMixin", "is_state_layer"]
+
+STATE_LAYER_TYPES = ("linear_attention", "mamba")
+"""``layer_types`` entries of layers that keep states instead of a KV cache."""
+
+
+def is_state_layer(hf_config: Any, layer_idx: int) -> bool:
+    return hf_config.layer_types[layer_idx] in STATE_LAYER_TYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridBuild(DecoderBuild):
+    max_rows: int = 256
+    """Rows of state each state layer preallocates (``max_num_seqs``)."""
+
+
+class HybridLayer(nn.Module):
+    """A hybrid's layer: ``input_layernorm`` (fusing the residual add), then its state layer or its attention
+    (``mixer``); the subclasses do the rest."""
+
+    is_linear: bool
+    input_layernorm: nn.Module
+    mixer_residual_scale = 1.0
+    """The mixer's output times this before it joins the residual stream (Granite's ``residual_multiplier``)."""
+
+    def mixer(self) -> nn.Module:
+        raise NotImplementedError
+
+    def mix(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+            kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the mixer's output, scaled, the residual stream before it)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        out = self.mixer()(positions, hidden, kv_cache, metadata)
+        return (out if self.mixer_residual_scale == 1.0 else out * self.mixer_residual_scale), residual
+
+
+class HybridModel(LlamaModel):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """As Llama's, the KV caches handed to the attention layers in order (the state layers have none)."""
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual, caches = None, iter(kv_caches)
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, None if layer.is_linear else next(caches), metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class StateLayersMixin:
+    """Mixin before a `LlamaForCausalLM` whose model is a `HybridModel`."""
+
+    keeps_request_states = True
+    """Its state layers keep per-request states by worker row (workers/input_batch.py)."""
+    takes_max_num_seqs = True
+    """The loader passes ``max_num_seqs``: the states' rows are preallocated."""
+
+    @staticmethod
+    def kv_cache_layers(hf_config: Any) -> int:
+        """The layers with a KV cache: the attention ones."""
+        return sum(1 for i in range(hf_config.num_hidden_layers) if not is_state_layer(hf_config, i))
+
+    def __init__(self, hf_config: Any, *, max_num_seqs: int = 256, **kwargs: Any) -> None:
+        self.max_num_seqs = max_num_seqs
+        super().__init__(hf_config, **kwargs)  # type: ignore[call-arg]
+
+    def decoder_build(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
+                      max_position: int, expert_parallel: bool) -> HybridBuild:
+        """The causal LM's build plus the rows of state to preallocate (an instance's: it knows ``max_num_seqs``)."""
+        base = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position,  # type: ignore[misc]
+                                     expert_parallel)
+        return HybridBuild(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                           max_rows=self.max_num_seqs)

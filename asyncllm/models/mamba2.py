@@ -1,0 +1,147 @@
+"""The Mamba2 mixer (Granite 4.0's ``mamba`` layers) with per-request states by worker row
+(asyncllm/models/row_states.py).
+
+``in_proj`` gives a gate ``z``, the convolution's input (x, then the groups' B and C) and a step size per head;
+after the causal convolution (SiLU), each head ``h`` with ``dt = softplus(dt + dt_bias)`` (clamped to
+``time_step_limit``) and ``A = -exp(A_log)`` updates its ``[head dim, state]`` state ``S <- exp(dt A) S + dt x B^T``
+and outputs ``y = S C + D x`` (B and C shared by the heads of a group). ``y * silu(z)`` is RMS-normed per group,
+then ``out_proj``. A prefill chunk runs the scan in blocks of 64 tokens (`ssd_chunk`: the quadratic form within a
+block, the state carried across), a decode step for every request at once (`ssd_step`); both equal the
+token-by-token recurrence and transformers' float32 results (tests/unit/test_mamba2.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.models.layers import TensorParallel, new_param
+from asyncllm.models.linear import ColumnParallelLinear
+from asyncllm.models.row_states import RowStates, causal_conv, conv_step
+
+__all__ = ["Mamba2Mixer", "ssd_chunk", "ssd_step"]
+
+_BLOCK = 64
+
+
+def ssd_step(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
+             a: torch.Tensor) -> torch.Tensor:
+    """One token of each of N requests, float32: ``state [N, H, P, S]`` (updated in place), ``x [N, H, P]``,
+    ``b, c [N, H, S]``, ``dt [N, H]``, ``a [H]`` -> ``S c`` ``[N, H, P]`` (without ``D x``)."""
+    state.mul_((dt * a).exp()[..., None, None]).add_((dt[..., None] * x).unsqueeze(-1) * b.unsqueeze(-2))
+    return torch.einsum("nhps,nhs->nhp", state, c)
+
+
+def ssd_chunk(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
+              a: torch.Tensor) -> torch.Tensor:
+    """One request's T tokens, float32: ``state [H, P, S]`` (updated in place), ``x [T, H, P]``, ``b, c [T, H, S]``,
+    ``dt [T, H]``, ``a [H]`` -> ``[T, H, P]`` (without ``D x``). In a block with cumulative log decay ``l_i``:
+    ``y_i = e^(l_i) S0 c_i + sum_(j <= i) e^(l_i - l_j) dt_j (c_i . b_j) x_j``, and the state
+    ``e^(l_L) S0 + sum_j e^(l_L - l_j) dt_j x_j b_j^T``."""
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[0], _BLOCK):
+        block = slice(start, start + _BLOCK)
+        out[block] = _block(state, x[block], b[block], c[block], dt[block], a)
+    return out
+
+
+def _block(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
+           a: torch.Tensor) -> torch.Tensor:
+    size = x.shape[0]
+    log_decay = (dt * a).cumsum(dim=0)  # [L, H]
+    below = torch.ones(size, size, dtype=torch.bool, device=x.device).tril()
+    pairs = (log_decay.t().unsqueeze(-1) - log_decay.t().unsqueeze(-2)).masked_fill(~below, float("-inf")).exp()
+    scores = torch.einsum("ihs,jhs->hij", c, b) * pairs * dt.t().unsqueeze(1)
+    out = torch.einsum("hij,jhp->ihp", scores, x)
+    out += torch.einsum("hps,ihs->ihp", state, c) * log_decay.exp().unsqueeze(-1)
+    last = log_decay[-1]
+    weights = ((last - log_decay).exp() * dt).unsqueeze(-1)  # [L, H, 1]
+    state.mul_(last.exp()[:, None, None]).add_(torch.einsum("jhp,jhs->hps", x * weights, b))
+    return out
+
+
+class _Conv(nn.Module):
+    """The depthwise convolution's ``weight [C, 1, K]`` and ``bias [C]`` (transformers' ``conv1d``)."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_param(channels, 1, kernel, dtype=dtype)
+        self.bias = new_param(channels, dtype=dtype) if bias else None
+
+
+class GroupGatedRMSNorm(nn.Module):
+    """``x * silu(gate)`` RMS-normed per group of ``group_size`` features in float32, times the weight."""
+
+    def __init__(self, size: int, group_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_param(size, dtype=dtype)
+        self.group_size, self.eps = group_size, eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        gated = (x.float() * F.silu(gate.float())).unflatten(-1, (-1, self.group_size))
+        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.flatten(-2).to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """A Mamba2 layer; every tensor-parallel rank computes it whole (its projections are not split)."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_rows: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.mamba_n_heads, cfg.mamba_d_head
+        self.groups, self.state_size = cfg.mamba_n_groups, cfg.mamba_d_state
+        self.inner = cfg.mamba_expand * cfg.hidden_size
+        conv_dim = self.inner + 2 * self.groups * self.state_size
+        whole, bias = TensorParallel(), bool(cfg.mamba_proj_bias)
+        self.in_proj = ColumnParallelLinear(cfg.hidden_size, self.inner + conv_dim + self.num_heads, bias, whole, dtype)
+        self.conv1d = _Conv(conv_dim, cfg.mamba_d_conv, bool(cfg.mamba_conv_bias), dtype)
+        self.dt_bias = new_param(self.num_heads, dtype=dtype)
+        self.A_log = new_param(self.num_heads, dtype=dtype)
+        self.D = new_param(self.num_heads, dtype=dtype)
+        self.norm = GroupGatedRMSNorm(self.inner, self.inner // self.groups, cfg.rms_norm_eps, dtype)
+        self.out_proj = ColumnParallelLinear(self.inner, cfg.hidden_size, bias, whole, dtype)
+        self.dt_limit = tuple(getattr(cfg, "time_step_limit", None) or (0.0, float("inf")))
+        self.states = RowStates(max_rows, {
+            "conv": ((conv_dim, cfg.mamba_d_conv - 1), dtype),
+            "ssm": ((self.num_heads, self.head_dim, self.state_size), torch.float32),
+        })
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: Any,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        step = self.states.begin(metadata, hidden.device)
+        gate, xbc, dt = self.in_proj(hidden).split([self.inner, xbc_width(self), self.num_heads], dim=-1)
+        dt = F.softplus(dt + self.dt_bias).clamp(*self.dt_limit).float()
+        a = -self.A_log.float().exp()
+        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
+        y = torch.zeros(hidden.shape[0], self.num_heads, self.head_dim, device=hidden.device)
+        if step.decode_only:
+            n, rows = len(step.rows), step.rows
+            x, b, c = self._split(conv_step(xbc[:n], self.states["conv"], rows, weight, bias))
+            state = self.states["ssm"][rows]
+            y[:n] = ssd_step(state, x, b, c, dt[:n], a) + x * self.D.float()[:, None]
+            self.states["ssm"][rows] = state
+        else:
+            for row, start, n in zip(step.row_list, step.starts, step.lengths):
+                if n:
+                    span = slice(start, start + n)
+                    x, b, c = self._split(causal_conv(xbc[span], self.states["conv"][row], weight, bias))
+                    y[span] = ssd_chunk(self.states["ssm"][row], x, b, c, dt[span], a) + x * self.D.float()[:, None]
+        return self.out_proj(self.norm(y.view(hidden.shape[0], -1), gate).to(hidden.dtype))
+
+    def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The convolution's output -> float32 x ``[T, H, P]`` and the groups' B, C repeated per head
+        ``[T, H, S]``."""
+        width = self.groups * self.state_size
+        x, b, c = xbc.float().split([self.inner, width, width], dim=-1)
+        per_group = self.num_heads // self.groups
+        b, c = (t.unflatten(-1, (self.groups, self.state_size)).repeat_interleave(per_group, dim=1) for t in (b, c))
+        return x.unflatten(-1, (self.num_heads, self.head_dim)), b, c
+
+
+def xbc_width(mixer: Mamba2Mixer) -> int:
+    """The convolution's channels: x, then the groups' B and C."""
+    return mixer.inner + 2 * mixer.groups * mixer.state_size

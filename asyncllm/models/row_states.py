@@ -1,0 +1,96 @@
+"""Per-request recurrent states kept by worker row, for the layers that keep a state instead of a KV cache
+(Gated DeltaNet: asyncllm/models/gated_deltanet.py; Mamba2: asyncllm/models/mamba2.py).
+
+A request keeps one row in the worker for its whole life there (`AttentionMetadata.request_rows`), so a layer's
+state tensors have one row per worker row, preallocated for ``max_num_seqs`` rows when the model is built (before
+the KV cache is sized) and grown if rows ever outnumber them. A request whose context is empty at a step (its first
+chunk, or its first after a recompute preemption) starts from zeros, so a reused row never leaks an earlier
+request's state. Also here: the causal depthwise convolution both layers run before their scan, with its last
+``K - 1`` inputs as state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from asyncllm.attention.metadata import AttentionMetadata
+
+__all__ = ["RowStates", "StepRows", "causal_conv", "conv_step"]
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """A step's requests as the state layers see them."""
+
+    rows: torch.Tensor
+    """[num_reqs] int64 on the device: each request's row."""
+    row_list: list[int]
+    starts: list[int]
+    """Where each request's tokens start in the step (``query_start_loc``; one more entry at the end)."""
+
+    @property
+    def lengths(self) -> list[int]:
+        return [end - start for start, end in zip(self.starts, self.starts[1:])]
+
+    @property
+    def decode_only(self) -> bool:
+        return all(n == 1 for n in self.lengths)
+
+
+class RowStates:
+    """Named state tensors ``[rows, *shape]``; `begin` readies them for a step."""
+
+    def __init__(self, max_rows: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        self.tensors = {name: torch.zeros(max_rows, *shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self.tensors[name] = value
+
+    def begin(self, metadata: AttentionMetadata, device: torch.device) -> StepRows:
+        """The step's rows: the tensors moved to ``device`` and grown to hold them, first-chunk rows zeroed."""
+        rows, row_list = metadata.request_rows, metadata.request_rows_cpu
+        if rows is None or row_list is None:
+            raise RuntimeError("a layer with per-request states needs each request's worker row "
+                               "(AttentionMetadata.request_rows)")
+        step = StepRows(rows, row_list, metadata.query_start_loc_cpu)
+        self._fit(max(row_list, default=-1) + 1, device)
+        fresh = [row for row, n, seq in zip(row_list, step.lengths, metadata.seq_lens_cpu) if n and seq == n]
+        if fresh:
+            for tensor in self.tensors.values():
+                tensor[fresh] = 0
+        return step
+
+    def _fit(self, num_rows: int, device: torch.device) -> None:
+        for name, tensor in self.tensors.items():
+            if tensor.device != device:
+                tensor = tensor.to(device)
+            if num_rows > tensor.shape[0]:
+                grow = max(num_rows, 2 * tensor.shape[0]) - tensor.shape[0]
+                tensor = torch.cat([tensor, tensor.new_zeros(grow, *tensor.shape[1:])])
+            self.tensors[name] = tensor
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One request's ``x [T, C]`` through the depthwise causal convolution ``weight [C, K]`` (plus ``bias``) after its
+    previous ``K - 1`` inputs ``state [C, K - 1]`` (replaced by the last ``K - 1`` now), then SiLU: ``[T, C]``."""
+    extended = torch.cat([state, x.t().to(state.dtype)], dim=1)
+    state.copy_(extended[:, extended.shape[1] - state.shape[1]:])
+    out = F.conv1d(extended.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
+    return F.silu(out).t().to(x.dtype)
+
+
+def conv_step(x: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One token of each of N requests, ``x [N, C]``, through the convolution after their rows' states (updated):
+    ``[N, C]``."""
+    window = torch.cat([states[rows], x.unsqueeze(-1).to(states.dtype)], dim=-1)
+    states[rows] = window[..., 1:]
+    out = (window.to(weight.dtype) * weight).sum(-1)
+    return F.silu(out if bias is None else out + bias).to(x.dtype)

@@ -1,0 +1,95 @@
+"""Mamba2 (asyncllm/models/mamba2.py) and Granite 4.0 (asyncllm/models/granite4.py): the blocked scan and the batched
+decode step equal the token-by-token recurrence, across block edges and from a carried state; Granite 4.0's
+float32 logits equal transformers' over a paged run (a 72-token request in 40- and 30-token chunks beside
+decodes) and over two tensor-parallel ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hf_reference import hf_logits
+from model_utils import PagedRun, free_port, tp_worker
+
+from asyncllm.config import EngineConfig
+from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
+from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.mamba2 import ssd_chunk, ssd_step
+from asyncllm.models.registry import kv_cache_spec
+from asyncllm.tiny import tiny_checkpoint
+
+SEQ_LENS = [12, 72, 11]
+SCHEDULE = [[5, 40, 0], [4, 30, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
+
+
+def _inputs(tokens: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, 4, 6, generator=gen)
+    b, c = (torch.randn(tokens, 4, 5, generator=gen) for _ in range(2))
+    dt = torch.rand(tokens, 4, generator=gen) * 0.5
+    a = -torch.rand(4, generator=gen) * 2
+    return x, b, c, dt, a
+
+
+def _token_by_token(state: torch.Tensor, x, b, c, dt, a) -> tuple[torch.Tensor, torch.Tensor]:
+    outs = []
+    for t in range(x.shape[0]):
+        state = state * (dt[t] * a).exp()[:, None, None] + (dt[t][:, None] * x[t])[:, :, None] * b[t][:, None, :]
+        outs.append(torch.einsum("hps,hs->hp", state, c[t]))
+    return torch.stack(outs), state
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 140])
+def test_blocked_scan_equals_the_recurrence(tokens: int) -> None:
+    x, b, c, dt, a = _inputs(tokens)
+    start = torch.randn(4, 6, 5, generator=torch.Generator().manual_seed(8))
+    expected, expected_state = _token_by_token(start.clone(), x, b, c, dt, a)
+    state = start.clone()
+    torch.testing.assert_close(ssd_chunk(state, x, b, c, dt, a), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(state, expected_state, atol=1e-4, rtol=1e-4)
+
+
+def test_batched_step_equals_the_recurrence() -> None:
+    x, b, c, dt, a = _inputs(3, seed=2)  # three requests, one token each
+    states = torch.randn(3, 4, 6, 5, generator=torch.Generator().manual_seed(3))
+    expected = [_token_by_token(states[n].clone(), x[n:n + 1], b[n:n + 1], c[n:n + 1], dt[n:n + 1], a)
+                for n in range(3)]
+    out = ssd_step(states, x, b, c, dt, a)
+    torch.testing.assert_close(out, torch.cat([e[0] for e in expected]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, torch.stack([e[1] for e in expected]), atol=1e-5, rtol=1e-5)
+
+
+def _assert_logits(path: str, all_logits: list[torch.Tensor], sequences: list[list[int]]) -> None:
+    for tokens, logits in zip(sequences, all_logits, strict=True):
+        expected = hf_logits(path, tokens)
+        assert expected.std() > 0.15  # Granite divides its logits by 8
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def _sequences(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(6, 512, (n,), generator=gen).tolist() for n in SEQ_LENS]
+
+
+def test_granite4_logits_match_transformers() -> None:
+    path = tiny_checkpoint("granitemoehybrid")
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+    assert type(model) is GraniteMoeHybridForCausalLM
+    spec = kv_cache_spec(hf_config, 1)
+    assert spec.num_layers == 1  # the attention layer only
+    sequences = _sequences(4)
+    run = PagedRun(model, sequences, block_size=4)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    _assert_logits(path, run.run(SCHEDULE), sequences)
+
+
+@pytest.mark.slow
+def test_granite4_over_two_ranks(tmp_path) -> None:
+    """The attention layer, the shared MLP and the experts split over two gloo ranks, the Mamba2 layer whole on
+    each: every rank's logits equal transformers'."""
+    path = tiny_checkpoint("granitemoehybrid")
+    sequences = _sequences(5)
+    mp.spawn(tp_worker, args=(2, free_port(), [path], str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
+    for rank in range(2):
+        _assert_logits(path, torch.load(tmp_path / f"rank{rank}_0.pt"), sequences)
