@@ -114,13 +114,13 @@ class _MRopeBuild:
     interleaved_mrope = False
     default_mrope_section: tuple[int, ...] = ()
 
-    @classmethod
-    def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+    def decoder_build(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                       max_position: int, expert_parallel: bool) -> DecoderBuild:
+        """The decoder's build with M-RoPE (an instance method, so it composes with the hybrids' build)."""
         build = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position,  # type: ignore[misc]
                                       expert_parallel)
-        rotary = MRotaryEmbedding(hf_config, head_dim_of(hf_config), max_position, cls.interleaved_mrope,
-                                  cls.default_mrope_section)
+        rotary = MRotaryEmbedding(hf_config, head_dim_of(hf_config), max_position, self.interleaved_mrope,
+                                  self.default_mrope_section)
         return dataclasses.replace(build, rotary_emb=rotary)
 
 

@@ -31,9 +31,11 @@ from asyncllm.models.linear import QKVParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM
 from asyncllm.models.moe import MoECausalLM, MoESpec
 from asyncllm.models.phi3 import check_phi3
+from asyncllm.models.qwen2_vl import Qwen3VLForConditionalGeneration, _MRopeBuild
 from asyncllm.models.qwen3_vl_moe import split_fused_experts
 
-__all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeTextOnly", "Qwen3_5TextOnly"]
+__all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
+           "Qwen3_5MoeTextOnly", "Qwen3_5TextOnly"]
 
 class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate per head, zero-centred q/k norms and a partial rotary."""
@@ -162,3 +164,37 @@ class Qwen3_5MoeTextOnly(Qwen3_5MoeForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return super().load_weights((text, w) for name, w in weights if (text := qwen3_5_text_name(name)) is not None)
+
+
+class Qwen3_5VLModel(Qwen3_5Model):
+    """The hybrid stack for images: ``[3, T]`` positions rotate the attention layers by the step's M-RoPE table
+    (the linear layers use no positions)."""
+
+    def __init__(self, b: DecoderBuild) -> None:
+        super().__init__(b)
+        self.rotary_emb = b.rotary_emb
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        if positions.dim() == 1:  # text only: three equal positions are the ordinary rope
+            return super().forward(input_ids, positions, kv_caches, metadata, inputs_embeds)
+        with self.rotary_emb.rotating_by(positions) as flat:
+            return super().forward(input_ids, flat, kv_caches, metadata, inputs_embeds)
+
+
+class Qwen3_5VLLanguageModel(_MRopeBuild, Qwen3_5ForCausalLM):
+    """Qwen3.5's decoder under its vision tower: interleaved M-RoPE over the rotated quarter of each head."""
+
+    model_cls = Qwen3_5VLModel
+    interleaved_mrope = True
+    default_mrope_section = (11, 11, 10)
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3.5 with images and videos: Qwen3-VL's tower without deepstack mergers (asyncllm/models/qwen3_vision.py),
+    its processing and M-RoPE positions (asyncllm/models/qwen2_vl.py), over the hybrid decoder."""
+
+    language_model_cls = Qwen3_5VLLanguageModel
+    keeps_request_states = True
+    takes_max_num_seqs = True
+    kv_cache_layers = staticmethod(StateLayersMixin.kv_cache_layers)

@@ -38,7 +38,7 @@ from asyncllm.models.qwen_vision import QwenPatchEmbed, QwenVisionAttention, Seg
 
 __all__ = ["Qwen3VisionTower", "check_qwen3_vision_tensor_parallel"]
 
-_MODEL_TYPES = ("qwen3_vl_vision", "qwen3_vl_moe_vision")
+_MODEL_TYPES = ("qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision")
 """Qwen3-VL's tower, and Qwen3-VL-MoE's (the same tower under its own name)."""
 _NORM_EPS = 1e-6  # fixed in transformers, not read from the config
 
@@ -56,9 +56,14 @@ def check_qwen3_vision_tensor_parallel(cfg: Any, tp_size: int) -> None:
                           f"a size that divides the vision encoder's {', '.join(problems)}")
 
 
+def deepstack_indexes(cfg: Any) -> list[int]:
+    """The blocks whose outputs feed deepstack mergers (none in Qwen3.5's tower, which has no such field)."""
+    return list(getattr(cfg, "deepstack_visual_indexes", None) or [])
+
+
 def _check_deepstack(cfg: Any) -> None:
     """Each deepstack feature feeds one text layer: a missing or repeated block would shift them all."""
-    indexes = list(cfg.deepstack_visual_indexes)
+    indexes = list(deepstack_indexes(cfg))
     if len(set(indexes)) != len(indexes) or not all(0 <= i < cfg.depth for i in indexes):
         raise ConfigError("vision_config.deepstack_visual_indexes", indexes,
                           f"distinct block indexes in [0, {cfg.depth})")
@@ -147,8 +152,8 @@ class Qwen3VisionTower(nn.Module):
         self.blocks = nn.ModuleList(Qwen3VisionBlock(cfg, tp, dtype) for _ in range(cfg.depth))
         self.merger = Qwen3PatchMerger(cfg, False, tp, dtype)
         self.deepstack_merger_list = nn.ModuleList(
-            Qwen3PatchMerger(cfg, True, tp, dtype) for _ in cfg.deepstack_visual_indexes)
-        self.deepstack_mergers = {block: i for i, block in enumerate(cfg.deepstack_visual_indexes)}
+            Qwen3PatchMerger(cfg, True, tp, dtype) for _ in deepstack_indexes(cfg))
+        self.deepstack_mergers = {block: i for i, block in enumerate(deepstack_indexes(cfg))}
         self.num_deepstack = len(self.deepstack_merger_list)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: Sequence[tuple[int, int, int]]) -> torch.Tensor:

@@ -43,7 +43,9 @@ from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
 from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
 from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
-from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextOnly, Qwen3_5TextOnly
+from asyncllm.models.qwen3_5 import (
+    Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextOnly, Qwen3_5TextOnly,
+)
 from asyncllm.models.qwen3_next import Qwen3NextForCausalLM
 from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
@@ -141,7 +143,7 @@ _MODELS: dict[str, type] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-    "Qwen3_5ForConditionalGeneration": Qwen3_5TextOnly,  # text prompts only: the vision tower is not read
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # limit_mm_per_prompt 0: Qwen3_5TextOnly
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
     "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOnly,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
@@ -167,7 +169,8 @@ _MODELS: dict[str, type] = {
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 
 
-_TEXT_ONLY: dict[str, type[CausalLM]] = {"Gemma3ForConditionalGeneration": Gemma3TextOnly}
+_TEXT_ONLY: dict[str, type[CausalLM]] = {"Gemma3ForConditionalGeneration": Gemma3TextOnly,
+                                         "Qwen3_5ForConditionalGeneration": Qwen3_5TextOnly}
 assert set(_TEXT_ONLY) == set(TEXT_ONLY_CAPABLE_ARCHITECTURES)
 
 

@@ -1,5 +1,6 @@
-"""Qwen2-VL and Qwen2.5-VL end to end: M-RoPE positions and native-resolution images, token for token equal to
-transformers with images split across prefill chunks, prefix-cache hits, batches, chat, and tensor parallelism."""
+"""Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3.5 end to end: M-RoPE positions and native-resolution images, token for
+token equal to transformers with images split across prefill chunks, prefix-cache hits, batches, chat, and tensor
+parallelism."""
 
 from __future__ import annotations
 
@@ -113,6 +114,30 @@ async def test_qwen3_vl_deepstack_and_interleaved_mrope_match_transformers(tmp_p
     expected = hf_qwen_vl_video_greedy(path, with_video.prompt_token_ids, [patches], [images[1]], 8)
     assert with_video.outputs[0].token_ids == expected
     assert video_again.num_cached_tokens > 0 and video_again.outputs[0].token_ids == expected
+
+
+async def test_qwen3_5_hybrid_with_images_and_a_video_matches_transformers(tmp_path_factory):
+    """Qwen3.5: Qwen3-VL's tower without deepstack over the Gated DeltaNet hybrid, the attention layers rotating by
+    the step's M-RoPE table; two images split across 8-token chunks beside a text-only request on two seats (state
+    rows reused), then a video with its timestamps; in language-model-only mode the text decoder alone."""
+    from qwen_vl_utils import VIDEO_PLACEHOLDER, hf_qwen_vl_video_greedy, make_video, video_patches_of
+
+    path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_5"), version="3.5")
+    images = [make_image(120, 70, seed=12), make_image(64, 64, seed=13)]
+    text = f"first {IMAGE_PLACEHOLDER} then {IMAGE_PLACEHOLDER} end"
+    prompts = [{"prompt": text, "images": images}, "only some text here"]
+    video = (make_video(4, 96, 64, seed=5), {"fps": 12.0, "frames_indices": [0, 5, 10, 15], "total_num_frames": 20})
+    async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
+                           max_num_seqs=2) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+        with_video = await engine.generate({"prompt": f"see {VIDEO_PLACEHOLDER}", "videos": [video]}, GREEDY)
+    hf_prompt, hf_tokens = hf_qwen_vl_greedy(path, text, images, 8)
+    assert outs[0].prompt_token_ids == hf_prompt
+    assert [o.outputs[0].token_ids for o in outs] == [hf_tokens, hf_qwen_vl_greedy(path, prompts[1], [], 8)[1]]
+    expected = hf_qwen_vl_video_greedy(path, with_video.prompt_token_ids, [video_patches_of(path, video)], [], 8)
+    assert with_video.outputs[0].token_ids == expected
+    async with AsyncEngine(path, disable_log_stats=True, limit_mm_per_prompt={"image": 0, "video": 0}) as text_only:
+        assert (await text_only.generate(prompts[1], GREEDY)).outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
 async def test_qwen3_vl_moe_with_experts_split_over_two_ranks_matches_transformers(tmp_path_factory):

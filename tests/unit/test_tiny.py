@@ -24,7 +24,8 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
-    assert model.config.model_type == {"gemma3": "gemma3_text"}.get(arch, arch)  # Gemma 3's text-only config
+    assert model.config.model_type == {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
+                                       "qwen3_5_moe": "qwen3_5_moe_text"}.get(arch, arch)  # text-only configs
     assert model.config.vocab_size == len(tokenizer) == 512
     assert model.get_input_embeddings().weight.shape == (512, 64)
     assert model.config.num_hidden_layers == 2
