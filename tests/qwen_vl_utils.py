@@ -37,8 +37,8 @@ CHAT_TEMPLATE = (
 def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: int = 0) -> str:
     """Save a tiny random ``Qwen2VLForConditionalGeneration`` (``version="2"``),
     ``Qwen2_5_VLForConditionalGeneration`` (``"2.5"``), ``Qwen3VLForConditionalGeneration`` (``"3"``) or
-    ``Qwen3VLMoeForConditionalGeneration`` (``"3-moe"``) or ``Qwen3_5ForConditionalGeneration`` (``"3.5"``) with its
-    tokenizer and image processor in ``path``."""
+    ``Qwen3VLMoeForConditionalGeneration`` (``"3-moe"``), ``Qwen3_5ForConditionalGeneration`` (``"3.5"``) or
+    ``Qwen3_5MoeForConditionalGeneration`` (``"3.5-moe"``) with its tokenizer and image processor in ``path``."""
     from transformers import AutoTokenizer
 
     from asyncllm.tiny import tiny_checkpoint
@@ -103,7 +103,7 @@ def make_video(frames: int, width: int, height: int, seed: int):
 
 
 def _configs(version: str, text: dict, common: dict):
-    if version == "3.5":  # the hybrid decoder (a Gated DeltaNet layer, then gated attention), no deepstack
+    if version in ("3.5", "3.5-moe"):  # the hybrid decoder (a Gated DeltaNet layer, then gated attention), no deepstack
         import transformers
 
         text = {**text, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
@@ -113,8 +113,12 @@ def _configs(version: str, text: dict, common: dict):
                                                                 "mrope_section": [2, 1, 1], "mrope_interleaved": True}}
         vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3, out_hidden_size=64,
                       patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64)
-        config = transformers.Qwen3_5Config(text_config=text, vision_config=vision, **common)
-        return transformers.Qwen3_5ForConditionalGeneration, config
+        if version == "3.5-moe":  # hidden 64 != 2 x 24: fused experts' two layouts differ in shape
+            text = {**text, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24,
+                    "shared_expert_intermediate_size": 32}
+        name = "Qwen3_5" if version == "3.5" else "Qwen3_5Moe"
+        config = getattr(transformers, f"{name}Config")(text_config=text, vision_config=vision, **common)
+        return getattr(transformers, f"{name}ForConditionalGeneration"), config
     if version in ("3", "3-moe"):
         import transformers
 

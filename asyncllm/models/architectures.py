@@ -26,9 +26,11 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "OlmoeForCausalLM", "Starcoder2ForCausalLM", "HunYuanDenseV1ForCausalLM", "GptOssForCausalLM",
                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM",
                       "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
-                      "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM")
+                      "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM",
+                      "Lfm2ForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                        "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM")
+                        "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
+                        "Lfm2ForCausalLM")
 """Models whose linear-attention layers keep per-request recurrent states (asyncllm/models/gated_deltanet.py): no
 prefix caching, no swap preemption, no speculative decoding (docs/hybrid-models.md)."""
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
@@ -46,10 +48,11 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditio
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
                             "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration",
-                            "Qwen3_5ForConditionalGeneration")
+                            "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 """Architectures that take images (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too."""
-TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
+TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                                   "Qwen3_5MoeForConditionalGeneration")
 """Image-text architectures that can serve text alone, their vision tower unread (vLLM's language-model-only mode:
 ``limit_mm_per_prompt`` of 0 images and 0 videos; asyncllm/models/registry.py names the classes)."""
 

@@ -29,7 +29,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
-from asyncllm.models.row_states import RowStates, StepRows, causal_conv, conv_step
+from asyncllm.models.row_states import DepthwiseConv, RowStates, StepRows, causal_conv, conv_step
 
 __all__ = ["GatedDeltaNet", "chunked_delta_rule", "prepare_qk", "recurrent_step"]
 
@@ -104,14 +104,6 @@ class GatedRMSNorm(nn.Module):
         return ((self.weight * normed.to(x.dtype)) * F.silu(gate.float())).to(x.dtype)
 
 
-class _Conv(nn.Module):
-    """The depthwise convolution's weight ``[C, 1, K]`` (transformers' ``conv1d.weight``; no bias)."""
-
-    def __init__(self, channels: int, kernel: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = new_param(channels, 1, kernel, dtype=dtype)
-
-
 class GatedDeltaNet(nn.Module):
     """A ``linear_attention`` layer; every tensor-parallel rank computes it whole (its projections are not split)."""
 
@@ -126,7 +118,7 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_z = ColumnParallelLinear(hidden, value, False, whole, dtype)
         self.in_proj_b = ColumnParallelLinear(hidden, self.num_v_heads, False, whole, dtype)
         self.in_proj_a = ColumnParallelLinear(hidden, self.num_v_heads, False, whole, dtype)
-        self.conv1d = _Conv(2 * key + value, cfg.linear_conv_kernel_dim, dtype)
+        self.conv1d = DepthwiseConv(2 * key + value, cfg.linear_conv_kernel_dim, False, dtype)
         self.dt_bias = new_param(self.num_v_heads, dtype=dtype)
         self.A_log = new_param(self.num_v_heads, dtype=dtype)
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps, dtype)
@@ -163,7 +155,7 @@ class GatedDeltaNet(nn.Module):
         return q, k, v.reshape(n, self.num_v_heads, self.v_dim).float()
 
     def _prefill(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, row: int, out: torch.Tensor) -> None:
-        convolved = causal_conv(mixed, self.states["conv"][row], self.conv1d.weight[:, 0])
+        convolved = causal_conv(mixed, self.states["conv"][row], self.conv1d)
         q, k, v = self._heads(convolved)
         out.copy_(chunked_delta_rule(self.states["ssm"][row], q, k, v, g, beta))
 
@@ -171,7 +163,7 @@ class GatedDeltaNet(nn.Module):
                 out: torch.Tensor) -> None:
         """One token per request, all at once: the rows' states gathered, stepped, scattered back."""
         n, rows = len(step.rows), step.rows
-        q, k, v = self._heads(conv_step(mixed[:n], self.states["conv"], rows, self.conv1d.weight[:, 0]))
+        q, k, v = self._heads(conv_step(mixed[:n], self.states["conv"], rows, self.conv1d))
         state = self.states["ssm"][rows]
         out[:n] = recurrent_step(state, q, k, v, g[:n], beta[:n]).to(out.dtype)
         self.states["ssm"][rows] = state

@@ -2,8 +2,8 @@
 granite-4.0-micro): Mamba2 layers (asyncllm/models/mamba2.py) and attention layers by ``layer_types``, Granite's
 four multipliers (asyncllm/models/granite.py), and after each mixer a shared MLP (``shared_mlp``, its gate and up
 rows stored fused as ``input_linear``) plus, when the model has experts, Granite MoE's experts
-(asyncllm/models/granitemoe.py) added to it. The attention layers rotate q and k only with ``position_embedding_type="rope"``; the released hybrids
-use no positions there (the identity rotary: exact)."""
+(asyncllm/models/granitemoe.py) added to it. The attention layers rotate q and k only with
+``position_embedding_type="rope"``; the released hybrids use no positions there (the identity rotary: exact)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.granite import GraniteEmbedding
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
-from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin, is_state_layer
+from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild, LlamaAttention, LlamaMLP
 from asyncllm.models.mamba2 import Mamba2Mixer
@@ -31,22 +31,15 @@ class Granite4Layer(HybridLayer):
     """Pre-norm Mamba2 or attention, then the shared MLP (plus the experts); each output times
     ``residual_multiplier`` before it joins the residual stream."""
 
+    state_name = "mamba"
+
     def __init__(self, b: HybridBuild, layer_idx: int) -> None:
-        super().__init__()
-        cfg, ops = b.hf_config, b.attn_backend.ops
-        self.is_linear = is_state_layer(cfg, layer_idx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, ops)
-        if self.is_linear:
-            self.mamba = Mamba2Mixer(cfg, b.dtype, b.max_rows)
-        else:
-            self.self_attn = LlamaAttention(b, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, ops)
-        self.mlp = b.make_mlp(b, layer_idx)
+        cfg = b.hf_config
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)  # noqa: E731
+        super().__init__(b, layer_idx, norm,
+                         lambda: Mamba2Mixer(cfg, b.dtype, b.max_rows), lambda: LlamaAttention(b, layer_idx))
         self.shared_mlp = LlamaMLP(b, cfg.shared_intermediate_size)
         self.residual_multiplier = self.mixer_residual_scale = b.flags.residual_multiplier
-
-    def mixer(self) -> nn.Module:
-        return self.mamba if self.is_linear else self.self_attn
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:

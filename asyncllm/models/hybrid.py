@@ -12,7 +12,7 @@ layers on the paged KV cache.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -23,7 +23,7 @@ from asyncllm.models.llama import DecoderBuild, LlamaModel
 
 __all__ = ["HybridBuild", "HybridLayer", "HybridModel", "STATE_LAYER_TYPES", "StateLayersMixin", "is_state_layer"]
 
-STATE_LAYER_TYPES = ("linear_attention", "mamba")
+STATE_LAYER_TYPES = ("linear_attention", "mamba", "conv")
 """``layer_types`` entries of layers that keep states instead of a KV cache."""
 
 
@@ -38,16 +38,28 @@ class HybridBuild(DecoderBuild):
 
 
 class HybridLayer(nn.Module):
-    """A hybrid's layer: ``input_layernorm`` (fusing the residual add), then its state layer or its attention
-    (``mixer``); the subclasses do the rest."""
+    """A hybrid's layer: a pre-norm (fusing the residual add), its state layer (named ``state_name``) or its
+    attention (``self_attn``), a post-norm, the MLP. Granite 4.0's adds its shared MLP (`forward` overridden)."""
 
-    is_linear: bool
-    input_layernorm: nn.Module
+    state_name = "linear_attn"
+    """The state layer's attribute: its checkpoint name (``linear_attn``, ``mamba``, ``conv``)."""
     mixer_residual_scale = 1.0
     """The mixer's output times this before it joins the residual stream (Granite's ``residual_multiplier``)."""
 
+    def __init__(self, b: HybridBuild, layer_idx: int, norm: Callable[[], nn.Module],
+                 state_layer: Callable[[], nn.Module], attention: Callable[[], nn.Module]) -> None:
+        super().__init__()
+        self.is_linear = is_state_layer(b.hf_config, layer_idx)
+        self.input_layernorm = norm()
+        if self.is_linear:
+            setattr(self, self.state_name, state_layer())
+        else:
+            self.self_attn = attention()
+        self.post_attention_layernorm = norm()
+        self.mlp = b.make_mlp(b, layer_idx)
+
     def mixer(self) -> nn.Module:
-        raise NotImplementedError
+        return getattr(self, self.state_name) if self.is_linear else self.self_attn
 
     def mix(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
             kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,6 +70,11 @@ class HybridLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         out = self.mixer()(positions, hidden, kv_cache, metadata)
         return (out if self.mixer_residual_scale == 1.0 else out * self.mixer_residual_scale), residual
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.post_attention_layernorm(*self.mix(positions, hidden, residual, kv_cache, metadata))
+        return self.mlp(hidden), residual
 
 
 class HybridModel(LlamaModel):

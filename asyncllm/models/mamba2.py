@@ -21,7 +21,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
-from asyncllm.models.row_states import RowStates, causal_conv, conv_step
+from asyncllm.models.row_states import DepthwiseConv, RowStates, causal_conv, conv_step
 
 __all__ = ["Mamba2Mixer", "ssd_chunk", "ssd_step"]
 
@@ -64,15 +64,6 @@ def _block(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tenso
     return out
 
 
-class _Conv(nn.Module):
-    """The depthwise convolution's ``weight [C, 1, K]`` and ``bias [C]`` (transformers' ``conv1d``)."""
-
-    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = new_param(channels, 1, kernel, dtype=dtype)
-        self.bias = new_param(channels, dtype=dtype) if bias else None
-
-
 class GroupGatedRMSNorm(nn.Module):
     """``x * silu(gate)`` RMS-normed per group of ``group_size`` features in float32, times the weight."""
 
@@ -98,7 +89,7 @@ class Mamba2Mixer(nn.Module):
         conv_dim = self.inner + 2 * self.groups * self.state_size
         whole, bias = TensorParallel(), bool(cfg.mamba_proj_bias)
         self.in_proj = ColumnParallelLinear(cfg.hidden_size, self.inner + conv_dim + self.num_heads, bias, whole, dtype)
-        self.conv1d = _Conv(conv_dim, cfg.mamba_d_conv, bool(cfg.mamba_conv_bias), dtype)
+        self.conv1d = DepthwiseConv(conv_dim, cfg.mamba_d_conv, bool(cfg.mamba_conv_bias), dtype)
         self.dt_bias = new_param(self.num_heads, dtype=dtype)
         self.A_log = new_param(self.num_heads, dtype=dtype)
         self.D = new_param(self.num_heads, dtype=dtype)
@@ -116,11 +107,10 @@ class Mamba2Mixer(nn.Module):
         gate, xbc, dt = self.in_proj(hidden).split([self.inner, xbc_width(self), self.num_heads], dim=-1)
         dt = F.softplus(dt + self.dt_bias).clamp(*self.dt_limit).float()
         a = -self.A_log.float().exp()
-        weight, bias = self.conv1d.weight[:, 0], self.conv1d.bias
         y = torch.zeros(hidden.shape[0], self.num_heads, self.head_dim, device=hidden.device)
         if step.decode_only:
             n, rows = len(step.rows), step.rows
-            x, b, c = self._split(conv_step(xbc[:n], self.states["conv"], rows, weight, bias))
+            x, b, c = self._split(conv_step(xbc[:n], self.states["conv"], rows, self.conv1d))
             state = self.states["ssm"][rows]
             y[:n] = ssd_step(state, x, b, c, dt[:n], a) + x * self.D.float()[:, None]
             self.states["ssm"][rows] = state
@@ -128,7 +118,7 @@ class Mamba2Mixer(nn.Module):
             for row, start, n in zip(step.row_list, step.starts, step.lengths):
                 if n:
                     span = slice(start, start + n)
-                    x, b, c = self._split(causal_conv(xbc[span], self.states["conv"][row], weight, bias))
+                    x, b, c = self._split(causal_conv(xbc[span], self.states["conv"][row], self.conv1d))
                     y[span] = ssd_chunk(self.states["ssm"][row], x, b, c, dt[span], a) + x * self.D.float()[:, None]
         return self.out_proj(self.norm(y.view(hidden.shape[0], -1), gate).to(hidden.dtype))
 

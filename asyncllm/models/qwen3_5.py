@@ -25,7 +25,7 @@ from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.gated_deltanet import GatedDeltaNet
 from asyncllm.models.gemma import GemmaRMSNorm
-from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin, is_state_layer
+from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin
 from asyncllm.models.layers import Attention, LoadedWeight
 from asyncllm.models.linear import QKVParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM
@@ -35,7 +35,7 @@ from asyncllm.models.qwen2_vl import Qwen3VLForConditionalGeneration, _MRopeBuil
 from asyncllm.models.qwen3_vl_moe import split_fused_experts
 
 __all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-           "Qwen3_5MoeTextOnly", "Qwen3_5TextOnly"]
+           "Qwen3_5MoeForConditionalGeneration", "Qwen3_5MoeTextOnly", "Qwen3_5TextOnly"]
 
 class GatedAttention(nn.Module):
     """Full attention with a sigmoid output gate per head, zero-centred q/k norms and a partial rotary."""
@@ -70,28 +70,10 @@ class HybridDecoderLayer(HybridLayer):
     """Zero-centred pre-norms around a linear-attention or a gated full-attention mixer, then the MLP."""
 
     def __init__(self, b: HybridBuild, layer_idx: int) -> None:
-        super().__init__()
         cfg = b.hf_config
-
-        def norm() -> GemmaRMSNorm:
-            return GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
-
-        self.is_linear = is_state_layer(cfg, layer_idx)
-        self.input_layernorm = norm()
-        if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg, b.dtype, b.max_rows)
-        else:
-            self.self_attn = GatedAttention(b, layer_idx)
-        self.post_attention_layernorm = norm()
-        self.mlp = b.make_mlp(b, layer_idx)
-
-    def mixer(self) -> nn.Module:
-        return self.linear_attn if self.is_linear else self.self_attn
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.post_attention_layernorm(*self.mix(positions, hidden, residual, kv_cache, metadata))
-        return self.mlp(hidden), residual
+        norm = lambda: GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)  # noqa: E731
+        super().__init__(b, layer_idx, norm,
+                         lambda: GatedDeltaNet(cfg, b.dtype, b.max_rows), lambda: GatedAttention(b, layer_idx))
 
 
 class Qwen3_5Model(HybridModel):
@@ -198,3 +180,21 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
     keeps_request_states = True
     takes_max_num_seqs = True
     kv_cache_layers = staticmethod(StateLayersMixin.kv_cache_layers)
+
+
+class Qwen3_5MoeVLLanguageModel(_MRopeBuild, Qwen3_5MoeForCausalLM):
+    model_cls = Qwen3_5VLModel
+    interleaved_mrope = True
+    default_mrope_section = (11, 11, 10)
+
+
+class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
+    """Qwen3.5-MoE with images and videos: the same tower and processing over the MoE hybrid decoder."""
+
+    language_model_cls = Qwen3_5MoeVLLanguageModel
+    is_moe = True
+    """The loader passes ``expert_parallel`` (to the decoder)."""
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec:
+        return Qwen3_5MoeForCausalLM.moe_spec(hf_config, layer_idx)

@@ -44,11 +44,13 @@ from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
 from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.qwen3_5 import (
-    Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextOnly, Qwen3_5TextOnly,
+    Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextOnly, Qwen3_5TextOnly,
 )
 from asyncllm.models.qwen3_next import Qwen3NextForCausalLM
 from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
+from asyncllm.models.lfm2 import Lfm2ForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -145,10 +147,11 @@ _MODELS: dict[str, type] = {
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # limit_mm_per_prompt 0: Qwen3_5TextOnly
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
-    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOnly,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),
@@ -170,7 +173,8 @@ assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectu
 
 
 _TEXT_ONLY: dict[str, type[CausalLM]] = {"Gemma3ForConditionalGeneration": Gemma3TextOnly,
-                                         "Qwen3_5ForConditionalGeneration": Qwen3_5TextOnly}
+                                         "Qwen3_5ForConditionalGeneration": Qwen3_5TextOnly,
+                                         "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOnly}
 assert set(_TEXT_ONLY) == set(TEXT_ONLY_CAPABLE_ARCHITECTURES)
 
 

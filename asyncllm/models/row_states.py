@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.models.layers import new_param
 
-__all__ = ["RowStates", "StepRows", "causal_conv", "conv_step"]
+__all__ = ["DepthwiseConv", "RowStates", "StepRows", "causal_conv", "conv_step"]
 
 
 @dataclass(frozen=True)
@@ -76,21 +78,32 @@ class RowStates:
             self.tensors[name] = tensor
 
 
-def causal_conv(x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One request's ``x [T, C]`` through the depthwise causal convolution ``weight [C, K]`` (plus ``bias``) after its
-    previous ``K - 1`` inputs ``state [C, K - 1]`` (replaced by the last ``K - 1`` now), then SiLU: ``[T, C]``."""
+class DepthwiseConv(nn.Module):
+    """A causal depthwise convolution's ``weight [C, 1, K]`` and optional ``bias [C]`` (transformers' ``Conv1d``)."""
+
+    def __init__(self, channels: int, kernel: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_param(channels, 1, kernel, dtype=dtype)
+        self.bias = new_param(channels, dtype=dtype) if bias else None
+
+
+def causal_conv(x: torch.Tensor, state: torch.Tensor, conv: DepthwiseConv, silu: bool = True) -> torch.Tensor:
+    """One request's ``x [T, C]`` through the depthwise causal convolution after its previous ``K - 1`` inputs
+    ``state [C, K - 1]`` (replaced by the last ``K - 1`` now), then SiLU unless ``silu`` is off: ``[T, C]``."""
+    weight = conv.weight[:, 0]
     extended = torch.cat([state, x.t().to(state.dtype)], dim=1)
     state.copy_(extended[:, extended.shape[1] - state.shape[1]:])
-    out = F.conv1d(extended.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), bias, groups=weight.shape[0])[0]
-    return F.silu(out).t().to(x.dtype)
+    out = F.conv1d(extended.unsqueeze(0).to(weight.dtype), weight.unsqueeze(1), conv.bias, groups=weight.shape[0])[0]
+    return (F.silu(out) if silu else out).t().to(x.dtype)
 
 
-def conv_step(x: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+def conv_step(x: torch.Tensor, states: torch.Tensor, rows: torch.Tensor, conv: DepthwiseConv,
+              silu: bool = True) -> torch.Tensor:
     """One token of each of N requests, ``x [N, C]``, through the convolution after their rows' states (updated):
     ``[N, C]``."""
+    weight = conv.weight[:, 0]
     window = torch.cat([states[rows], x.unsqueeze(-1).to(states.dtype)], dim=-1)
     states[rows] = window[..., 1:]
     out = (window.to(weight.dtype) * weight).sum(-1)
-    return F.silu(out if bias is None else out + bias).to(x.dtype)
+    out = out if conv.bias is None else out + conv.bias
+    return (F.silu(out) if silu else out).to(x.dtype)

@@ -140,6 +140,17 @@ async def test_qwen3_5_hybrid_with_images_and_a_video_matches_transformers(tmp_p
         assert (await text_only.generate(prompts[1], GREEDY)).outputs[0].token_ids == outs[1].outputs[0].token_ids
 
 
+async def test_qwen3_5_moe_over_two_ranks_by_expert_matches_transformers(tmp_path_factory):
+    """Qwen3.5-MoE with an image: the hybrid MoE decoder split over two ranks by expert (its linear layers whole on
+    each), the fused-expert layout of its checkpoint."""
+    path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_5_moe"), version="3.5-moe")
+    image, text = make_image(120, 70, seed=12), f"first {IMAGE_PLACEHOLDER} end"
+    async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=16,
+                           tensor_parallel_size=2, enable_expert_parallel=True) as engine:
+        out = await engine.generate({"prompt": text, "images": [image]}, GREEDY)
+    assert out.outputs[0].token_ids == hf_qwen_vl_greedy(path, text, [image], 8)[1]
+
+
 async def test_qwen3_vl_moe_with_experts_split_over_two_ranks_matches_transformers(tmp_path_factory):
     """Qwen3-VL-MoE: the fused experts tensors (transformers 5's layout) split per expert and held by two ranks
     (expert parallel), deepstack and interleaved M-RoPE over the MoE decoder."""

@@ -15,7 +15,7 @@ from asyncllm.models.gated_deltanet import chunked_delta_rule, prepare_qk, recur
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM
 from asyncllm.models.registry import kv_cache_spec
-from asyncllm.models.row_states import causal_conv
+from asyncllm.models.row_states import DepthwiseConv, causal_conv
 from asyncllm.tiny import tiny_checkpoint
 
 
@@ -62,10 +62,12 @@ def test_batched_decode_step_equals_the_recurrence() -> None:
 def test_causal_conv_continues_across_chunks() -> None:
     gen = torch.Generator().manual_seed(3)
     x, weight = torch.randn(10, 6, generator=gen), torch.randn(6, 4, generator=gen)
-    whole = causal_conv(x, torch.zeros(6, 3), weight)
+    conv = DepthwiseConv(6, 4, False, torch.float32)
+    conv.weight.data.copy_(weight[:, None])
+    whole = causal_conv(x, torch.zeros(6, 3), conv)
     state = torch.zeros(6, 3)
-    parts = torch.cat([causal_conv(x[:4], state, weight), causal_conv(x[4:5], state, weight),
-                       causal_conv(x[5:], state, weight)])
+    parts = torch.cat([causal_conv(x[:4], state, conv), causal_conv(x[4:5], state, conv),
+                       causal_conv(x[5:], state, conv)])
     torch.testing.assert_close(parts, whole)
     expected = torch.nn.functional.conv1d(x.t()[None], weight[:, None], padding=3, groups=6)[0, :, :10]
     torch.testing.assert_close(whole, torch.nn.functional.silu(expected).t())

@@ -1,0 +1,117 @@
+"""Liquid LFM2 (``Lfm2ForCausalLM``: LFM2-350M / 700M / 1.2B / 2.6B): a hybrid of gated short convolutions and
+attention layers (``layer_types``: "conv" / "full_attention"), on the hybrid stack of asyncllm/models/hybrid.py.
+
+- A conv layer projects each token to ``B, C, x`` (``in_proj``), convolves ``B * x`` causally over the last
+  ``conv_L_cache`` (3) tokens (depthwise, no activation; its last two inputs are the request's state, by worker
+  row: asyncllm/models/row_states.py) and outputs ``out_proj(C * conv)``.
+- An attention layer is Llama's with Qwen3's per-head q/k RMSNorms (``q_layernorm`` / ``k_layernorm``).
+- Pre-norm layers (``operator_norm``, ``ffn_norm``), a SwiGLU MLP (``feed_forward.w1`` / ``w3`` / ``w2``, its width
+  adjusted as transformers does by ``block_auto_adjust_ff_dim``), the final norm ``embedding_norm``. Checkpoint
+  names map to Llama's at load (`llama_name`).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin
+from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel
+from asyncllm.models.linear import ColumnParallelLinear
+from asyncllm.models.llama import DecoderFlags, LlamaAttention, LlamaForCausalLM
+from asyncllm.models.phi3 import check_phi3
+from asyncllm.models.row_states import DepthwiseConv, RowStates, causal_conv, conv_step
+
+__all__ = ["Lfm2ForCausalLM", "llama_name", "lfm2_intermediate_size"]
+
+_NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
+          (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
+          (".feed_forward.w2.", ".mlp.down_proj."), (".self_attn.out_proj.", ".self_attn.o_proj."),
+          (".q_layernorm.", ".q_norm."), (".k_layernorm.", ".k_norm."), ("model.embedding_norm.", "model.norm."))
+
+
+def llama_name(name: str) -> str:
+    """An LFM2 checkpoint name as the Llama-style modules here name it."""
+    for old, new in _NAMES:
+        name = name.replace(old, new)
+    return name
+
+
+def lfm2_intermediate_size(cfg: Any) -> int:
+    """The MLP's width: ``intermediate_size``, or with ``block_auto_adjust_ff_dim`` two thirds of it, times
+    ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of`` (transformers' rule)."""
+    size = cfg.intermediate_size
+    if not cfg.block_auto_adjust_ff_dim:
+        return size
+    size = int(2 * size / 3)
+    if cfg.block_ffn_dim_multiplier is not None:
+        size = int(cfg.block_ffn_dim_multiplier * size)
+        size = cfg.block_multiple_of * ((size + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
+    return size
+
+
+class ShortConv(nn.Module):
+    """The gated short convolution; every tensor-parallel rank computes it whole."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, max_rows: int) -> None:
+        super().__init__()
+        hidden, bias, whole = cfg.hidden_size, bool(cfg.conv_bias), TensorParallel()
+        self.in_proj = ColumnParallelLinear(hidden, 3 * hidden, bias, whole, dtype)
+        self.conv = DepthwiseConv(hidden, cfg.conv_L_cache, bias, dtype)
+        self.out_proj = ColumnParallelLinear(hidden, hidden, bias, whole, dtype)
+        self.states = RowStates(max_rows, {"conv": ((hidden, cfg.conv_L_cache - 1), dtype)})
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: Any,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        step = self.states.begin(metadata, hidden.device)
+        b, c, x = self.in_proj(hidden).chunk(3, dim=-1)
+        gated = b * x
+        out = torch.zeros_like(gated)
+        if step.decode_only:
+            n = len(step.rows)
+            out[:n] = conv_step(gated[:n], self.states["conv"], step.rows, self.conv, silu=False)
+        else:
+            for row, start, n in zip(step.row_list, step.starts, step.lengths):
+                if n:
+                    span = slice(start, start + n)
+                    out[span] = causal_conv(gated[span], self.states["conv"][row], self.conv, silu=False)
+        return self.out_proj(c * out)
+
+
+class Lfm2Layer(HybridLayer):
+    state_name = "conv"
+
+    def __init__(self, b: HybridBuild, layer_idx: int) -> None:
+        cfg = b.hf_config
+        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)  # noqa: E731
+        super().__init__(b, layer_idx, norm,
+                         lambda: ShortConv(cfg, b.dtype, b.max_rows), lambda: LlamaAttention(b, layer_idx))
+
+
+class Lfm2Model(HybridModel):
+    layer_cls = Lfm2Layer
+
+
+class Lfm2ForCausalLM(StateLayersMixin, LlamaForCausalLM):
+    """LFM2: conv and attention layers (Llama's, with per-head q/k norms), SwiGLU MLPs."""
+
+    model_cls = Lfm2Model
+
+    @classmethod
+    def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
+        return DecoderFlags(qk_norm=True)
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        check_phi3(hf_config, "LFM2")
+        config = copy.copy(hf_config)  # Llama's names for LFM2's fields
+        config.rms_norm_eps = hf_config.norm_eps
+        config.intermediate_size = lfm2_intermediate_size(hf_config)
+        config.hidden_act = "silu"
+        super().__init__(config, **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights((llama_name(name), w) for name, w in weights)
