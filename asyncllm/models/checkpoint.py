@@ -115,9 +115,17 @@ def served_hf_config(path: str, overrides: dict[str, Any] | None) -> PretrainedC
     return apply_hf_overrides(load_hf_config(path), overrides)
 
 
+_DERIVED = ("num_hidden_layers", "layer_types")
+"""Attributes some configs derive rather than store (Nemotron-H's, from ``layers_block_type``): sent too."""
+
+
 def hf_config_json(hf_config: PretrainedConfig) -> str:
     """The config with every default filled in, as JSON: the host sends it to the workers."""
-    return json.dumps(hf_config.to_dict(), default=str)
+    values = hf_config.to_dict()
+    for name in _DERIVED:
+        if name not in values and getattr(hf_config, name, None) is not None:
+            values[name] = getattr(hf_config, name)
+    return json.dumps(values, default=str)
 
 
 class WireConfig(types.SimpleNamespace):

@@ -19,7 +19,7 @@ from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild, LlamaAttention, LlamaMLP
-from asyncllm.models.mamba2 import Mamba2Mixer
+from asyncllm.models.mamba2 import Mamba2Mixer, granite_mamba
 from asyncllm.models.moe import MoESpec, num_experts_of
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.rotary import RotaryEmbedding, identity_rotary
@@ -36,8 +36,8 @@ class Granite4Layer(HybridLayer):
     def __init__(self, b: HybridBuild, layer_idx: int) -> None:
         cfg = b.hf_config
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)  # noqa: E731
-        super().__init__(b, layer_idx, norm,
-                         lambda: Mamba2Mixer(cfg, b.dtype, b.max_rows), lambda: LlamaAttention(b, layer_idx))
+        super().__init__(b, layer_idx, norm, lambda: Mamba2Mixer(granite_mamba(cfg), b.dtype, b.max_rows),
+                         lambda: LlamaAttention(b, layer_idx))
         self.shared_mlp = LlamaMLP(b, cfg.shared_intermediate_size)
         self.residual_multiplier = self.mixer_residual_scale = b.flags.residual_multiplier
 

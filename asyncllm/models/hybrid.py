@@ -6,7 +6,7 @@ layers on the paged KV cache.
   preallocate that many rows (`HybridBuild.max_rows`); the worker lists each step's rows for them
   (``keeps_request_states``); only the attention layers count in the KV-cache spec (``kv_cache_layers``).
 - `HybridModel`: Llama's decoder stack whose forward hands the KV caches to the attention layers only (a layer
-  with ``is_linear`` set gets None).
+  with ``is_linear`` set, or ``uses_kv_cache`` unset, gets None).
 """
 
 from __future__ import annotations
@@ -84,7 +84,8 @@ class HybridModel(LlamaModel):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual, caches = None, iter(kv_caches)
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, None if layer.is_linear else next(caches), metadata)
+            cache = next(caches) if getattr(layer, "uses_kv_cache", not layer.is_linear) else None
+            hidden, residual = layer(positions, hidden, residual, cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

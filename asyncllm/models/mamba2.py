@@ -1,17 +1,19 @@
-"""The Mamba2 mixer (Granite 4.0's ``mamba`` layers) with per-request states by worker row
+"""The Mamba2 mixer (Granite 4.0's ``mamba`` layers, Nemotron-H's) with per-request states by worker row
 (asyncllm/models/row_states.py).
 
 ``in_proj`` gives a gate ``z``, the convolution's input (x, then the groups' B and C) and a step size per head;
 after the causal convolution (SiLU), each head ``h`` with ``dt = softplus(dt + dt_bias)`` (clamped to
-``time_step_limit``) and ``A = -exp(A_log)`` updates its ``[head dim, state]`` state ``S <- exp(dt A) S + dt x B^T``
-and outputs ``y = S C + D x`` (B and C shared by the heads of a group). ``y * silu(z)`` is RMS-normed per group,
-then ``out_proj``. A prefill chunk runs the scan in blocks of 64 tokens (`ssd_chunk`: the quadratic form within a
-block, the state carried across), a decode step for every request at once (`ssd_step`); both equal the
-token-by-token recurrence and transformers' float32 results (tests/unit/test_mamba2.py).
+``time_step_limit`` in prefill chunks, as transformers) and ``A = -exp(A_log)`` updates its ``[head dim, state]``
+state ``S <- exp(dt A) S + dt x B^T`` and outputs ``y = S C + D x`` (B and C shared by the heads of a group). ``y *
+silu(z)`` is RMS-normed per group, then ``out_proj``. A prefill chunk runs the scan in blocks of 64 tokens
+(`ssd_chunk`: the quadratic form within a block, the state carried across), a decode step for every request at once
+(`ssd_step`); both equal the token-by-token recurrence and transformers' float32 results
+(tests/unit/test_mamba2.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.row_states import DepthwiseConv, RowStates, causal_conv, conv_step
 
-__all__ = ["Mamba2Mixer", "ssd_chunk", "ssd_step"]
+__all__ = ["Mamba2Mixer", "Mamba2Shape", "granite_mamba", "ssd_chunk", "ssd_step"]
 
 _BLOCK = 64
 
@@ -78,26 +80,50 @@ class GroupGatedRMSNorm(nn.Module):
         return self.weight * normed.flatten(-2).to(x.dtype)
 
 
+@dataclass(frozen=True)
+class Mamba2Shape:
+    """A Mamba2 layer's sizes and switches, whichever config names them (`granite_mamba`, `nemotron_mamba`)."""
+
+    hidden: int
+    heads: int
+    head_dim: int
+    groups: int
+    state: int
+    conv_kernel: int
+    conv_bias: bool
+    proj_bias: bool
+    eps: float
+    dt_limit: tuple[float, float]
+    """``dt`` is clamped to it in prefill chunks (transformers' chunked scan; its one-token step does not clamp)."""
+
+
+def granite_mamba(cfg: Any) -> Mamba2Shape:
+    """Granite 4.0's names (``mamba_*``; the inner width ``mamba_expand * hidden_size``)."""
+    return Mamba2Shape(cfg.hidden_size, cfg.mamba_n_heads, cfg.mamba_d_head, cfg.mamba_n_groups, cfg.mamba_d_state,
+                       cfg.mamba_d_conv, bool(cfg.mamba_conv_bias), bool(cfg.mamba_proj_bias), cfg.rms_norm_eps,
+                       tuple(getattr(cfg, "time_step_limit", None) or (0.0, float("inf"))))
+
+
 class Mamba2Mixer(nn.Module):
     """A Mamba2 layer; every tensor-parallel rank computes it whole (its projections are not split)."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, max_rows: int) -> None:
+    def __init__(self, shape: Mamba2Shape, dtype: torch.dtype, max_rows: int) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = cfg.mamba_n_heads, cfg.mamba_d_head
-        self.groups, self.state_size = cfg.mamba_n_groups, cfg.mamba_d_state
-        self.inner = cfg.mamba_expand * cfg.hidden_size
+        self.num_heads, self.head_dim = shape.heads, shape.head_dim
+        self.groups, self.state_size = shape.groups, shape.state
+        self.inner = shape.heads * shape.head_dim
         conv_dim = self.inner + 2 * self.groups * self.state_size
-        whole, bias = TensorParallel(), bool(cfg.mamba_proj_bias)
-        self.in_proj = ColumnParallelLinear(cfg.hidden_size, self.inner + conv_dim + self.num_heads, bias, whole, dtype)
-        self.conv1d = DepthwiseConv(conv_dim, cfg.mamba_d_conv, bool(cfg.mamba_conv_bias), dtype)
+        whole, bias = TensorParallel(), shape.proj_bias
+        self.in_proj = ColumnParallelLinear(shape.hidden, self.inner + conv_dim + self.num_heads, bias, whole, dtype)
+        self.conv1d = DepthwiseConv(conv_dim, shape.conv_kernel, shape.conv_bias, dtype)
         self.dt_bias = new_param(self.num_heads, dtype=dtype)
         self.A_log = new_param(self.num_heads, dtype=dtype)
         self.D = new_param(self.num_heads, dtype=dtype)
-        self.norm = GroupGatedRMSNorm(self.inner, self.inner // self.groups, cfg.rms_norm_eps, dtype)
-        self.out_proj = ColumnParallelLinear(self.inner, cfg.hidden_size, bias, whole, dtype)
-        self.dt_limit = tuple(getattr(cfg, "time_step_limit", None) or (0.0, float("inf")))
+        self.norm = GroupGatedRMSNorm(self.inner, self.inner // self.groups, shape.eps, dtype)
+        self.out_proj = ColumnParallelLinear(self.inner, shape.hidden, bias, whole, dtype)
+        self.dt_limit = shape.dt_limit
         self.states = RowStates(max_rows, {
-            "conv": ((conv_dim, cfg.mamba_d_conv - 1), dtype),
+            "conv": ((conv_dim, shape.conv_kernel - 1), dtype),
             "ssm": ((self.num_heads, self.head_dim, self.state_size), torch.float32),
         })
 
@@ -105,22 +131,27 @@ class Mamba2Mixer(nn.Module):
                 metadata: AttentionMetadata) -> torch.Tensor:
         step = self.states.begin(metadata, hidden.device)
         gate, xbc, dt = self.in_proj(hidden).split([self.inner, xbc_width(self), self.num_heads], dim=-1)
-        dt = F.softplus(dt + self.dt_bias).clamp(*self.dt_limit).float()
+        dt = F.softplus(dt + self.dt_bias)
         a = -self.A_log.float().exp()
         y = torch.zeros(hidden.shape[0], self.num_heads, self.head_dim, device=hidden.device)
         if step.decode_only:
             n, rows = len(step.rows), step.rows
             x, b, c = self._split(conv_step(xbc[:n], self.states["conv"], rows, self.conv1d))
             state = self.states["ssm"][rows]
-            y[:n] = ssd_step(state, x, b, c, dt[:n], a) + x * self.D.float()[:, None]
+            y[:n] = ssd_step(state, x, b, c, dt[:n].float(), a) + x * self.D.float()[:, None]
             self.states["ssm"][rows] = state
         else:
+            dt = dt.clamp(*self.dt_limit).float()
             for row, start, n in zip(step.row_list, step.starts, step.lengths):
                 if n:
                     span = slice(start, start + n)
-                    x, b, c = self._split(causal_conv(xbc[span], self.states["conv"][row], self.conv1d))
-                    y[span] = ssd_chunk(self.states["ssm"][row], x, b, c, dt[span], a) + x * self.D.float()[:, None]
+                    y[span] = self._prefill(xbc[span], dt[span], a, row)
         return self.out_proj(self.norm(y.view(hidden.shape[0], -1), gate).to(hidden.dtype))
+
+    def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, row: int) -> torch.Tensor:
+        """One request's chunk from its row's states (updated): ``[T, H, P]``."""
+        x, b, c = self._split(causal_conv(xbc, self.states["conv"][row], self.conv1d))
+        return ssd_chunk(self.states["ssm"][row], x, b, c, dt, a) + x * self.D.float()[:, None]
 
     def _split(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolution's output -> float32 x ``[T, H, P]`` and the groups' B, C repeated per head

@@ -1,7 +1,8 @@
 """The hybrids with per-request states through the engine (Qwen3.5 dense and MoE and Qwen3-Next: Gated DeltaNet +
-gated full attention; Granite 4.0: Mamba2 + attention; LFM2: short convolutions + attention): greedy tokens equal
-transformers' with 16-token chunks, two seats (rows reused by later requests), recompute preemption and async
-scheduling; prefix caching is turned off for them, swap preemption and speculative decoding refused."""
+gated full attention; Granite 4.0 and Nemotron-H: Mamba2 + attention; LFM2: short convolutions + attention):
+greedy tokens equal transformers' with 16-token chunks, two seats (rows reused by later requests), recompute
+preemption and async scheduling; prefix caching is turned off for them, swap preemption and speculative decoding
+refused."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(6, 512) for _ in range(rng.randint(3, 50))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "lfm2"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "lfm2",
+                                  "nemotron_h"])
 async def test_greedy_equals_transformers_chunked_preempted_and_on_reused_rows(arch: str) -> None:
     path, prompts = tiny_checkpoint(arch), _prompts(6, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

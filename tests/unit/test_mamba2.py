@@ -1,7 +1,7 @@
-"""Mamba2 (asyncllm/models/mamba2.py) and Granite 4.0 (asyncllm/models/granite4.py): the blocked scan and the batched
-decode step equal the token-by-token recurrence, across block edges and from a carried state; Granite 4.0's
-float32 logits equal transformers' over a paged run (a 72-token request in 40- and 30-token chunks beside
-decodes) and over two tensor-parallel ranks."""
+"""Mamba2 (asyncllm/models/mamba2.py), Granite 4.0 (asyncllm/models/granite4.py) and Nemotron-H
+(asyncllm/models/nemotron_h.py): the blocked scan and the batched decode step equal the token-by-token recurrence,
+across block edges and from a carried state; Granite 4.0's float32 logits equal transformers' over a paged run (a
+72-token request in 40- and 30-token chunks beside decodes) and over two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -82,6 +82,17 @@ def test_granite4_logits_match_transformers() -> None:
     run = PagedRun(model, sequences, block_size=4)
     run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
     _assert_logits(path, run.run(SCHEDULE), sequences)
+
+
+def test_nemotron_h_logits_match_transformers() -> None:
+    """Nemotron-H: Mamba2 (its own names, ``dt`` clamped below in prefill), a squared-ReLU MLP layer, attention
+    without positions; the ``backbone.`` checkpoint names."""
+    from model_utils import assert_paged_logits_match_checkpoint
+
+    path = tiny_checkpoint("nemotron_h")
+    model = load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
+    assert kv_cache_spec(load_hf_config(path), 1).num_layers == 1
+    assert_paged_logits_match_checkpoint(model, path, SEQ_LENS, SCHEDULE, seed=6)
 
 
 @pytest.mark.slow

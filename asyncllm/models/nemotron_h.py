@@ -1,0 +1,115 @@
+"""NVIDIA Nemotron-H (``NemotronHForCausalLM``: Nemotron-H 4B / 8B / 47B / 56B, NVIDIA-Nemotron-Nano-9B / 12B-v2):
+a stack of single-mixer layers by ``layers_block_type`` (the older ``hybrid_override_pattern``): Mamba2
+(asyncllm/models/mamba2.py: ``mamba_num_heads x mamba_head_dim`` wide, ``dt`` clamped below by ``time_step_min`` in
+prefill chunks), attention without positions (Llama's projections, the identity rotary: exact), or a squared-ReLU
+MLP (``up_proj``, ``down_proj``); each after one RMSNorm (``norm``), its output added to the residual stream. The
+checkpoints' ``backbone.`` prefix, ``embeddings`` and ``norm_f`` are read as Llama's names. The mixture-of-experts
+layers of Nemotron 3 ("moe") are a `NotBuiltError`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.errors import NotBuiltError
+from asyncllm.models.hybrid import HybridBuild, HybridModel, StateLayersMixin
+from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, head_dim_of
+from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
+from asyncllm.models.llama import DecoderBuild, LlamaAttention, LlamaForCausalLM
+from asyncllm.models.mamba2 import Mamba2Mixer, Mamba2Shape
+from asyncllm.models.phi3 import check_phi3
+from asyncllm.models.rotary import identity_rotary
+
+__all__ = ["NemotronHForCausalLM", "nemotron_mamba"]
+
+_MIXERS = ("linear_attention", "full_attention", "mlp")
+
+
+def nemotron_mamba(cfg: Any) -> Mamba2Shape:
+    """Nemotron-H's names for a Mamba2 layer's sizes."""
+    return Mamba2Shape(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size,
+                       cfg.conv_kernel, bool(cfg.use_conv_bias), bool(cfg.use_bias), cfg.layer_norm_epsilon,
+                       (float(cfg.time_step_min), float("inf")))
+
+
+class ReluSquaredMLP(nn.Module):
+    """``down(relu(up x) ** 2)``: up column-parallel, down row-parallel."""
+
+    def __init__(self, b: DecoderBuild) -> None:
+        super().__init__()
+        cfg, bias = b.hf_config, bool(getattr(b.hf_config, "mlp_bias", False))
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, b.tp, b.dtype)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, b.tp, b.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)).square())
+
+
+class NemotronHLayer(nn.Module):
+    """One RMSNorm, then one mixer: Mamba2, attention or the MLP."""
+
+    def __init__(self, b: HybridBuild, layer_idx: int) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        self.kind = cfg.layer_types[layer_idx]
+        if self.kind not in _MIXERS:
+            raise NotBuiltError("layers_block_type", self.kind, f"Nemotron-H layers of the types {', '.join(_MIXERS)}")
+        self.is_linear = self.kind == "linear_attention"
+        self.uses_kv_cache = self.kind == "full_attention"
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
+        if self.is_linear:
+            self.mixer: nn.Module = Mamba2Mixer(nemotron_mamba(cfg), b.dtype, b.max_rows)
+        elif self.uses_kv_cache:
+            self.mixer = LlamaAttention(b, layer_idx)
+        else:
+            self.mixer = ReluSquaredMLP(b)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = (self.norm(hidden), hidden) if residual is None else self.norm(hidden, residual)
+        if self.kind == "mlp":
+            return self.mixer(hidden), residual
+        return self.mixer(positions, hidden, kv_cache, metadata), residual
+
+
+class NemotronHModel(HybridModel):
+    layer_cls = NemotronHLayer
+
+
+class NemotronHForCausalLM(StateLayersMixin, LlamaForCausalLM):
+    model_cls = NemotronHModel
+    packed_modules = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
+    """Only the attention's q/k/v are fused (the MLP's ``up_proj`` stays as it is)."""
+
+    @staticmethod
+    def kv_cache_layers(hf_config: Any) -> int:
+        return sum(1 for kind in hf_config.layer_types if kind == "full_attention")
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        check_phi3(hf_config, "Nemotron-H")
+        config = copy.copy(hf_config)  # Llama's names for Nemotron-H's fields
+        config.rms_norm_eps = hf_config.layer_norm_epsilon
+        config.num_hidden_layers = len(hf_config.layer_types)
+        super().__init__(config, **kwargs)
+
+    def decoder_build(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
+                      max_position: int, expert_parallel: bool) -> HybridBuild:
+        """The hybrid build, its attention turning nothing (Nemotron-H's attention uses no positions)."""
+        build = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
+        return dataclasses.replace(build, rotary_emb=identity_rotary(hf_config, head_dim_of(hf_config), max_position))
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights((llama_name(name), w) for name, w in weights)
+
+
+def llama_name(name: str) -> str:
+    """A Nemotron-H checkpoint name as the modules here name it."""
+    name = "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
+    return name.replace("model.embeddings.", "model.embed_tokens.").replace("model.norm_f.", "model.norm.")
