@@ -37,7 +37,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
-              "lfm2", "nemotron_h")
+              "lfm2", "nemotron_h", "bamba")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -396,7 +396,7 @@ def _build_config(
         "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
         "qwen3_next": transformers.Qwen3NextConfig, "minimax_m2": transformers.MiniMaxM2Config,
         "granitemoehybrid": transformers.GraniteMoeHybridConfig, "lfm2": transformers.Lfm2Config,
-        "nemotron_h": transformers.NemotronHConfig,
+        "nemotron_h": transformers.NemotronHConfig, "bamba": transformers.BambaConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -418,6 +418,9 @@ def _build_config(
     if arch == "nemotron_h":  # Mamba2, a squared-ReLU MLP, attention without positions, the MLP again
         fields.update(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
                       mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4)
+    if arch == "bamba":  # a Mamba2 layer (4 heads, 2 groups), then attention rotating half of each head
+        fields.update(attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=32,
+                      mamba_d_conv=4, mamba_expand=2)
     if arch == "lfm2":  # a gated short-convolution layer, then attention; its MLP width adjusted (128 -> 85 -> 96)
         fields.update(layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
                       block_ffn_dim_multiplier=1.0)

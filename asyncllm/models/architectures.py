@@ -27,10 +27,10 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM",
                       "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
                       "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM",
-                      "Lfm2ForCausalLM", "NemotronHForCausalLM")
+                      "Lfm2ForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
-                        "Lfm2ForCausalLM", "NemotronHForCausalLM")
+                        "Lfm2ForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM")
 """Models whose linear-attention layers keep per-request recurrent states (asyncllm/models/gated_deltanet.py): no
 prefix caching, no swap preemption, no speculative decoding (docs/hybrid-models.md)."""
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")

@@ -116,7 +116,8 @@ def served_hf_config(path: str, overrides: dict[str, Any] | None) -> PretrainedC
 
 
 _DERIVED = ("num_hidden_layers", "layer_types")
-"""Attributes some configs derive rather than store (Nemotron-H's, from ``layers_block_type``): sent too."""
+"""Attributes some configs derive rather than store (Nemotron-H's from ``layers_block_type``, Bamba's from
+``attn_layer_indices``): sent too."""
 
 
 def hf_config_json(hf_config: PretrainedConfig) -> str:

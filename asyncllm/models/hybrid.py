@@ -21,10 +21,18 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.llama import DecoderBuild, LlamaModel
 
-__all__ = ["HybridBuild", "HybridLayer", "HybridModel", "STATE_LAYER_TYPES", "StateLayersMixin", "is_state_layer"]
+__all__ = ["HybridBuild", "HybridLayer", "HybridModel", "STATE_LAYER_TYPES", "StateLayersMixin", "is_state_layer",
+           "renamed"]
 
 STATE_LAYER_TYPES = ("linear_attention", "mamba", "conv")
 """``layer_types`` entries of layers that keep states instead of a KV cache."""
+
+
+def renamed(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint name with each ``(old, new)`` part replaced: a family's names as Llama's modules have them."""
+    for old, new in pairs:
+        name = name.replace(old, new)
+    return name
 
 
 def is_state_layer(hf_config: Any, layer_idx: int) -> bool:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin
+from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin, renamed
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import DecoderFlags, LlamaAttention, LlamaForCausalLM
@@ -36,9 +36,7 @@ _NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attent
 
 def llama_name(name: str) -> str:
     """An LFM2 checkpoint name as the Llama-style modules here name it."""
-    for old, new in _NAMES:
-        name = name.replace(old, new)
-    return name
+    return renamed(name, _NAMES)
 
 
 def lfm2_intermediate_size(cfg: Any) -> int:

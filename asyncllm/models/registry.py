@@ -52,6 +52,7 @@ from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
 from asyncllm.models.lfm2 import Lfm2ForCausalLM
 from asyncllm.models.nemotron_h import NemotronHForCausalLM
+from asyncllm.models.bamba import BambaForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
@@ -154,6 +155,7 @@ _MODELS: dict[str, type] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),

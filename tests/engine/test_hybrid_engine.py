@@ -24,7 +24,7 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "lfm2",
-                                  "nemotron_h"])
+                                  "nemotron_h", "bamba"])
 async def test_greedy_equals_transformers_chunked_preempted_and_on_reused_rows(arch: str) -> None:
     path, prompts = tiny_checkpoint(arch), _prompts(6, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Mamba2 (asyncllm/models/mamba2.py), Granite 4.0 (asyncllm/models/granite4.py) and Nemotron-H
+"""Mamba2 (asyncllm/models/mamba2.py), Granite 4.0 (asyncllm/models/granite4.py), Bamba (bamba.py) and Nemotron-H
 (asyncllm/models/nemotron_h.py): the blocked scan and the batched decode step equal the token-by-token recurrence,
 across block edges and from a carried state; Granite 4.0's float32 logits equal transformers' over a paged run (a
 72-token request in 40- and 30-token chunks beside decodes) and over two tensor-parallel ranks."""
@@ -82,6 +82,15 @@ def test_granite4_logits_match_transformers() -> None:
     run = PagedRun(model, sequences, block_size=4)
     run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
     _assert_logits(path, run.run(SCHEDULE), sequences)
+
+
+def test_bamba_logits_match_transformers() -> None:
+    """Bamba: Granite 4.0's Mamba2 layer, then attention rotating half of each head, each with a SwiGLU MLP."""
+    from model_utils import assert_paged_logits_match_checkpoint
+
+    path = tiny_checkpoint("bamba")
+    model = load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
+    assert_paged_logits_match_checkpoint(model, path, SEQ_LENS, SCHEDULE, seed=7)
 
 
 def test_nemotron_h_logits_match_transformers() -> None:
