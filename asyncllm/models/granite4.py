@@ -16,10 +16,10 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.granite import GraniteEmbedding
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
-from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin
-from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, head_dim_of
-from asyncllm.models.llama import DecoderBuild, LlamaAttention, LlamaMLP
-from asyncllm.models.mamba2 import Mamba2Mixer, granite_mamba
+from asyncllm.models.bamba import BambaLayer
+from asyncllm.models.hybrid import HybridBuild, HybridModel, StateLayersMixin
+from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
+from asyncllm.models.llama import DecoderBuild, LlamaMLP
 from asyncllm.models.moe import MoESpec, num_experts_of
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.rotary import RotaryEmbedding, identity_rotary
@@ -27,17 +27,13 @@ from asyncllm.models.rotary import RotaryEmbedding, identity_rotary
 __all__ = ["GraniteMoeHybridForCausalLM"]
 
 
-class Granite4Layer(HybridLayer):
-    """Pre-norm Mamba2 or attention, then the shared MLP (plus the experts); each output times
-    ``residual_multiplier`` before it joins the residual stream."""
-
-    state_name = "mamba"
+class Granite4Layer(BambaLayer):
+    """Bamba's layer (pre-norm Mamba2 or attention) with the shared MLP (plus the experts) after it; each output
+    times ``residual_multiplier`` before it joins the residual stream."""
 
     def __init__(self, b: HybridBuild, layer_idx: int) -> None:
+        super().__init__(b, layer_idx)
         cfg = b.hf_config
-        norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)  # noqa: E731
-        super().__init__(b, layer_idx, norm, lambda: Mamba2Mixer(granite_mamba(cfg), b.dtype, b.max_rows),
-                         lambda: LlamaAttention(b, layer_idx))
         self.shared_mlp = LlamaMLP(b, cfg.shared_intermediate_size)
         self.residual_multiplier = self.mixer_residual_scale = b.flags.residual_multiplier
 
