@@ -37,7 +37,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
-              "lfm2", "nemotron_h", "bamba")
+              "lfm2", "nemotron_h", "bamba", "ernie4_5_moe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -48,6 +48,8 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
+    "ernie4_5_moe": dict(moe_num_experts=6, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1,
+                         moe_layer_start_index=1, moe_layer_interval=1),
     "qwen3_5_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
                         shared_expert_intermediate_size=48),
     "minimax_m2": dict(num_local_experts=6, num_experts_per_tok=2, rotary_dim=8),
@@ -397,6 +399,7 @@ def _build_config(
         "qwen3_next": transformers.Qwen3NextConfig, "minimax_m2": transformers.MiniMaxM2Config,
         "granitemoehybrid": transformers.GraniteMoeHybridConfig, "lfm2": transformers.Lfm2Config,
         "nemotron_h": transformers.NemotronHConfig, "bamba": transformers.BambaConfig,
+        "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -455,7 +458,7 @@ def _build_model(config: Any, seed: int) -> Any:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 1 or name.endswith("_proj_bias"):
+            if param.ndim == 1 or name.endswith(("_proj_bias", "e_score_correction_bias")):
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=_INIT_STD)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing correction (zeros at init)

@@ -130,7 +130,8 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "ArceeForCausalLM",
+_NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM",
+            "ArceeForCausalLM",
             "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", *HYBRID_ARCHITECTURES, *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",

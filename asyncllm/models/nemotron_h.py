@@ -14,15 +14,14 @@ import dataclasses
 from typing import Any, Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.hybrid import HybridBuild, HybridModel, StateLayersMixin
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, head_dim_of
-from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
-from asyncllm.models.llama import DecoderBuild, LlamaAttention, LlamaForCausalLM
+from asyncllm.models.ernie_seed_arcee import ArceeMLP
+from asyncllm.models.llama import LlamaAttention, LlamaForCausalLM
 from asyncllm.models.mamba2 import Mamba2Mixer, Mamba2Shape
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.rotary import identity_rotary
@@ -37,19 +36,6 @@ def nemotron_mamba(cfg: Any) -> Mamba2Shape:
     return Mamba2Shape(cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.n_groups, cfg.ssm_state_size,
                        cfg.conv_kernel, bool(cfg.use_conv_bias), bool(cfg.use_bias), cfg.layer_norm_epsilon,
                        (float(cfg.time_step_min), float("inf")))
-
-
-class ReluSquaredMLP(nn.Module):
-    """``down(relu(up x) ** 2)``: up column-parallel, down row-parallel."""
-
-    def __init__(self, b: DecoderBuild) -> None:
-        super().__init__()
-        cfg, bias = b.hf_config, bool(getattr(b.hf_config, "mlp_bias", False))
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias, b.tp, b.dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias, b.tp, b.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.relu(self.up_proj(x)).square())
 
 
 class NemotronHLayer(nn.Module):
@@ -69,7 +55,7 @@ class NemotronHLayer(nn.Module):
         elif self.uses_kv_cache:
             self.mixer = LlamaAttention(b, layer_idx)
         else:
-            self.mixer = ReluSquaredMLP(b)
+            self.mixer = ArceeMLP(b)  # the squared-ReLU MLP
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,6 +83,7 @@ class NemotronHForCausalLM(StateLayersMixin, LlamaForCausalLM):
         config = copy.copy(hf_config)  # Llama's names for Nemotron-H's fields
         config.rms_norm_eps = hf_config.layer_norm_epsilon
         config.num_hidden_layers = len(hf_config.layer_types)
+        config.hidden_act = hf_config.mlp_hidden_act  # the MLP layers' (ArceeMLP checks it is relu2)
         super().__init__(config, **kwargs)
 
     def decoder_build(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,

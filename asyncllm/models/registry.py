@@ -34,7 +34,9 @@ from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from asyncllm.models.smollm3 import SmolLM3ForCausalLM
 from asyncllm.models.exaone4 import Exaone4ForCausalLM
 from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
-from asyncllm.models.ernie_seed_arcee import ArceeForCausalLM, Ernie4_5ForCausalLM, SeedOssForCausalLM
+from asyncllm.models.ernie_seed_arcee import (
+    ArceeForCausalLM, Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM, SeedOssForCausalLM,
+)
 from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
@@ -156,6 +158,7 @@ _MODELS: dict[str, type] = {
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
+    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),
