@@ -37,7 +37,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
-              "lfm2", "nemotron_h", "bamba", "ernie4_5_moe")
+              "lfm2", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -48,6 +48,7 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
     "olmoe": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
+    "hunyuan_v1_moe": dict(num_experts=6, moe_topk=2, intermediate_size=48),
     "ernie4_5_moe": dict(moe_num_experts=6, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1,
                          moe_layer_start_index=1, moe_layer_interval=1),
     "qwen3_5_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24,
@@ -120,6 +121,8 @@ _BIAS_SHAPES: dict[str, dict[str, Any]] = {
     "starcoder2": dict(sliding_window=8),
     "hunyuan_v1_dense": dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10_000.0,
                                               "factor": 1.0}),
+    "hunyuan_v1_moe": dict(rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "rope_theta": 10_000.0,
+                                            "factor": 1.0}),
     "ministral3": dict(rope_parameters={
         "rope_type": "yarn", "rope_theta": 1_000_000.0, "factor": 16.0, "original_max_position_embeddings": 16,
         "max_position_embeddings": 2048, "beta_fast": 32.0, "beta_slow": 1.0, "mscale_all_dim": 1.0, "mscale": 1.0,
@@ -399,7 +402,7 @@ def _build_config(
         "qwen3_next": transformers.Qwen3NextConfig, "minimax_m2": transformers.MiniMaxM2Config,
         "granitemoehybrid": transformers.GraniteMoeHybridConfig, "lfm2": transformers.Lfm2Config,
         "nemotron_h": transformers.NemotronHConfig, "bamba": transformers.BambaConfig,
-        "ernie4_5_moe": transformers.Ernie4_5_MoeConfig,
+        "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

@@ -27,7 +27,8 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM",
                       "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
                       "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM",
-                      "Lfm2ForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM", "Ernie4_5_MoeForCausalLM")
+                      "Lfm2ForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM", "Ernie4_5_MoeForCausalLM",
+                      "HunYuanMoEV1ForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM")
@@ -42,7 +43,8 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "Qwen3VLMoeForConditionalGeneration", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM",
                      "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM",
-                     "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM", "Ernie4_5_MoeForCausalLM")
+                     "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM", "Ernie4_5_MoeForCausalLM",
+                     "HunYuanMoEV1ForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",

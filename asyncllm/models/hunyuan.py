@@ -1,4 +1,6 @@
-"""Tencent Hunyuan dense (Hunyuan-0.5B / 1.8B / 4B / 7B, pretrain and instruct): ``HunYuanDenseV1ForCausalLM``.
+"""Tencent Hunyuan dense (Hunyuan-0.5B / 1.8B / 4B / 7B, pretrain and instruct): ``HunYuanDenseV1ForCausalLM``; and
+Hunyuan-A13B (``HunYuanMoEV1ForCausalLM``): the same layers with a mixture of experts (a float32 router ``wg``, the
+top ``moe_topk`` of its softmax renormalized) plus a shared MLP every token runs.
 
 The Llama decoder (asyncllm/models/llama.py) with two differences:
 
@@ -18,22 +20,26 @@ import dataclasses
 from typing import Any
 
 import torch
+from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.kernels import reference
 from asyncllm.models.layers import RMSNorm, TensorParallel, head_dim_of
+from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import (
     DecoderBuild,
     LlamaAttention,
     LlamaDecoderLayer,
     LlamaForCausalLM,
+    LlamaMLP,
     LlamaModel,
     with_rope_only_in,
 )
+from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, select_experts
 from asyncllm.models.rotary import rope_parameters
 
-__all__ = ["HunYuanDenseV1ForCausalLM", "ntk_alpha_config"]
+__all__ = ["HunYuanDenseV1ForCausalLM", "HunYuanMoEV1ForCausalLM", "ntk_alpha_config"]
 
 
 def ntk_alpha_config(hf_config: Any) -> Any:
@@ -88,3 +94,42 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
         build = super().decoder_build(rope_config, dtype, tp, attn_backend, max_position, expert_parallel)
         build = with_rope_only_in(build, [False] * hf_config.num_hidden_layers, max_position)
         return dataclasses.replace(build, hf_config=hf_config)
+
+
+class _Gate(nn.Module):
+    """The router, its float32 matrix under transformers' name ``wg``."""
+
+    def __init__(self, num_experts: int, hidden: int) -> None:
+        super().__init__()
+        self.wg = ColumnParallelLinear(hidden, num_experts, False, TensorParallel(), torch.float32)
+
+
+class HunYuanMoE(nn.Module):
+    """The top k of a float32 softmax, renormalized, over the experts; plus the shared MLP every token runs."""
+
+    def __init__(self, spec: MoESpec, b: DecoderBuild) -> None:
+        super().__init__()
+        self.top_k = spec.top_k
+        self.gate = _Gate(spec.num_experts, b.hf_config.hidden_size)
+        self.experts = FusedMoE(spec, b.hf_config.hidden_size, b)
+        self.shared_mlp = LlamaMLP(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate.wg(x.float()), self.top_k, renormalize=True)
+        return self.experts(x, weights, ids) + self.shared_mlp(x)
+
+
+class HunYuanMoEV1ForCausalLM(MoECausalLM, HunYuanDenseV1ForCausalLM):
+    """Hunyuan-A13B: the dense model's layers with `HunYuanMoE` MLPs."""
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec:
+        def per_layer(value: Any) -> int:
+            return int(value if isinstance(value, int) else value[layer_idx])
+
+        return MoESpec(per_layer(hf_config.num_experts), per_layer(hf_config.moe_topk), hf_config.intermediate_size,
+                       renormalize=True, weights_in_model_dtype=False)
+
+    @classmethod
+    def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
+        return HunYuanMoE(cls.moe_spec(b.hf_config, layer_idx), b)

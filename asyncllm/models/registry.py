@@ -42,7 +42,7 @@ from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
-from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
+from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.qwen3_5 import (
@@ -159,6 +159,7 @@ _MODELS: dict[str, type] = {
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
+    "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
     "LlamaModel": headless(LlamaForCausalLM),
     "MistralModel": headless(LlamaForCausalLM),
     "Qwen2Model": headless(Qwen2ForCausalLM),

@@ -30,7 +30,7 @@ from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
-from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM
+from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
@@ -51,7 +51,8 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "ministral": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM, "granitemoe": GraniteMoeForCausalLM,
                  "olmoe": OlmoeForCausalLM, "starcoder2": Starcoder2ForCausalLM,
                  "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
-                 "minimax_m2": MiniMaxM2ForCausalLM, "ernie4_5_moe": Ernie4_5_MoeForCausalLM}
+                 "minimax_m2": MiniMaxM2ForCausalLM, "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
+                 "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
