@@ -1,6 +1,6 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, MiniMax-M2, ERNIE 4.5 MoE, Hunyuan-A13B,
-DeepSeek-V2 / V3): greedy output equals transformers', token for token, alone, chunked, preempted, and split over two ranks by
-intermediate dim or by expert; LoRA adapters on their attention equal PEFT's."""
+DeepSeek-V2 / V3): greedy output equals transformers', token for token, alone, chunked, preempted, and split
+over two ranks by intermediate dim or by expert; LoRA adapters on their attention equal PEFT's."""
 
 from __future__ import annotations
 

@@ -1,16 +1,15 @@
-"""Granite, OLMo 2 / 3, SmolLM3, EXAONE 4, GLM / GLM-4 / GLM-4.5 (MoE), ERNIE 4.5 (dense, MoE), Seed-OSS, Arcee, Command R /
-R7B, Ministral / Ministral 3, Granite MoE, OLMoE, MiniMax-M2, StarCoder2 and Hunyuan (asyncllm/models/:
-granite.py, olmo2.py, smollm3.py, exaone4.py, glm4.py, glm4_moe.py, ernie_seed_arcee.py, cohere.py, ministral3.py,
-granitemoe.py, olmoe.py, minimax_m2.py, starcoder2.py, hunyuan.py) against transformers' forward over a paged KV
-cache, alone and over two tensor-parallel ranks.
+"""Granite, OLMo 2 / 3, SmolLM3, EXAONE 4, GLM / GLM-4 / GLM-4.5 (MoE), ERNIE 4.5 (dense, MoE), Seed-OSS, Arcee,
+Command R / R7B, Ministral / Ministral 3, Granite MoE, OLMoE, MiniMax-M2, StarCoder2 and Hunyuan
+(asyncllm/models/: granite.py, olmo2.py, smollm3.py, exaone4.py, glm4.py, glm4_moe.py, ernie_seed_arcee.py,
+cohere.py, ministral3.py, granitemoe.py, olmoe.py, minimax_m2.py, starcoder2.py, hunyuan.py) against
+transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
 attention scale 1/64 instead of 1/4, logits / 8) and tied embeddings; the tiny OLMo 2 has post-sublayer norms
 and q/k norms over the whole projections with random weights. Requests run as chunked prefills mixed with
 decodes, and every position's float32 logits must match transformers' within 1e-4. Over two ranks each holds
 half the heads, so OLMo 2's q/k norms need the other rank's heads (`WholeProjectionRMSNorm`); with one KV head
-both ranks hold the same k head.
-"""
+both ranks hold the same k head."""
 
 from __future__ import annotations
 
