@@ -37,7 +37,8 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
-              "lfm2", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe")
+              "lfm2", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
+              "dots1")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -403,6 +404,7 @@ def _build_config(
         "granitemoehybrid": transformers.GraniteMoeHybridConfig, "lfm2": transformers.Lfm2Config,
         "nemotron_h": transformers.NemotronHConfig, "bamba": transformers.BambaConfig,
         "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
+        "dots1": transformers.Dots1Config,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -439,6 +441,9 @@ def _build_config(
         fields.update(_SMOLLM3_SHAPE)
     if arch == "glm4_moe":
         fields.update(_GLM4_MOE_SHAPE)
+    if arch == "dots1":  # GLM-4.5's experts under Qwen3's attention, a sliding layer first
+        fields.update({k: v for k, v in _GLM4_MOE_SHAPE.items() if k != "use_qk_norm"}, sliding_window=8,
+                      layer_types=["sliding_attention", "full_attention"])
     if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         fields.update(_QWEN3_5_SHAPE)
     if arch == "exaone4":

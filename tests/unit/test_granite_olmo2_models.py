@@ -1,5 +1,5 @@
 """Granite, OLMo 2 / 3, SmolLM3, EXAONE 4, GLM / GLM-4 / GLM-4.5 (MoE), ERNIE 4.5 (dense, MoE), Seed-OSS, Arcee,
-Command R / R7B, Ministral / Ministral 3, Granite MoE, OLMoE, MiniMax-M2, StarCoder2 and Hunyuan
+Command R / R7B, Ministral / Ministral 3, Granite MoE, OLMoE, MiniMax-M2, dots.llm1, StarCoder2 and Hunyuan
 (asyncllm/models/: granite.py, olmo2.py, smollm3.py, exaone4.py, glm4.py, glm4_moe.py, ernie_seed_arcee.py,
 cohere.py, ministral3.py, granitemoe.py, olmoe.py, minimax_m2.py, starcoder2.py, hunyuan.py) against
 transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
@@ -21,6 +21,7 @@ from model_utils import PagedRun, free_port, tp_worker
 
 from asyncllm.config import EngineConfig
 from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from asyncllm.models.dots1 import Dots1ForCausalLM
 from asyncllm.models.ernie_seed_arcee import (
     ArceeForCausalLM, Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM, SeedOssForCausalLM,
 )
@@ -51,7 +52,7 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "olmoe": OlmoeForCausalLM, "starcoder2": Starcoder2ForCausalLM,
                  "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
                  "minimax_m2": MiniMaxM2ForCausalLM, "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
-                 "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM}
+                 "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "dots1": Dots1ForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
