@@ -38,7 +38,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
-              "dots1")
+              "dots1", "llama4")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -404,7 +404,7 @@ def _build_config(
         "granitemoehybrid": transformers.GraniteMoeHybridConfig, "lfm2": transformers.Lfm2Config,
         "nemotron_h": transformers.NemotronHConfig, "bamba": transformers.BambaConfig,
         "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
-        "dots1": transformers.Dots1Config,
+        "dots1": transformers.Dots1Config, "llama4": transformers.Llama4TextConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -441,6 +441,11 @@ def _build_config(
         fields.update(_SMOLLM3_SHAPE)
     if arch == "glm4_moe":
         fields.update(_GLM4_MOE_SHAPE)
+    if arch == "llama4":  # a rotary layer chunked by 8 with its q/k L2 norm, then a layer without positions (its
+        # query scaled by the temperature, floor 4) and experts: one routed (input scaled) and the shared one
+        fields.update(no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=4, attn_scale=0.1, moe_layers=[1],
+                      num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96, use_qk_norm=True,
+                      attn_temperature_tuning=True)
     if arch == "dots1":  # GLM-4.5's experts under Qwen3's attention, a sliding layer first
         fields.update({k: v for k, v in _GLM4_MOE_SHAPE.items() if k != "use_qk_norm"}, sliding_window=8,
                       layer_types=["sliding_attention", "full_attention"])

@@ -13,7 +13,11 @@ more key scored ``sink`` and had a zero value: the running max starts at the sin
 sum at 1 (``USE_SINKS``; off, compiled without it). With ``attend_limit`` (Gemma 3's bidirectional
 image tokens: one last visible key position per query token) a query sees the keys up to its limit
 instead of its own position, the window still counting back from its position, and a program's key range
-reaches its rows' largest limit (``USE_LIMIT``; off, compiled without it).
+reaches its rows' largest limit (``USE_LIMIT``; off, compiled without it). With ``attention_chunk_size``
+C (Llama 4's chunked local attention) a query at position p sees only the keys at or after ``(p // C) * C``
+(the start of its chunk of C positions) too, on top of the causal rule or its limit; the key loop of a
+program starts at its first row's chunk start (``USE_CHUNK``; off, compiled without it). A layer has a
+sliding window or a chunk size, never both.
 
 Grid: (query blocks, KV heads). A program takes ``BLOCK_Q`` consecutive query
 tokens of one request times the ``Hq / Hkv`` query heads sharing one KV head
@@ -64,12 +68,12 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
     attend_limit_ptr,
-    scale, num_reqs, head_dim, block_size, sliding_window, softcap,
+    scale, num_reqs, head_dim, block_size, sliding_window, softcap, chunk_size,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    USE_LIMIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_LIMIT: tl.constexpr, USE_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -98,7 +102,7 @@ def _paged_attention_kernel(
         m_i, l_i = _sink_start(sinks_ptr, heads, row_mask)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     abs_pos = context_len + q_pos  # the query's position in its sequence
-    # keys this block can see: up to its last query's position (and within the window of its first)
+    # keys this block can see: up to its last query's position (and within the window or chunk of its first)
     kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
     last_pos = abs_pos  # the last key each row sees
     if USE_LIMIT:
@@ -106,6 +110,8 @@ def _paged_attention_kernel(
     kv_start = 0
     if USE_WINDOW:
         kv_start = tl.maximum(context_len + local_block * BLOCK_Q - sliding_window + 1, 0)
+    if USE_CHUNK:  # rows come in position order: the first one's chunk starts first
+        kv_start = (context_len + local_block * BLOCK_Q) // chunk_size * chunk_size
     table = block_tables_ptr + req.to(tl.int64) * block_table_stride
     for tile_start in range((kv_start // TILE_N) * TILE_N, kv_end, TILE_N):
         kv_pos = tile_start + tl.arange(0, TILE_N)
@@ -121,6 +127,8 @@ def _paged_attention_kernel(
         visible = row_mask[:, None] & kv_mask[None, :] & (kv_pos[None, :] <= last_pos[:, None])
         if USE_WINDOW:
             visible = visible & (kv_pos[None, :] > abs_pos[:, None] - sliding_window)
+        if USE_CHUNK:
+            visible = visible & (kv_pos[None, :] >= (abs_pos // chunk_size * chunk_size)[:, None])
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
@@ -182,6 +190,14 @@ def check_window_and_softcap(sliding_window: int | None, softcap: float | None) 
     check(softcap is None or softcap >= 0, f"softcap must be >= 0 (0: off): {softcap}")
 
 
+def check_chunk(sliding_window: int | None, attention_chunk_size: int | None) -> None:
+    """A chunk size (Llama 4's chunked local attention) is >= 1, and never comes with a sliding window."""
+    check(attention_chunk_size is None or attention_chunk_size >= 1,
+          f"attention_chunk_size must be >= 1: {attention_chunk_size}")
+    check(attention_chunk_size is None or sliding_window is None,
+          f"a layer has sliding_window ({sliding_window}) or attention_chunk_size ({attention_chunk_size}), not both")
+
+
 def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
     """``sinks`` checked to be one contiguous logit per query head; the query itself (never read) when None."""
     if sinks is None:
@@ -232,6 +248,7 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     attend_limit: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of query ``[T, Hq, D]`` over each request's cached context.
 
@@ -240,6 +257,8 @@ def paged_attention(
     (keys per inner step, a power of two >= 16) defaults to 64 for head dims up to 128, else 32.
     ``softcap`` > 0 caps the scores (None or 0: off); ``sinks`` ``[Hq]`` joins each head's softmax (None: off).
     ``attend_limit`` ``[>= T]`` int32/int64: the last key position each query token sees (None: its own, causal).
+    ``attention_chunk_size`` C: a query at position p sees no key before ``(p // C) * C`` (None: off; not
+    with ``sliding_window``).
     """
     _check_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -247,6 +266,7 @@ def paged_attention(
     queries_per_kv = num_q_heads // num_kv_heads
     head_dim_padded, tile_n = _tile_shape(head_dim, tile_n)
     check_window_and_softcap(sliding_window, softcap)
+    check_chunk(sliding_window, attention_chunk_size)
     sinks_arg = check_sinks(sinks, query)
     limit_arg = check_attend_limit(attend_limit, query)
     block_q, block_m = _block_shape(queries_per_kv)
@@ -257,12 +277,12 @@ def paged_attention(
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks_arg, limit_arg,
-        scale, num_reqs, head_dim, block_size, sliding_window or 0, softcap or 0.0,
+        scale, num_reqs, head_dim, block_size, sliding_window or 0, softcap or 0.0, attention_chunk_size or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         HEAD_DIM=head_dim_padded, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(softcap),
-        USE_SINKS=sinks is not None, USE_LIMIT=attend_limit is not None,
+        USE_SINKS=sinks is not None, USE_LIMIT=attend_limit is not None, USE_CHUNK=attention_chunk_size is not None,
         # exact fp32 products; "tf32" is Triton's default, which half-precision inputs ignore
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4 if head_dim_padded <= 64 else 8, num_stages=2,

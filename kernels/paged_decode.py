@@ -16,11 +16,14 @@ read at once, in two launches:
 
 A segment's length is computed on the device from the request's own
 ``seq_len`` (``ceil(span / (NUM_SEGMENTS * TILE_N)) * TILE_N`` keys of the span
-``[window start, seq_len)``), so how a request's context is cut depends only on
+``[window or chunk start, seq_len)``), so how a request's context is cut depends only on
 its length, never on the batch; segments past the span are empty: stage 1
 returns at once and stage 2 masks them out by the same arithmetic. The grid
 and ``NUM_SEGMENTS`` depend only on host-known shapes, so a launch is
 CUDA-graph capturable.
+
+With ``attention_chunk_size`` C (Llama 4's chunked local attention) the span starts at the query's chunk
+start ``((seq_len - 1) // C) * C`` instead (``USE_CHUNK``; off, compiled without it).
 
 Scores are capped (``softcap``) as in the unified kernel. Attention sinks (``sinks``, gpt-oss) join
 in stage 2 only, once per head: the sink's logit is one more partial max with sum ``exp(0)`` and a
@@ -41,19 +44,21 @@ import triton.language as tl
 from asyncllm.kernels._checks import check
 from asyncllm.kernels._math import softcap as cap_scores
 from asyncllm.kernels.paged_attention import (  # the unified kernel's rules and rows
-    _block_shape, _check_args, _tile_shape, check_sinks, check_window_and_softcap,
+    _block_shape, _check_args, _tile_shape, check_chunk, check_sinks, check_window_and_softcap,
 )
 
 __all__ = ["paged_decode"]
 
 
 @triton.jit
-def _segment_bounds(seq_len, sliding_window, USE_WINDOW: tl.constexpr, NUM_SEGMENTS: tl.constexpr,
-                    TILE_N: tl.constexpr):
+def _segment_bounds(seq_len, sliding_window, chunk_size, USE_WINDOW: tl.constexpr, USE_CHUNK: tl.constexpr,
+                    NUM_SEGMENTS: tl.constexpr, TILE_N: tl.constexpr):
     """(first visible key, keys per segment, segments holding keys) of a request with ``seq_len`` keys."""
     kv_start = seq_len * 0
     if USE_WINDOW:  # the query sits at seq_len - 1 and sees the last `sliding_window` keys
         kv_start = tl.maximum(seq_len - sliding_window, 0)
+    if USE_CHUNK:  # ... or the keys of its chunk of `chunk_size` positions, up to itself
+        kv_start = tl.maximum(seq_len - 1, 0) // chunk_size * chunk_size
     span = seq_len - kv_start
     segment_len = tl.cdiv(tl.maximum(span, 1), NUM_SEGMENTS * TILE_N) * TILE_N
     return kv_start, segment_len, tl.cdiv(span, segment_len)
@@ -62,10 +67,11 @@ def _segment_bounds(seq_len, sliding_window, USE_WINDOW: tl.constexpr, NUM_SEGME
 @triton.jit
 def _decode_segment_kernel(
     max_ptr, sum_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, num_q_heads, head_dim, block_size, sliding_window, softcap,
+    scale, num_q_heads, head_dim, block_size, sliding_window, softcap, chunk_size,
     q_token_stride, q_head_stride, cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -74,7 +80,8 @@ def _decode_segment_kernel(
     if tl.load(query_start_loc_ptr + req + 1) == q_start:  # padding: no query
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    kv_start, segment_len, _ = _segment_bounds(seq_len, sliding_window, USE_WINDOW, NUM_SEGMENTS, TILE_N)
+    kv_start, segment_len, _ = _segment_bounds(seq_len, sliding_window, chunk_size, USE_WINDOW, USE_CHUNK,
+                                               NUM_SEGMENTS, TILE_N)
     seg_start = kv_start + segment * segment_len
     if seg_start >= seq_len:  # empty segment: stage 2 skips it
         return
@@ -122,9 +129,9 @@ def _decode_segment_kernel(
 @triton.jit
 def _decode_combine_kernel(
     out_ptr, max_ptr, sum_ptr, acc_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
-    num_q_heads, head_dim, sliding_window, out_token_stride, out_head_stride,
+    num_q_heads, head_dim, sliding_window, chunk_size, out_token_stride, out_head_stride,
     TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr,
-    USE_SINKS: tl.constexpr,
+    USE_SINKS: tl.constexpr, USE_CHUNK: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -132,7 +139,7 @@ def _decode_combine_kernel(
     if tl.load(query_start_loc_ptr + req + 1) == q_start:  # padding: no query
         return
     seq_len = tl.load(seq_lens_ptr + req)
-    _, _, num_used = _segment_bounds(seq_len, sliding_window, USE_WINDOW, NUM_SEGMENTS, TILE_N)
+    _, _, num_used = _segment_bounds(seq_len, sliding_window, chunk_size, USE_WINDOW, USE_CHUNK, NUM_SEGMENTS, TILE_N)
     segments = tl.arange(0, NUM_SEGMENTS)
     used = segments < num_used
     dims = tl.arange(0, HEAD_DIM)
@@ -169,6 +176,7 @@ def paged_decode(
     tile_n: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention` for a decode-only step, each request's context split into ``num_segments``.
 
@@ -183,6 +191,7 @@ def paged_decode(
     check(1 <= num_segments <= 64 and num_segments == triton.next_power_of_2(num_segments),
           f"num_segments must be a power of two from 1 to 64: {num_segments}")
     check_window_and_softcap(sliding_window, softcap)
+    check_chunk(sliding_window, attention_chunk_size)
     sinks_arg = check_sinks(sinks, query)
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     head_dim_padded, tile_n = _tile_shape(head_dim, tile_n)
@@ -194,12 +203,12 @@ def paged_decode(
         torch.empty(num_reqs, num_q_heads, num_segments, *dims, dtype=torch.float32, device=query.device)
         for dims in ((), (), (head_dim,))
     )
-    shared = dict(USE_WINDOW=sliding_window is not None, NUM_SEGMENTS=num_segments, TILE_N=tile_n,
-                  HEAD_DIM=head_dim_padded)
+    shared = dict(USE_WINDOW=sliding_window is not None, USE_CHUNK=attention_chunk_size is not None,
+                  NUM_SEGMENTS=num_segments, TILE_N=tile_n, HEAD_DIM=head_dim_padded)
     _, block_m = _block_shape(num_q_heads // num_kv_heads)
     _decode_segment_kernel[(num_reqs, num_kv_heads, num_segments)](
         partial_max, partial_sum, partial_acc, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, num_q_heads, head_dim, block_size, sliding_window or 0, softcap or 0.0,
+        scale, num_q_heads, head_dim, block_size, sliding_window or 0, softcap or 0.0, attention_chunk_size or 0,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         QUERIES_PER_KV=num_q_heads // num_kv_heads, BLOCK_M=block_m, USE_SOFTCAP=bool(softcap),
@@ -208,7 +217,7 @@ def paged_decode(
     )
     _decode_combine_kernel[(num_reqs, num_q_heads)](
         out, partial_max, partial_sum, partial_acc, seq_lens, query_start_loc, sinks_arg,
-        num_q_heads, head_dim, sliding_window or 0, out.stride(0), out.stride(1),
+        num_q_heads, head_dim, sliding_window or 0, attention_chunk_size or 0, out.stride(0), out.stride(1),
         USE_SINKS=sinks is not None, num_warps=4 if head_dim_padded <= 128 else 8, **shared,
     )
     return out

@@ -248,22 +248,28 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
 
 
 def _context_mask(
-    q_len: int, seq_len: int, sliding_window: int | None, device: torch.device, limit: torch.Tensor | None = None
+    q_len: int, seq_len: int, sliding_window: int | None, device: torch.device, limit: torch.Tensor | None = None,
+    chunk_size: int | None = None,
 ) -> torch.Tensor | None:
     """Boolean ``[q_len, seq_len]`` (True = attend), or None when every key is visible.
 
     Query j sits at position ``seq_len - q_len + j``; it sees keys at or before it (at or before
     ``limit[j]`` when a ``[q_len]`` limit is given: `AttentionMetadata.attend_limit`), and with a
-    sliding window only those after its own position minus ``sliding_window`` (HF's rule).
+    sliding window only those after its own position minus ``sliding_window`` (HF's rule). With
+    ``chunk_size`` C (Llama 4's chunked local attention) only the keys of its own chunk of C positions
+    too: those at or after ``(position // C) * C`` (transformers' ``create_chunked_causal_mask``).
     """
     window_covers_all = sliding_window is None or sliding_window >= seq_len
-    if q_len == 1 and window_covers_all and limit is None:
+    chunk_covers_all = chunk_size is None or chunk_size >= seq_len  # every position is in chunk 0
+    if q_len == 1 and window_covers_all and chunk_covers_all and limit is None:
         return None
     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)[:, None]
     k_pos = torch.arange(seq_len, device=device)[None, :]
     mask = k_pos <= (q_pos if limit is None else limit.to(device)[:, None])
     if not window_covers_all:
         mask &= k_pos > q_pos - sliding_window
+    if not chunk_covers_all:
+        mask &= k_pos >= q_pos // chunk_size * chunk_size
     return mask
 
 
@@ -297,6 +303,7 @@ def paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk_size: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its whole cached context.
 
@@ -307,7 +314,16 @@ def paged_attention(
     attn_logit_softcapping; None or 0 is off) the scores are capped first, and with ``sinks`` (gpt-oss: a
     logit per query head, ``[Hq]``) each softmax's denominator takes ``exp(sink)`` too (`_eager_attention`).
     With ``metadata.attend_limit`` a query sees the keys up to its limit instead of its own position.
+    With ``attention_chunk_size`` C (Llama 4's chunked local layers; None: off) a query at position p sees
+    only the keys at or after ``(p // C) * C`` too (`_context_mask`); a layer has a window or a chunk size,
+    never both (ValueError).
     """
+    if attention_chunk_size is not None:
+        if sliding_window is not None:
+            raise ValueError(f"a layer has sliding_window ({sliding_window}) or attention_chunk_size "
+                             f"({attention_chunk_size}), not both")
+        if attention_chunk_size < 1:
+            raise ValueError(f"attention_chunk_size must be >= 1: {attention_chunk_size}")
     out = torch.zeros_like(query)
     qsl = metadata.query_start_loc_cpu
     for i, seq_len in enumerate(metadata.seq_lens_cpu):
@@ -316,7 +332,7 @@ def paged_attention(
             continue
         key, value = gather_kv(kv_cache, metadata.block_tables[i], seq_len)
         limit = None if metadata.attend_limit is None else metadata.attend_limit[start:end]
-        mask = _context_mask(end - start, seq_len, sliding_window, query.device, limit)
+        mask = _context_mask(end - start, seq_len, sliding_window, query.device, limit, attention_chunk_size)
         q = query[start:end].transpose(0, 1)
         k, v = (t.transpose(0, 1).to(query.dtype) for t in (key, value))
         if softcap or sinks is not None:

@@ -42,6 +42,7 @@ class AttentionBackend(Protocol):
         rotary: RotaryInputs | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk_size: int | None = None,
     ) -> torch.Tensor:
         """Rotate q/k by ``rotary`` (if given), write key/value ``[T, Hkv, D]`` at the step's slots,
         attend query ``[T, Hq, D]`` (scores capped to ``softcap * tanh(s / softcap)`` when ``softcap``; each

@@ -37,13 +37,16 @@ class TorchSDPABackend:
         rotary: RotaryInputs | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk_size: int | None = None,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place. ``softcap``
-        caps the scores (Gemma 2: `reference.paged_attention`); ``sinks [Hq]`` joins each softmax (gpt-oss).
+        caps the scores (Gemma 2: `reference.paged_attention`); ``sinks [Hq]`` joins each softmax (gpt-oss);
+        ``attention_chunk_size`` keeps each query to the keys of its own chunk (Llama 4's chunked local layers).
         """
         if rotary is not None:
             query, key = reference.norm_and_rotate(query, key, rotary)
         reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
-        return reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap, sinks)
+        return reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap, sinks,
+                                         attention_chunk_size=attention_chunk_size)

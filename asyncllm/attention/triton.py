@@ -57,12 +57,14 @@ class TritonBackend:
         rotary: RotaryInputs | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        attention_chunk_size: int | None = None,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place. ``softcap``
-        caps the scores (Gemma 2) and ``sinks [Hq]`` joins each softmax (gpt-oss) in either kernel;
-        ``metadata.attend_limit`` (Gemma 3's image tokens) always takes the unified kernel.
+        caps the scores (Gemma 2), ``sinks [Hq]`` joins each softmax (gpt-oss) and ``attention_chunk_size``
+        keeps each query to the keys of its own chunk (Llama 4) in either kernel; ``metadata.attend_limit``
+        (Gemma 3's image tokens) always takes the unified kernel.
         """
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         if rotary is None:
@@ -80,10 +82,12 @@ class TritonBackend:
             return paged_decode(
                 query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                 scale, num_segments, sliding_window, softcap=softcap, sinks=sinks,
+                attention_chunk_size=attention_chunk_size,
             )
         return paged_attention(
             query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
             scale, sliding_window, softcap=softcap, sinks=sinks, attend_limit=metadata.attend_limit,
+            attention_chunk_size=attention_chunk_size,
         )
 
 

@@ -133,7 +133,8 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
 _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM",
             "ArceeForCausalLM",
             "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-            "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", *HYBRID_ARCHITECTURES, *ENCODER_ARCHITECTURES)
+            "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
+            "Llama4ForConditionalGeneration", *HYBRID_ARCHITECTURES, *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration")
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is

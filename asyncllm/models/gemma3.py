@@ -13,6 +13,7 @@ from typing import Any, Iterable
 
 from asyncllm.models.gemma import GemmaForCausalLM
 from asyncllm.models.layers import LoadedWeight
+from asyncllm.models.vision_language import decoder_weight_name
 
 __all__ = ["Gemma3ForCausalLM", "Gemma3TextOnly", "gemma3_text_name"]
 
@@ -26,14 +27,7 @@ def gemma3_text_name(name: str) -> str | None:
 
     Both layouts: the original (``language_model.model.*``) and transformers 5's (``model.language_model.*``).
     """
-    name = name.removeprefix("model.")
-    if name.startswith(("vision_tower.", "multi_modal_projector.")):
-        return None
-    if name.startswith("language_model.model."):
-        return name.removeprefix("language_model.")
-    if name.startswith("language_model."):
-        return "model." + name.removeprefix("language_model.")
-    return name
+    return decoder_weight_name(name, ("vision_tower.", "multi_modal_projector."))
 
 
 class Gemma3TextOnly(Gemma3ForCausalLM):

@@ -163,8 +163,14 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        attention_chunk_size: int | None = None,
     ) -> None:
-        """``scale`` defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma 2; None: off)."""
+        """``scale`` defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma 2; None: off);
+        ``attention_chunk_size`` C keeps a query at position p to the keys from ``(p // C) * C`` on (Llama 4's
+        chunked local attention; None: off). ValueError when given with ``sliding_window``."""
+        if attention_chunk_size is not None and sliding_window is not None:
+            raise ValueError(f"an attention layer has sliding_window ({sliding_window}) or attention_chunk_size "
+                             f"({attention_chunk_size}), not both")
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -173,6 +179,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.sliding_window = sliding_window
         self.softcap = softcap or None
+        self.attention_chunk_size = attention_chunk_size
 
     def forward(
         self,
@@ -188,7 +195,7 @@ class Attention(nn.Module):
         is given, so it can fuse that with the KV-cache write) -> ``[T, Hq * D]``. ``sinks`` (this rank's
         ``[Hq]`` sink logits, gpt-oss) is the caller's parameter, so the checkpoint names it where it is."""
         out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window, rotary,
-                                   self.softcap, sinks)
+                                   self.softcap, sinks, attention_chunk_size=self.attention_chunk_size)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
     def extra_repr(self) -> str:
@@ -196,4 +203,5 @@ class Attention(nn.Module):
             f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
             f"backend={self.backend.name}, sliding_window={self.sliding_window}"
             + ("" if self.softcap is None else f", softcap={self.softcap}")
+            + ("" if self.attention_chunk_size is None else f", attention_chunk_size={self.attention_chunk_size}")
         )

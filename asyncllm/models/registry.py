@@ -46,6 +46,7 @@ from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCa
 from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
 from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.dots1 import Dots1ForCausalLM
+from asyncllm.models.llama4 import Llama4ForCausalLM, Llama4TextOnly
 from asyncllm.models.qwen3_5 import (
     Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
     Qwen3_5MoeTextOnly, Qwen3_5TextOnly,
@@ -150,6 +151,8 @@ _MODELS: dict[str, type] = {
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
+    "Llama4ForConditionalGeneration": Llama4TextOnly,  # text prompts only: the vision model is not read
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # limit_mm_per_prompt 0: Qwen3_5TextOnly
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,

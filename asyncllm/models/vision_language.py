@@ -19,8 +19,8 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import ConfigError
 from asyncllm.models.layers import LoadedWeight, default_weight_loader
 
-__all__ = ["VisionLanguageModel", "build_decoder", "load_vision_language_weights", "text_config_of",
-           "vision_language_weight_names"]
+__all__ = ["VisionLanguageModel", "build_decoder", "decoder_weight_name", "load_vision_language_weights",
+           "text_config_of", "vision_language_weight_names"]
 
 
 def text_config_of(hf_config: Any) -> Any:
@@ -30,6 +30,20 @@ def text_config_of(hf_config: Any) -> Any:
     tie = getattr(hf_config, "tie_word_embeddings", None)
     text.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False) if tie is None else tie)
     return text
+
+
+def decoder_weight_name(name: str, encoder_prefixes: tuple[str, ...]) -> str | None:
+    """An image-text checkpoint's weight name as its decoder alone names it (``model.layers...``), or None for the
+    encoder's (names starting with ``encoder_prefixes``); both layouts: the original (``language_model.model.*``)
+    and transformers 5's (``model.language_model.*``)."""
+    name = name.removeprefix("model.")
+    if name.startswith(encoder_prefixes):
+        return None
+    if name.startswith("language_model.model."):
+        return name.removeprefix("language_model.")
+    if name.startswith("language_model."):
+        return "model." + name.removeprefix("language_model.")
+    return name
 
 
 def load_vision_language_weights(model: nn.Module, weights: Iterable[tuple[str, LoadedWeight]],

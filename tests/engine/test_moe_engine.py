@@ -1,5 +1,5 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, MiniMax-M2, ERNIE 4.5 MoE, Hunyuan-A13B,
-DeepSeek-V2 / V3): greedy output equals transformers', token for token, alone, chunked, preempted, and split
+Llama 4, DeepSeek-V2 / V3): greedy output equals transformers', token for token, alone, chunked, preempted, and split
 over two ranks by intermediate dim or by expert; LoRA adapters on their attention equal PEFT's."""
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from asyncllm.tiny import tiny_checkpoint
 from hf_reference import hf_greedy
 
 MAX_TOKENS = 16
-MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe")
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe",
+             "llama4")
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:

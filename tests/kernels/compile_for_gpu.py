@@ -59,33 +59,38 @@ def cases(dtype: str):
                     cos_sin_ptr="*fp32", slot_mapping_ptr="*i64", q_norm_ptr=p, k_norm_ptr=p), ("norm_eps",),
                dict(Q_HEADS=heads, KV_HEADS=8, HALF=64, HEAD_DIM=128, HAS_NORM=norm), 4)
     # Llama (no window), Mistral (window), Gemma 2's sliding layers (window + score cap: 8 heads, 4 KV heads, D 256),
-    # gpt-oss's sliding layers (window + sinks: 64 heads, 8 KV heads, D 64)
-    for window, softcap, sinks, limit, queries_per_kv, head_dim, tile_n in (
-            (False, False, False, False, 4, 128, 64), (True, False, False, False, 4, 128, 64),
-            (True, True, False, False, 2, 256, 32), (True, False, True, False, 8, 64, 64),
-            (True, True, False, True, 2, 256, 32)):
+    # gpt-oss's sliding layers (window + sinks: 64 heads, 8 KV heads, D 64), Gemma 3's sliding layers with image
+    # tokens, Llama 4 Scout's chunked local layers (40 heads, 8 KV heads: 5 queries per KV head, D 128)
+    for window, softcap, sinks, limit, chunk, queries_per_kv, head_dim, tile_n in (
+            (False, False, False, False, False, 4, 128, 64), (True, False, False, False, False, 4, 128, 64),
+            (True, True, False, False, False, 2, 256, 32), (True, False, True, False, False, 8, 64, 64),
+            (True, True, False, True, False, 2, 256, 32), (False, False, False, False, True, 5, 128, 64)):
         block_q = 16 // queries_per_kv
-        yield (f"paged_attention window={window} softcap={softcap} sinks={sinks} attend_limit={limit}",
+        yield (f"paged_attention window={window} softcap={softcap} sinks={sinks} attend_limit={limit} chunk={chunk}",
                paged_attention._paged_attention_kernel,
                dict(out_ptr=p, q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                     query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32"), ("scale", "softcap"),
                dict(QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=16, TILE_N=tile_n, HEAD_DIM=head_dim,
-                    USE_WINDOW=window, USE_SOFTCAP=softcap, USE_SINKS=sinks, USE_LIMIT=limit, DOT_PRECISION="tf32"), 8)
+                    USE_WINDOW=window, USE_SOFTCAP=softcap, USE_SINKS=sinks, USE_LIMIT=limit, USE_CHUNK=chunk,
+                    DOT_PRECISION="tf32"), 8)
     decode = dict(TILE_N=64, HEAD_DIM=128, NUM_SEGMENTS=16)
-    for window, softcap in ((False, False), (True, False), (True, True)):
-        yield (f"paged_decode segment window={window} softcap={softcap}", paged_decode._decode_segment_kernel,
+    for window, softcap, chunk in ((False, False, False), (True, False, False), (True, True, False),
+                                   (False, False, True)):
+        yield (f"paged_decode segment window={window} softcap={softcap} chunk={chunk}",
+               paged_decode._decode_segment_kernel,
                dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p,
                     block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
-               dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=window, USE_SOFTCAP=softcap, DOT_PRECISION="tf32",
-                    **decode), 4)
+               dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=window, USE_SOFTCAP=softcap, USE_CHUNK=chunk,
+                    DOT_PRECISION="tf32", **decode), 4)
     for prologue, block_n, block_k in ((0, 64, 128), (1, 16, 512), (2, 4, 512)):  # LM head, QKV, down projection
         yield (f"decode_linear prologue={prologue}", decode_linear._decode_linear_kernel,
                dict(x_ptr=p, residual_ptr=p, norm_w_ptr=p, weight_ptr=p, bias_ptr=p, out_ptr=p, residual_out_ptr=p),
                ("eps",), dict(PROLOGUE=prologue, HAS_BIAS=prologue == 0, BLOCK_N=block_n, BLOCK_K=block_k), 4)
-    for sinks in (False, True):  # gpt-oss: sinks
-        yield (f"paged_decode combine sinks={sinks}", paged_decode._decode_combine_kernel,
+    for window, sinks, chunk in ((True, False, False), (True, True, False), (False, False, True)):  # gpt-oss: sinks
+        yield (f"paged_decode combine window={window} sinks={sinks} chunk={chunk}", paged_decode._decode_combine_kernel,
                dict(out_ptr=p, max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", seq_lens_ptr="*i32",
-                    query_start_loc_ptr="*i32", sinks_ptr=p), (), dict(USE_WINDOW=True, USE_SINKS=sinks, **decode), 4)
+                    query_start_loc_ptr="*i32", sinks_ptr=p), (),
+               dict(USE_WINDOW=window, USE_SINKS=sinks, USE_CHUNK=chunk, **decode), 4)
     yield from fp8_cache_cases(p, decode)
     yield from moe_cases(p)
     yield from block_fp8_cases(p)
@@ -105,11 +110,12 @@ def fp8_cache_cases(p: str, decode: dict):
            dict(out_ptr=p, q_ptr=p, k_cache_ptr=c, v_cache_ptr=c, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                 query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32"), ("scale", "softcap"),
            dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, HEAD_DIM=128, USE_WINDOW=False,
-                USE_SOFTCAP=False, USE_SINKS=False, USE_LIMIT=False, DOT_PRECISION="tf32"), 8)
+                USE_SOFTCAP=False, USE_SINKS=False, USE_LIMIT=False, USE_CHUNK=False, DOT_PRECISION="tf32"), 8)
     yield ("paged_decode segment fp8e4nv cache", paged_decode._decode_segment_kernel,
            dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=c, v_cache_ptr=c,
                 block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
-           dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=False, USE_SOFTCAP=False, DOT_PRECISION="tf32", **decode), 4)
+           dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=False, USE_SOFTCAP=False, USE_CHUNK=False,
+                DOT_PRECISION="tf32", **decode), 4)
 
 
 def moe_cases(p: str):

@@ -158,6 +158,57 @@ def test_attend_limit(
     assert (out[sees_ahead] - causal[sees_ahead]).float().abs().amax(dim=(1, 2)).min() > 0.05
 
 
+# (cached tokens, query tokens) per request for Llama 4's chunked local layers: prefill chunks over cached prefixes
+# straddling chunk boundaries (positions 5..17, 30..35), a fresh prefill over several chunks, decodes at a chunk's
+# first position (16) and within one (37), a request with no query this step
+CHUNKED_STEP = [(5, 13), (0, 21), (16, 1), (37, 1), (30, 6), (3, 0)]
+
+
+def step_positions(requests: list[tuple[int, int]]) -> torch.Tensor:
+    """Each query token's position in its sequence, the step's tokens laid end to end."""
+    return torch.tensor([p for cached, new in requests for p in range(cached, cached + new)], device=DEVICE)
+
+
+@pytest.mark.parametrize("attention_chunk_size", [1, 5, 8, 16])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size, dtype",
+    [
+        (8, 2, 32, 4, torch.float32),  # GQA 4:1: 4-token query blocks, rows of one program in two chunks
+        (6, 2, 24, 8, torch.float16),  # 3 queries per KV head, head dim not a power of two
+    ],
+)
+def test_chunked_attention(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, attention_chunk_size: int
+) -> None:
+    """Llama 4's chunked local attention (a query at p sees keys ``(p // C) * C .. p``) matches the reference, with
+    tiles of 16 keys that a chunk start cuts (C 5) or skips (the decode at 37 with C 8 starts at tile 32); the rows
+    in their request's first chunk equal causal attention, the others do not."""
+    metadata = _metadata(CHUNKED_STEP, block_size, seed=num_heads * head_dim)
+    kv_cache, query = _inputs(metadata, num_heads, num_kv_heads, head_dim, dtype)
+    scale = head_dim**-0.5
+    args = (query, kv_cache[0], kv_cache[1], metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale)
+    out = paged_attention(*args, tile_n=16, attention_chunk_size=attention_chunk_size)
+    expected = reference.paged_attention(query, kv_cache, metadata, scale, attention_chunk_size=attention_chunk_size)
+    assert_close(out, expected, ATTENTION_TOL[dtype])
+    causal = paged_attention(*args, tile_n=16)
+    first_chunk = step_positions(CHUNKED_STEP) < attention_chunk_size
+    assert_close(out[first_chunk], causal[first_chunk], ATTENTION_TOL[dtype])
+    assert (out[~first_chunk] - causal[~first_chunk]).float().abs().amax(dim=(1, 2)).min() > 0.01
+
+
+@pytest.mark.parametrize("attention_chunk_size", [3, 8])
+def test_chunked_attention_with_attend_limit(attention_chunk_size: int) -> None:
+    """The chunk start still bounds the keys of image tokens, whose limits reach past their own positions."""
+    metadata = _metadata([(cached, new) for cached, new, _ in IMAGE_STEP], 4, seed=5)
+    metadata.attend_limit = image_limits(IMAGE_STEP, torch.int32)
+    kv_cache, query = _inputs(metadata, 8, 2, 32, torch.float32)
+    out = paged_attention(query, kv_cache[0], kv_cache[1], metadata.query_start_loc, metadata.seq_lens,
+                          metadata.block_tables, 0.2, tile_n=16, attend_limit=metadata.attend_limit,
+                          attention_chunk_size=attention_chunk_size)
+    expected = reference.paged_attention(query, kv_cache, metadata, 0.2, attention_chunk_size=attention_chunk_size)
+    assert_close(out, expected, ATTENTION_TOL[torch.float32])
+
+
 def test_decode_batch_only() -> None:
     _check([(c, 1) for c in (0, 3, 16, 17, 40)], 4, 2, 64, 16, torch.float32)
 
@@ -179,6 +230,10 @@ def test_launcher_rejects_bad_arguments() -> None:
         with pytest.raises(ValueError, match="attend_limit"):
             paged_attention(query[:, :2], cache[0], cache[1], md.query_start_loc, md.seq_lens, md.block_tables, 0.25,
                             attend_limit=bad_limit)
+    for window, chunk, message in ((None, 0, "attention_chunk_size must be >= 1"), (4, 8, "not both")):
+        with pytest.raises(ValueError, match=message):
+            paged_attention(query[:, :2], cache[0], cache[1], md.query_start_loc, md.seq_lens, md.block_tables, 0.25,
+                            window, attention_chunk_size=chunk)
 
 
 @pytest.mark.gpu

@@ -40,9 +40,10 @@ def _decode_step(
 
 
 def _decode(query, kv_cache, md: AttentionMetadata, num_segments: int, window: int | None = None, tile_n=16,
-            softcap=None, sinks=None):
+            softcap=None, sinks=None, chunk=None):
     return paged_decode(query, kv_cache[0], kv_cache[1], md.query_start_loc, md.seq_lens, md.block_tables,
-                        query.shape[-1] ** -0.5, num_segments, window, tile_n=tile_n, softcap=softcap, sinks=sinks)
+                        query.shape[-1] ** -0.5, num_segments, window, tile_n=tile_n, softcap=softcap, sinks=sinks,
+                        attention_chunk_size=chunk)
 
 
 def _check(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, num_segments=4, window=None, tile_n=16,
@@ -92,6 +93,49 @@ def test_sinks(window: int | None, dtype: torch.dtype) -> None:
     """gpt-oss's attention sinks, counted once per head across the segments (40 keys: 3 of 4 segments used;
     a request of 1 key: one), alone and with a window; 6 query heads on 2 KV heads, head dim 24."""
     _check([1, 17, 40], 6, 2, 24, 4, dtype, window=window, sinks=sink_logits(6, dtype))
+
+
+@pytest.mark.parametrize("chunk", [1, 8, 17, 64])
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size, dtype",
+    [
+        (4, 1, 32, 4, torch.float32),  # GQA 4:1
+        (6, 2, 24, 5, torch.float16),  # 3 queries per KV head, head dim not a power of two, odd block size
+    ],
+)
+def test_chunked_attention(
+    num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype, chunk: int
+) -> None:
+    """Llama 4's chunked local attention: the decode at position n - 1 sees keys ``((n - 1) // C) * C .. n - 1``,
+    the span the segments split (200 keys with C 64: the 8 keys from 192, one segment; with C 17: 13 keys from
+    187). The result matches the reference and the unified kernel; requests whose query is in its first chunk
+    equal causal attention, the others do not."""
+    md, query, kv_cache = _decode_step(LENGTHS, num_heads, num_kv_heads, head_dim, block_size, dtype)
+    out = _decode(query, kv_cache, md, 4, chunk=chunk)
+    expected = reference.paged_attention(query, kv_cache, md, head_dim**-0.5, attention_chunk_size=chunk)
+    assert_close(out, expected, ATTENTION_TOL[dtype])
+    unified = paged_attention(query, kv_cache[0], kv_cache[1], md.query_start_loc, md.seq_lens, md.block_tables,
+                              head_dim**-0.5, tile_n=16, attention_chunk_size=chunk)
+    assert_close(out, unified, ATTENTION_TOL[dtype])
+    causal = _decode(query, kv_cache, md, 4)
+    first_chunk = torch.tensor(LENGTHS, device=DEVICE) - 1 < chunk
+    assert_close(out[first_chunk], causal[first_chunk], ATTENTION_TOL[dtype])
+    assert (out[~first_chunk] - causal[~first_chunk]).float().abs().amax(dim=(1, 2)).min() > 0.01
+
+
+def test_backend_passes_the_chunk_size() -> None:
+    """The triton backend keeps a layer's chunk size in both kernels: a decode batch and a step with a prefill."""
+    backend = TritonBackend()
+    for requests in ([(20, 1), (9, 1)], [(20, 1), (5, 7)]):
+        md = _metadata(requests, 4, seed=0)
+        kv_cache = randn(2, int(md.block_tables.max()) + 2, 4, 2, 16, dtype=torch.float32, seed=1)
+        md.slot_mapping = torch.full((md.query_start_loc_cpu[-1],), -1, dtype=torch.int64, device=DEVICE)
+        query = randn(md.query_start_loc_cpu[-1], 4, 16, dtype=torch.float32, seed=2)
+        kv = torch.zeros(query.shape[0], 2, 16, device=DEVICE)
+        out = backend.forward(query, kv, kv, kv_cache, md, 0.25, attention_chunk_size=8)
+        expected = reference.paged_attention(query, kv_cache, md, 0.25, attention_chunk_size=8)
+        assert_close(out, expected, ATTENTION_TOL[torch.float32])
+        assert not torch.allclose(out, reference.paged_attention(query, kv_cache, md, 0.25), atol=1e-3)
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
@@ -153,6 +197,10 @@ def test_launcher_rejects_bad_arguments() -> None:
         _decode(query, kv_cache, md, 3)
     with pytest.raises(ValueError, match="multiple of KV heads"):
         _decode(query, kv_cache.expand(2, -1, -1, 3, -1).contiguous(), md, 2)
+    with pytest.raises(ValueError, match="attention_chunk_size must be >= 1"):
+        _decode(query, kv_cache, md, 2, chunk=0)
+    with pytest.raises(ValueError, match="not both"):
+        _decode(query, kv_cache, md, 2, window=4, chunk=8)
 
 
 @pytest.mark.gpu

@@ -113,6 +113,18 @@ def test_triton_moe_logits_match_transformers(arch: str) -> None:
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
+def test_triton_llama4_logits_match_transformers() -> None:
+    """Llama 4: the chunked layer (chunks of 8, straddled by both prompts) on the unified kernel, the decode-only
+    step on the split-KV kernels; q/k L2 norms and the NoPE layer's temperature before them, the top-1 routed expert
+    on its scaled input through the fused-MoE kernel."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("llama4")
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
+
+
 def test_triton_qwen3_5_logits_match_transformers() -> None:
     """Qwen3.5's gated full attention (zero-centred q/k norms in the model, a quarter-head rotary in the fused
     rotary/KV-write kernel) on the Triton kernels, its Gated DeltaNet layer in torch beside it."""

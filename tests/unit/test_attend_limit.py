@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from model_utils import make_attn_metadata
+from dense_attention import dense_attention, paged_contexts, randn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.kernels import reference
@@ -23,10 +23,6 @@ STEP = [(4, 9, [(6, 11)]), (0, 7, [(1, 3), (4, 7)]), (6, 1, [])]
 BLOCK_TABLES = [[5, 1, 7, 9], [2, 6], [3, 0]]
 
 
-def _randn(*shape: int, seed: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
-
-
 def _limits(step: list[tuple[int, int, list[tuple[int, int]]]]) -> list[list[int]]:
     """Each request's query limits: a token's own position, the last of its run for an image token."""
     limits = []
@@ -36,18 +32,15 @@ def _limits(step: list[tuple[int, int, list[tuple[int, int]]]]) -> list[list[int
     return limits
 
 
+def _step() -> tuple[AttentionMetadata, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """(causal metadata of `STEP`, the paged kv_cache, each request's dense keys and values ``[n, Hkv, D]``)."""
+    return paged_contexts([(c, n) for c, n, _ in STEP], BLOCK_TABLES, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+
+
 def _dense_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, limits: list[int],
                      window: int | None, scale: float) -> torch.Tensor:
-    """float64 ``softmax(q @ k^T * scale, masked by the rule) @ v`` for one request's queries ``[q_len, Hq, D]``."""
-    n, q_len = keys.shape[0], q.shape[0]
-    positions = range(n - q_len, n)
-    mask = torch.tensor([[k <= limit and (window is None or k > p - window) for k in range(n)]
-                         for p, limit in zip(positions, limits)])
-    groups = q.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(groups, 1).transpose(0, 1)  # [Hq, n, D]
-    v = values.double().repeat_interleave(groups, 1).transpose(0, 1)
-    scores = (q.double().transpose(0, 1) @ k.transpose(1, 2) * scale).masked_fill(~mask, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ v).transpose(0, 1)
+    return dense_attention(q, keys, values, scale,
+                           lambda i, p, k: k <= limits[i] and (window is None or k > p - window))
 
 
 def _with_limits(metadata: AttentionMetadata, limits: list[list[int]] | None) -> AttentionMetadata:
@@ -56,28 +49,12 @@ def _with_limits(metadata: AttentionMetadata, limits: list[list[int]] | None) ->
     return replace(metadata, attend_limit=flat)
 
 
-def _step() -> tuple[AttentionMetadata, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """(causal metadata of `STEP`, the paged kv_cache, each request's dense keys and values ``[n, Hkv, D]``)."""
-    cached, scheduled = [c for c, _, _ in STEP], [n for _, n, _ in STEP]
-    metadata, _ = make_attn_metadata(cached, scheduled, BLOCK_TABLES, BLOCK_SIZE)
-    kv_cache = torch.zeros(2, 10, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    contexts = []
-    for i, table in enumerate(BLOCK_TABLES):
-        n = cached[i] + scheduled[i]
-        keys = _randn(n, NUM_KV_HEADS, HEAD_DIM, seed=10 + i)
-        values = _randn(n, NUM_KV_HEADS, HEAD_DIM, seed=20 + i)
-        slots = torch.tensor([table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n)])
-        reference.write_kv_cache(keys, values, kv_cache, slots)
-        contexts.append((keys, values))
-    return metadata, kv_cache, contexts
-
-
 @pytest.mark.parametrize("window", [None, 3, 100])  # none, one under the chunks' lengths, one covering everything
 def test_reference_follows_the_attend_limit_rule(window: int | None) -> None:
     limits = _limits(STEP)
     causal_metadata, kv_cache, contexts = _step()
     metadata = _with_limits(causal_metadata, limits)
-    query = _randn(metadata.query_start_loc_cpu[-1], NUM_HEADS, HEAD_DIM, seed=3)
+    query = randn(metadata.query_start_loc_cpu[-1], NUM_HEADS, HEAD_DIM, seed=3)
     scale = HEAD_DIM**-0.5
     out = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window=window)
     qsl = metadata.query_start_loc_cpu
@@ -92,7 +69,7 @@ def test_own_position_limits_are_causal() -> None:
     """Limits equal to the tokens' own positions give plain causal attention."""
     metadata, kv_cache, _ = _step()
     own = [list(range(c, c + n)) for c, n, _ in STEP]
-    query = _randn(metadata.query_start_loc_cpu[-1], NUM_HEADS, HEAD_DIM, seed=4)
+    query = randn(metadata.query_start_loc_cpu[-1], NUM_HEADS, HEAD_DIM, seed=4)
     for window in (None, 3):
         causal = reference.paged_attention(query, kv_cache, metadata, 0.3, sliding_window=window)
         limited = reference.paged_attention(query, kv_cache, _with_limits(metadata, own), 0.3, sliding_window=window)

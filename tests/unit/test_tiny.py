@@ -25,7 +25,7 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     assert model.config.model_type == {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
-                                       "qwen3_5_moe": "qwen3_5_moe_text"}.get(arch, arch)  # text-only configs
+                                       "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}.get(arch, arch)
     assert model.config.vocab_size == len(tokenizer) == 512
     assert model.get_input_embeddings().weight.shape == (512, 64)
     assert model.config.num_hidden_layers == (4 if arch == "nemotron_h" else 2)  # Nemotron-H: 4 one-mixer layers
