@@ -74,20 +74,39 @@ _DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
 """DeepSeek's latent attention (V2: the full-rank query; V3: the low-rank one, YaRN with its softmax mscale, the
 interleaved rope), one dense layer, then grouped routing over 8 experts and a shared one."""
 
-_GLM4_MOE_SHAPE = dict(moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
-                       first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5,
-                       use_qk_norm=True, attention_bias=True)
-"""GLM-4.5's: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing."""
-
-_GRANITE4_SHAPE = dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_n_groups=2,
-                       mamba_d_state=8, mamba_d_head=32, mamba_d_conv=4, mamba_expand=2, shared_intermediate_size=48,
-                       num_local_experts=4, num_experts_per_tok=2, position_embedding_type=None)
-"""Granite 4.0's hybrid: a Mamba2 layer (4 heads in 2 groups), an attention layer without positions, experts and
-the shared MLP in both."""
-
-_QWEN3_5_SHAPE = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-                      linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2)
-"""Qwen3.5's hybrid: a Gated DeltaNet layer (two key heads serving four value heads), then gated full attention."""
+_DEEPSEEK_EXPERTS = dict(moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                         first_k_dense_replace=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                         routed_scaling_factor=2.5, attention_bias=True)
+_QWEN3_5_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2)
+_LAYER_SHAPES: dict[str, dict[str, Any]] = {
+    # GLM-4.5: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing
+    "glm4_moe": dict(_DEEPSEEK_EXPERTS, use_qk_norm=True),
+    # dots.llm1: the same experts under Qwen3's attention, a sliding layer first
+    "dots1": dict(_DEEPSEEK_EXPERTS, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+    # Qwen3.5 / Qwen3-Next: a Gated DeltaNet layer (two key heads serving four value heads), then gated attention
+    "qwen3_5": _QWEN3_5_LINEAR, "qwen3_5_moe": _QWEN3_5_LINEAR, "qwen3_next": _QWEN3_5_LINEAR,
+    # Granite 4.0: a Mamba2 layer (4 heads in 2 groups), attention without positions, experts and the shared MLP
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_n_groups=2,
+                             mamba_d_state=8, mamba_d_head=32, mamba_d_conv=4, mamba_expand=2,
+                             shared_intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                             position_embedding_type=None),
+    # Bamba: a Mamba2 layer, then attention rotating half of each head
+    "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=32,
+                  mamba_d_conv=4, mamba_expand=2),
+    # Nemotron-H: Mamba2, a squared-ReLU MLP, attention without positions, the MLP again
+    "nemotron_h": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
+                       mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4),
+    # LFM2: a gated short-convolution layer, then attention; its MLP width adjusted (128 -> 85 -> 96)
+    "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
+                 block_ffn_dim_multiplier=1.0),
+    # Llama 4: a rotary layer chunked by 8 with its q/k L2 norm, then a layer without positions (its query scaled by
+    # the temperature, floor 4) and experts: one routed (its input scaled) and the shared one
+    "llama4": dict(no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=4, attn_scale=0.1, moe_layers=[1],
+                   num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96, use_qk_norm=True,
+                   attn_temperature_tuning=True),
+}
+"""Each newer family's layer mix, small: every kind of layer it has appears in the tiny model's two (or four)."""
 
 _GEMMA_SHAPES: dict[str, dict[str, Any]] = {
     "gemma2": dict(sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
@@ -421,17 +440,7 @@ def _build_config(
         fields.update(copy.deepcopy(_PHI3_SHAPE))
     if arch in ("granite", "granitemoe", "granitemoehybrid"):
         fields.update(_GRANITE_SHAPE)
-    if arch == "granitemoehybrid":
-        fields.update(_GRANITE4_SHAPE)
-    if arch == "nemotron_h":  # Mamba2, a squared-ReLU MLP, attention without positions, the MLP again
-        fields.update(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
-                      mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4)
-    if arch == "bamba":  # a Mamba2 layer (4 heads, 2 groups), then attention rotating half of each head
-        fields.update(attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=32,
-                      mamba_d_conv=4, mamba_expand=2)
-    if arch == "lfm2":  # a gated short-convolution layer, then attention; its MLP width adjusted (128 -> 85 -> 96)
-        fields.update(layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
-                      block_ffn_dim_multiplier=1.0)
+    fields.update(copy.deepcopy(_LAYER_SHAPES.get(arch, {})))
     if arch == "gpt_oss":
         fields.update(copy.deepcopy(_GPT_OSS_SHAPE))
     if arch == "olmo3":
@@ -439,18 +448,6 @@ def _build_config(
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(shape["num_hidden_layers"])])
     if arch == "smollm3":
         fields.update(_SMOLLM3_SHAPE)
-    if arch == "glm4_moe":
-        fields.update(_GLM4_MOE_SHAPE)
-    if arch == "llama4":  # a rotary layer chunked by 8 with its q/k L2 norm, then a layer without positions (its
-        # query scaled by the temperature, floor 4) and experts: one routed (input scaled) and the shared one
-        fields.update(no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=4, attn_scale=0.1, moe_layers=[1],
-                      num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96, use_qk_norm=True,
-                      attn_temperature_tuning=True)
-    if arch == "dots1":  # GLM-4.5's experts under Qwen3's attention, a sliding layer first
-        fields.update({k: v for k, v in _GLM4_MOE_SHAPE.items() if k != "use_qk_norm"}, sliding_window=8,
-                      layer_types=["sliding_attention", "full_attention"])
-    if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        fields.update(_QWEN3_5_SHAPE)
     if arch == "exaone4":
         fields.update(_EXAONE4_SHAPE)
     fields.update(_BIAS_SHAPES.get(arch, {}))
