@@ -192,6 +192,13 @@ class CacheConfig:
     """Reuse KV blocks of identical prompt prefixes across requests."""
     swap_space: float = 4.0
     """GiB of CPU memory per GPU for swapped-out blocks (preemption_mode='swap')."""
+    mamba_block_size: int = 256
+    """Hybrid models (recurrent state layers beside attention) with prefix caching: the layers' states are saved
+    every this many tokens (a multiple of block_size), and a prefix-cache hit resumes at the last such point
+    (docs/hybrid-models.md#prefix-caching)."""
+    mamba_checkpoint_slots: int = 16
+    """Hybrid models with prefix caching: how many saved states (each the size of one request's states) the
+    workers keep, least recently used replaced first; 0 turns prefix caching off for them."""
 
     def __post_init__(self) -> None:
         _choice("block_size", self.block_size, BLOCK_SIZES)
@@ -200,6 +207,10 @@ class CacheConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _bool("enable_prefix_caching", self.enable_prefix_caching)
         _float("swap_space", self.swap_space, 0.0, 1024.0)
+        _int("mamba_block_size", self.mamba_block_size, 1)
+        _int("mamba_checkpoint_slots", self.mamba_checkpoint_slots, 0)
+        if self.mamba_block_size % self.block_size:
+            raise ConfigError("mamba_block_size", self.mamba_block_size, f"a multiple of block_size={self.block_size}")
 
 
 @dataclass(frozen=True)

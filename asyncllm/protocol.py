@@ -397,6 +397,12 @@ class SchedulerOutput(msgspec.Struct, **_STRUCT):
     spec_token_ids: dict[str, list[int]] = {}
     """Speculative decoding: each drafted request's drafts. Such a request's scheduled tokens are its last
     token and these; the workers verify them and sample the accepted drafts and one token more."""
+    state_loads: dict[str, int] = {}
+    """Hybrid models with prefix caching: a request admitted on a prefix-cache hit -> the checkpoint slot holding
+    its state layers' states at the hit's end (asyncllm/kv/state_checkpoints.py)."""
+    state_saves: dict[str, list[list[int]]] = {}
+    """Hybrid models with prefix caching: request -> [tokens computed, checkpoint slot] pairs: save its states
+    once that many of its tokens are computed (in this step), in that slot."""
 
 
 class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -430,6 +436,8 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     """Blocks of swap_space GiB on this rank (preemption_mode='swap' only; the core takes the min)."""
     vocab_size: int = 0
     """Rows of the model's embedding: the core refuses token ids outside [0, vocab_size) (0: unknown)."""
+    state_checkpoints: int = 0
+    """Checkpoint slots the model's state layers keep for prefix caching (hybrid models; 0: none)."""
 
 
 class CacheReady(msgspec.Struct, **_STRUCT):

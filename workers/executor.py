@@ -90,6 +90,8 @@ class Executor:
         """Swap-space blocks every rank can hold (the min over ranks), known after `start()`."""
         self.vocab_size = 0
         """The model's vocabulary size as the workers loaded it (0: unknown), known after `start()`."""
+        self.state_checkpoints = 0
+        """Checkpoint slots of a hybrid model's states (prefix caching; 0: none), known after `start()`."""
 
     @property
     def worker_pids(self) -> list[int]:
@@ -115,6 +117,7 @@ class Executor:
             raise
         self.num_cpu_blocks = min(msg.num_cpu_blocks for msg in ready)
         self.vocab_size = min(msg.vocab_size for msg in ready)
+        self.state_checkpoints = min(msg.state_checkpoints for msg in ready)
         return min(msg.num_available_blocks for msg in ready)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:

@@ -258,6 +258,8 @@ class InputBatch:
         sampling_metadata = self._sampling_metadata(sampling_states, positions)
         inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata, len(positions))
         inputs.drafted = drafted
+        if sched_out.state_loads or sched_out.state_saves:
+            _plan_state_checkpoints(inputs.attn_metadata, sched_out, self.requests)
         if self.feedback.pending is not None:
             self.feedback.fill(self.input_ids.np, inputs.input_ids, query_start_loc, computed,
                                [s.token_ids for s in states])
@@ -384,3 +386,13 @@ class InputBatch:
         requests = self.requests
         for req_id, num in sched_out.num_scheduled_tokens.items():
             requests[req_id].num_computed_tokens += num
+
+
+def _plan_state_checkpoints(metadata: AttentionMetadata, sched_out: SchedulerOutput,
+                            requests: dict[str, RequestState]) -> None:
+    """The core's checkpoint loads and saves for the state layers, by row (asyncllm/models/row_states.py)."""
+    metadata.state_loads = [(requests[req_id].row, slot) for req_id, slot in sched_out.state_loads.items()]
+    metadata.state_saves = [
+        (requests[req_id].row, point - requests[req_id].num_computed_tokens, slot)
+        for req_id, points in sched_out.state_saves.items() for point, slot in points
+    ]

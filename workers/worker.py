@@ -162,7 +162,8 @@ class Worker:
         swap = self.config is not None and self.config.preemption_mode == "swap"
         num_cpu_blocks = int(self.runner.determine_num_cpu_blocks()) if swap else 0
         vocab_size = int(getattr(getattr(self.runner, "hf_config", None), "vocab_size", 0) or 0)  # 0: a test runner
-        self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks, vocab_size))
+        checkpoints = int(getattr(getattr(self.runner, "model", None), "checkpoint_slots", 0))  # hybrids' (docs)
+        self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks, vocab_size, checkpoints))
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""

@@ -35,6 +35,11 @@ class AttentionMetadata:
     """[num_reqs] int64: each request's row in the worker (kept for its life there): where a linear-attention layer
     keeps its recurrent state (asyncllm/models/gated_deltanet.py). None outside the model runner's steps."""
     request_rows_cpu: list[int] | None = None
+    state_loads: list[tuple[int, int]] | None = None
+    """(row, checkpoint slot): requests resuming from a prefix-cache hit, whose states start as the slot's
+    (asyncllm/models/row_states.py)."""
+    state_saves: list[tuple[int, int, int]] | None = None
+    """(row, tokens of its chunk, checkpoint slot): where this step saves a request's states for prefix caching."""
 
     @property
     def num_reqs(self) -> int:

@@ -61,7 +61,9 @@ class EngineCore:
         _check_kv_fits(config, self.num_gpu_blocks)
         self.num_cpu_blocks = _swap_blocks(config, self.executor.num_cpu_blocks)
         self.executor.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
-        self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len, num_cpu_blocks=self.num_cpu_blocks)
+        self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len,
+                                   num_cpu_blocks=self.num_cpu_blocks,
+                                   state_checkpoints=self.executor.state_checkpoints)
         self.structured = StructuredOutputManager(config.tokenizer or config.model, self.executor.vocab_size,
                                                   config.structured_output_compile_timeout_s, config.revision)
         # restarted workers get the same config JSON (no config.json read, no transformers import); after an

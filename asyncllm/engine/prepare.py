@@ -117,15 +117,15 @@ def prepare(config: EngineConfig) -> Prepared:
 
 
 def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
-    """A linear-attention hybrid's config: its per-request states cannot be swapped, drafted past or restored from
-    cached blocks, so swap preemption and speculative decoding are refused and prefix caching is turned off (as
-    vLLM did for such models; a log line says so)."""
+    """A linear-attention hybrid's config: its per-request states cannot be swapped or drafted past, so swap
+    preemption and speculative decoding are refused; prefix caching restores them from checkpoint slots, and with
+    none (``mamba_checkpoint_slots=0``) it is turned off (a log line says so)."""
     if config.preemption_mode == "swap":
         raise NotBuiltError("preemption_mode", "swap", f"swap preemption for {arch}'s recurrent states (recompute)")
     if config.scheduler_config.speculative is not None:
         raise NotBuiltError("speculative_config", "set", f"speculative decoding with {arch}'s recurrent states")
-    if config.enable_prefix_caching:
-        logger.warning("prefix caching is off for %s: its linear-attention states are not kept per block", arch)
+    if config.enable_prefix_caching and not config.mamba_checkpoint_slots:
+        logger.warning("prefix caching is off for %s: mamba_checkpoint_slots=0 keeps no saved states", arch)
         config = config.replace(enable_prefix_caching=False)
     return config
 

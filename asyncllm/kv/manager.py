@@ -30,6 +30,7 @@ from typing import Protocol
 
 from asyncllm.kv.block_pool import BlockPool, KVCacheBlock
 from asyncllm.kv.hashing import BlockHash, MultiModalPlaceholder, extend_block_hashes, hash_block_tokens
+from asyncllm.kv.state_checkpoints import StateCheckpoints
 
 __all__ = ["KVCacheManager", "KVRequest"]
 
@@ -61,9 +62,12 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Owns the `BlockPool` and each request's block table (`req_to_blocks`)."""
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 checkpoints: StateCheckpoints | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.checkpoints = checkpoints
+        """A hybrid model's saved states (asyncllm/kv/state_checkpoints.py): hits end where states are saved."""
         self.pool = BlockPool(num_gpu_blocks)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         """req_id -> the blocks of its block table, in order."""
@@ -91,6 +95,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (`BlockPool.reset_prefix_cache`) and saved state."""
+        self.pool.reset_prefix_cache()
+        if self.checkpoints is not None:
+            self.checkpoints.reset()
+
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table as block ids (empty when it holds none)."""
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
@@ -115,6 +125,8 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        if self.checkpoints is not None:
+            hits = hits[: self.checkpoints.cut_hit(request, hits)]
         return hits, len(hits) * bs
 
     def num_blocks_to_allocate(

@@ -29,7 +29,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
-from asyncllm.models.row_states import DepthwiseConv, RowStates, StepRows, causal_conv, conv_step
+from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, StepRows, causal_conv, conv_step
 
 __all__ = ["GatedDeltaNet", "chunked_delta_rule", "prepare_qk", "recurrent_step"]
 
@@ -107,7 +107,7 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """A ``linear_attention`` layer; every tensor-parallel rank computes it whole (its projections are not split)."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, max_rows: int) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, rows: StateRows) -> None:
         super().__init__()
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -123,7 +123,7 @@ class GatedDeltaNet(nn.Module):
         self.A_log = new_param(self.num_v_heads, dtype=dtype)
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = ColumnParallelLinear(value, hidden, False, whole, dtype)
-        self.states = RowStates(max_rows, {
+        self.states = RowStates(rows, {
             "conv": ((2 * key + value, cfg.linear_conv_kernel_dim - 1), dtype),
             "ssm": ((self.num_v_heads, self.k_dim, self.v_dim), torch.float32),
         })
@@ -139,11 +139,10 @@ class GatedDeltaNet(nn.Module):
         out = torch.zeros(tokens, self.num_v_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
         if step.decode_only:
             self._decode(mixed, g, beta, step, out)
+            self.states.save_decoded(step)
         else:
-            for row, start, n in zip(step.row_list, step.starts, step.lengths):
-                if n:
-                    span = slice(start, start + n)
-                    self._prefill(mixed[span], g[span], beta[span], row, out[span])
+            for row, span in self.states.spans(step):
+                self._prefill(mixed[span], g[span], beta[span], row, out[span])
         normed = self.norm(out.view(-1, self.v_dim), z.view(-1, self.v_dim)).view(tokens, -1)
         return self.out_proj(normed)
 

@@ -2,9 +2,10 @@
 layers that keep per-request states (Gated DeltaNet, Mamba2: asyncllm/models/row_states.py) beside attention
 layers on the paged KV cache.
 
-- `StateLayersMixin` (before the causal LM class): the loader passes ``max_num_seqs`` so the state layers
-  preallocate that many rows (`HybridBuild.max_rows`); the worker lists each step's rows for them
-  (``keeps_request_states``); only the attention layers count in the KV-cache spec (``kv_cache_layers``).
+- `StateLayersMixin` (before the causal LM class): the loader passes ``state_rows`` so the state layers
+  preallocate a row per seat and the checkpoint slots of prefix caching (`HybridBuild.state_rows`); the worker
+  lists each step's rows for them (``keeps_request_states``); only the attention layers count in the KV-cache spec
+  (``kv_cache_layers``).
 - `HybridModel`: Llama's decoder stack whose forward hands the KV caches to the attention layers only (a layer
   with ``is_linear`` set, or ``uses_kv_cache`` unset, gets None).
 """
@@ -20,6 +21,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.llama import DecoderBuild, LlamaModel
+from asyncllm.models.row_states import StateRows
 
 __all__ = ["HybridBuild", "HybridLayer", "HybridModel", "STATE_LAYER_TYPES", "StateLayersMixin", "is_state_layer",
            "renamed"]
@@ -41,8 +43,8 @@ def is_state_layer(hf_config: Any, layer_idx: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class HybridBuild(DecoderBuild):
-    max_rows: int = 256
-    """Rows of state each state layer preallocates (``max_num_seqs``)."""
+    state_rows: StateRows = StateRows()
+    """States each state layer preallocates: a row per seat (``max_num_seqs``), the checkpoint slots."""
 
 
 class HybridLayer(nn.Module):
@@ -103,22 +105,27 @@ class StateLayersMixin:
 
     keeps_request_states = True
     """Its state layers keep per-request states by worker row (workers/input_batch.py)."""
-    takes_max_num_seqs = True
-    """The loader passes ``max_num_seqs``: the states' rows are preallocated."""
+    takes_state_rows = True
+    """The loader passes ``state_rows``: the states' rows and checkpoint slots are preallocated."""
 
     @staticmethod
     def kv_cache_layers(hf_config: Any) -> int:
         """The layers with a KV cache: the attention ones."""
         return sum(1 for i in range(hf_config.num_hidden_layers) if not is_state_layer(hf_config, i))
 
-    def __init__(self, hf_config: Any, *, max_num_seqs: int = 256, **kwargs: Any) -> None:
-        self.max_num_seqs = max_num_seqs
+    def __init__(self, hf_config: Any, *, state_rows: StateRows = StateRows(), **kwargs: Any) -> None:
+        self.state_rows = state_rows
         super().__init__(hf_config, **kwargs)  # type: ignore[call-arg]
 
     def decoder_build(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
                       max_position: int, expert_parallel: bool) -> HybridBuild:
-        """The causal LM's build plus the rows of state to preallocate (an instance's: it knows ``max_num_seqs``)."""
+        """The causal LM's build plus the states to preallocate (an instance's: it knows ``state_rows``)."""
         base = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position,  # type: ignore[misc]
                                      expert_parallel)
         return HybridBuild(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                           max_rows=self.max_num_seqs)
+                           state_rows=self.state_rows)
+
+    @property
+    def checkpoint_slots(self) -> int:
+        """Saved states its state layers keep for prefix caching (the worker tells the core)."""
+        return self.state_rows.checkpoints

@@ -24,7 +24,7 @@ from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import DecoderFlags, LlamaAttention, LlamaForCausalLM
 from asyncllm.models.phi3 import check_phi3
-from asyncllm.models.row_states import DepthwiseConv, RowStates, causal_conv, conv_step
+from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, causal_conv, conv_step
 
 __all__ = ["Lfm2ForCausalLM", "llama_name", "lfm2_intermediate_size"]
 
@@ -55,13 +55,13 @@ def lfm2_intermediate_size(cfg: Any) -> int:
 class ShortConv(nn.Module):
     """The gated short convolution; every tensor-parallel rank computes it whole."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, max_rows: int) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, rows: StateRows) -> None:
         super().__init__()
         hidden, bias, whole = cfg.hidden_size, bool(cfg.conv_bias), TensorParallel()
         self.in_proj = ColumnParallelLinear(hidden, 3 * hidden, bias, whole, dtype)
         self.conv = DepthwiseConv(hidden, cfg.conv_L_cache, bias, dtype)
         self.out_proj = ColumnParallelLinear(hidden, hidden, bias, whole, dtype)
-        self.states = RowStates(max_rows, {"conv": ((hidden, cfg.conv_L_cache - 1), dtype)})
+        self.states = RowStates(rows, {"conv": ((hidden, cfg.conv_L_cache - 1), dtype)})
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: Any,
                 metadata: AttentionMetadata) -> torch.Tensor:
@@ -72,11 +72,10 @@ class ShortConv(nn.Module):
         if step.decode_only:
             n = len(step.rows)
             out[:n] = conv_step(gated[:n], self.states["conv"], step.rows, self.conv, silu=False)
+            self.states.save_decoded(step)
         else:
-            for row, start, n in zip(step.row_list, step.starts, step.lengths):
-                if n:
-                    span = slice(start, start + n)
-                    out[span] = causal_conv(gated[span], self.states["conv"][row], self.conv, silu=False)
+            for row, span in self.states.spans(step):
+                out[span] = causal_conv(gated[span], self.states["conv"][row], self.conv, silu=False)
         return self.out_proj(c * out)
 
 
@@ -87,7 +86,7 @@ class Lfm2Layer(HybridLayer):
         cfg = b.hf_config
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)  # noqa: E731
         super().__init__(b, layer_idx, norm,
-                         lambda: ShortConv(cfg, b.dtype, b.max_rows), lambda: LlamaAttention(b, layer_idx))
+                         lambda: ShortConv(cfg, b.dtype, b.state_rows), lambda: LlamaAttention(b, layer_idx))
 
 
 class Lfm2Model(HybridModel):

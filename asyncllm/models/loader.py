@@ -26,6 +26,7 @@ from asyncllm.models.gguf_config import GgufCheckpointConfig
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.pipeline import PipelineStage
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
+from asyncllm.models.row_states import StateRows
 
 __all__ = [
     "resolve_model_path",
@@ -127,8 +128,9 @@ def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtyp
         options["expert_parallel"] = config.enable_expert_parallel
     if getattr(model_cls, "takes_max_model_len", False):  # LongRoPE's factors depend on it (docs/phi3.md)
         options["max_model_len"] = config.max_model_len
-    if getattr(model_cls, "takes_max_num_seqs", False):  # linear attention's state rows (docs/hybrid-models.md)
-        options["max_num_seqs"] = config.max_num_seqs
+    if getattr(model_cls, "takes_state_rows", False):  # recurrent states' rows and checkpoints (docs/hybrid-models.md)
+        options["state_rows"] = StateRows(config.max_num_seqs,
+                                          config.mamba_checkpoint_slots if config.enable_prefix_caching else 0)
     if pipeline is not None:  # a pipeline stage: only its parts (asyncllm/models/pipeline.py)
         options["pipeline"] = pipeline
     with torch.device(tensor_device or device):

@@ -23,7 +23,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
-from asyncllm.models.row_states import DepthwiseConv, RowStates, causal_conv, conv_step
+from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, causal_conv, conv_step
 
 __all__ = ["Mamba2Mixer", "Mamba2Shape", "granite_mamba", "ssd_chunk", "ssd_step"]
 
@@ -107,7 +107,7 @@ def granite_mamba(cfg: Any) -> Mamba2Shape:
 class Mamba2Mixer(nn.Module):
     """A Mamba2 layer; every tensor-parallel rank computes it whole (its projections are not split)."""
 
-    def __init__(self, shape: Mamba2Shape, dtype: torch.dtype, max_rows: int) -> None:
+    def __init__(self, shape: Mamba2Shape, dtype: torch.dtype, rows: StateRows) -> None:
         super().__init__()
         self.num_heads, self.head_dim = shape.heads, shape.head_dim
         self.groups, self.state_size = shape.groups, shape.state
@@ -122,7 +122,7 @@ class Mamba2Mixer(nn.Module):
         self.norm = GroupGatedRMSNorm(self.inner, self.inner // self.groups, shape.eps, dtype)
         self.out_proj = ColumnParallelLinear(self.inner, shape.hidden, bias, whole, dtype)
         self.dt_limit = shape.dt_limit
-        self.states = RowStates(max_rows, {
+        self.states = RowStates(rows, {
             "conv": ((conv_dim, shape.conv_kernel - 1), dtype),
             "ssm": ((self.num_heads, self.head_dim, self.state_size), torch.float32),
         })
@@ -140,12 +140,11 @@ class Mamba2Mixer(nn.Module):
             state = self.states["ssm"][rows]
             y[:n] = ssd_step(state, x, b, c, dt[:n].float(), a) + x * self.D.float()[:, None]
             self.states["ssm"][rows] = state
+            self.states.save_decoded(step)
         else:
             dt = dt.clamp(*self.dt_limit).float()
-            for row, start, n in zip(step.row_list, step.starts, step.lengths):
-                if n:
-                    span = slice(start, start + n)
-                    y[span] = self._prefill(xbc[span], dt[span], a, row)
+            for row, span in self.states.spans(step):
+                y[span] = self._prefill(xbc[span], dt[span], a, row)
         return self.out_proj(self.norm(y.view(hidden.shape[0], -1), gate).to(hidden.dtype))
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, row: int) -> torch.Tensor:

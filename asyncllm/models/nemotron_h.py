@@ -51,7 +51,7 @@ class NemotronHLayer(nn.Module):
         self.uses_kv_cache = self.kind == "full_attention"
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         if self.is_linear:
-            self.mixer: nn.Module = Mamba2Mixer(nemotron_mamba(cfg), b.dtype, b.max_rows)
+            self.mixer: nn.Module = Mamba2Mixer(nemotron_mamba(cfg), b.dtype, b.state_rows)
         elif self.uses_kv_cache:
             self.mixer = LlamaAttention(b, layer_idx)
         else:

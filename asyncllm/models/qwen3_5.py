@@ -10,7 +10,8 @@ and, every ``full_attention_interval``-th layer, gated full attention on the pag
 - Qwen3.5-MoE (``Qwen3_5MoeForCausalLM``): every MLP is Qwen2-MoE's (softmax top k, renormalized and rounded to the
   model dtype, a shared expert scaled by ``sigmoid(shared_expert_gate(x))``); experts per expert or fused.
 - Only the full-attention layers have KV-cache tensors; the linear layers keep per-request states by worker row,
-  preallocated for ``max_num_seqs`` rows before the KV cache is sized (asyncllm/models/hybrid.py).
+  preallocated for ``max_num_seqs`` rows (and the checkpoint slots of prefix caching) before the KV cache is sized
+  (asyncllm/models/hybrid.py).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class HybridDecoderLayer(HybridLayer):
         cfg = b.hf_config
         norm = lambda: GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)  # noqa: E731
         super().__init__(b, layer_idx, norm,
-                         lambda: GatedDeltaNet(cfg, b.dtype, b.max_rows), lambda: GatedAttention(b, layer_idx))
+                         lambda: GatedDeltaNet(cfg, b.dtype, b.state_rows), lambda: GatedAttention(b, layer_idx))
 
 
 class Qwen3_5Model(HybridModel):
@@ -178,8 +179,12 @@ class Qwen3_5ForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     language_model_cls = Qwen3_5VLLanguageModel
     keeps_request_states = True
-    takes_max_num_seqs = True
+    takes_state_rows = True
     kv_cache_layers = staticmethod(StateLayersMixin.kv_cache_layers)
+
+    @property
+    def checkpoint_slots(self) -> int:
+        return self.language_model.checkpoint_slots
 
 
 class Qwen3_5MoeVLLanguageModel(_MRopeBuild, Qwen3_5MoeForCausalLM):

@@ -5,13 +5,16 @@ A request keeps one row in the worker for its whole life there (`AttentionMetada
 state tensors have one row per worker row, preallocated for ``max_num_seqs`` rows when the model is built (before
 the KV cache is sized) and grown if rows ever outnumber them. A request whose context is empty at a step (its first
 chunk, or its first after a recompute preemption) starts from zeros, so a reused row never leaks an earlier
-request's state. Also here: the causal depthwise convolution both layers run before their scan, with its last
-``K - 1`` inputs as state.
+request's state; one that resumes from a prefix-cache hit starts from the states saved at the hit's end
+(`AttentionMetadata.state_loads`), and the states are saved where the core planned (`state_saves`,
+asyncllm/kv/state_checkpoints.py). Also here: the causal depthwise convolution both layers run before their scan,
+with its last ``K - 1`` inputs as state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,17 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import new_param
 
-__all__ = ["DepthwiseConv", "RowStates", "StepRows", "causal_conv", "conv_step"]
+__all__ = ["DepthwiseConv", "RowStates", "StateRows", "StepRows", "causal_conv", "conv_step"]
+
+
+@dataclass(frozen=True)
+class StateRows:
+    """How many states a state layer preallocates."""
+
+    rows: int = 256
+    """One per worker row (``max_num_seqs``)."""
+    checkpoints: int = 0
+    """Saved states for prefix caching (``mamba_checkpoint_slots``; 0 with prefix caching off)."""
 
 
 @dataclass(frozen=True)
@@ -32,6 +45,8 @@ class StepRows:
     row_list: list[int]
     starts: list[int]
     """Where each request's tokens start in the step (``query_start_loc``; one more entry at the end)."""
+    saves: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    """Row -> (tokens of its chunk, checkpoint slot), by tokens: save the row's states after that many tokens."""
 
     @property
     def lengths(self) -> list[int]:
@@ -45,8 +60,11 @@ class StepRows:
 class RowStates:
     """Named state tensors ``[rows, *shape]``; `begin` readies them for a step."""
 
-    def __init__(self, max_rows: int, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
-        self.tensors = {name: torch.zeros(max_rows, *shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+    def __init__(self, rows: StateRows, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> None:
+        self.tensors = {name: torch.zeros(rows.rows, *shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+        self.saved = {name: torch.zeros(rows.checkpoints, *shape, dtype=dtype)
+                      for name, (shape, dtype) in shapes.items()}
+        """The checkpoint slots: states saved at points of earlier requests (prefix caching)."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -55,20 +73,52 @@ class RowStates:
         self.tensors[name] = value
 
     def begin(self, metadata: AttentionMetadata, device: torch.device) -> StepRows:
-        """The step's rows: the tensors moved to ``device`` and grown to hold them, first-chunk rows zeroed."""
+        """The step's rows: the tensors moved to ``device`` and grown to hold them, first-chunk rows zeroed, rows
+        that resume from a prefix-cache hit loaded from their checkpoint slots (before any slot is saved into)."""
         rows, row_list = metadata.request_rows, metadata.request_rows_cpu
         if rows is None or row_list is None:
             raise RuntimeError("a layer with per-request states needs each request's worker row "
                                "(AttentionMetadata.request_rows)")
-        step = StepRows(rows, row_list, metadata.query_start_loc_cpu)
+        saves: dict[int, list[tuple[int, int]]] = {}
+        for row, num_tokens, slot in sorted(metadata.state_saves or ()):
+            saves.setdefault(row, []).append((num_tokens, slot))
+        step = StepRows(rows, row_list, metadata.query_start_loc_cpu, saves)
         self._fit(max(row_list, default=-1) + 1, device)
         fresh = [row for row, n, seq in zip(row_list, step.lengths, metadata.seq_lens_cpu) if n and seq == n]
         if fresh:
             for tensor in self.tensors.values():
                 tensor[fresh] = 0
+        for row, slot in metadata.state_loads or ():
+            for name, tensor in self.tensors.items():
+                tensor[row] = self.saved[name][slot]
         return step
 
+    def spans(self, step: StepRows) -> Iterator[tuple[int, slice]]:
+        """Each request's tokens in the step as ``(row, span)``, cut where its states are saved: once the caller
+        has run a span (and asks for the next), the row's states are saved into the slots planned at its end."""
+        for row, start, n in zip(step.row_list, step.starts, step.lengths):
+            done = 0
+            for num_tokens, slot in step.saves.get(row, ()):
+                if num_tokens > done:
+                    yield row, slice(start + done, start + num_tokens)
+                    done = num_tokens
+                self._save(row, slot)
+            if done < n:
+                yield row, slice(start + done, start + n)
+
+    def save_decoded(self, step: StepRows) -> None:
+        """After a step where every request decoded one token: the saves planned at its end."""
+        for row, saves in step.saves.items():
+            for _, slot in saves:
+                self._save(row, slot)
+
+    def _save(self, row: int, slot: int) -> None:
+        for name, tensor in self.tensors.items():
+            self.saved[name][slot] = tensor[row]
+
     def _fit(self, num_rows: int, device: torch.device) -> None:
+        for name, saved in self.saved.items():
+            self.saved[name] = saved.to(device)
         for name, tensor in self.tensors.items():
             if tensor.device != device:
                 tensor = tensor.to(device)

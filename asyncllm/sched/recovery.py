@@ -43,7 +43,7 @@ def requeue_all_for_recompute(scheduler: "Scheduler") -> int:
         for req_id in list(scheduler.swap_space.swapped):  # their CPU copies died with the workers
             scheduler.swap_space.free(req_id)
     assert kv.num_used_blocks == 0, f"{kv.num_used_blocks} blocks are still held"
-    kv.pool.reset_prefix_cache()
+    kv.reset_prefix_cache()
     return len(running)
 
 

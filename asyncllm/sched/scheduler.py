@@ -48,6 +48,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.kv.block_pool import KVCacheBlock
 from asyncllm.kv.manager import KVCacheManager
+from asyncllm.kv.state_checkpoints import StateCheckpoints
 from asyncllm.kv.swap import SwapSpace
 from asyncllm.protocol import EngineCoreEventType
 from asyncllm.sched.admission import check_queue_capacity, check_request
@@ -108,7 +109,9 @@ class Scheduler:
         preemption_log_interval_s: float = 5.0,
         num_cpu_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        state_checkpoints: int = 0,
     ) -> None:
+        """``state_checkpoints``: a hybrid model's checkpoint slots (asyncllm/kv/state_checkpoints.py)."""
         self.config = config
         self.block_size: int = config.block_size
         self.max_model_len = max_model_len
@@ -120,7 +123,10 @@ class Scheduler:
         self.policy: str = config.scheduling_policy
         self.max_loras: int = config.max_loras if config.enable_lora else 0
         """Adapters among the running requests at most (0: LoRA off)."""
-        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, config.enable_prefix_caching)
+        checkpoints = (StateCheckpoints(config.mamba_block_size, self.block_size, state_checkpoints)
+                       if state_checkpoints and config.enable_prefix_caching else None)
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, config.enable_prefix_caching,
+                                               checkpoints)
         self.max_seq_len = min(max_model_len, num_gpu_blocks * self.block_size)
         """Longest sequence: max_model_len, or less when the whole KV cache holds fewer tokens."""
         if self.max_seq_len < max_model_len:
@@ -240,7 +246,7 @@ class Scheduler:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (`BlockPool.reset_prefix_cache`); the hit counters keep counting."""
-        self.kv_cache_manager.pool.reset_prefix_cache()
+        self.kv_cache_manager.reset_prefix_cache()
 
     def forget_on_workers(self, req_ids: Iterable[str]) -> None:
         """The next step tells the workers to drop these requests' rows (as finished ones'); a request that runs
@@ -312,6 +318,8 @@ class Scheduler:
             blocks_to_swap_in=step.blocks_to_swap_in,
             spec_token_ids=step.spec_token_ids,
         )
+        if self.kv_cache_manager.checkpoints is not None:
+            self.kv_cache_manager.checkpoints.plan(out, self.requests)
         self._finished_req_ids = []
         if total:  # an empty step is never updated (the core does not run it): no record
             self.step_records[out.step_id] = step_record(self, out, step.bulk, step.num_bulk)

@@ -1,8 +1,9 @@
 """The hybrids with per-request states through the engine (Qwen3.5 dense and MoE and Qwen3-Next: Gated DeltaNet +
 gated full attention; Granite 4.0 and Nemotron-H: Mamba2 + attention; LFM2: short convolutions + attention):
 greedy tokens equal transformers' with 16-token chunks, two seats (rows reused by later requests), recompute
-preemption and async scheduling; prefix caching is turned off for them, swap preemption and speculative decoding
-refused."""
+preemption, async scheduling and states saved in two slots for prefix caching (slots replaced); prefix-cache hits
+resume from saved states (points in prompts and in decodes, shared prefixes, a conversation's next turn); swap
+preemption and speculative decoding refused."""
 
 from __future__ import annotations
 
@@ -29,13 +30,35 @@ async def test_greedy_equals_transformers_chunked_preempted_and_on_reused_rows(a
     path, prompts = tiny_checkpoint(arch), _prompts(6, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     async with AsyncEngine(path, disable_log_stats=True, max_num_batched_tokens=16, max_num_seqs=2,
-                           num_gpu_blocks_override=16, block_size=4, max_model_len=64) as engine:
+                           num_gpu_blocks_override=16, block_size=4, max_model_len=64, mamba_block_size=8,
+                           mamba_checkpoint_slots=2) as engine:  # states saved every 8 tokens, in 2 slots
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts + prompts[:1]))
         stats = engine.stats()
     for prompt, out in zip(prompts + prompts[:1], outs):
         assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
     assert stats.num_preemptions_total > 0
-    assert outs[-1].num_cached_tokens == 0  # prefix caching is off for a hybrid
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5", "granitemoehybrid", "lfm2"])
+async def test_prefix_cache_hits_resume_from_saved_states(arch: str) -> None:
+    """Prompts sharing a 37-token prefix, then a conversation's next turn (prompt + answer + more): each hit starts
+    at the last saved point (every 8 tokens) before its end, from the states saved there, mid-chunk or at a decode;
+    tokens equal transformers'. """
+    path = tiny_checkpoint(arch)
+    rng = random.Random(7)
+    shared = [rng.randrange(6, 512) for _ in range(37)]
+    prompts = [shared + [rng.randrange(6, 512) for _ in range(rng.randint(1, 9))] for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    async with AsyncEngine(path, disable_log_stats=True, max_num_batched_tokens=24, max_num_seqs=2, block_size=4,
+                           max_model_len=96, mamba_block_size=8, mamba_checkpoint_slots=16) as engine:
+        outs = [await engine.generate(p, params) for p in prompts]
+        turn = prompts[0] + outs[0].token_ids + [rng.randrange(6, 512) for _ in range(5)]
+        outs.append(await engine.generate(turn, params))
+        prompts.append(turn)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
+    computed = len(prompts[0]) + MAX_TOKENS - 1  # the first request's last token is never computed
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, computed // 8 * 8]
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 2}

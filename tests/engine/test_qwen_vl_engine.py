@@ -119,7 +119,8 @@ async def test_qwen3_vl_deepstack_and_interleaved_mrope_match_transformers(tmp_p
 async def test_qwen3_5_hybrid_with_images_and_a_video_matches_transformers(tmp_path_factory):
     """Qwen3.5: Qwen3-VL's tower without deepstack over the Gated DeltaNet hybrid, the attention layers rotating by
     the step's M-RoPE table; two images split across 8-token chunks beside a text-only request on two seats (state
-    rows reused), then a video with its timestamps; in language-model-only mode the text decoder alone."""
+    rows reused), then a video with its timestamps, then the images' prompt again from the prefix cache and the states
+    saved every 8 tokens; in language-model-only mode the text decoder alone."""
     from qwen_vl_utils import VIDEO_PLACEHOLDER, hf_qwen_vl_video_greedy, make_video, video_patches_of
 
     path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_5"), version="3.5")
@@ -128,11 +129,13 @@ async def test_qwen3_5_hybrid_with_images_and_a_video_matches_transformers(tmp_p
     prompts = [{"prompt": text, "images": images}, "only some text here"]
     video = (make_video(4, 96, 64, seed=5), {"fps": 12.0, "frames_indices": [0, 5, 10, 15], "total_num_frames": 20})
     async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
-                           max_num_seqs=2) as engine:
+                           max_num_seqs=2, mamba_block_size=8) as engine:
         outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
         with_video = await engine.generate({"prompt": f"see {VIDEO_PLACEHOLDER}", "videos": [video]}, GREEDY)
+        again = await engine.generate(prompts[0], GREEDY)  # images included, from the cache and saved states
     hf_prompt, hf_tokens = hf_qwen_vl_greedy(path, text, images, 8)
     assert outs[0].prompt_token_ids == hf_prompt
+    assert again.num_cached_tokens == (len(hf_prompt) - 1) // 8 * 8 and again.outputs[0].token_ids == hf_tokens
     assert [o.outputs[0].token_ids for o in outs] == [hf_tokens, hf_qwen_vl_greedy(path, prompts[1], [], 8)[1]]
     expected = hf_qwen_vl_video_greedy(path, with_video.prompt_token_ids, [video_patches_of(path, video)], [], 8)
     assert with_video.outputs[0].token_ids == expected
