@@ -94,9 +94,12 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
     # Bamba: a Mamba2 layer, then attention rotating half of each head
     "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_head=32,
                   mamba_d_conv=4, mamba_expand=2),
-    # Nemotron-H: Mamba2, a squared-ReLU MLP, attention without positions, the MLP again
-    "nemotron_h": dict(layers_block_type=["linear_attention", "mlp", "full_attention", "mlp"], mamba_num_heads=4,
-                       mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4),
+    # Nemotron-H: Mamba2, Nemotron 3's experts (grouped sigmoid routing, no gate, a shared MLP), attention without
+    # positions, a squared-ReLU MLP
+    "nemotron_h": dict(layers_block_type=["linear_attention", "moe", "full_attention", "mlp"], mamba_num_heads=4,
+                       mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, n_routed_experts=8,
+                       num_experts_per_tok=2, moe_intermediate_size=24, moe_shared_expert_intermediate_size=40,
+                       n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True),
     # LFM2: a gated short-convolution layer, then attention; its MLP width adjusted (128 -> 85 -> 96)
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
                  block_ffn_dim_multiplier=1.0),
@@ -327,6 +330,7 @@ def _build_key(arch: str, kwargs: dict[str, Any]) -> str:
         "arch": arch, "kwargs": kwargs, "format": _FORMAT_VERSION, "asyncllm": __version__,
         "python": sys.version_info[:2], "torch": torch.__version__,
         "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+        "recipes": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),  # the shapes above: edited, rebuilt
     }
     blob = json.dumps(recipe, sort_keys=True, default=repr).encode()
     return hashlib.sha256(blob).hexdigest()[:16]

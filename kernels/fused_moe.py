@@ -21,7 +21,8 @@ steps, none of which reads a device value on the host (so a call is CUDA-graph c
 gpt-oss's experts add two compile-time switches: ``HAS_BIAS`` (an expert's bias added to its gate/up and its
 down products, each rounded first as the reference adds it after the product) and ``SWIGLU`` (the clamped
 SwiGLU of `reference.ClampedSwiglu` in place of SiLU-and-mul, rounded op by op as the reference's torch ops
-round). Off, the kernels compile as before.
+round). Nemotron 3's experts have no gate: ``GATED`` off, w13 holds only the up rows and the activation is
+``relu(up) ** 2`` (rounded as torch rounds ``square``). Off, the kernels compile as before.
 
 Blocks past the padded total return at once (they read the total from the device). Products
 accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
@@ -123,6 +124,13 @@ def _clamped_swiglu(gate, up, alpha, limit, dtype):
 
 
 @triton.jit
+def _relu_squared(up, dtype):
+    """``relu(up) ** 2`` of float32 values already in ``dtype``, rounded to ``dtype``."""
+    up = tl.maximum(up, 0.0)
+    return (up * up).to(dtype)
+
+
+@triton.jit
 def _plus_bias(product, bias_ptr, mask, HAS_BIAS: tl.constexpr, dtype):
     """A float32 product rounded to ``dtype``, plus (when ``HAS_BIAS``) its row-broadcast bias, rounded again."""
     out = product.to(dtype).to(tl.float32)
@@ -145,7 +153,7 @@ def _gate_up_kernel(
     hidden_stride, w13_stride_e, w13_stride_n, act_stride, bias_stride_e,
     num_pairs, H, I, alpha, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, GATED: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -159,27 +167,31 @@ def _gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + offs_k[None, :]
     gate_ptrs = w13_ptr + expert * w13_stride_e + offs_n.to(tl.int64)[None, :] * w13_stride_n + offs_k[:, None]
-    up_ptrs = gate_ptrs + I * w13_stride_n
+    up_ptrs = gate_ptrs + I * w13_stride_n if GATED else gate_ptrs  # without a gate, w13 is the up rows alone
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+        if GATED:
+            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+            acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
         up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     gate_bias_ptrs = bias_ptr + expert * bias_stride_e + offs_n
-    gate = _plus_bias(acc_gate, gate_bias_ptrs, n_mask, HAS_BIAS, dtype)
-    up = _plus_bias(acc_up, gate_bias_ptrs + I, n_mask, HAS_BIAS, dtype)
-    if SWIGLU:
-        act = _clamped_swiglu(gate, up, alpha, limit, dtype)
+    if GATED:
+        gate = _plus_bias(acc_gate, gate_bias_ptrs, n_mask, HAS_BIAS, dtype)
+        up = _plus_bias(acc_up, gate_bias_ptrs + I, n_mask, HAS_BIAS, dtype)
+        if SWIGLU:
+            act = _clamped_swiglu(gate, up, alpha, limit, dtype)
+        else:
+            act = _silu_mul(gate, up, dtype)
     else:
-        act = _silu_mul(gate, up, dtype)
+        act = _relu_squared(_plus_bias(acc_up, gate_bias_ptrs, n_mask, HAS_BIAS, dtype), dtype)
     out_ptrs = act_ptr + pairs[:, None] * act_stride + offs_n[None, :]
     tl.store(out_ptrs, act, mask=row_mask[:, None] & n_mask[None, :])
 
@@ -221,20 +233,24 @@ def _down_kernel(
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """hidden ``[T, H]``, w13 ``[E, 2I, H]`` (gate rows, then up rows), w2 ``[E, H, I]``, topk_weights
     ``[T, k]`` float32, topk_ids ``[T, k]`` int32/int64 -> ``[T, H]`` in hidden's dtype.
 
     An id outside ``[0, E)`` adds nothing (expert parallelism: another rank's expert). gpt-oss: ``w13_bias
-    [E, 2I]``, ``w2_bias [E, H]`` (hidden's dtype) and the clamped SwiGLU ``swiglu``, as `reference.fused_moe`."""
+    [E, 2I]``, ``w2_bias [E, H]`` (hidden's dtype) and the clamped SwiGLU ``swiglu``, as `reference.fused_moe`.
+    ``activation="relu2"``: experts without a gate, w13 ``[E, I, H]`` (up rows only), ``relu(up) ** 2``."""
+    check(activation in ("silu", "relu2"), f"activation must be 'silu' or 'relu2', got {activation!r}")
+    gated = activation == "silu"
     check_float("hidden", hidden, 2)
     check_last_dim_contiguous("hidden", hidden)
     num_tokens, h = hidden.shape
-    check(w13.dim() == 3 and w13.dtype == hidden.dtype and w13.shape[2] == h and w13.shape[1] % 2 == 0
-          and w13.shape[0] >= 1,
-          f"w13 must be [E, 2I, {h}] of {hidden.dtype}, got {tuple(w13.shape)} of {w13.dtype}")
+    check(w13.dim() == 3 and w13.dtype == hidden.dtype and w13.shape[2] == h
+          and (w13.shape[1] % 2 == 0 or not gated) and w13.shape[0] >= 1,
+          f"w13 must be [E, {'2I' if gated else 'I'}, {h}] of {hidden.dtype}, got {tuple(w13.shape)} of {w13.dtype}")
     check_last_dim_contiguous("w13", w13)
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2
+    num_experts, inter = w13.shape[0], w13.shape[1] // 2 if gated else w13.shape[1]
     check(w2.dim() == 3 and w2.dtype == hidden.dtype and tuple(w2.shape) == (num_experts, h, inter),
           f"w2 must be [{num_experts}, {h}, {inter}] of {hidden.dtype}, got {tuple(w2.shape)} of {w2.dtype}")
     check_last_dim_contiguous("w2", w2)
@@ -246,7 +262,7 @@ def fused_moe(
     check(tuple(topk_weights.shape) == (num_tokens, top_k),
           f"topk_weights must be [{num_tokens}, {top_k}] like topk_ids, got shape {tuple(topk_weights.shape)}")
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
-    _check_bias("w13_bias", w13_bias, hidden, (num_experts, 2 * inter))
+    _check_bias("w13_bias", w13_bias, hidden, (num_experts, w13.shape[1]))
     _check_bias("w2_bias", w2_bias, hidden, (num_experts, h))
 
     num_pairs = num_tokens * top_k
@@ -266,7 +282,7 @@ def fused_moe(
             0 if w13_bias is None else w13_bias.stride(0),
             num_pairs, h, inter, swiglu.alpha if swiglu else 0.0, swiglu.limit if swiglu else 0.0,
             TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
-            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None,
+            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=gated,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         out2 = out.view(num_pairs, h)

@@ -130,6 +130,7 @@ def clamped_swiglu(x: torch.Tensor, act: ClampedSwiglu) -> torch.Tensor:
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
+    activation: str = "silu",
 ) -> torch.Tensor:
     """A mixture-of-experts MLP: each token's sum over its k experts of ``weight * down_e(silu(gate_e x) * up_e x)``.
 
@@ -138,17 +139,27 @@ def fused_moe(
     another rank holds, under expert parallelism) adds nothing. Each expert's product is rounded to
     hidden's dtype, scaled by its weight in float32, and summed into the output in hidden's dtype,
     expert by expert in id order (transformers' order). gpt-oss: ``w13_bias [E, 2I]`` and ``w2_bias [E, H]``
-    are added after each product (before the routing weight), and ``swiglu`` replaces SiLU-and-mul."""
+    are added after each product (before the routing weight), and ``swiglu`` replaces SiLU-and-mul.
+    ``activation="relu2"`` (Nemotron 3): experts without a gate, w13 ``[E, I, H]`` up rows only, and
+    ``down_e(relu(up_e x) ** 2)``."""
     out = torch.zeros_like(hidden)
     num_experts = w13.shape[0]
     local = (topk_ids >= 0) & (topk_ids < num_experts)
     for expert in torch.unique(topk_ids[local]).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
         gate_up = _add_bias(F.linear(hidden[token_idx], w13[expert]), w13_bias, expert)
-        act = silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, swiglu)
+        act = _expert_activation(gate_up, swiglu, activation)
         down = _add_bias(F.linear(act, w2[expert]), w2_bias, expert)
         out.index_add_(0, token_idx, (down * topk_weights[token_idx, slot, None]).to(hidden.dtype))
     return out
+
+
+def _expert_activation(gate_up: torch.Tensor, swiglu: ClampedSwiglu | None, activation: str) -> torch.Tensor:
+    if activation == "relu2":
+        return torch.square(torch.relu(gate_up))
+    if activation != "silu":
+        raise ValueError(f"activation must be 'silu' or 'relu2', got {activation!r}")
+    return silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, swiglu)
 
 
 def _add_bias(product: torch.Tensor, bias: torch.Tensor | None, expert: int) -> torch.Tensor:

@@ -46,7 +46,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM",
                      "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM", "Ernie4_5_MoeForCausalLM",
                      "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
-                     "Llama4ForConditionalGeneration")
+                     "Llama4ForConditionalGeneration", "NemotronHForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",

@@ -53,13 +53,14 @@ class SeedOssForCausalLM(LlamaForCausalLM):
 class ArceeMLP(nn.Module):
     """``down(relu(up(x)) ** 2)``: ``up_proj`` column-parallel, ``down_proj`` row-parallel."""
 
-    def __init__(self, b: DecoderBuild) -> None:
+    def __init__(self, b: DecoderBuild, intermediate_size: int | None = None) -> None:
         super().__init__()
         cfg = b.hf_config
         if cfg.hidden_act != "relu2":
             raise NotBuiltError("model", cfg.hidden_act, "a squared-ReLU MLP's activation relu2")
-        self.up_proj = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, b.flags.mlp_bias, b.tp, b.dtype)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, b.flags.mlp_bias, b.tp, b.dtype)
+        inter = intermediate_size or cfg.intermediate_size
+        self.up_proj = ColumnParallelLinear(cfg.hidden_size, inter, b.flags.mlp_bias, b.tp, b.dtype)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, b.flags.mlp_bias, b.tp, b.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(torch.square(torch.relu(self.up_proj(x))))

@@ -44,6 +44,9 @@ class MoESpec:
     """Round the routing weights to the model's dtype before scaling (Qwen's order; Mixtral keeps float32)."""
     shared_expert_size: int = 0
     """A dense expert every token also runs, gated by a sigmoid (Qwen2-MoE); 0 for none."""
+    activation: str = "silu"
+    """The experts' activation: ``silu`` (SiLU of the gate times up) or ``relu2`` (no gate: ``relu(up) ** 2``,
+    Nemotron 3)."""
 
 
 def num_experts_of(hf_config: Any) -> int:
@@ -87,7 +90,11 @@ class FusedMoE(nn.Module):
         self.expert_start = tp.rank * self.num_local_experts if self.expert_parallel else 0
         self.intermediate = spec.intermediate_size if self.expert_parallel else tp.split(spec.intermediate_size)
         n, inter = self.num_local_experts, self.intermediate
-        self.w13_weight = new_param(n, 2 * inter, hidden_size, dtype=b.dtype, loader=self.weight_loader)
+        self.gated = spec.activation == "silu"
+        """Whether ``w13`` holds gate rows before the up rows (without a gate: the up rows alone)."""
+        self.activation = {} if self.gated else {"activation": spec.activation}
+        rows = 2 * inter if self.gated else inter
+        self.w13_weight = new_param(n, rows, hidden_size, dtype=b.dtype, loader=self.weight_loader)
         self.w2_weight = new_param(n, hidden_size, inter, dtype=b.dtype, loader=self.weight_loader)
         self.fused_moe = b.attn_backend.ops.fused_moe
 
@@ -96,7 +103,8 @@ class FusedMoE(nn.Module):
         return 0 <= expert - self.expert_start < self.num_local_experts
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids)))
+        return self.tp.all_reduce(self.fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids),
+                                                 **self.activation))
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Expert ids as indices into this rank's experts; -1 (nothing to add) for other ranks' experts."""
@@ -113,7 +121,8 @@ class FusedMoE(nn.Module):
         if part == "down":
             copy_weight(dst, weight_narrow(loaded, 1, start, inter))
         else:
-            copy_weight(dst.narrow(0, 0 if part == "gate" else inter, inter), weight_narrow(loaded, 0, start, inter))
+            offset = inter if part == "up" and self.gated else 0
+            copy_weight(dst.narrow(0, offset, inter), weight_narrow(loaded, 0, start, inter))
 
 
 class _Replicated(nn.Module):
@@ -199,10 +208,10 @@ class MoECausalLM:
 
     def _unpacked(self, param_name: str) -> list[tuple[str, object]]:
         prefix, _, leaf = param_name.rpartition(".experts.")
-        ckpt_prefix = prefix.removesuffix(".mlp") + f".{self.moe_module}"
+        ckpt_prefix = prefix.removesuffix(".mlp") + f".{self.moe_module}" if prefix.endswith(".mlp") else prefix
         if leaf in ("w13_weight", "w2_weight"):
             experts: FusedMoE = self.get_submodule(f"{prefix}.experts")  # type: ignore[attr-defined]
-            parts = ("down",) if leaf == "w2_weight" else ("gate", "up")
+            parts = ("down",) if leaf == "w2_weight" else ("gate", "up") if experts.gated else ("up",)
             names = {part: ckpt for ckpt, part in self.expert_parts.items()}
             return [(f"{ckpt_prefix}.experts.{e}.{names[part]}.weight", (e, part))
                     for e in range(experts.expert_start, experts.expert_start + experts.num_local_experts)

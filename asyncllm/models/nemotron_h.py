@@ -3,8 +3,11 @@ a stack of single-mixer layers by ``layers_block_type`` (the older ``hybrid_over
 (asyncllm/models/mamba2.py: ``mamba_num_heads x mamba_head_dim`` wide, ``dt`` clamped below by ``time_step_min`` in
 prefill chunks), attention without positions (Llama's projections, the identity rotary: exact), or a squared-ReLU
 MLP (``up_proj``, ``down_proj``); each after one RMSNorm (``norm``), its output added to the residual stream. The
-checkpoints' ``backbone.`` prefix, ``embeddings`` and ``norm_f`` are read as Llama's names. The mixture-of-experts
-layers of Nemotron 3 ("moe") are a `NotBuiltError`.
+checkpoints' ``backbone.`` prefix, ``embeddings`` and ``norm_f`` are read as Llama's names. Nemotron 3's
+mixture-of-experts layers ("moe"): DeepSeek-V3's grouped sigmoid router (asyncllm/models/deepseek.py), experts
+without a gate (``relu(up x) ** 2``, the fused-MoE kernel's ``relu2``) on the hidden state or on its projection to
+``moe_latent_size`` (``fc1_latent_proj`` / ``fc2_latent_proj``, kept whole on every rank), plus the shared
+squared-ReLU MLP.
 """
 
 from __future__ import annotations
@@ -18,17 +21,20 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import NotBuiltError
+from asyncllm.models.deepseek import DeepseekRouter
+from asyncllm.models.ernie_seed_arcee import ArceeMLP
 from asyncllm.models.hybrid import HybridBuild, HybridModel, StateLayersMixin
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, head_dim_of
-from asyncllm.models.ernie_seed_arcee import ArceeMLP
+from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import LlamaAttention, LlamaForCausalLM
 from asyncllm.models.mamba2 import Mamba2Mixer, Mamba2Shape
+from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.rotary import identity_rotary
 
 __all__ = ["NemotronHForCausalLM", "nemotron_mamba"]
 
-_MIXERS = ("linear_attention", "full_attention", "mlp")
+_MIXERS = ("linear_attention", "full_attention", "mlp", "moe")
 
 
 def nemotron_mamba(cfg: Any) -> Mamba2Shape:
@@ -38,8 +44,35 @@ def nemotron_mamba(cfg: Any) -> Mamba2Shape:
                        (float(cfg.time_step_min), float("inf")))
 
 
+def nemotron_moe_spec(cfg: Any) -> MoESpec:
+    return MoESpec(cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                   renormalize=bool(cfg.norm_topk_prob), weights_in_model_dtype=False,
+                   shared_expert_size=cfg.moe_shared_expert_intermediate_size, activation="relu2")
+
+
+class NemotronHMoE(nn.Module):
+    """Routed experts without a gate (on the latent projection when there is one) plus the shared MLP."""
+
+    def __init__(self, b: HybridBuild) -> None:
+        super().__init__()
+        cfg, spec = b.hf_config, nemotron_moe_spec(b.hf_config)
+        latent, whole = cfg.moe_latent_size, TensorParallel()
+        self.gate = DeepseekRouter(cfg, spec)
+        self.experts = FusedMoE(spec, latent or cfg.hidden_size, b)
+        self.shared_experts = ArceeMLP(b, spec.shared_expert_size)
+        self.latent = latent is not None
+        if self.latent:
+            self.fc1_latent_proj = ColumnParallelLinear(cfg.hidden_size, latent, b.flags.mlp_bias, whole, b.dtype)
+            self.fc2_latent_proj = ColumnParallelLinear(latent, cfg.hidden_size, b.flags.mlp_bias, whole, b.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        routed = self.experts(self.fc1_latent_proj(x) if self.latent else x, weights, ids)
+        return (self.fc2_latent_proj(routed) if self.latent else routed) + self.shared_experts(x)
+
+
 class NemotronHLayer(nn.Module):
-    """One RMSNorm, then one mixer: Mamba2, attention or the MLP."""
+    """One RMSNorm, then one mixer: Mamba2, attention, the MLP or the experts."""
 
     def __init__(self, b: HybridBuild, layer_idx: int) -> None:
         super().__init__()
@@ -54,13 +87,15 @@ class NemotronHLayer(nn.Module):
             self.mixer: nn.Module = Mamba2Mixer(nemotron_mamba(cfg), b.dtype, b.state_rows)
         elif self.uses_kv_cache:
             self.mixer = LlamaAttention(b, layer_idx)
+        elif self.kind == "moe":
+            self.mixer = NemotronHMoE(b)
         else:
             self.mixer = ArceeMLP(b)  # the squared-ReLU MLP
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = (self.norm(hidden), hidden) if residual is None else self.norm(hidden, residual)
-        if self.kind == "mlp":
+        if self.kind in ("mlp", "moe"):
             return self.mixer(hidden), residual
         return self.mixer(positions, hidden, kv_cache, metadata), residual
 
@@ -69,14 +104,20 @@ class NemotronHModel(HybridModel):
     layer_cls = NemotronHLayer
 
 
-class NemotronHForCausalLM(StateLayersMixin, LlamaForCausalLM):
+class NemotronHForCausalLM(StateLayersMixin, MoECausalLM, LlamaForCausalLM):
     model_cls = NemotronHModel
     packed_modules = {"qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")]}
     """Only the attention's q/k/v are fused (the MLP's ``up_proj`` stays as it is)."""
 
+    expert_parts = {"up_proj": "up", "down_proj": "down"}
+
     @staticmethod
     def kv_cache_layers(hf_config: Any) -> int:
         return sum(1 for kind in hf_config.layer_types if kind == "full_attention")
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
+        return nemotron_moe_spec(hf_config) if hf_config.layer_types[layer_idx] == "moe" else None
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_phi3(hf_config, "Nemotron-H")

@@ -71,10 +71,13 @@ async def test_swap_preemption_and_speculative_decoding_are_refused(fields: dict
             pass
 
 
-async def test_two_tensor_parallel_ranks_equal_transformers() -> None:
-    """The full-attention layers split by heads, the linear ones computed whole on each rank (their states too)."""
-    path, prompts = tiny_checkpoint("qwen3_5"), _prompts(3, seed=6)
+@pytest.mark.parametrize("arch, fields", [("qwen3_5", {}), ("nemotron_h", {"enable_expert_parallel": True})])
+async def test_two_tensor_parallel_ranks_equal_transformers(arch: str, fields: dict) -> None:
+    """The full-attention layers split by heads, the linear ones computed whole on each rank (their states too);
+    Nemotron 3's experts four to a rank, its shared MLP split."""
+    path, prompts = tiny_checkpoint(arch), _prompts(3, seed=6)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    async with AsyncEngine(path, disable_log_stats=True, tensor_parallel_size=2, max_num_batched_tokens=16) as engine:
+    async with AsyncEngine(path, disable_log_stats=True, tensor_parallel_size=2, max_num_batched_tokens=16,
+                           **fields) as engine:
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
     assert [o.token_ids for o in outs] == [hf_greedy(path, p, MAX_TOKENS, eos_token_id=None) for p in prompts]

@@ -54,6 +54,24 @@ def test_fused_moe_matches_reference(dtype: torch.dtype, tokens: int, routing: s
     assert_close(out, reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids), MOE_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, routing", [(7, "expert_parallel"), (33, "one_expert")])
+def test_experts_without_a_gate_match_reference(dtype: torch.dtype, tokens: int, routing: str) -> None:
+    """Nemotron 3's experts: w13 holds the up rows alone, ``down(relu(up x) ** 2)``."""
+    hidden = randn(tokens, H, dtype=dtype, seed=0)
+    w13, w2 = _weights(E, H, I, dtype, seed=1)
+    up = w13[:, :I].contiguous()
+    topk_weights, topk_ids = _routing(routing, tokens, seed=tokens)
+    expected = reference.fused_moe(hidden, up, w2, topk_weights, topk_ids, activation="relu2")
+    token, slot = 0, 0
+    expert = int(topk_ids[token, slot]) if routing == "one_expert" else None
+    if expert is not None:  # the meaning, spelled out for one token's experts
+        rows = [torch.relu(hidden[token] @ up[int(e)].t()).square() @ w2[int(e)].t() * w for e, w in
+                zip(topk_ids[token], topk_weights[token])]
+        assert_close(expected[token].float(), sum(r.float() for r in rows), MOE_TOL[dtype])
+    assert_close(fused_moe(hidden, up, w2, topk_weights, topk_ids, activation="relu2"), expected, MOE_TOL[dtype])
+
+
 GPT_OSS_SWIGLU = reference.ClampedSwiglu(alpha=1.702, limit=0.8)
 """gpt-oss's activation with the clamp low enough (gate and up are about N(0, 1) here) to cut about 40% of them."""
 

@@ -93,15 +93,30 @@ def test_bamba_logits_match_transformers() -> None:
     assert_paged_logits_match_checkpoint(model, path, SEQ_LENS, SCHEDULE, seed=7)
 
 
-def test_nemotron_h_logits_match_transformers() -> None:
-    """Nemotron-H: Mamba2 (its own names, ``dt`` clamped below in prefill), a squared-ReLU MLP layer, attention
-    without positions; the ``backbone.`` checkpoint names."""
+@pytest.mark.parametrize("latent", [None, 32])
+def test_nemotron_h_logits_match_transformers(latent: int | None) -> None:
+    """Nemotron-H: Mamba2 (its own names, ``dt`` clamped below in prefill), Nemotron 3's experts (grouped sigmoid
+    routing, no gate, a shared MLP; with and without the latent projections), attention without positions, a
+    squared-ReLU MLP layer; the ``backbone.`` checkpoint names."""
     from model_utils import assert_paged_logits_match_checkpoint
 
-    path = tiny_checkpoint("nemotron_h")
+    path = tiny_checkpoint("nemotron_h", **({} if latent is None else {"moe_latent_size": latent}))
     model = load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
     assert kv_cache_spec(load_hf_config(path), 1).num_layers == 1
+    moe = model.model.layers[1].mixer
+    assert moe.experts.w13_weight.shape[1:] == (24, latent or 64)  # the up rows alone
     assert_paged_logits_match_checkpoint(model, path, SEQ_LENS, SCHEDULE, seed=6)
+
+
+def test_nemotron_h_routing_matters() -> None:
+    """The experts' output depends on the score correction and the group limit (dropping either changes it)."""
+    path = tiny_checkpoint("nemotron_h")
+    model = load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
+    gate = model.model.layers[1].mixer.gate
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    _, ids = gate(x)
+    gate.topk_group = gate.groups
+    assert not torch.equal(gate(x)[1].sort(-1)[0], ids.sort(-1)[0])
 
 
 @pytest.mark.slow
