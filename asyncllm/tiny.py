@@ -37,7 +37,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "cohere", "cohere2", "ministral", "ministral3", "granitemoe", "olmoe", "starcoder2",
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
-              "lfm2", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
+              "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
               "dots1", "llama4")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
@@ -101,6 +101,9 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
                        num_experts_per_tok=2, moe_intermediate_size=24, moe_shared_expert_intermediate_size=40,
                        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True),
     # LFM2: a gated short-convolution layer, then attention; its MLP width adjusted (128 -> 85 -> 96)
+    # LFM2-MoE: a conv layer with a dense MLP, then attention with experts (sigmoid scores, the bias choosing)
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts=6, num_experts_per_tok=2,
+                     moe_intermediate_size=24, routed_scaling_factor=1.5),
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
                  block_ffn_dim_multiplier=1.0),
     # Llama 4: a rotary layer chunked by 8 with its q/k L2 norm, then a layer without positions (its query scaled by
@@ -425,6 +428,7 @@ def _build_config(
         "qwen3_5": transformers.Qwen3_5TextConfig, "qwen3_5_moe": transformers.Qwen3_5MoeTextConfig,
         "qwen3_next": transformers.Qwen3NextConfig, "minimax_m2": transformers.MiniMaxM2Config,
         "granitemoehybrid": transformers.GraniteMoeHybridConfig, "lfm2": transformers.Lfm2Config,
+        "lfm2_moe": transformers.Lfm2MoeConfig,
         "nemotron_h": transformers.NemotronHConfig, "bamba": transformers.BambaConfig,
         "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
         "dots1": transformers.Dots1Config, "llama4": transformers.Llama4TextConfig,
@@ -475,7 +479,7 @@ def _build_model(config: Any, seed: int) -> Any:
             if param.ndim == 1 or name.endswith(("_proj_bias", "e_score_correction_bias")):
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=_INIT_STD)
         for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing correction (zeros at init)
+            if name.endswith(("e_score_correction_bias", "expert_bias")):  # routing corrections (zeros at init)
                 buffer.normal_(std=_INIT_STD)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,

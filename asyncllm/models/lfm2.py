@@ -8,6 +8,11 @@ attention layers (``layer_types``: "conv" / "full_attention"), on the hybrid sta
 - Pre-norm layers (``operator_norm``, ``ffn_norm``), a SwiGLU MLP (``feed_forward.w1`` / ``w3`` / ``w2``, its width
   adjusted as transformers does by ``block_auto_adjust_ff_dim``), the final norm ``embedding_norm``. Checkpoint
   names map to Llama's at load (`llama_name`).
+- LFM2-MoE (``Lfm2MoeForCausalLM``: LFM2-8B-A1B, LFM2-24B-A2B): the same layers, dense SwiGLU MLPs in the first
+  ``num_dense_layers`` and experts after them: a router in the model's dtype, sigmoid scores, the top k chosen with
+  the float32 ``expert_bias`` added (``use_expert_bias``) but weighted by the scores alone, renormalized
+  (``norm_topk_prob``, plus 1e-6) and scaled by ``routed_scaling_factor``, all rounded to the model's dtype as
+  transformers does; the experts (``experts.N.w1`` / ``w3`` / ``w2``) run in the fused-MoE op.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin, renamed
-from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel
+from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
-from asyncllm.models.llama import DecoderFlags, LlamaAttention, LlamaForCausalLM
+from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, causal_conv, conv_step
 
-__all__ = ["Lfm2ForCausalLM", "llama_name", "lfm2_intermediate_size"]
+__all__ = ["Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "llama_name", "lfm2_intermediate_size"]
 
 _NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attention_layernorm."),
           (".feed_forward.w1.", ".mlp.gate_proj."), (".feed_forward.w3.", ".mlp.up_proj."),
@@ -43,7 +49,7 @@ def lfm2_intermediate_size(cfg: Any) -> int:
     """The MLP's width: ``intermediate_size``, or with ``block_auto_adjust_ff_dim`` two thirds of it, times
     ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of`` (transformers' rule)."""
     size = cfg.intermediate_size
-    if not cfg.block_auto_adjust_ff_dim:
+    if not getattr(cfg, "block_auto_adjust_ff_dim", False):  # LFM2-MoE's dense layers: as it is
         return size
     size = int(2 * size / 3)
     if cfg.block_ffn_dim_multiplier is not None:
@@ -112,3 +118,50 @@ class Lfm2ForCausalLM(StateLayersMixin, LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return super().load_weights((llama_name(name), w) for name, w in weights)
+
+
+_MOE_NAMES = ((".feed_forward.gate.weight", ".mlp.gate_weight"), (".feed_forward.expert_bias", ".mlp.expert_bias"),
+              (".feed_forward.experts.", ".mlp.experts."))
+
+
+class Lfm2MoeBlock(nn.Module):
+    """LFM2-MoE's experts: sigmoid scores in the model's dtype, chosen with the expert bias, weighted without it."""
+
+    def __init__(self, spec: MoESpec, b: DecoderBuild) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        self.spec, self.scaling = spec, float(cfg.routed_scaling_factor)
+        self.gate_weight = new_param(spec.num_experts, cfg.hidden_size, dtype=b.dtype)
+        self.expert_bias = new_param(spec.num_experts, dtype=torch.float32) if cfg.use_expert_bias else None
+        self.experts = FusedMoE(spec, cfg.hidden_size, b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = torch.nn.functional.linear(x, self.gate_weight).sigmoid()
+        choice = scores if self.expert_bias is None else scores + self.expert_bias
+        ids = choice.topk(self.spec.top_k, dim=-1)[1]
+        weights = scores.gather(1, ids)
+        if self.spec.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+        return self.experts(x, (weights * self.scaling).float(), ids)
+
+
+class Lfm2MoeForCausalLM(MoECausalLM, Lfm2ForCausalLM):
+    """LFM2 with experts after the first ``num_dense_layers`` layers."""
+
+    expert_parts = {"w1": "gate", "w3": "up", "w2": "down"}
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
+        if layer_idx < hf_config.num_dense_layers:
+            return None
+        return MoESpec(hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
+                       renormalize=bool(hf_config.norm_topk_prob), weights_in_model_dtype=True)
+
+    @classmethod
+    def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
+        spec = cls.moe_spec(b.hf_config, layer_idx)
+        return LlamaMLP(b) if spec is None else Lfm2MoeBlock(spec, b)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights((renamed(name, _MOE_NAMES), w) for name, w in weights)
+

@@ -54,7 +54,7 @@ from asyncllm.models.qwen3_5 import (
 from asyncllm.models.qwen3_next import Qwen3NextForCausalLM
 from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
-from asyncllm.models.lfm2 import Lfm2ForCausalLM
+from asyncllm.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from asyncllm.models.nemotron_h import NemotronHForCausalLM
 from asyncllm.models.bamba import BambaForCausalLM
 from asyncllm.models.phi3 import Phi3ForCausalLM
@@ -161,6 +161,7 @@ _MODELS: dict[str, type] = {
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
