@@ -24,7 +24,8 @@ from hf_reference import model_greedy, model_logits
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (448.0 * 512.0)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")  # the last: Qwen3.5's linear attention
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 

@@ -105,7 +105,7 @@ def max_positions(hf_config: Any) -> int | None:
 
 
 QUANTIZED_DECODER_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                                   "Qwen3VLForConditionalGeneration")
+                                   "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
 """Multimodal models served from pre-quantized checkpoints (fp8, AWQ, GPTQ, compressed-tensors) that quantized the
 decoder only: the vision tower left whole, as AutoAWQ, GPTQModel and llm-compressor's recipes leave it."""
 _TOWER_LAYERS = ("visual.blocks.0.attn.qkv", "model.visual.blocks.0.attn.qkv")

@@ -31,7 +31,6 @@ from asyncllm.models.layers import Attention, LoadedWeight
 from asyncllm.models.linear import QKVParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM
 from asyncllm.models.moe import MoECausalLM, MoESpec
-from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.qwen2_vl import Qwen3VLForConditionalGeneration, _MRopeBuild
 from asyncllm.models.qwen3_vl_moe import split_fused_experts
 
@@ -88,7 +87,6 @@ class Qwen3_5ForCausalLM(StateLayersMixin, LlamaForCausalLM):
     model_cls = Qwen3_5Model
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        check_phi3(hf_config, "Qwen3.5")
         if getattr(hf_config, "hidden_act", "silu") != "silu":
             raise NotBuiltError("hidden_act", hf_config.hidden_act, "Qwen3.5 with SiLU")
         super().__init__(hf_config, **kwargs)

@@ -166,16 +166,18 @@ async def test_qwen3_vl_moe_with_experts_split_over_two_ranks_matches_transforme
     assert out.prompt_token_ids == hf_prompt and out.outputs[0].token_ids == hf_tokens
 
 
-async def test_qwen3_vl_block_fp8_checkpoint_with_the_tower_left_out_matches_transformers(tmp_path_factory):
-    """Qwen3-VL's official FP8 layout: block-wise fp8 decoder projections, the tower's modules (transformers 5
-    names) in modules_to_not_convert."""
+@pytest.mark.parametrize("version, num_fp8", [("3", 2 * 7), ("3.5", 8 + 7)])
+async def test_qwen3_vl_block_fp8_checkpoint_with_the_tower_left_out_matches_transformers(tmp_path_factory, version,
+                                                                                          num_fp8):
+    """Qwen3-VL's and Qwen3.5's official FP8 layout: block-wise fp8 decoder projections (Qwen3.5's Gated DeltaNet
+    projections too), the tower's modules (transformers 5 names) in modules_to_not_convert."""
     import torch
     from fp8_checkpoint_reference import Fp8Reference, write_fp8_checkpoint
     from transformers import AutoModelForImageTextToText
 
     from qwen_vl_utils import hf_qwen_vl_inputs
 
-    src = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl_src"), version="3", seed=1)
+    src = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_vl_src"), version=version, seed=1)
     float_model = AutoModelForImageTextToText.from_pretrained(src, dtype=torch.float32)
     tower = tuple(f"model.visual.{name}" for name, module in float_model.model.visual.named_modules()
                   if isinstance(module, torch.nn.Linear))
@@ -189,7 +191,7 @@ async def test_qwen3_vl_block_fp8_checkpoint_with_the_tower_left_out_matches_tra
     inputs = hf_qwen_vl_inputs(src, text, [image])
     with torch.no_grad():
         expected = reference.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
-    assert sum(t.dtype == torch.float8_e4m3fn for t in tensors.values()) == 2 * 7
+    assert sum(t.dtype == torch.float8_e4m3fn for t in tensors.values()) == num_fp8
     assert out.outputs[0].token_ids == expected.tolist()
 
 

@@ -394,3 +394,23 @@ def test_scaled_mm_with_per_row_scales_equals_the_fallback(dtype: torch.dtype, s
         tol = 1e-4 if dtype == torch.float32 else 2e-2  # a half type: the two round in different places
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
     torch.cuda.synchronize()
+
+
+def test_a_qwen3_5_fp8_dynamic_checkpoint_equals_compressed_tensors(tmp_path) -> None:
+    """The community Qwen3.5 recipe (llm-compressor's FP8_DYNAMIC, ``re:.*linear_attn.*`` left float): the gated
+    attention's and the MLPs' projections in fp8 with per-row scales, the Gated DeltaNet's float."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src = tiny_checkpoint("qwen3_5")
+    path = write_ct_checkpoint(src, tmp_path / "ct", {"group_0": FP8_DYNAMIC}, ("lm_head", "re:.*linear_attn.*"))
+    ref = CtReference(path, dequantize=False)
+    hf_config = load_hf_config(str(path))
+    model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
+    spec = kv_cache_spec(hf_config, 1)
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+    layers = model.model.layers
+    assert layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.float32
+    assert layers[0].mlp.down_proj.weight.dtype == layers[1].self_attn.o_proj.weight.dtype == FP8

@@ -221,3 +221,21 @@ def test_dummy_weights_take_the_checkpoints_format(tiny_llama: str, tmp_path) ->
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == FP8 and qkv.weight_scale_inv.shape == (4, 2)
     assert all(torch.isfinite(logits).all() for logits in got)
+
+
+@pytest.mark.parametrize("ignored", [(), ("linear_attn",)], ids=["all", "linear-attention-float"])
+def test_a_qwen3_5_checkpoint_equals_the_reference(tmp_path, ignored) -> None:
+    """Qwen3.5's hybrid: the gated attention's and the MLPs' projections in block fp8, and the Gated DeltaNet's
+    (``in_proj_qkv`` / ``z`` / ``a`` / ``b``, ``out_proj``) too or left float (the community checkpoints' choice)."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint("qwen3_5"), tmp_path / "fp8"
+    tensors = write_fp8_checkpoint(src, path, (16, 16), ("lm_head", *ignored))
+    got, model = _logits(str(path), SEQUENCES)
+    ref = Fp8Reference(src, tensors, (16, 16))
+    for seq, logits in zip(SEQUENCES, got):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+    linear_dtype = torch.float32 if ignored else FP8
+    layers = model.model.layers
+    assert layers[0].linear_attn.in_proj_qkv.weight.dtype == layers[0].linear_attn.out_proj.weight.dtype == linear_dtype
+    assert layers[0].mlp.down_proj.weight.dtype == layers[1].self_attn.o_proj.weight.dtype == FP8

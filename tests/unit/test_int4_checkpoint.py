@@ -253,3 +253,21 @@ def test_extra_zero_biases_are_dropped_and_dummy_weights_load(tiny_llama: str, t
     run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
     assert all(torch.isfinite(logits).all() for logits in run.run([[6, 3], [5, 0]]))
     assert not hasattr(dummy.model.layers[0].mlp.down_proj, "qweight")  # the CPU path: dequantized at load
+
+
+def test_a_qwen3_5_gptq_checkpoint_equals_the_reference(tmp_path) -> None:
+    """Qwen3.5's hybrid with its attention and MLP projections in GPTQ int4 and its Gated DeltaNet left float."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint("qwen3_5"), tmp_path / "gptq"
+    dequantized = write_int4_checkpoint(src, path, "gptq", 16, 4, False, ("linear_attn",))
+    hf_config = load_hf_config(str(path))
+    model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
+    spec = kv_cache_spec(hf_config, 1)
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    ref, unquantized = Int4Reference(src, dequantized), Int4Reference(src, {})
+    assert "model.layers.0.mlp.down_proj.weight" in dequantized and not any("linear_attn" in n for n in dequantized)
+    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+        assert float((logits - unquantized.logits(seq)).abs().max()) > 0.1  # it does serve the int4 weights
