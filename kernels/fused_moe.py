@@ -22,7 +22,11 @@ gpt-oss's experts add two compile-time switches: ``HAS_BIAS`` (an expert's bias 
 down products, each rounded first as the reference adds it after the product) and ``SWIGLU`` (the clamped
 SwiGLU of `reference.ClampedSwiglu` in place of SiLU-and-mul, rounded op by op as the reference's torch ops
 round). Nemotron 3's experts have no gate: ``GATED`` off, w13 holds only the up rows and the activation is
-``relu(up) ** 2`` (rounded as torch rounds ``square``). Off, the kernels compile as before.
+``relu(up) ** 2`` (rounded as torch rounds ``square``). Block-fp8 experts (``FP8``, `reference.Fp8Experts`): the
+hidden states and the activations are quantized per token in groups of the block's ``bk`` columns
+(`block_fp8.per_token_group_quant_fp8`), ``BLOCK_K`` is ``bk`` so each step of K is one scale group, and each fp8 tile
+product (float32 accumulation; upcast to float32 under the interpreter) is scaled by its rows' group scales and its
+columns' block scales before it is added. Off, the kernels compile as before.
 
 Blocks past the padded total return at once (they read the total from the device). Products
 accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
@@ -37,7 +41,8 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
-from asyncllm.kernels.reference import ClampedSwiglu
+from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8
+from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts
 
 __all__ = ["Alignment", "MoeConfig", "align_tokens", "fused_moe", "moe_config"]
 
@@ -140,6 +145,23 @@ def _plus_bias(product, bias_ptr, mask, HAS_BIAS: tl.constexpr, dtype):
 
 
 @triton.jit
+def _product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
+             DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b``; with ``FP8`` the fp8 tile product scaled by the rows' group scales and the columns' block
+    scales (``*_s_ptrs``: this K group's)."""
+    if FP8:
+        if UPCAST:
+            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            part = tl.dot(a, b)
+        a_s = tl.load(a_s_ptrs, mask=row_mask, other=0.0)
+        b_s = tl.load(b_s_ptrs, mask=n_mask, other=0.0)
+        return acc + part * a_s[:, None] * b_s[None, :]
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     """Row block ``pid_m``: its expert, its rows' pair indices (int64), and which rows are pairs (not padding)."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
@@ -149,11 +171,12 @@ def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: 
 
 @triton.jit
 def _gate_up_kernel(
-    hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr,
-    hidden_stride, w13_stride_e, w13_stride_n, act_stride, bias_stride_e,
+    hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr, a_s_ptr, w_s_ptr,
+    hidden_stride, w13_stride_e, w13_stride_n, act_stride, bias_stride_e, a_s_stride, w_s_stride_e, w_s_stride_n,
     num_pairs, H, I, alpha, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, GATED: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -168,17 +191,24 @@ def _gate_up_kernel(
     a_ptrs = hidden_ptr + tokens[:, None] * hidden_stride + offs_k[None, :]
     gate_ptrs = w13_ptr + expert * w13_stride_e + offs_n.to(tl.int64)[None, :] * w13_stride_n + offs_k[:, None]
     up_ptrs = gate_ptrs + I * w13_stride_n if GATED else gate_ptrs  # without a gate, w13 is the up rows alone
+    a_s_ptrs = a_s_ptr + tokens * a_s_stride  # FP8: each row's group scales, each column's block scales
+    gate_s_ptrs = w_s_ptr + expert * w_s_stride_e + (offs_n // GROUP_N).to(tl.int64) * w_s_stride_n
+    up_rows = offs_n + I if GATED else offs_n
+    up_s_ptrs = w_s_ptr + expert * w_s_stride_e + (up_rows // GROUP_N).to(tl.int64) * w_s_stride_n
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
+        group = k0 // BLOCK_K
         if GATED:
             gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-            acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+            acc_gate = _product(acc_gate, a, gate, a_s_ptrs + group, gate_s_ptrs + group, row_mask, n_mask,
+                                DOT_PRECISION, FP8, UPCAST)
         up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        acc_up = _product(acc_up, a, up, a_s_ptrs + group, up_s_ptrs + group, row_mask, n_mask,
+                          DOT_PRECISION, FP8, UPCAST)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -199,10 +229,11 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr,
-    act_stride, w2_stride_e, w2_stride_n, out_stride, bias_stride_e,
+    a_s_ptr, w_s_ptr,
+    act_stride, w2_stride_e, w2_stride_n, out_stride, bias_stride_e, a_s_stride, w_s_stride_e, w_s_stride_n,
     num_pairs, H, I,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -216,12 +247,15 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + pairs[:, None] * act_stride + offs_k[None, :]
     w_ptrs = w2_ptr + expert * w2_stride_e + offs_n.to(tl.int64)[None, :] * w2_stride_n + offs_k[:, None]
+    a_s_ptrs = a_s_ptr + pairs * a_s_stride
+    w_s_ptrs = w_s_ptr + expert * w_s_stride_e + (offs_n // GROUP_N).to(tl.int64) * w_s_stride_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        group = k0 // BLOCK_K
+        acc = _product(acc, a, w, a_s_ptrs + group, w_s_ptrs + group, row_mask, n_mask, DOT_PRECISION, FP8, UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
@@ -233,69 +267,94 @@ def _down_kernel(
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
-    activation: str = "silu",
+    activation: str = "silu", fp8: Fp8Experts | None = None,
 ) -> torch.Tensor:
     """hidden ``[T, H]``, w13 ``[E, 2I, H]`` (gate rows, then up rows), w2 ``[E, H, I]``, topk_weights
     ``[T, k]`` float32, topk_ids ``[T, k]`` int32/int64 -> ``[T, H]`` in hidden's dtype.
 
     An id outside ``[0, E)`` adds nothing (expert parallelism: another rank's expert). gpt-oss: ``w13_bias
     [E, 2I]``, ``w2_bias [E, H]`` (hidden's dtype) and the clamped SwiGLU ``swiglu``, as `reference.fused_moe`.
-    ``activation="relu2"``: experts without a gate, w13 ``[E, I, H]`` (up rows only), ``relu(up) ** 2``."""
+    ``activation="relu2"``: experts without a gate, w13 ``[E, I, H]`` (up rows only), ``relu(up) ** 2``.
+    ``fp8``: w13 and w2 in float8_e4m3fn with block scales (`reference.Fp8Experts`; ``bk`` a power of two >= 16)."""
+    num_experts, inter = _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, fp8)
+    _check_bias("w13_bias", w13_bias, hidden, (num_experts, w13.shape[1]))
+    _check_bias("w2_bias", w2_bias, hidden, (num_experts, hidden.shape[1]))
+    (num_tokens, h), top_k = hidden.shape, topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    out = torch.zeros((num_tokens, top_k, h), dtype=hidden.dtype, device=hidden.device)
+    if num_pairs == 0 or h == 0 or inter == 0:
+        return out.sum(dim=1)
+    cfg = moe_config(num_pairs, num_experts, hidden.dtype, hidden.is_cuda)
+    if fp8 is not None:  # one K step per scale group
+        cfg = cfg._replace(block_k=fp8.block[1])
+    aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
+    num_blocks = aligned.block_experts.shape[0]
+    consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                  DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", FP8=fp8 is not None,
+                  GROUP_N=fp8.block[0] if fp8 else 1, UPCAST=not hidden.is_cuda, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
+    a, a_s = per_token_group_quant_fp8(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
+    w_s = fp8.w13_scale if fp8 else hidden  # never read without FP8 (nor a bias without HAS_BIAS)
+    act = (torch.zeros if fp8 else torch.empty)((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
+        a, w13, act, aligned.sorted_pairs, aligned.block_experts, aligned.total_rows,
+        hidden if w13_bias is None else w13_bias, a_s, w_s,
+        a.stride(0), w13.stride(0), w13.stride(1), act.stride(0), 0 if w13_bias is None else w13_bias.stride(0),
+        a_s.stride(0), w_s.stride(0), w_s.stride(1) if fp8 else 0,
+        num_pairs, h, inter, swiglu.alpha if swiglu else 0.0, swiglu.limit if swiglu else 0.0,
+        TOP_K=top_k, HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=activation == "silu", **consts,
+    )
+    a, a_s = per_token_group_quant_fp8(act, fp8.block[1]) if fp8 else (act, act)
+    w_s = fp8.w2_scale if fp8 else hidden
+    out2 = out.view(num_pairs, h)
+    _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
+        a, w2, out2, topk_weights.reshape(-1).contiguous(), aligned.sorted_pairs, aligned.block_experts,
+        aligned.total_rows, hidden if w2_bias is None else w2_bias, a_s, w_s,
+        a.stride(0), w2.stride(0), w2.stride(1), out2.stride(0), 0 if w2_bias is None else w2_bias.stride(0),
+        a_s.stride(0), w_s.stride(0), w_s.stride(1) if fp8 else 0,
+        num_pairs, h, inter, HAS_BIAS=w2_bias is not None, **consts,
+    )
+    return out.sum(dim=1)
+
+
+def _check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, activation: str, fp8: Fp8Experts | None) -> tuple[int, int]:
+    """(experts, intermediate size), or a `ValueError` naming the argument that does not fit."""
     check(activation in ("silu", "relu2"), f"activation must be 'silu' or 'relu2', got {activation!r}")
     gated = activation == "silu"
     check_float("hidden", hidden, 2)
     check_last_dim_contiguous("hidden", hidden)
     num_tokens, h = hidden.shape
-    check(w13.dim() == 3 and w13.dtype == hidden.dtype and w13.shape[2] == h
+    w_dtype = torch.float8_e4m3fn if fp8 else hidden.dtype
+    check(w13.dim() == 3 and w13.dtype == w_dtype and w13.shape[2] == h
           and (w13.shape[1] % 2 == 0 or not gated) and w13.shape[0] >= 1,
-          f"w13 must be [E, {'2I' if gated else 'I'}, {h}] of {hidden.dtype}, got {tuple(w13.shape)} of {w13.dtype}")
+          f"w13 must be [E, {'2I' if gated else 'I'}, {h}] of {w_dtype}, got {tuple(w13.shape)} of {w13.dtype}")
     check_last_dim_contiguous("w13", w13)
     num_experts, inter = w13.shape[0], w13.shape[1] // 2 if gated else w13.shape[1]
-    check(w2.dim() == 3 and w2.dtype == hidden.dtype and tuple(w2.shape) == (num_experts, h, inter),
-          f"w2 must be [{num_experts}, {h}, {inter}] of {hidden.dtype}, got {tuple(w2.shape)} of {w2.dtype}")
+    check(w2.dim() == 3 and w2.dtype == w_dtype and tuple(w2.shape) == (num_experts, h, inter),
+          f"w2 must be [{num_experts}, {h}, {inter}] of {w_dtype}, got {tuple(w2.shape)} of {w2.dtype}")
     check_last_dim_contiguous("w2", w2)
     check(topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     check(topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens and topk_ids.shape[1] >= 1,
           f"topk_ids must be [{num_tokens}, k], got shape {tuple(topk_ids.shape)}")
-    top_k = topk_ids.shape[1]
     check(topk_weights.dtype == torch.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
-    check(tuple(topk_weights.shape) == (num_tokens, top_k),
-          f"topk_weights must be [{num_tokens}, {top_k}] like topk_ids, got shape {tuple(topk_weights.shape)}")
+    check(tuple(topk_weights.shape) == tuple(topk_ids.shape),
+          f"topk_weights must be {list(topk_ids.shape)} like topk_ids, got shape {tuple(topk_weights.shape)}")
     check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
-    _check_bias("w13_bias", w13_bias, hidden, (num_experts, w13.shape[1]))
-    _check_bias("w2_bias", w2_bias, hidden, (num_experts, h))
+    if fp8 is not None:
+        _check_fp8(fp8, w13, w2)
+    return num_experts, inter
 
-    num_pairs = num_tokens * top_k
-    if num_pairs == 0 or h == 0:
-        return torch.zeros_like(hidden)
-    cfg = moe_config(num_pairs, num_experts, hidden.dtype, hidden.is_cuda)
-    aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
-    num_blocks = aligned.block_experts.shape[0]
-    precision = "ieee" if hidden.dtype == torch.float32 else "tf32"
-    out = torch.zeros((num_tokens, top_k, h), dtype=hidden.dtype, device=hidden.device)
-    if inter > 0:
-        act = torch.empty((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
-        _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
-            hidden, w13, act, aligned.sorted_pairs, aligned.block_experts, aligned.total_rows,
-            hidden if w13_bias is None else w13_bias,  # never read without HAS_BIAS
-            hidden.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-            0 if w13_bias is None else w13_bias.stride(0),
-            num_pairs, h, inter, swiglu.alpha if swiglu else 0.0, swiglu.limit if swiglu else 0.0,
-            TOP_K=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
-            HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=gated,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        out2 = out.view(num_pairs, h)
-        _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
-            act, w2, out2, topk_weights.reshape(-1).contiguous(), aligned.sorted_pairs, aligned.block_experts,
-            aligned.total_rows, hidden if w2_bias is None else w2_bias,
-            act.stride(0), w2.stride(0), w2.stride(1), out2.stride(0), 0 if w2_bias is None else w2_bias.stride(0),
-            num_pairs, h, inter,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
-            HAS_BIAS=w2_bias is not None,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return out.sum(dim=1)
+
+def _check_fp8(fp8: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor) -> None:
+    bn, bk = fp8.block
+    check(bn >= 1 and bk >= 16 and bk & (bk - 1) == 0,
+          f"fp8 experts need a block of at least 16 columns, a power of two; got {fp8.block}")
+    for name, scale, w in (("w13_scale", fp8.w13_scale, w13), ("w2_scale", fp8.w2_scale, w2)):
+        shape = (w.shape[0], triton.cdiv(w.shape[1], bn), triton.cdiv(w.shape[2], bk))
+        check(scale.dtype == torch.float32 and tuple(scale.shape) == shape and scale.stride(2) == 1,
+              f"{name} must be float32 {list(shape)} with contiguous rows, got {scale.dtype} {tuple(scale.shape)}")
+        check_same_device(**{name: scale, "w": w})
 
 
 def _check_bias(name: str, bias: torch.Tensor | None, hidden: torch.Tensor, shape: tuple[int, int]) -> None:

@@ -26,6 +26,7 @@ __all__ = [
     "gelu_tanh_and_mul",
     "decode_linear",
     "ClampedSwiglu",
+    "Fp8Experts",
     "clamped_swiglu",
     "fused_moe",
     "rotate_half",
@@ -111,6 +112,17 @@ def decode_linear(
     return out if new_residual is None else (out, new_residual)
 
 
+class Fp8Experts(NamedTuple):
+    """Experts of a block-fp8 checkpoint: ``w13`` and ``w2`` in float8_e4m3fn, each ``block = (rows, cols)`` cell
+    with its float32 multiplier (the checkpoint's ``weight_scale_inv``): ``w13_scale [E, ceil(rows13 / bn),
+    ceil(H / bk)]``, ``w2_scale [E, ceil(H / bn), ceil(I / bk)]``. Each product's input is quantized per token in
+    groups of ``bk`` features (`per_token_group_quant_fp8`), as the checkpoint's dense projections are."""
+
+    w13_scale: torch.Tensor
+    w2_scale: torch.Tensor
+    block: tuple[int, int]
+
+
 class ClampedSwiglu(NamedTuple):
     """gpt-oss's expert activation, in place of SiLU-and-mul: ``gate.clamp(max=limit)``,
     ``up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)`` (vLLM's "swigluoai")."""
@@ -130,7 +142,7 @@ def clamped_swiglu(x: torch.Tensor, act: ClampedSwiglu) -> torch.Tensor:
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
-    activation: str = "silu",
+    activation: str = "silu", fp8: Fp8Experts | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP: each token's sum over its k experts of ``weight * down_e(silu(gate_e x) * up_e x)``.
 
@@ -141,17 +153,28 @@ def fused_moe(
     expert by expert in id order (transformers' order). gpt-oss: ``w13_bias [E, 2I]`` and ``w2_bias [E, H]``
     are added after each product (before the routing weight), and ``swiglu`` replaces SiLU-and-mul.
     ``activation="relu2"`` (Nemotron 3): experts without a gate, w13 ``[E, I, H]`` up rows only, and
-    ``down_e(relu(up_e x) ** 2)``."""
+    ``down_e(relu(up_e x) ** 2)``. ``fp8``: block-fp8 experts (`Fp8Experts`), each product
+    `w8a8_block_fp8_matmul` of its quantized input."""
     out = torch.zeros_like(hidden)
     num_experts = w13.shape[0]
     local = (topk_ids >= 0) & (topk_ids < num_experts)
     for expert in torch.unique(topk_ids[local]).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
-        gate_up = _add_bias(F.linear(hidden[token_idx], w13[expert]), w13_bias, expert)
+        gate_up = _add_bias(_expert_product(hidden[token_idx], w13, expert, fp8, 0), w13_bias, expert)
         act = _expert_activation(gate_up, swiglu, activation)
-        down = _add_bias(F.linear(act, w2[expert]), w2_bias, expert)
+        down = _add_bias(_expert_product(act, w2, expert, fp8, 1), w2_bias, expert)
         out.index_add_(0, token_idx, (down * topk_weights[token_idx, slot, None]).to(hidden.dtype))
     return out
+
+
+def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int, fp8: Fp8Experts | None, which: int
+                    ) -> torch.Tensor:
+    """``x @ w[expert].T`` in x's dtype: plain, or (``fp8``) on x quantized per token group, with the block
+    scales of ``w13`` (``which`` 0) or ``w2`` (1)."""
+    if fp8 is None:
+        return F.linear(x, w[expert])
+    x_q, x_s = per_token_group_quant_fp8(x, fp8.block[1])
+    return w8a8_block_fp8_matmul(x_q, x_s, w[expert], fp8[which][expert], fp8.block, x.dtype)
 
 
 def _expert_activation(gate_up: torch.Tensor, swiglu: ClampedSwiglu | None, activation: str) -> torch.Tensor:

@@ -72,6 +72,44 @@ def test_experts_without_a_gate_match_reference(dtype: torch.dtype, tokens: int,
     assert_close(fused_moe(hidden, up, w2, topk_weights, topk_ids, activation="relu2"), expected, MOE_TOL[dtype])
 
 
+def _fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """(w13, w2) in float8_e4m3fn and their `Fp8Experts`: each expert's matrices quantized block by block."""
+    from asyncllm.models.fp8_checkpoint import quantize_fp8_blocks
+
+    quantized = [[quantize_fp8_blocks(w[e].float().cpu(), block) for e in range(w.shape[0])] for w in (w13, w2)]
+    (q13, s13), (q2, s2) = ((torch.stack([q for q, _ in parts]).to(DEVICE), torch.stack([s for _, s in parts])
+                             .to(DEVICE)) for parts in quantized)
+    return q13, q2, reference.Fp8Experts(s13, s2, block)
+
+
+# bfloat16 / float16: as MOE_TOL (the same roundings, products in another order); float32: the fp8 products
+# exact in float32 either way, summed in another order.
+FP8_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloat16: (3.2e-2, 3.2e-2)}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("routing, activation, block", [
+    ("expert_parallel", "silu", (16, 16)),  # H 40 and I 24: partial scale blocks in both products
+    ("one_expert", "silu", (32, 16)),  # the gate's and the up rows' blocks meet inside a 32-row block
+    ("unused_expert", "relu2", (16, 32)),
+])
+def test_block_fp8_experts_match_reference(dtype: torch.dtype, routing: str, activation: str,
+                                           block: tuple[int, int]) -> None:
+    """Block-fp8 experts (DeepSeek-V3's, Qwen3-MoE-FP8's): inputs quantized per token group, each product scaled
+    by its groups' and blocks' scales."""
+    hidden = randn(9, H, dtype=dtype, seed=0)
+    w13, w2 = _weights(E, H, I, dtype, seed=1)
+    w13 = w13 if activation == "silu" else w13[:, :I].contiguous()
+    q13, q2, fp8 = _fp8_experts(w13, w2, block)
+    topk_weights, topk_ids = _routing(routing, 9, seed=5)
+    expected = reference.fused_moe(hidden, q13, q2, topk_weights, topk_ids, activation=activation, fp8=fp8)
+    plain = reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation=activation)
+    assert_close(expected, plain, (0.2, 0.2))  # fp8 is close to the float experts, not equal
+    assert not torch.equal(expected, plain)
+    out = fused_moe(hidden, q13, q2, topk_weights, topk_ids, activation=activation, fp8=fp8)
+    assert_close(out, expected, FP8_TOL[dtype])
+
+
 GPT_OSS_SWIGLU = reference.ClampedSwiglu(alpha=1.702, limit=0.8)
 """gpt-oss's activation with the clamp low enough (gate and up are about N(0, 1) here) to cut about 40% of them."""
 
