@@ -9,11 +9,14 @@ float8_e4m3fn ``weight`` and a float32 ``weight_scale_inv`` per 2-D block, the m
 - `Fp8Reference` is transformers' float32 model of the float checkpoint whose quantized projections hold the
   dequantized weights (per tensor: the fused shards requantized to their largest scale, as vLLM serves them)
   and fake-quantize their input per token: in groups of ``bk`` features (block-wise), or whole (per tensor).
+  A mixture of experts' experts (per expert in the checkpoint, stacked in transformers 5's model) likewise:
+  the dequantized matrices stacked, each product's input fake-quantized per token group.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -137,6 +140,10 @@ class Fp8Reference:
         group = block[1] if block is not None else None
         with torch.no_grad():
             for name, weight in dequantized_weights(tensors, block).items():
+                expert = _EXPERT.match(name)
+                if expert is not None:
+                    _set_expert(modules[expert.group(1)], int(expert.group(2)), expert.group(3), weight, group)
+                    continue
                 linear = modules[name.removesuffix(".weight")]
                 linear.weight.copy_(weight)
                 linear.register_forward_pre_hook(
@@ -147,3 +154,30 @@ class Fp8Reference:
 
     def greedy(self, prompt: list[int], max_new_tokens: int) -> list[int]:
         return model_greedy(self.model, prompt, max_new_tokens)
+
+
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _set_expert(experts, index: int, part: str, weight: torch.Tensor, group: int | None) -> None:
+    """One expert's dequantized matrix into transformers' stacked ``gate_up_proj`` / ``down_proj``; the module then
+    computes with its products' inputs fake-quantized."""
+    if part == "down_proj":
+        experts.down_proj[index].copy_(weight)
+    else:
+        inter = experts.gate_up_proj.shape[1] // 2
+        experts.gate_up_proj[index, (0 if part == "gate_proj" else inter):][:inter].copy_(weight)
+    experts.forward = lambda hidden, ids, weights: _fp8_experts_forward(experts, hidden, ids, weights, group)
+
+
+def _fp8_experts_forward(experts, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                         group: int | None) -> torch.Tensor:
+    out = torch.zeros_like(hidden)
+    x = _group_fake_quant(hidden, group or hidden.shape[-1])
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = torch.nn.functional.linear(x[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
+        act = _group_fake_quant(experts.act_fn(gate) * up, group or gate.shape[-1])
+        out.index_add_(0, token, torch.nn.functional.linear(act, experts.down_proj[e]) * weights[token, slot, None])
+    return out
+

@@ -294,11 +294,18 @@ def _block_size(value: Any, model: str) -> tuple[int, int] | None:
     return int(value[0]), int(value[1])
 
 
+_FUSED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
+                               "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM",
+                               "Qwen3VLMoeForConditionalGeneration")
+"""Mixtures of experts whose checkpoints store each layer's experts fused (or MXFP4): their fp8 form is not read."""
+
+
 def _refuse_fp8_architecture(hf_config: Any, model: str, cfg: Fp8CheckpointConfig) -> None:
     from asyncllm.models.architectures import MOE_ARCHITECTURES, architecture_of, refuse_quantized_multimodal
 
     arch = architecture_of(hf_config)
-    if arch in MOE_ARCHITECTURES:
-        raise NotBuiltError("model", model, f"pre-quantized fp8 mixture-of-experts experts ({arch}: FusedMoE has no "
-                                            "fp8 weights yet; online quantization='fp8' keeps experts unquantized)")
+    if arch in MOE_ARCHITECTURES and (arch in _FUSED_EXPERT_ARCHITECTURES or cfg.weight_block_size is None):
+        raise NotBuiltError("model", model, f"pre-quantized fp8 experts of {arch} (block-wise fp8 experts stored "
+                                            "per expert are served; online quantization='fp8' keeps experts "
+                                            "unquantized)")
     refuse_quantized_multimodal(arch, model, "fp8", cfg.is_ignored)

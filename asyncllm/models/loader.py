@@ -152,12 +152,15 @@ def _tensor_parallel(tp_rank: int, tp_size: int, pipeline: PipelineStage | None)
 def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8CheckpointConfig) -> None:
     """The fp8 weights and scales read into fp8 parameters, or drawn and quantized into the same format."""
     from asyncllm.models import fp8_checkpoint as fp8
+    from asyncllm.models import fp8_experts
 
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
         fp8.quantize_drawn_weights(model, fp8_checkpoint)  # type: ignore[arg-type]
+        fp8_experts.quantize_drawn_experts(model, fp8_checkpoint)  # type: ignore[arg-type]
         return
     fp8.make_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
+    fp8_experts.make_fp8_expert_params(model, fp8_checkpoint)  # type: ignore[arg-type]
     load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
     fp8.finish_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
 

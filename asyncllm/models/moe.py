@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.kernels.reference import Fp8Experts
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
 from asyncllm.models.llama import DecoderBuild, LlamaMLP, check_silu
 
@@ -97,14 +98,19 @@ class FusedMoE(nn.Module):
         self.w13_weight = new_param(n, rows, hidden_size, dtype=b.dtype, loader=self.weight_loader)
         self.w2_weight = new_param(n, hidden_size, inter, dtype=b.dtype, loader=self.weight_loader)
         self.fused_moe = b.attn_backend.ops.fused_moe
+        self.fp8_block: tuple[int, int] | None = None
+        """A block-fp8 checkpoint's block: the weights are float8_e4m3fn with ``*_weight_scale_inv`` block scales
+        (asyncllm/models/fp8_experts.py)."""
 
     def is_local(self, expert: int) -> bool:
         """Whether this rank holds ``expert`` (every expert unless expert parallel)."""
         return 0 <= expert - self.expert_start < self.num_local_experts
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        fp8 = {} if self.fp8_block is None else {"fp8": Fp8Experts(self.w13_weight_scale_inv, self.w2_weight_scale_inv,
+                                                                  self.fp8_block)}
         return self.tp.all_reduce(self.fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids),
-                                                 **self.activation))
+                                                 **self.activation, **fp8))
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Expert ids as indices into this rank's experts; -1 (nothing to add) for other ranks' experts."""
@@ -161,7 +167,8 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-_EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$")
+"""An expert's matrix, or (block-fp8 checkpoints) its block scales."""
 
 
 class MoECausalLM:
@@ -204,16 +211,18 @@ class MoECausalLM:
         if match is None or match.group(3) not in self.expert_parts:
             return super()._packed(name)  # type: ignore[misc]
         prefix, expert, part = match.group(1), int(match.group(2)), self.expert_parts[match.group(3)]
-        return f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}_weight", (expert, part)
+        suffix = match.group(4).removeprefix("weight")
+        return f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}_weight{suffix}", (expert, part)
 
     def _unpacked(self, param_name: str) -> list[tuple[str, object]]:
         prefix, _, leaf = param_name.rpartition(".experts.")
         ckpt_prefix = prefix.removesuffix(".mlp") + f".{self.moe_module}" if prefix.endswith(".mlp") else prefix
-        if leaf in ("w13_weight", "w2_weight"):
+        kind, _, suffix = leaf.partition("_weight")
+        if kind in ("w13", "w2") and suffix in ("", "_scale_inv"):
             experts: FusedMoE = self.get_submodule(f"{prefix}.experts")  # type: ignore[attr-defined]
-            parts = ("down",) if leaf == "w2_weight" else ("gate", "up") if experts.gated else ("up",)
+            parts = ("down",) if kind == "w2" else ("gate", "up") if experts.gated else ("up",)
             names = {part: ckpt for ckpt, part in self.expert_parts.items()}
-            return [(f"{ckpt_prefix}.experts.{e}.{names[part]}.weight", (e, part))
+            return [(f"{ckpt_prefix}.experts.{e}.{names[part]}.weight{suffix}", (e, part))
                     for e in range(experts.expert_start, experts.expert_start + experts.num_local_experts)
                     for part in parts]
         return [(name.replace(".mlp.", f".{self.moe_module}."), shard)

@@ -16,6 +16,7 @@ import torch
 
 from asyncllm.models.layers import LoadedWeight
 from asyncllm.models.moe import MoECausalLM, MoESpec
+from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.qwen2_moe import shared_expert_moe_spec
 from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM
 
@@ -45,6 +46,7 @@ class Qwen3NextForCausalLM(MoECausalLM, Qwen3_5ForCausalLM):
         return shared_expert_moe_spec(hf_config, layer_idx)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        check_phi3(hf_config, "Qwen3-Next")  # its fused projections are cut at load, their scales would need it too
         super().__init__(hf_config, **kwargs)
         heads = hf_config.linear_num_key_heads
         self.linear_shape = (heads, hf_config.linear_key_head_dim,

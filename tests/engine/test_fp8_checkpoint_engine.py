@@ -88,3 +88,22 @@ async def test_two_ranks_equal_one(fp8_checkpoint) -> None:
     errors = torch.cat([(a - b).abs() for a, b in zip(logprobs_1, logprobs_2)])
     print(f"two ranks vs one: max {float(errors.max()):.2g}, mean {float(errors.mean()):.2g}")
     assert float(errors.max()) < TP2_VS_TP1[0] and float(errors.mean()) < TP2_VS_TP1[1], errors
+
+
+@pytest.mark.parametrize("fields", [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2,
+                                                                        "enable_expert_parallel": True}],
+                         ids=["one-rank", "intermediate-split", "expert-parallel"])
+async def test_block_fp8_experts_serve_the_reference_on_one_and_two_ranks(tmp_path_factory, fields) -> None:
+    """Qwen3-MoE with block-fp8 experts: two ranks split each expert's intermediate rows on whole blocks (their
+    scales with them), or hold half the experts each; greedy tokens equal the reference's (or differ at a
+    near-tie)."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src = tiny_checkpoint("qwen3_moe")
+    path = tmp_path_factory.mktemp("fp8_moe") / "qwen3-moe-fp8"
+    reference = Fp8Reference(src, write_fp8_checkpoint(src, path, BLOCK, ("lm_head",)), BLOCK)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    async with AsyncEngine(str(path), disable_log_stats=True, max_num_batched_tokens=24, **fields) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, greedy) for p in PROMPTS[:3]))
+    for prompt, out in zip(PROMPTS[:3], outs):
+        _check_greedy(reference, prompt, out.token_ids)

@@ -67,7 +67,9 @@ def test_the_quantization_config_is_read() -> None:
     (SimpleNamespace(architectures=["LlamaForCausalLM"], quantization_config={"quant_method": "gptq"}), "fp8",
      NotBuiltError, "pre-quantized 'gptq' checkpoint"),
     (SimpleNamespace(architectures=["Qwen3MoeForCausalLM"], quantization_config={"quant_method": "fp8"}), None,
-     NotBuiltError, "fp8 mixture-of-experts experts"),
+     NotBuiltError, "fp8 experts of Qwen3MoeForCausalLM"),  # per tensor
+    (SimpleNamespace(architectures=["GptOssForCausalLM"], quantization_config={
+        "quant_method": "fp8", "weight_block_size": [128, 128]}), None, NotBuiltError, "fp8 experts of GptOss"),
     (SimpleNamespace(architectures=["LlavaForConditionalGeneration"], quantization_config={"quant_method": "fp8"}),
      None, NotBuiltError, "fp8 LlavaForConditionalGeneration"),
 ])
@@ -239,3 +241,34 @@ def test_a_qwen3_5_checkpoint_equals_the_reference(tmp_path, ignored) -> None:
     layers = model.model.layers
     assert layers[0].linear_attn.in_proj_qkv.weight.dtype == layers[0].linear_attn.out_proj.weight.dtype == linear_dtype
     assert layers[0].mlp.down_proj.weight.dtype == layers[1].self_attn.o_proj.weight.dtype == FP8
+
+
+@pytest.mark.parametrize("arch, tp_block", [("qwen3_moe", (16, 16)), ("qwen3_moe", (32, 16)),
+                                            ("qwen3_5_moe", (8, 16))])
+def test_a_moe_checkpoint_with_block_fp8_experts_equals_the_reference(tmp_path, arch, tp_block) -> None:
+    """Qwen3-MoE's and Qwen3.5-MoE's FP8 layout: every expert's gate, up and down in block fp8 with its scales (the
+    router left float), stacked per layer; the experts' products on per-token-group fp8 inputs."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint(arch), tmp_path / "fp8"
+    tensors = write_fp8_checkpoint(src, path, tp_block, ("lm_head", "mlp.gate", "shared_expert_gate"))
+    got, model = _logits(str(path), SEQUENCES)
+    ref = Fp8Reference(src, tensors, tp_block)
+    for seq, logits in zip(SEQUENCES, got):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+        assert float((logits - hf_logits(src, seq)).abs().max()) > 0.05  # it does compute in fp8
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == FP8 and experts.fp8_block == tp_block
+    num_experts, rows, hidden = experts.w13_weight.shape
+    assert experts.w13_weight_scale_inv.shape == (num_experts, rows // tp_block[0], hidden // tp_block[1])
+
+
+def test_dummy_weights_give_block_fp8_experts(tmp_path) -> None:
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tmp_path / "fp8"
+    write_fp8_checkpoint(tiny_checkpoint("qwen3_moe"), path, (16, 16), ("lm_head",))
+    got, model = _logits(str(path), SEQUENCES, load_format="dummy")
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w2_weight.dtype == FP8 and experts.w2_weight_scale_inv.shape == (8, 4, 2)
+    assert all(torch.isfinite(logits).all() for logits in got)
