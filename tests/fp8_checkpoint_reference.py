@@ -28,7 +28,8 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (448.0 * 512.0)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-               "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")  # the last: Qwen3.5's linear attention
+               "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",  # Qwen3.5's linear attention
+               "w1", "w2", "w3")  # Mixtral-named experts (MiniMax-M2)
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -142,7 +143,9 @@ class Fp8Reference:
             for name, weight in dequantized_weights(tensors, block).items():
                 expert = _EXPERT.match(name)
                 if expert is not None:
-                    _set_expert(modules[expert.group(1)], int(expert.group(2)), expert.group(3), weight, group)
+                    part = _EXPERT_PART.get(expert.group(3), expert.group(3))
+                    experts = modules.get(expert.group(1)) or modules[expert.group(1).replace("block_sparse_moe", "mlp")]
+                    _set_expert(experts, int(expert.group(2)), part, weight, group)
                     continue
                 linear = modules[name.removesuffix(".weight")]
                 linear.weight.copy_(weight)
@@ -156,7 +159,8 @@ class Fp8Reference:
         return model_greedy(self.model, prompt, max_new_tokens)
 
 
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
 def _set_expert(experts, index: int, part: str, weight: torch.Tensor, group: int | None) -> None:

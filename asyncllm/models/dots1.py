@@ -8,7 +8,6 @@ from typing import Any
 
 from asyncllm.models.deepseek import DeepseekExperts, check_routing
 from asyncllm.models.llama import DecoderFlags, LlamaForCausalLM
-from asyncllm.models.phi3 import check_phi3
 
 __all__ = ["Dots1ForCausalLM"]
 
@@ -20,6 +19,5 @@ class Dots1ForCausalLM(DeepseekExperts, LlamaForCausalLM):
         return DecoderFlags(qkv_bias=bias, o_bias=bias, qk_norm=True)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        check_phi3(hf_config, "dots.llm1")
         check_routing(hf_config)
         super().__init__(hf_config, **kwargs)

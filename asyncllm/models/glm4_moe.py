@@ -11,7 +11,6 @@ from typing import Any
 
 from asyncllm.models.deepseek import DeepseekExperts, check_routing
 from asyncllm.models.llama import DecoderFlags, LlamaForCausalLM
-from asyncllm.models.phi3 import check_phi3
 
 __all__ = ["Glm4MoeForCausalLM"]
 
@@ -25,6 +24,5 @@ class Glm4MoeForCausalLM(DeepseekExperts, LlamaForCausalLM):
         return DecoderFlags(qkv_bias=bool(hf_config.attention_bias), qk_norm=bool(hf_config.use_qk_norm))
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        check_phi3(hf_config, "GLM-4.5")  # pre-quantized: the fp8 MoE experts are not built
         check_routing(hf_config)
         super().__init__(hf_config, **kwargs)

@@ -17,7 +17,6 @@ from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, num_experts_of
 from asyncllm.models.olmoe import OlmoeModel
-from asyncllm.models.phi3 import check_phi3
 
 __all__ = ["MiniMaxM2ForCausalLM"]
 
@@ -60,5 +59,4 @@ class MiniMaxM2ForCausalLM(MoECausalLM, LlamaForCausalLM):
         return MiniMaxM2MoE(cls.moe_spec(b.hf_config, layer_idx), b)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        check_phi3(hf_config, "MiniMax-M2")  # its fp8 release: the fp8 MoE experts are not built
         super().__init__(hf_config, **kwargs)
