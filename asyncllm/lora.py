@@ -32,15 +32,16 @@ _PEFT_PREFIX = "base_model.model."
 _FIELD = "lora_request"
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                "gate_up_proj")
+                "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 """The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
-gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3)."""
+gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3); Qwen3.5's Gated
+DeltaNet's projections (``linear_attn.*``)."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM",)
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
 """An image-text checkpoint's language model (transformers 5's names, then older ones) -> the decoder's names."""
 _UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
-_TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+_TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(\w+)\.lora_([AB])\.weight")
 
 
 class LoRARequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -127,8 +128,19 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden)}
     if _architecture(hf_config) in FUSED_LORA_ARCHITECTURES:
         return {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter), **shared}
-    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "gate_proj": (hidden, inter),
-            "up_proj": (hidden, inter), **shared}
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "gate_proj": (hidden, inter),
+              "up_proj": (hidden, inter), **shared}
+    return {**shapes, **_linear_attention_shapes(hf_config, hidden, q)} if hasattr(hf_config, "linear_num_key_heads") \
+        else shapes
+
+
+def _linear_attention_shapes(hf_config: Any, hidden: int, q: int) -> dict[str, tuple[int, int]]:
+    """Qwen3.5's: the gated attention's ``q_proj`` (queries and their gates), the Gated DeltaNet's projections."""
+    key = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
+    value = hf_config.linear_num_value_heads * hf_config.linear_value_head_dim
+    heads = hf_config.linear_num_value_heads
+    return {"q_proj": (hidden, 2 * q), "in_proj_qkv": (hidden, 2 * key + value), "in_proj_z": (hidden, value),
+            "in_proj_b": (hidden, heads), "in_proj_a": (hidden, heads), "out_proj": (value, hidden)}
 
 
 def _architecture(hf_config: Any) -> str | None:

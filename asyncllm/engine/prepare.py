@@ -89,10 +89,11 @@ def prepare(config: EngineConfig) -> Prepared:
     if config.enable_lora:
         if (multimodal or arch in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders: Llama, Mistral, "
-                                                     "Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2, the "
-                                                     "attention of Mixtral, Qwen2-MoE, Qwen3-MoE; and the decoder of "
-                                                     "Qwen2-VL / Qwen2.5-VL / Qwen3-VL; Gemma 3 image-text "
-                                                     "checkpoints as text: limit_mm_per_prompt={'image': 0})")
+                                                     "Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3, Phi-3, Granite, "
+                                                     "OLMo 2, the attention of Mixtral, Qwen2-MoE, Qwen3-MoE; and "
+                                                     "the decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5; "
+                                                     "Gemma 3 image-text checkpoints as text: "
+                                                     "limit_mm_per_prompt={'image': 0})")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if multimodal:
@@ -134,9 +135,11 @@ _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5F
             "ArceeForCausalLM",
             "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
-            "Llama4ForConditionalGeneration", *HYBRID_ARCHITECTURES, *ENCODER_ARCHITECTURES)
+            "Llama4ForConditionalGeneration",
+            *(a for a in HYBRID_ARCHITECTURES if a not in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")),
+            *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                                 "Qwen3VLForConditionalGeneration")
+                                 "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is
 refused)."""
 """gpt-oss's and Arcee's adapters are untested; GLM's, ERNIE's and Cohere's q and k rows are reordered at load

@@ -352,6 +352,34 @@ async def test_a_peft_adapter_on_the_decoder_matches_peft_with_an_image(engine, 
     assert out.outputs[0].token_ids == expected.tolist() != base.outputs[0].token_ids
 
 
+async def test_a_qwen3_5_adapter_on_the_hybrid_decoder_matches_peft_with_an_image(tmp_path_factory):
+    """Qwen3.5's decoder adapted in its gated attention's q_proj (queries and gates), its Gated DeltaNet's
+    in_proj_qkv and out_proj, and its MLP's down_proj, with an image, beside the base model in one batch."""
+    import torch
+    from lora_utils import make_adapter
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText as ImageTextToText
+
+    from asyncllm import LoRARequest
+    from qwen_vl_utils import hf_qwen_vl_inputs
+
+    path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_5_lora"), version="3.5")
+    adapter = make_adapter(path, str(tmp_path_factory.mktemp("adapter")), 5, rank=4, alpha=8,
+                           auto_class=ImageTextToText,
+                           targets=r".*language_model.*\.(q_proj|in_proj_qkv|out_proj|down_proj)")
+    image, text = make_image(90, 70, seed=15), f"see {IMAGE_PLACEHOLDER} here"
+    prompt = {"prompt": text, "images": [image]}
+    async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET, max_num_seqs=2,
+                           enable_lora=True, max_lora_rank=4) as engine:
+        base, out = await asyncio.gather(engine.generate(prompt, GREEDY), engine.generate(
+            prompt, GREEDY, lora_request=LoRARequest("decoder", 1, adapter)))
+    reference = PeftModel.from_pretrained(ImageTextToText.from_pretrained(path, dtype=torch.float32), adapter).eval()
+    inputs = hf_qwen_vl_inputs(path, text, [image])
+    with torch.no_grad():
+        expected = reference.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert out.outputs[0].token_ids == expected.tolist() != base.outputs[0].token_ids
+
+
 async def test_an_fp8_compressed_tensors_checkpoint_matches_transformers_with_an_image(qwen25_vl, tmp_path):
     """llm-compressor's FP8_DYNAMIC recipe for Qwen2.5-VL (the tower ignored), written by compressed-tensors."""
     import json
