@@ -136,10 +136,11 @@ _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5F
             "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
             "Llama4ForConditionalGeneration",
-            *(a for a in HYBRID_ARCHITECTURES if a not in ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")),
+            *(a for a in HYBRID_ARCHITECTURES if not a.startswith("Qwen3_5")),
             *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-                                 "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration")
+                                 "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                                 "Qwen3_5MoeForConditionalGeneration")
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is
 refused)."""
 """gpt-oss's and Arcee's adapters are untested; GLM's, ERNIE's and Cohere's q and k rows are reordered at load

@@ -194,13 +194,14 @@ async def test_fused_phi3_and_gemma_adapters_equal_peft(arch: str, targets: list
         assert next(got).token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-async def test_qwen3_5_adapters_on_every_projection_equal_peft(tp: int, tmp_path) -> None:
+@pytest.mark.parametrize("arch, tp", [("qwen3_5", 1), ("qwen3_5", 2), ("qwen3_5_moe", 1)])
+async def test_qwen3_5_adapters_on_every_projection_equal_peft(arch: str, tp: int, tmp_path) -> None:
     """Qwen3.5's hybrid: the gated attention (its q_proj holds queries and gates), the Gated DeltaNet's five
-    projections (kept whole on every rank) and the MLP, adapted; with and without the adapter in one batch."""
-    path = tiny_checkpoint("qwen3_5")
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "in_proj_qkv",
-               "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"]
+    projections (kept whole on every rank) and the MLP (Qwen3.5-MoE: not its experts), adapted; with and without
+    the adapter in one batch."""
+    path = tiny_checkpoint(arch)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+               "out_proj", *(["gate_proj", "up_proj", "down_proj"] if arch == "qwen3_5" else [])]
     lora = LoRARequest("q35", 1, make_adapter(path, str(tmp_path / "q35"), seed=9, rank=8, targets=targets))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompts = random_prompts(2, seed=15, max_len=40)
