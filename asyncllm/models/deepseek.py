@@ -37,7 +37,6 @@ from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParal
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
-from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
 
 __all__ = ["DeepseekExperts", "DeepseekMoE", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "check_routing",
@@ -241,7 +240,6 @@ def _past_last_layer(name: str, num_layers: int) -> bool:
 
 def check_deepseek(hf_config: Any) -> None:
     """`NotBuiltError` for the DeepSeek variants not built."""
-    check_phi3(hf_config, "DeepSeek")  # the fp8 block checkpoints: not yet
     if hf_config.num_key_value_heads != hf_config.num_attention_heads:
         raise NotBuiltError("num_key_value_heads", hf_config.num_key_value_heads,
                             "DeepSeek with one key and value head per query head (its latent expands to every head)")

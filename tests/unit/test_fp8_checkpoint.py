@@ -245,18 +245,21 @@ def test_a_qwen3_5_checkpoint_equals_the_reference(tmp_path, ignored) -> None:
 
 @pytest.mark.parametrize("arch, tp_block", [("qwen3_moe", (16, 16)), ("qwen3_moe", (32, 16)),
                                             ("qwen3_5_moe", (8, 16)), ("minimax_m2", (16, 16)),
-                                            ("glm4_moe", (8, 16)), ("dots1", (8, 16))])
+                                            ("glm4_moe", (8, 16)), ("dots1", (8, 16)), ("deepseek_v2", (8, 16)),
+                                            ("deepseek_v3", (8, 8))])
 def test_a_moe_checkpoint_with_block_fp8_experts_equals_the_reference(tmp_path, arch, tp_block) -> None:
-    """Qwen3-MoE's and Qwen3.5-MoE's FP8 layout: every expert's gate, up and down in block fp8 with its scales (the
-    router left float), stacked per layer; the experts' products on per-token-group fp8 inputs."""
+    """Block-fp8 mixtures of experts (Qwen3-MoE, Qwen3.5-MoE, MiniMax-M2, GLM-4.5, dots.llm1, DeepSeek-V2 / V3 with
+    their latent attention's projections): every expert's gate, up and down in block fp8 with its scales (the router
+    left float), stacked per layer; the experts' products on per-token-group fp8 inputs."""
     from asyncllm.tiny import tiny_checkpoint
 
     src, path = tiny_checkpoint(arch), tmp_path / "fp8"
     tensors = write_fp8_checkpoint(src, path, tp_block, ("lm_head", "shared_expert_gate"))
     got, model = _logits(str(path), SEQUENCES)
     ref = Fp8Reference(src, tensors, tp_block)
+    bound = 2 * VS_REFERENCE if arch == "deepseek_v2" else VS_REFERENCE  # measured 1.1e-4: its 192-wide heads' sums
     for seq, logits in zip(SEQUENCES, got):
-        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+        assert float((logits - ref.logits(seq)).abs().max()) < bound
         assert float((logits - hf_logits(src, seq)).abs().max()) > 0.05  # it does compute in fp8
     experts = next(layer.mlp.experts for layer in model.model.layers if hasattr(layer.mlp, "experts"))
     assert experts.w13_weight.dtype == FP8 and experts.fp8_block == tp_block
