@@ -38,7 +38,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
-              "dots1", "llama4")
+              "dots1", "llama4", "glm4_moe_lite")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -66,6 +66,10 @@ _DEEPSEEK_LATENT = dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8
 _DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
     "deepseek_v2": dict(_DEEPSEEK_LATENT, q_lora_rank=None, topk_method="group_limited_greedy",
                         routed_scaling_factor=1.5, norm_topk_prob=False),
+    # GLM-4.7-Flash: V3's latent attention and experts, its dense layers listed, values as wide as keys
+    "glm4_moe_lite": dict({k: v for k, v in _DEEPSEEK_LATENT.items() if k != "first_k_dense_replace"},
+                          q_lora_rank=24, v_head_dim=24, routed_scaling_factor=1.8, norm_topk_prob=True,
+                          mlp_layer_types=["dense", "sparse"]),
     "deepseek_v3": dict(_DEEPSEEK_LATENT, q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True,
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 512, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -432,6 +436,7 @@ def _build_config(
         "nemotron_h": transformers.NemotronHConfig, "bamba": transformers.BambaConfig,
         "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
         "dots1": transformers.Dots1Config, "llama4": transformers.Llama4TextConfig,
+        "glm4_moe_lite": transformers.Glm4MoeLiteConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

@@ -39,8 +39,8 @@ from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausa
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
 from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
 
-__all__ = ["DeepseekExperts", "DeepseekMoE", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "check_routing",
-           "kv_head_dim"]
+__all__ = ["DeepseekExperts", "DeepseekMoE", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
+           "check_routing", "kv_head_dim"]
 
 _LATENT_NORM_EPS = 1e-6
 """transformers' q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not ``rms_norm_eps``."""
@@ -191,7 +191,9 @@ class DeepseekExperts(MoECausalLM):
 
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
-        if layer_idx < hf_config.first_k_dense_replace or not hf_config.n_routed_experts:
+        kinds = getattr(hf_config, "mlp_layer_types", None)  # GLM-4.7-Flash's "dense" / "sparse" per layer
+        dense = kinds[layer_idx] == "dense" if kinds else layer_idx < hf_config.first_k_dense_replace
+        if dense or not hf_config.n_routed_experts:
             return None
         return MoESpec(hf_config.n_routed_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,
                        renormalize=bool(getattr(hf_config, "norm_topk_prob", False)), weights_in_model_dtype=False,
@@ -230,6 +232,12 @@ class DeepseekV2ForCausalLM(DeepseekExperts, LlamaForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3's: the same layers, sigmoid routing with a score correction."""
+
+
+class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
+    """GLM-4.7-Flash: DeepSeek-V3's latent attention (its rope interleaved unless ``rope_interleave`` is off) and
+    experts (GLM-4.5's routing: grouped sigmoid with the correction, shared experts), dense MLPs where
+    ``mlp_layer_types`` says "dense"; the multi-token-prediction layer past ``num_hidden_layers`` left unread."""
 
 
 def _past_last_layer(name: str, num_layers: int) -> bool:

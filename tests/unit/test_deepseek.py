@@ -1,5 +1,5 @@
-"""DeepSeek-V2 and V3 (asyncllm/models/deepseek.py) against transformers: float32 logits within 1e-4 at every
-position over a paged cache (chunked prefills mixed with decodes), for V2's full-rank queries, interleaved rope and
+"""DeepSeek-V2 and V3, and GLM-4.7-Flash on V3's layers (asyncllm/models/deepseek.py) against transformers:
+float32 logits within 1e-4 at every position over a paged cache (chunked prefills mixed with decodes), for V2's full-rank queries, interleaved rope and
 group-limited softmax routing, and V3's low-rank queries, YaRN (its softmax mscale) and grouped sigmoid routing with
 the score correction and renormalized weights; over two tensor-parallel ranks; and what is refused."""
 
@@ -12,7 +12,12 @@ from model_utils import assert_paged_logits_match_checkpoint, free_port, tp_work
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, pairs_to_halves
+from asyncllm.models.deepseek import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    Glm4MoeLiteForCausalLM,
+    pairs_to_halves,
+)
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.registry import kv_cache_spec
 from asyncllm.tiny import tiny_checkpoint
@@ -27,8 +32,10 @@ def _model(arch: str, **fields) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(("arch", "cls"), [("deepseek_v2", DeepseekV2ForCausalLM),
-                                           ("deepseek_v3", DeepseekV3ForCausalLM)])
+                                           ("deepseek_v3", DeepseekV3ForCausalLM),
+                                           ("glm4_moe_lite", Glm4MoeLiteForCausalLM)])
 def test_logits_match_transformers(arch: str, cls: type) -> None:
+    """GLM-4.7-Flash (glm4_moe_lite): V3's layers, its dense layer by ``mlp_layer_types``, values as wide as keys."""
     model = _model(arch)
     assert type(model) is cls
     assert kv_cache_spec(load_hf_config(tiny_checkpoint(arch)), 1).head_dim == 16 + 8  # no-rope + rotary key

@@ -29,7 +29,8 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     assert model.config.vocab_size == len(tokenizer) == 512
     assert model.get_input_embeddings().weight.shape == (512, 64)
     assert model.config.num_hidden_layers == (4 if arch == "nemotron_h" else 2)  # Nemotron-H: 4 one-mixer layers
-    assert model.config.num_key_value_heads == (4 if arch.startswith("deepseek") else 2)  # DeepSeek: one per head
+    latent = arch.startswith("deepseek") or arch == "glm4_moe_lite"
+    assert model.config.num_key_value_heads == (4 if latent else 2)  # DeepSeek's latent attention: one per head
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4, 5]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2)
     assert model.generation_config.eos_token_id == 1
