@@ -67,17 +67,28 @@ def _block(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tenso
 
 
 class GroupGatedRMSNorm(nn.Module):
-    """``x * silu(gate)`` RMS-normed per group of ``group_size`` features in float32, times the weight."""
+    """``x * silu(gate)`` RMS-normed per group of ``group_size`` features in float32, times the weight; with
+    ``gate_last`` (Falcon-H1's ``mamba_norm_before_gate``) normed first, times the weight, then gated."""
 
-    def __init__(self, size: int, group_size: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, size: int, group_size: int, eps: float, dtype: torch.dtype, gate_last: bool = False) -> None:
         super().__init__()
         self.weight = new_param(size, dtype=dtype)
-        self.group_size, self.eps = group_size, eps
+        self.group_size, self.eps, self.gate_last = group_size, eps, gate_last
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        gated = (x.float() * F.silu(gate.float())).unflatten(-1, (-1, self.group_size))
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.flatten(-2).to(x.dtype)
+        gated = x.float() if self.gate_last else x.float() * F.silu(gate.float())
+        grouped = gated.unflatten(-1, (-1, self.group_size))
+        normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        if self.gate_last:
+            return (self.weight * normed * F.silu(gate.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+class SiluGate(nn.Module):
+    """``x * silu(gate)`` without a norm (Falcon-H1 without ``mamba_rms_norm``)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return x * F.silu(gate.to(x.dtype))
 
 
 @dataclass(frozen=True)
@@ -95,6 +106,11 @@ class Mamba2Shape:
     eps: float
     dt_limit: tuple[float, float]
     """``dt`` is clamped to it in prefill chunks (transformers' chunked scan; its one-token step does not clamp)."""
+    norm: str = "gate_norm"
+    """The output's gate and norm: ``gate_norm`` (gated, then RMS-normed per group), ``norm_gate`` (normed, then
+    gated) or ``gate`` (gated, no norm)."""
+    out_bias: bool | None = None
+    """``out_proj``'s bias (None: ``proj_bias``, as ``in_proj``'s)."""
 
 
 def granite_mamba(cfg: Any) -> Mamba2Shape:
@@ -119,8 +135,10 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = new_param(self.num_heads, dtype=dtype)
         self.A_log = new_param(self.num_heads, dtype=dtype)
         self.D = new_param(self.num_heads, dtype=dtype)
-        self.norm = GroupGatedRMSNorm(self.inner, self.inner // self.groups, shape.eps, dtype)
-        self.out_proj = ColumnParallelLinear(self.inner, shape.hidden, bias, whole, dtype)
+        self.norm = SiluGate() if shape.norm == "gate" else GroupGatedRMSNorm(
+            self.inner, self.inner // self.groups, shape.eps, dtype, gate_last=shape.norm == "norm_gate")
+        out_bias = bias if shape.out_bias is None else shape.out_bias
+        self.out_proj = ColumnParallelLinear(self.inner, shape.hidden, out_bias, whole, dtype)
         self.dt_limit = shape.dt_limit
         self.states = RowStates(rows, {
             "conv": ((conv_dim, shape.conv_kernel - 1), dtype),

@@ -54,6 +54,7 @@ from asyncllm.models.qwen3_5 import (
 from asyncllm.models.qwen3_next import Qwen3NextForCausalLM
 from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
+from asyncllm.models.falcon_h1 import FalconH1ForCausalLM
 from asyncllm.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from asyncllm.models.nemotron_h import NemotronHForCausalLM
 from asyncllm.models.bamba import BambaForCausalLM
@@ -162,6 +163,7 @@ _MODELS: dict[str, type] = {
     "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
