@@ -38,7 +38,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
-              "dots1", "llama4", "glm4_moe_lite", "falcon_h1")
+              "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -443,6 +443,7 @@ def _build_config(
         "ernie4_5_moe": transformers.Ernie4_5_MoeConfig, "hunyuan_v1_moe": transformers.HunYuanMoEV1Config,
         "dots1": transformers.Dots1Config, "llama4": transformers.Llama4TextConfig,
         "glm4_moe_lite": transformers.Glm4MoeLiteConfig, "falcon_h1": transformers.FalconH1Config,
+        "apertus": transformers.ApertusConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

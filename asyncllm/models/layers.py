@@ -94,7 +94,7 @@ def weight_narrow(loaded: LoadedWeight, dim: int, start: int, length: int) -> to
 
 
 def _full(loaded: LoadedWeight) -> torch.Tensor:
-    return loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+    return loaded if isinstance(loaded, torch.Tensor) else loaded[...]  # [...]: scalars too
 
 
 def copy_weight(dst: torch.Tensor, src: LoadedWeight) -> None:
@@ -118,7 +118,7 @@ def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter
 
 def new_param(*shape: int, dtype: torch.dtype, loader: WeightLoader = default_weight_loader) -> nn.Parameter:
     """An uninitialised inference parameter (filled by the loader) on the current default device."""
-    return set_weight_loader(nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False), loader)
+    return set_weight_loader(nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False), loader)
 
 
 def head_dim_of(hf_config: Any) -> int:

@@ -54,6 +54,7 @@ from asyncllm.models.qwen3_5 import (
 from asyncllm.models.qwen3_next import Qwen3NextForCausalLM
 from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
+from asyncllm.models.apertus import ApertusForCausalLM
 from asyncllm.models.falcon_h1 import FalconH1ForCausalLM
 from asyncllm.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from asyncllm.models.nemotron_h import NemotronHForCausalLM
@@ -164,6 +165,7 @@ _MODELS: dict[str, type] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
+    "ApertusForCausalLM": ApertusForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
