@@ -40,8 +40,8 @@ async def test_greedy_equals_transformers_chunked_preempted_and_on_reused_rows(a
     assert stats.num_preemptions_total > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "granitemoehybrid", "lfm2"])
-async def test_prefix_cache_hits_resume_from_saved_states(arch: str) -> None:
+@pytest.mark.parametrize("arch, tp", [("qwen3_5", 1), ("granitemoehybrid", 1), ("lfm2", 1), ("qwen3_5", 2)])
+async def test_prefix_cache_hits_resume_from_saved_states(arch: str, tp: int) -> None:
     """Prompts sharing a 37-token prefix, then a conversation's next turn (prompt + answer + more): each hit starts
     at the last saved point (every 8 tokens) before its end, from the states saved there, mid-chunk or at a decode;
     tokens equal transformers'. """
@@ -51,7 +51,8 @@ async def test_prefix_cache_hits_resume_from_saved_states(arch: str) -> None:
     prompts = [shared + [rng.randrange(6, 512) for _ in range(rng.randint(1, 9))] for _ in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     async with AsyncEngine(path, disable_log_stats=True, max_num_batched_tokens=24, max_num_seqs=2, block_size=4,
-                           max_model_len=96, mamba_block_size=8, mamba_checkpoint_slots=16) as engine:
+                           max_model_len=96, mamba_block_size=8, mamba_checkpoint_slots=16,
+                           tensor_parallel_size=tp) as engine:  # over two ranks each saves and loads its own
         outs = [await engine.generate(p, params) for p in prompts]
         turn = prompts[0] + outs[0].token_ids + [rng.randrange(6, 512) for _ in range(5)]
         outs.append(await engine.generate(turn, params))
