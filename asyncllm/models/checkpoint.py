@@ -115,9 +115,9 @@ def served_hf_config(path: str, overrides: dict[str, Any] | None) -> PretrainedC
     return apply_hf_overrides(load_hf_config(path), overrides)
 
 
-_DERIVED = ("num_hidden_layers", "layer_types")
+_DERIVED = ("num_hidden_layers", "layer_types", "layers_block_type", "layers_num_experts")
 """Attributes some configs derive rather than store (Nemotron-H's from ``layers_block_type``, Bamba's from
-``attn_layer_indices``): sent too."""
+``attn_layer_indices``, Jamba's from its periods and offsets): sent too."""
 
 
 def hf_config_json(hf_config: PretrainedConfig) -> str:
