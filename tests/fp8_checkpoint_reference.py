@@ -29,6 +29,7 @@ FP8_MAX = 448.0
 MIN_SCALE = 1.0 / (448.0 * 512.0)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj",  # Qwen3.5's linear attention
+               "in_proj_qkvz", "in_proj_ba",  # Qwen3-Next's fused ones
                "w1", "w2", "w3",  # Mixtral-named experts (MiniMax-M2)
                "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's latent attention
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

@@ -6,6 +6,9 @@ A checkpoint's ``in_proj_qkvz`` holds, for each key head, its query and key rows
 its ``Hv / Hk`` value heads; ``in_proj_ba`` holds each key head's ``b`` rows then its ``a`` rows. They are cut at
 load into Qwen3.5's ``in_proj_qkv`` (all queries, all keys, all values: the order the convolution's channels have
 in both), ``in_proj_z``, ``in_proj_b`` and ``in_proj_a`` (`split_qkvz`, `split_ba`), so the layer runs unchanged.
+A block-fp8 checkpoint's ``in_proj_qkvz`` scales are cut the same way by block rows (each part a whole number of
+blocks: the official FP8 release's 128-row parts are); an fp8 ``in_proj_ba`` (two rows per key head, less than a
+block) is a `NotBuiltError`.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import LoadedWeight
 from asyncllm.models.moe import MoECausalLM, MoESpec
-from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.qwen2_moe import shared_expert_moe_spec
 from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM
 
 __all__ = ["Qwen3NextForCausalLM", "split_ba", "split_qkvz"]
+
+_FUSED_IN_CHECKPOINT = {"in_proj_qkv": "in_proj_qkvz", "in_proj_z": "in_proj_qkvz", "in_proj_b": "in_proj_ba",
+                        "in_proj_a": "in_proj_ba"}
 
 
 def split_qkvz(weight: torch.Tensor, num_k_heads: int, k_dim: int,
@@ -46,30 +52,53 @@ class Qwen3NextForCausalLM(MoECausalLM, Qwen3_5ForCausalLM):
         return shared_expert_moe_spec(hf_config, layer_idx)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        check_phi3(hf_config, "Qwen3-Next")  # its fused projections are cut at load, their scales would need it too
         super().__init__(hf_config, **kwargs)
         heads = hf_config.linear_num_key_heads
         self.linear_shape = (heads, hf_config.linear_key_head_dim,
                              hf_config.linear_num_value_heads // heads * hf_config.linear_value_head_dim)
         """(Hk, Dk, r * Dv): how the fused projections group their rows."""
+        quant = getattr(hf_config, "quantization_config", None) or {}
+        block = quant.get("weight_block_size") if isinstance(quant, dict) else getattr(quant, "weight_block_size", None)
+        self.fp8_block_rows = int(block[0]) if block else None
+        """A block-fp8 checkpoint's block rows: the fused projections' scales are cut by them."""
+
+    @staticmethod
+    def checkpoint_module_name(module: str) -> str:
+        """Where a quantized checkpoint names the projection (its fused ones: their quantization is one)."""
+        prefix, _, leaf = module.rpartition(".")
+        return f"{prefix}.{_FUSED_IN_CHECKPOINT.get(leaf, leaf)}"
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return super().load_weights(self._split_fused(weights))
 
     def _split_fused(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
         for name, weight in weights:
-            if name.endswith(".linear_attn.in_proj_qkvz.weight"):
-                prefix = name.removesuffix("in_proj_qkvz.weight")
-                qkv, z = split_qkvz(_full(weight), *self.linear_shape)
-                yield prefix + "in_proj_qkv.weight", qkv
-                yield prefix + "in_proj_z.weight", z
-            elif name.endswith(".linear_attn.in_proj_ba.weight"):
-                prefix = name.removesuffix("in_proj_ba.weight")
+            prefix, _, leaf = name.rpartition(".linear_attn.")
+            if leaf in ("in_proj_qkvz.weight", "in_proj_qkvz.weight_scale_inv"):
+                suffix = leaf.removeprefix("in_proj_qkvz")
+                qkv, z = split_qkvz(_full(weight), *self._qkvz_rows(scales=suffix.endswith("scale_inv")))
+                yield f"{prefix}.linear_attn.in_proj_qkv{suffix}", qkv
+                yield f"{prefix}.linear_attn.in_proj_z{suffix}", z
+            elif leaf == "in_proj_ba.weight":
                 b, a = split_ba(_full(weight), self.linear_shape[0])
-                yield prefix + "in_proj_b.weight", b
-                yield prefix + "in_proj_a.weight", a
+                yield f"{prefix}.linear_attn.in_proj_b.weight", b
+                yield f"{prefix}.linear_attn.in_proj_a.weight", a
+            elif leaf == "in_proj_ba.weight_scale_inv":
+                raise NotBuiltError("model", name, "a Qwen3-Next checkpoint with in_proj_ba in fp8 (two rows per key "
+                                                   "head: less than a weight block; the FP8 release leaves it float)")
             else:
                 yield name, weight
+
+    def _qkvz_rows(self, scales: bool) -> tuple[int, int, int]:
+        """(Hk, Dk, r Dv) in rows, or (``scales``: ``weight_scale_inv``) in block rows."""
+        heads, k_dim, v_rows = self.linear_shape
+        if not scales:
+            return heads, k_dim, v_rows
+        block = self.fp8_block_rows or 1
+        if k_dim % block or v_rows % block:
+            raise ConfigError("model", "in_proj_qkvz", f"fp8 blocks of {block} rows that cut Qwen3-Next's fused "
+                                                       f"projection into whole parts ({k_dim}, {v_rows} rows)")
+        return heads, k_dim // block, v_rows // block
 
 
 def _full(weight: LoadedWeight) -> torch.Tensor:

@@ -246,15 +246,16 @@ def test_a_qwen3_5_checkpoint_equals_the_reference(tmp_path, ignored) -> None:
 @pytest.mark.parametrize("arch, tp_block", [("qwen3_moe", (16, 16)), ("qwen3_moe", (32, 16)),
                                             ("qwen3_5_moe", (8, 16)), ("minimax_m2", (16, 16)),
                                             ("glm4_moe", (8, 16)), ("dots1", (8, 16)), ("deepseek_v2", (8, 16)),
-                                            ("deepseek_v3", (8, 8))])
+                                            ("deepseek_v3", (8, 8)), ("qwen3_next", (8, 16))])
 def test_a_moe_checkpoint_with_block_fp8_experts_equals_the_reference(tmp_path, arch, tp_block) -> None:
     """Block-fp8 mixtures of experts (Qwen3-MoE, Qwen3.5-MoE, MiniMax-M2, GLM-4.5, dots.llm1, DeepSeek-V2 / V3 with
-    their latent attention's projections): every expert's gate, up and down in block fp8 with its scales (the router
-    left float), stacked per layer; the experts' products on per-token-group fp8 inputs."""
+    their latent attention's projections, Qwen3-Next with its fused in_proj_qkvz cut by block rows and in_proj_ba
+    left float): every expert's gate, up and down in block fp8 with its scales (the router left float), stacked per
+    layer; the experts' products on per-token-group fp8 inputs."""
     from asyncllm.tiny import tiny_checkpoint
 
     src, path = tiny_checkpoint(arch), tmp_path / "fp8"
-    tensors = write_fp8_checkpoint(src, path, tp_block, ("lm_head", "shared_expert_gate"))
+    tensors = write_fp8_checkpoint(src, path, tp_block, ("lm_head", "shared_expert_gate", "in_proj_ba"))
     got, model = _logits(str(path), SEQUENCES)
     ref = Fp8Reference(src, tensors, tp_block)
     bound = 2 * VS_REFERENCE if arch == "deepseek_v2" else VS_REFERENCE  # measured 1.1e-4: its 192-wide heads' sums
@@ -276,3 +277,11 @@ def test_dummy_weights_give_block_fp8_experts(tmp_path) -> None:
     experts = model.model.layers[0].mlp.experts
     assert experts.w2_weight.dtype == FP8 and experts.w2_weight_scale_inv.shape == (8, 4, 2)
     assert all(torch.isfinite(logits).all() for logits in got)
+
+
+def test_qwen3_next_with_an_fp8_in_proj_ba_is_refused(tmp_path) -> None:
+    from asyncllm.tiny import tiny_checkpoint
+
+    write_fp8_checkpoint(tiny_checkpoint("qwen3_next"), tmp_path / "fp8", (8, 16), ("lm_head", "shared_expert_gate"))
+    with pytest.raises(NotBuiltError, match="in_proj_ba in fp8"):
+        _logits(str(tmp_path / "fp8"), SEQUENCES)
