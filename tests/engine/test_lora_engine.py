@@ -213,3 +213,21 @@ async def test_qwen3_5_adapters_on_every_projection_equal_peft(arch: str, tp: in
     for prompt in prompts:
         assert next(got).token_ids == peft_greedy(path, lora.lora_path, prompt, MAX_TOKENS, eos_token_id=None)
         assert next(got).token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)
+
+
+async def test_qwen3_5_saved_states_are_keyed_by_adapter(tmp_path) -> None:
+    """Hybrid prefix caching under LoRA: the states saved for a prompt under an adapter serve the same prompt under
+    that adapter only (the adapter keys the blocks, so the saved points too); tokens equal PEFT's / transformers'."""
+    path = tiny_checkpoint("qwen3_5")
+    lora = LoRARequest("q35", 1, make_adapter(path, str(tmp_path / "q35"), seed=9, rank=8))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = random_prompts(1, seed=16, max_len=40)[0] + list(range(10, 30))
+    async with AsyncEngine(path, max_num_batched_tokens=16, enable_lora=True, block_size=4, mamba_block_size=8,
+                           disable_log_stats=True) as engine:
+        first = await engine.generate(prompt, params, lora_request=lora)
+        base = await engine.generate(prompt, params)
+        again = await engine.generate(prompt, params, lora_request=lora)
+    assert (first.num_cached_tokens, base.num_cached_tokens) == (0, 0) and again.num_cached_tokens > 0
+    assert first.token_ids == again.token_ids == peft_greedy(path, lora.lora_path, prompt, MAX_TOKENS,
+                                                             eos_token_id=None)
+    assert base.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)
