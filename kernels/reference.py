@@ -27,6 +27,7 @@ __all__ = [
     "decode_linear",
     "ClampedSwiglu",
     "Fp8Experts",
+    "gated_delta_step",
     "clamped_swiglu",
     "fused_moe",
     "rotate_half",
@@ -375,6 +376,21 @@ def paged_attention(
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = attended.transpose(0, 1)
     return out
+
+
+# ---------------------------------------------------------------- linear attention (Gated DeltaNet)
+def gated_delta_step(states: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """One token of each of N requests through the gated delta rule (Qwen3.5 / Qwen3-Next's decode step).
+
+    ``states [R, Hv, Dk, Dv]`` float32, request n's at row ``rows[n]`` (updated in place); ``q, k [N, Hv, Dk]``,
+    ``v [N, Hv, Dv]``, ``g, beta [N, Hv]``, float32 -> ``[N, Hv, Dv]``: ``S <- e^g S``,
+    ``S <- S + k (beta (v - S^T k))^T``, output ``S^T q``."""
+    state = states[rows] * g.exp()[..., None, None]
+    predicted = torch.einsum("nhkv,nhk->nhv", state, k)
+    state = state + k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2)
+    states[rows] = state
+    return torch.einsum("nhkv,nhk->nhv", state, q)
 
 
 # ---------------------------------------------------------------- block-scaled fp8 (pre-quantized checkpoints)

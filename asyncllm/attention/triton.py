@@ -23,6 +23,7 @@ import triton
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.kernels import reference
 from asyncllm.kernels.fused_moe import fused_moe
+from asyncllm.kernels.gated_delta import gated_delta_step
 from asyncllm.kernels.paged_attention import paged_attention
 from asyncllm.kernels.paged_decode import paged_decode
 from asyncllm.kernels.rms_norm import fused_add_rms_norm, gemma_fused_add_rms_norm, gemma_rms_norm, rms_norm
@@ -35,7 +36,8 @@ __all__ = ["TritonBackend", "TRITON_OPS", "split_kv_segments"]
 _MAX_SEGMENTS = 16  # split-KV segments per request: more adds combine work for little extra parallelism
 
 TRITON_OPS = ModelOps("triton", rms_norm, fused_add_rms_norm, silu_and_mul, fused_moe, gemma_rms_norm=gemma_rms_norm,
-                      gemma_fused_add_rms_norm=gemma_fused_add_rms_norm, gelu_tanh_and_mul=gelu_tanh_and_mul)
+                      gemma_fused_add_rms_norm=gemma_fused_add_rms_norm, gelu_tanh_and_mul=gelu_tanh_and_mul,
+                      gated_delta_step=gated_delta_step)
 """The model's non-attention ops as Triton kernels."""
 
 

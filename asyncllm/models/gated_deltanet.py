@@ -29,6 +29,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
+from asyncllm.models.ops import REFERENCE_OPS, ModelOps
 from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, StepRows, causal_conv, conv_step
 
 __all__ = ["GatedDeltaNet", "chunked_delta_rule", "prepare_qk", "recurrent_step"]
@@ -107,7 +108,7 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """A ``linear_attention`` layer; every tensor-parallel rank computes it whole (its projections are not split)."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, rows: StateRows) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, rows: StateRows, ops: ModelOps = REFERENCE_OPS) -> None:
         super().__init__()
         self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.k_dim, self.v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -123,6 +124,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = new_param(self.num_v_heads, dtype=dtype)
         self.norm = GatedRMSNorm(self.v_dim, cfg.rms_norm_eps, dtype)
         self.out_proj = ColumnParallelLinear(value, hidden, False, whole, dtype)
+        self.gated_delta_step = ops.gated_delta_step
+        """The decode step over the requests' state rows (torch, or the Triton kernel with the triton backend)."""
         self.states = RowStates(rows, {
             "conv": ((2 * key + value, cfg.linear_conv_kernel_dim - 1), dtype),
             "ssm": ((self.num_v_heads, self.k_dim, self.v_dim), torch.float32),
@@ -163,6 +166,4 @@ class GatedDeltaNet(nn.Module):
         """One token per request, all at once: the rows' states gathered, stepped, scattered back."""
         n, rows = len(step.rows), step.rows
         q, k, v = self._heads(conv_step(mixed[:n], self.states["conv"], rows, self.conv1d))
-        state = self.states["ssm"][rows]
-        out[:n] = recurrent_step(state, q, k, v, g[:n], beta[:n]).to(out.dtype)
-        self.states["ssm"][rows] = state
+        out[:n] = self.gated_delta_step(self.states["ssm"], rows, q, k, v, g[:n], beta[:n]).to(out.dtype)

@@ -39,6 +39,8 @@ class ModelOps:
         [torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]
     ]
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    gated_delta_step: Callable[..., torch.Tensor] = reference.gated_delta_step
+    """``(states, rows, q, k, v, g, beta)``: the Gated DeltaNet's decode step on the requests' state rows."""
 
 
 REFERENCE_OPS = ModelOps(

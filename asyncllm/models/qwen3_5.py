@@ -73,7 +73,8 @@ class HybridDecoderLayer(HybridLayer):
         cfg = b.hf_config
         norm = lambda: GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)  # noqa: E731
         super().__init__(b, layer_idx, norm,
-                         lambda: GatedDeltaNet(cfg, b.dtype, b.state_rows), lambda: GatedAttention(b, layer_idx))
+                         lambda: GatedDeltaNet(cfg, b.dtype, b.state_rows, b.attn_backend.ops),
+                         lambda: GatedAttention(b, layer_idx))
 
 
 class Qwen3_5Model(HybridModel):

@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from asyncllm.kernels import block_fp8, decode_linear, fused_moe, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul, w4a16  # noqa: E402,E501
+from asyncllm.kernels import block_fp8, decode_linear, fused_moe, gated_delta, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul, w4a16  # noqa: E402,E501
 
 
 def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int,
@@ -95,6 +95,11 @@ def cases(dtype: str):
     yield from moe_cases(p)
     yield from block_fp8_cases(p)
     yield from w4a16_cases(p)
+    # Qwen3.5's Gated DeltaNet decode step: Dk = Dv = 128, 32 value columns per program
+    f32 = "*fp32"
+    yield ("gated_delta step", gated_delta._gated_delta_step_kernel,
+           dict(states_ptr=f32, rows_ptr="*i64", q_ptr=f32, k_ptr=f32, v_ptr=f32, g_ptr=f32, beta_ptr=f32,
+                out_ptr=f32), (), dict(BLOCK_K=128, BLOCK_V=32), 4)
 
 
 def fp8_cache_cases(p: str, decode: dict):

@@ -127,12 +127,15 @@ def test_triton_llama4_logits_match_transformers() -> None:
 
 def test_triton_qwen3_5_logits_match_transformers() -> None:
     """Qwen3.5's gated full attention (zero-centred q/k norms in the model, a quarter-head rotary in the fused
-    rotary/KV-write kernel) on the Triton kernels, its Gated DeltaNet layer in torch beside it."""
+    rotary/KV-write kernel) on the Triton kernels, its Gated DeltaNet's decode step on the gated-delta kernel (its
+    prefill chunks in torch)."""
+    from asyncllm.kernels.gated_delta import gated_delta_step
     from asyncllm.tiny import tiny_checkpoint
 
     path = tiny_checkpoint("qwen3_5")
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    assert model.model.layers[0].linear_attn.gated_delta_step is gated_delta_step
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
