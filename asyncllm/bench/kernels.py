@@ -280,6 +280,32 @@ def _fused_moe(
     return rows
 
 
+GATED_DELTA_HEADS = (48, 128, 128)
+"""Qwen3.5-27B's Gated DeltaNet decode state per request: (value heads, key dim, value dim), float32."""
+
+
+def _gated_delta(heads: tuple[int, int, int], bandwidth: float, device: str = "cuda") -> list[dict[str, Any]]:
+    """The gated-delta decode step against `reference.gated_delta_step` (a gather, five passes, a scatter) at decode
+    batches; bytes: each request's state read and written once."""
+    from asyncllm.kernels import reference
+    from asyncllm.kernels.gated_delta import gated_delta_step
+
+    hv, dk, dv = heads
+    gen, rows_out = torch.Generator(device=device).manual_seed(0), []
+    for n in (1, 32, 128):
+        states = torch.randn(2 * n, hv, dk, dv, device=device, generator=gen)
+        rows = torch.randperm(2 * n, device=device, generator=gen)[:n]
+        q, k = (torch.nn.functional.normalize(torch.randn(n, hv, dk, device=device, generator=gen), dim=-1)
+                for _ in range(2))
+        v = torch.randn(n, hv, dv, device=device, generator=gen)
+        g, beta = -torch.rand(n, hv, device=device, generator=gen), torch.rand(n, hv, device=device, generator=gen)
+        nbytes = 2 * n * hv * dk * dv * 4
+        rows_out.append(_row("gated_delta_step vs torch", f"{n}x{hv}x{dk}x{dv}", nbytes,
+                             _bench(lambda: gated_delta_step(states, rows, q, k, v, g, beta)),
+                             _bench(lambda: reference.gated_delta_step(states, rows, q, k, v, g, beta)), bandwidth))
+    return rows_out
+
+
 def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | None:
     if not torch.cuda.is_available():
         print("asyncllm bench kernels: the kernel micro-benchmarks need a CUDA device, and none is visible; "
@@ -302,6 +328,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
     results["moe"] = _fused_moe(MOE_SHAPE, dtype, bandwidth)
     _print_rows(f"asyncllm bench kernels | Qwen3-30B-A3B experts | {args.dtype} | {results['meta']['device']}",
                 results["moe"])
+    results["gated_delta"] = _gated_delta(GATED_DELTA_HEADS, bandwidth)
+    _print_rows(f"asyncllm bench kernels | Qwen3.5-27B Gated DeltaNet decode | float32 | {results['meta']['device']}",
+                results["gated_delta"])
     if args.output_json:
         report.write_json(args.output_json, results)
     return results

@@ -37,3 +37,15 @@ def test_the_launcher_rejects_bad_arguments() -> None:
         gated_delta_step(states.half(), torch.tensor([0]), q, q, q, torch.zeros(1, 1), torch.zeros(1, 1))
     with pytest.raises(ValueError, match="v must be float32"):
         gated_delta_step(states, torch.tensor([0]), q, q, torch.zeros(1, 1, 5), torch.zeros(1, 1), torch.zeros(1, 1))
+
+
+def test_the_micro_benchmark_times_kernel_and_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`asyncllm bench kernels`' gated-delta rows on a tiny shape (each call run once, not timed)."""
+    from asyncllm.bench import kernels as bench
+
+    calls = []
+    monkeypatch.setattr(bench, "_bench", lambda fn: calls.append(fn()) or 0.001)
+    rows = bench._gated_delta((2, 16, 8), 1e12, device=str(DEVICE))
+    assert [r["shape"] for r in rows] == ["1x2x16x8", "32x2x16x8", "128x2x16x8"] and len(calls) == 6
+    assert all(tuple(out.shape[1:]) == (2, 8) for out in calls)
+    assert bench.GATED_DELTA_HEADS == (48, 128, 128)
