@@ -28,6 +28,7 @@ __all__ = [
     "ClampedSwiglu",
     "Fp8Experts",
     "gated_delta_step",
+    "ssd_decode_step",
     "clamped_swiglu",
     "fused_moe",
     "rotate_half",
@@ -391,6 +392,18 @@ def gated_delta_step(states: torch.Tensor, rows: torch.Tensor, q: torch.Tensor, 
     state = state + k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2)
     states[rows] = state
     return torch.einsum("nhkv,nhk->nhv", state, q)
+
+
+def ssd_decode_step(states: torch.Tensor, rows: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                    dt: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """One token of each of N requests through Mamba2's scan (Granite 4.0, Nemotron-H, Falcon-H1, Bamba decode).
+
+    ``states [R, H, P, S]`` float32, request n's at row ``rows[n]`` (updated in place); ``x [N, H, P]``,
+    ``b, c [N, H, S]``, ``dt [N, H]`` (after its softplus), ``a [H]``, float32 -> ``[N, H, P]``:
+    ``S <- e^(dt a) S + dt x b^T``, output ``S c`` (without ``D x``)."""
+    state = states[rows] * (dt * a).exp()[..., None, None] + (dt[..., None] * x).unsqueeze(-1) * b.unsqueeze(-2)
+    states[rows] = state
+    return torch.einsum("nhps,nhs->nhp", state, c)
 
 
 # ---------------------------------------------------------------- block-scaled fp8 (pre-quantized checkpoints)

@@ -29,6 +29,7 @@ from asyncllm.kernels.paged_decode import paged_decode
 from asyncllm.kernels.rms_norm import fused_add_rms_norm, gemma_fused_add_rms_norm, gemma_rms_norm, rms_norm
 from asyncllm.kernels.rotary_kv import rotary_embedding_with_kv_cache
 from asyncllm.kernels.silu_and_mul import gelu_tanh_and_mul, silu_and_mul
+from asyncllm.kernels.ssd_step import ssd_decode_step
 from asyncllm.models.ops import ModelOps
 
 __all__ = ["TritonBackend", "TRITON_OPS", "split_kv_segments"]
@@ -37,7 +38,7 @@ _MAX_SEGMENTS = 16  # split-KV segments per request: more adds combine work for 
 
 TRITON_OPS = ModelOps("triton", rms_norm, fused_add_rms_norm, silu_and_mul, fused_moe, gemma_rms_norm=gemma_rms_norm,
                       gemma_fused_add_rms_norm=gemma_fused_add_rms_norm, gelu_tanh_and_mul=gelu_tanh_and_mul,
-                      gated_delta_step=gated_delta_step)
+                      gated_delta_step=gated_delta_step, ssd_decode_step=ssd_decode_step)
 """The model's non-attention ops as Triton kernels."""
 
 

@@ -282,27 +282,37 @@ def _fused_moe(
 
 GATED_DELTA_HEADS = (48, 128, 128)
 """Qwen3.5-27B's Gated DeltaNet decode state per request: (value heads, key dim, value dim), float32."""
+SSD_HEADS = (128, 64, 128)
+"""granite-4.0-h-small's Mamba2 decode state per request: (heads, head dim, state), float32."""
 
 
-def _gated_delta(heads: tuple[int, int, int], bandwidth: float, device: str = "cuda") -> list[dict[str, Any]]:
-    """The gated-delta decode step against `reference.gated_delta_step` (a gather, five passes, a scatter) at decode
-    batches; bytes: each request's state read and written once."""
+def _state_steps(bandwidth: float, device: str = "cuda", gated_delta: tuple[int, int, int] = GATED_DELTA_HEADS,
+                 ssd: tuple[int, int, int] = SSD_HEADS) -> list[dict[str, Any]]:
+    """The hybrids' decode steps (gated delta rule, Mamba2 scan) against their torch references (a gather, several
+    passes, a scatter) at 1, 32 and 128 requests; bytes: each request's state read and written once."""
     from asyncllm.kernels import reference
     from asyncllm.kernels.gated_delta import gated_delta_step
+    from asyncllm.kernels.ssd_step import ssd_decode_step
 
-    hv, dk, dv = heads
     gen, rows_out = torch.Generator(device=device).manual_seed(0), []
-    for n in (1, 32, 128):
-        states = torch.randn(2 * n, hv, dk, dv, device=device, generator=gen)
-        rows = torch.randperm(2 * n, device=device, generator=gen)[:n]
-        q, k = (torch.nn.functional.normalize(torch.randn(n, hv, dk, device=device, generator=gen), dim=-1)
-                for _ in range(2))
-        v = torch.randn(n, hv, dv, device=device, generator=gen)
-        g, beta = -torch.rand(n, hv, device=device, generator=gen), torch.rand(n, hv, device=device, generator=gen)
-        nbytes = 2 * n * hv * dk * dv * 4
-        rows_out.append(_row("gated_delta_step vs torch", f"{n}x{hv}x{dk}x{dv}", nbytes,
-                             _bench(lambda: gated_delta_step(states, rows, q, k, v, g, beta)),
-                             _bench(lambda: reference.gated_delta_step(states, rows, q, k, v, g, beta)), bandwidth))
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, generator=gen)
+
+    for name, (h, d1, d2), kernel, torch_path in (("gated_delta_step", gated_delta, gated_delta_step,
+                                                   reference.gated_delta_step),
+                                                  ("ssd_decode_step", ssd, ssd_decode_step, reference.ssd_decode_step)):
+        for n in (1, 32, 128):
+            states, rows = rand(2 * n, h, d1, d2), torch.randperm(2 * n, device=device, generator=gen)[:n]
+            if kernel is gated_delta_step:  # q, k [n, h, d1], v [n, h, d2], g, beta [n, h]
+                args = (torch.nn.functional.normalize(rand(n, h, d1), dim=-1),
+                        torch.nn.functional.normalize(rand(n, h, d1), dim=-1), rand(n, h, d2), -rand(n, h).abs(),
+                        rand(n, h).sigmoid())
+            else:  # x [n, h, d1], b, c [n, h, d2], dt [n, h], a [h]
+                args = (rand(n, h, d1), rand(n, h, d2), rand(n, h, d2), rand(n, h).sigmoid(), -rand(h).abs())
+            rows_out.append(_row(f"{name} vs torch", f"{n}x{h}x{d1}x{d2}", 2 * n * h * d1 * d2 * 4,
+                                 _bench(lambda: kernel(states, rows, *args)),
+                                 _bench(lambda: torch_path(states, rows, *args)), bandwidth))
     return rows_out
 
 
@@ -328,9 +338,9 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
     results["moe"] = _fused_moe(MOE_SHAPE, dtype, bandwidth)
     _print_rows(f"asyncllm bench kernels | Qwen3-30B-A3B experts | {args.dtype} | {results['meta']['device']}",
                 results["moe"])
-    results["gated_delta"] = _gated_delta(GATED_DELTA_HEADS, bandwidth)
-    _print_rows(f"asyncllm bench kernels | Qwen3.5-27B Gated DeltaNet decode | float32 | {results['meta']['device']}",
-                results["gated_delta"])
+    results["state_steps"] = _state_steps(bandwidth)
+    _print_rows(f"asyncllm bench kernels | hybrid decode steps (Qwen3.5-27B, granite-4.0-h-small) | float32 | "
+                f"{results['meta']['device']}", results["state_steps"])
     if args.output_json:
         report.write_json(args.output_json, results)
     return results

@@ -25,8 +25,8 @@ class BambaLayer(HybridLayer):
     def __init__(self, b: HybridBuild, layer_idx: int) -> None:
         cfg = b.hf_config
         norm = lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)  # noqa: E731
-        super().__init__(b, layer_idx, norm, lambda: Mamba2Mixer(granite_mamba(cfg), b.dtype, b.state_rows),
-                         lambda: LlamaAttention(b, layer_idx))
+        mixer = lambda: Mamba2Mixer(granite_mamba(cfg), b.dtype, b.state_rows, b.attn_backend.ops)  # noqa: E731
+        super().__init__(b, layer_idx, norm, mixer, lambda: LlamaAttention(b, layer_idx))
 
 
 class BambaModel(HybridModel):

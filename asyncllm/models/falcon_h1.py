@@ -53,7 +53,7 @@ class FalconH1Layer(nn.Module):
         super().__init__()
         cfg = b.hf_config
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
-        self.mamba = Mamba2Mixer(falcon_mamba(cfg), b.dtype, b.state_rows)
+        self.mamba = Mamba2Mixer(falcon_mamba(cfg), b.dtype, b.state_rows, b.attn_backend.ops)
         self.self_attn = LlamaAttention(b, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.mlp = b.make_mlp(b, layer_idx)

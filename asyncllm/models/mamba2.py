@@ -7,7 +7,8 @@ after the causal convolution (SiLU), each head ``h`` with ``dt = softplus(dt + d
 state ``S <- exp(dt A) S + dt x B^T`` and outputs ``y = S C + D x`` (B and C shared by the heads of a group). ``y *
 silu(z)`` is RMS-normed per group, then ``out_proj``. A prefill chunk runs the scan in blocks of 64 tokens
 (`ssd_chunk`: the quadratic form within a block, the state carried across), a decode step for every request at once
-(`ssd_step`); both equal the token-by-token recurrence and transformers' float32 results
+(`ssd_step`; on the requests' state rows in place, `ModelOps.ssd_decode_step`: torch, or kernels/ssd_step.py with the
+triton backend); both equal the token-by-token recurrence and transformers' float32 results
 (tests/unit/test_mamba2.py).
 """
 
@@ -23,6 +24,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
+from asyncllm.models.ops import REFERENCE_OPS, ModelOps
 from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, causal_conv, conv_step
 
 __all__ = ["Mamba2Mixer", "Mamba2Shape", "granite_mamba", "ssd_chunk", "ssd_step"]
@@ -123,7 +125,7 @@ def granite_mamba(cfg: Any) -> Mamba2Shape:
 class Mamba2Mixer(nn.Module):
     """A Mamba2 layer; every tensor-parallel rank computes it whole (its projections are not split)."""
 
-    def __init__(self, shape: Mamba2Shape, dtype: torch.dtype, rows: StateRows) -> None:
+    def __init__(self, shape: Mamba2Shape, dtype: torch.dtype, rows: StateRows, ops: ModelOps = REFERENCE_OPS) -> None:
         super().__init__()
         self.num_heads, self.head_dim = shape.heads, shape.head_dim
         self.groups, self.state_size = shape.groups, shape.state
@@ -140,6 +142,8 @@ class Mamba2Mixer(nn.Module):
         out_bias = bias if shape.out_bias is None else shape.out_bias
         self.out_proj = ColumnParallelLinear(self.inner, shape.hidden, out_bias, whole, dtype)
         self.dt_limit = shape.dt_limit
+        self.ssd_decode_step = ops.ssd_decode_step
+        """The decode step over the requests' state rows (torch, or the Triton kernel with the triton backend)."""
         self.states = RowStates(rows, {
             "conv": ((conv_dim, shape.conv_kernel - 1), dtype),
             "ssm": ((self.num_heads, self.head_dim, self.state_size), torch.float32),
@@ -155,9 +159,8 @@ class Mamba2Mixer(nn.Module):
         if step.decode_only:
             n, rows = len(step.rows), step.rows
             x, b, c = self._split(conv_step(xbc[:n], self.states["conv"], rows, self.conv1d))
-            state = self.states["ssm"][rows]
-            y[:n] = ssd_step(state, x, b, c, dt[:n].float(), a) + x * self.D.float()[:, None]
-            self.states["ssm"][rows] = state
+            y[:n] = self.ssd_decode_step(self.states["ssm"], rows, x, b, c, dt[:n].float(), a) \
+                + x * self.D.float()[:, None]
             self.states.save_decoded(step)
         else:
             dt = dt.clamp(*self.dt_limit).float()

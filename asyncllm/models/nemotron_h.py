@@ -84,7 +84,7 @@ class NemotronHLayer(nn.Module):
         self.uses_kv_cache = self.kind == "full_attention"
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         if self.is_linear:
-            self.mixer: nn.Module = Mamba2Mixer(nemotron_mamba(cfg), b.dtype, b.state_rows)
+            self.mixer: nn.Module = Mamba2Mixer(nemotron_mamba(cfg), b.dtype, b.state_rows, b.attn_backend.ops)
         elif self.uses_kv_cache:
             self.mixer = LlamaAttention(b, layer_idx)
         elif self.kind == "moe":

@@ -41,6 +41,8 @@ class ModelOps:
     gelu_tanh_and_mul: Callable[[torch.Tensor], torch.Tensor]
     gated_delta_step: Callable[..., torch.Tensor] = reference.gated_delta_step
     """``(states, rows, q, k, v, g, beta)``: the Gated DeltaNet's decode step on the requests' state rows."""
+    ssd_decode_step: Callable[..., torch.Tensor] = reference.ssd_decode_step
+    """``(states, rows, x, b, c, dt, a)``: Mamba2's decode step on the requests' state rows."""
 
 
 REFERENCE_OPS = ModelOps(

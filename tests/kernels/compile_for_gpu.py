@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from asyncllm.kernels import block_fp8, decode_linear, fused_moe, gated_delta, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul, w4a16  # noqa: E402,E501
+from asyncllm.kernels import block_fp8, decode_linear, fused_moe, gated_delta, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul, ssd_step, w4a16  # noqa: E402,E501
 
 
 def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int,
@@ -100,6 +100,10 @@ def cases(dtype: str):
     yield ("gated_delta step", gated_delta._gated_delta_step_kernel,
            dict(states_ptr=f32, rows_ptr="*i64", q_ptr=f32, k_ptr=f32, v_ptr=f32, g_ptr=f32, beta_ptr=f32,
                 out_ptr=f32), (), dict(BLOCK_K=128, BLOCK_V=32), 4)
+    # Granite 4.0 / Nemotron-H's Mamba2 decode step: head dim 64, state 128, 16 head-dim rows per program
+    yield ("ssd step", ssd_step._ssd_step_kernel,
+           dict(states_ptr=f32, rows_ptr="*i64", x_ptr=f32, b_ptr=f32, c_ptr=f32, dt_ptr=f32, a_ptr=f32, out_ptr=f32),
+           (), dict(BLOCK_P=16, BLOCK_S=128), 4)
 
 
 def fp8_cache_cases(p: str, decode: dict):

@@ -40,12 +40,14 @@ def test_the_launcher_rejects_bad_arguments() -> None:
 
 
 def test_the_micro_benchmark_times_kernel_and_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`asyncllm bench kernels`' gated-delta rows on a tiny shape (each call run once, not timed)."""
+    """`asyncllm bench kernels`' hybrid decode-step rows (gated delta, Mamba2) on tiny shapes (each call run once,
+    not timed)."""
     from asyncllm.bench import kernels as bench
 
     calls = []
     monkeypatch.setattr(bench, "_bench", lambda fn: calls.append(fn()) or 0.001)
-    rows = bench._gated_delta((2, 16, 8), 1e12, device=str(DEVICE))
-    assert [r["shape"] for r in rows] == ["1x2x16x8", "32x2x16x8", "128x2x16x8"] and len(calls) == 6
-    assert all(tuple(out.shape[1:]) == (2, 8) for out in calls)
-    assert bench.GATED_DELTA_HEADS == (48, 128, 128)
+    rows = bench._state_steps(1e12, device=str(DEVICE), gated_delta=(2, 16, 8), ssd=(3, 8, 16))
+    assert [r["shape"] for r in rows] == ["1x2x16x8", "32x2x16x8", "128x2x16x8", "1x3x8x16", "32x3x8x16",
+                                          "128x3x8x16"] and len(calls) == 12
+    assert [tuple(out.shape[1:]) for out in calls] == [(2, 8)] * 6 + [(3, 8)] * 6
+    assert (bench.GATED_DELTA_HEADS, bench.SSD_HEADS) == ((48, 128, 128), (128, 64, 128))

@@ -139,6 +139,19 @@ def test_triton_qwen3_5_logits_match_transformers() -> None:
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
+def test_triton_granite4_logits_match_transformers() -> None:
+    """Granite 4.0's Mamba2 layer decoding through the Triton SSD step (its prefill chunks in torch), its attention
+    and shared MLP and experts on the Triton kernels."""
+    from asyncllm.kernels.ssd_step import ssd_decode_step
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("granitemoehybrid")
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    assert model.model.layers[0].mamba.ssd_decode_step is ssd_decode_step
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
+
+
 def test_selector_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert get_attention_backend(None, cpu).name == "torch_sdpa"
