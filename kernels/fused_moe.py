@@ -291,7 +291,8 @@ def fused_moe(
     num_blocks = aligned.block_experts.shape[0]
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", FP8=fp8 is not None,
-                  GROUP_N=fp8.block[0] if fp8 else 1, UPCAST=not hidden.is_cuda, num_warps=cfg.num_warps,
+                  GROUP_N=fp8.block[0] if fp8 else 1, num_warps=cfg.num_warps,
+                  UPCAST=not hidden.is_cuda or (fp8 is not None and fp8.block[1] < 32),  # fp8 dots want K >= 32
                   num_stages=cfg.num_stages)
     a, a_s = per_token_group_quant_fp8(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
     w_s = fp8.w13_scale if fp8 else hidden  # never read without FP8 (nor a bias without HAS_BIAS)
