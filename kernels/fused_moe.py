@@ -24,9 +24,9 @@ SwiGLU of `reference.ClampedSwiglu` in place of SiLU-and-mul, rounded op by op a
 round). Nemotron 3's experts have no gate: ``GATED`` off, w13 holds only the up rows and the activation is
 ``relu(up) ** 2`` (rounded as torch rounds ``square``). Block-fp8 experts (``FP8``, `reference.Fp8Experts`): the
 hidden states and the activations are quantized per token in groups of the block's ``bk`` columns
-(`block_fp8.per_token_group_quant_fp8`), ``BLOCK_K`` is ``bk`` so each step of K is one scale group, and each fp8 tile
-product (float32 accumulation; upcast to float32 under the interpreter) is scaled by its rows' group scales and its
-columns' block scales before it is added. Off, the kernels compile as before.
+(`block_fp8.per_token_group_quant_fp8`), ``BLOCK_K`` is ``bk`` so each step of K is one scale group, and each fp8
+tile product (float32 accumulation; upcast to float32 under the interpreter, or for scale groups under 32 columns)
+is scaled by its rows' group scales and its columns' block scales before it is added. Off, the kernels compile as before.
 
 Blocks past the padded total return at once (they read the total from the device). Products
 accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
