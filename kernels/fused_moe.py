@@ -26,7 +26,8 @@ round). Nemotron 3's experts have no gate: ``GATED`` off, w13 holds only the up 
 hidden states and the activations are quantized per token in groups of the block's ``bk`` columns
 (`block_fp8.per_token_group_quant_fp8`), ``BLOCK_K`` is ``bk`` so each step of K is one scale group, and each fp8
 tile product (float32 accumulation; upcast to float32 under the interpreter, or for scale groups under 32 columns)
-is scaled by its rows' group scales and its columns' block scales before it is added. Off, the kernels compile as before.
+is scaled by its rows' group scales and its columns' block scales before it is added. Off, the kernels compile as
+before.
 
 Blocks past the padded total return at once (they read the total from the device). Products
 accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
