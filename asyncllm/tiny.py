@@ -38,7 +38,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
-              "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba")
+              "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -70,6 +70,13 @@ _DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
     "glm4_moe_lite": dict({k: v for k, v in _DEEPSEEK_LATENT.items() if k != "first_k_dense_replace"},
                           q_lora_rank=24, v_head_dim=24, routed_scaling_factor=1.8, norm_topk_prob=True,
                           mlp_layer_types=["dense", "sparse"]),
+    # Mistral 4: V3's latent attention with a query temperature past 16 positions, softmax grouped routing
+    "mistral4": dict(_DEEPSEEK_LATENT, q_lora_rank=24, v_head_dim=24, routed_scaling_factor=1.5, norm_topk_prob=True,
+                     moe_intermediate_size=24,  # its experts are saved fused: not square
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.2,
+                                      "partial_rotary_factor": 8 / 24}),
     "deepseek_v3": dict(_DEEPSEEK_LATENT, q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True,
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 512, "mscale": 1.0, "mscale_all_dim": 1.0,
@@ -448,6 +455,7 @@ def _build_config(
         "dots1": transformers.Dots1Config, "llama4": transformers.Llama4TextConfig,
         "glm4_moe_lite": transformers.Glm4MoeLiteConfig, "falcon_h1": transformers.FalconH1Config,
         "apertus": transformers.ApertusConfig, "jamba": transformers.JambaConfig,
+        "mistral4": transformers.Mistral4Config,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -488,8 +496,13 @@ def _build_model(config: Any, seed: int) -> Any:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
+    import transformers
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if type(config).__name__ == "Mistral4Config":  # not registered with AutoModelForCausalLM (its releases are
+        model = transformers.Mistral4ForCausalLM(config).to(torch.float32)  # Mistral 3 image-text checkpoints)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim == 1 or name.endswith(("_proj_bias", "e_score_correction_bias")):

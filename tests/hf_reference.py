@@ -13,8 +13,21 @@ def _hf_model(path: str):
     if path.endswith(".gguf"):  # a GGUF file: transformers dequantizes it
         folder, name = os.path.split(path)
         return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model.eval()
+    return _causal_lm(path).eval()
+
+
+def _causal_lm(path: str):
+    """transformers' causal LM of the checkpoint: the Auto class's, or (Mistral 4, which it does not register)
+    the class its config.json names."""
+    import json
+
+    import torch
+    import transformers
+
+    with open(os.path.join(path, "config.json")) as f:
+        arch = (json.load(f).get("architectures") or [""])[0]
+    cls = getattr(transformers, arch) if arch == "Mistral4ForCausalLM" else transformers.AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype=torch.float32)
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
@@ -42,9 +55,8 @@ def hf_state_dict(path: str) -> dict:
 def hf_greedy_with(path: str, replaced: dict, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """`hf_greedy` for the checkpoint at `path` with the weights in `replaced` (name -> tensor) swapped in."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = _causal_lm(path).eval()
     with torch.no_grad():
         for name, tensor in replaced.items():
             model.get_parameter(name).copy_(tensor)

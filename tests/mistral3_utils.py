@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
 def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0, decoder: str = "mistral") -> str:
     """Save a tiny random ``Mistral3ForConditionalGeneration`` with its tokenizer and Pixtral image processor (longest
     edge 112 pixels: at most 4 x 4 merged patches an image) in ``path``; ``decoder`` "ministral3": Ministral 3's
-    (a YaRN rope, the attention temperature from position 16 on)."""
+    (a YaRN rope, the attention temperature from position 16 on); "mistral4": Mistral 4's."""
     from transformers import (
         AutoTokenizer,
         Mistral3Config,
@@ -46,7 +46,20 @@ def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0, decoder: str
     shape = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
                  bos_token_id=0, eos_token_id=1, pad_token_id=2)
-    if decoder == "ministral3":
+    if decoder == "mistral4":  # Mistral 4: DeepSeek-V3's latent attention and experts, the temperature past 16
+        from transformers import Mistral4Config
+
+        text = Mistral4Config(**{k: v for k, v in shape.items() if k not in ("intermediate_size", "head_dim",
+                                                                            "num_key_value_heads")},
+                              intermediate_size=128, kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16,
+                              qk_rope_head_dim=8, v_head_dim=24, moe_intermediate_size=24, n_routed_experts=4,
+                              n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                              first_k_dense_replace=1, num_key_value_heads=4, rope_parameters={
+                                  "rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.2,
+                                  "partial_rotary_factor": 8 / 24})
+    elif decoder == "ministral3":
         from transformers import Ministral3Config
 
         text = Ministral3Config(**shape, rope_parameters={

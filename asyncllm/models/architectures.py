@@ -24,7 +24,7 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "CohereForCausalLM",
                       "Cohere2ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM", "GraniteMoeForCausalLM",
                       "OlmoeForCausalLM", "Starcoder2ForCausalLM", "HunYuanDenseV1ForCausalLM", "GptOssForCausalLM",
-                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
+                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
                       "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM",
                       "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
                       "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM",
@@ -45,7 +45,8 @@ PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
 """Phi-3, Phi-3.5, Phi-4, Phi-4-mini (asyncllm/models/phi3.py): fused checkpoints and adapters (docs/phi3.md)."""
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
                      "Qwen3VLMoeForConditionalGeneration", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
-                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Glm4MoeForCausalLM",
+                     "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
+                     "Glm4MoeForCausalLM",
                      "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM",
                      "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM", "Ernie4_5_MoeForCausalLM",
                      "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",

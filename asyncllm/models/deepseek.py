@@ -36,11 +36,12 @@ from asyncllm.errors import NotBuiltError
 from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
+from asyncllm.models.ministral3 import attention_temperature
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
 from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
 
 __all__ = ["DeepseekExperts", "DeepseekMoE", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM",
-           "check_routing", "kv_head_dim"]
+           "Mistral4ForCausalLM", "check_routing", "kv_head_dim"]
 
 _LATENT_NORM_EPS = 1e-6
 """transformers' q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not ``rms_norm_eps``."""
@@ -96,6 +97,10 @@ class DeepseekAttention(nn.Module):
         self.rotary_emb = b.rotary_emb
         self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, b.attn_backend,
                               scale=attention_scale(cfg))
+        params = rope_parameters(cfg)
+        self.beta = float(params.get("llama_4_scaling_beta") or 0.0)
+        """Mistral 4's query temperature by position (Ministral 3's, asyncllm/models/ministral3.py); 0: none."""
+        self.original = int(params.get("original_max_position_embeddings") or 0)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -109,6 +114,8 @@ class DeepseekAttention(nn.Module):
         if self.interleaved:
             q_rot, k_rot = pairs_to_halves(q_rot), pairs_to_halves(k_rot)
         query = torch.cat([q_rot, q_nope], dim=-1)
+        if self.beta:  # a per-position scalar: it commutes with the rotation the backend applies
+            query = query * attention_temperature(positions, self.beta, self.original).to(query.dtype)
         key = torch.cat([k_rot.unsqueeze(1).expand(tokens, heads, self.rope), k_nope], dim=-1)
         value = F.pad(value, (0, self.head_dim - self.v_dim))
         rotary = RotaryInputs(positions, self.rotary_emb.cos_sin_cache)
@@ -121,10 +128,11 @@ class DeepseekRouter(nn.Module):
 
     def __init__(self, hf_config: Any, spec: MoESpec) -> None:
         super().__init__()
-        self.v3 = hf_config.model_type != "deepseek_v2"
+        mistral4 = hf_config.model_type == "mistral4"
+        self.v3 = hf_config.model_type != "deepseek_v2" and not mistral4
         self.top_k, self.num_experts = spec.top_k, spec.num_experts
         self.groups, self.topk_group = int(hf_config.n_group or 1), int(hf_config.topk_group or 1)
-        self.method = "noaux_tc" if self.v3 else hf_config.topk_method
+        self.method = "mistral4" if mistral4 else "noaux_tc" if self.v3 else hf_config.topk_method
         self.renormalize = spec.renormalize
         self.scaling = float(hf_config.routed_scaling_factor)
         self.weight = new_param(spec.num_experts, hf_config.hidden_size, dtype=torch.float32)
@@ -143,9 +151,13 @@ class DeepseekRouter(nn.Module):
             scores = logits.softmax(dim=-1)
             if self.method == "group_limited_greedy":
                 ids = self._top_k(scores, lambda g: g.max(dim=-1).values, 0.0)
+            elif self.method == "mistral4":  # groups ranked by their two best scores, as V3 (no correction)
+                ids = self._top_k(scores, lambda g: g.topk(2, dim=-1)[0].sum(-1), 0.0)
             else:
                 ids = scores.topk(self.top_k, dim=-1, sorted=False)[1]
             weights = scores.gather(1, ids)
+            if self.method == "mistral4" and self.renormalize:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, ids
 
     def _top_k(self, scores: torch.Tensor, group_score: Any, fill: float) -> torch.Tensor:
@@ -232,6 +244,22 @@ class DeepseekV2ForCausalLM(DeepseekExperts, LlamaForCausalLM):
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
     """DeepSeek-V3's: the same layers, sigmoid routing with a score correction."""
+
+
+class Mistral4ForCausalLM(DeepseekV3ForCausalLM):
+    """Mistral 4: V3's latent attention with Ministral 3's query temperature by position
+    (``llama_4_scaling_beta``), experts routed by softmax scores among the groups whose two best scores lead,
+    renormalized (``norm_topk_prob``), no score correction. Experts load per expert or fused (``mlp.experts.
+    gate_up_proj`` / ``down_proj``, as transformers saves them)."""
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        super().__init__(hf_config, **kwargs)
+        self.expert_sizes = (int(hf_config.hidden_size), int(hf_config.moe_intermediate_size))
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        from asyncllm.models.qwen3_vl_moe import split_fused_experts
+
+        return super().load_weights(split_fused_experts(weights, *self.expert_sizes))
 
 
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):

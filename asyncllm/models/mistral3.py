@@ -20,6 +20,7 @@ import torch
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
+from asyncllm.models.deepseek import Mistral4ForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import normalize_llava_name
@@ -33,8 +34,10 @@ IMAGE_BREAK, IMAGE_END = "[IMG_BREAK]", "[IMG_END]"
 
 _DECODERS: dict[str, type[LlamaForCausalLM]] = {
     "mistral": LlamaForCausalLM, "llama": LlamaForCausalLM, "ministral3": Ministral3ForCausalLM,
+    "mistral4": Mistral4ForCausalLM,
 }
-"""The decoders under the tower: Mistral Small 3.1 / 3.2's (Mistral), Ministral 3's (its attention temperature)."""
+"""The decoders under the tower: Mistral Small 3.1 / 3.2's (Mistral), Ministral 3's (its attention temperature),
+Mistral 4's (DeepSeek-V3's latent attention and experts, asyncllm/models/deepseek.py)."""
 
 
 def _grid(hf_config: Any, pixel_shape: tuple[int, ...]) -> tuple[int, int]:

@@ -43,7 +43,12 @@ from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
 from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
-from asyncllm.models.deepseek import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, Glm4MoeLiteForCausalLM
+from asyncllm.models.deepseek import (
+    DeepseekV2ForCausalLM,
+    DeepseekV3ForCausalLM,
+    Glm4MoeLiteForCausalLM,
+    Mistral4ForCausalLM,
+)
 from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.dots1 import Dots1ForCausalLM
 from asyncllm.models.llama4 import Llama4ForCausalLM, Llama4TextOnly
@@ -153,6 +158,7 @@ _MODELS: dict[str, type] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
+    "Mistral4ForCausalLM": Mistral4ForCausalLM,
     "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
     "Dots1ForCausalLM": Dots1ForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,

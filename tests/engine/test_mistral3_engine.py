@@ -45,9 +45,11 @@ async def test_images_of_two_sizes_beside_text_and_from_the_prefix_cache_match_t
     assert stream.collector.prompt_token_ids == chat_prompt and chat_tokens == expected
 
 
-async def test_ministral3_under_the_tower_matches_transformers(tmp_path_factory):
-    """Ministral 3's decoder (YaRN, the attention temperature past position 16) under the tower."""
-    ministral3 = make_tiny_mistral3(tmp_path_factory.mktemp("ministral3"), decoder="ministral3")
+@pytest.mark.parametrize("decoder", ["ministral3", "mistral4"])
+async def test_ministral3_under_the_tower_matches_transformers(tmp_path_factory, decoder):
+    """Ministral 3's decoder (YaRN, the attention temperature past position 16) under the tower; Mistral 4's (the
+    latent attention and experts with the same temperature)."""
+    ministral3 = make_tiny_mistral3(tmp_path_factory.mktemp(decoder), decoder=decoder)
     images = [make_image(112, 112, seed=3), make_image(30, 40, seed=4)]
     texts = [f"{IMAGE} one", f"and {IMAGE} two"]
     async with AsyncEngine(ministral3, disable_log_stats=True, block_size=4, max_num_batched_tokens=16,

@@ -16,6 +16,7 @@ from asyncllm.models.deepseek import (
     DeepseekV2ForCausalLM,
     DeepseekV3ForCausalLM,
     Glm4MoeLiteForCausalLM,
+    Mistral4ForCausalLM,
     pairs_to_halves,
 )
 from asyncllm.models.loader import load_hf_config, load_model
@@ -33,7 +34,8 @@ def _model(arch: str, **fields) -> torch.nn.Module:
 
 @pytest.mark.parametrize(("arch", "cls"), [("deepseek_v2", DeepseekV2ForCausalLM),
                                            ("deepseek_v3", DeepseekV3ForCausalLM),
-                                           ("glm4_moe_lite", Glm4MoeLiteForCausalLM)])
+                                           ("glm4_moe_lite", Glm4MoeLiteForCausalLM),
+                                           ("mistral4", Mistral4ForCausalLM)])
 def test_logits_match_transformers(arch: str, cls: type) -> None:
     """GLM-4.7-Flash (glm4_moe_lite): V3's layers, its dense layer by ``mlp_layer_types``, values as wide as keys."""
     model = _model(arch)
@@ -59,6 +61,20 @@ def test_each_deepseek_detail_matters(change: str) -> None:
         gate.renormalize = False
     with pytest.raises(AssertionError):
         assert_paged_logits_match_checkpoint(model, tiny_checkpoint("deepseek_v3"), SEQ_LENS, SCHEDULE, seed=11)
+
+
+@pytest.mark.parametrize("change", ["temperature", "renormalize"])
+def test_each_mistral4_detail_matters(change: str) -> None:
+    """Mistral 4's query temperature past ``original_max_position_embeddings`` and its renormalized softmax
+    routing: dropping either breaks the match."""
+    model = _model("mistral4")
+    for layer in model.model.layers:
+        if change == "temperature":
+            layer.self_attn.beta = 0.0
+        elif hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.renormalize = False
+    with pytest.raises(AssertionError):
+        assert_paged_logits_match_checkpoint(model, tiny_checkpoint("mistral4"), SEQ_LENS, SCHEDULE, seed=11)
 
 
 def test_pairs_to_halves() -> None:

@@ -20,8 +20,11 @@ MULTIBYTE = "héllo wörld ✓ 日本語 🙂"
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
 def test_each_arch_loads_with_transformers(arch: str) -> None:
+    import transformers
+
     path = tiny_checkpoint(arch)  # the cached build the other tests use (built here when first asked for)
-    model = AutoModelForCausalLM.from_pretrained(path)
+    auto = transformers.Mistral4ForCausalLM if arch == "mistral4" else AutoModelForCausalLM  # not an Auto class's
+    model = auto.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     assert model.config.model_type == {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
@@ -29,7 +32,7 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     assert model.config.vocab_size == len(tokenizer) == 512
     assert model.get_input_embeddings().weight.shape == (512, 64)
     assert model.config.num_hidden_layers == (4 if arch == "nemotron_h" else 2)  # Nemotron-H: 4 one-mixer layers
-    latent = arch.startswith("deepseek") or arch == "glm4_moe_lite"
+    latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4")
     assert model.config.num_key_value_heads == (4 if latent else 2)  # DeepSeek's latent attention: one per head
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4, 5]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2)
