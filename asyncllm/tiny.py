@@ -38,7 +38,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
-              "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4")
+              "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -118,6 +118,10 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
                       attention_in_multiplier=1.2, attention_out_multiplier=0.9,
                       ssm_multipliers=[1.1, 0.9, 1.3, 0.8, 1.2], ssm_in_multiplier=0.95, ssm_out_multiplier=1.05,
                       embedding_multiplier=2.0, lm_head_multiplier=0.5),
+    # Solar Open: GLM-4.5's experts in every layer (softmax-free grouped sigmoid routing, a shared expert), Llama
+    # attention
+    "solar_open": dict(moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                       n_group=2, topk_group=1, routed_scaling_factor=1.5),
     # Jamba: a Mamba (v1) layer with a dense MLP, then attention without positions with experts
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
@@ -455,7 +459,7 @@ def _build_config(
         "dots1": transformers.Dots1Config, "llama4": transformers.Llama4TextConfig,
         "glm4_moe_lite": transformers.Glm4MoeLiteConfig, "falcon_h1": transformers.FalconH1Config,
         "apertus": transformers.ApertusConfig, "jamba": transformers.JambaConfig,
-        "mistral4": transformers.Mistral4Config,
+        "mistral4": transformers.Mistral4Config, "solar_open": transformers.SolarOpenConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

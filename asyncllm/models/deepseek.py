@@ -204,7 +204,8 @@ class DeepseekExperts(MoECausalLM):
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
         kinds = getattr(hf_config, "mlp_layer_types", None)  # GLM-4.7-Flash's "dense" / "sparse" per layer
-        dense = kinds[layer_idx] == "dense" if kinds else layer_idx < hf_config.first_k_dense_replace
+        first_dense = getattr(hf_config, "first_k_dense_replace", 0) or 0  # Solar Open: none
+        dense = kinds[layer_idx] == "dense" if kinds else layer_idx < first_dense
         if dense or not hf_config.n_routed_experts:
             return None
         return MoESpec(hf_config.n_routed_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,

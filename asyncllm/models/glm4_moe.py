@@ -12,7 +12,7 @@ from typing import Any
 from asyncllm.models.deepseek import DeepseekExperts, check_routing
 from asyncllm.models.llama import DecoderFlags, LlamaForCausalLM
 
-__all__ = ["Glm4MoeForCausalLM"]
+__all__ = ["Glm4MoeForCausalLM", "SolarOpenForCausalLM"]
 
 
 class Glm4MoeForCausalLM(DeepseekExperts, LlamaForCausalLM):
@@ -26,3 +26,12 @@ class Glm4MoeForCausalLM(DeepseekExperts, LlamaForCausalLM):
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_routing(hf_config)
         super().__init__(hf_config, **kwargs)
+
+
+class SolarOpenForCausalLM(Glm4MoeForCausalLM):
+    """Upstage Solar Open (Solar-Open-100B): GLM-4.5's experts in every layer under Llama attention (no biases, no
+    q/k norms), the rotary as GLM-4.5's (its config's ``partial_rotary_factor``)."""
+
+    @classmethod
+    def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
+        return DecoderFlags()

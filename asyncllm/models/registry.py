@@ -61,6 +61,7 @@ from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
 from asyncllm.models.apertus import ApertusForCausalLM
 from asyncllm.models.falcon_h1 import FalconH1ForCausalLM
+from asyncllm.models.glm4_moe import SolarOpenForCausalLM
 from asyncllm.models.jamba import JambaForCausalLM
 from asyncllm.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from asyncllm.models.nemotron_h import NemotronHForCausalLM
@@ -172,6 +173,7 @@ _MODELS: dict[str, type] = {
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
+    "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,

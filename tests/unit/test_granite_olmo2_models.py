@@ -28,7 +28,7 @@ from asyncllm.models.ernie_seed_arcee import (
 from asyncllm.models.exaone4 import Exaone4ForCausalLM
 from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
 from asyncllm.models.apertus import ApertusForCausalLM
-from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
+from asyncllm.models.glm4_moe import Glm4MoeForCausalLM, SolarOpenForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeForCausalLM
 from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
@@ -53,7 +53,8 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "olmoe": OlmoeForCausalLM, "starcoder2": Starcoder2ForCausalLM,
                  "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
                  "minimax_m2": MiniMaxM2ForCausalLM, "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
-                 "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "dots1": Dots1ForCausalLM, "apertus": ApertusForCausalLM}
+                 "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "dots1": Dots1ForCausalLM, "apertus": ApertusForCausalLM,
+                 "solar_open": SolarOpenForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
