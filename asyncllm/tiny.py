@@ -38,7 +38,8 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "hunyuan_v1_dense", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen3_5",
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
-              "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open")
+              "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
+              "sarvam_moe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -122,6 +123,9 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
     # attention
     "solar_open": dict(moe_intermediate_size=24, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                        n_group=2, topk_group=1, routed_scaling_factor=1.5),
+    # Sarvam-30B: GLM-4.5's layers (biased fused q/k/v, q/k norms, a dense first layer), the whole head rotated,
+    # saved under Sarvam's names
+    "sarvam_moe": dict(_DEEPSEEK_EXPERTS, use_qk_norm=True),
     # Jamba: a Mamba (v1) layer with a dense MLP, then attention without positions with experts
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
@@ -460,6 +464,7 @@ def _build_config(
         "glm4_moe_lite": transformers.Glm4MoeLiteConfig, "falcon_h1": transformers.FalconH1Config,
         "apertus": transformers.ApertusConfig, "jamba": transformers.JambaConfig,
         "mistral4": transformers.Mistral4Config, "solar_open": transformers.SolarOpenConfig,
+        "sarvam_moe": transformers.SarvamMoEConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

@@ -30,7 +30,7 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM",
                       "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
                       "FalconH1ForCausalLM", "JambaForCausalLM", "ApertusForCausalLM", "SolarOpenForCausalLM",
-                      "Ernie4_5_MoeForCausalLM",
+                      "SarvamMoEForCausalLM", "Ernie4_5_MoeForCausalLM",
                       "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
                       "Llama4ForConditionalGeneration")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
@@ -52,7 +52,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM", "Ernie4_5_MoeForCausalLM",
                      "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
                      "Llama4ForConditionalGeneration", "NemotronHForCausalLM", "Lfm2MoeForCausalLM",
-                     "JambaForCausalLM", "SolarOpenForCausalLM")
+                     "JambaForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",

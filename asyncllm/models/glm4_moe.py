@@ -7,12 +7,16 @@ correction and shared experts (asyncllm/models/deepseek.py). The checkpoints' mu
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Iterable, Iterator
+
+import torch
 
 from asyncllm.models.deepseek import DeepseekExperts, check_routing
+from asyncllm.models.layers import LoadedWeight, head_dim_of
 from asyncllm.models.llama import DecoderFlags, LlamaForCausalLM
 
-__all__ = ["Glm4MoeForCausalLM", "SolarOpenForCausalLM"]
+__all__ = ["Glm4MoeForCausalLM", "SolarOpenForCausalLM", "sarvam_names"]
 
 
 class Glm4MoeForCausalLM(DeepseekExperts, LlamaForCausalLM):
@@ -26,6 +30,36 @@ class Glm4MoeForCausalLM(DeepseekExperts, LlamaForCausalLM):
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_routing(hf_config)
         super().__init__(hf_config, **kwargs)
+        head_dim = head_dim_of(hf_config)
+        self.qkv_rows = (hf_config.num_attention_heads * head_dim, hf_config.num_key_value_heads * head_dim)
+        self.sarvam = hf_config.model_type == "sarvam_moe"
+        """Sarvam-30B / 105B: GLM-4.5's layers under their own checkpoint names (`sarvam_names`)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights(sarvam_names(weights, *self.qkv_rows) if self.sarvam else weights)
+
+
+_SARVAM_NAMES = ((r"^model\.word_embeddings\.", "model.embed_tokens."), (r"\.attention\.", ".self_attn."),
+                 (r"\.self_attn\.dense\.", ".self_attn.o_proj."),
+                 (r"\.self_attn\.query_layernorm\.", ".self_attn.q_norm."),
+                 (r"\.self_attn\.key_layernorm\.", ".self_attn.k_norm."),
+                 (r"\.mlp\.gate\.expert_bias$", ".mlp.gate.e_score_correction_bias"))
+
+
+def sarvam_names(weights: Iterable[tuple[str, LoadedWeight]], q_rows: int,
+                 kv_rows: int) -> Iterator[tuple[str, LoadedWeight]]:
+    """Sarvam's checkpoint names as GLM-4.5's (transformers' own renaming), its fused ``query_key_value`` rows
+    ``[q | k | v]`` cut into the three projections."""
+    for name, weight in weights:
+        for pattern, new in _SARVAM_NAMES:
+            name = re.sub(pattern, new, name)
+        prefix, fused, leaf = name.rpartition(".self_attn.query_key_value.")
+        if not fused:
+            yield name, weight
+            continue
+        full = weight if isinstance(weight, torch.Tensor) else weight[...]
+        for part, rows in zip(("q_proj", "k_proj", "v_proj"), full.split([q_rows, kv_rows, kv_rows])):
+            yield f"{prefix}.self_attn.{part}.{leaf}", rows
 
 
 class SolarOpenForCausalLM(Glm4MoeForCausalLM):

@@ -174,6 +174,7 @@ _MODELS: dict[str, type] = {
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
+    "SarvamMoEForCausalLM": Glm4MoeForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,

@@ -54,7 +54,7 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
                  "minimax_m2": MiniMaxM2ForCausalLM, "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "dots1": Dots1ForCausalLM, "apertus": ApertusForCausalLM,
-                 "solar_open": SolarOpenForCausalLM}
+                 "solar_open": SolarOpenForCausalLM, "sarvam_moe": Glm4MoeForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
