@@ -39,7 +39,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
-              "sarvam_moe")
+              "sarvam_moe", "gemma")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -464,7 +464,7 @@ def _build_config(
         "glm4_moe_lite": transformers.Glm4MoeLiteConfig, "falcon_h1": transformers.FalconH1Config,
         "apertus": transformers.ApertusConfig, "jamba": transformers.JambaConfig,
         "mistral4": transformers.Mistral4Config, "solar_open": transformers.SolarOpenConfig,
-        "sarvam_moe": transformers.SarvamMoEConfig,
+        "sarvam_moe": transformers.SarvamMoEConfig, "gemma": transformers.GemmaConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

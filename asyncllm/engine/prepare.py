@@ -132,7 +132,7 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
 
 
 _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM",
-            "ArceeForCausalLM", "ApertusForCausalLM",
+            "ArceeForCausalLM", "ApertusForCausalLM", "GemmaForCausalLM",
             "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
             "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM",
             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",

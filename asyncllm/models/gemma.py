@@ -10,10 +10,14 @@ loading (asyncllm/models/llama.py) with Gemma's differences, each in transformer
 - ``final_logit_softcapping`` on the LM head's logits when set (``cap * tanh(logits / cap)``).
 
 gemma2.py caps the attention scores too (``attn_logit_softcapping``); gemma3.py adds per-head q/k norms.
+Gemma (1) (``Gemma1ForCausalLM``, transformers' ``GemmaForCausalLM``: gemma-2b / 7b, CodeGemma) is the same
+decoder with two norms per layer (before attention and before the MLP, Llama's places), full attention in every
+layer and the ``head_dim ** -0.5`` scale.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +35,8 @@ from asyncllm.models.llama import (
 )
 from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
 
-__all__ = ["GemmaBuild", "GemmaForCausalLM", "GemmaRMSNorm", "check_gemma", "rotary_by_layer_type"]
+__all__ = ["Gemma1ForCausalLM", "GemmaBuild", "GemmaForCausalLM", "GemmaRMSNorm", "check_gemma",
+           "rotary_by_layer_type"]
 
 
 @dataclass(frozen=True)
@@ -215,3 +220,43 @@ class GemmaForCausalLM(LlamaForCausalLM):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+
+class Gemma1DecoderLayer(nn.Module):
+    """Gemma (1)'s layer: Llama's two pre-norms (Gemma's RMSNorm), Gemma's attention and GeGLU MLP."""
+
+    def __init__(self, b: GemmaBuild, layer_idx: int) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
+        self.self_attn = GemmaAttention(b, layer_idx)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
+        self.mlp = GemmaMLP(b)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = (self.input_layernorm(hidden), hidden) if residual is None else \
+            self.input_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache, metadata),
+                                                         residual)
+        return self.mlp(hidden), residual
+
+
+class Gemma1Model(GemmaModel):
+    layer_cls = Gemma1DecoderLayer
+
+
+class Gemma1ForCausalLM(GemmaForCausalLM):
+    """Gemma (1): the Gemma decoder with Llama's two norms per layer, full attention, ``head_dim ** -0.5``."""
+
+    model_cls = Gemma1Model
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        config = copy.copy(hf_config)  # Gemma 2's names for what Gemma (1) leaves implicit
+        act = getattr(hf_config, "hidden_activation", None) or hf_config.hidden_act
+        config.hidden_activation = "gelu_pytorch_tanh" if act == "gelu" else act  # the releases' legacy "gelu"
+        config.query_pre_attn_scalar = head_dim_of(hf_config)
+        config.layer_types = ["full_attention"] * hf_config.num_hidden_layers
+        config.sliding_window = None
+        super().__init__(config, **kwargs)
+

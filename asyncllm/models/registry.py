@@ -15,6 +15,7 @@ from asyncllm.models.architectures import (
 )
 from asyncllm.models.bert import BertEmbeddingModel, BertForSequenceClassification
 from asyncllm.models.classifier import sequence_classifier
+from asyncllm.models.gemma import Gemma1ForCausalLM
 from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
 from asyncllm.models.gemma3_mm import Gemma3ForConditionalGeneration
@@ -126,6 +127,7 @@ _MODELS: dict[str, type] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "GemmaForCausalLM": Gemma1ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # limit_mm_per_prompt image 0: Gemma3TextOnly

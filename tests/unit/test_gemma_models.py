@@ -1,4 +1,4 @@
-"""Gemma 2 and Gemma 3 (asyncllm/models/gemma.py) against transformers' forward, over a paged KV cache.
+"""Gemma (1), Gemma 2 and Gemma 3 (asyncllm/models/gemma.py) against transformers' forward, over a paged KV cache.
 
 The tiny checkpoints (asyncllm.tiny) have a sliding window of 8 tokens on alternate layers, an attention
 scale that is not ``head_dim ** -0.5``, Gemma 2's attention and final-logit caps, Gemma 3's two ropes;
@@ -14,6 +14,7 @@ from model_utils import PagedRun, assert_paged_logits_match_checkpoint, randomiz
 from model_utils import hf_logits as model_hf_logits
 
 from asyncllm.config import EngineConfig
+from asyncllm.models.gemma import Gemma1ForCausalLM
 from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
 from asyncllm.models.loader import load_hf_config, load_model
@@ -37,6 +38,17 @@ def gemma(request):
 def test_logits_match_transformers(gemma):
     family, path, hf_config, model = gemma
     assert type(model) is CLASSES[family]
+    assert_paged_logits_match_checkpoint(model, path, SEQ_LENS, CHUNKED, seed=5, atol=ATOL)
+
+
+def test_gemma1_logits_match_transformers():
+    """Gemma (1): two norms per layer, full attention, ``head_dim ** -0.5``, the scaled embeddings."""
+    path = tiny_checkpoint("gemma")
+    model = load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
+    assert type(model) is Gemma1ForCausalLM
+    assert float(model.model.embed_tokens.embed_scale) == pytest.approx(64**0.5)
+    assert all(layer.self_attn.attn.scale == 16**-0.5 and layer.self_attn.attn.sliding_window is None
+               for layer in model.model.layers)
     assert_paged_logits_match_checkpoint(model, path, SEQ_LENS, CHUNKED, seed=5, atol=ATOL)
 
 
