@@ -13,7 +13,8 @@ row (asyncllm/models/row_states.py). Each token then:
 - norms each head's output (RMSNorm, weight as stored) times ``silu(z)``, then ``out_proj``.
 
 A prefill chunk runs the rule in blocks of 64 tokens (`chunked_delta_rule`: the standard WY form, one triangular
-solve a block), a decode step for every request at once (`recurrent_step`); both equal the token-by-token
+solve a block), a decode step for every request at once on their state rows in place (`ModelOps.gated_delta_step`:
+torch, or kernels/gated_delta.py with the triton backend); both equal the token-by-token
 recurrence (tests/unit/test_gated_deltanet.py) and transformers' float32 results. The prefix cache, swap
 preemption, speculative decoding and CUDA graphs do not apply to these states (docs/hybrid-models.md).
 """
@@ -32,7 +33,7 @@ from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.ops import REFERENCE_OPS, ModelOps
 from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, StepRows, causal_conv, conv_step
 
-__all__ = ["GatedDeltaNet", "chunked_delta_rule", "prepare_qk", "recurrent_step"]
+__all__ = ["GatedDeltaNet", "chunked_delta_rule", "prepare_qk"]
 
 _BLOCK = 64
 """Tokens per block of `chunked_delta_rule`."""
@@ -48,16 +49,6 @@ def prepare_qk(q: torch.Tensor, k: torch.Tensor, num_v_heads: int) -> tuple[torc
     repeat = num_v_heads // q.shape[1]
     q, k = (_l2norm(t.float()).repeat_interleave(repeat, dim=1) for t in (q, k))
     return q * q.shape[-1] ** -0.5, k
-
-
-def recurrent_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                   beta: torch.Tensor) -> torch.Tensor:
-    """One token of each of N requests: ``state [N, Hv, Dk, Dv]`` (updated in place), ``q, k [N, Hv, Dk]`` (from
-    `prepare_qk`), ``v [N, Hv, Dv]``, ``g, beta [N, Hv]`` float32 -> output ``[N, Hv, Dv]``."""
-    state.mul_(g.exp()[..., None, None])
-    predicted = torch.einsum("nhkv,nhk->nhv", state, k)
-    state.add_(k.unsqueeze(-1) * ((v - predicted) * beta.unsqueeze(-1)).unsqueeze(-2))
-    return torch.einsum("nhkv,nhk->nhv", state, q)
 
 
 def chunked_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,

@@ -7,7 +7,7 @@ after the causal convolution (SiLU), each head ``h`` with ``dt = softplus(dt + d
 state ``S <- exp(dt A) S + dt x B^T`` and outputs ``y = S C + D x`` (B and C shared by the heads of a group). ``y *
 silu(z)`` is RMS-normed per group, then ``out_proj``. A prefill chunk runs the scan in blocks of 64 tokens
 (`ssd_chunk`: the quadratic form within a block, the state carried across), a decode step for every request at once
-(`ssd_step`; on the requests' state rows in place, `ModelOps.ssd_decode_step`: torch, or kernels/ssd_step.py with the
+on the requests' state rows in place (`ModelOps.ssd_decode_step`: torch, or kernels/ssd_step.py with the
 triton backend); both equal the token-by-token recurrence and transformers' float32 results
 (tests/unit/test_mamba2.py).
 """
@@ -27,17 +27,9 @@ from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.ops import REFERENCE_OPS, ModelOps
 from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, causal_conv, conv_step
 
-__all__ = ["Mamba2Mixer", "Mamba2Shape", "granite_mamba", "ssd_chunk", "ssd_step"]
+__all__ = ["Mamba2Mixer", "Mamba2Shape", "granite_mamba", "ssd_chunk"]
 
 _BLOCK = 64
-
-
-def ssd_step(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,
-             a: torch.Tensor) -> torch.Tensor:
-    """One token of each of N requests, float32: ``state [N, H, P, S]`` (updated in place), ``x [N, H, P]``,
-    ``b, c [N, H, S]``, ``dt [N, H]``, ``a [H]`` -> ``S c`` ``[N, H, P]`` (without ``D x``)."""
-    state.mul_((dt * a).exp()[..., None, None]).add_((dt[..., None] * x).unsqueeze(-1) * b.unsqueeze(-2))
-    return torch.einsum("nhps,nhs->nhp", state, c)
 
 
 def ssd_chunk(state: torch.Tensor, x: torch.Tensor, b: torch.Tensor, c: torch.Tensor, dt: torch.Tensor,

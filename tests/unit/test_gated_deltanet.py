@@ -11,7 +11,8 @@ import torch
 from model_utils import PagedRun, assert_paged_logits_match_checkpoint
 
 from asyncllm.config import EngineConfig
-from asyncllm.models.gated_deltanet import chunked_delta_rule, prepare_qk, recurrent_step
+from asyncllm.kernels import reference
+from asyncllm.models.gated_deltanet import chunked_delta_rule, prepare_qk
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM
 from asyncllm.models.registry import kv_cache_spec
@@ -50,13 +51,16 @@ def test_blocked_rule_equals_the_recurrence(tokens: int) -> None:
 
 
 def test_batched_decode_step_equals_the_recurrence() -> None:
-    q, k, v, g, beta = _inputs(3, seed=1)  # three requests, one token each
-    states = torch.randn(3, 4, 16, 8, generator=torch.Generator().manual_seed(2))
-    expected = [_token_by_token(states[n].clone(), q[n:n + 1], k[n:n + 1], v[n:n + 1], g[n:n + 1], beta[n:n + 1])
-                for n in range(3)]
-    out = recurrent_step(states, q, k, v, g, beta)
+    q, k, v, g, beta = _inputs(3, seed=1)  # three requests, one token each, their states at rows apart
+    states = torch.randn(5, 4, 16, 8, generator=torch.Generator().manual_seed(2))
+    rows = torch.tensor([3, 0, 2])
+    expected = [_token_by_token(states[r].clone(), q[n:n + 1], k[n:n + 1], v[n:n + 1], g[n:n + 1], beta[n:n + 1])
+                for n, r in enumerate(rows.tolist())]
+    untouched = states[1].clone()
+    out = reference.gated_delta_step(states, rows, q, k, v, g, beta)
     torch.testing.assert_close(out, torch.cat([e[0] for e in expected]), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(states, torch.stack([e[1] for e in expected]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[rows], torch.stack([e[1] for e in expected]), atol=1e-5, rtol=1e-5)
+    assert torch.equal(states[1], untouched)
 
 
 def test_causal_conv_continues_across_chunks() -> None:

@@ -12,9 +12,10 @@ from hf_reference import hf_logits
 from model_utils import PagedRun, free_port, tp_worker
 
 from asyncllm.config import EngineConfig
+from asyncllm.kernels import reference
 from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
 from asyncllm.models.loader import load_hf_config, load_model
-from asyncllm.models.mamba2 import ssd_chunk, ssd_step
+from asyncllm.models.mamba2 import ssd_chunk
 from asyncllm.models.registry import kv_cache_spec
 from asyncllm.tiny import tiny_checkpoint
 
@@ -50,13 +51,16 @@ def test_blocked_scan_equals_the_recurrence(tokens: int) -> None:
 
 
 def test_batched_step_equals_the_recurrence() -> None:
-    x, b, c, dt, a = _inputs(3, seed=2)  # three requests, one token each
-    states = torch.randn(3, 4, 6, 5, generator=torch.Generator().manual_seed(3))
-    expected = [_token_by_token(states[n].clone(), x[n:n + 1], b[n:n + 1], c[n:n + 1], dt[n:n + 1], a)
-                for n in range(3)]
-    out = ssd_step(states, x, b, c, dt, a)
+    x, b, c, dt, a = _inputs(3, seed=2)  # three requests, one token each, their states at rows apart
+    states = torch.randn(5, 4, 6, 5, generator=torch.Generator().manual_seed(3))
+    rows = torch.tensor([4, 1, 2])
+    expected = [_token_by_token(states[r].clone(), x[n:n + 1], b[n:n + 1], c[n:n + 1], dt[n:n + 1], a)
+                for n, r in enumerate(rows.tolist())]
+    untouched = states[0].clone()
+    out = reference.ssd_decode_step(states, rows, x, b, c, dt, a)
     torch.testing.assert_close(out, torch.cat([e[0] for e in expected]), atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(states, torch.stack([e[1] for e in expected]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states[rows], torch.stack([e[1] for e in expected]), atol=1e-5, rtol=1e-5)
+    assert torch.equal(states[0], untouched)
 
 
 def _assert_logits(path: str, all_logits: list[torch.Tensor], sequences: list[list[int]]) -> None:
