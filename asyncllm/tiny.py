@@ -39,7 +39,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
-              "sarvam_moe", "gemma")
+              "sarvam_moe", "gemma", "gemma4", "gemma4_moe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -91,6 +91,9 @@ _DEEPSEEK_EXPERTS = dict(moe_intermediate_size=32, n_routed_experts=8, n_shared_
                          routed_scaling_factor=2.5, attention_bias=True)
 _QWEN3_5_LINEAR = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                        linear_value_head_dim=8, linear_conv_kernel_dim=4, full_attention_interval=2)
+_GEMMA4_ATTENTION: dict[str, Any] = dict(sliding_window=8, global_head_dim=32, num_global_key_value_heads=1,
+                                         attention_k_eq_v=True)
+
 _LAYER_SHAPES: dict[str, dict[str, Any]] = {
     # GLM-4.5: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing
     "glm4_moe": dict(_DEEPSEEK_EXPERTS, use_qk_norm=True),
@@ -135,6 +138,16 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
                      moe_intermediate_size=24, routed_scaling_factor=1.5),
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
                  block_ffn_dim_multiplier=1.0),
+    # Gemma 4 (E2B/E4B-style): sliding layers of 4 heads x 16 over 2 KV heads, global ones with one 32-wide KV head
+    # whose values are their keys, rotated by the proportional rope; the last two layers share the first two's KV
+    # caches and have double-wide MLPs; per-layer inputs; capped logits
+    "gemma4": dict(_GEMMA4_ATTENTION, num_hidden_layers=4, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                   hidden_size_per_layer_input=8, final_logit_softcapping=30.0,
+                   layer_types=["sliding_attention", "full_attention"] * 2),
+    # Gemma 4 26B-A4B-style: GELU experts (a router of its own) beside the dense MLP in each layer
+    "gemma4_moe": dict(_GEMMA4_ATTENTION, enable_moe_block=True, num_experts=6, top_k_experts=2,
+                       moe_intermediate_size=24, hidden_size_per_layer_input=0,
+                       layer_types=["sliding_attention", "full_attention"]),
     # Llama 4: a rotary layer chunked by 8 with its q/k L2 norm, then a layer without positions (its query scaled by
     # the temperature, floor 4) and experts: one routed (its input scaled) and the shared one
     "llama4": dict(no_rope_layers=[1, 0], attention_chunk_size=8, floor_scale=4, attn_scale=0.1, moe_layers=[1],
@@ -317,7 +330,7 @@ def make_tiny_checkpoint(
 
 def _tied(arch: str) -> bool:
     """Whether the family's checkpoints tie the LM head to the embeddings: every Gemma's and Granite 3.x's."""
-    return arch in (*_GEMMA_SHAPES, "granite", "granitemoe")
+    return arch in (*_GEMMA_SHAPES, "gemma4", "gemma4_moe", "granite", "granitemoe")
 
 
 def tiny_cache_dir() -> Path:
@@ -465,6 +478,7 @@ def _build_config(
         "apertus": transformers.ApertusConfig, "jamba": transformers.JambaConfig,
         "mistral4": transformers.Mistral4Config, "solar_open": transformers.SolarOpenConfig,
         "sarvam_moe": transformers.SarvamMoEConfig, "gemma": transformers.GemmaConfig,
+        "gemma4": transformers.Gemma4TextConfig, "gemma4_moe": transformers.Gemma4TextConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -482,6 +496,8 @@ def _build_config(
     if arch in ("granite", "granitemoe", "granitemoehybrid"):
         fields.update(_GRANITE_SHAPE)
     fields.update(copy.deepcopy(_LAYER_SHAPES.get(arch, {})))
+    if arch in ("gemma4", "gemma4_moe"):
+        fields["vocab_size_per_layer_input"] = vocab_size
     if arch == "gpt_oss":
         fields.update(copy.deepcopy(_GPT_OSS_SHAPE))
     if arch == "olmo3":
@@ -519,6 +535,8 @@ def _build_model(config: Any, seed: int) -> Any:
         for name, buffer in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # routing corrections (zeros at init)
                 buffer.normal_(std=_INIT_STD)
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (ones at init)
+                buffer.normal_(mean=1.0, std=_INIT_STD)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id,
     )

@@ -41,9 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
+from asyncllm.kernels._math import tanh
 from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
 from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8
-from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts
+from asyncllm.kernels.reference import MOE_ACTIVATIONS as ACTIVATIONS, ClampedSwiglu, Fp8Experts
 
 __all__ = ["Alignment", "MoeConfig", "align_tokens", "fused_moe", "moe_config"]
 
@@ -119,6 +120,15 @@ def _silu_mul(gate, up, dtype):
 
 
 @triton.jit
+def _gelu_tanh_mul(gate, up, dtype):
+    """``gelu_tanh(gate) * up`` for float32 products, rounded as `gelu_tanh_and_mul` on their dtype roundings."""
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
+    return (act.to(dtype).to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
 def _clamped_swiglu(gate, up, alpha, limit, dtype):
     """`reference.clamped_swiglu` of float32 values already in ``dtype``, each op rounded to ``dtype`` as torch's."""
     gate = tl.minimum(gate, limit)
@@ -177,7 +187,7 @@ def _gate_up_kernel(
     num_pairs, H, I, alpha, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, GATED: tl.constexpr,
-    FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr,
+    FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr, GELU_TANH: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -219,6 +229,8 @@ def _gate_up_kernel(
         up = _plus_bias(acc_up, gate_bias_ptrs + I, n_mask, HAS_BIAS, dtype)
         if SWIGLU:
             act = _clamped_swiglu(gate, up, alpha, limit, dtype)
+        elif GELU_TANH:
+            act = _gelu_tanh_mul(gate, up, dtype)
         else:
             act = _silu_mul(gate, up, dtype)
     else:
@@ -275,7 +287,8 @@ def fused_moe(
 
     An id outside ``[0, E)`` adds nothing (expert parallelism: another rank's expert). gpt-oss: ``w13_bias
     [E, 2I]``, ``w2_bias [E, H]`` (hidden's dtype) and the clamped SwiGLU ``swiglu``, as `reference.fused_moe`.
-    ``activation="relu2"``: experts without a gate, w13 ``[E, I, H]`` (up rows only), ``relu(up) ** 2``.
+    ``activation="relu2"``: experts without a gate, w13 ``[E, I, H]`` (up rows only), ``relu(up) ** 2``;
+    ``"gelu_tanh"``: ``gelu_tanh(gate) * up`` (Gemma 4's experts).
     ``fp8``: w13 and w2 in float8_e4m3fn with block scales (`reference.Fp8Experts`; ``bk`` a power of two >= 16)."""
     num_experts, inter = _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, fp8)
     _check_bias("w13_bias", w13_bias, hidden, (num_experts, w13.shape[1]))
@@ -304,7 +317,8 @@ def fused_moe(
         a.stride(0), w13.stride(0), w13.stride(1), act.stride(0), 0 if w13_bias is None else w13_bias.stride(0),
         a_s.stride(0), w_s.stride(0), w_s.stride(1) if fp8 else 0,
         num_pairs, h, inter, swiglu.alpha if swiglu else 0.0, swiglu.limit if swiglu else 0.0,
-        TOP_K=top_k, HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=activation == "silu", **consts,
+        TOP_K=top_k, HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=activation != "relu2",
+        GELU_TANH=activation == "gelu_tanh", **consts,
     )
     a, a_s = per_token_group_quant_fp8(act, fp8.block[1]) if fp8 else (act, act)
     w_s = fp8.w2_scale if fp8 else hidden
@@ -322,8 +336,8 @@ def fused_moe(
 def _check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, activation: str, fp8: Fp8Experts | None) -> tuple[int, int]:
     """(experts, intermediate size), or a `ValueError` naming the argument that does not fit."""
-    check(activation in ("silu", "relu2"), f"activation must be 'silu' or 'relu2', got {activation!r}")
-    gated = activation == "silu"
+    check(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    gated = activation != "relu2"
     check_float("hidden", hidden, 2)
     check_last_dim_contiguous("hidden", hidden)
     num_tokens, h = hidden.shape

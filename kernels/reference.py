@@ -31,6 +31,7 @@ __all__ = [
     "ssd_decode_step",
     "clamped_swiglu",
     "fused_moe",
+    "MOE_ACTIVATIONS",
     "rotate_half",
     "build_cos_sin_cache",
     "apply_rotary",
@@ -155,7 +156,7 @@ def fused_moe(
     expert by expert in id order (transformers' order). gpt-oss: ``w13_bias [E, 2I]`` and ``w2_bias [E, H]``
     are added after each product (before the routing weight), and ``swiglu`` replaces SiLU-and-mul.
     ``activation="relu2"`` (Nemotron 3): experts without a gate, w13 ``[E, I, H]`` up rows only, and
-    ``down_e(relu(up_e x) ** 2)``. ``fp8``: block-fp8 experts (`Fp8Experts`), each product
+    ``down_e(relu(up_e x) ** 2)``; ``"gelu_tanh"`` (Gemma 4): ``gelu_tanh(gate) * up`` in place of SiLU's. ``fp8``: block-fp8 experts (`Fp8Experts`), each product
     `w8a8_block_fp8_matmul` of its quantized input."""
     out = torch.zeros_like(hidden)
     num_experts = w13.shape[0]
@@ -179,11 +180,17 @@ def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int, fp8: Fp8Exper
     return w8a8_block_fp8_matmul(x_q, x_s, w[expert], fp8[which][expert], fp8.block, x.dtype)
 
 
+MOE_ACTIVATIONS = ("silu", "relu2", "gelu_tanh")
+"""The experts' activations `fused_moe` runs: gated SiLU, gateless relu², gated GELU (tanh)."""
+
+
 def _expert_activation(gate_up: torch.Tensor, swiglu: ClampedSwiglu | None, activation: str) -> torch.Tensor:
     if activation == "relu2":
         return torch.square(torch.relu(gate_up))
+    if activation == "gelu_tanh":
+        return gelu_tanh_and_mul(gate_up)
     if activation != "silu":
-        raise ValueError(f"activation must be 'silu' or 'relu2', got {activation!r}")
+        raise ValueError(f"activation must be one of {MOE_ACTIVATIONS}, got {activation!r}")
     return silu_and_mul(gate_up) if swiglu is None else clamped_swiglu(gate_up, swiglu)
 
 

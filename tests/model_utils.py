@@ -143,6 +143,11 @@ class PagedRun:
         shape = (2, self.num_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
 
+    def new_kv_caches_for(self, spec: Any, dtype: torch.dtype) -> None:
+        """Caches shaped by a `KVCacheSpec` (each layer its own shape where they differ: Gemma 4), on the default
+        device."""
+        self.kv_caches = spec.allocate(self.num_blocks, self.block_size, dtype, torch.get_default_device())
+
     @torch.inference_mode()
     def step(self, num_scheduled: list[int]) -> None:
         """Run one flattened step; requests with 0 tokens sit it out."""
@@ -183,7 +188,7 @@ def assert_paged_logits_match_checkpoint(model: Any, path: str, seq_lens: list[i
     gen = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in seq_lens]
     run = PagedRun(model, sequences, block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     for tokens, logits in zip(sequences, run.run(schedule)):
         expected = hf_path_logits(path, tokens)
         assert expected.std() > 0.5

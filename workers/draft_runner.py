@@ -88,12 +88,10 @@ class DraftModelRunner:
 
     def allocate(self, num_blocks: int) -> list[torch.Tensor]:
         """The draft's cache: ``num_blocks`` shared block ids, then the scratch blocks."""
-        spec = self.kv_spec
-        assert spec is not None, "load_model() first"
+        assert self.kv_spec is not None and self.kv_cache_dtype is not None, "load_model() first"
         self.scratch_start = num_blocks
-        shape = (2, num_blocks + self.num_scratch_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device)
-                          for _ in range(spec.num_layers)]
+        self.kv_caches = self.kv_spec.allocate(num_blocks + self.num_scratch_blocks, self.block_size,
+                                               self.kv_cache_dtype, self.device)
         return self.kv_caches
 
     @torch.inference_mode()

@@ -166,10 +166,8 @@ class ModelRunner:
         self.cuda_graphs = capture_decode_graphs(self)  # the graphs bake in the KV cache's addresses
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        spec = self.kv_spec
-        assert spec is not None, "load_model() first"
-        shape = (2, num_blocks, self.block_size, spec.num_kv_heads, spec.head_dim)
-        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(spec.num_layers)]
+        assert self.kv_spec is not None and self.kv_cache_dtype is not None, "load_model() first"
+        return self.kv_spec.allocate(num_blocks, self.block_size, self.kv_cache_dtype, self.device)
 
     def _all_kv_caches(self) -> list[torch.Tensor]:
         """The target's KV cache layers, then the draft model's (they share block ids: swapped together)."""

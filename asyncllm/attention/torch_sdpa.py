@@ -28,8 +28,8 @@ class TorchSDPABackend:
     def forward(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
@@ -44,9 +44,13 @@ class TorchSDPABackend:
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place. ``softcap``
         caps the scores (Gemma 2: `reference.paged_attention`); ``sinks [Hq]`` joins each softmax (gpt-oss);
         ``attention_chunk_size`` keeps each query to the keys of its own chunk (Llama 4's chunked local layers).
+        ``key`` and ``value`` None: attend over the cache as it is, writing nothing (Gemma 4's KV-sharing layers).
         """
-        if rotary is not None:
-            query, key = reference.norm_and_rotate(query, key, rotary)
-        reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        if key is None:  # a KV-sharing layer (Gemma 4): reads the cache another layer wrote this step
+            assert rotary is None and value is None, "a KV-sharing layer hands over its query rotated, no K/V"
+        else:
+            if rotary is not None:
+                query, key = reference.norm_and_rotate(query, key, rotary)
+            reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap, sinks,
                                          attention_chunk_size=attention_chunk_size)

@@ -51,8 +51,8 @@ class TritonBackend:
     def forward(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
@@ -67,10 +67,13 @@ class TritonBackend:
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place. ``softcap``
         caps the scores (Gemma 2), ``sinks [Hq]`` joins each softmax (gpt-oss) and ``attention_chunk_size``
         keeps each query to the keys of its own chunk (Llama 4) in either kernel; ``metadata.attend_limit``
-        (Gemma 3's image tokens) always takes the unified kernel.
+        (Gemma 3's image tokens) always takes the unified kernel. ``key`` and ``value`` None: attend over the
+        cache as it is, writing nothing (Gemma 4's KV-sharing layers).
         """
         key_cache, value_cache = kv_cache[0], kv_cache[1]
-        if rotary is None:
+        if key is None:  # a KV-sharing layer (Gemma 4): reads the cache another layer wrote this step
+            assert rotary is None and value is None, "a KV-sharing layer hands over its query rotated, no K/V"
+        elif rotary is None:
             reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         else:
             query = rotary_embedding_with_kv_cache(

@@ -96,7 +96,7 @@ class HostStats:
         s = self.scheduler
         self.scheduler = SchedulerStats(
             num_gpu_blocks=s.num_gpu_blocks, num_preemptions_total=s.num_preemptions_total,
-            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            num_swapped_total=s.num_swapped_total, weights_version=s.weights_version, prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
             num_steps_total=s.num_steps_total, mm_encoder_cache_queries=s.mm_encoder_cache_queries,
             mm_encoder_cache_hits=s.mm_encoder_cache_hits, spec_decode_num_drafts=s.spec_decode_num_drafts,

@@ -90,10 +90,36 @@ def load_hf_config(path: str) -> PretrainedConfig:
         return load_gguf_config(path)
 
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError, KeyError) as exc:
         allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
         raise ConfigError("model", path, allowed) from exc
+    return allow_global_layer_values(config)
+
+
+def allow_global_layer_values(config: PretrainedConfig) -> PretrainedConfig:
+    """``config`` (and its sub-configs) with the model-wide value of a per-layer attribute readable (transformers
+    refuses ``config.head_dim`` when ``per_layer_config`` overrides it for some layers, Gemma 4's global ones): the
+    engine reads the model-wide values where every layer agrees, the layers' own where they differ
+    (asyncllm/models/gemma4.py). transformers' warning for each such read is not shown."""
+    import logging
+
+    from transformers.integrations.heterogeneity import configuration_utils as heterogeneity
+
+    logger = logging.getLogger(heterogeneity.__name__)
+    if not any(isinstance(f, _GlobalReadFilter) for f in logger.filters):
+        logger.addFilter(_GlobalReadFilter())
+    for cfg in (config, *(getattr(config, name, None) for name in getattr(config, "sub_configs", {}))):
+        if getattr(cfg, "is_heterogeneous", False):
+            cfg.allow_global_per_layer_attribute_access = True
+    return config
+
+
+class _GlobalReadFilter:
+    """Drops transformers' "Reading global config value for per-layer attribute" warnings."""
+
+    def filter(self, record: Any) -> bool:
+        return not str(record.msg).startswith("Reading global config value for per-layer attribute")
 
 
 def apply_hf_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | None) -> PretrainedConfig:
@@ -258,6 +284,10 @@ def prequantized_config(
         return gguf
 
     method = checkpoint_quantization(hf_config)
+    arch = (getattr(hf_config, "architectures", None) or [None])[0]
+    if method is not None and arch in _FLOAT_ONLY_ARCHITECTURES:
+        raise NotBuiltError("model", model, f"a pre-quantized ({method}) {arch} checkpoint (its float checkpoints "
+                                            "are served, and quantization='fp8' quantizes them as they load)")
     if method == "mxfp4":
         _check_mxfp4(hf_config, model, quantization)
         return None  # the experts are dequantized as they load (asyncllm/models/gpt_oss.py)
@@ -271,6 +301,11 @@ def prequantized_config(
                           f"{quantization!r} serves checkpoints pre-quantized with it (config.json's "
                           "quantization_config); this one has none")
     return prequantized_fp8_config(hf_config, model, quantization)
+
+
+_FLOAT_ONLY_ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+"""Architectures whose pre-quantized checkpoints are not read (Gemma 4: its values-are-keys and KV-sharing layers
+load float weights only)."""
 
 
 def _check_mxfp4(hf_config: Any, model: str, quantization: str | None) -> None:

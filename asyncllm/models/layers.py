@@ -184,8 +184,8 @@ class Attention(nn.Module):
     def forward(
         self,
         query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         rotary: RotaryInputs | None = None,
@@ -193,7 +193,9 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` (rotated by the backend when ``rotary``
         is given, so it can fuse that with the KV-cache write) -> ``[T, Hq * D]``. ``sinks`` (this rank's
-        ``[Hq]`` sink logits, gpt-oss) is the caller's parameter, so the checkpoint names it where it is."""
+        ``[Hq]`` sink logits, gpt-oss) is the caller's parameter, so the checkpoint names it where it is. ``key`` and
+        ``value`` None (with ``rotary`` None, the query rotated): attend over ``kv_cache`` as another layer wrote it
+        (Gemma 4's KV-sharing layers)."""
         out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window, rotary,
                                    self.softcap, sinks, attention_chunk_size=self.attention_chunk_size)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

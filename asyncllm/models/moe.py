@@ -29,7 +29,8 @@ from asyncllm.kernels.reference import Fp8Experts
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
 from asyncllm.models.llama import DecoderBuild, LlamaMLP, check_silu
 
-__all__ = ["MoESpec", "num_experts_of", "FusedMoE", "SparseMoeBlock", "MoECausalLM", "select_experts", "moe_parallel_problems"]
+__all__ = ["MoESpec", "num_experts_of", "FusedMoE", "ReplicatedLinear", "SparseMoeBlock", "MoECausalLM",
+           "select_experts", "moe_parallel_problems"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ class MoESpec:
     shared_expert_size: int = 0
     """A dense expert every token also runs, gated by a sigmoid (Qwen2-MoE); 0 for none."""
     activation: str = "silu"
-    """The experts' activation: ``silu`` (SiLU of the gate times up) or ``relu2`` (no gate: ``relu(up) ** 2``,
-    Nemotron 3)."""
+    """The experts' activation: ``silu`` (SiLU of the gate times up), ``gelu_tanh`` (GELU of the gate times up,
+    Gemma 4) or ``relu2`` (no gate: ``relu(up) ** 2``, Nemotron 3)."""
 
 
 def num_experts_of(hf_config: Any) -> int:
@@ -91,9 +92,9 @@ class FusedMoE(nn.Module):
         self.expert_start = tp.rank * self.num_local_experts if self.expert_parallel else 0
         self.intermediate = spec.intermediate_size if self.expert_parallel else tp.split(spec.intermediate_size)
         n, inter = self.num_local_experts, self.intermediate
-        self.gated = spec.activation == "silu"
+        self.gated = spec.activation != "relu2"
         """Whether ``w13`` holds gate rows before the up rows (without a gate: the up rows alone)."""
-        self.activation = {} if self.gated else {"activation": spec.activation}
+        self.activation = {} if spec.activation == "silu" else {"activation": spec.activation}
         rows = 2 * inter if self.gated else inter
         self.w13_weight = new_param(n, rows, hidden_size, dtype=b.dtype, loader=self.weight_loader)
         self.w2_weight = new_param(n, hidden_size, inter, dtype=b.dtype, loader=self.weight_loader)
@@ -131,7 +132,7 @@ class FusedMoE(nn.Module):
             copy_weight(dst.narrow(0, offset, inter), weight_narrow(loaded, 0, start, inter))
 
 
-class _Replicated(nn.Module):
+class ReplicatedLinear(nn.Module):
     """A small matrix every rank keeps whole (the router, Qwen2-MoE's shared-expert gate)."""
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype) -> None:
@@ -150,11 +151,11 @@ class SparseMoeBlock(nn.Module):
         check_silu(b.hf_config)
         hidden = b.hf_config.hidden_size
         self.spec = spec
-        self.gate = _Replicated(spec.num_experts, hidden, b.dtype)
+        self.gate = ReplicatedLinear(spec.num_experts, hidden, b.dtype)
         self.experts = FusedMoE(spec, hidden, b)
         if spec.shared_expert_size:
             self.shared_expert = LlamaMLP(b, spec.shared_expert_size)
-            self.shared_expert_gate = _Replicated(1, hidden, b.dtype)
+            self.shared_expert_gate = ReplicatedLinear(1, hidden, b.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         spec = self.spec

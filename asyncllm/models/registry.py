@@ -19,6 +19,7 @@ from asyncllm.models.gemma import Gemma1ForCausalLM
 from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
 from asyncllm.models.gemma3_mm import Gemma3ForConditionalGeneration
+from asyncllm.models.gemma4 import Gemma4ForCausalLM, Gemma4TextOnly
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
@@ -131,6 +132,8 @@ _MODELS: dict[str, type] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # limit_mm_per_prompt image 0: Gemma3TextOnly
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4TextOnly,  # text prompts only: the vision and audio towers are not read
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
@@ -219,16 +222,33 @@ def get_model_class(hf_config: Any, limits: dict[str, int] | None = None) -> typ
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of one layer's KV cache on one rank: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``."""
+    """Shape of one layer's KV cache on one rank: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    ``layer_shapes`` gives each cache layer its own ``(num_kv_heads, head_dim)`` where they differ (Gemma 4's
+    sliding and global layers); empty: every layer ``(num_kv_heads, head_dim)``."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    layer_shapes: tuple[tuple[int, int], ...] = ()
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """Each cache layer's ``(num_kv_heads, head_dim)`` on this rank."""
+        if self.layer_shapes:
+            assert len(self.layer_shapes) == self.num_layers, (len(self.layer_shapes), self.num_layers)
+            return list(self.layer_shapes)
+        return [(self.num_kv_heads, self.head_dim)] * self.num_layers
+
+    def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+                 ) -> list[torch.Tensor]:
+        """Zeroed caches, one ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer."""
+        return [torch.zeros((2, num_blocks, block_size, heads, dim), dtype=dtype, device=device)
+                for heads, dim in self.shapes()]
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes one block costs across all layers (K and V)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * block_size * itemsize * sum(heads * dim for heads, dim in self.shapes())
 
 
 FP8_KV_CACHE_DTYPES = {
@@ -278,8 +298,11 @@ def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
         return KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=head_dim_of(hf_config))
     model_cls = _MODELS.get((getattr(hf_config, "architectures", None) or [""])[0])
     hf_config = text_config_of(hf_config)
+    per_layer = getattr(model_cls, "kv_cache_shapes", None)  # Gemma 4: (total kv heads, head_dim) per cache layer
+    shapes = tuple((kv_heads_per_rank(heads, tp_size), dim) for heads, dim in per_layer(hf_config)) if per_layer else ()
     return KVCacheSpec(
         num_layers=getattr(model_cls, "kv_cache_layers", lambda c: c.num_hidden_layers)(hf_config),  # hybrids: fewer
         num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, tp_size),
         head_dim=getattr(model_cls, "kv_head_dim", head_dim_of)(hf_config),  # DeepSeek: its expanded key's width
+        layer_shapes=shapes,
     )

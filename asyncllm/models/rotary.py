@@ -89,6 +89,8 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
     """
     params = rope_parameters(hf_config, layer_type)
     rope_type = params.get("rope_type", "default")
+    if rope_type == "proportional":
+        return _proportional_inv_freq(params, head_dim), 1.0
     if rope_type == "default":
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / dim
@@ -102,6 +104,18 @@ def compute_inv_freq(hf_config: Any, head_dim: int, layer_type: str | None = Non
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](pretrained_config(hf_config), torch.device("cpu"),
                                                                      **per_type)
     return _divided_by_freq_factors(hf_config, inv_freq.to(torch.float32), rope_type), float(attention_scaling)
+
+
+def _proportional_inv_freq(params: dict[str, Any], head_dim: int) -> torch.Tensor:
+    """Gemma 4's ``proportional`` rope: the first ``partial_rotary_factor`` of each head's frequency pairs turn at
+    ``theta ** (-2i / head_dim)`` (exponents over the whole head, not the rotated part), the other pairs turn by
+    nothing (frequency 0: cos 1, sin 0), all divided by ``factor``. Computed here, as transformers computes it,
+    because its own function reads the per-layer view only a transformers config has."""
+    angles = int(params.get("partial_rotary_factor", 1.0) * head_dim // 2)
+    exponents = torch.arange(0, 2 * angles, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
+    rotated = 1.0 / (params["rope_theta"] ** exponents)
+    zeros = torch.zeros(head_dim // 2 - angles, dtype=torch.float32, device="cpu")
+    return torch.cat((rotated, zeros)) / params.get("factor", 1.0)
 
 
 def _divided_by_freq_factors(hf_config: Any, inv_freq: torch.Tensor, rope_type: str) -> torch.Tensor:

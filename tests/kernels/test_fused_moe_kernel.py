@@ -72,6 +72,22 @@ def test_experts_without_a_gate_match_reference(dtype: torch.dtype, tokens: int,
     assert_close(fused_moe(hidden, up, w2, topk_weights, topk_ids, activation="relu2"), expected, MOE_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_experts_match_reference(dtype: torch.dtype) -> None:
+    """Gemma 4's experts: ``down(gelu_tanh(gate x) * up x)``."""
+    hidden = randn(13, H, dtype=dtype, seed=0)
+    w13, w2 = _weights(E, H, I, dtype, seed=1)
+    topk_weights, topk_ids = _routing("expert_parallel", 13, seed=3)
+    expected = reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation="gelu_tanh")
+    token = 0
+    rows = [reference.gelu_tanh_and_mul(hidden[token] @ w13[int(e)].t()) @ w2[int(e)].t() * w
+            for e, w in zip(topk_ids[token], topk_weights[token]) if 0 <= int(e) < E]
+    assert_close(expected[token].float(), sum(r.float() for r in rows), MOE_TOL[dtype])
+    assert not torch.allclose(expected, reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids))  # not SiLU's
+    out = fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation="gelu_tanh")
+    assert_close(out, expected, MOE_TOL[dtype])
+
+
 def _fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, ...]:
     """(w13, w2) in float8_e4m3fn and their `Fp8Experts`: each expert's matrices quantized block by block."""
     from asyncllm.models.fp8_checkpoint import quantize_fp8_blocks

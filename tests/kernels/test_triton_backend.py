@@ -152,6 +152,24 @@ def test_triton_granite4_logits_match_transformers() -> None:
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4_moe"])
+def test_triton_gemma4_logits_match_transformers(arch: str) -> None:
+    """Gemma 4 on the Triton kernels: sliding layers (head dim 16) and global ones (head dim 32, one KV head, the
+    proportional rope's unrotated pairs) through the fused rotary/KV-write kernel into caches of two shapes; the
+    KV-sharing layers' queries over another layer's cache, writing nothing (both attention kernels); the GELU-tanh
+    experts on the fused-MoE kernel."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint(arch)
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    if arch == "gemma4_moe":
+        assert model.model.layers[0].experts.fused_moe.__module__ == "asyncllm.kernels.fused_moe"
+    else:
+        assert [layer.self_attn.shares_kv for layer in model.model.layers] == [False, False, True, True]
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
+
+
 def test_selector_defaults_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = torch.device("cpu")
     assert get_attention_backend(None, cpu).name == "torch_sdpa"
@@ -189,7 +207,7 @@ def _two_prefills_then_a_decode_match_transformers(model, path: str, hf_config) 
     sequences = [list(range(40, 49)), list(range(300, 313))]
     run = PagedRun(model, sequences, block_size=4)
     with torch.device(DEVICE):
-        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+        run.new_kv_caches_for(spec, torch.float32)
         all_logits = [logits.cpu() for logits in run.run([[8, 12], [1, 1]])]
     for tokens, logits in zip(sequences, all_logits):
         torch.testing.assert_close(logits, hf_path_logits(path, tokens), atol=ATOL, rtol=0)

@@ -157,7 +157,8 @@ def test_mark_closed_zeroes_the_gauges_and_stops_reporting_the_engine() -> None:
                                      num_preemptions_total=4)
     assert reg.get_sample_value("asyncllm:num_preemptions_total", {"model_name": "m"}) == 4
     stats.scheduler = SchedulerStats(num_requests_running=2, num_gpu_blocks=10, num_used_blocks=5, num_preemptions_total=4,
-                                     mm_encoder_cache_queries=5, mm_encoder_cache_hits=2)
+                                     mm_encoder_cache_queries=5, mm_encoder_cache_hits=2, num_swapped_total=3,
+                                     weights_version=2)
     stats.mm_cache_queries, stats.mm_cache_hits = 7, 3
     assert reg.get_sample_value("asyncllm:mm_encoder_cache_queries_total", {"model_name": "m"}) == 5
     assert reg.get_sample_value("asyncllm:mm_encoder_cache_hits_total", {"model_name": "m"}) == 2
@@ -166,6 +167,7 @@ def test_mark_closed_zeroes_the_gauges_and_stops_reporting_the_engine() -> None:
     stats.mark_closed()
     snap = stats.snapshot(engine_alive=False)
     assert (snap.num_requests_running, snap.num_used_blocks, snap.num_preemptions_total) == (0, 0, 4)
+    assert (snap.num_swapped_total, snap.weights_version) == (3, 2)  # counters survive the close
     assert not snap.engine_alive
     assert reg.get_sample_value("asyncllm:num_preemptions_total", {"model_name": "m"}) is None
 

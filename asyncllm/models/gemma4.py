@@ -1,0 +1,400 @@
+"""Gemma 4 text (transformers' ``Gemma4ForCausalLM``; the language model of ``Gemma4ForConditionalGeneration``
+checkpoints, served for text prompts): the Gemma decoder (gemma.py) with, in transformers' order of operations,
+
+- sliding and global layers of different shapes: ``head_dim`` and ``num_key_value_heads`` for the sliding ones,
+  ``per_layer_config`` (from ``global_head_dim`` / ``num_global_key_value_heads``) for the global ones, each
+  layer's KV cache in its own shape (`kv_cache_shapes`); the global layers rotate by the ``proportional`` rope;
+- per-head RMSNorms on q and k (with weights) and on v (without), attention unscaled (``scaling = 1``);
+- ``attention_k_eq_v``: the global layers' values are their keys as projected, before the key norm (the k
+  projection loads as both; `Gemma4ForCausalLM.load_weights`);
+- KV sharing: the last ``num_kv_shared_layers`` layers compute no keys or values; each attends over the cache of
+  the last earlier layer of its type (`kv_cache_layout`), which it shares; their MLPs are twice as wide with
+  ``use_double_wide_mlp``;
+- per-layer inputs (``hidden_size_per_layer_input``): a second embedding table (``[vocab, layers * P]``) and a
+  projection of the token embedding give each layer a ``P``-wide input, which gates a residual branch after the MLP;
+- a mixture of experts beside the dense MLP (``enable_moe_block``, Gemma 4 26B-A4B): its own router (a scale-free
+  norm, a learned scale, softmax top-k renormalised, times a per-expert scale) and GELU-tanh experts, the two
+  branches normed apart and summed;
+- each layer's output times its ``layer_scalar``; the RMSNorm is ``x / rms(x) * w`` (not ``1 + w``) in float32.
+
+Not built (refused by name): bidirectional attention, Gemma 4's images and audio, pipeline parallelism (the
+layers' caches differ in shape), LoRA adapters.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import NotBuiltError
+from asyncllm.kernels import reference
+from asyncllm.models.embedding import VocabParallelEmbedding
+from asyncllm.models.gemma import GemmaBuild, GemmaForCausalLM
+from asyncllm.models.layers import Attention, LoadedWeight, TensorParallel, kv_heads_per_rank, new_param
+from asyncllm.models.linear import (
+    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+)
+from asyncllm.models.llama import DecoderBuild, sliding_window_of
+from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, ReplicatedLinear
+from asyncllm.models.qwen3_vl_moe import per_expert_weights
+from asyncllm.models.rotary import RotaryEmbedding
+from asyncllm.models.vision_language import decoder_weight_name
+
+__all__ = ["Gemma4ForCausalLM", "Gemma4TextOnly", "kv_cache_layout", "layer_attention_shape"]
+
+_ENCODERS = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
+"""An image-text-audio checkpoint's weights that the text-only model does not read."""
+
+
+def layer_attention_shape(cfg: Any, layer_idx: int) -> tuple[int, int]:
+    """Layer ``layer_idx``'s (KV heads, head_dim): the config's, or its ``per_layer_config`` overrides (the
+    global layers'; a transformers config's view or the plain dict a worker receives)."""
+    overrides = getattr(cfg, "per_layer_config", None) or {}
+    if isinstance(overrides, dict):
+        layer = overrides.get(str(layer_idx)) or overrides.get(layer_idx) or {}
+        get = layer.get
+    else:
+        view = overrides[layer_idx]
+        get = lambda key, default: getattr(view, key, default)  # noqa: E731
+    return int(get("num_key_value_heads", cfg.num_key_value_heads)), int(get("head_dim", cfg.head_dim))
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Which KV cache each layer uses, and each cache's shape."""
+
+    cache_of_layer: tuple[int, ...]
+    """Layer -> its cache's index; a KV-sharing layer has its source layer's."""
+    shares: tuple[bool, ...]
+    """Whether the layer reads another layer's cache (and computes no keys or values)."""
+    shapes: tuple[tuple[int, int], ...]
+    """Each cache's (total KV heads, head_dim)."""
+
+
+def kv_cache_layout(cfg: Any) -> KVCacheLayout:
+    """transformers' ``kv_sharing_modes``: layers from ``num_hidden_layers - num_kv_shared_layers`` on reuse the
+    keys and values of the last earlier layer of their type; every other layer has a cache of its own."""
+    layers, types = cfg.num_hidden_layers, list(cfg.layer_types)
+    first_shared = layers - int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
+    if first_shared <= 0:
+        raise NotBuiltError("model", cfg.num_kv_shared_layers, "Gemma 4 with every layer's KV shared (an assistant "
+                                                               "model that reads another model's keys and values)")
+    missing = set(types[first_shared:]) - set(types[:first_shared])
+    if missing:
+        raise NotBuiltError("model", sorted(missing), "Gemma 4 KV-sharing layers of a type no earlier layer computes")
+    cache_of_layer: list[int] = []
+    last_of_type: dict[str, int] = {}
+    shapes: list[tuple[int, int]] = []
+    for i, layer_type in enumerate(types):
+        if i < first_shared:
+            last_of_type[layer_type] = len(shapes)
+            shapes.append(layer_attention_shape(cfg, i))
+        cache_of_layer.append(last_of_type[layer_type])
+    shares = tuple(i >= first_shared for i in range(layers))
+    return KVCacheLayout(tuple(cache_of_layer), shares, tuple(shapes))
+
+
+def check_gemma4(cfg: Any) -> None:
+    """`NotBuiltError` for the Gemma 4 variants not built."""
+    if getattr(cfg, "use_bidirectional_attention", None) == "all":
+        raise NotBuiltError("model", "all", "Gemma 4 with use_bidirectional_attention='all'")
+    if cfg.hidden_activation != "gelu_pytorch_tanh":
+        raise NotBuiltError("model", cfg.hidden_activation, f"the {cfg.hidden_activation!r} activation in Gemma 4 "
+                                                            "(only 'gelu_pytorch_tanh')")
+
+
+def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """transformers' ``Gemma4RMSNorm``: ``x * (mean(x^2) + eps) ** -0.5`` in float32, times the weight (none:
+    no scale) in float32, rounded to x's dtype once."""
+    x32 = x.float()
+    normed = x32 * torch.pow(x32.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    return (normed if weight is None else normed * weight.float()).to(x.dtype)
+
+
+class Gemma4RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, with_scale: bool = True) -> None:
+        super().__init__()
+        self.weight = new_param(dim, dtype=dtype) if with_scale else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemma4_rms_norm(x, self.weight, self.eps)
+
+
+class ScaledEmbedding(VocabParallelEmbedding):
+    """Token embeddings times ``scale``, the factor rounded to the model dtype first (as transformers)."""
+
+    def __init__(self, vocab_size: int, dim: int, scale: float, tp: TensorParallel, dtype: torch.dtype) -> None:
+        super().__init__(vocab_size, dim, tp, dtype)
+        self.register_buffer("embed_scale", torch.tensor(scale, dtype=torch.float32).to(dtype), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.embed_scale
+
+
+@dataclass(frozen=True)
+class Gemma4Build(GemmaBuild):
+    layout: KVCacheLayout | None = None
+
+
+class Gemma4Attention(nn.Module):
+    def __init__(self, b: Gemma4Build, layer_idx: int) -> None:
+        super().__init__()
+        cfg, tp, layout = b.hf_config, b.tp, b.layout
+        assert layout is not None
+        kv_heads, head_dim = layer_attention_shape(cfg, layer_idx)
+        layer_type = cfg.layer_types[layer_idx]
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.head_dim, self.shares_kv = head_dim, layout.shares[layer_idx]
+        self.k_eq_v = bool(getattr(cfg, "attention_k_eq_v", False)) and layer_type == "full_attention"
+        """The values are the keys as projected (one matrix loaded as both; `Gemma4ForCausalLM.load_weights`)."""
+        heads = cfg.num_attention_heads
+        if self.shares_kv:
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, heads * head_dim, bias, tp, b.dtype)
+            local_kv_heads = kv_heads_per_rank(kv_heads, tp.size)
+        else:
+            self.qkv_proj = QKVParallelLinear(cfg.hidden_size, head_dim, heads, kv_heads, bias, tp, b.dtype)
+            self.k_norm = Gemma4RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
+            self.v_norm = Gemma4RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype, with_scale=False)
+            local_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_norm = Gemma4RMSNorm(head_dim, cfg.rms_norm_eps, b.dtype)
+        self.o_proj = RowParallelLinear(heads * head_dim, cfg.hidden_size, bias, tp, b.dtype)
+        self.rotary_emb = b.rotary_by_layer_type[layer_type]
+        self.attn = Attention(tp.split(heads), local_kv_heads, head_dim, b.attn_backend,
+                              sliding_window_of(cfg, layer_idx), scale=1.0)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        if self.shares_kv:  # the source layer wrote this step's keys and values: attend over its cache
+            query = self.q_norm(self.q_proj(hidden).view(num_tokens, -1, self.head_dim))
+            query, _ = reference.apply_rotary(query, query[:, :0], positions, self.rotary_emb.cos_sin_cache)
+            return self.o_proj(self.attn(query, None, None, kv_cache, metadata))
+        query, key, value = self.qkv_proj.split_qkv(self.qkv_proj(hidden))
+        query, key, value = self.q_norm(query), self.k_norm(key), self.v_norm(value)
+        rotary = RotaryInputs(positions, self.rotary_emb.cos_sin_cache)
+        return self.o_proj(self.attn(query, key, value, kv_cache, metadata, rotary))
+
+
+class Gemma4MLP(nn.Module):
+    """``down(gelu_tanh(gate x) * up x)``."""
+
+    def __init__(self, b: DecoderBuild, size: int) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, b.tp, b.dtype)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, b.tp, b.dtype)
+        self.gelu_tanh_and_mul = b.attn_backend.ops.gelu_tanh_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gelu_tanh_and_mul(self.gate_up_proj(x)))
+
+
+class Gemma4Router(nn.Module):
+    """Softmax top-k over ``proj(norm(x) * scale / sqrt(hidden))``, renormalised, times ``per_expert_scale``."""
+
+    def __init__(self, spec: MoESpec, hidden: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.proj = ReplicatedLinear(spec.num_experts, hidden, dtype)
+        self.scale = new_param(hidden, dtype=dtype)
+        self.per_expert_scale = new_param(spec.num_experts, dtype=dtype)
+        self.top_k, self.eps, self.root = spec.top_k, eps, hidden**-0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.proj(gemma4_rms_norm(x, None, self.eps) * self.scale * self.root)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[ids], ids
+
+
+class Gemma4DecoderLayer(nn.Module):
+    def __init__(self, b: Gemma4Build, layer_idx: int) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        assert b.layout is not None
+        hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
+
+        def norm(dim: int = hidden) -> Gemma4RMSNorm:
+            return Gemma4RMSNorm(dim, eps, b.dtype)
+
+        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.self_attn = Gemma4Attention(b, layer_idx)
+        wide = bool(getattr(cfg, "use_double_wide_mlp", False)) and b.layout.shares[layer_idx]
+        self.mlp = Gemma4MLP(b, cfg.intermediate_size * (2 if wide else 1))
+        spec = Gemma4ForCausalLM.moe_spec(cfg, layer_idx)
+        self.has_moe = spec is not None
+        if spec is not None:
+            self.router = Gemma4Router(spec, hidden, eps, b.dtype)
+            self.experts = FusedMoE(spec, hidden, b)
+            self.pre_feedforward_layernorm_2 = norm()
+            self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2 = norm(), norm()
+        self.per_layer_size = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
+        if self.per_layer_size:
+            self.per_layer_input_gate = ReplicatedLinear(self.per_layer_size, hidden, b.dtype)
+            self.per_layer_projection = ReplicatedLinear(hidden, self.per_layer_size, b.dtype)
+            self.post_per_layer_input_norm = norm()
+            self.gelu_tanh = lambda x: F.gelu(x, approximate="tanh")
+        self.layer_scalar = new_param(1, dtype=b.dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: AttentionMetadata, per_layer_input: torch.Tensor | None) -> torch.Tensor:
+        attn = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, metadata)
+        residual = hidden + self.post_attention_layernorm(attn)
+        out = self.mlp(self.pre_feedforward_layernorm(residual))
+        if self.has_moe:
+            weights, ids = self.router(residual)
+            experts = self.experts(self.pre_feedforward_layernorm_2(residual), weights, ids)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
+        hidden = residual + self.post_feedforward_layernorm(out)
+        if per_layer_input is not None:
+            gate = self.gelu_tanh(self.per_layer_input_gate(hidden)) * per_layer_input
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gate))
+        return hidden * self.layer_scalar
+
+
+class Gemma4Model(nn.Module):
+    def __init__(self, b: Gemma4Build) -> None:
+        super().__init__()
+        cfg = b.hf_config
+        assert b.layout is not None
+        self.cache_of_layer = b.layout.cache_of_layer
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5, b.tp, b.dtype)
+        self.layers = nn.ModuleList(Gemma4DecoderLayer(b, i) for i in range(cfg.num_hidden_layers))
+        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.per_layer_size = per_layer = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
+        if per_layer:
+            width = cfg.num_hidden_layers * per_layer
+            self.embed_tokens_per_layer = ScaledEmbedding(cfg.vocab_size_per_layer_input, width, per_layer**0.5,
+                                                          b.tp, b.dtype)
+            self.per_layer_model_projection = ReplicatedLinear(width, cfg.hidden_size, b.dtype)
+            self.per_layer_projection_norm = Gemma4RMSNorm(per_layer, cfg.rms_norm_eps, b.dtype)
+            self.projection_scale = cfg.hidden_size**-0.5
+
+    def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """``[T, layers, P]``: the token's own per-layer embedding plus the normed projection of its embedding,
+        times ``2 ** -0.5`` (transformers' ``get_per_layer_inputs`` and ``project_per_layer_inputs``)."""
+        shape = (input_ids.shape[0], len(self.layers), self.per_layer_size)
+        own = self.embed_tokens_per_layer(input_ids).reshape(shape)
+        projected = self.per_layer_model_projection(embeds) * self.projection_scale
+        return (self.per_layer_projection_norm(projected.reshape(shape)) + own) * 2.0**-0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        per_layer = self.per_layer_inputs(input_ids, hidden) if self.per_layer_size else None
+        for i, layer in enumerate(self.layers):
+            layer_input = None if per_layer is None else per_layer[:, i]
+            hidden = layer(positions, hidden, kv_caches[self.cache_of_layer[i]], metadata, layer_input)
+        return self.norm(hidden)
+
+
+class Gemma4ForCausalLM(MoECausalLM, GemmaForCausalLM):
+    """Gemma 4's text decoder (dense, with per-layer inputs and KV sharing, or with experts)."""
+
+    model_cls = Gemma4Model  # type: ignore[assignment]
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
+        if not getattr(hf_config, "enable_moe_block", False):
+            return None
+        return MoESpec(int(hf_config.num_experts), int(hf_config.top_k_experts), int(hf_config.moe_intermediate_size),
+                       renormalize=True, weights_in_model_dtype=False, activation="gelu_tanh")
+
+    @classmethod
+    def kv_cache_layers(cls, hf_config: Any) -> int:
+        return len(kv_cache_layout(hf_config).shapes)
+
+    @classmethod
+    def kv_cache_shapes(cls, hf_config: Any) -> list[tuple[int, int]]:
+        """Each KV cache's (total KV heads, head_dim): sliding and global layers differ."""
+        return list(kv_cache_layout(hf_config).shapes)
+
+    @classmethod
+    def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                      max_position: int, expert_parallel: bool) -> Gemma4Build:
+        check_gemma4(hf_config)
+        ropes: dict[str, RotaryEmbedding] = {}
+        for i, layer_type in enumerate(hf_config.layer_types):
+            if layer_type not in ropes:
+                ropes[layer_type] = RotaryEmbedding(hf_config, layer_attention_shape(hf_config, i)[1], max_position,
+                                                    layer_type)
+        build = GemmaBuild(hf_config, cls.decoder_flags(hf_config), dtype, tp, attn_backend, next(iter(ropes.values())),
+                           cls.make_mlp, expert_parallel, ropes)
+        fields = {f.name: getattr(build, f.name) for f in dataclasses.fields(build)}
+        return Gemma4Build(**fields, layout=kv_cache_layout(hf_config))
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        if kwargs.get("pipeline") is not None:
+            raise NotBuiltError("pipeline_parallel_size", kwargs["pipeline"].size, "pipeline parallelism for Gemma 4")
+        super().__init__(hf_config, **kwargs)
+        layout = kv_cache_layout(hf_config)
+        self.shared_layers = {i for i, shares in enumerate(layout.shares) if shares}
+        self.k_eq_v_layers = {i for i, layer in enumerate(self.model.layers) if not layer.self_attn.shares_kv
+                              and layer.self_attn.k_eq_v}
+        self.expert_sizes = (int(hf_config.hidden_size), int(getattr(hf_config, "moe_intermediate_size", 0) or 0))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def checkpoint_weight_names(self) -> set[str]:
+        """As the Llama decoder's, without the values of the layers whose values are their keys."""
+        return super().checkpoint_weight_names() - {f"model.layers.{i}.self_attn.v_proj.weight"
+                                                    for i in self.k_eq_v_layers}
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights(self._checkpoint_weights(weights))
+
+    def _checkpoint_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
+        """The checkpoint as the layers take it: fused experts cut per expert, the k projection of a layer whose
+        values are its keys loaded as its v projection too, the KV-sharing layers' unused K/V weights dropped."""
+        for name, weight in weights:
+            layer, module = _layer_module(name)
+            if layer in self.shared_layers and module in ("k_proj", "v_proj", "k_norm", "v_norm"):
+                continue
+            if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+                full = weight if isinstance(weight, torch.Tensor) else weight[:]
+                yield from per_expert_weights(name, full, *self.expert_sizes)
+                continue
+            yield name, weight
+            if layer in self.k_eq_v_layers and module == "k_proj":
+                yield name.replace(".k_proj.", ".v_proj."), weight
+
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        """A KV-sharing layer's ``q_proj`` is a projection of its own (no fused q/k/v)."""
+        layer, module = _layer_module(ckpt_name)
+        if layer in self.shared_layers and module == "q_proj":
+            return ckpt_name, None
+        return super()._packed(ckpt_name)
+
+
+def _layer_module(name: str) -> tuple[int, str]:
+    """(layer, attention module) of ``model.layers.{layer}.self_attn.{module}...``; (-1, "") for other names."""
+    parts = name.split(".")
+    if len(parts) > 4 and parts[:2] == ["model", "layers"] and parts[3] == "self_attn":
+        return int(parts[2]), parts[4]
+    return -1, ""
+
+
+class Gemma4TextOnly(Gemma4ForCausalLM):
+    """A ``Gemma4ForConditionalGeneration`` checkpoint's language model, for text prompts (its vision and audio
+    towers are not read)."""
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        text_config = copy.copy(hf_config.text_config)
+        text_config.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        super().__init__(text_config, **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        text = ((text_name, w) for name, w in weights if (text_name := decoder_weight_name(name, _ENCODERS)))
+        return super().load_weights(text)
