@@ -261,32 +261,37 @@ def to_kv_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor | None, kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                   ) -> None:
     """Store k, v ``[T, Hkv, D]`` into ``kv_cache [2, num_blocks, block_size, Hkv, D]`` at their slots,
-    cast to the cache's dtype (`to_kv_cache_dtype`: an fp8 cache holds the nearest fp8 values).
+    cast to the cache's dtype (`to_kv_cache_dtype`: an fp8 cache holds the nearest fp8 values). ``v`` None: a
+    one-part cache ``[1, ...]`` whose keys are the values too (latent attention).
 
     A negative slot marks a padding token, which is not written.
     """
+    assert (v is None) == (kv_cache.shape[0] == 1), "values go to a two-part cache, none to a one-part cache"
+    parts = [k] if v is None else [k, v]
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     slots = slot_mapping.to(torch.long)
     valid = slots >= 0
     if not bool(valid.all()):
-        slots, k, v = slots[valid], k[valid], v[valid]
-    k, v = to_kv_cache_dtype(k, kv_cache.dtype), to_kv_cache_dtype(v, kv_cache.dtype)
+        slots, parts = slots[valid], [x[valid] for x in parts]
+    parts = [to_kv_cache_dtype(x, kv_cache.dtype) for x in parts]
     if kv_cache.dtype.itemsize == 1:  # torch's CPU index_copy_ has no float8 kernel: copy the bytes
-        kv_cache, k, v = kv_cache.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v)
+        kv_cache, parts = kv_cache.view(torch.uint8), [x.view(torch.uint8) for x in parts]
+    for cache, x in zip(kv_cache, parts):
+        cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, x)
 
 
 def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` cached K and V ``[seq_len, Hkv, D]`` of one request, in order."""
+    """The first ``seq_len`` cached K and V ``[seq_len, Hkv, D]`` of one request, in order (of a one-part cache: its
+    keys twice)."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2:]
     num_blocks = -(-seq_len // block_size)
     blocks = block_table[:num_blocks].to(torch.long)
     raw = kv_cache.view(torch.uint8) if kv_cache.dtype.itemsize == 1 else kv_cache  # fp8: gather the bytes
     key = raw[0, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].view(kv_cache.dtype)
-    value = raw[1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].view(kv_cache.dtype)
+    value = raw[-1, blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].view(kv_cache.dtype)
     return key, value
 
 

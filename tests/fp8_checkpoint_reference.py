@@ -9,6 +9,8 @@ float8_e4m3fn ``weight`` and a float32 ``weight_scale_inv`` per 2-D block, the m
 - `Fp8Reference` is transformers' float32 model of the float checkpoint whose quantized projections hold the
   dequantized weights (per tensor: the fused shards requantized to their largest scale, as vLLM serves them)
   and fake-quantize their input per token: in groups of ``bk`` features (block-wise), or whole (per tensor).
+  DeepSeek's ``kv_b_proj`` is the exception: a latent-attention server absorbs its dequantized matrix into the
+  queries and outputs (docs/deepseek.md), so its input, the cached latent, is never quantized.
   A mixture of experts' experts (per expert in the checkpoint, stacked in transformers 5's model) likewise:
   the dequantized matrices stacked, each product's input fake-quantized per token group.
 """
@@ -151,6 +153,8 @@ class Fp8Reference:
                     continue
                 linear = modules[name.removesuffix(".weight")]
                 linear.weight.copy_(weight)
+                if name.endswith(".kv_b_proj.weight"):  # latent attention absorbs it: its input is never quantized
+                    continue
                 linear.register_forward_pre_hook(
                     lambda _m, args: (_group_fake_quant(args[0], group or args[0].shape[-1]),) + tuple(args[1:]))
 

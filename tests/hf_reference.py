@@ -52,7 +52,8 @@ def hf_state_dict(path: str) -> dict:
     return {name: tensor.detach().clone() for name, tensor in _hf_model(path).state_dict().items()}
 
 
-def hf_greedy_with(path: str, replaced: dict, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy_with(path: str, replaced: dict, prompt_ids: list[int], max_new_tokens: int,
+                   **generate_kwargs) -> list[int]:
     """`hf_greedy` for the checkpoint at `path` with the weights in `replaced` (name -> tensor) swapped in."""
     import torch
 
@@ -60,7 +61,7 @@ def hf_greedy_with(path: str, replaced: dict, prompt_ids: list[int], max_new_tok
     with torch.no_grad():
         for name, tensor in replaced.items():
             model.get_parameter(name).copy_(tensor)
-    return model_greedy(model, prompt_ids, max_new_tokens)
+    return model_greedy(model, prompt_ids, max_new_tokens, **generate_kwargs)
 
 
 def hf_logits(path: str, token_ids: list[int]):

@@ -248,5 +248,5 @@ def tp_worker(
             model = load_model(config, hf_config, torch.device("cpu"), torch.float32, rank, world_size)
             spec = kv_cache_spec(hf_config, world_size)
             run = PagedRun(model, sequences)
-            run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+            run.new_kv_caches_for(spec, torch.float32)
             torch.save(run.run(schedule), os.path.join(out_dir, f"rank{rank}_{index}.pt"))

@@ -67,7 +67,7 @@ def paged_logits(model: Any, path: str) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     sequences = [torch.randint(6, 500, (n,), generator=gen).tolist() for n in (19, 11, 30)]
     run = PagedRun(model, sequences)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     return run.run([[8, 8, 8], [8, 3, 8], [3, 0, 8], [0, 0, 6]])
 
 

@@ -7,7 +7,7 @@ before the step's forward: copies out first (the blocks they free may be
 rewritten by this very step), then copies in.
 
 Per layer the CPU tensor has the GPU cache's layout,
-``[2, num_cpu_blocks, block_size, num_kv_heads, head_dim]``, in pinned memory
+``[2, num_cpu_blocks, block_size, num_kv_heads, head_dim]`` (``[1, ...]`` for a latent cache), in pinned memory
 on CUDA so that copies in are DMA transfers; a copy is one gather and one
 scatter per layer, whatever the number of blocks. An fp8 cache is copied as
 bytes (``uint8`` views: torch's CPU ``index_copy_`` has no float8 kernel).
@@ -33,7 +33,8 @@ class CPUSwapSpace:
         pin = gpu_caches[0].device.type == "cuda"
         self.num_blocks = num_blocks
         self.caches = [
-            torch.empty((2, num_blocks, *cache.shape[2:]), dtype=cache.dtype, pin_memory=pin) for cache in gpu_caches
+            torch.empty((cache.shape[0], num_blocks, *cache.shape[2:]), dtype=cache.dtype, pin_memory=pin)
+            for cache in gpu_caches
         ]
 
     def swap(self, gpu_caches: list[torch.Tensor], blocks_to_swap_out: list[list[int]],

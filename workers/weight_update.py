@@ -82,6 +82,9 @@ def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | Non
             else:  # in place: every loader copies into .data; a pipeline stage's model loads its own parts only
                 load_checkpoint(_loading_model(runner), path, runner.config.kv_cache_dtype)
                 unwritten = _written(runner, None)
+        refresh = getattr(_loading_model(runner), "refresh_derived_weights", None)  # DeepSeek's absorbed expansions
+        if refresh is not None:
+            refresh()
         if getattr(runner, "mm_runner", None) is not None:
             runner.mm_runner.forget_encoder_outputs()  # computed by the old vision tower
     finally:

@@ -41,14 +41,16 @@ class TorchSDPABackend:
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
-        ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]``; it is updated in place. ``softcap``
+        ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]`` (or ``[1, ...]``); it is updated in place. ``softcap``
         caps the scores (Gemma 2: `reference.paged_attention`); ``sinks [Hq]`` joins each softmax (gpt-oss);
         ``attention_chunk_size`` keeps each query to the keys of its own chunk (Llama 4's chunked local layers).
-        ``key`` and ``value`` None: attend over the cache as it is, writing nothing (Gemma 4's KV-sharing layers).
+        ``key`` and ``value`` None: attend over the cache as it is, writing nothing (Gemma 4's KV-sharing layers);
+        ``value`` alone None: a one-part cache ``[1, ...]`` whose keys are the values (latent attention: the output
+        is as wide as the keys).
         """
         if key is None:  # a KV-sharing layer (Gemma 4): reads the cache another layer wrote this step
             assert rotary is None and value is None, "a KV-sharing layer hands over its query rotated, no K/V"
-        else:
+        else:  # value None: a one-part cache, whose keys are the values (latent attention)
             if rotary is not None:
                 query, key = reference.norm_and_rotate(query, key, rotary)
             reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)

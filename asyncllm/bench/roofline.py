@@ -92,6 +92,8 @@ def model_bytes(
 
     cfg = load_hf_config(path)
     model_cls = get_model_class(cfg)
+    if hasattr(model_cls, "kv_cache_shapes"):  # Gemma 4's layers, DeepSeek's latent cache: counted on the model
+        return _built_model_bytes(path, cfg, dtype, decode_batch, kv_cache_dtype, quantization, mean_context)
     flags = model_cls.decoder_flags(cfg)  # type: ignore[attr-defined]
     hidden, head_dim = cfg.hidden_size, head_dim_of(cfg)
     q_size, kv_size = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
@@ -110,6 +112,46 @@ def model_bytes(
     kv_per_token = sum(layer_kv * _window_share(sliding_window_of(cfg, i), mean_context)
                        for i in range(cfg.num_hidden_layers))
     return int(linear * linear_itemsize + other * itemsize), kv_per_token
+
+
+def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: int, kv_cache_dtype: str,
+                       quantization: str | None, mean_context: float | None) -> tuple[int, float]:
+    """`model_bytes` counted on the model itself, built on the meta device: each linear layer whole (one byte per
+    weight under fp8), the LM head whole, an embedding table not at all (a step reads only its batch's rows), the
+    stacked experts times the share of them the batch routes to, every other parameter whole; the KV bytes per token
+    summed over the layers, a KV-sharing layer reading its source layer's cache (Gemma 4), a latent cache
+    (DeepSeek) one part."""
+    from asyncllm.config import EngineConfig
+    from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
+    from asyncllm.models.linear import LinearBase
+    from asyncllm.models.llama import sliding_window_of
+    from asyncllm.models.loader import build_model
+    from asyncllm.models.moe import FusedMoE
+    from asyncllm.models.registry import kv_cache_spec, kv_cache_torch_dtype
+
+    model = build_model(EngineConfig.create(path), cfg, torch.device("cpu"), dtype, tensor_device=torch.device("meta"))
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    linear_itemsize = 1 if quantization == "fp8" else itemsize
+    specs = [type(model).moe_spec(cfg, i) for i in range(cfg.num_hidden_layers)] if getattr(model, "is_moe", False) \
+        else []
+    top_k = {id(layer.experts): spec.top_k for layer, spec in zip(model.model.layers, specs) if spec is not None}
+    total = 0.0
+    for module in model.modules():
+        numel = sum(p.numel() for p in module.parameters(recurse=False))
+        if isinstance(module, ParallelLMHead) or not isinstance(module, VocabParallelEmbedding):
+            share = 1.0
+            if isinstance(module, FusedMoE):
+                share = 1 - (1 - top_k[id(module)] / module.num_local_experts) ** max(1, decode_batch)
+            total += numel * share * (linear_itemsize if isinstance(module, LinearBase) else itemsize)
+    kv_itemsize = torch.empty((), dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype)).element_size()
+    spec = kv_cache_spec(cfg, 1)
+    shapes, parts = spec.shapes(), spec.kv_parts
+    layout = getattr(model.model, "cache_of_layer", range(cfg.num_hidden_layers))  # Gemma 4: layers share caches
+    per_layer = (parts * kv_itemsize * heads * dim for heads, dim in (shapes[c] for c in layout))
+    if mean_context is None:  # what the cache stores per token: each cache once
+        return int(total), float(sum(parts * kv_itemsize * heads * dim for heads, dim in shapes))
+    windows = (_window_share(sliding_window_of(cfg, i), mean_context) for i in range(cfg.num_hidden_layers))
+    return int(total), float(sum(b * w for b, w in zip(per_layer, windows)))
 
 
 def _window_share(window: int | None, mean_context: float | None) -> float | int:

@@ -3,14 +3,16 @@ multi-head latent attention and a mixture of experts with shared experts, on the
 
 - **Attention.** Queries come from ``q_proj`` (or the low-rank ``q_a_proj`` -> RMSNorm -> ``q_b_proj``); keys and
   values from one latent: ``kv_a_proj_with_mqa`` gives the latent and a single rotary key shared by every head, the
-  latent is normed and ``kv_b_proj`` expands it to each head's key (no rope) and value. Each head's key is
-  ``[rotary, no-rope]`` (192 = 64 + 128 wide), its value 128 wide. The paged cache holds these expanded keys and
-  values (the value padded with zeros to the key's width), so the backends and kernels run as for any model with
-  a partial rotary (Phi-3's path: the first 64 features of each head turn): exact, but the cache costs
-  ``2 * heads * 192`` values a token where vLLM's MLA caches the 576-wide latent (docs/deepseek.md).
-  Interleaved rotary pairs (V2; V3's ``rope_interleave``) are de-interleaved before the half-split rotation, which
-  turns them by the same angles: q . k is unchanged. The scores' scale is ``192 ** -0.5`` times YaRN's
-  ``mscale(factor, mscale_all_dim) ** 2``.
+  latent is normed and ``kv_b_proj`` would expand it to each head's key (no rope) and value. The paged cache holds
+  the latent itself (vLLM's MLA cache): one head per token, ``[rotary key, normed latent]`` (576 = 64 + 512 wide in
+  V3; a one-part cache, its keys are its values), 85 times less than the expanded keys and values of V3's 128 heads.
+  Each query head absorbs its key expansion (``q_nope @ W_UK``, so ``q . k`` over the cached row equals the
+  expanded ``q_nope . k_nope + q_rot . k_rot``); the attention's output over the cached rows, less its rotary part,
+  goes through the head's value expansion ``W_UV`` before ``o_proj``. Both expansions are read from ``kv_b_proj``
+  (its product with the identity, so a quantized layer's too) and kept, refreshed in place when its weight
+  changes. The rotation runs in torch before the cache write. Interleaved rotary pairs (V2; V3's
+  ``rope_interleave``) are de-interleaved before the half-split rotation, which turns them by the same angles:
+  q . k is unchanged. The scores' scale is ``192 ** -0.5`` times YaRN's ``mscale(factor, mscale_all_dim) ** 2``.
 - **Experts.** The first ``first_k_dense_replace`` layers are dense; the others route each token to
   ``num_experts_per_tok`` of ``n_routed_experts`` (the fused-MoE op) and add ``n_shared_experts`` dense experts.
   V2: a float32 softmax, the top k (``greedy``) or the top k of the best ``topk_group`` groups by their best expert
@@ -31,8 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
+from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import NotBuiltError
+from asyncllm.kernels import reference
 from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, LlamaModel
@@ -48,7 +51,8 @@ _LATENT_NORM_EPS = 1e-6
 
 
 def kv_head_dim(hf_config: Any) -> int:
-    """The width of a cached key (and padded value) head: the rotary part plus the rest."""
+    """The width of a query head (and of the expanded key head it is scored against): the rotary part plus the
+    rest."""
     return int(hf_config.qk_nope_head_dim + hf_config.qk_rope_head_dim)
 
 
@@ -71,7 +75,8 @@ def pairs_to_halves(x: torch.Tensor) -> torch.Tensor:
 
 
 class DeepseekAttention(nn.Module):
-    """Multi-head latent attention, its keys and values expanded into the paged cache (see the module doc)."""
+    """Multi-head latent attention over a cache of latents (see the module doc): the queries absorb each head's key
+    expansion, the output its value expansion."""
 
     def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
         super().__init__()
@@ -95,12 +100,35 @@ class DeepseekAttention(nn.Module):
         self.o_proj = RowParallelLinear(heads * self.v_dim, hidden, bias, tp, dtype)
         self.interleaved = b.hf_config.model_type == "deepseek_v2" or bool(getattr(cfg, "rope_interleave", False))
         self.rotary_emb = b.rotary_emb
-        self.attn = Attention(self.num_heads, self.num_heads, self.head_dim, b.attn_backend,
-                              scale=attention_scale(cfg))
+        self.attn = Attention(self.num_heads, 1, self.rope + self.latent, b.attn_backend, scale=attention_scale(cfg))
         params = rope_parameters(cfg)
         self.beta = float(params.get("llama_4_scaling_beta") or 0.0)
         """Mistral 4's query temperature by position (Ministral 3's, asyncllm/models/ministral3.py); 0: none."""
         self.original = int(params.get("original_max_position_embeddings") or 0)
+        self.absorbed: tuple[torch.Tensor, torch.Tensor] | None = None
+        """(each head's key expansion ``[heads, nope, latent]``, value expansion ``[heads, v, latent]``) from
+        ``kv_b_proj``, refreshed in place whenever its weight changes (`expansions`)."""
+        self._absorbed_from: tuple[int, int] | None = None
+
+    def expansions(self, refresh: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj``'s matrix per head, split into its key and value expansions: the product of the layer (a
+        quantized one too) with the identity, recomputed in place after a weight load or update (so CUDA graphs
+        captured over these tensors read the new values). A weight replaced (quantized) is noticed here; one
+        copied in place (``param.data``, which keeps the version counter still) needs ``refresh``, as
+        `DeepseekV2ForCausalLM.refresh_derived_weights` asks after a weight update."""
+        weight = self.kv_b_proj.weight
+        version = (weight.data_ptr(), weight._version)
+        if refresh or self._absorbed_from != version or self.absorbed is None:
+            eye = torch.eye(self.latent, dtype=self.kv_b_proj.params_dtype, device=weight.device)
+            dense = self.kv_b_proj(eye).t().reshape(self.num_heads, self.nope + self.v_dim, self.latent)
+            w_uk, w_uv = dense.split([self.nope, self.v_dim], dim=1)
+            if self.absorbed is None:
+                self.absorbed = (w_uk.contiguous(), w_uv.contiguous())
+            else:
+                self.absorbed[0].copy_(w_uk)
+                self.absorbed[1].copy_(w_uv)
+            self._absorbed_from = version
+        return self.absorbed
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
@@ -109,18 +137,18 @@ class DeepseekAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.q_lora else self.q_proj(hidden)
         q_nope, q_rot = q.view(tokens, heads, self.head_dim).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.latent, self.rope], dim=-1)
-        k_nope, value = self.kv_b_proj(self.kv_a_layernorm(latent)).view(tokens, heads, -1).split(
-            [self.nope, self.v_dim], dim=-1)
         if self.interleaved:
             q_rot, k_rot = pairs_to_halves(q_rot), pairs_to_halves(k_rot)
-        query = torch.cat([q_rot, q_nope], dim=-1)
-        if self.beta:  # a per-position scalar: it commutes with the rotation the backend applies
+        q_rot, k_rot = reference.apply_rotary(q_rot, k_rot.unsqueeze(1), positions, self.rotary_emb.cos_sin_cache)
+        w_uk, w_uv = self.expansions()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, latent]
+        query = torch.cat([q_rot, q_latent], dim=-1)
+        if self.beta:  # a per-position scalar
             query = query * attention_temperature(positions, self.beta, self.original).to(query.dtype)
-        key = torch.cat([k_rot.unsqueeze(1).expand(tokens, heads, self.rope), k_nope], dim=-1)
-        value = F.pad(value, (0, self.head_dim - self.v_dim))
-        rotary = RotaryInputs(positions, self.rotary_emb.cos_sin_cache)
-        out = self.attn(query, key, value, kv_cache, metadata, rotary).view(tokens, heads, self.head_dim)
-        return self.o_proj(out[..., : self.v_dim].reshape(tokens, heads * self.v_dim))
+        key = torch.cat([k_rot, self.kv_a_layernorm(latent).unsqueeze(1)], dim=-1)  # one head: the cache's row
+        out = self.attn(query, key, None, kv_cache, metadata).view(tokens, heads, -1)[..., self.rope:]
+        values = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, heads, v]
+        return self.o_proj(values.reshape(tokens, heads * self.v_dim))
 
 
 class DeepseekRouter(nn.Module):
@@ -226,8 +254,13 @@ class DeepseekV2ForCausalLM(DeepseekExperts, LlamaForCausalLM):
     """DeepSeek-V2's layers: latent attention, dense then mixture-of-experts MLPs."""
 
     model_cls = DeepseekModel
-    kv_head_dim = staticmethod(kv_head_dim)
-    """The KV cache's head width (asyncllm/models/registry.py `kv_cache_spec`): the expanded key's."""
+    kv_cache_parts = 1
+    """The cache holds keys only: each token's rotary key and normed latent, which are the values too."""
+
+    @classmethod
+    def kv_cache_shapes(cls, hf_config: Any) -> list[tuple[int, int]]:
+        """One head per layer, as wide as the rotary key and the latent (DeepSeek-V3: 64 + 512)."""
+        return [(1, int(hf_config.qk_rope_head_dim + hf_config.kv_lora_rank))] * hf_config.num_hidden_layers
     packed_modules = {"gate_up_proj": [("gate_proj", 0), ("up_proj", 1)]}
     """The attention's projections load as the checkpoint names them; only the MLPs' gate and up are fused."""
 
@@ -241,6 +274,14 @@ class DeepseekV2ForCausalLM(DeepseekExperts, LlamaForCausalLM):
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_deepseek(hf_config)
         super().__init__(hf_config, **kwargs)
+
+    @torch.inference_mode()
+    def refresh_derived_weights(self) -> None:
+        """Recompute each layer's absorbed expansions from its ``kv_b_proj`` now, in place (after a weight update,
+        before the CUDA graphs that read them replay)."""
+        for layer in self.model.layers:
+            if isinstance(getattr(layer, "self_attn", None), DeepseekAttention) and layer.self_attn.absorbed is not None:
+                layer.self_attn.expansions(refresh=True)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

@@ -51,6 +51,8 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
 
     supports_encoder_data_parallel = True
     """The tower and projector are whole on every rank in either mode, so "data" splits a step's images."""
+    decoder_classes = _DECODERS
+    """By ``text_config.model_type``: what the KV cache's shape follows (Mistral 4's latent cache)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights") -> None:

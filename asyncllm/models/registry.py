@@ -222,15 +222,17 @@ def get_model_class(hf_config: Any, limits: dict[str, int] | None = None) -> typ
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """Shape of one layer's KV cache on one rank: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+    """Shape of one layer's KV cache on one rank: ``[kv_parts, num_blocks, block_size, num_kv_heads, head_dim]``.
 
     ``layer_shapes`` gives each cache layer its own ``(num_kv_heads, head_dim)`` where they differ (Gemma 4's
-    sliding and global layers); empty: every layer ``(num_kv_heads, head_dim)``."""
+    sliding and global layers); empty: every layer ``(num_kv_heads, head_dim)``. ``kv_parts`` is 2 (keys, then
+    values) or 1: the keys alone, which are the values too (latent attention's cache: DeepSeek, docs/deepseek.md)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     layer_shapes: tuple[tuple[int, int], ...] = ()
+    kv_parts: int = 2
 
     def shapes(self) -> list[tuple[int, int]]:
         """Each cache layer's ``(num_kv_heads, head_dim)`` on this rank."""
@@ -241,14 +243,14 @@ class KVCacheSpec:
 
     def allocate(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
                  ) -> list[torch.Tensor]:
-        """Zeroed caches, one ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer."""
-        return [torch.zeros((2, num_blocks, block_size, heads, dim), dtype=dtype, device=device)
+        """Zeroed caches, one ``[kv_parts, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer."""
+        return [torch.zeros((self.kv_parts, num_blocks, block_size, heads, dim), dtype=dtype, device=device)
                 for heads, dim in self.shapes()]
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes one block costs across all layers (K and V)."""
+        """Bytes one block costs across all layers (K and V, or the keys alone)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * itemsize * sum(heads * dim for heads, dim in self.shapes())
+        return self.kv_parts * block_size * itemsize * sum(heads * dim for heads, dim in self.shapes())
 
 
 FP8_KV_CACHE_DTYPES = {
@@ -298,11 +300,15 @@ def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
         return KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=head_dim_of(hf_config))
     model_cls = _MODELS.get((getattr(hf_config, "architectures", None) or [""])[0])
     hf_config = text_config_of(hf_config)
-    per_layer = getattr(model_cls, "kv_cache_shapes", None)  # Gemma 4: (total kv heads, head_dim) per cache layer
+    decoders = getattr(model_cls, "decoder_classes", None)  # an image-text model's decoder shapes its cache
+    model_cls = decoders.get(hf_config.model_type, model_cls) if decoders else model_cls
+    per_layer = getattr(model_cls, "kv_cache_shapes", None)  # (total kv heads, head_dim) per cache layer
     shapes = tuple((kv_heads_per_rank(heads, tp_size), dim) for heads, dim in per_layer(hf_config)) if per_layer else ()
+    num_kv_heads, head_dim = kv_heads_per_rank(hf_config.num_key_value_heads, tp_size), head_dim_of(hf_config)
+    if len(set(shapes)) == 1:  # every layer alike (DeepSeek's latent: one 576-wide head)
+        (num_kv_heads, head_dim), shapes = shapes[0], ()
     return KVCacheSpec(
         num_layers=getattr(model_cls, "kv_cache_layers", lambda c: c.num_hidden_layers)(hf_config),  # hybrids: fewer
-        num_kv_heads=kv_heads_per_rank(hf_config.num_key_value_heads, tp_size),
-        head_dim=getattr(model_cls, "kv_head_dim", head_dim_of)(hf_config),  # DeepSeek: its expanded key's width
-        layer_shapes=shapes,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, layer_shapes=shapes,
+        kv_parts=getattr(model_cls, "kv_cache_parts", 2),
     )

@@ -1,7 +1,8 @@
 """Gemma 4 through the whole engine (asyncllm/models/gemma4.py, docs/gemma.md#gemma-4): greedy output equals
 transformers', token for token, for the tiny E2B-style model (KV-sharing layers, per-layer inputs, sliding and global
 layers with KV caches of different shapes) and the tiny 26B-A4B-style one (experts beside the dense MLP): chunked,
-from the prefix cache, preempted by recompute and by swapping, over two tensor-parallel ranks (and by expert)."""
+from the prefix cache, preempted by recompute and by swapping, over two tensor-parallel ranks (and by expert), and
+drafted by itself (speculative decoding)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,17 @@ async def test_gemma4_tensor_parallel(arch: str, expert_parallel: bool) -> None:
     the experts split by intermediate dim or by expert."""
     await _greedy_matches_hf(tiny_checkpoint(arch), _prompts(4, seed=5), tensor_parallel_size=2,
                              enable_expert_parallel=expert_parallel)
+
+
+async def test_gemma4_drafted_by_itself_accepts_every_draft() -> None:
+    """The tiny Gemma 4 as its own draft model: the draft's caches of two shapes (and its KV-sharing layers) keep
+    step with the target's, so every greedy draft is accepted, and the tokens are transformers'."""
+    path = tiny_checkpoint("gemma4")
+    engine = await _greedy_matches_hf(path, _prompts(4, seed=7), max_num_batched_tokens=24,
+                                      speculative_config={"model": path, "num_speculative_tokens": 3})
+    stats = engine.stats()
+    assert stats.spec_decode_num_draft_tokens > 0
+    assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
 
 
 @pytest.mark.parametrize("fields, match", [

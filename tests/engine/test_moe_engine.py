@@ -1,6 +1,7 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, MiniMax-M2, ERNIE 4.5 MoE, Hunyuan-A13B,
 Llama 4, DeepSeek-V2 / V3): greedy output equals transformers', token for token, alone, chunked, preempted, and split
-over two ranks by intermediate dim or by expert; LoRA adapters on their attention equal PEFT's."""
+over two ranks by intermediate dim or by expert; LoRA adapters on their attention equal PEFT's. DeepSeek's latent
+cache swapped out and back, and its absorbed expansions after weight updates."""
 
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ async def test_deepseek_parity_chunked_preempted_and_from_the_prefix_cache(arch:
     assert engine.stats().num_preemptions_total > 0
 
 
+async def test_deepseek_latent_cache_swapped_out_and_back() -> None:
+    """Swap preemption copies the one-part latent cache out to the CPU and back: no token changes."""
+    engine = await _greedy_matches_hf(tiny_checkpoint("deepseek_v3"), _prompts(8, seed=6), max_num_batched_tokens=16,
+                                      num_gpu_blocks_override=12, max_model_len=96, preemption_mode="swap",
+                                      swap_space=0.001)
+    assert engine.stats().num_swapped_total > 0
+
+
 @pytest.mark.parametrize("arch, expert_parallel", [("mixtral", False), ("qwen2_moe", True), ("qwen3_moe", True),
                                                    ("deepseek_v3", True)])
 async def test_moe_tensor_and_expert_parallel(arch: str, expert_parallel: bool) -> None:
@@ -101,3 +110,22 @@ async def test_lora_adapters_on_moe_attention_equal_peft(tmp_path) -> None:
                     else hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None))
         assert out.token_ids == expected, i
     assert outs[1].token_ids != hf_greedy(path, prompts[1], MAX_TOKENS, eos_token_id=None)  # the adapter mattered
+
+
+async def test_deepseek_weight_updates_reach_the_absorbed_expansions() -> None:
+    """The latent cache's queries and outputs use ``kv_b_proj``'s matrices, absorbed and kept: an update of that
+    projection alone (pushed from the host) or of the whole checkpoint (from disk) serves the new weights' tokens."""
+    from hf_reference import hf_greedy_with, hf_state_dict
+
+    a, b = tiny_checkpoint("deepseek_v3"), tiny_checkpoint("deepseek_v3", seed=1)
+    prompt, params = _prompts(1, seed=9)[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    bucket = [(name, hf_state_dict(b)[name])]
+    async with AsyncEngine(a, disable_log_stats=True) as engine:
+        assert (await engine.generate(prompt, params)).token_ids == hf_greedy(a, prompt, MAX_TOKENS, eos_token_id=None)
+        await engine.update_weights_from_tensors(bucket)
+        expected = hf_greedy_with(a, dict(bucket), prompt, MAX_TOKENS, eos_token_id=None)
+        assert expected != hf_greedy(a, prompt, MAX_TOKENS, eos_token_id=None)
+        assert (await engine.generate(prompt, params)).token_ids == expected
+        await engine.update_weights(b)
+        assert (await engine.generate(prompt, params)).token_ids == hf_greedy(b, prompt, MAX_TOKENS, eos_token_id=None)

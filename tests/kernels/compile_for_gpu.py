@@ -53,20 +53,25 @@ def cases(dtype: str):
     for gelu in (False, True):  # SiLU; Gemma's GeGLU
         yield (f"silu_and_mul gelu_tanh={gelu}", silu_and_mul._silu_and_mul_kernel, dict(x_ptr=p, out_ptr=p), (),
                dict(BLOCK=1024, GELU_TANH=gelu), 4)
-    for heads, norm in ((32, False), (16, True)):  # Llama-3.1-8B; Qwen3-0.6B with its q/k norm fused in
-        yield (f"rotary_kv qk_norm={norm}", rotary_kv._rotary_kv_kernel,
+    # Llama-3.1-8B; Qwen3-0.6B with its q/k norm fused in; a Gemma 4 global layer (D 512, 32 heads, 4 KV heads)
+    for heads, kv_heads, head_dim, norm in ((32, 8, 128, False), (16, 8, 128, True), (32, 4, 512, False)):
+        yield (f"rotary_kv qk_norm={norm} head_dim={head_dim}", rotary_kv._rotary_kv_kernel,
                dict(q_ptr=p, k_ptr=p, v_ptr=p, q_out_ptr=p, k_cache_ptr=p, v_cache_ptr=p, positions_ptr="*i64",
                     cos_sin_ptr="*fp32", slot_mapping_ptr="*i64", q_norm_ptr=p, k_norm_ptr=p), ("norm_eps",),
-               dict(Q_HEADS=heads, KV_HEADS=8, HALF=64, HEAD_DIM=128, HAS_NORM=norm), 4)
+               dict(Q_HEADS=heads, KV_HEADS=kv_heads, HALF=head_dim // 2, HEAD_DIM=head_dim, HAS_NORM=norm), 4)
     # Llama (no window), Mistral (window), Gemma 2's sliding layers (window + score cap: 8 heads, 4 KV heads, D 256),
     # gpt-oss's sliding layers (window + sinks: 64 heads, 8 KV heads, D 64), Gemma 3's sliding layers with image
-    # tokens, Llama 4 Scout's chunked local layers (40 heads, 8 KV heads: 5 queries per KV head, D 128)
+    # tokens, Llama 4 Scout's chunked local layers (40 heads, 8 KV heads: 5 queries per KV head, D 128), a Gemma 4
+    # global layer (32 heads, 4 KV heads, D 512), DeepSeek-V3's latent cache at TP 8 (16 heads over its one 576-wide
+    # row, padded to 1024)
     for window, softcap, sinks, limit, chunk, queries_per_kv, head_dim, tile_n in (
             (False, False, False, False, False, 4, 128, 64), (True, False, False, False, False, 4, 128, 64),
             (True, True, False, False, False, 2, 256, 32), (True, False, True, False, False, 8, 64, 64),
-            (True, True, False, True, False, 2, 256, 32), (False, False, False, False, True, 5, 128, 64)):
+            (True, True, False, True, False, 2, 256, 32), (False, False, False, False, True, 5, 128, 64),
+            (False, False, False, False, False, 8, 512, 32), (False, False, False, False, False, 16, 1024, 32)):
         block_q = 16 // queries_per_kv
-        yield (f"paged_attention window={window} softcap={softcap} sinks={sinks} attend_limit={limit} chunk={chunk}",
+        yield (f"paged_attention window={window} softcap={softcap} sinks={sinks} attend_limit={limit} chunk={chunk} "
+               f"head_dim={head_dim}",
                paged_attention._paged_attention_kernel,
                dict(out_ptr=p, q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
                     query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32"), ("scale", "softcap"),
@@ -82,6 +87,12 @@ def cases(dtype: str):
                     block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
                dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=window, USE_SOFTCAP=softcap, USE_CHUNK=chunk,
                     DOT_PRECISION="tf32", **decode), 4)
+    for queries_per_kv, head_dim in ((8, 512), (16, 1024)):  # Gemma 4's global layers; DeepSeek-V3's latent cache
+        yield (f"paged_decode segment head_dim={head_dim}", paged_decode._decode_segment_kernel,
+               dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p,
+                    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
+               dict(QUERIES_PER_KV=queries_per_kv, BLOCK_M=16, USE_WINDOW=False, USE_SOFTCAP=False, USE_CHUNK=False,
+                    DOT_PRECISION="tf32", TILE_N=32, HEAD_DIM=head_dim, NUM_SEGMENTS=16), 4)
     for prologue, block_n, block_k in ((0, 64, 128), (1, 16, 512), (2, 4, 512)):  # LM head, QKV, down projection
         yield (f"decode_linear prologue={prologue}", decode_linear._decode_linear_kernel,
                dict(x_ptr=p, residual_ptr=p, norm_w_ptr=p, weight_ptr=p, bias_ptr=p, out_ptr=p, residual_out_ptr=p),
@@ -135,7 +146,7 @@ def moe_cases(p: str):
     fp8 = dict(a_s_ptr="*fp32", w_s_ptr="*fp32")
     # Qwen3-30B-A3B (E=128, k=8): 1 token, 8192 tokens; gpt-oss-20b (E=32, k=4, biases, clamped SwiGLU): 1 token;
     # Nemotron-3-Nano (E=128, k=6, no gate: relu2): 8192 tokens; DeepSeek-V3 (E=256, k=8, block fp8): 1, 8192;
-    # Gemma 4 26B-A4B (E=128, k=8, GELU-tanh experts): 8192 tokens
+    # Gemma 4's GELU-tanh experts (E=128, k=8): 8192 tokens
     for num_pairs, experts, top_k, gpt_oss, gated, is_fp8, gelu in (
             (8, 128, 8, False, True, False, False), (65536, 128, 8, False, True, False, False),
             (4, 32, 4, True, True, False, False), (49152, 128, 6, False, False, False, False),

@@ -71,7 +71,7 @@ def test_bf16_logits_close_to_transformers(qwen3_pair, backend: str) -> None:
     with torch.device("cuda"):
         spec = kv_cache_spec(hf_config, 1)
         run = PagedRun(model.eval(), [s + [11, 12, 13, 14] for s in sequences], block_size=16)
-        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.bfloat16)
+        run.new_kv_caches_for(spec, torch.bfloat16)
         all_logits = run.run(CHUNKED)
         for tokens, logits in zip(run.sequences, all_logits):
             expected = hf_logits(hf_model, tokens)

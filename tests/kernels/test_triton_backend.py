@@ -43,7 +43,7 @@ def test_triton_model_logits_match_transformers(family: str, tmp_path, monkeypat
     sequences = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in SEQ_LENS]
     run = PagedRun(model, sequences, block_size=4)
     with torch.device(DEVICE):  # the driver's step tensors on the model's device (a GPU when there is one)
-        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+        run.new_kv_caches_for(spec, torch.float32)
         all_logits = [logits.cpu() for logits in run.run(CHUNKED)]
     for tokens, logits in zip(sequences, all_logits):
         expected = hf_logits(hf_model, tokens)

@@ -83,6 +83,32 @@ def test_moe_model_bytes_count_the_experts_a_batch_reads() -> None:
     assert model_bytes(path, torch.float32, 1)[0] == 4 * (every - 6 * one_expert)
 
 
+@pytest.mark.parametrize("arch", ["gemma4", "gemma4_moe"])
+def test_gemma4_model_bytes_count_its_own_layers(arch: str) -> None:
+    """Gemma 4's layers differ in shape: its bytes are counted on the built model. A large batch reads every
+    parameter but the two embedding tables (the tied LM head once); the KV cache stores its two caches per token,
+    and a decode step at a long context reads each layer's (the sharing layers their source's), the sliding
+    layers' 8-token window of it."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint(arch)
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+    tables = model.model.embed_tokens.weight.numel() * (not model.tie_word_embeddings)
+    tables += getattr(getattr(model.model, "embed_tokens_per_layer", None), "weight", torch.empty(0)).numel()
+    every = sum(p.numel() for p in model.parameters()) - tables
+    assert model_bytes(path, torch.float32, 10**6)[0] == 4 * every
+    stored = 4 * 2 * (2 * 16 + 1 * 32)  # a sliding cache (2 KV heads x 16) and a global one (1 x 32), K and V
+    assert model_bytes(path, torch.float32)[1] == stored
+    global_, sliding = 4 * 2 * 32, 4 * 2 * 32 * 8 / 1000
+    layers = len(model.model.layers)
+    assert model_bytes(path, torch.float32, 1, mean_context=1000.0)[1] == pytest.approx(layers // 2 * (global_ + sliding))
+    if arch == "gemma4_moe":  # batch 1: two of six experts per layer
+        experts = model.model.layers[0].experts
+        one_expert = (experts.w13_weight.numel() + experts.w2_weight.numel()) // 6
+        assert model_bytes(path, torch.float32, 1)[0] == 4 * (every - layers * 4 * one_expert)
+
+
 def test_model_bytes_with_fp8_weights_and_kv_cache(tmp_path) -> None:
     """fp8 quantization counts the decoder's linear weights at one byte; an fp8 cache one byte per element."""
     from asyncllm.models.linear import LinearBase

@@ -212,7 +212,7 @@ def test_the_loaded_model_equals_the_reference(checkpoint, tiny_llama: str, case
     model = load_model(EngineConfig.create(path, quantization="compressed-tensors"), hf_config, CPU, torch.float32)
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(model, SEQUENCES)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     bound = VS_REFERENCE_INT8 if case in DYNAMIC_INT8 else VS_REFERENCE
     for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
         assert float((logits - ref.logits(seq)).abs().max()) < bound
@@ -289,7 +289,7 @@ def test_dummy_weights_take_the_checkpoints_schemes(checkpoint, case: str) -> No
     model = load_model(EngineConfig.create(path, load_format="dummy"), hf_config, CPU, torch.float32)
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(model, SEQUENCES)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     assert all(torch.isfinite(logits).all() for logits in run.run([[6, 3], [5, 0]]))
     qkv = model.model.layers[0].self_attn.qkv_proj
     if case == "fp8-static":
@@ -408,7 +408,7 @@ def test_a_qwen3_5_fp8_dynamic_checkpoint_equals_compressed_tensors(tmp_path) ->
     model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(model, SEQUENCES)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
     layers = model.model.layers

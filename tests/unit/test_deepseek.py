@@ -40,7 +40,8 @@ def test_logits_match_transformers(arch: str, cls: type) -> None:
     """GLM-4.7-Flash (glm4_moe_lite): V3's layers, its dense layer by ``mlp_layer_types``, values as wide as keys."""
     model = _model(arch)
     assert type(model) is cls
-    assert kv_cache_spec(load_hf_config(tiny_checkpoint(arch)), 1).head_dim == 16 + 8  # no-rope + rotary key
+    spec = kv_cache_spec(load_hf_config(tiny_checkpoint(arch)), 1)
+    assert (spec.kv_parts, spec.num_kv_heads, spec.head_dim) == (1, 1, 8 + 32)  # the rotary key and the latent
     assert_paged_logits_match_checkpoint(model, tiny_checkpoint(arch), SEQ_LENS, SCHEDULE, seed=len(arch))
 
 
@@ -108,3 +109,25 @@ def test_refused_variants() -> None:
     hf_config.topk_method = "noaux_tc"
     with pytest.raises(NotBuiltError, match="topk_method"):
         load_model(EngineConfig.create(tiny_checkpoint("deepseek_v2")), hf_config, torch.device("cpu"), torch.float32)
+
+
+def test_the_cache_holds_one_latent_row_per_token() -> None:
+    """The paged cache holds ``[rotary key, normed latent]`` once per token (a one-part cache: keys are values):
+    DeepSeek-V3's shapes store 576 values a token and layer where the expanded keys and values of its 128 heads
+    took 2 * 128 * 192 (85 times more); the same on every tensor-parallel rank."""
+    import transformers
+
+    v3 = transformers.DeepseekV3Config(architectures=["DeepseekV3ForCausalLM"])
+    for tp in (1, 8):
+        spec = kv_cache_spec(v3, tp)
+        assert (spec.kv_parts, spec.num_kv_heads, spec.head_dim, spec.num_layers) == (1, 1, 576, 61)
+    assert spec.bytes_per_block(16, torch.bfloat16) == 61 * 16 * 576 * 2
+    assert (2 * 128 * 192) // 576 == 85
+    path = tiny_checkpoint("deepseek_v3")
+    (cache, *_) = kv_cache_spec(load_hf_config(path), 1).allocate(5, 4, torch.float32, torch.device("cpu"))
+    assert cache.shape == (1, 5, 4, 1, 8 + 32)
+    model = _model("deepseek_v3")
+    attn = model.model.layers[0].self_attn
+    w_uk, w_uv = attn.expansions()
+    dense = attn.kv_b_proj.weight.view(attn.num_heads, 16 + 12, 32)  # per head: no-rope key rows, then value rows
+    assert torch.equal(w_uk, dense[:, :16]) and torch.equal(w_uv, dense[:, 16:])

@@ -184,7 +184,7 @@ def _logits(path: str, sequences: list[list[int]], **config) -> tuple[list[torch
     model = load_model(EngineConfig.create(path, **config), hf_config, CPU, torch.float32)
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(model, sequences)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     return run.run([[6, 3], [5, 0]]), model
 
 

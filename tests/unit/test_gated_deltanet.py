@@ -123,7 +123,7 @@ def test_a_reused_row_starts_from_zeros() -> None:
     sequences = [list(range(10, 22)), list(range(40, 49))]
     runs = [PagedRun(model, sequences) for _ in range(2)]
     for run in runs:
-        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+        run.new_kv_caches_for(spec, torch.float32)
     first, again = (run.run([[11, 8], [1, 1]]) for run in runs)  # the second on the rows the first left
     for before, after in zip(first, again):
         torch.testing.assert_close(after, before)

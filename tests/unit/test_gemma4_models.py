@@ -122,3 +122,31 @@ def test_variants_not_built_are_refused(tmp_path) -> None:
     quantized.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     with pytest.raises(NotBuiltError, match="pre-quantized \\(fp8\\) Gemma4ForCausalLM"):
         prequantized_config(quantized, path, None)
+
+
+def test_online_fp8_quantizes_the_parallel_linears_only() -> None:
+    """``quantization="fp8"``: the attention and MLP projections (the KV-sharing layers' q projections too) go to
+    fp8; the per-layer-input matrices, the router and the stacked experts stay float; the logits stay as close to the
+    float model's as a tiny Llama's do (mean error within a fifth of their spread, most argmaxes kept)."""
+    from model_utils import PagedRun
+
+    for arch in ("gemma4", "gemma4_moe"):
+        path = tiny_checkpoint(arch)
+        hf_config = load_hf_config(path)
+        model = load_model(EngineConfig.create(path, quantization="fp8"), hf_config, torch.device("cpu"),
+                           torch.float32)
+        fp8 = {name.removeprefix("model.layers.") for name, p in model.named_parameters()
+               if p.dtype == torch.float8_e4m3fn}
+        expected = {f"{i}.{m}.weight" for i in range(len(model.model.layers)) for m in
+                    ("mlp.gate_up_proj", "mlp.down_proj", "self_attn.o_proj",
+                     "self_attn.q_proj" if model.model.layers[i].self_attn.shares_kv else "self_attn.qkv_proj")}
+        assert fp8 == expected, arch
+        tokens = list(range(40, 60))
+        logits = []
+        for m in (model, _load(path, hf_config)):
+            run = PagedRun(m, [tokens], block_size=4)
+            run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+            logits.append(run.run([[20]])[0])
+        error = (logits[0] - logits[1]).abs().mean().item()  # tiny Llama's: 0.14 of its logits' spread
+        assert 0 < error < 0.2 * logits[1].std().item(), (arch, error)
+        assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.8

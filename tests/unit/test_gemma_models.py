@@ -89,7 +89,7 @@ def test_image_text_checkpoint_serves_text(tmp_path):
     spec = kv_cache_spec(hf_config, 1)
     sequences = [list(range(10, 31)), list(range(100, 112))]
     run = PagedRun(model, sequences, block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     for tokens, logits in zip(sequences, run.run([[9, 12], [12, 0]])):
         expected = model_hf_logits(hf_model, tokens)
         assert expected.std() > 0.5

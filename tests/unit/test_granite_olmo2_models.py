@@ -82,7 +82,7 @@ def test_logits_match_transformers(arch: str) -> None:
     spec = kv_cache_spec(hf_config, 1)
     sequences = _sequences(len(arch))
     run = PagedRun(model, sequences, block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     _assert_match_transformers(path, sequences, run.run(SCHEDULE))
 
 
@@ -161,5 +161,5 @@ def test_granitemoe_checkpoints_of_transformers_5_names_load_the_same(tmp_path) 
     spec = kv_cache_spec(hf_config, 1)
     sequences = _sequences(3)
     run = PagedRun(model, sequences, block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     _assert_match_transformers(src, sequences, run.run(SCHEDULE))

@@ -224,7 +224,7 @@ def test_the_loaded_model_equals_the_reference(tiny_llama: str, tmp_path, case: 
     model = load_model(EngineConfig.create(str(path), quantization=method), hf_config, CPU, torch.float32)
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(model, SEQUENCES)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     ref, unquantized = Int4Reference(tiny_llama, dequantized), Int4Reference(tiny_llama, {})
     for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
@@ -250,7 +250,7 @@ def test_extra_zero_biases_are_dropped_and_dummy_weights_load(tiny_llama: str, t
                        torch.float32)
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(dummy, SEQUENCES)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     assert all(torch.isfinite(logits).all() for logits in run.run([[6, 3], [5, 0]]))
     assert not hasattr(dummy.model.layers[0].mlp.down_proj, "qweight")  # the CPU path: dequantized at load
 
@@ -265,7 +265,7 @@ def test_a_qwen3_5_gptq_checkpoint_equals_the_reference(tmp_path) -> None:
     model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(model, SEQUENCES)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     ref, unquantized = Int4Reference(src, dequantized), Int4Reference(src, {})
     assert "model.layers.0.mlp.down_proj.weight" in dequantized and not any("linear_attn" in n for n in dequantized)
     for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):

@@ -42,7 +42,7 @@ def _load(path: Path | str, **fields) -> torch.nn.Module:
 def _logits(model, hf_config, tokens: list[int]) -> torch.Tensor:
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(model, [tokens])
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, next(model.parameters()).dtype)
+    run.new_kv_caches_for(spec, next(model.parameters()).dtype)
     return run.run([[len(tokens)]])[0]
 
 

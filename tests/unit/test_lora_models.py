@@ -73,7 +73,7 @@ def test_logits_equal_peft_with_the_base_model_in_the_same_batch(arch: str, adap
     run = MaskedRun(model, sequences, block_size=4)
     run.context, run.slots = _with_adapter(model, adapters[arch]), [SLOT, -1]
     spec = kv_cache_spec(load_hf_config(path), 1)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     with_adapter, base = run.run([[9, 7], [6, 1], [1, 1], [1, 9], [6, 1]])  # chunks, one-token steps
     expected = peft_logits(path, adapters[arch], sequences[0])
     assert (expected - hf_logits(path, sequences[0])).abs().max() > 0.5  # the adapter changes the logits

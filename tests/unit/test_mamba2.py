@@ -84,7 +84,7 @@ def test_granite4_logits_match_transformers() -> None:
     assert spec.num_layers == 1  # the attention layer only
     sequences = _sequences(4)
     run = PagedRun(model, sequences, block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     _assert_logits(path, run.run(SCHEDULE), sequences)
 
 

@@ -56,7 +56,7 @@ def test_logits_match_transformers(family_model, schedule):
     spec = kv_cache_spec(hf_config, 1)
     sequences = _sequences(seed=7)
     run = PagedRun(model, sequences, block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     for tokens, logits in zip(sequences, run.run(schedule)):
         expected = hf_logits(hf_model, tokens)
         assert expected.std() > 0.5  # logits far from uniform, so the comparison means something
@@ -72,7 +72,7 @@ def test_greedy_decode_matches_transformers_generate(family_model):
     prompts = [seq[:n] for seq, n in zip(_sequences(seed=3), [4, 9, 6])]
     num_new = 6
     run = PagedRun(model, [p + [0] * num_new for p in prompts], block_size=4)
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     run.step([len(p) for p in prompts])
     generated: list[list[int]] = [[] for _ in prompts]
     for _ in range(num_new):

@@ -261,7 +261,7 @@ def test_dummy_weights_quantize_and_run(tiny_llama: str) -> None:
 
     spec = kv_cache_spec(hf_config, 1)
     run = PagedRun(model, [[5, 6, 7, 8, 9]])
-    run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+    run.new_kv_caches_for(spec, torch.float32)
     assert torch.isfinite(run.run([[5]])[0]).all()
 
 

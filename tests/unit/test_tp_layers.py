@@ -96,7 +96,7 @@ def test_tp2_logits_equal_tp1(tmp_path):
         model = load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
         spec = kv_cache_spec(hf_config, 1)
         run = PagedRun(model, [list(s) for s in SEQUENCES])
-        run.new_kv_caches(spec.num_layers, spec.num_kv_heads, spec.head_dim, torch.float32)
+        run.new_kv_caches_for(spec, torch.float32)
         expected = run.run(SCHEDULE)
         for rank in range(2):
             got = torch.load(tmp_path / f"rank{rank}_{index}.pt")
