@@ -164,7 +164,8 @@ class MultiModalProcessor:
         merges = getattr(model_cls, "mm_token_merges", None)
         self._merges: dict[tuple[int, int], int] = merges(tokenizer) if merges else {}
         """Token pairs that become one token where that text meets the prompt's (Gemma 3's newline runs)."""
-        self._bidirectional = bool(getattr(model_cls, "mm_bidirectional", False))
+        bidirectional = getattr(model_cls, "mm_bidirectional", False)  # Gemma 4: as its config says
+        self._bidirectional = bool(bidirectional(hf_config) if callable(bidirectional) else bidirectional)
         """Whether an image's rows attend to each other both ways (`MultiModalItem.bidirectional`)."""
         call_kwargs = getattr(model_cls, "mm_processor_call_kwargs", None)
         self._call_kwargs: dict[str, Any] = call_kwargs(hf_config) if call_kwargs is not None else {}

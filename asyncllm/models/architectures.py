@@ -62,11 +62,12 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditio
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
                             "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration",
-                            "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+                            "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                            "Gemma4ForConditionalGeneration")
 """Architectures that take images (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too."""
 TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-                                   "Qwen3_5MoeForConditionalGeneration")
+                                   "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration")
 """Image-text architectures that can serve text alone, their vision tower unread (vLLM's language-model-only mode:
 ``limit_mm_per_prompt`` of 0 images and 0 videos; asyncllm/models/registry.py names the classes)."""
 

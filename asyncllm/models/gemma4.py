@@ -17,8 +17,8 @@ checkpoints, served for text prompts): the Gemma decoder (gemma.py) with, in tra
   branches normed apart and summed;
 - each layer's output times its ``layer_scalar``; the RMSNorm is ``x / rms(x) * w`` (not ``1 + w``) in float32.
 
-Not built (refused by name): bidirectional attention, Gemma 4's images and audio, pipeline parallelism (the
-layers' caches differ in shape), LoRA adapters.
+Images: gemma4_mm.py. Not built (refused by name): ``use_bidirectional_attention="all"``, audio and video, pipeline
+parallelism (the layers' caches differ in shape), LoRA adapters, pre-quantized checkpoints.
 """
 
 from __future__ import annotations
@@ -170,10 +170,15 @@ class Gemma4Attention(nn.Module):
         self.rotary_emb = b.rotary_by_layer_type[layer_type]
         self.attn = Attention(tp.split(heads), local_kv_heads, head_dim, b.attn_backend,
                               sliding_window_of(cfg, layer_idx), scale=1.0)
+        self.sees_images_both_ways = (layer_type == "sliding_attention"
+                                      and getattr(cfg, "use_bidirectional_attention", None) == "vision")
+        """An image's rows see each other in the sliding layers only; the global layers stay causal."""
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden.shape[0]
+        if metadata.attend_limit is not None and not self.sees_images_both_ways:
+            metadata = dataclasses.replace(metadata, attend_limit=None)
         if self.shares_kv:  # the source layer wrote this step's keys and values: attend over its cache
             query = self.q_norm(self.q_proj(hidden).view(num_tokens, -1, self.head_dim))
             query, _ = reference.apply_rotary(query, query[:, :0], positions, self.rotary_emb.cos_sin_cache)
@@ -271,6 +276,9 @@ class Gemma4Model(nn.Module):
         self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5, b.tp, b.dtype)
         self.layers = nn.ModuleList(Gemma4DecoderLayer(b, i) for i in range(cfg.num_hidden_layers))
         self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.soft_token_ids: torch.Tensor | None = None
+        """An image-text model's image (video, audio) token ids: their rows take the pad token's per-layer input."""
+        self.pad_token_id = 0
         self.per_layer_size = per_layer = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
         if per_layer:
             width = cfg.num_hidden_layers * per_layer
@@ -284,6 +292,9 @@ class Gemma4Model(nn.Module):
         """``[T, layers, P]``: the token's own per-layer embedding plus the normed projection of its embedding,
         times ``2 ** -0.5`` (transformers' ``get_per_layer_inputs`` and ``project_per_layer_inputs``)."""
         shape = (input_ids.shape[0], len(self.layers), self.per_layer_size)
+        if self.soft_token_ids is not None:  # image rows: the pad token's own part (transformers' llm_input_ids)
+            soft = torch.isin(input_ids, self.soft_token_ids.to(input_ids.device))
+            input_ids = torch.where(soft, self.pad_token_id, input_ids)
         own = self.embed_tokens_per_layer(input_ids).reshape(shape)
         projected = self.per_layer_model_projection(embeds) * self.projection_scale
         return (self.per_layer_projection_norm(projected.reshape(shape)) + own) * 2.0**-0.5

@@ -20,6 +20,7 @@ from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
 from asyncllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from asyncllm.models.gemma4 import Gemma4ForCausalLM, Gemma4TextOnly
+from asyncllm.models.gemma4_mm import Gemma4ForConditionalGeneration
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
@@ -133,7 +134,7 @@ _MODELS: dict[str, type] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # limit_mm_per_prompt image 0: Gemma3TextOnly
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
-    "Gemma4ForConditionalGeneration": Gemma4TextOnly,  # text prompts only: the vision and audio towers are not read
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # limit_mm_per_prompt image 0: Gemma4TextOnly
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
     "Olmo2ForCausalLM": Olmo2ForCausalLM,
@@ -208,6 +209,7 @@ assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectu
 
 
 _TEXT_ONLY: dict[str, type[CausalLM]] = {"Gemma3ForConditionalGeneration": Gemma3TextOnly,
+                                         "Gemma4ForConditionalGeneration": Gemma4TextOnly,
                                          "Qwen3_5ForConditionalGeneration": Qwen3_5TextOnly,
                                          "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOnly}
 assert set(_TEXT_ONLY) == set(TEXT_ONLY_CAPABLE_ARCHITECTURES)

@@ -26,9 +26,9 @@ SEQ_LENS = [12, 20, 27]
 CHUNKED = [[5, 9, 0], [4, 9, 16], [1, 1, 9], [1, 1, 1], [1, 0, 1]]
 
 
-def _load(path: str, hf_config=None):
+def _load(path: str, hf_config=None, **fields):
     hf_config = hf_config or load_hf_config(path)
-    return load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+    return load_model(EngineConfig.create(path, **fields), hf_config, torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("arch", ["gemma4", "gemma4_moe"])
@@ -80,8 +80,9 @@ def test_a_workers_config_builds_the_same_model() -> None:
 
 
 def test_image_text_checkpoint_serves_text(tmp_path) -> None:
-    """``Gemma4ForConditionalGeneration`` (a tiny vision tower around the tiny Gemma 4) for text prompts: its
-    language model's logits equal transformers', the tower's weights left unread."""
+    """``Gemma4ForConditionalGeneration`` (a tiny vision tower around the tiny Gemma 4) in language-model-only mode
+    (``limit_mm_per_prompt`` of 0 images): its language model's logits equal transformers', the tower's weights left
+    unread."""
     import transformers
 
     text_path = tiny_checkpoint("gemma4")
@@ -94,7 +95,7 @@ def test_image_text_checkpoint_serves_text(tmp_path) -> None:
     text_model = transformers.AutoModelForCausalLM.from_pretrained(text_path)
     hf_model.model.language_model.load_state_dict(text_model.model.state_dict())
     hf_model.save_pretrained(tmp_path)
-    model = _load(str(tmp_path))
+    model = _load(str(tmp_path), limit_mm_per_prompt={"image": 0})
     assert type(model) is Gemma4TextOnly
     tokens = list(range(40, 67))
     with torch.no_grad():
@@ -150,3 +151,40 @@ def test_online_fp8_quantizes_the_parallel_linears_only() -> None:
         error = (logits[0] - logits[1]).abs().mean().item()  # tiny Llama's: 0.14 of its logits' spread
         assert 0 < error < 0.2 * logits[1].std().item(), (arch, error)
         assert (logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean() >= 0.8
+
+
+@pytest.mark.parametrize("standardize, clipped", [(True, True), (False, False)])
+def test_vision_tower_features_equal_transformers(tmp_path, standardize: bool, clipped: bool) -> None:
+    """An image's rows from the tower and embedder (its real patches with their positions, pooled 2 x 2, clipped
+    linears and standardization as configured) equal transformers' ``get_image_features`` within float32 noise, for
+    two aspect ratios (different row counts)."""
+    import numpy as np
+    import transformers
+    from gemma4_mm_utils import make_tiny_gemma4_mm
+    from mm_utils import make_image
+    from PIL import Image
+    import io
+
+    from asyncllm.models.gemma4_mm import Gemma4ForConditionalGeneration
+
+    path = make_tiny_gemma4_mm(tmp_path, standardize=standardize, clipped=clipped)
+    model = _load(path)
+    assert type(model) is Gemma4ForConditionalGeneration
+    hf_model = transformers.AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    processor = transformers.AutoImageProcessor.from_pretrained(path)
+    rows = []
+    for width, height in ((40, 28), (20, 52)):
+        image = Image.open(io.BytesIO(make_image(width, height, seed=width))).convert("RGB")
+        processed = processor(images=[image], return_tensors="np")
+        pixels = Gemma4ForConditionalGeneration.mm_pixel_values(processed)
+        length = Gemma4ForConditionalGeneration.mm_placeholder_length(model.hf_config, pixels.shape)
+        assert length == int(processed["num_soft_tokens_per_image"][0])
+        with torch.no_grad():
+            ours = model.embed_multimodal(torch.from_numpy(pixels)[None])[0]
+            theirs = hf_model.model.get_image_features(torch.from_numpy(processed["pixel_values"]),
+                                                       torch.from_numpy(processed["image_position_ids"]),
+                                                       return_dict=True).pooler_output[0]
+        assert ours.shape == (length, 64)
+        torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+        rows.append(length)
+    assert rows[0] != rows[1] and np.all(np.array(rows) <= 70)

@@ -28,12 +28,16 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     tokenizer = AutoTokenizer.from_pretrained(path)
 
     assert model.config.model_type == {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
-                                       "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}.get(arch, arch)
+                                       "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text",
+                                       "gemma4": "gemma4_text", "gemma4_moe": "gemma4_text"}.get(arch, arch)
     assert model.config.vocab_size == len(tokenizer) == 512
     assert model.get_input_embeddings().weight.shape == (512, 64)
-    assert model.config.num_hidden_layers == (4 if arch == "nemotron_h" else 2)  # Nemotron-H: 4 one-mixer layers
+    four = ("nemotron_h", "gemma4")  # Nemotron-H: 4 one-mixer layers; Gemma 4: two of them sharing the others' KV
+    assert model.config.num_hidden_layers == (4 if arch in four else 2)
     latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4")
-    assert model.config.num_key_value_heads == (4 if latent else 2)  # DeepSeek's latent attention: one per head
+    kv_heads = (model.config.per_layer_config[0].num_key_value_heads if arch.startswith("gemma4")  # per layer
+                else model.config.num_key_value_heads)
+    assert kv_heads == (4 if latent else 2)  # DeepSeek's latent attention: one per head
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4, 5]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2)
     assert model.generation_config.eos_token_id == 1

@@ -1,0 +1,100 @@
+"""Gemma 4 with images (``Gemma4ForConditionalGeneration``): Gemma 4's vision tower and embedder
+(gemma4_vision.py) before the Gemma 4 decoder (gemma4.py). Audio and video are not built (their towers' weights are
+left unread; a video is refused as for any model without videos).
+
+An image keeps its aspect ratio: the checkpoint's image processor resizes it to at most ``max_soft_tokens`` pooled
+cells, so its row count varies (``P / k^2`` for ``P`` patches). In the prompt each image token becomes
+``<|image>``, that many image tokens (one item), ``<image|>``, as transformers' ``Gemma4Processor`` writes it. With
+``use_bidirectional_attention="vision"`` an image's rows attend to each other both ways in the sliding layers (the
+global layers stay causal, as transformers builds its masks): the items say so, the scheduler never cuts a prefill
+inside one, and only the sliding layers take the step's ``attend_limit`` (gemma4.py). Each image row's per-layer
+input is the pad token's (its projection part from the image features), as in transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.models.gemma4 import Gemma4ForCausalLM
+from asyncllm.models.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
+from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.llava import normalize_llava_name
+from asyncllm.models.moe import MoESpec
+from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
+
+__all__ = ["Gemma4ForConditionalGeneration"]
+
+_DECODERS = {"gemma4_text": Gemma4ForCausalLM}
+_UNREAD = ("audio_tower.", "embed_audio.")
+"""The audio tower's weights (audio is not built)."""
+
+
+class Gemma4ForConditionalGeneration(VisionLanguageModel):
+    """Image features replace the image tokens' embeddings; the rest is the Gemma 4 decoder."""
+
+    supports_encoder_data_parallel = True
+    """The tower and embedder are whole on every rank in either mode, so "data" splits a step's images."""
+    decoder_classes = _DECODERS
+    """By ``text_config.model_type``: what the KV cache's shapes follow (asyncllm/models/registry.py)."""
+    is_moe = True
+    """26B-A4B's decoder has experts (the others none: `moe_spec` says per layer)."""
+
+    @staticmethod
+    def moe_spec(hf_config: Any, layer_idx: int) -> MoESpec | None:
+        return Gemma4ForCausalLM.moe_spec(hf_config, layer_idx)
+
+    @staticmethod
+    def mm_bidirectional(hf_config: Any) -> bool:
+        """Whether an image's rows attend to each other both ways (``use_bidirectional_attention="vision"``)."""
+        return getattr(hf_config.text_config, "use_bidirectional_attention", None) == "vision"
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                 max_position: int, mm_encoder_tp_mode: str = "weights", expert_parallel: bool = False) -> None:
+        super().__init__()
+        self.language_model = build_decoder(hf_config, _DECODERS, "Gemma 4", mm_encoder_tp_mode, dtype=dtype, tp=tp,
+                                            attn_backend=attn_backend, max_position=max_position,
+                                            expert_parallel=expert_parallel)
+        self.vision_tower = Gemma4VisionTower(hf_config.vision_config, dtype)
+        self.embed_vision = Gemma4VisionEmbedder(hf_config.vision_config, hf_config.text_config.hidden_size, dtype)
+        soft = [hf_config.image_token_id] + [getattr(hf_config, f"{kind}_token_id", None) for kind in ("video", "audio")]
+        self.language_model.model.soft_token_ids = torch.tensor([t for t in soft if t is not None])
+        self.language_model.model.pad_token_id = int(hf_config.text_config.pad_token_id or 0)
+        self.hf_config = hf_config
+
+    # ---- multimodal hooks (asyncllm/mm/)
+    @staticmethod
+    def mm_placeholder_token_id(hf_config: Any) -> int:
+        """The prompt token that marks an image: the image token itself."""
+        return int(hf_config.image_token_id)
+
+    @staticmethod
+    def mm_image_text(hf_config: Any, tokenizer: Any) -> tuple[list[int], list[int]]:
+        """``<|image>`` before an image's rows, ``<image|>`` after."""
+        return [int(hf_config.boi_token_id)], [int(hf_config.eoi_token_id)]
+
+    @staticmethod
+    def mm_pixel_values(processed: Any) -> np.ndarray:
+        """One image's processor output -> its real patches ``[P, 3 p^2]`` (the padding rows dropped) with their
+        (x, y) positions appended: ``[P, 3 p^2 + 2]`` float32."""
+        pixels, positions = processed["pixel_values"][0], processed["image_position_ids"][0]
+        real = (positions >= 0).all(axis=-1)
+        return np.concatenate([pixels[real], positions[real]], axis=-1).astype("float32", copy=False)
+
+    @staticmethod
+    def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
+        return int(pixel_shape[0]) // int(hf_config.vision_config.pooling_kernel_size) ** 2
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, P, 3 p^2 + 2]`` images of one size -> ``[N, P / k^2, text hidden]``."""
+        return self.embed_vision(self.vision_tower(pixel_values))
+
+    # ---- weights
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """transformers 5's layout (``model.vision_tower.*``, ``model.embed_vision.*``, ``model.language_model.*``);
+        the audio tower's weights are left unread."""
+        used = ((name, w) for name, w in weights if not normalize_llava_name(name).startswith(_UNREAD))
+        return load_vision_language_weights(self, used, normalize_llava_name, "Gemma 4")
