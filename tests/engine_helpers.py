@@ -51,6 +51,27 @@ def random_prompts(num: int, seed: int, stem_len: int = 0, max_len: int = 70) ->
     return prompts
 
 
+def token_prompts(count: int, seed: int, max_len: int = 60) -> list[list[int]]:
+    """Seeded prompts of 3 to ``max_len`` token ids in 6..511 (a tiny checkpoint's ordinary tokens)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(6, 512) for _ in range(rng.randint(3, max_len))] for _ in range(count)]
+
+
+async def greedy_equals_transformers(path: str, prompts: list[list[int]], max_tokens: int,
+                                     **engine_kwargs: object) -> AsyncEngine:
+    """Run ``prompts`` at once through an engine on ``path`` (``engine_kwargs``): each one's greedy tokens equal
+    transformers' ``generate``, EOS ignored. Returns the closed engine (its last stats)."""
+    from asyncllm import SamplingParams
+    from hf_reference import hf_greedy
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    async with AsyncEngine(path, disable_log_stats=True, **engine_kwargs) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, prompt, max_tokens, eos_token_id=None), f"{len(prompt)} tokens"
+    return engine
+
+
 async def assert_greedy_with_prefix_hit_equals_transformers(engine: AsyncEngine, path: str, seed: int) -> None:
     """Three prompts (37, 21, 12 tokens, past the tiny models' 8-token windows) at once, then the first one again
     with two more tokens (its first 32 tokens' blocks cached): each request's 10 greedy tokens equal transformers'

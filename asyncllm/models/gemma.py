@@ -35,7 +35,7 @@ from asyncllm.models.llama import (
 )
 from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
 
-__all__ = ["Gemma1ForCausalLM", "GemmaBuild", "GemmaForCausalLM", "GemmaRMSNorm", "check_gemma",
+__all__ = ["Gemma1ForCausalLM", "GemmaBuild", "GemmaForCausalLM", "GemmaMLP", "GemmaRMSNorm", "check_gemma",
            "rotary_by_layer_type"]
 
 
@@ -99,12 +99,13 @@ class GemmaScaledEmbedding(VocabParallelEmbedding):
 
 
 class GemmaMLP(nn.Module):
-    """``down(gelu_tanh(gate x) * up x)``, gate and up fused in one projection."""
+    """``down(gelu_tanh(gate x) * up x)``, gate and up fused in one projection (``size`` wide; default
+    ``intermediate_size``)."""
 
-    def __init__(self, b: DecoderBuild) -> None:
+    def __init__(self, b: DecoderBuild, size: int | None = None) -> None:
         super().__init__()
         cfg = b.hf_config
-        size = cfg.intermediate_size
+        size = cfg.intermediate_size if size is None else size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, b.tp, b.dtype)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, b.tp, b.dtype)
         self.gelu_tanh_and_mul = b.attn_backend.ops.gelu_tanh_and_mul

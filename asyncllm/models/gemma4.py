@@ -37,12 +37,10 @@ from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
 from asyncllm.kernels import reference
 from asyncllm.models.embedding import VocabParallelEmbedding
-from asyncllm.models.gemma import GemmaBuild, GemmaForCausalLM
+from asyncllm.models.gemma import GemmaBuild, GemmaForCausalLM, GemmaMLP
 from asyncllm.models.layers import Attention, LoadedWeight, TensorParallel, kv_heads_per_rank, new_param
-from asyncllm.models.linear import (
-    ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
-)
-from asyncllm.models.llama import DecoderBuild, sliding_window_of
+from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from asyncllm.models.llama import sliding_window_of
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, ReplicatedLinear
 from asyncllm.models.qwen3_vl_moe import per_expert_weights
 from asyncllm.models.rotary import RotaryEmbedding
@@ -189,20 +187,6 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(self.attn(query, key, value, kv_cache, metadata, rotary))
 
 
-class Gemma4MLP(nn.Module):
-    """``down(gelu_tanh(gate x) * up x)``."""
-
-    def __init__(self, b: DecoderBuild, size: int) -> None:
-        super().__init__()
-        cfg = b.hf_config
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [size, size], False, b.tp, b.dtype)
-        self.down_proj = RowParallelLinear(size, cfg.hidden_size, False, b.tp, b.dtype)
-        self.gelu_tanh_and_mul = b.attn_backend.ops.gelu_tanh_and_mul
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gelu_tanh_and_mul(self.gate_up_proj(x)))
-
-
 class Gemma4Router(nn.Module):
     """Softmax top-k over ``proj(norm(x) * scale / sqrt(hidden))``, renormalised, times ``per_expert_scale``."""
 
@@ -235,7 +219,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
         self.self_attn = Gemma4Attention(b, layer_idx)
         wide = bool(getattr(cfg, "use_double_wide_mlp", False)) and b.layout.shares[layer_idx]
-        self.mlp = Gemma4MLP(b, cfg.intermediate_size * (2 if wide else 1))
+        self.mlp = GemmaMLP(b, cfg.intermediate_size * (2 if wide else 1))
         spec = Gemma4ForCausalLM.moe_spec(cfg, layer_idx)
         self.has_moe = spec is not None
         if spec is not None:

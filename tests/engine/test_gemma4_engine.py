@@ -6,14 +6,11 @@ drafted by itself (speculative decoding)."""
 
 from __future__ import annotations
 
-import asyncio
-import random
 
 import pytest
-from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers
-from hf_reference import hf_greedy
+from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers, greedy_equals_transformers, token_prompts
 
-from asyncllm import AsyncEngine, NotBuiltError, SamplingParams
+from asyncllm import AsyncEngine, NotBuiltError
 from asyncllm.tiny import tiny_checkpoint
 
 MAX_TOKENS = 12
@@ -21,17 +18,11 @@ ARCHS = ("gemma4", "gemma4_moe")
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(6, 512) for _ in range(rng.randint(3, 60))] for _ in range(count)]
+    return token_prompts(count, seed)
 
 
 async def _greedy_matches_hf(path: str, prompts: list[list[int]], **engine_kwargs: object) -> AsyncEngine:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    async with AsyncEngine(path, disable_log_stats=True, **engine_kwargs) as engine:
-        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
-    return engine
+    return await greedy_equals_transformers(path, prompts, MAX_TOKENS, **engine_kwargs)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -6,7 +6,6 @@ cache swapped out and back, and its absorbed expansions after weight updates."""
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.errors import ConfigError
 from asyncllm.tiny import tiny_checkpoint
+from engine_helpers import greedy_equals_transformers, token_prompts
 from hf_reference import hf_greedy
 
 MAX_TOKENS = 16
@@ -22,17 +22,11 @@ MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "ern
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(6, 512) for _ in range(rng.randint(3, 60))] for _ in range(count)]
+    return token_prompts(count, seed)
 
 
 async def _greedy_matches_hf(path: str, prompts: list[list[int]], **engine_kwargs: object) -> AsyncEngine:
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    async with AsyncEngine(path, disable_log_stats=True, **engine_kwargs) as engine:
-        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
-    for prompt, out in zip(prompts, outs):
-        assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
-    return engine
+    return await greedy_equals_transformers(path, prompts, MAX_TOKENS, **engine_kwargs)
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)
