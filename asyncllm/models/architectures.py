@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from asyncllm.errors import NotBuiltError
 
-__all__ = ["HYBRID_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "TEXT_ARCHITECTURES",
+__all__ = ["HYBRID_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "has_experts",
+           "TEXT_ARCHITECTURES",
            "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
            "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
            "SUPPORTED_ARCHITECTURES", "architecture_of", "max_positions", "refuse_quantized_multimodal"]
@@ -70,6 +71,14 @@ TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5For
                                    "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration")
 """Image-text architectures that can serve text alone, their vision tower unread (vLLM's language-model-only mode:
 ``limit_mm_per_prompt`` of 0 images and 0 videos; asyncllm/models/registry.py names the classes)."""
+
+
+def has_experts(hf_config: Any, arch: str) -> bool:
+    """Whether the checkpoint's model has experts: an MoE architecture's, but a Gemma 4 decoder's only with
+    ``enable_moe_block`` (its dense sizes share the architecture name)."""
+    if arch.startswith("Gemma4"):
+        return bool(getattr(getattr(hf_config, "text_config", None) or hf_config, "enable_moe_block", False))
+    return arch in MOE_ARCHITECTURES
 
 
 def serves_text_only(arch: str, limits: dict[str, int] | None) -> bool:

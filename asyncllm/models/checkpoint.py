@@ -284,10 +284,6 @@ def prequantized_config(
         return gguf
 
     method = checkpoint_quantization(hf_config)
-    arch = (getattr(hf_config, "architectures", None) or [None])[0]
-    if method is not None and arch in _FLOAT_ONLY_ARCHITECTURES:
-        raise NotBuiltError("model", model, f"a pre-quantized ({method}) {arch} checkpoint (its float checkpoints "
-                                            "are served, and quantization='fp8' quantizes them as they load)")
     if method == "mxfp4":
         _check_mxfp4(hf_config, model, quantization)
         return None  # the experts are dequantized as they load (asyncllm/models/gpt_oss.py)
@@ -301,11 +297,6 @@ def prequantized_config(
                           f"{quantization!r} serves checkpoints pre-quantized with it (config.json's "
                           "quantization_config); this one has none")
     return prequantized_fp8_config(hf_config, model, quantization)
-
-
-_FLOAT_ONLY_ARCHITECTURES = ("Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
-"""Architectures whose pre-quantized checkpoints are not read (Gemma 4: its values-are-keys and KV-sharing layers
-load float weights only)."""
 
 
 def _check_mxfp4(hf_config: Any, model: str, quantization: str | None) -> None:
@@ -331,15 +322,16 @@ def _block_size(value: Any, model: str) -> tuple[int, int] | None:
 
 _FUSED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
                                "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM",
-                               "Qwen3VLMoeForConditionalGeneration")
+                               "Qwen3VLMoeForConditionalGeneration", "Gemma4ForCausalLM",
+                               "Gemma4ForConditionalGeneration")
 """Mixtures of experts whose checkpoints store each layer's experts fused (or MXFP4): their fp8 form is not read."""
 
 
 def _refuse_fp8_architecture(hf_config: Any, model: str, cfg: Fp8CheckpointConfig) -> None:
-    from asyncllm.models.architectures import MOE_ARCHITECTURES, architecture_of, refuse_quantized_multimodal
+    from asyncllm.models.architectures import architecture_of, has_experts, refuse_quantized_multimodal
 
     arch = architecture_of(hf_config)
-    if arch in MOE_ARCHITECTURES and (arch in _FUSED_EXPERT_ARCHITECTURES or cfg.weight_block_size is None):
+    if has_experts(hf_config, arch) and (arch in _FUSED_EXPERT_ARCHITECTURES or cfg.weight_block_size is None):
         raise NotBuiltError("model", model, f"pre-quantized fp8 experts of {arch} (block-wise fp8 experts stored "
                                             "per expert are served; online quantization='fp8' keeps experts "
                                             "unquantized)")

@@ -131,10 +131,10 @@ def compressed_tensors_config(section: dict[str, Any], hf_config: Any, model: st
 
 
 def _refuse_architecture(hf_config: Any, model: str) -> None:
-    from asyncllm.models.architectures import MOE_ARCHITECTURES, architecture_of
+    from asyncllm.models.architectures import architecture_of, has_experts
 
     arch = architecture_of(hf_config)
-    if arch in MOE_ARCHITECTURES:
+    if has_experts(hf_config, arch):
         raise _not_built(model, f"a mixture-of-experts model ({arch}: FusedMoE has no quantized experts)")
     if arch in _REFUSED_ARCHITECTURES:
         raise _not_built(model, f"{_REFUSED_ARCHITECTURES[arch]}: {arch}")

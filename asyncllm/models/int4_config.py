@@ -119,14 +119,10 @@ def _gptq_config(section: dict[str, Any], model: str, ignored: tuple[str, ...]) 
 
 
 def _refuse_architecture(hf_config: Any, model: str, method: str, ignored: tuple[str, ...]) -> None:
-    from asyncllm.models.architectures import (
-        MOE_ARCHITECTURES,
-        architecture_of,
-        refuse_quantized_multimodal,
-    )
+    from asyncllm.models.architectures import architecture_of, has_experts, refuse_quantized_multimodal
 
     arch = architecture_of(hf_config)
-    if arch in MOE_ARCHITECTURES:
+    if has_experts(hf_config, arch):
         raise _not_built(model, f"a pre-quantized {method} mixture-of-experts model ({arch}: FusedMoE has no "
                                 "int4 experts)")
     refuse_quantized_multimodal(arch, model, method, lambda name: any(entry in name for entry in ignored))

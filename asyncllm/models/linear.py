@@ -57,6 +57,7 @@ class _ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size_per_rank: int, bias: bool, tp: TensorParallel, dtype: torch.dtype):
         super().__init__(dtype)
         self.tp = tp
+        self.output_size_per_rank = output_size_per_rank
         self.weight = new_param(output_size_per_rank, input_size, dtype=dtype, loader=self.weight_loader)
         self.bias = new_param(output_size_per_rank, dtype=dtype, loader=self.weight_loader) if bias else None
         self.lora: nn.Module | None = None
@@ -89,7 +90,7 @@ class ColumnParallelLinear(_ColumnParallelLinear):
 
     def _shard_rows(self, shard_id: object) -> tuple[int, int, int]:
         assert shard_id is None, shard_id
-        length = self.weight.shape[0]
+        length = self.output_size_per_rank  # (not the weight's rows: a quantized layer's weight is packed or gone)
         return 0, self.tp.rank * length, length
 
 

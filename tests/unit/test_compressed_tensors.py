@@ -396,6 +396,24 @@ def test_scaled_mm_with_per_row_scales_equals_the_fallback(dtype: torch.dtype, s
     torch.cuda.synchronize()
 
 
+def test_a_gemma4_fp8_dynamic_checkpoint_equals_compressed_tensors(tmp_path) -> None:
+    """Gemma 4 (the tiny E2B-style decoder) in FP8_DYNAMIC, its per-layer-input matrices left float: the global
+    layers' k projection (and scale) loaded as their values' too, the KV-sharing layers' own q projection."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src = tiny_checkpoint("gemma4")
+    path = write_ct_checkpoint(src, tmp_path / "ct", {"group_0": FP8_DYNAMIC}, ("lm_head", "re:.*per_layer.*"))
+    ref = CtReference(path, dequantize=False)
+    hf_config = load_hf_config(str(path))
+    model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+    layers = model.model.layers
+    assert layers[1].self_attn.qkv_proj.weight.dtype == layers[3].self_attn.q_proj.weight.dtype == FP8
+
+
 def test_a_qwen3_5_fp8_dynamic_checkpoint_equals_compressed_tensors(tmp_path) -> None:
     """The community Qwen3.5 recipe (llm-compressor's FP8_DYNAMIC, ``re:.*linear_attn.*`` left float): the gated
     attention's and the MLPs' projections in fp8 with per-row scales, the Gated DeltaNet's float."""

@@ -243,6 +243,24 @@ def test_a_qwen3_5_checkpoint_equals_the_reference(tmp_path, ignored) -> None:
     assert layers[0].mlp.down_proj.weight.dtype == layers[1].self_attn.o_proj.weight.dtype == FP8
 
 
+def test_a_gemma4_checkpoint_equals_the_reference(tmp_path) -> None:
+    """Gemma 4 (the tiny E2B-style decoder): the sliding and global layers' projections in block fp8 (the global
+    layers' k projection loaded as their values' too), the KV-sharing layers' q and o, the MLPs; the per-layer-input
+    matrices float."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint("gemma4"), tmp_path / "fp8"
+    tensors = write_fp8_checkpoint(src, path, (16, 16), ("lm_head",))
+    got, model = _logits(str(path), SEQUENCES)
+    ref = Fp8Reference(src, tensors, (16, 16))
+    for seq, logits in zip(SEQUENCES, got):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+        assert float((logits - hf_logits(src, seq)).abs().max()) > 0.05  # it does compute in fp8
+    layers = model.model.layers
+    assert layers[1].self_attn.qkv_proj.weight.dtype == layers[3].self_attn.q_proj.weight.dtype == FP8
+    assert layers[0].per_layer_input_gate.weight.dtype == torch.float32
+
+
 @pytest.mark.parametrize("arch, tp_block", [("qwen3_moe", (16, 16)), ("qwen3_moe", (32, 16)),
                                             ("qwen3_5_moe", (8, 16)), ("minimax_m2", (16, 16)),
                                             ("glm4_moe", (8, 16)), ("dots1", (8, 16)), ("deepseek_v2", (8, 16)),

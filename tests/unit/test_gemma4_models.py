@@ -119,10 +119,14 @@ def test_variants_not_built_are_refused(tmp_path) -> None:
     bidirectional.use_bidirectional_attention = "all"
     with pytest.raises(NotBuiltError, match="use_bidirectional_attention"):
         _load(path, bidirectional)
-    quantized = load_hf_config(path)
+    moe = tiny_checkpoint("gemma4_moe")  # its experts are stored fused: their fp8 and int4 forms are not read
+    quantized = load_hf_config(moe)
     quantized.quantization_config = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    with pytest.raises(NotBuiltError, match="pre-quantized \\(fp8\\) Gemma4ForCausalLM"):
-        prequantized_config(quantized, path, None)
+    with pytest.raises(NotBuiltError, match="pre-quantized fp8 experts of Gemma4ForCausalLM"):
+        prequantized_config(quantized, moe, None)
+    dense = load_hf_config(path)
+    dense.quantization_config = quantized.quantization_config
+    assert prequantized_config(dense, path, None) is not None  # the dense decoder's is (test_fp8_checkpoint.py)
 
 
 def test_online_fp8_quantizes_the_parallel_linears_only() -> None:

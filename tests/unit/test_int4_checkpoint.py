@@ -255,6 +255,25 @@ def test_extra_zero_biases_are_dropped_and_dummy_weights_load(tiny_llama: str, t
     assert not hasattr(dummy.model.layers[0].mlp.down_proj, "qweight")  # the CPU path: dequantized at load
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_gemma4_checkpoint_equals_the_reference(tmp_path, method: str) -> None:
+    """Gemma 4 (the tiny E2B-style decoder) in int4: the global layers' k projection loaded as their values' too, the
+    KV-sharing layers' own q projection; the per-layer-input matrices float."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint("gemma4"), tmp_path / method
+    dequantized = write_int4_checkpoint(src, path, method, 16)
+    hf_config = load_hf_config(str(path))
+    model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+    ref, unquantized = Int4Reference(src, dequantized), Int4Reference(src, {})
+    assert "model.layers.3.self_attn.q_proj.weight" in dequantized
+    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+        assert float((logits - unquantized.logits(seq)).abs().max()) > 0.05  # it does serve the int4 weights
+
+
 def test_a_qwen3_5_gptq_checkpoint_equals_the_reference(tmp_path) -> None:
     """Qwen3.5's hybrid with its attention and MLP projections in GPTQ int4 and its Gated DeltaNet left float."""
     from asyncllm.tiny import tiny_checkpoint
