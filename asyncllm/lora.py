@@ -134,6 +134,16 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
         else shapes
 
 
+def layer_module_shapes(hf_config: Any) -> list[dict[str, tuple[int, int]]] | None:
+    """Each layer's adaptable projections where the layers differ (Gemma 4: head sizes, KV sharing, values that are
+    keys, double-wide MLPs); None where `module_shapes` holds for every layer."""
+    if getattr(hf_config, "model_type", None) != "gemma4_text":
+        return None
+    from asyncllm.models.gemma4_config import projection_shapes  # no torch
+
+    return projection_shapes(hf_config)
+
+
 def _linear_attention_shapes(hf_config: Any, hidden: int, q: int) -> dict[str, tuple[int, int]]:
     """Qwen3.5's: the gated attention's ``q_proj`` (queries and their gates), the Gated DeltaNet's projections."""
     key = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
@@ -155,6 +165,8 @@ class AdapterChecker:
         self.max_lora_rank = max_lora_rank
         self._num_layers = hf_text_config.num_hidden_layers
         self._shapes = module_shapes(hf_text_config)
+        self._layer_shapes = layer_module_shapes(hf_text_config)
+        """Each layer's own projections and shapes where layers differ (Gemma 4); None: `_shapes` for all."""
         self._arch = _architecture(hf_text_config) or "this model"
         self._checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}
         """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder)."""
@@ -187,10 +199,12 @@ class AdapterChecker:
             layer, projection = int(match.group(1)), match.group(3)
             if layer >= self._num_layers:
                 _fail(adapter.path, f"{name}: the model has {self._num_layers} layers")
-            expected = self._shapes.get(projection)
+            shapes = self._shapes if self._layer_shapes is None else self._layer_shapes[layer]
+            expected = shapes.get(projection)
             if expected is None:
-                _fail(adapter.path, f"{name}: {self._arch} has no {projection} to adapt (its projections: "
-                                    f"{', '.join(sorted(self._shapes))}){_fused_hint(projection)}")
+                where = self._arch if self._layer_shapes is None else f"layer {layer} of {self._arch}"
+                _fail(adapter.path, f"{name}: {where} has no {projection} to adapt (its projections: "
+                                    f"{', '.join(sorted(shapes))}){_fused_hint(projection)}")
             if (module.in_features, module.out_features) != expected:
                 _fail(adapter.path, f"{name} maps {module.in_features} -> {module.out_features} features, this "
                                     f"model's projection {expected[0]} -> {expected[1]} (an adapter of another model?)")

@@ -89,10 +89,10 @@ def prepare(config: EngineConfig) -> Prepared:
     if config.enable_lora:
         if (multimodal or arch in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders: Llama, Mistral, "
-                                                     "Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3, Phi-3, Granite, "
+                                                     "Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3, Gemma 4, Phi-3, Granite, "
                                                      "OLMo 2, the attention of Mixtral, Qwen2-MoE, Qwen3-MoE; and "
                                                      "the decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5; "
-                                                     "Gemma 3 image-text checkpoints as text: "
+                                                     "Gemma 3 / Gemma 4 image-text checkpoints as text: "
                                                      "limit_mm_per_prompt={'image': 0})")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
@@ -136,7 +136,7 @@ _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5F
             "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
             "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM",
             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
-            "Llama4ForConditionalGeneration", "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration",
+            "Llama4ForConditionalGeneration",
             *(a for a in HYBRID_ARCHITECTURES if not a.startswith("Qwen3_5")),
             *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",

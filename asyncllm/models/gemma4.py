@@ -18,7 +18,7 @@ checkpoints, served for text prompts): the Gemma decoder (gemma.py) with, in tra
 - each layer's output times its ``layer_scalar``; the RMSNorm is ``x / rms(x) * w`` (not ``1 + w``) in float32.
 
 Images: gemma4_mm.py. Not built (refused by name): ``use_bidirectional_attention="all"``, audio and video, pipeline
-parallelism (the layers' caches differ in shape), LoRA adapters, pre-quantized checkpoints.
+parallelism (the layers' caches differ in shape), pre-quantized 26B-A4B checkpoints (fused experts).
 """
 
 from __future__ import annotations
@@ -44,69 +44,13 @@ from asyncllm.models.llama import sliding_window_of
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, ReplicatedLinear
 from asyncllm.models.qwen3_vl_moe import per_expert_weights
 from asyncllm.models.rotary import RotaryEmbedding
+from asyncllm.models.gemma4_config import KVCacheLayout, check_gemma4, kv_cache_layout, layer_attention_shape
 from asyncllm.models.vision_language import decoder_weight_name
 
-__all__ = ["Gemma4ForCausalLM", "Gemma4TextOnly", "kv_cache_layout", "layer_attention_shape"]
+__all__ = ["Gemma4ForCausalLM", "Gemma4TextOnly", "gemma4_rms_norm", "kv_cache_layout", "layer_attention_shape"]
 
 _ENCODERS = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
 """An image-text-audio checkpoint's weights that the text-only model does not read."""
-
-
-def layer_attention_shape(cfg: Any, layer_idx: int) -> tuple[int, int]:
-    """Layer ``layer_idx``'s (KV heads, head_dim): the config's, or its ``per_layer_config`` overrides (the
-    global layers'; a transformers config's view or the plain dict a worker receives)."""
-    overrides = getattr(cfg, "per_layer_config", None) or {}
-    if isinstance(overrides, dict):
-        layer = overrides.get(str(layer_idx)) or overrides.get(layer_idx) or {}
-        get = layer.get
-    else:
-        view = overrides[layer_idx]
-        get = lambda key, default: getattr(view, key, default)  # noqa: E731
-    return int(get("num_key_value_heads", cfg.num_key_value_heads)), int(get("head_dim", cfg.head_dim))
-
-
-@dataclass(frozen=True)
-class KVCacheLayout:
-    """Which KV cache each layer uses, and each cache's shape."""
-
-    cache_of_layer: tuple[int, ...]
-    """Layer -> its cache's index; a KV-sharing layer has its source layer's."""
-    shares: tuple[bool, ...]
-    """Whether the layer reads another layer's cache (and computes no keys or values)."""
-    shapes: tuple[tuple[int, int], ...]
-    """Each cache's (total KV heads, head_dim)."""
-
-
-def kv_cache_layout(cfg: Any) -> KVCacheLayout:
-    """transformers' ``kv_sharing_modes``: layers from ``num_hidden_layers - num_kv_shared_layers`` on reuse the
-    keys and values of the last earlier layer of their type; every other layer has a cache of its own."""
-    layers, types = cfg.num_hidden_layers, list(cfg.layer_types)
-    first_shared = layers - int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
-    if first_shared <= 0:
-        raise NotBuiltError("model", cfg.num_kv_shared_layers, "Gemma 4 with every layer's KV shared (an assistant "
-                                                               "model that reads another model's keys and values)")
-    missing = set(types[first_shared:]) - set(types[:first_shared])
-    if missing:
-        raise NotBuiltError("model", sorted(missing), "Gemma 4 KV-sharing layers of a type no earlier layer computes")
-    cache_of_layer: list[int] = []
-    last_of_type: dict[str, int] = {}
-    shapes: list[tuple[int, int]] = []
-    for i, layer_type in enumerate(types):
-        if i < first_shared:
-            last_of_type[layer_type] = len(shapes)
-            shapes.append(layer_attention_shape(cfg, i))
-        cache_of_layer.append(last_of_type[layer_type])
-    shares = tuple(i >= first_shared for i in range(layers))
-    return KVCacheLayout(tuple(cache_of_layer), shares, tuple(shapes))
-
-
-def check_gemma4(cfg: Any) -> None:
-    """`NotBuiltError` for the Gemma 4 variants not built."""
-    if getattr(cfg, "use_bidirectional_attention", None) == "all":
-        raise NotBuiltError("model", "all", "Gemma 4 with use_bidirectional_attention='all'")
-    if cfg.hidden_activation != "gelu_pytorch_tanh":
-        raise NotBuiltError("model", cfg.hidden_activation, f"the {cfg.hidden_activation!r} activation in Gemma 4 "
-                                                            "(only 'gelu_pytorch_tanh')")
 
 
 def gemma4_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -364,6 +308,11 @@ class Gemma4ForCausalLM(MoECausalLM, GemmaForCausalLM):
             yield name, weight
             if layer in self.k_eq_v_layers and module == "k_proj":
                 yield name.replace(".k_proj.", ".v_proj."), weight
+
+    def lora_also_parts(self, param_name: str, part: object) -> tuple[object, ...]:
+        """A layer whose values are its keys: an adapter of its k projection adapts its values too (transformers'
+        values are that projection's output, adapter included)."""
+        return ("v",) if part == "k" and _layer_module(param_name)[0] in self.k_eq_v_layers else ()
 
     def _packed(self, ckpt_name: str) -> tuple[str, object]:
         """A KV-sharing layer's ``q_proj`` is a projection of its own (no fused q/k/v)."""

@@ -142,11 +142,13 @@ def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object
 
     tensors = load_file(adapter.weights_path, device="cpu")
     loaded = []
+    also = getattr(model, "lora_also_parts", lambda param_name, part: ())
     for name, module in adapter.modules.items():
         param_name, part = model._packed(f"{name}.weight")
         lora_a = _tensor(tensors, module.key or name, "A")
         lora_b = _tensor(tensors, module.key or name, "B")
-        loaded.append((param_name[: -len(".weight")], part, lora_a, lora_b, module.scaling))
+        for each in (part, *also(param_name, part)):  # Gemma 4's global layers: the k adapter is the v's too
+            loaded.append((param_name[: -len(".weight")], each, lora_a, lora_b, module.scaling))
     return loaded
 
 

@@ -2,13 +2,15 @@
 transformers', token for token, for the tiny E2B-style model (KV-sharing layers, per-layer inputs, sliding and global
 layers with KV caches of different shapes) and the tiny 26B-A4B-style one (experts beside the dense MLP): chunked,
 from the prefix cache, preempted by recompute and by swapping, over two tensor-parallel ranks (and by expert), and
-drafted by itself (speculative decoding)."""
+drafted by itself (speculative decoding); LoRA adapters equal PEFT's."""
 
 from __future__ import annotations
 
+import asyncio
 
 import pytest
 from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers, greedy_equals_transformers, token_prompts
+from hf_reference import hf_greedy
 
 from asyncllm import AsyncEngine, NotBuiltError
 from asyncllm.tiny import tiny_checkpoint
@@ -64,9 +66,42 @@ async def test_gemma4_drafted_by_itself_accepts_every_draft() -> None:
 
 @pytest.mark.parametrize("fields, match", [
     (dict(pipeline_parallel_size=2), "pipeline"),
-    (dict(enable_lora=True), "LoRA adapters for Gemma4ForCausalLM"),
 ])
 async def test_gemma4_refuses_what_is_not_built(fields: dict, match: str) -> None:
     with pytest.raises(NotBuiltError, match=match):
         async with AsyncEngine(tiny_checkpoint("gemma4"), disable_log_stats=True, **fields):
             pass
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+async def test_lora_adapters_on_gemma4_equal_peft(arch: str, tmp_path) -> None:
+    """PEFT adapters on every projection the layers have: the sliding layers' q/k/v, the global layers' q/k (their
+    values are the adapted keys), the KV-sharing layers' q alone, o, and the (double-wide) MLPs; two adapters and the
+    base model batched together: greedy tokens and the prompts' log-probabilities equal PEFT's and transformers'
+    (the tiny Gemmas' greedy tokens repeat, so the log-probabilities show the adapters' effect)."""
+    import torch
+    from lora_utils import make_adapter, peft_greedy, peft_logits
+
+    from asyncllm import LoRARequest, SamplingParams
+    from hf_reference import hf_logits
+
+    path = tiny_checkpoint(arch)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapters = [make_adapter(path, str(tmp_path / f"a{i}"), seed=i, targets=targets) for i in (1, 2)]
+    requests = [None, LoRARequest("one", 1, adapters[0]), LoRARequest("two", 2, adapters[1])]
+    prompts = token_prompts(3, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1)
+    async with AsyncEngine(path, enable_lora=True, max_loras=2, max_lora_rank=8, disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params, lora_request=r) for p, r in zip(prompts, requests)))
+    assert outs[0].token_ids == hf_greedy(path, prompts[0], MAX_TOKENS, eos_token_id=None)
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        adapter = adapters[i - 1] if i else None
+        logits = peft_logits(path, adapter, prompt) if adapter else hf_logits(path, prompt)
+        expected = torch.log_softmax(logits.float(), -1)[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+        got = torch.tensor([entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], prompt[1:])])
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+        if adapter:
+            assert out.token_ids == peft_greedy(path, adapter, prompt, MAX_TOKENS, eos_token_id=None)
+            base = torch.log_softmax(hf_logits(path, prompt).float(), -1)[torch.arange(len(prompt) - 1),
+                                                                          torch.tensor(prompt[1:])]
+            assert (base - expected).abs().max() > 1e-2  # the adapter matters

@@ -192,3 +192,28 @@ def test_vision_tower_features_equal_transformers(tmp_path, standardize: bool, c
         torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
         rows.append(length)
     assert rows[0] != rows[1] and np.all(np.array(rows) <= 70)
+
+
+def test_the_hosts_adapter_check_knows_each_layers_projections(tmp_path) -> None:
+    """Gemma 4's layers differ: a PEFT adapter on every projection passes the host's check (global layers' q is
+    twice as wide, sharing layers' MLPs too), one naming a v projection where a layer has none is refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from asyncllm.errors import InvalidRequestError
+    from asyncllm.lora import AdapterChecker, LoRARequest
+    from lora_utils import make_adapter
+
+    path = tiny_checkpoint("gemma4")
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    good = make_adapter(path, str(tmp_path / "good"), seed=1, targets=targets)
+    checker = AdapterChecker(load_hf_config(path), max_lora_rank=8)
+    checker.check(LoRARequest("good", 1, good))
+    bad = str(tmp_path / "bad")
+    shutil.copytree(good, bad)
+    tensors = load_file(f"{bad}/adapter_model.safetensors")
+    renamed = {k.replace("layers.0.self_attn.v_proj", "layers.1.self_attn.v_proj"): v for k, v in tensors.items()}
+    save_file(renamed, f"{bad}/adapter_model.safetensors")
+    with pytest.raises(InvalidRequestError, match="layer 1 of Gemma4ForCausalLM has no v_proj"):
+        checker.check(LoRARequest("bad", 2, bad))
