@@ -20,6 +20,7 @@ the int32's sign bit and GPTQ v1 stores zero 0 as 15); the values are ``clamp(ro
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -28,7 +29,9 @@ import torch
 from hf_reference import model_greedy, model_logits
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+               "w1", "w2", "w3",  # Mixtral-named experts (Mixtral, MiniMax-M2)
+               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's latent attention
 
 
 def to_int32(values: torch.Tensor) -> torch.Tensor:
@@ -144,6 +147,11 @@ def _section(method: str, group: int, bits: int, desc_act: bool, ignored: tuple[
     return {**section, "modules_to_not_convert": list(ignored)} if ignored else section
 
 
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_EXPERT_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+"""An expert's matrix, per expert in the checkpoint, stacked in transformers 5's model."""
+
+
 class Int4Reference:
     """transformers' float32 model of ``src`` whose quantized projections hold the dequantized weights."""
 
@@ -154,7 +162,18 @@ class Int4Reference:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, weight in dequantized.items():
-                params[name].copy_(weight)
+                expert = _EXPERT.match(name)
+                if name in params or expert is None:
+                    params[name].copy_(weight)
+                    continue
+                stacked, index = expert.group(1).replace("block_sparse_moe", "mlp"), int(expert.group(2))
+                part = _EXPERT_PART.get(expert.group(3), expert.group(3))  # transformers 5's stacked experts
+                if part == "down_proj":
+                    params[f"{stacked}.down_proj"][index].copy_(weight)
+                else:
+                    gate_up = params[f"{stacked}.gate_up_proj"][index]
+                    inter = gate_up.shape[0] // 2
+                    gate_up[(0 if part == "gate_proj" else inter):][:inter].copy_(weight)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         return model_logits(self.model, token_ids)

@@ -320,7 +320,7 @@ def _block_size(value: Any, model: str) -> tuple[int, int] | None:
     return int(value[0]), int(value[1])
 
 
-_FUSED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
+FUSED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
                                "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM",
                                "Qwen3VLMoeForConditionalGeneration", "Gemma4ForCausalLM",
                                "Gemma4ForConditionalGeneration")
@@ -331,7 +331,7 @@ def _refuse_fp8_architecture(hf_config: Any, model: str, cfg: Fp8CheckpointConfi
     from asyncllm.models.architectures import architecture_of, has_experts, refuse_quantized_multimodal
 
     arch = architecture_of(hf_config)
-    if has_experts(hf_config, arch) and (arch in _FUSED_EXPERT_ARCHITECTURES or cfg.weight_block_size is None):
+    if has_experts(hf_config, arch) and (arch in FUSED_EXPERT_ARCHITECTURES or cfg.weight_block_size is None):
         raise NotBuiltError("model", model, f"pre-quantized fp8 experts of {arch} (block-wise fp8 experts stored "
                                             "per expert are served; online quantization='fp8' keeps experts "
                                             "unquantized)")

@@ -351,12 +351,17 @@ def fill_int4_weights(model: nn.Module, config: Any, cfg: Int4CheckpointConfig, 
     if use_triton and config.enable_lora:
         raise NotBuiltError("enable_lora", True, "LoRA adapters over AWQ / GPTQ layers on a GPU (their weights stay "
                                                  "packed; on the CPU they are dequantized and adapters work)")
+    from asyncllm.models.int4_experts import draw_int4_experts, finish_int4_experts, make_int4_expert_params
+
     if config.load_format == "dummy":
         init_dummy_weights(model, config.seed)  # what stays unquantized
     make_int4_params(model, cfg)
+    make_int4_expert_params(model, cfg)
     if config.load_format == "dummy":
         _draw_int4_weights(model, cfg, config.seed)
+        draw_int4_experts(model, cfg, config.seed)
     else:
         load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype,
                         functools.partial(drop_extra_biases, model))
     finish_int4_params(model, cfg, use_triton)
+    finish_int4_experts(model, cfg)

@@ -168,8 +168,11 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-_EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv)$")
-"""An expert's matrix, or (block-fp8 checkpoints) its block scales."""
+_EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|qweight|qzeros|scales|g_idx)$")
+"""An expert's matrix, or (block-fp8 checkpoints) its block scales, or (AWQ / GPTQ) its integer tensors."""
+INT4_EXPERT_KINDS = ("qweight", "qzeros", "scales", "g_idx")
+"""An AWQ / GPTQ expert matrix's tensors (g_idx: GPTQ's only), staged as ``experts.{gate,up,down}_{kind}``
+(asyncllm/models/int4_experts.py)."""
 
 
 class MoECausalLM:
@@ -212,12 +215,20 @@ class MoECausalLM:
         if match is None or match.group(3) not in self.expert_parts:
             return super()._packed(name)  # type: ignore[misc]
         prefix, expert, part = match.group(1), int(match.group(2)), self.expert_parts[match.group(3)]
+        if match.group(4) in INT4_EXPERT_KINDS:
+            return f"{prefix}.experts.{part}_{match.group(4)}", (expert, part)
         suffix = match.group(4).removeprefix("weight")
         return f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}_weight{suffix}", (expert, part)
 
     def _unpacked(self, param_name: str) -> list[tuple[str, object]]:
         prefix, _, leaf = param_name.rpartition(".experts.")
         ckpt_prefix = prefix.removesuffix(".mlp") + f".{self.moe_module}" if prefix.endswith(".mlp") else prefix
+        part, _, int4_kind = leaf.partition("_")
+        if part in ("gate", "up", "down") and int4_kind in INT4_EXPERT_KINDS:  # AWQ / GPTQ staging
+            experts = self.get_submodule(f"{prefix}.experts")  # type: ignore[attr-defined]
+            names = {p: ckpt for ckpt, p in self.expert_parts.items()}
+            return [(f"{ckpt_prefix}.experts.{e}.{names[part]}.{int4_kind}", (e, part))
+                    for e in range(experts.expert_start, experts.expert_start + experts.num_local_experts)]
         kind, _, suffix = leaf.partition("_weight")
         if kind in ("w13", "w2") and suffix in ("", "_scale_inv"):
             experts: FusedMoE = self.get_submodule(f"{prefix}.experts")  # type: ignore[attr-defined]

@@ -63,7 +63,7 @@ def test_the_quantization_config_is_read() -> None:
     (_hf(GPTQ), "fp8", ConfigError, "pre-quantized with 'gptq'"),
     (_hf({"quant_method": "fp8"}), "awq", ConfigError, "pre-quantized with 'fp8'"),
     (SimpleNamespace(architectures=LLAMA), "gptq", ConfigError, "this one has none"),
-    (_hf(AWQ, ["Qwen3MoeForCausalLM"]), None, NotBuiltError, "awq mixture-of-experts model"),
+    (_hf(AWQ, ["GptOssForCausalLM"]), None, NotBuiltError, "experts are stored fused"),
     (_hf(GPTQ, ["LlavaForConditionalGeneration"]), None, NotBuiltError, "gptq LlavaForConditionalGeneration"),
     (_hf(AWQ, ["Qwen2_5_VLForConditionalGeneration"]), None, NotBuiltError, "with a quantized vision tower"),
     (_hf({"quant_method": "bitsandbytes"}), None, NotBuiltError, "pre-quantized 'bitsandbytes' checkpoint"),
@@ -272,6 +272,46 @@ def test_a_gemma4_checkpoint_equals_the_reference(tmp_path, method: str) -> None
     for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
         assert float((logits - unquantized.logits(seq)).abs().max()) > 0.05  # it does serve the int4 weights
+
+
+@pytest.mark.parametrize("arch, method, group", [("qwen3_moe", "gptq", 16), ("qwen3_moe", "awq", 16),
+                                                  ("qwen2_moe", "gptq", 16), ("mixtral", "awq", 8),
+                                                  ("deepseek_v3", "gptq", 8)])
+def test_a_moe_checkpoint_with_int4_experts_equals_the_reference(tmp_path, arch: str, method: str, group: int) -> None:
+    """AWQ / GPTQ mixtures of experts (Qwen3-30B-A3B-AWQ's layout: every expert's gate, up and down quantized,
+    the router float; Qwen2-MoE's shared expert; Mixtral's w1 / w3 / w2; DeepSeek-V3's latent attention too): the
+    experts dequantized at load compute as the reference's dequantized weights."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint(arch), tmp_path / method
+    dequantized = write_int4_checkpoint(src, path, method, group)
+    assert any(".experts.0." in name for name in dequantized)
+    hf_config = load_hf_config(str(path))
+    model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+    ref, unquantized = Int4Reference(src, dequantized), Int4Reference(src, {})
+    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+        assert float((logits - unquantized.logits(seq)).abs().max()) > 0.1  # it does serve the int4 weights
+    experts = next(m for m in model.modules() if hasattr(m, "w13_weight"))
+    assert experts.w13_weight.dtype == torch.float32 and not hasattr(experts, "gate_qweight")
+
+
+def test_int4_experts_refused_and_dummy(tmp_path) -> None:
+    """GPTQ act-order experts are refused by name; dummy weights stage and dequantize experts too."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint("qwen3_moe"), tmp_path / "gptq"
+    write_int4_checkpoint(src, path, "gptq", 16, 4, True)
+    with pytest.raises(NotBuiltError, match="act-order"):
+        load_model(EngineConfig.create(str(path)), load_hf_config(str(path)), CPU, torch.float32)
+    path = tmp_path / "awq"
+    write_int4_checkpoint(src, path, "awq", 16)
+    model = load_model(EngineConfig.create(str(path), load_format="dummy"), load_hf_config(str(path)), CPU,
+                       torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    assert torch.isfinite(experts.w13_weight).all() and 0 < float(experts.w13_weight.abs().max()) < 0.1
 
 
 def test_a_qwen3_5_gptq_checkpoint_equals_the_reference(tmp_path) -> None:

@@ -1,0 +1,159 @@
+"""AWQ / GPTQ experts of a mixture of experts (Qwen3-30B-A3B-AWQ, -GPTQ-Int4 and the like), dequantized at load.
+
+A checkpoint stores each expert's gate, up and down matrices in its format (asyncllm/models/int4_checkpoint.py:
+AWQ ``qweight [in, out/8]``, GPTQ ``qweight [in/p, out]``, their ``qzeros``, ``scales`` and GPTQ's ``g_idx``).
+`make_int4_expert_params` gives each `FusedMoE` this rank's part of them as staging parameters (``gate_qweight``,
+``up_scales``, ``down_g_idx``, ... stacked over its experts: the gate and up split by their output columns, the
+down by its input rows, or whole experts with expert parallelism), which the checkpoint fills; then
+`finish_int4_experts` dequantizes every expert in float32, rounds it to the model dtype once and stacks it into
+the ``w13`` / ``w2`` weights the fused-MoE op reads, dropping the staging tensors. The experts then compute as
+float ones: exact against the dequantized weights, but no memory is saved on them (a fused int4 expert kernel is
+not built). GPTQ's act-order (``desc_act``) experts are refused.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.kernels import reference
+from asyncllm.models.int4_checkpoint import UnpackedWeight, _awq_unpack, unpack_columns
+from asyncllm.models.int4_config import Int4CheckpointConfig
+from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
+from asyncllm.models.moe import INT4_EXPERT_KINDS, FusedMoE
+
+__all__ = ["make_int4_expert_params", "finish_int4_experts"]
+
+
+def _quantized_experts(model: nn.Module, cfg: Int4CheckpointConfig) -> Iterator[tuple[str, FusedMoE]]:
+    for name, module in model.named_modules():
+        if isinstance(module, FusedMoE) and not cfg.is_ignored(f"{name}.0.down_proj"):
+            yield name, module
+
+
+def _parts(moe: FusedMoE) -> tuple[str, ...]:
+    return ("gate", "up", "down") if moe.gated else ("up", "down")
+
+
+def _shape(moe: FusedMoE, part: str, kind: str, cfg: Int4CheckpointConfig, hidden: int) -> tuple[int, ...]:
+    """A staging tensor's shape: ``[experts, ...]`` of this rank's rows and columns in the checkpoint's layout."""
+    k, n = (moe.intermediate, hidden) if part == "down" else (hidden, moe.intermediate)
+    pack, group = cfg.pack_factor, _group(moe, part, cfg, hidden)
+    shapes = {"qweight": (k, n // pack) if cfg.method == "awq" else (k // pack, n),
+              "qzeros": (-(-k // group), n // pack), "scales": (-(-k // group), n), "g_idx": (k,)}
+    return (moe.num_local_experts, *shapes[kind])
+
+
+def _group(moe: FusedMoE, part: str, cfg: Int4CheckpointConfig, hidden: int) -> int:
+    if cfg.group_size > 0:
+        return cfg.group_size
+    return moe.intermediate if part == "down" else hidden  # one group for a whole (unsplit) input
+
+
+def _check(name: str, moe: FusedMoE, cfg: Int4CheckpointConfig) -> None:
+    if cfg.desc_act:
+        raise NotBuiltError("model", name, "GPTQ act-order (desc_act) experts")
+    split = moe.tp.size > 1 and not moe.expert_parallel
+    bad_pack = moe.intermediate % cfg.pack_factor
+    bad_group = split and (cfg.group_size <= 0 or moe.intermediate % cfg.group_size)
+    if bad_pack or bad_group:
+        raise ConfigError("tensor_parallel_size", moe.tp.size, f"a split of {name}'s experts on whole packs and "
+                                                               f"groups ({moe.intermediate} intermediate rows per "
+                                                               "rank): try enable_expert_parallel")
+
+
+def make_int4_expert_params(model: nn.Module, cfg: Int4CheckpointConfig) -> int:
+    """Staging parameters for every quantized `FusedMoE` (its float ``w13`` / ``w2`` dropped); how many."""
+    count = 0
+    for name, moe in _quantized_experts(model, cfg):
+        _check(name, moe, cfg)
+        hidden, device = moe.w13_weight.shape[2], moe.w13_weight.device
+        moe.int4_shape = (tuple(moe.w13_weight.shape), tuple(moe.w2_weight.shape), moe.w13_weight.dtype)
+        del moe.w13_weight, moe.w2_weight
+        kinds = INT4_EXPERT_KINDS if cfg.method == "gptq" else INT4_EXPERT_KINDS[:-1]
+        with torch.device(device):
+            for part in _parts(moe):
+                for kind in kinds:
+                    dtype = torch.float32 if kind == "scales" else torch.int32
+                    loader = lambda param, loaded, shard, p=part, k=kind, m=moe: _load(m, p, k, cfg, param, loaded,
+                                                                                      shard)
+                    setattr(moe, f"{part}_{kind}", new_param(*_shape(moe, part, kind, cfg, hidden), dtype=dtype,
+                                                             loader=loader))
+        count += 1
+    return count
+
+
+def _load(moe: FusedMoE, part: str, kind: str, cfg: Int4CheckpointConfig, param: nn.Parameter,
+          loaded: LoadedWeight, shard: tuple[int, str]) -> None:
+    """One expert's checkpoint tensor: this rank's columns (gate, up) or rows (down) of it."""
+    expert = shard[0] - moe.expert_start
+    start = 0 if moe.expert_parallel else moe.tp.rank * moe.intermediate
+    length, pack, group = moe.intermediate, cfg.pack_factor, cfg.group_size
+    if part == "down":  # split by input rows: qweight (GPTQ's by packs), zero points and scales by groups, g_idx
+        rows = {"qweight": pack if cfg.method == "gptq" else 1, "g_idx": 1}.get(kind, group if group > 0 else length)
+        src = weight_narrow(loaded, 0, start // rows, -(-length // rows))
+    elif kind == "g_idx":
+        src = loaded
+    else:  # split by output columns: packed ones for AWQ's qweight and every qzeros
+        columns = pack if kind == "qzeros" or (kind == "qweight" and cfg.method == "awq") else 1
+        src = weight_narrow(loaded, 1, start // columns, length // columns)
+    copy_weight(param.data[expert], src)
+
+
+@torch.no_grad()
+def _dequantized(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, hidden: int) -> torch.Tensor:
+    """One local expert's matrix ``[out, in]`` in float32."""
+    tensor = {kind: getattr(moe, f"{part}_{kind}").data[expert] for kind in INT4_EXPERT_KINDS if
+              hasattr(moe, f"{part}_{kind}")}
+    if cfg.method == "awq":
+        q, zeros = _awq_unpack(tensor["qweight"]), _awq_unpack(tensor["qzeros"])
+    else:
+        q = reference.unpack_int_rows(tensor["qweight"], cfg.bits)
+        zeros = (unpack_columns(tensor["qzeros"], cfg.bits) + cfg.zero_offset) & ((1 << cfg.bits) - 1)
+    groups = torch.arange(q.shape[0], device=q.device) // _group(moe, part, cfg, hidden)
+    if cfg.method == "gptq":
+        offset = 0 if part != "down" or moe.expert_parallel else moe.tp.rank * moe.intermediate
+        if not torch.equal(tensor["g_idx"].long() - (offset // _group(moe, part, cfg, hidden) if cfg.group_size > 0
+                                                     else 0), groups):
+            raise ConfigError("model", f"expert {expert + moe.expert_start}'s {part}_proj",
+                              "a g_idx of k // group_size, as its quantization_config's desc_act false says")
+    return UnpackedWeight(q, zeros, tensor["scales"].float(), groups).dequantize().t()
+
+
+@torch.no_grad()
+def finish_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig) -> None:
+    """Every quantized `FusedMoE`'s experts dequantized into its ``w13`` / ``w2`` weights, the staging dropped."""
+    for _, moe in _quantized_experts(model, cfg):
+        (w13_shape, w2_shape, dtype), hidden = moe.int4_shape, moe.int4_shape[0][2]
+        w13 = torch.stack([torch.cat([_dequantized(moe, part, e, cfg, hidden) for part in _parts(moe)[:-1]])
+                           for e in range(moe.num_local_experts)])
+        w2 = torch.stack([_dequantized(moe, "down", e, cfg, hidden) for e in range(moe.num_local_experts)])
+        for part in _parts(moe):
+            for kind in INT4_EXPERT_KINDS:
+                if hasattr(moe, f"{part}_{kind}"):
+                    delattr(moe, f"{part}_{kind}")
+        assert tuple(w13.shape) == w13_shape and tuple(w2.shape) == w2_shape, (w13.shape, w2.shape)
+        moe.w13_weight = nn.Parameter(w13.to(dtype), requires_grad=False)
+        moe.w2_weight = nn.Parameter(w2.to(dtype), requires_grad=False)
+        del moe.int4_shape
+
+
+@torch.no_grad()
+def draw_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, seed: int) -> None:
+    """``load_format="dummy"``: random packed values and zero points, scales up to 0.005, trivial ``g_idx``."""
+    gen = torch.Generator().manual_seed(seed)
+    for _, moe in _quantized_experts(model, cfg):
+        hidden = moe.int4_shape[0][2]
+        for part in _parts(moe):
+            for kind in ("qweight", "qzeros"):
+                param = getattr(moe, f"{part}_{kind}")
+                param.copy_(torch.randint(-2**31, 2**31 - 1, param.shape, generator=gen, dtype=torch.int32))
+            scales = getattr(moe, f"{part}_scales")
+            scales.copy_(torch.rand(scales.shape, generator=gen) * 0.005)
+            if cfg.method == "gptq":
+                g_idx = getattr(moe, f"{part}_g_idx")
+                offset = moe.tp.rank * moe.intermediate if part == "down" and not moe.expert_parallel else 0
+                g_idx.copy_(((torch.arange(g_idx.shape[1]) + offset) // _group(moe, part, cfg, hidden)).expand_as(g_idx))
