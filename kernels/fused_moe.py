@@ -44,7 +44,7 @@ import triton.language as tl
 from asyncllm.kernels._math import tanh
 from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
 from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8
-from asyncllm.kernels.reference import MOE_ACTIVATIONS as ACTIVATIONS, ClampedSwiglu, Fp8Experts
+from asyncllm.kernels.reference import MOE_ACTIVATIONS as ACTIVATIONS, ClampedSwiglu, Fp8Experts, IntExperts
 
 __all__ = ["Alignment", "MoeConfig", "align_tokens", "fused_moe", "moe_config"]
 
@@ -173,6 +173,28 @@ def _product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
 
 
 @triton.jit
+def _int_tile(q_rows, s_rows, z_rows, k0, offs_k, mask, n_mask, BITS: tl.constexpr, GROUP_K: tl.constexpr,
+              BLOCK_K: tl.constexpr, dtype):
+    """``[BLOCK_K, BLOCK_N]`` weights of packed integer experts (`reference.IntExperts`): output rows ``n`` (``*_rows``
+    point at each row: ``[1, BLOCK_N]``) at inputs ``k0 + offs_k``, dequantized in float32, rounded to ``dtype``.
+    When a K step lies inside one group (``BLOCK_K`` divides ``GROUP_K``), one row of scales and zero points is
+    loaded per step instead of one per input."""
+    PACK: tl.constexpr = 32 // BITS
+    k = k0 + offs_k
+    packed = tl.load(q_rows + (k // PACK)[:, None], mask=mask, other=0)
+    q = ((packed >> ((k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
+    if GROUP_K % BLOCK_K == 0:
+        group = k0 // GROUP_K
+        scale = tl.load(s_rows + group, mask=n_mask[None, :], other=0.0).to(tl.float32)
+        zero = tl.load(z_rows + group, mask=n_mask[None, :], other=0.0).to(tl.float32)
+    else:
+        groups = (k // GROUP_K)[:, None]
+        scale = tl.load(s_rows + groups, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_rows + groups, mask=mask, other=0.0).to(tl.float32)
+    return ((q - zero) * scale).to(dtype)
+
+
+@triton.jit
 def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     """Row block ``pid_m``: its expert, its rows' pair indices (int64), and which rows are pairs (not padding)."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
@@ -183,11 +205,13 @@ def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: 
 @triton.jit
 def _gate_up_kernel(
     hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr, a_s_ptr, w_s_ptr,
+    w_z_ptr,
     hidden_stride, w13_stride_e, w13_stride_n, act_stride, bias_stride_e, a_s_stride, w_s_stride_e, w_s_stride_n,
     num_pairs, H, I, alpha, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, GATED: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr, GELU_TANH: tl.constexpr,
+    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -208,18 +232,32 @@ def _gate_up_kernel(
     up_s_ptrs = w_s_ptr + expert * w_s_stride_e + (up_rows // GROUP_N).to(tl.int64) * w_s_stride_n
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    rows = offs_n.to(tl.int64)[None, :]  # INT_BITS: each output row's packed values, scales and zero points
+    gate_q = w13_ptr + expert * w13_stride_e + rows * w13_stride_n
+    gate_sz = expert * w_s_stride_e + rows * w_s_stride_n
+    up_q = gate_q + I * w13_stride_n if GATED else gate_q
+    up_sz = gate_sz + I * w_s_stride_n if GATED else gate_sz
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
         group = k0 // BLOCK_K
-        if GATED:
-            gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-            acc_gate = _product(acc_gate, a, gate, a_s_ptrs + group, gate_s_ptrs + group, row_mask, n_mask,
-                                DOT_PRECISION, FP8, UPCAST)
-        up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-        acc_up = _product(acc_up, a, up, a_s_ptrs + group, up_s_ptrs + group, row_mask, n_mask,
-                          DOT_PRECISION, FP8, UPCAST)
+        if INT_BITS:
+            if GATED:
+                gate = _int_tile(gate_q, w_s_ptr + gate_sz, w_z_ptr + gate_sz, k0, offs_k, w_mask, n_mask, INT_BITS,
+                                 GROUP_K, BLOCK_K, dtype)
+                acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
+            up = _int_tile(up_q, w_s_ptr + up_sz, w_z_ptr + up_sz, k0, offs_k, w_mask, n_mask, INT_BITS, GROUP_K,
+                           BLOCK_K, dtype)
+            acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
+        else:
+            if GATED:
+                gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
+                acc_gate = _product(acc_gate, a, gate, a_s_ptrs + group, gate_s_ptrs + group, row_mask, n_mask,
+                                    DOT_PRECISION, FP8, UPCAST)
+            up = tl.load(up_ptrs, mask=w_mask, other=0.0)
+            acc_up = _product(acc_up, a, up, a_s_ptrs + group, up_s_ptrs + group, row_mask, n_mask,
+                              DOT_PRECISION, FP8, UPCAST)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -242,11 +280,12 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr,
-    a_s_ptr, w_s_ptr,
+    a_s_ptr, w_s_ptr, w_z_ptr,
     act_stride, w2_stride_e, w2_stride_n, out_stride, bias_stride_e, a_s_stride, w_s_stride_e, w_s_stride_n,
     num_pairs, H, I,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr,
+    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -263,12 +302,21 @@ def _down_kernel(
     a_s_ptrs = a_s_ptr + pairs * a_s_stride
     w_s_ptrs = w_s_ptr + expert * w_s_stride_e + (offs_n // GROUP_N).to(tl.int64) * w_s_stride_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    rows = offs_n.to(tl.int64)[None, :]  # INT_BITS: each output row's packed values, scales and zero points
+    w_q = w2_ptr + expert * w2_stride_e + rows * w2_stride_n
+    w_sz = expert * w_s_stride_e + rows * w_s_stride_n
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        group = k0 // BLOCK_K
-        acc = _product(acc, a, w, a_s_ptrs + group, w_s_ptrs + group, row_mask, n_mask, DOT_PRECISION, FP8, UPCAST)
+        if INT_BITS:
+            w = _int_tile(w_q, w_s_ptr + w_sz, w_z_ptr + w_sz, k0, offs_k, k_mask[:, None] & n_mask[None, :],
+                          n_mask, INT_BITS, GROUP_K, BLOCK_K, dtype)
+            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        else:
+            w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+            group = k0 // BLOCK_K
+            acc = _product(acc, a, w, a_s_ptrs + group, w_s_ptrs + group, row_mask, n_mask, DOT_PRECISION, FP8,
+                           UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
@@ -280,7 +328,7 @@ def _down_kernel(
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
-    activation: str = "silu", fp8: Fp8Experts | None = None,
+    activation: str = "silu", fp8: Fp8Experts | None = None, int_experts: IntExperts | None = None,
 ) -> torch.Tensor:
     """hidden ``[T, H]``, w13 ``[E, 2I, H]`` (gate rows, then up rows), w2 ``[E, H, I]``, topk_weights
     ``[T, k]`` float32, topk_ids ``[T, k]`` int32/int64 -> ``[T, H]`` in hidden's dtype.
@@ -289,8 +337,10 @@ def fused_moe(
     [E, 2I]``, ``w2_bias [E, H]`` (hidden's dtype) and the clamped SwiGLU ``swiglu``, as `reference.fused_moe`.
     ``activation="relu2"``: experts without a gate, w13 ``[E, I, H]`` (up rows only), ``relu(up) ** 2``;
     ``"gelu_tanh"``: ``gelu_tanh(gate) * up`` (Gemma 4's experts).
-    ``fp8``: w13 and w2 in float8_e4m3fn with block scales (`reference.Fp8Experts`; ``bk`` a power of two >= 16)."""
-    num_experts, inter = _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, fp8)
+    ``fp8``: w13 and w2 in float8_e4m3fn with block scales (`reference.Fp8Experts`; ``bk`` a power of two >= 16).
+    ``int_experts``: w13 ``[E, 2I, H / p]`` and w2 ``[E, H, I / p]`` packed int32 with their scales and zero points
+    (`reference.IntExperts`: AWQ / GPTQ experts), dequantized tile by tile."""
+    num_experts, inter = _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, fp8, int_experts)
     _check_bias("w13_bias", w13_bias, hidden, (num_experts, w13.shape[1]))
     _check_bias("w2_bias", w2_bias, hidden, (num_experts, hidden.shape[1]))
     (num_tokens, h), top_k = hidden.shape, topk_ids.shape[1]
@@ -301,6 +351,8 @@ def fused_moe(
     cfg = moe_config(num_pairs, num_experts, hidden.dtype, hidden.is_cuda)
     if fp8 is not None:  # one K step per scale group
         cfg = cfg._replace(block_k=fp8.block[1])
+    if int_experts is not None:  # the dequantized tiles take registers and shared memory: two stages
+        cfg = cfg._replace(num_stages=min(cfg.num_stages, 2))
     aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
     num_blocks = aligned.block_experts.shape[0]
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -308,47 +360,68 @@ def fused_moe(
                   GROUP_N=fp8.block[0] if fp8 else 1, num_warps=cfg.num_warps,
                   UPCAST=not hidden.is_cuda or (fp8 is not None and fp8.block[1] < 32),  # fp8 dots want K >= 32
                   num_stages=cfg.num_stages)
+    ints = int_experts
+    consts.update(INT_BITS=ints.bits if ints else 0, GROUP_K=ints.group if ints else 1)
     a, a_s = per_token_group_quant_fp8(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
-    w_s = fp8.w13_scale if fp8 else hidden  # never read without FP8 (nor a bias without HAS_BIAS)
+    w_s = fp8.w13_scale if fp8 else ints.w13_scales if ints else hidden  # read only by FP8 / INT_BITS
+    w_z = ints.w13_zeros if ints else hidden
     act = (torch.zeros if fp8 else torch.empty)((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
         a, w13, act, aligned.sorted_pairs, aligned.block_experts, aligned.total_rows,
-        hidden if w13_bias is None else w13_bias, a_s, w_s,
+        hidden if w13_bias is None else w13_bias, a_s, w_s, w_z,
         a.stride(0), w13.stride(0), w13.stride(1), act.stride(0), 0 if w13_bias is None else w13_bias.stride(0),
-        a_s.stride(0), w_s.stride(0), w_s.stride(1) if fp8 else 0,
+        a_s.stride(0), w_s.stride(0), w_s.stride(1) if fp8 or ints else 0,
         num_pairs, h, inter, swiglu.alpha if swiglu else 0.0, swiglu.limit if swiglu else 0.0,
         TOP_K=top_k, HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=activation != "relu2",
         GELU_TANH=activation == "gelu_tanh", **consts,
     )
     a, a_s = per_token_group_quant_fp8(act, fp8.block[1]) if fp8 else (act, act)
-    w_s = fp8.w2_scale if fp8 else hidden
+    w_s = fp8.w2_scale if fp8 else ints.w2_scales if ints else hidden
+    w_z = ints.w2_zeros if ints else hidden
     out2 = out.view(num_pairs, h)
     _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
         a, w2, out2, topk_weights.reshape(-1).contiguous(), aligned.sorted_pairs, aligned.block_experts,
-        aligned.total_rows, hidden if w2_bias is None else w2_bias, a_s, w_s,
+        aligned.total_rows, hidden if w2_bias is None else w2_bias, a_s, w_s, w_z,
         a.stride(0), w2.stride(0), w2.stride(1), out2.stride(0), 0 if w2_bias is None else w2_bias.stride(0),
-        a_s.stride(0), w_s.stride(0), w_s.stride(1) if fp8 else 0,
+        a_s.stride(0), w_s.stride(0), w_s.stride(1) if fp8 or ints else 0,
         num_pairs, h, inter, HAS_BIAS=w2_bias is not None, **consts,
     )
     return out.sum(dim=1)
 
 
 def _check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, activation: str, fp8: Fp8Experts | None) -> tuple[int, int]:
+                topk_ids: torch.Tensor, activation: str, fp8: Fp8Experts | None,
+                ints: IntExperts | None = None) -> tuple[int, int]:
     """(experts, intermediate size), or a `ValueError` naming the argument that does not fit."""
     check(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    check(fp8 is None or ints is None, "fp8 or int_experts, not both")
     gated = activation != "relu2"
     check_float("hidden", hidden, 2)
     check_last_dim_contiguous("hidden", hidden)
     num_tokens, h = hidden.shape
-    w_dtype = torch.float8_e4m3fn if fp8 else hidden.dtype
+    w_dtype = torch.float8_e4m3fn if fp8 else torch.int32 if ints else hidden.dtype
+    pack = 32 // ints.bits if ints else 1
+    if ints is not None:
+        check(ints.bits in (4, 8) and ints.group >= 1, f"int_experts: 4 or 8 bits and a group >= 1, got {ints.bits} "
+                                                       f"bits and group {ints.group}")
+        check(h % pack == 0, f"int_experts: hidden size {h} must be a multiple of the {pack} values per int32")
+        h //= pack  # w13's packed columns
     check(w13.dim() == 3 and w13.dtype == w_dtype and w13.shape[2] == h
           and (w13.shape[1] % 2 == 0 or not gated) and w13.shape[0] >= 1,
           f"w13 must be [E, {'2I' if gated else 'I'}, {h}] of {w_dtype}, got {tuple(w13.shape)} of {w13.dtype}")
     check_last_dim_contiguous("w13", w13)
     num_experts, inter = w13.shape[0], w13.shape[1] // 2 if gated else w13.shape[1]
-    check(w2.dim() == 3 and w2.dtype == w_dtype and tuple(w2.shape) == (num_experts, h, inter),
-          f"w2 must be [{num_experts}, {h}, {inter}] of {w_dtype}, got {tuple(w2.shape)} of {w2.dtype}")
+    h *= pack
+    check(w2.dim() == 3 and w2.dtype == w_dtype and tuple(w2.shape) == (num_experts, h, inter // pack),
+          f"w2 must be [{num_experts}, {h}, {inter // pack}] of {w_dtype}, got {tuple(w2.shape)} of {w2.dtype}")
+    if ints is not None:
+        for name, t, rows, cols in (("w13", ints.w13_scales, w13.shape[1], h), ("w2", ints.w2_scales, h, inter)):
+            for kind, tensor in (("scales", t), ("zeros", ints.w13_zeros if name == "w13" else ints.w2_zeros)):
+                shape = (num_experts, rows, -(-cols // ints.group))
+                check(tuple(tensor.shape) == shape and tensor.stride(-1) == 1,
+                      f"int_experts.{name}_{kind} must be {list(shape)} (last dim contiguous), got {tuple(tensor.shape)}")
+            check(t.stride() == (ints.w13_zeros if name == "w13" else ints.w2_zeros).stride(),
+                  f"int_experts.{name} scales and zeros must share their strides")
     check_last_dim_contiguous("w2", w2)
     check(topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     check(topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens and topk_ids.shape[1] >= 1,

@@ -27,6 +27,8 @@ __all__ = [
     "decode_linear",
     "ClampedSwiglu",
     "Fp8Experts",
+    "IntExperts",
+    "dequantize_int_expert",
     "gated_delta_step",
     "ssd_decode_step",
     "clamped_swiglu",
@@ -126,6 +128,27 @@ class Fp8Experts(NamedTuple):
     block: tuple[int, int]
 
 
+class IntExperts(NamedTuple):
+    """Experts of an AWQ / GPTQ checkpoint, packed: ``w13 [E, 2I, H / p]`` and ``w2 [E, H, I / p]`` int32, each
+    output row's ``bits``-bit values packed along its input (``p = 32 / bits`` per int32, the first in the lowest
+    bits), with per-group ``*_scales`` and decoded zero points ``*_zeros`` ``[E, rows, inputs / group]``:
+    ``W[n, k] = (q[n, k] - zeros[n, k // group]) * scales[n, k // group]``, dequantized in float32 and rounded to
+    the activations' dtype before each product (as `w4a16_matmul`)."""
+
+    w13_scales: torch.Tensor
+    w13_zeros: torch.Tensor
+    w2_scales: torch.Tensor
+    w2_zeros: torch.Tensor
+    bits: int
+    group: int
+
+
+def dequantize_int_expert(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int
+                          ) -> torch.Tensor:
+    """One packed expert matrix (`IntExperts`' layout, ``q [N, K / p]``) -> ``W [N, K]`` float32."""
+    return dequantize_int_weight(q.t().contiguous(), scales.t(), zeros.t(), None, bits, group).t().contiguous()
+
+
 class ClampedSwiglu(NamedTuple):
     """gpt-oss's expert activation, in place of SiLU-and-mul: ``gate.clamp(max=limit)``,
     ``up.clamp(-limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)`` (vLLM's "swigluoai")."""
@@ -145,7 +168,7 @@ def clamped_swiglu(x: torch.Tensor, act: ClampedSwiglu) -> torch.Tensor:
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
-    activation: str = "silu", fp8: Fp8Experts | None = None,
+    activation: str = "silu", fp8: Fp8Experts | None = None, int_experts: IntExperts | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP: each token's sum over its k experts of ``weight * down_e(silu(gate_e x) * up_e x)``.
 
@@ -156,8 +179,10 @@ def fused_moe(
     expert by expert in id order (transformers' order). gpt-oss: ``w13_bias [E, 2I]`` and ``w2_bias [E, H]``
     are added after each product (before the routing weight), and ``swiglu`` replaces SiLU-and-mul.
     ``activation="relu2"`` (Nemotron 3): experts without a gate, w13 ``[E, I, H]`` up rows only, and
-    ``down_e(relu(up_e x) ** 2)``; ``"gelu_tanh"`` (Gemma 4): ``gelu_tanh(gate) * up`` in place of SiLU's. ``fp8``: block-fp8 experts (`Fp8Experts`), each product
-    `w8a8_block_fp8_matmul` of its quantized input."""
+    ``down_e(relu(up_e x) ** 2)``; ``"gelu_tanh"`` (Gemma 4): ``gelu_tanh(gate) * up`` in place of SiLU's.
+    ``fp8``: block-fp8 experts (`Fp8Experts`), each product `w8a8_block_fp8_matmul` of its quantized input. ``int_experts``: AWQ / GPTQ experts packed (`IntExperts`; w13
+    and w2 their int32 values), each matrix dequantized before its product."""
+    fp8 = fp8 if int_experts is None else int_experts  # type: ignore[assignment]
     out = torch.zeros_like(hidden)
     num_experts = w13.shape[0]
     local = (topk_ids >= 0) & (topk_ids < num_experts)
@@ -170,12 +195,16 @@ def fused_moe(
     return out
 
 
-def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int, fp8: Fp8Experts | None, which: int
+def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int, fp8: Fp8Experts | IntExperts | None, which: int
                     ) -> torch.Tensor:
-    """``x @ w[expert].T`` in x's dtype: plain, or (``fp8``) on x quantized per token group, with the block
-    scales of ``w13`` (``which`` 0) or ``w2`` (1)."""
+    """``x @ w[expert].T`` in x's dtype: plain, or (`Fp8Experts`) on x quantized per token group, with the block
+    scales of ``w13`` (``which`` 0) or ``w2`` (1), or (`IntExperts`) the packed matrix dequantized first."""
     if fp8 is None:
         return F.linear(x, w[expert])
+    if isinstance(fp8, IntExperts):
+        scales, zeros = (fp8.w13_scales, fp8.w13_zeros) if which == 0 else (fp8.w2_scales, fp8.w2_zeros)
+        weight = dequantize_int_expert(w[expert], scales[expert], zeros[expert], fp8.bits, fp8.group)
+        return F.linear(x, weight.to(x.dtype))
     x_q, x_s = per_token_group_quant_fp8(x, fp8.block[1])
     return w8a8_block_fp8_matmul(x_q, x_s, w[expert], fp8[which][expert], fp8.block, x.dtype)
 

@@ -364,4 +364,4 @@ def fill_int4_weights(model: nn.Module, config: Any, cfg: Int4CheckpointConfig, 
         load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype,
                         functools.partial(drop_extra_biases, model))
     finish_int4_params(model, cfg, use_triton)
-    finish_int4_experts(model, cfg)
+    finish_int4_experts(model, cfg, keep_packed=use_triton)  # packed on a GPU (the fused-MoE kernel's int path)

@@ -5,10 +5,10 @@ AWQ ``qweight [in, out/8]``, GPTQ ``qweight [in/p, out]``, their ``qzeros``, ``s
 `make_int4_expert_params` gives each `FusedMoE` this rank's part of them as staging parameters (``gate_qweight``,
 ``up_scales``, ``down_g_idx``, ... stacked over its experts: the gate and up split by their output columns, the
 down by its input rows, or whole experts with expert parallelism), which the checkpoint fills; then
-`finish_int4_experts` dequantizes every expert in float32, rounds it to the model dtype once and stacks it into
-the ``w13`` / ``w2`` weights the fused-MoE op reads, dropping the staging tensors. The experts then compute as
-float ones: exact against the dequantized weights, but no memory is saved on them (a fused int4 expert kernel is
-not built). GPTQ's act-order (``desc_act``) experts are refused.
+`finish_int4_experts` either repacks them into `reference.IntExperts`' layout (on a GPU: the fused-MoE kernel's
+integer path reads them packed) or dequantizes every expert in float32, rounds it to the model dtype once and
+stacks it into the float ``w13`` / ``w2`` weights (the CPU), dropping the staging tensors. Either computes what the
+dequantized weights compute. GPTQ's act-order (``desc_act``) experts are refused.
 """
 
 from __future__ import annotations
@@ -106,6 +106,12 @@ def _load(moe: FusedMoE, part: str, kind: str, cfg: Int4CheckpointConfig, param:
 @torch.no_grad()
 def _dequantized(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, hidden: int) -> torch.Tensor:
     """One local expert's matrix ``[out, in]`` in float32."""
+    return _unpacked(moe, part, expert, cfg, hidden).dequantize().t()
+
+
+@torch.no_grad()
+def _unpacked(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, hidden: int) -> UnpackedWeight:
+    """One local expert's staged tensors, unpacked (``q [in, out]``)."""
     tensor = {kind: getattr(moe, f"{part}_{kind}").data[expert] for kind in INT4_EXPERT_KINDS if
               hasattr(moe, f"{part}_{kind}")}
     if cfg.method == "awq":
@@ -120,25 +126,64 @@ def _dequantized(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfi
                                                      else 0), groups):
             raise ConfigError("model", f"expert {expert + moe.expert_start}'s {part}_proj",
                               "a g_idx of k // group_size, as its quantization_config's desc_act false says")
-    return UnpackedWeight(q, zeros, tensor["scales"].float(), groups).dequantize().t()
+    return UnpackedWeight(q, zeros, tensor["scales"].float(), groups)
 
 
 @torch.no_grad()
-def finish_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig) -> None:
-    """Every quantized `FusedMoE`'s experts dequantized into its ``w13`` / ``w2`` weights, the staging dropped."""
+def finish_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, keep_packed: bool = False) -> None:
+    """Every quantized `FusedMoE`'s experts, the staging dropped: packed in `reference.IntExperts`' layout
+    (``keep_packed``: on a GPU, for the fused-MoE kernel's integer path), else dequantized into its float ``w13`` /
+    ``w2`` weights."""
     for _, moe in _quantized_experts(model, cfg):
         (w13_shape, w2_shape, dtype), hidden = moe.int4_shape, moe.int4_shape[0][2]
-        w13 = torch.stack([torch.cat([_dequantized(moe, part, e, cfg, hidden) for part in _parts(moe)[:-1]])
-                           for e in range(moe.num_local_experts)])
-        w2 = torch.stack([_dequantized(moe, "down", e, cfg, hidden) for e in range(moe.num_local_experts)])
+        experts = range(moe.num_local_experts)
+        if keep_packed:
+            def stacked(part: str) -> list[torch.Tensor]:  # (values, scales, zero points) over the local experts
+                return [torch.stack(t) for t in zip(*(_packed_rows(moe, part, e, cfg, hidden) for e in experts))]
+
+            w13 = [torch.cat(pair, dim=1) for pair in zip(*(stacked(part) for part in _parts(moe)[:-1]))]
+            w2 = stacked("down")
+        else:
+            w13 = torch.stack([torch.cat([_dequantized(moe, part, e, cfg, hidden) for part in _parts(moe)[:-1]])
+                               for e in experts])
+            w2 = torch.stack([_dequantized(moe, "down", e, cfg, hidden) for e in experts])
         for part in _parts(moe):
             for kind in INT4_EXPERT_KINDS:
                 if hasattr(moe, f"{part}_{kind}"):
                     delattr(moe, f"{part}_{kind}")
+        del moe.int4_shape
+        if keep_packed:
+            _attach_packed(moe, w13, w2, cfg, _group(moe, "gate", cfg, hidden), _group(moe, "down", cfg, hidden))
+            continue
         assert tuple(w13.shape) == w13_shape and tuple(w2.shape) == w2_shape, (w13.shape, w2.shape)
         moe.w13_weight = nn.Parameter(w13.to(dtype), requires_grad=False)
         moe.w2_weight = nn.Parameter(w2.to(dtype), requires_grad=False)
-        del moe.int4_shape
+
+
+def _packed_rows(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, hidden: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One local expert's matrix in `reference.IntExperts`' layout: (int32 ``[out, in / p]`` packed along the input,
+    float32 scales and zero points ``[out, groups]``)."""
+    w = _unpacked(moe, part, expert, cfg, hidden)
+    q = w.q.t().contiguous()  # [out, in]
+    pack = cfg.pack_factor
+    words = torch.zeros(q.shape[0], q.shape[1] // pack, dtype=torch.int32, device=q.device)
+    for i in range(pack):
+        words |= q[:, i::pack] << (cfg.bits * i)
+    return words, w.scales.t().contiguous(), w.zeros.float().t().contiguous()
+
+
+def _attach_packed(moe: FusedMoE, w13: list[torch.Tensor], w2: list[torch.Tensor], cfg: Int4CheckpointConfig,
+                   group13: int, group2: int) -> None:
+    """The packed experts as the layer's ``w13`` / ``w2`` (int32) with their scales and zero points."""
+    if group13 != group2:
+        raise NotBuiltError("model", f"group_size {cfg.group_size}", "packed int experts whose gate/up and down "
+                                                                      "inputs are grouped differently")
+    moe.w13_weight = nn.Parameter(w13[0], requires_grad=False)
+    moe.w2_weight = nn.Parameter(w2[0], requires_grad=False)
+    for name, tensor in (("w13_scales", w13[1]), ("w13_zeros", w13[2]), ("w2_scales", w2[1]), ("w2_zeros", w2[2])):
+        moe.register_buffer(name, tensor)
+    moe.int_experts = (cfg.bits, group13)
 
 
 @torch.no_grad()

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.kernels.reference import Fp8Experts
+from asyncllm.kernels.reference import Fp8Experts, IntExperts
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
 from asyncllm.models.llama import DecoderBuild, LlamaMLP, check_silu
 
@@ -99,6 +99,9 @@ class FusedMoE(nn.Module):
         self.w13_weight = new_param(n, rows, hidden_size, dtype=b.dtype, loader=self.weight_loader)
         self.w2_weight = new_param(n, hidden_size, inter, dtype=b.dtype, loader=self.weight_loader)
         self.fused_moe = b.attn_backend.ops.fused_moe
+        self.int_experts: tuple[int, int] | None = None
+        """(bits, group) of AWQ / GPTQ experts kept packed (asyncllm/models/int4_experts.py: on a GPU): ``w13`` /
+        ``w2`` int32 with ``w13_scales``, ``w13_zeros``, ``w2_scales``, ``w2_zeros`` (`reference.IntExperts`)."""
         self.fp8_block: tuple[int, int] | None = None
         """A block-fp8 checkpoint's block: the weights are float8_e4m3fn with ``*_weight_scale_inv`` block scales
         (asyncllm/models/fp8_experts.py)."""
@@ -110,6 +113,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         fp8 = {} if self.fp8_block is None else {"fp8": Fp8Experts(self.w13_weight_scale_inv, self.w2_weight_scale_inv,
                                                                   self.fp8_block)}
+        if self.int_experts is not None:
+            fp8 = {"int_experts": IntExperts(self.w13_scales, self.w13_zeros, self.w2_scales, self.w2_zeros,
+                                             *self.int_experts)}
         return self.tp.all_reduce(self.fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids),
                                                  **self.activation, **fp8))
 

@@ -142,32 +142,37 @@ def moe_cases(p: str):
     """The fused-MoE grouped products at both block configurations `moe_config` picks on a GPU (decode,
     prefill), with the real shapes' multiples of 16 (H 2048, I 768, contiguous weights), as launched."""
     aligned = dict(sorted_pairs_ptr="*i32", block_experts_ptr="*i32", total_rows_ptr="*i64", bias_ptr=p,
-                   a_s_ptr=p, w_s_ptr=p)
+                   a_s_ptr=p, w_s_ptr=p, w_z_ptr=p)
     fp8 = dict(a_s_ptr="*fp32", w_s_ptr="*fp32")
+    ints = dict(w_s_ptr="*fp32", w_z_ptr="*fp32")
     # Qwen3-30B-A3B (E=128, k=8): 1 token, 8192 tokens; gpt-oss-20b (E=32, k=4, biases, clamped SwiGLU): 1 token;
     # Nemotron-3-Nano (E=128, k=6, no gate: relu2): 8192 tokens; DeepSeek-V3 (E=256, k=8, block fp8): 1, 8192;
-    # Gemma 4's GELU-tanh experts (E=128, k=8): 8192 tokens
-    for num_pairs, experts, top_k, gpt_oss, gated, is_fp8, gelu in (
-            (8, 128, 8, False, True, False, False), (65536, 128, 8, False, True, False, False),
-            (4, 32, 4, True, True, False, False), (49152, 128, 6, False, False, False, False),
-            (8, 256, 8, False, True, True, False), (65536, 256, 8, False, True, True, False),
-            (65536, 128, 8, False, True, False, True)):
+    # Gemma 4's GELU-tanh experts (E=128, k=8): 8192 tokens; Qwen3-30B-A3B-GPTQ-Int4 (int4 experts, groups of 128): 1,
+    # 8192
+    for num_pairs, experts, top_k, gpt_oss, gated, is_fp8, gelu, bits in (
+            (8, 128, 8, False, True, False, False, 0), (65536, 128, 8, False, True, False, False, 0),
+            (4, 32, 4, True, True, False, False, 0), (49152, 128, 6, False, False, False, False, 0),
+            (8, 256, 8, False, True, True, False, 0), (65536, 256, 8, False, True, True, False, 0),
+            (65536, 128, 8, False, True, False, True, 0), (8, 128, 8, False, True, False, False, 4),
+            (65536, 128, 8, False, True, False, False, 4)):
         cfg = fused_moe.moe_config(num_pairs, experts, torch.bfloat16, on_gpu=True)
-        cfg = cfg._replace(block_k=128) if is_fp8 else cfg
+        cfg = cfg._replace(block_k=128) if is_fp8 else cfg._replace(num_stages=2) if bits else cfg
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32",
-                      HAS_BIAS=gpt_oss, FP8=is_fp8, GROUP_N=128 if is_fp8 else 1, UPCAST=False)
-        w = "*fp8e4nv" if is_fp8 else p
+                      HAS_BIAS=gpt_oss, FP8=is_fp8, GROUP_N=128 if is_fp8 else 1, UPCAST=False, INT_BITS=bits,
+                      GROUP_K=128 if bits else 1)
+        w = "*fp8e4nv" if is_fp8 else "*i32" if bits else p
         for name, kernel, pointers, consts in (
-            ("gate_up", fused_moe._gate_up_kernel, dict(hidden_ptr=w, w13_ptr=w, act_ptr=p),
+            ("gate_up", fused_moe._gate_up_kernel, dict(hidden_ptr=p if bits else w, w13_ptr=w, act_ptr=p),
              dict(TOP_K=top_k, SWIGLU=gpt_oss, GATED=gated, GELU_TANH=gelu)),
-            ("down", fused_moe._down_kernel, dict(act_ptr=w, w2_ptr=w, out_ptr=p, topk_weights_ptr="*fp32"), {}),
+            ("down", fused_moe._down_kernel, dict(act_ptr=p if bits else w, w2_ptr=w, out_ptr=p,
+                                                  topk_weights_ptr="*fp32"), {}),
         ):
             consts = {**consts, **blocks}
             floats = tuple(n for n in ("alpha", "limit") if n in kernel.arg_names)
             divisible = tuple(n for n in kernel.arg_names if n not in consts and n not in ("num_pairs", *floats))
             yield (f"fused_moe {name} BLOCK_M={cfg.block_m} gpt_oss={gpt_oss} gated={gated} fp8={is_fp8} "
-                   f"gelu={gelu}", kernel,
-                   {**aligned, **(fp8 if is_fp8 else {}), **pointers},
+                   f"gelu={gelu} int{bits}", kernel,
+                   {**aligned, **(fp8 if is_fp8 else ints if bits else {}), **pointers},
                    floats, consts, cfg.num_warps, dict(divisible=divisible, stages=cfg.num_stages))
 
 

@@ -88,6 +88,61 @@ def test_gelu_tanh_experts_match_reference(dtype: torch.dtype) -> None:
     assert_close(out, expected, MOE_TOL[dtype])
 
 
+def _int_experts(num_experts: int, hidden: int, inter: int, bits: int, group: int, dtype: torch.dtype,
+                 gated: bool = True) -> tuple[torch.Tensor, torch.Tensor, reference.IntExperts]:
+    """Random packed AWQ / GPTQ-style experts: (w13 ``[E, 2I, H/p]``, w2 ``[E, H, I/p]`` int32, their scales and
+    zero points)."""
+    gen = torch.Generator().manual_seed(bits + group)
+    pack = 32 // bits
+
+    def packed(rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q = torch.randint(0, 1 << bits, (num_experts, rows, cols), generator=gen, dtype=torch.int32)
+        words = torch.zeros(num_experts, rows, cols // pack, dtype=torch.int32)
+        for i in range(pack):
+            words |= q[..., i::pack] << (bits * i)
+        groups = -(-cols // group)
+        scales = (torch.rand(num_experts, rows, groups, generator=gen) * 2 + 0.5) / (1 << bits) / cols**0.5
+        zeros = torch.randint(0, 1 << bits, (num_experts, rows, groups), generator=gen).float()
+        return words.to(DEVICE), scales.to(dtype).to(DEVICE), zeros.to(dtype).to(DEVICE)
+
+    w13, s13, z13 = packed((2 if gated else 1) * inter, hidden)
+    w2, s2, z2 = packed(hidden, inter)
+    return w13, w2, reference.IntExperts(s13, z13, s2, z2, bits, group)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits, group, activation", [(4, 8, "silu"), (4, 16, "gelu_tanh"), (8, 8, "silu"),
+                                                     (4, 8, "relu2")])
+def test_int_experts_match_reference(dtype: torch.dtype, bits: int, group: int, activation: str) -> None:
+    """AWQ / GPTQ experts kept packed (the GPU's layout): each tile's values unpacked, less their zero points, times
+    their scales, rounded to the dtype, then multiplied; the reference dequantizes whole matrices the same way."""
+    h, inter = 48, 32  # multiples of the packs; groups of 8 / 16 inputs
+    hidden = randn(11, h, dtype=dtype, seed=0)
+    w13, w2, ints = _int_experts(E, h, inter, bits, group, dtype, gated=activation != "relu2")
+    topk_weights, topk_ids = _routing("expert_parallel", 11, seed=4)
+    expected = reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation=activation, int_experts=ints)
+    dense13 = torch.stack([reference.dequantize_int_expert(w13[e].cpu(), ints.w13_scales[e].cpu(),
+                                                           ints.w13_zeros[e].cpu(), bits, group) for e in range(E)])
+    dense2 = torch.stack([reference.dequantize_int_expert(w2[e].cpu(), ints.w2_scales[e].cpu(),
+                                                          ints.w2_zeros[e].cpu(), bits, group) for e in range(E)])
+    plain = reference.fused_moe(hidden, dense13.to(dtype).to(DEVICE), dense2.to(dtype).to(DEVICE), topk_weights,
+                                topk_ids, activation=activation)
+    assert_close(expected, plain, MOE_TOL[dtype])  # the reference's int path: its float path, dequantized weights
+    assert expected.abs().max() > 0.01
+    out = fused_moe(hidden, w13, w2, topk_weights, topk_ids, activation=activation, int_experts=ints)
+    assert_close(out, expected, MOE_TOL[dtype])
+
+
+def test_int_experts_arguments_are_checked() -> None:
+    hidden = randn(3, 48, dtype=torch.float32, seed=0)
+    w13, w2, ints = _int_experts(E, 48, 32, 4, 8, torch.float32)
+    topk_weights, topk_ids = _routing("one_expert", 3, seed=1)
+    with pytest.raises(ValueError, match="w13_scales must be"):
+        fused_moe(hidden, w13, w2, topk_weights, topk_ids, int_experts=ints._replace(group=16))
+    with pytest.raises(ValueError, match="hidden size 44"):
+        fused_moe(hidden[:, :44].contiguous(), w13, w2, topk_weights, topk_ids, int_experts=ints)
+
+
 def _fp8_experts(w13: torch.Tensor, w2: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, ...]:
     """(w13, w2) in float8_e4m3fn and their `Fp8Experts`: each expert's matrices quantized block by block."""
     from asyncllm.models.fp8_checkpoint import quantize_fp8_blocks

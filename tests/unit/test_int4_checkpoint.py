@@ -330,3 +330,36 @@ def test_a_qwen3_5_gptq_checkpoint_equals_the_reference(tmp_path) -> None:
     for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
         assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
         assert float((logits - unquantized.logits(seq)).abs().max()) > 0.1  # it does serve the int4 weights
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_moe_experts_kept_packed_equal_the_dequantized_ones(tmp_path, method: str) -> None:
+    """On a GPU the experts stay packed (`reference.IntExperts`' layout) for the fused-MoE kernel's integer path:
+    here through the torch reference of that path, the same logits as the experts dequantized at load."""
+    from asyncllm.models.int4_checkpoint import finish_int4_params, make_int4_params
+    from asyncllm.models.int4_experts import finish_int4_experts, make_int4_expert_params
+    from asyncllm.models.loader import build_model, load_checkpoint
+    from asyncllm.models.checkpoint import prequantized_config
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint("qwen3_moe"), tmp_path / method
+    write_int4_checkpoint(src, path, method, 16)
+    hf_config = load_hf_config(str(path))
+    config = EngineConfig.create(str(path))
+    cfg = prequantized_config(hf_config, str(path), None)
+    model = build_model(config, hf_config, CPU, torch.float32)
+    make_int4_params(model, cfg)
+    make_int4_expert_params(model, cfg)
+    load_checkpoint(model, str(path), "auto")
+    finish_int4_params(model, cfg, use_triton=False)
+    finish_int4_experts(model, cfg, keep_packed=True)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.int32 and experts.int_experts == (4, 16)
+    assert experts.w13_weight.shape == (8, 64, 64 // 8) and experts.w2_weight.shape == (8, 64, 32 // 8)
+    dequantized = load_model(config, hf_config, CPU, torch.float32)
+    for m in (model, dequantized):
+        run = PagedRun(m, SEQUENCES)
+        run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+        m.logits = run.run([[6, 3], [5, 0]])
+    for packed, plain in zip(model.logits, dequantized.logits):
+        torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
