@@ -104,7 +104,10 @@ def allow_global_layer_values(config: PretrainedConfig) -> PretrainedConfig:
     (asyncllm/models/gemma4.py). transformers' warning for each such read is not shown."""
     import logging
 
-    from transformers.integrations.heterogeneity import configuration_utils as heterogeneity
+    try:
+        from transformers.integrations.heterogeneity import configuration_utils as heterogeneity
+    except ImportError:  # a transformers without per-layer configs (before Gemma 4's)
+        return config
 
     logger = logging.getLogger(heterogeneity.__name__)
     if not any(isinstance(f, _GlobalReadFilter) for f in logger.filters):
