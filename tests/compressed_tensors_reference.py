@@ -162,3 +162,58 @@ class CtReference:
     def weight(self, name: str) -> torch.Tensor:
         """The decompressed ``[out, in]`` weight of the module ``name``."""
         return self.model.get_submodule(name).weight.detach()
+
+
+def write_ct_int_experts(src: str, dst: Path, bits: int, group: int, symmetric: bool) -> dict[str, torch.Tensor]:
+    """``src``'s mixture of experts with every expert's matrices in compressed-tensors' pack-quantized format, written
+    here from the format (transformers 5 stacks the experts, so the library cannot quantize them as linears):
+    ``weight_packed`` int32 ``[out, in / p]`` (value i of an int32 at bits ``i * bits``, stored plus
+    ``2 ** (bits - 1)``), ``weight_scale`` ``[out, in / group]``, ``weight_zero_point`` int32 ``[out / p, groups]``
+    (asymmetric: packed the same way along the output), ``weight_shape``; a config group targeting the experts, the
+    rest float. Returns each expert matrix dequantized (``...weight`` -> ``[out, in]`` float32)."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(src).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    gen = torch.Generator().manual_seed(bits + group)
+    half, pack = 1 << (bits - 1), 32 // bits
+    dequantized = {}
+    for name in sorted(n for n in tensors if re.search(r"\.experts\.\d+\.\w+\.weight$", n)):
+        w, prefix = tensors.pop(name).float(), name.removesuffix(".weight")
+        out, inp = w.shape
+        grouped = w.view(out, inp // group, group)
+        if symmetric:
+            scale = grouped.abs().amax(-1) / (half - 1)
+            zero = torch.zeros_like(scale, dtype=torch.int32)
+        else:
+            low, high = grouped.amin(-1), grouped.amax(-1)
+            scale = (high - low) / ((1 << bits) - 1)
+            zero = (-half - torch.round(low / scale)).to(torch.int32).clamp(-half, half - 1)
+        scale = scale.clamp(min=1e-6) * (1 + 0.1 * torch.rand(scale.shape, generator=gen))  # not a round trip
+        q = (torch.round(grouped / scale[..., None]) + zero[..., None]).clamp(-half, half - 1).to(torch.int32)
+        stored = (q + half).view(out, inp)
+        packed = torch.zeros(out, inp // pack, dtype=torch.int32)
+        for i in range(pack):
+            packed |= stored[:, i::pack] << (bits * i)
+        tensors[f"{prefix}.weight_packed"] = packed
+        tensors[f"{prefix}.weight_scale"] = scale.to(torch.float16)
+        tensors[f"{prefix}.weight_shape"] = torch.tensor([out, inp], dtype=torch.int64)
+        dequantized[name] = ((q - zero[..., None]).float() * scale.to(torch.float16).float()[..., None]).view(out, inp)
+        if not symmetric:
+            zeros = (zero + half).t()  # [groups, out] packed along the output
+            packed_zeros = torch.zeros(zeros.shape[0], out // pack, dtype=torch.int32)
+            for i in range(pack):
+                packed_zeros |= zeros[:, i::pack] << (bits * i)
+            tensors[f"{prefix}.weight_zero_point"] = packed_zeros.t().contiguous()
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    weights = {"num_bits": bits, "type": "int", "symmetric": symmetric, "strategy": "group", "group_size": group}
+    section = {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+               "config_groups": {"experts": {"targets": ["re:.*experts.*"], "weights": weights}}}
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": section}))
+    return dequantized

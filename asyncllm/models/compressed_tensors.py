@@ -47,6 +47,7 @@ from asyncllm.models.fp8_checkpoint import (
     replace_weight,
 )
 from asyncllm.models.int4_checkpoint import UnpackedWeight, attach_dequantized, attach_packed, unpack_columns
+from asyncllm.models.int4_experts import ct_format, expert_checkpoint_module, finish_int4_experts, make_int4_expert_params
 from asyncllm.models.int8 import attach_int8_weight, quantize_int8_weight
 from asyncllm.models.layers import LoadedWeight, copy_weight, default_weight_loader, new_param, weight_narrow
 from asyncllm.models.linear import LinearBase, RowParallelLinear
@@ -301,5 +302,27 @@ def fill_compressed_tensors_weights(model: nn.Module, config: Any, cfg: Compress
         _quantize_drawn(model, cfg, use_triton)
         return
     make_compressed_tensors_params(model, cfg)
+    experts = _expert_format(model, cfg)
+    if experts is not None:
+        make_int4_expert_params(model, experts)
     load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
     finish_compressed_tensors_params(model, cfg, use_triton)
+    if experts is not None:
+        finish_int4_experts(model, experts, keep_packed=use_triton)
+
+
+def _expert_format(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> Any:
+    """The staging format of the model's experts (`int4_experts.ct_format`): None without experts or with every
+    expert left float; `NotBuiltError` for a scheme other than pack-quantized integers, or for experts of two."""
+    from asyncllm.models.moe import FusedMoE
+
+    schemes = {cfg.scheme_of(expert_checkpoint_module(model, name)) for name, module in model.named_modules()
+               if isinstance(module, FusedMoE)} - {None}
+    if not schemes:
+        return None
+    scheme = next(iter(schemes))
+    if len(schemes) > 1 or scheme.kind != "int":
+        kinds = ", ".join(sorted(f"{s.kind} {s.strategy}" for s in schemes))
+        raise NotBuiltError("model", kinds, "compressed-tensors experts other than one pack-quantized integer "
+                                            "scheme (W4A16 / W8A16)")
+    return ct_format(scheme, lambda name: cfg.scheme_of(name) is None)

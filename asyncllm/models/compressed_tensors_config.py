@@ -134,8 +134,11 @@ def _refuse_architecture(hf_config: Any, model: str) -> None:
     from asyncllm.models.architectures import architecture_of, has_experts
 
     arch = architecture_of(hf_config)
-    if has_experts(hf_config, arch):
-        raise _not_built(model, f"a mixture-of-experts model ({arch}: FusedMoE has no quantized experts)")
+    from asyncllm.models.checkpoint import FUSED_EXPERT_ARCHITECTURES
+
+    if has_experts(hf_config, arch) and arch in FUSED_EXPERT_ARCHITECTURES:
+        raise _not_built(model, f"a mixture-of-experts model whose experts are stored fused ({arch}; experts "
+                                "stored per expert in a pack-quantized integer scheme are served)")
     if arch in _REFUSED_ARCHITECTURES:
         raise _not_built(model, f"{_REFUSED_ARCHITECTURES[arch]}: {arch}")
 

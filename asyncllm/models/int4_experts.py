@@ -1,19 +1,24 @@
-"""AWQ / GPTQ experts of a mixture of experts (Qwen3-30B-A3B-AWQ, -GPTQ-Int4 and the like), dequantized at load.
+"""Integer experts of a mixture of experts: AWQ / GPTQ (Qwen3-30B-A3B-AWQ, -GPTQ-Int4) and compressed-tensors'
+pack-quantized W4A16 / W8A16 (RedHatAI's ``*-quantized.w4a16``).
 
 A checkpoint stores each expert's gate, up and down matrices in its format (asyncllm/models/int4_checkpoint.py:
-AWQ ``qweight [in, out/8]``, GPTQ ``qweight [in/p, out]``, their ``qzeros``, ``scales`` and GPTQ's ``g_idx``).
+AWQ ``qweight [in, out/8]``, GPTQ ``qweight [in/p, out]``, their ``qzeros``, ``scales`` and GPTQ's ``g_idx``;
+asyncllm/models/compressed_tensors.py: ``weight_packed [out, in/p]``, ``weight_scale [out, groups]``, an asymmetric
+scheme's ``weight_zero_point [out/p, groups]``, ``weight_shape``).
 `make_int4_expert_params` gives each `FusedMoE` this rank's part of them as staging parameters (``gate_qweight``,
 ``up_scales``, ``down_g_idx``, ... stacked over its experts: the gate and up split by their output columns, the
 down by its input rows, or whole experts with expert parallelism), which the checkpoint fills; then
 `finish_int4_experts` either repacks them into `reference.IntExperts`' layout (on a GPU: the fused-MoE kernel's
 integer path reads them packed) or dequantizes every expert in float32, rounds it to the model dtype once and
 stacks it into the float ``w13`` / ``w2`` weights (the CPU), dropping the staging tensors. Either computes what the
-dequantized weights compute. GPTQ's act-order (``desc_act``) experts are refused.
+dequantized weights compute. GPTQ's act-order (``desc_act``) experts are refused. ``cfg`` is an
+`Int4CheckpointConfig`, or for compressed-tensors a `ct_format` of the experts' scheme (method ``"ct"``).
 """
 
 from __future__ import annotations
 
-from typing import Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -23,14 +28,50 @@ from asyncllm.kernels import reference
 from asyncllm.models.int4_checkpoint import UnpackedWeight, _awq_unpack, unpack_columns
 from asyncllm.models.int4_config import Int4CheckpointConfig
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
-from asyncllm.models.moe import INT4_EXPERT_KINDS, FusedMoE
+from asyncllm.models.moe import FusedMoE
 
-__all__ = ["make_int4_expert_params", "finish_int4_experts"]
+__all__ = ["make_int4_expert_params", "finish_int4_experts", "draw_int4_experts", "ct_format",
+           "expert_checkpoint_module"]
 
 
-def _quantized_experts(model: nn.Module, cfg: Int4CheckpointConfig) -> Iterator[tuple[str, FusedMoE]]:
+@dataclass(frozen=True)
+class CtExperts:
+    """A compressed-tensors pack-quantized scheme, as the staging reads it (`Int4CheckpointConfig`'s fields)."""
+
+    bits: int
+    group_size: int
+    symmetric: bool
+    is_ignored: Callable[[str], bool]
+    method: str = "ct"
+    desc_act: bool = False
+    zero_offset: int = 0
+
+    @property
+    def pack_factor(self) -> int:
+        return 32 // self.bits
+
+
+def ct_format(scheme: Any, is_ignored: Callable[[str], bool]) -> CtExperts:
+    """The staging's view of a compressed-tensors int scheme (``CompressedTensorsScheme``)."""
+    return CtExperts(scheme.bits, scheme.group_size, scheme.symmetric, is_ignored)
+
+
+_KINDS = {"awq": ("qweight", "qzeros", "scales"), "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+          "ct": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")}
+
+
+def expert_checkpoint_module(model: nn.Module, name: str) -> str:
+    """The checkpoint's module name of the first expert's down matrix of the `FusedMoE` ``name`` (the model's
+    checkpoint names: ``...experts.0.down_proj``, Mixtral's ``...block_sparse_moe.experts.0.w2``)."""
+    unpacked = getattr(model, "_unpacked", None)
+    if unpacked is None:
+        return f"{name}.0.down_proj"
+    return unpacked(f"{name}.w2_weight")[0][0].removesuffix(".weight")
+
+
+def _quantized_experts(model: nn.Module, cfg: Any) -> Iterator[tuple[str, FusedMoE]]:
     for name, module in model.named_modules():
-        if isinstance(module, FusedMoE) and not cfg.is_ignored(f"{name}.0.down_proj"):
+        if isinstance(module, FusedMoE) and not cfg.is_ignored(expert_checkpoint_module(model, name)):
             yield name, module
 
 
@@ -38,12 +79,19 @@ def _parts(moe: FusedMoE) -> tuple[str, ...]:
     return ("gate", "up", "down") if moe.gated else ("up", "down")
 
 
-def _shape(moe: FusedMoE, part: str, kind: str, cfg: Int4CheckpointConfig, hidden: int) -> tuple[int, ...]:
+def _kinds(cfg: Any) -> tuple[str, ...]:
+    kinds = _KINDS[cfg.method]
+    return tuple(k for k in kinds if k != "weight_zero_point" or not cfg.symmetric)
+
+
+def _shape(moe: FusedMoE, part: str, kind: str, cfg: Any, hidden: int) -> tuple[int, ...]:
     """A staging tensor's shape: ``[experts, ...]`` of this rank's rows and columns in the checkpoint's layout."""
     k, n = (moe.intermediate, hidden) if part == "down" else (hidden, moe.intermediate)
-    pack, group = cfg.pack_factor, _group(moe, part, cfg, hidden)
+    pack, groups = cfg.pack_factor, -(-k // _group(moe, part, cfg, hidden))
     shapes = {"qweight": (k, n // pack) if cfg.method == "awq" else (k // pack, n),
-              "qzeros": (-(-k // group), n // pack), "scales": (-(-k // group), n), "g_idx": (k,)}
+              "qzeros": (groups, n // pack), "scales": (groups, n), "g_idx": (k,),
+              "weight_packed": (n, k // pack), "weight_scale": (n, groups), "weight_zero_point": (n // pack, groups),
+              "weight_shape": (2,)}
     return (moe.num_local_experts, *shapes[kind])
 
 
@@ -73,11 +121,11 @@ def make_int4_expert_params(model: nn.Module, cfg: Int4CheckpointConfig) -> int:
         hidden, device = moe.w13_weight.shape[2], moe.w13_weight.device
         moe.int4_shape = (tuple(moe.w13_weight.shape), tuple(moe.w2_weight.shape), moe.w13_weight.dtype)
         del moe.w13_weight, moe.w2_weight
-        kinds = INT4_EXPERT_KINDS if cfg.method == "gptq" else INT4_EXPERT_KINDS[:-1]
         with torch.device(device):
             for part in _parts(moe):
-                for kind in kinds:
-                    dtype = torch.float32 if kind == "scales" else torch.int32
+                for kind in _kinds(cfg):
+                    dtype = {"scales": torch.float32, "weight_scale": torch.float32,
+                             "weight_shape": torch.int64}.get(kind, torch.int32)
                     loader = lambda param, loaded, shard, p=part, k=kind, m=moe: _load(m, p, k, cfg, param, loaded,
                                                                                       shard)
                     setattr(moe, f"{part}_{kind}", new_param(*_shape(moe, part, kind, cfg, hidden), dtype=dtype,
@@ -92,7 +140,9 @@ def _load(moe: FusedMoE, part: str, kind: str, cfg: Int4CheckpointConfig, param:
     expert = shard[0] - moe.expert_start
     start = 0 if moe.expert_parallel else moe.tp.rank * moe.intermediate
     length, pack, group = moe.intermediate, cfg.pack_factor, cfg.group_size
-    if part == "down":  # split by input rows: qweight (GPTQ's by packs), zero points and scales by groups, g_idx
+    if cfg.method == "ct":
+        src = _ct_part(loaded, part, kind, start, length, pack, group)
+    elif part == "down":  # split by input rows: qweight (GPTQ's by packs), zero points and scales by groups, g_idx
         rows = {"qweight": pack if cfg.method == "gptq" else 1, "g_idx": 1}.get(kind, group if group > 0 else length)
         src = weight_narrow(loaded, 0, start // rows, -(-length // rows))
     elif kind == "g_idx":
@@ -101,6 +151,19 @@ def _load(moe: FusedMoE, part: str, kind: str, cfg: Int4CheckpointConfig, param:
         columns = pack if kind == "qzeros" or (kind == "qweight" and cfg.method == "awq") else 1
         src = weight_narrow(loaded, 1, start // columns, length // columns)
     copy_weight(param.data[expert], src)
+
+
+def _ct_part(loaded: LoadedWeight, part: str, kind: str, start: int, length: int, pack: int, group: int
+             ) -> LoadedWeight:
+    """This rank's part of a compressed-tensors expert tensor (``[out, ...]``: the gate and up split by output rows,
+    the down by its input columns)."""
+    if kind == "weight_shape":
+        return loaded
+    if part != "down":  # rows: zero points packed along them
+        unit = pack if kind == "weight_zero_point" else 1
+        return weight_narrow(loaded, 0, start // unit, length // unit)
+    unit = pack if kind == "weight_packed" else group if group > 0 else length  # columns: packs, or groups
+    return weight_narrow(loaded, 1, start // unit, -(-length // unit))
 
 
 @torch.no_grad()
@@ -112,8 +175,14 @@ def _dequantized(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfi
 @torch.no_grad()
 def _unpacked(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, hidden: int) -> UnpackedWeight:
     """One local expert's staged tensors, unpacked (``q [in, out]``)."""
-    tensor = {kind: getattr(moe, f"{part}_{kind}").data[expert] for kind in INT4_EXPERT_KINDS if
-              hasattr(moe, f"{part}_{kind}")}
+    tensor = {kind: getattr(moe, f"{part}_{kind}").data[expert] for kind in _kinds(cfg)}
+    if cfg.method == "ct":  # the stored values are the signed ones plus 2**(bits-1): so is a symmetric zero point
+        q = unpack_columns(tensor["weight_packed"], cfg.bits).t().contiguous()
+        scales = tensor["weight_scale"].float().t().contiguous()
+        zeros = (torch.full(scales.shape, 1 << (cfg.bits - 1), dtype=torch.int32, device=q.device) if cfg.symmetric
+                 else unpack_columns(tensor["weight_zero_point"].t().contiguous(), cfg.bits))
+        return UnpackedWeight(q, zeros, scales, torch.arange(q.shape[0], device=q.device) // _group(moe, part, cfg,
+                                                                                                   hidden))
     if cfg.method == "awq":
         q, zeros = _awq_unpack(tensor["qweight"]), _awq_unpack(tensor["qzeros"])
     else:
@@ -148,9 +217,8 @@ def finish_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, keep_packed
                                for e in experts])
             w2 = torch.stack([_dequantized(moe, "down", e, cfg, hidden) for e in experts])
         for part in _parts(moe):
-            for kind in INT4_EXPERT_KINDS:
-                if hasattr(moe, f"{part}_{kind}"):
-                    delattr(moe, f"{part}_{kind}")
+            for kind in _kinds(cfg):
+                delattr(moe, f"{part}_{kind}")
         del moe.int4_shape
         if keep_packed:
             _attach_packed(moe, w13, w2, cfg, _group(moe, "gate", cfg, hidden), _group(moe, "down", cfg, hidden))

@@ -174,11 +174,13 @@ class SparseMoeBlock(nn.Module):
         return out
 
 
-_EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|qweight|qzeros|scales|g_idx)$")
-"""An expert's matrix, or (block-fp8 checkpoints) its block scales, or (AWQ / GPTQ) its integer tensors."""
-INT4_EXPERT_KINDS = ("qweight", "qzeros", "scales", "g_idx")
-"""An AWQ / GPTQ expert matrix's tensors (g_idx: GPTQ's only), staged as ``experts.{gate,up,down}_{kind}``
-(asyncllm/models/int4_experts.py)."""
+INT4_EXPERT_KINDS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_scale", "weight_zero_point",
+                     "weight_shape")
+"""An integer expert matrix's tensors: AWQ / GPTQ's (g_idx: GPTQ's only), compressed-tensors' pack-quantized ones;
+staged as ``experts.{gate,up,down}_{kind}`` (asyncllm/models/int4_experts.py)."""
+_EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|" + "|".join(INT4_EXPERT_KINDS)
+                          + ")$")
+"""An expert's matrix, or (block-fp8 checkpoints) its block scales, or its integer tensors."""
 
 
 class MoECausalLM:

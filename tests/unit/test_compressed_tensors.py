@@ -396,6 +396,59 @@ def test_scaled_mm_with_per_row_scales_equals_the_fallback(dtype: torch.dtype, s
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("arch, symmetric", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
+def test_pack_quantized_experts_equal_the_dequantized_reference(tmp_path, arch: str, symmetric: bool) -> None:
+    """A mixture of experts whose experts are W4A16 (RedHatAI's ``*-quantized.w4a16`` of Qwen3-30B-A3B; symmetric,
+    or with packed zero points; Mixtral's w1 / w3 / w2 names), the rest float: the experts staged and dequantized at
+    load (the CPU), or kept packed through the reference of the fused-MoE kernel's integer path (the GPU's layout),
+    compute as transformers over the dequantized weights."""
+    from compressed_tensors_reference import write_ct_int_experts
+    from int4_reference import Int4Reference
+
+    from asyncllm.models.compressed_tensors import _expert_format
+    from asyncllm.models.int4_experts import finish_int4_experts, make_int4_expert_params
+    from asyncllm.models.loader import build_model, load_checkpoint
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint(arch), tmp_path / "ct"
+    dequantized = write_ct_int_experts(src, path, 4, 16, symmetric)
+    hf_config = load_hf_config(str(path))
+    config = EngineConfig.create(str(path))
+    packed = build_model(config, hf_config, CPU, torch.float32)
+    cfg = prequantized_config(hf_config, str(path), None)
+    experts = _expert_format(packed, cfg)
+    make_int4_expert_params(packed, experts)
+    load_checkpoint(packed, str(path), "auto")
+    finish_int4_experts(packed, experts, keep_packed=True)
+    ref, unquantized = Int4Reference(src, dequantized), Int4Reference(src, {})
+    for model in (load_model(config, hf_config, CPU, torch.float32), packed):
+        run = PagedRun(model, SEQUENCES)
+        run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+        for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+            assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+            assert float((logits - unquantized.logits(seq)).abs().max()) > 0.1
+    moe = next(m for m in packed.modules() if hasattr(m, "int_experts"))
+    assert moe.int_experts == (4, 16) and moe.w13_weight.dtype == torch.int32
+
+
+def test_fp8_experts_are_refused_by_name(tmp_path) -> None:
+    """Experts in an fp8 scheme (RedHatAI's ``*-FP8-dynamic`` mixtures of experts): a `NotBuiltError` naming it."""
+    import json
+
+    from compressed_tensors_reference import write_ct_int_experts
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tmp_path / "ct"
+    write_ct_int_experts(tiny_checkpoint("qwen3_moe"), path, 4, 16, True)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["experts"].update(FP8_DYNAMIC)
+    config["quantization_config"]["format"] = "float-quantized"
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotBuiltError, match="fp8 channel"):
+        load_model(EngineConfig.create(str(path)), load_hf_config(str(path)), CPU, torch.float32)
+
+
 def test_a_gemma4_fp8_dynamic_checkpoint_equals_compressed_tensors(tmp_path) -> None:
     """Gemma 4 (the tiny E2B-style decoder) in FP8_DYNAMIC, its per-layer-input matrices left float: the global
     layers' k projection (and scale) loaded as their values' too, the KV-sharing layers' own q projection."""

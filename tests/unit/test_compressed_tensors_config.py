@@ -219,7 +219,7 @@ REFUSED = {  # id: (section, architectures, error, message)
     "lm-head": (_section(_group(FP8_DYNAMIC), ignore=[]), LLAMA, NotBuiltError, "a quantized lm_head"),
     "lm-head-regex": (_section(_group(FP8_DYNAMIC, ["re:.*lm_head"]), ignore=["re:model\\..*"]), LLAMA, NotBuiltError,
                       "a quantized lm_head"),
-    "moe": (_section(_group(FP8_DYNAMIC)), ["Qwen3MoeForCausalLM"], NotBuiltError, "mixture-of-experts"),
+    "moe-fused": (_section(_group(FP8_DYNAMIC)), ["GptOssForCausalLM"], NotBuiltError, "experts are stored fused"),
     "llava": (_section(_group(FP8_DYNAMIC)), ["LlavaForConditionalGeneration"], NotBuiltError,
               "compressed-tensors LlavaForConditionalGeneration checkpoint \\(text models and the Qwen-VL decoders"),
     "qwen-vl-tower": (_section(_group(FP8_DYNAMIC)), ["Qwen2_5_VLForConditionalGeneration"], NotBuiltError,
