@@ -92,7 +92,7 @@ def model_bytes(
 
     cfg = load_hf_config(path)
     model_cls = get_model_class(cfg)
-    if hasattr(model_cls, "kv_cache_shapes"):  # Gemma 4's layers, DeepSeek's latent cache: counted on the model
+    if hasattr(model_cls, "kv_cache_shapes") or hasattr(model_cls, "kv_cache_spec_of"):  # counted on the model
         return _built_model_bytes(path, cfg, dtype, decode_batch, kv_cache_dtype, quantization, mean_context)
     flags = model_cls.decoder_flags(cfg)  # type: ignore[attr-defined]
     hidden, head_dim = cfg.hidden_size, head_dim_of(cfg)
@@ -120,7 +120,7 @@ def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: in
     weight under fp8), the LM head whole, an embedding table not at all (a step reads only its batch's rows), the
     stacked experts times the share of them the batch routes to, every other parameter whole; the KV bytes per token
     summed over the layers, a KV-sharing layer reading its source layer's cache (Gemma 4), a latent cache
-    (DeepSeek) one part."""
+    (DeepSeek) one part, an attention-free model (Mamba) none."""
     from asyncllm.config import EngineConfig
     from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
     from asyncllm.models.linear import LinearBase
@@ -144,6 +144,8 @@ def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: in
                 share = 1 - (1 - top_k[id(module)] / module.num_local_experts) ** max(1, decode_batch)
             total += numel * share * (linear_itemsize if isinstance(module, LinearBase) else itemsize)
     kv_itemsize = torch.empty((), dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype)).element_size()
+    if hasattr(type(model), "kv_cache_spec_of"):  # attention-free (Mamba): no KV cache is read
+        return int(total), 0.0
     spec = kv_cache_spec(cfg, 1)
     shapes, parts = spec.shapes(), spec.kv_parts
     layout = getattr(model.model, "cache_of_layer", range(cfg.num_hidden_layers))  # Gemma 4: layers share caches

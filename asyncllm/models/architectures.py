@@ -35,11 +35,13 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "FalconH1ForCausalLM", "JambaForCausalLM", "ApertusForCausalLM", "SolarOpenForCausalLM",
                       "SarvamMoEForCausalLM", "Ernie4_5_MoeForCausalLM",
                       "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
-                      "Llama4ForConditionalGeneration")
+                      "Llama4ForConditionalGeneration", "MambaForCausalLM", "FalconMambaForCausalLM",
+                      "Mamba2ForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
-                        "FalconH1ForCausalLM", "JambaForCausalLM")
+                        "FalconH1ForCausalLM", "JambaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
+                        "Mamba2ForCausalLM")
 """Models whose state layers keep per-request recurrent states (asyncllm/models/row_states.py): prefix caching from
 saved states, no swap preemption, no speculative decoding (docs/hybrid-models.md)."""
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",

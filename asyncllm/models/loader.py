@@ -120,7 +120,8 @@ def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtyp
     """``hf_config``'s model for rank ``tp_rank``, its parameters uninitialised on ``tensor_device`` (default
     ``device``; workers/weight_update.py builds one whose parameters are on the meta device)."""
     model_cls = get_model_class(hf_config, config.multimodal_config.limit_mm_per_prompt)
-    max_position = max(text_config_of(hf_config).max_position_embeddings, config.max_model_len or 0)
+    max_position = max(getattr(text_config_of(hf_config), "max_position_embeddings", 0) or 0,  # Mamba: none
+                       config.max_model_len or 0, 1)
     # a model whose encoder can be replicated is told how to spread it (docs/multimodal.md), an MoE model
     # how to spread its experts (docs/moe.md)
     options: dict[str, Any] = {"mm_encoder_tp_mode": config.mm_encoder_tp_mode} if _has_encoder_modes(model_cls) else {}

@@ -45,10 +45,18 @@ def selective_scan(state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, a: to
     return out
 
 
+def _weightless_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Falcon Mamba's norm of ``dt``, ``B``, ``C``: ``x * rsqrt(mean(x^2) + eps)`` in float32, no weight."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class Mamba1Mixer(nn.Module):
     """Every tensor-parallel rank computes it whole (its projections are not split)."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, rows: StateRows, ops: Any) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, rows: StateRows, ops: Any, inner_norms: str = "learned") -> None:
+        """``inner_norms``: how ``dt``, ``B`` and ``C`` are normed after ``x_proj``: ``"learned"`` RMSNorms (Jamba),
+        ``"weightless"`` ones in float32 (Falcon Mamba, ``mixer_rms_eps``), or ``"none"`` (Mamba)."""
         super().__init__()
         hidden, inner = cfg.hidden_size, int(cfg.mamba_expand * cfg.hidden_size)
         self.inner, self.rank, self.state_size = inner, int(cfg.mamba_dt_rank), int(cfg.mamba_d_state)
@@ -60,10 +68,14 @@ class Mamba1Mixer(nn.Module):
         self.A_log = new_param(inner, self.state_size, dtype=dtype)
         self.D = new_param(inner, dtype=dtype)
         self.out_proj = ColumnParallelLinear(inner, hidden, bias, whole, dtype)
-        eps = cfg.rms_norm_eps
-        self.dt_layernorm = RMSNorm(self.rank, eps, dtype, ops)
-        self.b_layernorm = RMSNorm(self.state_size, eps, dtype, ops)
-        self.c_layernorm = RMSNorm(self.state_size, eps, dtype, ops)
+        self.inner_norms, eps = inner_norms, cfg.rms_norm_eps
+        if inner_norms == "learned":
+            self.dt_layernorm = RMSNorm(self.rank, eps, dtype, ops)
+            self.b_layernorm = RMSNorm(self.state_size, eps, dtype, ops)
+            self.c_layernorm = RMSNorm(self.state_size, eps, dtype, ops)
+        else:
+            norm = _weightless_rms if inner_norms == "weightless" else (lambda x, eps: x)
+            self.dt_layernorm = self.b_layernorm = self.c_layernorm = lambda x: norm(x, eps)  # noqa: E731
         self.states = RowStates(rows, {
             "conv": ((inner, cfg.mamba_d_conv - 1), dtype),
             "ssm": ((inner, self.state_size), torch.float32),
@@ -92,7 +104,7 @@ class Mamba1Mixer(nn.Module):
 
     def _ssm_inputs(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolved ``x [T, I]`` -> float32 ``dt`` (softplus of the lifted step plus its bias) ``[T, I]``,
-        ``B``, ``C`` ``[T, S]``, each normed as Jamba's."""
+        ``B``, ``C`` ``[T, S]``, each normed as the family norms them (``inner_norms``)."""
         low, b, c = self.x_proj(xc).split([self.rank, self.state_size, self.state_size], dim=-1)
         lifted = F.linear(self.dt_layernorm(low), self.dt_proj.weight)
         dt = F.softplus(lifted.float() + self.dt_proj.bias.float())

@@ -21,6 +21,7 @@ from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
 from asyncllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from asyncllm.models.gemma4 import Gemma4ForCausalLM, Gemma4TextOnly
 from asyncllm.models.gemma4_mm import Gemma4ForConditionalGeneration
+from asyncllm.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
@@ -182,6 +183,9 @@ _MODELS: dict[str, type] = {
     "SolarOpenForCausalLM": SolarOpenForCausalLM,
     "SarvamMoEForCausalLM": Glm4MoeForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
+    "MambaForCausalLM": MambaForCausalLM,
+    "FalconMambaForCausalLM": FalconMambaForCausalLM,
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,
     "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
@@ -276,6 +280,8 @@ def text_config_of(hf_config: Any) -> Any:
 def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = False) -> None:
     """`ConfigError` unless the model's heads and MLPs (dense or experts) split evenly over ``tp_size`` ranks."""
     model_cls = _MODELS.get((getattr(hf_config, "architectures", None) or [""])[0])
+    if hasattr(model_cls, "kv_cache_spec_of"):  # attention-free: its mixers are whole on every rank
+        return
     hf_config = text_config_of(hf_config)
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads  # encoders: one KV head per head
@@ -301,6 +307,8 @@ def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
         # an encoder keeps no KV; one small layer's worth backs the scheduler's block accounting
         return KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=head_dim_of(hf_config))
     model_cls = _MODELS.get((getattr(hf_config, "architectures", None) or [""])[0])
+    if hasattr(model_cls, "kv_cache_spec_of"):  # attention-free models: a token-sized layer for the accounting
+        return model_cls.kv_cache_spec_of(hf_config, tp_size)
     hf_config = text_config_of(hf_config)
     decoders = getattr(model_cls, "decoder_classes", None)  # an image-text model's decoder shapes its cache
     model_cls = decoders.get(hf_config.model_type, model_cls) if decoders else model_cls
