@@ -39,7 +39,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
-              "sarvam_moe", "gemma", "gemma4", "gemma4_moe")
+              "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -138,6 +138,11 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
                      moe_intermediate_size=24, routed_scaling_factor=1.5),
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
                  block_ffn_dim_multiplier=1.0),
+    # EXAONE MoE: an 8-token sliding layer (rotating) and a global one (no positions), a dense first layer, then
+    # DeepSeek-V3's experts
+    "exaone_moe": dict(moe_intermediate_size=32, num_experts=8, num_shared_experts=1, num_experts_per_tok=2,
+                       n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, sliding_window=8,
+                       sliding_window_pattern=2, mlp_layer_types=["dense", "sparse"]),
     # Gemma 4 (E2B/E4B-style): sliding layers of 4 heads x 16 over 2 KV heads, global ones with one 32-wide KV head
     # whose values are their keys, rotated by the proportional rope; the last two layers share the first two's KV
     # caches and have double-wide MLPs; per-layer inputs; capped logits
@@ -479,6 +484,7 @@ def _build_config(
         "mistral4": transformers.Mistral4Config, "solar_open": transformers.SolarOpenConfig,
         "sarvam_moe": transformers.SarvamMoEConfig, "gemma": transformers.GemmaConfig,
         "gemma4": transformers.Gemma4TextConfig, "gemma4_moe": transformers.Gemma4TextConfig,
+        "exaone_moe": transformers.ExaoneMoeConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

@@ -22,6 +22,7 @@ from asyncllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from asyncllm.models.gemma4 import Gemma4ForCausalLM, Gemma4TextOnly
 from asyncllm.models.gemma4_mm import Gemma4ForConditionalGeneration
 from asyncllm.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
+from asyncllm.models.exaone_moe import ExaoneMoeForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
@@ -184,6 +185,7 @@ _MODELS: dict[str, type] = {
     "SarvamMoEForCausalLM": Glm4MoeForCausalLM,
     "JambaForCausalLM": JambaForCausalLM,
     "MambaForCausalLM": MambaForCausalLM,
+    "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,

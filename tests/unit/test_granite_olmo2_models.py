@@ -37,6 +37,7 @@ from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.exaone_moe import ExaoneMoeForCausalLM
 from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, WholeProjectionRMSNorm, olmo2_rms_norm
 from asyncllm.models.registry import kv_cache_spec
@@ -54,7 +55,8 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "hunyuan_v1_dense": HunYuanDenseV1ForCausalLM, "glm4_moe": Glm4MoeForCausalLM,
                  "minimax_m2": MiniMaxM2ForCausalLM, "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "dots1": Dots1ForCausalLM, "apertus": ApertusForCausalLM,
-                 "solar_open": SolarOpenForCausalLM, "sarvam_moe": Glm4MoeForCausalLM}
+                 "solar_open": SolarOpenForCausalLM, "sarvam_moe": Glm4MoeForCausalLM,
+                 "exaone_moe": ExaoneMoeForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
@@ -163,3 +165,15 @@ def test_granitemoe_checkpoints_of_transformers_5_names_load_the_same(tmp_path) 
     run = PagedRun(model, sequences, block_size=4)
     run.new_kv_caches_for(spec, torch.float32)
     _assert_match_transformers(src, sequences, run.run(SCHEDULE))
+
+
+def test_exaone_moe_leaves_the_multi_token_prediction_block_unread() -> None:
+    """K-EXAONE ships an ``mtp.*`` block (transformers ignores it): loading skips it, other unknown names raise."""
+    from asyncllm.errors import ConfigError
+
+    path = tiny_checkpoint("exaone_moe")
+    model = load_model(EngineConfig.create(path), load_hf_config(path), torch.device("cpu"), torch.float32)
+    extra = torch.ones(4, 4)
+    assert model.load_weights([("mtp.layers.0.input_layernorm.weight", extra)]) == set()
+    with pytest.raises(ConfigError, match="model.mtp_head.weight"):
+        model.load_weights([("model.mtp_head.weight", extra)])
