@@ -39,7 +39,8 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "qwen3_5_moe", "qwen3_next", "minimax_m2", "granitemoehybrid",
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
-              "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe")
+              "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
+              "granitemoeshared", "flex_olmo")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -49,6 +50,8 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
                       shared_expert_intermediate_size=96, norm_topk_prob=False),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
+    "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48),
+    "flex_olmo": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=True),
     "olmoe": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
     "hunyuan_v1_moe": dict(num_experts=6, moe_topk=2, intermediate_size=48),
     "ernie4_5_moe": dict(moe_num_experts=6, moe_k=2, moe_intermediate_size=24, moe_num_shared_experts=1,
@@ -164,6 +167,8 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
 _GEMMA_SHAPES: dict[str, dict[str, Any]] = {
     "gemma2": dict(sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
                    final_logit_softcapping=30.0),
+    "vaultgemma": dict(sliding_window=8, query_pre_attn_scalar=32, attn_logit_softcapping=5.0,
+                       final_logit_softcapping=30.0),
     "gemma3": dict(sliding_window=8, query_pre_attn_scalar=32, rope_parameters={
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
@@ -188,7 +193,7 @@ _EXAONE4_SHAPE: dict[str, Any] = dict(sliding_window=8, sliding_window_pattern=2
 """The tiny EXAONE 4: an 8-token window in its first layer, the second full and without positions."""
 
 _BIAS_SHAPES: dict[str, dict[str, Any]] = {
-    "ernie4_5": dict(use_bias=True), "seed_oss": dict(attention_bias=True, attention_out_bias=False),
+    "ernie4_5": dict(use_bias=True), "helium": dict(attention_bias=True), "seed_oss": dict(attention_bias=True, attention_out_bias=False),
     "cohere": dict(logit_scale=0.5), "cohere2": dict(logit_scale=0.5, sliding_window=8, sliding_window_pattern=2),
     "ministral": dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
     "starcoder2": dict(sliding_window=8),
@@ -335,7 +340,7 @@ def make_tiny_checkpoint(
 
 def _tied(arch: str) -> bool:
     """Whether the family's checkpoints tie the LM head to the embeddings: every Gemma's and Granite 3.x's."""
-    return arch in (*_GEMMA_SHAPES, "gemma4", "gemma4_moe", "granite", "granitemoe")
+    return arch in (*_GEMMA_SHAPES, "gemma4", "gemma4_moe", "granite", "granitemoe", "granitemoeshared")
 
 
 def tiny_cache_dir() -> Path:
@@ -484,7 +489,9 @@ def _build_config(
         "mistral4": transformers.Mistral4Config, "solar_open": transformers.SolarOpenConfig,
         "sarvam_moe": transformers.SarvamMoEConfig, "gemma": transformers.GemmaConfig,
         "gemma4": transformers.Gemma4TextConfig, "gemma4_moe": transformers.Gemma4TextConfig,
-        "exaone_moe": transformers.ExaoneMoeConfig,
+        "exaone_moe": transformers.ExaoneMoeConfig, "helium": transformers.HeliumConfig,
+        "vaultgemma": transformers.VaultGemmaConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
+        "flex_olmo": transformers.FlexOlmoConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -499,7 +506,7 @@ def _build_config(
     fields.update(_MOE_SHAPES.get(arch, {}))
     if arch == "phi3":
         fields.update(copy.deepcopy(_PHI3_SHAPE))
-    if arch in ("granite", "granitemoe", "granitemoehybrid"):
+    if arch in ("granite", "granitemoe", "granitemoehybrid", "granitemoeshared"):
         fields.update(_GRANITE_SHAPE)
     fields.update(copy.deepcopy(_LAYER_SHAPES.get(arch, {})))
     if arch in ("gemma4", "gemma4_moe"):

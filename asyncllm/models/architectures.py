@@ -36,7 +36,8 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "SarvamMoEForCausalLM", "Ernie4_5_MoeForCausalLM",
                       "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
                       "Llama4ForConditionalGeneration", "MambaForCausalLM", "FalconMambaForCausalLM",
-                      "Mamba2ForCausalLM", "ExaoneMoeForCausalLM")
+                      "Mamba2ForCausalLM", "ExaoneMoeForCausalLM", "HeliumForCausalLM", "GraniteMoeSharedForCausalLM",
+                      "FlexOlmoForCausalLM", "VaultGemmaForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
@@ -45,7 +46,7 @@ HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
 """Models whose state layers keep per-request recurrent states (asyncllm/models/row_states.py): prefix caching from
 saved states, no swap preemption, no speculative decoding (docs/hybrid-models.md)."""
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                       "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration")
+                       "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "VaultGemmaForCausalLM")
 """Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints take images
 (asyncllm/models/gemma3_mm.py) or, in language-model-only mode, serve text with LoRA adapters (docs/gemma.md)."""
 PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
@@ -59,7 +60,8 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
                      "Llama4ForConditionalGeneration", "NemotronHForCausalLM", "Lfm2MoeForCausalLM",
                      "JambaForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Gemma4ForCausalLM",
-                     "Gemma4ForConditionalGeneration", "ExaoneMoeForCausalLM")
+                     "Gemma4ForConditionalGeneration", "ExaoneMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+                     "FlexOlmoForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                             "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",

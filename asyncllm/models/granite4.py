@@ -8,14 +8,14 @@ rows stored fused as ``input_linear``) plus, when the model has experts, Granite
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.granite import GraniteEmbedding
-from asyncllm.models.granitemoe import GraniteMoeForCausalLM
+from asyncllm.models.granitemoe import GraniteMoeForCausalLM, shared_mlp_parts
 from asyncllm.models.bamba import BambaLayer
 from asyncllm.models.hybrid import HybridBuild, HybridModel, StateLayersMixin
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
@@ -85,20 +85,5 @@ class GraniteMoeHybridForCausalLM(StateLayersMixin, GraniteMoeForCausalLM):
         super().__init__(hf_config, **kwargs)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        return super().load_weights(_shared_mlp_parts(weights))
+        return super().load_weights(shared_mlp_parts(weights))
 
-
-def _shared_mlp_parts(weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
-    """The shared MLP's fused ``input_linear`` (gate rows, then up) cut into ``gate_proj`` / ``up_proj``, its
-    ``output_linear`` as ``down_proj``."""
-    for name, weight in weights:
-        if name.endswith(".shared_mlp.input_linear.weight"):
-            full = weight if isinstance(weight, torch.Tensor) else weight[:]
-            prefix = name.removesuffix("input_linear.weight")
-            gate, up = full.chunk(2, dim=0)
-            yield prefix + "gate_proj.weight", gate
-            yield prefix + "up_proj.weight", up
-        elif name.endswith(".shared_mlp.output_linear.weight"):
-            yield name.removesuffix("output_linear.weight") + "down_proj.weight", weight
-        else:
-            yield name, weight

@@ -4,6 +4,9 @@ Llama's pre-norm layers (asyncllm/models/llama.py) with OLMo 2's q and k norms o
 (`WholeProjectionRMSNorm`, all-reduced over tensor-parallel ranks; Llama's rounding order here) and a mixture
 of experts in every layer (asyncllm/models/moe.py): the softmax's top k, renormalised when ``norm_topk_prob``,
 rounded to the model dtype, as Qwen-MoE's. ``clip_qkv`` (no released OLMoE sets it) is a `NotBuiltError`.
+
+AllenAI FlexOlmo (FlexOlmo-7x7B-1T, -RT): ``FlexOlmoForCausalLM``. OLMo 2's layers (asyncllm/models/olmo2.py:
+norms after the sublayers, whole-projection q/k norms with OLMo 2's rounding) with OLMoE's experts in every layer.
 """
 
 from __future__ import annotations
@@ -13,9 +16,9 @@ from typing import Any
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from asyncllm.models.moe import MoECausalLM, MoESpec, num_experts_of
-from asyncllm.models.olmo2 import Olmo2Attention
+from asyncllm.models.olmo2 import Olmo2Attention, Olmo2ForCausalLM
 
-__all__ = ["OlmoeForCausalLM"]
+__all__ = ["FlexOlmoForCausalLM", "OlmoeForCausalLM"]
 
 
 class OlmoeAttention(Olmo2Attention):
@@ -46,3 +49,9 @@ class OlmoeForCausalLM(MoECausalLM, LlamaForCausalLM):
         if getattr(hf_config, "clip_qkv", None) is not None:
             raise NotBuiltError("clip_qkv", hf_config.clip_qkv, "OLMoE with q, k and v clipped")
         super().__init__(hf_config, **kwargs)
+
+
+class FlexOlmoForCausalLM(MoECausalLM, Olmo2ForCausalLM):
+    """OLMo 2's layers with OLMoE's experts in every layer."""
+
+    moe_spec = OlmoeForCausalLM.moe_spec

@@ -16,13 +16,14 @@ from asyncllm.models.architectures import (
 from asyncllm.models.bert import BertEmbeddingModel, BertForSequenceClassification
 from asyncllm.models.classifier import sequence_classifier
 from asyncllm.models.gemma import Gemma1ForCausalLM
-from asyncllm.models.gemma2 import Gemma2ForCausalLM
+from asyncllm.models.gemma2 import Gemma2ForCausalLM, VaultGemmaForCausalLM
 from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
 from asyncllm.models.gemma3_mm import Gemma3ForConditionalGeneration
 from asyncllm.models.gemma4 import Gemma4ForCausalLM, Gemma4TextOnly
 from asyncllm.models.gemma4_mm import Gemma4ForConditionalGeneration
 from asyncllm.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
 from asyncllm.models.exaone_moe import ExaoneMoeForCausalLM
+from asyncllm.models.helium import HeliumForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
@@ -44,8 +45,8 @@ from asyncllm.models.ernie_seed_arcee import (
 )
 from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
-from asyncllm.models.granitemoe import GraniteMoeForCausalLM
-from asyncllm.models.olmoe import OlmoeForCausalLM
+from asyncllm.models.granitemoe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
+from asyncllm.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
 from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
 from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
 from asyncllm.models.deepseek import (
@@ -186,6 +187,10 @@ _MODELS: dict[str, type] = {
     "JambaForCausalLM": JambaForCausalLM,
     "MambaForCausalLM": MambaForCausalLM,
     "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
+    "HeliumForCausalLM": HeliumForCausalLM,
+    "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
+    "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
+    "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,

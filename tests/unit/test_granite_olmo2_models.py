@@ -38,6 +38,10 @@ from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.exaone_moe import ExaoneMoeForCausalLM
+from asyncllm.models.gemma2 import VaultGemmaForCausalLM
+from asyncllm.models.granitemoe import GraniteMoeSharedForCausalLM
+from asyncllm.models.helium import HeliumForCausalLM
+from asyncllm.models.olmoe import FlexOlmoForCausalLM
 from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, WholeProjectionRMSNorm, olmo2_rms_norm
 from asyncllm.models.registry import kv_cache_spec
@@ -56,7 +60,8 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "minimax_m2": MiniMaxM2ForCausalLM, "ernie4_5_moe": Ernie4_5_MoeForCausalLM,
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "dots1": Dots1ForCausalLM, "apertus": ApertusForCausalLM,
                  "solar_open": SolarOpenForCausalLM, "sarvam_moe": Glm4MoeForCausalLM,
-                 "exaone_moe": ExaoneMoeForCausalLM}
+                 "exaone_moe": ExaoneMoeForCausalLM, "helium": HeliumForCausalLM, "vaultgemma": VaultGemmaForCausalLM,
+                 "granitemoeshared": GraniteMoeSharedForCausalLM, "flex_olmo": FlexOlmoForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
