@@ -40,7 +40,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
-              "granitemoeshared", "flex_olmo")
+              "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -98,6 +98,13 @@ _GEMMA4_ATTENTION: dict[str, Any] = dict(sliding_window=8, global_head_dim=32, n
                                          attention_k_eq_v=True)
 
 _LAYER_SHAPES: dict[str, dict[str, Any]] = {
+    # the LayerNorm families: a partial rotary each (Phi's 0.5, StableLM's and GPT-NeoX's 0.25, Nemotron's 0.5)
+    "phi": dict(rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}),
+    "stablelm": dict(use_qkv_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                                         "partial_rotary_factor": 0.25}),
+    "nemotron": dict(attention_bias=True, mlp_bias=True, rope_parameters={
+        "rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}),
+    "gpt_neox": dict(num_key_value_heads=None, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}),
     # GLM-4.5: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing
     "glm4_moe": dict(_DEEPSEEK_EXPERTS, use_qk_norm=True),
     # dots.llm1: the same experts under Qwen3's attention, a sliding layer first
@@ -491,7 +498,9 @@ def _build_config(
         "gemma4": transformers.Gemma4TextConfig, "gemma4_moe": transformers.Gemma4TextConfig,
         "exaone_moe": transformers.ExaoneMoeConfig, "helium": transformers.HeliumConfig,
         "vaultgemma": transformers.VaultGemmaConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
-        "flex_olmo": transformers.FlexOlmoConfig,
+        "flex_olmo": transformers.FlexOlmoConfig, "phi": transformers.PhiConfig,
+        "stablelm": transformers.StableLmConfig, "nemotron": transformers.NemotronConfig,
+        "gpt_neox": transformers.GPTNeoXConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

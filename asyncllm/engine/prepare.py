@@ -136,7 +136,9 @@ _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5F
             "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
             "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM",
             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
-            "Llama4ForConditionalGeneration",
+            "Llama4ForConditionalGeneration", "ExaoneMoeForCausalLM", "HeliumForCausalLM", "VaultGemmaForCausalLM",
+            "GraniteMoeSharedForCausalLM", "FlexOlmoForCausalLM", "PhiForCausalLM", "StableLmForCausalLM",
+            "NemotronForCausalLM", "GPTNeoXForCausalLM",
             *(a for a in HYBRID_ARCHITECTURES if not a.startswith("Qwen3_5")),
             *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",

@@ -37,7 +37,8 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "HunYuanMoEV1ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
                       "Llama4ForConditionalGeneration", "MambaForCausalLM", "FalconMambaForCausalLM",
                       "Mamba2ForCausalLM", "ExaoneMoeForCausalLM", "HeliumForCausalLM", "GraniteMoeSharedForCausalLM",
-                      "FlexOlmoForCausalLM", "VaultGemmaForCausalLM")
+                      "FlexOlmoForCausalLM", "VaultGemmaForCausalLM", "PhiForCausalLM",
+                      "StableLmForCausalLM", "NemotronForCausalLM", "GPTNeoXForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",

@@ -72,9 +72,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         tp: TensorParallel,
         dtype: torch.dtype,
         tied_to: VocabParallelEmbedding | None = None,
+        bias: bool = False,
     ):
+        """``bias``: a bias per token (Phi's, GPT-J's), this rank's slice of it."""
         super().__init__(vocab_size, hidden_size, tp, dtype, None if tied_to is None else tied_to.weight)
+        self.bias = new_param(self.vocab_size_per_rank, dtype=dtype, loader=self.weight_loader) if bias else None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.tp.all_gather(F.linear(hidden, self.weight))
+        logits = self.tp.all_gather(F.linear(hidden, self.weight, self.bias))
         return logits[..., : self.vocab_size]

@@ -126,6 +126,12 @@ def head_dim_of(hf_config: Any) -> int:
     return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
 
 
+def num_kv_heads_of(hf_config: Any) -> int:
+    """The KV head count: ``num_key_value_heads``, or one per attention head where the config names none (GPT-NeoX,
+    Nemotron's default)."""
+    return getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+
+
 def kv_heads_per_rank(total_kv_heads: int, tp_size: int) -> int:
     """KV heads each rank holds: a share, or one replicated head when there are fewer heads than ranks."""
     return max(1, total_kv_heads // tp_size)

@@ -259,6 +259,8 @@ class LlamaForCausalLM(nn.Module):
     """True for mixture-of-experts families (asyncllm/models/moe.py): they take ``expert_parallel``."""
     """False for a bare decoder's checkpoint (``LlamaModel`` & co.: names without ``model.``, no ``lm_head``):
     its LM head stays zero, and the host refuses generation (`headless`)."""
+    lm_head_bias = False
+    """Whether the LM head has a bias (Phi's)."""
     model_cls: type[LlamaModel] = LlamaModel
     """The decoder stack (embeddings, layers, final norm) under ``model.``."""
 
@@ -311,7 +313,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = PPMissingLayer()
             return
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype, tied_to)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype, tied_to,
+                                      bias=self.lm_head_bias)
         if not self.has_lm_head and tied_to is None:
             nn.init.zeros_(self.lm_head.weight)  # never loaded: finite logits for the embedding path's dropped token
 

@@ -24,9 +24,13 @@ from asyncllm.models.gemma4_mm import Gemma4ForConditionalGeneration
 from asyncllm.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
 from asyncllm.models.exaone_moe import ExaoneMoeForCausalLM
 from asyncllm.models.helium import HeliumForCausalLM
+from asyncllm.models.gpt_neox import GPTNeoXForCausalLM
+from asyncllm.models.nemotron import NemotronForCausalLM
+from asyncllm.models.phi import PhiForCausalLM
+from asyncllm.models.stablelm import StableLmForCausalLM
 from asyncllm.models.granite import GraniteForCausalLM
 from asyncllm.models.gpt_oss import GptOssForCausalLM
-from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank
+from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank, num_kv_heads_of
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration
@@ -191,6 +195,10 @@ _MODELS: dict[str, type] = {
     "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
     "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
     "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
+    "PhiForCausalLM": PhiForCausalLM,
+    "StableLmForCausalLM": StableLmForCausalLM,
+    "NemotronForCausalLM": NemotronForCausalLM,
+    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,
@@ -321,7 +329,7 @@ def kv_cache_spec(hf_config: Any, tp_size: int) -> KVCacheSpec:
     model_cls = decoders.get(hf_config.model_type, model_cls) if decoders else model_cls
     per_layer = getattr(model_cls, "kv_cache_shapes", None)  # (total kv heads, head_dim) per cache layer
     shapes = tuple((kv_heads_per_rank(heads, tp_size), dim) for heads, dim in per_layer(hf_config)) if per_layer else ()
-    num_kv_heads, head_dim = kv_heads_per_rank(hf_config.num_key_value_heads, tp_size), head_dim_of(hf_config)
+    num_kv_heads, head_dim = kv_heads_per_rank(num_kv_heads_of(hf_config), tp_size), head_dim_of(hf_config)
     if len(set(shapes)) == 1:  # every layer alike (DeepSeek's latent: one 576-wide head)
         (num_kv_heads, head_dim), shapes = shapes[0], ()
     return KVCacheSpec(

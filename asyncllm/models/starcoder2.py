@@ -19,7 +19,10 @@ from asyncllm.models.layers import RMSNorm, new_param
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
-__all__ = ["BiasLayerNorm", "Starcoder2ForCausalLM"]
+__all__ = ["BiasLayerNorm", "GeluMLP", "Starcoder2ForCausalLM"]
+
+_GELU_APPROXIMATION = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh"}
+"""transformers' GELU activations -> torch's ``approximate`` (the tanh ones agree to rounding)."""
 
 
 class BiasLayerNorm(RMSNorm):
@@ -38,17 +41,21 @@ class BiasLayerNorm(RMSNorm):
         return out if residual is None else (out, x)
 
 
-class Starcoder2MLP(nn.Module):
+class GeluMLP(nn.Module):
+    """``c_proj(gelu(c_fc(x)))`` (GPT-style; exact or tanh GELU by ``hidden_act``): StarCoder2's, and Phi's and
+    GPT-NeoX's under their own names (renamed at load)."""
+
     def __init__(self, b: DecoderBuild) -> None:
         super().__init__()
         cfg = b.hf_config
-        if cfg.hidden_act not in ("gelu_pytorch_tanh", "gelu_new"):
-            raise NotBuiltError("model", cfg.hidden_act, "StarCoder2's MLP activation gelu_pytorch_tanh")
+        if cfg.hidden_act not in _GELU_APPROXIMATION:
+            raise NotBuiltError("model", cfg.hidden_act, f"a GELU MLP's activation, one of {sorted(_GELU_APPROXIMATION)}")
+        self.approximate = _GELU_APPROXIMATION[cfg.hidden_act]
         self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, b.flags.mlp_bias, b.tp, b.dtype)
         self.c_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, b.flags.mlp_bias, b.tp, b.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
 
 
 class Starcoder2DecoderLayer(LlamaDecoderLayer):
@@ -57,6 +64,7 @@ class Starcoder2DecoderLayer(LlamaDecoderLayer):
         cfg = b.hf_config
         self.input_layernorm = BiasLayerNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
         self.post_attention_layernorm = BiasLayerNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.fused_decode_rows = 0  # the fused decode products run RMSNorms
 
 
 class Starcoder2Model(LlamaModel):
@@ -79,7 +87,7 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
-        return Starcoder2MLP(b)
+        return GeluMLP(b)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         hf_config = copy.copy(hf_config)

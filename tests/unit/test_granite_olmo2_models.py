@@ -1,7 +1,9 @@
 """Granite, OLMo 2 / 3, SmolLM3, EXAONE 4, GLM / GLM-4 / GLM-4.5 (MoE), ERNIE 4.5 (dense, MoE), Seed-OSS, Arcee,
-Command R / R7B, Ministral / Ministral 3, Granite MoE, OLMoE, MiniMax-M2, dots.llm1, StarCoder2 and Hunyuan
-(asyncllm/models/: granite.py, olmo2.py, smollm3.py, exaone4.py, glm4.py, glm4_moe.py, ernie_seed_arcee.py,
-cohere.py, ministral3.py, granitemoe.py, olmoe.py, minimax_m2.py, starcoder2.py, hunyuan.py) against
+Command R / R7B, Ministral / Ministral 3, Granite MoE (and shared), OLMoE, FlexOlmo, MiniMax-M2, dots.llm1, EXAONE
+MoE, StarCoder2, Hunyuan, Helium, VaultGemma, Phi, StableLM, Nemotron and GPT-NeoX (asyncllm/models/: granite.py,
+olmo2.py, smollm3.py, exaone4.py, glm4.py, glm4_moe.py, ernie_seed_arcee.py, cohere.py, ministral3.py, granitemoe.py,
+olmoe.py, minimax_m2.py, starcoder2.py, hunyuan.py, exaone_moe.py, helium.py, gemma2.py, phi.py, stablelm.py,
+nemotron.py, gpt_neox.py) against
 transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny Granite (asyncllm.tiny "granite") has every multiplier far from 1 (embeddings x12, residual x0.22,
@@ -40,7 +42,11 @@ from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.exaone_moe import ExaoneMoeForCausalLM
 from asyncllm.models.gemma2 import VaultGemmaForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeSharedForCausalLM
+from asyncllm.models.gpt_neox import GPTNeoXForCausalLM
 from asyncllm.models.helium import HeliumForCausalLM
+from asyncllm.models.nemotron import NemotronForCausalLM
+from asyncllm.models.phi import PhiForCausalLM
+from asyncllm.models.stablelm import StableLmForCausalLM
 from asyncllm.models.olmoe import FlexOlmoForCausalLM
 from asyncllm.models.olmoe import OlmoeForCausalLM
 from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM, WholeProjectionRMSNorm, olmo2_rms_norm
@@ -61,7 +67,9 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "hunyuan_v1_moe": HunYuanMoEV1ForCausalLM, "dots1": Dots1ForCausalLM, "apertus": ApertusForCausalLM,
                  "solar_open": SolarOpenForCausalLM, "sarvam_moe": Glm4MoeForCausalLM,
                  "exaone_moe": ExaoneMoeForCausalLM, "helium": HeliumForCausalLM, "vaultgemma": VaultGemmaForCausalLM,
-                 "granitemoeshared": GraniteMoeSharedForCausalLM, "flex_olmo": FlexOlmoForCausalLM}
+                 "granitemoeshared": GraniteMoeSharedForCausalLM, "flex_olmo": FlexOlmoForCausalLM,
+                 "phi": PhiForCausalLM, "stablelm": StableLmForCausalLM, "nemotron": NemotronForCausalLM,
+                 "gpt_neox": GPTNeoXForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
@@ -82,7 +90,17 @@ def _assert_match_transformers(path: str, sequences: list[list[int]], all_logits
 
 @pytest.mark.parametrize("arch", sorted(MODEL_CLASSES))
 def test_logits_match_transformers(arch: str) -> None:
-    path = tiny_checkpoint(arch)
+    _check_logits(arch, tiny_checkpoint(arch))
+
+
+@pytest.mark.parametrize("arch, overrides", [("stablelm", {"use_parallel_residual": True}),
+                                             ("gpt_neox", {"use_parallel_residual": False})])
+def test_the_other_residual_layout_matches_transformers(arch: str, overrides: dict) -> None:
+    """StableLM's parallel layers (stablelm-2-12b's layout) and GPT-NeoX's sequential ones."""
+    _check_logits(arch, tiny_checkpoint(arch, **overrides))
+
+
+def _check_logits(arch: str, path: str) -> None:
     hf_config = load_hf_config(path)
     model = load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
     assert type(model) is MODEL_CLASSES[arch]
@@ -109,7 +127,9 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
              tiny_checkpoint("glm4"),  # GLM-4: its reordered q/k rows and fused gate_up cut per rank
              tiny_checkpoint("granitemoe"),  # Granite MoE: its fused experts split, then each rank's slice
              tiny_checkpoint("olmoe"),  # OLMoE: whole-projection q/k norms (Llama's rounding) and experts
-             tiny_checkpoint("minimax_m2")]  # MiniMax-M2: the same norms, a partial rotary, corrected sigmoid routing
+             tiny_checkpoint("minimax_m2"),  # MiniMax-M2: the same norms, a partial rotary, corrected sigmoid routing
+             tiny_checkpoint("gpt_neox"),  # GPT-NeoX: its per-head fused q/k/v cut, then each rank's heads
+             tiny_checkpoint("phi")]  # Phi: the LM head's bias split by vocabulary
     sequences = _sequences(2)
     mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
     for index, path in enumerate(paths):

@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import asyncllm.tiny as tiny
 from asyncllm.errors import ConfigError
+from asyncllm.models.layers import num_kv_heads_of
 from asyncllm.tiny import SPECIAL_TOKENS, TINY_ARCHS, make_tiny_checkpoint, tiny_cache_dir, tiny_checkpoint
 
 MULTIBYTE = "héllo wörld ✓ 日本語 🙂"
@@ -37,7 +38,9 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4")
     kv_heads = (model.config.per_layer_config[0].num_key_value_heads if arch.startswith("gemma4")  # per layer
                 else model.config.num_key_value_heads)
-    assert kv_heads == (4 if latent else 2)  # DeepSeek's latent attention: one per head
+    if arch == "gpt_neox":  # multi-head attention: no KV head count in its config
+        kv_heads = num_kv_heads_of(model.config)
+    assert kv_heads == (4 if latent or arch == "gpt_neox" else 2)  # DeepSeek's latent attention: one per head
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4, 5]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2)
     assert model.generation_config.eos_token_id == 1
