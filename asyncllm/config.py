@@ -33,7 +33,7 @@ __all__ = [
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf")
 """Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md); awq, gptq

@@ -40,7 +40,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
-              "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox")
+              "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -104,6 +104,11 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
                                                          "partial_rotary_factor": 0.25}),
     "nemotron": dict(attention_bias=True, mlp_bias=True, rope_parameters={
         "rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5}),
+    # learned positions: GPT-2, GPTBigCode (one KV head: multi_query), OPT (ReLU MLP), GPT-J (an interleaved rotary
+    # over half of each head); the ones without a KV head count of their own
+    "gpt2": dict(num_key_value_heads=None), "gpt_bigcode": dict(num_key_value_heads=None),
+    "opt": dict(num_key_value_heads=None, ffn_dim=128, word_embed_proj_dim=64),
+    "gptj": dict(num_key_value_heads=None, rotary_dim=8),
     "gpt_neox": dict(num_key_value_heads=None, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}),
     # GLM-4.5: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing
     "glm4_moe": dict(_DEEPSEEK_EXPERTS, use_qk_norm=True),
@@ -347,7 +352,8 @@ def make_tiny_checkpoint(
 
 def _tied(arch: str) -> bool:
     """Whether the family's checkpoints tie the LM head to the embeddings: every Gemma's and Granite 3.x's."""
-    return arch in (*_GEMMA_SHAPES, "gemma4", "gemma4_moe", "granite", "granitemoe", "granitemoeshared")
+    return arch in (*_GEMMA_SHAPES, "gemma4", "gemma4_moe", "granite", "granitemoe", "granitemoeshared", "gpt2", "gpt_bigcode",
+                    "opt")
 
 
 def tiny_cache_dir() -> Path:
@@ -500,7 +506,8 @@ def _build_config(
         "vaultgemma": transformers.VaultGemmaConfig, "granitemoeshared": transformers.GraniteMoeSharedConfig,
         "flex_olmo": transformers.FlexOlmoConfig, "phi": transformers.PhiConfig,
         "stablelm": transformers.StableLmConfig, "nemotron": transformers.NemotronConfig,
-        "gpt_neox": transformers.GPTNeoXConfig,
+        "gpt_neox": transformers.GPTNeoXConfig, "gpt2": transformers.GPT2Config,
+        "gpt_bigcode": transformers.GPTBigCodeConfig, "opt": transformers.OPTConfig, "gptj": transformers.GPTJConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

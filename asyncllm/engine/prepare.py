@@ -138,7 +138,8 @@ _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5F
             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
             "Llama4ForConditionalGeneration", "ExaoneMoeForCausalLM", "HeliumForCausalLM", "VaultGemmaForCausalLM",
             "GraniteMoeSharedForCausalLM", "FlexOlmoForCausalLM", "PhiForCausalLM", "StableLmForCausalLM",
-            "NemotronForCausalLM", "GPTNeoXForCausalLM",
+            "NemotronForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM",
+            "GPTJForCausalLM",
             *(a for a in HYBRID_ARCHITECTURES if not a.startswith("Qwen3_5")),
             *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",

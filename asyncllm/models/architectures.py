@@ -38,7 +38,8 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Llama4ForConditionalGeneration", "MambaForCausalLM", "FalconMambaForCausalLM",
                       "Mamba2ForCausalLM", "ExaoneMoeForCausalLM", "HeliumForCausalLM", "GraniteMoeSharedForCausalLM",
                       "FlexOlmoForCausalLM", "VaultGemmaForCausalLM", "PhiForCausalLM",
-                      "StableLmForCausalLM", "NemotronForCausalLM", "GPTNeoXForCausalLM")
+                      "StableLmForCausalLM", "NemotronForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel",
+                      "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",

@@ -11,6 +11,7 @@ when torch is installed, imports it), never at an app's import time.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -62,9 +63,14 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
     offline = constants.HF_HUB_OFFLINE or _env_flag("HF_HUB_OFFLINE")
     cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
     try:
-        return snapshot_download(
+        path = snapshot_download(
             model, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=_HUB_ALLOW_PATTERNS
         )
+        if glob.glob(os.path.join(path, "*.safetensors")):
+            return path
+        return snapshot_download(  # no safetensors: the PyTorch pickles (asyncllm/models/pt_checkpoint.py)
+            model, revision=revision, cache_dir=cache_dir, local_files_only=offline,
+            allow_patterns=[*_HUB_ALLOW_PATTERNS, "*.bin", "*.pt"])
     except HFValidationError as exc:
         raise ConfigError("model", model, f"a local folder or a hub id: {model!r} is neither ({exc})") from exc
     except LocalEntryNotFoundError as exc:

@@ -23,7 +23,7 @@ from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaForCausalLM, 
 from asyncllm.models.parallel_residual import ParallelResidualLayer
 from asyncllm.models.phi import renamed
 from asyncllm.models.phi3 import check_phi3
-from asyncllm.models.starcoder2 import BiasLayerNorm, GeluMLP
+from asyncllm.models.starcoder2 import BiasLayerNorm, GatelessMLP
 
 __all__ = ["GPTNeoXForCausalLM"]
 
@@ -71,7 +71,7 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
-        return GeluMLP(b)
+        return GatelessMLP(b)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_phi3(hf_config, "GPT-NeoX")  # the fused q/k/v is cut at load

@@ -105,7 +105,8 @@ def load_model(
     elif config.load_format == "dummy":
         init_dummy_weights(model, config.seed)
     else:
-        load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
+        load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype,
+                        load_format=config.load_format)
     if config.quantization is not None and prequantized is None:  # online: asyncllm/models/quantization.py
         from asyncllm.models.quantization import quantize_model
 
@@ -166,9 +167,12 @@ def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8
     fp8.finish_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
 
 
-def checkpoint_files(path: str) -> list[str]:
-    """The safetensors files to read: those of the index when there is one, else every
-    ``*.safetensors`` (Mistral's duplicate ``consolidated*`` files left out)."""
+def checkpoint_files(path: str, load_format: str = "auto") -> list[str]:
+    """The weight files to read: the safetensors of the index when there is one, else every ``*.safetensors``
+    (Mistral's duplicate ``consolidated*`` files left out); PyTorch pickle files (asyncllm/models/pt_checkpoint.py)
+    when there are none and ``load_format`` is ``auto``, or always with ``pt``."""
+    if load_format == "pt":
+        return _pt_files(path)
     index_path = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index_path):
         with open(index_path) as f:
@@ -180,21 +184,35 @@ def checkpoint_files(path: str) -> list[str]:
         return files
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     files = [f for f in files if not os.path.basename(f).startswith("consolidated")] or files
+    if not files and load_format == "auto":
+        return _pt_files(path)
     if not files:
-        raise ConfigError(
-            "load_format",
-            "safetensors",
-            f"a folder with *.safetensors weights, and {path} has none (.bin/.pt checkpoints are not "
-            "supported: convert them to safetensors, or use load_format='dummy')",
-        )
+        raise ConfigError("load_format", load_format, f"a folder with *.safetensors weights, and {path} has none "
+                                                      "(load_format='auto' or 'pt' reads .bin / .pt checkpoints)")
+    return files
+
+
+def _pt_files(path: str) -> list[str]:
+    from asyncllm.models.pt_checkpoint import pt_checkpoint_files
+
+    files = pt_checkpoint_files(path)
+    if not files:
+        raise ConfigError("model", path, "a folder with *.safetensors, pytorch_model*.bin or *.pt weights; it has "
+                                         "none (load_format='dummy' draws random weights)")
     return files
 
 
 def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, LoadedWeight]]:
-    """(name, lazy slice) for every tensor; a slice reads only the part that is indexed."""
+    """(name, lazy slice) for every tensor; a slice reads only the part that is indexed. PyTorch pickle files
+    (``.bin`` / ``.pt``) give whole tensors (memory-mapped where they can be)."""
     from safetensors import safe_open
 
+    from asyncllm.models.pt_checkpoint import iterate_pt
+
     for file in files:
+        if not file.endswith(".safetensors"):
+            yield from iterate_pt([file])
+            continue
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_slice(name)
@@ -202,13 +220,13 @@ def iterate_safetensors(files: list[str]) -> Iterator[tuple[str, LoadedWeight]]:
 
 def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto",
                     weights_filter: Callable[[Iterator[tuple[str, LoadedWeight]]], Iterator[tuple[str, LoadedWeight]]]
-                    | None = None) -> None:
+                    | None = None, load_format: str = "auto") -> None:
     """Fill every parameter from the safetensors in ``path``; `ConfigError` naming missing weights.
 
     With an fp8 ``kv_cache_dtype``, a checkpoint carrying calibrated KV-cache scales is refused with
     `NotBuiltError` rather than run with scale 1.0 (with ``auto`` they are unexpected weights, as before).
     """
-    files = checkpoint_files(path)
+    files = checkpoint_files(path, load_format)
     if kv_cache_dtype != "auto":
         _refuse_kv_cache_scales(files, kv_cache_dtype)
     weights = iterate_safetensors(files)
@@ -224,6 +242,9 @@ def _refuse_kv_cache_scales(files: list[str], kv_cache_dtype: str) -> None:
 
     names = []
     for file in files:
+        if not file.endswith(".safetensors"):
+            names += [name for name, _ in iterate_safetensors([file]) if name.endswith(KV_CACHE_SCALE_SUFFIXES)]
+            continue
         with safe_open(file, framework="pt", device="cpu") as f:
             names += [name for name in f.keys() if name.endswith(KV_CACHE_SCALE_SUFFIXES)]
     if names:

@@ -19,7 +19,7 @@ from asyncllm.errors import NotBuiltError
 from asyncllm.models.layers import LoadedWeight
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaForCausalLM, LlamaModel
 from asyncllm.models.parallel_residual import ParallelResidualLayer
-from asyncllm.models.starcoder2 import BiasLayerNorm, GeluMLP
+from asyncllm.models.starcoder2 import BiasLayerNorm, GatelessMLP
 
 __all__ = ["PhiForCausalLM", "renamed"]
 
@@ -56,7 +56,7 @@ class PhiForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
-        return GeluMLP(b)
+        return GatelessMLP(b)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         if getattr(hf_config, "qk_layernorm", False):

@@ -25,6 +25,9 @@ from asyncllm.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, Mam
 from asyncllm.models.exaone_moe import ExaoneMoeForCausalLM
 from asyncllm.models.helium import HeliumForCausalLM
 from asyncllm.models.gpt_neox import GPTNeoXForCausalLM
+from asyncllm.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
+from asyncllm.models.gptj import GPTJForCausalLM
+from asyncllm.models.opt import OPTForCausalLM
 from asyncllm.models.nemotron import NemotronForCausalLM
 from asyncllm.models.phi import PhiForCausalLM
 from asyncllm.models.stablelm import StableLmForCausalLM
@@ -199,6 +202,10 @@ _MODELS: dict[str, type] = {
     "StableLmForCausalLM": StableLmForCausalLM,
     "NemotronForCausalLM": NemotronForCausalLM,
     "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
+    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+    "GPTJForCausalLM": GPTJForCausalLM,
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,

@@ -8,6 +8,7 @@ LayerNorms with a bias (``norm_epsilon``) before attention, before the MLP and a
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
@@ -19,10 +20,12 @@ from asyncllm.models.layers import RMSNorm, new_param
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
-__all__ = ["BiasLayerNorm", "GeluMLP", "Starcoder2ForCausalLM"]
+__all__ = ["BiasLayerNorm", "GatelessMLP", "Starcoder2ForCausalLM"]
 
-_GELU_APPROXIMATION = {"gelu": "none", "gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh"}
-"""transformers' GELU activations -> torch's ``approximate`` (the tanh ones agree to rounding)."""
+_ACTIVATIONS = {"gelu": functools.partial(F.gelu, approximate="none"), "relu": F.relu,
+                **dict.fromkeys(("gelu_pytorch_tanh", "gelu_new", "gelu_fast"),
+                                functools.partial(F.gelu, approximate="tanh"))}
+"""transformers' activations of the gateless MLPs (its tanh GELUs agree with torch's to rounding)."""
 
 
 class BiasLayerNorm(RMSNorm):
@@ -41,21 +44,21 @@ class BiasLayerNorm(RMSNorm):
         return out if residual is None else (out, x)
 
 
-class GeluMLP(nn.Module):
-    """``c_proj(gelu(c_fc(x)))`` (GPT-style; exact or tanh GELU by ``hidden_act``): StarCoder2's, and Phi's and
-    GPT-NeoX's under their own names (renamed at load)."""
+class GatelessMLP(nn.Module):
+    """``c_proj(act(c_fc(x)))`` (GPT-style; exact or tanh GELU, or ReLU, by ``hidden_act``): StarCoder2's and
+    GPT-2's, and Phi's, GPT-NeoX's and OPT's under their own names (renamed at load)."""
 
     def __init__(self, b: DecoderBuild) -> None:
         super().__init__()
         cfg = b.hf_config
-        if cfg.hidden_act not in _GELU_APPROXIMATION:
-            raise NotBuiltError("model", cfg.hidden_act, f"a GELU MLP's activation, one of {sorted(_GELU_APPROXIMATION)}")
-        self.approximate = _GELU_APPROXIMATION[cfg.hidden_act]
+        if cfg.hidden_act not in _ACTIVATIONS:
+            raise NotBuiltError("model", cfg.hidden_act, f"a gateless MLP's activation, one of {sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[cfg.hidden_act]
         self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, b.flags.mlp_bias, b.tp, b.dtype)
         self.c_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, b.flags.mlp_bias, b.tp, b.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+        return self.c_proj(self.act(self.c_fc(x)))
 
 
 class Starcoder2DecoderLayer(LlamaDecoderLayer):
@@ -87,7 +90,7 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
-        return GeluMLP(b)
+        return GatelessMLP(b)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         hf_config = copy.copy(hf_config)

@@ -58,7 +58,7 @@ def test_kwargs_and_from_config_agree() -> None:
         ("max_num_batched_tokens", -1),
         ("tensor_parallel_size", 0),
         ("enable_prefix_caching", "yes"),
-        ("load_format", "pt"),
+        ("load_format", "npcache"),
         ("log_stats_interval", 0),
         ("prometheus_registry", "default"),
         ("mm_processor_cache_type", "redis"),

@@ -122,15 +122,60 @@ def test_ignored_names_and_tied_lm_head(tmp_path):
     assert torch.equal(model.lm_head.weight, embed)
 
 
-def test_no_safetensors_is_a_config_error(tmp_path):
+def test_no_weights_is_a_config_error(tmp_path):
     tiny_hf_config("llama", architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path)
-    with pytest.raises(ConfigError, match=r"has none \(\.bin/\.pt checkpoints are not supported"):
+    with pytest.raises(ConfigError, match=r"pytorch_model\*\.bin or \*\.pt weights; it has none"):
+        _load(tmp_path)
+
+
+def _as_pickles(src: Path, dst: Path, shards: int) -> None:
+    """``src``'s config and weights, the weights as ``shards`` PyTorch pickle files (with an index when several)."""
+    shutil.copy(src / "config.json", dst / "config.json")
+    state = load_file(str(src / "model.safetensors"))
+    names = sorted(state)
+    if shards == 1:
+        torch.save(state, dst / "pytorch_model.bin")
+        return
+    weight_map = {}
+    for shard in range(shards):
+        file = f"pytorch_model-{shard + 1:05d}-of-{shards:05d}.bin"
+        part = {name: state[name] for name in names[shard::shards]}
+        torch.save(part, dst / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (dst / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_pytorch_pickle_checkpoints_load_as_their_safetensors(llama_dir, tmp_path, shards):
+    """A folder of ``pytorch_model*.bin`` (one file, or shards with their index) loads the same weights under
+    ``auto`` and ``pt``; ``safetensors`` refuses it."""
+    _as_pickles(llama_dir, tmp_path, shards)
+    expected = dict(_load(llama_dir).named_parameters())
+    for load_format in ("auto", "pt"):
+        got = dict(_load(tmp_path, load_format=load_format).named_parameters())
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[name], expected[name]) for name in expected)
+    with pytest.raises(ConfigError, match="load_format='auto' or 'pt' reads"):
+        _load(tmp_path, load_format="safetensors")
+
+
+class _NotATensor:
+    pass
+
+
+def test_a_pickle_with_code_objects_is_refused_unread(llama_dir, tmp_path):
+    """``weights_only=True``: a pickle that would construct arbitrary objects is a ConfigError, nothing runs."""
+    _as_pickles(llama_dir, tmp_path, 1)
+    state = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    state["extra"] = _NotATensor()
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match="a PyTorch checkpoint of tensors only"):
         _load(tmp_path)
 
 
 def test_unknown_architecture_is_not_built(tmp_path):
-    config = tiny_hf_config("llama", architectures=["GPT2LMHeadModel"])
-    with pytest.raises(NotBuiltError, match=r"GPT2LMHeadModel architecture \(supported: LlamaForCausalLM, Mistral"):
+    config = tiny_hf_config("llama", architectures=["BloomForCausalLM"])
+    with pytest.raises(NotBuiltError, match=r"BloomForCausalLM architecture \(supported: LlamaForCausalLM, Mistral"):
         get_model_class(config)
 
 
@@ -161,11 +206,20 @@ def test_not_a_folder_nor_a_hub_id(monkeypatch):
         resolve_model_path("/no/such/folder/anywhere")
 
 
-def test_hub_id_in_the_hf_cache_loads(tmp_path, monkeypatch, llama_dir):
+@pytest.mark.parametrize("pickles", [False, True])
+def test_hub_id_in_the_hf_cache_loads(tmp_path, monkeypatch, llama_dir, pickles):
+    """From the cache, offline; a snapshot without safetensors is read from its pytorch_model.bin."""
     cache = tmp_path / "hub"
     revision = "0123456789abcdef0123456789abcdef01234567"
     snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / revision
-    shutil.copytree(llama_dir, snapshot)
+    if pickles:
+        snapshot.mkdir(parents=True)
+        _as_pickles(llama_dir, snapshot, 1)
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (llama_dir / name).exists():
+                shutil.copy(llama_dir / name, snapshot / name)
+    else:
+        shutil.copytree(llama_dir, snapshot)
     (cache / "models--tiny-org--tiny-llama" / "refs").mkdir()
     (cache / "models--tiny-org--tiny-llama" / "refs" / "main").write_text(revision)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

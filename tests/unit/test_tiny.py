@@ -37,10 +37,10 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     assert model.config.num_hidden_layers == (4 if arch in four else 2)
     latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4")
     kv_heads = (model.config.per_layer_config[0].num_key_value_heads if arch.startswith("gemma4")  # per layer
-                else model.config.num_key_value_heads)
-    if arch == "gpt_neox":  # multi-head attention: no KV head count in its config
-        kv_heads = num_kv_heads_of(model.config)
-    assert kv_heads == (4 if latent or arch == "gpt_neox" else 2)  # DeepSeek's latent attention: one per head
+                else 1 if arch == "gpt_bigcode" and model.config.multi_query  # multi-query attention
+                else num_kv_heads_of(model.config))  # GPT-2, OPT, GPT-J, GPT-NeoX: one per head, named nowhere
+    multi_head = arch in ("gpt_neox", "gpt2", "opt", "gptj")
+    assert kv_heads == (4 if latent or multi_head else 1 if arch == "gpt_bigcode" else 2)  # latent: one per head
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4, 5]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2)
     assert model.generation_config.eos_token_id == 1
@@ -122,7 +122,7 @@ def test_mistral_has_full_attention_and_generation_config(tmp_path: Path) -> Non
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"arch": "gpt2"}, "arch"), ({"vocab_size": 100}, "vocab_size"), ({"num_heads": 3}, "num_heads")],
+    [({"arch": "gpt3"}, "arch"), ({"vocab_size": 100}, "vocab_size"), ({"num_heads": 3}, "num_heads")],
 )
 def test_bad_arguments_raise_config_error(kwargs: dict, field: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
