@@ -72,6 +72,43 @@ def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
     return str(path)
 
 
+GRID_PINPOINTS = [[56, 112], [112, 56], [112, 112], [56, 168]]
+"""The tiny LLaVA-NeXT's anyres grids (tiles of 56): 1x2, 2x1, 2x2 and 1x3."""
+
+
+def make_tiny_llava_next(path: str | os.PathLike[str], seed: int = 0) -> str:
+    """Save a tiny random ``LlavaNextForConditionalGeneration`` (the tiny LLaVA's tower and decoder, anyres tiles of
+    56 pixels over `GRID_PINPOINTS`) with its processor in ``path``."""
+    from transformers import (
+        AutoConfig,
+        AutoTokenizer,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    base = Path(make_tiny_llava(Path(path) / "base", seed))
+    llava = AutoConfig.from_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    config = LlavaNextConfig(
+        vision_config=llava.vision_config, text_config=llava.text_config, image_token_index=llava.image_token_id,
+        vision_feature_layer=-2, vision_feature_select_strategy="default", image_grid_pinpoints=GRID_PINPOINTS,
+    )
+    random_model(LlavaNextForConditionalGeneration, config, seed).save_pretrained(path)
+    image_processor = LlavaNextImageProcessorPil(
+        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+        image_grid_pinpoints=GRID_PINPOINTS,
+    )
+    processor = LlavaNextProcessor(
+        image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
+        vision_feature_select_strategy="default", image_token=IMAGE_TOKEN, num_additional_image_tokens=1,
+        chat_template=CHAT_TEMPLATE,
+    )
+    processor.save_pretrained(path)
+    return str(path)
+
+
 def random_model(model_cls, config, seed: int, std: float = 0.2):
     """``model_cls(config)`` with seeded random weights wider than transformers' initialisation (norm scales
     N(0, 1), the rest N(0, ``std``)), so that greedy outputs do not hinge on rounding noise."""
@@ -99,17 +136,20 @@ def make_image(width: int, height: int, seed: int) -> bytes:
 
 def hf_llava_greedy(path: str, text: str | None, images: list[bytes], max_new_tokens: int,
                     messages: list | None = None) -> tuple[list[int], list[int]]:
-    """transformers' (prompt ids, greedy tokens) for a text with ``<image>`` markers (or chat messages)."""
+    """transformers' (prompt ids, greedy tokens) for a text with ``<image>`` markers (or chat messages); LLaVA or
+    LLaVA-NeXT, as the checkpoint says."""
     import torch
     from PIL import Image
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
 
     processor = AutoProcessor.from_pretrained(path)
     if messages is not None:
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
     inputs = processor(text=text, images=pil or None, return_tensors="pt", add_special_tokens=messages is None)
-    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    next_ = AutoConfig.from_pretrained(path).model_type == "llava_next"
+    model_cls = LlavaNextForConditionalGeneration if next_ else LlavaForConditionalGeneration
+    model = model_cls.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     prompt_ids = inputs["input_ids"][0].tolist()

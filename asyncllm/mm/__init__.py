@@ -10,7 +10,8 @@ reader). Worker side: `embeddings` runs the
 model's encoder for the placeholder ranges a step reaches and scatters the
 features into the input embeddings; `encoder_cache` keeps encoder outputs
 across requests by item hash. A model family adds only its model file
-(``embed_multimodal`` and ``mm_placeholder_length``; optionally ``mm_placeholder_ids``
+(``embed_multimodal`` and ``mm_placeholder_length``, or ``mm_placeholder_length_of`` where the length needs the
+processed values, as LLaVA-NeXT's original image size; optionally ``mm_placeholder_ids``
 and ``mm_text_rows`` for placeholder runs with text tokens inside them, as Mistral 3's
 row breaks and InternVL's wrappers, ``mm_processor_call_kwargs``, and
 ``mm_video_token_id`` / ``mm_video_pieces`` / ``video_settings`` for videos).

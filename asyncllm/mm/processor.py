@@ -340,7 +340,9 @@ class MultiModalProcessor:
 
     def _record(self, key: str, offset: int, pixel_values: Any, inline: bool) -> MultiModalItem:
         """A processed item, recorded in the cache unless ``inline``."""
-        length = self._model_cls.mm_placeholder_length(self._hf_config, pixel_values.shape)
+        length_of = getattr(self._model_cls, "mm_placeholder_length_of", None)  # lengths that need the values
+        length = (length_of(self._hf_config, pixel_values) if length_of is not None
+                  else self._model_cls.mm_placeholder_length(self._hf_config, pixel_values.shape))
         if inline or self.cache is None:
             return inline_item(key, offset, length, pixel_values)
         return self.cache.record(key, offset, length, pixel_values)

@@ -65,8 +65,8 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "Gemma4ForConditionalGeneration", "ExaoneMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                      "FlexOlmoForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
-MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-                            "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                            "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
                             "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration",
                             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",

@@ -36,6 +36,7 @@ from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank, num_kv_heads_of
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
+from asyncllm.models.llava_next import LlavaNextForConditionalGeneration
 from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration
 from asyncllm.models.internvl import InternVLForConditionalGeneration
 from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
@@ -166,6 +167,7 @@ _MODELS: dict[str, type] = {
     "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "InternVLForConditionalGeneration": InternVLForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
