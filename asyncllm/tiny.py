@@ -40,7 +40,8 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "lfm2", "lfm2_moe", "nemotron_h", "bamba", "ernie4_5_moe", "hunyuan_v1_moe",
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
-              "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj")
+              "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
+              "falcon")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -109,6 +110,10 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
     "gpt2": dict(num_key_value_heads=None), "gpt_bigcode": dict(num_key_value_heads=None),
     "opt": dict(num_key_value_heads=None, ffn_dim=128, word_embed_proj_dim=64),
     "gptj": dict(num_key_value_heads=None, rotary_dim=8),
+    # Falcon 40B-style: parallel attention and MLP after their own norms, two KV heads (each with its two queries
+    # in the fused q/k/v), biases on
+    "falcon": dict(num_key_value_heads=None, new_decoder_architecture=True, ffn_hidden_size=128, bias=True,
+                   parallel_attn=True),
     "gpt_neox": dict(num_key_value_heads=None, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}),
     # GLM-4.5: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing
     "glm4_moe": dict(_DEEPSEEK_EXPERTS, use_qk_norm=True),
@@ -353,7 +358,7 @@ def make_tiny_checkpoint(
 def _tied(arch: str) -> bool:
     """Whether the family's checkpoints tie the LM head to the embeddings: every Gemma's and Granite 3.x's."""
     return arch in (*_GEMMA_SHAPES, "gemma4", "gemma4_moe", "granite", "granitemoe", "granitemoeshared", "gpt2", "gpt_bigcode",
-                    "opt")
+                    "opt", "falcon")
 
 
 def tiny_cache_dir() -> Path:
@@ -508,17 +513,21 @@ def _build_config(
         "stablelm": transformers.StableLmConfig, "nemotron": transformers.NemotronConfig,
         "gpt_neox": transformers.GPTNeoXConfig, "gpt2": transformers.GPT2Config,
         "gpt_bigcode": transformers.GPTBigCodeConfig, "opt": transformers.OPTConfig, "gptj": transformers.GPTJConfig,
+        "falcon": transformers.FalconConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
         initializer_range=_INIT_STD, dtype="float32",
     )
-    if arch not in ("qwen2", "qwen2_moe", "phi3", *_DEEPSEEK_SHAPES):  # qwen2*: head_dim defaults to 128; phi3 none
+    if arch not in ("qwen2", "qwen2_moe", "phi3", "falcon", *_DEEPSEEK_SHAPES):  # qwen2*: head_dim defaults to
+        # 128; phi3 none; falcon's is a property
         fields["head_dim"] = shape["hidden_size"] // shape["num_attention_heads"]
     if arch in _DEEPSEEK_SHAPES:  # every head has its own key and value (from the latent)
         fields.update(copy.deepcopy(_DEEPSEEK_SHAPES[arch]), num_key_value_heads=shape["num_attention_heads"])
     if arch in ("mistral", "mixtral"):
         fields["sliding_window"] = None  # full attention unless asked for
+    if arch == "falcon":  # its own name for the KV heads
+        fields["num_kv_heads"] = shape["num_key_value_heads"]
     fields.update(_MOE_SHAPES.get(arch, {}))
     if arch == "phi3":
         fields.update(copy.deepcopy(_PHI3_SHAPE))

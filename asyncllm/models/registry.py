@@ -27,6 +27,7 @@ from asyncllm.models.helium import HeliumForCausalLM
 from asyncllm.models.gpt_neox import GPTNeoXForCausalLM
 from asyncllm.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from asyncllm.models.gptj import GPTJForCausalLM
+from asyncllm.models.falcon import FalconForCausalLM
 from asyncllm.models.opt import OPTForCausalLM
 from asyncllm.models.nemotron import NemotronForCausalLM
 from asyncllm.models.phi import PhiForCausalLM
@@ -208,6 +209,7 @@ _MODELS: dict[str, type] = {
     "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
+    "FalconForCausalLM": FalconForCausalLM,
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,

@@ -44,6 +44,7 @@ from asyncllm.models.gemma2 import VaultGemmaForCausalLM
 from asyncllm.models.granitemoe import GraniteMoeSharedForCausalLM
 from asyncllm.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from asyncllm.models.gpt_neox import GPTNeoXForCausalLM
+from asyncllm.models.falcon import FalconForCausalLM
 from asyncllm.models.gptj import GPTJForCausalLM
 from asyncllm.models.opt import OPTForCausalLM
 from asyncllm.models.helium import HeliumForCausalLM
@@ -73,7 +74,7 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "granitemoeshared": GraniteMoeSharedForCausalLM, "flex_olmo": FlexOlmoForCausalLM,
                  "phi": PhiForCausalLM, "stablelm": StableLmForCausalLM, "nemotron": NemotronForCausalLM,
                  "gpt_neox": GPTNeoXForCausalLM, "gpt2": GPT2LMHeadModel, "gpt_bigcode": GPTBigCodeForCausalLM,
-                 "opt": OPTForCausalLM, "gptj": GPTJForCausalLM}
+                 "opt": OPTForCausalLM, "gptj": GPTJForCausalLM, "falcon": FalconForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
@@ -100,11 +101,14 @@ def test_logits_match_transformers(arch: str) -> None:
 @pytest.mark.parametrize("arch, overrides", [("stablelm", {"use_parallel_residual": True}),
                                              ("gpt_neox", {"use_parallel_residual": False}),
                                              ("gpt_bigcode", {"multi_query": False}),
-                                             ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32})])
+                                             ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
+                                             ("falcon", {"new_decoder_architecture": False, "multi_query": True}),
+                                             ("falcon", {"new_decoder_architecture": False, "multi_query": False,
+                                                         "num_kv_heads": 4, "parallel_attn": False})])
 def test_the_other_residual_layout_matches_transformers(arch: str, overrides: dict) -> None:
     """StableLM's parallel layers (stablelm-2-12b's layout), GPT-NeoX's sequential ones, GPTBigCode with a KV head
     per head (each head's q, k, v together in c_attn), OPT after opt-350m (post-norm layers, a narrower embedding
-    projected in and out)."""
+    projected in and out), Falcon-7B's multi-query parallel layers and the sequential Falcon layers."""
     _check_logits(arch, tiny_checkpoint(arch, **overrides))
 
 

@@ -38,6 +38,7 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4")
     kv_heads = (model.config.per_layer_config[0].num_key_value_heads if arch.startswith("gemma4")  # per layer
                 else 1 if arch == "gpt_bigcode" and model.config.multi_query  # multi-query attention
+                else model.config.num_kv_heads if arch == "falcon"  # its own name
                 else num_kv_heads_of(model.config))  # GPT-2, OPT, GPT-J, GPT-NeoX: one per head, named nowhere
     multi_head = arch in ("gpt_neox", "gpt2", "opt", "gptj")
     assert kv_heads == (4 if latent or multi_head else 1 if arch == "gpt_bigcode" else 2)  # latent: one per head
