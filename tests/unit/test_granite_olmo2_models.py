@@ -141,7 +141,9 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
              tiny_checkpoint("olmoe"),  # OLMoE: whole-projection q/k norms (Llama's rounding) and experts
              tiny_checkpoint("minimax_m2"),  # MiniMax-M2: the same norms, a partial rotary, corrected sigmoid routing
              tiny_checkpoint("gpt_neox"),  # GPT-NeoX: its per-head fused q/k/v cut, then each rank's heads
-             tiny_checkpoint("phi")]  # Phi: the LM head's bias split by vocabulary
+             tiny_checkpoint("phi"),  # Phi: the LM head's bias split by vocabulary
+             tiny_checkpoint("falcon"),  # Falcon: each KV head's group cut from the fused q/k/v, one group a rank
+             tiny_checkpoint("gpt_bigcode")]  # GPTBigCode: one KV head, replicated on both ranks
     sequences = _sequences(2)
     mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
     for index, path in enumerate(paths):
