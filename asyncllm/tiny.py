@@ -41,7 +41,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
               "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
-              "falcon")
+              "falcon", "olmo", "jais2", "cwm")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -110,6 +110,9 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
     "gpt2": dict(num_key_value_heads=None), "gpt_bigcode": dict(num_key_value_heads=None),
     "opt": dict(num_key_value_heads=None, ffn_dim=128, word_embed_proj_dim=64),
     "gptj": dict(num_key_value_heads=None, rotary_dim=8),
+    # OLMo (0424-style: q, k, v clamped), Jais 2 (biases everywhere), CWM (a sliding layer after each full one)
+    "olmo": dict(clip_qkv=0.5), "jais2": dict(attention_bias=True, mlp_bias=True),
+    "cwm": dict(sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
     # Falcon 40B-style: parallel attention and MLP after their own norms, two KV heads (each with its two queries
     # in the fused q/k/v), biases on
     "falcon": dict(num_key_value_heads=None, new_decoder_architecture=True, ffn_hidden_size=128, bias=True,
@@ -513,7 +516,8 @@ def _build_config(
         "stablelm": transformers.StableLmConfig, "nemotron": transformers.NemotronConfig,
         "gpt_neox": transformers.GPTNeoXConfig, "gpt2": transformers.GPT2Config,
         "gpt_bigcode": transformers.GPTBigCodeConfig, "opt": transformers.OPTConfig, "gptj": transformers.GPTJConfig,
-        "falcon": transformers.FalconConfig,
+        "falcon": transformers.FalconConfig, "olmo": transformers.OlmoConfig, "jais2": transformers.Jais2Config,
+        "cwm": transformers.CwmConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

@@ -39,7 +39,8 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Mamba2ForCausalLM", "ExaoneMoeForCausalLM", "HeliumForCausalLM", "GraniteMoeSharedForCausalLM",
                       "FlexOlmoForCausalLM", "VaultGemmaForCausalLM", "PhiForCausalLM",
                       "StableLmForCausalLM", "NemotronForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel",
-                      "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM", "FalconForCausalLM")
+                      "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
+                      "OlmoForCausalLM", "Jais2ForCausalLM", "CwmForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",

@@ -28,6 +28,8 @@ from asyncllm.models.gpt_neox import GPTNeoXForCausalLM
 from asyncllm.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from asyncllm.models.gptj import GPTJForCausalLM
 from asyncllm.models.falcon import FalconForCausalLM
+from asyncllm.models.jais2 import Jais2ForCausalLM
+from asyncllm.models.olmo import OlmoForCausalLM
 from asyncllm.models.opt import OPTForCausalLM
 from asyncllm.models.nemotron import NemotronForCausalLM
 from asyncllm.models.phi import PhiForCausalLM
@@ -210,6 +212,9 @@ _MODELS: dict[str, type] = {
     "OPTForCausalLM": OPTForCausalLM,
     "GPTJForCausalLM": GPTJForCausalLM,
     "FalconForCausalLM": FalconForCausalLM,
+    "OlmoForCausalLM": OlmoForCausalLM,
+    "Jais2ForCausalLM": Jais2ForCausalLM,
+    "CwmForCausalLM": LlamaForCausalLM,  # Llama's layers, a window in the layers layer_types names
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "ApertusForCausalLM": ApertusForCausalLM,

@@ -46,6 +46,8 @@ from asyncllm.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
 from asyncllm.models.gpt_neox import GPTNeoXForCausalLM
 from asyncllm.models.falcon import FalconForCausalLM
 from asyncllm.models.gptj import GPTJForCausalLM
+from asyncllm.models.jais2 import Jais2ForCausalLM
+from asyncllm.models.olmo import OlmoForCausalLM
 from asyncllm.models.opt import OPTForCausalLM
 from asyncllm.models.helium import HeliumForCausalLM
 from asyncllm.models.nemotron import NemotronForCausalLM
@@ -74,7 +76,8 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "granitemoeshared": GraniteMoeSharedForCausalLM, "flex_olmo": FlexOlmoForCausalLM,
                  "phi": PhiForCausalLM, "stablelm": StableLmForCausalLM, "nemotron": NemotronForCausalLM,
                  "gpt_neox": GPTNeoXForCausalLM, "gpt2": GPT2LMHeadModel, "gpt_bigcode": GPTBigCodeForCausalLM,
-                 "opt": OPTForCausalLM, "gptj": GPTJForCausalLM, "falcon": FalconForCausalLM}
+                 "opt": OPTForCausalLM, "gptj": GPTJForCausalLM, "falcon": FalconForCausalLM,
+                 "olmo": OlmoForCausalLM, "jais2": Jais2ForCausalLM, "cwm": LlamaForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
