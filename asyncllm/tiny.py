@@ -41,7 +41,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
               "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
-              "falcon", "olmo", "jais2", "cwm")
+              "falcon", "olmo", "jais2", "cwm", "youtu")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -86,6 +86,8 @@ _DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 512, "mscale": 1.0, "mscale_all_dim": 1.0,
                                          "beta_fast": 32.0, "beta_slow": 1.0}),
+    # Youtu-LLM: V3's latent attention over dense MLPs
+    "youtu": dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=24),
 }
 """DeepSeek's latent attention (V2: the full-rank query; V3: the low-rank one, YaRN with its softmax mscale, the
 interleaved rope), one dense layer, then grouped routing over 8 experts and a shared one."""
@@ -517,7 +519,7 @@ def _build_config(
         "gpt_neox": transformers.GPTNeoXConfig, "gpt2": transformers.GPT2Config,
         "gpt_bigcode": transformers.GPTBigCodeConfig, "opt": transformers.OPTConfig, "gptj": transformers.GPTJConfig,
         "falcon": transformers.FalconConfig, "olmo": transformers.OlmoConfig, "jais2": transformers.Jais2Config,
-        "cwm": transformers.CwmConfig,
+        "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

@@ -339,3 +339,12 @@ def check_routing(hf_config: Any) -> None:
                             "DeepSeek-V2 routing weights renormalized (transformers ignores it)")
     if hf_config.hidden_act != "silu":
         raise NotBuiltError("hidden_act", hf_config.hidden_act, "DeepSeek with SiLU MLPs")
+
+
+class YoutuForCausalLM(DeepseekV3ForCausalLM):
+    """Tencent Youtu-LLM (Youtu-LLM-2B): DeepSeek-V3's latent attention (its interleaved rope) with a dense SiLU MLP in
+    every layer, no experts."""
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
+        return None

@@ -65,6 +65,7 @@ from asyncllm.models.deepseek import (
     DeepseekV3ForCausalLM,
     Glm4MoeLiteForCausalLM,
     Mistral4ForCausalLM,
+    YoutuForCausalLM,
 )
 from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.dots1 import Dots1ForCausalLM
@@ -214,6 +215,7 @@ _MODELS: dict[str, type] = {
     "FalconForCausalLM": FalconForCausalLM,
     "OlmoForCausalLM": OlmoForCausalLM,
     "Jais2ForCausalLM": Jais2ForCausalLM,
+    "YoutuForCausalLM": YoutuForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,  # Llama's layers, a window in the layers layer_types names
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,

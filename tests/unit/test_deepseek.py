@@ -17,6 +17,7 @@ from asyncllm.models.deepseek import (
     DeepseekV3ForCausalLM,
     Glm4MoeLiteForCausalLM,
     Mistral4ForCausalLM,
+    YoutuForCausalLM,
     pairs_to_halves,
 )
 from asyncllm.models.loader import load_hf_config, load_model
@@ -35,9 +36,11 @@ def _model(arch: str, **fields) -> torch.nn.Module:
 @pytest.mark.parametrize(("arch", "cls"), [("deepseek_v2", DeepseekV2ForCausalLM),
                                            ("deepseek_v3", DeepseekV3ForCausalLM),
                                            ("glm4_moe_lite", Glm4MoeLiteForCausalLM),
-                                           ("mistral4", Mistral4ForCausalLM)])
+                                           ("mistral4", Mistral4ForCausalLM),
+                                           ("youtu", YoutuForCausalLM)])
 def test_logits_match_transformers(arch: str, cls: type) -> None:
-    """GLM-4.7-Flash (glm4_moe_lite): V3's layers, its dense layer by ``mlp_layer_types``, values as wide as keys."""
+    """GLM-4.7-Flash (glm4_moe_lite): V3's layers, its dense layer by ``mlp_layer_types``, values as wide as keys;
+    Youtu-LLM: V3's attention over dense MLPs only."""
     model = _model(arch)
     assert type(model) is cls
     spec = kv_cache_spec(load_hf_config(tiny_checkpoint(arch)), 1)
