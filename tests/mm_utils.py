@@ -109,6 +109,69 @@ def make_tiny_llava_next(path: str | os.PathLike[str], seed: int = 0) -> str:
     return str(path)
 
 
+def make_tiny_llava_onevision(path: str | os.PathLike[str], seed: int = 0, aspect: str = "anyres_max_9") -> str:
+    """Save a tiny random ``LlavaOnevisionForConditionalGeneration`` (a SigLIP tower of 56-pixel tiles, a Qwen2
+    decoder, `GRID_PINPOINTS`, ``vision_aspect_ratio=aspect``) with its processor in ``path``."""
+    from transformers import (
+        AutoConfig,
+        AutoTokenizer,
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionImageProcessorPil,
+        Qwen2Config,
+        SiglipVisionConfig,
+    )
+
+    base = Path(make_tiny_llava(Path(path) / "base", seed))
+    llava = AutoConfig.from_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    text = Qwen2Config(**{k: getattr(llava.text_config, k) for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")})
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, vision_use_head=False)
+    config = LlavaOnevisionConfig(
+        vision_config=vision, text_config=text, image_token_index=llava.image_token_id, vision_feature_layer=-1,
+        vision_feature_select_strategy="full", image_grid_pinpoints=GRID_PINPOINTS, vision_aspect_ratio=aspect,
+    )
+    random_model(LlavaOnevisionForConditionalGeneration, config, seed).save_pretrained(path)
+    LlavaOnevisionImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                    image_grid_pinpoints=GRID_PINPOINTS).save_pretrained(path)
+    tokenizer.save_pretrained(path)  # no LlavaOnevisionProcessor: its video processor needs torchvision
+    return str(path)
+
+
+def hf_onevision_greedy(path: str, text: str, images: list[bytes], max_new_tokens: int) -> tuple[list[int], list[int]]:
+    """transformers' (prompt ids, greedy tokens) for LLaVA-OneVision: ``<image>`` expanded by
+    ``LlavaOnevisionProcessor``'s own count (its methods, without the video processor it cannot build here)."""
+    import torch
+    from PIL import Image
+    from transformers import (
+        AutoConfig,
+        AutoImageProcessor,
+        AutoTokenizer,
+        LlavaOnevisionForConditionalGeneration,
+        LlavaOnevisionProcessor,
+    )
+
+    config, tokenizer = AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    counter = object.__new__(LlavaOnevisionProcessor)  # only its feature-count methods are used
+    counter.image_processor = AutoImageProcessor.from_pretrained(path)
+    counter.num_image_tokens, counter.vision_aspect_ratio = NUM_IMAGE_TOKENS, config.vision_aspect_ratio
+    pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+    pixels = counter.image_processor(images=pil, return_tensors="pt")
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    image_id, expanded, sizes = config.image_token_id, [], iter(pixels["image_sizes"].tolist())
+    for token in ids:
+        count = counter._get_number_of_features(*next(sizes), IMAGE_SIZE, IMAGE_SIZE) if token == image_id else 1
+        expanded += [token] * count
+    model = LlavaOnevisionForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([expanded]), pixel_values=pixels["pixel_values"],
+                             image_sizes=pixels["image_sizes"], max_new_tokens=max_new_tokens, do_sample=False)
+    return expanded, out[0, len(expanded):].tolist()
+
+
 def random_model(model_cls, config, seed: int, std: float = 0.2):
     """``model_cls(config)`` with seeded random weights wider than transformers' initialisation (norm scales
     N(0, 1), the rest N(0, ``std``)), so that greedy outputs do not hinge on rounding noise."""
@@ -140,16 +203,14 @@ def hf_llava_greedy(path: str, text: str | None, images: list[bytes], max_new_to
     LLaVA-NeXT, as the checkpoint says."""
     import torch
     from PIL import Image
-    from transformers import AutoConfig, AutoProcessor, LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
     if messages is not None:
         text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
     inputs = processor(text=text, images=pil or None, return_tensors="pt", add_special_tokens=messages is None)
-    next_ = AutoConfig.from_pretrained(path).model_type == "llava_next"
-    model_cls = LlavaNextForConditionalGeneration if next_ else LlavaForConditionalGeneration
-    model = model_cls.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     prompt_ids = inputs["input_ids"][0].tolist()

@@ -67,6 +67,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "FlexOlmoForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                            "LlavaOnevisionForConditionalGeneration",
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
                             "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration",

@@ -103,21 +103,25 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         text_config = hf_config.text_config
         if text_config.model_type not in _LANGUAGE_MODELS:
             raise NotBuiltError("model", text_config.model_type, f"a LLaVA language model of type {', '.join(_LANGUAGE_MODELS)}")
-        vision_type = hf_config.vision_config.model_type
-        if vision_type != "clip_vision_model":
-            raise NotBuiltError("model", vision_type, "a LLaVA vision tower of type clip_vision_model")
         strategy = hf_config.vision_feature_select_strategy
         if strategy not in ("default", "full"):
             raise NotBuiltError("vision_feature_select_strategy", strategy, "'default' or 'full'")
         self.drop_cls = strategy == "default"
         self.encoder_tp = self._encoder_tp(hf_config, tp, mm_encoder_tp_mode)
         """The vision encoder's ranks: ``tp`` ("weights"), or this rank alone (whole encoder, "data")."""
-        vision_config, feature_layer = hf_config.vision_config, hf_config.vision_feature_layer
-        self.vision_tower = CLIPVisionTower(vision_config, feature_layer, self.encoder_tp, dtype)
+        self.vision_tower = self.make_vision_tower(hf_config, self.encoder_tp, dtype)
         self.multi_modal_projector = LlavaMultiModalProjector(hf_config, self.encoder_tp, dtype)
         self.language_model = _LANGUAGE_MODELS[text_config.model_type](
             text_config, dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position
         )
+
+    @staticmethod
+    def make_vision_tower(hf_config: Any, tp: TensorParallel, dtype: torch.dtype) -> nn.Module:
+        """The CLIP tower, its hidden states at ``vision_feature_layer`` (a family with another tower overrides)."""
+        vision_type = hf_config.vision_config.model_type
+        if vision_type != "clip_vision_model":
+            raise NotBuiltError("model", vision_type, "a LLaVA vision tower of type clip_vision_model")
+        return CLIPVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, tp, dtype)
 
     @staticmethod
     def _encoder_tp(hf_config: Any, tp: TensorParallel, mode: str) -> TensorParallel:

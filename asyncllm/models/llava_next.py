@@ -50,10 +50,13 @@ def packed_feature_shape(hf_config: Any, orig_h: int, orig_w: int) -> tuple[int,
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
     """LLaVA with anyres tiles, unpadded and packed with a newline embedding per row."""
 
+    feature_strategy = "default"
+    """The ``vision_feature_select_strategy`` built: CLIP's CLS feature dropped (LLaVA-OneVision: SigLIP's "full")."""
+
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        if hf_config.vision_feature_select_strategy != "default":
+        if hf_config.vision_feature_select_strategy != self.feature_strategy:
             raise NotBuiltError("vision_feature_select_strategy", hf_config.vision_feature_select_strategy,
-                                "LLaVA-NeXT with 'default' (the CLS feature dropped)")
+                                f"{type(self).__name__} with {self.feature_strategy!r}")
         super().__init__(hf_config, **kwargs)
         self.hf_config = hf_config
         self.image_newline = new_param(hf_config.text_config.hidden_size, dtype=kwargs["dtype"])
@@ -72,13 +75,18 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         raise NotBuiltError("mm_placeholder_length", pixel_shape, "LLaVA-NeXT lengths from the image's size "
                                                                   "(mm_placeholder_length_of)")
 
-    @staticmethod
-    def mm_placeholder_length_of(hf_config: Any, pixel_values: np.ndarray) -> int:
+    @classmethod
+    def mm_placeholder_length_of(cls, hf_config: Any, pixel_values: np.ndarray) -> int:
         """The base tile's features, then each unpadded row of the grid's and its newline."""
         orig_h, orig_w = (int(round(float(v))) for v in pixel_values[-1].reshape(-1)[:2])
         side = hf_config.vision_config.image_size // hf_config.vision_config.patch_size
-        rows, cols = packed_feature_shape(hf_config, orig_h, orig_w)
+        rows, cols = cls.grid_feature_shape(hf_config, orig_h, orig_w)
         return side * side + rows * (cols + 1)
+
+    @staticmethod
+    def grid_feature_shape(hf_config: Any, orig_h: int, orig_w: int) -> tuple[int, int]:
+        """(rows, columns) of the grid's features as packed: unpadded (LLaVA-OneVision: then scaled down)."""
+        return packed_feature_shape(hf_config, orig_h, orig_w)
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:  # type: ignore[override]
         """``[N, tiles + 1, C, H, W]`` -> one ``[placeholders, text hidden]`` per image (their lengths differ)."""
@@ -97,6 +105,10 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         rows, cols = packed_feature_shape(self.hf_config, orig_h, orig_w)
         top, left = (grid.shape[1] - rows) // 2, (grid.shape[2] - cols) // 2
         grid = grid[:, top:top + rows, left:left + cols]
+        final = self.grid_feature_shape(self.hf_config, orig_h, orig_w)
+        if final != (rows, cols):  # LLaVA-OneVision's anyres_max: scaled down, bilinear
+            grid = torch.nn.functional.interpolate(grid[None], list(final), mode="bilinear")[0]
+            rows, cols = final
         newline = self.image_newline[:, None, None].expand(-1, rows, 1).to(grid.dtype)
         packed = torch.cat([grid, newline], dim=-1).flatten(1, 2).transpose(0, 1)
         return torch.cat([tiles[0], packed])

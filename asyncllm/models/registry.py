@@ -40,6 +40,7 @@ from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.llava_next import LlavaNextForConditionalGeneration
+from asyncllm.models.llava_onevision import LlavaOnevisionForConditionalGeneration
 from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration
 from asyncllm.models.internvl import InternVLForConditionalGeneration
 from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
@@ -172,6 +173,7 @@ _MODELS: dict[str, type] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
+    "LlavaOnevisionForConditionalGeneration": LlavaOnevisionForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "InternVLForConditionalGeneration": InternVLForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,

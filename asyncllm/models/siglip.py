@@ -40,16 +40,21 @@ class SiglipVisionEmbeddings(nn.Module):
 
 
 class SiglipVisionTower(nn.Module):
-    """Pixels ``[N, C, H, W]`` -> the last layer's normed hidden states ``[N, patches, hidden]``."""
+    """Pixels ``[N, C, H, W]`` -> the last layer's normed hidden states ``[N, patches, hidden]``; with a
+    ``feature_layer`` (LLaVA-OneVision's ``vision_feature_layer``), that entry of transformers' ``hidden_states``
+    (0: the embeddings, -1: the last layer's output), not normed."""
 
-    def __init__(self, cfg: Any, tp: TensorParallel, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, tp: TensorParallel, dtype: torch.dtype, feature_layer: int | None = None) -> None:
         super().__init__()
         self.embeddings = SiglipVisionEmbeddings(cfg).to(dtype)
         self.encoder = CLIPEncoder(cfg, tp, dtype)
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
+        layers = cfg.num_hidden_layers
+        self.num_layers_run = layers if feature_layer is None else feature_layer % (layers + 1)
+        self.normed = feature_layer is None
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         hidden = self.embeddings(pixel_values)
-        for layer in self.encoder.layers:
+        for layer in self.encoder.layers[: self.num_layers_run]:
             hidden = layer(hidden)
-        return self.post_layernorm(hidden)
+        return self.post_layernorm(hidden) if self.normed else hidden
