@@ -1,0 +1,88 @@
+"""The supported-models table (docs/models.md), generated from the architecture lists so that it stays true.
+
+``python -m asyncllm.models.catalog > docs/models.md`` writes it; tests/unit/test_catalog.py checks that the file
+is what this module generates.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+from asyncllm.models.architectures import (
+    CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
+    MULTIMODAL_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES,
+)
+
+__all__ = ["markdown", "rows"]
+
+_DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
+_NOT_MODEL_DOCS = ("architecture.md", "models.md", "benchmarks.md", "configuration.md", "parallelism.md",
+                   "lora.md", "quantization.md", "kernels.md", "speculative.md", "security.md")
+"""Docs that mention architectures in passing: a model's own doc is looked up in the others first."""
+_GENERAL = {"LlamaForCausalLM": "quickstart.md", "MistralForCausalLM": "quickstart.md",
+            "Qwen2ForCausalLM": "quickstart.md", "Qwen3ForCausalLM": "quickstart.md"}
+
+
+def _kind(arch: str) -> str:
+    if arch in MULTIMODAL_ARCHITECTURES:
+        return "image-text" + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")
+    if arch in EMBEDDING_ARCHITECTURES:
+        return "embedding"
+    if arch in CLASSIFICATION_ARCHITECTURES:
+        return "classification"
+    if arch.endswith(("MambaForCausalLM", "Mamba2ForCausalLM")):
+        return "state-space (no attention)"
+    kind = "hybrid" if arch in HYBRID_ARCHITECTURES else "text"
+    return f"{kind}, experts" if arch in MOE_ARCHITECTURES else kind
+
+
+def _doc(arch: str) -> str:
+    """The doc that describes ``arch`` (the first whose text names it in backticks), as a relative link."""
+    if arch in _GENERAL:
+        return _GENERAL[arch]
+    by_kind = {"image-text": "multimodal.md", "embedding": "embeddings.md", "classification": "pooling.md"}
+    if _kind(arch).split(" (")[0] in by_kind:
+        return by_kind[_kind(arch).split(" (")[0]]
+    docs = sorted(p for p in _DOCS.glob("*.md") if p.name not in _NOT_MODEL_DOCS)
+    docs += [_DOCS / name for name in _NOT_MODEL_DOCS if name not in ("models.md", "architecture.md")]
+    for path in docs:
+        if f"`{arch}`" in path.read_text(encoding="utf-8"):
+            return path.name
+    return "architecture.md"
+
+
+def rows() -> list[tuple[str, str, str, str, str]]:
+    """(architecture, kind, pipeline parallel, LoRA, doc) for every supported architecture, sorted by name."""
+    from asyncllm.engine.prepare import LORA_MULTIMODAL_ARCHITECTURES, _NO_LORA
+    from asyncllm.pipeline_parallel import PIPELINE_ARCHITECTURES
+
+    out = []
+    for arch in sorted(set(SUPPORTED_ARCHITECTURES)):
+        multimodal = arch in MULTIMODAL_ARCHITECTURES
+        lora = arch in LORA_MULTIMODAL_ARCHITECTURES or not (multimodal or arch in _NO_LORA)
+        out.append((arch, _kind(arch), "yes" if arch in PIPELINE_ARCHITECTURES else "", "yes" if lora else "",
+                    _doc(arch)))
+    return out
+
+
+def markdown() -> str:
+    lines = [
+        "# Supported models",
+        "",
+        "Every architecture asyncllm serves (`config.json`'s `architectures[0]`), generated from",
+        "`asyncllm/models/architectures.py` by `python -m asyncllm.models.catalog > docs/models.md`",
+        "(tests/unit/test_catalog.py keeps the two equal). Any other architecture is refused at once with a",
+        "`NotBuiltError` naming it. Every one runs with tensor parallelism, chunked prefill, prefix caching and",
+        "preemption, greedy output equal to transformers' (each doc names its tests); pipeline parallelism and",
+        "LoRA adapters where marked (text-only LoRA for the image-text models that serve text alone: docs/lora.md).",
+        "Pre-quantized checkpoints: docs/quantization.md.",
+        "",
+        "| Architecture | Kind | Pipeline parallel | LoRA | Docs |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [f"| `{arch}` | {kind} | {pp} | {lora} | [{doc}]({doc}) |" for arch, kind, pp, lora, doc in rows()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown(), end="")
