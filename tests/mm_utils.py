@@ -172,6 +172,66 @@ def hf_onevision_greedy(path: str, text: str, images: list[bytes], max_new_token
     return expanded, out[0, len(expanded):].tolist()
 
 
+IDEFICS3_SPECIALS = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>",
+                     *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
+
+
+def make_tiny_idefics3(path: str | os.PathLike[str], seed: int = 0) -> str:
+    """Save a tiny random ``Idefics3ForConditionalGeneration`` (tiles of 56 pixels, up to 2 x 2 of them plus the whole
+    image; 4 features a tile) with its processor in ``path``."""
+    from transformers import (
+        AutoTokenizer,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        Idefics3VisionConfig,
+    )
+    from transformers import AutoConfig
+
+    base = Path(make_tiny_llava(Path(path) / "base", seed))
+    llava = AutoConfig.from_pretrained(base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN, *IDEFICS3_SPECIALS]})
+    text = llava.text_config
+    text.vocab_size = len(tokenizer)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    config = Idefics3Config(vision_config=vision, text_config=text, scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    random_model(Idefics3ForConditionalGeneration, config, seed).save_pretrained(path)
+    image_processor = Idefics3ImageProcessorPil(size={"longest_edge": 2 * IMAGE_SIZE},
+                                                max_image_size={"longest_edge": IMAGE_SIZE})
+    Idefics3Processor(image_processor=image_processor, tokenizer=tokenizer, image_seq_len=4,
+                      chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    return str(path)
+
+
+def make_tiny_smolvlm(path: str | os.PathLike[str], seed: int = 0) -> str:
+    """Save a tiny random ``SmolVLMForConditionalGeneration`` (the tiny Idefics3's shapes) with its image processor
+    and tokenizer in ``path`` (no SmolVLMProcessor: its video processor needs torchvision)."""
+    from transformers import (
+        AutoConfig,
+        AutoTokenizer,
+        SmolVLMConfig,
+        SmolVLMForConditionalGeneration,
+        SmolVLMImageProcessorPil,
+        SmolVLMVisionConfig,
+    )
+
+    idefics3 = Path(make_tiny_idefics3(Path(path) / "idefics3", seed))
+    reference = AutoConfig.from_pretrained(idefics3)
+    vision = SmolVLMVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    config = SmolVLMConfig(vision_config=vision, text_config=reference.text_config, scale_factor=2,
+                           image_token_id=reference.image_token_id)
+    random_model(SmolVLMForConditionalGeneration, config, seed).save_pretrained(path)
+    SmolVLMImageProcessorPil(size={"longest_edge": 2 * IMAGE_SIZE}, max_image_size={"longest_edge": IMAGE_SIZE},
+                             do_image_splitting=True).save_pretrained(path)
+    AutoTokenizer.from_pretrained(idefics3).save_pretrained(path)
+    return str(path)
+
+
 def random_model(model_cls, config, seed: int, std: float = 0.2):
     """``model_cls(config)`` with seeded random weights wider than transformers' initialisation (norm scales
     N(0, 1), the rest N(0, ``std``)), so that greedy outputs do not hinge on rounding noise."""

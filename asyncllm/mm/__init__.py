@@ -13,6 +13,7 @@ across requests by item hash. A model family adds only its model file
 (``embed_multimodal`` and ``mm_placeholder_length``, or ``mm_placeholder_length_of`` where the length needs the
 processed values, as LLaVA-NeXT's original image size; optionally ``mm_placeholder_ids``
 and ``mm_text_rows`` for placeholder runs with text tokens inside them, as Mistral 3's
-row breaks and InternVL's wrappers, ``mm_processor_call_kwargs``, and
+row breaks and InternVL's wrappers, ``mm_image_pieces`` for an image made of several items with text between
+them (Idefics3's tiles), ``mm_processor_call_kwargs``, and
 ``mm_video_token_id`` / ``mm_video_pieces`` / ``video_settings`` for videos).
 """

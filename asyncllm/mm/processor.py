@@ -167,6 +167,8 @@ class MultiModalProcessor:
         bidirectional = getattr(model_cls, "mm_bidirectional", False)  # Gemma 4: as its config says
         self._bidirectional = bool(bidirectional(hf_config) if callable(bidirectional) else bidirectional)
         """Whether an image's rows attend to each other both ways (`MultiModalItem.bidirectional`)."""
+        self._image_pieces = getattr(model_cls, "mm_image_pieces", None)
+        """An image as several items with text between them (Idefics3's tiles); None: one item per image."""
         call_kwargs = getattr(model_cls, "mm_processor_call_kwargs", None)
         self._call_kwargs: dict[str, Any] = call_kwargs(hf_config) if call_kwargs is not None else {}
         """What the model's HF processor passes its image processor per call (Mistral 3's patch size)."""
@@ -246,7 +248,9 @@ class MultiModalProcessor:
             self._join(expanded, token_ids[previous:slot])
             index, seen[kind] = seen[kind], seen[kind] + 1
             value, uuid = media[kind][0][index], media[kind][1][index]
-            if kind == "image":
+            if kind == "image" and self._image_pieces is not None:
+                self._tiled_image(value, uuid, f"{field}[{index}]", expanded, items, inline, overrides)
+            elif kind == "image":
                 self._join(expanded, before)
                 item = self._item(value, uuid, f"{field}[{index}]", len(expanded), inline, overrides)
                 if self._bidirectional:
@@ -306,6 +310,25 @@ class MultiModalProcessor:
             return hit
         decoded = decode_image(raw if raw is not None else read_image(image, field), field, self.max_image_pixels)
         return self._record(key, offset, self._preprocess(decoded, field, overrides or {}), inline)
+
+    def _tiled_image(self, image: ImageInput, uuid: str | None, field: str, expanded: list[int],
+                     items: list[MultiModalItem], inline: bool, overrides: dict[str, Any]) -> None:
+        """Append an image's pieces (the model's ``mm_image_pieces``: text, one item's placeholders, text) to
+        ``expanded`` and ``items``. The layout comes from the processor's output, so the image is processed every
+        time; its pieces still cross as keys when the core holds them."""
+        raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field)
+        key = overridden_key(key, overrides)
+        decoded = decode_image(raw if raw is not None else read_image(image, field), field, self.max_image_pixels)
+        processed = self._processor_output(decoded, field, overrides)
+        tiles = self._model_cls.mm_pixel_values(processed)
+        for index, piece in enumerate(self._image_pieces(self._hf_config, self.tokenizer, processed)):
+            expanded += piece.before
+            piece_key = overridden_key(key, {"piece": index})
+            item = self._lookup(piece_key, len(expanded), inline)
+            if item is None:
+                item = self._record(piece_key, len(expanded), tiles[piece.frames], inline)
+            items.append(item)
+            expanded += [self.image_token_id] * item.length + piece.after
 
     def _video(self, value: VideoInput, uuid: str | None, field: str, expanded: list[int],
                items: list[MultiModalItem], inline: bool) -> None:
@@ -372,8 +395,11 @@ class MultiModalProcessor:
 
     def _preprocess(self, image: Any, field: str, overrides: dict[str, Any]) -> Any:
         """The HF image processor's output for one image, as the model's float32 numpy array (`mm_pixel_values`)."""
+        return self._model_cls.mm_pixel_values(self._processor_output(image, field, overrides))
+
+    def _processor_output(self, image: Any, field: str, overrides: dict[str, Any]) -> Any:
+        """The HF image processor's output for one image."""
         try:
-            out = self._processor_for(overrides)(images=[image], return_tensors="np", **self._call_kwargs)
+            return self._processor_for(overrides)(images=[image], return_tensors="np", **self._call_kwargs)
         except (ValueError, OSError) as exc:
             raise InvalidRequestError(field, f"the image processor rejected the image: {exc}") from exc
-        return self._model_cls.mm_pixel_values(out)

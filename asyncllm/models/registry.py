@@ -39,6 +39,7 @@ from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank, num_kv_heads_of
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import LlavaForConditionalGeneration
+from asyncllm.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 from asyncllm.models.llava_next import LlavaNextForConditionalGeneration
 from asyncllm.models.llava_onevision import LlavaOnevisionForConditionalGeneration
 from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration
@@ -173,6 +174,8 @@ _MODELS: dict[str, type] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
     "LlavaOnevisionForConditionalGeneration": LlavaOnevisionForConditionalGeneration,
     "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
     "InternVLForConditionalGeneration": InternVLForConditionalGeneration,
