@@ -13,6 +13,9 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
   (A template that opens ``<think>`` in the prompt: use ``deepseek_r1``.)
 - ``mistral`` (Magistral): as ``qwen3`` with ``[THINK]`` and ``[/THINK]``
   (special tokens, kept in the reply's text by the server).
+- ``glm45`` (GLM-4.5 / 4.6 / 4.7): as ``qwen3``; ``minimax_m2`` (MiniMax-M2): as
+  ``deepseek_r1``; ``seed_oss`` (Seed-OSS): as ``qwen3`` with ``<seed:think>`` and
+  ``</seed:think>``.
 - ``openai_gptoss`` (gpt-oss): harmony channels, not tags (harmony.py): the
   analysis channel is reasoning, the final channel (and commentary without a
   recipient, a preamble) the answer; a message with a recipient (a tool call)
@@ -141,9 +144,25 @@ class GptOssReasoningParser(ReasoningParser):
         return HarmonyReasoningStream()
 
 
+class Glm45ReasoningParser(Qwen3ReasoningParser):
+    """GLM-4.5 / 4.6 / 4.7: the reply opens ``<think>`` itself when it thinks (as Qwen3's)."""
+
+
+class SeedOssReasoningParser(ReasoningParser):
+    """Seed-OSS: the reply opens ``<seed:think>`` itself and closes it with ``</seed:think>``."""
+
+    start_tag, end_tag = "<seed:think>", "</seed:think>"
+    opened_by_prompt = False
+
+
+class MiniMaxM2ReasoningParser(DeepSeekR1ReasoningParser):
+    """MiniMax-M2: the template opens ``<think>`` in the prompt (as DeepSeek-R1's)."""
+
+
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser, "openai_gptoss": GptOssReasoningParser,
-    "mistral": MistralReasoningParser,
+    "mistral": MistralReasoningParser, "glm45": Glm45ReasoningParser, "seed_oss": SeedOssReasoningParser,
+    "minimax_m2": MiniMaxM2ReasoningParser,
 }
 """Parser name (vLLM's ``--reasoning-parser`` names) -> parser."""
 

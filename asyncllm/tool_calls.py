@@ -20,7 +20,10 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
   JSON list of calls (Granite 3.x / Phi-4-mini);
 - ``qwen3_coder``: ``<tool_call>`` blocks of ``<function=NAME>`` and
   ``<parameter=KEY>value</parameter>`` (Qwen3-Coder), the values typed by the
-  request's tool schemas (tool_call_xml.py; `ToolParser.for_tools`).
+  request's tool schemas (tool_call_xml.py; `ToolParser.for_tools`); ``seed_oss``
+  the same inside ``<seed:tool_call>`` blocks;
+- ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``glm45``: calls in blocks
+  between special tokens, each read whole at its end (tool_call_blocks.py).
 
 Each parser reads a whole reply (`ToolParser.parse`) or a stream of text
 deltas: `ToolParser.stream` reports each call once its text is complete,
@@ -302,10 +305,69 @@ class Qwen3CoderToolParser(ToolParser):
         return XmlCallsStream(stream_arguments, self._types)
 
 
+class BlockToolParser(ToolParser):
+    """A format of delimited blocks read whole (asyncllm/tool_call_blocks.py): ``name`` picks it."""
+
+    needs_special_tokens = True
+    name = ""
+
+    def __init__(self, types: dict[str, dict[str, str]] | None = None) -> None:
+        self._types = types or {}
+
+    def for_tools(self, functions: dict[str, dict[str, Any]]) -> "ToolParser":
+        return type(self)(parameter_types(functions))
+
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        from asyncllm.tool_call_blocks import block_stream
+
+        return block_stream(self.name, self._types)
+
+
+class DeepSeekV3ToolParser(BlockToolParser):
+    """DeepSeek-V3 / R1: ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>f`` and a fenced JSON block."""
+
+    name = "deepseek_v3"
+
+
+class DeepSeekV31ToolParser(BlockToolParser):
+    """DeepSeek-V3.1 / V3.2: ``<｜tool▁call▁begin｜>f<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``."""
+
+    name = "deepseek_v31"
+
+
+class KimiK2ToolParser(BlockToolParser):
+    """Kimi K2: ``<|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{...}<|tool_call_end|>``."""
+
+    name = "kimi_k2"
+
+
+class Glm45ToolParser(BlockToolParser):
+    """GLM-4.5 / 4.6 / 4.7: ``<tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>``, values typed
+    by the request's tool schemas."""
+
+    name = "glm45"
+
+
+class SeedOssToolParser(Qwen3CoderToolParser):
+    """Seed-OSS: Qwen3-Coder's XML calls inside ``<seed:tool_call>`` blocks."""
+
+    needs_special_tokens = True
+
+    def for_tools(self, functions: dict[str, dict[str, Any]]) -> "ToolParser":
+        return SeedOssToolParser(parameter_types(functions))
+
+    def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
+        from asyncllm.tool_call_blocks import SeedXmlStream
+
+        return SeedXmlStream(stream_arguments, self._types)
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser, "pythonic": PythonicToolParser,
     "mistral": MistralToolParser, "openai": OpenAIToolParser, "qwen3_coder": Qwen3CoderToolParser,
-    "granite": GraniteToolParser, "phi4_mini_json": Phi4MiniJsonToolParser,
+    "granite": GraniteToolParser, "phi4_mini_json": Phi4MiniJsonToolParser, "deepseek_v3": DeepSeekV3ToolParser,
+    "deepseek_v31": DeepSeekV31ToolParser, "kimi_k2": KimiK2ToolParser, "glm45": Glm45ToolParser,
+    "seed_oss": SeedOssToolParser,
 }
 """Parser name (vLLM's ``--tool-call-parser`` names) -> parser."""
 

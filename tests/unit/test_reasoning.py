@@ -49,6 +49,18 @@ def test_mistral_splits_as_qwen3_with_its_think_tokens(reply: str) -> None:
     assert get_reasoning_parser("mistral").needs_special_tokens
 
 
+@pytest.mark.parametrize("reply", list(CASES))
+def test_glm45_minimax_m2_and_seed_oss_split_as_their_models_write(reply: str) -> None:
+    """GLM-4.5 as qwen3, MiniMax-M2 as deepseek_r1, Seed-OSS as qwen3 with ``<seed:think>`` / ``</seed:think>``."""
+    for name, expected in (("glm45", CASES[reply][1]), ("minimax_m2", CASES[reply][0])):
+        assert get_reasoning_parser(name).parse(reply) == expected, name
+        assert all(_streamed(name, reply, seed) == expected for seed in range(4)), name
+    seed = reply.replace("</think>", "</seed:think>").replace("<think>", "<seed:think>")
+    expected = tuple(None if part is None else part.replace("</think>", "</seed:think>") for part in CASES[reply][1])
+    assert get_reasoning_parser("seed_oss").parse(seed) == expected
+    assert all(_streamed("seed_oss", seed, s) == expected for s in range(4))
+
+
 def test_qwen3_answer_streams_at_once() -> None:
     stream = get_reasoning_parser("qwen3").stream()
     assert stream.feed("Hello") == ("", "Hello") and stream.feed(" there") == ("", " there")

@@ -225,3 +225,61 @@ def test_qwen3_coder_values_json_cannot_write_stay_text() -> None:
     assert typed_value("nan", "number") == "nan" and typed_value("1e999", "number") == "1e999"
     assert typed_value("{1, 2}", "object") == "{1, 2}" and typed_value("NaN", "array") == "NaN"
     assert typed_value("(1, 2)", "array") == (1, 2) and typed_value("x", "integer") == "x"
+
+
+BLOCK_REPLIES = {
+    "deepseek_v3": ("Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                    '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>add\n```json\n'
+                    '{"a": 1, "b": 2}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>'),
+    "deepseek_v31": ('Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}'
+                     '<｜tool▁call▁end｜><｜tool▁call▁begin｜>add<｜tool▁sep｜>{"a": 1, "b": 2}<｜tool▁call▁end｜>'
+                     '<｜tool▁calls▁end｜>'),
+    "kimi_k2": ('Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0'
+                '<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.add:1'
+                '<|tool_call_argument_begin|>{"a": 1, "b": 2}<|tool_call_end|><|tool_calls_section_end|>'),
+    "glm45": ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n"
+              "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n"
+              "<arg_value>2</arg_value>\n</tool_call>"),
+    "seed_oss": ("Checking.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
+                 "<parameter=b>\n2\n</parameter>\n</function>\n</seed:tool_call>"),
+}
+ADD_TYPED = {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                            "b": {"type": "integer"}}}}
+TYPED_FUNCTIONS = {"get_weather": WEATHER["function"], "add": ADD_TYPED}
+
+
+@pytest.mark.parametrize("parser_name", sorted(BLOCK_REPLIES))
+def test_block_formats_whole_and_streamed(parser_name: str) -> None:
+    """DeepSeek-V3 / V3.1, Kimi K2, GLM-4.5 and Seed-OSS calls: two calls after some content, the section markers
+    not content; streamed in any pieces, the same calls; the schema types the XML-ish values."""
+    parser = get_tool_parser(parser_name).for_tools(TYPED_FUNCTIONS)
+    assert parser.needs_special_tokens
+    parsed = parser.parse(BLOCK_REPLIES[parser_name])
+    assert parsed.content == "Checking."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    if parser_name == "kimi_k2":
+        assert [c.id for c in parsed.tool_calls] == ["functions.get_weather:0", "functions.add:1"]
+    for seed in range(3):
+        rng, stream, content, calls, pos = random.Random(seed), parser.stream(), "", [], 0
+        text = BLOCK_REPLIES[parser_name]
+        while pos < len(text):
+            size = rng.randint(1, 7)
+            piece, more = stream.feed(text[pos:pos + size])
+            content, calls, pos = content + piece, calls + more, pos + size
+        tail, more = stream.finish()
+        assert (content + tail).strip() == "Checking."
+        assert [(c.name, json.loads(c.arguments)) for c in calls + more] == [
+            ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+
+
+@pytest.mark.parametrize("parser_name, broken", [
+    ("deepseek_v3", "x<｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n```json\n{oops\n```<｜tool▁call▁end｜>"),
+    ("deepseek_v31", "x<｜tool▁call▁begin｜>f{}<｜tool▁call▁end｜>"),
+    ("kimi_k2", "x<|tool_call_begin|>f<|tool_call_argument_begin|>{}<|tool_call_end|>"),
+    ("glm45", "x<tool_call>f\n<arg_key>a</arg_key>\n</tool_call>"),
+])
+def test_a_block_that_is_not_a_call_stays_content(parser_name: str, broken: str) -> None:
+    parsed = get_tool_parser(parser_name).parse(broken)
+    assert parsed.content == broken and parsed.tool_calls == []

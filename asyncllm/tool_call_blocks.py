@@ -1,0 +1,158 @@
+"""Tool-call formats whose calls sit in delimited blocks read whole at their end (vLLM's parser names):
+
+- ``deepseek_v3`` (DeepSeek-V3 / R1): ``<｜tool▁calls▁begin｜>`` then per call
+  ``<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`` and a fenced JSON block, ``<｜tool▁call▁end｜>``;
+- ``deepseek_v31`` (DeepSeek-V3.1 / V3.2): per call ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>``;
+- ``kimi_k2`` (Kimi K2): per call ``<|tool_call_begin|>functions.NAME:N<|tool_call_argument_begin|>{...}
+  <|tool_call_end|>`` inside ``<|tool_calls_section_begin|>`` ... ``<|tool_calls_section_end|>`` (the call's id is
+  its ``functions.NAME:N``, as vLLM's);
+- ``glm45`` (GLM-4.5 / 4.6 / 4.7): ``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs,
+  ``</tool_call>``, each value typed by the request's tool schemas as ``qwen3_coder``'s (tool_call_xml.py);
+- ``seed_oss`` (Seed-OSS): Qwen3-Coder's XML calls inside ``<seed:tool_call>`` ... ``</seed:tool_call>``.
+
+A block is read when its end tag comes; one that does not parse as a call is content, as in every other format.
+The section markers around the calls are not content. The markers are special tokens: the server keeps special
+tokens in the text of replies these parsers read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from asyncllm.tool_call_streams import ReplyPart, TaggedBlockStream, ToolCallDelta, partial_tag_suffix, tool_call_id
+from asyncllm.tool_call_xml import XmlCallsStream, typed_value
+
+__all__ = ["BlockCall", "FORMATS", "SeedXmlStream", "WholeBlockStream", "block_stream", "deepseek_v3_call",
+           "deepseek_v31_call", "glm45_call", "kimi_k2_call"]
+
+BlockCall = tuple[str, str, str | None]
+"""(name, arguments as JSON text, the call's id or None for a new one)."""
+
+_DS_SEP = "<｜tool▁sep｜>"
+_DS_FENCED = re.compile(r"\s*(?:function)?" + re.escape(_DS_SEP) + r"(.+?)\n```(?:json)?\n(.*)\n```\s*$", re.DOTALL)
+_GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+_KIMI_ARGS = "<|tool_call_argument_begin|>"
+_KIMI_ID = re.compile(r"\s*(functions\.([^:\s]+):\d+)\s*$")
+
+
+def _object_text(text: str) -> str | None:
+    """A JSON object's text as ``json.dumps`` writes it; None when ``text`` is not one."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
+
+
+def deepseek_v3_call(body: str, types: dict[str, dict[str, str]]) -> BlockCall | None:
+    match = _DS_FENCED.match(body)
+    arguments = _object_text(match.group(2)) if match else None
+    return None if match is None or arguments is None else (match.group(1).strip(), arguments, None)
+
+
+def deepseek_v31_call(body: str, types: dict[str, dict[str, str]]) -> BlockCall | None:
+    name, sep, rest = body.partition(_DS_SEP)
+    arguments = _object_text(rest) if sep else None
+    return None if arguments is None or not name.strip() else (name.strip(), arguments, None)
+
+
+def kimi_k2_call(body: str, types: dict[str, dict[str, str]]) -> BlockCall | None:
+    head, sep, rest = body.partition(_KIMI_ARGS)
+    match = _KIMI_ID.match(head) if sep else None
+    arguments = _object_text(rest) if match else None
+    return None if match is None or arguments is None else (match.group(2), arguments, match.group(1))
+
+
+def glm45_call(body: str, types: dict[str, dict[str, str]]) -> BlockCall | None:
+    name_end = body.find("<arg_key>")
+    name = (body if name_end < 0 else body[:name_end]).strip()
+    if not name or "<" in name or "\n" in name:
+        return None
+    arguments, end = {}, len(body) if name_end < 0 else name_end
+    while (match := _GLM_PAIR.match(body, end)) is not None:
+        key = match.group(1).strip()
+        arguments[key] = typed_value(match.group(2).strip(), types.get(name, {}).get(key))
+        end = match.end()
+    if body[end:].strip():
+        return None
+    return name, json.dumps(arguments, ensure_ascii=False), None
+
+
+class WholeBlockStream(TaggedBlockStream):
+    """Blocks between ``open_tag`` and ``close_tag``, each read whole by ``read`` at its end (one call in one piece,
+    or content); the ``markers`` around a run of calls are dropped from the content."""
+
+    def __init__(self, open_tag: str, close_tag: str, read: Callable[[str, dict[str, dict[str, str]]], BlockCall | None],
+                 markers: tuple[str, ...] = (), types: dict[str, dict[str, str]] | None = None) -> None:
+        super().__init__()
+        self.OPEN, self.CLOSE = open_tag, close_tag
+        self._read, self._markers, self._types = read, markers, types or {}
+        self._body: list[str] = []
+        self._held = ""  # content that may be the start of a marker
+        self._ending = False
+
+    def _open_block(self) -> None:
+        self._body = []
+
+    def _feed_block(self, text: str) -> list[ReplyPart]:
+        self._body.append(text)
+        return []
+
+    def _close_block(self) -> list[ReplyPart]:
+        call = self._read("".join(self._body), self._types)
+        if call is None:
+            return self._as_content()
+        name, arguments, call_id = call
+        index, self._index, self._calls = self._index, self._index + 1, self._calls + 1
+        return [ToolCallDelta(index, arguments, name, call_id or tool_call_id(), done=True)]
+
+    def finish(self) -> list[ReplyPart]:
+        self._ending = True
+        return super().finish()
+
+    def _spacing(self, parts: list[ReplyPart]) -> list[ReplyPart]:
+        """The content without the markers; a marker's first characters held back until the next text shows
+        whether it is one (each call flushes the content before it)."""
+        out: list[ReplyPart] = []
+        for part in parts:
+            if isinstance(part, str):
+                self._held += part
+                continue
+            out += [self._unmarked(self._held), part]
+            self._held = ""
+        text = self._unmarked(self._held)
+        keep = 0 if self._ending else max((partial_tag_suffix(text, m) for m in self._markers), default=0)
+        out.append(text[: len(text) - keep])
+        self._held = text[len(text) - keep:]
+        return super()._spacing(out)
+
+    def _unmarked(self, text: str) -> str:
+        for marker in self._markers:
+            text = text.replace(marker, "")
+        return text
+
+
+class SeedXmlStream(XmlCallsStream):
+    """Seed-OSS: Qwen3-Coder's XML calls inside ``<seed:tool_call>`` blocks."""
+
+    OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+
+
+FORMATS: dict[str, tuple[str, str, Callable[[str, dict[str, dict[str, str]]], BlockCall | None], tuple[str, ...]]] = {
+    "deepseek_v3": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", deepseek_v3_call,
+                    ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")),
+    "deepseek_v31": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", deepseek_v31_call,
+                     ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")),
+    "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>", kimi_k2_call,
+                ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")),
+    "glm45": ("<tool_call>", "</tool_call>", glm45_call, ()),
+}
+"""Parser name -> (a call's opening tag, its closing tag, its reader, the markers around the calls)."""
+
+
+def block_stream(name: str, types: dict[str, Any]) -> WholeBlockStream:
+    open_tag, close_tag, read, markers = FORMATS[name]
+    return WholeBlockStream(open_tag, close_tag, read, markers, types)
