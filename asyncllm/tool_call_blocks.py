@@ -8,6 +8,8 @@
   its ``functions.NAME:N``, as vLLM's);
 - ``glm45`` (GLM-4.5 / 4.6 / 4.7): ``<tool_call>NAME`` then ``<arg_key>K</arg_key><arg_value>V</arg_value>`` pairs,
   ``</tool_call>``, each value typed by the request's tool schemas as ``qwen3_coder``'s (tool_call_xml.py);
+- ``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>`` blocks of one or more
+  ``<invoke name="NAME"><parameter name="K">V</parameter></invoke>``, values typed as ``glm45``'s;
 - ``seed_oss`` (Seed-OSS): Qwen3-Coder's XML calls inside ``<seed:tool_call>`` ... ``</seed:tool_call>``.
 
 A block is read when its end tag comes; one that does not parse as a call is content, as in every other format.
@@ -26,7 +28,7 @@ from asyncllm.tool_call_streams import ReplyPart, TaggedBlockStream, ToolCallDel
 from asyncllm.tool_call_xml import XmlCallsStream, typed_value
 
 __all__ = ["BlockCall", "FORMATS", "SeedXmlStream", "WholeBlockStream", "block_stream", "deepseek_v3_call",
-           "deepseek_v31_call", "glm45_call", "kimi_k2_call"]
+           "deepseek_v31_call", "glm45_call", "kimi_k2_call", "minimax_m2_calls"]
 
 BlockCall = tuple[str, str, str | None]
 """(name, arguments as JSON text, the call's id or None for a new one)."""
@@ -36,6 +38,8 @@ _DS_FENCED = re.compile(r"\s*(?:function)?" + re.escape(_DS_SEP) + r"(.+?)\n```(
 _GLM_PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 _KIMI_ARGS = "<|tool_call_argument_begin|>"
 _KIMI_ID = re.compile(r"\s*(functions\.([^:\s]+):\d+)\s*$")
+_MINIMAX_INVOKE = re.compile(r'\s*<invoke name="([^"]+)">(.*?)</invoke>', re.DOTALL)
+_MINIMAX_PARAMETER = re.compile(r'\s*<parameter name="([^"]+)">(.*?)</parameter>', re.DOTALL)
 
 
 def _object_text(text: str) -> str | None:
@@ -47,26 +51,26 @@ def _object_text(text: str) -> str | None:
     return json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else None
 
 
-def deepseek_v3_call(body: str, types: dict[str, dict[str, str]]) -> BlockCall | None:
+def deepseek_v3_call(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
     match = _DS_FENCED.match(body)
     arguments = _object_text(match.group(2)) if match else None
-    return None if match is None or arguments is None else (match.group(1).strip(), arguments, None)
+    return None if match is None or arguments is None else [(match.group(1).strip(), arguments, None)]
 
 
-def deepseek_v31_call(body: str, types: dict[str, dict[str, str]]) -> BlockCall | None:
+def deepseek_v31_call(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
     name, sep, rest = body.partition(_DS_SEP)
     arguments = _object_text(rest) if sep else None
-    return None if arguments is None or not name.strip() else (name.strip(), arguments, None)
+    return None if arguments is None or not name.strip() else [(name.strip(), arguments, None)]
 
 
-def kimi_k2_call(body: str, types: dict[str, dict[str, str]]) -> BlockCall | None:
+def kimi_k2_call(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
     head, sep, rest = body.partition(_KIMI_ARGS)
     match = _KIMI_ID.match(head) if sep else None
     arguments = _object_text(rest) if match else None
-    return None if match is None or arguments is None else (match.group(2), arguments, match.group(1))
+    return None if match is None or arguments is None else [(match.group(2), arguments, match.group(1))]
 
 
-def glm45_call(body: str, types: dict[str, dict[str, str]]) -> BlockCall | None:
+def glm45_call(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
     name_end = body.find("<arg_key>")
     name = (body if name_end < 0 else body[:name_end]).strip()
     if not name or "<" in name or "\n" in name:
@@ -78,14 +82,31 @@ def glm45_call(body: str, types: dict[str, dict[str, str]]) -> BlockCall | None:
         end = match.end()
     if body[end:].strip():
         return None
-    return name, json.dumps(arguments, ensure_ascii=False), None
+    return [(name, json.dumps(arguments, ensure_ascii=False), None)]
+
+
+def minimax_m2_calls(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
+    """``<invoke name="f"><parameter name="k">v</parameter>...</invoke>``, one or more in a block."""
+    calls, end = [], 0
+    while (match := _MINIMAX_INVOKE.match(body, end)) is not None:
+        name, inner, arguments, pos = match.group(1), match.group(2), {}, 0
+        while (param := _MINIMAX_PARAMETER.match(inner, pos)) is not None:
+            key, value = param.group(1), param.group(2).removeprefix("\n").removesuffix("\n")
+            arguments[key] = typed_value(value, types.get(name, {}).get(key))
+            pos = param.end()
+        if inner[pos:].strip():
+            return None
+        calls.append((name, json.dumps(arguments, ensure_ascii=False), None))
+        end = match.end()
+    return calls if calls and not body[end:].strip() else None
 
 
 class WholeBlockStream(TaggedBlockStream):
     """Blocks between ``open_tag`` and ``close_tag``, each read whole by ``read`` at its end (one call in one piece,
     or content); the ``markers`` around a run of calls are dropped from the content."""
 
-    def __init__(self, open_tag: str, close_tag: str, read: Callable[[str, dict[str, dict[str, str]]], BlockCall | None],
+    def __init__(self, open_tag: str, close_tag: str,
+                 read: Callable[[str, dict[str, dict[str, str]]], list[BlockCall] | None],
                  markers: tuple[str, ...] = (), types: dict[str, dict[str, str]] | None = None) -> None:
         super().__init__()
         self.OPEN, self.CLOSE = open_tag, close_tag
@@ -102,12 +123,12 @@ class WholeBlockStream(TaggedBlockStream):
         return []
 
     def _close_block(self) -> list[ReplyPart]:
-        call = self._read("".join(self._body), self._types)
-        if call is None:
+        calls = self._read("".join(self._body), self._types)
+        if calls is None:
             return self._as_content()
-        name, arguments, call_id = call
-        index, self._index, self._calls = self._index, self._index + 1, self._calls + 1
-        return [ToolCallDelta(index, arguments, name, call_id or tool_call_id(), done=True)]
+        first, self._index, self._calls = self._index, self._index + len(calls), self._calls + len(calls)
+        return [ToolCallDelta(first + i, arguments, name, call_id or tool_call_id(), done=True)
+                for i, (name, arguments, call_id) in enumerate(calls)]
 
     def finish(self) -> list[ReplyPart]:
         self._ending = True
@@ -141,7 +162,8 @@ class SeedXmlStream(XmlCallsStream):
     OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
 
 
-FORMATS: dict[str, tuple[str, str, Callable[[str, dict[str, dict[str, str]]], BlockCall | None], tuple[str, ...]]] = {
+FORMATS: dict[str, tuple[str, str, Callable[[str, dict[str, dict[str, str]]], list[BlockCall] | None],
+                         tuple[str, ...]]] = {
     "deepseek_v3": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", deepseek_v3_call,
                     ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")),
     "deepseek_v31": ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", deepseek_v31_call,
@@ -149,6 +171,7 @@ FORMATS: dict[str, tuple[str, str, Callable[[str, dict[str, dict[str, str]]], Bl
     "kimi_k2": ("<|tool_call_begin|>", "<|tool_call_end|>", kimi_k2_call,
                 ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")),
     "glm45": ("<tool_call>", "</tool_call>", glm45_call, ()),
+    "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>", minimax_m2_calls, ()),
 }
 """Parser name -> (a call's opening tag, its closing tag, its reader, the markers around the calls)."""
 

@@ -22,7 +22,7 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
   ``<parameter=KEY>value</parameter>`` (Qwen3-Coder), the values typed by the
   request's tool schemas (tool_call_xml.py; `ToolParser.for_tools`); ``seed_oss``
   the same inside ``<seed:tool_call>`` blocks;
-- ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``glm45``: calls in blocks
+- ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``glm45``, ``minimax_m2``: calls in blocks
   between special tokens, each read whole at its end (tool_call_blocks.py).
 
 Each parser reads a whole reply (`ToolParser.parse`) or a stream of text
@@ -348,6 +348,13 @@ class Glm45ToolParser(BlockToolParser):
     name = "glm45"
 
 
+class MiniMaxM2ToolParser(BlockToolParser):
+    """MiniMax-M2: ``<minimax:tool_call><invoke name="f"><parameter name="k">v</parameter></invoke>...
+    </minimax:tool_call>``, values typed by the request's tool schemas."""
+
+    name = "minimax_m2"
+
+
 class SeedOssToolParser(Qwen3CoderToolParser):
     """Seed-OSS: Qwen3-Coder's XML calls inside ``<seed:tool_call>`` blocks."""
 
@@ -367,7 +374,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralToolParser, "openai": OpenAIToolParser, "qwen3_coder": Qwen3CoderToolParser,
     "granite": GraniteToolParser, "phi4_mini_json": Phi4MiniJsonToolParser, "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser, "kimi_k2": KimiK2ToolParser, "glm45": Glm45ToolParser,
-    "seed_oss": SeedOssToolParser,
+    "seed_oss": SeedOssToolParser, "minimax_m2": MiniMaxM2ToolParser,
 }
 """Parser name (vLLM's ``--tool-call-parser`` names) -> parser."""
 

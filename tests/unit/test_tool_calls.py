@@ -240,6 +240,9 @@ BLOCK_REPLIES = {
     "glm45": ("Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n"
               "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n<arg_key>b</arg_key>\n"
               "<arg_value>2</arg_value>\n</tool_call>"),
+    "minimax_m2": ('Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
+                   '</parameter>\n</invoke>\n<invoke name="add">\n<parameter name="a">1</parameter>\n'
+                   '<parameter name="b">2</parameter>\n</invoke>\n</minimax:tool_call>'),
     "seed_oss": ("Checking.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                  "</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
                  "<parameter=b>\n2\n</parameter>\n</function>\n</seed:tool_call>"),
@@ -279,6 +282,7 @@ def test_block_formats_whole_and_streamed(parser_name: str) -> None:
     ("deepseek_v31", "x<｜tool▁call▁begin｜>f{}<｜tool▁call▁end｜>"),
     ("kimi_k2", "x<|tool_call_begin|>f<|tool_call_argument_begin|>{}<|tool_call_end|>"),
     ("glm45", "x<tool_call>f\n<arg_key>a</arg_key>\n</tool_call>"),
+    ("minimax_m2", 'x<minimax:tool_call><invoke name="f"><parameter name="a">1</invoke></minimax:tool_call>'),
 ])
 def test_a_block_that_is_not_a_call_stays_content(parser_name: str, broken: str) -> None:
     parsed = get_tool_parser(parser_name).parse(broken)
