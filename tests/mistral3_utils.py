@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mm_utils import random_model
 
-__all__ = ["IMAGE", "hf_mistral3_greedy", "make_tiny_mistral3"]
+__all__ = ["IMAGE", "hf_mistral3_greedy", "make_tiny_mistral3", "make_tiny_pixtral_llava"]
 
 IMAGE, IMAGE_BREAK, IMAGE_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
 
@@ -27,7 +27,10 @@ CHAT_TEMPLATE = (
 def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0, decoder: str = "mistral") -> str:
     """Save a tiny random ``Mistral3ForConditionalGeneration`` with its tokenizer and Pixtral image processor (longest
     edge 112 pixels: at most 4 x 4 merged patches an image) in ``path``; ``decoder`` "ministral3": Ministral 3's
-    (a YaRN rope, the attention temperature from position 16 on); "mistral4": Mistral 4's."""
+    (a YaRN rope, the attention temperature from position 16 on); "mistral4": Mistral 4's.
+
+    ``unit`` in `hf_mistral3_greedy`: the pixels of one image token (28: Mistral 3's merged patches; 14: the tiny
+    Pixtral-12B's patches)."""
     from transformers import (
         AutoTokenizer,
         Mistral3Config,
@@ -77,8 +80,24 @@ def make_tiny_mistral3(path: str | os.PathLike[str], seed: int = 0, decoder: str
     return str(path)
 
 
+def make_tiny_pixtral_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
+    """Save a tiny random Pixtral-12B-style ``LlavaForConditionalGeneration`` (the tiny Mistral 3's tower, no patch
+    merging, LLaVA's projector, a Mistral decoder) with its tokenizer and image processor in ``path``."""
+    from transformers import AutoConfig, AutoTokenizer, LlavaConfig, LlavaForConditionalGeneration, PixtralImageProcessorPil
+
+    reference = Path(make_tiny_mistral3(Path(path) / "mistral3", seed))
+    mistral3 = AutoConfig.from_pretrained(reference)
+    config = LlavaConfig(vision_config=mistral3.vision_config, text_config=mistral3.text_config,
+                         image_token_index=mistral3.image_token_id, vision_feature_layer=-1,
+                         vision_feature_select_strategy="full", projector_hidden_act="gelu")
+    random_model(LlavaForConditionalGeneration, config, seed).save_pretrained(path)
+    AutoTokenizer.from_pretrained(reference).save_pretrained(path)
+    PixtralImageProcessorPil(size={"longest_edge": 112}, patch_size=14).save_pretrained(path)
+    return str(path)
+
+
 def hf_mistral3_greedy(path: str, text: str, images: list[bytes], max_new_tokens: int,
-                       add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+                       add_special_tokens: bool = True, unit: int = 28) -> tuple[list[int], list[int]]:
     """transformers' (prompt ids, greedy tokens): each ``[IMG]`` expanded as ``PixtralProcessor`` does (rows of
     ``[IMG]`` closed by ``[IMG_BREAK]``, the last by ``[IMG_END]``), the image processor called with 28-pixel patches."""
     import torch
@@ -89,11 +108,11 @@ def hf_mistral3_greedy(path: str, text: str, images: list[bytes], max_new_tokens
     inputs: dict = {}
     if images:
         pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
-        inputs = dict(AutoImageProcessor.from_pretrained(path)(images=pil, return_tensors="pt", patch_size=28))
+        inputs = dict(AutoImageProcessor.from_pretrained(path)(images=pil, return_tensors="pt", patch_size=unit))
         parts = text.split(IMAGE)
         for (height, width), i in zip(inputs["image_sizes"].tolist(), range(1, len(parts))):
-            row = IMAGE * (width // 28) + IMAGE_BREAK
-            parts[i] = (row * (height // 28))[: -len(IMAGE_BREAK)] + IMAGE_END + parts[i]
+            row = IMAGE * (width // unit) + IMAGE_BREAK
+            parts[i] = (row * (height // unit))[: -len(IMAGE_BREAK)] + IMAGE_END + parts[i]
         text = "".join(parts)
     inputs["input_ids"] = tokenizer([text], return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"]
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()

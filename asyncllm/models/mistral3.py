@@ -28,7 +28,7 @@ from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.pixtral import Mistral3Projector, PixtralVisionTower
 from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
 
-__all__ = ["Mistral3ForConditionalGeneration"]
+__all__ = ["Mistral3ForConditionalGeneration", "PixtralLlavaForConditionalGeneration"]
 
 IMAGE_BREAK, IMAGE_END = "[IMG_BREAK]", "[IMG_END]"
 
@@ -41,8 +41,8 @@ Mistral 4's (DeepSeek-V3's latent attention and experts, asyncllm/models/deepsee
 
 
 def _grid(hf_config: Any, pixel_shape: tuple[int, ...]) -> tuple[int, int]:
-    """(rows, cols) of merged patches of an image of ``(3, H, W)`` pixels."""
-    unit = hf_config.vision_config.patch_size * hf_config.spatial_merge_size
+    """(rows, cols) of merged patches of an image of ``(3, H, W)`` pixels (Pixtral-12B merges none)."""
+    unit = hf_config.vision_config.patch_size * getattr(hf_config, "spatial_merge_size", 1)
     return pixel_shape[-2] // unit, pixel_shape[-1] // unit
 
 
@@ -75,7 +75,7 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
     @staticmethod
     def mm_processor_call_kwargs(hf_config: Any) -> dict[str, Any]:
         """What ``PixtralProcessor`` passes its image processor: patches of a merged token's size (28 pixels)."""
-        return {"patch_size": hf_config.vision_config.patch_size * hf_config.spatial_merge_size}
+        return {"patch_size": hf_config.vision_config.patch_size * getattr(hf_config, "spatial_merge_size", 1)}
 
     @staticmethod
     def mm_pixel_values(processed: Any) -> np.ndarray:
@@ -117,3 +117,30 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Both layouts (``model.vision_tower.*`` / ``vision_tower.*``, ...) as LLaVA's."""
         return load_vision_language_weights(self, weights, normalize_llava_name, "Mistral 3")
+
+
+class PixtralLlavaForConditionalGeneration(Mistral3ForConditionalGeneration):
+    """Pixtral-12B (``LlavaForConditionalGeneration`` with a Pixtral tower: pixtral-12b, mistral-community's HF
+    format): the same tower, rows and breaks with no patch merging (every 16-pixel patch a token), and LLaVA's
+    two-layer projector (llava.py) before the Mistral decoder."""
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+        from asyncllm.models.llava import LlavaMultiModalProjector
+
+        VisionLanguageModel.__init__(self)
+        if hf_config.vision_feature_select_strategy != "full":
+            raise NotBuiltError("vision_feature_select_strategy", hf_config.vision_feature_select_strategy,
+                                "Pixtral-12B with 'full' (its tower has no CLS feature)")
+        self.language_model = build_decoder(hf_config, _DECODERS, "Pixtral", mm_encoder_tp_mode, dtype=dtype, tp=tp,
+                                            attn_backend=attn_backend, max_position=max_position)
+        self.vision_tower = PixtralVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, dtype)
+        self.multi_modal_projector = LlavaMultiModalProjector(hf_config, TensorParallel(), dtype)
+        self.hf_config = hf_config
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, 3, H, W]`` images of one size -> ``[N, rows * (cols + 1), text hidden]``, as Mistral 3's."""
+        rows, cols = _grid(self.hf_config, tuple(pixel_values.shape))
+        features = self.multi_modal_projector(self.vision_tower(pixel_values)).view(len(pixel_values), rows, cols, -1)
+        out = torch.cat([features, features.new_zeros(len(pixel_values), rows, 1, features.shape[-1])], dim=2)
+        return out.view(len(pixel_values), rows * (cols + 1), -1)

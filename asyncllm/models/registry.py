@@ -42,7 +42,7 @@ from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 from asyncllm.models.llava_next import LlavaNextForConditionalGeneration
 from asyncllm.models.llava_onevision import LlavaOnevisionForConditionalGeneration
-from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration
+from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration, PixtralLlavaForConditionalGeneration
 from asyncllm.models.internvl import InternVLForConditionalGeneration
 from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 from asyncllm.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
@@ -261,7 +261,20 @@ def get_model_class(hf_config: Any, limits: dict[str, int] | None = None) -> typ
     """The class for ``hf_config.architectures[0]`` (its text-only class when `serves_text_only` under the
     ``limit_mm_per_prompt`` given); `NotBuiltError` for any other."""
     arch = architecture_of(hf_config)
-    return _TEXT_ONLY[arch] if serves_text_only(arch, limits) else _MODELS[arch]
+    if serves_text_only(arch, limits):
+        return _TEXT_ONLY[arch]
+    variant = _VARIANTS.get(arch)
+    return variant(hf_config) if variant is not None else _MODELS[arch]
+
+
+def _llava_variant(hf_config: Any) -> type[CausalLM]:
+    """LLaVA's class by its tower: Pixtral-12B's checkpoints are LLaVA ones with a Pixtral tower."""
+    vision = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
+    return PixtralLlavaForConditionalGeneration if vision == "pixtral" else LlavaForConditionalGeneration
+
+
+_VARIANTS: dict[str, Any] = {"LlavaForConditionalGeneration": _llava_variant}
+"""Architectures whose class depends on more of the config than its name."""
 
 
 @dataclass(frozen=True)
