@@ -81,6 +81,10 @@ class LearnedPositionModel(LlamaModel):
         hidden, residual = self.embed(input_ids, positions, inputs_embeds), None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        return self.final(hidden, residual)
+
+    def final(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's output and the stream joined, then the final norm."""
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

@@ -11,7 +11,6 @@ shard of each tensor), a GGUF file (asyncllm/models/gguf_loader.py) or with rand
 from __future__ import annotations
 
 import glob
-import json
 import os
 from typing import Any, Callable, Iterator
 
@@ -173,15 +172,11 @@ def checkpoint_files(path: str, load_format: str = "auto") -> list[str]:
     when there are none and ``load_format`` is ``auto``, or always with ``pt``."""
     if load_format == "pt":
         return _pt_files(path)
-    index_path = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = sorted({os.path.join(path, name) for name in weight_map.values()})
-        absent = [os.path.basename(file) for file in files if not os.path.exists(file)]
-        if absent:
-            raise ConfigError("model", path, f"a complete checkpoint; its index names absent files {absent}")
-        return files
+    from asyncllm.models.pt_checkpoint import indexed_files
+
+    indexed = indexed_files(path, "model.safetensors.index.json")
+    if indexed is not None:
+        return indexed
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     files = [f for f in files if not os.path.basename(f).startswith("consolidated")] or files
     if not files and load_format == "auto":

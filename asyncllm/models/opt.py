@@ -95,11 +95,8 @@ class OPTModel(LearnedPositionModel):
             tokens = self.project_in(tokens)
         return tokens + self.embed_positions(positions + self.position_offset)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden, residual = self.embed(input_ids, positions, inputs_embeds), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+    def final(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The stream joined (post-norm layers leave it joined), the final norm if any, the projection out."""
         if residual is not None:
             hidden = residual + hidden
         if self.norm is not None:

@@ -17,25 +17,34 @@ import torch
 
 from asyncllm.errors import ConfigError
 
-__all__ = ["PT_INDEX", "iterate_pt", "pt_checkpoint_files"]
+__all__ = ["PT_INDEX", "indexed_files", "iterate_pt", "pt_checkpoint_files"]
 
 PT_INDEX = "pytorch_model.bin.index.json"
 _NOT_WEIGHTS = ("training_args.bin", "optimizer.bin", "optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt")
 """Files a trainer leaves beside the weights."""
 
 
+def indexed_files(path: str, index_name: str) -> list[str] | None:
+    """The files a checkpoint's index (``model.safetensors.index.json``, ``pytorch_model.bin.index.json``) names;
+    None without one; `ConfigError` when one it names is absent."""
+    index_path = os.path.join(path, index_name)
+    if not os.path.exists(index_path):
+        return None
+    with open(index_path) as f:
+        weight_map: dict[str, str] = json.load(f)["weight_map"]
+    files = sorted({os.path.join(path, name) for name in weight_map.values()})
+    absent = [os.path.basename(file) for file in files if not os.path.exists(file)]
+    if absent:
+        raise ConfigError("model", path, f"a complete checkpoint; its index names absent files {absent}")
+    return files
+
+
 def pt_checkpoint_files(path: str) -> list[str]:
     """The pickle files to read: those of the index when there is one, else every ``*.bin`` (or ``*.pt``) that
     is not a trainer's state; empty when there are none."""
-    index_path = os.path.join(path, PT_INDEX)
-    if os.path.exists(index_path):
-        with open(index_path) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
-        files = sorted({os.path.join(path, name) for name in weight_map.values()})
-        absent = [os.path.basename(file) for file in files if not os.path.exists(file)]
-        if absent:
-            raise ConfigError("model", path, f"a complete checkpoint; its index names absent files {absent}")
-        return files
+    indexed = indexed_files(path, PT_INDEX)
+    if indexed is not None:
+        return indexed
     for pattern in ("*.bin", "*.pt"):
         files = [f for f in sorted(glob.glob(os.path.join(path, pattern))) if os.path.basename(f) not in _NOT_WEIGHTS]
         if files:
