@@ -41,7 +41,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
               "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
-              "falcon", "olmo", "jais2", "cwm", "youtu")
+              "falcon", "olmo", "jais2", "cwm", "youtu", "phimoe")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -52,6 +52,9 @@ _MOE_SHAPES: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "granitemoe": dict(num_local_experts=4, num_experts_per_tok=2),
     "granitemoeshared": dict(num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=48),
+    # Phi-3.5-MoE: SparseMixer's top 2 of 6, biases on attention and the LM head, a jitter that masks some experts
+    "phimoe": dict(num_local_experts=6, num_experts_per_tok=2, attention_bias=True, lm_head_bias=True,
+                   router_jitter_noise=0.1),
     "flex_olmo": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=True),
     "olmoe": dict(num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
     "hunyuan_v1_moe": dict(num_experts=6, moe_topk=2, intermediate_size=48),
@@ -519,7 +522,7 @@ def _build_config(
         "gpt_neox": transformers.GPTNeoXConfig, "gpt2": transformers.GPT2Config,
         "gpt_bigcode": transformers.GPTBigCodeConfig, "opt": transformers.OPTConfig, "gptj": transformers.GPTJConfig,
         "falcon": transformers.FalconConfig, "olmo": transformers.OlmoConfig, "jais2": transformers.Jais2Config,
-        "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig,
+        "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig, "phimoe": transformers.PhimoeConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

@@ -140,6 +140,7 @@ _NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5F
             "GraniteMoeSharedForCausalLM", "FlexOlmoForCausalLM", "PhiForCausalLM", "StableLmForCausalLM",
             "NemotronForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM",
             "GPTJForCausalLM", "FalconForCausalLM", "OlmoForCausalLM", "Jais2ForCausalLM", "YoutuForCausalLM",
+            "PhimoeForCausalLM",
             *(a for a in HYBRID_ARCHITECTURES if not a.startswith("Qwen3_5")),
             *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",

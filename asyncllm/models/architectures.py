@@ -40,7 +40,8 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "FlexOlmoForCausalLM", "VaultGemmaForCausalLM", "PhiForCausalLM",
                       "StableLmForCausalLM", "NemotronForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel",
                       "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
-                      "OlmoForCausalLM", "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM")
+                      "OlmoForCausalLM", "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
+                      "PhimoeForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
@@ -64,7 +65,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "Llama4ForConditionalGeneration", "NemotronHForCausalLM", "Lfm2MoeForCausalLM",
                      "JambaForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Gemma4ForCausalLM",
                      "Gemma4ForConditionalGeneration", "ExaoneMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                     "FlexOlmoForCausalLM")
+                     "FlexOlmoForCausalLM", "PhimoeForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                             "LlavaOnevisionForConditionalGeneration", "Idefics3ForConditionalGeneration",

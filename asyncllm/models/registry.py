@@ -30,6 +30,7 @@ from asyncllm.models.gptj import GPTJForCausalLM
 from asyncllm.models.falcon import FalconForCausalLM
 from asyncllm.models.jais2 import Jais2ForCausalLM
 from asyncllm.models.olmo import OlmoForCausalLM
+from asyncllm.models.phimoe import PhimoeForCausalLM
 from asyncllm.models.opt import OPTForCausalLM
 from asyncllm.models.nemotron import NemotronForCausalLM
 from asyncllm.models.phi import PhiForCausalLM
@@ -221,6 +222,7 @@ _MODELS: dict[str, type] = {
     "OlmoForCausalLM": OlmoForCausalLM,
     "Jais2ForCausalLM": Jais2ForCausalLM,
     "YoutuForCausalLM": YoutuForCausalLM,
+    "PhimoeForCausalLM": PhimoeForCausalLM,
     "CwmForCausalLM": LlamaForCausalLM,  # Llama's layers, a window in the layers layer_types names
     "FalconMambaForCausalLM": FalconMambaForCausalLM,
     "Mamba2ForCausalLM": Mamba2ForCausalLM,

@@ -18,7 +18,7 @@ from hf_reference import hf_greedy
 
 MAX_TOKENS = 16
 MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe",
-             "llama4", "glm4_moe_lite", "solar_open", "exaone_moe", "flex_olmo", "granitemoeshared")
+             "llama4", "glm4_moe_lite", "solar_open", "exaone_moe", "flex_olmo", "granitemoeshared", "phimoe")
 
 
 def _prompts(count: int, seed: int) -> list[list[int]]:

@@ -48,6 +48,7 @@ from asyncllm.models.falcon import FalconForCausalLM
 from asyncllm.models.gptj import GPTJForCausalLM
 from asyncllm.models.jais2 import Jais2ForCausalLM
 from asyncllm.models.olmo import OlmoForCausalLM
+from asyncllm.models.phimoe import PhimoeForCausalLM
 from asyncllm.models.opt import OPTForCausalLM
 from asyncllm.models.helium import HeliumForCausalLM
 from asyncllm.models.nemotron import NemotronForCausalLM
@@ -77,7 +78,8 @@ MODEL_CLASSES = {"granite": GraniteForCausalLM, "olmo2": Olmo2ForCausalLM, "olmo
                  "phi": PhiForCausalLM, "stablelm": StableLmForCausalLM, "nemotron": NemotronForCausalLM,
                  "gpt_neox": GPTNeoXForCausalLM, "gpt2": GPT2LMHeadModel, "gpt_bigcode": GPTBigCodeForCausalLM,
                  "opt": OPTForCausalLM, "gptj": GPTJForCausalLM, "falcon": FalconForCausalLM,
-                 "olmo": OlmoForCausalLM, "jais2": Jais2ForCausalLM, "cwm": LlamaForCausalLM}
+                 "olmo": OlmoForCausalLM, "jais2": Jais2ForCausalLM, "cwm": LlamaForCausalLM,
+                 "phimoe": PhimoeForCausalLM}
 SEQ_LENS = [12, 20, 11]
 SCHEDULE = [[5, 9, 0], [4, 9, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks beside decodes, then decode-only steps."""
@@ -219,3 +221,21 @@ def test_exaone_moe_leaves_the_multi_token_prediction_block_unread() -> None:
     assert model.load_weights([("mtp.layers.0.input_layernorm.weight", extra)]) == set()
     with pytest.raises(ConfigError, match="model.mtp_head.weight"):
         model.load_weights([("model.mtp_head.weight", extra)])
+
+
+def test_phimoe_longrope_scales_by_its_short_mscale_within_the_original_length() -> None:
+    """Phi-3.5-MoE's LongRoPE: within ``original_max_position_embeddings`` (max_model_len 64) transformers rotates
+    with the short factors and scales cos and sin by ``short_mscale``; asyncllm the same."""
+    rope = {"rope_type": "longrope", "rope_theta": 10_000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], "long_factor": [2.0] * 8,
+            "short_mscale": 1.25, "long_mscale": 1.4}
+    path = tiny_checkpoint("phimoe", rope_parameters=rope)
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, max_model_len=64), hf_config, torch.device("cpu"), torch.float32)
+    spec = kv_cache_spec(hf_config, 1)
+    sequences = _sequences(7)
+    run = PagedRun(model, sequences, block_size=4)
+    run.new_kv_caches_for(spec, torch.float32)
+    _assert_match_transformers(path, sequences, run.run(SCHEDULE))
+    cache = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache
+    assert cache[0, 0].item() == pytest.approx(1.25)  # position 0: cos 1 times the short mscale
