@@ -15,7 +15,8 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
   (special tokens, kept in the reply's text by the server).
 - ``glm45`` (GLM-4.5 / 4.6 / 4.7): as ``qwen3``; ``minimax_m2`` (MiniMax-M2): as
   ``deepseek_r1``; ``seed_oss`` (Seed-OSS): as ``qwen3`` with ``<seed:think>`` and
-  ``</seed:think>``.
+  ``</seed:think>``; ``hunyuan_a13b`` (Hunyuan-A13B): as ``qwen3``, the answer's
+  ``<answer>`` ... ``</answer>`` tags dropped.
 - ``openai_gptoss`` (gpt-oss): harmony channels, not tags (harmony.py): the
   analysis channel is reasoning, the final channel (and commentary without a
   recipient, a preamble) the answer; a message with a recipient (a tool call)
@@ -27,6 +28,8 @@ tag.
 """
 
 from __future__ import annotations
+
+import re
 
 from asyncllm.errors import ConfigError
 from asyncllm.harmony import FINAL_START, HarmonyReasoningStream
@@ -144,6 +147,53 @@ class GptOssReasoningParser(ReasoningParser):
         return HarmonyReasoningStream()
 
 
+class WrappedAnswerStream(ReasoningStream):
+    """`ReasoningStream` whose answer is wrapped in ``<answer>`` ... ``</answer>`` (Hunyuan-A13B): the tags are not
+    content (the end tag's first characters held back until the next text shows whether they are one)."""
+
+    OPEN, CLOSE = "<answer>", "</answer>"
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)  # type: ignore[arg-type]
+        self._head = ""  # the answer's start, until it shows whether it opens the tag
+        self._tail = ""  # what may be the end tag's start
+        self._opened = False  # the open tag was just read
+        self._ending = False
+
+    def finish(self) -> tuple[str, str]:
+        self._ending = True
+        reasoning, content = super().finish()
+        return reasoning, content + self._unwrapped("")
+
+    def _answer(self, text: str) -> str:
+        return self._unwrapped(super()._answer(text))
+
+    def _unwrapped(self, text: str) -> str:
+        if self._head is not None:
+            self._head += text
+            if len(self._head) < len(self.OPEN) and self.OPEN.startswith(self._head) and not self._ending:
+                return ""
+            self._opened = self._head.startswith(self.OPEN)
+            text, self._head = self._head.removeprefix(self.OPEN), None
+        if self._opened:  # the newlines after the open tag are not content either
+            text = text.lstrip("\n")
+            self._opened = not text
+        text = re.sub("\n*" + re.escape(self.CLOSE), "", self._tail + text)  # the tag and the newlines before it
+        keep = 0 if self._ending else partial_tag_suffix(text, self.CLOSE)
+        keep = 0 if self._ending else keep + len(text[: len(text) - keep]) - len(text[: len(text) - keep].rstrip("\n"))
+        self._tail = text[len(text) - keep:]
+        return text[: len(text) - keep]
+
+
+class HunyuanA13BReasoningParser(ReasoningParser):
+    """Hunyuan-A13B: ``<think>...</think>`` opened by the reply, the answer in ``<answer>...</answer>``."""
+
+    opened_by_prompt = False
+
+    def stream(self) -> WrappedAnswerStream:
+        return WrappedAnswerStream(self.opened_by_prompt, self.start_tag, self.end_tag)
+
+
 class Glm45ReasoningParser(Qwen3ReasoningParser):
     """GLM-4.5 / 4.6 / 4.7: the reply opens ``<think>`` itself when it thinks (as Qwen3's)."""
 
@@ -162,7 +212,7 @@ class MiniMaxM2ReasoningParser(DeepSeekR1ReasoningParser):
 REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
     "deepseek_r1": DeepSeekR1ReasoningParser, "qwen3": Qwen3ReasoningParser, "openai_gptoss": GptOssReasoningParser,
     "mistral": MistralReasoningParser, "glm45": Glm45ReasoningParser, "seed_oss": SeedOssReasoningParser,
-    "minimax_m2": MiniMaxM2ReasoningParser,
+    "minimax_m2": MiniMaxM2ReasoningParser, "hunyuan_a13b": HunyuanA13BReasoningParser,
 }
 """Parser name (vLLM's ``--reasoning-parser`` names) -> parser."""
 

@@ -10,6 +10,8 @@
   ``</tool_call>``, each value typed by the request's tool schemas as ``qwen3_coder``'s (tool_call_xml.py);
 - ``minimax_m2`` (MiniMax-M2): ``<minimax:tool_call>`` blocks of one or more
   ``<invoke name="NAME"><parameter name="K">V</parameter></invoke>``, values typed as ``glm45``'s;
+- ``hunyuan_a13b`` (Hunyuan-A13B), ``jamba`` (Jamba 1.5+): ``<tool_calls>`` and a JSON list of
+  ``{"name": ..., "arguments": {...}}``, ``</tool_calls>``;
 - ``seed_oss`` (Seed-OSS): Qwen3-Coder's XML calls inside ``<seed:tool_call>`` ... ``</seed:tool_call>``.
 
 A block is read when its end tag comes; one that does not parse as a call is content, as in every other format.
@@ -28,7 +30,7 @@ from asyncllm.tool_call_streams import ReplyPart, TaggedBlockStream, ToolCallDel
 from asyncllm.tool_call_xml import XmlCallsStream, typed_value
 
 __all__ = ["BlockCall", "FORMATS", "SeedXmlStream", "WholeBlockStream", "block_stream", "deepseek_v3_call",
-           "deepseek_v31_call", "glm45_call", "kimi_k2_call", "minimax_m2_calls"]
+           "deepseek_v31_call", "glm45_call", "json_list_calls", "kimi_k2_call", "minimax_m2_calls"]
 
 BlockCall = tuple[str, str, str | None]
 """(name, arguments as JSON text, the call's id or None for a new one)."""
@@ -83,6 +85,23 @@ def glm45_call(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] |
     if body[end:].strip():
         return None
     return [(name, json.dumps(arguments, ensure_ascii=False), None)]
+
+
+def json_list_calls(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
+    """A JSON list of ``{"name": ..., "arguments": {...}}`` objects (Hunyuan-A13B's, Jamba's)."""
+    try:
+        values = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(values, list) or not values:
+        return None
+    calls = []
+    for value in values:
+        arguments = value.get("arguments", {}) if isinstance(value, dict) else None
+        if not isinstance(arguments, dict) or not isinstance(value.get("name"), str):
+            return None
+        calls.append((value["name"], json.dumps(arguments, ensure_ascii=False), None))
+    return calls
 
 
 def minimax_m2_calls(body: str, types: dict[str, dict[str, str]]) -> list[BlockCall] | None:
@@ -172,6 +191,8 @@ FORMATS: dict[str, tuple[str, str, Callable[[str, dict[str, dict[str, str]]], li
                 ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")),
     "glm45": ("<tool_call>", "</tool_call>", glm45_call, ()),
     "minimax_m2": ("<minimax:tool_call>", "</minimax:tool_call>", minimax_m2_calls, ()),
+    "hunyuan_a13b": ("<tool_calls>", "</tool_calls>", json_list_calls, ()),
+    "jamba": ("<tool_calls>", "</tool_calls>", json_list_calls, ()),
 }
 """Parser name -> (a call's opening tag, its closing tag, its reader, the markers around the calls)."""
 

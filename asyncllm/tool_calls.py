@@ -22,7 +22,8 @@ parsers are vLLM's names for the same formats (``--tool-call-parser``):
   ``<parameter=KEY>value</parameter>`` (Qwen3-Coder), the values typed by the
   request's tool schemas (tool_call_xml.py; `ToolParser.for_tools`); ``seed_oss``
   the same inside ``<seed:tool_call>`` blocks;
-- ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``glm45``, ``minimax_m2``: calls in blocks
+- ``deepseek_v3``, ``deepseek_v31``, ``kimi_k2``, ``glm45``, ``minimax_m2``, ``hunyuan_a13b``, ``jamba``: calls
+  in blocks
   between special tokens, each read whole at its end (tool_call_blocks.py).
 
 Each parser reads a whole reply (`ToolParser.parse`) or a stream of text
@@ -355,6 +356,18 @@ class MiniMaxM2ToolParser(BlockToolParser):
     name = "minimax_m2"
 
 
+class HunyuanA13BToolParser(BlockToolParser):
+    """Hunyuan-A13B: ``<tool_calls>[{"name": "f", "arguments": {...}}, ...]</tool_calls>``."""
+
+    name = "hunyuan_a13b"
+
+
+class JambaToolParser(BlockToolParser):
+    """Jamba 1.5+: ``<tool_calls>[{"name": "f", "arguments": {...}}, ...]</tool_calls>``."""
+
+    name = "jamba"
+
+
 class SeedOssToolParser(Qwen3CoderToolParser):
     """Seed-OSS: Qwen3-Coder's XML calls inside ``<seed:tool_call>`` blocks."""
 
@@ -374,9 +387,12 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "mistral": MistralToolParser, "openai": OpenAIToolParser, "qwen3_coder": Qwen3CoderToolParser,
     "granite": GraniteToolParser, "phi4_mini_json": Phi4MiniJsonToolParser, "deepseek_v3": DeepSeekV3ToolParser,
     "deepseek_v31": DeepSeekV31ToolParser, "kimi_k2": KimiK2ToolParser, "glm45": Glm45ToolParser,
-    "seed_oss": SeedOssToolParser, "minimax_m2": MiniMaxM2ToolParser,
+    "seed_oss": SeedOssToolParser, "minimax_m2": MiniMaxM2ToolParser, "hunyuan_a13b": HunyuanA13BToolParser,
+    "jamba": JambaToolParser, "qwen3_xml": Qwen3CoderToolParser, "llama4_pythonic": PythonicToolParser,
+    "llama4_json": Llama3JsonToolParser,
 }
-"""Parser name (vLLM's ``--tool-call-parser`` names) -> parser."""
+"""Parser name (vLLM's ``--tool-call-parser`` names) -> parser; ``qwen3_xml``, ``llama4_pythonic`` and
+``llama4_json`` are vLLM's other names for the ``qwen3_coder``, ``pythonic`` and ``llama3_json`` formats."""
 
 
 def check_parser_pair(parser: ToolParser | None, reasoning_parser: str | None) -> None:

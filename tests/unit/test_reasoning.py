@@ -91,3 +91,12 @@ def test_a_named_call_after_thoughts() -> None:
     more, finish = reply.finish("stop")
     message = merge_deltas(deltas + more, tools=True)
     assert message["reasoning"] == "Use f." and message["tool_calls"][0]["function"]["arguments"] == '{"x": 1}'
+
+
+def test_hunyuan_a13b_answer_tags_are_not_content() -> None:
+    reply = "<think>\nsum it\n</think>\n<answer>\nIt is 4.\n</answer>"
+    assert get_reasoning_parser("hunyuan_a13b").parse(reply) == ("\nsum it\n", "It is 4.")
+    assert all(_streamed("hunyuan_a13b", reply, seed) == ("\nsum it\n", "It is 4.") for seed in range(8))
+    assert get_reasoning_parser("hunyuan_a13b").parse("plain answer") == (None, "plain answer")
+    cut = "<think>x</think><answer>half </ans"  # cut short: the held-back characters are content
+    assert get_reasoning_parser("hunyuan_a13b").parse(cut) == ("x", "half </ans")

@@ -243,6 +243,10 @@ BLOCK_REPLIES = {
     "minimax_m2": ('Checking.\n<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris'
                    '</parameter>\n</invoke>\n<invoke name="add">\n<parameter name="a">1</parameter>\n'
                    '<parameter name="b">2</parameter>\n</invoke>\n</minimax:tool_call>'),
+    "hunyuan_a13b": ('Checking.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                     '{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_calls>'),
+    "jamba": ('Checking.\n<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+              '{"name": "add", "arguments": {"a": 1, "b": 2}}]</tool_calls>'),
     "seed_oss": ("Checking.\n<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
                  "</function>\n</seed:tool_call>\n<seed:tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n"
                  "<parameter=b>\n2\n</parameter>\n</function>\n</seed:tool_call>"),
@@ -283,7 +287,15 @@ def test_block_formats_whole_and_streamed(parser_name: str) -> None:
     ("kimi_k2", "x<|tool_call_begin|>f<|tool_call_argument_begin|>{}<|tool_call_end|>"),
     ("glm45", "x<tool_call>f\n<arg_key>a</arg_key>\n</tool_call>"),
     ("minimax_m2", 'x<minimax:tool_call><invoke name="f"><parameter name="a">1</invoke></minimax:tool_call>'),
+    ("hunyuan_a13b", 'x<tool_calls>[{"name": "f", "arguments": [1]}]</tool_calls>'),
+    ("jamba", "x<tool_calls>not json</tool_calls>"),
 ])
 def test_a_block_that_is_not_a_call_stays_content(parser_name: str, broken: str) -> None:
     parsed = get_tool_parser(parser_name).parse(broken)
     assert parsed.content == broken and parsed.tool_calls == []
+
+
+@pytest.mark.parametrize("alias, name", [("qwen3_xml", "qwen3_coder"), ("llama4_pythonic", "pythonic"),
+                                         ("llama4_json", "llama3_json")])
+def test_vllms_other_names_for_the_same_formats(alias: str, name: str) -> None:
+    assert type(get_tool_parser(alias)) is type(get_tool_parser(name))
