@@ -577,7 +577,8 @@ def _build_model(config: Any, seed: int) -> Any:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.ndim == 1 or name.endswith(("_proj_bias", "e_score_correction_bias")):
+            if param.ndim == 1 or name.endswith(("_proj_bias", "e_score_correction_bias", "q_norm.weight",
+                                                 "k_norm.weight")):  # Command R+'s per-head norms are 2-D
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=_INIT_STD)
         for name, buffer in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # routing corrections (zeros at init)

@@ -12,7 +12,8 @@ Llama's projections and gated SiLU MLP (asyncllm/models/llama.py) in Cohere's bl
 - Cohere2: three sliding-window layers to each full one (``layer_types``); only the sliding ones rotate (the
   full ones use no positions: `with_rope_only_in`).
 
-``use_qk_norm`` (Command R+: a LayerNorm per q and k head) is a `NotBuiltError`.
+``use_qk_norm`` (Command R+): each q and k head LayerNorm-ed (Cohere's, with a weight per head, `HeadLayerNorm`)
+before the rotary; its weights' columns reordered at load as the q/k rows are, each rank holding its heads'.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.errors import NotBuiltError
-from asyncllm.models.glm4 import InterleavedRotaryLoading
-from asyncllm.models.layers import RMSNorm, TensorParallel
+from asyncllm.models.glm4 import InterleavedRotaryLoading, interleaved_to_half
+from asyncllm.models.layers import (
+    LoadedWeight, RMSNorm, TensorParallel, copy_weight, head_dim_of, new_param, weight_narrow,
+)
 from asyncllm.models.llama import (
     DecoderBuild,
     DecoderFlags,
@@ -55,12 +57,49 @@ class CohereLayerNorm(RMSNorm):
         return out if residual is None else (out, x)
 
 
+class HeadLayerNorm(nn.Module):
+    """`CohereLayerNorm` over each head of ``[T, heads, head_dim]``, a weight per head (``[heads, head_dim]``):
+    this rank's ``heads`` from head ``start`` of the checkpoint's."""
+
+    def __init__(self, heads: int, start: int, head_dim: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.start, self.eps = start, eps
+        self.weight = new_param(heads, head_dim, dtype=dtype, loader=self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
+        copy_weight(param.data, weight_narrow(loaded, 0, self.start, param.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True)
+        normed = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
+
+
+class CohereAttention(LlamaAttention):
+    """Llama's attention with Command R+'s per-head q and k LayerNorms when ``use_qk_norm``."""
+
+    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
+        super().__init__(b, layer_idx)
+        cfg, qkv = b.hf_config, self.qkv_proj
+        self.use_qk_norm = bool(getattr(cfg, "use_qk_norm", False))
+        if self.use_qk_norm:
+            head_dim, eps = head_dim_of(cfg), cfg.layer_norm_eps
+            self.q_norm = HeadLayerNorm(qkv.num_heads, b.tp.rank * qkv.num_heads, head_dim, eps, b.dtype)
+            self.k_norm = HeadLayerNorm(qkv.num_kv_heads, qkv.kv_head_start, head_dim, eps, b.dtype)
+
+    def norm_qk(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.use_qk_norm:
+            return query, key
+        return self.q_norm(query), self.k_norm(key)
+
+
 class CohereDecoderLayer(nn.Module):
     def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
         super().__init__()
         cfg = b.hf_config
         self.input_layernorm = CohereLayerNorm(cfg.hidden_size, cfg.layer_norm_eps, b.dtype)
-        self.self_attn = LlamaAttention(b, layer_idx)
+        self.self_attn = CohereAttention(b, layer_idx)
         self.mlp = b.make_mlp(b, layer_idx)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
@@ -94,13 +133,18 @@ class CohereForCausalLM(InterleavedRotaryLoading, LlamaForCausalLM):
         return DecoderFlags(qkv_bias=bias, o_bias=bias)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        if getattr(hf_config, "use_qk_norm", False):
-            raise NotBuiltError("use_qk_norm", True, "Cohere's per-head q/k LayerNorm (Command R+)")
         hf_config = copy.copy(hf_config)
         hf_config.rms_norm_eps = hf_config.layer_norm_eps  # the final norm's eps, as LlamaModel builds it
         super().__init__(hf_config, **kwargs)
         self.reorder_rotary_rows(hf_config)
         self.logit_scale = float(getattr(hf_config, "logit_scale", None) or 1.0)
+
+    def _half_split(self, name: str, weight: LoadedWeight) -> LoadedWeight:
+        """The q/k rows reordered (`InterleavedRotaryLoading`), and the q/k norms' columns the same way."""
+        if ".q_norm." not in name and ".k_norm." not in name:
+            return super()._half_split(name, weight)
+        tensor = weight if isinstance(weight, torch.Tensor) else weight[:]
+        return interleaved_to_half(tensor.reshape(-1), self.head_dim, self.rotary_dim).reshape(tensor.shape)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """transformers' ``lm_head(hidden) * logit_scale`` (in the model dtype), then float32."""
