@@ -18,7 +18,7 @@ from torch import nn
 
 from asyncllm.models.ernie_seed_arcee import ArceeMLP
 from asyncllm.models.layers import num_kv_heads_of
-from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from asyncllm.models.starcoder2 import BiasLayerNorm
 
 __all__ = ["LayerNorm1P", "NemotronForCausalLM"]
@@ -55,11 +55,6 @@ class NemotronForCausalLM(LlamaForCausalLM):
     packed_modules: dict[str, list[tuple[str, object]]] = {
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
     }
-
-    @classmethod
-    def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
-        bias = bool(getattr(hf_config, "attention_bias", False))
-        return DecoderFlags(qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(hf_config, "mlp_bias", False)))
 
     @classmethod
     def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
