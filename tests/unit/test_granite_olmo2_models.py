@@ -109,10 +109,11 @@ def test_logits_match_transformers(arch: str) -> None:
                                              ("opt", {"do_layer_norm_before": False, "word_embed_proj_dim": 32}),
                                              ("falcon", {"new_decoder_architecture": False, "multi_query": True}),
                                              ("cohere", {"use_qk_norm": True}),
+                                             ("stablelm", {"use_parallel_residual": True, "qk_layernorm": True}),
                                              ("falcon", {"new_decoder_architecture": False, "multi_query": False,
                                                          "num_kv_heads": 4, "parallel_attn": False})])
 def test_the_other_residual_layout_matches_transformers(arch: str, overrides: dict) -> None:
-    """StableLM's parallel layers (stablelm-2-12b's layout), GPT-NeoX's sequential ones, GPTBigCode with a KV head
+    """StableLM's parallel layers, with its per-head q/k LayerNorms (stablelm-2-12b's layout), GPT-NeoX's sequential ones, GPTBigCode with a KV head
     per head (each head's q, k, v together in c_attn), OPT after opt-350m (post-norm layers, a narrower embedding
     projected in and out), Falcon-7B's multi-query parallel layers and the sequential Falcon layers, Command R+'s
     per-head q/k LayerNorms (their columns reordered with the interleaved rotary's rows)."""
@@ -151,7 +152,8 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
              tiny_checkpoint("phi"),  # Phi: the LM head's bias split by vocabulary
              tiny_checkpoint("falcon"),  # Falcon: each KV head's group cut from the fused q/k/v, one group a rank
              tiny_checkpoint("gpt_bigcode"),  # GPTBigCode: one KV head, replicated on both ranks
-             tiny_checkpoint("cohere", use_qk_norm=True)]  # Command R+: each rank its heads' q/k norms
+             tiny_checkpoint("cohere", use_qk_norm=True),  # Command R+: each rank its heads' q/k norms
+             tiny_checkpoint("stablelm", qk_layernorm=True)]  # stablelm-2-12b's: per-head norms stacked at load
     sequences = _sequences(2)
     mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
     for index, path in enumerate(paths):
