@@ -90,7 +90,7 @@ def prepare(config: EngineConfig) -> Prepared:
         if (multimodal or arch in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders: Llama, Mistral, "
                                                      "Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3, Gemma 4, Phi-3, Granite, "
-                                                     "OLMo 2, the attention of Mixtral, Qwen2-MoE, Qwen3-MoE; and "
+                                                     "OLMo 2, ERNIE 4.5, Command R, Helium, the attention of Mixtral, Qwen2-MoE, Qwen3-MoE; and "
                                                      "the decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5; "
                                                      "Gemma 3 / Gemma 4 image-text checkpoints as text: "
                                                      "limit_mm_per_prompt={'image': 0})")
@@ -131,12 +131,12 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM",
+_NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5_MoeForCausalLM",
             "ArceeForCausalLM", "ApertusForCausalLM", "GemmaForCausalLM",
-            "CohereForCausalLM", "Cohere2ForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
             "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM",
             "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
-            "Llama4ForConditionalGeneration", "ExaoneMoeForCausalLM", "HeliumForCausalLM", "VaultGemmaForCausalLM",
+            "Llama4ForConditionalGeneration", "ExaoneMoeForCausalLM", "VaultGemmaForCausalLM",
             "GraniteMoeSharedForCausalLM", "FlexOlmoForCausalLM", "PhiForCausalLM", "StableLmForCausalLM",
             "NemotronForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM",
             "GPTJForCausalLM", "FalconForCausalLM", "OlmoForCausalLM", "Jais2ForCausalLM", "YoutuForCausalLM",

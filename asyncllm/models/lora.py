@@ -16,6 +16,9 @@ Tensor parallel: a column-parallel projection keeps A whole and this rank's
 rows of B (the rows its weight keeps); a row-parallel one keeps this rank's
 columns of A and all of B, and adds its partial product before the all-reduce.
 
+A model whose rotary turns interleaved pairs reorders its q and k rows at load (`InterleavedRotaryLoading`): the
+rows of those projections' B are reordered the same way (ERNIE 4.5, Command R, Helium).
+
 Fused checkpoints (Phi-3: ``qkv_proj``, ``gate_up_proj``; the model's
 ``fused_parts``): their adapters hold one A and one B over the fused rows, as
 vLLM's packed modules. The projection then has one part (``width`` is
@@ -143,10 +146,11 @@ def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object
     tensors = load_file(adapter.weights_path, device="cpu")
     loaded = []
     also = getattr(model, "lora_also_parts", lambda param_name, part: ())
+    reordered = getattr(model, "_half_split", lambda name, weight: weight)  # interleaved rotaries' q/k rows
     for name, module in adapter.modules.items():
         param_name, part = model._packed(f"{name}.weight")
         lora_a = _tensor(tensors, module.key or name, "A")
-        lora_b = _tensor(tensors, module.key or name, "B")
+        lora_b = reordered(f"{name}.weight", _tensor(tensors, module.key or name, "B"))
         for each in (part, *also(param_name, part)):  # Gemma 4's global layers: the k adapter is the v's too
             loaded.append((param_name[: -len(".weight")], each, lora_a, lora_b, module.scaling))
     return loaded

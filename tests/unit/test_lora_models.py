@@ -1,4 +1,4 @@
-"""LoRA on Gemma 2, Gemma 3, Phi-3, Granite and OLMo 2 in process: every position's logits equal PEFT's (fp32, 1e-4), for a
+"""LoRA on Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2, ERNIE 4.5, Command R and Helium in process: every position's logits equal PEFT's (fp32, 1e-4), for a
 sequence with the adapter batched with one without it; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` adapters
 split per part over two tensor-parallel ranks; the host's check of fused and separate module names.
 Through the whole engine: tests/engine/test_lora_engine.py."""
@@ -33,6 +33,9 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     "phi3": dict(seed=23, rank=8, alpha=16, targets=PHI3_TARGETS, alpha_pattern={"qkv_proj": 32}),
     "granite": dict(seed=24, rank=8, alpha=16),  # Granite and OLMo 2 map as Llama: separate projections
     "olmo2": dict(seed=25, rank=4, alpha=8),
+    # interleaved rotaries: the q/k rows, and so their B rows, reordered at load
+    "ernie4_5": dict(seed=26, rank=4, alpha=8), "cohere": dict(seed=27, rank=8, alpha=16),
+    "helium": dict(seed=28, rank=4, alpha=8),
 }
 
 
