@@ -39,7 +39,7 @@ from asyncllm.models.llama import (
     with_rope_only_in,
 )
 
-__all__ = ["Cohere2ForCausalLM", "CohereForCausalLM", "CohereLayerNorm"]
+__all__ = ["Cohere2ForCausalLM", "CohereForCausalLM", "CohereLayerNorm", "HeadLayerNorm", "HeadNormAttention"]
 
 
 class CohereLayerNorm(RMSNorm):
@@ -76,22 +76,29 @@ class HeadLayerNorm(nn.Module):
         return (self.weight.float() * normed).to(x.dtype)
 
 
-class CohereAttention(LlamaAttention):
-    """Llama's attention with Command R+'s per-head q and k LayerNorms when ``use_qk_norm``."""
+class HeadNormAttention(LlamaAttention):
+    """Llama's attention with a `HeadLayerNorm` per q and k head, before the rotary, when the config's
+    ``norm_flag`` is set (Command R+'s ``use_qk_norm``; StableLM's ``qk_layernorm``, stablelm.py); the norms are
+    attributes ``norm_names`` (their checkpoint names)."""
+
+    norm_flag = "use_qk_norm"
+    norm_names = ("q_norm", "k_norm")
 
     def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
         super().__init__(b, layer_idx)
         cfg, qkv = b.hf_config, self.qkv_proj
-        self.use_qk_norm = bool(getattr(cfg, "use_qk_norm", False))
-        if self.use_qk_norm:
+        self.head_norms = bool(getattr(cfg, self.norm_flag, False))
+        if self.head_norms:
             head_dim, eps = head_dim_of(cfg), cfg.layer_norm_eps
-            self.q_norm = HeadLayerNorm(qkv.num_heads, b.tp.rank * qkv.num_heads, head_dim, eps, b.dtype)
-            self.k_norm = HeadLayerNorm(qkv.num_kv_heads, qkv.kv_head_start, head_dim, eps, b.dtype)
+            q_name, k_name = self.norm_names
+            setattr(self, q_name, HeadLayerNorm(qkv.num_heads, b.tp.rank * qkv.num_heads, head_dim, eps, b.dtype))
+            setattr(self, k_name, HeadLayerNorm(qkv.num_kv_heads, qkv.kv_head_start, head_dim, eps, b.dtype))
 
     def norm_qk(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.use_qk_norm:
+        if not self.head_norms:
             return query, key
-        return self.q_norm(query), self.k_norm(key)
+        q_name, k_name = self.norm_names
+        return getattr(self, q_name)(query), getattr(self, k_name)(key)
 
 
 class CohereDecoderLayer(nn.Module):
@@ -99,7 +106,7 @@ class CohereDecoderLayer(nn.Module):
         super().__init__()
         cfg = b.hf_config
         self.input_layernorm = CohereLayerNorm(cfg.hidden_size, cfg.layer_norm_eps, b.dtype)
-        self.self_attn = CohereAttention(b, layer_idx)
+        self.self_attn = HeadNormAttention(b, layer_idx)
         self.mlp = b.make_mlp(b, layer_idx)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,

@@ -58,12 +58,12 @@ class FalconTwoNormLayer(ParallelResidualLayer):
 class FalconModel(LlamaModel):
     norm_cls = BiasLayerNorm
 
-    def __init__(self, b: DecoderBuild) -> None:
-        cfg = b.hf_config
-        two = cfg.new_decoder_architecture and (getattr(cfg, "num_ln_in_parallel_attn", None) or 2) == 2
-        parallel = cfg.parallel_attn or cfg.new_decoder_architecture
-        self.layer_cls = (FalconTwoNormLayer if two else FalconOneNormLayer) if parallel else Starcoder2DecoderLayer
-        super().__init__(b)
+    @classmethod
+    def layer_class(cls, hf_config: Any) -> type[nn.Module]:
+        two = hf_config.new_decoder_architecture and (getattr(hf_config, "num_ln_in_parallel_attn", None) or 2) == 2
+        if not (hf_config.parallel_attn or hf_config.new_decoder_architecture):
+            return Starcoder2DecoderLayer
+        return FalconTwoNormLayer if two else FalconOneNormLayer
 
 
 class FalconForCausalLM(LlamaForCausalLM):

@@ -50,10 +50,9 @@ class NeoXSequentialLayer(NeoXParallelLayer):
 class GPTNeoXModel(LlamaModel):
     norm_cls = BiasLayerNorm
 
-    def __init__(self, b: DecoderBuild) -> None:
-        parallel = bool(getattr(b.hf_config, "use_parallel_residual", True))
-        self.layer_cls = NeoXParallelLayer if parallel else NeoXSequentialLayer
-        super().__init__(b)
+    @classmethod
+    def layer_class(cls, hf_config: Any) -> type[nn.Module]:
+        return NeoXParallelLayer if getattr(hf_config, "use_parallel_residual", True) else NeoXSequentialLayer
 
 
 class GPTNeoXForCausalLM(LlamaForCausalLM):

@@ -223,6 +223,12 @@ class LlamaModel(nn.Module):
     layer_cls: type[nn.Module] = LlamaDecoderLayer
     norm_cls: type[nn.Module] = RMSNorm
 
+    @classmethod
+    def layer_class(cls, hf_config: Any) -> type[nn.Module]:
+        """The layers' class: ``layer_cls``, or one a config flag picks (GPT-NeoX's, StableLM's parallel
+        residual; Falcon's and OPT's layer shapes)."""
+        return cls.layer_cls
+
     def __init__(self, b: DecoderBuild) -> None:
         super().__init__()
         cfg, stage = b.hf_config, b.pipeline  # a pipeline stage: placeholders for the parts other stages hold
@@ -230,7 +236,8 @@ class LlamaModel(nn.Module):
         last = stage is None or stage.is_last
         self.embed_tokens = (self.embedding_cls(cfg.vocab_size, cfg.hidden_size, b.tp, b.dtype) if embeds
                              else PPMissingLayer())
-        self.layers = nn.ModuleList(self.layer_cls(b, i) if stage is None or stage.owns_layer(i) else PPMissingLayer()
+        layer_cls = self.layer_class(cfg)
+        self.layers = nn.ModuleList(layer_cls(b, i) if stage is None or stage.owns_layer(i) else PPMissingLayer()
                                     for i in range(cfg.num_hidden_layers))
         self.norm = (self.norm_cls(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops) if last
                      else PPMissingLayer())

@@ -74,12 +74,14 @@ class OPTModel(LearnedPositionModel):
     position_offset = 2
     norm_cls = BiasLayerNorm
 
+    @classmethod
+    def layer_class(cls, hf_config: Any) -> type[nn.Module]:
+        return OPTPreNormLayer if hf_config.do_layer_norm_before else OPTPostNormLayer
+
     def __init__(self, b: DecoderBuild) -> None:
-        cfg = b.hf_config
-        pre_norm = bool(cfg.do_layer_norm_before)
-        self.layer_cls = OPTPreNormLayer if pre_norm else OPTPostNormLayer
         super().__init__(b)
-        if not pre_norm or getattr(cfg, "_remove_final_layer_norm", False):
+        cfg = b.hf_config
+        if not cfg.do_layer_norm_before or getattr(cfg, "_remove_final_layer_norm", False):
             self.norm = None
         width = cfg.word_embed_proj_dim
         self.project_in = self.project_out = None

@@ -16,10 +16,11 @@ import re
 from typing import Any, Iterable, Iterator
 
 import torch
+from torch import nn
 
-from asyncllm.models.cohere import HeadLayerNorm
-from asyncllm.models.layers import LoadedWeight, head_dim_of
-from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaAttention, LlamaForCausalLM, LlamaModel
+from asyncllm.models.cohere import HeadNormAttention
+from asyncllm.models.layers import LoadedWeight
+from asyncllm.models.llama import DecoderFlags, LlamaForCausalLM, LlamaModel
 from asyncllm.models.parallel_residual import ParallelResidualLayer
 from asyncllm.models.starcoder2 import BiasLayerNorm, Starcoder2DecoderLayer
 
@@ -29,22 +30,11 @@ __all__ = ["StableLmForCausalLM"]
 _HEAD_NORM = re.compile(r"^(.*\.self_attn\.[qk]_layernorm)\.norms\.(\d+)\.weight$")
 
 
-class StableLmAttention(LlamaAttention):
-    """Llama's attention with a LayerNorm per q and k head when ``qk_layernorm``."""
+class StableLmAttention(HeadNormAttention):
+    """Command R+'s per-head norms under StableLM's flag and names."""
 
-    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
-        super().__init__(b, layer_idx)
-        cfg, qkv = b.hf_config, self.qkv_proj
-        self.qk_layernorm = bool(getattr(cfg, "qk_layernorm", False))
-        if self.qk_layernorm:
-            head_dim, eps = head_dim_of(cfg), cfg.layer_norm_eps
-            self.q_layernorm = HeadLayerNorm(qkv.num_heads, b.tp.rank * qkv.num_heads, head_dim, eps, b.dtype)
-            self.k_layernorm = HeadLayerNorm(qkv.num_kv_heads, qkv.kv_head_start, head_dim, eps, b.dtype)
-
-    def norm_qk(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.qk_layernorm:
-            return query, key
-        return self.q_layernorm(query), self.k_layernorm(key)
+    norm_flag = "qk_layernorm"
+    norm_names = ("q_layernorm", "k_layernorm")
 
 
 class StableLmParallelLayer(ParallelResidualLayer):
@@ -59,10 +49,9 @@ class StableLmSequentialLayer(Starcoder2DecoderLayer):
 class StableLmModel(LlamaModel):
     norm_cls = BiasLayerNorm
 
-    def __init__(self, b: DecoderBuild) -> None:
-        parallel = bool(getattr(b.hf_config, "use_parallel_residual", False))
-        self.layer_cls = StableLmParallelLayer if parallel else StableLmSequentialLayer
-        super().__init__(b)
+    @classmethod
+    def layer_class(cls, hf_config: Any) -> type[nn.Module]:
+        return StableLmParallelLayer if getattr(hf_config, "use_parallel_residual", False) else StableLmSequentialLayer
 
 
 class StableLmForCausalLM(LlamaForCausalLM):
