@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
     """False for a bare decoder's checkpoint (``LlamaModel`` & co.: names without ``model.``, no ``lm_head``):
     its LM head stays zero, and the host refuses generation (`headless`)."""
     lm_head_bias = False
-    """Whether the LM head has a bias (Phi's)."""
+    """Whether the LM head has a bias (Phi's; `has_lm_head_bias` where the config says)."""
     model_cls: type[LlamaModel] = LlamaModel
     """The decoder stack (embeddings, layers, final norm) under ``model.``."""
 
@@ -276,6 +276,11 @@ class LlamaForCausalLM(nn.Module):
         "qkv_proj": [("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")],
         "gate_up_proj": [("gate_proj", 0), ("up_proj", 1)],
     }
+
+    @classmethod
+    def has_lm_head_bias(cls, hf_config: Any) -> bool:
+        """Whether the LM head has a bias: ``lm_head_bias`` (Phi-3.5-MoE: its config's)."""
+        return cls.lm_head_bias
 
     @classmethod
     def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
@@ -321,7 +326,7 @@ class LlamaForCausalLM(nn.Module):
             return
         tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tp, dtype, tied_to,
-                                      bias=self.lm_head_bias)
+                                      bias=self.has_lm_head_bias(hf_config))
         if not self.has_lm_head and tied_to is None:
             nn.init.zeros_(self.lm_head.weight)  # never loaded: finite logits for the embedding path's dropped token
 

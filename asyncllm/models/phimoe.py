@@ -20,12 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncllm.kernels import reference
 from asyncllm.models.layers import head_dim_of
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaModel
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.moe import MoESpec, SparseMoeBlock
-from asyncllm.models.rotary import RotaryEmbedding, compute_inv_freq, fix_longrope_factors, rope_parameters
+from asyncllm.models.rotary import RotaryEmbedding, fix_longrope_factors, rope_parameters
 from asyncllm.models.starcoder2 import BiasLayerNorm, Starcoder2DecoderLayer
 
 __all__ = ["PhimoeForCausalLM", "sparsemixer"]
@@ -95,13 +94,11 @@ class PhimoeForCausalLM(MixtralForCausalLM):
             raise NotBuiltError("num_experts_per_tok", hf_config.num_experts_per_tok, "Phi-3.5-MoE's top 2")
         config = fix_longrope_factors(copy.copy(hf_config), max_model_len or max_position)
         config.phimoe_long = (max_model_len or max_position) > _original_length(hf_config)
-        self._lm_head_bias = bool(getattr(hf_config, "lm_head_bias", False))
         super().__init__(config, max_position=max_position, **kwargs)
 
-    @property
-    def lm_head_bias(self) -> bool:  # type: ignore[override]
-        """The checkpoint's ``lm_head_bias``."""
-        return self._lm_head_bias
+    @classmethod
+    def has_lm_head_bias(cls, hf_config: Any) -> bool:
+        return bool(getattr(hf_config, "lm_head_bias", False))
 
 
 def _original_length(hf_config: Any) -> int:
@@ -112,9 +109,5 @@ def _original_length(hf_config: Any) -> int:
 
 def _mscaled_rotary(hf_config: Any, params: dict[str, Any], max_position: int) -> RotaryEmbedding:
     """The rope with transformers' Phimoe scale: ``long_mscale`` past the original length, else ``short_mscale``."""
-    rotary = RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position)
-    inv_freq, _ = compute_inv_freq(hf_config, head_dim_of(hf_config))
     scale = params["long_mscale"] if getattr(hf_config, "phimoe_long", False) else params["short_mscale"]
-    rotary.cos_sin_cache = reference.build_cos_sin_cache(inv_freq.to(rotary.cos_sin_cache.device), float(scale),
-                                                         max_position)
-    return rotary
+    return RotaryEmbedding(hf_config, head_dim_of(hf_config), max_position, scaling=float(scale))

@@ -133,9 +133,12 @@ def _divided_by_freq_factors(hf_config: Any, inv_freq: torch.Tensor, rope_type: 
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by their positions from a precomputed float32 cos/sin table."""
 
-    def __init__(self, hf_config: Any, head_dim: int, max_position: int, layer_type: str | None = None) -> None:
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int, layer_type: str | None = None,
+                 scaling: float | None = None) -> None:
+        """``scaling``: cos and sin's factor in place of the rope's own attention scaling (Phi-3.5-MoE's mscale)."""
         super().__init__()
         inv_freq, attention_scaling = compute_inv_freq(hf_config, head_dim, layer_type)
+        attention_scaling = attention_scaling if scaling is None else scaling
         self.head_dim = head_dim
         self.rotary_dim = 2 * inv_freq.numel()
         self.max_position = max_position
