@@ -6,9 +6,8 @@ adding them, so the two outputs join the stream in the order transformers adds t
 
 from __future__ import annotations
 
-from torch import nn
-
 import torch
+from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.llama import DecoderBuild, LlamaAttention
