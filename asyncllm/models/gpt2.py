@@ -6,6 +6,9 @@ the identity rotary, exact), pre-LayerNorm layers with biases (StarCoder2's: asy
 MLP and an LM head tied to the embeddings. GPT-2 stores its projections as ``Conv1D`` (``[in, out]``: transposed at
 load) and its q, k, v as one ``c_attn`` (q rows, then k, then v); GPTBigCode stores ``nn.Linear`` and, with
 ``multi_query``, one KV head after the queries (multi-query attention), else each head's q, k, v together.
+Their flags for a float32 softmax (``reorder_and_upcast_attn``, ``attention_softmax_in_fp32``) are not read: the
+attention backends' softmax is float32 always (the triton kernels' scores too; the torch backend's scores are in the
+model dtype, as transformers' default), so in bfloat16 they may round the scores differently.
 """
 
 from __future__ import annotations
