@@ -231,8 +231,9 @@ class SchedulerConfig:
     """Admission control: reject new requests with EngineOverloadedError while this many wait; None = no limit."""
     speculative_config: dict | None = None
     """Speculative decoding as vLLM's dict: ``{"method": "ngram", "num_speculative_tokens": 4,
-    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``, or a draft model: ``{"model": "path/or/hub-id",
-    "num_speculative_tokens": 5}`` (docs/speculative.md). Steps then run
+    "prompt_lookup_max": 4, "prompt_lookup_min": 2}``, a draft model: ``{"model": "path/or/hub-id",
+    "num_speculative_tokens": 5}``, or an EAGLE head: ``{"method": "eagle3", "model": "head/path-or-id",
+    "num_speculative_tokens": 3}`` (docs/speculative.md). Steps then run
     synchronously (async_scheduling does not apply); None: off."""
     max_num_queued_tokens: int | None = None
     """Admission control: reject new requests with EngineOverloadedError when the waiting prompts' tokens would exceed this; None = no limit."""

@@ -207,6 +207,8 @@ def capture_decode_graphs(runner: ModelRunner) -> CudaGraphRunner | None:
     reason = graphs_off_reason(runner.config, runner.device, attention_backend_name(model), runner.tp_size)
     if reason is None and getattr(model, "keeps_request_states", False):
         reason = "the model keeps per-request linear-attention states (capturing them is not built)"
+    if reason is None and getattr(runner.drafter, "reads_layers", False):
+        reason = "an EAGLE-3 head reads the decoder's layer inputs of every step (capturing them is not built)"
     if reason is not None:
         if runner.device.type == "cuda":
             logger.info("CUDA graphs off: %s", reason)

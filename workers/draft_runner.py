@@ -40,7 +40,7 @@ from asyncllm.models.registry import KVCacheSpec, kv_cache_spec
 from asyncllm.spec.config import SpeculativeConfig
 from asyncllm.spec.ngram import can_speculate
 from asyncllm.workers.block_table import BlockTable
-from asyncllm.workers.input_batch import RequestState, StepInputs
+from asyncllm.workers.input_batch import InputBatch, RequestState, StepInputs
 
 __all__ = ["DraftModelRunner"]
 
@@ -95,26 +95,34 @@ class DraftModelRunner:
         return self.kv_caches
 
     @torch.inference_mode()
-    def step(self, inputs: StepInputs, sampled: list[RequestState], block_table: BlockTable) -> dict[str, list[int]]:
-        """Run the draft over the step's tokens, then propose for the ``sampled`` requests (after verification)."""
+    def step(self, inputs: StepInputs, sampled: list[RequestState], batch: InputBatch,
+             hidden: torch.Tensor) -> dict[str, list[int]]:
+        """Run the draft over the step's tokens, then propose for the ``sampled`` requests (after verification).
+        ``hidden``: the target's output of the step (what an EAGLE head reads; a draft model needs none)."""
         self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
-        proposing = [s for s in sampled if can_speculate(s.params)
-                     and s.num_computed_tokens == s.num_tokens - 1 and s.num_tokens - 1 + self.k <= self.max_len]
+        proposing = self.proposing(sampled)
         if not proposing:
             return {}
-        drafts = self._propose(proposing, block_table).tolist()
+        ids = torch.tensor([s.token_ids[-1] for s in proposing], dtype=torch.int64, device=self.device)
+        drafts = self._chain(proposing, batch.block_table, ids, None, self.k).tolist()
         return {state.req_id: row for state, row in zip(proposing, drafts)}
 
-    def _propose(self, states: list[RequestState], block_table: BlockTable) -> torch.Tensor:
-        """k greedy tokens after each request's last token: ``[len(states), k]``."""
+    def proposing(self, sampled: list[RequestState]) -> list[RequestState]:
+        """The requests that sampled and get drafts: those that may be drafted, with room for ``k`` more tokens."""
+        return [s for s in sampled if can_speculate(s.params)
+                and s.num_computed_tokens == s.num_tokens - 1 and s.num_tokens - 1 + self.k <= self.max_len]
+
+    def _chain(self, states: list[RequestState], block_table: BlockTable, ids: torch.Tensor,
+               hidden: torch.Tensor | None, passes: int) -> torch.Tensor:
+        """``passes`` single-token greedy passes from ``ids`` at each request's last token's position (``hidden``:
+        what an EAGLE head carries from pass to pass): the proposals, ``[len(states), passes]``."""
         num_reqs, device = len(states), self.device
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, num_reqs)  # the last token's position
         tables = self._block_tables(states, block_table)
         gpu_tables = torch.from_numpy(tables).to(device)
         query_start_loc = torch.arange(num_reqs + 1, dtype=torch.int32, device=device)
-        ids = torch.tensor([s.token_ids[-1] for s in states], dtype=torch.int64, device=device)
         proposed = []
-        for p in range(self.k):
+        for p in range(passes):
             positions = starts + p
             slots = tables[np.arange(num_reqs), positions // self.block_size].astype(np.int64) * self.block_size
             meta = AttentionMetadata(
@@ -126,10 +134,15 @@ class DraftModelRunner:
                 seq_lens_cpu=(positions + 1).tolist(),
                 block_size=self.block_size,
             )
-            hidden = self.model(ids, torch.from_numpy(positions).to(device), self.kv_caches, meta)
-            ids = self.model.compute_logits(hidden).argmax(dim=-1)
+            ids, hidden = self.one_pass(ids, torch.from_numpy(positions).to(device), meta, hidden)
             proposed.append(ids)
         return torch.stack(proposed, dim=1).cpu()
+
+    def one_pass(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per request: (the greedy next ids, what the next pass carries)."""
+        out = self.model(ids, positions, self.kv_caches, meta)
+        return self.model.compute_logits(out).argmax(dim=-1), None
 
     def _block_tables(self, states: list[RequestState], block_table: BlockTable) -> np.ndarray:
         """Each request's blocks, then its scratch blocks (where its proposals pass its allocated blocks)."""

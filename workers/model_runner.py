@@ -30,6 +30,7 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.structured.bitmask import apply_grammar_bitmask
 from asyncllm.workers.cuda_graphs import CudaGraphRunner, attention_backend_name, capture_decode_graphs
 from asyncllm.workers.draft_runner import DraftModelRunner
+from asyncllm.workers.eagle_runner import EagleRunner
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
@@ -89,7 +90,8 @@ class ModelRunner:
         self.lora_runner: LoRARunner | None = None
         """Adapter slots and each request's adapter (enable_lora only; workers/lora_runner.py)."""
         self.drafter: DraftModelRunner | None = None
-        """The draft model (speculative decoding with a draft model only; workers/draft_runner.py)."""
+        """The draft model or EAGLE head (speculative decoding with one; workers/draft_runner.py,
+        workers/eagle_runner.py)."""
 
     # ------------------------------------------------------------ setup
     def load_model(self) -> None:
@@ -103,9 +105,12 @@ class ModelRunner:
         self.attach_model(model, kv_cache_spec(hf_config, self.tp_size), dtype)
         self.hf_config = hf_config
         spec = self.config.scheduler_config.speculative
-        if spec is not None and spec.uses_draft_model:
-            self.drafter = DraftModelRunner(self.config, spec, self.device)
+        if spec is not None and spec.uses_draft_model:  # a draft model, or an EAGLE head reading the target
+            self.drafter = (EagleRunner if spec.method in ("eagle", "eagle3") else DraftModelRunner)(
+                self.config, spec, self.device)
             self.drafter.load_model(dtype, self.kv_cache_dtype, self.rank, self.tp_size)  # type: ignore[arg-type]
+            if isinstance(self.drafter, EagleRunner):
+                self.drafter.share_target(model)
 
     def attach_model(self, model: Any, kv_spec: KVCacheSpec, dtype: torch.dtype) -> None:
         """Use an already built model (`load_model` ends here; tests pass their own)."""
@@ -296,15 +301,15 @@ class ModelRunner:
         output.failed_requests = failed
         output.embeddings = embeddings
         if self.drafter is not None:  # the draft's KV of this step's tokens, and the next step's drafts
-            output.draft_token_ids = self._propose_drafts(inputs, failed)
+            output.draft_token_ids = self._propose_drafts(inputs, failed, hidden)
         return output
 
-    def _propose_drafts(self, inputs: StepInputs, failed: dict[str, str]) -> dict[str, list[int]]:
+    def _propose_drafts(self, inputs: StepInputs, failed: dict[str, str], hidden: torch.Tensor) -> dict[str, list[int]]:
         assert self.drafter is not None
         batch, req_ids = self.input_batch, inputs.req_ids
         sampled = [batch.requests[req_ids[i]] for i in inputs.sample_indices
                    if req_ids[i] not in failed and req_ids[i] not in self.pooler.requests]
-        return self.drafter.step(inputs, sampled, batch.block_table)
+        return self.drafter.step(inputs, sampled, batch, hidden)
 
     def _may_defer(self, sched_out: SchedulerOutput, sampler_out: SamplerOutput) -> bool:
         """No logprobs, grammar, images or drafts, and no prompt logprobs row (one computed this step is still in the set)."""

@@ -222,6 +222,9 @@ class LlamaModel(nn.Module):
     embedding_cls: type[VocabParallelEmbedding] = VocabParallelEmbedding
     layer_cls: type[nn.Module] = LlamaDecoderLayer
     norm_cls: type[nn.Module] = RMSNorm
+    aux_layers: tuple[int, ...] = ()
+    """Layers whose inputs each forward keeps in ``aux_hidden`` (by layer index; an EAGLE-3 head reads them:
+    workers/eagle_runner.py); none by default."""
 
     @classmethod
     def layer_class(cls, hf_config: Any) -> type[nn.Module]:
@@ -252,7 +255,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        if self.aux_layers:
+            self.aux_hidden: dict[int, torch.Tensor] = {}
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            if i in self.aux_layers:  # the residual stream entering layer i
+                self.aux_hidden[i] = hidden.clone() if residual is None else hidden + residual  # not updated in place
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden

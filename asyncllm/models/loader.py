@@ -73,18 +73,20 @@ def load_model(
     tp_rank: int = 0,
     tp_size: int = 1,
     pipeline: PipelineStage | None = None,
+    model_cls: type | None = None,
 ) -> CausalLM:
     """Build ``hf_config``'s model on ``device`` for rank ``tp_rank`` and fill its weights.
 
     With ``tp_size > 1`` the torch.distributed default group (or ``pipeline``'s TP group) must already span
-    the ``tp_size`` ranks. ``pipeline``: only that stage's parts (asyncllm/models/pipeline.py). The model is
-    returned in eval mode; call it under ``torch.inference_mode()``.
+    the ``tp_size`` ranks. ``pipeline``: only that stage's parts (asyncllm/models/pipeline.py). ``model_cls``:
+    this class rather than the one the config's architecture names (an EAGLE head: asyncllm/models/eagle.py).
+    The model is returned in eval mode; call it under ``torch.inference_mode()``.
     """
     prequantized = prequantized_config(hf_config, config.model, config.quantization)
     fp8_checkpoint = prequantized if isinstance(prequantized, Fp8CheckpointConfig) else None
     check_tensor_parallel(hf_config, tp_size, config.enable_expert_parallel)
     _tensor_parallel(tp_rank, tp_size, pipeline).check_group()
-    model = build_model(config, hf_config, device, dtype, tp_rank, tp_size, pipeline=pipeline)
+    model = build_model(config, hf_config, device, dtype, tp_rank, tp_size, pipeline=pipeline, model_cls=model_cls)
     if fp8_checkpoint is not None:  # a pre-quantized fp8 checkpoint: asyncllm/models/fp8_checkpoint.py
         _fill_fp8_weights(model, config, fp8_checkpoint)
     elif isinstance(prequantized, GgufCheckpointConfig) and config.load_format != "dummy":
@@ -116,10 +118,11 @@ def load_model(
 
 def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtype: torch.dtype, tp_rank: int = 0,
                 tp_size: int = 1, tensor_device: torch.device | None = None,
-                pipeline: PipelineStage | None = None) -> CausalLM:
-    """``hf_config``'s model for rank ``tp_rank``, its parameters uninitialised on ``tensor_device`` (default
-    ``device``; workers/weight_update.py builds one whose parameters are on the meta device)."""
-    model_cls = get_model_class(hf_config, config.multimodal_config.limit_mm_per_prompt)
+                pipeline: PipelineStage | None = None, model_cls: type | None = None) -> CausalLM:
+    """``hf_config``'s model (or ``model_cls``) for rank ``tp_rank``, its parameters uninitialised on
+    ``tensor_device`` (default ``device``; workers/weight_update.py builds one whose parameters are on the meta
+    device)."""
+    model_cls = model_cls or get_model_class(hf_config, config.multimodal_config.limit_mm_per_prompt)
     max_position = max(getattr(text_config_of(hf_config), "max_position_embeddings", 0) or 0,  # Mamba: none
                        config.max_model_len or 0, 1)
     # a model whose encoder can be replicated is told how to spread it (docs/multimodal.md), an MoE model

@@ -1,11 +1,13 @@
 """`SpeculativeConfig`: the ``speculative_config`` dict, read as vLLM reads it.
 
-Two methods are built: ``ngram`` (prompt lookup: drafts copied from an
-earlier place in the request's own tokens, proposed by the core) and
+Four methods are built: ``ngram`` (prompt lookup: drafts copied from an
+earlier place in the request's own tokens, proposed by the core),
 ``draft_model`` (a small model sharing the target's vocabulary runs in the
 workers and proposes its greedy continuation; a ``model`` key without a
-method means it, as in vLLM). Every other vLLM method is a `NotBuiltError`
-naming it; an unknown key is a `ConfigError`, never ignored.
+method means it, as in vLLM), and ``eagle`` / ``eagle3`` (an EAGLE head
+reading the target's hidden states: asyncllm/models/eagle.py). Every other
+vLLM method is a `NotBuiltError` naming it; an unknown key is a
+`ConfigError`, never ignored.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ _FIELD = "speculative_config"
 _NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 _DRAFT_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "max_model_len",
                "quantization", "revision")
-_MODEL_METHODS = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+_HEAD_METHODS = ("draft_model", "eagle", "eagle3")
+"""Methods whose drafts come from a network in the workers (a ``model`` key)."""
+_MODEL_METHODS = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 _DEFAULT_LOOKUP = 5
 """vLLM's n-gram size when neither prompt_lookup_min nor prompt_lookup_max is given."""
 
@@ -37,9 +41,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _DEFAULT_LOOKUP
     """ngram: longest such suffix: the longest one that matches decides the drafts."""
     method: str = "ngram"
-    """``ngram`` or ``draft_model``."""
+    """``ngram``, ``draft_model``, ``eagle`` or ``eagle3``."""
     model: str | None = None
-    """draft_model: the draft checkpoint (local folder or hub id; the host resolves it to a folder)."""
+    """draft_model / eagle / eagle3: the draft checkpoint (local folder or hub id; the host resolves it to a
+    folder)."""
     revision: str | None = None
     """draft_model: the draft checkpoint's hub revision."""
     max_model_len: int | None = None
@@ -52,7 +57,8 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        return self.method == "draft_model"
+        """Whether a network in the workers drafts: a draft model or an EAGLE head."""
+        return self.method in _HEAD_METHODS
 
     @classmethod
     def from_dict(cls, value: Any) -> "SpeculativeConfig":
@@ -64,11 +70,11 @@ class SpeculativeConfig:
         if method is None and value.get("model") is not None:
             method = "draft_model"  # vLLM: a model without a method is a draft model
         if method in _MODEL_METHODS:
-            raise NotBuiltError(_FIELD, value, f"speculative decoding with method={method!r} (only 'ngram' and "
-                                               "'draft_model')")
-        if method not in ("ngram", "draft_model"):
-            raise ConfigError(_FIELD, value, "method='ngram', or method='draft_model' with a 'model' (a draft "
-                                             "checkpoint sharing the target's vocabulary)")
+            raise NotBuiltError(_FIELD, value, f"speculative decoding with method={method!r} (only 'ngram', "
+                                               "'draft_model', 'eagle' and 'eagle3')")
+        if method != "ngram" and method not in _HEAD_METHODS:
+            raise ConfigError(_FIELD, value, "method='ngram', or method='draft_model' / 'eagle' / 'eagle3' with a "
+                                             "'model' (a draft checkpoint sharing the target's vocabulary)")
         keys = _NGRAM_KEYS if method == "ngram" else _DRAFT_KEYS
         unknown = sorted(set(value) - set(keys))
         if unknown:
@@ -76,8 +82,8 @@ class SpeculativeConfig:
                                              f"(unknown: {', '.join(unknown)})")
         num = value.get("num_speculative_tokens")
         _check_int(value, "num_speculative_tokens", num, 64, "(num_speculative_tokens is required)")
-        if method == "draft_model":
-            return _draft_model_config(value, num)
+        if method in _HEAD_METHODS:
+            return _draft_model_config(value, num, method)
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo = hi = _DEFAULT_LOOKUP
@@ -90,21 +96,22 @@ class SpeculativeConfig:
         return cls(num, lo, hi)
 
 
-def _draft_model_config(value: dict, num: int) -> SpeculativeConfig:
+def _draft_model_config(value: dict, num: int, method: str) -> SpeculativeConfig:
     model, revision, quantization = value.get("model"), value.get("revision"), value.get("quantization")
     if not isinstance(model, str) or not model:
-        raise ConfigError(_FIELD, value, "method='draft_model' with 'model': the draft checkpoint's folder or hub id")
+        raise ConfigError(_FIELD, value, f"method={method!r} with 'model': the draft checkpoint's folder or hub id")
     for key, item in (("revision", revision), ("quantization", quantization)):
         if item is not None and not isinstance(item, str):
             raise ConfigError(_FIELD, value, f"{key} a string or None")
-    if quantization not in (None, "fp8"):
-        raise NotBuiltError(_FIELD, value, f"a draft model with quantization={quantization!r} (None or 'fp8')")
+    if quantization not in (None, "fp8") or (quantization is not None and method != "draft_model"):
+        allowed = "None or 'fp8'" if method == "draft_model" else "None"
+        raise NotBuiltError(_FIELD, value, f"a {method} draft with quantization={quantization!r} ({allowed})")
     max_len, draft_tp = value.get("max_model_len"), value.get("draft_tensor_parallel_size")
     if max_len is not None:
         _check_int(value, "max_model_len", max_len, 2**31)
     if draft_tp is not None:
         _check_int(value, "draft_tensor_parallel_size", draft_tp, 64)
-    return SpeculativeConfig(num, method="draft_model", model=model, revision=revision, max_model_len=max_len,
+    return SpeculativeConfig(num, method=method, model=model, revision=revision, max_model_len=max_len,
                              quantization=quantization, draft_tensor_parallel_size=draft_tp)
 
 

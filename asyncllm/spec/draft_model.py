@@ -57,8 +57,9 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
                                                f"tensor_parallel_size={tensor_parallel_size}")
     path = resolve_model_path(spec.model, spec.revision)  # type: ignore[arg-type]
     draft_config = load_hf_config(path)
-    arch = architecture_of(draft_config)
-    if arch not in TEXT_ARCHITECTURES:
+    if spec.method != "draft_model":
+        _check_eagle_head(spec_dict, spec.method, draft_config, target_config)
+    elif (arch := architecture_of(draft_config)) not in TEXT_ARCHITECTURES:
         raise NotBuiltError(_FIELD, spec_dict, f"a {arch} draft model (text decoders only: "
                                                f"{', '.join(TEXT_ARCHITECTURES)})")
     draft_vocab, target_vocab = draft_config.vocab_size, target_config.vocab_size
@@ -69,4 +70,37 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
     draft_len = min(max_model_len, limit) if spec.max_model_len is None else spec.max_model_len
     if draft_len > limit:
         raise ConfigError(_FIELD, spec_dict, f"max_model_len at most the draft's max_position_embeddings ({limit})")
-    return {**spec_dict, "method": "draft_model", "model": path, "revision": None, "max_model_len": draft_len}
+    return {**spec_dict, "method": spec.method, "model": path, "revision": None, "max_model_len": draft_len}
+
+
+def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_config: Any) -> None:
+    """An EAGLE head that fits the target: a Llama-shaped head of the method's kind, the target's hidden size; for
+    EAGLE-3 layers the target has, in a decoder that keeps their inputs."""
+    from asyncllm.models.architectures import architecture_of
+    from asyncllm.models.eagle import EAGLE3_ARCHITECTURES, eagle3_aux_layers
+    from asyncllm.models.llama import LlamaModel
+    from asyncllm.models.registry import get_model_class
+
+    arch = (getattr(head_config, "architectures", None) or ["?"])[0]
+    if getattr(head_config, "speculators_config", None) is not None:
+        raise NotBuiltError(_FIELD, spec_dict, "EAGLE heads in the speculators format (EAGLE's own checkpoints are "
+                                               "read)")
+    if getattr(head_config, "model_type", None) != "llama" or (arch in EAGLE3_ARCHITECTURES) != (method == "eagle3"):
+        want = "LlamaForCausalLMEagle3" if method == "eagle3" else "LlamaForCausalLM"
+        raise ConfigError(_FIELD, spec_dict, f"a Llama-shaped {method} head (config.json naming {want}); "
+                                             f"{spec_dict.get('model')} names {arch}")
+    hidden = getattr(head_config, "target_hidden_size", None) or head_config.hidden_size
+    if hidden != target_config.hidden_size or (method == "eagle" and head_config.hidden_size != hidden):
+        raise ConfigError(_FIELD, spec_dict, f"a head for the target's hidden_size={target_config.hidden_size} "
+                                             f"(it reads {hidden})")
+    if method == "eagle":
+        return
+    num_layers = target_config.num_hidden_layers
+    layers = eagle3_aux_layers(head_config, num_layers)
+    if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
+        raise ConfigError(_FIELD, spec_dict, f"three target layers in [0, {num_layers}) for an EAGLE-3 head to "
+                                             f"read; it names {list(layers)}")
+    model_cls = get_model_class(target_config)
+    if getattr(getattr(model_cls, "model_cls", None), "forward", None) is not LlamaModel.forward:
+        raise NotBuiltError(_FIELD, spec_dict, f"an EAGLE-3 head for a {architecture_of(target_config)} target "
+                                               "(Llama-style decoders: Llama, Mistral, Qwen2, Qwen3, ...)")

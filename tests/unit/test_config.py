@@ -90,7 +90,7 @@ def test_unknown_field_is_refused() -> None:
     "field, value",
     [
         ("quantization", "bitsandbytes"),
-        ("speculative_config", {"method": "eagle", "num_speculative_tokens": 3}),
+        ("speculative_config", {"method": "medusa", "num_speculative_tokens": 3}),
     ],
 )
 def test_unbuilt_features_raise_not_built(field: str, value: object) -> None:

@@ -45,7 +45,7 @@ def test_a_model_key_means_a_draft_model_and_vllm_s_keys_are_read():
      "draft_tensor_parallel_size"),
     ({"model": "d", "num_speculative_tokens": 3, "quantization": 8}, ConfigError, "quantization"),
     ({"model": "d", "num_speculative_tokens": 3, "quantization": "awq"}, NotBuiltError, "quantization='awq'"),
-    ({"method": "eagle", "model": "d", "num_speculative_tokens": 3}, NotBuiltError, "method='eagle'"),
+    ({"method": "medusa", "model": "d", "num_speculative_tokens": 3}, NotBuiltError, "method='medusa'"),
 ])
 def test_a_bad_draft_model_config_is_refused_by_name(value, error, words):
     with pytest.raises(error, match="speculative_config") as info:

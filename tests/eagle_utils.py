@@ -1,0 +1,187 @@
+"""Tiny EAGLE heads for a tiny Llama target, and their drafts computed in plain torch (the reference).
+
+The heads are written as EAGLE publishes them: EAGLE-1's ``fc`` and ``layers.0.`` (no first input norm, the
+target's embeddings copied in), EAGLE-3's ``midlayer.`` over ``2 x hidden``, ``fc`` over three target layers,
+``norm``, a ``lm_head`` over a smaller vocabulary and its ``d2t`` / ``t2d`` maps. The reference recomputes the head
+over the whole sequence for every draft (dense causal attention, no cache), from transformers' target states.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+DRAFT_VOCAB = 128
+AUX_LAYERS = [0, 1, 1]
+
+
+def make_eagle_head(dst: str, target: str, method: str, seed: int = 0, embeddings: bool = False,
+                    para_norm: bool = False) -> str:
+    """An EAGLE (``eagle``; HASS's with ``para_norm``) or EAGLE-3 (``eagle3``) head for the target checkpoint, random
+    weights."""
+    from safetensors.torch import load_file, save_file
+
+    with open(os.path.join(target, "config.json")) as f:
+        tcfg = json.load(f)
+    h, heads, kv, hd, inter = (tcfg["hidden_size"], tcfg["num_attention_heads"], tcfg["num_key_value_heads"],
+                               tcfg["head_dim"], tcfg["intermediate_size"])
+    eagle3 = method == "eagle3"
+    cfg = {k: tcfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                "intermediate_size", "vocab_size", "rms_norm_eps", "max_position_embeddings",
+                                "hidden_act", "rope_parameters", "bos_token_id", "eos_token_id")}
+    cfg.update(model_type="llama", num_hidden_layers=1,
+               architectures=["LlamaForCausalLMEagle3" if eagle3 else "LlamaForCausalLM"])
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int, std: float = 0.2) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * std
+
+    layer = "midlayer." if eagle3 else "layers.0."
+    qkv_in = 2 * h if eagle3 else h
+    attn, mlp = f"{layer}self_attn.", f"{layer}mlp."
+    w = {attn + "q_proj.weight": rand(heads * hd, qkv_in), attn + "k_proj.weight": rand(kv * hd, qkv_in),
+         attn + "v_proj.weight": rand(kv * hd, qkv_in), attn + "o_proj.weight": rand(h, heads * hd),
+         mlp + "gate_proj.weight": rand(inter, h), mlp + "up_proj.weight": rand(inter, h),
+         mlp + "down_proj.weight": rand(h, inter), f"{layer}post_attention_layernorm.weight": 1 + rand(h, std=0.1)}
+    target_weights = load_file(os.path.join(target, "model.safetensors"))
+    if eagle3:
+        cfg.update(draft_vocab_size=DRAFT_VOCAB, eagle_aux_hidden_state_layer_ids=AUX_LAYERS)
+        kept = torch.sort(torch.randperm(cfg["vocab_size"], generator=g)[:DRAFT_VOCAB]).values
+        t2d = torch.zeros(cfg["vocab_size"], dtype=torch.bool)
+        t2d[kept] = True
+        w.update({"fc.weight": rand(h, 3 * h), f"{layer}input_layernorm.weight": 1 + rand(h, std=0.1),
+                  f"{layer}hidden_norm.weight": 1 + rand(h, std=0.1), "norm.weight": 1 + rand(h, std=0.1),
+                  "lm_head.weight": rand(DRAFT_VOCAB, h), "d2t": kept - torch.arange(DRAFT_VOCAB), "t2d": t2d})
+        if embeddings:
+            w["embed_tokens.weight"] = rand(cfg["vocab_size"], h)
+    else:
+        w.update({"fc.weight": rand(h, 2 * h), "embed_tokens.weight": target_weights["model.embed_tokens.weight"]})
+        if para_norm:
+            cfg["add_para_norm"] = True
+            w.update({"embedding_layernorm.weight": 1 + rand(h, std=0.1),
+                      "hidden_states_layernorm.weight": 1 + rand(h, std=0.1)})
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+# ------------------------------------------------------------------ the reference
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    freqs = positions[:, None].float() * inv
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
+    return x * cos + half * sin
+
+
+def _layer(x_in: torch.Tensor, residual: torch.Tensor, w: dict, p: str, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over ``x_in`` (causal, positions 0..T-1) added to ``residual``, then the MLP: (mlp out, residual)."""
+    t, heads, kv, hd = x_in.shape[0], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    positions = torch.arange(t)
+    theta = cfg["rope_parameters"]["rope_theta"]
+    q = _rope((x_in @ w[p + "self_attn.q_proj.weight"].T).view(t, heads, hd), positions, theta)
+    k = _rope((x_in @ w[p + "self_attn.k_proj.weight"].T).view(t, kv, hd), positions, theta)
+    v = (x_in @ w[p + "self_attn.v_proj.weight"].T).view(t, kv, hd)
+    k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
+    attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+    residual = attn.transpose(0, 1).reshape(t, heads * hd) @ w[p + "self_attn.o_proj.weight"].T + residual
+    x = _rms(residual, w[p + "post_attention_layernorm.weight"], cfg["rms_norm_eps"])
+    gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+    return (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T, residual
+
+
+def _head(ids: torch.Tensor, hidden: torch.Tensor, w: dict, cfg: dict, embed: torch.Tensor,
+          eagle3: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output rows for the logits, rows the next draft carries) over the whole sequence."""
+    eps, e = cfg["rms_norm_eps"], embed[ids]
+    if eagle3:
+        normed = _rms(hidden, w["midlayer.hidden_norm.weight"], eps)
+        x = torch.cat([_rms(e, w["midlayer.input_layernorm.weight"], eps), normed], -1)
+        out, residual = _layer(x, hidden, w, "midlayer.", cfg)
+        carried = out + residual
+        return _rms(carried, w["norm.weight"], eps), carried
+    if cfg.get("add_para_norm"):
+        e, hidden = _rms(e, w["embedding_layernorm.weight"], eps), _rms(hidden, w["hidden_states_layernorm.weight"], eps)
+    x = torch.cat([e, hidden], -1) @ w["fc.weight"].T
+    out, residual = _layer(x, x, w, "layers.0.", cfg)
+    return out + residual, out + residual
+
+
+def _tensor(out: object) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out  # type: ignore[return-value]
+
+
+@torch.no_grad()
+def reference_drafts(head: str, target: str, tokens: list[int], k: int) -> list[int]:
+    """The head's k greedy drafts after ``tokens`` (the target has computed all but the last)."""
+    from safetensors.torch import load_file
+
+    from hf_reference import _hf_model
+
+    with open(os.path.join(head, "config.json")) as f:
+        cfg = json.load(f)
+    eagle3 = "draft_vocab_size" in cfg
+    w = load_file(os.path.join(head, "model.safetensors"))
+    hf = _hf_model(target)
+    ids = torch.tensor(tokens)
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [hf.model.embed_tokens.register_forward_hook(lambda m, i, o: seen.__setitem__(0, o[0]))]
+    hooks += [layer.register_forward_hook(lambda m, i, o, n=n: seen.__setitem__(n + 1, _tensor(o)[0]))
+              for n, layer in enumerate(hf.model.layers)]
+    final = hf.model(ids[None, :-1]).last_hidden_state[0]
+    for hook in hooks:
+        hook.remove()
+    hidden = torch.cat([seen[i] for i in AUX_LAYERS], -1) @ w["fc.weight"].T if eagle3 else final
+    embed = w.get("embed_tokens.weight", hf.model.embed_tokens.weight) if eagle3 else hf.model.embed_tokens.weight
+    inputs, drafts = list(tokens[1:]), []
+    for _ in range(k):
+        out, carried = _head(torch.tensor(inputs), hidden, w, cfg, embed, eagle3)
+        if eagle3:
+            draft = int((out[-1] @ w["lm_head.weight"].T).argmax())
+            draft += int(w["d2t"][draft])
+        else:
+            draft = int(hf.lm_head(out[-1]).argmax())
+        drafts.append(draft)
+        inputs.append(draft)
+        hidden = torch.cat([hidden, carried[-1:]])
+    return drafts
+
+
+def make_exact_pair(src: str, root: str) -> tuple[str, str]:
+    """A target whose next token depends on its last token only (every attention output projection zero, the
+    final norm's weight ones), and an EAGLE-1 head that computes exactly that (``fc = [I, 0]``, the target's
+    layers): every greedy draft is the target's own next token."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target, head = os.path.join(root, "target"), os.path.join(root, "head")
+    shutil.copytree(src, target)
+    weights = load_file(os.path.join(target, "model.safetensors"))
+    for name in weights:
+        if name.endswith("o_proj.weight"):
+            weights[name] = torch.zeros_like(weights[name])
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
+    save_file(weights, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(target, "config.json")) as f:
+        cfg = json.load(f)
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    cfg.update(architectures=["LlamaForCausalLM"])
+    head_weights = {name.removeprefix("model."): w for name, w in weights.items()
+                    if name.startswith("model.layers.") and not name.startswith("model.layers.0.input_layernorm")}
+    head_weights["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+    os.makedirs(head)
+    with open(os.path.join(head, "config.json"), "w") as f:
+        json.dump({**cfg, "num_hidden_layers": layers}, f)
+    save_file({k: v.contiguous() for k, v in head_weights.items()}, os.path.join(head, "model.safetensors"))
+    return target, head

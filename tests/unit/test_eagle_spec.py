@@ -1,0 +1,125 @@
+"""EAGLE and EAGLE-3 heads in a runner in-process: their drafts equal a plain-torch reference of the head over
+transformers' target states, after a chunked prompt and after a partly accepted step; the config and the host's
+checks refuse what does not fit, by name."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+
+import pytest
+import torch
+
+from asyncllm.config import EngineConfig
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.eagle import eagle3_aux_layers
+from asyncllm.models.loader import load_hf_config
+from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
+from asyncllm.sampling import SamplingParams
+from asyncllm.spec.config import SpeculativeConfig
+from asyncllm.spec.draft_model import prepare_draft_model
+from asyncllm.workers.model_runner import ModelRunner
+from eagle_utils import make_eagle_head, reference_drafts
+from hf_reference import hf_greedy
+
+K = 3
+GREEDY = SamplingParams(temperature=0.0)
+HEADS = {"eagle": ("eagle", {}), "hass": ("eagle", {"para_norm": True}), "eagle3": ("eagle3", {}),
+         "eagle3-own-embeddings": ("eagle3", {"embeddings": True})}
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_llama, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("eagle")
+    return {name: make_eagle_head(str(root / name), tiny_llama, method, seed=i, **options)
+            for i, (name, (method, options)) in enumerate(HEADS.items())}
+
+
+@functools.lru_cache(maxsize=None)
+def _runner(target: str, head: str, method: str) -> ModelRunner:
+    config = EngineConfig.create(target, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
+                                 speculative_config={"method": method, "model": head, "num_speculative_tokens": K})
+    runner = ModelRunner(config, 0, 1, torch.device("cpu"))
+    runner.load_model()
+    runner.init_cache(8)
+    return runner
+
+
+def _step(step_id: int, new: NewRequestData | None, computed: int, num: int, new_blocks: list[int],
+          drafts: list[int]) -> SchedulerOutput:
+    cached = CachedRequestData() if new else CachedRequestData(["r"], [computed], {"r": new_blocks})
+    return SchedulerOutput(step_id, [new] if new else [], cached, {"r": num}, num,
+                           spec_token_ids={"r": drafts} if drafts else {})
+
+
+@pytest.mark.parametrize("name", list(HEADS))
+def test_the_heads_drafts_equal_the_reference_after_a_chunked_prompt_and_a_partly_accepted_step(
+        name, heads, tiny_llama):
+    method = HEADS[name][0]
+    runner = _runner(tiny_llama, heads[name], method)
+    assert (runner.cuda_graphs is None and runner.model.model.aux_layers == ((0, 1, 1) if method == "eagle3" else ()))
+    prompt = list(range(40, 64))  # 24 tokens: a chunk of 16, then 8
+    want = hf_greedy(tiny_llama, prompt, 3)
+    new = NewRequestData("r", prompt, len(prompt), GREEDY, [3, 4], 0)
+    out = runner.execute_model(_step(0, new, 0, 16, [], []))
+    assert out.sampled_token_ids == [[]] and not out.draft_token_ids  # a chunk that does not sample
+    out = runner.execute_model(_step(1, None, 16, 8, [], []))
+    assert out.sampled_token_ids == [want[:1]]
+    assert out.draft_token_ids == {"r": reference_drafts(heads[name], tiny_llama, prompt + want[:1], K)}
+    drafts = [want[1], (want[2] + 1) % 512, 0]  # the first accepted, the second not
+    out = runner.execute_model(_step(2, None, 24, 1 + K, [], drafts))
+    assert out.sampled_token_ids == [want[1:3]]
+    assert out.draft_token_ids == {"r": reference_drafts(heads[name], tiny_llama, prompt + want[:3], K)}
+    runner.execute_model(SchedulerOutput(3, [], CachedRequestData(), {}, 0, finished_req_ids=["r"]))
+
+
+def test_an_eagle3_head_over_fewer_tokens_without_their_ids_is_refused(heads, tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    head = shutil.copytree(heads["eagle3"], tmp_path / "head")
+    weights = load_file(head / "model.safetensors")
+    del weights["d2t"]
+    save_file(weights, head / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"over 128 of the 512 tokens has their ids \(d2t\)"):
+        _runner.__wrapped__(tiny_llama, str(head), "eagle3")
+
+
+def test_vllm_s_default_layers_and_the_method_keys():
+    assert eagle3_aux_layers(object(), 32) == (2, 16, 29)
+    spec = SpeculativeConfig.from_dict({"method": "eagle3", "model": "h", "num_speculative_tokens": 2})
+    assert (spec.method, spec.uses_draft_model) == ("eagle3", True)
+    with pytest.raises(NotBuiltError, match="quantization='fp8'"):
+        SpeculativeConfig.from_dict({"method": "eagle", "model": "h", "num_speculative_tokens": 2,
+                                     "quantization": "fp8"})
+    with pytest.raises(ConfigError, match="method='eagle' with 'model'"):
+        SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("method, head, change, error, words", [
+    ("eagle", "eagle3", {}, ConfigError, "names LlamaForCausalLMEagle3"),
+    ("eagle3", "eagle", {}, ConfigError, "a Llama-shaped eagle3 head"),
+    ("eagle", "eagle", {"hidden_size": 32}, ConfigError, "hidden_size=64 (it reads 32)"),
+    ("eagle3", "eagle3", {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, ConfigError, "three target layers in [0, 2)"),
+    ("eagle3", "eagle3", {"speculators_config": {}}, NotBuiltError, "speculators format"),
+])
+def test_a_head_that_does_not_fit_the_target_is_refused_by_name(method, head, change, error, words, heads,
+                                                                tiny_llama, monkeypatch):
+    from asyncllm.spec import draft_model
+
+    head_config = load_hf_config(heads[head])
+    for key, value in change.items():
+        setattr(head_config, key, value)
+    monkeypatch.setattr("asyncllm.models.checkpoint.load_hf_config", lambda path: head_config)
+    spec_dict = {"method": method, "model": heads[head], "num_speculative_tokens": 2}
+    with pytest.raises(error, match="speculative_config") as info:
+        draft_model.prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict),
+                                        load_hf_config(tiny_llama), 1, 128, False)
+    assert words in str(info.value)
+
+
+def test_an_eagle3_head_for_a_decoder_that_keeps_no_layer_inputs_is_refused(heads, tiny_llama):
+    spec_dict = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 2}
+    target = load_hf_config(tiny_llama)
+    target.architectures = ["CohereForCausalLM"]  # its decoder's own forward keeps none
+    with pytest.raises(NotBuiltError, match="an EAGLE-3 head for a CohereForCausalLM target"):
+        prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict), target, 1, 128, False)

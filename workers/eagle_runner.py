@@ -1,0 +1,123 @@
+"""An EAGLE head in a worker (speculative decoding with ``method="eagle"`` / ``"eagle3"``; docs/speculative.md).
+
+It keeps the draft model's arrangement (workers/draft_runner.py): a paged KV
+cache of its own on the target's block ids, scratch blocks for proposals past
+a request's blocks, proposals after the step's drafts were verified. What
+differs is what the head reads: at position ``p`` the token at ``p + 1`` and
+the target's hidden state at ``p`` (EAGLE-1: the final one; EAGLE-3: ``fc``
+over three layers' inputs, which the target's decoder keeps for it:
+`LlamaModel.aux_layers`).
+
+Each step:
+
+1. the head runs over the step's rows with each row's *next* token, read from
+   the request's tokens after verification (a prompt chunk's last row reads
+   the next chunk's first token, a sampling request's last accepted row the
+   token just sampled; rows of rejected drafts read a pad, and their KV, past
+   the request's computed length, is rewritten later);
+2. the output at each proposing request's last accepted row gives its first
+   draft; ``k - 1`` single-token passes follow, each over the previous draft
+   and the head's own output, at the positions after it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncllm.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM, eagle3_aux_layers
+from asyncllm.models.loader import (checkpoint_files, iterate_safetensors, load_hf_config, load_model,
+                                    resolve_model_path)
+from asyncllm.models.registry import kv_cache_spec
+from asyncllm.workers.draft_runner import DraftModelRunner
+from asyncllm.workers.input_batch import InputBatch, RequestState, StepInputs
+
+__all__ = ["EagleRunner"]
+
+
+class EagleRunner(DraftModelRunner):
+    """An EAGLE head, its KV cache and its proposals on one rank."""
+
+    target: Any = None
+
+    @property
+    def reads_layers(self) -> bool:
+        """EAGLE-3: the target's steps keep some layers' inputs (so they run eagerly, not in CUDA graphs)."""
+        return self.spec.method == "eagle3"
+
+    def load_model(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, rank: int, tp_size: int) -> None:
+        spec = self.spec
+        path = resolve_model_path(spec.model, spec.revision)  # type: ignore[arg-type]
+        hf_config = load_hf_config(path)
+        cls = Eagle3LlamaForCausalLM if self.reads_layers else EagleLlamaForCausalLM
+        if self.reads_layers:
+            names = (name for name, _ in iterate_safetensors(checkpoint_files(path)))
+            hf_config.draft_has_embeddings = any(name.removeprefix("model.") == "embed_tokens.weight" for name in names)
+        draft_config = self.config.replace(model=path, revision=None, quantization=None, speculative_config=None,
+                                           enable_lora=False)
+        self.model = load_model(draft_config, hf_config, self.device, dtype, rank, tp_size, model_cls=cls)
+        self.kv_spec = kv_cache_spec(hf_config, tp_size)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.hf_config = hf_config
+
+    def share_target(self, target: Any) -> None:
+        """Lend the head the target's embeddings and LM head; EAGLE-3: have its decoder keep the layers' inputs."""
+        self.target = target
+        self.model.share_target(target)
+        if self.reads_layers:
+            decoder = target.model
+            decoder.aux_layers = eagle3_aux_layers(self.hf_config, len(decoder.layers))
+
+    @torch.inference_mode()
+    def step(self, inputs: StepInputs, sampled: list[RequestState], batch: InputBatch,
+             hidden: torch.Tensor) -> dict[str, list[int]]:
+        meta = inputs.attn_metadata
+        decoder = self.target.model
+        target_hidden = self.model.combine(hidden, [decoder.aux_hidden[i] for i in decoder.aux_layers])
+        next_ids = torch.from_numpy(self._next_ids(inputs, batch)).to(self.device)
+        out, carried = self.model(next_ids, inputs.positions, self.kv_caches, meta, target_hidden)
+        proposing = self.proposing(sampled)
+        if not proposing:
+            return {}
+        rows = torch.tensor(self._last_rows(inputs, proposing), dtype=torch.int64, device=self.device)
+        first = self.model.draft_ids(out.index_select(0, rows))
+        drafts = [first.cpu()]
+        if self.k > 1:
+            drafts.append(self._chain(proposing, batch.block_table, first, carried.index_select(0, rows), self.k - 1))
+        rows_out = torch.cat([d.reshape(len(proposing), -1) for d in drafts], dim=1).tolist()
+        return {state.req_id: row for state, row in zip(proposing, rows_out)}
+
+    def one_pass(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
+                 hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, carried = self.model(ids, positions, self.kv_caches, meta, hidden)
+        return self.model.draft_ids(out), carried
+
+    @staticmethod
+    def _next_ids(inputs: StepInputs, batch: InputBatch) -> np.ndarray:
+        """Each row's next token (a pad where it is not known: a rejected draft's row)."""
+        meta = inputs.attn_metadata
+        starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+        ids = np.zeros(inputs.num_tokens, np.int64)
+        for i, req_id in enumerate(inputs.req_ids):
+            state = batch.requests.get(req_id)
+            if state is None:
+                continue
+            lo, hi = starts[i], starts[i + 1]
+            first = seq_lens[i] - (hi - lo)  # the position of the request's first row
+            following = state.token_ids[first + 1 : first + 1 + hi - lo]
+            ids[lo : lo + len(following)] = following
+        return ids
+
+    @staticmethod
+    def _last_rows(inputs: StepInputs, states: list[RequestState]) -> list[int]:
+        """Each request's row of its last accepted token (the one before the token just sampled)."""
+        meta = inputs.attn_metadata
+        index = {req_id: i for i, req_id in enumerate(inputs.req_ids)}
+        rows = []
+        for state in states:
+            i = index[state.req_id]
+            first = meta.seq_lens_cpu[i] - (meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i])
+            rows.append(meta.query_start_loc_cpu[i] + state.num_tokens - 2 - first)
+        return rows
