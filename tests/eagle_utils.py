@@ -185,3 +185,90 @@ def make_exact_pair(src: str, root: str) -> tuple[str, str]:
         json.dump({**cfg, "num_hidden_layers": layers}, f)
     save_file({k: v.contiguous() for k, v in head_weights.items()}, os.path.join(head, "model.safetensors"))
     return target, head
+
+
+# ------------------------------------------------------------------ MTP layers
+def add_mtp_layer(src: str, dst: str, seed: int = 0) -> str:
+    """A copy of a tiny DeepSeek-style checkpoint with a multi-token-prediction layer ``model.layers.{L}``: its last
+    layer's weights plus noise (its kind of attention and experts), ``enorm``, ``hnorm``, ``eh_proj``,
+    ``shared_head``, and an ``embed_tokens`` copy, in a second safetensors file, as DeepSeek-V3 ships it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    num, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    weights = load_file(os.path.join(dst, "model.safetensors"))
+    last, mtp = f"model.layers.{num - 1}.", f"model.layers.{num}."
+    layer = {mtp + name.removeprefix(last): w + 0.05 * w.std() * torch.randn(w.shape, generator=g)
+             for name, w in weights.items() if name.startswith(last)}
+    layer.update({mtp + "enorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                  mtp + "hnorm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                  mtp + "eh_proj.weight": 0.2 * torch.randn(h, 2 * h, generator=g),
+                  mtp + "shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=g),
+                  mtp + "shared_head.head.weight": 0.2 * torch.randn(cfg["vocab_size"], h, generator=g),
+                  mtp + "embed_tokens.weight": weights["model.embed_tokens.weight"]})
+    save_file({k: v.contiguous() for k, v in layer.items()}, os.path.join(dst, "mtp.safetensors"))
+    return dst
+
+
+_MTP_EXTRAS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+
+
+def _hf_with_mtp_layer(target: str, tmp: str):
+    """transformers' model of the target with its MTP layer's decoder block as one more layer (its loading converts
+    the per-expert names as it does for every layer)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    with open(os.path.join(target, "config.json")) as f:
+        cfg = json.load(f)
+    num = cfg["num_hidden_layers"]
+    cfg["num_hidden_layers"] = num + 1
+    if "mlp_layer_types" in cfg:
+        cfg["mlp_layer_types"] = cfg["mlp_layer_types"] + cfg["mlp_layer_types"][-1:]
+    os.makedirs(tmp, exist_ok=True)
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    weights = load_file(os.path.join(target, "model.safetensors"))
+    prefix = f"model.layers.{num}."
+    weights.update({n: t for n, t in load_file(os.path.join(target, "mtp.safetensors")).items()
+                    if not n.removeprefix(prefix).startswith(_MTP_EXTRAS)})
+    save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(target, "generation_config.json"), tmp)
+    return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def reference_mtp_drafts(target: str, tokens: list[int], k: int, tmp: str) -> list[int]:
+    """The MTP layer's k greedy drafts after ``tokens``, its decoder block transformers' (``tmp``: a scratch
+    folder)."""
+    from safetensors.torch import load_file
+
+    from hf_reference import _hf_model
+
+    big = _hf_with_mtp_layer(target, tmp)
+    num, eps = big.config.num_hidden_layers - 1, big.config.rms_norm_eps
+    w = {n.removeprefix(f"model.layers.{num}."): t for n, t in load_file(os.path.join(target, "mtp.safetensors")).items()}
+    layer = big.model.layers[num]
+    hidden = _hf_model(target).model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
+    inputs, drafts = list(tokens[1:]), []
+    for _ in range(k):
+        t = len(inputs)
+        positions = torch.arange(t)[None]
+        e = big.model.embed_tokens(torch.tensor(inputs))
+        e[0] = 0  # position 0's embedding is masked
+        x = torch.cat([_rms(e, w["enorm.weight"], eps), _rms(hidden, w["hnorm.weight"], eps)], -1) @ w["eh_proj.weight"].T
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        out = _tensor(layer(x[None], attention_mask=mask, position_ids=positions,
+                            position_embeddings=big.model.rotary_emb(x[None], positions)))[0]
+        logits = _rms(out[-1], w["shared_head.norm.weight"], eps) @ w["shared_head.head.weight"].T
+        drafts.append(int(logits.argmax()))
+        inputs.append(drafts[-1])
+        hidden = torch.cat([hidden, out[-1:]])
+    return drafts

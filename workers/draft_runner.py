@@ -49,7 +49,7 @@ class DraftModelRunner:
     """The draft model, its KV cache and its proposals on one rank."""
 
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, device: torch.device) -> None:
-        assert spec.model is not None and config.max_model_len is not None
+        assert (spec.model is not None or spec.method == "mtp") and config.max_model_len is not None
         self.config = config
         self.spec = spec
         self.device = device

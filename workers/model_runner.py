@@ -30,7 +30,7 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.structured.bitmask import apply_grammar_bitmask
 from asyncllm.workers.cuda_graphs import CudaGraphRunner, attention_backend_name, capture_decode_graphs
 from asyncllm.workers.draft_runner import DraftModelRunner
-from asyncllm.workers.eagle_runner import EagleRunner
+from asyncllm.workers.eagle_runner import EagleRunner, MTPRunner
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
@@ -106,8 +106,8 @@ class ModelRunner:
         self.hf_config = hf_config
         spec = self.config.scheduler_config.speculative
         if spec is not None and spec.uses_draft_model:  # a draft model, or an EAGLE head reading the target
-            self.drafter = (EagleRunner if spec.method in ("eagle", "eagle3") else DraftModelRunner)(
-                self.config, spec, self.device)
+            runner_cls = {"eagle": EagleRunner, "eagle3": EagleRunner, "mtp": MTPRunner}.get(spec.method, DraftModelRunner)
+            self.drafter = runner_cls(self.config, spec, self.device)
             self.drafter.load_model(dtype, self.kv_cache_dtype, self.rank, self.tp_size)  # type: ignore[arg-type]
             if isinstance(self.drafter, EagleRunner):
                 self.drafter.share_target(model)

@@ -1,13 +1,15 @@
 """`SpeculativeConfig`: the ``speculative_config`` dict, read as vLLM reads it.
 
-Four methods are built: ``ngram`` (prompt lookup: drafts copied from an
+Five methods are built: ``ngram`` (prompt lookup: drafts copied from an
 earlier place in the request's own tokens, proposed by the core),
 ``draft_model`` (a small model sharing the target's vocabulary runs in the
 workers and proposes its greedy continuation; a ``model`` key without a
-method means it, as in vLLM), and ``eagle`` / ``eagle3`` (an EAGLE head
-reading the target's hidden states: asyncllm/models/eagle.py). Every other
-vLLM method is a `NotBuiltError` naming it; an unknown key is a
-`ConfigError`, never ignored.
+method means it, as in vLLM), ``eagle`` / ``eagle3`` (an EAGLE head
+reading the target's hidden states: asyncllm/models/eagle.py) and ``mtp``
+(``deepseek_mtp`` too: the target checkpoint's own multi-token-prediction
+layer, asyncllm/models/mtp.py). Every other vLLM method is a
+`NotBuiltError` naming it; an unknown key is a `ConfigError`, never
+ignored.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ _NGRAM_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_
 _DRAFT_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parallel_size", "max_model_len",
                "quantization", "revision")
 _HEAD_METHODS = ("draft_model", "eagle", "eagle3")
-"""Methods whose drafts come from a network in the workers (a ``model`` key)."""
-_MODEL_METHODS = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+"""Methods whose drafts come from a network of their own in the workers (a ``model`` key)."""
+_MTP_KEYS = ("method", "num_speculative_tokens")
+_MTP_ALIASES = ("mtp", "deepseek_mtp")
+_MODEL_METHODS = ("medusa", "mlp_speculator", "suffix")
 _DEFAULT_LOOKUP = 5
 """vLLM's n-gram size when neither prompt_lookup_min nor prompt_lookup_max is given."""
 
@@ -41,7 +45,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = _DEFAULT_LOOKUP
     """ngram: longest such suffix: the longest one that matches decides the drafts."""
     method: str = "ngram"
-    """``ngram``, ``draft_model``, ``eagle`` or ``eagle3``."""
+    """``ngram``, ``draft_model``, ``eagle``, ``eagle3`` or ``mtp``."""
     model: str | None = None
     """draft_model / eagle / eagle3: the draft checkpoint (local folder or hub id; the host resolves it to a
     folder)."""
@@ -57,8 +61,8 @@ class SpeculativeConfig:
 
     @property
     def uses_draft_model(self) -> bool:
-        """Whether a network in the workers drafts: a draft model or an EAGLE head."""
-        return self.method in _HEAD_METHODS
+        """Whether a network in the workers drafts: a draft model, an EAGLE head or the target's MTP layer."""
+        return self.method in _HEAD_METHODS or self.method == "mtp"
 
     @classmethod
     def from_dict(cls, value: Any) -> "SpeculativeConfig":
@@ -71,17 +75,21 @@ class SpeculativeConfig:
             method = "draft_model"  # vLLM: a model without a method is a draft model
         if method in _MODEL_METHODS:
             raise NotBuiltError(_FIELD, value, f"speculative decoding with method={method!r} (only 'ngram', "
-                                               "'draft_model', 'eagle' and 'eagle3')")
-        if method != "ngram" and method not in _HEAD_METHODS:
-            raise ConfigError(_FIELD, value, "method='ngram', or method='draft_model' / 'eagle' / 'eagle3' with a "
-                                             "'model' (a draft checkpoint sharing the target's vocabulary)")
-        keys = _NGRAM_KEYS if method == "ngram" else _DRAFT_KEYS
+                                               "'draft_model', 'eagle', 'eagle3' and 'mtp')")
+        method = "mtp" if method in _MTP_ALIASES else method
+        if method not in ("ngram", "mtp") and method not in _HEAD_METHODS:
+            raise ConfigError(_FIELD, value, "method='ngram', 'mtp', or method='draft_model' / 'eagle' / 'eagle3' "
+                                             "with a 'model' (a draft checkpoint sharing the target's vocabulary)")
+        keys = {"ngram": _NGRAM_KEYS, "mtp": _MTP_KEYS}.get(method, _DRAFT_KEYS)
         unknown = sorted(set(value) - set(keys))
         if unknown:
+            why = "; the MTP layer is the target checkpoint's own" if method == "mtp" else ""
             raise ConfigError(_FIELD, value, f"with method={method!r} only the keys {', '.join(keys)} "
-                                             f"(unknown: {', '.join(unknown)})")
+                                             f"(unknown: {', '.join(unknown)}{why})")
         num = value.get("num_speculative_tokens")
         _check_int(value, "num_speculative_tokens", num, 64, "(num_speculative_tokens is required)")
+        if method == "mtp":
+            return cls(num, method="mtp")
         if method in _HEAD_METHODS:
             return _draft_model_config(value, num, method)
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")

@@ -51,6 +51,9 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
 
     if multimodal:
         raise NotBuiltError(_FIELD, spec_dict, "a draft model for a multimodal target")
+    if spec.method == "mtp":
+        _check_mtp_target(spec_dict, target_config)
+        return {"method": "mtp", "num_speculative_tokens": spec.num_speculative_tokens}
     draft_tp = spec.draft_tensor_parallel_size
     if draft_tp is not None and draft_tp != tensor_parallel_size:
         raise NotBuiltError(_FIELD, spec_dict, f"draft_tensor_parallel_size={draft_tp} other than the target's "
@@ -104,3 +107,17 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
     if getattr(getattr(model_cls, "model_cls", None), "forward", None) is not LlamaModel.forward:
         raise NotBuiltError(_FIELD, spec_dict, f"an EAGLE-3 head for a {architecture_of(target_config)} target "
                                                "(Llama-style decoders: Llama, Mistral, Qwen2, Qwen3, ...)")
+
+
+def _check_mtp_target(spec_dict: dict, target_config: Any) -> None:
+    """A target whose checkpoint has a multi-token-prediction layer asyncllm reads."""
+    from asyncllm.models.architectures import architecture_of
+    from asyncllm.models.mtp import MTP_ARCHITECTURES
+
+    arch = architecture_of(target_config)
+    if arch not in MTP_ARCHITECTURES:
+        raise NotBuiltError(_FIELD, spec_dict, f"multi-token prediction for {arch} (built for "
+                                               f"{', '.join(MTP_ARCHITECTURES)})")
+    if not getattr(target_config, "num_nextn_predict_layers", 0):
+        raise ConfigError(_FIELD, spec_dict, "a target with multi-token-prediction layers "
+                                             "(its config.json has num_nextn_predict_layers=0 or none)")

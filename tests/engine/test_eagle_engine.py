@@ -1,9 +1,10 @@
 """EAGLE heads through the engine: the drafts change how many steps a request takes, never its tokens.
 
-Two engines started together: a random EAGLE-3 head on the tiny Llama over two tensor-parallel ranks (its
+Three engines started together: a random EAGLE-3 head on the tiny Llama over two tensor-parallel ranks (its
 drafts almost all rejected) under chunked prefill, prefix-cache hits and preemption; and an EAGLE-1 head that
 computes its target exactly (a target whose next token depends on its last token only), whose every greedy draft
-must be accepted, which catches a draft read from the wrong token, hidden state or position.
+must be accepted, which catches a draft read from the wrong token, hidden state or position; and the tiny
+DeepSeek-V3 with a multi-token-prediction layer drafting for itself (``method="mtp"``), also on two ranks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 import pytest_asyncio
 
 from asyncllm import AsyncEngine, SamplingParams
-from eagle_utils import make_eagle_head, make_exact_pair
+from asyncllm.tiny import tiny_checkpoint
+from eagle_utils import add_mtp_layer, make_eagle_head, make_exact_pair
 from engine_helpers import random_prompts
 from hf_reference import hf_greedy
 
@@ -37,11 +39,15 @@ async def engines(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory):
                          speculative_config={"method": "eagle3", "model": head3, "num_speculative_tokens": 3})
     exact = AsyncEngine(exact_target, disable_log_stats=True,
                         speculative_config={"method": "eagle", "model": exact_head, "num_speculative_tokens": 3})
+    deepseek = add_mtp_layer(tiny_checkpoint("deepseek_v3"), str(root / "deepseek"))
+    mtp = AsyncEngine(deepseek, disable_log_stats=True, max_num_batched_tokens=32, tensor_parallel_size=2,
+                      speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
+    pair = {"eagle3": (eagle3, tiny_llama), "exact": (exact, exact_target), "mtp": (mtp, deepseek)}
     try:
-        await asyncio.gather(eagle3.start(), exact.start())
-        yield {"eagle3": (eagle3, tiny_llama), "exact": (exact, exact_target)}
+        await asyncio.gather(*(engine.start() for engine, _ in pair.values()))
+        yield pair
     finally:
-        await asyncio.gather(eagle3.aclose(), exact.aclose())
+        await asyncio.gather(*(engine.aclose() for engine, _ in pair.values()))
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -19,7 +19,7 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.spec.config import SpeculativeConfig
 from asyncllm.spec.draft_model import prepare_draft_model
 from asyncllm.workers.model_runner import ModelRunner
-from eagle_utils import make_eagle_head, reference_drafts
+from eagle_utils import add_mtp_layer, make_eagle_head, reference_drafts, reference_mtp_drafts
 from hf_reference import hf_greedy
 
 K = 3
@@ -37,8 +37,9 @@ def heads(tiny_llama, tmp_path_factory) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def _runner(target: str, head: str, method: str) -> ModelRunner:
+    spec = {"method": method, "num_speculative_tokens": K, **({"model": head} if head else {})}
     config = EngineConfig.create(target, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-                                 speculative_config={"method": method, "model": head, "num_speculative_tokens": K})
+                                 speculative_config=spec)
     runner = ModelRunner(config, 0, 1, torch.device("cpu"))
     runner.load_model()
     runner.init_cache(8)
@@ -123,3 +124,45 @@ def test_an_eagle3_head_for_a_decoder_that_keeps_no_layer_inputs_is_refused(head
     target.architectures = ["CohereForCausalLM"]  # its decoder's own forward keeps none
     with pytest.raises(NotBuiltError, match="an EAGLE-3 head for a CohereForCausalLM target"):
         prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict), target, 1, 128, False)
+
+
+# ------------------------------------------------------------------ MTP layers
+@pytest.fixture(scope="module")
+def tiny_deepseek_mtp(tmp_path_factory) -> str:
+    from asyncllm.tiny import tiny_checkpoint
+
+    return add_mtp_layer(tiny_checkpoint("deepseek_v3"), str(tmp_path_factory.mktemp("mtp") / "deepseek_v3"))
+
+
+def test_the_mtp_layer_s_drafts_equal_transformers_layer_after_a_chunked_prompt_and_a_partly_accepted_step(
+        tiny_deepseek_mtp, tmp_path):
+    runner = _runner(tiny_deepseek_mtp, "", "mtp")
+    prompt = list(range(40, 64))
+    want = hf_greedy(tiny_deepseek_mtp, prompt, 3)
+    new = NewRequestData("r", prompt, len(prompt), GREEDY, [3, 4], 0)
+    assert runner.execute_model(_step(0, new, 0, 16, [], [])).sampled_token_ids == [[]]
+    out = runner.execute_model(_step(1, None, 16, 8, [], []))
+    assert out.sampled_token_ids == [want[:1]]
+    reference = functools.partial(reference_mtp_drafts, tiny_deepseek_mtp, k=K, tmp=str(tmp_path / "hf"))
+    assert out.draft_token_ids == {"r": reference(prompt + want[:1])}
+    drafts = [want[1], (want[2] + 1) % 512, 0]
+    out = runner.execute_model(_step(2, None, 24, 1 + K, [], drafts))
+    assert out.sampled_token_ids == [want[1:3]]
+    assert out.draft_token_ids == {"r": reference(prompt + want[:3])}
+    runner.execute_model(SchedulerOutput(3, [], CachedRequestData(), {}, 0, finished_req_ids=["r"]))
+
+
+def test_mtp_is_refused_by_name_where_the_target_has_no_layer_to_read(tiny_llama):
+    spec_dict = {"method": "mtp", "num_speculative_tokens": 2}
+    spec = SpeculativeConfig.from_dict(spec_dict)
+    assert (spec.method, spec.model, SpeculativeConfig.from_dict({**spec_dict, "method": "deepseek_mtp"}).method) == \
+        ("mtp", None, "mtp")
+    with pytest.raises(ConfigError, match="unknown: model; the MTP layer is the target checkpoint's own"):
+        SpeculativeConfig.from_dict({**spec_dict, "model": "x"})
+    with pytest.raises(NotBuiltError, match="multi-token prediction for LlamaForCausalLM"):
+        prepare_draft_model(spec_dict, spec, load_hf_config(tiny_llama), 1, 128, False)
+    from asyncllm.tiny import tiny_checkpoint
+
+    without = tiny_checkpoint("deepseek_v3")  # config.json says num_nextn_predict_layers=1, its weights have none
+    with pytest.raises(ConfigError, match=r"multi-token-prediction layer \(model.layers.2.\*\); this one has none"):
+        _runner.__wrapped__(without, "", "mtp")

@@ -31,7 +31,7 @@ def test_the_config_reads_vllm_s_dict_and_its_defaults():
 
 
 @pytest.mark.parametrize("value, error, words", [
-    ({"method": "mtp", "num_speculative_tokens": 3}, NotBuiltError, "method='mtp'"),
+    ({"method": "suffix", "num_speculative_tokens": 3}, NotBuiltError, "method='suffix'"),
     ({"model": "some/draft", "num_speculative_tokens": 3, "prompt_lookup_max": 2}, ConfigError,
      "unknown: prompt_lookup_max"),
     ({"method": "ngram"}, ConfigError, "num_speculative_tokens"),
