@@ -33,11 +33,12 @@ def _tokenizer(token_types: bool):
 
 
 def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | None = None, seed: int = 0,
-                      num_labels: int | None = None) -> str:
-    """A ``BertModel`` (``kind="bert"``), ``XLMRobertaModel`` (``"xlm-roberta"``) or ``ModernBertModel``
-    (``"modernbert"``) of random weights in
+                      num_labels: int | None = None, dense: tuple[int, ...] = ()) -> str:
+    """A ``BertModel`` (``kind="bert"``), ``XLMRobertaModel`` (``"xlm-roberta"``), ``ModernBertModel``
+    (``"modernbert"``) or EmbeddingGemma's ``Gemma3TextModel`` (``"embeddinggemma"``) of random weights in
     ``folder``; with ``num_labels`` their ``*ForSequenceClassification``; ``pooling`` ("mean", "cls") writes a
-    sentence-transformers Pooling module choosing it."""
+    sentence-transformers Pooling module choosing it, ``dense`` (widths) Dense modules after it (bias-free,
+    Identity, as EmbeddingGemma's; 32 -> dense[0] -> ...)."""
     import torch
     from transformers import (BertConfig, BertForSequenceClassification, BertModel, XLMRobertaConfig,
                               XLMRobertaForSequenceClassification, XLMRobertaModel)
@@ -58,19 +59,38 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
                                   bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3,
                                   classifier_pooling="mean")
         model = (ModernBertModel if num_labels is None else ModernBertForSequenceClassification)(config)
+    elif kind == "embeddinggemma":  # 4-position bidirectional windows in 2 of 3 layers, grouped KV heads
+        from transformers import Gemma3TextConfig, Gemma3TextModel
+
+        config = Gemma3TextConfig(**{**shape, "num_hidden_layers": 3}, num_key_value_heads=2, head_dim=8,
+                                  query_pre_attn_scalar=8, sliding_window=4, use_bidirectional_attention=True,
+                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                  pad_token_id=0, bos_token_id=2, eos_token_id=3)
+        model = Gemma3TextModel(config)
     else:
         config = XLMRobertaConfig(**shape, pad_token_id=0, type_vocab_size=1)  # positions from 1
         model = (XLMRobertaModel if num_labels is None else XLMRobertaForSequenceClassification)(config)
     torch.manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.1 if "LayerNorm" in name else 0.3)
+            param.normal_(1.0 if "LayerNorm.weight" in name else 0.0, 0.1 if "LayerNorm" in name or "norm" in name
+                          else 0.3)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     if pooling is not None:
-        (folder / "modules.json").write_text(json.dumps([
-            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]))
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        for i, (n_in, n_out) in enumerate(zip((32,) + dense[:-1], dense)):
+            sub = f"{i + 2}_Dense"
+            modules.append({"idx": i + 2, "name": str(i + 2), "path": sub, "type": "sentence_transformers.models.Dense"})
+            (folder / sub).mkdir()
+            (folder / sub / "config.json").write_text(json.dumps(
+                {"in_features": n_in, "out_features": n_out, "bias": False,
+                 "activation_function": "torch.nn.modules.linear.Identity"}))
+            from safetensors.torch import save_file
+
+            save_file({"linear.weight": torch.randn(n_out, n_in) * n_in**-0.5}, str(folder / sub / "model.safetensors"))
+        (folder / "modules.json").write_text(json.dumps(modules))
         (folder / "1_Pooling").mkdir(exist_ok=True)
         (folder / "1_Pooling" / "config.json").write_text(json.dumps(
             {"word_embedding_dimension": 32, "pooling_mode_cls_token": pooling == "cls",
@@ -78,8 +98,9 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
     return str(folder)
 
 
-def hf_sentence_embedding(folder: str, text: str, pooling: str) -> list[float]:
-    """transformers' normalized sentence embedding of ``text``: the mean or the first of the last hidden states."""
+def hf_sentence_embedding(folder: str, text: str, pooling: str, dimensions: int | None = None) -> list[float]:
+    """transformers' normalized sentence embedding of ``text``: the mean or the first of the last hidden states,
+    through the folder's Dense modules, its first ``dimensions``."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
@@ -88,7 +109,13 @@ def hf_sentence_embedding(folder: str, text: str, pooling: str) -> list[float]:
     with torch.no_grad():
         hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
     vector = hidden.mean(0) if pooling == "mean" else hidden[0]
-    return torch.nn.functional.normalize(vector, dim=0).tolist()
+    modules = json.loads((Path(folder) / "modules.json").read_text()) if (Path(folder) / "modules.json").exists() else []
+    for module in modules:  # sentence-transformers' Dense projections (bias-free, Identity) after the pooling
+        if module["type"].endswith(".Dense"):
+            from safetensors.torch import load_file
+
+            vector = load_file(str(Path(folder) / module["path"] / "model.safetensors"))["linear.weight"] @ vector
+    return torch.nn.functional.normalize(vector[:dimensions], dim=0).tolist()
 
 
 def hf_pair_logits(folder: str, text_1: str, text_2: str | None = None) -> list[float]:

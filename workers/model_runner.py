@@ -25,6 +25,7 @@ from asyncllm.models.layers import TensorParallel
 from asyncllm.models.checkpoint import served_hf_config
 from asyncllm.models.loader import load_model, resolve_dtype, resolve_model_path
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec, kv_cache_torch_dtype
+from asyncllm.models.st_dense import load_dense_projection
 from asyncllm.protocol import CachedRequestData, LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.structured.bitmask import apply_grammar_bitmask
@@ -103,6 +104,9 @@ class ModelRunner:
         dtype = resolve_dtype(self.config.dtype, hf_config, self.device)
         model = load_model(self.config, hf_config, self.device, dtype, self.rank, self.tp_size)
         self.attach_model(model, kv_cache_spec(hf_config, self.tp_size), dtype)
+        if self.config.load_format != "dummy":  # sentence-transformers Dense modules after pooling
+            path = resolve_model_path(self.config.model, self.config.revision)
+            self.pooler.projection = load_dense_projection(path, self.device, dtype)
         self.hf_config = hf_config
         spec = self.config.scheduler_config.speculative
         if spec is not None and spec.uses_draft_model:  # a draft model, or an EAGLE head reading the target

@@ -7,7 +7,8 @@ the final hidden state of that last token (LAST pooling), or, for MEAN and CLS
 pooling, the float32 sum of every prompt row divided by their count, or the
 first prompt row, gathered by `Pooler.observe` over the request's chunks (the
 scheduler gives these requests no prefix-cache hits, so every prompt row is
-computed here; docs/embeddings.md). A classification request
+computed here; docs/embeddings.md), then through the checkpoint's
+sentence-transformers Dense modules where it has them. A classification request
 (``task="classify"``) gets the model's ``score`` head applied to the last row
 instead: its logits, in float32 (asyncllm/models/classifier.py).
 """
@@ -34,6 +35,9 @@ class Pooler:
         """Request id -> its `PoolingParams` (embedding and classification requests only)."""
         self.classifier: Callable[[torch.Tensor], torch.Tensor] | None = None
         """The model's ``classify`` (hidden -> float32 logits) when it has a score head, set with the model."""
+        self.projection: Callable[[torch.Tensor], torch.Tensor] | None = None
+        """The checkpoint's sentence-transformers Dense modules (asyncllm/models/st_dense.py), applied to each pooled
+        embedding before ``dimensions`` and the norm; None without any."""
         self.pooled: dict[str, tuple[torch.Tensor, int]] = {}
         """MEAN / CLS requests: the float32 sum of their prompt rows so far (CLS: the first row) and the row count."""
 
@@ -89,5 +93,7 @@ class Pooler:
         if params.task == "classify":
             assert self.classifier is not None, "the host sends classification requests to classifiers only"
             return self.classifier(hidden)
+        if self.projection is not None:
+            hidden = self.projection(hidden.to(next(self.projection.parameters()).dtype))  # type: ignore[attr-defined]
         vector = hidden[: params.dimensions].float()
         return F.normalize(vector, dim=0) if params.normalize is not False else vector

@@ -24,6 +24,7 @@ from asyncllm.models.architectures import (
     EMBEDDING_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
 )
+from asyncllm.models.st_dense import dense_modules
 from asyncllm.pooling import PoolingParams
 
 __all__ = ["ClassifierHead", "PoolingModel", "pooling_model_of", "sentence_transformers_pooling"]
@@ -180,4 +181,5 @@ def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
         return PoolingModel(architecture, False, ClassifierHead.from_hf_config(hf_config), own)
     default = "CLS" if architecture in ENCODER_ARCHITECTURES else "LAST"  # vLLM's defaults for each
     pooling_type = pooler.get("pooling_type") or sentence_transformers_pooling(path) or default
+    dense_modules(path)  # its Dense modules readable, their activations built (the workers apply them)
     return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES, None, pooling_type, normalize)

@@ -29,6 +29,7 @@ from asyncllm.models.architectures import (
 )
 from asyncllm.models.checkpoint import hf_config_json, prequantized_config, resolve_model_path, served_hf_config
 from asyncllm.pipeline_parallel import check_pipeline_model
+from asyncllm.models.st_dense import embedding_width
 from asyncllm.spec.draft_model import prepare_draft_model
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
@@ -49,7 +50,8 @@ class Prepared:
     lora: AdapterChecker | None = None
     """Checks requests' LoRA adapters against the model (enable_lora only)."""
     hidden_size: int = 0
-    """The model's embedding width (`PoolingParams.dimensions` may not exceed it)."""
+    """The model's embedding width, after any sentence-transformers Dense modules (`PoolingParams.dimensions` may not
+    exceed it)."""
     default_sampling: dict[str, Any] = field(default_factory=dict)
     """SamplingParams fields from the model's generation config (asyncllm/engine/defaults.py)."""
     pooling_model: PoolingModel | None = None
@@ -112,7 +114,8 @@ def prepare(config: EngineConfig) -> Prepared:
                                  mm_config.video_num_frames)
     config_json = hf_config_json(hf_config)
     return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
-                    config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora, text_config.hidden_size,
+                    config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora,
+                    embedding_width(path, text_config.hidden_size),
                     default_sampling_fields(_generation_config(config, path), path, config.override_generation_config),
                     pooling_model_of(arch, text_config, path, config.pooler_config))
 

@@ -96,12 +96,12 @@ def serves_text_only(arch: str, limits: dict[str, int] | None) -> bool:
     return arch in TEXT_ONLY_CAPABLE_ARCHITECTURES and limits is not None and not any(limits.values())
 
 
-ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel")
+ENCODER_EMBEDDING_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel", "ModernBertModel", "Gemma3TextModel")
 ENCODER_CLASSIFIER_ARCHITECTURES = ("BertForSequenceClassification", "RobertaForSequenceClassification",
                                     "XLMRobertaForSequenceClassification", "ModernBertForSequenceClassification")
 ENCODER_ARCHITECTURES = ENCODER_EMBEDDING_ARCHITECTURES + ENCODER_CLASSIFIER_ARCHITECTURES
-"""Bidirectional encoders (asyncllm/models/bert.py, modernbert.py): sentence-embedding models (bge, e5, gte,
-all-MiniLM, multilingual-e5, gte-modernbert) and cross-encoders (bge-reranker, ms-marco MiniLM, gte-reranker-modernbert); each prompt computed whole in one step, no
+"""Bidirectional encoders (asyncllm/models/bert.py, modernbert.py, embedding_gemma.py): sentence-embedding models
+(bge, e5, gte, all-MiniLM, multilingual-e5, gte-modernbert, EmbeddingGemma) and cross-encoders (bge-reranker, ms-marco MiniLM, gte-reranker-modernbert); each prompt computed whole in one step, no
 chunked prefill, no prefix caching (docs/embeddings.md, docs/pooling.md)."""
 EMBEDDING_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model") + ENCODER_EMBEDDING_ARCHITECTURES
 """Models without an LM head, which serve embeddings only (docs/embeddings.md): bare decoders (what ``AutoModel``

@@ -49,6 +49,7 @@ from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen3VLFor
 from asyncllm.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.modernbert import ModernBertEmbeddingModel, ModernBertForSequenceClassification
+from asyncllm.models.embedding_gemma import EmbeddingGemmaModel
 from asyncllm.models.moe import moe_parallel_problems
 from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
 from asyncllm.models.smollm3 import SmolLM3ForCausalLM
@@ -243,6 +244,7 @@ _MODELS: dict[str, type] = {
     "RobertaForSequenceClassification": BertForSequenceClassification,
     "XLMRobertaForSequenceClassification": BertForSequenceClassification,
     "ModernBertModel": ModernBertEmbeddingModel,
+    "Gemma3TextModel": EmbeddingGemmaModel,
     "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
     "LlamaForSequenceClassification": sequence_classifier(LlamaForCausalLM),
     "MistralForSequenceClassification": sequence_classifier(LlamaForCausalLM),

@@ -4,7 +4,7 @@ Three engines started together: a random EAGLE-3 head on the tiny Llama over two
 drafts almost all rejected) under chunked prefill, prefix-cache hits and preemption; and an EAGLE-1 head that
 computes its target exactly (a target whose next token depends on its last token only), whose every greedy draft
 must be accepted, which catches a draft read from the wrong token, hidden state or position; and the tiny
-DeepSeek-V3 with a multi-token-prediction layer drafting for itself (``method="mtp"``), also on two ranks.
+DeepSeek-V3 with a multi-token-prediction layer drafting for itself (``method="mtp"``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ async def engines(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory):
     exact = AsyncEngine(exact_target, disable_log_stats=True,
                         speculative_config={"method": "eagle", "model": exact_head, "num_speculative_tokens": 3})
     deepseek = add_mtp_layer(tiny_checkpoint("deepseek_v3"), str(root / "deepseek"))
-    mtp = AsyncEngine(deepseek, disable_log_stats=True, max_num_batched_tokens=32, tensor_parallel_size=2,
+    mtp = AsyncEngine(deepseek, disable_log_stats=True, max_num_batched_tokens=32,
                       speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
     pair = {"eagle3": (eagle3, tiny_llama), "exact": (exact, exact_target), "mtp": (mtp, deepseek)}
     try:

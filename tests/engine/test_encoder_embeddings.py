@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from encoder_utils import hf_pair_logits, hf_sentence_embedding, make_tiny_encoder
 
-from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+from asyncllm import AsyncEngine, InvalidRequestError, PoolingParams, SamplingParams
 
 TEXTS = ["what is paged attention?", "the engine", "a query of a document: 42 tokens, then more words!"]
 """The longest has 19 tokens: past ModernBERT's 4-token local reach."""
@@ -38,6 +38,19 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
         # alone in its step now: the products' shapes differ from the first batch's (which arrival timing decides),
         # so only the last bits may
         np.testing.assert_allclose(again, outs[1].embedding, rtol=0, atol=1e-6)
+
+
+async def test_embeddinggemma_with_its_dense_projections_equals_transformers(tmp_path) -> None:
+    """EmbeddingGemma's form: Gemma 3 layers attending both ways (within 4 positions in the sliding layers; the
+    prompts are longer), mean pooling, two Dense projections (32 -> 48 -> 32), Matryoshka truncation after them."""
+    path = make_tiny_encoder(tmp_path / "gemma", "embeddinggemma", pooling="mean", dense=(48, 32))
+    async with AsyncEngine(path, disable_log_stats=True) as engine:
+        assert (engine.config.enable_chunked_prefill, engine.config.enable_prefix_caching) == (False, False)
+        outs = await asyncio.gather(*(engine.embed(text) for text in TEXTS), engine.embed(TEXTS[2], PoolingParams(dimensions=16)))
+        for out, text, dims in zip(outs, TEXTS + TEXTS[2:], (None, None, None, 16)):
+            expected = hf_sentence_embedding(path, text, "mean", dims)
+            assert len(out.embedding) == (dims or 32)
+            assert np.abs(np.array(out.embedding) - np.array(expected)).max() < 1e-5, text
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])  # ModernBERT's head: tests/unit/test_bert_model.py

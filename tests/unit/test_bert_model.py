@@ -86,3 +86,39 @@ def test_modernbert_classifier_equals_transformers_past_its_local_window(pooling
             pooled = rows.mean(0) if pooling == "mean" else rows[0]
             expected = reference(torch.tensor([prompt])).logits[0]
             torch.testing.assert_close(model.classify(pooled), expected, atol=1e-5, rtol=0)
+
+
+def test_embeddinggemma_reads_transformers_bidirectional_window_from_a_loaded_config_and_the_workers_copy() -> None:
+    """transformers' Gemma 3 config converts config.json's ``sliding_window`` (512 -> 257: keys less than 257 away)
+    on load and writes the unconverted value back; the workers' copy of the config holds that unconverted one."""
+    from transformers import Gemma3TextConfig
+
+    from asyncllm.errors import NotBuiltError
+    from asyncllm.models.checkpoint import hf_config_from_json, hf_config_json
+    from asyncllm.models.embedding_gemma import EmbeddingGemmaModel, bidirectional_window
+
+    config = Gemma3TextConfig(sliding_window=512, use_bidirectional_attention=True)
+    assert config.sliding_window == 257
+    assert bidirectional_window(config) == bidirectional_window(hf_config_from_json(hf_config_json(config))) == 257
+    with pytest.raises(NotBuiltError, match="a Gemma3TextModel with causal attention"):
+        EmbeddingGemmaModel(Gemma3TextConfig(), dtype=torch.float32, tp=TensorParallel(0, 1), attn_backend=None,
+                            max_position=64)
+
+
+def test_a_dense_module_whose_activation_is_not_applied_is_refused_by_name(tmp_path) -> None:
+    import json
+
+    from asyncllm.errors import NotBuiltError
+    from asyncllm.models.st_dense import dense_modules, embedding_width
+
+    (tmp_path / "modules.json").write_text(json.dumps([
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]))
+    (tmp_path / "2_Dense").mkdir()
+    config = {"in_features": 8, "out_features": 4, "bias": True}  # sentence-transformers' default: Tanh
+    (tmp_path / "2_Dense" / "config.json").write_text(json.dumps(config))
+    assert [(m.out_features, m.bias, m.activation) for m in dense_modules(str(tmp_path))] == [(4, True, "tanh")]
+    assert embedding_width(str(tmp_path), 8) == 4 and embedding_width(None, 8) == 8
+    config["activation_function"] = "torch.nn.modules.activation.ReLU"
+    (tmp_path / "2_Dense" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotBuiltError, match="Dense module with torch.nn.modules.activation.ReLU"):
+        dense_modules(str(tmp_path))

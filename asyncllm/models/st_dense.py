@@ -1,0 +1,84 @@
+"""sentence-transformers' Dense modules: projections an embedding checkpoint applies after pooling.
+
+A checkpoint folder's ``modules.json`` lists its pipeline (Transformer, Pooling, then any Dense layers, then
+Normalize). Each Dense module has a ``config.json`` (``in_features``, ``out_features``, ``bias``,
+``activation_function``) and its weights (``linear.weight``, ``linear.bias``) in its own folder. EmbeddingGemma
+projects its 768-wide mean to 3072 and back to 768 this way; LaBSE and others use one Tanh layer.
+`dense_modules` reads them (the host checks them before anything starts); `load_dense_projection` builds them in a
+worker, applied to each pooled embedding before ``dimensions`` and the L2 norm (workers/pooler.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.errors import ConfigError, NotBuiltError
+
+__all__ = ["DenseModule", "dense_modules", "embedding_width", "load_dense_projection"]
+
+_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity", "torch.nn.modules.activation.Tanh": "tanh"}
+"""sentence-transformers' ``activation_function`` names asyncllm applies (its default is Tanh)."""
+
+
+@dataclass(frozen=True)
+class DenseModule:
+    folder: str
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
+    """``identity`` or ``tanh``."""
+
+
+def dense_modules(path: str | None) -> list[DenseModule]:
+    """The folder's Dense modules in pipeline order (none without a ``modules.json``)."""
+    if path is None or not os.path.isfile(os.path.join(path, "modules.json")):
+        return []
+    with open(os.path.join(path, "modules.json")) as f:
+        modules = json.load(f)
+    out = []
+    for module in modules:
+        if not str(module.get("type", "")).endswith(".Dense"):
+            continue
+        folder = os.path.join(path, module.get("path", ""))
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+        name = config.get("activation_function", "torch.nn.modules.activation.Tanh")
+        if name not in _ACTIVATIONS:
+            raise NotBuiltError("model", name, f"a sentence-transformers Dense module with {name} (built: "
+                                               f"{', '.join(_ACTIVATIONS)})")
+        out.append(DenseModule(folder, int(config["in_features"]), int(config["out_features"]),
+                               bool(config.get("bias", True)), _ACTIVATIONS[name]))
+    return out
+
+
+def embedding_width(path: str | None, hidden_size: int) -> int:
+    """The width of the model's embeddings: the last Dense module's output, else the hidden size."""
+    modules = dense_modules(path)
+    return modules[-1].out_features if modules else hidden_size
+
+
+def load_dense_projection(path: str, device: Any, dtype: Any) -> Any:
+    """The Dense modules as one ``torch.nn.Sequential`` on ``device`` (``dtype``), None without any."""
+    from torch import nn
+
+    from asyncllm.models.loader import checkpoint_files, iterate_safetensors
+    from asyncllm.models.layers import copy_weight
+
+    layers: list[nn.Module] = []
+    for module in dense_modules(path):
+        linear = nn.Linear(module.in_features, module.out_features, bias=module.bias, device=device, dtype=dtype)
+        weights = dict(iterate_safetensors(checkpoint_files(module.folder)))
+        for name, param in linear.named_parameters():
+            if f"linear.{name}" not in weights:
+                raise ConfigError("model", module.folder, f"a Dense module with linear.{name}")
+            try:
+                copy_weight(param.data, weights[f"linear.{name}"])
+            except ValueError as exc:
+                raise ConfigError("model", module.folder, f"linear.{name} as its config.json shapes it, but it "
+                                                          f"{exc}") from exc
+        layers += [linear] if module.activation == "identity" else [linear, nn.Tanh()]
+    return nn.Sequential(*layers).requires_grad_(False) if layers else None
