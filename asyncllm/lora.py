@@ -38,6 +38,8 @@ gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_u
 DeltaNet's projections (``linear_attn.*``)."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM",)
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
+FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
+"""Architectures whose checkpoints hold gate/up fused (``gate_up_proj``) and q, k, v apart (GLM, GLM-4)."""
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
 """An image-text checkpoint's language model (transformers 5's names, then older ones) -> the decoder's names."""
 _UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
@@ -119,17 +121,20 @@ def read_adapter(path: str) -> Adapter:
 
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """(input features, output features) of every adaptable projection of the model, by projection name
-    (the checkpoint's names: fused ``qkv_proj`` and ``gate_up_proj`` for `FUSED_LORA_ARCHITECTURES`)."""
+    (the checkpoint's names: fused ``qkv_proj`` and ``gate_up_proj`` for `FUSED_LORA_ARCHITECTURES`, ``gate_up_proj``
+    for `FUSED_MLP_LORA_ARCHITECTURES`)."""
     hidden = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q = hf_config.num_attention_heads * head_dim
     kv = hf_config.num_key_value_heads * head_dim
     inter = hf_config.intermediate_size
     shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden)}
-    if _architecture(hf_config) in FUSED_LORA_ARCHITECTURES:
+    arch = _architecture(hf_config)
+    if arch in FUSED_LORA_ARCHITECTURES:
         return {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter), **shared}
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "gate_proj": (hidden, inter),
-              "up_proj": (hidden, inter), **shared}
+    mlp = ({"gate_up_proj": (hidden, 2 * inter)} if arch in FUSED_MLP_LORA_ARCHITECTURES
+           else {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)})
+    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), **mlp, **shared}
     return {**shapes, **_linear_attention_shapes(hf_config, hidden, q)} if hasattr(hf_config, "linear_num_key_heads") \
         else shapes
 

@@ -90,12 +90,10 @@ def prepare(config: EngineConfig) -> Prepared:
     lora = None
     if config.enable_lora:
         if (multimodal or arch in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
-            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (text decoders: Llama, Mistral, "
-                                                     "Qwen2, Qwen3, Qwen3.5, Gemma 2, Gemma 3, Gemma 4, Phi-3, Granite, "
-                                                     "OLMo 2, ERNIE 4.5, Command R, Helium, the attention of Mixtral, Qwen2-MoE, Qwen3-MoE; and "
-                                                     "the decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5; "
-                                                     "Gemma 3 / Gemma 4 image-text checkpoints as text: "
-                                                     "limit_mm_per_prompt={'image': 0})")
+            raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (docs/models.md lists the "
+                                                     "architectures that take them; image-text checkpoints: the "
+                                                     "decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5, and "
+                                                     "Gemma 3 / Gemma 4 served as text: limit_mm_per_prompt={'image': 0})")
         lora = AdapterChecker(text_config, config.max_lora_rank)
     mm = None
     if multimodal:
@@ -134,16 +132,9 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = ("GptOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM", "Ernie4_5_MoeForCausalLM",
-            "ArceeForCausalLM", "ApertusForCausalLM", "GemmaForCausalLM",
-            "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
-            "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM",
-            "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM", "Dots1ForCausalLM", "Llama4ForCausalLM",
-            "Llama4ForConditionalGeneration", "ExaoneMoeForCausalLM", "VaultGemmaForCausalLM",
-            "GraniteMoeSharedForCausalLM", "FlexOlmoForCausalLM", "PhiForCausalLM", "StableLmForCausalLM",
-            "NemotronForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM",
-            "GPTJForCausalLM", "FalconForCausalLM", "OlmoForCausalLM", "Jais2ForCausalLM", "YoutuForCausalLM",
-            "PhimoeForCausalLM",
+_NO_LORA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
+            "YoutuForCausalLM", "Llama4ForConditionalGeneration", "PhiForCausalLM", "GPTNeoXForCausalLM",
+            "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
             *(a for a in HYBRID_ARCHITECTURES if not a.startswith("Qwen3_5")),
             *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
@@ -151,8 +142,11 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "Qwen3_5MoeForConditionalGeneration")
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is
 refused)."""
-"""gpt-oss's and Arcee's adapters are untested; GLM's, ERNIE's and Cohere's q and k rows are reordered at load
-(asyncllm/models/glm4.py), which an adapter's would need too; the encoders' projections have no adapter layers."""
+"""Latent attention (DeepSeek, GLM-4.7-Flash, Mistral 4, Youtu: its kv_b_proj is absorbed into other matrices) and
+the families whose projections have other names (Phi-1/2, GPT-NeoX, GPT-2, GPTBigCode, OPT, GPT-J, Falcon) take no
+adapters; nor do the hybrids' mixers, the encoders, or Llama 4's image-text checkpoints (their adapters' names
+untested). Every other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py:
+logits equal PEFT's)."""
 
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);

@@ -1,4 +1,6 @@
-"""LoRA on Gemma 2, Gemma 3, Phi-3, Granite, OLMo 2, ERNIE 4.5, Command R and Helium in process: every position's logits equal PEFT's (fp32, 1e-4), for a
+"""LoRA in process on every family that takes adapters beyond Llama's and Qwen's (Gemma 1-3, Phi-3, Granite, OLMo 1-2,
+ERNIE 4.5, Command R, Helium, GLM, GLM-4, Arcee, Apertus, VaultGemma, Nemotron, Jais 2, StableLM, CWM; the
+attention of gpt-oss, Llama 4 and the other mixtures of experts): every position's logits equal PEFT's (fp32, 1e-4), for a
 sequence with the adapter batched with one without it; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` adapters
 split per part over two tensor-parallel ranks; the host's check of fused and separate module names.
 Through the whole engine: tests/engine/test_lora_engine.py."""
@@ -25,6 +27,7 @@ from asyncllm.tiny import tiny_checkpoint
 
 ATOL = 1e-4
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 SLOTS, MAX_RANK, SLOT = 2, 8, 1
 """The adapter goes in slot 1 of 2 (slot 0 stays empty)."""
 ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate; Phi-3: the fused ones)
@@ -36,6 +39,14 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     # interleaved rotaries: the q/k rows, and so their B rows, reordered at load
     "ernie4_5": dict(seed=26, rank=4, alpha=8), "cohere": dict(seed=27, rank=8, alpha=16),
     "helium": dict(seed=28, rank=4, alpha=8),
+    # every linear projection PEFT finds (fused gate_up in GLM's; no gate in Arcee's, Nemotron's, Jais 2's, ...)
+    **{arch: dict(seed=30 + i, rank=4, alpha=4, targets="all-linear") for i, arch in enumerate(
+        ("gemma", "arcee", "apertus", "vaultgemma", "nemotron", "olmo", "jais2", "glm", "glm4", "stablelm", "cwm"))},
+    # mixtures of experts: the attention's projections (their experts and routers take none)
+    **{arch: dict(seed=50 + i, rank=4, alpha=8, targets=ATTENTION) for i, arch in enumerate(
+        ("gpt_oss", "llama4", "phimoe", "glm4_moe", "flex_olmo", "dots1", "minimax_m2", "exaone_moe", "ernie4_5_moe",
+         "solar_open", "sarvam_moe"))},
+    "granitemoeshared": dict(seed=70, rank=8, alpha=32, targets=ATTENTION),
 }
 
 
@@ -135,3 +146,9 @@ def test_the_host_checks_fused_and_separate_module_names(adapters: dict[str, str
         llama.check(LoRARequest("p", 1, adapters["phi3"]))
     gemma = AdapterChecker(load_hf_config(tiny_checkpoint("gemma2")), max_lora_rank=8)
     assert gemma.check(LoRARequest("g", 1, adapters["gemma2"])).lora_path == adapters["gemma2"]
+    # GLM-4: its checkpoint's gate_up_proj fused, q, k and v apart; every other family's adapters as they were made
+    for arch in ("glm4", "gpt_oss", "arcee", "llama4"):
+        checker = AdapterChecker(load_hf_config(tiny_checkpoint(arch)), max_lora_rank=8)
+        assert checker.check(LoRARequest(arch, 1, adapters[arch])).lora_path == adapters[arch]
+    with pytest.raises(InvalidRequestError, match="Glm4ForCausalLM has no gate_proj to adapt"):
+        AdapterChecker(load_hf_config(tiny_checkpoint("glm4")), max_lora_rank=8).check(LoRARequest("g", 1, adapters["gemma2"]))
