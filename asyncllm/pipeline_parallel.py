@@ -25,7 +25,20 @@ _FIELD = "pipeline_parallel_size"
 PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                           "Gemma3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                          "GptOssForCausalLM")
+                          "GptOssForCausalLM",
+                          # the same decoder stack under the other families' layers
+                          "GemmaForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GlmForCausalLM",
+                          "Glm4ForCausalLM", "HeliumForCausalLM", "HunYuanDenseV1ForCausalLM", "SeedOssForCausalLM",
+                          "SmolLM3ForCausalLM", "Starcoder2ForCausalLM", "Olmo3ForCausalLM", "MinistralForCausalLM",
+                          "Ministral3ForCausalLM", "ArceeForCausalLM", "ApertusForCausalLM", "CwmForCausalLM",
+                          "VaultGemmaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Jais2ForCausalLM",
+                          "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
+                          "FalconForCausalLM", "GraniteMoeForCausalLM", "OlmoeForCausalLM", "FlexOlmoForCausalLM",
+                          "PhimoeForCausalLM", "Dots1ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM",
+                          "ExaoneMoeForCausalLM", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
+                          "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Llama4ForCausalLM", "DeepseekV2ForCausalLM",
+                          "DeepseekV3ForCausalLM", "GraniteMoeSharedForCausalLM", "YoutuForCausalLM",
+                          "Mistral4ForCausalLM", "Glm4MoeLiteForCausalLM")
 """The causal LMs on `LlamaForCausalLM`'s decoder stack (embeddings, layers passing (hidden, residual), final
 norm, LM head) that run split into stages; each is tested against its unsplit model (tests/unit)."""
 

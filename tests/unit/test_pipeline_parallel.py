@@ -83,9 +83,17 @@ def test_more_stages_than_layers_is_a_config_error_at_start() -> None:
 
 CASES = [("llama", 3, 2), ("llama", 3, 3), ("llama", 5, 2), ("mistral", 2, 2), ("qwen2", 2, 2), ("qwen3", 2, 2),
          ("granite", 2, 2), ("olmo2", 2, 2), ("gemma2", 2, 2), ("gemma3", 2, 2), ("phi3", 2, 2), ("mixtral", 2, 2),
-         ("qwen3_moe", 2, 2), ("gpt_oss", 2, 2)]
+         ("qwen3_moe", 2, 2), ("gpt_oss", 2, 2),
+         *((arch, 2, 2) for arch in (
+             "gemma", "ernie4_5", "exaone4", "glm", "glm4", "helium", "hunyuan_v1_dense", "seed_oss", "smollm3",
+             "starcoder2", "olmo3", "ministral", "ministral3", "arcee", "apertus", "cwm", "vaultgemma", "nemotron",
+             "olmo", "jais2", "stablelm", "phi", "gpt_neox", "gptj", "falcon", "granitemoe", "olmoe", "flex_olmo",
+             "phimoe", "dots1", "glm4_moe", "minimax_m2", "exaone_moe", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open",
+             "sarvam_moe", "llama4", "deepseek_v2", "deepseek_v3", "granitemoeshared", "youtu", "mistral4",
+             "glm4_moe_lite"))]
 """(family, layers, stages): the odd splits on Llama, every family of PIPELINE_ARCHITECTURES (Granite and Gemma
-tie their LM head to the embeddings, the MoE families load per-expert tensors); Qwen2-MoE as Qwen3-MoE."""
+tie their LM head to the embeddings, the MoE families load per-expert tensors, DeepSeek's latent attention keeps a
+one-part cache per stage); Qwen2-MoE as Qwen3-MoE."""
 
 
 @pytest.mark.parametrize(("arch", "num_layers", "pp"), CASES, ids=[f"{a}-{n}L-pp{p}" for a, n, p in CASES])
