@@ -98,6 +98,9 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
                                              f"(it reads {hidden})")
     if method == "eagle":
         return
+    if (getattr(head_config, "eagle_config", None) or {}).get("use_aux_hidden_state", True) is False:
+        raise NotBuiltError(_FIELD, spec_dict, "an EAGLE-3 head without the target's layer inputs "
+                                               "(eagle_config.use_aux_hidden_state=false)")
     num_layers = target_config.num_hidden_layers
     layers = eagle3_aux_layers(head_config, num_layers)
     if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
