@@ -31,22 +31,22 @@ def make_adapter(base_path: str, out_dir: str, seed: int, rank: int = 8, alpha: 
 
 
 @functools.lru_cache(maxsize=None)
-def _peft_model(base_path: str, adapter_path: str):
+def _peft_model(base_path: str, adapter_path: str, auto_class: Any = None):
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = (auto_class or AutoModelForCausalLM).from_pretrained(base_path, dtype=torch.float32)
     return PeftModel.from_pretrained(model, adapter_path).eval()
 
 
 def peft_greedy(base_path: str, adapter_path: str, prompt_ids: list[int], max_new_tokens: int,
-                **generate_kwargs: Any) -> list[int]:
-    """PEFT's greedy `generate` with the adapter (unmerged: base output plus the scaled B A product);
-    `generate_kwargs` go to `generate`."""
+                auto_class: Any = None, **generate_kwargs: Any) -> list[int]:
+    """PEFT's greedy `generate` with the adapter (unmerged: base output plus the scaled B A product) on the model
+    ``auto_class`` loads (default ``AutoModelForCausalLM``); `generate_kwargs` go to `generate`."""
     import torch
 
-    model = _peft_model(base_path, os.path.abspath(adapter_path))
+    model = _peft_model(base_path, os.path.abspath(adapter_path), auto_class)
     with torch.no_grad():
         out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
                              attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), **generate_kwargs)

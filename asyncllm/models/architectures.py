@@ -78,7 +78,8 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
 """Architectures that take images (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too."""
 TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-                                   "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration")
+                                   "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration",
+                                   "Mistral3ForConditionalGeneration")
 """Image-text architectures that can serve text alone, their vision tower unread (vLLM's language-model-only mode:
 ``limit_mm_per_prompt`` of 0 images and 0 videos; asyncllm/models/registry.py names the classes)."""
 

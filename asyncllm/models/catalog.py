@@ -60,8 +60,9 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     for arch in sorted(set(SUPPORTED_ARCHITECTURES)):
         multimodal = arch in MULTIMODAL_ARCHITECTURES
         lora = arch in LORA_MULTIMODAL_ARCHITECTURES or not (multimodal or arch in _NO_LORA)
-        out.append((arch, _kind(arch), "yes" if arch in PIPELINE_ARCHITECTURES else "", "yes" if lora else "",
-                    _doc(arch)))
+        as_text = arch in TEXT_ONLY_CAPABLE_ARCHITECTURES and arch not in _NO_LORA
+        out.append((arch, _kind(arch), "yes" if arch in PIPELINE_ARCHITECTURES else "",
+                    "yes" if lora else "as text" if as_text else "", _doc(arch)))
     return out
 
 

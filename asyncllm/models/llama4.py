@@ -30,7 +30,7 @@ from asyncllm.models.llama import (
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.qwen3_vl_moe import split_fused_experts
-from asyncllm.models.vision_language import decoder_weight_name, text_config_of
+from asyncllm.models.vision_language import text_only_class
 
 __all__ = ["Llama4ForCausalLM", "Llama4TextOnly"]
 
@@ -139,14 +139,6 @@ class Llama4ForCausalLM(MoECausalLM, LlamaForCausalLM):
         return super().load_weights(split_fused_experts(renamed, *self.expert_sizes))
 
 
-class Llama4TextOnly(Llama4ForCausalLM):
-    """A ``Llama4ForConditionalGeneration`` checkpoint's language model, for text prompts (the vision model and its
-    projector are not read)."""
-
-    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        super().__init__(text_config_of(hf_config), **kwargs)
-
-    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        encoder = ("vision_model.", "multi_modal_projector.")
-        return super().load_weights((text, w) for name, w in weights
-                                    if (text := decoder_weight_name(name, encoder)) is not None)
+Llama4TextOnly = text_only_class(Llama4ForCausalLM, ("vision_model.", "multi_modal_projector."))
+"""A ``Llama4ForConditionalGeneration`` checkpoint's language model, for text prompts (the vision model and its
+projector are not read)."""

@@ -26,7 +26,8 @@ from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.ministral3 import Ministral3ForCausalLM
 from asyncllm.models.pixtral import Mistral3Projector, PixtralVisionTower
-from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
+from asyncllm.models.vision_language import (VisionLanguageModel, build_decoder, load_vision_language_weights,
+                                             text_config_of, text_only_class)
 
 __all__ = ["Mistral3ForConditionalGeneration", "PixtralLlavaForConditionalGeneration"]
 
@@ -44,6 +45,15 @@ def _grid(hf_config: Any, pixel_shape: tuple[int, ...]) -> tuple[int, int]:
     """(rows, cols) of merged patches of an image of ``(3, H, W)`` pixels (Pixtral-12B merges none)."""
     unit = hf_config.vision_config.patch_size * getattr(hf_config, "spatial_merge_size", 1)
     return pixel_shape[-2] // unit, pixel_shape[-1] // unit
+
+
+def mistral3_text_only(hf_config: Any) -> type:
+    """A Mistral 3 checkpoint's language model for text prompts (``limit_mm_per_prompt`` of 0 images: Mistral Small
+    3.1 / 3.2, Magistral Small as text), its decoder by ``text_config.model_type``; the tower is not read."""
+    model_type = text_config_of(hf_config).model_type
+    if model_type not in _DECODERS:
+        raise NotBuiltError("text_config.model_type", model_type, f"a Mistral 3 decoder of type {', '.join(_DECODERS)}")
+    return text_only_class(_DECODERS[model_type], ("vision_tower.", "multi_modal_projector."))
 
 
 class Mistral3ForConditionalGeneration(VisionLanguageModel):

@@ -43,7 +43,8 @@ from asyncllm.models.llava import LlavaForConditionalGeneration
 from asyncllm.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 from asyncllm.models.llava_next import LlavaNextForConditionalGeneration
 from asyncllm.models.llava_onevision import LlavaOnevisionForConditionalGeneration
-from asyncllm.models.mistral3 import Mistral3ForConditionalGeneration, PixtralLlavaForConditionalGeneration
+from asyncllm.models.mistral3 import (Mistral3ForConditionalGeneration, PixtralLlavaForConditionalGeneration,
+                                      mistral3_text_only)
 from asyncllm.models.internvl import InternVLForConditionalGeneration
 from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
 from asyncllm.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
@@ -254,10 +255,13 @@ _MODELS: dict[str, type] = {
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 
 
-_TEXT_ONLY: dict[str, type[CausalLM]] = {"Gemma3ForConditionalGeneration": Gemma3TextOnly,
-                                         "Gemma4ForConditionalGeneration": Gemma4TextOnly,
-                                         "Qwen3_5ForConditionalGeneration": Qwen3_5TextOnly,
-                                         "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOnly}
+_TEXT_ONLY: dict[str, Any] = {"Gemma3ForConditionalGeneration": Gemma3TextOnly,
+                              "Gemma4ForConditionalGeneration": Gemma4TextOnly,
+                              "Qwen3_5ForConditionalGeneration": Qwen3_5TextOnly,
+                              "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOnly,
+                              "Mistral3ForConditionalGeneration": mistral3_text_only}
+"""Each text-only-capable architecture's text model: its class, or a function of the config naming it (Mistral 3:
+by its decoder's type)."""
 assert set(_TEXT_ONLY) == set(TEXT_ONLY_CAPABLE_ARCHITECTURES)
 
 
@@ -266,7 +270,8 @@ def get_model_class(hf_config: Any, limits: dict[str, int] | None = None) -> typ
     ``limit_mm_per_prompt`` given); `NotBuiltError` for any other."""
     arch = architecture_of(hf_config)
     if serves_text_only(arch, limits):
-        return _TEXT_ONLY[arch]
+        text_only = _TEXT_ONLY[arch]
+        return text_only if isinstance(text_only, type) else text_only(hf_config)
     variant = _VARIANTS.get(arch)
     return variant(hf_config) if variant is not None else _MODELS[arch]
 

@@ -10,6 +10,7 @@ projections, TP shards), the encoder's straight to their parameters (whose
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any, Callable, Iterable
 
 import torch
@@ -20,7 +21,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.models.layers import LoadedWeight, default_weight_loader
 
 __all__ = ["VisionLanguageModel", "build_decoder", "decoder_weight_name", "load_vision_language_weights",
-           "text_config_of", "vision_language_weight_names"]
+           "text_config_of", "text_only_class", "vision_language_weight_names"]
 
 
 def text_config_of(hf_config: Any) -> Any:
@@ -44,6 +45,23 @@ def decoder_weight_name(name: str, encoder_prefixes: tuple[str, ...]) -> str | N
     if name.startswith("language_model."):
         return "model." + name.removeprefix("language_model.")
     return name
+
+
+@functools.lru_cache(maxsize=None)
+def text_only_class(decoder_cls: type, encoder_prefixes: tuple[str, ...]) -> type:
+    """An image-text checkpoint's language model as a text model: ``decoder_cls`` over `text_config_of`, reading the
+    decoder's weights under either layout (`decoder_weight_name`) and not the encoder's (``encoder_prefixes``)."""
+
+    class TextOnly(decoder_cls):  # type: ignore[valid-type, misc]
+        def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+            super().__init__(text_config_of(hf_config), **kwargs)
+
+        def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+            return super().load_weights((text, w) for name, w in weights
+                                        if (text := decoder_weight_name(name, encoder_prefixes)) is not None)
+
+    TextOnly.__name__ = TextOnly.__qualname__ = f"{decoder_cls.__name__}TextOnly"
+    return TextOnly
 
 
 def load_vision_language_weights(model: nn.Module, weights: Iterable[tuple[str, LoadedWeight]],

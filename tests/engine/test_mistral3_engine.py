@@ -1,16 +1,18 @@
 """Mistral 3 (Pixtral tower) end to end: images whose rows of ``[IMG]`` are closed by ``[IMG_BREAK]`` / ``[IMG_END]``
 tokens that keep their own embeddings, token for token equal to transformers with images split across prefill
-chunks, beside text-only requests, from the prefix cache, in chat, and under Ministral 3's decoder."""
+chunks, beside text-only requests, from the prefix cache, in chat, and under Ministral 3's decoder; served as text
+alone with a LoRA adapter on its language model."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
+from lora_utils import make_adapter, peft_greedy
 from mistral3_utils import IMAGE, hf_mistral3_greedy, make_tiny_mistral3
 from mm_utils import make_image
 
-from asyncllm import AsyncEngine, SamplingParams
+from asyncllm import AsyncEngine, LoRARequest, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -79,3 +81,22 @@ async def test_pixtral_12b_llava_checkpoint_matches_transformers(tmp_path_factor
                                       for t, i in zip(texts, images)))
     expected = [hf_mistral3_greedy(path, t, [i], 8, unit=14) for t, i in zip(texts, images)]
     assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == expected
+
+
+async def test_served_as_text_with_a_lora_adapter_on_its_language_model(mistral3, tmp_path):
+    """``limit_mm_per_prompt={"image": 0}``: the language model alone (the tower unread), adapters on it (PEFT's
+    names under ``model.language_model.``): transformers' and PEFT's greedy tokens."""
+    from transformers import AutoModelForImageTextToText
+
+    adapter = make_adapter(mistral3, str(tmp_path / "adapter"), seed=1, rank=4, alpha=8,
+                           targets=["q_proj", "v_proj", "o_proj"], auto_class=AutoModelForImageTextToText)
+    prompt = "[INST]what is paged attention?[/INST]"
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    async with AsyncEngine(mistral3, enable_lora=True, limit_mm_per_prompt={"image": 0},
+                           disable_log_stats=True) as engine:
+        base, adapted = await asyncio.gather(engine.generate(prompt, params),
+                                             engine.generate(prompt, params, lora_request=LoRARequest("a", 1, adapter)))
+    prompt_ids, expected = hf_mistral3_greedy(mistral3, prompt, [], 8)
+    assert base.token_ids == expected
+    assert adapted.token_ids == peft_greedy(mistral3, adapter, prompt_ids, 8, auto_class=AutoModelForImageTextToText)
+    assert adapted.token_ids != base.token_ids
