@@ -121,6 +121,10 @@ def _check_mtp_target(spec_dict: dict, target_config: Any) -> None:
     if arch not in MTP_ARCHITECTURES:
         raise NotBuiltError(_FIELD, spec_dict, f"multi-token prediction for {arch} (built for "
                                                f"{', '.join(MTP_ARCHITECTURES)})")
-    if not getattr(target_config, "num_nextn_predict_layers", 0):
+    layers = getattr(target_config, "num_nextn_predict_layers", 0) or 0
+    if not layers:
         raise ConfigError(_FIELD, spec_dict, "a target with multi-token-prediction layers "
                                              "(its config.json has num_nextn_predict_layers=0 or none)")
+    if layers > 1:
+        raise NotBuiltError(_FIELD, spec_dict, f"num_nextn_predict_layers={layers} (one MTP layer, drafting again "
+                                               "from its own output)")

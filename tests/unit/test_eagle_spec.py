@@ -164,6 +164,10 @@ def test_mtp_is_refused_by_name_where_the_target_has_no_layer_to_read(tiny_llama
         prepare_draft_model(spec_dict, spec, load_hf_config(tiny_llama), 1, 128, False)
     from asyncllm.tiny import tiny_checkpoint
 
+    deepseek = load_hf_config(tiny_checkpoint("deepseek_v3"))
+    deepseek.num_nextn_predict_layers = 2
+    with pytest.raises(NotBuiltError, match="num_nextn_predict_layers=2"):
+        prepare_draft_model(spec_dict, spec, deepseek, 1, 128, False)
     without = tiny_checkpoint("deepseek_v3")  # config.json says num_nextn_predict_layers=1, its weights have none
     with pytest.raises(ConfigError, match=r"multi-token-prediction layer \(model.layers.2.\*\); this one has none"):
         _runner.__wrapped__(without, "", "mtp")
