@@ -125,6 +125,8 @@ def load_image_processor(model_path: str, overrides: dict[str, Any]) -> Any:
 
 _REQUEST_PROCESSORS = 8
 """Image processors kept for requests' distinct ``mm_processor_kwargs``."""
+_LAYOUTS = 4096
+"""Tiled images whose layout (`mm_image_pieces`) the processor keeps, so a repeat needs no processing."""
 
 
 def overridden_key(key: str, overrides: dict[str, Any]) -> str:
@@ -169,6 +171,8 @@ class MultiModalProcessor:
         """Whether an image's rows attend to each other both ways (`MultiModalItem.bidirectional`)."""
         self._image_pieces = getattr(model_cls, "mm_image_pieces", None)
         """An image as several items with text between them (Idefics3's tiles); None: one item per image."""
+        self._layouts: OrderedDict[str, list[Any]] = OrderedDict()
+        """Such an image's pieces by its key, the last `_LAYOUTS` images' (what its processing decided)."""
         call_kwargs = getattr(model_cls, "mm_processor_call_kwargs", None)
         self._call_kwargs: dict[str, Any] = call_kwargs(hf_config) if call_kwargs is not None else {}
         """What the model's HF processor passes its image processor per call (Mistral 3's patch size)."""
@@ -314,18 +318,32 @@ class MultiModalProcessor:
     def _tiled_image(self, image: ImageInput, uuid: str | None, field: str, expanded: list[int],
                      items: list[MultiModalItem], inline: bool, overrides: dict[str, Any]) -> None:
         """Append an image's pieces (the model's ``mm_image_pieces``: text, one item's placeholders, text) to
-        ``expanded`` and ``items``. The layout comes from the processor's output, so the image is processed every
-        time; its pieces still cross as keys when the core holds them."""
+        ``expanded`` and ``items``. The layout comes from the processor's output and is kept by the image's key
+        (`_layouts`): an image seen before whose pieces the core still holds is not decoded nor processed again,
+        its pieces cross as keys."""
         raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field)
         key = overridden_key(key, overrides)
-        decoded = decode_image(raw if raw is not None else read_image(image, field), field, self.max_image_pixels)
-        processed = self._processor_output(decoded, field, overrides)
-        tiles = self._model_cls.mm_pixel_values(processed)
-        for index, piece in enumerate(self._image_pieces(self._hf_config, self.tokenizer, processed)):
+        tiles = None
+
+        def process() -> Any:
+            decoded = decode_image(raw if raw is not None else read_image(image, field), field, self.max_image_pixels)
+            return self._processor_output(decoded, field, overrides)
+
+        pieces = self._layouts.get(key)
+        if pieces is None:
+            processed = process()
+            tiles = self._model_cls.mm_pixel_values(processed)
+            pieces = self._image_pieces(self._hf_config, self.tokenizer, processed)
+            self._layouts[key] = pieces
+            if len(self._layouts) > _LAYOUTS:
+                self._layouts.popitem(last=False)
+        self._layouts.move_to_end(key)
+        for index, piece in enumerate(pieces):
             expanded += piece.before
             piece_key = overridden_key(key, {"piece": index})
             item = self._lookup(piece_key, len(expanded), inline)
             if item is None:
+                tiles = self._model_cls.mm_pixel_values(process()) if tiles is None else tiles
                 item = self._record(piece_key, len(expanded), tiles[piece.frames], inline)
             items.append(item)
             expanded += [self.image_token_id] * item.length + piece.after

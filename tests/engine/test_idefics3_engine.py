@@ -78,3 +78,28 @@ async def test_smolvlm_matches_transformers(tmp_path):
         hf = model.generate(input_ids=torch.tensor([out.prompt_token_ids]), pixel_values=pixels["pixel_values"],
                             pixel_attention_mask=pixels["pixel_attention_mask"], max_new_tokens=8, do_sample=False)
     assert out.outputs[0].token_ids == hf[0, len(out.prompt_token_ids):].tolist()
+
+
+async def test_a_repeated_image_is_not_processed_again_while_its_tiles_are_cached(tiny_idefics3, monkeypatch):
+    """The host keeps each tiled image's layout: the same image again costs no decoding or processing while the
+    core holds its tiles; once they are forgotten it is processed again, to the same prompt."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
+    from asyncllm.models.idefics3 import Idefics3ForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_idefics3)
+    mm = MultiModalProcessor(tiny_idefics3, AutoConfig.from_pretrained(tiny_idefics3), Idefics3ForConditionalGeneration,
+                             tokenizer, 2**26, 2**24)
+    calls = []
+    real = mm._processor_output
+    monkeypatch.setattr(mm, "_processor_output", lambda *a: calls.append(1) or real(*a))
+    ids = tokenizer("Describe <image> please", add_special_tokens=False)["input_ids"]
+    image = MultiModalInputs([make_image(100, 40, seed=11)])
+    first = mm.process(ids, image, "prompt.images")
+    again = mm.process(ids, image, "prompt.images")
+    assert len(calls) == 1 and again.token_ids == first.token_ids
+    assert [item.data for item in again.items] == [None] * 3 and [item.data is not None for item in first.items] == [True] * 3
+    mm.forget([item.mm_hash for item in first.items])
+    third = mm.process(ids, image, "prompt.images")
+    assert len(calls) == 2 and third.token_ids == first.token_ids
