@@ -67,11 +67,15 @@ class DraftModelRunner:
         """The first scratch block id (the number of shared blocks)."""
 
     def load_model(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, rank: int, tp_size: int) -> None:
-        """Build the draft through the engine's loader, with the target's dtype and KV cache dtype."""
+        """Build the draft through the engine's loader, with the target's dtype and KV cache dtype; with
+        ``draft_tensor_parallel_size=1`` every rank holds the whole draft and computes the same proposals (no
+        collective: a small draft beside a sharded target)."""
         spec = self.spec
+        if spec.draft_tensor_parallel_size == 1:
+            rank, tp_size = 0, 1
         hf_config = load_hf_config(resolve_model_path(spec.model, spec.revision))  # type: ignore[arg-type]
         draft_config = self.config.replace(model=spec.model, revision=spec.revision, quantization=spec.quantization,
-                                           speculative_config=None, enable_lora=False)
+                                           speculative_config=None, enable_lora=False, tensor_parallel_size=tp_size)
         self.model = load_model(draft_config, hf_config, self.device, dtype, rank, tp_size)
         self.kv_spec = kv_cache_spec(hf_config, tp_size)
         self.kv_cache_dtype = kv_cache_dtype

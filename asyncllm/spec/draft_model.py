@@ -55,9 +55,12 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
         _check_mtp_target(spec_dict, target_config)
         return {"method": "mtp", "num_speculative_tokens": spec.num_speculative_tokens}
     draft_tp = spec.draft_tensor_parallel_size
-    if draft_tp is not None and draft_tp != tensor_parallel_size:
-        raise NotBuiltError(_FIELD, spec_dict, f"draft_tensor_parallel_size={draft_tp} other than the target's "
+    if draft_tp is not None and draft_tp not in (tensor_parallel_size, 1):
+        raise NotBuiltError(_FIELD, spec_dict, f"draft_tensor_parallel_size={draft_tp} other than 1 or the target's "
                                                f"tensor_parallel_size={tensor_parallel_size}")
+    if draft_tp == 1 and tensor_parallel_size > 1 and spec.method != "draft_model":
+        raise NotBuiltError(_FIELD, spec_dict, f"draft_tensor_parallel_size=1 for an {spec.method} head (it reads "
+                                               "the target's sharded embeddings and hidden states: the target's size)")
     path = resolve_model_path(spec.model, spec.revision)  # type: ignore[arg-type]
     draft_config = load_hf_config(path)
     if spec.method != "draft_model":

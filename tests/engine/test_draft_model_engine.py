@@ -1,9 +1,9 @@
 """Speculative decoding with a draft model, end to end: the drafts change how many steps a request takes, never
 its tokens.
 
-Two engines share the tests (module-scoped): the tiny Llama drafted by itself (every greedy draft must then be
-accepted, which catches a draft KV cache or position out of step with the target) under chunked prefill,
-prefix-cache hits and swap preemption; and drafted by a different tiny Llama with the same vocabulary (most
+Two engines share the tests (module-scoped): the tiny Llama on two tensor-parallel ranks drafted by itself whole
+on each rank (``draft_tensor_parallel_size=1``; every greedy draft must then be accepted, which catches a draft KV
+cache or position out of step with the target) under chunked prefill, prefix-cache hits and swap preemption; and drafted by a different tiny Llama with the same vocabulary (most
 drafts rejected) under recompute preemption. Greedy outputs equal transformers', seeded sampled outputs are
 the same in both engines (the sampler seeds by position, so they are the tokens without drafts).
 """
@@ -50,10 +50,10 @@ def _perturbed_copy(src: str, dst: Path, scale: float) -> str:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engines(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory):
     other_llama = _perturbed_copy(tiny_llama, tmp_path_factory.mktemp("draft") / "other", 0.01)
-    same = {"model": tiny_llama, "num_speculative_tokens": 3}
+    same = {"model": tiny_llama, "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}
     other = {"method": "draft_model", "model": other_llama, "num_speculative_tokens": 2}
     pair = (AsyncEngine(tiny_llama, disable_log_stats=True, speculative_config=same, max_num_batched_tokens=24,
-                        preemption_mode="swap", swap_space=0.001, **PREEMPTING),
+                        preemption_mode="swap", swap_space=0.001, tensor_parallel_size=2, **PREEMPTING),
             AsyncEngine(tiny_llama, disable_log_stats=True, speculative_config=other, **PREEMPTING))
     try:
         await asyncio.gather(*(engine.start() for engine in pair))  # the two starts overlap

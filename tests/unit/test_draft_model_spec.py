@@ -114,8 +114,10 @@ def test_the_draft_proposes_the_target_s_greedy_tokens_past_its_blocks(tiny_llam
 
 
 @pytest.mark.parametrize("spec_dict, tp, multimodal, words", [
-    ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, 2, False,
-     "draft_tensor_parallel_size=1 other than the target's tensor_parallel_size=2"),
+    ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, 4, False,
+     "draft_tensor_parallel_size=2 other than 1 or the target's tensor_parallel_size=4"),
+    ({"method": "eagle", "model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, 2, False,
+     "draft_tensor_parallel_size=1 for an eagle head"),
     ({"model": "d", "num_speculative_tokens": 2}, 1, True, "multimodal target"),
 ])
 def test_what_is_not_built_is_refused_before_the_draft_is_read(spec_dict, tp, multimodal, words):
