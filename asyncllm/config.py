@@ -187,7 +187,8 @@ class CacheConfig:
     """Use exactly this many KV blocks instead of sizing from memory."""
     kv_cache_dtype: str = "auto"
     """auto = the model dtype; fp8 / fp8_e4m3 (float8_e4m3fn) or fp8_e5m2 (float8_e5m2): K and V stored in
-    one byte each with scale 1.0, twice the blocks of bfloat16 (docs/fp8-kv-cache.md)."""
+    one byte each with the checkpoint's calibrated per-layer scales, else 1.0; twice the blocks of bfloat16
+    (docs/fp8-kv-cache.md)."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of identical prompt prefixes across requests."""
     swap_space: float = 4.0

@@ -145,8 +145,11 @@ def _refuse_architecture(hf_config: Any, model: str) -> None:
 
 def _refuse_extras(section: dict[str, Any], model: str) -> None:
     """What a checkpoint may carry besides weight schemes: none of it is built."""
-    if section.get("kv_cache_scheme"):
-        raise _not_built(model, "kv_cache_scheme (calibrated fp8 KV-cache or attention scales)")
+    kv = section.get("kv_cache_scheme") or {}
+    if kv and not (kv.get("num_bits") == 8 and kv.get("type") == "float" and kv.get("strategy", "tensor") == "tensor"
+                   and not kv.get("dynamic", False)):
+        raise _not_built(model, f"kv_cache_scheme {kv} (one static fp8 scale per layer for keys and for values is "
+                                "read: docs/fp8-kv-cache.md)")
     sparsity = section.get("sparsity_config") or {}
     if sparsity and str(sparsity.get("format", "dense")) != "dense":
         raise _not_built(model, f"sparsity_config (format {sparsity.get('format')!r}: 2:4 sparse weights)")

@@ -18,6 +18,7 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import NotBuiltError
 from asyncllm.models.ops import REFERENCE_OPS, ModelOps
 
 __all__ = [
@@ -186,6 +187,10 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap or None
         self.attention_chunk_size = attention_chunk_size
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        """Calibrated fp8 KV-cache scales (asyncllm/models/kv_scales.py): the cache holds ``k / k_scale`` and
+        ``v / v_scale``; 1.0 unless an fp8 cache's checkpoint gives them."""
 
     def forward(
         self,
@@ -202,9 +207,28 @@ class Attention(nn.Module):
         ``[Hq]`` sink logits, gpt-oss) is the caller's parameter, so the checkpoint names it where it is. ``key`` and
         ``value`` None (with ``rotary`` None, the query rotated): attend over ``kv_cache`` as another layer wrote it
         (Gemma 4's KV-sharing layers)."""
-        out = self.backend.forward(query, key, value, kv_cache, metadata, self.scale, self.sliding_window, rotary,
+        scale = self.scale
+        if self.k_scale != 1.0 or self.v_scale != 1.0:
+            query, key, value, rotary, scale = self._scaled(query, key, value, rotary)
+        out = self.backend.forward(query, key, value, kv_cache, metadata, scale, self.sliding_window, rotary,
                                    self.softcap, sinks, attention_chunk_size=self.attention_chunk_size)
+        if self.v_scale != 1.0:
+            out = out * self.v_scale
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def _scaled(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                rotary: RotaryInputs | None) -> tuple[Any, ...]:
+        """The inputs for a cache holding ``k / k_scale`` and ``v / v_scale``: the keys divided (through the key
+        norm's weight where the backend norms them: the norm would undo a division before it), the values divided,
+        the scores' scale times ``k_scale`` (and the output times ``v_scale``, after): the same attention."""
+        if key is None or value is None:
+            raise NotBuiltError("kv_cache_dtype", "fp8", "calibrated KV-cache scales on a layer that reads another "
+                                                         "layer's cache")
+        if rotary is not None and rotary.k_norm_weight is not None:
+            rotary = rotary._replace(k_norm_weight=rotary.k_norm_weight / self.k_scale)
+        else:
+            key = key / self.k_scale
+        return query, key, value / self.v_scale, rotary, self.scale * self.k_scale
 
     def extra_repr(self) -> str:
         return (

@@ -18,10 +18,11 @@ import torch
 
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import ConfigError
 from asyncllm.models.checkpoint import Fp8CheckpointConfig, load_hf_config, prequantized_config, resolve_model_path
 from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig
 from asyncllm.models.gguf_config import GgufCheckpointConfig
+from asyncllm.models.kv_scales import take_kv_scales
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.pipeline import PipelineStage
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
@@ -42,8 +43,6 @@ __all__ = [
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _DUMMY_STD = 0.02
-KV_CACHE_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale")
-"""Endings of the calibrated KV-cache scale tensors of fp8 checkpoints (``self_attn.k_scale`` & co.)."""
 
 
 def resolve_dtype(dtype: str, hf_config: Any, device: torch.device) -> torch.dtype:
@@ -221,35 +220,15 @@ def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto",
                     | None = None, load_format: str = "auto") -> None:
     """Fill every parameter from the safetensors in ``path``; `ConfigError` naming missing weights.
 
-    With an fp8 ``kv_cache_dtype``, a checkpoint carrying calibrated KV-cache scales is refused with
-    `NotBuiltError` rather than run with scale 1.0 (with ``auto`` they are unexpected weights, as before).
+    Calibrated KV-cache scales (``k_scale`` / ``v_scale``) go to the attention layers with an fp8
+    ``kv_cache_dtype`` and are dropped otherwise (asyncllm/models/kv_scales.py).
     """
-    files = checkpoint_files(path, load_format)
-    if kv_cache_dtype != "auto":
-        _refuse_kv_cache_scales(files, kv_cache_dtype)
-    weights = iterate_safetensors(files)
+    weights = take_kv_scales(iterate_safetensors(checkpoint_files(path, load_format)), model, kv_cache_dtype)
     loaded = model.load_weights(weights if weights_filter is None else weights_filter(weights))
     missing = sorted(model.checkpoint_weight_names() - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ConfigError("model", path, f"a checkpoint with every weight of its architecture; missing: {shown}")
-
-
-def _refuse_kv_cache_scales(files: list[str], kv_cache_dtype: str) -> None:
-    from safetensors import safe_open
-
-    names = []
-    for file in files:
-        if not file.endswith(".safetensors"):
-            names += [name for name, _ in iterate_safetensors([file]) if name.endswith(KV_CACHE_SCALE_SUFFIXES)]
-            continue
-        with safe_open(file, framework="pt", device="cpu") as f:
-            names += [name for name in f.keys() if name.endswith(KV_CACHE_SCALE_SUFFIXES)]
-    if names:
-        shown = names[0] + (f" and {len(names) - 1} more" if len(names) > 1 else "")
-        raise NotBuiltError("kv_cache_dtype", kv_cache_dtype,
-                            f"loading calibrated fp8 KV-cache scales (the checkpoint has {shown}; asyncllm's fp8 "
-                            "KV cache uses scale 1.0 for every layer)")
 
 
 @torch.no_grad()

@@ -1,5 +1,5 @@
 """The fp8 KV cache (kv_cache_dtype='fp8' / 'fp8_e4m3' / 'fp8_e5m2') outside the Triton kernels:
-the torch_sdpa backend, the runner's cache and sizing, the CPU swap space, calibrated scales refused.
+the torch_sdpa backend, the runner's cache and sizing, the CPU swap space, calibrated scales.
 (Kernels: tests/kernels/test_fp8_kv_cache_kernels.py; the engine: tests/engine/test_fp8_kv_cache_engine.py.)"""
 
 from __future__ import annotations
@@ -118,20 +118,69 @@ def test_e4m3_needs_sm89_for_the_triton_backend(monkeypatch: pytest.MonkeyPatch)
     model_runner._check_kv_cache_dtype_runs("fp8", torch.float8_e4m3fn, cuda, object())
 
 
-def test_calibrated_kv_cache_scales_are_refused_not_ignored(tiny_llama: str, tmp_path: Path) -> None:
-    """A checkpoint with k_scale / v_scale tensors: fp8 refuses it (NotBuiltError naming the feature) instead
-    of running with scale 1.0; auto reports them as unexpected weights, as before."""
+def _with_scales(tiny_llama: str, folder: Path, scales: dict[str, float]) -> str:
+    folder.mkdir(exist_ok=True)
     for name in ("config.json", "model.safetensors"):
-        (tmp_path / name).write_bytes((Path(tiny_llama) / name).read_bytes())
-    weights = load_file(str(tmp_path / "model.safetensors"))
-    weights["model.layers.0.self_attn.k_scale"] = torch.tensor(0.05)
-    weights["model.layers.0.self_attn.v_scale"] = torch.tensor(0.02)
-    save_file(weights, str(tmp_path / "model.safetensors"))
-    hf_config = load_hf_config(str(tmp_path))
-    for kv_cache_dtype in ("fp8", "fp8_e5m2"):
-        config = EngineConfig.create(str(tmp_path), kv_cache_dtype=kv_cache_dtype)
-        with pytest.raises(NotBuiltError, match="calibrated fp8 KV-cache scales") as info:
-            load_model(config, hf_config, CPU, torch.float32)
-        assert info.value.field == "kv_cache_dtype" and "self_attn.k_scale and 1 more" in str(info.value)
-    with pytest.raises(ConfigError, match="unexpected weights: model.layers.0.self_attn.k_scale"):
-        load_model(EngineConfig.create(str(tmp_path)), hf_config, CPU, torch.float32)
+        (folder / name).write_bytes((Path(tiny_llama) / name).read_bytes())
+    weights = load_file(str(folder / "model.safetensors"))
+    weights.update({name: torch.tensor(value) for name, value in scales.items()})
+    save_file(weights, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+def test_calibrated_kv_cache_scales_go_to_the_attention_layers_of_an_fp8_cache(tiny_llama: str, tmp_path: Path) -> None:
+    """llm-compressor's names (``self_attn.k_scale`` / ``v_scale``) and ModelOpt's (``k_proj.k_scale``), one
+    ``kv_scale`` for both: set on each layer's attention with an fp8 cache; dropped with the model dtype's."""
+    path = _with_scales(tiny_llama, tmp_path, {
+        "model.layers.0.self_attn.k_scale": 0.05, "model.layers.0.self_attn.v_scale": 0.02,
+        "model.layers.1.self_attn.k_proj.k_scale": 0.5, "model.layers.1.self_attn.v_proj.v_scale": 4.0})
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
+    assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in model.model.layers] == \
+        [(pytest.approx(0.05), pytest.approx(0.02)), (0.5, 4.0)]
+    plain = load_model(EngineConfig.create(path), hf_config, CPU, torch.float32)
+    assert [(layer.self_attn.attn.k_scale, layer.self_attn.attn.v_scale) for layer in plain.model.layers] == \
+        [(1.0, 1.0)] * 2
+    both = _with_scales(tiny_llama, tmp_path / "kv", {"model.layers.1.self_attn.kv_scale": 0.25})
+    model = load_model(EngineConfig.create(both, kv_cache_dtype="fp8_e5m2"), hf_config, CPU, torch.float32)
+    assert (model.model.layers[1].self_attn.attn.k_scale, model.model.layers[1].self_attn.attn.v_scale) == (0.25, 0.25)
+    bad = _with_scales(tiny_llama, tmp_path / "bad", {"model.layers.7.self_attn.k_scale": 0.5})
+    with pytest.raises(ConfigError, match="a KV-cache scale of an attention layer the model has"):
+        load_model(EngineConfig.create(bad, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
+    per_head = _with_scales(tiny_llama, tmp_path / "heads", {"model.layers.0.self_attn.k_scale": [0.5, 0.25]})
+    with pytest.raises(NotBuiltError, match="KV-cache scales per head or channel"):
+        load_model(EngineConfig.create(per_head, kv_cache_dtype="fp8"), hf_config, CPU, torch.float32)
+
+
+@pytest.mark.parametrize("fp8", FP8)
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["llama", "qwen3-norms"])
+def test_a_scaled_cache_holds_k_over_k_scale_and_attends_as_the_unscaled_keys(fp8: torch.dtype, qk_norm: bool) -> None:
+    """Through `Attention`: the cache holds the rotated keys over ``k_scale`` and the values over ``v_scale``, in
+    fp8, and the output is attention over those times the scales (the keys' norm, where the backend runs it, divides
+    through its weight)."""
+    from asyncllm.models.layers import Attention
+
+    gen = torch.Generator().manual_seed(3)
+    metadata, positions = make_attn_metadata([4, 0], [2, 5], [[1, 3], [0, 2]], block_size=4)
+    tokens, head_dim, k_scale, v_scale = 7, 16, 0.01, 8.0
+    query, key, value = (torch.randn(tokens, h, head_dim, generator=gen) * 3 for h in (4, 2, 2))
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    norms = (1 + 0.1 * torch.randn(head_dim, generator=gen), 1 + 0.1 * torch.randn(head_dim, generator=gen), 1e-6)
+    rotary = RotaryInputs(positions, reference.build_cos_sin_cache(inv_freq, 1.0, 64), *(norms if qk_norm else ()))
+    context = reference.to_kv_cache_dtype(torch.randn(2, 4, 4, 2, head_dim, generator=gen), fp8)
+    attn = Attention(4, 2, head_dim, TorchSDPABackend())
+    attn.k_scale, attn.v_scale = k_scale, v_scale
+    cache = context.clone()
+    out = attn(query, key, value, cache, metadata, rotary)
+
+    rot_q, rot_k = reference.norm_and_rotate(query, key, rotary)
+    expected_cache = context.to(torch.float32)
+    reference.write_kv_cache(reference.to_kv_cache_dtype(rot_k / k_scale, fp8).float(),
+                             reference.to_kv_cache_dtype(value / v_scale, fp8).float(), expected_cache,
+                             metadata.slot_mapping)
+    torch.testing.assert_close(cache.float(), expected_cache, rtol=0, atol=0)
+    dequantized = expected_cache.clone()
+    dequantized[0] *= k_scale
+    dequantized[1] *= v_scale
+    expected = reference.paged_attention(rot_q, dequantized, metadata, head_dim**-0.5)
+    torch.testing.assert_close(out, expected.reshape(tokens, -1), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,75 @@
+"""Calibrated fp8 KV-cache scales: the ``k_scale`` / ``v_scale`` (or one ``kv_scale``) tensors of fp8 checkpoints
+(llm-compressor's ``self_attn.k_scale``, ModelOpt's ``self_attn.k_proj.k_scale``; docs/fp8-kv-cache.md).
+
+With an fp8 ``kv_cache_dtype`` each layer's scales go to its `Attention` (``k_scale``, ``v_scale``): the cache then
+holds ``k / k_scale`` and ``v / v_scale`` in fp8, as vLLM's does. With a cache of the model dtype they describe
+nothing asyncllm stores, and are dropped (vLLM ignores them there too). `take_kv_scales` does both while the weights
+stream to the model's loader.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.layers import Attention, LoadedWeight, weight_shape
+
+__all__ = ["KV_CACHE_SCALE_SUFFIXES", "take_kv_scales"]
+
+KV_CACHE_SCALE_SUFFIXES = ("k_scale", "v_scale", "kv_scale")
+"""Endings of the calibrated KV-cache scale tensors of fp8 checkpoints."""
+
+
+def take_kv_scales(weights: Iterable[tuple[str, LoadedWeight]], model: Any,
+                   kv_cache_dtype: str) -> Iterator[tuple[str, LoadedWeight]]:
+    """``weights`` less the KV-cache scales: set on the layers' attention with an fp8 cache, else dropped."""
+    fp8 = kv_cache_dtype.startswith("fp8")
+    for name, weight in weights:
+        if not name.endswith(KV_CACHE_SCALE_SUFFIXES):
+            yield name, weight
+        elif fp8:
+            _set_scale(model, name, weight, kv_cache_dtype)
+
+
+def _set_scale(model: Any, name: str, weight: LoadedWeight, kv_cache_dtype: str) -> None:
+    if getattr(model, "kv_cache_parts", 2) == 1:
+        raise NotBuiltError("kv_cache_dtype", kv_cache_dtype, f"calibrated KV-cache scales ({name}) over a one-part "
+                                                              f"cache whose keys are its values ({type(model).__name__})")
+    if weight_shape(weight) not in ((), (1,)):
+        raise NotBuiltError("kv_cache_dtype", kv_cache_dtype, f"KV-cache scales per head or channel ({name} has shape "
+                                                              f"{list(weight_shape(weight))}; one per layer is built)")
+    stem, _, leaf = name.rpartition(".")
+    attention = _attention_at(model, stem.removesuffix(".k_proj").removesuffix(".v_proj").removesuffix(".attn"))
+    if attention is None:
+        return  # a layer another pipeline stage holds
+    value = float(torch.as_tensor(weight if isinstance(weight, torch.Tensor) else weight[...]).float().reshape(()))
+    if not value > 0:
+        raise ConfigError("model", name, f"a positive KV-cache scale (it is {value})")
+    if leaf in ("k_scale", "kv_scale"):
+        attention.k_scale = value
+    if leaf in ("v_scale", "kv_scale"):
+        attention.v_scale = value
+
+
+def _attention_at(model: Any, stem: str) -> Attention | None:
+    """The `Attention` under the checkpoint's attention module ``stem`` (``model.layers.3.self_attn``); None for a
+    layer another pipeline stage holds."""
+    from asyncllm.models.pipeline import PPMissingLayer
+
+    for path in (stem, "language_model." + stem):
+        module = model
+        for part in path.split("."):
+            if isinstance(module, PPMissingLayer):
+                return None
+            module = getattr(module, part, None)
+            if module is None:
+                break
+        else:
+            if isinstance(module, PPMissingLayer):
+                return None
+            found = [m for m in module.modules() if isinstance(m, Attention)]
+            if len(found) == 1:
+                return found[0]
+    raise ConfigError("model", stem, "a KV-cache scale of an attention layer the model has")
