@@ -19,9 +19,10 @@ AUX_LAYERS = [0, 1, 1]
 
 
 def make_eagle_head(dst: str, target: str, method: str, seed: int = 0, embeddings: bool = False,
-                    para_norm: bool = False) -> str:
+                    para_norm: bool = False, speculators: bool = False) -> str:
     """An EAGLE (``eagle``; HASS's with ``para_norm``) or EAGLE-3 (``eagle3``) head for the target checkpoint, random
-    weights."""
+    weights; ``speculators``: an EAGLE-3 head in RedHat's speculators format (its config nested, ``layers.0.``
+    names, ``norm_before_residual`` on)."""
     from safetensors.torch import load_file, save_file
 
     with open(os.path.join(target, "config.json")) as f:
@@ -39,7 +40,7 @@ def make_eagle_head(dst: str, target: str, method: str, seed: int = 0, embedding
     def rand(*shape: int, std: float = 0.2) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * std
 
-    layer = "midlayer." if eagle3 else "layers.0."
+    layer = "midlayer." if eagle3 and not speculators else "layers.0."
     qkv_in = 2 * h if eagle3 else h
     attn, mlp = f"{layer}self_attn.", f"{layer}mlp."
     w = {attn + "q_proj.weight": rand(heads * hd, qkv_in), attn + "k_proj.weight": rand(kv * hd, qkv_in),
@@ -64,6 +65,12 @@ def make_eagle_head(dst: str, target: str, method: str, seed: int = 0, embedding
             w.update({"embedding_layernorm.weight": 1 + rand(h, std=0.1),
                       "hidden_states_layernorm.weight": 1 + rand(h, std=0.1)})
     os.makedirs(dst, exist_ok=True)
+    if speculators:
+        extra = {key: cfg.pop(key) for key in ("draft_vocab_size", "eagle_aux_hidden_state_layer_ids")}
+        cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "norm_before_residual": True,
+               "transformer_layer_config": {**cfg, "architectures": ["LlamaForCausalLM"]}, **extra,
+               "speculators_config": {"proposal_methods": [{"speculative_tokens": 3}],
+                                      "verifier": {"name_or_path": target}}}
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(cfg, f)
     save_file({k: v.contiguous() for k, v in w.items()}, os.path.join(dst, "model.safetensors"))
@@ -107,7 +114,7 @@ def _head(ids: torch.Tensor, hidden: torch.Tensor, w: dict, cfg: dict, embed: to
     if eagle3:
         normed = _rms(hidden, w["midlayer.hidden_norm.weight"], eps)
         x = torch.cat([_rms(e, w["midlayer.input_layernorm.weight"], eps), normed], -1)
-        out, residual = _layer(x, hidden, w, "midlayer.", cfg)
+        out, residual = _layer(x, normed if cfg.get("norm_before_residual") else hidden, w, "midlayer.", cfg)
         carried = out + residual
         return _rms(carried, w["norm.weight"], eps), carried
     if cfg.get("add_para_norm"):
@@ -130,8 +137,12 @@ def reference_drafts(head: str, target: str, tokens: list[int], k: int) -> list[
 
     with open(os.path.join(head, "config.json")) as f:
         cfg = json.load(f)
+    if "transformer_layer_config" in cfg:  # the speculators format: its names as EAGLE's
+        cfg = {**cfg["transformer_layer_config"], "draft_vocab_size": cfg["draft_vocab_size"],
+               "norm_before_residual": cfg["norm_before_residual"]}
     eagle3 = "draft_vocab_size" in cfg
-    w = load_file(os.path.join(head, "model.safetensors"))
+    w = {name.replace("layers.0.", "midlayer.") if eagle3 else name: t
+         for name, t in load_file(os.path.join(head, "model.safetensors")).items()}
     hf = _hf_model(target)
     ids = torch.tensor(tokens)
     seen: dict[int, torch.Tensor] = {}

@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncllm.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM, eagle3_aux_layers
-from asyncllm.models.loader import (checkpoint_files, iterate_safetensors, load_hf_config, load_model,
+from asyncllm.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM, eagle3_aux_layers, load_head_config
+from asyncllm.models.loader import (checkpoint_files, iterate_safetensors, load_model,
                                     resolve_model_path)
 from asyncllm.models.checkpoint import served_hf_config
 from asyncllm.models.mtp import mtp_cache_config, mtp_class, mtp_layer_config
@@ -52,7 +52,7 @@ class EagleRunner(DraftModelRunner):
     def load_model(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, rank: int, tp_size: int) -> None:
         spec = self.spec
         path = resolve_model_path(spec.model, spec.revision)  # type: ignore[arg-type]
-        hf_config = load_hf_config(path)
+        hf_config = load_head_config(path)
         cls = Eagle3LlamaForCausalLM if self.reads_layers else EagleLlamaForCausalLM
         if self.reads_layers:
             names = (name for name, _ in iterate_safetensors(checkpoint_files(path)))

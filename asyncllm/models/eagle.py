@@ -37,10 +37,56 @@ from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, copy_w
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM
 
-__all__ = ["EAGLE3_ARCHITECTURES", "Eagle3LlamaForCausalLM", "EagleLlamaForCausalLM", "eagle3_aux_layers"]
+__all__ = ["EAGLE3_ARCHITECTURES", "Eagle3LlamaForCausalLM", "EagleLlamaForCausalLM", "eagle3_aux_layers",
+           "load_head_config", "speculators_kind"]
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 """What EAGLE-3 heads' config.json name (EAGLE-1 heads name ``LlamaForCausalLM``)."""
+
+
+_SPECULATORS_EAGLE3_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
+
+
+def speculators_kind(path: str) -> str | None:
+    """A speculators-format head's ``speculators_model_type`` ("eagle3", ...); None for any other checkpoint."""
+    import json
+    import os
+
+    file = os.path.join(path, "config.json")
+    if not os.path.isfile(file):
+        return None
+    with open(file) as f:
+        return json.load(f).get("speculators_model_type")
+
+
+def load_head_config(path: str) -> Any:
+    """An EAGLE head's config: its config.json as transformers reads it, or, for a head in the speculators format
+    (``speculators_model_type``: RedHat's ``*-speculator.eagle3`` releases), its ``transformer_layer_config`` with
+    the EAGLE-3 fields on it (``norm_before_residual`` true unless it says otherwise), as vLLM reads those."""
+    import json
+    import os
+
+    from transformers import LlamaConfig
+
+    from asyncllm.models.checkpoint import load_hf_config
+
+    kind = speculators_kind(path)
+    if kind is None:
+        return load_hf_config(path)
+    with open(os.path.join(path, "config.json")) as f:
+        raw = json.load(f)
+    if kind != "eagle3":
+        from asyncllm.errors import NotBuiltError
+
+        raise NotBuiltError("speculative_config", path, f"a speculators-format {kind!r} head (its eagle3 heads are "
+                                                        "read)")
+    layer = dict(raw.get("transformer_layer_config") or {})
+    layer.pop("model_type", None)
+    extra = {key: raw[key] for key in _SPECULATORS_EAGLE3_KEYS if raw.get(key) is not None}
+    config = LlamaConfig(**layer, **extra, norm_before_residual=raw.get("norm_before_residual", True))
+    config.architectures = ["Eagle3LlamaForCausalLM"]
+    config.speculators_model_type = kind
+    return config
 
 
 def eagle3_aux_layers(draft_config: Any, num_target_layers: int) -> tuple[int, ...]:

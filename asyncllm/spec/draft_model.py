@@ -61,10 +61,15 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
     if draft_tp == 1 and tensor_parallel_size > 1 and spec.method != "draft_model":
         raise NotBuiltError(_FIELD, spec_dict, f"draft_tensor_parallel_size=1 for an {spec.method} head (it reads "
                                                "the target's sharded embeddings and hidden states: the target's size)")
+    from asyncllm.models.eagle import load_head_config, speculators_kind
+
     path = resolve_model_path(spec.model, spec.revision)  # type: ignore[arg-type]
-    draft_config = load_hf_config(path)
-    if spec.method != "draft_model":
-        _check_eagle_head(spec_dict, spec.method, draft_config, target_config)
+    method = spec.method
+    if method == "draft_model" and "method" not in spec_dict and speculators_kind(path) is not None:
+        method = "eagle3" if speculators_kind(path) == "eagle3" else method  # vLLM reads the method from the head
+    draft_config = load_head_config(path) if method != "draft_model" else load_hf_config(path)
+    if method != "draft_model":
+        _check_eagle_head(spec_dict, method, draft_config, target_config)
     elif (arch := architecture_of(draft_config)) not in TEXT_ARCHITECTURES:
         raise NotBuiltError(_FIELD, spec_dict, f"a {arch} draft model (text decoders only: "
                                                f"{', '.join(TEXT_ARCHITECTURES)})")
@@ -76,7 +81,7 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
     draft_len = min(max_model_len, limit) if spec.max_model_len is None else spec.max_model_len
     if draft_len > limit:
         raise ConfigError(_FIELD, spec_dict, f"max_model_len at most the draft's max_position_embeddings ({limit})")
-    return {**spec_dict, "method": spec.method, "model": path, "revision": None, "max_model_len": draft_len}
+    return {**spec_dict, "method": method, "model": path, "revision": None, "max_model_len": draft_len}
 
 
 def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_config: Any) -> None:
@@ -88,9 +93,6 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
     from asyncllm.models.registry import get_model_class
 
     arch = (getattr(head_config, "architectures", None) or ["?"])[0]
-    if getattr(head_config, "speculators_config", None) is not None:
-        raise NotBuiltError(_FIELD, spec_dict, "EAGLE heads in the speculators format (EAGLE's own checkpoints are "
-                                               "read)")
     if getattr(head_config, "model_type", None) != "llama" or (arch in EAGLE3_ARCHITECTURES) != (method == "eagle3"):
         want = "LlamaForCausalLMEagle3" if method == "eagle3" else "LlamaForCausalLM"
         raise ConfigError(_FIELD, spec_dict, f"a Llama-shaped {method} head (config.json naming {want}); "

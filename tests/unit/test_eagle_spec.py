@@ -25,7 +25,8 @@ from hf_reference import hf_greedy
 K = 3
 GREEDY = SamplingParams(temperature=0.0)
 HEADS = {"eagle": ("eagle", {}), "hass": ("eagle", {"para_norm": True}), "eagle3": ("eagle3", {}),
-         "eagle3-own-embeddings": ("eagle3", {"embeddings": True})}
+         "eagle3-own-embeddings": ("eagle3", {"embeddings": True}),
+         "eagle3-speculators": ("eagle3", {"speculators": True})}
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +102,6 @@ def test_vllm_s_default_layers_and_the_method_keys():
     ("eagle3", "eagle", {}, ConfigError, "a Llama-shaped eagle3 head"),
     ("eagle", "eagle", {"hidden_size": 32}, ConfigError, "hidden_size=64 (it reads 32)"),
     ("eagle3", "eagle3", {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, ConfigError, "three target layers in [0, 2)"),
-    ("eagle3", "eagle3", {"speculators_config": {}}, NotBuiltError, "speculators format"),
     ("eagle3", "eagle3", {"eagle_config": {"use_aux_hidden_state": False}}, NotBuiltError, "use_aux_hidden_state"),
 ])
 def test_a_head_that_does_not_fit_the_target_is_refused_by_name(method, head, change, error, words, heads,
@@ -171,3 +171,21 @@ def test_mtp_is_refused_by_name_where_the_target_has_no_layer_to_read(tiny_llama
     without = tiny_checkpoint("deepseek_v3")  # config.json says num_nextn_predict_layers=1, its weights have none
     with pytest.raises(ConfigError, match=r"multi-token-prediction layer \(model.layers.2.\*\); this one has none"):
         _runner.__wrapped__(without, "", "mtp")
+
+
+def test_a_speculators_head_without_a_method_is_read_as_eagle3(heads, tiny_llama, tmp_path):
+    """RedHat's speculators format: vLLM takes the method from the head's config; a kind other than eagle3 is refused
+    by name."""
+    import json
+
+    spec_dict = {"model": heads["eagle3-speculators"], "num_speculative_tokens": 2}
+    resolved = prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict), load_hf_config(tiny_llama), 1,
+                                   128, False)
+    assert resolved["method"] == "eagle3"
+    other = shutil.copytree(heads["eagle3-speculators"], tmp_path / "eagle")
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "speculators_model_type": "eagle"}))
+    spec_dict = {"method": "eagle", "model": str(other), "num_speculative_tokens": 2}
+    with pytest.raises(NotBuiltError, match="a speculators-format 'eagle' head"):
+        prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict), load_hf_config(tiny_llama), 1, 128,
+                            False)
