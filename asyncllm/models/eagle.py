@@ -38,7 +38,7 @@ from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM
 
 __all__ = ["EAGLE3_ARCHITECTURES", "Eagle3LlamaForCausalLM", "EagleLlamaForCausalLM", "eagle3_aux_layers",
-           "load_head_config", "speculators_kind"]
+           "load_head_config", "speculators_kind", "target_embeddings"]
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 """What EAGLE-3 heads' config.json name (EAGLE-1 heads name ``LlamaForCausalLM``)."""
@@ -89,6 +89,12 @@ def load_head_config(path: str) -> Any:
     return config
 
 
+def target_embeddings(target: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """The target's embedding rows of ``input_ids``, unscaled (Gemma scales its embeddings in its own forward; a
+    head reads the table, as vLLM's share it)."""
+    return VocabParallelEmbedding.forward(target.model.embed_tokens, input_ids)
+
+
 def eagle3_aux_layers(draft_config: Any, num_target_layers: int) -> tuple[int, ...]:
     """The target layers whose inputs an EAGLE-3 head reads: its config's ``eagle_aux_hidden_state_layer_ids``,
     else vLLM's default ``(2, L // 2, L - 3)``."""
@@ -127,7 +133,7 @@ class _EagleHead(LlamaForCausalLM):
         self.target = (target,)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.target[0].embed_input_ids(input_ids)
+        return target_embeddings(self.target[0], input_ids)
 
     def run_layers(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                    kv_caches: list[torch.Tensor], metadata: Any, start: int) -> tuple[torch.Tensor, torch.Tensor]:

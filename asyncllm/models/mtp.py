@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from asyncllm.errors import ConfigError
+from asyncllm.models.eagle import target_embeddings
 from asyncllm.models.embedding import ParallelLMHead
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear
@@ -103,7 +104,7 @@ class MTPHead(nn.Module):
                 attn_metadata: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the layer's output for the logits, the same for the next draft to read)."""
         layer = self.model.layers[0]
-        embeds = self.target[0].embed_input_ids(input_ids)
+        embeds = target_embeddings(self.target[0], input_ids)
         embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
         x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], dim=-1))
         out, residual = layer(positions, x, None, kv_caches[0], attn_metadata)
