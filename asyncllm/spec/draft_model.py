@@ -103,9 +103,12 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
                                              f"(it reads {hidden})")
     if method == "eagle":
         return
-    if (getattr(head_config, "eagle_config", None) or {}).get("use_aux_hidden_state", True) is False:
-        raise NotBuiltError(_FIELD, spec_dict, "an EAGLE-3 head without the target's layer inputs "
-                                               "(eagle_config.use_aux_hidden_state=false)")
+    eagle_config = getattr(head_config, "eagle_config", None) or {}
+    built = {"use_aux_hidden_state": True, "use_input_layernorm_in_first_layer": True, "use_last_layernorm": True,
+             "use_mtp_layernorm": False}  # ModelOpt's flags: EAGLE-3's own layout is the one built
+    other = {key: eagle_config[key] for key, value in built.items() if eagle_config.get(key, value) != value}
+    if other:
+        raise NotBuiltError(_FIELD, spec_dict, f"an EAGLE-3 head with eagle_config {other} (built: {built})")
     num_layers = target_config.num_hidden_layers
     layers = eagle3_aux_layers(head_config, num_layers)
     if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):

@@ -103,6 +103,7 @@ def test_vllm_s_default_layers_and_the_method_keys():
     ("eagle", "eagle", {"hidden_size": 32}, ConfigError, "hidden_size=64 (it reads 32)"),
     ("eagle3", "eagle3", {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, ConfigError, "three target layers in [0, 2)"),
     ("eagle3", "eagle3", {"eagle_config": {"use_aux_hidden_state": False}}, NotBuiltError, "use_aux_hidden_state"),
+    ("eagle3", "eagle3", {"eagle_config": {"use_mtp_layernorm": True}}, NotBuiltError, "'use_mtp_layernorm': True"),
 ])
 def test_a_head_that_does_not_fit_the_target_is_refused_by_name(method, head, change, error, words, heads,
                                                                 tiny_llama, monkeypatch):
