@@ -187,7 +187,6 @@ def make_exact_pair(src: str, root: str) -> tuple[str, str]:
     with open(os.path.join(target, "config.json")) as f:
         cfg = json.load(f)
     hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
-    cfg.update(architectures=["LlamaForCausalLM"])
     head_weights = {name.removeprefix("model."): w for name, w in weights.items()
                     if name.startswith("model.layers.") and not name.startswith("model.layers.0.input_layernorm")}
     head_weights["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)

@@ -78,12 +78,13 @@ class EagleRunner(DraftModelRunner):
         meta = inputs.attn_metadata
         decoder = self.target.model
         target_hidden = self.model.combine(hidden, [decoder.aux_hidden[i] for i in decoder.aux_layers])
-        next_ids = torch.from_numpy(self._next_ids(inputs, batch)).to(self.device)
+        firsts = _first_positions(inputs)
+        next_ids = torch.from_numpy(self._next_ids(inputs, batch, firsts)).to(self.device)
         out, carried = self.model(next_ids, inputs.positions, self.kv_caches, meta, target_hidden)
         proposing = self.proposing(sampled)
         if not proposing:
             return {}
-        rows = torch.tensor(self._last_rows(inputs, proposing), dtype=torch.int64, device=self.device)
+        rows = torch.tensor(self._last_rows(inputs, proposing, firsts), dtype=torch.int64, device=self.device)
         first = self.model.draft_ids(out.index_select(0, rows))
         drafts = [first.cpu()]
         if self.k > 1:
@@ -97,33 +98,33 @@ class EagleRunner(DraftModelRunner):
         return self.model.draft_ids(out), carried
 
     @staticmethod
-    def _next_ids(inputs: StepInputs, batch: InputBatch) -> np.ndarray:
-        """Each row's next token (a pad where it is not known: a rejected draft's row)."""
-        meta = inputs.attn_metadata
-        starts, seq_lens = meta.query_start_loc_cpu, meta.seq_lens_cpu
+    def _next_ids(inputs: StepInputs, batch: InputBatch, firsts: list[int]) -> np.ndarray:
+        """Each row's next token (a pad where it is not known: a rejected draft's row); ``firsts``:
+        `_first_positions`."""
+        starts = inputs.attn_metadata.query_start_loc_cpu
         ids = np.zeros(inputs.num_tokens, np.int64)
-        for i, req_id in enumerate(inputs.req_ids):
+        for i, (req_id, first) in enumerate(zip(inputs.req_ids, firsts)):
             state = batch.requests.get(req_id)
             if state is None:
                 continue
-            lo, hi = starts[i], starts[i + 1]
-            first = seq_lens[i] - (hi - lo)  # the position of the request's first row
-            following = state.token_ids[first + 1 : first + 1 + hi - lo]
-            ids[lo : lo + len(following)] = following
+            following = state.token_ids[first + 1 : first + 1 + starts[i + 1] - starts[i]]
+            ids[starts[i] : starts[i] + len(following)] = following
         return ids
 
     @staticmethod
-    def _last_rows(inputs: StepInputs, states: list[RequestState]) -> list[int]:
+    def _last_rows(inputs: StepInputs, states: list[RequestState], firsts: list[int]) -> list[int]:
         """Each request's row of its last accepted token (the one before the token just sampled)."""
-        meta = inputs.attn_metadata
+        starts = inputs.attn_metadata.query_start_loc_cpu
         index = {req_id: i for i, req_id in enumerate(inputs.req_ids)}
-        rows = []
-        for state in states:
-            i = index[state.req_id]
-            first = meta.seq_lens_cpu[i] - (meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i])
-            rows.append(meta.query_start_loc_cpu[i] + state.num_tokens - 2 - first)
-        return rows
+        return [starts[index[s.req_id]] + s.num_tokens - 2 - firsts[index[s.req_id]] for s in states]
 
+
+
+def _first_positions(inputs: StepInputs) -> list[int]:
+    """The position of each request's first row in the step (its rows are the last of its sequence)."""
+    meta = inputs.attn_metadata
+    starts = meta.query_start_loc_cpu
+    return [meta.seq_lens_cpu[i] - (starts[i + 1] - starts[i]) for i in range(len(inputs.req_ids))]
 
 class MTPRunner(EagleRunner):
     """The target checkpoint's multi-token-prediction layer as its draft head (``method="mtp"``;

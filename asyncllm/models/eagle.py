@@ -26,19 +26,21 @@ needed).
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, copy_weight, head_dim_of
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM
 
-__all__ = ["EAGLE3_ARCHITECTURES", "Eagle3LlamaForCausalLM", "EagleLlamaForCausalLM", "eagle3_aux_layers",
-           "load_head_config", "speculators_kind", "target_embeddings"]
+__all__ = ["EAGLE3_ARCHITECTURES", "Eagle3LlamaForCausalLM", "EagleLlamaForCausalLM", "TargetReader",
+           "eagle3_aux_layers", "load_head_config", "speculators_kind", "target_embeddings"]
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 """What EAGLE-3 heads' config.json name (EAGLE-1 heads name ``LlamaForCausalLM``)."""
@@ -47,37 +49,32 @@ EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 _SPECULATORS_EAGLE3_KEYS = ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids")
 
 
-def speculators_kind(path: str) -> str | None:
-    """A speculators-format head's ``speculators_model_type`` ("eagle3", ...); None for any other checkpoint."""
-    import json
-    import os
-
+def _raw_config(path: str) -> dict[str, Any]:
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
-        return None
+        return {}
     with open(file) as f:
-        return json.load(f).get("speculators_model_type")
+        return json.load(f)
+
+
+def speculators_kind(path: str) -> str | None:
+    """A speculators-format head's ``speculators_model_type`` ("eagle3", ...); None for any other checkpoint."""
+    return _raw_config(path).get("speculators_model_type")
 
 
 def load_head_config(path: str) -> Any:
     """An EAGLE head's config: its config.json as transformers reads it, or, for a head in the speculators format
     (``speculators_model_type``: RedHat's ``*-speculator.eagle3`` releases), its ``transformer_layer_config`` with
     the EAGLE-3 fields on it (``norm_before_residual`` true unless it says otherwise), as vLLM reads those."""
-    import json
-    import os
-
     from transformers import LlamaConfig
 
     from asyncllm.models.checkpoint import load_hf_config
 
-    kind = speculators_kind(path)
+    raw = _raw_config(path)
+    kind = raw.get("speculators_model_type")
     if kind is None:
         return load_hf_config(path)
-    with open(os.path.join(path, "config.json")) as f:
-        raw = json.load(f)
     if kind != "eagle3":
-        from asyncllm.errors import NotBuiltError
-
         raise NotBuiltError("speculative_config", path, f"a speculators-format {kind!r} head (its eagle3 heads are "
                                                         "read)")
     layer = dict(raw.get("transformer_layer_config") or {})
@@ -106,34 +103,39 @@ def eagle3_aux_layers(draft_config: Any, num_target_layers: int) -> tuple[int, .
     return tuple(int(i) for i in ids)
 
 
-class _EagleHead(LlamaForCausalLM):
-    """What both heads share: Llama layers over the paged draft cache, the target's modules they borrow."""
+class TargetReader:
+    """What a draft head reading the target shares (EAGLE heads here, MTP layers in mtp.py): the target model it
+    borrows (a tuple: not a submodule), its embedding table, its step output as the head reads it."""
 
-    def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
-                 max_position: int) -> None:
-        nn.Module.__init__(self)
-        build = self.decoder_build(hf_config, dtype, tp, attn_backend, max_position, False)
-        self.pipeline = None
-        self.tie_word_embeddings = False
-        self.hidden_size = hf_config.hidden_size
-        self.layers = nn.ModuleList(self.make_layer(build, i) for i in range(hf_config.num_hidden_layers))
-        self.fc = ColumnParallelLinear(self.fc_input_size(hf_config), hf_config.hidden_size, False,
-                                       TensorParallel(), dtype)  # replicated: every rank has the whole hidden
-        self.target: tuple[LlamaForCausalLM, ...] = ()
-        """The target model (a tuple: borrowed, not a submodule), set by `share_target`."""
+    target: tuple[Any, ...] = ()
 
-    def make_layer(self, b: DecoderBuild, layer_idx: int) -> nn.Module:
-        return LlamaDecoderLayer(b, layer_idx)
-
-    def fc_input_size(self, hf_config: Any) -> int:
-        raise NotImplementedError
-
-    def share_target(self, target: LlamaForCausalLM) -> None:
+    def share_target(self, target: Any) -> None:
         """Borrow the target's embeddings (and, for EAGLE-1, its LM head)."""
         self.target = (target,)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return target_embeddings(self.target[0], input_ids)
+
+    def combine(self, final_hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """The target's step output as the head reads it: its final hidden states (EAGLE-3: its layers' inputs)."""
+        return final_hidden
+
+
+class _EagleHead(TargetReader, LlamaForCausalLM):
+    """What both EAGLE heads share: Llama layers over the paged draft cache, ``fc`` over ``fc_input_size``
+    features (replicated: every rank has the whole hidden state)."""
+
+    def __init__(self, hf_config: Any, fc_input_size: int, *, dtype: torch.dtype, tp: TensorParallel,
+                 attn_backend: Any, max_position: int) -> None:
+        nn.Module.__init__(self)
+        build = self.decoder_build(hf_config, dtype, tp, attn_backend, max_position, False)
+        self.pipeline = None
+        self.tie_word_embeddings = False
+        self.layers = nn.ModuleList(self.make_layer(build, i) for i in range(hf_config.num_hidden_layers))
+        self.fc = ColumnParallelLinear(fc_input_size, hf_config.hidden_size, False, TensorParallel(), dtype)
+
+    def make_layer(self, b: DecoderBuild, layer_idx: int) -> nn.Module:
+        return LlamaDecoderLayer(b, layer_idx)
 
     def run_layers(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                    kv_caches: list[torch.Tensor], metadata: Any, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,20 +161,13 @@ class EagleLlamaForCausalLM(_EagleHead):
     """EAGLE-1 / HASS: ``fc([embedding, target hidden])``, Llama layers, the target's LM head."""
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        super().__init__(hf_config, **kwargs)
+        super().__init__(hf_config, 2 * hf_config.hidden_size, **kwargs)
         self.layers[0].input_layernorm = nn.Identity()  # EAGLE's first layer has none
         self.para_norm = bool(getattr(hf_config, "add_para_norm", False))
         if self.para_norm:  # HASS
             dtype, eps = kwargs["dtype"], hf_config.rms_norm_eps
             self.embedding_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
             self.hidden_states_layernorm = RMSNorm(hf_config.hidden_size, eps, dtype)
-
-    def fc_input_size(self, hf_config: Any) -> int:
-        return 2 * hf_config.hidden_size
-
-    def combine(self, final_hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
-        """The target's step output as the head reads it: its final hidden states."""
-        return final_hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -223,7 +218,8 @@ class Eagle3LlamaForCausalLM(_EagleHead):
     LM head over ``draft_vocab_size`` tokens mapped to the target's by ``d2t``."""
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        super().__init__(hf_config, **kwargs)
+        target_hidden = getattr(hf_config, "target_hidden_size", None) or hf_config.hidden_size
+        super().__init__(hf_config, 3 * target_hidden, **kwargs)
         dtype, tp = kwargs["dtype"], kwargs["tp"]
         hidden = hf_config.hidden_size
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, dtype, kwargs["attn_backend"].ops)
@@ -239,9 +235,6 @@ class Eagle3LlamaForCausalLM(_EagleHead):
 
     def make_layer(self, b: DecoderBuild, layer_idx: int) -> nn.Module:
         return Eagle3FirstLayer(b, layer_idx) if layer_idx == 0 else LlamaDecoderLayer(b, layer_idx)
-
-    def fc_input_size(self, hf_config: Any) -> int:
-        return 3 * (getattr(hf_config, "target_hidden_size", None) or hf_config.hidden_size)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) if self.embed_tokens is None else self.embed_tokens(input_ids)

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from asyncllm.errors import ConfigError
-from asyncllm.models.eagle import target_embeddings
+from asyncllm.models.eagle import TargetReader
 from asyncllm.models.embedding import ParallelLMHead
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear
@@ -71,7 +71,7 @@ class _SharedHead(nn.Module):
         self.head = ParallelLMHead(vocab, hidden, tp, dtype)
 
 
-class MTPHead(nn.Module):
+class MTPHead(TargetReader, nn.Module):
     """Mixin before a target class: ``model.layers.0`` is the target's layer ``L`` with ``enorm``, ``hnorm``,
     ``eh_proj`` and ``shared_head`` on it (their checkpoint names, less the index)."""
 
@@ -90,22 +90,12 @@ class MTPHead(nn.Module):
         layer.shared_head = _SharedHead(hidden, hf_config.vocab_size, eps, tp, dtype, ops)
         self.model = nn.Module()
         self.model.layers = nn.ModuleList([layer])
-        self.target: tuple[Any, ...] = ()
-
-    def share_target(self, target: Any) -> None:
-        """Borrow the target's embeddings (a tuple: not a submodule)."""
-        self.target = (target,)
-
-    def combine(self, final_hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
-        """The target's step output as the layer reads it: its final hidden states."""
-        return final_hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the layer's output for the logits, the same for the next draft to read)."""
         layer = self.model.layers[0]
-        embeds = target_embeddings(self.target[0], input_ids)
-        embeds = embeds.masked_fill((positions == 0).unsqueeze(-1), 0.0)
+        embeds = self.embed(input_ids).masked_fill((positions == 0).unsqueeze(-1), 0.0)
         x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(hidden)], dim=-1))
         out, residual = layer(positions, x, None, kv_caches[0], attn_metadata)
         out = out + residual

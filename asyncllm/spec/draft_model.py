@@ -65,8 +65,8 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
 
     path = resolve_model_path(spec.model, spec.revision)  # type: ignore[arg-type]
     method = spec.method
-    if method == "draft_model" and "method" not in spec_dict and speculators_kind(path) is not None:
-        method = "eagle3" if speculators_kind(path) == "eagle3" else method  # vLLM reads the method from the head
+    if method == "draft_model" and "method" not in spec_dict and speculators_kind(path) == "eagle3":
+        method = "eagle3"  # vLLM reads the method from the head
     draft_config = load_head_config(path) if method != "draft_model" else load_hf_config(path)
     if method != "draft_model":
         _check_eagle_head(spec_dict, method, draft_config, target_config)
