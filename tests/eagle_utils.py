@@ -231,10 +231,7 @@ _MTP_EXTRAS = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
 def _hf_with_mtp_layer(target: str, tmp: str):
     """transformers' model of the target with its MTP layer's decoder block as one more layer (its loading converts
     the per-expert names as it does for every layer)."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM
+    from safetensors.torch import load_file
 
     with open(os.path.join(target, "config.json")) as f:
         cfg = json.load(f)
@@ -242,14 +239,23 @@ def _hf_with_mtp_layer(target: str, tmp: str):
     cfg["num_hidden_layers"] = num + 1
     if "mlp_layer_types" in cfg:
         cfg["mlp_layer_types"] = cfg["mlp_layer_types"] + cfg["mlp_layer_types"][-1:]
+    prefix = f"model.layers.{num}."
+    return _hf_with_layer(target, tmp, cfg, {n: t for n, t in load_file(os.path.join(target, "mtp.safetensors")).items()
+                                             if not n.removeprefix(prefix).startswith(_MTP_EXTRAS)})
+
+
+def _hf_with_layer(target: str, tmp: str, cfg: dict, layer: dict[str, torch.Tensor]):
+    """transformers' model of ``cfg`` (in ``tmp``) from the target's weights and ``layer``'s."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
     os.makedirs(tmp, exist_ok=True)
     with open(os.path.join(tmp, "config.json"), "w") as f:
         json.dump(cfg, f)
     weights = load_file(os.path.join(target, "model.safetensors"))
-    prefix = f"model.layers.{num}."
-    weights.update({n: t for n, t in load_file(os.path.join(target, "mtp.safetensors")).items()
-                    if not n.removeprefix(prefix).startswith(_MTP_EXTRAS)})
-    save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+    save_file({**weights, **layer}, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(os.path.join(target, "generation_config.json"), tmp)
     return AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
 
@@ -260,25 +266,106 @@ def reference_mtp_drafts(target: str, tokens: list[int], k: int, tmp: str) -> li
     folder)."""
     from safetensors.torch import load_file
 
-    from hf_reference import _hf_model
-
     big = _hf_with_mtp_layer(target, tmp)
     num, eps = big.config.num_hidden_layers - 1, big.config.rms_norm_eps
     w = {n.removeprefix(f"model.layers.{num}."): t for n, t in load_file(os.path.join(target, "mtp.safetensors")).items()}
-    layer = big.model.layers[num]
+
+    def inputs_of(e: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        e[0] = 0  # position 0's embedding is masked
+        return torch.cat([_rms(e, w["enorm.weight"], eps), _rms(hidden, w["hnorm.weight"], eps)], -1) @ w["eh_proj.weight"].T
+
+    def output_of(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _rms(out[-1], w["shared_head.norm.weight"], eps) @ w["shared_head.head.weight"].T, out
+
+    return _layer_drafts(big, target, tokens, k, inputs_of, output_of)
+
+
+def _layer_drafts(big, target: str, tokens: list[int], k: int, inputs_of, output_of) -> list[int]:
+    """k greedy drafts of an MTP layer whose decoder block is ``big``'s last layer (transformers'), reading the
+    target's final hidden states: ``inputs_of(embeddings, hidden)`` is the block's input, ``output_of(out)`` the
+    last row's logits and what the next draft reads."""
+    from hf_reference import _hf_model
+
+    layer = big.model.layers[big.config.num_hidden_layers - 1]
     hidden = _hf_model(target).model(torch.tensor([tokens[:-1]])).last_hidden_state[0]
     inputs, drafts = list(tokens[1:]), []
     for _ in range(k):
         t = len(inputs)
         positions = torch.arange(t)[None]
-        e = big.model.embed_tokens(torch.tensor(inputs))
-        e[0] = 0  # position 0's embedding is masked
-        x = torch.cat([_rms(e, w["enorm.weight"], eps), _rms(hidden, w["hnorm.weight"], eps)], -1) @ w["eh_proj.weight"].T
+        x = inputs_of(big.model.embed_tokens(torch.tensor(inputs)), hidden)
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
         out = _tensor(layer(x[None], attention_mask=mask, position_ids=positions,
                             position_embeddings=big.model.rotary_emb(x[None], positions)))[0]
-        logits = _rms(out[-1], w["shared_head.norm.weight"], eps) @ w["shared_head.head.weight"].T
+        logits, carried = output_of(out)
         drafts.append(int(logits.argmax()))
         inputs.append(drafts[-1])
-        hidden = torch.cat([hidden, out[-1:]])
+        hidden = torch.cat([hidden, carried[-1:]])
     return drafts
+
+
+# ------------------------------------------------------------------ Qwen3-Next / Qwen3.5 MTP layers
+_QWEN_MTP_PARTS = ("fc.", "pre_fc_norm_embedding.", "pre_fc_norm_hidden.", "norm.")
+
+
+def add_qwen_mtp_layer(src: str, dst: str, seed: int = 0) -> str:
+    """A copy of a tiny Qwen3.5 / Qwen3-Next checkpoint (or an image-text Qwen3.5's) with its ``mtp.`` layer, as Qwen
+    ships it: a full-attention layer (the target's full-attention layer's weights plus noise), ``fc``, the
+    zero-centred ``pre_fc_norm_*`` and ``norm``; ``mtp_num_hidden_layers: 1`` in its (text) config."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    text = cfg.get("text_config", cfg)
+    text["mtp_num_hidden_layers"] = 1
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    full, h = text["layer_types"].index("full_attention"), text["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    source = f"model.{'language_model.' if text is not cfg else ''}layers.{full}."
+    layer = {"mtp.layers.0." + name.removeprefix(source): w + 0.05 * w.std() * torch.randn(w.shape, generator=g)
+             for name, w in load_file(os.path.join(dst, "model.safetensors")).items() if name.startswith(source)}
+    layer["mtp.fc.weight"] = 0.2 * torch.randn(h, 2 * h, generator=g)
+    layer.update({f"mtp.{part}weight": 0.1 * torch.randn(h, generator=g) for part in _QWEN_MTP_PARTS[1:]})
+    save_file({k: v.contiguous() for k, v in layer.items()}, os.path.join(dst, "mtp.safetensors"))
+    return dst
+
+
+def _hf_qwen_mtp_layer(target: str, tmp: str):
+    """transformers' model of the target with the MTP layer's decoder block as one more (full-attention) layer."""
+    from safetensors.torch import load_file
+
+    with open(os.path.join(target, "config.json")) as f:
+        cfg = json.load(f)
+    num = cfg["num_hidden_layers"]
+    cfg.update(num_hidden_layers=num + 1, layer_types=cfg["layer_types"] + ["full_attention"])
+    return _hf_with_layer(target, tmp, cfg, {f"model.layers.{num}." + n.removeprefix("mtp.layers.0."): t
+                                             for n, t in load_file(os.path.join(target, "mtp.safetensors")).items()
+                                             if n.startswith("mtp.layers.0.")})
+
+
+def _zero_centred_rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return _rms(x, 1 + w, eps)
+
+
+@torch.no_grad()
+def reference_qwen_mtp_drafts(target: str, tokens: list[int], k: int, tmp: str) -> list[int]:
+    """The Qwen MTP layer's k greedy drafts after ``tokens``: ``fc`` over the normed embedding and hidden state,
+    transformers' decoder block, the final norm, the target's LM head; the next draft reads the normed output."""
+    from safetensors.torch import load_file
+
+    big = _hf_qwen_mtp_layer(target, tmp)
+    eps = big.config.rms_norm_eps
+    w = {n.removeprefix("mtp."): t for n, t in load_file(os.path.join(target, "mtp.safetensors")).items()}
+
+    def inputs_of(e: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat([_zero_centred_rms(e, w["pre_fc_norm_embedding.weight"], eps),
+                          _zero_centred_rms(hidden, w["pre_fc_norm_hidden.weight"], eps)], -1) @ w["fc.weight"].T
+
+    def output_of(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = _zero_centred_rms(out, w["norm.weight"], eps)
+        return big.lm_head(normed[-1]), normed
+
+    return _layer_drafts(big, target, tokens, k, inputs_of, output_of)

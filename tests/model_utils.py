@@ -138,6 +138,11 @@ class PagedRun:
         self.num_blocks = sum(per_req) + 1
         self.num_computed = [0] * len(self.sequences)
         self.logits: list[list[torch.Tensor]] = [[] for _ in self.sequences]
+        self.drafts: dict[int, int] = {}
+        """Request -> drafts its next step verifies (its last tokens): the state layers keep snapshots."""
+
+    def row(self, i: int) -> int:
+        return 2 * i + 1  # rows apart: a linear layer's state is per row
 
     def new_kv_caches(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         shape = (2, self.num_blocks, self.block_size, num_kv_heads, head_dim)
@@ -156,8 +161,9 @@ class PagedRun:
         scheduled = [num_scheduled[i] for i in reqs]
         tables = [self.block_tables[i] for i in reqs]
         metadata, positions = make_attn_metadata(computed, scheduled, tables, self.block_size)
-        metadata.request_rows_cpu = [2 * i + 1 for i in reqs]  # rows apart: a linear layer's state is per row
+        metadata.request_rows_cpu = [self.row(i) for i in reqs]
         metadata.request_rows = torch.tensor(metadata.request_rows_cpu)
+        metadata.state_drafts = [(self.row(i), self.drafts[i]) for i in reqs if i in self.drafts]
         chunks = [self.sequences[i][c : c + n] for i, c, n in zip(reqs, computed, scheduled)]
         input_ids = torch.tensor([t for chunk in chunks for t in chunk])
         logits = self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, metadata))

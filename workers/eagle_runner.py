@@ -31,8 +31,8 @@ from asyncllm.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM,
 from asyncllm.models.loader import (checkpoint_files, iterate_safetensors, load_model,
                                     resolve_model_path)
 from asyncllm.models.checkpoint import served_hf_config
-from asyncllm.models.mtp import mtp_cache_config, mtp_class, mtp_layer_config
-from asyncllm.models.registry import get_model_class, kv_cache_spec
+from asyncllm.models.mtp import mtp_cache_config, mtp_class, mtp_layer_config, mtp_target
+from asyncllm.models.registry import kv_cache_spec
 from asyncllm.workers.draft_runner import DraftModelRunner
 from asyncllm.workers.input_batch import InputBatch, RequestState, StepInputs
 
@@ -133,10 +133,10 @@ class MTPRunner(EagleRunner):
     def load_model(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, rank: int, tp_size: int) -> None:
         config = self.config
         path = resolve_model_path(config.model, config.revision)
-        target_config = served_hf_config(path, config.hf_overrides)
+        target_cls, target_config = mtp_target(served_hf_config(path, config.hf_overrides))
         draft_config = config.replace(model=path, revision=None, speculative_config=None, enable_lora=False)
         self.model = load_model(draft_config, mtp_layer_config(target_config), self.device, dtype, rank, tp_size,
-                                model_cls=mtp_class(get_model_class(target_config)))
+                                model_cls=mtp_class(target_cls))
         self.kv_spec = kv_cache_spec(mtp_cache_config(target_config), tp_size)
         self.kv_cache_dtype = kv_cache_dtype
         self.hf_config = target_config

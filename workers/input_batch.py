@@ -258,6 +258,9 @@ class InputBatch:
         sampling_metadata = self._sampling_metadata(sampling_states, positions)
         inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata, len(positions))
         inputs.drafted = drafted
+        if drafted and self.keeps_states:  # the state layers keep each draft's states (asyncllm/models/row_states.py)
+            rows = self.rows.np
+            inputs.attn_metadata.state_drafts = [(int(rows[sample_indices[r.sample]]), len(r.drafts)) for r in drafted]
         if sched_out.state_loads or sched_out.state_saves:
             _plan_state_checkpoints(inputs.attn_metadata, sched_out, self.requests)
         if self.feedback.pending is not None:

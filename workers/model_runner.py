@@ -24,6 +24,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.checkpoint import served_hf_config
 from asyncllm.models.loader import load_model, resolve_dtype, resolve_model_path
+from asyncllm.models.row_states import RowStates
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec, kv_cache_torch_dtype
 from asyncllm.models.st_dense import load_dense_projection
 from asyncllm.protocol import CachedRequestData, LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -126,6 +127,8 @@ class ModelRunner:
         tp = TensorParallel(self.rank, self.tp_size)
         self.mm_runner = MultiModalRunner(model, self.device, self.config, tp) if is_multimodal(model) else None
         self.input_batch.keeps_states = bool(getattr(model, "keeps_request_states", False))
+        self.row_states = [m.states for m in model.modules() if isinstance(getattr(m, "states", None), RowStates)]
+        """The state layers' per-request states (hybrids: asyncllm/models/row_states.py)."""
         self.pooler.classifier = getattr(model, "classify", None)  # *ForSequenceClassification: its score head
         if self.config.enable_lora:
             causal_lm = getattr(model, "causal_lm", model)  # a pipeline stage's: its layers, the checkpoint's names
@@ -300,6 +303,7 @@ class ModelRunner:
         if inputs.drafted:  # speculative decoding: the draft rows follow the usual ones
             verified = verify_drafts(sampled, inputs.drafted)
             del sampled[len(inputs.sample_indices) :]
+            self._roll_back_states(inputs, verified)
         batch.finish_step(inputs, sched_out, sampled, verified)
         output = self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs, verified)
         output.failed_requests = failed
@@ -307,6 +311,12 @@ class ModelRunner:
         if self.drafter is not None:  # the draft's KV of this step's tokens, and the next step's drafts
             output.draft_token_ids = self._propose_drafts(inputs, failed, hidden)
         return output
+
+    def _roll_back_states(self, inputs: StepInputs, verified: dict[int, list[int]]) -> None:
+        """The state layers' rows as they were after each drafted request's accepted drafts."""
+        for (row, num_drafts), request in zip(inputs.attn_metadata.state_drafts or (), inputs.drafted):
+            for states in self.row_states:
+                states.rollback(row, num_drafts, len(verified[request.sample]) - 1)
 
     def _propose_drafts(self, inputs: StepInputs, failed: dict[str, str], hidden: torch.Tensor) -> dict[str, list[int]]:
         assert self.drafter is not None

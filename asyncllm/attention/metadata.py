@@ -40,6 +40,9 @@ class AttentionMetadata:
     (asyncllm/models/row_states.py)."""
     state_saves: list[tuple[int, int, int]] | None = None
     """(row, tokens of its chunk, checkpoint slot): where this step saves a request's states for prefix caching."""
+    state_drafts: list[tuple[int, int]] | None = None
+    """(row, drafts): requests whose last tokens verify that many drafts (speculative decoding): the state layers
+    keep their states after each (`RowStates.rollback`)."""
 
     @property
     def num_reqs(self) -> int:

@@ -84,7 +84,7 @@ def prepare(config: EngineConfig) -> Prepared:
     if spec is not None and spec.uses_draft_model:  # the draft checked against the target before spawning
         resolved = resolved.replace(speculative_config=prepare_draft_model(
             config.speculative_config, spec, text_config, config.tensor_parallel_size, max_model_len,  # type: ignore[arg-type]
-            multimodal))
+            multimodal, arch))
     if config.enable_expert_parallel and arch not in MOE_ARCHITECTURES:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None
@@ -119,13 +119,11 @@ def prepare(config: EngineConfig) -> Prepared:
 
 
 def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
-    """A linear-attention hybrid's config: its per-request states cannot be swapped or drafted past, so swap
-    preemption and speculative decoding are refused; prefix caching restores them from checkpoint slots, and with
-    none (``mamba_checkpoint_slots=0``) it is turned off (a log line says so)."""
+    """A linear-attention hybrid's config: its per-request states cannot be swapped, so swap preemption is refused;
+    prefix caching restores them from checkpoint slots, and with none (``mamba_checkpoint_slots=0``) it is turned
+    off (a log line says so). Speculative decoding keeps a snapshot per draft (asyncllm/models/row_states.py)."""
     if config.preemption_mode == "swap":
         raise NotBuiltError("preemption_mode", "swap", f"swap preemption for {arch}'s recurrent states (recompute)")
-    if config.scheduler_config.speculative is not None:
-        raise NotBuiltError("speculative_config", "set", f"speculative decoding with {arch}'s recurrent states")
     if config.enable_prefix_caching and not config.mamba_checkpoint_slots:
         logger.warning("prefix caching is off for %s: mamba_checkpoint_slots=0 keeps no saved states", arch)
         config = config.replace(enable_prefix_caching=False)

@@ -13,6 +13,7 @@ point in it whose states are saved.
   be loaded and given to a new save in one step.
 - The least recently saved or hit point is replaced first; a step never replaces its own saves (points beyond the
   slots left are not saved).
+- A drafted request's drafts are never saved (speculative decoding): they may be rejected.
 - With async scheduling a decode can reach a point before the token that ends its block is known, so the block has
   no hash yet: the save goes ahead and is keyed a step or two later, once the token arrived (its slot is released
   if it never does).
@@ -73,8 +74,9 @@ class StateCheckpoints:
         out.state_loads = {req_id: slot for req_id, slot in loads.items() if begun.get(req_id)}
         cached = out.cached_reqs
         grid, scheduled, new = self.grid, out.num_scheduled_tokens, {}
+        drafts = out.spec_token_ids
         for req_id, computed in chain(begun.items(), zip(cached.req_ids, cached.num_computed_tokens)):
-            end = computed + scheduled[req_id]
+            end = computed + scheduled[req_id] - len(drafts.get(req_id, ()))  # drafts may be rejected: no point
             if end // grid > computed // grid:
                 points = self._points(requests[req_id], int(computed), end, new)
                 if points:

@@ -48,7 +48,7 @@ HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                         "FalconH1ForCausalLM", "JambaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
                         "Mamba2ForCausalLM")
 """Models whose state layers keep per-request recurrent states (asyncllm/models/row_states.py): prefix caching from
-saved states, no swap preemption, no speculative decoding (docs/hybrid-models.md)."""
+saved states, no swap preemption, speculative decoding with a snapshot per draft (docs/hybrid-models.md)."""
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                        "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "VaultGemmaForCausalLM")
 """Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints take images

@@ -15,8 +15,9 @@ row (asyncllm/models/row_states.py). Each token then:
 A prefill chunk runs the rule in blocks of 64 tokens (`chunked_delta_rule`: the standard WY form, one triangular
 solve a block), a decode step for every request at once on their state rows in place (`ModelOps.gated_delta_step`:
 torch, or kernels/gated_delta.py with the triton backend); both equal the token-by-token
-recurrence (tests/unit/test_gated_deltanet.py) and transformers' float32 results. The prefix cache, swap
-preemption, speculative decoding and CUDA graphs do not apply to these states (docs/hybrid-models.md).
+recurrence (tests/unit/test_gated_deltanet.py) and transformers' float32 results. The prefix cache restores them
+from saved states, speculative decoding from per-draft snapshots; swap preemption and CUDA graphs do not apply to
+them (docs/hybrid-models.md).
 """
 
 from __future__ import annotations

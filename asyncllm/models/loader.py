@@ -132,8 +132,10 @@ def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtyp
     if getattr(model_cls, "takes_max_model_len", False):  # LongRoPE's factors depend on it (docs/phi3.md)
         options["max_model_len"] = config.max_model_len
     if getattr(model_cls, "takes_state_rows", False):  # recurrent states' rows and checkpoints (docs/hybrid-models.md)
+        spec = config.scheduler_config.speculative
         options["state_rows"] = StateRows(config.max_num_seqs,
-                                          config.mamba_checkpoint_slots if config.enable_prefix_caching else 0)
+                                          config.mamba_checkpoint_slots if config.enable_prefix_caching else 0,
+                                          spec.num_speculative_tokens if spec is not None else 0)
     if pipeline is not None:  # a pipeline stage: only its parts (asyncllm/models/pipeline.py)
         options["pipeline"] = pipeline
     with torch.device(tensor_device or device):

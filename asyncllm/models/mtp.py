@@ -1,5 +1,5 @@
 """Multi-token prediction (MTP) layers as draft heads: speculative decoding with ``method="mtp"``
-(docs/speculative.md).
+(docs/speculative.md). Qwen3-Next and Qwen3.5's layout: asyncllm/models/qwen_mtp.py.
 
 DeepSeek-V3 / R1, GLM-4.5 / 4.6 / 4.7 and GLM-4.7-Flash checkpoints carry a multi-token-prediction layer after
 their decoder (``model.layers.{L}`` with ``L = num_hidden_layers``; ``num_nextn_predict_layers`` of them), trained
@@ -31,21 +31,55 @@ from asyncllm.models.embedding import ParallelLMHead
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear
 
-__all__ = ["MTP_ARCHITECTURES", "mtp_cache_config", "mtp_class", "mtp_layer_config"]
+__all__ = ["DEEPSEEK_MTP_ARCHITECTURES", "MTPLayerHead", "MTP_ARCHITECTURES", "QWEN_MTP_ARCHITECTURES", "mtp_cache_config",
+           "mtp_class", "mtp_layer_config", "mtp_target", "num_mtp_layers"]
 
-MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
-"""Targets whose checkpoints' MTP layers are read (DeepSeek's layout)."""
+DEEPSEEK_MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
+"""Targets whose checkpoints' MTP layers are read in DeepSeek's layout (``model.layers.{L}``)."""
+QWEN_MTP_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                          "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
+"""Targets whose checkpoints' MTP layers are read in Qwen's layout (``mtp.``; asyncllm/models/qwen_mtp.py); the
+image-text checkpoints served as text."""
+MTP_ARCHITECTURES = DEEPSEEK_MTP_ARCHITECTURES + QWEN_MTP_ARCHITECTURES
+
+
+def num_mtp_layers(hf_config: Any) -> int:
+    """The MTP layers a checkpoint's config declares (DeepSeek's ``num_nextn_predict_layers``, Qwen's
+    ``mtp_num_hidden_layers``)."""
+    return int(getattr(hf_config, "num_nextn_predict_layers", 0) or getattr(hf_config, "mtp_num_hidden_layers", 0)
+               or 0)
+
+
+def mtp_target(hf_config: Any) -> tuple[type, Any]:
+    """The target's text class and config the MTP layer is built from (an image-text Qwen3.5 checkpoint's language
+    model)."""
+    from asyncllm.models.registry import get_model_class
+
+    arch = hf_config.architectures[0]
+    if arch.endswith("ForConditionalGeneration"):
+        text_arch = arch.replace("ForConditionalGeneration", "ForCausalLM")
+        text_config = copy.copy(hf_config.text_config)
+        text_config.architectures = [text_arch]
+        return get_model_class(text_config), text_config
+    return get_model_class(hf_config), hf_config
 
 
 def mtp_layer_config(hf_config: Any) -> Any:
     """The target's config for its MTP layer: one more layer, per-layer lists extended by their last entry (GLM-4.7-
-    Flash's ``mlp_layer_types``: the MTP layer has experts)."""
-    return _with_layers(hf_config, lambda kinds: kinds + kinds[-1:], hf_config.num_hidden_layers + 1)
+    Flash's ``mlp_layer_types``: the MTP layer has experts; a hybrid's: full attention)."""
+    return _with_layers(hf_config, lambda kinds: kinds + [_layer_kind(kinds[-1])], hf_config.num_hidden_layers + 1)
 
 
 def mtp_cache_config(hf_config: Any) -> Any:
-    """The target's config for the MTP layer's KV cache: one layer, shaped as the target's last."""
-    return _with_layers(hf_config, lambda kinds: kinds[-1:], 1)
+    """The target's config for the MTP layer's KV cache: one layer, shaped as the target's last (full attention in
+    a hybrid)."""
+    return _with_layers(hf_config, lambda kinds: [_layer_kind(kinds[-1])], 1)
+
+
+def _layer_kind(last: str) -> str:
+    from asyncllm.models.hybrid import STATE_LAYER_TYPES
+
+    return "full_attention" if last in STATE_LAYER_TYPES else last
 
 
 def _with_layers(hf_config: Any, lists: Any, num_layers: int) -> Any:
@@ -60,8 +94,13 @@ def _with_layers(hf_config: Any, lists: Any, num_layers: int) -> Any:
 
 @functools.lru_cache(maxsize=None)
 def mtp_class(target_cls: type) -> type:
-    """The MTP head class of a target class: `MTPHead`'s build and forward, the target class's weight loading."""
-    return type(f"{target_cls.__name__}MTP", (MTPHead, target_cls), {})
+    """The MTP head class of a target class: `MTPHead`'s build and forward (Qwen's: `QwenMTPHead`), the target
+    class's weight loading."""
+    from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM
+    from asyncllm.models.qwen_mtp import QwenMTPHead
+
+    head = QwenMTPHead if issubclass(target_cls, Qwen3_5ForCausalLM) else MTPHead
+    return type(f"{target_cls.__name__}MTP", (head, target_cls), {})
 
 
 class _SharedHead(nn.Module):
@@ -71,25 +110,56 @@ class _SharedHead(nn.Module):
         self.head = ParallelLMHead(vocab, hidden, tp, dtype)
 
 
-class MTPHead(TargetReader, nn.Module):
-    """Mixin before a target class: ``model.layers.0`` is the target's layer ``L`` with ``enorm``, ``hnorm``,
-    ``eh_proj`` and ``shared_head`` on it (their checkpoint names, less the index)."""
+class MTPLayerHead(TargetReader, nn.Module):
+    """What both layouts share (a mixin before a target class): ``model.layers.0`` is the target's layer ``L``, with
+    the layout's own modules on it (`layer_modules`); only the checkpoint's MTP names are loaded (`mtp_names`)."""
+
+    mtp_names_hint = ""
+    """The checkpoint names of the layer, for the error when there are none."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
-                 max_position: int, expert_parallel: bool = False) -> None:
+                 max_position: int, expert_parallel: bool = False, **_: Any) -> None:
         nn.Module.__init__(self)
         self.mtp_index = hf_config.num_hidden_layers - 1  # built from `mtp_layer_config`: the last layer
         build = self.decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)  # type: ignore[attr-defined]
         self.pipeline = None
         self.tie_word_embeddings = False
-        hidden, eps, ops = hf_config.hidden_size, hf_config.rms_norm_eps, attn_backend.ops
         layer = self.model_cls.layer_class(hf_config)(build, self.mtp_index)  # type: ignore[attr-defined]
-        layer.enorm = RMSNorm(hidden, eps, dtype, ops)
-        layer.hnorm = RMSNorm(hidden, eps, dtype, ops)
-        layer.eh_proj = ColumnParallelLinear(2 * hidden, hidden, False, TensorParallel(), dtype)  # replicated
-        layer.shared_head = _SharedHead(hidden, hf_config.vocab_size, eps, tp, dtype, ops)
+        for name, module in self.layer_modules(hf_config, dtype, tp, attn_backend.ops).items():
+            setattr(layer, name, module)
         self.model = nn.Module()
         self.model.layers = nn.ModuleList([layer])
+
+    def layer_modules(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, ops: Any) -> dict[str, nn.Module]:
+        """The layout's modules beside the decoder block (none here)."""
+        return {}
+
+    def mtp_names(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
+        """The checkpoint's MTP weights under this module's names (none here)."""
+        return iter(())
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """Only the MTP layer's names, as layer 0's; `ConfigError` for a checkpoint without them."""
+        loaded = super().load_weights(self.mtp_names(weights))  # type: ignore[misc]
+        if not loaded:
+            raise ConfigError("speculative_config", "mtp", f"a checkpoint with its multi-token-prediction layer "
+                                                            f"({self.mtp_names_hint}); this one has none")
+        return loaded
+
+
+class MTPHead(MTPLayerHead):
+    """DeepSeek's layout: ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head`` on the layer (their checkpoint names,
+    less the index)."""
+
+    @property
+    def mtp_names_hint(self) -> str:  # type: ignore[override]
+        return f"model.layers.{self.mtp_index}.*"
+
+    def layer_modules(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, ops: Any) -> dict[str, nn.Module]:
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        return {"enorm": RMSNorm(hidden, eps, dtype, ops), "hnorm": RMSNorm(hidden, eps, dtype, ops),
+                "eh_proj": ColumnParallelLinear(2 * hidden, hidden, False, TensorParallel(), dtype),  # replicated
+                "shared_head": _SharedHead(hidden, hf_config.vocab_size, eps, tp, dtype, ops)}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: Any, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,15 +175,7 @@ class MTPHead(TargetReader, nn.Module):
         head = self.model.layers[0].shared_head
         return head.head(head.norm(hidden)).argmax(dim=-1)
 
-    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        """Only the MTP layer's names, as layer 0's; `ConfigError` for a checkpoint without them."""
-        loaded = super().load_weights(self._mtp_names(weights))  # type: ignore[misc]
-        if not loaded:
-            raise ConfigError("speculative_config", "mtp", f"a checkpoint with its multi-token-prediction layer "
-                                                            f"(model.layers.{self.mtp_index}.*); this one has none")
-        return loaded
-
-    def _mtp_names(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
+    def mtp_names(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
         prefix = f"model.layers.{self.mtp_index}."
         for name, weight in weights:
             if name.startswith(prefix) and not name.startswith(prefix + "embed_tokens."):

@@ -17,7 +17,7 @@ and, every ``full_attention_interval``-th layer, gated full attention on the pag
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -92,6 +92,15 @@ class Qwen3_5ForCausalLM(StateLayersMixin, LlamaForCausalLM):
             raise NotBuiltError("hidden_act", hf_config.hidden_act, "Qwen3.5 with SiLU")
         super().__init__(hf_config, **kwargs)
 
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights(without_mtp(weights))
+
+
+def without_mtp(weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
+    """A checkpoint's weights but its multi-token-prediction layer's (``mtp.``: a draft head's,
+    asyncllm/models/qwen_mtp.py)."""
+    return ((name, w) for name, w in weights if not name.startswith("mtp."))
+
 
 def _text_config(hf_config: Any) -> Any:
     """An image-text checkpoint's ``text_config`` with the outer ``tie_word_embeddings``."""
@@ -135,7 +144,7 @@ class Qwen3_5MoeForCausalLM(MoECausalLM, Qwen3_5ForCausalLM):
         """(hidden, I): what tells fused experts' two layouts apart."""
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        return super().load_weights(split_fused_experts(weights, *self.expert_sizes))
+        return super().load_weights(split_fused_experts(without_mtp(weights), *self.expert_sizes))
 
 
 class Qwen3_5MoeTextOnly(Qwen3_5MoeForCausalLM):

@@ -21,7 +21,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import LoadedWeight
 from asyncllm.models.moe import MoECausalLM, MoESpec
 from asyncllm.models.qwen2_moe import shared_expert_moe_spec
-from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM
+from asyncllm.models.qwen3_5 import Qwen3_5ForCausalLM, without_mtp
 
 __all__ = ["Qwen3NextForCausalLM", "split_ba", "split_qkvz"]
 
@@ -69,7 +69,7 @@ class Qwen3NextForCausalLM(MoECausalLM, Qwen3_5ForCausalLM):
         return f"{prefix}.{_FUSED_IN_CHECKPOINT.get(leaf, leaf)}"
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        return super().load_weights(self._split_fused(weights))
+        return super().load_weights(self._split_fused(without_mtp(weights)))
 
     def _split_fused(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
         for name, weight in weights:

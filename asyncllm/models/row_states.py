@@ -9,12 +9,17 @@ request's state; one that resumes from a prefix-cache hit starts from the states
 (`AttentionMetadata.state_loads`), and the states are saved where the core planned (`state_saves`,
 asyncllm/kv/state_checkpoints.py). Also here: the causal depthwise convolution both layers run before their scan,
 with its last ``K - 1`` inputs as state.
+
+Speculative decoding: a request whose step verifies k drafts runs its last k + 1 tokens one at a time
+(`RowStates.spans`), its states after the verified token and after each draft but the last kept in its row's k
+snapshots; once verified, `rollback` puts back the one after its accepted drafts (the model runner calls it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +39,9 @@ class StateRows:
     """One per worker row (``max_num_seqs``)."""
     checkpoints: int = 0
     """Saved states for prefix caching (``mamba_checkpoint_slots``; 0 with prefix caching off)."""
+    drafts: int = 0
+    """Speculative decoding's ``num_speculative_tokens``: a row keeps that many snapshots while its drafts are
+    verified (`RowStates.rollback`)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,8 @@ class StepRows:
     """Where each request's tokens start in the step (``query_start_loc``; one more entry at the end)."""
     saves: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
     """Row -> (tokens of its chunk, checkpoint slot), by tokens: save the row's states after that many tokens."""
+    drafts: dict[int, int] = field(default_factory=dict)
+    """Row -> how many drafts its last tokens verify: the states after each of them are kept (snapshots)."""
 
     @property
     def lengths(self) -> list[int]:
@@ -65,6 +75,10 @@ class RowStates:
         self.saved = {name: torch.zeros(rows.checkpoints, *shape, dtype=dtype)
                       for name, (shape, dtype) in shapes.items()}
         """The checkpoint slots: states saved at points of earlier requests (prefix caching)."""
+        self.snapshots = {name: torch.zeros(rows.rows if rows.drafts else 0, rows.drafts, *shape, dtype=dtype)
+                          for name, (shape, dtype) in shapes.items()}
+        """Per row, the states after its verified token and after each of its drafts but the last (speculative
+        decoding): `rollback` restores the one of the accepted drafts."""
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -82,7 +96,7 @@ class RowStates:
         saves: dict[int, list[tuple[int, int]]] = {}
         for row, num_tokens, slot in sorted(metadata.state_saves or ()):
             saves.setdefault(row, []).append((num_tokens, slot))
-        step = StepRows(rows, row_list, metadata.query_start_loc_cpu, saves)
+        step = StepRows(rows, row_list, metadata.query_start_loc_cpu, saves, dict(metadata.state_drafts or ()))
         self._fit(max(row_list, default=-1) + 1, device)
         fresh = [row for row, n, seq in zip(row_list, step.lengths, metadata.seq_lens_cpu) if n and seq == n]
         if fresh:
@@ -95,16 +109,37 @@ class RowStates:
 
     def spans(self, step: StepRows) -> Iterator[tuple[int, slice]]:
         """Each request's tokens in the step as ``(row, span)``, cut where its states are saved: once the caller
-        has run a span (and asks for the next), the row's states are saved into the slots planned at its end."""
+        has run a span (and asks for the next), the row's states are saved into the slots planned at its end. A
+        row verifying k drafts has its last k + 1 tokens cut one by one, the states after each of the first k kept
+        as its snapshots."""
         for row, start, n in zip(step.row_list, step.starts, step.lengths):
-            done = 0
+            cuts: dict[int, list[tuple[dict[str, torch.Tensor], Any]]] = {}
             for num_tokens, slot in step.saves.get(row, ()):
-                if num_tokens > done:
-                    yield row, slice(start + done, start + num_tokens)
-                    done = num_tokens
-                self._save(row, slot)
+                cuts.setdefault(num_tokens, []).append((self.saved, slot))
+            k = step.drafts.get(row, 0)
+            for j in range(k):
+                cuts.setdefault(n - k + j, []).append((self.snapshots, (row, j)))
+            done = 0
+            for point in sorted(cuts):
+                if point > done:
+                    yield row, slice(start + done, start + point)
+                    done = point
+                for store, index in cuts[point]:
+                    for name, tensor in self.tensors.items():
+                        store[name][index] = tensor[row]
             if done < n:
                 yield row, slice(start + done, start + n)
+
+    def rollback(self, row: int, num_drafts: int, accepted: int) -> None:
+        """A row whose step verified ``num_drafts`` drafts and accepted ``accepted``: its states as they were after
+        them (all accepted: they are already)."""
+        if accepted < num_drafts:
+            for name, tensor in self.tensors.items():
+                tensor[row] = self.snapshots[name][row, accepted]
+
+    @property
+    def snapshots_per_row(self) -> int:
+        return next(iter(self.snapshots.values())).shape[1]
 
     def save_decoded(self, step: StepRows) -> None:
         """After a step where every request decoded one token: the saves planned at its end."""
@@ -119,13 +154,16 @@ class RowStates:
     def _fit(self, num_rows: int, device: torch.device) -> None:
         for name, saved in self.saved.items():
             self.saved[name] = saved.to(device)
-        for name, tensor in self.tensors.items():
-            if tensor.device != device:
-                tensor = tensor.to(device)
-            if num_rows > tensor.shape[0]:
-                grow = max(num_rows, 2 * tensor.shape[0]) - tensor.shape[0]
-                tensor = torch.cat([tensor, tensor.new_zeros(grow, *tensor.shape[1:])])
-            self.tensors[name] = tensor
+        for tensors in (self.tensors, self.snapshots) if self.snapshots_per_row else (self.tensors,):
+            for name, tensor in tensors.items():
+                tensors[name] = _grown(tensor.to(device), num_rows)
+
+
+def _grown(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
+    if num_rows <= tensor.shape[0]:
+        return tensor
+    grow = max(num_rows, 2 * tensor.shape[0]) - tensor.shape[0]
+    return torch.cat([tensor, tensor.new_zeros(grow, *tensor.shape[1:])])
 
 
 class DepthwiseConv(nn.Module):

@@ -6,8 +6,8 @@ earlier place in the request's own tokens, proposed by the core),
 workers and proposes its greedy continuation; a ``model`` key without a
 method means it, as in vLLM), ``eagle`` / ``eagle3`` (an EAGLE head
 reading the target's hidden states: asyncllm/models/eagle.py) and ``mtp``
-(``deepseek_mtp`` too: the target checkpoint's own multi-token-prediction
-layer, asyncllm/models/mtp.py). Every other vLLM method is a
+(``deepseek_mtp``, ``qwen3_next_mtp``, ... too: the target checkpoint's own
+multi-token-prediction layer, asyncllm/models/mtp.py). Every other vLLM method is a
 `NotBuiltError` naming it; an unknown key is a `ConfigError`, never
 ignored.
 """
@@ -28,7 +28,8 @@ _DRAFT_KEYS = ("method", "model", "num_speculative_tokens", "draft_tensor_parall
 _HEAD_METHODS = ("draft_model", "eagle", "eagle3")
 """Methods whose drafts come from a network of their own in the workers (a ``model`` key)."""
 _MTP_KEYS = ("method", "num_speculative_tokens")
-_MTP_ALIASES = ("mtp", "deepseek_mtp")
+_MTP_ALIASES = ("mtp", "deepseek_mtp", "glm4_moe_mtp", "qwen3_next_mtp", "qwen3_5_mtp")
+"""vLLM's per-family names of ``mtp`` (it maps them to ``mtp`` too)."""
 _MODEL_METHODS = ("medusa", "mlp_speculator", "suffix")
 _DEFAULT_LOOKUP = 5
 """vLLM's n-gram size when neither prompt_lookup_min nor prompt_lookup_max is given."""

@@ -44,15 +44,16 @@ class DraftModelProposer:
 
 
 def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config: Any, tensor_parallel_size: int,
-                        max_model_len: int, multimodal: bool) -> dict:
-    """Check the draft checkpoint against the target; returns ``speculative_config`` with the draft's folder."""
-    from asyncllm.models.architectures import TEXT_ARCHITECTURES, architecture_of
+                        max_model_len: int, multimodal: bool, arch: str | None = None) -> dict:
+    """Check the draft checkpoint against the target (``target_config``: its text config; ``arch``: the
+    checkpoint's architecture, default the config's); returns ``speculative_config`` with the draft's folder."""
+    from asyncllm.models.architectures import HYBRID_ARCHITECTURES, TEXT_ARCHITECTURES, architecture_of
     from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
 
     if multimodal:
         raise NotBuiltError(_FIELD, spec_dict, "a draft model for a multimodal target")
     if spec.method == "mtp":
-        _check_mtp_target(spec_dict, target_config)
+        _check_mtp_target(spec_dict, target_config, arch or architecture_of(target_config))
         return {"method": "mtp", "num_speculative_tokens": spec.num_speculative_tokens}
     draft_tp = spec.draft_tensor_parallel_size
     if draft_tp is not None and draft_tp not in (tensor_parallel_size, 1):
@@ -69,10 +70,13 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
         method = "eagle3"  # vLLM reads the method from the head
     draft_config = load_head_config(path) if method != "draft_model" else load_hf_config(path)
     if method != "draft_model":
-        _check_eagle_head(spec_dict, method, draft_config, target_config)
+        _check_eagle_head(spec_dict, method, draft_config, target_config, arch or architecture_of(target_config))
     elif (arch := architecture_of(draft_config)) not in TEXT_ARCHITECTURES:
         raise NotBuiltError(_FIELD, spec_dict, f"a {arch} draft model (text decoders only: "
                                                f"{', '.join(TEXT_ARCHITECTURES)})")
+    elif arch in HYBRID_ARCHITECTURES:
+        raise NotBuiltError(_FIELD, spec_dict, f"a {arch} draft model (its recurrent states would run ahead over "
+                                               "drafts; attention-only drafts)")
     draft_vocab, target_vocab = draft_config.vocab_size, target_config.vocab_size
     if draft_vocab != target_vocab:
         raise ConfigError(_FIELD, spec_dict, f"a draft model with the target's vocabulary: the draft {spec.model} has "
@@ -84,13 +88,17 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
     return {**spec_dict, "method": method, "model": path, "revision": None, "max_model_len": draft_len}
 
 
-def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_config: Any) -> None:
-    """An EAGLE head that fits the target: a Llama-shaped head of the method's kind, the target's hidden size; for
-    EAGLE-3 layers the target has, in a decoder that keeps their inputs."""
-    from asyncllm.models.architectures import architecture_of
+def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_config: Any, target_arch: str) -> None:
+    """An EAGLE head that fits the target: a Llama-shaped head of the method's kind, the target's hidden size, not a
+    hybrid target; for EAGLE-3 layers the target has, in a decoder that keeps their inputs."""
+    from asyncllm.models.architectures import HYBRID_ARCHITECTURES, architecture_of
     from asyncllm.models.eagle import EAGLE3_ARCHITECTURES, eagle3_aux_layers
     from asyncllm.models.llama import LlamaModel
     from asyncllm.models.registry import get_model_class
+
+    if target_arch in HYBRID_ARCHITECTURES:
+        raise NotBuiltError(_FIELD, spec_dict, f"an {method} head for a {target_arch} target (hybrids draft with "
+                                               "n-grams, a draft model or their own MTP layer: method='mtp')")
 
     arch = (getattr(head_config, "architectures", None) or ["?"])[0]
     if getattr(head_config, "model_type", None) != "llama" or (arch in EAGLE3_ARCHITECTURES) != (method == "eagle3"):
@@ -120,19 +128,17 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
                                                "(Llama-style decoders: Llama, Mistral, Qwen2, Qwen3, ...)")
 
 
-def _check_mtp_target(spec_dict: dict, target_config: Any) -> None:
+def _check_mtp_target(spec_dict: dict, target_config: Any, arch: str) -> None:
     """A target whose checkpoint has a multi-token-prediction layer asyncllm reads."""
-    from asyncllm.models.architectures import architecture_of
-    from asyncllm.models.mtp import MTP_ARCHITECTURES
+    from asyncllm.models.mtp import MTP_ARCHITECTURES, num_mtp_layers
 
-    arch = architecture_of(target_config)
     if arch not in MTP_ARCHITECTURES:
         raise NotBuiltError(_FIELD, spec_dict, f"multi-token prediction for {arch} (built for "
                                                f"{', '.join(MTP_ARCHITECTURES)})")
-    layers = getattr(target_config, "num_nextn_predict_layers", 0) or 0
+    layers = num_mtp_layers(target_config)
     if not layers:
-        raise ConfigError(_FIELD, spec_dict, "a target with multi-token-prediction layers "
-                                             "(its config.json has num_nextn_predict_layers=0 or none)")
+        raise ConfigError(_FIELD, spec_dict, "a target with multi-token-prediction layers (its config.json has "
+                                             "num_nextn_predict_layers / mtp_num_hidden_layers 0 or none)")
     if layers > 1:
-        raise NotBuiltError(_FIELD, spec_dict, f"num_nextn_predict_layers={layers} (one MTP layer, drafting again "
-                                               "from its own output)")
+        raise NotBuiltError(_FIELD, spec_dict, f"{layers} MTP layers (one MTP layer, drafting again from its own "
+                                               "output)")

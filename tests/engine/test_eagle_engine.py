@@ -4,7 +4,9 @@ Three engines started together: a random EAGLE-3 head on the tiny Llama over two
 drafts almost all rejected) under chunked prefill, prefix-cache hits and preemption; and an EAGLE-1 head that
 computes its target exactly (a target whose next token depends on its last token only), whose every greedy draft
 must be accepted, which catches a draft read from the wrong token, hidden state or position; and the tiny
-DeepSeek-V3 with a multi-token-prediction layer drafting for itself (``method="mtp"``).
+DeepSeek-V3 and the hybrid Qwen3-Next with a multi-token-prediction layer drafting for themselves
+(``method="mtp"``; Qwen3-Next's linear layers rolled back to each step's accepted drafts, its prefix-cache hits
+resuming from saved states).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest_asyncio
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.tiny import tiny_checkpoint
-from eagle_utils import add_mtp_layer, make_eagle_head, make_exact_pair
+from eagle_utils import add_mtp_layer, add_qwen_mtp_layer, make_eagle_head, make_exact_pair
 from engine_helpers import random_prompts
 from hf_reference import hf_greedy
 
@@ -26,7 +28,7 @@ MAX_TOKENS = 16
 
 @functools.lru_cache(maxsize=None)
 def _reference(path: str, prompt: tuple[int, ...]) -> list[int]:
-    return hf_greedy(path, list(prompt), MAX_TOKENS)
+    return hf_greedy(path, list(prompt), MAX_TOKENS, eos_token_id=None)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -42,7 +44,11 @@ async def engines(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory):
     deepseek = add_mtp_layer(tiny_checkpoint("deepseek_v3"), str(root / "deepseek"))
     mtp = AsyncEngine(deepseek, disable_log_stats=True, max_num_batched_tokens=32,
                       speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2})
-    pair = {"eagle3": (eagle3, tiny_llama), "exact": (exact, exact_target), "mtp": (mtp, deepseek)}
+    qwen = add_qwen_mtp_layer(tiny_checkpoint("qwen3_next"), str(root / "qwen3_next"))
+    qwen_mtp = AsyncEngine(qwen, disable_log_stats=True, max_num_batched_tokens=32, block_size=4, mamba_block_size=8,
+                           speculative_config={"method": "qwen3_next_mtp", "num_speculative_tokens": 2})
+    pair = {"eagle3": (eagle3, tiny_llama), "exact": (exact, exact_target), "mtp": (mtp, deepseek),
+            "qwen_mtp": (qwen_mtp, qwen)}
     try:
         await asyncio.gather(*(engine.start() for engine, _ in pair.values()))
         yield pair

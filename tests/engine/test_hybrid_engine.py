@@ -3,8 +3,8 @@ gated full attention; Granite 4.0, Bamba and Nemotron-H / Nemotron 3: Mamba2 + a
 layer; Jamba: Mamba (v1) + attention; LFM2 and LFM2-MoE: short convolutions + attention):
 greedy tokens equal transformers' with 16-token chunks, two seats (rows reused by later requests), recompute
 preemption, async scheduling and states saved in two slots for prefix caching (slots replaced); prefix-cache hits
-resume from saved states (points in prompts and in decodes, shared prefixes, a conversation's next turn); swap
-preemption and speculative decoding refused."""
+resume from saved states (points in prompts and in decodes, shared prefixes, a conversation's next turn); n-gram
+drafts verified and rolled back; swap preemption and hybrid draft models refused."""
 
 from __future__ import annotations
 
@@ -63,11 +63,33 @@ async def test_prefix_cache_hits_resume_from_saved_states(arch: str, tp: int) ->
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32, computed // 8 * 8]
 
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 2}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-@pytest.mark.parametrize("fields", [{"preemption_mode": "swap"}, {"speculative_config": NGRAM}])
-async def test_swap_preemption_and_speculative_decoding_are_refused(fields: dict) -> None:
+async def test_drafts_keep_tokens_equal_to_transformers() -> None:
+    """n-gram drafts on Granite 4.0's Mamba2 layers (its outputs repeat themselves: some drafts are accepted, some
+    not, some requests get fewer than three): each verification keeps the states after every draft and rolls back
+    to the accepted ones (chunked prompts, two seats, states saved for prefix caching). Qwen3.5's Gated DeltaNet:
+    tests/unit/test_hybrid_drafts.py, and Qwen3-Next's MTP through the engine: tests/engine/test_eagle_engine.py."""
+    path = tiny_checkpoint("granitemoehybrid")
+    prompts = [[5, 6, 7, 8, 9] * 6, list(range(10, 30)) * 2] + _prompts(3, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # long enough to repeat itself
+    async with AsyncEngine(path, disable_log_stats=True, speculative_config=NGRAM, max_num_batched_tokens=16,
+                           max_num_seqs=2, block_size=4, max_model_len=96, mamba_block_size=8,
+                           mamba_checkpoint_slots=4) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        stats = engine.stats()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, prompt, 40, eos_token_id=None), f"{len(prompt)} tokens"
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+@pytest.mark.parametrize("fields", [{"preemption_mode": "swap"},
+                                    {"speculative_config": {"model": "qwen3_5", "num_speculative_tokens": 2}}])
+async def test_swap_preemption_and_hybrid_draft_models_are_refused(fields: dict) -> None:
+    spec = fields.get("speculative_config")
+    if spec:
+        fields = {"speculative_config": {**spec, "model": tiny_checkpoint(spec["model"])}}
     with pytest.raises(NotBuiltError, match="recurrent states"):
         async with AsyncEngine(tiny_checkpoint("qwen3_5"), disable_log_stats=True, **fields):
             pass

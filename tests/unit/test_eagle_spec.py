@@ -5,7 +5,9 @@ checks refuse what does not fit, by name."""
 from __future__ import annotations
 
 import functools
+import json
 import shutil
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +21,8 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.spec.config import SpeculativeConfig
 from asyncllm.spec.draft_model import prepare_draft_model
 from asyncllm.workers.model_runner import ModelRunner
-from eagle_utils import add_mtp_layer, make_eagle_head, reference_drafts, reference_mtp_drafts
+from eagle_utils import (add_mtp_layer, add_qwen_mtp_layer, make_eagle_head, reference_drafts, reference_mtp_drafts,
+                         reference_qwen_mtp_drafts)
 from hf_reference import hf_greedy
 
 K = 3
@@ -37,10 +40,10 @@ def heads(tiny_llama, tmp_path_factory) -> dict[str, str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _runner(target: str, head: str, method: str) -> ModelRunner:
+def _runner(target: str, head: str, method: str, **fields: Any) -> ModelRunner:
     spec = {"method": method, "num_speculative_tokens": K, **({"model": head} if head else {})}
     config = EngineConfig.create(target, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64,
-                                 speculative_config=spec)
+                                 speculative_config=spec, **fields)
     runner = ModelRunner(config, 0, 1, torch.device("cpu"))
     runner.load_model()
     runner.init_cache(8)
@@ -126,32 +129,71 @@ def test_an_eagle3_head_for_a_decoder_that_keeps_no_layer_inputs_is_refused(head
     target.architectures = ["CohereForCausalLM"]  # its decoder's own forward keeps none
     with pytest.raises(NotBuiltError, match="an EAGLE-3 head for a CohereForCausalLM target"):
         prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict), target, 1, 128, False)
+    spec_dict = {**spec_dict, "method": "eagle", "model": heads["eagle"]}
+    target.architectures = ["Qwen3NextForCausalLM"]  # a hybrid: it drafts with its MTP layer
+    with pytest.raises(NotBuiltError, match="an eagle head for a Qwen3NextForCausalLM target"):
+        prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict), target, 1, 128, False)
 
 
 # ------------------------------------------------------------------ MTP layers
-@pytest.fixture(scope="module")
-def tiny_deepseek_mtp(tmp_path_factory) -> str:
+MTP_TARGETS = {"deepseek_v3": (add_mtp_layer, reference_mtp_drafts, "deepseek_mtp"),
+               "qwen3_5": (add_qwen_mtp_layer, reference_qwen_mtp_drafts, "qwen3_5_mtp"),
+               "qwen3_next": (add_qwen_mtp_layer, reference_qwen_mtp_drafts, "qwen3_next_mtp")}
+
+
+@pytest.mark.parametrize("arch", list(MTP_TARGETS))
+def test_the_mtp_layer_s_drafts_equal_transformers_layer_after_a_chunked_prompt_and_a_partly_accepted_step(
+        arch, tmp_path):
+    """DeepSeek-V3's layer (``model.layers.{L}``), Qwen3.5's and Qwen3-Next's (``mtp.``: their hybrid targets' linear
+    layers rolled back to the accepted draft, so the token after the step is right too)."""
     from asyncllm.tiny import tiny_checkpoint
 
-    return add_mtp_layer(tiny_checkpoint("deepseek_v3"), str(tmp_path_factory.mktemp("mtp") / "deepseek_v3"))
-
-
-def test_the_mtp_layer_s_drafts_equal_transformers_layer_after_a_chunked_prompt_and_a_partly_accepted_step(
-        tiny_deepseek_mtp, tmp_path):
-    runner = _runner(tiny_deepseek_mtp, "", "mtp")
+    add_layer, reference_drafts_of, method = MTP_TARGETS[arch]
+    target = add_layer(tiny_checkpoint(arch), str(tmp_path / arch))
+    runner = _runner.__wrapped__(target, "", method)
     prompt = list(range(40, 64))
-    want = hf_greedy(tiny_deepseek_mtp, prompt, 3)
+    want = hf_greedy(target, prompt, 4, eos_token_id=None)
     new = NewRequestData("r", prompt, len(prompt), GREEDY, [3, 4], 0)
     assert runner.execute_model(_step(0, new, 0, 16, [], [])).sampled_token_ids == [[]]
     out = runner.execute_model(_step(1, None, 16, 8, [], []))
     assert out.sampled_token_ids == [want[:1]]
-    reference = functools.partial(reference_mtp_drafts, tiny_deepseek_mtp, k=K, tmp=str(tmp_path / "hf"))
+    reference = functools.partial(reference_drafts_of, target, k=K, tmp=str(tmp_path / "hf"))
     assert out.draft_token_ids == {"r": reference(prompt + want[:1])}
     drafts = [want[1], (want[2] + 1) % 512, 0]
     out = runner.execute_model(_step(2, None, 24, 1 + K, [], drafts))
     assert out.sampled_token_ids == [want[1:3]]
     assert out.draft_token_ids == {"r": reference(prompt + want[:3])}
-    runner.execute_model(SchedulerOutput(3, [], CachedRequestData(), {}, 0, finished_req_ids=["r"]))
+    out = runner.execute_model(_step(3, None, 26, 1, [], []))
+    assert out.sampled_token_ids == [want[3:4]]
+
+
+def test_an_image_text_qwen3_5_served_as_text_drafts_with_its_mtp_layer(tmp_path):
+    """Qwen3.5's releases are image-text checkpoints: served as text, their MTP layer drafts exactly as the same
+    weights saved as a text checkpoint do (whose drafts equal transformers' layer: above)."""
+    from safetensors.torch import load_file, save_file
+
+    from qwen_vl_utils import make_tiny_qwen_vl
+
+    vl = add_qwen_mtp_layer(make_tiny_qwen_vl(tmp_path / "vl0", "3.5"), str(tmp_path / "vl"))
+    text = tmp_path / "text"
+    text.mkdir()
+    with open(f"{vl}/config.json") as f:
+        cfg = json.load(f)["text_config"]
+    with open(text / "config.json", "w") as f:
+        json.dump({**cfg, "architectures": ["Qwen3_5ForCausalLM"], "tie_word_embeddings": False}, f)
+    weights = {n.replace("model.language_model.", "model."): t for n, t in load_file(f"{vl}/model.safetensors").items()
+               if not n.startswith("model.visual.")}
+    save_file(weights, str(text / "model.safetensors"))
+    shutil.copy(f"{vl}/mtp.safetensors", text)
+    runners = [_runner.__wrapped__(vl, "", "qwen3_5_mtp", limit_mm_per_prompt={"image": 0, "video": 0}),
+               _runner.__wrapped__(str(text), "", "qwen3_5_mtp")]
+    prompt = list(range(40, 64))
+    new = NewRequestData("r", prompt, len(prompt), GREEDY, [3, 4], 0)
+    outs = [[r.execute_model(_step(0, new, 0, 24, [], [])), r.execute_model(_step(1, None, 24, 1 + K, [], [5, 6, 7]))]
+            for r in runners]
+    assert [(o.sampled_token_ids, o.draft_token_ids) for o in outs[0]] == \
+        [(o.sampled_token_ids, o.draft_token_ids) for o in outs[1]]
+    assert outs[0][0].draft_token_ids["r"]
 
 
 def test_mtp_is_refused_by_name_where_the_target_has_no_layer_to_read(tiny_llama):
@@ -167,7 +209,7 @@ def test_mtp_is_refused_by_name_where_the_target_has_no_layer_to_read(tiny_llama
 
     deepseek = load_hf_config(tiny_checkpoint("deepseek_v3"))
     deepseek.num_nextn_predict_layers = 2
-    with pytest.raises(NotBuiltError, match="num_nextn_predict_layers=2"):
+    with pytest.raises(NotBuiltError, match="2 MTP layers"):
         prepare_draft_model(spec_dict, spec, deepseek, 1, 128, False)
     without = tiny_checkpoint("deepseek_v3")  # config.json says num_nextn_predict_layers=1, its weights have none
     with pytest.raises(ConfigError, match=r"multi-token-prediction layer \(model.layers.2.\*\); this one has none"):

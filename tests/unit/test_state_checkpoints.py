@@ -43,6 +43,20 @@ def _step(new: dict[str, int] | None = None, cached: dict[str, int] | None = Non
         num_scheduled_tokens=scheduled or {}, total_num_scheduled_tokens=sum((scheduled or {}).values()))
 
 
+def test_no_point_is_planned_inside_a_step_s_drafts() -> None:
+    """A drafted decode at 14 computed tokens verifies its token 15 and three drafts (16, 17, 18): the point at 16
+    is a draft's, which may be rejected, so it is not saved; without the drafts it is."""
+    checkpoints = StateCheckpoints(GRID, BLOCK, num_slots=4)
+    requests = {"a": _Request("a", _hashes("x", 3))}
+    out = _step(cached={"a": 14}, scheduled={"a": 4})
+    out.spec_token_ids = {"a": [7, 8, 9]}
+    checkpoints.plan(out, requests)
+    assert out.state_saves == {}
+    out = _step(cached={"a": 14}, scheduled={"a": 4})
+    checkpoints.plan(out, requests)
+    assert out.state_saves == {"a": [[16, 0]]}
+
+
 def test_saves_are_planned_at_each_point_and_hits_cut_back_to_them() -> None:
     checkpoints = StateCheckpoints(GRID, BLOCK, num_slots=4)
     a = _Request("a", _hashes("x", 5))  # 20 tokens hashed
