@@ -28,6 +28,7 @@ __all__ = [
     "LogprobsMetadata",
     "PromptLogprobsJob",
     "compute_prompt_logprobs",
+    "join_logprobs",
     "pack_logprobs",
     "plan_prompt_logprobs",
     "sampled_logprobs",
@@ -83,6 +84,12 @@ def pack_logprobs(ids: np.ndarray, values: np.ndarray, ranks: np.ndarray, start:
         ranks=np.ascontiguousarray(ranks, dtype="<i4").tobytes(),
         start=start,
     )
+
+
+def join_logprobs(parts: Sequence[LogprobsArrays]) -> LogprobsArrays:
+    """One request's rows of several positions (each part one or more rows, the same width), in order."""
+    return LogprobsArrays(width=parts[0].width, token_ids=b"".join(p.token_ids for p in parts),
+                          logprobs=b"".join(p.logprobs for p in parts), ranks=b"".join(p.ranks for p in parts))
 
 
 def sampled_logprobs(

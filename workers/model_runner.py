@@ -34,7 +34,7 @@ from asyncllm.workers.cuda_graphs import CudaGraphRunner, attention_backend_name
 from asyncllm.workers.draft_runner import DraftModelRunner
 from asyncllm.workers.eagle_runner import EagleRunner, MTPRunner
 from asyncllm.workers.input_batch import InputBatch, StepInputs
-from asyncllm.workers.logprobs import compute_prompt_logprobs
+from asyncllm.workers.logprobs import compute_prompt_logprobs, join_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
 from asyncllm.workers.pooler import Pooler
 from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal
@@ -347,7 +347,7 @@ class ModelRunner:
                 sampled_token_ids[i] = [token]
         for sample, tokens in (verified or {}).items():  # a drafted request: its accepted drafts and one token
             sampled_token_ids[inputs.sample_indices[sample]] = tokens
-        logprobs = _logprobs_by_request(inputs, sampler_out) if sampler_out is not None else {}
+        logprobs = _logprobs_by_request(inputs, sampler_out, verified or {}) if sampler_out is not None else {}
         output = ModelRunnerOutput(sched_out.step_id, inputs.req_ids, sampled_token_ids, logprobs, prompt_logprobs)
         if self.mm_runner is not None:
             output.mm_encoder_cache_queries, output.mm_encoder_cache_hits = self.mm_runner.take_stats()
@@ -368,14 +368,23 @@ def _check_kv_cache_dtype_runs(name: str, kv_cache_dtype: torch.dtype, device: t
         )
 
 
-def _logprobs_by_request(inputs: StepInputs, sampler_out: SamplerOutput) -> dict[str, LogprobsArrays]:
-    """The sampler's logprobs rows of the sampling requests, keyed by request id."""
+def _logprobs_by_request(inputs: StepInputs, sampler_out: SamplerOutput,
+                         verified: dict[int, list[int]]) -> dict[str, LogprobsArrays]:
+    """The sampler's logprobs rows of the sampling requests, keyed by request id; a drafted request's are the rows
+    of its output tokens: its draft positions' up to the first rejected one, then its last row if all were
+    accepted."""
     meta = inputs.sampling_metadata.logprobs
     if meta is None or sampler_out.logprobs is None:
         return {}
-    num_sampling = len(inputs.sample_indices)  # rows past these are draft positions (only the profile step's log)
-    return {inputs.req_ids[inputs.sample_indices[r]]: row
-            for r, row in zip(meta.row_indices, sampler_out.logprobs) if r < num_sampling}
+    by_row = dict(zip(meta.row_indices, sampler_out.logprobs))
+    num_sampling = len(inputs.sample_indices)  # rows past these are draft positions
+    out = {inputs.req_ids[inputs.sample_indices[r]]: row for r, row in by_row.items() if r < num_sampling}
+    for request in inputs.drafted:
+        if request.sample in by_row:
+            n, k = len(verified[request.sample]), len(request.drafts)
+            rows = [request.first_row + j for j in range(min(n, k))] + ([request.sample] if n > k else [])
+            out[inputs.req_ids[inputs.sample_indices[request.sample]]] = join_logprobs([by_row[r] for r in rows])
+    return out
 
 
 def profile_step(

@@ -100,8 +100,10 @@ async def test_the_bundled_model_accepts_drafts_without_changing_a_token(bundled
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     params = [greedy] * len(CODE)
     params += [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=48, ignore_eos=True) for i in range(4)]
-    params += [SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.2),  # not drafted: they share
-               SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)]  # steps with drafted ones
+    params += [SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.2),  # not drafted: shares steps
+               SamplingParams(temperature=0.0, max_tokens=48, logit_bias={13: 3.0}),  # drafted, as are these
+               SamplingParams(temperature=0.0, max_tokens=48, allowed_token_ids=list(range(300))),
+               SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)]
     prompts = (CODE * 3)[: len(params)]
     base = await _generate(base_engine, prompts, params)
     before, per_pos_before = _spec_counts(engine), list(engine.stats().spec_decode_accepted_per_pos)
@@ -114,9 +116,13 @@ async def test_the_bundled_model_accepts_drafts_without_changing_a_token(bundled
     stopped = await _generate(engine, CODE, stops)
     assert [o.token_ids for o in drafted] == [o.token_ids for o in base]
     assert [o.token_ids for o in greedy_alone] == [o.token_ids for o in base[: len(CODE)]]
-    for got, want in zip(drafted[-1].logprobs, base[-1].logprobs, strict=True):  # other batches: float noise only
-        assert got.keys() == want.keys()
-        assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 and got[t].rank == want[t].rank for t in got)
+    before = _spec_counts(engine)[2]
+    alone = await engine.generate(prompts[-1], params[-1])  # logprobs of accepted drafts: their positions' rows
+    assert _spec_counts(engine)[2] > before and alone.token_ids == base[-1].token_ids
+    for out in (drafted[-1], alone):
+        for got, want in zip(out.logprobs, base[-1].logprobs, strict=True):  # other batches: float noise only
+            assert got.keys() == want.keys()
+            assert all(abs(got[t].logprob - want[t].logprob) < 1e-4 and got[t].rank == want[t].rank for t in got)
     expected = [_expected_acceptance(o.prompt_token_ids, o.token_ids, 48) for o in greedy_alone]
     assert counts == tuple(map(sum, zip(*expected)))
     assert counts[2] >= 20, "the bundled model's outputs repeat: drafts get accepted"
