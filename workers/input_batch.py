@@ -31,7 +31,7 @@ from asyncllm.workers.block_table import BlockTable
 from asyncllm.workers.logits_processors import RowLogitsParams, build_logits_processors_metadata
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
-from asyncllm.workers.spec_decode import DraftedRequest, plan_drafted
+from asyncllm.workers.spec_decode import DraftedRequest, DraftPosition, plan_drafted
 from asyncllm.workers.token_feedback import PendingTokens, TokenFeedback
 
 __all__ = ["InputBatch", "RequestState", "StepInputs"]
@@ -253,7 +253,11 @@ class InputBatch:
             self.logits_indices.np[num_sampling : num_sampling + len(extra)] = extra
             for request in drafted:
                 state, k = sampling_states[request.sample], len(request.drafts)
-                sampling_states += [state] * k
+                if state.logits_params is None:
+                    sampling_states += [state] * k
+                else:  # its processors see each position's outputs so far
+                    sampling_states[request.sample] = DraftPosition.of(state, k, k)
+                    sampling_states += [DraftPosition.of(state, k, j) for j in range(k)]
                 positions += range(state.num_tokens - k, state.num_tokens)
         sampling_metadata = self._sampling_metadata(sampling_states, positions)
         inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata, len(positions))

@@ -111,6 +111,11 @@ class PenaltyMetadata:
     fresh: list[tuple[int, list[int], int]]
     """(table row, token ids, num prompt tokens) of rows whose statistics must be (re)built first."""
     max_table_row: int
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(indices into ``rows``, token ids): drafts counted as outputs at a drafted request's later positions."""
+    recorded: torch.Tensor | None = None
+    """Indices into ``rows`` whose sampled tokens the sampler counts (None: every row); a drafted request's are
+    counted once verified (`PenaltyTables.record_tokens`)."""
 
 
 @dataclass
@@ -195,10 +200,17 @@ def _min_tokens_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.d
 
 
 def _penalty_metadata(rows: list[tuple[int, RowState, RowLogitsParams]], device: torch.device) -> PenaltyMetadata:
-    fresh = []
-    for _, state, params in rows:
+    fresh, pending_at, pending_ids, recorded = [], [], [], []
+    for at, (_, state, params) in enumerate(rows):
+        pending = getattr(state, "pending", None)  # a drafted request's position (workers/spec_decode.py)
+        if pending is None:
+            recorded.append(at)
+        else:
+            pending_at += [at] * len(pending)
+            pending_ids += pending
         if not params.penalty_tables_ready:
-            fresh.append((state.row, list(state.token_ids), state.num_prompt_tokens))
+            committed = len(state.token_ids) - len(pending or ())
+            fresh.append((state.row, list(state.token_ids[:committed]), state.num_prompt_tokens))
             params.penalty_tables_ready = True
     table_rows = np.array([s.row for _, s, _ in rows], np.int64)
     return PenaltyMetadata(
@@ -209,6 +221,9 @@ def _penalty_metadata(rows: list[tuple[int, RowState, RowLogitsParams]], device:
         repetition=_tensor(np.array([p.repetition_penalty for _, _, p in rows], np.float32), device),
         fresh=fresh,
         max_table_row=int(table_rows.max()),
+        pending=(_tensor(np.array(pending_at, np.int64), device),
+                 _tensor(np.array(pending_ids, np.int64), device)) if pending_ids else None,
+        recorded=None if len(recorded) == len(rows) else _tensor(np.array(recorded, np.int64), device),
     )
 
 
@@ -278,21 +293,33 @@ class PenaltyTables:
             self._init_row(table_row, token_ids, num_prompt)
         every_row = meta.rows.shape[0] == logits.shape[0]  # rows are increasing: then they are all, in order
         rows = logits if every_row else logits.index_select(0, meta.rows)
-        penalized = apply_penalties(
-            rows, self.prompt_mask.index_select(0, meta.table_rows),
-            self.output_counts.index_select(0, meta.table_rows), meta.presence, meta.frequency, meta.repetition,
-        )
+        counts = self.output_counts.index_select(0, meta.table_rows)
+        if meta.pending is not None:  # the drafts before a drafted request's position are outputs there
+            at, ids = meta.pending
+            counts.index_put_((at, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+        penalized = apply_penalties(rows, self.prompt_mask.index_select(0, meta.table_rows), counts, meta.presence,
+                                    meta.frequency, meta.repetition)
         if every_row:
             logits.copy_(penalized)
         else:
             logits.index_copy_(0, meta.rows, penalized)
 
     def record(self, meta: PenaltyMetadata, sampled: torch.Tensor) -> None:
-        """Count each penalized row's sampled token (``sampled`` holds one id per logits row)."""
+        """Count each penalized row's sampled token (``sampled`` holds one id per logits row), but a drafted
+        request's (`record_tokens`, once verified)."""
         assert self.output_counts is not None
-        tokens = sampled.index_select(0, meta.rows)
+        rows, table_rows = meta.rows, meta.table_rows
+        if meta.recorded is not None:
+            rows, table_rows = rows.index_select(0, meta.recorded), table_rows.index_select(0, meta.recorded)
+        tokens = sampled.index_select(0, rows)
         ones = torch.ones_like(tokens, dtype=torch.int32)
-        self.output_counts.index_put_((meta.table_rows, tokens), ones, accumulate=True)
+        self.output_counts.index_put_((table_rows, tokens), ones, accumulate=True)
+
+    def record_tokens(self, table_row: int, tokens: list[int]) -> None:
+        """Count a drafted request's verified output tokens."""
+        assert self.output_counts is not None
+        ids = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.output_counts[table_row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def _init_row(self, row: int, token_ids: list[int], num_prompt: int) -> None:
         assert self.prompt_mask is not None and self.output_counts is not None

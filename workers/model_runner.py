@@ -304,6 +304,7 @@ class ModelRunner:
             verified = verify_drafts(sampled, inputs.drafted)
             del sampled[len(inputs.sample_indices) :]
             self._roll_back_states(inputs, verified)
+            self._count_penalized_outputs(inputs, verified)
         batch.finish_step(inputs, sched_out, sampled, verified)
         output = self._output(sched_out, inputs, sampled, sampler_out, prompt_logprobs, verified)
         output.failed_requests = failed
@@ -317,6 +318,13 @@ class ModelRunner:
         for (row, num_drafts), request in zip(inputs.attn_metadata.state_drafts or (), inputs.drafted):
             for states in self.row_states:
                 states.rollback(row, num_drafts, len(verified[request.sample]) - 1)
+
+    def _count_penalized_outputs(self, inputs: StepInputs, verified: dict[int, list[int]]) -> None:
+        """The penalty tables count a drafted request's output tokens once they are verified."""
+        for request in inputs.drafted:
+            state = self.input_batch.requests[inputs.req_ids[inputs.sample_indices[request.sample]]]
+            if state.logits_params is not None and state.logits_params.penalized:
+                self.sampler.penalty_tables.record_tokens(state.row, verified[request.sample])
 
     def _propose_drafts(self, inputs: StepInputs, failed: dict[str, str], hidden: torch.Tensor) -> dict[str, list[int]]:
         assert self.drafter is not None

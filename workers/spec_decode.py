@@ -22,10 +22,11 @@ tokens are the ones it samples without speculation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["DraftedRequest", "plan_drafted", "verify_drafts"]
+__all__ = ["DraftPosition", "DraftedRequest", "plan_drafted", "verify_drafts"]
 
 
 @dataclass
@@ -37,6 +38,28 @@ class DraftedRequest:
     first_row: int
     """The logits row of its first draft position; the k rows from here are its draft positions."""
     drafts: list[int]
+
+
+@dataclass
+class DraftPosition:
+    """A drafted request as the sampler sees it at one of its positions: its tokens up to that position (the drafts
+    before it counted as outputs), for the processors that read the outputs so far (penalties, min_tokens, bad
+    words; workers/logits_processors.py)."""
+
+    row: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: Any
+    logits_params: Any
+    pending: list[int]
+    """The drafts among ``token_ids``: not in the penalty tables' counts (they are counted once verified)."""
+
+    @classmethod
+    def of(cls, state: Any, num_drafts: int, j: int) -> "DraftPosition":
+        """``state`` (its tokens ending with its ``num_drafts`` drafts) at the position after its ``j``-th draft."""
+        end = len(state.token_ids) - num_drafts + j
+        return cls(state.row, state.token_ids[:end], state.num_prompt_tokens, state.params, state.logits_params,
+                   state.token_ids[end - j : end])
 
 
 def plan_drafted(

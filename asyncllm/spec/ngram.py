@@ -26,16 +26,13 @@ _WIDTH = array("i").itemsize
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be drafted: its sampler treats every position alike (logprobs, logit_bias
-    and allowed_token_ids do: each draft position gets them as a decode step would).
+    """Whether a request's tokens may be drafted: every sampling setting but prompt logprobs and a grammar (each
+    draft position is sampled as a decode step there would be, its processors seeing the drafts before it as
+    outputs: workers/spec_decode.py `DraftPosition`).
 
-    Requests with prompt logprobs, penalties, min_tokens, bad words or a grammar decode one token per step (their
-    processors depend on each position's preceding outputs); docs/speculative.md.
+    Requests with prompt logprobs or a grammar decode one token per step; docs/speculative.md.
     """
-    p = params
-    return (p.prompt_logprobs is None and p.structured is None and p.min_tokens == 0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0 and not p.bad_words
-            and not p.bad_words_token_ids)
+    return params.prompt_logprobs is None and params.structured is None
 
 
 class NgramProposer:

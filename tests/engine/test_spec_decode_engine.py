@@ -100,11 +100,15 @@ async def test_the_bundled_model_accepts_drafts_without_changing_a_token(bundled
     greedy = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     params = [greedy] * len(CODE)
     params += [SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=48, ignore_eos=True) for i in range(4)]
-    params += [SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.2),  # not drafted: shares steps
-               SamplingParams(temperature=0.0, max_tokens=48, logit_bias={13: 3.0}),  # drafted, as are these
-               SamplingParams(temperature=0.0, max_tokens=48, allowed_token_ids=list(range(300))),
-               SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)]
-    prompts = (CODE * 3)[: len(params)]
+    penalized = [SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.2),
+                 SamplingParams(temperature=0.0, max_tokens=48, presence_penalty=0.5, frequency_penalty=0.3,
+                                min_tokens=30),
+                 SamplingParams(temperature=0.7, seed=5, max_tokens=48, repetition_penalty=1.1)]
+    params += penalized + [SamplingParams(temperature=0.0, max_tokens=48, logit_bias={13: 3.0}),
+                           SamplingParams(temperature=0.0, max_tokens=48, allowed_token_ids=list(range(300))),
+                           SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)]
+    prompts = (CODE * 4)[: len(params)]
+    assert len(prompts) == len(params)
     base = await _generate(base_engine, prompts, params)
     before, per_pos_before = _spec_counts(engine), list(engine.stats().spec_decode_accepted_per_pos)
     greedy_alone = [await engine.generate(p, greedy) for p in CODE]  # one at a time: acceptance is exact
@@ -116,6 +120,14 @@ async def test_the_bundled_model_accepts_drafts_without_changing_a_token(bundled
     stopped = await _generate(engine, CODE, stops)
     assert [o.token_ids for o in drafted] == [o.token_ids for o in base]
     assert [o.token_ids for o in greedy_alone] == [o.token_ids for o in base[: len(CODE)]]
+    first = len(CODE) + 4
+    for i, p in enumerate(penalized, first):  # alone, drafts get accepted: each position sees the drafts before it
+        before = _spec_counts(engine)[2]
+        assert (await engine.generate(prompts[i], p)).token_ids == base[i].token_ids
+        assert _spec_counts(engine)[2] > before, p
+    bad = SamplingParams(temperature=0.0, max_tokens=48, bad_words_token_ids=[base[0].token_ids[6:8]])
+    outs = [await e.generate(prompts[0], bad) for e in (base_engine, engine)]
+    assert outs[0].token_ids == outs[1].token_ids != base[0].token_ids  # a bad word seen across drafts
     before = _spec_counts(engine)[2]
     alone = await engine.generate(prompts[-1], params[-1])  # logprobs of accepted drafts: their positions' rows
     assert _spec_counts(engine)[2] > before and alone.token_ids == base[-1].token_ids

@@ -130,6 +130,45 @@ class _Row:
     token_ids: list[int]
     num_prompt_tokens: int
     logits_params: RowLogitsParams | None
+    params: SamplingParams | None = None
+
+
+def test_a_drafted_request_s_positions_see_the_drafts_before_them_as_outputs() -> None:
+    """Speculative decoding: at each draft position (and the last) the penalties, min_tokens and bad words are those
+    of a request whose outputs end with the drafts before it; the sampler counts none of a drafted request's
+    tokens, the verified ones are counted after (`record_tokens`)."""
+    from asyncllm.workers.spec_decode import DraftPosition
+
+    prompt, outputs, drafts = [1, 2, 3, 4, 5, 6], [7, 8, 9], [20, 21, 20]  # drafts new to prompt and outputs
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=0.2, repetition_penalty=1.3,
+                            min_tokens=5, bad_words_token_ids=[[20, 30]])
+
+    def row(tokens: list[int]) -> _Row:
+        return _Row(5, tokens, len(prompt), RowLogitsParams.from_params(params, (0,)), params)
+
+    state, k = row(prompt + outputs + drafts), len(drafts)
+    sampler = Sampler(0, CPU)
+    sampler.penalty_tables.apply(random_logits(1), build_logits_processors_metadata(  # type: ignore[union-attr]
+        [row(prompt + outputs)], CPU).penalties)  # the table as earlier steps left it: prompt and 3 outputs
+    state.logits_params.penalty_tables_ready = True  # type: ignore[union-attr]
+    views = [DraftPosition.of(state, k, k)] + [DraftPosition.of(state, k, j) for j in range(k)]
+    logits = random_logits(1 + k, seed=3)
+    meta = build_logits_processors_metadata(views, CPU)
+    assert meta is not None and meta.penalties is not None and not meta.penalties.fresh
+    got = logits.clone()
+    apply_logits_processors(got, meta, sampler.penalty_tables)
+    for i, before in enumerate([k, 0, 1, 2]):
+        alone = logits[i : i + 1].clone()
+        apply_logits_processors(alone, build_logits_processors_metadata([row(prompt + outputs + drafts[:before])],
+                                                                        CPU), PenaltyTables(CPU))
+        torch.testing.assert_close(got[i], alone[0], rtol=0, atol=1e-6)
+    assert got[2, 30] == float("-inf") and got[1, 30] > float("-inf")  # after draft 20: the bad word's end
+    assert got[1, 0] == float("-inf") and got[0, 0] > float("-inf")  # EOS masked until the fifth output
+    sampler.penalty_tables.record(meta.penalties, torch.tensor([40, 41, 42, 43]))
+    counts = sampler.penalty_tables.output_counts
+    assert counts is not None and counts[5].tolist() == np.bincount(outputs, minlength=VOCAB).tolist()
+    sampler.penalty_tables.record_tokens(5, [20, 21, 42])  # two drafts accepted, then the sampled token
+    assert counts[5].tolist() == np.bincount(outputs + [20, 21, 42], minlength=VOCAB).tolist()
 
 
 # ------------------------------------------------------------------ logit_bias, min_tokens, min_p, top-k/top-p

@@ -92,11 +92,11 @@ def test_the_buffer_grows_with_the_tokens():
 
 def test_which_requests_are_drafted():
     assert can_speculate(SamplingParams(temperature=0.8, top_p=0.9, seed=3, stop_token_ids=[5], max_tokens=9))
-    for fields in ({"logprobs": 1}, {"logit_bias": {3: 1.0}}, {"allowed_token_ids": [3, 4]}):  # position-blind
+    for fields in ({"logprobs": 1}, {"logit_bias": {3: 1.0}}, {"allowed_token_ids": [3, 4]},
+                   {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"min_tokens": 2},
+                   {"bad_words_token_ids": [[3]]}, {"frequency_penalty": 0.1}):
         assert can_speculate(SamplingParams(**fields)), fields
-    for fields in ({"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"min_tokens": 2},
-                   {"bad_words_token_ids": [[3]]}, {"prompt_logprobs": 0}, {"frequency_penalty": 0.1}):
-        assert not can_speculate(SamplingParams(**fields)), fields
+    assert not can_speculate(SamplingParams(prompt_logprobs=0))
 
 
 # ------------------------------------------------------------------ verification in the worker
@@ -159,7 +159,7 @@ def test_drafts_stop_at_max_tokens_and_at_a_stop_token():
 
 def test_requests_the_proposer_must_not_draft_decode_one_token():
     sched = _scheduler()
-    _decode_one(sched, [10, 11, 12, 13, 14, 15, 10, 11], 12, repetition_penalty=1.1)
+    _decode_one(sched, [10, 11, 12, 13, 14, 15, 10, 11], 12, prompt_logprobs=0)
     out = sched.schedule()
     assert out.spec_token_ids == {} and out.num_scheduled_tokens == {"r": 1}
 
