@@ -412,6 +412,9 @@ class GrammarBitmask(msgspec.Struct, array_like=True, omit_defaults=True):
     """The request of each row, in row order."""
     bitmask: bytes
     """len(req_ids) rows of ceil(vocab_size / 32) little-endian int32 words."""
+    positions: list[int] = []
+    """Speculative decoding: each row's position in its request's step (0: before its first draft; its number of
+    drafts: its last row). Empty: every row is its request's last."""
 
 
 class InitCache(msgspec.Struct, **_STRUCT):

@@ -293,7 +293,10 @@ class ModelRunner:
                 embeddings = self.pooler.embeddings(inputs.req_ids, inputs.sample_indices, selected)
             logits = self.model.compute_logits(selected)
             if sched_out.grammar_bitmask is not None:  # structured output: only the grammar's tokens may be sampled
-                apply_grammar_bitmask(logits, sched_out.grammar_bitmask, [inputs.req_ids[i] for i in inputs.sample_indices])
+                drafted = {inputs.req_ids[inputs.sample_indices[r.sample]]: (r.first_row, len(r.drafts))
+                           for r in inputs.drafted}
+                apply_grammar_bitmask(logits, sched_out.grammar_bitmask,
+                                      [inputs.req_ids[i] for i in inputs.sample_indices], drafted)
             sampler_out = self.sampler(logits, inputs.sampling_metadata)
             if defer and not failed and not embeddings and self._may_defer(sched_out, sampler_out):
                 pending = batch.defer_step(inputs, sched_out, sampler_out.sampled_token_ids)

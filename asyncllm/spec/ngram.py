@@ -26,13 +26,11 @@ _WIDTH = array("i").itemsize
 
 
 def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be drafted: every sampling setting but prompt logprobs and a grammar (each
-    draft position is sampled as a decode step there would be, its processors seeing the drafts before it as
-    outputs: workers/spec_decode.py `DraftPosition`).
-
-    Requests with prompt logprobs or a grammar decode one token per step; docs/speculative.md.
-    """
-    return params.prompt_logprobs is None and params.structured is None
+    """Whether a request's tokens may be drafted: every sampling setting but prompt logprobs (each draft position
+    is sampled as a decode step there would be: its processors see the drafts before it as outputs,
+    workers/spec_decode.py `DraftPosition`; a grammar masks it in the state after them,
+    asyncllm/structured/manager.py). Requests with prompt logprobs decode one token per step."""
+    return params.prompt_logprobs is None
 
 
 class NgramProposer:

@@ -8,6 +8,8 @@ penalties, temperature, top-k/p and logprobs all work on the allowed tokens.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from asyncllm.protocol import GrammarBitmask
@@ -23,10 +25,17 @@ def unpack_bitmask(words: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(words.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, row_req_ids: list[str]) -> None:
-    """Set to -inf, in place, the logits of tokens the grammar forbids; `row_req_ids[i]` is the request of row i."""
+def apply_grammar_bitmask(logits: torch.Tensor, grammar: GrammarBitmask, row_req_ids: list[str],
+                          drafted: Mapping[str, tuple[int, int]] | None = None) -> None:
+    """Set to -inf, in place, the logits of tokens the grammar forbids; `row_req_ids[i]` is the request of row i
+    (its last position's); ``drafted``: a drafted request's (first draft position's row, number of drafts), whose
+    bitmask rows at earlier positions go to its draft positions' rows."""
     row_of = {req_id: i for i, req_id in enumerate(row_req_ids)}
     rows = [row_of[req_id] for req_id in grammar.req_ids]
+    for i, (req_id, position) in enumerate(zip(grammar.req_ids, grammar.positions)):
+        first, num_drafts = (drafted or {}).get(req_id, (0, 0))
+        if position < num_drafts:
+            rows[i] = first + position
     words = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(len(rows), -1)
     vocab_size = logits.shape[-1]
     if words.shape[1] * 32 < vocab_size:

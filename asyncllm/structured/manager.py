@@ -6,8 +6,10 @@
    error delta. A parked request holds no KV block and is never scheduled;
    the other requests keep running.
 2. `grammar_bitmask` fills one xgrammar token-bitmask row per structured
-   request that samples in this step; it rides to the workers on the
-   `SchedulerOutput`, where `apply_grammar_bitmask` masks the logits.
+   request that samples in this step (a drafted request: one per position the
+   grammar constrains, the matcher stepping through its drafts and rolled
+   back after); it rides to the workers on the `SchedulerOutput`, where
+   `apply_grammar_bitmask` masks the logits.
 3. `accept` advances each matcher with the sampled tokens and finishes a
    request with finish_reason "stop" when its grammar has ended.
 
@@ -20,6 +22,7 @@ Nothing here runs when no request is structured: the core checks `active` first.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -50,8 +53,10 @@ class StructuredOutputManager:
     """Grammar compilation, per-step bitmasks and matchers of the structured requests."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, compile_timeout_s: float, revision: str | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_drafts: int = 0) -> None:
         self._tokenizer_path, self._vocab_size, self._revision = tokenizer_path, vocab_size, revision
+        self.max_drafts = max_drafts
+        """Speculative decoding's ``num_speculative_tokens``: how far a matcher rolls back after masking drafts."""
         self.compile_timeout_s = compile_timeout_s
         self._clock = clock
         self._compilers: GrammarCompilerPool | None = None
@@ -149,8 +154,9 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         request = entry.request
+        rollback = {"max_rollback_tokens": self.max_drafts} if self.max_drafts and _bounded_rollback() else {}
         self.matchers[request.request_id] = xgr.GrammarMatcher(
-            entry.future.result(), override_stop_tokens=list(request.eos_token_ids) or None
+            entry.future.result(), override_stop_tokens=list(request.eos_token_ids) or None, **rollback
         )
         start_after = request.params.structured.start_after_token_ids  # type: ignore[union-attr]
         if start_after:
@@ -165,28 +171,64 @@ class StructuredOutputManager:
     # ------------------------------------------------------------ steps
     def grammar_bitmask(self, sched_out: protocol.SchedulerOutput,
                         requests: dict[str, Request]) -> protocol.GrammarBitmask | None:
-        """The bitmask rows of the structured requests that sample in this step (None if none does).
+        """The bitmask rows of the structured requests that sample in this step (None if none does); a drafted
+        request has a row at each position the grammar constrains (`_draft_rows`).
 
         Also drops the matchers of requests the scheduler no longer holds
         (finished, aborted, timed out), whatever ended them.
         """
-        num_scheduled = sched_out.num_scheduled_tokens
+        num_scheduled, drafts = sched_out.num_scheduled_tokens, sched_out.spec_token_ids
         req_ids: list[str] = []
         for req_id in list(self.matchers):
             request = requests.get(req_id)
             if request is None:
                 del self.matchers[req_id]
                 self.waiting.pop(req_id, None)
-            elif req_id in self.waiting:
+            elif req_id in self.waiting and not drafts.get(req_id):
                 continue  # free text until its start_after tokens
             elif req_id in num_scheduled and request.num_computed_tokens + num_scheduled[req_id] >= request.num_tokens:
                 req_ids.append(req_id)
         if not req_ids:
             return None
-        bitmask = self._bitmask_rows(len(req_ids))
-        for row, req_id in enumerate(req_ids):
-            self.matchers[req_id].fill_next_token_bitmask(bitmask, row)
-        return protocol.GrammarBitmask(req_ids, bitmask[: len(req_ids)].numpy().tobytes())
+        bitmask = self._bitmask_rows(len(req_ids) * (1 + self.max_drafts))
+        rows, positions = [], []
+        for req_id in req_ids:
+            for position in self._draft_rows(req_id, drafts.get(req_id, []), bitmask, len(rows)):
+                rows.append(req_id)
+                positions.append(position)
+        if not rows:
+            return None
+        drafted = any(drafts.get(req_id) for req_id in req_ids)
+        return protocol.GrammarBitmask(rows, bitmask[: len(rows)].numpy().tobytes(), positions if drafted else [])
+
+    def _draft_rows(self, req_id: str, drafts: list[int], bitmask: Any, first: int) -> list[int]:
+        """Fill the rows of one request from ``first``: its positions (0: before its first draft; ``len(drafts)``:
+        after its last) the grammar constrains. The matcher accepts the drafts in turn for the next position's
+        row, up to one it forbids (verification rejects that one, so later positions need no row), and is rolled
+        back after; a request waiting for its start tokens is free text until the drafts complete them."""
+        matcher, waiting = self.matchers[req_id], self.waiting.get(req_id)
+        start_after, recent = (waiting[0], list(waiting[1])) if waiting else (None, [])
+        positions: list[int] = []
+        accepted = 0
+        for position in range(len(drafts) + 1):
+            if start_after is None:
+                if matcher.is_terminated():
+                    break
+                matcher.fill_next_token_bitmask(bitmask, first + len(positions))
+                positions.append(position)
+            if position == len(drafts):
+                break
+            token = drafts[position]
+            if start_after is None:
+                if not matcher.accept_token(token):
+                    break
+                accepted += 1
+            else:
+                recent = (recent + [token])[-len(start_after):]
+                start_after = None if recent == start_after else start_after
+        if accepted:
+            matcher.rollback(accepted)
+        return positions
 
     def _bitmask_rows(self, num_rows: int) -> Any:
         """A reused int32 [rows, ceil(vocab / 32)] tensor with at least `num_rows` rows."""
@@ -250,3 +292,14 @@ class StructuredOutputManager:
             logger.info("exiting without waiting for a grammar compilation still running")
             logging.shutdown()
             os._exit(0)
+
+
+@functools.lru_cache(maxsize=1)
+def _bounded_rollback() -> bool:
+    """Whether xgrammar's matchers roll back only as far as asked at creation (before 0.2: newer ones always can)."""
+    import inspect
+
+    import xgrammar as xgr
+
+    parameter = inspect.signature(xgr.GrammarMatcher).parameters.get("max_rollback_tokens")
+    return parameter is not None and parameter.default != -1

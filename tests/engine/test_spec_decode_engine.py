@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 
 import pytest
 import pytest_asyncio
 
-from asyncllm import AsyncEngine, SamplingParams
+from asyncllm import AsyncEngine, SamplingParams, StructuredOutputs
 from asyncllm.bundled import bundled_model_path
 from asyncllm.spec.config import SpeculativeConfig
 from asyncllm.spec.ngram import NgramProposer
@@ -143,6 +144,30 @@ async def test_the_bundled_model_accepts_drafts_without_changing_a_token(bundled
     for out, b, j in zip(stopped, base, (5, 9, 13, 17)):  # a stop token inside accepted drafts ends the request
         first = b.token_ids.index(b.token_ids[j])
         assert out.token_ids == b.token_ids[: first + 1] and out.finish_reason == "stop"
+
+
+ITEMS = {"type": "array", "minItems": 3, "maxItems": 3,
+         "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
+                                                    "id": {"type": "integer"}}, "required": ["name", "id"]}}
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_structured_requests_are_drafted_and_keep_their_tokens(bundled_engines) -> None:
+    """Each draft position masked in the grammar's state after the drafts before it: JSON lists of objects (their
+    keys repeat, so drafts get accepted) give the tokens of the engine without drafts, and parse."""
+    base_engine, engine = bundled_engines
+    params = [SamplingParams(temperature=0.0, max_tokens=160, structured=StructuredOutputs(json=ITEMS)),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=160, structured=StructuredOutputs(json=ITEMS)),
+              SamplingParams(temperature=0.0, max_tokens=40, structured=StructuredOutputs(regex=r"(ab|cd)+x"))]
+    prompts = CODE[:3]
+    base = await _generate(base_engine, prompts, params)
+    before = _spec_counts(engine)[2]
+    drafted = await _generate(engine, prompts, params)
+    assert _spec_counts(engine)[2] > before
+    assert [o.token_ids for o in drafted] == [o.token_ids for o in base]
+    for out in drafted[:2]:
+        assert len(json.loads(out.text)) == 3
+    assert drafted[2].text.endswith("x")
 
 
 @pytest.mark.asyncio(loop_scope="module")

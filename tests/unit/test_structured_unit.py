@@ -150,6 +150,41 @@ def test_manager_compiles_masks_and_finishes_on_the_grammar_end(manager_args, ti
     manager.shutdown()
 
 
+def test_drafts_get_a_row_at_each_position_the_grammar_constrains(manager_args, tiny_llama: str) -> None:
+    """Speculative decoding: a row before each draft and after the last, each in the state after the drafts before
+    it, up to a draft the grammar forbids (verification rejects it there); the matcher is as before after."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.structured.manager import StructuredOutputManager
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    manager = StructuredOutputManager(*manager_args, compile_timeout_s=60.0, max_drafts=4)
+    request = _request("r", StructuredOutputs(regex="(yes|no)+"))
+    manager.add(request)
+    _wait_polled(manager)
+    yes, no = (tokenizer.encode(word, add_special_tokens=False) for word in ("yes", "no"))
+
+    def rows(drafts: list[int]) -> tuple[list[int], torch.Tensor]:
+        sched_out = protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {"r": 3 + len(drafts)},
+                                             3 + len(drafts), spec_token_ids={"r": drafts} if drafts else {})
+        grammar = manager.grammar_bitmask(sched_out, {"r": request})
+        assert grammar is not None and set(grammar.req_ids) == {"r"}
+        words = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(len(grammar.req_ids), -1)
+        return grammar.positions or [0], unpack_bitmask(words, 512)
+
+    _, plain = rows([])
+    positions, masks = rows(yes + no + [2])  # "yes", "no", then a token the grammar forbids
+    assert positions == list(range(len(yes + no) + 1))  # none after the forbidden draft
+    assert torch.equal(masks[0], plain[0]) and not masks[0, 2] and masks[0, yes[0]]
+    assert all(masks[j, t] for j, t in enumerate(yes + no))  # each draft allowed where it stands
+    assert torch.equal(rows([])[1], plain)  # rolled back: the matcher is as before
+    logits = torch.zeros(6, 512)
+    grammar = protocol.GrammarBitmask(["r", "r"], torch.zeros(2, 16, dtype=torch.int32).numpy().tobytes(), [0, 3])
+    apply_grammar_bitmask(logits, grammar, ["r", "x"], {"r": (2, 3)})  # its draft rows from 2; its last row 0
+    assert [bool(torch.isinf(row).all()) for row in logits] == [True, False, True, False, False, False]
+    manager.shutdown()
+
+
 def test_manager_timeout_and_abort_while_compiling(manager_args) -> None:
     from asyncllm.structured.manager import StructuredOutputManager
 
