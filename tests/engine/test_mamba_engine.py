@@ -1,6 +1,7 @@
 """Attention-free Mamba models through the engine: greedy tokens equal transformers' with 16-token chunks, a
-prefix-cache hit resuming from saved states, recompute preemption, two tensor-parallel ranks; swap preemption and
-speculative decoding refused by name (their states, as the hybrids')."""
+prefix-cache hit resuming from saved states, recompute preemption, two tensor-parallel ranks; swap preemption
+refused by name (their states, as the hybrids'; speculative decoding rolls the states back as the hybrids':
+tests/unit/test_hybrid_drafts.py)."""
 
 from __future__ import annotations
 
@@ -36,10 +37,8 @@ async def test_two_tensor_parallel_ranks(tmp_path) -> None:
     await greedy_equals_transformers(path, token_prompts(3, seed=6), 10, tensor_parallel_size=2)
 
 
-@pytest.mark.parametrize("fields", [dict(preemption_mode="swap"),
-                                    dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2})])
-async def test_swap_and_speculative_decoding_are_refused(fields: dict, tmp_path) -> None:
+async def test_swap_preemption_is_refused(tmp_path) -> None:
     path = make_tiny_mamba(tmp_path, "mamba")
     with pytest.raises(NotBuiltError, match="MambaForCausalLM"):
-        async with AsyncEngine(path, disable_log_stats=True, **fields):
+        async with AsyncEngine(path, disable_log_stats=True, preemption_mode="swap"):
             pass

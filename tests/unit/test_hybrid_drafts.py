@@ -1,7 +1,7 @@
 """Speculative decoding on the hybrids' state layers (asyncllm/models/row_states.py): a step verifying drafts keeps
 each request's states after every draft, and rolling a row back to its accepted drafts leaves it as if the rejected
 ones never ran: the logits of what follows equal transformers' over the true sequence (Gated DeltaNet, Mamba2,
-Mamba (v1), short convolutions, Falcon-H1's both-in-a-layer; every draft accepted, some, none, and a request with
+Mamba (v1), short convolutions, Falcon-H1's both-in-a-layer, attention-free Mamba2; every draft accepted, some, none, and a request with
 fewer drafts than ``num_speculative_tokens``)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import hf_logits
+from mamba_utils import make_tiny_mamba
 from model_utils import PagedRun
 
 from asyncllm.config import EngineConfig
@@ -46,9 +47,9 @@ def _verify(run: PagedRun, states: list[RowStates], true: list[list[int]], accep
         run.sequences[i] = seq
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "granitemoehybrid", "jamba", "lfm2", "falcon_h1"])
-def test_rolled_back_states_continue_as_the_true_sequence(arch: str) -> None:
-    path = tiny_checkpoint(arch)
+@pytest.mark.parametrize("arch", ["qwen3_5", "granitemoehybrid", "jamba", "lfm2", "falcon_h1", "mamba2"])
+def test_rolled_back_states_continue_as_the_true_sequence(arch: str, tmp_path) -> None:
+    path = make_tiny_mamba(tmp_path, arch) if arch == "mamba2" else tiny_checkpoint(arch)  # mamba2: no attention
     model = _model(path)
     states = [m.states for m in model.modules() if isinstance(getattr(m, "states", None), RowStates)]
     assert states and all(s.snapshots_per_row == K for s in states)
