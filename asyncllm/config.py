@@ -34,6 +34,7 @@ __all__ = [
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf")
 """Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md); awq, gptq
@@ -140,6 +141,10 @@ class ModelConfig:
     max_tokens), vllm = none (SamplingParams' own defaults), or a folder holding a generation_config.json."""
     override_generation_config: dict[str, Any] | None = None
     """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}."""
+    logprobs_mode: str = "raw_logprobs"
+    """What logprobs hold, as vLLM's: raw_logprobs (log-softmax of the model's logits), raw_logits, or
+    processed_logprobs / processed_logits (after logit_bias, penalties, bad words, min_tokens, a grammar, then
+    temperature, top-k, top-p and min-p for sampled rows: the distribution a token was drawn from)."""
     pooler_config: dict[str, Any] | None = None
     """vLLM's PoolerConfig as a dict: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (docs/embeddings.md)."""
     enable_sleep_mode: bool = False
@@ -173,6 +178,7 @@ class ModelConfig:
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError("generation_config", self.generation_config, "'auto', 'vllm' or a folder")
         _sampling_fields("override_generation_config", self.override_generation_config)
+        _choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         check_pooler_config(self.pooler_config)
         _json_dict("hf_overrides", self.hf_overrides)
 

@@ -154,7 +154,7 @@ class Choices:
                 token, logprob, top = self._token_text(token_id) if self._token_text else "", None, None
             else:
                 token, logprob = _token_text(token_id, entry), _logprob(token_id, entry)
-                top = {_token_text(t, entry): lp.logprob for t, lp in _top(entry, top_n)} if top_n else None
+                top = {_token_text(t, entry): _finite(lp.logprob) for t, lp in _top(entry, top_n)} if top_n else None
             tokens.append(token)
             token_logprobs.append(logprob)
             tops.append(top)
@@ -168,7 +168,7 @@ def prompt_logprobs_body(entries: PromptLogprobs | None) -> list[dict[str, dict[
     if entries is None:
         return None
     return [None if entry is None else {
-        str(token_id): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        str(token_id): {"logprob": _finite(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
         for token_id, lp in entry.items()} for entry in entries]
 
 
@@ -179,7 +179,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def _chat_token(token_id: int, entry: dict[int, Logprob], top_n: int) -> dict[str, Any]:
     token = _token_text(token_id, entry)
-    top = [{"token": _token_text(t, entry), "logprob": lp.logprob, "bytes": list(_token_text(t, entry).encode())}
+    top = [{"token": _token_text(t, entry), "logprob": _finite(lp.logprob), "bytes": list(_token_text(t, entry).encode())}
            for t, lp in _top(entry, top_n)]
     return {"token": token, "logprob": _logprob(token_id, entry), "bytes": list(token.encode()), "top_logprobs": top}
 
@@ -196,7 +196,12 @@ def _token_text(token_id: int, entry: dict[int, Logprob]) -> str:
 
 def _logprob(token_id: int, entry: dict[int, Logprob]) -> float:
     logprob = entry.get(token_id)
-    return logprob.logprob if logprob is not None else float("-inf")
+    return _finite(logprob.logprob if logprob is not None else float("-inf"))
+
+
+def _finite(logprob: float) -> float:
+    """JSON has no -inf (a token masked out under a processed ``logprobs_mode``): -9999.0, as vLLM's server."""
+    return max(logprob, -9999.0)
 
 
 def chat_stream_choices(choices: Choices, index: int, delta: Any, logprobs: Any) -> list[dict[str, Any]]:

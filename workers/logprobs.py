@@ -133,16 +133,20 @@ def plan_prompt_logprobs(
 
 
 def compute_prompt_logprobs(
-    hidden: torch.Tensor, jobs: Sequence[PromptLogprobsJob], compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    hidden: torch.Tensor, jobs: Sequence[PromptLogprobsJob], compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    as_logits: bool = False,
 ) -> dict[str, LogprobsArrays]:
-    """Run each job over the step's hidden states [T, H], ``PROMPT_LOGITS_SLICE`` positions at a time."""
+    """Run each job over the step's hidden states [T, H], ``PROMPT_LOGITS_SLICE`` positions at a time; with
+    ``as_logits`` (``logprobs_mode`` ``*_logits``) the rows hold the logits (no processor applies to prompt
+    positions, so raw and processed are the same)."""
     out: dict[str, LogprobsArrays] = {}
     for job in jobs:
         pieces = []
         for begin in range(0, len(job.target_token_ids), PROMPT_LOGITS_SLICE):
             end = min(begin + PROMPT_LOGITS_SLICE, len(job.target_token_ids))
             states = hidden[job.flat_start + begin : job.flat_start + end]
-            logprobs = compute_logits(states).log_softmax(dim=-1)
+            logits = compute_logits(states)
+            logprobs = logits if as_logits else logits.log_softmax(dim=-1)
             targets = torch.tensor(job.target_token_ids[begin:end], dtype=torch.int64, device=logprobs.device)
             pieces.append([t.cpu().numpy() for t in token_logprobs(logprobs, targets, job.num_logprobs)])
         ids, values, ranks = (np.concatenate([p[k] for p in pieces]) for k in range(3))

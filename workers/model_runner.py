@@ -72,7 +72,7 @@ class ModelRunner:
             block_size=self.block_size,
             device=device,
         )
-        self.sampler = Sampler(config.seed, device)
+        self.sampler = Sampler(config.seed, device, config.logprobs_mode)
         self.model: Any = None
         self.hf_config: Any = None
         """The checkpoint's config: the host's, set by the worker before `load_model`, else read there."""
@@ -228,7 +228,7 @@ class ModelRunner:
                 self.drafter.kv_caches = []
             for req_id in sched_out.num_scheduled_tokens:
                 self.input_batch.remove_request(req_id)
-        self.sampler = Sampler(self.config.seed, self.device)
+        self.sampler = Sampler(self.config.seed, self.device, self.config.logprobs_mode)
         return num_blocks * self.bytes_per_block + (self.drafter.scratch_bytes if self.drafter is not None else 0)
 
     # ------------------------------------------------------------ steps
@@ -281,7 +281,8 @@ class ModelRunner:
             self.pooler.observe(inputs.req_ids, inputs.attn_metadata.query_start_loc_cpu, hidden)
         prompt_logprobs: dict[str, LogprobsArrays] = {}
         if inputs.prompt_logprobs_jobs:
-            prompt_logprobs = compute_prompt_logprobs(hidden, inputs.prompt_logprobs_jobs, self.model.compute_logits)
+            prompt_logprobs = compute_prompt_logprobs(hidden, inputs.prompt_logprobs_jobs, self.model.compute_logits,
+                                                      self.sampler.logprobs_mode.endswith("logits"))
         sampled: list[int] = []
         sampler_out = None
         embeddings: dict[str, bytes] = {}

@@ -173,8 +173,10 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per logits row; owns the worker's unseeded generator and penalty tables."""
 
-    def __init__(self, seed: int, device: torch.device) -> None:
+    def __init__(self, seed: int, device: torch.device, logprobs_mode: str = "raw_logprobs") -> None:
         self.device = device
+        self.logprobs_mode = logprobs_mode
+        """``raw_*``: logprobs (or logits) of the model's logits; ``processed_*``: of those a token is drawn from."""
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self._seeded_generator = torch.Generator(device=device)
@@ -186,32 +188,43 @@ class Sampler:
         ``logits`` is modified in place when a row has logit_bias, min_tokens or penalties.
         """
         assert logits.shape[0] == metadata.num_rows, (logits.shape, metadata.num_rows)
-        raw_logprobs = None
-        if metadata.logprobs is not None:
-            raw_logprobs = logits.index_select(0, metadata.logprobs.rows).log_softmax(dim=-1)
+        wanted = metadata.logprobs
+        processed = self.logprobs_mode.startswith("processed")
+        values = None
+        if wanted is not None and not processed:
+            values = self._values(logits.index_select(0, wanted.rows))
         processors = metadata.logits_processors
         if processors is not None:
             apply_logits_processors(logits, processors, self.penalty_tables)
-        tokens = self._sample(logits, metadata)
+        tokens, drawn_from = self._sample(logits, metadata, keep=processed and wanted is not None)
         if processors is not None and processors.penalties is not None:
             self.penalty_tables.record(processors.penalties, tokens)
-        if raw_logprobs is None:
+        if wanted is None:
             return SamplerOutput(tokens)
-        assert metadata.logprobs is not None
-        return SamplerOutput(tokens, sampled_logprobs(raw_logprobs, tokens, metadata.logprobs))
+        if drawn_from is not None:
+            values = self._values(drawn_from.index_select(0, wanted.rows))
+        assert values is not None
+        return SamplerOutput(tokens, sampled_logprobs(values, tokens, wanted))
 
-    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _values(self, logits: torch.Tensor) -> torch.Tensor:
+        """What logprobs rows hold: the logits' log-softmax, or the logits (``*_logits`` modes)."""
+        return logits if self.logprobs_mode.endswith("logits") else logits.log_softmax(dim=-1)
+
+    def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(one token per row, with ``keep`` the logits each was drawn from: greedy rows' as given, sampled rows'
+        after temperature, top-k, top-p and min-p)."""
         if metadata.random_rows is None:
-            return logits.argmax(dim=-1)
+            return logits.argmax(dim=-1), logits if keep else None
         rows = logits if metadata.all_random else logits.index_select(0, metadata.random_rows)
-        sampled = self._sample_random(rows, metadata)
+        sampled, drawn_from = self._sample_random(rows, metadata)
         if metadata.all_random:
-            return sampled
+            return sampled, drawn_from if keep else None
         tokens = logits.argmax(dim=-1)
         tokens.index_copy_(0, metadata.random_rows, sampled)
-        return tokens
+        return tokens, logits.index_copy(0, metadata.random_rows, drawn_from) if keep else None
 
-    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         assert metadata.temperature is not None
         logits = logits / metadata.temperature.unsqueeze(1)
         logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
@@ -219,7 +232,7 @@ class Sampler:
             logits = apply_min_p(logits, metadata.min_p)
         probs = logits.softmax(dim=-1)
         noise = self._exponential_noise(probs.shape, metadata.seeds, metadata.positions)
-        return probs.div_(noise).argmax(dim=-1)
+        return probs.div_(noise).argmax(dim=-1), logits
 
     def _exponential_noise(
         self, shape: torch.Size, seeds: list[int | None], positions: list[int]

@@ -244,3 +244,28 @@ def test_logprobs_are_raw_log_softmax_with_ranks_and_top_n() -> None:
         np.testing.assert_allclose(values[0, 1:], top.values.numpy(), atol=1e-6)
     assert out.logprobs[0].width == 5 and out.logprobs[1].width == 1
     assert int(out.sampled_token_ids[2]) == 0
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs", "processed_logits"])
+def test_logprobs_mode_picks_the_logits_before_or_after_processing(mode: str) -> None:
+    """vLLM's ``logprobs_mode``: raw = the model's logits; processed = after the processors (a penalty, a bias) and,
+    for a sampled row, temperature and top-k (the distribution its token was drawn from: masked tokens -inf)."""
+    logits = random_logits(2, seed=9)
+    params = [SamplingParams(temperature=0.5, top_k=3, logprobs=5, seed=2, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, logprobs=2, logit_bias={7: 4.0})]
+    meta = SamplingMetadata.from_params(params, [5, 5], CPU, [[0, 1]] * 2, [[2]] * 2)
+    out = Sampler(0, CPU, mode)(logits.clone(), meta)
+    processed = logits.clone()
+    processed[0] = RepetitionPenaltyLogitsProcessor(1.5)(torch.tensor([[0, 1, 2]]), logits[:1].clone())[0] / 0.5
+    processed[0] = processed[0].masked_fill(processed[0] < processed[0].topk(3).values[-1], float("-inf"))
+    processed[1, 7] += 4.0
+    expected = processed if mode.startswith("processed") else logits
+    expected = expected if mode.endswith("logits") else expected.log_softmax(-1)
+    assert out.logprobs is not None
+    for row, arrays in enumerate(out.logprobs):
+        ids = np.frombuffer(arrays.token_ids, "<i4").reshape(-1, arrays.width)[0]
+        values = np.frombuffer(arrays.logprobs, "<f4").reshape(-1, arrays.width)[0]
+        np.testing.assert_allclose(values, expected[row, ids.tolist()].numpy(), atol=1e-5)
+        assert ids[0] == int(out.sampled_token_ids[row])
+    if mode.startswith("processed"):
+        assert np.isinf(np.frombuffer(out.logprobs[0].logprobs, "<f4")[-2:]).all()  # top 5 of 3 kept: 2 masked

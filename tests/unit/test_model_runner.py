@@ -335,6 +335,13 @@ def test_cpu_blocks_follow_the_kvcache_space(fake_runner: ModelRunner, monkeypat
     assert fake_runner.determine_num_available_blocks() == int(0.001 * 2**30) // 512
 
 
+def test_the_sampler_takes_the_engine_s_logprobs_mode(tmp_path: Path) -> None:
+    runner = ModelRunner(make_config(tmp_path, logprobs_mode="processed_logits"), rank=0, tp_size=1, device=CPU)
+    assert runner.sampler.logprobs_mode == "processed_logits"
+    config = EngineConfig.from_dict(make_config(tmp_path, logprobs_mode="raw_logits").to_dict(wire=True))
+    assert config.logprobs_mode == "raw_logits"  # as the workers read it
+
+
 def test_profile_step_is_the_largest_step() -> None:
     sched_out, num_blocks = profile_step(max_num_batched_tokens=50, max_num_seqs=8, max_model_len=32, block_size=4)
     lengths = [len(r.token_ids) for r in sched_out.new_reqs]
