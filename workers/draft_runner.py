@@ -38,7 +38,6 @@ from asyncllm.config import EngineConfig
 from asyncllm.models.loader import load_hf_config, load_model, resolve_model_path
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec
 from asyncllm.spec.config import SpeculativeConfig
-from asyncllm.spec.ngram import can_speculate
 from asyncllm.workers.block_table import BlockTable
 from asyncllm.workers.input_batch import InputBatch, RequestState, StepInputs
 
@@ -112,9 +111,9 @@ class DraftModelRunner:
         return {state.req_id: row for state, row in zip(proposing, drafts)}
 
     def proposing(self, sampled: list[RequestState]) -> list[RequestState]:
-        """The requests that sampled and get drafts: those that may be drafted, with room for ``k`` more tokens."""
-        return [s for s in sampled if can_speculate(s.params)
-                and s.num_computed_tokens == s.num_tokens - 1 and s.num_tokens - 1 + self.k <= self.max_len]
+        """The requests that sampled and get drafts: those with room for ``k`` more tokens."""
+        return [s for s in sampled
+                if s.num_computed_tokens == s.num_tokens - 1 and s.num_tokens - 1 + self.k <= self.max_len]
 
     def _chain(self, states: list[RequestState], block_table: BlockTable, ids: torch.Tensor,
                hidden: torch.Tensor | None, passes: int) -> torch.Tensor:

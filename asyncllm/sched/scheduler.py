@@ -63,7 +63,7 @@ from asyncllm.sched.rows import RequestRows, StepRows
 from asyncllm.sched.step_outputs import StepOutputs
 from asyncllm.sched.update_each import update_each
 from asyncllm.spec.draft_model import DraftModelProposer
-from asyncllm.spec.ngram import NgramProposer, can_speculate
+from asyncllm.spec.ngram import NgramProposer
 from asyncllm.spec.stats import SpecDecodingStats
 
 __all__ = ["Scheduler", "PreemptionLogger"]
@@ -179,7 +179,7 @@ class Scheduler:
         """
         self._check_request(request)
         request.cap_length(self.max_seq_len)  # then one length check per token covers max_tokens and max_seq_len
-        if self.proposer is not None and request.pooling is None and can_speculate(request.params):
+        if self.proposer is not None and request.pooling is None:  # every sampling request may be drafted
             request.draft_buffer = bytearray()
         config = self.config
         check_queue_capacity(self.waiting, request, config.max_num_queued_requests, config.max_num_queued_tokens)

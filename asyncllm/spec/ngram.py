@@ -17,20 +17,11 @@ from __future__ import annotations
 
 from array import array
 
-from asyncllm.sampling import SamplingParams
 from asyncllm.spec.config import SpeculativeConfig
 
-__all__ = ["NgramProposer", "can_speculate"]
+__all__ = ["NgramProposer"]
 
 _WIDTH = array("i").itemsize
-
-
-def can_speculate(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be drafted: every sampling setting but prompt logprobs (each draft position
-    is sampled as a decode step there would be: its processors see the drafts before it as outputs,
-    workers/spec_decode.py `DraftPosition`; a grammar masks it in the state after them,
-    asyncllm/structured/manager.py). Requests with prompt logprobs decode one token per step."""
-    return params.prompt_logprobs is None
 
 
 class NgramProposer:

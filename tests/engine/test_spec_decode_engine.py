@@ -104,7 +104,8 @@ async def test_the_bundled_model_accepts_drafts_without_changing_a_token(bundled
     penalized = [SamplingParams(temperature=0.0, max_tokens=48, repetition_penalty=1.2),
                  SamplingParams(temperature=0.0, max_tokens=48, presence_penalty=0.5, frequency_penalty=0.3,
                                 min_tokens=30),
-                 SamplingParams(temperature=0.7, seed=5, max_tokens=48, repetition_penalty=1.1)]
+                 SamplingParams(temperature=0.7, seed=5, max_tokens=48, repetition_penalty=1.1),
+                 SamplingParams(temperature=0.0, max_tokens=48, prompt_logprobs=1)]
     params += penalized + [SamplingParams(temperature=0.0, max_tokens=48, logit_bias={13: 3.0}),
                            SamplingParams(temperature=0.0, max_tokens=48, allowed_token_ids=list(range(300))),
                            SamplingParams(temperature=0.0, max_tokens=48, logprobs=2)]
@@ -124,8 +125,11 @@ async def test_the_bundled_model_accepts_drafts_without_changing_a_token(bundled
     first = len(CODE) + 4
     for i, p in enumerate(penalized, first):  # alone, drafts get accepted: each position sees the drafts before it
         before = _spec_counts(engine)[2]
-        assert (await engine.generate(prompts[i], p)).token_ids == base[i].token_ids
+        alone = await engine.generate(prompts[i], p)
+        assert alone.token_ids == base[i].token_ids
         assert _spec_counts(engine)[2] > before, p
+    for got, want in zip(alone.prompt_logprobs[1:], base[first + 3].prompt_logprobs[1:], strict=True):
+        assert got.keys() == want.keys() and all(abs(got[t].logprob - want[t].logprob) < 1e-4 for t in got)
     bad = SamplingParams(temperature=0.0, max_tokens=48, bad_words_token_ids=[base[0].token_ids[6:8]])
     outs = [await e.generate(prompts[0], bad) for e in (base_engine, engine)]
     assert outs[0].token_ids == outs[1].token_ids != base[0].token_ids  # a bad word seen across drafts

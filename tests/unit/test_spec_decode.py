@@ -12,7 +12,7 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.sched.request import Request
 from asyncllm.sched.scheduler import Scheduler
 from asyncllm.spec.config import SpeculativeConfig
-from asyncllm.spec.ngram import NgramProposer, can_speculate
+from asyncllm.spec.ngram import NgramProposer
 from asyncllm.workers.spec_decode import DraftedRequest, plan_drafted, verify_drafts
 
 EOS = 2
@@ -90,15 +90,6 @@ def test_the_buffer_grows_with_the_tokens():
     assert bytes(buffer) == b"".join(t.to_bytes(4, "little") for t in tokens)
 
 
-def test_which_requests_are_drafted():
-    assert can_speculate(SamplingParams(temperature=0.8, top_p=0.9, seed=3, stop_token_ids=[5], max_tokens=9))
-    for fields in ({"logprobs": 1}, {"logit_bias": {3: 1.0}}, {"allowed_token_ids": [3, 4]},
-                   {"repetition_penalty": 1.2}, {"presence_penalty": 0.5}, {"min_tokens": 2},
-                   {"bad_words_token_ids": [[3]]}, {"frequency_penalty": 0.1}):
-        assert can_speculate(SamplingParams(**fields)), fields
-    assert not can_speculate(SamplingParams(prompt_logprobs=0))
-
-
 # ------------------------------------------------------------------ verification in the worker
 def test_drafts_are_accepted_while_they_equal_the_sampled_tokens():
     drafted = [DraftedRequest(sample=0, first_row=2, drafts=[5, 6, 7]), DraftedRequest(1, 5, [8, 9])]
@@ -155,13 +146,6 @@ def test_drafts_stop_at_max_tokens_and_at_a_stop_token():
     deltas = sched.update_from_output(out, protocol.ModelRunnerOutput(out.step_id, ["r"], [[13, 14, 15, 10]]))
     assert [(d.new_token_ids, d.finish_reason, d.stop_reason) for _, d in deltas] == [([13, 14], "stop", 14)]
     assert request.output_token_ids == [12, 13, 14]
-
-
-def test_requests_the_proposer_must_not_draft_decode_one_token():
-    sched = _scheduler()
-    _decode_one(sched, [10, 11, 12, 13, 14, 15, 10, 11], 12, prompt_logprobs=0)
-    out = sched.schedule()
-    assert out.spec_token_ids == {} and out.num_scheduled_tokens == {"r": 1}
 
 
 def test_drafts_that_do_not_fit_the_kv_cache_are_dropped_rather_than_preempting():
