@@ -199,6 +199,9 @@ class CacheConfig:
     """Reuse KV blocks of identical prompt prefixes across requests."""
     swap_space: float = 4.0
     """GiB of CPU memory per GPU for swapped-out blocks (preemption_mode='swap')."""
+    kv_offloading_size: float = 0.0
+    """vLLM's: GiB of CPU memory, summed over the ranks, for a second prefix-cache tier: cached KV blocks evicted
+    from the GPU are copied there and loaded back on a later prefix hit (0: off; asyncllm/kv/offload.py)."""
     mamba_block_size: int = 256
     """Hybrid models (recurrent state layers beside attention) with prefix caching: the layers' states are saved
     every this many tokens (a multiple of block_size), and a prefix-cache hit resumes at the last such point
@@ -214,6 +217,7 @@ class CacheConfig:
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _bool("enable_prefix_caching", self.enable_prefix_caching)
         _float("swap_space", self.swap_space, 0.0, 1024.0)
+        _float("kv_offloading_size", self.kv_offloading_size, 0.0, 1 << 20)
         _int("mamba_block_size", self.mamba_block_size, 1)
         _int("mamba_checkpoint_slots", self.mamba_checkpoint_slots, 0)
         if self.mamba_block_size % self.block_size:

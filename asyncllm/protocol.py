@@ -441,6 +441,8 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     """Rows of the model's embedding: the core refuses token ids outside [0, vocab_size) (0: unknown)."""
     state_checkpoints: int = 0
     """Checkpoint slots the model's state layers keep for prefix caching (hybrid models; 0: none)."""
+    num_offload_blocks: int = 0
+    """Of ``num_cpu_blocks``, those of kv_offloading_size (the CPU prefix-cache tier; after the swap space's)."""
 
 
 class CacheReady(msgspec.Struct, **_STRUCT):

@@ -87,7 +87,10 @@ class Executor:
         """(step_id, submitted at) of the steps submitted and not collected, oldest first."""
         self._last_reply_at = 0.0
         self.num_cpu_blocks = 0
-        """Swap-space blocks every rank can hold (the min over ranks), known after `start()`."""
+        """CPU blocks every rank can hold (the min over ranks), known after `start()`: the swap space's, then the
+        CPU prefix-cache tier's."""
+        self.num_offload_blocks = 0
+        """Of those, the CPU prefix-cache tier's (kv_offloading_size)."""
         self.vocab_size = 0
         """The model's vocabulary size as the workers loaded it (0: unknown), known after `start()`."""
         self.state_checkpoints = 0
@@ -115,7 +118,8 @@ class Executor:
         except BaseException:
             self.shutdown()
             raise
-        self.num_cpu_blocks = min(msg.num_cpu_blocks for msg in ready)
+        self.num_offload_blocks = min(msg.num_offload_blocks for msg in ready)
+        self.num_cpu_blocks = min(msg.num_cpu_blocks - msg.num_offload_blocks for msg in ready) + self.num_offload_blocks
         self.vocab_size = min(msg.vocab_size for msg in ready)
         self.state_checkpoints = min(msg.state_checkpoints for msg in ready)
         return min(msg.num_available_blocks for msg in ready)

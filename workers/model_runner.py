@@ -166,6 +166,13 @@ class ModelRunner:
         """KV blocks that fit in swap_space GiB of CPU memory on this rank."""
         return num_swap_blocks(self.config.swap_space, self.bytes_per_block)
 
+    def determine_num_offload_blocks(self) -> int:
+        """KV blocks of the CPU prefix-cache tier: kv_offloading_size GiB shared by the ranks, each holding its
+        part of every block."""
+        config = self.config
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
+        return num_swap_blocks(config.kv_offloading_size / ranks, self.bytes_per_block)
+
     def init_swap_space(self, num_cpu_blocks: int) -> None:
         """Allocate the CPU swap space (after `init_cache`: it takes the KV cache's layout)."""
         self.swap_space = CPUSwapSpace(num_cpu_blocks, self._all_kv_caches())

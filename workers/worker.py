@@ -161,9 +161,12 @@ class Worker:
         num_blocks = int(self.runner.determine_num_available_blocks())
         swap = self.config is not None and self.config.preemption_mode == "swap"
         num_cpu_blocks = int(self.runner.determine_num_cpu_blocks()) if swap else 0
+        offload = self.config is not None and self.config.kv_offloading_size > 0
+        num_offload_blocks = int(self.runner.determine_num_offload_blocks()) if offload else 0
         vocab_size = int(getattr(getattr(self.runner, "hf_config", None), "vocab_size", 0) or 0)  # 0: a test runner
         checkpoints = int(getattr(getattr(self.runner, "model", None), "checkpoint_slots", 0))  # hybrids' (docs)
-        self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks, vocab_size, checkpoints))
+        self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks + num_offload_blocks, vocab_size,
+                                       checkpoints, num_offload_blocks))
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""

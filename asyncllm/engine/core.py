@@ -59,11 +59,13 @@ class EngineCore:
         available = self.executor.start()
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
         _check_kv_fits(config, self.num_gpu_blocks)
-        self.num_cpu_blocks = _swap_blocks(config, self.executor.num_cpu_blocks)
+        num_offload_blocks = self.executor.num_offload_blocks
+        num_swap_blocks = _swap_blocks(config, self.executor.num_cpu_blocks - num_offload_blocks)
+        self.num_cpu_blocks = num_swap_blocks + num_offload_blocks
         self.executor.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
         self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len,
-                                   num_cpu_blocks=self.num_cpu_blocks,
-                                   state_checkpoints=self.executor.state_checkpoints)
+                                   num_cpu_blocks=num_swap_blocks, state_checkpoints=self.executor.state_checkpoints,
+                                   num_offload_blocks=num_offload_blocks)
         spec = config.scheduler_config.speculative
         self.structured = StructuredOutputManager(config.tokenizer or config.model, self.executor.vocab_size,
                                                   config.structured_output_compile_timeout_s, config.revision,

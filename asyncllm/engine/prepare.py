@@ -124,6 +124,9 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     off (a log line says so). Speculative decoding keeps a snapshot per draft (asyncllm/models/row_states.py)."""
     if config.preemption_mode == "swap":
         raise NotBuiltError("preemption_mode", "swap", f"swap preemption for {arch}'s recurrent states (recompute)")
+    if config.kv_offloading_size:
+        raise NotBuiltError("kv_offloading_size", config.kv_offloading_size, f"a CPU prefix-cache tier for {arch} "
+                                                                             "(its saved states stay on the GPU)")
     if config.enable_prefix_caching and not config.mamba_checkpoint_slots:
         logger.warning("prefix caching is off for %s: mamba_checkpoint_slots=0 keeps no saved states", arch)
         config = config.replace(enable_prefix_caching=False)

@@ -10,7 +10,7 @@ which happens only when the block is handed out again.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from asyncllm.kv.hashing import BlockHash
 
@@ -51,6 +51,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_gpu_blocks)]
         self._free: OrderedDict[int, KVCacheBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVCacheBlock] = {}
+        self.on_evict: Callable[[int, BlockHash, tuple[int, ...]], None] | None = None
+        """Called with (block id, hash, tokens) of a cached block about to be handed out again (CPU offloading:
+        asyncllm/kv/offload.py)."""
 
     # ------------------------------------------------------------ queries
     @property
@@ -94,7 +97,7 @@ class BlockPool:
         for _ in range(num_blocks):
             _, block = free.popitem(last=False)
             if block.block_hash is not None:
-                self._evict(block)
+                self._hand_out(block)
             block.ref_cnt = 1
             taken.append(block)
         return taken
@@ -105,7 +108,7 @@ class BlockPool:
             return None
         _, block = self._free.popitem(last=False)
         if block.block_hash is not None:
-            self._evict(block)
+            self._hand_out(block)
         block.ref_cnt = 1
         return block
 
@@ -160,6 +163,12 @@ class BlockPool:
         self._cached.clear()
         if self.num_used_blocks == 0:
             self._free = OrderedDict((b.block_id, b) for b in self.blocks)
+
+    def _hand_out(self, block: KVCacheBlock) -> None:
+        """A cached free block taken for new KV: offered to ``on_evict``, then out of the cache."""
+        if self.on_evict is not None and self._cached.get(block.block_hash) is block:  # type: ignore[arg-type]
+            self.on_evict(block.block_id, block.block_hash, block.token_ids)  # type: ignore[arg-type]
+        self._evict(block)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is None:

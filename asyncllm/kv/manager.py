@@ -30,6 +30,7 @@ from typing import Protocol
 
 from asyncllm.kv.block_pool import BlockPool, KVCacheBlock
 from asyncllm.kv.hashing import BlockHash, MultiModalPlaceholder, extend_block_hashes, hash_block_tokens
+from asyncllm.kv.offload import CPUPrefixCache
 from asyncllm.kv.state_checkpoints import StateCheckpoints
 
 __all__ = ["KVCacheManager", "KVRequest"]
@@ -63,12 +64,18 @@ class KVCacheManager:
     """Owns the `BlockPool` and each request's block table (`req_to_blocks`)."""
 
     def __init__(self, num_gpu_blocks: int, block_size: int, enable_prefix_caching: bool,
-                 checkpoints: StateCheckpoints | None = None) -> None:
+                 checkpoints: StateCheckpoints | None = None, offload: CPUPrefixCache | None = None) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.checkpoints = checkpoints
         """A hybrid model's saved states (asyncllm/kv/state_checkpoints.py): hits end where states are saved."""
         self.pool = BlockPool(num_gpu_blocks)
+        self.offload = offload if enable_prefix_caching else None
+        """Evicted cached blocks kept in CPU memory (kv_offloading_size; asyncllm/kv/offload.py)."""
+        if self.offload is not None:
+            self.pool.on_evict = self.offload.offload
+        self._cpu_hits: dict[str, list[int]] = {}
+        """req_id -> the CPU blocks its last lookup found after its GPU hits (loaded when it is admitted)."""
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         """req_id -> the blocks of its block table, in order."""
         self._num_cached_blocks: dict[str, int] = {}
@@ -96,17 +103,21 @@ class KVCacheManager:
         return self.pool.usage
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached block (`BlockPool.reset_prefix_cache`) and saved state."""
+        """Forget every cached block (`BlockPool.reset_prefix_cache`, the CPU tier) and saved state."""
         self.pool.reset_prefix_cache()
         if self.checkpoints is not None:
             self.checkpoints.reset()
+        if self.offload is not None:
+            self.offload.reset()
+            self._cpu_hits.clear()
 
     def get_block_ids(self, req_id: str) -> list[int]:
         """The request's block table as block ids (empty when it holds none)."""
         return [block.block_id for block in self.req_to_blocks.get(req_id, ())]
 
-    def get_computed_blocks(self, request: KVRequest) -> tuple[list[KVCacheBlock], int]:
-        """The longest cached prefix of full blocks, and how many tokens it covers.
+    def get_computed_blocks(self, request: KVRequest, offloaded: bool = True) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of full blocks (GPU hits), and how many tokens it covers with the CPU tier's
+        blocks after them (with ``offloaded``: loaded when `allocate_slots` admits the request).
 
         Never the whole sequence: the last known token is always recomputed so
         that the model produces the logits of the next one. Read-only: the
@@ -125,9 +136,30 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        cpu_hits = self._cpu_lookup(request, len(hits), max_blocks) if offloaded and self.offload else []
         if self.checkpoints is not None:
-            hits = hits[: self.checkpoints.cut_hit(request, hits)]
-        return hits, len(hits) * bs
+            num = self.checkpoints.cut_hit(request, [*hits, *cpu_hits])
+            hits, cpu_hits = hits[:num], cpu_hits[: max(num - len(hits), 0)]
+        if cpu_hits:
+            self._cpu_hits[request.request_id] = cpu_hits
+        else:
+            self._cpu_hits.pop(request.request_id, None)
+        return hits, (len(hits) + len(cpu_hits)) * bs
+
+    def _cpu_lookup(self, request: KVRequest, start: int, max_blocks: int) -> list[int]:
+        """The CPU tier's blocks that continue the request's prefix from block ``start``."""
+        assert self.offload is not None
+        found, bs, token_ids = [], self.block_size, request.all_token_ids
+        for index in range(start, max_blocks):
+            cpu_id = self.offload.lookup(request.block_hashes[index], token_ids[index * bs : (index + 1) * bs])
+            if cpu_id is None:
+                break
+            found.append(cpu_id)
+        return found
+
+    def take_offload_copies(self) -> tuple[list[list[int]], list[list[int]]]:
+        """The step's CPU-tier copies, ([gpu, cpu] out, [gpu, cpu] in); none without a CPU tier."""
+        return self.offload.take_copies() if self.offload is not None else ([], [])
 
     def num_blocks_to_allocate(
         self, request: KVRequest, num_new_tokens: int, new_computed_blocks: list[KVCacheBlock] | None = None
@@ -178,14 +210,31 @@ class KVCacheManager:
         num_revived = sum(1 for block in hits if block.ref_cnt == 0)
         if not self.pool.can_allocate(num_new_blocks + num_revived):
             return None
+        admitted = blocks is None
         if blocks is None:
             blocks = self.req_to_blocks[req_id] = []
-            self._num_cached_blocks[req_id] = len(hits)
-            self._count_query(request, len(hits))
         self.pool.touch(hits)
         appended = hits + self.pool.allocate(num_new_blocks)
         blocks.extend(appended)
+        if admitted:
+            num_loaded = self._load_cpu_hits(request, appended, len(hits))
+            self._num_cached_blocks[req_id] = len(hits) + num_loaded
+            self._count_query(request, len(hits) + num_loaded)
         return [block.block_id for block in appended]
+
+    def _load_cpu_hits(self, request: KVRequest, blocks: list[KVCacheBlock], start: int) -> int:
+        """The request's CPU-tier hits copied into its new blocks from ``start`` (registered in the prefix cache:
+        their KV is there before the step's forward); how many."""
+        cpu_hits = self._cpu_hits.pop(request.request_id, None)
+        if not cpu_hits:
+            return 0
+        assert self.offload is not None and start + len(cpu_hits) <= len(blocks), (start, cpu_hits, len(blocks))
+        bs, token_ids = self.block_size, request.all_token_ids
+        for index, cpu_id in enumerate(cpu_hits, start):
+            block = blocks[index]
+            self.offload.load(cpu_id, block.block_id)
+            self.pool.cache_block(block, request.block_hashes[index], token_ids[index * bs : (index + 1) * bs])
+        return len(cpu_hits)
 
     def cache_full_blocks(self, request: KVRequest, num_tokens: int | None = None) -> None:
         """Register the request's blocks that are full in its first `num_tokens` tokens (default: its computed ones).
@@ -281,6 +330,7 @@ class KVCacheManager:
         req_id = request.request_id
         blocks = self.req_to_blocks.pop(req_id, None)
         num_cached = self._num_cached_blocks.pop(req_id, 0)
+        self._cpu_hits.pop(req_id, None)
         if not blocks:
             return
         num_computed_blocks = request.num_computed_tokens // self.block_size

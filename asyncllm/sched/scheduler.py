@@ -48,6 +48,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidRequestError
 from asyncllm.kv.block_pool import KVCacheBlock
 from asyncllm.kv.manager import KVCacheManager
+from asyncllm.kv.offload import CPUPrefixCache
 from asyncllm.kv.state_checkpoints import StateCheckpoints
 from asyncllm.kv.swap import SwapSpace
 from asyncllm.protocol import EngineCoreEventType
@@ -110,8 +111,11 @@ class Scheduler:
         num_cpu_blocks: int = 0,
         clock: Callable[[], float] = time.monotonic,
         state_checkpoints: int = 0,
+        num_offload_blocks: int = 0,
     ) -> None:
-        """``state_checkpoints``: a hybrid model's checkpoint slots (asyncllm/kv/state_checkpoints.py)."""
+        """``state_checkpoints``: a hybrid model's checkpoint slots (asyncllm/kv/state_checkpoints.py);
+        ``num_offload_blocks``: the CPU prefix-cache tier's blocks, after the ``num_cpu_blocks`` of the swap space
+        (kv_offloading_size; asyncllm/kv/offload.py)."""
         self.config = config
         self.block_size: int = config.block_size
         self.max_model_len = max_model_len
@@ -125,8 +129,9 @@ class Scheduler:
         """Adapters among the running requests at most (0: LoRA off)."""
         checkpoints = (StateCheckpoints(config.mamba_block_size, self.block_size, state_checkpoints)
                        if state_checkpoints and config.enable_prefix_caching else None)
+        offload = CPUPrefixCache(num_cpu_blocks, num_offload_blocks) if num_offload_blocks else None
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, self.block_size, config.enable_prefix_caching,
-                                               checkpoints)
+                                               checkpoints, offload)
         self.max_seq_len = min(max_model_len, num_gpu_blocks * self.block_size)
         """Longest sequence: max_model_len, or less when the whole KV cache holds fewer tokens."""
         if self.max_seq_len < max_model_len:
@@ -306,6 +311,7 @@ class Scheduler:
         if len(step.preempted_req_ids) == num_preempted:
             self._schedule_waiting(step)
         total = self.max_num_batched_tokens - step.budget  # every scheduled token was taken from the budget
+        offloads, loads = self.kv_cache_manager.take_offload_copies()  # the CPU tier's (asyncllm/kv/offload.py)
         out = protocol.SchedulerOutput(
             step_id=self._step_id,
             new_reqs=step.new_reqs,
@@ -314,8 +320,8 @@ class Scheduler:
             total_num_scheduled_tokens=total,
             finished_req_ids=self._finished_req_ids,
             preempted_req_ids=step.preempted_req_ids,
-            blocks_to_swap_out=step.blocks_to_swap_out,
-            blocks_to_swap_in=step.blocks_to_swap_in,
+            blocks_to_swap_out=step.blocks_to_swap_out + offloads,
+            blocks_to_swap_in=step.blocks_to_swap_in + loads,
             spec_token_ids=step.spec_token_ids,
         )
         if self.kv_cache_manager.checkpoints is not None:
@@ -515,14 +521,12 @@ class Scheduler:
         with its hits alone when they cover more.
         """
         pools_all = request.pooling is not None and request.pooling.pooling_type != "LAST"
-        if request.params.prompt_logprobs is None and not pools_all:
-            hits, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+        swap = self.swap_space
+        entry = swap.swapped.get(request.request_id) if swap is not None and swap.swapped else None
+        if request.params.prompt_logprobs is None and not pools_all:  # a swapped request's own copy beats the CPU tier
+            hits, num_computed = self.kv_cache_manager.get_computed_blocks(request, offloaded=entry is None)
         else:  # prompt_logprobs, MEAN/CLS pooling need every prompt position's row: no prefix-cache reads (as vLLM)
             hits, num_computed = [], 0
-        swap = self.swap_space
-        if swap is None or not swap.swapped:
-            return hits, num_computed, False
-        entry = swap.swapped.get(request.request_id)
         if entry is None:
             return hits, num_computed, False
         return hits, max(num_computed, entry.num_computed_tokens), True

@@ -146,3 +146,52 @@ def test_without_prefix_caching_nothing_is_cached_or_counted():
     assert kv.pool.num_cached_blocks == 0
     assert kv.get_computed_blocks(_request("b", prompt)) == ([], 0)
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (0, 0)
+
+
+# ------------------------------------------------------------ the CPU tier (kv_offloading_size)
+def test_evicted_cached_blocks_go_to_the_cpu_tier_and_come_back_on_a_hit():
+    """An evicted cached block is copied out (ids after the swap space's); a prompt whose prefix runs past its GPU
+    hits into CPU blocks gets new blocks filled from them before the forward, registered and counted as hits."""
+    from asyncllm.kv.offload import CPUPrefixCache
+
+    kv = KVCacheManager(num_gpu_blocks=4, block_size=4, enable_prefix_caching=True, offload=CPUPrefixCache(10, 3))
+    a = _request("a", list(range(13)))  # 3 full blocks + 1 token
+    assert _admit_and_compute(kv, a) == [0, 1, 2, 3]
+    kv.free(a)
+    assert kv.take_offload_copies() == ([], [])
+    b = _request("b", list(range(100, 113)))  # evicts a's cached blocks, least recently freed first
+    assert _admit_and_compute(kv, b) == [3, 2, 1, 0]
+    assert kv.take_offload_copies() == ([[2, 10], [1, 11], [0, 12]], [])
+    kv.free(b)
+    again = _request("c", list(range(13)))
+    hits, num_hit = kv.get_computed_blocks(again)
+    assert (hits, num_hit) == ([], 12)  # no GPU hit, three CPU blocks
+    ids = kv.allocate_slots(again, 13 - 0, hits)
+    assert ids is not None and len(ids) == 4
+    out, loads = kv.take_offload_copies()
+    assert loads == [[ids[0], 12], [ids[1], 11], [ids[2], 10]]
+    assert out == []  # b's evicted blocks find no room: every CPU block is read this step
+    assert (kv.prefix_cache_hits, kv.offload.num_hit_blocks) == (12, 3)
+    again.num_computed_tokens = 13
+    kv.cache_full_blocks(again)
+    kv.free(again)
+    assert [b.block_id for b in kv.get_computed_blocks(_request("d", list(range(13))))[0]] == ids[:3]  # on GPU now
+
+
+def test_the_cpu_tier_keeps_a_block_once_and_evicts_its_least_recent_entry():
+    from asyncllm.kv.offload import CPUPrefixCache
+
+    tier = CPUPrefixCache(0, 2)
+    tier.offload(5, b"x", (1, 2))
+    tier.offload(6, b"x", (1, 2))  # held already: no copy
+    tier.offload(7, b"y", (3, 4))
+    assert tier.take_copies() == ([[5, 0], [7, 1]], [])
+    assert tier.lookup(b"x", [1, 2]) == 0 and tier.lookup(b"x", [9, 9]) is None  # tokens re-checked
+    tier.offload(8, b"z", (5, 6))  # evicts y (x was hit since), not the pinned x
+    assert tier.take_copies() == ([[8, 1]], []) and tier.lookup(b"y", [3, 4]) is None
+    tier.lookup(b"x", [1, 2])
+    tier.lookup(b"z", [5, 6])
+    tier.offload(9, b"w", (7, 8))  # both entries read this step: nothing to evict, no copy
+    assert tier.take_copies() == ([], []) and tier.num_used_blocks == 2
+    tier.reset()
+    assert tier.lookup(b"x", [1, 2]) is None and tier.num_used_blocks == 0
