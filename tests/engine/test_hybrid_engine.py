@@ -1,6 +1,8 @@
-"""The hybrids with per-request states through the engine (Qwen3.5 dense and MoE and Qwen3-Next: Gated DeltaNet +
-gated full attention; Granite 4.0, Bamba and Nemotron-H / Nemotron 3: Mamba2 + attention; Falcon-H1: both in each
-layer; Jamba: Mamba (v1) + attention; LFM2 and LFM2-MoE: short convolutions + attention):
+"""The hybrids with per-request states through the engine (Qwen3.5 dense and MoE: Gated DeltaNet + gated full
+attention; Granite 4.0 and Nemotron-H / Nemotron 3: Mamba2 + attention; Falcon-H1: both in each layer; Jamba:
+Mamba (v1) + attention; LFM2: short convolutions + attention; Qwen3-Next runs through the engine with its MTP layer,
+tests/engine/test_eagle_engine.py; Bamba's and LFM2-MoE's layers are those of Granite 4.0 and LFM2 with their
+logits checked in process, tests/unit/test_mamba2.py, test_lfm2.py):
 greedy tokens equal transformers' with 16-token chunks, two seats (rows reused by later requests), recompute
 preemption, async scheduling and states saved in two slots for prefix caching (slots replaced); prefix-cache hits
 resume from saved states (points in prompts and in decodes, shared prefixes, a conversation's next turn); n-gram
@@ -25,8 +27,8 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(6, 512) for _ in range(rng.randint(3, 50))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "qwen3_next", "granitemoehybrid", "lfm2", "lfm2_moe",
-                                  "nemotron_h", "bamba", "falcon_h1", "jamba"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "granitemoehybrid", "lfm2", "nemotron_h", "falcon_h1",
+                                  "jamba"])
 async def test_greedy_equals_transformers_chunked_preempted_and_on_reused_rows(arch: str) -> None:
     path, prompts = tiny_checkpoint(arch), _prompts(6, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
