@@ -24,8 +24,8 @@ from asyncllm.errors import ConfigError
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.checkpoint import served_hf_config
 from asyncllm.models.loader import load_model, resolve_dtype, resolve_model_path
-from asyncllm.models.row_states import RowStates
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec, kv_cache_torch_dtype
+from asyncllm.models.row_states import RowStates
 from asyncllm.models.st_dense import load_dense_projection
 from asyncllm.protocol import CachedRequestData, LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
