@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 
 import numpy as np
@@ -91,6 +92,14 @@ def _metadata(writer: GGUFWriter, cfg: dict, name: str, head_dim: int) -> None:
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
+    num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
+    if num_experts:  # a mixture of experts, as llama.cpp's converter writes one
+        writer.add_key_length(head_dim)
+        writer.add_expert_count(num_experts)
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        if cfg.get("shared_expert_intermediate_size"):
+            writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
 
 
 def _tokenizer(writer: GGUFWriter, folder: str) -> None:
@@ -120,6 +129,20 @@ def _gguf_tensor(name: str, weight: torch.Tensor, cfg: dict, arch: str, qtype: G
     return quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), qtype
 
 
+def _stacked_experts(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert matrices (``mlp.experts.{e}.gate_proj.weight``) stacked by expert as llama.cpp's converter does
+    (``mlp.experts.gate_proj.weight``: ``[experts, out, in]``)."""
+    out, experts = {}, {}
+    for name, weight in weights.items():
+        match = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(\w+)\.weight$", name)
+        if match is None:
+            out[name] = weight
+        else:
+            experts.setdefault(f"{match[1]}.{match[3]}.weight", {})[int(match[2])] = weight
+    out.update({name: torch.stack([by[e] for e in sorted(by)]) for name, by in experts.items()})
+    return out
+
+
 def write_gguf(folder: str, path: str, arch: str = "llama",
                qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0, name: str | None = None) -> str:
     """The safetensors checkpoint in ``folder`` (a float32 tiny model) written to ``path`` as a GGUF file
@@ -131,7 +154,7 @@ def write_gguf(folder: str, path: str, arch: str = "llama",
     writer = GGUFWriter(path, arch)
     _metadata(writer, cfg, name or f"tiny-{arch}", head_dim)
     _tokenizer(writer, folder)
-    for hf_name, weight in sorted(load_file(os.path.join(folder, "model.safetensors")).items()):
+    for hf_name, weight in sorted(_stacked_experts(load_file(os.path.join(folder, "model.safetensors"))).items()):
         stem, _, suffix = hf_name.rpartition(".")
         name = f"{table.get_name(stem)}.{suffix}"
         data, stored = _gguf_tensor(name, weight, cfg, arch, qtype)

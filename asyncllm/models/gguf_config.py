@@ -24,12 +24,18 @@ __all__ = ["GGUF_QUANTIZATION", "GGUF_ARCHITECTURES", "ROPE_FREQS_TENSOR", "Gguf
 
 GGUF_QUANTIZATION = "gguf"
 """The `quantization` value naming a GGUF checkpoint (vLLM's ``--quantization gguf``); None serves it too."""
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
 """The GGUF ``general.architecture`` values asyncllm loads (a ``llama`` file whose ``general.name`` is "mistral" is
 read by transformers as model_type mistral: MistralForCausalLM; other Mistral files as Llama, the same function
 without a sliding window)."""
 _MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                             "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+_EXPERT_KEYS = {"expert_feed_forward_length": "moe_intermediate_size",
+                "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+"""GGUF keys of a mixture of experts that transformers' GGUF config reader drops -> their config fields."""
+_NORMALIZED_TOP_K = {"qwen2moe": False, "qwen3moe": True}
+"""Whether llama.cpp renormalizes the chosen experts' weights (``expert_weights_norm`` unless the file says)."""
 """transformers' model_type of a GGUF config -> its architecture (the config read from a GGUF names none)."""
 
 
@@ -160,7 +166,20 @@ def load_gguf_config(path: str) -> Any:
                                            f"{hf_config.model_type!r}")
     hf_config.architectures = [_MODEL_TYPE_ARCHITECTURES[hf_config.model_type]]
     _apply_rope_scaling(hf_config, factor, freqs, path)
+    if arch in _NORMALIZED_TOP_K:
+        _apply_experts(reader, arch, hf_config)
     return hf_config
+
+
+def _apply_experts(reader: Any, arch: str, hf_config: Any) -> None:
+    """The expert sizes and the top-k renormalization, which transformers' GGUF config reader drops (its defaults
+    are Qwen's largest models' sizes), as llama.cpp reads them."""
+    for key, field in _EXPERT_KEYS.items():
+        value = _scalar(reader, f"{arch}.{key}")
+        if value is not None:
+            setattr(hf_config, field, int(value))
+    norm = reader.fields.get(f"{arch}.expert_weights_norm")
+    hf_config.norm_topk_prob = bool(norm.parts[norm.data[0]][0]) if norm is not None else _NORMALIZED_TOP_K[arch]
 
 
 def gguf_checkpoint_config(model: str, quantization: str | None) -> GgufCheckpointConfig | None:

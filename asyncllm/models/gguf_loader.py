@@ -30,19 +30,33 @@ PERMUTED_QK_ARCHITECTURES = ("llama",)
 """GGUF architectures whose ``attn_q`` / ``attn_k`` rows llama.cpp's converter permuted (Qwen's are not)."""
 
 
-def gguf_weight_names(model: CausalLM, arch: str, num_layers: int) -> dict[str, str]:
-    """GGUF tensor name -> the checkpoint name ``model`` loads, for every weight the model needs (and, on a
-    pipeline stage, every weight of the other stages: `other_stages_names`)."""
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
+"""A per-expert checkpoint name: GGUF stacks every expert's matrix in one tensor (``blk.N.ffn_gate_exps``)."""
+
+
+def gguf_weight_names(model: CausalLM, arch: str, num_layers: int) -> dict[str, str | list[str]]:
+    """GGUF tensor name -> the checkpoint name ``model`` loads (a list, by expert, for a stacked experts tensor),
+    for every weight the model needs (and, on a pipeline stage, every weight of the other stages:
+    `other_stages_names`)."""
     from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
 
     gguf_arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == arch)
     table = get_tensor_name_map(gguf_arch, num_layers)
-    names = {}
+    names: dict[str, str | list[str]] = {}
+    experts: dict[str, dict[int, str]] = {}
     for ckpt_name in model.checkpoint_weight_names() | other_stages_names(model, num_layers):
+        expert = _EXPERT.match(ckpt_name)
+        if expert is not None:  # stacked in the file, under the experts' own stem
+            gguf_stem = table.get_name(f"{expert[1]}.{expert[3]}")
+            if gguf_stem is not None:
+                experts.setdefault(f"{gguf_stem}.weight", {})[int(expert[2])] = ckpt_name
+            continue
         stem, _, suffix = ckpt_name.rpartition(".")
         gguf_stem = table.get_name(stem)
         if gguf_stem is not None:
             names[f"{gguf_stem}.{suffix}"] = ckpt_name
+    for gguf_name, by_expert in experts.items():
+        names[gguf_name] = [by_expert[e] for e in sorted(by_expert)]
     return names
 
 
@@ -86,10 +100,10 @@ def _check_rope_freqs(tensor: Any, text_config: Any, path: str) -> None:
                                          "the config with asyncllm.models.gguf_config.load_gguf_config)")
 
 
-def iterate_gguf(path: str, names: dict[str, str], hf_config: Any, skipped: frozenset[str] = frozenset()
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(checkpoint name, float32 tensor) for every tensor of the file, dequantized one at a time; those named in
-    ``skipped`` (another pipeline stage's) are left unread."""
+def iterate_gguf(path: str, names: dict[str, str | list[str]], hf_config: Any,
+                 skipped: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, float32 tensor) for every tensor of the file, dequantized one at a time (a stacked
+    experts tensor: each expert's); those named in ``skipped`` (another pipeline stage's) are left unread."""
     from gguf import GGUFReader
 
     arch = gguf_architecture(path)
@@ -103,18 +117,29 @@ def iterate_gguf(path: str, names: dict[str, str], hf_config: Any, skipped: froz
         if tensor.name not in names:
             unknown.append(tensor.name)
             continue
-        if names[tensor.name] in skipped:
+        target = names[tensor.name]
+        if all(name in skipped for name in ([target] if isinstance(target, str) else target)):
             continue
         weight = _dequantized(tensor)
         kind = tensor.name.split(".")[-2]
         if arch in PERMUTED_QK_ARCHITECTURES and kind in heads:
             weight = unpermute_qk(weight, heads[kind])
-        weight = np.ascontiguousarray(weight, dtype=np.float32)
-        yield names[tensor.name], torch.from_numpy(weight if weight.flags.writeable else weight.copy())
+        if isinstance(target, str):
+            yield target, _tensor(weight)
+            continue
+        if weight.shape[0] != len(target):
+            raise ConfigError("model", path, f"a GGUF {tensor.name} of {len(target)} experts (it has {weight.shape[0]})")
+        for name, one in zip(target, weight):
+            yield name, _tensor(one)
     if unknown:
         shown = ", ".join(unknown[:8]) + (f" and {len(unknown) - 8} more" if len(unknown) > 8 else "")
         raise ConfigError("model", path, f"a GGUF file of the {arch} architecture; tensors asyncllm's model has no "
                                          f"parameter for: {shown}")
+
+
+def _tensor(weight: np.ndarray) -> torch.Tensor:
+    weight = np.ascontiguousarray(weight, dtype=np.float32)
+    return torch.from_numpy(weight if weight.flags.writeable else weight.copy())
 
 
 def load_gguf_weights(model: CausalLM, path: str, hf_config: Any) -> None:

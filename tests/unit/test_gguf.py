@@ -216,3 +216,24 @@ def test_rope_freqs_need_the_config_that_carries_them(scaled, gguf_files) -> Non
     model = _load(gguf_files["llama-f32"], 0, 1)
     with pytest.raises(ConfigError, match="rope_freq_factors are the file's rope_freqs.weight"):
         load_gguf_weights(model, path, load_hf_config(gguf_files["llama-f32"]))
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_a_mixture_of_experts_file_equals_the_original_checkpoint(arch: str, tmp_path) -> None:
+    """Qwen2-MoE / Qwen3-MoE GGUF files (F32): each layer's experts stacked in one tensor (``ffn_gate_exps``, ...)
+    are split back by expert; the expert sizes and Qwen3-MoE's renormalized top-k, which transformers' GGUF config
+    reader drops, are read from the file as llama.cpp reads them; the logits equal transformers' of the original
+    checkpoint at every position."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    original = tiny_checkpoint(arch)
+    path = write_gguf(original, str(tmp_path / f"tiny-{arch}.gguf"), arch.replace("_", ""), GGMLQuantizationType.F32)
+    hf_config = load_hf_config(path)
+    assert (hf_config.moe_intermediate_size, hf_config.norm_topk_prob) == (32, arch == "qwen3_moe")
+    model = _load(path, 0, 1)
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim, torch.float32)
+    logits = run.run([[20, len(SEQUENCES[1])], [len(SEQUENCES[0]) - 20, 0]])
+    for seq, got in zip(SEQUENCES, logits):
+        torch.testing.assert_close(got, hf_logits(original, seq), atol=1e-4, rtol=0)
