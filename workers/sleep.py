@@ -33,10 +33,8 @@ logger = logging.getLogger(__name__)
 
 def refuse_unbuilt(runner: Any) -> None:
     """What moving the parameters does not cover: tensors built from the weights outside them (quantized
-    kernels' layouts, the draft model)."""
+    kernels' layouts)."""
     weight_update.refuse_unbuilt(runner, "sleep mode")
-    if getattr(runner, "drafter", None) is not None:
-        raise NotBuiltError("speculative_config", "draft model", "sleep mode with a draft model")
 
 
 class RunnerSleep:
@@ -51,6 +49,9 @@ class RunnerSleep:
         """The KV cache's blocks when it was freed (a wake-up allocates as many)."""
         self.discarded: dict[str, torch.Tensor] = {}
         """Level 2: name -> a meta tensor of the parameter's shape, dtype and strides."""
+        self.draft_offloaded = False
+        """Whether the draft's own parameters (a draft model, an EAGLE head, an MTP layer) are in CPU memory: at
+        either level (update_weights loads the served model's weights only, so the draft's are kept)."""
 
     def handle(self, command: protocol.Sleep | protocol.WakeUp, rank: int) -> protocol.SleepModeDone:
         """Run one command; the reply for the core (an error reply changed nothing)."""
@@ -79,6 +80,8 @@ class RunnerSleep:
             if "kv_cache" in tags and not self.kv_asleep:
                 self.num_blocks = int(runner.kv_caches[0].shape[1])
                 runner.kv_caches = []
+                if getattr(runner, "drafter", None) is not None:
+                    runner.drafter.kv_caches = []  # its blocks share the target's ids (and its scratch blocks)
                 self.kv_asleep = True
 
     def wake_up(self, tags: list[str]) -> None:
@@ -92,6 +95,8 @@ class RunnerSleep:
                 woke = True
             if "kv_cache" in tags and self.kv_asleep:
                 runner.kv_caches = runner._allocate_kv_caches(self.num_blocks)  # new addresses, zeroed
+                if getattr(runner, "drafter", None) is not None:
+                    runner.drafter.allocate(self.num_blocks)
                 self.kv_asleep = False
                 woke = True
             if woke and self.weights == "awake" and not self.kv_asleep:
@@ -100,6 +105,9 @@ class RunnerSleep:
 
     def _weights_asleep(self, level: int) -> None:
         device = self.runner.device
+        if not self.draft_offloaded:
+            _move(self._draft_parameters().values(), torch.device("cpu"), pin=device.type == "cuda")
+            self.draft_offloaded = True
         if level == 1 and self.weights == "awake":
             pin = device.type == "cuda"
             for param in self._parameters().values():
@@ -115,6 +123,9 @@ class RunnerSleep:
 
     def _weights_awake(self) -> None:
         device = self.runner.device
+        if self.draft_offloaded:
+            _move(self._draft_parameters().values(), device)
+            self.draft_offloaded = False
         params = self._parameters()
         if self.weights == "offloaded":
             for param in params.values():
@@ -131,6 +142,21 @@ class RunnerSleep:
     def _parameters(self) -> dict[str, torch.nn.Parameter]:
         """Each parameter once (a tied embedding and LM head are one Parameter)."""
         return dict(self.runner.model.named_parameters())
+
+    def _draft_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The draft's own parameters (none it borrows from the served model: an EAGLE head's LM head)."""
+        drafter = getattr(self.runner, "drafter", None)
+        if drafter is None:
+            return {}
+        served = {id(p) for p in self.runner.model.parameters()}
+        return {name: p for name, p in drafter.model.named_parameters() if id(p) not in served}
+
+
+def _move(params: Any, device: torch.device, pin: bool = False) -> None:
+    for param in params:
+        moved = torch.empty_like(param.data, device=device, pin_memory=pin)
+        moved.copy_(param.data, non_blocking=device.type == "cuda")
+        param.data = moved
 
 
 @contextmanager

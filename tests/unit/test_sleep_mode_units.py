@@ -75,11 +75,37 @@ def test_level_2_discards_the_weights_and_brings_back_their_shapes(runner) -> No
 
 def test_what_is_not_built_is_refused_by_name_and_changes_nothing() -> None:
     path = tiny_checkpoint("llama")
-    runner = SimpleNamespace(config=EngineConfig.create(path, max_model_len=64), hf_config=None,
-                             model=torch.nn.Linear(2, 2), drafter=object(), kv_caches=["kept"])  # a draft model
+    runner = SimpleNamespace(config=EngineConfig.create(path, max_model_len=64), model=torch.nn.Linear(2, 2),
+                             hf_config=SimpleNamespace(quantization_config={"quant_method": "awq"}), kv_caches=["kept"])
     reply = RunnerSleep(runner).handle(protocol.Sleep("s1", 1), rank=0)
     error = sleep_error(reply)
-    assert isinstance(error, NotBuiltError) and error.field == "speculative_config" and runner.kv_caches == ["kept"]
+    assert isinstance(error, NotBuiltError) and "pre-quantized checkpoint (awq)" in str(error)
+    assert runner.kv_caches == ["kept"]
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_draft_model_sleeps_in_cpu_memory_with_its_kv_cache_freed(level: int, monkeypatch) -> None:
+    """The draft's own weights go to CPU memory at either level (update_weights loads the served model's only) and
+    come back equal; its KV cache (the target's block ids and its scratch blocks) is freed and allocated again."""
+    monkeypatch.setattr(cuda_graphs, "capture_decode_graphs", lambda r: None)
+    path = tiny_checkpoint("llama")
+    config = EngineConfig.create(path, max_model_len=64, max_num_seqs=4, device="cpu",
+                                 speculative_config={"model": path, "num_speculative_tokens": 2})
+    runner = ModelRunner(config, rank=0, tp_size=1, device=CPU)
+    runner.load_model()
+    runner.init_cache(NUM_BLOCKS)
+    drafter = runner.drafter
+    before = {name: p.detach().clone() for name, p in drafter.model.named_parameters()}
+    shape = drafter.kv_caches[0].shape
+    sleeper = RunnerSleep(runner)
+    assert sleep_error(sleeper.handle(protocol.Sleep("s", level), rank=0)) is None
+    assert drafter.kv_caches == [] and sleeper.draft_offloaded
+    moved = dict(drafter.model.named_parameters())
+    assert all(moved[name].data_ptr() != value.data_ptr() for name, value in before.items())  # copied out
+    sleeper.wake_up(["weights", "kv_cache"])
+    after = dict(drafter.model.named_parameters())
+    assert all(torch.equal(after[name], value) for name, value in before.items())
+    assert drafter.kv_caches[0].shape == shape and not sleeper.draft_offloaded
 
 
 def test_levels_and_tags_are_checked_by_name() -> None:
