@@ -38,7 +38,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "ExaoneMoeForCausalLM", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
                           "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Llama4ForCausalLM", "DeepseekV2ForCausalLM",
                           "DeepseekV3ForCausalLM", "GraniteMoeSharedForCausalLM", "YoutuForCausalLM",
-                          "Mistral4ForCausalLM", "Glm4MoeLiteForCausalLM")
+                          "Mistral4ForCausalLM", "Glm4MoeLiteForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM")
 """The causal LMs on `LlamaForCausalLM`'s decoder stack (embeddings, layers passing (hidden, residual), final
 norm, LM head) that run split into stages; each is tested against its unsplit model (tests/unit)."""
 

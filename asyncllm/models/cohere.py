@@ -110,23 +110,18 @@ class CohereDecoderLayer(nn.Module):
         self.mlp = b.make_mlp(b, layer_idx)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, None]:
-        """The next layer's input, whole (``residual`` is always None here: the sum is this layer's, in
-        transformers' order)."""
-        normed = self.input_layernorm(hidden)
-        return hidden + self.self_attn(positions, normed, kv_cache, metadata) + self.mlp(normed), None
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the stream plus the attention's): the next norm adds them, so the stream is
+        transformers' ``(x + attn) + mlp`` to the bit (the last addition commutes). `LlamaModel.forward` runs
+        these layers, so pipeline stages and EAGLE-3's layer inputs work as for Llama."""
+        stream = hidden if residual is None else hidden + residual
+        normed = self.input_layernorm(stream)
+        return self.mlp(normed), stream + self.self_attn(positions, normed, kv_cache, metadata)
 
 
 class CohereModel(LlamaModel):
     layer_cls = CohereDecoderLayer
     norm_cls = CohereLayerNorm
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, _ = layer(positions, hidden, None, kv_cache, metadata)
-        return self.norm(hidden)
 
 
 class CohereForCausalLM(InterleavedRotaryLoading, LlamaForCausalLM):
