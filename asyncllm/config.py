@@ -34,6 +34,7 @@ __all__ = [
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+TOKENIZER_MODES = ("auto", "hf", "slow")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf")
@@ -110,6 +111,9 @@ class ModelConfig:
     """Local folder of a Hugging Face checkpoint, or a hub id (looked up in the huggingface_hub cache)."""
     tokenizer: str | None = None
     """Tokenizer folder or hub id; defaults to `model`."""
+    tokenizer_mode: str = "auto"
+    """vLLM's: auto (or hf) loads the fast tokenizer when there is one, slow the Python one (``use_fast=False``);
+    mistral (mistral_common) and custom are not built."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of `model`."""
     dtype: str = "auto"
@@ -159,6 +163,10 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model", self.model, "a local folder or a hub id (non-empty string)")
+        if self.tokenizer_mode in ("mistral", "custom"):
+            raise NotBuiltError("tokenizer_mode", self.tokenizer_mode, f"tokenizer_mode={self.tokenizer_mode!r} "
+                                                                       "(auto, hf or slow: transformers' tokenizers)")
+        _choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _int("seed", self.seed, 0)

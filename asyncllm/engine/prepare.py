@@ -70,7 +70,7 @@ def prepare(config: EngineConfig) -> Prepared:
     check_pipeline_model(config, arch, text_config)
     max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
-    tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None)
+    tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None, config.tokenizer_mode)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
     if arch in HYBRID_ARCHITECTURES:
         resolved = _hybrid_config(resolved, arch)

@@ -71,6 +71,9 @@ def test_kwargs_and_from_config_agree() -> None:
         ("kv_cache_dtype", "fp8_e4m3fn"),  # torch's name, not vLLM's
         ("kv_cache_dtype", "int8"),
         ("kv_cache_dtype", "bfloat16"),
+        ("tokenizer_mode", "fast"),
+        ("logprobs_mode", "logits"),
+        ("kv_offloading_size", -1.0),
     ],
 )
 def test_bad_values_name_the_field(field: str, value: object) -> None:
@@ -91,6 +94,7 @@ def test_unknown_field_is_refused() -> None:
     [
         ("quantization", "bitsandbytes"),
         ("speculative_config", {"method": "medusa", "num_speculative_tokens": 3}),
+        ("tokenizer_mode", "mistral"),
     ],
 )
 def test_unbuilt_features_raise_not_built(field: str, value: object) -> None:
