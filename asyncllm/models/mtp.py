@@ -124,6 +124,8 @@ class MTPLayerHead(TargetReader, nn.Module):
         build = self.decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)  # type: ignore[attr-defined]
         self.pipeline = None
         self.tie_word_embeddings = False
+        # what the target classes' own __init__ would set for their loading (fused experts' two layouts)
+        self.expert_sizes = (int(hf_config.hidden_size), int(getattr(hf_config, "moe_intermediate_size", 0) or 0))
         layer = self.model_cls.layer_class(hf_config)(build, self.mtp_index)  # type: ignore[attr-defined]
         for name, module in self.layer_modules(hf_config, dtype, tp, attn_backend.ops).items():
             setattr(layer, name, module)

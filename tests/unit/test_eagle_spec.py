@@ -138,6 +138,7 @@ def test_an_eagle3_head_for_a_decoder_that_keeps_no_layer_inputs_is_refused(head
 # ------------------------------------------------------------------ MTP layers
 MTP_TARGETS = {"deepseek_v3": (add_mtp_layer, reference_mtp_drafts, "deepseek_mtp"),
                "qwen3_5": (add_qwen_mtp_layer, reference_qwen_mtp_drafts, "qwen3_5_mtp"),
+               "qwen3_5_moe": (add_qwen_mtp_layer, reference_qwen_mtp_drafts, "mtp"),
                "qwen3_next": (add_qwen_mtp_layer, reference_qwen_mtp_drafts, "qwen3_next_mtp")}
 
 
