@@ -142,3 +142,6 @@ def _check_mtp_target(spec_dict: dict, target_config: Any, arch: str) -> None:
     if layers > 1:
         raise NotBuiltError(_FIELD, spec_dict, f"{layers} MTP layers (one MTP layer, drafting again from its own "
                                                "output)")
+    if getattr(target_config, "mtp_use_dedicated_embeddings", False):
+        raise NotBuiltError(_FIELD, spec_dict, "an MTP layer with its own embeddings (mtp_use_dedicated_embeddings: "
+                                               "it reads the target's)")

@@ -212,6 +212,10 @@ def test_mtp_is_refused_by_name_where_the_target_has_no_layer_to_read(tiny_llama
     deepseek.num_nextn_predict_layers = 2
     with pytest.raises(NotBuiltError, match="2 MTP layers"):
         prepare_draft_model(spec_dict, spec, deepseek, 1, 128, False)
+    qwen = load_hf_config(tiny_checkpoint("qwen3_next"))
+    qwen.mtp_num_hidden_layers, qwen.mtp_use_dedicated_embeddings = 1, True
+    with pytest.raises(NotBuiltError, match="mtp_use_dedicated_embeddings"):
+        prepare_draft_model(spec_dict, spec, qwen, 1, 128, False)
     without = tiny_checkpoint("deepseek_v3")  # config.json says num_nextn_predict_layers=1, its weights have none
     with pytest.raises(ConfigError, match=r"multi-token-prediction layer \(model.layers.2.\*\); this one has none"):
         _runner.__wrapped__(without, "", "mtp")
