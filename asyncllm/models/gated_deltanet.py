@@ -32,7 +32,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.ops import REFERENCE_OPS, ModelOps
-from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, StepRows, causal_conv, conv_step
+from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, causal_conv, conv_step
 
 __all__ = ["GatedDeltaNet", "chunked_delta_rule", "prepare_qk"]
 
@@ -133,9 +133,12 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         out = torch.zeros(tokens, self.num_v_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
         if step.decode_only:
-            self._decode(mixed, g, beta, step, out)
+            n = len(step.rows)
+            out[:n] = self._decode(mixed[:n], g[:n], beta[:n], step.rows)
             self.states.save_decoded(step)
         else:
+            for rows, index in self.states.positions(step):  # decodes and drafted requests
+                out[index] = self._decode(mixed[index], g[index], beta[index], rows)
             for row, span in self.states.spans(step):
                 self._prefill(mixed[span], g[span], beta[span], row, out[span])
         normed = self.norm(out.view(-1, self.v_dim), z.view(-1, self.v_dim)).view(tokens, -1)
@@ -153,9 +156,8 @@ class GatedDeltaNet(nn.Module):
         q, k, v = self._heads(convolved)
         out.copy_(chunked_delta_rule(self.states["ssm"][row], q, k, v, g, beta))
 
-    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: StepRows,
-                out: torch.Tensor) -> None:
-        """One token per request, all at once: the rows' states gathered, stepped, scattered back."""
-        n, rows = len(step.rows), step.rows
-        q, k, v = self._heads(conv_step(mixed[:n], self.states["conv"], rows, self.conv1d))
-        out[:n] = self.gated_delta_step(self.states["ssm"], rows, q, k, v, g[:n], beta[:n]).to(out.dtype)
+    def _decode(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One token of each of the rows' requests, all at once: the rows' states gathered, stepped, scattered
+        back."""
+        q, k, v = self._heads(conv_step(mixed, self.states["conv"], rows, self.conv1d))
+        return self.gated_delta_step(self.states["ssm"], rows, q, k, v, g, beta).to(mixed.dtype)

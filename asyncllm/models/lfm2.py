@@ -80,6 +80,8 @@ class ShortConv(nn.Module):
             out[:n] = conv_step(gated[:n], self.states["conv"], step.rows, self.conv, silu=False)
             self.states.save_decoded(step)
         else:
+            for rows, index in self.states.positions(step):  # decodes and drafted requests
+                out[index] = conv_step(gated[index], self.states["conv"], rows, self.conv, silu=False)
             for row, span in self.states.spans(step):
                 out[span] = causal_conv(gated[span], self.states["conv"][row], self.conv, silu=False)
         return self.out_proj(c * out)

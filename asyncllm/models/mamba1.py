@@ -88,19 +88,26 @@ class Mamba1Mixer(nn.Module):
         a = -self.A_log.float().exp()
         y = torch.zeros(hidden.shape[0], self.inner, device=hidden.device)
         if step.decode_only:
-            n, rows = len(step.rows), step.rows
-            xc = conv_step(x[:n], self.states["conv"], rows, self.conv1d)
-            dt, b, c = self._ssm_inputs(xc)
-            state = self.states["ssm"][rows]
-            y[:n] = selective_step(state, xc.float(), dt, a, b, c) + xc * self.D
-            self.states["ssm"][rows] = state
+            n = len(step.rows)
+            y[:n] = self._decode(x[:n], a, step.rows)
             self.states.save_decoded(step)
         else:
+            for rows, index in self.states.positions(step):  # decodes and drafted requests
+                y[index] = self._decode(x[index], a, rows)
             for row, span in self.states.spans(step):
                 xc = causal_conv(x[span], self.states["conv"][row], self.conv1d)
                 dt, b, c = self._ssm_inputs(xc)
                 y[span] = selective_scan(self.states["ssm"][row], xc.float(), dt, a, b, c) + xc * self.D
         return self.out_proj((y * F.silu(gate)).to(hidden.dtype))
+
+    def _decode(self, x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One token of each of the rows' requests from their states (updated): ``[N, I]``."""
+        xc = conv_step(x, self.states["conv"], rows, self.conv1d)
+        dt, b, c = self._ssm_inputs(xc)
+        state = self.states["ssm"][rows]
+        y = selective_step(state, xc.float(), dt, a, b, c) + xc * self.D
+        self.states["ssm"][rows] = state
+        return y
 
     def _ssm_inputs(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The convolved ``x [T, I]`` -> float32 ``dt`` (softplus of the lifted step plus its bias) ``[T, I]``,

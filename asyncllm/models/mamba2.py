@@ -149,16 +149,21 @@ class Mamba2Mixer(nn.Module):
         a = -self.A_log.float().exp()
         y = torch.zeros(hidden.shape[0], self.num_heads, self.head_dim, device=hidden.device)
         if step.decode_only:
-            n, rows = len(step.rows), step.rows
-            x, b, c = self._split(conv_step(xbc[:n], self.states["conv"], rows, self.conv1d))
-            y[:n] = self.ssd_decode_step(self.states["ssm"], rows, x, b, c, dt[:n].float(), a) \
-                + x * self.D.float()[:, None]
+            n = len(step.rows)
+            y[:n] = self._decode(xbc[:n], dt[:n], a, step.rows)
             self.states.save_decoded(step)
         else:
+            for rows, index in self.states.positions(step):  # decodes and drafted requests
+                y[index] = self._decode(xbc[index], dt[index], a, rows)
             dt = dt.clamp(*self.dt_limit).float()
             for row, span in self.states.spans(step):
                 y[span] = self._prefill(xbc[span], dt[span], a, row)
         return self.out_proj(self.norm(y.view(hidden.shape[0], -1), gate).to(hidden.dtype))
+
+    def _decode(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """One token of each of the rows' requests from their states (updated): ``[N, H, P]``."""
+        x, b, c = self._split(conv_step(xbc, self.states["conv"], rows, self.conv1d))
+        return self.ssd_decode_step(self.states["ssm"], rows, x, b, c, dt.float(), a) + x * self.D.float()[:, None]
 
     def _prefill(self, xbc: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, row: int) -> torch.Tensor:
         """One request's chunk from its row's states (updated): ``[T, H, P]``."""

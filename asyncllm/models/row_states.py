@@ -10,16 +10,17 @@ request's state; one that resumes from a prefix-cache hit starts from the states
 asyncllm/kv/state_checkpoints.py). Also here: the causal depthwise convolution both layers run before their scan,
 with its last ``K - 1`` inputs as state.
 
-Speculative decoding: a request whose step verifies k drafts runs its last k + 1 tokens one at a time
-(`RowStates.spans`), its states after the verified token and after each draft but the last kept in its row's k
-snapshots; once verified, `rollback` puts back the one after its accepted drafts (the model runner calls it).
+A step that is not all one-token decodes runs its prefill chunks request by request (`RowStates.spans`) and its
+other requests a position at a time, as decode steps over all their rows at once (`RowStates.positions`). That is
+how speculative decoding runs: a request whose step verifies k drafts runs its k + 1 tokens as k + 1 decode steps,
+its states after the verified token and after each draft but the last kept in its row's k snapshots; once
+verified, `rollback` puts back the one after its accepted drafts (the model runner calls it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,11 @@ class StepRows:
     def decode_only(self) -> bool:
         return all(n == 1 for n in self.lengths)
 
+    def is_short(self, i: int) -> bool:
+        """Whether request ``i`` runs as decode steps (`RowStates.positions`): one token, or a verified token and
+        its drafts."""
+        return self.starts[i + 1] - self.starts[i] == 1 or self.row_list[i] in self.drafts
+
 
 class RowStates:
     """Named state tensors ``[rows, *shape]``; `begin` readies them for a step."""
@@ -108,27 +114,49 @@ class RowStates:
         return step
 
     def spans(self, step: StepRows) -> Iterator[tuple[int, slice]]:
-        """Each request's tokens in the step as ``(row, span)``, cut where its states are saved: once the caller
-        has run a span (and asks for the next), the row's states are saved into the slots planned at its end. A
-        row verifying k drafts has its last k + 1 tokens cut one by one, the states after each of the first k kept
-        as its snapshots."""
-        for row, start, n in zip(step.row_list, step.starts, step.lengths):
-            cuts: dict[int, list[tuple[dict[str, torch.Tensor], Any]]] = {}
-            for num_tokens, slot in step.saves.get(row, ()):
-                cuts.setdefault(num_tokens, []).append((self.saved, slot))
-            k = step.drafts.get(row, 0)
-            for j in range(k):
-                cuts.setdefault(n - k + j, []).append((self.snapshots, (row, j)))
+        """The prefill chunks of the step (the other requests: `positions`) as ``(row, span)``, cut where their
+        states are saved: once the caller has run a span (and asks for the next), the row's states are saved into
+        the slots planned at its end."""
+        for i, (row, start, n) in enumerate(zip(step.row_list, step.starts, step.lengths)):
+            if step.is_short(i):
+                continue
             done = 0
-            for point in sorted(cuts):
-                if point > done:
-                    yield row, slice(start + done, start + point)
-                    done = point
-                for store, index in cuts[point]:
-                    for name, tensor in self.tensors.items():
-                        store[name][index] = tensor[row]
+            for num_tokens, slot in step.saves.get(row, ()):
+                if num_tokens > done:
+                    yield row, slice(start + done, start + num_tokens)
+                    done = num_tokens
+                self._save(row, slot)
             if done < n:
                 yield row, slice(start + done, start + n)
+
+    def positions(self, step: StepRows) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's one-token decodes and drafted requests (the others: `spans`), a position at a time, as a
+        decode step over their rows: ``(rows, their tokens' indices in the step)`` for positions 0, 1, ...; once
+        the caller has run a position (and asks for the next), the states after it are kept where planned (a
+        drafted row's snapshots, prefix-cache saves)."""
+        short = [i for i in range(len(step.row_list)) if step.is_short(i)]
+        device = step.rows.device
+        for j in range(max((step.lengths[i] for i in short), default=0)):
+            active = [i for i in short if step.lengths[i] > j]
+            yield (torch.tensor([step.row_list[i] for i in active], device=device),
+                   torch.tensor([step.starts[i] + j for i in active], device=device))
+            self._keep_after(step, active, j + 1)
+
+    def _keep_after(self, step: StepRows, active: list[int], point: int) -> None:
+        """The states of ``active`` requests after ``point`` tokens: drafted rows' snapshots, planned saves."""
+        rows, columns = [], []
+        for i in active:
+            row, n = step.row_list[i], step.lengths[i]
+            k = step.drafts.get(row, 0)
+            if n - k <= point < n:  # after the verified token (point n - k) and each draft but the last
+                rows.append(row)
+                columns.append(point - (n - k))
+            for num_tokens, slot in step.saves.get(row, ()):
+                if num_tokens == point:
+                    self._save(row, slot)
+        if rows:
+            for name, tensor in self.tensors.items():
+                self.snapshots[name][rows, columns] = tensor[rows]
 
     def rollback(self, row: int, num_drafts: int, accepted: int) -> None:
         """A row whose step verified ``num_drafts`` drafts and accepted ``accepted``: its states as they were after
