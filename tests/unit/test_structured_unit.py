@@ -178,6 +178,16 @@ def test_drafts_get_a_row_at_each_position_the_grammar_constrains(manager_args, 
     assert torch.equal(masks[0], plain[0]) and not masks[0, 2] and masks[0, yes[0]]
     assert all(masks[j, t] for j, t in enumerate(yes + no))  # each draft allowed where it stands
     assert torch.equal(rows([])[1], plain)  # rolled back: the matcher is as before
+    waiting = _request("w", StructuredOutputs(regex="(yes|no)+", start_after_token_ids=[40, 41]))
+    manager.add(waiting)
+    _wait_polled(manager)
+    sched_out = protocol.SchedulerOutput(0, [], protocol.CachedRequestData(), {"w": 7}, 7,
+                                         spec_token_ids={"w": [9, 40, 41] + yes})
+    grammar = manager.grammar_bitmask(sched_out, {"w": waiting})  # free text until its drafts write 40, 41
+    assert grammar is not None and grammar.positions == list(range(3, 4 + len(yes)))  # from the one after 41
+    words = torch.frombuffer(bytearray(grammar.bitmask), dtype=torch.int32).view(len(grammar.req_ids), -1)
+    assert unpack_bitmask(words, 512)[0, yes[0]] and not unpack_bitmask(words, 512)[0, 9]  # the grammar's start
+    assert "w" in manager.waiting and manager.matchers["w"].is_terminated() is False
     logits = torch.zeros(6, 512)
     grammar = protocol.GrammarBitmask(["r", "r"], torch.zeros(2, 16, dtype=torch.int32).numpy().tobytes(), [0, 3])
     apply_grammar_bitmask(logits, grammar, ["r", "x"], {"r": (2, 3)})  # its draft rows from 2; its last row 0
