@@ -226,6 +226,9 @@ class CacheConfig:
         _bool("enable_prefix_caching", self.enable_prefix_caching)
         _float("swap_space", self.swap_space, 0.0, 1024.0)
         _float("kv_offloading_size", self.kv_offloading_size, 0.0, 1 << 20)
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ConfigError("kv_offloading_size", self.kv_offloading_size, "0 with enable_prefix_caching=False "
+                                                                             "(the CPU tier holds prefix-cache blocks)")
         _int("mamba_block_size", self.mamba_block_size, 1)
         _int("mamba_checkpoint_slots", self.mamba_checkpoint_slots, 0)
         if self.mamba_block_size % self.block_size:

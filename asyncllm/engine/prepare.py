@@ -183,6 +183,9 @@ def _encoder_config(config: EngineConfig) -> EngineConfig:
     """A bidirectional encoder's scheduling (as vLLM's for encoder-only models): every prompt whole in one step,
     no prefix caching (a cached prefix would skip tokens the others attend to), and KV blocks only for the
     scheduler's accounting (the model keeps none): enough for max_num_seqs prompts of max_model_len."""
+    if config.kv_offloading_size:
+        raise ConfigError("kv_offloading_size", config.kv_offloading_size, "0 for an encoder model (it keeps no KV "
+                                                                           "cache and no prefix cache to offload)")
     changes: dict[str, Any] = {"enable_chunked_prefill": False, "enable_prefix_caching": False}
     if config.num_gpu_blocks_override is None:
         blocks_per_prompt = -(-(config.max_model_len + 1) // config.block_size)

@@ -123,3 +123,9 @@ def test_every_field_is_documented() -> None:
     page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for name in EngineConfig.create("m").to_dict():
         assert f"| `{name}` |" in page, f"{name} missing from docs/configuration.md"
+
+
+def test_the_cpu_prefix_cache_tier_needs_prefix_caching() -> None:
+    with pytest.raises(ConfigError, match="enable_prefix_caching=False") as info:
+        EngineConfig.create("m", kv_offloading_size=1.0, enable_prefix_caching=False)
+    assert info.value.field == "kv_offloading_size"
