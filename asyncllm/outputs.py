@@ -172,6 +172,8 @@ class EngineStats:
     """Prompt tokens looked up in the prefix cache."""
     prefix_cache_hits: int = 0
     """Prompt tokens found there."""
+    cpu_prefix_cache_hits: int = 0
+    """Of those, the tokens loaded back from the CPU tier (``kv_offloading_size``)."""
     prompt_tokens_total: int = 0
     """Prompt tokens of this host's requests, counted when their first token arrives."""
     generation_tokens_total: int = 0

@@ -161,6 +161,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     num_preemptions_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    cpu_prefix_cache_hits: int = 0
+    """Of ``prefix_cache_hits``, the tokens loaded back from the CPU tier (kv_offloading_size)."""
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     num_steps_total: int = 0

@@ -53,6 +53,8 @@ _ENGINE_COUNTERS: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
     ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
      lambda s: s.prefix_cache_queries),
     ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", lambda s: s.prefix_cache_hits),
+    ("cpu_prefix_cache_hits", "Of the prefix cache hits, the tokens loaded back from the CPU tier (kv_offloading_size).",
+     lambda s: s.cpu_prefix_cache_hits),
     ("mm_encoder_cache_queries", "Multimodal items looked up in the workers' encoder-output cache.",
      lambda s: s.mm_encoder_cache_queries),
     ("mm_encoder_cache_hits", "Multimodal items whose encoder output was cached (the vision tower did not run).",

@@ -271,6 +271,7 @@ class Scheduler:
             num_preemptions_total=self.preemptor.num_preemptions_total,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
+            cpu_prefix_cache_hits=kv.offload.num_hit_blocks * self.block_size if kv.offload is not None else 0,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
             num_steps_total=self.num_steps_total,
