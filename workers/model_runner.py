@@ -13,6 +13,7 @@ sends rank 0's output back.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Any
 
@@ -44,6 +45,8 @@ from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
 from asyncllm.workers.token_feedback import InFlightStep
 
 __all__ = ["ModelRunner", "profile_step"]
+
+logger = logging.getLogger(__name__)
 
 _PROFILE_STEP_ID = -1
 _PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
@@ -129,6 +132,10 @@ class ModelRunner:
         self.input_batch.keeps_states = bool(getattr(model, "keeps_request_states", False))
         self.row_states = [m.states for m in model.modules() if isinstance(getattr(m, "states", None), RowStates)]
         """The state layers' per-request states (hybrids: asyncllm/models/row_states.py)."""
+        snapshot_bytes = sum(t.numel() * t.element_size() for s in self.row_states for t in s.snapshots.values())
+        if snapshot_bytes:
+            logger.info("speculative decoding keeps %.2f GiB of recurrent-state snapshots (num_speculative_tokens "
+                        "per seat of max_num_seqs): lower max_num_seqs for more KV cache", snapshot_bytes / 2**30)
         self.pooler.classifier = getattr(model, "classify", None)  # *ForSequenceClassification: its score head
         if self.config.enable_lora:
             causal_lm = getattr(model, "causal_lm", model)  # a pipeline stage's: its layers, the checkpoint's names
