@@ -109,11 +109,7 @@ class RunnerSleep:
             _move(self._draft_parameters().values(), torch.device("cpu"), pin=device.type == "cuda")
             self.draft_offloaded = True
         if level == 1 and self.weights == "awake":
-            pin = device.type == "cuda"
-            for param in self._parameters().values():
-                offloaded = torch.empty_like(param.data, device="cpu", pin_memory=pin)
-                offloaded.copy_(param.data)
-                param.data = offloaded
+            _move(self._parameters().values(), torch.device("cpu"), pin=device.type == "cuda")
             self.weights = "offloaded"
         elif level == 2 and self.weights != "discarded":
             for name, param in self._parameters().items():
@@ -128,8 +124,7 @@ class RunnerSleep:
             self.draft_offloaded = False
         params = self._parameters()
         if self.weights == "offloaded":
-            for param in params.values():
-                param.data = param.data.to(device, non_blocking=True)
+            _move(params.values(), device)
         else:  # uninitialised: the core runs no step until update_weights has loaded a checkpoint into them
             for name, param in params.items():
                 param.data = torch.empty_like(self.discarded[name], device=device)
@@ -153,6 +148,8 @@ class RunnerSleep:
 
 
 def _move(params: Any, device: torch.device, pin: bool = False) -> None:
+    """Each parameter's data copied to ``device`` (pinned CPU memory with ``pin``; from the GPU the copy waits, to
+    it the caller synchronizes before a step reads it)."""
     for param in params:
         moved = torch.empty_like(param.data, device=device, pin_memory=pin)
         moved.copy_(param.data, non_blocking=device.type == "cuda")

@@ -31,12 +31,12 @@ without a sliding window)."""
 _MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                              "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+"""transformers' model_type of a GGUF config -> its architecture (the config read from a GGUF names none)."""
 _EXPERT_KEYS = {"expert_feed_forward_length": "moe_intermediate_size",
                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 """GGUF keys of a mixture of experts that transformers' GGUF config reader drops -> their config fields."""
 _NORMALIZED_TOP_K = {"qwen2moe": False, "qwen3moe": True}
 """Whether llama.cpp renormalizes the chosen experts' weights (``expert_weights_norm`` unless the file says)."""
-"""transformers' model_type of a GGUF config -> its architecture (the config read from a GGUF names none)."""
 
 
 @dataclass(frozen=True)
