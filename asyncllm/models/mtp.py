@@ -114,8 +114,6 @@ class MTPLayerHead(TargetReader, nn.Module):
     """What both layouts share (a mixin before a target class): ``model.layers.0`` is the target's layer ``L``, with
     the layout's own modules on it (`layer_modules`); only the checkpoint's MTP names are loaded (`mtp_names`)."""
 
-    mtp_names_hint = ""
-    """The checkpoint names of the layer, for the error when there are none."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
                  max_position: int, expert_parallel: bool = False, **_: Any) -> None:
@@ -140,12 +138,16 @@ class MTPLayerHead(TargetReader, nn.Module):
         """The checkpoint's MTP weights under this module's names (none here)."""
         return iter(())
 
+    def mtp_names_hint(self) -> str:
+        """The checkpoint names of the layer, for the error when there are none."""
+        return ""
+
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Only the MTP layer's names, as layer 0's; `ConfigError` for a checkpoint without them."""
         loaded = super().load_weights(self.mtp_names(weights))  # type: ignore[misc]
         if not loaded:
             raise ConfigError("speculative_config", "mtp", f"a checkpoint with its multi-token-prediction layer "
-                                                            f"({self.mtp_names_hint}); this one has none")
+                                                            f"({self.mtp_names_hint()}); this one has none")
         return loaded
 
 
@@ -153,8 +155,7 @@ class MTPHead(MTPLayerHead):
     """DeepSeek's layout: ``enorm``, ``hnorm``, ``eh_proj`` and ``shared_head`` on the layer (their checkpoint names,
     less the index)."""
 
-    @property
-    def mtp_names_hint(self) -> str:  # type: ignore[override]
+    def mtp_names_hint(self) -> str:
         return f"model.layers.{self.mtp_index}.*"
 
     def layer_modules(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, ops: Any) -> dict[str, nn.Module]:

@@ -34,7 +34,6 @@ class QwenMTPHead(MTPLayerHead):
 
     state_rows = StateRows(rows=0)
     """The layer keeps no recurrent states (the hybrid build asks)."""
-    mtp_names_hint = "mtp.*"
 
     def layer_modules(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, ops: Any) -> dict[str, nn.Module]:
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
@@ -54,6 +53,9 @@ class QwenMTPHead(MTPLayerHead):
     def draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         """Greedy ids from the target's LM head."""
         return self.target[0].compute_logits(hidden).argmax(dim=-1)
+
+    def mtp_names_hint(self) -> str:
+        return "mtp.*"
 
     def mtp_names(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
         for name, weight in weights:
