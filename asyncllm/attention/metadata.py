@@ -43,6 +43,9 @@ class AttentionMetadata:
     state_drafts: list[tuple[int, int]] | None = None
     """(row, drafts): requests whose last tokens verify that many drafts (speculative decoding): the state layers
     keep their states after each (`RowStates.rollback`)."""
+    state_positions: list | None = None
+    """The state layers' plan of the step's decodes and drafted requests a position at a time, built by the first
+    state layer that runs the step and read by the others (asyncllm/models/row_states.py)."""
 
     @property
     def num_reqs(self) -> int:

@@ -20,7 +20,7 @@ verified, `rollback` puts back the one after its accepted drafts (the model runn
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -58,6 +58,9 @@ class StepRows:
     """Row -> (tokens of its chunk, checkpoint slot), by tokens: save the row's states after that many tokens."""
     drafts: dict[int, int] = field(default_factory=dict)
     """Row -> how many drafts its last tokens verify: the states after each of them are kept (snapshots)."""
+    positions: list[tuple[torch.Tensor, torch.Tensor, list[int]]] = field(default_factory=list)
+    """Of a step that is not all one-token decodes: its decodes and drafted requests a position at a time, as
+    (their rows, their tokens' indices in the step, which requests), on the device (`RowStates.positions`)."""
 
     @property
     def lengths(self) -> list[int]:
@@ -103,6 +106,10 @@ class RowStates:
         for row, num_tokens, slot in sorted(metadata.state_saves or ()):
             saves.setdefault(row, []).append((num_tokens, slot))
         step = StepRows(rows, row_list, metadata.query_start_loc_cpu, saves, dict(metadata.state_drafts or ()))
+        if not step.decode_only:  # the same for every state layer of the step: built once, kept on the metadata
+            if metadata.state_positions is None:
+                metadata.state_positions = _position_plan(step, device)
+            step = replace(step, positions=metadata.state_positions)
         self._fit(max(row_list, default=-1) + 1, device)
         fresh = [row for row, n, seq in zip(row_list, step.lengths, metadata.seq_lens_cpu) if n and seq == n]
         if fresh:
@@ -134,12 +141,8 @@ class RowStates:
         decode step over their rows: ``(rows, their tokens' indices in the step)`` for positions 0, 1, ...; once
         the caller has run a position (and asks for the next), the states after it are kept where planned (a
         drafted row's snapshots, prefix-cache saves)."""
-        short = [i for i in range(len(step.row_list)) if step.is_short(i)]
-        device = step.rows.device
-        for j in range(max((step.lengths[i] for i in short), default=0)):
-            active = [i for i in short if step.lengths[i] > j]
-            yield (torch.tensor([step.row_list[i] for i in active], device=device),
-                   torch.tensor([step.starts[i] + j for i in active], device=device))
+        for j, (rows, index, active) in enumerate(step.positions):
+            yield rows, index
             self._keep_after(step, active, j + 1)
 
     def _keep_after(self, step: StepRows, active: list[int], point: int) -> None:
@@ -185,6 +188,17 @@ class RowStates:
         for tensors in (self.tensors, self.snapshots) if self.snapshots_per_row else (self.tensors,):
             for name, tensor in tensors.items():
                 tensors[name] = _grown(tensor.to(device), num_rows)
+
+
+def _position_plan(step: StepRows, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor, list[int]]]:
+    """`StepRows.positions` of ``step``."""
+    short = [i for i in range(len(step.row_list)) if step.is_short(i)]
+    plan = []
+    for j in range(max((step.lengths[i] for i in short), default=0)):
+        active = [i for i in short if step.lengths[i] > j]
+        plan.append((torch.tensor([step.row_list[i] for i in active], device=device),
+                     torch.tensor([step.starts[i] + j for i in active], device=device), active))
+    return plan
 
 
 def _grown(tensor: torch.Tensor, num_rows: int) -> torch.Tensor:
