@@ -22,7 +22,7 @@ async def test_evicted_prefixes_come_back_from_cpu_memory(tiny_llama: str, field
         before = engine.stats().prefix_cache_hits
         again = await engine.generate(PROMPTS[0], GREEDY)
         hits = engine.stats().prefix_cache_hits - before
-        assert engine.stats().cpu_prefix_cache_hits >= 48
+        assert engine.stats().cpu_prefix_cache_hits == 48  # all from the CPU tier
     assert hits == 48  # its 3 full blocks (the last token is recomputed), none of them still on the GPU
     assert again.token_ids == first[0].token_ids
     if not fields:
