@@ -212,7 +212,7 @@ class StructuredOutputManager:
         accepted = 0
         for position in range(len(drafts) + 1):
             if start_after is None:
-                if matcher.is_terminated():
+                if position and matcher.is_terminated():  # a draft ended the grammar: no later row
                     break
                 matcher.fill_next_token_bitmask(bitmask, first + len(positions))
                 positions.append(position)
