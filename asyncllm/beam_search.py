@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.engine.validation import check_untokenized
 from asyncllm.outputs import Logprob
 from asyncllm.sampling import SamplingParams
 
@@ -93,6 +94,8 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
     if options.get("request_id") is not None:
         raise InvalidRequestError("request_id", "beam search runs one request per beam and step and names them itself")
     await engine.start()
+    if not isinstance(prompt, list) and engine.tokenizer is None:
+        check_untokenized(prompt, False, SamplingParams(), None)
     prompt_ids = list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids
     width = params.beam_width
     step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
@@ -117,6 +120,6 @@ async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchPara
     for beam in beams:
         beam.finish_reason = "length"
     best = sorted(complete + beams, key=lambda b: _score(b, params.length_penalty), reverse=True)[:width]
-    for beam in best:
+    for beam in best if engine.tokenizer is not None else ():  # skip_tokenizer_init: ids only, text ""
         beam.text = engine.tokenizer.decode(beam.tokens[len(prompt_ids):], skip_special_tokens=True)
     return BeamSearchOutput(best)

@@ -114,6 +114,9 @@ class ModelConfig:
     tokenizer_mode: str = "auto"
     """vLLM's: auto (or hf) loads the fast tokenizer when there is one, slow the Python one (``use_fast=False``);
     mistral (mistral_common) and custom are not built."""
+    skip_tokenizer_init: bool = False
+    """vLLM's: load no tokenizer. Prompts are token ids and outputs token ids with empty text; what needs the
+    tokenizer (text prompts, chat, stop strings, bad words, structured output, images) is refused by name."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of `model`."""
     dtype: str = "auto"
@@ -167,6 +170,7 @@ class ModelConfig:
             raise NotBuiltError("tokenizer_mode", self.tokenizer_mode, f"tokenizer_mode={self.tokenizer_mode!r} "
                                                                        "(auto, hf or slow: transformers' tokenizers)")
         _choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
+        _bool("skip_tokenizer_init", self.skip_tokenizer_init)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _int("seed", self.seed, 0)

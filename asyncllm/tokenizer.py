@@ -191,14 +191,16 @@ def _template_call(i: int, call: object) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase, model_path: str) -> list[int]:
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, model_path: str, config_eos: object = None) -> list[int]:
     """The tokenizer's EOS id, then generation_config.json's ``eos_token_id`` (int or list), deduplicated.
 
     Chat models often end a turn with a token other than the tokenizer's EOS
     (Llama 3's ``<|eot_id|>``) and list it only in generation_config.json, as
-    HF ``generate`` reads it; a missing file just means no extra ids.
+    HF ``generate`` reads it; a missing file just means no extra ids. Without a
+    tokenizer (``skip_tokenizer_init``) config.json's `config_eos` stands in for its EOS.
     """
-    candidates: list[object] = [tokenizer.eos_token_id, *_listify(_generation_config_eos(model_path))]
+    first = config_eos if tokenizer is None else tokenizer.eos_token_id
+    candidates: list[object] = [*_listify(first), *_listify(_generation_config_eos(model_path))]
     merged: list[int] = []
     for token_id in candidates:
         if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in merged:

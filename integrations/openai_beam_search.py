@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
-from asyncllm.engine.validation import check_text, truncated_prompt
+from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest,
@@ -44,6 +44,7 @@ from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_str
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected
 from asyncllm.outputs import StreamDelta
+from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import encode_prompt
 
 if TYPE_CHECKING:
@@ -158,6 +159,8 @@ async def _prompt_ids(engine: AsyncEngine, prompt: str | list[int]) -> list[int]
     if not isinstance(prompt, str):
         return list(prompt)  # the engine checks the ids at the first step
     check_text("prompt", prompt)
+    if engine.tokenizer is None:
+        check_untokenized(prompt, False, SamplingParams(), None)
     return await anyio.to_thread.run_sync(encode_prompt, engine.tokenizer, prompt)
 
 

@@ -190,8 +190,11 @@ def _top(entry: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
 
 
 def _token_text(token_id: int, entry: dict[int, Logprob]) -> str:
+    """The token's text; vLLM's ``token_id:N`` for a token decoded without a tokenizer (skip_tokenizer_init)."""
     logprob = entry.get(token_id)
-    return (logprob.decoded_token if logprob is not None else None) or ""
+    if logprob is None:
+        return ""
+    return f"token_id:{token_id}" if logprob.decoded_token is None else logprob.decoded_token
 
 
 def _logprob(token_id: int, entry: dict[int, Logprob]) -> float:

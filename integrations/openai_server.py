@@ -389,6 +389,9 @@ class OpenAIServer:
         """The engine's tokenizer (the engine starts on first use, as it does for a completion)."""
         if not self.engine.started:
             await self.engine.start()
+        if self.engine.tokenizer is None:
+            raise InvalidRequestError("tokenizer", "this server loads none (--skip-tokenizer-init): it takes and "
+                                                   "returns token ids only")
         return self.engine.tokenizer
 
     async def health(self, request: Request) -> Response:
@@ -458,12 +461,17 @@ class OpenAIServer:
             token_ids = stream.collector.prompt_token_ids if stream.collector is not None else []
             if isinstance(prompt, str):
                 text = prompt
+            elif self.engine.tokenizer is None:  # --skip-tokenizer-init: no text for ids
+                text = ""
             else:  # token ids: their text, decoded off the event loop
                 text = await anyio.to_thread.run_sync(self.engine.tokenizer.decode, token_ids)
             out += [(index, logprobs, text) for index, logprobs in choices.echo(i, text, token_ids)]
         return out
 
     def _token_text(self, token_id: int) -> str:
+        """A logprobs entry's token: its text, or vLLM's ``token_id:N`` without a tokenizer."""
+        if self.engine.tokenizer is None:
+            return f"token_id:{token_id}"
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _model(self, model: str | None) -> tuple[str, LoRARequest | None]:

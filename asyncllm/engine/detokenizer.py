@@ -60,8 +60,9 @@ _NO_TEXT = DetokenizerUpdate("")
 
 def new_detokenizer(tokenizer: Any, prompt_token_ids: list[int],
                     params: SamplingParams) -> "IncrementalDetokenizer | TokenIdsOnly":
-    """The request's detokenizer: none that decodes with ``detokenize=False``."""
-    if params.detokenize:
+    """The request's detokenizer: none that decodes with ``detokenize=False`` or without a tokenizer
+    (``skip_tokenizer_init``: token ids only, as vLLM's)."""
+    if params.detokenize and tokenizer is not None:
         return IncrementalDetokenizer(tokenizer, prompt_token_ids, params)
     return TokenIdsOnly(prompt_token_ids)
 

@@ -70,11 +70,18 @@ def prepare(config: EngineConfig) -> Prepared:
     check_pipeline_model(config, arch, text_config)
     max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
-    tokenizer = load_tokenizer(tokenizer_name, config.revision if config.tokenizer else None, config.tokenizer_mode)
+    tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+        tokenizer_name, config.revision if config.tokenizer else None, config.tokenizer_mode)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
     if arch in HYBRID_ARCHITECTURES:
         resolved = _hybrid_config(resolved, arch)
+    if config.skip_tokenizer_init and multimodal:
+        raise ConfigError("skip_tokenizer_init", True, f"False for {arch} with images (its processor places image "
+                                                       "tokens with the tokenizer)")
     if getattr(text_config, "classifier_from_token", None) is not None:
+        if tokenizer is None:
+            raise ConfigError("skip_tokenizer_init", True, "False with classifier_from_token (its tokens are looked "
+                                                           "up in the tokenizer)")
         _classifier_from_tokens(text_config, arch, tokenizer)
     if arch in ENCODER_ARCHITECTURES:
         resolved = _encoder_config(resolved)
@@ -111,7 +118,7 @@ def prepare(config: EngineConfig) -> Prepared:
                                  mm_config.mm_processor_kwargs, limits.get("image"), limits.get("video"),
                                  mm_config.video_num_frames)
     config_json = hf_config_json(hf_config)
-    return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path), text_config.vocab_size, mm,
+    return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path, getattr(text_config, "eos_token_id", None)), text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora,
                     embedding_width(path, text_config.hidden_size),
                     default_sampling_fields(_generation_config(config, path), path, config.override_generation_config),

@@ -38,6 +38,7 @@ from asyncllm.engine.weight_update import PendingWeightUpdates
 from asyncllm.engine.validation import (
     check_params_vocab,
     check_text,
+    check_untokenized,
     check_token_ids,
     max_prompt_chars,
     truncated_prompt,
@@ -229,7 +230,8 @@ class Processor:
                     if self._mm is not None:
                         self._mm.cache_mapped(message.mm_shm_ring_mapped)
                     self.max_model_len = message.max_model_len
-                    self._max_prompt_chars = max_prompt_chars(self._tokenizer, message.max_model_len)
+                    if self._tokenizer is not None:
+                        self._max_prompt_chars = max_prompt_chars(self._tokenizer, message.max_model_len)
                     self.ready.set_result(message)
                     return True
                 if isinstance(message, protocol.EngineFailed):
@@ -333,6 +335,8 @@ class Processor:
             lora = self.check_lora(job.options.lora_request)
             if job.options.pooling is not None:
                 job.options.pooling.validate(self._hidden_size)
+            if self._tokenizer is None:
+                check_untokenized(job.prompt, job.chat, job.params, job.options.text_pair)
             if job.params.bad_words:
                 ids = job.params.bad_words_token_ids + bad_words_token_ids(self._tokenizer, job.params.bad_words)
                 job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)

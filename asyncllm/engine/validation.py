@@ -64,6 +64,18 @@ def check_params_text(params: SamplingParams) -> None:
         check_text("stop", stop)
 
 
+def check_untokenized(prompt: Any, chat: bool, params: SamplingParams, text_pair: str | None) -> None:
+    """`InvalidRequestError` naming the first thing of a request that needs the tokenizer an engine started with
+    ``skip_tokenizer_init=True`` does not have (vLLM refuses text prompts there too)."""
+    needs = (("messages", chat), ("prompt", isinstance(prompt, str) or isinstance(prompt, dict) and "prompt" in prompt),
+             ("text_pair", text_pair is not None), ("stop", bool(params.stop)), ("bad_words", bool(params.bad_words)),
+             ("structured", params.structured is not None))
+    for field, used in needs:
+        if used:
+            raise InvalidRequestError(field, "needs the tokenizer, and this engine loads none (skip_tokenizer_init="
+                                             "True): give prompts as token ids and stop tokens as stop_token_ids")
+
+
 def max_prompt_chars(tokenizer: Any, max_model_len: int) -> int:
     """Characters beyond which a text prompt certainly has more than max_model_len tokens.
 
