@@ -22,6 +22,14 @@ from typing import Any
 import msgspec
 
 from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.lora_experts import (
+    FUSED_EXPERT_PARAMS,
+    ExpertLayer,
+    canonical_name,
+    expert_problem,
+    fused_expert_names,
+    is_expert_path,
+)
 
 __all__ = ["LoRARequest", "AdapterModule", "Adapter", "AdapterChecker", "read_adapter", "module_shapes",
            "LORA_TARGETS"]
@@ -43,7 +51,9 @@ FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
 """An image-text checkpoint's language model (transformers 5's names, then older ones) -> the decoder's names."""
 _UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
-_TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.(\w+)\.lora_([AB])\.weight")
+_TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.([\w.]+)\.lora_([AB])\.weight")
+"""A decoder layer's adapter matrix: layer, block, projection (``q_proj``; ``experts.3.gate_proj``, ``experts``,
+``shared_expert.up_proj`` in an MoE layer: asyncllm/lora_experts.py), A or B."""
 
 
 class LoRARequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
@@ -81,6 +91,9 @@ class AdapterModule:
     key: str = ""
     """Its tensors' name in the file, before ``.lora_A.weight`` (an image-text checkpoint's adapter names its
     language model's modules ``model.language_model.layers...``); empty: ``name`` or PEFT's prefix and ``name``."""
+    num_experts: int = 0
+    """Stacked experts' parameter (``mlp.experts.gate_up_proj``): A holds this many experts' `rank` rows each,
+    B as many columns (asyncllm/lora_experts.py); 0 for one matrix."""
 
 
 @dataclass(frozen=True)
@@ -105,15 +118,22 @@ def read_adapter(path: str) -> Adapter:
     config = _read_config(path)
     shapes = _tensor_shapes(path)
     modules: dict[str, AdapterModule] = {}
-    for name, (key, a_shape, b_shape) in _pairs(shapes, path).items():
-        rank = a_shape[0]
-        if rank < 1:
+    for name, (key, a_shape, b_shape) in _named_experts(_pairs(shapes, path), config, path).items():
+        rows = a_shape[0]
+        if rows < 1:
             _fail(path, f"{name}: lora_A has rank 0")
-        if b_shape[1] != rank:
-            _fail(path, f"{name}: lora_A has rank {rank} but lora_B {b_shape[1]}")
+        if b_shape[1] != rows:
+            _fail(path, f"{name}: lora_A has rank {rows} but lora_B {b_shape[1]}")
+        num_experts, rank = 0, rows
+        if name.rsplit(".", 2)[-2] == "experts":  # stacked experts: r from the config, A's rows r per expert
+            rank = int(_pattern_value(config.get("rank_pattern") or {}, name, config.get("r", 8)))
+            if rank < 1 or rows % rank:
+                _fail(path, f"{name}: lora_A's {rows} rows are not the experts' rows of rank r={rank}")
+            num_experts = rows // rank
         alpha = _pattern_value(config.get("alpha_pattern") or {}, name, config.get("lora_alpha", 8))
         scale_rank = math.sqrt(rank) if config.get("use_rslora") else rank
-        modules[name] = AdapterModule(name, rank, float(alpha) / scale_rank, a_shape[1], b_shape[0], key)
+        modules[name] = AdapterModule(name, rank, float(alpha) / scale_rank, a_shape[1], b_shape[0], key,
+                                      num_experts)
     if not modules:
         _fail(path, "it holds no LoRA weights (of the language model)")
     return Adapter(path, modules)
@@ -166,8 +186,14 @@ def _architecture(hf_config: Any) -> str | None:
 class AdapterChecker:
     """The host's check of each request's adapter, once per adapter id (thread-safe)."""
 
-    def __init__(self, hf_text_config: Any, max_lora_rank: int) -> None:
+    def __init__(self, hf_text_config: Any, max_lora_rank: int, experts: list[ExpertLayer | None] | None = None,
+                 adaptable_experts: bool = False) -> None:
         self.max_lora_rank = max_lora_rank
+        self._experts = experts
+        """A mixture of experts' layers (None: a dense layer); None for a dense model."""
+        self._adaptable_experts = adaptable_experts
+        """Whether the model's experts take adapters (asyncllm/lora_experts.py; the attention's always do)."""
+        self._hidden = hf_text_config.hidden_size
         self._num_layers = hf_text_config.num_hidden_layers
         self._shapes = module_shapes(hf_text_config)
         self._layer_shapes = layer_module_shapes(hf_text_config)
@@ -204,6 +230,8 @@ class AdapterChecker:
             layer, projection = int(match.group(1)), match.group(3)
             if layer >= self._num_layers:
                 _fail(adapter.path, f"{name}: the model has {self._num_layers} layers")
+            if match.group(2) == "mlp" and self._check_experts(adapter.path, name, module, layer, projection):
+                continue
             shapes = self._shapes if self._layer_shapes is None else self._layer_shapes[layer]
             expected = shapes.get(projection)
             if expected is None:
@@ -213,6 +241,23 @@ class AdapterChecker:
             if (module.in_features, module.out_features) != expected:
                 _fail(adapter.path, f"{name} maps {module.in_features} -> {module.out_features} features, this "
                                     f"model's projection {expected[0]} -> {expected[1]} (an adapter of another model?)")
+
+
+    def _check_experts(self, path: str, name: str, module: AdapterModule, layer: int, projection: str) -> bool:
+        """Check an MLP matrix of a mixture of experts; False: a dense MLP's, left to the caller."""
+        moe = self._experts[layer] if self._experts is not None else None
+        if not is_expert_path(projection):
+            if moe is not None and self._layer_shapes is None:  # Gemma 4's MoE layers keep a dense MLP beside
+                _fail(path, f"{name}: layer {layer} of {self._arch} is a mixture of experts: its MLP has no "
+                            f"{projection} (adapt mlp.experts.gate_up_proj / down_proj)")
+            return False
+        if not self._adaptable_experts:
+            _fail(path, f"{name}: adapters on the experts of {self._arch} are not built (Mixtral, Phi-3.5-MoE, OLMoE, "
+                        "Qwen2-MoE, Qwen3-MoE and Qwen3.5-MoE take them; the attention's projections work here)")
+        problem = expert_problem(projection, module, moe, self._hidden)
+        if problem is not None:
+            _fail(path, f"{name}: layer {layer} of {self._arch} {problem}")
+        return True
 
 
 def _fused_hint(projection: str) -> str:
@@ -251,8 +296,13 @@ def _read_config(path: str) -> dict[str, Any]:
     unsupported = {
         "use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained layers)",
         "trainable_token_indices": "trainable tokens", "layer_replication": "layer replication",
-        "target_parameters": "target_parameters", "lora_bias": "LoRA biases",
+        "lora_bias": "LoRA biases",
     }
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) and t.rsplit(".", 2)[-2:] in (
+            ["experts", p] for p in FUSED_EXPERT_PARAMS) for t in targets):
+        _fail(path, f"it adapts parameters {targets!r} (target_parameters): only a mixture of experts' "
+                    "experts.gate_up_proj and experts.down_proj are served")
     for key, what in unsupported.items():
         if config.get(key):
             _fail(path, f"it uses {what} ({key}), which asyncllm does not serve")
@@ -293,11 +343,14 @@ def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[str, list
         for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
             if name.startswith(prefix):
                 name = replacement + name[len(prefix):]
-        match = _TENSOR_NAME.fullmatch(name)
-        if match is None or match.group(3) not in LORA_TARGETS or len(shape) != 2:
+        match = _TENSOR_NAME.fullmatch(canonical_name(name))
+        projection = match.group(3) if match else ""
+        if match is None or len(shape) != 2 or projection not in LORA_TARGETS and not (
+                match.group(2) == "mlp" and is_expert_path(projection)):
             _fail(path, f"tensor {key} {shape}: only LoRA A and B matrices of the decoder layers' projections "
-                        f"({', '.join(LORA_TARGETS)}) are served (not embeddings or lm_head, nor a "
-                        "mixture-of-experts model's experts, router or shared expert)")
+                        f"({', '.join(LORA_TARGETS)}) and of a mixture of experts' experts and shared expert "
+                        "are served (not embeddings, lm_head or routers)")
+        name = match.group(0)
         module = name[: name.index(".lora_")]
         found.setdefault(module, {})[match.group(4)] = shape
         keys[module] = key[: key.index(".lora_")]
@@ -305,6 +358,22 @@ def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[str, list
         if set(parts) != {"A", "B"}:
             _fail(path, f"{module} has lora_{'A' if 'A' in parts else 'B'} without its partner")
     return {module: (keys[module], parts["A"], parts["B"]) for module, parts in found.items()}
+
+
+def _named_experts(pairs: dict[str, tuple[str, list[int], list[int]]], config: dict[str, Any],
+                   path: str) -> dict[str, tuple[str, list[int], list[int]]]:
+    """`_pairs` with each layer's stacked-experts modules (``mlp.experts``, ``mlp.experts.base_layer``) renamed by
+    the parameter they adapt: ``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``."""
+    by_layer: dict[str, dict[str, tuple[list[int], list[int]]]] = {}
+    for module, (_, a_shape, b_shape) in pairs.items():
+        head, found, tail = module.partition(".mlp.experts")
+        if found and (not tail or tail.startswith(".base_layer")):
+            by_layer.setdefault(head, {})[module] = (a_shape, b_shape)
+    renamed = {}
+    for head, layer_pairs in by_layer.items():
+        names = fused_expert_names(layer_pairs, config.get("target_parameters") or [], lambda m: _fail(path, m))
+        renamed.update({module: f"{head}.mlp.experts.{param}" for module, param in names.items()})
+    return {renamed.get(module, module): value for module, value in pairs.items()}
 
 
 def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:

@@ -10,7 +10,7 @@ No policy lives here: shapes in, tensors out.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -169,6 +169,7 @@ def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
     activation: str = "silu", fp8: Fp8Experts | None = None, int_experts: IntExperts | None = None,
+    lora: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP: each token's sum over its k experts of ``weight * down_e(silu(gate_e x) * up_e x)``.
 
@@ -181,16 +182,23 @@ def fused_moe(
     ``activation="relu2"`` (Nemotron 3): experts without a gate, w13 ``[E, I, H]`` up rows only, and
     ``down_e(relu(up_e x) ** 2)``; ``"gelu_tanh"`` (Gemma 4): ``gelu_tanh(gate) * up`` in place of SiLU's.
     ``fp8``: block-fp8 experts (`Fp8Experts`), each product `w8a8_block_fp8_matmul` of its quantized input. ``int_experts``: AWQ / GPTQ experts packed (`IntExperts`; w13
-    and w2 their int32 values), each matrix dequantized before its product."""
+    and w2 their int32 values), each matrix dequantized before its product. ``lora(which, expert, token_idx, x)``:
+    LoRA adapters' addition to an expert's gate/up (``which`` 0, before the activation) or down (1) product of
+    ``x``, the rows of tokens ``token_idx`` (asyncllm/models/lora_experts.py)."""
     fp8 = fp8 if int_experts is None else int_experts  # type: ignore[assignment]
     out = torch.zeros_like(hidden)
     num_experts = w13.shape[0]
     local = (topk_ids >= 0) & (topk_ids < num_experts)
     for expert in torch.unique(topk_ids[local]).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
-        gate_up = _add_bias(_expert_product(hidden[token_idx], w13, expert, fp8, 0), w13_bias, expert)
+        x = hidden[token_idx]
+        gate_up = _add_bias(_expert_product(x, w13, expert, fp8, 0), w13_bias, expert)
+        if lora is not None:
+            gate_up = gate_up + lora(0, expert, token_idx, x)
         act = _expert_activation(gate_up, swiglu, activation)
         down = _add_bias(_expert_product(act, w2, expert, fp8, 1), w2_bias, expert)
+        if lora is not None:
+            down = down + lora(1, expert, token_idx, act)
         out.index_add_(0, token_idx, (down * topk_weights[token_idx, slot, None]).to(hidden.dtype))
     return out
 

@@ -7,20 +7,23 @@ import os
 from typing import Any
 
 ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+"""transformers 5's stacked experts' parameters, as PEFT's ``target_parameters`` names them."""
 
 
 def make_adapter(base_path: str, out_dir: str, seed: int, rank: int = 8, alpha: int = 16,
                  targets: list[str] | str | None = None, auto_class: Any = None, **lora_kwargs: Any) -> str:
     """Save a PEFT LoRA adapter of the model at `base_path` (loaded by ``auto_class``, default
     ``AutoModelForCausalLM``) with random A and B (PEFT starts B at zero, which would change nothing), large
-    enough to change greedy outputs; ``targets``: module names, or PEFT's regex over the full names."""
+    enough to change greedy outputs; ``targets``: module names, or PEFT's regex over the full names (None: every
+    projection)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = (auto_class or AutoModelForCausalLM).from_pretrained(base_path, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or ALL_TARGETS, **lora_kwargs)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=ALL_TARGETS if targets is None else targets, **lora_kwargs)
     peft_model = get_peft_model(model, config)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -61,3 +64,45 @@ def peft_logits(base_path: str, adapter_path: str, token_ids: list[int]):
     with torch.no_grad():
         out = model(input_ids=torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long))
     return out.logits[0].float()
+
+
+def make_expert_adapter(base: str, out_dir: str, seed: int, targets: list[str], rank: int = 4,
+                        parameters: list[str] = EXPERTS) -> str:
+    """A PEFT adapter of the experts' stacked parameters (``target_parameters``) and of `targets`, random."""
+    return make_adapter(base, out_dir, seed, rank, 2 * rank, targets, target_parameters=parameters)
+
+
+def per_expert_copy(adapter: str, out_dir: str, hidden: int, num_experts: int, block: str,
+                    names: tuple[str, str, str]) -> str:
+    """The same adapter with its stacked experts' A and B written per expert, ``{block}.experts.{e}.{name}`` with
+    `names` (gate, up, down): gate and up share the stacked A, B's rows split between them."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        config = json.load(f)
+    rank, out = config["r"], {}
+    for key, a in tensors.items():
+        if ".experts." not in key:
+            out[key] = a
+            continue
+        if ".lora_A." not in key:
+            continue
+        b = tensors[key.replace(".lora_A.", ".lora_B.")]
+        head = key[: key.index(".mlp.experts")] + f".{block}.experts"
+        a_e, b_e = a.view(num_experts, rank, -1), b.view(b.shape[0], rank, num_experts)
+        half = b.shape[0] // 2
+        parts = [(names[0], slice(0, half)), (names[1], slice(half, None))] if a.shape[1] == hidden else \
+            [(names[2], slice(None))]
+        for e in range(num_experts):
+            for name, rows in parts:
+                out[f"{head}.{e}.{name}.lora_A.weight"] = a_e[e].clone()
+                out[f"{head}.{e}.{name}.lora_B.weight"] = b_e[:, :, e][rows].contiguous()
+    os.makedirs(out_dir)
+    save_file(out, os.path.join(out_dir, "adapter_model.safetensors"))
+    del config["target_parameters"]
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir

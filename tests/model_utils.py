@@ -256,3 +256,18 @@ def tp_worker(
             run = PagedRun(model, sequences)
             run.new_kv_caches_for(spec, torch.float32)
             torch.save(run.run(schedule), os.path.join(out_dir, f"rank{rank}_{index}.pt"))
+
+
+class MaskedRun(PagedRun):
+    """`PagedRun` that sets each step's LoRA mask: sequence i's tokens use slot ``slots[i]`` of ``num_slots``
+    (-1: none); ``context.experts`` on, so an adapter's expert matrices count too."""
+
+    context: Any
+    slots: list[int]
+    num_slots: int
+
+    def step(self, num_scheduled: list[int]) -> None:
+        token_slots = torch.tensor([s for s, n in zip(self.slots, num_scheduled) for _ in range(n)])
+        self.context.mask = (token_slots[:, None] == torch.arange(self.num_slots)[None, :]).float()
+        self.context.experts = True
+        super().step(num_scheduled)

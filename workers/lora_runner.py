@@ -18,7 +18,8 @@ import torch
 
 from asyncllm.config import LoRAConfig
 from asyncllm.lora import LoRARequest, read_adapter
-from asyncllm.models.lora import LoRAContext, LoRALayer, attach_lora_layers, load_adapter_tensors
+from asyncllm.models.lora import LoRAContext, SlotBuffers, attach_lora_layers, load_adapter_tensors
+from asyncllm.models.lora_experts import ExpertsLoRA
 from asyncllm.protocol import SchedulerOutput
 from asyncllm.workers.request_fields import RequestField
 
@@ -39,7 +40,7 @@ class LoRARunner:
         self.dtype = dtype
         self.device = device
         self.context = LoRAContext()
-        self.layers: dict[str, LoRALayer] = attach_lora_layers(model, self.num_slots, config.max_lora_rank,
+        self.layers: dict[str, SlotBuffers] = attach_lora_layers(model, self.num_slots, config.max_lora_rank,
                                                                self.context)
         self.requests: RequestField = RequestField("lora")
         """Request id -> its `LoRARequest` (requests without one are not listed)."""
@@ -47,6 +48,8 @@ class LoRARunner:
         """Adapter id -> the slot holding it, least recently used first."""
         self.cpu_cache: OrderedDict[int, _Loaded] = OrderedDict()
         """Adapter id -> its matrices on the CPU, least recently used first."""
+        self.expert_slots: set[int] = set()
+        """The slots whose adapter has matrices of the experts (a step running one takes the experts' LoRA path)."""
 
     def release_slots(self) -> None:
         """Sleep mode: the slots' memory goes with the weights'; every adapter is set again at its next step,
@@ -54,6 +57,7 @@ class LoRARunner:
         for layer in self.layers.values():
             layer.release()
         self.slots.clear()
+        self.expert_slots.clear()
 
     def reallocate_slots(self) -> None:
         for layer in self.layers.values():
@@ -95,6 +99,9 @@ class LoRARunner:
         token_slots = torch.repeat_interleave(token_slots, counts)
         mask = token_slots[:, None] == torch.arange(self.num_slots)[None, :]
         self.context.mask = mask.to(device=self.device, dtype=self.dtype) if bool(mask.any()) else None
+        self.context.experts = self.context.mask is not None and any(
+            self.slots[a.lora_int_id] in self.expert_slots for a in adapters if a is not None and a.lora_int_id
+            not in errors)
         return failed
 
     def _ensure_slot(self, adapter: LoRARequest, needed: dict[int, LoRARequest]) -> None:
@@ -112,10 +119,13 @@ class LoRARunner:
             slot = self.slots.pop(victim)
         for layer in self.layers.values():
             layer.clear(slot)
+        self.expert_slots.discard(slot)
         for module_name, part, lora_a, lora_b, scaling in loaded:
             layer = self.layers.get(module_name)
             if layer is not None:  # None: another pipeline stage's layer (the host checked the names)
                 layer.set(slot, part, lora_a, lora_b, scaling)
+                if isinstance(layer, ExpertsLoRA):
+                    self.expert_slots.add(slot)
         self.slots[adapter_id] = slot
 
     def _load(self, adapter: LoRARequest) -> _Loaded:

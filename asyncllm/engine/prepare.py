@@ -16,6 +16,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.lora import AdapterChecker
+from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
 from asyncllm.models.architectures import (
     CLASSIFICATION_ARCHITECTURES,
@@ -101,7 +102,8 @@ def prepare(config: EngineConfig) -> Prepared:
                                                      "architectures that take them; image-text checkpoints: the "
                                                      "decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5, and "
                                                      "Gemma 3 / Gemma 4 served as text: limit_mm_per_prompt={'image': 0})")
-        lora = AdapterChecker(text_config, config.max_lora_rank)
+        experts, adaptable = _expert_layers(hf_config, text_config, limits)
+        lora = AdapterChecker(text_config, config.max_lora_rank, experts, adaptable)
     mm = None
     if multimodal:
         from asyncllm.mm.processor import MultiModalProcessor
@@ -123,6 +125,20 @@ def prepare(config: EngineConfig) -> Prepared:
                     embedding_width(path, text_config.hidden_size),
                     default_sampling_fields(_generation_config(config, path), path, config.override_generation_config),
                     pooling_model_of(arch, text_config, path, config.pooler_config))
+
+
+def _expert_layers(hf_config: Any, text_config: Any, limits: Any) -> tuple[list[ExpertLayer | None] | None, bool]:
+    """A mixture of experts' layers as its model class builds them (None: a dense layer) and whether its experts
+    take adapters, for the host's check of LoRA adapters; (None, False) for a dense model."""
+    from asyncllm.models.registry import get_model_class
+
+    model_cls = get_model_class(hf_config, limits)
+    moe_spec = getattr(model_cls, "moe_spec", None)
+    if moe_spec is None:
+        return None, False
+    specs = [moe_spec(text_config, i) for i in range(text_config.num_hidden_layers)]
+    return ([None if spec is None else ExpertLayer(spec.num_experts, spec.intermediate_size, spec.shared_expert_size)
+             for spec in specs], bool(getattr(model_cls, "lora_experts", False)))
 
 
 def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:

@@ -47,10 +47,38 @@ class LoRAContext:
     def __init__(self) -> None:
         self.mask: torch.Tensor | None = None
         """``[tokens, slots]`` in the model's dtype: 1 where the token's request uses the slot's adapter."""
+        self.experts = False
+        """Whether a request of the step runs an adapter of the experts (asyncllm/models/lora_experts.py)."""
 
 
-class LoRALayer(nn.Module):
+class SlotBuffers(nn.Module):
+    """Adapter slots kept in buffers (`buffer_names`) whose memory sleep mode gives back."""
+
+    buffer_names: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shapes: dict[str, tuple[int, ...]] | None = None
+        """While released (sleep mode): each buffer's shape."""
+
+    def release(self) -> None:
+        """Sleep mode: give the slots' memory back (`reallocate` takes it back, every slot empty)."""
+        if self.shapes is None:  # not released already
+            self.shapes = {name: tuple(getattr(self, name).shape) for name in self.buffer_names}
+            for name in self.buffer_names:
+                setattr(self, name, getattr(self, name).new_empty(0))
+
+    def reallocate(self) -> None:
+        if self.shapes is not None:
+            for name in self.buffer_names:
+                setattr(self, name, getattr(self, name).new_zeros(self.shapes[name]))
+            self.shapes = None
+
+
+class LoRALayer(SlotBuffers):
     """The adapter slots of one projection (`attach_lora_layers` puts one on every projection)."""
+
+    buffer_names = ("a", "b")
 
     def __init__(self, base: nn.Module, parts: list[object], num_slots: int, max_rank: int,
                  context: LoRAContext, fused_rows: list[tuple[object, int]] | None = None) -> None:
@@ -72,19 +100,6 @@ class LoRALayer(nn.Module):
                              persistent=False)
         self.register_buffer("b", weight.new_zeros(out_features, num_slots * self.width, dtype=dtype),
                              persistent=False)
-        self.shapes: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        """While released (sleep mode): the shapes of ``a`` and ``b``."""
-
-    def release(self) -> None:
-        """Sleep mode: give the slots' memory back (`reallocate` takes it back, every slot empty)."""
-        if self.shapes is None:  # not released already
-            self.shapes = (tuple(self.a.shape), tuple(self.b.shape))
-            self.a, self.b = self.a.new_empty(0), self.b.new_empty(0)
-
-    def reallocate(self) -> None:
-        if self.shapes is not None:
-            self.a, self.b = self.a.new_zeros(self.shapes[0]), self.b.new_zeros(self.shapes[1])
-            self.shapes = None
 
     def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the projection's output for ``x``) plus the step's adapters' products."""
@@ -122,9 +137,12 @@ class LoRALayer(nn.Module):
             fused_start += fused_length
 
 
-def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAContext) -> dict[str, LoRALayer]:
-    """Give every projection named in the model's checkpoint a `LoRALayer`; them by projection module name."""
-    layers: dict[str, LoRALayer] = {}
+def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAContext) -> dict[str, SlotBuffers]:
+    """Give every projection named in the model's checkpoint a `LoRALayer`, and the experts of a model whose
+    experts take adapters an `ExpertsLoRA`; them by module name."""
+    from asyncllm.models.lora_experts import attach_expert_layers
+
+    layers: dict[str, SlotBuffers] = attach_expert_layers(model, num_slots, max_rank, context)
     packed = model.packed_modules
     fused_parts: dict[str, list[tuple[object, int]]] = getattr(model, "fused_parts", {})
     for name, module in model.named_modules():
@@ -148,6 +166,13 @@ def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object
     also = getattr(model, "lora_also_parts", lambda param_name, part: ())
     reordered = getattr(model, "_half_split", lambda name, weight: weight)  # interleaved rotaries' q/k rows
     for name, module in adapter.modules.items():
+        if ".mlp.experts." in name:
+            from asyncllm.models.lora_experts import expert_target
+
+            target, expert_part = expert_target(model, name)
+            loaded.append((target, expert_part, _tensor(tensors, module.key or name, "A"),
+                           _tensor(tensors, module.key or name, "B"), module.scaling))
+            continue
         param_name, part = model._packed(f"{name}.weight")
         lora_a = _tensor(tensors, module.key or name, "A")
         lora_b = reordered(f"{name}.weight", _tensor(tensors, module.key or name, "B"))

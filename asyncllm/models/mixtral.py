@@ -12,6 +12,7 @@ __all__ = ["MixtralForCausalLM"]
 
 
 class MixtralForCausalLM(MoECausalLM, LlamaForCausalLM):
+    lora_experts = True
     moe_module = "block_sparse_moe"
     expert_parts = {"w1": "gate", "w3": "up", "w2": "down"}
 

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.kernels.reference import Fp8Experts, IntExperts
+from asyncllm.kernels.reference import fused_moe as reference_fused_moe
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
 from asyncllm.models.llama import DecoderBuild, LlamaMLP, check_silu
 
@@ -92,6 +93,12 @@ class FusedMoE(nn.Module):
         self.expert_start = tp.rank * self.num_local_experts if self.expert_parallel else 0
         self.intermediate = spec.intermediate_size if self.expert_parallel else tp.split(spec.intermediate_size)
         n, inter = self.num_local_experts, self.intermediate
+        self.num_experts = spec.num_experts
+        self.hidden_size = hidden_size
+        self.params_dtype = b.dtype
+        """The model's dtype (the weights may be fp8 or packed integers)."""
+        self.lora: Any = None
+        """The experts' adapter slots (asyncllm/models/lora_experts.py: models whose experts take adapters)."""
         self.gated = spec.activation != "relu2"
         """Whether ``w13`` holds gate rows before the up rows (without a gate: the up rows alone)."""
         self.activation = {} if spec.activation == "silu" else {"activation": spec.activation}
@@ -116,8 +123,11 @@ class FusedMoE(nn.Module):
         if self.int_experts is not None:
             fp8 = {"int_experts": IntExperts(self.w13_scales, self.w13_zeros, self.w2_scales, self.w2_zeros,
                                              *self.int_experts)}
-        return self.tp.all_reduce(self.fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids),
-                                                 **self.activation, **fp8))
+        fused_moe, lora = self.fused_moe, {}
+        if self.lora is not None and self.lora.context.experts:  # the expert loop of the reference adds them
+            fused_moe, lora = reference_fused_moe, {"lora": self.lora.delta}
+        return self.tp.all_reduce(fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids),
+                                            **self.activation, **fp8, **lora))
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Expert ids as indices into this rank's experts; -1 (nothing to add) for other ranks' experts."""
@@ -192,6 +202,9 @@ class MoECausalLM:
     """The MoE block's name in the checkpoint (Mixtral: ``block_sparse_moe``); the model calls it ``mlp``."""
     expert_parts = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     """The experts' checkpoint matrix names -> gate, up, down."""
+    lora_experts = False
+    """Whether LoRA adapters may change the experts (asyncllm/models/lora_experts.py; checked against PEFT per
+    family: tests/unit/test_lora_experts.py)."""
 
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:

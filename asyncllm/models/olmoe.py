@@ -38,6 +38,8 @@ class OlmoeModel(LlamaModel):
 class OlmoeForCausalLM(MoECausalLM, LlamaForCausalLM):
     """Llama's layers, whole-projection q/k norms, an MoE in every layer."""
 
+    lora_experts = True
+
     model_cls = OlmoeModel
 
     @classmethod

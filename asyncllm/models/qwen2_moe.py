@@ -23,6 +23,8 @@ def shared_expert_moe_spec(hf_config: Any, layer_idx: int) -> MoESpec | None:
 
 
 class Qwen2MoeForCausalLM(MoECausalLM, Qwen2ForCausalLM):
+    lora_experts = True
+
     @classmethod
     def decoder_flags(cls, hf_config: Any) -> DecoderFlags:
         return DecoderFlags(qkv_bias=bool(getattr(hf_config, "qkv_bias", True)))

@@ -132,6 +132,8 @@ class Qwen3_5TextOnly(Qwen3_5ForCausalLM):
 class Qwen3_5MoeForCausalLM(MoECausalLM, Qwen3_5ForCausalLM):
     """Qwen3.5-MoE: the hybrid layers with a mixture of experts (and a gated shared expert) in every layer."""
 
+    lora_experts = True
+
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec:
         return MoESpec(hf_config.num_experts, hf_config.num_experts_per_tok, hf_config.moe_intermediate_size,

@@ -20,6 +20,8 @@ def qwen_moe_layer(hf_config: Any, layer_idx: int) -> bool:
 
 
 class Qwen3MoeForCausalLM(MoECausalLM, Qwen3ForCausalLM):
+    lora_experts = True
+
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
         if not qwen_moe_layer(hf_config, layer_idx):

@@ -1,7 +1,7 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4.5, Llama 4, Phi-3.5-MoE, DeepSeek-V2 / V3):
 greedy output equals transformers', token for token, alone, chunked, preempted, and split
-over two ranks by intermediate dim or by expert; LoRA adapters on their attention equal PEFT's. DeepSeek's latent
-cache swapped out and back, and its absorbed expansions after weight updates."""
+over two ranks by intermediate dim or by expert; LoRA adapters on their experts and attention equal PEFT's.
+DeepSeek's latent cache swapped out and back, and its absorbed expansions after weight updates."""
 
 from __future__ import annotations
 
@@ -76,37 +76,47 @@ async def test_expert_parallel_needs_experts(tiny_llama: str) -> None:
             pass
 
 
-async def test_lora_adapters_on_moe_attention_equal_peft(tmp_path) -> None:
-    """Adapters on a mixture-of-experts model's attention projections (the experts keep their weights), batched
-    with the base model: PEFT's tokens. An adapter naming an expert's matrix is the request's error."""
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["rows", "experts"])
+async def test_lora_adapters_on_moe_experts_and_attention_equal_peft(expert_parallel: bool, tmp_path) -> None:
+    """Two adapters batched with the base model on two ranks (the experts split by rows, or by experts): PEFT's
+    ``target_parameters`` adapter of the stacked experts and the attention, and an experts-only one written per
+    expert (vLLM's format, read as the same adapter): each request PEFT's tokens. An adapter naming the router is
+    the request's error."""
     import json
 
     from safetensors.torch import save_file
 
     from asyncllm import InvalidRequestError, LoRARequest
-    from lora_utils import make_adapter, peft_greedy
+    from lora_utils import make_expert_adapter, peft_greedy, per_expert_copy
 
     path = tiny_checkpoint("qwen3_moe")
-    adapter = make_adapter(path, str(tmp_path / "attn"), seed=3, targets=["q_proj", "k_proj", "v_proj", "o_proj"])
-    experts = tmp_path / "experts"
-    experts.mkdir()
-    (experts / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
-    save_file({"base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(4, 64),
-               "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_B.weight": torch.zeros(32, 4)},
-              str(experts / "adapter_model.safetensors"))
-    prompts = _prompts(4, seed=9)
+    both = make_expert_adapter(path, str(tmp_path / "both"), seed=3, targets=["q_proj", "o_proj"])
+    experts = make_expert_adapter(path, str(tmp_path / "experts"), seed=4, targets=[])
+    per_expert = per_expert_copy(experts, str(tmp_path / "per_expert"), 64, 8, "mlp",
+                                 ("gate_proj", "up_proj", "down_proj"))
+    router = tmp_path / "router"
+    router.mkdir()
+    (router / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 8, "peft_type": "LORA"}))
+    save_file({"base_model.model.model.layers.0.mlp.gate.lora_A.weight": torch.zeros(4, 64),
+               "base_model.model.model.layers.0.mlp.gate.lora_B.weight": torch.zeros(8, 4)},
+              str(router / "adapter_model.safetensors"))
+    prompts = _prompts(6, seed=9)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    lora = LoRARequest("attn", 1, adapter)
-    async with AsyncEngine(path, enable_lora=True, disable_log_stats=True) as engine:
-        outs = await asyncio.gather(*(engine.generate(p, params, lora_request=lora if i % 2 else None)
+    loras = [None, LoRARequest("both", 1, both), LoRARequest("experts", 2, per_expert)]
+    async with AsyncEngine(path, enable_lora=True, max_loras=2, tensor_parallel_size=2,
+                           enable_expert_parallel=expert_parallel, disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params, lora_request=loras[i % 3])
                                       for i, p in enumerate(prompts)))
-        with pytest.raises(InvalidRequestError, match="mixture-of-experts model's experts"):
-            await engine.generate(prompts[0], params, lora_request=LoRARequest("experts", 2, str(experts)))
+        with pytest.raises(InvalidRequestError, match="routers"):
+            await engine.generate(prompts[0], params, lora_request=LoRARequest("router", 3, str(router)))
+    references = [None, both, experts]
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        expected = (peft_greedy(path, adapter, prompt, MAX_TOKENS, eos_token_id=None) if i % 2
+        adapter = references[i % 3]
+        expected = (peft_greedy(path, adapter, prompt, MAX_TOKENS, eos_token_id=None) if adapter
                     else hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None))
         assert out.token_ids == expected, i
-    assert outs[1].token_ids != hf_greedy(path, prompts[1], MAX_TOKENS, eos_token_id=None)  # the adapter mattered
+    for i in (1, 2):  # each adapter mattered
+        assert outs[i].token_ids != hf_greedy(path, prompts[i], MAX_TOKENS, eos_token_id=None)
 
 
 async def test_deepseek_weight_updates_reach_the_absorbed_expansions() -> None:

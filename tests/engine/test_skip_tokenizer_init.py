@@ -57,7 +57,8 @@ async def test_token_ids_in_and_out_equal_transformers(engine: AsyncEngine, no_t
     (lambda e: e.generate({"prompt": "text"}, SamplingParams(max_tokens=2)), "prompt"),
     (lambda e: e.generate(PROMPT, SamplingParams(max_tokens=2, stop=["x"])), "stop"),
     (lambda e: e.generate(PROMPT, SamplingParams(max_tokens=2, bad_words=["x"])), "bad_words"),
-    (lambda e: e.generate(PROMPT, SamplingParams(max_tokens=2, structured=StructuredOutputs(regex="a+"))), "structured"),
+    (lambda e: e.generate(PROMPT, SamplingParams(max_tokens=2, structured=StructuredOutputs(regex="a+"))),
+     "structured"),
     (lambda e: e.chat([{"role": "user", "content": "hi"}], SamplingParams(max_tokens=2)).__anext__(), "messages"),
     (lambda e: e.beam_search("text", BeamSearchParams(beam_width=2, max_tokens=2)), "prompt"),
 ], ids=["text", "text-prompt-dict", "stop", "bad_words", "structured", "chat", "beam_search"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hf_reference import hf_logits
 from lora_utils import make_adapter, peft_logits
-from model_utils import PagedRun
+from model_utils import MaskedRun
 from safetensors.torch import load_file
 
 from asyncllm import InvalidRequestError, LoRARequest
@@ -65,18 +65,6 @@ def _with_adapter(model: torch.nn.Module, adapter: str) -> LoRAContext:
     return context
 
 
-class MaskedRun(PagedRun):
-    """`PagedRun` that sets each step's LoRA mask: sequence i's tokens use slot ``slots[i]`` (-1: none)."""
-
-    context: LoRAContext
-    slots: list[int]
-
-    def step(self, num_scheduled: list[int]) -> None:
-        token_slots = torch.tensor([s for s, n in zip(self.slots, num_scheduled) for _ in range(n)])
-        self.context.mask = (token_slots[:, None] == torch.arange(SLOTS)[None, :]).float()
-        super().step(num_scheduled)
-
-
 @pytest.mark.parametrize("arch", sorted(ADAPTERS))
 def test_logits_equal_peft_with_the_base_model_in_the_same_batch(arch: str, adapters: dict[str, str]) -> None:
     path = tiny_checkpoint(arch)
@@ -85,7 +73,7 @@ def test_logits_equal_peft_with_the_base_model_in_the_same_batch(arch: str, adap
     gen = torch.Generator().manual_seed(len(arch))
     sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in (23, 19)]
     run = MaskedRun(model, sequences, block_size=4)
-    run.context, run.slots = _with_adapter(model, adapters[arch]), [SLOT, -1]
+    run.context, run.slots, run.num_slots = _with_adapter(model, adapters[arch]), [SLOT, -1], SLOTS
     spec = kv_cache_spec(load_hf_config(path), 1)
     run.new_kv_caches_for(spec, torch.float32)
     with_adapter, base = run.run([[9, 7], [6, 1], [1, 1], [1, 9], [6, 1]])  # chunks, one-token steps
