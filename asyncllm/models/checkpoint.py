@@ -157,11 +157,22 @@ _DERIVED = ("num_hidden_layers", "layer_types", "layers_block_type", "layers_num
 
 def hf_config_json(hf_config: PretrainedConfig) -> str:
     """The config with every default filled in, as JSON: the host sends it to the workers."""
+    return json.dumps(_wire_values(hf_config), default=str)
+
+
+def _wire_values(hf_config: PretrainedConfig) -> dict[str, Any]:
+    """``to_dict()`` plus the derived attributes and transformers' aliases (GPT-2's ``num_attention_heads`` is
+    its ``n_head``: ``attribute_map``), sub-configs alike, so that the workers read every name the host does."""
+    from transformers import PretrainedConfig
+
     values = hf_config.to_dict()
-    for name in _DERIVED:
+    for name in (*_DERIVED, *getattr(hf_config, "attribute_map", {})):
         if name not in values and getattr(hf_config, name, None) is not None:
             values[name] = getattr(hf_config, name)
-    return json.dumps(values, default=str)
+    for name, value in vars(hf_config).items():
+        if isinstance(value, PretrainedConfig) and isinstance(values.get(name), dict):
+            values[name] = _wire_values(value)
+    return values
 
 
 class WireConfig(types.SimpleNamespace):

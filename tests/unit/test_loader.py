@@ -263,15 +263,21 @@ def test_kv_cache_spec_and_tp_checks():
         kv_cache_spec(qwen3, 3)
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2", "qwen3", "llava"])
+@pytest.mark.parametrize("family", ["llama", "llama3", "mistral", "qwen2", "qwen3", "llava", "gpt2", "gptj", "gpt_bigcode"])
 def test_workers_rebuild_the_hosts_config(family: str, tmp_path: Path) -> None:
-    """The config a worker rebuilds from the host's JSON (no config class) builds the same model."""
+    """The config a worker rebuilds from the host's JSON (no config class) builds the same model; transformers'
+    aliases (GPT-2's ``num_attention_heads`` for ``n_head``) travel too (without them GPT-2, GPT-J and GPTBigCode
+    could not start a worker)."""
     from asyncllm.models.checkpoint import hf_config_from_json, hf_config_json
 
     if family == "llava":
         from mm_utils import make_tiny_llava
 
         path = make_tiny_llava(tmp_path / "llava")
+    elif family.startswith("gpt"):
+        from asyncllm.tiny import tiny_checkpoint
+
+        path = tiny_checkpoint(family)
     else:
         save_tiny_checkpoint(tmp_path, family)
         path = str(tmp_path)
@@ -279,6 +285,7 @@ def test_workers_rebuild_the_hosts_config(family: str, tmp_path: Path) -> None:
     rebuilt = hf_config_from_json(hf_config_json(read))
     assert type(rebuilt).__name__ == "WireConfig"  # no config class (and no transformers) was needed
     assert rebuilt.num_labels == read.num_labels  # a PretrainedConfig property the classifier reads
+    assert all(getattr(rebuilt, alias) == getattr(read, alias) for alias in read.attribute_map)
     config = EngineConfig.create(path, max_model_len=64)
     first, second = (load_model(config, c, CPU, torch.float32) for c in (read, rebuilt))
     assert first.state_dict().keys() == second.state_dict().keys()
