@@ -252,8 +252,8 @@ class AdapterChecker:
                             f"{projection} (adapt mlp.experts.gate_up_proj / down_proj)")
             return False
         if not self._adaptable_experts:
-            _fail(path, f"{name}: adapters on the experts of {self._arch} are not built (Mixtral, Phi-3.5-MoE, OLMoE, "
-                        "Qwen2-MoE, Qwen3-MoE and Qwen3.5-MoE take them; the attention's projections work here)")
+            _fail(path, f"{name}: adapters on the experts of {self._arch} are not built (gpt-oss, Mixtral, Phi-3.5-MoE, "
+                        "OLMoE, Qwen2-MoE, Qwen3-MoE and Qwen3.5-MoE take them; the attention's projections work here)")
         problem = expert_problem(projection, module, moe, self._hidden)
         if problem is not None:
             _fail(path, f"{name}: layer {layer} of {self._arch} {problem}")

@@ -80,12 +80,14 @@ class GptOssExperts(FusedMoE):
         self.w2_bias = new_param(n, hidden_size, dtype=b.dtype, loader=self.bias_loader)
         self.adds_w2_bias = self.expert_parallel or self.tp.rank == 0
         self.swiglu = ClampedSwiglu(float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+        self.interleaved_gate_up = True
         self._mxfp4_parts: dict[str, torch.Tensor] = {}
         """Blocks or scales read before their partner, by shard id (the checkpoint stores them as two tensors)."""
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        out = self.fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids), w13_bias=self.w13_bias,
-                             w2_bias=self.w2_bias if self.adds_w2_bias else None, swiglu=self.swiglu)
+        fused_moe, lora = self.kernel()
+        out = fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids), w13_bias=self.w13_bias,
+                        w2_bias=self.w2_bias if self.adds_w2_bias else None, swiglu=self.swiglu, **lora)
         return self.tp.all_reduce(out)
 
     def stacked_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str) -> None:
@@ -180,6 +182,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
 
     model_cls = GptOssModel
     is_moe = True
+    lora_experts = True
+    """Adapters may change the experts (PEFT's target_parameters: asyncllm/models/lora_experts.py)."""
     attention_sinks = True
     """Each attention layer holds a sink logit per query head (asyncllm/bench/roofline.py counts them)."""
     moe_biases = True

@@ -169,7 +169,7 @@ def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object
         if ".mlp.experts." in name:
             from asyncllm.models.lora_experts import expert_target
 
-            target, expert_part = expert_target(model, name)
+            target, expert_part = expert_target(name)
             loaded.append((target, expert_part, _tensor(tensors, module.key or name, "A"),
                            _tensor(tensors, module.key or name, "B"), module.scaling))
             continue

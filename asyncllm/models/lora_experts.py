@@ -70,6 +70,8 @@ class ExpertsLoRA(SlotBuffers):
             rank = lora_a.shape[0] // num_experts
             a = lora_a.view(num_experts, rank, -1)[start:start + count]
             b = lora_b.view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)[start:start + count]
+            if kind == "gate_up" and experts.interleaved_gate_up:  # gpt-oss: gate rows even, up rows odd
+                b = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
             self._write(slot, kind, slice(None), a, b * scaling)
         elif experts.is_local(expert):
             local = expert - start
@@ -105,12 +107,10 @@ def attach_expert_layers(model: Any, num_slots: int, max_rank: int, context: LoR
     return layers
 
 
-def expert_target(model: Any, name: str) -> tuple[str, tuple[str, int | None]]:
+def expert_target(name: str) -> tuple[str, tuple[str, int | None]]:
     """An expert adapter module (``model.layers.L.mlp.experts.gate_up_proj``, ``...experts.3.down_proj``) ->
-    (the `FusedMoE` module's name in the model, the `ExpertsLoRA.set` part)."""
+    (the `FusedMoE` module's name in the model: every MoE block is the layer's ``mlp``, its experts ``experts``,
+    the `ExpertsLoRA.set` part)."""
     head, _, path = name.partition(".mlp.experts.")
     expert, _, projection = path.rpartition(".")
-    kind = projection.removesuffix("_proj")
-    checkpoint_part = {part: ckpt for ckpt, part in model.expert_parts.items()}["down" if kind == "down" else "gate"]
-    param_name, _ = model._packed(f"{head}.{model.moe_module}.experts.0.{checkpoint_part}.weight")
-    return param_name.rsplit(".", 1)[0], (kind, int(expert) if expert else None)
+    return f"{head}.mlp.experts", (projection.removesuffix("_proj"), int(expert) if expert else None)

@@ -99,6 +99,8 @@ class FusedMoE(nn.Module):
         """The model's dtype (the weights may be fp8 or packed integers)."""
         self.lora: Any = None
         """The experts' adapter slots (asyncllm/models/lora_experts.py: models whose experts take adapters)."""
+        self.interleaved_gate_up = False
+        """Whether an adapter's stacked gate_up B interleaves gate and up rows (gpt-oss's layout)."""
         self.gated = spec.activation != "relu2"
         """Whether ``w13`` holds gate rows before the up rows (without a gate: the up rows alone)."""
         self.activation = {} if spec.activation == "silu" else {"activation": spec.activation}
@@ -123,11 +125,16 @@ class FusedMoE(nn.Module):
         if self.int_experts is not None:
             fp8 = {"int_experts": IntExperts(self.w13_scales, self.w13_zeros, self.w2_scales, self.w2_zeros,
                                              *self.int_experts)}
-        fused_moe, lora = self.fused_moe, {}
-        if self.lora is not None and self.lora.context.experts:  # the expert loop of the reference adds them
-            fused_moe, lora = reference_fused_moe, {"lora": self.lora.delta}
+        fused_moe, lora = self.kernel()
         return self.tp.all_reduce(fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids),
                                             **self.activation, **fp8, **lora))
+
+    def kernel(self) -> tuple[Any, dict[str, Any]]:
+        """The step's ``fused_moe`` and its extra arguments: the backend's, or with an adapter of the experts in
+        the step the reference's expert loop adding it (asyncllm/models/lora_experts.py)."""
+        if self.lora is not None and self.lora.context.experts:
+            return reference_fused_moe, {"lora": self.lora.delta}
+        return self.fused_moe, {}
 
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Expert ids as indices into this rank's experts; -1 (nothing to add) for other ranks' experts."""

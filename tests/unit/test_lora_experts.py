@@ -1,7 +1,7 @@
 """LoRA adapters on a mixture of experts' experts (asyncllm/models/lora_experts.py), in process: every position's
 logits equal PEFT's (fp32, 1e-4) for PEFT's ``target_parameters`` adapters of the stacked experts (with the
-attention's and, for Qwen2-MoE, the shared expert's projections; Mixtral, Phi-3.5-MoE, OLMoE, Qwen2-MoE, Qwen3-MoE,
-Qwen3.5-MoE), batched with a sequence on the base model; the
+attention's and, for Qwen2-MoE, the shared expert's projections; gpt-oss (interleaved gate and up, biases, clamped
+SwiGLU), Mixtral, Phi-3.5-MoE, OLMoE, Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE), batched with a sequence on the base model; the
 same adapter written per expert (vLLM's format, Mixtral's w1/w2/w3 names) gives the same logits; the host's check
 refuses what does not fit. Through the engine, on two ranks split by rows or by experts:
 tests/engine/test_moe_engine.py."""
@@ -32,7 +32,8 @@ ATOL = 1e-4
 SLOTS, MAX_RANK, SLOT = 2, 8, 1
 ATTENTION = ["q_proj", "v_proj"]
 FAMILIES = {"qwen3_moe": ATTENTION, "qwen2_moe": [*ATTENTION, "shared_expert.gate_proj", "shared_expert.down_proj"],
-            "mixtral": ATTENTION, "olmoe": ATTENTION, "qwen3_5_moe": ["out_proj"], "phimoe": ["k_proj"]}
+            "mixtral": ATTENTION, "olmoe": ATTENTION, "qwen3_5_moe": ["out_proj"], "phimoe": ["k_proj"],
+            "gpt_oss": ATTENTION}
 
 
 def _logits_with(path: str, adapter: str, sequences: list[list[int]]) -> list[torch.Tensor]:
