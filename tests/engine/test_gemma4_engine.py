@@ -45,7 +45,8 @@ async def test_gemma4_preempted_changes_no_token(preemption_mode: str) -> None:
     assert (stats.num_swapped_total > 0) == (preemption_mode == "swap")
 
 
-@pytest.mark.parametrize("arch, expert_parallel", [("gemma4", False), ("gemma4_moe", False), ("gemma4_moe", True)])
+@pytest.mark.parametrize("arch, expert_parallel", [("gemma4_moe", False), ("gemma4_moe", True)])  # its layers: the dense
+# model's with experts beside the MLP
 async def test_gemma4_tensor_parallel(arch: str, expert_parallel: bool) -> None:
     """Two ranks: query heads split, the global layers' single KV head replicated, per-layer inputs whole on each;
     the experts split by intermediate dim or by expert."""

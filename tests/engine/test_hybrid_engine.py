@@ -27,8 +27,9 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(6, 512) for _ in range(rng.randint(3, 50))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "qwen3_5_moe", "granitemoehybrid", "lfm2", "nemotron_h", "falcon_h1",
-                                  "jamba"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "granitemoehybrid", "lfm2", "nemotron_h", "falcon_h1", "jamba"])
+# Qwen3.5-MoE: Qwen3.5's layers with experts (in process: tests/unit/test_gated_deltanet.py), through the engine in
+# test_lora_engine.py and test_qwen_vl_engine.py
 async def test_greedy_equals_transformers_chunked_preempted_and_on_reused_rows(arch: str) -> None:
     path, prompts = tiny_checkpoint(arch), _prompts(6, seed=5)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
