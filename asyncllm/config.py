@@ -114,6 +114,10 @@ class ModelConfig:
     tokenizer_mode: str = "auto"
     """vLLM's: auto (or hf) loads the fast tokenizer when there is one, slow the Python one (``use_fast=False``);
     mistral (mistral_common) and custom are not built."""
+    enable_prompt_embeds: bool = False
+    """vLLM's: accept prompts given as embeddings, ``{"prompt_embeds": tensor [tokens, hidden]}`` (what the
+    model's input embedding layer returns; docs/sampling.md#prompts-given-as-embeddings). Not with image-text
+    models, pipeline parallelism, or a draft model / EAGLE head / MTP layer (n-gram drafts work)."""
     skip_tokenizer_init: bool = False
     """vLLM's: load no tokenizer. Prompts are token ids and outputs token ids with empty text; what needs the
     tokenizer (text prompts, chat, stop strings, bad words, structured output, images) is refused by name."""
@@ -171,6 +175,7 @@ class ModelConfig:
                                                                        "(auto, hf or slow: transformers' tokenizers)")
         _choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
         _bool("skip_tokenizer_init", self.skip_tokenizer_init)
+        _bool("enable_prompt_embeds", self.enable_prompt_embeds)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _int("seed", self.seed, 0)

@@ -46,6 +46,17 @@ class AddRequest(msgspec.Struct, **_STRUCT):
     """The request's adapter, checked by the host (``lora_path`` a local folder); None: the base model."""
     pooling: PoolingParams | None = None
     """An embedding request (`AsyncEngine.embed`): the worker returns the pooled hidden state with its token."""
+    prompt_embeds: "PromptEmbeds | None" = None
+    """A prompt given as embeddings (``enable_prompt_embeds``): ``prompt_token_ids`` are placeholders."""
+
+
+class PromptEmbeds(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A prompt's input embeddings, ``[tokens, hidden]`` as raw bytes of ``dtype`` (asyncllm/engine/prompt_embeds.py):
+    the first layer's input in place of the token embeddings of the prompt's positions."""
+
+    data: bytes
+    shape: list[int]
+    dtype: str
 
 
 class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -362,6 +373,8 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     """The request's adapter (the worker puts it in a slot for the steps that run the request)."""
     pooling: PoolingParams | None = None
     """An embedding request: the step that samples its token also returns its embedding."""
+    prompt_embeds: PromptEmbeds | None = None
+    """A prompt given as embeddings: the rows of its prompt positions (workers/prompt_embeds.py)."""
 
 
 class CachedRequestData(msgspec.Struct, array_like=True, omit_defaults=True):

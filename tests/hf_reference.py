@@ -47,6 +47,25 @@ def model_greedy(model, prompt_ids: list[int], max_new_tokens: int, **generate_k
     return out[0, len(prompt_ids):].tolist()
 
 
+def hf_embeds_greedy(path: str, embeds, max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` from a prompt given as embeddings ``[tokens, hidden]`` (``inputs_embeds``)."""
+    import torch
+
+    with torch.no_grad():
+        out = _hf_model(path).generate(inputs_embeds=embeds[None].float(), max_new_tokens=max_new_tokens,
+                                       do_sample=False, attention_mask=torch.ones(1, embeds.shape[0], dtype=torch.long),
+                                       eos_token_id=None)
+    return out[0, -max_new_tokens:].tolist()
+
+
+def hf_input_embeddings(path: str, token_ids: list[int]):
+    """transformers' input embeddings of these tokens: what a prompt given as embeddings holds for them."""
+    import torch
+
+    with torch.no_grad():
+        return _hf_model(path).get_input_embeddings()(torch.tensor(token_ids)).float()
+
+
 def hf_state_dict(path: str) -> dict:
     """transformers' model's weights by checkpoint name (float32 copies): what an RL trainer would push."""
     return {name: tensor.detach().clone() for name, tensor in _hf_model(path).state_dict().items()}

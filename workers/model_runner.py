@@ -39,6 +39,7 @@ from asyncllm.workers.logprobs import compute_prompt_logprobs, join_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
 from asyncllm.workers.pooler import Pooler
 from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal
+from asyncllm.workers.prompt_embeds import PromptEmbedsRunner
 from asyncllm.workers.sampler import Sampler, SamplerOutput
 from asyncllm.workers.spec_decode import verify_drafts
 from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
@@ -87,6 +88,8 @@ class ModelRunner:
         self.swap_space: CPUSwapSpace | None = None
         """CPU copies of preempted requests' blocks (preemption_mode='swap')."""
         self.mm_runner: MultiModalRunner | None = None
+        self.prompt_embeds: PromptEmbedsRunner | None = None
+        """Prompts given as embeddings (enable_prompt_embeds only; workers/prompt_embeds.py)."""
         """Images and encoder outputs, for multimodal models only."""
         self.cuda_graphs: CudaGraphRunner | None = None
         """Captured decode forwards (workers/cuda_graphs.py); None when the runner stays eager."""
@@ -129,6 +132,8 @@ class ModelRunner:
         _check_kv_cache_dtype_runs(self.config.kv_cache_dtype, self.kv_cache_dtype, self.device, model)
         tp = TensorParallel(self.rank, self.tp_size)
         self.mm_runner = MultiModalRunner(model, self.device, self.config, tp) if is_multimodal(model) else None
+        self.prompt_embeds = PromptEmbedsRunner(model, self.device, dtype) if self.config.enable_prompt_embeds \
+            else None
         self.input_batch.keeps_states = bool(getattr(model, "keeps_request_states", False))
         self.row_states = [m.states for m in model.modules() if isinstance(getattr(m, "states", None), RowStates)]
         """The state layers' per-request states (hybrids: asyncllm/models/row_states.py)."""
@@ -275,6 +280,8 @@ class ModelRunner:
             batch.feedback.resolve(batch.feedback.pending)  # its InFlightStep's finish_step gets the same ids
         if self.mm_runner is not None:
             self.mm_runner.update_states(sched_out)
+        if self.prompt_embeds is not None:
+            self.prompt_embeds.update_states(sched_out)
         if self.lora_runner is not None:
             self.lora_runner.update_states(sched_out)
         self.pooler.update_states(sched_out)
@@ -283,6 +290,8 @@ class ModelRunner:
         inputs = batch.prepare_inputs(sched_out)
         embeds, positions = (self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None
                              else (None, inputs.positions))  # M-RoPE's [3, T] positions for Qwen2-VL
+        if self.prompt_embeds is not None:
+            embeds = self.prompt_embeds.inputs_embeds(sched_out, batch, inputs)
         extra = {} if embeds is None else {"inputs_embeds": embeds}
         failed = self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens) if self.lora_runner else {}
         with_lora = self.lora_runner is not None and self.lora_runner.context.mask is not None
@@ -353,14 +362,18 @@ class ModelRunner:
 
     def _may_defer(self, sched_out: SchedulerOutput, sampler_out: SamplerOutput) -> bool:
         """No logprobs, grammar, images or drafts, and no prompt logprobs row (one computed this step is still in the set)."""
-        return (sampler_out.logprobs is None and sched_out.grammar_bitmask is None and self.mm_runner is None
+        return (sampler_out.logprobs is None and sched_out.grammar_bitmask is None and not self._embeds_rows()
                 and not self.input_batch.prompt_logprobs_req_ids and not sched_out.spec_token_ids
                 and self.drafter is None)
 
     def _needs_host_tokens(self) -> bool:
         """Whether building a step reads rows' output tokens on the host (penalties, prompt logprobs, images)."""
         batch = self.input_batch
-        return bool(batch.num_logits_params_rows or batch.prompt_logprobs_req_ids or self.mm_runner is not None)
+        return bool(batch.num_logits_params_rows or batch.prompt_logprobs_req_ids or self._embeds_rows())
+
+    def _embeds_rows(self) -> bool:
+        """Whether steps may pass input embeddings (images; prompts given as embeddings running)."""
+        return self.mm_runner is not None or self.prompt_embeds is not None and bool(self.prompt_embeds.requests)
 
     def _output(self, sched_out: SchedulerOutput, inputs: StepInputs, sampled: list[int],
                 sampler_out: SamplerOutput | None, prompt_logprobs: dict[str, LogprobsArrays],

@@ -227,7 +227,8 @@ class EngineCore:
 
     def _add_request(self, client_id: bytes, message: protocol.AddRequest) -> None:
         try:
-            check_add_request(message, self.executor.vocab_size)  # the host checked too; other peers may not have
+            # the host checked too; other peers may not have
+            check_add_request(message, self.executor.vocab_size, self.config.enable_prompt_embeds)
             if message.mm_items:
                 self.mm_cache.fill(client_id, message)
             request = Request.from_add_request(message, client_id)

@@ -58,6 +58,8 @@ class Prepared:
     pooling_model: PoolingModel | None = None
     """Which requests the model takes (bare decoders embed only, classifiers classify only) and a classifier's
     labels (asyncllm/engine/pooling_model.py)."""
+    embeds_width: int | None = None
+    """The rows' width of a prompt given as embeddings (the model's hidden size); None: not enabled."""
 
 
 def prepare(config: EngineConfig) -> Prepared:
@@ -124,7 +126,23 @@ def prepare(config: EngineConfig) -> Prepared:
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora,
                     embedding_width(path, text_config.hidden_size),
                     default_sampling_fields(_generation_config(config, path), path, config.override_generation_config),
-                    pooling_model_of(arch, text_config, path, config.pooler_config))
+                    pooling_model_of(arch, text_config, path, config.pooler_config),
+                    _embeds_width(config, arch, multimodal, text_config))
+
+
+def _embeds_width(config: EngineConfig, arch: str, multimodal: bool, text_config: Any) -> int | None:
+    """``enable_prompt_embeds``: the hidden size prompts' rows must have; what it is not built with refused."""
+    if not config.enable_prompt_embeds:
+        return None
+    spec = config.scheduler_config.speculative
+    for what, unbuilt in ((f"{arch} with images", multimodal),
+                          ("pipeline parallelism", config.pipeline_parallel_size > 1),
+                          ("a draft model, EAGLE head or MTP layer (n-gram drafts work)",
+                           spec is not None and spec.method != "ngram"),
+                          (f"the encoder {arch}", arch in ENCODER_ARCHITECTURES)):
+        if unbuilt:
+            raise NotBuiltError("enable_prompt_embeds", True, f"prompts given as embeddings with {what}")
+    return int(text_config.hidden_size)
 
 
 def _expert_layers(hf_config: Any, text_config: Any, limits: Any) -> tuple[list[ExpertLayer | None] | None, bool]:

@@ -31,6 +31,7 @@ from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, ne
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
 from asyncllm.engine.pooling_model import PoolingModel
+from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, embeds_salt, prompt_embeds_of
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.sleep import PendingSleepCalls
@@ -73,6 +74,8 @@ class Submit:
     """The caller's OpenTelemetry context, captured on its task (None without OTel)."""
     mm_prompt: MultiModalPrompt | None = None
     """Set by tokenization for a prompt with images (asyncllm/mm/)."""
+    embeds: protocol.PromptEmbeds | None = None
+    """Set by tokenization for a prompt given as embeddings (asyncllm/engine/prompt_embeds.py)."""
 
 
 @dataclass
@@ -98,7 +101,8 @@ class Processor:
                  startup_timeout_s: float, observer: RequestObserver | None = None,
                  engine_key: str | None = None, mm: MultiModalProcessor | None = None,
                  lora: AdapterChecker | None = None, hidden_size: int | None = None,
-                 pooling_model: PoolingModel | None = None, stream_interval: int = 1) -> None:
+                 pooling_model: PoolingModel | None = None, stream_interval: int = 1,
+                 embeds_width: int | None = None) -> None:
         self._address = address
         self._stream_interval = stream_interval
         """Tokens per delivered delta (`SchedulerConfig.stream_interval`): first and last tokens go at once."""
@@ -106,6 +110,8 @@ class Processor:
         """Which requests the model takes (asyncllm/engine/pooling_model.py); None: any request runs."""
         self._hidden_size = hidden_size
         """The model's embedding width, for `PoolingParams.dimensions`."""
+        self._embeds_width = embeds_width
+        """The width of a prompt given as embeddings (the model's hidden size); None: such prompts are refused."""
         self._lora = lora
         """Checks requests' adapters (None: the engine serves none)."""
         self._mm = mm
@@ -359,9 +365,11 @@ class Processor:
             tracked = _Tracked(collector, detokenizer, index, buffer)
             if self._stream_interval > 1:
                 tracked.pacer = StreamPacer(self._stream_interval)
+            salt = options.cache_salt if job.embeds is None else embeds_salt(options.cache_salt, job.embeds)
             message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
-                                          collector.metrics.arrival_time, options.priority, options.cache_salt,
-                                          options.timeout, lora=lora, pooling=options.pooling)
+                                          collector.metrics.arrival_time, options.priority, salt,
+                                          options.timeout, lora=lora, pooling=options.pooling,
+                                          prompt_embeds=job.embeds)
             if job.mm_prompt is not None:
                 message.mm_items = job.mm_prompt.items
                 tracked.mm_resend = (message, job.mm_prompt)
@@ -393,6 +401,9 @@ class Processor:
 
     def _tokenize(self, job: Submit) -> list[int]:
         options = job.options
+        if isinstance(job.prompt, dict) and not job.chat and "prompt_embeds" in job.prompt:
+            job.embeds = prompt_embeds_of(job.prompt, self._embeds_width, job.params, self.max_model_len)
+            return [PLACEHOLDER_TOKEN_ID] * job.embeds.shape[0]
         if isinstance(job.prompt, dict) and not job.chat:  # vLLM's TextPrompt / TokensPrompt: the plain prompt
             job.prompt = plain_prompt(job.prompt) or job.prompt
         if self._mm is not None or isinstance(job.prompt, dict):

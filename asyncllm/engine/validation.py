@@ -120,10 +120,11 @@ def check_priority(priority: Any) -> None:
 
 
 # ---------------------------------------------------------------- core side
-def check_add_request(message: protocol.AddRequest, vocab_size: int) -> None:
+def check_add_request(message: protocol.AddRequest, vocab_size: int, prompt_embeds: bool = False) -> None:
     """`InvalidRequestError` naming the field for a decoded `AddRequest` a worker could not run.
 
-    `vocab_size` 0 means unknown: ids must then fit int32.
+    `vocab_size` 0 means unknown: ids must then fit int32. `prompt_embeds`: the engine takes prompts given as
+    embeddings (``enable_prompt_embeds``).
     """
     if not message.request_id or len(message.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError("request_id", f"must be 1 to {MAX_REQUEST_ID_CHARS} characters")
@@ -138,6 +139,21 @@ def check_add_request(message: protocol.AddRequest, vocab_size: int) -> None:
     timeout = message.timeout
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {timeout}")
+    if message.prompt_embeds is not None:
+        _check_prompt_embeds(message.prompt_embeds, len(message.prompt_token_ids), prompt_embeds)
+
+
+_EMBEDS_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def _check_prompt_embeds(embeds: protocol.PromptEmbeds, num_tokens: int, enabled: bool) -> None:
+    if not enabled:
+        raise InvalidRequestError("prompt_embeds", "this engine core was started without enable_prompt_embeds")
+    shape, itemsize = embeds.shape, _EMBEDS_ITEMSIZE.get(embeds.dtype, 0)
+    sized = len(shape) == 2 and len(embeds.data) == shape[0] * shape[1] * itemsize
+    if not itemsize or not sized or shape[0] != num_tokens:
+        raise InvalidRequestError("prompt_embeds", f"{num_tokens} rows of {', '.join(_EMBEDS_ITEMSIZE)} matching "
+                                                   f"its bytes, got {embeds.dtype} {shape} in {len(embeds.data)} bytes")
 
 
 def truncated_prompt(token_ids: list[int], limit: int | None, max_model_len: int) -> list[int]:

@@ -37,9 +37,6 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
     """
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
         return None
-    if not chat and "prompt_embeds" in prompt:
-        raise InvalidRequestError("prompt.prompt_embeds", "prompts given as embeddings (vLLM's enable_prompt_embeds) "
-                                                          "are not built; give the text or the token ids")
     field = "messages" if chat else "prompt.images"
     if mm is None:
         raise InvalidRequestError(field, "this model takes no images (it is not a multimodal architecture)")

@@ -71,7 +71,7 @@ class Request:
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
         "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids", "mm_items", "lora", "lora_int_id", "pooling",
-        "draft_buffer",
+        "draft_buffer", "prompt_embeds",
     )
 
     def __init__(
@@ -88,6 +88,7 @@ class Request:
         mm_items: list[protocol.MultiModalItem] | None = None,
         lora: LoRARequest | None = None,
         pooling: PoolingParams | None = None,
+        prompt_embeds: protocol.PromptEmbeds | None = None,
     ) -> None:
         self.request_id = request_id
         self._rows: RequestRows | None = None
@@ -127,6 +128,8 @@ class Request:
         """Its id (0: none): keys the prefix cache and counts against max_loras."""
         self.pooling = pooling
         """Set for an embedding request (one output token; the worker returns the embedding with it)."""
+        self.prompt_embeds = prompt_embeds
+        """A prompt given as embeddings, sent to the workers with the request (again when it resumes)."""
         self.draft_buffer: bytearray | None = None
         """Speculative decoding: the tokens as int32 bytes for the n-gram lookup (asyncllm/spec/ngram.py);
         None when the request is not drafted."""
@@ -163,6 +166,7 @@ class Request:
             mm_items=msg.mm_items,
             lora=msg.lora,
             pooling=msg.pooling,
+            prompt_embeds=msg.prompt_embeds,
         )
 
     # ------------------------------------------------------------ events

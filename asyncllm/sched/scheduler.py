@@ -507,6 +507,7 @@ class Scheduler:
                     mm_items=request.mm_items,
                     lora=request.lora,
                     pooling=request.pooling,
+                    prompt_embeds=request.prompt_embeds,
                 )
             )
             step.num_scheduled_tokens[request.request_id] = num_new

@@ -1,0 +1,72 @@
+"""Prompts given as embeddings (vLLM's ``enable_prompt_embeds``): ``{"prompt_embeds": tensor}``, the host side.
+
+The tensor (``[tokens, hidden]``, float32 / bfloat16 / float16, what the model's input embedding layer would
+return for a prompt: transformers' ``get_input_embeddings()(ids)``) travels to the workers as raw bytes
+(`protocol.PromptEmbeds`); the scheduler sees one placeholder token (id 0) per row, so chunked prefill,
+preemption and budgets work as for token prompts. Two prompts share prefix-cache blocks only when their
+embeddings are byte-identical: a digest of them salts the first block's hash. What would read the placeholders
+as tokens is refused by name: ``repetition_penalty`` (it counts the prompt's tokens) and ``prompt_logprobs``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from asyncllm import protocol
+from asyncllm.engine.validation import truncated_prompt
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import SamplingParams
+
+__all__ = ["PLACEHOLDER_TOKEN_ID", "prompt_embeds_of", "embeds_salt"]
+
+PLACEHOLDER_TOKEN_ID = 0
+"""The scheduler's token id for each embedded row (never looked up: the workers use the row)."""
+_DTYPES = ("float32", "bfloat16", "float16")
+_FIELD = "prompt.prompt_embeds"
+
+
+def prompt_embeds_of(prompt: dict[str, Any], hidden_size: int | None, params: SamplingParams,
+                     max_model_len: int) -> protocol.PromptEmbeds:
+    """The dict prompt's embeddings, checked, as sent to the core; `InvalidRequestError` naming what is wrong."""
+    import torch
+
+    if hidden_size is None:
+        raise InvalidRequestError(_FIELD, "prompts given as embeddings need an engine started with "
+                                          "enable_prompt_embeds=True")
+    if set(prompt) != {"prompt_embeds"}:
+        raise InvalidRequestError("prompt", f"an embeddings prompt is {{'prompt_embeds': tensor}} alone, got keys "
+                                            f"{sorted(prompt)}")
+    embeds = prompt["prompt_embeds"]
+    if not isinstance(embeds, torch.Tensor) or embeds.dim() != 2 or embeds.shape[1] != hidden_size:
+        raise InvalidRequestError(_FIELD, f"a torch.Tensor [tokens, {hidden_size}] (the model's hidden size), got "
+                                          f"{_described(embeds)}")
+    if str(embeds.dtype).removeprefix("torch.") not in _DTYPES:
+        raise InvalidRequestError(_FIELD, f"float32, bfloat16 or float16, got {embeds.dtype}")
+    for field, used in (("repetition_penalty", params.repetition_penalty != 1.0),
+                        ("prompt_logprobs", params.prompt_logprobs is not None)):
+        if used:
+            raise InvalidRequestError(field, "reads the prompt's token ids, and a prompt given as embeddings has none")
+    if params.truncate_prompt_tokens is not None:  # as a token prompt's: the last rows
+        keep = len(truncated_prompt(list(range(embeds.shape[0])), params.truncate_prompt_tokens, max_model_len))
+        embeds = embeds[embeds.shape[0] - keep:]
+    tokens = embeds.shape[0]
+    if not 0 < tokens < max_model_len:
+        raise InvalidRequestError(_FIELD, f"{tokens} rows, but a prompt has 1 to max_model_len - 1 = "
+                                          f"{max_model_len - 1} tokens")
+    embeds = embeds.detach().to("cpu").contiguous()
+    if not bool(torch.isfinite(embeds).all()):
+        raise InvalidRequestError(_FIELD, "holds NaN or infinite values")
+    data = embeds.view(torch.uint8).numpy().tobytes()
+    return protocol.PromptEmbeds(data, list(embeds.shape), str(embeds.dtype).removeprefix("torch."))
+
+
+def embeds_salt(cache_salt: str | None, embeds: protocol.PromptEmbeds) -> str:
+    """The request's cache salt with the embeddings' digest: equal embeddings (and salts) share cached blocks."""
+    digest = hashlib.sha256(embeds.data).hexdigest()[:32]
+    return f"{cache_salt or ''}\x00prompt_embeds:{embeds.dtype}:{digest}"
+
+
+def _described(value: Any) -> str:
+    shape = getattr(value, "shape", None)
+    return f"{type(value).__name__} of shape {tuple(shape)}" if shape is not None else type(value).__name__

@@ -1,0 +1,98 @@
+"""Prompts given as embeddings (``enable_prompt_embeds``, vLLM's ``{"prompt_embeds": tensor}``): greedy output equals
+transformers' ``generate(inputs_embeds=...)``, chunked and batched with token prompts; a token prompt's embeddings
+give its tokens; equal embeddings share prefix-cache blocks, other ones none; what reads the prompt's token ids, a
+wrong width or dtype, and the engines without the option refuse them by name."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+import torch
+
+from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+from asyncllm.config import EngineConfig
+from asyncllm.errors import NotBuiltError
+from hf_reference import hf_embeds_greedy, hf_greedy, hf_input_embeddings
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def _random_embeds(rows: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, 64, generator=torch.Generator().manual_seed(seed)) * 0.5
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_llama: str):
+    async with AsyncEngine(tiny_llama, enable_prompt_embeds=True, max_num_batched_tokens=32, max_model_len=256,
+                           disable_log_stats=True) as engine:
+        yield engine
+
+
+async def test_embeds_prompts_equal_transformers_chunked_and_beside_token_prompts(engine: AsyncEngine,
+                                                                                 tiny_llama: str) -> None:
+    ids = list(range(5, 75))
+    embeds = [_random_embeds(70, seed=1), hf_input_embeddings(tiny_llama, ids), _random_embeds(9, seed=2)]
+    prompts = [{"prompt_embeds": embeds[0]}, {"prompt_embeds": embeds[1].to(torch.bfloat16)}, ids,
+               {"prompt_embeds": embeds[2]}]
+    outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+    assert outs[0].token_ids == hf_embeds_greedy(tiny_llama, embeds[0], MAX_TOKENS)
+    assert outs[2].token_ids == hf_greedy(tiny_llama, ids, MAX_TOKENS, eos_token_id=None)
+    assert outs[1].token_ids == hf_embeds_greedy(tiny_llama, embeds[1].to(torch.bfloat16), MAX_TOKENS)
+    assert outs[3].token_ids == hf_embeds_greedy(tiny_llama, embeds[2], MAX_TOKENS)
+    assert outs[0].prompt_token_ids == [0] * 70 and outs[0].token_ids != outs[3].token_ids
+    exact = await engine.generate({"prompt_embeds": embeds[1]}, GREEDY)  # float32: a token prompt's own rows
+    assert exact.token_ids == outs[2].token_ids
+    cut = await engine.generate({"prompt_embeds": embeds[0]}, SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, truncate_prompt_tokens=20))
+    assert cut.token_ids == hf_embeds_greedy(tiny_llama, embeds[0][-20:], MAX_TOKENS)
+
+
+async def test_equal_embeddings_share_cached_blocks_and_other_ones_none(engine: AsyncEngine,
+                                                                        tiny_llama: str) -> None:
+    embeds = _random_embeds(48, seed=3)
+    first = await engine.generate({"prompt_embeds": embeds}, GREEDY)
+    again = await engine.generate({"prompt_embeds": embeds.clone()}, GREEDY)
+    changed = embeds.clone()
+    changed[-1] += 1.0  # the same first blocks' rows: the whole prompt's digest differs
+    other = await engine.generate({"prompt_embeds": changed}, GREEDY)
+    tokens = await engine.generate([0] * 48, GREEDY)  # the placeholders as a token prompt: no embeddings' blocks
+    assert again.num_cached_tokens >= 32 and again.token_ids == first.token_ids
+    assert other.num_cached_tokens == 0 and other.token_ids == hf_embeds_greedy(tiny_llama, changed, MAX_TOKENS)
+    assert tokens.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("prompt, params, field", [
+    ({"prompt_embeds": torch.zeros(4, 32)}, SamplingParams(), "prompt.prompt_embeds"),
+    ({"prompt_embeds": torch.zeros(4, 64, dtype=torch.float64)}, SamplingParams(), "prompt.prompt_embeds"),
+    ({"prompt_embeds": torch.full((4, 64), float("nan"))}, SamplingParams(), "prompt.prompt_embeds"),
+    ({"prompt_embeds": torch.zeros(256, 64)}, SamplingParams(), "prompt.prompt_embeds"),
+    ({"prompt_embeds": torch.zeros(4, 64), "prompt": "x"}, SamplingParams(), "prompt"),
+    ({"prompt_embeds": [[0.0] * 64]}, SamplingParams(), "prompt.prompt_embeds"),
+    ({"prompt_embeds": torch.zeros(4, 64)}, SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
+    ({"prompt_embeds": torch.zeros(4, 64)}, SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+], ids=["width", "dtype", "nan", "too-long", "extra-key", "not-a-tensor", "repetition-penalty", "prompt-logprobs"])
+async def test_what_does_not_fit_is_refused_by_name(engine: AsyncEngine, prompt, params, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as raised:
+        await engine.generate(prompt, params)
+    assert raised.value.field == field
+    assert len((await engine.generate([5, 6, 7], GREEDY)).token_ids) == MAX_TOKENS
+
+
+async def test_engines_without_the_option_or_with_what_it_is_not_built_with_refuse(tiny_llama: str) -> None:
+    from asyncllm.engine.prepare import prepare
+    from asyncllm.engine.prompt_embeds import prompt_embeds_of
+
+    with pytest.raises(InvalidRequestError, match="enable_prompt_embeds=True"):
+        prompt_embeds_of({"prompt_embeds": torch.zeros(4, 64)}, prepare(EngineConfig.create(tiny_llama)).embeds_width,
+                         SamplingParams(), 64)
+    for fields in ({"pipeline_parallel_size": 2}, {"speculative_config": {
+            "method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2}}):
+        with pytest.raises(NotBuiltError, match="prompts given as embeddings"):
+            prepare(EngineConfig.create(tiny_llama, enable_prompt_embeds=True, **fields))
+    ngram = {"method": "ngram", "num_speculative_tokens": 2}
+    assert prepare(EngineConfig.create(tiny_llama, enable_prompt_embeds=True, speculative_config=ngram)).embeds_width == 64
