@@ -101,8 +101,11 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
-    prompt: str | list[Any]
-    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    prompt: str | list[Any] | None = None
+    """A string, a list of strings, a list of token ids, or a list of token-id lists (or `prompt_embeds`)."""
+    prompt_embeds: str | list[str] | None = None
+    """vLLM's: base64 ``torch.save``'d ``[tokens, hidden]`` tensors, prompts given as embeddings (a server started
+    with --enable-prompt-embeds; integrations/openai_prompt_embeds.py)."""
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False

@@ -64,6 +64,7 @@ from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.lora import LoRARequest
 from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
+from asyncllm.integrations.openai_prompt_embeds import completion_embeds_prompts
 from asyncllm.tokenizer import apply_chat_template, load_chat_template
 from asyncllm.tool_calls import ToolParser, check_parser_pair, check_tools, get_tool_parser
 
@@ -224,10 +225,13 @@ class OpenAIServer:
     async def completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, CompletionRequest)
         model, lora = self._model(req.model)
+        embeds = None if req.prompt_embeds is None else await completion_embeds_prompts(req, self.limits)
+        if req.prompt is None and embeds is None:
+            raise InvalidRequestError("prompt", "is required (or vLLM's prompt_embeds)")
         if req.use_beam_search:  # vLLM's beam search (openai_beam_search.py)
             return await beam_search_response(self, request, req, model, lora)
         params = completion_params(req, self.limits, await self._sampling_defaults())
-        prompts = completion_prompts(req.prompt, self.limits)
+        prompts: list[Any] = embeds if embeds is not None else completion_prompts(req.prompt, self.limits)
         rank = header_data_parallel_rank(request.headers)
         streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank)
                    for prompt in prompts]

@@ -1,11 +1,14 @@
 """Prompts given as embeddings (``enable_prompt_embeds``, vLLM's ``{"prompt_embeds": tensor}``): greedy output equals
 transformers' ``generate(inputs_embeds=...)``, chunked and batched with token prompts; a token prompt's embeddings
 give its tokens; equal embeddings share prefix-cache blocks, other ones none; what reads the prompt's token ids, a
-wrong width or dtype, and the engines without the option refuse them by name."""
+wrong width or dtype, and the engines without the option refuse them by name; the OpenAI server takes vLLM's
+base64 ``prompt_embeds`` (``torch.load(weights_only=True)``: a pickle that would run code is refused)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 
 import pytest
 import pytest_asyncio
@@ -96,3 +99,39 @@ async def test_engines_without_the_option_or_with_what_it_is_not_built_with_refu
             prepare(EngineConfig.create(tiny_llama, enable_prompt_embeds=True, **fields))
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     assert prepare(EngineConfig.create(tiny_llama, enable_prompt_embeds=True, speculative_config=ngram)).embeds_width == 64
+
+
+def _b64(value) -> str:
+    """vLLM's wire form: a ``torch.save`` of the value, base64."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+async def test_the_openai_server_takes_vllms_base64_prompt_embeds(engine: AsyncEngine) -> None:
+    import pickle
+
+    from asgi_helpers import asgi_client
+    from asyncllm.integrations.openai_server import create_app
+
+    embeds = _random_embeds(20, seed=7)
+    expected = await engine.generate({"prompt_embeds": embeds}, GREEDY)
+    body = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
+
+    class Evil:  # a pickle that would run code: weights_only refuses it
+        def __reduce__(self):
+            return (print, ("ran",))
+
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        ok = await client.post("/v1/completions", json={**body, "prompt_embeds": [_b64(embeds), _b64(embeds)]})
+        refused = [await client.post("/v1/completions", json={**body, **extra}) for extra in (
+            {"prompt_embeds": _b64(embeds), "prompt": "x"}, {"prompt_embeds": "not base64!"},
+            {"prompt_embeds": _b64({"a": 1})}, {"prompt_embeds": base64.b64encode(pickle.dumps(Evil(), protocol=2)).decode()},
+            {"prompt_embeds": _b64(embeds), "echo": True}, {"prompt_embeds": _b64(torch.zeros(3, 8))}, {})]
+    choices = ok.json()["choices"]
+    assert ok.status_code == 200 and [c["text"] for c in choices] == [expected.text] * 2
+    assert ok.json()["usage"]["prompt_tokens"] == 40
+    assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [
+        (400, "prompt"), (400, "prompt_embeds"), (400, "prompt_embeds"), (400, "prompt_embeds"), (400, "echo"),
+        (400, "prompt.prompt_embeds"), (400, "prompt")]
+
