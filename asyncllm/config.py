@@ -152,6 +152,9 @@ class ModelConfig:
     max_tokens), vllm = none (SamplingParams' own defaults), or a folder holding a generation_config.json."""
     override_generation_config: dict[str, Any] | None = None
     """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}."""
+    max_logprobs: int = 20
+    """vLLM's: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: the vocabulary's size);
+    a request asking for more is an InvalidRequestError naming the field."""
     logprobs_mode: str = "raw_logprobs"
     """What logprobs hold, as vLLM's: raw_logprobs (log-softmax of the model's logits), raw_logits, or
     processed_logprobs / processed_logits (after logit_bias, penalties, bad words, min_tokens, a grammar, then
@@ -180,6 +183,7 @@ class ModelConfig:
         _choice("device", self.device, DEVICES)
         _int("seed", self.seed, 0)
         _int("max_model_len", self.max_model_len, 1, optional=True)
+        _int("max_logprobs", self.max_logprobs, -1)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             if not isinstance(self.quantization, str):

@@ -21,7 +21,10 @@ _MAX_SEED = 2**63 - 1
 _MASK64 = (1 << 64) - 1
 
 MAX_LOGPROBS = 20
-"""Most top logprobs a request may ask for per token (vLLM's default max_logprobs, OpenAI's limit)."""
+"""Most top logprobs a request may ask for per token by default (vLLM's default max_logprobs, OpenAI's limit):
+the engine's ``max_logprobs`` sets it (`asyncllm.engine.validation.check_logprobs_limit`)."""
+_LOGPROBS_BOUND = 2**31 - 1
+"""What `SamplingParams.validate` allows before the engine's ``max_logprobs`` applies: an int32 top-k."""
 
 _MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a logit_bias value; a bias of +-100 bans or forces a token."""
@@ -171,7 +174,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, 0, MAX_LOGPROBS)
+                _check_int(name, value, 0, _LOGPROBS_BOUND)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequestError("output_kind", f"must be a RequestOutputKind or one of "
                                       f"{[k.lower() for k in RequestOutputKind.__members__]}, got {self.output_kind!r}")

@@ -228,7 +228,8 @@ class EngineCore:
     def _add_request(self, client_id: bytes, message: protocol.AddRequest) -> None:
         try:
             # the host checked too; other peers may not have
-            check_add_request(message, self.executor.vocab_size, self.config.enable_prompt_embeds)
+            check_add_request(message, self.executor.vocab_size, self.config.enable_prompt_embeds,
+                              self.config.max_logprobs)
             if message.mm_items:
                 self.mm_cache.fill(client_id, message)
             request = Request.from_add_request(message, client_id)

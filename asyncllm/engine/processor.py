@@ -37,6 +37,7 @@ from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.engine.weight_update import PendingWeightUpdates
 from asyncllm.engine.validation import (
+    check_logprobs_limit,
     check_params_vocab,
     check_text,
     check_untokenized,
@@ -48,7 +49,7 @@ from asyncllm.lora import AdapterChecker, LoRARequest
 from asyncllm.structured.start_after import with_start_after_ids
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import StreamDelta
-from asyncllm.sampling import SamplingParams
+from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 from asyncllm.mm.cache import CACHE_MISS_ERROR
 from asyncllm.mm.host import multimodal_prompt, plain_prompt, resend_with_data
 from asyncllm.mm.processor import MultiModalPrompt, MultiModalProcessor
@@ -102,7 +103,7 @@ class Processor:
                  engine_key: str | None = None, mm: MultiModalProcessor | None = None,
                  lora: AdapterChecker | None = None, hidden_size: int | None = None,
                  pooling_model: PoolingModel | None = None, stream_interval: int = 1,
-                 embeds_width: int | None = None) -> None:
+                 embeds_width: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> None:
         self._address = address
         self._stream_interval = stream_interval
         """Tokens per delivered delta (`SchedulerConfig.stream_interval`): first and last tokens go at once."""
@@ -110,6 +111,8 @@ class Processor:
         """Which requests the model takes (asyncllm/engine/pooling_model.py); None: any request runs."""
         self._hidden_size = hidden_size
         """The model's embedding width, for `PoolingParams.dimensions`."""
+        self._max_logprobs = max_logprobs
+        """The engine's ``max_logprobs`` (-1: the vocabulary's size)."""
         self._embeds_width = embeds_width
         """The width of a prompt given as embeddings (the model's hidden size); None: such prompts are refused."""
         self._lora = lora
@@ -347,6 +350,7 @@ class Processor:
                 ids = job.params.bad_words_token_ids + bad_words_token_ids(self._tokenizer, job.params.bad_words)
                 job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
             check_params_vocab(job.params, self._vocab_size)
+            check_logprobs_limit(job.params, self._max_logprobs, self._vocab_size)
             token_ids = self._tokenize(job)
             job.params = with_start_after_ids(job.params, token_ids, self._tokenizer, self._vocab_size)
         except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread

@@ -221,7 +221,7 @@ def _processor(replica: Replica, prepared: Prepared, core: CoreProcess | None, s
         stats_logger=stats_logger, startup_timeout_s=timeout_s, observer=replica.observer,
         engine_key=spec.engine_key, mm=prepared.mm, lora=prepared.lora, hidden_size=prepared.hidden_size,
         pooling_model=prepared.pooling_model, stream_interval=prepared.config.stream_interval,
-        embeds_width=prepared.embeds_width,
+        embeds_width=prepared.embeds_width, max_logprobs=prepared.config.max_logprobs,
     )
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
-from asyncllm.sampling import SamplingParams
+from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
     "truncated_prompt",
@@ -101,6 +101,16 @@ def check_token_ids(field: str, token_ids: list[Any], vocab_size: int) -> None:
         raise InvalidRequestError(field, f"token ids must be in [0, {vocab_size}), got {bad}")
 
 
+def check_logprobs_limit(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
+    """`InvalidRequestError` for ``logprobs`` / ``prompt_logprobs`` above the engine's ``max_logprobs`` (-1: the
+    vocabulary's size)."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise InvalidRequestError(name, f"at most {limit} (the engine's max_logprobs), got {value}")
+
+
 def check_params_vocab(params: SamplingParams, vocab_size: int) -> None:
     """Token ids inside the parameters (logit_bias keys, stop_token_ids) must be below `vocab_size`:
     the workers index logits with them."""
@@ -120,11 +130,12 @@ def check_priority(priority: Any) -> None:
 
 
 # ---------------------------------------------------------------- core side
-def check_add_request(message: protocol.AddRequest, vocab_size: int, prompt_embeds: bool = False) -> None:
+def check_add_request(message: protocol.AddRequest, vocab_size: int, prompt_embeds: bool = False,
+                      max_logprobs: int = MAX_LOGPROBS) -> None:
     """`InvalidRequestError` naming the field for a decoded `AddRequest` a worker could not run.
 
     `vocab_size` 0 means unknown: ids must then fit int32. `prompt_embeds`: the engine takes prompts given as
-    embeddings (``enable_prompt_embeds``).
+    embeddings (``enable_prompt_embeds``); `max_logprobs` is the engine's.
     """
     if not message.request_id or len(message.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError("request_id", f"must be 1 to {MAX_REQUEST_ID_CHARS} characters")
@@ -133,6 +144,7 @@ def check_add_request(message: protocol.AddRequest, vocab_size: int, prompt_embe
     check_token_ids("prompt", message.prompt_token_ids, limit)
     check_token_ids("eos_token_ids", message.eos_token_ids, limit)
     check_params_vocab(message.params, limit)
+    check_logprobs_limit(message.params, max_logprobs, limit)
     if not math.isfinite(message.arrival_time):
         raise InvalidRequestError("arrival_time", f"must be a finite time, got {message.arrival_time}")
     check_priority(message.priority)

@@ -33,7 +33,7 @@ USER = 3  # "<|user|>", a special token of the tiny tokenizer
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_llama: str):
     engine = AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=512, max_num_batched_tokens=64,
-                         max_num_seqs=16)
+                         max_num_seqs=16, max_logprobs=40)
     async with engine:
         yield engine
 
@@ -71,6 +71,12 @@ async def test_logprobs_match_transformers(engine: AsyncEngine, tokenizer) -> No
         assert entry[token_id].rank == 1  # greedy
     streamed = [d async for d in engine.stream(PROMPT, params)]
     assert [e for d in streamed for e in d.logprobs] == out.logprobs
+    wide = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=40))
+    _check_logprob_entry(wide.logprobs[0], wide.token_ids[0], logprobs[len(prompt_ids) - 1], 40, tokenizer)
+    for field in ("logprobs", "prompt_logprobs"):  # max_logprobs=40: vLLM's default is 20
+        with pytest.raises(InvalidRequestError, match="at most 40 .the engine's max_logprobs") as raised:
+            await engine.generate(PROMPT, SamplingParams(max_tokens=2, **{field: 41}))
+        assert raised.value.field == field
 
 
 async def test_prompt_logprobs_match_transformers_across_chunks(engine: AsyncEngine, tokenizer) -> None:
