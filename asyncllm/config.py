@@ -212,6 +212,10 @@ class CacheConfig:
     """Fraction of GPU memory the engine may use (weights, activations, KV cache)."""
     num_gpu_blocks_override: int | None = None
     """Use exactly this many KV blocks instead of sizing from memory."""
+    kv_cache_memory_bytes: int | None = None
+    """vLLM's: bytes of KV cache per rank (the draft model's included), instead of what gpu_memory_utilization
+    leaves after a profile step (on the CPU: instead of ASYNCLLM_CPU_KVCACHE_SPACE_GB); num_gpu_blocks_override
+    wins over it."""
     kv_cache_dtype: str = "auto"
     """auto = the model dtype; fp8 / fp8_e4m3 (float8_e4m3fn) or fp8_e5m2 (float8_e5m2): K and V stored in
     one byte each with the checkpoint's calibrated per-layer scales, else 1.0; twice the blocks of bfloat16
@@ -235,6 +239,7 @@ class CacheConfig:
         _choice("block_size", self.block_size, BLOCK_SIZES)
         _float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
         _int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
+        _int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
         _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _bool("enable_prefix_caching", self.enable_prefix_caching)
         _float("swap_space", self.swap_space, 0.0, 1024.0)

@@ -156,10 +156,14 @@ class ModelRunner:
 
     def determine_num_available_blocks(self) -> int:
         """How many KV blocks fit this rank's memory budget (the core takes the min over ranks)."""
-        if self.device.type == "cuda":  # a multimodal model's encoder cache is not the KV cache's
+        value: object
+        if self.config.kv_cache_memory_bytes is not None:  # the user's size: no profile step
+            budget = value = self.config.kv_cache_memory_bytes
+            field = "kv_cache_memory_bytes"
+        elif self.device.type == "cuda":  # a multimodal model's encoder cache is not the KV cache's
             budget = self._profile_cuda_kv_budget() - (encoder_cache_bytes(self.config) if self.mm_runner else 0)
             field = "gpu_memory_utilization"
-            value: object = self.config.gpu_memory_utilization
+            value = self.config.gpu_memory_utilization
         else:
             budget, field = int(envs.CPU_KVCACHE_SPACE_GB.get() * 2**30), envs.CPU_KVCACHE_SPACE_GB.name
             value = envs.CPU_KVCACHE_SPACE_GB.get()

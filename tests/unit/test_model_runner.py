@@ -335,6 +335,20 @@ def test_cpu_blocks_follow_the_kvcache_space(fake_runner: ModelRunner, monkeypat
     assert fake_runner.determine_num_available_blocks() == int(0.001 * 2**30) // 512
 
 
+def test_kv_cache_memory_bytes_sizes_the_cache(tmp_path: Path) -> None:
+    """vLLM's kv_cache_memory_bytes: that many bytes of blocks per rank, whatever the CPU space or memory."""
+    from asyncllm.errors import ConfigError
+
+    for size, blocks in ((512 * 77 + 100, 77), (100, None)):
+        runner = ModelRunner(make_config(tmp_path, kv_cache_memory_bytes=size), rank=0, tp_size=1, device=CPU)
+        runner.attach_model(FakeModel(), FAKE_SPEC, torch.float32)
+        if blocks is None:
+            with pytest.raises(ConfigError, match="kv_cache_memory_bytes=100 .*at least one KV block"):
+                runner.determine_num_available_blocks()
+        else:
+            assert runner.determine_num_available_blocks() == blocks
+
+
 def test_the_sampler_takes_the_engine_s_logprobs_mode(tmp_path: Path) -> None:
     runner = ModelRunner(make_config(tmp_path, logprobs_mode="processed_logits"), rank=0, tp_size=1, device=CPU)
     assert runner.sampler.logprobs_mode == "processed_logits"
