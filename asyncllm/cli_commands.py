@@ -52,6 +52,8 @@ def add_serve_parser(commands: Any) -> None:
                        help="split chat replies into reasoning and content (deepseek_r1: DeepSeek-R1, QwQ; qwen3)")
     serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                        help="a Jinja chat template (file or text) used instead of the tokenizer's")
+    serve.add_argument("--return-tokens-as-token-ids", action="store_true",
+                       help="logprobs name tokens 'token_id:N' instead of their text (vLLM's flag)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests bring their own chat_template (Jinja from clients)")
     serve.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module, default=None,
@@ -107,7 +109,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         app = create_app(engine, model_name=name, api_key=args.api_key or envs.API_KEY.get() or None, limits=limits,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                          chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                         reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or ())
+                         reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or (),
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     except ConfigError as exc:
         parser.error(str(exc))
     print(f"[asyncllm] serving on http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -138,7 +138,8 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     if top_logprobs is not None and top_logprobs > 2 * width:
         raise InvalidRequestError("top_logprobs" if chat else "logprobs", f"with use_beam_search: at most 2 * beam "
                                   f"width = {2 * width} (the alternatives each step ranks), got {top_logprobs}")
-    choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None)
+    choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None,
+                      token_ids_as_text=server.token_ids_as_text)
     for prompt_index, ids in enumerate(prompts):
         choices.prompt_tokens[prompt_index] = len(ids)
     deltas = _deltas(prompts, outputs, req.n, top_logprobs is not None)

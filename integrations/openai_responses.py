@@ -45,7 +45,7 @@ class Choices:
     def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool,
                  token_text: Callable[[int], str] | None = None, echo_only: bool = False,
                  tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None,
-                 return_prompt_logprobs: bool = False) -> None:
+                 return_prompt_logprobs: bool = False, token_ids_as_text: bool = False) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -54,6 +54,8 @@ class Choices:
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * num_prompts
         self._token_text = token_text
         """A token id's text, for an echoed prompt's first token (it has no logprob entry)."""
+        self._name = _token_id_name if token_ids_as_text else _token_text
+        """How logprobs name a token: its text, or (vLLM's --return-tokens-as-token-ids) ``token_id:N``."""
         self.echo_only = echo_only
         """Completions' ``echo`` with ``max_tokens`` 0: the prompt is the whole choice, generated tokens are dropped."""
         self.tool_mode = tool_mode or ToolMode("none")
@@ -147,14 +149,14 @@ class Choices:
     def _format_logprobs(self, choice: _Choice, token_ids: list[int], entries: Entries) -> dict[str, Any]:
         top_n = self.top_logprobs or 0
         if self.chat:
-            return {"content": [_chat_token(t, e, top_n) for t, e in zip(token_ids, entries)]}
+            return {"content": [_chat_token(t, e, top_n, self._name) for t, e in zip(token_ids, entries)]}
         tokens, token_logprobs, tops, offsets = [], [], [], []
         for token_id, entry in zip(token_ids, entries):
             if entry is None:  # an echoed prompt's first token: nothing predicts it
                 token, logprob, top = self._token_text(token_id) if self._token_text else "", None, None
             else:
-                token, logprob = _token_text(token_id, entry), _logprob(token_id, entry)
-                top = {_token_text(t, entry): _finite(lp.logprob) for t, lp in _top(entry, top_n)} if top_n else None
+                token, logprob = self._name(token_id, entry), _logprob(token_id, entry)
+                top = {self._name(t, entry): _finite(lp.logprob) for t, lp in _top(entry, top_n)} if top_n else None
             tokens.append(token)
             token_logprobs.append(logprob)
             tops.append(top)
@@ -177,9 +179,10 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _chat_token(token_id: int, entry: dict[int, Logprob], top_n: int) -> dict[str, Any]:
-    token = _token_text(token_id, entry)
-    top = [{"token": _token_text(t, entry), "logprob": _finite(lp.logprob), "bytes": list(_token_text(t, entry).encode())}
+def _chat_token(token_id: int, entry: dict[int, Logprob], top_n: int,
+                name: Callable[[int, dict[int, Logprob]], str]) -> dict[str, Any]:
+    token = name(token_id, entry)
+    top = [{"token": name(t, entry), "logprob": _finite(lp.logprob), "bytes": list(name(t, entry).encode())}
            for t, lp in _top(entry, top_n)]
     return {"token": token, "logprob": _logprob(token_id, entry), "bytes": list(token.encode()), "top_logprobs": top}
 
@@ -195,6 +198,10 @@ def _token_text(token_id: int, entry: dict[int, Logprob]) -> str:
     if logprob is None:
         return ""
     return f"token_id:{token_id}" if logprob.decoded_token is None else logprob.decoded_token
+
+
+def _token_id_name(token_id: int, entry: dict[int, Logprob]) -> str:
+    return f"token_id:{token_id}"
 
 
 def _logprob(token_id: int, entry: dict[int, Logprob]) -> float:

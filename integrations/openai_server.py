@@ -82,7 +82,7 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
                limits: ServerLimits | None = None, manage_engine: bool = True,
                tool_call_parser: str | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
-               lora_modules: Sequence[LoRAModule] = ()) -> Starlette:
+               lora_modules: Sequence[LoRAModule] = (), return_tokens_as_token_ids: bool = False) -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
     `model_name` is the id clients pass as ``model`` (default: the model as
@@ -101,7 +101,8 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     ``--lora-modules``; the engine needs enable_lora): a request naming one
     as ``model`` runs with it; the app's startup checks each with
     `AsyncEngine.add_lora`. ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING adds the
-    routes that load and unload adapters while serving.
+    routes that load and unload adapters while serving. `return_tokens_as_token_ids` names logprobs' tokens
+    ``token_id:N`` instead of their text (vLLM's flag: for tokens that are not whole characters).
     """
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     check_parser_pair(parser, reasoning_parser)  # openai (gpt-oss's harmony) reads after openai_gptoss
@@ -114,7 +115,8 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
     server = OpenAIServer(engine, names or [_served_name(engine.config.model)], api_key, limits or ServerLimits(),
                           parser, templates, get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
-                          lora_modules=lora_modules, runtime_lora=envs.ALLOW_RUNTIME_LORA_UPDATING.get())
+                          lora_modules=lora_modules, runtime_lora=envs.ALLOW_RUNTIME_LORA_UPDATING.get(),
+                          token_ids_as_text=return_tokens_as_token_ids)
     return server.app(manage_engine)
 
 
@@ -137,8 +139,11 @@ class OpenAIServer:
     def __init__(self, engine: AsyncEngine, model_names: list[str | None], api_key: str | None,
                  limits: ServerLimits, tool_parser: ToolParser | None = None,
                  templates: ChatTemplates = ChatTemplates(), reasoning: ReasoningParser | None = None, *,
-                 lora_modules: Sequence[LoRAModule] = (), runtime_lora: bool = False) -> None:
+                 lora_modules: Sequence[LoRAModule] = (), runtime_lora: bool = False,
+                 token_ids_as_text: bool = False) -> None:
         self.engine = engine
+        self.token_ids_as_text = token_ids_as_text
+        """Logprobs name tokens ``token_id:N`` (vLLM's --return-tokens-as-token-ids)."""
         self.reasoning = reasoning
         self.templates = templates
         self.tool_parser = tool_parser
@@ -236,6 +241,7 @@ class OpenAIServer:
         streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank)
                    for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
+                          token_ids_as_text=self.token_ids_as_text,
                           echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None)
         return await self._respond(request, req, model, streams, choices, "cmpl", "text_completion",
                                    echo=prompts if req.echo else None)
@@ -320,6 +326,7 @@ class OpenAIServer:
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
                                     data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs)]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
+                          token_ids_as_text=self.token_ids_as_text,
                           return_prompt_logprobs=req.prompt_logprobs is not None)
         return streams, choices
 
@@ -473,8 +480,8 @@ class OpenAIServer:
         return out
 
     def _token_text(self, token_id: int) -> str:
-        """A logprobs entry's token: its text, or vLLM's ``token_id:N`` without a tokenizer."""
-        if self.engine.tokenizer is None:
+        """A logprobs entry's token: its text, or vLLM's ``token_id:N`` (without a tokenizer, or asked for)."""
+        if self.engine.tokenizer is None or self.token_ids_as_text:
             return f"token_id:{token_id}"
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 

@@ -54,3 +54,23 @@ async def test_echo_then_generated_tokens_streamed_or_not(app) -> None:
     assert tokens.json()["choices"][0]["text"].startswith(app.state.openai_server.engine.tokenizer.decode([5, 6, 7]))
     assert all(c["text"].startswith(PROMPT) for c in two.json()["choices"])
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, "echo")
+
+
+async def test_return_tokens_as_token_ids_names_every_logprob_token_by_id(bundled_engine, bundled_tokenizer) -> None:
+    """vLLM's --return-tokens-as-token-ids: completions' and chat's logprobs name tokens ``token_id:N`` (an echoed
+    prompt's too), the ids the engine generated."""
+    from asyncllm.integrations.openai_server import create_app
+
+    app = create_app(bundled_engine, manage_engine=False, return_tokens_as_token_ids=True)
+    expected = await bundled_engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=4))
+    async with _client(app) as client:
+        done = (await client.post("/v1/completions", json={**GREEDY, "prompt": PROMPT, "max_tokens": 4, "logprobs": 2,
+                                                           "echo": True})).json()["choices"][0]["logprobs"]
+        chat = (await client.post("/v1/chat/completions", json={
+            **GREEDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True,
+            "top_logprobs": 2})).json()["choices"][0]["logprobs"]["content"]
+    prompt_ids = bundled_tokenizer(PROMPT).input_ids
+    assert done["tokens"] == [f"token_id:{t}" for t in prompt_ids + expected.token_ids]
+    assert all(key.startswith("token_id:") for top in done["top_logprobs"][1:] for key in top)
+    assert all(entry["token"].startswith("token_id:") and entry["bytes"] == list(entry["token"].encode())
+               and all(t["token"].startswith("token_id:") for t in entry["top_logprobs"]) for entry in chat)
