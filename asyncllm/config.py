@@ -114,6 +114,10 @@ class ModelConfig:
     tokenizer_mode: str = "auto"
     """vLLM's: auto (or hf) loads the fast tokenizer when there is one, slow the Python one (``use_fast=False``);
     mistral (mistral_common) and custom are not built."""
+    trust_remote_code: bool = False
+    """vLLM's: let transformers run the checkpoint's own Python code for its config, tokenizer and image processor
+    (``auto_map``; only from checkpoints you trust). The model itself is always asyncllm's class of its
+    architecture; off, such a checkpoint is a ConfigError naming this field."""
     enable_prompt_embeds: bool = False
     """vLLM's: accept prompts given as embeddings, ``{"prompt_embeds": tensor [tokens, hidden]}`` (what the
     model's input embedding layer returns; docs/sampling.md#prompts-given-as-embeddings). Not with image-text
@@ -179,6 +183,7 @@ class ModelConfig:
         _choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
         _bool("skip_tokenizer_init", self.skip_tokenizer_init)
         _bool("enable_prompt_embeds", self.enable_prompt_embeds)
+        _bool("trust_remote_code", self.trust_remote_code)
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _int("seed", self.seed, 0)

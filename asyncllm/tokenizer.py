@@ -57,16 +57,18 @@ def load_chat_template(value: str) -> str:
     return value
 
 
-def load_tokenizer(name_or_path: str, revision: str | None = None, mode: str = "auto") -> PreTrainedTokenizerBase:
-    """Load the tokenizer with `AutoTokenizer` (never running remote code; ``mode`` "slow": the Python one); a
-    ``.gguf`` file's from its metadata."""
+def load_tokenizer(name_or_path: str, revision: str | None = None, mode: str = "auto",
+                   trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """Load the tokenizer with `AutoTokenizer` (its own code run only with `trust_remote_code`; ``mode`` "slow":
+    the Python one); a ``.gguf`` file's from its metadata."""
     from transformers import AutoTokenizer
 
     try:
         if os.path.isfile(name_or_path) and name_or_path.lower().endswith(".gguf"):
             folder, name = os.path.split(os.path.abspath(name_or_path))
             return AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        return AutoTokenizer.from_pretrained(name_or_path, revision=revision, use_fast=mode != "slow")
+        return AutoTokenizer.from_pretrained(name_or_path, revision=revision, use_fast=mode != "slow",
+                                             trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises OSError, ValueError, KeyError, ImportError...
         raise ConfigError("tokenizer", name_or_path, f"a loadable Hugging Face tokenizer ({exc})") from exc
 

@@ -133,7 +133,7 @@ class MTPRunner(EagleRunner):
     def load_model(self, dtype: torch.dtype, kv_cache_dtype: torch.dtype, rank: int, tp_size: int) -> None:
         config = self.config
         path = resolve_model_path(config.model, config.revision)
-        target_cls, target_config = mtp_target(served_hf_config(path, config.hf_overrides))
+        target_cls, target_config = mtp_target(served_hf_config(path, config.hf_overrides, config.trust_remote_code))
         draft_config = config.replace(model=path, revision=None, speculative_config=None, enable_lora=False)
         self.model = load_model(draft_config, mtp_layer_config(target_config), self.device, dtype, rank, tp_size,
                                 model_cls=mtp_class(target_cls))

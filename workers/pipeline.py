@@ -93,7 +93,7 @@ class PipelineModelRunner(ModelRunner):
         hf_config = self.hf_config
         if hf_config is None:
             hf_config = served_hf_config(resolve_model_path(self.config.model, self.config.revision),
-                                         self.config.hf_overrides)
+                                         self.config.hf_overrides, self.config.trust_remote_code)
         text_config = text_config_of(hf_config)
         stage = self.stage
         start, end = get_pp_indices(text_config.num_hidden_layers, stage.rank, stage.size,

@@ -64,7 +64,7 @@ class Prepared:
 
 def prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision)
-    hf_config = served_hf_config(path, config.hf_overrides)
+    hf_config = served_hf_config(path, config.hf_overrides, config.trust_remote_code)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
     limits = config.multimodal_config.limit_mm_per_prompt
     multimodal = arch in MULTIMODAL_ARCHITECTURES and not serves_text_only(arch, limits)
@@ -74,7 +74,7 @@ def prepare(config: EngineConfig) -> Prepared:
     max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-        tokenizer_name, config.revision if config.tokenizer else None, config.tokenizer_mode)
+        tokenizer_name, config.revision if config.tokenizer else None, config.tokenizer_mode, config.trust_remote_code)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
     if arch in HYBRID_ARCHITECTURES:
         resolved = _hybrid_config(resolved, arch)

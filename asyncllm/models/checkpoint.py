@@ -86,8 +86,9 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
         raise ConfigError("model", model, f"a hub id that can be downloaded ({type(exc).__name__}: {exc})") from exc
 
 
-def load_hf_config(path: str) -> PretrainedConfig:
-    """The checkpoint's transformers config (no remote code is ever run); a GGUF file's from its metadata."""
+def load_hf_config(path: str, trust_remote_code: bool = False) -> PretrainedConfig:
+    """The checkpoint's transformers config (its own code run only with `trust_remote_code`); a GGUF file's from
+    its metadata."""
     from transformers import AutoConfig
 
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
@@ -96,8 +97,11 @@ def load_hf_config(path: str) -> PretrainedConfig:
         return load_gguf_config(path)
 
     try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
+        if not trust_remote_code and "trust_remote_code" in str(exc):
+            raise ConfigError("trust_remote_code", False, f"True to run {path}'s own configuration code (its "
+                                                          "config.json's auto_map), if you trust it") from exc
         allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
         raise ConfigError("model", path, allowed) from exc
     return allow_global_layer_values(config)
@@ -145,9 +149,9 @@ def apply_hf_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | 
     return hf_config
 
 
-def served_hf_config(path: str, overrides: dict[str, Any] | None) -> PretrainedConfig:
+def served_hf_config(path: str, overrides: dict[str, Any] | None, trust_remote_code: bool = False) -> PretrainedConfig:
     """The checkpoint's config as the engine serves it: read (`load_hf_config`), ``hf_overrides`` applied."""
-    return apply_hf_overrides(load_hf_config(path), overrides)
+    return apply_hf_overrides(load_hf_config(path, trust_remote_code), overrides)
 
 
 _DERIVED = ("num_hidden_layers", "layer_types", "layers_block_type", "layers_num_experts")

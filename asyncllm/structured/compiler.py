@@ -54,9 +54,11 @@ def check_xgrammar_installed() -> None:
 class GrammarCompilerPool:
     """Compiles constraints in background threads; `submit` returns the shared future of a compiled grammar."""
 
-    def __init__(self, tokenizer_path: str, vocab_size: int, revision: str | None = None) -> None:
+    def __init__(self, tokenizer_path: str, vocab_size: int, revision: str | None = None,
+                 trust_remote_code: bool = False) -> None:
         self._tokenizer_path = tokenizer_path
         self._revision = revision
+        self._trust_remote_code = trust_remote_code
         self._vocab_size = vocab_size
         self._jobs: queue.SimpleQueue[tuple[Future[Any], tuple[str, str]] | None] = queue.SimpleQueue()
         self._threads_lock = threading.Lock()
@@ -161,7 +163,7 @@ class GrammarCompilerPool:
 
         from asyncllm.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(self._tokenizer_path, self._revision)
+        tokenizer = load_tokenizer(self._tokenizer_path, self._revision, trust_remote_code=self._trust_remote_code)
         info = self._tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self._vocab_size or None)
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 

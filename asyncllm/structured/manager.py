@@ -53,8 +53,10 @@ class StructuredOutputManager:
     """Grammar compilation, per-step bitmasks and matchers of the structured requests."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, compile_timeout_s: float, revision: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, max_drafts: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_drafts: int = 0,
+                 trust_remote_code: bool = False) -> None:
         self._tokenizer_path, self._vocab_size, self._revision = tokenizer_path, vocab_size, revision
+        self._trust_remote_code = trust_remote_code
         self.max_drafts = max_drafts
         """Speculative decoding's ``num_speculative_tokens``: how far a matcher rolls back after masking drafts."""
         self.compile_timeout_s = compile_timeout_s
@@ -79,7 +81,8 @@ class StructuredOutputManager:
         if request.request_id in self.pending:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already used by an unfinished request")
         if self._compilers is None:
-            self._compilers = GrammarCompilerPool(self._tokenizer_path, self._vocab_size, self._revision)
+            self._compilers = GrammarCompilerPool(self._tokenizer_path, self._vocab_size, self._revision,
+                                                  self._trust_remote_code)
         structured = request.params.structured
         assert structured is not None
         self.pending[request.request_id] = _Pending(request, self._compilers.submit(structured), self._clock())

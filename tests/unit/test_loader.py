@@ -305,3 +305,26 @@ def test_hf_overrides_set_keys_and_update_nested_configs() -> None:
     assert (config.image_seq_length, config.new_key) == (7, [1])
     with pytest.raises(ConfigError, match="hf_overrides"):
         EngineConfig.create("some/model", hf_overrides={"x": object()})
+
+
+def test_trust_remote_code_runs_a_checkpoints_own_config_class(tmp_path: Path, tiny_llama: str) -> None:
+    """A config.json whose ``auto_map`` names the checkpoint's own config class: refused naming trust_remote_code,
+    read with it (the model is still asyncllm's class of its architecture)."""
+    from asyncllm.engine.prepare import prepare
+    from asyncllm.errors import ConfigError
+
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(tiny_llama, name), tmp_path)
+    (tmp_path / "configuration_mine.py").write_text(
+        "from transformers import LlamaConfig\n\n\nclass MineConfig(LlamaConfig):\n    model_type = 'mine'\n")
+    with open(os.path.join(tiny_llama, "config.json")) as f:
+        config = json.load(f)
+    config.update(model_type="mine", auto_map={"AutoConfig": "configuration_mine.MineConfig"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match="trust_remote_code=False .*auto_map"):
+        prepare(EngineConfig.create(str(tmp_path)))
+    prepared = prepare(EngineConfig.create(str(tmp_path), trust_remote_code=True))
+    read = load_hf_config(str(tmp_path), trust_remote_code=True)
+    assert type(read).__name__ == "MineConfig" and prepared.vocab_size == read.vocab_size
+    model = load_model(EngineConfig.create(str(tmp_path), max_model_len=64), read, CPU, torch.float32)
+    assert type(model).__name__ == "LlamaForCausalLM"
