@@ -242,7 +242,6 @@ class AdapterChecker:
                 _fail(adapter.path, f"{name} maps {module.in_features} -> {module.out_features} features, this "
                                     f"model's projection {expected[0]} -> {expected[1]} (an adapter of another model?)")
 
-
     def _check_experts(self, path: str, name: str, module: AdapterModule, layer: int, projection: str) -> bool:
         """Check an MLP matrix of a mixture of experts; False: a dense MLP's, left to the caller."""
         moe = self._experts[layer] if self._experts is not None else None
@@ -251,7 +250,7 @@ class AdapterChecker:
                 _fail(path, f"{name}: layer {layer} of {self._arch} is a mixture of experts: its MLP has no "
                             f"{projection} (adapt mlp.experts.gate_up_proj / down_proj)")
             return False
-        if not self._adaptable_experts:
+        if moe is not None and not self._adaptable_experts:
             _fail(path, f"{name}: adapters on the experts of {self._arch} are not built (gpt-oss, Mixtral, Phi-3.5-MoE, "
                         "OLMoE, Qwen2-MoE, Qwen3-MoE and Qwen3.5-MoE take them; the attention's projections work here)")
         problem = expert_problem(projection, module, moe, self._hidden)

@@ -122,7 +122,8 @@ def prepare(config: EngineConfig) -> Prepared:
                                  mm_config.mm_processor_kwargs, limits.get("image"), limits.get("video"),
                                  mm_config.video_num_frames)
     config_json = hf_config_json(hf_config)
-    return Prepared(resolved, tokenizer, eos_token_ids(tokenizer, path, getattr(text_config, "eos_token_id", None)), text_config.vocab_size, mm,
+    eos = eos_token_ids(tokenizer, path, getattr(text_config, "eos_token_id", None))
+    return Prepared(resolved, tokenizer, eos, text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora,
                     embedding_width(path, text_config.hidden_size),
                     default_sampling_fields(_generation_config(config, path), path, config.override_generation_config),
