@@ -23,11 +23,11 @@ import msgspec
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.lora_experts import (
-    FUSED_EXPERT_PARAMS,
     ExpertLayer,
     canonical_name,
     expert_problem,
     fused_expert_names,
+    is_expert_parameter,
     is_expert_path,
 )
 
@@ -251,8 +251,8 @@ class AdapterChecker:
                             f"{projection} (adapt mlp.experts.gate_up_proj / down_proj)")
             return False
         if moe is not None and not self._adaptable_experts:
-            _fail(path, f"{name}: adapters on the experts of {self._arch} are not built (gpt-oss, Mixtral, Phi-3.5-MoE, "
-                        "OLMoE, Qwen2-MoE, Qwen3-MoE and Qwen3.5-MoE take them; the attention's projections work here)")
+            _fail(path, f"{name}: adapters on the experts of {self._arch} are not built (docs/models.md's LoRA column "
+                        "marks the families that take them; the attention's projections work here)")
         problem = expert_problem(projection, module, moe, self._hidden)
         if problem is not None:
             _fail(path, f"{name}: layer {layer} of {self._arch} {problem}")
@@ -298,8 +298,7 @@ def _read_config(path: str) -> dict[str, Any]:
         "lora_bias": "LoRA biases",
     }
     targets = config.get("target_parameters") or []
-    if not isinstance(targets, list) or not all(isinstance(t, str) and t.rsplit(".", 2)[-2:] in (
-            ["experts", p] for p in FUSED_EXPERT_PARAMS) for t in targets):
+    if not isinstance(targets, list) or not all(isinstance(t, str) and is_expert_parameter(t) for t in targets):
         _fail(path, f"it adapts parameters {targets!r} (target_parameters): only a mixture of experts' "
                     "experts.gate_up_proj and experts.down_proj are served")
     for key, what in unsupported.items():

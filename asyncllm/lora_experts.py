@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 __all__ = ["FUSED_EXPERT_PARAMS", "ExpertLayer", "canonical_name", "expert_problem", "fused_expert_names",
-           "is_expert_path"]
+           "is_expert_parameter", "is_expert_path"]
 
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 """The experts' stacked parameters PEFT's ``target_parameters`` may name."""
@@ -31,7 +31,8 @@ _PER_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 """Mixtral's original expert matrix names -> the gate / up / down projections."""
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
 _EXPERT_PATH = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
-_SHARED_PATH = re.compile(r"shared_expert\.(gate_proj|up_proj|down_proj)")
+_SHARED_PATH = re.compile(r"shared_experts?\.(gate_proj|up_proj|down_proj)")
+"""Qwen's ``shared_expert``, DeepSeek-style ``shared_experts`` (GLM-4.5, ERNIE 4.5, ...): a dense MLP."""
 _FUSED_PATH = re.compile(r"experts(\.base_layer)*|experts\.(gate_up_proj|down_proj)")
 """PEFT's stacked-experts tensors as stored, and as `fused_expert_names` names them."""
 
@@ -54,6 +55,13 @@ def canonical_name(name: str) -> str:
 def is_expert_path(path: str) -> bool:
     """Whether ``path`` (after ``mlp.``) names an expert's, the stacked experts' or the shared expert's matrix."""
     return any(p.fullmatch(path) for p in (_EXPERT_PATH, _SHARED_PATH, _FUSED_PATH))
+
+
+def is_expert_parameter(target: str) -> bool:
+    """Whether a ``target_parameters`` entry names the stacked experts' parameters: ``[...]experts.gate_up_proj``,
+    ``[...]experts.down_proj``, or the bare parameter name."""
+    head, _, parameter = target.rpartition(".")
+    return parameter in FUSED_EXPERT_PARAMS and (not head or head == "experts" or head.endswith(".experts"))
 
 
 def fused_expert_names(pairs: dict[str, tuple[list[int], list[int]]], targets: list[str],

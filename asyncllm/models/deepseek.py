@@ -229,6 +229,8 @@ class DeepseekExperts(MoECausalLM):
     """Mixin before `LlamaForCausalLM` for DeepSeek-style experts (DeepSeek, GLM-4.5): dense first layers, then
     `DeepseekMoE`; the multi-token-prediction layers past ``num_hidden_layers`` left unread."""
 
+    lora_experts = True  # GLM-4.5, dots.llm1, EXAONE MoE, Solar Open (DeepSeek's latent attention takes no LoRA)
+
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
         kinds = getattr(hf_config, "mlp_layer_types", None)  # GLM-4.7-Flash's "dense" / "sparse" per layer

@@ -113,6 +113,8 @@ class Ernie4_5_MoeForCausalLM(MoECausalLM, Ernie4_5ForCausalLM):
     """ERNIE 4.5 MoE (ERNIE-4.5-21B-A3B, 300B-A47B): ERNIE 4.5's layers, experts in the layers from
     ``moe_layer_start_index`` to ``moe_layer_end_index`` on the ``moe_layer_interval`` stride."""
 
+    lora_experts = True
+
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
         cfg = hf_config

@@ -122,6 +122,8 @@ class HunYuanMoE(nn.Module):
 class HunYuanMoEV1ForCausalLM(MoECausalLM, HunYuanDenseV1ForCausalLM):
     """Hunyuan-A13B: the dense model's layers with `HunYuanMoE` MLPs."""
 
+    lora_experts = True
+
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec:
         def per_layer(value: Any) -> int:

@@ -45,6 +45,7 @@ class MiniMaxM2MoE(nn.Module):
 
 
 class MiniMaxM2ForCausalLM(MoECausalLM, LlamaForCausalLM):
+    lora_experts = True
     model_cls = OlmoeModel
     moe_module = MixtralForCausalLM.moe_module
     expert_parts = MixtralForCausalLM.expert_parts

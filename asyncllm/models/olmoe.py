@@ -56,4 +56,5 @@ class OlmoeForCausalLM(MoECausalLM, LlamaForCausalLM):
 class FlexOlmoForCausalLM(MoECausalLM, Olmo2ForCausalLM):
     """OLMo 2's layers with OLMoE's experts in every layer."""
 
+    lora_experts = True
     moe_spec = OlmoeForCausalLM.moe_spec

@@ -156,7 +156,7 @@ async def test_vllm_prompt_dicts_are_their_plain_prompts(engine: AsyncEngine, to
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids and outs[2].prompt_token_ids == ids
     with pytest.raises(InvalidRequestError, match="takes no images"):
         await engine.generate({"prompt": "x", "multi_modal_data": {"image": b"png"}}, params)
-    with pytest.raises(InvalidRequestError, match="prompt_embeds.*not built"):  # vLLM's enable_prompt_embeds
+    with pytest.raises(InvalidRequestError, match="prompt_embeds.*enable_prompt_embeds=True"):  # vLLM's option, off
         await engine.generate({"prompt_embeds": [[0.0] * 8]}, params)
 
 

@@ -1,7 +1,7 @@
 """LoRA adapters on a mixture of experts' experts (asyncllm/models/lora_experts.py), in process: every position's
 logits equal PEFT's (fp32, 1e-4) for PEFT's ``target_parameters`` adapters of the stacked experts (with the
-attention's and, for Qwen2-MoE, the shared expert's projections; gpt-oss (interleaved gate and up, biases, clamped
-SwiGLU), Mixtral, Phi-3.5-MoE, OLMoE, Qwen2-MoE, Qwen3-MoE, Qwen3.5-MoE), batched with a sequence on the base model; the
+attention's and the shared experts' projections) on every family that takes them (gpt-oss: interleaved gate and up,
+biases, clamped SwiGLU; the DeepSeek-style ``shared_experts``), batched with a sequence on the base model; the
 same adapter written per expert (vLLM's format, Mixtral's w1/w2/w3 names) gives the same logits; the host's check
 refuses what does not fit. Through the engine, on two ranks split by rows or by experts:
 tests/engine/test_moe_engine.py."""
@@ -33,7 +33,10 @@ SLOTS, MAX_RANK, SLOT = 2, 8, 1
 ATTENTION = ["q_proj", "v_proj"]
 FAMILIES = {"qwen3_moe": ATTENTION, "qwen2_moe": [*ATTENTION, "shared_expert.gate_proj", "shared_expert.down_proj"],
             "mixtral": ATTENTION, "olmoe": ATTENTION, "qwen3_5_moe": ["out_proj"], "phimoe": ["k_proj"],
-            "gpt_oss": ATTENTION}
+            "gpt_oss": ATTENTION, "glm4_moe": ["q_proj", "shared_experts.gate_proj", "shared_experts.up_proj"],
+            "dots1": ATTENTION, "ernie4_5_moe": ["o_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"], "hunyuan_v1_moe": ATTENTION,
+            "minimax_m2": ATTENTION, "exaone_moe": ATTENTION, "solar_open": ATTENTION, "sarvam_moe": ATTENTION,
+            "flex_olmo": ATTENTION}
 
 
 def _logits_with(path: str, adapter: str, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -53,6 +56,7 @@ def _logits_with(path: str, adapter: str, sequences: list[list[int]]) -> list[to
 def test_expert_adapters_equal_peft_beside_the_base_model(family: str, tmp_path) -> None:
     path = tiny_checkpoint(family)
     adapter = make_expert_adapter(path, str(tmp_path / "adapter"), seed=len(family), targets=FAMILIES[family])
+    prepare(EngineConfig.create(path, enable_lora=True)).lora.check(LoRARequest("a", 1, adapter))  # the host's too
     gen = torch.Generator().manual_seed(len(family))
     sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in (23, 19)]
     with_adapter, base = _logits_with(path, adapter, sequences)
