@@ -127,6 +127,8 @@ class ModelConfig:
     tokenizer (text prompts, chat, stop strings, bad words, structured output, images) is refused by name."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) of `model`."""
+    tokenizer_revision: str | None = None
+    """vLLM's: hub revision of `tokenizer` when that is a hub id of its own (None: its default branch)."""
     dtype: str = "auto"
     """Weights and activations: float32, bfloat16, float16; auto = float32 on CPU, the checkpoint's half type on GPU."""
     device: str = "auto"

@@ -43,7 +43,8 @@ def _tensor(entry: str) -> Any:
     except (binascii.Error, ValueError) as exc:
         raise InvalidRequestError(_FIELD, f"is not base64 ({exc})") from None
     try:
-        tensor = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        buffer = io.BytesIO(data)
+        tensor = torch.load(buffer, weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - any unreadable payload is the request's error
         raise InvalidRequestError(_FIELD, f"is not a torch.save'd tensor ({type(exc).__name__})") from None
     if not isinstance(tensor, torch.Tensor):

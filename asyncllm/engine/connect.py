@@ -96,6 +96,6 @@ def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: 
         raise EngineDeadError(f"the engine core at {address} did not say which model it serves (an older asyncllm?)")
     lora = dict(enable_lora=True, max_lora_rank=ready.max_lora_rank, max_loras=ready.max_loras, max_cpu_loras=None) \
         if ready.max_lora_rank else dict(enable_lora=False)
-    served = config.replace(model=ready.model, tokenizer=ready.tokenizer or None, revision=ready.revision,
+    served = config.replace(model=ready.model, tokenizer=ready.tokenizer or None, tokenizer_revision=ready.revision,
                             max_model_len=ready.max_model_len, **lora)
     return prepare(served)

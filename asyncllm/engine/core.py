@@ -68,7 +68,7 @@ class EngineCore:
                                    num_offload_blocks=num_offload_blocks)
         spec = config.scheduler_config.speculative
         self.structured = StructuredOutputManager(config.tokenizer or config.model, self.executor.vocab_size,
-                                                  config.structured_output_compile_timeout_s, config.revision,
+                                                  config.structured_output_compile_timeout_s, config.tokenizer_revision,
                                                   max_drafts=spec.num_speculative_tokens if spec else 0,
                                                   trust_remote_code=config.trust_remote_code)
         # restarted workers get the same config JSON (no config.json read, no transformers import); after an
@@ -259,7 +259,7 @@ class EngineCore:
         config = self.config
         lora = config.lora_config
         return protocol.Ready(self.num_gpu_blocks, config.block_size, config.max_model_len, os.getpid(),
-                              config.model, config.tokenizer or "", config.revision,
+                              config.model, config.tokenizer or "", config.tokenizer_revision,
                               max_lora_rank=lora.max_lora_rank if lora.enable_lora else 0, max_loras=lora.max_loras)
 
     def stop(self) -> None:

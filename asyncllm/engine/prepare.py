@@ -74,7 +74,8 @@ def prepare(config: EngineConfig) -> Prepared:
     max_model_len = _max_model_len(config, text_config)
     tokenizer_name = config.tokenizer or path
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
-        tokenizer_name, config.revision if config.tokenizer else None, config.tokenizer_mode, config.trust_remote_code)
+        tokenizer_name, config.tokenizer_revision if config.tokenizer else None, config.tokenizer_mode,
+        config.trust_remote_code)
     resolved = config.replace(model=path, tokenizer=tokenizer_name, max_model_len=max_model_len)
     if arch in HYBRID_ARCHITECTURES:
         resolved = _hybrid_config(resolved, arch)

@@ -168,17 +168,19 @@ def test_private_ipc_dir_is_0700() -> None:
 
 def test_no_pickle_on_the_wire() -> None:
     """Every cross-process message is msgspec: no module of the package imports pickle or sends Python objects.
-    The one ``torch.load`` reads checkpoint files from disk (pytorch_model.bin), never a message, and only with
+    ``torch.load`` reads checkpoint files from disk (pytorch_model.bin) and, in the OpenAI server, vLLM's base64
+    ``prompt_embeds`` of a server started with --enable-prompt-embeds, never an engine message, and only with
     ``weights_only=True`` (tensors and plain containers; no code runs)."""
     root = pathlib.Path(__file__).resolve().parents[2]
     pattern = re.compile(r"^\s*(import|from)\s+(c?pickle|cloudpickle|dill|marshal|shelve)\b|send_pyobj|recv_pyobj"
                          r"|multiprocessing\.connection|torch\.load\(", re.M)
-    checkpoint_reader = "asyncllm/models/pt_checkpoint.py"
+    readers = ["asyncllm/models/pt_checkpoint.py", "integrations/openai_prompt_embeds.py"]
     offenders = [str(path.relative_to(root)) for top in PACKAGE_ROOTS for path in (root / top).rglob("*.py")
                  if pattern.search(path.read_text(encoding="utf-8"))]
-    assert offenders == [checkpoint_reader]
-    loads = re.findall(r"torch\.load\(([^)]*)\)", (root / checkpoint_reader).read_text(encoding="utf-8"))
-    assert loads and all("weights_only=True" in args for args in loads)
+    assert sorted(offenders) == readers
+    for reader in readers:
+        loads = re.findall(r"torch\.load\(([^)]*)\)", (root / reader).read_text(encoding="utf-8"))
+        assert loads and all("weights_only=True" in args for args in loads)
 
 
 def test_openai_server_binds_localhost_and_limits_requests_by_default() -> None:
