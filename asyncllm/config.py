@@ -137,6 +137,9 @@ class ModelConfig:
     """Seed of the engine's random state (dummy weights, unseeded sampling)."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output); defaults to the model's max_position_embeddings."""
+    disable_sliding_window: bool = False
+    """vLLM's: cap max_model_len at the model's sliding window, so that no window ever slides (every layer attends
+    to the whole sequence); no effect on a model without one."""
     load_format: str = "auto"
     """auto/safetensors read the checkpoint; dummy makes random weights of the real shapes."""
     quantization: str | None = None
@@ -191,6 +194,7 @@ class ModelConfig:
         _int("seed", self.seed, 0)
         _int("max_model_len", self.max_model_len, 1, optional=True)
         _int("max_logprobs", self.max_logprobs, -1)
+        _bool("disable_sliding_window", self.disable_sliding_window)
         _choice("load_format", self.load_format, LOAD_FORMATS)
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             if not isinstance(self.quantization, str):

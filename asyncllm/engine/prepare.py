@@ -238,10 +238,12 @@ def _encoder_config(config: EngineConfig) -> EngineConfig:
 
 
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    limit = max_positions(hf_config)
+    limit, what = max_positions(hf_config), "the model's max_position_embeddings"
+    window = getattr(hf_config, "sliding_window", None)
+    if config.disable_sliding_window and isinstance(window, int) and window > 0 and (limit is None or window < limit):
+        limit, what = window, "the sliding window (disable_sliding_window)"  # no window ever slides: full attention
     if config.max_model_len is None:
         return limit or 2048
     if limit is not None and config.max_model_len > limit:
-        raise ConfigError("max_model_len", config.max_model_len,
-                          f"at most the model's max_position_embeddings ({limit})")
+        raise ConfigError("max_model_len", config.max_model_len, f"at most {what} ({limit})")
     return config.max_model_len

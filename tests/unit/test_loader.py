@@ -328,3 +328,18 @@ def test_trust_remote_code_runs_a_checkpoints_own_config_class(tmp_path: Path, t
     assert type(read).__name__ == "MineConfig" and prepared.vocab_size == read.vocab_size
     model = load_model(EngineConfig.create(str(tmp_path), max_model_len=64), read, CPU, torch.float32)
     assert type(model).__name__ == "LlamaForCausalLM"
+
+
+def test_disable_sliding_window_caps_max_model_len_at_the_window() -> None:
+    """vLLM's disable_sliding_window: no sequence outgrows the window (Gemma 2's tiny one: 8 tokens), so every
+    layer attends to it all; a longer max_model_len is refused naming the window; models without one unchanged."""
+    from asyncllm.engine.prepare import prepare
+    from asyncllm.errors import ConfigError
+    from asyncllm.tiny import tiny_checkpoint
+
+    gemma2, llama = tiny_checkpoint("gemma2"), tiny_checkpoint("llama")
+    assert prepare(EngineConfig.create(gemma2, disable_sliding_window=True)).config.max_model_len == 8
+    assert prepare(EngineConfig.create(gemma2)).config.max_model_len == 2048
+    assert prepare(EngineConfig.create(llama, disable_sliding_window=True)).config.max_model_len == 2048
+    with pytest.raises(ConfigError, match=r"at most the sliding window \(disable_sliding_window\) \(8\)"):
+        prepare(EngineConfig.create(gemma2, disable_sliding_window=True, max_model_len=16))
