@@ -1,9 +1,10 @@
 """LoRA on a mixture of experts' experts: every expert's gate, up and down products get their slot's ``B (A x)``.
 
 An `ExpertsLoRA` sits on each `FusedMoE` of a model whose experts take adapters (``lora_experts``). It keeps,
-per local expert, the dense `LoRALayer` layout: ``a13 [E, slots * 2R, H]`` / ``b13 [E, rows, slots * 2R]`` for
-the gate and up rows (a slot's first R columns the gate's A, or the stacked ``gate_up_proj`` adapter's one A over
-both, the next R the up's) and ``a2 [E, slots * R, I]`` / ``b2 [E, H, slots * R]`` for down, B already scaled.
+per local expert, the dense `LoRALayer` layout: ``a13 [E, slots * 2R, H]`` (a slot's first R rows the gate's A,
+the next R the up's; the stacked ``gate_up_proj`` adapter's one A in both), ``b1 [E, I, slots * R]`` and
+``b3 [E, I, slots * R]`` for the gate and up rows, and ``a2 [E, slots * R, I]`` / ``b2 [E, H, slots * R]`` for
+down, B already scaled.
 An expert's tokens add ``B (mask * A x)`` to its gate/up product before the activation and to its down product
 (`delta`, called by `asyncllm.kernels.reference.fused_moe`), so a batch mixes adapters and the base model.
 
@@ -30,7 +31,7 @@ __all__ = ["ExpertsLoRA", "attach_expert_layers", "expert_target"]
 class ExpertsLoRA(SlotBuffers):
     """The adapter slots of one layer's experts."""
 
-    buffer_names = ("a13", "b13", "a2", "b2")
+    buffer_names = ("a13", "b1", "b3", "a2", "b2")
 
     def __init__(self, experts: FusedMoE, num_slots: int, max_rank: int, context: LoRAContext) -> None:
         super().__init__()
@@ -41,22 +42,29 @@ class ExpertsLoRA(SlotBuffers):
         n, inter, hidden = experts.num_local_experts, experts.intermediate, experts.hidden_size
         new = {"dtype": experts.params_dtype, "device": experts.w2_weight.device}
         self.a13 = torch.zeros(n, num_slots * 2 * max_rank, hidden, **new)
-        self.b13 = torch.zeros(n, 2 * inter, num_slots * 2 * max_rank, **new)
+        self.b1 = torch.zeros(n, inter, num_slots * max_rank, **new)
+        self.b3 = torch.zeros(n, inter, num_slots * max_rank, **new)
         self.a2 = torch.zeros(n, num_slots * max_rank, inter, **new)
         self.b2 = torch.zeros(n, hidden, num_slots * max_rank, **new)
 
     def delta(self, which: int, expert: int, token_idx: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The adapters' addition to local ``expert``'s gate/up (``which`` 0) or down (1) product of ``x``, the
         rows of the step's tokens ``token_idx``."""
-        a, b = (self.a13, self.b13) if which == 0 else (self.a2, self.b2)
-        mask = self.context.mask[token_idx]
-        xa = F.linear(x, a[expert]).view(x.shape[0], self.num_slots, -1) * mask[:, :, None]
-        return F.linear(xa.view(x.shape[0], -1), b[expert])
+        rows = x.shape[0]
+        mask = self.context.mask[token_idx][:, :, None]
+        if which == 1:
+            xa = F.linear(x, self.a2[expert]).view(rows, self.num_slots, -1) * mask
+            return F.linear(xa.view(rows, -1), self.b2[expert])
+        xa = F.linear(x, self.a13[expert]).view(rows, self.num_slots, 2, -1) * mask[:, :, :, None]
+        gate = F.linear(xa[:, :, 0].reshape(rows, -1), self.b1[expert])
+        return torch.cat([gate, F.linear(xa[:, :, 1].reshape(rows, -1), self.b3[expert])], dim=1)
 
     def clear(self, slot: int) -> None:
-        for a, b, width in ((self.a13, self.b13, 2 * self.max_rank), (self.a2, self.b2, self.max_rank)):
-            a[:, slot * width:(slot + 1) * width].zero_()
-            b[:, :, slot * width:(slot + 1) * width].zero_()
+        rank = self.max_rank
+        self.a13[:, 2 * slot * rank:2 * (slot + 1) * rank].zero_()
+        self.a2[:, slot * rank:(slot + 1) * rank].zero_()
+        for b in (self.b1, self.b3, self.b2):
+            b[:, :, slot * rank:(slot + 1) * rank].zero_()
 
     def set(self, slot: int, part: tuple[str, int | None], lora_a: torch.Tensor, lora_b: torch.Tensor,
             scaling: float) -> None:
@@ -83,17 +91,17 @@ class ExpertsLoRA(SlotBuffers):
         inter = moe.intermediate
         first = 0 if moe.expert_parallel else moe.tp.rank * inter  # this rank's rows of gate and up, columns of down
         rank = a.shape[1]
+        columns = slice(slot * self.max_rank, slot * self.max_rank + rank)
         if kind == "down":
-            columns = slice(slot * self.max_rank, slot * self.max_rank + rank)
             self.a2[experts, columns] = a[:, :, first:first + inter]
             self.b2[experts, :, columns] = b
             return
-        start = slot * 2 * self.max_rank + (self.max_rank if kind == "up" else 0)
-        columns = slice(start, start + rank)
-        self.a13[experts, columns] = a
-        full = b.shape[1] // 2 if kind == "gate_up" else b.shape[1]
-        for offset, src in ((0, 0), (inter, full)) if kind == "gate_up" else ((inter if kind == "up" else 0, 0),):
-            self.b13[experts, offset:offset + inter, columns] = b[:, src + first:src + first + inter]
+        full = b.shape[1] // 2 if kind == "gate_up" else 0  # a stacked B's up rows follow its gate rows
+        for part, target, src in ((0, self.b1, 0), (1, self.b3, full)):
+            if kind in ("gate_up", ("gate", "up")[part]):
+                a_rows = slice((2 * slot + part) * self.max_rank, (2 * slot + part) * self.max_rank + rank)
+                self.a13[experts, a_rows] = a
+                target[experts, :, columns] = b[:, src + first:src + first + inter]
 
 
 def attach_expert_layers(model: Any, num_slots: int, max_rank: int, context: LoRAContext) -> dict[str, ExpertsLoRA]:
