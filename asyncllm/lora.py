@@ -147,7 +147,7 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q = hf_config.num_attention_heads * head_dim
     kv = hf_config.num_key_value_heads * head_dim
-    inter = hf_config.intermediate_size
+    inter = getattr(hf_config, "intermediate_size_mlp", None) or hf_config.intermediate_size  # Llama 4's dense MLP
     shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden)}
     arch = _architecture(hf_config)
     if arch in FUSED_LORA_ARCHITECTURES:
@@ -187,12 +187,14 @@ class AdapterChecker:
     """The host's check of each request's adapter, once per adapter id (thread-safe)."""
 
     def __init__(self, hf_text_config: Any, max_lora_rank: int, experts: list[ExpertLayer | None] | None = None,
-                 adaptable_experts: bool = False) -> None:
+                 adaptable_experts: bool = False, transposed_experts: bool = False) -> None:
         self.max_lora_rank = max_lora_rank
         self._experts = experts
         """A mixture of experts' layers (None: a dense layer); None for a dense model."""
         self._adaptable_experts = adaptable_experts
         """Whether the model's experts take adapters (asyncllm/lora_experts.py; the attention's always do)."""
+        self._transposed_experts = transposed_experts
+        """PEFT stores the model's stacked-expert adapters with A and B in each other's places (Llama 4)."""
         self._hidden = hf_text_config.hidden_size
         self._num_layers = hf_text_config.num_hidden_layers
         self._shapes = module_shapes(hf_text_config)
@@ -253,7 +255,7 @@ class AdapterChecker:
         if moe is not None and not self._adaptable_experts:
             _fail(path, f"{name}: adapters on the experts of {self._arch} are not built (docs/models.md's LoRA column "
                         "marks the families that take them; the attention's projections work here)")
-        problem = expert_problem(projection, module, moe, self._hidden)
+        problem = expert_problem(projection, module, moe, self._hidden, self._transposed_experts)
         if problem is not None:
             _fail(path, f"{name}: layer {layer} of {self._arch} {problem}")
         return True

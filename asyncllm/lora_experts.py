@@ -48,7 +48,9 @@ class ExpertLayer:
 
 
 def canonical_name(name: str) -> str:
-    """A tensor name with Mixtral's ``block_sparse_moe.experts.{e}.w1`` written as ``mlp.experts.{e}.gate_proj``."""
+    """A tensor name with Mixtral's ``block_sparse_moe.experts.{e}.w1`` written as ``mlp.experts.{e}.gate_proj``,
+    Llama 4's ``feed_forward.`` as ``mlp.`` (the model's names)."""
+    name = name.replace(".feed_forward.", ".mlp.")
     return _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_PER_EXPERT[m.group(2)]}.", name)
 
 
@@ -72,18 +74,20 @@ def fused_expert_names(pairs: dict[str, tuple[list[int], list[int]]], targets: l
     named = sorted({t.rsplit(".", 1)[-1] for t in targets} & set(FUSED_EXPERT_PARAMS))
     if len(pairs) == 1 and len(named) == 1:
         return {next(iter(pairs)): named[0]}
-    if len(pairs) == 2:
+    if len(pairs) == 2:  # (A's in, B's out): gate_up (H, 2I), down (I, H); transposed (Llama 4) (2I, H), (H, I)
         (m1, (a1, b1)), (m2, (a2, b2)) = pairs.items()
         for (gate_up, a_g, b_g), (down, a_d, b_d) in (((m1, a1, b1), (m2, a2, b2)), ((m2, a2, b2), (m1, a1, b1))):
-            if a_g[1] == b_d[0] and b_g[0] == 2 * a_d[1]:
+            if (a_g[1], b_g[0]) in ((b_d[0], 2 * a_d[1]), (2 * b_d[0], a_d[1])):
                 return {gate_up: "gate_up_proj", down: "down_proj"}
     return fail(f"{', '.join(pairs)}: cannot tell which of the experts' parameters they adapt "
                 f"(target_parameters: {targets})")
 
 
-def expert_problem(path: str, module: Any, layer: ExpertLayer | None, hidden: int) -> str | None:
+def expert_problem(path: str, module: Any, layer: ExpertLayer | None, hidden: int,
+                   transposed: bool = False) -> str | None:
     """What is wrong with an adapter matrix at ``mlp.{path}`` of a layer (None: nothing); ``module`` its
-    `AdapterModule`, ``layer`` the layer's experts (None: a dense layer)."""
+    `AdapterModule`, ``layer`` the layer's experts (None: a dense layer); `transposed`: the model's stacked
+    experts are ``[E, in, out]`` and PEFT stores their A and B each in the other's place (Llama 4)."""
     if layer is None:
         return "is a dense MLP layer: it has no experts"
     shared = _SHARED_PATH.fullmatch(path)
@@ -101,7 +105,8 @@ def expert_problem(path: str, module: Any, layer: ExpertLayer | None, hidden: in
     if module.num_experts != layer.num_experts:
         return f"has {layer.num_experts} experts, the adapter's A holds {module.num_experts} experts' rows"
     down = path.endswith("down_proj")
-    return _shape_problem(module, (layer.intermediate, hidden) if down else (hidden, 2 * layer.intermediate))
+    expected = (layer.intermediate, hidden) if down else (hidden, 2 * layer.intermediate)
+    return _shape_problem(module, expected[::-1] if transposed else expected)
 
 
 def _shape_problem(module: Any, expected: tuple[int, int]) -> str | None:

@@ -168,8 +168,9 @@ def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode
     of experts: its stacked experts and router are not linear layers, and fp8 quantization leaves them)."""
     hidden = cfg.hidden_size
     spec = model_cls.moe_spec(cfg, layer_idx) if getattr(model_cls, "is_moe", False) else None
-    if spec is None:
-        return 3 * hidden * cfg.intermediate_size, (2 * cfg.intermediate_size + hidden) * mlp_bias
+    if spec is None:  # a dense MLP (Llama 4's dense layers: intermediate_size_mlp)
+        inter = getattr(cfg, "intermediate_size_mlp", None) or cfg.intermediate_size
+        return 3 * hidden * inter, (2 * inter + hidden) * mlp_bias
     experts = spec.num_experts * (1 - (1 - spec.top_k / spec.num_experts) ** max(1, decode_batch))
     shared_gate = hidden if spec.shared_expert_size else 0
     expert = 3 * hidden * spec.intermediate_size

@@ -105,8 +105,7 @@ def prepare(config: EngineConfig) -> Prepared:
                                                      "architectures that take them; image-text checkpoints: the "
                                                      "decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5, and "
                                                      "Gemma 3 / Gemma 4 served as text: limit_mm_per_prompt={'image': 0})")
-        experts, adaptable = _expert_layers(hf_config, text_config, limits)
-        lora = AdapterChecker(text_config, config.max_lora_rank, experts, adaptable)
+        lora = AdapterChecker(text_config, config.max_lora_rank, *_expert_layers(hf_config, text_config, limits))
     mm = None
     if multimodal:
         from asyncllm.mm.processor import MultiModalProcessor
@@ -147,18 +146,20 @@ def _embeds_width(config: EngineConfig, arch: str, multimodal: bool, text_config
     return int(text_config.hidden_size)
 
 
-def _expert_layers(hf_config: Any, text_config: Any, limits: Any) -> tuple[list[ExpertLayer | None] | None, bool]:
-    """A mixture of experts' layers as its model class builds them (None: a dense layer) and whether its experts
-    take adapters, for the host's check of LoRA adapters; (None, False) for a dense model."""
+def _expert_layers(hf_config: Any, text_config: Any, limits: Any) -> tuple[list[ExpertLayer | None] | None, bool, bool]:
+    """A mixture of experts' layers as its model class builds them (None: a dense layer), whether its experts
+    take adapters and whether PEFT stores them transposed, for the host's check of LoRA adapters; (None, False,
+    False) for a dense model."""
     from asyncllm.models.registry import get_model_class
 
     model_cls = get_model_class(hf_config, limits)
     moe_spec = getattr(model_cls, "moe_spec", None)
     if moe_spec is None:
-        return None, False
+        return None, False, False
     specs = [moe_spec(text_config, i) for i in range(text_config.num_hidden_layers)]
     return ([None if spec is None else ExpertLayer(spec.num_experts, spec.intermediate_size, spec.shared_expert_size)
-             for spec in specs], bool(getattr(model_cls, "lora_experts", False)))
+             for spec in specs], bool(getattr(model_cls, "lora_experts", False)),
+            bool(getattr(model_cls, "lora_experts_transposed", False)))
 
 
 def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:

@@ -83,7 +83,7 @@ class Llama4MoE(nn.Module):
         cfg = b.hf_config
         self.router = ColumnParallelLinear(cfg.hidden_size, spec.num_experts, False, TensorParallel(), b.dtype)
         self.experts = FusedMoE(spec, cfg.hidden_size, b)
-        self.shared_expert = LlamaMLP(b)
+        self.shared_expert = LlamaMLP(b, spec.shared_expert_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top, ids = self.router(x).topk(1, dim=-1)
@@ -106,13 +106,17 @@ class Llama4Model(LlamaModel):
 
 class Llama4ForCausalLM(MoECausalLM, LlamaForCausalLM):
     model_cls = Llama4Model
+    lora_experts = True  # its adapters' feed_forward.* read as mlp.* (asyncllm/lora_experts.py)
+    lora_experts_transposed = True
+    """PEFT stores its stacked experts' adapters with A and B each in the other's place (``[E, in, out]``)."""
 
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
         if layer_idx not in hf_config.moe_layers:
             return None
         return MoESpec(hf_config.num_local_experts, hf_config.num_experts_per_tok, hf_config.intermediate_size,
-                       renormalize=False, weights_in_model_dtype=False)
+                       renormalize=False, weights_in_model_dtype=False,
+                       shared_expert_size=hf_config.intermediate_size)  # `Llama4MoE`'s shared expert
 
     @classmethod
     def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:

@@ -33,9 +33,13 @@ class ExpertsLoRA(SlotBuffers):
 
     buffer_names = ("a13", "b1", "b3", "a2", "b2")
 
-    def __init__(self, experts: FusedMoE, num_slots: int, max_rank: int, context: LoRAContext) -> None:
+    def __init__(self, experts: FusedMoE, num_slots: int, max_rank: int, context: LoRAContext,
+                 transposed: bool = False) -> None:
         super().__init__()
         self.experts = [experts]  # a list: not a submodule (the experts own this layer)
+        self.transposed = transposed
+        """PEFT stores this model's stacked-expert adapters with A and B each in the other's place (its parameters
+        are ``[E, in, out]``: Llama 4): A's rows map the output, B's the input."""
         self.num_slots = num_slots
         self.max_rank = max_rank
         self.context = context
@@ -78,6 +82,8 @@ class ExpertsLoRA(SlotBuffers):
             rank = lora_a.shape[0] // num_experts
             a = lora_a.view(num_experts, rank, -1)[start:start + count]
             b = lora_b.view(lora_b.shape[0], rank, num_experts).permute(2, 0, 1)[start:start + count]
+            if self.transposed:  # delta = A^T B^T of the stored ones: B's columns act first
+                a, b = b.transpose(1, 2), a.transpose(1, 2)
             if kind == "gate_up" and experts.interleaved_gate_up:  # gpt-oss: gate rows even, up rows odd
                 b = torch.cat([b[:, 0::2], b[:, 1::2]], dim=1)
             self._write(slot, kind, slice(None), a, b * scaling)
@@ -108,10 +114,10 @@ def attach_expert_layers(model: Any, num_slots: int, max_rank: int, context: LoR
     """An `ExpertsLoRA` on every `FusedMoE` of a model whose experts take adapters; them by module name."""
     if not getattr(model, "lora_experts", False):
         return {}
-    layers = {}
+    layers, transposed = {}, bool(getattr(model, "lora_experts_transposed", False))
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):
-            module.lora = layers[name] = ExpertsLoRA(module, num_slots, max_rank, context)
+            module.lora = layers[name] = ExpertsLoRA(module, num_slots, max_rank, context, transposed)
     return layers
 
 

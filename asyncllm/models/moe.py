@@ -212,6 +212,8 @@ class MoECausalLM:
     lora_experts = False
     """Whether LoRA adapters may change the experts (asyncllm/models/lora_experts.py; checked against PEFT per
     family: tests/unit/test_lora_experts.py)."""
+    lora_experts_transposed = False
+    """Whether PEFT stores the stacked experts' adapters with A and B each in the other's place (Llama 4)."""
 
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:

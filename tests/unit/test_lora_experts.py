@@ -36,7 +36,10 @@ FAMILIES = {"qwen3_moe": ATTENTION, "qwen2_moe": [*ATTENTION, "shared_expert.gat
             "gpt_oss": ATTENTION, "glm4_moe": ["q_proj", "shared_experts.gate_proj", "shared_experts.up_proj"],
             "dots1": ATTENTION, "ernie4_5_moe": ["o_proj", "shared_experts.gate_proj", "shared_experts.up_proj", "shared_experts.down_proj"], "hunyuan_v1_moe": ATTENTION,
             "minimax_m2": ATTENTION, "exaone_moe": ATTENTION, "solar_open": ATTENTION, "sarvam_moe": ATTENTION,
-            "flex_olmo": ATTENTION}
+            "flex_olmo": ATTENTION, "llama4": ["q_proj", "feed_forward.gate_proj", "feed_forward.up_proj",
+                                               "shared_expert.gate_proj", "shared_expert.up_proj"]}
+PARAMETERS = {"llama4": ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]}
+"""target_parameters where the experts are not ``mlp.experts`` (Llama 4's ``feed_forward.experts``)."""
 
 
 def _logits_with(path: str, adapter: str, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -55,7 +58,8 @@ def _logits_with(path: str, adapter: str, sequences: list[list[int]]) -> list[to
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_expert_adapters_equal_peft_beside_the_base_model(family: str, tmp_path) -> None:
     path = tiny_checkpoint(family)
-    adapter = make_expert_adapter(path, str(tmp_path / "adapter"), seed=len(family), targets=FAMILIES[family])
+    adapter = make_expert_adapter(path, str(tmp_path / "adapter"), seed=len(family), targets=FAMILIES[family],
+                                  **({"parameters": PARAMETERS[family]} if family in PARAMETERS else {}))
     prepare(EngineConfig.create(path, enable_lora=True)).lora.check(LoRARequest("a", 1, adapter))  # the host's too
     gen = torch.Generator().manual_seed(len(family))
     sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in (23, 19)]
