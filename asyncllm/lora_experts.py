@@ -9,7 +9,7 @@ Two formats are read:
   tensors are ``mlp.experts.base_layer.lora_A`` and ``mlp.experts.lora_A``; the shapes tell which is which.
 - Per-expert projections (adapters trained where the experts were a module list, vLLM's format):
   ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj``, Mixtral's ``block_sparse_moe.experts.{e}.w1`` /
-  ``w3`` / ``w2``.
+  ``w3`` / ``w2``. Llama 4's ``feed_forward.*`` are read as ``mlp.*``.
 
 Both become `AdapterModule` s named ``model.layers.{L}.mlp.experts.gate_up_proj`` / ``.down_proj`` (``num_experts``
 set) or ``model.layers.{L}.mlp.experts.{e}.gate_proj`` (...). A shared expert (Qwen2-MoE, Qwen3.5-MoE:
@@ -69,8 +69,9 @@ def is_expert_parameter(target: str) -> bool:
 def fused_expert_names(pairs: dict[str, tuple[list[int], list[int]]], targets: list[str],
                        fail: Callable[[str], Any]) -> dict[str, str]:
     """Each of one layer's stacked-experts modules (``...mlp.experts``, ``...mlp.experts.base_layer``: their A and
-    B shapes) -> the parameter it adapts. Two: gate_up's input is down's output and its output twice down's input;
-    one: the parameter ``target_parameters`` names."""
+    B shapes) -> the parameter it adapts. Two: gate_up's input is down's output and its output twice down's input,
+    or (A and B in each other's places, Llama 4) its input twice down's output and its output down's input (no
+    shapes satisfy both); one: the parameter ``target_parameters`` names."""
     named = sorted({t.rsplit(".", 1)[-1] for t in targets} & set(FUSED_EXPERT_PARAMS))
     if len(pairs) == 1 and len(named) == 1:
         return {next(iter(pairs)): named[0]}
