@@ -17,9 +17,10 @@ from engine_helpers import greedy_equals_transformers, token_prompts
 from hf_reference import hf_greedy
 
 MAX_TOKENS = 16
-MOE_ARCHS = ("mixtral", "glm4_moe", "llama4", "phimoe")
-"""One engine start each, for routings of different kinds (softmax top-k, grouped sigmoid with a correction bias,
-Llama 4's sigmoid top-1 with a shared expert, Phi-3.5-MoE's sparsemixer). The other families' layers equal
+MOE_ARCHS = ("glm4_moe", "llama4", "phimoe")
+"""One engine start each, for routings of different kinds (grouped sigmoid with a correction bias, Llama 4's
+sigmoid top-1 with a shared expert, Phi-3.5-MoE's sparsemixer; softmax top-k: Qwen3-MoE's below, Mixtral's the
+same `SparseMoeBlock`). The other families' layers equal
 transformers' in process (tests/unit/test_granite_olmo2_models.py, test_deepseek.py, test_llama4.py), and the
 engine path they take is these ones'; Qwen2-MoE / Qwen3-MoE run through the engine below (chunked, preempted, on
 two ranks)."""
