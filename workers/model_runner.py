@@ -294,7 +294,7 @@ class ModelRunner:
         inputs = batch.prepare_inputs(sched_out)
         embeds, positions = (self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None
                              else (None, inputs.positions))  # M-RoPE's [3, T] positions for Qwen2-VL
-        if self.prompt_embeds is not None:
+        if self.prompt_embeds is not None and embeds is None:  # (image-text models take no embedded prompts)
             embeds = self.prompt_embeds.inputs_embeds(sched_out, batch, inputs)
         extra = {} if embeds is None else {"inputs_embeds": embeds}
         failed = self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens) if self.lora_runner else {}
