@@ -50,12 +50,13 @@ from asyncllm.integrations.openai_beam_search import beam_search_response
 from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, embedding_response
 from asyncllm.integrations.openai_lora import LoadLoRAAdapterRequest, LoRAModels, LoRAModule, UnloadLoRAAdapterRequest
 from asyncllm.integrations.openai_protocol import (
-    ChatCompletionRequest, ChatTemplates, CompletionRequest, DetokenizeRequest, ServerLimits, TokenizeRequest, chat_messages,
+    ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest, chat_messages,
     chat_params, completion_params, completion_prompts, decode_request, echo_only, header_data_parallel_rank,
     request_options, template_kwargs,
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.openai_score import score_routes
+from asyncllm.integrations.openai_tokenize import tokenize_routes
 from asyncllm.integrations.openai_dev import dev_routes
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
@@ -66,7 +67,7 @@ from asyncllm.lora import LoRARequest
 from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
 from asyncllm.integrations.openai_prompt_embeds import completion_embeds_prompts
 from asyncllm.tokenizer import apply_chat_template, load_chat_template
-from asyncllm.tool_calls import ToolParser, check_parser_pair, check_tools, get_tool_parser
+from asyncllm.tool_calls import ToolParser, check_parser_pair, get_tool_parser
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
@@ -181,8 +182,7 @@ class OpenAIServer:
             Route("/v1/embeddings", self._guarded(self.embeddings), methods=["POST"]),
             *score_routes(self),  # vLLM's /classify, /score, /rerank (openai_score.py)
             Route("/v1/models", self._guarded(self.models), methods=["GET"]),
-            Route("/tokenize", self._guarded(self.tokenize), methods=["POST"]),
-            Route("/detokenize", self._guarded(self.detokenize), methods=["POST"]),
+            *tokenize_routes(self),  # vLLM's /tokenize, /detokenize (openai_tokenize.py)
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ping", self.health, methods=["GET", "POST"]),
@@ -354,32 +354,6 @@ class OpenAIServer:
         await self.loras.unload(req)
         logger.info("unloaded LoRA adapter %r", req.lora_name)
         return _text(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
-
-    async def tokenize(self, request: Request) -> Response:
-        """vLLM's: the token ids the engine would run for a prompt or for chat messages (on a worker thread)."""
-        req = decode_request(await self._body(request), TokenizeRequest)
-        self._model(req.model)  # an adapter shares the model's tokenizer
-        if (req.prompt is None) == (req.messages is None):
-            raise InvalidRequestError("prompt", "give a prompt or messages (one of them)")
-        if req.prompt is not None:
-            tokenizer = await self._tokenizer()
-            prompt, special = req.prompt, req.add_special_tokens
-            tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
-        else:
-            check_tools(req.tools)
-            tokens = await self._chat_tokens(req, req.tools)
-        return _json({"count": len(tokens), "max_model_len": self.engine.config.max_model_len,
-                      "tokens": [int(t) for t in tokens], "token_strs": None})
-
-    async def detokenize(self, request: Request) -> Response:
-        """vLLM's: the text of token ids (special tokens included)."""
-        req = decode_request(await self._body(request), DetokenizeRequest)
-        self._model(req.model)
-        tokenizer = await self._tokenizer()
-        bad = [t for t in req.tokens if not 0 <= t < len(tokenizer)]
-        if bad:
-            raise InvalidRequestError("tokens", f"ids must be in [0, {len(tokenizer)}), got {bad[:5]}")
-        return _json({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, req.tokens)})
 
     async def version(self, request: Request) -> Response:
         from asyncllm import __version__

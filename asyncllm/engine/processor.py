@@ -31,7 +31,8 @@ from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, ne
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
 from asyncllm.engine.pooling_model import PoolingModel
-from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, embeds_salt, prompt_embeds_of
+from asyncllm.engine.prompt_embeds import embeds_salt
+from asyncllm.engine.prompt_tokens import PromptTokenizer
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.sleep import PendingSleepCalls
@@ -39,11 +40,7 @@ from asyncllm.engine.weight_update import PendingWeightUpdates
 from asyncllm.engine.validation import (
     check_logprobs_limit,
     check_params_vocab,
-    check_text,
     check_untokenized,
-    check_token_ids,
-    max_prompt_chars,
-    truncated_prompt,
 )
 from asyncllm.lora import AdapterChecker, LoRARequest
 from asyncllm.structured.start_after import with_start_after_ids
@@ -51,9 +48,9 @@ from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 from asyncllm.mm.cache import CACHE_MISS_ERROR
-from asyncllm.mm.host import multimodal_prompt, plain_prompt, resend_with_data
+from asyncllm.mm.host import resend_with_data
 from asyncllm.mm.processor import MultiModalPrompt, MultiModalProcessor
-from asyncllm.tokenizer import apply_chat_template, bad_words_token_ids, encode_prompt
+from asyncllm.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger("asyncllm.engine")
 
@@ -113,16 +110,15 @@ class Processor:
         """The model's embedding width, for `PoolingParams.dimensions`."""
         self._max_logprobs = max_logprobs
         """The engine's ``max_logprobs`` (-1: the vocabulary's size)."""
-        self._embeds_width = embeds_width
-        """The width of a prompt given as embeddings (the model's hidden size); None: such prompts are refused."""
         self._lora = lora
         """Checks requests' adapters (None: the engine serves none)."""
         self._mm = mm
         """Image processing, for multimodal models only."""
+        self._prompts = PromptTokenizer(tokenizer, vocab_size, mm, pooling_model, embeds_width)
+        """Each request's prompt as token ids (asyncllm/engine/prompt_tokens.py)."""
         self._engine_key = engine_key
         """The shared secret of a tcp:// address (CURVE); None for ipc://."""
         self._watch: ConnectionWatch | None = None
-        self._max_prompt_chars = 2**62
         self._tokenizer = tokenizer
         self._eos_token_ids = eos_token_ids
         self._vocab_size = vocab_size
@@ -152,7 +148,6 @@ class Processor:
         self._decoder = msgspec.msgpack.Decoder(protocol.CoreMessage)
         self.ready: concurrent.futures.Future[protocol.Ready] = concurrent.futures.Future()
         self.dead: BaseException | None = None
-        self.max_model_len = 0
         self._thread = threading.Thread(target=self._run, name="asyncllm-processor", daemon=True)
 
     # ------------------------------------------------------------ loop side
@@ -238,9 +233,7 @@ class Processor:
                 if isinstance(message, protocol.Ready):
                     if self._mm is not None:
                         self._mm.cache_mapped(message.mm_shm_ring_mapped)
-                    self.max_model_len = message.max_model_len
-                    if self._tokenizer is not None:
-                        self._max_prompt_chars = max_prompt_chars(self._tokenizer, message.max_model_len)
+                    self._prompts.ready(message.max_model_len)
                     self.ready.set_result(message)
                     return True
                 if isinstance(message, protocol.EngineFailed):
@@ -351,7 +344,7 @@ class Processor:
                 job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
             check_params_vocab(job.params, self._vocab_size)
             check_logprobs_limit(job.params, self._max_logprobs, self._vocab_size)
-            token_ids = self._tokenize(job)
+            token_ids = self._prompts.token_ids(job)
             job.params = with_start_after_ids(job.params, token_ids, self._tokenizer, self._vocab_size)
         except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread
             error = exc if isinstance(exc, errors.InvalidRequestError) else errors.InvalidRequestError(
@@ -399,53 +392,6 @@ class Processor:
             raise errors.InvalidRequestError("lora_request", "this engine serves no LoRA adapters: "
                                                              "start it with enable_lora=True")
         return self._lora.check(request)
-
-    def _truncated(self, params: SamplingParams, token_ids: list[int]) -> list[int]:
-        return truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
-
-    def _tokenize(self, job: Submit) -> list[int]:
-        options = job.options
-        if isinstance(job.prompt, dict) and not job.chat and "prompt_embeds" in job.prompt:
-            job.embeds = prompt_embeds_of(job.prompt, self._embeds_width, job.params, self.max_model_len)
-            return [PLACEHOLDER_TOKEN_ID] * job.embeds.shape[0]
-        if isinstance(job.prompt, dict) and not job.chat:  # vLLM's TextPrompt / TokensPrompt: the plain prompt
-            job.prompt = plain_prompt(job.prompt) or job.prompt
-        if self._mm is not None or isinstance(job.prompt, dict):
-            job.mm_prompt = multimodal_prompt(self._mm, job.prompt, job.chat, self.max_model_len,
-                                              options.chat_template_kwargs, options.tools, options.chat_template,
-                                              options.mm_processor_kwargs)
-            if job.mm_prompt is not None:
-                if job.params.truncate_prompt_tokens is not None:
-                    raise errors.InvalidRequestError("truncate_prompt_tokens", "cannot cut a prompt with images")
-                return job.mm_prompt.token_ids
-        if job.chat:
-            token_ids = self._truncated(job.params, apply_chat_template(
-                self._tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
-                chat_template=options.chat_template))
-        elif isinstance(job.prompt, str):
-            chars = len(job.prompt) + len(options.text_pair or "")
-            if chars > self._max_prompt_chars and job.params.truncate_prompt_tokens is None:
-                raise errors.InvalidRequestError(
-                    "prompt", f"{chars} characters cannot fit in max_model_len={self.max_model_len} tokens")
-            check_text("prompt", job.prompt)
-            token_ids = self._truncated(job.params, self._encode(job.prompt, options.text_pair))
-        else:
-            token_ids = self._truncated(job.params, list(job.prompt))
-            if len(token_ids) < self.max_model_len:  # a huge list is refused below without a look at each id
-                check_token_ids("prompt", token_ids, self._vocab_size)
-        if not token_ids:
-            raise errors.InvalidRequestError("prompt", "the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise errors.InvalidRequestError(
-                "prompt", f"{len(token_ids)} tokens, but max_model_len is {self.max_model_len} (prompt plus at least one generated token)")
-        return token_ids
-
-    def _encode(self, prompt: str, text_pair: str | None) -> list[int]:
-        """A text's token ids; with `text_pair`, the pair's one prompt as the classifier encodes it (`score`)."""
-        if text_pair is None:
-            return encode_prompt(self._tokenizer, prompt)
-        assert self._pooling_model is not None, "score sends pairs to a started engine's classifier"
-        return self._pooling_model.encode_pair(self._tokenizer, prompt, text_pair)
 
     def _on_core_message(self, dealer: zmq.Socket, payload: bytes) -> None:
         message = self._decoder.decode(payload)

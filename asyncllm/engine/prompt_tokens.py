@@ -1,0 +1,97 @@
+"""One request's prompt as token ids, on the host's processor thread (asyncllm/engine/processor.py).
+
+Text, token ids, chat messages, a prompt with images (asyncllm/mm/) or one given as embeddings
+(asyncllm/engine/prompt_embeds.py): each becomes the ids the core schedules, truncated as the request asks and
+checked against the model (vocabulary, ``max_model_len``), or an `InvalidRequestError` naming what is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from asyncllm import errors
+from asyncllm.engine.pooling_model import PoolingModel
+from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, prompt_embeds_of
+from asyncllm.engine.validation import check_text, check_token_ids, max_prompt_chars, truncated_prompt
+from asyncllm.mm.host import multimodal_prompt, plain_prompt
+from asyncllm.mm.processor import MultiModalProcessor
+from asyncllm.sampling import SamplingParams
+from asyncllm.tokenizer import apply_chat_template, encode_prompt
+
+if TYPE_CHECKING:
+    from asyncllm.engine.processor import Submit
+
+__all__ = ["PromptTokenizer"]
+
+
+@dataclass
+class PromptTokenizer:
+    """The processor thread's tokenization; `ready` once the core says its ``max_model_len``."""
+
+    tokenizer: Any
+    """None with ``skip_tokenizer_init`` (the processor refuses what needs it first)."""
+    vocab_size: int
+    mm: MultiModalProcessor | None = None
+    """Image processing, for multimodal models only."""
+    pooling_model: PoolingModel | None = None
+    """A classifier's pair encoding (`score`)."""
+    embeds_width: int | None = None
+    """The width of a prompt given as embeddings (the model's hidden size); None: such prompts are refused."""
+    max_model_len: int = 0
+    max_prompt_chars: int = 2**62
+    """Characters beyond which a text prompt cannot fit (`max_prompt_chars`): refused before it is tokenized."""
+
+    def ready(self, max_model_len: int) -> None:
+        self.max_model_len = max_model_len
+        if self.tokenizer is not None:
+            self.max_prompt_chars = max_prompt_chars(self.tokenizer, max_model_len)
+
+    def token_ids(self, job: Submit) -> list[int]:
+        """The job's prompt token ids; sets ``job.embeds`` / ``job.mm_prompt`` for embeddings and images."""
+        options = job.options
+        if isinstance(job.prompt, dict) and not job.chat and "prompt_embeds" in job.prompt:
+            job.embeds = prompt_embeds_of(job.prompt, self.embeds_width, job.params, self.max_model_len)
+            return [PLACEHOLDER_TOKEN_ID] * job.embeds.shape[0]
+        if isinstance(job.prompt, dict) and not job.chat:  # vLLM's TextPrompt / TokensPrompt: the plain prompt
+            job.prompt = plain_prompt(job.prompt) or job.prompt
+        if self.mm is not None or isinstance(job.prompt, dict):
+            job.mm_prompt = multimodal_prompt(self.mm, job.prompt, job.chat, self.max_model_len,
+                                              options.chat_template_kwargs, options.tools, options.chat_template,
+                                              options.mm_processor_kwargs)
+            if job.mm_prompt is not None:
+                if job.params.truncate_prompt_tokens is not None:
+                    raise errors.InvalidRequestError("truncate_prompt_tokens", "cannot cut a prompt with images")
+                return job.mm_prompt.token_ids
+        if job.chat:
+            token_ids = self._truncated(job.params, apply_chat_template(
+                self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
+                chat_template=options.chat_template))
+        elif isinstance(job.prompt, str):
+            chars = len(job.prompt) + len(options.text_pair or "")
+            if chars > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:
+                raise errors.InvalidRequestError(
+                    "prompt", f"{chars} characters cannot fit in max_model_len={self.max_model_len} tokens")
+            check_text("prompt", job.prompt)
+            token_ids = self._truncated(job.params, self._encode(job.prompt, options.text_pair))
+        else:
+            token_ids = self._truncated(job.params, list(job.prompt))
+            if len(token_ids) < self.max_model_len:  # a huge list is refused below without a look at each id
+                check_token_ids("prompt", token_ids, self.vocab_size)
+        if not token_ids:
+            raise errors.InvalidRequestError("prompt", "the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise errors.InvalidRequestError(
+                "prompt", f"{len(token_ids)} tokens, but max_model_len is {self.max_model_len} (prompt plus at "
+                          "least one generated token)")
+        return token_ids
+
+    def _truncated(self, params: SamplingParams, token_ids: list[int]) -> list[int]:
+        return truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+
+    def _encode(self, prompt: str, text_pair: str | None) -> list[int]:
+        """A text's token ids; with `text_pair`, the pair's one prompt as the classifier encodes it (`score`)."""
+        if text_pair is None:
+            return encode_prompt(self.tokenizer, prompt)
+        assert self.pooling_model is not None, "score sends pairs to a started engine's classifier"
+        return self.pooling_model.encode_pair(self.tokenizer, prompt, text_pair)

@@ -1,0 +1,57 @@
+"""vLLM's ``POST /tokenize`` and ``POST /detokenize`` for the OpenAI-compatible server (openai_server.py)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import anyio
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_protocol import DetokenizeRequest, TokenizeRequest, decode_request
+from asyncllm.tool_calls import check_tools
+
+if TYPE_CHECKING:
+    from asyncllm.integrations.openai_server import OpenAIServer
+
+__all__ = ["tokenize_routes"]
+
+
+def tokenize_routes(server: OpenAIServer) -> list[Route]:
+    """The two routes, each wrapped in the server's API-key check and error mapping."""
+
+    async def tokenize(request: Request) -> Response:
+        """The token ids the engine would run for a prompt or for chat messages (on a worker thread)."""
+        req = decode_request(await server._body(request), TokenizeRequest)
+        server._model(req.model)  # an adapter shares the model's tokenizer
+        if (req.prompt is None) == (req.messages is None):
+            raise InvalidRequestError("prompt", "give a prompt or messages (one of them)")
+        if req.prompt is not None:
+            tokenizer = await server._tokenizer()
+            prompt, special = req.prompt, req.add_special_tokens
+            tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
+        else:
+            check_tools(req.tools)
+            tokens = await server._chat_tokens(req, req.tools)
+        return _json({"count": len(tokens), "max_model_len": server.engine.config.max_model_len,
+                      "tokens": [int(t) for t in tokens], "token_strs": None})
+
+    async def detokenize(request: Request) -> Response:
+        """The text of token ids (special tokens included)."""
+        req = decode_request(await server._body(request), DetokenizeRequest)
+        server._model(req.model)
+        tokenizer = await server._tokenizer()
+        bad = [t for t in req.tokens if not 0 <= t < len(tokenizer)]
+        if bad:
+            raise InvalidRequestError("tokens", f"ids must be in [0, {len(tokenizer)}), got {bad[:5]}")
+        return _json({"prompt": await anyio.to_thread.run_sync(tokenizer.decode, req.tokens)})
+
+    return [Route("/tokenize", server._guarded(tokenize), methods=["POST"]),
+            Route("/detokenize", server._guarded(detokenize), methods=["POST"])]
+
+
+def _json(payload: dict) -> Response:
+    return Response(msgspec.json.encode(payload), media_type="application/json")
