@@ -197,11 +197,16 @@ def _token_text(token_id: int, entry: dict[int, Logprob]) -> str:
     logprob = entry.get(token_id)
     if logprob is None:
         return ""
-    return f"token_id:{token_id}" if logprob.decoded_token is None else logprob.decoded_token
+    return token_id_text(token_id) if logprob.decoded_token is None else logprob.decoded_token
+
+
+def token_id_text(token_id: int) -> str:
+    """vLLM's name of a token by id (``--return-tokens-as-token-ids``, and tokens without a tokenizer)."""
+    return f"token_id:{token_id}"
 
 
 def _token_id_name(token_id: int, entry: dict[int, Logprob]) -> str:
-    return f"token_id:{token_id}"
+    return token_id_text(token_id)
 
 
 def _logprob(token_id: int, entry: dict[int, Logprob]) -> float:

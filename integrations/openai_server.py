@@ -54,7 +54,7 @@ from asyncllm.integrations.openai_protocol import (
     chat_params, completion_params, completion_prompts, decode_request, echo_only, header_data_parallel_rank,
     request_options, template_kwargs,
 )
-from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
+from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event, token_id_text
 from asyncllm.integrations.openai_score import score_routes
 from asyncllm.integrations.openai_tokenize import tokenize_routes
 from asyncllm.integrations.openai_dev import dev_routes
@@ -456,7 +456,7 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         """A logprobs entry's token: its text, or vLLM's ``token_id:N`` (without a tokenizer, or asked for)."""
         if self.engine.tokenizer is None or self.token_ids_as_text:
-            return f"token_id:{token_id}"
+            return token_id_text(token_id)
         return self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _model(self, model: str | None) -> tuple[str, LoRARequest | None]:
