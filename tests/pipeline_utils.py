@@ -31,7 +31,8 @@ class MemoryChannel:
 
 
 class Stages:
-    """The stages run one after the other, as `PagedRun` calls a model (each takes its layers' KV caches)."""
+    """The stages run one after the other, as `PagedRun` calls a model (each takes its layers' KV caches: a
+    hybrid's attention layers')."""
 
     def __init__(self, stages: list[StageModel]) -> None:
         self.stages = stages
@@ -40,8 +41,9 @@ class Stages:
                  metadata: Any) -> torch.Tensor:
         first = 0
         for stage in self.stages:
-            hidden = stage(input_ids, positions, kv_caches[first : first + stage.stage.num_layers], metadata)
-            first += stage.stage.num_layers
+            hidden = stage(input_ids, positions, kv_caches[first : first + stage.num_kv_layers], metadata)
+            first += stage.num_kv_layers
+        assert first == len(kv_caches)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """`PipelineModelRunner`: the model runner of one rank of a pipeline-parallel engine (docs/parallelism.md).
 
 World rank ``r`` is tensor-parallel rank ``r % tp`` of stage ``r // tp`` (vLLM's order). Each rank builds and
-loads only its stage's parts (asyncllm/models/pipeline.py) and sizes its KV cache for its stage's layers; the
-core takes the minimum block count over all ranks, as with tensor parallelism.
+loads only its stage's parts (asyncllm/models/pipeline.py) and sizes its KV cache for its stage's layers (a
+hybrid's: its attention layers); the core takes the minimum block count over all ranks, as with tensor
+parallelism.
 
 Every rank gets every step (the executor's broadcast), and the stages run it one after the other: stage 0
 embeds and runs its layers, sends ``(hidden, residual)`` on, ..., the last stage runs its layers, the final
@@ -105,8 +106,9 @@ class PipelineModelRunner(ModelRunner):
         prev_rank = None if stage.is_first else self.world_rank - tp
         next_rank = None if stage.is_last else self.world_rank + tp
         channel = StageChannel(prev_rank, next_rank, text_config.hidden_size, dtype, self.device)
-        kv_spec = dataclasses.replace(kv_cache_spec(hf_config, tp), num_layers=stage.num_layers)
-        self.attach_model(StageModel(model, stage, channel), kv_spec, dtype)
+        stage_model = StageModel(model, stage, channel)
+        kv_spec = dataclasses.replace(kv_cache_spec(hf_config, tp), num_layers=stage_model.num_kv_layers)
+        self.attach_model(stage_model, kv_spec, dtype)
         self.hf_config = hf_config
 
     @torch.inference_mode()

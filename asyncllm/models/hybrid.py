@@ -21,6 +21,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.llama import DecoderBuild, LlamaModel
+from asyncllm.models.pipeline import uses_kv_cache
 from asyncllm.models.row_states import StateRows
 
 __all__ = ["HybridBuild", "HybridLayer", "HybridModel", "STATE_LAYER_TYPES", "StateLayersMixin", "is_state_layer",
@@ -94,7 +95,7 @@ class HybridModel(LlamaModel):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual, caches = None, iter(kv_caches)
         for layer in self.layers:
-            cache = next(caches) if getattr(layer, "uses_kv_cache", not layer.is_linear) else None
+            cache = next(caches) if uses_kv_cache(layer) else None
             hidden, residual = layer(positions, hidden, residual, cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden

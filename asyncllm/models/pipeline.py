@@ -10,6 +10,11 @@ on the last when the LM head is tied to them), the final norm and LM head only o
 tokens, the others receive ``(hidden, residual)`` from the stage before (`StageChannel`, torch.distributed
 send/recv: gloo on CPU, NCCL on CUDA); each runs its layers; every stage but the last sends ``(hidden,
 residual)`` on, and the last applies the final norm (then the runner computes logits and samples).
+
+Hybrids (asyncllm/models/hybrid.py) run in stages too: a stage's KV caches are its attention layers' only
+(`uses_kv_cache`), its state layers keep their per-request states by the same worker rows on every stage (each
+stage's input batch is built from the same scheduler output), and each stage saves and restores its own state
+layers' checkpoints for prefix caching.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from asyncllm import envs
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.errors import NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError
 
-__all__ = ["PPMissingLayer", "PipelineStage", "StageChannel", "StageModel", "TensorChannel", "in_missing_part"]
+__all__ = ["PPMissingLayer", "PipelineStage", "StageChannel", "StageModel", "TensorChannel", "in_missing_part",
+           "uses_kv_cache"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,12 @@ def in_missing_part(model: nn.Module, name: str) -> bool:
     return False
 
 
+def uses_kv_cache(layer: nn.Module) -> bool:
+    """Whether a decoder layer reads a paged KV cache: every layer but a hybrid's state layers (``is_linear``) and
+    its layers without a mixer (Nemotron-H's MLP layers: ``uses_kv_cache`` unset)."""
+    return bool(getattr(layer, "uses_kv_cache", not getattr(layer, "is_linear", False)))
+
+
 class TensorChannel(Protocol):
     """How a stage passes ``(hidden, residual)`` to the next one (a test passes them in memory)."""
 
@@ -123,19 +136,38 @@ class StageModel(nn.Module):
         self.channel = channel
         decoder = causal_lm.model
         self._layers = list(decoder.layers[stage.start_layer : stage.end_layer])
+        self._uses_kv = [uses_kv_cache(layer) for layer in self._layers]
+        if not any(self._uses_kv):
+            raise ConfigError("pipeline_parallel_size", stage.size,
+                              f"a split whose every stage holds an attention layer (stage {stage.rank} holds "
+                              f"layers {stage.start_layer} to {stage.end_layer - 1}, none with a KV cache): set "
+                              f"{envs.PP_LAYER_PARTITION.name} to move the boundaries, or use fewer stages")
         self._embed = decoder.embed_tokens if stage.is_first else None
         self._norm = decoder.norm if stage.is_last else None
+        self.keeps_request_states = bool(getattr(causal_lm, "keeps_request_states", False))
+        """A hybrid's: the runner lists each step's rows for its state layers (workers/input_batch.py)."""
+        self.checkpoint_slots = int(getattr(causal_lm, "checkpoint_slots", 0))
+        """A hybrid's saved states for prefix caching (the worker tells the core)."""
+
+    @property
+    def num_kv_layers(self) -> int:
+        """The stage's layers with a KV cache (a hybrid's attention layers; every layer otherwise)."""
+        return sum(self._uses_kv)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """As `LlamaModel.forward` over this stage's layers (``kv_caches``: one per layer of the stage); the
-        final hidden states on the last stage, what was sent on elsewhere."""
+        """As `LlamaModel.forward` (a hybrid's: `HybridModel.forward`) over this stage's layers (``kv_caches``: one
+        per layer of the stage that reads one); the final hidden states on the last stage, what was sent on
+        elsewhere."""
+        if len(kv_caches) != self.num_kv_layers:
+            raise ValueError(f"{len(kv_caches)} KV caches for a stage with {self.num_kv_layers} attention layers")
         if self._embed is not None:
             hidden, residual = self._embed(input_ids), None
         else:
             hidden, residual = self.channel.recv(input_ids.shape[0])
-        for layer, kv_cache in zip(self._layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, attn_metadata)
+        caches = iter(kv_caches)
+        for layer, uses_kv in zip(self._layers, self._uses_kv):
+            hidden, residual = layer(positions, hidden, residual, next(caches) if uses_kv else None, attn_metadata)
         if self._norm is None:
             assert residual is not None, "every stage runs at least one layer"
             self.channel.send(hidden, residual)
@@ -150,12 +182,14 @@ class StageModel(nn.Module):
 
 
 def check_stage_model(causal_lm: nn.Module, pp_size: int) -> None:
-    """`NotBuiltError` unless the model's forward is `LlamaForCausalLM`'s over `LlamaModel`'s (what
-    `StageModel.forward` runs in pieces)."""
+    """`NotBuiltError` unless the model's forward is `LlamaForCausalLM`'s over `LlamaModel`'s or `HybridModel`'s
+    (what `StageModel.forward` runs in pieces)."""
+    from asyncllm.models.hybrid import HybridModel
     from asyncllm.models.llama import LlamaForCausalLM, LlamaModel
 
     decoder = getattr(causal_lm, "model", None)
-    if type(causal_lm).forward is not LlamaForCausalLM.forward or type(decoder).forward is not LlamaModel.forward:
+    stacks = (LlamaModel.forward, HybridModel.forward)
+    if type(causal_lm).forward is not LlamaForCausalLM.forward or type(decoder).forward not in stacks:
         name = type(causal_lm).__name__
         raise NotBuiltError("pipeline_parallel_size", pp_size, f"pipeline parallelism for {name} (its forward "
                                                                "is not LlamaForCausalLM's decoder stack)")

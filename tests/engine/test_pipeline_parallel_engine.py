@@ -158,3 +158,24 @@ async def test_two_replicas_of_two_stages_each_serve_token_exact(path: str) -> N
         outs = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
         assert all(replica.prompt_tokens_total > 0 for replica in engine.stats().replicas)
     assert [out.token_ids for out in outs] == [hf_greedy(path, p, 8, eos_token_id=None) for p in prompts]
+
+
+async def test_a_hybrid_runs_in_stages_with_saved_states_preemption_and_micro_batches() -> None:
+    """Qwen3.5 (4 layers: Gated DeltaNet, attention, twice) over two stages, each holding one of each: a prompt
+    sharing a 37-token prefix with an earlier one resumes from the states each stage saved at token 32; then five
+    requests at once in 16 blocks, preempted (recomputed) and decoding in micro-batches, every stage's state rows
+    following the same seats. Every token equals transformers'."""
+    path = tiny_checkpoint("qwen3_5", num_layers=4)
+    rng = random.Random(11)
+    shared = [rng.randrange(6, 512) for _ in range(37)]
+    prompts = [shared + [5, 9, 13], shared + [21, 7]]
+    prompts += [[rng.randrange(6, 512) for _ in range(rng.randint(3, 40))] for _ in range(5)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    async with AsyncEngine(path, pipeline_parallel_size=2, disable_log_stats=True, max_num_batched_tokens=16,
+                           max_num_seqs=4, num_gpu_blocks_override=16, block_size=4, max_model_len=64,
+                           mamba_block_size=8, mamba_checkpoint_slots=4) as engine:
+        outs = [await engine.generate(p, greedy) for p in prompts[:2]]
+        outs += await asyncio.gather(*(engine.generate(p, greedy) for p in prompts[2:]))
+        assert engine.stats().num_preemptions_total > 0
+    assert outs[1].num_cached_tokens == 32
+    assert [out.token_ids for out in outs] == [hf_greedy(path, p, 12, eos_token_id=None) for p in prompts]

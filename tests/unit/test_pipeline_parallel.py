@@ -115,6 +115,82 @@ def test_stages_hold_their_parts_and_equal_the_unsplit_model(arch: str, num_laye
     assert not channel.queue
 
 
+_LIN, _FULL = "linear_attention", "full_attention"
+HYBRIDS = {
+    "qwen3_5": {}, "qwen3_5_moe": {}, "qwen3_next": {}, "jamba": {}, "falcon_h1": {},
+    "granitemoehybrid": {"layer_types": [_LIN, _FULL, _LIN, _FULL]},
+    "bamba": {"attn_layer_indices": [1, 3]},
+    "lfm2": {"layer_types": ["conv", _FULL, "conv", _FULL]},
+    "lfm2_moe": {"layer_types": ["conv", _FULL, "conv", _FULL]},
+    "nemotron_h": {"num_layers": 5, "layers_block_type": [_LIN, _FULL, "moe", "mlp", _FULL]},
+}
+"""Hybrids of 4 layers (Nemotron-H: 5, split 3 + 2) whose every stage holds a state layer or an MLP-only layer
+beside an attention layer (Falcon-H1's layers hold both)."""
+
+
+@pytest.mark.parametrize("arch", sorted(HYBRIDS))
+def test_hybrid_stages_keep_their_states_and_equal_the_unsplit_model(arch: str) -> None:
+    """Each stage holds its layers' states (rows and checkpoint slots) and its attention layers' KV caches only;
+    the stages' logits over the paged, chunked schedule (states carried from chunk to chunk) equal the unsplit
+    model's."""
+    from asyncllm.models.row_states import RowStates
+
+    kwargs = {"num_layers": 4, **HYBRIDS[arch]}
+    path = tiny_checkpoint(arch, **kwargs)
+    hf_config = load_hf_config(path)
+    num_layers = hf_config.num_hidden_layers
+    config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2, max_num_seqs=8)
+    full = load_model(config, hf_config, CPU, torch.float32)
+    channel, stages = MemoryChannel(), []
+    for rank in range(2):
+        stage = PipelineStage(rank, 2, *get_pp_indices(num_layers, rank, 2))
+        stage_model = StageModel(load_model(config, hf_config, CPU, torch.float32, pipeline=stage), stage, channel)
+        assert stage_model.keeps_request_states and stage_model.checkpoint_slots == full.checkpoint_slots
+        assert 0 < stage_model.num_kv_layers < stage.num_layers or arch == "falcon_h1"
+        stages.append(stage_model)
+
+    def states(model: torch.nn.Module) -> int:
+        return sum(isinstance(getattr(m, "states", None), RowStates) for m in model.modules())
+
+    assert [states(s) for s in stages] != [0, 0] and sum(states(s) for s in stages) == states(full)
+    assert sum(s.num_kv_layers for s in stages) == full.kv_cache_layers(hf_config)
+    for got, want in zip(paged_logits(Stages(stages), path), paged_logits(full, path), strict=True):
+        assert torch.equal(got, want)
+    assert not channel.queue
+
+
+def test_a_stage_without_attention_layers_is_refused() -> None:
+    """A hybrid split so that one stage holds only state layers: refused, naming the partition to change."""
+    path = tiny_checkpoint("bamba", num_layers=4)  # attention in layer 1 only
+    config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2)
+    stage = PipelineStage(1, 2, 2, 4)
+    model = load_model(config, load_hf_config(path), CPU, torch.float32, pipeline=stage)
+    with pytest.raises(ConfigError, match="ASYNCLLM_PP_LAYER_PARTITION") as info:
+        StageModel(model, stage, MemoryChannel())
+    assert "stage 1 holds layers 2 to 3" in str(info.value)
+
+
+def test_an_image_text_checkpoint_serving_text_alone_runs_in_stages(tmp_path) -> None:
+    """Gemma 3's image-text checkpoint under ``limit_mm_per_prompt`` of 0: the host lets it through (with images
+    it names the setting), and its language model's stages equal the unsplit text-only model."""
+    from gemma3_mm_utils import make_tiny_gemma3_mm
+
+    path = make_tiny_gemma3_mm(tmp_path / "gemma3")
+    hf_config = load_hf_config(path)
+    with pytest.raises(NotBuiltError, match="limit_mm_per_prompt"):
+        check_pipeline_model(EngineConfig.create(path, pipeline_parallel_size=2), "Gemma3ForConditionalGeneration",
+                             hf_config.text_config)
+    config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2,
+                                 limit_mm_per_prompt={"image": 0, "video": 0})
+    check_pipeline_model(config, "Gemma3ForConditionalGeneration", hf_config.text_config)
+    full = load_model(config, hf_config, CPU, torch.float32)
+    channel = MemoryChannel()
+    stages = [StageModel(load_model(config, hf_config, CPU, torch.float32, pipeline=stage), stage, channel)
+              for stage in (PipelineStage(r, 2, *get_pp_indices(2, r, 2)) for r in range(2))]
+    for got, want in zip(paged_logits(Stages(stages), path), paged_logits(full, path), strict=True):
+        assert torch.equal(got, want)
+
+
 def test_a_stage_reads_only_its_checkpoint_tensors() -> None:
     path = tiny_checkpoint("llama", num_layers=5)
     hf_config = load_hf_config(path)
