@@ -183,12 +183,7 @@ def test_an_image_text_checkpoint_serving_text_alone_runs_in_stages(tmp_path) ->
     config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2,
                                  limit_mm_per_prompt={"image": 0, "video": 0})
     check_pipeline_model(config, "Gemma3ForConditionalGeneration", hf_config.text_config)
-    full = load_model(config, hf_config, CPU, torch.float32)
-    channel = MemoryChannel()
-    stages = [StageModel(load_model(config, hf_config, CPU, torch.float32, pipeline=stage), stage, channel)
-              for stage in (PipelineStage(r, 2, *get_pp_indices(2, r, 2)) for r in range(2))]
-    for got, want in zip(paged_logits(Stages(stages), path), paged_logits(full, path), strict=True):
-        assert torch.equal(got, want)
+    _assert_two_stages_equal_the_unsplit_model(config, hf_config, 2)
 
 
 def test_a_stage_reads_only_its_checkpoint_tensors() -> None:
@@ -209,9 +204,13 @@ def test_online_fp8_stages_equal_the_unsplit_model() -> None:
     path = tiny_checkpoint("llama", num_layers=3)
     hf_config = load_hf_config(path)
     config = EngineConfig.create(path, max_model_len=128, quantization="fp8", pipeline_parallel_size=2)
+    _assert_two_stages_equal_the_unsplit_model(config, hf_config, 3)
+
+
+def _assert_two_stages_equal_the_unsplit_model(config: EngineConfig, hf_config: Any, num_layers: int) -> None:
     full = load_model(config, hf_config, CPU, torch.float32)
     channel = MemoryChannel()
     stages = [StageModel(load_model(config, hf_config, CPU, torch.float32, pipeline=stage), stage, channel)
-              for stage in (PipelineStage(r, 2, *get_pp_indices(3, r, 2)) for r in range(2))]
-    for got, want in zip(paged_logits(Stages(stages), path), paged_logits(full, path), strict=True):
+              for stage in (PipelineStage(r, 2, *get_pp_indices(num_layers, r, 2)) for r in range(2))]
+    for got, want in zip(paged_logits(Stages(stages), config.model), paged_logits(full, config.model), strict=True):
         assert torch.equal(got, want)
