@@ -40,6 +40,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "DeepseekV3ForCausalLM", "GraniteMoeSharedForCausalLM", "YoutuForCausalLM",
                           "Mistral4ForCausalLM", "Glm4MoeLiteForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                           "Llama4ForConditionalGeneration",  # its language model (images are not built)
+                          "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM",  # learned positions
                           # hybrids: state layers beside attention (asyncllm/models/hybrid.py)
                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
                           "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM", "JambaForCausalLM",

@@ -58,7 +58,9 @@ def stage_params(full_names: set[str], stage: PipelineStage, tied: bool) -> set[
             return stage.owns_layer(int(layer.group(1)))
         if name.startswith("model.embed_tokens."):
             return stage.is_first or (tied and stage.is_last)
-        return stage.is_last  # the final norm, the LM head
+        if name.startswith(("model.embed_positions.", "model.project_in.")):  # GPT-2's and OPT's
+            return stage.is_first
+        return stage.is_last  # the final norm, the LM head (OPT's projection out)
 
     return {name for name in full_names if held(name)}
 

@@ -15,17 +15,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, new_param
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaForCausalLM, LlamaModel
 from asyncllm.models.phi import renamed
+from asyncllm.models.pipeline import PPMissingLayer
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.rotary import identity_rotary
 from asyncllm.models.starcoder2 import BiasLayerNorm, GatelessMLP, Starcoder2DecoderLayer
@@ -34,6 +35,7 @@ __all__ = ["GPT2LMHeadModel", "GPTBigCodeForCausalLM", "LearnedPositionModel", "
 
 _GPT_NAMES = (("transformer.wte.", "model.embed_tokens."), ("transformer.wpe.", "model.embed_positions."),
               ("transformer.ln_f.", "model.norm."), ("transformer.h.", "model.layers."))
+_LAYER_INDEX = re.compile(r"transformer\.h\.(\d+)\.")
 _LAYER_NAMES = ((".ln_1.", ".input_layernorm."), (".ln_2.", ".post_attention_layernorm."),
                 (".attn.c_proj.", ".self_attn.o_proj."), (".attn.c_attn.", ".self_attn.c_attn."))
 
@@ -64,32 +66,21 @@ class LearnedPositions(nn.Module):
 
 class LearnedPositionModel(LlamaModel):
     """`LlamaModel` whose token embeddings get a learned embedding of each position added (``embed_positions``,
-    whole on every rank; ``position_offset`` rows before position 0: OPT's 2)."""
+    whole on every rank, on a pipeline's first stage only; ``position_offset`` rows before position 0: OPT's 2)."""
 
     position_offset = 0
 
     def __init__(self, b: DecoderBuild) -> None:
         super().__init__(b)
         cfg = b.hf_config
-        self.embed_positions = LearnedPositions(cfg.max_position_embeddings + self.position_offset,
-                                                cfg.hidden_size, b.dtype)
+        first = b.pipeline is None or b.pipeline.is_first
+        self.embed_positions = (LearnedPositions(cfg.max_position_embeddings + self.position_offset,
+                                                 cfg.hidden_size, b.dtype) if first else PPMissingLayer())
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
-              inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+              inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         tokens = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         return tokens + self.embed_positions(positions + self.position_offset)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden, residual = self.embed(input_ids, positions, inputs_embeds), None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
-        return self.final(hidden, residual)
-
-    def final(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        """The last layer's output and the stream joined, then the final norm."""
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
 
 
 class GPT2Model(LearnedPositionModel):
@@ -148,12 +139,16 @@ class GPT2LMHeadModel(LlamaForCausalLM):
 
     def _gpt_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
         """Names under ``transformer.`` (the older GPT-2 checkpoints have none), Conv1D matrices transposed, the
-        causal-mask buffers of old checkpoints (``attn.bias``, ``attn.masked_bias``) dropped."""
+        causal-mask buffers of old checkpoints (``attn.bias``, ``attn.masked_bias``) dropped, and on a pipeline
+        stage the other stages' layers (before the transposition and the q/k/v split would read them)."""
         for name, weight in weights:
             if name.endswith((".attn.bias", ".attn.masked_bias")):
                 continue
             if not name.startswith(("transformer.", "lm_head.")):
                 name = "transformer." + name
+            layer = _LAYER_INDEX.match(name)
+            if layer is not None and self.pipeline is not None and not self.pipeline.owns_layer(int(layer.group(1))):
+                continue
             if self.conv1d and name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")):
                 full = weight if isinstance(weight, torch.Tensor) else weight[:]
                 weight = full.t().contiguous()

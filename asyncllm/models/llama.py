@@ -253,7 +253,7 @@ class LlamaModel(nn.Module):
         metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = self.embed(input_ids, positions, inputs_embeds)
         residual = None
         if self.aux_layers:
             self.aux_hidden: dict[int, torch.Tensor] = {}
@@ -261,6 +261,16 @@ class LlamaModel(nn.Module):
             if i in self.aux_layers:  # the residual stream entering layer i
                 self.aux_hidden[i] = hidden.clone() if residual is None else hidden + residual  # not updated in place
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        return self.final(hidden, residual)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The first layer's input: the tokens' embeddings (GPT-2's add their positions'; a pipeline's first stage
+        runs this alone)."""
+        return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+
+    def final(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The last layer's output and the stream joined, then the final norm (a pipeline's last stage)."""
         hidden, _ = self.norm(hidden, residual)
         return hidden
 

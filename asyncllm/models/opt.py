@@ -21,6 +21,7 @@ from asyncllm.models.gpt2 import GPT2LMHeadModel, LearnedPositionModel
 from asyncllm.models.layers import LoadedWeight, head_dim_of, new_param
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaAttention
 from asyncllm.models.phi import renamed
+from asyncllm.models.pipeline import PPMissingLayer
 from asyncllm.models.starcoder2 import BiasLayerNorm, Starcoder2DecoderLayer
 
 __all__ = ["OPTForCausalLM"]
@@ -85,13 +86,17 @@ class OPTModel(LearnedPositionModel):
             self.norm = None
         width = cfg.word_embed_proj_dim
         self.project_in = self.project_out = None
-        if width != cfg.hidden_size:
-            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, width, b.tp, b.dtype)
-            self.project_in = Projection(width, cfg.hidden_size, b.dtype)
-            self.project_out = Projection(cfg.hidden_size, width, b.dtype)
+        if width != cfg.hidden_size:  # on a pipeline stage: in on the first, out on the last
+            stage = b.pipeline
+            if not isinstance(self.embed_tokens, PPMissingLayer):
+                self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, width, b.tp, b.dtype)
+            self.project_in = Projection(width, cfg.hidden_size, b.dtype) if stage is None or stage.is_first \
+                else PPMissingLayer()
+            self.project_out = Projection(cfg.hidden_size, width, b.dtype) if stage is None or stage.is_last \
+                else PPMissingLayer()
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
-              inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+              inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         tokens = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.project_in is not None:
             tokens = self.project_in(tokens)

@@ -9,7 +9,9 @@ on the last when the LM head is tied to them), the final norm and LM head only o
 `StageModel` is what the model runner calls instead of the model's own forward: the first stage embeds the
 tokens, the others receive ``(hidden, residual)`` from the stage before (`StageChannel`, torch.distributed
 send/recv: gloo on CPU, NCCL on CUDA); each runs its layers; every stage but the last sends ``(hidden,
-residual)`` on, and the last applies the final norm (then the runner computes logits and samples).
+residual)`` on, and the last applies the final norm (then the runner computes logits and samples). The first
+and last steps are the decoder's own ``embed`` and ``final`` (GPT-2's and OPT's add learned positions; OPT's
+projects in and out).
 
 Hybrids (asyncllm/models/hybrid.py) run in stages too: a stage's KV caches are its attention layers' only
 (`uses_kv_cache`), its state layers keep their per-request states by the same worker rows on every stage (each
@@ -142,8 +144,6 @@ class StageModel(nn.Module):
                               f"a split whose every stage holds an attention layer (stage {stage.rank} holds "
                               f"layers {stage.start_layer} to {stage.end_layer - 1}, none with a KV cache): set "
                               f"{envs.PP_LAYER_PARTITION.name} to move the boundaries, or use fewer stages")
-        self._embed = decoder.embed_tokens if stage.is_first else None
-        self._norm = decoder.norm if stage.is_last else None
         self.keeps_request_states = bool(getattr(causal_lm, "keeps_request_states", False))
         """A hybrid's: the runner lists each step's rows for its state layers (workers/input_batch.py)."""
         self.checkpoint_slots = int(getattr(causal_lm, "checkpoint_slots", 0))
@@ -161,19 +161,18 @@ class StageModel(nn.Module):
         elsewhere."""
         if len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a stage with {self.num_kv_layers} attention layers")
-        if self._embed is not None:
-            hidden, residual = self._embed(input_ids), None
+        residual: torch.Tensor | None
+        if self.stage.is_first:
+            hidden, residual = self.causal_lm.model.embed(input_ids, positions), None
         else:
             hidden, residual = self.channel.recv(input_ids.shape[0])
         caches = iter(kv_caches)
         for layer, uses_kv in zip(self._layers, self._uses_kv):
             hidden, residual = layer(positions, hidden, residual, next(caches) if uses_kv else None, attn_metadata)
-        if self._norm is None:
-            assert residual is not None, "every stage runs at least one layer"
-            self.channel.send(hidden, residual)
+        if not self.stage.is_last:  # OPT's post-norm layers leave the stream joined: a zero residual adds nothing
+            self.channel.send(hidden, torch.zeros_like(hidden) if residual is None else residual)
             return hidden
-        hidden, _ = self._norm(hidden, residual)
-        return hidden
+        return self.causal_lm.model.final(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head (last stage only)."""
@@ -182,8 +181,8 @@ class StageModel(nn.Module):
 
 
 def check_stage_model(causal_lm: nn.Module, pp_size: int) -> None:
-    """`NotBuiltError` unless the model's forward is `LlamaForCausalLM`'s over `LlamaModel`'s or `HybridModel`'s
-    (what `StageModel.forward` runs in pieces)."""
+    """`NotBuiltError` unless the model's forward is `LlamaForCausalLM`'s over `LlamaModel`'s (GPT-2's and OPT's
+    too: their ``embed`` and ``final`` differ) or `HybridModel`'s (what `StageModel.forward` runs in pieces)."""
     from asyncllm.models.hybrid import HybridModel
     from asyncllm.models.llama import LlamaForCausalLM, LlamaModel
 

@@ -90,7 +90,7 @@ CASES = [("llama", 3, 2), ("llama", 3, 3), ("llama", 5, 2), ("mistral", 2, 2), (
              "olmo", "jais2", "stablelm", "phi", "gpt_neox", "gptj", "falcon", "granitemoe", "olmoe", "flex_olmo",
              "phimoe", "dots1", "glm4_moe", "minimax_m2", "exaone_moe", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open",
              "sarvam_moe", "llama4", "deepseek_v2", "deepseek_v3", "granitemoeshared", "youtu", "mistral4",
-             "glm4_moe_lite", "cohere", "cohere2"))]
+             "glm4_moe_lite", "cohere", "cohere2", "gpt2", "gpt_bigcode", "opt"))]
 """(family, layers, stages): the odd splits on Llama, every family of PIPELINE_ARCHITECTURES (Granite and Gemma
 tie their LM head to the embeddings, the MoE families load per-expert tensors, DeepSeek's latent attention keeps a
 one-part cache per stage); Qwen2-MoE as Qwen3-MoE."""
@@ -186,6 +186,14 @@ def test_an_image_text_checkpoint_serving_text_alone_runs_in_stages(tmp_path) ->
     _assert_two_stages_equal_the_unsplit_model(config, hf_config, 2)
 
 
+def test_opt_350m_shape_post_norm_layers_and_projections_run_in_stages() -> None:
+    """OPT-350m's shape: post-norm layers (the stream leaves each layer joined, so a zero residual crosses the
+    stage boundary) and embeddings narrower than the layers (projected in on the first stage, out on the last)."""
+    path = tiny_checkpoint("opt", num_layers=3, do_layer_norm_before=False, word_embed_proj_dim=32)
+    config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2)
+    _assert_two_stages_equal_the_unsplit_model(config, load_hf_config(path), 3)
+
+
 def test_a_stage_reads_only_its_checkpoint_tensors() -> None:
     path = tiny_checkpoint("llama", num_layers=5)
     hf_config = load_hf_config(path)
@@ -198,6 +206,23 @@ def test_a_stage_reads_only_its_checkpoint_tensors() -> None:
     assert {re.match(r"model\.layers\.(\d+)\.", n).group(1) for n in read if n.startswith("model.layers.")} == \
         {"3", "4"}
     assert {n for n in read if not n.startswith("model.layers.")} == {"model.norm.weight", "lm_head.weight"}
+
+
+def test_a_gpt2_stage_reads_only_its_layers() -> None:
+    """GPT-2's Conv1D matrices are transposed and its fused q/k/v cut when read: a stage drops the other stages'
+    layers before that, and its first stage alone reads the learned positions."""
+    path = tiny_checkpoint("gpt2", num_layers=5)
+    config = EngineConfig.create(path, max_model_len=128, load_format="dummy", pipeline_parallel_size=2)
+    reads = []
+    for rank in range(2):
+        stage = PipelineStage(rank, 2, *get_pp_indices(5, rank, 2))
+        model = load_model(config, load_hf_config(path), CPU, torch.float32, pipeline=stage)
+        read: set[str] = set()
+        model.load_weights((n, ReadSpy(n, w, read)) for n, w in iterate_safetensors(checkpoint_files(path)))
+        reads.append(read)
+    layers = [{int(m.group(1)) for n in read if (m := re.search(r"\bh\.(\d+)\.", n))} for read in reads]
+    assert layers == [{0, 1, 2}, {3, 4}]
+    assert [any("wpe" in n for n in read) for read in reads] == [True, False]
 
 
 def test_online_fp8_stages_equal_the_unsplit_model() -> None:
