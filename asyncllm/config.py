@@ -129,6 +129,9 @@ class ModelConfig:
     """Hub revision (branch, tag or commit) of `model`."""
     tokenizer_revision: str | None = None
     """vLLM's: hub revision of `tokenizer` when that is a hub id of its own (None: its default branch)."""
+    download_dir: str | None = None
+    """vLLM's: the huggingface_hub cache folder a hub id's weights are downloaded to and read from (a draft
+    model's too); None: HF_HUB_CACHE, else huggingface_hub's default. A local folder is read where it is."""
     dtype: str = "auto"
     """Weights and activations: float32, bfloat16, float16; auto = float32 on CPU, the checkpoint's half type on GPU."""
     device: str = "auto"
@@ -189,6 +192,8 @@ class ModelConfig:
         _bool("skip_tokenizer_init", self.skip_tokenizer_init)
         _bool("enable_prompt_embeds", self.enable_prompt_embeds)
         _bool("trust_remote_code", self.trust_remote_code)
+        if self.download_dir is not None and (not isinstance(self.download_dir, str) or not self.download_dir):
+            raise ConfigError("download_dir", self.download_dir, "a folder path (non-empty string), or None")
         _choice("dtype", self.dtype, DTYPES)
         _choice("device", self.device, DEVICES)
         _int("seed", self.seed, 0)

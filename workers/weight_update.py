@@ -192,7 +192,7 @@ def check_update(runner: Any, model_path: str, revision: str | None, config_json
     """The new checkpoint's folder, once everything but reading its tensors' data has been checked (its config
     as the host read it: `config_json`; empty: read here, which imports the architecture's config class)."""
     refuse_unbuilt(runner)
-    path = resolve_update_path(model_path, revision)
+    path = resolve_update_path(model_path, revision, runner.config.download_dir)
     new_config = hf_config_from_json(config_json or read_update_config(path))
     _check_config(runner.hf_config, apply_hf_overrides(new_config, runner.config.hf_overrides))
     headers = _HeadersOnly()

@@ -400,7 +400,8 @@ class AsyncEngine:
         if revision is not None and not isinstance(revision, str):
             raise InvalidRequestError("revision", f"a hub revision (str) or None, got {revision!r}")
         await self.start()
-        config_json = await anyio.to_thread.run_sync(new_checkpoint_config, model_path, revision)
+        config_json = await anyio.to_thread.run_sync(new_checkpoint_config, model_path, revision,
+                                                     self.config.download_dir)
         return await self._weights.update(self._replicas, protocol.UpdateWeights("", model_path, revision, config_json))
 
     async def update_weights_from_tensors(

@@ -63,7 +63,7 @@ class Prepared:
 
 
 def prepare(config: EngineConfig) -> Prepared:
-    path = resolve_model_path(config.model, config.revision)
+    path = resolve_model_path(config.model, config.revision, config.download_dir)
     hf_config = served_hf_config(path, config.hf_overrides, config.trust_remote_code)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything
     limits = config.multimodal_config.limit_mm_per_prompt
@@ -95,7 +95,7 @@ def prepare(config: EngineConfig) -> Prepared:
     if spec is not None and spec.uses_draft_model:  # the draft checked against the target before spawning
         resolved = resolved.replace(speculative_config=prepare_draft_model(
             config.speculative_config, spec, text_config, config.tensor_parallel_size, max_model_len,  # type: ignore[arg-type]
-            multimodal, arch))
+            multimodal, arch, config.download_dir))
     if config.enable_expert_parallel and arch not in MOE_ARCHITECTURES:
         raise ConfigError("enable_expert_parallel", True, f"a mixture-of-experts model ({arch} has no experts)")
     lora = None

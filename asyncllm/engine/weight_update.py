@@ -24,8 +24,9 @@ OTHER_RANK_REFUSED = "another tensor-parallel rank refused it"
 """The error of a rank whose own check passed (the core answers with the refusing rank's reason instead)."""
 
 
-def resolve_update_path(model_path: str, revision: str | None) -> str:
-    """The new checkpoint's folder (a hub id downloaded or found in the cache); `InvalidRequestError` if none."""
+def resolve_update_path(model_path: str, revision: str | None, download_dir: str | None = None) -> str:
+    """The new checkpoint's folder (a hub id downloaded to or found in the cache: ``download_dir``, the engine's);
+    `InvalidRequestError` if none."""
     if model_path.lower().endswith(".gguf"):
         raise errors.NotBuiltError("model_path", model_path, "update_weights from a GGUF file")
     folder = os.path.expanduser(model_path)
@@ -35,7 +36,7 @@ def resolve_update_path(model_path: str, revision: str | None) -> str:
                                                            "or hub id)")
         return folder
     try:
-        return resolve_model_path(model_path, revision)
+        return resolve_model_path(model_path, revision, download_dir)
     except errors.ConfigError as exc:
         raise errors.InvalidRequestError("model_path", f"{model_path!r} cannot be found: {exc.allowed}") from exc
 
@@ -50,12 +51,12 @@ def read_update_config(path: str) -> str:
                                                        f"({type(exc).__name__}: {exc})") from exc
 
 
-def new_checkpoint_config(model_path: str, revision: str | None) -> str:
+def new_checkpoint_config(model_path: str, revision: str | None, download_dir: str | None = None) -> str:
     """On the host (off the loop): the new checkpoint's config for the workers, so that they need not import its
     config class (seconds in transformers 5). Empty when the host cannot read it: an attached host may not see
     the core's disk (`AsyncEngine.connect` over tcp://), so the workers read it and give the refusal."""
     try:
-        return read_update_config(resolve_update_path(model_path, revision))
+        return read_update_config(resolve_update_path(model_path, revision, download_dir))
     except (errors.InvalidRequestError, errors.NotBuiltError):
         return ""
 

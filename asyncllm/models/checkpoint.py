@@ -40,11 +40,11 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
-def resolve_model_path(model: str, revision: str | None = None) -> str:
+def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
     """A local folder as is; otherwise a hub id looked up through huggingface_hub.
 
     The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import),
-    and huggingface_hub falls back to its cache (HF_HUB_CACHE) when the hub is
+    and huggingface_hub falls back to its cache (``download_dir``, else HF_HUB_CACHE) when the hub is
     unreachable. A ``.gguf`` file must exist locally (asyncllm/models/gguf_config.py; vLLM's hub form
     ``repo:quant`` is a `NotBuiltError`). Anything else is a `ConfigError` saying what was tried.
     """
@@ -61,7 +61,7 @@ def resolve_model_path(model: str, revision: str | None = None) -> str:
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
     offline = constants.HF_HUB_OFFLINE or _env_flag("HF_HUB_OFFLINE")
-    cache_dir = os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
+    cache_dir = download_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
     try:
         path = snapshot_download(
             model, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=_HUB_ALLOW_PATTERNS

@@ -44,9 +44,11 @@ class DraftModelProposer:
 
 
 def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config: Any, tensor_parallel_size: int,
-                        max_model_len: int, multimodal: bool, arch: str | None = None) -> dict:
+                        max_model_len: int, multimodal: bool, arch: str | None = None,
+                        download_dir: str | None = None) -> dict:
     """Check the draft checkpoint against the target (``target_config``: its text config; ``arch``: the
-    checkpoint's architecture, default the config's); returns ``speculative_config`` with the draft's folder."""
+    checkpoint's architecture, default the config's; ``download_dir``: the engine's hub cache); returns
+    ``speculative_config`` with the draft's folder."""
     from asyncllm.models.architectures import HYBRID_ARCHITECTURES, TEXT_ARCHITECTURES, architecture_of
     from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
 
@@ -64,7 +66,7 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
                                                "the target's sharded embeddings and hidden states: the target's size)")
     from asyncllm.models.eagle import load_head_config, speculators_kind
 
-    path = resolve_model_path(spec.model, spec.revision)  # type: ignore[arg-type]
+    path = resolve_model_path(spec.model, spec.revision, download_dir)  # type: ignore[arg-type]
     method = spec.method
     if method == "draft_model" and "method" not in spec_dict and speculators_kind(path) == "eagle3":
         method = "eagle3"  # vLLM reads the method from the head

@@ -23,6 +23,7 @@ from asyncllm.models.loader import (
 )
 from asyncllm.models.registry import KVCacheSpec, get_model_class, kv_cache_spec
 from asyncllm.models.rotary import compute_inv_freq
+from asyncllm.tiny import tiny_checkpoint
 
 CPU = torch.device("cpu")
 
@@ -229,6 +230,29 @@ def test_hub_id_in_the_hf_cache_loads(tmp_path, monkeypatch, llama_dir, pickles)
     model = load_model(EngineConfig.create("tiny-org/tiny-llama"), load_hf_config(path), CPU, torch.float32)
     reference = dict(_load(llama_dir).named_parameters())
     assert all(torch.equal(p, reference[n]) for n, p in model.named_parameters())
+
+
+def test_download_dir_is_the_cache_a_hub_id_is_read_from(tmp_path, monkeypatch):
+    """``download_dir`` over HF_HUB_CACHE: the engine's preparation finds the snapshot there (offline), and the
+    error of a hub id found nowhere names that folder."""
+    from asyncllm.engine.prepare import prepare
+
+    cache = tmp_path / "downloads"
+    revision = "89abcdef0123456789abcdef0123456789abcdef"
+    snapshot = cache / "models--tiny-org--tiny-llama" / "snapshots" / revision
+    shutil.copytree(tiny_checkpoint("llama"), snapshot)  # with its tokenizer
+    (cache / "models--tiny-org--tiny-llama" / "refs").mkdir()
+    (cache / "models--tiny-org--tiny-llama" / "refs" / "main").write_text(revision)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))
+    with pytest.raises(ConfigError, match="elsewhere"):
+        resolve_model_path("tiny-org/tiny-llama")
+    prepared = prepare(EngineConfig.create("tiny-org/tiny-llama", download_dir=str(cache)))
+    assert Path(prepared.config.model).resolve() == snapshot.resolve()
+    with pytest.raises(ConfigError, match="downloads"):
+        resolve_model_path("tiny-org/other", download_dir=str(cache))
+    with pytest.raises(ConfigError, match="download_dir"):
+        EngineConfig.create("m", download_dir="")
 
 
 def test_local_folder_is_itself(llama_dir):
