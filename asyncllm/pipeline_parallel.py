@@ -17,7 +17,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
 
-__all__ = ["PIPELINE_ARCHITECTURES", "PIPELINE_TEXT_ONLY_ARCHITECTURES", "check_pipeline_config", "check_pipeline_model", "get_pp_indices",
+__all__ = ["PIPELINE_ARCHITECTURES", "check_pipeline_config", "check_pipeline_model", "get_pp_indices",
            "layer_partition", "output_rank"]
 
 _FIELD = "pipeline_parallel_size"
@@ -44,15 +44,17 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           # hybrids: state layers beside attention (asyncllm/models/hybrid.py)
                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
                           "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM", "JambaForCausalLM",
-                          "NemotronHForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM")
+                          "NemotronHForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
+                          # image-text: the encoder on the first stage (asyncllm/models/vision_language.py)
+                          "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                          "LlavaOnevisionForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+                          "Qwen2_5_VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
+                          "Qwen3_5MoeForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                          "Mistral3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                          "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration")
 """The causal LMs on `LlamaForCausalLM`'s decoder stack (embeddings, layers passing (hidden, residual), final
-norm, LM head; a hybrid's `HybridModel`) that run split into stages; each is tested against its unsplit model
-(tests/unit)."""
-
-PIPELINE_TEXT_ONLY_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                                    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
-"""Image-text checkpoints whose language model runs in stages when it serves text alone (``limit_mm_per_prompt``
-of 0 for every modality: asyncllm/models/architectures.py's `serves_text_only`)."""
+norm, LM head; a hybrid's `HybridModel`; an image-text model's decoder) that run split into stages; each is tested
+against its unsplit model (tests/unit)."""
 
 
 def layer_partition(num_layers: int, pp_size: int, partition: str | None = None) -> list[int]:
@@ -105,17 +107,9 @@ def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any
     pp = config.pipeline_parallel_size
     if pp == 1:
         return
-    if architecture in PIPELINE_TEXT_ONLY_ARCHITECTURES:
-        from asyncllm.models.architectures import serves_text_only
-
-        if not serves_text_only(architecture, config.multimodal_config.limit_mm_per_prompt):
-            raise NotBuiltError(_FIELD, pp, f"pipeline parallelism for {architecture} with images (its language "
-                                            "model runs in stages when it serves text alone: limit_mm_per_prompt="
-                                            "{'image': 0, 'video': 0})")
-    elif architecture not in PIPELINE_ARCHITECTURES:
+    if architecture not in PIPELINE_ARCHITECTURES:
         raise NotBuiltError(_FIELD, pp, f"pipeline parallelism for {architecture} (built for "
-                                        f"{', '.join(PIPELINE_ARCHITECTURES)}; "
-                                        f"{', '.join(PIPELINE_TEXT_ONLY_ARCHITECTURES)} serving text alone)")
+                                        f"{', '.join(PIPELINE_ARCHITECTURES)})")
     num_layers = hf_config.num_hidden_layers
     if pp > num_layers:
         raise ConfigError(_FIELD, pp, f"at most the model's num_hidden_layers ({num_layers}): "

@@ -34,11 +34,12 @@ CHAT_TEMPLATE = (
 
 
 
-def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: int = 0) -> str:
+def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: int = 0, num_layers: int = 2) -> str:
     """Save a tiny random ``Qwen2VLForConditionalGeneration`` (``version="2"``),
     ``Qwen2_5_VLForConditionalGeneration`` (``"2.5"``), ``Qwen3VLForConditionalGeneration`` (``"3"``) or
     ``Qwen3VLMoeForConditionalGeneration`` (``"3-moe"``), ``Qwen3_5ForConditionalGeneration`` (``"3.5"``) or
-    ``Qwen3_5MoeForConditionalGeneration`` (``"3.5-moe"``) with its tokenizer and image processor in ``path``."""
+    ``Qwen3_5MoeForConditionalGeneration`` (``"3.5-moe"``) with its tokenizer and image processor in ``path``
+    (``num_layers`` decoder layers: Qwen3.5's alternate Gated DeltaNet and attention)."""
     from transformers import AutoTokenizer
 
     from asyncllm.tiny import tiny_checkpoint
@@ -51,7 +52,7 @@ def make_tiny_qwen_vl(path: str | os.PathLike[str], version: str = "2", seed: in
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in (VISION_START, IMAGE_PAD, VISION_END,
                                                                         "<|video_pad|>")}
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
         rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [2, 3, 3]},
         bos_token_id=0, eos_token_id=1, pad_token_id=2, tie_word_embeddings=False,
@@ -106,7 +107,8 @@ def _configs(version: str, text: dict, common: dict):
     if version in ("3.5", "3.5-moe"):  # the hybrid decoder (a Gated DeltaNet layer, then gated attention), no deepstack
         import transformers
 
-        text = {**text, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"],
+        pairs = text["num_hidden_layers"] // 2
+        text = {**text, "head_dim": 16, "layer_types": ["linear_attention", "full_attention"] * pairs,
                 "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
                 "linear_value_head_dim": 8, "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0,
                                                                 "partial_rotary_factor": 0.5,

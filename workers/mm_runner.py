@@ -104,8 +104,13 @@ class MRopePositions:
 class MultiModalRunner:
     """Keeps each request's images on this rank and builds the embeddings of steps that reach them."""
 
-    def __init__(self, model: Any, device: torch.device, config: EngineConfig, tp: TensorParallel) -> None:
-        self.cache = EncoderOutputCache(model, device, encoder_cache_bytes(config), _encode_fn(model, config, tp, device))
+    def __init__(self, model: Any, device: torch.device, config: EngineConfig, tp: TensorParallel,
+                 encodes: bool = True) -> None:
+        self.encodes = encodes
+        """False on a pipeline stage after the first: it keeps the requests' items for their positions (M-RoPE,
+        bidirectional rows) but encodes nothing (the first stage's hidden states carry the images)."""
+        self.cache = EncoderOutputCache(model, device, encoder_cache_bytes(config) if encodes else 0,
+                                        _encode_fn(model, config, tp, device) if encodes else None)
         self._reported = (0, 0)
         self.mrope = MRopePositions(model) if callable(getattr(model, "mrope_positions", None)) else None
         """M-RoPE models' positions (Qwen2-VL): None for the others."""
@@ -146,7 +151,8 @@ class MultiModalRunner:
             positions = self.mrope.positions(spans, flat, inputs.positions.device)
         inputs.attn_metadata.attend_limit = attend_limit(self.cache.items, spans, flat, inputs.input_ids.shape[0],
                                                          inputs.positions.device)
-        return self.cache.inputs_embeds(inputs.input_ids, spans), inputs.positions if positions is None else positions
+        embeds = self.cache.inputs_embeds(inputs.input_ids, spans) if self.encodes else None
+        return embeds, inputs.positions if positions is None else positions
 
     def forget_encoder_outputs(self) -> None:
         """After new weights or a sleep: drop every cached encoder output and request (the core recomputes every

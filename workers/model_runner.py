@@ -130,8 +130,10 @@ class ModelRunner:
         self.dtype = dtype
         self.kv_cache_dtype = kv_cache_torch_dtype(self.config.kv_cache_dtype, dtype)
         _check_kv_cache_dtype_runs(self.config.kv_cache_dtype, self.kv_cache_dtype, self.device, model)
-        tp = TensorParallel(self.rank, self.tp_size)
-        self.mm_runner = MultiModalRunner(model, self.device, self.config, tp) if is_multimodal(model) else None
+        tp = TensorParallel(self.rank, self.tp_size, getattr(getattr(model, "stage", None), "tp_group", None))
+        core = getattr(model, "causal_lm", model)  # a pipeline stage's: the whole model's hooks, its own layers
+        self.mm_runner = (MultiModalRunner(core, self.device, self.config, tp, getattr(model, "encodes_images", True))
+                          if is_multimodal(core) else None)
         self.prompt_embeds = PromptEmbedsRunner(model, self.device, dtype) if self.config.enable_prompt_embeds \
             else None
         self.input_batch.keeps_states = bool(getattr(model, "keeps_request_states", False))
@@ -143,8 +145,7 @@ class ModelRunner:
                         "per seat of max_num_seqs): lower max_num_seqs for more KV cache", snapshot_bytes / 2**30)
         self.pooler.classifier = getattr(model, "classify", None)  # *ForSequenceClassification: its score head
         if self.config.enable_lora:
-            causal_lm = getattr(model, "causal_lm", model)  # a pipeline stage's: its layers, the checkpoint's names
-            self.lora_runner = LoRARunner(causal_lm, self.config.lora_config, dtype, self.device)
+            self.lora_runner = LoRARunner(core, self.config.lora_config, dtype, self.device)
 
     @property
     def bytes_per_block(self) -> int:
@@ -161,7 +162,8 @@ class ModelRunner:
             budget = value = self.config.kv_cache_memory_bytes
             field = "kv_cache_memory_bytes"
         elif self.device.type == "cuda":  # a multimodal model's encoder cache is not the KV cache's
-            budget = self._profile_cuda_kv_budget() - (encoder_cache_bytes(self.config) if self.mm_runner else 0)
+            encoder_cache = self.mm_runner is not None and self.mm_runner.encodes
+            budget = self._profile_cuda_kv_budget() - (encoder_cache_bytes(self.config) if encoder_cache else 0)
             field = "gpu_memory_utilization"
             value = self.config.gpu_memory_utilization
         else:

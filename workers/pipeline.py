@@ -132,6 +132,8 @@ class PipelineModelRunner(ModelRunner):
         batch = self.input_batch
         self._resolve_pending(sched_out.num_scheduled_tokens)
         batch.update_states(sched_out)
+        if self.mm_runner is not None:
+            self.mm_runner.update_states(sched_out)
         if self.lora_runner is not None:
             self.lora_runner.update_states(sched_out)
         empty = ModelRunnerOutput(sched_out.step_id, [], [])
@@ -140,7 +142,9 @@ class PipelineModelRunner(ModelRunner):
         inputs = batch.prepare_inputs(sched_out)
         if self.lora_runner is not None:  # an adapter it cannot read: the last stage's rank reports it
             self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens)
-        self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        embeds, positions = (self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None
+                             else (None, inputs.positions))  # images: the first stage's embeddings, every stage's
+        self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, embeds)  # M-RoPE positions
         self._defer_sampled(inputs, sched_out)
         return empty
 

@@ -55,7 +55,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
     """(architecture, kind, pipeline parallel, LoRA, doc) for every supported architecture, sorted by name."""
     from asyncllm.engine.prepare import LORA_MULTIMODAL_ARCHITECTURES, _NO_LORA
     from asyncllm.models.registry import _MODELS
-    from asyncllm.pipeline_parallel import PIPELINE_ARCHITECTURES, PIPELINE_TEXT_ONLY_ARCHITECTURES
+    from asyncllm.pipeline_parallel import PIPELINE_ARCHITECTURES
 
     out = []
     for arch in sorted(set(SUPPORTED_ARCHITECTURES)):
@@ -63,8 +63,7 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         lora = arch in LORA_MULTIMODAL_ARCHITECTURES or not (multimodal or arch in _NO_LORA)
         as_text = arch in TEXT_ONLY_CAPABLE_ARCHITECTURES and arch not in _NO_LORA
         experts = " (experts too)" if getattr(_MODELS.get(arch), "lora_experts", False) else ""
-        pp = "yes" if arch in PIPELINE_ARCHITECTURES else "text only" if arch in PIPELINE_TEXT_ONLY_ARCHITECTURES else ""
-        out.append((arch, _kind(arch), pp,
+        out.append((arch, _kind(arch), "yes" if arch in PIPELINE_ARCHITECTURES else "",
                     f"yes{experts}" if lora else f"as text{experts}" if as_text else "", _doc(arch)))
     return out
 
@@ -77,8 +76,7 @@ def markdown() -> str:
         "`asyncllm/models/architectures.py` by `python -m asyncllm.models.catalog > docs/models.md`",
         "(tests/unit/test_catalog.py keeps the two equal). Any other architecture is refused at once with a",
         "`NotBuiltError` naming it. Every one runs with tensor parallelism, chunked prefill, prefix caching and",
-        "preemption, greedy output equal to transformers' (each doc names its tests); pipeline parallelism (\"text",
-        "only\": an image-text checkpoint serving text alone) and",
+        "preemption, greedy output equal to transformers' (each doc names its tests); pipeline parallelism and",
         "LoRA adapters where marked (text-only LoRA for the image-text models that serve text alone; a mixture of",
         "experts' experts take adapters where marked, its attention always: docs/lora.md).",
         "Pre-quantized checkpoints: docs/quantization.md.",

@@ -83,13 +83,13 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
     """An image's rows attend to each other both ways in the prefill (`asyncllm.protocol.MultiModalItem`)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
-                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+                 max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
         super().__init__()
         if hf_config.vision_config.model_type != "siglip_vision_model":
             raise NotBuiltError("vision_config.model_type", hf_config.vision_config.model_type, "a SigLIP tower")
         self.language_model = build_decoder(hf_config, {"gemma3_text": Gemma3ForCausalLM}, "Gemma 3",
                                             mm_encoder_tp_mode, dtype=dtype, tp=tp, attn_backend=attn_backend,
-                                            max_position=max_position)
+                                            max_position=max_position, **decoder_options)
         self.vision_tower = SiglipVisionTower(hf_config.vision_config, TensorParallel(), dtype)
         self.multi_modal_projector = Gemma3MultiModalProjector(hf_config, dtype)
 

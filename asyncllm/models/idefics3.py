@@ -78,10 +78,11 @@ class Idefics3ForConditionalGeneration(VisionLanguageModel):
     supports_encoder_data_parallel = True
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
-                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+                 max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
         super().__init__()
         self.language_model = build_decoder(hf_config, {"llama": LlamaForCausalLM}, "Idefics3", mm_encoder_tp_mode,
-                                            dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position)
+                                            dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position,
+                                            **decoder_options)
         self.vision_model = SiglipVisionTower(hf_config.vision_config, TensorParallel(), dtype)
         self.vision_model.embeddings = Idefics3VisionEmbeddings(hf_config.vision_config).to(dtype)
         self.connector = Idefics3Connector(hf_config, dtype)

@@ -177,12 +177,12 @@ class InternVLForConditionalGeneration(VisionLanguageModel):
     supports_encoder_data_parallel = True
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
-                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+                 max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
         super().__init__()
         if hf_config.vision_feature_select_strategy != "default":
             raise NotBuiltError("vision_feature_select_strategy", hf_config.vision_feature_select_strategy, "default")
         self.language_model = build_decoder(hf_config, _DECODERS, "InternVL", mm_encoder_tp_mode, dtype=dtype, tp=tp,
-                                            attn_backend=attn_backend, max_position=max_position)
+                                            attn_backend=attn_backend, max_position=max_position, **decoder_options)
         self.hf_config = hf_config
         self.vision_tower = InternVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, dtype)
         self.multi_modal_projector = InternVLProjector(hf_config, dtype)

@@ -10,9 +10,10 @@ one, except the fused ``qkv_proj`` and ``gate_up_proj``
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, ContextManager, Iterable
 
 import torch
 from torch import nn
@@ -273,6 +274,11 @@ class LlamaModel(nn.Module):
         """The last layer's output and the stream joined, then the final norm (a pipeline's last stage)."""
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def layer_positions(self, positions: torch.Tensor) -> ContextManager[torch.Tensor]:
+        """The positions the layers rotate at, for a step at ``positions``: these (Qwen2-VL's decoder swaps in
+        the step's M-RoPE table for ``[3, T]`` ones); a pipeline stage runs its layers inside it."""
+        return contextlib.nullcontext(positions)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -98,6 +98,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         attn_backend: AttentionBackend,
         max_position: int,
         mm_encoder_tp_mode: str = "weights",
+        **decoder_options: Any,
     ) -> None:
         super().__init__()
         text_config = hf_config.text_config
@@ -112,7 +113,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         self.vision_tower = self.make_vision_tower(hf_config, self.encoder_tp, dtype)
         self.multi_modal_projector = LlavaMultiModalProjector(hf_config, self.encoder_tp, dtype)
         self.language_model = _LANGUAGE_MODELS[text_config.model_type](
-            text_config, dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position
+            text_config, dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position, **decoder_options
         )
 
     @staticmethod

@@ -139,7 +139,7 @@ def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtyp
     if pipeline is not None:  # a pipeline stage: only its parts (asyncllm/models/pipeline.py)
         options["pipeline"] = pipeline
     with torch.device(tensor_device or device):
-        return model_cls(
+        model = model_cls(
             hf_config,
             dtype=dtype,
             tp=_tensor_parallel(tp_rank, tp_size, pipeline),
@@ -147,6 +147,9 @@ def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtyp
             max_position=max_position,
             **options,
         )
+    if pipeline is not None and not pipeline.is_first and callable(getattr(model, "drop_encoder", None)):
+        model.drop_encoder()  # an image-text model's encoder runs on the first stage only
+    return model
 
 
 def _tensor_parallel(tp_rank: int, tp_size: int, pipeline: PipelineStage | None) -> TensorParallel:

@@ -65,12 +65,12 @@ class Mistral3ForConditionalGeneration(VisionLanguageModel):
     """By ``text_config.model_type``: what the KV cache's shape follows (Mistral 4's latent cache)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
-                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+                 max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
         super().__init__()
         if hf_config.vision_config.model_type != "pixtral":
             raise NotBuiltError("vision_config.model_type", hf_config.vision_config.model_type, "a Pixtral tower")
         self.language_model = build_decoder(hf_config, _DECODERS, "Mistral 3", mm_encoder_tp_mode, dtype=dtype, tp=tp,
-                                            attn_backend=attn_backend, max_position=max_position)
+                                            attn_backend=attn_backend, max_position=max_position, **decoder_options)
         self.vision_tower = PixtralVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, dtype)
         self.multi_modal_projector = Mistral3Projector(hf_config, dtype)
         self.hf_config = hf_config
@@ -135,7 +135,7 @@ class PixtralLlavaForConditionalGeneration(Mistral3ForConditionalGeneration):
     two-layer projector (llava.py) before the Mistral decoder."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
-                 max_position: int, mm_encoder_tp_mode: str = "weights") -> None:
+                 max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
         from asyncllm.models.llava import LlavaMultiModalProjector
 
         VisionLanguageModel.__init__(self)
@@ -143,7 +143,7 @@ class PixtralLlavaForConditionalGeneration(Mistral3ForConditionalGeneration):
             raise NotBuiltError("vision_feature_select_strategy", hf_config.vision_feature_select_strategy,
                                 "Pixtral-12B with 'full' (its tower has no CLS feature)")
         self.language_model = build_decoder(hf_config, _DECODERS, "Pixtral", mm_encoder_tp_mode, dtype=dtype, tp=tp,
-                                            attn_backend=attn_backend, max_position=max_position)
+                                            attn_backend=attn_backend, max_position=max_position, **decoder_options)
         self.vision_tower = PixtralVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, dtype)
         self.multi_modal_projector = LlavaMultiModalProjector(hf_config, TensorParallel(), dtype)
         self.hf_config = hf_config

@@ -126,17 +126,22 @@ class StageChannel:
         return hidden, residual
 
 
+def language_model(causal_lm: nn.Module) -> nn.Module:
+    """The causal LM whose decoder runs in stages: an image-text model's ``language_model``, else itself."""
+    return getattr(causal_lm, "language_model", causal_lm)
+
+
 class StageModel(nn.Module):
-    """A stage's causal LM as the runner calls it (`forward`, `compute_logits`), its layers run between the
-    stages before and after it."""
+    """A stage's causal LM (an image-text model's: its decoder's; the first stage alone holds its encoder) as the
+    runner calls it (`forward`, `compute_logits`), its layers run between the stages before and after it."""
 
     def __init__(self, causal_lm: nn.Module, stage: PipelineStage, channel: TensorChannel) -> None:
         super().__init__()
-        check_stage_model(causal_lm, stage.size)
+        check_stage_model(language_model(causal_lm), stage.size)
         self.causal_lm = causal_lm
         self.stage = stage
         self.channel = channel
-        decoder = causal_lm.model
+        decoder = language_model(causal_lm).model
         self._layers = list(decoder.layers[stage.start_layer : stage.end_layer])
         self._uses_kv = [uses_kv_cache(layer) for layer in self._layers]
         if not any(self._uses_kv):
@@ -150,29 +155,36 @@ class StageModel(nn.Module):
         """A hybrid's saved states for prefix caching (the worker tells the core)."""
 
     @property
+    def encodes_images(self) -> bool:
+        """Whether this stage runs an image-text model's encoder: the first (the others take hidden states)."""
+        return self.stage.is_first
+
+    @property
     def num_kv_layers(self) -> int:
         """The stage's layers with a KV cache (a hybrid's attention layers; every layer otherwise)."""
         return sum(self._uses_kv)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
+                attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """As `LlamaModel.forward` (a hybrid's: `HybridModel.forward`) over this stage's layers (``kv_caches``: one
-        per layer of the stage that reads one); the final hidden states on the last stage, what was sent on
-        elsewhere."""
+        per layer of the stage that reads one; ``inputs_embeds``: the first stage's, with image features); the
+        final hidden states on the last stage, what was sent on elsewhere."""
         if len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a stage with {self.num_kv_layers} attention layers")
+        decoder = language_model(self.causal_lm).model
         residual: torch.Tensor | None
         if self.stage.is_first:
-            hidden, residual = self.causal_lm.model.embed(input_ids, positions), None
+            hidden, residual = decoder.embed(input_ids, positions, inputs_embeds), None
         else:
             hidden, residual = self.channel.recv(input_ids.shape[0])
         caches = iter(kv_caches)
-        for layer, uses_kv in zip(self._layers, self._uses_kv):
-            hidden, residual = layer(positions, hidden, residual, next(caches) if uses_kv else None, attn_metadata)
+        with decoder.layer_positions(positions) as rotary:  # M-RoPE's step table
+            for layer, uses_kv in zip(self._layers, self._uses_kv):
+                hidden, residual = layer(rotary, hidden, residual, next(caches) if uses_kv else None, attn_metadata)
         if not self.stage.is_last:  # OPT's post-norm layers leave the stream joined: a zero residual adds nothing
             self.channel.send(hidden, torch.zeros_like(hidden) if residual is None else residual)
             return hidden
-        return self.causal_lm.model.final(hidden, residual)
+        return decoder.final(hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head (last stage only)."""
@@ -182,13 +194,18 @@ class StageModel(nn.Module):
 
 def check_stage_model(causal_lm: nn.Module, pp_size: int) -> None:
     """`NotBuiltError` unless the model's forward is `LlamaForCausalLM`'s over `LlamaModel`'s (GPT-2's and OPT's
-    too: their ``embed`` and ``final`` differ) or `HybridModel`'s (what `StageModel.forward` runs in pieces)."""
+    too: their ``embed`` and ``final`` differ), `HybridModel`'s or the M-RoPE decoders' (Qwen2-VL's, Qwen3.5's:
+    their ``layer_positions`` differ; not Qwen3-VL's, whose deepstack features join its first layers): what
+    `StageModel.forward` runs in pieces."""
     from asyncllm.models.hybrid import HybridModel
     from asyncllm.models.llama import LlamaForCausalLM, LlamaModel
+    from asyncllm.models.qwen2_vl import Qwen2VLTextModel
+    from asyncllm.models.qwen3_5 import Qwen3_5VLModel
 
-    decoder = getattr(causal_lm, "model", None)
-    stacks = (LlamaModel.forward, HybridModel.forward)
-    if type(causal_lm).forward is not LlamaForCausalLM.forward or type(decoder).forward not in stacks:
+    decoder = type(getattr(causal_lm, "model", None))
+    stacks = (LlamaModel.forward, HybridModel.forward, Qwen2VLTextModel.forward, Qwen3_5VLModel.forward)
+    plain = decoder.forward in stacks and getattr(decoder, "decode", Qwen2VLTextModel.decode) is Qwen2VLTextModel.decode
+    if type(causal_lm).forward is not LlamaForCausalLM.forward or not plain:
         name = type(causal_lm).__name__
         raise NotBuiltError("pipeline_parallel_size", pp_size, f"pipeline parallelism for {name} (its forward "
                                                                "is not LlamaForCausalLM's decoder stack)")

@@ -20,8 +20,9 @@ Checkpoints come in two layouts: the original one (``visual.*``,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Iterable
+from typing import Any, ContextManager, Iterable
 
 import numpy as np
 import torch
@@ -74,10 +75,13 @@ class Qwen2VLTextModel(LlamaModel):
         metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if positions.dim() == 1:  # text only: three equal positions are the ordinary rope
-            return self.decode(input_ids, positions, kv_caches, metadata, inputs_embeds)
-        with self.rotary_emb.rotating_by(positions) as flat:
+        with self.layer_positions(positions) as flat:
             return self.decode(input_ids, flat, kv_caches, metadata, inputs_embeds)
+
+    def layer_positions(self, positions: torch.Tensor) -> ContextManager[torch.Tensor]:
+        """``[3, T]`` M-RoPE positions: the step's table while inside (text only: three equal positions are the
+        ordinary rope)."""
+        return contextlib.nullcontext(positions) if positions.dim() == 1 else self.rotary_emb.rotating_by(positions)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ from asyncllm.models.layers import Attention, LoadedWeight
 from asyncllm.models.linear import QKVParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM
 from asyncllm.models.moe import MoECausalLM, MoESpec
-from asyncllm.models.qwen2_vl import Qwen3VLForConditionalGeneration, _MRopeBuild
+from asyncllm.models.qwen2_vl import Qwen2VLTextModel, Qwen3VLForConditionalGeneration, _MRopeBuild
 from asyncllm.models.qwen3_vl_moe import split_fused_experts
 
 __all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
@@ -169,10 +169,10 @@ class Qwen3_5VLModel(Qwen3_5Model):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        if positions.dim() == 1:  # text only: three equal positions are the ordinary rope
-            return super().forward(input_ids, positions, kv_caches, metadata, inputs_embeds)
-        with self.rotary_emb.rotating_by(positions) as flat:
+        with self.layer_positions(positions) as flat:
             return super().forward(input_ids, flat, kv_caches, metadata, inputs_embeds)
+
+    layer_positions = Qwen2VLTextModel.layer_positions
 
 
 class Qwen3_5VLLanguageModel(_MRopeBuild, Qwen3_5ForCausalLM):

@@ -19,6 +19,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import ConfigError
 from asyncllm.models.layers import LoadedWeight, default_weight_loader
+from asyncllm.models.pipeline import PPMissingLayer, in_missing_part
 
 __all__ = ["VisionLanguageModel", "build_decoder", "decoder_weight_name", "load_vision_language_weights",
            "text_config_of", "text_only_class", "vision_language_weight_names"]
@@ -70,7 +71,8 @@ def load_vision_language_weights(model: nn.Module, weights: Iterable[tuple[str, 
     """Load ``weights`` into ``model`` (its ``language_model`` and the rest); the names loaded, ours.
 
     A name matching neither is a `ConfigError` naming it (after all are read), unless it ends with one of
-    ``ignored_suffixes`` (buffers some checkpoints carry, e.g. CLIP's ``position_ids``).
+    ``ignored_suffixes`` (buffers some checkpoints carry, e.g. CLIP's ``position_ids``). On a pipeline stage after
+    the first the encoder's names are skipped unread (`VisionLanguageModel.drop_encoder`).
     """
     params = dict(model.named_parameters())
     loaded: set[str] = set()
@@ -80,6 +82,8 @@ def load_vision_language_weights(model: nn.Module, weights: Iterable[tuple[str, 
         name = normalize(raw_name)
         if name.startswith("language_model."):
             text.append((name.removeprefix("language_model."), weight))
+        elif in_missing_part(model, name):
+            continue
         elif name in params:
             param = params[name]
             try:
@@ -121,12 +125,19 @@ class VisionLanguageModel(nn.Module):
     def checkpoint_weight_names(self) -> set[str]:
         return vision_language_weight_names(self)
 
+    def drop_encoder(self) -> None:
+        """A pipeline stage after the first holds the decoder's layers only: every other part (the vision tower,
+        the projector) becomes a `PPMissingLayer` (the first stage encodes the images; docs/parallelism.md)."""
+        for name, _ in list(self.named_children()):
+            if name != "language_model":
+                setattr(self, name, PPMissingLayer())
+
 
 def build_decoder(hf_config: Any, decoders: dict[str, type], family: str, mm_encoder_tp_mode: str,
                   **kwargs: Any) -> nn.Module:
     """The decoder of a vision-language checkpoint whose tower is whole on every rank (either
-    ``mm_encoder_tp_mode``): ``decoders[text_config.model_type]`` over `text_config_of`; `NotBuiltError` for
-    another decoder type."""
+    ``mm_encoder_tp_mode``): ``decoders[text_config.model_type]`` over `text_config_of` (``kwargs``: its build's,
+    a pipeline stage's ``pipeline`` among them); `NotBuiltError` for another decoder type."""
     from asyncllm.errors import NotBuiltError
 
     if mm_encoder_tp_mode not in ("weights", "data"):

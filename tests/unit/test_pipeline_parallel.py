@@ -171,19 +171,38 @@ def test_a_stage_without_attention_layers_is_refused() -> None:
 
 
 def test_an_image_text_checkpoint_serving_text_alone_runs_in_stages(tmp_path) -> None:
-    """Gemma 3's image-text checkpoint under ``limit_mm_per_prompt`` of 0: the host lets it through (with images
-    it names the setting), and its language model's stages equal the unsplit text-only model."""
+    """Gemma 3's image-text checkpoint under ``limit_mm_per_prompt`` of 0 (its text-only class): the stages equal
+    the unsplit text-only model."""
     from gemma3_mm_utils import make_tiny_gemma3_mm
 
     path = make_tiny_gemma3_mm(tmp_path / "gemma3")
-    hf_config = load_hf_config(path)
-    with pytest.raises(NotBuiltError, match="limit_mm_per_prompt"):
-        check_pipeline_model(EngineConfig.create(path, pipeline_parallel_size=2), "Gemma3ForConditionalGeneration",
-                             hf_config.text_config)
     config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2,
                                  limit_mm_per_prompt={"image": 0, "video": 0})
-    check_pipeline_model(config, "Gemma3ForConditionalGeneration", hf_config.text_config)
-    _assert_two_stages_equal_the_unsplit_model(config, hf_config, 2)
+    _assert_two_stages_equal_the_unsplit_model(config, load_hf_config(path), 2)
+
+
+def test_an_image_text_model_keeps_its_encoder_on_the_first_stage(tmp_path) -> None:
+    """LLaVA over two stages: the first holds the vision tower and projector with its layer, the second only its
+    layer, the norm and the LM head, and reads none of the encoder's tensors (the first stage's hidden states carry
+    the images; through the engine: tests/engine/test_pipeline_parallel_engine.py)."""
+    from mm_utils import make_tiny_llava
+
+    path = make_tiny_llava(tmp_path / "llava")
+    hf_config = load_hf_config(path)
+    config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2)
+    full = {name for name, _ in load_model(config, hf_config, CPU, torch.float32).named_parameters()}
+    encoder = {name for name in full if not name.startswith("language_model.")}
+    assert encoder
+    held = []
+    for rank in range(2):
+        stage = PipelineStage(rank, 2, *get_pp_indices(2, rank, 2))
+        model = load_model(config, hf_config, CPU, torch.float32, pipeline=stage)
+        held.append({name for name, _ in model.named_parameters()})
+        read: set[str] = set()
+        model.load_weights((n, ReadSpy(n, w, read)) for n, w in iterate_safetensors(checkpoint_files(path)))
+        assert any("vision_tower" in n for n in read) == (rank == 0)
+    assert encoder <= held[0] and not encoder & held[1]
+    assert held[0] | held[1] == full
 
 
 def test_opt_350m_shape_post_norm_layers_and_projections_run_in_stages() -> None:
