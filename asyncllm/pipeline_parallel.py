@@ -51,7 +51,8 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Qwen2_5_VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                           "Qwen3_5MoeForConditionalGeneration", "Gemma3ForConditionalGeneration",
                           "Mistral3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
-                          "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration")
+                          "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration",
+                          "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 """The causal LMs on `LlamaForCausalLM`'s decoder stack (embeddings, layers passing (hidden, residual), final
 norm, LM head; a hybrid's `HybridModel`; an image-text model's decoder) that run split into stages; each is tested
 against its unsplit model (tests/unit)."""

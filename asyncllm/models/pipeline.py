@@ -149,6 +149,12 @@ class StageModel(nn.Module):
                               f"a split whose every stage holds an attention layer (stage {stage.rank} holds "
                               f"layers {stage.start_layer} to {stage.end_layer - 1}, none with a KV cache): set "
                               f"{envs.PP_LAYER_PARTITION.name} to move the boundaries, or use fewer stages")
+        deepstack = int(getattr(getattr(causal_lm, "visual", None), "num_deepstack", 0) or 0) if stage.is_first else 0
+        if deepstack > len(self._layers):
+            raise ConfigError("pipeline_parallel_size", stage.size,
+                              f"a split whose first stage holds the {deepstack} layers Qwen3-VL's deepstack "
+                              f"features join (it holds {len(self._layers)}): set {envs.PP_LAYER_PARTITION.name} "
+                              "to give it more, or use fewer stages")
         self.keeps_request_states = bool(getattr(causal_lm, "keeps_request_states", False))
         """A hybrid's: the runner lists each step's rows for its state layers (workers/input_batch.py)."""
         self.checkpoint_slots = int(getattr(causal_lm, "checkpoint_slots", 0))
@@ -173,14 +179,19 @@ class StageModel(nn.Module):
             raise ValueError(f"{len(kv_caches)} KV caches for a stage with {self.num_kv_layers} attention layers")
         decoder = language_model(self.causal_lm).model
         residual: torch.Tensor | None
+        deepstack = None  # Qwen3-VL's rows for its first layers' outputs (the first stage holds those layers)
         if self.stage.is_first:
+            if hasattr(decoder, "split_deepstack"):
+                inputs_embeds, deepstack = decoder.split_deepstack(inputs_embeds)
             hidden, residual = decoder.embed(input_ids, positions, inputs_embeds), None
         else:
             hidden, residual = self.channel.recv(input_ids.shape[0])
         caches = iter(kv_caches)
         with decoder.layer_positions(positions) as rotary:  # M-RoPE's step table
-            for layer, uses_kv in zip(self._layers, self._uses_kv):
+            for index, (layer, uses_kv) in enumerate(zip(self._layers, self._uses_kv)):
                 hidden, residual = layer(rotary, hidden, residual, next(caches) if uses_kv else None, attn_metadata)
+                if deepstack is not None and index < deepstack.shape[1]:
+                    hidden, residual = decoder.add_deepstack(index, hidden, residual, deepstack)
         if not self.stage.is_last:  # OPT's post-norm layers leave the stream joined: a zero residual adds nothing
             self.channel.send(hidden, torch.zeros_like(hidden) if residual is None else residual)
             return hidden
@@ -195,16 +206,17 @@ class StageModel(nn.Module):
 def check_stage_model(causal_lm: nn.Module, pp_size: int) -> None:
     """`NotBuiltError` unless the model's forward is `LlamaForCausalLM`'s over `LlamaModel`'s (GPT-2's and OPT's
     too: their ``embed`` and ``final`` differ), `HybridModel`'s or the M-RoPE decoders' (Qwen2-VL's, Qwen3.5's:
-    their ``layer_positions`` differ; not Qwen3-VL's, whose deepstack features join its first layers): what
+    their ``layer_positions`` differ; Qwen3-VL's, whose deepstack rows `StageModel` adds): what
     `StageModel.forward` runs in pieces."""
     from asyncllm.models.hybrid import HybridModel
     from asyncllm.models.llama import LlamaForCausalLM, LlamaModel
-    from asyncllm.models.qwen2_vl import Qwen2VLTextModel
+    from asyncllm.models.qwen2_vl import Qwen2VLTextModel, Qwen3VLTextModel
     from asyncllm.models.qwen3_5 import Qwen3_5VLModel
 
     decoder = type(getattr(causal_lm, "model", None))
     stacks = (LlamaModel.forward, HybridModel.forward, Qwen2VLTextModel.forward, Qwen3_5VLModel.forward)
-    plain = decoder.forward in stacks and getattr(decoder, "decode", Qwen2VLTextModel.decode) is Qwen2VLTextModel.decode
+    decodes = (Qwen2VLTextModel.decode, Qwen3VLTextModel.decode)
+    plain = decoder.forward in stacks and getattr(decoder, "decode", Qwen2VLTextModel.decode) in decodes
     if type(causal_lm).forward is not LlamaForCausalLM.forward or not plain:
         name = type(causal_lm).__name__
         raise NotBuiltError("pipeline_parallel_size", pp_size, f"pipeline parallelism for {name} (its forward "

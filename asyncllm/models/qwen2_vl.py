@@ -95,20 +95,37 @@ class Qwen3VLTextModel(Qwen2VLTextModel):
     A step with images gets ``inputs_embeds`` ``[T, hidden * (1 + k)]`` (`Qwen3VLForConditionalGeneration.
     embed_input_ids`): the embeddings, then k deepstack rows (zeros where no image is). After layer i < k the
     stream is summed as transformers does (``residual + output``, then ``+ deepstack[i]``), so the next layer
-    starts from it unfused.
+    starts from it unfused. A pipeline's first stage does the same over its layers (asyncllm/models/pipeline.py).
     """
+
+    def __init__(self, b: DecoderBuild) -> None:
+        super().__init__(b)
+        self.hidden_size = int(b.hf_config.hidden_size)
+
+    def split_deepstack(self, inputs_embeds: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """A step's input rows as (the embeddings, the deepstack rows ``[T, k, hidden]``); no deepstack rows
+        without images."""
+        width = self.hidden_size
+        if inputs_embeds is None or inputs_embeds.shape[-1] == width:
+            return inputs_embeds, None
+        return inputs_embeds[:, :width], inputs_embeds[:, width:].unflatten(-1, (-1, width))
+
+    @staticmethod
+    def add_deepstack(index: int, hidden: torch.Tensor, residual: torch.Tensor,
+                      deepstack: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """After layer ``index`` < k: the stream joined (``residual + output``), plus that layer's deepstack row."""
+        return residual + hidden + deepstack[:, index], None
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
-        width = self.norm.weight.shape[0]
-        if inputs_embeds is None or inputs_embeds.shape[-1] == width:
+        embeds, deepstack = self.split_deepstack(inputs_embeds)
+        if deepstack is None:
             return super().decode(input_ids, positions, kv_caches, metadata, inputs_embeds)
-        deepstack = inputs_embeds[:, width:].unflatten(-1, (-1, width))
-        hidden, residual = inputs_embeds[:, :width], None
+        hidden, residual = embeds, None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
             if index < deepstack.shape[1]:
-                hidden, residual = residual + hidden + deepstack[:, index], None
+                hidden, residual = self.add_deepstack(index, hidden, residual, deepstack)
         return self.norm(hidden) if residual is None else self.norm(hidden, residual)[0]
 
 

@@ -124,8 +124,9 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
     if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
         raise ConfigError(_FIELD, spec_dict, f"three target layers in [0, {num_layers}) for an EAGLE-3 head to "
                                              f"read; it names {list(layers)}")
-    model_cls = get_model_class(target_config)
-    if getattr(getattr(model_cls, "model_cls", None), "forward", None) is not LlamaModel.forward:
+    decoder_cls = getattr(get_model_class(target_config), "model_cls", None)  # Llama's stack and token embeddings
+    if (getattr(decoder_cls, "forward", None), getattr(decoder_cls, "embed", None)) != (LlamaModel.forward,
+                                                                                          LlamaModel.embed):
         raise NotBuiltError(_FIELD, spec_dict, f"an EAGLE-3 head for a {architecture_of(target_config)} target "
                                                "(Llama-style decoders: Llama, Mistral, Qwen2, Qwen3, ...)")
 

@@ -181,10 +181,11 @@ async def test_a_hybrid_runs_in_stages_with_saved_states_preemption_and_micro_ba
     assert [out.token_ids for out in outs] == [hf_greedy(path, p, 12, eos_token_id=None) for p in prompts]
 
 
-async def test_images_run_in_stages_on_qwen3_5_and_gemma3(tmp_path) -> None:
+async def test_images_run_in_stages_on_qwen3_5_qwen3_vl_and_gemma3(tmp_path) -> None:
     """Image-text models over two stages, the first encoding the images: Qwen3.5 (4 layers: Gated DeltaNet and
     attention twice; its M-RoPE positions on every stage) with an image split across chunks beside a text prompt,
-    and Gemma 3 (its images' rows attending both ways on every stage) with two images. Tokens equal transformers'."""
+    Qwen3-VL (4 layers, its deepstack rows joining the first two, on the first stage), and Gemma 3 (its images'
+    rows attending both ways on every stage) with two images. Tokens equal transformers'."""
     from gemma3_mm_utils import BOI, hf_gemma3_greedy, make_tiny_gemma3_mm
     from mm_utils import make_image
     from qwen_vl_utils import IMAGE_PLACEHOLDER, hf_qwen_vl_greedy, make_tiny_qwen_vl
@@ -193,16 +194,21 @@ async def test_images_run_in_stages_on_qwen3_5_and_gemma3(tmp_path) -> None:
     qwen = make_tiny_qwen_vl(tmp_path / "qwen3_5", version="3.5", num_layers=4)
     image = make_image(120, 90, seed=1)
     text = f"Describe {IMAGE_PLACEHOLDER} please"
-    async with AsyncEngine(qwen, pipeline_parallel_size=2, disable_log_stats=True, block_size=4,
-                           max_num_batched_tokens=24, max_num_seqs=4) as engine:
+    async with AsyncEngine(qwen, pipeline_parallel_size=2, disable_log_stats=True, block_size=4, max_model_len=128,
+                           num_gpu_blocks_override=64, max_num_batched_tokens=24, max_num_seqs=4) as engine:
         outs = await asyncio.gather(engine.generate({"prompt": text, "images": [image]}, greedy),
                                     engine.generate("a text prompt beside it", greedy))
     assert outs[0].outputs[0].token_ids == hf_qwen_vl_greedy(qwen, text, [image], 8)[1]
     assert outs[1].outputs[0].token_ids == hf_qwen_vl_greedy(qwen, "a text prompt beside it", [], 8)[1]
+    qwen3_vl = make_tiny_qwen_vl(tmp_path / "qwen3_vl", version="3", num_layers=4)
+    async with AsyncEngine(qwen3_vl, pipeline_parallel_size=2, disable_log_stats=True, block_size=4, max_model_len=128,
+                           num_gpu_blocks_override=64, max_num_batched_tokens=24) as engine:
+        out = await engine.generate({"prompt": text, "images": [image]}, greedy)
+    assert out.outputs[0].token_ids == hf_qwen_vl_greedy(qwen3_vl, text, [image], 8)[1]
     gemma = make_tiny_gemma3_mm(tmp_path / "gemma3")
     images = [make_image(100, 60, seed=7), make_image(50, 112, seed=8)]
     text = f"look at this\n{BOI} and then at {BOI}\nwhat are they"
-    async with AsyncEngine(gemma, pipeline_parallel_size=2, disable_log_stats=True, block_size=4,
-                           max_num_batched_tokens=20) as engine:
+    async with AsyncEngine(gemma, pipeline_parallel_size=2, disable_log_stats=True, block_size=4, max_model_len=128,
+                           num_gpu_blocks_override=64, max_num_batched_tokens=20) as engine:
         out = await engine.generate({"prompt": text, "images": images}, greedy)
     assert out.outputs[0].token_ids == hf_gemma3_greedy(gemma, text, images, 8)[1]

@@ -126,7 +126,7 @@ def test_a_head_that_does_not_fit_the_target_is_refused_by_name(method, head, ch
 def test_an_eagle3_head_for_a_decoder_that_keeps_no_layer_inputs_is_refused(heads, tiny_llama):
     spec_dict = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 2}
     target = load_hf_config(tiny_llama)
-    target.architectures = ["GPT2LMHeadModel"]  # its decoder's own forward keeps none
+    target.architectures = ["GPT2LMHeadModel"]  # Llama's stack, but its learned positions join the embeddings
     with pytest.raises(NotBuiltError, match="an EAGLE-3 head for a GPT2LMHeadModel target"):
         prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict), target, 1, 128, False)
     spec_dict = {**spec_dict, "method": "eagle", "model": heads["eagle"]}

@@ -57,8 +57,8 @@ def test_config_refuses_unbuilt_combinations(field: str, value: Any) -> None:
         EngineConfig.create("m", pipeline_parallel_size=0)
 
 
-@pytest.mark.parametrize("arch", ["LlavaForConditionalGeneration", "LlamaModel", "Qwen3ForSequenceClassification",
-                                  "Gemma3ForConditionalGeneration"])
+@pytest.mark.parametrize("arch", ["Gemma4ForConditionalGeneration", "LlamaModel", "Qwen3ForSequenceClassification",
+                                  "MambaForCausalLM"])
 def test_host_refuses_architectures_not_built(arch: str) -> None:
     with pytest.raises(NotBuiltError, match=arch) as info:
         check_pipeline_model(EngineConfig.create("m", pipeline_parallel_size=2), arch,
