@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterable, Protocol
+from typing import Any, Iterable, Iterator, Protocol
 
 import torch
 
@@ -13,87 +15,8 @@ from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import (
     ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
 )
-from asyncllm.models.bert import BertEmbeddingModel, BertForSequenceClassification
-from asyncllm.models.classifier import sequence_classifier
-from asyncllm.models.gemma import Gemma1ForCausalLM
-from asyncllm.models.gemma2 import Gemma2ForCausalLM, VaultGemmaForCausalLM
-from asyncllm.models.gemma3 import Gemma3ForCausalLM, Gemma3TextOnly
-from asyncllm.models.gemma3_mm import Gemma3ForConditionalGeneration
-from asyncllm.models.gemma4 import Gemma4ForCausalLM, Gemma4TextOnly
-from asyncllm.models.gemma4_mm import Gemma4ForConditionalGeneration
-from asyncllm.models.mamba import FalconMambaForCausalLM, Mamba2ForCausalLM, MambaForCausalLM
-from asyncllm.models.exaone_moe import ExaoneMoeForCausalLM
-from asyncllm.models.helium import HeliumForCausalLM
-from asyncllm.models.gpt_neox import GPTNeoXForCausalLM
-from asyncllm.models.gpt2 import GPT2LMHeadModel, GPTBigCodeForCausalLM
-from asyncllm.models.gptj import GPTJForCausalLM
-from asyncllm.models.falcon import FalconForCausalLM
-from asyncllm.models.jais2 import Jais2ForCausalLM
-from asyncllm.models.olmo import OlmoForCausalLM
-from asyncllm.models.phimoe import PhimoeForCausalLM
-from asyncllm.models.opt import OPTForCausalLM
-from asyncllm.models.nemotron import NemotronForCausalLM
-from asyncllm.models.phi import PhiForCausalLM
-from asyncllm.models.stablelm import StableLmForCausalLM
-from asyncllm.models.granite import GraniteForCausalLM
-from asyncllm.models.gpt_oss import GptOssForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank, num_kv_heads_of
-from asyncllm.models.llama import LlamaForCausalLM
-from asyncllm.models.llava import LlavaForConditionalGeneration
-from asyncllm.models.idefics3 import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
-from asyncllm.models.llava_next import LlavaNextForConditionalGeneration
-from asyncllm.models.llava_onevision import LlavaOnevisionForConditionalGeneration
-from asyncllm.models.mistral3 import (Mistral3ForConditionalGeneration, PixtralLlavaForConditionalGeneration,
-                                      mistral3_text_only)
-from asyncllm.models.internvl import InternVLForConditionalGeneration
-from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen3VLForConditionalGeneration
-from asyncllm.models.qwen3_vl_moe import Qwen3VLMoeForConditionalGeneration
-from asyncllm.models.mixtral import MixtralForCausalLM
-from asyncllm.models.modernbert import ModernBertEmbeddingModel, ModernBertForSequenceClassification
-from asyncllm.models.embedding_gemma import EmbeddingGemmaModel
 from asyncllm.models.moe import moe_parallel_problems
-from asyncllm.models.olmo2 import Olmo2ForCausalLM, Olmo3ForCausalLM
-from asyncllm.models.smollm3 import SmolLM3ForCausalLM
-from asyncllm.models.exaone4 import Exaone4ForCausalLM
-from asyncllm.models.glm4 import Glm4ForCausalLM, GlmForCausalLM
-from asyncllm.models.ernie_seed_arcee import (
-    ArceeForCausalLM, Ernie4_5_MoeForCausalLM, Ernie4_5ForCausalLM, SeedOssForCausalLM,
-)
-from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
-from asyncllm.models.ministral3 import Ministral3ForCausalLM
-from asyncllm.models.granitemoe import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
-from asyncllm.models.olmoe import FlexOlmoForCausalLM, OlmoeForCausalLM
-from asyncllm.models.starcoder2 import Starcoder2ForCausalLM
-from asyncllm.models.hunyuan import HunYuanDenseV1ForCausalLM, HunYuanMoEV1ForCausalLM
-from asyncllm.models.deepseek import (
-    DeepseekV2ForCausalLM,
-    DeepseekV3ForCausalLM,
-    Glm4MoeLiteForCausalLM,
-    Mistral4ForCausalLM,
-    YoutuForCausalLM,
-)
-from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
-from asyncllm.models.dots1 import Dots1ForCausalLM
-from asyncllm.models.llama4 import Llama4ForCausalLM, Llama4TextOnly
-from asyncllm.models.qwen3_5 import (
-    Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5MoeForCausalLM, Qwen3_5MoeForConditionalGeneration,
-    Qwen3_5MoeTextOnly, Qwen3_5TextOnly,
-)
-from asyncllm.models.qwen3_next import Qwen3NextForCausalLM
-from asyncllm.models.minimax_m2 import MiniMaxM2ForCausalLM
-from asyncllm.models.granite4 import GraniteMoeHybridForCausalLM
-from asyncllm.models.apertus import ApertusForCausalLM
-from asyncllm.models.falcon_h1 import FalconH1ForCausalLM
-from asyncllm.models.glm4_moe import SolarOpenForCausalLM
-from asyncllm.models.jamba import JambaForCausalLM
-from asyncllm.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
-from asyncllm.models.nemotron_h import NemotronHForCausalLM
-from asyncllm.models.bamba import BambaForCausalLM
-from asyncllm.models.phi3 import Phi3ForCausalLM
-from asyncllm.models.qwen2 import Qwen2ForCausalLM
-from asyncllm.models.qwen2_moe import Qwen2MoeForCausalLM
-from asyncllm.models.qwen3 import Qwen3ForCausalLM
-from asyncllm.models.qwen3_moe import Qwen3MoeForCausalLM
 
 __all__ = [
     "CausalLM",
@@ -136,130 +59,161 @@ class CausalLM(Protocol):
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]: ...
 
 
+class LazyClasses(Mapping[str, Any]):
+    """Architecture -> its class (or function), each model module imported the first time it is asked for: a
+    worker imports its own model's module, not the hundred others (about 0.2 s of every worker's start).
+
+    A value is ``"module:name"`` under ``asyncllm.models``, or ``("module:wrapper", "module:name")`` for a class
+    made from another (`headless`, `sequence_classifier`)."""
+
+    def __init__(self, specs: dict[str, str | tuple[str, str]]) -> None:
+        self._specs = specs
+        self._resolved: dict[str, Any] = {}
+
+    def __getitem__(self, arch: str) -> Any:
+        if arch not in self._resolved:
+            spec = self._specs[arch]
+            wrapper, target = spec if isinstance(spec, tuple) else (None, spec)
+            obj = _resolve(target)
+            self._resolved[arch] = _resolve(wrapper)(obj) if wrapper is not None else obj
+        return self._resolved[arch]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+def _resolve(spec: str) -> Any:
+    module, _, name = spec.partition(":")
+    return getattr(importlib.import_module(f"asyncllm.models.{module}"), name)
+
+
 def headless(cls: type) -> type:
     """`cls` for a bare decoder's checkpoint (``LlamaModel`` & co.): no LM head to load (embeddings only)."""
     return type(cls.__name__ + "Headless", (cls,), {"has_lm_head": False})
 
 
-_MODELS: dict[str, type] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": Qwen2ForCausalLM,
-    "Qwen3ForCausalLM": Qwen3ForCausalLM,
-    "MixtralForCausalLM": MixtralForCausalLM,
-    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
-    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
-    "GemmaForCausalLM": Gemma1ForCausalLM,
-    "Gemma2ForCausalLM": Gemma2ForCausalLM,
-    "Gemma3ForCausalLM": Gemma3ForCausalLM,
-    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,  # limit_mm_per_prompt image 0: Gemma3TextOnly
-    "Gemma4ForCausalLM": Gemma4ForCausalLM,
-    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,  # limit_mm_per_prompt image 0: Gemma4TextOnly
-    "Phi3ForCausalLM": Phi3ForCausalLM,
-    "GraniteForCausalLM": GraniteForCausalLM,
-    "Olmo2ForCausalLM": Olmo2ForCausalLM,
-    "Olmo3ForCausalLM": Olmo3ForCausalLM,
-    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
-    "Exaone4ForCausalLM": Exaone4ForCausalLM,
-    "GlmForCausalLM": GlmForCausalLM,
-    "Glm4ForCausalLM": Glm4ForCausalLM,
-    "Ernie4_5ForCausalLM": Ernie4_5ForCausalLM,
-    "SeedOssForCausalLM": SeedOssForCausalLM,
-    "ArceeForCausalLM": ArceeForCausalLM,
-    "CohereForCausalLM": CohereForCausalLM,
-    "Cohere2ForCausalLM": Cohere2ForCausalLM,
-    "MinistralForCausalLM": LlamaForCausalLM,  # Mistral's layers; sliding windows per layer_types
-    "Ministral3ForCausalLM": Ministral3ForCausalLM,
-    "GraniteMoeForCausalLM": GraniteMoeForCausalLM,
-    "OlmoeForCausalLM": OlmoeForCausalLM,
-    "Starcoder2ForCausalLM": Starcoder2ForCausalLM,
-    "HunYuanDenseV1ForCausalLM": HunYuanDenseV1ForCausalLM,
-    "GptOssForCausalLM": GptOssForCausalLM,
-    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
-    "LlavaNextForConditionalGeneration": LlavaNextForConditionalGeneration,
-    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
-    "SmolVLMForConditionalGeneration": SmolVLMForConditionalGeneration,
-    "LlavaOnevisionForConditionalGeneration": LlavaOnevisionForConditionalGeneration,
-    "Mistral3ForConditionalGeneration": Mistral3ForConditionalGeneration,
-    "InternVLForConditionalGeneration": InternVLForConditionalGeneration,
-    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
-    "Qwen2_5_VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
-    "Qwen3VLForConditionalGeneration": Qwen3VLForConditionalGeneration,
-    "Qwen3VLMoeForConditionalGeneration": Qwen3VLMoeForConditionalGeneration,
-    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
-    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
-    "Glm4MoeLiteForCausalLM": Glm4MoeLiteForCausalLM,
-    "Mistral4ForCausalLM": Mistral4ForCausalLM,
-    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
-    "Dots1ForCausalLM": Dots1ForCausalLM,
-    "Llama4ForCausalLM": Llama4ForCausalLM,
-    "Llama4ForConditionalGeneration": Llama4TextOnly,  # text prompts only: the vision model is not read
-    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
-    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,  # limit_mm_per_prompt 0: Qwen3_5TextOnly
-    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
-    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
-    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-    "MiniMaxM2ForCausalLM": MiniMaxM2ForCausalLM,
-    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
-    "Lfm2ForCausalLM": Lfm2ForCausalLM,
-    "FalconH1ForCausalLM": FalconH1ForCausalLM,
-    "SolarOpenForCausalLM": SolarOpenForCausalLM,
-    "SarvamMoEForCausalLM": Glm4MoeForCausalLM,
-    "JambaForCausalLM": JambaForCausalLM,
-    "MambaForCausalLM": MambaForCausalLM,
-    "ExaoneMoeForCausalLM": ExaoneMoeForCausalLM,
-    "HeliumForCausalLM": HeliumForCausalLM,
-    "VaultGemmaForCausalLM": VaultGemmaForCausalLM,
-    "GraniteMoeSharedForCausalLM": GraniteMoeSharedForCausalLM,
-    "FlexOlmoForCausalLM": FlexOlmoForCausalLM,
-    "PhiForCausalLM": PhiForCausalLM,
-    "StableLmForCausalLM": StableLmForCausalLM,
-    "NemotronForCausalLM": NemotronForCausalLM,
-    "GPTNeoXForCausalLM": GPTNeoXForCausalLM,
-    "GPT2LMHeadModel": GPT2LMHeadModel,
-    "GPTBigCodeForCausalLM": GPTBigCodeForCausalLM,
-    "OPTForCausalLM": OPTForCausalLM,
-    "GPTJForCausalLM": GPTJForCausalLM,
-    "FalconForCausalLM": FalconForCausalLM,
-    "OlmoForCausalLM": OlmoForCausalLM,
-    "Jais2ForCausalLM": Jais2ForCausalLM,
-    "YoutuForCausalLM": YoutuForCausalLM,
-    "PhimoeForCausalLM": PhimoeForCausalLM,
-    "CwmForCausalLM": LlamaForCausalLM,  # Llama's layers, a window in the layers layer_types names
-    "FalconMambaForCausalLM": FalconMambaForCausalLM,
-    "Mamba2ForCausalLM": Mamba2ForCausalLM,
-    "ApertusForCausalLM": ApertusForCausalLM,
-    "Lfm2MoeForCausalLM": Lfm2MoeForCausalLM,
-    "NemotronHForCausalLM": NemotronHForCausalLM,
-    "BambaForCausalLM": BambaForCausalLM,
-    "Ernie4_5_MoeForCausalLM": Ernie4_5_MoeForCausalLM,
-    "HunYuanMoEV1ForCausalLM": HunYuanMoEV1ForCausalLM,
-    "LlamaModel": headless(LlamaForCausalLM),
-    "MistralModel": headless(LlamaForCausalLM),
-    "Qwen2Model": headless(Qwen2ForCausalLM),
-    "Qwen3Model": headless(Qwen3ForCausalLM),
-    "BertModel": BertEmbeddingModel,
-    "RobertaModel": BertEmbeddingModel,
-    "XLMRobertaModel": BertEmbeddingModel,
-    "BertForSequenceClassification": BertForSequenceClassification,
-    "RobertaForSequenceClassification": BertForSequenceClassification,
-    "XLMRobertaForSequenceClassification": BertForSequenceClassification,
-    "ModernBertModel": ModernBertEmbeddingModel,
-    "Gemma3TextModel": EmbeddingGemmaModel,
-    "ModernBertForSequenceClassification": ModernBertForSequenceClassification,
-    "LlamaForSequenceClassification": sequence_classifier(LlamaForCausalLM),
-    "MistralForSequenceClassification": sequence_classifier(LlamaForCausalLM),
-    "Qwen2ForSequenceClassification": sequence_classifier(Qwen2ForCausalLM),
-    "Qwen3ForSequenceClassification": sequence_classifier(Qwen3ForCausalLM),
-}
+_MODELS = LazyClasses({
+    "LlamaForCausalLM": "llama:LlamaForCausalLM",
+    "MistralForCausalLM": "llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "qwen3:Qwen3ForCausalLM",
+    "MixtralForCausalLM": "mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "qwen2_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "qwen3_moe:Qwen3MoeForCausalLM",
+    "GemmaForCausalLM": "gemma:Gemma1ForCausalLM",
+    "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "gemma3_mm:Gemma3ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma3TextOnly
+    "Gemma4ForCausalLM": "gemma4:Gemma4ForCausalLM",
+    "Gemma4ForConditionalGeneration": "gemma4_mm:Gemma4ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma4TextOnly
+    "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
+    "GraniteForCausalLM": "granite:GraniteForCausalLM",
+    "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
+    "Olmo3ForCausalLM": "olmo2:Olmo3ForCausalLM",
+    "SmolLM3ForCausalLM": "smollm3:SmolLM3ForCausalLM",
+    "Exaone4ForCausalLM": "exaone4:Exaone4ForCausalLM",
+    "GlmForCausalLM": "glm4:GlmForCausalLM",
+    "Glm4ForCausalLM": "glm4:Glm4ForCausalLM",
+    "Ernie4_5ForCausalLM": "ernie_seed_arcee:Ernie4_5ForCausalLM",
+    "SeedOssForCausalLM": "ernie_seed_arcee:SeedOssForCausalLM",
+    "ArceeForCausalLM": "ernie_seed_arcee:ArceeForCausalLM",
+    "CohereForCausalLM": "cohere:CohereForCausalLM",
+    "Cohere2ForCausalLM": "cohere:Cohere2ForCausalLM",
+    "MinistralForCausalLM": "llama:LlamaForCausalLM",  # Mistral's layers; sliding windows per layer_types
+    "Ministral3ForCausalLM": "ministral3:Ministral3ForCausalLM",
+    "GraniteMoeForCausalLM": "granitemoe:GraniteMoeForCausalLM",
+    "OlmoeForCausalLM": "olmoe:OlmoeForCausalLM",
+    "Starcoder2ForCausalLM": "starcoder2:Starcoder2ForCausalLM",
+    "HunYuanDenseV1ForCausalLM": "hunyuan:HunYuanDenseV1ForCausalLM",
+    "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
+    "LlavaForConditionalGeneration": "llava:LlavaForConditionalGeneration",
+    "LlavaNextForConditionalGeneration": "llava_next:LlavaNextForConditionalGeneration",
+    "Idefics3ForConditionalGeneration": "idefics3:Idefics3ForConditionalGeneration",
+    "SmolVLMForConditionalGeneration": "idefics3:SmolVLMForConditionalGeneration",
+    "LlavaOnevisionForConditionalGeneration": "llava_onevision:LlavaOnevisionForConditionalGeneration",
+    "Mistral3ForConditionalGeneration": "mistral3:Mistral3ForConditionalGeneration",
+    "InternVLForConditionalGeneration": "internvl:InternVLForConditionalGeneration",
+    "Qwen2VLForConditionalGeneration": "qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration": "qwen2_vl:Qwen3VLForConditionalGeneration",
+    "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
+    "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",
+    "Glm4MoeLiteForCausalLM": "deepseek:Glm4MoeLiteForCausalLM",
+    "Mistral4ForCausalLM": "deepseek:Mistral4ForCausalLM",
+    "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
+    "Dots1ForCausalLM": "dots1:Dots1ForCausalLM",
+    "Llama4ForCausalLM": "llama4:Llama4ForCausalLM",
+    "Llama4ForConditionalGeneration": "llama4:Llama4TextOnly",  # text prompts only: the vision model is not read
+    "Qwen3_5ForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5ForConditionalGeneration",  # limit_mm_per_prompt 0: Qwen3_5TextOnly
+    "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen3_5MoeForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5MoeForConditionalGeneration",
+    "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
+    "MiniMaxM2ForCausalLM": "minimax_m2:MiniMaxM2ForCausalLM",
+    "GraniteMoeHybridForCausalLM": "granite4:GraniteMoeHybridForCausalLM",
+    "Lfm2ForCausalLM": "lfm2:Lfm2ForCausalLM",
+    "FalconH1ForCausalLM": "falcon_h1:FalconH1ForCausalLM",
+    "SolarOpenForCausalLM": "glm4_moe:SolarOpenForCausalLM",
+    "SarvamMoEForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
+    "JambaForCausalLM": "jamba:JambaForCausalLM",
+    "MambaForCausalLM": "mamba:MambaForCausalLM",
+    "ExaoneMoeForCausalLM": "exaone_moe:ExaoneMoeForCausalLM",
+    "HeliumForCausalLM": "helium:HeliumForCausalLM",
+    "VaultGemmaForCausalLM": "gemma2:VaultGemmaForCausalLM",
+    "GraniteMoeSharedForCausalLM": "granitemoe:GraniteMoeSharedForCausalLM",
+    "FlexOlmoForCausalLM": "olmoe:FlexOlmoForCausalLM",
+    "PhiForCausalLM": "phi:PhiForCausalLM",
+    "StableLmForCausalLM": "stablelm:StableLmForCausalLM",
+    "NemotronForCausalLM": "nemotron:NemotronForCausalLM",
+    "GPTNeoXForCausalLM": "gpt_neox:GPTNeoXForCausalLM",
+    "GPT2LMHeadModel": "gpt2:GPT2LMHeadModel",
+    "GPTBigCodeForCausalLM": "gpt2:GPTBigCodeForCausalLM",
+    "OPTForCausalLM": "opt:OPTForCausalLM",
+    "GPTJForCausalLM": "gptj:GPTJForCausalLM",
+    "FalconForCausalLM": "falcon:FalconForCausalLM",
+    "OlmoForCausalLM": "olmo:OlmoForCausalLM",
+    "Jais2ForCausalLM": "jais2:Jais2ForCausalLM",
+    "YoutuForCausalLM": "deepseek:YoutuForCausalLM",
+    "PhimoeForCausalLM": "phimoe:PhimoeForCausalLM",
+    "CwmForCausalLM": "llama:LlamaForCausalLM",  # Llama's layers, a window in the layers layer_types names
+    "FalconMambaForCausalLM": "mamba:FalconMambaForCausalLM",
+    "Mamba2ForCausalLM": "mamba:Mamba2ForCausalLM",
+    "ApertusForCausalLM": "apertus:ApertusForCausalLM",
+    "Lfm2MoeForCausalLM": "lfm2:Lfm2MoeForCausalLM",
+    "NemotronHForCausalLM": "nemotron_h:NemotronHForCausalLM",
+    "BambaForCausalLM": "bamba:BambaForCausalLM",
+    "Ernie4_5_MoeForCausalLM": "ernie_seed_arcee:Ernie4_5_MoeForCausalLM",
+    "HunYuanMoEV1ForCausalLM": "hunyuan:HunYuanMoEV1ForCausalLM",
+    "LlamaModel": ("registry:headless", "llama:LlamaForCausalLM"),
+    "MistralModel": ("registry:headless", "llama:LlamaForCausalLM"),
+    "Qwen2Model": ("registry:headless", "qwen2:Qwen2ForCausalLM"),
+    "Qwen3Model": ("registry:headless", "qwen3:Qwen3ForCausalLM"),
+    "BertModel": "bert:BertEmbeddingModel",
+    "RobertaModel": "bert:BertEmbeddingModel",
+    "XLMRobertaModel": "bert:BertEmbeddingModel",
+    "BertForSequenceClassification": "bert:BertForSequenceClassification",
+    "RobertaForSequenceClassification": "bert:BertForSequenceClassification",
+    "XLMRobertaForSequenceClassification": "bert:BertForSequenceClassification",
+    "ModernBertModel": "modernbert:ModernBertEmbeddingModel",
+    "Gemma3TextModel": "embedding_gemma:EmbeddingGemmaModel",
+    "ModernBertForSequenceClassification": "modernbert:ModernBertForSequenceClassification",
+    "LlamaForSequenceClassification": ("classifier:sequence_classifier", "llama:LlamaForCausalLM"),
+    "MistralForSequenceClassification": ("classifier:sequence_classifier", "llama:LlamaForCausalLM"),
+    "Qwen2ForSequenceClassification": ("classifier:sequence_classifier", "qwen2:Qwen2ForCausalLM"),
+    "Qwen3ForSequenceClassification": ("classifier:sequence_classifier", "qwen3:Qwen3ForCausalLM"),
+})
 assert set(_MODELS) == set(SUPPORTED_ARCHITECTURES), "asyncllm/models/architectures.py names every class here"
 
 
-_TEXT_ONLY: dict[str, Any] = {"Gemma3ForConditionalGeneration": Gemma3TextOnly,
-                              "Gemma4ForConditionalGeneration": Gemma4TextOnly,
-                              "Qwen3_5ForConditionalGeneration": Qwen3_5TextOnly,
-                              "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeTextOnly,
-                              "Mistral3ForConditionalGeneration": mistral3_text_only}
+_TEXT_ONLY = LazyClasses({"Gemma3ForConditionalGeneration": "gemma3:Gemma3TextOnly",
+                          "Gemma4ForConditionalGeneration": "gemma4:Gemma4TextOnly",
+                          "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5TextOnly",
+                          "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5MoeTextOnly",
+                          "Mistral3ForConditionalGeneration": "mistral3:mistral3_text_only"})
 """Each text-only-capable architecture's text model: its class, or a function of the config naming it (Mistral 3:
 by its decoder's type)."""
 assert set(_TEXT_ONLY) == set(TEXT_ONLY_CAPABLE_ARCHITECTURES)
@@ -278,8 +232,10 @@ def get_model_class(hf_config: Any, limits: dict[str, int] | None = None) -> typ
 
 def _llava_variant(hf_config: Any) -> type[CausalLM]:
     """LLaVA's class by its tower: Pixtral-12B's checkpoints are LLaVA ones with a Pixtral tower."""
+    from asyncllm.models.mistral3 import PixtralLlavaForConditionalGeneration
+
     vision = getattr(getattr(hf_config, "vision_config", None), "model_type", None)
-    return PixtralLlavaForConditionalGeneration if vision == "pixtral" else LlavaForConditionalGeneration
+    return PixtralLlavaForConditionalGeneration if vision == "pixtral" else _MODELS["LlavaForConditionalGeneration"]
 
 
 _VARIANTS: dict[str, Any] = {"LlavaForConditionalGeneration": _llava_variant}
