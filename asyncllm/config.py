@@ -121,7 +121,7 @@ class ModelConfig:
     enable_prompt_embeds: bool = False
     """vLLM's: accept prompts given as embeddings, ``{"prompt_embeds": tensor [tokens, hidden]}`` (what the
     model's input embedding layer returns; docs/sampling.md#prompts-given-as-embeddings). Not with image-text
-    models, pipeline parallelism, or a draft model / EAGLE head / MTP layer (n-gram drafts work)."""
+    models or a draft model / EAGLE head / MTP layer (n-gram drafts work)."""
     skip_tokenizer_init: bool = False
     """vLLM's: load no tokenizer. Prompts are token ids and outputs token ids with empty text; what needs the
     tokenizer (text prompts, chat, stop strings, bad words, structured output, images) is refused by name."""

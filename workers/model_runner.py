@@ -132,10 +132,10 @@ class ModelRunner:
         _check_kv_cache_dtype_runs(self.config.kv_cache_dtype, self.kv_cache_dtype, self.device, model)
         tp = TensorParallel(self.rank, self.tp_size, getattr(getattr(model, "stage", None), "tp_group", None))
         core = getattr(model, "causal_lm", model)  # a pipeline stage's: the whole model's hooks, its own layers
-        self.mm_runner = (MultiModalRunner(core, self.device, self.config, tp, getattr(model, "encodes_images", True))
-                          if is_multimodal(core) else None)
-        self.prompt_embeds = PromptEmbedsRunner(model, self.device, dtype) if self.config.enable_prompt_embeds \
-            else None
+        embeds = getattr(model, "embeds_inputs", True)  # a pipeline stage after the first takes hidden states
+        self.mm_runner = MultiModalRunner(core, self.device, self.config, tp, embeds) if is_multimodal(core) else None
+        self.prompt_embeds = (PromptEmbedsRunner(core, self.device, dtype)
+                              if self.config.enable_prompt_embeds and embeds else None)
         self.input_batch.keeps_states = bool(getattr(model, "keeps_request_states", False))
         self.row_states = [m.states for m in model.modules() if isinstance(getattr(m, "states", None), RowStates)]
         """The state layers' per-request states (hybrids: asyncllm/models/row_states.py)."""

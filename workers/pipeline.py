@@ -134,6 +134,8 @@ class PipelineModelRunner(ModelRunner):
         batch.update_states(sched_out)
         if self.mm_runner is not None:
             self.mm_runner.update_states(sched_out)
+        if self.prompt_embeds is not None:
+            self.prompt_embeds.update_states(sched_out)
         if self.lora_runner is not None:
             self.lora_runner.update_states(sched_out)
         empty = ModelRunnerOutput(sched_out.step_id, [], [])
@@ -144,7 +146,9 @@ class PipelineModelRunner(ModelRunner):
             self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens)
         embeds, positions = (self.mm_runner.inputs_embeds(sched_out, batch, inputs) if self.mm_runner is not None
                              else (None, inputs.positions))  # images: the first stage's embeddings, every stage's
-        self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, embeds)  # M-RoPE positions
+        if self.prompt_embeds is not None and embeds is None:  # M-RoPE positions; prompts given as embeddings
+            embeds = self.prompt_embeds.inputs_embeds(sched_out, batch, inputs)
+        self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, embeds)
         self._defer_sampled(inputs, sched_out)
         return empty
 

@@ -137,7 +137,6 @@ def _embeds_width(config: EngineConfig, arch: str, multimodal: bool, text_config
         return None
     spec = config.scheduler_config.speculative
     for what, unbuilt in ((f"{arch} with images", multimodal),
-                          ("pipeline parallelism", config.pipeline_parallel_size > 1),
                           ("a draft model, EAGLE head or MTP layer (n-gram drafts work)",
                            spec is not None and spec.method != "ngram"),
                           (f"the encoder {arch}", arch in ENCODER_ARCHITECTURES)):

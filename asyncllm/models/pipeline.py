@@ -161,8 +161,9 @@ class StageModel(nn.Module):
         """A hybrid's saved states for prefix caching (the worker tells the core)."""
 
     @property
-    def encodes_images(self) -> bool:
-        """Whether this stage runs an image-text model's encoder: the first (the others take hidden states)."""
+    def embeds_inputs(self) -> bool:
+        """Whether this stage makes the step's input embeddings (an image-text model's encoder runs here, a prompt
+        given as embeddings is written here): the first (the others take hidden states)."""
         return self.stage.is_first
 
     @property

@@ -21,7 +21,7 @@ from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
 from asyncllm.models.registry import KVCacheSpec
 from asyncllm.tiny import tiny_checkpoint
 from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers, wait_idle
-from hf_reference import hf_greedy, hf_last_hidden_state, hf_state_dict
+from hf_reference import hf_embeds_greedy, hf_greedy, hf_last_hidden_state, hf_state_dict
 from proc_utils import worker_pids
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -47,7 +47,8 @@ async def engine(path: str):
         patch.setenv("ASYNCLLM_CPU_KVCACHE_SPACE_GB", str(KV_SPACE_GB))  # read by the workers the core starts
         engine = AsyncEngine(path, pipeline_parallel_size=2, max_num_batched_tokens=16, max_model_len=128,
                              preemption_mode="swap", swap_space=0.001,  # each stage swaps its own layers' blocks
-                             worker_step_timeout_s=20.0, enable_sleep_mode=True, disable_log_stats=True)
+                             worker_step_timeout_s=20.0, enable_sleep_mode=True, enable_prompt_embeds=True,
+                             disable_log_stats=True)
         async with engine:
             yield engine
 
@@ -74,6 +75,17 @@ async def test_micro_batches_split_the_requests_over_the_stages_and_keep_every_t
     outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
     assert [out.token_ids for out in outs] == [hf_greedy(path, p, 24, eos_token_id=None) for p in prompts]
     assert engine.stats().num_steps_total - steps_before >= 4 * 24 // 2  # at most two requests a step
+
+
+async def test_a_prompt_given_as_embeddings_is_written_by_the_first_stage(engine: AsyncEngine, path: str) -> None:
+    """``{"prompt_embeds": rows}`` over two stages, chunked beside a token prompt: the first stage writes the rows,
+    the second takes its hidden states; tokens equal transformers' ``generate(inputs_embeds=...)``."""
+    rows = torch.randn(20, 64, generator=torch.Generator().manual_seed(3)) * 0.5
+    prompt = list(range(30, 50))
+    embedded, tokens = await asyncio.gather(engine.generate({"prompt_embeds": rows}, GREEDY),
+                                            engine.generate(prompt, GREEDY))
+    assert embedded.token_ids == hf_embeds_greedy(path, rows, 24)
+    assert tokens.token_ids == hf_greedy(path, prompt, 24, eos_token_id=None)
 
 
 async def test_embeddings_come_from_the_last_stage(engine: AsyncEngine, path: str) -> None:

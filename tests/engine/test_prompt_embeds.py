@@ -93,10 +93,9 @@ async def test_engines_without_the_option_or_with_what_it_is_not_built_with_refu
     with pytest.raises(InvalidRequestError, match="enable_prompt_embeds=True"):
         prompt_embeds_of({"prompt_embeds": torch.zeros(4, 64)}, prepare(EngineConfig.create(tiny_llama)).embeds_width,
                          SamplingParams(), 64)
-    for fields in ({"pipeline_parallel_size": 2}, {"speculative_config": {
-            "method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2}}):
-        with pytest.raises(NotBuiltError, match="prompts given as embeddings"):
-            prepare(EngineConfig.create(tiny_llama, enable_prompt_embeds=True, **fields))
+    draft = {"method": "draft_model", "model": tiny_llama, "num_speculative_tokens": 2}
+    with pytest.raises(NotBuiltError, match="prompts given as embeddings"):
+        prepare(EngineConfig.create(tiny_llama, enable_prompt_embeds=True, speculative_config=draft))
     ngram = {"method": "ngram", "num_speculative_tokens": 2}
     assert prepare(EngineConfig.create(tiny_llama, enable_prompt_embeds=True, speculative_config=ngram)).embeds_width == 64
 
