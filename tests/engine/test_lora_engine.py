@@ -216,6 +216,24 @@ async def test_qwen3_5_adapters_on_every_projection_equal_peft(arch: str, tp: in
         assert next(got).token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)
 
 
+async def test_granite4_hybrid_adapters_on_its_attention_equal_peft_and_its_mixers_are_refused(tmp_path) -> None:
+    """Granite 4.0's hybrid (Mamba2 and attention layers): an adapter on the attention's projections, with and
+    without it in one batch (PEFT's tokens / transformers'); one on the Mamba2 mixer's in_proj is refused by name."""
+    path = tiny_checkpoint("granitemoehybrid")
+    attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    lora = LoRARequest("g4", 1, make_adapter(path, str(tmp_path / "g4"), seed=9, rank=8, alpha=64, targets=attention))
+    mixer = LoRARequest("g4m", 2, make_adapter(path, str(tmp_path / "g4m"), seed=9, rank=8, targets=["in_proj"]))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = random_prompts(1, seed=17, max_len=40)[0]
+    async with AsyncEngine(path, max_num_batched_tokens=16, enable_lora=True, disable_log_stats=True) as engine:
+        outs = await asyncio.gather(engine.generate(prompt, params, lora_request=lora), engine.generate(prompt, params))
+        with pytest.raises(InvalidRequestError, match="mamba.in_proj"):
+            await engine.generate(prompt, params, lora_request=mixer)
+    assert outs[0].token_ids == peft_greedy(path, lora.lora_path, prompt, MAX_TOKENS, eos_token_id=None)
+    assert outs[1].token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)
+    assert outs[0].token_ids != outs[1].token_ids
+
+
 async def test_qwen3_5_saved_states_are_keyed_by_adapter(tmp_path) -> None:
     """Hybrid prefix caching under LoRA: the states saved for a prompt under an adapter serve the same prompt under
     that adapter only (the adapter keys the blocks, so the saved points too); tokens equal PEFT's / transformers'."""

@@ -188,3 +188,20 @@ def test_an_adapter_without_enable_lora_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="enable_lora=True") as info:
         make_scheduler().add_request(_lora_request("a", 1))
     assert info.value.field == "lora_request"
+
+
+@pytest.mark.parametrize(("arch", "taken"), [("lfm2", False), ("falcon_h1", False), ("granitemoehybrid", True),
+                                             ("qwen3_next", True)])
+def test_which_hybrids_take_adapters(arch: str, taken: bool) -> None:
+    """The hybrids whose adapters are tested take ``enable_lora``; the others refuse it by architecture."""
+    from asyncllm.config import EngineConfig
+    from asyncllm.engine.prepare import prepare
+    from asyncllm.errors import NotBuiltError
+    from asyncllm.tiny import tiny_checkpoint
+
+    config = EngineConfig.create(tiny_checkpoint(arch), enable_lora=True)
+    if taken:
+        assert prepare(config).lora is not None
+        return
+    with pytest.raises(NotBuiltError, match="LoRA adapters for"):
+        prepare(config)

@@ -47,6 +47,10 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
         ("gpt_oss", "llama4", "phimoe", "glm4_moe", "flex_olmo", "dots1", "minimax_m2", "exaone_moe", "ernie4_5_moe",
          "solar_open", "sarvam_moe"))},
     "granitemoeshared": dict(seed=70, rank=8, alpha=32, targets=ATTENTION),
+    # hybrids: the attention layers' projections (their state layers take none; Qwen3.5's: tests/unit/test_lora.py)
+    "bamba": dict(seed=80, rank=4, alpha=8, targets=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]),
+    "qwen3_next": dict(seed=81, rank=4, alpha=8, targets=ATTENTION),
+    "granitemoehybrid": dict(seed=82, rank=8, alpha=64, targets=ATTENTION),  # Granite's multipliers damp it
 }
 
 
