@@ -29,6 +29,7 @@ keeps that part, so a rank keeps its heads of q, of k and of v.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -137,6 +138,11 @@ class LoRALayer(SlotBuffers):
             fused_start += fused_length
 
 
+_ADAPTABLE = re.compile(r"\.layers\.\d+\.(self_attn|mlp|linear_attn)\.")
+"""Where adapters go: a decoder layer's attention, MLP (its shared expert) and Gated DeltaNet, the blocks an adapter
+may name (asyncllm/lora.py); not a state layer's own linears (Mamba's, run over each request's rows apart)."""
+
+
 def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAContext) -> dict[str, SlotBuffers]:
     """Give every projection named in the model's checkpoint a `LoRALayer`, and the experts of a model whose
     experts take adapters an `ExpertsLoRA`; them by module name."""
@@ -146,7 +152,7 @@ def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAC
     packed = model.packed_modules
     fused_parts: dict[str, list[tuple[object, int]]] = getattr(model, "fused_parts", {})
     for name, module in model.named_modules():
-        if not isinstance(module, (_ColumnParallelLinear, RowParallelLinear)) or ".layers." not in name:
+        if not isinstance(module, (_ColumnParallelLinear, RowParallelLinear)) or not _ADAPTABLE.search(name):
             continue
         fused = name.rsplit(".", 1)[-1]
         parts = [shard for _, shard in packed[fused]] if fused in packed else [None]

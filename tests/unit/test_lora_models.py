@@ -51,6 +51,7 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     "bamba": dict(seed=80, rank=4, alpha=8, targets=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]),
     "qwen3_next": dict(seed=81, rank=4, alpha=8, targets=ATTENTION),
     "granitemoehybrid": dict(seed=82, rank=8, alpha=64, targets=ATTENTION),  # Granite's multipliers damp it
+    "jamba": dict(seed=84, rank=4, alpha=8, targets=ATTENTION),  # its Mamba layers' linears take no LoRA layer
 }
 
 
