@@ -62,5 +62,5 @@ class DataParallelEncoder:
         """Every rank's ``padded`` (same shape and dtype on all), rank order; gathered as uint8."""
         raw = padded.view(torch.uint8)
         parts = [torch.empty_like(raw) for _ in range(self.tp.size)]
-        dist.all_gather(parts, raw)
+        dist.all_gather(parts, raw, group=self.tp.group)  # a pipeline's first stage: its own TP ranks
         return [part.view(padded.dtype) for part in parts]
