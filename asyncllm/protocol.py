@@ -488,6 +488,14 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     (every sampling request that may be drafted; workers/draft_runner.py)."""
 
 
+class EncoderCacheCounts(msgspec.Struct, **_STRUCT):
+    """A pipeline's first stage's encoder-cache lookups of a step (its rank 0's; the step's output comes from the
+    last stage, which encodes nothing): the executor adds them to the next step output it returns."""
+
+    queries: int
+    hits: int
+
+
 class WorkerError(msgspec.Struct, **_STRUCT):
     rank: int
     message: str
@@ -497,7 +505,8 @@ class WorkerError(msgspec.Struct, **_STRUCT):
     """[field, value repr, allowed] when the exception is a ConfigError (as in EngineFailed)."""
 
 
-WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError, WeightsUpdated, SleepModeDone]
+WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError, WeightsUpdated, SleepModeDone,
+                      EncoderCacheCounts]
 
 
 # ------------------------------------------------------------- error helpers

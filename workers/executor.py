@@ -76,6 +76,8 @@ class Executor:
         self._world_size: int = config.parallel_config.world_size  # tensor x pipeline parallel ranks
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(protocol.WorkerMessage)
+        self._encoder_counts = (0, 0)
+        """A pipeline's first stage's encoder-cache (queries, hits) not yet added to a step output."""
         self._procs: list[subprocess.Popen] = []
         self._ipc_dir: str | None = None
         self._ctx: zmq.Context | None = None
@@ -176,6 +178,10 @@ class Executor:
         message = self._receive(deadline, f"run step {step_id}", f"worker_step_timeout_s={timeout}")
         assert isinstance(message, protocol.ModelRunnerOutput), f"expected step output, got {message!r}"
         assert message.step_id == step_id, f"output of step {message.step_id} for step {step_id}"
+        if self._encoder_counts != (0, 0):  # a pipeline's first stage's lookups, counted with this step
+            message.mm_encoder_cache_queries += self._encoder_counts[0]
+            message.mm_encoder_cache_hits += self._encoder_counts[1]
+            self._encoder_counts = (0, 0)
         self._pending.popleft()
         self._last_reply_at = time.monotonic()
         return message
@@ -286,6 +292,10 @@ class Executor:
                 message = self._decoder.decode(self._results.recv())
                 if isinstance(message, protocol.WorkerError):
                     self._fail(_error_from(message))
+                if isinstance(message, protocol.EncoderCacheCounts):  # kept for the next step output
+                    queries, hits = self._encoder_counts
+                    self._encoder_counts = (queries + message.queries, hits + message.hits)
+                    continue
                 return message
             self._check_workers()
             if deadline is not None and time.monotonic() >= deadline:

@@ -110,9 +110,6 @@ def _pipelined(runner: Any) -> bool:
     return mode == "on" or (mode == "auto" and device is not None and device.type == "cuda")
 
 
-def _drop(output: protocol.ModelRunnerOutput) -> None:
-    """Ranks other than the output rank (0; with pipeline stages the last stage's first) finish every step but
-    send nothing."""
 
 
 def error_message(rank: int, exc: BaseException) -> protocol.WorkerError:
@@ -173,7 +170,7 @@ class Worker:
         assert self.reader is not None and self.config is not None, "setup() first"
         reader = self.reader
         sends = self.rank == output_rank(self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
-        pipeline = StepPipeline(self.runner, self.send if sends else _drop, self.pipelined)
+        pipeline = StepPipeline(self.runner, self.send if sends else self._send_counts, self.pipelined)
         while True:
             pipeline.wait(reader.has_message)
             command = self.decoder.decode(reader.dequeue())
@@ -204,6 +201,13 @@ class Worker:
 
     def send(self, message: protocol.WorkerMessage) -> None:
         self.results.send(self.encoder.encode(message))
+
+    def _send_counts(self, output: protocol.ModelRunnerOutput) -> None:
+        """A rank other than the output rank (0; with pipeline stages the last stage's first) finishes every step
+        but sends nothing of it: a pipeline's first stage's rank 0 only its encoder-cache counts, when it looked
+        images up (the output rank encodes nothing then; without stages the output rank counts its own)."""
+        if output.mm_encoder_cache_queries and self.config.pipeline_parallel_size > 1:
+            self.send(protocol.EncoderCacheCounts(output.mm_encoder_cache_queries, output.mm_encoder_cache_hits))
 
     def close(self) -> None:
         """Leave the TP group and detach from the ring (whatever setup got to)."""

@@ -221,6 +221,9 @@ async def test_images_run_in_stages_on_qwen3_5_qwen3_vl_and_gemma3(tmp_path) -> 
     images = [make_image(100, 60, seed=7), make_image(50, 112, seed=8)]
     text = f"look at this\n{BOI} and then at {BOI}\nwhat are they"
     async with AsyncEngine(gemma, pipeline_parallel_size=2, disable_log_stats=True, block_size=4, max_model_len=128,
-                           num_gpu_blocks_override=64, max_num_batched_tokens=20) as engine:
+                           num_gpu_blocks_override=64, max_num_batched_tokens=20, enable_prefix_caching=False) as engine:
         out = await engine.generate({"prompt": text, "images": images}, greedy)
+        await engine.generate({"prompt": text, "images": images}, greedy)  # its images from the encoder cache
+        stats = engine.stats()  # the first stage's lookups (the step outputs come from the last stage)
     assert out.outputs[0].token_ids == hf_gemma3_greedy(gemma, text, images, 8)[1]
+    assert (stats.mm_encoder_cache_queries, stats.mm_encoder_cache_hits) == (4, 2)
