@@ -30,6 +30,7 @@ from asyncllm.lora_experts import (
     is_expert_parameter,
     is_expert_path,
 )
+from asyncllm.models.lfm2_config import lfm2_intermediate_size
 
 __all__ = ["LoRARequest", "AdapterModule", "Adapter", "AdapterChecker", "read_adapter", "module_shapes",
            "LORA_TARGETS"]
@@ -148,6 +149,8 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     q = hf_config.num_attention_heads * head_dim
     kv = hf_config.num_key_value_heads * head_dim
     inter = getattr(hf_config, "intermediate_size_mlp", None) or hf_config.intermediate_size  # Llama 4's dense MLP
+    if hasattr(hf_config, "block_auto_adjust_ff_dim"):  # LFM2's MLP width
+        inter = lfm2_intermediate_size(hf_config)
     shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden)}
     arch = _architecture(hf_config)
     if arch in FUSED_LORA_ARCHITECTURES:

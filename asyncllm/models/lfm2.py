@@ -26,6 +26,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin, renamed
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, new_param
+from asyncllm.models.lfm2_config import lfm2_intermediate_size
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
@@ -43,19 +44,6 @@ _NAMES = ((".operator_norm.", ".input_layernorm."), (".ffn_norm.", ".post_attent
 def llama_name(name: str) -> str:
     """An LFM2 checkpoint name as the Llama-style modules here name it."""
     return renamed(name, _NAMES)
-
-
-def lfm2_intermediate_size(cfg: Any) -> int:
-    """The MLP's width: ``intermediate_size``, or with ``block_auto_adjust_ff_dim`` two thirds of it, times
-    ``block_ffn_dim_multiplier``, rounded up to ``block_multiple_of`` (transformers' rule)."""
-    size = cfg.intermediate_size
-    if not getattr(cfg, "block_auto_adjust_ff_dim", False):  # LFM2-MoE's dense layers: as it is
-        return size
-    size = int(2 * size / 3)
-    if cfg.block_ffn_dim_multiplier is not None:
-        size = int(cfg.block_ffn_dim_multiplier * size)
-        size = cfg.block_multiple_of * ((size + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
-    return size
 
 
 class ShortConv(nn.Module):

@@ -190,8 +190,8 @@ def test_an_adapter_without_enable_lora_is_refused() -> None:
     assert info.value.field == "lora_request"
 
 
-@pytest.mark.parametrize(("arch", "taken"), [("lfm2", False), ("falcon_h1", False), ("granitemoehybrid", True),
-                                             ("qwen3_next", True)])
+@pytest.mark.parametrize(("arch", "taken"), [("nemotron_h", False), ("falcon_h1", False), ("granitemoehybrid", True),
+                                             ("qwen3_next", True), ("lfm2", True)])
 def test_which_hybrids_take_adapters(arch: str, taken: bool) -> None:
     """The hybrids whose adapters are tested take ``enable_lora``; the others refuse it by architecture."""
     from asyncllm.config import EngineConfig
@@ -205,3 +205,14 @@ def test_which_hybrids_take_adapters(arch: str, taken: bool) -> None:
         return
     with pytest.raises(NotBuiltError, match="LoRA adapters for"):
         prepare(config)
+
+
+def test_an_adapter_on_a_state_layer_is_refused_by_name(tmp_path) -> None:
+    """LFM2's convolution layers' projections (its attention's and MLP's take adapters: test_lora_models.py)."""
+    from asyncllm.models.loader import load_hf_config
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("lfm2")
+    folder = make_adapter(path, str(tmp_path / "conv"), seed=3, rank=4, targets=r".*\.conv\.in_proj")
+    with pytest.raises(InvalidRequestError, match=r"conv\.in_proj"):
+        AdapterChecker(load_hf_config(path), 8).check(LoRARequest("c", 1, folder))

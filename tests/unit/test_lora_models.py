@@ -52,6 +52,9 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     "qwen3_next": dict(seed=81, rank=4, alpha=8, targets=ATTENTION),
     "granitemoehybrid": dict(seed=82, rank=8, alpha=64, targets=ATTENTION),  # Granite's multipliers damp it
     "jamba": dict(seed=84, rank=4, alpha=8, targets=ATTENTION),  # its Mamba layers' linears take no LoRA layer
+    # LFM2's names: self_attn.out_proj, feed_forward.w1 / w3 / w2 (its conv layers take none)
+    "lfm2": dict(seed=85, rank=4, alpha=8, targets=r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|feed_forward\.w\d)"),
+    "lfm2_moe": dict(seed=86, rank=4, alpha=8, targets=r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|0\.feed_forward\.w\d)"),
 }
 
 
