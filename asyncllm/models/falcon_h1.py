@@ -104,6 +104,13 @@ class FalconH1ForCausalLM(StateLayersMixin, LlamaForCausalLM):
         return super().load_weights((renamed(name, _NAMES), self._scaled(renamed(name, _NAMES), w))
                                     for name, w in weights)
 
+    def lora_b_scale(self, name: str) -> float:
+        """The multiplier folded into a projection's weight (its adapter's product takes it too: an adapter of the
+        attention or the MLP; the mixer's take none)."""
+        module, _, kind = name.rpartition(".")
+        scale = self.scales.get((module.rsplit(".", 1)[-1], kind), 1.0)
+        return scale if isinstance(scale, float) else 1.0
+
     def _scaled(self, name: str, weight: LoadedWeight) -> LoadedWeight:
         """The checkpoint tensor with its multipliers folded in (see the module's docstring)."""
         module, _, kind = name.rpartition(".")

@@ -171,6 +171,7 @@ def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object
     loaded = []
     also = getattr(model, "lora_also_parts", lambda param_name, part: ())
     reordered = getattr(model, "_half_split", lambda name, weight: weight)  # interleaved rotaries' q/k rows
+    scale_of = getattr(model, "lora_b_scale", lambda name: 1.0)  # multipliers folded into the weights (Falcon-H1)
     for name, module in adapter.modules.items():
         if ".mlp.experts." in name:
             from asyncllm.models.lora_experts import expert_target
@@ -182,6 +183,8 @@ def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object
         param_name, part = model._packed(f"{name}.weight")
         lora_a = _tensor(tensors, module.key or name, "A")
         lora_b = reordered(f"{name}.weight", _tensor(tensors, module.key or name, "B"))
+        if (scale := scale_of(f"{name}.weight")) != 1.0:  # the product the weight's multiplier scales, scaled too
+            lora_b = (lora_b.float() * scale).to(lora_b.dtype)
         for each in (part, *also(param_name, part)):  # Gemma 4's global layers: the k adapter is the v's too
             loaded.append((param_name[: -len(".weight")], each, lora_a, lora_b, module.scaling))
     return loaded

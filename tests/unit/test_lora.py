@@ -190,8 +190,8 @@ def test_an_adapter_without_enable_lora_is_refused() -> None:
     assert info.value.field == "lora_request"
 
 
-@pytest.mark.parametrize(("arch", "taken"), [("nemotron_h", False), ("falcon_h1", False), ("granitemoehybrid", True),
-                                             ("qwen3_next", True), ("lfm2", True)])
+@pytest.mark.parametrize(("arch", "taken"), [("nemotron_h", False), ("granitemoehybrid", True),
+                                             ("qwen3_next", True), ("lfm2", True), ("falcon_h1", True)])
 def test_which_hybrids_take_adapters(arch: str, taken: bool) -> None:
     """The hybrids whose adapters are tested take ``enable_lora``; the others refuse it by architecture."""
     from asyncllm.config import EngineConfig
