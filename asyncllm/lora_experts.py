@@ -31,6 +31,7 @@ _PER_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 """Mixtral's original expert matrix names -> the gate / up / down projections."""
 _MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
 _DENSE_SWIGLU = re.compile(r"\.mlp\.(w1|w2|w3)\.")
+_MIXER = re.compile(r"\.mixer\.(q_proj|k_proj|v_proj|o_proj|up_proj|down_proj)\.")
 _EXPERT_PATH = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
 _SHARED_PATH = re.compile(r"shared_experts?\.(gate_proj|up_proj|down_proj)")
 """Qwen's ``shared_expert``, DeepSeek-style ``shared_experts`` (GLM-4.5, ERNIE 4.5, ...): a dense MLP."""
@@ -52,7 +53,11 @@ def canonical_name(name: str) -> str:
     """A tensor name with Mixtral's ``block_sparse_moe.experts.{e}.w1`` written as ``mlp.experts.{e}.gate_proj``,
     Llama 4's and LFM2's ``feed_forward.`` as ``mlp.``, a dense SwiGLU's ``w1`` / ``w3`` / ``w2`` (LFM2's) as
     ``gate_proj`` / ``up_proj`` / ``down_proj`` and an attention's ``out_proj`` (LFM2's) as ``o_proj``: the model's
-    names."""
+    names; Nemotron-H's ``backbone.`` as ``model.`` and its attention and MLP layers' ``mixer.`` as ``self_attn.`` /
+    ``mlp.`` (its Mamba2 and MoE mixers' names stay, refused)."""
+    name = "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
+    name = _MIXER.sub(lambda m: f".{'mlp' if m.group(1) in ('up_proj', 'down_proj') else 'self_attn'}.{m.group(1)}.",
+                      name)
     name = name.replace(".feed_forward.", ".mlp.").replace(".self_attn.out_proj.", ".self_attn.o_proj.")
     name = _DENSE_SWIGLU.sub(lambda m: f".mlp.{_PER_EXPERT[m.group(1)]}.", name)
     return _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_PER_EXPERT[m.group(2)]}.", name)

@@ -179,7 +179,7 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
 LORA_HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                              "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM",
                              "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "JambaForCausalLM",
-                             "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM")
+                             "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM", "NemotronHForCausalLM")
 """Hybrids that take adapters: on their attention and dense MLP projections (Qwen3.5's Gated DeltaNet too); an
 adapter on a state layer of the others (Mamba2's ``in_proj``, Qwen3-Next's ``in_proj_qkvz``, LFM2's ``conv``) or on
 Granite 4.0's ``shared_mlp`` is refused by name."""
@@ -195,8 +195,7 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
 refused)."""
 """Latent attention (DeepSeek, GLM-4.7-Flash, Mistral 4, Youtu: its kv_b_proj is absorbed into other matrices) and
 the families whose projections have other names (Phi-1/2, GPT-NeoX, GPT-2, GPTBigCode, OPT, GPT-J, Falcon) take no
-adapters; nor do the hybrids but `LORA_HYBRID_ARCHITECTURES` (Nemotron-H: its mixer names; the state-space
-models: names or multipliers of theirs untested), the encoders, or Llama 4's image-text checkpoints (their adapters'
+adapters; nor do the state-space models without attention (Mamba, Mamba2, Falcon-Mamba), the encoders, or Llama 4's image-text checkpoints (their adapters'
 names untested). Every other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py:
 logits equal PEFT's)."""
 

@@ -136,6 +136,11 @@ class NemotronHForCausalLM(StateLayersMixin, MoECausalLM, LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return super().load_weights((llama_name(name), w) for name, w in weights)
 
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        """Llama's, an adapter's ``self_attn.`` / ``mlp.`` names (asyncllm/lora_experts.py's `canonical_name`) read as
+        this model's ``mixer.``."""
+        return super()._packed(ckpt_name.replace(".self_attn.", ".mixer.").replace(".mlp.", ".mixer."))
+
 
 def llama_name(name: str) -> str:
     """A Nemotron-H checkpoint name as the modules here name it."""

@@ -190,21 +190,20 @@ def test_an_adapter_without_enable_lora_is_refused() -> None:
     assert info.value.field == "lora_request"
 
 
-@pytest.mark.parametrize(("arch", "taken"), [("nemotron_h", False), ("granitemoehybrid", True),
-                                             ("qwen3_next", True), ("lfm2", True), ("falcon_h1", True)])
-def test_which_hybrids_take_adapters(arch: str, taken: bool) -> None:
-    """The hybrids whose adapters are tested take ``enable_lora``; the others refuse it by architecture."""
+@pytest.mark.parametrize("arch", ["nemotron_h", "granitemoehybrid", "qwen3_next", "lfm2", "falcon_h1"])
+def test_the_hybrids_take_adapters_and_the_state_space_models_refuse_them(arch: str, tmp_path) -> None:
+    """Every hybrid takes ``enable_lora`` (on its attention and MLPs); Mamba2, which has neither, refuses it by
+    architecture."""
     from asyncllm.config import EngineConfig
     from asyncllm.engine.prepare import prepare
     from asyncllm.errors import NotBuiltError
     from asyncllm.tiny import tiny_checkpoint
+    from mamba_utils import make_tiny_mamba
 
-    config = EngineConfig.create(tiny_checkpoint(arch), enable_lora=True)
-    if taken:
-        assert prepare(config).lora is not None
-        return
-    with pytest.raises(NotBuiltError, match="LoRA adapters for"):
-        prepare(config)
+    assert prepare(EngineConfig.create(tiny_checkpoint(arch), enable_lora=True)).lora is not None
+    if arch == "nemotron_h":
+        with pytest.raises(NotBuiltError, match="LoRA adapters for Mamba2ForCausalLM"):
+            prepare(EngineConfig.create(make_tiny_mamba(tmp_path / "mamba2", "mamba2"), enable_lora=True))
 
 
 def test_an_adapter_on_a_state_layer_is_refused_by_name(tmp_path) -> None:

@@ -54,6 +54,7 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     "jamba": dict(seed=84, rank=4, alpha=8, targets=ATTENTION),  # its Mamba layers' linears take no LoRA layer
     # LFM2's names: self_attn.out_proj, feed_forward.w1 / w3 / w2 (its conv layers take none)
     "lfm2": dict(seed=85, rank=4, alpha=8, targets=r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|feed_forward\.w\d)"),
+    "nemotron_h": dict(seed=88, rank=4, alpha=8, targets=r".*mixer\.(q_proj|k_proj|v_proj|o_proj|up_proj|down_proj)"),
     "falcon_h1": dict(seed=87, rank=4, alpha=8, targets=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]),  # muP
     "lfm2_moe": dict(seed=86, rank=4, alpha=8, targets=r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|0\.feed_forward\.w\d)"),
 }
