@@ -41,10 +41,10 @@ _PEFT_PREFIX = "base_model.model."
 _FIELD = "lora_request"
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+                "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "c_fc", "c_proj")
 """The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
 gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3); Qwen3.5's Gated
-DeltaNet's projections (``linear_attn.*``)."""
+DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's)."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM",)
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
 FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
@@ -151,7 +151,7 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     inter = getattr(hf_config, "intermediate_size_mlp", None) or hf_config.intermediate_size  # Llama 4's dense MLP
     if hasattr(hf_config, "block_auto_adjust_ff_dim"):  # LFM2's MLP width
         inter = lfm2_intermediate_size(hf_config)
-    shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden)}
+    shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
     arch = _architecture(hf_config)
     if arch in FUSED_LORA_ARCHITECTURES:
         return {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter), **shared}
