@@ -147,8 +147,12 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     hidden = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q = hf_config.num_attention_heads * head_dim
-    kv = hf_config.num_key_value_heads * head_dim
-    inter = getattr(hf_config, "intermediate_size_mlp", None) or hf_config.intermediate_size  # Llama 4's dense MLP
+    kv = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) * head_dim
+    if hasattr(hf_config, "n_inner"):  # GPT-J's MLP: n_inner, else 4 x hidden
+        inter = hf_config.n_inner or 4 * hidden
+    else:  # Llama 4's dense MLP, OPT's
+        inter = (getattr(hf_config, "intermediate_size_mlp", None) or getattr(hf_config, "intermediate_size", None)
+                 or hf_config.ffn_dim)
     if hasattr(hf_config, "block_auto_adjust_ff_dim"):  # LFM2's MLP width
         inter = lfm2_intermediate_size(hf_config)
     shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
