@@ -24,12 +24,12 @@ import msgspec
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.lora_experts import (
     ExpertLayer,
-    canonical_name,
     expert_problem,
     fused_expert_names,
     is_expert_parameter,
     is_expert_path,
 )
+from asyncllm.lora_names import canonical_name
 from asyncllm.models.lfm2_config import lfm2_intermediate_size
 
 __all__ = ["LoRARequest", "AdapterModule", "Adapter", "AdapterChecker", "read_adapter", "module_shapes",

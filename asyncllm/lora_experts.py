@@ -22,24 +22,11 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-__all__ = ["FUSED_EXPERT_PARAMS", "ExpertLayer", "canonical_name", "expert_problem", "fused_expert_names",
+__all__ = ["FUSED_EXPERT_PARAMS", "ExpertLayer", "expert_problem", "fused_expert_names",
            "is_expert_parameter", "is_expert_path"]
 
 FUSED_EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 """The experts' stacked parameters PEFT's ``target_parameters`` may name."""
-_PER_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
-"""Mixtral's original expert matrix names -> the gate / up / down projections."""
-_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
-_DENSE_SWIGLU = re.compile(r"\.mlp\.(w1|w2|w3)\.")
-_LAYER_PREFIXES = ("transformer.h.", "model.decoder.layers.")
-_GPT_LAYER_NAMES = ((re.compile(r"^(model\.layers\.\d+)\.fc1\."), r"\1.mlp.c_fc."),  # OPT's MLP, on the layer
-                    (re.compile(r"^(model\.layers\.\d+)\.fc2\."), r"\1.mlp.c_proj."),
-                    (re.compile(r"\.attn\."), ".self_attn."),  # GPT-J's
-                    (re.compile(r"\.mlp\.fc_in\."), ".mlp.c_fc."), (re.compile(r"\.mlp\.fc_out\."), ".mlp.c_proj."))
-"""GPT-J's and OPT's layer names as the models name them."""
-_PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."), (".mlp.fc2.", ".mlp.c_proj."))
-"""Phi-1 / 1.5 / 2's attention output and GELU MLP as the model names them (StarCoder2's ``c_fc`` / ``c_proj``)."""
-_MIXER = re.compile(r"\.mixer\.(q_proj|k_proj|v_proj|o_proj|up_proj|down_proj)\.")
 _EXPERT_PATH = re.compile(r"experts\.(\d+)\.(gate_proj|up_proj|down_proj)")
 _SHARED_PATH = re.compile(r"shared_experts?\.(gate_proj|up_proj|down_proj)")
 """Qwen's ``shared_expert``, DeepSeek-style ``shared_experts`` (GLM-4.5, ERNIE 4.5, ...): a dense MLP."""
@@ -55,28 +42,6 @@ class ExpertLayer:
     intermediate: int
     shared_intermediate: int = 0
     """A shared expert's intermediate size; 0: none."""
-
-
-def canonical_name(name: str) -> str:
-    """A tensor name with Mixtral's ``block_sparse_moe.experts.{e}.w1`` written as ``mlp.experts.{e}.gate_proj``,
-    Llama 4's and LFM2's ``feed_forward.`` as ``mlp.``, a dense SwiGLU's ``w1`` / ``w3`` / ``w2`` (LFM2's) as
-    ``gate_proj`` / ``up_proj`` / ``down_proj``, an attention's ``out_proj`` (LFM2's) and ``dense`` (Phi's) as
-    ``o_proj`` and Phi's ``fc1`` / ``fc2`` as ``c_fc`` / ``c_proj``, GPT-J's and OPT's layers as Llama's: the model's
-    names; Nemotron-H's ``backbone.`` as ``model.`` and its attention and MLP layers' ``mixer.`` as ``self_attn.`` /
-    ``mlp.`` (its Mamba2 and MoE mixers' names stay, refused)."""
-    name = "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
-    for prefix in _LAYER_PREFIXES:  # GPT-J's transformer.h.N., OPT's model.decoder.layers.N.
-        if name.startswith(prefix):
-            name = "model.layers." + name.removeprefix(prefix)
-            for pattern, replacement in _GPT_LAYER_NAMES:
-                name = pattern.sub(replacement, name)
-    name = _MIXER.sub(lambda m: f".{'mlp' if m.group(1) in ('up_proj', 'down_proj') else 'self_attn'}.{m.group(1)}.",
-                      name)
-    name = name.replace(".feed_forward.", ".mlp.").replace(".self_attn.out_proj.", ".self_attn.o_proj.")
-    for old, new in _PHI_NAMES:
-        name = name.replace(old, new)
-    name = _DENSE_SWIGLU.sub(lambda m: f".mlp.{_PER_EXPERT[m.group(1)]}.", name)
-    return _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_PER_EXPERT[m.group(2)]}.", name)
 
 
 def is_expert_path(path: str) -> bool:

@@ -110,8 +110,6 @@ def _pipelined(runner: Any) -> bool:
     return mode == "on" or (mode == "auto" and device is not None and device.type == "cuda")
 
 
-
-
 def error_message(rank: int, exc: BaseException) -> protocol.WorkerError:
     """A `WorkerError` that keeps the exception's type (and a ConfigError's field)."""
     parts = protocol.config_error_parts(exc)

@@ -137,7 +137,7 @@ class NemotronHForCausalLM(StateLayersMixin, MoECausalLM, LlamaForCausalLM):
         return super().load_weights((llama_name(name), w) for name, w in weights)
 
     def _packed(self, ckpt_name: str) -> tuple[str, object]:
-        """Llama's, an adapter's ``self_attn.`` / ``mlp.`` names (asyncllm/lora_experts.py's `canonical_name`) read as
+        """Llama's, an adapter's ``self_attn.`` / ``mlp.`` names (asyncllm/lora_names.py) read as
         this model's ``mixer.``."""
         return super()._packed(ckpt_name.replace(".self_attn.", ".mixer.").replace(".mlp.", ".mixer."))
 

@@ -1,0 +1,49 @@
+"""Adapter tensor names as the models name their projections (the host's check and the workers' load read them
+alike; torch-free).
+
+PEFT names an adapter's matrices after transformers' modules; asyncllm's models name some of them otherwise
+(checkpoint names are renamed as they load). `canonical_name` writes an adapter's name as the model's, so that one
+table of projection names and shapes (asyncllm/lora.py) serves every family.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["canonical_name"]
+
+_PER_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+"""Mixtral's original expert matrix names -> the gate / up / down projections."""
+_MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.(w1|w2|w3)\.")
+_DENSE_SWIGLU = re.compile(r"\.mlp\.(w1|w2|w3)\.")
+_LAYER_PREFIXES = ("transformer.h.", "model.decoder.layers.")
+_GPT_LAYER_NAMES = ((re.compile(r"^(model\.layers\.\d+)\.fc1\."), r"\1.mlp.c_fc."),  # OPT's MLP, on the layer
+                    (re.compile(r"^(model\.layers\.\d+)\.fc2\."), r"\1.mlp.c_proj."),
+                    (re.compile(r"\.attn\."), ".self_attn."),  # GPT-J's
+                    (re.compile(r"\.mlp\.fc_in\."), ".mlp.c_fc."), (re.compile(r"\.mlp\.fc_out\."), ".mlp.c_proj."))
+"""GPT-J's and OPT's layer names as the models name them."""
+_PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."), (".mlp.fc2.", ".mlp.c_proj."))
+"""Phi-1 / 1.5 / 2's attention output and GELU MLP as the model names them (StarCoder2's ``c_fc`` / ``c_proj``)."""
+_MIXER = re.compile(r"\.mixer\.(q_proj|k_proj|v_proj|o_proj|up_proj|down_proj)\.")
+
+
+def canonical_name(name: str) -> str:
+    """A tensor name with Mixtral's ``block_sparse_moe.experts.{e}.w1`` written as ``mlp.experts.{e}.gate_proj``,
+    Llama 4's and LFM2's ``feed_forward.`` as ``mlp.``, a dense SwiGLU's ``w1`` / ``w3`` / ``w2`` (LFM2's) as
+    ``gate_proj`` / ``up_proj`` / ``down_proj``, an attention's ``out_proj`` (LFM2's) and ``dense`` (Phi's) as
+    ``o_proj`` and Phi's ``fc1`` / ``fc2`` as ``c_fc`` / ``c_proj``, GPT-J's and OPT's layers as Llama's: the model's
+    names; Nemotron-H's ``backbone.`` as ``model.`` and its attention and MLP layers' ``mixer.`` as ``self_attn.`` /
+    ``mlp.`` (its Mamba2 and MoE mixers' names stay, refused)."""
+    name = "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
+    for prefix in _LAYER_PREFIXES:  # GPT-J's transformer.h.N., OPT's model.decoder.layers.N.
+        if name.startswith(prefix):
+            name = "model.layers." + name.removeprefix(prefix)
+            for pattern, replacement in _GPT_LAYER_NAMES:
+                name = pattern.sub(replacement, name)
+    name = _MIXER.sub(lambda m: f".{'mlp' if m.group(1) in ('up_proj', 'down_proj') else 'self_attn'}.{m.group(1)}.",
+                      name)
+    name = name.replace(".feed_forward.", ".mlp.").replace(".self_attn.out_proj.", ".self_attn.o_proj.")
+    for old, new in _PHI_NAMES:
+        name = name.replace(old, new)
+    name = _DENSE_SWIGLU.sub(lambda m: f".mlp.{_PER_EXPERT[m.group(1)]}.", name)
+    return _MIXTRAL_EXPERT.sub(lambda m: f".mlp.experts.{m.group(1)}.{_PER_EXPERT[m.group(2)]}.", name)
