@@ -81,6 +81,10 @@ class InterleavedRotaryLoading:
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return super().load_weights((name, self._half_split(name, w)) for name, w in weights)  # type: ignore[misc]
 
+    def lora_b_rows(self, name: str, weight: LoadedWeight) -> LoadedWeight:
+        """An adapter's B rows reordered as the weight's (asyncllm/models/lora.py)."""
+        return self._half_split(name, weight)
+
     def _half_split(self, name: str, weight: LoadedWeight) -> LoadedWeight:
         """q and k projections (read whole) with their rotary rows reordered."""
         if ".q_proj." not in name and ".k_proj." not in name:

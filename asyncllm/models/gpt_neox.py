@@ -79,6 +79,18 @@ class GPTNeoXForCausalLM(LlamaForCausalLM):
         hf_config.num_key_value_heads = num_kv_heads_of(hf_config)
         super().__init__(hf_config, **kwargs)
         self.head_dim = head_dim_of(hf_config)
+        rows = hf_config.num_attention_heads * self.head_dim
+        self.fused_parts: dict[str, list[tuple[object, int]]] = {"qkv_proj": [("q", rows), ("k", rows), ("v", rows)]}
+        """A LoRA adapter's ``query_key_value`` (one A, one B over the fused rows; asyncllm/models/lora.py), its B
+        rows put in this order by `lora_b_rows`."""
+
+    def lora_b_rows(self, name: str, weight: LoadedWeight) -> LoadedWeight:
+        """An adapter's ``query_key_value`` B (rows head by head: q, k, v of each) as q's rows, k's, then v's."""
+        if ".self_attn.qkv_proj." not in name:
+            return weight
+        full = weight if isinstance(weight, torch.Tensor) else weight[:]
+        per_head = full.view(-1, 3, self.head_dim, *full.shape[1:])
+        return torch.cat([per_head[:, index].reshape(-1, *full.shape[1:]) for index in range(3)])
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return super().load_weights(self._split_qkv(renamed(renamed(weights, _NEOX_NAMES), _LAYER_NAMES)))

@@ -156,7 +156,8 @@ def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAC
         if not isinstance(module, (_ColumnParallelLinear, RowParallelLinear)) or not _ADAPTABLE.search(name):
             continue
         fused = name.rsplit(".", 1)[-1]
-        parts = [shard for _, shard in packed[fused]] if fused in packed else [None]
+        # one A for a projection whose adapters come fused (Phi-3's, GPT-NeoX's qkv_proj), else one per part
+        parts = [shard for _, shard in packed[fused]] if fused in packed and fused not in fused_parts else [None]
         module.lora = layers[name] = LoRALayer(module, parts, num_slots, max_rank, context, fused_parts.get(fused))
     decoder = getattr(model, "language_model", model)  # an image-text model's decoder holds the layers
     for layer in getattr(getattr(decoder, "model", None), "layers", []):
@@ -171,7 +172,7 @@ def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object
     tensors = load_file(adapter.weights_path, device="cpu")
     loaded = []
     also = getattr(model, "lora_also_parts", lambda param_name, part: ())
-    reordered = getattr(model, "_half_split", lambda name, weight: weight)  # interleaved rotaries' q/k rows
+    reordered = getattr(model, "lora_b_rows", lambda name, weight: weight)  # B's rows as the weight's are laid out
     scale_of = getattr(model, "lora_b_scale", lambda name: 1.0)  # multipliers folded into the weights (Falcon-H1)
     for name, module in adapter.modules.items():
         if ".mlp.experts." in name:

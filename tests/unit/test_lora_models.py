@@ -42,7 +42,7 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     # every linear projection PEFT finds (fused gate_up in GLM's; no gate in Arcee's, Nemotron's, Jais 2's, ...)
     **{arch: dict(seed=30 + i, rank=4, alpha=4, targets="all-linear") for i, arch in enumerate(
         ("gemma", "arcee", "apertus", "vaultgemma", "nemotron", "olmo", "jais2", "glm", "glm4", "stablelm", "cwm", "phi",
-         "starcoder2", "gptj", "opt"))},
+         "starcoder2", "gptj", "opt", "gpt_neox"))},
     # mixtures of experts: the attention's projections (their experts and routers take none)
     **{arch: dict(seed=50 + i, rank=4, alpha=8, targets=ATTENTION) for i, arch in enumerate(
         ("gpt_oss", "llama4", "phimoe", "glm4_moe", "flex_olmo", "dots1", "minimax_m2", "exaone_moe", "ernie4_5_moe",
