@@ -45,7 +45,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
 gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3); Qwen3.5's Gated
 DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's)."""
-FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM")
+FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM")
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
 FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 """Architectures whose checkpoints hold gate/up fused (``gate_up_proj``) and q, k, v apart (GLM, GLM-4)."""
@@ -147,8 +147,9 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     hidden = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q = hf_config.num_attention_heads * head_dim
-    kv = (getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads) * head_dim
-    if hasattr(hf_config, "n_inner"):  # GPT-J's MLP: n_inner, else 4 x hidden
+    kv_heads = 1 if getattr(hf_config, "multi_query", False) else getattr(hf_config, "num_key_value_heads", None)
+    kv = (kv_heads or hf_config.num_attention_heads) * head_dim  # GPTBigCode's multi-query: one
+    if hasattr(hf_config, "n_inner"):  # GPT-J's, GPT-2's MLP: n_inner, else 4 x hidden
         inter = hf_config.n_inner or 4 * hidden
     else:  # Llama 4's dense MLP, OPT's
         inter = (getattr(hf_config, "intermediate_size_mlp", None) or getattr(hf_config, "intermediate_size", None)
@@ -315,9 +316,7 @@ def _read_config(path: str) -> dict[str, Any]:
             _fail(path, f"it uses {what} ({key}), which asyncllm does not serve")
     if config.get("bias", "none") != "none":
         _fail(path, f"it trains biases (bias={config.get('bias')!r}), which asyncllm does not serve")
-    if config.get("fan_in_fan_out"):
-        _fail(path, "it stores transposed weights (fan_in_fan_out), used by GPT-2 style layers only")
-    return config
+    return config  # fan_in_fan_out (GPT-2's Conv1D layers): its A and B are stored as any layer's
 
 
 def _tensor_shapes(path: str) -> dict[str, list[int]]:

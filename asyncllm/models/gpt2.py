@@ -123,6 +123,17 @@ class GPT2LMHeadModel(LlamaForCausalLM):
         config = self.config_view(hf_config)
         super().__init__(config, **kwargs)
         self.head_dim, self.kv_size = head_dim_of(config), config.num_key_value_heads * head_dim_of(config)
+        q_size = config.num_attention_heads * self.head_dim
+        self.fused_parts: dict[str, list[tuple[object, int]]] = {
+            "qkv_proj": [("q", q_size), ("k", self.kv_size), ("v", self.kv_size)]} if self.fused_qkv else {}
+        """A LoRA adapter's ``c_attn`` (one A, one B over the fused rows; asyncllm/models/lora.py), its B rows put in
+        q, k, v order by `lora_b_rows`; none for OPT (separate q, k, v)."""
+
+    def lora_b_rows(self, name: str, weight: LoadedWeight) -> LoadedWeight:
+        """An adapter's ``c_attn`` B as q's rows, k's, then v's (`qkv_rows`: GPTBigCode's per-head layout too)."""
+        if ".self_attn.qkv_proj." not in name:
+            return weight
+        return torch.cat(self.qkv_rows(weight if isinstance(weight, torch.Tensor) else weight[:]))
 
     @classmethod
     def config_view(cls, hf_config: Any) -> Any:

@@ -21,6 +21,7 @@ def test_every_architecture_has_a_row_and_a_doc_that_exists() -> None:
     by_arch = {row[0]: row for row in table}
     assert by_arch["LlamaForCausalLM"][2:4] == ("yes", "yes")  # pipeline stages and LoRA
     assert by_arch["OPTForCausalLM"][2:4] == ("yes", "yes")
-    assert by_arch["GPT2LMHeadModel"][2:4] == ("yes", "")
+    assert by_arch["GPT2LMHeadModel"][2:4] == ("yes", "yes")
+    assert by_arch["FalconForCausalLM"][2:4] == ("yes", "")
     assert by_arch["Gemma4ForCausalLM"][2:4] == ("", "yes")
     assert by_arch["Qwen3_5ForConditionalGeneration"][2] == "yes"  # with images: the encoder on the first stage

@@ -65,7 +65,6 @@ def test_rslora_scales_by_the_square_root_of_the_rank(adapter: str, tmp_path) ->
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"bias": "all"}, "biases"),
     ({"peft_type": "IA3"}, "IA3 adapter"),
-    ({"fan_in_fan_out": True}, "transposed"),
 ])
 def test_unsupported_adapter_settings_are_named(adapter: str, tmp_path, changes: dict, message: str) -> None:
     path = _copy_with_config(adapter, str(tmp_path / "bad"), **changes)

@@ -42,7 +42,7 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     # every linear projection PEFT finds (fused gate_up in GLM's; no gate in Arcee's, Nemotron's, Jais 2's, ...)
     **{arch: dict(seed=30 + i, rank=4, alpha=4, targets="all-linear") for i, arch in enumerate(
         ("gemma", "arcee", "apertus", "vaultgemma", "nemotron", "olmo", "jais2", "glm", "glm4", "stablelm", "cwm", "phi",
-         "starcoder2", "gptj", "opt", "gpt_neox"))},
+         "starcoder2", "gptj", "opt", "gpt_neox", "gpt2", "gpt_bigcode"))},
     # mixtures of experts: the attention's projections (their experts and routers take none)
     **{arch: dict(seed=50 + i, rank=4, alpha=8, targets=ATTENTION) for i, arch in enumerate(
         ("gpt_oss", "llama4", "phimoe", "glm4_moe", "flex_olmo", "dots1", "minimax_m2", "exaone_moe", "ernie4_5_moe",
@@ -78,17 +78,28 @@ def _with_adapter(model: torch.nn.Module, adapter: str) -> LoRAContext:
 
 @pytest.mark.parametrize("arch", sorted(ADAPTERS))
 def test_logits_equal_peft_with_the_base_model_in_the_same_batch(arch: str, adapters: dict[str, str]) -> None:
-    path = tiny_checkpoint(arch)
+    _assert_logits_equal_peft(tiny_checkpoint(arch), adapters[arch], len(arch))
+
+
+def test_a_multi_head_gptbigcode_adapter_is_cut_head_by_head(tmp_path) -> None:
+    """GPTBigCode without multi-query attention fuses each head's q, k and v rows together in ``c_attn``: its
+    adapter's B is cut the same way (`lora_b_rows`)."""
+    path = tiny_checkpoint("gpt_bigcode", multi_query=False)
+    _assert_logits_equal_peft(path, make_adapter(path, str(tmp_path / "mha"), seed=5, rank=4, alpha=8,
+                                                 targets="all-linear"), 11)
+
+
+def _assert_logits_equal_peft(path: str, adapter: str, seed: int) -> None:
     model = load_model(EngineConfig.create(path, max_model_len=64), load_hf_config(path), torch.device("cpu"),
                        torch.float32)
-    gen = torch.Generator().manual_seed(len(arch))
+    gen = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in (23, 19)]
     run = MaskedRun(model, sequences, block_size=4)
-    run.context, run.slots, run.num_slots = _with_adapter(model, adapters[arch]), [SLOT, -1], SLOTS
+    run.context, run.slots, run.num_slots = _with_adapter(model, adapter), [SLOT, -1], SLOTS
     spec = kv_cache_spec(load_hf_config(path), 1)
     run.new_kv_caches_for(spec, torch.float32)
     with_adapter, base = run.run([[9, 7], [6, 1], [1, 1], [1, 9], [6, 1]])  # chunks, one-token steps
-    expected = peft_logits(path, adapters[arch], sequences[0])
+    expected = peft_logits(path, adapter, sequences[0])
     assert (expected - hf_logits(path, sequences[0])).abs().max() > 0.5  # the adapter changes the logits
     torch.testing.assert_close(with_adapter, expected, atol=ATOL, rtol=0)
     torch.testing.assert_close(base, hf_logits(path, sequences[1]), atol=ATOL, rtol=0)
