@@ -30,7 +30,7 @@ from asyncllm.lora_experts import (
     is_expert_path,
 )
 from asyncllm.lora_names import canonical_name
-from asyncllm.models.lfm2_config import lfm2_intermediate_size
+from asyncllm.models.family_config import falcon_kv_heads, lfm2_intermediate_size
 
 __all__ = ["LoRARequest", "AdapterModule", "Adapter", "AdapterChecker", "read_adapter", "module_shapes",
            "LORA_TARGETS"]
@@ -45,7 +45,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 """The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
 gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3); Qwen3.5's Gated
 DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's)."""
-FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM")
+FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
+                            "FalconForCausalLM")
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
 FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 """Architectures whose checkpoints hold gate/up fused (``gate_up_proj``) and q, k, v apart (GLM, GLM-4)."""
@@ -148,12 +149,14 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q = hf_config.num_attention_heads * head_dim
     kv_heads = 1 if getattr(hf_config, "multi_query", False) else getattr(hf_config, "num_key_value_heads", None)
+    if hasattr(hf_config, "new_decoder_architecture"):  # Falcon's three layouts
+        kv_heads = falcon_kv_heads(hf_config)
     kv = (kv_heads or hf_config.num_attention_heads) * head_dim  # GPTBigCode's multi-query: one
     if hasattr(hf_config, "n_inner"):  # GPT-J's, GPT-2's MLP: n_inner, else 4 x hidden
         inter = hf_config.n_inner or 4 * hidden
-    else:  # Llama 4's dense MLP, OPT's
+    else:  # Llama 4's dense MLP, OPT's, Falcon's (4 x hidden when its config names none)
         inter = (getattr(hf_config, "intermediate_size_mlp", None) or getattr(hf_config, "intermediate_size", None)
-                 or hf_config.ffn_dim)
+                 or getattr(hf_config, "ffn_dim", None) or getattr(hf_config, "ffn_hidden_size", None) or 4 * hidden)
     if hasattr(hf_config, "block_auto_adjust_ff_dim"):  # LFM2's MLP width
         inter = lfm2_intermediate_size(hf_config)
     shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}

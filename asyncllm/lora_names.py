@@ -23,11 +23,13 @@ _GPT_LAYER_NAMES = ((re.compile(r"^(model\.layers\.\d+)\.fc1\."), r"\1.mlp.c_fc.
                     (re.compile(r"\.mlp\.fc_in\."), ".mlp.c_fc."), (re.compile(r"\.mlp\.fc_out\."), ".mlp.c_proj."),
                     (re.compile(r"\.self_attn\.c_attn\."), ".self_attn.qkv_proj."),  # GPT-2's, GPTBigCode's
                     (re.compile(r"\.self_attn\.c_proj\."), ".self_attn.o_proj."),
+                    (re.compile(r"\.self_attention\.query_key_value\."), ".self_attn.qkv_proj."),  # Falcon's
+                    (re.compile(r"\.self_attention\.dense\."), ".self_attn.o_proj."),
                     (re.compile(r"\.attention\.query_key_value\."), ".self_attn.qkv_proj."),  # GPT-NeoX's
                     (re.compile(r"\.attention\.dense\."), ".self_attn.o_proj."),
                     (re.compile(r"\.mlp\.dense_h_to_4h\."), ".mlp.c_fc."),
                     (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.c_proj."))
-"""GPT-J's, OPT's, GPT-2's, GPTBigCode's and GPT-NeoX's layer names as the models name them."""
+"""GPT-J's, OPT's, GPT-2's, GPTBigCode's, Falcon's and GPT-NeoX's layer names as the models name them."""
 _PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."), (".mlp.fc2.", ".mlp.c_proj."))
 """Phi-1 / 1.5 / 2's attention output and GELU MLP as the model names them (StarCoder2's ``c_fc`` / ``c_proj``)."""
 _MIXER = re.compile(r"\.mixer\.(q_proj|k_proj|v_proj|o_proj|up_proj|down_proj)\.")

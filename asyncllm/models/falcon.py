@@ -27,6 +27,7 @@ from asyncllm.models.layers import LoadedWeight, head_dim_of
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaForCausalLM, LlamaModel
 from asyncllm.models.parallel_residual import ParallelResidualLayer
 from asyncllm.models.phi import renamed
+from asyncllm.models.family_config import falcon_kv_heads
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.starcoder2 import BiasLayerNorm, GatelessMLP, Starcoder2DecoderLayer
 
@@ -38,13 +39,6 @@ _LAYER_NAMES = ((".self_attention.dense.", ".self_attn.o_proj."),
                 (".self_attention.query_key_value.", ".self_attn.query_key_value."),
                 (".mlp.dense_h_to_4h.", ".mlp.c_fc."), (".mlp.dense_4h_to_h.", ".mlp.c_proj."),
                 (".ln_attn.", ".input_layernorm."), (".ln_mlp.", ".post_attention_layernorm."))
-
-
-def falcon_kv_heads(hf_config: Any) -> int:
-    """KV heads: ``num_kv_heads`` in the new architecture, one with ``multi_query``, else one per head."""
-    if hf_config.new_decoder_architecture:
-        return hf_config.num_kv_heads
-    return 1 if hf_config.multi_query else hf_config.num_attention_heads
 
 
 class FalconOneNormLayer(ParallelResidualLayer):
@@ -98,6 +92,17 @@ class FalconForCausalLM(LlamaForCausalLM):
         super().__init__(config, **kwargs)
         self.head_dim, self.kv_heads = head_dim_of(config), config.num_key_value_heads
         self.per_kv_head = config.num_attention_heads // self.kv_heads + 2 if config.new_decoder_architecture else 0
+        q_rows, kv_rows = config.num_attention_heads * self.head_dim, self.kv_heads * self.head_dim
+        self.fused_parts: dict[str, list[tuple[object, int]]] = {"qkv_proj": [("q", q_rows), ("k", kv_rows),
+                                                                              ("v", kv_rows)]}
+        """A LoRA adapter's ``query_key_value`` (one A, one B over the fused rows; asyncllm/models/lora.py), its B
+        rows put in q, k, v order by `lora_b_rows`."""
+
+    def lora_b_rows(self, name: str, weight: LoadedWeight) -> LoadedWeight:
+        """An adapter's ``query_key_value`` B as q's rows, k's, then v's (`_qkv_rows`: each of the three layouts)."""
+        if ".self_attn.qkv_proj." not in name:
+            return weight
+        return torch.cat(self._qkv_rows(weight if isinstance(weight, torch.Tensor) else weight[:]))
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         named = renamed(renamed(weights, _FALCON_NAMES), _LAYER_NAMES)

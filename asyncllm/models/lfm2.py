@@ -26,7 +26,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.hybrid import HybridBuild, HybridLayer, HybridModel, StateLayersMixin, renamed
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, new_param
-from asyncllm.models.lfm2_config import lfm2_intermediate_size
+from asyncllm.models.family_config import lfm2_intermediate_size
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec

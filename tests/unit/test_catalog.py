@@ -22,6 +22,7 @@ def test_every_architecture_has_a_row_and_a_doc_that_exists() -> None:
     assert by_arch["LlamaForCausalLM"][2:4] == ("yes", "yes")  # pipeline stages and LoRA
     assert by_arch["OPTForCausalLM"][2:4] == ("yes", "yes")
     assert by_arch["GPT2LMHeadModel"][2:4] == ("yes", "yes")
-    assert by_arch["FalconForCausalLM"][2:4] == ("yes", "")
+    assert by_arch["FalconForCausalLM"][2:4] == ("yes", "yes")
+    assert by_arch["DeepseekV3ForCausalLM"][2:4] == ("yes", "")
     assert by_arch["Gemma4ForCausalLM"][2:4] == ("", "yes")
     assert by_arch["Qwen3_5ForConditionalGeneration"][2] == "yes"  # with images: the encoder on the first stage

@@ -42,7 +42,7 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     # every linear projection PEFT finds (fused gate_up in GLM's; no gate in Arcee's, Nemotron's, Jais 2's, ...)
     **{arch: dict(seed=30 + i, rank=4, alpha=4, targets="all-linear") for i, arch in enumerate(
         ("gemma", "arcee", "apertus", "vaultgemma", "nemotron", "olmo", "jais2", "glm", "glm4", "stablelm", "cwm", "phi",
-         "starcoder2", "gptj", "opt", "gpt_neox", "gpt2", "gpt_bigcode"))},
+         "starcoder2", "gptj", "opt", "gpt_neox", "gpt2", "gpt_bigcode", "falcon"))},
     # mixtures of experts: the attention's projections (their experts and routers take none)
     **{arch: dict(seed=50 + i, rank=4, alpha=8, targets=ATTENTION) for i, arch in enumerate(
         ("gpt_oss", "llama4", "phimoe", "glm4_moe", "flex_olmo", "dots1", "minimax_m2", "exaone_moe", "ernie4_5_moe",
@@ -87,6 +87,14 @@ def test_a_multi_head_gptbigcode_adapter_is_cut_head_by_head(tmp_path) -> None:
     path = tiny_checkpoint("gpt_bigcode", multi_query=False)
     _assert_logits_equal_peft(path, make_adapter(path, str(tmp_path / "mha"), seed=5, rank=4, alpha=8,
                                                  targets="all-linear"), 11)
+
+
+def test_falcon_7bs_multi_query_layout_is_cut_as_its_weight(tmp_path) -> None:
+    """Falcon-7B's multi-query ``query_key_value`` (the queries, then one key and one value): the adapter's B is cut
+    as the weight is (Falcon-40B's per-KV-head groups: the tiny model's own, in the test above)."""
+    path = tiny_checkpoint("falcon", new_decoder_architecture=False, multi_query=True)
+    _assert_logits_equal_peft(path, make_adapter(path, str(tmp_path / "f"), seed=6, rank=4, alpha=8,
+                                                 targets="all-linear"), 13)
 
 
 def _assert_logits_equal_peft(path: str, adapter: str, seed: int) -> None:
