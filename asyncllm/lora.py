@@ -52,7 +52,8 @@ FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
 """Architectures whose checkpoints hold gate/up fused (``gate_up_proj``) and q, k, v apart (GLM, GLM-4)."""
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
 """An image-text checkpoint's language model (transformers 5's names, then older ones) -> the decoder's names."""
-_UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.")
+_UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
+                      "vision_model.")  # Llama 4's tower (its image-text checkpoints serve text)
 _TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.([\w.]+)\.lora_([AB])\.weight")
 """A decoder layer's adapter matrix: layer, block, projection (``q_proj``; ``experts.3.gate_proj``, ``experts``,
 ``shared_expert.up_proj`` in an MoE layer: asyncllm/lora_experts.py), A or B."""

@@ -184,7 +184,7 @@ LORA_HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGenerat
 adapter on a state layer of the others (Mamba2's ``in_proj``, Qwen3-Next's ``in_proj_qkvz``, LFM2's ``conv``) or on
 Granite 4.0's ``shared_mlp`` is refused by name."""
 _NO_LORA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
-            "YoutuForCausalLM", "Llama4ForConditionalGeneration",
+            "YoutuForCausalLM",
             *(a for a in HYBRID_ARCHITECTURES if a not in LORA_HYBRID_ARCHITECTURES),
             *ENCODER_ARCHITECTURES)
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
@@ -193,8 +193,8 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is
 refused)."""
 """Latent attention (DeepSeek, GLM-4.7-Flash, Mistral 4, Youtu: its kv_b_proj is absorbed into other matrices) takes
-no adapters; nor do the state-space models without attention (Mamba, Mamba2, Falcon-Mamba), the encoders, or Llama 4's
-image-text checkpoints (their adapters' names untested). Every other decoder takes them on its attention and dense MLP
+no adapters; nor do the state-space models without attention (Mamba, Mamba2, Falcon-Mamba) or the encoders. Every
+other decoder takes them on its attention and dense MLP
 projections (tests/unit/test_lora_models.py: logits equal PEFT's)."""
 
 _MAX_CONFIG_ARG = 64 * 1024

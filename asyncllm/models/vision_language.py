@@ -41,7 +41,7 @@ def decoder_weight_name(name: str, encoder_prefixes: tuple[str, ...]) -> str | N
     name = name.removeprefix("model.")
     if name.startswith(encoder_prefixes):
         return None
-    if name.startswith("language_model.model."):
+    if name.startswith(("language_model.model.", "language_model.lm_head.")):  # Llama 4's LM head is the decoder's
         return name.removeprefix("language_model.")
     if name.startswith("language_model."):
         return "model." + name.removeprefix("language_model.")

@@ -234,6 +234,46 @@ async def test_granite4_hybrid_adapters_on_its_attention_equal_peft_and_its_mixe
     assert outs[0].token_ids != outs[1].token_ids
 
 
+async def test_llama4_image_text_checkpoint_adapters_on_its_language_model_equal_peft(tmp_path) -> None:
+    """A ``Llama4ForConditionalGeneration`` checkpoint (served as text): PEFT's adapter of it names the language
+    model's projections under ``language_model.model.`` and, for the same module names, the vision tower's, which
+    are left out (the tower never runs); tokens equal PEFT's on transformers' image-text model."""
+    import glob
+    import shutil
+
+    import torch
+    from transformers import Llama4Config, Llama4ForConditionalGeneration
+
+    from asyncllm.models.loader import load_hf_config
+
+    base = tiny_checkpoint("llama4")
+    vision = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                  vision_output_dim=64, image_size=28, patch_size=14, projector_input_dim=64, projector_output_dim=64)
+    torch.manual_seed(0)
+    path = str(tmp_path / "llama4_mm")
+    config = Llama4Config(text_config=load_hf_config(base).to_dict(), vision_config=vision)
+    Llama4ForConditionalGeneration(config).eval().save_pretrained(path)
+    for name in glob.glob(f"{base}/tokenizer*") + glob.glob(f"{base}/special*"):
+        shutil.copy(name, path)
+    lora = LoRARequest("l4", 1, make_adapter(path, str(tmp_path / "l4"), seed=9, rank=8, alpha=32,
+                                             targets=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                             auto_class=Llama4ForConditionalGeneration))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompt = random_prompts(1, seed=18, max_len=30)[0]
+    async with AsyncEngine(path, enable_lora=True, disable_log_stats=True) as engine:
+        outs = await asyncio.gather(engine.generate(prompt, params, lora_request=lora), engine.generate(prompt, params))
+    from hf_reference import model_greedy
+    from peft import PeftModel
+
+    hf = PeftModel.from_pretrained(Llama4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32),
+                                   lora.lora_path).eval()
+    text_model = hf.base_model.model.language_model  # transformers' text-only generate of the whole model fails
+    assert outs[0].token_ids == model_greedy(text_model, prompt, MAX_TOKENS, eos_token_id=None)
+    with hf.disable_adapter():
+        assert outs[1].token_ids == model_greedy(text_model, prompt, MAX_TOKENS, eos_token_id=None)
+    assert outs[0].token_ids != outs[1].token_ids
+
+
 async def test_qwen3_5_saved_states_are_keyed_by_adapter(tmp_path) -> None:
     """Hybrid prefix caching under LoRA: the states saved for a prompt under an adapter serve the same prompt under
     that adapter only (the adapter keys the blocks, so the saved points too); tokens equal PEFT's / transformers'."""
