@@ -30,7 +30,7 @@ from asyncllm.lora_experts import (
     is_expert_path,
 )
 from asyncllm.lora_names import canonical_name
-from asyncllm.models.family_config import falcon_kv_heads, lfm2_intermediate_size
+from asyncllm.models.family_config import kv_heads, mlp_width
 
 __all__ = ["LoRARequest", "AdapterModule", "Adapter", "AdapterChecker", "read_adapter", "module_shapes",
            "LORA_TARGETS"]
@@ -149,17 +149,7 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     hidden = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q = hf_config.num_attention_heads * head_dim
-    kv_heads = 1 if getattr(hf_config, "multi_query", False) else getattr(hf_config, "num_key_value_heads", None)
-    if hasattr(hf_config, "new_decoder_architecture"):  # Falcon's three layouts
-        kv_heads = falcon_kv_heads(hf_config)
-    kv = (kv_heads or hf_config.num_attention_heads) * head_dim  # GPTBigCode's multi-query: one
-    if hasattr(hf_config, "n_inner"):  # GPT-J's, GPT-2's MLP: n_inner, else 4 x hidden
-        inter = hf_config.n_inner or 4 * hidden
-    else:  # Llama 4's dense MLP, OPT's, Falcon's (4 x hidden when its config names none)
-        inter = (getattr(hf_config, "intermediate_size_mlp", None) or getattr(hf_config, "intermediate_size", None)
-                 or getattr(hf_config, "ffn_dim", None) or getattr(hf_config, "ffn_hidden_size", None) or 4 * hidden)
-    if hasattr(hf_config, "block_auto_adjust_ff_dim"):  # LFM2's MLP width
-        inter = lfm2_intermediate_size(hf_config)
+    kv, inter = kv_heads(hf_config) * head_dim, mlp_width(hf_config)  # under each family's config fields
     shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
     arch = _architecture(hf_config)
     if arch in FUSED_LORA_ARCHITECTURES:

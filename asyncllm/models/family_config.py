@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["falcon_kv_heads", "lfm2_intermediate_size"]
+__all__ = ["falcon_kv_heads", "kv_heads", "lfm2_intermediate_size", "mlp_width"]
 
 
 def lfm2_intermediate_size(cfg: Any) -> int:
@@ -25,3 +25,25 @@ def falcon_kv_heads(hf_config: Any) -> int:
     if hf_config.new_decoder_architecture:
         return hf_config.num_kv_heads
     return 1 if hf_config.multi_query else hf_config.num_attention_heads
+
+
+def kv_heads(cfg: Any) -> int:
+    """KV heads under each family's fields: Falcon's layouts, GPTBigCode's ``multi_query`` (one), else
+    ``num_key_value_heads`` or one per attention head."""
+    if hasattr(cfg, "new_decoder_architecture"):
+        return falcon_kv_heads(cfg)
+    if getattr(cfg, "multi_query", False):
+        return 1
+    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+
+
+def mlp_width(cfg: Any) -> int:
+    """The dense MLP's width under each family's fields: LFM2's computed one, GPT-2's / GPT-J's ``n_inner``, Llama 4's
+    ``intermediate_size_mlp``, ``intermediate_size``, OPT's ``ffn_dim``, Falcon's ``ffn_hidden_size``; 4 x hidden where
+    the config names none (GPT-2, GPT-J, Falcon)."""
+    if hasattr(cfg, "block_auto_adjust_ff_dim"):
+        return lfm2_intermediate_size(cfg)
+    if hasattr(cfg, "n_inner"):
+        return cfg.n_inner or 4 * cfg.hidden_size
+    return (getattr(cfg, "intermediate_size_mlp", None) or getattr(cfg, "intermediate_size", None)
+            or getattr(cfg, "ffn_dim", None) or getattr(cfg, "ffn_hidden_size", None) or 4 * cfg.hidden_size)
