@@ -24,6 +24,7 @@ from asyncllm.models.architectures import (
     HYBRID_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
+    STATE_SPACE_ARCHITECTURES,
     architecture_of,
     max_positions,
     serves_text_only,
@@ -176,26 +177,18 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-LORA_HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
-                             "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM",
-                             "GraniteMoeHybridForCausalLM", "BambaForCausalLM", "JambaForCausalLM",
-                             "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "FalconH1ForCausalLM", "NemotronHForCausalLM")
-"""Hybrids that take adapters: on their attention and dense MLP projections (Qwen3.5's Gated DeltaNet too); an
-adapter on a state layer of the others (Mamba2's ``in_proj``, Qwen3-Next's ``in_proj_qkvz``, LFM2's ``conv``) or on
-Granite 4.0's ``shared_mlp`` is refused by name."""
 _NO_LORA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
-            "YoutuForCausalLM",
-            *(a for a in HYBRID_ARCHITECTURES if a not in LORA_HYBRID_ARCHITECTURES),
-            *ENCODER_ARCHITECTURES)
+            "YoutuForCausalLM", *STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES)
+"""Latent attention (DeepSeek, GLM-4.7-Flash, Mistral 4, Youtu: its kv_b_proj is absorbed into other matrices) takes
+no adapters; nor do the state-space models without attention (Mamba, Mamba2, Falcon-Mamba) or the encoders. Every
+other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
+PEFT's; a hybrid's state layers take none but Qwen3.5's, an adapter naming one, Mamba2's ``in_proj`` say, is refused
+by name)."""
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                                  "Qwen3_5MoeForConditionalGeneration")
 """Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is
 refused)."""
-"""Latent attention (DeepSeek, GLM-4.7-Flash, Mistral 4, Youtu: its kv_b_proj is absorbed into other matrices) takes
-no adapters; nor do the state-space models without attention (Mamba, Mamba2, Falcon-Mamba) or the encoders. Every
-other decoder takes them on its attention and dense MLP
-projections (tests/unit/test_lora_models.py: logits equal PEFT's)."""
 
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from asyncllm.errors import NotBuiltError
 
-__all__ = ["HYBRID_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "has_experts",
+__all__ = ["HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "has_experts",
            "TEXT_ARCHITECTURES",
            "MOE_ARCHITECTURES", "GEMMA_ARCHITECTURES", "PHI3_ARCHITECTURES", "MULTIMODAL_ARCHITECTURES",
            "ENCODER_ARCHITECTURES", "EMBEDDING_ARCHITECTURES", "CLASSIFICATION_ARCHITECTURES",
@@ -49,6 +49,8 @@ HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration",
                         "Mamba2ForCausalLM")
 """Models whose state layers keep per-request recurrent states (asyncllm/models/row_states.py): prefix caching from
 saved states, no swap preemption, speculative decoding with a snapshot per draft (docs/hybrid-models.md)."""
+STATE_SPACE_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM")
+"""The hybrids without attention: state layers only."""
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
                        "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "VaultGemmaForCausalLM")
 """Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints take images

@@ -10,7 +10,7 @@ import pathlib
 
 from asyncllm.models.architectures import (
     CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
-    MULTIMODAL_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES,
+    MULTIMODAL_ARCHITECTURES, STATE_SPACE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES,
 )
 
 __all__ = ["markdown", "rows"]
@@ -30,7 +30,7 @@ def _kind(arch: str) -> str:
         return "embedding"
     if arch in CLASSIFICATION_ARCHITECTURES:
         return "classification"
-    if arch.endswith(("MambaForCausalLM", "Mamba2ForCausalLM")):
+    if arch in STATE_SPACE_ARCHITECTURES:
         return "state-space (no attention)"
     kind = "hybrid" if arch in HYBRID_ARCHITECTURES else "text"
     return f"{kind}, experts" if arch in MOE_ARCHITECTURES else kind
