@@ -30,7 +30,7 @@ from asyncllm.lora_experts import (
     is_expert_path,
 )
 from asyncllm.lora_names import canonical_name
-from asyncllm.models.family_config import kv_heads, mlp_width
+from asyncllm.models.family_config import LATENT_TARGETS, kv_heads, latent_attention_shapes, mlp_width
 
 __all__ = ["LoRARequest", "AdapterModule", "Adapter", "AdapterChecker", "read_adapter", "module_shapes",
            "LORA_TARGETS"]
@@ -41,10 +41,12 @@ _PEFT_PREFIX = "base_model.model."
 _FIELD = "lora_request"
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "c_fc", "c_proj")
+                "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "c_fc", "c_proj",
+                *LATENT_TARGETS)
 """The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
 gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3); Qwen3.5's Gated
-DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's)."""
+DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's); latent
+attention's (DeepSeek's)."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
                             "FalconForCausalLM")
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
@@ -156,6 +158,8 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
         return {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter), **shared}
     mlp = ({"gate_up_proj": (hidden, 2 * inter)} if arch in FUSED_MLP_LORA_ARCHITECTURES
            else {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)})
+    if hasattr(hf_config, "kv_lora_rank"):  # latent attention (DeepSeek): its own projections
+        return {**mlp, **shared, **latent_attention_shapes(hf_config)}
     shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), **mlp, **shared}
     return {**shapes, **_linear_attention_shapes(hf_config, hidden, q)} if hasattr(hf_config, "linear_num_key_heads") \
         else shapes

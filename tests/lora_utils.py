@@ -14,15 +14,14 @@ EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 def make_adapter(base_path: str, out_dir: str, seed: int, rank: int = 8, alpha: int = 16,
                  targets: list[str] | str | None = None, auto_class: Any = None, **lora_kwargs: Any) -> str:
     """Save a PEFT LoRA adapter of the model at `base_path` (loaded by ``auto_class``, default
-    ``AutoModelForCausalLM``) with random A and B (PEFT starts B at zero, which would change nothing), large
+    its causal LM class) with random A and B (PEFT starts B at zero, which would change nothing), large
     enough to change greedy outputs; ``targets``: module names, or PEFT's regex over the full names (None: every
     projection)."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = (auto_class or AutoModelForCausalLM).from_pretrained(base_path, dtype=torch.float32)
+    model = _base_model(base_path, auto_class)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=ALL_TARGETS if targets is None else targets, **lora_kwargs)
     peft_model = get_peft_model(model, config)
     with torch.no_grad():
@@ -35,12 +34,17 @@ def make_adapter(base_path: str, out_dir: str, seed: int, rank: int = 8, alpha: 
 
 @functools.lru_cache(maxsize=None)
 def _peft_model(base_path: str, adapter_path: str, auto_class: Any = None):
-    import torch
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model = (auto_class or AutoModelForCausalLM).from_pretrained(base_path, dtype=torch.float32)
-    return PeftModel.from_pretrained(model, adapter_path).eval()
+    return PeftModel.from_pretrained(_base_model(base_path, auto_class), adapter_path).eval()
+
+
+def _base_model(base_path: str, auto_class: Any):
+    """transformers' model of the checkpoint: ``auto_class``'s, else its causal LM (hf_reference's choice)."""
+    import torch
+    from hf_reference import _causal_lm
+
+    return _causal_lm(base_path) if auto_class is None else auto_class.from_pretrained(base_path, dtype=torch.float32)
 
 
 def peft_greedy(base_path: str, adapter_path: str, prompt_ids: list[int], max_new_tokens: int,

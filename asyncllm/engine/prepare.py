@@ -177,13 +177,11 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
-            "YoutuForCausalLM", *STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES)
-"""Latent attention (DeepSeek, GLM-4.7-Flash, Mistral 4, Youtu: its kv_b_proj is absorbed into other matrices) takes
-no adapters; nor do the state-space models without attention (Mamba, Mamba2, Falcon-Mamba) or the encoders. Every
+_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES)
+"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba) and the encoders take no adapters. Every
 other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
-PEFT's; a hybrid's state layers take none but Qwen3.5's, an adapter naming one, Mamba2's ``in_proj`` say, is refused
-by name)."""
+PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; a hybrid's
+state layers take none but Qwen3.5's, an adapter naming one, Mamba2's ``in_proj`` say, is refused by name)."""
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                                  "Qwen3_5MoeForConditionalGeneration")

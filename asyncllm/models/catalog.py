@@ -62,8 +62,10 @@ def rows() -> list[tuple[str, str, str, str, str]]:
         multimodal = arch in MULTIMODAL_ARCHITECTURES
         lora = arch in LORA_MULTIMODAL_ARCHITECTURES or not (multimodal or arch in _NO_LORA)
         as_text = arch in TEXT_ONLY_CAPABLE_ARCHITECTURES and arch not in _NO_LORA
-        experts = " (experts too)" if getattr(_MODELS.get(arch), "lora_experts", False) else ""
-        out.append((arch, _kind(arch), "yes" if arch in PIPELINE_ARCHITECTURES else "",
+        kind = _kind(arch)
+        adaptable = "experts" in kind and getattr(_MODELS.get(arch), "lora_experts", False)
+        experts = " (experts too)" if adaptable else ""
+        out.append((arch, kind, "yes" if arch in PIPELINE_ARCHITECTURES else "",
                     f"yes{experts}" if lora else f"as text{experts}" if as_text else "", _doc(arch)))
     return out
 

@@ -120,7 +120,8 @@ class DeepseekAttention(nn.Module):
         version = (weight.data_ptr(), weight._version)
         if refresh or self._absorbed_from != version or self.absorbed is None:
             eye = torch.eye(self.latent, dtype=self.kv_b_proj.params_dtype, device=weight.device)
-            dense = self.kv_b_proj(eye).t().reshape(self.num_heads, self.nope + self.v_dim, self.latent)
+            # the weight alone (matmul): its adapters apply per token, beside these
+            dense = self.kv_b_proj.matmul(eye, None).t().reshape(self.num_heads, self.nope + self.v_dim, self.latent)
             w_uk, w_uv = dense.split([self.nope, self.v_dim], dim=1)
             if self.absorbed is None:
                 self.absorbed = (w_uk.contiguous(), w_uv.contiguous())
@@ -142,13 +143,44 @@ class DeepseekAttention(nn.Module):
         q_rot, k_rot = reference.apply_rotary(q_rot, k_rot.unsqueeze(1), positions, self.rotary_emb.cos_sin_cache)
         w_uk, w_uv = self.expansions()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, latent]
+        adapters = self.kv_b_proj.lora
+        if adapters is not None and adapters.context.mask is not None:
+            q_latent = q_latent + self._key_adapters(adapters, q_nope)
         query = torch.cat([q_rot, q_latent], dim=-1)
         if self.beta:  # a per-position scalar
             query = query * attention_temperature(positions, self.beta, self.original).to(query.dtype)
         key = torch.cat([k_rot, self.kv_a_layernorm(latent).unsqueeze(1)], dim=-1)  # one head: the cache's row
         out = self.attn(query, key, None, kv_cache, metadata).view(tokens, heads, -1)[..., self.rope:]
         values = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, heads, v]
+        if adapters is not None and adapters.context.mask is not None:
+            values = values + self._value_adapters(adapters, out)
         return self.o_proj(values.reshape(tokens, heads * self.v_dim))
+
+
+    def _adapter_halves(self, adapters: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kv_b_proj``'s adapter slots' B (scaled) per head, split into the key rows ``[heads, nope, slots * r]``
+        and the value rows ``[heads, v, slots * r]``."""
+        b = adapters.b.view(self.num_heads, self.nope + self.v_dim, -1)
+        return b[:, :self.nope], b[:, self.nope:]
+
+    def _key_adapters(self, adapters: Any, q_nope: torch.Tensor) -> torch.Tensor:
+        """The adapters' share of the absorbed queries: each head's key expansion gains ``B_k A`` (B's key rows, A
+        over the latent), so ``q_nope`` gains ``(q_nope B_k) A`` per token, its request's slot alone kept."""
+        tokens = q_nope.shape[0]
+        qb = torch.einsum("thn,hnc->thc", q_nope, self._adapter_halves(adapters)[0])
+        return _masked(adapters, qb.view(tokens, self.num_heads, adapters.num_slots, -1)) @ adapters.a
+
+    def _value_adapters(self, adapters: Any, out: torch.Tensor) -> torch.Tensor:
+        """The adapters' share of each head's values from the attention-weighted latent: ``B_v (A out)``."""
+        tokens = out.shape[0]
+        oa = (out @ adapters.a.t()).view(tokens, self.num_heads, adapters.num_slots, -1)
+        return torch.einsum("thc,hvc->thv", _masked(adapters, oa), self._adapter_halves(adapters)[1])
+
+
+def _masked(adapters: Any, per_slot: torch.Tensor) -> torch.Tensor:
+    """``[tokens, heads, slots, r]`` with every slot but the token's request's zeroed, flattened to
+    ``[tokens, heads, slots * r]``."""
+    return (per_slot * adapters.context.mask[:, None, :, None]).flatten(2)
 
 
 class DeepseekRouter(nn.Module):
@@ -229,7 +261,7 @@ class DeepseekExperts(MoECausalLM):
     """Mixin before `LlamaForCausalLM` for DeepSeek-style experts (DeepSeek, GLM-4.5): dense first layers, then
     `DeepseekMoE`; the multi-token-prediction layers past ``num_hidden_layers`` left unread."""
 
-    lora_experts = True  # GLM-4.5, dots.llm1, EXAONE MoE, Solar Open (DeepSeek's latent attention takes no LoRA)
+    lora_experts = True  # GLM-4.5, dots.llm1, EXAONE MoE, Solar Open, DeepSeek itself
 
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["falcon_kv_heads", "kv_heads", "lfm2_intermediate_size", "mlp_width"]
+__all__ = ["LATENT_TARGETS", "falcon_kv_heads", "kv_heads", "latent_attention_shapes", "lfm2_intermediate_size",
+           "mlp_width"]
+
+LATENT_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+"""Latent attention's projections beyond ``q_proj`` / ``o_proj`` (DeepSeek-V2 / V3's, asyncllm/models/deepseek.py)."""
 
 
 def lfm2_intermediate_size(cfg: Any) -> int:
@@ -47,3 +51,17 @@ def mlp_width(cfg: Any) -> int:
         return cfg.n_inner or 4 * cfg.hidden_size
     return (getattr(cfg, "intermediate_size_mlp", None) or getattr(cfg, "intermediate_size", None)
             or getattr(cfg, "ffn_dim", None) or getattr(cfg, "ffn_hidden_size", None) or 4 * cfg.hidden_size)
+
+
+def latent_attention_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
+    """Latent attention's projections, (in, out) features: the query's ``q_proj`` (or ``q_a_proj`` then ``q_b_proj``
+    with ``q_lora_rank``), ``kv_a_proj_with_mqa`` (the latent and the shared rotary key), ``kv_b_proj`` (the latent
+    to each head's key and value), ``o_proj``."""
+    hidden, heads = cfg.hidden_size, cfg.num_attention_heads
+    query = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    shapes = {"kv_a_proj_with_mqa": (hidden, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+              "kv_b_proj": (cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)),
+              "o_proj": (heads * cfg.v_head_dim, hidden)}
+    if cfg.q_lora_rank is None:
+        return {"q_proj": (hidden, query), **shapes}
+    return {"q_a_proj": (hidden, cfg.q_lora_rank), "q_b_proj": (cfg.q_lora_rank, query), **shapes}

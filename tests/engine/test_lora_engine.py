@@ -290,3 +290,27 @@ async def test_qwen3_5_saved_states_are_keyed_by_adapter(tmp_path) -> None:
     assert first.token_ids == again.token_ids == peft_greedy(path, lora.lora_path, prompt, MAX_TOKENS,
                                                              eos_token_id=None)
     assert base.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)
+
+
+async def test_deepseek_latent_attention_adapters_on_two_ranks_equal_peft(tmp_path) -> None:
+    """DeepSeek-V3's latent attention on two ranks: adapters on q_a / q_b, kv_a_proj_with_mqa, o_proj and kv_b_proj
+    (whose expansions are absorbed: its adapters apply per head beside them) and, as PEFT turns gate / up / down of a
+    mixture of experts into, its experts' stacked parameters; with and without the adapter in one batch, chunked.
+    An adapter naming a projection latent attention lacks (k_proj) is refused by name."""
+    path = tiny_checkpoint("deepseek_v3")
+    targets = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    lora = LoRARequest("mla", 1, make_adapter(path, str(tmp_path / "mla"), seed=4, rank=8, targets=targets))
+    wrong = LoRARequest("k", 2, make_adapter(tiny_checkpoint("llama"), str(tmp_path / "k"), seed=4, rank=8,
+                                              targets=["k_proj"]))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = random_prompts(2, seed=19, max_len=40)
+    async with AsyncEngine(path, max_num_batched_tokens=16, enable_lora=True, tensor_parallel_size=2,
+                           disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params, lora_request=v) for p in prompts for v in (lora, None)))
+        with pytest.raises(InvalidRequestError, match="has no k_proj to adapt"):
+            await engine.generate(prompts[0], params, lora_request=wrong)
+    assert outs[0].token_ids != outs[1].token_ids
+    got = iter(outs)
+    for prompt in prompts:
+        assert next(got).token_ids == peft_greedy(path, lora.lora_path, prompt, MAX_TOKENS, eos_token_id=None)
+        assert next(got).token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None)

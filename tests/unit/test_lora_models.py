@@ -1,6 +1,7 @@
 """LoRA in process on every family that takes adapters beyond Llama's and Qwen's (Gemma 1-3, Phi-3, Granite, OLMo 1-2,
 ERNIE 4.5, Command R, Helium, GLM, GLM-4, Arcee, Apertus, VaultGemma, Nemotron, Jais 2, StableLM, CWM; the
-attention of gpt-oss, Llama 4 and the other mixtures of experts): every position's logits equal PEFT's (fp32, 1e-4), for a
+attention of gpt-oss, Llama 4 and the other mixtures of experts; latent attention's every projection: DeepSeek-V2 / V3,
+GLM-4.7-Flash, Mistral 4, Youtu): every position's logits equal PEFT's (fp32, 1e-4), for a
 sequence with the adapter batched with one without it; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` adapters
 split per part over two tensor-parallel ranks; the host's check of fused and separate module names.
 Through the whole engine: tests/engine/test_lora_engine.py."""
@@ -17,6 +18,7 @@ from safetensors.torch import load_file
 from asyncllm import InvalidRequestError, LoRARequest
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
+from asyncllm.engine.prepare import _expert_layers
 from asyncllm.lora import AdapterChecker, read_adapter
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import load_hf_config, load_model
@@ -28,6 +30,8 @@ from asyncllm.tiny import tiny_checkpoint
 ATOL = 1e-4
 PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+LATENT = r".*\.(self_attn\.(q|q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?|mlp\.(gate|up|down)_proj)"
+"""Latent attention's projections (DeepSeek's) and the MLPs'."""
 SLOTS, MAX_RANK, SLOT = 2, 8, 1
 """The adapter goes in slot 1 of 2 (slot 0 stays empty)."""
 ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate; Phi-3: the fused ones)
@@ -57,6 +61,10 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     "lfm2": dict(seed=85, rank=4, alpha=8, targets=r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|feed_forward\.w\d)"),
     "nemotron_h": dict(seed=88, rank=4, alpha=8, targets=r".*mixer\.(q_proj|k_proj|v_proj|o_proj|up_proj|down_proj)"),
     "falcon_h1": dict(seed=87, rank=4, alpha=8, targets=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]),  # muP
+    # latent attention: every projection (kv_b_proj's adapters through the absorbed expansions), the dense MLPs
+    # (PEFT turns gate / up / down on a mixture of experts into its experts' stacked parameters)
+    **{arch: dict(seed=90 + i, rank=4, alpha=8, targets=LATENT) for i, arch in enumerate(
+        ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu"))},
     "lfm2_moe": dict(seed=86, rank=4, alpha=8, targets=r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|0\.feed_forward\.w\d)"),
 }
 
@@ -165,8 +173,9 @@ def test_the_host_checks_fused_and_separate_module_names(adapters: dict[str, str
     gemma = AdapterChecker(load_hf_config(tiny_checkpoint("gemma2")), max_lora_rank=8)
     assert gemma.check(LoRARequest("g", 1, adapters["gemma2"])).lora_path == adapters["gemma2"]
     # every family's adapter passes the host's shape check (GLM-4's checkpoint's gate_up_proj fused, q, k, v apart)
-    for arch in ADAPTERS:
-        checker = AdapterChecker(load_hf_config(tiny_checkpoint(arch)), max_lora_rank=8)
+    for arch in ADAPTERS:  # a mixture of experts' checker knows its layers (latent attention's adapters have experts)
+        config = load_hf_config(tiny_checkpoint(arch))
+        checker = AdapterChecker(config, 8, *_expert_layers(config, config, None))
         assert checker.check(LoRARequest(arch, 1, adapters[arch])).lora_path == adapters[arch]
     with pytest.raises(InvalidRequestError, match="Glm4ForCausalLM has no gate_proj to adapt"):
         AdapterChecker(load_hf_config(tiny_checkpoint("glm4")), max_lora_rank=8).check(LoRARequest("g", 1, adapters["gemma2"]))
