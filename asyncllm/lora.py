@@ -167,8 +167,9 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
 
 def layer_module_shapes(hf_config: Any) -> list[dict[str, tuple[int, int]]] | None:
     """Each layer's adaptable projections where the layers differ (Gemma 4: head sizes, KV sharing, values that are
-    keys, double-wide MLPs); None where `module_shapes` holds for every layer."""
-    if getattr(hf_config, "model_type", None) != "gemma4_text":
+    keys, double-wide MLPs; Gemma 3n: KV sharing, MLP widths per layer); None where `module_shapes` holds for every
+    layer."""
+    if getattr(hf_config, "model_type", None) not in ("gemma4_text", "gemma3n_text"):
         return None
     from asyncllm.models.gemma4_config import projection_shapes  # no torch
 

@@ -25,7 +25,7 @@ _FIELD = "pipeline_parallel_size"
 PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                           "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM",
                           "Gemma3ForCausalLM", "Phi3ForCausalLM", "GraniteForCausalLM", "Olmo2ForCausalLM",
-                          "GptOssForCausalLM",
+                          "GptOssForCausalLM", "MiniCPM3ForCausalLM",
                           # the same decoder stack under the other families' layers
                           "GemmaForCausalLM", "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GlmForCausalLM",
                           "Glm4ForCausalLM", "HeliumForCausalLM", "HunYuanDenseV1ForCausalLM", "SeedOssForCausalLM",
@@ -34,7 +34,8 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "VaultGemmaForCausalLM", "NemotronForCausalLM", "OlmoForCausalLM", "Jais2ForCausalLM",
                           "StableLmForCausalLM", "PhiForCausalLM", "GPTNeoXForCausalLM", "GPTJForCausalLM",
                           "FalconForCausalLM", "GraniteMoeForCausalLM", "OlmoeForCausalLM", "FlexOlmoForCausalLM",
-                          "PhimoeForCausalLM", "Dots1ForCausalLM", "Glm4MoeForCausalLM", "MiniMaxM2ForCausalLM",
+                          "PhimoeForCausalLM", "DbrxForCausalLM", "Dots1ForCausalLM", "Glm4MoeForCausalLM",
+                          "MiniMaxM2ForCausalLM",
                           "ExaoneMoeForCausalLM", "Ernie4_5_MoeForCausalLM", "HunYuanMoEV1ForCausalLM",
                           "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Llama4ForCausalLM", "DeepseekV2ForCausalLM",
                           "DeepseekV3ForCausalLM", "GraniteMoeSharedForCausalLM", "YoutuForCausalLM",

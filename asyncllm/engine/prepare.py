@@ -177,8 +177,9 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES)
-"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba) and the encoders take no adapters. Every
+_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES, "DbrxForCausalLM")
+"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba), the encoders and DBRX (its fused ``Wqkv``
+and experts stored as bare matrices: not built) take no adapters. Every
 other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
 PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; a hybrid's
 state layers take none but Qwen3.5's, an adapter naming one, Mamba2's ``in_proj`` say, is refused by name)."""

@@ -21,7 +21,8 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM",
                       "Gemma2ForCausalLM",
                       "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration", "Gemma4ForCausalLM",
-                      "Gemma4ForConditionalGeneration", "Phi3ForCausalLM",
+                      "Gemma4ForConditionalGeneration", "Gemma3nForCausalLM", "Gemma3nForConditionalGeneration",
+                      "Phi3ForCausalLM",
                       "GraniteForCausalLM", "Olmo2ForCausalLM", "Olmo3ForCausalLM", "SmolLM3ForCausalLM",
                       "Exaone4ForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
                       "Ernie4_5ForCausalLM", "SeedOssForCausalLM", "ArceeForCausalLM", "CohereForCausalLM",
@@ -41,7 +42,7 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "StableLmForCausalLM", "NemotronForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel",
                       "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
                       "OlmoForCausalLM", "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
-                      "PhimoeForCausalLM")
+                      "PhimoeForCausalLM", "MiniCPM3ForCausalLM", "DbrxForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
@@ -52,7 +53,8 @@ saved states, no swap preemption, speculative decoding with a snapshot per draft
 STATE_SPACE_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM")
 """The hybrids without attention: state layers only."""
 GEMMA_ARCHITECTURES = ("GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Gemma3ForConditionalGeneration",
-                       "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "VaultGemmaForCausalLM")
+                       "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma3nForCausalLM",
+                       "Gemma3nForConditionalGeneration", "VaultGemmaForCausalLM")
 """Gemma decoders (asyncllm/models/gemma.py); Gemma 3's image-text checkpoints take images
 (asyncllm/models/gemma3_mm.py) or, in language-model-only mode, serve text with LoRA adapters (docs/gemma.md)."""
 PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
@@ -67,7 +69,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "Llama4ForConditionalGeneration", "NemotronHForCausalLM", "Lfm2MoeForCausalLM",
                      "JambaForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Gemma4ForCausalLM",
                      "Gemma4ForConditionalGeneration", "ExaoneMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                     "FlexOlmoForCausalLM", "PhimoeForCausalLM")
+                     "FlexOlmoForCausalLM", "PhimoeForCausalLM", "DbrxForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                             "LlavaOnevisionForConditionalGeneration", "Idefics3ForConditionalGeneration",

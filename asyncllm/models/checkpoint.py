@@ -96,9 +96,11 @@ def load_hf_config(path: str, trust_remote_code: bool = False) -> PretrainedConf
 
         return load_gguf_config(path)
 
+    from huggingface_hub.errors import StrictDataclassError  # a field of the wrong type (transformers' strict configs)
+
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, StrictDataclassError) as exc:
         if not trust_remote_code and "trust_remote_code" in str(exc):
             raise ConfigError("trust_remote_code", False, f"True to run {path}'s own configuration code (its "
                                                           "config.json's auto_map), if you trust it") from exc

@@ -47,7 +47,7 @@ from asyncllm.models.rotary import RotaryEmbedding
 from asyncllm.models.gemma4_config import KVCacheLayout, check_gemma4, kv_cache_layout, layer_attention_shape
 from asyncllm.models.vision_language import decoder_weight_name
 
-__all__ = ["Gemma4ForCausalLM", "Gemma4TextOnly", "gemma4_rms_norm", "kv_cache_layout", "layer_attention_shape"]
+__all__ = ["Gemma4ForCausalLM", "Gemma4TextOnly", "LanguageModelOnly", "gemma4_rms_norm", "kv_cache_layout", "layer_attention_shape"]
 
 _ENCODERS = ("vision_tower.", "audio_tower.", "embed_vision.", "embed_audio.")
 """An image-text-audio checkpoint's weights that the text-only model does not read."""
@@ -196,13 +196,15 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4Model(nn.Module):
+    layer_cls: type[nn.Module] = Gemma4DecoderLayer
+
     def __init__(self, b: Gemma4Build) -> None:
         super().__init__()
         cfg = b.hf_config
         assert b.layout is not None
         self.cache_of_layer = b.layout.cache_of_layer
         self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5, b.tp, b.dtype)
-        self.layers = nn.ModuleList(Gemma4DecoderLayer(b, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_cls(b, i) for i in range(cfg.num_hidden_layers))
         self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
         self.soft_token_ids: torch.Tensor | None = None
         """An image-text model's image (video, audio) token ids: their rows take the pad token's per-layer input."""
@@ -274,7 +276,8 @@ class Gemma4ForCausalLM(MoECausalLM, GemmaForCausalLM):
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         if kwargs.get("pipeline") is not None:
-            raise NotBuiltError("pipeline_parallel_size", kwargs["pipeline"].size, "pipeline parallelism for Gemma 4")
+            raise NotBuiltError("pipeline_parallel_size", kwargs["pipeline"].size,
+                                f"pipeline parallelism for {type(self).__name__}")
         super().__init__(hf_config, **kwargs)
         layout = kv_cache_layout(hf_config)
         self.shared_layers = {i for i, shares in enumerate(layout.shares) if shares}
@@ -330,15 +333,20 @@ def _layer_module(name: str) -> tuple[int, str]:
     return -1, ""
 
 
-class Gemma4TextOnly(Gemma4ForCausalLM):
-    """A ``Gemma4ForConditionalGeneration`` checkpoint's language model, for text prompts (its vision and audio
+class LanguageModelOnly:
+    """Mixin before a Gemma decoder class: an image-text(-audio) checkpoint's language model, for text prompts (its
     towers are not read)."""
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         text_config = copy.copy(hf_config.text_config)
         text_config.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        super().__init__(text_config, **kwargs)
+        super().__init__(text_config, **kwargs)  # type: ignore[call-arg]
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         text = ((text_name, w) for name, w in weights if (text_name := decoder_weight_name(name, _ENCODERS)))
-        return super().load_weights(text)
+        return super().load_weights(text)  # type: ignore[misc]
+
+
+class Gemma4TextOnly(LanguageModelOnly, Gemma4ForCausalLM):
+    """A ``Gemma4ForConditionalGeneration`` checkpoint's language model, for text prompts (its vision and audio
+    towers are not read)."""

@@ -46,11 +46,13 @@ def kv_cache_layout(cfg: Any) -> KVCacheLayout:
     layers, types = cfg.num_hidden_layers, list(cfg.layer_types)
     first_shared = layers - int(getattr(cfg, "num_kv_shared_layers", 0) or 0)
     if first_shared <= 0:
-        raise NotBuiltError("model", cfg.num_kv_shared_layers, "Gemma 4 with every layer's KV shared (an assistant "
-                                                               "model that reads another model's keys and values)")
+        raise NotBuiltError("model", cfg.num_kv_shared_layers, "Gemma 4 / 3n with every layer's KV shared (an "
+                                                               "assistant model that reads another model's keys and "
+                                                               "values)")
     missing = set(types[first_shared:]) - set(types[:first_shared])
     if missing:
-        raise NotBuiltError("model", sorted(missing), "Gemma 4 KV-sharing layers of a type no earlier layer computes")
+        raise NotBuiltError("model", sorted(missing), "Gemma 4 / 3n KV-sharing layers of a type no "
+                                                    "earlier layer computes")
     cache_of_layer: list[int] = []
     last_of_type: dict[str, int] = {}
     shapes: list[tuple[int, int]] = []
@@ -73,8 +75,8 @@ def check_gemma4(cfg: Any) -> None:
 
 
 def projection_shapes(cfg: Any) -> list[dict[str, tuple[int, int]]]:
-    """Each layer's adaptable projections as (input features, output features), by checkpoint name: a KV-sharing
-    layer has no k or v projection, a global layer whose values are its keys no v projection, and a sharing
+    """Each layer's adaptable projections as (input features, output features), by checkpoint name (Gemma 4's and
+    Gemma 3n's): a KV-sharing layer has no k or v projection, a global layer whose values are its keys no v projection, and a sharing
     layer's MLP is twice as wide with ``use_double_wide_mlp``."""
     hidden, heads = cfg.hidden_size, cfg.num_attention_heads
     layout = kv_cache_layout(cfg)
@@ -83,7 +85,8 @@ def projection_shapes(cfg: Any) -> list[dict[str, tuple[int, int]]]:
         kv_heads, head_dim = layer_attention_shape(cfg, i)
         q, kv = heads * head_dim, kv_heads * head_dim
         wide = bool(getattr(cfg, "use_double_wide_mlp", False)) and layout.shares[i]
-        inter = cfg.intermediate_size * (2 if wide else 1)
+        size = cfg.intermediate_size  # Gemma 3n: one per layer
+        inter = (size[i] if isinstance(size, (list, tuple)) else size) * (2 if wide else 1)
         shapes = {"q_proj": (hidden, q), "o_proj": (q, hidden), "gate_proj": (hidden, inter),
                   "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
         if not layout.shares[i]:

@@ -108,6 +108,8 @@ _MODELS = LazyClasses({
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3_mm:Gemma3ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma3TextOnly
     "Gemma4ForCausalLM": "gemma4:Gemma4ForCausalLM",
+    "Gemma3nForCausalLM": "gemma3n:Gemma3nForCausalLM",
+    "Gemma3nForConditionalGeneration": "gemma3n:Gemma3nTextOnly",  # its language model: text prompts only
     "Gemma4ForConditionalGeneration": "gemma4_mm:Gemma4ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma4TextOnly
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "GraniteForCausalLM": "granite:GraniteForCausalLM",
@@ -178,7 +180,9 @@ _MODELS = LazyClasses({
     "OlmoForCausalLM": "olmo:OlmoForCausalLM",
     "Jais2ForCausalLM": "jais2:Jais2ForCausalLM",
     "YoutuForCausalLM": "deepseek:YoutuForCausalLM",
+    "MiniCPM3ForCausalLM": "minicpm3:MiniCPM3ForCausalLM",
     "PhimoeForCausalLM": "phimoe:PhimoeForCausalLM",
+    "DbrxForCausalLM": "dbrx:DbrxForCausalLM",
     "CwmForCausalLM": "llama:LlamaForCausalLM",  # Llama's layers, a window in the layers layer_types names
     "FalconMambaForCausalLM": "mamba:FalconMambaForCausalLM",
     "Mamba2ForCausalLM": "mamba:Mamba2ForCausalLM",
@@ -308,8 +312,9 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = 
         problems.append(f"num_key_value_heads={kv_heads} (a multiple or a divisor of tp)")
     specs = [model_cls.moe_spec(hf_config, i) if getattr(model_cls, "is_moe", False) else None
              for i in range(hf_config.num_hidden_layers)]
-    if None in specs and hf_config.intermediate_size % tp_size:
-        problems.append(f"intermediate_size={hf_config.intermediate_size}")
+    sizes = hf_config.intermediate_size  # Gemma 3n: one per layer
+    if None in specs and any(size % tp_size for size in (sizes if isinstance(sizes, (list, tuple)) else [sizes])):
+        problems.append(f"intermediate_size={sizes}")
     for spec in set(specs) - {None}:
         problems += [p for p in moe_parallel_problems(spec, tp_size, expert_parallel) if p not in problems]
     if problems:

@@ -1,13 +1,14 @@
-"""Granite, OLMo 2, Phi, OPT and GPTBigCode through the whole engine: greedy output equals transformers', token for
-token.
+"""Granite, OLMo 2, Phi, OPT, GPTBigCode and MiniCPM3 through the whole engine: greedy output equals transformers',
+token for token.
 
 One engine per family on its tiny checkpoint (asyncllm.tiny "granite": every multiplier far from 1, tied
 embeddings; "olmo2": post-sublayer norms, q/k norms over the whole projections; "phi": parallel layers with
 LayerNorms, a partial rotary, a biased LM head; "opt": learned positions; "gpt_bigcode", StarCoder's: one KV head,
-learned positions, its config's GPT-2 names that the workers read through transformers' aliases), 16-token
+learned positions, its config's GPT-2 names that the workers read through transformers' aliases; "minicpm3":
+latent attention over the latent cache, a half-split LongRoPE, muP's scalars far from 1), 16-token
 chunked prefill and a
 prefix-cache hit; sampled and prompt logprobs equal transformers' log-softmax (Granite's logits divided by
-``logits_scaling`` on every path).
+``logits_scaling``, MiniCPM3's final hidden states, on every path).
 Logits per position and the tensor-parallel split of these and the other families of docs/granite-olmo2.md
 (OLMo 3, SmolLM3, GLM, ...): tests/unit/test_granite_olmo2_models.py.
 """
@@ -29,7 +30,7 @@ LOGPROBS_ATOL = 1e-4
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=["granite", "olmo2", "phi", "opt",
-                                                                                 "gpt_bigcode"])
+                                                                                 "gpt_bigcode", "minicpm3"])
 async def served(request: pytest.FixtureRequest):
     path = tiny_checkpoint(request.param)
     async with AsyncEngine(path, max_model_len=64, max_num_batched_tokens=16, disable_log_stats=True) as engine:

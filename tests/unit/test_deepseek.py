@@ -1,7 +1,9 @@
 """DeepSeek-V2 and V3, and GLM-4.7-Flash on V3's layers (asyncllm/models/deepseek.py) against transformers:
 float32 logits within 1e-4 at every position over a paged cache (chunked prefills mixed with decodes), for V2's full-rank queries, interleaved rope and
 group-limited softmax routing, and V3's low-rank queries, YaRN (its softmax mscale) and grouped sigmoid routing with
-the score correction and renormalized weights; over two tensor-parallel ranks; and what is refused."""
+the score correction and renormalized weights; over two tensor-parallel ranks; and what is refused. MiniCPM3
+(asyncllm/models/minicpm3.py): V2's latent attention with a half-split LongRoPE and muP's three scalars, each of
+them mattering."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from asyncllm.models.deepseek import (
     pairs_to_halves,
 )
 from asyncllm.models.loader import load_hf_config, load_model
+from asyncllm.models.minicpm3 import MiniCPM3ForCausalLM
 from asyncllm.models.registry import kv_cache_spec
 from asyncllm.tiny import tiny_checkpoint
 
@@ -79,6 +82,44 @@ def test_each_mistral4_detail_matters(change: str) -> None:
             layer.mlp.gate.renormalize = False
     with pytest.raises(AssertionError):
         assert_paged_logits_match_checkpoint(model, tiny_checkpoint("mistral4"), SEQ_LENS, SCHEDULE, seed=11)
+
+
+MINICPM3_CASES = {  # name: (max_model_len, sequence lengths, schedule)
+    "short_factors": (64, SEQ_LENS, SCHEDULE),  # within the 64 pretrained positions: transformers' short factors
+    "long_factors": (None, [70, 66, 81], [[33, 40, 16], [36, 25, 32], [1, 1, 32], [0, 0, 1]]),  # past them: long
+}
+
+
+@pytest.mark.parametrize("case", sorted(MINICPM3_CASES))
+def test_minicpm3_logits_match_transformers(case: str) -> None:
+    """MiniCPM3: DeepSeek-V2's latent attention with a half-split LongRoPE (its cos/sin scaled by LongRoPE's
+    attention factor), dense MLPs, the tied LM head, and muP's embedding, residual and logits scalars."""
+    max_model_len, seq_lens, schedule = MINICPM3_CASES[case]
+    model = _model("minicpm3", max_model_len=max_model_len)
+    assert type(model) is MiniCPM3ForCausalLM and model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.model.layers[0].self_attn.interleaved
+    spec = kv_cache_spec(load_hf_config(tiny_checkpoint("minicpm3")), 1)
+    assert (spec.kv_parts, spec.num_kv_heads, spec.head_dim) == (1, 1, 8 + 32)
+    assert_paged_logits_match_checkpoint(model, tiny_checkpoint("minicpm3"), seq_lens, schedule, seed=len(case))
+
+
+@pytest.mark.parametrize("change", ["embedding scale", "residual scale", "logits scaling", "rope pairs",
+                                    "long factors"])
+def test_each_minicpm3_detail_matters(change: str) -> None:
+    """Leaving out any one of MiniCPM3's multipliers, rotating interleaved pairs as DeepSeek does, or taking
+    LongRoPE's long factors for sequences within the pretrained positions breaks the match."""
+    model = _model("minicpm3", max_model_len=None if change == "long factors" else 64)
+    if change == "embedding scale":
+        model.model.embed_tokens.multiplier = 1.0
+    elif change == "logits scaling":
+        model.logits_scaling = 1.0
+    for layer in model.model.layers:
+        if change == "residual scale":
+            layer.residual_multiplier = 1.0
+        elif change == "rope pairs":
+            layer.self_attn.interleaved = True
+    with pytest.raises(AssertionError):
+        assert_paged_logits_match_checkpoint(model, tiny_checkpoint("minicpm3"), SEQ_LENS, SCHEDULE, seed=11)
 
 
 def test_pairs_to_halves() -> None:

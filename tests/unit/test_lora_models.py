@@ -1,7 +1,7 @@
 """LoRA in process on every family that takes adapters beyond Llama's and Qwen's (Gemma 1-3, Phi-3, Granite, OLMo 1-2,
 ERNIE 4.5, Command R, Helium, GLM, GLM-4, Arcee, Apertus, VaultGemma, Nemotron, Jais 2, StableLM, CWM; the
 attention of gpt-oss, Llama 4 and the other mixtures of experts; latent attention's every projection: DeepSeek-V2 / V3,
-GLM-4.7-Flash, Mistral 4, Youtu): every position's logits equal PEFT's (fp32, 1e-4), for a
+GLM-4.7-Flash, Mistral 4, Youtu, MiniCPM3): every position's logits equal PEFT's (fp32, 1e-4), for a
 sequence with the adapter batched with one without it; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` adapters
 split per part over two tensor-parallel ranks; the host's check of fused and separate module names.
 Through the whole engine: tests/engine/test_lora_engine.py."""
@@ -64,7 +64,8 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     # latent attention: every projection (kv_b_proj's adapters through the absorbed expansions), the dense MLPs
     # (PEFT turns gate / up / down on a mixture of experts into its experts' stacked parameters)
     **{arch: dict(seed=90 + i, rank=4, alpha=8, targets=LATENT) for i, arch in enumerate(
-        ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu"))},
+        ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "minicpm3"))},
+    "gemma3n": dict(seed=96, rank=4, alpha=8, targets=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]),  # no AltUp
     "lfm2_moe": dict(seed=86, rank=4, alpha=8, targets=r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|0\.feed_forward\.w\d)"),
 }
 

@@ -88,8 +88,8 @@ CASES = [("llama", 3, 2), ("llama", 3, 3), ("llama", 5, 2), ("mistral", 2, 2), (
              "gemma", "ernie4_5", "exaone4", "glm", "glm4", "helium", "hunyuan_v1_dense", "seed_oss", "smollm3",
              "starcoder2", "olmo3", "ministral", "ministral3", "arcee", "apertus", "cwm", "vaultgemma", "nemotron",
              "olmo", "jais2", "stablelm", "phi", "gpt_neox", "gptj", "falcon", "granitemoe", "olmoe", "flex_olmo",
-             "phimoe", "dots1", "glm4_moe", "minimax_m2", "exaone_moe", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open",
-             "sarvam_moe", "llama4", "deepseek_v2", "deepseek_v3", "granitemoeshared", "youtu", "mistral4",
+             "phimoe", "dbrx", "dots1", "glm4_moe", "minimax_m2", "exaone_moe", "ernie4_5_moe", "hunyuan_v1_moe", "solar_open",
+             "sarvam_moe", "llama4", "deepseek_v2", "deepseek_v3", "granitemoeshared", "youtu", "minicpm3", "mistral4",
              "glm4_moe_lite", "cohere", "cohere2", "gpt2", "gpt_bigcode", "opt"))]
 """(family, layers, stages): the odd splits on Llama, every family of PIPELINE_ARCHITECTURES (Granite and Gemma
 tie their LM head to the embeddings, the MoE families load per-expert tensors, DeepSeek's latent attention keeps a

@@ -30,12 +30,13 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
 
     assert model.config.model_type == {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text",
                                        "qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text",
-                                       "gemma4": "gemma4_text", "gemma4_moe": "gemma4_text"}.get(arch, arch)
+                                       "gemma4": "gemma4_text", "gemma4_moe": "gemma4_text",
+                                       "gemma3n": "gemma3n_text"}.get(arch, arch)
     assert model.config.vocab_size == len(tokenizer) == 512
     assert model.get_input_embeddings().weight.shape == (512, 64)
-    four = ("nemotron_h", "gemma4")  # Nemotron-H: 4 one-mixer layers; Gemma 4: two of them sharing the others' KV
+    four = ("nemotron_h", "gemma4", "gemma3n")  # Nemotron-H: 4 one-mixer layers; Gemma 4 / 3n: two sharing the others' KV
     assert model.config.num_hidden_layers == (4 if arch in four else 2)
-    latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4", "youtu")
+    latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4", "youtu", "minicpm3")
     kv_heads = (model.config.per_layer_config[0].num_key_value_heads if arch.startswith("gemma4")  # per layer
                 else 1 if arch == "gpt_bigcode" and model.config.multi_query  # multi-query attention
                 else model.config.num_kv_heads if arch == "falcon"  # its own name
