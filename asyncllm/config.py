@@ -356,8 +356,8 @@ class ParallelConfig:
 
 
 def _check_mm_limits(limits: dict[str, int] | None) -> None:
-    """vLLM's ``limit_mm_per_prompt``: counts per modality; audio is not built, so an audio count must be 0 (a
-    video count for a model without videos is refused when the model is known: asyncllm/engine/prepare.py)."""
+    """vLLM's ``limit_mm_per_prompt``: counts per modality (a video or audio count for a model without them is
+    refused when the model is known: asyncllm/engine/prepare.py)."""
     if limits is None:
         return
     if not isinstance(limits, dict):
@@ -368,8 +368,6 @@ def _check_mm_limits(limits: dict[str, int] | None) -> None:
             raise ConfigError(field_name, count, "a modality of 'image', 'video', 'audio'")
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ConfigError(field_name, count, "an int >= 0")
-        if modality == "audio" and count:
-            raise NotBuiltError(field_name, count, "audio inputs (images and videos only; set it to 0 or leave it out)")
 
 
 def _check_media_io(settings: dict[str, Any] | None) -> None:

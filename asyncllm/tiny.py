@@ -45,7 +45,8 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "dots1", "llama4", "glm4_moe_lite", "falcon_h1", "apertus", "jamba", "mistral4", "solar_open",
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
               "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
-              "falcon", "olmo", "jais2", "cwm", "youtu", "gemma3n", "phimoe", "minicpm3", "dbrx")
+              "falcon", "olmo", "jais2", "cwm", "youtu", "gemma3n", "phimoe", "minicpm3", "dbrx",
+              "zamba2")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -159,7 +160,7 @@ def make_tiny_checkpoint(
 def _tied(arch: str) -> bool:
     """Whether the family's checkpoints tie the LM head to the embeddings: every Gemma's and Granite 3.x's."""
     return arch in (*_GEMMA_SHAPES, "gemma4", "gemma4_moe", "gemma3n", "granite", "granitemoe", "granitemoeshared", "gpt2", "gpt_bigcode",
-                    "opt", "falcon", "minicpm3")
+                    "opt", "falcon", "minicpm3", "zamba2")
 
 
 def tiny_cache_dir() -> Path:
@@ -317,7 +318,7 @@ def _build_config(
         "gpt_bigcode": transformers.GPTBigCodeConfig, "opt": transformers.OPTConfig, "gptj": transformers.GPTJConfig,
         "falcon": transformers.FalconConfig, "olmo": transformers.OlmoConfig, "jais2": transformers.Jais2Config,
         "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig, "phimoe": transformers.PhimoeConfig,
-        "dbrx": transformers.DbrxConfig,
+        "dbrx": transformers.DbrxConfig, "zamba2": transformers.Zamba2Config,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

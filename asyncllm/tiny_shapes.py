@@ -134,6 +134,13 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
                      moe_intermediate_size=24, routed_scaling_factor=1.5),
     "lfm2": dict(layer_types=["conv", "full_attention"], conv_L_cache=3, block_multiple_of=32,
                  block_ffn_dim_multiplier=1.0),
+    # Zamba2: Mamba2 layers, three invocations of two shared blocks (block 0 twice, with its own adapters each
+    # time) on the embeddings concatenated to the stream, rotary on; two heads of 2 x 64 / 2 (the adapters need as
+    # many KV heads; ``head_dim`` given as the config derives it, since the default one would override it)
+    "zamba2": dict(layers_block_type=["linear_attention", "hybrid", "linear_attention", "hybrid", "hybrid"],
+                   num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2, head_dim=64, n_mamba_heads=4,
+                   mamba_ngroups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, num_mem_blocks=2,
+                   use_shared_attention_adapter=True, adapter_rank=8, use_mem_rope=True),
     # EXAONE MoE: an 8-token sliding layer (rotating) and a global one (no positions), a dense first layer, then
     # DeepSeek-V3's experts
     "exaone_moe": dict(moe_intermediate_size=32, num_experts=8, num_shared_experts=1, num_experts_per_tok=2,

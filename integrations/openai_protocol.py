@@ -197,8 +197,9 @@ _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_i
 def chat_messages(messages: list[dict[str, Any]], images: bool = False) -> list[dict[str, Any]]:
     """Messages with text-part lists flattened to strings (the engine's chat template takes strings).
 
-    With ``images`` (a chat completion), a content list with ``image_url`` (or vLLM's ``video_url``) parts stays a
-    list of text and media parts, which the engine's chat splits (asyncllm/mm/): the url is a base64 ``data:`` URL
+    With ``images`` (a chat completion), a content list with ``image_url`` (or vLLM's ``video_url`` / ``audio_url``,
+    OpenAI's ``input_audio``) parts stays a list of text and media parts, which the engine's chat splits
+    (asyncllm/mm/): the url is a base64 ``data:`` URL
     (http(s) URLs are refused by the engine, which fetches nothing), OpenAI's ``detail`` hint is dropped (as vLLM
     does), a part's ``uuid`` is the input's cache key. Elsewhere (tokenize, beam search) a media part is an error.
     An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
@@ -378,13 +379,15 @@ def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
 
 
 def _is_image_part(part: object) -> bool:
-    return isinstance(part, dict) and part.get("type") in ("image_url", "video_url")
+    return isinstance(part, dict) and part.get("type") in ("image_url", "video_url", "audio_url", "input_audio")
 
 
 def _image_part(i: int, part: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI ``image_url`` (vLLM's ``video_url``) part as the engine's chat takes it: the url string and the
-    optional uuid."""
+    """An OpenAI ``image_url`` (vLLM's ``video_url`` / ``audio_url``) part as the engine's chat takes it: the url
+    string and the optional uuid; OpenAI's ``input_audio`` (``{"data": base64, "format"}``) as it is."""
     kind = part["type"]
+    if kind == "input_audio":
+        return {key: part[key] for key in ("type", "input_audio", "uuid") if key in part}
     value = part.get(kind)
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
@@ -396,7 +399,8 @@ def _text_part(i: int, part: object) -> str:
     if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
         return part["text"]
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise InvalidRequestError("messages", f"item {i}: only text, image_url and video_url content parts are built "
+    raise InvalidRequestError("messages", f"item {i}: only text, image_url, video_url, audio_url and input_audio "
+                                          "content parts are built "
                                           f"(the media parts in chat completions), got {kind!r}")
 
 

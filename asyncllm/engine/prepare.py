@@ -116,12 +116,13 @@ def prepare(config: EngineConfig) -> Prepared:
 
         mm_config = config.multimodal_config
         limits = mm_config.limit_mm_per_prompt or {}
-        if limits.get("video") and not hasattr(model_cls, "mm_video_token_id"):
-            raise ConfigError("limit_mm_per_prompt.video", limits["video"], f"0: {arch} takes no videos")
+        for kind in ("video", "audio"):
+            if limits.get(kind) and not hasattr(model_cls, f"mm_{kind}_token_id"):
+                raise ConfigError(f"limit_mm_per_prompt.{kind}", limits[kind], f"0: {arch} takes no {kind}s")
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type,
                                  mm_config.mm_processor_kwargs, limits.get("image"), limits.get("video"),
-                                 mm_config.video_num_frames)
+                                 mm_config.video_num_frames, limits.get("audio"))
     config_json = hf_config_json(hf_config)
     eos = eos_token_ids(tokenizer, path, getattr(text_config, "eos_token_id", None))
     return Prepared(resolved, tokenizer, eos, text_config.vocab_size, mm,
@@ -177,9 +178,10 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES, "DbrxForCausalLM")
-"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba), the encoders and DBRX (its fused ``Wqkv``
-and experts stored as bare matrices: not built) take no adapters. Every
+_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES, "DbrxForCausalLM", "Zamba2ForCausalLM")
+"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba), the encoders, DBRX (its fused ``Wqkv``
+and experts stored as bare matrices: not built) and Zamba2 (its shared blocks reused at several depths, each use with
+its own built-in adapters: not built) take no adapters. Every
 other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
 PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; a hybrid's
 state layers take none but Qwen3.5's, an adapter naming one, Mamba2's ``in_proj`` say, is refused by name)."""

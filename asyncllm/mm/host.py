@@ -8,6 +8,7 @@ import msgspec
 
 from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
+from asyncllm.mm.audios import is_one_audio
 from asyncllm.mm.images import check_uuids
 from asyncllm.mm.processor import (
     MultiModalInputs,
@@ -39,7 +40,8 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         return None
     field = "messages" if chat else "prompt.images"
     if mm is None:
-        raise InvalidRequestError(field, "this model takes no images (it is not a multimodal architecture)")
+        raise InvalidRequestError(field, "this model takes no images, videos or audio (it is not a multimodal "
+                                         "architecture)")
     if chat:
         messages, inputs = split_chat_media(prompt)
         messages = [with_template_calls(i, m) if isinstance(m, dict) else m for i, m in enumerate(messages)]
@@ -50,11 +52,12 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         if unknown or (isinstance(text, str) and bool(text)) == (isinstance(ids, list) and bool(ids)):
             raise InvalidRequestError("prompt", "a dict prompt is {'prompt': str (or 'prompt_token_ids': [int]), "
-                                      "'images', 'image_uuids', 'videos', 'video_uuids', 'mm_processor_kwargs' "
-                                      "(optional)} or vLLM's {'prompt', 'multi_modal_data': {'image': ..., "
-                                      f"'video': ...}}}}; got keys {sorted(prompt)}")
-        inputs = MultiModalInputs(prompt.get("images", []), None, prompt.get("videos", []), None)
-        for kind in ("image", "video"):
+                                      "'images', 'image_uuids', 'videos', 'video_uuids', 'audios', 'audio_uuids', "
+                                      "'mm_processor_kwargs' (optional)} or vLLM's {'prompt', 'multi_modal_data': "
+                                      f"{{'image': ..., 'video': ..., 'audio': ...}}}}; got keys {sorted(prompt)}")
+        inputs = MultiModalInputs(prompt.get("images", []), None, prompt.get("videos", []), None,
+                                  prompt.get("audios", []), None)
+        for kind in ("image", "video", "audio"):
             given = getattr(inputs, kind + "s")
             if isinstance(given, (list, tuple)):  # not a list: mm.process says so
                 setattr(inputs, kind + "_uuids",
@@ -64,22 +67,24 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
     result = mm.process(token_ids, inputs, field, overrides)
     if len(result.token_ids) >= max_model_len:
         raise InvalidRequestError(
-            "prompt", f"{len(result.token_ids)} tokens with image placeholders, but max_model_len is {max_model_len}")
+            "prompt", f"{len(result.token_ids)} tokens with media placeholders, but max_model_len is {max_model_len}")
     return result
 
 
-_DICT_KEYS = {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids", "mm_processor_kwargs"}
+_DICT_KEYS = {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids", "audios", "audio_uuids",
+              "mm_processor_kwargs"}
 
 
 def plain_prompt(prompt: dict[str, Any]) -> str | list[int] | None:
-    """A prompt dict without images or videos (vLLM's ``TextPrompt`` / ``TokensPrompt``: ``{"prompt": str}``,
+    """A prompt dict without images, videos or audios (vLLM's ``TextPrompt`` / ``TokensPrompt``: ``{"prompt": str}``,
     ``{"prompt_token_ids": [...]}``) as the plain prompt it is, for any model; None when it holds media (or is
     malformed: `multimodal_prompt` names what is wrong)."""
-    if set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids",
-                      "multi_modal_data", "multi_modal_uuids"}:
+    if set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids", "audios",
+                      "audio_uuids", "multi_modal_data", "multi_modal_uuids"}:
         return None
     data = prompt.get("multi_modal_data")
-    values = [prompt.get("images"), prompt.get("videos"), *(data.values() if isinstance(data, dict) else [data])]
+    values = [prompt.get("images"), prompt.get("videos"), prompt.get("audios"),
+              *(data.values() if isinstance(data, dict) else [data])]
     if any(value is not None and not _empty(value) for value in values):
         return None
     text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
@@ -95,8 +100,8 @@ def _empty(value: Any) -> bool:
 
 
 def from_vllm_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
-    """vLLM's prompt dict (``multi_modal_data={"image": image or [images], "video": video or [videos]}``,
-    ``multi_modal_uuids`` alike) as ours (``images``, ``image_uuids``, ``videos``, ``video_uuids``); ours unchanged.
+    """vLLM's prompt dict (``multi_modal_data={"image": image or [images], "video": video or [videos], "audio":
+    audio or [audios]}``, ``multi_modal_uuids`` alike) as ours (``images``, ``image_uuids``, ...); ours unchanged.
     Other modalities: `InvalidRequestError` naming them."""
     if "multi_modal_data" not in prompt and "multi_modal_uuids" not in prompt:
         return prompt
@@ -105,14 +110,18 @@ def from_vllm_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
         value = prompt.get(key)
         if value is None:
             continue
-        if not isinstance(value, dict) or set(value) - {"image", "video"}:
-            raise InvalidRequestError(f"prompt.{key}", "images and videos only: {'image': an image or a list, "
-                                                       f"'video': a video or a list}} (audio is not built), got {value!r:.80}")
+        if not isinstance(value, dict) or set(value) - {"image", "video", "audio"}:
+            raise InvalidRequestError(f"prompt.{key}", "{'image': an image or a list, 'video': a video or a list, "
+                                                       f"'audio': an audio or a list}}, got {value!r:.80}")
         for kind, given in value.items():
             ours = kind + suffix
             if ours in out:
                 raise InvalidRequestError(f"prompt.{key}", f"give {kind}s as {key} or as {ours!r}, not both")
-            one = is_one_video(given) if kind == "video" and suffix == "s" else not isinstance(given, (list, tuple))
+            if suffix != "s":
+                one = not isinstance(given, (list, tuple))
+            else:
+                one = is_one_video(given) if kind == "video" else is_one_audio(given) if kind == "audio" else \
+                    not isinstance(given, (list, tuple))
             out[ours] = [given] if one else list(given)
     return out
 

@@ -1,4 +1,4 @@
-"""Host-side multimodal processing: images and videos -> processed items, prompt -> placeholder tokens.
+"""Host-side multimodal processing: images, videos and audios -> processed items, prompt -> placeholder tokens.
 
 Runs on the processor thread (never the event loop). Each image's placeholder
 token in the prompt (LLaVA's ``<image>``) is expanded to one token per feature
@@ -6,7 +6,9 @@ row its encoder outputs, so prompt positions and KV blocks cover image
 features one to one; the items carry their offsets. The HF image processor is
 the checkpoint's own (``AutoImageProcessor`` from the model folder). A video's
 placeholder (Qwen-VL's ``<|video_pad|>``) becomes the tokens and items the model
-makes of it (``mm_video_pieces``; asyncllm/mm/qwen_video.py). The host's
+makes of it (``mm_video_pieces``; asyncllm/mm/qwen_video.py). An audio's
+(Qwen2-Audio's ``<|AUDIO|>``) becomes one token per encoder row, its features the
+checkpoint's feature extractor's (``AutoFeatureExtractor``). The host's
 half of the processor cache is here too: the lru mirror (asyncllm/mm/cache.py)
 or the shm ring's writer (asyncllm/mm/shm_ring.py).
 """
@@ -24,6 +26,7 @@ from typing import Any
 import msgspec
 
 from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.mm.audios import AudioInput, read_audio
 from asyncllm.mm.host_cache import (
     HostProcessorCache,
     LruHostCache,
@@ -51,12 +54,14 @@ __all__ = ["MultiModalInputs", "MultiModalProcessor", "MultiModalPrompt", "split
 
 @dataclass
 class MultiModalInputs:
-    """A prompt's images and videos, and the caller's uuid of each (None: keyed by its content hash)."""
+    """A prompt's images, videos and audios, and the caller's uuid of each (None: keyed by its content hash)."""
 
     images: list[ImageInput] = dataclass_field(default_factory=list)
     image_uuids: list[str | None] | None = None
     videos: list[VideoInput] = dataclass_field(default_factory=list)
     video_uuids: list[str | None] | None = None
+    audios: list[AudioInput] = dataclass_field(default_factory=list)
+    audio_uuids: list[str | None] | None = None
 
 
 @dataclass
@@ -79,10 +84,13 @@ def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any
 
     Image parts are ``{"type": "image", "image": ...}`` or ``{"type": "image_url",
     "image_url": {"url": ...}}``, video parts ``{"type": "video", "video": ...}`` or ``{"type": "video_url",
-    "video_url": {"url": ...}}``, each with an optional ``"uuid"`` (the caller's key for it); URLs are refused
-    (`load_image`, `read_video`), so pass bytes, frames or data: URLs.
+    "video_url": {"url": ...}}``, audio parts ``{"type": "audio", "audio": ...}``, ``{"type": "audio_url",
+    "audio_url": {"url": ...}}`` or OpenAI's ``{"type": "input_audio", "input_audio": {"data": base64, "format":
+    "wav"}}``, each with an optional ``"uuid"`` (the caller's key for it); URLs are refused (`load_image`,
+    `read_video`, `read_audio`), so pass bytes, frames, waveforms or data: URLs. An audio part reaches the template
+    as ``{"type": "audio", "audio": ""}`` (Qwen2-Audio's template looks for the key).
     """
-    inputs = MultiModalInputs(image_uuids=[], video_uuids=[])
+    inputs = MultiModalInputs(image_uuids=[], video_uuids=[], audio_uuids=[])
     out = []
     for i, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -95,16 +103,27 @@ def split_chat_media(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any
             if kind == "text":
                 parts.append({"type": "text", "text": part.get("text", "")})
                 continue
-            if kind not in ("image", "image_url", "video", "video_url"):
+            if kind not in ("image", "image_url", "video", "video_url", "audio", "audio_url", "input_audio"):
                 raise InvalidRequestError("messages", f"item {i} has a content part of unknown type {kind!r}")
-            media = kind.removesuffix("_url")
-            value = part.get(kind)
-            value = value.get("url") if kind.endswith("_url") and isinstance(value, dict) else value
+            media = kind.removesuffix("_url").removeprefix("input_")
+            value = _part_value(part, kind, f"messages[{i}].content[{j}]")
             getattr(inputs, media + "s").append(value)
             getattr(inputs, media + "_uuids").append(check_uuid(part.get("uuid"), f"messages[{i}].content[{j}].uuid"))
-            parts.append({"type": media})
+            parts.append({"type": media, "audio": ""} if media == "audio" else {"type": media})
         out.append({**message, "content": parts})
     return out, inputs
+
+
+def _part_value(part: dict[str, Any], kind: str, field: str) -> Any:
+    """A media part's value: ``part[kind]``, a ``*_url`` part's ``url``, OpenAI's ``input_audio`` as a data: URL."""
+    value = part.get(kind)
+    if kind.endswith("_url") and isinstance(value, dict):
+        return value.get("url")
+    if kind == "input_audio":
+        if not isinstance(value, dict) or not isinstance(value.get("data"), str):
+            raise InvalidRequestError(field, "an input_audio part is {'data': base64 str, 'format': 'wav' | 'mp3' ...}")
+        return f"data:audio/{value.get('format', 'wav')};base64,{value['data']}"
+    return value
 
 
 def load_image_processor(model_path: str, overrides: dict[str, Any]) -> Any:
@@ -121,6 +140,17 @@ def load_image_processor(model_path: str, overrides: dict[str, Any]) -> Any:
                 raise ConfigError(f"mm_processor_kwargs.{key}", value,
                                   f"a setting of the model's {type(processor).__name__}")
     return processor
+
+
+def load_feature_extractor(model_path: str) -> Any:
+    """The checkpoint's HF audio feature extractor (Qwen2-Audio's ``WhisperFeatureExtractor``)."""
+    from transformers import AutoFeatureExtractor
+
+    try:
+        return AutoFeatureExtractor.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model", model_path, f"a checkpoint with its audio feature extractor "
+                                               f"(preprocessor_config.json: {exc})") from exc
 
 
 _REQUEST_PROCESSORS = 8
@@ -148,18 +178,25 @@ class MultiModalProcessor:
 
     def __init__(self, model_path: str, hf_config: Any, model_cls: Any, tokenizer: Any, cache_bytes: int,
                  max_image_pixels: int, cache_type: str = "lru", processor_kwargs: dict[str, Any] | None = None,
-                 max_images: int | None = None, max_videos: int | None = None, video_num_frames: int = DEFAULT_NUM_FRAMES) -> None:
-        try:
-            import PIL  # noqa: F401
-        except ImportError as exc:
-            raise ConfigError("model", model_path, "pillow installed for image inputs: pip install 'asyncllm[multimodal]'") from exc
+                 max_images: int | None = None, max_videos: int | None = None, video_num_frames: int = DEFAULT_NUM_FRAMES,
+                 max_audios: int | None = None) -> None:
+        takes_images = getattr(model_cls, "mm_takes_images", True)  # Qwen2-Audio: audio only
+        if takes_images:
+            try:
+                import PIL  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError("model", model_path, "pillow installed for image inputs: pip install 'asyncllm[multimodal]'") from exc
+        elif processor_kwargs:
+            raise ConfigError("mm_processor_kwargs", processor_kwargs, f"None: {model_cls.__name__} has no image "
+                                                                       "processor (its audio features follow the checkpoint)")
         self._model_path = model_path
         self._engine_overrides = dict(processor_kwargs or {})
-        self.image_processor = load_image_processor(model_path, self._engine_overrides)
+        self.image_processor = load_image_processor(model_path, self._engine_overrides) if takes_images else None
         self._request_processors: OrderedDict[str, Any] = OrderedDict()
         """Image processors of requests' ``mm_processor_kwargs`` (by their JSON), the last few used."""
         self.tokenizer = tokenizer
-        self.image_token_id: int = model_cls.mm_placeholder_token_id(hf_config)
+        self.image_token_id: int | None = model_cls.mm_placeholder_token_id(hf_config) if takes_images else None
+        """The prompt token that marks an image; None: the model takes no images."""
         image_text = getattr(model_cls, "mm_image_text", None)
         self._image_text: tuple[list[int], list[int]] = image_text(hf_config, tokenizer) if image_text else ([], [])
         """Text tokens before and after each image's rows (Gemma 3's ``\n\n<start_of_image>`` ...)."""
@@ -190,6 +227,12 @@ class MultiModalProcessor:
         """The prompt token that marks a video; None: the model takes no videos."""
         self.video_settings = (load_video_settings(model_path, model_cls.video_settings)
                                if self.video_token_id is not None else None)
+        audio_token = getattr(model_cls, "mm_audio_token_id", None)
+        self.audio_token_id: int | None = audio_token(hf_config) if audio_token is not None else None
+        """The prompt token that marks an audio; None: the model takes no audio."""
+        self.max_audios = max_audios
+        """``limit_mm_per_prompt["audio"]``."""
+        self.feature_extractor = load_feature_extractor(model_path) if self.audio_token_id is not None else None
         self.cache_type = cache_type
         self.cache_bytes = cache_bytes
         if cache_type == "shm" and cache_bytes > 0:
@@ -231,22 +274,23 @@ class MultiModalProcessor:
         the images (their videos: ``...videos``); ``inline``: every item with its data, the cache untouched."""
         overrides = overrides or {}
         self._processor_for(overrides)  # a bad key fails the request before any image is read
-        video_field = field.removesuffix("images") + "videos" if field.endswith("images") else field
-        media = {"image": self._checked(inputs.images, inputs.image_uuids, field, "image", self.max_images),
-                 "video": self._checked(inputs.videos, inputs.video_uuids, video_field, "video", self.max_videos)}
-        tokens = {self.image_token_id: "image", **({self.video_token_id: "video"} if self.video_token_id is not None else {})}
+        fields = {kind: field.removesuffix("images") + kind + "s" if field.endswith("images") else field
+                  for kind in ("image", "video", "audio")}
+        token_of = {"image": self.image_token_id, "video": self.video_token_id, "audio": self.audio_token_id}
+        limits = {"image": self.max_images, "video": self.max_videos, "audio": self.max_audios}
+        media = {kind: self._checked(getattr(inputs, kind + "s"), getattr(inputs, kind + "_uuids"), fields[kind], kind,
+                                     limits[kind]) for kind in token_of}
+        tokens = {token: kind for kind, token in token_of.items() if token is not None}
         slots = [(i, tokens[t]) for i, t in enumerate(token_ids) if t in tokens]
         for kind, (given, _) in media.items():
             count = sum(1 for _, k in slots if k == kind)
             if count != len(given):
-                token = self.image_token_id if kind == "image" else self.video_token_id
                 raise InvalidRequestError(
-                    field if kind == "image" else video_field,
-                    f"the prompt has {count} {kind} placeholder tokens (id {token}) but {len(given)} {kind}s were "
-                    f"given: put one placeholder per {kind}")
+                    fields[kind], f"the prompt has {count} {kind} placeholder tokens (id {token_of[kind]}) but "
+                                  f"{len(given)} {kind}s were given: put one placeholder per {kind}")
         expanded: list[int] = []
         items: list[MultiModalItem] = []
-        previous, seen = 0, {"image": 0, "video": 0}
+        previous, seen = 0, {"image": 0, "video": 0, "audio": 0}
         before, after = self._image_text
         for slot, kind in slots:
             self._join(expanded, token_ids[previous:slot])
@@ -261,8 +305,10 @@ class MultiModalProcessor:
                     item = msgspec.structs.replace(item, bidirectional=[0, item.length])
                 expanded += self._placeholder_ids(item) + after
                 items.append(item)
+            elif kind == "audio":
+                self._audio(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline)
             else:
-                self._video(value, uuid, f"{video_field}[{index}]", expanded, items, inline)
+                self._video(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline)
             previous = slot + 1
         self._join(expanded, token_ids[previous:])
         return MultiModalPrompt(expanded, items, inputs, list(token_ids), overrides)
@@ -289,8 +335,9 @@ class MultiModalProcessor:
         """A prompt's inputs of one kind and their uuids, checked against ``limit_mm_per_prompt``."""
         if not isinstance(given, (list, tuple)):
             raise InvalidRequestError(field, f"must be a list of {kind}s, got {type(given).__name__}")
-        if given and kind == "video" and self.video_token_id is None:
-            raise InvalidRequestError(field, f"{self._model_cls.__name__} takes no videos")
+        token = {"image": self.image_token_id, "video": self.video_token_id, "audio": self.audio_token_id}[kind]
+        if given and token is None:
+            raise InvalidRequestError(field, f"{self._model_cls.__name__} takes no {kind}s")
         if limit is not None and len(given) > limit:
             raise InvalidRequestError(field, f"{len(given)} {kind}s, over limit_mm_per_prompt[{kind!r}]={limit}")
         return list(given), list(uuids) if uuids is not None else [None] * len(given)
@@ -369,6 +416,23 @@ class MultiModalProcessor:
             items.append(item)
             expanded += [self.video_token_id] * item.length + piece.after
 
+    def _audio(self, value: AudioInput, uuid: str | None, field: str, expanded: list[int],
+               items: list[MultiModalItem], inline: bool) -> None:
+        """Append an audio's placeholders to ``expanded`` and its item to ``items``; it is read and its features
+        extracted only on a cache miss when the caller keys it by uuid."""
+        rate = int(self.feature_extractor.sampling_rate)
+        audio = None if uuid is not None else read_audio(value, field, rate)
+        key = uuid_key(uuid) if audio is None else audio.key()
+        item = self._lookup(key, len(expanded), inline)
+        if item is None:
+            audio = audio or read_audio(value, field, rate)
+            processed = self.feature_extractor(self._model_cls.mm_audio_windows(audio.waveform, rate),
+                                               sampling_rate=rate, return_tensors="np",
+                                               **self._model_cls.mm_audio_extractor_kwargs)
+            item = self._record(key, len(expanded), self._model_cls.mm_audio_values(processed), inline)
+        items.append(item)
+        expanded += [self.audio_token_id] * item.length
+
     def _lookup(self, key: str, offset: int, inline: bool) -> MultiModalItem | None:
         """The cached item of ``key`` (key-only or a ring location), counted; None on a miss or ``inline``."""
         if inline or self.cache is None:
@@ -393,6 +457,9 @@ class MultiModalProcessor:
         request's `InvalidRequestError` for a key that changes nothing)."""
         if not overrides:
             return self.image_processor
+        if self.image_processor is None:
+            raise InvalidRequestError("prompt.mm_processor_kwargs", f"{self._model_cls.__name__} has no image "
+                                                                    "processor to override")
         if not isinstance(overrides, dict):
             raise InvalidRequestError("prompt.mm_processor_kwargs", f"must be a dict, got {type(overrides).__name__}")
         name = json.dumps(overrides, sort_keys=True, default=str)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pathlib
 
 from asyncllm.models.architectures import (
-    CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
+    AUDIO_ARCHITECTURES, CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES, HYBRID_ARCHITECTURES, MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES, STATE_SPACE_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES,
 )
 
@@ -24,6 +24,8 @@ _GENERAL = {"LlamaForCausalLM": "quickstart.md", "MistralForCausalLM": "quicksta
 
 
 def _kind(arch: str) -> str:
+    if arch in AUDIO_ARCHITECTURES:
+        return "audio-text"
     if arch in MULTIMODAL_ARCHITECTURES:
         return "image-text" + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")
     if arch in EMBEDDING_ARCHITECTURES:
@@ -40,7 +42,7 @@ def _doc(arch: str) -> str:
     """The doc that describes ``arch`` (the first whose text names it in backticks), as a relative link."""
     if arch in _GENERAL:
         return _GENERAL[arch]
-    by_kind = {"image-text": "multimodal.md", "embedding": "embeddings.md", "classification": "pooling.md"}
+    by_kind = {"image-text": "multimodal.md", "audio-text": "multimodal.md", "embedding": "embeddings.md", "classification": "pooling.md"}
     if _kind(arch).split(" (")[0] in by_kind:
         return by_kind[_kind(arch).split(" (")[0]]
     docs = sorted(p for p in _DOCS.glob("*.md") if p.name not in _NOT_MODEL_DOCS)

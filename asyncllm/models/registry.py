@@ -109,6 +109,8 @@ _MODELS = LazyClasses({
     "Gemma3ForConditionalGeneration": "gemma3_mm:Gemma3ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma3TextOnly
     "Gemma4ForCausalLM": "gemma4:Gemma4ForCausalLM",
     "Gemma3nForCausalLM": "gemma3n:Gemma3nForCausalLM",
+    "Qwen2AudioForConditionalGeneration": "qwen2_audio:Qwen2AudioForConditionalGeneration",
+    "AudioFlamingo3ForConditionalGeneration": "qwen2_audio:AudioFlamingo3ForConditionalGeneration",
     "Gemma3nForConditionalGeneration": "gemma3n:Gemma3nTextOnly",  # its language model: text prompts only
     "Gemma4ForConditionalGeneration": "gemma4_mm:Gemma4ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma4TextOnly
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
@@ -190,6 +192,7 @@ _MODELS = LazyClasses({
     "Lfm2MoeForCausalLM": "lfm2:Lfm2MoeForCausalLM",
     "NemotronHForCausalLM": "nemotron_h:NemotronHForCausalLM",
     "BambaForCausalLM": "bamba:BambaForCausalLM",
+    "Zamba2ForCausalLM": "zamba2:Zamba2ForCausalLM",
     "Ernie4_5_MoeForCausalLM": "ernie_seed_arcee:Ernie4_5_MoeForCausalLM",
     "HunYuanMoEV1ForCausalLM": "hunyuan:HunYuanMoEV1ForCausalLM",
     "LlamaModel": ("registry:headless", "llama:LlamaForCausalLM"),

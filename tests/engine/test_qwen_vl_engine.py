@@ -47,7 +47,7 @@ async def test_one_image_matches_transformers_with_the_image_split_across_chunks
         engine.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [image]},
                          "multi_modal_uuids": {"image": ["photo-1"]}}, GREEDY))
     assert [o.outputs[0].token_ids for o in vllm_style] == [hf_tokens, hf_tokens]
-    with pytest.raises(InvalidRequestError, match="audio is not built"):
+    with pytest.raises(InvalidRequestError, match="takes no audios"):
         await engine.generate({"prompt": text, "multi_modal_data": {"audio": [image]}}, GREEDY)
 
 
@@ -281,7 +281,8 @@ async def test_limit_mm_per_prompt_fails_a_prompt_with_more_images_before_readin
     from transformers import AutoConfig, AutoTokenizer
 
     from asyncllm.config import EngineConfig
-    from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
+    from asyncllm.engine.prepare import prepare
+    from asyncllm.errors import ConfigError, InvalidRequestError
     from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
     from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
@@ -293,8 +294,8 @@ async def test_limit_mm_per_prompt_fails_a_prompt_with_more_images_before_readin
         mm.process(ids, MultiModalInputs([b"never read", b"never read"]), "prompt.images")
     assert len(mm.process(tokenizer(IMAGE_PLACEHOLDER)["input_ids"], MultiModalInputs([make_image(56, 56, 1)]),
                           "x").items) == 1
-    with pytest.raises(NotBuiltError, match="limit_mm_per_prompt.audio"):
-        EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"audio": 1})
+    with pytest.raises(ConfigError, match="limit_mm_per_prompt.audio.*takes no audios"):
+        prepare(EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"audio": 1}))
     with pytest.raises(ConfigError, match="limit_mm_per_prompt.image"):
         EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": -1})
     assert EngineConfig.create(qwen25_vl, limit_mm_per_prompt={"image": 0, "video": 0}).multimodal_config

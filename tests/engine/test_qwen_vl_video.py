@@ -95,7 +95,7 @@ async def test_bad_videos_fail_their_own_request(engine):
            ({"prompt": "no placeholder", "videos": [video]}, "0 video placeholder tokens"),
            ({"prompt": VIDEO_PLACEHOLDER, "videos": [video[..., 0]]}, r"\[T, H, W, 3\] uint8"),
            ({"prompt": VIDEO_PLACEHOLDER, "videos": [(video, {"do_sample_frames": True})]}, "sampling frames"),
-           ({"prompt": VIDEO_PLACEHOLDER, "multi_modal_data": {"audio": [b"x"]}}, "audio is not built")]
+           ({"prompt": VIDEO_PLACEHOLDER, "multi_modal_data": {"audio": [b"x"]}}, "takes no audios")]
     for prompt, message in bad:
         with pytest.raises(InvalidRequestError, match=message):
             await engine.generate(prompt, GREEDY)

@@ -93,8 +93,16 @@ def test_chat_media_parts_become_template_parts_and_inputs_in_order():
     assert rendered[0] == messages[0]
     assert rendered[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"},
                                       {"type": "video"}]
-    with pytest.raises(InvalidRequestError, match="unknown type 'audio'"):
-        split_chat_media([{"role": "user", "content": [{"type": "audio"}]}])
+    audio_parts = [{"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+                   {"type": "audio_url", "audio_url": {"url": "data:audio/mp3;base64,AAAA"}, "uuid": "a2"}]
+    rendered, inputs = split_chat_media([{"role": "user", "content": audio_parts}])
+    assert inputs.audios == ["data:audio/wav;base64,UklGRg==", "data:audio/mp3;base64,AAAA"]
+    assert inputs.audio_uuids == [None, "a2"]
+    assert rendered[0]["content"] == [{"type": "audio", "audio": ""}] * 2  # the key Qwen2-Audio's template tests
+    with pytest.raises(InvalidRequestError, match="input_audio part is"):
+        split_chat_media([{"role": "user", "content": [{"type": "input_audio", "input_audio": "raw"}]}])
+    with pytest.raises(InvalidRequestError, match="unknown type 'sound'"):
+        split_chat_media([{"role": "user", "content": [{"type": "sound"}]}])
 
 
 @pytest.mark.parametrize("name, expected", [

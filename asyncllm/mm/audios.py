@@ -1,0 +1,136 @@
+"""Audio inputs -> a checked mono float32 waveform at the model's sampling rate, with its content key.
+
+An audio is given as vLLM's ``(waveform, sampling_rate)`` pair, a bare 1-D waveform (taken to be at the model's
+rate, as vLLM takes one), or an encoded file (bytes, a local path or a ``data:`` URL; WAV, FLAC, MP3, OGG, ... what
+PyAV decodes, its channels mixed down). A waveform at another rate, or a file's, is resampled by PyAV's (FFmpeg's
+swresample) resampler. Remote URLs are refused, as for images.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncllm.errors import InvalidRequestError
+
+__all__ = ["Audio", "AudioInput", "is_one_audio", "read_audio"]
+
+AudioInput = Any
+"""``(waveform, sampling_rate)``, a 1-D waveform, bytes, a path or a ``data:`` URL."""
+
+_MAX_SECONDS = 3600
+"""Longest audio read (the feature extractors keep their own window: Whisper's 30 s)."""
+
+
+@dataclass(frozen=True)
+class Audio:
+    """A mono float32 waveform at ``rate`` Hz."""
+
+    waveform: np.ndarray
+    rate: int
+
+    def key(self) -> str:
+        """Its content key: the samples and the rate."""
+        digest = hashlib.blake2b(self.waveform.tobytes(), digest_size=16)
+        digest.update(str(self.rate).encode())
+        return digest.hexdigest()
+
+
+def is_one_audio(value: Any) -> bool:
+    """Whether vLLM's ``multi_modal_data["audio"]`` value is one audio (a pair, a waveform, a file) rather than a
+    list of them."""
+    if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], (int, float)):
+        return True
+    if isinstance(value, list):  # a list of samples is one waveform; a list of audios is many
+        return bool(value) and isinstance(value[0], (int, float))
+    return True
+
+
+def read_audio(value: AudioInput, field: str, rate: int) -> Audio:
+    """One audio input as a mono float32 waveform at ``rate`` Hz; `InvalidRequestError` for anything else."""
+    if isinstance(value, (tuple, list)) and len(value) == 2 and isinstance(value[1], (int, float)) \
+            and not isinstance(value[1], bool) and not isinstance(value[0], (int, float)):
+        source_rate = value[1]
+        if source_rate <= 0 or int(source_rate) != source_rate:
+            raise InvalidRequestError(field, f"a sampling rate must be a positive whole number of Hz, got {source_rate}")
+        return _checked(_resampled(_waveform(value[0], field), int(source_rate), rate), rate, field)
+    if isinstance(value, (bytes, bytearray, memoryview, str)):
+        return _checked(_decoded(_file_bytes(value, field), field, rate), rate, field)
+    return _checked(_waveform(value, field), rate, field)
+
+
+def _waveform(value: Any, field: str) -> np.ndarray:
+    try:
+        array = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value, dtype=np.float32)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(field, f"an audio is (waveform, sampling_rate), a waveform or a file, got "
+                                         f"{type(value).__name__}") from exc
+    if array.ndim != 1:
+        raise InvalidRequestError(field, f"a waveform is 1-D (mono samples), got shape {list(array.shape)}")
+    return array
+
+
+def _checked(waveform: np.ndarray, rate: int, field: str) -> Audio:
+    if waveform.size == 0:
+        raise InvalidRequestError(field, "the audio has no samples")
+    if waveform.size > _MAX_SECONDS * rate:
+        raise InvalidRequestError(field, f"the audio is longer than {_MAX_SECONDS} s")
+    if not np.isfinite(waveform).all():
+        raise InvalidRequestError(field, "the waveform holds NaN or infinite samples")
+    return Audio(np.ascontiguousarray(waveform, dtype=np.float32), rate)
+
+
+def _file_bytes(value: bytes | bytearray | memoryview | str, field: str) -> bytes:
+    if not isinstance(value, str):
+        return bytes(value)
+    if value.startswith("data:"):
+        _, _, payload = value.partition(",")
+        try:
+            return base64.b64decode(payload, validate=True)
+        except ValueError as exc:
+            raise InvalidRequestError(field, f"a data: URL whose payload is not base64 ({exc})") from exc
+    if value.startswith(("http://", "https://")):
+        raise InvalidRequestError(field, "audio URLs are not fetched: pass the file's bytes, a path or a data: URL")
+    if not os.path.isfile(value):
+        raise InvalidRequestError(field, f"no audio file at {value!r}")
+    with open(value, "rb") as f:
+        return f.read()
+
+
+def _decoded(data: bytes, field: str, rate: int) -> np.ndarray:
+    """An encoded file's first audio stream, resampled to ``rate``, its channels averaged (librosa's mono, as
+    vLLM and transformers load audio; FFmpeg's own downmix would scale by ``2 ** -0.5``)."""
+    try:
+        import av
+    except ImportError as exc:
+        raise InvalidRequestError(field, "audio files need PyAV: pip install 'asyncllm[multimodal]'") from exc
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            if not container.streams.audio:
+                raise InvalidRequestError(field, "the file has no audio stream")
+            resampler = av.AudioResampler(format="fltp", rate=rate)  # planar: [channels, samples] per frame
+            parts = [frame.to_ndarray() for decoded in container.decode(container.streams.audio[0])
+                     for frame in resampler.resample(decoded)]
+            parts += [frame.to_ndarray() for frame in resampler.resample(None)]
+    except av.error.FFmpegError as exc:
+        raise InvalidRequestError(field, f"the audio file could not be decoded ({exc})") from exc
+    return np.concatenate(parts, axis=1).mean(axis=0, dtype=np.float32) if parts else np.zeros(0, np.float32)
+
+
+def _resampled(waveform: np.ndarray, source: int, rate: int) -> np.ndarray:
+    """``waveform`` from ``source`` Hz to ``rate`` Hz (unchanged when they agree)."""
+    if source == rate or waveform.size == 0:
+        return waveform
+    import av
+
+    frame = av.AudioFrame.from_ndarray(waveform[None, :], format="flt", layout="mono")
+    frame.sample_rate = source
+    resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
+    parts = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
+    return np.concatenate(parts, axis=1)[0]
