@@ -343,8 +343,9 @@ def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[str, list
         name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
         if name.startswith(_UNSERVED_PREFIXES):
             continue
-        if name.startswith(("model.visual.", "visual.")):  # Qwen-VL's tower runs on every image: not left out
-            _fail(path, f"tensor {key}: adapters on the vision tower are not built (the decoder's projections only)")
+        if name.startswith(("model.visual.", "visual.", "model.audio_tower.", "audio_tower.")):  # run on every input
+            _fail(path, f"tensor {key}: adapters on the {'audio' if 'audio' in name else 'vision'} tower are not built "
+                        "(the decoder's projections only)")
         for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
             if name.startswith(prefix):
                 name = replacement + name[len(prefix):]

@@ -53,7 +53,9 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Qwen3_5MoeForConditionalGeneration", "Gemma3ForConditionalGeneration",
                           "Mistral3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
                           "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration",
-                          "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+                          "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                          # audio-text: the audio encoder on the first stage
+                          "Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration")
 """The causal LMs on `LlamaForCausalLM`'s decoder stack (embeddings, layers passing (hidden, residual), final
 norm, LM head; a hybrid's `HybridModel`; an image-text model's decoder) that run split into stages; each is tested
 against its unsplit model (tests/unit)."""

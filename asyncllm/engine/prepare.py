@@ -187,9 +187,10 @@ PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncl
 state layers take none but Qwen3.5's, an adapter naming one, Mamba2's ``in_proj`` say, is refused by name)."""
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
-                                 "Qwen3_5MoeForConditionalGeneration")
-"""Image-text models whose decoder takes adapters (the vision tower does not: an adapter with tower matrices is
-refused)."""
+                                 "Qwen3_5MoeForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
+                                 "AudioFlamingo3ForConditionalGeneration")
+"""Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
+tower matrices is refused)."""
 
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);

@@ -150,6 +150,8 @@ class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
 
     mm_takes_images = False
     """Audio only: no image processor, no image placeholder (asyncllm/mm/processor.py)."""
+    packed_modules = Qwen2ForCausalLM.packed_modules
+    """The decoder's fused layers (LoRA adapters name their parts)."""
     projector_cls: type[nn.Module] = Qwen2AudioProjector
     max_windows = 1
     """30 s windows an audio is cut into (Qwen2-Audio: the first 30 s only)."""
@@ -207,6 +209,15 @@ class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
         return [torch.cat(kept[a * windows:(a + 1) * windows]) for a in range(audios)]
 
     # ---- weights
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        """A checkpoint name, or an adapter's decoder name (``model.layers...``: asyncllm/lora_names.py) -> (our
+        parameter name, shard id or None), as `LlamaForCausalLM._packed`."""
+        name = "language_model." + ckpt_name if ckpt_name.startswith(("model.", "lm_head.")) else _normalize(ckpt_name)
+        if not name.startswith("language_model."):
+            return name, None
+        inner, shard_id = self.language_model._packed(name.removeprefix("language_model."))
+        return "language_model." + inner, shard_id
+
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return load_vision_language_weights(self, weights, _normalize, type(self).__name__)
 

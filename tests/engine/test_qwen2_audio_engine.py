@@ -14,7 +14,7 @@ import pytest_asyncio
 from audio_utils import SAMPLING_RATE, hf_audio_greedy, make_audio, make_tiny_qwen2_audio, wav_bytes
 
 from asyncllm import AsyncEngine, SamplingParams
-from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
+from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.mm.audios import read_audio
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -93,13 +93,14 @@ async def test_bad_audios_fail_only_their_request(engine, prompt, match):
     assert len(out.outputs[0].token_ids) == 8
 
 
-async def test_two_tensor_parallel_ranks_give_transformers_tokens(tiny_audio):
-    """The encoder whole on each rank, the decoder split: the same tokens."""
+@pytest.mark.parametrize("fields", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+async def test_two_ranks_or_two_stages_give_transformers_tokens(tiny_audio, fields: dict):
+    """Two tensor-parallel ranks (the encoder whole on each, the decoder split), or two pipeline stages (the encoder
+    on the first, one decoder layer on each)."""
     audio = make_audio(1.9, seed=8)
     text = f"two ranks {MARK} hear"
-    async with AsyncEngine(tiny_audio, tensor_parallel_size=2, disable_log_stats=True,
-                           max_num_batched_tokens=16) as tp2:
-        out = await tp2.generate({"prompt": text, "audios": [(audio, SAMPLING_RATE)]}, GREEDY)
+    async with AsyncEngine(tiny_audio, disable_log_stats=True, max_num_batched_tokens=16, **fields) as split:
+        out = await split.generate({"prompt": text, "audios": [(audio, SAMPLING_RATE)]}, GREEDY)
     assert out.outputs[0].token_ids == hf_audio_greedy(tiny_audio, text, [audio], 8)[1]
 
 
@@ -133,9 +134,33 @@ async def test_openai_chat_completions_take_input_audio_and_audio_url_parts(engi
     assert texts == [engine.tokenizer.decode(tokens, skip_special_tokens=True)] * 2
 
 
-@pytest.mark.parametrize("fields, match", [(dict(pipeline_parallel_size=2), "pipeline"),
-                                           (dict(enable_lora=True), "LoRA adapters for Qwen2Audio")])
-async def test_what_is_not_built_for_it_is_refused(tiny_audio, fields: dict, match: str):
-    with pytest.raises(NotBuiltError, match=match):
-        async with AsyncEngine(tiny_audio, disable_log_stats=True, **fields):
-            pass
+async def test_lora_adapters_on_the_decoder_equal_peft_and_tower_adapters_are_refused(tiny_audio, tmp_path):
+    """PEFT's adapter of the language model's q / v / down projections (``model.language_model.layers...``), batched
+    with the base model: PEFT's tokens and transformers'; one that also adapts the audio tower is refused."""
+    import torch
+    from lora_utils import make_adapter
+    from peft import PeftModel
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    from asyncllm import LoRARequest
+
+    decoder = make_adapter(tiny_audio, str(tmp_path / "decoder"), seed=3, rank=4, alpha=8,
+                           targets=r".*language_model.*\.(q_proj|v_proj|down_proj)",
+                           auto_class=Qwen2AudioForConditionalGeneration)
+    tower = make_adapter(tiny_audio, str(tmp_path / "tower"), seed=3, rank=4, targets=["q_proj"],
+                         auto_class=Qwen2AudioForConditionalGeneration)
+    audio, text = make_audio(1.5, seed=3), f"x {MARK} y"
+    prompt = {"prompt": text, "audios": [(audio, SAMPLING_RATE)]}
+    async with AsyncEngine(tiny_audio, enable_lora=True, disable_log_stats=True, max_num_batched_tokens=16) as engine:
+        adapted, base = await asyncio.gather(
+            engine.generate(prompt, GREEDY, lora_request=LoRARequest("decoder", 1, decoder)),
+            engine.generate(prompt, GREEDY))
+        with pytest.raises(InvalidRequestError, match="adapters on the audio tower are not built"):
+            await engine.generate(prompt, GREEDY, lora_request=LoRARequest("tower", 2, tower))
+    peft = PeftModel.from_pretrained(Qwen2AudioForConditionalGeneration.from_pretrained(tiny_audio), decoder).eval()
+    inputs = AutoProcessor.from_pretrained(tiny_audio)(text=text, audio=[audio], sampling_rate=SAMPLING_RATE,
+                                                       return_tensors="pt")
+    with torch.no_grad():
+        expected = peft.generate(**inputs, max_new_tokens=8, do_sample=False)[0, inputs["input_ids"].shape[1]:]
+    assert adapted.outputs[0].token_ids == expected.tolist() != base.outputs[0].token_ids
+    assert base.outputs[0].token_ids == hf_audio_greedy(tiny_audio, text, [audio], 8)[1]
