@@ -3,7 +3,8 @@
 Written from the format (llama.cpp's ``convert_hf_to_gguf.py``), not from asyncllm's loader: the tensors are
 renamed with gguf's own name table, a llama file's q and k rows are permuted as ``LlamaModel.permute`` does, 2-D
 weights are stored in ``qtype`` (quantized by ``gguf.quants.quantize``, numpy) and 1-D ones (norms, biases) in F32,
-and the metadata is what transformers reads back (config keys under the architecture's prefix, token ids). Rope
+and the metadata is what transformers reads back (config keys under the architecture's prefix, token ids) and
+what llama.cpp's converter adds for Gemma 2 / 3 and Phi-3 (a Gemma file's norm weights are stored plus one). Rope
 scaling is written as llama.cpp writes it: a linear one as ``rope.scaling.type`` / ``factor`` metadata, a llama3 one
 (Llama 3.1 / 3.2) as the ``rope_freqs.weight`` tensor of per-frequency divisors and no metadata.
 """
@@ -23,6 +24,9 @@ from gguf.quants import quantize
 from safetensors.torch import load_file
 
 _PERMUTED = ("llama",)
+_NORM_PLUS_ONE = ("gemma2", "gemma3")
+"""Architectures whose norm weights llama.cpp's converter stores plus one (``Gemma2Model.modify_tensors``: Gemma's
+RMSNorm scales by ``1 + w``, llama.cpp's by ``w``)."""
 
 
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -37,7 +41,9 @@ def _config(folder: str) -> dict:
 
 
 def _rope(cfg: dict) -> dict:
-    return dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    """The rope parameters llama.cpp writes: Gemma 3's global (full-attention) layers' for a per-layer-type dict."""
+    rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    return dict(rope.get("full_attention", rope))
 
 
 def llama3_rope_freqs(cfg: dict, head_dim: int) -> np.ndarray:
@@ -86,12 +92,15 @@ def _metadata(writer: GGUFWriter, cfg: dict, name: str, head_dim: int) -> None:
     writer.add_head_count(cfg["num_attention_heads"])
     writer.add_head_count_kv(cfg["num_key_value_heads"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    writer.add_rope_freq_base(float((cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta", 1e4))))
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(_rope(cfg).get("rope_theta", cfg.get("rope_theta", 1e4))))
+    partial = _rope(cfg).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))  # Phi-3's rotary share
+    writer.add_rope_dimension_count(int(head_dim * partial))
     _rope_scaling_metadata(writer, cfg)
     writer.add_vocab_size(cfg["vocab_size"])
     writer.add_bos_token_id(cfg["bos_token_id"])
     writer.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("pad_token_id") is not None:  # llama.cpp's SpecialVocab (transformers' Phi-3 default is 32000)
+        writer.add_pad_token_id(cfg["pad_token_id"])
     num_experts = cfg.get("num_experts") or cfg.get("num_local_experts")
     if num_experts:  # a mixture of experts, as llama.cpp's converter writes one
         writer.add_key_length(head_dim)
@@ -100,6 +109,22 @@ def _metadata(writer: GGUFWriter, cfg: dict, name: str, head_dim: int) -> None:
         writer.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
         if cfg.get("shared_expert_intermediate_size"):
             writer.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
+
+
+def _family_metadata(writer: GGUFWriter, cfg: dict, arch: str, head_dim: int) -> None:
+    """What llama.cpp's ``Gemma2Model`` / ``Gemma3Model`` / ``Phi3MiniModel.set_gguf_parameters`` add."""
+    if arch in _NORM_PLUS_ONE:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+        writer.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if arch == "phi3":
+        writer.add_rope_scaling_orig_ctx_len(cfg.get("original_max_position_embeddings")
+                                             or cfg["max_position_embeddings"])
+        if cfg.get("sliding_window"):
+            writer.add_sliding_window(cfg["sliding_window"])
 
 
 def _tokenizer(writer: GGUFWriter, folder: str) -> None:
@@ -124,6 +149,8 @@ def _gguf_tensor(name: str, weight: torch.Tensor, cfg: dict, arch: str, qtype: G
     kind = name.split(".")[-2]
     if arch in _PERMUTED and kind in heads:
         data = llama_cpp_permute(data, heads[kind])
+    if arch in _NORM_PLUS_ONE and name.endswith("norm.weight"):
+        data = data + 1
     if data.ndim == 1 or qtype == GGMLQuantizationType.F32:
         return np.ascontiguousarray(data, dtype=np.float32), GGMLQuantizationType.F32
     return quantize(np.ascontiguousarray(data, dtype=np.float32), qtype), qtype
@@ -153,6 +180,7 @@ def write_gguf(folder: str, path: str, arch: str = "llama",
     table = get_tensor_name_map(gguf_arch, cfg["num_hidden_layers"])
     writer = GGUFWriter(path, arch)
     _metadata(writer, cfg, name or f"tiny-{arch}", head_dim)
+    _family_metadata(writer, cfg, arch, head_dim)
     _tokenizer(writer, folder)
     for hf_name, weight in sorted(_stacked_experts(load_file(os.path.join(folder, "model.safetensors"))).items()):
         stem, _, suffix = hf_name.rpartition(".")

@@ -5,7 +5,10 @@ A model given as a local ``.gguf`` file (vLLM's ``vllm serve ./model.Q4_K_M.gguf
 refusing an architecture asyncllm does not load from GGUF, and `gguf_checkpoint_config` checks ``quantization``
 against it. Rope scaling, which that reader drops, is added from the file as llama.cpp reads it (`_rope_scaling`):
 a linear ``rope.scaling.factor`` as rope_type "linear", Llama 3.1's ``rope_freqs.weight`` divisors as the config's
-``rope_freq_factors`` (asyncllm/models/rotary.py); any other scaling is a `NotBuiltError`. The weights are read
+``rope_freq_factors`` (asyncllm/models/rotary.py); any other scaling is a `NotBuiltError` (LongRoPE's
+``rope_factors_long`` / ``_short`` tensors too). The other keys that reader drops and llama.cpp reads are added the
+same way: Gemma 2's logit softcapping, a 27B Gemma's query scale, Phi-3's partial rotary and sliding window. Gemma 3
+is transformers' ``gemma3_text`` (the text model). The weights are read
 and dequantized on each rank by asyncllm/models/gguf_loader.py; the format and what is built are in
 docs/quantization.md.
 """
@@ -24,19 +27,28 @@ __all__ = ["GGUF_QUANTIZATION", "GGUF_ARCHITECTURES", "ROPE_FREQS_TENSOR", "Gguf
 
 GGUF_QUANTIZATION = "gguf"
 """The `quantization` value naming a GGUF checkpoint (vLLM's ``--quantization gguf``); None serves it too."""
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen2moe", "qwen3moe", "gemma2", "gemma3", "phi3")
 """The GGUF ``general.architecture`` values asyncllm loads (a ``llama`` file whose ``general.name`` is "mistral" is
 read by transformers as model_type mistral: MistralForCausalLM; other Mistral files as Llama, the same function
 without a sliding window)."""
 _MODEL_TYPE_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                              "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                             "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                             "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                             "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                             "phi3": "Phi3ForCausalLM"}
 """transformers' model_type of a GGUF config -> its architecture (the config read from a GGUF names none)."""
 _EXPERT_KEYS = {"expert_feed_forward_length": "moe_intermediate_size",
                 "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
 """GGUF keys of a mixture of experts that transformers' GGUF config reader drops -> their config fields."""
 _NORMALIZED_TOP_K = {"qwen2moe": False, "qwen3moe": True}
 """Whether llama.cpp renormalizes the chosen experts' weights (``expert_weights_norm`` unless the file says)."""
+_SOFTCAPPING_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
+"""Gemma 2's GGUF keys (llama.cpp reads them) that transformers' GGUF config reader drops (keeping its defaults)."""
+_LLAMA_CPP_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+"""The layer count by which llama.cpp tells a 27B Gemma, whose queries it scales by ``1 / sqrt(hidden / heads)``
+(144, 168); every other Gemma 2 / 3 by ``1 / sqrt(head_dim)`` = ``1 / sqrt(256)``, transformers' default."""
+_LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+"""How llama.cpp's converter stores LongRoPE (Phi-3-128k, Phi-3.5, Phi-4-mini); asyncllm does not read them."""
 
 
 @dataclass(frozen=True)
@@ -134,15 +146,26 @@ def _rope_scaling(reader: Any, arch: str, path: str) -> tuple[float, list[float]
 
 def _apply_rope_scaling(hf_config: Any, factor: float, freqs: list[float] | None, path: str) -> None:
     """Put the file's rope scaling, which transformers' GGUF config reader drops, into ``hf_config``: a linear
-    factor as transformers' ``rope_type`` "linear", llama3's rope_freqs as ``rope_freq_factors``."""
+    factor as transformers' ``rope_type`` "linear" (Gemma 3: on its global layers' rope only, as llama.cpp scales
+    them and not the sliding ones), llama3's rope_freqs as ``rope_freq_factors``."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    if params.get("rope_type", "default") != "default":  # transformers read a scaling itself: not expected
-        raise NotBuiltError("model", path, f"a GGUF config transformers reads with rope_type {params['rope_type']!r}")
-    if factor != 1.0:
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        hf_config.rope_parameters = {**params, "rope_type": "linear", "factor": factor}
+    if "full_attention" in params:  # rope parameters per layer type (Gemma 3)
+        params["full_attention"] = _linear_rope(dict(params["full_attention"]), factor, hf_config, path)
+        hf_config.rope_parameters = params
+    else:
+        hf_config.rope_parameters = _linear_rope(params, factor, hf_config, path)
     if freqs is not None:
         hf_config.rope_freq_factors = freqs
+
+
+def _linear_rope(params: dict, factor: float, hf_config: Any, path: str) -> dict:
+    """``params`` (transformers' unscaled rope parameters) with a linear ``factor`` (1.0: as they are)."""
+    if params.get("rope_type", "default") != "default":  # transformers read a scaling itself: not expected
+        raise NotBuiltError("model", path, f"a GGUF config transformers reads with rope_type {params['rope_type']!r}")
+    if factor == 1.0:
+        return params
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    return {**params, "rope_type": "linear", "factor": factor}
 
 
 def load_gguf_config(path: str) -> Any:
@@ -155,6 +178,10 @@ def load_gguf_config(path: str) -> Any:
     if arch not in GGUF_ARCHITECTURES:
         raise NotBuiltError("model", path, f"GGUF checkpoints of the {arch!r} architecture (GGUF loads "
                                            f"{', '.join(map(repr, GGUF_ARCHITECTURES))})")
+    longrope = [t.name for t in reader.tensors if t.name in _LONGROPE_TENSORS]
+    if longrope:
+        raise NotBuiltError("model", path, f"GGUF LongRoPE scaling ({', '.join(longrope)}: Phi-3-128k, Phi-3.5, "
+                                           "Phi-4-mini; transformers' GGUF reader drops it too)")
     factor, freqs = _rope_scaling(reader, arch, path)
     folder, name = os.path.split(os.path.abspath(path))
     try:
@@ -168,7 +195,34 @@ def load_gguf_config(path: str) -> Any:
     _apply_rope_scaling(hf_config, factor, freqs, path)
     if arch in _NORMALIZED_TOP_K:
         _apply_experts(reader, arch, hf_config)
+    if arch in _LLAMA_CPP_27B_LAYERS:
+        _apply_gemma(reader, arch, hf_config)
+    if arch == "phi3":
+        _apply_phi3(reader, arch, hf_config)
     return hf_config
+
+
+def _apply_gemma(reader: Any, arch: str, hf_config: Any) -> None:
+    """Gemma 2's logit softcapping and a 27B Gemma's query scale, which transformers' GGUF config reader leaves at
+    its defaults, as llama.cpp reads them."""
+    for key in _SOFTCAPPING_KEYS:
+        value = _scalar(reader, f"{arch}.{key}")
+        if value is not None:
+            setattr(hf_config, key, value)
+    if hf_config.num_hidden_layers == _LLAMA_CPP_27B_LAYERS[arch]:
+        hf_config.query_pre_attn_scalar = hf_config.hidden_size // hf_config.num_attention_heads
+
+
+def _apply_phi3(reader: Any, arch: str, hf_config: Any) -> None:
+    """Phi-3's partial rotary (``rope.dimension_count`` below the head dim) and sliding window (some Phi-3-mini-4k),
+    which transformers' GGUF config reader drops, as llama.cpp reads them."""
+    head_dim = hf_config.hidden_size // hf_config.num_attention_heads
+    rotary = _scalar(reader, f"{arch}.rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        hf_config.rope_parameters = {**hf_config.rope_parameters, "partial_rotary_factor": int(rotary) / head_dim}
+    window = _scalar(reader, f"{arch}.attention.sliding_window")
+    if window:  # llama.cpp: 0 or absent is none
+        hf_config.sliding_window = int(window)
 
 
 def _apply_experts(reader: Any, arch: str, hf_config: Any) -> None:

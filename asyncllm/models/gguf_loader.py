@@ -1,14 +1,15 @@
 """A GGUF checkpoint's weights, dequantized to the model dtype at load, on each rank.
 
-Each tensor of the file is dequantized alone with ``gguf.quants.dequantize`` (numpy, float32), renamed from
-GGUF's names (``blk.0.attn_q.weight``) to the checkpoint names the model loads (``model.layers.0.self_attn.
-q_proj.weight``, through gguf's own name table), and handed to the model's ``load_weights``: fused q/k/v and
-gate/up shards and tensor-parallel slices are then taken as from safetensors. A llama-family file's q and k rows
-are un-permuted first (llama.cpp's converter interleaves each head's rotary halves; transformers undoes it the same
-way). ``rope_freqs.weight`` (llama3's rope scaling) is no parameter: the config carries it (gguf_config.py) and it
-is only checked here. A pipeline stage's model (asyncllm/models/pipeline.py) skips the tensors of the parts other
-stages hold before dequantizing them (`other_stages_names`). There is no quantized GEMM: the model holds the
-weights in its dtype (docs/quantization.md).
+Each tensor of the file is dequantized alone with ``gguf.quants.dequantize`` (numpy, float32), renamed from GGUF's
+names (``blk.0.attn_q.weight``) to the checkpoint names the model loads (``model.layers.0.self_attn.
+q_proj.weight``, through gguf's own name table), and handed to the model's ``load_weights``: fused q/k/v and gate/up
+shards and tensor-parallel slices are then taken as from safetensors (Phi-3's fused ``attn_qkv`` and ``ffn_up`` as
+its checkpoint's ``qkv_proj`` and ``gate_up_proj``). A llama-family file's q and k rows are un-permuted first
+(llama.cpp's converter interleaves each head's rotary halves; transformers undoes it the same way), and a Gemma
+file's norm weights have the 1 llama.cpp added subtracted again. ``rope_freqs.weight`` (llama3's rope scaling) is no
+parameter: the config carries it (gguf_config.py) and it is only checked here. A pipeline stage's model
+(asyncllm/models/pipeline.py) skips the tensors of the parts other stages hold before dequantizing them
+(`other_stages_names`). There is no quantized GEMM: the model holds the weights in its dtype (docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.gguf_config import ROPE_FREQS_TENSOR, gguf_architecture
 from asyncllm.models.registry import CausalLM, text_config_of
 
-__all__ = ["PERMUTED_QK_ARCHITECTURES", "gguf_weight_names", "iterate_gguf", "load_gguf_weights",
-           "other_stages_names", "unpermute_qk"]
+__all__ = ["NORM_OFFSET_ARCHITECTURES", "PERMUTED_QK_ARCHITECTURES", "gguf_weight_names", "iterate_gguf",
+           "load_gguf_weights", "other_stages_names", "unpermute_qk"]
 
 PERMUTED_QK_ARCHITECTURES = ("llama",)
 """GGUF architectures whose ``attn_q`` / ``attn_k`` rows llama.cpp's converter permuted (Qwen's are not)."""
+NORM_OFFSET_ARCHITECTURES = ("gemma2", "gemma3")
+"""GGUF architectures whose norm weights llama.cpp's converter stores plus one (Gemma's RMSNorm scales by
+``1 + w``, llama.cpp's by ``w``): 1 is subtracted again, as transformers' ``Gemma2TensorProcessor`` does."""
 
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(\w+)\.weight$")
@@ -124,6 +128,8 @@ def iterate_gguf(path: str, names: dict[str, str | list[str]], hf_config: Any,
         kind = tensor.name.split(".")[-2]
         if arch in PERMUTED_QK_ARCHITECTURES and kind in heads:
             weight = unpermute_qk(weight, heads[kind])
+        if arch in NORM_OFFSET_ARCHITECTURES and "norm.weight" in tensor.name:
+            weight = weight - 1
         if isinstance(target, str):
             yield target, _tensor(weight)
             continue

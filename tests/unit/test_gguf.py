@@ -3,7 +3,10 @@ tests/gguf_reference.py (llama.cpp's renaming and q/k permutation, F32, Q8_0 or 
 by transformers: the weights must be equal exactly, on one rank and on both of tensor_parallel_size=2. The tokenizer
 built from the file and what is refused are checked here too; the engine is in tests/engine/test_gguf_engine.py.
 A rope-scaled Llama (llama3 as llama.cpp stores it: rope_freqs.weight; linear: rope.scaling metadata), written F32,
-is compared with transformers' model of the ORIGINAL checkpoint (transformers' own GGUF reader drops the scaling)."""
+is compared with transformers' model of the ORIGINAL checkpoint (transformers' own GGUF reader drops the scaling).
+Gemma 2, Gemma 3 (text) and Phi-3 files: quantized ones give transformers' logits of the same file (Gemma's norms
+stored plus one by llama.cpp); F32 ones with the keys transformers' reader drops (Gemma 2's softcapping, Gemma 3's
+global rope scaling, Phi-3's partial rotary and sliding window) give the original checkpoint's."""
 
 from __future__ import annotations
 
@@ -27,6 +30,8 @@ from asyncllm.models.registry import get_model_class
 from asyncllm.models.rotary import compute_inv_freq
 
 CPU = torch.device("cpu")
+GEMMA_AS_READ = {"query_pre_attn_scalar": 256}  # transformers' default; no GGUF key holds it
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 CASES = {  # tiny arch, its overrides, stored type of 2-D weights
     "llama-q8_0": ("llama", {}, GGMLQuantizationType.Q8_0),
     "llama-f32": ("llama", {}, GGMLQuantizationType.F32),
@@ -34,7 +39,13 @@ CASES = {  # tiny arch, its overrides, stored type of 2-D weights
     "qwen2-tied-q8_0": ("qwen2", {"tie_word_embeddings": True}, GGMLQuantizationType.Q8_0),  # no output.weight
     # transformers reads no head_dim from a qwen3 GGUF (its default, 128, is every Qwen3's)
     "qwen3-q8_0": ("qwen3", {"head_dim": 128}, GGMLQuantizationType.Q8_0),
+    # what transformers' reader gives a Gemma (its defaults), so that its model of the file is the original's
+    "gemma2-q8_0": ("gemma2", {**GEMMA_AS_READ, "attn_logit_softcapping": 50.0}, GGMLQuantizationType.Q8_0),
+    "gemma2-f16": ("gemma2", {**GEMMA_AS_READ, "attn_logit_softcapping": 50.0}, GGMLQuantizationType.F16),
+    "gemma3-q4_0": ("gemma3", GEMMA_AS_READ, GGMLQuantizationType.Q4_0),
+    "phi3-q8_0": ("phi3", {"rope_parameters": DEFAULT_ROPE}, GGMLQuantizationType.Q8_0),  # no LongRoPE
 }
+NEW_FAMILIES = ("gemma2-q8_0", "gemma3-q4_0", "phi3-q8_0")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +69,7 @@ def _expected(hf: dict[str, torch.Tensor], name: str, rank: int, tp: int) -> tor
     """transformers' tensor(s) behind our parameter ``name``, rank ``rank``'s slice of them."""
     fused = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
     for target, parts in fused.items():
-        if f".{target}." in name:
+        if f".{target}." in name and name not in hf:  # Phi-3's are fused in transformers too
             return torch.cat([hf[name.replace(target, part)].chunk(tp)[rank] for part in parts])
     weight = hf[name]
     if any(f".{row}." in name for row in ("o_proj", "down_proj")):
@@ -125,16 +136,17 @@ def test_quantization_must_match_the_model(gguf_files, tiny_llama: str) -> None:
 
 
 def _bare_gguf(path: str, arch: str, strings: dict[str, str] | None = None, floats: dict[str, float] | None = None,
-               rope_freqs: bool = False) -> str:
-    """A GGUF file of metadata only (and a rope_freqs tensor): enough for what is refused before transformers."""
+               rope_freqs: bool = False, tensors: tuple[str, ...] = ()) -> str:
+    """A GGUF file of metadata only (and a rope_freqs tensor, or ``tensors`` of 8 ones): enough for what is refused
+    before transformers."""
     writer = GGUFWriter(path, arch)
     writer.add_block_count(1)
     for key, value in (strings or {}).items():
         writer.add_string(key, value)
     for key, value in (floats or {}).items():
         writer.add_float32(key, value)
-    if rope_freqs:
-        writer.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
+    for name in ("rope_freqs.weight",) * rope_freqs + tensors:
+        writer.add_tensor(name, np.ones(8, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -142,9 +154,10 @@ def _bare_gguf(path: str, arch: str, strings: dict[str, str] | None = None, floa
     return path
 
 
-def test_other_gguf_architectures_are_not_built(tmp_path) -> None:
-    with pytest.raises(NotBuiltError, match="'phi3' architecture"):
-        load_hf_config(_bare_gguf(str(tmp_path / "phi.gguf"), "phi3"))
+@pytest.mark.parametrize("arch", ["starcoder2", "gemma", "phi2"])
+def test_other_gguf_architectures_are_not_built(tmp_path, arch: str) -> None:
+    with pytest.raises(NotBuiltError, match=f"'{arch}' architecture"):
+        load_hf_config(_bare_gguf(str(tmp_path / f"{arch}.gguf"), arch))
 
 
 @pytest.mark.parametrize("arch, strings, floats, rope_freqs, message", [
@@ -178,8 +191,9 @@ def scaled(tiny_llama: str, tmp_path_factory) -> dict[str, tuple[str, str]]:
 
 
 def _paged_logits(model: torch.nn.Module, hf_config, sequences: list[list[int]]) -> list[torch.Tensor]:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     run = PagedRun(model, sequences)
-    run.new_kv_caches(hf_config.num_hidden_layers, hf_config.num_key_value_heads, hf_config.head_dim, torch.float32)
+    run.new_kv_caches(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim, torch.float32)
     return run.run([[20, len(sequences[1])], [len(sequences[0]) - 20, 0]])
 
 
@@ -237,3 +251,80 @@ def test_a_mixture_of_experts_file_equals_the_original_checkpoint(arch: str, tmp
     logits = run.run([[20, len(SEQUENCES[1])], [len(SEQUENCES[0]) - 20, 0]])
     for seq, got in zip(SEQUENCES, logits):
         torch.testing.assert_close(got, hf_logits(original, seq), atol=1e-4, rtol=0)
+
+
+# ------------------------------------------------------------------ Gemma 2, Gemma 3 (text), Phi-3
+@pytest.mark.parametrize("case", NEW_FAMILIES)
+def test_gemma_and_phi3_logits_equal_transformers_from_the_same_file(gguf_files, case: str) -> None:
+    """Quantized files (Q8_0, Q4_0): the logits at every position equal transformers' model of the same file (both
+    dequantize with gguf; a Gemma file's norms lose llama.cpp's +1, Phi-3's fused qkv / gate_up load as fused)."""
+    path = gguf_files[case]
+    hf_config = load_hf_config(path)
+    for seq, got in zip(SEQUENCES, _paged_logits(_load(path, 0, 1), hf_config, SEQUENCES)):
+        want = hf_logits(path, seq)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+DROPPED = {  # case -> (tiny arch, overrides): keys llama.cpp writes and reads, transformers' GGUF reader drops
+    "gemma2-softcapping": ("gemma2", GEMMA_AS_READ),  # attn_logit_softcapping 5.0 (transformers: 50.0)
+    "gemma3-global-rope": ("gemma3", {**GEMMA_AS_READ, "num_layers": 6,  # llama.cpp's pattern: layer 5 is global
+                                      "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}),
+    "phi3-partial-rotary-window": ("phi3", {"rope_parameters": {**DEFAULT_ROPE, "partial_rotary_factor": 0.75},
+                                            "sliding_window": 8}),
+}
+
+
+@pytest.mark.parametrize("case", list(DROPPED))
+def test_keys_transformers_drops_are_read_as_llama_cpp_reads_them(case: str, tmp_path) -> None:
+    """F32 files of checkpoints with Gemma 2's softcapping, Gemma 3's linear rope on its global layers (factor 8)
+    and Phi-3's partial rotary and sliding window: the logits equal the ORIGINAL checkpoint's, where transformers'
+    own model of the file (which drops those keys) differs."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    arch, overrides = DROPPED[case]
+    original = tiny_checkpoint(arch, **overrides)
+    path = write_gguf(original, str(tmp_path / f"{case}.gguf"), arch, GGMLQuantizationType.F32)
+    for seq, got in zip(SEQUENCES, _paged_logits(_load(path, 0, 1), load_hf_config(path), SEQUENCES)):
+        torch.testing.assert_close(got, hf_logits(original, seq), atol=1e-4, rtol=0)
+    assert float((hf_logits(path, SEQUENCES[0]) - hf_logits(original, SEQUENCES[0])).abs().max()) > 1e-2
+
+
+def test_gemma3_scales_the_global_layers_rope_only(tmp_path) -> None:
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = write_gguf(tiny_checkpoint("gemma3"), str(tmp_path / "gemma3.gguf"), "gemma3", GGMLQuantizationType.F32)
+    rope = load_hf_config(path).rope_parameters
+    assert rope["full_attention"] == {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0}
+    assert rope["sliding_attention"] == {"rope_type": "default", "rope_theta": 1e4}
+
+
+def _gemma_header(path: str, arch: str, layers: int, hidden: int, heads: int) -> str:
+    """A Gemma GGUF file of metadata only, enough for transformers' config reader."""
+    writer = GGUFWriter(path, arch)
+    for add, value in ((writer.add_block_count, layers), (writer.add_embedding_length, hidden),
+                       (writer.add_head_count, heads), (writer.add_head_count_kv, heads // 2),
+                       (writer.add_key_length, 128), (writer.add_value_length, 128),
+                       (writer.add_feed_forward_length, 4 * hidden), (writer.add_vocab_size, 512)):
+        add(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("arch, layers, hidden, heads, scalar", [
+    ("gemma2", 46, 4608, 32, 144), ("gemma3", 62, 5376, 32, 168),  # the 27B models: hidden / heads
+    ("gemma2", 42, 3584, 16, 256), ("gemma3", 48, 3840, 16, 256),  # 9B, 12B: transformers' default
+])
+def test_a_27b_gemma_scales_queries_as_llama_cpp(tmp_path, arch, layers, hidden, heads, scalar) -> None:
+    path = _gemma_header(str(tmp_path / f"{arch}.gguf"), arch, layers, hidden, heads)
+    assert load_hf_config(path).query_pre_attn_scalar == scalar
+
+
+def test_longrope_is_not_built(tmp_path) -> None:
+    path = _bare_gguf(str(tmp_path / "phi3.gguf"), "phi3", tensors=("rope_factors_long.weight",
+                                                                  "rope_factors_short.weight"))
+    with pytest.raises(NotBuiltError, match="LongRoPE scaling \\(rope_factors_long.weight, rope_factors_short"):
+        load_hf_config(path)
