@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mm_utils import random_model
 
-__all__ = ["BOI", "hf_gemma3_greedy", "hf_gemma3_prompt", "make_tiny_gemma3_mm"]
+__all__ = ["BOI", "hf_gemma3_greedy", "hf_gemma3_pan_and_scan_greedy", "hf_gemma3_prompt", "make_tiny_gemma3_mm"]
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 TOKENS_PER_IMAGE = 16
@@ -77,7 +77,7 @@ def hf_gemma3_greedy(path: str, text: str, images: list[bytes], max_new_tokens: 
     image row causal, to show the mask matters)."""
     import torch
     from PIL import Image
-    from transformers import AutoImageProcessor, AutoModelForImageTextToText, AutoTokenizer
+    from transformers import AutoImageProcessor, AutoTokenizer
 
     prompt = hf_gemma3_prompt(path, text, add_special_tokens)
     input_ids = torch.tensor([prompt])
@@ -89,7 +89,32 @@ def hf_gemma3_greedy(path: str, text: str, images: list[bytes], max_new_tokens: 
         if bidirectional:
             soft = AutoTokenizer.from_pretrained(path).convert_tokens_to_ids(SOFT)
             inputs["token_type_ids"] = (input_ids == soft).long()
+    return prompt, _hf_generate(path, inputs, max_new_tokens)
+
+
+def hf_gemma3_pan_and_scan_greedy(path: str, text: str, images: list[bytes], max_new_tokens: int,
+                                  bidirectional: bool = True) -> tuple[list[int], list[int]]:
+    """transformers' (prompt ids, greedy tokens) through its ``Gemma3Processor`` with ``do_pan_and_scan=True``: its
+    text around each image's crops, its pixels and its ``token_type_ids`` (left out with ``bidirectional=False``)."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, AutoTokenizer, Gemma3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(path, extra_special_tokens={"boi_token": BOI, "eoi_token": EOI,
+                                                                          "image_token": SOFT})
+    processor = Gemma3Processor(AutoImageProcessor.from_pretrained(path), tokenizer, image_seq_length=TOKENS_PER_IMAGE)
+    pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+    inputs = dict(processor(text=[text], images=[pil], do_pan_and_scan=True, return_tensors="pt"))
+    inputs.pop("num_crops", None)
+    if not bidirectional:
+        inputs.pop("token_type_ids")
+    return inputs["input_ids"][0].tolist(), _hf_generate(path, inputs, max_new_tokens)
+
+
+def _hf_generate(path: str, inputs: dict, max_new_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForImageTextToText
+
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    return prompt, out[0, len(prompt):].tolist()
+    return out[0, inputs["input_ids"].shape[1]:].tolist()

@@ -14,6 +14,8 @@ across requests by item hash. A model family adds only its model file
 processed values, as LLaVA-NeXT's original image size; optionally ``mm_placeholder_ids``
 and ``mm_text_rows`` for placeholder runs with text tokens inside them, as Mistral 3's
 row breaks and InternVL's wrappers, ``mm_image_pieces`` for an image made of several items with text between
-them (Idefics3's tiles), ``mm_processor_call_kwargs``, and
+them (Idefics3's tiles; Gemma 3's pan-and-scan crops, when ``mm_image_tiled`` says its image processor makes
+them), ``mm_processor_defaults`` for image processor settings a checkpoint leaves None, ``mm_processor_call_kwargs``,
+and
 ``mm_video_token_id`` / ``mm_video_pieces`` / ``video_settings`` for videos).
 """

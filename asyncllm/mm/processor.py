@@ -126,12 +126,16 @@ def _part_value(part: dict[str, Any], kind: str, field: str) -> Any:
     return value
 
 
-def load_image_processor(model_path: str, overrides: dict[str, Any]) -> Any:
-    """The checkpoint's HF image processor with ``mm_processor_kwargs`` applied; a `ConfigError` names a key that
+def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: dict[str, Any] | None = None) -> Any:
+    """The checkpoint's HF image processor with ``mm_processor_kwargs`` applied, then ``defaults`` for the settings
+    it leaves None (Gemma 3's pan-and-scan bounds, which its HF processor passes); a `ConfigError` names a key that
     changes nothing (transformers drops unknown ones without a word)."""
     from transformers import AutoImageProcessor
 
     processor = AutoImageProcessor.from_pretrained(model_path, **overrides)
+    for key, value in (defaults or {}).items():
+        if getattr(processor, key, None) is None:
+            setattr(processor, key, value)
     if overrides:
         plain = AutoImageProcessor.from_pretrained(model_path).to_dict()
         for key, value in overrides.items():
@@ -191,7 +195,10 @@ class MultiModalProcessor:
                                                                        "processor (its audio features follow the checkpoint)")
         self._model_path = model_path
         self._engine_overrides = dict(processor_kwargs or {})
-        self.image_processor = load_image_processor(model_path, self._engine_overrides) if takes_images else None
+        self._processor_defaults: dict[str, Any] = getattr(model_cls, "mm_processor_defaults", {})
+        """Image processor settings the model's HF processor passes where the image processor has none."""
+        self.image_processor = (load_image_processor(model_path, self._engine_overrides, self._processor_defaults)
+                                if takes_images else None)
         self._request_processors: OrderedDict[str, Any] = OrderedDict()
         """Image processors of requests' ``mm_processor_kwargs`` (by their JSON), the last few used."""
         self.tokenizer = tokenizer
@@ -296,13 +303,11 @@ class MultiModalProcessor:
             self._join(expanded, token_ids[previous:slot])
             index, seen[kind] = seen[kind], seen[kind] + 1
             value, uuid = media[kind][0][index], media[kind][1][index]
-            if kind == "image" and self._image_pieces is not None:
+            if kind == "image" and self._tiled(overrides):
                 self._tiled_image(value, uuid, f"{field}[{index}]", expanded, items, inline, overrides)
             elif kind == "image":
                 self._join(expanded, before)
-                item = self._item(value, uuid, f"{field}[{index}]", len(expanded), inline, overrides)
-                if self._bidirectional:
-                    item = msgspec.structs.replace(item, bidirectional=[0, item.length])
+                item = self._marked(self._item(value, uuid, f"{field}[{index}]", len(expanded), inline, overrides))
                 expanded += self._placeholder_ids(item) + after
                 items.append(item)
             elif kind == "audio":
@@ -321,6 +326,18 @@ class MultiModalProcessor:
             expanded[-1] = self._merges[(expanded[-1], tokens[0])]
             tokens = tokens[1:]
         expanded += tokens
+
+    def _tiled(self, overrides: dict[str, Any]) -> bool:
+        """Whether an image becomes several items (`mm_image_pieces`): always for Idefics3's tiles, for Gemma 3 when
+        its image processor (with ``overrides``) pans and scans (the model's ``mm_image_tiled``)."""
+        if self._image_pieces is None:
+            return False
+        tiled = getattr(self._model_cls, "mm_image_tiled", None)
+        return tiled is None or bool(tiled(self._processor_for(overrides)))
+
+    def _marked(self, item: MultiModalItem) -> MultiModalItem:
+        """``item`` with its rows marked to attend to each other both ways, if the model's images' do."""
+        return msgspec.structs.replace(item, bidirectional=[0, item.length]) if self._bidirectional else item
 
     def _placeholder_ids(self, item: MultiModalItem) -> list[int]:
         """An image's placeholder tokens: the model's layout (``mm_placeholder_ids``: Mistral 3's rows), else one
@@ -386,14 +403,15 @@ class MultiModalProcessor:
                 self._layouts.popitem(last=False)
         self._layouts.move_to_end(key)
         for index, piece in enumerate(pieces):
-            expanded += piece.before
+            self._join(expanded, piece.before)
             piece_key = overridden_key(key, {"piece": index})
             item = self._lookup(piece_key, len(expanded), inline)
             if item is None:
                 tiles = self._model_cls.mm_pixel_values(process()) if tiles is None else tiles
                 item = self._record(piece_key, len(expanded), tiles[piece.frames], inline)
+            item = self._marked(item)
             items.append(item)
-            expanded += [self.image_token_id] * item.length + piece.after
+            expanded += self._placeholder_ids(item) + piece.after
 
     def _video(self, value: VideoInput, uuid: str | None, field: str, expanded: list[int],
                items: list[MultiModalItem], inline: bool) -> None:
@@ -465,8 +483,8 @@ class MultiModalProcessor:
         name = json.dumps(overrides, sort_keys=True, default=str)
         if name not in self._request_processors:
             try:
-                self._request_processors[name] = load_image_processor(self._model_path,
-                                                                      {**self._engine_overrides, **overrides})
+                self._request_processors[name] = load_image_processor(
+                    self._model_path, {**self._engine_overrides, **overrides}, self._processor_defaults)
             except ConfigError as exc:
                 raise InvalidRequestError("prompt.mm_processor_kwargs", f"{exc.field}={exc.value!r}: {exc.allowed}") \
                     from exc

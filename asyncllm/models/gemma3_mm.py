@@ -9,7 +9,11 @@ it; newline tokens on either side merge as its tokenizer would have merged them 
 image's rows attend to each other both ways in the prefill (transformers' block mask over
 ``token_type_ids``): its item says so (``bidirectional``), the scheduler never ends a prefill chunk inside
 it and the attention backends get each query's last visible position (``attend_limit``; docs/gemma.md).
-Pan-and-scan crops are not built.
+
+With pan-and-scan (``mm_processor_kwargs={"do_pan_and_scan": True}``) the image processor adds crops of a wide or
+tall image to the whole one; each is its own item of 256 both-ways rows, and the prompt holds the text
+``Gemma3Processor`` writes around them ("Here is the original image ... and here are some crops to help you see
+better ...": `mm_image_pieces`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
+from asyncllm.mm.qwen_video import VideoPiece
 from asyncllm.models.gemma3 import Gemma3ForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import normalize_llava_name
@@ -31,6 +36,8 @@ from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, 
 __all__ = ["Gemma3ForConditionalGeneration", "newline_merges"]
 
 _MAX_NEWLINES = 32
+_ORIGINAL, _CROPS = "Here is the original image ", " and here are some crops to help you see better "
+"""``Gemma3Processor``'s text before the whole image and before its pan-and-scan crops."""
 
 
 def newline_merges(tokenizer: Any) -> dict[tuple[int, int], int]:
@@ -81,6 +88,9 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
     """The tower and projector are whole on every rank in either mode, so "data" splits a step's images."""
     mm_bidirectional = True
     """An image's rows attend to each other both ways in the prefill (`asyncllm.protocol.MultiModalItem`)."""
+    mm_processor_defaults = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
+                             "pan_and_scan_min_ratio_to_activate": 1.2}
+    """What ``Gemma3Processor`` passes its image processor for the pan-and-scan settings a checkpoint leaves null."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
@@ -110,13 +120,29 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         return newline_merges(tokenizer)
 
     @staticmethod
+    def mm_image_tiled(image_processor: Any) -> bool:
+        """Whether an image becomes the whole one and its crops (`mm_image_pieces`): with ``do_pan_and_scan``."""
+        return bool(getattr(image_processor, "do_pan_and_scan", False))
+
+    @staticmethod
     def mm_pixel_values(processed: Any) -> np.ndarray:
-        """One image's processor output -> its ``[3, S, S]`` float32 pixels; pan-and-scan crops are refused."""
-        pixels = processed["pixel_values"]
-        if len(pixels) != 1:
-            raise NotBuiltError("mm_processor_kwargs.do_pan_and_scan", True,
-                                "Gemma 3 images without pan-and-scan crops")
-        return pixels[0].astype("float32", copy=False)
+        """One image's processor output -> its ``[1 + crops, 3, S, S]`` float32 pixels (the whole image first)."""
+        return processed["pixel_values"].astype("float32", copy=False)
+
+    @staticmethod
+    def mm_image_pieces(hf_config: Any, tokenizer: Any, processed: Any) -> list[VideoPiece]:
+        """With pan-and-scan: the whole image's piece and one per crop, with ``Gemma3Processor``'s text around them
+        (``"Here is the original image "``, the image, ``" and here are some crops to help you see better "``, the
+        crops joined by ``" "``; each ``"\\n\\n<start_of_image>"``, its rows, ``"<end_of_image>\\n\\n"``), tokenized
+        as its tokenizer reads that text. An image left whole is one piece, as without pan-and-scan."""
+        crops = int(np.asarray(processed["num_crops"]).reshape(-1)[0])
+        before, after = Gemma3ForConditionalGeneration.mm_image_text(hf_config, tokenizer)
+        if not crops:
+            return [VideoPiece(before, slice(0, 1), after)]
+        boi, eoi = tokenizer.convert_ids_to_tokens([int(hf_config.boi_token_index), int(hf_config.eoi_token_index)])
+        texts = [f"{_ORIGINAL}\n\n{boi}", f"{eoi}\n\n{_CROPS}\n\n{boi}"] + [f"{eoi}\n\n \n\n{boi}"] * (crops - 1)
+        ids = [[int(t) for t in tokenizer.encode(text, add_special_tokens=False)] for text in texts]
+        return [VideoPiece(ids[i], slice(i, i + 1), after if i == crops else []) for i in range(crops + 1)]
 
     @staticmethod
     def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
@@ -128,8 +154,8 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         return [int(hf_config.image_token_index)] * int(hf_config.mm_tokens_per_image)
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[N, 3, S, S]`` images -> ``[N, mm_tokens_per_image, text hidden]``."""
-        return self.multi_modal_projector(self.vision_tower(pixel_values))
+        """``[N, 1, 3, S, S]`` images or crops -> ``[N, mm_tokens_per_image, text hidden]``."""
+        return self.multi_modal_projector(self.vision_tower(pixel_values.flatten(0, 1)))
 
     # ---- weights
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
