@@ -96,3 +96,18 @@ CODE_PROMPTS = [  # code, as the bundled model was trained on; 22, 36, 65 and 13
     "for i in range(10):\n    print(i)\n",
 ]
 """Prompts for the bundled model (asyncllm.bundled): its accuracy tests score these."""
+
+
+async def assert_chat_image_part_equals_transformers(engine: AsyncEngine, image: bytes, hf_greedy) -> None:
+    """An OpenAI ``image_url`` chat part before a text part: prompt ids and 8 greedy tokens equal
+    ``hf_greedy(None, [image], 8, messages=...)``'s (transformers' processor rendering ``{"type": "image"}``)."""
+    from asyncllm import SamplingParams
+
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
+                                             {"type": "text", "text": "what is this?"}]}]
+    stream = engine.chat(messages, SamplingParams(max_tokens=8, temperature=0.0))
+    tokens = [token for delta in [d async for d in stream] for token in delta.token_ids]
+    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
+    hf_prompt, hf_tokens = hf_greedy(None, [image], 8, messages=hf_messages)
+    assert stream.collector.prompt_token_ids == hf_prompt
+    assert tokens == hf_tokens

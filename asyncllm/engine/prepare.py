@@ -117,7 +117,9 @@ def prepare(config: EngineConfig) -> Prepared:
         mm_config = config.multimodal_config
         limits = mm_config.limit_mm_per_prompt or {}
         for kind in ("video", "audio"):
-            if limits.get(kind) and not hasattr(model_cls, f"mm_{kind}_token_id"):
+            if limits.get(kind) and getattr(model_cls, f"mm_{kind}_token_id", None) is None:
+                if kind in getattr(model_cls, "mm_kinds_not_built", ()):  # GLM-4.1V's videos
+                    raise NotBuiltError(f"limit_mm_per_prompt.{kind}", limits[kind], f"{arch}'s {kind} inputs")
                 raise ConfigError(f"limit_mm_per_prompt.{kind}", limits[kind], f"0: {arch} takes no {kind}s")
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type,

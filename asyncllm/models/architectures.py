@@ -79,9 +79,10 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration",
                             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                             "Gemma4ForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
-                            "AudioFlamingo3ForConditionalGeneration")
+                            "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
+                            "Glm4vMoeForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
-by M-RoPE (asyncllm/models/mrope.py) and take videos too."""
+by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only)."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration")
 """Of those, the ones that take audio (and no images: docs/multimodal.md#audio)."""
 TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",

@@ -144,6 +144,8 @@ _MODELS = LazyClasses({
     "Qwen2_5_VLForConditionalGeneration": "qwen2_vl:Qwen2VLForConditionalGeneration",
     "Qwen3VLForConditionalGeneration": "qwen2_vl:Qwen3VLForConditionalGeneration",
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
+    "Glm4vForConditionalGeneration": "glm4v:Glm4vForConditionalGeneration",
+    "Glm4vMoeForConditionalGeneration": "glm4v:Glm4vMoeForConditionalGeneration",
     "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM": "deepseek:Glm4MoeLiteForCausalLM",

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 import pytest_asyncio
+from engine_helpers import assert_chat_image_part_equals_transformers
 from qwen_vl_utils import IMAGE_PAD, IMAGE_PLACEHOLDER, hf_qwen_vl_greedy, make_image, make_tiny_qwen_vl
 
 from asyncllm import AsyncEngine, SamplingParams
@@ -65,15 +66,8 @@ async def test_images_of_different_sizes_in_a_batch_with_text_and_a_prefix_hit_m
 
 
 async def test_chat_messages_with_image_parts_match_transformers(engine, qwen25_vl):
-    image = make_image(90, 90, seed=5)
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
-                                             {"type": "text", "text": "what is this?"}]}]
-    stream = engine.chat(messages, GREEDY)
-    tokens = [token for delta in [d async for d in stream] for token in delta.token_ids]
-    hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
-    hf_prompt, hf_tokens = hf_qwen_vl_greedy(qwen25_vl, None, [image], 8, messages=hf_messages)
-    assert stream.collector.prompt_token_ids == hf_prompt
-    assert tokens == hf_tokens
+    await assert_chat_image_part_equals_transformers(
+        engine, make_image(90, 90, seed=5), lambda *args, **kwargs: hf_qwen_vl_greedy(qwen25_vl, *args, **kwargs))
 
 
 async def test_qwen3_vl_deepstack_and_interleaved_mrope_match_transformers(tmp_path_factory):
