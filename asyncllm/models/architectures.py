@@ -69,7 +69,8 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "Llama4ForConditionalGeneration", "NemotronHForCausalLM", "Lfm2MoeForCausalLM",
                      "JambaForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Gemma4ForCausalLM",
                      "Gemma4ForConditionalGeneration", "ExaoneMoeForCausalLM", "GraniteMoeSharedForCausalLM",
-                     "FlexOlmoForCausalLM", "PhimoeForCausalLM", "DbrxForCausalLM")
+                     "FlexOlmoForCausalLM", "PhimoeForCausalLM", "DbrxForCausalLM",
+                     "Glm4vMoeForConditionalGeneration")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                             "LlavaOnevisionForConditionalGeneration", "Idefics3ForConditionalGeneration",

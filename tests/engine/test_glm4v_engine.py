@@ -121,14 +121,16 @@ async def test_videos_lora_and_pipeline_parallelism_are_refused(engine, glm4v):
                 pass
 
 
-async def test_glm45v_moe_decoder_matches_transformers(tmp_path):
-    """GLM-4.5V (``Glm4vMoeForConditionalGeneration``): two images across 8-token chunks beside a text-only request."""
+@pytest.mark.parametrize("parallel", [{}, dict(tensor_parallel_size=2, enable_expert_parallel=True)])
+async def test_glm45v_moe_decoder_matches_transformers(tmp_path, parallel: dict):
+    """GLM-4.5V (``Glm4vMoeForConditionalGeneration``): two images across 8-token chunks beside a text-only request;
+    on one rank, and on two with the experts split by expert."""
     path = make_tiny_glm4v(tmp_path / "glm4v_moe", moe=True)
     images = [make_image(60, 200, seed=2), make_image(120, 90, seed=1)]
     text = f"{IMAGE_PLACEHOLDER} then {IMAGE_PLACEHOLDER} and the end"
     prompts = [{"prompt": text, "images": images}, "a text prompt with no image at all"]
     async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
-                           max_num_seqs=4) as engine:
+                           max_num_seqs=4, **parallel) as engine:
         outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
     hf_prompt, hf_tokens = hf_glm4v_greedy(path, text, images, 8)
     _, hf_text = hf_glm4v_greedy(path, prompts[1], [], 8)
