@@ -154,6 +154,8 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     kv, inter = kv_heads(hf_config) * head_dim, mlp_width(hf_config)  # under each family's config fields
     shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
     arch = _architecture(hf_config)
+    if getattr(hf_config, "model_type", None) == "glm4v_text":  # GLM-4.1V's decoder: GLM-4's fused gate-up
+        arch = "Glm4ForCausalLM"
     if arch in FUSED_LORA_ARCHITECTURES:
         return {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter), **shared}
     mlp = ({"gate_up_proj": (hidden, 2 * inter)} if arch in FUSED_MLP_LORA_ARCHITECTURES

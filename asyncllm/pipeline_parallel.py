@@ -54,6 +54,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Mistral3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
                           "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration",
                           "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                          "Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
                           # audio-text: the audio encoder on the first stage
                           "Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration")
 """The causal LMs on `LlamaForCausalLM`'s decoder stack (embeddings, layers passing (hidden, residual), final

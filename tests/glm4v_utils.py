@@ -97,9 +97,11 @@ def hf_glm4v_inputs(path: str, text: str, images: list[bytes], add_special_token
 
 
 def hf_glm4v_greedy(path: str, text: str | None, images: list[bytes], max_new_tokens: int,
-                    messages: list | None = None, position_ids=None) -> tuple[list[int], list[int]]:
+                    messages: list | None = None, position_ids=None, adapter: str | None = None
+                    ) -> tuple[list[int], list[int]]:
     """transformers' (prompt ids, greedy tokens) for a text with image placeholders (or chat messages), its
-    processor expanding them; ``position_ids``: given to the model instead of its M-RoPE positions."""
+    processor expanding them; ``position_ids``: given to the model instead of its M-RoPE positions; ``adapter``: a
+    PEFT adapter folder the model runs with."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoTokenizer
 
@@ -110,6 +112,10 @@ def hf_glm4v_greedy(path: str, text: str | None, images: list[bytes], max_new_to
     if position_ids is not None:
         inputs["position_ids"] = position_ids
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     prompt_ids = inputs["input_ids"][0].tolist()

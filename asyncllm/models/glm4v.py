@@ -71,6 +71,15 @@ class Glm4vForConditionalGeneration(Qwen2VLForConditionalGeneration):
     mm_kinds_not_built = ("video",)
     """Inputs the family has and asyncllm does not build: ``limit_mm_per_prompt`` for them is a `NotBuiltError`."""
 
+    @property
+    def fused_parts(self) -> dict[str, list[tuple[object, int]]]:
+        """The decoder's fused gate-up rows, which LoRA adapters of it hold fused too (asyncllm/models/lora.py)."""
+        return getattr(self.language_model, "fused_parts", {})
+
+    def lora_b_rows(self, name: str, weight: Any) -> Any:
+        """An adapter's q / k B rows reordered as the decoder's rotary rows are (GLM's interleaved pairs)."""
+        return self.language_model.lora_b_rows(name, weight)
+
 
 class Glm4vMoeLanguageModel(_MRopeBuild, Glm4MoeForCausalLM):
     model_cls = Qwen2VLTextModel

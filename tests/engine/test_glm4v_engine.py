@@ -109,16 +109,45 @@ def _table_at(tower, positions):
     return table[rows * side + cols]
 
 
-async def test_videos_lora_and_pipeline_parallelism_are_refused(engine, glm4v):
+async def test_videos_are_refused(engine, glm4v):
     image = make_image(60, 60, seed=4)
     with pytest.raises(InvalidRequestError, match="takes no videos"):
         await engine.generate({"prompt": f"{IMAGE_PLACEHOLDER}", "images": [image], "videos": [[image]]}, GREEDY)
-    for fields, match in [(dict(limit_mm_per_prompt={"image": 1, "video": 1}), "video inputs"),
-                          (dict(enable_lora=True), "LoRA adapters for Glm4vForConditionalGeneration"),
-                          (dict(pipeline_parallel_size=2), "pipeline parallelism for Glm4vForConditionalGeneration")]:
-        with pytest.raises(NotBuiltError, match=match):
-            async with AsyncEngine(glm4v, disable_log_stats=True, **fields):
-                pass
+    with pytest.raises(NotBuiltError, match="video inputs"):
+        async with AsyncEngine(glm4v, disable_log_stats=True, limit_mm_per_prompt={"image": 1, "video": 1}):
+            pass
+
+
+@pytest.mark.parametrize("moe", [False, True])
+async def test_two_pipeline_stages_match_transformers(tmp_path, moe: bool):
+    """The tower on the first stage, one decoder layer (GLM-4's, or GLM-4.5's experts) on each."""
+    path = make_tiny_glm4v(tmp_path / "glm4v", moe=moe)
+    images, text = [make_image(60, 200, seed=2)], f"{IMAGE_PLACEHOLDER} and the end"
+    async with AsyncEngine(path, pipeline_parallel_size=2, disable_log_stats=True, block_size=4,
+                           max_num_batched_tokens=BUDGET) as engine:
+        out = await engine.generate({"prompt": text, "images": images}, GREEDY)
+    assert out.outputs[0].token_ids == hf_glm4v_greedy(path, text, images, 8)[1]
+
+
+async def test_lora_adapters_on_the_decoder_equal_peft(glm4v, tmp_path):
+    """PEFT's adapter of every decoder projection (GLM's fused gate-up, q / k rows reordered as the interleaved
+    rotary's): with an image, batched with the base model, PEFT's tokens and transformers'."""
+    from lora_utils import make_adapter
+    from transformers import Glm4vForConditionalGeneration
+
+    from asyncllm import LoRARequest
+
+    adapter = make_adapter(glm4v, str(tmp_path / "adapter"), seed=3, rank=4, alpha=8,
+                           targets=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_up_proj|down_proj)",
+                           auto_class=Glm4vForConditionalGeneration)
+    images, text = [make_image(60, 200, seed=2)], f"{IMAGE_PLACEHOLDER} and the end"
+    prompt = {"prompt": text, "images": images}
+    async with AsyncEngine(glm4v, enable_lora=True, disable_log_stats=True, block_size=4,
+                           max_num_batched_tokens=BUDGET) as engine:
+        adapted, base = await asyncio.gather(
+            engine.generate(prompt, GREEDY, lora_request=LoRARequest("glm", 1, adapter)), engine.generate(prompt, GREEDY))
+    assert adapted.outputs[0].token_ids == hf_glm4v_greedy(glm4v, text, images, 8, adapter=adapter)[1]
+    assert base.outputs[0].token_ids == hf_glm4v_greedy(glm4v, text, images, 8)[1] != adapted.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("parallel", [{}, dict(tensor_parallel_size=2, enable_expert_parallel=True)])
