@@ -202,7 +202,9 @@ class MultiModalProcessor:
         self._request_processors: OrderedDict[str, Any] = OrderedDict()
         """Image processors of requests' ``mm_processor_kwargs`` (by their JSON), the last few used."""
         self.tokenizer = tokenizer
-        self.image_token_id: int | None = model_cls.mm_placeholder_token_id(hf_config) if takes_images else None
+        token_of = getattr(model_cls, "mm_placeholder_token_of", None)  # Aya Vision: its tokenizer's <image>
+        self.image_token_id: int | None = None if not takes_images else (
+            token_of(hf_config, tokenizer) if token_of else model_cls.mm_placeholder_token_id(hf_config))
         """The prompt token that marks an image; None: the model takes no images."""
         image_text = getattr(model_cls, "mm_image_text", None)
         self._image_text: tuple[list[int], list[int]] = image_text(hf_config, tokenizer) if image_text else ([], [])

@@ -81,7 +81,7 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                             "Gemma4ForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
                             "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
-                            "Glm4vMoeForConditionalGeneration")
+                            "Glm4vMoeForConditionalGeneration", "AyaVisionForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only)."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration")

@@ -146,6 +146,7 @@ _MODELS = LazyClasses({
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
     "Glm4vForConditionalGeneration": "glm4v:Glm4vForConditionalGeneration",
     "Glm4vMoeForConditionalGeneration": "glm4v:Glm4vMoeForConditionalGeneration",
+    "AyaVisionForConditionalGeneration": "aya_vision:AyaVisionForConditionalGeneration",
     "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM": "deepseek:Glm4MoeLiteForCausalLM",
