@@ -46,7 +46,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
               "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
               "falcon", "olmo", "jais2", "cwm", "youtu", "gemma3n", "phimoe", "minicpm3", "dbrx",
-              "zamba2")
+              "zamba2", "kimi_linear")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -319,6 +319,7 @@ def _build_config(
         "falcon": transformers.FalconConfig, "olmo": transformers.OlmoConfig, "jais2": transformers.Jais2Config,
         "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig, "phimoe": transformers.PhimoeConfig,
         "dbrx": transformers.DbrxConfig, "zamba2": transformers.Zamba2Config,
+        "kimi_linear": transformers.KimiLinearConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -377,7 +378,8 @@ def _build_model(config: Any, seed: int) -> Any:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.ndim == 1 or name.endswith(("_proj_bias", "e_score_correction_bias", "q_norm.weight",
-                                                 "k_norm.weight")):  # Command R+'s per-head norms are 2-D
+                                                 "k_norm.weight", "forget_gate.A_log")):  # Command R+'s per-head
+                # norms are 2-D; Kimi-Linear's A_log [1, 1, H, 1] (FLA's init decays by up to e^-16 a token)
                 param.normal_(mean=1.0 if "norm" in name else 0.0, std=_INIT_STD)
         for name, buffer in model.named_buffers():
             if name.endswith(("e_score_correction_bias", "expert_bias")):  # routing corrections (zeros at init)

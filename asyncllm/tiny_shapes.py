@@ -59,6 +59,12 @@ _DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
                      scale_emb=12.0, scale_depth=0.3, dim_model_base=32, rope_parameters={"rope_type": "longrope",
                      "rope_theta": 10_000.0, "original_max_position_embeddings": 64,
                      "short_factor": [1.0, 1.3, 1.8, 2.5], "long_factor": [2.0, 4.0, 8.0, 16.0]}),
+    # Kimi-Linear: a KDA layer (4 heads of 16, a decay per key channel) with the dense MLP, latent attention without
+    # positions with experts, a KDA layer with experts
+    "kimi_linear": dict({k: v for k, v in _DEEPSEEK_LATENT.items() if k != "n_routed_experts"}, num_local_experts=8,
+                        q_lora_rank=None, routed_scaling_factor=2.5, norm_topk_prob=True, num_hidden_layers=3,
+                        linear_attn_config=dict(head_dim=16, num_heads=4, short_conv_kernel_size=4, kda_layers=[1, 3],
+                                                full_attn_layers=[2])),
 }
 """DeepSeek's latent attention (V2: the full-rank query; V3: the low-rank one, YaRN with its softmax mscale, the
 interleaved rope), one dense layer, then grouped routing over 8 experts and a shared one."""

@@ -180,10 +180,11 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES, "DbrxForCausalLM", "Zamba2ForCausalLM")
+_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES, "DbrxForCausalLM", "Zamba2ForCausalLM",
+            "KimiLinearForCausalLM")
 """The state-space models without attention (Mamba, Mamba2, Falcon-Mamba), the encoders, DBRX (its fused ``Wqkv``
-and experts stored as bare matrices: not built) and Zamba2 (its shared blocks reused at several depths, each use with
-its own built-in adapters: not built) take no adapters. Every
+and experts stored as bare matrices: not built), Zamba2 (its shared blocks reused at several depths, each use with
+its own built-in adapters: not built) and Kimi-Linear (not built) take no adapters. Every
 other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
 PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; a hybrid's
 state layers take none but Qwen3.5's, an adapter naming one, Mamba2's ``in_proj`` say, is refused by name)."""

@@ -10,7 +10,8 @@ multi-head latent attention and a mixture of experts with shared experts, on the
   expanded ``q_nope . k_nope + q_rot . k_rot``); the attention's output over the cached rows, less its rotary part,
   goes through the head's value expansion ``W_UV`` before ``o_proj``. Both expansions are read from ``kv_b_proj``
   (its product with the identity, so a quantized layer's too) and kept, refreshed in place when its weight
-  changes. The rotation runs in torch before the cache write. Interleaved rotary pairs (V2; V3's
+  changes. The rotation runs in torch before the cache write (none where the build has no rotary table:
+  Kimi-Linear's latent attention, asyncllm/models/kimi_linear.py). Interleaved rotary pairs (V2; V3's
   ``rope_interleave``) are de-interleaved before the half-split rotation, which turns them by the same angles:
   q . k is unchanged. The scores' scale is ``192 ** -0.5`` times YaRN's ``mscale(factor, mscale_all_dim) ** 2``.
 - **Experts.** The first ``first_k_dense_replace`` layers are dense; the others route each token to
@@ -138,9 +139,13 @@ class DeepseekAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.q_lora else self.q_proj(hidden)
         q_nope, q_rot = q.view(tokens, heads, self.head_dim).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.latent, self.rope], dim=-1)
-        if self.interleaved:
-            q_rot, k_rot = pairs_to_halves(q_rot), pairs_to_halves(k_rot)
-        q_rot, k_rot = reference.apply_rotary(q_rot, k_rot.unsqueeze(1), positions, self.rotary_emb.cos_sin_cache)
+        if self.rotary_emb is None:  # Kimi-Linear's latent attention: no positions (its "rotary" part stays as is)
+            k_rot = k_rot.unsqueeze(1)
+        else:
+            if self.interleaved:
+                q_rot, k_rot = pairs_to_halves(q_rot), pairs_to_halves(k_rot)
+            q_rot, k_rot = reference.apply_rotary(q_rot, k_rot.unsqueeze(1), positions,
+                                                  self.rotary_emb.cos_sin_cache)
         w_uk, w_uv = self.expansions()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, latent]
         adapters = self.kv_b_proj.lora

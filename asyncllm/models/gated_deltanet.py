@@ -34,7 +34,7 @@ from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.ops import REFERENCE_OPS, ModelOps
 from asyncllm.models.row_states import DepthwiseConv, RowStates, StateRows, causal_conv, conv_step
 
-__all__ = ["GatedDeltaNet", "chunked_delta_rule", "prepare_qk"]
+__all__ = ["GatedDeltaNet", "blockwise", "chunked_delta_rule", "prepare_qk", "run_rows"]
 
 _BLOCK = 64
 """Tokens per block of `chunked_delta_rule`."""
@@ -60,10 +60,32 @@ def chunked_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     Within a block of C tokens with cumulative log decay ``c_i``: the values each token writes,
     ``u = (I + A)^-1 (beta v - beta e^c k S0)`` with ``A_ij = beta_i e^(c_i - c_j) k_i . k_j`` below the diagonal;
     the outputs ``e^c q S0 + ((q k^T) * e^(c_i - c_j), j <= i) u``; the state ``e^(c_C) S0 + (e^(c_C - c) k)^T u``."""
-    out = torch.empty_like(v)
-    for start in range(0, q.shape[0], _BLOCK):
+    return blockwise(_block, state, q, k, v, g, beta)
+
+
+def run_rows(layer: Any, step: Any, out: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor) -> None:
+    """A delta-rule layer's step into ``out``: every request's one token at once (``layer._decode``) when the step
+    only decodes (the rows' states saved for prefix caching), else its decodes and drafts by row group and each
+    prefill chunk on its own (``layer._prefill``)."""
+    if step.decode_only:
+        n = len(step.rows)
+        out[:n] = layer._decode(mixed[:n], g[:n], beta[:n], step.rows)
+        layer.states.save_decoded(step)
+        return
+    for rows, index in layer.states.positions(step):  # decodes and drafted requests
+        out[index] = layer._decode(mixed[index], g[index], beta[index], rows)
+    for row, span in layer.states.spans(step):
+        layer._prefill(mixed[span], g[span], beta[span], row, out[span])
+
+
+def blockwise(block_fn: Any, state: torch.Tensor, *tokens: torch.Tensor) -> torch.Tensor:
+    """A delta rule's output over ``T`` tokens, `_BLOCK` at a time: ``block_fn(state, q, k, v, g, beta)`` on each
+    block with heads first (``tokens``: ``q, k, v, g, beta``, tokens first; the output as ``v``)."""
+    out = torch.empty_like(tokens[2])
+    for start in range(0, tokens[0].shape[0], _BLOCK):
         block = slice(start, start + _BLOCK)
-        out[block] = _block(state, *(t[block].transpose(0, 1) for t in (q, k, v, g, beta))).transpose(0, 1)
+        out[block] = block_fn(state, *(t[block].transpose(0, 1) for t in tokens)).transpose(0, 1)
     return out
 
 
@@ -132,15 +154,7 @@ class GatedDeltaNet(nn.Module):
         beta = self.in_proj_b(hidden).sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         out = torch.zeros(tokens, self.num_v_heads, self.v_dim, dtype=hidden.dtype, device=hidden.device)
-        if step.decode_only:
-            n = len(step.rows)
-            out[:n] = self._decode(mixed[:n], g[:n], beta[:n], step.rows)
-            self.states.save_decoded(step)
-        else:
-            for rows, index in self.states.positions(step):  # decodes and drafted requests
-                out[index] = self._decode(mixed[index], g[index], beta[index], rows)
-            for row, span in self.states.spans(step):
-                self._prefill(mixed[span], g[span], beta[span], row, out[span])
+        run_rows(self, step, out, mixed, g, beta)
         normed = self.norm(out.view(-1, self.v_dim), z.view(-1, self.v_dim)).view(tokens, -1)
         return self.out_proj(normed)
 

@@ -160,6 +160,7 @@ _MODELS = LazyClasses({
     "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen3_5MoeForCausalLM",
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5MoeForConditionalGeneration",
     "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
+    "KimiLinearForCausalLM": "kimi_linear:KimiLinearForCausalLM",
     "MiniMaxM2ForCausalLM": "minimax_m2:MiniMaxM2ForCausalLM",
     "GraniteMoeHybridForCausalLM": "granite4:GraniteMoeHybridForCausalLM",
     "Lfm2ForCausalLM": "lfm2:Lfm2ForCausalLM",

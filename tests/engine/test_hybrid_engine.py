@@ -27,7 +27,8 @@ def _prompts(count: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(6, 512) for _ in range(rng.randint(3, 50))] for _ in range(count)]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5", "granitemoehybrid", "lfm2", "nemotron_h", "falcon_h1", "jamba"])
+@pytest.mark.parametrize("arch", ["qwen3_5", "granitemoehybrid", "lfm2", "nemotron_h", "falcon_h1", "jamba",
+                                  "kimi_linear"])
 # Qwen3.5-MoE: Qwen3.5's layers with experts (in process: tests/unit/test_gated_deltanet.py), through the engine in
 # test_lora_engine.py and test_qwen_vl_engine.py
 async def test_greedy_equals_transformers_chunked_preempted_and_on_reused_rows(arch: str) -> None:
@@ -43,7 +44,7 @@ async def test_greedy_equals_transformers_chunked_preempted_and_on_reused_rows(a
     assert stats.num_preemptions_total > 0
 
 
-@pytest.mark.parametrize("arch, tp", [("granitemoehybrid", 1), ("lfm2", 1), ("qwen3_5", 2)])
+@pytest.mark.parametrize("arch, tp", [("granitemoehybrid", 1), ("lfm2", 1), ("qwen3_5", 2), ("kimi_linear", 1)])
 async def test_prefix_cache_hits_resume_from_saved_states(arch: str, tp: int) -> None:
     """Prompts sharing a 37-token prefix, then a conversation's next turn (prompt + answer + more): each hit starts
     at the last saved point (every 8 tokens) before its end, from the states saved there, mid-chunk or at a decode;
