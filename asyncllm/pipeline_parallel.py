@@ -45,7 +45,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           # hybrids: state layers beside attention (asyncllm/models/hybrid.py)
                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
                           "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM", "JambaForCausalLM",
-                          "NemotronHForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM",
+                          "NemotronHForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "KimiLinearForCausalLM",
                           # image-text: the encoder on the first stage (asyncllm/models/vision_language.py)
                           "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                           "LlavaOnevisionForConditionalGeneration", "Qwen2VLForConditionalGeneration",

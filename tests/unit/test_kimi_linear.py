@@ -8,8 +8,6 @@ reference (no float64 detour as Zamba2's test needs)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from model_utils import assert_paged_logits_match_checkpoint
@@ -20,7 +18,6 @@ from asyncllm.errors import NotBuiltError
 from asyncllm.models.kimi_delta import chunked_kda, kda_step, prepare_qk
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.registry import kv_cache_spec
-from asyncllm.pipeline_parallel import check_pipeline_model
 from asyncllm.tiny import tiny_checkpoint
 
 HEADS, DIM = 4, 16
@@ -85,12 +82,6 @@ def test_kimi_linear_logits_match_transformers() -> None:
     assert_paged_logits_match_checkpoint(model, path, [12, 72, 11],
                                          [[5, 40, 0], [4, 30, 4], [1, 1, 5], [1, 1, 1], [1, 0, 1]], seed=4)
 
-
-def test_pipeline_parallelism_is_refused_by_name() -> None:
-    with pytest.raises(NotBuiltError, match="KimiLinearForCausalLM") as info:
-        check_pipeline_model(EngineConfig.create("m", pipeline_parallel_size=2), "KimiLinearForCausalLM",
-                             SimpleNamespace(num_hidden_layers=4))
-    assert info.value.field == "pipeline_parallel_size"
 
 
 def test_a_pre_quantized_checkpoint_is_refused_by_name() -> None:

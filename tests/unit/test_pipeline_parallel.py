@@ -123,6 +123,8 @@ HYBRIDS = {
     "lfm2": {"layer_types": ["conv", _FULL, "conv", _FULL]},
     "lfm2_moe": {"layer_types": ["conv", _FULL, "conv", _FULL]},
     "nemotron_h": {"num_layers": 5, "layers_block_type": [_LIN, _FULL, "moe", "mlp", _FULL]},
+    "kimi_linear": {"num_hidden_layers": 4, "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
+                                           "kda_layers": [1, 3], "full_attn_layers": [2, 4]}},
 }
 """Hybrids of 4 layers (Nemotron-H: 5, split 3 + 2) whose every stage holds a state layer or an MLP-only layer
 beside an attention layer (Falcon-H1's layers hold both)."""
