@@ -20,6 +20,7 @@ from asyncllm.config import LoRAConfig
 from asyncllm.lora import LoRARequest, read_adapter
 from asyncllm.models.lora import LoRAContext, SlotBuffers, attach_lora_layers, load_adapter_tensors
 from asyncllm.models.lora_experts import ExpertsLoRA
+from asyncllm.models.pipeline import in_missing_part
 from asyncllm.protocol import SchedulerOutput
 from asyncllm.workers.request_fields import RequestField
 
@@ -122,10 +123,13 @@ class LoRARunner:
         self.expert_slots.discard(slot)
         for module_name, part, lora_a, lora_b, scaling in loaded:
             layer = self.layers.get(module_name)
-            if layer is not None:  # None: another pipeline stage's layer (the host checked the names)
-                layer.set(slot, part, lora_a, lora_b, scaling)
-                if isinstance(layer, ExpertsLoRA):
-                    self.expert_slots.add(slot)
+            if layer is None:  # another pipeline stage's layer; any other name is a bug, never a silent skip
+                if not in_missing_part(self.model, f"{module_name}.weight"):
+                    raise ValueError(f"the adapter's {module_name} has no LoRA layer in {type(self.model).__name__}")
+                continue
+            layer.set(slot, part, lora_a, lora_b, scaling)
+            if isinstance(layer, ExpertsLoRA):
+                self.expert_slots.add(slot)
         self.slots[adapter_id] = slot
 
     def _load(self, adapter: LoRARequest) -> _Loaded:

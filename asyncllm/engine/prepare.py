@@ -191,7 +191,8 @@ state layers take none but Qwen3.5's, an adapter naming one, Mamba2's ``in_proj`
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                                  "Qwen3_5MoeForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
-                                 "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration")
+                                 "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
+                                 "Glm4vMoeForConditionalGeneration")
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
 tower matrices is refused)."""
 

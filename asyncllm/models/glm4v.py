@@ -78,7 +78,8 @@ class Glm4vForConditionalGeneration(Qwen2VLForConditionalGeneration):
 
     def lora_b_rows(self, name: str, weight: Any) -> Any:
         """An adapter's q / k B rows reordered as the decoder's rotary rows are (GLM's interleaved pairs)."""
-        return self.language_model.lora_b_rows(name, weight)
+        reorder = getattr(self.language_model, "lora_b_rows", None)  # GLM-4.5's half-split rotary: no reorder
+        return weight if reorder is None else reorder(name, weight)
 
 
 class Glm4vMoeLanguageModel(_MRopeBuild, Glm4MoeForCausalLM):
@@ -95,5 +96,13 @@ class Glm4vMoeLanguageModel(_MRopeBuild, Glm4MoeForCausalLM):
 class Glm4vMoeForConditionalGeneration(Glm4vForConditionalGeneration):
     """GLM-4.5V: GLM-4.1V's tower and positions over GLM-4.5's mixture-of-experts layers."""
 
+    is_moe = True
     language_model_cls = Glm4vMoeLanguageModel
     packed_modules = Glm4vMoeLanguageModel.packed_modules
+    lora_experts = True
+    """Adapters on its experts too (asyncllm/models/lora_experts.py), as GLM-4.5's text model takes them."""
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> Any:
+        """Layer ``layer_idx``'s MoE (``hf_config``: the text config, as the registry's checks pass it)."""
+        return Glm4vMoeLanguageModel.moe_spec(hf_config, layer_idx)

@@ -179,6 +179,8 @@ def load_adapter_tensors(adapter: Adapter, model: Any) -> list[tuple[str, object
             from asyncllm.models.lora_experts import expert_target
 
             target, expert_part = expert_target(name)
+            if hasattr(model, "language_model"):  # an image-text model's decoder: its modules' names
+                target = "language_model." + target
             loaded.append((target, expert_part, _tensor(tensors, module.key or name, "A"),
                            _tensor(tensors, module.key or name, "B"), module.scaling))
             continue

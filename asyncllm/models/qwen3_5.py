@@ -209,6 +209,8 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     language_model_cls = Qwen3_5MoeVLLanguageModel
     is_moe = True
     """The loader passes ``expert_parallel`` (to the decoder)."""
+    lora_experts = True
+    """Adapters on its experts too, as the text model takes them (asyncllm/models/lora_experts.py)."""
 
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec:

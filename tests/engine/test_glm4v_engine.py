@@ -129,25 +129,31 @@ async def test_two_pipeline_stages_match_transformers(tmp_path, moe: bool):
     assert out.outputs[0].token_ids == hf_glm4v_greedy(path, text, images, 8)[1]
 
 
-async def test_lora_adapters_on_the_decoder_equal_peft(glm4v, tmp_path):
-    """PEFT's adapter of every decoder projection (GLM's fused gate-up, q / k rows reordered as the interleaved
-    rotary's): with an image, batched with the base model, PEFT's tokens and transformers'."""
+@pytest.mark.parametrize("moe", [False, True])
+async def test_lora_adapters_on_the_decoder_equal_peft(tmp_path, moe: bool):
+    """PEFT's adapter of the decoder: GLM-4.1V's every projection (GLM's fused gate-up, q / k rows reordered as the
+    interleaved rotary's); GLM-4.5V's attention and experts (PEFT's ``target_parameters``, the experts under the
+    image-text model's ``language_model``). With an image, batched with the base model: PEFT's tokens and
+    transformers'."""
     from lora_utils import make_adapter
-    from transformers import Glm4vForConditionalGeneration
+    from transformers import AutoModelForImageTextToText
 
     from asyncllm import LoRARequest
 
-    adapter = make_adapter(glm4v, str(tmp_path / "adapter"), seed=3, rank=4, alpha=8,
-                           targets=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_up_proj|down_proj)",
-                           auto_class=Glm4vForConditionalGeneration)
+    path = make_tiny_glm4v(tmp_path / "glm4v", moe=moe)
+    projections = "q_proj|k_proj|v_proj|o_proj" + ("" if moe else "|gate_up_proj|down_proj")
+    experts = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} if moe else {}
+    adapter = make_adapter(path, str(tmp_path / "adapter"), seed=3, rank=4, alpha=8,
+                           targets=rf".*language_model.*\.({projections})", auto_class=AutoModelForImageTextToText,
+                           **experts)
     images, text = [make_image(60, 200, seed=2)], f"{IMAGE_PLACEHOLDER} and the end"
     prompt = {"prompt": text, "images": images}
-    async with AsyncEngine(glm4v, enable_lora=True, disable_log_stats=True, block_size=4,
+    async with AsyncEngine(path, enable_lora=True, disable_log_stats=True, block_size=4,
                            max_num_batched_tokens=BUDGET) as engine:
         adapted, base = await asyncio.gather(
             engine.generate(prompt, GREEDY, lora_request=LoRARequest("glm", 1, adapter)), engine.generate(prompt, GREEDY))
-    assert adapted.outputs[0].token_ids == hf_glm4v_greedy(glm4v, text, images, 8, adapter=adapter)[1]
-    assert base.outputs[0].token_ids == hf_glm4v_greedy(glm4v, text, images, 8)[1] != adapted.outputs[0].token_ids
+    assert adapted.outputs[0].token_ids == hf_glm4v_greedy(path, text, images, 8, adapter=adapter)[1]
+    assert base.outputs[0].token_ids == hf_glm4v_greedy(path, text, images, 8)[1] != adapted.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("parallel", [{}, dict(tensor_parallel_size=2, enable_expert_parallel=True)])

@@ -347,9 +347,11 @@ async def test_a_peft_adapter_on_the_decoder_matches_peft_with_an_image(engine, 
     assert out.outputs[0].token_ids == expected.tolist() != base.outputs[0].token_ids
 
 
-async def test_a_qwen3_5_adapter_on_the_hybrid_decoder_matches_peft_with_an_image(tmp_path_factory):
+@pytest.mark.parametrize("version", ["3.5", "3.5-moe"])
+async def test_a_qwen3_5_adapter_on_the_hybrid_decoder_matches_peft_with_an_image(tmp_path_factory, version: str):
     """Qwen3.5's decoder adapted in its gated attention's q_proj (queries and gates), its Gated DeltaNet's
-    in_proj_qkv and out_proj, and its MLP's down_proj, with an image, beside the base model in one batch."""
+    in_proj_qkv and out_proj, and its MLP's down_proj (Qwen3.5-MoE: its experts' stacked parameters too, which
+    live under the image-text model's ``language_model``), with an image, beside the base model in one batch."""
     import torch
     from lora_utils import make_adapter
     from peft import PeftModel
@@ -358,10 +360,11 @@ async def test_a_qwen3_5_adapter_on_the_hybrid_decoder_matches_peft_with_an_imag
     from asyncllm import LoRARequest
     from qwen_vl_utils import hf_qwen_vl_inputs
 
-    path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_5_lora"), version="3.5")
+    path = make_tiny_qwen_vl(tmp_path_factory.mktemp("qwen3_5_lora"), version=version)
+    experts = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} if "moe" in version else {}
     adapter = make_adapter(path, str(tmp_path_factory.mktemp("adapter")), 5, rank=4, alpha=8,
                            auto_class=ImageTextToText,
-                           targets=r".*language_model.*\.(q_proj|in_proj_qkv|out_proj|down_proj)")
+                           targets=r".*language_model.*\.(q_proj|in_proj_qkv|out_proj|down_proj)", **experts)
     image, text = make_image(90, 70, seed=15), f"see {IMAGE_PLACEHOLDER} here"
     prompt = {"prompt": text, "images": [image]}
     async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET, max_num_seqs=2,
