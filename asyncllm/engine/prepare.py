@@ -192,7 +192,7 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                                  "Qwen3_5MoeForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
                                  "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
-                                 "Glm4vMoeForConditionalGeneration")
+                                 "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
 tower matrices is refused)."""
 

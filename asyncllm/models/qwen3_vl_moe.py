@@ -89,6 +89,8 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
     is_moe = True
     language_model_cls = Qwen3VLMoeLanguageModel
     packed_modules = Qwen3VLMoeLanguageModel.packed_modules
+    lora_experts = True
+    """Adapters on its experts too, as Qwen3-MoE's (asyncllm/models/lora_experts.py)."""
 
     @classmethod
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:

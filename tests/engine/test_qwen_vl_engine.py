@@ -347,11 +347,12 @@ async def test_a_peft_adapter_on_the_decoder_matches_peft_with_an_image(engine, 
     assert out.outputs[0].token_ids == expected.tolist() != base.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("version", ["3.5", "3.5-moe"])
+@pytest.mark.parametrize("version", ["3.5", "3.5-moe", "3-moe"])
 async def test_a_qwen3_5_adapter_on_the_hybrid_decoder_matches_peft_with_an_image(tmp_path_factory, version: str):
     """Qwen3.5's decoder adapted in its gated attention's q_proj (queries and gates), its Gated DeltaNet's
     in_proj_qkv and out_proj, and its MLP's down_proj (Qwen3.5-MoE: its experts' stacked parameters too, which
-    live under the image-text model's ``language_model``), with an image, beside the base model in one batch."""
+    live under the image-text model's ``language_model``; Qwen3-VL-MoE: its attention's q_proj and its experts),
+    with an image, beside the base model in one batch."""
     import torch
     from lora_utils import make_adapter
     from peft import PeftModel
