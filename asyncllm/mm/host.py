@@ -117,13 +117,18 @@ def from_vllm_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
             ours = kind + suffix
             if ours in out:
                 raise InvalidRequestError(f"prompt.{key}", f"give {kind}s as {key} or as {ours!r}, not both")
-            if suffix != "s":
-                one = not isinstance(given, (list, tuple))
-            else:
-                one = is_one_video(given) if kind == "video" else is_one_audio(given) if kind == "audio" else \
-                    not isinstance(given, (list, tuple))
-            out[ours] = [given] if one else list(given)
+            one = _IS_ONE.get(kind, _not_a_list) if suffix == "s" else _not_a_list
+            out[ours] = [given] if one(given) else list(given)
     return out
+
+
+def _not_a_list(value: Any) -> bool:
+    return not isinstance(value, (list, tuple))
+
+
+_IS_ONE = {"video": is_one_video, "audio": is_one_audio}
+"""Whether a ``multi_modal_data`` value is one input of that kind (a video's frames, an audio's samples are lists
+themselves); an image or a uuid is one unless it is a list."""
 
 
 def _token_ids(ids: list[Any], mm: MultiModalProcessor) -> list[int]:

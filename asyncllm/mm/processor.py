@@ -285,7 +285,7 @@ class MultiModalProcessor:
         self._processor_for(overrides)  # a bad key fails the request before any image is read
         fields = {kind: field.removesuffix("images") + kind + "s" if field.endswith("images") else field
                   for kind in ("image", "video", "audio")}
-        token_of = {"image": self.image_token_id, "video": self.video_token_id, "audio": self.audio_token_id}
+        token_of = self._markers()
         limits = {"image": self.max_images, "video": self.max_videos, "audio": self.max_audios}
         media = {kind: self._checked(getattr(inputs, kind + "s"), getattr(inputs, kind + "_uuids"), fields[kind], kind,
                                      limits[kind]) for kind in token_of}
@@ -349,13 +349,16 @@ class MultiModalProcessor:
             return [self.image_token_id] * item.length
         return layout(self._hf_config, self.tokenizer, tuple(item.shape))
 
+    def _markers(self) -> dict[str, int | None]:
+        """Each kind's placeholder token (None: the model takes none of that kind)."""
+        return {"image": self.image_token_id, "video": self.video_token_id, "audio": self.audio_token_id}
+
     def _checked(self, given: Any, uuids: list[str | None] | None, field: str, kind: str,
                  limit: int | None) -> tuple[list[Any], list[str | None]]:
         """A prompt's inputs of one kind and their uuids, checked against ``limit_mm_per_prompt``."""
         if not isinstance(given, (list, tuple)):
             raise InvalidRequestError(field, f"must be a list of {kind}s, got {type(given).__name__}")
-        token = {"image": self.image_token_id, "video": self.video_token_id, "audio": self.audio_token_id}[kind]
-        if given and token is None:
+        if given and self._markers()[kind] is None:
             raise InvalidRequestError(field, f"{self._model_cls.__name__} takes no {kind}s")
         if limit is not None and len(given) > limit:
             raise InvalidRequestError(field, f"{len(given)} {kind}s, over limit_mm_per_prompt[{kind!r}]={limit}")
