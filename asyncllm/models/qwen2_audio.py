@@ -25,6 +25,7 @@ from torch import nn
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights, text_config_of
 
@@ -134,17 +135,6 @@ class AudioFlamingo3Projector(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(x)))
 
 
-def _normalize(name: str) -> str:
-    """transformers' names (both layouts) -> ours: ``audio_tower.*``, ``multi_modal_projector.*``,
-    ``language_model.model.*`` / ``language_model.lm_head.*``."""
-    name = name.removeprefix("model.")
-    if name.startswith("lm_head."):
-        return "language_model." + name
-    if name.startswith("language_model.") and not name.startswith(("language_model.model.", "language_model.lm_head.")):
-        return "language_model.model." + name.removeprefix("language_model.")
-    return name
-
-
 class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
     """Audio features replace the ``<|AUDIO|>`` placeholder embeddings; the rest is the Qwen2 decoder."""
 
@@ -212,14 +202,14 @@ class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
     def _packed(self, ckpt_name: str) -> tuple[str, object]:
         """A checkpoint name, or an adapter's decoder name (``model.layers...``: asyncllm/lora_names.py) -> (our
         parameter name, shard id or None), as `LlamaForCausalLM._packed`."""
-        name = "language_model." + ckpt_name if ckpt_name.startswith(("model.", "lm_head.")) else _normalize(ckpt_name)
+        name = "language_model." + ckpt_name if ckpt_name.startswith(("model.", "lm_head.")) else normalize_llava_name(ckpt_name)
         if not name.startswith("language_model."):
             return name, None
         inner, shard_id = self.language_model._packed(name.removeprefix("language_model."))
         return "language_model." + inner, shard_id
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        return load_vision_language_weights(self, weights, _normalize, type(self).__name__)
+        return load_vision_language_weights(self, weights, normalize_llava_name, type(self).__name__)
 
 
 class AudioFlamingo3ForConditionalGeneration(Qwen2AudioForConditionalGeneration):
