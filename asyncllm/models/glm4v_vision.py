@@ -32,7 +32,7 @@ from torch import nn
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.clip import activation
 from asyncllm.models.layers import RMSNorm
-from asyncllm.models.qwen_vision import QwenPatchEmbed, Segments, patch_layout, vision_rotary
+from asyncllm.models.qwen_vision import QwenPatchEmbed, Segments, patch_layout, rotate_vision, vision_rotary
 
 __all__ = ["Glm4vVisionTower", "interpolated_positions"]
 
@@ -49,13 +49,6 @@ def interpolated_positions(table: torch.Tensor, positions: torch.Tensor, sizes: 
     grid = centres.flip(-1)[None, :, None, :]  # grid_sample reads (x, y): (col, row)
     out = F.grid_sample(image, grid, mode="bicubic", align_corners=False, padding_mode="border")
     return out[0, :, :, 0].T
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The rotary embedding on ``[N, H, D]`` (``rotate_half`` pairs) in float32, back in x's dtype."""
-    x32 = x.float()
-    first, second = x32.chunk(2, dim=-1)
-    return (x32 * cos[:, None] + torch.cat((-second, first), dim=-1) * sin[:, None]).to(x.dtype)
 
 
 class _GatedMLP(nn.Module):
@@ -81,7 +74,7 @@ class Glm4vVisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, images: Segments) -> torch.Tensor:
         q, k, v = self.qkv(x).view(x.shape[0], 3, self.heads, -1).unbind(1)
-        return self.proj(images.attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v).flatten(1))
+        return self.proj(images.attend(rotate_vision(q, cos, sin), rotate_vision(k, cos, sin), v).flatten(1))
 
 
 class Glm4vVisionBlock(nn.Module):

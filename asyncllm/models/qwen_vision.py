@@ -41,6 +41,7 @@ from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, set_we
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
 __all__ = ["QwenPatchEmbed", "QwenVisionAttention", "QwenVisionTower", "Segments", "check_vision_tensor_parallel",
+           "rotate_vision",
            "patch_layout", "vision_rotary"]
 
 _QWEN2_VL = ("qwen2_vl_vision", "qwen2_vl")
@@ -166,7 +167,7 @@ def vision_rotary(positions: torch.Tensor, head_dim: int, theta: float) -> tuple
     return angles.cos(), angles.sin()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_vision(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The rotary embedding on ``[N, H, D]`` in float32 (transformers' rounding), back in x's dtype."""
     x32 = x.float()
     first, second = x32.chunk(2, dim=-1)
@@ -195,7 +196,7 @@ class QwenVisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: Segments) -> torch.Tensor:
         q, k, v = self.qkv.split_qkv(self.qkv(x))
-        out = segments.attend(_rotate(q, cos, sin), _rotate(k, cos, sin), v)
+        out = segments.attend(rotate_vision(q, cos, sin), rotate_vision(k, cos, sin), v)
         return self.proj(out.flatten(1))
 
 
