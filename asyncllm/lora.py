@@ -50,8 +50,9 @@ attention's (DeepSeek's)."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
                             "FalconForCausalLM")
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
-FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM")
-"""Architectures whose checkpoints hold gate/up fused (``gate_up_proj``) and q, k, v apart (GLM, GLM-4)."""
+FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM", "glm4v_text")
+"""Architectures (or, for a decoder inside an image-text checkpoint, its text config's model_type: GLM-4.1V's)
+whose checkpoints hold gate/up fused (``gate_up_proj``) and q, k, v apart (GLM, GLM-4)."""
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
 """An image-text checkpoint's language model (transformers 5's names, then older ones) -> the decoder's names."""
 _UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
@@ -154,12 +155,10 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     kv, inter = kv_heads(hf_config) * head_dim, mlp_width(hf_config)  # under each family's config fields
     shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
     arch = _architecture(hf_config)
-    if getattr(hf_config, "model_type", None) == "glm4v_text":  # GLM-4.1V's decoder: GLM-4's fused gate-up
-        arch = "Glm4ForCausalLM"
     if arch in FUSED_LORA_ARCHITECTURES:
         return {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter), **shared}
-    mlp = ({"gate_up_proj": (hidden, 2 * inter)} if arch in FUSED_MLP_LORA_ARCHITECTURES
-           else {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)})
+    fused_mlp = {arch, getattr(hf_config, "model_type", None)} & set(FUSED_MLP_LORA_ARCHITECTURES)
+    mlp = ({"gate_up_proj": (hidden, 2 * inter)} if fused_mlp else {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)})
     if hasattr(hf_config, "kv_lora_rank"):  # latent attention (DeepSeek): its own projections
         return {**mlp, **shared, **latent_attention_shapes(hf_config)}
     shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), **mlp, **shared}
