@@ -43,6 +43,8 @@ def add_serve_parser(commands: Any) -> None:
                        help="largest max_tokens per request (default: max_model_len)")
     serve.add_argument("--max-prompts", type=int, default=64, help="most prompts per /v1/completions request")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    serve.add_argument("--max-audio-bytes", type=int, default=25 << 20,
+                       help="largest audio upload to /v1/audio/transcriptions and /translations (default: 25 MiB)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -104,7 +106,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
     try:
         engine, name = _serve_engine(args)
-        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_n=args.max_n,
+        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_audio_bytes=args.max_audio_bytes, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts)
         app = create_app(engine, model_name=name, api_key=args.api_key or envs.API_KEY.get() or None, limits=limits,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,

@@ -73,11 +73,12 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, mode: str = "
         raise ConfigError("tokenizer", name_or_path, f"a loadable Hugging Face tokenizer ({exc})") from exc
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str) -> list[int]:
-    """Token ids of ``prompt`` as ``tokenizer(prompt).input_ids`` gives them (with BOS if the tokenizer adds it)."""
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of ``prompt`` as ``tokenizer(prompt).input_ids`` gives them (with BOS if the tokenizer adds it;
+    ``add_special_tokens=False``: the text's own tokens only, Whisper's decoder prompt)."""
     if not isinstance(prompt, str):
         raise InvalidRequestError("prompt", f"must be a str, got {type(prompt).__name__}")
-    token_ids = list(tokenizer(prompt).input_ids)
+    token_ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
     if not token_ids:
         raise InvalidRequestError("prompt", "encodes to no tokens; give at least one character")
     return token_ids

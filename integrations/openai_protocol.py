@@ -40,6 +40,8 @@ class ServerLimits:
 
     max_body_bytes: int = 1 << 20
     """Largest request body (413 beyond)."""
+    max_audio_bytes: int = 25 << 20
+    """Largest upload to ``/v1/audio/transcriptions`` and ``/translations`` (413 beyond; OpenAI's 25 MB)."""
     max_n: int = 16
     """Largest `n` (samples per prompt)."""
     max_tokens: int | None = None

@@ -57,6 +57,7 @@ from asyncllm.integrations.openai_protocol import (
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event, token_id_text
 from asyncllm.integrations.openai_score import score_routes
 from asyncllm.integrations.openai_tokenize import tokenize_routes
+from asyncllm.integrations.openai_audio import audio_routes
 from asyncllm.integrations.openai_dev import dev_routes
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
@@ -183,6 +184,7 @@ class OpenAIServer:
             *score_routes(self),  # vLLM's /classify, /score, /rerank (openai_score.py)
             Route("/v1/models", self._guarded(self.models), methods=["GET"]),
             *tokenize_routes(self),  # vLLM's /tokenize, /detokenize (openai_tokenize.py)
+            *audio_routes(self),  # OpenAI's /v1/audio/transcriptions, /translations (openai_audio.py)
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/ping", self.health, methods=["GET", "POST"]),

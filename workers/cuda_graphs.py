@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_CAPTURE_SIZE", "CudaGraphRunner", "DecodeBuffers", "capture_decode_graphs", "capture_sizes",
-    "graphs_off_reason", "padded_size",
+    "graphs_off_reason", "model_graphs_off_reason", "padded_size",
 ]
 
 logger = logging.getLogger(__name__)
@@ -201,14 +201,22 @@ class CudaGraphRunner:
         return hidden[:num_reqs]
 
 
+def model_graphs_off_reason(model: Any, drafter: Any) -> str | None:
+    """Why this model (and drafter) cannot run captured decodes, or None."""
+    if getattr(model, "cuda_graphs_off", None):  # Whisper's cross-attention states
+        return model.cuda_graphs_off
+    if getattr(model, "keeps_request_states", False):
+        return "the model keeps per-request linear-attention states (capturing them is not built)"
+    if getattr(drafter, "reads_layers", False):
+        return "an EAGLE-3 head reads the decoder's layer inputs of every step (capturing them is not built)"
+    return None
+
+
 def capture_decode_graphs(runner: ModelRunner) -> CudaGraphRunner | None:
     """Capture the runner's decode graphs over its current KV cache, or None when it stays eager."""
     model = runner.model
-    reason = graphs_off_reason(runner.config, runner.device, attention_backend_name(model), runner.tp_size)
-    if reason is None and getattr(model, "keeps_request_states", False):
-        reason = "the model keeps per-request linear-attention states (capturing them is not built)"
-    if reason is None and getattr(runner.drafter, "reads_layers", False):
-        reason = "an EAGLE-3 head reads the decoder's layer inputs of every step (capturing them is not built)"
+    reason = (graphs_off_reason(runner.config, runner.device, attention_backend_name(model), runner.tp_size)
+              or model_graphs_off_reason(model, runner.drafter))
     if reason is not None:
         if runner.device.type == "cuda":
             logger.info("CUDA graphs off: %s", reason)

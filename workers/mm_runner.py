@@ -114,17 +114,25 @@ class MultiModalRunner:
         self._reported = (0, 0)
         self.mrope = MRopePositions(model) if callable(getattr(model, "mrope_positions", None)) else None
         """M-RoPE models' positions (Qwen2-VL): None for the others."""
+        self.cross_attention = bool(getattr(model, "mm_cross_attention", False))
+        """An encoder-decoder model (Whisper): a request's encoder output feeds its cross-attention states, computed
+        when it starts on this worker (`_encoder_outputs`), not its input embeddings."""
+        self._starting: set[str] = set()
+        """Such a model's requests new on this worker whose cross-attention states are still to be computed."""
         """(queries, hits) already reported in a `ModelRunnerOutput`."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
         """Forget finished and preempted requests (a resumed one comes back as new), learn new ones."""
         for req_id in (*sched_out.finished_req_ids, *sched_out.preempted_req_ids):
             self.cache.remove_request(req_id)
+            self._starting.discard(req_id)
             if self.mrope is not None:
                 self.mrope.requests.pop(req_id, None)
         for new in sched_out.new_reqs:
             if new.mm_items:
                 self.cache.add_request(new.req_id, new.mm_items)
+                if self.cross_attention:
+                    self._starting.add(new.req_id)
                 if self.mrope is not None:
                     self.mrope.add_request(new.req_id, new.num_prompt_tokens, new.mm_items)
 
@@ -144,6 +152,9 @@ class MultiModalRunner:
         before `finish_step` (rows still hold this step's start)."""
         if not self.cache.items:
             return None, inputs.positions
+        if self.cross_attention:
+            inputs.attn_metadata.encoder_outputs = self._encoder_outputs(sched_out, batch)
+            return None, inputs.positions
         spans = self._spans(sched_out, batch)
         positions = None
         flat = batch.positions.np[: inputs.num_tokens]
@@ -153,6 +164,17 @@ class MultiModalRunner:
                                                          inputs.positions.device)
         embeds = self.cache.inputs_embeds(inputs.input_ids, spans) if self.encodes else None
         return embeds, inputs.positions if positions is None else positions
+
+    def _encoder_outputs(self, sched_out: SchedulerOutput, batch: InputBatch) -> list[tuple[int, torch.Tensor]] | None:
+        """(worker row, encoder output) of the step's requests that start on this worker (new, or resumed after a
+        preemption: their cross-attention states are computed again), whatever their first chunk (a prefix-cache
+        hit starts past the audio's token)."""
+        starting = [req_id for req_id in sched_out.num_scheduled_tokens if req_id in self._starting]
+        if not starting:
+            return None
+        self._starting.difference_update(starting)
+        outputs = self.cache.whole_outputs(starting, *self.cache.model.encoder_output_spec())
+        return [(batch.requests[req_id].row, rows) for req_id, rows in zip(starting, outputs)]
 
     def forget_encoder_outputs(self) -> None:
         """After new weights or a sleep: drop every cached encoder output and request (the core recomputes every

@@ -43,6 +43,9 @@ class AttentionMetadata:
     state_drafts: list[tuple[int, int]] | None = None
     """(row, drafts): requests whose last tokens verify that many drafts (speculative decoding): the state layers
     keep their states after each (`RowStates.rollback`)."""
+    encoder_outputs: list[tuple[int, torch.Tensor]] | None = None
+    """(row, its audio's ``[rows, hidden]`` encoder output) of the requests starting on this worker this step, for an
+    encoder-decoder model to compute their cross-attention states from (Whisper: asyncllm/models/whisper.py)."""
     state_positions: list | None = None
     """The state layers' plan of the step's decodes and drafted requests a position at a time, built by the first
     state layer that runs the step and read by the others (asyncllm/models/row_states.py)."""

@@ -34,6 +34,7 @@ from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParam
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from asyncllm.sampling import RequestOutputKind, SamplingParams
+from asyncllm.speech import SpeechToText, speech_to_text_of
 
 if TYPE_CHECKING:
     import torch
@@ -112,6 +113,9 @@ class AsyncEngine:
         self.pooling_model: PoolingModel | None = None
         """What the model serves (generation, embeddings, classification) and a classifier's labels, set by start
         (asyncllm/engine/pooling_model.py)."""
+        self.speech_to_text: SpeechToText | None = None
+        """A speech-to-text model's audio rate, window and task tokens (Whisper: asyncllm/speech.py), set by start;
+        None for the others."""
 
     # ------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "AsyncEngine":
@@ -168,6 +172,7 @@ class AsyncEngine:
         self.pooling_model = prepared.pooling_model
         self._default_sampling = prepared.default_sampling
         self.tokenizer = prepared.tokenizer
+        self.speech_to_text = speech_to_text_of(prepared.mm, prepared.config.model)
         self.eos_token_ids: list[int] = list(prepared.eos_token_ids)
         """The tokenizer's and generation_config's EOS ids (known once started)."""
         self._started = True

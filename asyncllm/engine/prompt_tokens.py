@@ -63,6 +63,9 @@ class PromptTokenizer:
                 if job.params.truncate_prompt_tokens is not None:
                     raise errors.InvalidRequestError("truncate_prompt_tokens", "cannot cut a prompt with images")
                 return job.mm_prompt.token_ids
+            if self.mm is not None and self.mm.needs_audio is not None:  # Whisper: no transcript without audio
+                raise errors.InvalidRequestError("prompt", f"a prompt without audio; the model takes "
+                                                           f"{self.mm.needs_audio}")
         if job.chat:
             token_ids = self._truncated(job.params, apply_chat_template(
                 self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,

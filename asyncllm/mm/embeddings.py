@@ -55,7 +55,7 @@ def encode_items(model: Any, items: list[MultiModalItem], device: torch.device) 
     for indices in by_shape.values():
         features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in indices]))
         for i, rows in zip(indices, features):
-            if rows.shape[0] != items[i].length:
+            if rows.shape[0] != items[i].length and not getattr(model, "mm_cross_attention", False):
                 raise ValueError(f"image {items[i].mm_hash}: {rows.shape[0]} features for {items[i].length} placeholders")
             out[i] = rows
     return out
@@ -102,7 +102,7 @@ class EncoderOutputCache:
         if not touched:
             return None
         embeds = self.model.embed_input_ids(input_ids)
-        self._pin_reached([(span.req_id, index, item) for span, index, item in touched], embeds)
+        self._pin_reached([(span.req_id, index, item) for span, index, item in touched], embeds.shape[-1], embeds.dtype)
         for span, index, item in touched:
             lo, hi = max(span.start, item.offset), min(span.start + span.length, item.offset + item.length)
             features = self.store.get_pinned(item.mm_hash)
@@ -127,7 +127,19 @@ class EncoderOutputCache:
         rows = rows[(rows >= lo) & (rows < hi)] - lo
         return torch.from_numpy(rows).to(device) if len(rows) else None
 
-    def _pin_reached(self, wanted: list[tuple[str, int, MultiModalItem]], embeds: torch.Tensor) -> None:
+    def whole_outputs(self, req_ids: list[str], hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        """Each request's one item's whole encoder output, encoded where not cached (the cross-attention input of an
+        encoder-decoder model: Whisper), pinned only while it is read."""
+        wanted = [(req_id, 0, self.items[req_id][0]) for req_id in req_ids]
+        self._pin_reached(wanted, hidden, dtype)
+        outputs = []
+        for req_id, index, item in wanted:
+            outputs.append(self.store.get_pinned(item.mm_hash))
+            self._pinned[req_id].discard(index)
+            self.store.release(item.mm_hash)
+        return outputs
+
+    def _pin_reached(self, wanted: list[tuple[str, int, MultiModalItem]], hidden: int, dtype: torch.dtype) -> None:
         """Pin the features of every item reached for the first time, encoding the ones not cached (once each)."""
         missing: dict[str, MultiModalItem] = {}
         repeats: list[str] = []
@@ -144,7 +156,7 @@ class EncoderOutputCache:
             else:
                 self.num_hits += 1
         if missing:
-            features = self.encode(list(missing.values()), embeds.shape[-1], embeds.dtype)
+            features = self.encode(list(missing.values()), hidden, dtype)
             for mm_hash, rows in zip(missing, features):
                 self.store.insert(mm_hash, rows.clone())  # a copy: a view would keep the whole batch alive
         for mm_hash in repeats:  # the same image twice in one step: encoded once, pinned by each

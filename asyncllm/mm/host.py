@@ -47,7 +47,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         messages = [with_template_calls(i, m) if isinstance(m, dict) else m for i, m in enumerate(messages)]
         token_ids = _render_chat(mm, messages, template_arguments(template_kwargs, tools, chat_template))
     else:
-        prompt = from_vllm_prompt(prompt)
+        prompt = from_vllm_prompt(encoder_decoder_prompt(prompt, mm))
         unknown = set(prompt) - _DICT_KEYS
         text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
         if unknown or (isinstance(text, str) and bool(text)) == (isinstance(ids, list) and bool(ids)):
@@ -62,7 +62,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
             if isinstance(given, (list, tuple)):  # not a list: mm.process says so
                 setattr(inputs, kind + "_uuids",
                         check_uuids(prompt.get(kind + "_uuids"), len(given), f"prompt.{kind}_uuids"))
-        token_ids = encode_prompt(mm.tokenizer, text) if ids is None else _token_ids(ids, mm)
+        token_ids = encode_prompt(mm.tokenizer, text, mm.prompt_special_tokens) if ids is None else _token_ids(ids, mm)
     overrides = mm_processor_kwargs if chat else prompt.get("mm_processor_kwargs")
     result = mm.process(token_ids, inputs, field, overrides)
     if len(result.token_ids) >= max_model_len:
@@ -120,6 +120,31 @@ def from_vllm_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
             one = _IS_ONE.get(kind, _not_a_list) if suffix == "s" else _not_a_list
             out[ours] = [given] if one(given) else list(given)
     return out
+
+
+def encoder_decoder_prompt(prompt: dict[str, Any], mm: MultiModalProcessor) -> dict[str, Any]:
+    """vLLM's explicit prompt of an encoder-decoder model, ``{"encoder_prompt": {"prompt": "", "multi_modal_data":
+    {"audio": ...}}, "decoder_prompt": str | {"prompt": str} | {"prompt_token_ids": [...]} | None}``, as the one prompt
+    Whisper takes: the decoder's, holding the encoder's audio (a missing decoder prompt: the start token alone, the
+    model then names the language and task itself); any other prompt unchanged."""
+    if "encoder_prompt" not in prompt and "decoder_prompt" not in prompt:
+        return prompt
+    if mm.needs_audio is None:
+        raise InvalidRequestError("prompt", "encoder_prompt / decoder_prompt are for an encoder-decoder model "
+                                            "(Whisper); this model takes {'prompt': ..., 'multi_modal_data': ...}")
+    encoder, decoder = prompt.get("encoder_prompt"), prompt.get("decoder_prompt")
+    if set(prompt) - {"encoder_prompt", "decoder_prompt"} or not isinstance(encoder, dict) \
+            or set(encoder) - {"prompt", "multi_modal_data", "multi_modal_uuids"} or encoder.get("prompt"):
+        raise InvalidRequestError("prompt.encoder_prompt", "{'prompt': '', 'multi_modal_data': {'audio': ...}} beside "
+                                                           "'decoder_prompt' (the encoder takes the audio alone)")
+    media = {key: value for key, value in encoder.items() if key != "prompt"}
+    if decoder is None:
+        return {"prompt_token_ids": [mm.audio_token_id], **media}
+    if isinstance(decoder, str):
+        return {"prompt": decoder, **media}
+    if isinstance(decoder, dict) and set(decoder) in ({"prompt"}, {"prompt_token_ids"}):
+        return {**decoder, **media}
+    raise InvalidRequestError("prompt.decoder_prompt", "a str, {'prompt': str}, {'prompt_token_ids': [int]} or None")
 
 
 def _not_a_list(value: Any) -> bool:

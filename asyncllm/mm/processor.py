@@ -242,6 +242,15 @@ class MultiModalProcessor:
         self.max_audios = max_audios
         """``limit_mm_per_prompt["audio"]``."""
         self.feature_extractor = load_feature_extractor(model_path) if self.audio_token_id is not None else None
+        self.prompt_special_tokens = bool(getattr(model_cls, "mm_prompt_special_tokens", True))
+        """Whether a text prompt is tokenized with the tokenizer's special tokens (Whisper's decoder prompt: not)."""
+        self.needs_audio: str | None = None if not getattr(model_cls, "mm_cross_attention", False) else (
+            f"one audio and a prompt that starts the transcript with its <|startoftranscript|> token (id "
+            f"{self.audio_token_id}): {model_cls.__name__} transcribes one audio per prompt, e.g. {{'prompt': "
+            "'<|startoftranscript|><|en|><|transcribe|><|notimestamps|>', 'multi_modal_data': {'audio': (waveform, "
+            "rate)}}")
+        """What a prompt must hold for an encoder-decoder model (Whisper), which cannot run without its audio; None:
+        any prompt."""
         self.cache_type = cache_type
         self.cache_bytes = cache_bytes
         if cache_type == "shm" and cache_bytes > 0:
@@ -318,6 +327,8 @@ class MultiModalProcessor:
                 self._video(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline)
             previous = slot + 1
         self._join(expanded, token_ids[previous:])
+        if self.needs_audio is not None and len(items) != 1:
+            raise InvalidRequestError(fields["audio"], f"{len(items)} audios; the model takes {self.needs_audio}")
         return MultiModalPrompt(expanded, items, inputs, list(token_ids), overrides)
 
     def _join(self, expanded: list[int], tokens: list[int]) -> None:

@@ -82,11 +82,14 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                             "Gemma4ForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
                             "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
-                            "Glm4vMoeForConditionalGeneration", "AyaVisionForConditionalGeneration")
+                            "Glm4vMoeForConditionalGeneration", "AyaVisionForConditionalGeneration",
+                            "WhisperForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only)."""
-AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration")
-"""Of those, the ones that take audio (and no images: docs/multimodal.md#audio)."""
+AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
+                       "WhisperForConditionalGeneration")
+"""Of those, the ones that take audio (and no images: docs/multimodal.md#audio; Whisper, an encoder-decoder:
+docs/multimodal.md#whisper)."""
 TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                                    "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration",
                                    "Mistral3ForConditionalGeneration")
@@ -136,9 +139,10 @@ def architecture_of(hf_config: Any) -> str:
 
 
 def max_positions(hf_config: Any) -> int | None:
-    """The longest prompt + output the model's position table holds: ``max_position_embeddings``, less RoBERTa's
-    and XLM-R's ``pad_token_id + 1`` (their positions start after it; 514 -> 512)."""
-    limit = getattr(hf_config, "max_position_embeddings", None)
+    """The longest prompt + output the model's position table holds: ``max_position_embeddings`` (Whisper's decoder:
+    ``max_target_positions``), less RoBERTa's and XLM-R's ``pad_token_id + 1`` (their positions start after it;
+    514 -> 512)."""
+    limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "max_target_positions", None)
     if limit is not None and getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
         limit -= int(hf_config.pad_token_id) + 1
     return limit

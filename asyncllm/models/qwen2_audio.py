@@ -58,15 +58,16 @@ class AudioAttention(nn.Module):
         self.v_proj = nn.Linear(dim, dim, dtype=dtype)
         self.out_proj = nn.Linear(dim, dim, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, keys_kept: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[B, T, D]``; ``keys_kept`` ``[B, T]`` (False: a padded frame no query attends to)."""
+    def forward(self, x: torch.Tensor, keys_kept: torch.Tensor | None) -> torch.Tensor:
+        """``x`` ``[B, T, D]``; ``keys_kept`` ``[B, T]`` (False: a padded frame no query attends to; None: all)."""
         batch, length, dim = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, length, self.heads, -1).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x) * self.scale), heads(self.k_proj(x)), heads(self.v_proj(x))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keys_kept[:, None, None, :], scale=1.0)
+        mask = None if keys_kept is None else keys_kept[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, dim))
 
 
@@ -82,14 +83,17 @@ class AudioEncoderLayer(nn.Module):
         self.fc2 = nn.Linear(ffn, dim, dtype=dtype)
         self.final_layer_norm = nn.LayerNorm(dim, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, keys_kept: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, keys_kept: torch.Tensor | None) -> torch.Tensor:
         x = x + self.self_attn(self.self_attn_layer_norm(x), keys_kept)
         return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
 
 
 class Qwen2AudioEncoder(nn.Module):
     """Log-mel frames ``[B, mel, 2 * positions * 2]`` -> ``[B, positions / 2, d_model]`` (transformers'
-    ``Qwen2AudioEncoder`` with its padded frames' keys masked)."""
+    ``Qwen2AudioEncoder`` with its padded frames' keys masked); Whisper's without the pooling (`pooled`) and the
+    mask (its padded frames attended, as transformers' ``WhisperEncoder``)."""
+
+    pooled = True
 
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
@@ -102,13 +106,17 @@ class Qwen2AudioEncoder(nn.Module):
         self.layers = nn.ModuleList(AudioEncoderLayer(cfg, dtype) for _ in range(layers))
         self.layer_norm = nn.LayerNorm(dim, dtype=dtype)
 
-    def forward(self, features: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-        """``features`` ``[B, mel, 3000]``, ``frames`` ``[B]`` each audio's unpadded frames."""
+    def forward(self, features: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
+        """``features`` ``[B, mel, 3000]``, ``frames`` ``[B]`` each audio's unpadded frames (None: every frame
+        attended)."""
         x = F.gelu(self.conv2(F.gelu(self.conv1(features)))).transpose(1, 2) + self.embed_positions.weight
-        kept = torch.arange(x.shape[1], device=x.device)[None, :] < ((frames - 1) // 2 + 1)[:, None]
+        kept = None if frames is None else (
+            torch.arange(x.shape[1], device=x.device)[None, :] < ((frames - 1) // 2 + 1)[:, None])
         for layer in self.layers:
             x = layer(x, kept)
-        return self.layer_norm(F.avg_pool1d(x.transpose(1, 2), 2, 2).transpose(1, 2))
+        if self.pooled:
+            x = F.avg_pool1d(x.transpose(1, 2), 2, 2).transpose(1, 2)
+        return self.layer_norm(x)
 
 
 class Qwen2AudioProjector(nn.Module):

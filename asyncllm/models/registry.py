@@ -111,6 +111,7 @@ _MODELS = LazyClasses({
     "Gemma3nForCausalLM": "gemma3n:Gemma3nForCausalLM",
     "Qwen2AudioForConditionalGeneration": "qwen2_audio:Qwen2AudioForConditionalGeneration",
     "AudioFlamingo3ForConditionalGeneration": "qwen2_audio:AudioFlamingo3ForConditionalGeneration",
+    "WhisperForConditionalGeneration": "whisper:WhisperForConditionalGeneration",
     "Gemma3nForConditionalGeneration": "gemma3n:Gemma3nTextOnly",  # its language model: text prompts only
     "Gemma4ForConditionalGeneration": "gemma4_mm:Gemma4ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma4TextOnly
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
@@ -319,7 +320,8 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = 
         problems.append(f"num_key_value_heads={kv_heads} (a multiple or a divisor of tp)")
     specs = [model_cls.moe_spec(hf_config, i) if getattr(model_cls, "is_moe", False) else None
              for i in range(hf_config.num_hidden_layers)]
-    sizes = hf_config.intermediate_size  # Gemma 3n: one per layer
+    sizes = getattr(hf_config, "intermediate_size", None) or hf_config.decoder_ffn_dim  # Gemma 3n: one per layer;
+    # Whisper: its decoder's (the encoder is whole on every rank)
     if None in specs and any(size % tp_size for size in (sizes if isinstance(sizes, (list, tuple)) else [sizes])):
         problems.append(f"intermediate_size={sizes}")
     for spec in set(specs) - {None}:

@@ -27,3 +27,27 @@ async def test_triton_engine_greedy_parity(tiny_llama: str) -> None:
     for prompt, out in zip(PROMPTS, outs):
         assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS)
 
+
+
+async def test_triton_engine_whisper_cross_attention(tmp_path) -> None:
+    """Whisper's cross-attention over its per-row states (asyncllm/models/whisper.py) through both Triton kernels:
+    the unified one for prompt chunks (every encoder row visible: ``attend_limit``; the prompt's log-probabilities
+    within 1e-4 of transformers'), the split-KV one for decodes (greedy tokens equal)."""
+    from audio_utils import SAMPLING_RATE, make_audio
+    from transformers import AutoTokenizer
+    from whisper_utils import PROMPT, hf_whisper_greedy, hf_whisper_prompt_logprobs, make_tiny_whisper
+
+    path = make_tiny_whisper(tmp_path / "whisper")
+    prompts = [PROMPT, PROMPT + " hello there" * 4]
+    audios = [make_audio(2.0, seed=1), make_audio(3.0, seed=2)]  # no silent padding: every encoder row counts
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0)
+    async with AsyncEngine(path, attention_backend="triton", dtype="float32", max_num_batched_tokens=8,
+                           disable_log_stats=True) as engine:
+        outs = await asyncio.gather(*(engine.generate({"prompt": p, "multi_modal_data": {"audio": (a, SAMPLING_RATE)}},
+                                                      params) for p, a in zip(prompts, audios)))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    for prompt, audio, out in zip(prompts, audios, outs):
+        ids = tokenizer(prompt, add_special_tokens=False).input_ids
+        assert out.token_ids == hf_whisper_greedy(path, audio, ids, MAX_TOKENS)
+        got = [entry[token].logprob for entry, token in zip(out.prompt_logprobs[1:], ids[1:])]
+        assert max(abs(a - b) for a, b in zip(got, hf_whisper_prompt_logprobs(path, audio, ids))) < 1e-4

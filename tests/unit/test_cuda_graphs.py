@@ -16,7 +16,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.workers.cuda_graphs import (
-    DecodeBuffers, capture_sizes, graphs_off_reason, padded_size,
+    DecodeBuffers, capture_sizes, graphs_off_reason, model_graphs_off_reason, padded_size,
 )
 from asyncllm.workers.input_batch import InputBatch
 from asyncllm.workers.model_runner import ModelRunner
@@ -51,6 +51,19 @@ def test_graphs_off_reason(tmp_path: Path) -> None:
     assert graphs_off_reason(eager, CUDA, "triton", 1) == "enforce_eager=True"
     assert "torch_sdpa" in graphs_off_reason(config, CUDA, "torch_sdpa", 1)
     assert "tensor_parallel_size" in graphs_off_reason(config, CUDA, "triton", 2)
+
+
+def test_models_whose_decodes_stay_eager() -> None:
+    from types import SimpleNamespace
+
+    from asyncllm.models.llama import LlamaForCausalLM
+    from asyncllm.models.qwen3_next import Qwen3NextForCausalLM
+    from asyncllm.models.whisper import WhisperForConditionalGeneration
+
+    assert "cross-attention" in model_graphs_off_reason(WhisperForConditionalGeneration, None)
+    assert "linear-attention" in model_graphs_off_reason(Qwen3NextForCausalLM, None)
+    assert "EAGLE-3" in model_graphs_off_reason(LlamaForCausalLM, SimpleNamespace(reads_layers=True))
+    assert model_graphs_off_reason(LlamaForCausalLM, None) is None
 
 
 def test_a_cpu_runner_captures_nothing(tmp_path: Path) -> None:

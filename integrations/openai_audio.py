@@ -1,0 +1,202 @@
+"""OpenAI's speech-to-text routes for a Whisper engine: ``POST /v1/audio/transcriptions`` and
+``/v1/audio/translations`` (multipart forms, as OpenAI's and vLLM's).
+
+The uploaded file (any format PyAV decodes, at most `ServerLimits.max_audio_bytes`) is decoded off the event loop
+and resampled to the model's rate; an audio longer than the model hears at once (Whisper: 30 s) is cut at its quiet
+moments into pieces (asyncllm/speech.py), each transcribed by its own request, all at once, their texts joined in
+order. ``response_format`` "json" answers ``{"text", "usage"}`` (the audio's seconds, as vLLM), "text" the bare
+text; ``stream=true`` sends server-sent events, each both OpenAI's (``{"type": "transcript.text.delta", "delta"}``,
+then ``"transcript.text.done"``) and vLLM's (``"object": "transcription.chunk"`` with ``choices[0].delta.content``),
+then ``[DONE]``. A client that leaves aborts every piece. docs/integrations/openai-server.md has the details.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from asyncllm.errors import AsyncLLMError, InvalidRequestError
+from asyncllm.integrations.errors import ApiError, error_body
+from asyncllm.integrations.starlette import wait_disconnect
+from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
+from asyncllm.mm.audios import read_audio
+from asyncllm.sampling import SamplingParams
+from asyncllm.speech import split_audio
+
+if TYPE_CHECKING:
+    from asyncllm.engine.stream import RequestStream
+    from asyncllm.integrations.openai_server import OpenAIServer
+
+__all__ = ["audio_routes"]
+
+_FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream", "stream_include_usage",
+           "timestamp_granularities[]", "timestamp_granularities", "seed", "max_completion_tokens", "priority"}
+"""The form fields the routes read; any other is refused by name."""
+_FORMATS = ("json", "text")
+
+
+def audio_routes(server: OpenAIServer) -> list[Route]:
+    async def transcriptions(request: Request) -> Response:
+        return await _speech(server, request, "transcribe")
+
+    async def translations(request: Request) -> Response:
+        return await _speech(server, request, "translate")
+
+    return [Route("/v1/audio/transcriptions", server._guarded(transcriptions), methods=["POST"]),
+            Route("/v1/audio/translations", server._guarded(translations), methods=["POST"])]
+
+
+async def _speech(server: OpenAIServer, request: Request, task: str) -> Response:
+    if not server.engine.started:
+        await server.engine.start()
+    speech = server.engine.speech_to_text
+    if speech is None:
+        raise InvalidRequestError("model", "a speech-to-text model (Whisper): this server's model does not transcribe "
+                                           "audio")
+    form = await _form(request, server.limits.max_audio_bytes)
+    model, lora = server._model(form.get("model"))
+    response_format = form.get("response_format", "json")
+    if response_format not in _FORMATS:
+        raise InvalidRequestError("response_format", f"'json' or 'text', got {response_format!r} (verbose_json, srt "
+                                                     "and vtt need timestamps: not built)")
+    if form.get("timestamp_granularities[]") or form.get("timestamp_granularities"):
+        raise InvalidRequestError("timestamp_granularities", "not built (timestamps are not predicted)")
+    prompt = speech.prompt(task, form.get("language") or None, form.get("prompt"))
+    audio = await _audio(form, speech.sampling_rate)
+    params = SamplingParams(temperature=_number(form, "temperature", 0.0), max_tokens=_max_tokens(form),
+                            seed=_integer(form, "seed"))
+    streams = [server.engine.stream({"prompt": prompt, "multi_modal_data": {"audio": (piece, speech.sampling_rate)}},
+                                    params, lora_request=lora, priority=_integer(form, "priority") or 0)
+               for piece in split_audio(audio, speech.sampling_rate, speech.chunk_seconds)]
+    seconds = math.ceil(audio.size / speech.sampling_rate)
+    if _flag(form, "stream"):
+        meta = {"id": f"trsc-{uuid.uuid4().hex}", "object": "transcription.chunk", "created": int(time.time()),
+                "model": model}
+        firsts = await first_deltas(streams)  # errors before the first token keep their status code
+        return StreamingResponse(_events(request, streams, firsts, meta), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    text = "".join([piece async for piece in _texts_in_order(request, streams)])
+    if response_format == "text":
+        return Response(text, media_type="text/plain; charset=utf-8")
+    return Response(msgspec.json.encode({"text": text, "usage": {"type": "duration", "seconds": seconds}}),
+                    media_type="application/json")
+
+
+async def _form(request: Request, limit: int) -> dict[str, Any]:
+    """The multipart form's fields (the file's bytes under ``file``); 413 past ``limit`` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the upload is larger than {limit} bytes (max_audio_bytes)", "invalid_request_error")
+    try:
+        async with request.form(max_files=1, max_fields=len(_FIELDS)) as form:
+            fields: dict[str, Any] = {}
+            for key, value in form.multi_items():
+                if key not in _FIELDS:
+                    raise InvalidRequestError(key, f"not a field of this route (it takes {', '.join(sorted(_FIELDS))})")
+                fields[key] = await _file_bytes(value, limit) if isinstance(value, UploadFile) else value
+    except AssertionError as exc:  # starlette without python-multipart
+        raise ApiError(500, f"multipart forms need python-multipart: pip install 'asyncllm[server]' ({exc})",
+                       "server_error") from exc
+    except (ApiError, InvalidRequestError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - starlette's MultiPartException, a malformed body
+        raise InvalidRequestError("body", f"a multipart/form-data body with the audio as 'file' ({exc})") from exc
+    if not isinstance(fields.get("file"), bytes):
+        raise InvalidRequestError("file", "the audio file is required (a multipart file part named 'file')")
+    return fields
+
+
+async def _file_bytes(upload: UploadFile, limit: int) -> bytes:
+    data = await upload.read(limit + 1)
+    if len(data) > limit:
+        raise ApiError(413, f"the audio file is larger than {limit} bytes (max_audio_bytes)", "invalid_request_error")
+    return data
+
+
+async def _audio(form: dict[str, Any], rate: int) -> Any:
+    """The file's waveform at ``rate`` Hz, decoded off the event loop."""
+    decoded = await anyio.to_thread.run_sync(read_audio, form["file"], "file", rate)
+    return decoded.waveform
+
+
+def _number(form: dict[str, Any], key: str, default: float) -> float:
+    value = form.get(key)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise InvalidRequestError(key, f"a number, got {value!r}") from None
+
+
+def _integer(form: dict[str, Any], key: str) -> int | None:
+    value = form.get(key)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise InvalidRequestError(key, f"an integer, got {value!r}") from None
+
+
+def _max_tokens(form: dict[str, Any]) -> int | None:
+    """vLLM's ``max_completion_tokens``; left out, as many as max_model_len allows."""
+    return _integer(form, "max_completion_tokens")
+
+
+def _flag(form: dict[str, Any], key: str) -> bool:
+    value = str(form.get(key, "false")).lower()
+    if value not in ("true", "false", "1", "0"):
+        raise InvalidRequestError(key, f"true or false, got {value!r}")
+    return value in ("true", "1")
+
+
+async def _texts_in_order(request: Request, streams: list[RequestStream], firsts: list[Any] = ()
+                          ) -> AsyncIterator[str]:
+    """The pieces' texts as they come, in the audio's order: a later piece's text waits for the earlier ones."""
+    held: list[list[str]] = [[] for _ in streams]
+    finished = [False] * len(streams)
+    current = 0
+    async for index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
+        held[index].append(delta.text)
+        finished[index] = finished[index] or delta.finish_reason is not None
+        while current < len(streams) and (held[current] or finished[current]):
+            text = "".join(held[current])
+            held[current].clear()
+            if text:
+                yield text
+            if not finished[current]:
+                break
+            current += 1
+
+
+async def _events(request: Request, streams: list[RequestStream], firsts: list[Any], meta: dict[str, Any]
+                  ) -> AsyncIterator[bytes]:
+    """Server-sent events: each delta in OpenAI's and vLLM's shapes at once, the whole text, then ``[DONE]``."""
+    parts: list[str] = []
+    try:
+        async for text in _texts_in_order(request, streams, firsts):
+            parts.append(text)
+            yield _event({**meta, "type": "transcript.text.delta", "delta": text,
+                          "choices": [{"delta": {"content": text}, "finish_reason": None}]})
+        yield _event({**meta, "type": "transcript.text.done", "text": "".join(parts),
+                      "choices": [{"delta": {"content": ""}, "finish_reason": "stop"}]})
+    except ClientDisconnected:
+        return
+    except AsyncLLMError as exc:  # after the first event the status is sent: report in the stream
+        yield _event(error_body(exc)[1])
+    yield b"data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"

@@ -1,0 +1,105 @@
+"""Whisper end to end (asyncllm/models/whisper.py, docs/multimodal.md#whisper): greedy transcripts equal
+transformers' for audios batched together, the decoder prompt chunked, requests preempted (recomputed or swapped:
+their cross-attention states computed again when they resume), prefix-cache hits (only for the same audio), over two
+tensor-parallel ranks; a prompt without its audio fails alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from audio_utils import SAMPLING_RATE, make_audio
+from whisper_utils import PROMPT, hf_whisper_greedy, make_tiny_whisper
+
+from asyncllm import AsyncEngine, SamplingParams
+from asyncllm.errors import InvalidRequestError
+
+MAX_TOKENS = 12
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_whisper(tmp_path_factory) -> str:
+    return make_tiny_whisper(tmp_path_factory.mktemp("whisper") / "tiny")
+
+
+def _request(prompt: str, audio) -> dict:
+    return {"prompt": prompt, "multi_modal_data": {"audio": (audio, SAMPLING_RATE)}}
+
+
+def _prompt_ids(path: str, prompt: str) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)(prompt, add_special_tokens=False).input_ids
+
+
+async def _check(engine: AsyncEngine, path: str, prompts: list[str], audios: list) -> list:
+    outs = await asyncio.gather(*(engine.generate(_request(p, a), GREEDY) for p, a in zip(prompts, audios)))
+    for out, prompt, audio in zip(outs, prompts, audios):
+        ids = _prompt_ids(path, prompt)
+        assert out.prompt_token_ids == ids  # the decoder prompt as written: no BOS, no <|endoftext|>
+        assert out.outputs[0].token_ids == hf_whisper_greedy(path, audio, ids, MAX_TOKENS)
+    return outs
+
+
+def _workload() -> tuple[list[str], list]:
+    """Five requests: short and long decoder prompts (the long ones chunked), audios of 0.4 s to 3 s (cut at 2 s)."""
+    prompts = [PROMPT, PROMPT + " hello there" * 12, PROMPT, PROMPT + " the rain in spain" * 8, PROMPT]
+    return prompts, [make_audio(seconds, seed=i) for i, seconds in enumerate((1.5, 0.4, 3.0, 1.0, 2.0))]
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(num_gpu_blocks_override=10, max_model_len=96),
+                                    dict(num_gpu_blocks_override=10, max_model_len=96, preemption_mode="swap",
+                                         swap_space=0.01),
+                                    dict(tensor_parallel_size=2)],
+                         ids=["batched-chunked", "preempt-recompute", "preempt-swap", "tp2"])
+async def test_transcripts_equal_transformers(tiny_whisper, fields: dict):
+    prompts, audios = _workload()
+    async with AsyncEngine(tiny_whisper, disable_log_stats=True, max_num_batched_tokens=32, **fields) as engine:
+        await _check(engine, tiny_whisper, prompts, audios)
+        stats = engine.stats()
+    if "num_gpu_blocks_override" in fields:
+        assert stats.num_preemptions_total > 0
+
+
+async def test_prefix_hits_only_for_the_same_audio(tiny_whisper):
+    """The audio's hash joins every block's: the same long prompt with the same audio hits the cache (its cross
+    states computed anyway), with another audio it does not; both transcripts equal transformers'."""
+    prompt = PROMPT + " once upon a time" * 6
+    first, other = make_audio(1.2, seed=7), make_audio(1.2, seed=8)
+    async with AsyncEngine(tiny_whisper, disable_log_stats=True) as engine:
+        (cold,) = await _check(engine, tiny_whisper, [prompt], [first])
+        (miss,) = await _check(engine, tiny_whisper, [prompt], [other])  # its row now holds the other audio's states
+        (hit,) = await _check(engine, tiny_whisper, [prompt], [first])
+    assert cold.num_cached_tokens == 0 and hit.num_cached_tokens >= 32 and miss.num_cached_tokens == 0
+
+
+async def test_prompts_without_their_audio_fail_alone(tiny_whisper):
+    audio = make_audio(1.0, seed=1)
+    async with AsyncEngine(tiny_whisper, disable_log_stats=True) as engine:
+        with pytest.raises(InvalidRequestError, match="startoftranscript"):
+            await engine.generate(PROMPT, GREEDY)  # no audio
+        with pytest.raises(InvalidRequestError, match="placeholder"):
+            await engine.generate(_request("<|en|><|transcribe|>", audio), GREEDY)  # no start token for it
+        with pytest.raises(InvalidRequestError, match="2 audios"):
+            await engine.generate({"prompt": PROMPT + PROMPT, "multi_modal_data": {"audio": [(audio, SAMPLING_RATE)] * 2}},
+                                  GREEDY)
+        await _check(engine, tiny_whisper, [PROMPT], [audio])  # still serving
+
+
+async def test_vllm_encoder_decoder_prompts(tiny_whisper):
+    """vLLM's explicit ``encoder_prompt`` (the audio) / ``decoder_prompt`` (text, ids or none: the start token
+    alone) give the tokens of the one-prompt form; on a decoder-only model they are refused."""
+    audio = make_audio(1.0, seed=5)
+    ids = _prompt_ids(tiny_whisper, PROMPT)
+    encoder = {"prompt": "", "multi_modal_data": {"audio": (audio, SAMPLING_RATE)}}
+    async with AsyncEngine(tiny_whisper, disable_log_stats=True) as engine:
+        (expected,) = await _check(engine, tiny_whisper, [PROMPT], [audio])
+        for decoder in (PROMPT, {"prompt": PROMPT}, {"prompt_token_ids": ids}):
+            out = await engine.generate({"encoder_prompt": encoder, "decoder_prompt": decoder}, GREEDY)
+            assert out.prompt_token_ids == ids and out.outputs[0].token_ids == expected.outputs[0].token_ids
+        alone = await engine.generate({"encoder_prompt": encoder, "decoder_prompt": None}, GREEDY)
+        assert alone.prompt_token_ids == ids[:1]
+        assert alone.outputs[0].token_ids == hf_whisper_greedy(tiny_whisper, audio, ids[:1], MAX_TOKENS)
+        with pytest.raises(InvalidRequestError, match="encoder takes the audio alone"):
+            await engine.generate({"encoder_prompt": {**encoder, "prompt": "words"}, "decoder_prompt": PROMPT}, GREEDY)
