@@ -1,20 +1,28 @@
 """Speech to text with an encoder-decoder model (Whisper: asyncllm/models/whisper.py): what the engine tells its
 callers about the model's audio (`SpeechToText`, ``AsyncEngine.speech_to_text``), the decoder prompt of a task
-(`SpeechToText.prompt`) and long audio cut into the pieces one request hears (`split_audio`). The OpenAI server's
-``/v1/audio/transcriptions`` and ``/v1/audio/translations`` are built on them (integrations/openai_audio.py)."""
+(`SpeechToText.prompt`), long audio cut into the pieces one request hears (`split_audio`) and their texts in order
+(`transcribe`, ``AsyncEngine.transcribe``). The OpenAI server's ``/v1/audio/transcriptions`` and
+``/v1/audio/translations`` are built on them (integrations/openai_audio.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import anyio
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import SamplingParams
 
-__all__ = ["SpeechToText", "speech_to_text_of", "split_audio"]
+if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
+
+__all__ = ["SpeechToText", "speech_to_text_of", "split_audio", "transcribe"]
 
 _SEARCH_SECONDS = 1.0
 """A cut between two pieces of a long audio falls at its quietest moment in the last second before the limit."""
@@ -90,3 +98,39 @@ def _quietest(window: np.ndarray, frame: int) -> int:
     if not len(frames):
         return window.size
     return int(np.argmin((frames.astype(np.float64) ** 2).mean(axis=1))) * frame
+
+
+async def transcribe(engine: AsyncEngine, audio: Any, *, task: str = "transcribe", language: str | None = None,
+                     prompt: str | None = None, params: SamplingParams | None = None) -> AsyncIterator[str]:
+    """The text of ``audio`` (any audio input: asyncllm/mm/audios.py) as it comes: a long audio's pieces all run at
+    once, their texts handed out in order. Leaving the loop aborts every piece still running."""
+    from asyncllm.mm.audios import read_audio
+
+    if task not in ("transcribe", "translate"):
+        raise InvalidRequestError("task", f"'transcribe' or 'translate', got {task!r}")
+    await engine.start()
+    speech = engine.speech_to_text
+    if speech is None:
+        raise InvalidRequestError("model", "a speech-to-text model (Whisper): this engine's model does not transcribe")
+    text = speech.prompt(task, language, prompt)
+    waveform = (await anyio.to_thread.run_sync(read_audio, audio, "audio", speech.sampling_rate)).waveform
+    params = params or SamplingParams(temperature=0.0, max_tokens=None)
+    streams = [engine.stream({"prompt": text, "multi_modal_data": {"audio": (piece, speech.sampling_rate)}}, params)
+               for piece in split_audio(waveform, speech.sampling_rate, speech.chunk_seconds)]
+    firsts = [asyncio.ensure_future(stream.__anext__()) for stream in streams]  # every piece submitted now
+    try:
+        for first, stream in zip(firsts, streams):
+            try:
+                delta = await first
+            except StopAsyncIteration:
+                continue
+            if delta.text:
+                yield delta.text
+            async for delta in stream:
+                if delta.text:
+                    yield delta.text
+    finally:
+        for first in firsts:
+            first.cancel()
+        for stream in streams:
+            await stream.aclose()

@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterable, Mapping
 
 import anyio
 import msgspec
@@ -34,7 +34,7 @@ from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParam
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from asyncllm.sampling import RequestOutputKind, SamplingParams
-from asyncllm.speech import SpeechToText, speech_to_text_of
+from asyncllm.speech import SpeechToText, speech_to_text_of, transcribe
 
 if TYPE_CHECKING:
     import torch
@@ -335,6 +335,14 @@ class AsyncEngine:
         collector = stream.collector
         assert collector is not None and collector.embedding is not None, collector
         return collector
+
+    def transcribe(self, audio: Any, *, task: str = "transcribe", language: str | None = None,
+                   prompt: str | None = None, params: SamplingParams | None = None) -> AsyncIterator[str]:
+        """Speech to text with a Whisper model: the text of ``audio`` (a ``(waveform, rate)`` pair, a waveform or an
+        encoded file) as it comes, ``task`` "translate" into English; ``language`` the spoken one (ISO-639-1, default
+        English), ``prompt`` context before it. Audio longer than the model hears at once (30 s) runs as pieces cut
+        at quiet moments, all at once, their texts in order (docs/multimodal.md#whisper); greedy unless ``params``."""
+        return transcribe(self, audio, task=task, language=language, prompt=prompt, params=params)
 
     async def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
                             max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:

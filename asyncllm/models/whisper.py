@@ -74,8 +74,8 @@ class CrossStates:
         """Ready this step's metadata: request i reads its row's blocks, ``length`` keys, all visible to every query
         (``attend_limit``; a decode-only step needs none: its one query sits at the last position)."""
         rows = metadata.request_rows
-        assert rows is not None, "the model runner lists each request's worker row"
-        self._fit(int(rows.max()) + 1 if rows.numel() else 0, device)
+        assert rows is not None and metadata.request_rows_cpu is not None, "the model runner lists the step's rows"
+        self._fit(max(metadata.request_rows_cpu, default=-1) + 1, device)
         qsl = metadata.query_start_loc_cpu
         decode_only = all(end - start == 1 for start, end in zip(qsl, qsl[1:]))
         blocks = rows[:, None] * self.blocks_per_row + torch.arange(self.blocks_per_row, device=device)
@@ -205,6 +205,8 @@ class WhisperForConditionalGeneration(VisionLanguageModel):
     workers/mm_runner.py), not its input embeddings; each request has exactly one audio."""
     takes_state_rows = True
     """The loader passes ``state_rows``: a cross-attention state per worker row, preallocated."""
+    keeps_request_states = True
+    """Each step's metadata lists its rows on the host too (``request_rows_cpu``: no device sync to size them)."""
     cuda_graphs_off = "Whisper's cross-attention states are read by worker row (capturing them is not built)"
 
     @staticmethod

@@ -103,3 +103,25 @@ async def test_vllm_encoder_decoder_prompts(tiny_whisper):
         assert alone.outputs[0].token_ids == hf_whisper_greedy(tiny_whisper, audio, ids[:1], MAX_TOKENS)
         with pytest.raises(InvalidRequestError, match="encoder takes the audio alone"):
             await engine.generate({"encoder_prompt": {**encoder, "prompt": "words"}, "decoder_prompt": PROMPT}, GREEDY)
+
+
+async def test_engine_transcribe_joins_a_long_audios_pieces_in_order(tiny_whisper):
+    """``AsyncEngine.transcribe``: a 5 s audio (the tiny model hears 2 s) as pieces run at once, their texts in
+    order, each equal to transformers' transcript of its piece; translation takes the translate task token."""
+    from asyncllm.speech import split_audio
+
+    audio = make_audio(2.5 * 2, seed=11)
+    async with AsyncEngine(tiny_whisper, disable_log_stats=True, max_model_len=40) as engine:
+        text = "".join([piece async for piece in engine.transcribe((audio, SAMPLING_RATE))])
+        translated = "".join([piece async for piece in engine.transcribe(audio[:SAMPLING_RATE], task="translate",
+                                                                        language="fr")])
+        tokenizer = engine.tokenizer
+    pieces = split_audio(audio, SAMPLING_RATE, 2.0)
+    assert len(pieces) >= 3  # cut at quiet moments: a piece may end up to a second early
+
+    def reference(piece, prompt: str) -> str:
+        ids = _prompt_ids(tiny_whisper, prompt)
+        return tokenizer.decode(hf_whisper_greedy(tiny_whisper, piece, ids, 40 - len(ids)), skip_special_tokens=True)
+
+    assert text == "".join(reference(piece, PROMPT) for piece in pieces)
+    assert translated == reference(audio[:SAMPLING_RATE], "<|startoftranscript|><|fr|><|translate|><|notimestamps|>")
