@@ -29,6 +29,7 @@ from asyncllm.lora_experts import (
     is_expert_parameter,
     is_expert_path,
 )
+from asyncllm.lora_hybrid_shapes import KDA_TARGETS, kimi_linear_shapes, zamba2_shapes
 from asyncllm.lora_names import canonical_name
 from asyncllm.models.family_config import LATENT_TARGETS, kv_heads, latent_attention_shapes, mlp_width
 
@@ -42,13 +43,13 @@ _FIELD = "lora_request"
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                 "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "c_fc", "c_proj",
-                *LATENT_TARGETS)
+                *LATENT_TARGETS, *KDA_TARGETS)
 """The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
 gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3); Qwen3.5's Gated
 DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's); latent
-attention's (DeepSeek's)."""
+attention's (DeepSeek's); Kimi Delta Attention's (Kimi-Linear's)."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
-                            "FalconForCausalLM")
+                            "FalconForCausalLM", "DbrxForCausalLM", "BloomForCausalLM", "MptForCausalLM")
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
 FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM", "glm4v_text")
 """Architectures (or, for a decoder inside an image-text checkpoint, its text config's model_type: GLM-4.1V's)
@@ -109,6 +110,8 @@ class Adapter:
     path: str
     modules: dict[str, AdapterModule]
     """By checkpoint name."""
+    unserved: tuple[str, ...] = ()
+    """Its tensors of a vision tower or projector, left out of ``modules`` (`_pairs`)."""
 
     @property
     def weights_path(self) -> str:
@@ -142,7 +145,8 @@ def read_adapter(path: str) -> Adapter:
                                       num_experts)
     if not modules:
         _fail(path, "it holds no LoRA weights (of the language model)")
-    return Adapter(path, modules)
+    unserved = tuple(key for key in shapes if key.removeprefix(_PEFT_PREFIX).startswith(_UNSERVED_PREFIXES))
+    return Adapter(path, modules, unserved)
 
 
 def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
@@ -166,10 +170,17 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
         else shapes
 
 
+_HYBRID_LAYER_SHAPES = {"kimi_linear": kimi_linear_shapes, "zamba2": zamba2_shapes}
+
+
 def layer_module_shapes(hf_config: Any) -> list[dict[str, tuple[int, int]]] | None:
     """Each layer's adaptable projections where the layers differ (Gemma 4: head sizes, KV sharing, values that are
-    keys, double-wide MLPs; Gemma 3n: KV sharing, MLP widths per layer); None where `module_shapes` holds for every
-    layer."""
+    keys, double-wide MLPs; Gemma 3n: KV sharing, MLP widths per layer; Kimi-Linear: KDA or latent attention, dense
+    MLP or experts; Zamba2: shared-block invocations or Mamba2 layers: asyncllm/lora_hybrid_shapes.py); None where
+    `module_shapes` holds for every layer."""
+    hybrid = _HYBRID_LAYER_SHAPES.get(getattr(hf_config, "model_type", None))
+    if hybrid is not None:
+        return hybrid(hf_config)
     if getattr(hf_config, "model_type", None) not in ("gemma4_text", "gemma3n_text"):
         return None
     from asyncllm.models.gemma4_config import projection_shapes  # no torch
@@ -195,8 +206,10 @@ class AdapterChecker:
     """The host's check of each request's adapter, once per adapter id (thread-safe)."""
 
     def __init__(self, hf_text_config: Any, max_lora_rank: int, experts: list[ExpertLayer | None] | None = None,
-                 adaptable_experts: bool = False, transposed_experts: bool = False) -> None:
+                 adaptable_experts: bool = False, transposed_experts: bool = False, runs_tower: bool = False) -> None:
         self.max_lora_rank = max_lora_rank
+        self._runs_tower = runs_tower
+        """An image-text model that runs its ``vision_tower`` (LFM2-VL): an adapter of it is refused, not left out."""
         self._experts = experts
         """A mixture of experts' layers (None: a dense layer); None for a dense model."""
         self._adaptable_experts = adaptable_experts
@@ -231,6 +244,9 @@ class AdapterChecker:
         return resolved
 
     def _check_adapter(self, adapter: Adapter) -> None:
+        if self._runs_tower and adapter.unserved:
+            _fail(adapter.path, f"tensor {adapter.unserved[0]}: adapters on the vision tower and projector are not "
+                                "built (the decoder's projections only)")
         if adapter.max_rank > self.max_lora_rank:
             _fail(adapter.path, f"its rank {adapter.max_rank} is above max_lora_rank={self.max_lora_rank}: "
                                 f"start the engine with max_lora_rank >= {adapter.max_rank}")
@@ -337,7 +353,7 @@ def _tensor_shapes(path: str) -> dict[str, list[int]]:
 def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[str, list[int], list[int]]]:
     """Projection name -> (its tensors' name in the file, lora_A shape, lora_B shape); `InvalidRequestError` for
     any other tensor. A vision tower's and projector's matrices are left out: an image-text checkpoint served as
-    text (Gemma 3) never runs them."""
+    text (Gemma 3) never runs them (one that runs them refuses them: `AdapterChecker`'s ``runs_tower``)."""
     found: dict[str, dict[str, list[int]]] = {}
     keys: dict[str, str] = {}
     for key, shape in shapes.items():

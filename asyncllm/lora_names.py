@@ -30,6 +30,12 @@ _GPT_LAYER_NAMES = ((re.compile(r"^(model\.layers\.\d+)\.fc1\."), r"\1.mlp.c_fc.
                     (re.compile(r"\.mlp\.dense_h_to_4h\."), ".mlp.c_fc."),
                     (re.compile(r"\.mlp\.dense_4h_to_h\."), ".mlp.c_proj."))
 """GPT-J's, OPT's, GPT-2's, GPTBigCode's, Falcon's and GPT-NeoX's layer names as the models name them."""
+_DBRX_NAMES = ((".norm_attn_norm.attn.Wqkv.", ".self_attn.qkv_proj."),
+               (".norm_attn_norm.attn.out_proj.", ".self_attn.o_proj."),
+               (".ffn.router.layer.", ".mlp.gate."),
+               (".attn.Wqkv.", ".self_attn.qkv_proj."), (".attn.out_proj.", ".self_attn.o_proj."),  # MPT's
+               (".ffn.up_proj.", ".mlp.c_fc."), (".ffn.down_proj.", ".mlp.c_proj."))
+"""DBRX's and MPT's layer names as the models name them (DBRX's router then refused as any model's)."""
 _PHI_NAMES = ((".self_attn.dense.", ".self_attn.o_proj."), (".mlp.fc1.", ".mlp.c_fc."), (".mlp.fc2.", ".mlp.c_proj."))
 """Phi-1 / 1.5 / 2's attention output and GELU MLP as the model names them (StarCoder2's ``c_fc`` / ``c_proj``)."""
 _MIXER = re.compile(r"\.mixer\.(q_proj|k_proj|v_proj|o_proj|up_proj|down_proj)\.")
@@ -41,8 +47,15 @@ def canonical_name(name: str) -> str:
     ``gate_proj`` / ``up_proj`` / ``down_proj``, an attention's ``out_proj`` (LFM2's) and ``dense`` (Phi's) as
     ``o_proj`` and Phi's ``fc1`` / ``fc2`` as ``c_fc`` / ``c_proj``, GPT-J's and OPT's layers as Llama's: the model's
     names; Nemotron-H's ``backbone.`` as ``model.`` and its attention and MLP layers' ``mixer.`` as ``self_attn.`` /
-    ``mlp.`` (its Mamba2 and MoE mixers' names stay, refused)."""
+    ``mlp.`` (its Mamba2 and MoE mixers' names stay, refused); DBRX's ``transformer.blocks.N.norm_attn_norm.attn.Wqkv``
+    / ``out_proj`` as ``model.layers.N.self_attn.qkv_proj`` / ``o_proj``; Kimi-Linear's ``self_attn.forget_gate.`` as
+    ``self_attn.``; Zamba2's ``layers.N.shared_transformer.self_attn.`` / ``feed_forward.`` as ``layers.N.self_attn.``
+    / ``mlp.``."""
     name = "model." + name.removeprefix("backbone.") if name.startswith("backbone.") else name
+    if name.startswith("transformer.blocks."):  # DBRX's, MPT's
+        name = "model.layers." + name.removeprefix("transformer.blocks.")
+        for old, new in _DBRX_NAMES:
+            name = name.replace(old, new)
     for prefix in _LAYER_PREFIXES:  # GPT-J's transformer.h.N., OPT's model.decoder.layers.N.
         if name.startswith(prefix):
             name = "model.layers." + name.removeprefix(prefix)
@@ -50,7 +63,9 @@ def canonical_name(name: str) -> str:
                 name = pattern.sub(replacement, name)
     name = _MIXER.sub(lambda m: f".{'mlp' if m.group(1) in ('up_proj', 'down_proj') else 'self_attn'}.{m.group(1)}.",
                       name)
+    name = name.replace(".shared_transformer.", ".")  # Zamba2's hybrid layers' invocations of their shared blocks
     name = name.replace(".feed_forward.", ".mlp.").replace(".self_attn.out_proj.", ".self_attn.o_proj.")
+    name = name.replace(".self_attn.forget_gate.", ".self_attn.")  # Kimi-Linear's KDA decay projections
     for old, new in _PHI_NAMES:
         name = name.replace(old, new)
     name = _DENSE_SWIGLU.sub(lambda m: f".mlp.{_PER_EXPERT[m.group(1)]}.", name)

@@ -42,10 +42,14 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Mistral4ForCausalLM", "Glm4MoeLiteForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
                           "Llama4ForConditionalGeneration",  # its language model (images are not built)
                           "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM",  # learned positions
+                          "BloomForCausalLM", "MptForCausalLM",  # ALiBi
                           # hybrids: state layers beside attention (asyncllm/models/hybrid.py)
                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
                           "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM", "JambaForCausalLM",
                           "NemotronHForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "KimiLinearForCausalLM",
+                          # decoders that run a stage themselves (``run_stage``: what crosses a boundary is theirs)
+                          "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma3nForCausalLM",
+                          "Gemma3nForConditionalGeneration", "Zamba2ForCausalLM",
                           # image-text: the encoder on the first stage (asyncllm/models/vision_language.py)
                           "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                           "LlavaOnevisionForConditionalGeneration", "Qwen2VLForConditionalGeneration",
@@ -55,11 +59,13 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration",
                           "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
                           "Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
+                          "Lfm2VlForConditionalGeneration",
                           # audio-text: the audio encoder on the first stage
-                          "Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration")
+                          "Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
+                          "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration")
 """The causal LMs on `LlamaForCausalLM`'s decoder stack (embeddings, layers passing (hidden, residual), final
-norm, LM head; a hybrid's `HybridModel`; an image-text model's decoder) that run split into stages; each is tested
-against its unsplit model (tests/unit)."""
+norm, LM head; a hybrid's `HybridModel`; an image-text model's decoder; a decoder with its own ``run_stage``) that run
+split into stages; each is tested against its unsplit model (tests/unit)."""
 
 
 def layer_partition(num_layers: int, pp_size: int, partition: str | None = None) -> list[int]:
@@ -119,4 +125,8 @@ def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any
     if pp > num_layers:
         raise ConfigError(_FIELD, pp, f"at most the model's num_hidden_layers ({num_layers}): "
                                       f"{pp} stages cannot split {num_layers} layers")
-    layer_partition(num_layers, pp, envs.PP_LAYER_PARTITION.get())
+    counts = layer_partition(num_layers, pp, envs.PP_LAYER_PARTITION.get())
+    if getattr(hf_config, "num_kv_shared_layers", 0):  # Gemma 4 / 3n: a layer reading another layer's KV cache
+        from asyncllm.models.gemma4_config import check_kv_sharing_split
+
+        check_kv_sharing_split(hf_config, counts)

@@ -46,7 +46,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
               "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
               "falcon", "olmo", "jais2", "cwm", "youtu", "gemma3n", "phimoe", "minicpm3", "dbrx",
-              "zamba2", "kimi_linear")
+              "zamba2", "kimi_linear", "bloom", "mpt")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -160,7 +160,7 @@ def make_tiny_checkpoint(
 def _tied(arch: str) -> bool:
     """Whether the family's checkpoints tie the LM head to the embeddings: every Gemma's and Granite 3.x's."""
     return arch in (*_GEMMA_SHAPES, "gemma4", "gemma4_moe", "gemma3n", "granite", "granitemoe", "granitemoeshared", "gpt2", "gpt_bigcode",
-                    "opt", "falcon", "minicpm3", "zamba2")
+                    "opt", "falcon", "minicpm3", "zamba2", "bloom", "mpt")
 
 
 def tiny_cache_dir() -> Path:
@@ -319,7 +319,8 @@ def _build_config(
         "falcon": transformers.FalconConfig, "olmo": transformers.OlmoConfig, "jais2": transformers.Jais2Config,
         "cwm": transformers.CwmConfig, "youtu": transformers.YoutuConfig, "phimoe": transformers.PhimoeConfig,
         "dbrx": transformers.DbrxConfig, "zamba2": transformers.Zamba2Config,
-        "kimi_linear": transformers.KimiLinearConfig,
+        "kimi_linear": transformers.KimiLinearConfig, "bloom": transformers.BloomConfig,
+        "mpt": transformers.MptConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
@@ -359,6 +360,12 @@ def _build_config(
     if arch == "dbrx":  # its own names, read before the aliases (the experts' size); the KV heads: attn_config's
         fields.update({name: fields.pop(alias) for alias, name in config_cls.attribute_map.items()})
         del fields["num_key_value_heads"]
+    if arch in ("bloom", "mpt"):  # ALiBi: no KV heads, MLP width or position table of their own (MPT: max_seq_len)
+        for name in ("num_key_value_heads", "intermediate_size", "head_dim"):
+            fields.pop(name, None)
+        limit = fields.pop("max_position_embeddings")
+        if arch == "mpt":
+            fields["max_seq_len"] = limit
     return config_cls(**fields)
 
 

@@ -96,6 +96,8 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
     # in the fused q/k/v), biases on
     "falcon": dict(num_key_value_heads=None, new_decoder_architecture=True, ffn_hidden_size=128, bias=True,
                    parallel_attn=True),
+    # MPT: q, k, v clamped, its own softmax scale (transformers reads no alibi_bias_max: the default 8 stays)
+    "mpt": dict(attn_config=dict(clip_qkv=1.5, softmax_scale=0.3)),
     "gpt_neox": dict(num_key_value_heads=None, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.25}),
     # GLM-4.5: biased q/k/v, per-head q/k norms, half of each head rotated (its default), DeepSeek-V3's routing
     "glm4_moe": dict(_DEEPSEEK_EXPERTS, use_qk_norm=True),

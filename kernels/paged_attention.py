@@ -17,7 +17,9 @@ reaches its rows' largest limit (``USE_LIMIT``; off, compiled without it). With 
 C (Llama 4's chunked local attention) a query at position p sees only the keys at or after ``(p // C) * C``
 (the start of its chunk of C positions) too, on top of the causal rule or its limit; the key loop of a
 program starts at its first row's chunk start (``USE_CHUNK``; off, compiled without it). A layer has a
-sliding window or a chunk size, never both.
+sliding window or a chunk size, never both. With ``alibi_slopes`` (BLOOM's and MPT's ALiBi: one float32 slope per
+query head) each score gets ``slope_h * (key_pos - query_pos)`` added after the cap and before the mask: relative to
+the query, so the bias of the keys that matter stays small at any position (``USE_ALIBI``; off, compiled without it).
 
 Grid: (query blocks, KV heads). A program takes ``BLOCK_Q`` consecutive query
 tokens of one request times the ``Hq / Hkv`` query heads sharing one KV head
@@ -67,13 +69,13 @@ def _find_request(query_start_loc_ptr, q_block, num_reqs, BLOCK_Q: tl.constexpr)
 @triton.jit
 def _paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, sinks_ptr,
-    attend_limit_ptr,
+    attend_limit_ptr, alibi_ptr,
     scale, num_reqs, head_dim, block_size, sliding_window, softcap, chunk_size,
     q_token_stride, q_head_stride, out_token_stride, out_head_stride,
     cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     QUERIES_PER_KV: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_SINKS: tl.constexpr,
-    USE_LIMIT: tl.constexpr, USE_CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_LIMIT: tl.constexpr, USE_CHUNK: tl.constexpr, USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -102,6 +104,8 @@ def _paged_attention_kernel(
         m_i, l_i = _sink_start(sinks_ptr, heads, row_mask)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     abs_pos = context_len + q_pos  # the query's position in its sequence
+    if USE_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=row_mask, other=0.0).to(tl.float32)
     # keys this block can see: up to its last query's position (and within the window or chunk of its first)
     kv_end = tl.minimum(context_len + (local_block + 1) * BLOCK_Q, seq_len)
     last_pos = abs_pos  # the last key each row sees
@@ -124,6 +128,8 @@ def _paged_attention_kernel(
         scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale
         if USE_SOFTCAP:
             scores = cap_scores(scores, softcap)
+        if USE_ALIBI:
+            scores += slopes[:, None] * (kv_pos[None, :] - abs_pos[:, None]).to(tl.float32)
         visible = row_mask[:, None] & kv_mask[None, :] & (kv_pos[None, :] <= last_pos[:, None])
         if USE_WINDOW:
             visible = visible & (kv_pos[None, :] > abs_pos[:, None] - sliding_window)
@@ -208,6 +214,18 @@ def check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor
     return sinks
 
 
+def check_alibi_slopes(alibi_slopes: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
+    """``alibi_slopes`` checked to be one contiguous float32 slope per query head; the query (never read) when None."""
+    if alibi_slopes is None:
+        return query
+    check(alibi_slopes.dim() == 1 and alibi_slopes.shape[0] == query.shape[1] and alibi_slopes.dtype == torch.float32
+          and alibi_slopes.stride(0) == 1,
+          f"alibi_slopes must be a contiguous float32 [{query.shape[1]}], got {tuple(alibi_slopes.shape)} "
+          f"{alibi_slopes.dtype}")
+    check_same_device(query=query, alibi_slopes=alibi_slopes)
+    return alibi_slopes
+
+
 def check_attend_limit(attend_limit: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor:
     """``attend_limit`` checked to be a contiguous integer vector over the query's tokens; the query (never read)
     when None."""
@@ -249,6 +267,7 @@ def paged_attention(
     sinks: torch.Tensor | None = None,
     attend_limit: torch.Tensor | None = None,
     attention_chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of query ``[T, Hq, D]`` over each request's cached context.
 
@@ -258,7 +277,8 @@ def paged_attention(
     ``softcap`` > 0 caps the scores (None or 0: off); ``sinks`` ``[Hq]`` joins each head's softmax (None: off).
     ``attend_limit`` ``[>= T]`` int32/int64: the last key position each query token sees (None: its own, causal).
     ``attention_chunk_size`` C: a query at position p sees no key before ``(p // C) * C`` (None: off; not
-    with ``sliding_window``).
+    with ``sliding_window``). ``alibi_slopes`` ``[Hq]`` float32: ALiBi's ``slope_h * (key_pos - query_pos)`` added to
+    each score (None: off).
     """
     _check_args(query, key_cache, value_cache, query_start_loc, seq_lens, block_tables)
     num_tokens, num_q_heads, head_dim = query.shape
@@ -269,6 +289,7 @@ def paged_attention(
     check_chunk(sliding_window, attention_chunk_size)
     sinks_arg = check_sinks(sinks, query)
     limit_arg = check_attend_limit(attend_limit, query)
+    alibi_arg = check_alibi_slopes(alibi_slopes, query)
     block_q, block_m = _block_shape(queries_per_kv)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     num_reqs = seq_lens.shape[0]
@@ -276,13 +297,14 @@ def paged_attention(
         return out
     grid = (num_tokens // block_q + num_reqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks_arg, limit_arg,
+        out, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc, sinks_arg, limit_arg, alibi_arg,
         scale, num_reqs, head_dim, block_size, sliding_window or 0, softcap or 0.0, attention_chunk_size or 0,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_tables.stride(0),
         QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=block_m, TILE_N=tile_n,
         HEAD_DIM=head_dim_padded, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=bool(softcap),
         USE_SINKS=sinks is not None, USE_LIMIT=attend_limit is not None, USE_CHUNK=attention_chunk_size is not None,
+        USE_ALIBI=alibi_slopes is not None,
         # exact fp32 products; "tf32" is Triton's default, which half-precision inputs ignore
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=4 if head_dim_padded <= 64 else 8, num_stages=2,

@@ -25,7 +25,8 @@ CUDA-graph capturable.
 With ``attention_chunk_size`` C (Llama 4's chunked local attention) the span starts at the query's chunk
 start ``((seq_len - 1) // C) * C`` instead (``USE_CHUNK``; off, compiled without it).
 
-Scores are capped (``softcap``) as in the unified kernel. Attention sinks (``sinks``, gpt-oss) join
+Scores are capped (``softcap``) and biased by ALiBi (``alibi_slopes``: ``slope_h * (key_pos - (seq_len - 1))``,
+``USE_ALIBI``) as in the unified kernel. Attention sinks (``sinks``, gpt-oss) join
 in stage 2 only, once per head: the sink's logit is one more partial max with sum ``exp(0)`` and a
 zero accumulator (``USE_SINKS``; off, compiled without it).
 An fp8 cache is read as in the unified kernel: K and V tiles cast to the query's
@@ -44,7 +45,7 @@ import triton.language as tl
 from asyncllm.kernels._checks import check
 from asyncllm.kernels._math import softcap as cap_scores
 from asyncllm.kernels.paged_attention import (  # the unified kernel's rules and rows
-    _block_shape, _check_args, _tile_shape, check_chunk, check_sinks, check_window_and_softcap,
+    _block_shape, _check_args, _tile_shape, check_alibi_slopes, check_chunk, check_sinks, check_window_and_softcap,
 )
 
 __all__ = ["paged_decode"]
@@ -67,11 +68,11 @@ def _segment_bounds(seq_len, sliding_window, chunk_size, USE_WINDOW: tl.constexp
 @triton.jit
 def _decode_segment_kernel(
     max_ptr, sum_ptr, acc_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
-    scale, num_q_heads, head_dim, block_size, sliding_window, softcap, chunk_size,
+    alibi_ptr, scale, num_q_heads, head_dim, block_size, sliding_window, softcap, chunk_size,
     q_token_stride, q_head_stride, cache_block_stride, cache_slot_stride, cache_head_stride, block_table_stride,
     QUERIES_PER_KV: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SOFTCAP: tl.constexpr, USE_CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    USE_ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -94,6 +95,8 @@ def _decode_segment_kernel(
     dim_mask = dims < head_dim
     q_offsets = q_start.to(tl.int64) * q_token_stride + heads[:, None] * q_head_stride + dims[None, :]
     q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+    if USE_ALIBI:
+        slopes = tl.load(alibi_ptr + heads, mask=row_mask, other=0.0).to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -110,6 +113,8 @@ def _decode_segment_kernel(
         scores = tl.dot(q, k.to(q.dtype), input_precision=DOT_PRECISION) * scale
         if USE_SOFTCAP:
             scores = cap_scores(scores, softcap)
+        if USE_ALIBI:  # the query sits at seq_len - 1
+            scores += slopes[:, None] * (kv_pos - (seq_len - 1)).to(tl.float32)[None, :]
         scores = tl.where(row_mask[:, None] & kv_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding rows never see a key
@@ -177,6 +182,7 @@ def paged_decode(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`paged_attention` for a decode-only step, each request's context split into ``num_segments``.
 
@@ -193,6 +199,7 @@ def paged_decode(
     check_window_and_softcap(sliding_window, softcap)
     check_chunk(sliding_window, attention_chunk_size)
     sinks_arg = check_sinks(sinks, query)
+    alibi_arg = check_alibi_slopes(alibi_slopes, query)
     num_kv_heads, block_size = key_cache.shape[2], key_cache.shape[1]
     head_dim_padded, tile_n = _tile_shape(head_dim, tile_n)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -208,10 +215,11 @@ def paged_decode(
     _, block_m = _block_shape(num_q_heads // num_kv_heads)
     _decode_segment_kernel[(num_reqs, num_kv_heads, num_segments)](
         partial_max, partial_sum, partial_acc, query, key_cache, value_cache, block_tables, seq_lens, query_start_loc,
-        scale, num_q_heads, head_dim, block_size, sliding_window or 0, softcap or 0.0, attention_chunk_size or 0,
+        alibi_arg, scale, num_q_heads, head_dim, block_size, sliding_window or 0, softcap or 0.0, attention_chunk_size or 0,
         query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         block_tables.stride(0),
         QUERIES_PER_KV=num_q_heads // num_kv_heads, BLOCK_M=block_m, USE_SOFTCAP=bool(softcap),
+        USE_ALIBI=alibi_slopes is not None,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",  # as the unified kernel
         num_warps=4, num_stages=2, **shared,
     )

@@ -41,6 +41,7 @@ __all__ = [
     "to_kv_cache_dtype",
     "write_kv_cache",
     "gather_kv",
+    "alibi_bias",
     "paged_attention",
     "FP8_E4M3_MAX",
     "FP8_MIN_SCALE",
@@ -358,12 +359,23 @@ def _context_mask(
     return mask
 
 
+def alibi_bias(alibi_slopes: torch.Tensor, q_len: int, seq_len: int) -> torch.Tensor:
+    """ALiBi's float32 score bias ``[H, q_len, seq_len]``: ``slope_h * (key_pos - query_pos)``, query j at position
+    ``seq_len - q_len + j``. Relative to the query, so it stays small near the diagonal at any length; softmax is
+    blind to the per-row constant by which it differs from BLOOM's and MPT's ``slope_h * key_pos``."""
+    device = alibi_slopes.device
+    distance = (torch.arange(seq_len, device=device)[None, :]
+                - torch.arange(seq_len - q_len, seq_len, device=device)[:, None])
+    return alibi_slopes.float()[:, None, None] * distance.float()
+
+
 def _eager_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scale: float,
-    softcap: float | None, sinks: torch.Tensor | None,
+    softcap: float | None, sinks: torch.Tensor | None, alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention with explicit scores, in transformers' eager order: capped to ``softcap * tanh(q.k * scale /
-    softcap)`` when ``softcap`` (Gemma 2), masked, joined by each head's sink logit ``sinks [H]`` as one more
+    softcap)`` when ``softcap`` (Gemma 2), ALiBi's bias added in float32 when ``alibi_slopes [H]`` (BLOOM, MPT:
+    `alibi_bias`), masked, joined by each head's sink logit ``sinks [H]`` as one more
     column of the softmax (gpt-oss: it takes probability mass and adds no value), a float32 softmax rounded to
     the dtype, then ``P @ V``. ``[H, L, D]`` heads first."""
     groups = query.shape[0] // key.shape[0]
@@ -371,6 +383,8 @@ def _eager_attention(
     scores = query @ key.transpose(-1, -2) * scale
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        scores = scores.float() + alibi_bias(alibi_slopes, scores.shape[1], scores.shape[2])
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     if sinks is None:
@@ -389,6 +403,7 @@ def paged_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     attention_chunk_size: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each request's queries over its whole cached context.
 
@@ -401,7 +416,8 @@ def paged_attention(
     With ``metadata.attend_limit`` a query sees the keys up to its limit instead of its own position.
     With ``attention_chunk_size`` C (Llama 4's chunked local layers; None: off) a query at position p sees
     only the keys at or after ``(p // C) * C`` too (`_context_mask`); a layer has a window or a chunk size,
-    never both (ValueError).
+    never both (ValueError). With ``alibi_slopes`` (``[Hq]`` float32: BLOOM, MPT) each score gets
+    ``slope_h * (key_pos - query_pos)`` added before the mask (`alibi_bias`).
     """
     if attention_chunk_size is not None:
         if sliding_window is not None:
@@ -420,8 +436,8 @@ def paged_attention(
         mask = _context_mask(end - start, seq_len, sliding_window, query.device, limit, attention_chunk_size)
         q = query[start:end].transpose(0, 1)
         k, v = (t.transpose(0, 1).to(query.dtype) for t in (key, value))
-        if softcap or sinks is not None:
-            attended = _eager_attention(q, k, v, mask, scale, softcap, sinks)
+        if softcap or sinks is not None or alibi_slopes is not None:
+            attended = _eager_attention(q, k, v, mask, scale, softcap, sinks, alibi_slopes)
         else:
             attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start:end] = attended.transpose(0, 1)

@@ -16,11 +16,11 @@ PATCH, POOL = 4, 2
 
 
 def make_tiny_gemma4_mm(path: str | os.PathLike[str], seed: int = 0, bidirectional: str | None = "vision",
-                        standardize: bool = True, clipped: bool = True) -> str:
+                        standardize: bool = True, clipped: bool = True, **text_overrides: object) -> str:
     """Save a tiny random ``Gemma4ForConditionalGeneration`` in ``path``: the tiny E2B-style decoder (KV sharing,
     per-layer inputs; its sliding layers see 8 tokens, fewer than an image's rows), whose sliding layers let an
     image's rows see each other (``use_bidirectional_attention="vision"``), under a 2-layer vision tower with
-    clipped linears and standardized outputs."""
+    clipped linears and standardized outputs. ``text_overrides``: the decoder's config fields changed."""
     import torch
     from tokenizers import AddedToken  # noqa: F401
     from transformers import AutoTokenizer, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4ImageProcessor
@@ -34,7 +34,7 @@ def make_tiny_gemma4_mm(path: str | os.PathLike[str], seed: int = 0, bidirection
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOI, EOI, IMAGE)}
     text = load_hf_config(tiny_checkpoint("gemma4")).to_dict()
     text.update(vocab_size=len(tokenizer), vocab_size_per_layer_input=len(tokenizer), pad_token_id=2,
-                use_bidirectional_attention=bidirectional)
+                use_bidirectional_attention=bidirectional, **text_overrides)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=2, head_dim=16, patch_size=PATCH, pooling_kernel_size=POOL,
                   position_embedding_size=64, use_clipped_linears=clipped, standardize=standardize)

@@ -7,7 +7,7 @@ import io
 import os
 from pathlib import Path
 
-from mm_utils import make_image, random_model
+from mm_utils import hf_generate, make_image, random_model
 
 __all__ = ["IMAGE", "IMAGE_PLACEHOLDER", "hf_glm4v_greedy", "hf_glm4v_inputs", "make_image", "make_tiny_glm4v"]
 
@@ -112,11 +112,4 @@ def hf_glm4v_greedy(path: str, text: str | None, images: list[bytes], max_new_to
     if position_ids is not None:
         inputs["position_ids"] = position_ids
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-    if adapter is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    prompt_ids = inputs["input_ids"][0].tolist()
-    return prompt_ids, out[0, len(prompt_ids):].tolist()
+    return hf_generate(model, inputs, max_new_tokens, adapter)

@@ -245,6 +245,21 @@ def random_model(model_cls, config, seed: int, std: float = 0.2):
     return model
 
 
+def hf_generate(model, inputs, max_new_tokens: int, adapter: str | None = None) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy tokens) of transformers' image-text ``model`` for processed ``inputs``, wrapped in the
+    PEFT ``adapter`` when one is given."""
+    import torch
+
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    prompt_ids = inputs["input_ids"][0].tolist()
+    return prompt_ids, out[0, len(prompt_ids):].tolist()
+
+
 def make_image(width: int, height: int, seed: int) -> bytes:
     """A PNG of random pixels (so different seeds differ)."""
     import numpy as np

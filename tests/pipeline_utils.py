@@ -24,9 +24,10 @@ class MemoryChannel:
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         self.queue.append((hidden.clone(), residual.clone()))
 
-    def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def recv(self, num_tokens: int, widths: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.queue.popleft()
         assert hidden.shape[0] == residual.shape[0] == num_tokens
+        assert widths is None or (hidden.shape[1], residual.shape[1]) == widths, (hidden.shape, residual.shape, widths)
         return hidden, residual
 
 
@@ -58,7 +59,7 @@ def stage_params(full_names: set[str], stage: PipelineStage, tied: bool) -> set[
             return stage.owns_layer(int(layer.group(1)))
         if name.startswith("model.embed_tokens."):
             return stage.is_first or (tied and stage.is_last)
-        if name.startswith(("model.embed_positions.", "model.project_in.")):  # GPT-2's and OPT's
+        if name.startswith(("model.embed_positions.", "model.project_in.", "model.embed_norm.")):  # GPT-2, OPT, BLOOM
             return stage.is_first
         return stage.is_last  # the final norm, the LM head (OPT's projection out)
 

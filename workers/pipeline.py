@@ -107,7 +107,7 @@ class PipelineModelRunner(ModelRunner):
         next_rank = None if stage.is_last else self.world_rank + tp
         channel = StageChannel(prev_rank, next_rank, text_config.hidden_size, dtype, self.device)
         stage_model = StageModel(model, stage, channel)
-        kv_spec = dataclasses.replace(kv_cache_spec(hf_config, tp), num_layers=stage_model.num_kv_layers)
+        kv_spec = stage_model.kv_spec(kv_cache_spec(hf_config, tp))
         self.attach_model(stage_model, kv_spec, dtype)
         self.hf_config = hf_config
 

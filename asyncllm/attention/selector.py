@@ -43,10 +43,13 @@ class AttentionBackend(Protocol):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         attention_chunk_size: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rotate q/k by ``rotary`` (if given), write key/value ``[T, Hkv, D]`` at the step's slots,
         attend query ``[T, Hq, D]`` (scores capped to ``softcap * tanh(s / softcap)`` when ``softcap``; each
-        head's softmax joined by its logit in ``sinks [Hq]`` when given, gpt-oss's attention sinks)."""
+        head's softmax joined by its logit in ``sinks [Hq]`` when given, gpt-oss's attention sinks; each score
+        biased by ``alibi_slopes[h] * (key_pos - query_pos)`` when ``alibi_slopes [Hq]`` (float32) is given,
+        BLOOM's and MPT's ALiBi positions)."""
         ...
 
 

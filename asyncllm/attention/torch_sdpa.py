@@ -38,12 +38,14 @@ class TorchSDPABackend:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         attention_chunk_size: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]`` (or ``[1, ...]``); it is updated in place. ``softcap``
         caps the scores (Gemma 2: `reference.paged_attention`); ``sinks [Hq]`` joins each softmax (gpt-oss);
-        ``attention_chunk_size`` keeps each query to the keys of its own chunk (Llama 4's chunked local layers).
+        ``attention_chunk_size`` keeps each query to the keys of its own chunk (Llama 4's chunked local layers);
+        ``alibi_slopes [Hq]`` biases each score by ``slope_h * (key_pos - query_pos)`` (BLOOM, MPT).
         ``key`` and ``value`` None: attend over the cache as it is, writing nothing (Gemma 4's KV-sharing layers);
         ``value`` alone None: a one-part cache ``[1, ...]`` whose keys are the values (latent attention: the output
         is as wide as the keys).
@@ -55,4 +57,4 @@ class TorchSDPABackend:
                 query, key = reference.norm_and_rotate(query, key, rotary)
             reference.write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         return reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap, sinks,
-                                         attention_chunk_size=attention_chunk_size)
+                                         attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes)

@@ -61,12 +61,14 @@ class TritonBackend:
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         attention_chunk_size: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query ``[T, Hq, D]``, key/value ``[T, Hkv, D]`` -> attention output ``[T, Hq, D]``.
 
         ``kv_cache`` is ``[2, num_blocks, block_size, Hkv, D]`` (or ``[1, ...]``); it is updated in place. ``softcap``
         caps the scores (Gemma 2), ``sinks [Hq]`` joins each softmax (gpt-oss) and ``attention_chunk_size``
-        keeps each query to the keys of its own chunk (Llama 4) in either kernel; ``metadata.attend_limit``
+        keeps each query to the keys of its own chunk (Llama 4) and ``alibi_slopes [Hq]`` biases each score by
+        ``slope_h * (key_pos - query_pos)`` (BLOOM, MPT) in either kernel; ``metadata.attend_limit``
         (Gemma 3's image tokens) always takes the unified kernel. ``key`` and ``value`` None: attend over the
         cache as it is, writing nothing (Gemma 4's KV-sharing layers); ``value`` alone None: a one-part cache
         ``[1, ...]`` whose keys are the values (latent attention: the output is as wide as the keys).
@@ -91,12 +93,12 @@ class TritonBackend:
             return paged_decode(
                 query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                 scale, num_segments, sliding_window, softcap=softcap, sinks=sinks,
-                attention_chunk_size=attention_chunk_size,
+                attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes,
             )
         return paged_attention(
             query, key_cache, value_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
             scale, sliding_window, softcap=softcap, sinks=sinks, attend_limit=metadata.attend_limit,
-            attention_chunk_size=attention_chunk_size,
+            attention_chunk_size=attention_chunk_size, alibi_slopes=alibi_slopes,
         )
 
 

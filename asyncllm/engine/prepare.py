@@ -104,9 +104,10 @@ def prepare(config: EngineConfig) -> Prepared:
         if (multimodal or arch in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (docs/models.md lists the "
                                                      "architectures that take them; image-text checkpoints: the "
-                                                     "decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5, and "
+                                                     "decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / LFM2-VL, and "
                                                      "Gemma 3 / Gemma 4 served as text: limit_mm_per_prompt={'image': 0})")
-        lora = AdapterChecker(text_config, config.max_lora_rank, *_expert_layers(hf_config, text_config, limits))
+        lora = AdapterChecker(text_config, config.max_lora_rank, *_expert_layers(hf_config, text_config, limits),
+                              runs_tower=multimodal)
     mm = None
     if multimodal:
         from asyncllm.mm.processor import MultiModalProcessor
@@ -180,19 +181,20 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES, "DbrxForCausalLM", "Zamba2ForCausalLM",
-            "KimiLinearForCausalLM")
-"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba), the encoders, DBRX (its fused ``Wqkv``
-and experts stored as bare matrices: not built), Zamba2 (its shared blocks reused at several depths, each use with
-its own built-in adapters: not built) and Kimi-Linear (not built) take no adapters. Every
+_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES)
+"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba) and the encoders take no adapters. Every
 other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
-PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; a hybrid's
-state layers take none but Qwen3.5's, an adapter naming one, Mamba2's ``in_proj`` say, is refused by name)."""
+PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; DBRX's fused
+``Wqkv``, not its bare expert matrices; Zamba2's shared blocks, one adapter per invocation,
+asyncllm/models/zamba2_lora.py; a hybrid's state layers take none but Qwen3.5's and Kimi-Linear's KDA layers', an
+adapter naming one, Mamba2's ``in_proj`` say, is refused by name)."""
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                                  "Qwen3_5MoeForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
                                  "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
-                                 "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration")
+                                 "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+                                 "Lfm2VlForConditionalGeneration", "GlmAsrForConditionalGeneration",
+                                 "Qwen3ASRForConditionalGeneration")
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
 tower matrices is refused)."""
 

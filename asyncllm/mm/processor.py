@@ -126,20 +126,23 @@ def _part_value(part: dict[str, Any], kind: str, field: str) -> Any:
     return value
 
 
-def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: dict[str, Any] | None = None) -> Any:
-    """The checkpoint's HF image processor with ``mm_processor_kwargs`` applied, then ``defaults`` for the settings
-    it leaves None (Gemma 3's pan-and-scan bounds, which its HF processor passes); a `ConfigError` names a key that
-    changes nothing (transformers drops unknown ones without a word)."""
+def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: dict[str, Any] | None = None,
+                         processor_cls: Any = None) -> Any:
+    """The checkpoint's HF image processor (or the model's ``mm_image_processor_class``, LFM2-VL's stand-in for one
+    that needs torchvision) with ``mm_processor_kwargs`` applied, then ``defaults`` for the settings it leaves None
+    (Gemma 3's pan-and-scan bounds, which its HF processor passes); a `ConfigError` names a key that changes
+    nothing (transformers drops unknown ones without a word)."""
     from transformers import AutoImageProcessor
 
-    processor = AutoImageProcessor.from_pretrained(model_path, **overrides)
+    loader = processor_cls or AutoImageProcessor
+    processor = loader.from_pretrained(model_path, **overrides)
     for key, value in (defaults or {}).items():
         if getattr(processor, key, None) is None:
             setattr(processor, key, value)
     if overrides:
-        plain = AutoImageProcessor.from_pretrained(model_path).to_dict()
+        plain = loader.from_pretrained(model_path).to_dict()
         for key, value in overrides.items():
-            ignored = AutoImageProcessor.from_pretrained(model_path, **{key: value}).to_dict() == plain
+            ignored = loader.from_pretrained(model_path, **{key: value}).to_dict() == plain
             if ignored and plain.get(key) != value:
                 raise ConfigError(f"mm_processor_kwargs.{key}", value,
                                   f"a setting of the model's {type(processor).__name__}")
@@ -197,8 +200,10 @@ class MultiModalProcessor:
         self._engine_overrides = dict(processor_kwargs or {})
         self._processor_defaults: dict[str, Any] = getattr(model_cls, "mm_processor_defaults", {})
         """Image processor settings the model's HF processor passes where the image processor has none."""
-        self.image_processor = (load_image_processor(model_path, self._engine_overrides, self._processor_defaults)
-                                if takes_images else None)
+        self._processor_cls = getattr(model_cls, "mm_image_processor_class", None)
+        """The model's own image processor class (None: ``AutoImageProcessor``)."""
+        self.image_processor = (load_image_processor(model_path, self._engine_overrides, self._processor_defaults,
+                                                     self._processor_cls) if takes_images else None)
         self._request_processors: OrderedDict[str, Any] = OrderedDict()
         """Image processors of requests' ``mm_processor_kwargs`` (by their JSON), the last few used."""
         self.tokenizer = tokenizer
@@ -500,7 +505,8 @@ class MultiModalProcessor:
         if name not in self._request_processors:
             try:
                 self._request_processors[name] = load_image_processor(
-                    self._model_path, {**self._engine_overrides, **overrides}, self._processor_defaults)
+                    self._model_path, {**self._engine_overrides, **overrides}, self._processor_defaults,
+                    self._processor_cls)
             except ConfigError as exc:
                 raise InvalidRequestError("prompt.mm_processor_kwargs", f"{exc.field}={exc.value!r}: {exc.allowed}") \
                     from exc

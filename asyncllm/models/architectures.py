@@ -43,12 +43,13 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
                       "OlmoForCausalLM", "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
                       "PhimoeForCausalLM", "MiniCPM3ForCausalLM", "DbrxForCausalLM", "Zamba2ForCausalLM",
-                      "KimiLinearForCausalLM")
+                      "KimiLinearForCausalLM", "BloomForCausalLM", "MptForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
                         "FalconH1ForCausalLM", "JambaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
-                        "Mamba2ForCausalLM", "Zamba2ForCausalLM", "KimiLinearForCausalLM")
+                        "Mamba2ForCausalLM", "Zamba2ForCausalLM", "KimiLinearForCausalLM",
+                        "Lfm2VlForConditionalGeneration")
 """Models whose state layers keep per-request recurrent states (asyncllm/models/row_states.py): prefix caching from
 saved states, no swap preemption, speculative decoding with a snapshot per draft (docs/hybrid-models.md)."""
 STATE_SPACE_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM")
@@ -83,11 +84,13 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Gemma4ForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
                             "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
                             "Glm4vMoeForConditionalGeneration", "AyaVisionForConditionalGeneration",
-                            "WhisperForConditionalGeneration")
+                            "Lfm2VlForConditionalGeneration", "WhisperForConditionalGeneration",
+                            "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only)."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
-                       "WhisperForConditionalGeneration")
+                       "WhisperForConditionalGeneration", "GlmAsrForConditionalGeneration",
+                       "Qwen3ASRForConditionalGeneration")
 """Of those, the ones that take audio (and no images: docs/multimodal.md#audio; Whisper, an encoder-decoder:
 docs/multimodal.md#whisper)."""
 TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
@@ -143,6 +146,8 @@ def max_positions(hf_config: Any) -> int | None:
     ``max_target_positions``), less RoBERTa's and XLM-R's ``pad_token_id + 1`` (their positions start after it;
     514 -> 512)."""
     limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "max_target_positions", None)
+    if limit is None and getattr(hf_config, "model_type", "") == "mpt":  # MPT's name for it (BLOOM's ALiBi: none)
+        limit = hf_config.max_seq_len
     if limit is not None and getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
         limit -= int(hf_config.pad_token_id) + 1
     return limit

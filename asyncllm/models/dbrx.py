@@ -134,6 +134,10 @@ class DbrxForCausalLM(MoECausalLM, LlamaForCausalLM):
         super().__init__(config, **kwargs)
         head_dim = head_dim_of(config)
         self.qkv_rows = (config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim)
+        q_rows, kv_rows = self.qkv_rows
+        self.fused_parts: dict[str, list[tuple[object, int]]] = {"qkv_proj": [("q", q_rows), ("k", kv_rows),
+                                                                              ("v", kv_rows)]}
+        """A LoRA adapter's ``Wqkv`` (one A, one B over q's, k's, then v's rows; asyncllm/models/lora.py)."""
         self.expert_rows = int(config.ffn_config.ffn_hidden_size)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:

@@ -32,21 +32,25 @@ def falcon_kv_heads(hf_config: Any) -> int:
 
 
 def kv_heads(cfg: Any) -> int:
-    """KV heads under each family's fields: Falcon's layouts, GPTBigCode's ``multi_query`` (one), else
-    ``num_key_value_heads`` or one per attention head."""
+    """KV heads under each family's fields: Falcon's layouts, GPTBigCode's ``multi_query`` (one), DBRX's
+    ``attn_config.kv_n_heads``, else ``num_key_value_heads`` or one per attention head."""
     if hasattr(cfg, "new_decoder_architecture"):
         return falcon_kv_heads(cfg)
     if getattr(cfg, "multi_query", False):
         return 1
+    if hasattr(getattr(cfg, "attn_config", None), "kv_n_heads"):  # DBRX's
+        return cfg.attn_config.kv_n_heads
     return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
 
 
 def mlp_width(cfg: Any) -> int:
     """The dense MLP's width under each family's fields: LFM2's computed one, GPT-2's / GPT-J's ``n_inner``, Llama 4's
-    ``intermediate_size_mlp``, ``intermediate_size``, OPT's ``ffn_dim``, Falcon's ``ffn_hidden_size``; 4 x hidden where
-    the config names none (GPT-2, GPT-J, Falcon)."""
+    ``intermediate_size_mlp``, ``intermediate_size``, OPT's ``ffn_dim``, Falcon's ``ffn_hidden_size``, MPT's
+    ``expansion_ratio`` x hidden; 4 x hidden where the config names none (GPT-2, GPT-J, Falcon, BLOOM)."""
     if hasattr(cfg, "block_auto_adjust_ff_dim"):
         return lfm2_intermediate_size(cfg)
+    if hasattr(cfg, "expansion_ratio"):
+        return int(cfg.expansion_ratio * cfg.hidden_size)
     if hasattr(cfg, "n_inner"):
         return cfg.n_inner or 4 * cfg.hidden_size
     return (getattr(cfg, "intermediate_size_mlp", None) or getattr(cfg, "intermediate_size", None)

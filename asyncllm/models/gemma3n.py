@@ -16,8 +16,8 @@ per-layer inputs (gemma4.py) under Gemma 3n's layer, in transformers' order of o
   stream but the first; token ids past ``vocab_size_per_layer_input`` take id 0's per-layer embedding.
 - Per-layer MLP widths (``intermediate_size`` a list), logits capped by ``final_logit_softcapping``.
 
-Not built: images and audio (the towers of ``Gemma3nForConditionalGeneration``: a `NotBuiltError` names them),
-pipeline parallelism, LoRA adapters.
+Pipeline stages: gemma4_stages.py (the four streams cross a boundary side by side). Not built: images and audio
+(the towers of ``Gemma3nForConditionalGeneration``: a `NotBuiltError` names them), LoRA adapters.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from asyncllm.models.gemma4 import (
 )
 from asyncllm.models.layers import new_param
 from asyncllm.models.moe import ReplicatedLinear
+from asyncllm.models.pipeline import PPMissingLayer
 
 __all__ = ["Gemma3nForCausalLM", "Gemma3nTextOnly", "mlp_sizes"]
 
@@ -142,6 +143,7 @@ class Gemma3nDecoderLayer(nn.Module):
         self.per_layer_projection = ReplicatedLinear(hidden, per_layer, b.dtype)
         self.post_per_layer_input_norm = norm()
         self.active, self.scales_correction = cfg.altup_active_idx, bool(cfg.altup_correct_scale)
+        self.uses_kv_cache = not b.layout.shares[layer_idx]  # as Gemma 4's (a pipeline stage counts its caches)
 
     def forward(self, positions: torch.Tensor, streams: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, per_layer_input: torch.Tensor) -> torch.Tensor:
@@ -165,27 +167,21 @@ class Gemma3nModel(Gemma4Model):
 
     def __init__(self, b: Gemma4Build) -> None:
         super().__init__(b)
-        cfg = b.hf_config
-        extra = range(1, cfg.altup_num_inputs)
-        self.altup_projections = nn.ModuleList(ReplicatedLinear(cfg.hidden_size, cfg.hidden_size, b.dtype)
-                                               for _ in extra)
-        self.altup_unembed_projections = nn.ModuleList(ReplicatedLinear(cfg.hidden_size, cfg.hidden_size, b.dtype)
-                                                       for _ in extra)
+        cfg, stage = b.hf_config, b.pipeline  # a pipeline stage: the streams spread on the first, merged on the last
+
+        def projections(held: bool) -> nn.Module:
+            return nn.ModuleList(ReplicatedLinear(cfg.hidden_size, cfg.hidden_size, b.dtype)
+                                 for _ in range(1, cfg.altup_num_inputs)) if held else PPMissingLayer()
+
+        self.altup_projections = projections(stage is None or stage.is_first)
+        self.altup_unembed_projections = projections(stage is None or stage.is_last)
         self.per_layer_vocab = int(cfg.vocab_size_per_layer_input)
+        self.num_streams, self.stream_width = cfg.altup_num_inputs, cfg.altup_num_inputs * cfg.hidden_size
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """Gemma 4's, with ids past the per-layer table taking id 0's row (transformers' ``get_per_layer_inputs``)."""
         in_table = (input_ids >= 0) & (input_ids < self.per_layer_vocab)
         return super().per_layer_inputs(torch.where(in_table, input_ids, 0), embeds)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        per_layer = self.per_layer_inputs(input_ids, embeds)
-        streams = self._spread(embeds)
-        for i, layer in enumerate(self.layers):
-            streams = layer(positions, streams, kv_caches[self.cache_of_layer[i]], metadata, per_layer[:, i])
-        return self.norm(self._merge(streams))
 
     def _spread(self, embeds: torch.Tensor) -> torch.Tensor:
         """The embedding and its projections, each at the embedding's RMS: ``[n, T, H]``."""
@@ -197,6 +193,13 @@ class Gemma3nModel(Gemma4Model):
         rms = torch.mean(streams[0] ** 2, dim=-1, keepdim=True) ** 0.5
         back = [_rescaled(proj(stream), rms) for proj, stream in zip(self.altup_unembed_projections, streams[1:])]
         return torch.stack([streams[0], *back]).mean(dim=0)
+
+    def _pack(self, streams: torch.Tensor) -> torch.Tensor:
+        """``[n, T, H]`` -> ``[T, n x H]``: what crosses a pipeline stage boundary."""
+        return streams.permute(1, 0, 2).reshape(streams.shape[1], -1)
+
+    def _unpack(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat.view(flat.shape[0], self.num_streams, -1).permute(1, 0, 2).contiguous()
 
 
 class Gemma3nForCausalLM(Gemma4ForCausalLM):

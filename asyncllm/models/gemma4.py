@@ -17,8 +17,8 @@ checkpoints, served for text prompts): the Gemma decoder (gemma.py) with, in tra
   branches normed apart and summed;
 - each layer's output times its ``layer_scalar``; the RMSNorm is ``x / rms(x) * w`` (not ``1 + w``) in float32.
 
-Images: gemma4_mm.py. Not built (refused by name): ``use_bidirectional_attention="all"``, audio and video, pipeline
-parallelism (the layers' caches differ in shape), pre-quantized 26B-A4B checkpoints (fused experts).
+Images: gemma4_mm.py. Pipeline stages: gemma4_stages.py. Not built (refused by name): ``use_bidirectional_attention=
+"all"``, audio and video, pre-quantized 26B-A4B checkpoints (fused experts).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.errors import NotBuiltError
 from asyncllm.kernels import reference
 from asyncllm.models.embedding import VocabParallelEmbedding
 from asyncllm.models.gemma import GemmaBuild, GemmaForCausalLM, GemmaMLP
@@ -45,6 +44,8 @@ from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec, ReplicatedLinear
 from asyncllm.models.qwen3_vl_moe import per_expert_weights
 from asyncllm.models.rotary import RotaryEmbedding
 from asyncllm.models.gemma4_config import KVCacheLayout, check_gemma4, kv_cache_layout, layer_attention_shape
+from asyncllm.models.gemma4_stages import Gemma4Stages, check_stage_kv_sharing
+from asyncllm.models.pipeline import PPMissingLayer, in_missing_part
 from asyncllm.models.vision_language import decoder_weight_name
 
 __all__ = ["Gemma4ForCausalLM", "Gemma4TextOnly", "LanguageModelOnly", "gemma4_rms_norm", "kv_cache_layout", "layer_attention_shape"]
@@ -178,6 +179,8 @@ class Gemma4DecoderLayer(nn.Module):
             self.post_per_layer_input_norm = norm()
             self.gelu_tanh = lambda x: F.gelu(x, approximate="tanh")
         self.layer_scalar = new_param(1, dtype=b.dtype)
+        self.uses_kv_cache = not b.layout.shares[layer_idx]
+        """A KV-sharing layer has no cache of its own (a pipeline stage counts its caches by this)."""
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: AttentionMetadata, per_layer_input: torch.Tensor | None) -> torch.Tensor:
@@ -195,28 +198,38 @@ class Gemma4DecoderLayer(nn.Module):
         return hidden * self.layer_scalar
 
 
-class Gemma4Model(nn.Module):
+class Gemma4Model(Gemma4Stages, nn.Module):
     layer_cls: type[nn.Module] = Gemma4DecoderLayer
 
     def __init__(self, b: Gemma4Build) -> None:
         super().__init__()
-        cfg = b.hf_config
+        cfg, stage = b.hf_config, b.pipeline  # a pipeline stage: its layers; the per-layer parts on the first
         assert b.layout is not None
+        check_stage_kv_sharing(cfg, stage)
+        first, last = stage is None or stage.is_first, stage is None or stage.is_last
+        embeds = stage is None or stage.holds_embeddings(bool(getattr(cfg, "tie_word_embeddings", False)))
         self.cache_of_layer = b.layout.cache_of_layer
-        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5, b.tp, b.dtype)
-        self.layers = nn.ModuleList(self.layer_cls(b, i) for i in range(cfg.num_hidden_layers))
-        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype)
+        self.embed_tokens = (ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.hidden_size**0.5, b.tp, b.dtype)
+                             if embeds else PPMissingLayer())
+        self.layers = nn.ModuleList(self.layer_cls(b, i) if stage is None or stage.owns_layer(i) else PPMissingLayer()
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = Gemma4RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype) if last else PPMissingLayer()
+        self.stream_width = cfg.hidden_size
         self.soft_token_ids: torch.Tensor | None = None
         """An image-text model's image (video, audio) token ids: their rows take the pad token's per-layer input."""
         self.pad_token_id = 0
         self.per_layer_size = per_layer = int(getattr(cfg, "hidden_size_per_layer_input", 0) or 0)
-        if per_layer:
+        if per_layer and first:
             width = cfg.num_hidden_layers * per_layer
             self.embed_tokens_per_layer = ScaledEmbedding(cfg.vocab_size_per_layer_input, width, per_layer**0.5,
                                                           b.tp, b.dtype)
             self.per_layer_model_projection = ReplicatedLinear(width, cfg.hidden_size, b.dtype)
             self.per_layer_projection_norm = Gemma4RMSNorm(per_layer, cfg.rms_norm_eps, b.dtype)
             self.projection_scale = cfg.hidden_size**-0.5
+        elif per_layer:  # made on the first stage and sent on (gemma4_stages.py)
+            self.embed_tokens_per_layer = PPMissingLayer()
+            self.per_layer_model_projection = PPMissingLayer()
+            self.per_layer_projection_norm = PPMissingLayer()
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """``[T, layers, P]``: the token's own per-layer embedding plus the normed projection of its embedding,
@@ -231,12 +244,9 @@ class Gemma4Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        per_layer = self.per_layer_inputs(input_ids, hidden) if self.per_layer_size else None
-        for i, layer in enumerate(self.layers):
-            layer_input = None if per_layer is None else per_layer[:, i]
-            hidden = layer(positions, hidden, kv_caches[self.cache_of_layer[i]], metadata, layer_input)
-        return self.norm(hidden)
+        stream, per_layer = self.embed_stream(input_ids, inputs_embeds)
+        stream = self.run_layers(range(len(self.layers)), stream, per_layer, 0, positions, kv_caches, metadata)
+        return self.norm(self._merge(stream))
 
 
 class Gemma4ForCausalLM(MoECausalLM, GemmaForCausalLM):
@@ -275,14 +285,11 @@ class Gemma4ForCausalLM(MoECausalLM, GemmaForCausalLM):
         return Gemma4Build(**fields, layout=kv_cache_layout(hf_config))
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        if kwargs.get("pipeline") is not None:
-            raise NotBuiltError("pipeline_parallel_size", kwargs["pipeline"].size,
-                                f"pipeline parallelism for {type(self).__name__}")
         super().__init__(hf_config, **kwargs)
         layout = kv_cache_layout(hf_config)
         self.shared_layers = {i for i, shares in enumerate(layout.shares) if shares}
-        self.k_eq_v_layers = {i for i, layer in enumerate(self.model.layers) if not layer.self_attn.shares_kv
-                              and layer.self_attn.k_eq_v}
+        self.k_eq_v_layers = {i for i, layer in enumerate(self.model.layers) if not isinstance(layer, PPMissingLayer)
+                              and not layer.self_attn.shares_kv and layer.self_attn.k_eq_v}
         self.expert_sizes = (int(hf_config.hidden_size), int(getattr(hf_config, "moe_intermediate_size", 0) or 0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -301,6 +308,8 @@ class Gemma4ForCausalLM(MoECausalLM, GemmaForCausalLM):
         """The checkpoint as the layers take it: fused experts cut per expert, the k projection of a layer whose
         values are its keys loaded as its v projection too, the KV-sharing layers' unused K/V weights dropped."""
         for name, weight in weights:
+            if self.pipeline is not None and in_missing_part(self, name):
+                continue  # another pipeline stage's (its fused experts not read)
             layer, module = _layer_module(name)
             if layer in self.shared_layers and module in ("k_proj", "v_proj", "k_norm", "v_norm"):
                 continue

@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from asyncllm.errors import NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError
 
-__all__ = ["KVCacheLayout", "check_gemma4", "kv_cache_layout", "layer_attention_shape", "projection_shapes"]
+__all__ = ["KVCacheLayout", "check_gemma4", "check_kv_sharing_split", "kv_cache_layout", "layer_attention_shape",
+           "projection_shapes"]
 
 
 def layer_attention_shape(cfg: Any, layer_idx: int) -> tuple[int, int]:
@@ -95,3 +96,28 @@ def projection_shapes(cfg: Any) -> list[dict[str, tuple[int, int]]]:
                 shapes["v_proj"] = (hidden, kv)
         out.append(shapes)
     return out
+
+
+def check_kv_sharing_split(cfg: Any, counts: list[int]) -> None:
+    """`ConfigError` unless every KV-sharing layer is on the pipeline stage of the layer whose cache it reads
+    (``counts``: layers per stage): a cache lives on its stage's device, and no stage sends one to another."""
+    from asyncllm import envs
+
+    layout = kv_cache_layout(cfg)
+    source = {cache: layer for layer, cache in enumerate(layout.cache_of_layer) if not layout.shares[layer]}
+    stage_of = [stage for stage, count in enumerate(counts) for _ in range(count)]
+    apart = [(layer, source[cache]) for layer, cache in enumerate(layout.cache_of_layer)
+             if layout.shares[layer] and stage_of[layer] != stage_of[source[cache]]]
+    if not apart:
+        return
+    first = min(source[cache] for cache, shares in zip(layout.cache_of_layer, layout.shares) if shares)
+    pp, layers = len(counts), len(stage_of)
+    hint = ""
+    if first >= pp - 1:  # the layers before ``first`` spread over the other stages (as vLLM splits them)
+        before = [first // (pp - 1) + (i < first % (pp - 1)) for i in range(pp - 1)]
+        hint = f", e.g. {envs.PP_LAYER_PARTITION.name}={','.join(map(str, [*before, layers - first]))}"
+    layer, src = apart[0]
+    raise ConfigError(envs.PP_LAYER_PARTITION.name, ",".join(map(str, counts)),
+                      f"a split that keeps each KV-sharing layer on the stage of the layer whose KV cache it reads "
+                      f"(layer {layer} reads layer {src}'s, on another stage): layers {first} to {layers - 1} on "
+                      f"one stage{hint}")

@@ -24,6 +24,7 @@ from asyncllm.models.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTowe
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.moe import MoESpec
+from asyncllm.models.pipeline import PipelineStage
 from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
 
 __all__ = ["Gemma4ForConditionalGeneration"]
@@ -53,11 +54,14 @@ class Gemma4ForConditionalGeneration(VisionLanguageModel):
         return getattr(hf_config.text_config, "use_bidirectional_attention", None) == "vision"
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
-                 max_position: int, mm_encoder_tp_mode: str = "weights", expert_parallel: bool = False) -> None:
+                 max_position: int, mm_encoder_tp_mode: str = "weights", expert_parallel: bool = False,
+                 pipeline: PipelineStage | None = None) -> None:
+        """``pipeline``: a stage's decoder part; the tower and embedder run on the first (the loader drops them
+        from the others: `VisionLanguageModel.drop_encoder`)."""
         super().__init__()
         self.language_model = build_decoder(hf_config, _DECODERS, "Gemma 4", mm_encoder_tp_mode, dtype=dtype, tp=tp,
                                             attn_backend=attn_backend, max_position=max_position,
-                                            expert_parallel=expert_parallel)
+                                            expert_parallel=expert_parallel, pipeline=pipeline)
         self.vision_tower = Gemma4VisionTower(hf_config.vision_config, dtype)
         self.embed_vision = Gemma4VisionEmbedder(hf_config.vision_config, hf_config.text_config.hidden_size, dtype)
         soft = [hf_config.image_token_id] + [getattr(hf_config, f"{kind}_token_id", None) for kind in ("video", "audio")]

@@ -171,10 +171,13 @@ class Attention(nn.Module):
         scale: float | None = None,
         softcap: float | None = None,
         attention_chunk_size: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> None:
         """``scale`` defaults to ``head_dim ** -0.5``; ``softcap`` caps the scores (Gemma 2; None: off);
         ``attention_chunk_size`` C keeps a query at position p to the keys from ``(p // C) * C`` on (Llama 4's
-        chunked local attention; None: off). ValueError when given with ``sliding_window``."""
+        chunked local attention; None: off). ValueError when given with ``sliding_window``. ``alibi_slopes``
+        (this rank's heads' float32 slopes, ``[num_heads]``) biases each score by ``slope * (key_pos - query_pos)``
+        (BLOOM's and MPT's ALiBi, asyncllm/models/alibi.py; None: off)."""
         if attention_chunk_size is not None and sliding_window is not None:
             raise ValueError(f"an attention layer has sliding_window ({sliding_window}) or attention_chunk_size "
                              f"({attention_chunk_size}), not both")
@@ -187,6 +190,8 @@ class Attention(nn.Module):
         self.sliding_window = sliding_window
         self.softcap = softcap or None
         self.attention_chunk_size = attention_chunk_size
+        self.alibi_slopes: torch.Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         self.k_scale = 1.0
         self.v_scale = 1.0
         """Calibrated fp8 KV-cache scales (asyncllm/models/kv_scales.py): the cache holds ``k / k_scale`` and
@@ -211,7 +216,8 @@ class Attention(nn.Module):
         if self.k_scale != 1.0 or self.v_scale != 1.0:
             query, key, value, rotary, scale = self._scaled(query, key, value, rotary)
         out = self.backend.forward(query, key, value, kv_cache, metadata, scale, self.sliding_window, rotary,
-                                   self.softcap, sinks, attention_chunk_size=self.attention_chunk_size)
+                                   self.softcap, sinks, attention_chunk_size=self.attention_chunk_size,
+                                   alibi_slopes=self.alibi_slopes)
         if self.v_scale != 1.0:
             out = out * self.v_scale
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

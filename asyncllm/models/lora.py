@@ -152,13 +152,18 @@ def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAC
     layers: dict[str, SlotBuffers] = attach_expert_layers(model, num_slots, max_rank, context)
     packed = model.packed_modules
     fused_parts: dict[str, list[tuple[object, int]]] = getattr(model, "fused_parts", {})
+    towered = hasattr(model, "language_model")  # an image-text model: its tower's layers take no adapters
     for name, module in model.named_modules():
         if not isinstance(module, (_ColumnParallelLinear, RowParallelLinear)) or not _ADAPTABLE.search(name):
+            continue
+        if towered and not name.startswith("language_model."):
             continue
         fused = name.rsplit(".", 1)[-1]
         # one A for a projection whose adapters come fused (Phi-3's, GPT-NeoX's qkv_proj), else one per part
         parts = [shard for _, shard in packed[fused]] if fused in packed and fused not in fused_parts else [None]
         module.lora = layers[name] = LoRALayer(module, parts, num_slots, max_rank, context, fused_parts.get(fused))
+    if hasattr(model, "attach_lora"):  # projections that serve several layers (Zamba2's shared blocks)
+        layers.update(model.attach_lora(num_slots, max_rank, context))
     decoder = getattr(model, "language_model", model)  # an image-text model's decoder holds the layers
     for layer in getattr(getattr(decoder, "model", None), "layers", []):
         layer.fused_decode_rows = 0  # the fused decode path reads the weights directly, past the LoRA layers

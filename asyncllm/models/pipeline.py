@@ -17,12 +17,16 @@ Hybrids (asyncllm/models/hybrid.py) run in stages too: a stage's KV caches are i
 (`uses_kv_cache`), its state layers keep their per-request states by the same worker rows on every stage (each
 stage's input batch is built from the same scheduler output), and each stage saves and restores its own state
 layers' checkpoints for prefix caching.
+
+A decoder with a ``run_stage`` of its own (Gemma 4 / 3n: asyncllm/models/gemma4_stages.py; Zamba2) runs a stage
+itself, and says what crosses a boundary beside the stream (``stage_widths``: per-layer inputs, the token embeddings).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,6 +35,9 @@ from torch import nn
 from asyncllm import envs
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import ConfigError, NotBuiltError
+
+if TYPE_CHECKING:
+    from asyncllm.models.registry import KVCacheSpec
 
 __all__ = ["PPMissingLayer", "PipelineStage", "StageChannel", "StageModel", "TensorChannel", "in_missing_part",
            "uses_kv_cache"]
@@ -98,7 +105,7 @@ class TensorChannel(Protocol):
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None: ...
 
-    def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def recv(self, num_tokens: int, widths: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class StageChannel:
@@ -115,14 +122,18 @@ class StageChannel:
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         assert self.next_rank is not None, "the last stage sends nothing"
         dist.send(hidden.contiguous(), self.next_rank)
-        dist.send(residual.contiguous(), self.next_rank)
+        if residual.shape[-1]:  # a decoder that carries nothing beside the stream (`StageModel.forward`)
+            dist.send(residual.contiguous(), self.next_rank)
 
-    def recv(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def recv(self, num_tokens: int, widths: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``widths``: what a decoder with its own stage step carries (``stage_widths``); default two hidden-wide."""
         assert self.prev_rank is not None, "the first stage receives nothing"
-        hidden = torch.empty(num_tokens, self.hidden_size, dtype=self.dtype, device=self.device)
-        residual = torch.empty_like(hidden)
+        hidden_width, residual_width = widths or (self.hidden_size, self.hidden_size)
+        hidden = torch.empty(num_tokens, hidden_width, dtype=self.dtype, device=self.device)
+        residual = torch.empty(num_tokens, residual_width, dtype=self.dtype, device=self.device)
         dist.recv(hidden, self.prev_rank)
-        dist.recv(residual, self.prev_rank)
+        if residual_width:
+            dist.recv(residual, self.prev_rank)
         return hidden, residual
 
 
@@ -179,6 +190,8 @@ class StageModel(nn.Module):
         if len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a stage with {self.num_kv_layers} attention layers")
         decoder = language_model(self.causal_lm).model
+        if hasattr(decoder, "run_stage"):
+            return self._run_own_stage(decoder, input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
         residual: torch.Tensor | None
         deepstack = None  # Qwen3-VL's rows for its first layers' outputs (the first stage holds those layers)
         if self.stage.is_first:
@@ -198,6 +211,29 @@ class StageModel(nn.Module):
             return hidden
         return decoder.final(hidden, residual)
 
+    def _run_own_stage(self, decoder: nn.Module, input_ids: torch.Tensor, positions: torch.Tensor,
+                       kv_caches: list[torch.Tensor], attn_metadata: AttentionMetadata,
+                       inputs_embeds: torch.Tensor | None) -> torch.Tensor:
+        """A decoder that runs a stage itself (``run_stage``: Gemma 4 / 3n, Zamba2): it says what crosses a
+        boundary beside the stream (``stage_widths``: per-layer inputs, AltUp's streams, the token embeddings)."""
+        received = None
+        if not self.stage.is_first:
+            received = self.channel.recv(input_ids.shape[0], decoder.stage_widths(self.stage))
+        out = decoder.run_stage(self.stage, received, input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+        if self.stage.is_last:
+            return out
+        self.channel.send(*out)
+        return out[0]
+
+    def kv_spec(self, full: KVCacheSpec) -> KVCacheSpec:
+        """The unsplit model's KV-cache spec cut to this stage's caches (their shapes, where caches differ:
+        Gemma 4's, the decoder's ``caches_before`` says where the stage's begin)."""
+        shapes = full.layer_shapes
+        if shapes:
+            first = language_model(self.causal_lm).model.caches_before(self.stage.start_layer)
+            shapes = shapes[first : first + self.num_kv_layers]
+        return dataclasses.replace(full, num_layers=self.num_kv_layers, layer_shapes=shapes)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head (last stage only)."""
         assert self.stage.is_last, "only the last stage holds the LM head"
@@ -214,6 +250,8 @@ def check_stage_model(causal_lm: nn.Module, pp_size: int) -> None:
     from asyncllm.models.qwen2_vl import Qwen2VLTextModel, Qwen3VLTextModel
     from asyncllm.models.qwen3_5 import Qwen3_5VLModel
 
+    if hasattr(getattr(causal_lm, "model", None), "run_stage"):
+        return  # a decoder that runs a stage itself (`StageModel._run_own_stage`)
     decoder = type(getattr(causal_lm, "model", None))
     stacks = (LlamaModel.forward, HybridModel.forward, Qwen2VLTextModel.forward, Qwen3_5VLModel.forward)
     decodes = (Qwen2VLTextModel.decode, Qwen3VLTextModel.decode)

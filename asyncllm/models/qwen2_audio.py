@@ -27,9 +27,12 @@ from asyncllm.errors import NotBuiltError
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
-from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights, text_config_of
+from asyncllm.models.vision_language import (
+    VisionLanguageModel, build_decoder, load_vision_language_weights, text_config_of,
+)
 
-__all__ = ["AudioFlamingo3ForConditionalGeneration", "Qwen2AudioForConditionalGeneration", "audio_output_length"]
+__all__ = ["AudioFlamingo3ForConditionalGeneration", "Qwen2AudioForConditionalGeneration", "add_audio_convolutions",
+           "audio_output_length", "convolved_frames"]
 
 
 def _encoder_sizes(cfg: Any) -> tuple[int, int, int, int]:
@@ -44,6 +47,17 @@ def audio_output_length(frames: int) -> int:
     """Encoder rows (= placeholder tokens) of an audio of ``frames`` mel frames: the stride-2 convolution, then the
     pooling by 2."""
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def add_audio_convolutions(module: nn.Module, mel_bins: int, dim: int, dtype: torch.dtype) -> None:
+    """Whisper's front end on ``module``: ``conv1`` (width 3) and ``conv2`` (width 3, stride 2: half the frames)."""
+    module.conv1 = nn.Conv1d(mel_bins, dim, kernel_size=3, padding=1, dtype=dtype)
+    module.conv2 = nn.Conv1d(dim, dim, kernel_size=3, stride=2, padding=1, dtype=dtype)
+
+
+def convolved_frames(module: nn.Module, features: torch.Tensor) -> torch.Tensor:
+    """``[B, mel, frames]`` -> ``[B, frames / 2, dim]`` through `add_audio_convolutions`' layers, each with a GELU."""
+    return F.gelu(module.conv2(F.gelu(module.conv1(features)))).transpose(1, 2)
 
 
 class AudioAttention(nn.Module):
@@ -100,8 +114,7 @@ class Qwen2AudioEncoder(nn.Module):
         dim, _, _, layers = _encoder_sizes(cfg)
         if cfg.scale_embedding:
             raise NotBuiltError("audio_config.scale_embedding", True, "Qwen2-Audio's encoder without embedding scale")
-        self.conv1 = nn.Conv1d(cfg.num_mel_bins, dim, kernel_size=3, padding=1, dtype=dtype)
-        self.conv2 = nn.Conv1d(dim, dim, kernel_size=3, stride=2, padding=1, dtype=dtype)
+        add_audio_convolutions(self, cfg.num_mel_bins, dim, dtype)
         self.embed_positions = nn.Embedding(cfg.max_source_positions, dim, dtype=dtype)
         self.layers = nn.ModuleList(AudioEncoderLayer(cfg, dtype) for _ in range(layers))
         self.layer_norm = nn.LayerNorm(dim, dtype=dtype)
@@ -109,7 +122,7 @@ class Qwen2AudioEncoder(nn.Module):
     def forward(self, features: torch.Tensor, frames: torch.Tensor | None = None) -> torch.Tensor:
         """``features`` ``[B, mel, 3000]``, ``frames`` ``[B]`` each audio's unpadded frames (None: every frame
         attended)."""
-        x = F.gelu(self.conv2(F.gelu(self.conv1(features)))).transpose(1, 2) + self.embed_positions.weight
+        x = convolved_frames(self, features) + self.embed_positions.weight
         kept = None if frames is None else (
             torch.arange(x.shape[1], device=x.device)[None, :] < ((frames - 1) // 2 + 1)[:, None])
         for layer in self.layers:
@@ -151,19 +164,32 @@ class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
     packed_modules = Qwen2ForCausalLM.packed_modules
     """The decoder's fused layers (LoRA adapters name their parts)."""
     projector_cls: type[nn.Module] = Qwen2AudioProjector
+    decoders: dict[str, type] = {"qwen2": Qwen2ForCausalLM}
+    """The decoder class of each ``text_config.model_type`` built."""
     max_windows = 1
     """30 s windows an audio is cut into (Qwen2-Audio: the first 30 s only)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
         super().__init__()
-        text_config = text_config_of(hf_config)
-        if text_config.model_type != "qwen2":
-            raise NotBuiltError("text_config.model_type", text_config.model_type, "a Qwen2-Audio decoder of type qwen2")
-        self.audio_tower = Qwen2AudioEncoder(hf_config.audio_config, dtype)
+        self.audio_tower = self.build_encoder(hf_config.audio_config, dtype)
         self.multi_modal_projector = self.projector_cls(hf_config, dtype)
-        self.language_model = Qwen2ForCausalLM(text_config, dtype=dtype, tp=tp, attn_backend=attn_backend,
-                                               max_position=max_position, **decoder_options)
+        self.language_model = build_decoder(hf_config, self.decoders, type(self).__name__, mm_encoder_tp_mode,
+                                            dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position,
+                                            **decoder_options)
+
+    @staticmethod
+    def build_encoder(cfg: Any, dtype: torch.dtype) -> nn.Module:
+        return Qwen2AudioEncoder(cfg, dtype)
+
+    @staticmethod
+    def audio_rows(frames: int) -> int:
+        """Encoder rows (= placeholders) of a window of ``frames`` mel frames."""
+        return audio_output_length(frames)
+
+    def encode_windows(self, features: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        """``[W, mel, 3000]`` windows and their unpadded ``frames`` -> ``[W, rows, text hidden]`` projected rows."""
+        return self.multi_modal_projector(self.audio_tower(features, frames))
 
     # ---- multimodal hooks (asyncllm/mm/)
     @staticmethod
@@ -191,9 +217,9 @@ class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
         mask = processed["attention_mask"].astype("float32", copy=False)
         return np.concatenate([features, mask[:, None]], axis=1)
 
-    @staticmethod
-    def mm_placeholder_length_of(hf_config: Any, values: np.ndarray) -> int:
-        return sum(audio_output_length(int(frames)) for frames in values[:, -1].sum(-1))
+    @classmethod
+    def mm_placeholder_length_of(cls, hf_config: Any, values: np.ndarray) -> int:
+        return sum(cls.audio_rows(int(frames)) for frames in values[:, -1].sum(-1))
 
     def embed_multimodal(self, values: torch.Tensor) -> list[torch.Tensor]:
         """``[N, windows, mel + 1, frames]`` packed audios -> each audio's ``[placeholders, text hidden]`` rows (its
@@ -201,9 +227,8 @@ class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
         audios, windows = values.shape[:2]
         flat = values.flatten(0, 1)
         frames = flat[:, -1].sum(-1).round().long()
-        rows = self.multi_modal_projector(self.audio_tower(flat[:, :-1].to(self.audio_tower.conv1.weight.dtype),
-                                                           frames))
-        kept = [rows[i, :audio_output_length(int(n))] for i, n in enumerate(frames.tolist())]
+        rows = self.encode_windows(flat[:, :-1].to(self.audio_tower.conv1.weight.dtype), frames)
+        kept = [rows[i, :self.audio_rows(int(n))] for i, n in enumerate(frames.tolist())]
         return [torch.cat(kept[a * windows:(a + 1) * windows]) for a in range(audios)]
 
     # ---- weights

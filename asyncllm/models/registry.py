@@ -15,6 +15,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.models.architectures import (
     ENCODER_ARCHITECTURES, SUPPORTED_ARCHITECTURES, TEXT_ONLY_CAPABLE_ARCHITECTURES, architecture_of, serves_text_only,
 )
+from asyncllm.models.family_config import mlp_width
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of, kv_heads_per_rank, num_kv_heads_of
 from asyncllm.models.moe import moe_parallel_problems
 
@@ -111,6 +112,8 @@ _MODELS = LazyClasses({
     "Gemma3nForCausalLM": "gemma3n:Gemma3nForCausalLM",
     "Qwen2AudioForConditionalGeneration": "qwen2_audio:Qwen2AudioForConditionalGeneration",
     "AudioFlamingo3ForConditionalGeneration": "qwen2_audio:AudioFlamingo3ForConditionalGeneration",
+    "GlmAsrForConditionalGeneration": "glmasr:GlmAsrForConditionalGeneration",
+    "Qwen3ASRForConditionalGeneration": "qwen3_asr:Qwen3ASRForConditionalGeneration",
     "WhisperForConditionalGeneration": "whisper:WhisperForConditionalGeneration",
     "Gemma3nForConditionalGeneration": "gemma3n:Gemma3nTextOnly",  # its language model: text prompts only
     "Gemma4ForConditionalGeneration": "gemma4_mm:Gemma4ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma4TextOnly
@@ -148,6 +151,7 @@ _MODELS = LazyClasses({
     "Glm4vForConditionalGeneration": "glm4v:Glm4vForConditionalGeneration",
     "Glm4vMoeForConditionalGeneration": "glm4v:Glm4vMoeForConditionalGeneration",
     "AyaVisionForConditionalGeneration": "aya_vision:AyaVisionForConditionalGeneration",
+    "Lfm2VlForConditionalGeneration": "lfm2_vl:Lfm2VlForConditionalGeneration",
     "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM": "deepseek:Glm4MoeLiteForCausalLM",
@@ -184,6 +188,8 @@ _MODELS = LazyClasses({
     "OPTForCausalLM": "opt:OPTForCausalLM",
     "GPTJForCausalLM": "gptj:GPTJForCausalLM",
     "FalconForCausalLM": "falcon:FalconForCausalLM",
+    "BloomForCausalLM": "bloom:BloomForCausalLM",
+    "MptForCausalLM": "mpt:MptForCausalLM",
     "OlmoForCausalLM": "olmo:OlmoForCausalLM",
     "Jais2ForCausalLM": "jais2:Jais2ForCausalLM",
     "YoutuForCausalLM": "deepseek:YoutuForCausalLM",
@@ -320,7 +326,8 @@ def check_tensor_parallel(hf_config: Any, tp_size: int, expert_parallel: bool = 
         problems.append(f"num_key_value_heads={kv_heads} (a multiple or a divisor of tp)")
     specs = [model_cls.moe_spec(hf_config, i) if getattr(model_cls, "is_moe", False) else None
              for i in range(hf_config.num_hidden_layers)]
-    sizes = getattr(hf_config, "intermediate_size", None) or hf_config.decoder_ffn_dim  # Gemma 3n: one per layer;
+    sizes = (getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "decoder_ffn_dim", None)
+             or mlp_width(hf_config))  # Gemma 3n: one per layer; BLOOM, MPT: none named;
     # Whisper: its decoder's (the encoder is whole on every rank)
     if None in specs and any(size % tp_size for size in (sizes if isinstance(sizes, (list, tuple)) else [sizes])):
         problems.append(f"intermediate_size={sizes}")

@@ -42,11 +42,13 @@ class SiglipVisionEmbeddings(nn.Module):
 class SiglipVisionTower(nn.Module):
     """Pixels ``[N, C, H, W]`` -> the last layer's normed hidden states ``[N, patches, hidden]``; with a
     ``feature_layer`` (LLaVA-OneVision's ``vision_feature_layer``), that entry of transformers' ``hidden_states``
-    (0: the embeddings, -1: the last layer's output), not normed."""
+    (0: the embeddings, -1: the last layer's output), not normed. ``embeddings``: another family's in place of
+    SigLIP's (SigLIP2's variable-resolution ones: siglip2.py)."""
 
-    def __init__(self, cfg: Any, tp: TensorParallel, dtype: torch.dtype, feature_layer: int | None = None) -> None:
+    def __init__(self, cfg: Any, tp: TensorParallel, dtype: torch.dtype, feature_layer: int | None = None,
+                 embeddings: nn.Module | None = None) -> None:
         super().__init__()
-        self.embeddings = SiglipVisionEmbeddings(cfg).to(dtype)
+        self.embeddings = (SiglipVisionEmbeddings(cfg) if embeddings is None else embeddings).to(dtype)
         self.encoder = CLIPEncoder(cfg, tp, dtype)
         self.post_layernorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         layers = cfg.num_hidden_layers

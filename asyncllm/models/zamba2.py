@@ -15,12 +15,17 @@ not: each invocation is one KV-cache layer (``kv_cache_layers`` counts the hybri
 Tensor parallelism splits the shared blocks' attention by heads (the adapters' up projections with them) and their
 MLP by intermediate size; the Mamba layers and the ``linear`` layers are whole on every rank. Checkpoint names: a
 hybrid layer's ``mamba_decoder.`` is read as the layer itself, ``layers.N.shared_transformer.`` as its block's
-``shared_blocks.K.``, ``final_layernorm`` as ``norm``. LoRA and pipeline parallelism are refused (not built).
+``shared_blocks.K.``, ``final_layernorm`` as ``norm``. LoRA adapters apply to the shared blocks' projections, each
+invocation its own (asyncllm/models/zamba2_lora.py).
+
+Pipeline stages: a stage holds the shared blocks its hybrid layers invoke, with those invocations' adapters only,
+and receives the token embeddings beside the stream (`Zamba2Model.run_stage`; a stage must hold a hybrid layer).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any, Callable, Iterable
 
 import torch
@@ -39,9 +44,13 @@ from asyncllm.models.linear import (
 from asyncllm.models.llama import LlamaForCausalLM, LlamaModel
 from asyncllm.models.mamba2 import Mamba2Mixer, Mamba2Shape
 from asyncllm.models.phi3 import check_phi3
+from asyncllm.models.pipeline import PipelineStage, PPMissingLayer
 from asyncllm.models.rotary import identity_rotary
 
 __all__ = ["Zamba2ForCausalLM", "hybrid_layer_ids", "zamba2_mamba"]
+
+_ADAPTER = re.compile(r"^model\.shared_blocks\.\d+\.\w+\.\w+_adapter_list\.(\d+)\.")
+"""A shared block's adapter of one invocation: ``...self_attn.linear_q_adapter_list.{invocation}.``."""
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "silu": F.silu, "relu": F.relu,
@@ -146,9 +155,12 @@ class Zamba2SharedBlock(nn.Module):
         self.self_attn = Zamba2Attention(b, invocations)
         self.pre_ff_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.feed_forward = Zamba2MLP(b, invocations)
+        self.invocation = invocations[0] if invocations else 0
+        """The invocation running now: its LoRA adapters apply (asyncllm/models/zamba2_lora.py)."""
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, embeds: torch.Tensor, invocation: int,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        self.invocation = invocation
         x = self.input_layernorm(torch.cat([hidden, embeds], dim=-1))
         x = self.self_attn(positions, x, invocation, kv_cache, metadata)
         return self.feed_forward(self.pre_ff_layernorm(x), invocation)
@@ -183,22 +195,47 @@ class Zamba2Model(LlamaModel):
 
     def __init__(self, b: HybridBuild) -> None:
         super().__init__(b)
-        blocks, ids = b.hf_config.num_mem_blocks, hybrid_layer_ids(b.hf_config)
-        self.shared_blocks = nn.ModuleList(
-            Zamba2SharedBlock(b, [i for i in range(len(ids)) if i % blocks == block]) for block in range(blocks))
+        blocks, ids, stage = b.hf_config.num_mem_blocks, hybrid_layer_ids(b.hf_config), b.pipeline
+        self.hidden_size = b.hf_config.hidden_size
+        self.invocations = {i for i, layer in enumerate(ids) if stage is None or stage.owns_layer(layer)}
+        """The invocations this rank runs (a pipeline stage's hybrid layers'): the blocks and adapters it holds."""
+        runs = [[i for i in sorted(self.invocations) if i % blocks == block] for block in range(blocks)]
+        self.shared_blocks = nn.ModuleList(Zamba2SharedBlock(b, invocations) if invocations else PPMissingLayer()
+                                           for invocations in runs)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Each hybrid layer's shared block reads the stream, the embeddings and its own KV cache, in order."""
         hidden = embeds = self.embed(input_ids, positions, inputs_embeds)
+        return self.norm(self.run_layers(range(len(self.layers)), hidden, embeds, positions, kv_caches, metadata))
+
+    def run_layers(self, layers: range, hidden: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                   kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        """Each hybrid layer's shared block reads the stream, the embeddings and its own KV cache, in order."""
         caches = iter(kv_caches)
-        for layer in self.layers:
-            shared = None
+        for index in layers:
+            layer, shared = self.layers[index], None
             if layer.uses_kv_cache:
                 block = self.shared_blocks[layer.invocation % len(self.shared_blocks)]
                 shared = block(positions, hidden, embeds, layer.invocation, next(caches), metadata)
             hidden = layer(positions, hidden, shared, metadata)
-        return self.norm(hidden)
+        return hidden
+
+    def stage_widths(self, stage: PipelineStage) -> tuple[int, int]:
+        """A pipeline stage receives the stream and the token embeddings (its shared blocks read both)."""
+        return self.hidden_size, self.hidden_size
+
+    def run_stage(self, stage: PipelineStage, received: tuple[torch.Tensor, torch.Tensor] | None,
+                  input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                  metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """A stage's layers (`StageModel`): the final hidden states on the last, else (stream, embeddings)."""
+        if received is None:
+            hidden = embeds = self.embed(input_ids, positions, inputs_embeds)
+        else:
+            hidden, embeds = received
+        layers = range(stage.start_layer, stage.end_layer)
+        hidden = self.run_layers(layers, hidden, embeds, positions, kv_caches, metadata)
+        return self.norm(hidden) if stage.is_last else (hidden, embeds)
 
 
 class Zamba2ForCausalLM(StateLayersMixin, LlamaForCausalLM):
@@ -218,9 +255,25 @@ class Zamba2ForCausalLM(StateLayersMixin, LlamaForCausalLM):
         self.block_of_layer = {layer: i % hf_config.num_mem_blocks for i, layer in
                                enumerate(hybrid_layer_ids(hf_config))}
         super().__init__(config, **kwargs)
+        size = hf_config.intermediate_size
+        self.fused_parts: dict[str, list[tuple[object, int]]] = {"gate_up_proj": [(0, size), (1, size)]}
+        """An adapter's fused ``gate_up_proj`` B: gate's rows, then up's (asyncllm/models/lora.py)."""
+
+    def attach_lora(self, num_slots: int, max_rank: int, context: Any) -> dict[str, nn.Module]:
+        """The shared blocks' adapter slots, per invocation (asyncllm/models/zamba2_lora.py)."""
+        from asyncllm.models.zamba2_lora import attach_shared_block_lora
+
+        return attach_shared_block_lora(self, num_slots, max_rank, context)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return super().load_weights((self._our_name(name), w) for name, w in weights)
+
+    def holds_weight(self, param_name: str) -> bool:
+        """Also False for a shared block's adapters of an invocation another pipeline stage runs."""
+        adapter = _ADAPTER.search(param_name)
+        if adapter is not None and self.pipeline is not None:
+            return int(adapter.group(1)) in self.model.invocations
+        return super().holds_weight(param_name)
 
     def _our_name(self, name: str) -> str:
         """A checkpoint name as the modules here name it (a later invocation's copy of a block reads as the block)."""

@@ -1,13 +1,10 @@
 """DBRX (asyncllm/models/dbrx.py) through the engine: greedy output equals transformers', token for token, with
 small prefill chunks, and over two ranks holding three whole experts each (expert parallel). Its layers' logits
-equal transformers' in process (tests/unit/test_dbrx.py, over two tensor-parallel ranks too); LoRA is refused."""
+equal transformers' in process (tests/unit/test_dbrx.py, over two tensor-parallel ranks too); LoRA adapters:
+tests/engine/test_lora_families_engine.py."""
 
 from __future__ import annotations
 
-import pytest
-
-from asyncllm import AsyncEngine
-from asyncllm.errors import NotBuiltError
 from asyncllm.tiny import tiny_checkpoint
 from engine_helpers import greedy_equals_transformers, token_prompts
 
@@ -25,9 +22,3 @@ async def test_dbrx_greedy_equals_transformers_chunked() -> None:
 async def test_dbrx_expert_parallel_over_two_ranks() -> None:
     await greedy_equals_transformers(tiny_checkpoint("dbrx"), token_prompts(4, seed=12), MAX_TOKENS,
                                      tensor_parallel_size=2, enable_expert_parallel=True)
-
-
-async def test_dbrx_lora_is_refused() -> None:
-    with pytest.raises(NotBuiltError, match="LoRA adapters for DbrxForCausalLM"):
-        async with AsyncEngine(tiny_checkpoint("dbrx"), enable_lora=True):
-            pass

@@ -1,14 +1,14 @@
 """Gemma 3n through the whole engine (asyncllm/models/gemma3n.py, docs/gemma.md#gemma-3n): greedy output equals
 transformers', token for token, for the tiny E2B-style model (AltUp streams, LAuReL, sparse gates, per-layer inputs,
 KV-sharing layers): chunked, from the prefix cache, preempted, and over two tensor-parallel ranks (the sparse gates'
-statistics all-reduced over the split intermediate width)."""
+statistics all-reduced over the split intermediate width). Pipeline stages:
+tests/engine/test_pipeline_parallel_own_stages_engine.py."""
 
 from __future__ import annotations
 
-import pytest
 from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers, greedy_equals_transformers, token_prompts
 
-from asyncllm import AsyncEngine, NotBuiltError
+from asyncllm import AsyncEngine
 from asyncllm.tiny import tiny_checkpoint
 
 MAX_TOKENS = 12
@@ -30,8 +30,3 @@ async def test_gemma3n_tensor_parallel() -> None:
     await greedy_equals_transformers(tiny_checkpoint("gemma3n"), token_prompts(4, seed=5), MAX_TOKENS,
                                      tensor_parallel_size=2, max_num_batched_tokens=16)
 
-
-async def test_gemma3n_refuses_pipeline_stages() -> None:
-    with pytest.raises(NotBuiltError, match="pipeline"):
-        async with AsyncEngine(tiny_checkpoint("gemma3n"), pipeline_parallel_size=2, disable_log_stats=True):
-            pass

@@ -2,7 +2,8 @@
 transformers', token for token, for the tiny E2B-style model (KV-sharing layers, per-layer inputs, sliding and global
 layers with KV caches of different shapes) and the tiny 26B-A4B-style one (experts beside the dense MLP): chunked,
 from the prefix cache, preempted by recompute and by swapping, over two tensor-parallel ranks (and by expert), and
-drafted by itself (speculative decoding); LoRA adapters equal PEFT's."""
+drafted by itself (speculative decoding); LoRA adapters equal PEFT's. Pipeline stages:
+tests/engine/test_pipeline_parallel_own_stages_engine.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers, greedy_equals_transformers, token_prompts
 from hf_reference import hf_greedy
 
-from asyncllm import AsyncEngine, NotBuiltError
+from asyncllm import AsyncEngine
 from asyncllm.tiny import tiny_checkpoint
 
 MAX_TOKENS = 12
@@ -63,15 +64,6 @@ async def test_gemma4_drafted_by_itself_accepts_every_draft() -> None:
     stats = engine.stats()
     assert stats.spec_decode_num_draft_tokens > 0
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
-
-
-@pytest.mark.parametrize("fields, match", [
-    (dict(pipeline_parallel_size=2), "pipeline"),
-])
-async def test_gemma4_refuses_what_is_not_built(fields: dict, match: str) -> None:
-    with pytest.raises(NotBuiltError, match=match):
-        async with AsyncEngine(tiny_checkpoint("gemma4"), disable_log_stats=True, **fields):
-            pass
 
 
 @pytest.mark.parametrize("arch", ARCHS)

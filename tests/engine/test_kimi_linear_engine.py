@@ -1,16 +1,16 @@
 """Kimi-Linear through the engine over two pipeline stages (the KDA states on each stage's rows, a latent-attention
-layer on each), tokens equal transformers'; LoRA refused by name. Its greedy tokens on one stage (chunked, preempted,
-on reused rows, from saved states after prefix hits): tests/engine/test_hybrid_engine.py."""
+layer on each), tokens equal transformers'. Its greedy tokens on one stage (chunked, preempted, on reused rows, from
+saved states after prefix hits): tests/engine/test_hybrid_engine.py; LoRA adapters:
+tests/engine/test_lora_families_engine.py."""
 
 from __future__ import annotations
 
 import asyncio
 import random
 
-import pytest
 from hf_reference import hf_greedy
 
-from asyncllm import AsyncEngine, NotBuiltError, SamplingParams
+from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.tiny import tiny_checkpoint
 
 
@@ -25,10 +25,3 @@ async def test_two_pipeline_stages_equal_transformers() -> None:
         outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(path, prompt, 10, eos_token_id=None)
-
-
-async def test_lora_is_refused_by_name() -> None:
-    with pytest.raises(NotBuiltError, match="KimiLinearForCausalLM") as info:
-        async with AsyncEngine(tiny_checkpoint("kimi_linear"), disable_log_stats=True, enable_lora=True):
-            pass
-    assert info.value.field == "enable_lora"

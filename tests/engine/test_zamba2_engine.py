@@ -1,8 +1,8 @@
 """Zamba2 (asyncllm/models/zamba2.py) through the engine: greedy tokens equal transformers' with 16-token chunks,
 two seats (rows reused), recompute preemption and states saved in two slots; prompts sharing a 37-token prefix hit
 32 tokens and resume from the saved states; over two tensor-parallel ranks (the shared blocks split by heads and
-intermediate size, the Mamba2 layers whole); n-gram drafts verified and rolled back; pipeline stages and LoRA
-refused by name."""
+intermediate size, the Mamba2 layers whole); n-gram drafts verified and rolled back. Pipeline stages:
+tests/engine/test_pipeline_parallel_own_stages_engine.py; LoRA adapters: tests/engine/test_lora_families_engine.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import random
 import pytest
 from hf_reference import hf_greedy
 
-from asyncllm import AsyncEngine, NotBuiltError, SamplingParams
+from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.tiny import tiny_checkpoint
 
 MAX_TOKENS = 12
@@ -53,14 +53,6 @@ async def test_prefix_cache_hits_resume_from_saved_states(tp: int) -> None:
         outs = [await engine.generate(p, PARAMS) for p in prompts]
     _assert_greedy(path, prompts, outs)
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32]
-
-
-@pytest.mark.parametrize("fields, match", [(dict(pipeline_parallel_size=2), "pipeline parallelism for Zamba2"),
-                                           (dict(enable_lora=True), "LoRA adapters for Zamba2")])
-async def test_pipeline_stages_and_lora_are_refused(fields: dict, match: str) -> None:
-    with pytest.raises(NotBuiltError, match=match):
-        async with AsyncEngine(tiny_checkpoint("zamba2"), disable_log_stats=True, **fields):
-            pass
 
 
 async def test_ngram_drafts_keep_tokens_equal_to_transformers() -> None:

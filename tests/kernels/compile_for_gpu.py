@@ -74,25 +74,39 @@ def cases(dtype: str):
                f"head_dim={head_dim}",
                paged_attention._paged_attention_kernel,
                dict(out_ptr=p, q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                    query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32"), ("scale", "softcap"),
+                    query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32", alibi_ptr="*fp32"), ("scale", "softcap"),
                dict(QUERIES_PER_KV=queries_per_kv, BLOCK_Q=block_q, BLOCK_M=16, TILE_N=tile_n, HEAD_DIM=head_dim,
                     USE_WINDOW=window, USE_SOFTCAP=softcap, USE_SINKS=sinks, USE_LIMIT=limit, USE_CHUNK=chunk,
-                    DOT_PRECISION="tf32"), 8)
+                    USE_ALIBI=False, DOT_PRECISION="tf32"), 8)
+    # BLOOM-176B's ALiBi (112 heads, each its own KV head: one query per KV head, D 128) in both attention kernels
+    yield ("paged_attention alibi", paged_attention._paged_attention_kernel,
+           dict(out_ptr=p, q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", seq_lens_ptr="*i32",
+                query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32", alibi_ptr="*fp32"),
+           ("scale", "softcap"),
+           dict(QUERIES_PER_KV=1, BLOCK_Q=16, BLOCK_M=16, TILE_N=64, HEAD_DIM=128, USE_WINDOW=False, USE_SOFTCAP=False,
+                USE_SINKS=False, USE_LIMIT=False, USE_CHUNK=False, USE_ALIBI=True, DOT_PRECISION="tf32"), 8)
     decode = dict(TILE_N=64, HEAD_DIM=128, NUM_SEGMENTS=16)
+    yield ("paged_decode segment alibi", paged_decode._decode_segment_kernel,
+           dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p,
+                block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", alibi_ptr="*fp32"),
+           ("scale", "softcap"), dict(QUERIES_PER_KV=1, BLOCK_M=16, USE_WINDOW=False, USE_SOFTCAP=False,
+                                      USE_CHUNK=False, USE_ALIBI=True, DOT_PRECISION="tf32", **decode), 4)
     for window, softcap, chunk in ((False, False, False), (True, False, False), (True, True, False),
                                    (False, False, True)):
         yield (f"paged_decode segment window={window} softcap={softcap} chunk={chunk}",
                paged_decode._decode_segment_kernel,
                dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p,
-                    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
+                    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", alibi_ptr="*fp32"),
+               ("scale", "softcap"),
                dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=window, USE_SOFTCAP=softcap, USE_CHUNK=chunk,
-                    DOT_PRECISION="tf32", **decode), 4)
+                    USE_ALIBI=False, DOT_PRECISION="tf32", **decode), 4)
     for queries_per_kv, head_dim in ((8, 512), (16, 1024)):  # Gemma 4's global layers; DeepSeek-V3's latent cache
         yield (f"paged_decode segment head_dim={head_dim}", paged_decode._decode_segment_kernel,
                dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=p, v_cache_ptr=p,
-                    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
+                    block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", alibi_ptr="*fp32"),
+               ("scale", "softcap"),
                dict(QUERIES_PER_KV=queries_per_kv, BLOCK_M=16, USE_WINDOW=False, USE_SOFTCAP=False, USE_CHUNK=False,
-                    DOT_PRECISION="tf32", TILE_N=32, HEAD_DIM=head_dim, NUM_SEGMENTS=16), 4)
+                    USE_ALIBI=False, DOT_PRECISION="tf32", TILE_N=32, HEAD_DIM=head_dim, NUM_SEGMENTS=16), 4)
     for prologue, block_n, block_k in ((0, 64, 128), (1, 16, 512), (2, 4, 512)):  # LM head, QKV, down projection
         yield (f"decode_linear prologue={prologue}", decode_linear._decode_linear_kernel,
                dict(x_ptr=p, residual_ptr=p, norm_w_ptr=p, weight_ptr=p, bias_ptr=p, out_ptr=p, residual_out_ptr=p),
@@ -128,14 +142,15 @@ def fp8_cache_cases(p: str, decode: dict):
     c = "*fp8e4nv"
     yield ("paged_attention fp8e4nv cache", paged_attention._paged_attention_kernel,
            dict(out_ptr=p, q_ptr=p, k_cache_ptr=c, v_cache_ptr=c, block_tables_ptr="*i32", seq_lens_ptr="*i32",
-                query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32"), ("scale", "softcap"),
+                query_start_loc_ptr="*i32", sinks_ptr=p, attend_limit_ptr="*i32", alibi_ptr="*fp32"), ("scale", "softcap"),
            dict(QUERIES_PER_KV=4, BLOCK_Q=4, BLOCK_M=16, TILE_N=64, HEAD_DIM=128, USE_WINDOW=False,
-                USE_SOFTCAP=False, USE_SINKS=False, USE_LIMIT=False, USE_CHUNK=False, DOT_PRECISION="tf32"), 8)
+                USE_SOFTCAP=False, USE_SINKS=False, USE_LIMIT=False, USE_CHUNK=False, USE_ALIBI=False, DOT_PRECISION="tf32"), 8)
     yield ("paged_decode segment fp8e4nv cache", paged_decode._decode_segment_kernel,
            dict(max_ptr="*fp32", sum_ptr="*fp32", acc_ptr="*fp32", q_ptr=p, k_cache_ptr=c, v_cache_ptr=c,
-                block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32"), ("scale", "softcap"),
+                block_tables_ptr="*i32", seq_lens_ptr="*i32", query_start_loc_ptr="*i32", alibi_ptr="*fp32"),
+               ("scale", "softcap"),
            dict(QUERIES_PER_KV=4, BLOCK_M=16, USE_WINDOW=False, USE_SOFTCAP=False, USE_CHUNK=False,
-                DOT_PRECISION="tf32", **decode), 4)
+                USE_ALIBI=False, DOT_PRECISION="tf32", **decode), 4)
 
 
 def moe_cases(p: str):

@@ -56,16 +56,17 @@ def _inputs(
 def _check(
     requests: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
     dtype: torch.dtype, sliding_window: int | None = None, tile_n: int | None = None, softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
 ) -> None:
     metadata = _metadata(requests, block_size, seed=num_heads * head_dim)
     kv_cache, query = _inputs(metadata, num_heads, num_kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
     out = paged_attention(
         query, kv_cache[0], kv_cache[1], metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-        scale, sliding_window, tile_n=tile_n, softcap=softcap, sinks=sinks,
+        scale, sliding_window, tile_n=tile_n, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
     )
-    expected = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap, sinks)
+    expected = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window, softcap, sinks,
+                                         alibi_slopes=alibi_slopes)
     assert out.shape == query.shape and out.dtype == dtype
     assert_close(out, expected, ATTENTION_TOL[dtype])
 
@@ -110,6 +111,23 @@ def test_sinks(sliding_window: int | None, dtype: torch.dtype) -> None:
     """gpt-oss's attention sinks, alone and with a window (its sliding layers), at an odd head dim and 3:1 GQA:
     the attention tolerances of kernel_testing.py."""
     _check(MIXED_STEP, 6, 2, 24, 4, dtype, sliding_window=sliding_window, tile_n=16, sinks=sink_logits(6, dtype))
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi slopes from 0.5 down to 1/64 (BLOOM's and MPT's span): over MIXED_STEP's 70-token contexts the bias
+    reaches tens, far beyond the scores' spread, so a kernel that dropped it, took the wrong head's or measured
+    the distance from the wrong query position would be far off."""
+    return torch.logspace(-1, -6, num_heads, base=2.0, dtype=torch.float32, device=DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, head_dim, sliding_window",
+                         [(6, 6, 24, None), (6, 2, 24, None), (8, 2, 64, 5)])
+def test_alibi(num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int | None, dtype: torch.dtype) -> None:
+    """ALiBi (BLOOM, MPT) over prefill chunks continuing cached prefixes, fresh prefills and decodes: multi-head
+    as the models run it, then under GQA and a window (the kernel's rows map to heads either way)."""
+    _check(MIXED_STEP, num_heads, num_kv_heads, head_dim, 4, dtype, sliding_window=sliding_window, tile_n=16,
+           alibi_slopes=alibi_slopes(num_heads))
 
 
 # (cached tokens, query tokens, image runs as [start, end) offsets into the chunk) per request: a run inside a

@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from test_paged_attention_kernel import _metadata, sink_logits
+from test_paged_attention_kernel import _metadata, alibi_slopes, sink_logits
 
 from asyncllm.attention import triton as triton_backend
 from asyncllm.attention.metadata import AttentionMetadata
@@ -40,17 +40,18 @@ def _decode_step(
 
 
 def _decode(query, kv_cache, md: AttentionMetadata, num_segments: int, window: int | None = None, tile_n=16,
-            softcap=None, sinks=None, chunk=None):
+            softcap=None, sinks=None, chunk=None, alibi=None):
     return paged_decode(query, kv_cache[0], kv_cache[1], md.query_start_loc, md.seq_lens, md.block_tables,
                         query.shape[-1] ** -0.5, num_segments, window, tile_n=tile_n, softcap=softcap, sinks=sinks,
-                        attention_chunk_size=chunk)
+                        attention_chunk_size=chunk, alibi_slopes=alibi)
 
 
 def _check(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype, num_segments=4, window=None, tile_n=16,
-           softcap=None, sinks=None):
+           softcap=None, sinks=None, alibi=None):
     md, query, kv_cache = _decode_step(lengths, num_heads, num_kv_heads, head_dim, block_size, dtype)
-    out = _decode(query, kv_cache, md, num_segments, window, tile_n, softcap, sinks)
-    expected = reference.paged_attention(query, kv_cache, md, head_dim**-0.5, window, softcap, sinks)
+    out = _decode(query, kv_cache, md, num_segments, window, tile_n, softcap, sinks, alibi=alibi)
+    expected = reference.paged_attention(query, kv_cache, md, head_dim**-0.5, window, softcap, sinks,
+                                         alibi_slopes=alibi)
     assert out.shape == query.shape and out.dtype == dtype
     assert_close(out, expected, ATTENTION_TOL[dtype])
 
@@ -93,6 +94,14 @@ def test_sinks(window: int | None, dtype: torch.dtype) -> None:
     """gpt-oss's attention sinks, counted once per head across the segments (40 keys: 3 of 4 segments used;
     a request of 1 key: one), alone and with a window; 6 query heads on 2 KV heads, head dim 24."""
     _check([1, 17, 40], 6, 2, 24, 4, dtype, window=window, sinks=sink_logits(6, dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads, num_kv_heads, window", [(4, 4, None), (6, 2, None), (4, 2, 5)])
+def test_alibi(num_heads: int, num_kv_heads: int, window: int | None, dtype: torch.dtype) -> None:
+    """ALiBi (BLOOM, MPT) in every segment, measured from each request's own last position (200 keys: 4 segments;
+    1 key: one), multi-head as the models run it, under GQA and with a window."""
+    _check(LENGTHS, num_heads, num_kv_heads, 32, 4, dtype, window=window, alibi=alibi_slopes(num_heads))
 
 
 @pytest.mark.parametrize("chunk", [1, 8, 17, 64])

@@ -113,6 +113,19 @@ def test_triton_moe_logits_match_transformers(arch: str) -> None:
     _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
 
 
+@pytest.mark.parametrize("arch", ["bloom", "mpt"])
+def test_triton_alibi_logits_match_transformers(arch: str) -> None:
+    """BLOOM's and MPT's ALiBi at 6 heads (slopes of a head count that is not a power of two) on the unified kernel
+    (the prefills) and the split-KV kernels (the decode-only step); MPT's clamped q/k/v and own softmax scale."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint(arch, num_heads=6, num_kv_heads=6, hidden_size=96)
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, attention_backend="triton"), hf_config, DEVICE, torch.float32)
+    assert model.model.layers[0].self_attn.attn.alibi_slopes.shape == (6,)
+    _two_prefills_then_a_decode_match_transformers(model, path, hf_config)
+
+
 def test_triton_llama4_logits_match_transformers() -> None:
     """Llama 4: the chunked layer (chunks of 8, straddled by both prompts) on the unified kernel, the decode-only
     step on the split-KV kernels; q/k L2 norms and the NoPE layer's temperature before them, the top-1 routed expert

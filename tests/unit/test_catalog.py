@@ -25,5 +25,5 @@ def test_every_architecture_has_a_row_and_a_doc_that_exists() -> None:
     assert by_arch["FalconForCausalLM"][2:4] == ("yes", "yes")
     assert by_arch["DeepseekV3ForCausalLM"][2:4] == ("yes", "yes (experts too)")
     assert by_arch["YoutuForCausalLM"][3] == "yes"  # latent attention, dense MLPs
-    assert by_arch["Gemma4ForCausalLM"][2:4] == ("", "yes")
+    assert by_arch["Gemma4ForCausalLM"][2:4] == ("yes", "yes")  # its own stage step (gemma4_stages.py)
     assert by_arch["Qwen3_5ForConditionalGeneration"][2] == "yes"  # with images: the encoder on the first stage

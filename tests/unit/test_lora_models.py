@@ -1,7 +1,8 @@
 """LoRA in process on every family that takes adapters beyond Llama's and Qwen's (Gemma 1-3, Phi-3, Granite, OLMo 1-2,
 ERNIE 4.5, Command R, Helium, GLM, GLM-4, Arcee, Apertus, VaultGemma, Nemotron, Jais 2, StableLM, CWM; the
-attention of gpt-oss, Llama 4 and the other mixtures of experts; latent attention's every projection: DeepSeek-V2 / V3,
-GLM-4.7-Flash, Mistral 4, Youtu, MiniCPM3): every position's logits equal PEFT's (fp32, 1e-4), for a
+attention of gpt-oss, Llama 4 and the other mixtures of experts, DBRX's fused ``Wqkv``; latent attention's every
+projection: DeepSeek-V2 / V3, GLM-4.7-Flash, Mistral 4, Youtu, MiniCPM3; Kimi-Linear's every matrix, its KDA layers'
+too): every position's logits equal PEFT's (fp32, 1e-4), for a
 sequence with the adapter batched with one without it; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` adapters
 split per part over two tensor-parallel ranks; the host's check of fused and separate module names.
 Through the whole engine: tests/engine/test_lora_engine.py."""
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import hf_logits
-from lora_utils import make_adapter, peft_logits
+from lora_utils import EXPERTS, make_adapter, peft_logits
 from model_utils import MaskedRun
 from safetensors.torch import load_file
 
@@ -32,6 +33,9 @@ PHI3_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 LATENT = r".*\.(self_attn\.(q|q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?|mlp\.(gate|up|down)_proj)"
 """Latent attention's projections (DeepSeek's) and the MLPs'."""
+KIMI_LINEAR = (r".*\.(self_attn\.(q_proj|k_proj|v_proj|o_proj|forget_gate\.f_[ab]_proj|b_proj|g_[ab]_proj|"
+               r"kv_a_proj_with_mqa|kv_b_proj)|mlp\.(shared_experts\.)?(gate|up|down)_proj)")
+"""Kimi-Linear's KDA and latent-attention projections, its dense MLP's and its shared experts'."""
 SLOTS, MAX_RANK, SLOT = 2, 8, 1
 """The adapter goes in slot 1 of 2 (slot 0 stays empty)."""
 ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate; Phi-3: the fused ones)
@@ -46,7 +50,7 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     # every linear projection PEFT finds (fused gate_up in GLM's; no gate in Arcee's, Nemotron's, Jais 2's, ...)
     **{arch: dict(seed=30 + i, rank=4, alpha=4, targets="all-linear") for i, arch in enumerate(
         ("gemma", "arcee", "apertus", "vaultgemma", "nemotron", "olmo", "jais2", "glm", "glm4", "stablelm", "cwm", "phi",
-         "starcoder2", "gptj", "opt", "gpt_neox", "gpt2", "gpt_bigcode", "falcon"))},
+         "starcoder2", "gptj", "opt", "gpt_neox", "gpt2", "gpt_bigcode", "falcon", "bloom", "mpt"))},
     # mixtures of experts: the attention's projections (their experts and routers take none)
     **{arch: dict(seed=50 + i, rank=4, alpha=8, targets=ATTENTION) for i, arch in enumerate(
         ("gpt_oss", "llama4", "phimoe", "glm4_moe", "flex_olmo", "dots1", "minimax_m2", "exaone_moe", "ernie4_5_moe",
@@ -67,6 +71,9 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
         ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "minicpm3"))},
     "gemma3n": dict(seed=96, rank=4, alpha=8, targets=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]),  # no AltUp
     "lfm2_moe": dict(seed=86, rank=4, alpha=8, targets=r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|0\.feed_forward\.w\d)"),
+    "dbrx": dict(seed=97, rank=8, alpha=16, targets=["Wqkv", "out_proj"]),  # the fused Wqkv's B cut into q, k, v
+    # Kimi-Linear: its KDA layers', latent attention's, dense MLP's, shared experts' and experts' every matrix
+    "kimi_linear": dict(seed=98, rank=4, alpha=8, targets=KIMI_LINEAR, target_parameters=EXPERTS),
 }
 
 

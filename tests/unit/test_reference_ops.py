@@ -133,9 +133,10 @@ def test_write_kv_cache_exact_slots_and_padding():
     assert int((kv_cache.abs().sum(-1).sum(-1) > 0).sum()) == 2 * 3  # nothing else written
 
 
-def _naive_attention(q, keys, values, scale, window, softcap=None):
+def _naive_attention(q, keys, values, scale, window, softcap=None, alibi=None):
     """Loops in float64: query j of a context of n keys sits at n - q_len + j; scores capped to
-    ``softcap * tanh(s / softcap)`` when ``softcap``."""
+    ``softcap * tanh(s / softcap)`` when ``softcap``; plus ALiBi's ``alibi[h] * key_pos`` when given (BLOOM's
+    absolute form: softmax cannot tell it from the reference's relative one)."""
     q_len, num_heads, _ = q.shape
     n, num_kv_heads, _ = keys.shape
     out = torch.zeros(q_len, num_heads, q.shape[-1], dtype=torch.float64)
@@ -147,14 +148,19 @@ def _naive_attention(q, keys, values, scale, window, softcap=None):
             scores = torch.tensor([float(q[j, h].double() @ keys[t, kv_h].double()) * scale for t in visible])
             if softcap:
                 scores = softcap * torch.tanh(scores / softcap)
+            if alibi is not None:
+                scores = scores + float(alibi[h]) * torch.tensor(visible, dtype=torch.float64)
             probs = torch.softmax(scores, dim=0)
             out[j, h] = sum(p * values[t, kv_h].double() for p, t in zip(probs, visible))
     return out
 
 
-@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 0.7), (5, 0.7)])
-def test_paged_attention_against_naive_math(window, softcap):
-    """Three requests: a decode, a chunk continuing a prefill, a fresh prefill; 2 padding rows."""
+@pytest.mark.parametrize("window, softcap, alibi", [(None, None, None), (5, None, None), (None, 0.7, None),
+                                                   (5, 0.7, None), (None, None, (0.5, 0.25, 0.125, 0.0625)),
+                                                   (5, None, (0.9, 0.3, 0.1, 0.03))])
+def test_paged_attention_against_naive_math(window, softcap, alibi):
+    """Three requests: a decode, a chunk continuing a prefill, a fresh prefill; 2 padding rows. ALiBi's slopes
+    per query head (BLOOM, MPT), alone and with a window."""
     block_size, num_heads, num_kv_heads, head_dim = 4, 4, 2, 8
     num_computed, num_scheduled = [9, 4, 0], [1, 3, 7]
     block_tables = [[5, 1, 7], [2, 6], [3, 0]]
@@ -170,10 +176,12 @@ def test_paged_attention_against_naive_math(window, softcap):
     num_tokens = sum(num_scheduled) + 2
     query = _randn(num_tokens, num_heads, head_dim, seed=3)
     scale = 1 / math.sqrt(head_dim)
-    out = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window=window, softcap=softcap)
+    slopes = None if alibi is None else torch.tensor(alibi)
+    out = reference.paged_attention(query, kv_cache, metadata, scale, sliding_window=window, softcap=softcap,
+                                    alibi_slopes=slopes)
     qsl = metadata.query_start_loc_cpu
     for i, (keys, values) in enumerate(contexts):
-        expected = _naive_attention(query[qsl[i] : qsl[i + 1]], keys, values, scale, window, softcap)
+        expected = _naive_attention(query[qsl[i] : qsl[i + 1]], keys, values, scale, window, softcap, slopes)
         torch.testing.assert_close(out[qsl[i] : qsl[i + 1]].double(), expected, atol=1e-5, rtol=0)
     assert torch.equal(out[qsl[-1] :], torch.zeros(2, num_heads, head_dim))
 

@@ -44,7 +44,7 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
                 else 1 if arch == "gpt_bigcode" and model.config.multi_query  # multi-query attention
                 else model.config.num_kv_heads if arch == "falcon"  # its own name
                 else num_kv_heads_of(model.config))  # GPT-2, OPT, GPT-J, GPT-NeoX: one per head, named nowhere
-    multi_head = arch in ("gpt_neox", "gpt2", "opt", "gptj")
+    multi_head = arch in ("gpt_neox", "gpt2", "opt", "gptj", "bloom", "mpt")
     assert kv_heads == (4 if latent or multi_head else 1 if arch == "gpt_bigcode" else 2)  # latent: one per head
     assert tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == [0, 1, 2, 3, 4, 5]
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2)

@@ -1,0 +1,46 @@
+"""The adaptable projections of the hybrids whose layers differ (torch-free: the host's LoRA check reads them).
+
+Kimi-Linear: a latent-attention layer has DeepSeek's projections (`latent_attention_shapes`), a Kimi Delta Attention
+layer its own, both under ``self_attn.``; a dense layer's MLP has ``gate_proj`` / ``up_proj`` / ``down_proj``, a
+mixture of experts' none (its experts and shared experts are checked as DeepSeek-V3's: asyncllm/lora_experts.py).
+
+Zamba2: a hybrid layer's invocation of its shared block has the block's attention (on the ``2 x hidden`` input)
+and its MLP's fused ``gate_up_proj`` and ``down_proj`` (PEFT names them ``layers.N.shared_transformer.self_attn.*`` /
+``feed_forward.*``: one adapter per hybrid layer, asyncllm/lora_names.py reads them as ``self_attn.`` / ``mlp.``);
+a Mamba2 layer has none (its ``in_proj`` / ``out_proj`` are refused, as every hybrid's state layers').
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.models.family_config import latent_attention_shapes
+
+__all__ = ["KDA_TARGETS", "kimi_linear_shapes", "zamba2_shapes"]
+
+KDA_TARGETS = ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj")
+"""A KDA layer's projections beyond ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``: its decay's (transformers'
+``forget_gate.f_a_proj`` / ``f_b_proj``), its write strength's and its output gate's."""
+
+
+def kimi_linear_shapes(cfg: Any) -> list[dict[str, tuple[int, int]]]:
+    """Each layer's projections, (input features, output features), by checkpoint name."""
+    hidden, head_dim = cfg.hidden_size, cfg.linear_head_dim
+    width = cfg.linear_num_heads * head_dim
+    kda = {"q_proj": (hidden, width), "k_proj": (hidden, width), "v_proj": (hidden, width),
+           "f_a_proj": (hidden, head_dim), "f_b_proj": (head_dim, width), "b_proj": (hidden, cfg.linear_num_heads),
+           "g_a_proj": (hidden, head_dim), "g_b_proj": (head_dim, width), "o_proj": (width, hidden)}
+    inter = cfg.intermediate_size
+    dense = {"gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    return [{**(kda if kind == "linear_attention" else latent_attention_shapes(cfg)),
+             **(dense if cfg.mlp_layer_types[i] == "dense" else {})} for i, kind in enumerate(cfg.layer_types)]
+
+
+def zamba2_shapes(cfg: Any) -> list[dict[str, tuple[int, int]]]:
+    """Each layer's projections: a hybrid layer's shared-block invocation's, none for a Mamba2 layer."""
+    hidden, inter = cfg.hidden_size, cfg.intermediate_size
+    head_dim = getattr(cfg, "head_dim", None) or 2 * hidden // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * head_dim, (cfg.num_key_value_heads or cfg.num_attention_heads) * head_dim
+    block = {"q_proj": (2 * hidden, q), "k_proj": (2 * hidden, kv), "v_proj": (2 * hidden, kv), "o_proj": (q, hidden),
+             "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
+    return [dict(block) if kind == "hybrid" else {} for kind in cfg.layer_types]

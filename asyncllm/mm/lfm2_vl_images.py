@@ -1,0 +1,224 @@
+"""LFM2-VL's image processing without torchvision: an image -> its tiles' patches and the layout of its tokens.
+
+transformers' ``Lfm2VlImageProcessor`` exists only for torchvision, which the CPU machines cannot import beside their
+torch build, so this follows it step for step in torch (`Lfm2VlImages`, loaded from the checkpoint's
+``preprocessor_config.json`` in place of ``AutoImageProcessor``):
+
+- `smart_size`: the image's size rounded to multiples of ``encoder_patch_size * downsample_factor`` with between
+  ``min_image_tokens`` and ``max_image_tokens`` tokens, the aspect ratio kept as closely as those allow.
+- An image over ``max_pixels_tolerance`` times the token budget (`too_large`) is split (unless ``min_tiles ==
+  max_tiles == 1``): resized to a grid of ``tile_size`` tiles whose shape is the closest to its aspect ratio
+  among ``min_tiles`` to ``max_tiles`` tiles (`tile_grid`), cut row by row, and followed by a thumbnail of the
+  whole image at its smart size (``use_thumbnail``). Any other image is one tile at its smart size.
+- Each tile: rescaled and normalized (transformers' fused form, in float32), cut into ``encoder_patch_size``
+  patches, each patch's pixels row by row, channels last: ``(rows, cols, patch * patch * 3)``.
+
+The resize is torchvision's on a CPU tensor (bilinear, antialiased): torch's own kernel, on the uint8 image where
+the CPU reports AVX2 (torchvision's native path) and in float32 rounded back elsewhere, so the pixels equal
+transformers' processor's on the same machine (tests/unit/test_lfm2_vl.py runs it with torchvision's resize
+stood in).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncllm.errors import ConfigError, NotBuiltError
+
+__all__ = ["Lfm2VlImage", "Lfm2VlImages", "TileArrays", "smart_size", "tile_grid", "too_large"]
+
+_BILINEAR = 2
+"""PIL's (and transformers') ``resample`` code for bilinear, the only one LFM2-VL's processors use."""
+
+
+@dataclass(frozen=True)
+class Lfm2VlSettings:
+    """``Lfm2VlImageProcessor``'s settings (its defaults) and its processor's ``use_image_special_tokens``."""
+
+    downsample_factor: int = 2
+    do_image_splitting: bool = True
+    min_tiles: int = 2
+    max_tiles: int = 10
+    use_thumbnail: bool = True
+    min_image_tokens: int = 64
+    max_image_tokens: int = 256
+    encoder_patch_size: int = 16
+    tile_size: int = 512
+    max_pixels_tolerance: float = 2.0
+    resample: int = _BILINEAR
+    do_rescale: bool = True
+    rescale_factor: float = 1 / 255
+    do_normalize: bool = True
+    image_mean: tuple[float, ...] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, ...] = (0.5, 0.5, 0.5)
+    use_image_special_tokens: bool = True
+    """The processor's: ``<|image_start|>``, tile and thumbnail markers, ``<|image_end|>`` around the image tokens."""
+
+    @property
+    def unit(self) -> int:
+        """Pixels per side of one token: a patch times the downsampling."""
+        return self.encoder_patch_size * self.downsample_factor
+
+
+def _round_to(value: float, factor: int) -> int:
+    return round(value / factor) * factor
+
+
+def smart_size(height: int, width: int, s: Lfm2VlSettings) -> tuple[int, int]:
+    """(height, width) in multiples of `Lfm2VlSettings.unit` holding ``min_image_tokens`` to ``max_image_tokens``."""
+    unit = s.unit
+    low, high = s.min_image_tokens * unit * unit, s.max_image_tokens * unit * unit
+    h, w = max(unit, _round_to(height, unit)), max(unit, _round_to(width, unit))
+    if h * w > high:
+        beta = math.sqrt(height * width / high)
+        h, w = max(unit, math.floor(height / beta / unit) * unit), max(unit, math.floor(width / beta / unit) * unit)
+    elif h * w < low:
+        beta = math.sqrt(low / (height * width))
+        h, w = math.ceil(height * beta / unit) * unit, math.ceil(width * beta / unit) * unit
+    return h, w
+
+
+def too_large(height: int, width: int, s: Lfm2VlSettings) -> bool:
+    """Whether the image is over ``max_pixels_tolerance`` times the pixels of ``max_image_tokens``."""
+    h = max(s.encoder_patch_size, _round_to(height, s.unit))
+    w = max(s.encoder_patch_size, _round_to(width, s.unit))
+    return h * w > s.max_image_tokens * s.unit * s.unit * s.max_pixels_tolerance
+
+
+def _grids(min_tiles: int, max_tiles: int) -> list[tuple[int, int]]:
+    """Every (cols, rows) of ``min_tiles`` to ``max_tiles`` tiles, fewest tiles first (the set built and sorted as
+    transformers builds it, so that ties keep its order)."""
+    grids = {(c, r) for n in range(min_tiles, max_tiles + 1) for c in range(1, n + 1) for r in range(1, n + 1)
+             if min_tiles <= c * r <= max_tiles}
+    return sorted(grids, key=lambda grid: grid[0] * grid[1])
+
+
+def tile_grid(height: int, width: int, s: Lfm2VlSettings) -> tuple[int, int]:
+    """(rows, cols) of tiles whose shape is closest to the image's aspect ratio; of equally close ones, the later
+    (more tiles) while the image covers over half of its tiles' area."""
+    aspect, best, best_diff = width / height, (1, 1), float("inf")
+    for cols, rows in _grids(s.min_tiles, s.max_tiles):
+        diff = abs(aspect - cols / rows)
+        if diff < best_diff:
+            best, best_diff = (cols, rows), diff
+        elif diff == best_diff and height * width > 0.5 * s.tile_size * s.tile_size * cols * rows:
+            best = (cols, rows)
+    return best[1], best[0]
+
+
+@dataclass
+class Lfm2VlImage:
+    """One processed image: its tiles (the thumbnail last) and the layout the processor writes tokens for."""
+
+    tiles: list[np.ndarray]
+    """Each ``(patch rows, patch cols, patch * patch * 3)`` float32."""
+    rows: int
+    cols: int
+    thumbnail: bool
+    """Whether the last tile is the whole image's thumbnail (a split image's, with ``use_thumbnail``)."""
+    use_image_special_tokens: bool
+
+
+class TileArrays(list):
+    """One image's tile arrays; a slice of them (one item's) is the tile with a leading axis: ``(1, rows, cols, D)``."""
+
+    def __getitem__(self, index: Any) -> Any:
+        picked = super().__getitem__(index)
+        return np.stack(picked) if isinstance(index, slice) else picked
+
+
+class Lfm2VlImages:
+    """``Lfm2VlImageProcessor`` in torch: ``from_pretrained`` (with overrides), ``to_dict``, and a call on one image."""
+
+    def __init__(self, settings: Lfm2VlSettings) -> None:
+        if settings.resample != _BILINEAR:
+            raise NotBuiltError("resample", settings.resample, "LFM2-VL resizing other than bilinear (2)")
+        if settings.do_image_splitting and settings.min_tiles > settings.max_tiles:
+            raise ConfigError("min_tiles", settings.min_tiles, f"at most max_tiles ({settings.max_tiles})")
+        self.settings = settings
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, **overrides: Any) -> "Lfm2VlImages":
+        """The checkpoint's settings (``preprocessor_config.json``, or ``processor_config.json``'s
+        ``image_processor``; the processor's ``use_image_special_tokens``) with ``overrides`` over them. Keys
+        that are no setting are dropped, as transformers drops them (the caller names one that changes nothing)."""
+        folder = Path(model_path)
+        values: dict[str, Any] = {}
+        processor = _json(folder / "processor_config.json")
+        values.update(processor.get("image_processor") or _json(folder / "preprocessor_config.json"))
+        if "use_image_special_tokens" in processor:
+            values["use_image_special_tokens"] = processor["use_image_special_tokens"]
+        values.update(overrides)
+        known = set(Lfm2VlSettings.__dataclass_fields__)
+        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known}
+        return cls(Lfm2VlSettings(**kwargs))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self.settings)
+
+    def __call__(self, images: list[Any], **_: Any) -> Lfm2VlImage:
+        """One RGB PIL image (``images=[image]``, as asyncllm/mm/processor.py calls every image processor)."""
+        (image,) = images
+        return self.process(image)
+
+    def process(self, image: Any) -> Lfm2VlImage:
+        import torch
+
+        s = self.settings
+        pixels = torch.from_numpy(np.asarray(image, dtype=np.uint8).copy()).permute(2, 0, 1)[None]
+        height, width = pixels.shape[-2:]
+        splitting = s.do_image_splitting and not s.min_tiles == s.max_tiles == 1
+        small = smart_size(height, width, s)
+        if splitting and too_large(height, width, s):
+            rows, cols = tile_grid(height, width, s)
+            whole = _resize(pixels, rows * s.tile_size, cols * s.tile_size)
+            tiles = [whole[..., r * s.tile_size:(r + 1) * s.tile_size, c * s.tile_size:(c + 1) * s.tile_size]
+                     for r in range(rows) for c in range(cols)]
+            thumbnail = s.use_thumbnail and rows * cols != 1
+            tiles += [_resize(pixels, *small)] if thumbnail else []
+        else:
+            rows = cols = 1
+            tiles, thumbnail = [_resize(pixels, *small)], False
+        return Lfm2VlImage(TileArrays(self._patches(tile) for tile in tiles), rows, cols, thumbnail,
+                           s.use_image_special_tokens)
+
+    def _patches(self, tile: Any) -> np.ndarray:
+        """A ``(1, 3, H, W)`` uint8 tile -> its normalized patches ``(H / p, W / p, p * p * 3)``."""
+        import torch
+
+        s, p = self.settings, self.settings.encoder_patch_size
+        x = tile[0].to(torch.float32)
+        if s.do_normalize:
+            scale = 1.0 / s.rescale_factor if s.do_rescale else 1.0  # transformers folds the rescale into mean / std
+            mean = (torch.tensor(s.image_mean) * scale).view(-1, 1, 1)
+            std = (torch.tensor(s.image_std) * scale).view(-1, 1, 1)
+            x = (x - mean) / std
+        elif s.do_rescale:
+            x = x * s.rescale_factor
+        channels, height, width = x.shape
+        x = x.reshape(channels, height // p, p, width // p, p).permute(1, 3, 2, 4, 0)
+        return x.reshape(height // p, width // p, p * p * channels).numpy()
+
+
+def _resize(pixels: Any, height: int, width: int) -> Any:
+    """torchvision's antialiased bilinear resize of a ``(1, 3, H, W)`` uint8 CPU tensor."""
+    import torch
+    import torch.nn.functional as F
+
+    if tuple(pixels.shape[-2:]) == (height, width):
+        return pixels
+    if "AVX2" in torch.backends.cpu.get_cpu_capability():  # torchvision resizes uint8 natively there
+        return F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
+    out = F.interpolate(pixels.to(torch.float32), size=(height, width), mode="bilinear", align_corners=False,
+                        antialias=True)
+    return out.round_().to(torch.uint8)
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}

@@ -1,0 +1,69 @@
+"""ALiBi attention (BLOOM, MPT): no rotation of q and k; each score gets its head's slope times the key's distance
+from the query, ``slope_h * (key_pos - query_pos)``, which the backends add (`asyncllm.kernels.reference.alibi_bias`,
+the Triton kernels' ``USE_ALIBI``).
+
+The families differ in their slopes (`bloom_alibi_slopes`, `mpt_alibi_slopes`); both start from Press et al.'s
+geometric series and agree for a power-of-two head count with MPT's default ``alibi_bias_max`` of 8. Under tensor
+parallelism each rank holds the slopes of its own heads (`AlibiAttention`). transformers adds ``slope_h * key_pos``
+(BLOOM) or ``slope_h * (key_pos - last_pos)`` (MPT) instead: a constant per query row, which softmax ignores, and
+the relative form keeps the biases that matter small at any position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.models.layers import Attention, head_dim_of
+from asyncllm.models.llama import DecoderBuild, LlamaAttention
+
+__all__ = ["AlibiAttention", "AlibiBuild", "bloom_alibi_slopes", "mpt_alibi_slopes"]
+
+
+def bloom_alibi_slopes(num_heads: int) -> tuple[float, ...]:
+    """BLOOM's: for the largest power of two p <= n heads, ``2 ** (-8 k / p)`` for k = 1 .. p; the n - p heads
+    beyond take the odd-k slopes of 2p heads' series, ``2 ** (-4 k / p)`` for k = 1, 3, 5, ..."""
+    p = 2 ** math.floor(math.log2(num_heads))
+    extra = range(1, 2 * (num_heads - p), 2)
+    return tuple(2.0 ** (-8.0 * k / p) for k in range(1, p + 1)) + tuple(2.0 ** (-4.0 * k / p) for k in extra)
+
+
+def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> tuple[float, ...]:
+    """MPT's: for the smallest power of two p >= n heads, ``2 ** (-alibi_bias_max * k / p)`` for k = 1 .. p; with
+    fewer heads than p, the odd-k slopes then the even-k ones, the first n of them."""
+    p = 2 ** math.ceil(math.log2(num_heads))
+    slopes = [2.0 ** (-alibi_bias_max * k / p) for k in range(1, p + 1)]
+    return tuple((slopes[1::2] + slopes[::2])[:num_heads]) if p != num_heads else tuple(slopes)
+
+
+@dataclass(frozen=True)
+class AlibiBuild(DecoderBuild):
+    """A decoder's build with the slopes of every head (all ranks') and MPT's q/k/v clamp."""
+
+    alibi_slopes: tuple[float, ...] = dataclasses.field(default=(), kw_only=True)
+    clip_qkv: float | None = dataclasses.field(default=None, kw_only=True)
+    """q, k and v clamped to ``[-clip_qkv, clip_qkv]`` after the projection (MPT's ``attn_config.clip_qkv``)."""
+
+
+class AlibiAttention(LlamaAttention):
+    """Llama's attention without rotary positions: its backend adds ALiBi's bias for this rank's heads."""
+
+    def __init__(self, b: AlibiBuild, layer_idx: int) -> None:
+        super().__init__(b, layer_idx)
+        qkv = self.qkv_proj
+        first = b.tp.rank * qkv.num_heads  # this rank's query heads, as QKVParallelLinear splits them
+        slopes = torch.tensor(b.alibi_slopes[first : first + qkv.num_heads], dtype=torch.float32)
+        self.attn = Attention(qkv.num_heads, qkv.num_kv_heads, head_dim_of(b.hf_config), b.attn_backend,
+                              scale=b.flags.attention_scale, alibi_slopes=slopes)
+        self.clip = b.clip_qkv
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: torch.Tensor,
+               metadata: AttentionMetadata) -> torch.Tensor:
+        if self.clip is not None:
+            qkv = qkv.clamp(-self.clip, self.clip)
+        query, key, value = self.qkv_proj.split_qkv(qkv)
+        return self.o_proj(self.attn(query, key, value, kv_cache, metadata))
