@@ -27,7 +27,7 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.errors import NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
 from asyncllm.models.gpt2 import GPT2LMHeadModel, LearnedPositionModel
 from asyncllm.models.layers import LoadedWeight, TensorParallel
@@ -65,6 +65,7 @@ class CrossStates:
         self.length = length
         """The encoder's rows per audio (``max_source_positions``)."""
         self.blocks_per_row = -(-length // _BLOCK)
+        _check_room(rows, num_layers * 2 * self.blocks_per_row * _BLOCK * heads * head_dim * dtype.itemsize)
         self.caches = [torch.zeros(2, rows * self.blocks_per_row, _BLOCK, heads, head_dim, dtype=dtype)
                        for _ in range(num_layers)]
         self.step: AttentionMetadata | None = None
@@ -100,6 +101,19 @@ class CrossStates:
             if missing > 0:
                 cache = torch.cat([cache, cache.new_zeros(2, max(missing, cache.shape[1]), *cache.shape[2:])], 1)
             self.caches[i] = cache
+
+
+def _check_room(rows: int, row_bytes: int) -> None:
+    """`ConfigError` naming ``max_num_seqs`` when a row per seat would take over half the device's free memory
+    (large-v3: 245 MB a row in bfloat16), before the allocation fails with a bare out-of-memory error."""
+    device = torch.get_default_device()
+    if device.type != "cuda":
+        return
+    free = torch.cuda.mem_get_info(device)[0]
+    if rows * row_bytes > free // 2:
+        raise ConfigError("max_num_seqs", rows, f"at most {max(1, free // 2 // row_bytes)} on this device: each "
+                                                f"request's cross-attention states take {row_bytes / 2**20:.0f} MB, "
+                                                f"preallocated per seat ({free / 2**30:.1f} GiB free)")
 
 
 class WhisperCrossAttention(nn.Module):
