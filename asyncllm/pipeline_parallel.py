@@ -40,7 +40,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Llama4ForCausalLM", "DeepseekV2ForCausalLM",
                           "DeepseekV3ForCausalLM", "GraniteMoeSharedForCausalLM", "YoutuForCausalLM",
                           "Mistral4ForCausalLM", "Glm4MoeLiteForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
-                          "Llama4ForConditionalGeneration",  # its language model (images are not built)
+                          "Llama4ForConditionalGeneration",  # the vision model on the first stage
                           "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "OPTForCausalLM",  # learned positions
                           "BloomForCausalLM", "MptForCausalLM",  # ALiBi
                           # hybrids: state layers beside attention (asyncllm/models/hybrid.py)

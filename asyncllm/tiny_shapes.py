@@ -52,6 +52,17 @@ _DEEPSEEK_SHAPES: dict[str, dict[str, Any]] = {
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
                                          "original_max_position_embeddings": 512, "mscale": 1.0, "mscale_all_dim": 1.0,
                                          "beta_fast": 32.0, "beta_slow": 1.0}),
+    # DeepSeek-V3.2: V3's layers with the lightning indexer, its top 6 keys (test prompts outrun them); GLM-5: the
+    # same under GLM's names, its indexer's rope interleaved, the second layer reusing the first's choice
+    "deepseek_v32": dict(_DEEPSEEK_LATENT, q_lora_rank=24, routed_scaling_factor=2.5, norm_topk_prob=True,
+                         index_topk=6, index_n_heads=16, index_head_dim=16,
+                         rope_parameters={"rope_type": "yarn", "rope_theta": 10_000.0, "factor": 4.0,
+                                          "original_max_position_embeddings": 512, "mscale": 1.0,
+                                          "mscale_all_dim": 1.0, "beta_fast": 32.0, "beta_slow": 1.0}),
+    "glm_moe_dsa": dict({k: v for k, v in _DEEPSEEK_LATENT.items() if k != "first_k_dense_replace"},
+                        q_lora_rank=24, v_head_dim=24, routed_scaling_factor=1.8, norm_topk_prob=True,
+                        mlp_layer_types=["dense", "sparse"], index_topk=6, index_n_heads=16, index_head_dim=16,
+                        indexer_types=["full", "shared"]),
     # Youtu-LLM: V3's latent attention over dense MLPs
     "youtu": dict(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12, q_lora_rank=24),
     # MiniCPM3: Youtu's shapes, muP's scalars far from 1, LongRoPE over 64 positions (short and long factors apart)

@@ -150,6 +150,7 @@ class TaggedBlockStream(ToolCallDeltaStream):
         self._block: list[str] = []  # the open block's text (its content if it is not a call)
         self._index = 0  # the next call's index
         self._calls = 0  # whole calls read
+        self._space = ""  # whitespace after a call, held until more content shows it is inside the content
 
     def feed(self, text: str) -> list[ReplyPart]:
         self._buffer += text
@@ -209,11 +210,18 @@ class TaggedBlockStream(ToolCallDeltaStream):
         return True
 
     def _spacing(self, parts: list[ReplyPart]) -> list[ReplyPart]:
-        """Text between calls that is only whitespace (the newlines around blocks) is not content."""
+        """Text between calls that is only whitespace (the newlines around blocks) is not content: after a call,
+        whitespace is held back until more content follows it (then it is content, as in the whole reply) and
+        dropped if none does, however the reply was cut into pieces."""
         content = "".join(p for p in parts if isinstance(p, str))
         if self._calls and not content.strip():
+            self._space += content
             return [p for p in parts if not isinstance(p, str)]
-        return [p for p in parts if p != ""]
+        out = [p for p in parts if p != ""]
+        if self._space and content:
+            first = next(i for i, p in enumerate(out) if isinstance(p, str))
+            out[first], self._space = self._space + out[first], ""
+        return out
 
 class HermesStream(TaggedBlockStream):
     """``<tool_call>`` blocks each holding one call's JSON object."""

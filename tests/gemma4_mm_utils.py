@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mm_utils import random_model
 
-__all__ = ["BOI", "IMAGE", "hf_gemma4_greedy", "hf_gemma4_logits", "hf_gemma4_prompt", "make_tiny_gemma4_mm"]
+__all__ = ["BOI", "IMAGE", "fill_checkpoint_buffers", "hf_gemma4_greedy", "hf_gemma4_logits", "hf_gemma4_prompt", "make_tiny_gemma4_mm"]
 
 BOI, EOI, IMAGE = "<|image>", "<image|>", "<|image|>"
 PATCH, POOL = 4, 2
@@ -21,7 +21,6 @@ def make_tiny_gemma4_mm(path: str | os.PathLike[str], seed: int = 0, bidirection
     per-layer inputs; its sliding layers see 8 tokens, fewer than an image's rows), whose sliding layers let an
     image's rows see each other (``use_bidirectional_attention="vision"``), under a 2-layer vision tower with
     clipped linears and standardized outputs. ``text_overrides``: the decoder's config fields changed."""
-    import torch
     from tokenizers import AddedToken  # noqa: F401
     from transformers import AutoTokenizer, Gemma4Config, Gemma4ForConditionalGeneration, Gemma4ImageProcessor
 
@@ -41,19 +40,27 @@ def make_tiny_gemma4_mm(path: str | os.PathLike[str], seed: int = 0, bidirection
     config = Gemma4Config(text_config=text, vision_config=vision, audio_config=None, boi_token_id=ids[BOI],
                           eoi_token_id=ids[EOI], image_token_id=ids[IMAGE], architectures=["Gemma4ForConditionalGeneration"])
     model = random_model(Gemma4ForConditionalGeneration, config, seed, std=0.05)
-    with torch.no_grad():  # the buffers the checkpoint carries: clip bounds, standardization, layer scalars
+    fill_checkpoint_buffers(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    Gemma4ImageProcessor(patch_size=PATCH, pooling_kernel_size=POOL, max_soft_tokens=70).save_pretrained(path)
+    return str(path)
+
+
+def fill_checkpoint_buffers(model, seed: int) -> None:
+    """The buffers a Gemma 4 checkpoint carries, set: clip bounds at +-2, standardization and layer scalars
+    random near 0 (biases) or 1."""
+    import torch
+
+    with torch.no_grad():
         gen = torch.Generator().manual_seed(seed)
         for name, buffer in model.named_buffers():
             if name.endswith(("input_min", "output_min")):
                 buffer.fill_(-2.0)
             elif name.endswith(("input_max", "output_max")):
                 buffer.fill_(2.0)
-            elif name.endswith(("std_bias", "layer_scalar")) or name.endswith("std_scale"):
+            elif name.endswith(("std_bias", "layer_scalar", "std_scale")):
                 buffer.copy_(torch.randn(buffer.shape, generator=gen) * 0.1 + (0.0 if "bias" in name else 1.0))
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    Gemma4ImageProcessor(patch_size=PATCH, pooling_kernel_size=POOL, max_soft_tokens=70).save_pretrained(path)
-    return str(path)
 
 
 def hf_gemma4_prompt(path: str, text: str, soft_tokens: list[int]) -> list[int]:

@@ -4,6 +4,7 @@ decoder with M-RoPE) and transformers' reference for the tests."""
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
 
@@ -24,6 +25,7 @@ CHAT_TEMPLATE = (  # GLM-4.1V's layout, trimmed: roles as <|role|>, an image par
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}{{ '<|begin_of_image|><|image|><|end_of_image|>' }}"
+    "{% elif part['type'] == 'video' %}{{ '<|begin_of_video|><|video|><|end_of_video|>' }}"
     "{% else %}{{ part['text'] }}{% endif %}"
     "{% endfor %}{% endif %}"
     "{% endfor %}"
@@ -35,7 +37,7 @@ def make_tiny_glm4v(path: str | os.PathLike[str], seed: int = 0, partial_rotary:
     """Save a tiny random ``Glm4vForConditionalGeneration`` (``moe``: ``Glm4vMoeForConditionalGeneration``, a dense
     layer then one of 4 experts, 2 routed, and a shared one) with its tokenizer (GLM's special tokens, a chat
     template) and its image processor in ``path`` (4 to 64 merged tokens per image; a 4 x 4 position table, so
-    every image's is resampled)."""
+    every image's is resampled) and video processor config (8 to 128 merged tokens over all of a video's frames)."""
     import transformers
     from transformers import AutoTokenizer, Glm4vImageProcessorPil
 
@@ -65,6 +67,8 @@ def make_tiny_glm4v(path: str | os.PathLike[str], seed: int = 0, partial_rotary:
     tokenizer.save_pretrained(path)
     unit = 28 * 28
     Glm4vImageProcessorPil(size={"shortest_edge": 4 * unit, "longest_edge": 64 * unit}).save_pretrained(path)
+    (path / "video_preprocessor_config.json").write_text(json.dumps(  # by hand: its class needs torchvision
+        {"video_processor_type": "Glm4vVideoProcessor", "size": {"shortest_edge": 8 * unit, "longest_edge": 128 * unit}}))
     return str(path)
 
 

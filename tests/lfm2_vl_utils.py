@@ -41,7 +41,8 @@ def _tv_resize(image: Any, size: list[int], interpolation: Any = None, antialias
     import torch.nn.functional as F
 
     assert interpolation in (None, _InterpolationMode.BILINEAR), interpolation
-    if list(image.shape[-2:]) == list(size):
+    size = [int(side) for side in size]  # Llama 4's processor passes 0-d tensors
+    if list(image.shape[-2:]) == size:
         return image
     native = image.dtype == torch.uint8 and "AVX2" in torch.backends.cpu.get_cpu_capability()
     out = F.interpolate(image if native else image.float(), size=list(size), mode="bilinear", align_corners=False,
@@ -57,14 +58,26 @@ def _tv_normalize(image: Any, mean: Any, std: Any, inplace: bool = False) -> Any
     return (image if inplace else image.clone()).sub_(mean).div_(std)
 
 
+def _tv_pad(image: Any, padding: list[int], fill: Any = 0, padding_mode: str = "constant") -> Any:
+    import torch.nn.functional as F
+
+    assert padding_mode == "constant" and len(padding) == 4 and not any(fill if isinstance(fill, list) else [fill])
+    left, top, right, bottom = padding
+    return F.pad(image, [left, right, top, bottom])
+
+
 @functools.lru_cache(maxsize=None)
-def hf_image_processor_class() -> type:
-    """transformers' ``Lfm2VlImageProcessor`` with torchvision's ``resize`` and ``normalize`` stood in."""
+def hf_image_processor_class(module: str = "transformers.models.lfm2_vl.image_processing_lfm2_vl",
+                             name: str = "Lfm2VlImageProcessor") -> type:
+    """transformers' image processor ``name`` of ``module`` (``Lfm2VlImageProcessor``; Llama 4's too) with
+    torchvision's ``resize``, ``normalize`` and ``pad`` (zeros) stood in."""
+    import importlib
+
     import transformers.image_processing_backends as backends
     from transformers.image_utils import PILImageResampling
 
     functional = types.ModuleType("torchvision.transforms.v2.functional")
-    functional.resize, functional.normalize = _tv_resize, _tv_normalize
+    functional.resize, functional.normalize, functional.pad = _tv_resize, _tv_normalize, _tv_pad
     functional.InterpolationMode = _InterpolationMode
     modules = {name: types.ModuleType(name) for name in ("torchvision", "torchvision.transforms",
                                                          "torchvision.transforms.v2")}
@@ -72,7 +85,7 @@ def hf_image_processor_class() -> type:
     saved = {name: sys.modules.get(name) for name in [*modules, functional.__name__]}
     sys.modules.update(modules, **{functional.__name__: functional})
     try:
-        from transformers.models.lfm2_vl.image_processing_lfm2_vl import Lfm2VlImageProcessor
+        processor_cls = getattr(importlib.import_module(module), name)
     finally:  # only the class keeps the stand-in
         for name, module in saved.items():
             if module is None:
@@ -81,15 +94,15 @@ def hf_image_processor_class() -> type:
                 sys.modules[name] = module
     backends.tvF = functional  # absent without torchvision: nothing else reads them
     backends.pil_torch_interpolation_mapping = {PILImageResampling.BILINEAR: _InterpolationMode.BILINEAR}
-    return Lfm2VlImageProcessor
+    return processor_cls
 
 
-def hf_image_processor(path: str | None = None, **settings: Any) -> Any:
-    """An ``Lfm2VlImageProcessor`` of the checkpoint at ``path`` (or of ``settings``); its torchvision check passed
-    for this construction only."""
+def hf_image_processor(path: str | None = None, cls: type | None = None, **settings: Any) -> Any:
+    """An ``Lfm2VlImageProcessor`` (or ``cls``, another `hf_image_processor_class`) of the checkpoint at ``path``
+    (or of ``settings``); its torchvision check passed for this construction only."""
     from transformers.utils import import_utils
 
-    cls, saved = hf_image_processor_class(), import_utils.BACKENDS_MAPPING["torchvision"]
+    cls, saved = cls or hf_image_processor_class(), import_utils.BACKENDS_MAPPING["torchvision"]
     import_utils.BACKENDS_MAPPING["torchvision"] = (lambda: True, saved[1])
     try:
         return cls(**settings) if path is None else cls.from_pretrained(path, **settings)

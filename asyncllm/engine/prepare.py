@@ -104,7 +104,7 @@ def prepare(config: EngineConfig) -> Prepared:
         if (multimodal or arch in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (docs/models.md lists the "
                                                      "architectures that take them; image-text checkpoints: the "
-                                                     "decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / LFM2-VL, and "
+                                                     "decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / LFM2-VL / Llama 4, and "
                                                      "Gemma 3 / Gemma 4 served as text: limit_mm_per_prompt={'image': 0})")
         lora = AdapterChecker(text_config, config.max_lora_rank, *_expert_layers(hf_config, text_config, limits),
                               runs_tower=multimodal)
@@ -119,8 +119,6 @@ def prepare(config: EngineConfig) -> Prepared:
         limits = mm_config.limit_mm_per_prompt or {}
         for kind in ("video", "audio"):
             if limits.get(kind) and getattr(model_cls, f"mm_{kind}_token_id", None) is None:
-                if kind in getattr(model_cls, "mm_kinds_not_built", ()):  # GLM-4.1V's videos
-                    raise NotBuiltError(f"limit_mm_per_prompt.{kind}", limits[kind], f"{arch}'s {kind} inputs")
                 raise ConfigError(f"limit_mm_per_prompt.{kind}", limits[kind], f"0: {arch} takes no {kind}s")
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type,
@@ -194,7 +192,7 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
                                  "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
                                  "Lfm2VlForConditionalGeneration", "GlmAsrForConditionalGeneration",
-                                 "Qwen3ASRForConditionalGeneration")
+                                 "Qwen3ASRForConditionalGeneration", "Llama4ForConditionalGeneration")
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
 tower matrices is refused)."""
 

@@ -21,7 +21,6 @@ stood in).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.mm.image_ops import read_json, resize_like_torchvision
 
 __all__ = ["Lfm2VlImage", "Lfm2VlImages", "TileArrays", "smart_size", "tile_grid", "too_large"]
 
@@ -150,8 +150,8 @@ class Lfm2VlImages:
         that are no setting are dropped, as transformers drops them (the caller names one that changes nothing)."""
         folder = Path(model_path)
         values: dict[str, Any] = {}
-        processor = _json(folder / "processor_config.json")
-        values.update(processor.get("image_processor") or _json(folder / "preprocessor_config.json"))
+        processor = read_json(folder / "processor_config.json")
+        values.update(processor.get("image_processor") or read_json(folder / "preprocessor_config.json"))
         if "use_image_special_tokens" in processor:
             values["use_image_special_tokens"] = processor["use_image_special_tokens"]
         values.update(overrides)
@@ -177,14 +177,14 @@ class Lfm2VlImages:
         small = smart_size(height, width, s)
         if splitting and too_large(height, width, s):
             rows, cols = tile_grid(height, width, s)
-            whole = _resize(pixels, rows * s.tile_size, cols * s.tile_size)
+            whole = resize_like_torchvision(pixels, rows * s.tile_size, cols * s.tile_size)
             tiles = [whole[..., r * s.tile_size:(r + 1) * s.tile_size, c * s.tile_size:(c + 1) * s.tile_size]
                      for r in range(rows) for c in range(cols)]
             thumbnail = s.use_thumbnail and rows * cols != 1
-            tiles += [_resize(pixels, *small)] if thumbnail else []
+            tiles += [resize_like_torchvision(pixels, *small)] if thumbnail else []
         else:
             rows = cols = 1
-            tiles, thumbnail = [_resize(pixels, *small)], False
+            tiles, thumbnail = [resize_like_torchvision(pixels, *small)], False
         return Lfm2VlImage(TileArrays(self._patches(tile) for tile in tiles), rows, cols, thumbnail,
                            s.use_image_special_tokens)
 
@@ -204,21 +204,3 @@ class Lfm2VlImages:
         channels, height, width = x.shape
         x = x.reshape(channels, height // p, p, width // p, p).permute(1, 3, 2, 4, 0)
         return x.reshape(height // p, width // p, p * p * channels).numpy()
-
-
-def _resize(pixels: Any, height: int, width: int) -> Any:
-    """torchvision's antialiased bilinear resize of a ``(1, 3, H, W)`` uint8 CPU tensor."""
-    import torch
-    import torch.nn.functional as F
-
-    if tuple(pixels.shape[-2:]) == (height, width):
-        return pixels
-    if "AVX2" in torch.backends.cpu.get_cpu_capability():  # torchvision resizes uint8 natively there
-        return F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
-    out = F.interpolate(pixels.to(torch.float32), size=(height, width), mode="bilinear", align_corners=False,
-                        antialias=True)
-    return out.round_().to(torch.uint8)
-
-
-def _json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.is_file() else {}

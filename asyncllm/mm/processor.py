@@ -239,11 +239,20 @@ class MultiModalProcessor:
         video_token = getattr(model_cls, "mm_video_token_id", None)
         self.video_token_id: int | None = video_token(hf_config) if video_token is not None else None
         """The prompt token that marks a video; None: the model takes no videos."""
+        placeholder = getattr(model_cls, "mm_video_placeholder_id", None)
+        self.video_placeholder_id = placeholder(hf_config) if placeholder is not None else self.video_token_id
+        """The token a video's placeholders are: its marker's, or the model's (GLM: ``<|image|>`` runs per frame)."""
         self.video_settings = (load_video_settings(model_path, model_cls.video_settings)
                                if self.video_token_id is not None else None)
         audio_token = getattr(model_cls, "mm_audio_token_id", None)
         self.audio_token_id: int | None = audio_token(hf_config) if audio_token is not None else None
         """The prompt token that marks an audio; None: the model takes no audio."""
+        if max_audios and self.audio_token_id is None:  # Gemma 4: its checkpoints without an audio tower
+            raise ConfigError("limit_mm_per_prompt.audio", max_audios, f"0: this {model_cls.__name__} checkpoint "
+                                                                       "has no audio tower")
+        audio_text = getattr(model_cls, "mm_audio_text", None)
+        self._audio_text: tuple[list[int], list[int]] = audio_text(hf_config, tokenizer) if audio_text else ([], [])
+        """Tokens before and after each audio's placeholders (Gemma 4's ``<|audio>`` ... ``<audio|>``)."""
         self.max_audios = max_audios
         """``limit_mm_per_prompt["audio"]``."""
         self.feature_extractor = load_feature_extractor(model_path) if self.audio_token_id is not None else None
@@ -453,13 +462,15 @@ class MultiModalProcessor:
             if piece.time_interval != 1.0:
                 item = msgspec.structs.replace(item, time_interval=piece.time_interval)
             items.append(item)
-            expanded += [self.video_token_id] * item.length + piece.after
+            expanded += [self.video_placeholder_id] * item.length + piece.after
 
     def _audio(self, value: AudioInput, uuid: str | None, field: str, expanded: list[int],
                items: list[MultiModalItem], inline: bool) -> None:
         """Append an audio's placeholders to ``expanded`` and its item to ``items``; it is read and its features
         extracted only on a cache miss when the caller keys it by uuid."""
         rate = int(self.feature_extractor.sampling_rate)
+        before, after = self._audio_text
+        self._join(expanded, before)
         audio = None if uuid is not None else read_audio(value, field, rate)
         key = uuid_key(uuid) if audio is None else audio.key()
         item = self._lookup(key, len(expanded), inline)
@@ -470,7 +481,7 @@ class MultiModalProcessor:
                                                **self._model_cls.mm_audio_extractor_kwargs)
             item = self._record(key, len(expanded), self._model_cls.mm_audio_values(processed), inline)
         items.append(item)
-        expanded += [self.audio_token_id] * item.length
+        expanded += [self.audio_token_id] * item.length + after
 
     def _lookup(self, key: str, offset: int, inline: bool) -> MultiModalItem | None:
         """The cached item of ``key`` (key-only or a ring location), counted; None on a miss or ``inline``."""

@@ -58,6 +58,8 @@ class VideoSettings:
     rescale_factor: float = 1 / 255
     pixels_over_frames: bool = False
     """Qwen3-VL: the pixel bounds are of all frames together (``t x h x w``), not of each frame."""
+    torch_pixels: bool = False
+    """GLM-4.1V: frames resized and normalized as its torchvision processor does (asyncllm/mm/glm4v_video.py)."""
 
 
 QWEN3_VIDEO_SETTINGS = VideoSettings(128 * 32 * 32, 768 * 32 * 32, 16, 2, 2, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5),
@@ -151,12 +153,17 @@ def video_patches(video: Video, settings: VideoSettings, field: str) -> np.ndarr
 
     count, height, width = video.frames.shape[:3]
     new_h, new_w = frame_size(settings, count, height, width, field)
-    frames = [f if (height, width) == (new_h, new_w)
-              else np.asarray(Image.fromarray(f).resize((new_w, new_h), Image.Resampling.BICUBIC)) for f in video.frames]
-    mean = np.asarray(settings.image_mean, dtype=np.float32)
-    std = np.asarray(settings.image_std, dtype=np.float32)
-    pixels = (np.stack(frames).astype(np.float32) * np.float32(settings.rescale_factor) - mean) / std
-    pixels = pixels.transpose(0, 3, 1, 2)  # [T, C, H, W]
+    if settings.torch_pixels:
+        from asyncllm.mm.glm4v_video import torch_frames
+
+        pixels = torch_frames(video.frames, settings, new_h, new_w)  # [T, C, H, W]
+    else:
+        frames = [f if (height, width) == (new_h, new_w) else
+                  np.asarray(Image.fromarray(f).resize((new_w, new_h), Image.Resampling.BICUBIC)) for f in video.frames]
+        mean = np.asarray(settings.image_mean, dtype=np.float32)
+        std = np.asarray(settings.image_std, dtype=np.float32)
+        pixels = (np.stack(frames).astype(np.float32) * np.float32(settings.rescale_factor) - mean) / std
+        pixels = pixels.transpose(0, 3, 1, 2)  # [T, C, H, W]
     tps, ps, m = settings.temporal_patch_size, settings.patch_size, settings.merge_size
     if pad := -count % tps:
         pixels = np.concatenate([pixels, np.repeat(pixels[-1:], pad, axis=0)])

@@ -29,6 +29,7 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "Cohere2ForCausalLM", "MinistralForCausalLM", "Ministral3ForCausalLM", "GraniteMoeForCausalLM",
                       "OlmoeForCausalLM", "Starcoder2ForCausalLM", "HunYuanDenseV1ForCausalLM", "GptOssForCausalLM",
                       "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
+                      "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
                       "Glm4MoeForCausalLM", "Qwen3_5ForCausalLM",
                       "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration",
                       "Qwen3NextForCausalLM", "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM",
@@ -64,6 +65,7 @@ PHI3_ARCHITECTURES = ("Phi3ForCausalLM",)
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
                      "Qwen3VLMoeForConditionalGeneration", "GraniteMoeForCausalLM", "OlmoeForCausalLM",
                      "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM", "Mistral4ForCausalLM",
+                     "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM",
                      "Glm4MoeForCausalLM",
                      "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM",
                      "MiniMaxM2ForCausalLM", "GraniteMoeHybridForCausalLM", "Ernie4_5_MoeForCausalLM",
@@ -85,7 +87,8 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
                             "Glm4vMoeForConditionalGeneration", "AyaVisionForConditionalGeneration",
                             "Lfm2VlForConditionalGeneration", "WhisperForConditionalGeneration",
-                            "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration")
+                            "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration",
+                            "Llama4ForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only)."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
@@ -95,7 +98,7 @@ AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForC
 docs/multimodal.md#whisper)."""
 TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                                    "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration",
-                                   "Mistral3ForConditionalGeneration")
+                                   "Mistral3ForConditionalGeneration", "Llama4ForConditionalGeneration")
 """Image-text architectures that can serve text alone, their vision tower unread (vLLM's language-model-only mode:
 ``limit_mm_per_prompt`` of 0 images and 0 videos; asyncllm/models/registry.py names the classes)."""
 

@@ -27,7 +27,8 @@ def _kind(arch: str) -> str:
     if arch in AUDIO_ARCHITECTURES:
         return "audio-text"
     if arch in MULTIMODAL_ARCHITECTURES:
-        return "image-text" + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")
+        experts = ", experts" if arch in MOE_ARCHITECTURES else ""
+        return "image-text" + experts + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")
     if arch in EMBEDDING_ARCHITECTURES:
         return "embedding"
     if arch in CLASSIFICATION_ARCHITECTURES:
@@ -43,8 +44,9 @@ def _doc(arch: str) -> str:
     if arch in _GENERAL:
         return _GENERAL[arch]
     by_kind = {"image-text": "multimodal.md", "audio-text": "multimodal.md", "embedding": "embeddings.md", "classification": "pooling.md"}
-    if _kind(arch).split(" (")[0] in by_kind:
-        return by_kind[_kind(arch).split(" (")[0]]
+    kind = _kind(arch).split(" (")[0].removesuffix(", experts")
+    if kind in by_kind:
+        return by_kind[kind]
     docs = sorted(p for p in _DOCS.glob("*.md") if p.name not in _NOT_MODEL_DOCS)
     docs += [_DOCS / name for name in _NOT_MODEL_DOCS if name not in ("models.md", "architecture.md")]
     for path in docs:

@@ -135,8 +135,20 @@ class DeepseekAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
+        query, key = self.query_and_key(positions, hidden, self.query_latent(hidden))
+        out = self.attn(query, key, None, kv_cache, metadata).view(hidden.shape[0], self.num_heads, -1)
+        return self.output(out[..., self.rope:])
+
+    def query_latent(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The low-rank queries' normed latent (``q_a_layernorm(q_a_proj(x))``; DeepSeek-V3.2's indexer reads it
+        too), or the hidden states where the queries are full-rank."""
+        return self.q_a_layernorm(self.q_a_proj(hidden)) if self.q_lora else hidden
+
+    def query_and_key(self, positions: torch.Tensor, hidden: torch.Tensor, q_latent_in: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The absorbed queries ``[T, heads, rope + latent]`` and the cache's rows ``[T, 1, rope + latent]``."""
         tokens, heads = hidden.shape[0], self.num_heads
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.q_lora else self.q_proj(hidden)
+        q = self.q_b_proj(q_latent_in) if self.q_lora else self.q_proj(q_latent_in)
         q_nope, q_rot = q.view(tokens, heads, self.head_dim).split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(hidden).split([self.latent, self.rope], dim=-1)
         if self.rotary_emb is None:  # Kimi-Linear's latent attention: no positions (its "rotary" part stays as is)
@@ -146,8 +158,7 @@ class DeepseekAttention(nn.Module):
                 q_rot, k_rot = pairs_to_halves(q_rot), pairs_to_halves(k_rot)
             q_rot, k_rot = reference.apply_rotary(q_rot, k_rot.unsqueeze(1), positions,
                                                   self.rotary_emb.cos_sin_cache)
-        w_uk, w_uv = self.expansions()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, heads, latent]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.expansions()[0]).transpose(0, 1)  # [T, heads, latent]
         adapters = self.kv_b_proj.lora
         if adapters is not None and adapters.context.mask is not None:
             q_latent = q_latent + self._key_adapters(adapters, q_nope)
@@ -155,11 +166,17 @@ class DeepseekAttention(nn.Module):
         if self.beta:  # a per-position scalar
             query = query * attention_temperature(positions, self.beta, self.original).to(query.dtype)
         key = torch.cat([k_rot, self.kv_a_layernorm(latent).unsqueeze(1)], dim=-1)  # one head: the cache's row
-        out = self.attn(query, key, None, kv_cache, metadata).view(tokens, heads, -1)[..., self.rope:]
-        values = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, heads, v]
+        return query, key
+
+    def output(self, out: torch.Tensor) -> torch.Tensor:
+        """The attention-weighted latents ``[T, heads, latent]`` through each head's value expansion, then
+        ``o_proj``."""
+        tokens = out.shape[0]
+        values = torch.bmm(out.transpose(0, 1), self.expansions()[1].transpose(1, 2)).transpose(0, 1)  # [T, heads, v]
+        adapters = self.kv_b_proj.lora
         if adapters is not None and adapters.context.mask is not None:
             values = values + self._value_adapters(adapters, out)
-        return self.o_proj(values.reshape(tokens, heads * self.v_dim))
+        return self.o_proj(values.reshape(tokens, self.num_heads * self.v_dim))
 
 
     def _adapter_halves(self, adapters: Any) -> tuple[torch.Tensor, torch.Tensor]:

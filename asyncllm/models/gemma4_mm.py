@@ -1,6 +1,6 @@
-"""Gemma 4 with images (``Gemma4ForConditionalGeneration``): Gemma 4's vision tower and embedder
-(gemma4_vision.py) before the Gemma 4 decoder (gemma4.py). Audio and video are not built (their towers' weights are
-left unread; a video is refused as for any model without videos).
+"""Gemma 4 with images and audio (``Gemma4ForConditionalGeneration``): Gemma 4's vision tower and embedder
+(gemma4_vision.py) and, in the checkpoints that have one (E2B, E4B), its audio tower and embedder (gemma4_audio.py)
+before the Gemma 4 decoder (gemma4.py). Video is not built (refused as for any model without videos).
 
 An image keeps its aspect ratio: the checkpoint's image processor resizes it to at most ``max_soft_tokens`` pooled
 cells, so its row count varies (``P / k^2`` for ``P`` patches). In the prompt each image token becomes
@@ -9,6 +9,10 @@ cells, so its row count varies (``P / k^2`` for ``P`` patches). In the prompt ea
 global layers stay causal, as transformers builds its masks): the items say so, the scheduler never cuts a prefill
 inside one, and only the sliding layers take the step's ``attend_limit`` (gemma4.py). Each image row's per-layer
 input is the pad token's (its projection part from the image features), as in transformers.
+
+An audio token becomes ``<|audio>``, one audio token per real frame the tower keeps, ``<audio|>`` (its rows causal,
+as transformers marks only vision both ways). An audio item is ``[1, frames, mel + 1]`` (the log-mel frames, their
+mask last), an image's ``[P, 3 p^2 + 2]``: `embed_multimodal` tells a batch's kind by its rank.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ import numpy as np
 import torch
 
 from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import InvalidRequestError
 from asyncllm.models.gemma4 import Gemma4ForCausalLM
+from asyncllm.models.gemma4_audio import Gemma4AudioTower, audio_rows
 from asyncllm.models.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import normalize_llava_name
@@ -30,8 +36,6 @@ from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, 
 __all__ = ["Gemma4ForConditionalGeneration"]
 
 _DECODERS = {"gemma4_text": Gemma4ForCausalLM}
-_UNREAD = ("audio_tower.", "embed_audio.")
-"""The audio tower's weights (audio is not built)."""
 
 
 class Gemma4ForConditionalGeneration(VisionLanguageModel):
@@ -64,6 +68,9 @@ class Gemma4ForConditionalGeneration(VisionLanguageModel):
                                             expert_parallel=expert_parallel, pipeline=pipeline)
         self.vision_tower = Gemma4VisionTower(hf_config.vision_config, dtype)
         self.embed_vision = Gemma4VisionEmbedder(hf_config.vision_config, hf_config.text_config.hidden_size, dtype)
+        if getattr(hf_config, "audio_config", None) is not None:
+            self.audio_tower = Gemma4AudioTower(hf_config.audio_config, dtype)
+            self.embed_audio = Gemma4VisionEmbedder(hf_config.audio_config, hf_config.text_config.hidden_size, dtype)
         soft = [hf_config.image_token_id] + [getattr(hf_config, f"{kind}_token_id", None) for kind in ("video", "audio")]
         self.language_model.model.soft_token_ids = torch.tensor([t for t in soft if t is not None])
         self.language_model.model.pad_token_id = int(hf_config.text_config.pad_token_id or 0)
@@ -92,13 +99,53 @@ class Gemma4ForConditionalGeneration(VisionLanguageModel):
     def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
         return int(pixel_shape[0]) // int(hf_config.vision_config.pooling_kernel_size) ** 2
 
-    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[N, P, 3 p^2 + 2]`` images of one size -> ``[N, P / k^2, text hidden]``."""
-        return self.embed_vision(self.vision_tower(pixel_values))
+    @staticmethod
+    def mm_audio_token_id(hf_config: Any) -> int | None:
+        """The prompt token that marks an audio (``<|audio|>``); None for a checkpoint without an audio tower."""
+        return None if getattr(hf_config, "audio_config", None) is None else int(hf_config.audio_token_id)
+
+    @staticmethod
+    def mm_audio_text(hf_config: Any, tokenizer: Any) -> tuple[list[int], list[int]]:
+        """``<|audio>`` before an audio's rows, ``<audio|>`` after (the config's ``eoa_token_index``)."""
+        end = getattr(hf_config, "eoa_token_id", None)
+        return [int(hf_config.boa_token_id)], [int(end if end is not None else hf_config.eoa_token_index)]
+
+    mm_audio_extractor_kwargs: dict[str, Any] = {}
+    """The feature extractor's defaults, as ``Gemma4Processor`` calls it: the samples padded to a multiple of 128,
+    cut at 30 s, and each frame's mask."""
+
+    @staticmethod
+    def mm_audio_windows(waveform: np.ndarray, rate: int) -> list[np.ndarray]:
+        return [waveform]
+
+    @staticmethod
+    def mm_audio_values(processed: Any) -> np.ndarray:
+        """One audio's feature extractor output -> ``[1, frames, mel + 1]`` float32: its frames, their mask last
+        (`InvalidRequestError` for an audio too short to make a row)."""
+        features = processed["input_features"].astype("float32", copy=False)
+        mask = processed["input_features_mask"].astype("float32", copy=False)
+        if mask.shape[-1] == 0 or not mask[:, 0].all():
+            raise InvalidRequestError("audio", "too short: not one whole analysis frame (about 10 ms at 16 kHz)")
+        return np.concatenate([features, mask[..., None]], axis=-1)
+
+    @classmethod
+    def mm_placeholder_length_of(cls, hf_config: Any, values: np.ndarray) -> int:
+        """An audio's rows (its real frames after two halvings) or an image's (its patches / k^2)."""
+        if values.ndim == 3:
+            return int(audio_rows(values[:, :, -1] > 0.5)[0])
+        return cls.mm_placeholder_length(hf_config, values.shape)
+
+    def embed_multimodal(self, values: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """``[N, P, 3 p^2 + 2]`` images of one size -> ``[N, P / k^2, text hidden]``; ``[N, 1, frames, mel + 1]``
+        audios -> each audio's ``[rows, text hidden]`` (`audio_rows`)."""
+        if values.ndim == 3:
+            return self.embed_vision(self.vision_tower(values))
+        features, mask = values[:, 0, :, :-1], values[:, 0, :, -1] > 0.5
+        rows = self.embed_audio(self.audio_tower(features, mask))
+        return [audio[:count] for audio, count in zip(rows, audio_rows(mask).tolist())]
 
     # ---- weights
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        """transformers 5's layout (``model.vision_tower.*``, ``model.embed_vision.*``, ``model.language_model.*``);
-        the audio tower's weights are left unread."""
-        used = ((name, w) for name, w in weights if not normalize_llava_name(name).startswith(_UNREAD))
-        return load_vision_language_weights(self, used, normalize_llava_name, "Gemma 4")
+        """transformers 5's layout (``model.vision_tower.*``, ``model.embed_vision.*``, ``model.audio_tower.*``,
+        ``model.embed_audio.*``, ``model.language_model.*``)."""
+        return load_vision_language_weights(self, weights, normalize_llava_name, "Gemma 4")

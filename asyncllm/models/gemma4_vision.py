@@ -187,12 +187,14 @@ class Gemma4VisionTower(nn.Module):
 
 
 class Gemma4VisionEmbedder(nn.Module):
-    """transformers' ``Gemma4MultimodalEmbedder``: a weightless RMSNorm, then the projection to the text width."""
+    """transformers' ``Gemma4MultimodalEmbedder``: a weightless RMSNorm, then the projection to the text width (from
+    the tower's width: the audio tower's ``output_proj_dims``)."""
 
     def __init__(self, vision: Any, text_hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
+        width = getattr(vision, "output_proj_dims", None) or vision.hidden_size
         self.embedding_projection = nn.Module()
-        self.embedding_projection.weight = new_param(text_hidden, vision.hidden_size, dtype=dtype)
+        self.embedding_projection.weight = new_param(text_hidden, width, dtype=dtype)
         self.eps = vision.rms_norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

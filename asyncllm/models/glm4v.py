@@ -20,8 +20,10 @@ GLM-4.5V (``Glm4vMoeForConditionalGeneration``) is the same tower and positions 
 (asyncllm/models/glm4_moe.py: biased q/k/v, half-split partial rotary, no q/k norms here, DeepSeek-V3's experts
 after the dense first layers; per-expert checkpoint names) with M-RoPE's bands.
 
-Videos (GLM's per-frame runs with timestamps) are not built: the model has no video token (a prompt's videos are
-refused, ``limit_mm_per_prompt["video"]`` is a `NotBuiltError`). Checkpoints are in transformers 5's layout
+Videos: the prompt's ``<|video|>`` becomes, per temporal patch (two frames), ``<|begin_of_image|>``, one ``<|image|>``
+per 2 x 2 merged patches, ``<|end_of_image|>`` and the patch's first frame's whole seconds as text, as transformers'
+``Glm4vProcessor`` writes it; each run is one item of shape ``(1, h, w, features)`` positioned as an image (pixels:
+asyncllm/mm/glm4v_video.py). Checkpoints are in transformers 5's layout
 (``model.visual.*``, ``model.language_model.*``, ``lm_head``).
 """
 
@@ -29,6 +31,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from asyncllm.mm.glm4v_video import GLM4V_VIDEO_SETTINGS, frame_seconds
+from asyncllm.mm.qwen_video import VideoPiece
+from asyncllm.mm.videos import Video
 from asyncllm.models.glm4 import Glm4DecoderLayer, Glm4ForCausalLM
 from asyncllm.models.glm4_moe import Glm4MoeForCausalLM
 from asyncllm.models.glm4v_vision import Glm4vVisionTower
@@ -65,11 +70,29 @@ class Glm4vForConditionalGeneration(Qwen2VLForConditionalGeneration):
     packed_modules = Glm4vLanguageModel.packed_modules
     checkpoint_module_name = staticmethod(Qwen3VLForConditionalGeneration.checkpoint_module_name)
 
-    mm_video_token_id = None
-    """Videos are not built (asyncllm/mm/processor.py reads None as "takes no videos")."""
-    video_settings = None
-    mm_kinds_not_built = ("video",)
-    """Inputs the family has and asyncllm does not build: ``limit_mm_per_prompt`` for them is a `NotBuiltError`."""
+    video_settings = GLM4V_VIDEO_SETTINGS
+    """``Glm4vVideoProcessor``'s defaults (asyncllm/mm/glm4v_video.py; the checkpoint's config overrides them)."""
+
+    @staticmethod
+    def mm_video_token_id(hf_config: Any) -> int:
+        """The prompt token that marks a video (``<|video|>``, between ``<|begin_of_video|>`` and
+        ``<|end_of_video|>``)."""
+        return int(hf_config.video_token_id)
+
+    @staticmethod
+    def mm_video_placeholder_id(hf_config: Any) -> int:
+        """A video's frames are ``<|image|>`` runs, as transformers' processor writes them."""
+        return int(hf_config.image_token_id)
+
+    @classmethod
+    def mm_video_pieces(cls, hf_config: Any, tokenizer: Any, video: Video, grid: tuple[int, int, int]) -> list[VideoPiece]:
+        """One run per temporal patch: ``<|begin_of_image|>``, its placeholders, ``<|end_of_image|>``, its first
+        frame's whole seconds as text; each positioned as an image of one frame (transformers' ``get_rope_index``
+        splits a video's grid so)."""
+        begin, end = int(hf_config.image_start_token_id), int(hf_config.image_end_token_id)
+        seconds = frame_seconds(video, hf_config.vision_config.temporal_patch_size, grid[0])
+        return [VideoPiece([begin], slice(i, i + 1), [end] + tokenizer.encode(str(second), add_special_tokens=False))
+                for i, second in enumerate(seconds)]
 
     @property
     def fused_parts(self) -> dict[str, list[tuple[object, int]]]:

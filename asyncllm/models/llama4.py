@@ -1,5 +1,5 @@
-"""Meta Llama 4 text (``Llama4ForCausalLM``; the language model of ``Llama4ForConditionalGeneration`` checkpoints,
-Llama-4-Scout-17B-16E / Maverick-17B-128E, served as text: their vision model is not read).
+"""Meta Llama 4: text (``Llama4ForCausalLM``) and image-text (``Llama4ForConditionalGeneration``: Llama-4-Scout-17B-16E
+/ Maverick-17B-128E, the vision model in llama4_vision.py; or their language model alone, `Llama4TextOnly`).
 
 - Attention: rotary layers (``no_rope_layers[i]`` = 1) rotate interleaved pairs (de-interleaved before the backends'
   half-split rotation, which turns the same pairs: q . k is unchanged), L2-norm q and k without weights
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
-from asyncllm.errors import NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.deepseek import pairs_to_halves
 from asyncllm.models.layers import Attention, LoadedWeight, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -30,9 +30,15 @@ from asyncllm.models.llama import (
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
 from asyncllm.models.phi3 import check_phi3
 from asyncllm.models.qwen3_vl_moe import split_fused_experts
-from asyncllm.models.vision_language import text_only_class
+from asyncllm.mm.llama4_images import Llama4Image, Llama4Images
+from asyncllm.mm.qwen_video import VideoPiece
+from asyncllm.models.llama4_vision import Llama4MultiModalProjector, Llama4VisionModel
+from asyncllm.models.llava import normalize_llava_name
+from asyncllm.models.vision_language import (
+    VisionLanguageModel, build_decoder, load_vision_language_weights, text_only_class,
+)
 
-__all__ = ["Llama4ForCausalLM", "Llama4TextOnly"]
+__all__ = ["Llama4ForCausalLM", "Llama4ForConditionalGeneration", "Llama4TextOnly"]
 
 
 def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -145,4 +151,92 @@ class Llama4ForCausalLM(MoECausalLM, LlamaForCausalLM):
 
 Llama4TextOnly = text_only_class(Llama4ForCausalLM, ("vision_model.", "multi_modal_projector."))
 """A ``Llama4ForConditionalGeneration`` checkpoint's language model, for text prompts (the vision model and its
-projector are not read)."""
+projector are not read: ``limit_mm_per_prompt={"image": 0}``)."""
+
+START, END, IMAGE = "<|image_start|>", "<|image_end|>", "<|image|>"
+X_SEPARATOR, Y_SEPARATOR = "<|tile_x_separator|>", "<|tile_y_separator|>"
+
+
+class Llama4ForConditionalGeneration(VisionLanguageModel):
+    """Llama 4's vision model and projector (llama4_vision.py) before its text decoder; each tile one item.
+
+    An image is cut into tiles (asyncllm/mm/llama4_images.py); in the prompt its ``<|image|>`` becomes what
+    transformers' ``Llama4Processor`` writes: ``<|image_start|>``, the tiles' ``<|patch|>`` runs row by row, a
+    ``<|tile_x_separator|>`` between a row's tiles and ``<|tile_y_separator|>`` after each row, then ``<|image|>``
+    and the global view's run, ``<|image_end|>`` (an image of one tile: only ``<|image|>`` and its run between the
+    two). Each tile is one item (`mm_image_pieces`, as Aya Vision's)."""
+
+    supports_encoder_data_parallel = True
+    mm_image_processor_class = Llama4Images
+    """transformers' ``Llama4ImageProcessor`` needs torchvision: this stands in for it (asyncllm/mm/)."""
+    packed_modules = Llama4ForCausalLM.packed_modules
+    """The decoder's fused layers (LoRA adapters name their parts)."""
+    lora_experts = Llama4ForCausalLM.lora_experts
+    lora_experts_transposed = Llama4ForCausalLM.lora_experts_transposed
+    moe_spec = Llama4ForCausalLM.moe_spec
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
+                 max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
+        super().__init__()
+        self.language_model = build_decoder(hf_config, {"llama4_text": Llama4ForCausalLM}, "Llama 4",
+                                            mm_encoder_tp_mode, dtype=dtype, tp=tp, attn_backend=attn_backend,
+                                            max_position=max_position, **decoder_options)
+        self.vision_model = Llama4VisionModel(hf_config.vision_config, dtype)
+        self.multi_modal_projector = Llama4MultiModalProjector(hf_config, dtype)
+
+    # ---- multimodal hooks (asyncllm/mm/)
+    @staticmethod
+    def mm_placeholder_token_of(hf_config: Any, tokenizer: Any) -> int:
+        """The prompt token that marks an image: the tokenizer's ``<|image|>`` (the chat template's); a tokenizer
+        without the processor's tokens is a `ConfigError`."""
+        ids = [tokenizer.convert_tokens_to_ids(text) for text in (IMAGE, START, END, X_SEPARATOR, Y_SEPARATOR)]
+        if any(i is None or i == tokenizer.unk_token_id for i in ids):
+            raise ConfigError("model", type(tokenizer).__name__, "a Llama 4 tokenizer with the image tokens "
+                                                                  f"{IMAGE}, {START}, {END}, {X_SEPARATOR}, {Y_SEPARATOR}")
+        return int(ids[0])
+
+    @staticmethod
+    def mm_pixel_values(processed: Llama4Image) -> Any:
+        """One image's ``(tiles, 3, S, S)`` float32 tiles (the global view last)."""
+        return processed.tiles
+
+    @staticmethod
+    def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
+        """Rows of one tile: its patches over the pixel shuffle's ``1 / ratio ** 2``."""
+        vision = hf_config.vision_config
+        return round((vision.image_size // vision.patch_size) ** 2 * float(vision.pixel_shuffle_ratio) ** 2)
+
+    @staticmethod
+    def mm_placeholder_ids(hf_config: Any, tokenizer: Any, pixel_shape: tuple[int, ...]) -> list[int]:
+        """``<|patch|>`` (``image_token_id``) once per row."""
+        length = Llama4ForConditionalGeneration.mm_placeholder_length(hf_config, pixel_shape)
+        return [int(hf_config.image_token_id)] * length
+
+    @staticmethod
+    def mm_image_pieces(hf_config: Any, tokenizer: Any, processed: Llama4Image) -> list[VideoPiece]:
+        """One piece per tile, the global view last, with the separators of transformers' processor."""
+        def ids(*texts: str) -> list[int]:
+            return [int(tokenizer.convert_tokens_to_ids(text)) for text in texts]
+
+        tiled = processed.rows * processed.cols > 1
+        pieces = [VideoPiece(ids(START) if r == c == 0 else [], slice(0, 0),
+                             ids(X_SEPARATOR if c < processed.cols - 1 else Y_SEPARATOR))
+                  for r in range(processed.rows) for c in range(processed.cols)] if tiled else []
+        pieces.append(VideoPiece(ids(IMAGE) if tiled else ids(START, IMAGE), slice(0, 0), ids(END)))
+        return [VideoPiece(p.before, slice(i, i + 1), p.after) for i, p in enumerate(pieces)]
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, 1, 3, S, S]`` tiles -> ``[N, tile rows, text hidden]``."""
+        return self.multi_modal_projector(self.vision_model(pixel_values.flatten(0, 1)))
+
+    # ---- weights
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        """An adapter's decoder name -> (our parameter name, shard id or None): the decoder's, under
+        ``language_model``."""
+        inner, shard_id = self.language_model._packed(ckpt_name)
+        return "language_model." + inner, shard_id
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """transformers' names (``vision_model.*``, ``multi_modal_projector.*``, ``language_model.model.*``,
+        ``language_model.lm_head``; or under ``model.``)."""
+        return load_vision_language_weights(self, weights, normalize_llava_name, "Llama 4")

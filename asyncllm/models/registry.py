@@ -156,10 +156,12 @@ _MODELS = LazyClasses({
     "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",
     "Glm4MoeLiteForCausalLM": "deepseek:Glm4MoeLiteForCausalLM",
     "Mistral4ForCausalLM": "deepseek:Mistral4ForCausalLM",
+    "DeepseekV32ForCausalLM": "deepseek_sparse:DeepseekV32ForCausalLM",
+    "GlmMoeDsaForCausalLM": "deepseek_sparse:GlmMoeDsaForCausalLM",
     "Glm4MoeForCausalLM": "glm4_moe:Glm4MoeForCausalLM",
     "Dots1ForCausalLM": "dots1:Dots1ForCausalLM",
     "Llama4ForCausalLM": "llama4:Llama4ForCausalLM",
-    "Llama4ForConditionalGeneration": "llama4:Llama4TextOnly",  # text prompts only: the vision model is not read
+    "Llama4ForConditionalGeneration": "llama4:Llama4ForConditionalGeneration",  # limit_mm_per_prompt 0: Llama4TextOnly
     "Qwen3_5ForCausalLM": "qwen3_5:Qwen3_5ForCausalLM",
     "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5ForConditionalGeneration",  # limit_mm_per_prompt 0: Qwen3_5TextOnly
     "Qwen3_5MoeForCausalLM": "qwen3_5:Qwen3_5MoeForCausalLM",
@@ -231,7 +233,8 @@ _TEXT_ONLY = LazyClasses({"Gemma3ForConditionalGeneration": "gemma3:Gemma3TextOn
                           "Gemma4ForConditionalGeneration": "gemma4:Gemma4TextOnly",
                           "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5TextOnly",
                           "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5MoeTextOnly",
-                          "Mistral3ForConditionalGeneration": "mistral3:mistral3_text_only"})
+                          "Mistral3ForConditionalGeneration": "mistral3:mistral3_text_only",
+                          "Llama4ForConditionalGeneration": "llama4:Llama4TextOnly"})
 """Each text-only-capable architecture's text model: its class, or a function of the config naming it (Mistral 3:
 by its decoder's type)."""
 assert set(_TEXT_ONLY) == set(TEXT_ONLY_CAPABLE_ARCHITECTURES)

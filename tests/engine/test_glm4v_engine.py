@@ -1,6 +1,6 @@
 """GLM-4.1V (``Glm4vForConditionalGeneration``) end to end: prompt ids and greedy tokens equal transformers' with
 images split across prefill chunks, two images of different shapes beside a text-only request, a prefix-cache hit
-and chat; its tower equals transformers'; M-RoPE positions shown to matter; what is not built is refused. GLM-4.5V
+and chat; its tower equals transformers'; M-RoPE positions shown to matter (videos: test_glm4v_video.py). GLM-4.5V
 (``Glm4vMoeForConditionalGeneration``) over its experts."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from engine_helpers import assert_chat_image_part_equals_transformers
 from glm4v_utils import IMAGE, IMAGE_PLACEHOLDER, hf_glm4v_greedy, hf_glm4v_inputs, make_image, make_tiny_glm4v
 
 from asyncllm import AsyncEngine, SamplingParams
-from asyncllm.errors import InvalidRequestError, NotBuiltError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -107,15 +106,6 @@ def _table_at(tower, positions):
     side = 4
     rows, cols = positions.clamp(max=side - 1).unbind(-1)
     return table[rows * side + cols]
-
-
-async def test_videos_are_refused(engine, glm4v):
-    image = make_image(60, 60, seed=4)
-    with pytest.raises(InvalidRequestError, match="takes no videos"):
-        await engine.generate({"prompt": f"{IMAGE_PLACEHOLDER}", "images": [image], "videos": [[image]]}, GREEDY)
-    with pytest.raises(NotBuiltError, match="video inputs"):
-        async with AsyncEngine(glm4v, disable_log_stats=True, limit_mm_per_prompt={"image": 1, "video": 1}):
-            pass
 
 
 @pytest.mark.parametrize("moe", [False, True])

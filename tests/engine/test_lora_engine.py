@@ -235,9 +235,10 @@ async def test_granite4_hybrid_adapters_on_its_attention_equal_peft_and_its_mixe
 
 
 async def test_llama4_image_text_checkpoint_adapters_on_its_language_model_equal_peft(tmp_path) -> None:
-    """A ``Llama4ForConditionalGeneration`` checkpoint (served as text): PEFT's adapter of it names the language
-    model's projections under ``language_model.model.`` and, for the same module names, the vision tower's, which
-    are left out (the tower never runs); tokens equal PEFT's on transformers' image-text model."""
+    """A ``Llama4ForConditionalGeneration`` checkpoint served as text (``limit_mm_per_prompt`` of 0 images): PEFT's
+    adapter of it names the language model's projections under ``language_model.model.`` and, for the same module
+    names, the vision tower's, which are left out (the tower never runs; with images such an adapter is refused:
+    tests/engine/test_llama4_vl_engine.py); tokens equal PEFT's on transformers' image-text model."""
     import glob
     import shutil
 
@@ -260,7 +261,8 @@ async def test_llama4_image_text_checkpoint_adapters_on_its_language_model_equal
                                              auto_class=Llama4ForConditionalGeneration))
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     prompt = random_prompts(1, seed=18, max_len=30)[0]
-    async with AsyncEngine(path, enable_lora=True, disable_log_stats=True) as engine:
+    async with AsyncEngine(path, enable_lora=True, disable_log_stats=True,
+                           limit_mm_per_prompt={"image": 0}) as engine:
         outs = await asyncio.gather(engine.generate(prompt, params, lora_request=lora), engine.generate(prompt, params))
     from hf_reference import model_greedy
     from peft import PeftModel

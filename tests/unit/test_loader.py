@@ -175,8 +175,8 @@ def test_a_pickle_with_code_objects_is_refused_unread(llama_dir, tmp_path):
 
 
 def test_unknown_architecture_is_not_built(tmp_path):
-    config = tiny_hf_config("llama", architectures=["BloomForCausalLM"])
-    with pytest.raises(NotBuiltError, match=r"BloomForCausalLM architecture \(supported: LlamaForCausalLM, Mistral"):
+    config = tiny_hf_config("llama", architectures=["T5ForConditionalGeneration"])
+    with pytest.raises(NotBuiltError, match=r"T5ForConditionalGeneration architecture \(supported: LlamaForCausalLM, Mistral"):
         get_model_class(config)
 
 

@@ -69,6 +69,9 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     # (PEFT turns gate / up / down on a mixture of experts into its experts' stacked parameters)
     **{arch: dict(seed=90 + i, rank=4, alpha=8, targets=LATENT) for i, arch in enumerate(
         ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "mistral4", "youtu", "minicpm3"))},
+    # sparse attention: the latent attention's (the indexer reads q_a_proj's adapted latent; its own take none)
+    **{arch: dict(seed=99 + i, rank=4, alpha=8, targets=LATENT)
+       for i, arch in enumerate(("deepseek_v32", "glm_moe_dsa"))},
     "gemma3n": dict(seed=96, rank=4, alpha=8, targets=[*ATTENTION, "gate_proj", "up_proj", "down_proj"]),  # no AltUp
     "lfm2_moe": dict(seed=86, rank=4, alpha=8, targets=r".*\.(self_attn\.(q_proj|k_proj|v_proj|out_proj)|0\.feed_forward\.w\d)"),
     "dbrx": dict(seed=97, rank=8, alpha=16, targets=["Wqkv", "out_proj"]),  # the fused Wqkv's B cut into q, k, v

@@ -39,7 +39,8 @@ def test_each_arch_loads_with_transformers(arch: str) -> None:
     # (dense MLP), latent attention (experts), KDA (experts)
     layers = 4 if arch in four else 5 if arch == "zamba2" else 3 if arch == "kimi_linear" else 2
     assert model.config.num_hidden_layers == layers
-    latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4", "youtu", "minicpm3", "kimi_linear")
+    latent = arch.startswith("deepseek") or arch in ("glm4_moe_lite", "mistral4", "youtu", "minicpm3", "kimi_linear",
+                                                                 "glm_moe_dsa")
     kv_heads = (model.config.per_layer_config[0].num_key_value_heads if arch.startswith("gemma4")  # per layer
                 else 1 if arch == "gpt_bigcode" and model.config.multi_query  # multi-query attention
                 else model.config.num_kv_heads if arch == "falcon"  # its own name
