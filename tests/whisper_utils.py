@@ -3,6 +3,7 @@ transcript for it, for the Whisper tests."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 WHISPER_TOKENS = ("<|startoftranscript|>", "<|en|>", "<|fr|>", "<|transcribe|>", "<|translate|>", "<|notimestamps|>")
@@ -32,16 +33,28 @@ def make_tiny_whisper(path: str | os.PathLike[str], seed: int = 0) -> str:
     return str(path)
 
 
+@functools.lru_cache(maxsize=None)
+def _hf_whisper(path: str):
+    """transformers' model and feature extractor of the checkpoint (loaded once per path)."""
+    import torch
+    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
+
+    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    return model, WhisperFeatureExtractor.from_pretrained(path)
+
+
+def _features(path: str, audio):
+    from audio_utils import SAMPLING_RATE
+
+    return _hf_whisper(path)[1](audio, sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
+
+
 def hf_whisper_greedy(path: str, audio, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """transformers' greedy tokens after ``prompt_ids`` for a 16 kHz waveform: its feature extractor, the encoder
     once, the decoder a token at a time over the whole sequence (argmax, stopping after EOS)."""
     import torch
-    from audio_utils import SAMPLING_RATE
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-    features = WhisperFeatureExtractor.from_pretrained(path)(audio, sampling_rate=SAMPLING_RATE,
-                                                             return_tensors="pt").input_features
-    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    features, model = _features(path, audio), _hf_whisper(path)[0]
     ids, out = list(prompt_ids), []
     with torch.no_grad():
         encoded = model.model.encoder(features)
@@ -58,12 +71,8 @@ def hf_whisper_greedy(path: str, audio, prompt_ids: list[int], max_new_tokens: i
 def hf_whisper_prompt_logprobs(path: str, audio, prompt_ids: list[int]) -> list[float]:
     """transformers' log-probability of each prompt token after the first, given the ones before it and the audio."""
     import torch
-    from audio_utils import SAMPLING_RATE
-    from transformers import WhisperFeatureExtractor, WhisperForConditionalGeneration
 
-    features = WhisperFeatureExtractor.from_pretrained(path)(audio, sampling_rate=SAMPLING_RATE,
-                                                             return_tensors="pt").input_features
-    model = WhisperForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+    features, model = _features(path, audio), _hf_whisper(path)[0]
     with torch.no_grad():
         logits = model(input_features=features, decoder_input_ids=torch.tensor([prompt_ids])).logits[0]
     logprobs = torch.log_softmax(logits.double(), -1)

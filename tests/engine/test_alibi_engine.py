@@ -6,6 +6,8 @@ transformers' in process (tests/unit/test_alibi_models.py, tests/unit/test_lora_
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from asyncllm import AsyncEngine, LoRARequest, SamplingParams
@@ -18,12 +20,20 @@ SIX_HEADS = dict(num_heads=6, num_kv_heads=6, hidden_size=96)
 
 
 @pytest.mark.parametrize("arch", ["bloom", "mpt"])
-async def test_greedy_equals_transformers_chunked(arch: str) -> None:
-    """Prompts of up to 60 tokens in chunks of at most 16 batched tokens, beside the others' decodes."""
+async def test_greedy_equals_transformers_chunked_and_after_prefix_cache_hits(arch: str) -> None:
+    """Prompts of up to 60 tokens in chunks of at most 16 batched tokens, beside the others' decodes; then prompts
+    whose first blocks the prefix cache holds."""
+    from hf_reference import hf_greedy
+
+    path = tiny_checkpoint(arch, **SIX_HEADS)
     prompts = token_prompts(6, seed=21)
     assert sum(len(p) > 16 for p in prompts) >= 3  # several prompts span chunks
-    await greedy_equals_transformers(tiny_checkpoint(arch, **SIX_HEADS), prompts, MAX_TOKENS,
-                                     max_num_batched_tokens=16, max_model_len=96)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    async with AsyncEngine(path, disable_log_stats=True, max_num_batched_tokens=16, max_model_len=96) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
+        await assert_greedy_with_prefix_hit_equals_transformers(engine, path, seed=23)
 
 
 @pytest.mark.parametrize("arch", ["bloom", "mpt"])
@@ -32,13 +42,6 @@ async def test_greedy_equals_transformers_under_preemption(arch: str) -> None:
     engine = await greedy_equals_transformers(tiny_checkpoint(arch), token_prompts(6, seed=22), MAX_TOKENS,
                                               num_gpu_blocks_override=8, max_model_len=128)
     assert engine.stats().num_preemptions_total > 0
-
-
-@pytest.mark.parametrize("arch", ["bloom", "mpt"])
-async def test_greedy_after_prefix_cache_hit_equals_transformers(arch: str) -> None:
-    path = tiny_checkpoint(arch, **SIX_HEADS)
-    async with AsyncEngine(path, disable_log_stats=True, max_num_batched_tokens=16) as engine:
-        await assert_greedy_with_prefix_hit_equals_transformers(engine, path, seed=23)
 
 
 @pytest.mark.slow

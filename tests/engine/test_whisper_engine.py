@@ -8,19 +8,30 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import pytest_asyncio
 from audio_utils import SAMPLING_RATE, make_audio
 from whisper_utils import PROMPT, hf_whisper_greedy, make_tiny_whisper
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.errors import InvalidRequestError
 
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
 MAX_TOKENS = 12
+MAX_MODEL_LEN = 48
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def tiny_whisper(tmp_path_factory) -> str:
     return make_tiny_whisper(tmp_path_factory.mktemp("whisper") / "tiny")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_whisper):
+    """One engine with the defaults (prefix caching on) for the tests that need nothing else."""
+    async with AsyncEngine(tiny_whisper, disable_log_stats=True, max_model_len=MAX_MODEL_LEN) as engine:
+        yield engine
 
 
 def _request(prompt: str, audio) -> dict:
@@ -62,66 +73,62 @@ async def test_transcripts_equal_transformers(tiny_whisper, fields: dict):
         assert stats.num_preemptions_total > 0
 
 
-async def test_prefix_hits_only_for_the_same_audio(tiny_whisper):
+async def test_prefix_hits_only_for_the_same_audio(engine, tiny_whisper):
     """The audio's hash joins every block's: the same long prompt with the same audio hits the cache (its cross
     states computed anyway), with another audio it does not; both transcripts equal transformers'."""
-    prompt = PROMPT + " once upon a time" * 6
+    prompt = PROMPT + " once upon a time" * 3  # two whole blocks of 16
     first, other = make_audio(1.2, seed=7), make_audio(1.2, seed=8)
-    async with AsyncEngine(tiny_whisper, disable_log_stats=True) as engine:
-        (cold,) = await _check(engine, tiny_whisper, [prompt], [first])
-        (miss,) = await _check(engine, tiny_whisper, [prompt], [other])  # its row now holds the other audio's states
-        (hit,) = await _check(engine, tiny_whisper, [prompt], [first])
+    (cold,) = await _check(engine, tiny_whisper, [prompt], [first])
+    (miss,) = await _check(engine, tiny_whisper, [prompt], [other])  # its row now holds the other audio's states
+    (hit,) = await _check(engine, tiny_whisper, [prompt], [first])
     assert cold.num_cached_tokens == 0 and hit.num_cached_tokens >= 32 and miss.num_cached_tokens == 0
 
 
-async def test_prompts_without_their_audio_fail_alone(tiny_whisper):
+async def test_prompts_without_their_audio_fail_alone(engine, tiny_whisper):
     audio = make_audio(1.0, seed=1)
-    async with AsyncEngine(tiny_whisper, disable_log_stats=True) as engine:
-        with pytest.raises(InvalidRequestError, match="startoftranscript"):
-            await engine.generate(PROMPT, GREEDY)  # no audio
-        with pytest.raises(InvalidRequestError, match="placeholder"):
-            await engine.generate(_request("<|en|><|transcribe|>", audio), GREEDY)  # no start token for it
-        with pytest.raises(InvalidRequestError, match="2 audios"):
-            await engine.generate({"prompt": PROMPT + PROMPT, "multi_modal_data": {"audio": [(audio, SAMPLING_RATE)] * 2}},
-                                  GREEDY)
-        await _check(engine, tiny_whisper, [PROMPT], [audio])  # still serving
+    with pytest.raises(InvalidRequestError, match="startoftranscript"):
+        await engine.generate(PROMPT, GREEDY)  # no audio
+    with pytest.raises(InvalidRequestError, match="placeholder"):
+        await engine.generate(_request("<|en|><|transcribe|>", audio), GREEDY)  # no start token for it
+    with pytest.raises(InvalidRequestError, match="2 audios"):
+        await engine.generate({"prompt": PROMPT + PROMPT, "multi_modal_data": {"audio": [(audio, SAMPLING_RATE)] * 2}},
+                              GREEDY)
+    await _check(engine, tiny_whisper, [PROMPT], [audio])  # still serving
 
 
-async def test_vllm_encoder_decoder_prompts(tiny_whisper):
+async def test_vllm_encoder_decoder_prompts(engine, tiny_whisper):
     """vLLM's explicit ``encoder_prompt`` (the audio) / ``decoder_prompt`` (text, ids or none: the start token
     alone) give the tokens of the one-prompt form; on a decoder-only model they are refused."""
     audio = make_audio(1.0, seed=5)
     ids = _prompt_ids(tiny_whisper, PROMPT)
     encoder = {"prompt": "", "multi_modal_data": {"audio": (audio, SAMPLING_RATE)}}
-    async with AsyncEngine(tiny_whisper, disable_log_stats=True) as engine:
-        (expected,) = await _check(engine, tiny_whisper, [PROMPT], [audio])
-        for decoder in (PROMPT, {"prompt": PROMPT}, {"prompt_token_ids": ids}):
-            out = await engine.generate({"encoder_prompt": encoder, "decoder_prompt": decoder}, GREEDY)
-            assert out.prompt_token_ids == ids and out.outputs[0].token_ids == expected.outputs[0].token_ids
-        alone = await engine.generate({"encoder_prompt": encoder, "decoder_prompt": None}, GREEDY)
-        assert alone.prompt_token_ids == ids[:1]
-        assert alone.outputs[0].token_ids == hf_whisper_greedy(tiny_whisper, audio, ids[:1], MAX_TOKENS)
-        with pytest.raises(InvalidRequestError, match="encoder takes the audio alone"):
-            await engine.generate({"encoder_prompt": {**encoder, "prompt": "words"}, "decoder_prompt": PROMPT}, GREEDY)
+    (expected,) = await _check(engine, tiny_whisper, [PROMPT], [audio])
+    for decoder in (PROMPT, {"prompt": PROMPT}, {"prompt_token_ids": ids}):
+        out = await engine.generate({"encoder_prompt": encoder, "decoder_prompt": decoder}, GREEDY)
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == expected.outputs[0].token_ids
+    alone = await engine.generate({"encoder_prompt": encoder, "decoder_prompt": None}, GREEDY)
+    assert alone.prompt_token_ids == ids[:1]
+    assert alone.outputs[0].token_ids == hf_whisper_greedy(tiny_whisper, audio, ids[:1], MAX_TOKENS)
+    with pytest.raises(InvalidRequestError, match="encoder takes the audio alone"):
+        await engine.generate({"encoder_prompt": {**encoder, "prompt": "words"}, "decoder_prompt": PROMPT}, GREEDY)
 
 
-async def test_engine_transcribe_joins_a_long_audios_pieces_in_order(tiny_whisper):
+async def test_engine_transcribe_joins_a_long_audios_pieces_in_order(engine, tiny_whisper):
     """``AsyncEngine.transcribe``: a 5 s audio (the tiny model hears 2 s) as pieces run at once, their texts in
     order, each equal to transformers' transcript of its piece; translation takes the translate task token."""
     from asyncllm.speech import split_audio
 
     audio = make_audio(2.5 * 2, seed=11)
-    async with AsyncEngine(tiny_whisper, disable_log_stats=True, max_model_len=40) as engine:
-        text = "".join([piece async for piece in engine.transcribe((audio, SAMPLING_RATE))])
-        translated = "".join([piece async for piece in engine.transcribe(audio[:SAMPLING_RATE], task="translate",
-                                                                        language="fr")])
-        tokenizer = engine.tokenizer
+    text = "".join([piece async for piece in engine.transcribe((audio, SAMPLING_RATE))])
+    translated = "".join([piece async for piece in engine.transcribe(audio[:SAMPLING_RATE], task="translate",
+                                                                    language="fr")])
     pieces = split_audio(audio, SAMPLING_RATE, 2.0)
     assert len(pieces) >= 3  # cut at quiet moments: a piece may end up to a second early
 
     def reference(piece, prompt: str) -> str:
         ids = _prompt_ids(tiny_whisper, prompt)
-        return tokenizer.decode(hf_whisper_greedy(tiny_whisper, piece, ids, 40 - len(ids)), skip_special_tokens=True)
+        tokens = hf_whisper_greedy(tiny_whisper, piece, ids, MAX_MODEL_LEN - len(ids))
+        return engine.tokenizer.decode(tokens, skip_special_tokens=True)
 
     assert text == "".join(reference(piece, PROMPT) for piece in pieces)
     assert translated == reference(audio[:SAMPLING_RATE], "<|startoftranscript|><|fr|><|translate|><|notimestamps|>")
