@@ -1,5 +1,5 @@
 """Gemma 4's audio tower (transformers' ``Gemma4AudioModel``, a Universal-Speech-Model conformer) in plain torch,
-whole on every rank; its embedder into the decoder is `Gemma4VisionEmbedder` over ``output_proj_dims``.
+whole on every rank; its embedder into the decoder is `Gemma4MultimodalEmbedder` over ``output_proj_dims``.
 
 An audio arrives as the checkpoint's ``Gemma4AudioFeatureExtractor`` log-mel frames with their mask (a frame is
 real when its whole window is; the padding to 128 samples is not): ``[frames, mel]`` and ``[frames]``. Two

@@ -26,7 +26,7 @@ from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import InvalidRequestError
 from asyncllm.models.gemma4 import Gemma4ForCausalLM
 from asyncllm.models.gemma4_audio import Gemma4AudioTower, audio_rows
-from asyncllm.models.gemma4_vision import Gemma4VisionEmbedder, Gemma4VisionTower
+from asyncllm.models.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.moe import MoESpec
@@ -67,10 +67,10 @@ class Gemma4ForConditionalGeneration(VisionLanguageModel):
                                             attn_backend=attn_backend, max_position=max_position,
                                             expert_parallel=expert_parallel, pipeline=pipeline)
         self.vision_tower = Gemma4VisionTower(hf_config.vision_config, dtype)
-        self.embed_vision = Gemma4VisionEmbedder(hf_config.vision_config, hf_config.text_config.hidden_size, dtype)
+        self.embed_vision = Gemma4MultimodalEmbedder(hf_config.vision_config, hf_config.text_config.hidden_size, dtype)
         if getattr(hf_config, "audio_config", None) is not None:
             self.audio_tower = Gemma4AudioTower(hf_config.audio_config, dtype)
-            self.embed_audio = Gemma4VisionEmbedder(hf_config.audio_config, hf_config.text_config.hidden_size, dtype)
+            self.embed_audio = Gemma4MultimodalEmbedder(hf_config.audio_config, hf_config.text_config.hidden_size, dtype)
         soft = [hf_config.image_token_id] + [getattr(hf_config, f"{kind}_token_id", None) for kind in ("video", "audio")]
         self.language_model.model.soft_token_ids = torch.tensor([t for t in soft if t is not None])
         self.language_model.model.pad_token_id = int(hf_config.text_config.pad_token_id or 0)

@@ -23,7 +23,7 @@ from asyncllm.kernels import reference
 from asyncllm.models.gemma4 import gemma4_rms_norm
 from asyncllm.models.layers import new_param
 
-__all__ = ["Gemma4VisionTower", "Gemma4VisionEmbedder"]
+__all__ = ["Gemma4VisionTower", "Gemma4MultimodalEmbedder"]
 
 
 class ClippableLinear(nn.Module):
@@ -186,16 +186,16 @@ class Gemma4VisionTower(nn.Module):
         return pooled.float() * self.hidden**0.5
 
 
-class Gemma4VisionEmbedder(nn.Module):
+class Gemma4MultimodalEmbedder(nn.Module):
     """transformers' ``Gemma4MultimodalEmbedder``: a weightless RMSNorm, then the projection to the text width (from
     the tower's width: the audio tower's ``output_proj_dims``)."""
 
-    def __init__(self, vision: Any, text_hidden: int, dtype: torch.dtype) -> None:
+    def __init__(self, tower: Any, text_hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
-        width = getattr(vision, "output_proj_dims", None) or vision.hidden_size
+        width = getattr(tower, "output_proj_dims", None) or tower.hidden_size
         self.embedding_projection = nn.Module()
         self.embedding_projection.weight = new_param(text_hidden, width, dtype=dtype)
-        self.eps = vision.rms_norm_eps
+        self.eps = tower.rms_norm_eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(gemma4_rms_norm(x, None, self.eps), self.embedding_projection.weight)

@@ -13,7 +13,7 @@ from gemma4_audio_utils import AUDIO, hf_gemma4_audio_inputs, make_tiny_gemma4_a
 from asyncllm.models.checkpoint import load_hf_config
 from asyncllm.models.gemma4_audio import Gemma4AudioTower
 from asyncllm.models.gemma4_mm import Gemma4ForConditionalGeneration
-from asyncllm.models.gemma4_vision import Gemma4VisionEmbedder
+from asyncllm.models.gemma4_vision import Gemma4MultimodalEmbedder
 
 
 def _ours(path: str, hf_state: dict) -> torch.nn.Module:
@@ -21,7 +21,7 @@ def _ours(path: str, hf_state: dict) -> torch.nn.Module:
     cfg = load_hf_config(path)
     model = torch.nn.Module()
     model.audio_tower = Gemma4AudioTower(cfg.audio_config, torch.float32)
-    model.embed_audio = Gemma4VisionEmbedder(cfg.audio_config, cfg.text_config.hidden_size, torch.float32)
+    model.embed_audio = Gemma4MultimodalEmbedder(cfg.audio_config, cfg.text_config.hidden_size, torch.float32)
     ours = dict(model.named_parameters())
     theirs = {name: value for name, value in hf_state.items() if name.startswith(("audio_tower.", "embed_audio."))}
     assert set(ours) == set(theirs)
