@@ -17,7 +17,8 @@ all of them while its context holds no more.
   the chosen latent rows are attended in torch (`sparse_latent_attention`): a Triton sparse kernel is not built, and
   such steps are not captured in CUDA graphs.
 - **Parallelism.** The indexer is whole on every rank (its choice is the same everywhere); the latent attention's
-  heads split as V3's. Pipeline parallelism and LoRA adapters are not built for these (refused by name).
+  heads split as V3's. LoRA adapters apply as V3's (the latent attention's projections, the MLPs and experts); an
+  adapter of the indexer's own projections is refused by name, and so is pipeline parallelism.
 """
 
 from __future__ import annotations

@@ -79,3 +79,19 @@ def test_refused_settings() -> None:
     hf_config.indexer_types = ["shared", "full"]
     with pytest.raises(ConfigError, match="indexer_types"):
         load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+
+
+def test_an_adapter_of_the_indexer_is_refused_by_name(tmp_path):
+    """The indexer's projections take no adapters: an adapter naming ``wq_b`` is refused, naming the tensor."""
+    from lora_utils import make_adapter
+
+    from asyncllm import LoRARequest
+    from asyncllm.errors import InvalidRequestError
+    from asyncllm.lora import AdapterChecker
+    from asyncllm.models.checkpoint import load_hf_config
+    from asyncllm.tiny import tiny_checkpoint
+
+    path = tiny_checkpoint("deepseek_v32")
+    adapter = make_adapter(path, str(tmp_path / "adapter"), seed=1, rank=4, alpha=8, targets=["wq_b", "q_a_proj"])
+    with pytest.raises(InvalidRequestError, match=r"indexer\.wq_b"):
+        AdapterChecker(load_hf_config(path), 16).check(LoRARequest("a", 1, adapter))
