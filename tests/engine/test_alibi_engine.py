@@ -36,7 +36,7 @@ async def test_greedy_equals_transformers_chunked_and_after_prefix_cache_hits(ar
         await assert_greedy_with_prefix_hit_equals_transformers(engine, path, seed=23)
 
 
-@pytest.mark.parametrize("arch", ["bloom", "mpt"])
+@pytest.mark.parametrize("arch", ["bloom"])  # recompute is the scheduler's, not the model's: MPT's prefills above
 async def test_greedy_equals_transformers_under_preemption(arch: str) -> None:
     """Eight blocks of 16 tokens for six requests of up to 76 tokens: requests are preempted and recomputed."""
     engine = await greedy_equals_transformers(tiny_checkpoint(arch), token_prompts(6, seed=22), MAX_TOKENS,

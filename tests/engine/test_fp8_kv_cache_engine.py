@@ -54,19 +54,25 @@ def _greedy_and_margins(prompt: list[int]) -> tuple[list[int], list[float]]:
     return tokens, (top2[:, 0] - top2[:, 1]).tolist()
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
-async def test_fp8_cache_blocks_logprobs_and_greedy_tokens(kv_cache_dtype: str,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_fp8_e5m2_cache_blocks_logprobs_and_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The block count in a 64 MiB budget, then the logprobs and tokens; fp8 (e4m3): the swap test's engine below
+    (the same code, another dtype)."""
     monkeypatch.setenv("ASYNCLLM_CPU_KVCACHE_SPACE_GB", "0.0625")
-    prompts = [list(p) for p in _prompts()]
-    scoring = SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0.0)
-    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-    async with AsyncEngine(bundled_model_path(), kv_cache_dtype=kv_cache_dtype, disable_log_stats=True) as engine:
-        scored = await asyncio.gather(*(engine.generate(p, scoring) for p in prompts))
-        generated = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
+    async with AsyncEngine(bundled_model_path(), kv_cache_dtype="fp8_e5m2", disable_log_stats=True) as engine:
+        await _assert_logprobs_and_greedy_tokens(engine, "fp8_e5m2")
         num_blocks = engine.stats().num_gpu_blocks
     fp32_blocks = 2**26 // FP32_BLOCK_BYTES  # 2048 blocks in 64 MiB
     assert num_blocks == 4 * fp32_blocks == 8192
+
+
+async def _assert_logprobs_and_greedy_tokens(engine: AsyncEngine, kv_cache_dtype: str) -> None:
+    """The prompts' logprobs within LOGPROB_TOL of transformers' float32 ones; greedy tokens equal until a near-tie."""
+    assert engine.config.cache_config.kv_cache_dtype == kv_cache_dtype
+    prompts = [list(p) for p in _prompts()]
+    scoring = SamplingParams(prompt_logprobs=0, max_tokens=1, temperature=0.0)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    scored = await asyncio.gather(*(engine.generate(p, scoring) for p in prompts))
+    generated = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
     errors = torch.cat([_logprob_errors(p, out) for p, out in zip(prompts, scored)])
     max_tol, mean_tol = LOGPROB_TOL[kv_cache_dtype]
     assert 1e-3 < float(errors.max()) < max_tol, errors.max()  # far above a float32 cache's 2.3e-6: it rounds
@@ -80,17 +86,20 @@ async def test_fp8_cache_blocks_logprobs_and_greedy_tokens(kv_cache_dtype: str,
 
 
 async def test_swap_preemption_with_an_fp8_cache_changes_no_token() -> None:
-    """10 blocks for 8 requests of up to 94 tokens: victims are swapped out to the CPU and back (as bytes)."""
+    """10 blocks for 8 requests of up to 94 tokens: victims are swapped out to the CPU and back (as bytes). The
+    engine without preemption also checks fp8 (e4m3)'s logprobs and greedy tokens."""
     prompts = random_prompts(8, seed=3, stem_len=32)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
-    async def run(**fields) -> tuple[list[list[int]], object]:
+    async def run(check_logprobs: bool = False, **fields) -> tuple[list[list[int]], object]:
         async with AsyncEngine(bundled_model_path(), kv_cache_dtype="fp8", disable_log_stats=True, max_model_len=128,
                                **fields) as engine:
             outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+            if check_logprobs:  # fp8 (e4m3)'s logprobs and tokens, on this engine
+                await _assert_logprobs_and_greedy_tokens(engine, "fp8")
             return [o.token_ids for o in outs], engine.stats()
 
-    free, _ = await run(num_gpu_blocks_override=256)
+    free, _ = await run(check_logprobs=True, num_gpu_blocks_override=256)
     swapped, stats = await run(num_gpu_blocks_override=10, preemption_mode="swap", swap_space=0.001)
     assert stats.num_swapped_total > 0
     assert swapped == free

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import pytest_asyncio
 
 from asyncllm import AsyncEngine, InvalidRequestError, LoRARequest, SamplingParams
 from asyncllm.tiny import tiny_checkpoint
@@ -19,6 +20,8 @@ from lora_utils import make_adapter, peft_greedy
 MAX_TOKENS = 12
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
 
 @pytest.fixture(scope="module")
 def adapters(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> list[LoRARequest]:
@@ -28,6 +31,15 @@ def adapters(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> list[
     return [LoRARequest(f"adapter{i}", i, make_adapter(tiny_llama, str(tmp_path_factory.mktemp(f"a{i}")), seed=i,
                                                         **spec))
             for i, spec in enumerate(specs, start=1)]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def lora_engine(tiny_llama: str):
+    """One tiny-Llama engine with adapters (async scheduling, sleep mode) shared by the tests that need no other
+    settings: three adapters for two slots (max_loras=2) and two CPU-cached ones (max_cpu_loras=2)."""
+    async with AsyncEngine(tiny_llama, enable_lora=True, max_loras=2, max_cpu_loras=2, max_num_batched_tokens=32,
+                           enable_sleep_mode=True, disable_log_stats=True) as engine:
+        yield engine
 
 
 def _lora_info(engine: AsyncEngine) -> dict[str, str]:
@@ -42,74 +54,71 @@ def _reference(base: str, lora: LoRARequest | None, prompt: list[int]) -> list[i
     return hf_greedy(base, prompt, MAX_TOKENS) if lora is None else peft_greedy(base, lora.lora_path, prompt, MAX_TOKENS)
 
 
-async def test_mixed_batches_equal_peft_with_max_loras_and_slot_eviction(tiny_llama: str,
+async def test_mixed_batches_equal_peft_with_max_loras_and_slot_eviction(tiny_llama: str, lora_engine: AsyncEngine,
                                                                         adapters: list[LoRARequest]) -> None:
     """Four variants of five prompts at once: three adapters for two slots (max_loras=2), so the scheduler holds
     requests back and the workers evict slots; max_cpu_loras=2 makes them read an evicted adapter again."""
     prompts = random_prompts(5, seed=11, max_len=60)
     variants: list[LoRARequest | None] = [None, *adapters]
-    async with AsyncEngine(tiny_llama, enable_lora=True, max_loras=2, max_cpu_loras=2, max_num_batched_tokens=32,
-                           disable_log_stats=True) as engine:
-        outs = await asyncio.gather(*(engine.generate(p, GREEDY, lora_request=v) for p in prompts for v in variants))
+    outs = await asyncio.gather(*(lora_engine.generate(p, GREEDY, lora_request=v) for p in prompts for v in variants))
     got = iter(outs)
     for prompt in prompts:
         for variant in variants:
             assert next(got).token_ids == _reference(tiny_llama, variant, prompt), (variant, prompt)
 
 
-async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, adapters: list[LoRARequest],
-                                                             tmp_path) -> None:
-    prompt = random_prompts(2, seed=12, stem_len=40, max_len=45)[1]  # 43 to 45 tokens: two full blocks
+async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, lora_engine: AsyncEngine,
+                                                             adapters: list[LoRARequest], tmp_path) -> None:
+    prompt = random_prompts(2, seed=12, stem_len=40, max_len=45)[1]  # 43 to 45 tokens: two full blocks, unseen
     a1, a2 = adapters[:2]
-    async with AsyncEngine(tiny_llama, enable_lora=True, max_loras=2, enable_sleep_mode=True,
-                           disable_log_stats=True) as engine:
-        first = await engine.generate(prompt, GREEDY, lora_request=a1)
-        again = await engine.generate(prompt, GREEDY, lora_request=a1)
-        other = await engine.generate(prompt, GREEDY, lora_request=a2)
-        base = await engine.generate(prompt, GREEDY)
-        assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
-        assert (other.num_cached_tokens, base.num_cached_tokens) == (0, 0)
-        for out, lora in [(again, a1), (other, a2), (base, None)]:
-            assert out.token_ids == _reference(tiny_llama, lora, prompt)
+    engine = lora_engine
+    first = await engine.generate(prompt, GREEDY, lora_request=a1)
+    again = await engine.generate(prompt, GREEDY, lora_request=a1)
+    other = await engine.generate(prompt, GREEDY, lora_request=a2)
+    base = await engine.generate(prompt, GREEDY)
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 32)
+    assert (other.num_cached_tokens, base.num_cached_tokens) == (0, 0)
+    for out, lora in [(again, a1), (other, a2), (base, None)]:
+        assert out.token_ids == _reference(tiny_llama, lora, prompt)
 
-        # vLLM's lora_requests_info names the adapters of the running requests while they run
-        stream = engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
-                               lora_request=a2)
-        async with stream:
-            async for _ in stream:
-                info = _lora_info(engine)
-                if info.get("running_lora_adapters"):
-                    break
-        assert info == {"max_lora": "2", "running_lora_adapters": "adapter2", "waiting_lora_adapters": "",
-                        "model_name": info["model_name"]}
+    # vLLM's lora_requests_info names the adapters of the running requests while they run
+    stream = engine.stream(prompt, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True),
+                           lora_request=a2)
+    async with stream:
+        async for _ in stream:
+            info = _lora_info(engine)
+            if info.get("running_lora_adapters"):
+                break
+    assert info == {"max_lora": "2", "running_lora_adapters": "adapter2", "waiting_lora_adapters": "",
+                    "model_name": info["model_name"]}
 
-        # bad adapters: the request's typed error, and the engine serves on
-        high_rank = make_adapter(tiny_llama, str(tmp_path / "r32"), seed=9, rank=32)
-        with pytest.raises(InvalidRequestError, match="max_lora_rank=16"):
-            await engine.generate(prompt, GREEDY, lora_request=LoRARequest("big", 7, high_rank))
-        with pytest.raises(InvalidRequestError, match="got None"):
-            await engine.add_lora(None)
-        with pytest.raises(InvalidRequestError, match="no adapter_config.json"):
-            await engine.add_lora(LoRARequest("empty", 8, str(tmp_path)))
-        with pytest.raises(InvalidRequestError, match="one id, one adapter"):
-            await engine.generate(prompt, GREEDY, lora_request=LoRARequest("other", a1.lora_int_id, a2.lora_path))
-        await engine.add_lora(adapters[2])
-        outs = await engine.generate_many([prompt, prompt], GREEDY, lora_request=[adapters[2], None])
-        assert [o.token_ids for o in outs] == [_reference(tiny_llama, adapters[2], prompt), base.token_ids]
-        with pytest.raises(InvalidRequestError, match="got 1 LoRARequests for 2 prompts"):
-            await engine.generate_many([prompt, prompt], GREEDY, lora_request=[a1])
+    # bad adapters: the request's typed error, and the engine serves on
+    high_rank = make_adapter(tiny_llama, str(tmp_path / "r32"), seed=9, rank=32)
+    with pytest.raises(InvalidRequestError, match="max_lora_rank=16"):
+        await engine.generate(prompt, GREEDY, lora_request=LoRARequest("big", 7, high_rank))
+    with pytest.raises(InvalidRequestError, match="got None"):
+        await engine.add_lora(None)
+    with pytest.raises(InvalidRequestError, match="no adapter_config.json"):
+        await engine.add_lora(LoRARequest("empty", 8, str(tmp_path)))
+    with pytest.raises(InvalidRequestError, match="one id, one adapter"):
+        await engine.generate(prompt, GREEDY, lora_request=LoRARequest("other", a1.lora_int_id, a2.lora_path))
+    await engine.add_lora(adapters[2])
+    outs = await engine.generate_many([prompt, prompt], GREEDY, lora_request=[adapters[2], None])
+    assert [o.token_ids for o in outs] == [_reference(tiny_llama, adapters[2], prompt), base.token_ids]
+    with pytest.raises(InvalidRequestError, match="got 1 LoRARequests for 2 prompts"):
+        await engine.generate_many([prompt, prompt], GREEDY, lora_request=[a1])
 
-        # sleep mode: the slots' memory goes with the weights at both levels; after the wake-up each adapter is
-        # set again from the CPU cache (or its folder) and its tokens are PEFT's again
-        expected = [_reference(tiny_llama, a1, prompt), _reference(tiny_llama, adapters[2], prompt)]
-        for level in (1, 2):
-            await engine.sleep(level=level)
-            await engine.wake_up(tags=["weights"])
-            if level == 2:
-                await engine.update_weights(tiny_llama)
-            await engine.wake_up(tags=["kv_cache"])
-            outs = await engine.generate_many([prompt, prompt], GREEDY, lora_request=[a1, adapters[2]])
-            assert [o.token_ids for o in outs] == expected, level
+    # sleep mode: the slots' memory goes with the weights at both levels; after the wake-up each adapter is
+    # set again from the CPU cache (or its folder) and its tokens are PEFT's again
+    expected = [_reference(tiny_llama, a1, prompt), _reference(tiny_llama, adapters[2], prompt)]
+    for level in (1, 2):
+        await engine.sleep(level=level)
+        await engine.wake_up(tags=["weights"])
+        if level == 2:
+            await engine.update_weights(tiny_llama)
+        await engine.wake_up(tags=["kv_cache"])
+        outs = await engine.generate_many([prompt, prompt], GREEDY, lora_request=[a1, adapters[2]])
+        assert [o.token_ids for o in outs] == expected, level
 
 
 async def test_an_adapter_without_enable_lora_is_refused(tiny_llama: str, adapters: list[LoRARequest]) -> None:
@@ -146,33 +155,41 @@ async def test_pipeline_stages_each_apply_their_layers_adapters(tiny_llama: str,
             assert next(got).token_ids == _reference(tiny_llama, variant, prompt), (variant, prompt)
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
 async def test_an_adapter_gone_before_the_workers_read_it_fails_its_requests_only(tiny_llama: str, tmp_path,
-                                                                                   async_scheduling: bool) -> None:
+                                                                                   lora_engine: AsyncEngine) -> None:
     """The folder passes the host's check, then its weights are corrupted before a worker loads them: the
     requests with that adapter end with InvalidRequestError, the base model's request in the same batch and the
-    engine go on, and the adapter's id works again once its folder is good (nothing cached a failure)."""
+    engine go on, and the adapter's id works again once its folder is good (nothing cached a failure).
+    Overlapped steps (async scheduling, the module's engine); synchronous ones below."""
+    await _an_adapter_gone(lora_engine, tiny_llama, tmp_path, True)
+
+
+async def test_an_adapter_gone_fails_its_requests_only_without_async_scheduling(tiny_llama: str, tmp_path) -> None:
+    async with AsyncEngine(tiny_llama, enable_lora=True, async_scheduling=False, disable_log_stats=True) as engine:
+        await _an_adapter_gone(engine, tiny_llama, tmp_path, False)
+
+
+async def _an_adapter_gone(engine: AsyncEngine, tiny_llama: str, tmp_path, async_scheduling: bool) -> None:
     import shutil
 
+    assert engine.config.async_scheduling is async_scheduling
     folder = make_adapter(tiny_llama, str(tmp_path / "flaky"), seed=6, rank=4)
     good = str(tmp_path / "good.safetensors")
     weights = f"{folder}/adapter_model.safetensors"
     shutil.copy(weights, good)
-    lora = LoRARequest("flaky", 1, folder)
+    lora = LoRARequest("flaky", 11, folder)  # an id the module's adapters do not use
     prompt = [5, 6, 7, 8]
-    async with AsyncEngine(tiny_llama, enable_lora=True, async_scheduling=async_scheduling,
-                           disable_log_stats=True) as engine:
-        await engine.add_lora(lora)  # checked by the host now
-        with open(weights, "wb") as f:
-            f.write(b"not safetensors")
-        results = await asyncio.gather(engine.generate(prompt, GREEDY, lora_request=lora),
-                                       engine.generate(prompt, GREEDY), return_exceptions=True)
-        assert isinstance(results[0], InvalidRequestError) and "could not load the adapter" in str(results[0])
-        assert results[0].field == "lora_request"
-        assert results[1].token_ids == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
-        shutil.copy(good, weights)
-        out = await engine.generate(prompt, GREEDY, lora_request=lora)
-        assert out.token_ids == _reference(tiny_llama, lora, prompt)
+    await engine.add_lora(lora)  # checked by the host now
+    with open(weights, "wb") as f:
+        f.write(b"not safetensors")
+    results = await asyncio.gather(engine.generate(prompt, GREEDY, lora_request=lora),
+                                   engine.generate(prompt, GREEDY), return_exceptions=True)
+    assert isinstance(results[0], InvalidRequestError) and "could not load the adapter" in str(results[0])
+    assert results[0].field == "lora_request"
+    assert results[1].token_ids == hf_greedy(tiny_llama, prompt, MAX_TOKENS)
+    shutil.copy(good, weights)
+    out = await engine.generate(prompt, GREEDY, lora_request=lora)
+    assert out.token_ids == _reference(tiny_llama, lora, prompt)
 
 
 @pytest.mark.parametrize("arch, targets", [("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),

@@ -57,12 +57,32 @@ async def test_deepseek_parity_chunked_preempted_and_from_the_prefix_cache(arch:
     assert engine.stats().num_preemptions_total > 0
 
 
-async def test_deepseek_latent_cache_swapped_out_and_back() -> None:
-    """Swap preemption copies the one-part latent cache out to the CPU and back: no token changes."""
-    engine = await _greedy_matches_hf(tiny_checkpoint("deepseek_v3"), _prompts(8, seed=6), max_num_batched_tokens=16,
-                                      num_gpu_blocks_override=12, max_model_len=96, preemption_mode="swap",
-                                      swap_space=0.001)
-    assert engine.stats().num_swapped_total > 0
+async def test_deepseek_latent_cache_swapped_out_and_back_and_weight_updates_reach_the_absorbed_expansions() -> None:
+    """Swap preemption copies the one-part latent cache out to the CPU and back: no token changes. Then, on the same
+    engine: the latent cache's queries and outputs use ``kv_b_proj``'s matrices, absorbed and kept: an update of
+    that projection alone (pushed from the host) or of the whole checkpoint (from disk) serves the new weights'
+    tokens."""
+    from hf_reference import hf_greedy_with, hf_state_dict
+
+    a, b = tiny_checkpoint("deepseek_v3"), tiny_checkpoint("deepseek_v3", seed=1)
+    prompts = _prompts(8, seed=6)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    async with AsyncEngine(a, disable_log_stats=True, max_num_batched_tokens=16, num_gpu_blocks_override=12,
+                           max_model_len=96, preemption_mode="swap", swap_space=0.001) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == hf_greedy(a, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
+        assert engine.stats().num_swapped_total > 0
+
+        prompt = _prompts(1, seed=9)[0]
+        name = "model.layers.1.self_attn.kv_b_proj.weight"
+        bucket = [(name, hf_state_dict(b)[name])]
+        await engine.update_weights_from_tensors(bucket)
+        expected = hf_greedy_with(a, dict(bucket), prompt, MAX_TOKENS, eos_token_id=None)
+        assert expected != hf_greedy(a, prompt, MAX_TOKENS, eos_token_id=None)
+        assert (await engine.generate(prompt, params)).token_ids == expected
+        await engine.update_weights(b)
+        assert (await engine.generate(prompt, params)).token_ids == hf_greedy(b, prompt, MAX_TOKENS, eos_token_id=None)
 
 
 @pytest.mark.parametrize("arch, expert_parallel", [("qwen2_moe", True), ("deepseek_v3", True)])  # split by rows: the
@@ -119,25 +139,6 @@ async def test_lora_adapters_on_moe_experts_and_attention_equal_peft(expert_para
         assert out.token_ids == expected, i
     for i in (1, 2):  # each adapter mattered
         assert outs[i].token_ids != hf_greedy(path, prompts[i], MAX_TOKENS, eos_token_id=None)
-
-
-async def test_deepseek_weight_updates_reach_the_absorbed_expansions() -> None:
-    """The latent cache's queries and outputs use ``kv_b_proj``'s matrices, absorbed and kept: an update of that
-    projection alone (pushed from the host) or of the whole checkpoint (from disk) serves the new weights' tokens."""
-    from hf_reference import hf_greedy_with, hf_state_dict
-
-    a, b = tiny_checkpoint("deepseek_v3"), tiny_checkpoint("deepseek_v3", seed=1)
-    prompt, params = _prompts(1, seed=9)[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    name = "model.layers.1.self_attn.kv_b_proj.weight"
-    bucket = [(name, hf_state_dict(b)[name])]
-    async with AsyncEngine(a, disable_log_stats=True) as engine:
-        assert (await engine.generate(prompt, params)).token_ids == hf_greedy(a, prompt, MAX_TOKENS, eos_token_id=None)
-        await engine.update_weights_from_tensors(bucket)
-        expected = hf_greedy_with(a, dict(bucket), prompt, MAX_TOKENS, eos_token_id=None)
-        assert expected != hf_greedy(a, prompt, MAX_TOKENS, eos_token_id=None)
-        assert (await engine.generate(prompt, params)).token_ids == expected
-        await engine.update_weights(b)
-        assert (await engine.generate(prompt, params)).token_ids == hf_greedy(b, prompt, MAX_TOKENS, eos_token_id=None)
 
 
 @pytest.mark.parametrize("expert_parallel", [False, True])
