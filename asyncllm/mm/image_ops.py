@@ -5,10 +5,54 @@ asyncllm/mm/lfm2_vl_images.py; Llama 4: asyncllm/mm/llama4_images.py) process im
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-__all__ = ["read_json", "resize_like_torchvision"]
+__all__ = ["TorchImageProcessor", "read_json", "resize_like_torchvision"]
+
+
+class TorchImageProcessor:
+    """What those processors share, as asyncllm/mm/processor.py uses an image processor: ``from_pretrained`` (the
+    checkpoint's settings with overrides), ``to_dict`` and a call on one image. A subclass names its settings
+    dataclass (``settings_cls``), may adjust the values read (`adjust`), checks them in ``__init__`` and
+    processes an image in ``process``."""
+
+    settings_cls: ClassVar[type]
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, **overrides: Any) -> Any:
+        """The checkpoint's settings (``preprocessor_config.json``, or ``processor_config.json``'s
+        ``image_processor``) with ``overrides`` over them; keys that are no setting are dropped, as transformers
+        drops them (the caller names one that changes nothing)."""
+        folder = Path(model_path)
+        processor = read_json(folder / "processor_config.json")
+        values: dict[str, Any] = dict(processor.get("image_processor") or read_json(folder / "preprocessor_config.json"))
+        cls.adjust(values, processor)
+        values.update(overrides)
+        if isinstance(values.get("size"), dict) and {"height", "width"} <= set(values["size"]):
+            values["size"] = (values["size"]["height"], values["size"]["width"])
+        known = set(cls.settings_cls.__dataclass_fields__)
+        return cls(cls.settings_cls(**{k: tuple(v) if isinstance(v, list) else v
+                                       for k, v in values.items() if k in known}))
+
+    @classmethod
+    def adjust(cls, values: dict[str, Any], processor: dict[str, Any]) -> None:
+        """Settings the checkpoint keeps elsewhere (``processor`` is its ``processor_config.json``)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self.settings)
+
+    def __call__(self, images: list[Any], **_: Any) -> Any:
+        """One RGB PIL image (``images=[image]``, as asyncllm/mm/processor.py calls every image processor)."""
+        (image,) = images
+        return self.process(image)
+
+    def process(self, image: Any) -> Any:
+        raise NotImplementedError
 
 
 def resize_like_torchvision(pixels: Any, height: int, width: int) -> Any:

@@ -22,14 +22,13 @@ stood in).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.mm.image_ops import read_json, resize_like_torchvision
+from asyncllm.mm.image_ops import TorchImageProcessor, resize_like_torchvision
 
 __all__ = ["Lfm2VlImage", "Lfm2VlImages", "TileArrays", "smart_size", "tile_grid", "too_large"]
 
@@ -133,39 +132,23 @@ class TileArrays(list):
         return np.stack(picked) if isinstance(index, slice) else picked
 
 
-class Lfm2VlImages:
-    """``Lfm2VlImageProcessor`` in torch: ``from_pretrained`` (with overrides), ``to_dict``, and a call on one image."""
+class Lfm2VlImages(TorchImageProcessor):
+    """``Lfm2VlImageProcessor`` in torch (`TorchImageProcessor`: ``from_pretrained``, ``to_dict``, a call)."""
+
+    settings_cls = Lfm2VlSettings
 
     def __init__(self, settings: Lfm2VlSettings) -> None:
         if settings.resample != _BILINEAR:
             raise NotBuiltError("resample", settings.resample, "LFM2-VL resizing other than bilinear (2)")
         if settings.do_image_splitting and settings.min_tiles > settings.max_tiles:
             raise ConfigError("min_tiles", settings.min_tiles, f"at most max_tiles ({settings.max_tiles})")
-        self.settings = settings
+        super().__init__(settings)
 
     @classmethod
-    def from_pretrained(cls, model_path: str, **overrides: Any) -> "Lfm2VlImages":
-        """The checkpoint's settings (``preprocessor_config.json``, or ``processor_config.json``'s
-        ``image_processor``; the processor's ``use_image_special_tokens``) with ``overrides`` over them. Keys
-        that are no setting are dropped, as transformers drops them (the caller names one that changes nothing)."""
-        folder = Path(model_path)
-        values: dict[str, Any] = {}
-        processor = read_json(folder / "processor_config.json")
-        values.update(processor.get("image_processor") or read_json(folder / "preprocessor_config.json"))
+    def adjust(cls, values: dict[str, Any], processor: dict[str, Any]) -> None:
+        """The processor's ``use_image_special_tokens`` beside the image processor's settings."""
         if "use_image_special_tokens" in processor:
             values["use_image_special_tokens"] = processor["use_image_special_tokens"]
-        values.update(overrides)
-        known = set(Lfm2VlSettings.__dataclass_fields__)
-        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known}
-        return cls(Lfm2VlSettings(**kwargs))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self.settings)
-
-    def __call__(self, images: list[Any], **_: Any) -> Lfm2VlImage:
-        """One RGB PIL image (``images=[image]``, as asyncllm/mm/processor.py calls every image processor)."""
-        (image,) = images
-        return self.process(image)
 
     def process(self, image: Any) -> Lfm2VlImage:
         import torch

@@ -21,14 +21,13 @@ tensor), so the pixels equal transformers' processor's on the same machine (test
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.mm.image_ops import read_json, resize_like_torchvision
+from asyncllm.mm.image_ops import TorchImageProcessor, resize_like_torchvision
 
 __all__ = ["Llama4Image", "Llama4Images", "Llama4ImageSettings", "best_canvas", "canvases", "fitted_size"]
 
@@ -101,9 +100,10 @@ class Llama4Image:
     cols: int
 
 
-class Llama4Images:
-    """``Llama4ImageProcessor`` in torch: ``from_pretrained`` (with overrides), ``to_dict``, and a call on one
-    image."""
+class Llama4Images(TorchImageProcessor):
+    """``Llama4ImageProcessor`` in torch (`TorchImageProcessor`: ``from_pretrained``, ``to_dict``, a call)."""
+
+    settings_cls = Llama4ImageSettings
 
     def __init__(self, settings: Llama4ImageSettings) -> None:
         if settings.resample != _BILINEAR:
@@ -114,30 +114,7 @@ class Llama4Images:
             raise ConfigError("size", settings.size, "a square tile (height == width)")
         if settings.do_normalize and not settings.do_rescale:
             raise NotBuiltError("do_rescale", False, "Llama 4 normalizing without rescaling")
-        self.settings = settings
-
-    @classmethod
-    def from_pretrained(cls, model_path: str, **overrides: Any) -> "Llama4Images":
-        """The checkpoint's settings (``preprocessor_config.json``, or ``processor_config.json``'s
-        ``image_processor``) with ``overrides`` over them; keys that are no setting are dropped, as transformers
-        drops them (the caller names one that changes nothing)."""
-        folder = Path(model_path)
-        values: dict[str, Any] = dict(read_json(folder / "processor_config.json").get("image_processor")
-                                      or read_json(folder / "preprocessor_config.json"))
-        values.update(overrides)
-        if isinstance(values.get("size"), dict):
-            values["size"] = (values["size"]["height"], values["size"]["width"])
-        known = set(Llama4ImageSettings.__dataclass_fields__)
-        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items() if k in known}
-        return cls(Llama4ImageSettings(**kwargs))
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self.settings)
-
-    def __call__(self, images: list[Any], **_: Any) -> Llama4Image:
-        """One RGB PIL image (``images=[image]``, as asyncllm/mm/processor.py calls every image processor)."""
-        (image,) = images
-        return self.process(image)
+        super().__init__(settings)
 
     def process(self, image: Any) -> Llama4Image:
         import torch
