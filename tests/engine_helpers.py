@@ -111,3 +111,30 @@ async def assert_chat_image_part_equals_transformers(engine: AsyncEngine, image:
     hf_prompt, hf_tokens = hf_greedy(None, [image], 8, messages=hf_messages)
     assert stream.collector.prompt_token_ids == hf_prompt
     assert tokens == hf_tokens
+
+
+async def assert_images_equal_transformers_then_hit_the_cache(engine: AsyncEngine, text: str, images: list[bytes],
+                                                              hf_greedy) -> None:
+    """A prompt with ``images``: prompt ids and 8 greedy tokens equal ``hf_greedy(text, images, 8)``'s; sent again,
+    its prefix comes from the prefix cache and its tokens are the same."""
+    from asyncllm import SamplingParams
+
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    prompt = {"prompt": text, "images": images}
+    first = await engine.generate(prompt, greedy)
+    expected = hf_greedy(text, images, 8)
+    assert (first.prompt_token_ids, first.outputs[0].token_ids) == expected
+    again = await engine.generate(prompt, greedy)
+    assert again.outputs[0].token_ids == expected[1]
+    assert again.num_cached_tokens > 0
+
+
+async def assert_image_prompt_equals_transformers(path: str, text: str, images: list[bytes], hf_greedy,
+                                                  **engine_kwargs: object) -> None:
+    """One prompt with ``images`` through its own engine on ``path`` (``engine_kwargs``: two ranks, two stages, ...):
+    prompt ids and 8 greedy tokens equal ``hf_greedy(text, images, 8)``'s."""
+    from asyncllm import SamplingParams
+
+    async with AsyncEngine(path, disable_log_stats=True, **engine_kwargs) as engine:
+        out = await engine.generate({"prompt": text, "images": images}, SamplingParams(max_tokens=8, temperature=0.0))
+    assert (out.prompt_token_ids, out.outputs[0].token_ids) == hf_greedy(text, images, 8)

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import enum
 import functools
-import io
 import os
 import sys
 import types
 from pathlib import Path
 from typing import Any
 
-from mm_utils import CHAT_TEMPLATE, IMAGE_TOKEN, hf_generate, random_model
+from mm_utils import CHAT_TEMPLATE, IMAGE_TOKEN, hf_generate, processor_inputs, random_model
 
 PATCH = 8
 """The tower's patch (16 in the released checkpoints)."""
@@ -145,11 +144,7 @@ def make_tiny_lfm2_vl(path: str | os.PathLike[str], seed: int = 0, layers: int =
 
 
 def hf_lfm2_vl_inputs(path: str, text: str, images: list[bytes], add_special_tokens: bool = True) -> Any:
-    from PIL import Image
-
-    pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
-    return hf_processor(path)(text=text, images=pil or None, return_tensors="pt",
-                              add_special_tokens=add_special_tokens)
+    return processor_inputs(hf_processor(path), text, images, add_special_tokens)
 
 
 def hf_lfm2_vl_greedy(path: str, text: str | None, images: list[bytes], max_new_tokens: int,

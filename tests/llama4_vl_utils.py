@@ -8,14 +8,13 @@ normalization and the processor's prompt expansion are transformers' code.
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Any
 
 from lfm2_vl_utils import hf_image_processor_class
 from lfm2_vl_utils import hf_image_processor as _hf_image_processor
-from mm_utils import CHAT_TEMPLATE, random_model
+from mm_utils import CHAT_TEMPLATE, processor_inputs, random_model
 
 IMAGE = "<|image|>"
 MARKERS = ["<|image_start|>", "<|image_end|>", IMAGE, "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>"]
@@ -74,11 +73,7 @@ def make_tiny_llama4_vl(path: str | os.PathLike[str], seed: int = 0) -> str:
 
 
 def hf_llama4_inputs(path: str, text: str, images: list[bytes], add_special_tokens: bool = True) -> Any:
-    from PIL import Image
-
-    pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
-    return hf_processor(path)(text=text, images=pil or None, return_tensors="pt",
-                              add_special_tokens=add_special_tokens)
+    return processor_inputs(hf_processor(path), text, images, add_special_tokens)
 
 
 def hf_llama4_greedy(path: str, text: str | None, images: list[bytes], max_new_tokens: int,

@@ -245,6 +245,14 @@ def random_model(model_cls, config, seed: int, std: float = 0.2):
     return model
 
 
+def processor_inputs(processor, text: str, images: list[bytes], add_special_tokens: bool = True) -> Any:
+    """A transformers processor's tensors for ``text`` and encoded ``images`` (opened as RGB PIL images)."""
+    from PIL import Image
+
+    pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+    return processor(text=text, images=pil or None, return_tensors="pt", add_special_tokens=add_special_tokens)
+
+
 def hf_generate(model, inputs, max_new_tokens: int, adapter: str | None = None) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) of transformers' image-text ``model`` for processed ``inputs``, wrapped in the
     PEFT ``adapter`` when one is given."""

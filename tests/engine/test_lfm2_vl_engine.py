@@ -10,7 +10,10 @@ import functools
 
 import pytest
 import pytest_asyncio
-from engine_helpers import assert_chat_image_part_equals_transformers
+from engine_helpers import (
+    assert_chat_image_part_equals_transformers, assert_image_prompt_equals_transformers,
+    assert_images_equal_transformers_then_hit_the_cache,
+)
 from lfm2_vl_utils import hf_lfm2_vl_greedy, make_tiny_lfm2_vl
 from mm_utils import make_image
 
@@ -62,13 +65,8 @@ async def test_two_images_and_a_repeat_from_the_caches(engine, tiny):
     """Two images of different sizes (one split) in one prompt, then the same prompt again: its tiles cross as keys,
     its prefix (the conv states saved with it) comes from the cache, the tokens are transformers'."""
     images = [make_image(150, 60, seed=7), make_image(33, 97, seed=8)]
-    prompt = {"prompt": "<image> and <image> compared", "images": images}
-    first = await engine.generate(prompt, GREEDY)
-    expected = hf_lfm2_vl_greedy(tiny, "<image> and <image> compared", images, 8)
-    assert (first.prompt_token_ids, first.outputs[0].token_ids) == expected
-    again = await engine.generate(prompt, GREEDY)
-    assert again.outputs[0].token_ids == expected[1]
-    assert again.num_cached_tokens > 0
+    await assert_images_equal_transformers_then_hit_the_cache(engine, "<image> and <image> compared", images,
+                                                              functools.partial(hf_lfm2_vl_greedy, tiny))
 
 
 async def test_chat_message_with_an_image_part(engine, tiny):
@@ -79,21 +77,16 @@ async def test_chat_message_with_an_image_part(engine, tiny):
 @pytest.mark.parametrize("mode", ["weights", "data"])
 async def test_tensor_parallel_with_the_tower_whole_on_each_rank(tiny, mode):
     """Two ranks: the decoder sharded, the tower whole on both ("data" deals the tiles out); transformers' tokens."""
-    image = make_image(150, 60, seed=21)
-    async with AsyncEngine(tiny, disable_log_stats=True, tensor_parallel_size=2, mm_encoder_tp_mode=mode,
-                           max_num_batched_tokens=16) as engine:
-        out = await engine.generate({"prompt": "Describe <image> please", "images": [image]}, GREEDY)
-    assert (out.prompt_token_ids, out.outputs[0].token_ids) == hf_lfm2_vl_greedy(tiny, "Describe <image> please",
-                                                                                 [image], 8)
+    await assert_image_prompt_equals_transformers(tiny, "Describe <image> please", [make_image(150, 60, seed=21)],
+                                                  functools.partial(hf_lfm2_vl_greedy, tiny), tensor_parallel_size=2,
+                                                  mm_encoder_tp_mode=mode, max_num_batched_tokens=16)
 
 
 async def test_two_pipeline_stages_match_transformers(tiny):
     """The tower on the first stage, a conv and an attention layer on each."""
-    images, text = [make_image(150, 60, seed=2)], "<image> and the end"
-    async with AsyncEngine(tiny, pipeline_parallel_size=2, disable_log_stats=True, block_size=4,
-                           max_num_batched_tokens=BUDGET) as engine:
-        out = await engine.generate({"prompt": text, "images": images}, GREEDY)
-    assert out.outputs[0].token_ids == hf_lfm2_vl_greedy(tiny, text, images, 8)[1]
+    await assert_image_prompt_equals_transformers(tiny, "<image> and the end", [make_image(150, 60, seed=2)],
+                                                  functools.partial(hf_lfm2_vl_greedy, tiny),
+                                                  pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=BUDGET)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

@@ -11,7 +11,10 @@ import functools
 
 import pytest
 import pytest_asyncio
-from engine_helpers import assert_chat_image_part_equals_transformers
+from engine_helpers import (
+    assert_chat_image_part_equals_transformers, assert_image_prompt_equals_transformers,
+    assert_images_equal_transformers_then_hit_the_cache,
+)
 from llama4_vl_utils import hf_llama4_greedy, make_tiny_llama4_vl
 from mm_utils import make_image
 
@@ -62,13 +65,8 @@ async def test_two_images_and_a_repeat_from_the_caches(engine, tiny):
     """Two images (one tiled 4 x 1, one a tile alone) in one prompt, then the same prompt again: its prefix comes
     from the cache, the tokens are transformers'."""
     images = [make_image(150, 40, seed=7), make_image(33, 30, seed=8)]
-    prompt = {"prompt": "<|image|> and <|image|> compared", "images": images}
-    first = await engine.generate(prompt, GREEDY)
-    expected = hf_llama4_greedy(tiny, "<|image|> and <|image|> compared", images, 8)
-    assert (first.prompt_token_ids, first.outputs[0].token_ids) == expected
-    again = await engine.generate(prompt, GREEDY)
-    assert again.outputs[0].token_ids == expected[1]
-    assert again.num_cached_tokens > 0
+    await assert_images_equal_transformers_then_hit_the_cache(engine, "<|image|> and <|image|> compared", images,
+                                                              functools.partial(hf_llama4_greedy, tiny))
 
 
 async def test_chat_message_with_an_image_part(engine, tiny):
@@ -79,21 +77,16 @@ async def test_chat_message_with_an_image_part(engine, tiny):
 @pytest.mark.parametrize("mode", ["weights", "data"])
 async def test_tensor_parallel_with_the_tower_whole_on_each_rank(tiny, mode):
     """Two ranks: the decoder (and its experts) sharded, the tower whole on both ("data" deals the tiles out)."""
-    image = make_image(70, 50, seed=21)
-    async with AsyncEngine(tiny, disable_log_stats=True, tensor_parallel_size=2, mm_encoder_tp_mode=mode,
-                           max_num_batched_tokens=16) as engine:
-        out = await engine.generate({"prompt": "Describe <|image|> please", "images": [image]}, GREEDY)
-    assert (out.prompt_token_ids, out.outputs[0].token_ids) == hf_llama4_greedy(tiny, "Describe <|image|> please",
-                                                                                [image], 8)
+    await assert_image_prompt_equals_transformers(tiny, "Describe <|image|> please", [make_image(70, 50, seed=21)],
+                                                  functools.partial(hf_llama4_greedy, tiny), tensor_parallel_size=2,
+                                                  mm_encoder_tp_mode=mode, max_num_batched_tokens=16)
 
 
 async def test_two_pipeline_stages_match_transformers(tiny):
     """The tower on the first stage, one decoder layer on each."""
-    images, text = [make_image(70, 50, seed=2)], "<|image|> and the end"
-    async with AsyncEngine(tiny, pipeline_parallel_size=2, disable_log_stats=True, block_size=4,
-                           max_num_batched_tokens=BUDGET) as engine:
-        out = await engine.generate({"prompt": text, "images": images}, GREEDY)
-    assert out.outputs[0].token_ids == hf_llama4_greedy(tiny, text, images, 8)[1]
+    await assert_image_prompt_equals_transformers(tiny, "<|image|> and the end", [make_image(70, 50, seed=2)],
+                                                  functools.partial(hf_llama4_greedy, tiny),
+                                                  pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=BUDGET)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -112,7 +105,8 @@ async def test_lora_adapters_on_the_decoder_equal_peft(lora_engine, tiny, tmp_pa
 
     from asyncllm import LoRARequest
 
-    adapter = make_adapter(tiny, str(tmp_path / "adapter"), seed=3, rank=4, alpha=8, auto_class=Llama4ForConditionalGeneration,
+    adapter = make_adapter(tiny, str(tmp_path / "adapter"), seed=3, rank=4, alpha=8,
+                           auto_class=Llama4ForConditionalGeneration,
                            targets=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)",
                            target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"])
     images, text = [make_image(70, 50, seed=2)], "<|image|> and the end"
