@@ -28,7 +28,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.embedding import VocabParallelEmbedding
-from asyncllm.models.layers import Attention, RMSNorm, TensorParallel, head_dim_of
+from asyncllm.models.layers import Attention, RMSNorm, TensorParallel, head_dim_of, norm_in
 from asyncllm.models.linear import MergedColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import (
     DecoderBuild, DecoderFlags, LlamaAttention, LlamaForCausalLM, LlamaModel, sliding_window_of,
@@ -165,10 +165,7 @@ class GemmaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's output, the residual stream before it), as `LlamaDecoderLayer`: each
         sublayer's output is normed before it joins the residual stream."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = norm_in(self.input_layernorm, hidden, residual)
         hidden = self.post_attention_layernorm(self.self_attn(positions, hidden, kv_cache, metadata))
         hidden, residual = self.pre_feedforward_layernorm(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual

@@ -22,7 +22,7 @@ import torch
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.layers import LoadedWeight, RMSNorm, head_dim_of
+from asyncllm.models.layers import LoadedWeight, RMSNorm, head_dim_of, norm_in
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 from asyncllm.models.phi3 import FusedCheckpointLoading, check_phi3
 from asyncllm.models.rotary import rope_parameters
@@ -50,10 +50,7 @@ class Glm4DecoderLayer(LlamaDecoderLayer):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = norm_in(self.input_layernorm, hidden, residual)
         hidden = self.post_self_attn_layernorm(self.self_attn(positions, hidden, kv_cache, metadata))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.post_mlp_layernorm(self.mlp(hidden)), residual

@@ -22,7 +22,7 @@ import torch
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.granite import GraniteForCausalLM, GraniteModel
-from asyncllm.models.layers import LoadedWeight
+from asyncllm.models.layers import LoadedWeight, norm_in
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaMLP
 from asyncllm.models.moe import MoECausalLM, MoESpec, num_experts_of
 
@@ -91,10 +91,7 @@ class GraniteMoeSharedLayer(LlamaDecoderLayer):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = norm_in(self.input_layernorm, hidden, residual)
         hidden = self.to_residual(self.self_attn(positions, hidden, kv_cache, metadata))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         out = self.mlp(hidden)

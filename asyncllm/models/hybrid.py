@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.models.layers import TensorParallel
+from asyncllm.models.layers import TensorParallel, norm_in
 from asyncllm.models.llama import DecoderBuild, LlamaModel
 from asyncllm.models.pipeline import uses_kv_cache
 from asyncllm.models.row_states import StateRows
@@ -75,10 +75,7 @@ class HybridLayer(nn.Module):
     def mix(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
             kv_cache: torch.Tensor | None, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """(the mixer's output, scaled, the residual stream before it)."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = norm_in(self.input_layernorm, hidden, residual)
         out = self.mixer()(positions, hidden, kv_cache, metadata)
         return (out if self.mixer_residual_scale == 1.0 else out * self.mixer_residual_scale), residual
 

@@ -33,6 +33,7 @@ __all__ = [
     "head_dim_of",
     "kv_heads_per_rank",
     "RMSNorm",
+    "norm_in",
     "Attention",
 ]
 
@@ -136,6 +137,14 @@ def num_kv_heads_of(hf_config: Any) -> int:
 def kv_heads_per_rank(total_kv_heads: int, tp_size: int) -> int:
     """KV heads each rank holds: a share, or one replicated head when there are fewer heads than ranks."""
     return max(1, total_kv_heads // tp_size)
+
+
+def norm_in(norm: nn.Module, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decoder layer's first norm: (normed input, residual stream). The first layer's input opens the stream
+    (``residual`` None); a later layer's joins it, inside the norm's fused add."""
+    if residual is None:
+        return norm(hidden), hidden
+    return norm(hidden, residual)
 
 
 class RMSNorm(nn.Module):

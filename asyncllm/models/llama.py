@@ -23,7 +23,7 @@ from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
-from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, head_dim_of
+from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, head_dim_of, norm_in
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from asyncllm.models.pipeline import PipelineStage, PPMissingLayer, in_missing_part
 from asyncllm.models.rotary import RotaryEmbedding, identity_rotary
@@ -185,10 +185,7 @@ class LlamaDecoderLayer(nn.Module):
         """Returns (this layer's output, the residual stream before it): the next norm adds them."""
         if hidden.shape[0] <= self.fused_decode_rows and residual is not None:
             return self.forward_fused_decode(positions, hidden, residual, kv_cache, metadata)
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = norm_in(self.input_layernorm, hidden, residual)
         hidden = self.to_residual(self.self_attn(positions, hidden, kv_cache, metadata))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.to_residual(self.mlp(hidden)), residual

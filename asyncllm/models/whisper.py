@@ -30,7 +30,7 @@ from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
 from asyncllm.models.gpt2 import GPT2LMHeadModel, LearnedPositionModel
-from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.layers import LoadedWeight, TensorParallel, norm_in
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, DecoderFlags
 from asyncllm.models.opt import OPTPreNormLayer
@@ -157,10 +157,7 @@ class WhisperDecoderLayer(OPTPreNormLayer):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden, residual = norm_in(self.input_layernorm, hidden, residual)
         hidden, residual = self.encoder_attn_layer_norm(self.self_attn(positions, hidden, kv_cache, metadata), residual)
         hidden, residual = self.post_attention_layernorm(self.encoder_attn(hidden), residual)
         return self.mlp(hidden), residual
