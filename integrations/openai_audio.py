@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -73,10 +73,11 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
         raise InvalidRequestError("timestamp_granularities", "not built (timestamps are not predicted)")
     prompt = speech.prompt(task, form.get("language") or None, form.get("prompt"))
     audio = await _audio(form, speech.sampling_rate)
-    params = SamplingParams(temperature=_number(form, "temperature", 0.0), max_tokens=_max_tokens(form),
-                            seed=_integer(form, "seed"))
+    params = SamplingParams(temperature=_parsed(form, "temperature", float, "a number", 0.0),
+                            max_tokens=_parsed(form, "max_completion_tokens", int, "an integer"),  # vLLM's; left out,
+                            seed=_parsed(form, "seed", int, "an integer"))  # as many as max_model_len allows
     streams = [server.engine.stream({"prompt": prompt, "multi_modal_data": {"audio": (piece, speech.sampling_rate)}},
-                                    params, lora_request=lora, priority=_integer(form, "priority") or 0)
+                                    params, lora_request=lora, priority=_parsed(form, "priority", int, "an integer", 0))
                for piece in split_audio(audio, speech.sampling_rate, speech.chunk_seconds)]
     seconds = math.ceil(audio.size / speech.sampling_rate)
     if _flag(form, "stream"):
@@ -129,29 +130,15 @@ async def _audio(form: dict[str, Any], rate: int) -> Any:
     return decoded.waveform
 
 
-def _number(form: dict[str, Any], key: str, default: float) -> float:
+def _parsed(form: dict[str, Any], key: str, parse: Callable[[str], Any], what: str, default: Any = None) -> Any:
+    """A form field read by ``parse`` (``default`` when left out or empty); a 400 naming it when it cannot be."""
     value = form.get(key)
     if value is None or value == "":
         return default
     try:
-        return float(value)
+        return parse(value)
     except ValueError:
-        raise InvalidRequestError(key, f"a number, got {value!r}") from None
-
-
-def _integer(form: dict[str, Any], key: str) -> int | None:
-    value = form.get(key)
-    if value is None or value == "":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise InvalidRequestError(key, f"an integer, got {value!r}") from None
-
-
-def _max_tokens(form: dict[str, Any]) -> int | None:
-    """vLLM's ``max_completion_tokens``; left out, as many as max_model_len allows."""
-    return _integer(form, "max_completion_tokens")
+        raise InvalidRequestError(key, f"{what}, got {value!r}") from None
 
 
 def _flag(form: dict[str, Any], key: str) -> bool:
