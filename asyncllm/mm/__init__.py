@@ -17,6 +17,8 @@ row breaks and InternVL's wrappers, ``mm_image_pieces`` for an image made of sev
 them (Idefics3's tiles; Gemma 3's pan-and-scan crops, when ``mm_image_tiled`` says its image processor makes
 them), ``mm_processor_defaults`` for image processor settings a checkpoint leaves None, ``mm_processor_call_kwargs``,
 ``mm_placeholder_token_of`` where the image marker is the tokenizer's, not the config's (Aya Vision's ``<image>``),
+``mm_image_placeholder_id`` where an image's placeholders are another token than its marker (Gemma 3, Aya Vision,
+Llama 4),
 ``mm_image_processor_class`` in place of ``AutoImageProcessor`` (LFM2-VL's, whose HF one needs torchvision), and
 ``mm_video_token_id`` / ``mm_video_pieces`` / ``video_settings`` for videos, ``mm_video_placeholder_id`` where
 the placeholders are another token).

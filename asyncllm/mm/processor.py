@@ -211,6 +211,10 @@ class MultiModalProcessor:
         self.image_token_id: int | None = None if not takes_images else (
             token_of(hf_config, tokenizer) if token_of else model_cls.mm_placeholder_token_id(hf_config))
         """The prompt token that marks an image; None: the model takes no images."""
+        placeholder = getattr(model_cls, "mm_image_placeholder_id", None)
+        self.image_placeholder_id = placeholder(hf_config) if placeholder is not None else self.image_token_id
+        """The token an image's placeholders are: its marker's, or the model's (Gemma 3's ``<image_soft_token>``,
+        Aya Vision's ``<|IMG_PATCH|>``, Llama 4's ``<|patch|>``, each after a marker of its own)."""
         image_text = getattr(model_cls, "mm_image_text", None)
         self._image_text: tuple[list[int], list[int]] = image_text(hf_config, tokenizer) if image_text else ([], [])
         """Text tokens before and after each image's rows (Gemma 3's ``\n\n<start_of_image>`` ...)."""
@@ -368,10 +372,10 @@ class MultiModalProcessor:
 
     def _placeholder_ids(self, item: MultiModalItem) -> list[int]:
         """An image's placeholder tokens: the model's layout (``mm_placeholder_ids``: Mistral 3's rows), else one
-        image token per feature row."""
+        placeholder token per feature row (`image_placeholder_id`)."""
         layout = getattr(self._model_cls, "mm_placeholder_ids", None)
         if layout is None:
-            return [self.image_token_id] * item.length
+            return [self.image_placeholder_id] * item.length
         return layout(self._hf_config, self.tokenizer, tuple(item.shape))
 
     def _markers(self) -> dict[str, int | None]:

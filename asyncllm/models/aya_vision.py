@@ -112,10 +112,9 @@ class AyaVisionForConditionalGeneration(VisionLanguageModel):
         return (vision.image_size // vision.patch_size // int(hf_config.downsample_factor)) ** 2
 
     @staticmethod
-    def mm_placeholder_ids(hf_config: Any, tokenizer: Any, pixel_shape: tuple[int, ...]) -> list[int]:
-        """``<|IMG_PATCH|>`` once per feature row."""
-        length = AyaVisionForConditionalGeneration.mm_placeholder_length(hf_config, pixel_shape)
-        return [int(hf_config.image_token_id)] * length
+    def mm_image_placeholder_id(hf_config: Any) -> int:
+        """``<|IMG_PATCH|>``, once per feature row."""
+        return int(hf_config.image_token_id)
 
     @staticmethod
     def mm_image_pieces(hf_config: Any, tokenizer: Any, processed: Any) -> list[VideoPiece]:

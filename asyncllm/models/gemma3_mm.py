@@ -149,9 +149,9 @@ class Gemma3ForConditionalGeneration(VisionLanguageModel):
         return int(hf_config.mm_tokens_per_image)
 
     @staticmethod
-    def mm_placeholder_ids(hf_config: Any, tokenizer: Any, pixel_shape: tuple[int, ...]) -> list[int]:
-        """``<image_soft_token>`` once per feature row."""
-        return [int(hf_config.image_token_index)] * int(hf_config.mm_tokens_per_image)
+    def mm_image_placeholder_id(hf_config: Any) -> int:
+        """``<image_soft_token>``, once per feature row."""
+        return int(hf_config.image_token_index)
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, 1, 3, S, S]`` images or crops -> ``[N, mm_tokens_per_image, text hidden]``."""

@@ -207,10 +207,9 @@ class Llama4ForConditionalGeneration(VisionLanguageModel):
         return round((vision.image_size // vision.patch_size) ** 2 * float(vision.pixel_shuffle_ratio) ** 2)
 
     @staticmethod
-    def mm_placeholder_ids(hf_config: Any, tokenizer: Any, pixel_shape: tuple[int, ...]) -> list[int]:
-        """``<|patch|>`` (``image_token_id``) once per row."""
-        length = Llama4ForConditionalGeneration.mm_placeholder_length(hf_config, pixel_shape)
-        return [int(hf_config.image_token_id)] * length
+    def mm_image_placeholder_id(hf_config: Any) -> int:
+        """``<|patch|>`` (``image_token_id``), once per row."""
+        return int(hf_config.image_token_id)
 
     @staticmethod
     def mm_image_pieces(hf_config: Any, tokenizer: Any, processed: Llama4Image) -> list[VideoPiece]:
