@@ -1,6 +1,6 @@
 """Speech to text with an encoder-decoder model (Whisper: asyncllm/models/whisper.py): what the engine tells its
 callers about the model's audio (`SpeechToText`, ``AsyncEngine.speech_to_text``), the decoder prompt of a task
-(`SpeechToText.prompt`), long audio cut into the pieces one request hears (`split_audio`) and their texts in order
+(`SpeechToText.prompt`), long audio cut into the pieces one request hears (`split_audio`, `SpeechToText.requests`) and their texts in order
 (`transcribe`, ``AsyncEngine.transcribe``). The OpenAI server's ``/v1/audio/transcriptions`` and
 ``/v1/audio/translations`` are built on them (integrations/openai_audio.py)."""
 
@@ -62,6 +62,12 @@ class SpeechToText:
                                                   f"{language!r}")
         return head + f"<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>"
 
+    def requests(self, prompt: str, waveform: np.ndarray) -> list[dict[str, Any]]:
+        """The prompts of a waveform at `sampling_rate`: one per piece of at most `chunk_seconds` (`split_audio`),
+        each ``prompt`` with its piece."""
+        return [{"prompt": prompt, "multi_modal_data": {"audio": (piece, self.sampling_rate)}}
+                for piece in split_audio(waveform, self.sampling_rate, self.chunk_seconds)]
+
 
 def speech_to_text_of(mm: Any, model_path: str) -> SpeechToText | None:
     """The `SpeechToText` of a model whose host processor needs an audio per prompt (Whisper), else None."""
@@ -115,8 +121,7 @@ async def transcribe(engine: AsyncEngine, audio: Any, *, task: str = "transcribe
     text = speech.prompt(task, language, prompt)
     waveform = (await anyio.to_thread.run_sync(read_audio, audio, "audio", speech.sampling_rate)).waveform
     params = params or SamplingParams(temperature=0.0, max_tokens=None)
-    streams = [engine.stream({"prompt": text, "multi_modal_data": {"audio": (piece, speech.sampling_rate)}}, params)
-               for piece in split_audio(waveform, speech.sampling_rate, speech.chunk_seconds)]
+    streams = [engine.stream(request, params) for request in speech.requests(text, waveform)]
     firsts = [asyncio.ensure_future(stream.__anext__()) for stream in streams]  # every piece submitted now
     try:
         for first, stream in zip(firsts, streams):

@@ -31,7 +31,6 @@ from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.mm.audios import read_audio
 from asyncllm.sampling import SamplingParams
-from asyncllm.speech import split_audio
 
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
@@ -76,9 +75,9 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
     params = SamplingParams(temperature=_parsed(form, "temperature", float, "a number", 0.0),
                             max_tokens=_parsed(form, "max_completion_tokens", int, "an integer"),  # vLLM's; left out,
                             seed=_parsed(form, "seed", int, "an integer"))  # as many as max_model_len allows
-    streams = [server.engine.stream({"prompt": prompt, "multi_modal_data": {"audio": (piece, speech.sampling_rate)}},
-                                    params, lora_request=lora, priority=_parsed(form, "priority", int, "an integer", 0))
-               for piece in split_audio(audio, speech.sampling_rate, speech.chunk_seconds)]
+    priority = _parsed(form, "priority", int, "an integer", 0)
+    streams = [server.engine.stream(request, params, lora_request=lora, priority=priority)
+               for request in speech.requests(prompt, audio)]
     seconds = math.ceil(audio.size / speech.sampling_rate)
     if _flag(form, "stream"):
         meta = {"id": f"trsc-{uuid.uuid4().hex}", "object": "transcription.chunk", "created": int(time.time()),
