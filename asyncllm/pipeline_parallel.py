@@ -47,6 +47,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM",
                           "GraniteMoeHybridForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM", "JambaForCausalLM",
                           "NemotronHForCausalLM", "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "KimiLinearForCausalLM",
+                          "MiniMaxForCausalLM",
                           # decoders that run a stage themselves (``run_stage``: what crosses a boundary is theirs)
                           "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma3nForCausalLM",
                           "Gemma3nForConditionalGeneration", "Zamba2ForCausalLM",

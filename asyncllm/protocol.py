@@ -84,7 +84,8 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     asyncllm/models/mrope.py); 1 for images and the other models."""
     bidirectional: list[int] = []
     """``[start, stop)`` relative to ``offset``: the rows whose tokens attend to each other both ways in a prefill
-    (Gemma 3's image tokens), so no prefill chunk ends inside them; empty: causal like text."""
+    (Gemma 3's image tokens), so no prefill chunk ends inside them; empty: causal like text. An item of no rows
+    (``length`` 0, no data to encode) is such a span alone: PaliGemma's whole prompt (asyncllm/models/paligemma.py)."""
 
 
 class AbortRequests(msgspec.Struct, **_STRUCT):

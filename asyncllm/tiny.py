@@ -46,7 +46,7 @@ TINY_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwe
               "sarvam_moe", "gemma", "gemma4", "gemma4_moe", "exaone_moe", "helium", "vaultgemma",
               "granitemoeshared", "flex_olmo", "phi", "stablelm", "nemotron", "gpt_neox", "gpt2", "gpt_bigcode", "opt", "gptj",
               "falcon", "olmo", "jais2", "cwm", "youtu", "gemma3n", "phimoe", "minicpm3", "dbrx",
-              "zamba2", "kimi_linear", "bloom", "mpt", "deepseek_v32", "glm_moe_dsa")
+              "zamba2", "kimi_linear", "bloom", "mpt", "deepseek_v32", "glm_moe_dsa", "minimax")
 """The architectures `make_tiny_checkpoint` can build (mixtral, the *_moe ones, granitemoe, olmoe, gpt_oss and the
 deepseek ones are mixtures of experts)."""
 
@@ -321,7 +321,7 @@ def _build_config(
         "dbrx": transformers.DbrxConfig, "zamba2": transformers.Zamba2Config,
         "kimi_linear": transformers.KimiLinearConfig, "bloom": transformers.BloomConfig,
         "mpt": transformers.MptConfig, "deepseek_v32": transformers.DeepseekV32Config,
-        "glm_moe_dsa": transformers.GlmMoeDsaConfig,
+        "glm_moe_dsa": transformers.GlmMoeDsaConfig, "minimax": transformers.MiniMaxConfig,
     }[arch]
     fields: dict[str, Any] = dict(
         shape, vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,

@@ -148,6 +148,11 @@ _LAYER_SHAPES: dict[str, dict[str, Any]] = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
                   mamba_dt_rank=8),
+    # MiniMax-Text-01: a lightning-attention layer, then softmax attention, experts in both; every residual weight
+    # away from 1; transformers' own prefill blocks of 8 tokens (test prompts span several)
+    "minimax": dict(layer_types=["linear_attention", "full_attention"], num_local_experts=4, num_experts_per_tok=2,
+                    block_size=8, linear_attn_alpha_factor=0.9, linear_attn_beta_factor=1.2,
+                    full_attn_alpha_factor=1.3, full_attn_beta_factor=0.8, mlp_alpha_factor=1.1, mlp_beta_factor=0.7),
     # LFM2-MoE: a conv layer with a dense MLP, then attention with experts (sigmoid scores, the bias choosing)
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], num_dense_layers=1, num_experts=6, num_experts_per_tok=2,
                      moe_intermediate_size=24, routed_scaling_factor=1.5),

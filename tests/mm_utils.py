@@ -27,8 +27,10 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
-    """Save a tiny random ``LlavaForConditionalGeneration`` with its processor in ``path``."""
+def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0, tower: str = "clip") -> str:
+    """Save a tiny random ``LlavaForConditionalGeneration`` with its processor in ``path``: a CLIP tower (its CLS
+    feature dropped), or ``tower="siglip"``: llava-interleave's SigLIP tower (every patch's feature of the last
+    layer, ``"full"``; its pooling head saved, as transformers writes it)."""
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessorPil,
@@ -37,6 +39,8 @@ def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
         LlavaConfig,
         LlavaForConditionalGeneration,
         LlavaProcessor,
+        SiglipImageProcessorPil,
+        SiglipVisionConfig,
     )
 
     from asyncllm.tiny import tiny_checkpoint
@@ -51,21 +55,24 @@ def make_tiny_llava(path: str | os.PathLike[str], seed: int = 0) -> str:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         bos_token_id=0, eos_token_id=1, pad_token_id=2,
     )
-    vision = CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        image_size=IMAGE_SIZE, patch_size=PATCH_SIZE, projection_dim=32,
-    )
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 image_size=IMAGE_SIZE, patch_size=PATCH_SIZE)
+    if tower == "siglip":
+        vision, layer, strategy, class_rows = SiglipVisionConfig(**shape), -1, "full", 0
+        image_processor = SiglipImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    else:
+        vision, layer, strategy, class_rows = CLIPVisionConfig(**shape, projection_dim=32), -2, "default", 1
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
+        )
     config = LlavaConfig(
         vision_config=vision, text_config=text, image_token_index=image_token_id,
-        vision_feature_layer=-2, vision_feature_select_strategy="default", image_seq_length=NUM_IMAGE_TOKENS,
+        vision_feature_layer=layer, vision_feature_select_strategy=strategy, image_seq_length=NUM_IMAGE_TOKENS,
     )
     random_model(LlavaForConditionalGeneration, config, seed).save_pretrained(path)
-    image_processor = CLIPImageProcessorPil(
-        size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}
-    )
     processor = LlavaProcessor(
         image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH_SIZE,
-        vision_feature_select_strategy="default", image_token=IMAGE_TOKEN, num_additional_image_tokens=1,
+        vision_feature_select_strategy=strategy, image_token=IMAGE_TOKEN, num_additional_image_tokens=class_rows,
         chat_template=CHAT_TEMPLATE,
     )
     processor.save_pretrained(path)

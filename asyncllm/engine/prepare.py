@@ -179,8 +179,9 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES)
-"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba) and the encoders take no adapters. Every
+_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES, "MiniMaxForCausalLM")
+"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba), the encoders and MiniMax-Text-01 (not
+built: its lightning layers' fused ``qkv_proj`` and its layers' differing projections) take no adapters. Every
 other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
 PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; DBRX's fused
 ``Wqkv``, not its bare expert matrices; Zamba2's shared blocks, one adapter per invocation,
@@ -192,7 +193,8 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
                                  "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
                                  "Lfm2VlForConditionalGeneration", "GlmAsrForConditionalGeneration",
-                                 "Qwen3ASRForConditionalGeneration", "Llama4ForConditionalGeneration")
+                                 "Qwen3ASRForConditionalGeneration", "Llama4ForConditionalGeneration",
+                                 "GraniteSpeechForConditionalGeneration")
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
 tower matrices is refused)."""
 

@@ -15,7 +15,7 @@ from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, prompt_embeds_of
 from asyncllm.engine.validation import check_text, check_token_ids, max_prompt_chars, truncated_prompt
 from asyncllm.mm.host import multimodal_prompt, plain_prompt
-from asyncllm.mm.processor import MultiModalProcessor
+from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
 from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import apply_chat_template, encode_prompt
 
@@ -51,6 +51,9 @@ class PromptTokenizer:
         """The job's prompt token ids; sets ``job.embeds`` / ``job.mm_prompt`` for embeddings and images."""
         options = job.options
         if isinstance(job.prompt, dict) and not job.chat and "prompt_embeds" in job.prompt:
+            if self.mm is not None and self.mm.marks_text_prompts:
+                raise errors.InvalidRequestError("prompt.prompt_embeds", "a prompt given as embeddings is not built "
+                                                                         "yet for PaliGemma (its prefix span)")
             job.embeds = prompt_embeds_of(job.prompt, self.embeds_width, job.params, self.max_model_len)
             return [PLACEHOLDER_TOKEN_ID] * job.embeds.shape[0]
         if isinstance(job.prompt, dict) and not job.chat:  # vLLM's TextPrompt / TokensPrompt: the plain prompt
@@ -87,6 +90,8 @@ class PromptTokenizer:
             raise errors.InvalidRequestError(
                 "prompt", f"{len(token_ids)} tokens, but max_model_len is {self.max_model_len} (prompt plus at "
                           "least one generated token)")
+        if self.mm is not None and self.mm.marks_text_prompts:  # PaliGemma: a text prompt is its prefix span too
+            job.mm_prompt = self.mm.process(token_ids, MultiModalInputs(), "prompt")
         return token_ids
 
     def _truncated(self, params: SamplingParams, token_ids: list[int]) -> list[int]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
@@ -95,6 +95,31 @@ def _mm_keys(mm_items: Sequence[MultiModalPlaceholder], start: int, end: int) ->
                  if item.offset < end and item.offset + item.length > start)
 
 
+class _Span(NamedTuple):
+    """A bidirectional span that reaches past its item's rows, keyed like an item (`_span_keys`)."""
+
+    mm_hash: str
+    offset: int
+    length: int
+
+
+def _span_keys(mm_items: Sequence[MultiModalPlaceholder], token_ids: Sequence[int], first: int) -> list[_Span]:
+    """The items' bidirectional spans that reach past their own rows and end after token ``first`` (PaliGemma's
+    prefix: the whole prompt), each keyed by a digest of its tokens and the items in it: a block's KV inside such a
+    span depends on the span's later tokens too, so it may serve only a prompt with the same span. A span within its
+    item's rows (Gemma 3's image) needs none: the item's hash already says what they hold."""
+    spans = []
+    for item in mm_items:
+        span = getattr(item, "bidirectional", None)
+        if not span or 0 <= span[0] and span[1] <= item.length or item.offset + span[1] <= first:
+            continue
+        start, stop = item.offset + span[0], item.offset + span[1]
+        inside = [(other.mm_hash, other.offset - start) for other in mm_items if start <= other.offset < stop]
+        digest = _sha256(_ENCODER.encode((list(token_ids[start:stop]), inside))).hexdigest()
+        spans.append(_Span("span:" + digest, start, stop - start))
+    return spans
+
+
 def extend_block_hashes(
     block_hashes: list[BlockHash],
     token_ids: Sequence[int],
@@ -114,6 +139,8 @@ def extend_block_hashes(
     if start_index >= num_blocks:
         return
     parent = block_hashes[-1] if block_hashes else ROOT_PARENT_HASH
+    if mm_items:
+        mm_items = [*mm_items, *_span_keys(mm_items, token_ids, start_index * block_size)]
     prefix, packer = _PACKERS.get(block_size) or _packer(block_size)
     pack, append = packer.pack, block_hashes.append
     for index in range(start_index, num_blocks):

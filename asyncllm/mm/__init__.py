@@ -19,7 +19,8 @@ them), ``mm_processor_defaults`` for image processor settings a checkpoint leave
 ``mm_placeholder_token_of`` where the image marker is the tokenizer's, not the config's (Aya Vision's ``<image>``),
 ``mm_image_placeholder_id`` where an image's placeholders are another token than its marker (Gemma 3, Aya Vision,
 Llama 4),
-``mm_image_processor_class`` in place of ``AutoImageProcessor`` (LFM2-VL's, whose HF one needs torchvision), and
+``mm_image_processor_class`` in place of ``AutoImageProcessor`` (LFM2-VL's, whose HF one needs torchvision),
+``mm_feature_extractor_class`` in place of ``AutoFeatureExtractor`` (Granite Speech's, whose HF one needs torchaudio), and
 ``mm_video_token_id`` / ``mm_video_pieces`` / ``video_settings`` for videos, ``mm_video_placeholder_id`` where
 the placeholders are another token).
 """

@@ -112,9 +112,14 @@ CACHE_MISS_ERROR = MultiModalCacheMiss.__name__
 
 def _check_item(item: MultiModalItem, index: int, num_prompt_tokens: int, previous_end: int) -> int:
     field = f"mm_items[{index}]"
-    if not (previous_end <= item.offset and item.length > 0 and item.offset + item.length <= num_prompt_tokens):
+    span = item.bidirectional  # an item of no rows is a span alone (PaliGemma's prefix)
+    rows_or_span = item.length > 0 or bool(span)
+    if not (previous_end <= item.offset and rows_or_span and item.offset + item.length <= num_prompt_tokens):
         raise InvalidRequestError(field, f"placeholders [{item.offset}, {item.offset + item.length}) must be in "
                                   f"the prompt, after the previous item's, in order")
+    if span and not (len(span) == 2 and 0 <= item.offset + span[0] < item.offset + span[1] <= num_prompt_tokens):
+        raise InvalidRequestError(f"{field}.bidirectional", f"{span} must be [start, stop) of the prompt's tokens, "
+                                                            "relative to the item's offset")
     if not (math.isfinite(item.time_interval) and item.time_interval >= 0):
         raise InvalidRequestError(f"{field}.time_interval", f"a finite number >= 0, got {item.time_interval!r}")
     if item.data is not None or _in_ring(item):

@@ -17,7 +17,7 @@ from asyncllm.mm.processor import (
     split_chat_media,
 )
 from asyncllm.mm.videos import is_one_video
-from asyncllm.tokenizer import encode_prompt, template_arguments, with_template_calls
+from asyncllm.tokenizer import template_arguments, with_template_calls
 
 __all__ = ["multimodal_prompt", "plain_prompt", "resend_with_data"]
 
@@ -62,7 +62,8 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
             if isinstance(given, (list, tuple)):  # not a list: mm.process says so
                 setattr(inputs, kind + "_uuids",
                         check_uuids(prompt.get(kind + "_uuids"), len(given), f"prompt.{kind}_uuids"))
-        token_ids = encode_prompt(mm.tokenizer, text, mm.prompt_special_tokens) if ids is None else _token_ids(ids, mm)
+        images = inputs.images if isinstance(inputs.images, (list, tuple)) else []
+        token_ids = mm.encode_text(text, len(images)) if ids is None else _token_ids(ids, mm)
     overrides = mm_processor_kwargs if chat else prompt.get("mm_processor_kwargs")
     result = mm.process(token_ids, inputs, field, overrides)
     if len(result.token_ids) >= max_model_len:

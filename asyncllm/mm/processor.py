@@ -46,6 +46,7 @@ from asyncllm.mm.shm_ring import check_ring_room
 from asyncllm.mm.video_files import DEFAULT_NUM_FRAMES
 from asyncllm.mm.videos import VideoInput, read_video
 from asyncllm.protocol import MultiModalItem
+from asyncllm.tokenizer import encode_prompt
 
 logger = logging.getLogger("asyncllm.mm")
 
@@ -149,12 +150,14 @@ def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: d
     return processor
 
 
-def load_feature_extractor(model_path: str) -> Any:
-    """The checkpoint's HF audio feature extractor (Qwen2-Audio's ``WhisperFeatureExtractor``)."""
-    from transformers import AutoFeatureExtractor
+def load_feature_extractor(model_path: str, extractor_cls: Any = None) -> Any:
+    """The checkpoint's HF audio feature extractor (Qwen2-Audio's ``WhisperFeatureExtractor``), or the model's
+    ``mm_feature_extractor_class`` read from the checkpoint (Granite Speech's, whose HF one needs torchaudio)."""
+    if extractor_cls is None:
+        from transformers import AutoFeatureExtractor as extractor_cls
 
     try:
-        return AutoFeatureExtractor.from_pretrained(model_path)
+        return extractor_cls.from_pretrained(model_path)
     except (OSError, ValueError) as exc:
         raise ConfigError("model", model_path, f"a checkpoint with its audio feature extractor "
                                                f"(preprocessor_config.json: {exc})") from exc
@@ -197,6 +200,10 @@ class MultiModalProcessor:
             raise ConfigError("mm_processor_kwargs", processor_kwargs, f"None: {model_cls.__name__} has no image "
                                                                        "processor (its audio features follow the checkpoint)")
         self._model_path = model_path
+        self._check_kwargs = getattr(model_cls, "mm_check_processor_kwargs", None)
+        """The model's refusal of processor settings it does not build (Qwen2.5-Omni's ``use_audio_in_video``)."""
+        if self._check_kwargs is not None:
+            self._check_kwargs(processor_kwargs or {})
         self._engine_overrides = dict(processor_kwargs or {})
         self._processor_defaults: dict[str, Any] = getattr(model_cls, "mm_processor_defaults", {})
         """Image processor settings the model's HF processor passes where the image processor has none."""
@@ -224,6 +231,10 @@ class MultiModalProcessor:
         bidirectional = getattr(model_cls, "mm_bidirectional", False)  # Gemma 4: as its config says
         self._bidirectional = bool(bidirectional(hf_config) if callable(bidirectional) else bidirectional)
         """Whether an image's rows attend to each other both ways (`MultiModalItem.bidirectional`)."""
+        self._prompt_items = getattr(model_cls, "mm_prompt_items", None)
+        """The model's items of a whole prompt around its media's (PaliGemma's prefix span); None: the media's."""
+        self.marks_text_prompts = self._prompt_items is not None
+        """Whether a prompt without media has items too (`process` makes them)."""
         self._image_pieces = getattr(model_cls, "mm_image_pieces", None)
         """An image as several items with text between them (Idefics3's tiles); None: one item per image."""
         self._layouts: OrderedDict[str, list[Any]] = OrderedDict()
@@ -259,7 +270,9 @@ class MultiModalProcessor:
         """Tokens before and after each audio's placeholders (Gemma 4's ``<|audio>`` ... ``<audio|>``)."""
         self.max_audios = max_audios
         """``limit_mm_per_prompt["audio"]``."""
-        self.feature_extractor = load_feature_extractor(model_path) if self.audio_token_id is not None else None
+        extractor_cls = getattr(model_cls, "mm_feature_extractor_class", None)  # None: AutoFeatureExtractor
+        self.feature_extractor = (load_feature_extractor(model_path, extractor_cls)
+                                  if self.audio_token_id is not None else None)
         self.prompt_special_tokens = bool(getattr(model_cls, "mm_prompt_special_tokens", True))
         """Whether a text prompt is tokenized with the tokenizer's special tokens (Whisper's decoder prompt: not)."""
         self.needs_audio: str | None = None if not getattr(model_cls, "mm_cross_attention", False) else (
@@ -347,7 +360,18 @@ class MultiModalProcessor:
         self._join(expanded, token_ids[previous:])
         if self.needs_audio is not None and len(items) != 1:
             raise InvalidRequestError(fields["audio"], f"{len(items)} audios; the model takes {self.needs_audio}")
+        if self._prompt_items is not None:
+            items = self._prompt_items(self._hf_config, expanded, items)
         return MultiModalPrompt(expanded, items, inputs, list(token_ids), overrides)
+
+    def encode_text(self, text: str, num_images: int) -> list[int]:
+        """A dict prompt's text as token ids: the tokenizer's, or of the text the model's processor writes around
+        it (``mm_prompt_text``: PaliGemma's ``<image>`` rows, ``<bos>`` and newline), its own tokens only."""
+        layout = getattr(self._model_cls, "mm_prompt_text", None)
+        if layout is None:
+            return encode_prompt(self.tokenizer, text, self.prompt_special_tokens)
+        return encode_prompt(self.tokenizer, layout(self.tokenizer, text, num_images) if isinstance(text, str)
+                             else text, False)
 
     def _join(self, expanded: list[int], tokens: list[int]) -> None:
         """Append ``tokens`` to ``expanded``, the two tokens at the seam merged when the model says they make one
@@ -519,6 +543,8 @@ class MultiModalProcessor:
         name = json.dumps(overrides, sort_keys=True, default=str)
         if name not in self._request_processors:
             try:
+                if self._check_kwargs is not None:
+                    self._check_kwargs(overrides)
                 self._request_processors[name] = load_image_processor(
                     self._model_path, {**self._engine_overrides, **overrides}, self._processor_defaults,
                     self._processor_cls)

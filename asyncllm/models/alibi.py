@@ -1,12 +1,14 @@
-"""ALiBi attention (BLOOM, MPT): no rotation of q and k; each score gets its head's slope times the key's distance
-from the query, ``slope_h * (key_pos - query_pos)``, which the backends add (`asyncllm.kernels.reference.alibi_bias`,
-the Triton kernels' ``USE_ALIBI``).
+"""ALiBi attention (BLOOM, MPT, Falcon-RW): no rotation of q and k; each score gets its head's slope times the key's
+distance from the query, ``slope_h * (key_pos - query_pos)``, which the backends add
+(`asyncllm.kernels.reference.alibi_bias`, the Triton kernels' ``USE_ALIBI``).
 
-The families differ in their slopes (`bloom_alibi_slopes`, `mpt_alibi_slopes`); both start from Press et al.'s
-geometric series and agree for a power-of-two head count with MPT's default ``alibi_bias_max`` of 8. Under tensor
-parallelism each rank holds the slopes of its own heads (`AlibiAttention`). transformers adds ``slope_h * key_pos``
-(BLOOM) or ``slope_h * (key_pos - last_pos)`` (MPT) instead: a constant per query row, which softmax ignores, and
-the relative form keeps the biases that matter small at any position.
+The families differ in their slopes (`bloom_alibi_slopes`, `mpt_alibi_slopes`, `falcon_alibi_slopes`); all start from
+Press et al.'s geometric series, and BLOOM's and MPT's agree for a power-of-two head count with MPT's default
+``alibi_bias_max`` of 8 (Falcon-RW's are BLOOM's, rounded and scaled). Under tensor parallelism each rank holds the
+slopes of its own heads (`AlibiAttention`). transformers adds ``slope_h * key_pos`` (BLOOM, Falcon) or
+``slope_h * (key_pos - last_pos)`` (MPT) instead: a constant per query row, which softmax ignores, and the relative
+form keeps the biases that matter small at any position. (Falcon's transformers code also rounds each
+``slope_h * key_pos`` to bfloat16; that rounding is not reproduced: exact below 256 tokens for power-of-two slopes.)
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import Attention, head_dim_of
 from asyncllm.models.llama import DecoderBuild, LlamaAttention
 
-__all__ = ["AlibiAttention", "AlibiBuild", "bloom_alibi_slopes", "mpt_alibi_slopes"]
+__all__ = ["AlibiAttention", "AlibiBuild", "bloom_alibi_slopes", "falcon_alibi_slopes", "mpt_alibi_slopes"]
 
 
 def bloom_alibi_slopes(num_heads: int) -> tuple[float, ...]:
@@ -38,6 +40,13 @@ def mpt_alibi_slopes(num_heads: int, alibi_bias_max: float = 8.0) -> tuple[float
     p = 2 ** math.ceil(math.log2(num_heads))
     slopes = [2.0 ** (-alibi_bias_max * k / p) for k in range(1, p + 1)]
     return tuple((slopes[1::2] + slopes[::2])[:num_heads]) if p != num_heads else tuple(slopes)
+
+
+def falcon_alibi_slopes(num_heads: int, head_dim: int) -> tuple[float, ...]:
+    """Falcon-RW's: BLOOM's rounded to bfloat16 (as TII's code and transformers build them), over ``sqrt(head_dim)``:
+    Falcon adds the bias to the raw scores and then scales both by the softmax scale."""
+    rounded = torch.tensor(bloom_alibi_slopes(num_heads), dtype=torch.float32).bfloat16().double()
+    return tuple((rounded / math.sqrt(head_dim)).tolist())
 
 
 @dataclass(frozen=True)

@@ -44,13 +44,13 @@ TEXT_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalL
                       "GPTBigCodeForCausalLM", "OPTForCausalLM", "GPTJForCausalLM", "FalconForCausalLM",
                       "OlmoForCausalLM", "Jais2ForCausalLM", "CwmForCausalLM", "YoutuForCausalLM",
                       "PhimoeForCausalLM", "MiniCPM3ForCausalLM", "DbrxForCausalLM", "Zamba2ForCausalLM",
-                      "KimiLinearForCausalLM", "BloomForCausalLM", "MptForCausalLM")
+                      "KimiLinearForCausalLM", "BloomForCausalLM", "MptForCausalLM", "MiniMaxForCausalLM")
 HYBRID_ARCHITECTURES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
                         "Qwen3_5MoeForConditionalGeneration", "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
                         "Lfm2ForCausalLM", "Lfm2MoeForCausalLM", "NemotronHForCausalLM", "BambaForCausalLM",
                         "FalconH1ForCausalLM", "JambaForCausalLM", "MambaForCausalLM", "FalconMambaForCausalLM",
                         "Mamba2ForCausalLM", "Zamba2ForCausalLM", "KimiLinearForCausalLM",
-                        "Lfm2VlForConditionalGeneration")
+                        "Lfm2VlForConditionalGeneration", "MiniMaxForCausalLM")
 """Models whose state layers keep per-request recurrent states (asyncllm/models/row_states.py): prefix caching from
 saved states, no swap preemption, speculative decoding with a snapshot per draft (docs/hybrid-models.md)."""
 STATE_SPACE_ARCHITECTURES = ("MambaForCausalLM", "FalconMambaForCausalLM", "Mamba2ForCausalLM")
@@ -74,7 +74,7 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "JambaForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Gemma4ForCausalLM",
                      "Gemma4ForConditionalGeneration", "ExaoneMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                      "FlexOlmoForCausalLM", "PhimoeForCausalLM", "DbrxForCausalLM",
-                     "Glm4vMoeForConditionalGeneration", "KimiLinearForCausalLM")
+                     "Glm4vMoeForConditionalGeneration", "KimiLinearForCausalLM", "MiniMaxForCausalLM")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                             "LlavaOnevisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
@@ -82,18 +82,21 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
                             "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                            "PaliGemmaForConditionalGeneration",
                             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                             "Gemma4ForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
                             "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
                             "Glm4vMoeForConditionalGeneration", "AyaVisionForConditionalGeneration",
                             "Lfm2VlForConditionalGeneration", "WhisperForConditionalGeneration",
                             "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration",
-                            "Llama4ForConditionalGeneration")
+                            "GraniteSpeechForConditionalGeneration",
+                            "Llama4ForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration",
+                            "Qwen2_5OmniForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only)."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
                        "WhisperForConditionalGeneration", "GlmAsrForConditionalGeneration",
-                       "Qwen3ASRForConditionalGeneration")
+                       "Qwen3ASRForConditionalGeneration", "GraniteSpeechForConditionalGeneration")
 """Of those, the ones that take audio (and no images: docs/multimodal.md#audio; Whisper, an encoder-decoder:
 docs/multimodal.md#whisper)."""
 TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",

@@ -106,7 +106,9 @@ def load_hf_config(path: str, trust_remote_code: bool = False) -> PretrainedConf
                                                           "config.json's auto_map), if you trust it") from exc
         allowed = f"a checkpoint folder whose config.json transformers can read ({exc})"
         raise ConfigError("model", path, allowed) from exc
-    return allow_global_layer_values(config)
+    from asyncllm.models.family_config import omni_thinker_config  # Qwen2.5-Omni: its thinker's config is served
+
+    return allow_global_layer_values(omni_thinker_config(config))
 
 
 def allow_global_layer_values(config: PretrainedConfig) -> PretrainedConfig:

@@ -1,4 +1,4 @@
-"""TII Falcon (falcon-7b / 40b / 180b and their -instruct, Falcon2-11B: ``FalconForCausalLM``).
+"""TII Falcon (falcon-7b / 40b / 180b and their -instruct, Falcon2-11B, falcon-rw-1b / 7b: ``FalconForCausalLM``).
 
 Rotary attention (full heads, half-split) with LayerNorms that have biases, a GELU MLP (``dense_h_to_4h`` /
 ``dense_4h_to_h``) and an LM head tied to the embeddings, in one of three layer shapes:
@@ -11,7 +11,9 @@ Rotary attention (full heads, half-split) with LayerNorms that have biases, a GE
 - neither: Llama's sequential layers.
 
 The fused q/k/v is cut into q, k and v at load (asyncllm/models/parallel_residual.py runs the parallel layers).
-ALiBi checkpoints (falcon-rw) are a `NotBuiltError`.
+``alibi`` (falcon-rw): ALiBi instead of rotary positions (asyncllm/models/alibi.py), BLOOM's slopes rounded to bfloat16
+and divided by ``sqrt(head_dim)``, since Falcon adds the bias before scaling the scores; built in falcon-rw's layout
+(sequential layers, a KV head per head), a `NotBuiltError` in the others (no checkpoint has them).
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ import torch
 from torch import nn
 
 from asyncllm.errors import NotBuiltError
+from asyncllm.models.alibi import AlibiAttention, AlibiBuild, falcon_alibi_slopes
 from asyncllm.models.gpt2 import gpt_config_view
-from asyncllm.models.layers import LoadedWeight, head_dim_of
+from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaForCausalLM, LlamaModel
 from asyncllm.models.parallel_residual import ParallelResidualLayer
 from asyncllm.models.phi import renamed
@@ -49,6 +52,10 @@ class FalconTwoNormLayer(ParallelResidualLayer):
     two_norms = True
 
 
+class FalconAlibiLayer(Starcoder2DecoderLayer):
+    attention_cls = AlibiAttention
+
+
 class FalconModel(LlamaModel):
     norm_cls = BiasLayerNorm
 
@@ -56,7 +63,7 @@ class FalconModel(LlamaModel):
     def layer_class(cls, hf_config: Any) -> type[nn.Module]:
         two = hf_config.new_decoder_architecture and (getattr(hf_config, "num_ln_in_parallel_attn", None) or 2) == 2
         if not (hf_config.parallel_attn or hf_config.new_decoder_architecture):
-            return Starcoder2DecoderLayer
+            return FalconAlibiLayer if hf_config.alibi else Starcoder2DecoderLayer
         return FalconTwoNormLayer if two else FalconOneNormLayer
 
 
@@ -81,9 +88,21 @@ class FalconForCausalLM(LlamaForCausalLM):
     def kv_cache_shapes(cls, hf_config: Any) -> list[tuple[int, int]]:
         return [(falcon_kv_heads(hf_config), head_dim_of(hf_config))] * hf_config.num_hidden_layers
 
+    @classmethod
+    def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
+                      max_position: int, expert_parallel: bool) -> DecoderBuild:
+        """Rotary's, or with ``alibi`` Falcon's slopes for every head (each rank takes its own)."""
+        if not hf_config.alibi:
+            return super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
+        slopes = falcon_alibi_slopes(hf_config.num_attention_heads, head_dim_of(hf_config))
+        return AlibiBuild(hf_config, cls.decoder_flags(hf_config), dtype, tp, attn_backend, None,  # type: ignore[arg-type]
+                          cls.make_mlp, expert_parallel, alibi_slopes=slopes)
+
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
-        if hf_config.alibi:
-            raise NotBuiltError("alibi", True, "Falcon with ALiBi positions (falcon-rw): rotary Falcons only")
+        layout = [f for f in ("new_decoder_architecture", "parallel_attn", "multi_query") if getattr(hf_config, f)]
+        if hf_config.alibi and layout:
+            raise NotBuiltError(layout[0], True, "Falcon with ALiBi in falcon-rw's layout (sequential layers, a KV "
+                                                 "head per head)")
         check_phi3(hf_config, "Falcon")  # the fused q/k/v is cut at load
         config = gpt_config_view(hf_config, intermediate_size=getattr(hf_config, "ffn_hidden_size", None)
                                  or 4 * hf_config.hidden_size, hidden_act=hf_config.activation,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = ["LATENT_TARGETS", "falcon_kv_heads", "kv_heads", "latent_attention_shapes", "lfm2_intermediate_size",
-           "mlp_width"]
+           "mlp_width", "omni_thinker_config"]
 
 LATENT_TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 """Latent attention's projections beyond ``q_proj`` / ``o_proj`` (DeepSeek-V2 / V3's, asyncllm/models/deepseek.py)."""
@@ -69,3 +69,14 @@ def latent_attention_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
     if cfg.q_lora_rank is None:
         return {"q_proj": (hidden, query), **shapes}
     return {"q_a_proj": (hidden, cfg.q_lora_rank), "q_b_proj": (cfg.q_lora_rank, query), **shapes}
+
+
+def omni_thinker_config(config: Any) -> Any:
+    """A ``Qwen2_5OmniForConditionalGeneration`` config -> its ``thinker_config``, under the checkpoint's
+    architecture (the one served: asyncllm/models/qwen2_5_omni.py, whose talker and token2wav are not built, whatever
+    the checkpoint's ``enable_audio_output``); any other config unchanged."""
+    thinker = getattr(config, "thinker_config", None)
+    if getattr(config, "model_type", None) != "qwen2_5_omni" or thinker is None:
+        return config
+    thinker.architectures = list(getattr(config, "architectures", None) or ["Qwen2_5OmniForConditionalGeneration"])
+    return thinker

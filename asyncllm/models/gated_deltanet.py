@@ -63,20 +63,20 @@ def chunked_delta_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return blockwise(_block, state, q, k, v, g, beta)
 
 
-def run_rows(layer: Any, step: Any, out: torch.Tensor, mixed: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor) -> None:
-    """A delta-rule layer's step into ``out``: every request's one token at once (``layer._decode``) when the step
-    only decodes (the rows' states saved for prefix caching), else its decodes and drafts by row group and each
-    prefill chunk on its own (``layer._prefill``)."""
+def run_rows(layer: Any, step: Any, out: torch.Tensor, *tokens: torch.Tensor) -> None:
+    """A linear-attention layer's step into ``out`` (``tokens``: its per-token inputs, as ``mixed, g, beta``):
+    every request's one token at once (``layer._decode(*tokens, rows)``) when the step only decodes (the rows'
+    states saved for prefix caching), else its decodes and drafts by row group and each prefill chunk on its own
+    (``layer._prefill(*tokens, row, out)``)."""
     if step.decode_only:
         n = len(step.rows)
-        out[:n] = layer._decode(mixed[:n], g[:n], beta[:n], step.rows)
+        out[:n] = layer._decode(*(t[:n] for t in tokens), step.rows)
         layer.states.save_decoded(step)
         return
     for rows, index in layer.states.positions(step):  # decodes and drafted requests
-        out[index] = layer._decode(mixed[index], g[index], beta[index], rows)
+        out[index] = layer._decode(*(t[index] for t in tokens), rows)
     for row, span in layer.states.spans(step):
-        layer._prefill(mixed[span], g[span], beta[span], row, out[span])
+        layer._prefill(*(t[span] for t in tokens), row, out[span])
 
 
 def blockwise(block_fn: Any, state: torch.Tensor, *tokens: torch.Tensor) -> torch.Tensor:

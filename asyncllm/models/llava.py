@@ -1,8 +1,13 @@
-"""LLaVA: a CLIP vision tower, a two-layer projector, and the Llama decoder of llama.py.
+"""LLaVA: a CLIP or SigLIP vision tower, a two-layer projector, and the Llama decoder of llama.py.
 
 The language model is `LlamaForCausalLM` itself (Llama, Mistral, Qwen2 or Qwen3
 by ``text_config.model_type``), on the paged KV cache; this file adds only the
-image encoder. ``mm_encoder_tp_mode`` decides how the encoder (tower and projector)
+image encoder. The tower is picked by ``vision_config.model_type`` (`LLAVA_TOWERS`):
+CLIP's (clip.py) or SigLIP's (siglip.py: no CLS feature, so ``"default"`` drops the
+first patch's, as transformers does; the hidden states of ``vision_feature_layer``,
+not normed). Pixtral-12B's checkpoints (a Pixtral tower) are another class,
+`PixtralLlavaForConditionalGeneration` in mistral3.py, which the registry picks by
+the tower's type. ``mm_encoder_tp_mode`` decides how the encoder (tower and projector)
 spreads over the tensor-parallel ranks: "weights" shards it like the decoder
 (clip.py; the projector's ``linear_1`` column-parallel, ``linear_2`` row-parallel),
 "data" keeps a whole copy on every rank and splits the images instead
@@ -13,7 +18,7 @@ and the scatter into the input embeddings, which call `embed_multimodal` here.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import numpy as np
 import torch
@@ -27,13 +32,38 @@ from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
+from asyncllm.models.siglip import SiglipVisionTower
 from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights
 
-__all__ = ["LlavaForConditionalGeneration", "check_encoder_tensor_parallel", "normalize_llava_name"]
+__all__ = ["LLAVA_TOWERS", "LlavaForConditionalGeneration", "check_encoder_tensor_parallel", "normalize_llava_name",
+           "siglip_feature_tower"]
 
 _LANGUAGE_MODELS: dict[str, type[LlamaForCausalLM]] = {
     "llama": LlamaForCausalLM, "mistral": LlamaForCausalLM, "qwen2": Qwen2ForCausalLM, "qwen3": Qwen3ForCausalLM,
 }
+
+
+def siglip_feature_tower(hf_config: Any, tp: TensorParallel, dtype: torch.dtype) -> SiglipVisionTower:
+    """The SigLIP tower up to ``vision_feature_layer`` (transformers' ``hidden_states`` index, not normed)."""
+    vision, layer = hf_config.vision_config, hf_config.vision_feature_layer
+    if not isinstance(layer, int) or not -vision.num_hidden_layers - 1 <= layer <= vision.num_hidden_layers:
+        raise NotBuiltError("vision_feature_layer", layer, "a single layer index of the SigLIP tower")
+    return SiglipVisionTower(vision, tp, dtype, feature_layer=layer)
+
+
+class LlavaTower(NamedTuple):
+    build: Callable[[Any, TensorParallel, torch.dtype], nn.Module]
+    """(hf_config, the encoder's ranks, dtype) -> the tower: pixels -> ``vision_feature_layer``'s hidden states."""
+    class_rows: int
+    """Feature rows before the patches' (CLIP's CLS: 1; SigLIP: 0), which ``"default"`` drops one of."""
+
+
+LLAVA_TOWERS: dict[str, LlavaTower] = {
+    "clip_vision_model": LlavaTower(lambda hf_config, tp, dtype: CLIPVisionTower(
+        hf_config.vision_config, hf_config.vision_feature_layer, tp, dtype), 1),
+    "siglip_vision_model": LlavaTower(siglip_feature_tower, 0),
+}
+"""LLaVA's towers by ``vision_config.model_type`` (Pixtral's: `PixtralLlavaForConditionalGeneration`, mistral3.py)."""
 
 
 def normalize_llava_name(name: str) -> str:
@@ -108,6 +138,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         if strategy not in ("default", "full"):
             raise NotBuiltError("vision_feature_select_strategy", strategy, "'default' or 'full'")
         self.drop_cls = strategy == "default"
+        """Drop the first feature row (CLIP's CLS; with SigLIP the first patch's, as transformers does)."""
         self.encoder_tp = self._encoder_tp(hf_config, tp, mm_encoder_tp_mode)
         """The vision encoder's ranks: ``tp`` ("weights"), or this rank alone (whole encoder, "data")."""
         self.vision_tower = self.make_vision_tower(hf_config, self.encoder_tp, dtype)
@@ -116,13 +147,24 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
             text_config, dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position, **decoder_options
         )
 
-    @staticmethod
-    def make_vision_tower(hf_config: Any, tp: TensorParallel, dtype: torch.dtype) -> nn.Module:
-        """The CLIP tower, its hidden states at ``vision_feature_layer`` (a family with another tower overrides)."""
+    vision_towers: tuple[str, ...] = tuple(LLAVA_TOWERS)
+    """The ``vision_config.model_type``s this class builds (LLaVA-NeXT: CLIP's alone)."""
+
+    @classmethod
+    def tower_of(cls, hf_config: Any) -> LlavaTower:
+        """The `LLAVA_TOWERS` entry of ``vision_config.model_type``; `NotBuiltError` naming the built ones."""
         vision_type = hf_config.vision_config.model_type
-        if vision_type != "clip_vision_model":
-            raise NotBuiltError("model", vision_type, "a LLaVA vision tower of type clip_vision_model")
-        return CLIPVisionTower(hf_config.vision_config, hf_config.vision_feature_layer, tp, dtype)
+        if vision_type not in cls.vision_towers:
+            pixtral = (" (pixtral: Pixtral-12B's checkpoints, which the registry gives to "
+                       "PixtralLlavaForConditionalGeneration)" if cls is LlavaForConditionalGeneration else "")
+            raise NotBuiltError("vision_config.model_type", vision_type,
+                                f"a {cls.__name__} vision tower of type {', '.join(cls.vision_towers)}{pixtral}")
+        return LLAVA_TOWERS[vision_type]
+
+    @classmethod
+    def make_vision_tower(cls, hf_config: Any, tp: TensorParallel, dtype: torch.dtype) -> nn.Module:
+        """The tower (`tower_of`), its hidden states at ``vision_feature_layer``."""
+        return cls.tower_of(hf_config).build(hf_config, tp, dtype)
 
     @staticmethod
     def _encoder_tp(hf_config: Any, tp: TensorParallel, mode: str) -> TensorParallel:
@@ -147,10 +189,12 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     @staticmethod
     def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
-        """Feature rows (= placeholder tokens) of an image of ``[C, H, W]`` pixels: one per patch (+ CLS for 'full')."""
+        """Feature rows (= placeholder tokens) of an image of ``[C, H, W]`` pixels: one per patch, plus CLIP's CLS,
+        less one row for 'default' (CLIP's CLS; SigLIP's first patch, as transformers drops it)."""
         patch = hf_config.vision_config.patch_size
         patches = (pixel_shape[-2] // patch) * (pixel_shape[-1] // patch)
-        return patches + (0 if hf_config.vision_feature_select_strategy == "default" else 1)
+        class_rows = LlavaForConditionalGeneration.tower_of(hf_config).class_rows
+        return patches + class_rows - (hf_config.vision_feature_select_strategy == "default")
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, C, H, W]`` images -> ``[N, tokens per image, text hidden]``: one row per placeholder."""
@@ -161,5 +205,7 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
 
     # ---- weights
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        """Route ``language_model.*`` to the decoder's loader; the encoder's parameters keep their shard."""
+        """Route ``language_model.*`` to the decoder's loader; the encoder's parameters keep their shard. A SigLIP
+        tower's pooling head (``vision_use_head``), which LLaVA never runs, is left unread."""
+        weights = ((name, w) for name, w in weights if not normalize_llava_name(name).startswith("vision_tower.head."))
         return load_vision_language_weights(self, weights, normalize_llava_name, "LLaVA", ("position_ids",))

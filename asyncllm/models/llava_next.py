@@ -52,6 +52,8 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
 
     feature_strategy = "default"
     """The ``vision_feature_select_strategy`` built: CLIP's CLS feature dropped (LLaVA-OneVision: SigLIP's "full")."""
+    vision_towers = ("clip_vision_model",)
+    """CLIP's alone: the lengths count its dropped CLS row (LLaVA-OneVision builds its own SigLIP tower)."""
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         if hf_config.vision_feature_select_strategy != self.feature_strategy:

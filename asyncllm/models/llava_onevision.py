@@ -10,15 +10,15 @@ many, keeping its aspect, before the newlines are added. Videos are not built (t
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.layers import TensorParallel
+from asyncllm.models.llava import siglip_feature_tower
 from asyncllm.models.llava_next import LlavaNextForConditionalGeneration, packed_feature_shape
-from asyncllm.models.siglip import SiglipVisionTower
 
 __all__ = ["LlavaOnevisionForConditionalGeneration"]
 
@@ -30,12 +30,10 @@ class LlavaOnevisionForConditionalGeneration(LlavaNextForConditionalGeneration):
 
     @staticmethod
     def make_vision_tower(hf_config: Any, tp: TensorParallel, dtype: torch.dtype) -> nn.Module:
-        vision, layer = hf_config.vision_config, hf_config.vision_feature_layer
-        if vision.model_type != "siglip_vision_model":
-            raise NotBuiltError("vision_config.model_type", vision.model_type, "LLaVA-OneVision with a SigLIP tower")
-        if not isinstance(layer, int) or not -vision.num_hidden_layers - 1 <= layer <= vision.num_hidden_layers:
-            raise NotBuiltError("vision_feature_layer", layer, "a single layer index of the SigLIP tower")
-        return SiglipVisionTower(vision, TensorParallel(), dtype, feature_layer=layer)
+        if hf_config.vision_config.model_type != "siglip_vision_model":
+            raise NotBuiltError("vision_config.model_type", hf_config.vision_config.model_type,
+                                "LLaVA-OneVision with a SigLIP tower")
+        return siglip_feature_tower(hf_config, TensorParallel(), dtype)
 
     @staticmethod
     def _encoder_tp(hf_config: Any, tp: TensorParallel, mode: str) -> TensorParallel:
@@ -53,7 +51,3 @@ class LlavaOnevisionForConditionalGeneration(LlavaNextForConditionalGeneration):
         side = hf_config.vision_config.image_size // hf_config.vision_config.patch_size
         ratio = math.sqrt(rows * cols / (int(aspect.removeprefix("anyres_max_")) * side ** 2))
         return (int(rows // ratio), int(cols // ratio)) if ratio > 1.1 else (rows, cols)
-
-    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        """LLaVA's loading; the SigLIP pooling head (``vision_use_head``), which LLaVA-OneVision never runs, unread."""
-        return super().load_weights((name, w) for name, w in weights if ".vision_model.head." not in name)

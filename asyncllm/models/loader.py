@@ -175,7 +175,8 @@ def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8
 
 def checkpoint_files(path: str, load_format: str = "auto") -> list[str]:
     """The weight files to read: the safetensors of the index when there is one, else every ``*.safetensors``
-    (Mistral's duplicate ``consolidated*`` files left out); PyTorch pickle files (asyncllm/models/pt_checkpoint.py)
+    (Mistral's duplicate ``consolidated*`` files left out, and a PEFT adapter saved beside the weights: Granite
+    Speech's, served as a `LoRARequest` of the folder); PyTorch pickle files (asyncllm/models/pt_checkpoint.py)
     when there are none and ``load_format`` is ``auto``, or always with ``pt``."""
     if load_format == "pt":
         return _pt_files(path)
@@ -186,6 +187,7 @@ def checkpoint_files(path: str, load_format: str = "auto") -> list[str]:
         return indexed
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     files = [f for f in files if not os.path.basename(f).startswith("consolidated")] or files
+    files = [f for f in files if os.path.basename(f) != "adapter_model.safetensors"]
     if not files and load_format == "auto":
         return _pt_files(path)
     if not files:

@@ -45,8 +45,9 @@ __all__ = ["QwenPatchEmbed", "QwenVisionAttention", "QwenVisionTower", "Segments
            "patch_layout", "vision_rotary"]
 
 _QWEN2_VL = ("qwen2_vl_vision", "qwen2_vl")
-_QWEN2_5_VL = ("qwen2_5_vl_vision", "qwen2_5_vl")
-"""transformers 5 names the vision configs ``*_vision``; configs made by 4.x say the model's type."""
+_QWEN2_5_VL = ("qwen2_5_vl_vision", "qwen2_5_vl", "qwen2_5_omni_vision_encoder")
+"""transformers 5 names the vision configs ``*_vision``; configs made by 4.x say the model's type. Qwen2.5-Omni's
+tower is Qwen2.5-VL's (asyncllm/models/qwen2_5_omni.py)."""
 _NORM_EPS = 1e-6  # fixed in transformers, not read from the config
 
 

@@ -108,12 +108,16 @@ _MODELS = LazyClasses({
     "Gemma2ForCausalLM": "gemma2:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "gemma3:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "gemma3_mm:Gemma3ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma3TextOnly
+    "PaliGemmaForConditionalGeneration": "paligemma:PaliGemmaForConditionalGeneration",
     "Gemma4ForCausalLM": "gemma4:Gemma4ForCausalLM",
     "Gemma3nForCausalLM": "gemma3n:Gemma3nForCausalLM",
     "Qwen2AudioForConditionalGeneration": "qwen2_audio:Qwen2AudioForConditionalGeneration",
     "AudioFlamingo3ForConditionalGeneration": "qwen2_audio:AudioFlamingo3ForConditionalGeneration",
     "GlmAsrForConditionalGeneration": "glmasr:GlmAsrForConditionalGeneration",
     "Qwen3ASRForConditionalGeneration": "qwen3_asr:Qwen3ASRForConditionalGeneration",
+    "GraniteSpeechForConditionalGeneration": "granite_speech:GraniteSpeechForConditionalGeneration",
+    "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni:Qwen2_5OmniThinkerForConditionalGeneration",
+    "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni:Qwen2_5OmniThinkerForConditionalGeneration",  # thinker only
     "WhisperForConditionalGeneration": "whisper:WhisperForConditionalGeneration",
     "Gemma3nForConditionalGeneration": "gemma3n:Gemma3nTextOnly",  # its language model: text prompts only
     "Gemma4ForConditionalGeneration": "gemma4_mm:Gemma4ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma4TextOnly
@@ -168,6 +172,7 @@ _MODELS = LazyClasses({
     "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5MoeForConditionalGeneration",
     "Qwen3NextForCausalLM": "qwen3_next:Qwen3NextForCausalLM",
     "KimiLinearForCausalLM": "kimi_linear:KimiLinearForCausalLM",
+    "MiniMaxForCausalLM": "minimax:MiniMaxForCausalLM",
     "MiniMaxM2ForCausalLM": "minimax_m2:MiniMaxM2ForCausalLM",
     "GraniteMoeHybridForCausalLM": "granite4:GraniteMoeHybridForCausalLM",
     "Lfm2ForCausalLM": "lfm2:Lfm2ForCausalLM",

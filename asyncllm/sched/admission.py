@@ -45,8 +45,9 @@ def check_request(
     if longest > max_num_batched_tokens:
         raise InvalidRequestError(
             "prompt",
-            f"an image of {longest} tokens that attend to each other must be prefilled in one step, more than "
-            f"max_num_batched_tokens={max_num_batched_tokens}: raise max_num_batched_tokens to at least {longest}",
+            f"an image (or PaliGemma's prompt) of {longest} tokens that attend to each other must be prefilled in "
+            f"one step, more than max_num_batched_tokens={max_num_batched_tokens}: raise max_num_batched_tokens to at "
+            f"least {longest}",
         )
     if not enable_chunked_prefill and num_prompt > max_num_batched_tokens:
         raise InvalidRequestError(

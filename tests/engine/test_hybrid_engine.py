@@ -1,8 +1,8 @@
 """The hybrids with per-request states through the engine (Qwen3.5 dense and MoE: Gated DeltaNet + gated full
 attention; Granite 4.0 and Nemotron-H / Nemotron 3: Mamba2 + attention; Falcon-H1: both in each layer; Jamba:
-Mamba (v1) + attention; LFM2: short convolutions + attention; Qwen3-Next runs through the engine with its MTP layer,
-tests/engine/test_eagle_engine.py; Bamba's and LFM2-MoE's layers are those of Granite 4.0 and LFM2 with their
-logits checked in process, tests/unit/test_mamba2.py, test_lfm2.py):
+Mamba (v1) + attention; LFM2: short convolutions + attention; MiniMax: lightning attention + attention; Qwen3-Next
+runs through the engine with its MTP layer, tests/engine/test_eagle_engine.py; Bamba's and LFM2-MoE's layers are
+those of Granite 4.0 and LFM2 with their logits checked in process, tests/unit/test_mamba2.py, test_lfm2.py):
 greedy tokens equal transformers' with 16-token chunks, two seats (rows reused by later requests), recompute
 preemption, async scheduling and states saved in two slots for prefix caching (slots replaced); prefix-cache hits
 resume from saved states (points in prompts and in decodes, shared prefixes, a conversation's next turn); n-gram
@@ -65,6 +65,26 @@ async def test_prefix_cache_hits_resume_from_saved_states(arch: str, tp: int) ->
         assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
     computed = len(prompts[0]) + MAX_TOKENS - 1  # the first request's last token is never computed
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32, computed // 8 * 8]
+
+
+async def test_minimax_preempted_chunked_and_from_saved_states() -> None:
+    """MiniMax's lightning attention in one engine: 16-token chunks, two seats (rows reused), recompute preemption,
+    then a prompt sharing 37 tokens with an earlier one hits 32 from the states saved there; greedy tokens equal
+    transformers'."""
+    path, rng = tiny_checkpoint("minimax"), random.Random(7)
+    shared = [rng.randrange(6, 512) for _ in range(37)]
+    prompts = _prompts(4, seed=5) + [shared + [rng.randrange(6, 512) for _ in range(5)]]
+    later = shared + [rng.randrange(6, 512) for _ in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    async with AsyncEngine(path, disable_log_stats=True, max_num_batched_tokens=16, max_num_seqs=2,
+                           num_gpu_blocks_override=16, block_size=4, max_model_len=64, mamba_block_size=8,
+                           mamba_checkpoint_slots=16) as engine:
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        stats = engine.stats()
+        outs.append(await engine.generate(later, params))
+    for prompt, out in zip(prompts + [later], outs):
+        assert out.token_ids == hf_greedy(path, prompt, MAX_TOKENS, eos_token_id=None), f"{len(prompt)} tokens"
+    assert stats.num_preemptions_total > 0 and outs[-1].num_cached_tokens == 32
 
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

@@ -65,7 +65,7 @@ async def test_ministral3_under_the_tower_matches_transformers(tmp_path_factory,
 
 async def test_pixtral_12b_llava_checkpoint_matches_transformers(tmp_path_factory):
     """Pixtral-12B's HF layout: a LLaVA checkpoint with a Pixtral tower (no patch merging: a token per 14-pixel
-    patch here) and LLaVA's projector; its rows and breaks as Mistral 3's."""
+    patch here) and LLaVA's projector; its rows and breaks as Mistral 3's; a text prompt beside them."""
     from asyncllm.models.mistral3 import PixtralLlavaForConditionalGeneration
     from asyncllm.models.registry import get_model_class
     from asyncllm.models.checkpoint import load_hf_config
@@ -73,13 +73,13 @@ async def test_pixtral_12b_llava_checkpoint_matches_transformers(tmp_path_factor
 
     path = make_tiny_pixtral_llava(tmp_path_factory.mktemp("pixtral"))
     assert get_model_class(load_hf_config(path)) is PixtralLlavaForConditionalGeneration
-    images = [make_image(60, 40, seed=5), make_image(30, 30, seed=6)]
-    texts = [f"{IMAGE} one", f"and {IMAGE} two"]
+    images = [[make_image(60, 40, seed=5)], [make_image(30, 30, seed=6)], []]
+    texts = [f"{IMAGE} one", f"and {IMAGE} two", "no image"]
     async with AsyncEngine(path, disable_log_stats=True, block_size=4, max_num_batched_tokens=16,
-                           max_num_seqs=2) as engine:
-        outs = await asyncio.gather(*(engine.generate({"prompt": t, "images": [i]}, GREEDY)
+                           max_num_seqs=3) as engine:
+        outs = await asyncio.gather(*(engine.generate({"prompt": t, "images": i}, GREEDY)
                                       for t, i in zip(texts, images)))
-    expected = [hf_mistral3_greedy(path, t, [i], 8, unit=14) for t, i in zip(texts, images)]
+    expected = [hf_mistral3_greedy(path, t, i, 8, unit=14) for t, i in zip(texts, images)]
     assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == expected
 
 

@@ -1,10 +1,12 @@
-"""BLOOM and MPT (asyncllm/models/bloom.py, mpt.py: ALiBi attention, asyncllm/models/alibi.py) against transformers'
-forward over a paged KV cache, alone and over two tensor-parallel ranks.
+"""BLOOM, MPT and Falcon-RW (asyncllm/models/bloom.py, mpt.py, falcon.py: ALiBi attention, asyncllm/models/alibi.py)
+against transformers' forward over a paged KV cache, alone and over two tensor-parallel ranks.
 
 The tiny BLOOM runs 4 heads (the power-of-two slopes) and 6 (BLOOM's extra odd slopes); the tiny MPT clamps q, k and
 v (``clip_qkv`` 1.5) and scales its scores by 0.3, at 4 and 6 heads (MPT's odd-then-even slopes; transformers reads
-no ``alibi_bias_max``, so its other values are checked on the slopes alone). Requests run as chunked prefills over cached prefixes mixed with decodes; every position's
-float32 logits must match transformers' within 1e-4. Over two ranks each holds half the heads and their slopes."""
+no ``alibi_bias_max``, so its other values are checked on the slopes alone); the tiny Falcon-RW runs 6 heads
+in sequential layers (its slopes, rounded to bfloat16 and scaled, checked for every head count). Requests run as
+chunked prefills over cached prefixes mixed with decodes; every position's float32 logits must match transformers'
+within 1e-4. Over two ranks each holds half the heads and their slopes."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ from test_granite_olmo2_models import _assert_match_transformers  # within 1e-4,
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.alibi import bloom_alibi_slopes, mpt_alibi_slopes
+from asyncllm.models.alibi import bloom_alibi_slopes, falcon_alibi_slopes, mpt_alibi_slopes
 from asyncllm.models.bloom import BloomForCausalLM
+from asyncllm.models.falcon import FalconForCausalLM
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.mpt import MptForCausalLM
 from asyncllm.models.registry import kv_cache_spec
@@ -28,6 +31,8 @@ SCHEDULE = [[5, 17, 0], [4, 17, 4], [1, 5, 5], [1, 1, 1], [1, 0, 1]]
 """Prefill chunks over cached prefixes beside decodes, then decode-only steps (the 40-token prompt in three chunks,
 so its later chunks see keys far behind them: ALiBi's bias there is tens of units)."""
 SIX_HEADS = dict(num_heads=6, num_kv_heads=6, hidden_size=96)
+FALCON_RW = dict(SIX_HEADS, alibi=True, new_decoder_architecture=False, parallel_attn=False, multi_query=False)
+"""falcon-rw-1b's layout: ALiBi, sequential layers, a KV head per head (each head's q, k, v together)."""
 
 
 def _sequences(seed: int) -> list[list[int]]:
@@ -37,7 +42,8 @@ def _sequences(seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("arch, model_cls, shape", [("bloom", BloomForCausalLM, {}),
                                                     ("bloom", BloomForCausalLM, SIX_HEADS),
-                                                    ("mpt", MptForCausalLM, {}), ("mpt", MptForCausalLM, SIX_HEADS)])
+                                                    ("mpt", MptForCausalLM, {}), ("mpt", MptForCausalLM, SIX_HEADS),
+                                                    ("falcon", FalconForCausalLM, FALCON_RW)])
 def test_logits_match_transformers(arch: str, model_cls: type, shape: dict) -> None:
     path = tiny_checkpoint(arch, **shape)
     hf_config = load_hf_config(path)
@@ -51,8 +57,10 @@ def test_logits_match_transformers(arch: str, model_cls: type, shape: dict) -> N
 
 @pytest.mark.parametrize("num_heads", [1, 2, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64, 112])
 def test_slopes_equal_transformers(num_heads: int) -> None:
-    """BLOOM's slopes for any head count (bloom-176b: 112), MPT's at its default and another ``alibi_bias_max``."""
+    """BLOOM's slopes for any head count (bloom-176b: 112), MPT's at its default and another ``alibi_bias_max``,
+    Falcon's (falcon-rw-1b: 32 heads of 64) times ``sqrt(head_dim)``: transformers' bias one position on."""
     from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
     from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
     bloom = torch.tensor(bloom_alibi_slopes(num_heads))
@@ -62,6 +70,9 @@ def test_slopes_equal_transformers(num_heads: int) -> None:
         hf = build_mpt_alibi_tensor(num_heads, 2, bias_max)[:, 0, 0]  # the bias one position back: -slope
         torch.testing.assert_close(mpt, -hf, atol=0, rtol=1e-6)
     assert len(set(bloom.tolist())) == num_heads  # each head its own slope
+    falcon = torch.tensor(falcon_alibi_slopes(num_heads, 64), dtype=torch.float32) * 8
+    one_on = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), num_heads, torch.float32)[:, 0, 1]
+    assert torch.equal(falcon, one_on)
 
 
 def test_bloom_checkpoints_without_the_transformer_prefix_load(tmp_path) -> None:
@@ -95,6 +106,7 @@ def test_bloom_checkpoints_without_the_transformer_prefix_load(tmp_path) -> None
     ("bloom", {"slow_but_exact": True}, "slow_but_exact"),
     ("bloom", {"quantization_config": {"quant_method": "awq", "bits": 4}}, "pre-quantized BLOOM"),
     ("mpt", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, "pre-quantized MPT"),
+    ("falcon", {"alibi": True}, "new_decoder_architecture"),  # ALiBi in falcon-rw's layout only
 ])
 def test_unbuilt_variants_are_refused_by_name(arch: str, overrides: dict, field: str) -> None:
     path = tiny_checkpoint(arch)
@@ -120,8 +132,9 @@ def test_mpt_max_model_len_is_its_max_seq_len() -> None:
 @pytest.mark.slow
 def test_tp2_logits_match_transformers(tmp_path) -> None:
     """Two gloo ranks, each holding 3 of the 6 heads and their slopes (BLOOM's heads cut from the per-head fused
-    q/k/v, MPT's from q's, k's, then v's rows): every rank's logits equal transformers'."""
-    paths = [tiny_checkpoint("bloom", **SIX_HEADS), tiny_checkpoint("mpt", **SIX_HEADS)]
+    q/k/v, MPT's from q's, k's, then v's rows, Falcon-RW's as BLOOM's): every rank's logits equal transformers'."""
+    paths = [tiny_checkpoint("bloom", **SIX_HEADS), tiny_checkpoint("mpt", **SIX_HEADS),
+             tiny_checkpoint("falcon", **FALCON_RW)]
     sequences = _sequences(2)
     mp.spawn(tp_worker, args=(2, free_port(), paths, str(tmp_path), sequences, SCHEDULE), nprocs=2, join=True)
     for index, path in enumerate(paths):

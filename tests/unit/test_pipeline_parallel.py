@@ -121,6 +121,7 @@ HYBRIDS = {
     "bamba": {"attn_layer_indices": [1, 3]},
     "lfm2": {"layer_types": ["conv", _FULL, "conv", _FULL]},
     "lfm2_moe": {"layer_types": ["conv", _FULL, "conv", _FULL]},
+    "minimax": {"layer_types": [_LIN, _FULL, _LIN, _FULL]},
     "nemotron_h": {"num_layers": 5, "layers_block_type": [_LIN, _FULL, "moe", "mlp", _FULL]},
     "kimi_linear": {"num_hidden_layers": 4, "linear_attn_config": {"head_dim": 16, "num_heads": 4, "short_conv_kernel_size": 4,
                                            "kda_layers": [1, 3], "full_attn_layers": [2, 4]}},

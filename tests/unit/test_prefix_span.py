@@ -1,0 +1,56 @@
+"""A both-ways span that reaches past its item's rows (PaliGemma's whole prompt, on an item of no rows): the core
+takes it only inside the prompt, and the prefix cache keys each of its blocks by every token and item in it."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.kv.hashing import extend_block_hashes
+from asyncllm.mm.cache import ProcessorCacheStore, fill_mm_items
+from asyncllm.protocol import AddRequest, MultiModalItem
+from asyncllm.sampling import SamplingParams
+
+
+def _span(stop: int) -> MultiModalItem:
+    return MultiModalItem("prefix", 0, 0, b"", [0], bidirectional=[0, stop])
+
+
+def _image(mm_hash: str = "img", span: list[int] | None = None) -> MultiModalItem:
+    return MultiModalItem(mm_hash, 0, 4, b"\0" * 8, [2], bidirectional=span or [])
+
+
+def _hashes(tokens: list[int], items: list[MultiModalItem], first: int = 0) -> list[bytes]:
+    out: list[bytes] = []
+    extend_block_hashes(out, tokens, 4, first, None, items)
+    extend_block_hashes(out, tokens, 4, 4, None, items)  # incremental: the later blocks alone
+    return out
+
+
+def test_a_span_past_its_rows_keys_every_block_by_all_of_it():
+    prompt, other_text = [9, 9, 9, 9, 5, 6, 7, 8, 1, 2, 3], [9, 9, 9, 9, 5, 6, 7, 8, 1, 2, 4]
+    tokens, decoded = prompt + [10], other_text + [10]
+    items = [_span(11), _image()]
+    same = _hashes(tokens, items)
+    assert _hashes(tokens, items, first=2) == same  # hashing in two calls changes nothing
+    changed = _hashes(decoded, [_span(11), _image()])
+    assert changed[0] != same[0] and changed[1] != same[1]  # the image block's KV saw the last prompt token
+    assert _hashes(tokens, [_span(11), _image("other")])[0] != same[0]
+    plain = _hashes(tokens, [_image()])
+    assert plain[0] != same[0]  # without the span: a Gemma 3 style image block, keyed by the image alone
+    assert _hashes(decoded, [_image()])[:2] == plain[:2]
+    assert _hashes(tokens, [_image(span=[0, 4])]) == plain  # a span within its rows needs no key of its own
+
+
+@pytest.mark.parametrize("span, ok", [([0, 8], True), ([0, 9], False), ([-1, 4], False), ([3, 3], False)])
+def test_the_core_takes_an_item_of_no_rows_only_with_a_span_inside_the_prompt(span, ok):
+    item = MultiModalItem("prefix", 0, 0, b"", [0], bidirectional=span)
+    message = AddRequest("r", [5] * 8, SamplingParams(), [1], 0.0, mm_items=[item, _image()])
+    if ok:
+        fill_mm_items(ProcessorCacheStore(100), message)
+    else:
+        with pytest.raises(InvalidRequestError, match="bidirectional"):
+            fill_mm_items(ProcessorCacheStore(100), message)
+    with pytest.raises(InvalidRequestError, match="placeholders"):  # no rows and no span: no item at all
+        fill_mm_items(ProcessorCacheStore(100), AddRequest("r", [5] * 8, SamplingParams(), [1], 0.0,
+                                                           mm_items=[MultiModalItem("x", 0, 0, b"", [0])]))
