@@ -29,7 +29,7 @@ from asyncllm.lora_experts import (
     is_expert_parameter,
     is_expert_path,
 )
-from asyncllm.lora_hybrid_shapes import KDA_TARGETS, kimi_linear_shapes, zamba2_shapes
+from asyncllm.lora_hybrid_shapes import KDA_TARGETS, kimi_linear_shapes, minimax_shapes, zamba2_shapes
 from asyncllm.lora_names import canonical_name
 from asyncllm.models.family_config import LATENT_TARGETS, kv_heads, latent_attention_shapes, mlp_width
 
@@ -43,21 +43,24 @@ _FIELD = "lora_request"
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                 "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "c_fc", "c_proj",
-                *LATENT_TARGETS, *KDA_TARGETS)
+                "output_gate", *LATENT_TARGETS, *KDA_TARGETS)
 """The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
 gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3); Qwen3.5's Gated
 DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's); latent
-attention's (DeepSeek's); Kimi Delta Attention's (Kimi-Linear's)."""
+attention's (DeepSeek's); Kimi Delta Attention's (Kimi-Linear's); MiniMax's lightning layers' ``output_gate``."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
                             "FalconForCausalLM", "DbrxForCausalLM", "BloomForCausalLM", "MptForCausalLM")
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
 FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM", "glm4v_text")
 """Architectures (or, for a decoder inside an image-text checkpoint, its text config's model_type: GLM-4.1V's)
 whose checkpoints hold gate/up fused (``gate_up_proj``) and q, k, v apart (GLM, GLM-4)."""
-_LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."))
-"""An image-text checkpoint's language model (transformers 5's names, then older ones) -> the decoder's names."""
+_LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                            ("model.text_model.", "model."))
+"""An image-text checkpoint's language model (transformers 5's names, then older ones; Idefics3's and SmolVLM's
+``text_model``) -> the decoder's names."""
 _UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
-                      "vision_model.")  # Llama 4's tower (its image-text checkpoints serve text)
+                      "vision_model.",  # Llama 4's tower (its image-text checkpoints serve text)
+                      "model.vision_model.", "model.connector.", "model.embed_vision.")  # Idefics3's, Gemma 4's
 _TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.([\w.]+)\.lora_([AB])\.weight")
 """A decoder layer's adapter matrix: layer, block, projection (``q_proj``; ``experts.3.gate_proj``, ``experts``,
 ``shared_expert.up_proj`` in an MoE layer: asyncllm/lora_experts.py), A or B."""
@@ -170,7 +173,7 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
         else shapes
 
 
-_HYBRID_LAYER_SHAPES = {"kimi_linear": kimi_linear_shapes, "zamba2": zamba2_shapes}
+_HYBRID_LAYER_SHAPES = {"kimi_linear": kimi_linear_shapes, "zamba2": zamba2_shapes, "minimax": minimax_shapes}
 
 
 def layer_module_shapes(hf_config: Any) -> list[dict[str, tuple[int, int]]] | None:
@@ -358,6 +361,7 @@ def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[str, list
     keys: dict[str, str] = {}
     for key, shape in shapes.items():
         name = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        name = name.removeprefix("thinker.")  # Qwen2.5-Omni's full model: its thinker is what is served
         if name.startswith(_UNSERVED_PREFIXES):
             continue
         if name.startswith(("model.visual.", "visual.", "model.audio_tower.", "audio_tower.")):  # run on every input

@@ -8,6 +8,10 @@ Zamba2: a hybrid layer's invocation of its shared block has the block's attentio
 and its MLP's fused ``gate_up_proj`` and ``down_proj`` (PEFT names them ``layers.N.shared_transformer.self_attn.*`` /
 ``feed_forward.*``: one adapter per hybrid layer, asyncllm/lora_names.py reads them as ``self_attn.`` / ``mlp.``);
 a Mamba2 layer has none (its ``in_proj`` / ``out_proj`` are refused, as every hybrid's state layers').
+
+MiniMax-Text-01: a lightning layer has its fused-per-head ``qkv_proj``, ``output_gate`` and ``out_proj`` (named
+``o_proj`` here, as asyncllm/lora_names.py writes every attention's ``out_proj``), a softmax layer Llama's attention,
+both under ``self_attn.``; every layer's MLP is a mixture of experts (checked as Mixtral's).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 from asyncllm.models.family_config import latent_attention_shapes
 
-__all__ = ["KDA_TARGETS", "kimi_linear_shapes", "zamba2_shapes"]
+__all__ = ["KDA_TARGETS", "kimi_linear_shapes", "minimax_shapes", "zamba2_shapes"]
 
 KDA_TARGETS = ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj")
 """A KDA layer's projections beyond ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``: its decay's (transformers'
@@ -44,3 +48,12 @@ def zamba2_shapes(cfg: Any) -> list[dict[str, tuple[int, int]]]:
     block = {"q_proj": (2 * hidden, q), "k_proj": (2 * hidden, kv), "v_proj": (2 * hidden, kv), "o_proj": (q, hidden),
              "gate_up_proj": (hidden, 2 * inter), "down_proj": (inter, hidden)}
     return [dict(block) if kind == "hybrid" else {} for kind in cfg.layer_types]
+
+
+def minimax_shapes(cfg: Any) -> list[dict[str, tuple[int, int]]]:
+    """Each layer's attention projections: a lightning layer's or a softmax layer's."""
+    hidden, head_dim = cfg.hidden_size, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    width, kv = cfg.num_attention_heads * head_dim, cfg.num_key_value_heads * head_dim
+    lightning = {"qkv_proj": (hidden, 3 * width), "output_gate": (hidden, width), "o_proj": (width, hidden)}
+    softmax = {"q_proj": (hidden, width), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (width, hidden)}
+    return [dict(lightning if kind == "linear_attention" else softmax) for kind in cfg.layer_types]

@@ -1,7 +1,8 @@
 """Speech to text with an encoder-decoder model (Whisper: asyncllm/models/whisper.py): what the engine tells its
 callers about the model's audio (`SpeechToText`, ``AsyncEngine.speech_to_text``), the decoder prompt of a task
-(`SpeechToText.prompt`), long audio cut into the pieces one request hears (`split_audio`, `SpeechToText.requests`) and their texts in order
-(`transcribe`, ``AsyncEngine.transcribe``). The OpenAI server's ``/v1/audio/transcriptions`` and
+(`SpeechToText.prompt`), long audio cut into the pieces one request hears (`split_audio`, `SpeechToText.requests`)
+and their texts in order (`transcribe`, ``AsyncEngine.transcribe``) or timestamped segments (`transcribe_segments`,
+``AsyncEngine.transcribe_segments``: asyncllm/speech_segments.py). The OpenAI server's ``/v1/audio/transcriptions`` and
 ``/v1/audio/translations`` are built on them (integrations/openai_audio.py)."""
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import numpy as np
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import SamplingParams
+from asyncllm.speech_segments import Segment, segments_of
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
 
-__all__ = ["SpeechToText", "speech_to_text_of", "split_audio", "transcribe"]
+__all__ = ["SpeechToText", "speech_to_text_of", "split_audio", "transcribe", "transcribe_segments"]
 
 _SEARCH_SECONDS = 1.0
 """A cut between two pieces of a long audio falls at its quietest moment in the last second before the limit."""
@@ -42,10 +44,18 @@ class SpeechToText:
     vocab: frozenset[str]
     """The task, language and context tokens the tokenizer has (``<|en|>``, ``<|translate|>``, ``<|startofprev|>``,
     ...)."""
+    timestamp_begin: int | None = None
+    """The id of ``<|0.00|>`` (generation_config's ``no_timestamps_token_id`` + 1); None: no timestamp tokens."""
 
-    def prompt(self, task: str, language: str | None, context: str | None) -> str:
+    def prompt(self, task: str, language: str | None, context: str | None, timestamps: bool = False) -> str:
         """The decoder prompt of ``task`` ("transcribe" or "translate") in ``language`` (None: English), after the
-        ``context`` text (OpenAI's ``prompt``: the previous transcript, spelling hints), as Whisper was trained."""
+        ``context`` text (OpenAI's ``prompt``: the previous transcript, spelling hints), as Whisper was trained;
+        with ``timestamps``, without ``<|notimestamps|>`` (the engine then applies Whisper's timestamp rules:
+        workers/generation_rules.py)."""
+        if timestamps and self.timestamp_begin is None:
+            raise InvalidRequestError("timestamps", "a checkpoint with timestamp tokens (generation_config.json's "
+                                                    "no_timestamps_token_id): this one has none")
+        last = "" if timestamps else "<|notimestamps|>"
         head = ""
         if context:
             if "<|startofprev|>" not in self.vocab:
@@ -55,18 +65,30 @@ class SpeechToText:
             if task != "transcribe" or language not in (None, "en"):
                 raise InvalidRequestError("language" if task == "transcribe" else "task",
                                           "English transcription only: this checkpoint is English-only")
-            return head + "<|startoftranscript|><|notimestamps|>"
+            return head + "<|startoftranscript|>" + last
         language = language or "en"
         if f"<|{language}|>" not in self.vocab:
             raise InvalidRequestError("language", f"a language the model knows (ISO-639-1, e.g. 'en'), got "
                                                   f"{language!r}")
-        return head + f"<|startoftranscript|><|{language}|><|{task}|><|notimestamps|>"
+        return head + f"<|startoftranscript|><|{language}|><|{task}|>" + last
 
     def requests(self, prompt: str, waveform: np.ndarray) -> list[dict[str, Any]]:
         """The prompts of a waveform at `sampling_rate`: one per piece of at most `chunk_seconds` (`split_audio`),
         each ``prompt`` with its piece."""
         return [{"prompt": prompt, "multi_modal_data": {"audio": (piece, self.sampling_rate)}}
                 for piece in split_audio(waveform, self.sampling_rate, self.chunk_seconds)]
+
+    def piece_times(self, requests: list[dict[str, Any]]) -> list[tuple[float, float]]:
+        """(offset, seconds) of each request's piece in the whole audio (`requests`' order)."""
+        lengths = [request["multi_modal_data"]["audio"][0].size / self.sampling_rate for request in requests]
+        return [(sum(lengths[:i]), length) for i, length in enumerate(lengths)]
+
+    def segments(self, token_ids: list[int], offset: float, seconds: float, decode: Any,
+                 eos_token_ids: Any = ()) -> list[Segment]:
+        """The timestamped segments of one piece's output tokens (asyncllm/speech_segments.py)."""
+        assert self.timestamp_begin is not None, "prompt(timestamps=True) refuses a checkpoint without them"
+        return segments_of(token_ids, self.timestamp_begin, decode, offset=offset, duration=seconds,
+                           skip=eos_token_ids)
 
 
 def speech_to_text_of(mm: Any, model_path: str) -> SpeechToText | None:
@@ -79,9 +101,13 @@ def speech_to_text_of(mm: Any, model_path: str) -> SpeechToText | None:
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             generation = json.load(f)
-    special = {token for token in mm.tokenizer.get_vocab() if token.startswith("<|") and token.endswith("|>")}
+    vocab = mm.tokenizer.get_vocab()
+    special = {token for token in vocab if token.startswith("<|") and token.endswith("|>")}
+    no_timestamps = generation.get("no_timestamps_token_id")
+    timestamp_begin = (no_timestamps + 1 if isinstance(no_timestamps, int) and no_timestamps + 1 in vocab.values()
+                       else None)
     return SpeechToText(int(extractor.sampling_rate), float(extractor.chunk_length),
-                        bool(generation.get("is_multilingual", True)), frozenset(special))
+                        bool(generation.get("is_multilingual", True)), frozenset(special), timestamp_begin)
 
 
 def split_audio(waveform: np.ndarray, rate: int, seconds: float) -> list[np.ndarray]:
@@ -110,16 +136,8 @@ async def transcribe(engine: AsyncEngine, audio: Any, *, task: str = "transcribe
                      prompt: str | None = None, params: SamplingParams | None = None) -> AsyncIterator[str]:
     """The text of ``audio`` (any audio input: asyncllm/mm/audios.py) as it comes: a long audio's pieces all run at
     once, their texts handed out in order. Leaving the loop aborts every piece still running."""
-    from asyncllm.mm.audios import read_audio
-
-    if task not in ("transcribe", "translate"):
-        raise InvalidRequestError("task", f"'transcribe' or 'translate', got {task!r}")
-    await engine.start()
-    speech = engine.speech_to_text
-    if speech is None:
-        raise InvalidRequestError("model", "a speech-to-text model (Whisper): this engine's model does not transcribe")
+    speech, waveform = await _speech_audio(engine, audio, task)
     text = speech.prompt(task, language, prompt)
-    waveform = (await anyio.to_thread.run_sync(read_audio, audio, "audio", speech.sampling_rate)).waveform
     params = params or SamplingParams(temperature=0.0, max_tokens=None)
     streams = [engine.stream(request, params) for request in speech.requests(text, waveform)]
     firsts = [asyncio.ensure_future(stream.__anext__()) for stream in streams]  # every piece submitted now
@@ -139,3 +157,36 @@ async def transcribe(engine: AsyncEngine, audio: Any, *, task: str = "transcribe
             first.cancel()
         for stream in streams:
             await stream.aclose()
+
+
+async def transcribe_segments(engine: AsyncEngine, audio: Any, *, task: str = "transcribe",
+                              language: str | None = None, prompt: str | None = None,
+                              params: SamplingParams | None = None) -> list[Segment]:
+    """The timestamped segments of ``audio`` (Whisper's timestamp tokens; times from the start of the whole audio), once
+    every piece is done: `transcribe`'s pieces, each prompted without ``<|notimestamps|>``."""
+    speech, waveform = await _speech_audio(engine, audio, task)
+    requests = speech.requests(speech.prompt(task, language, prompt, timestamps=True), waveform)
+    params = params or SamplingParams(temperature=0.0, max_tokens=None)
+    outs = await asyncio.gather(*(engine.generate(request, params) for request in requests))
+    tokenizer, eos = engine.tokenizer, frozenset(engine.eos_token_ids)
+
+    def segments() -> list[Segment]:
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+        return [segment for out, (offset, seconds) in zip(outs, speech.piece_times(requests))
+                for segment in speech.segments(out.outputs[0].token_ids, offset, seconds, decode, eos)]
+
+    return await anyio.to_thread.run_sync(segments)
+
+
+async def _speech_audio(engine: AsyncEngine, audio: Any, task: str) -> tuple[SpeechToText, np.ndarray]:
+    """The engine's `SpeechToText` and ``audio``'s waveform at its rate (decoded off the event loop)."""
+    from asyncllm.mm.audios import read_audio
+
+    if task not in ("transcribe", "translate"):
+        raise InvalidRequestError("task", f"'transcribe' or 'translate', got {task!r}")
+    await engine.start()
+    speech = engine.speech_to_text
+    if speech is None:
+        raise InvalidRequestError("model", "a speech-to-text model (Whisper): this engine's model does not transcribe")
+    return speech, (await anyio.to_thread.run_sync(read_audio, audio, "audio", speech.sampling_rate)).waveform

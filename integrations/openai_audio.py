@@ -5,9 +5,11 @@ The uploaded file (any format PyAV decodes, at most `ServerLimits.max_audio_byte
 and resampled to the model's rate; an audio longer than the model hears at once (Whisper: 30 s) is cut at its quiet
 moments into pieces (asyncllm/speech.py), each transcribed by its own request, all at once, their texts joined in
 order. ``response_format`` "json" answers ``{"text", "usage"}`` (the audio's seconds, as vLLM), "text" the bare
-text; ``stream=true`` sends server-sent events, each both OpenAI's (``{"type": "transcript.text.delta", "delta"}``,
-then ``"transcript.text.done"``) and vLLM's (``"object": "transcription.chunk"`` with ``choices[0].delta.content``),
-then ``[DONE]``. A client that leaves aborts every piece. docs/integrations/openai-server.md has the details.
+text; "verbose_json", "srt" and "vtt" prompt without ``<|notimestamps|>`` and answer the pieces' timestamped segments
+(asyncllm/speech_segments.py; ``timestamp_granularities`` "segment" only); ``stream=true`` sends server-sent
+events, each both OpenAI's (``{"type": "transcript.text.delta", "delta"}``, then ``"transcript.text.done"``) and
+vLLM's (``"object": "transcription.chunk"`` with ``choices[0].delta.content``), then ``[DONE]``. A client that
+leaves aborts every piece. docs/integrations/openai-server.md has the details.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.mm.audios import read_audio
 from asyncllm.sampling import SamplingParams
+from asyncllm.speech_segments import srt, verbose_json, vtt
 
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
@@ -41,7 +44,11 @@ __all__ = ["audio_routes"]
 _FIELDS = {"file", "model", "language", "prompt", "response_format", "temperature", "stream", "stream_include_usage",
            "timestamp_granularities[]", "timestamp_granularities", "seed", "max_completion_tokens", "priority"}
 """The form fields the routes read; any other is refused by name."""
-_FORMATS = ("json", "text")
+_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+_TIMED = ("verbose_json", "srt", "vtt")
+"""The formats with timestamps: the pieces are prompted without ``<|notimestamps|>`` (asyncllm/speech.py)."""
+_LISTS = ("timestamp_granularities[]", "timestamp_granularities")
+"""Fields a form may repeat: their values are kept as a list."""
 
 
 def audio_routes(server: OpenAIServer) -> list[Route]:
@@ -66,19 +73,23 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
     model, lora = server._model(form.get("model"))
     response_format = form.get("response_format", "json")
     if response_format not in _FORMATS:
-        raise InvalidRequestError("response_format", f"'json' or 'text', got {response_format!r} (verbose_json, srt "
-                                                     "and vtt need timestamps: not built)")
-    if form.get("timestamp_granularities[]") or form.get("timestamp_granularities"):
-        raise InvalidRequestError("timestamp_granularities", "not built (timestamps are not predicted)")
-    prompt = speech.prompt(task, form.get("language") or None, form.get("prompt"))
+        raise InvalidRequestError("response_format", f"one of {', '.join(_FORMATS)}, got {response_format!r}")
+    timed = response_format in _TIMED
+    _check_timestamps(form, response_format, speech.timestamp_begin is not None)
+    language = form.get("language") or None
+    prompt = speech.prompt(task, language, form.get("prompt"), timestamps=timed)
     audio = await _audio(form, speech.sampling_rate)
     params = SamplingParams(temperature=_parsed(form, "temperature", float, "a number", 0.0),
                             max_tokens=_parsed(form, "max_completion_tokens", int, "an integer"),  # vLLM's; left out,
                             seed=_parsed(form, "seed", int, "an integer"))  # as many as max_model_len allows
     priority = _parsed(form, "priority", int, "an integer", 0)
-    streams = [server.engine.stream(request, params, lora_request=lora, priority=priority)
-               for request in speech.requests(prompt, audio)]
+    requests = speech.requests(prompt, audio)
+    streams = [server.engine.stream(request, params, lora_request=lora, priority=priority) for request in requests]
     seconds = math.ceil(audio.size / speech.sampling_rate)
+    if timed:
+        return await _timed_response(server, request, streams, speech.piece_times(requests),
+                                     response_format, (task, language or "en", audio.size / speech.sampling_rate,
+                                                       params.temperature))
     if _flag(form, "stream"):
         meta = {"id": f"trsc-{uuid.uuid4().hex}", "object": "transcription.chunk", "created": int(time.time()),
                 "model": model}
@@ -103,7 +114,10 @@ async def _form(request: Request, limit: int) -> dict[str, Any]:
             for key, value in form.multi_items():
                 if key not in _FIELDS:
                     raise InvalidRequestError(key, f"not a field of this route (it takes {', '.join(sorted(_FIELDS))})")
-                fields[key] = await _file_bytes(value, limit) if isinstance(value, UploadFile) else value
+                if key in _LISTS:
+                    fields.setdefault(key, []).append(value)
+                else:
+                    fields[key] = await _file_bytes(value, limit) if isinstance(value, UploadFile) else value
     except AssertionError as exc:  # starlette without python-multipart
         raise ApiError(500, f"multipart forms need python-multipart: pip install 'asyncllm[server]' ({exc})",
                        "server_error") from exc
@@ -127,6 +141,50 @@ async def _audio(form: dict[str, Any], rate: int) -> Any:
     """The file's waveform at ``rate`` Hz, decoded off the event loop."""
     decoded = await anyio.to_thread.run_sync(read_audio, form["file"], "file", rate)
     return decoded.waveform
+
+
+def _check_timestamps(form: dict[str, Any], response_format: str, has_timestamps: bool) -> None:
+    """400s for timestamps the route cannot give: word timestamps (not built), granularities without verbose_json, a
+    timed format streamed or asked of a checkpoint without timestamp tokens."""
+    granularities = [value for key in _LISTS for value in form.get(key, [])]
+    for value in granularities:
+        if value == "word":
+            raise InvalidRequestError("timestamp_granularities", "'segment' only: word timestamps are not built")
+        if value != "segment":
+            raise InvalidRequestError("timestamp_granularities", f"'segment', got {value!r}")
+    if granularities and response_format != "verbose_json":
+        raise InvalidRequestError("timestamp_granularities", "needs response_format 'verbose_json'")
+    if response_format in _TIMED and _flag(form, "stream"):
+        raise InvalidRequestError("stream", f"response_format {response_format!r} is answered whole: stream with "
+                                            "'json' or 'text'")
+    if response_format in _TIMED and not has_timestamps:
+        raise InvalidRequestError("response_format", f"{response_format!r} needs timestamp tokens (generation_config."
+                                                     "json's no_timestamps_token_id): this checkpoint has none")
+
+
+async def _timed_response(server: OpenAIServer, request: Request, streams: list[RequestStream],
+                          times: list[tuple[float, float]], response_format: str,
+                          about: tuple[str, str, float, float]) -> Response:
+    """The segments of every piece (each piece's tokens, its offset and length) as verbose_json, srt or vtt."""
+    tokens: list[list[int]] = [[] for _ in streams]
+    async for index, delta in merge_streams(streams, (), until=lambda: wait_disconnect(request)):
+        tokens[index] += delta.token_ids
+    speech, engine = server.engine.speech_to_text, server.engine
+    assert speech is not None
+    eos = frozenset(engine.eos_token_ids)
+
+    def body() -> Response:
+        def decode(ids: list[int]) -> str:
+            return engine.tokenizer.decode(ids, skip_special_tokens=True)
+        segments = [segment for ids, (offset, seconds) in zip(tokens, times)
+                    for segment in speech.segments(ids, offset, seconds, decode, eos)]
+        if response_format == "verbose_json":
+            task, language, duration, temperature = about
+            return Response(msgspec.json.encode(verbose_json(task, language, duration, segments, temperature)),
+                            media_type="application/json")
+        return Response((srt if response_format == "srt" else vtt)(segments), media_type="text/plain; charset=utf-8")
+
+    return await anyio.to_thread.run_sync(body)
 
 
 def _parsed(form: dict[str, Any], key: str, parse: Callable[[str], Any], what: str, default: Any = None) -> Any:

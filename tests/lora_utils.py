@@ -60,11 +60,12 @@ def peft_greedy(base_path: str, adapter_path: str, prompt_ids: list[int], max_ne
     return out[0, len(prompt_ids):].tolist()
 
 
-def peft_logits(base_path: str, adapter_path: str, token_ids: list[int]):
-    """PEFT's float32 logits with the adapter at every position of one sequence: ``[len(token_ids), vocab]``."""
+def peft_logits(base_path: str, adapter_path: str, token_ids: list[int], auto_class: Any = None):
+    """PEFT's float32 logits with the adapter at every position of one sequence: ``[len(token_ids), vocab]``
+    (``auto_class``: the model class, default its causal LM)."""
     import torch
 
-    model = _peft_model(base_path, os.path.abspath(adapter_path))
+    model = _peft_model(base_path, os.path.abspath(adapter_path), auto_class)
     with torch.no_grad():
         out = model(input_ids=torch.tensor([token_ids]), attention_mask=torch.ones(1, len(token_ids), dtype=torch.long))
     return out.logits[0].float()

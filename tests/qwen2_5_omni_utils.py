@@ -41,29 +41,41 @@ def make_tiny_qwen2_5_omni(path: str | os.PathLike[str], seed: int = 0) -> str:
     """Save a tiny random ``Qwen2_5OmniThinkerForConditionalGeneration`` with its tokenizer, one
     ``preprocessor_config.json`` holding both its image processor and its 16-bin Whisper feature extractor (as the
     released checkpoints do) and the Qwen-VL tests' video settings in ``path``."""
+    from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+    return save_tiny_thinker(path, Qwen2_5OmniThinkerForConditionalGeneration, _thinker_config, _TOKENS, seed, 14)
+
+
+def save_tiny_thinker(path: str | os.PathLike[str], model_cls, make_config, tokens: list[str], seed: int,
+                      patch_size: int) -> str:
+    """Save a random ``model_cls`` of ``make_config(tokenizer)`` (the tiny Qwen2 tokenizer with ``tokens`` added),
+    the tokenizer, one ``preprocessor_config.json`` holding both the image processor (``patch_size`` pixels) and the
+    16-bin Whisper feature extractor, and the Qwen-VL tests' video settings in ``path``."""
     from audio_utils import MEL_BINS, SAMPLING_RATE
     from mm_utils import random_model
     from qwen_vl_utils import _save_video_settings, image_processor
-    from transformers import AutoTokenizer, Qwen2_5OmniThinkerForConditionalGeneration, WhisperFeatureExtractor
+    from transformers import AutoTokenizer, WhisperFeatureExtractor
 
     from asyncllm.tiny import tiny_checkpoint
 
     path = Path(path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("qwen2"))
-    tokenizer.add_special_tokens({"additional_special_tokens": _TOKENS})
-    random_model(Qwen2_5OmniThinkerForConditionalGeneration, _thinker_config(tokenizer), seed).save_pretrained(path)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    random_model(model_cls, make_config(tokenizer), seed).save_pretrained(path)
     tokenizer.save_pretrained(path)
     extractor = WhisperFeatureExtractor(feature_size=MEL_BINS, sampling_rate=SAMPLING_RATE)
-    merged = {**extractor.to_dict(), **image_processor().to_dict()}
+    merged = {**extractor.to_dict(), **image_processor(patch_size=patch_size).to_dict()}
     (path / "preprocessor_config.json").write_text(json.dumps(merged))
-    _save_video_settings(path, patch_size=14)
+    _save_video_settings(path, patch_size=patch_size)
     return str(path)
 
 
-def make_full_omni_layout(thinker: str, path: str | os.PathLike[str]) -> str:
-    """The thinker at ``thinker`` saved as a ``Qwen2_5OmniForConditionalGeneration`` checkpoint: its config the
-    ``thinker_config`` of an Omni config (speech out enabled, as released), its weights under ``thinker.``, beside
-    stand-in talker and token2wav tensors."""
+def make_full_omni_layout(thinker: str, path: str | os.PathLike[str],
+                          architecture: str = "Qwen2_5OmniForConditionalGeneration", model_type: str = "qwen2_5_omni",
+                          speech_tensors: dict[str, tuple[int, ...]] = _SPEECH_TENSORS) -> str:
+    """The thinker at ``thinker`` saved as an ``architecture`` (a ``Qwen2_5OmniForConditionalGeneration``) checkpoint:
+    its config the ``thinker_config`` of an Omni config (speech out enabled, as released), its weights under
+    ``thinker.``, beside stand-in speech-out tensors (the talker's and token2wav's)."""
     import shutil
 
     import torch
@@ -73,11 +85,11 @@ def make_full_omni_layout(thinker: str, path: str | os.PathLike[str]) -> str:
     shutil.copytree(thinker, path)
     (path / "model.safetensors").unlink()
     thinker_config = json.loads((Path(thinker) / "config.json").read_text())
-    config = {"architectures": ["Qwen2_5OmniForConditionalGeneration"], "model_type": "qwen2_5_omni",
-              "enable_audio_output": True, "thinker_config": thinker_config}
+    config = {"architectures": [architecture], "model_type": model_type, "enable_audio_output": True,
+              "thinker_config": thinker_config}
     (path / "config.json").write_text(json.dumps(config))
     weights = {"thinker." + name: tensor for name, tensor in load_file(Path(thinker) / "model.safetensors").items()}
-    weights.update({name: torch.zeros(shape) for name, shape in _SPEECH_TENSORS.items()})
+    weights.update({name: torch.zeros(shape) for name, shape in speech_tensors.items()})
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
     return str(path)
 
@@ -109,16 +121,24 @@ def hf_omni_greedy(path: str, text: str, images: list[bytes], audios: list, max_
         frames = features["attention_mask"].sum(-1)
         text = _expanded(text, "<|AUDIO|>", iter(((((frames - 1) // 2 + 1) - 2) // 2 + 1).tolist()))
     if videos:
-        inputs["pixel_values_videos"] = torch.cat([torch.from_numpy(v.reshape(-1, v.shape[-1])) for v in videos])
-        inputs["video_grid_thw"] = torch.tensor([list(v.shape[:3]) for v in videos])
-        inputs["video_second_per_grid"] = torch.tensor(seconds_per_grid)
-        text = _expanded(text, "<|VIDEO|>", iter((inputs["video_grid_thw"].prod(-1) // 4).tolist()))
+        text = video_inputs(inputs, text, "<|VIDEO|>", videos, seconds_per_grid)
     ids = tokenizer([text], return_tensors="pt")["input_ids"]
     inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
     with torch.no_grad():
         out = hf_thinker(path).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     prompt_ids = ids[0].tolist()
     return prompt_ids, out[0, len(prompt_ids):].tolist()
+
+
+def video_inputs(inputs: dict, text: str, token: str, videos: list, seconds_per_grid: list[float]) -> str:
+    """Put the videos' (``(t, h, w, features)`` patches each) transformers inputs in ``inputs``; ``text`` with each
+    ``token`` repeated once per placeholder."""
+    import torch
+
+    inputs["pixel_values_videos"] = torch.cat([torch.from_numpy(v.reshape(-1, v.shape[-1])) for v in videos])
+    inputs["video_grid_thw"] = torch.tensor([list(v.shape[:3]) for v in videos])
+    inputs["video_second_per_grid"] = torch.tensor(seconds_per_grid)
+    return _expanded(text, token, iter((inputs["video_grid_thw"].prod(-1) // 4).tolist()))
 
 
 @functools.lru_cache(maxsize=2)

@@ -99,9 +99,10 @@ class DraftModelRunner:
 
     @torch.inference_mode()
     def step(self, inputs: StepInputs, sampled: list[RequestState], batch: InputBatch,
-             hidden: torch.Tensor) -> dict[str, list[int]]:
+             hidden: torch.Tensor, rope_positions: torch.Tensor | None = None) -> dict[str, list[int]]:
         """Run the draft over the step's tokens, then propose for the ``sampled`` requests (after verification).
-        ``hidden``: the target's output of the step (what an EAGLE head reads; a draft model needs none)."""
+        ``hidden``, ``rope_positions``: the target's output and rotary positions of the step (what an EAGLE head
+        reads; a draft model, for text targets only, needs neither)."""
         self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
         proposing = self.proposing(sampled)
         if not proposing:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from asyncllm.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM, eagle3_aux_layers, load_head_config
+from asyncllm.models.eagle_targets import chain_offsets, head_mrope, target_decoder
 from asyncllm.models.loader import (checkpoint_files, iterate_safetensors, load_model,
                                     resolve_model_path)
 from asyncllm.models.checkpoint import served_hf_config
@@ -43,6 +44,10 @@ class EagleRunner(DraftModelRunner):
     """An EAGLE head, its KV cache and its proposals on one rank."""
 
     target: Any = None
+    mrope: Any = None
+    """An M-RoPE head's image-text target's positions (workers/mm_runner.py `MRopePositions`); None otherwise."""
+    chain_offsets: torch.Tensor | None = None
+    """The proposing requests' M-RoPE deltas, added to their drafts' positions (None: none has one)."""
 
     @property
     def reads_layers(self) -> bool:
@@ -64,26 +69,37 @@ class EagleRunner(DraftModelRunner):
         self.kv_cache_dtype = kv_cache_dtype
         self.hf_config = hf_config
 
-    def share_target(self, target: Any) -> None:
-        """Lend the head the target's embeddings and LM head; EAGLE-3: have its decoder keep the layers' inputs."""
+    def share_target(self, target: Any, mm_runner: Any = None) -> None:
+        """Lend the head the target's embeddings and LM head; EAGLE-3: have its decoder keep the layers' inputs.
+        ``mm_runner``: an image-text target's (an M-RoPE head reads its requests' positions)."""
         self.target = target
         self.model.share_target(target)
+        if head_mrope(self.hf_config)[0]:
+            self.mrope = getattr(mm_runner, "mrope", None)
         if self.reads_layers:
-            decoder = target.model
+            decoder = target_decoder(target)
             decoder.aux_layers = eagle3_aux_layers(self.hf_config, len(decoder.layers))
 
     @torch.inference_mode()
     def step(self, inputs: StepInputs, sampled: list[RequestState], batch: InputBatch,
-             hidden: torch.Tensor) -> dict[str, list[int]]:
+             hidden: torch.Tensor, rope_positions: torch.Tensor | None = None) -> dict[str, list[int]]:
+        """``rope_positions``: the target's (M-RoPE's, for an image-text target), which an M-RoPE head rotates at;
+        a 1-D head rotates at the tokens' indices (asyncllm/models/eagle_targets.py)."""
         meta = inputs.attn_metadata
-        decoder = self.target.model
+        decoder = target_decoder(self.target)
         target_hidden = self.model.combine(hidden, [decoder.aux_hidden[i] for i in decoder.aux_layers])
         firsts = _first_positions(inputs)
         next_ids = torch.from_numpy(self._next_ids(inputs, batch, firsts)).to(self.device)
-        out, carried = self.model(next_ids, inputs.positions, self.kv_caches, meta, target_hidden)
+        positions = rope_positions if self.mrope is not None and rope_positions is not None else inputs.positions
+        if positions.dim() == 1:
+            out, carried = self.model(next_ids, positions, self.kv_caches, meta, target_hidden)
+        else:
+            with self.model.layer_positions(positions) as flat:
+                out, carried = self.model(next_ids, flat, self.kv_caches, meta, target_hidden)
         proposing = self.proposing(sampled)
         if not proposing:
             return {}
+        self.chain_offsets = chain_offsets(self.mrope, [state.req_id for state in proposing], self.device)
         rows = torch.tensor(self._last_rows(inputs, proposing, firsts), dtype=torch.int64, device=self.device)
         first = self.model.draft_ids(out.index_select(0, rows))
         drafts = [first.cpu()]
@@ -94,6 +110,8 @@ class EagleRunner(DraftModelRunner):
 
     def one_pass(self, ids: torch.Tensor, positions: torch.Tensor, meta: Any,
                  hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.chain_offsets is not None:  # an M-RoPE head: drafts at index + delta, as the target decodes
+            positions = positions + self.chain_offsets
         out, carried = self.model(ids, positions, self.kv_caches, meta, hidden)
         return self.model.draft_ids(out), carried
 

@@ -28,6 +28,7 @@ from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.workers.block_table import BlockTable
+from asyncllm.workers.generation_rules import GenerationRules
 from asyncllm.workers.logits_processors import RowLogitsParams, build_logits_processors_metadata
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
@@ -129,6 +130,8 @@ class InputBatch:
         self._copies_done = torch.cuda.Event() if device.type == "cuda" else None
         self.feedback = TokenFeedback(max_num_reqs, device)
         """The last deferred step's sampled ids, for the next step's inputs (workers/token_feedback.py)."""
+        self.generation_rules: GenerationRules | None = None
+        """The model's generation_config rules (suppressed ids, Whisper's timestamps), set by the model runner."""
 
     def _init_sampling_rows(self, num_rows: int) -> None:
         self.temperature = np.zeros(num_rows, np.float32)
@@ -174,6 +177,8 @@ class InputBatch:
         )
         if new.params.prompt_logprobs is not None and len(new.token_ids) == new.num_prompt_tokens:
             self.prompt_logprobs_req_ids.add(new.req_id)
+        if self.generation_rules is not None:
+            self.generation_rules.add(row, new.token_ids, new.num_prompt_tokens)
         self._count_extras(self.requests[new.req_id], 1)
         self.block_table.append(row, new.block_ids)
         params = new.params
@@ -186,14 +191,18 @@ class InputBatch:
         state = self.requests.pop(req_id, None)
         self.prompt_logprobs_req_ids.discard(req_id)
         if state is not None:
+            if self.generation_rules is not None:
+                self.generation_rules.discard(state.row)
             self._count_extras(state, -1)
             self.block_table.clear(state.row)
             self._free_rows.append(state.row)
 
     @property
     def num_logits_params_rows(self) -> int:
-        """Rows with logit_bias, min_tokens or penalties (their processors read output tokens on the host)."""
-        return self._num_logits_params
+        """Rows with logit_bias, min_tokens or penalties, or Whisper's timestamps (their processors read output
+        tokens on the host)."""
+        timestamps = self.generation_rules.timestamp_rows if self.generation_rules is not None else ()
+        return self._num_logits_params + len(timestamps)
 
     def _count_extras(self, state: RequestState, sign: int) -> None:
         self._num_logits_params += sign * (state.logits_params is not None)
@@ -350,7 +359,7 @@ class InputBatch:
         device = self.device
         processors = build_logits_processors_metadata(states, device) if self._num_logits_params else None
         logprobs = LogprobsMetadata.build([s.params.logprobs for s in states], device) if self._num_logprobs else None
-        return SamplingMetadata.from_arrays(
+        sampling = SamplingMetadata.from_arrays(
             self.temperature[rows],
             self.top_k[rows],
             self.top_p[rows],
@@ -361,6 +370,9 @@ class InputBatch:
             logits_processors=processors,
             logprobs=logprobs,
         )
+        if self.generation_rules is not None:
+            sampling.generation_rules = self.generation_rules.step(states, positions)
+        return sampling
 
     # ------------------------------------------------------------ after the step
     def finish_step(self, inputs: StepInputs, sched_out: SchedulerOutput, sampled: list[int],

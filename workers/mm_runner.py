@@ -100,6 +100,17 @@ class MRopePositions:
                 inside, table[:, np.minimum(index, table.shape[1] - 1)], index + delta)
         return torch.from_numpy(out).to(device)
 
+    def prompt_rows(self, spans: list[ScheduledSpan], flat: np.ndarray, num_rows: int,
+                    device: torch.device) -> torch.Tensor | None:
+        """``[num_rows]`` bool: the step's rows inside their request's prompt, of the requests with images; None
+        when there are none (`AttentionMetadata.mm_prompt_rows`)."""
+        rows = np.zeros(num_rows, bool)
+        for span in spans:
+            if span.req_id in self.requests:
+                end = span.flat_offset + span.length
+                rows[span.flat_offset : end] = flat[span.flat_offset : end] < self.requests[span.req_id][0].shape[1]
+        return torch.from_numpy(rows).to(device) if rows.any() else None
+
 
 class MultiModalRunner:
     """Keeps each request's images on this rank and builds the embeddings of steps that reach them."""
@@ -114,6 +125,8 @@ class MultiModalRunner:
         self._reported = (0, 0)
         self.mrope = MRopePositions(model) if callable(getattr(model, "mrope_positions", None)) else None
         """M-RoPE models' positions (Qwen2-VL): None for the others."""
+        self.routes_prompt_rows = bool(getattr(model, "mm_routes_prompt_rows", False))
+        """Whether the model reads `AttentionMetadata.mm_prompt_rows` (ERNIE 4.5 VL's modality experts)."""
         self.cross_attention = bool(getattr(model, "mm_cross_attention", False))
         """An encoder-decoder model (Whisper): a request's encoder output feeds its cross-attention states, computed
         when it starts on this worker (`_encoder_outputs`), not its input embeddings."""
@@ -160,6 +173,9 @@ class MultiModalRunner:
         flat = batch.positions.np[: inputs.num_tokens]
         if self.mrope is not None:
             positions = self.mrope.positions(spans, flat, inputs.positions.device)
+            if self.routes_prompt_rows:
+                inputs.attn_metadata.mm_prompt_rows = self.mrope.prompt_rows(spans, flat, inputs.input_ids.shape[0],
+                                                                             inputs.positions.device)
         inputs.attn_metadata.attend_limit = attend_limit(self.cache.items, spans, flat, inputs.input_ids.shape[0],
                                                          inputs.positions.device)
         embeds = self.cache.inputs_embeds(inputs.input_ids, spans) if self.encodes else None

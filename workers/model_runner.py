@@ -25,7 +25,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.checkpoint import served_hf_config
 from asyncllm.models.loader import load_model, resolve_dtype, resolve_model_path
-from asyncllm.models.registry import KVCacheSpec, kv_cache_spec, kv_cache_torch_dtype
+from asyncllm.models.registry import KVCacheSpec, kv_cache_spec, kv_cache_torch_dtype, text_config_of
 from asyncllm.models.row_states import RowStates
 from asyncllm.models.st_dense import load_dense_projection
 from asyncllm.protocol import CachedRequestData, LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -34,6 +34,7 @@ from asyncllm.structured.bitmask import apply_grammar_bitmask
 from asyncllm.workers.cuda_graphs import CudaGraphRunner, attention_backend_name, capture_decode_graphs
 from asyncllm.workers.draft_runner import DraftModelRunner
 from asyncllm.workers.eagle_runner import EagleRunner, MTPRunner
+from asyncllm.workers.generation_rules import GenerationRules
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs, join_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
@@ -115,13 +116,16 @@ class ModelRunner:
             path = resolve_model_path(self.config.model, self.config.revision)
             self.pooler.projection = load_dense_projection(path, self.device, dtype)
         self.hf_config = hf_config
+        self.input_batch.generation_rules = GenerationRules.of(  # suppress_tokens, Whisper's timestamps
+            resolve_model_path(self.config.model, self.config.revision),
+            getattr(text_config_of(hf_config), "vocab_size", None), self.device)
         spec = self.config.scheduler_config.speculative
         if spec is not None and spec.uses_draft_model:  # a draft model, or an EAGLE head reading the target
             runner_cls = {"eagle": EagleRunner, "eagle3": EagleRunner, "mtp": MTPRunner}.get(spec.method, DraftModelRunner)
             self.drafter = runner_cls(self.config, spec, self.device)
             self.drafter.load_model(dtype, self.kv_cache_dtype, self.rank, self.tp_size)  # type: ignore[arg-type]
             if isinstance(self.drafter, EagleRunner):
-                self.drafter.share_target(model)
+                self.drafter.share_target(model, self.mm_runner)
 
     def attach_model(self, model: Any, kv_spec: KVCacheSpec, dtype: torch.dtype) -> None:
         """Use an already built model (`load_model` ends here; tests pass their own)."""
@@ -343,7 +347,7 @@ class ModelRunner:
         output.failed_requests = failed
         output.embeddings = embeddings
         if self.drafter is not None:  # the draft's KV of this step's tokens, and the next step's drafts
-            output.draft_token_ids = self._propose_drafts(inputs, failed, hidden)
+            output.draft_token_ids = self._propose_drafts(inputs, failed, hidden, positions)
         return output
 
     def _roll_back_states(self, inputs: StepInputs, verified: dict[int, list[int]]) -> None:
@@ -359,12 +363,13 @@ class ModelRunner:
             if state.logits_params is not None and state.logits_params.penalized:
                 self.sampler.penalty_tables.record_tokens(state.row, verified[request.sample])
 
-    def _propose_drafts(self, inputs: StepInputs, failed: dict[str, str], hidden: torch.Tensor) -> dict[str, list[int]]:
+    def _propose_drafts(self, inputs: StepInputs, failed: dict[str, str], hidden: torch.Tensor,
+                        positions: torch.Tensor) -> dict[str, list[int]]:
         assert self.drafter is not None
         batch, req_ids = self.input_batch, inputs.req_ids
         sampled = [batch.requests[req_ids[i]] for i in inputs.sample_indices
                    if req_ids[i] not in failed and req_ids[i] not in self.pooler.requests]
-        return self.drafter.step(inputs, sampled, batch, hidden)
+        return self.drafter.step(inputs, sampled, batch, hidden, positions)  # M-RoPE's, for an image-text target
 
     def _may_defer(self, sched_out: SchedulerOutput, sampler_out: SamplerOutput) -> bool:
         """No logprobs, grammar, images or drafts, and no prompt logprobs row (one computed this step is still in the set)."""

@@ -2,7 +2,8 @@
 
 Vectorised over the batch: first the logprobs of the raw logits for rows that
 asked (`workers/logprobs.py`), then logit_bias, the min_tokens mask and the
-penalties for every row that has them (`workers/logits_processors.py`); then
+penalties for every row that has them (`workers/logits_processors.py`), and the model's generation_config rules
+(suppressed ids, Whisper's timestamps: `workers/generation_rules.py`); then
 greedy rows take the argmax; random rows are divided by their temperature,
 filtered by top-k, top-p and min-p, and sampled with the exponential race
 (``argmax(probs / q)`` with ``q ~ Exp(1)``, which draws from ``probs`` exactly).
@@ -35,6 +36,7 @@ from asyncllm.workers.logits_processors import (
     apply_logits_processors,
     build_logits_processors_metadata,
 )
+from asyncllm.workers.generation_rules import RulesStep
 from asyncllm.workers.logprobs import LogprobsMetadata, sampled_logprobs
 
 __all__ = [
@@ -81,6 +83,8 @@ class SamplingMetadata:
     """logit_bias / min_tokens / penalties of all rows (greedy ones too); None when no row has any."""
     logprobs: LogprobsMetadata | None = None
     """Rows that return logprobs; None when none does."""
+    generation_rules: RulesStep | None = None
+    """The model's suppressed ids and timestamp rules (workers/generation_rules.py), after the processors above."""
 
     @classmethod
     def from_arrays(
@@ -196,6 +200,8 @@ class Sampler:
         processors = metadata.logits_processors
         if processors is not None:
             apply_logits_processors(logits, processors, self.penalty_tables)
+        if metadata.generation_rules is not None:
+            metadata.generation_rules.apply(logits)
         tokens, drawn_from = self._sample(logits, metadata, keep=processed and wanted is not None)
         if processors is not None and processors.penalties is not None:
             self.penalty_tables.record(processors.penalties, tokens)

@@ -46,6 +46,10 @@ class AttentionMetadata:
     encoder_outputs: list[tuple[int, torch.Tensor]] | None = None
     """(row, its audio's ``[rows, hidden]`` encoder output) of the requests starting on this worker this step, for an
     encoder-decoder model to compute their cross-attention states from (Whisper: asyncllm/models/whisper.py)."""
+    mm_prompt_rows: torch.Tensor | None = None
+    """[num_tokens] bool: the step's rows inside the prompt of a request with images, for a model that routes them
+    by modality (ERNIE 4.5 VL's experts: asyncllm/models/ernie4_5_vl.py), set when it asks (``mm_routes_prompt_rows``)
+    and some are; None otherwise (docs/moe.md)."""
     state_positions: list | None = None
     """The state layers' plan of the step's decodes and drafted requests a position at a time, built by the first
     state layer that runs the step and read by the others (asyncllm/models/row_states.py)."""

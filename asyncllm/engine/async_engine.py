@@ -34,7 +34,8 @@ from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParam
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.outputs import CompletionOutput, EngineStats, RequestOutput
 from asyncllm.sampling import RequestOutputKind, SamplingParams
-from asyncllm.speech import SpeechToText, speech_to_text_of, transcribe
+from asyncllm.speech import SpeechToText, speech_to_text_of, transcribe, transcribe_segments
+from asyncllm.speech_segments import Segment
 
 if TYPE_CHECKING:
     import torch
@@ -343,6 +344,12 @@ class AsyncEngine:
         English), ``prompt`` context before it. Audio longer than the model hears at once (30 s) runs as pieces cut
         at quiet moments, all at once, their texts in order (docs/multimodal.md#whisper); greedy unless ``params``."""
         return transcribe(self, audio, task=task, language=language, prompt=prompt, params=params)
+
+    async def transcribe_segments(self, audio: Any, *, task: str = "transcribe", language: str | None = None,
+                                  prompt: str | None = None, params: SamplingParams | None = None) -> list[Segment]:
+        """`transcribe` with timestamps: the audio's segments (``start``/``end`` seconds in the whole audio,
+        ``text``), Whisper's timestamp tokens predicted under its rules (docs/multimodal.md#whisper)."""
+        return await transcribe_segments(self, audio, task=task, language=language, prompt=prompt, params=params)
 
     async def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
                             max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:

@@ -103,9 +103,9 @@ def prepare(config: EngineConfig) -> Prepared:
     if config.enable_lora:
         if (multimodal or arch in _NO_LORA) and arch not in LORA_MULTIMODAL_ARCHITECTURES:
             raise NotBuiltError("enable_lora", True, f"LoRA adapters for {arch} (docs/models.md lists the "
-                                                     "architectures that take them; image-text checkpoints: the "
-                                                     "decoder of Qwen2-VL / Qwen2.5-VL / Qwen3-VL / Qwen3.5 / LFM2-VL / Llama 4, and "
-                                                     "Gemma 3 / Gemma 4 served as text: limit_mm_per_prompt={'image': 0})")
+                                                     "architectures that take them; where its LoRA column says "
+                                                     "'as text', serve it as text: limit_mm_per_prompt of 0 for "
+                                                     "each kind)")
         lora = AdapterChecker(text_config, config.max_lora_rank, *_expert_layers(hf_config, text_config, limits),
                               runs_tower=multimodal)
     mm = None
@@ -179,13 +179,13 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES, "MiniMaxForCausalLM")
-"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba), the encoders and MiniMax-Text-01 (not
-built: its lightning layers' fused ``qkv_proj`` and its layers' differing projections) take no adapters. Every
+_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES)
+"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba) and the encoders take no adapters. Every
 other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
 PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; DBRX's fused
 ``Wqkv``, not its bare expert matrices; Zamba2's shared blocks, one adapter per invocation,
-asyncllm/models/zamba2_lora.py; a hybrid's state layers take none but Qwen3.5's and Kimi-Linear's KDA layers', an
+asyncllm/models/zamba2_lora.py; a hybrid's state layers take none but Qwen3.5's, Kimi-Linear's KDA layers' and
+MiniMax's lightning layers' (``qkv_proj``, ``output_gate``, ``out_proj``), an
 adapter naming one, Mamba2's ``in_proj`` say, is refused by name)."""
 LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
                                  "Qwen3VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
@@ -194,7 +194,15 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "Glm4vMoeForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
                                  "Lfm2VlForConditionalGeneration", "GlmAsrForConditionalGeneration",
                                  "Qwen3ASRForConditionalGeneration", "Llama4ForConditionalGeneration",
-                                 "GraniteSpeechForConditionalGeneration")
+                                 "GraniteSpeechForConditionalGeneration", "PaliGemmaForConditionalGeneration",
+                                 "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniForConditionalGeneration",
+                                 # the decoder's hooks: asyncllm/models/decoder_lora.py
+                                 "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                 "LlavaOnevisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                                 "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration",
+                                 "AyaVisionForConditionalGeneration", "Gemma3ForConditionalGeneration",
+                                 "Mistral3ForConditionalGeneration", "Gemma4ForConditionalGeneration",
+                                 "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration")
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
 tower matrices is refused)."""
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.mm.audios import AudioInput, read_audio
 from asyncllm.mm.host_cache import (
     HostProcessorCache,
@@ -191,6 +191,11 @@ class MultiModalProcessor:
                  max_images: int | None = None, max_videos: int | None = None, video_num_frames: int = DEFAULT_NUM_FRAMES,
                  max_audios: int | None = None) -> None:
         takes_images = getattr(model_cls, "mm_takes_images", True)  # Qwen2-Audio: audio only
+        self._not_built: dict[str, str] = getattr(model_cls, "mm_not_built", {})
+        """Kinds whose encoder the checkpoint has but asyncllm does not build (Gemma 3n's images): the encoder's name.
+        A limit above 0 is a `NotBuiltError`, an input of that kind fails its request, each naming it."""
+        if max_images and "image" in self._not_built:
+            raise NotBuiltError("limit_mm_per_prompt.image", max_images, f"image input ({self._not_built['image']})")
         if takes_images:
             try:
                 import PIL  # noqa: F401
@@ -411,6 +416,9 @@ class MultiModalProcessor:
         """A prompt's inputs of one kind and their uuids, checked against ``limit_mm_per_prompt``."""
         if not isinstance(given, (list, tuple)):
             raise InvalidRequestError(field, f"must be a list of {kind}s, got {type(given).__name__}")
+        if given and kind in self._not_built:
+            raise InvalidRequestError(field, f"{len(given)} {kind}s, but {self._not_built[kind]} is not built yet in "
+                                             f"asyncllm ({self._model_cls.__name__} serves the other kinds)")
         if given and self._markers()[kind] is None:
             raise InvalidRequestError(field, f"{self._model_cls.__name__} takes no {kind}s")
         if limit is not None and len(given) > limit:

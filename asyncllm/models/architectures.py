@@ -74,7 +74,9 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "JambaForCausalLM", "SolarOpenForCausalLM", "SarvamMoEForCausalLM", "Gemma4ForCausalLM",
                      "Gemma4ForConditionalGeneration", "ExaoneMoeForCausalLM", "GraniteMoeSharedForCausalLM",
                      "FlexOlmoForCausalLM", "PhimoeForCausalLM", "DbrxForCausalLM",
-                     "Glm4vMoeForConditionalGeneration", "KimiLinearForCausalLM", "MiniMaxForCausalLM")
+                     "Glm4vMoeForConditionalGeneration", "KimiLinearForCausalLM", "MiniMaxForCausalLM",
+                     "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration",
+                     "Ernie4_5_VLMoeForConditionalGeneration")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                             "LlavaOnevisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
@@ -82,7 +84,7 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
                             "InternVLForConditionalGeneration", "Gemma3ForConditionalGeneration",
-                            "PaliGemmaForConditionalGeneration",
+                            "PaliGemmaForConditionalGeneration", "Gemma3nForConditionalGeneration",
                             "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                             "Gemma4ForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
                             "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
@@ -91,19 +93,23 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration",
                             "GraniteSpeechForConditionalGeneration",
                             "Llama4ForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration",
-                            "Qwen2_5OmniForConditionalGeneration")
+                            "Qwen2_5OmniForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration",
+                            "Qwen3OmniMoeForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only)."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
                        "WhisperForConditionalGeneration", "GlmAsrForConditionalGeneration",
-                       "Qwen3ASRForConditionalGeneration", "GraniteSpeechForConditionalGeneration")
+                       "Qwen3ASRForConditionalGeneration", "GraniteSpeechForConditionalGeneration",
+                       "Gemma3nForConditionalGeneration")
 """Of those, the ones that take audio (and no images: docs/multimodal.md#audio; Whisper, an encoder-decoder:
-docs/multimodal.md#whisper)."""
+docs/multimodal.md#whisper; Gemma 3n, whose vision tower is not built: docs/multimodal.md#gemma-3n)."""
 TEXT_ONLY_CAPABLE_ARCHITECTURES = ("Gemma3ForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                                    "Qwen3_5MoeForConditionalGeneration", "Gemma4ForConditionalGeneration",
-                                   "Mistral3ForConditionalGeneration", "Llama4ForConditionalGeneration")
-"""Image-text architectures that can serve text alone, their vision tower unread (vLLM's language-model-only mode:
-``limit_mm_per_prompt`` of 0 images and 0 videos; asyncllm/models/registry.py names the classes)."""
+                                   "Mistral3ForConditionalGeneration", "Llama4ForConditionalGeneration",
+                                   "Gemma3nForConditionalGeneration")
+"""Image-text (Gemma 3n: audio-text) architectures that can serve text alone, their towers unread (vLLM's
+language-model-only mode: ``limit_mm_per_prompt`` of 0 images and 0 videos; asyncllm/models/registry.py names the
+classes)."""
 
 
 def has_experts(hf_config: Any, arch: str) -> bool:

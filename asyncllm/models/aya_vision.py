@@ -26,6 +26,7 @@ from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
 from asyncllm.mm.qwen_video import VideoPiece
 from asyncllm.models.cohere import Cohere2ForCausalLM, CohereForCausalLM
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.idefics3 import pixel_shuffle
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import normalize_llava_name
@@ -67,7 +68,7 @@ def _check_config(hf_config: Any) -> None:
         raise NotBuiltError("vision_feature_select_strategy", hf_config.vision_feature_select_strategy, "'full'")
 
 
-class AyaVisionForConditionalGeneration(VisionLanguageModel):
+class AyaVisionForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """A SigLIP tower, pixel shuffle and a SwiGLU projector before the Cohere decoder; each tile one item."""
 
     supports_encoder_data_parallel = True

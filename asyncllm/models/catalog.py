@@ -25,7 +25,7 @@ _GENERAL = {"LlamaForCausalLM": "quickstart.md", "MistralForCausalLM": "quicksta
 
 def _kind(arch: str) -> str:
     if arch in AUDIO_ARCHITECTURES:
-        return "audio-text"
+        return "audio-text" + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")
     if arch in MULTIMODAL_ARCHITECTURES:
         experts = ", experts" if arch in MOE_ARCHITECTURES else ""
         return "image-text" + experts + (" (or text only)" if arch in TEXT_ONLY_CAPABLE_ARCHITECTURES else "")

@@ -18,7 +18,10 @@ all of them while its context holds no more.
   such steps are not captured in CUDA graphs.
 - **Parallelism.** The indexer is whole on every rank (its choice is the same everywhere); the latent attention's
   heads split as V3's. LoRA adapters apply as V3's (the latent attention's projections, the MLPs and experts); an
-  adapter of the indexer's own projections is refused by name, and so is pipeline parallelism.
+  adapter of the indexer's own projections is refused by name. A pipeline stage runs its own layers
+  (`SparseModel.run_stage`) over its layers' latent and indexer caches; a stage after the first must begin with a
+  layer that runs its own indexer (GLM-5's "shared" layers reuse a choice no stage sends on:
+  `check_indexer_split`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ from asyncllm.models.deepseek import (
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import DecoderBuild
+from asyncllm.models.pipeline import PipelineStage
+from asyncllm.pipeline_parallel import check_indexer_split
 
 __all__ = ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "LightningIndexer", "sparse_latent_attention"]
 
@@ -178,21 +183,65 @@ class SparseAttention(DeepseekAttention):
 class SparseDecoderLayer(DeepseekDecoderLayer):
     attention_cls = SparseAttention  # type: ignore[assignment]
 
+    def __init__(self, b: DecoderBuild, layer_idx: int) -> None:
+        super().__init__(b, layer_idx)
+        self.num_kv_caches = 1 + (self.self_attn.indexer is not None)
+        """Its latent cache, and its indexer's where it has one (a pipeline stage counts its caches)."""
+
 
 class SparseModel(DeepseekModel):
-    """V3's decoder stack; each layer gets its latent cache, its indexer's, and the step's choice."""
+    """V3's decoder stack; each layer gets its latent cache, its indexer's, and the step's choice. A pipeline stage
+    runs its layers itself (`run_stage`): what crosses a boundary is Llama's (hidden, residual)."""
 
     layer_cls = SparseDecoderLayer
 
+    def __init__(self, b: DecoderBuild) -> None:
+        super().__init__(b)
+        cfg, stage = b.hf_config, b.pipeline
+        self.indexed = tuple(has_indexer(cfg, i) for i in range(cfg.num_hidden_layers))
+        """Which layers run their own indexer (and keep its cache)."""
+        self.hidden_size = int(cfg.hidden_size)
+        if stage is not None and stage.size > 1:  # the host checked the whole split; this stage's bounds again
+            parts = (stage.start_layer, stage.num_layers, cfg.num_hidden_layers - stage.end_layer)
+            check_indexer_split(cfg, [count for count in parts if count])
+
+    def caches_before(self, layer: int) -> int:
+        """The KV caches of the layers before ``layer`` (a latent and maybe an indexer cache each): where a stage
+        starting there finds its first."""
+        return layer + sum(self.indexed[:layer])
+
+    def layer_caches(self, start: int, end: int, kv_caches: list[torch.Tensor]) -> list[Any]:
+        """Layers ``[start, end)``'s (latent cache, indexer cache or None, the step's `StepChoice`) from
+        ``kv_caches``, theirs in order."""
+        if len(kv_caches) != self.caches_before(end) - self.caches_before(start):
+            raise ValueError(f"{len(kv_caches)} KV caches for layers {start} to {end - 1} and their indexers")
+        caches, step = iter(kv_caches), StepChoice()
+        return [(next(caches), next(caches) if self.indexed[i] else None, step) for i in range(start, end)]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        caches, step, grouped = iter(kv_caches), StepChoice(), []
-        for layer in self.layers:
-            latent = next(caches)
-            grouped.append((latent, next(caches) if layer.self_attn.indexer is not None else None, step))
-        if next(caches, None) is not None:
-            raise ValueError(f"{len(kv_caches)} KV caches for {len(self.layers)} layers and their indexers")
+        grouped = self.layer_caches(0, len(self.layers), kv_caches)
         return super().forward(input_ids, positions, grouped, metadata, inputs_embeds)  # type: ignore[arg-type]
+
+    def stage_widths(self, stage: PipelineStage) -> tuple[int, int]:
+        """What a stage after the first receives: the hidden states and the residual stream."""
+        return self.hidden_size, self.hidden_size
+
+    def run_stage(self, stage: PipelineStage, received: tuple[torch.Tensor, torch.Tensor] | None,
+                  input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                  metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None
+                  ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The stage's layers over its caches: the final hidden states on the last stage, else (hidden, residual)
+        to send on."""
+        hidden, residual = received if received is not None else (self.embed(input_ids, positions, inputs_embeds),
+                                                                   None)
+        caches = self.layer_caches(stage.start_layer, stage.end_layer, kv_caches)
+        for layer, cache in zip(self.layers[stage.start_layer : stage.end_layer], caches, strict=True):
+            hidden, residual = layer(positions, hidden, residual, cache, metadata)
+        if stage.is_last:
+            return self.final(hidden, residual)
+        assert residual is not None, "a stage holds at least one layer"
+        return hidden, residual
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):

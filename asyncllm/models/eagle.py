@@ -21,23 +21,28 @@ embedding of token ``p + 1`` and the target's hidden state at ``p``.
 Either way the next draft reads the head's own output (EAGLE-3: before its
 final norm) in place of the target's hidden state. The checkpoints' names are
 read as published (``midlayer.`` is EAGLE-3's first layer; ``t2d`` is not
-needed).
+needed). For an image-text target (Qwen2-VL family) the head reads its language
+model and may rotate by M-RoPE: asyncllm/models/eagle_targets.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
-from typing import Any, Iterable
+from typing import Any, ContextManager, Iterable
 
 import torch
 from torch import nn
 
 from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.eagle_targets import head_mrope, normalize_head_rope, target_decoder
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, copy_weight, head_dim_of
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM
+from asyncllm.models.mrope import MRotaryEmbedding
 
 __all__ = ["EAGLE3_ARCHITECTURES", "Eagle3LlamaForCausalLM", "EagleLlamaForCausalLM", "TargetReader",
            "eagle3_aux_layers", "load_head_config", "speculators_kind", "target_embeddings"]
@@ -73,7 +78,7 @@ def load_head_config(path: str) -> Any:
     raw = _raw_config(path)
     kind = raw.get("speculators_model_type")
     if kind is None:
-        return load_hf_config(path)
+        return normalize_head_rope(load_hf_config(path))
     if kind != "eagle3":
         raise NotBuiltError("speculative_config", path, f"a speculators-format {kind!r} head (its eagle3 heads are "
                                                         "read)")
@@ -83,13 +88,13 @@ def load_head_config(path: str) -> Any:
     config = LlamaConfig(**layer, **extra, norm_before_residual=raw.get("norm_before_residual", True))
     config.architectures = ["Eagle3LlamaForCausalLM"]
     config.speculators_model_type = kind
-    return config
+    return normalize_head_rope(config)
 
 
 def target_embeddings(target: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """The target's embedding rows of ``input_ids``, unscaled (Gemma scales its embeddings in its own forward; a
     head reads the table, as vLLM's share it)."""
-    return VocabParallelEmbedding.forward(target.model.embed_tokens, input_ids)
+    return VocabParallelEmbedding.forward(target_decoder(target).embed_tokens, input_ids)
 
 
 def eagle3_aux_layers(draft_config: Any, num_target_layers: int) -> tuple[int, ...]:
@@ -129,6 +134,11 @@ class _EagleHead(TargetReader, LlamaForCausalLM):
                  attn_backend: Any, max_position: int) -> None:
         nn.Module.__init__(self)
         build = self.decoder_build(hf_config, dtype, tp, attn_backend, max_position, False)
+        mrope, interleaved = head_mrope(hf_config)
+        if mrope:  # a head trained on an M-RoPE target's positions (asyncllm/models/eagle_targets.py)
+            build = dataclasses.replace(build, rotary_emb=MRotaryEmbedding(hf_config, head_dim_of(hf_config),
+                                                                           max_position, interleaved))
+        self.rotary_emb = build.rotary_emb
         self.pipeline = None
         self.tie_word_embeddings = False
         self.layers = nn.ModuleList(self.make_layer(build, i) for i in range(hf_config.num_hidden_layers))
@@ -136,6 +146,13 @@ class _EagleHead(TargetReader, LlamaForCausalLM):
 
     def make_layer(self, b: DecoderBuild, layer_idx: int) -> nn.Module:
         return LlamaDecoderLayer(b, layer_idx)
+
+    def layer_positions(self, positions: torch.Tensor) -> ContextManager[torch.Tensor]:
+        """``[3, T]`` M-RoPE positions (an M-RoPE head in a step through an image's prompt): the step's table
+        while inside; ``[T]`` ones as they are."""
+        if positions.dim() == 1:
+            return contextlib.nullcontext(positions)
+        return self.rotary_emb.rotating_by(positions)
 
     def run_layers(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                    kv_caches: list[torch.Tensor], metadata: Any, start: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,12 +71,19 @@ def latent_attention_shapes(cfg: Any) -> dict[str, tuple[int, int]]:
     return {"q_a_proj": (hidden, cfg.q_lora_rank), "q_b_proj": (cfg.q_lora_rank, query), **shapes}
 
 
+_OMNI_ARCHITECTURES = {"qwen2_5_omni": "Qwen2_5OmniForConditionalGeneration",
+                       "qwen3_omni_moe": "Qwen3OmniMoeForConditionalGeneration"}
+"""The full Qwen-Omni configs (thinker, talker, vocoder) whose thinker is served, and their architectures."""
+
+
 def omni_thinker_config(config: Any) -> Any:
-    """A ``Qwen2_5OmniForConditionalGeneration`` config -> its ``thinker_config``, under the checkpoint's
-    architecture (the one served: asyncllm/models/qwen2_5_omni.py, whose talker and token2wav are not built, whatever
-    the checkpoint's ``enable_audio_output``); any other config unchanged."""
+    """A ``Qwen2_5OmniForConditionalGeneration`` or ``Qwen3OmniMoeForConditionalGeneration`` config -> its
+    ``thinker_config``, under the checkpoint's architecture (the one served: asyncllm/models/qwen2_5_omni.py and
+    qwen3_omni.py, whose talker and vocoder are not built, whatever the checkpoint's ``enable_audio_output``); any
+    other config unchanged."""
     thinker = getattr(config, "thinker_config", None)
-    if getattr(config, "model_type", None) != "qwen2_5_omni" or thinker is None:
+    architecture = _OMNI_ARCHITECTURES.get(getattr(config, "model_type", None))
+    if architecture is None or thinker is None:
         return config
-    thinker.architectures = list(getattr(config, "architectures", None) or ["Qwen2_5OmniForConditionalGeneration"])
+    thinker.architectures = list(getattr(config, "architectures", None) or [architecture])
     return thinker

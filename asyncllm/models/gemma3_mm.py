@@ -27,6 +27,7 @@ from torch import nn
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
 from asyncllm.mm.qwen_video import VideoPiece
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.gemma3 import Gemma3ForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import normalize_llava_name
@@ -80,7 +81,7 @@ class Gemma3MultiModalProjector(nn.Module):
         return torch.matmul(normed.type_as(pooled), self.mm_input_projection_weight).type_as(patches)
 
 
-class Gemma3ForConditionalGeneration(VisionLanguageModel):
+class Gemma3ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Image features replace the ``<image_soft_token>`` rows' embeddings (after the decoder's embedding scale,
     as transformers); the rest is the Gemma 3 decoder."""
 

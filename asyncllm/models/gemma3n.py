@@ -16,14 +16,14 @@ per-layer inputs (gemma4.py) under Gemma 3n's layer, in transformers' order of o
   stream but the first; token ids past ``vocab_size_per_layer_input`` take id 0's per-layer embedding.
 - Per-layer MLP widths (``intermediate_size`` a list), logits capped by ``final_logit_softcapping``.
 
-Pipeline stages: gemma4_stages.py (the four streams cross a boundary side by side). Not built: images and audio
-(the towers of ``Gemma3nForConditionalGeneration``: a `NotBuiltError` names them), LoRA adapters.
+Pipeline stages: gemma4_stages.py (the four streams cross a boundary side by side). Audio: gemma3n_mm.py (images
+are not built: a `NotBuiltError` names the vision tower).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -177,6 +177,15 @@ class Gemma3nModel(Gemma4Model):
         self.altup_unembed_projections = projections(stage is None or stage.is_last)
         self.per_layer_vocab = int(cfg.vocab_size_per_layer_input)
         self.num_streams, self.stream_width = cfg.altup_num_inputs, cfg.altup_num_inputs * cfg.hidden_size
+        self.embed_special: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        """``Gemma3nForConditionalGeneration``'s: the ids of its towers' token ranges embedded by their embedders
+        (gemma3n_mm.py), where no step's embeddings are given."""
+
+    def embed_stream(self, input_ids: torch.Tensor, inputs_embeds: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if inputs_embeds is None and self.embed_special is not None:
+            inputs_embeds = self.embed_special(input_ids, self.embed_tokens(input_ids))
+        return super().embed_stream(input_ids, inputs_embeds)
 
     def per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """Gemma 4's, with ids past the per-layer table taking id 0's row (transformers' ``get_per_layer_inputs``)."""

@@ -12,11 +12,15 @@ attention sees, for each query, itself and the ``attention_context_left - 2`` fr
 term (a sinusoid per distance, projected by ``relative_k_proj``), soft-capped by ``tanh``. transformers computes it
 in blocks of ``attention_chunk_size`` queries; here it is one dense band-masked product per audio (an audio's at
 most 750 rows make a small ``T x T``). A row is kept per real subsampled frame: ``mask[::2][::2].sum()`` rows.
+
+`ConformerTower` (the layers) is Gemma 3n's too (gemma3n_audio.py, over its own subsampler), with the differences
+a `ConformerVariant` names: unscaled keys, a window one frame wider each way.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +32,7 @@ from asyncllm.models.gemma4 import Gemma4RMSNorm
 from asyncllm.models.gemma4_vision import ClippableLinear
 from asyncllm.models.layers import new_param
 
-__all__ = ["Gemma4AudioTower", "audio_rows"]
+__all__ = ["ConformerTower", "ConformerVariant", "Gemma4AudioTower", "audio_rows"]
 
 _NORM_EPS = 1e-6
 """transformers builds the conformer's layer and feed-forward norms with their default eps, not the config's."""
@@ -41,9 +45,34 @@ def audio_rows(mask: Any) -> Any:
     return mask[:, ::2][:, ::2].sum(-1)
 
 
+@dataclass(frozen=True)
+class ConformerVariant:
+    """How a USM conformer's attention differs between Gemma 4 (the default) and Gemma 3n (``gemma3n=True``)."""
+
+    gemma3n: bool = False
+    """Gemma 3n: keys unscaled; a query attends ``context_left - 1`` frames back and ``context_right`` ahead (Gemma 4:
+    one fewer each way); the relative table holds the distances ``context_left - 1`` down to ``-context_right``
+    (Gemma 4: ``(chunk + context_left - 1 + context_right) // 2`` down to 0)."""
+
+    @property
+    def key_scale(self) -> float:
+        return 1.0 if self.gemma3n else math.log(1 + math.e) / math.log(2)
+
+    def window(self, cfg: Any) -> tuple[int, int]:
+        """(past, future) for `_allowed`."""
+        wider = int(self.gemma3n)
+        return cfg.attention_context_left - 1 + wider, cfg.attention_context_right + wider
+
+    def distances(self, cfg: Any) -> tuple[int, int]:
+        """The relative table's first (farthest back) and last distances."""
+        if self.gemma3n:
+            return cfg.attention_context_left - 1, -cfg.attention_context_right
+        return (cfg.attention_chunk_size + cfg.attention_context_left - 1 + cfg.attention_context_right) // 2, 0
+
+
 def _allowed(kept: torch.Tensor, past: int, future: int) -> torch.Tensor:
     """``[N, 1, T, T]`` (query, key): a key is attended when it is real and fewer than ``past`` frames back or
-    ``future`` ahead (transformers' sliding mask of ``(context_left - 1, context_right)``)."""
+    ``future`` ahead (Gemma 4: transformers' sliding mask of ``(context_left - 1, context_right)``)."""
     frames = torch.arange(kept.shape[1], device=kept.device)
     back = frames[:, None] - frames[None, :]
     window = ((back >= 0) & (back < past)) | ((back < 0) & (-back < future))
@@ -120,7 +149,7 @@ class _LightConv(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, variant: ConformerVariant) -> None:
         super().__init__()
         clipped, hidden = bool(cfg.use_clipped_linears), cfg.hidden_size
         self.heads, self.head_dim = cfg.num_attention_heads, hidden // cfg.num_attention_heads
@@ -130,13 +159,14 @@ class _Attention(nn.Module):
         self.relative_k_proj.weight = new_param(hidden, hidden, dtype=dtype)
         self.per_dim_scale = new_param(self.head_dim, dtype=dtype)
         self.q_scale = self.head_dim**-0.5 / math.log(2)
-        self.k_scale = math.log(1 + math.e) / math.log(2)
+        self.k_scale = variant.key_scale
         self.cap, self.invalid = float(cfg.attention_logit_cap), float(cfg.attention_invalid_logits_value)
         self.past = cfg.attention_context_left - 1
-        """A query's block context reaches this many frames back (one fewer are attended: `_allowed`)."""
-        self.future = cfg.attention_context_right
-        self.farthest = (cfg.attention_chunk_size + self.past + self.future) // 2
-        """The relative sinusoids cover distances ``farthest .. 0`` (index 0 the farthest)."""
+        """A query's block context reaches this many frames back: a key ``d`` frames back takes the relative
+        table's row ``past - d``."""
+        first, last = variant.distances(cfg)
+        self.farthest = first - last
+        """The table's last row (row 0: its farthest distance back)."""
 
     def forward(self, x: torch.Tensor, sinusoids: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """``x`` ``[N, T, D]``; ``sinusoids`` ``[farthest + 1, D]``; ``allowed`` ``[N, 1, T, T]`` (query, key)."""
@@ -165,11 +195,11 @@ class _Attention(nn.Module):
 
 
 class _ConformerLayer(nn.Module):
-    def __init__(self, cfg: Any, act: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, act: Any, dtype: torch.dtype, variant: ConformerVariant) -> None:
         super().__init__()
         self.feed_forward1 = _FeedForward(cfg, act, dtype)
         self.feed_forward2 = _FeedForward(cfg, act, dtype)
-        self.self_attn = _Attention(cfg, dtype)
+        self.self_attn = _Attention(cfg, dtype, variant)
         self.lconv1d = _LightConv(cfg, act, dtype)
         for name in ("norm_pre_attn", "norm_post_attn", "norm_out"):
             setattr(self, name, Gemma4RMSNorm(cfg.hidden_size, _NORM_EPS, dtype))
@@ -182,35 +212,47 @@ class _ConformerLayer(nn.Module):
         return self.norm_out(_clamp(self.feed_forward2(x), self.clip))
 
 
-class Gemma4AudioTower(nn.Module):
-    """``[N, frames, mel]`` log-mel features and ``[N, frames]`` masks -> ``[N, frames / 4, output_proj_dims]`` (the
-    rows past `audio_rows` are padding)."""
+class ConformerTower(nn.Module):
+    """The conformer layers over a subsampler's frames (`encode`: ``[N, frames, mel]`` log-mel features and
+    ``[N, frames]`` masks -> ``[N, frames / 4, hidden]`` and the subsampled mask)."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: Any, dtype: torch.dtype, subsampler: nn.Module,
+                 variant: ConformerVariant = ConformerVariant()) -> None:
         super().__init__()
         act = _ACTIVATIONS.get(cfg.hidden_act)
         if act is None:
             raise NotBuiltError("audio_config.hidden_act", cfg.hidden_act, f"one of {', '.join(_ACTIVATIONS)}")
-        if len(cfg.subsampling_conv_channels) != 2:
-            raise NotBuiltError("audio_config.subsampling_conv_channels", cfg.subsampling_conv_channels,
-                                "two convolutions, as Gemma 4's tower")
-        self.subsample_conv_projection = _Subsampler(cfg, dtype)
-        self.layers = nn.ModuleList(_ConformerLayer(cfg, act, dtype) for _ in range(cfg.num_hidden_layers))
-        self.output_proj = nn.Linear(cfg.hidden_size, cfg.output_proj_dims, bias=True, dtype=dtype)
-        self.past, self.future = cfg.attention_context_left - 1, cfg.attention_context_right
-        farthest = (cfg.attention_chunk_size + cfg.attention_context_left - 1 + cfg.attention_context_right) // 2
-        self.register_buffer("distances", torch.arange(farthest, -1, -1, dtype=torch.float32,
+        self.subsample_conv_projection = subsampler
+        self.layers = nn.ModuleList(_ConformerLayer(cfg, act, dtype, variant) for _ in range(cfg.num_hidden_layers))
+        self.past, self.future = variant.window(cfg)
+        first, last = variant.distances(cfg)
+        self.register_buffer("distances", torch.arange(first, last - 1, -1, dtype=torch.float32,
                                                        device=torch.get_default_device()), persistent=False)
         count = cfg.hidden_size // 2
         steps = torch.arange(count, dtype=torch.float32, device=torch.get_default_device())
         self.register_buffer("inv_timescales", torch.exp(-steps * math.log(10000.0) / max(count - 1, 1)),
                              persistent=False)
 
-    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def encode(self, features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, kept = self.subsample_conv_projection(features, mask)
         angles = self.distances[:, None] * self.inv_timescales
         sinusoids = torch.cat([angles.sin(), angles.cos()], dim=-1).to(x.dtype)
         allowed = _allowed(kept, self.past, self.future)
         for layer in self.layers:
             x = layer(x, sinusoids, allowed)
-        return self.output_proj(x)
+        return x, kept
+
+
+class Gemma4AudioTower(ConformerTower):
+    """``[N, frames, mel]`` log-mel features and ``[N, frames]`` masks -> ``[N, frames / 4, output_proj_dims]`` (the
+    rows past `audio_rows` are padding)."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
+        if len(cfg.subsampling_conv_channels) != 2:
+            raise NotBuiltError("audio_config.subsampling_conv_channels", cfg.subsampling_conv_channels,
+                                "two convolutions, as Gemma 4's tower")
+        super().__init__(cfg, dtype, _Subsampler(cfg, dtype))
+        self.output_proj = nn.Linear(cfg.hidden_size, cfg.output_proj_dims, bias=True, dtype=dtype)
+
+    def forward(self, features: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.output_proj(self.encode(features, mask)[0])

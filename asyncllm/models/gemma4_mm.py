@@ -24,6 +24,7 @@ import torch
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import InvalidRequestError
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.gemma4 import Gemma4ForCausalLM
 from asyncllm.models.gemma4_audio import Gemma4AudioTower, audio_rows
 from asyncllm.models.gemma4_vision import Gemma4MultimodalEmbedder, Gemma4VisionTower
@@ -38,7 +39,7 @@ __all__ = ["Gemma4ForConditionalGeneration"]
 _DECODERS = {"gemma4_text": Gemma4ForCausalLM}
 
 
-class Gemma4ForConditionalGeneration(VisionLanguageModel):
+class Gemma4ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Image features replace the image tokens' embeddings; the rest is the Gemma 4 decoder."""
 
     supports_encoder_data_parallel = True

@@ -22,6 +22,7 @@ from torch import nn
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.mm.qwen_video import VideoPiece
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.siglip import SiglipVisionEmbeddings, SiglipVisionTower
@@ -72,7 +73,7 @@ class Idefics3Connector(nn.Module):
         return self.modality_projection.proj(pixel_shuffle(x, self.scale))
 
 
-class Idefics3ForConditionalGeneration(VisionLanguageModel):
+class Idefics3ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """A SigLIP-style tower and a pixel-shuffle connector before the Llama decoder; each tile one item."""
 
     supports_encoder_data_parallel = True

@@ -25,6 +25,7 @@ from torch import nn
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.clip import activation
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
@@ -171,7 +172,7 @@ class InternVLProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(self.layer_norm(x))))
 
 
-class InternVLForConditionalGeneration(VisionLanguageModel):
+class InternVLForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Image features replace the ``<IMG_CONTEXT>`` embeddings; ``<img>`` / ``</img>`` keep theirs."""
 
     supports_encoder_data_parallel = True

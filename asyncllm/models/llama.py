@@ -253,13 +253,20 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed(input_ids, positions, inputs_embeds)
         residual = None
-        if self.aux_layers:
-            self.aux_hidden: dict[int, torch.Tensor] = {}
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            if i in self.aux_layers:  # the residual stream entering layer i
-                self.aux_hidden[i] = hidden.clone() if residual is None else hidden + residual  # not updated in place
+            self.keep_aux(i, hidden, residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         return self.final(hidden, residual)
+
+    def keep_aux(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
+        """Keep the residual stream entering layer ``i`` where it is one of ``aux_layers`` (a layer loop calls this
+        before each layer)."""
+        if not self.aux_layers:
+            return
+        if i == 0:
+            self.aux_hidden: dict[int, torch.Tensor] = {}
+        if i in self.aux_layers:
+            self.aux_hidden[i] = hidden.clone() if residual is None else hidden + residual  # not updated in place
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
               inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:

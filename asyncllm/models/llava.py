@@ -27,6 +27,7 @@ from torch import nn
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.clip import CLIPVisionTower, activation
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import LlamaForCausalLM
@@ -111,7 +112,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(VisionLanguageModel):
+class LlavaForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Image features replace the ``<image>`` placeholder embeddings; the rest is the decoder."""
 
     supports_encoder_data_parallel = True

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.lora import Adapter
-from asyncllm.models.linear import RowParallelLinear, _ColumnParallelLinear
+from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear, _ColumnParallelLinear
 
 __all__ = ["LoRAContext", "LoRALayer", "attach_lora_layers", "load_adapter_tensors"]
 
@@ -159,8 +159,10 @@ def attach_lora_layers(model: Any, num_slots: int, max_rank: int, context: LoRAC
         if towered and not name.startswith("language_model."):
             continue
         fused = name.rsplit(".", 1)[-1]
-        # one A for a projection whose adapters come fused (Phi-3's, GPT-NeoX's qkv_proj), else one per part
-        parts = [shard for _, shard in packed[fused]] if fused in packed and fused not in fused_parts else [None]
+        # one A for a projection whose adapters come fused (Phi-3's, GPT-NeoX's qkv_proj) or that is one matrix
+        # under a packed name (MiniMax's lightning qkv_proj), else one per part
+        stacked = fused in packed and fused not in fused_parts and not isinstance(module, ColumnParallelLinear)
+        parts = [shard for _, shard in packed[fused]] if stacked else [None]
         module.lora = layers[name] = LoRALayer(module, parts, num_slots, max_rank, context, fused_parts.get(fused))
     if hasattr(model, "attach_lora"):  # projections that serve several layers (Zamba2's shared blocks)
         layers.update(model.attach_lora(num_slots, max_rank, context))

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from typing import Any, Iterable
 
 import torch
@@ -41,6 +42,7 @@ __all__ = ["MiniMaxForCausalLM"]
 
 _DECAY_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 """transformers' lightning-attention buffers, saved in its checkpoints and computed here instead."""
+_LAYER_O_PROJ = re.compile(r"^model\.layers\.(\d+)\.self_attn\.o_proj\.")
 
 
 def _scaled(x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -85,6 +87,7 @@ class MiniMaxForCausalLM(StateLayersMixin, MixtralForCausalLM):
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_minimax(hf_config)
         super().__init__(hf_config, **kwargs)
+        self.layer_kinds = list(hf_config.layer_types)
 
     def decoder_build(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
                       max_position: int, expert_parallel: bool) -> HybridBuild:
@@ -98,6 +101,14 @@ class MiniMaxForCausalLM(StateLayersMixin, MixtralForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return super().load_weights((name, w) for name, w in weights
                                     if not name.endswith(tuple(f".self_attn.{b}" for b in _DECAY_BUFFERS)))
+
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        """As Mixtral's; an adapter's lightning-layer ``o_proj`` (asyncllm/lora_names.py writes every attention's
+        ``out_proj`` so) is that layer's ``out_proj``."""
+        match = _LAYER_O_PROJ.match(ckpt_name)
+        if match is not None and self.layer_kinds[int(match.group(1))] == "linear_attention":
+            return ckpt_name.replace(".self_attn.o_proj.", ".self_attn.out_proj."), None
+        return super()._packed(ckpt_name)
 
     def _unpacked(self, param_name: str) -> list[tuple[str, object]]:
         """A lightning layer's ``qkv_proj`` is the checkpoint's own (fused per head), not Llama's q, k and v."""

@@ -20,6 +20,7 @@ import torch
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.deepseek import Mistral4ForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llama import LlamaForCausalLM
@@ -56,13 +57,20 @@ def mistral3_text_only(hf_config: Any) -> type:
     return text_only_class(_DECODERS[model_type], ("vision_tower.", "multi_modal_projector."))
 
 
-class Mistral3ForConditionalGeneration(VisionLanguageModel):
+class Mistral3ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Image features replace the ``[IMG]`` placeholders' embeddings; the rest is the Mistral decoder."""
 
     supports_encoder_data_parallel = True
     """The tower and projector are whole on every rank in either mode, so "data" splits a step's images."""
     decoder_classes = _DECODERS
     """By ``text_config.model_type``: what the KV cache's shape follows (Mistral 4's latent cache)."""
+
+    @staticmethod
+    def moe_spec(hf_config: Any, layer_idx: int) -> Any:
+        """The decoder's layer ``layer_idx``'s experts (Mistral 4's; ``hf_config``: the text config), for the host's
+        check of LoRA adapters (their experts' adapters are not built under the tower)."""
+        spec = getattr(_DECODERS.get(hf_config.model_type), "moe_spec", None)
+        return None if spec is None else spec(hf_config, layer_idx)
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:

@@ -36,6 +36,7 @@ from asyncllm.models.gemma import Gemma1ForCausalLM
 from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import LlavaForConditionalGeneration, normalize_llava_name
+from asyncllm.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from asyncllm.models.siglip import SiglipVisionTower
 from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
 from asyncllm.protocol import MultiModalItem
@@ -83,6 +84,9 @@ class PaliGemmaForConditionalGeneration(VisionLanguageModel):
 
     supports_encoder_data_parallel = True
     """The tower and projector are whole on every rank in either mode, so "data" splits a step's images."""
+    position_offset = 1
+    """Positions count from 1 (transformers' ``position_ids + 1``); pipeline stages add it too
+    (asyncllm/models/pipeline.py)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
@@ -104,7 +108,8 @@ class PaliGemmaForConditionalGeneration(VisionLanguageModel):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The decoder at positions counted from 1, as transformers' PaliGemma counts them."""
-        return self.language_model(input_ids, positions + 1, kv_caches, attn_metadata, inputs_embeds)
+        return self.language_model(input_ids, positions + self.position_offset, kv_caches, attn_metadata,
+                                   inputs_embeds)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings; an image token outside the vocabulary embeds as token 0 (its row is replaced)."""
@@ -139,6 +144,11 @@ class PaliGemmaForConditionalGeneration(VisionLanguageModel):
             return items  # a checkpoint that turns it off: its text prompts are causal, as transformers runs them
         prefix = MultiModalItem(_PREFIX, 0, 0, b"", [0], bidirectional=[0, len(token_ids)])
         return [prefix, *items]
+
+    packed_modules = Gemma2ForCausalLM.packed_modules
+    """The decoder's fused layers (LoRA adapters name their parts)."""
+    _packed = Qwen2AudioForConditionalGeneration._packed
+    """A checkpoint name or an adapter's decoder name (``model.layers...``) -> (our parameter name, shard id)."""
 
     mm_pixel_values = staticmethod(LlavaForConditionalGeneration.mm_pixel_values)
     """One image's processor output -> its ``[3, S, S]`` float32 pixels."""

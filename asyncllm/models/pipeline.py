@@ -18,8 +18,9 @@ Hybrids (asyncllm/models/hybrid.py) run in stages too: a stage's KV caches are i
 stage's input batch is built from the same scheduler output), and each stage saves and restores its own state
 layers' checkpoints for prefix caching.
 
-A decoder with a ``run_stage`` of its own (Gemma 4 / 3n: asyncllm/models/gemma4_stages.py; Zamba2) runs a stage
-itself, and says what crosses a boundary beside the stream (``stage_widths``: per-layer inputs, the token embeddings).
+A decoder with a ``run_stage`` of its own (Gemma 4 / 3n: asyncllm/models/gemma4_stages.py; Zamba2; DeepSeek-V3.2's,
+whose layers read a latent and an indexer cache each) runs a stage itself, and says what crosses a boundary beside
+the stream (``stage_widths``: per-layer inputs, the token embeddings).
 """
 
 from __future__ import annotations
@@ -170,6 +171,8 @@ class StageModel(nn.Module):
         """A hybrid's: the runner lists each step's rows for its state layers (workers/input_batch.py)."""
         self.checkpoint_slots = int(getattr(causal_lm, "checkpoint_slots", 0))
         """A hybrid's saved states for prefix caching (the worker tells the core)."""
+        self.position_offset = int(getattr(causal_lm, "position_offset", 0))
+        """What the model's own forward adds to the positions before its decoder (PaliGemma counts from 1)."""
 
     @property
     def embeds_inputs(self) -> bool:
@@ -179,8 +182,9 @@ class StageModel(nn.Module):
 
     @property
     def num_kv_layers(self) -> int:
-        """The stage's layers with a KV cache (a hybrid's attention layers; every layer otherwise)."""
-        return sum(self._uses_kv)
+        """The stage's KV caches: one per layer with a KV cache (a hybrid's attention layers; every layer otherwise),
+        or as many as the layer's ``num_kv_caches`` (DeepSeek-V3.2's latent and indexer caches)."""
+        return sum(int(getattr(layer, "num_kv_caches", uses)) for layer, uses in zip(self._layers, self._uses_kv))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,6 +194,8 @@ class StageModel(nn.Module):
         if len(kv_caches) != self.num_kv_layers:
             raise ValueError(f"{len(kv_caches)} KV caches for a stage with {self.num_kv_layers} attention layers")
         decoder = language_model(self.causal_lm).model
+        if self.position_offset:
+            positions = positions + self.position_offset
         if hasattr(decoder, "run_stage"):
             return self._run_own_stage(decoder, input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
         residual: torch.Tensor | None

@@ -30,34 +30,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.mm.qwen_video import VideoPiece
-from asyncllm.mm.videos import Video
-from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.layers import LoadedWeight
+from asyncllm.models.omni_thinker import OmniThinker
+from asyncllm.models.pipeline import in_missing_part
 from asyncllm.models.qwen2_audio import (
     AudioEncoderLayer, Qwen2AudioForConditionalGeneration, add_audio_convolutions, audio_output_length,
 )
 from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, normalize_qwen2_vl_name
 from asyncllm.models.qwen3_asr import sinusoids
-from asyncllm.models.vision_language import load_vision_language_weights, text_config_of
+from asyncllm.models.vision_language import load_vision_language_weights
 
-__all__ = ["Qwen2_5OmniAudioEncoder", "Qwen2_5OmniThinkerForConditionalGeneration", "check_omni_processor_kwargs"]
+__all__ = ["Qwen2_5OmniAudioEncoder", "Qwen2_5OmniThinkerForConditionalGeneration"]
 
-_SPEECH_PARTS = ("talker.", "token2wav.")
-"""The full checkpoint's speech-out parts, not served."""
-_REFUSED_PROCESSOR_KWARGS = ("use_audio_in_video", "load_audio_from_video", "return_audio", "enable_audio_output",
-                             "speaker")
 _SEPARATE_QKV = re.compile(r"^(visual\.blocks\.\d+\.attn)\.([qkv])\.(weight|bias)$")
-
-
-def check_omni_processor_kwargs(overrides: dict[str, Any]) -> None:
-    """`NotBuiltError` for ``mm_processor_kwargs`` asking for speech out or a video's interleaved audio."""
-    for key in _REFUSED_PROCESSOR_KWARGS:
-        if overrides.get(key):
-            raise NotBuiltError(f"mm_processor_kwargs.{key}", overrides[key],
-                                "Qwen2.5-Omni's speech output and audio-in-video (the thinker serves text from "
-                                "images, videos and audios given apart)")
 
 
 class Qwen2_5OmniAudioEncoder(nn.Module):
@@ -113,47 +99,15 @@ def normalize_omni_name(name: str) -> str:
     return normalize_qwen2_vl_name(name)
 
 
-class Qwen2_5OmniThinkerForConditionalGeneration(Qwen2VLForConditionalGeneration):
+class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinker, Qwen2VLForConditionalGeneration):
     """Image and video features replace ``<|IMAGE|>`` and ``<|VIDEO|>`` placeholders, audio rows ``<|AUDIO|>`` ones;
-    positions are M-RoPE's."""
+    positions are M-RoPE's (the hooks: asyncllm/models/omni_thinker.py)."""
 
-    @staticmethod
-    def mm_video_token_id(hf_config: Any) -> int:
-        """The prompt token that marks a video (``<|VIDEO|>``)."""
-        return int(hf_config.video_token_id)
+    speech_parts = ("talker.", "token2wav.")
+    audio_tower_cls = Qwen2_5OmniAudioEncoder
 
-    @classmethod
-    def mm_video_pieces(cls, hf_config: Any, tokenizer: Any, video: Video, grid: tuple[int, int, int]) -> list[VideoPiece]:
-        """A video is one run of placeholders, its temporal patches ``position_id_per_seconds`` x their seconds
-        apart on the time axis (float32)."""
-        seconds = np.float32(hf_config.vision_config.temporal_patch_size / video.sampled_fps)
-        return [VideoPiece([], slice(0, grid[0]), [], float(seconds * np.float32(hf_config.position_id_per_seconds)))]
-
-    def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
-                 max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
-        if getattr(hf_config, "enable_audio_output", False):
-            raise NotBuiltError("enable_audio_output", True, "Qwen2.5-Omni's speech output (its talker and "
-                                                             "token2wav); the thinker serves text")
-        super().__init__(hf_config, dtype=dtype, tp=tp, attn_backend=attn_backend, max_position=max_position,
-                         mm_encoder_tp_mode=mm_encoder_tp_mode, **decoder_options)
-        if hf_config.audio_config.output_dim != text_config_of(hf_config).hidden_size:
-            raise ConfigError("audio_config.output_dim", hf_config.audio_config.output_dim, "the decoder's hidden_size")
-        self.audio_tower = Qwen2_5OmniAudioEncoder(hf_config.audio_config, dtype)
-
-    # ---- multimodal hooks (asyncllm/mm/processor.py)
-    @staticmethod
-    def mm_placeholder_token_id(hf_config: Any) -> int:
-        """The prompt token that marks an image (``<|IMAGE|>``)."""
-        return int(hf_config.image_token_id)
-
-    @staticmethod
-    def mm_audio_token_id(hf_config: Any) -> int:
-        """The prompt token that marks an audio (``<|AUDIO|>``)."""
-        return int(hf_config.audio_token_id)
-
+    # ---- audio (asyncllm/models/omni_thinker.py's hooks)
     mm_audio_extractor_kwargs = Qwen2AudioForConditionalGeneration.mm_audio_extractor_kwargs
-    mm_audio_values = staticmethod(Qwen2AudioForConditionalGeneration.mm_audio_values)
-    mm_check_processor_kwargs = staticmethod(check_omni_processor_kwargs)
 
     @staticmethod
     def mm_audio_windows(waveform: np.ndarray, rate: int) -> list[np.ndarray]:
@@ -161,29 +115,13 @@ class Qwen2_5OmniThinkerForConditionalGeneration(Qwen2VLForConditionalGeneration
         return [waveform[:30 * rate]]
 
     @classmethod
-    def mm_placeholder_length_of(cls, hf_config: Any, values: np.ndarray) -> int:
-        """An image's ``(t, h, w, features)`` patches or an audio's ``[1, mel + 1, frames]`` -> its placeholders."""
-        if values.ndim == 3:
-            return audio_output_length(int(values[0, -1].sum()))
-        return cls.mm_placeholder_length(hf_config, values.shape)
+    def audio_placeholders(cls, hf_config: Any, frames: int) -> int:
+        return audio_output_length(frames)
 
-    def mrope_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
-        """M-RoPE's positions of the images and videos; an audio's placeholders count on as text does."""
-        return super().mrope_positions(prompt_len, [item for item in items if len(item.shape) == 4])
-
-    def embed_multimodal(self, values: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
-        """``[N, t, h, w, features]`` images or videos -> their rows (Qwen2.5-VL's); ``[N, 1, mel + 1, frames]`` audios -> each
-        audio's ``[placeholders, text hidden]`` rows."""
-        if values.ndim == 5:
-            return super().embed_multimodal(values)
-        flat = values[:, 0]
-        frames = flat[:, -1].sum(-1).round().long().tolist()
-        return self.audio_tower(flat[:, :-1].to(self.audio_tower.conv1.weight.dtype), frames)
+    def embed_audios(self, features: torch.Tensor, frames: list[int]) -> list[torch.Tensor]:
+        return self.audio_tower(features.to(self.audio_tower.conv1.weight.dtype), frames)
 
     # ---- weights
-    def _packed(self, ckpt_name: str) -> tuple[str, object]:
-        return super()._packed(ckpt_name.removeprefix("thinker."))
-
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """The thinker's weights (either layout, ``thinker.`` or not); the vision attention's q, k and v into its
         fused projection; the talker's and token2wav's skipped unread."""
@@ -191,15 +129,15 @@ class Qwen2_5OmniThinkerForConditionalGeneration(Qwen2VLForConditionalGeneration
         fused: dict[str, set[str]] = {}
 
         def rest() -> Iterable[tuple[str, LoadedWeight]]:
-            for raw_name, weight in weights:
-                if raw_name.startswith(_SPEECH_PARTS):
-                    continue
+            for raw_name, weight in self.thinker_weights(weights):
                 match = _SEPARATE_QKV.match(normalize_omni_name(raw_name))
                 if match is None:
                     yield raw_name, weight
                     continue
                 attn, shard, kind = match.groups()
                 name = f"{attn}.qkv.{kind}"
+                if in_missing_part(self, name):  # a pipeline stage after the first: the tower is the first's
+                    continue
                 self.get_submodule(f"{attn}.qkv").weight_loader(params[name], weight, shard)
                 fused.setdefault(name, set()).add(shard)
 

@@ -123,6 +123,7 @@ class Qwen3VLTextModel(Qwen2VLTextModel):
             return super().decode(input_ids, positions, kv_caches, metadata, inputs_embeds)
         hidden, residual = embeds, None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            self.keep_aux(index, hidden, residual)  # an EAGLE-3 head's inputs (workers/eagle_runner.py)
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
             if index < deepstack.shape[1]:
                 hidden, residual = self.add_deepstack(index, hidden, residual, deepstack)

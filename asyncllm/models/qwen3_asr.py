@@ -29,7 +29,7 @@ from asyncllm.models.qwen2_audio import AudioAttention, AudioEncoderLayer, Qwen2
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, text_config_of
 
-__all__ = ["Qwen3ASRForConditionalGeneration", "qwen3_asr_output_length"]
+__all__ = ["Qwen3ASREncoder", "Qwen3ASRForConditionalGeneration", "kept_rows", "qwen3_asr_output_length"]
 
 
 def post_cnn_length(frames: int) -> int:
@@ -55,6 +55,15 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
     return torch.cat([torch.sin(scaled), torch.cos(scaled)], dim=1)
 
 
+def kept_rows(rows: torch.Tensor, frames: list[int], chunk: int) -> torch.Tensor:
+    """Each audio's chunks' rows ``[audios * chunks, rows per chunk, d_model]`` (``frames`` true frames each, in
+    chunks of ``chunk``) -> the rows of their true frames, packed in order."""
+    chunks = rows.shape[0] // len(frames)
+    kept = [post_cnn_length(min(max(n - c * chunk, 0), chunk)) for n in frames for c in range(chunks)]
+    valid = torch.arange(rows.shape[1], device=rows.device)[None, :] < torch.tensor(kept, device=rows.device)[:, None]
+    return rows[valid]
+
+
 class Qwen3ASRAttention(AudioAttention):
     """Whisper's bidirectional attention with a key bias."""
 
@@ -73,6 +82,9 @@ class Qwen3ASREncoder(nn.Module):
     """Log-mel frames ``[B, mel, chunks * 2 * n_window]`` with each audio's true frames -> each audio's
     ``[rows, d_model]`` (transformers' ``Qwen3ASREncoder``)."""
 
+    positions_field = "max_position_embeddings"
+    """The config's field that sizes the sinusoidal positions (Qwen3-Omni's: ``max_source_positions``)."""
+
     def __init__(self, cfg: Any, dtype: torch.dtype) -> None:
         super().__init__()
         dim, layers = cfg.d_model, cfg.encoder_layers
@@ -81,23 +93,24 @@ class Qwen3ASREncoder(nn.Module):
         if cfg.n_window_infer < chunk or cfg.n_window_infer % chunk:
             raise ConfigError("audio_config.n_window_infer", cfg.n_window_infer, f"a multiple of 2 * n_window = {chunk}")
         self.window_rows = post_cnn_length(chunk) * (cfg.n_window_infer // chunk)
-        if cfg.max_position_embeddings < post_cnn_length(chunk):
-            raise NotBuiltError("audio_config.max_position_embeddings", cfg.max_position_embeddings,
+        num_positions = getattr(cfg, self.positions_field)
+        if num_positions < post_cnn_length(chunk):
+            raise NotBuiltError(f"audio_config.{self.positions_field}", num_positions,
                                 f"at least a chunk's {post_cnn_length(chunk)} rows")
         self.conv2d1 = nn.Conv2d(1, hidden, 3, 2, padding=1, dtype=dtype)
         self.conv2d2 = nn.Conv2d(hidden, hidden, 3, 2, padding=1, dtype=dtype)
         self.conv2d3 = nn.Conv2d(hidden, hidden, 3, 2, padding=1, dtype=dtype)
         self.conv_out = nn.Linear(hidden * post_cnn_length(cfg.num_mel_bins), dim, bias=False, dtype=dtype)
-        positions = sinusoids(cfg.max_position_embeddings, dim)
+        positions = sinusoids(num_positions, dim)
         self.register_buffer("positions", positions.to(torch.get_default_device()), persistent=False)
         self.layers = nn.ModuleList(Qwen3ASREncoderLayer(cfg, dtype) for _ in range(layers))
         self.ln_post = nn.LayerNorm(dim, dtype=dtype)
 
-    def _chunk_rows(self, features: torch.Tensor) -> torch.Tensor:
-        """``[B, mel, chunks * chunk]`` -> ``[B * chunks, post_cnn(chunk), d_model]``: each chunk convolved alone,
-        its positions added."""
+    def _chunk_rows(self, features: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """``[B, mel, chunks * chunk]`` -> ``[B * chunks, post_cnn(chunk), d_model]``: each chunk (``2 * n_window``
+        frames unless given) convolved alone, its positions added."""
         batch, mel, frames = features.shape
-        chunk = 2 * self.n_window
+        chunk = chunk or 2 * self.n_window
         x = features.view(batch, mel, frames // chunk, chunk).transpose(1, 2).reshape(-1, 1, mel, chunk)
         x = F.gelu(self.conv2d3(F.gelu(self.conv2d2(F.gelu(self.conv2d1(x))))))
         x = self.conv_out(x.permute(0, 3, 1, 2).flatten(2))  # [chunks, time, channels * mel'] -> d_model
@@ -111,14 +124,12 @@ class Qwen3ASREncoder(nn.Module):
         chunk = 2 * self.n_window
         if features.shape[-1] % chunk:
             raise ValueError(f"{features.shape[-1]} mel frames: Qwen3-ASR's encoder takes whole chunks of {chunk}")
-        rows = self._chunk_rows(features)
-        per_chunk = rows.shape[1]
-        chunks = features.shape[-1] // chunk
-        kept = [min(max(n - c * chunk, 0), chunk) for n in frames for c in range(chunks)]
-        kept_rows = torch.tensor([post_cnn_length(k) for k in kept], device=rows.device)
-        valid = torch.arange(per_chunk, device=rows.device)[None, :] < kept_rows[:, None]
-        packed = rows[valid]  # each audio's rows, in order
-        lengths = [qwen3_asr_output_length(n, self.n_window) for n in frames]
+        packed = kept_rows(self._chunk_rows(features), frames, chunk)
+        return self._attend(packed, [qwen3_asr_output_length(n, self.n_window) for n in frames])
+
+    def _attend(self, packed: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+        """Every audio's rows ``[sum(lengths), d_model]``, in order -> each audio's, through the layers (attending
+        within windows) and ``ln_post``."""
         windows = self._windows(lengths)
         x = nn.utils.rnn.pad_sequence(list(packed.split(windows)), batch_first=True)
         keys_kept = torch.arange(x.shape[1], device=x.device)[None, :] < torch.tensor(windows, device=x.device)[:, None]

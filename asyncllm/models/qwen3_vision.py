@@ -38,8 +38,9 @@ from asyncllm.models.qwen_vision import QwenPatchEmbed, QwenVisionAttention, Seg
 
 __all__ = ["Qwen3VisionTower", "check_qwen3_vision_tensor_parallel"]
 
-_MODEL_TYPES = ("qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision")
-"""Qwen3-VL's tower, and Qwen3-VL-MoE's (the same tower under its own name)."""
+_MODEL_TYPES = ("qwen3_vl_vision", "qwen3_vl_moe_vision", "qwen3_5_vision", "qwen3_5_moe_vision",
+                "qwen3_omni_moe_vision_encoder")
+"""Qwen3-VL's tower, and Qwen3-VL-MoE's and Qwen3-Omni's (the same tower under its own name)."""
 _NORM_EPS = 1e-6  # fixed in transformers, not read from the config
 
 

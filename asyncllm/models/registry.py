@@ -118,8 +118,10 @@ _MODELS = LazyClasses({
     "GraniteSpeechForConditionalGeneration": "granite_speech:GraniteSpeechForConditionalGeneration",
     "Qwen2_5OmniThinkerForConditionalGeneration": "qwen2_5_omni:Qwen2_5OmniThinkerForConditionalGeneration",
     "Qwen2_5OmniForConditionalGeneration": "qwen2_5_omni:Qwen2_5OmniThinkerForConditionalGeneration",  # thinker only
+    "Qwen3OmniMoeThinkerForConditionalGeneration": "qwen3_omni:Qwen3OmniMoeThinkerForConditionalGeneration",
+    "Qwen3OmniMoeForConditionalGeneration": "qwen3_omni:Qwen3OmniMoeThinkerForConditionalGeneration",  # thinker only
     "WhisperForConditionalGeneration": "whisper:WhisperForConditionalGeneration",
-    "Gemma3nForConditionalGeneration": "gemma3n:Gemma3nTextOnly",  # its language model: text prompts only
+    "Gemma3nForConditionalGeneration": "gemma3n_mm:Gemma3nForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma3nTextOnly
     "Gemma4ForConditionalGeneration": "gemma4_mm:Gemma4ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma4TextOnly
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
     "GraniteForCausalLM": "granite:GraniteForCausalLM",
@@ -154,6 +156,7 @@ _MODELS = LazyClasses({
     "Qwen3VLMoeForConditionalGeneration": "qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
     "Glm4vForConditionalGeneration": "glm4v:Glm4vForConditionalGeneration",
     "Glm4vMoeForConditionalGeneration": "glm4v:Glm4vMoeForConditionalGeneration",
+    "Ernie4_5_VLMoeForConditionalGeneration": "ernie4_5_vl:Ernie4_5_VLMoeForConditionalGeneration",
     "AyaVisionForConditionalGeneration": "aya_vision:AyaVisionForConditionalGeneration",
     "Lfm2VlForConditionalGeneration": "lfm2_vl:Lfm2VlForConditionalGeneration",
     "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
@@ -239,7 +242,8 @@ _TEXT_ONLY = LazyClasses({"Gemma3ForConditionalGeneration": "gemma3:Gemma3TextOn
                           "Qwen3_5ForConditionalGeneration": "qwen3_5:Qwen3_5TextOnly",
                           "Qwen3_5MoeForConditionalGeneration": "qwen3_5:Qwen3_5MoeTextOnly",
                           "Mistral3ForConditionalGeneration": "mistral3:mistral3_text_only",
-                          "Llama4ForConditionalGeneration": "llama4:Llama4TextOnly"})
+                          "Llama4ForConditionalGeneration": "llama4:Llama4TextOnly",
+                          "Gemma3nForConditionalGeneration": "gemma3n:Gemma3nTextOnly"})
 """Each text-only-capable architecture's text model: its class, or a function of the config naming it (Mistral 3:
 by its decoder's type)."""
 assert set(_TEXT_ONLY) == set(TEXT_ONLY_CAPABLE_ARCHITECTURES)

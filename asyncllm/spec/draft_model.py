@@ -51,9 +51,10 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
     ``speculative_config`` with the draft's folder."""
     from asyncllm.models.architectures import HYBRID_ARCHITECTURES, TEXT_ARCHITECTURES, architecture_of
     from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
+    from asyncllm.models.eagle_targets import check_multimodal_target
 
-    if multimodal:
-        raise NotBuiltError(_FIELD, spec_dict, "a draft model for a multimodal target")
+    if multimodal:  # EAGLE heads for the M-RoPE families (asyncllm/models/eagle_targets.py); no other draft
+        check_multimodal_target(spec_dict, spec.method, target_config, arch)
     if spec.method == "mtp":
         _check_mtp_target(spec_dict, target_config, arch or architecture_of(target_config))
         return {"method": "mtp", "num_speculative_tokens": spec.num_speculative_tokens}
@@ -95,6 +96,7 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
     hybrid target; for EAGLE-3 layers the target has, in a decoder that keeps their inputs."""
     from asyncllm.models.architectures import HYBRID_ARCHITECTURES, architecture_of
     from asyncllm.models.eagle import EAGLE3_ARCHITECTURES, eagle3_aux_layers
+    from asyncllm.models.eagle_targets import MULTIMODAL_EAGLE_ARCHITECTURES
     from asyncllm.models.llama import LlamaModel
     from asyncllm.models.registry import get_model_class
 
@@ -124,6 +126,8 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
     if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
         raise ConfigError(_FIELD, spec_dict, f"three target layers in [0, {num_layers}) for an EAGLE-3 head to "
                                              f"read; it names {list(layers)}")
+    if target_arch in MULTIMODAL_EAGLE_ARCHITECTURES:  # their decoders keep the layers' inputs too
+        return
     decoder_cls = getattr(get_model_class(target_config), "model_cls", None)  # Llama's stack and token embeddings
     if (getattr(decoder_cls, "forward", None), getattr(decoder_cls, "embed", None)) != (LlamaModel.forward,
                                                                                           LlamaModel.embed):

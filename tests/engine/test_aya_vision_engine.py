@@ -77,17 +77,6 @@ async def test_chat_message_with_an_image_part(engine, tiny_aya):
     assert tokens == hf_tokens
 
 
-@pytest.mark.parametrize("fields, match", [(dict(enable_lora=True), "LoRA"),
-                                           (dict(pipeline_parallel_size=2), "pipeline")])
-async def test_lora_and_pipeline_parallel_are_refused(tiny_aya, fields, match):
-    """Not built: each refused with an error naming the feature."""
-    from asyncllm.errors import NotBuiltError
-
-    with pytest.raises(NotBuiltError, match=match):
-        async with AsyncEngine(tiny_aya, disable_log_stats=True, **fields):
-            pass
-
-
 async def test_a_tokenizer_that_splits_the_image_marker_gets_it_as_one_token(tiny_aya):
     """``<image>`` is read from the tokenizer; one that splits it (transformers' processor replaces the text, so a
     checkpoint's tokenizer need not hold it) gets it added as a special token, past its vocabulary, other text

@@ -16,7 +16,7 @@ from gemma4_mm_utils import IMAGE, make_tiny_gemma4_mm
 from mm_utils import make_image
 
 from asyncllm import AsyncEngine, SamplingParams
-from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
+from asyncllm.errors import ConfigError, InvalidRequestError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -94,12 +94,9 @@ async def test_two_ranks_or_two_stages_give_transformers_tokens(tmp_path, fields
     assert out.outputs[0].token_ids == hf_gemma4_audio_greedy(path, text, audios, 8)[1]
 
 
-async def test_lora_and_audio_limits_without_a_tower_are_refused(gemma4, tmp_path):
-    """LoRA with the towers is refused by name (as with images); an audio limit on a checkpoint without an audio
-    tower is a `ConfigError`."""
-    with pytest.raises(NotBuiltError, match="enable_lora"):
-        async with AsyncEngine(gemma4, enable_lora=True, disable_log_stats=True):
-            pass
+async def test_an_audio_limit_without_a_tower_is_refused(tmp_path):
+    """An audio limit on a checkpoint without an audio tower is a `ConfigError` (LoRA on the decoder with the towers:
+    tests/unit/test_lora_models.py)."""
     vision_only = make_tiny_gemma4_mm(tmp_path / "vision_only")
     with pytest.raises(ConfigError, match="no audio tower"):
         async with AsyncEngine(vision_only, limit_mm_per_prompt={"audio": 1}, disable_log_stats=True):

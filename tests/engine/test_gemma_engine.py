@@ -10,7 +10,7 @@ import asyncio
 import pytest
 from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers
 
-from asyncllm import AsyncEngine, NotBuiltError
+from asyncllm import AsyncEngine, InvalidRequestError
 from asyncllm.tiny import tiny_checkpoint
 
 
@@ -24,7 +24,8 @@ async def test_gemma_greedy_equals_transformers(arch: str) -> None:
 async def test_lora_on_a_gemma3_image_text_checkpoint_equals_peft(tmp_path) -> None:
     """An image-text checkpoint (served as text: ``limit_mm_per_prompt`` of 0 images) with a PEFT adapter made on it: its matrices are named
     ``model.language_model.layers...`` and, for ``q_proj`` and the like, the SigLIP tower's too (never run on
-    text). The adapter's tokens and the base model's, batched together, equal PEFT's and transformers'."""
+    text). The adapter's tokens and the base model's, batched together, equal PEFT's and transformers'; with images the
+    same adapter is refused for its tower's matrices."""
     import shutil
 
     import transformers
@@ -59,6 +60,8 @@ async def test_lora_on_a_gemma3_image_text_checkpoint_equals_peft(tmp_path) -> N
                     else hf_greedy(path, prompt, 8, eos_token_id=None))
         assert out.token_ids == expected, i
     assert any(out.token_ids != hf_greedy(path, p, 8, eos_token_id=None) for p, out in list(zip(prompts, outs))[1::2])
-    with pytest.raises(NotBuiltError, match="limit_mm_per_prompt"):  # with images: not built
-        async with AsyncEngine(path, enable_lora=True):
-            pass
+    from asyncllm.lora import AdapterChecker
+
+    with_images = AdapterChecker(load_hf_config(path).text_config, 8, runs_tower=True)  # as prepare builds it then
+    with pytest.raises(InvalidRequestError, match="adapters on the vision tower and projector are not built"):
+        with_images.check(lora)

@@ -1,7 +1,10 @@
 """Whisper end to end (asyncllm/models/whisper.py, docs/multimodal.md#whisper): greedy transcripts equal
 transformers' for audios batched together, the decoder prompt chunked, requests preempted (recomputed or swapped:
 their cross-attention states computed again when they resume), prefix-cache hits (only for the same audio), over two
-tensor-parallel ranks; a prompt without its audio fails alone."""
+tensor-parallel ranks; a prompt without its audio fails alone. The checkpoint's generation_config.json suppresses
+tokens and has timestamp tokens: greedy tokens equal transformers' ``generate`` with and without ``return_timestamps``
+(workers/generation_rules.py), and ``AsyncEngine.transcribe_segments`` and the OpenAI routes' verbose_json, srt and
+vtt give the segments of those tokens; word timestamps and the misuses are 400s."""
 
 from __future__ import annotations
 
@@ -9,22 +12,29 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-from audio_utils import SAMPLING_RATE, make_audio
-from whisper_utils import PROMPT, hf_whisper_greedy, make_tiny_whisper
+from asgi_helpers import asgi_client
+from audio_utils import SAMPLING_RATE, make_audio, wav_bytes
+from whisper_utils import PROMPT, hf_whisper_generate, hf_whisper_greedy, make_tiny_whisper
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_server import create_app
+from asyncllm.mm.audios import read_audio
+from asyncllm.speech_segments import srt, vtt
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MAX_TOKENS = 12
 MAX_MODEL_LEN = 48
+TIMED_TOKENS = 24
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+TIMED = "<|startoftranscript|><|en|><|transcribe|>"
+"""The prompt with timestamps (no <|notimestamps|>)."""
 
 
 @pytest.fixture(scope="module")
 def tiny_whisper(tmp_path_factory) -> str:
-    return make_tiny_whisper(tmp_path_factory.mktemp("whisper") / "tiny")
+    return make_tiny_whisper(tmp_path_factory.mktemp("whisper") / "tiny", timestamps=True)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -132,3 +142,60 @@ async def test_engine_transcribe_joins_a_long_audios_pieces_in_order(engine, tin
 
     assert text == "".join(reference(piece, PROMPT) for piece in pieces)
     assert translated == reference(audio[:SAMPLING_RATE], "<|startoftranscript|><|fr|><|translate|><|notimestamps|>")
+
+
+async def test_greedy_tokens_equal_transformers_generate(engine, tiny_whisper):
+    """Two audios, with timestamps and without (12 tokens: transformers cuts its output at timestamp pairs even
+    then), batched together; the timestamps come in pairs and the suppressed ids change the tokens."""
+    audios = [make_audio(1.5, seed=seed) for seed in range(2)]
+    jobs = [(audio, timed, 20 if timed else 12) for audio in audios for timed in (True, False)]
+    outs = await asyncio.gather(*(engine.generate(_request(TIMED + ("" if timed else "<|notimestamps|>"), audio),
+                                                  SamplingParams(temperature=0.0, max_tokens=n))
+                                  for audio, timed, n in jobs))
+    begin = engine.speech_to_text.timestamp_begin
+    for out, (audio, timed, n) in zip(outs, jobs):
+        assert out.outputs[0].token_ids == hf_whisper_generate(tiny_whisper, audio, n, timed)
+    stamps = [[t for t in out.outputs[0].token_ids if t >= begin] for out, (_, timed, _) in zip(outs, jobs) if timed]
+    assert all(len(s) >= 3 for s in stamps)
+    prompt = engine.tokenizer(TIMED + "<|notimestamps|>", add_special_tokens=False).input_ids
+    unconstrained = hf_whisper_greedy(tiny_whisper, audios[0], prompt, 12, suppress=False)
+    assert unconstrained != outs[1].outputs[0].token_ids  # the checkpoint's suppress lists bite
+
+
+async def test_segments_of_a_long_audio_and_the_routes(engine, tiny_whisper):
+    """A 3.5 s audio (the tiny model hears 2 s): each piece's segments from its tokens (which equal transformers':
+    above), shifted by the piece's offset, are `transcribe_segments`'; verbose_json, srt and vtt answer them."""
+    wav = wav_bytes(make_audio(3.5, seed=4))
+    waveform = read_audio(wav, "file", SAMPLING_RATE).waveform
+    speech, params = engine.speech_to_text, SamplingParams(temperature=0.0, max_tokens=TIMED_TOKENS)
+    segments = await engine.transcribe_segments(waveform, params=params)
+    requests = speech.requests(TIMED, waveform)
+    outs = await asyncio.gather(*(engine.generate(request, params) for request in requests))
+    expected = []
+    for out, (offset, seconds) in zip(outs, speech.piece_times(requests)):
+        expected += speech.segments(out.outputs[0].token_ids, offset, seconds, _decoder(engine),
+                                    set(engine.eos_token_ids))
+    assert len(requests) == 2 and segments == expected and any(s.start >= requests[0]["multi_modal_data"]["audio"][
+        0].size / SAMPLING_RATE for s in segments)
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        async def post(**fields) -> object:
+            return await client.post("/v1/audio/transcriptions", files={"file": ("a.wav", wav, "audio/wav")},
+                                     data={"max_completion_tokens": str(TIMED_TOKENS), **fields})
+
+        verbose = (await post(response_format="verbose_json", **{"timestamp_granularities[]": "segment"})).json()
+        assert [(s["start"], s["end"], s["text"], s["tokens"]) for s in verbose["segments"]] == [
+            (s.start, s.end, s.text, list(s.token_ids)) for s in segments]
+        assert verbose["text"] == "".join(s.text for s in segments) and verbose["language"] == "en"
+        assert verbose["duration"] == 3.5 and verbose["task"] == "transcribe"
+        assert (await post(response_format="srt")).text == srt(segments)
+        assert (await post(response_format="vtt")).text == vtt(segments)
+        for fields, field in ((dict(response_format="verbose_json", **{"timestamp_granularities[]": "word"}),
+                               "word timestamps are not built"),
+                              ({"timestamp_granularities[]": "segment"}, "needs response_format 'verbose_json'"),
+                              (dict(response_format="srt", stream="true"), "answered whole")):
+            reply = await post(**fields)
+            assert reply.status_code == 400 and field in reply.json()["error"]["message"], reply.text
+
+
+def _decoder(engine: AsyncEngine):
+    return lambda ids: engine.tokenizer.decode(ids, skip_special_tokens=True)

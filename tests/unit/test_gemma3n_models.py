@@ -61,7 +61,8 @@ def test_structure_and_kv_cache_layout() -> None:
 
 
 def test_image_text_audio_checkpoint_serves_its_language_model(tmp_path) -> None:
-    """``Gemma3nForConditionalGeneration`` (the releases' architecture): its language model under
+    """``Gemma3nForConditionalGeneration`` (the releases' architecture) in language-model-only mode
+    (``limit_mm_per_prompt={"image": 0}``; audio: tests/engine/test_gemma3n_audio_engine.py): its language model under
     ``model.language_model.``, its towers' tensors left unread; logits equal transformers' text model's."""
     import transformers
 
@@ -77,7 +78,7 @@ def test_image_text_audio_checkpoint_serves_its_language_model(tmp_path) -> None
     save_file(weights, str(tmp_path / "model.safetensors"))
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         (tmp_path / name).write_bytes((pathlib.Path(text_path) / name).read_bytes())
-    model = _load(str(tmp_path))
+    model = _load(str(tmp_path), limit_mm_per_prompt={"image": 0})
     assert type(model) is Gemma3nTextOnly
     tokens = list(range(290, 317))  # some past the per-layer table's 300 rows
     run = PagedRun(model, [tokens], block_size=4)

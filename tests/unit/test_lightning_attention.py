@@ -93,14 +93,6 @@ def test_configs_it_does_not_run_are_refused_by_name(fields: dict, error: type, 
     assert info.value.field == field
 
 
-def test_lora_is_refused_by_architecture() -> None:
-    from asyncllm.engine.prepare import prepare
-
-    with pytest.raises(NotBuiltError, match="LoRA adapters for MiniMaxForCausalLM") as info:
-        prepare(EngineConfig.create(tiny_checkpoint("minimax"), enable_lora=True))
-    assert info.value.field == "enable_lora"
-
-
 def test_rotary_dim_rotates_that_much_of_each_head() -> None:
     """The original release's ``rotary_dim`` (half of each head), which transformers' MiniMax does not read."""
     path = tiny_checkpoint("minimax")

@@ -1,7 +1,8 @@
 """LoRA on DBRX, Kimi-Linear and Zamba2 in process, beyond tests/unit/test_lora_models.py (DBRX's and Kimi-Linear's
 logits equal PEFT's there): Zamba2's shared blocks take one adapter per invocation, its logits as close to PEFT's
 float64 ones as PEFT's own float32 ones are (the tiny Zamba2 amplifies rounding: tests/unit/test_zamba2.py); and
-the host refuses, by name, what these models cannot adapt. Through the engine: tests/engine/test_lora_families_engine.py.
+the host refuses, by name, what these models (and MiniMax) cannot adapt. Through the engine:
+tests/engine/test_lora_families_engine.py.
 """
 
 from __future__ import annotations
@@ -12,15 +13,12 @@ import pytest
 import torch
 from hf_reference import hf_logits
 from lora_utils import make_adapter, peft_logits
-from model_utils import MaskedRun
 from safetensors.torch import save_file
-from test_lora_models import SLOT, SLOTS, _with_adapter
+from test_lora_models import masked_logits
 
 from asyncllm import InvalidRequestError, LoRARequest
 from asyncllm.config import EngineConfig
 from asyncllm.engine.prepare import prepare
-from asyncllm.models.loader import load_hf_config, load_model
-from asyncllm.models.registry import kv_cache_spec
 from asyncllm.tiny import tiny_checkpoint
 
 ZAMBA2 = r".*shared_transformer\.(self_attn\.[qkvo]_proj|feed_forward\.(gate_up|down)_proj)"
@@ -41,14 +39,7 @@ def test_zamba2_adapters_apply_per_invocation(tmp_path) -> None:
     adapter), beside a sequence on the base model: within 3x PEFT's float32 error of PEFT's float64 logits."""
     path = tiny_checkpoint("zamba2")
     adapter = make_adapter(path, str(tmp_path / "z"), seed=3, rank=4, alpha=8, targets=ZAMBA2)
-    model = load_model(EngineConfig.create(path, max_model_len=64), load_hf_config(path), torch.device("cpu"),
-                       torch.float32)
-    gen = torch.Generator().manual_seed(5)
-    sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in (23, 19)]
-    run = MaskedRun(model, sequences, block_size=4)
-    run.context, run.slots, run.num_slots = _with_adapter(model, adapter), [SLOT, -1], SLOTS
-    run.new_kv_caches_for(kv_cache_spec(load_hf_config(path), 1), torch.float32)
-    with_adapter, base = run.run([[9, 7], [6, 1], [1, 1], [1, 9], [6, 1]])
+    sequences, with_adapter, base = masked_logits(path, adapter, 5)
     exact = _peft_float64_logits(path, adapter, sequences[0])
     assert (exact.float() - hf_logits(path, sequences[0])).abs().max() > 0.5  # the adapter changes the logits
     bound = 3 * (peft_logits(path, adapter, sequences[0]).double() - exact).abs().max().item()
@@ -79,9 +70,10 @@ def _hand_made(folder, tensors: dict[str, tuple[int, int]], **config) -> str:
     ("zamba2", {"model.layers.1.shared_transformer.self_attn.linear_q_adapter_list.0.0": (4, 128)}, {},
      r"linear_q_adapter_list\.0\.0"),
     ("zamba2", {"model.layers.0.self_attn.q_proj": (4, 128)}, {}, "layer 0 of Zamba2ForCausalLM has no q_proj"),
+    ("minimax", {"model.layers.0.self_attn.q_proj": (4, 64)}, {}, "layer 0 of MiniMaxForCausalLM has no q_proj"),
 ], ids=["dbrx-router", "dbrx-experts", "dbrx-separate-q", "kimi-dense-mlp-on-experts", "kimi-kda-name-on-latent",
         "kimi-latent-name-on-kda", "zamba2-mamba-in", "zamba2-mamba-out", "zamba2-linear", "zamba2-builtin-adapter",
-        "zamba2-mamba-layer-attention"])
+        "zamba2-mamba-layer-attention", "minimax-softmax-name-on-lightning"])
 def test_the_host_refuses_what_cannot_take_adapters(family: str, tensors, config, match: str, tmp_path) -> None:
     checker = prepare(EngineConfig.create(tiny_checkpoint(family), enable_lora=True)).lora
     with pytest.raises(InvalidRequestError, match=match):

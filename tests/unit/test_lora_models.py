@@ -2,12 +2,17 @@
 ERNIE 4.5, Command R, Helium, GLM, GLM-4, Arcee, Apertus, VaultGemma, Nemotron, Jais 2, StableLM, CWM; the
 attention of gpt-oss, Llama 4 and the other mixtures of experts, DBRX's fused ``Wqkv``; latent attention's every
 projection: DeepSeek-V2 / V3, GLM-4.7-Flash, Mistral 4, Youtu, MiniCPM3; Kimi-Linear's every matrix, its KDA layers'
-too): every position's logits equal PEFT's (fp32, 1e-4), for a
+too; MiniMax's lightning and softmax attention and experts; every image-text family's decoder, Qwen3-Omni's
+experts too): every position's
+logits equal PEFT's (fp32, 1e-4), for a
 sequence with the adapter batched with one without it; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` adapters
 split per part over two tensor-parallel ranks; the host's check of fused and separate module names.
 Through the whole engine: tests/engine/test_lora_engine.py."""
 
 from __future__ import annotations
+
+import re
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +24,7 @@ from safetensors.torch import load_file
 from asyncllm import InvalidRequestError, LoRARequest
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.engine.prepare import _expert_layers
+from asyncllm.engine.prepare import _expert_layers, prepare
 from asyncllm.lora import AdapterChecker, read_adapter
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import load_hf_config, load_model
@@ -36,6 +41,8 @@ LATENT = r".*\.(self_attn\.(q|q_a|q_b|kv_a|kv_b|o)_proj(_with_mqa)?|mlp\.(gate|u
 KIMI_LINEAR = (r".*\.(self_attn\.(q_proj|k_proj|v_proj|o_proj|forget_gate\.f_[ab]_proj|b_proj|g_[ab]_proj|"
                r"kv_a_proj_with_mqa|kv_b_proj)|mlp\.(shared_experts\.)?(gate|up|down)_proj)")
 """Kimi-Linear's KDA and latent-attention projections, its dense MLP's and its shared experts'."""
+MINIMAX = r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|output_gate|out_proj)"
+"""MiniMax's lightning and softmax attention projections."""
 SLOTS, MAX_RANK, SLOT = 2, 8, 1
 """The adapter goes in slot 1 of 2 (slot 0 stays empty)."""
 ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate; Phi-3: the fused ones)
@@ -77,6 +84,9 @@ ADAPTERS = {  # arch: make_adapter arguments (Gemma: every projection, separate;
     "dbrx": dict(seed=97, rank=8, alpha=16, targets=["Wqkv", "out_proj"]),  # the fused Wqkv's B cut into q, k, v
     # Kimi-Linear: its KDA layers', latent attention's, dense MLP's, shared experts' and experts' every matrix
     "kimi_linear": dict(seed=98, rank=4, alpha=8, targets=KIMI_LINEAR, target_parameters=EXPERTS),
+    # MiniMax: its lightning layer's fused-per-head qkv_proj, output gate and out_proj, its softmax attention's, the
+    # experts of both
+    "minimax": dict(seed=79, rank=4, alpha=8, targets=MINIMAX, target_parameters=EXPERTS),
 }
 
 
@@ -116,16 +126,21 @@ def test_falcon_7bs_multi_query_layout_is_cut_as_its_weight(tmp_path) -> None:
                                                  targets="all-linear"), 13)
 
 
-def _assert_logits_equal_peft(path: str, adapter: str, seed: int) -> None:
+def masked_logits(path: str, adapter: str, seed: int) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+    """Two random sequences over a paged run in chunks and one-token steps, the first with the adapter in `SLOT`,
+    the second on the base model: (the sequences, the first's logits, the second's)."""
     model = load_model(EngineConfig.create(path, max_model_len=64), load_hf_config(path), torch.device("cpu"),
                        torch.float32)
     gen = torch.Generator().manual_seed(seed)
     sequences = [torch.randint(6, 512, (n,), generator=gen).tolist() for n in (23, 19)]
     run = MaskedRun(model, sequences, block_size=4)
     run.context, run.slots, run.num_slots = _with_adapter(model, adapter), [SLOT, -1], SLOTS
-    spec = kv_cache_spec(load_hf_config(path), 1)
-    run.new_kv_caches_for(spec, torch.float32)
-    with_adapter, base = run.run([[9, 7], [6, 1], [1, 1], [1, 9], [6, 1]])  # chunks, one-token steps
+    run.new_kv_caches_for(kv_cache_spec(load_hf_config(path), 1), torch.float32)
+    return sequences, *run.run([[9, 7], [6, 1], [1, 1], [1, 9], [6, 1]])
+
+
+def _assert_logits_equal_peft(path: str, adapter: str, seed: int) -> None:
+    sequences, with_adapter, base = masked_logits(path, adapter, seed)
     expected = peft_logits(path, adapter, sequences[0])
     assert (expected - hf_logits(path, sequences[0])).abs().max() > 0.5  # the adapter changes the logits
     torch.testing.assert_close(with_adapter, expected, atol=ATOL, rtol=0)
@@ -190,3 +205,114 @@ def test_the_host_checks_fused_and_separate_module_names(adapters: dict[str, str
         assert checker.check(LoRARequest(arch, 1, adapters[arch])).lora_path == adapters[arch]
     with pytest.raises(InvalidRequestError, match="Glm4ForCausalLM has no gate_proj to adapt"):
         AdapterChecker(load_hf_config(tiny_checkpoint("glm4")), max_lora_rank=8).check(LoRARequest("g", 1, adapters["gemma2"]))
+
+
+DECODER_LINEARS = r"model\.(language_model\.|text_model\.)?layers\.\d+\.(self_attn|mlp)\.\w+_proj"
+"""An image-text model's decoder projections, as transformers names them (its towers' left out)."""
+OLDER = ("model.language_model.", "language_model.model.")
+"""transformers 5's names of an image-text model's decoder and the older ones."""
+IMAGE_TEXT = {  # family: (its tests' module, maker, maker's kwargs, transformers' class, (new, older) layout prefixes)
+    "paligemma": ("paligemma_utils", "make_tiny_paligemma", {"generation": 2}, "PaliGemma", OLDER),
+    "qwen2_5_omni": ("qwen2_5_omni_utils", "make_tiny_qwen2_5_omni", {}, "Qwen2_5OmniThinker",
+                     ("model.", "thinker.model.")),  # the full model's names
+    "llava": ("mm_utils", "make_tiny_llava", {}, "Llava", OLDER),
+    "llava_next": ("mm_utils", "make_tiny_llava_next", {}, "LlavaNext", OLDER),
+    "llava_onevision": ("mm_utils", "make_tiny_llava_onevision", {}, "LlavaOnevision", OLDER),
+    "idefics3": ("mm_utils", "make_tiny_idefics3", {}, "Idefics3", None),
+    "smolvlm": ("mm_utils", "make_tiny_smolvlm", {}, "SmolVLM", None),
+    "internvl": ("internvl_utils", "make_tiny_internvl", {}, "InternVL", OLDER),
+    "aya_vision": ("aya_vision_utils", "make_tiny_aya_vision", {}, "AyaVision", OLDER),
+    "gemma3": ("gemma3_mm_utils", "make_tiny_gemma3_mm", {}, "Gemma3", OLDER),
+    "mistral3": ("mistral3_utils", "make_tiny_mistral3", {}, "Mistral3", OLDER),
+    "gemma4": ("gemma4_mm_utils", "make_tiny_gemma4_mm", {}, "Gemma4", None),
+    "qwen3_omni": ("qwen3_omni_utils", "make_tiny_qwen3_omni", {}, "Qwen3OmniMoeThinker",
+                   ("model.language_model.", "thinker.model.")),  # the released checkpoints' layout
+}
+"""Idefics3's and SmolVLM's decoder is ``model.text_model`` in either layout; Gemma 4 has transformers 5's alone."""
+
+
+@pytest.mark.parametrize("family", sorted(IMAGE_TEXT))
+def test_an_image_text_decoder_takes_adapters_as_peft(family: str, tmp_path) -> None:
+    """Each image-text family's decoder (PaliGemma 2's Gemma 2 at positions from 1, its text prompts causal here so
+    that transformers' text-only forward is the one run; Qwen2.5-Omni's and Qwen3-Omni's thinkers, Qwen3-Omni's experts
+    too; Aya Vision's interleaved rotary rows): logits equal PEFT's on transformers' image-text class, the base
+    model's beside them in the batch, with the model built to take images; the adapter's names in the older layout
+    load alike; one with a tower's or projector's matrix is refused. Images with adapters through the engine:
+    Qwen2.5-VL's in tests/engine/test_qwen_vl_engine.py (the decoder's layers are the same)."""
+    import importlib
+
+    import transformers
+
+    module, maker, kwargs, cls_name, layouts = IMAGE_TEXT[family]
+    path = getattr(importlib.import_module(module), maker)(tmp_path / family, **kwargs)
+    cls = getattr(transformers, f"{cls_name}ForConditionalGeneration")
+    if family == "paligemma":
+        _edit_config(path, lambda config: config["text_config"].update(use_bidirectional_attention=False))
+    # Qwen3-Omni's experts too; PEFT adapts its thinker's audio attention under any pattern: kept out by name
+    experts = {"target_parameters": EXPERTS, "exclude_modules": r".*audio_tower.*"} if family == "qwen3_omni" else {}
+    adapter = make_adapter(path, str(tmp_path / "adapter"), seed=7, rank=4, alpha=8, targets=DECODER_LINEARS,
+                           auto_class=cls, **experts)
+    tensors = load_file(f"{adapter}/adapter_model.safetensors")
+    assert len(read_adapter(adapter).modules) == sum(".lora_A." in key for key in tensors) >= 8  # none left out
+    checker = prepare(EngineConfig.create(path, enable_lora=True, max_lora_rank=8)).lora  # takes images
+    assert checker is not None and checker.check(LoRARequest("d", 1, adapter))
+    sequences, with_adapter, base = masked_logits(path, adapter, 3)
+    hf = cls.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hf_base = [hf(input_ids=torch.tensor([tokens])).logits[0] for tokens in sequences]
+    expected, expected_base = peft_logits(path, adapter, sequences[0], cls), hf_base[1]
+    assert (expected - hf_base[0]).abs().max() > 0.5  # the adapter changes the logits
+    # Aya Vision's Cohere logits are scaled by logit_scale, as vLLM's are (transformers' AyaVision leaves them unscaled)
+    scale = load_hf_config(path).text_config.logit_scale if family == "aya_vision" else 1.0
+    torch.testing.assert_close(with_adapter, expected * scale, atol=ATOL, rtol=0)
+    torch.testing.assert_close(base, expected_base * scale, atol=ATOL, rtol=0)
+    if layouts is not None:
+        _assert_older_names_load_alike(adapter, str(tmp_path / "older"), path, layouts)
+    _assert_a_tower_matrix_is_refused(adapter, str(tmp_path / "encoder"), checker, hf)
+
+
+def _edit_config(path: str, edit: Any) -> None:
+    import json
+
+    with open(f"{path}/config.json") as f:
+        config = json.load(f)
+    edit(config)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump(config, f)
+
+
+def _renamed_copy(adapter: str, out: str, tensors: dict[str, torch.Tensor]) -> str:
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(adapter, out)
+    save_file(tensors, f"{out}/adapter_model.safetensors")
+    return out
+
+
+def _assert_older_names_load_alike(adapter: str, older: str, path: str, layouts: tuple[str, str]) -> None:
+    """The adapter's matrices named in the older layout (``language_model.model.``; a full Omni model's
+    ``thinker.model.``) load as the same projections and parts."""
+    model = load_model(EngineConfig.create(path, max_model_len=64), load_hf_config(path), torch.device("cpu"),
+                       torch.float32)
+    new, old = (f"base_model.model.{prefix}" for prefix in layouts)
+    tensors = load_file(f"{adapter}/adapter_model.safetensors")
+    assert all(key.startswith(new) for key in tensors)
+    _renamed_copy(adapter, older, {old + key.removeprefix(new): value for key, value in tensors.items()})
+    got, want = load_adapter_tensors(read_adapter(older), model), load_adapter_tensors(read_adapter(adapter), model)
+    assert [(n, p) for n, p, *_ in got] == [(n, p) for n, p, *_ in want] and got
+    assert all(torch.equal(g[3], w[3]) for g, w in zip(got, want))
+
+
+def _assert_a_tower_matrix_is_refused(adapter: str, out: str, checker: AdapterChecker, hf: Any) -> None:
+    """The adapter plus a pair of matrices on the first linear layer outside the decoder (the vision or audio
+    tower's, or the projector's) is refused by the host of a model that runs its tower."""
+    name, linear = next((n, m) for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)
+                        and not re.fullmatch(DECODER_LINEARS, n) and n != "lm_head")
+    tensors = load_file(f"{adapter}/adapter_model.safetensors")
+    tensors[f"base_model.model.{name}.lora_A.weight"] = torch.zeros(4, linear.in_features)
+    tensors[f"base_model.model.{name}.lora_B.weight"] = torch.zeros(linear.out_features, 4)
+    _renamed_copy(adapter, out, tensors)
+    with pytest.raises(InvalidRequestError, match="adapters on the (vision|audio) tower"):
+        checker.check(LoRARequest("t", 2, out))

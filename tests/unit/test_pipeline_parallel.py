@@ -260,3 +260,59 @@ def _assert_two_stages_equal_the_unsplit_model(config: EngineConfig, hf_config: 
               for stage in (PipelineStage(r, 2, *get_pp_indices(num_layers, r, 2)) for r in range(2))]
     for got, want in zip(paged_logits(Stages(stages), config.model), paged_logits(full, config.model), strict=True):
         assert torch.equal(got, want)
+
+
+MM_STAGES = {
+    "paligemma": ("paligemma_utils", "make_tiny_paligemma", {"generation": 1}),
+    "paligemma2": ("paligemma_utils", "make_tiny_paligemma", {"generation": 2}),
+    "qwen2_5_omni": ("qwen2_5_omni_utils", "make_tiny_qwen2_5_omni", {}),
+    "granite_speech": ("test_pipeline_parallel", "_tiny_granite_speech", {}),
+    "aya_vision": ("aya_vision_utils", "make_tiny_aya_vision", {}),
+    "qwen3_omni": ("test_pipeline_parallel", "_tiny_qwen3_omni", {}),
+}
+"""Image- and audio-text families whose decoders run in stages beside an encoder on the first stage: PaliGemma's
+Gemma / Gemma 2 at positions from 1 on every stage, Qwen2.5-Omni's M-RoPE Qwen2, Granite Speech's Granite, Aya
+Vision's Cohere2 (sliding and global layers), Qwen3-Omni's M-RoPE Qwen3-MoE (its audio and vision towers, deepstack
+mergers among them, on the first stage)."""
+
+
+@pytest.mark.parametrize("family", sorted(MM_STAGES))
+def test_image_and_audio_text_stages_equal_the_unsplit_model(family: str, tmp_path) -> None:
+    """The second stage holds the decoder's parts alone; the stages' logits equal the unsplit model's (text
+    tokens: the first stage's embeddings carry any image or audio rows, as tests/engine/test_pipeline_parallel_engine.py
+    runs them)."""
+    import importlib
+
+    from asyncllm.models.vision_language import text_config_of
+
+    module, make, kwargs = MM_STAGES[family]
+    path = getattr(importlib.import_module(module), make)(tmp_path / family, **kwargs)
+    hf_config = load_hf_config(path)
+    config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2)
+    check_pipeline_model(config, hf_config.architectures[0], text_config_of(hf_config))
+    num_layers = text_config_of(hf_config).num_hidden_layers
+    later = load_model(config, hf_config, CPU, torch.float32,
+                       pipeline=PipelineStage(1, 2, *get_pp_indices(num_layers, 1, 2)))
+    assert all(name.startswith("language_model.") for name, _ in later.named_parameters())
+    _assert_two_stages_equal_the_unsplit_model(config, hf_config, num_layers)
+
+
+def _tiny_qwen3_omni(path: Any) -> str:
+    """The tiny Qwen3-Omni thinker with 3 decoder layers: the first stage holds the 2 its deepstack rows join."""
+    from qwen3_omni_utils import _TOKENS, _thinker_config
+    from qwen2_5_omni_utils import save_tiny_thinker
+    from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+    def three_layers(tokenizer: Any) -> Any:
+        config = _thinker_config(tokenizer)
+        config.text_config.num_hidden_layers = 3
+        return config
+
+    return save_tiny_thinker(path, Qwen3OmniMoeThinkerForConditionalGeneration, three_layers, _TOKENS, 0, 16)
+
+
+def _tiny_granite_speech(path: Any) -> str:
+    from granite_speech_utils import tiny_granite_speech_model
+
+    tiny_granite_speech_model(512, 511, seed=3).save_pretrained(path)
+    return str(path)

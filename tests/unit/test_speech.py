@@ -45,3 +45,26 @@ def test_what_a_model_cannot_do_is_refused_by_name(speech, args, field):
     with pytest.raises(InvalidRequestError) as info:
         speech.prompt(*args)
     assert info.value.field == field
+
+
+def test_timestamp_tokens_become_segments_and_subtitles():
+    """`<|start|> text <|end|>` pairs, the next opening after a closing one, text left open ending at the piece's
+    end; times clamped to the piece and shifted by its offset; EOS and empty segments dropped; srt / vtt cues."""
+    from asyncllm.speech_segments import segments_of, srt, vtt
+
+    tb, eos = 100, 1
+    tokens = [tb, 5, 6, tb + 50, tb + 50, tb + 60, tb + 60, 7, tb + 400, tb + 400, 8, eos]  # 0.00 a b 1.00 1.00 ...
+
+    def decode(ids: list[int]) -> str:
+        return "".join(f" w{t}" for t in ids)
+
+    segments = segments_of(tokens, tb, decode, offset=60.0, duration=2.5, skip={eos})
+    assert [(s.start, s.end, s.text, s.token_ids) for s in segments] == [
+        (60.0, 61.0, " w5 w6", (5, 6)), (61.2, 62.5, " w7", (7,)), (62.5, 62.5, " w8", (8,))]
+    assert srt(segments[:2]) == "1\n00:01:00,000 --> 00:01:01,000\nw5 w6\n\n2\n00:01:01,200 --> 00:01:02,500\nw7\n\n"
+    assert vtt(segments[:1]) == "WEBVTT\n\n00:01:00.000 --> 00:01:01.000\nw5 w6\n\n"
+    assert _speech().prompt("transcribe", "fr", None, timestamps=False).endswith("<|notimestamps|>")
+    with pytest.raises(InvalidRequestError, match="timestamp tokens"):
+        _speech().prompt("transcribe", "fr", None, timestamps=True)  # this vocabulary has none
+    timed = SpeechToText(16000, 30.0, True, _speech().vocab, timestamp_begin=tb)
+    assert timed.prompt("translate", "fr", None, timestamps=True) == "<|startoftranscript|><|fr|><|translate|>"

@@ -1,0 +1,235 @@
+"""Baidu ERNIE 4.5 VL (ERNIE-4.5-VL-28B-A3B, 424B-A47B; ``Ernie4_5_VLMoeForConditionalGeneration``): a
+Qwen2-VL-style vision tower and resampler (asyncllm/models/ernie4_5_vl_vision.py) before ERNIE 4.5's
+mixture-of-experts decoder, whose experts are split by modality.
+
+It runs on Qwen2-VL's path (asyncllm/models/qwen2_vl.py): the image processor (``Ernie4_5_VLMoeImageProcessor``,
+or its PIL twin) resizes an image to a multiple of 28 pixels and cuts it into 14 x 14 patches in Qwen's merge-unit
+order (no temporal patch), so an item is ``(1, h, w, patch_features)`` and the prompt's ``<|IMAGE_PLACEHOLDER|>``
+(between the chat template's ``<|IMAGE_START|>`` and ``<|IMAGE_END|>``) becomes one placeholder per 2 x 2 patches.
+
+- **Positions** (transformers' ``get_rope_index``): an image's tokens at the text position before it plus
+  (0, row, col), the text resuming ``max(rows, cols)`` later: mrope.py's `mrope_positions` as it is.
+- **Rotary**: ERNIE's interleaved pairs, turned half-split by reordering q/k rows at load (as the text model's);
+  of the ``mrope_section = [h, w, t]`` bands (22 / 22 / 20 by default), the first ``2h`` frequencies alternate
+  height (even) and width (odd), the last ``t`` turn with time (`ErnieMRotaryEmbedding`).
+- **Experts by modality** (`ErnieVLMoE`): each MoE layer has a text router and experts, a vision router and
+  experts (their own ``moe_intermediate_size``), and shared experts every token runs. A token is a vision
+  token when its id is an image's or a video's placeholder, start or end marker (transformers' processor's
+  ``moe_mm_token_type_ids``) in the prompt of a request with images; generated tokens are text (`ModalityRows`,
+  docs/moe.md).
+- **Checkpoints**: Baidu's layout, which transformers' ``save_pretrained`` writes back: ``model.vision_model.*``,
+  ``model.resampler_model.*``, ``model.layers.*`` with routers stored ``[hidden, E]`` (``mlp.gate.weight`` text,
+  ``mlp.gate.weight_1`` vision), one ``moe_statics.e_score_correction_bias`` ``[2, E]`` (text row, vision row)
+  and ``mlp.experts.{0 .. 2E-1}`` (text experts, then vision experts).
+
+Videos are not built (an input of one fails its request naming it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.attention.selector import AttentionBackend
+from asyncllm.errors import ConfigError
+from asyncllm.models.ernie4_5_vl_vision import ErnieResampler, ErnieVisionTower
+from asyncllm.models.ernie_seed_arcee import Ernie4_5_MoeForCausalLM, ErnieMoE
+from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
+from asyncllm.models.llama import DecoderBuild, LlamaMLP
+from asyncllm.models.moe import MoESpec
+from asyncllm.models.mrope import MRotaryEmbedding, mrope_section
+from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen2VLTextModel
+from asyncllm.models.vision_language import load_vision_language_weights
+
+__all__ = ["Ernie4_5_VLMoeForConditionalGeneration", "ErnieMRotaryEmbedding", "ErnieVLMoE", "ModalityRows"]
+
+_DEFAULT_SECTION = (22, 22, 20)
+_VISION_MARKERS = ("image_token_id", "image_start_token_id", "image_end_token_id", "video_token_id",
+                   "video_start_token_id", "video_end_token_id")
+"""The config's token ids whose rows run the vision experts (transformers' ``moe_mm_token_type_ids``)."""
+
+
+class ErnieMRotaryEmbedding(MRotaryEmbedding):
+    """M-RoPE whose frequency ``j`` turns with height (even ``j < 2h``), width (odd ``j < 2h``) or time (the rest)."""
+
+    def __init__(self, hf_config: Any, head_dim: int, max_position: int) -> None:
+        super().__init__(hf_config, head_dim, max_position, default_section=_DEFAULT_SECTION)
+        h, w, t = mrope_section(hf_config, self.rotary_dim, _DEFAULT_SECTION)
+        if h != w:
+            raise ConfigError("rope_parameters.mrope_section", [h, w, t], "equal height and width bands")
+        axis = torch.zeros(h + w + t, dtype=torch.int64)
+        axis[: 2 * h] = 1 + torch.arange(2 * h) % 2
+        self.column_axis = torch.cat([axis, axis]).to(self.column_axis.device)
+
+
+class ModalityRows:
+    """Which of a step's rows run the vision experts: set by the text model around its layers, read by each
+    `ErnieVLMoE`. A row is a vision row when it is inside the prompt of a request with images
+    (`AttentionMetadata.mm_prompt_rows`, which the multimodal runner sets) and its token one of ``token_ids``: so
+    generated tokens run the text experts, as transformers' ``generate`` routes them. None: every row is text."""
+
+    def __init__(self) -> None:
+        self.token_ids: torch.Tensor | None = None
+        self.vision: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def routing(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> Iterator[None]:
+        prompt_rows = getattr(metadata, "mm_prompt_rows", None)
+        vision = None
+        if prompt_rows is not None and self.token_ids is not None:
+            vision = torch.isin(input_ids, self.token_ids.to(input_ids.device)) & prompt_rows[: input_ids.shape[0]]
+        self.vision = vision if vision is not None and bool(vision.any()) else None
+        try:
+            yield
+        finally:
+            self.vision = None
+
+
+class ErnieVLMoE(nn.Module):
+    """A layer's text experts (``text``), vision experts (``vision``; each ERNIE's router and score correction:
+    `ErnieMoE`) and the shared experts every row adds."""
+
+    def __init__(self, b: DecoderBuild, text: MoESpec, vision: MoESpec, shared_size: int) -> None:
+        super().__init__()
+        self.text = ErnieMoE(text, b)
+        self.vision = ErnieMoE(vision, b)
+        self.shared_experts = LlamaMLP(b, shared_size) if shared_size else None
+        self.rows: ModalityRows | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        vision = None if self.rows is None else self.rows.vision
+        if vision is None:
+            out = self.text(x)
+        else:
+            out = torch.empty_like(x)
+            for experts, rows in ((self.text, ~vision), (self.vision, vision)):
+                if bool(rows.any()):
+                    out[rows] = experts(x[rows])
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class ErnieVLTextModel(Qwen2VLTextModel):
+    """The decoder stack; the step's vision rows route to the vision experts (`ModalityRows`)."""
+
+    def __init__(self, b: DecoderBuild) -> None:
+        super().__init__(b)
+        self.rows = ModalityRows()
+        for layer in self.layers:
+            if isinstance(getattr(layer, "mlp", None), ErnieVLMoE):
+                layer.mlp.rows = self.rows
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        with self.rows.routing(input_ids, metadata):
+            return super().forward(input_ids, positions, kv_caches, metadata, inputs_embeds)
+
+
+def _spec(hf_config: Any, modality: int) -> MoESpec:
+    sizes = hf_config.moe_intermediate_size
+    return MoESpec(int(hf_config.moe_num_experts), int(hf_config.moe_k), int(sizes[modality]), renormalize=True,
+                   weights_in_model_dtype=True)
+
+
+def _full(weight: LoadedWeight) -> torch.Tensor:
+    return weight if isinstance(weight, torch.Tensor) else weight[:]
+
+
+def modality_weights(weights: Iterable[tuple[str, LoadedWeight]], num_experts: int) -> Iterator[tuple[str, LoadedWeight]]:
+    """The checkpoint's MoE tensors under our modules' names (``mlp.text.*``, ``mlp.vision.*``): routers transposed
+    to ``[E, hidden]``, the score corrections' rows apart, experts ``E ..`` the vision ones; the rest as given."""
+    routers = {"gate.weight": "text", "gate.weight_1": "vision"}
+    for name, weight in weights:
+        prefix, _, rest = name.partition(".mlp.")
+        if rest in routers:
+            yield f"{prefix}.mlp.{routers[rest]}.gate.weight", _full(weight).t()
+        elif rest == "moe_statics.e_score_correction_bias":
+            both = _full(weight)
+            yield f"{prefix}.mlp.text.{rest}", both[0:1]
+            yield f"{prefix}.mlp.vision.{rest}", both[1:2]
+        elif rest.startswith("experts."):
+            _, expert, part = rest.split(".", 2)
+            kind = "text" if int(expert) < num_experts else "vision"
+            yield f"{prefix}.mlp.{kind}.experts.{int(expert) % num_experts}.{part}", weight
+        else:
+            yield name, weight
+
+
+class ErnieVLLanguageModel(Ernie4_5_MoeForCausalLM):
+    """ERNIE 4.5's layers: dense or modality-split experts by ``mlp_layer_types``; ERNIE's M-RoPE."""
+
+    model_cls = ErnieVLTextModel
+    lora_experts = False
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
+        """The text experts of layer ``layer_idx`` (None: a dense layer); the vision experts are `_spec`'s."""
+        return _spec(hf_config, 0) if hf_config.mlp_layer_types[layer_idx] == "sparse" else None
+
+    @classmethod
+    def make_mlp(cls, b: DecoderBuild, layer_idx: int) -> nn.Module:
+        cfg = b.hf_config
+        if cls.moe_spec(cfg, layer_idx) is None:
+            return LlamaMLP(b)
+        shared = int(cfg.moe_intermediate_size[0]) * int(cfg.moe_num_shared_experts or 0)
+        return ErnieVLMoE(b, _spec(cfg, 0), _spec(cfg, 1), shared)
+
+    def decoder_build(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
+                      max_position: int, expert_parallel: bool) -> DecoderBuild:
+        build = super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
+        return dataclasses.replace(build, rotary_emb=ErnieMRotaryEmbedding(hf_config, head_dim_of(hf_config),
+                                                                           max_position))
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        self.num_experts = int(hf_config.moe_num_experts)
+        super().__init__(hf_config, **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return super().load_weights(modality_weights(weights, self.num_experts))
+
+
+def normalize_ernie_vl_name(name: str) -> str:
+    """The checkpoint's names -> ours: ``visual.*``, ``resampler_model.*``, ``language_model.*``."""
+    for theirs, ours in (("model.vision_model.", "visual."), ("model.resampler_model.", "resampler_model.")):
+        if name.startswith(theirs):
+            return ours + name.removeprefix(theirs)
+    return "language_model." + name if name.startswith(("model.", "lm_head.")) else name
+
+
+class Ernie4_5_VLMoeForConditionalGeneration(Qwen2VLForConditionalGeneration):
+    """Image features (tower, then resampler) replace the ``<|IMAGE_PLACEHOLDER|>`` embeddings; positions are
+    M-RoPE's; image rows and their markers run the vision experts."""
+
+    is_moe = True
+    tower_cls = ErnieVisionTower
+    language_model_cls = ErnieVLLanguageModel
+    packed_modules = ErnieVLLanguageModel.packed_modules
+    mm_video_token_id = None
+    mm_not_built = {"video": "ERNIE 4.5 VL's video input"}
+    mm_routes_prompt_rows = True
+    """The multimodal runner marks the step's prompt rows of requests with images (`ModalityRows`)."""
+
+    def __init__(self, hf_config: Any, *, dtype: torch.dtype, **kwargs: Any) -> None:
+        super().__init__(hf_config, dtype=dtype, **kwargs)
+        self.resampler_model = ErnieResampler(hf_config, dtype)
+        ids = [int(getattr(hf_config, name)) for name in _VISION_MARKERS if getattr(hf_config, name, None) is not None]
+        self.language_model.model.rows.token_ids = torch.tensor(ids)
+
+    @classmethod
+    def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
+        """Layer ``layer_idx``'s text experts (``hf_config``: the text config, as the registry's checks pass it)."""
+        return ErnieVLLanguageModel.moe_spec(hf_config, layer_idx)
+
+    def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``[N, t, h, w, features]`` images of one grid -> ``[N, t * h * w / 4, text hidden]``."""
+        n, t, h, w, features = pixel_values.shape
+        grid = [(t, h, w)] * n
+        out = self.resampler_model(self.visual(pixel_values.reshape(n * t * h * w, features), grid), grid)
+        return out.view(n, -1, out.shape[-1])
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        return load_vision_language_weights(self, weights, normalize_ernie_vl_name, "ERNIE 4.5 VL")

@@ -1,0 +1,125 @@
+"""What the Qwen-Omni thinkers share (Qwen2.5-Omni's: asyncllm/models/qwen2_5_omni.py, Qwen3-Omni's: qwen3_omni.py):
+their multimodal hooks, M-RoPE over images and videos only, and the full checkpoint's speech-out parts skipped.
+
+A thinker takes images and videos (its Qwen-VL tower's) and audios (its own encoder's ``[1, mel + 1, frames]`` packed
+log-mel frames and mask: Qwen2-Audio's `mm_audio_values`); it serves text only, as vLLM does. Audio placeholders are
+positioned as text is (transformers' ``get_rope_index``); a video is one run of placeholders whose temporal patches
+are ``position_id_per_seconds`` x their seconds apart in time. Speech out (``enable_audio_output``) and a video's own
+audio track (``use_audio_in_video``) are a `NotBuiltError`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.mm.qwen_video import VideoPiece
+from asyncllm.mm.videos import Video
+from asyncllm.models.layers import LoadedWeight
+from asyncllm.models.qwen2_audio import Qwen2AudioForConditionalGeneration
+from asyncllm.models.vision_language import text_config_of
+
+__all__ = ["OmniThinker", "check_omni_processor_kwargs"]
+
+_REFUSED_PROCESSOR_KWARGS = ("use_audio_in_video", "load_audio_from_video", "return_audio", "enable_audio_output",
+                             "speaker")
+
+
+def check_omni_processor_kwargs(overrides: dict[str, Any]) -> None:
+    """`NotBuiltError` for ``mm_processor_kwargs`` asking for speech out or a video's interleaved audio."""
+    for key in _REFUSED_PROCESSOR_KWARGS:
+        if overrides.get(key):
+            raise NotBuiltError(f"mm_processor_kwargs.{key}", overrides[key],
+                                "Qwen-Omni's speech output and audio-in-video (the thinker serves text from "
+                                "images, videos and audios given apart)")
+
+
+def check_no_audio_output(hf_config: Any) -> None:
+    """`NotBuiltError` for a thinker config asking for speech (``enable_audio_output``, set in ``hf_overrides``)."""
+    if getattr(hf_config, "enable_audio_output", False):
+        raise NotBuiltError("enable_audio_output", True, "Qwen-Omni's speech output (its talker and vocoder); the "
+                                                         "thinker serves text")
+
+
+class OmniThinker:
+    """Mixin before a Qwen-VL model class: the audio hooks around its vision ones. A subclass sets ``speech_parts``
+    and ``audio_tower_cls`` and gives `audio_placeholders` and `embed_audios`."""
+
+    speech_parts: tuple[str, ...] = ()
+    """The full checkpoint's speech-out parts' weight prefixes, skipped unread."""
+    audio_tower_cls: type[nn.Module]
+    """The audio encoder, built from ``(audio_config, dtype)``; its rows are the decoder's width."""
+
+    def __init__(self, hf_config: Any, **kwargs: Any) -> None:
+        """``kwargs``: the Qwen-VL model's (``dtype`` among them)."""
+        check_no_audio_output(hf_config)
+        super().__init__(hf_config, **kwargs)  # type: ignore[call-arg]
+        if hf_config.audio_config.output_dim != text_config_of(hf_config).hidden_size:
+            raise ConfigError("audio_config.output_dim", hf_config.audio_config.output_dim, "the decoder's hidden_size")
+        self.audio_tower = self.audio_tower_cls(hf_config.audio_config, kwargs["dtype"])
+
+    # ---- multimodal hooks (asyncllm/mm/processor.py)
+    @staticmethod
+    def mm_placeholder_token_id(hf_config: Any) -> int:
+        """The prompt token that marks an image."""
+        return int(hf_config.image_token_id)
+
+    @staticmethod
+    def mm_audio_token_id(hf_config: Any) -> int:
+        """The prompt token that marks an audio."""
+        return int(hf_config.audio_token_id)
+
+    @staticmethod
+    def mm_video_token_id(hf_config: Any) -> int:
+        """The prompt token that marks a video."""
+        return int(hf_config.video_token_id)
+
+    @classmethod
+    def mm_video_pieces(cls, hf_config: Any, tokenizer: Any, video: Video, grid: tuple[int, int, int]) -> list[VideoPiece]:
+        """A video is one run of placeholders, its temporal patches ``position_id_per_seconds`` x their seconds
+        apart on the time axis (float32)."""
+        seconds = np.float32(hf_config.vision_config.temporal_patch_size / video.sampled_fps)
+        return [VideoPiece([], slice(0, grid[0]), [], float(seconds * np.float32(hf_config.position_id_per_seconds)))]
+
+    mm_audio_values = staticmethod(Qwen2AudioForConditionalGeneration.mm_audio_values)
+    mm_check_processor_kwargs = staticmethod(check_omni_processor_kwargs)
+
+    @classmethod
+    def audio_placeholders(cls, hf_config: Any, frames: int) -> int:
+        """Placeholders (encoder rows) of an audio of ``frames`` mel frames."""
+        raise NotImplementedError
+
+    @classmethod
+    def mm_placeholder_length_of(cls, hf_config: Any, values: np.ndarray) -> int:
+        """An image's ``(t, h, w, features)`` patches or an audio's ``[1, mel + 1, frames]`` -> its placeholders."""
+        if values.ndim == 3:
+            return cls.audio_placeholders(hf_config, int(values[0, -1].sum()))
+        return cls.mm_placeholder_length(hf_config, values.shape)  # type: ignore[attr-defined]
+
+    def mrope_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
+        """M-RoPE's positions of the images and videos; an audio's placeholders count on as text does."""
+        return super().mrope_positions(prompt_len, [item for item in items if len(item.shape) == 4])  # type: ignore[misc]
+
+    def embed_audios(self, features: torch.Tensor, frames: list[int]) -> list[torch.Tensor]:
+        """``[N, mel, frames]`` log-mel frames, each audio's true frames -> each audio's input rows."""
+        raise NotImplementedError
+
+    def embed_multimodal(self, values: torch.Tensor) -> torch.Tensor | list[torch.Tensor]:
+        """``[N, t, h, w, features]`` images or videos -> their rows (the Qwen-VL model's); ``[N, 1, mel + 1,
+        frames]`` audios -> each audio's ``[placeholders, width]`` rows (`embed_audios`)."""
+        if values.ndim == 5:
+            return super().embed_multimodal(values)  # type: ignore[misc]
+        flat = values[:, 0]
+        return self.embed_audios(flat[:, :-1], flat[:, -1].sum(-1).round().long().tolist())
+
+    # ---- weights
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        return super()._packed(ckpt_name.removeprefix("thinker."))  # type: ignore[misc]
+
+    def thinker_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterable[tuple[str, LoadedWeight]]:
+        """``weights`` but the speech-out parts' (either layout: ``thinker.*`` or bare)."""
+        return ((name, weight) for name, weight in weights if not name.startswith(self.speech_parts))

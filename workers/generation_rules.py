@@ -1,0 +1,225 @@
+"""The model's own generation rules, from its ``generation_config.json``, applied to every request as transformers'
+``generate`` applies them: ``suppress_tokens`` never sampled, ``begin_suppress_tokens`` not sampled at a request's
+first generated position, and Whisper's timestamp rules for the requests that predict timestamps.
+
+Whisper's timestamps (``no_timestamps_token_id``: the ids after it are ``<|0.00|>``, ``<|0.02|>``, ... ). A request
+predicts them when its prompt ends with the task token (``<|transcribe|>`` / ``<|translate|>``; on an English-only
+checkpoint, ``<|startoftranscript|>``), the prompt of openai-whisper's and transformers' ``return_timestamps=True``
+without ``<|notimestamps|>``. Its rules, transformers' ``WhisperTimeStampLogitsProcessor`` to the token:
+``<|notimestamps|>`` is never sampled; the first token is a timestamp of at most ``max_initial_timestamp_index``;
+after a timestamp that follows text comes a timestamp or an id from EOS on; after two timestamps (or one at the start)
+comes no timestamp; timestamps never decrease (after a pair, they increase); and where the timestamps' summed
+probability (after the rules above: a log-softmax of the row) beats every other token's, only a timestamp may come.
+
+Cost: the masks are built once on the device (the suppressed ids, the begin ids, a vocabulary ``arange``). A step
+sends the rows at their first position (one small index copy) and, for timestamp rows, three bounds per row computed
+on the host from the row's output tokens (the rows need their tokens on the host, as bad words do); nothing waits
+for the device. The model runner builds the rules when it loads the model (`GenerationRules.of`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from asyncllm.errors import ConfigError
+
+__all__ = ["GenerationRules", "RulesStep", "TimestampRules"]
+
+_NO_BOUND = 2**62
+"""An upper bound past any vocabulary."""
+
+
+class RuleRow(Protocol):
+    """What the rules read from a worker's request row (`input_batch.RequestState`)."""
+
+    row: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class TimestampRules:
+    """Whisper's timestamp tokens and the prompt endings after which they are predicted."""
+
+    no_timestamps_id: int
+    eos_id: int
+    max_initial: int | None
+    """``max_initial_timestamp_index``: the first timestamp is at most ``timestamp_begin`` + this (None: any)."""
+    prompt_ends: frozenset[int]
+    """The task tokens (multilingual) or ``<|startoftranscript|>`` (English-only) that start timestamped output."""
+
+    @property
+    def timestamp_begin(self) -> int:
+        return self.no_timestamps_id + 1
+
+    def bounds(self, outputs: Sequence[int]) -> tuple[int, int, int]:
+        """(ids below it forbidden, timestamps below it forbidden, ids from it forbidden) after ``outputs``."""
+        begin = self.timestamp_begin
+        if not outputs:
+            top = _NO_BOUND if self.max_initial is None else begin + self.max_initial + 1
+            return begin, begin, top
+        last = outputs[-1] >= begin
+        penultimate = len(outputs) < 2 or outputs[-2] >= begin
+        text_below, top = 0, _NO_BOUND
+        if last and penultimate:
+            top = begin
+        elif last:
+            text_below = self.eos_id
+        stamp = next((token for token in reversed(outputs) if token >= begin), None)
+        low = begin if stamp is None else stamp if last and not penultimate else stamp + 1
+        return text_below, low, top
+
+
+@dataclass
+class RulesStep:
+    """One step's rows for the rules (indices into the step's logits rows); a part no row needs is None."""
+
+    rules: GenerationRules
+    begin_rows: torch.Tensor | None = None
+    timestamp_rows: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None
+    """[R, 3] int64: `TimestampRules.bounds` of each timestamp row."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        self.rules.apply(logits, self)
+
+
+class GenerationRules:
+    """A model's suppressed ids and timestamp rules, with its masks on the device and the requests that predict
+    timestamps."""
+
+    def __init__(self, suppress: Sequence[int], begin_suppress: Sequence[int], timestamps: TimestampRules | None,
+                 device: torch.device) -> None:
+        self.device = device
+        self.timestamps = timestamps
+        self._suppress = torch.tensor(sorted(set(suppress)), dtype=torch.int64, device=device) if suppress else None
+        self._begin = (torch.tensor(sorted(set(begin_suppress)), dtype=torch.int64, device=device)
+                       if begin_suppress else None)
+        self._suppress_mask: torch.Tensor | None = None
+        self._vocab: torch.Tensor | None = None
+        self.timestamp_rows: set[int] = set()
+        """The input-batch rows of the requests whose prompt asks for timestamps."""
+
+    @classmethod
+    def of(cls, model_path: str, vocab_size: int | None, device: torch.device) -> "GenerationRules | None":
+        """The rules of the checkpoint at ``model_path`` (None when its generation_config.json sets none)."""
+        config = _generation_config(model_path) if vocab_size is not None else {}
+        suppress, begin = config.get("suppress_tokens") or [], config.get("begin_suppress_tokens") or []
+        for name, ids in (("suppress_tokens", suppress), ("begin_suppress_tokens", begin)):
+            if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+                raise ConfigError("model", model_path, f"generation_config.json's {name}: a list of token ids")
+        suppress = [t for t in suppress if t < vocab_size]  # ids past the logits are never sampled (transformers
+        begin = [t for t in begin if t < vocab_size]  # masks them to no effect too)
+        timestamps = _timestamp_rules(config, vocab_size)
+        if not suppress and not begin and timestamps is None:
+            return None
+        return cls(suppress, begin, timestamps, device)
+
+    # ------------------------------------------------------------ rows (host)
+    def add(self, row: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        """A request in input-batch ``row``: it predicts timestamps when its prompt ends so."""
+        ts = self.timestamps
+        if ts is not None and num_prompt_tokens and token_ids[num_prompt_tokens - 1] in ts.prompt_ends:
+            self.timestamp_rows.add(row)
+
+    def discard(self, row: int) -> None:
+        self.timestamp_rows.discard(row)
+
+    def step(self, rows: Sequence[RuleRow], positions: Sequence[int]) -> RulesStep | None:
+        """The rules' rows of a step whose logits row i samples position ``positions[i]`` of ``rows[i]``."""
+        begin: list[int] = []
+        stamped: list[int] = []
+        bounds: list[tuple[int, int, int]] = []
+        for i, (row, position) in enumerate(zip(rows, positions)):
+            if position == row.num_prompt_tokens:
+                begin.append(i)
+            if row.row in self.timestamp_rows:
+                assert self.timestamps is not None
+                stamped.append(i)
+                bounds.append(self.timestamps.bounds(row.token_ids[row.num_prompt_tokens:position]))
+        step = RulesStep(self, self._rows(begin) if begin and self._begin is not None else None)
+        if stamped:
+            step.timestamp_rows, step.bounds = self._rows(stamped), _to_device(np.array(bounds, np.int64), self.device)
+        if self._suppress is None and step.begin_rows is None and step.timestamp_rows is None:
+            return None
+        return step
+
+    def _rows(self, rows: list[int]) -> torch.Tensor:
+        return _to_device(np.array(rows, np.int64), self.device)
+
+    # ------------------------------------------------------------ logits (device)
+    def apply(self, logits: torch.Tensor, step: RulesStep) -> None:
+        """The suppressed ids of every row, the begin ids of the rows at their first position, then the timestamp
+        rules, in place on ``logits`` [N, V] (transformers' order)."""
+        if self._suppress is not None:
+            logits.masked_fill_(self._mask(logits.shape[1]), float("-inf"))
+        if step.begin_rows is not None:
+            assert self._begin is not None
+            logits[step.begin_rows.unsqueeze(1), self._begin] = float("-inf")
+        if step.timestamp_rows is not None:
+            assert step.bounds is not None
+            rows = logits.index_select(0, step.timestamp_rows)
+            logits.index_copy_(0, step.timestamp_rows, self._timestamp_rules(rows, step.bounds))
+
+    def _timestamp_rules(self, rows: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+        ts = self.timestamps
+        assert ts is not None
+        vocab, begin = self._arange(rows.shape[1]), ts.timestamp_begin
+        text_below, low, top = bounds[:, 0:1], bounds[:, 1:2], bounds[:, 2:3]
+        banned = ((vocab < text_below) | ((vocab >= begin) & (vocab < low)) | (vocab >= top)
+                  | (vocab == ts.no_timestamps_id))
+        rows = rows.masked_fill(banned, float("-inf"))
+        logprobs = rows.float().log_softmax(dim=-1)  # as transformers: the sum over the timestamps after the rules
+        timestamp_wins = logprobs[:, begin:].logsumexp(dim=-1) > logprobs[:, :begin].max(dim=-1).values
+        rows[:, :begin].masked_fill_(timestamp_wins.unsqueeze(1), float("-inf"))
+        return rows
+
+    def _mask(self, vocab_size: int) -> torch.Tensor:
+        if self._suppress_mask is None or self._suppress_mask.shape[0] != vocab_size:
+            assert self._suppress is not None
+            self._suppress_mask = torch.isin(self._arange(vocab_size), self._suppress)
+        return self._suppress_mask
+
+    def _arange(self, vocab_size: int) -> torch.Tensor:
+        if self._vocab is None or self._vocab.shape[0] != vocab_size:
+            self._vocab = torch.arange(vocab_size, device=self.device)
+        return self._vocab
+
+
+def _timestamp_rules(config: dict[str, Any], vocab_size: int) -> TimestampRules | None:
+    """Whisper's timestamp rules, where the checkpoint has timestamp tokens (ids past ``no_timestamps_token_id``)."""
+    no_timestamps = config.get("no_timestamps_token_id")
+    if not isinstance(no_timestamps, int) or no_timestamps + 1 >= vocab_size:
+        return None
+    eos = config.get("eos_token_id") or config.get("bos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if config.get("is_multilingual", True):
+        ends = frozenset(int(t) for t in (config.get("task_to_id") or {}).values())
+    else:
+        ends = frozenset([int(config["decoder_start_token_id"])]) if "decoder_start_token_id" in config else frozenset()
+    if not isinstance(eos, int) or not ends:
+        return None
+    return TimestampRules(no_timestamps, eos, config.get("max_initial_timestamp_index"), ends)
+
+
+def _generation_config(model_path: str) -> dict[str, Any]:
+    path = os.path.join(model_path, "generation_config.json")
+    if not os.path.isfile(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model", model_path, f"a readable generation_config.json ({exc})") from exc
+    return config if isinstance(config, dict) else {}
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(array).to(device, non_blocking=True)
