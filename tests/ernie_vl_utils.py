@@ -3,10 +3,9 @@ resampler before ERNIE 4.5's modality-split experts with M-RoPE) and transformer
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
-from mm_utils import hf_generate, random_model
+from mm_utils import expand_image_tokens, hf_generate, random_model
 
 __all__ = ["IMAGE", "IMAGE_PLACEHOLDER", "SPECIAL_TOKENS", "hf_ernie_vl_greedy", "hf_ernie_vl_inputs", "make_tiny_ernie_vl"]
 
@@ -57,20 +56,13 @@ def hf_ernie_vl_inputs(path: str, text: str, images: list[bytes]) -> dict:
     the checkpoint's tokenizer and image processor here)."""
     from types import SimpleNamespace
 
-    from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer, Ernie4_5_VLMoeProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = AutoImageProcessor.from_pretrained(path)
     ids = dict(zip(_IDS, tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS)))
     processor = SimpleNamespace(image_processor=image_processor, image_token=IMAGE, **ids)
-    inputs: dict = {}
-    if images:
-        pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
-        inputs = dict(image_processor(images=pil, return_tensors="pt"))
-        parts = text.split(IMAGE)
-        text = parts[0] + "".join(Ernie4_5_VLMoeProcessor.replace_image_token(processor, inputs, i) + part
-                                  for i, part in enumerate(parts[1:]))
+    text, inputs = expand_image_tokens(Ernie4_5_VLMoeProcessor, processor, text, images)
     input_ids = tokenizer([text], return_tensors="pt")["input_ids"]
     inputs["input_ids"] = input_ids
     inputs["mm_token_type_ids"] = (input_ids == ids["image_token_id"]).int()  # what M-RoPE's positions follow

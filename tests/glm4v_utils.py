@@ -3,12 +3,11 @@ decoder with M-RoPE) and transformers' reference for the tests."""
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from pathlib import Path
 
-from mm_utils import hf_generate, make_image, random_model
+from mm_utils import expand_image_tokens, hf_generate, make_image, random_model
 
 __all__ = ["IMAGE", "IMAGE_PLACEHOLDER", "hf_glm4v_greedy", "hf_glm4v_inputs", "make_image", "make_tiny_glm4v"]
 
@@ -79,7 +78,6 @@ def hf_glm4v_inputs(path: str, text: str, images: list[bytes], add_special_token
     from types import SimpleNamespace
 
     import torch
-    from PIL import Image
     from transformers import AutoImageProcessor, AutoTokenizer, Glm4vProcessor
 
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -87,13 +85,7 @@ def hf_glm4v_inputs(path: str, text: str, images: list[bytes], add_special_token
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     processor = SimpleNamespace(image_processor=image_processor, image_token=IMAGE, image_token_id=ids[IMAGE],
                                 video_start_id=ids["<|begin_of_video|>"], video_end_id=ids["<|end_of_video|>"])
-    inputs: dict = {}
-    if images:
-        pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
-        inputs = dict(image_processor(images=pil, return_tensors="pt"))
-        parts = text.split(IMAGE)
-        text = parts[0] + "".join(Glm4vProcessor.replace_image_token(processor, inputs, i) + part
-                                  for i, part in enumerate(parts[1:]))
+    text, inputs = expand_image_tokens(Glm4vProcessor, processor, text, images)
     inputs["input_ids"] = tokenizer([text], return_tensors="pt", add_special_tokens=add_special_tokens)["input_ids"]
     types = Glm4vProcessor.create_mm_token_type_ids(processor, inputs["input_ids"].tolist())
     inputs["mm_token_type_ids"] = torch.tensor(types)  # what M-RoPE's positions are computed from

@@ -260,6 +260,21 @@ def processor_inputs(processor, text: str, images: list[bytes], add_special_toke
     return processor(text=text, images=pil or None, return_tensors="pt", add_special_tokens=add_special_tokens)
 
 
+def expand_image_tokens(processor_cls: Any, processor: Any, text: str, images: list[bytes]) -> tuple[str, dict]:
+    """``text`` with each ``processor.image_token`` expanded by ``processor_cls.replace_image_token`` (GLM-4.1V's,
+    ERNIE 4.5 VL's: their processors' own expansion, run over a stand-in ``processor`` holding the checkpoint's
+    image processor and ids), and the image processor's inputs ({} without images)."""
+    from PIL import Image
+
+    if not images:
+        return text, {}
+    pil = [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+    inputs = dict(processor.image_processor(images=pil, return_tensors="pt"))
+    parts = text.split(processor.image_token)
+    return parts[0] + "".join(processor_cls.replace_image_token(processor, inputs, i) + part
+                              for i, part in enumerate(parts[1:])), inputs
+
+
 def hf_generate(model, inputs, max_new_tokens: int, adapter: str | None = None) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy tokens) of transformers' image-text ``model`` for processed ``inputs``, wrapped in the
     PEFT ``adapter`` when one is given."""
