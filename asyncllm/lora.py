@@ -61,8 +61,10 @@ _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_mode
 _UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.", "multi_modal_projector.",
                       "vision_model.",  # Llama 4's tower (its image-text checkpoints serve text)
                       "model.vision_model.", "model.connector.", "model.embed_vision.")  # Idefics3's, Gemma 4's
-_TENSOR_NAME = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn)\.([\w.]+)\.lora_([AB])\.weight")
-"""A decoder layer's adapter matrix: layer, block, projection (``q_proj``; ``experts.3.gate_proj``, ``experts``,
+_TENSOR_NAME = re.compile(
+    r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn|encoder_attn)\.([\w.]+)\.lora_([AB])\.weight")
+"""A decoder layer's adapter matrix (``encoder_attn``: Whisper's cross-attention): layer, block, projection
+(``q_proj``; ``experts.3.gate_proj``, ``experts``,
 ``shared_expert.up_proj`` in an MoE layer: asyncllm/lora_experts.py), A or B."""
 
 
@@ -364,8 +366,9 @@ def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[str, list
         name = name.removeprefix("thinker.")  # Qwen2.5-Omni's full model: its thinker is what is served
         if name.startswith(_UNSERVED_PREFIXES):
             continue
-        if name.startswith(("model.visual.", "visual.", "model.audio_tower.", "audio_tower.")):  # run on every input
-            _fail(path, f"tensor {key}: adapters on the {'audio' if 'audio' in name else 'vision'} tower are not built "
+        if name.startswith(("model.visual.", "visual.", "model.audio_tower.", "audio_tower.", "model.encoder.")):
+            # run on every input (Whisper's encoder: its audio tower)
+            _fail(path, f"tensor {key}: adapters on the {'vision' if 'visual' in name else 'audio'} tower are not built "
                         "(the decoder's projections only)")
         for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
             if name.startswith(prefix):

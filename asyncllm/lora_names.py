@@ -65,6 +65,7 @@ def canonical_name(name: str) -> str:
                       name)
     name = name.replace(".shared_transformer.", ".")  # Zamba2's hybrid layers' invocations of their shared blocks
     name = name.replace(".feed_forward.", ".mlp.").replace(".self_attn.out_proj.", ".self_attn.o_proj.")
+    name = name.replace(".encoder_attn.out_proj.", ".encoder_attn.o_proj.")  # Whisper's cross-attention
     name = name.replace(".self_attn.forget_gate.", ".self_attn.")  # Kimi-Linear's KDA decay projections
     for old, new in _PHI_NAMES:
         name = name.replace(old, new)

@@ -66,6 +66,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniForConditionalGeneration",
                           "AyaVisionForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration",
                           "Qwen3OmniMoeForConditionalGeneration",
+                          "Ernie4_5_VLMoeForConditionalGeneration",  # its rows by modality on every stage
                           # audio-text: the audio encoder on the first stage
                           "Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
                           "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration",

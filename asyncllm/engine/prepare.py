@@ -106,8 +106,8 @@ def prepare(config: EngineConfig) -> Prepared:
                                                      "architectures that take them; where its LoRA column says "
                                                      "'as text', serve it as text: limit_mm_per_prompt of 0 for "
                                                      "each kind)")
-        lora = AdapterChecker(text_config, config.max_lora_rank, *_expert_layers(hf_config, text_config, limits),
-                              runs_tower=multimodal)
+        lora = AdapterChecker(_lora_config(arch, text_config), config.max_lora_rank,
+                              *_expert_layers(hf_config, text_config, limits), runs_tower=multimodal)
     mm = None
     if multimodal:
         from asyncllm.mm.processor import MultiModalProcessor
@@ -202,9 +202,24 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration",
                                  "AyaVisionForConditionalGeneration", "Gemma3ForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration", "Gemma4ForConditionalGeneration",
-                                 "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration")
+                                 "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration",
+                                 "Gemma3nForConditionalGeneration",
+                                 "Ernie4_5_VLMoeForConditionalGeneration",  # its attention and dense MLPs
+                                 "WhisperForConditionalGeneration")  # its decoder's self- and cross-attention, MLP
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
 tower matrices is refused)."""
+
+
+
+def _lora_config(arch: str, text_config: Any) -> Any:
+    """The config whose fields the host checks an adapter's shapes by: Whisper's decoder's (``WhisperConfig``'s
+    ``num_hidden_layers`` and ``num_attention_heads`` are its encoder's), else the text config."""
+    if arch != "WhisperForConditionalGeneration":
+        return text_config
+    from asyncllm.models.whisper import WhisperDecoder
+
+    return WhisperDecoder.config_view(text_config)
+
 
 _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);

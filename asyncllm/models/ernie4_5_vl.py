@@ -22,14 +22,16 @@ order (no temporal patch), so an item is ``(1, h, w, patch_features)`` and the p
   ``mlp.gate.weight_1`` vision), one ``moe_statics.e_score_correction_bias`` ``[2, E]`` (text row, vision row)
   and ``mlp.experts.{0 .. 2E-1}`` (text experts, then vision experts).
 
-Videos are not built (an input of one fails its request naming it).
+LoRA adapters take the decoder's attention and dense MLPs (their q / k B rows reordered as the rotary's: `lora_b_rows`);
+the experts take none. Pipeline stages route their own layers' rows (`step_scope`, which asyncllm/models/pipeline.py
+enters). Videos are not built (an input of one fails its request naming it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Iterable, Iterator
+from typing import Any, ContextManager, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -37,6 +39,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.ernie4_5_vl_vision import ErnieResampler, ErnieVisionTower
 from asyncllm.models.ernie_seed_arcee import Ernie4_5_MoeForCausalLM, ErnieMoE
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
@@ -123,10 +126,9 @@ class ErnieVLTextModel(Qwen2VLTextModel):
             if isinstance(getattr(layer, "mlp", None), ErnieVLMoE):
                 layer.mlp.rows = self.rows
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        with self.rows.routing(input_ids, metadata):
-            return super().forward(input_ids, positions, kv_caches, metadata, inputs_embeds)
+    def step_scope(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> ContextManager[None]:
+        """The step's vision rows set for the layers (a pipeline stage's too)."""
+        return self.rows.routing(input_ids, metadata)
 
 
 def _spec(hf_config: Any, modality: int) -> MoESpec:
@@ -208,6 +210,8 @@ class Ernie4_5_VLMoeForConditionalGeneration(Qwen2VLForConditionalGeneration):
     tower_cls = ErnieVisionTower
     language_model_cls = ErnieVLLanguageModel
     packed_modules = ErnieVLLanguageModel.packed_modules
+    lora_b_rows = DecoderLoRA.lora_b_rows
+    """An adapter's q / k B rows reordered as the decoder's interleaved rotary rows are."""
     mm_video_token_id = None
     mm_not_built = {"video": "ERNIE 4.5 VL's video input"}
     mm_routes_prompt_rows = True

@@ -26,6 +26,7 @@ import torch
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.gemma3_mm import newline_merges
 from asyncllm.models.gemma3n import Gemma3nForCausalLM
 from asyncllm.models.gemma3n_audio import Gemma3nAudioTower, Gemma3nMultimodalEmbedder, gemma3n_audio_name
@@ -48,8 +49,9 @@ def _name(raw: str) -> str:
     return name
 
 
-class Gemma3nForConditionalGeneration(VisionLanguageModel):
-    """Audio features replace the audio tokens' embeddings; the rest is the Gemma 3n decoder."""
+class Gemma3nForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
+    """Audio features replace the audio tokens' embeddings; the rest is the Gemma 3n decoder (which takes LoRA
+    adapters: `DecoderLoRA`)."""
 
     supports_encoder_data_parallel = True
     """The tower and embedders are whole on every rank in either mode, so "data" splits a step's audios."""

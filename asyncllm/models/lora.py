@@ -138,8 +138,10 @@ class LoRALayer(SlotBuffers):
             fused_start += fused_length
 
 
-_ADAPTABLE = re.compile(r"\.layers\.\d+\.((self_attn|mlp|linear_attn)\.|mixer\.(qkv_proj|o_proj|up_proj|down_proj)$)")
-"""Where adapters go: a decoder layer's attention, MLP (its shared expert) and Gated DeltaNet, the blocks an adapter
+_ADAPTABLE = re.compile(
+    r"\.layers\.\d+\.((self_attn|mlp|linear_attn|encoder_attn)\.|mixer\.(qkv_proj|o_proj|up_proj|down_proj)$)")
+"""Where adapters go: a decoder layer's attention (Whisper's cross-attention too), MLP (its shared expert) and Gated
+DeltaNet, the blocks an adapter
 may name (asyncllm/lora.py; Nemotron-H's attention and MLP ``mixer``); not a state layer's own linears (Mamba's,
 run over each request's rows apart)."""
 

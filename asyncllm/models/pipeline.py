@@ -25,6 +25,7 @@ the stream (``stage_widths``: per-layer inputs, the token embeddings).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -207,7 +208,9 @@ class StageModel(nn.Module):
         else:
             hidden, residual = self.channel.recv(input_ids.shape[0])
         caches = iter(kv_caches)
-        with decoder.layer_positions(positions) as rotary:  # M-RoPE's step table
+        scope = getattr(decoder, "step_scope", None)  # ERNIE 4.5 VL's rows by modality
+        with (decoder.layer_positions(positions) as rotary,  # M-RoPE's step table
+              contextlib.nullcontext() if scope is None else scope(input_ids, attn_metadata)):
             for index, (layer, uses_kv) in enumerate(zip(self._layers, self._uses_kv)):
                 hidden, residual = layer(rotary, hidden, residual, next(caches) if uses_kv else None, attn_metadata)
                 if deepstack is not None and index < deepstack.shape[1]:

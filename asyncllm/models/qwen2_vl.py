@@ -75,8 +75,13 @@ class Qwen2VLTextModel(LlamaModel):
         metadata: AttentionMetadata,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        with self.layer_positions(positions) as flat:
+        with self.layer_positions(positions) as flat, self.step_scope(input_ids, metadata):
             return self.decode(input_ids, flat, kv_caches, metadata, inputs_embeds)
+
+    def step_scope(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> ContextManager[None]:
+        """What holds around a step's layers beside its positions (ERNIE 4.5 VL's rows by modality); a pipeline
+        stage enters it around its own layers (asyncllm/models/pipeline.py)."""
+        return contextlib.nullcontext()
 
     def layer_positions(self, positions: torch.Tensor) -> ContextManager[torch.Tensor]:
         """``[3, T]`` M-RoPE positions: the step's table while inside (text only: three equal positions are the

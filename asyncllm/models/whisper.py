@@ -15,6 +15,9 @@ worker (its first step there: a new request, or one resumed after preemption; th
 output in ``AttentionMetadata.encoder_outputs``), each layer's cross-attention keys and values are computed once and
 kept by the request's worker row (`CrossStates`) for its life there; every later step attends over them through the
 attention backend's paged kernels (row r's keys are blocks ``r * B ...``, every key visible).
+
+LoRA adapters take the decoder's self- and cross-attention projections and its MLP (`_packed`); a request's
+cross-attention keys and values take its adapter when they are computed (whisper_lora.py).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from asyncllm.models.qwen2_audio import Qwen2AudioEncoder
 from asyncllm.models.row_states import StateRows
 from asyncllm.models.starcoder2 import BiasLayerNorm
 from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights
+from asyncllm.models.whisper_lora import cross_adapters
 
 __all__ = ["CrossStates", "WhisperForConditionalGeneration"]
 
@@ -54,6 +58,10 @@ _LAYER_NAMES = ((".self_attn.out_proj.", ".self_attn.o_proj."), (".self_attn_lay
                 (".final_layer_norm.", ".post_attention_layernorm."), (".fc1.", ".mlp.c_fc."), (".fc2.", ".mlp.c_proj."),
                 (".encoder_attn.q_proj.", ".encoder_attn.query."), (".encoder_attn.k_proj.", ".encoder_attn.key."),
                 (".encoder_attn.v_proj.", ".encoder_attn.value."))
+
+
+_CROSS_OUT = ".encoder_attn.out_proj."
+"""The cross-attention's output projection (an adapter's name, written ``o_proj`` as every attention's, names it)."""
 
 
 class CrossStates:
@@ -135,9 +143,10 @@ class WhisperCrossAttention(nn.Module):
         """Set by the model once built (shared by every layer)."""
 
     def project(self, encoded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Encoder rows ``[N, length, width]`` -> this rank's keys and values ``[N, length, heads, head_dim]``."""
-        shape = (*encoded.shape[:2], self.heads, self.head_dim)
-        return self.key(encoded).view(shape), self.value(encoded).view(shape)
+        """Encoder rows ``[N, length, width]`` -> this rank's keys and values ``[N, length, heads, head_dim]`` (the
+        rows flat through the projections, as their LoRA layers take them)."""
+        shape, flat = (*encoded.shape[:2], self.heads, self.head_dim), encoded.flatten(0, 1)
+        return self.key(flat).view(shape), self.value(flat).view(shape)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         states = self.states
@@ -248,7 +257,8 @@ class WhisperForConditionalGeneration(VisionLanguageModel):
                 attn_metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         self.cross.begin(attn_metadata, input_ids.shape[0], input_ids.device)
         if attn_metadata.encoder_outputs:
-            self._write_cross_states(attn_metadata.encoder_outputs)
+            with cross_adapters(self.language_model.model.layers[0].encoder_attn.key, attn_metadata, self.cross.length):
+                self._write_cross_states(attn_metadata.encoder_outputs)
         return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
 
     def _write_cross_states(self, outputs: list[tuple[int, torch.Tensor]]) -> None:
@@ -257,6 +267,18 @@ class WhisperForConditionalGeneration(VisionLanguageModel):
         for layer in self.language_model.model.layers:
             key, value = layer.encoder_attn.project(encoded)
             self.cross.write(layer.encoder_attn.layer_idx, [row for row, _ in outputs], key, value)
+
+    # ---- LoRA (asyncllm/models/lora.py): the decoder's self- and cross-attention and MLP
+    packed_modules = WhisperDecoder.packed_modules
+
+    def _packed(self, ckpt_name: str) -> tuple[str, object]:
+        """An adapter's decoder name (``model.layers.N.encoder_attn.q_proj``, ``model.layers.N.mlp.c_fc``) -> (our
+        parameter name, shard id or None)."""
+        name = _decoder_layer_name("language_model." + ckpt_name.replace(".encoder_attn.o_proj.", _CROSS_OUT))
+        if ".encoder_attn." in name:
+            return name, None
+        inner, shard_id = self.language_model._packed(name.removeprefix("language_model."))
+        return "language_model." + inner, shard_id
 
     # ---- multimodal hooks (asyncllm/mm/)
     @staticmethod

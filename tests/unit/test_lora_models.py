@@ -227,22 +227,31 @@ IMAGE_TEXT = {  # family: (its tests' module, maker, maker's kwargs, transformer
     "gemma4": ("gemma4_mm_utils", "make_tiny_gemma4_mm", {}, "Gemma4", None),
     "qwen3_omni": ("qwen3_omni_utils", "make_tiny_qwen3_omni", {}, "Qwen3OmniMoeThinker",
                    ("model.language_model.", "thinker.model.")),  # the released checkpoints' layout
+    "gemma3n": ("gemma3n_audio_utils", "make_tiny_gemma3n_audio", {}, "Gemma3n", OLDER),  # audio-text
+    "ernie4_5_vl": ("ernie_vl_utils", "make_tiny_ernie_vl", {}, "Ernie4_5_VLMoe", None),  # its dense MLP's too
 }
 """Idefics3's and SmolVLM's decoder is ``model.text_model`` in either layout; Gemma 4 has transformers 5's alone."""
 
 
 @pytest.mark.parametrize("family", sorted(IMAGE_TEXT))
-def test_an_image_text_decoder_takes_adapters_as_peft(family: str, tmp_path) -> None:
+def test_an_image_text_decoder_takes_adapters_as_peft(family: str, tmp_path, request) -> None:
     """Each image-text family's decoder (PaliGemma 2's Gemma 2 at positions from 1, its text prompts causal here so
     that transformers' text-only forward is the one run; Qwen2.5-Omni's and Qwen3-Omni's thinkers, Qwen3-Omni's experts
     too; Aya Vision's interleaved rotary rows): logits equal PEFT's on transformers' image-text class, the base
     model's beside them in the batch, with the model built to take images; the adapter's names in the older layout
     load alike; one with a tower's or projector's matrix is refused. Images with adapters through the engine:
     Qwen2.5-VL's in tests/engine/test_qwen_vl_engine.py (the decoder's layers are the same)."""
+    import contextlib
     import importlib
 
     import transformers
 
+    if family == "gemma3n":  # transformers builds Gemma 3n's vision tower with timm: stubbed, as its own tests do
+        from gemma3n_audio_utils import _vision_tower_stubbed
+
+        stack = contextlib.ExitStack()
+        request.addfinalizer(stack.close)
+        stack.enter_context(_vision_tower_stubbed())
     module, maker, kwargs, cls_name, layouts = IMAGE_TEXT[family]
     path = getattr(importlib.import_module(module), maker)(tmp_path / family, **kwargs)
     cls = getattr(transformers, f"{cls_name}ForConditionalGeneration")
@@ -309,7 +318,7 @@ def _assert_a_tower_matrix_is_refused(adapter: str, out: str, checker: AdapterCh
     """The adapter plus a pair of matrices on the first linear layer outside the decoder (the vision or audio
     tower's, or the projector's) is refused by the host of a model that runs its tower."""
     name, linear = next((n, m) for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)
-                        and not re.fullmatch(DECODER_LINEARS, n) and n != "lm_head")
+                        and ".language_model." not in n and not re.fullmatch(DECODER_LINEARS, n) and n != "lm_head")
     tensors = load_file(f"{adapter}/adapter_model.safetensors")
     tensors[f"base_model.model.{name}.lora_A.weight"] = torch.zeros(4, linear.in_features)
     tensors[f"base_model.model.{name}.lora_B.weight"] = torch.zeros(linear.out_features, 4)
