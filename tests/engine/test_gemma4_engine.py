@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import pytest_asyncio
 from engine_helpers import assert_greedy_with_prefix_hit_equals_transformers, greedy_equals_transformers, token_prompts
 from hf_reference import hf_greedy
 
@@ -28,11 +29,22 @@ async def _greedy_matches_hf(path: str, prompts: list[list[int]], **engine_kwarg
     return await greedy_equals_transformers(path, prompts, MAX_TOKENS, **engine_kwargs)
 
 
-@pytest.mark.parametrize("arch", ["gemma4"])  # its KV-sharing layers; the MoE model's engine path: the TP cases
-async def test_gemma4_greedy_equals_transformers_with_a_prefix_hit(arch: str) -> None:
-    path = tiny_checkpoint(arch)
-    async with AsyncEngine(path, max_num_batched_tokens=16, disable_log_stats=True) as engine:
-        await assert_greedy_with_prefix_hit_equals_transformers(engine, path, seed=len(arch))
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def served(request: pytest.FixtureRequest):
+    """One engine per checkpoint (16-token chunks, two adapter slots) shared by the prefix-hit and LoRA tests:
+    (engine, checkpoint)."""
+    path = tiny_checkpoint(request.param)
+    async with AsyncEngine(path, max_num_batched_tokens=16, enable_lora=True, max_loras=2, max_lora_rank=8,
+                           disable_log_stats=True) as engine:
+        yield engine, path
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("served", ["gemma4"], indirect=True)  # its KV-sharing layers; the MoE model's engine path:
+# the TP cases
+async def test_gemma4_greedy_equals_transformers_with_a_prefix_hit(served) -> None:
+    engine, path = served
+    await assert_greedy_with_prefix_hit_equals_transformers(engine, path, seed=6)
 
 
 @pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
@@ -66,8 +78,9 @@ async def test_gemma4_drafted_by_itself_accepts_every_draft() -> None:
     assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-async def test_lora_adapters_on_gemma4_equal_peft(arch: str, tmp_path) -> None:
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("served", ARCHS, indirect=True)
+async def test_lora_adapters_on_gemma4_equal_peft(served, tmp_path) -> None:
     """PEFT adapters on every projection the layers have: the sliding layers' q/k/v, the global layers' q/k (their
     values are the adapted keys), the KV-sharing layers' q alone, o, and the (double-wide) MLPs; two adapters and the
     base model batched together: greedy tokens and the prompts' log-probabilities equal PEFT's and transformers'
@@ -78,14 +91,13 @@ async def test_lora_adapters_on_gemma4_equal_peft(arch: str, tmp_path) -> None:
     from asyncllm import LoRARequest, SamplingParams
     from hf_reference import hf_logits
 
-    path = tiny_checkpoint(arch)
+    engine, path = served
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     adapters = [make_adapter(path, str(tmp_path / f"a{i}"), seed=i, targets=targets) for i in (1, 2)]
     requests = [None, LoRARequest("one", 1, adapters[0]), LoRARequest("two", 2, adapters[1])]
     prompts = token_prompts(3, seed=11)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=1)
-    async with AsyncEngine(path, enable_lora=True, max_loras=2, max_lora_rank=8, disable_log_stats=True) as engine:
-        outs = await asyncio.gather(*(engine.generate(p, params, lora_request=r) for p, r in zip(prompts, requests)))
+    outs = await asyncio.gather(*(engine.generate(p, params, lora_request=r) for p, r in zip(prompts, requests)))
     assert outs[0].token_ids == hf_greedy(path, prompts[0], MAX_TOKENS, eos_token_id=None)
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         adapter = adapters[i - 1] if i else None

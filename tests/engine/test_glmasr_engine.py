@@ -28,7 +28,7 @@ def tiny_glmasr(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_glmasr: str):
     engine = AsyncEngine(tiny_glmasr, disable_log_stats=True, max_num_batched_tokens=16, max_num_seqs=4,
-                         limit_mm_per_prompt={"audio": 2}, max_model_len=1024)
+                         limit_mm_per_prompt={"audio": 2}, max_model_len=1024, enable_lora=True)
     await engine.start()
     yield engine
     await engine.aclose()
@@ -64,7 +64,7 @@ async def test_two_ranks_or_two_stages_give_transformers_tokens(tiny_glmasr, fie
     assert out.outputs[0].token_ids == hf_glmasr_greedy(tiny_glmasr, text, [audio], 8)[1]
 
 
-async def test_lora_adapters_on_the_decoder_equal_peft_and_tower_adapters_are_refused(tiny_glmasr, tmp_path):
+async def test_lora_adapters_on_the_decoder_equal_peft_and_tower_adapters_are_refused(engine, tiny_glmasr, tmp_path):
     import torch
     from lora_utils import make_adapter
     from peft import PeftModel
@@ -78,12 +78,11 @@ async def test_lora_adapters_on_the_decoder_equal_peft_and_tower_adapters_are_re
                          auto_class=HFGlmAsr)
     audio, text = make_audio(1.5, seed=3), f"x {MARK} y"
     prompt = {"prompt": text, "audios": [(audio, SAMPLING_RATE)]}
-    async with AsyncEngine(tiny_glmasr, enable_lora=True, disable_log_stats=True, max_num_batched_tokens=16) as engine:
-        adapted, base = await asyncio.gather(
-            engine.generate(prompt, GREEDY, lora_request=LoRARequest("decoder", 1, decoder)),
-            engine.generate(prompt, GREEDY))
-        with pytest.raises(InvalidRequestError, match="adapters on the audio tower are not built"):
-            await engine.generate(prompt, GREEDY, lora_request=LoRARequest("tower", 2, tower))
+    adapted, base = await asyncio.gather(
+        engine.generate(prompt, GREEDY, lora_request=LoRARequest("decoder", 1, decoder)),
+        engine.generate(prompt, GREEDY))
+    with pytest.raises(InvalidRequestError, match="adapters on the audio tower are not built"):
+        await engine.generate(prompt, GREEDY, lora_request=LoRARequest("tower", 2, tower))
     peft = PeftModel.from_pretrained(HFGlmAsr.from_pretrained(tiny_glmasr), decoder).eval()
     inputs = hf_glmasr_inputs(tiny_glmasr, text, [audio])
     with torch.no_grad():

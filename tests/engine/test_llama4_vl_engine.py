@@ -34,8 +34,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny: str):
+    """One engine, adapters enabled, shared by the image tests and the two LoRA tests below."""
     async with AsyncEngine(tiny, disable_log_stats=True, block_size=4, max_num_batched_tokens=BUDGET,
-                           max_num_seqs=4, enable_prefix_caching=True) as engine:
+                           max_num_seqs=4, enable_prefix_caching=True, enable_lora=True) as engine:
         yield engine
 
 
@@ -89,12 +90,10 @@ async def test_two_pipeline_stages_match_transformers(tiny):
                                                   pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=BUDGET)
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def lora_engine(tiny: str):
-    """An engine with adapters, shared by the two LoRA tests below."""
-    async with AsyncEngine(tiny, enable_lora=True, disable_log_stats=True, block_size=4,
-                           max_num_batched_tokens=BUDGET) as engine:
-        yield engine
+@pytest.fixture(scope="module")
+def lora_engine(engine):
+    """The module's engine (adapters enabled), for the two LoRA tests below."""
+    return engine
 
 
 async def test_lora_adapters_on_the_decoder_equal_peft(lora_engine, tiny, tmp_path):

@@ -27,7 +27,7 @@ def tiny_asr(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_asr: str):
     engine = AsyncEngine(tiny_asr, disable_log_stats=True, max_num_batched_tokens=16, max_num_seqs=4,
-                         limit_mm_per_prompt={"audio": 2})
+                         limit_mm_per_prompt={"audio": 2}, enable_lora=True)
     await engine.start()
     yield engine
     await engine.aclose()
@@ -71,7 +71,7 @@ async def test_two_ranks_or_two_stages_give_transformers_tokens(tiny_asr, fields
     assert out.outputs[0].token_ids == hf_qwen3_asr_greedy(tiny_asr, text, [audio], 8)[1]
 
 
-async def test_lora_adapters_on_the_decoder_equal_peft_and_tower_adapters_are_refused(tiny_asr, tmp_path):
+async def test_lora_adapters_on_the_decoder_equal_peft_and_tower_adapters_are_refused(engine, tiny_asr, tmp_path):
     """PEFT's adapter of the language model's q / v / down projections, batched with the base model: PEFT's tokens
     and transformers'; one that also adapts the audio tower is refused."""
     import torch
@@ -89,12 +89,11 @@ async def test_lora_adapters_on_the_decoder_equal_peft_and_tower_adapters_are_re
                          auto_class=Qwen3ASRForConditionalGeneration)
     audio, text = make_audio(1.5, seed=3), f"x {MARK} y"
     prompt = {"prompt": text, "audios": [(audio, SAMPLING_RATE)]}
-    async with AsyncEngine(tiny_asr, enable_lora=True, disable_log_stats=True, max_num_batched_tokens=16) as engine:
-        adapted, base = await asyncio.gather(
-            engine.generate(prompt, GREEDY, lora_request=LoRARequest("decoder", 1, decoder)),
-            engine.generate(prompt, GREEDY))
-        with pytest.raises(InvalidRequestError, match="adapters on the audio tower are not built"):
-            await engine.generate(prompt, GREEDY, lora_request=LoRARequest("tower", 2, tower))
+    adapted, base = await asyncio.gather(
+        engine.generate(prompt, GREEDY, lora_request=LoRARequest("decoder", 1, decoder)),
+        engine.generate(prompt, GREEDY))
+    with pytest.raises(InvalidRequestError, match="adapters on the audio tower are not built"):
+        await engine.generate(prompt, GREEDY, lora_request=LoRARequest("tower", 2, tower))
     peft = PeftModel.from_pretrained(Qwen3ASRForConditionalGeneration.from_pretrained(tiny_asr), decoder).eval()
     inputs = AutoProcessor.from_pretrained(tiny_asr)(text=[text], audio=[audio], sampling_rate=SAMPLING_RATE,
                                                      return_tensors="pt")
