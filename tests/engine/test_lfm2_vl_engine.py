@@ -90,13 +90,7 @@ async def test_two_pipeline_stages_match_transformers(tiny):
                                                   pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=BUDGET)
 
 
-@pytest.fixture(scope="module")
-def lora_engine(engine):
-    """The module's engine (adapters enabled), for the two LoRA tests below."""
-    return engine
-
-
-async def test_lora_adapters_on_the_decoder_equal_peft(lora_engine, tiny, tmp_path):
+async def test_lora_adapters_on_the_decoder_equal_peft(engine, tiny, tmp_path):
     """PEFT's adapter of the decoder's attention and MLPs (LFM2's ``out_proj``, ``feed_forward.w1`` / ``w3`` /
     ``w2``; its conv layers take none), with an image, batched with the base model: PEFT's tokens and
     transformers'."""
@@ -108,13 +102,13 @@ async def test_lora_adapters_on_the_decoder_equal_peft(lora_engine, tiny, tmp_pa
     images, text = [make_image(150, 60, seed=2)], "<image> and the end"
     prompt = {"prompt": text, "images": images}
     adapted, base = await asyncio.gather(
-        lora_engine.generate(prompt, GREEDY, lora_request=LoRARequest("lfm", 1, adapter)),
-        lora_engine.generate(prompt, GREEDY))
+        engine.generate(prompt, GREEDY, lora_request=LoRARequest("lfm", 1, adapter)),
+        engine.generate(prompt, GREEDY))
     assert adapted.outputs[0].token_ids == hf_lfm2_vl_greedy(tiny, text, images, 8, adapter=adapter)[1]
     assert base.outputs[0].token_ids == hf_lfm2_vl_greedy(tiny, text, images, 8)[1] != adapted.outputs[0].token_ids
 
 
-async def test_an_adapter_of_the_tower_is_refused(lora_engine, tiny, tmp_path):
+async def test_an_adapter_of_the_tower_is_refused(engine, tiny, tmp_path):
     """The tower takes no adapters: one that adapts its projections beside the decoder's is refused, naming them
     (not run without them)."""
     from lfm2_vl_utils import lfm2_vl_adapter
@@ -124,4 +118,4 @@ async def test_an_adapter_of_the_tower_is_refused(lora_engine, tiny, tmp_path):
 
     adapter = lfm2_vl_adapter(tiny, str(tmp_path / "tower"), targets=r".*(vision_tower|language_model).*\.q_proj")
     with pytest.raises(InvalidRequestError, match="vision_tower.*not built"):  # id 2: the other test's holds 1
-        await lora_engine.generate("a text", GREEDY, lora_request=LoRARequest("tower", 2, adapter))
+        await engine.generate("a text", GREEDY, lora_request=LoRARequest("tower", 2, adapter))
