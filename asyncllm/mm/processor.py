@@ -375,8 +375,7 @@ class MultiModalProcessor:
         layout = getattr(self._model_cls, "mm_prompt_text", None)
         if layout is None:
             return encode_prompt(self.tokenizer, text, self.prompt_special_tokens)
-        return encode_prompt(self.tokenizer, layout(self.tokenizer, text, num_images) if isinstance(text, str)
-                             else text, False)
+        return encode_prompt(self.tokenizer, layout(self.tokenizer, text, num_images), False)
 
     def _join(self, expanded: list[int], tokens: list[int]) -> None:
         """Append ``tokens`` to ``expanded``, the two tokens at the seam merged when the model says they make one

@@ -127,7 +127,8 @@ class PaliGemmaForConditionalGeneration(VisionLanguageModel):
         after the last ``<image>``, and a closing newline."""
         if _IMAGE not in text:
             text = _IMAGE * num_images + text
-        end = text.rfind(_IMAGE) + len(_IMAGE)
+        last = text.rfind(_IMAGE)
+        end = 0 if last < 0 else last + len(_IMAGE)  # a text prompt (no image): <bos> first
         return f"{text[:end]}{tokenizer.bos_token}{text[end:]}\n"
 
     @staticmethod
@@ -140,7 +141,7 @@ class PaliGemmaForConditionalGeneration(VisionLanguageModel):
             raise InvalidRequestError("prompt", f"{len(token_ids)} tokens (image rows included), over the decoder's "
                                                 f"sliding_window={window}: PaliGemma 2's prefix attention past its "
                                                 "sliding window is not built yet in asyncllm")
-        if not items and hf_config.text_config.use_bidirectional_attention is False:
+        if not items and getattr(hf_config.text_config, "use_bidirectional_attention", None) is False:
             return items  # a checkpoint that turns it off: its text prompts are causal, as transformers runs them
         prefix = MultiModalItem(_PREFIX, 0, 0, b"", [0], bidirectional=[0, len(token_ids)])
         return [prefix, *items]
