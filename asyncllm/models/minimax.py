@@ -36,7 +36,7 @@ from asyncllm.models.lightning_attention import LightningAttention
 from asyncllm.models.llama import LlamaAttention
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.phi3 import check_phi3
-from asyncllm.models.rotary import RotaryEmbedding
+from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
 
 __all__ = ["MiniMaxForCausalLM"]
 
@@ -144,5 +144,5 @@ def _with_rotary_dim(hf_config: Any) -> Any | None:
     if rotary_dim is None or rotary_dim == head_dim:
         return None
     partial = copy.copy(hf_config)
-    partial.rope_parameters = {**hf_config.rope_parameters, "partial_rotary_factor": rotary_dim / head_dim}
+    partial.rope_parameters = {**rope_parameters(hf_config), "partial_rotary_factor": rotary_dim / head_dim}
     return partial
