@@ -78,19 +78,25 @@ class ModalityRows:
 
     def __init__(self) -> None:
         self.token_ids: torch.Tensor | None = None
-        self.vision: torch.Tensor | None = None
+        self.split: tuple[torch.Tensor, torch.Tensor] | None = None
+        """The step's (text rows, vision rows) indices, found once a step (the layers read them without a sync);
+        None: every row is text."""
 
     @contextlib.contextmanager
     def routing(self, input_ids: torch.Tensor, metadata: AttentionMetadata) -> Iterator[None]:
         prompt_rows = getattr(metadata, "mm_prompt_rows", None)
-        vision = None
+        self.split = None
         if prompt_rows is not None and self.token_ids is not None:
-            vision = torch.isin(input_ids, self.token_ids.to(input_ids.device)) & prompt_rows[: input_ids.shape[0]]
-        self.vision = vision if vision is not None and bool(vision.any()) else None
+            if self.token_ids.device != input_ids.device:  # moved once, on the first step with images
+                self.token_ids = self.token_ids.to(input_ids.device)
+            vision = torch.isin(input_ids, self.token_ids) & prompt_rows[: input_ids.shape[0]]
+            vision_rows = vision.nonzero().squeeze(1)
+            if vision_rows.numel():
+                self.split = ((~vision).nonzero().squeeze(1), vision_rows)
         try:
             yield
         finally:
-            self.vision = None
+            self.split = None
 
 
 class ErnieVLMoE(nn.Module):
@@ -105,14 +111,14 @@ class ErnieVLMoE(nn.Module):
         self.rows: ModalityRows | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        vision = None if self.rows is None else self.rows.vision
-        if vision is None:
+        split = None if self.rows is None else self.rows.split
+        if split is None:
             out = self.text(x)
         else:
             out = torch.empty_like(x)
-            for experts, rows in ((self.text, ~vision), (self.vision, vision)):
-                if bool(rows.any()):
-                    out[rows] = experts(x[rows])
+            for experts, rows in zip((self.text, self.vision), split):
+                if rows.numel():
+                    out.index_copy_(0, rows, experts(x.index_select(0, rows)))
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
