@@ -91,7 +91,7 @@ class EagleRunner(DraftModelRunner):
         firsts = _first_positions(inputs)
         next_ids = torch.from_numpy(self._next_ids(inputs, batch, firsts)).to(self.device)
         positions = rope_positions if self.mrope is not None and rope_positions is not None else inputs.positions
-        if positions.dim() == 1:
+        if positions.dim() == 1:  # (an MTP layer has no M-RoPE table to enter)
             out, carried = self.model(next_ids, positions, self.kv_caches, meta, target_hidden)
         else:
             with self.model.layer_positions(positions) as flat:
@@ -99,7 +99,8 @@ class EagleRunner(DraftModelRunner):
         proposing = self.proposing(sampled)
         if not proposing:
             return {}
-        self.chain_offsets = chain_offsets(self.mrope, [state.req_id for state in proposing], self.device)
+        self.chain_offsets = (None if self.mrope is None else
+                              chain_offsets(self.mrope, [state.req_id for state in proposing], self.device))
         rows = torch.tensor(self._last_rows(inputs, proposing, firsts), dtype=torch.int64, device=self.device)
         first = self.model.draft_ids(out.index_select(0, rows))
         drafts = [first.cpu()]

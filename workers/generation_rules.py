@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from asyncllm.errors import ConfigError
+from asyncllm.workers.logits_processors import array_to_device
 
 __all__ = ["GenerationRules", "RulesStep", "TimestampRules"]
 
@@ -134,6 +135,8 @@ class GenerationRules:
 
     def step(self, rows: Sequence[RuleRow], positions: Sequence[int]) -> RulesStep | None:
         """The rules' rows of a step whose logits row i samples position ``positions[i]`` of ``rows[i]``."""
+        if self._begin is None and not self.timestamp_rows:  # the suppressed ids alone: no row to look at
+            return None if self._suppress is None else RulesStep(self)
         begin: list[int] = []
         stamped: list[int] = []
         bounds: list[tuple[int, int, int]] = []
@@ -146,13 +149,13 @@ class GenerationRules:
                 bounds.append(self.timestamps.bounds(row.token_ids[row.num_prompt_tokens:position]))
         step = RulesStep(self, self._rows(begin) if begin and self._begin is not None else None)
         if stamped:
-            step.timestamp_rows, step.bounds = self._rows(stamped), _to_device(np.array(bounds, np.int64), self.device)
+            step.timestamp_rows, step.bounds = self._rows(stamped), array_to_device(np.array(bounds, np.int64), self.device)
         if self._suppress is None and step.begin_rows is None and step.timestamp_rows is None:
             return None
         return step
 
     def _rows(self, rows: list[int]) -> torch.Tensor:
-        return _to_device(np.array(rows, np.int64), self.device)
+        return array_to_device(np.array(rows, np.int64), self.device)
 
     # ------------------------------------------------------------ logits (device)
     def apply(self, logits: torch.Tensor, step: RulesStep) -> None:
@@ -220,6 +223,3 @@ def _generation_config(model_path: str) -> dict[str, Any]:
         raise ConfigError("model", model_path, f"a readable generation_config.json ({exc})") from exc
     return config if isinstance(config, dict) else {}
 
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    return torch.from_numpy(array).to(device, non_blocking=True)

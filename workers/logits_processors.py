@@ -28,6 +28,7 @@ import torch
 from asyncllm.sampling import SamplingParams
 
 __all__ = [
+    "array_to_device",
     "LogitsProcessorsMetadata",
     "PenaltyMetadata",
     "PenaltyTables",
@@ -163,8 +164,8 @@ def build_logits_processors_metadata(
         min_tokens=_min_tokens_indices(masked, device) if masked else None,
         penalties=_penalty_metadata(penalized, device) if penalized else None,
         allowed=_allowed_indices(allowed, device) if allowed else None,
-        banned=(_tensor(np.array([i for i, _ in banned], np.int64), device),
-                _tensor(np.array([t for _, t in banned], np.int64), device)) if banned else None,
+        banned=(array_to_device(np.array([i for i, _ in banned], np.int64), device),
+                array_to_device(np.array([t for _, t in banned], np.int64), device)) if banned else None,
     )
 
 
@@ -179,7 +180,7 @@ def _allowed_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.devi
     ids = [p.allowed_token_ids for _, p in rows]
     row_idx = np.array([i for i, _ in rows], np.int64)
     repeated = np.repeat(row_idx, [len(a) for a in ids])  # type: ignore[arg-type]
-    return _tensor(row_idx, device), _tensor(repeated, device), _tensor(np.concatenate(ids), device)  # type: ignore[arg-type]
+    return array_to_device(row_idx, device), array_to_device(repeated, device), array_to_device(np.concatenate(ids), device)  # type: ignore[arg-type]
 
 
 def _bias_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -187,16 +188,16 @@ def _bias_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.device)
     counts = [len(a) for a in ids]  # type: ignore[arg-type]
     row_idx = np.repeat(np.array([i for i, _ in rows], np.int64), counts)
     return (
-        _tensor(row_idx, device),
-        _tensor(np.concatenate(ids), device),  # type: ignore[arg-type]
-        _tensor(np.concatenate([p.bias_values for _, p in rows]), device),  # type: ignore[misc]
+        array_to_device(row_idx, device),
+        array_to_device(np.concatenate(ids), device),  # type: ignore[arg-type]
+        array_to_device(np.concatenate([p.bias_values for _, p in rows]), device),  # type: ignore[misc]
     )
 
 
 def _min_tokens_indices(rows: list[tuple[int, RowLogitsParams]], device: torch.device) -> tuple[torch.Tensor, ...]:
     counts = [len(p.stop_token_ids) for _, p in rows]
     row_idx = np.repeat(np.array([i for i, _ in rows], np.int64), counts)
-    return _tensor(row_idx, device), _tensor(np.concatenate([p.stop_token_ids for _, p in rows]), device)
+    return array_to_device(row_idx, device), array_to_device(np.concatenate([p.stop_token_ids for _, p in rows]), device)
 
 
 def _penalty_metadata(rows: list[tuple[int, RowState, RowLogitsParams]], device: torch.device) -> PenaltyMetadata:
@@ -214,20 +215,21 @@ def _penalty_metadata(rows: list[tuple[int, RowState, RowLogitsParams]], device:
             params.penalty_tables_ready = True
     table_rows = np.array([s.row for _, s, _ in rows], np.int64)
     return PenaltyMetadata(
-        rows=_tensor(np.array([i for i, _, _ in rows], np.int64), device),
-        table_rows=_tensor(table_rows, device),
-        presence=_tensor(np.array([p.presence_penalty for _, _, p in rows], np.float32), device),
-        frequency=_tensor(np.array([p.frequency_penalty for _, _, p in rows], np.float32), device),
-        repetition=_tensor(np.array([p.repetition_penalty for _, _, p in rows], np.float32), device),
+        rows=array_to_device(np.array([i for i, _, _ in rows], np.int64), device),
+        table_rows=array_to_device(table_rows, device),
+        presence=array_to_device(np.array([p.presence_penalty for _, _, p in rows], np.float32), device),
+        frequency=array_to_device(np.array([p.frequency_penalty for _, _, p in rows], np.float32), device),
+        repetition=array_to_device(np.array([p.repetition_penalty for _, _, p in rows], np.float32), device),
         fresh=fresh,
         max_table_row=int(table_rows.max()),
-        pending=(_tensor(np.array(pending_at, np.int64), device),
-                 _tensor(np.array(pending_ids, np.int64), device)) if pending_ids else None,
-        recorded=None if len(recorded) == len(rows) else _tensor(np.array(recorded, np.int64), device),
+        pending=(array_to_device(np.array(pending_at, np.int64), device),
+                 array_to_device(np.array(pending_ids, np.int64), device)) if pending_ids else None,
+        recorded=None if len(recorded) == len(rows) else array_to_device(np.array(recorded, np.int64), device),
     )
 
 
-def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
+def array_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on ``device``, copied without waiting (workers/generation_rules.py builds its rows so too)."""
     return torch.from_numpy(array).to(device, non_blocking=True)
 
 

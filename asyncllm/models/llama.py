@@ -254,15 +254,14 @@ class LlamaModel(nn.Module):
         hidden = self.embed(input_ids, positions, inputs_embeds)
         residual = None
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            self.keep_aux(i, hidden, residual)
+            if self.aux_layers:  # an EAGLE-3 head reads some layers' inputs
+                self.keep_aux(i, hidden, residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         return self.final(hidden, residual)
 
     def keep_aux(self, i: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None:
         """Keep the residual stream entering layer ``i`` where it is one of ``aux_layers`` (a layer loop calls this
-        before each layer)."""
-        if not self.aux_layers:
-            return
+        before each layer when there are any)."""
         if i == 0:
             self.aux_hidden: dict[int, torch.Tensor] = {}
         if i in self.aux_layers:

@@ -128,7 +128,8 @@ class Qwen3VLTextModel(Qwen2VLTextModel):
             return super().decode(input_ids, positions, kv_caches, metadata, inputs_embeds)
         hidden, residual = embeds, None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            self.keep_aux(index, hidden, residual)  # an EAGLE-3 head's inputs (workers/eagle_runner.py)
+            if self.aux_layers:  # an EAGLE-3 head's inputs (workers/eagle_runner.py)
+                self.keep_aux(index, hidden, residual)
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
             if index < deepstack.shape[1]:
                 hidden, residual = self.add_deepstack(index, hidden, residual, deepstack)
