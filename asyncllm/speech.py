@@ -167,7 +167,12 @@ async def transcribe_segments(engine: AsyncEngine, audio: Any, *, task: str = "t
     speech, waveform = await _speech_audio(engine, audio, task)
     requests = speech.requests(speech.prompt(task, language, prompt, timestamps=True), waveform)
     params = params or SamplingParams(temperature=0.0, max_tokens=None)
-    outs = await asyncio.gather(*(engine.generate(request, params) for request in requests))
+    pieces = [asyncio.ensure_future(engine.generate(request, params)) for request in requests]
+    try:
+        outs = await asyncio.gather(*pieces)
+    finally:  # one piece failed (or the caller gave up): the others are aborted, not run to their end
+        for piece in pieces:
+            piece.cancel()
     tokenizer, eos = engine.tokenizer, frozenset(engine.eos_token_ids)
 
     def segments() -> list[Segment]:
