@@ -54,3 +54,16 @@ def test_the_core_takes_an_item_of_no_rows_only_with_a_span_inside_the_prompt(sp
     with pytest.raises(InvalidRequestError, match="placeholders"):  # no rows and no span: no item at all
         fill_mm_items(ProcessorCacheStore(100), AddRequest("r", [5] * 8, SamplingParams(), [1], 0.0,
                                                            mm_items=[MultiModalItem("x", 0, 0, b"", [0])]))
+
+
+def test_paligemma_prompt_text_is_its_processors():
+    """``PaliGemmaProcessor``'s layout: the images' ``<image>`` first, ``<bos>`` after the last (first without
+    images), a closing newline."""
+    from types import SimpleNamespace
+
+    from asyncllm.models.paligemma import PaliGemmaForConditionalGeneration as PaliGemma
+
+    tokenizer = SimpleNamespace(bos_token="<bos>")
+    assert PaliGemma.mm_prompt_text(tokenizer, "caption en", 0) == "<bos>caption en\n"
+    assert PaliGemma.mm_prompt_text(tokenizer, "caption en", 2) == "<image><image><bos>caption en\n"
+    assert PaliGemma.mm_prompt_text(tokenizer, "<image>answer", 1) == "<image><bos>answer\n"
