@@ -9,16 +9,16 @@ architecture, its layer count). The torch half: asyncllm/models/pipeline.py and 
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING, Any
 
 from asyncllm import envs
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.deepseek_sparse_config import check_indexer_split
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig
 
-__all__ = ["PIPELINE_ARCHITECTURES", "check_indexer_split", "check_pipeline_config", "check_pipeline_model",
+__all__ = ["PIPELINE_ARCHITECTURES", "check_pipeline_config", "check_pipeline_model",
            "get_pp_indices", "layer_partition", "output_rank"]
 
 _FIELD = "pipeline_parallel_size"
@@ -139,23 +139,3 @@ def check_pipeline_model(config: EngineConfig, architecture: str, hf_config: Any
 
         check_kv_sharing_split(hf_config, counts)
     check_indexer_split(hf_config, counts)
-
-
-def check_indexer_split(hf_config: Any, counts: list[int]) -> None:
-    """`ConfigError` unless every stage after the first begins with a layer that runs its own indexer: GLM-5's
-    "shared" layers (``indexer_types``) reuse the choice of the indexer before them, which no stage sends on
-    (``counts``: layers per stage; asyncllm/models/deepseek_sparse.py)."""
-    types = getattr(hf_config, "indexer_types", None) or ()
-    starts = [sum(counts[:i]) for i in range(1, len(counts))]
-    apart = [start for start in starts if types and types[start] == "shared"]
-    if not apart:
-        return
-    # each boundary moved back to a layer with its own indexer ("full")
-    moved = [max((i for i in range(start + 1) if types[i] != "shared"), default=0) for start in starts]
-    bounds = [0, *moved, sum(counts)]
-    fixed = [end - start for start, end in itertools.pairwise(bounds)]
-    hint = f", e.g. {envs.PP_LAYER_PARTITION.name}={','.join(map(str, fixed))}" if min(fixed) > 0 else ""
-    raise ConfigError(envs.PP_LAYER_PARTITION.name, ",".join(map(str, counts)),
-                      f"a split whose every stage after the first begins with a layer that runs its own indexer "
-                      f"(layer {apart[0]} reuses the choice of the indexer before it, on another stage: indexer_types "
-                      f"'shared'){hint}")

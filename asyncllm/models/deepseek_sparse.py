@@ -14,8 +14,10 @@ all of them while its context holds no more.
   same blocks, so prefix caching, preemption and the block accounting cover both.
 - **Steps.** A step whose every context fits in ``index_topk`` keys is dense: the backend attends as for V3 (the
   indexer only writes its keys). Otherwise the indexer scores each request's queries against its cached keys and
-  the chosen latent rows are attended in torch (`sparse_latent_attention`): a Triton sparse kernel is not built, and
-  such steps are not captured in CUDA graphs.
+  the chosen latent rows are attended in torch (`sparse_latent_attention`), read through the block tables at their
+  slots only (`chosen_slots`: a step reads ``index_topk`` rows a query, whatever the context): a Triton sparse
+  kernel is not built, and such steps are not captured in CUDA graphs. Calibrated fp8 KV-cache scales are refused
+  at load, as for every one-part latent cache (asyncllm/models/kv_scales.py).
 - **Parallelism.** The indexer is whole on every rank (its choice is the same everywhere); the latent attention's
   heads split as V3's. LoRA adapters apply as V3's (the latent attention's projections, the MLPs and experts); an
   adapter of the indexer's own projections is refused by name. A pipeline stage runs its own layers
@@ -33,18 +35,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import ConfigError
 from asyncllm.kernels import reference
 from asyncllm.models.deepseek import (
     DeepseekAttention, DeepseekDecoderLayer, DeepseekModel, DeepseekV3ForCausalLM, pairs_to_halves,
 )
+from asyncllm.models.deepseek_sparse_config import check_indexer_split, has_indexer
 from asyncllm.models.layers import TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.llama import DecoderBuild
 from asyncllm.models.pipeline import PipelineStage
-from asyncllm.pipeline_parallel import check_indexer_split
 
-__all__ = ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "LightningIndexer", "sparse_latent_attention"]
+__all__ = ["DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "LightningIndexer", "chosen_slots", "latent_rows",
+           "sparse_latent_attention"]
 
 _K_NORM_EPS = 1e-6
 """transformers' indexer ``k_norm``: a LayerNorm with this eps (not ``rms_norm_eps``)."""
@@ -60,12 +63,6 @@ class StepChoice:
     """What a layer's indexer chose this step, for GLM-5's "shared" layers after it (one per forward)."""
 
     selection: Selection | None = None
-
-
-def has_indexer(hf_config: Any, layer_idx: int) -> bool:
-    """Whether layer ``layer_idx`` runs its own indexer (GLM-5's "shared" layers reuse the previous choice)."""
-    types = getattr(hf_config, "indexer_types", None)
-    return not types or types[layer_idx] != "shared"
 
 
 def _query_chunks(queries: int, per_query: int) -> Iterator[slice]:
@@ -131,25 +128,42 @@ class LightningIndexer(nn.Module):
         return torch.cat(chosen)
 
 
+def chosen_slots(metadata: AttentionMetadata, selection: Selection, positions: torch.Tensor) -> torch.Tensor:
+    """Each query's chosen keys as latent-cache slots ``[T, k]`` (-1: none; ``k`` the widest choice, at most
+    ``index_topk``): a request's chosen positions mapped through its block table (every causal position where its
+    selection is None: its context holds no more), so a step reads those rows only, whatever its contexts' length."""
+    starts, size = metadata.query_start_loc_cpu, metadata.block_size
+    slots = []
+    for request, (a, b) in enumerate(zip(starts, starts[1:])):
+        ids = selection[request]
+        if ids is None:
+            every = torch.arange(metadata.seq_lens_cpu[request], device=positions.device)
+            ids = every[None, :].masked_fill(every[None, :] > positions[a:b, None], -1)
+        blocks = metadata.block_tables[request][ids.clamp(min=0) // size].long()
+        slots.append((blocks * size + ids % size).masked_fill(ids < 0, -1))
+    width = max(ids.shape[1] for ids in slots)
+    return torch.cat([F.pad(ids, (0, width - ids.shape[1]), value=-1) for ids in slots])
+
+
+def latent_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """A one-part cache's rows at ``slots`` (no negatives) -> ``[*slots.shape, width]`` in the cache's dtype."""
+    raw = cache.view(torch.uint8) if cache.dtype.itemsize == 1 else cache  # fp8: index the bytes (no CPU kernel)
+    return raw[0].flatten(0, 1)[slots, 0].view(cache.dtype)
+
+
 def sparse_latent_attention(query: torch.Tensor, cache: torch.Tensor, metadata: AttentionMetadata,
                             selection: Selection, scale: float, positions: torch.Tensor) -> torch.Tensor:
     """Absorbed queries ``[T, heads, width]`` over each one's chosen rows of the latent cache (every causal row where
-    a request's selection is None) -> ``[T, heads, width]``: the softmax-weighted rows, as the backends return."""
+    a request's selection is None) -> ``[T, heads, width]``: the softmax-weighted rows, as the backends return. Only
+    the chosen rows are read (`chosen_slots`), in chunks of queries that bound the memory."""
+    slots = chosen_slots(metadata, selection, positions)
     out = torch.empty_like(query)
-    starts = metadata.query_start_loc_cpu
-    for request, (a, b) in enumerate(zip(starts, starts[1:])):
-        rows = _cached_rows(cache, metadata, request, query.dtype)  # [context, width]
-        chosen = selection[request]
-        if chosen is None:  # every causal key
-            every = torch.arange(rows.shape[0], device=rows.device)
-            chosen = every[None, :].masked_fill(every[None, :] > positions[a:b, None], -1)
-        for part in _query_chunks(b - a, chosen.shape[1] * max(query.shape[1], query.shape[2])):
-            ids = chosen[part]
-            picked = rows[ids.clamp(min=0)]  # [queries, k, width]
-            scores = torch.einsum("qhd,qkd->qhk", query[a:b][part].float(), picked.float()) * scale
-            scores = scores.masked_fill((ids < 0)[:, None, :], float("-inf"))
-            weights = scores.softmax(dim=-1)
-            out[a:b][part] = torch.einsum("qhk,qkd->qhd", weights, picked.float()).to(out.dtype)
+    for part in _query_chunks(query.shape[0], slots.shape[1] * max(query.shape[1], query.shape[2])):
+        ids = slots[part]
+        picked = latent_rows(cache, ids.clamp(min=0)).to(query.dtype).float()  # [queries, k, width]
+        scores = torch.einsum("qhd,qkd->qhk", query[part].float(), picked) * scale
+        scores = scores.masked_fill((ids < 0)[:, None, :], float("-inf"))
+        out[part] = torch.einsum("qhk,qkd->qhd", scores.softmax(dim=-1), picked).to(out.dtype)
     return out
 
 
@@ -171,10 +185,7 @@ class SparseAttention(DeepseekAttention):
             step.selection = self.indexer(positions, hidden, q_latent, index_cache, metadata)
         if step.selection is None:
             out = self.attn(query, key, None, latent_cache, metadata)
-        else:
-            if self.attn.k_scale != 1.0:
-                raise NotBuiltError("kv_cache_dtype", "fp8 with scales", "DeepSeek sparse attention over a "
-                                    "calibrated fp8 cache")
+        else:  # calibrated fp8 scales are refused at load (asyncllm/models/kv_scales.py: a one-part cache)
             reference.write_kv_cache(key, None, latent_cache, metadata.slot_mapping)
             out = sparse_latent_attention(query, latent_cache, metadata, step.selection, self.attn.scale, positions)
         return self.output(out.view(hidden.shape[0], self.num_heads, -1)[..., self.rope:])
@@ -275,7 +286,7 @@ class GlmMoeDsaForCausalLM(DeepseekV32ForCausalLM):
 
 
 def check_sparse(hf_config: Any) -> None:
-    """`ConfigError` / `NotBuiltError` for indexer settings these classes cannot run."""
+    """`ConfigError` for indexer settings these classes cannot run."""
     if hf_config.q_lora_rank is None:
         raise ConfigError("q_lora_rank", None, "a low-rank query (the indexer reads its latent)")
     if hf_config.index_head_dim < hf_config.qk_rope_head_dim:

@@ -17,10 +17,11 @@ from pipeline_utils import MemoryChannel, Stages, paged_logits, stage_params
 
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
+from asyncllm.models.deepseek_sparse_config import check_indexer_split
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.pipeline import PipelineStage, StageModel
 from asyncllm.models.registry import kv_cache_spec
-from asyncllm.pipeline_parallel import check_indexer_split, check_pipeline_model, get_pp_indices
+from asyncllm.pipeline_parallel import check_pipeline_model, get_pp_indices
 from asyncllm.tiny import tiny_checkpoint
 
 CPU = torch.device("cpu")
