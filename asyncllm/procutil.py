@@ -21,9 +21,18 @@ from asyncllm import envs
 
 
 def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``python -m module *args`` with a stdin pipe tied to our life."""
+    """Start ``python -m module *args`` with a stdin pipe tied to our life.
+
+    With ``ASYNCLLM_FORKSERVER`` set in the child's environment the child is forked by that server
+    (asyncllm/forkserver.py) and the result is a `ForkedProcess`, which has the `Popen` interface used here.
+    """
     child_env = dict(os.environ)
     child_env.update(env or {})
+    server = child_env.get(envs.FORKSERVER.name)
+    if server:
+        from asyncllm.forkserver import fork_module
+
+        return fork_module(server, module, args, child_env)  # type: ignore[return-value]
     # -P: never put the working directory on sys.path (a repo checkout's kernels/
     # folder would shadow Hugging Face's `kernels` package).
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []

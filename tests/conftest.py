@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -10,6 +11,41 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # The tiny test models need a few MB of KV cache; every worker would zero the 1 GiB default at start (~0.6 s).
 os.environ.setdefault("ASYNCLLM_CPU_KVCACHE_SPACE_GB", "0.125")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def forkserver() -> Iterator[str]:
+    """One fork server per test process (asyncllm/forkserver.py): engine cores and workers start with torch
+    imported, about a second less each. ASYNCLLM_TEST_SPAWN=1 runs the suite on new interpreters instead."""
+    if os.environ.get("ASYNCLLM_TEST_SPAWN") == "1":
+        yield ""
+        return
+    from asyncllm import forkserver, procutil
+
+    folder = procutil.private_ipc_dir()
+    address = os.path.join(folder, "forkserver.sock")
+    server = forkserver.start_server(address)
+    os.environ["ASYNCLLM_FORKSERVER"] = address
+    try:
+        yield address
+    finally:
+        os.environ.pop("ASYNCLLM_FORKSERVER", None)
+        procutil.stop_process(server)
+        procutil.remove_dir(folder)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def spawned_processes(request: pytest.FixtureRequest, forkserver: str) -> Iterator[None]:
+    """A module that sets ``SPAWN_PROCESSES = True`` (it checks process trees or command lines) gets its engines'
+    processes started as new interpreters, the way users get them."""
+    if not (forkserver and getattr(request.module, "SPAWN_PROCESSES", False)):
+        yield
+        return
+    os.environ.pop("ASYNCLLM_FORKSERVER", None)
+    try:
+        yield
+    finally:
+        os.environ["ASYNCLLM_FORKSERVER"] = forkserver
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,15 @@ def children(pid: int) -> set[int]:
 
 
 def worker_pids(core_pid: int) -> list[int]:
-    """The worker processes of an engine core: its children running asyncllm.workers.worker."""
-    return sorted(child for child, (parent, cmdline) in _live_processes().items()
-                  if parent == core_pid and b"asyncllm.workers.worker" in cmdline)
+    """The worker processes of an engine core: its children running asyncllm.workers.worker, or those the
+    fork server (tests/conftest.py) forked when the core asked."""
+    live = _live_processes()
+    spawned = {child for child, (parent, cmdline) in live.items()
+               if parent == core_pid and b"asyncllm.workers.worker" in cmdline}
+    server = os.environ.get("ASYNCLLM_FORKSERVER")
+    if server:
+        from asyncllm import forkserver
+
+        spawned |= {child for child, (caller, module) in forkserver.children(server).items()
+                    if caller == core_pid and module == "asyncllm.workers.worker" and child in live}
+    return sorted(spawned)

@@ -25,6 +25,7 @@ PROMPTS = ["def main():", "import os\n", "class Config:"]
 MAX_TOKENS = 48
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ENGINE_KWARGS = dict(disable_log_stats=True, max_model_len=256, num_gpu_blocks_override=64)
+SPAWN_PROCESSES = True  # checks workers' command lines and which processes follow a killed core: new interpreters, not the test fork server (tests/conftest.py)
 
 
 class Streams:

@@ -23,6 +23,7 @@ from proc_utils import children
 
 PROMPTS = ["def main():", "import os\n", "class Config:"]
 KWARGS = dict(disable_log_stats=True, max_model_len=128, num_gpu_blocks_override=32)
+SPAWN_PROCESSES = True  # checks the host's children return to what they were: new interpreters, not the test fork server (tests/conftest.py)
 LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
 

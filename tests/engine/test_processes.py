@@ -12,6 +12,8 @@ import time
 from asyncllm import AsyncEngine, SamplingParams
 
 
+SPAWN_PROCESSES = True  # checks the process tree under the host and the core: new interpreters, not the test fork server (tests/conftest.py)
+
 def _children(pid: int) -> set[int]:
     """All descendants of `pid`, read from /proc."""
     parents: dict[int, int] = {}
