@@ -64,7 +64,8 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Glm4vForConditionalGeneration", "Glm4vMoeForConditionalGeneration",
                           "Lfm2VlForConditionalGeneration", "PaliGemmaForConditionalGeneration",
                           "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniForConditionalGeneration",
-                          "AyaVisionForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration",
+                          "AyaVisionForConditionalGeneration", "Cohere2VisionForConditionalGeneration",
+                          "Qwen3OmniMoeThinkerForConditionalGeneration",
                           "Qwen3OmniMoeForConditionalGeneration",
                           "Ernie4_5_VLMoeForConditionalGeneration",  # its rows by modality on every stage
                           # audio-text: the audio encoder on the first stage

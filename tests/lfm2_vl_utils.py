@@ -32,6 +32,7 @@ MARKERS = ["<|image_start|>", "<|image_end|>", "<|img_thumbnail|>"] + [
 
 class _InterpolationMode(enum.Enum):
     BILINEAR = "bilinear"
+    BICUBIC = "bicubic"  # Command A Vision's (tests/cohere2_vision_utils.py)
     LANCZOS = "lanczos"  # compared against, never used
 
 
@@ -39,12 +40,13 @@ def _tv_resize(image: Any, size: list[int], interpolation: Any = None, antialias
     import torch
     import torch.nn.functional as F
 
-    assert interpolation in (None, _InterpolationMode.BILINEAR), interpolation
+    mode = (interpolation or _InterpolationMode.BILINEAR).value
+    assert mode in ("bilinear", "bicubic"), interpolation
     size = [int(side) for side in size]  # Llama 4's processor passes 0-d tensors
     if list(image.shape[-2:]) == size:
         return image
-    native = image.dtype == torch.uint8 and "AVX2" in torch.backends.cpu.get_cpu_capability()
-    out = F.interpolate(image if native else image.float(), size=list(size), mode="bilinear", align_corners=False,
+    native = image.dtype == torch.uint8 and (mode == "bicubic" or "AVX2" in torch.backends.cpu.get_cpu_capability())
+    out = F.interpolate(image if native else image.float(), size=list(size), mode=mode, align_corners=False,
                         antialias=antialias)
     return out if native or image.dtype != torch.uint8 else out.round_().to(torch.uint8)
 
@@ -92,7 +94,8 @@ def hf_image_processor_class(module: str = "transformers.models.lfm2_vl.image_pr
             else:
                 sys.modules[name] = module
     backends.tvF = functional  # absent without torchvision: nothing else reads them
-    backends.pil_torch_interpolation_mapping = {PILImageResampling.BILINEAR: _InterpolationMode.BILINEAR}
+    backends.pil_torch_interpolation_mapping = {PILImageResampling.BILINEAR: _InterpolationMode.BILINEAR,
+                                                PILImageResampling.BICUBIC: _InterpolationMode.BICUBIC}
     return processor_cls
 
 

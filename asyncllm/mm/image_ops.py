@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, ClassVar
 
-__all__ = ["TorchImageProcessor", "read_json", "resize_like_torchvision"]
+__all__ = ["TorchImageProcessor", "normalize_like_torchvision", "read_json", "resize_like_torchvision"]
 
 
 class TorchImageProcessor:
@@ -55,19 +55,37 @@ class TorchImageProcessor:
         raise NotImplementedError
 
 
-def resize_like_torchvision(pixels: Any, height: int, width: int) -> Any:
-    """torchvision's antialiased bilinear resize of a ``(1, 3, H, W)`` uint8 CPU tensor: torch's own kernel, on the
-    uint8 image where the CPU reports AVX2 (torchvision's native path there) and in float32 rounded back elsewhere."""
+def resize_like_torchvision(pixels: Any, height: int, width: int, mode: str = "bilinear") -> Any:
+    """torchvision's antialiased bilinear (or ``mode="bicubic"``) resize of a ``(1, 3, H, W)`` uint8 CPU tensor:
+    torch's own kernel, on the uint8 image where torchvision resizes it natively (bicubic always; bilinear where the
+    CPU reports AVX2) and in float32 rounded back elsewhere."""
     import torch
     import torch.nn.functional as F
 
     if tuple(pixels.shape[-2:]) == (height, width):
         return pixels
+    if mode == "bicubic":
+        return F.interpolate(pixels, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
     if "AVX2" in torch.backends.cpu.get_cpu_capability():  # torchvision resizes uint8 natively there
         return F.interpolate(pixels, size=(height, width), mode="bilinear", align_corners=False, antialias=True)
     out = F.interpolate(pixels.to(torch.float32), size=(height, width), mode="bilinear", align_corners=False,
                         antialias=True)
     return out.round_().to(torch.uint8)
+
+
+def normalize_like_torchvision(pixels: Any, s: Any) -> Any:
+    """A ``(..., 3, H, W)`` uint8 image rescaled and normalized as transformers' torchvision processors do, in float32:
+    the rescale folded into the mean and std (``s``: their ``do_rescale``, ``rescale_factor``, ``do_normalize``,
+    ``image_mean``, ``image_std``)."""
+    import torch
+
+    x = pixels.to(torch.float32)
+    if s.do_normalize:
+        scale = 1.0 / s.rescale_factor if s.do_rescale else 1.0
+        mean = (torch.tensor(s.image_mean) * scale).view(-1, 1, 1)
+        std = (torch.tensor(s.image_std) * scale).view(-1, 1, 1)
+        return x.sub_(mean).div_(std)
+    return x * s.rescale_factor if s.do_rescale else x
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -89,6 +89,7 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Gemma4ForConditionalGeneration", "Qwen2AudioForConditionalGeneration",
                             "AudioFlamingo3ForConditionalGeneration", "Glm4vForConditionalGeneration",
                             "Glm4vMoeForConditionalGeneration", "AyaVisionForConditionalGeneration",
+                            "Cohere2VisionForConditionalGeneration",
                             "Lfm2VlForConditionalGeneration", "WhisperForConditionalGeneration",
                             "GlmAsrForConditionalGeneration", "Qwen3ASRForConditionalGeneration",
                             "GraniteSpeechForConditionalGeneration",

@@ -158,6 +158,7 @@ _MODELS = LazyClasses({
     "Glm4vMoeForConditionalGeneration": "glm4v:Glm4vMoeForConditionalGeneration",
     "Ernie4_5_VLMoeForConditionalGeneration": "ernie4_5_vl:Ernie4_5_VLMoeForConditionalGeneration",
     "AyaVisionForConditionalGeneration": "aya_vision:AyaVisionForConditionalGeneration",
+    "Cohere2VisionForConditionalGeneration": "cohere2_vision:Cohere2VisionForConditionalGeneration",
     "Lfm2VlForConditionalGeneration": "lfm2_vl:Lfm2VlForConditionalGeneration",
     "DeepseekV2ForCausalLM": "deepseek:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "deepseek:DeepseekV3ForCausalLM",

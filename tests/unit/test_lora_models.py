@@ -222,6 +222,7 @@ IMAGE_TEXT = {  # family: (its tests' module, maker, maker's kwargs, transformer
     "smolvlm": ("mm_utils", "make_tiny_smolvlm", {}, "SmolVLM", None),
     "internvl": ("internvl_utils", "make_tiny_internvl", {}, "InternVL", OLDER),
     "aya_vision": ("aya_vision_utils", "make_tiny_aya_vision", {}, "AyaVision", OLDER),
+    "cohere2_vision": ("cohere2_vision_utils", "make_tiny_cohere2_vision", {}, "Cohere2Vision", OLDER),
     "gemma3": ("gemma3_mm_utils", "make_tiny_gemma3_mm", {}, "Gemma3", OLDER),
     "mistral3": ("mistral3_utils", "make_tiny_mistral3", {}, "Mistral3", OLDER),
     "gemma4": ("gemma4_mm_utils", "make_tiny_gemma4_mm", {}, "Gemma4", None),
@@ -271,8 +272,9 @@ def test_an_image_text_decoder_takes_adapters_as_peft(family: str, tmp_path, req
         hf_base = [hf(input_ids=torch.tensor([tokens])).logits[0] for tokens in sequences]
     expected, expected_base = peft_logits(path, adapter, sequences[0], cls), hf_base[1]
     assert (expected - hf_base[0]).abs().max() > 0.5  # the adapter changes the logits
-    # Aya Vision's Cohere logits are scaled by logit_scale, as vLLM's are (transformers' AyaVision leaves them unscaled)
-    scale = load_hf_config(path).text_config.logit_scale if family == "aya_vision" else 1.0
+    # Aya Vision's and Command A Vision's Cohere logits are scaled by logit_scale, as vLLM's are (transformers' leaves
+    # them unscaled)
+    scale = load_hf_config(path).text_config.logit_scale if family in ("aya_vision", "cohere2_vision") else 1.0
     torch.testing.assert_close(with_adapter, expected * scale, atol=ATOL, rtol=0)
     torch.testing.assert_close(base, expected_base * scale, atol=ATOL, rtol=0)
     if layouts is not None:

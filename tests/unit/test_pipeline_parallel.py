@@ -268,12 +268,13 @@ MM_STAGES = {
     "qwen2_5_omni": ("qwen2_5_omni_utils", "make_tiny_qwen2_5_omni", {}),
     "granite_speech": ("test_pipeline_parallel", "_tiny_granite_speech", {}),
     "aya_vision": ("aya_vision_utils", "make_tiny_aya_vision", {}),
+    "cohere2_vision": ("cohere2_vision_utils", "make_tiny_cohere2_vision", {}),
     "qwen3_omni": ("test_pipeline_parallel", "_tiny_qwen3_omni", {}),
     "gemma3n": ("gemma3n_audio_utils", "make_tiny_gemma3n_audio", {"num_kv_shared_layers": 0}),  # any split
 }
 """Image- and audio-text families whose decoders run in stages beside an encoder on the first stage: PaliGemma's
 Gemma / Gemma 2 at positions from 1 on every stage, Qwen2.5-Omni's M-RoPE Qwen2, Granite Speech's Granite, Aya
-Vision's Cohere2 (sliding and global layers), Qwen3-Omni's M-RoPE Qwen3-MoE (its audio and vision towers, deepstack
+Vision's and Command A Vision's Cohere2 (sliding and global layers), Qwen3-Omni's M-RoPE Qwen3-MoE (its audio and vision towers, deepstack
 mergers among them, on the first stage), Gemma 3n's own stages with its audio tower and embedders on the first,
 and ERNIE 4.5 VL's (tests/unit/test_ernie_vl_stages.py: its modality experts routed on every stage)."""
 
