@@ -196,7 +196,6 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "Qwen3ASRForConditionalGeneration", "Llama4ForConditionalGeneration",
                                  "GraniteSpeechForConditionalGeneration", "PaliGemmaForConditionalGeneration",
                                  "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniForConditionalGeneration",
-                                 # the decoder's hooks: asyncllm/models/decoder_lora.py
                                  "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                                  "LlavaOnevisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
                                  "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration",
@@ -208,7 +207,7 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "Ernie4_5_VLMoeForConditionalGeneration",  # its attention and dense MLPs
                                  "WhisperForConditionalGeneration")  # its decoder's self- and cross-attention, MLP
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with
-tower matrices is refused)."""
+tower matrices is refused); their hooks are the decoder's (asyncllm/models/decoder_lora.py; Whisper's its own)."""
 
 
 

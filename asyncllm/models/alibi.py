@@ -16,14 +16,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.models.layers import Attention, head_dim_of
+from asyncllm.models.layers import Attention, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild, LlamaAttention
 
-__all__ = ["AlibiAttention", "AlibiBuild", "bloom_alibi_slopes", "falcon_alibi_slopes", "mpt_alibi_slopes"]
+__all__ = ["AlibiAttention", "AlibiBuild", "alibi_build", "bloom_alibi_slopes", "falcon_alibi_slopes",
+           "mpt_alibi_slopes"]
 
 
 def bloom_alibi_slopes(num_heads: int) -> tuple[float, ...]:
@@ -56,6 +58,15 @@ class AlibiBuild(DecoderBuild):
     alibi_slopes: tuple[float, ...] = dataclasses.field(default=(), kw_only=True)
     clip_qkv: float | None = dataclasses.field(default=None, kw_only=True)
     """q, k and v clamped to ``[-clip_qkv, clip_qkv]`` after the projection (MPT's ``attn_config.clip_qkv``)."""
+
+
+def alibi_build(family: Any, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
+                expert_parallel: bool, slopes: tuple[float, ...], clip_qkv: float | None = None) -> AlibiBuild:
+    """``family``'s build (its flags and MLP) with no rotary embedding: ``slopes`` for every head, all ranks' (the
+    family's rule: `bloom_alibi_slopes`, `mpt_alibi_slopes`, `falcon_alibi_slopes`)."""
+    return AlibiBuild(hf_config, family.decoder_flags(hf_config), dtype, tp, attn_backend,
+                      None, family.make_mlp, expert_parallel,  # type: ignore[arg-type]
+                      alibi_slopes=slopes, clip_qkv=clip_qkv)
 
 
 class AlibiAttention(LlamaAttention):

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.alibi import AlibiAttention, AlibiBuild, bloom_alibi_slopes
+from asyncllm.models.alibi import AlibiAttention, alibi_build, bloom_alibi_slopes
 from asyncllm.models.gpt2 import gpt_config_view
 from asyncllm.models.gpt_neox import GPTNeoXForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel
@@ -68,8 +68,8 @@ class BloomForCausalLM(GPTNeoXForCausalLM):
     def decoder_build(cls, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
                       max_position: int, expert_parallel: bool) -> DecoderBuild:
         """No rotary embedding: ALiBi's slopes instead, every head's (each rank takes its own)."""
-        return AlibiBuild(hf_config, cls.decoder_flags(hf_config), dtype, tp, attn_backend, None,  # type: ignore[arg-type]
-                          cls.make_mlp, expert_parallel, alibi_slopes=bloom_alibi_slopes(hf_config.n_head))
+        slopes = bloom_alibi_slopes(hf_config.n_head)
+        return alibi_build(cls, hf_config, dtype, tp, attn_backend, expert_parallel, slopes)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_phi3(hf_config, "BLOOM")  # the fused q/k/v is cut at load

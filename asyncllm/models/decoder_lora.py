@@ -17,19 +17,35 @@ _DECODER = "language_model."
 
 
 class DecoderLoRA:
-    """Mixin for a `VisionLanguageModel` (LLaVA's, Idefics3's, InternVL's, Aya Vision's, Gemma 3's, Mistral 3's,
-    Gemma 4's): its decoder's fused projections, checkpoint names and adapter row hooks."""
+    """Mixin for a `VisionLanguageModel` whose decoder takes adapters (every image- or audio-text model's but
+    Whisper's): its decoder's fused projections, checkpoint names and adapter row hooks."""
 
     language_model: Any
+
+    @staticmethod
+    def normalize_name(name: str) -> str:
+        """A name `_packed` is given -> ours: an adapter's decoder name (``model.layers...``) under
+        ``language_model.``. A model whose `_packed` reads its checkpoint's names too (a quantized checkpoint's biases:
+        asyncllm/models/int4_checkpoint.py) maps them as its loader does (Qwen2-VL's, Qwen2-Audio's)."""
+        return _DECODER + name
 
     @property
     def packed_modules(self) -> dict[str, list[tuple[str, object]]]:
         """The decoder's fused projections (an adapter names their parts)."""
         return self.language_model.packed_modules
 
+    @property
+    def fused_parts(self) -> dict[str, list[tuple[object, int]]]:
+        """The decoder's fused projections whose adapters come fused too (GLM-4's gate-up: asyncllm/models/lora.py)."""
+        return getattr(self.language_model, "fused_parts", {})
+
     def _packed(self, ckpt_name: str) -> tuple[str, object]:
-        """An adapter's decoder name (``model.layers...``) -> (our parameter name, shard id or None)."""
-        inner, shard_id = self.language_model._packed(ckpt_name)
+        """A name (`normalize_name`'s) -> (our parameter name, shard id or None): the decoder's under
+        ``language_model.``, another part's (a tower's) as it is."""
+        name = self.normalize_name(ckpt_name)
+        if not name.startswith(_DECODER):
+            return name, None
+        inner, shard_id = self.language_model._packed(name.removeprefix(_DECODER))
         return _DECODER + inner, shard_id
 
     def lora_b_rows(self, name: str, weight: Any) -> Any:

@@ -27,11 +27,10 @@ model and may rotate by M-RoPE: asyncllm/models/eagle_targets.py.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
-from typing import Any, ContextManager, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -42,7 +41,7 @@ from asyncllm.models.eagle_targets import head_mrope, normalize_head_rope, targe
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, copy_weight, head_dim_of
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaDecoderLayer, LlamaForCausalLM
-from asyncllm.models.mrope import MRotaryEmbedding
+from asyncllm.models.mrope import MRopePositions, MRotaryEmbedding
 
 __all__ = ["EAGLE3_ARCHITECTURES", "Eagle3LlamaForCausalLM", "EagleLlamaForCausalLM", "TargetReader",
            "eagle3_aux_layers", "load_head_config", "speculators_kind", "target_embeddings"]
@@ -126,7 +125,7 @@ class TargetReader:
         return final_hidden
 
 
-class _EagleHead(TargetReader, LlamaForCausalLM):
+class _EagleHead(TargetReader, MRopePositions, LlamaForCausalLM):
     """What both EAGLE heads share: Llama layers over the paged draft cache, ``fc`` over ``fc_input_size``
     features (replicated: every rank has the whole hidden state)."""
 
@@ -146,13 +145,6 @@ class _EagleHead(TargetReader, LlamaForCausalLM):
 
     def make_layer(self, b: DecoderBuild, layer_idx: int) -> nn.Module:
         return LlamaDecoderLayer(b, layer_idx)
-
-    def layer_positions(self, positions: torch.Tensor) -> ContextManager[torch.Tensor]:
-        """``[3, T]`` M-RoPE positions (an M-RoPE head in a step through an image's prompt): the step's table
-        while inside; ``[T]`` ones as they are."""
-        if positions.dim() == 1:
-            return contextlib.nullcontext(positions)
-        return self.rotary_emb.rotating_by(positions)
 
     def run_layers(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                    kv_caches: list[torch.Tensor], metadata: Any, start: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -39,7 +39,6 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
-from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.ernie4_5_vl_vision import ErnieResampler, ErnieVisionTower
 from asyncllm.models.ernie_seed_arcee import Ernie4_5_MoeForCausalLM, ErnieMoE
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
@@ -215,9 +214,6 @@ class Ernie4_5_VLMoeForConditionalGeneration(Qwen2VLForConditionalGeneration):
     is_moe = True
     tower_cls = ErnieVisionTower
     language_model_cls = ErnieVLLanguageModel
-    packed_modules = ErnieVLLanguageModel.packed_modules
-    lora_b_rows = DecoderLoRA.lora_b_rows
-    """An adapter's q / k B rows reordered as the decoder's interleaved rotary rows are."""
     mm_video_token_id = None
     mm_not_built = {"video": "ERNIE 4.5 VL's video input"}
     mm_routes_prompt_rows = True

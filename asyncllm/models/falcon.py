@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.alibi import AlibiAttention, AlibiBuild, falcon_alibi_slopes
+from asyncllm.models.alibi import AlibiAttention, alibi_build, falcon_alibi_slopes
 from asyncllm.models.gpt2 import gpt_config_view
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaForCausalLM, LlamaModel
@@ -95,8 +95,7 @@ class FalconForCausalLM(LlamaForCausalLM):
         if not hf_config.alibi:
             return super().decoder_build(hf_config, dtype, tp, attn_backend, max_position, expert_parallel)
         slopes = falcon_alibi_slopes(hf_config.num_attention_heads, head_dim_of(hf_config))
-        return AlibiBuild(hf_config, cls.decoder_flags(hf_config), dtype, tp, attn_backend, None,  # type: ignore[arg-type]
-                          cls.make_mlp, expert_parallel, alibi_slopes=slopes)
+        return alibi_build(cls, hf_config, dtype, tp, attn_backend, expert_parallel, slopes)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         layout = [f for f in ("new_decoder_architecture", "parallel_attn", "multi_query") if getattr(hf_config, f)]

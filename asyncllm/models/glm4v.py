@@ -67,7 +67,6 @@ class Glm4vForConditionalGeneration(Qwen2VLForConditionalGeneration):
 
     tower_cls = Glm4vVisionTower
     language_model_cls = Glm4vLanguageModel
-    packed_modules = Glm4vLanguageModel.packed_modules
     checkpoint_module_name = staticmethod(Qwen3VLForConditionalGeneration.checkpoint_module_name)
 
     video_settings = GLM4V_VIDEO_SETTINGS
@@ -94,16 +93,6 @@ class Glm4vForConditionalGeneration(Qwen2VLForConditionalGeneration):
         return [VideoPiece([begin], slice(i, i + 1), [end] + tokenizer.encode(str(second), add_special_tokens=False))
                 for i, second in enumerate(seconds)]
 
-    @property
-    def fused_parts(self) -> dict[str, list[tuple[object, int]]]:
-        """The decoder's fused gate-up rows, which LoRA adapters of it hold fused too (asyncllm/models/lora.py)."""
-        return getattr(self.language_model, "fused_parts", {})
-
-    def lora_b_rows(self, name: str, weight: Any) -> Any:
-        """An adapter's q / k B rows reordered as the decoder's rotary rows are (GLM's interleaved pairs)."""
-        reorder = getattr(self.language_model, "lora_b_rows", None)  # GLM-4.5's half-split rotary: no reorder
-        return weight if reorder is None else reorder(name, weight)
-
 
 class Glm4vMoeLanguageModel(_MRopeBuild, Glm4MoeForCausalLM):
     model_cls = Qwen2VLTextModel
@@ -121,7 +110,6 @@ class Glm4vMoeForConditionalGeneration(Glm4vForConditionalGeneration):
 
     is_moe = True
     language_model_cls = Glm4vMoeLanguageModel
-    packed_modules = Glm4vMoeLanguageModel.packed_modules
     lora_experts = True
     """Adapters on its experts too (asyncllm/models/lora_experts.py), as GLM-4.5's text model takes them."""
 

@@ -135,7 +135,6 @@ class GlmAsrForConditionalGeneration(Qwen2AudioForConditionalGeneration):
     """Audio Flamingo 3's host side and loading (qwen2_audio.py) over GLM-ASR's encoder, projector and Llama
     decoder."""
 
-    packed_modules = LlamaForCausalLM.packed_modules
     projector_cls = GlmAsrProjector
     decoders = {"llama": LlamaForCausalLM}
     max_windows = 21

@@ -294,7 +294,6 @@ class GraniteSpeechForConditionalGeneration(Qwen2AudioForConditionalGeneration):
     """Audio rows replace the ``<|audio|>`` placeholder embeddings; the rest is the Granite decoder (Qwen2-Audio's
     hooks, weight names and LoRA routing)."""
 
-    packed_modules = GraniteForCausalLM.packed_modules
     mm_feature_extractor_class = GraniteSpeechFeatures
     """transformers' ``GraniteSpeechFeatureExtractor`` needs torchaudio: the host computes the features itself."""
     mm_audio_extractor_kwargs: dict[str, Any] = {}

@@ -26,6 +26,7 @@ from asyncllm.errors import NotBuiltError
 from asyncllm.mm.lfm2_vl_images import Lfm2VlImage, Lfm2VlImages
 from asyncllm.mm.qwen_video import VideoPiece
 from asyncllm.models.clip import activation
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.lfm2 import Lfm2ForCausalLM
 from asyncllm.models.llava import normalize_llava_name
@@ -69,7 +70,7 @@ def _check_config(hf_config: Any) -> None:
         raise NotBuiltError("vision_config.model_type", vision.model_type, "an LFM2-VL tower other than SigLIP2's")
 
 
-class Lfm2VlForConditionalGeneration(VisionLanguageModel):
+class Lfm2VlForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """SigLIP2's NaFlex tower, pixel unshuffle and an MLP projector before the LFM2 decoder; each tile one item."""
 
     supports_encoder_data_parallel = True
@@ -80,8 +81,6 @@ class Lfm2VlForConditionalGeneration(VisionLanguageModel):
     takes_state_rows = True
     mm_image_processor_class = Lfm2VlImages
     """transformers' ``Lfm2VlImageProcessor`` needs torchvision: this stands in for it (asyncllm/mm/)."""
-    packed_modules = Lfm2ForCausalLM.packed_modules
-    """The decoder's fused layers (LoRA adapters name their parts)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
@@ -134,12 +133,6 @@ class Lfm2VlForConditionalGeneration(VisionLanguageModel):
         return self.multi_modal_projector(self.vision_tower(tiles), rows, cols)
 
     # ---- weights
-    def _packed(self, ckpt_name: str) -> tuple[str, object]:
-        """An adapter's decoder name (``model.layers...``: asyncllm/lora_names.py) -> (our parameter name, shard id
-        or None): the decoder's, under ``language_model``."""
-        inner, shard_id = self.language_model._packed(ckpt_name)
-        return "language_model." + inner, shard_id
-
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """transformers' names (``model.vision_tower.*``, ``model.multi_modal_projector.*``,
         ``model.language_model.*``, ``lm_head``) and the original ones (``vision_tower.vision_model.*``)."""

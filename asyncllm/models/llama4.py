@@ -21,6 +21,7 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.deepseek import pairs_to_halves
 from asyncllm.models.layers import Attention, LoadedWeight, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -157,7 +158,7 @@ START, END, IMAGE = "<|image_start|>", "<|image_end|>", "<|image|>"
 X_SEPARATOR, Y_SEPARATOR = "<|tile_x_separator|>", "<|tile_y_separator|>"
 
 
-class Llama4ForConditionalGeneration(VisionLanguageModel):
+class Llama4ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Llama 4's vision model and projector (llama4_vision.py) before its text decoder; each tile one item.
 
     An image is cut into tiles (asyncllm/mm/llama4_images.py); in the prompt its ``<|image|>`` becomes what
@@ -169,8 +170,6 @@ class Llama4ForConditionalGeneration(VisionLanguageModel):
     supports_encoder_data_parallel = True
     mm_image_processor_class = Llama4Images
     """transformers' ``Llama4ImageProcessor`` needs torchvision: this stands in for it (asyncllm/mm/)."""
-    packed_modules = Llama4ForCausalLM.packed_modules
-    """The decoder's fused layers (LoRA adapters name their parts)."""
     lora_experts = Llama4ForCausalLM.lora_experts
     lora_experts_transposed = Llama4ForCausalLM.lora_experts_transposed
     moe_spec = Llama4ForCausalLM.moe_spec
@@ -229,12 +228,6 @@ class Llama4ForConditionalGeneration(VisionLanguageModel):
         return self.multi_modal_projector(self.vision_model(pixel_values.flatten(0, 1)))
 
     # ---- weights
-    def _packed(self, ckpt_name: str) -> tuple[str, object]:
-        """An adapter's decoder name -> (our parameter name, shard id or None): the decoder's, under
-        ``language_model``."""
-        inner, shard_id = self.language_model._packed(ckpt_name)
-        return "language_model." + inner, shard_id
-
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """transformers' names (``vision_model.*``, ``multi_modal_projector.*``, ``language_model.model.*``,
         ``language_model.lm_head``; or under ``model.``)."""

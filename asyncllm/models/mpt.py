@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.alibi import AlibiBuild, mpt_alibi_slopes
+from asyncllm.models.alibi import alibi_build, mpt_alibi_slopes
 from asyncllm.models.bloom import BloomDecoderLayer
 from asyncllm.models.dbrx import WeightLayerNorm
 from asyncllm.models.gpt2 import gpt_config_view
@@ -84,8 +84,7 @@ class MptForCausalLM(LlamaForCausalLM):
         """No rotary embedding: ALiBi's slopes instead, every head's (each rank takes its own)."""
         attn = hf_config.attn_config
         slopes = mpt_alibi_slopes(hf_config.num_attention_heads, float(attn.alibi_bias_max))
-        return AlibiBuild(hf_config, cls.decoder_flags(hf_config), dtype, tp, attn_backend, None,  # type: ignore[arg-type]
-                          cls.make_mlp, expert_parallel, alibi_slopes=slopes, clip_qkv=attn.clip_qkv or None)
+        return alibi_build(cls, hf_config, dtype, tp, attn_backend, expert_parallel, slopes, attn.clip_qkv or None)
 
     def __init__(self, hf_config: Any, **kwargs: Any) -> None:
         check_phi3(hf_config, "MPT")  # Wqkv is cut at load

@@ -25,8 +25,8 @@ torch and triton backends need nothing new. Steps whose positions are all text
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, ContextManager, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -34,7 +34,7 @@ import torch
 from asyncllm.errors import ConfigError
 from asyncllm.models.rotary import RotaryEmbedding, rope_parameters
 
-__all__ = ["MRotaryEmbedding", "frequency_axes", "mrope_positions", "mrope_section"]
+__all__ = ["MRopePositions", "MRotaryEmbedding", "frequency_axes", "mrope_positions", "mrope_section"]
 
 
 def mrope_section(hf_config: Any, rotary_dim: int, default: Sequence[int] = ()) -> list[int]:
@@ -114,3 +114,15 @@ class MRotaryEmbedding(RotaryEmbedding):
             yield torch.arange(positions.shape[1], device=positions.device)
         finally:
             self.cos_sin_cache = table
+
+
+class MRopePositions:
+    """Mixin of a module whose layers rotate by its ``rotary_emb`` (an `MRotaryEmbedding` where ``[3, T]`` positions
+    come: Qwen-VL's decoders, an M-RoPE EAGLE head): `layer_positions`."""
+
+    rotary_emb: Any
+
+    def layer_positions(self, positions: torch.Tensor) -> ContextManager[torch.Tensor]:
+        """``[3, T]`` M-RoPE positions: the step's table while inside (`MRotaryEmbedding.rotating_by`); ``[T]`` ones
+        as they are (text only: three equal positions are the ordinary rope)."""
+        return nullcontext(positions) if positions.dim() == 1 else self.rotary_emb.rotating_by(positions)

@@ -32,11 +32,12 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.gemma import Gemma1ForCausalLM
 from asyncllm.models.gemma2 import Gemma2ForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import LlavaForConditionalGeneration, normalize_llava_name
-from asyncllm.models.qwen2_audio import Qwen2AudioForConditionalGeneration
+from asyncllm.models.qwen2_audio import normalize_qwen2_audio_name
 from asyncllm.models.siglip import SiglipVisionTower
 from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, load_vision_language_weights
 from asyncllm.protocol import MultiModalItem
@@ -79,7 +80,7 @@ def _decoder_config(hf_config: Any) -> Any:
     return config
 
 
-class PaliGemmaForConditionalGeneration(VisionLanguageModel):
+class PaliGemmaForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Image features replace the ``<image>`` rows' embeddings; the rest is the Gemma decoder at positions + 1."""
 
     supports_encoder_data_parallel = True
@@ -146,10 +147,8 @@ class PaliGemmaForConditionalGeneration(VisionLanguageModel):
         prefix = MultiModalItem(_PREFIX, 0, 0, b"", [0], bidirectional=[0, len(token_ids)])
         return [prefix, *items]
 
-    packed_modules = Gemma2ForCausalLM.packed_modules
-    """The decoder's fused layers (LoRA adapters name their parts)."""
-    _packed = Qwen2AudioForConditionalGeneration._packed
-    """A checkpoint name or an adapter's decoder name (``model.layers...``) -> (our parameter name, shard id)."""
+    normalize_name = staticmethod(normalize_qwen2_audio_name)
+    """`_packed` reads a checkpoint name as well as an adapter's decoder name (``model.layers...``)."""
 
     mm_pixel_values = staticmethod(LlavaForConditionalGeneration.mm_pixel_values)
     """One image's processor output -> its ``[3, S, S]`` float32 pixels."""

@@ -24,6 +24,7 @@ from torch import nn
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
@@ -32,7 +33,7 @@ from asyncllm.models.vision_language import (
 )
 
 __all__ = ["AudioFlamingo3ForConditionalGeneration", "Qwen2AudioForConditionalGeneration", "add_audio_convolutions",
-           "audio_output_length", "convolved_frames"]
+           "audio_output_length", "convolved_frames", "normalize_qwen2_audio_name"]
 
 
 def _encoder_sizes(cfg: Any) -> tuple[int, int, int, int]:
@@ -156,13 +157,18 @@ class AudioFlamingo3Projector(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(x)))
 
 
-class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
+def normalize_qwen2_audio_name(name: str) -> str:
+    """A checkpoint's name, or an adapter's decoder name (``model.layers...``: asyncllm/lora_names.py) -> ours."""
+    return "language_model." + name if name.startswith(("model.", "lm_head.")) else normalize_llava_name(name)
+
+
+class Qwen2AudioForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Audio features replace the ``<|AUDIO|>`` placeholder embeddings; the rest is the Qwen2 decoder."""
 
     mm_takes_images = False
     """Audio only: no image processor, no image placeholder (asyncllm/mm/processor.py)."""
-    packed_modules = Qwen2ForCausalLM.packed_modules
-    """The decoder's fused layers (LoRA adapters name their parts)."""
+    normalize_name = staticmethod(normalize_qwen2_audio_name)
+    """`_packed` reads a checkpoint's names as well as an adapter's decoder names."""
     projector_cls: type[nn.Module] = Qwen2AudioProjector
     decoders: dict[str, type] = {"qwen2": Qwen2ForCausalLM}
     """The decoder class of each ``text_config.model_type`` built."""
@@ -232,15 +238,6 @@ class Qwen2AudioForConditionalGeneration(VisionLanguageModel):
         return [torch.cat(kept[a * windows:(a + 1) * windows]) for a in range(audios)]
 
     # ---- weights
-    def _packed(self, ckpt_name: str) -> tuple[str, object]:
-        """A checkpoint name, or an adapter's decoder name (``model.layers...``: asyncllm/lora_names.py) -> (our
-        parameter name, shard id or None), as `LlamaForCausalLM._packed`."""
-        name = "language_model." + ckpt_name if ckpt_name.startswith(("model.", "lm_head.")) else normalize_llava_name(ckpt_name)
-        if not name.startswith("language_model."):
-            return name, None
-        inner, shard_id = self.language_model._packed(name.removeprefix("language_model."))
-        return "language_model." + inner, shard_id
-
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return load_vision_language_weights(self, weights, normalize_llava_name, type(self).__name__)
 

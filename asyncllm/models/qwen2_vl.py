@@ -38,9 +38,10 @@ from asyncllm.mm.qwen_video import (
     frame_timestamps,
 )
 from asyncllm.mm.videos import Video
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
 from asyncllm.models.llama import DecoderBuild, LlamaModel
-from asyncllm.models.mrope import MRotaryEmbedding, mrope_positions
+from asyncllm.models.mrope import MRopePositions, MRotaryEmbedding, mrope_positions
 from asyncllm.models.qwen2 import Qwen2ForCausalLM
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 from asyncllm.models.qwen3_vision import Qwen3VisionTower
@@ -60,7 +61,7 @@ def normalize_qwen2_vl_name(name: str) -> str:
     return name
 
 
-class Qwen2VLTextModel(LlamaModel):
+class Qwen2VLTextModel(MRopePositions, LlamaModel):
     """The decoder stack; ``[3, T]`` positions rotate by their M-RoPE table for the step."""
 
     def __init__(self, b: DecoderBuild) -> None:
@@ -82,11 +83,6 @@ class Qwen2VLTextModel(LlamaModel):
         """What holds around a step's layers beside its positions (ERNIE 4.5 VL's rows by modality); a pipeline
         stage enters it around its own layers (asyncllm/models/pipeline.py)."""
         return contextlib.nullcontext()
-
-    def layer_positions(self, positions: torch.Tensor) -> ContextManager[torch.Tensor]:
-        """``[3, T]`` M-RoPE positions: the step's table while inside (text only: three equal positions are the
-        ordinary rope)."""
-        return contextlib.nullcontext(positions) if positions.dim() == 1 else self.rotary_emb.rotating_by(positions)
 
     def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None) -> torch.Tensor:
@@ -163,14 +159,14 @@ class Qwen3VLLanguageModel(_MRopeBuild, Qwen3ForCausalLM):
     default_mrope_section = (24, 20, 20)
 
 
-class Qwen2VLForConditionalGeneration(VisionLanguageModel):
+class Qwen2VLForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Image features replace the ``<|image_pad|>`` placeholder embeddings; positions are M-RoPE's."""
 
     supports_encoder_data_parallel = True
     tower_cls: type[nn.Module] = QwenVisionTower
     language_model_cls: type[Qwen2ForCausalLM] = Qwen2VLLanguageModel
-    packed_modules = Qwen2VLLanguageModel.packed_modules
-    """The decoder's fused layers (pre-quantized checkpoints look up which checkpoint tensors each holds)."""
+    normalize_name = staticmethod(normalize_qwen2_vl_name)
+    """`_packed` reads a checkpoint's names (either layout) as well as an adapter's decoder names."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
@@ -240,14 +236,6 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         """Our module name -> the original checkpoint layout's (Qwen2-VL's and Qwen2.5-VL's checkpoints use it, so a
         quantization_config's names are those)."""
         return name.removeprefix("language_model.")
-
-    def _packed(self, ckpt_name: str) -> tuple[str, object]:
-        """Checkpoint name -> (our parameter name, shard id or None), as `LlamaForCausalLM._packed`."""
-        name = normalize_qwen2_vl_name(ckpt_name)
-        if not name.startswith("language_model."):
-            return name, None
-        inner, shard_id = self.language_model._packed(name.removeprefix("language_model."))
-        return "language_model." + inner, shard_id
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Route the decoder's weights to its loader; the vision tower's parameters keep their shard."""

@@ -31,7 +31,8 @@ from asyncllm.models.layers import Attention, LoadedWeight
 from asyncllm.models.linear import QKVParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, LlamaForCausalLM
 from asyncllm.models.moe import MoECausalLM, MoESpec
-from asyncllm.models.qwen2_vl import Qwen2VLTextModel, Qwen3VLForConditionalGeneration, _MRopeBuild
+from asyncllm.models.mrope import MRopePositions
+from asyncllm.models.qwen2_vl import Qwen3VLForConditionalGeneration, _MRopeBuild
 from asyncllm.models.qwen3_vl_moe import split_fused_experts
 
 __all__ = ["GatedAttention", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForCausalLM",
@@ -159,7 +160,7 @@ class Qwen3_5MoeTextOnly(Qwen3_5MoeForCausalLM):
         return super().load_weights((text, w) for name, w in weights if (text := qwen3_5_text_name(name)) is not None)
 
 
-class Qwen3_5VLModel(Qwen3_5Model):
+class Qwen3_5VLModel(MRopePositions, Qwen3_5Model):
     """The hybrid stack for images: ``[3, T]`` positions rotate the attention layers by the step's M-RoPE table
     (the linear layers use no positions)."""
 
@@ -171,8 +172,6 @@ class Qwen3_5VLModel(Qwen3_5Model):
                 metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         with self.layer_positions(positions) as flat:
             return super().forward(input_ids, flat, kv_caches, metadata, inputs_embeds)
-
-    layer_positions = Qwen2VLTextModel.layer_positions
 
 
 class Qwen3_5VLLanguageModel(_MRopeBuild, Qwen3_5ForCausalLM):

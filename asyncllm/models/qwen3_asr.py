@@ -157,8 +157,6 @@ class Qwen3ASRForConditionalGeneration(Qwen2AudioForConditionalGeneration):
     """Audio rows replace the ``<|audio_pad|>`` placeholder embeddings; the rest is the Qwen3 decoder (Qwen2-Audio's
     hooks, weight names and LoRA routing)."""
 
-    packed_modules = Qwen3ForCausalLM.packed_modules
-
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
         VisionLanguageModel.__init__(self)  # Qwen2-Audio's builds its own parts

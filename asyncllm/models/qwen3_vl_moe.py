@@ -88,7 +88,6 @@ class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
 
     is_moe = True
     language_model_cls = Qwen3VLMoeLanguageModel
-    packed_modules = Qwen3VLMoeLanguageModel.packed_modules
     lora_experts = True
     """Adapters on its experts too, as Qwen3-MoE's (asyncllm/models/lora_experts.py)."""
 
