@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from asyncllm.attention.metadata import CrossImages
 from asyncllm.config import EngineConfig
 from asyncllm.errors import NotBuiltError
 from asyncllm.mm.embeddings import EncodeFn, EncoderOutputCache, ScheduledSpan
@@ -130,22 +131,29 @@ class MultiModalRunner:
         self.cross_attention = bool(getattr(model, "mm_cross_attention", False))
         """An encoder-decoder model (Whisper): a request's encoder output feeds its cross-attention states, computed
         when it starts on this worker (`_encoder_outputs`), not its input embeddings."""
+        self.cross_images = bool(getattr(model, "mm_cross_images", False))
+        """A model whose images feed cross-attention layers (Mllama): each step lists its requests with images and
+        the ones starting on this worker with their images' encoder outputs (`_cross_images`)."""
         self._starting: set[str] = set()
         """Such a model's requests new on this worker whose cross-attention states are still to be computed."""
         """(queries, hits) already reported in a `ModelRunnerOutput`."""
+        self._prompt_lens: dict[str, int] = {}
+        """A cross-attention image model's requests' prompt lengths (which tokens see which image)."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
         """Forget finished and preempted requests (a resumed one comes back as new), learn new ones."""
         for req_id in (*sched_out.finished_req_ids, *sched_out.preempted_req_ids):
             self.cache.remove_request(req_id)
             self._starting.discard(req_id)
+            self._prompt_lens.pop(req_id, None)
             if self.mrope is not None:
                 self.mrope.requests.pop(req_id, None)
         for new in sched_out.new_reqs:
             if new.mm_items:
                 self.cache.add_request(new.req_id, new.mm_items)
-                if self.cross_attention:
+                if self.cross_attention or self.cross_images:
                     self._starting.add(new.req_id)
+                    self._prompt_lens[new.req_id] = new.num_prompt_tokens
                 if self.mrope is not None:
                     self.mrope.add_request(new.req_id, new.num_prompt_tokens, new.mm_items)
 
@@ -167,6 +175,9 @@ class MultiModalRunner:
             return None, inputs.positions
         if self.cross_attention:
             inputs.attn_metadata.encoder_outputs = self._encoder_outputs(sched_out, batch)
+            return None, inputs.positions
+        if self.cross_images:
+            inputs.attn_metadata.cross_images = self._cross_images(sched_out, batch)
             return None, inputs.positions
         spans = self._spans(sched_out, batch)
         positions = None
@@ -191,6 +202,24 @@ class MultiModalRunner:
         self._starting.difference_update(starting)
         outputs = self.cache.whole_outputs(starting, *self.cache.model.encoder_output_spec())
         return [(batch.requests[req_id].row, rows) for req_id, rows in zip(starting, outputs)]
+
+    def _cross_images(self, sched_out: SchedulerOutput, batch: InputBatch) -> CrossImages:
+        """The step's requests with images (row, flat span, first position) and, for those starting on this worker,
+        their image items (those the model's ``mm_cross_item`` takes) with their encoder outputs."""
+        spans = self._spans(sched_out, batch)
+        starts = []
+        model = self.cache.model
+        for span in spans:
+            if span.req_id not in self._starting:
+                continue
+            self._starting.discard(span.req_id)
+            wanted = [(span.req_id, index, item) for index, item in enumerate(self.cache.items[span.req_id])
+                      if model.mm_cross_item(item)]
+            outputs = self.cache.read_whole(wanted, *model.encoder_output_spec())
+            starts.append((batch.requests[span.req_id].row, [item for _, _, item in wanted], outputs,
+                           self._prompt_lens[span.req_id]))
+        rows = [(batch.requests[s.req_id].row, s.flat_offset, s.length, s.start) for s in spans]
+        return CrossImages(starts, rows)
 
     def forget_encoder_outputs(self) -> None:
         """After new weights or a sleep: drop every cached encoder output and request (the core recomputes every

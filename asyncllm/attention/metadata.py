@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,6 +46,9 @@ class AttentionMetadata:
     encoder_outputs: list[tuple[int, torch.Tensor]] | None = None
     """(row, its audio's ``[rows, hidden]`` encoder output) of the requests starting on this worker this step, for an
     encoder-decoder model to compute their cross-attention states from (Whisper: asyncllm/models/whisper.py)."""
+    cross_images: CrossImages | None = None
+    """The step's requests with images, for a model whose images feed cross-attention layers (Mllama:
+    asyncllm/models/mllama.py); None when it has none or the model is another."""
     mm_prompt_rows: torch.Tensor | None = None
     """[num_tokens] bool: the step's rows inside the prompt of a request with images, for a model that routes them
     by modality (ERNIE 4.5 VL's experts: asyncllm/models/ernie4_5_vl.py), set when it asks (``mm_routes_prompt_rows``)
@@ -57,6 +60,17 @@ class AttentionMetadata:
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+
+@dataclass
+class CrossImages:
+    """What a cross-attention image model needs of a step (workers/mm_runner.py builds it)."""
+
+    starts: list[tuple[int, list[Any], list[torch.Tensor], int]]
+    """(row, its image items, their encoder outputs, its prompt's length) of the requests starting on this worker:
+    new, or resumed after a preemption."""
+    spans: list[tuple[int, int, int, int]]
+    """(row, its first token in the flat batch, its tokens, the first one's position) of each request with images."""
 
 
 class RotaryInputs(NamedTuple):

@@ -52,10 +52,11 @@ def encode_items(model: Any, items: list[MultiModalItem], device: torch.device) 
     for i, item in enumerate(items):
         by_shape.setdefault(tuple(item.shape), []).append(i)
     out: list[torch.Tensor] = [torch.empty(0)] * len(items)
+    cross = getattr(model, "mm_cross_attention", False) or getattr(model, "mm_cross_images", False)
     for indices in by_shape.values():
         features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in indices]))
         for i, rows in zip(indices, features):
-            if rows.shape[0] != items[i].length and not getattr(model, "mm_cross_attention", False):
+            if rows.shape[0] != items[i].length and not cross:  # cross-attention rows have no placeholders
                 raise ValueError(f"image {items[i].mm_hash}: {rows.shape[0]} features for {items[i].length} placeholders")
             out[i] = rows
     return out
@@ -130,7 +131,12 @@ class EncoderOutputCache:
     def whole_outputs(self, req_ids: list[str], hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
         """Each request's one item's whole encoder output, encoded where not cached (the cross-attention input of an
         encoder-decoder model: Whisper), pinned only while it is read."""
-        wanted = [(req_id, 0, self.items[req_id][0]) for req_id in req_ids]
+        return self.read_whole([(req_id, 0, self.items[req_id][0]) for req_id in req_ids], hidden, dtype)
+
+    def read_whole(self, wanted: list[tuple[str, int, MultiModalItem]], hidden: int,
+                   dtype: torch.dtype) -> list[torch.Tensor]:
+        """The whole encoder outputs of these (request, item index, item), encoded where not cached, pinned only
+        while they are read (`whole_outputs`; Mllama's images: every item of a request)."""
         self._pin_reached(wanted, hidden, dtype)
         outputs = []
         for req_id, index, item in wanted:

@@ -144,6 +144,7 @@ _MODELS = LazyClasses({
     "HunYuanDenseV1ForCausalLM": "hunyuan:HunYuanDenseV1ForCausalLM",
     "GptOssForCausalLM": "gpt_oss:GptOssForCausalLM",
     "LlavaForConditionalGeneration": "llava:LlavaForConditionalGeneration",
+    "MllamaForConditionalGeneration": "mllama:MllamaForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "llava_next:LlavaNextForConditionalGeneration",
     "Idefics3ForConditionalGeneration": "idefics3:Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "idefics3:SmolVLMForConditionalGeneration",

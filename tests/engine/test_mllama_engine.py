@@ -1,0 +1,82 @@
+"""Llama 3.2 Vision end to end: greedy tokens equal transformers' for one image, several images (a run of adjacent
+ones among them), text before the first image and text-only prompts, whatever the batch, the prefill chunks (8
+tokens a step), preemptions (16 KV blocks) and the prefix cache's hits; prompts that differ only in their images
+never share cached blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import pytest_asyncio
+from mllama_utils import hf_mllama_greedy, make_tiny_mllama
+from mm_utils import make_image
+
+from asyncllm import AsyncEngine, SamplingParams
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
+IMAGE_ID = 512
+"""``<|image|>``: the first id past the tiny tokenizer's 512."""
+PADDING = " filler words to fill a few blocks of the cache" * 2
+"""Text before the image, so several full blocks of the prompt come before it (prefix-cache keys)."""
+
+
+@pytest.fixture(scope="module")
+def tiny_mllama(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_mllama(tmp_path_factory.mktemp("mllama"))
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine(tiny_mllama: str):
+    async with AsyncEngine(tiny_mllama, disable_log_stats=True, block_size=4, max_num_batched_tokens=8,
+                           max_num_seqs=4, enable_prefix_caching=True, num_gpu_blocks_override=16,
+                           max_model_len=64) as engine:
+        yield engine
+
+
+def _prompts() -> list:
+    wide, tall, square = make_image(40, 20, seed=1), make_image(20, 50, seed=2), make_image(30, 30, seed=3)
+    return [
+        {"prompt": "Describe <|image|> briefly", "images": [wide]},
+        {"prompt": "<|image|><|image|> compare them and then <|image|> the end", "images": [wide, tall, square]},
+        {"prompt": "one <|image|> two <|image|> three", "images": [tall, square]},
+        "A text prompt with no image",
+    ]
+
+
+async def test_prompts_batched_together_match_transformers(engine, tiny_mllama):
+    """All at once (the text-only one among them, each prefill chunked over several steps, some requests
+    preempted and recomputed: their cross-attention states computed again in the row they resume in): each prompt's
+    tokens equal transformers' for it alone, with the cross-attention mask its processor writes."""
+    prompts = _prompts()
+    preemptions = engine.stats().num_preemptions_total
+    longer = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    outs = await asyncio.gather(*(engine.generate(prompt, longer) for prompt in prompts))
+    assert engine.stats().num_preemptions_total > preemptions  # 16 blocks: some are recomputed, images and all
+    assert [out.prompt_token_ids.count(IMAGE_ID) for out in outs] == [1, 3, 2, 0]
+    for prompt, out in zip(prompts, outs):
+        images = prompt["images"] if isinstance(prompt, dict) else []
+        assert out.outputs[0].token_ids == hf_mllama_greedy(tiny_mllama, out.prompt_token_ids, images, 16), prompt
+
+
+async def test_prefix_cache_hits_only_prompts_with_the_same_images(engine, tiny_mllama):
+    """Alone, the prompt matches transformers; a repeat hits the cached blocks (text before the image included)
+    and gives the same tokens; the same text with another image hits none of them (the text before the image
+    attends to the images too) and matches transformers for its own image."""
+    first, other = make_image(24, 40, seed=7), make_image(24, 40, seed=8)
+    text = "Look" + PADDING + " <|image|> now"
+    before = engine.stats()
+    out = await engine.generate({"prompt": text, "images": [first]}, GREEDY)
+    after_first = engine.stats()
+    again = await engine.generate({"prompt": text, "images": [first]}, GREEDY)
+    after_again = engine.stats()
+    swapped = await engine.generate({"prompt": text, "images": [other]}, GREEDY)
+    after_swapped = engine.stats()
+    assert after_first.prefix_cache_hits == before.prefix_cache_hits
+    assert after_again.prefix_cache_hits - after_first.prefix_cache_hits >= len(out.prompt_token_ids) - 4
+    assert after_swapped.prefix_cache_hits == after_again.prefix_cache_hits
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
+    assert swapped.outputs[0].token_ids == hf_mllama_greedy(tiny_mllama, swapped.prompt_token_ids, [other], 6)
+    assert out.outputs[0].token_ids == hf_mllama_greedy(tiny_mllama, out.prompt_token_ids, [first], 6)
