@@ -55,6 +55,7 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "Gemma3nForConditionalGeneration", "Zamba2ForCausalLM",
                           # image-text: the encoder on the first stage (asyncllm/models/vision_language.py)
                           "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                          "LlavaNextVideoForConditionalGeneration",
                           "LlavaOnevisionForConditionalGeneration", "Qwen2VLForConditionalGeneration",
                           "Qwen2_5_VLForConditionalGeneration", "Qwen3_5ForConditionalGeneration",
                           "Qwen3_5MoeForConditionalGeneration", "Gemma3ForConditionalGeneration",

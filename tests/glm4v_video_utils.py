@@ -43,13 +43,28 @@ def _tv_grayscale_to_rgb(image: Any) -> Any:
     return image
 
 
+def _tv_crop(image: Any, top: int, left: int, height: int, width: int) -> Any:
+    return image[..., top:top + height, left:left + width]
+
+
+def _tv_pad(image: Any, padding: list[int], fill: int = 0) -> Any:
+    import torch.nn.functional as F
+
+    left, top, right, bottom = padding
+    return F.pad(image, (left, right, top, bottom), value=fill)
+
+
 def _tv_normalize(image: Any, mean: Any, std: Any, inplace: bool = False) -> Any:
     out = image if inplace else image.clone()
     return out.sub_(mean.view(-1, 1, 1).to(image.dtype)).div_(std.view(-1, 1, 1).to(image.dtype))
 
 
 @functools.lru_cache(maxsize=None)
-def _processor_class() -> type:
+def _processor_class(module: str = "transformers.models.glm4v.video_processing_glm4v",
+                     name: str = "Glm4vVideoProcessor") -> type:
+    """transformers' video processor class ``name`` of ``module``, imported with torchvision stubbed."""
+    import importlib
+
     import transformers.video_processing_utils  # noqa: F401 (imported before torchvision is stubbed)
 
     names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.v2.functional")
@@ -58,11 +73,11 @@ def _processor_class() -> type:
     saved = {name: sys.modules.get(name) for name in names}
     sys.modules.update(stubs)
     try:
-        from transformers.models.glm4v.video_processing_glm4v import Glm4vVideoProcessor
+        processor_class = getattr(importlib.import_module(module), name)
     finally:
-        for name, module in saved.items():
-            sys.modules.pop(name) if module is None else sys.modules.__setitem__(name, module)
-    return Glm4vVideoProcessor
+        for stub, saved_module in saved.items():
+            sys.modules.pop(stub) if saved_module is None else sys.modules.__setitem__(stub, saved_module)
+    return processor_class
 
 
 @contextlib.contextmanager
@@ -74,7 +89,7 @@ def _torchvision_stood_in() -> Iterator[None]:
     from transformers.utils import import_utils
 
     functional = SimpleNamespace(resize=_tv_resize, normalize=_tv_normalize, grayscale_to_rgb=_tv_grayscale_to_rgb,
-                                 InterpolationMode=_Mode)
+                                 crop=_tv_crop, pad=_tv_pad, InterpolationMode=_Mode)
     patches = {(backends, "tvF"): functional, (videos, "tvF"): functional,
                (backends, "pil_torch_interpolation_mapping"): {PILImageResampling.BICUBIC: _Mode.BICUBIC}}
     saved = {key: getattr(*key, None) for key in patches}

@@ -197,6 +197,7 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "GraniteSpeechForConditionalGeneration", "PaliGemmaForConditionalGeneration",
                                  "Qwen2_5OmniThinkerForConditionalGeneration", "Qwen2_5OmniForConditionalGeneration",
                                  "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
+                                 "LlavaNextVideoForConditionalGeneration",
                                  "LlavaOnevisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
                                  "SmolVLMForConditionalGeneration", "InternVLForConditionalGeneration",
                                  "AyaVisionForConditionalGeneration", "Cohere2VisionForConditionalGeneration",

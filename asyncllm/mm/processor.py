@@ -262,8 +262,13 @@ class MultiModalProcessor:
         placeholder = getattr(model_cls, "mm_video_placeholder_id", None)
         self.video_placeholder_id = placeholder(hf_config) if placeholder is not None else self.video_token_id
         """The token a video's placeholders are: its marker's, or the model's (GLM: ``<|image|>`` runs per frame)."""
-        self.video_settings = (load_video_settings(model_path, model_cls.video_settings)
-                               if self.video_token_id is not None else None)
+        processing = getattr(model_cls, "mm_video_processing", None)
+        """The model's own frame processing (LLaVA-NeXT-Video: asyncllm/mm/llava_video.py); None: Qwen-VL's."""
+        self._video_grid = processing.grid if processing is not None else video_grid
+        self._video_patches = processing.patches if processing is not None else video_patches
+        self.video_settings = None if self.video_token_id is None else (
+            processing.load(model_path, hf_config) if processing is not None
+            else load_video_settings(model_path, model_cls.video_settings))
         audio_token = getattr(model_cls, "mm_audio_token_id", None)
         self.audio_token_id: int | None = audio_token(hf_config) if audio_token is not None else None
         """The prompt token that marks an audio; None: the model takes no audio."""
@@ -483,7 +488,7 @@ class MultiModalProcessor:
         """Append a video's tokens to ``expanded`` and its items (one per piece the model makes of it) to ``items``;
         its frames are processed once, and only when some piece misses the cache."""
         video = read_video(value, field, self.max_image_pixels, self.video_num_frames)
-        grid = video_grid(video, self.video_settings, field)
+        grid = self._video_grid(video, self.video_settings, field)
         pieces = self._model_cls.mm_video_pieces(self._hf_config, self.tokenizer, video, grid)
         key = uuid_key(uuid) if uuid is not None else video.key()
         patches = None
@@ -492,7 +497,7 @@ class MultiModalProcessor:
             piece_key = key if len(pieces) == 1 else overridden_key(key, {"piece": index})
             item = self._lookup(piece_key, len(expanded), inline)
             if item is None:
-                patches = video_patches(video, self.video_settings, field) if patches is None else patches
+                patches = self._video_patches(video, self.video_settings, field) if patches is None else patches
                 item = self._record(piece_key, len(expanded), patches[piece.frames], inline)
             if piece.time_interval != 1.0:
                 item = msgspec.structs.replace(item, time_interval=piece.time_interval)

@@ -38,7 +38,7 @@ from asyncllm.errors import InvalidRequestError, NotBuiltError
 from asyncllm.mm.videos import Video
 
 __all__ = ["VideoPiece", "VideoSettings", "frame_size", "frame_timestamps", "load_video_settings", "video_grid",
-           "video_patches"]
+           "video_patches", "video_processor_dict"]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -79,7 +79,8 @@ class VideoPiece:
     """M-RoPE time positions per temporal patch (`asyncllm.protocol.MultiModalItem.time_interval`)."""
 
 
-def _video_processor_dict(model_path: str) -> dict[str, Any]:
+def video_processor_dict(model_path: str) -> dict[str, Any]:
+    """The checkpoint's video processor config (``{}``: none; its class' defaults hold)."""
     folder = Path(model_path)
     processor = folder / "processor_config.json"
     if processor.is_file():
@@ -95,7 +96,7 @@ def _video_processor_dict(model_path: str) -> dict[str, Any]:
 def load_video_settings(model_path: str, defaults: VideoSettings) -> VideoSettings:
     """The checkpoint's video processor settings over ``defaults`` (its class' own); settings this module does not
     follow are refused by name."""
-    config = _video_processor_dict(model_path)
+    config = video_processor_dict(model_path)
     for flag in ("do_resize", "do_rescale", "do_normalize", "do_convert_rgb"):
         if config.get(flag) is False:
             raise NotBuiltError(f"video processor {flag}", False, "videos resized, rescaled and normalized")

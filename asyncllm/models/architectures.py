@@ -79,7 +79,8 @@ MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCa
                      "Ernie4_5_VLMoeForConditionalGeneration")
 """Mixture-of-experts text models (asyncllm/models/moe.py): the ones ``enable_expert_parallel`` applies to."""
 MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
-                            "LlavaOnevisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                            "LlavaNextVideoForConditionalGeneration", "LlavaOnevisionForConditionalGeneration",
+                            "Idefics3ForConditionalGeneration",
                             "SmolVLMForConditionalGeneration",
                             "Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
                             "Qwen3VLMoeForConditionalGeneration", "Mistral3ForConditionalGeneration",
@@ -98,7 +99,7 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Qwen3OmniMoeForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
                             "MllamaForConditionalGeneration")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
-by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only)."""
+by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only), as LLaVA-NeXT-Video does."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",
                        "WhisperForConditionalGeneration", "GlmAsrForConditionalGeneration",
                        "Qwen3ASRForConditionalGeneration", "GraniteSpeechForConditionalGeneration",

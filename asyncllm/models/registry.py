@@ -146,6 +146,7 @@ _MODELS = LazyClasses({
     "LlavaForConditionalGeneration": "llava:LlavaForConditionalGeneration",
     "MllamaForConditionalGeneration": "mllama:MllamaForConditionalGeneration",
     "LlavaNextForConditionalGeneration": "llava_next:LlavaNextForConditionalGeneration",
+    "LlavaNextVideoForConditionalGeneration": "llava_next_video:LlavaNextVideoForConditionalGeneration",
     "Idefics3ForConditionalGeneration": "idefics3:Idefics3ForConditionalGeneration",
     "SmolVLMForConditionalGeneration": "idefics3:SmolVLMForConditionalGeneration",
     "LlavaOnevisionForConditionalGeneration": "llava_onevision:LlavaOnevisionForConditionalGeneration",

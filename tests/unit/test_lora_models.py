@@ -217,6 +217,7 @@ IMAGE_TEXT = {  # family: (its tests' module, maker, maker's kwargs, transformer
                      ("model.", "thinker.model.")),  # the full model's names
     "llava": ("mm_utils", "make_tiny_llava", {}, "Llava", OLDER),
     "llava_next": ("mm_utils", "make_tiny_llava_next", {}, "LlavaNext", OLDER),
+    "llava_next_video": ("llava_next_video_utils", "make_tiny_llava_next_video", {}, "LlavaNextVideo", OLDER),
     "llava_onevision": ("mm_utils", "make_tiny_llava_onevision", {}, "LlavaOnevision", OLDER),
     "idefics3": ("mm_utils", "make_tiny_idefics3", {}, "Idefics3", None),
     "smolvlm": ("mm_utils", "make_tiny_smolvlm", {}, "SmolVLM", None),

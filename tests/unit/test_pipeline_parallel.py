@@ -183,17 +183,21 @@ def test_an_image_text_checkpoint_serving_text_alone_runs_in_stages(tmp_path) ->
     _assert_two_stages_equal_the_unsplit_model(config, load_hf_config(path), 2)
 
 
-def test_an_image_text_model_keeps_its_encoder_on_the_first_stage(tmp_path) -> None:
-    """LLaVA over two stages: the first holds the vision tower and projector with its layer, the second only its
-    layer, the norm and the LM head, and reads none of the encoder's tensors (the first stage's hidden states carry
-    the images; through the engine: tests/engine/test_pipeline_parallel_engine.py)."""
-    from mm_utils import make_tiny_llava
+@pytest.mark.parametrize("maker", ["mm_utils:make_tiny_llava", "llava_next_video_utils:make_tiny_llava_next_video"])
+def test_an_image_text_model_keeps_its_encoder_on_the_first_stage(tmp_path, maker) -> None:
+    """LLaVA (and LLaVA-NeXT-Video) over two stages: the first holds the vision tower and projector with its layer,
+    the second only its layer, the norm and the LM head, and reads none of the tower's tensors (the first stage's
+    hidden states carry the images; through the engine: tests/engine/test_pipeline_parallel_engine.py). LLaVA-NeXT's
+    ``image_newline``, a parameter rather than a module, stays on every stage (one vector)."""
+    import importlib
 
-    path = make_tiny_llava(tmp_path / "llava")
+    module, name = maker.split(":")
+    path = getattr(importlib.import_module(module), name)(tmp_path / "llava")
     hf_config = load_hf_config(path)
     config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2)
+    check_pipeline_model(config, hf_config.architectures[0], hf_config.text_config)  # the host runs it in stages
     full = {name for name, _ in load_model(config, hf_config, CPU, torch.float32).named_parameters()}
-    encoder = {name for name in full if not name.startswith("language_model.")}
+    encoder = {name for name in full if not name.startswith(("language_model.", "image_newline"))}
     assert encoder
     held = []
     for rank in range(2):
