@@ -8,6 +8,7 @@ reason, the kernel closes it and the child sees EOF and exits.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -18,6 +19,8 @@ import threading
 import time
 
 from asyncllm import envs
+
+logger = logging.getLogger(__name__)
 
 
 def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -32,7 +35,10 @@ def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None
     if server:
         from asyncllm.forkserver import fork_module
 
-        return fork_module(server, module, args, child_env)  # type: ignore[return-value]
+        try:
+            return fork_module(server, module, args, child_env)  # type: ignore[return-value]
+        except OSError as exc:  # the server is gone: a new interpreter starts the same child
+            logger.warning("fork server %s unreachable (%s): starting %s as a new interpreter", server, exc, module)
     # -P: never put the working directory on sys.path (a repo checkout's kernels/
     # folder would shadow Hugging Face's `kernels` package).
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []

@@ -37,6 +37,11 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     procutil.stop_process(proc)
 
 
+@pytest.fixture(scope="module")
+def probe_path(server) -> str:
+    return os.path.dirname(server)
+
+
 def test_child_runs_with_the_callers_arguments_directory_environment_and_stdout(server, tmp_path, capfd,
                                                                                   monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -69,3 +74,11 @@ def test_spawn_module_forks_when_the_variable_names_a_server(server, monkeypatch
     start = time.monotonic()
     procutil.stop_process(child)
     assert child.returncode == 3 and time.monotonic() - start < 10
+
+
+def test_an_unreachable_server_falls_back_to_a_new_interpreter(probe_path, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("ASYNCLLM_FORKSERVER", str(tmp_path / "gone.sock"))
+    child = procutil.spawn_module("fs_probe", ["4"], {"PYTHONPATH": probe_path, "PROBE": "p"})
+    assert isinstance(child, subprocess.Popen)
+    procutil.stop_process(child)
+    assert child.returncode == 4
