@@ -2,15 +2,16 @@
 callers about the model's audio (`SpeechToText`, ``AsyncEngine.speech_to_text``), the decoder prompt of a task
 (`SpeechToText.prompt`), long audio cut into the pieces one request hears (`split_audio`, `SpeechToText.requests`)
 and their texts in order (`transcribe`, ``AsyncEngine.transcribe``) or timestamped segments (`transcribe_segments`,
-``AsyncEngine.transcribe_segments``: asyncllm/speech_segments.py). The OpenAI server's ``/v1/audio/transcriptions`` and
-``/v1/audio/translations`` are built on them (integrations/openai_audio.py)."""
+``AsyncEngine.transcribe_segments``; the pieces' segments assembled once, by `piece_segments`:
+asyncllm/speech_segments.py). The OpenAI server's ``/v1/audio/transcriptions`` and ``/v1/audio/translations`` are
+built on them (integrations/openai_audio.py). Whether the checkpoint has timestamp tokens is decided with the workers'
+rules (asyncllm/generation_config.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,13 +19,16 @@ import anyio
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.generation_config import timestamp_rules
 from asyncllm.sampling import SamplingParams
 from asyncllm.speech_segments import Segment, segments_of
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
 
-__all__ = ["SpeechToText", "speech_to_text_of", "split_audio", "transcribe", "transcribe_segments"]
+__all__ = ["SpeechToText", "piece_segments", "speech_to_text_of", "split_audio", "transcribe", "transcribe_segments"]
+
+logger = logging.getLogger("asyncllm.engine")
 
 _SEARCH_SECONDS = 1.0
 """A cut between two pieces of a long audio falls at its quietest moment in the last second before the limit."""
@@ -45,7 +49,8 @@ class SpeechToText:
     """The task, language and context tokens the tokenizer has (``<|en|>``, ``<|translate|>``, ``<|startofprev|>``,
     ...)."""
     timestamp_begin: int | None = None
-    """The id of ``<|0.00|>`` (generation_config's ``no_timestamps_token_id`` + 1); None: no timestamp tokens."""
+    """The id of ``<|0.00|>`` (generation_config's ``no_timestamps_token_id`` + 1); None: no timestamp tokens
+    (`asyncllm.generation_config.timestamp_rules` decides, for the workers' rules too)."""
 
     def prompt(self, task: str, language: str | None, context: str | None, timestamps: bool = False) -> str:
         """The decoder prompt of ``task`` ("transcribe" or "translate") in ``language`` (None: English), after the
@@ -91,23 +96,22 @@ class SpeechToText:
                            skip=eos_token_ids)
 
 
-def speech_to_text_of(mm: Any, model_path: str) -> SpeechToText | None:
-    """The `SpeechToText` of a model whose host processor needs an audio per prompt (Whisper), else None."""
+def speech_to_text_of(mm: Any, generation: Mapping[str, Any], vocab_size: int) -> SpeechToText | None:
+    """The `SpeechToText` of a model whose host processor needs an audio per prompt (Whisper), else None;
+    ``generation`` is its generation_config.json's keys (asyncllm/generation_config.py), whose timestamp tokens the
+    workers' rules use too (`timestamp_rules`, with the model's ``vocab_size``)."""
     if mm is None or getattr(mm, "needs_audio", None) is None:
         return None
     extractor = mm.feature_extractor
-    generation: dict[str, Any] = {}
-    path = os.path.join(model_path, "generation_config.json")
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            generation = json.load(f)
-    vocab = mm.tokenizer.get_vocab()
-    special = {token for token in vocab if token.startswith("<|") and token.endswith("|>")}
-    no_timestamps = generation.get("no_timestamps_token_id")
-    timestamp_begin = (no_timestamps + 1 if isinstance(no_timestamps, int) and no_timestamps + 1 in vocab.values()
-                       else None)
+    special = {token for token in mm.tokenizer.get_vocab() if token.startswith("<|") and token.endswith("|>")}
+    timestamps = timestamp_rules(generation, vocab_size)
+    if "is_multilingual" not in generation:
+        logger.warning("no generation config says whether the speech model is multilingual: it is prompted as a "
+                       "multilingual one (an English-only checkpoint needs its generation_config.json; "
+                       "generation_config='vllm' reads none)")
     return SpeechToText(int(extractor.sampling_rate), float(extractor.chunk_length),
-                        bool(generation.get("is_multilingual", True)), frozenset(special), timestamp_begin)
+                        bool(generation.get("is_multilingual", True)), frozenset(special),
+                        None if timestamps is None else timestamps.timestamp_begin)
 
 
 def split_audio(waveform: np.ndarray, rate: int, seconds: float) -> list[np.ndarray]:
@@ -173,13 +177,22 @@ async def transcribe_segments(engine: AsyncEngine, audio: Any, *, task: str = "t
     finally:  # one piece failed (or the caller gave up): the others are aborted, not run to their end
         for piece in pieces:
             piece.cancel()
-    tokenizer, eos = engine.tokenizer, frozenset(engine.eos_token_ids)
+    return await piece_segments(engine, requests, [out.outputs[0].token_ids for out in outs])
+
+
+async def piece_segments(engine: AsyncEngine, requests: list[dict[str, Any]],
+                         token_ids: Sequence[list[int]]) -> list[Segment]:
+    """The timestamped segments of a long audio's pieces (`SpeechToText.requests`) from each piece's output
+    tokens, times from the start of the whole audio, decoded off the event loop (`transcribe_segments` and the
+    OpenAI routes' timed formats: integrations/openai_audio.py)."""
+    speech, tokenizer, eos = engine.speech_to_text, engine.tokenizer, frozenset(engine.eos_token_ids)
+    assert speech is not None, "the callers refuse a model that does not transcribe"
 
     def segments() -> list[Segment]:
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True)
-        return [segment for out, (offset, seconds) in zip(outs, speech.piece_times(requests))
-                for segment in speech.segments(out.outputs[0].token_ids, offset, seconds, decode, eos)]
+        return [segment for ids, (offset, seconds) in zip(token_ids, speech.piece_times(requests))
+                for segment in speech.segments(ids, offset, seconds, decode, eos)]
 
     return await anyio.to_thread.run_sync(segments)
 

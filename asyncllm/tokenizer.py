@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
@@ -194,16 +194,17 @@ def _template_call(i: int, call: object) -> dict[str, Any]:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, model_path: str, config_eos: object = None) -> list[int]:
+def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation: Mapping[str, Any],
+                  config_eos: object = None) -> list[int]:
     """The tokenizer's EOS id, then generation_config.json's ``eos_token_id`` (int or list), deduplicated.
 
     Chat models often end a turn with a token other than the tokenizer's EOS
     (Llama 3's ``<|eot_id|>``) and list it only in generation_config.json, as
-    HF ``generate`` reads it; a missing file just means no extra ids. Without a
-    tokenizer (``skip_tokenizer_init``) config.json's `config_eos` stands in for its EOS.
+    HF ``generate`` reads it; ``generation`` is that file's keys (asyncllm/generation_config.py; {}: no extra ids).
+    Without a tokenizer (``skip_tokenizer_init``) config.json's `config_eos` stands in for its EOS.
     """
     first = config_eos if tokenizer is None else tokenizer.eos_token_id
-    candidates: list[object] = [*_listify(first), *_listify(_generation_config_eos(model_path))]
+    candidates: list[object] = [*_listify(first), *_listify(generation.get("eos_token_id"))]
     merged: list[int] = []
     for token_id in candidates:
         if isinstance(token_id, int) and not isinstance(token_id, bool) and token_id not in merged:
@@ -213,24 +214,3 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, model_path: str, co
 
 def _listify(value: object) -> Iterable[object]:
     return value if isinstance(value, list) else [value]
-
-
-def _generation_config_eos(model_path: str) -> object:
-    """``eos_token_id`` of the model's generation config, or None when there is none (a GGUF file has none)."""
-    if os.path.isfile(model_path):
-        return None
-    if os.path.isdir(model_path):
-        path = os.path.join(model_path, "generation_config.json")
-        if not os.path.isfile(path):
-            return None
-        try:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f).get("eos_token_id")
-        except (OSError, ValueError, AttributeError) as exc:
-            raise ConfigError("model", model_path, f"a readable generation_config.json ({exc})") from exc
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(model_path).eos_token_id
-    except (OSError, ValueError):  # not on the Hub / offline: the tokenizer's EOS is all there is
-        return None

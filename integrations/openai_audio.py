@@ -33,6 +33,7 @@ from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.mm.audios import read_audio
 from asyncllm.sampling import SamplingParams
+from asyncllm.speech import piece_segments
 from asyncllm.speech_segments import srt, verbose_json, vtt
 
 if TYPE_CHECKING:
@@ -87,9 +88,8 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
     streams = [server.engine.stream(request, params, lora_request=lora, priority=priority) for request in requests]
     seconds = math.ceil(audio.size / speech.sampling_rate)
     if timed:
-        return await _timed_response(server, request, streams, speech.piece_times(requests),
-                                     response_format, (task, language or "en", audio.size / speech.sampling_rate,
-                                                       params.temperature))
+        return await _timed_response(server, request, streams, requests, response_format,
+                                     (task, language or "en", audio.size / speech.sampling_rate, params.temperature))
     if _flag(form, "stream"):
         meta = {"id": f"trsc-{uuid.uuid4().hex}", "object": "transcription.chunk", "created": int(time.time()),
                 "model": model}
@@ -163,28 +163,19 @@ def _check_timestamps(form: dict[str, Any], response_format: str, has_timestamps
 
 
 async def _timed_response(server: OpenAIServer, request: Request, streams: list[RequestStream],
-                          times: list[tuple[float, float]], response_format: str,
+                          pieces: list[dict[str, Any]], response_format: str,
                           about: tuple[str, str, float, float]) -> Response:
-    """The segments of every piece (each piece's tokens, its offset and length) as verbose_json, srt or vtt."""
+    """The segments of every piece (`piece_segments`: each piece's tokens, its offset and length) as verbose_json,
+    srt or vtt."""
     tokens: list[list[int]] = [[] for _ in streams]
     async for index, delta in merge_streams(streams, (), until=lambda: wait_disconnect(request)):
         tokens[index] += delta.token_ids
-    speech, engine = server.engine.speech_to_text, server.engine
-    assert speech is not None
-    eos = frozenset(engine.eos_token_ids)
-
-    def body() -> Response:
-        def decode(ids: list[int]) -> str:
-            return engine.tokenizer.decode(ids, skip_special_tokens=True)
-        segments = [segment for ids, (offset, seconds) in zip(tokens, times)
-                    for segment in speech.segments(ids, offset, seconds, decode, eos)]
-        if response_format == "verbose_json":
-            task, language, duration, temperature = about
-            return Response(msgspec.json.encode(verbose_json(task, language, duration, segments, temperature)),
-                            media_type="application/json")
-        return Response((srt if response_format == "srt" else vtt)(segments), media_type="text/plain; charset=utf-8")
-
-    return await anyio.to_thread.run_sync(body)
+    segments = await piece_segments(server.engine, pieces, tokens)
+    if response_format == "verbose_json":
+        task, language, duration, temperature = about
+        return Response(msgspec.json.encode(verbose_json(task, language, duration, segments, temperature)),
+                        media_type="application/json")
+    return Response((srt if response_format == "srt" else vtt)(segments), media_type="text/plain; charset=utf-8")
 
 
 def _parsed(form: dict[str, Any], key: str, parse: Callable[[str], Any], what: str, default: Any = None) -> Any:

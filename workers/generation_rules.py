@@ -1,15 +1,18 @@
-"""The model's own generation rules, from its ``generation_config.json``, applied to every request as transformers'
+"""The model's own generation rules, from its ``generation_config.json`` (the one the engine's ``generation_config``
+field names: asyncllm/generation_config.py; ``vllm``: none), applied to every request as transformers'
 ``generate`` applies them: ``suppress_tokens`` never sampled, ``begin_suppress_tokens`` not sampled at a request's
 first generated position, and Whisper's timestamp rules for the requests that predict timestamps.
 
-Whisper's timestamps (``no_timestamps_token_id``: the ids after it are ``<|0.00|>``, ``<|0.02|>``, ... ). A request
-predicts them when its prompt ends with the task token (``<|transcribe|>`` / ``<|translate|>``; on an English-only
-checkpoint, ``<|startoftranscript|>``), the prompt of openai-whisper's and transformers' ``return_timestamps=True``
-without ``<|notimestamps|>``. Its rules, transformers' ``WhisperTimeStampLogitsProcessor`` to the token:
-``<|notimestamps|>`` is never sampled; the first token is a timestamp of at most ``max_initial_timestamp_index``;
-after a timestamp that follows text comes a timestamp or an id from EOS on; after two timestamps (or one at the start)
-comes no timestamp; timestamps never decrease (after a pair, they increase); and where the timestamps' summed
-probability (after the rules above: a log-softmax of the row) beats every other token's, only a timestamp may come.
+Whisper's timestamps (``no_timestamps_token_id``: the ids after it are ``<|0.00|>``, ``<|0.02|>``, ... ; whether a
+checkpoint has them is decided once for the host and the workers: `asyncllm.generation_config.timestamp_rules`). A
+request predicts them when its prompt ends with the task token (``<|transcribe|>`` / ``<|translate|>``; on an
+English-only checkpoint, ``<|startoftranscript|>``), the prompt of openai-whisper's and transformers'
+``return_timestamps=True`` without ``<|notimestamps|>``. Its rules, transformers' ``WhisperTimeStampLogitsProcessor``
+to the token: ``<|notimestamps|>`` is never sampled; the first token is a timestamp of at most
+``max_initial_timestamp_index``; after a timestamp that follows text comes a timestamp or an id from EOS on; after two
+timestamps (or one at the start) comes no timestamp; timestamps never decrease (after a pair, they increase); and
+where the timestamps' summed probability (after the rules above: a log-softmax of the row) beats every other token's,
+only a timestamp may come.
 
 Cost: the masks are built once on the device (the suppressed ids, the begin ids, a vocabulary ``arange``). A step
 sends the rows at their first position (one small index copy) and, for timestamp rows, three bounds per row computed
@@ -19,22 +22,18 @@ for the device. The model runner builds the rules when it loads the model (`Gene
 
 from __future__ import annotations
 
-import json
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from asyncllm.errors import ConfigError
+from asyncllm.generation_config import TimestampRules, read_generation_config, source_of, timestamp_rules
 from asyncllm.workers.logits_processors import array_to_device
 
-__all__ = ["GenerationRules", "RulesStep", "TimestampRules"]
-
-_NO_BOUND = 2**62
-"""An upper bound past any vocabulary."""
+__all__ = ["GenerationRules", "RulesStep"]
 
 
 class RuleRow(Protocol):
@@ -43,39 +42,6 @@ class RuleRow(Protocol):
     row: int
     token_ids: list[int]
     num_prompt_tokens: int
-
-
-@dataclass(frozen=True)
-class TimestampRules:
-    """Whisper's timestamp tokens and the prompt endings after which they are predicted."""
-
-    no_timestamps_id: int
-    eos_id: int
-    max_initial: int | None
-    """``max_initial_timestamp_index``: the first timestamp is at most ``timestamp_begin`` + this (None: any)."""
-    prompt_ends: frozenset[int]
-    """The task tokens (multilingual) or ``<|startoftranscript|>`` (English-only) that start timestamped output."""
-
-    @property
-    def timestamp_begin(self) -> int:
-        return self.no_timestamps_id + 1
-
-    def bounds(self, outputs: Sequence[int]) -> tuple[int, int, int]:
-        """(ids below it forbidden, timestamps below it forbidden, ids from it forbidden) after ``outputs``."""
-        begin = self.timestamp_begin
-        if not outputs:
-            top = _NO_BOUND if self.max_initial is None else begin + self.max_initial + 1
-            return begin, begin, top
-        last = outputs[-1] >= begin
-        penultimate = len(outputs) < 2 or outputs[-2] >= begin
-        text_below, top = 0, _NO_BOUND
-        if last and penultimate:
-            top = begin
-        elif last:
-            text_below = self.eos_id
-        stamp = next((token for token in reversed(outputs) if token >= begin), None)
-        low = begin if stamp is None else stamp if last and not penultimate else stamp + 1
-        return text_below, low, top
 
 
 @dataclass
@@ -109,16 +75,21 @@ class GenerationRules:
         """The input-batch rows of the requests whose prompt asks for timestamps."""
 
     @classmethod
-    def of(cls, model_path: str, vocab_size: int | None, device: torch.device) -> "GenerationRules | None":
-        """The rules of the checkpoint at ``model_path`` (None when its generation_config.json sets none)."""
-        config = _generation_config(model_path) if vocab_size is not None else {}
+    def of(cls, generation_config: str, model_path: str, vocab_size: int | None,
+           device: torch.device) -> "GenerationRules | None":
+        """The rules of the generation_config.json that the engine's ``generation_config`` field names for the
+        checkpoint at ``model_path`` (asyncllm/generation_config.py; None when it sets none, or ``vllm``)."""
+        if vocab_size is None:
+            return None
+        config = read_generation_config(generation_config, model_path)
         suppress, begin = config.get("suppress_tokens") or [], config.get("begin_suppress_tokens") or []
         for name, ids in (("suppress_tokens", suppress), ("begin_suppress_tokens", begin)):
             if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
-                raise ConfigError("model", model_path, f"generation_config.json's {name}: a list of token ids")
+                raise ConfigError(*source_of(generation_config, model_path),
+                                  f"generation_config.json's {name}: a list of token ids")
         suppress = [t for t in suppress if t < vocab_size]  # ids past the logits are never sampled (transformers
         begin = [t for t in begin if t < vocab_size]  # masks them to no effect too)
-        timestamps = _timestamp_rules(config, vocab_size)
+        timestamps = timestamp_rules(config, vocab_size)
         if not suppress and not begin and timestamps is None:
             return None
         return cls(suppress, begin, timestamps, device)
@@ -194,32 +165,3 @@ class GenerationRules:
         if self._vocab is None or self._vocab.shape[0] != vocab_size:
             self._vocab = torch.arange(vocab_size, device=self.device)
         return self._vocab
-
-
-def _timestamp_rules(config: dict[str, Any], vocab_size: int) -> TimestampRules | None:
-    """Whisper's timestamp rules, where the checkpoint has timestamp tokens (ids past ``no_timestamps_token_id``)."""
-    no_timestamps = config.get("no_timestamps_token_id")
-    if not isinstance(no_timestamps, int) or no_timestamps + 1 >= vocab_size:
-        return None
-    eos = config.get("eos_token_id") or config.get("bos_token_id")
-    eos = eos[0] if isinstance(eos, list) and eos else eos
-    if config.get("is_multilingual", True):
-        ends = frozenset(int(t) for t in (config.get("task_to_id") or {}).values())
-    else:
-        ends = frozenset([int(config["decoder_start_token_id"])]) if "decoder_start_token_id" in config else frozenset()
-    if not isinstance(eos, int) or not ends:
-        return None
-    return TimestampRules(no_timestamps, eos, config.get("max_initial_timestamp_index"), ends)
-
-
-def _generation_config(model_path: str) -> dict[str, Any]:
-    path = os.path.join(model_path, "generation_config.json")
-    if not os.path.isfile(path):
-        return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("model", model_path, f"a readable generation_config.json ({exc})") from exc
-    return config if isinstance(config, dict) else {}
-

@@ -117,7 +117,7 @@ class ModelRunner:
             self.pooler.projection = load_dense_projection(path, self.device, dtype)
         self.hf_config = hf_config
         self.input_batch.generation_rules = GenerationRules.of(  # suppress_tokens, Whisper's timestamps
-            resolve_model_path(self.config.model, self.config.revision),
+            self.config.generation_config, resolve_model_path(self.config.model, self.config.revision),
             getattr(text_config_of(hf_config), "vocab_size", None), self.device)
         spec = self.config.scheduler_config.speculative
         if spec is not None and spec.uses_draft_model:  # a draft model, or an EAGLE head reading the target

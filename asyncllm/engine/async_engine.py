@@ -173,7 +173,7 @@ class AsyncEngine:
         self.pooling_model = prepared.pooling_model
         self._default_sampling = prepared.default_sampling
         self.tokenizer = prepared.tokenizer
-        self.speech_to_text = speech_to_text_of(prepared.mm, prepared.config.model)
+        self.speech_to_text = speech_to_text_of(prepared.mm, prepared.generation_config, prepared.vocab_size)
         self.eos_token_ids: list[int] = list(prepared.eos_token_ids)
         """The tokenizer's and generation_config's EOS ids (known once started)."""
         self._started = True

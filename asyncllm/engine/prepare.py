@@ -8,13 +8,13 @@ processing aside): the host is the user's app process, the workers run the model
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.config import EngineConfig
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.generation_config import read_generation_config
 from asyncllm.lora import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
@@ -56,6 +56,9 @@ class Prepared:
     exceed it)."""
     default_sampling: dict[str, Any] = field(default_factory=dict)
     """SamplingParams fields from the model's generation config (asyncllm/engine/defaults.py)."""
+    generation_config: dict[str, Any] = field(default_factory=dict)
+    """The keys of the generation_config.json the ``generation_config`` field names (asyncllm/generation_config.py:
+    read once, here; {} for ``vllm``)."""
     pooling_model: PoolingModel | None = None
     """Which requests the model takes (bare decoders embed only, classifiers classify only) and a classifier's
     labels (asyncllm/engine/pooling_model.py)."""
@@ -125,11 +128,13 @@ def prepare(config: EngineConfig) -> Prepared:
                                  mm_config.mm_processor_kwargs, limits.get("image"), limits.get("video"),
                                  mm_config.video_num_frames, limits.get("audio"))
     config_json = hf_config_json(hf_config)
-    eos = eos_token_ids(tokenizer, path, getattr(text_config, "eos_token_id", None))
+    generation = read_generation_config(config.generation_config, path)
+    eos = eos_token_ids(tokenizer, _eos_generation_config(config, path, generation),
+                        getattr(text_config, "eos_token_id", None))
     return Prepared(resolved, tokenizer, eos, text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora,
                     embedding_width(path, text_config.hidden_size),
-                    default_sampling_fields(_generation_config(config, path), path, config.override_generation_config),
+                    default_sampling_fields(generation, config.override_generation_config), generation,
                     pooling_model_of(arch, text_config, path, config.pooler_config),
                     _embeds_width(config, arch, multimodal, text_config))
 
@@ -227,9 +232,10 @@ _MAX_CONFIG_ARG = 64 * 1024
 a longer one is not sent, and the workers read config.json themselves."""
 
 
-def _generation_config(config: EngineConfig, path: str) -> str:
-    """``auto`` reads the model folder's generation_config.json; a GGUF file has none (its defaults: vLLM's)."""
-    return "vllm" if config.generation_config == "auto" and os.path.isfile(path) else config.generation_config
+def _eos_generation_config(config: EngineConfig, path: str, generation: dict[str, Any]) -> dict[str, Any]:
+    """The generation config the EOS ids come from: ``generation``, but with ``generation_config="vllm"`` the model
+    folder's, as vLLM (its stop ids are how the model ends a turn, not a sampling default)."""
+    return read_generation_config("auto", path) if config.generation_config == "vllm" else generation
 
 
 def _classifier_from_tokens(hf_config: Any, arch: str, tokenizer: Any) -> None:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from asyncllm import ConfigError, EngineConfig
 from asyncllm.engine.defaults import default_sampling_fields
+from asyncllm.generation_config import read_generation_config
 
 
 def _folder(tmp_path, **fields) -> str:
@@ -15,29 +17,33 @@ def _folder(tmp_path, **fields) -> str:
     return str(tmp_path)
 
 
+def _defaults(generation_config: str, folder: str, overrides: dict | None = None) -> dict:
+    return default_sampling_fields(read_generation_config(generation_config, folder), overrides)
+
+
 def test_the_models_sampling_fields_become_defaults(tmp_path) -> None:
     folder = _folder(tmp_path, temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=512, eos_token_id=1,
                      do_sample=True, bos_token_id=0)
-    assert default_sampling_fields("auto", folder) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
+    assert _defaults("auto", folder) == {"temperature": 0.6, "top_p": 0.95, "top_k": 20,
                                                        "max_tokens": 512}
-    assert default_sampling_fields("vllm", folder) == {}
-    assert default_sampling_fields("auto", folder, {"temperature": 0.1}) == {
+    assert _defaults("vllm", folder) == {}
+    assert _defaults("auto", folder, {"temperature": 0.1}) == {
         "temperature": 0.1, "top_p": 0.95, "top_k": 20, "max_tokens": 512}
-    assert default_sampling_fields("vllm", folder, {"top_k": 5}) == {"top_k": 5}
+    assert _defaults("vllm", folder, {"top_k": 5}) == {"top_k": 5}
 
 
 def test_greedy_configs_keep_only_what_applies_to_greedy(tmp_path) -> None:
     folder = _folder(tmp_path, do_sample=False, temperature=0.7, repetition_penalty=1.1)
-    assert default_sampling_fields("auto", folder) == {"repetition_penalty": 1.1}
+    assert _defaults("auto", folder) == {"repetition_penalty": 1.1}
 
 
 def test_missing_and_bad_files(tmp_path) -> None:
-    assert default_sampling_fields("auto", str(tmp_path)) == {}  # no file: no defaults
+    assert _defaults("auto", str(tmp_path)) == {}  # no file: no defaults
     with pytest.raises(ConfigError, match="generation_config"):
-        default_sampling_fields(str(tmp_path), "/model")  # a folder given explicitly must hold one
+        _defaults(str(tmp_path), "/model")  # a folder given explicitly must hold one
     (tmp_path / "generation_config.json").write_text("[1]")
     with pytest.raises(ConfigError, match="JSON object"):
-        default_sampling_fields("auto", str(tmp_path))
+        _defaults("auto", str(tmp_path))
 
 
 def test_override_generation_config_is_checked() -> None:
@@ -46,3 +52,27 @@ def test_override_generation_config_is_checked() -> None:
         with pytest.raises(ConfigError) as info:
             EngineConfig.create("m", override_generation_config=bad)
         assert info.value.field == "override_generation_config"
+
+
+def _prepared(model: str, generation_config: str):
+    from asyncllm.engine.prepare import prepare
+
+    return prepare(EngineConfig.create(model, generation_config=generation_config, skip_tokenizer_init=True))
+
+
+def test_the_host_reads_the_file_the_field_names(tiny_llama: str, tmp_path) -> None:
+    """The host's one read (asyncllm/engine/prepare.py): a folder gives the defaults, the EOS ids and the rules' keys;
+    ``vllm`` gives none of them but the model folder's EOS ids (as vLLM)."""
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in os.listdir(tiny_llama):  # the tiny checkpoint, its generation config's EOS ids [1, 13]
+        if name != "generation_config.json":
+            (model / name).symlink_to(os.path.join(tiny_llama, name))
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 13], "top_k": 2}))
+    folder = _folder(tmp_path, temperature=0.3, eos_token_id=11, suppress_tokens=[4])
+    assert _prepared(str(model), "auto").eos_token_ids == [1, 13]
+    given = _prepared(str(model), folder)
+    assert given.default_sampling == {"temperature": 0.3} and given.eos_token_ids == [1, 11]
+    assert given.generation_config["suppress_tokens"] == [4]
+    off = _prepared(str(model), "vllm")
+    assert (off.default_sampling, off.generation_config, off.eos_token_ids) == ({}, {}, [1, 13])

@@ -1,11 +1,13 @@
 """The model's generation rules (workers/generation_rules.py) equal transformers' processors on random logits:
 ``suppress_tokens``, ``begin_suppress_tokens`` at the first position, and Whisper's timestamp rules after outputs of
 every shape (pairs, a lone timestamp, decreasing candidates, the first token, the timestamp-probability rule both
-ways); rows that do not predict timestamps get the suppression alone. The rules are read from generation_config.json,
-and a request predicts timestamps only when its prompt ends with the task token."""
+ways); rows that do not predict timestamps get the suppression alone. The rules are read from the generation_config.json
+the ``generation_config`` field names (none for ``vllm``), and a request predicts timestamps only when its prompt ends
+with the task token."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -13,7 +15,8 @@ import pytest
 import torch
 
 from asyncllm.errors import ConfigError
-from asyncllm.workers.generation_rules import GenerationRules, TimestampRules
+from asyncllm.generation_config import TimestampRules
+from asyncllm.workers.generation_rules import GenerationRules, RulesStep
 
 V, EOS, NO_TIMESTAMPS, SOT, TRANSCRIBE = 80, 40, 49, 45, 47
 TB = NO_TIMESTAMPS + 1
@@ -92,7 +95,7 @@ def test_rules_read_from_generation_config(tmp_path, multilingual: bool):
               "is_multilingual": multilingual, "task_to_id": {"transcribe": TRANSCRIBE, "translate": 48},
               "decoder_start_token_id": SOT}
     (tmp_path / "generation_config.json").write_text(json.dumps(config))
-    rules = GenerationRules.of(str(tmp_path), V, torch.device("cpu"))
+    rules = GenerationRules.of("auto", str(tmp_path), V, torch.device("cpu"))
     assert rules is not None and rules.timestamps is not None
     assert rules.timestamps.prompt_ends == ({TRANSCRIBE, 48} if multilingual else {SOT})
     for row, prompt in enumerate(([SOT, 46, TRANSCRIBE], [SOT], [SOT, 46, TRANSCRIBE, NO_TIMESTAMPS])):
@@ -100,6 +103,28 @@ def test_rules_read_from_generation_config(tmp_path, multilingual: bool):
     assert rules.timestamp_rows == ({0} if multilingual else {1})
     (tmp_path / "generation_config.json").write_text(json.dumps({**config, "suppress_tokens": [3, "x"]}))
     with pytest.raises(ConfigError, match="suppress_tokens"):
-        GenerationRules.of(str(tmp_path), V, torch.device("cpu"))
+        GenerationRules.of("auto", str(tmp_path), V, torch.device("cpu"))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS}))
-    assert GenerationRules.of(str(tmp_path), V, torch.device("cpu")) is None
+    assert GenerationRules.of("auto", str(tmp_path), V, torch.device("cpu")) is None
+
+
+def _suppressed(rules: GenerationRules | None) -> list[int]:
+    logits = torch.zeros(1, V)
+    if rules is not None:
+        RulesStep(rules).apply(logits)
+    return torch.isinf(logits[0]).nonzero().flatten().tolist()
+
+
+def test_rules_follow_the_generation_config_field(tmp_path):
+    """``auto``: the model folder's file; a folder: that folder's, not the model's; ``vllm``: none."""
+    model, other = tmp_path / "model", tmp_path / "other"
+    for folder, suppress in ((model, SUPPRESS), (other, [4, 9])):
+        folder.mkdir()
+        (folder / "generation_config.json").write_text(json.dumps({"suppress_tokens": suppress}))
+    of = functools.partial(GenerationRules.of, model_path=str(model), vocab_size=V, device=torch.device("cpu"))
+    assert _suppressed(of("auto")) == SUPPRESS
+    assert _suppressed(of(str(other))) == [4, 9]
+    assert of("vllm") is None
+    with pytest.raises(ConfigError, match="generation_config"):
+        of(str(tmp_path))  # a folder without the file
+

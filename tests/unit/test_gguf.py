@@ -213,13 +213,14 @@ def test_rope_scaled_file_equals_the_original_checkpoint(scaled, gguf_files, kin
 
 
 def test_without_a_tokenizer_it_is_built_from_the_file(gguf_files, tiny_llama: str) -> None:
+    from asyncllm.generation_config import read_generation_config
     from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
     ours, original = load_tokenizer(gguf_files["llama-q8_0"]), load_tokenizer(tiny_llama)
     for text in ("def f(x):\n    return x + 1\n", "import os, sys  # 42", "hello world"):
         ids = ours(text).input_ids
         assert ids == original(text).input_ids and ours.decode(ids) == original.decode(ids), text
-    assert eos_token_ids(ours, gguf_files["llama-q8_0"]) == [original.eos_token_id]
+    assert eos_token_ids(ours, read_generation_config("auto", gguf_files["llama-q8_0"])) == [original.eos_token_id]
 
 
 def test_rope_freqs_need_the_config_that_carries_them(scaled, gguf_files) -> None:

@@ -408,3 +408,17 @@ def test_the_profile_step_gives_drafts_to_requests_long_enough(fake_runner: Mode
     runner.attach_model(FakeModel(), FAKE_SPEC, torch.float32)
     assert runner.run_profile_step() == 16 * runner.bytes_per_block
     assert runner.input_batch.requests == {} and runner.kv_caches == []
+
+
+def test_the_generation_rules_come_from_the_generation_config_field(tiny_checkpoints, tmp_path: Path) -> None:
+    """The runner's rules read the file the engine's ``generation_config`` names (asyncllm/generation_config.py),
+    not the model folder's."""
+    from asyncllm.workers.generation_rules import RulesStep
+
+    (tmp_path / "generation_config.json").write_text('{"suppress_tokens": [4, 9]}')
+    config = make_config(tiny_checkpoints["llama"][0], dtype="float32", generation_config=str(tmp_path))
+    runner = ModelRunner(config, rank=0, tp_size=1, device=CPU)
+    runner.load_model()
+    logits = torch.zeros(1, 16)
+    RulesStep(runner.input_batch.generation_rules).apply(logits)
+    assert torch.isinf(logits[0]).nonzero().flatten().tolist() == [4, 9]

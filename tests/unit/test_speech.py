@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.speech import SpeechToText, split_audio
+from asyncllm.speech import SpeechToText, speech_to_text_of, split_audio
 
 RATE = 1000
 
@@ -68,3 +70,18 @@ def test_timestamp_tokens_become_segments_and_subtitles():
         _speech().prompt("transcribe", "fr", None, timestamps=True)  # this vocabulary has none
     timed = SpeechToText(16000, 30.0, True, _speech().vocab, timestamp_begin=tb)
     assert timed.prompt("translate", "fr", None, timestamps=True) == "<|startoftranscript|><|fr|><|translate|>"
+
+
+def test_the_host_decides_timestamps_as_the_workers_rules_do():
+    """`speech_to_text_of` takes `timestamp_rules`' decision: timestamp tokens without the task ids that ask for
+    them, or past the model's vocabulary, are none (the workers then apply no timestamp rule either)."""
+    vocab = {"<|en|>": 3, "<|transcribe|>": 4, "<|notimestamps|>": 5, "<|0.00|>": 6}
+    mm = SimpleNamespace(needs_audio=True, feature_extractor=SimpleNamespace(sampling_rate=16000, chunk_length=30),
+                         tokenizer=SimpleNamespace(get_vocab=lambda: vocab))
+    whisper = {"no_timestamps_token_id": 5, "eos_token_id": 1, "task_to_id": {"transcribe": 4}}
+    assert speech_to_text_of(mm, whisper, 10).timestamp_begin == 6
+    assert speech_to_text_of(mm, {**whisper, "task_to_id": {}}, 10).timestamp_begin is None
+    assert speech_to_text_of(mm, whisper, 6).timestamp_begin is None
+    english = speech_to_text_of(mm, {**whisper, "is_multilingual": False, "decoder_start_token_id": 2}, 10)
+    assert not english.multilingual and english.timestamp_begin == 6
+

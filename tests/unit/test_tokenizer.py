@@ -12,6 +12,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from asyncllm.errors import ConfigError, InvalidRequestError
+from asyncllm.generation_config import read_generation_config
 from asyncllm.tiny import make_tiny_checkpoint
 from asyncllm.tokenizer import apply_chat_template, encode_prompt, eos_token_ids, load_chat_template, load_tokenizer
 
@@ -114,28 +115,33 @@ def _with_generation_config(tiny_path: str, tmp_path: Path, eos: object) -> str:
     return str(folder)
 
 
+def _generation(folder: str) -> dict[str, Any]:
+    return read_generation_config("auto", folder)
+
+
 @pytest.mark.parametrize(
     ("eos", "expected"),
     [(None, [1]), (1, [1]), (7, [1, 7]), ([7, 1, 9, 7], [1, 7, 9]), ([], [1])],
 )
 def test_eos_ids_merge_generation_config(tokenizer: Any, tiny_path: str, tmp_path: Path, eos: object,
                                          expected: list[int]) -> None:
-    assert eos_token_ids(tokenizer, _with_generation_config(tiny_path, tmp_path, eos)) == expected
+    assert eos_token_ids(tokenizer, _generation(_with_generation_config(tiny_path, tmp_path, eos))) == expected
 
 
 def test_eos_ids_without_tokenizer_eos(tiny_path: str, tmp_path: Path) -> None:
-    assert eos_token_ids(_word_level_tokenizer(), _with_generation_config(tiny_path, tmp_path, [5, 3])) == [5, 3]
+    folder = _with_generation_config(tiny_path, tmp_path, [5, 3])
+    assert eos_token_ids(_word_level_tokenizer(), _generation(folder)) == [5, 3]
 
 
 def test_eos_ids_of_the_tiny_checkpoint(tokenizer: Any, tiny_path: str) -> None:
-    assert eos_token_ids(tokenizer, tiny_path) == [1]
+    assert eos_token_ids(tokenizer, _generation(tiny_path)) == [1]
 
 
 def test_unreadable_generation_config_is_config_error(tokenizer: Any, tiny_path: str, tmp_path: Path) -> None:
     folder = _with_generation_config(tiny_path, tmp_path, 1)
     Path(folder, "generation_config.json").write_text("{not json")
     with pytest.raises(ConfigError) as info:
-        eos_token_ids(tokenizer, folder)
+        eos_token_ids(tokenizer, _generation(folder))
     assert info.value.field == "model"
 
 

@@ -1,0 +1,112 @@
+"""The model's ``generation_config.json``, read by one function for everyone who needs it
+(`read_generation_config`): the default sampling parameters (asyncllm/engine/defaults.py), the EOS ids
+(asyncllm/tokenizer.py), the generation rules (workers/generation_rules.py) and a Whisper checkpoint's task and
+timestamp tokens (asyncllm/speech.py). The host reads it once when the engine starts, each worker once when it
+loads the model.
+
+The engine's ``generation_config`` field says which file (vLLM's ``--generation-config``): ``auto`` the model
+folder's (none for a GGUF file or a folder without one), a folder that folder's (it must hold one), ``vllm`` none.
+Whether a Whisper checkpoint predicts timestamps is decided here too, once for the host and the workers
+(`timestamp_rules`). Without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.errors import ConfigError
+
+__all__ = ["TimestampRules", "read_generation_config", "source_of", "timestamp_rules"]
+
+_NO_BOUND = 2**62
+"""An upper bound past any vocabulary."""
+
+
+def read_generation_config(generation_config: str, model_path: str) -> dict[str, Any]:
+    """The keys of the generation_config.json that ``generation_config`` names for the model at ``model_path`` ({}:
+    none). An unreadable file is a `ConfigError` naming the field that chose it (``model`` for ``auto``)."""
+    if generation_config == "vllm":
+        return {}
+    if generation_config == "auto" and os.path.isfile(model_path):  # a GGUF file has none
+        return {}
+    field, folder = source_of(generation_config, model_path)
+    return _read(os.path.join(folder, "generation_config.json"), field, must_exist=field == "generation_config")
+
+
+def source_of(generation_config: str, model_path: str) -> tuple[str, str]:
+    """(the field that chose the file, its folder): ``model`` for ``auto``, else ``generation_config``."""
+    return ("model", model_path) if generation_config == "auto" else ("generation_config", generation_config)
+
+
+def _read(path: str, field: str, must_exist: bool) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        if must_exist:
+            raise ConfigError(field, os.path.dirname(path), "'auto', 'vllm' or a folder holding a "
+                                                            "generation_config.json") from None
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(field, path, f"a readable generation_config.json ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError(field, path, "a generation_config.json holding a JSON object")
+    return raw
+
+
+@dataclass(frozen=True)
+class TimestampRules:
+    """Whisper's timestamp tokens (the ids after ``<|notimestamps|>``: ``<|0.00|>``, ``<|0.02|>``, ...) and the
+    prompt endings after which they are predicted; `bounds` is what the workers' rules allow after an output
+    (workers/generation_rules.py)."""
+
+    no_timestamps_id: int
+    eos_id: int
+    max_initial: int | None
+    """``max_initial_timestamp_index``: the first timestamp is at most ``timestamp_begin`` + this (None: any)."""
+    prompt_ends: frozenset[int]
+    """The task tokens (multilingual) or ``<|startoftranscript|>`` (English-only) that start timestamped output."""
+
+    @property
+    def timestamp_begin(self) -> int:
+        """The id of ``<|0.00|>``."""
+        return self.no_timestamps_id + 1
+
+    def bounds(self, outputs: Sequence[int]) -> tuple[int, int, int]:
+        """(ids below it forbidden, timestamps below it forbidden, ids from it forbidden) after ``outputs``."""
+        begin = self.timestamp_begin
+        if not outputs:
+            top = _NO_BOUND if self.max_initial is None else begin + self.max_initial + 1
+            return begin, begin, top
+        last = outputs[-1] >= begin
+        penultimate = len(outputs) < 2 or outputs[-2] >= begin
+        text_below, top = 0, _NO_BOUND
+        if last and penultimate:
+            top = begin
+        elif last:
+            text_below = self.eos_id
+        stamp = next((token for token in reversed(outputs) if token >= begin), None)
+        low = begin if stamp is None else stamp if last and not penultimate else stamp + 1
+        return text_below, low, top
+
+
+def timestamp_rules(config: Mapping[str, Any], vocab_size: int) -> TimestampRules | None:
+    """Whisper's timestamp rules, where the checkpoint has timestamp tokens (ids past ``no_timestamps_token_id``
+    inside the model's ``vocab_size``), an EOS and the prompt endings that ask for them; else None (the host then
+    refuses timestamped requests, the workers apply no timestamp rule)."""
+    no_timestamps = config.get("no_timestamps_token_id")
+    if not isinstance(no_timestamps, int) or no_timestamps + 1 >= vocab_size:
+        return None
+    eos = config.get("eos_token_id") or config.get("bos_token_id")
+    eos = eos[0] if isinstance(eos, list) and eos else eos
+    if config.get("is_multilingual", True):
+        ends = frozenset(int(t) for t in (config.get("task_to_id") or {}).values())
+    else:
+        ends = frozenset([int(config["decoder_start_token_id"])]) if "decoder_start_token_id" in config else frozenset()
+    if not isinstance(eos, int) or not ends:
+        return None
+    return TimestampRules(no_timestamps, eos, config.get("max_initial_timestamp_index"), ends)
