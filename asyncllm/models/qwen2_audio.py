@@ -157,9 +157,14 @@ class AudioFlamingo3Projector(nn.Module):
         return self.linear_2(F.gelu(self.linear_1(x)))
 
 
+_DECODER_NAMES = ("model.layers.", "model.embed_tokens.", "model.norm.")
+"""An adapter's decoder names (asyncllm/lora_names.py); a checkpoint's are ``model.language_model.`` (transformers
+4.52+) or ``language_model.model.``."""
+
+
 def normalize_qwen2_audio_name(name: str) -> str:
-    """A checkpoint's name, or an adapter's decoder name (``model.layers...``: asyncllm/lora_names.py) -> ours."""
-    return "language_model." + name if name.startswith(("model.", "lm_head.")) else normalize_llava_name(name)
+    """A checkpoint's name (either layout), or an adapter's decoder name (``model.layers...``) -> ours."""
+    return "language_model." + name if name.startswith(_DECODER_NAMES) else normalize_llava_name(name)
 
 
 class Qwen2AudioForConditionalGeneration(DecoderLoRA, VisionLanguageModel):

@@ -49,6 +49,11 @@ QKV = "language_model.model.layers.0.self_attn.qkv_proj.weight"
     (Qwen2VLForConditionalGeneration, "visual.blocks.0.attn.qkv.weight", ("visual.blocks.0.attn.qkv.weight", None)),
     (Qwen2AudioForConditionalGeneration, "language_model.model.layers.0.self_attn.k_proj.bias",
      ("language_model.model.layers.0.self_attn.qkv_proj.bias", "k")),
+    (Qwen2AudioForConditionalGeneration, "model.language_model.layers.0.self_attn.k_proj.bias",  # transformers 5's
+     ("language_model.model.layers.0.self_attn.qkv_proj.bias", "k")),
+    (Qwen2AudioForConditionalGeneration, "model.layers.0.mlp.up_proj.weight",  # an adapter's
+     ("language_model.model.layers.0.mlp.gate_up_proj.weight", 1)),
+    (Qwen2AudioForConditionalGeneration, "lm_head.weight", ("language_model.lm_head.weight", None)),
     (Qwen2AudioForConditionalGeneration, "audio_tower.layers.0.fc1.weight",
      ("audio_tower.layers.0.fc1.weight", None)),
     (PaliGemmaForConditionalGeneration, "model.layers.0.self_attn.q_proj.weight", (QKV, "q")),
