@@ -49,7 +49,8 @@ gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_u
 DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's); latent
 attention's (DeepSeek's); Kimi Delta Attention's (Kimi-Linear's); MiniMax's lightning layers' ``output_gate``."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
-                            "FalconForCausalLM", "DbrxForCausalLM", "BloomForCausalLM", "MptForCausalLM")
+                            "FalconForCausalLM", "DbrxForCausalLM", "BloomForCausalLM", "MptForCausalLM",
+                            "Phi4MultimodalForCausalLM")  # Phi-3's decoder
 """Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
 FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM", "glm4v_text")
 """Architectures (or, for a decoder inside an image-text checkpoint, its text config's model_type: GLM-4.1V's)
@@ -366,9 +367,11 @@ def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[str, list
         name = name.removeprefix("thinker.")  # Qwen2.5-Omni's full model: its thinker is what is served
         if name.startswith(_UNSERVED_PREFIXES):
             continue
-        if name.startswith(("model.visual.", "visual.", "model.audio_tower.", "audio_tower.", "model.encoder.")):
-            # run on every input (Whisper's encoder: its audio tower)
-            _fail(path, f"tensor {key}: adapters on the {'vision' if 'visual' in name else 'audio'} tower are not built "
+        if name.startswith(("model.visual.", "visual.", "model.audio_tower.", "audio_tower.", "model.encoder.",
+                            "model.embed_tokens_extend.")):
+            # run on every input (Whisper's encoder: its audio tower; Phi-4-multimodal's image_embed / audio_embed)
+            tower = "vision" if "visual" in name or ".image_embed." in name else "audio"
+            _fail(path, f"tensor {key}: adapters on the {tower} tower are not built "
                         "(the decoder's projections only)")
         for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
             if name.startswith(prefix):

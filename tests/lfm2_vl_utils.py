@@ -45,6 +45,8 @@ def _tv_resize(image: Any, size: list[int], interpolation: Any = None, antialias
     size = [int(side) for side in size]  # Llama 4's processor passes 0-d tensors
     if list(image.shape[-2:]) == size:
         return image
+    if image.dim() == 3:  # one (C, H, W) image (Phi-4-multimodal's processor passes one)
+        return _tv_resize(image[None], size, interpolation, antialias)[0]
     native = image.dtype == torch.uint8 and (mode == "bicubic" or "AVX2" in torch.backends.cpu.get_cpu_capability())
     out = F.interpolate(image if native else image.float(), size=list(size), mode=mode, align_corners=False,
                         antialias=antialias)
@@ -62,9 +64,10 @@ def _tv_normalize(image: Any, mean: Any, std: Any, inplace: bool = False) -> Any
 def _tv_pad(image: Any, padding: list[int], fill: Any = 0, padding_mode: str = "constant") -> Any:
     import torch.nn.functional as F
 
-    assert padding_mode == "constant" and len(padding) == 4 and not any(fill if isinstance(fill, list) else [fill])
+    fills = set(fill) if isinstance(fill, list) else {fill}  # one value for every channel (Phi-4's white: 255)
+    assert padding_mode == "constant" and len(padding) == 4 and len(fills) == 1
     left, top, right, bottom = padding
-    return F.pad(image, [left, right, top, bottom])
+    return F.pad(image, [left, right, top, bottom], value=fills.pop())
 
 
 @functools.lru_cache(maxsize=None)

@@ -209,7 +209,7 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "Gemma3ForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration", "Gemma4ForConditionalGeneration",
                                  "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration",
-                                 "Gemma3nForConditionalGeneration",
+                                 "Gemma3nForConditionalGeneration", "Phi4MultimodalForCausalLM",
                                  "Ernie4_5_VLMoeForConditionalGeneration",  # its attention and dense MLPs
                                  "WhisperForConditionalGeneration")  # its decoder's self- and cross-attention, MLP
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with

@@ -363,7 +363,7 @@ class MultiModalProcessor:
                 expanded += self._placeholder_ids(item) + after
                 items.append(item)
             elif kind == "audio":
-                self._audio(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline)
+                self._audio(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline, bool(media["image"][0]))
             else:
                 self._video(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline)
             previous = slot + 1
@@ -505,21 +505,27 @@ class MultiModalProcessor:
             expanded += [self.video_placeholder_id] * item.length + piece.after
 
     def _audio(self, value: AudioInput, uuid: str | None, field: str, expanded: list[int],
-               items: list[MultiModalItem], inline: bool) -> None:
+               items: list[MultiModalItem], inline: bool, with_images: bool = False) -> None:
         """Append an audio's placeholders to ``expanded`` and its item to ``items``; it is read and its features
-        extracted only on a cache miss when the caller keys it by uuid."""
+        extracted only on a cache miss when the caller keys it by uuid. ``with_images``: the prompt holds images
+        too, which a model's ``mm_audio_with_images`` marks in the audio's values (and so in its key: Phi-4-multimodal
+        projects such an audio's rows with other weights)."""
         rate = int(self.feature_extractor.sampling_rate)
         before, after = self._audio_text
         self._join(expanded, before)
         audio = None if uuid is not None else read_audio(value, field, rate)
         key = uuid_key(uuid) if audio is None else audio.key()
+        mark = getattr(self._model_cls, "mm_audio_with_images", None)
+        key = overridden_key(key, {"with_images": True}) if mark is not None and with_images else key
         item = self._lookup(key, len(expanded), inline)
         if item is None:
             audio = audio or read_audio(value, field, rate)
             processed = self.feature_extractor(self._model_cls.mm_audio_windows(audio.waveform, rate),
                                                sampling_rate=rate, return_tensors="np",
                                                **self._model_cls.mm_audio_extractor_kwargs)
-            item = self._record(key, len(expanded), self._model_cls.mm_audio_values(processed), inline)
+            values = self._model_cls.mm_audio_values(processed)
+            values = mark(values, with_images) if mark is not None else values
+            item = self._record(key, len(expanded), values, inline)
         items.append(item)
         expanded += [self.audio_token_id] * item.length + after
 

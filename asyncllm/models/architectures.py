@@ -97,7 +97,7 @@ MULTIMODAL_ARCHITECTURES = ("LlavaForConditionalGeneration", "LlavaNextForCondit
                             "Llama4ForConditionalGeneration", "Qwen2_5OmniThinkerForConditionalGeneration",
                             "Qwen2_5OmniForConditionalGeneration", "Qwen3OmniMoeThinkerForConditionalGeneration",
                             "Qwen3OmniMoeForConditionalGeneration", "Ernie4_5_VLMoeForConditionalGeneration",
-                            "MllamaForConditionalGeneration")
+                            "MllamaForConditionalGeneration", "Phi4MultimodalForCausalLM")
 """Architectures that take images or audio (their host processes them: asyncllm/mm/); the Qwen-VL ones place their tokens
 by M-RoPE (asyncllm/models/mrope.py) and take videos too (GLM-4.1V: M-RoPE, images only), as LLaVA-NeXT-Video does."""
 AUDIO_ARCHITECTURES = ("Qwen2AudioForConditionalGeneration", "AudioFlamingo3ForConditionalGeneration",

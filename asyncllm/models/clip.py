@@ -37,6 +37,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
     "silu": F.silu,
+    "swish": F.silu,  # transformers' other name for it (Phi-4-multimodal's audio conformer)
 }
 
 
@@ -79,13 +80,15 @@ class CLIPAttention(nn.Module):
         self.v_proj = ColumnParallelLinear(hidden, hidden, True, tp, dtype)
         self.out_proj = RowParallelLinear(hidden, hidden, True, tp, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: SDPA's ``attn_mask`` (Phi-4-multimodal's crops: ``[N, 1, 1, length]``, False on padding)."""
         batch, length, _ = x.shape
 
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
-        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)))
+        out = F.scaled_dot_product_attention(heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x)),
+                                             attn_mask=mask)
         return self.out_proj(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -108,8 +111,8 @@ class CLIPEncoderLayer(nn.Module):
         self.layer_norm2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, dtype=dtype)
         self.mlp = CLIPMLP(cfg, tp, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.layer_norm1(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.layer_norm1(x), mask)
         return x + self.mlp(self.layer_norm2(x))
 
 

@@ -124,6 +124,7 @@ _MODELS = LazyClasses({
     "Gemma3nForConditionalGeneration": "gemma3n_mm:Gemma3nForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma3nTextOnly
     "Gemma4ForConditionalGeneration": "gemma4_mm:Gemma4ForConditionalGeneration",  # limit_mm_per_prompt image 0: Gemma4TextOnly
     "Phi3ForCausalLM": "phi3:Phi3ForCausalLM",
+    "Phi4MultimodalForCausalLM": "phi4_multimodal:Phi4MultimodalForCausalLM",
     "GraniteForCausalLM": "granite:GraniteForCausalLM",
     "Olmo2ForCausalLM": "olmo2:Olmo2ForCausalLM",
     "Olmo3ForCausalLM": "olmo2:Olmo3ForCausalLM",

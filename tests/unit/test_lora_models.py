@@ -231,6 +231,7 @@ IMAGE_TEXT = {  # family: (its tests' module, maker, maker's kwargs, transformer
                    ("model.language_model.", "thinker.model.")),  # the released checkpoints' layout
     "gemma3n": ("gemma3n_audio_utils", "make_tiny_gemma3n_audio", {}, "Gemma3n", OLDER),  # audio-text
     "ernie4_5_vl": ("ernie_vl_utils", "make_tiny_ernie_vl", {}, "Ernie4_5_VLMoe", None),  # its dense MLP's too
+    "phi4_multimodal": ("phi4_mm_utils", "make_tiny_phi4_mm", {}, "Phi4MultimodalForCausalLM", None),  # Phi-3's fused
 }
 """Idefics3's and SmolVLM's decoder is ``model.text_model`` in either layout; Gemma 4 has transformers 5's alone."""
 
@@ -256,7 +257,7 @@ def test_an_image_text_decoder_takes_adapters_as_peft(family: str, tmp_path, req
         stack.enter_context(_vision_tower_stubbed())
     module, maker, kwargs, cls_name, layouts = IMAGE_TEXT[family]
     path = getattr(importlib.import_module(module), maker)(tmp_path / family, **kwargs)
-    cls = getattr(transformers, f"{cls_name}ForConditionalGeneration")
+    cls = getattr(transformers, cls_name if cls_name.endswith("ForCausalLM") else f"{cls_name}ForConditionalGeneration")
     if family == "paligemma":
         _edit_config(path, lambda config: config["text_config"].update(use_bidirectional_attention=False))
     # Qwen3-Omni's experts too; PEFT adapts its thinker's audio attention under any pattern: kept out by name
