@@ -376,6 +376,9 @@ def _pairs(shapes: dict[str, list[int]], path: str) -> dict[str, tuple[str, list
         for prefix, replacement in _LANGUAGE_MODEL_PREFIXES:
             if name.startswith(prefix):
                 name = replacement + name[len(prefix):]
+        if ".cross_attn." in name:  # Llama 3.2 Vision's keys and values over a request's images, computed once
+            _fail(path, f"tensor {key}: adapters on the cross-attention layers are not built (the decoder's "
+                        "self_attn and mlp projections only)")
         match = _TENSOR_NAME.fullmatch(canonical_name(name))
         projection = match.group(3) if match else ""
         if match is None or len(shape) != 2 or projection not in LORA_TARGETS and not (

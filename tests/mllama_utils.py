@@ -19,14 +19,7 @@ def make_tiny_mllama(path: str | os.PathLike[str], seed: int = 0) -> str:
     tokenizer in ``path``. ``<|image|>`` is the first id past ``vocab_size``, as in Meta's checkpoints, and the gates
     are drawn (transformers starts them at zero, which would hide the images)."""
     from mm_utils import random_model
-    from transformers import (
-        AutoTokenizer,
-        MllamaConfig,
-        MllamaForConditionalGeneration,
-        MllamaImageProcessorPil,
-        MllamaTextConfig,
-        MllamaVisionConfig,
-    )
+    from transformers import AutoTokenizer, MllamaForConditionalGeneration, MllamaImageProcessorPil
 
     from asyncllm.tiny import tiny_checkpoint
 
@@ -34,6 +27,18 @@ def make_tiny_mllama(path: str | os.PathLike[str], seed: int = 0) -> str:
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint("llama"))
     vocab_size = len(tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+    config = tiny_mllama_config(vocab_size)
+    model = random_model(MllamaForConditionalGeneration, config, seed)
+    model.save_pretrained(path)
+    MllamaImageProcessorPil(size={"height": TILE, "width": TILE}, max_image_tiles=4).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def tiny_mllama_config(vocab_size: int = 512):
+    """The tiny checkpoint's config (`make_tiny_mllama`): ``<|image|>`` is ``vocab_size``."""
+    from transformers import MllamaConfig, MllamaTextConfig, MllamaVisionConfig
+
     vision = MllamaVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
                                 attention_heads=4, image_size=TILE, patch_size=4, max_num_tiles=4,
                                 intermediate_layers_indices=[0], vision_output_dim=64)
@@ -42,11 +47,7 @@ def make_tiny_mllama(path: str | os.PathLike[str], seed: int = 0) -> str:
                             max_position_embeddings=512, bos_token_id=0, eos_token_id=1, pad_token_id=2)
     config = MllamaConfig(vision_config=vision, text_config=text, image_token_index=vocab_size)
     config.architectures = ["MllamaForConditionalGeneration"]
-    model = random_model(MllamaForConditionalGeneration, config, seed)
-    model.save_pretrained(path)
-    MllamaImageProcessorPil(size={"height": TILE, "width": TILE}, max_image_tiles=4).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return config
 
 
 @functools.lru_cache(maxsize=2)
@@ -57,9 +58,10 @@ def _hf_model(path: str):
     return MllamaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def hf_mllama_greedy(path: str, prompt_ids: list[int], images: list[bytes], max_new_tokens: int) -> list[int]:
+def hf_mllama_greedy(path: str, prompt_ids: list[int], images: list[bytes], max_new_tokens: int,
+                     adapter: str | None = None) -> list[int]:
     """transformers' greedy tokens for ``prompt_ids`` (its ``<|image|>`` tokens in place) and ``images``, with the
-    cross-attention mask its processor builds."""
+    cross-attention mask its processor builds; PEFT's with ``adapter`` (a LoRA folder)."""
     import torch
     from PIL import Image
     from transformers import AutoImageProcessor
@@ -68,7 +70,13 @@ def hf_mllama_greedy(path: str, prompt_ids: list[int], images: list[bytes], max_
         get_cross_attention_token_mask,
     )
 
-    model = _hf_model(path)
+    if adapter is None:
+        model = _hf_model(path)
+    else:
+        from lora_utils import _peft_model
+        from transformers import MllamaForConditionalGeneration
+
+        model = _peft_model(path, adapter, MllamaForConditionalGeneration)
     inputs: dict = {"input_ids": torch.tensor([prompt_ids])}
     if images:
         processor = AutoImageProcessor.from_pretrained(path)

@@ -17,14 +17,16 @@ import torch
 
 from asyncllm.attention.metadata import CrossImages
 from asyncllm.config import EngineConfig
-from asyncllm.errors import NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.mm.embeddings import EncodeFn, EncoderOutputCache, ScheduledSpan
 from asyncllm.models.layers import TensorParallel
+from asyncllm.models.vision_language import image_limit
 from asyncllm.protocol import SchedulerOutput
 from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.mm_encoder import DataParallelEncoder
 
-__all__ = ["MRopePositions", "MultiModalRunner", "attend_limit", "encoder_cache_bytes", "is_multimodal"]
+__all__ = ["MRopePositions", "MultiModalRunner", "attend_limit", "encoder_cache_bytes", "is_multimodal",
+           "request_states_reserve"]
 
 
 def is_multimodal(model: Any) -> bool:
@@ -35,6 +37,21 @@ def is_multimodal(model: Any) -> bool:
 def encoder_cache_bytes(config: EngineConfig) -> int:
     """The encoder cache's byte budget (``mm_encoder_cache_gb`` GiB)."""
     return int(config.mm_encoder_cache_gb * 2**30)
+
+
+def request_states_reserve(model: Any, config: EngineConfig, budget: int) -> int:
+    """Bytes of ``budget`` (the KV cache's, profiled) kept for the states a model allocates as its requests start
+    (Mllama's cross-attention states: ``image_state_bytes`` an image): every seat of ``max_num_seqs`` holding
+    `image_limit` images. `ConfigError` naming max_num_seqs when they would take over half of ``budget``."""
+    per_image = getattr(model, "image_state_bytes", 0)
+    if not per_image:
+        return 0
+    per_row = per_image * image_limit(type(model), config.multimodal_config.limit_mm_per_prompt)
+    if config.max_num_seqs * per_row > budget // 2:
+        raise ConfigError("max_num_seqs", config.max_num_seqs, f"at most {max(1, budget // 2 // per_row)} on this "
+                          f"device: each request's cross-attention states take up to {per_row / 2**20:.0f} MB "
+                          f"(limit_mm_per_prompt's images), reserved per seat out of {budget / 2**30:.1f} GiB")
+    return config.max_num_seqs * per_row
 
 
 def _encode_fn(model: Any, config: EngineConfig, tp: TensorParallel, device: torch.device) -> EncodeFn | None:

@@ -39,7 +39,7 @@ from asyncllm.workers.input_batch import InputBatch, StepInputs
 from asyncllm.workers.logprobs import compute_prompt_logprobs, join_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
 from asyncllm.workers.pooler import Pooler
-from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal
+from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal, request_states_reserve
 from asyncllm.workers.prompt_embeds import PromptEmbedsRunner
 from asyncllm.workers.sampler import Sampler, SamplerOutput
 from asyncllm.workers.spec_decode import verify_drafts
@@ -168,6 +168,7 @@ class ModelRunner:
         elif self.device.type == "cuda":  # a multimodal model's encoder cache is not the KV cache's
             encoder_cache = self.mm_runner is not None and self.mm_runner.encodes
             budget = self._profile_cuda_kv_budget() - (encoder_cache_bytes(self.config) if encoder_cache else 0)
+            budget -= request_states_reserve(getattr(self.model, "causal_lm", self.model), self.config, budget)
             field = "gpu_memory_utilization"
             value = self.config.gpu_memory_utilization
         else:

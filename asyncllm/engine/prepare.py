@@ -115,6 +115,7 @@ def prepare(config: EngineConfig) -> Prepared:
     if multimodal:
         from asyncllm.mm.processor import MultiModalProcessor
         from asyncllm.models.registry import get_model_class
+        from asyncllm.models.vision_language import image_limit
 
         model_cls = get_model_class(hf_config, config.multimodal_config.limit_mm_per_prompt)
 
@@ -125,7 +126,7 @@ def prepare(config: EngineConfig) -> Prepared:
                 raise ConfigError(f"limit_mm_per_prompt.{kind}", limits[kind], f"0: {arch} takes no {kind}s")
         mm = MultiModalProcessor(path, hf_config, model_cls, tokenizer, int(mm_config.mm_processor_cache_gb * 2**30),
                                  mm_config.mm_max_image_pixels, mm_config.mm_processor_cache_type,
-                                 mm_config.mm_processor_kwargs, limits.get("image"), limits.get("video"),
+                                 mm_config.mm_processor_kwargs, image_limit(model_cls, limits), limits.get("video"),
                                  mm_config.video_num_frames, limits.get("audio"))
     config_json = hf_config_json(hf_config)
     generation = read_generation_config(config.generation_config, path)
@@ -209,7 +210,8 @@ LORA_MULTIMODAL_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLF
                                  "Gemma3ForConditionalGeneration",
                                  "Mistral3ForConditionalGeneration", "Gemma4ForConditionalGeneration",
                                  "Qwen3OmniMoeThinkerForConditionalGeneration", "Qwen3OmniMoeForConditionalGeneration",
-                                 "Gemma3nForConditionalGeneration", "Phi4MultimodalForCausalLM",
+                                 "Gemma3nForConditionalGeneration", "MllamaForConditionalGeneration",
+                                 "Phi4MultimodalForCausalLM",
                                  "Ernie4_5_VLMoeForConditionalGeneration",  # its attention and dense MLPs
                                  "WhisperForConditionalGeneration")  # its decoder's self- and cross-attention, MLP
 """Image-text (audio-text) models whose decoder takes adapters (the vision or audio tower does not: an adapter with

@@ -17,9 +17,15 @@ How a request meets its images: each image is one item whose placeholder is its 
 without data covers the tokens before the first image (`mm_prompt_items`), keyed by every image of the prompt: their
 KV depends on all the images, so the prefix cache never lends them to a prompt with other images. When a request
 starts on a worker, workers/mm_runner.py hands its images' encoder outputs over (`CrossImages`); each cross-attention
-layer's keys and values are computed then, kept by the request's worker row (`CrossImageStates`) while it runs.
+layer's keys and values are computed then, kept by the request's worker row (`CrossImageStates`) while it runs. The
+KV cache's budget keeps room for them (`image_state_bytes` an image, `mm_default_image_limit` images a seat unless
+``limit_mm_per_prompt`` says otherwise: workers/mm_runner.py `request_states_reserve`).
 
-Not built (refused by name): tensor and pipeline parallelism, LoRA adapters, CUDA graphs (the steps run eager).
+Tensor parallelism: the cross-attention layers split q / k / v / o by heads as Llama's self-attention does (a KV head
+is never split: the size must divide ``num_key_value_heads``); the vision encoder and projector are whole on every
+rank. LoRA adapters take the decoder's self-attention and MLP projections (`DecoderLoRA`); one naming a
+cross-attention projection is refused by the host (asyncllm/lora.py adapts ``self_attn`` and ``mlp`` only). Not built
+(refused by name): pipeline parallelism, CUDA graphs (the steps run eager).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from torch import nn
 from asyncllm.attention.metadata import AttentionMetadata, CrossImages
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
+from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.embedding import VocabParallelEmbedding
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, new_param, norm_in
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
@@ -44,12 +51,22 @@ from asyncllm.models.mllama_vision import MllamaVisionModel, num_tiles_of
 from asyncllm.models.vision_language import VisionLanguageModel, load_vision_language_weights
 from asyncllm.protocol import MultiModalItem
 
-__all__ = ["CrossImageStates", "MllamaForConditionalGeneration", "image_spans"]
+__all__ = ["CrossImageStates", "MllamaForConditionalGeneration", "image_spans", "image_state_bytes"]
 
 _PREFIX = "mllama-prefix:"
 """The hash prefix of the item that covers the tokens before the first image (`mm_prompt_items`)."""
 _EXTRA_EMBEDDINGS = 8
 """Rows of the embedding table past ``vocab_size`` (``<|image|>`` is the first): the LM head has none."""
+
+
+def image_state_bytes(hf_config: Any, tp_size: int, dtype: torch.dtype) -> int:
+    """Bytes one image's cross-attention states take on a rank: every cross-attention layer's keys and values of its
+    ``max_num_tiles * (patches + 1)`` rows, this rank's KV heads (11B in bfloat16: 210 MB)."""
+    vision, text = hf_config.vision_config, hf_config.text_config
+    rows = vision.max_num_tiles * ((vision.image_size // vision.patch_size) ** 2 + 1)
+    head_dim = text.hidden_size // text.num_attention_heads
+    kv_width = text.num_key_value_heads // tp_size * head_dim
+    return len(text.cross_attention_layers) * 2 * rows * kv_width * dtype.itemsize
 
 
 def image_spans(offsets: list[int], prompt_len: int) -> list[tuple[int, int | None]]:
@@ -152,12 +169,18 @@ class MllamaCrossAttention(nn.Module):
         cfg, tp, dtype = b.hf_config, b.tp, b.dtype
         self.index = index
         """This layer's place among the cross-attention layers (its keys in `_RequestImages`)."""
-        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-        self.head_dim = cfg.hidden_size // self.heads
-        self.q_proj = ColumnParallelLinear(cfg.hidden_size, self.heads * self.head_dim, False, tp, dtype)
-        self.k_proj = ColumnParallelLinear(cfg.hidden_size, self.kv_heads * self.head_dim, False, tp, dtype)
-        self.v_proj = ColumnParallelLinear(cfg.hidden_size, self.kv_heads * self.head_dim, False, tp, dtype)
-        self.o_proj = RowParallelLinear(self.heads * self.head_dim, cfg.hidden_size, False, tp, dtype)
+        if cfg.num_key_value_heads % tp.size:
+            raise NotBuiltError("tensor_parallel_size", tp.size, f"replicating Mllama's {cfg.num_key_value_heads} "
+                                f"cross-attention KV heads over {tp.size} ranks (a size that divides them works)")
+        self.heads, self.kv_heads = tp.split(cfg.num_attention_heads), tp.split(cfg.num_key_value_heads)
+        """This rank's query and KV heads (column-parallel q/k/v, row-parallel o, as Llama's self-attention)."""
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        width = cfg.num_attention_heads * self.head_dim
+        kv_width = cfg.num_key_value_heads * self.head_dim
+        self.q_proj = ColumnParallelLinear(cfg.hidden_size, width, False, tp, dtype)
+        self.k_proj = ColumnParallelLinear(cfg.hidden_size, kv_width, False, tp, dtype)
+        self.v_proj = ColumnParallelLinear(cfg.hidden_size, kv_width, False, tp, dtype)
+        self.o_proj = RowParallelLinear(width, cfg.hidden_size, False, tp, dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
 
@@ -241,12 +264,16 @@ class MllamaTextForCausalLM(LlamaForCausalLM):
         return (ckpt_name, None) if ".cross_attn." in ckpt_name else super()._packed(ckpt_name)
 
 
-class MllamaForConditionalGeneration(VisionLanguageModel):
-    """The vision encoder, the projector, and the decoder with its cross-attention states."""
+class MllamaForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
+    """The vision encoder, the projector, and the decoder with its cross-attention states; LoRA adapters on the
+    decoder's self-attention and MLPs (the cross-attention layers' MLPs too; their attention takes none)."""
 
     mm_cross_images = True
     """Image rows feed the cross-attention layers (workers/mm_runner.py), not the input embeddings."""
     cuda_graphs_off = "Mllama's cross-attention states are read by worker row (capturing them is not built)"
+    mm_default_image_limit = 1
+    """``limit_mm_per_prompt["image"]`` when it is not set: the KV cache's budget leaves every worker row room for
+    this many images' cross-attention states (workers/mm_runner.py `request_states_reserve`)."""
 
     @staticmethod
     def kv_cache_layers(text_config: Any) -> int:
@@ -256,8 +283,6 @@ class MllamaForConditionalGeneration(VisionLanguageModel):
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,
                  max_position: int, **decoder_options: Any) -> None:
         super().__init__()
-        if tp.size > 1:
-            raise NotBuiltError("tensor_parallel_size", tp.size, "tensor parallelism for Mllama (serve it on one GPU)")
         text = hf_config.text_config
         self.vision_model = MllamaVisionModel(hf_config.vision_config, dtype)
         self.multi_modal_projector = nn.Linear(hf_config.vision_config.vision_output_dim, text.hidden_size,
@@ -265,6 +290,8 @@ class MllamaForConditionalGeneration(VisionLanguageModel):
         self.language_model = MllamaTextForCausalLM(text, dtype=dtype, tp=tp, attn_backend=attn_backend,
                                                     max_position=max_position, **decoder_options)
         self.cross_states = CrossImageStates(hf_config.vision_config)
+        self.image_state_bytes = image_state_bytes(hf_config, tp.size, dtype)
+        """One image's cross-attention states on this rank (kept while its request runs, not preallocated)."""
         for layer in self._cross_layers():
             layer.states = self.cross_states
 

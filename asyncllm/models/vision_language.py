@@ -21,8 +21,16 @@ from asyncllm.errors import ConfigError
 from asyncllm.models.layers import LoadedWeight, default_weight_loader
 from asyncllm.models.pipeline import PPMissingLayer, in_missing_part
 
-__all__ = ["VisionLanguageModel", "build_decoder", "decoder_weight_name", "load_vision_language_weights",
-           "text_config_of", "text_only_class", "vision_language_weight_names"]
+__all__ = ["VisionLanguageModel", "build_decoder", "decoder_weight_name", "image_limit",
+           "load_vision_language_weights", "text_config_of", "text_only_class", "vision_language_weight_names"]
+
+
+def image_limit(model_cls: type, limits: dict[str, int] | None) -> int | None:
+    """The images one prompt may hold: ``limit_mm_per_prompt["image"]``, else the model's ``mm_default_image_limit``
+    (Mllama's 1: the workers reserve room for that many images' cross-attention states per request); None: any."""
+    if limits and "image" in limits:
+        return limits["image"]
+    return getattr(model_cls, "mm_default_image_limit", None)
 
 
 def text_config_of(hf_config: Any) -> Any:

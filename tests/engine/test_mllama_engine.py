@@ -1,7 +1,9 @@
-"""Llama 3.2 Vision end to end: greedy tokens equal transformers' for one image, several images (a run of adjacent
-ones among them), text before the first image and text-only prompts, whatever the batch, the prefill chunks (8
-tokens a step), preemptions (16 KV blocks) and the prefix cache's hits; prompts that differ only in their images
-never share cached blocks."""
+"""Llama 3.2 Vision end to end, tensor-parallel over 2 ranks (each keeps half the heads of every attention, the
+cross-attention's too, and the whole vision encoder): greedy tokens equal transformers' for one image, several images
+(a run of adjacent ones among them), text before the first image and text-only prompts, whatever the batch, the
+prefill chunks (8 tokens a step), preemptions (16 KV blocks) and the prefix cache's hits; prompts that differ only in
+their images never share cached blocks; a prompt with more images than limit_mm_per_prompt is refused; a LoRA
+adapter's tokens with an image equal PEFT's."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from mllama_utils import hf_mllama_greedy, make_tiny_mllama
 from mm_utils import make_image
 
 from asyncllm import AsyncEngine, SamplingParams
+from asyncllm.errors import InvalidRequestError
+from asyncllm.lora import LoRARequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,11 +32,23 @@ def tiny_mllama(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_mllama(tmp_path_factory.mktemp("mllama"))
 
 
+@pytest.fixture(scope="module")
+def adapter(tiny_mllama: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A PEFT adapter on the decoder's self-attention and MLPs (the cross-attention layers' MLPs among them)."""
+    from lora_utils import make_adapter
+    from transformers import MllamaForConditionalGeneration
+
+    return make_adapter(tiny_mllama, str(tmp_path_factory.mktemp("mllama_adapter")), seed=7, rank=4, alpha=8,
+                        targets=r"model\.language_model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj",
+                        auto_class=MllamaForConditionalGeneration)
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine(tiny_mllama: str):
     async with AsyncEngine(tiny_mllama, disable_log_stats=True, block_size=4, max_num_batched_tokens=8,
                            max_num_seqs=4, enable_prefix_caching=True, num_gpu_blocks_override=16,
-                           max_model_len=64) as engine:
+                           max_model_len=64, tensor_parallel_size=2, limit_mm_per_prompt={"image": 3},
+                           enable_lora=True, max_lora_rank=8) as engine:
         yield engine
 
 
@@ -80,3 +96,24 @@ async def test_prefix_cache_hits_only_prompts_with_the_same_images(engine, tiny_
     assert again.outputs[0].token_ids == out.outputs[0].token_ids
     assert swapped.outputs[0].token_ids == hf_mllama_greedy(tiny_mllama, swapped.prompt_token_ids, [other], 6)
     assert out.outputs[0].token_ids == hf_mllama_greedy(tiny_mllama, out.prompt_token_ids, [first], 6)
+
+
+async def test_more_images_than_the_limit_are_refused(engine):
+    """limit_mm_per_prompt={"image": 3}: the KV budget keeps room for 3 images' cross-attention states a seat (1
+    when unset), so a fourth image is refused before it is read."""
+    image = make_image(20, 20, seed=4)
+    with pytest.raises(InvalidRequestError, match=r"4 images, over limit_mm_per_prompt\['image'\]=3"):
+        await engine.generate({"prompt": "<|image|>" * 4, "images": [image] * 4}, GREEDY)
+
+
+async def test_an_adapter_with_an_image_matches_peft(engine, tiny_mllama, adapter):
+    """Beside the same prompt on the base model: the adapter's greedy tokens equal PEFT's on transformers' class with
+    the image (its cross-attention layers' MLPs adapted too), the base model's transformers'."""
+    prompt = {"prompt": "Describe <|image|> briefly", "images": [make_image(40, 20, seed=1)]}
+    longer = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    adapted, base = await asyncio.gather(engine.generate(prompt, longer, lora_request=LoRARequest("a", 1, adapter)),
+                                         engine.generate(prompt, longer))
+    ids, images = adapted.prompt_token_ids, prompt["images"]
+    assert adapted.outputs[0].token_ids == hf_mllama_greedy(tiny_mllama, ids, images, 8, adapter)
+    assert base.outputs[0].token_ids == hf_mllama_greedy(tiny_mllama, ids, images, 8)
+    assert adapted.outputs[0].token_ids != base.outputs[0].token_ids

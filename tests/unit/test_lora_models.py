@@ -232,6 +232,7 @@ IMAGE_TEXT = {  # family: (its tests' module, maker, maker's kwargs, transformer
     "gemma3n": ("gemma3n_audio_utils", "make_tiny_gemma3n_audio", {}, "Gemma3n", OLDER),  # audio-text
     "ernie4_5_vl": ("ernie_vl_utils", "make_tiny_ernie_vl", {}, "Ernie4_5_VLMoe", None),  # its dense MLP's too
     "phi4_multimodal": ("phi4_mm_utils", "make_tiny_phi4_mm", {}, "Phi4MultimodalForCausalLM", None),  # Phi-3's fused
+    "mllama": ("mllama_utils", "make_tiny_mllama", {}, "Mllama", OLDER),  # self-attention and MLPs
 }
 """Idefics3's and SmolVLM's decoder is ``model.text_model`` in either layout; Gemma 4 has transformers 5's alone."""
 
@@ -282,6 +283,9 @@ def test_an_image_text_decoder_takes_adapters_as_peft(family: str, tmp_path, req
     if layouts is not None:
         _assert_older_names_load_alike(adapter, str(tmp_path / "older"), path, layouts)
     _assert_a_tower_matrix_is_refused(adapter, str(tmp_path / "encoder"), checker, hf)
+    if family == "mllama":
+        _assert_a_matrix_is_refused(adapter, str(tmp_path / "cross"), checker, hf, ".cross_attn.q_proj",
+                                    "adapters on the cross-attention layers")
 
 
 def _edit_config(path: str, edit: Any) -> None:
@@ -321,11 +325,20 @@ def _assert_older_names_load_alike(adapter: str, older: str, path: str, layouts:
 def _assert_a_tower_matrix_is_refused(adapter: str, out: str, checker: AdapterChecker, hf: Any) -> None:
     """The adapter plus a pair of matrices on the first linear layer outside the decoder (the vision or audio
     tower's, or the projector's) is refused by the host of a model that runs its tower."""
+    name = next(n for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)
+                and ".language_model." not in n and not re.fullmatch(DECODER_LINEARS, n) and n != "lm_head")
+    _assert_a_matrix_is_refused(adapter, out, checker, hf, name, "adapters on the (vision|audio) tower")
+
+
+def _assert_a_matrix_is_refused(adapter: str, out: str, checker: AdapterChecker, hf: Any, name_end: str,
+                                error: str) -> None:
+    """The adapter plus a pair of matrices on the first linear layer whose name ends with ``name_end`` is refused
+    with ``error``."""
     name, linear = next((n, m) for n, m in hf.named_modules() if isinstance(m, torch.nn.Linear)
-                        and ".language_model." not in n and not re.fullmatch(DECODER_LINEARS, n) and n != "lm_head")
+                        and n.endswith(name_end))
     tensors = load_file(f"{adapter}/adapter_model.safetensors")
     tensors[f"base_model.model.{name}.lora_A.weight"] = torch.zeros(4, linear.in_features)
     tensors[f"base_model.model.{name}.lora_B.weight"] = torch.zeros(linear.out_features, 4)
     _renamed_copy(adapter, out, tensors)
-    with pytest.raises(InvalidRequestError, match="adapters on the (vision|audio) tower"):
+    with pytest.raises(InvalidRequestError, match=error):
         checker.check(LoRARequest("t", 2, out))

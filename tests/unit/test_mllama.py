@@ -1,5 +1,6 @@
 """Mllama's pieces without an engine: which tokens see which images (transformers' processor's rule), the prefix
-item that keys the blocks before the first image by every image, the KV-cache layers, the refusals."""
+item that keys the blocks before the first image by every image, the KV-cache layers, the refusals, the memory an
+image's cross-attention states take and the KV budget keeps for them."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncllm.errors import NotBuiltError
+from asyncllm.attention.selector import get_attention_backend
+from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kv.hashing import extend_block_hashes
 from asyncllm.models.layers import TensorParallel
-from asyncllm.models.mllama import MllamaForConditionalGeneration, image_spans
+from asyncllm.models.mllama import MllamaForConditionalGeneration, image_spans, image_state_bytes
+from asyncllm.models.vision_language import image_limit
 from asyncllm.protocol import MultiModalItem
+from asyncllm.workers.mm_runner import request_states_reserve
 
 IMAGE = 9
 
@@ -65,7 +69,46 @@ def test_cross_attention_layers_take_no_kv_cache_layer():
     assert MllamaForConditionalGeneration.kv_cache_layers(text) == 32
 
 
-def test_tensor_parallel_is_refused_by_name():
-    with pytest.raises(NotBuiltError, match="tensor_parallel_size"):
-        MllamaForConditionalGeneration(SimpleNamespace(), dtype=torch.float32, tp=TensorParallel(0, 2),
-                                       attn_backend=None, max_position=64)  # type: ignore[arg-type]
+def test_a_tensor_parallel_size_that_splits_a_kv_head_is_refused_by_name():
+    """The tiny decoder's 2 KV heads split over 2 ranks (the engine test) but not over 4 (a cross-attention KV head
+    is not replicated)."""
+    from mllama_utils import tiny_mllama_config
+
+    backend = get_attention_backend(None, torch.device("cpu"), torch.float32)
+    with pytest.raises(NotBuiltError, match="tensor_parallel_size=4 .*Mllama's 2 cross-attention KV heads over 4 ranks"):
+        MllamaForConditionalGeneration(tiny_mllama_config(), dtype=torch.float32, tp=TensorParallel(0, 4),
+                                       attn_backend=backend, max_position=64)
+
+
+def _config_11b() -> SimpleNamespace:
+    vision = SimpleNamespace(max_num_tiles=4, image_size=560, patch_size=14)
+    text = SimpleNamespace(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8,
+                           cross_attention_layers=[3, 8, 13, 18, 23, 28, 33, 38])
+    return SimpleNamespace(vision_config=vision, text_config=text)
+
+
+def test_an_images_cross_attention_states_take_210_mb_on_11b():
+    """8 layers x K and V x 4 tiles of 1601 rows x 8 KV heads of 128 x 2 bytes; half of it per rank at TP=2."""
+    assert image_state_bytes(_config_11b(), 1, torch.bfloat16) == 8 * 2 * 6404 * 8 * 128 * 2 == 209_846_272
+    assert image_state_bytes(_config_11b(), 2, torch.bfloat16) == 209_846_272 // 2
+
+
+class _Model:
+    mm_default_image_limit = MllamaForConditionalGeneration.mm_default_image_limit
+    image_state_bytes = 2**20
+
+
+def _config(max_num_seqs: int, limits: dict[str, int] | None) -> SimpleNamespace:
+    return SimpleNamespace(max_num_seqs=max_num_seqs, multimodal_config=SimpleNamespace(limit_mm_per_prompt=limits))
+
+
+def test_the_kv_budget_keeps_every_seats_images_cross_attention_states():
+    """Every seat of max_num_seqs may hold limit_mm_per_prompt's images (one when unset): their states are kept out
+    of the KV cache's budget; over half of it is refused, naming max_num_seqs and how many seats fit."""
+    assert image_limit(MllamaForConditionalGeneration, None) == 1
+    assert image_limit(MllamaForConditionalGeneration, {"image": 3}) == 3
+    assert request_states_reserve(_Model(), _config(8, None), 2**30) == 8 * 2**20
+    assert request_states_reserve(_Model(), _config(8, {"image": 3}), 2**30) == 24 * 2**20
+    assert request_states_reserve(object(), _config(8, None), 2**30) == 0  # a model without such states
+    with pytest.raises(ConfigError, match="max_num_seqs.*at most 170 .* 3 MB"):
+        request_states_reserve(_Model(), _config(256, {"image": 3}), 2**30)

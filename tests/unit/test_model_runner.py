@@ -349,6 +349,23 @@ def test_kv_cache_memory_bytes_sizes_the_cache(tmp_path: Path) -> None:
             assert runner.determine_num_available_blocks() == blocks
 
 
+def test_the_profiled_budget_keeps_room_for_each_seats_image_states(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose requests' states are allocated as they start (Mllama's cross-attention states: an image's
+    ``image_state_bytes``, one image a seat unless limit_mm_per_prompt says more): the profiled budget loses
+    max_num_seqs seats of them before it is cut into blocks (docs/multimodal.md#llama-32-vision)."""
+    class ImageStatesModel(FakeModel):
+        mm_default_image_limit = 1
+        image_state_bytes = 3 * 512  # three blocks' bytes
+
+    for limits, blocks in ((None, 100 - 8 * 3), ({"image": 2}, 100 - 8 * 6)):
+        runner = ModelRunner(make_config(tmp_path, limit_mm_per_prompt=limits), rank=0, tp_size=1, device=CPU)
+        runner.attach_model(ImageStatesModel(), FAKE_SPEC, torch.float32)
+        runner.device = torch.device("cuda")  # the profiled path; its profile step stubbed
+        monkeypatch.setattr(runner, "_profile_cuda_kv_budget", lambda: 100 * 512)
+        assert runner.determine_num_available_blocks() == blocks
+
+
 def test_the_sampler_takes_the_engine_s_logprobs_mode(tmp_path: Path) -> None:
     runner = ModelRunner(make_config(tmp_path, logprobs_mode="processed_logits"), rank=0, tp_size=1, device=CPU)
     assert runner.sampler.logprobs_mode == "processed_logits"
