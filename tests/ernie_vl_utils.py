@@ -7,12 +7,18 @@ from pathlib import Path
 
 from mm_utils import expand_image_tokens, hf_generate, random_model
 
-__all__ = ["IMAGE", "IMAGE_PLACEHOLDER", "SPECIAL_TOKENS", "hf_ernie_vl_greedy", "hf_ernie_vl_inputs", "make_tiny_ernie_vl"]
+__all__ = ["IMAGE", "IMAGE_PLACEHOLDER", "SPECIAL_TOKENS", "VIDEO_PLACEHOLDER", "hf_ernie_vl_greedy",
+           "hf_ernie_vl_inputs", "hf_ernie_video_processor", "make_tiny_ernie_vl"]
 
 START, IMAGE, END = "<|IMAGE_START|>", "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>"
 IMAGE_PLACEHOLDER = START + IMAGE + END
 """What a prompt holds per image (the checkpoint's chat template writes the same)."""
 SPECIAL_TOKENS = [START, IMAGE, END, "<|VIDEO_START|>", "<|VIDEO_PLACEHOLDER|>", "<|VIDEO_END|>"]
+VIDEO = "<|VIDEO_PLACEHOLDER|>"
+VIDEO_PLACEHOLDER = "<|VIDEO_START|>" + VIDEO + "<|VIDEO_END|>"
+"""What a prompt holds per video."""
+FONT = "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf"
+"""The font the tiny checkpoint's video processor draws timestamps in (ERNIE's ships Roboto)."""
 _IDS = ("image_start_token_id", "image_token_id", "image_end_token_id", "video_start_token_id", "video_token_id",
         "video_end_token_id")
 
@@ -20,7 +26,11 @@ _IDS = ("image_start_token_id", "image_token_id", "image_end_token_id", "video_s
 def make_tiny_ernie_vl(path: str | Path, seed: int = 0) -> str:
     """Save a tiny random ``Ernie4_5_VLMoeForConditionalGeneration`` (a dense layer, then two of 4 text and 4
     vision experts, 2 routed, and a shared one; text and vision experts of different widths) with its tokenizer
-    (Qwen2's, ERNIE's image and video markers added) and its image processor (4 to 64 merged tokens per image)."""
+    (Qwen2's, ERNIE's image and video markers added), its image processor (4 to 64 merged tokens per image) and
+    its video processor's config (4 to 16 merged tokens per frame pair, timestamps drawn in `FONT`)."""
+    import json
+    import shutil
+
     import torch
     from transformers import AutoTokenizer, Ernie4_5_VLMoeConfig, Ernie4_5_VLMoeForConditionalGeneration
     from transformers import Ernie4_5_VLMoeImageProcessorPil
@@ -47,13 +57,28 @@ def make_tiny_ernie_vl(path: str | Path, seed: int = 0) -> str:
     tokenizer.save_pretrained(path)
     unit = 28 * 28
     Ernie4_5_VLMoeImageProcessorPil(size={"shortest_edge": 4 * unit, "longest_edge": 64 * unit}).save_pretrained(path)
+    shutil.copy(FONT, path)
+    video = {"video_processor_type": "Ernie4_5_VLMoeVideoProcessor", "draw_on_frames": True, "font": Path(FONT).name,
+             "size": {"shortest_edge": 4 * unit, "longest_edge": 16 * unit}}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video))
     return str(path)
 
 
-def hf_ernie_vl_inputs(path: str, text: str, images: list[bytes]) -> dict:
-    """transformers' model inputs for ``text`` with one `IMAGE_PLACEHOLDER` per image: ``Ernie4_5_VLMoeProcessor``'s
-    expansion and token types (its instance needs a video processor, which needs torchvision: its methods run over
-    the checkpoint's tokenizer and image processor here)."""
+def hf_ernie_video_processor(path: str, videos: list) -> dict:
+    """transformers' ``Ernie4_5_VLMoeVideoProcessor`` over ``videos`` (``(frames, metadata)``), torchvision stood in
+    (tests/glm4v_video_utils.py): ``pixel_values_videos``, ``video_grid_thw``."""
+    from glm4v_video_utils import hf_video_processor
+
+    module = "transformers.models.ernie4_5_vl_moe.video_processing_ernie4_5_vl_moe"
+    out = hf_video_processor(path, videos, (module, "Ernie4_5_VLMoeVideoProcessor"))
+    return {key: out[key] for key in ("pixel_values_videos", "video_grid_thw")}
+
+
+def hf_ernie_vl_inputs(path: str, text: str, images: list[bytes], videos: list = ()) -> dict:
+    """transformers' model inputs for ``text`` with one `IMAGE_PLACEHOLDER` per image and one `VIDEO_PLACEHOLDER`
+    per video (``(frames, metadata)``): ``Ernie4_5_VLMoeProcessor``'s expansion and token types (its instance needs
+    a video processor, which needs torchvision: its methods run over the checkpoint's tokenizer and processors
+    here)."""
     from types import SimpleNamespace
 
     from transformers import AutoImageProcessor, AutoTokenizer, Ernie4_5_VLMoeProcessor
@@ -61,19 +86,28 @@ def hf_ernie_vl_inputs(path: str, text: str, images: list[bytes]) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(path)
     image_processor = AutoImageProcessor.from_pretrained(path)
     ids = dict(zip(_IDS, tokenizer.convert_tokens_to_ids(SPECIAL_TOKENS)))
-    processor = SimpleNamespace(image_processor=image_processor, image_token=IMAGE, **ids)
+    processor = SimpleNamespace(image_processor=image_processor, image_token=IMAGE, video_token=VIDEO, **ids,
+                                video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2))
     text, inputs = expand_image_tokens(Ernie4_5_VLMoeProcessor, processor, text, images)
+    if videos:
+        inputs.update(hf_ernie_video_processor(path, list(videos)))
+        parts = text.split(VIDEO)
+        text = parts[0] + "".join(Ernie4_5_VLMoeProcessor.replace_video_token(processor, inputs, i) + part
+                                  for i, part in enumerate(parts[1:]))
     input_ids = tokenizer([text], return_tensors="pt")["input_ids"]
     inputs["input_ids"] = input_ids
-    inputs["mm_token_type_ids"] = (input_ids == ids["image_token_id"]).int()  # what M-RoPE's positions follow
+    # what M-RoPE's positions follow: image 1, video 2
+    videos_at = input_ids == ids["video_token_id"]
+    inputs["mm_token_type_ids"] = ((input_ids == ids["image_token_id"]) + 2 * videos_at).int()
     inputs["moe_mm_token_type_ids"] = Ernie4_5_VLMoeProcessor.create_moe_mm_token_type_ids(processor, input_ids)
     return inputs
 
 
-def hf_ernie_vl_greedy(path: str, text: str, images: list[bytes], max_new_tokens: int) -> tuple[list[int], list[int]]:
-    """transformers' (prompt ids, greedy tokens) for a text with image placeholders."""
+def hf_ernie_vl_greedy(path: str, text: str, images: list[bytes], max_new_tokens: int,
+                       videos: list = ()) -> tuple[list[int], list[int]]:
+    """transformers' (prompt ids, greedy tokens) for a text with image (and video) placeholders."""
     import torch
     from transformers import Ernie4_5_VLMoeForConditionalGeneration
 
     model = Ernie4_5_VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    return hf_generate(model, hf_ernie_vl_inputs(path, text, images), max_new_tokens)
+    return hf_generate(model, hf_ernie_vl_inputs(path, text, images, videos), max_new_tokens)

@@ -59,17 +59,34 @@ def _tv_normalize(image: Any, mean: Any, std: Any, inplace: bool = False) -> Any
     return out.sub_(mean.view(-1, 1, 1).to(image.dtype)).div_(std.view(-1, 1, 1).to(image.dtype))
 
 
+def _to_pil_image(image: Any) -> Any:
+    """torchvision's ``to_pil_image`` of a ``[3, H, W]`` uint8 tensor."""
+    from PIL import Image
+
+    return Image.fromarray(image.permute(1, 2, 0).numpy())
+
+
+def _pil_to_tensor(image: Any) -> Any:
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()
+
+
 @functools.lru_cache(maxsize=None)
 def _processor_class(module: str = "transformers.models.glm4v.video_processing_glm4v",
                      name: str = "Glm4vVideoProcessor") -> type:
     """transformers' video processor class ``name`` of ``module``, imported with torchvision stubbed."""
     import importlib
 
-    import transformers.video_processing_utils  # noqa: F401 (imported before torchvision is stubbed)
+    import transformers.models.auto.video_processing_auto  # noqa: F401 (imported before torchvision is stubbed,
+    import transformers.video_processing_utils  # noqa: F401 as ERNIE's docstrings read the first)
 
-    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.v2.functional")
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+             "torchvision.transforms.v2.functional", "torchvision.transforms.functional")
     stubs = {name: types.ModuleType(name) for name in names}
-    stubs["torchvision.transforms.v2"].functional = stubs[names[-1]]
+    stubs["torchvision.transforms.v2"].functional = stubs[names[3]]
+    stubs[names[-1]].pil_to_tensor, stubs[names[-1]].to_pil_image = _pil_to_tensor, _to_pil_image  # ERNIE's drawing
     saved = {name: sys.modules.get(name) for name in names}
     sys.modules.update(stubs)
     try:
@@ -105,17 +122,19 @@ def _torchvision_stood_in() -> Iterator[None]:
         import_utils.BACKENDS_MAPPING["torchvision"] = saved_check
 
 
-def hf_video_processor(path: str, videos: list, **kwargs: Any) -> Any:
-    """transformers' ``Glm4vVideoProcessor`` of the checkpoint at ``path`` over ``videos`` (``(frames, metadata)``
-    pairs), the frames used as given: ``pixel_values_videos``, ``video_grid_thw``, ``video_metadata``."""
+def hf_video_processor(path: str, videos: list, processor_class: tuple[str, str] | None = None, **kwargs: Any) -> Any:
+    """transformers' ``Glm4vVideoProcessor`` (or ``processor_class``: its module and name) of the checkpoint at
+    ``path`` over ``videos`` (``(frames, metadata)`` pairs), the frames used as given: ``pixel_values_videos``,
+    ``video_grid_thw``, ``video_metadata``."""
+    import numpy as np
     from transformers.video_utils import VideoMetadata
 
-    frames = [video for video, _ in videos]
+    frames = [np.array(video) for video, _ in videos]  # copies: ERNIE's processor draws on its frames in place
     metadata = [VideoMetadata(total_num_frames=meta.get("total_num_frames", len(video)), fps=meta.get("fps"),
                               frames_indices=meta.get("frames_indices", list(range(len(video)))))
                 for video, meta in videos]
     with _torchvision_stood_in():
-        processor = _processor_class().from_pretrained(path)
+        processor = _processor_class(*(processor_class or ())).from_pretrained(path)
         return processor(videos=frames, video_metadata=metadata, do_sample_frames=False, return_metadata=True,
                          return_tensors="pt", **kwargs)
 

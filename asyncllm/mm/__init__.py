@@ -23,5 +23,5 @@ Llama 4),
 ``mm_feature_extractor_class`` in place of ``AutoFeatureExtractor`` (Granite Speech's, whose HF one needs torchaudio), and
 ``mm_video_token_id`` / ``mm_video_pieces`` / ``video_settings`` for videos, ``mm_video_placeholder_id`` where
 the placeholders are another token, ``mm_video_processing`` where the frames are not processed as Qwen-VL's
-(LLaVA-NeXT-Video: asyncllm/mm/llava_video.py)).
+(LLaVA-NeXT-Video: asyncllm/mm/llava_video.py; ERNIE 4.5 VL: asyncllm/mm/ernie_video.py)).
 """

@@ -8,15 +8,15 @@ order (no temporal patch), so an item is ``(1, h, w, patch_features)`` and the p
 (between the chat template's ``<|IMAGE_START|>`` and ``<|IMAGE_END|>``) becomes one placeholder per 2 x 2 patches.
 
 - **Positions** (transformers' ``get_rope_index``): an image's tokens at the text position before it plus
-  (0, row, col), the text resuming ``max(rows, cols)`` later: mrope.py's `mrope_positions` as it is.
+  (0, row, col), the text resuming ``max(rows, cols)`` later (Qwen's rule for images; a video's differs below).
 - **Rotary**: ERNIE's interleaved pairs, turned half-split by reordering q/k rows at load (as the text model's);
   of the ``mrope_section = [h, w, t]`` bands (22 / 22 / 20 by default), the first ``2h`` frequencies alternate
   height (even) and width (odd), the last ``t`` turn with time (`ErnieMRotaryEmbedding`).
 - **Experts by modality** (`ErnieVLMoE`): each MoE layer has a text router and experts, a vision router and
   experts (their own ``moe_intermediate_size``), and shared experts every token runs. A token is a vision
   token when its id is an image's or a video's placeholder, start or end marker (transformers' processor's
-  ``moe_mm_token_type_ids``) in the prompt of a request with images; generated tokens are text (`ModalityRows`,
-  docs/moe.md).
+  ``moe_mm_token_type_ids``) in the prompt of a request with images or videos; generated tokens are text
+  (`ModalityRows`, docs/moe.md).
 - **Checkpoints**: Baidu's layout, which transformers' ``save_pretrained`` writes back: ``model.vision_model.*``,
   ``model.resampler_model.*``, ``model.layers.*`` with routers stored ``[hidden, E]`` (``mlp.gate.weight`` text,
   ``mlp.gate.weight_1`` vision), one ``moe_statics.e_score_correction_bias`` ``[2, E]`` (text row, vision row)
@@ -24,21 +24,33 @@ order (no temporal patch), so an item is ``(1, h, w, patch_features)`` and the p
 
 LoRA adapters take the decoder's attention and dense MLPs (their q / k B rows reordered as the rotary's: `lora_b_rows`);
 the experts take none. Pipeline stages route their own layers' rows (`step_scope`, which asyncllm/models/pipeline.py
-enters). Videos are not built (an input of one fails its request naming it).
+enters).
+
+**Videos** (transformers' ``Ernie4_5_VLMoeVideoProcessor``, asyncllm/mm/ernie_video.py): each frame stamped with
+its time and cut into 14 x 14 patches, an even number of frames; a video is one item of ``(frames, h, w, 588)``,
+its ``<|VIDEO_PLACEHOLDER|>`` (between ``<|VIDEO_START|>`` and ``<|VIDEO_END|>``) one placeholder per 2 x 2 patches
+of a frame pair (the resampler's temporal merge pairs frames 0 and 1, 2 and 3, ...). Its positions are frame pair,
+row and column past the text before it, the text resuming ``max(rows, cols)`` later (`ernie_mrope_positions`:
+transformers' rule, not Qwen's); its placeholders and markers run the vision experts.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, ContextManager, Iterable, Iterator
+import math
+from typing import Any, ContextManager, Iterable, Iterator, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError
+from asyncllm.mm.ernie_video import ErnieVideoProcessing
+from asyncllm.mm.qwen_video import VideoPiece
+from asyncllm.mm.videos import Video
 from asyncllm.models.ernie4_5_vl_vision import ErnieResampler, ErnieVisionTower
 from asyncllm.models.ernie_seed_arcee import Ernie4_5_MoeForCausalLM, ErnieMoE
 from asyncllm.models.layers import LoadedWeight, TensorParallel, head_dim_of
@@ -48,7 +60,8 @@ from asyncllm.models.mrope import MRotaryEmbedding, mrope_section
 from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen2VLTextModel
 from asyncllm.models.vision_language import load_vision_language_weights
 
-__all__ = ["Ernie4_5_VLMoeForConditionalGeneration", "ErnieMRotaryEmbedding", "ErnieVLMoE", "ModalityRows"]
+__all__ = ["Ernie4_5_VLMoeForConditionalGeneration", "ErnieMRotaryEmbedding", "ErnieVLMoE", "ModalityRows",
+           "ernie_mrope_positions"]
 
 _DEFAULT_SECTION = (22, 22, 20)
 _VISION_MARKERS = ("image_token_id", "image_start_token_id", "image_end_token_id", "video_token_id",
@@ -71,7 +84,7 @@ class ErnieMRotaryEmbedding(MRotaryEmbedding):
 
 class ModalityRows:
     """Which of a step's rows run the vision experts: set by the text model around its layers, read by each
-    `ErnieVLMoE`. A row is a vision row when it is inside the prompt of a request with images
+    `ErnieVLMoE`. A row is a vision row when it is inside the prompt of a request with images or videos
     (`AttentionMetadata.mm_prompt_rows`, which the multimodal runner sets) and its token one of ``token_ids``: so
     generated tokens run the text experts, as transformers' ``generate`` routes them. None: every row is text."""
 
@@ -207,17 +220,39 @@ def normalize_ernie_vl_name(name: str) -> str:
     return "language_model." + name if name.startswith(("model.", "lm_head.")) else name
 
 
+def ernie_mrope_positions(prompt_len: int, items: Sequence[tuple[int, int, Sequence[int]]],
+                          merge: int) -> tuple[np.ndarray, int]:
+    """transformers' ``get_rope_index`` for items ``(offset, length, (t, h, w))`` (in patches; an image's ``t`` is
+    1, a video's its even frame count): an item's placeholders at the text position before it plus (frame pair,
+    row, column), the text resuming ``max(rows, columns)`` past that position, however many frame pairs a video
+    has. Later tokens are at ``index + delta``, one past the prompt's last position as transformers' ``generate``
+    continues (not past the table's maximum: a video's time axis may reach further than the text after it)."""
+    table = np.empty((3, prompt_len), dtype=np.int64)
+    cursor = position = 0
+    for offset, length, (t, h, w) in items:
+        table[:, cursor:offset] = position + np.arange(offset - cursor)
+        position += offset - cursor
+        grid = (-(-t // 2), h // merge, w // merge)
+        if math.prod(grid) != length:
+            raise ValueError(f"an item of grid {(t, h, w)} has {length} placeholder tokens, not {math.prod(grid)}")
+        table[:, offset : offset + length] = np.indices(grid).reshape(3, -1) + position
+        position += max(grid[1:])
+        cursor = offset + length
+    table[:, cursor:] = position + np.arange(prompt_len - cursor)
+    return table, int(table[:, -1].max()) + 1 - prompt_len if prompt_len else 0
+
+
 class Ernie4_5_VLMoeForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Image features (tower, then resampler) replace the ``<|IMAGE_PLACEHOLDER|>`` embeddings; positions are
-    M-RoPE's; image rows and their markers run the vision experts."""
+    M-RoPE's; image and video rows and their markers run the vision experts."""
 
     is_moe = True
     tower_cls = ErnieVisionTower
     language_model_cls = ErnieVLLanguageModel
-    mm_video_token_id = None
-    mm_not_built = {"video": "ERNIE 4.5 VL's video input"}
+    mm_video_processing = ErnieVideoProcessing
+    """Frames stamped with their time, patched one frame deep (asyncllm/mm/ernie_video.py)."""
     mm_routes_prompt_rows = True
-    """The multimodal runner marks the step's prompt rows of requests with images (`ModalityRows`)."""
+    """The multimodal runner marks the step's prompt rows of requests with images or videos (`ModalityRows`)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, **kwargs: Any) -> None:
         super().__init__(hf_config, dtype=dtype, **kwargs)
@@ -229,6 +264,25 @@ class Ernie4_5_VLMoeForConditionalGeneration(Qwen2VLForConditionalGeneration):
     def moe_spec(cls, hf_config: Any, layer_idx: int) -> MoESpec | None:
         """Layer ``layer_idx``'s text experts (``hf_config``: the text config, as the registry's checks pass it)."""
         return ErnieVLLanguageModel.moe_spec(hf_config, layer_idx)
+
+    @staticmethod
+    def mm_placeholder_length(hf_config: Any, pixel_shape: tuple[int, ...]) -> int:
+        """Placeholders of an image (``t`` 1) or a video (``t`` frames, even): one per 2 x 2 patches of a frame
+        pair (an image's one frame is paired with itself)."""
+        t, h, w = pixel_shape[:3]
+        return -(-t // 2) * h * w // hf_config.vision_config.spatial_merge_size ** 2
+
+    @classmethod
+    def mm_video_pieces(cls, hf_config: Any, tokenizer: Any, video: Video,
+                        grid: tuple[int, int, int]) -> list[VideoPiece]:
+        """A video's ``<|VIDEO_PLACEHOLDER|>`` becomes one run of placeholders (no timestamp text: its frames carry
+        their times drawn on them)."""
+        return [VideoPiece([], slice(0, grid[0]), [])]
+
+    def mrope_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
+        """The prompt's M-RoPE positions and later tokens' delta (`ernie_mrope_positions`)."""
+        return ernie_mrope_positions(prompt_len, [(item.offset, item.length, tuple(item.shape[:3])) for item in items],
+                                     self.merge)
 
     def embed_multimodal(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[N, t, h, w, features]`` images of one grid -> ``[N, t * h * w / 4, text hidden]``."""

@@ -1,7 +1,7 @@
 """ERNIE 4.5 VL (``Ernie4_5_VLMoeForConditionalGeneration``) end to end: prompt ids and greedy tokens equal
 transformers' for two images of different shapes split across prefill chunks beside a text-only request, and on a
-prefix-cache hit; the modality routing (markers included) and the M-RoPE positions shown to matter; videos refused
-by name."""
+prefix-cache hit, and for a video (its frames stamped with their times) alone and after an image; the modality routing
+(markers included) and the M-RoPE positions shown to matter."""
 
 from __future__ import annotations
 
@@ -9,10 +9,20 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-from ernie_vl_utils import IMAGE, IMAGE_PLACEHOLDER, SPECIAL_TOKENS, hf_ernie_vl_greedy, hf_ernie_vl_inputs, make_tiny_ernie_vl
+from ernie_vl_utils import (
+    IMAGE,
+    IMAGE_PLACEHOLDER,
+    SPECIAL_TOKENS,
+    VIDEO,
+    VIDEO_PLACEHOLDER,
+    hf_ernie_vl_greedy,
+    hf_ernie_vl_inputs,
+    make_tiny_ernie_vl,
+)
 from mm_utils import hf_generate, make_image
+from qwen_vl_utils import make_video
 
-from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+from asyncllm import AsyncEngine, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -22,6 +32,7 @@ BUDGET = 8
 IMAGES = [make_image(120, 90, seed=1), make_image(60, 200, seed=2)]  # 6 x 8 and 14 x 4 patch grids
 TEXT = f"Describe {IMAGE_PLACEHOLDER} then {IMAGE_PLACEHOLDER}"
 """Ending at an image's end marker, whose experts (vision) then decide the first token."""
+VIDEO_TEXT = f"Watch {VIDEO_PLACEHOLDER}"
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +76,20 @@ async def test_modality_routing_and_positions_change_transformers_tokens(ernie_v
     assert all(hf_generate(model, {**inputs, **variant}, 8)[1] != expected for variant in variants)
 
 
-async def test_a_video_is_refused_by_name(engine):
-    import numpy as np
-
-    with pytest.raises(InvalidRequestError, match="video input"):
-        await engine.generate({"prompt": "<|VIDEO_START|><|VIDEO_PLACEHOLDER|><|VIDEO_END|>",
-                               "videos": [np.zeros((2, 28, 28, 3), np.uint8)]}, GREEDY)
+async def test_videos_beside_an_image_and_text_then_a_prefix_hit_match_transformers(engine, ernie_vl):
+    """Nine stamped frames (padded to ten: five frame pairs, more than the frames' rows or columns, so the text
+    after the video resumes by transformers' rule), alone and after an image, beside a text-only request."""
+    video = (make_video(9, 90, 60, seed=3), {"fps": 2.0, "frames_indices": list(range(0, 27, 3)),
+                                             "total_num_frames": 27})
+    prompts = [{"prompt": VIDEO_TEXT, "videos": [video]},
+               {"prompt": f"First {IMAGE_PLACEHOLDER}, {VIDEO_TEXT}", "images": IMAGES[:1], "videos": [video]},
+               "a text prompt with no video at all"]
+    outs = await asyncio.gather(*(engine.generate(p, GREEDY) for p in prompts))
+    again = await engine.generate(prompts[1], GREEDY)  # its prefix, image and video included, from the cache
+    expected = [hf_ernie_vl_greedy(ernie_vl, VIDEO_TEXT, [], 8, [video]),
+                hf_ernie_vl_greedy(ernie_vl, prompts[1]["prompt"], IMAGES[:1], 8, [video]),
+                hf_ernie_vl_greedy(ernie_vl, prompts[2], [], 8)]
+    assert [(o.prompt_token_ids, o.outputs[0].token_ids) for o in outs] == expected
+    assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == expected[1][1]
+    video_id = engine.tokenizer.convert_tokens_to_ids(VIDEO)
+    assert expected[0][0].count(video_id) == 5 * 2 * 3 > 2 * BUDGET  # frame pairs x 2 x 3 merged patches
