@@ -86,6 +86,10 @@ class MultiModalItem(msgspec.Struct, array_like=True, omit_defaults=True):
     """``[start, stop)`` relative to ``offset``: the rows whose tokens attend to each other both ways in a prefill
     (Gemma 3's image tokens), so no prefill chunk ends inside them; empty: causal like text. An item of no rows
     (``length`` 0, no data to encode) is such a span alone: PaliGemma's whole prompt (asyncllm/models/paligemma.py)."""
+    rows: list[int] = []
+    """``[start, whole]``: the placeholders take rows ``[start, start + length)`` of the encoder's ``whole`` rows of
+    this data (a piece of a video or audio laid out in several runs: Qwen2.5-Omni's audio in video,
+    asyncllm/models/omni_interleave.py); empty: all its rows."""
 
 
 class AbortRequests(msgspec.Struct, **_STRUCT):

@@ -95,11 +95,13 @@ def make_full_omni_layout(thinker: str, path: str | os.PathLike[str],
 
 
 def hf_omni_greedy(path: str, text: str, images: list[bytes], audios: list, max_new_tokens: int,
-                   videos: list = (), seconds_per_grid: list[float] = ()) -> tuple[list[int], list[int]]:
+                   videos: list = (), seconds_per_grid: list[float] = (),
+                   audio_in_video: bool = False) -> tuple[list[int], list[int]]:
     """transformers' (prompt ids, greedy tokens) for ``text`` with one `IMAGE_MARK` per image, one `AUDIO_MARK` per
     16 kHz waveform and one `VIDEO_MARK` per video (its ``(t, h, w, features)`` patches, the engine's: transformers'
     video processor needs torchvision; ``seconds_per_grid`` each), expanded as its ``Qwen2_5OmniProcessor`` does (no
-    processor is saved, for the same reason)."""
+    processor is saved, for the same reason). ``audio_in_video``: ``audios`` are the videos' tracks, in order,
+    interleaved with them by the processor's ``replace_video_with_audio_token``."""
     import torch
     from audio_utils import SAMPLING_RATE
     from PIL import Image
@@ -119,26 +121,56 @@ def hf_omni_greedy(path: str, text: str, images: list[bytes], audios: list, max_
         inputs["input_features"] = features["input_features"]
         inputs["feature_attention_mask"] = features["attention_mask"]
         frames = features["attention_mask"].sum(-1)
-        text = _expanded(text, "<|AUDIO|>", iter(((((frames - 1) // 2 + 1) - 2) // 2 + 1).tolist()))
+        rows = ((((frames - 1) // 2 + 1) - 2) // 2 + 1).tolist()
+        text = _expanded(text, "<|AUDIO|>", iter(rows))
     if videos:
-        text = video_inputs(inputs, text, "<|VIDEO|>", videos, seconds_per_grid)
+        text = video_inputs(inputs, text, "<|VIDEO|>", videos, seconds_per_grid, rows if audio_in_video else None)
     ids = tokenizer([text], return_tensors="pt")["input_ids"]
     inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
     with torch.no_grad():
-        out = hf_thinker(path).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        out = hf_thinker(path).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                        use_audio_in_video=audio_in_video)
     prompt_ids = ids[0].tolist()
     return prompt_ids, out[0, len(prompt_ids):].tolist()
 
 
-def video_inputs(inputs: dict, text: str, token: str, videos: list, seconds_per_grid: list[float]) -> str:
+def video_inputs(inputs: dict, text: str, token: str, videos: list, seconds_per_grid: list[float],
+                 audio_rows: list[int] | None = None) -> str:
     """Put the videos' (``(t, h, w, features)`` patches each) transformers inputs in ``inputs``; ``text`` with each
-    ``token`` repeated once per placeholder."""
+    ``token`` repeated once per placeholder, or (``audio_rows``: each video's track's placeholders) replaced as
+    ``Qwen2_5OmniProcessor`` does with the video's audio."""
     import torch
 
     inputs["pixel_values_videos"] = torch.cat([torch.from_numpy(v.reshape(-1, v.shape[-1])) for v in videos])
     inputs["video_grid_thw"] = torch.tensor([list(v.shape[:3]) for v in videos])
     inputs["video_second_per_grid"] = torch.tensor(seconds_per_grid)
+    if audio_rows is not None:
+        return _replaced(text, token, (hf_audio_in_video_text(grid, seconds, rows) for grid, seconds, rows
+                                       in zip(inputs["video_grid_thw"].tolist(), seconds_per_grid, audio_rows)))
     return _expanded(text, token, iter((inputs["video_grid_thw"].prod(-1) // 4).tolist()))
+
+
+def hf_audio_in_video_text(grid: list[int], seconds_per_grid: float, audio_rows: int,
+                           position_id_per_seconds: float = 25, seconds_per_chunk: float = 2.0) -> str:
+    """transformers' ``Qwen2_5OmniProcessor.replace_video_with_audio_token``'s text for a video of ``grid`` patches
+    and its track of ``audio_rows`` placeholders (the thinker config's defaults, which the tiny checkpoint keeps)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2_5OmniProcessor
+
+    processor = SimpleNamespace(
+        video_processor=SimpleNamespace(merge_size=2), audio_bos_token="<|audio_bos|>", audio_eos_token="<|audio_eos|>",
+        video_token="<|VIDEO|>", audio_token="<|AUDIO|>",
+        get_chunked_index=lambda values, per_chunk: Qwen2_5OmniProcessor.get_chunked_index(None, values, per_chunk))
+    return Qwen2_5OmniProcessor.replace_video_with_audio_token(
+        processor, {"video_grid_thw": [grid], "video_second_per_grid": [seconds_per_grid]}, 0,
+        {"num_audio_tokens": [audio_rows]}, 0, position_id_per_seconds=position_id_per_seconds,
+        seconds_per_chunk=seconds_per_chunk)
+
+
+def _replaced(text: str, token: str, replacements) -> str:
+    parts = text.split(token)
+    return parts[0] + "".join(next(replacements) + part for part in parts[1:])
 
 
 @functools.lru_cache(maxsize=2)

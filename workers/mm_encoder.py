@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncllm.mm.embeddings import encode_items
+from asyncllm.mm.embeddings import encode_items, encoded_rows
 from asyncllm.models.layers import TensorParallel
 from asyncllm.protocol import MultiModalItem
 
@@ -42,7 +42,7 @@ class DataParallelEncoder:
 
     def __call__(self, items: list[MultiModalItem], hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
         shares = self.shares(items)
-        rows_per_rank = [sum(item.length for item in share) for share in shares]
+        rows_per_rank = [sum(encoded_rows(item) for item in share) for share in shares]
         mine = shares[self.tp.rank]
         padded = torch.zeros(max(rows_per_rank), hidden, dtype=dtype, device=self.device)
         if mine:
@@ -54,8 +54,8 @@ class DataParallelEncoder:
         for rank, (share, flat) in enumerate(zip(shares, gathered)):
             start = 0
             for k, item in enumerate(share):
-                out[rank + k * self.tp.size] = flat[start : start + item.length]
-                start += item.length
+                out[rank + k * self.tp.size] = flat[start : start + encoded_rows(item)]
+                start += encoded_rows(item)
         return out
 
     def _all_gather_bytes(self, padded: torch.Tensor) -> list[torch.Tensor]:

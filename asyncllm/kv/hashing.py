@@ -70,7 +70,7 @@ class MultiModalPlaceholder(Protocol):
 
 
 def block_extra_keys(
-    block_index: int, cache_salt: str | None, mm_keys: tuple[tuple[str, int], ...] = (), lora_id: int = 0
+    block_index: int, cache_salt: str | None, mm_keys: tuple[tuple[str | int, ...], ...] = (), lora_id: int = 0
 ) -> tuple[Any, ...]:
     """Extra keys of block `block_index` of a request, beyond its token ids.
 
@@ -89,9 +89,10 @@ def block_extra_keys(
     return keys + (("mm", mm_keys),) if mm_keys else keys
 
 
-def _mm_keys(mm_items: Sequence[MultiModalPlaceholder], start: int, end: int) -> tuple[tuple[str, int], ...]:
-    """``(mm_hash, offset - start)`` of the items overlapping tokens ``[start, end)``."""
-    return tuple((item.mm_hash, item.offset - start) for item in mm_items
+def _mm_keys(mm_items: Sequence[MultiModalPlaceholder], start: int, end: int) -> tuple[tuple[str | int, ...], ...]:
+    """``(mm_hash, offset - start)`` of the items overlapping tokens ``[start, end)`` (a piece's first row too:
+    `asyncllm.protocol.MultiModalItem.rows`)."""
+    return tuple((item.mm_hash, item.offset - start, *getattr(item, "rows", ())[:1]) for item in mm_items
                  if item.offset < end and item.offset + item.length > start)
 
 

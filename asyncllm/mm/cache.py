@@ -120,6 +120,8 @@ def _check_item(item: MultiModalItem, index: int, num_prompt_tokens: int, previo
     if span and not (len(span) == 2 and 0 <= item.offset + span[0] < item.offset + span[1] <= num_prompt_tokens):
         raise InvalidRequestError(f"{field}.bidirectional", f"{span} must be [start, stop) of the prompt's tokens, "
                                                             "relative to the item's offset")
+    if item.rows and not (len(item.rows) == 2 and 0 <= item.rows[0] and item.rows[0] + item.length <= item.rows[1]):
+        raise InvalidRequestError(f"{field}.rows", f"{item.rows} must be [start, whole] with start + length <= whole")
     if not (math.isfinite(item.time_interval) and item.time_interval >= 0):
         raise InvalidRequestError(f"{field}.time_interval", f"a finite number >= 0, got {item.time_interval!r}")
     if item.data is not None or _in_ring(item):

@@ -24,7 +24,7 @@ import torch
 from asyncllm.mm.encoder_cache import EncoderCache
 from asyncllm.protocol import MultiModalItem
 
-__all__ = ["EncodeFn", "EncoderOutputCache", "ScheduledSpan", "encode_items"]
+__all__ = ["EncodeFn", "EncoderOutputCache", "ScheduledSpan", "encode_items", "encoded_rows"]
 
 EncodeFn = Callable[[list[MultiModalItem], int, torch.dtype], list[torch.Tensor]]
 """(items, hidden size, dtype) -> one ``[item.length, hidden]`` tensor per item, in order."""
@@ -46,6 +46,12 @@ def _pixels(item: MultiModalItem, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(array.copy()).to(device)
 
 
+def encoded_rows(item: MultiModalItem) -> int:
+    """The rows the encoder outputs for ``item``'s data: its placeholders', or the whole of a piece's
+    (`MultiModalItem.rows`)."""
+    return item.rows[1] if item.rows else item.length
+
+
 def encode_items(model: Any, items: list[MultiModalItem], device: torch.device) -> list[torch.Tensor]:
     """Run ``model.embed_multimodal`` over ``items`` on this rank (batched by pixel shape); features in item order."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
@@ -56,8 +62,9 @@ def encode_items(model: Any, items: list[MultiModalItem], device: torch.device) 
     for indices in by_shape.values():
         features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in indices]))
         for i, rows in zip(indices, features):
-            if rows.shape[0] != items[i].length and not cross:  # cross-attention rows have no placeholders
-                raise ValueError(f"image {items[i].mm_hash}: {rows.shape[0]} features for {items[i].length} placeholders")
+            if rows.shape[0] != encoded_rows(items[i]) and not cross:  # cross-attention rows have no placeholders
+                raise ValueError(f"image {items[i].mm_hash}: {rows.shape[0]} features for {encoded_rows(items[i])} "
+                             "placeholders")
             out[i] = rows
     return out
 
@@ -110,7 +117,8 @@ class EncoderOutputCache:
             dst = span.flat_offset + lo - span.start
             kept = self._text_rows(item, lo, hi, embeds.device)
             text = None if kept is None else embeds[kept + dst]
-            embeds[dst : dst + hi - lo] = features[lo - item.offset : hi - item.offset].to(embeds.dtype)
+            first = (item.rows[0] if item.rows else 0) - item.offset  # a piece's rows start inside the output
+            embeds[dst : dst + hi - lo] = features[lo + first : hi + first].to(embeds.dtype)
             if kept is not None:
                 embeds[kept + dst] = text
             if hi == item.offset + item.length:  # the prefill has passed this image

@@ -209,7 +209,11 @@ class MultiModalProcessor:
         """The model's refusal of processor settings it does not build (Qwen2.5-Omni's ``use_audio_in_video``)."""
         if self._check_kwargs is not None:
             self._check_kwargs(processor_kwargs or {})
-        self._engine_overrides = dict(processor_kwargs or {})
+        self._own_kwargs: tuple[str, ...] = getattr(model_cls, "mm_own_processor_kwargs", ())
+        """``mm_processor_kwargs`` the model's processing here reads (Qwen2.5-Omni's ``use_audio_in_video``), kept
+        from its image processor."""
+        self._engine_overrides = {k: v for k, v in (processor_kwargs or {}).items() if k not in self._own_kwargs}
+        self._engine_own = {k: v for k, v in (processor_kwargs or {}).items() if k in self._own_kwargs}
         self._processor_defaults: dict[str, Any] = getattr(model_cls, "mm_processor_defaults", {})
         """Image processor settings the model's HF processor passes where the image processor has none."""
         self._processor_cls = getattr(model_cls, "mm_image_processor_class", None)
@@ -333,6 +337,9 @@ class MultiModalProcessor:
         the images (their videos: ``...videos``); ``inline``: every item with its data, the cache untouched."""
         overrides = overrides or {}
         self._processor_for(overrides)  # a bad key fails the request before any image is read
+        settings = {**self._engine_own, **overrides}
+        with_audio = "use_audio_in_video" in self._own_kwargs and bool(settings.get("use_audio_in_video"))
+        """Each video takes the next audio (its track), interleaved with its frames (`_video_with_audio`)."""
         fields = {kind: field.removesuffix("images") + kind + "s" if field.endswith("images") else field
                   for kind in ("image", "video", "audio")}
         token_of = self._markers()
@@ -342,7 +349,7 @@ class MultiModalProcessor:
         tokens = {token: kind for kind, token in token_of.items() if token is not None}
         slots = [(i, tokens[t]) for i, t in enumerate(token_ids) if t in tokens]
         for kind, (given, _) in media.items():
-            count = sum(1 for _, k in slots if k == kind)
+            count = sum(1 for _, k in slots if k == kind or with_audio and kind == "audio" and k == "video")
             if count != len(given):
                 raise InvalidRequestError(
                     fields[kind], f"the prompt has {count} {kind} placeholder tokens (id {token_of[kind]}) but "
@@ -364,6 +371,11 @@ class MultiModalProcessor:
                 items.append(item)
             elif kind == "audio":
                 self._audio(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline, bool(media["image"][0]))
+            elif with_audio:
+                track, seen["audio"] = seen["audio"], seen["audio"] + 1
+                self._video_with_audio((value, uuid, f"{fields[kind]}[{index}]"), (*(m[track] for m in media["audio"]),
+                                       f"{fields['audio']}[{track}]"), token_ids[slot + 1 : slot + 2], expanded, items,
+                                       inline)
             else:
                 self._video(value, uuid, f"{fields[kind]}[{index}]", expanded, items, inline)
             previous = slot + 1
@@ -504,6 +516,26 @@ class MultiModalProcessor:
             items.append(item)
             expanded += [self.video_placeholder_id] * item.length + piece.after
 
+    def _video_with_audio(self, video: tuple[VideoInput, str | None, str], audio: tuple[AudioInput, str | None, str],
+                          following: list[int], expanded: list[int], items: list[MultiModalItem], inline: bool) -> None:
+        """Append a video interleaved with its audio track (``use_audio_in_video``: the model's
+        ``mm_audio_in_video``, asyncllm/models/omni_interleave.py): each run of placeholders one item, a piece of
+        the whole video's or audio's rows (both processed, cached and encoded once)."""
+        spec = self._model_cls.mm_audio_in_video(self._hf_config)
+        if expanded[-1:] != [spec.vision_start] or not following:
+            raise InvalidRequestError(video[2], f"with use_audio_in_video a video's placeholder follows its vision "
+                                                f"start token (id {spec.vision_start}) and precedes its end token")
+        whole: list[MultiModalItem] = []
+        self._video(*video, [], whole, inline)
+        self._audio(*audio, [], whole, inline)
+        expanded.append(spec.audio_start)
+        for is_video, start, stop in spec.pieces(tuple(whole[0].shape[:3]), whole[0].time_interval, whole[1].length):
+            item = whole[0] if is_video else whole[1]
+            items.append(msgspec.structs.replace(item, offset=len(expanded), length=stop - start,
+                                                 rows=[start, item.length]))
+            expanded += [self.video_placeholder_id if is_video else self.audio_token_id] * (stop - start)
+        expanded.append(spec.audio_end)
+
     def _audio(self, value: AudioInput, uuid: str | None, field: str, expanded: list[int],
                items: list[MultiModalItem], inline: bool, with_images: bool = False) -> None:
         """Append an audio's placeholders to ``expanded`` and its item to ``items``; it is read and its features
@@ -551,6 +583,8 @@ class MultiModalProcessor:
     def _processor_for(self, overrides: dict[str, Any]) -> Any:
         """The image processor with a request's ``mm_processor_kwargs`` over the engine's (`ConfigError` -> the
         request's `InvalidRequestError` for a key that changes nothing)."""
+        if isinstance(overrides, dict) and self._own_kwargs:
+            overrides = {k: v for k, v in overrides.items() if k not in self._own_kwargs}
         if not overrides:
             return self.image_processor
         if self.image_processor is None:

@@ -4,8 +4,9 @@ their multimodal hooks, M-RoPE over images and videos only, and the full checkpo
 A thinker takes images and videos (its Qwen-VL tower's) and audios (its own encoder's ``[1, mel + 1, frames]`` packed
 log-mel frames and mask: Qwen2-Audio's `mm_audio_values`); it serves text only, as vLLM does. Audio placeholders are
 positioned as text is (transformers' ``get_rope_index``); a video is one run of placeholders whose temporal patches
-are ``position_id_per_seconds`` x their seconds apart in time. Speech out (``enable_audio_output``) and a video's own
-audio track (``use_audio_in_video``) are a `NotBuiltError`.
+are ``position_id_per_seconds`` x their seconds apart in time. Speech out (``enable_audio_output``) is a
+`NotBuiltError`; a video's own audio track (``use_audio_in_video``) is Qwen2.5-Omni's only
+(asyncllm/models/omni_interleave.py), Qwen3-Omni's a `NotBuiltError`.
 """
 
 from __future__ import annotations
@@ -20,22 +21,18 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.mm.qwen_video import VideoPiece
 from asyncllm.mm.videos import Video
 from asyncllm.models.layers import LoadedWeight
+from asyncllm.models.omni_interleave import interleaved_positions
 from asyncllm.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from asyncllm.models.vision_language import text_config_of
 
-__all__ = ["OmniThinker", "check_omni_processor_kwargs"]
+__all__ = ["OmniThinker"]
 
-_REFUSED_PROCESSOR_KWARGS = ("use_audio_in_video", "load_audio_from_video", "return_audio", "enable_audio_output",
-                             "speaker")
-
-
-def check_omni_processor_kwargs(overrides: dict[str, Any]) -> None:
-    """`NotBuiltError` for ``mm_processor_kwargs`` asking for speech out or a video's interleaved audio."""
-    for key in _REFUSED_PROCESSOR_KWARGS:
-        if overrides.get(key):
-            raise NotBuiltError(f"mm_processor_kwargs.{key}", overrides[key],
-                                "Qwen-Omni's speech output and audio-in-video (the thinker serves text from "
-                                "images, videos and audios given apart)")
+_REFUSED_PROCESSOR_KWARGS = {
+    "load_audio_from_video": "decoding a video file's audio track (pass the track as the video's audio with "
+                             "use_audio_in_video)",
+    **dict.fromkeys(("return_audio", "enable_audio_output", "speaker"), "Qwen-Omni's speech output (the thinker "
+                                                                         "serves text)"),
+}
 
 
 def check_no_audio_output(hf_config: Any) -> None:
@@ -86,7 +83,15 @@ class OmniThinker:
         return [VideoPiece([], slice(0, grid[0]), [], float(seconds * np.float32(hf_config.position_id_per_seconds)))]
 
     mm_audio_values = staticmethod(Qwen2AudioForConditionalGeneration.mm_audio_values)
-    mm_check_processor_kwargs = staticmethod(check_omni_processor_kwargs)
+    refused_processor_kwargs = _REFUSED_PROCESSOR_KWARGS
+    """``mm_processor_kwargs`` this thinker does not build: what each would ask for."""
+
+    @classmethod
+    def mm_check_processor_kwargs(cls, overrides: dict[str, Any]) -> None:
+        """`NotBuiltError` for ``mm_processor_kwargs`` asking for what this thinker does not build."""
+        for key, feature in cls.refused_processor_kwargs.items():
+            if overrides.get(key):
+                raise NotBuiltError(f"mm_processor_kwargs.{key}", overrides[key], feature)
 
     @classmethod
     def audio_placeholders(cls, hf_config: Any, frames: int) -> int:
@@ -101,7 +106,13 @@ class OmniThinker:
         return cls.mm_placeholder_length(hf_config, values.shape)  # type: ignore[attr-defined]
 
     def mrope_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
-        """M-RoPE's positions of the images and videos; an audio's placeholders count on as text does."""
+        """M-RoPE's positions of the images and videos; an audio's placeholders count on as text does; a video with
+        its audio as transformers' ``get_rope_index`` (asyncllm/models/omni_interleave.py)."""
+        if not any(item.rows for item in items):
+            return self._plain_positions(prompt_len, items)
+        return interleaved_positions(prompt_len, items, self.merge, self._plain_positions)  # type: ignore[attr-defined]
+
+    def _plain_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
         return super().mrope_positions(prompt_len, [item for item in items if len(item.shape) == 4])  # type: ignore[misc]
 
     def embed_audios(self, features: torch.Tensor, frames: list[int]) -> list[torch.Tensor]:

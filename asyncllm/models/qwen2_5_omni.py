@@ -6,8 +6,7 @@ audio encoder of its own and the Qwen2 decoder with M-RoPE (asyncllm/models/qwen
 talker and token2wav (speech out) are not built: their weights (``talker.*``, ``token2wav.*``) are skipped unread,
 the thinker's (``thinker.*``) served, and its config is the ``thinker_config`` (asyncllm/models/family_config.py's
 `omni_thinker_config`). Asking for
-speech (``enable_audio_output`` in ``hf_overrides``) or for a video's own audio (``use_audio_in_video``) is a
-`NotBuiltError`.
+speech (``enable_audio_output`` in ``hf_overrides``) is a `NotBuiltError`.
 
 The host reads each audio as Qwen2-Audio's (the first 30 s, the checkpoint's ``WhisperFeatureExtractor`` frames padded
 to 3000 with their mask: asyncllm/models/qwen2_audio.py). The encoder cuts an audio's true frames into chunks of
@@ -16,8 +15,9 @@ zeroed between them), adds sinusoidal positions that restart at every chunk, att
 the audio's rows in pairs, normalizes and projects them to the decoder's width: one row per ``<|AUDIO|>`` placeholder
 (``((L - 1) // 2 + 1 - 2) // 2 + 1`` of ``L`` frames). Audio positions count on like text's (transformers'
 ``get_rope_index``), so only images and videos take M-RoPE's grid positions. A video is Qwen2.5-VL's (one run of
-``<|VIDEO|>`` placeholders), its temporal patches ``position_id_per_seconds`` (25) x their seconds apart in time; a
-video's own audio track is not read (``use_audio_in_video``).
+``<|VIDEO|>`` placeholders), its temporal patches ``position_id_per_seconds`` (25) x their seconds apart in time.
+With ``mm_processor_kwargs={"use_audio_in_video": True}`` each video takes the next audio of the prompt (its track)
+interleaved with its frames by 2 s chunks, as transformers' processor lays them (asyncllm/models/omni_interleave.py).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.layers import LoadedWeight
+from asyncllm.models.omni_interleave import AudioInVideo
 from asyncllm.models.omni_thinker import OmniThinker
 from asyncllm.models.pipeline import in_missing_part
 from asyncllm.models.qwen2_audio import (
@@ -108,6 +109,9 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinker, Qwen2VLForConditio
 
     # ---- audio (asyncllm/models/omni_thinker.py's hooks)
     mm_audio_extractor_kwargs = Qwen2AudioForConditionalGeneration.mm_audio_extractor_kwargs
+    mm_own_processor_kwargs = ("use_audio_in_video",)
+    """``mm_processor_kwargs`` the processor reads itself (asyncllm/mm/processor.py), not the image processor's."""
+    mm_audio_in_video = staticmethod(AudioInVideo.of)
 
     @staticmethod
     def mm_audio_windows(waveform: np.ndarray, rate: int) -> list[np.ndarray]:

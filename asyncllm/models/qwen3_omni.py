@@ -8,8 +8,9 @@ Qwen3-ASR's audio encoder (asyncllm/models/qwen3_asr.py) ending in ``proj2(act(p
 The full checkpoint's talker and code2wav (speech out) are not built: their weights (``talker.*``, ``code2wav.*``) are
 skipped unread, the thinker's (``thinker.*``) served, and its config is the ``thinker_config``
 (asyncllm/models/family_config.py's `omni_thinker_config`). The hooks shared with Qwen2.5-Omni's thinker (speech out
-and audio-in-video refused, audio positioned as text, videos as one run of placeholders) are
-asyncllm/models/omni_thinker.py's.
+refused, audio positioned as text, videos as one run of placeholders) are asyncllm/models/omni_thinker.py's. A
+video's audio track (``use_audio_in_video``) is a `NotBuiltError`: Qwen3-Omni merges it with the frames token by
+token in time order, not Qwen2.5-Omni's chunks (its processor's and config's ``position_id_per_seconds`` differ).
 
 The host reads each audio whole (transformers' ``Qwen3OmniMoeProcessor``: the checkpoint's ``WhisperFeatureExtractor``,
 no 30 s cut, no padding). The encoder cuts an audio's frames into chunks of ``2 * n_window`` (1 s; the last shorter,
@@ -111,6 +112,8 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinker, Qwen3VLMoeForCond
         return Qwen3OmniMoeLanguageModel.moe_spec(hf_config, layer_idx)
 
     # ---- audio (asyncllm/models/omni_thinker.py's hooks)
+    refused_processor_kwargs = {**OmniThinker.refused_processor_kwargs,
+                                "use_audio_in_video": "Qwen3-Omni's audio in video (its time-ordered merge)"}
     mm_audio_extractor_kwargs = {"padding": True, "truncation": False, "return_attention_mask": True}
     """How transformers' ``Qwen3OmniMoeProcessor`` calls the feature extractor: the whole audio, unpadded."""
 

@@ -2,8 +2,10 @@
 equal transformers' ``Qwen2_5OmniThinkerForConditionalGeneration`` for an image prompt, an audio prompt (its encoder's
 chunks of 40 frames, the last of 13), a prompt with both and a text prompt, batched and split over 16-token prefill
 chunks, and again on a prefix-cache hit; a video beside an audio (time positions from position_id_per_seconds); the
-encoder's rows equal transformers'; the full ``Qwen2_5OmniForConditionalGeneration`` layout loads the same thinker,
-its talker and token2wav skipped; speech out and audio-in-video are refused by name."""
+encoder's rows equal transformers'; a video with its audio track (``use_audio_in_video``: interleaved by 2 s chunks,
+the request's or the engine's setting) equals transformers' over prefill chunks and on a prefix-cache hit; the full
+``Qwen2_5OmniForConditionalGeneration`` layout loads the same thinker, its talker and token2wav skipped; speech out
+and decoding a video file's audio are refused by name."""
 
 from __future__ import annotations
 
@@ -72,6 +74,34 @@ async def test_a_video_beside_an_audio_matches_transformers(engine, tiny_omni):
     assert out.outputs[0].token_ids == tokens
 
 
+async def test_a_video_with_its_audio_matches_transformers_and_on_a_prefix_cache_hit(engine, tiny_omni):
+    """``use_audio_in_video``: at 2 fps (two chunks of two temporal patches, the second reaching past the audio's
+    last chunk: decoding goes on from the last prompt position) and at 0.5 fps (patches 100 positions apart: one-token
+    video chunks), the audio's 62 rows in chunks of 50; each video and audio encoded once. The engine-wide setting
+    lays the prompt out the same."""
+    from asyncllm.config import EngineConfig
+    from asyncllm.engine.prepare import prepare
+    from asyncllm.mm.processor import MultiModalInputs
+
+    audio = make_audio(2.5, seed=4)
+    text = f"watch {VIDEO_MARK} now"
+    cases = [((make_video(8, 100, 80, seed=3), {"fps": 2.0}), 1.0), ((make_video(5, 100, 80, seed=5), {"fps": 0.5}), 4.0)]
+    requests = [{"prompt": text, "videos": [video], "audios": [(audio, SAMPLING_RATE)],
+                 "mm_processor_kwargs": {"use_audio_in_video": True}} for video, _ in cases]
+    outs = await asyncio.gather(*(engine.generate(request, GREEDY) for request in requests))
+    for out, (video, seconds) in zip(outs, cases):
+        want = hf_omni_greedy(tiny_omni, text, [], [audio], 8, [video_patches_of(tiny_omni, video)], [seconds], True)
+        assert (out.prompt_token_ids, out.outputs[0].token_ids) == want
+    before = engine.stats().prefix_cache_hits
+    again = await engine.generate(requests[0], GREEDY)
+    assert engine.stats().prefix_cache_hits > before
+    assert again.outputs[0].token_ids == outs[0].outputs[0].token_ids
+    mm = prepare(EngineConfig.create(tiny_omni, mm_processor_kwargs={"use_audio_in_video": True})).mm
+    token_ids = mm.encode_text(text, 0)
+    wide = mm.process(token_ids, MultiModalInputs(videos=[cases[0][0]], audios=[(audio, SAMPLING_RATE)]), "images")
+    assert wide.token_ids == outs[0].prompt_token_ids
+
+
 async def test_the_full_checkpoint_layout_loads_the_same_thinker_whose_audio_rows_equal_transformers(tiny_omni, tmp_path):
     """``thinker.*`` weights, the talker's and token2wav's skipped unread; the config's ``thinker_config`` served. Two
     audios in one encoder call (the second's last chunk of 15 frames: its padded frames zeroed between the
@@ -102,17 +132,22 @@ async def test_the_full_checkpoint_layout_loads_the_same_thinker_whose_audio_row
     torch.testing.assert_close(torch.cat(got), want, atol=1e-5, rtol=0)
 
 
-async def test_speech_out_and_audio_in_video_are_not_built(engine, tiny_omni):
-    """A request's or the engine's ``use_audio_in_video``, and ``enable_audio_output`` set over the thinker's config
-    (``hf_overrides``), are refused by name."""
+async def test_speech_out_and_a_video_files_audio_are_not_built(engine, tiny_omni):
+    """A request's or the engine's ``load_audio_from_video`` (decoding the track from the file), and
+    ``enable_audio_output`` set over the thinker's config (``hf_overrides``), are refused by name; so is a video with
+    its audio not after its vision start token."""
     from asyncllm.config import EngineConfig
     from asyncllm.engine.prepare import prepare
     from asyncllm.models.loader import build_model, load_hf_config
 
-    with pytest.raises(InvalidRequestError, match="use_audio_in_video.*not built"):
-        await engine.generate({**_prompt(*CASES[1]), "mm_processor_kwargs": {"use_audio_in_video": True}}, GREEDY)
-    with pytest.raises(NotBuiltError, match="use_audio_in_video.*not built"):
-        prepare(EngineConfig.create(tiny_omni, mm_processor_kwargs={"use_audio_in_video": True}))
+    with pytest.raises(InvalidRequestError, match="load_audio_from_video.*not built"):
+        await engine.generate({**_prompt(*CASES[1]), "mm_processor_kwargs": {"load_audio_from_video": True}}, GREEDY)
+    with pytest.raises(NotBuiltError, match="load_audio_from_video.*not built"):
+        prepare(EngineConfig.create(tiny_omni, mm_processor_kwargs={"load_audio_from_video": True}))
+    unmarked = {"prompt": "watch <|VIDEO|> now", "videos": [(make_video(2, 100, 80, seed=3), {"fps": 2.0})],
+                "audios": [(AUDIO, SAMPLING_RATE)], "mm_processor_kwargs": {"use_audio_in_video": True}}
+    with pytest.raises(InvalidRequestError, match="vision start token"):
+        await engine.generate(unmarked, GREEDY)
     hf_config = load_hf_config(tiny_omni)
     hf_config.enable_audio_output = True
     with pytest.raises(NotBuiltError, match="enable_audio_output"):

@@ -1,0 +1,128 @@
+"""Qwen2.5-Omni's audio in video (``mm_processor_kwargs={"use_audio_in_video": True}``): a video and its audio track
+interleaved by time chunks in the prompt, and their M-RoPE positions (transformers' ``Qwen2_5OmniProcessor`` and
+``get_rope_index``).
+
+The video's ``<|VIDEO|>`` (between ``<|vision_bos|>`` and ``<|vision_eos|>``) becomes ``<|audio_bos|>``, then the
+video's and the audio's placeholders cut into chunks of ``position_id_per_seconds * seconds_per_chunk`` positions of
+time (`chunked_index`, transformers' ``get_chunked_index`` as it is: a token may advance the chunk by one only, so a
+video whose temporal patches lie over a chunk apart has one-token chunks), video chunk j before audio chunk j, then
+``<|audio_eos|>``. Each chunk is one item (`asyncllm.protocol.MultiModalItem.rows`: its rows of the whole video's or
+audio's encoder output, which is encoded once). Positions: the two start tokens share one, the video's temporal
+patches and the audio's rows count on from the next (the audio's as text, one a row, so 25 rows a second of either),
+the two end tokens share the last chunk's largest position + 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+import numpy as np
+
+from asyncllm.errors import ConfigError
+
+__all__ = ["AudioInVideo", "chunked_index", "interleaved_positions", "video_times"]
+
+
+def chunked_index(values: np.ndarray, per_chunk: int) -> list[tuple[int, int]]:
+    """transformers' ``get_chunked_index``: ``[start, stop)`` runs of ``values`` (non-decreasing), a new run where a
+    value reaches the next multiple of ``per_chunk`` (one chunk further a value, whatever it skips)."""
+    runs, start, chunk = [], 0, 1
+    for i, value in enumerate(values.tolist()):
+        if value >= chunk * per_chunk:
+            runs.append((start, i))
+            start, chunk = i, chunk + 1
+    runs.append((start, len(values)))
+    return runs
+
+
+def video_times(grid: tuple[int, int, int], merge: int, time_interval: float) -> np.ndarray:
+    """Each of a video's placeholders' time position: its temporal patch's ``int(i * time_interval)`` (float32)."""
+    t, h, w = grid
+    times = (np.arange(t, dtype=np.float32) * np.float32(time_interval)).astype(np.int64)
+    return np.repeat(times, (h // merge) * (w // merge))
+
+
+@dataclass(frozen=True)
+class AudioInVideo:
+    """A Qwen2.5-Omni thinker's tokens and chunk size for a video with its audio (`of`)."""
+
+    vision_start: int
+    audio_start: int
+    audio_end: int
+    per_chunk: int
+    """``int(position_id_per_seconds * seconds_per_chunk)``: time positions a chunk."""
+    merge: int
+    """The vision tower's spatial merge: a temporal patch's placeholders are its ``(h / merge) x (w / merge)``."""
+
+    @classmethod
+    def of(cls, hf_config: Any) -> AudioInVideo:
+        per_chunk = int(hf_config.position_id_per_seconds * hf_config.seconds_per_chunk)
+        if per_chunk < 1:
+            raise ConfigError("seconds_per_chunk", hf_config.seconds_per_chunk,
+                              "at least one time position a chunk (position_id_per_seconds x seconds_per_chunk >= 1)")
+        return cls(int(hf_config.vision_start_token_id), int(hf_config.audio_start_token_id), int(hf_config.audio_end_token_id), per_chunk,
+                   int(hf_config.vision_config.spatial_merge_size))
+
+    def pieces(self, grid: tuple[int, int, int], time_interval: float, audio_rows: int) -> list[tuple[bool, int, int]]:
+        """(is the video's, first row, stop row) of each run of placeholders in prompt order of a video of ``grid``
+        patches ``time_interval`` apart and its audio's ``audio_rows``: video chunk j, then audio chunk j; empty runs
+        left out."""
+        video = chunked_index(video_times(grid, self.merge, time_interval), self.per_chunk)
+        audio = chunked_index(np.arange(audio_rows), self.per_chunk)
+        runs = []
+        for j in range(max(len(video), len(audio))):
+            runs += [(True, *video[j])] if j < len(video) else []
+            runs += [(False, *audio[j])] if j < len(audio) else []
+        return [run for run in runs if run[1] < run[2]]
+
+
+def end_of(item: Any) -> int:
+    return item.offset + item.length
+
+
+def _group_positions(items: list[Any], origin: int, merge: int) -> list[np.ndarray]:
+    """Each piece's ``[3, length]`` positions, the video's and audio's rows counting from ``origin``."""
+    out = []
+    for item in items:
+        start = item.rows[0]
+        if len(item.shape) == 3:  # an audio's rows: as text
+            out.append(np.broadcast_to(np.arange(start, start + item.length) + origin, (3, item.length)))
+            continue
+        t, h, w = item.shape[:3]
+        grid = np.indices((t, h // merge, w // merge)).reshape(3, -1)
+        grid[0] = video_times((t, h, w), merge, item.time_interval)
+        out.append(grid[:, start : start + item.length] + origin)
+    return out
+
+
+def interleaved_positions(prompt_len: int, items: list[Any], merge: int,
+                          plain: Callable[[int, list[Any]], tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
+    """The prompt's ``[3, prompt_len]`` positions and delta: ``plain(length, items)`` (the model's own rule) between
+    the videos with their audio, whose pieces (items with ``rows``, adjacent, a video's first) are positioned as
+    transformers' ``get_rope_index`` does: the two tokens before share a position, the pieces count on from the
+    next, the two tokens after share the last piece's largest position + 1. Decoding goes on from the prompt's last
+    position, as transformers' ``generate`` does (from 5.3; vLLM and earlier transformers from its largest + 1,
+    further where a video chunk reaches past the last audio chunk)."""
+    table = np.empty((3, prompt_len), dtype=np.int64)
+    base = cursor = i = 0
+    while True:
+        first = next((k for k in range(i, len(items)) if items[k].rows), len(items))
+        last = first
+        while last + 1 < len(items) and items[last + 1].rows and items[last + 1].offset == end_of(items[last]):
+            last += 1  # the pieces of one video with its audio: no text between them
+        stop = items[first].offset - 1 if first < len(items) else prompt_len  # the text up to the second start token
+        segment = [msgspec.structs.replace(item, offset=item.offset - cursor) for item in items[i:first]]
+        part, _ = plain(stop - cursor, segment)
+        table[:, cursor:stop] = part + base
+        if first == len(items):
+            break
+        table[:, stop] = table[:, stop - 1]
+        pieces = _group_positions(items[first:last + 1], int(table[0, stop]) + 1, merge)
+        for item, positions in zip(items[first:last + 1], pieces):
+            table[:, item.offset : item.offset + item.length] = positions
+        end = end_of(items[last])
+        table[:, end : end + 2] = int(pieces[-1].max()) + 1
+        base, cursor, i = int(table[0, end]) + 1, end + 2, last + 1
+    return table, int(table[:, -1].max()) + 1 - prompt_len  # decoding goes on from the last prompt token
