@@ -159,11 +159,11 @@ class ModelConfig:
     """torch_sdpa (CPU default, the reference) or triton (CUDA default; on CPU only with TRITON_INTERPRET=1);
     flashinfer, flash_attn: an error naming the package when it is missing, not built yet otherwise. None picks the default."""
     generation_config: str = "auto"
-    """The model's generation config: auto = the model folder's generation_config.json, vllm = none, or a folder
-    holding one. Its temperature, top_p, top_k, min_p, repetition_penalty and max_new_tokens (as max_tokens) are
-    the defaults of requests without SamplingParams and of server fields left unset (vllm: SamplingParams' own); its
-    suppress_tokens, begin_suppress_tokens and Whisper's task and timestamp tokens apply to every request; its
-    eos_token_id joins the EOS ids (with vllm the model folder's, as vLLM)."""
+    """The model's generation config: auto = the model folder's generation_config.json, vllm = the same file without
+    its sampling defaults, or a folder holding one. Its temperature, top_p, top_k, min_p, repetition_penalty and
+    max_new_tokens (as max_tokens) are the defaults of requests without SamplingParams and of server fields left
+    unset (vllm: SamplingParams' own); its suppress_tokens, begin_suppress_tokens and Whisper's task and timestamp
+    tokens apply to every request and its eos_token_id joins the EOS ids, vllm included."""
     override_generation_config: dict[str, Any] | None = None
     """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}."""
     max_logprobs: int = 20

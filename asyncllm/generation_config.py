@@ -4,8 +4,10 @@
 timestamp tokens (asyncllm/speech.py). The host reads it once when the engine starts, each worker once when it
 loads the model.
 
-The engine's ``generation_config`` field says which file (vLLM's ``--generation-config``): ``auto`` the model
-folder's (none for a GGUF file or a folder without one), a folder that folder's (it must hold one), ``vllm`` none.
+The engine's ``generation_config`` field says which file (vLLM's ``--generation-config``): ``auto`` and ``vllm``
+the model folder's (none for a GGUF file or a folder without one), a folder that folder's (it must hold one).
+``vllm`` turns off only the file's default sampling parameters (asyncllm/engine/prepare.py): what the file says
+about the model itself (its EOS ids, ``suppress_tokens``, Whisper's task and timestamp tokens) still applies.
 Whether a Whisper checkpoint predicts timestamps is decided here too, once for the host and the workers
 (`timestamp_rules`). Without torch.
 """
@@ -20,7 +22,7 @@ from typing import Any
 
 from asyncllm.errors import ConfigError
 
-__all__ = ["TimestampRules", "read_generation_config", "source_of", "timestamp_rules"]
+__all__ = ["TimestampRules", "read_generation_config", "sampling_fields_of", "source_of", "timestamp_rules"]
 
 _NO_BOUND = 2**62
 """An upper bound past any vocabulary."""
@@ -28,18 +30,25 @@ _NO_BOUND = 2**62
 
 def read_generation_config(generation_config: str, model_path: str) -> dict[str, Any]:
     """The keys of the generation_config.json that ``generation_config`` names for the model at ``model_path`` ({}:
-    none). An unreadable file is a `ConfigError` naming the field that chose it (``model`` for ``auto``)."""
-    if generation_config == "vllm":
-        return {}
-    if generation_config == "auto" and os.path.isfile(model_path):  # a GGUF file has none
+    none). An unreadable file is a `ConfigError` naming the field that chose it (``model`` for ``auto`` / ``vllm``)."""
+    if generation_config in _MODEL_FOLDER and os.path.isfile(model_path):  # a GGUF file has none
         return {}
     field, folder = source_of(generation_config, model_path)
     return _read(os.path.join(folder, "generation_config.json"), field, must_exist=field == "generation_config")
 
 
+_MODEL_FOLDER = ("auto", "vllm")
+"""The ``generation_config`` values that read the model folder's file."""
+
+
+def sampling_fields_of(generation_config: str, generation: dict[str, Any]) -> dict[str, Any]:
+    """The keys the default sampling parameters come from: ``generation``, none for ``vllm``."""
+    return {} if generation_config == "vllm" else generation
+
+
 def source_of(generation_config: str, model_path: str) -> tuple[str, str]:
-    """(the field that chose the file, its folder): ``model`` for ``auto``, else ``generation_config``."""
-    return ("model", model_path) if generation_config == "auto" else ("generation_config", generation_config)
+    """(the field that chose the file, its folder): ``model`` for ``auto`` / ``vllm``, else ``generation_config``."""
+    return ("model", model_path) if generation_config in _MODEL_FOLDER else ("generation_config", generation_config)
 
 
 def _read(path: str, field: str, must_exist: bool) -> dict[str, Any]:
@@ -101,7 +110,8 @@ def timestamp_rules(config: Mapping[str, Any], vocab_size: int) -> TimestampRule
     no_timestamps = config.get("no_timestamps_token_id")
     if not isinstance(no_timestamps, int) or no_timestamps + 1 >= vocab_size:
         return None
-    eos = config.get("eos_token_id") or config.get("bos_token_id")
+    eos = config.get("eos_token_id")
+    eos = config.get("bos_token_id") if eos is None else eos
     eos = eos[0] if isinstance(eos, list) and eos else eos
     if config.get("is_multilingual", True):
         ends = frozenset(int(t) for t in (config.get("task_to_id") or {}).values())

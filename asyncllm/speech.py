@@ -107,8 +107,7 @@ def speech_to_text_of(mm: Any, generation: Mapping[str, Any], vocab_size: int) -
     timestamps = timestamp_rules(generation, vocab_size)
     if "is_multilingual" not in generation:
         logger.warning("no generation config says whether the speech model is multilingual: it is prompted as a "
-                       "multilingual one (an English-only checkpoint needs its generation_config.json; "
-                       "generation_config='vllm' reads none)")
+                       "multilingual one (an English-only checkpoint needs its generation_config.json)")
     return SpeechToText(int(extractor.sampling_rate), float(extractor.chunk_length),
                         bool(generation.get("is_multilingual", True)), frozenset(special),
                         None if timestamps is None else timestamps.timestamp_begin)

@@ -78,7 +78,8 @@ class GenerationRules:
     def of(cls, generation_config: str, model_path: str, vocab_size: int | None,
            device: torch.device) -> "GenerationRules | None":
         """The rules of the generation_config.json that the engine's ``generation_config`` field names for the
-        checkpoint at ``model_path`` (asyncllm/generation_config.py; None when it sets none, or ``vllm``)."""
+        checkpoint at ``model_path`` (asyncllm/generation_config.py: the model folder's for ``vllm`` too; None when
+        it sets none)."""
         if vocab_size is None:
             return None
         config = read_generation_config(generation_config, model_path)

@@ -14,7 +14,7 @@ from typing import Any
 from asyncllm.config import EngineConfig
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.generation_config import read_generation_config
+from asyncllm.generation_config import read_generation_config, sampling_fields_of
 from asyncllm.lora import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
@@ -58,7 +58,7 @@ class Prepared:
     """SamplingParams fields from the model's generation config (asyncllm/engine/defaults.py)."""
     generation_config: dict[str, Any] = field(default_factory=dict)
     """The keys of the generation_config.json the ``generation_config`` field names (asyncllm/generation_config.py:
-    read once, here; {} for ``vllm``)."""
+    read once, here; the model folder's for ``vllm`` too, whose sampling defaults alone are dropped)."""
     pooling_model: PoolingModel | None = None
     """Which requests the model takes (bare decoders embed only, classifiers classify only) and a classifier's
     labels (asyncllm/engine/pooling_model.py)."""
@@ -130,12 +130,12 @@ def prepare(config: EngineConfig) -> Prepared:
                                  mm_config.video_num_frames, limits.get("audio"))
     config_json = hf_config_json(hf_config)
     generation = read_generation_config(config.generation_config, path)
-    eos = eos_token_ids(tokenizer, _eos_generation_config(config, path, generation),
-                        getattr(text_config, "eos_token_id", None))
+    eos = eos_token_ids(tokenizer, generation, getattr(text_config, "eos_token_id", None))
     return Prepared(resolved, tokenizer, eos, text_config.vocab_size, mm,
                     config_json if len(config_json) <= _MAX_CONFIG_ARG else None, lora,
                     embedding_width(path, text_config.hidden_size),
-                    default_sampling_fields(generation, config.override_generation_config), generation,
+                    default_sampling_fields(sampling_fields_of(config.generation_config, generation),
+                                            config.override_generation_config), generation,
                     pooling_model_of(arch, text_config, path, config.pooler_config),
                     _embeds_width(config, arch, multimodal, text_config))
 
@@ -233,11 +233,6 @@ _MAX_CONFIG_ARG = 64 * 1024
 """Longest config JSON sent on the core's and workers' command lines (Linux refuses one argument over 128 KiB);
 a longer one is not sent, and the workers read config.json themselves."""
 
-
-def _eos_generation_config(config: EngineConfig, path: str, generation: dict[str, Any]) -> dict[str, Any]:
-    """The generation config the EOS ids come from: ``generation``, but with ``generation_config="vllm"`` the model
-    folder's, as vLLM (its stop ids are how the model ends a turn, not a sampling default)."""
-    return read_generation_config("auto", path) if config.generation_config == "vllm" else generation
 
 
 def _classifier_from_tokens(hf_config: Any, arch: str, tokenizer: Any) -> None:

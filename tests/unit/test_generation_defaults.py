@@ -9,7 +9,7 @@ import pytest
 
 from asyncllm import ConfigError, EngineConfig
 from asyncllm.engine.defaults import default_sampling_fields
-from asyncllm.generation_config import read_generation_config
+from asyncllm.generation_config import read_generation_config, sampling_fields_of
 
 
 def _folder(tmp_path, **fields) -> str:
@@ -18,7 +18,8 @@ def _folder(tmp_path, **fields) -> str:
 
 
 def _defaults(generation_config: str, folder: str, overrides: dict | None = None) -> dict:
-    return default_sampling_fields(read_generation_config(generation_config, folder), overrides)
+    generation = read_generation_config(generation_config, folder)
+    return default_sampling_fields(sampling_fields_of(generation_config, generation), overrides)
 
 
 def test_the_models_sampling_fields_become_defaults(tmp_path) -> None:
@@ -62,7 +63,7 @@ def _prepared(model: str, generation_config: str):
 
 def test_the_host_reads_the_file_the_field_names(tiny_llama: str, tmp_path) -> None:
     """The host's one read (asyncllm/engine/prepare.py): a folder gives the defaults, the EOS ids and the rules' keys;
-    ``vllm`` gives none of them but the model folder's EOS ids (as vLLM)."""
+    ``vllm`` gives no sampling defaults but the model folder's EOS ids (as vLLM) and rules' keys."""
     model = tmp_path / "model"
     model.mkdir()
     for name in os.listdir(tiny_llama):  # the tiny checkpoint, its generation config's EOS ids [1, 13]
@@ -75,4 +76,5 @@ def test_the_host_reads_the_file_the_field_names(tiny_llama: str, tmp_path) -> N
     assert given.default_sampling == {"temperature": 0.3} and given.eos_token_ids == [1, 11]
     assert given.generation_config["suppress_tokens"] == [4]
     off = _prepared(str(model), "vllm")
-    assert (off.default_sampling, off.generation_config, off.eos_token_ids) == ({}, {}, [1, 13])
+    assert (off.default_sampling, off.eos_token_ids) == ({}, [1, 13])
+    assert off.generation_config == {"eos_token_id": [1, 13], "top_k": 2}

@@ -2,7 +2,7 @@
 ``suppress_tokens``, ``begin_suppress_tokens`` at the first position, and Whisper's timestamp rules after outputs of
 every shape (pairs, a lone timestamp, decreasing candidates, the first token, the timestamp-probability rule both
 ways); rows that do not predict timestamps get the suppression alone. The rules are read from the generation_config.json
-the ``generation_config`` field names (none for ``vllm``), and a request predicts timestamps only when its prompt ends
+the ``generation_config`` field names (the model folder's for ``vllm`` too), and a request predicts timestamps only when its prompt ends
 with the task token."""
 
 from __future__ import annotations
@@ -116,7 +116,8 @@ def _suppressed(rules: GenerationRules | None) -> list[int]:
 
 
 def test_rules_follow_the_generation_config_field(tmp_path):
-    """``auto``: the model folder's file; a folder: that folder's, not the model's; ``vllm``: none."""
+    """``auto``: the model folder's file; a folder: that folder's, not the model's; ``vllm``: the model folder's (it
+    drops only the sampling defaults)."""
     model, other = tmp_path / "model", tmp_path / "other"
     for folder, suppress in ((model, SUPPRESS), (other, [4, 9])):
         folder.mkdir()
@@ -124,7 +125,7 @@ def test_rules_follow_the_generation_config_field(tmp_path):
     of = functools.partial(GenerationRules.of, model_path=str(model), vocab_size=V, device=torch.device("cpu"))
     assert _suppressed(of("auto")) == SUPPRESS
     assert _suppressed(of(str(other))) == [4, 9]
-    assert of("vllm") is None
+    assert _suppressed(of("vllm")) == SUPPRESS
     with pytest.raises(ConfigError, match="generation_config"):
         of(str(tmp_path))  # a folder without the file
 
