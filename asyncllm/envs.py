@@ -139,7 +139,8 @@ FORKSERVER = EnvVar(
     "ASYNCLLM_FORKSERVER", "", str,
     "Path of a running fork server's socket (`python -m asyncllm.forkserver --address PATH`): engine cores and "
     "workers are forked from it with torch already imported instead of started as new interpreters (about a "
-    "second less per process on a CPU; the test suite uses it). Unset: new interpreters. Read at each start.",
+    "second less per process on a CPU; the test suite uses it); a caller whose start-up variables differ from the "
+    "server's gets a new interpreter. Unset: new interpreters. Read at each start.",
 )
 
 REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENABLE_RESPONSES_API_STORE,

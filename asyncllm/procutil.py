@@ -27,18 +27,22 @@ def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None
     """Start ``python -m module *args`` with a stdin pipe tied to our life.
 
     With ``ASYNCLLM_FORKSERVER`` set in the child's environment the child is forked by that server
-    (asyncllm/forkserver.py) and the result is a `ForkedProcess`, which has the `Popen` interface used here.
+    (asyncllm/forkserver.py) and the result is a `ForkedProcess` (asyncllm/forked_process.py), which has the
+    `Popen` interface used here; when the server refuses or is gone, a new interpreter starts the child.
     """
     child_env = dict(os.environ)
     child_env.update(env or {})
     server = child_env.get(envs.FORKSERVER.name)
     if server:
-        from asyncllm.forkserver import fork_module
+        from asyncllm.forked_process import ForkRefused, fork_module
 
         try:
             return fork_module(server, module, args, child_env)  # type: ignore[return-value]
-        except OSError as exc:  # the server is gone: a new interpreter starts the same child
+        except ForkRefused as exc:
+            logger.info("%s: starting %s as a new interpreter", exc, module)
+        except OSError as exc:
             logger.warning("fork server %s unreachable (%s): starting %s as a new interpreter", server, exc, module)
+        child_env.pop(envs.FORKSERVER.name)  # nor do its own children ask it again
     # -P: never put the working directory on sys.path (a repo checkout's kernels/
     # folder would shadow Hugging Face's `kernels` package).
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []

@@ -38,8 +38,8 @@ def worker_pids(core_pid: int) -> list[int]:
                if parent == core_pid and b"asyncllm.workers.worker" in cmdline}
     server = os.environ.get("ASYNCLLM_FORKSERVER")
     if server:
-        from asyncllm import forkserver
+        from asyncllm import forked_process
 
-        spawned |= {child for child, (caller, module) in forkserver.children(server).items()
+        spawned |= {child for child, (caller, module) in forked_process.children(server).items()
                     if caller == core_pid and module == "asyncllm.workers.worker" and child in live}
     return sorted(spawned)
