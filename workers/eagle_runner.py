@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from asyncllm.models.eagle import Eagle3LlamaForCausalLM, EagleLlamaForCausalLM, eagle3_aux_layers, load_head_config
-from asyncllm.models.eagle_targets import chain_offsets, head_mrope, target_decoder
+from asyncllm.models.eagle_targets import causal, chain_offsets, head_mrope, target_decoder
 from asyncllm.models.loader import (checkpoint_files, iterate_safetensors, load_model,
                                     resolve_model_path)
 from asyncllm.models.checkpoint import served_hf_config
@@ -85,7 +85,7 @@ class EagleRunner(DraftModelRunner):
              hidden: torch.Tensor, rope_positions: torch.Tensor | None = None) -> dict[str, list[int]]:
         """``rope_positions``: the target's (M-RoPE's, for an image-text target), which an M-RoPE head rotates at;
         a 1-D head rotates at the tokens' indices (asyncllm/models/eagle_targets.py)."""
-        meta = inputs.attn_metadata
+        meta = causal(inputs.attn_metadata)  # (not the target's both-ways image rows)
         decoder = target_decoder(self.target)
         target_hidden = self.model.combine(hidden, [decoder.aux_hidden[i] for i in decoder.aux_layers])
         firsts = _first_positions(inputs)

@@ -21,8 +21,9 @@ embedding of token ``p + 1`` and the target's hidden state at ``p``.
 Either way the next draft reads the head's own output (EAGLE-3: before its
 final norm) in place of the target's hidden state. The checkpoints' names are
 read as published (``midlayer.`` is EAGLE-3's first layer; ``t2d`` is not
-needed). For an image-text target (Qwen2-VL family) the head reads its language
-model and may rotate by M-RoPE: asyncllm/models/eagle_targets.py.
+needed). For an image-text target (Qwen2-VL family, Llama 4, LLaVA-style, Gemma
+3) the head reads its language model, attends causally over image rows and may
+rotate by M-RoPE: asyncllm/models/eagle_targets.py.
 """
 
 from __future__ import annotations

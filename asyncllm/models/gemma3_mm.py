@@ -89,6 +89,8 @@ class Gemma3ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """The tower and projector are whole on every rank in either mode, so "data" splits a step's images."""
     mm_bidirectional = True
     """An image's rows attend to each other both ways in the prefill (`asyncllm.protocol.MultiModalItem`)."""
+    decoder_classes = {"gemma3_text": Gemma3ForCausalLM}
+    """By ``text_config.model_type`` (the decoder an EAGLE head reads: asyncllm/models/eagle_targets.py)."""
     mm_processor_defaults = {"pan_and_scan_min_crop_size": 256, "pan_and_scan_max_num_crops": 4,
                              "pan_and_scan_min_ratio_to_activate": 1.2}
     """What ``Gemma3Processor`` passes its image processor for the pan-and-scan settings a checkpoint leaves null."""
@@ -98,7 +100,7 @@ class Gemma3ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
         super().__init__()
         if hf_config.vision_config.model_type != "siglip_vision_model":
             raise NotBuiltError("vision_config.model_type", hf_config.vision_config.model_type, "a SigLIP tower")
-        self.language_model = build_decoder(hf_config, {"gemma3_text": Gemma3ForCausalLM}, "Gemma 3",
+        self.language_model = build_decoder(hf_config, self.decoder_classes, "Gemma 3",
                                             mm_encoder_tp_mode, dtype=dtype, tp=tp, attn_backend=attn_backend,
                                             max_position=max_position, **decoder_options)
         self.vision_tower = SiglipVisionTower(hf_config.vision_config, TensorParallel(), dtype)

@@ -173,11 +173,13 @@ class Llama4ForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     lora_experts = Llama4ForCausalLM.lora_experts
     lora_experts_transposed = Llama4ForCausalLM.lora_experts_transposed
     moe_spec = Llama4ForCausalLM.moe_spec
+    decoder_classes = {"llama4_text": Llama4ForCausalLM}
+    """By ``text_config.model_type`` (the decoder an EAGLE head reads: asyncllm/models/eagle_targets.py)."""
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
                  max_position: int, mm_encoder_tp_mode: str = "weights", **decoder_options: Any) -> None:
         super().__init__()
-        self.language_model = build_decoder(hf_config, {"llama4_text": Llama4ForCausalLM}, "Llama 4",
+        self.language_model = build_decoder(hf_config, self.decoder_classes, "Llama 4",
                                             mm_encoder_tp_mode, dtype=dtype, tp=tp, attn_backend=attn_backend,
                                             max_position=max_position, **decoder_options)
         self.vision_model = Llama4VisionModel(hf_config.vision_config, dtype)

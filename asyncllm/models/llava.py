@@ -119,6 +119,8 @@ class LlavaForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Built with ``mm_encoder_tp_mode="data"`` (the loader passes the mode to a class that says
     this), the vision tower and projector are whole on every rank, so a step's images may be
     split across the ranks (workers/mm_encoder.py)."""
+    decoder_classes = _LANGUAGE_MODELS
+    """By ``text_config.model_type`` (the decoder an EAGLE head reads: asyncllm/models/eagle_targets.py)."""
 
     def __init__(
         self,

@@ -94,11 +94,10 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
 def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_config: Any, target_arch: str) -> None:
     """An EAGLE head that fits the target: a Llama-shaped head of the method's kind, the target's hidden size, not a
     hybrid target; for EAGLE-3 layers the target has, in a decoder that keeps their inputs."""
-    from asyncllm.models.architectures import HYBRID_ARCHITECTURES, architecture_of
+    from asyncllm.models.architectures import HYBRID_ARCHITECTURES
     from asyncllm.models.eagle import EAGLE3_ARCHITECTURES, eagle3_aux_layers
-    from asyncllm.models.eagle_targets import MULTIMODAL_EAGLE_ARCHITECTURES
+    from asyncllm.models.eagle_targets import MROPE_EAGLE_ARCHITECTURES, language_model_class
     from asyncllm.models.llama import LlamaModel
-    from asyncllm.models.registry import get_model_class
 
     if target_arch in HYBRID_ARCHITECTURES:
         raise NotBuiltError(_FIELD, spec_dict, f"an {method} head for a {target_arch} target (hybrids draft with "
@@ -126,13 +125,15 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
     if len(layers) != 3 or not all(0 <= i < num_layers for i in layers):
         raise ConfigError(_FIELD, spec_dict, f"three target layers in [0, {num_layers}) for an EAGLE-3 head to "
                                              f"read; it names {list(layers)}")
-    if target_arch in MULTIMODAL_EAGLE_ARCHITECTURES:  # their decoders keep the layers' inputs too
+    if target_arch in MROPE_EAGLE_ARCHITECTURES:  # their decoders keep the layers' inputs too
         return
-    decoder_cls = getattr(get_model_class(target_config), "model_cls", None)  # Llama's stack and token embeddings
+    language_model = language_model_class(target_config, target_arch)  # Llama's stack and token embeddings
+    decoder_cls = getattr(language_model, "model_cls", None)
     if (getattr(decoder_cls, "forward", None), getattr(decoder_cls, "embed", None)) != (LlamaModel.forward,
                                                                                           LlamaModel.embed):
-        raise NotBuiltError(_FIELD, spec_dict, f"an EAGLE-3 head for a {architecture_of(target_config)} target "
-                                               "(Llama-style decoders: Llama, Mistral, Qwen2, Qwen3, ...)")
+        name = getattr(language_model, "__name__", target_config.model_type)
+        raise NotBuiltError(_FIELD, spec_dict, f"an EAGLE-3 head for a {target_arch} target ({name}; Llama-style "
+                                               "decoders: Llama, Mistral, Qwen2, Qwen3, Llama 4, ...)")
 
 
 def _check_mtp_target(spec_dict: dict, target_config: Any, arch: str) -> None:
