@@ -20,6 +20,8 @@ them), ``mm_processor_defaults`` for image processor settings a checkpoint leave
 ``mm_image_placeholder_id`` where an image's placeholders are another token than its marker (Gemma 3, Aya Vision,
 Llama 4),
 ``mm_image_processor_class`` in place of ``AutoImageProcessor`` (LFM2-VL's, whose HF one needs torchvision),
+``mm_check_image_processor`` for image processor settings the config must agree with (Command A Vision's
+``patch_size``),
 ``mm_feature_extractor_class`` in place of ``AutoFeatureExtractor`` (Granite Speech's, whose HF one needs torchaudio), and
 ``mm_video_token_id`` / ``mm_video_pieces`` / ``video_settings`` for videos, ``mm_video_placeholder_id`` where
 the placeholders are another token, ``mm_video_processing`` where the frames are not processed as Qwen-VL's

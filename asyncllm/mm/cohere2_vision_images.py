@@ -24,12 +24,9 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.mm.image_ops import TorchImageProcessor, normalize_like_torchvision, resize_like_torchvision
+from asyncllm.mm.image_ops import BICUBIC, TorchImageProcessor, normalize_like_torchvision, resize_like_torchvision
 
 __all__ = ["Cohere2VisionImageSettings", "Cohere2VisionImages", "tile_grid"]
-
-_BICUBIC = 3
-"""PIL's (and transformers') ``resample`` code for bicubic, Command A Vision's."""
 
 
 @dataclass(frozen=True)
@@ -42,8 +39,10 @@ class Cohere2VisionImageSettings:
     min_patches: int = 1
     max_patches: int = 12
     patch_size: int = 16
-    """Tokens per side of a tile (after the pixel shuffle): what ``Cohere2VisionProcessor`` writes per tile."""
-    resample: int = _BICUBIC
+    """Tokens per side of a tile (after the pixel shuffle): ``Cohere2VisionProcessor`` writes its square per tile.
+    The model counts them from its config; asyncllm/models/cohere2_vision.py's ``mm_check_image_processor`` refuses
+    a checkpoint (or request) whose value disagrees."""
+    resample: int = BICUBIC
     do_resize: bool = True
     do_rescale: bool = True
     rescale_factor: float = 1 / 255
@@ -72,7 +71,7 @@ class Cohere2VisionImages(TorchImageProcessor):
     settings_cls = Cohere2VisionImageSettings
 
     def __init__(self, settings: Cohere2VisionImageSettings) -> None:
-        if settings.resample != _BICUBIC:
+        if settings.resample != BICUBIC:
             raise NotBuiltError("resample", settings.resample, "Command A Vision resizing other than bicubic (3)")
         if not settings.do_resize and not settings.crop_to_patches:  # cropping resizes to the grid either way
             raise NotBuiltError("do_resize", False, "Command A Vision tiles of the image's own size")

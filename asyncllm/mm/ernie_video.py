@@ -6,7 +6,8 @@ beside their torch build), so this follows it:
 - **Timestamps** (`stamped_frames`): with ``draw_on_frames`` (its default) each frame gets its time in the
   original video (``frames_indices[i] / fps``) written into its top left corner as ``time: HH:MM:SS.ss``, black
   with a white outline, in the checkpoint's ``font`` (a TrueType file saved beside the config) at a tenth of the
-  frame's shorter side, by PIL as its processor draws it. No timestamp text enters the prompt.
+  frame's shorter side, by PIL as its processor draws it; frames under 10 pixels on that side are an
+  `InvalidRequestError` (a font size of 0, which PIL refuses). No timestamp text enters the prompt.
 - **Frames**: an odd count is made even by repeating the last (stamped) frame; every frame resized to one size, a
   multiple of 28 pixels within the ``size`` bounds (per frame: Qwen2-VL's ``smart_resize``), rescaled and
   normalized as its torchvision backend does (asyncllm/mm/glm4v_video.py's `torch_frames`).
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.mm.image_ops import BICUBIC
 from asyncllm.mm.qwen_video import (
     CLIP_MEAN,
     CLIP_STD,
@@ -48,6 +50,11 @@ ERNIE_VIDEO_SETTINGS = VideoSettings(299 * 28 * 28, 1196 * 28 * 28, 14, 1, 2, CL
 """``Ernie4_5_VLMoeVideoProcessor``'s defaults, its patches cut one frame deep (``temporal_patch_size`` 1)."""
 
 _DEFAULT_FONT = "Roboto-Regular.ttf"
+_FONT_SCALE = 0.1
+"""A timestamp's font size over its frame's shorter side (transformers' ``size_factor``)."""
+_MIN_STAMPED_SIDE = 10
+"""The shortest side a frame may have where timestamps are drawn: shorter ones get a font size of 0, which PIL (and
+so transformers' processor) refuses. Without timestamps no side is too short (``smart_resize`` upscales)."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,7 @@ def load_ernie_video_settings(model_path: str, hf_config: Any) -> ErnieVideoSett
     config = video_processor_dict(model_path)
     if config.get("temporal_patch_size", 2) != 2:  # transformers' processor refuses any other
         raise NotBuiltError("video processor temporal_patch_size", config["temporal_patch_size"], "2")
-    if config.get("resample", 3) != 3:
+    if config.get("resample", BICUBIC) != BICUBIC:
         raise NotBuiltError("video processor resample", config["resample"], "bicubic (3)")
     frames = dataclasses.replace(load_video_settings(model_path, ERNIE_VIDEO_SETTINGS), temporal_patch_size=1)
     draws = config.get("draw_on_frames", True)
@@ -74,6 +81,7 @@ def load_ernie_video_settings(model_path: str, hf_config: Any) -> ErnieVideoSett
 def ernie_video_grid(video: Video, settings: ErnieVideoSettings, field: str) -> tuple[int, int, int]:
     """(frames made even, height, width) in patches, from the video's frame count and size alone."""
     count, height, width = video.frames.shape[:3]
+    _check_stampable(video, settings, field)
     h, w = frame_size(settings.frames, count, height, width, field)
     return count + count % 2, h // settings.frames.patch_size, w // settings.frames.patch_size
 
@@ -85,10 +93,20 @@ def ernie_video_patches(video: Video, settings: ErnieVideoSettings, field: str) 
         if not settings.font.is_file():
             raise InvalidRequestError(field, f"this checkpoint's video processor draws timestamps on the frames in "
                                              f"{settings.font.name}, which is not beside its config")
+        _check_stampable(video, settings, field)
         frames = stamped_frames(video, str(settings.font))
     if len(frames) % 2:
         frames = np.concatenate([frames, frames[-1:]])
     return video_patches(dataclasses.replace(video, frames=frames), settings.frames, field)
+
+
+def _check_stampable(video: Video, settings: ErnieVideoSettings, field: str) -> None:
+    """`InvalidRequestError` for frames too small for their timestamps (`_MIN_STAMPED_SIDE`)."""
+    height, width = video.frames.shape[1:3]
+    if settings.font is not None and min(height, width) < _MIN_STAMPED_SIDE:
+        raise InvalidRequestError(field, f"the frames are {width} x {height}: this checkpoint's video processor draws "
+                                         f"timestamps on them, which needs at least {_MIN_STAMPED_SIDE} pixels on the "
+                                         f"shorter side")
 
 
 def timestamp_text(seconds: float) -> str:
@@ -112,9 +130,9 @@ def stamped_frames(video: Video, font: str) -> np.ndarray:
     out = []
     for frame, index in zip(video.frames, video.frames_indices):
         image = Image.fromarray(frame)
-        size = int(min(*image.size) * 0.1)
+        size = int(min(*image.size) * _FONT_SCALE)
         ImageDraw.Draw(image).text((0, 0), timestamp_text(index / video.fps), font=_font(font, size), fill=(0, 0, 0),
-                                   stroke_width=int(size * 0.1), stroke_fill=(255, 255, 255))
+                                   stroke_width=int(size * _FONT_SCALE), stroke_fill=(255, 255, 255))
         out.append(np.asarray(image))
     return np.stack(out)
 

@@ -9,9 +9,9 @@ their torch build, so this follows it in torch:
   also refuses a video of fewer frames than ``temporal_patch_size``.
 - **Pixels** (`torch_frames`): torchvision's antialiased bicubic resize of the ``[T, 3, H, W]`` uint8 CPU tensor,
   which torchvision hands to torch's own uint8 kernel, then transformers' fused rescale and normalize in float32
-  (``(x - mean / rescale) / (std / rescale)``), so the pixels equal its processor's on the same machine
-  (tests/unit/test_glm4v_video_pixels.py runs transformers' class with torchvision's two functions stood in). The
-  patches are then cut as Qwen's (`asyncllm.mm.qwen_video.video_patches`).
+  (``(x - mean / rescale) / (std / rescale)``), both asyncllm/mm/image_ops.py's, so the pixels equal its processor's
+  on the same machine (tests/unit/test_glm4v_video_pixels.py runs transformers' class with torchvision's two
+  functions stood in). The patches are then cut as Qwen's (`asyncllm.mm.qwen_video.video_patches`).
 - **Timestamps** (`frame_seconds`): ``Glm4vProcessor`` writes each temporal patch as
   ``<|begin_of_image|>``, its ``<|image|>`` placeholders, ``<|end_of_image|>`` and the whole seconds of the
   patch's first frame (``int(frames_indices[i] / fps)``); asyncllm/models/glm4v.py builds the pieces.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from asyncllm.mm.image_ops import normalize_like_torchvision, resize_like_torchvision
 from asyncllm.mm.qwen_video import CLIP_MEAN, CLIP_STD, VideoSettings
 from asyncllm.mm.videos import Video
 
@@ -38,15 +39,9 @@ def torch_frames(frames: np.ndarray, settings: VideoSettings, height: int, width
     """``[T, H, W, 3]`` uint8 frames -> ``[T, 3, height, width]`` float32, resized and normalized as transformers'
     torchvision processors do on CPU."""
     import torch
-    import torch.nn.functional as F
 
     pixels = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()
-    if tuple(pixels.shape[-2:]) != (height, width):  # torchvision resizes uint8 bicubic natively on CPU
-        pixels = F.interpolate(pixels, size=(height, width), mode="bicubic", align_corners=False, antialias=True)
-    mean = torch.tensor(settings.image_mean) * (1.0 / settings.rescale_factor)
-    std = torch.tensor(settings.image_std) * (1.0 / settings.rescale_factor)
-    out = pixels.to(torch.float32).sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
-    return out.numpy()
+    return normalize_like_torchvision(resize_like_torchvision(pixels, height, width, mode="bicubic"), settings).numpy()
 
 
 def frame_seconds(video: Video, temporal_patch_size: int, num_patches: int) -> list[int]:

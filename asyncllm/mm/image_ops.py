@@ -9,7 +9,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, ClassVar
 
-__all__ = ["TorchImageProcessor", "normalize_like_torchvision", "read_json", "resize_like_torchvision"]
+__all__ = ["BICUBIC", "TorchImageProcessor", "normalize_like_torchvision", "read_json", "resize_like_torchvision"]
+
+BICUBIC = 3
+"""PIL's (and transformers') ``resample`` code for bicubic."""
 
 
 class TorchImageProcessor:
@@ -56,7 +59,7 @@ class TorchImageProcessor:
 
 
 def resize_like_torchvision(pixels: Any, height: int, width: int, mode: str = "bilinear") -> Any:
-    """torchvision's antialiased bilinear (or ``mode="bicubic"``) resize of a ``(1, 3, H, W)`` uint8 CPU tensor:
+    """torchvision's antialiased bilinear (or ``mode="bicubic"``) resize of an ``(N, 3, H, W)`` uint8 CPU tensor:
     torch's own kernel, on the uint8 image where torchvision resizes it natively (bicubic always; bilinear where the
     CPU reports AVX2) and in float32 rounded back elsewhere."""
     import torch

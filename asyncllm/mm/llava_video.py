@@ -5,9 +5,12 @@ beside their torch build), so this follows it in torch, as asyncllm/mm/glm4v_vid
 
 - **Size**: every frame's shorter side resized to ``size["shortest_edge"]`` (the longer one in proportion, rounded
   down: transformers' ``get_resize_output_image_size``; or to ``size``'s ``height`` x ``width``), by torchvision's
-  antialiased bicubic resize of the uint8 tensor, which is torch's own uint8 kernel on CPU.
+  antialiased bicubic resize of the uint8 tensor, which is torch's own uint8 kernel on CPU
+  (asyncllm/mm/image_ops.py's `resize_like_torchvision`). Frames of an aspect ratio over 200 are an
+  `InvalidRequestError` before any resize, as the Qwen-VL models' (a 2 x 4000 frame would become 224 x 448000).
 - **Crop**: the middle ``crop_size`` (zero padding first where a side is short, as torchvision pads).
-- **Pixels**: transformers' fused rescale and normalize in float32 (``(x - mean / rescale) / (std / rescale)``).
+- **Pixels**: transformers' fused rescale and normalize in float32 (``(x - mean / rescale) / (std / rescale)``:
+  `normalize_like_torchvision`).
 
 The frames are used as given (the processor's ``do_sample_frames`` is not built, as for every model:
 asyncllm/mm/videos.py). The settings are the checkpoint's video processor config (found where transformers
@@ -25,13 +28,11 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import NotBuiltError
-from asyncllm.mm.qwen_video import CLIP_MEAN, CLIP_STD, video_processor_dict
+from asyncllm.mm.image_ops import BICUBIC, normalize_like_torchvision, resize_like_torchvision
+from asyncllm.mm.qwen_video import CLIP_MEAN, CLIP_STD, check_aspect_ratio, video_processor_dict
 from asyncllm.mm.videos import Video
 
 __all__ = ["LlavaVideoProcessing", "LlavaVideoSettings", "llava_video_pixels", "load_llava_video_settings"]
-
-_BICUBIC = 3
-"""PIL's bicubic resample code (the class' ``resample``)."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class LlavaVideoSettings:
     image_mean: tuple[float, ...] = CLIP_MEAN
     image_std: tuple[float, ...] = CLIP_STD
     rescale_factor: float = 1 / 255
+    do_rescale = do_normalize = True  # read by `normalize_like_torchvision`; not fields: the loader refuses them off
 
 
 def load_llava_video_settings(model_path: str, hf_config: Any) -> LlavaVideoSettings:
@@ -56,7 +58,7 @@ def load_llava_video_settings(model_path: str, hf_config: Any) -> LlavaVideoSett
         if config.get(flag) is False:
             raise NotBuiltError(f"video processor {flag}", False, "LLaVA-NeXT-Video's videos resized, cropped, "
                                                                   "rescaled and normalized")
-    if config.get("resample", _BICUBIC) != _BICUBIC:
+    if config.get("resample", BICUBIC) != BICUBIC:
         raise NotBuiltError("video processor resample", config["resample"], "bicubic (3)")
     size = config.get("size") or {"shortest_edge": 224}
     crop = config.get("crop_size") or {"height": 224, "width": 224}
@@ -80,19 +82,14 @@ def resized_size(settings: LlavaVideoSettings, height: int, width: int) -> tuple
 
 
 def llava_video_pixels(video: Video, settings: LlavaVideoSettings, field: str) -> np.ndarray:
-    """``[1, T, 3, crop height, crop width]`` float32: the processor's ``pixel_values_videos`` of one video."""
+    """``[1, T, 3, crop height, crop width]`` float32: the processor's ``pixel_values_videos`` of one video; frames
+    of an aspect ratio over 200 are refused before any resize (as the Qwen-VL models')."""
     import torch
-    import torch.nn.functional as F
 
+    check_aspect_ratio(*video.frames.shape[1:3], field)
     pixels = torch.from_numpy(np.ascontiguousarray(video.frames)).permute(0, 3, 1, 2).contiguous()
-    size = resized_size(settings, *pixels.shape[-2:])
-    if tuple(pixels.shape[-2:]) != size:  # torchvision resizes uint8 bicubic natively on CPU
-        pixels = F.interpolate(pixels, size=size, mode="bicubic", align_corners=False, antialias=True)
-    pixels = _center_crop(pixels, *settings.crop_size)
-    mean = torch.tensor(settings.image_mean) * (1.0 / settings.rescale_factor)
-    std = torch.tensor(settings.image_std) * (1.0 / settings.rescale_factor)
-    out = pixels.to(torch.float32).sub_(mean.view(-1, 1, 1)).div_(std.view(-1, 1, 1))
-    return out.numpy()[None]
+    pixels = resize_like_torchvision(pixels, *resized_size(settings, *pixels.shape[-2:]), mode="bicubic")
+    return normalize_like_torchvision(_center_crop(pixels, *settings.crop_size), settings).numpy()[None]
 
 
 def _center_crop(pixels: Any, height: int, width: int) -> Any:
@@ -107,7 +104,9 @@ def _center_crop(pixels: Any, height: int, width: int) -> Any:
 
 
 def llava_video_grid(video: Video, settings: LlavaVideoSettings, field: str) -> tuple[int, int, int]:
-    """(frames, height, width) of the video's pixels, from its frame count alone."""
+    """(frames, height, width) of the video's pixels, from its frame count alone (frames of an aspect ratio over 200
+    refused)."""
+    check_aspect_ratio(*video.frames.shape[1:3], field)
     return video.frames.shape[0], *settings.crop_size
 
 

@@ -25,11 +25,9 @@ from typing import Any
 import numpy as np
 
 from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
-from asyncllm.mm.image_ops import TorchImageProcessor, normalize_like_torchvision, resize_like_torchvision
+from asyncllm.mm.image_ops import BICUBIC, TorchImageProcessor, normalize_like_torchvision, resize_like_torchvision
 
 __all__ = ["Phi4MultimodalImageSettings", "Phi4MultimodalImages", "crop_grid", "pack_views", "unpack_views"]
-
-_BICUBIC = 3
 
 
 @dataclass(frozen=True)
@@ -39,7 +37,7 @@ class Phi4MultimodalImageSettings:
     size: tuple[int, int] = (448, 448)
     patch_size: int = 14
     dynamic_hd: int = 36
-    resample: int = _BICUBIC
+    resample: int = BICUBIC
     do_rescale: bool = True
     rescale_factor: float = 1 / 255
     do_normalize: bool = True
@@ -94,7 +92,7 @@ class Phi4MultimodalImages(TorchImageProcessor):
     def __init__(self, settings: Phi4MultimodalImageSettings) -> None:
         if settings.size[0] != settings.size[1]:
             raise ConfigError("size", settings.size, "a square crop (height == width)")
-        if settings.resample != _BICUBIC:
+        if settings.resample != BICUBIC:
             raise NotBuiltError("resample", settings.resample, "Phi-4-multimodal's global view resized other than "
                                                                "bicubic (3)")
         if settings.dynamic_hd < 1:

@@ -218,8 +218,13 @@ class MultiModalProcessor:
         """Image processor settings the model's HF processor passes where the image processor has none."""
         self._processor_cls = getattr(model_cls, "mm_image_processor_class", None)
         """The model's own image processor class (None: ``AutoImageProcessor``)."""
+        self._check_image_processor = getattr(model_cls, "mm_check_image_processor", None)
+        """The model's `ConfigError` for image processor settings its config contradicts (Command A Vision's
+        tokens per tile); run on the engine's processor and on each request's."""
         self.image_processor = (load_image_processor(model_path, self._engine_overrides, self._processor_defaults,
                                                      self._processor_cls) if takes_images else None)
+        if self._check_image_processor is not None and self.image_processor is not None:
+            self._check_image_processor(hf_config, self.image_processor)
         self._request_processors: OrderedDict[str, Any] = OrderedDict()
         """Image processors of requests' ``mm_processor_kwargs`` (by their JSON), the last few used."""
         self.tokenizer = tokenizer
@@ -597,9 +602,11 @@ class MultiModalProcessor:
             try:
                 if self._check_kwargs is not None:
                     self._check_kwargs(overrides)
-                self._request_processors[name] = load_image_processor(
-                    self._model_path, {**self._engine_overrides, **overrides}, self._processor_defaults,
-                    self._processor_cls)
+                processor = load_image_processor(self._model_path, {**self._engine_overrides, **overrides},
+                                                 self._processor_defaults, self._processor_cls)
+                if self._check_image_processor is not None:
+                    self._check_image_processor(self._hf_config, processor)
+                self._request_processors[name] = processor
             except ConfigError as exc:
                 raise InvalidRequestError("prompt.mm_processor_kwargs", f"{exc.field}={exc.value!r}: {exc.allowed}") \
                     from exc

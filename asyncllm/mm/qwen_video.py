@@ -37,8 +37,8 @@ import numpy as np
 from asyncllm.errors import InvalidRequestError, NotBuiltError
 from asyncllm.mm.videos import Video
 
-__all__ = ["VideoPiece", "VideoSettings", "frame_size", "frame_timestamps", "load_video_settings", "video_grid",
-           "video_patches", "video_processor_dict"]
+__all__ = ["VideoPiece", "VideoSettings", "check_aspect_ratio", "frame_size", "frame_timestamps", "load_video_settings",
+           "video_grid", "video_patches", "video_processor_dict"]
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -60,6 +60,7 @@ class VideoSettings:
     """Qwen3-VL: the pixel bounds are of all frames together (``t x h x w``), not of each frame."""
     torch_pixels: bool = False
     """GLM-4.1V: frames resized and normalized as its torchvision processor does (asyncllm/mm/glm4v_video.py)."""
+    do_rescale = do_normalize = True  # read by `normalize_like_torchvision`; not fields: the loader refuses them off
 
 
 QWEN3_VIDEO_SETTINGS = VideoSettings(128 * 32 * 32, 768 * 32 * 32, 16, 2, 2, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5),
@@ -126,8 +127,7 @@ def frame_size(settings: VideoSettings, num_frames: int, height: int, width: int
             scale = max(factor / height, factor / width)
             height, width = int(height * scale), int(width * scale)
         frames = num_frames
-    if max(height, width) / min(height, width) > 200:
-        raise InvalidRequestError(field, f"the frames' aspect ratio {width}:{height} is over 200")
+    check_aspect_ratio(height, width, field)
     h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
     t_bar = round(num_frames / settings.temporal_patch_size) * settings.temporal_patch_size if frames > 1 else 1
     if t_bar * h_bar * w_bar > settings.max_pixels:
@@ -139,6 +139,13 @@ def frame_size(settings: VideoSettings, num_frames: int, height: int, width: int
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+def check_aspect_ratio(height: int, width: int, field: str) -> None:
+    """`InvalidRequestError` for frames whose longer side is over 200 times their shorter (``smart_resize``'s
+    limit)."""
+    if max(height, width) / min(height, width) > 200:
+        raise InvalidRequestError(field, f"the frames' aspect ratio {width}:{height} is over 200")
 
 
 def video_grid(video: Video, settings: VideoSettings, field: str) -> tuple[int, int, int]:

@@ -16,6 +16,7 @@ Vision's), so the line breaks keep their own embeddings and each tile is cached 
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Iterable
 
 import numpy as np
@@ -42,6 +43,9 @@ MARKERS = {"image_token": "<|IMG_PATCH|>", "boi_token": "<|START_OF_IMG|>", "eoi
            "img_line_break_token": "<|IMG_LINE_BREAK|>"}
 """The tokenizer's named tokens ``Cohere2VisionProcessor`` writes, and the released tokenizer's values for them."""
 
+_MARKER_IDS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+"""`marker_ids` by tokenizer: looked up once, not once per image."""
+
 
 class Cohere2VisionMultiModalProjector(nn.Module):
     """Pixel shuffle, ``linear_1``, SwiGLU (``silu`` of the second half times the first), ``linear_2``."""
@@ -60,8 +64,15 @@ class Cohere2VisionMultiModalProjector(nn.Module):
 
 
 def marker_ids(tokenizer: Any) -> dict[str, int]:
-    """The ids of the tokenizer's `MARKERS` (its own names for them where it has them); a tokenizer without one is
-    a `ConfigError`."""
+    """The ids of the tokenizer's `MARKERS` (its own names for them where it has them), looked up on its first call;
+    a tokenizer without one is a `ConfigError`."""
+    ids = _MARKER_IDS.get(tokenizer)
+    if ids is None:
+        ids = _MARKER_IDS[tokenizer] = _lookup_marker_ids(tokenizer)
+    return ids
+
+
+def _lookup_marker_ids(tokenizer: Any) -> dict[str, int]:
     ids = {}
     for name, default in MARKERS.items():
         text = getattr(tokenizer, name, None) or default
@@ -107,6 +118,18 @@ class Cohere2VisionForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     def mm_pixel_values(processed: np.ndarray) -> np.ndarray:
         """One image's ``(tiles, 3, S, S)`` float32 tiles (the thumbnail last)."""
         return processed
+
+    @staticmethod
+    def mm_check_image_processor(hf_config: Any, image_processor: Cohere2VisionImages) -> None:
+        """`ConfigError` where the image processor's ``patch_size`` is not the model's tokens per side of a tile (its
+        tower's patches per side over ``downsample_factor``): transformers' ``Cohere2VisionProcessor`` writes
+        ``patch_size ** 2`` placeholders per tile, so the two must agree."""
+        vision = hf_config.vision_config
+        side = vision.image_size // vision.patch_size // int(hf_config.downsample_factor)
+        if image_processor.settings.patch_size != side:
+            raise ConfigError("patch_size", image_processor.settings.patch_size,
+                              f"{side}, the model's tokens per side of a tile (vision_config.image_size / "
+                              f"vision_config.patch_size / downsample_factor)")
 
     mm_placeholder_length = staticmethod(AyaVisionForConditionalGeneration.mm_placeholder_length)
     """Feature rows of one tile: its patches over ``downsample_factor ** 2`` (Aya Vision's)."""

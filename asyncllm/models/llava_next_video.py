@@ -68,9 +68,7 @@ class LlavaNextVideoForConditionalGeneration(LlavaNextForConditionalGeneration):
         if pixel_values.dim() != 6:
             return super().embed_multimodal(pixel_values)
         n, frames = pixel_values.shape[0], pixel_values.shape[2]
-        features = self.vision_tower(pixel_values.flatten(0, 2))
-        if self.drop_cls:
-            features = features[:, 1:]
+        features = self.vision_tower(pixel_values.flatten(0, 2))[:, 1:]  # "default" (built alone): no CLS
         side = int(features.shape[1] ** 0.5)
         grid = features.unflatten(1, (side, side)).permute(0, 3, 1, 2)
         pooled = self.pool(grid, kernel_size=self.pool_stride, stride=self.pool_stride).flatten(2).transpose(1, 2)

@@ -9,7 +9,7 @@ import re
 
 import numpy as np
 import pytest
-from cohere2_vision_utils import IMAGE, PROCESSOR, hf_image_module, hf_image_processor, hf_processor, save_tiny_config
+from cohere2_vision_utils import IMAGE, NAMED, PROCESSOR, hf_image_module, hf_image_processor, hf_processor, save_tiny_config
 from mm_utils import make_image
 
 SIZES = [(40, 40), (150, 60), (60, 130), (20, 90), (120, 120), (400, 30), (7, 300)]
@@ -95,3 +95,33 @@ def _pil_of(image: bytes):
     from PIL import Image
 
     return Image.open(io.BytesIO(image)).convert("RGB")
+
+
+def test_patch_size_is_checked_at_load_and_the_markers_looked_up_once(tmp_path) -> None:
+    """``patch_size`` is the tokens per side of a tile that transformers' processor writes: a value the model's config
+    disagrees with is refused when the engine's (or a request's) processor is loaded. Two images look the tokenizer's
+    marker ids up once (4 tokens), not once per image."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.errors import ConfigError, InvalidRequestError
+    from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
+    from asyncllm.models.cohere2_vision import Cohere2VisionForConditionalGeneration
+
+    config = save_tiny_config(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    lookups = []
+    lookup = tokenizer.convert_tokens_to_ids
+    tokenizer.convert_tokens_to_ids = lambda tokens: lookups.append(tokens) or lookup(tokens)
+
+    def processor(**kwargs):
+        return MultiModalProcessor(str(tmp_path), config, Cohere2VisionForConditionalGeneration, tokenizer, 2**26,
+                                   2**24, **kwargs)
+
+    with pytest.raises(ConfigError, match=r"patch_size=3 .*2, the model's tokens per side of a tile"):
+        processor(processor_kwargs={"patch_size": 3})
+    mm, images = processor(), MultiModalInputs([make_image(150, 60, seed=1), make_image(60, 130, seed=2)])
+    prompt = tokenizer(f"{IMAGE} and {IMAGE}")["input_ids"]
+    with pytest.raises(InvalidRequestError, match="patch_size=3"):
+        mm.process(prompt, images, "prompt.images", {"patch_size": 3})
+    assert mm.process(prompt, images, "prompt.images", {}).token_ids.count(config.image_token_id) == 32
+    assert sorted(t for t in lookups if t in NAMED.values()) == sorted(NAMED.values())

@@ -4,6 +4,7 @@ the placeholder count (``Ernie4_5_VLMoeProcessor``) and the M-RoPE positions (``
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import shutil
@@ -59,6 +60,20 @@ def test_timestamps_are_drawn_on_the_frames(checkpoint):
     stamped = stamped_frames(video, FONT)
     assert not np.array_equal(stamped, video.frames) and not np.array_equal(stamped[0], stamped[1])  # 0 s vs 1 s
     assert np.array_equal(stamped[:, 20:], video.frames[:, 20:])  # the top left corner only
+
+
+def test_frames_too_small_for_their_timestamps_are_refused_by_field(checkpoint):
+    """Under 10 pixels on the shorter side a timestamp's font size is 0, which PIL (so transformers' processor)
+    refuses: refused naming the field and the minimum. 10 pixels are stamped; without timestamps 9 are processed."""
+    settings = load_ernie_video_settings(checkpoint, None)
+    small = read_video(make_video(2, 40, 9, seed=0), "videos[0]", 10**8)
+    for hook in (ernie_video_grid, ernie_video_patches):
+        with pytest.raises(InvalidRequestError, match="at least 10 pixels") as error:
+            hook(small, settings, "videos[0]")
+        assert error.value.field == "videos[0]"
+    assert ernie_video_patches(read_video(make_video(2, 40, 10, seed=0), "v", 10**8), settings, "v").shape[0] == 2
+    unstamped = dataclasses.replace(settings, font=None)
+    assert ernie_video_patches(small, unstamped, "v").shape[:3] == ernie_video_grid(small, unstamped, "v")
 
 
 def test_positions_equal_transformers_rope_index():

@@ -12,8 +12,8 @@ import torch
 from llava_next_video_utils import hf_llava_video_pixels, make_tiny_llava_next_video
 from qwen_vl_utils import make_video
 
-from asyncllm.errors import NotBuiltError
-from asyncllm.mm.llava_video import LlavaVideoSettings, llava_video_pixels, load_llava_video_settings
+from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.mm.llava_video import LlavaVideoSettings, llava_video_grid, llava_video_pixels, load_llava_video_settings
 from asyncllm.mm.videos import read_video
 from asyncllm.models.checkpoint import load_hf_config
 
@@ -41,6 +41,18 @@ def test_exact_size_and_a_padded_crop_equal_transformers(tiny_video, tmp_path):
     settings = LlavaVideoSettings(None, (41, 50), (56, 56))
     ours = llava_video_pixels(read_video(video, "v", 10**8), settings, "v")
     np.testing.assert_array_equal(ours, hf_llava_video_pixels(str(tmp_path), [video]).numpy())
+
+
+def test_frames_of_an_aspect_ratio_over_200_are_refused_by_field():
+    """A 2 x 401 frame (224 x 44912 after the resize) is refused before any resize, as the Qwen-VL models refuse it;
+    2 x 400 is not."""
+    thin = read_video(make_video(2, 401, 2, seed=0), "videos[0]", 10**8)
+    for hook in (llava_video_grid, llava_video_pixels):
+        with pytest.raises(InvalidRequestError, match="aspect ratio 401:2 is over 200") as error:
+            hook(thin, LlavaVideoSettings(), "videos[0]")
+        assert error.value.field == "videos[0]"
+    assert llava_video_grid(read_video(make_video(2, 400, 2, seed=0), "v", 10**8), LlavaVideoSettings(), "v") == (
+        2, 224, 224)
 
 
 @pytest.mark.parametrize("pool", ["average", "max"])
