@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import os
@@ -58,10 +59,34 @@ def _hf_model(path: str):
     return MllamaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
 
 
+@contextlib.contextmanager
+def vision_layer_inputs():
+    """transformers' ``MllamaVisionEncoder`` recording each layer's input (``hidden_states[i]``: what layer i takes,
+    as Meta's encoder, transformers 4 and vLLM pick ``intermediate_layers_indices``), not 5.x's each layer's output
+    (docs/multimodal.md#llama-32-vision)."""
+    from transformers.modeling_outputs import BaseModelOutput
+    from transformers.models.mllama import modeling_mllama
+
+    def forward(self, hidden_states, attention_mask=None):
+        inputs = []
+        for layer in self.layers:
+            inputs.append(hidden_states)
+            hidden_states = layer(hidden_states=hidden_states, attention_mask=attention_mask)
+        return BaseModelOutput(last_hidden_state=hidden_states, hidden_states=tuple(inputs))
+
+    original = modeling_mllama.MllamaVisionEncoder.forward
+    modeling_mllama.MllamaVisionEncoder.forward = forward
+    try:
+        yield
+    finally:
+        modeling_mllama.MllamaVisionEncoder.forward = original
+
+
 def hf_mllama_greedy(path: str, prompt_ids: list[int], images: list[bytes], max_new_tokens: int,
                      adapter: str | None = None) -> list[int]:
     """transformers' greedy tokens for ``prompt_ids`` (its ``<|image|>`` tokens in place) and ``images``, with the
-    cross-attention mask its processor builds; PEFT's with ``adapter`` (a LoRA folder)."""
+    cross-attention mask its processor builds and its vision encoder's intermediate layers as Meta's
+    (`vision_layer_inputs`); PEFT's with ``adapter`` (a LoRA folder)."""
     import torch
     from PIL import Image
     from transformers import AutoImageProcessor
@@ -87,6 +112,6 @@ def hf_mllama_greedy(path: str, prompt_ids: list[int], images: list[bytes], max_
             [get_cross_attention_token_mask(prompt_ids, model.config.image_token_index)], num_tiles,
             processor.max_image_tiles, len(prompt_ids))
         inputs.update(pixels, cross_attention_mask=torch.from_numpy(mask))
-    with torch.no_grad():
+    with torch.no_grad(), vision_layer_inputs():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     return out[0, len(prompt_ids):].tolist()

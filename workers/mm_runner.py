@@ -141,6 +141,7 @@ class MultiModalRunner:
         self.cache = EncoderOutputCache(model, device, encoder_cache_bytes(config) if encodes else 0,
                                         _encode_fn(model, config, tp, device) if encodes else None)
         self._reported = (0, 0)
+        """(queries, hits) already reported in a `ModelRunnerOutput`."""
         self.mrope = MRopePositions(model) if callable(getattr(model, "mrope_positions", None)) else None
         """M-RoPE models' positions (Qwen2-VL): None for the others."""
         self.routes_prompt_rows = bool(getattr(model, "mm_routes_prompt_rows", False))
@@ -153,13 +154,21 @@ class MultiModalRunner:
         the ones starting on this worker with their images' encoder outputs (`_cross_images`)."""
         self._starting: set[str] = set()
         """Such a model's requests new on this worker whose cross-attention states are still to be computed."""
-        """(queries, hits) already reported in a `ModelRunnerOutput`."""
         self._prompt_lens: dict[str, int] = {}
         """A cross-attention image model's requests' prompt lengths (which tokens see which image)."""
+        self._state_rows: dict[str, int] = {}
+        """A cross-attention image model's requests whose states it keeps, by worker row: freed when they finish, are
+        aborted or preempted (``free_cross_images``), before the row serves another request."""
 
     def update_states(self, sched_out: SchedulerOutput) -> None:
-        """Forget finished and preempted requests (a resumed one comes back as new), learn new ones."""
-        for req_id in (*sched_out.finished_req_ids, *sched_out.preempted_req_ids):
+        """Forget finished and preempted requests (a resumed one comes back as new; a cross-attention image model
+        drops their states, and those of a request sent again as new, whose row may change), learn new ones."""
+        gone = (*sched_out.finished_req_ids, *sched_out.preempted_req_ids)
+        freed = [self._state_rows.pop(req_id) for req_id in (*gone, *(new.req_id for new in sched_out.new_reqs))
+                 if req_id in self._state_rows]
+        if freed:
+            self.cache.model.free_cross_images(freed)
+        for req_id in gone:
             self.cache.remove_request(req_id)
             self._starting.discard(req_id)
             self._prompt_lens.pop(req_id, None)
@@ -233,15 +242,19 @@ class MultiModalRunner:
             wanted = [(span.req_id, index, item) for index, item in enumerate(self.cache.items[span.req_id])
                       if model.mm_cross_item(item)]
             outputs = self.cache.read_whole(wanted, *model.encoder_output_spec())
-            starts.append((batch.requests[span.req_id].row, [item for _, _, item in wanted], outputs,
-                           self._prompt_lens[span.req_id]))
+            row = self._state_rows[span.req_id] = batch.requests[span.req_id].row
+            starts.append((row, [item for _, _, item in wanted], outputs, self._prompt_lens[span.req_id]))
         rows = [(batch.requests[s.req_id].row, s.flat_offset, s.length, s.start) for s in spans]
         return CrossImages(starts, rows)
 
     def forget_encoder_outputs(self) -> None:
         """After new weights or a sleep: drop every cached encoder output and request (the core recomputes every
-        running request, which comes back as new; its images are encoded again with the weights then served)."""
+        running request, which comes back as new; its images are encoded again with the weights then served), and a
+        cross-attention image model's states."""
         self.cache.clear()
+        if self.cross_images:
+            self.cache.model.free_cross_images(None)
+            self._state_rows.clear()
         if self.mrope is not None:
             self.mrope.requests.clear()
 

@@ -17,8 +17,9 @@ How a request meets its images: each image is one item whose placeholder is its 
 without data covers the tokens before the first image (`mm_prompt_items`), keyed by every image of the prompt: their
 KV depends on all the images, so the prefix cache never lends them to a prompt with other images. When a request
 starts on a worker, workers/mm_runner.py hands its images' encoder outputs over (`CrossImages`); each cross-attention
-layer's keys and values are computed then, kept by the request's worker row (`CrossImageStates`) while it runs. The
-KV cache's budget keeps room for them (`image_state_bytes` an image, `mm_default_image_limit` images a seat unless
+layer's keys and values are computed then, kept by the request's worker row (`CrossImageStates`) while it runs,
+dropped when it finishes, is aborted or preempted (`free_cross_images`) or the workers sleep. The KV cache's budget
+keeps room for them (`image_state_bytes` an image, `mm_default_image_limit` images a seat unless
 ``limit_mm_per_prompt`` says otherwise: workers/mm_runner.py `request_states_reserve`).
 
 Tensor parallelism: the cross-attention layers split q / k / v / o by heads as Llama's self-attention does (a KV head
@@ -86,26 +87,26 @@ def image_spans(offsets: list[int], prompt_len: int) -> list[tuple[int, int | No
 
 @dataclass
 class _RequestImages:
-    """One request's cross-attention keys and values (per cross-attention layer) and which tokens see which rows."""
+    """One request's cross-attention keys and values (per cross-attention layer) and which tokens see which rows, all
+    on the device (moved once, when the request starts: a step's masks are built there, `visible`)."""
 
     keys: list[torch.Tensor]
     """``[rows, kv_heads, head_dim]`` per cross-attention layer, k-normed."""
     values: list[torch.Tensor]
-    starts: np.ndarray
-    """``[images]`` the first position that sees each image."""
-    ends: np.ndarray
-    """``[images]`` the position past the last that sees it (int64 max: none)."""
-    image_rows: np.ndarray
-    """``[images, rows]`` bool: each image's own tiles' rows (its padding tiles' are not)."""
+    starts: torch.Tensor
+    """``[images]`` int64: the first position that sees each image."""
+    ends: torch.Tensor
+    """``[images]`` int64: the position past the last that sees it (int64 max: none)."""
+    image_rows: torch.Tensor
+    """``[images, rows]`` float32, 1 on each image's own tiles' rows (0 on its padding tiles' and the others')."""
 
-    def visible(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(``[tokens, rows]`` bool: the rows each token attends to; ``[tokens]`` bool: whether it sees an image). A
-        token that sees none attends to every row, as transformers' zeroed mask row does."""
-        sees = (self.starts[None, :] <= positions[:, None]) & (positions[:, None] < self.ends[None, :])
-        rows = (sees.astype(np.int32) @ self.image_rows.astype(np.int32)) > 0
-        seen = sees.any(axis=1)
-        rows[~seen] = True
-        return rows, seen
+    def visible(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``[tokens, rows]`` bool: the rows each token attends to; ``[tokens]`` bool: whether it sees an image), on
+        the device of ``positions`` (int64). A token that sees none attends to every row, as transformers' zeroed mask
+        row does."""
+        sees = (self.starts <= positions[:, None]) & (positions[:, None] < self.ends)
+        seen = sees.any(dim=1)
+        return (sees.to(self.image_rows.dtype) @ self.image_rows > 0) | ~seen[:, None], seen
 
 
 @dataclass
@@ -119,7 +120,8 @@ class _Step:
 
 
 class CrossImageStates:
-    """Each worker row's `_RequestImages`, and the step's plan (`begin`)."""
+    """Each worker row's `_RequestImages` while its request runs (`free`d when it finishes, is aborted or preempted),
+    and the step's plan (`begin`)."""
 
     def __init__(self, vision_config: Any) -> None:
         self.vision_config = vision_config
@@ -132,27 +134,37 @@ class CrossImageStates:
         spans = image_spans([item.offset for item in items], prompt_len)
         per_image = keys[0].shape[0] // len(items)
         per_tile = per_image // self.vision_config.max_num_tiles
-        image_rows = np.zeros((len(items), keys[0].shape[0]), bool)
+        image_rows = np.zeros((len(items), keys[0].shape[0]), np.float32)
         for i, item in enumerate(items):
             tiles = num_tiles_of(self.vision_config, _aspect_ratio_id(item))
-            image_rows[i, i * per_image : i * per_image + tiles * per_tile] = True
+            image_rows[i, i * per_image : i * per_image + tiles * per_tile] = 1
         no_end = np.iinfo(np.int64).max
-        self.rows[row] = _RequestImages(keys, values, np.array([s for s, _ in spans], np.int64),
-                                        np.array([no_end if e is None else e for _, e in spans], np.int64), image_rows)
+        bounds = np.array([[s for s, _ in spans], [no_end if e is None else e for _, e in spans]], np.int64)
+        device = keys[0].device
+        starts, ends = torch.from_numpy(bounds).to(device)
+        self.rows[row] = _RequestImages(keys, values, starts, ends, torch.from_numpy(image_rows).to(device))
+
+    def free(self, rows: Iterable[int] | None) -> None:
+        """Drop the states ``rows`` keep; None: every row's."""
+        if rows is None:
+            self.rows.clear()
+        for row in rows or ():
+            self.rows.pop(row, None)
 
     def begin(self, cross: CrossImages | None, num_tokens: int, device: torch.device, dtype: torch.dtype) -> None:
-        """The plan of a step whose requests with images are ``cross.spans``; None when it has none."""
+        """The plan of a step whose requests with images are ``cross.spans``; None when it has none. Built on the
+        device: no host work per image row."""
         self.step = None
         if cross is None or not cross.spans:
             return
-        sees_image = np.zeros(num_tokens, np.float32)
+        sees_image = torch.zeros(num_tokens, 1, device=device, dtype=dtype)
         spans = []
         for row, flat_offset, length, start in cross.spans:
             request = self.rows[row]
-            mask, seen = request.visible(np.arange(start, start + length))
-            sees_image[flat_offset : flat_offset + length] = seen
-            spans.append((flat_offset, flat_offset + length, request, torch.from_numpy(mask).to(device)))
-        self.step = _Step(spans, torch.from_numpy(sees_image)[:, None].to(device, dtype))
+            mask, seen = request.visible(torch.arange(start, start + length, device=device))
+            sees_image[flat_offset : flat_offset + length, 0] = seen
+            spans.append((flat_offset, flat_offset + length, request, mask))
+        self.step = _Step(spans, sees_image)
 
 
 def _aspect_ratio_id(item: MultiModalItem) -> int:
@@ -194,26 +206,32 @@ class MllamaCrossAttention(nn.Module):
         """``[T, hidden]`` -> the output projection of each request's tokens' attention, zero for the others."""
         query = self.q_norm(self.q_proj(hidden).reshape(-1, self.head_dim)).view(-1, self.heads, self.head_dim)
         out = torch.zeros_like(query)
-        repeat = self.heads // self.kv_heads
         for lo, hi, request, mask in step.spans:
-            key, value = (t.repeat_interleave(repeat, dim=1).transpose(0, 1)[None]
-                          for t in (request.keys[self.index], request.values[self.index]))
-            attn = F.scaled_dot_product_attention(query[lo:hi].transpose(0, 1)[None], key, value,
-                                                  attn_mask=mask[None, None])
-            out[lo:hi] = attn[0].transpose(0, 1)
+            out[lo:hi] = self._attend(query[lo:hi], request.keys[self.index], request.values[self.index], mask)
         return self.o_proj(out.reshape(hidden.shape[0], -1))
+
+    def _attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``[tokens, heads, head_dim]`` over ``[rows, kv_heads, head_dim]`` under ``mask`` ``[tokens, rows]``. The
+        query heads sharing a KV head go in the batch dimension, over zero-stride views of the keys and values (no
+        copy of them; ``enable_gqa`` with a mask falls back to CUDA's math kernel, which copies them itself)."""
+        group = self.heads // self.kv_heads
+        query = query.view(-1, self.kv_heads, group, self.head_dim).permute(2, 1, 0, 3)
+        key, value = (t.transpose(0, 1)[None].expand(group, -1, -1, -1) for t in (key, value))
+        attn = F.scaled_dot_product_attention(query, key, value, attn_mask=mask[None, None])
+        return attn.permute(2, 1, 0, 3).reshape(-1, self.heads, self.head_dim)
 
 
 class MllamaCrossAttentionLayer(nn.Module):
     """``h + tanh(attn_gate) * cross_attn(norm(h))``, then ``h + tanh(mlp_gate) * sees_image * mlp(norm(h))``."""
 
-    def __init__(self, b: DecoderBuild, index: int) -> None:
+    def __init__(self, b: DecoderBuild, layer_idx: int, index: int) -> None:
+        """``layer_idx``: its place in the decoder; ``index``: among the cross-attention layers."""
         super().__init__()
         cfg = b.hf_config
         self.cross_attn = MllamaCrossAttention(b, index)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.cross_attn_attn_gate = new_param(1, dtype=b.dtype)
-        self.mlp = b.make_mlp(b, 0)
+        self.mlp = b.make_mlp(b, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, b.dtype, b.attn_backend.ops)
         self.cross_attn_mlp_gate = new_param(1, dtype=b.dtype)
         self.states: CrossImageStates | None = None
@@ -242,7 +260,7 @@ class MllamaTextModel(LlamaModel):
     def layer_class(cls, hf_config: Any) -> Any:
         """(build, index) -> a cross-attention layer at ``cross_attention_layers``, else Llama's."""
         cross = list(hf_config.cross_attention_layers)
-        return lambda b, i: MllamaCrossAttentionLayer(b, cross.index(i)) if i in cross else LlamaDecoderLayer(b, i)
+        return lambda b, i: MllamaCrossAttentionLayer(b, i, cross.index(i)) if i in cross else LlamaDecoderLayer(b, i)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 metadata: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -304,10 +322,20 @@ class MllamaForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
         for row, items, outputs, prompt_len in (cross.starts if cross is not None else ()):
             self._start(row, items, outputs, prompt_len)
         self.cross_states.begin(cross, input_ids.shape[0], input_ids.device, self.multi_modal_projector.weight.dtype)
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+        try:
+            return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds)
+        finally:
+            self.cross_states.step = None  # holds its requests' states: a freed row's go with it
+
+    def free_cross_images(self, rows: list[int] | None) -> None:
+        """Drop the cross-attention states ``rows`` keep (their requests finished, were aborted or preempted:
+        workers/mm_runner.py); None: every row's (a sleep or new weights: the core recomputes the running requests)."""
+        self.cross_states.free(rows)
 
     def _start(self, row: int, items: list[MultiModalItem], outputs: list[torch.Tensor], prompt_len: int) -> None:
-        """Each cross-attention layer's keys and values of a request's images, kept by its row."""
+        """Each cross-attention layer's keys and values of a request's images, kept by its row (a stale entry of the
+        row dropped first, so the two never take memory at once)."""
+        self.cross_states.free([row])
         encoded = torch.cat(outputs).to(self.multi_modal_projector.weight.dtype)
         keys, values = zip(*(layer.cross_attn.project(encoded) for layer in self._cross_layers()))
         self.cross_states.start(row, items, prompt_len, list(keys), list(values))

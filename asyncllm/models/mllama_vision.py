@@ -6,6 +6,11 @@ position embeddings. A local encoder (``num_hidden_layers``) runs every tile's p
 multiple of 8 rows, with transformers' aspect-ratio mask; a gated global encoder (``num_global_layers``) runs over
 all the tiles at once. Each tile's rows are the global encoder's output joined with the local encoder's hidden states
 at ``intermediate_layers_indices``: ``[tiles, patches + 1, vision_output_dim]``.
+
+Index i is the state layer i takes (its input: the embeddings for 0), as in Meta's reference (llama-models'
+``VisionEncoder`` appends ``x`` before block i), transformers 4 (``hidden_states[0]`` is the embeddings) and vLLM, with
+which the checkpoints were trained. transformers 5 (5.24) records each layer's output, so its index i is the input
+of layer i + 1: a shift we do not follow (docs/multimodal.md#llama-32-vision).
 """
 
 from __future__ import annotations
@@ -87,11 +92,12 @@ class _Encoder(nn.Module):
         self.layers = nn.ModuleList(_EncoderLayer(cfg, gated, dtype) for _ in range(num_layers))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(the last layer's output, every layer's)."""
+        """(the last layer's output, every layer's input: state i is what layer i takes, as Meta's encoder and
+        transformers 4 record it; transformers 5 records layer i's output instead, module docstring)."""
         states = []
         for layer in self.layers:
-            x = layer(x, mask)
             states.append(x)
+            x = layer(x, mask)
         return x, states
 
 
