@@ -25,6 +25,9 @@ import msgspec
 __all__ = ["ForkRefused", "ForkedProcess", "children", "fork_module", "recv_exact", "startup_env", "LEN"]
 
 LEN = struct.Struct("!q")
+_REPLY_TIMEOUT_S = 60.0
+"""Longest the caller waits for the server's pid reply (it serves one request at a time) before it starts a new
+interpreter instead (a late child reads EOF on its stdin at once and exits)."""
 _WAIT_SLICE_S = 0.1
 """Longest one wait for a status lasts before the connection is looked at again (another thread may close it)."""
 
@@ -32,8 +35,12 @@ _WAIT_SLICE_S = 0.1
 def startup_env(env: Mapping[str, str]) -> dict[str, str]:
     """The variables a new interpreter reads while it starts or imports torch and numpy: a forked child gets the
     server's, so a caller whose values differ is refused (and starts a new interpreter)."""
-    return {name: value for name, value in env.items()
-            if name.startswith(("PYTHON", "TORCH", "OMP_", "MKL_", "OPENBLAS_", "LD_", "LC_")) or name == "LANG"}
+    return {name: value for name, value in env.items() if name.startswith(_STARTUP_PREFIXES) or name in _STARTUP_NAMES}
+
+
+_STARTUP_PREFIXES = ("PYTHON", "TORCH", "PYTORCH_", "ATEN_", "OMP_", "KMP_", "GOMP_", "MKL_", "OPENBLAS_", "NPY_",
+                     "NUMPY_", "MALLOC_", "LD_", "LC_")
+_STARTUP_NAMES = ("LANG", "GLIBC_TUNABLES")
 
 
 class ForkRefused(OSError):
@@ -76,6 +83,8 @@ class ForkedProcess:
 
     def send_signal(self, sig: int) -> None:
         with self._lock:
+            if self.returncode is None:
+                self._read_status()  # a status already sent: the pid may be another process's by now
             if self.returncode is not None:
                 return
             try:
@@ -124,10 +133,14 @@ class ForkedProcess:
         if self._pidfd is not None:
             return _readable(self._pidfd, 0.0)
         try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
+            with open(f"/proc/{self.pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie nobody reaps has exited too
+        except (OSError, IndexError):
             return True
-        return False
+
+    def __del__(self) -> None:
+        if getattr(self, "_pidfd", None) is not None:  # dropped without a wait
+            os.close(self._pidfd)
 
     def _finish(self, code: int) -> None:
         self.returncode = code
@@ -172,7 +185,9 @@ def fork_module(address: str, module: str, args: list[str], env: dict[str, str])
     try:
         conn = _request(address, {"module": module, "args": args, "env": env, "cwd": os.getcwd()},
                         [read_end, 1, 2])
+        conn.settimeout(_REPLY_TIMEOUT_S)
         pid = LEN.unpack(recv_exact(conn, LEN.size))[0]
+        conn.settimeout(None)
         if pid < 0:
             differ = msgspec.msgpack.decode(recv_exact(conn, LEN.unpack(recv_exact(conn, LEN.size))[0]))
             raise ForkRefused(f"the fork server started with other values of {', '.join(differ)}")

@@ -9,7 +9,8 @@ start and the imports of its core and of every worker (about a second of CPU eac
 server per test process.
 
 What a forked child cannot take from the caller: the variables a new interpreter reads while it starts or
-imports torch (`startup_env`: ``PYTHON*``, ``TORCH_*``, ``OMP_*``, ``MKL_*``, ``OPENBLAS_*``, ``LD_*``, locale)
+imports torch (`startup_env`: ``PYTHON*``, ``TORCH*``, ``PYTORCH_*``, ``ATEN_*``, OpenMP's, MKL's, OpenBLAS's and
+numpy's, ``MALLOC_*``, ``GLIBC_TUNABLES``, ``LD_*``, locale)
 were the server's, so a caller whose values differ is refused and starts a new interpreter; sibling children
 share the server's string-hash seed. The server never touches a GPU, runs one thread of its own (OpenBLAS may
 start its pool while numpy imports; its fork handler covers it) and holds no lock while it forks. A child dies
@@ -41,6 +42,8 @@ _PEERCRED = struct.Struct("3i")
 _REQUEST_TIMEOUT_S = 10.0
 """Longest a caller may take to send its request: the server serves one at a time."""
 _PR_SET_PDEATHSIG = 1
+_MAX_REQUEST = 64 * 2**20
+"""Longest request body (a child's environment and arguments: the engine config's JSON is the largest part)."""
 
 
 def _exit_status(status: int) -> int:
@@ -60,11 +63,16 @@ class _Server:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        if os.path.exists(address):  # a socket left by a server that was killed
+        self.pid = os.getpid()
+        self.libc = ctypes.CDLL(None, use_errno=True)  # resolved here, not in each child
+        if os.path.exists(address) and stat.S_ISSOCK(os.stat(address).st_mode):  # left by a killed server
             os.unlink(address)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(address)
-        os.chmod(address, 0o600)
+        mask = os.umask(0o177)  # the socket is 0600 from its creation
+        try:
+            self.listener.bind(address)
+        finally:
+            os.umask(mask)
         self.listener.listen(64)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, self._accept)
@@ -80,6 +88,9 @@ class _Server:
             self._reap()
 
     def exit(self) -> None:
+        if os.getpid() != self.pid:  # a child signalled before it reset the server's SIGTERM handler: die of it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
         try:
             os.unlink(self.address)
         except OSError:
@@ -100,7 +111,10 @@ class _Server:
                 conn.close()
                 return
             header += recv_exact(conn, LEN.size - len(header))
-            body = recv_exact(conn, LEN.unpack(header)[0])
+            size = LEN.unpack(header)[0]
+            if not 0 <= size <= _MAX_REQUEST:
+                raise ValueError(f"a request of {size} bytes")
+            body = recv_exact(conn, size)
             if msgspec.msgpack.decode(body, type=dict).get("list"):
                 self._list(conn)
             else:
@@ -139,7 +153,7 @@ class _Server:
     def _become_child(self, conn: socket.socket, fds: list[int], request: _Request, server: int) -> None:
         code = 1
         try:
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
             if os.getppid() != server:  # the server died before the signal was armed
                 os._exit(1)
             for target, fd in enumerate(fds):
@@ -227,7 +241,8 @@ _MAINS = ("asyncllm.engine.core", "asyncllm.workers.worker", "asyncllm.workers.m
 
 def _preload() -> None:
     """The imports every core and worker pays for, done once here. asyncllm reads its environment in functions,
-    never while importing, and triton (which may) is not imported."""
+    never while importing, and triton (which may) is not imported. Nothing here may run torch or numpy work: an
+    OpenMP pool started in the server would hang a child's first parallel region."""
     import importlib
 
     for name in ("numpy", "safetensors.torch", "torch", "zmq", *_MAINS):

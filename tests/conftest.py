@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -24,7 +25,13 @@ def forkserver() -> Iterator[str]:
 
     folder = procutil.private_ipc_dir()
     address = os.path.join(folder, "forkserver.sock")
-    server = forkserver.start_server(address)
+    try:
+        server = forkserver.start_server(address)
+    except RuntimeError as exc:  # the suite still runs, on new interpreters
+        warnings.warn(f"no test fork server: {exc}", stacklevel=1)
+        procutil.remove_dir(folder)
+        yield ""
+        return
     os.environ["ASYNCLLM_FORKSERVER"] = address
     try:
         yield address

@@ -116,6 +116,8 @@ def _frames_array(frames: Any, field: str, max_frame_pixels: int) -> np.ndarray:
         raise InvalidRequestError(field, f"a video array must be [T, H, W, 3] uint8 RGB with T >= 1, got "
                                          f"{list(frames.shape)} {frames.dtype}")
     count, height, width = frames.shape[:3]
+    if height == 0 or width == 0:
+        raise InvalidRequestError(field, f"the frames are {width}x{height}: a frame needs at least one pixel")
     if count > MAX_FRAMES:
         raise InvalidRequestError(field, f"{count} frames, over the {MAX_FRAMES} a video may have")
     if height * width > max_frame_pixels:

@@ -124,3 +124,11 @@ def test_a_child_dies_with_its_server_and_reports_it(server) -> None:
     assert child.wait(timeout=30) == -signal.SIGKILL
     assert time.monotonic() - start < 10
     assert not os.path.exists(f"/proc/{child.pid}/status") or "Z" in open(f"/proc/{child.pid}/status").read()
+
+
+def test_the_startup_variables_are_those_read_before_a_child_runs() -> None:
+    env = {"PYTORCH_JIT": "0", "ATEN_CPU_CAPABILITY": "default", "NPY_DISABLE_CPU_FEATURES": "AVX512F",
+           "KMP_AFFINITY": "x", "GLIBC_TUNABLES": "y", "PYTHONHASHSEED": "1", "LANG": "C",
+           "PYTEST_XDIST_WORKER": "gw0", "ASYNCLLM_CPU_KVCACHE_SPACE_GB": "1", "HF_HOME": "/h", "CUDA_VISIBLE_DEVICES": "0"}
+    assert set(forked_process.startup_env(env)) == {"PYTORCH_JIT", "ATEN_CPU_CAPABILITY", "NPY_DISABLE_CPU_FEATURES",
+                                                    "KMP_AFFINITY", "GLIBC_TUNABLES", "PYTHONHASHSEED", "LANG"}

@@ -53,6 +53,8 @@ def test_frames_of_an_aspect_ratio_over_200_are_refused_by_field():
         assert error.value.field == "videos[0]"
     assert llava_video_grid(read_video(make_video(2, 400, 2, seed=0), "v", 10**8), LlavaVideoSettings(), "v") == (
         2, 224, 224)
+    with pytest.raises(InvalidRequestError, match="needs at least one pixel"):  # not a ZeroDivisionError later
+        read_video(np.zeros((2, 0, 8, 3), np.uint8), "videos[0]", 10**8)
 
 
 @pytest.mark.parametrize("pool", ["average", "max"])
