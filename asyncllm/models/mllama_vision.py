@@ -92,13 +92,14 @@ class _Encoder(nn.Module):
         self.layers = nn.ModuleList(_EncoderLayer(cfg, gated, dtype) for _ in range(num_layers))
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(the last layer's output, every layer's input: state i is what layer i takes, as Meta's encoder and
-        transformers 4 record it; transformers 5 records layer i's output instead, module docstring)."""
+        """(the last layer's output, every layer's input and then the last output: state i is what layer i takes,
+        as Meta's encoder and transformers 4 record it; transformers 5 records layer i's output instead, module
+        docstring)."""
         states = []
         for layer in self.layers:
             states.append(x)
             x = layer(x, mask)
-        return x, states
+        return x, [*states, x]
 
 
 class _AspectRatioEmbedding(nn.Module):
