@@ -463,6 +463,9 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     """Checkpoint slots the model's state layers keep for prefix caching (hybrid models; 0: none)."""
     num_offload_blocks: int = 0
     """Of ``num_cpu_blocks``, those of kv_offloading_size (the CPU prefix-cache tier; after the swap space's)."""
+    mm_piece_merge: int = 0
+    """The model lays a video with its audio in pieces (`MultiModalItem.rows`, Qwen2.5-Omni's ``mm_audio_in_video``):
+    its vision tower's spatial merge, which the core checks the pieces by (0: it takes none)."""
 
 
 class CacheReady(msgspec.Struct, **_STRUCT):

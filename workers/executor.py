@@ -97,6 +97,8 @@ class Executor:
         """The model's vocabulary size as the workers loaded it (0: unknown), known after `start()`."""
         self.state_checkpoints = 0
         """Checkpoint slots of a hybrid model's states (prefix caching; 0: none), known after `start()`."""
+        self.mm_piece_merge = 0
+        """`asyncllm.protocol.WorkerReady.mm_piece_merge` (any rank's), known after `start()`."""
 
     @property
     def worker_pids(self) -> list[int]:
@@ -124,6 +126,7 @@ class Executor:
         self.num_cpu_blocks = min(msg.num_cpu_blocks - msg.num_offload_blocks for msg in ready) + self.num_offload_blocks
         self.vocab_size = min(msg.vocab_size for msg in ready)
         self.state_checkpoints = min(msg.state_checkpoints for msg in ready)
+        self.mm_piece_merge = max(msg.mm_piece_merge for msg in ready)  # a pipeline stage may not hold the tower
         return min(msg.num_available_blocks for msg in ready)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:

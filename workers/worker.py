@@ -160,8 +160,10 @@ class Worker:
         num_offload_blocks = int(self.runner.determine_num_offload_blocks()) if offload else 0
         vocab_size = int(getattr(getattr(self.runner, "hf_config", None), "vocab_size", 0) or 0)  # 0: a test runner
         checkpoints = int(getattr(getattr(self.runner, "model", None), "checkpoint_slots", 0))  # hybrids' (docs)
+        model = getattr(self.runner, "model", None)
+        piece_merge = int(getattr(model, "merge", 0)) if hasattr(model, "mm_audio_in_video") else 0
         self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks + num_offload_blocks, vocab_size,
-                                       checkpoints, num_offload_blocks))
+                                       checkpoints, num_offload_blocks, piece_merge))
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""

@@ -120,8 +120,6 @@ def _check_item(item: MultiModalItem, index: int, num_prompt_tokens: int, previo
     if span and not (len(span) == 2 and 0 <= item.offset + span[0] < item.offset + span[1] <= num_prompt_tokens):
         raise InvalidRequestError(f"{field}.bidirectional", f"{span} must be [start, stop) of the prompt's tokens, "
                                                             "relative to the item's offset")
-    if item.rows and not (len(item.rows) == 2 and 0 <= item.rows[0] and item.rows[0] + item.length <= item.rows[1]):
-        raise InvalidRequestError(f"{field}.rows", f"{item.rows} must be [start, whole] with start + length <= whole")
     if not (math.isfinite(item.time_interval) and item.time_interval >= 0):
         raise InvalidRequestError(f"{field}.time_interval", f"a finite number >= 0, got {item.time_interval!r}")
     if item.data is not None or _in_ring(item):
@@ -158,14 +156,81 @@ def _fill_from_ring(ring: ShmRingReader | None, items: list[MultiModalItem]) -> 
     return missing
 
 
-def fill_mm_items(store: ProcessorCacheStore | None, message: AddRequest, ring: ShmRingReader | None = None) -> None:
+def _check_pieces(items: list[MultiModalItem], piece_merge: int) -> None:
+    """`InvalidRequestError` unless the items' ``rows`` (`MultiModalItem.rows`) are a layout the workers can take:
+    only for a model that lays a video with its audio in pieces (``piece_merge``: its vision tower's spatial merge,
+    0: it takes none), each ``[start, whole]`` after its two start tokens, every item of a hash a piece of one
+    ``whole`` (a video's: its grid's placeholders), tiling it in prompt order (again from row 0 for a repeat), each
+    run of adjacent pieces all the rows of one video and at most one audio."""
+    pieces = {item.mm_hash for item in items if item.rows}
+    if pieces and not piece_merge:
+        raise InvalidRequestError("mm_items", "rows: this model takes no pieces of an item (only Qwen2.5-Omni's "
+                                              "use_audio_in_video)")
+    wholes: dict[str, int] = {}
+    reached: dict[str, int] = {}
+    group: dict[str, int] = {}  # the run's hashes -> their data's dimensions
+    for index, item in enumerate(items + [MultiModalItem("", -1, 0)]):
+        if group and (not item.rows or item.offset != items[index - 1].offset + items[index - 1].length):
+            _check_group(group, reached, wholes, index)
+            group = {}
+        if item.mm_hash not in pieces:
+            continue
+        whole = item.rows[1] if len(item.rows) == 2 else -1
+        start = reached.get(item.mm_hash, 0) % max(whole, 1)  # a repeat starts again at row 0
+        if (whole < 1 or wholes.setdefault(item.mm_hash, whole) != whole or item.offset < 2
+                or item.rows[0] != start or start + item.length > whole
+                or _grid_rows(item.shape, piece_merge) not in (None, whole)):
+            raise InvalidRequestError(f"mm_items[{index}].rows", f"{item.rows} must be [{start}, whole]: the next "
+                                      "rows of its hash's one whole (a video's: its grid's), after two start tokens")
+        reached[item.mm_hash] = start + item.length
+        group[item.mm_hash] = len(item.shape)
+
+
+def _check_group(group: dict[str, int], reached: dict[str, int], wholes: dict[str, int], index: int) -> None:
+    """The run of pieces before item ``index``: one video (data of 4 dimensions) and at most one audio, whole."""
+    dims = sorted(group.values())
+    if dims not in ([4], [3, 4]) or any(reached[h] != wholes[h] for h in group):
+        raise InvalidRequestError(f"mm_items[{index - 1}].rows", "a run of pieces must take all the rows of one "
+                                                                 "video and at most one audio")
+
+
+def _follows(item: MultiModalItem) -> bool:
+    """A piece after the first of its output (`MultiModalItem.rows` past row 0): it crosses key-only, its data
+    the first piece's (one cache operation each output, as the host's one lookup)."""
+    return bool(item.rows) and item.rows[0] != 0
+
+
+def _fill_pieces(items: list[MultiModalItem]) -> None:
+    """Give each following piece (`_follows`) the data of the last first piece of its hash before it."""
+    firsts: dict[str, MultiModalItem] = {}
+    for index, item in enumerate(items):
+        if not _follows(item):
+            firsts[item.mm_hash] = item
+        elif item.mm_hash in firsts:
+            first = firsts[item.mm_hash]
+            items[index] = msgspec.structs.replace(item, data=first.data, shape=first.shape, dtype=first.dtype,
+                                                   shm_offset=-1, shm_generation=0)
+        else:
+            raise InvalidRequestError(f"mm_items[{index}].rows", f"{item.rows}: a piece after no first piece (row 0) "
+                                                                 f"of {item.mm_hash}")
+
+
+def _grid_rows(shape: list[int], merge: int) -> int | None:
+    """A video's placeholders (``(t, h, w, features)`` patches merged ``merge`` x ``merge``); None for an audio."""
+    return shape[0] * (shape[1] // merge) * (shape[2] // merge) if len(shape) == 4 and merge else None
+
+
+def fill_mm_items(store: ProcessorCacheStore | None, message: AddRequest, ring: ShmRingReader | None = None,
+                  piece_merge: int = 0) -> None:
     """Check the request's items and give each its data: from ``ring`` (an shm location), the store (a key only)
-    or the message itself; `MultiModalCacheMiss` naming the items none of them has."""
+    or the message itself; `MultiModalCacheMiss` naming the items none of them has. ``piece_merge``: the model's
+    (`_check_pieces`)."""
     end = 0
     for index, item in enumerate(message.mm_items):
         end = _check_item(item, index, len(message.prompt_token_ids), end)
     items = message.mm_items
-    plain = [i for i, item in enumerate(items) if not _in_ring(item)]  # with data, or a key for the lru store
+    heads = [i for i, item in enumerate(items) if not _follows(item)]  # a piece after the first: its first's data
+    plain = [i for i in heads if not _in_ring(items[i])]  # with data, or a key for the lru store
     subset = [items[i] for i in plain]
     missing = store.fill(subset) if store is not None else [item.mm_hash for item in subset if item.data is None]
     for i, item in zip(plain, subset):
@@ -173,3 +238,5 @@ def fill_mm_items(store: ProcessorCacheStore | None, message: AddRequest, ring: 
     missing += _fill_from_ring(ring, items)
     if missing:
         raise MultiModalCacheMiss("mm_items", f"not in the core's processor cache: {', '.join(missing)}")
+    _fill_pieces(items)
+    _check_pieces(items, piece_merge)  # after the fill: a key-only item's shape is the cached data's

@@ -33,6 +33,8 @@ class CoreProcessorCache:
         lru = config.mm_processor_cache_type == "lru" and config.mm_processor_cache_gb > 0
         self.store = ProcessorCacheStore(int(config.mm_processor_cache_gb * 2**30)) if lru else None
         self.rings: dict[bytes, ShmRingReader] = {}
+        self.piece_merge = 0
+        """The served model's `asyncllm.protocol.WorkerReady.mm_piece_merge`: the pieces its workers take."""
 
     def attach(self, client_id: bytes, ring_name: str) -> bool:
         """Map the ring a host named in its Hello; False when there is none or it cannot be mapped here."""
@@ -56,7 +58,7 @@ class CoreProcessorCache:
 
     def fill(self, client_id: bytes, message: AddRequest) -> None:
         """Give every item of ``message`` its data (`MultiModalCacheMiss` naming the ones no cache holds)."""
-        fill_mm_items(self.store, message, self.rings.get(client_id))
+        fill_mm_items(self.store, message, self.rings.get(client_id), self.piece_merge)
 
     def close(self) -> None:
         for client_id in list(self.rings):

@@ -77,8 +77,11 @@ class EncoderOutputCache:
         self.items: dict[str, list[MultiModalItem]] = {}
         self.store = EncoderCache(budget_bytes)
         self.encode: EncodeFn = encode or (lambda items, hidden, dtype: encode_items(model, items, device))
-        self._pinned: dict[str, set[int]] = {}
-        """request id -> indices of its items whose features it pins (reached, not yet passed)."""
+        self._pinned: dict[str, set[int | str]] = {}
+        """request id -> the pins (`_pin_key`) of the features it holds (reached, not yet passed)."""
+        self._last_piece: dict[str, dict[str, int]] = {}
+        """request id -> each hash of its pieces (`MultiModalItem.rows`) -> the index of its last piece, which
+        releases the features its first pinned."""
         self.num_queries = 0
         """Items looked up when a prefill first reached them."""
         self.num_hits = 0
@@ -93,15 +96,33 @@ class EncoderOutputCache:
         """Forget every request and every cached output, pinned or not."""
         self.items.clear()
         self._pinned.clear()
+        self._last_piece.clear()
         self.store = EncoderCache(self.store.budget_bytes)
 
     def add_request(self, req_id: str, items: list[MultiModalItem]) -> None:
         self.items[req_id] = items
+        last = {item.mm_hash: index for index, item in enumerate(items) if item.rows}
+        if last:
+            self._last_piece[req_id] = last
 
     def remove_request(self, req_id: str) -> None:
         items = self.items.pop(req_id, [])
-        for index in self._pinned.pop(req_id, ()):
-            self.store.release(items[index].mm_hash)
+        self._last_piece.pop(req_id, None)
+        for key in self._pinned.pop(req_id, ()):
+            self.store.release(key if isinstance(key, str) else items[key].mm_hash)
+
+    @staticmethod
+    def _pin_key(index: int, item: MultiModalItem) -> int | str:
+        """What holds an item's features: the item (its index), or for the pieces of one output (a video's or
+        audio's chunks, `MultiModalItem.rows`) their hash, from the first piece reached to the last passed."""
+        return item.mm_hash if item.rows else index
+
+    def _unpin_passed(self, req_id: str, index: int, item: MultiModalItem) -> None:
+        """The prefill has passed ``item``: release its features, a piece's only after its hash's last piece."""
+        if item.rows and self._last_piece.get(req_id, {}).get(item.mm_hash) != index:
+            return
+        self._pinned[req_id].discard(self._pin_key(index, item))
+        self.store.release(item.mm_hash)
 
     def inputs_embeds(self, input_ids: torch.Tensor, spans: list[ScheduledSpan]) -> torch.Tensor | None:
         """The step's input embeddings with image features in place; None when no span touches an image."""
@@ -122,8 +143,7 @@ class EncoderOutputCache:
             if kept is not None:
                 embeds[kept + dst] = text
             if hi == item.offset + item.length:  # the prefill has passed this image
-                self._pinned[span.req_id].discard(index)
-                self.store.release(item.mm_hash)
+                self._unpin_passed(span.req_id, index, item)
         return embeds
 
     def _text_rows(self, item: MultiModalItem, lo: int, hi: int, device: torch.device) -> torch.Tensor | None:
@@ -159,9 +179,9 @@ class EncoderOutputCache:
         repeats: list[str] = []
         for req_id, index, item in wanted:
             pinned = self._pinned.setdefault(req_id, set())
-            if index in pinned:
+            if self._pin_key(index, item) in pinned:
                 continue
-            pinned.add(index)
+            pinned.add(self._pin_key(index, item))
             self.num_queries += 1
             if item.mm_hash in missing:
                 repeats.append(item.mm_hash)

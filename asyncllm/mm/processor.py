@@ -214,6 +214,9 @@ class MultiModalProcessor:
         from its image processor."""
         self._engine_overrides = {k: v for k, v in (processor_kwargs or {}).items() if k not in self._own_kwargs}
         self._engine_own = {k: v for k, v in (processor_kwargs or {}).items() if k in self._own_kwargs}
+        if not isinstance(self._engine_own.get("use_audio_in_video", False), bool):
+            raise ConfigError("mm_processor_kwargs.use_audio_in_video", self._engine_own["use_audio_in_video"],
+                              "true or false")
         self._processor_defaults: dict[str, Any] = getattr(model_cls, "mm_processor_defaults", {})
         """Image processor settings the model's HF processor passes where the image processor has none."""
         self._processor_cls = getattr(model_cls, "mm_image_processor_class", None)
@@ -342,9 +345,13 @@ class MultiModalProcessor:
         the images (their videos: ``...videos``); ``inline``: every item with its data, the cache untouched."""
         overrides = overrides or {}
         self._processor_for(overrides)  # a bad key fails the request before any image is read
-        settings = {**self._engine_own, **overrides}
-        with_audio = "use_audio_in_video" in self._own_kwargs and bool(settings.get("use_audio_in_video"))
+        with_audio = {**self._engine_own, **overrides}.get("use_audio_in_video", False)
         """Each video takes the next audio (its track), interleaved with its frames (`_video_with_audio`)."""
+        if "use_audio_in_video" in self._own_kwargs and not isinstance(with_audio, bool):
+            raise InvalidRequestError("prompt.mm_processor_kwargs.use_audio_in_video", f"true or false, got "
+                                                                                        f"{with_audio!r}")
+        with_audio = "use_audio_in_video" in self._own_kwargs and with_audio
+        overrides = {k: v for k, v in overrides.items() if k not in self._own_kwargs}  # not in the images' keys
         fields = {kind: field.removesuffix("images") + kind + "s" if field.endswith("images") else field
                   for kind in ("image", "video", "audio")}
         token_of = self._markers()
@@ -527,17 +534,20 @@ class MultiModalProcessor:
         ``mm_audio_in_video``, asyncllm/models/omni_interleave.py): each run of placeholders one item, a piece of
         the whole video's or audio's rows (both processed, cached and encoded once)."""
         spec = self._model_cls.mm_audio_in_video(self._hf_config)
-        if expanded[-1:] != [spec.vision_start] or not following:
+        vision_end = self.tokenizer.convert_tokens_to_ids("<|vision_eos|>")
+        if expanded[-1:] != [spec.vision_start] or following != [vision_end]:
             raise InvalidRequestError(video[2], f"with use_audio_in_video a video's placeholder follows its vision "
-                                                f"start token (id {spec.vision_start}) and precedes its end token")
+                                                f"start token (id {spec.vision_start}) and precedes its end token "
+                                                f"(<|vision_eos|>, id {vision_end})")
         whole: list[MultiModalItem] = []
         self._video(*video, [], whole, inline)
         self._audio(*audio, [], whole, inline)
         expanded.append(spec.audio_start)
         for is_video, start, stop in spec.pieces(tuple(whole[0].shape[:3]), whole[0].time_interval, whole[1].length):
             item = whole[0] if is_video else whole[1]
+            data = {} if start == 0 else {"data": None, "shm_offset": -1, "shm_generation": 0}  # key-only: the first's
             items.append(msgspec.structs.replace(item, offset=len(expanded), length=stop - start,
-                                                 rows=[start, item.length]))
+                                                 rows=[start, item.length], **data))
             expanded += [self.video_placeholder_id if is_video else self.audio_token_id] * (stop - start)
         expanded.append(spec.audio_end)
 

@@ -26,7 +26,7 @@ torch and triton backends need nothing new. Steps whose positions are all text
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -60,11 +60,13 @@ def frequency_axes(section: Sequence[int], interleaved: bool) -> torch.Tensor:
 
 
 def mrope_positions(prompt_len: int, images: Sequence[tuple[int, int, Sequence[int]] | tuple[int, int, Sequence[int], float]],
-                    spatial_merge_size: int) -> tuple[np.ndarray, int]:
+                    spatial_merge_size: int,
+                    times: Callable[[int, float], np.ndarray] | None = None) -> tuple[np.ndarray, int]:
     """(``[3, prompt_len]`` int64 positions, delta) of a prompt whose images and videos are ``(offset, length,
     (t, h, w)[, time_interval])`` (grid in patches, placeholders in order); text positions count on from where the
     last item left off (its largest position + 1). A video's temporal patch i is at time ``int(i * time_interval)``
-    past its start (float32, as transformers; ``time_interval`` 1 when not given).
+    past its start (float32, as transformers' Qwen2.5-VL; ``time_interval`` 1 when not given), or ``times(t,
+    time_interval)`` of a model that gives its own rule (Qwen2.5-Omni's).
 
     This is the Qwen models' own rule (vLLM's, and transformers' ``get_rope_index`` up to 5.2). From 5.3 on,
     transformers starts the text after a video ``max(h, w) / merge`` past the video's start and continues decoding
@@ -79,9 +81,10 @@ def mrope_positions(prompt_len: int, images: Sequence[tuple[int, int, Sequence[i
         if t * rows * cols != length:
             raise ValueError(f"an image of grid {(t, h, w)} has {length} placeholder tokens, not {t * rows * cols}")
         grid = np.indices((t, rows, cols)).reshape(3, -1)
-        if interval and interval[0] != 1.0:
-            times = (np.arange(t, dtype=np.float32) * np.float32(interval[0])).astype(np.int64)
-            grid[0] = times[grid[0]]
+        if times is not None:
+            grid[0] = times(t, interval[0] if interval else 1.0)[grid[0]]
+        elif interval and interval[0] != 1.0:
+            grid[0] = (np.arange(t, dtype=np.float32) * np.float32(interval[0])).astype(np.int64)[grid[0]]
         table[:, offset : offset + length] = grid + position
         position = int(table[:, offset : offset + length].max()) + 1
         cursor = offset + length

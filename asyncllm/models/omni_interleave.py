@@ -9,7 +9,9 @@ video whose temporal patches lie over a chunk apart has one-token chunks), video
 ``<|audio_eos|>``. Each chunk is one item (`asyncllm.protocol.MultiModalItem.rows`: its rows of the whole video's or
 audio's encoder output, which is encoded once). Positions: the two start tokens share one, the video's temporal
 patches and the audio's rows count on from the next (the audio's as text, one a row, so 25 rows a second of either),
-the two end tokens share the last chunk's largest position + 1.
+the two end tokens share the last chunk's largest position + 1. A temporal patch's time is the processor's float64
+``i * seconds * 25`` for the layout (`layout_times`) and ``get_rope_index``'s float32 ``((i * seconds) * 25).long()``
+for the positions (`video_times`), which the tokens take in ``get_rope_index``'s own chunks of them, as it does.
 """
 
 from __future__ import annotations
@@ -37,11 +39,17 @@ def chunked_index(values: np.ndarray, per_chunk: int) -> list[tuple[int, int]]:
     return runs
 
 
-def video_times(grid: tuple[int, int, int], merge: int, time_interval: float) -> np.ndarray:
-    """Each of a video's placeholders' time position: its temporal patch's ``int(i * time_interval)`` (float32)."""
+def video_times(t: int, seconds: float, per_second: float) -> np.ndarray:
+    """A video's temporal patches' time positions, as transformers' ``get_rope_index``: ``((i * seconds) *
+    per_second).long()`` in float32 (``seconds``: the item's `time_interval`, seconds a temporal patch)."""
+    return ((np.arange(t, dtype=np.float32) * np.float32(seconds)) * np.float32(per_second)).astype(np.int64)
+
+
+def layout_times(grid: tuple[int, int, int], merge: int, seconds: float, per_second: float) -> np.ndarray:
+    """Each of a video's placeholders' time, as transformers' processor lays the chunks out: ``i * seconds *
+    per_second`` in float64 (not truncated; `video_times` are the positions)."""
     t, h, w = grid
-    times = (np.arange(t, dtype=np.float32) * np.float32(time_interval)).astype(np.int64)
-    return np.repeat(times, (h // merge) * (w // merge))
+    return np.repeat(np.arange(t) * seconds * per_second, (h // merge) * (w // merge))
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,8 @@ class AudioInVideo:
     """``int(position_id_per_seconds * seconds_per_chunk)``: time positions a chunk."""
     merge: int
     """The vision tower's spatial merge: a temporal patch's placeholders are its ``(h / merge) x (w / merge)``."""
+    per_second: float
+    """``position_id_per_seconds``: time positions a second."""
 
     @classmethod
     def of(cls, hf_config: Any) -> AudioInVideo:
@@ -63,41 +73,46 @@ class AudioInVideo:
             raise ConfigError("seconds_per_chunk", hf_config.seconds_per_chunk,
                               "at least one time position a chunk (position_id_per_seconds x seconds_per_chunk >= 1)")
         return cls(int(hf_config.vision_start_token_id), int(hf_config.audio_start_token_id), int(hf_config.audio_end_token_id), per_chunk,
-                   int(hf_config.vision_config.spatial_merge_size))
+                   int(hf_config.vision_config.spatial_merge_size), hf_config.position_id_per_seconds)
 
-    def pieces(self, grid: tuple[int, int, int], time_interval: float, audio_rows: int) -> list[tuple[bool, int, int]]:
+    def pieces(self, grid: tuple[int, int, int], seconds: float, audio_rows: int) -> list[tuple[bool, int, int]]:
         """(is the video's, first row, stop row) of each run of placeholders in prompt order of a video of ``grid``
-        patches ``time_interval`` apart and its audio's ``audio_rows``: video chunk j, then audio chunk j; empty runs
-        left out."""
-        video = chunked_index(video_times(grid, self.merge, time_interval), self.per_chunk)
-        audio = chunked_index(np.arange(audio_rows), self.per_chunk)
-        runs = []
-        for j in range(max(len(video), len(audio))):
-            runs += [(True, *video[j])] if j < len(video) else []
-            runs += [(False, *audio[j])] if j < len(audio) else []
-        return [run for run in runs if run[1] < run[2]]
+        patches ``seconds`` apart and its audio's ``audio_rows``: video chunk j, then audio chunk j (transformers'
+        processor's chunks: `layout_times`); empty runs left out."""
+        return _interleave(chunked_index(layout_times(grid, self.merge, seconds, self.per_second), self.per_chunk),
+                           chunked_index(np.arange(audio_rows), self.per_chunk))
+
+
+def _interleave(video: list[tuple[int, int]], audio: list[tuple[int, int]]) -> list[tuple[bool, int, int]]:
+    runs = []
+    for j in range(max(len(video), len(audio))):
+        runs += [(True, *video[j])] if j < len(video) else []
+        runs += [(False, *audio[j])] if j < len(audio) else []
+    return [run for run in runs if run[1] < run[2]]
 
 
 def end_of(item: Any) -> int:
     return item.offset + item.length
 
 
-def _group_positions(items: list[Any], origin: int, merge: int) -> list[np.ndarray]:
-    """Each piece's ``[3, length]`` positions, the video's and audio's rows counting from ``origin``."""
-    out = []
-    for item in items:
-        start = item.rows[0]
-        if len(item.shape) == 3:  # an audio's rows: as text
-            out.append(np.broadcast_to(np.arange(start, start + item.length) + origin, (3, item.length)))
-            continue
-        t, h, w = item.shape[:3]
-        grid = np.indices((t, h // merge, w // merge)).reshape(3, -1)
-        grid[0] = video_times((t, h, w), merge, item.time_interval)
-        out.append(grid[:, start : start + item.length] + origin)
-    return out
+def _group_positions(items: list[Any], origin: int, spec: AudioInVideo) -> list[np.ndarray]:
+    """The ``[3, n]`` positions of the chunks of one video with its audio (its ``items``), the video's and audio's
+    rows counting from ``origin``, in transformers' ``get_rope_index`` order: its chunks of the positions (of
+    `video_times`), which the tokens take one after another."""
+    video = next((item for item in items if len(item.shape) == 4), None)
+    audio = next((item for item in items if len(item.shape) == 3), None)
+    video_rows = np.zeros((3, 0), dtype=np.int64)
+    if video is not None:
+        t, h, w = video.shape[:3]
+        video_rows = np.indices((t, h // spec.merge, w // spec.merge)).reshape(3, -1)
+        video_rows[0] = np.repeat(video_times(t, video.time_interval, spec.per_second), video_rows.shape[1] // t)
+    rows = audio.rows[1] if audio is not None else 0
+    audio_rows = np.broadcast_to(np.arange(rows), (3, rows))
+    runs = _interleave(chunked_index(video_rows[0], spec.per_chunk), chunked_index(audio_rows[0], spec.per_chunk))
+    return [(video_rows if is_video else audio_rows)[:, start:stop] + origin for is_video, start, stop in runs]
 
 
-def interleaved_positions(prompt_len: int, items: list[Any], merge: int,
+def interleaved_positions(prompt_len: int, items: list[Any], spec: AudioInVideo,
                           plain: Callable[[int, list[Any]], tuple[np.ndarray, int]]) -> tuple[np.ndarray, int]:
     """The prompt's ``[3, prompt_len]`` positions and delta: ``plain(length, items)`` (the model's own rule) between
     the videos with their audio, whose pieces (items with ``rows``, adjacent, a video's first) are positioned as
@@ -119,10 +134,9 @@ def interleaved_positions(prompt_len: int, items: list[Any], merge: int,
         if first == len(items):
             break
         table[:, stop] = table[:, stop - 1]
-        pieces = _group_positions(items[first:last + 1], int(table[0, stop]) + 1, merge)
-        for item, positions in zip(items[first:last + 1], pieces):
-            table[:, item.offset : item.offset + item.length] = positions
+        pieces = _group_positions(items[first:last + 1], int(table[0, stop]) + 1, spec)
         end = end_of(items[last])
+        table[:, items[first].offset : end] = np.concatenate(pieces, axis=1)
         table[:, end : end + 2] = int(pieces[-1].max()) + 1
         base, cursor, i = int(table[0, end]) + 1, end + 2, last + 1
     return table, int(table[:, -1].max()) + 1 - prompt_len  # decoding goes on from the last prompt token

@@ -55,6 +55,7 @@ class OmniThinker:
         """``kwargs``: the Qwen-VL model's (``dtype`` among them)."""
         check_no_audio_output(hf_config)
         super().__init__(hf_config, **kwargs)  # type: ignore[call-arg]
+        self.hf_config = hf_config
         if hf_config.audio_config.output_dim != text_config_of(hf_config).hidden_size:
             raise ConfigError("audio_config.output_dim", hf_config.audio_config.output_dim, "the decoder's hidden_size")
         self.audio_tower = self.audio_tower_cls(hf_config.audio_config, kwargs["dtype"])
@@ -110,7 +111,8 @@ class OmniThinker:
         its audio as transformers' ``get_rope_index`` (asyncllm/models/omni_interleave.py)."""
         if not any(item.rows for item in items):
             return self._plain_positions(prompt_len, items)
-        return interleaved_positions(prompt_len, items, self.merge, self._plain_positions)  # type: ignore[attr-defined]
+        spec = self.mm_audio_in_video(self.hf_config)  # type: ignore[attr-defined]
+        return interleaved_positions(prompt_len, items, spec, self._plain_positions)
 
     def _plain_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
         return super().mrope_positions(prompt_len, [item for item in items if len(item.shape) == 4])  # type: ignore[misc]

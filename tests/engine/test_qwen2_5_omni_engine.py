@@ -22,7 +22,7 @@ from qwen2_5_omni_utils import (
 from qwen_vl_utils import make_video, video_patches_of
 
 from asyncllm import AsyncEngine, SamplingParams
-from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -100,6 +100,8 @@ async def test_a_video_with_its_audio_matches_transformers_and_on_a_prefix_cache
     token_ids = mm.encode_text(text, 0)
     wide = mm.process(token_ids, MultiModalInputs(videos=[cases[0][0]], audios=[(audio, SAMPLING_RATE)]), "images")
     assert wide.token_ids == outs[0].prompt_token_ids
+    carried = [item.data is not None or item.shm_offset >= 0 for item in wide.items]
+    assert carried == [item.rows[0] == 0 for item in wide.items] and carried.count(True) == 2  # the first pieces
 
 
 async def test_the_full_checkpoint_layout_loads_the_same_thinker_whose_audio_rows_equal_transformers(tiny_omni, tmp_path):
@@ -135,7 +137,8 @@ async def test_the_full_checkpoint_layout_loads_the_same_thinker_whose_audio_row
 async def test_speech_out_and_a_video_files_audio_are_not_built(engine, tiny_omni):
     """A request's or the engine's ``load_audio_from_video`` (decoding the track from the file), and
     ``enable_audio_output`` set over the thinker's config (``hf_overrides``), are refused by name; so is a video with
-    its audio not after its vision start token."""
+    its audio not after its vision start token or before its end token, and a use_audio_in_video that is not a bool
+    (the request's or the engine's). The setting is not in an image's cache key."""
     from asyncllm.config import EngineConfig
     from asyncllm.engine.prepare import prepare
     from asyncllm.models.loader import build_model, load_hf_config
@@ -148,6 +151,20 @@ async def test_speech_out_and_a_video_files_audio_are_not_built(engine, tiny_omn
                 "audios": [(AUDIO, SAMPLING_RATE)], "mm_processor_kwargs": {"use_audio_in_video": True}}
     with pytest.raises(InvalidRequestError, match="vision start token"):
         await engine.generate(unmarked, GREEDY)
+    with pytest.raises(InvalidRequestError, match="vision_eos"):
+        await engine.generate({**unmarked, "prompt": "watch <|vision_bos|><|VIDEO|> now"}, GREEDY)
+    with pytest.raises(InvalidRequestError, match="use_audio_in_video"):
+        await engine.generate({**unmarked, "prompt": f"watch {VIDEO_MARK}", "mm_processor_kwargs":
+                               {"use_audio_in_video": "false"}}, GREEDY)
+    with pytest.raises(ConfigError, match="use_audio_in_video"):
+        prepare(EngineConfig.create(tiny_omni, mm_processor_kwargs={"use_audio_in_video": "false"}))
+    from asyncllm.mm.processor import MultiModalInputs
+
+    mm = prepare(EngineConfig.create(tiny_omni)).mm
+    image_ids, images = mm.encode_text(f"Look {IMAGE_MARK} at it", 0), MultiModalInputs(images=[IMAGE])
+    first = mm.process(image_ids, images, "images", {"use_audio_in_video": True}).items[0]
+    again = mm.process(image_ids, images, "images").items[0]
+    assert first.data is not None and again.data is None and again.mm_hash == first.mm_hash  # a cache hit
     hf_config = load_hf_config(tiny_omni)
     hf_config.enable_audio_output = True
     with pytest.raises(NotBuiltError, match="enable_audio_output"):

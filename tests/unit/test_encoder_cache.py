@@ -123,6 +123,29 @@ def test_a_preempted_request_releases_its_pins():
     assert len(cache.store) == 0 and cache.items == {}
 
 
+def test_the_pieces_of_one_output_encode_it_once_without_a_budget():
+    """Qwen2.5-Omni's audio in video: chunks of one video's and one audio's outputs (`MultiModalItem.rows`) pin each
+    output from its first chunk reached to its last passed, so prefill chunks of 1 token encode each once; a
+    request removed midway releases them."""
+    video, audio = _image(100, 0, length=5), _image(200, 0, length=3)  # V0 V1 A0 V2 V3 V4 A1 A2
+    layout = [(video, 0, 2), (audio, 0, 1), (video, 2, 5), (audio, 1, 3)]
+    pieces, offset = [], 0
+    for whole, start, stop in layout:
+        pieces.append(MultiModalItem(whole.mm_hash, offset, stop - start, whole.data, whole.shape, whole.dtype,
+                                     rows=[start, whole.length]))
+        offset += stop - start
+    model = _FakeEncoder()
+    cache = EncoderOutputCache(model, torch.device("cpu"), budget_bytes=0)
+    cache.add_request("a", pieces)
+    assert [_embeds(cache, "a", i, 1)[0] for i in range(8)] == [100, 101, 200, 102, 103, 104, 201, 202]
+    assert sorted(model.encoded) == [100, 200] and len(cache.store) == 0  # passed: released
+    cache.add_request("b", pieces)
+    _embeds(cache, "b", 0, 3)
+    assert len(cache.store) == 2
+    cache.remove_request("b")
+    assert len(cache.store) == 0
+
+
 def test_the_config_takes_data_mode_and_a_budget_and_refuses_a_negative_one():
     config = EngineConfig.create("m", mm_encoder_tp_mode="data", mm_encoder_cache_gb=0.25)
     assert (config.mm_encoder_tp_mode, encoder_cache_bytes(config)) == ("data", 2**28)

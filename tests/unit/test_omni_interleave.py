@@ -14,8 +14,8 @@ import pytest
 import torch
 from qwen2_5_omni_utils import hf_audio_in_video_text
 
-from asyncllm.models.mrope import mrope_positions
 from asyncllm.models.omni_interleave import AudioInVideo, interleaved_positions
+from asyncllm.models.qwen2_5_omni import Qwen2_5OmniThinkerForConditionalGeneration as Omni
 from asyncllm.protocol import MultiModalItem
 
 IDS = {"<|vision_bos|>": 1, "<|audio_bos|>": 2, "<|audio_eos|>": 3, "<|vision_eos|>": 4, "<|VIDEO|>": 5,
@@ -24,6 +24,10 @@ TEXT = 8
 CASES = [([4, 4, 6], 1.0, 62), ([3, 4, 4], 4.0, 120), ([6, 2, 2], 0.5, 30), ([2, 4, 4], 2.0, 150)]
 """(video grid, seconds a temporal patch, audio rows): 2 fps, 0.5 fps (patches 100 positions apart: one-token
 chunks), 4 fps, 1 fps with an audio longer than the video."""
+ODD_FPS = [([16, 2, 2], 2 / fps, int(16 * 50 / fps)) for fps in (0.3, 0.6, 1.2, 2.4)]
+"""fps whose ``i * seconds * 25`` the float32 products of ``get_rope_index`` and the float64 ones of the processor
+round to either side of a whole number (and of a chunk's end), an audio as long as the video (a chunk of each in
+turn, so a video chunk's end shows in the tokens)."""
 
 
 def _config():
@@ -35,11 +39,10 @@ def _config():
 def _video_with_audio(grid, seconds, rows, offset):
     """Our tokens (from <|audio_bos|> to <|audio_eos|>) and items of a video with its audio at ``offset``."""
     spec = AudioInVideo.of(_config())
-    interval = float(np.float32(seconds) * np.float32(25))
-    video = MultiModalItem("v", 0, grid[0] * grid[1] * grid[2] // 4, shape=[*grid, 1176], time_interval=interval)
+    video = MultiModalItem("v", 0, grid[0] * grid[1] * grid[2] // 4, shape=[*grid, 1176], time_interval=seconds)
     audio = MultiModalItem("a", 0, rows, shape=[1, 17, 3000])
     tokens, items = [spec.audio_start], []
-    for is_video, start, stop in spec.pieces(tuple(grid), interval, rows):
+    for is_video, start, stop in spec.pieces(tuple(grid), seconds, rows):
         whole = video if is_video else audio
         items.append(msgspec.structs.replace(whole, offset=offset + len(tokens), length=stop - start,
                                              rows=[start, whole.length]))
@@ -47,7 +50,7 @@ def _video_with_audio(grid, seconds, rows, offset):
     return tokens + [spec.audio_end], items
 
 
-@pytest.mark.parametrize("grid, seconds, rows", CASES)
+@pytest.mark.parametrize("grid, seconds, rows", CASES + ODD_FPS)
 def test_the_placeholders_are_transformers(grid, seconds, rows):
     hf = hf_audio_in_video_text(grid, seconds, rows)
     ours, _ = _video_with_audio(grid, seconds, rows, 0)
@@ -55,12 +58,11 @@ def test_the_placeholders_are_transformers(grid, seconds, rows):
     assert "".join(names[t] for t in ours) == hf
 
 
-def _plain(prompt_len, items):
-    return mrope_positions(prompt_len, [(i.offset, i.length, tuple(i.shape[:3]), i.time_interval) for i in items
-                                        if len(i.shape) == 4], 2)
+_plain = functools.partial(Omni._plain_positions, SimpleNamespace(hf_config=_config(), merge=2))
+"""The thinker's own positions of images and videos (without their audio)."""
 
 
-def _hf_positions(ids, videos, audio_frames, image_grid):
+def _hf_positions(ids, videos, audio_frames, image_grid, with_audio=True):
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
         Qwen2_5OmniPreTrainedModelForConditionalGeneration as Hf,
     )
@@ -70,17 +72,18 @@ def _hf_positions(ids, videos, audio_frames, image_grid):
                             get_chunked_index=functools.partial(Hf.get_chunked_index, None))
     ids = torch.tensor([ids])
     positions, delta = Hf.get_rope_index(model, ids, torch.tensor([image_grid]), torch.tensor([g for g, _, _ in videos]),
-                                         torch.ones_like(ids), True, torch.tensor(audio_frames),
+                                         torch.ones_like(ids), with_audio, torch.tensor(audio_frames),
                                          torch.tensor([s for _, s, _ in videos]))
     return positions[:, 0].numpy(), int(delta)
 
 
-def test_the_positions_are_transformers_get_rope_index():
+@pytest.mark.parametrize("videos", [[CASES[1], CASES[0]], ODD_FPS[:2], ODD_FPS[2:]], ids=["2-0.5fps", "0.3-0.6fps",
+                                                                                            "1.2-2.4fps"])
+def test_the_positions_are_transformers_get_rope_index(videos):
     """Text, an image, two videos with their audio and a standalone audio between them; decoding goes on from the
-    last prompt position (transformers' generate), not past a video chunk that reaches further."""
+    last prompt position (transformers' generate), not past a video chunk that reaches further (2 fps's second)."""
     ids, items, frames = [TEXT, TEXT, IDS["<|vision_bos|>"]] + [IDS["<|IMAGE|>"]] * 4 + [IDS["<|vision_eos|>"]], [], []
     items.append(MultiModalItem("i", 3, 4, shape=[1, 4, 4, 1176]))
-    videos = [CASES[1], CASES[0]]  # the last one's second video chunk reaches past its last audio chunk
     for n, (grid, seconds, rows) in enumerate(videos):
         ids += [TEXT, IDS["<|vision_bos|>"]]
         tokens, pieces = _video_with_audio(grid, seconds, rows, len(ids))
@@ -93,9 +96,24 @@ def test_the_positions_are_transformers_get_rope_index():
             ids += [IDS["<|AUDIO|>"]] * 5 + [IDS["<|audio_eos|>"], TEXT]
             frames.append(20)
     want, want_delta = _hf_positions(ids, videos, frames, [1, 4, 4])
-    got, delta = interleaved_positions(len(ids), items, 2, _plain)
+    got, delta = interleaved_positions(len(ids), items, AudioInVideo.of(_config()), _plain)
     np.testing.assert_array_equal(got, want)
-    assert delta == int(got[0, -1]) + 1 - len(ids) != want_delta  # transformers' get_rope_index: its largest + 1
+    assert delta == int(got[0, -1]) + 1 - len(ids)
+    if videos[1] is CASES[0]:
+        assert delta != want_delta  # transformers' get_rope_index: its largest + 1
+
+
+@pytest.mark.parametrize("fps", [0.3, 0.6, 1.2, 2.4, 2.0])
+def test_a_plain_videos_positions_are_transformers_get_rope_index(fps):
+    """A video without its audio: the thinker's time positions are get_rope_index's ``((i * seconds) * 25).long()``
+    (float32), not Qwen2.5-VL's ``i * (seconds * 25)``."""
+    grid, seconds = [12, 2, 2], Omni.mm_video_pieces(SimpleNamespace(vision_config=SimpleNamespace(
+        temporal_patch_size=2)), None, SimpleNamespace(sampled_fps=fps), (12, 2, 2))[0].time_interval
+    ids = [TEXT, IDS["<|vision_bos|>"]] + [IDS["<|VIDEO|>"]] * 12 + [IDS["<|vision_eos|>"], TEXT]
+    item = MultiModalItem("v", 2, 12, shape=[*grid, 1176], time_interval=seconds)
+    want, want_delta = _hf_positions(ids, [(grid, seconds, 0)], [4], [1, 2, 2], with_audio=False)
+    got, delta = _plain(len(ids), [item])
+    np.testing.assert_array_equal(got, want)
 
 
 def test_a_pieces_first_row_keys_its_blocks_and_is_checked():
@@ -111,4 +129,70 @@ def test_a_pieces_first_row_keys_its_blocks_and_is_checked():
     assert _mm_keys(pieces[:1], 0, 16) != _mm_keys(pieces[1:], 0, 16)
     bad = MultiModalItem("a", 4, 8, data=bytes(4), shape=[1], rows=[13, 20])
     with pytest.raises(InvalidRequestError, match="rows"):
-        fill_mm_items(None, AddRequest("r", [5] * 16, SamplingParams(), [1], 0.0, mm_items=[bad]))
+        fill_mm_items(None, AddRequest("r", [5] * 16, SamplingParams(), [1], 0.0, mm_items=[bad]), None, 2)
+
+
+def _fill(items, prompt_len, piece_merge=2):
+    from asyncllm.mm.cache import fill_mm_items
+    from asyncllm.protocol import AddRequest
+    from asyncllm.sampling import SamplingParams
+
+    items = [msgspec.structs.replace(item, data=bytes(4 * int(np.prod(item.shape)))) for item in items]
+    fill_mm_items(None, AddRequest("r", [TEXT] * prompt_len, SamplingParams(), [1], 0.0, mm_items=items), None,
+                  piece_merge)
+
+
+def _replace(items, k, **fields):
+    return items[:k] + [msgspec.structs.replace(items[k], **fields)] + items[k + 1:]
+
+
+def test_malformed_rows_are_refused_before_any_worker_sees_them():
+    """The core refuses (InvalidRequestError) pieces a worker could not take: rows for a model that takes none
+    (LLaVA's image), a piece before its two start tokens, a second whole for a hash, a video's whole that is not its
+    grid's, pieces out of order or leaving rows out; a video with its audio twice passes."""
+    from asyncllm.errors import InvalidRequestError
+
+    tokens, items = _video_with_audio([4, 4, 6], 1.0, 62, 2)
+    _fill(items, len(tokens) + 4)
+    repeat = [msgspec.structs.replace(item, offset=item.offset + len(tokens) + 2) for item in items]
+    _fill(items + repeat, 2 * len(tokens) + 8)
+    image = MultiModalItem("h", 1, 4, shape=[3, 4, 4], rows=[0, 999])
+    assert items[1].rows == [0, 62] and items[2].rows == [items[0].length, 24]
+    bad = {"no pieces here": ([image], 0), "at offset 0": ([msgspec.structs.replace(i, offset=i.offset - 2)
+                                                             for i in items], 2),
+           "two wholes": (_replace(items, 2, rows=[items[0].length, 28]), 2),
+           "not the video's grid": ([msgspec.structs.replace(i, rows=[i.rows[0], 28]) if i.mm_hash == "v" else i
+                                     for i in items], 2),
+           "out of order": (_replace(items, 2, rows=[0, 24]), 2), "rows left out": (items[:-1], 2),
+           "past the whole": (_replace(items, 1, rows=[0, 30]), 2), "not a pair": (_replace(items, 0, rows=[0]), 2)}
+    for case, (wrong, prompt_extra) in bad.items():
+        with pytest.raises(InvalidRequestError, match="rows"):
+            _fill(wrong, max(end.offset + end.length for end in wrong) + prompt_extra, 0 if case == "no pieces here" else 2)
+            pytest.fail(case)
+
+
+def test_only_each_outputs_first_piece_carries_data_and_takes_a_cache_operation():
+    """The core fills a following piece (rows past 0) from its output's first piece: one store operation an output
+    and occurrence, in the order the host looked them up (the video's, the audio's), though the last piece is a
+    video chunk; a following piece with no first piece before it is refused."""
+    from asyncllm.errors import InvalidRequestError
+    from asyncllm.mm.cache import ProcessorCacheStore, fill_mm_items
+    from asyncllm.protocol import AddRequest
+    from asyncllm.sampling import SamplingParams
+
+    tokens, items = _video_with_audio([6, 2, 2], 1.0, 30, 2)  # V A V V: the video reaches past the audio
+    assert [i.mm_hash for i in items] == ["v", "a", "v", "v"]
+    sent = [msgspec.structs.replace(i, data=bytes(4 * int(np.prod(i.shape))) if i.rows[0] == 0 else None)
+            for i in items]
+    store = ProcessorCacheStore(2**30)
+    message = AddRequest("r", [TEXT] * (len(tokens) + 4), SamplingParams(), [1], 0.0, mm_items=sent)
+    fill_mm_items(store, message, None, 2)
+    assert [i.data for i in message.mm_items] == [sent[0].data, sent[1].data, sent[0].data, sent[0].data]
+    store.put("x", 1, sent[0])
+    keys = [msgspec.structs.replace(i, data=None) for i in items]  # a repeat: all key-only, the first ones looked up
+    fill_mm_items(store, AddRequest("s", [TEXT] * (len(tokens) + 4), SamplingParams(), [1], 0.0, mm_items=keys),
+                  None, 2)
+    assert list(store._entries) == ["x", "v", "a"]
+    with pytest.raises(InvalidRequestError, match="rows"):
+        fill_mm_items(store, AddRequest("t", [TEXT] * (len(tokens) + 4), SamplingParams(), [1], 0.0,
+                                        mm_items=keys[2:]), None, 2)
