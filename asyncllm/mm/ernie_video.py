@@ -51,7 +51,8 @@ ERNIE_VIDEO_SETTINGS = VideoSettings(299 * 28 * 28, 1196 * 28 * 28, 14, 1, 2, CL
 
 _DEFAULT_FONT = "Roboto-Regular.ttf"
 _FONT_SCALE = 0.1
-"""A timestamp's font size over its frame's shorter side (transformers' ``size_factor``)."""
+"""A timestamp's font size over its frame's shorter side, and its outline's over its font size: transformers'
+``size_factor``, the one argument ``_render_image_with_timestamp`` scales both by."""
 _MIN_STAMPED_SIDE = 10
 """The shortest side a frame may have where timestamps are drawn: shorter ones get a font size of 0, which PIL (and
 so transformers' processor) refuses. Without timestamps no side is too short (``smart_resize`` upscales)."""

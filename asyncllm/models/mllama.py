@@ -97,8 +97,8 @@ class _RequestImages:
     """``[images]`` int64: the first position that sees each image."""
     ends: torch.Tensor
     """``[images]`` int64: the position past the last that sees it (int64 max: none)."""
-    image_rows: torch.Tensor
-    """``[images, rows]`` float32, 1 on each image's own tiles' rows (0 on its padding tiles' and the others')."""
+    row_image: torch.Tensor
+    """``[rows]`` int64: the image each row belongs to, -1 on its padding tiles' rows (which no token sees)."""
 
     def visible(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(``[tokens, rows]`` bool: the rows each token attends to; ``[tokens]`` bool: whether it sees an image), on
@@ -106,7 +106,8 @@ class _RequestImages:
         row does."""
         sees = (self.starts <= positions[:, None]) & (positions[:, None] < self.ends)
         seen = sees.any(dim=1)
-        return (sees.to(self.image_rows.dtype) @ self.image_rows > 0) | ~seen[:, None], seen
+        sees_none = torch.nn.functional.pad(sees, (0, 1))  # a last False column: what a padding row's -1 gathers
+        return sees_none[:, self.row_image] | ~seen[:, None], seen
 
 
 @dataclass
@@ -134,15 +135,15 @@ class CrossImageStates:
         spans = image_spans([item.offset for item in items], prompt_len)
         per_image = keys[0].shape[0] // len(items)
         per_tile = per_image // self.vision_config.max_num_tiles
-        image_rows = np.zeros((len(items), keys[0].shape[0]), np.float32)
+        row_image = np.full(keys[0].shape[0], -1, np.int64)
         for i, item in enumerate(items):
             tiles = num_tiles_of(self.vision_config, _aspect_ratio_id(item))
-            image_rows[i, i * per_image : i * per_image + tiles * per_tile] = 1
+            row_image[i * per_image : i * per_image + tiles * per_tile] = i
         no_end = np.iinfo(np.int64).max
         bounds = np.array([[s for s, _ in spans], [no_end if e is None else e for _, e in spans]], np.int64)
         device = keys[0].device
         starts, ends = torch.from_numpy(bounds).to(device)
-        self.rows[row] = _RequestImages(keys, values, starts, ends, torch.from_numpy(image_rows).to(device))
+        self.rows[row] = _RequestImages(keys, values, starts, ends, torch.from_numpy(row_image).to(device))
 
     def free(self, rows: Iterable[int] | None) -> None:
         """Drop the states ``rows`` keep; None: every row's."""

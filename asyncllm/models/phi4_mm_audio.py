@@ -243,10 +243,10 @@ class Phi4AudioEmbedding(nn.Module):
         """``[N, 1, frames, bins + 1]`` audios (the last column: 1.0 when the prompt holds images) -> ``[N, rows,
         text hidden]``."""
         rows = self.encoder(values[:, 0, :, :-1])
-        vision = values[:, 0, 0, -1] > 0.5
+        with_images = (values[:, 0, 0, -1] > 0.5).tolist()  # one read of the batch's modes, not one per audio
         out = []
-        for i in range(rows.shape[0]):
-            mode = "vision_speech" if bool(vision[i]) else "speech"
+        for i, vision in enumerate(with_images):
+            mode = "vision_speech" if vision else "speech"
             up, down = getattr(self, f"up_proj_for_{mode}"), getattr(self, f"down_proj_for_{mode}")
             out.append(down(F.gelu(up(rows[i]))))
         return torch.stack(out)

@@ -48,13 +48,19 @@ def _half(side: int) -> int:
     return (side + 1) // 2
 
 
-def image_rows(masks: np.ndarray | torch.Tensor, cols: int) -> tuple[int, int]:
-    """(feature rows, feature columns) of an image's crops kept (``masks``: its ``[1 + crops, P, P]`` patch masks,
-    every other patch of the crops' stitched grid counted, as transformers does)."""
+def _kept_counts(masks: Any, cols: int) -> tuple[Any, Any]:
+    """`image_rows`' two counts as sums of ``masks``' own kind (a device tensor's stay there: no read per image)."""
     crops = masks[1:, ::2, ::2]
     rows, side = crops.shape[0] // cols, crops.shape[-1]
     grid = crops.reshape(rows, cols, side, side).swapaxes(1, 2).reshape(rows * side, cols * side)
-    return int(grid[:, 0].sum()), int(grid[0, :].sum())
+    return grid[:, 0].sum(), grid[0, :].sum()
+
+
+def image_rows(masks: np.ndarray | torch.Tensor, cols: int) -> tuple[int, int]:
+    """(feature rows, feature columns) of an image's crops kept (``masks``: its ``[1 + crops, P, P]`` patch masks,
+    every other patch of the crops' stitched grid counted, as transformers does)."""
+    rows, columns = _kept_counts(masks, cols)
+    return int(rows), int(columns)
 
 
 class Phi4VisionEmbeddings(SiglipVisionEmbeddings):
@@ -123,14 +129,14 @@ class Phi4ImageEmbedding(nn.Module):
             grid = F.pad(grid, (0, 1, 0, 1), mode="reflect")
         return F.avg_pool2d(grid, 2, 2).permute(0, 2, 3, 1)
 
-    def image(self, features: torch.Tensor, masks: torch.Tensor, cols: int) -> torch.Tensor:
-        """One image's ``[V, h, h, width]`` view features -> its ``[rows, text hidden]`` input rows."""
+    def image(self, features: torch.Tensor, cols: int, rows: int, columns: int) -> torch.Tensor:
+        """One image's ``[V, h, h, width]`` view features (its crops' ``cols``, and the feature ``rows`` and
+        ``columns`` they keep: `image_rows`) -> its ``[rows, text hidden]`` input rows."""
         h, width = features.shape[1], features.shape[-1]
         crops_rows = (features.shape[0] - 1) // cols
         whole = torch.cat([features[0], self.sub_img_feature_extensor[0].expand(h, 1, width)], dim=1)
         grid = features[1:].reshape(crops_rows, cols, h, h, width).transpose(1, 2)
         grid = grid.reshape(crops_rows * h, cols * h, width)
-        rows, columns = image_rows(masks, cols)
         grid = torch.cat([grid[:rows, :columns], self.sub_img_feature_extensor[0].expand(rows, 1, width)], dim=1)
         merged = torch.cat([grid.reshape(-1, width), self.global_img_feature_extensor[0], whole.reshape(-1, width)])
         return self.img_projection_down(F.gelu(self.img_projection_up(merged)))
@@ -140,7 +146,9 @@ class Phi4ImageEmbedding(nn.Module):
         views, masks, cols = unpack_views(values, self.size, self.patches)
         masks = masks > 0.5
         features = self.view_features(views.flatten(0, 1), masks.flatten(0, 1)).unflatten(0, views.shape[:2])
-        return [self.image(features[i], masks[i], int(cols[i, 0])) for i in range(values.shape[0])]
+        cols_of = cols[:, 0].long().tolist()  # one read of the batch's grids, not one per image
+        kept = torch.stack([torch.stack(_kept_counts(masks[i], c)) for i, c in enumerate(cols_of)]).tolist()
+        return [self.image(features[i], c, *kept[i]) for i, c in enumerate(cols_of)]
 
 
 def _decoder_config(hf_config: Any) -> Any:

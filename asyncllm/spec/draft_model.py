@@ -104,7 +104,11 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
                                                "n-grams, a draft model or their own MTP layer: method='mtp')")
 
     arch = (getattr(head_config, "architectures", None) or ["?"])[0]
-    if getattr(head_config, "model_type", None) != "llama" or (arch in EAGLE3_ARCHITECTURES) != (method == "eagle3"):
+    model_type = getattr(head_config, "model_type", None)
+    if model_type != "llama":  # vLLM's EagleLlama4ForCausalLM, Llama 4 layers: a head kind asyncllm lacks
+        raise NotBuiltError(_FIELD, spec_dict, f"an {method} head of architecture {arch} (model_type={model_type!r}; "
+                                               "built: Llama-shaped heads, model_type='llama')")
+    if (arch in EAGLE3_ARCHITECTURES) != (method == "eagle3"):
         want = "LlamaForCausalLMEagle3" if method == "eagle3" else "LlamaForCausalLM"
         raise ConfigError(_FIELD, spec_dict, f"a Llama-shaped {method} head (config.json naming {want}); "
                                              f"{spec_dict.get('model')} names {arch}")

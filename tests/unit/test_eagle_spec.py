@@ -103,6 +103,8 @@ def test_vllm_s_default_layers_and_the_method_keys():
 @pytest.mark.parametrize("method, head, change, error, words", [
     ("eagle", "eagle3", {}, ConfigError, "names LlamaForCausalLMEagle3"),
     ("eagle3", "eagle", {}, ConfigError, "a Llama-shaped eagle3 head"),
+    ("eagle", "eagle", {"model_type": "llama4_text", "architectures": ["EagleLlama4ForCausalLM"]}, NotBuiltError,
+     "an eagle head of architecture EagleLlama4ForCausalLM (model_type='llama4_text'"),
     ("eagle", "eagle", {"hidden_size": 32}, ConfigError, "hidden_size=64 (it reads 32)"),
     ("eagle3", "eagle3", {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, ConfigError, "three target layers in [0, 2)"),
     ("eagle3", "eagle3", {"eagle_config": {"use_aux_hidden_state": False}}, NotBuiltError, "use_aux_hidden_state"),

@@ -194,7 +194,7 @@ def test_a_steps_mask_is_built_on_the_device_from_the_requests_spans(monkeypatch
     keys = [torch.zeros(2 * per_image, 2, 16)]
     states.start(0, [_image_item("x", 1, 2), _image_item("y", 4, 1)], 6, keys, keys)
     request = states.rows[0]
-    assert all(isinstance(t, torch.Tensor) for t in (request.starts, request.ends, request.image_rows))
+    assert all(isinstance(t, torch.Tensor) for t in (request.starts, request.ends, request.row_image))
     monkeypatch.setattr(torch, "from_numpy", lambda array: pytest.fail("a host array in the step's plan"))
     states.begin(CrossImages([], [(0, 2, 8, 0)]), 10, torch.device("cpu"), torch.float32)
     _, _, planned, mask = states.step.spans[0]
@@ -204,6 +204,9 @@ def test_a_steps_mask_is_built_on_the_device_from_the_requests_spans(monkeypatch
     expected[4:, per_image : per_image + 17] = True
     assert planned is request and torch.equal(mask, expected)
     assert states.step.sees_image.flatten().tolist() == [0, 0, 0] + [1] * 7
+    with _LargestStorage() as largest:  # a bool gather: no float ``[tokens, rows]`` product (200 MB at 8k tokens)
+        request.visible(torch.arange(8))
+    assert largest.largest <= 8 * 2 * per_image
 
 
 class _LargestStorage(TorchDispatchMode):

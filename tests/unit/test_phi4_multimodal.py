@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from mm_utils import make_image, random_model
 from phi4_mm_utils import PROCESSOR, hf_phi4_image_processor, tiny_phi4_mm_config
 
@@ -69,6 +70,16 @@ def hf_model():
     return random_model(HF, config, seed=1)
 
 
+class _ScalarReads(TorchDispatchMode):
+    """Counts the tensor -> Python scalar reads (``int``, ``bool``, ``.item()``: a device sync each) while it is on."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
 def _ours(module_cls, hf_model, prefix: str):
     module = module_cls(hf_model.config, torch.float32)
     state = {k.removeprefix(prefix): v for k, v in hf_model.state_dict().items() if k.startswith(prefix)}
@@ -88,7 +99,9 @@ def test_image_rows_equal_transformers(hf_model) -> None:
         expected = hf_model.model.embed_tokens_extend.image_embed(
             ids, torch.zeros(1, count, 64), expected_inputs["image_pixel_values"], expected_inputs["image_sizes"],
             expected_inputs["image_attention_mask"])[0]
-        rows = ours(torch.from_numpy(values)[None])[0]
+        with _ScalarReads() as reads:  # the grid read once per batch (`.tolist()`), never per image
+            rows = ours(torch.from_numpy(values)[None])[0]
+    assert reads.count == 0
     torch.testing.assert_close(rows, expected, atol=1e-4, rtol=0)
 
 
@@ -109,8 +122,9 @@ def test_audio_rows_equal_transformers(hf_model, seconds: float) -> None:
             expected = hf_model.model.embed_tokens_extend.audio_embed(
                 ids, torch.zeros(1, count, 64), processed["audio_input_features"], processed["audio_embed_sizes"],
                 None, mode)[0]
-            rows = ours(torch.from_numpy(values)[None])[0]
-        assert rows.shape == expected.shape
+            with _ScalarReads() as reads:  # the modes read once per batch (`.tolist()`), never per audio
+                rows = ours(torch.from_numpy(values)[None])[0]
+        assert reads.count == 0 and rows.shape == expected.shape
         torch.testing.assert_close(rows, expected, atol=1e-4, rtol=0)
 
 
