@@ -134,3 +134,9 @@ def _resampled(waveform: np.ndarray, source: int, rate: int) -> np.ndarray:
     resampler = av.AudioResampler(format="flt", layout="mono", rate=rate)
     parts = [f.to_ndarray() for f in resampler.resample(frame)] + [f.to_ndarray() for f in resampler.resample(None)]
     return np.concatenate(parts, axis=1)[0]
+
+
+def audio_output_length(frames: int) -> int:
+    """Encoder rows (= placeholder tokens) of an audio of ``frames`` mel frames through Whisper's front end as
+    Qwen2-Audio's family pools it: the stride-2 convolution, then the pooling by 2 (asyncllm/models/qwen2_audio.py)."""
+    return ((frames - 1) // 2 + 1 - 2) // 2 + 1

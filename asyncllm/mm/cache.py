@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import msgspec
+import numpy as np
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.mm.audios import audio_output_length
 from asyncllm.protocol import AddRequest, MultiModalItem
 
 if TYPE_CHECKING:
@@ -160,7 +162,7 @@ def _check_pieces(items: list[MultiModalItem], piece_merge: int) -> None:
     """`InvalidRequestError` unless the items' ``rows`` (`MultiModalItem.rows`) are a layout the workers can take:
     only for a model that lays a video with its audio in pieces (``piece_merge``: its vision tower's spatial merge,
     0: it takes none), each ``[start, whole]`` after its two start tokens, every item of a hash a piece of one
-    ``whole`` (a video's: its grid's placeholders), tiling it in prompt order (again from row 0 for a repeat), each
+    ``whole`` (a video's: its grid's placeholders; an audio's: its frames' rows), tiling it in prompt order (again from row 0 for a repeat), each
     run of adjacent pieces all the rows of one video and at most one audio."""
     pieces = {item.mm_hash for item in items if item.rows}
     if pieces and not piece_merge:
@@ -179,9 +181,10 @@ def _check_pieces(items: list[MultiModalItem], piece_merge: int) -> None:
         start = reached.get(item.mm_hash, 0) % max(whole, 1)  # a repeat starts again at row 0
         if (whole < 1 or wholes.setdefault(item.mm_hash, whole) != whole or item.offset < 2
                 or item.rows[0] != start or start + item.length > whole
-                or _grid_rows(item.shape, piece_merge) not in (None, whole)):
+                or _whole_rows(item, piece_merge) not in (None, whole)):
             raise InvalidRequestError(f"mm_items[{index}].rows", f"{item.rows} must be [{start}, whole]: the next "
-                                      "rows of its hash's one whole (a video's: its grid's), after two start tokens")
+                                      "rows of its hash's one whole (a video's: its grid's; an audio's: its "
+                                      "frames'), after two start tokens")
         reached[item.mm_hash] = start + item.length
         group[item.mm_hash] = len(item.shape)
 
@@ -215,9 +218,17 @@ def _fill_pieces(items: list[MultiModalItem]) -> None:
                                                                  f"of {item.mm_hash}")
 
 
-def _grid_rows(shape: list[int], merge: int) -> int | None:
-    """A video's placeholders (``(t, h, w, features)`` patches merged ``merge`` x ``merge``); None for an audio."""
-    return shape[0] * (shape[1] // merge) * (shape[2] // merge) if len(shape) == 4 and merge else None
+def _whole_rows(item: MultiModalItem, merge: int) -> int | None:
+    """The encoder rows of a piece's whole output: a video's ``(t, h, w, features)`` patches merged ``merge`` x
+    ``merge``; an audio's ``[1, mel + 1, frames]`` values (the last row its frames' mask) as Qwen2.5-Omni's encoder
+    pools them (the one model that lays pieces); None when its data is not here."""
+    shape = item.shape
+    if len(shape) == 4 and merge:
+        return shape[0] * (shape[1] // merge) * (shape[2] // merge)
+    if len(shape) == 3 and item.data is not None and shape[0] == 1 and shape[1] >= 1:
+        values = np.frombuffer(item.data, np.dtype(item.dtype)).reshape(shape)
+        return audio_output_length(int(values[0, -1].sum()))
+    return None
 
 
 def fill_mm_items(store: ProcessorCacheStore | None, message: AddRequest, ring: ShmRingReader | None = None,

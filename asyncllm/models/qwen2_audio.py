@@ -24,6 +24,7 @@ from torch import nn
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import NotBuiltError
+from asyncllm.mm.audios import audio_output_length
 from asyncllm.models.decoder_lora import DecoderLoRA
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llava import normalize_llava_name
@@ -42,12 +43,6 @@ def _encoder_sizes(cfg: Any) -> tuple[int, int, int, int]:
     if hasattr(cfg, "d_model"):
         return cfg.d_model, cfg.encoder_attention_heads, cfg.encoder_ffn_dim, cfg.encoder_layers
     return cfg.hidden_size, cfg.num_attention_heads, cfg.intermediate_size, cfg.num_hidden_layers
-
-
-def audio_output_length(frames: int) -> int:
-    """Encoder rows (= placeholder tokens) of an audio of ``frames`` mel frames: the stride-2 convolution, then the
-    pooling by 2."""
-    return ((frames - 1) // 2 + 1 - 2) // 2 + 1
 
 
 def add_audio_convolutions(module: nn.Module, mel_bins: int, dim: int, dtype: torch.dtype) -> None:

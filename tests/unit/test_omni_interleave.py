@@ -132,12 +132,22 @@ def test_a_pieces_first_row_keys_its_blocks_and_is_checked():
         fill_mm_items(None, AddRequest("r", [5] * 16, SamplingParams(), [1], 0.0, mm_items=[bad]), None, 2)
 
 
-def _fill(items, prompt_len, piece_merge=2):
+def _data(item, frames_short: int = 0) -> bytes:
+    """Float32 values of the item's shape; an audio's ``[1, mel + 1, frames]`` with a frames' mask (its last row)
+    of as many frames as its whole's rows take (4 a row: the convolution's stride and the pooling), less
+    ``frames_short``."""
+    values = np.zeros(item.shape, np.float32)
+    if len(item.shape) == 3 and item.rows:
+        values[0, -1, : 4 * item.rows[1] - frames_short] = 1
+    return values.tobytes()
+
+
+def _fill(items, prompt_len, piece_merge=2, frames_short=0):
     from asyncllm.mm.cache import fill_mm_items
     from asyncllm.protocol import AddRequest
     from asyncllm.sampling import SamplingParams
 
-    items = [msgspec.structs.replace(item, data=bytes(4 * int(np.prod(item.shape)))) for item in items]
+    items = [msgspec.structs.replace(item, data=_data(item, frames_short)) for item in items]
     fill_mm_items(None, AddRequest("r", [TEXT] * prompt_len, SamplingParams(), [1], 0.0, mm_items=items), None,
                   piece_merge)
 
@@ -149,7 +159,8 @@ def _replace(items, k, **fields):
 def test_malformed_rows_are_refused_before_any_worker_sees_them():
     """The core refuses (InvalidRequestError) pieces a worker could not take: rows for a model that takes none
     (LLaVA's image), a piece before its two start tokens, a second whole for a hash, a video's whole that is not its
-    grid's, pieces out of order or leaving rows out; a video with its audio twice passes."""
+    grid's, an audio's that is not its frames', pieces out of order or leaving rows out; a video with its audio
+    twice passes."""
     from asyncllm.errors import InvalidRequestError
 
     tokens, items = _video_with_audio([4, 4, 6], 1.0, 62, 2)
@@ -169,6 +180,8 @@ def test_malformed_rows_are_refused_before_any_worker_sees_them():
         with pytest.raises(InvalidRequestError, match="rows"):
             _fill(wrong, max(end.offset + end.length for end in wrong) + prompt_extra, 0 if case == "no pieces here" else 2)
             pytest.fail(case)
+    with pytest.raises(InvalidRequestError, match="an audio's: its frames'"):  # the audio's mask: 2 rows fewer
+        _fill(items, len(tokens) + 4, frames_short=8)
 
 
 def test_only_each_outputs_first_piece_carries_data_and_takes_a_cache_operation():
@@ -182,8 +195,7 @@ def test_only_each_outputs_first_piece_carries_data_and_takes_a_cache_operation(
 
     tokens, items = _video_with_audio([6, 2, 2], 1.0, 30, 2)  # V A V V: the video reaches past the audio
     assert [i.mm_hash for i in items] == ["v", "a", "v", "v"]
-    sent = [msgspec.structs.replace(i, data=bytes(4 * int(np.prod(i.shape))) if i.rows[0] == 0 else None)
-            for i in items]
+    sent = [msgspec.structs.replace(i, data=_data(i) if i.rows[0] == 0 else None) for i in items]
     store = ProcessorCacheStore(2**30)
     message = AddRequest("r", [TEXT] * (len(tokens) + 4), SamplingParams(), [1], 0.0, mm_items=sent)
     fill_mm_items(store, message, None, 2)
