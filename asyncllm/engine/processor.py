@@ -49,7 +49,8 @@ from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 from asyncllm.mm.cache import CACHE_MISS_ERROR
 from asyncllm.mm.host import resend_with_data
-from asyncllm.mm.processor import MultiModalPrompt, MultiModalProcessor
+from asyncllm.mm.inputs import MultiModalPrompt
+from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.tokenizer import bad_words_token_ids
 
 logger = logging.getLogger("asyncllm.engine")

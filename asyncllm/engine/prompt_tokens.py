@@ -15,7 +15,8 @@ from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, prompt_embeds_of
 from asyncllm.engine.validation import check_text, check_token_ids, max_prompt_chars, truncated_prompt
 from asyncllm.mm.host import multimodal_prompt, plain_prompt
-from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
+from asyncllm.mm.inputs import MultiModalInputs
+from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import apply_chat_template, encode_prompt
 

@@ -10,12 +10,8 @@ from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.audios import is_one_audio
 from asyncllm.mm.images import check_uuids
-from asyncllm.mm.processor import (
-    MultiModalInputs,
-    MultiModalProcessor,
-    MultiModalPrompt,
-    split_chat_media,
-)
+from asyncllm.mm.inputs import MultiModalInputs, MultiModalPrompt, split_chat_media
+from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.mm.videos import is_one_video
 from asyncllm.tokenizer import template_arguments, with_template_calls
 

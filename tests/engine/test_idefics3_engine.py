@@ -85,7 +85,8 @@ async def test_a_repeated_image_is_not_processed_again_while_its_tiles_are_cache
     core holds its tiles; once they are forgotten it is processed again, to the same prompt."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
+    from asyncllm.mm.inputs import MultiModalInputs
+    from asyncllm.mm.processor import MultiModalProcessor
     from asyncllm.models.idefics3 import Idefics3ForConditionalGeneration
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_idefics3)

@@ -81,7 +81,7 @@ async def test_a_video_with_its_audio_matches_transformers_and_on_a_prefix_cache
     lays the prompt out the same."""
     from asyncllm.config import EngineConfig
     from asyncllm.engine.prepare import prepare
-    from asyncllm.mm.processor import MultiModalInputs
+    from asyncllm.mm.inputs import MultiModalInputs
 
     audio = make_audio(2.5, seed=4)
     text = f"watch {VIDEO_MARK} now"
@@ -158,7 +158,7 @@ async def test_speech_out_and_a_video_files_audio_are_not_built(engine, tiny_omn
                                {"use_audio_in_video": "false"}}, GREEDY)
     with pytest.raises(ConfigError, match="use_audio_in_video"):
         prepare(EngineConfig.create(tiny_omni, mm_processor_kwargs={"use_audio_in_video": "false"}))
-    from asyncllm.mm.processor import MultiModalInputs
+    from asyncllm.mm.inputs import MultiModalInputs
 
     mm = prepare(EngineConfig.create(tiny_omni)).mm
     image_ids, images = mm.encode_text(f"Look {IMAGE_MARK} at it", 0), MultiModalInputs(images=[IMAGE])

@@ -277,7 +277,8 @@ async def test_limit_mm_per_prompt_fails_a_prompt_with_more_images_before_readin
     from asyncllm.config import EngineConfig
     from asyncllm.engine.prepare import prepare
     from asyncllm.errors import ConfigError, InvalidRequestError
-    from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
+    from asyncllm.mm.inputs import MultiModalInputs
+    from asyncllm.mm.processor import MultiModalProcessor
     from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
     tokenizer = AutoTokenizer.from_pretrained(qwen25_vl)

@@ -125,7 +125,8 @@ async def test_a_model_without_videos_refuses_them(tmp_path):
     from asyncllm.config import EngineConfig
     from asyncllm.engine.prepare import prepare
     from asyncllm.errors import ConfigError
-    from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
+    from asyncllm.mm.inputs import MultiModalInputs
+    from asyncllm.mm.processor import MultiModalProcessor
     from asyncllm.models.llava import LlavaForConditionalGeneration
 
     path = make_tiny_llava(tmp_path / "llava")

@@ -77,7 +77,8 @@ def test_prompt_ids_equal_transformers_processor(tmp_path, overrides: dict, rows
     one tile each)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
+    from asyncllm.mm.inputs import MultiModalInputs
+    from asyncllm.mm.processor import MultiModalProcessor
     from asyncllm.models.cohere2_vision import Cohere2VisionForConditionalGeneration
 
     save_tiny_config(tmp_path)
@@ -104,7 +105,8 @@ def test_patch_size_is_checked_at_load_and_the_markers_looked_up_once(tmp_path) 
     from transformers import AutoTokenizer
 
     from asyncllm.errors import ConfigError, InvalidRequestError
-    from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
+    from asyncllm.mm.inputs import MultiModalInputs
+    from asyncllm.mm.processor import MultiModalProcessor
     from asyncllm.models.cohere2_vision import Cohere2VisionForConditionalGeneration
 
     config = save_tiny_config(tmp_path)

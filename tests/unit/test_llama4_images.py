@@ -63,7 +63,8 @@ def test_tiles_equal_transformers_pixel_values(tiny: str, size: tuple[int, int])
 def _prompt_ids(tiny: str, text: str, images: list[bytes], overrides: dict | None = None) -> list[int]:
     from transformers import AutoConfig, AutoTokenizer
 
-    from asyncllm.mm.processor import MultiModalInputs, MultiModalProcessor
+    from asyncllm.mm.inputs import MultiModalInputs
+    from asyncllm.mm.processor import MultiModalProcessor
     from asyncllm.models.llama4 import Llama4ForConditionalGeneration
 
     tokenizer = AutoTokenizer.from_pretrained(tiny)

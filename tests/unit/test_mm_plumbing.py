@@ -8,7 +8,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
 from asyncllm.kv.hashing import extend_block_hashes
 from asyncllm.mm.cache import LRUBudget, MirrorEntry, MultiModalCacheMiss, ProcessorCacheStore, fill_mm_items
-from asyncllm.mm.processor import split_chat_media
+from asyncllm.mm.inputs import split_chat_media
 from asyncllm.mm.images import image_hash, load_image
 from asyncllm.models.llava import normalize_llava_name
 from asyncllm.models.qwen2_vl import normalize_qwen2_vl_name

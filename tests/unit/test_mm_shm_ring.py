@@ -15,7 +15,7 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.mm.cache import MultiModalCacheMiss, fill_mm_items
 from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.mm.images import check_uuids, image_hash, uuid_key
-from asyncllm.mm.processor import split_chat_media
+from asyncllm.mm.inputs import split_chat_media
 from asyncllm.mm.shm_ring import HEADER_BYTES, ShmRingReader, ShmRingWriter
 from asyncllm.protocol import AddRequest, MultiModalItem
 from asyncllm.sampling import SamplingParams
