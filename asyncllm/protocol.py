@@ -466,6 +466,8 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     mm_piece_merge: int = 0
     """The model lays a video with its audio in pieces (`MultiModalItem.rows`, Qwen2.5-Omni's ``mm_audio_in_video``):
     its vision tower's spatial merge, which the core checks the pieces by (0: it takes none)."""
+    first_stage_reports: bool = False
+    """This rank (a pipeline's first stage's rank 0, of an image-text model) sends a `FirstStageReport` every step."""
 
 
 class CacheReady(msgspec.Struct, **_STRUCT):
@@ -496,12 +498,17 @@ class ModelRunnerOutput(msgspec.Struct, **_STRUCT):
     (every sampling request that may be drafted; workers/draft_runner.py)."""
 
 
-class EncoderCacheCounts(msgspec.Struct, **_STRUCT):
-    """A pipeline's first stage's encoder-cache lookups of a step (its rank 0's; the step's output comes from the
-    last stage, which encodes nothing): the executor adds them to the next step output it returns."""
+class FirstStageReport(msgspec.Struct, **_STRUCT):
+    """What a pipeline's first stage's rank 0 alone knows of a step of an image-text model (the step's output comes
+    from the last stage, which encodes nothing), sent every step: the executor adds it to that step's output."""
 
+    step_id: int
     queries: int
+    """Its encoder-cache lookups (`ModelRunnerOutput.mm_encoder_cache_queries`)."""
     hits: int
+    failed_requests: dict[str, str] = {}
+    """Requests with an item whose placeholders disagree with its data's encoder rows (as in
+    `ModelRunnerOutput.failed_requests`)."""
 
 
 class WorkerError(msgspec.Struct, **_STRUCT):
@@ -514,7 +521,7 @@ class WorkerError(msgspec.Struct, **_STRUCT):
 
 
 WorkerMessage = Union[WorkerReady, CacheReady, ModelRunnerOutput, WorkerError, WeightsUpdated, SleepModeDone,
-                      EncoderCacheCounts]
+                      FirstStageReport]
 
 
 # ------------------------------------------------------------- error helpers

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -345,3 +347,28 @@ def sent_requests(engine: Any) -> list[tuple[Any, int]]:
     if not isinstance(processor._encoder, _Recorder):
         processor._encoder = _Recorder(processor._encoder)
     return processor._encoder.sent
+
+
+@contextlib.contextmanager
+def items_laid_short(engine: Any, image: bytes) -> Iterator[None]:
+    """While open, the engine's processor sends ``image``'s item over one placeholder fewer than its features (as a
+    buggy or hostile host process sharing the core might): the workers must fail that request alone."""
+    import msgspec
+
+    from asyncllm.mm.images import image_hash
+
+    processor = engine._processor
+    real = processor._encoder
+
+    class _Shorten:
+        def encode(self, message: Any) -> bytes:
+            items = getattr(message, "mm_items", None)
+            if items and items[0].mm_hash == image_hash(image):
+                message.mm_items = [msgspec.structs.replace(items[0], length=items[0].length - 1), *items[1:]]
+            return real.encode(message)
+
+    processor._encoder = _Shorten()
+    try:
+        yield
+    finally:
+        processor._encoder = real

@@ -76,8 +76,13 @@ class Executor:
         self._world_size: int = config.parallel_config.world_size  # tensor x pipeline parallel ranks
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(protocol.WorkerMessage)
-        self._encoder_counts = (0, 0)
-        """A pipeline's first stage's encoder-cache (queries, hits) not yet added to a step output."""
+        self._first_stage_reports = False
+        """Whether a pipeline's first stage's rank 0 sends a `protocol.FirstStageReport` every step (known after
+        `start()`)."""
+        self._reports: dict[int, protocol.FirstStageReport] = {}
+        """Those reports by step id, until their step is collected."""
+        self._early: deque[protocol.ModelRunnerOutput] = deque()
+        """Step outputs that arrived while `collect()` waited for an older step's report."""
         self._procs: list[subprocess.Popen] = []
         self._ipc_dir: str | None = None
         self._ctx: zmq.Context | None = None
@@ -127,6 +132,7 @@ class Executor:
         self.vocab_size = min(msg.vocab_size for msg in ready)
         self.state_checkpoints = min(msg.state_checkpoints for msg in ready)
         self.mm_piece_merge = max(msg.mm_piece_merge for msg in ready)  # a pipeline stage may not hold the tower
+        self._first_stage_reports = any(msg.first_stage_reports for msg in ready)
         return min(msg.num_available_blocks for msg in ready)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
@@ -178,16 +184,28 @@ class Executor:
         step_id, submitted_at = self._pending[0]
         timeout = self.config.worker_step_timeout_s
         deadline = None if timeout is None else max(submitted_at, self._last_reply_at) + timeout
-        message = self._receive(deadline, f"run step {step_id}", f"worker_step_timeout_s={timeout}")
+        limit = f"worker_step_timeout_s={timeout}"
+        message = self._early.popleft() if self._early else self._receive(deadline, f"run step {step_id}", limit)
         assert isinstance(message, protocol.ModelRunnerOutput), f"expected step output, got {message!r}"
         assert message.step_id == step_id, f"output of step {message.step_id} for step {step_id}"
-        if self._encoder_counts != (0, 0):  # a pipeline's first stage's lookups, counted with this step
-            message.mm_encoder_cache_queries += self._encoder_counts[0]
-            message.mm_encoder_cache_hits += self._encoder_counts[1]
-            self._encoder_counts = (0, 0)
+        if self._first_stage_reports:  # what the first stage alone knows of this step
+            report = self._first_stage_report(step_id, deadline, limit)
+            message.mm_encoder_cache_queries += report.queries
+            message.mm_encoder_cache_hits += report.hits
+            message.failed_requests = {**message.failed_requests, **report.failed_requests}
         self._pending.popleft()
         self._last_reply_at = time.monotonic()
         return message
+
+    def _first_stage_report(self, step_id: int, deadline: float | None, limit: str) -> protocol.FirstStageReport:
+        """Step ``step_id``'s `protocol.FirstStageReport`, waited for (the sockets do not order one rank's report
+        before another's output): later steps' outputs that come first wait in ``_early``."""
+        while step_id not in self._reports:
+            message = self._receive(deadline, f"report step {step_id}", limit, reports=True)
+            if message is not None:
+                assert isinstance(message, protocol.ModelRunnerOutput), f"expected step output, got {message!r}"
+                self._early.append(message)
+        return self._reports.pop(step_id)
 
     @property
     def num_steps_in_flight(self) -> int:
@@ -286,8 +304,10 @@ class Executor:
         return [got[rank] for rank in range(self._world_size)]
 
     def _receive(self, deadline: float | None, what: str,
-                 limit: str = f"the startup timeout ({envs.ENGINE_STARTUP_TIMEOUT_S.name})") -> protocol.WorkerMessage:
-        """The next worker message; a WorkerError, a dead worker or the deadline raise instead."""
+                 limit: str = f"the startup timeout ({envs.ENGINE_STARTUP_TIMEOUT_S.name})",
+                 reports: bool = False) -> protocol.WorkerMessage | None:
+        """The next worker message, a `protocol.FirstStageReport` kept (None for it when ``reports``); a
+        WorkerError, a dead worker or the deadline raise instead."""
         self._raise_if_failed()
         assert self._results is not None
         while True:
@@ -295,9 +315,10 @@ class Executor:
                 message = self._decoder.decode(self._results.recv())
                 if isinstance(message, protocol.WorkerError):
                     self._fail(_error_from(message))
-                if isinstance(message, protocol.EncoderCacheCounts):  # kept for the next step output
-                    queries, hits = self._encoder_counts
-                    self._encoder_counts = (queries + message.queries, hits + message.hits)
+                if isinstance(message, protocol.FirstStageReport):  # kept for its step's output
+                    self._reports[message.step_id] = message
+                    if reports:
+                        return None
                     continue
                 return message
             self._check_workers()

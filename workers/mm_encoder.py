@@ -4,9 +4,10 @@ The encoder's weights are replicated on every tensor-parallel rank (the model is
 built with ``mm_encoder_tp_mode="data"``, so its tower is not sharded). The images a
 step must encode (the same list, in the same order, on every rank: the ranks run
 the same steps over identical encoder caches) are dealt round-robin: rank r encodes
-images r, r + size, ... Each rank's features, flattened to ``[rows, hidden]`` and
-padded to the largest share, are all-gathered as raw bytes (any dtype, gloo or
-NCCL), and every rank unpacks the full list. A rank whose share is empty (fewer
+images r, r + size, ... The ranks first sum their images' row counts (each its
+own share's: an image's data decides them), then each rank's features, flattened
+to ``[rows, hidden]`` and padded to the largest share, are all-gathered as raw
+bytes (any dtype, gloo or NCCL), and every rank unpacks the full list. A rank whose share is empty (fewer
 images than ranks) still takes part in the gather with padding only.
 """
 
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncllm.mm.embeddings import encode_items, encoded_rows
+from asyncllm.mm.embeddings import encode_items
 from asyncllm.models.layers import TensorParallel
 from asyncllm.protocol import MultiModalItem
 
@@ -42,21 +43,31 @@ class DataParallelEncoder:
 
     def __call__(self, items: list[MultiModalItem], hidden: int, dtype: torch.dtype) -> list[torch.Tensor]:
         shares = self.shares(items)
-        rows_per_rank = [sum(encoded_rows(item) for item in share) for share in shares]
         mine = shares[self.tp.rank]
+        features = encode_items(self.model, mine, self.device) if mine else []
+        self.num_encoded_here += len(mine)
+        rows = self._gather_rows(len(items), [f.shape[0] for f in features])
+        rows_per_rank = [sum(rows[rank :: self.tp.size]) for rank in range(self.tp.size)]
         padded = torch.zeros(max(rows_per_rank), hidden, dtype=dtype, device=self.device)
         if mine:
-            features = encode_items(self.model, mine, self.device)
-            self.num_encoded_here += len(mine)
             padded[: rows_per_rank[self.tp.rank]] = torch.cat(features).to(dtype)
         gathered = self._all_gather_bytes(padded)
         out: list[torch.Tensor] = [torch.empty(0)] * len(items)
         for rank, (share, flat) in enumerate(zip(shares, gathered)):
             start = 0
-            for k, item in enumerate(share):
-                out[rank + k * self.tp.size] = flat[start : start + encoded_rows(item)]
-                start += encoded_rows(item)
+            for k in range(len(share)):
+                index = rank + k * self.tp.size
+                out[index] = flat[start : start + rows[index]]
+                start += rows[index]
         return out
+
+    def _gather_rows(self, num_items: int, mine: list[int]) -> list[int]:
+        """Every item's encoder rows, as the rank that encoded it counted them (its data's, which may disagree with
+        its placeholders: `EncoderOutputCache` fails such a request on every rank alike)."""
+        rows = torch.zeros(num_items, dtype=torch.int64, device=self.device)
+        rows[self.tp.rank :: self.tp.size] = torch.tensor(mine, dtype=torch.int64)
+        dist.all_reduce(rows, group=self.tp.group)
+        return rows.tolist()
 
     def _all_gather_bytes(self, padded: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``padded`` (same shape and dtype on all), rank order; gathered as uint8."""

@@ -94,8 +94,14 @@ class MRopePositions:
         self.requests: dict[str, tuple[np.ndarray, int]] = {}
         """request id -> (its prompt's ``[3, prompt_len]`` positions, the delta of every later token)."""
 
-    def add_request(self, req_id: str, num_prompt_tokens: int, items: list[Any]) -> None:
-        self.requests[req_id] = self.model.mrope_positions(num_prompt_tokens, items)
+    def add_request(self, req_id: str, num_prompt_tokens: int, items: list[Any]) -> str | None:
+        """Lay out the request's positions; the error when its items' placeholders disagree with their grids (the
+        request fails, its positions are the plain ones meanwhile)."""
+        try:
+            self.requests[req_id] = self.model.mrope_positions(num_prompt_tokens, items)
+        except ValueError as exc:
+            return f"mm_items: {exc}"
+        return None
 
     def positions(self, spans: list[ScheduledSpan], flat: np.ndarray, device: torch.device) -> torch.Tensor | None:
         """The rope positions of a step whose token indices are ``flat``: None when no span has images; ``[T]``
@@ -180,8 +186,9 @@ class MultiModalRunner:
                 if self.cross_attention or self.cross_images:
                     self._starting.add(new.req_id)
                     self._prompt_lens[new.req_id] = new.num_prompt_tokens
-                if self.mrope is not None:
-                    self.mrope.add_request(new.req_id, new.num_prompt_tokens, new.mm_items)
+                if self.mrope is not None and (error := self.mrope.add_request(new.req_id, new.num_prompt_tokens,
+                                                                                 new.mm_items)):
+                    self.cache.failed[new.req_id] = error
 
     def _spans(self, sched_out: SchedulerOutput, batch: InputBatch) -> list[ScheduledSpan]:
         """The step's requests with images, where their tokens start and lie in the flat batch."""
@@ -257,6 +264,12 @@ class MultiModalRunner:
             self._state_rows.clear()
         if self.mrope is not None:
             self.mrope.requests.clear()
+
+    def take_failed(self) -> dict[str, str]:
+        """The requests whose items this rank found malformed since the last call, with the error
+        (`EncoderOutputCache.failed`; they ride on the step's `ModelRunnerOutput.failed_requests`)."""
+        failed, self.cache.failed = self.cache.failed, {}
+        return failed
 
     def take_stats(self) -> tuple[int, int]:
         """Encoder-cache (queries, hits) since the last call (they ride on the step's `ModelRunnerOutput`)."""

@@ -305,6 +305,8 @@ class ModelRunner:
             embeds = self.prompt_embeds.inputs_embeds(sched_out, batch, inputs)
         extra = {} if embeds is None else {"inputs_embeds": embeds}
         failed = self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens) if self.lora_runner else {}
+        if self.mm_runner is not None:  # items whose placeholders disagree with their data: their requests fail
+            failed.update(self.mm_runner.take_failed())
         with_lora = self.lora_runner is not None and self.lora_runner.context.mask is not None
         graphs = self.cuda_graphs if embeds is None and not with_lora else None  # adapters run eagerly
         if graphs is not None and positions.dim() == 1 and graphs.can_run(inputs):  # a decode batch: replay it

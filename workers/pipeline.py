@@ -149,7 +149,8 @@ class PipelineModelRunner(ModelRunner):
         if self.prompt_embeds is not None and embeds is None:  # M-RoPE positions; prompts given as embeddings
             embeds = self.prompt_embeds.inputs_embeds(sched_out, batch, inputs)
         self.model(inputs.input_ids, positions, self.kv_caches, inputs.attn_metadata, embeds)
-        if self.mm_runner is not None and self.world_rank == 0:  # its lookups: the core adds them to a step's output
+        if self.mm_runner is not None:  # rank 0's report: the executor adds it to the step's output
+            empty.failed_requests = self.mm_runner.take_failed()
             empty.mm_encoder_cache_queries, empty.mm_encoder_cache_hits = self.mm_runner.take_stats()
         self._defer_sampled(inputs, sched_out)
         return empty

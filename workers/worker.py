@@ -116,6 +116,10 @@ def error_message(rank: int, exc: BaseException) -> protocol.WorkerError:
     return protocol.WorkerError(rank, str(exc) or type(exc).__name__, type(exc).__name__, parts)
 
 
+def _drop(output: protocol.ModelRunnerOutput) -> None:
+    """The step outputs of a rank that reports nothing of them."""
+
+
 class Worker:
     """One rank: its ring reader, its runner and its socket back to the executor."""
 
@@ -163,14 +167,16 @@ class Worker:
         model = getattr(self.runner, "model", None)
         piece_merge = int(getattr(model, "merge", 0)) if hasattr(model, "mm_audio_in_video") else 0
         self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks + num_offload_blocks, vocab_size,
-                                       checkpoints, num_offload_blocks, piece_merge))
+                                       checkpoints, num_offload_blocks, piece_merge, self._reports_first_stage()))
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""
         assert self.reader is not None and self.config is not None, "setup() first"
         reader = self.reader
         sends = self.rank == output_rank(self.config.tensor_parallel_size, self.config.pipeline_parallel_size)
-        pipeline = StepPipeline(self.runner, self.send if sends else self._send_counts, self.pipelined)
+        reports = self._reports_first_stage()
+        pipeline = StepPipeline(self.runner, self.send if sends else self._send_report if reports else _drop,
+                                self.pipelined)
         while True:
             pipeline.wait(reader.has_message)
             command = self.decoder.decode(reader.dequeue())
@@ -202,12 +208,20 @@ class Worker:
     def send(self, message: protocol.WorkerMessage) -> None:
         self.results.send(self.encoder.encode(message))
 
-    def _send_counts(self, output: protocol.ModelRunnerOutput) -> None:
+    def _reports_first_stage(self) -> bool:
+        """Whether this rank is a pipeline's first stage's rank 0 of an image-text model: the one rank that encodes
+        its images (`protocol.FirstStageReport`)."""
+        assert self.config is not None
+        return (self.rank == 0 and self.config.pipeline_parallel_size > 1
+                and getattr(self.runner, "mm_runner", None) is not None)
+
+    def _send_report(self, output: protocol.ModelRunnerOutput) -> None:
         """A rank other than the output rank (0; with pipeline stages the last stage's first) finishes every step
-        but sends nothing of it: a pipeline's first stage's rank 0 only its encoder-cache counts, when it looked
-        images up (the output rank encodes nothing then; without stages the output rank counts its own)."""
-        if output.mm_encoder_cache_queries and self.config.pipeline_parallel_size > 1:
-            self.send(protocol.EncoderCacheCounts(output.mm_encoder_cache_queries, output.mm_encoder_cache_hits))
+        but sends nothing of it: a pipeline's first stage's rank 0 of an image-text model its `FirstStageReport`
+        (its encoder-cache counts and the requests whose items it found malformed; without stages the output rank
+        has both)."""
+        self.send(protocol.FirstStageReport(output.step_id, output.mm_encoder_cache_queries,
+                                            output.mm_encoder_cache_hits, output.failed_requests))
 
     def close(self) -> None:
         """Leave the TP group and detach from the ring (whatever setup got to)."""

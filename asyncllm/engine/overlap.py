@@ -98,7 +98,7 @@ class OverlappedSteps:
         """Wait for the oldest step in flight and apply it."""
         core = self.core
         runner_out = core.executor.collect()
-        failed = core.scheduler.fail_requests(runner_out.failed_requests)  # before the step: drop their tokens
+        failed = self.placeholders.fail(runner_out.failed_requests)  # before the step: drop their tokens
         step_outputs = self.placeholders.commit(runner_out)
         if core.structured.matchers:
             core.structured.accept(step_outputs.deltas, core.scheduler.finish_requests)

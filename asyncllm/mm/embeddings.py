@@ -58,13 +58,9 @@ def encode_items(model: Any, items: list[MultiModalItem], device: torch.device) 
     for i, item in enumerate(items):
         by_shape.setdefault(tuple(item.shape), []).append(i)
     out: list[torch.Tensor] = [torch.empty(0)] * len(items)
-    cross = getattr(model, "mm_cross_attention", False) or getattr(model, "mm_cross_images", False)
     for indices in by_shape.values():
         features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in indices]))
         for i, rows in zip(indices, features):
-            if rows.shape[0] != encoded_rows(items[i]) and not cross:  # cross-attention rows have no placeholders
-                raise ValueError(f"image {items[i].mm_hash}: {rows.shape[0]} features for {encoded_rows(items[i])} "
-                             "placeholders")
             out[i] = rows
     return out
 
@@ -86,6 +82,9 @@ class EncoderOutputCache:
         """Items looked up when a prefill first reached them."""
         self.num_hits = 0
         """Of those, items whose features were already cached (or encoded once for another item of the same step)."""
+        self.failed: dict[str, str] = {}
+        """Requests with an item whose placeholders disagree with its data's encoder rows, with the error (the core
+        ends them: `ModelRunnerOutput.failed_requests`); taken by the runner after each step."""
 
     @property
     def num_encoded(self) -> int:
@@ -135,6 +134,10 @@ class EncoderOutputCache:
         for span, index, item in touched:
             lo, hi = max(span.start, item.offset), min(span.start + span.length, item.offset + item.length)
             features = self.store.get_pinned(item.mm_hash)
+            if features.shape[0] != encoded_rows(item):  # a client's item: its request fails, not the engine
+                self.failed[span.req_id] = (f"mm_items[{index}]: its data encodes to {features.shape[0]} rows, "
+                                            f"not its {encoded_rows(item)} placeholders")
+                continue
             dst = span.flat_offset + lo - span.start
             kept = self._text_rows(item, lo, hi, embeds.device)
             text = None if kept is None else embeds[kept + dst]

@@ -101,6 +101,20 @@ class OutputPlaceholders:
             self._register_filled_blocks(later.record)
         return outputs
 
+    def fail(self, failed: dict[str, str]) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
+        """End the requests the workers could not run in the oldest in-flight step (`Scheduler.fail_requests`), as
+        of before that step: every in-flight step's advance is taken back first, so the blocks that step and later
+        ones fill leave the prefix cache with the request (their KV is not the request's). Call before `commit`."""
+        if not failed:
+            return []
+        rows = self.scheduler.rows
+        for step in self._in_flight:
+            _rewind(step.record, rows)
+        deltas = self.scheduler.fail_requests(failed)
+        for step in self._in_flight:
+            _advance(step.record, rows, self._placeholders)
+        return deltas
+
     def _register_filled_blocks(self, record: StepRows) -> None:
         """Prefix-cache the blocks a step in flight fills that ended in a placeholder when it was scheduled.
 

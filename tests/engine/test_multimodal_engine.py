@@ -7,7 +7,8 @@ import asyncio
 
 import pytest
 import pytest_asyncio
-from mm_utils import NUM_IMAGE_TOKENS, hf_llava_greedy, make_image, make_tiny_llava, sent_requests
+from mm_utils import (NUM_IMAGE_TOKENS, hf_llava_greedy, items_laid_short, make_image, make_tiny_llava,
+                      sent_requests)
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.errors import InvalidRequestError
@@ -123,6 +124,23 @@ async def test_bad_images_fail_only_their_request(engine):
     assert len(out.outputs[0].token_ids) == 8
     text = await engine.generate("plain text still works", GREEDY)
     assert len(text.outputs[0].token_ids) == 8
+
+
+async def test_an_image_laid_over_too_few_placeholders_fails_only_its_request(engine, tiny_llava):
+    """A host process sharing the core that lays an image's 16 feature rows over 15 of its placeholders (a bug, or
+    a hostile client): the workers find it when the prefill reaches the image and fail that request alone, its
+    blocks leave the prefix cache, and the same image laid right afterwards gets transformers' tokens."""
+    image, text = make_image(44, 33, seed=12), "Shown <image> here"
+    with items_laid_short(engine, image):
+        bad, plain = await asyncio.gather(engine.generate({"prompt": text, "images": [image]}, GREEDY),
+                                          engine.generate("a plain prompt beside it", GREEDY), return_exceptions=True)
+    assert isinstance(bad, InvalidRequestError)
+    assert "mm_items[0]: its data encodes to 16 rows, not its 15 placeholders" in str(bad)
+    assert len(plain.outputs[0].token_ids) == 8
+    out = await engine.generate({"prompt": text, "images": [image]}, GREEDY)
+    hf_prompt, hf_tokens = hf_llava_greedy(tiny_llava, text, [image], 8)
+    assert out.outputs[0].token_ids == hf_tokens
+    assert out.num_cached_tokens <= hf_prompt.index(512)  # nothing of the failed request's image rows was kept
 
 
 async def test_the_processor_cache_off_and_tp2_give_the_same_tokens(engine, tiny_llava):

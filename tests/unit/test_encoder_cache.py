@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -146,6 +147,38 @@ def test_the_pieces_of_one_output_encode_it_once_without_a_budget():
     assert len(cache.store) == 0
 
 
+def test_an_item_whose_placeholders_disagree_with_its_data_fails_only_its_request():
+    """A client's item of 3 rows of data laid over 2 placeholders: its request is reported failed and left
+    unscattered, the other request of the step gets its rows, and the encoder's true output stays cached for a
+    later item of the same image laid right."""
+    model = _FakeEncoder()
+    cache = EncoderOutputCache(model, torch.device("cpu"), budget_bytes=100 * ROW_BYTES)
+    good, whole = _image(100, 0, length=2), _image(200, 0, length=3)
+    cache.add_request("bad", [msgspec.structs.replace(whole, length=2)])  # I I
+    cache.add_request("ok", [good])  # I I
+    spans = [ScheduledSpan("bad", 0, 2, 0), ScheduledSpan("ok", 0, 2, 2)]
+    assert cache.inputs_embeds(torch.tensor([7, 7, 0, 0]), spans).flatten().tolist() == [7.0, 7.0, 100.0, 101.0]
+    assert cache.failed == {"bad": "mm_items[0]: its data encodes to 3 rows, not its 2 placeholders"}
+    cache.remove_request("bad")
+    cache.add_request("later", [whole])
+    assert _embeds(cache, "later", 0, 3) == [200.0, 201.0, 202.0] and model.encoded == [200, 100]
+    cache.add_request("hit", [msgspec.structs.replace(whole, length=1)])  # a cache hit is checked too
+    _embeds(cache, "hit", 0, 1)
+    assert list(cache.failed) == ["bad", "hit"]
+
+
+def test_placeholders_that_disagree_with_an_m_rope_grid_fail_the_request_with_the_error():
+    from asyncllm.workers.mm_runner import MRopePositions
+
+    class _Grid:
+        def mrope_positions(self, prompt_len, items):
+            raise ValueError("an image of grid (1, 4, 4) has 3 placeholder tokens, not 4")
+
+    positions = MRopePositions(_Grid())
+    assert positions.add_request("a", 8, []) == "mm_items: an image of grid (1, 4, 4) has 3 placeholder tokens, not 4"
+    assert positions.requests == {}  # its steps take the plain positions until the core ends it
+
+
 def test_the_config_takes_data_mode_and_a_budget_and_refuses_a_negative_one():
     config = EngineConfig.create("m", mm_encoder_tp_mode="data", mm_encoder_cache_gb=0.25)
     assert (config.mm_encoder_tp_mode, encoder_cache_bytes(config)) == ("data", 2**28)
@@ -175,7 +208,9 @@ def _dp_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
         encoder = DataParallelEncoder(model, torch.device("cpu"), TensorParallel(rank, world_size))
         results = {n: encoder(IMAGES[:n], 1, torch.float32) for n in (1, 2, 3)}
         bf16 = encoder(IMAGES, 1, torch.bfloat16)  # any dtype crosses (gathered as bytes)
-        torch.save({"results": results, "bf16": bf16, "encoded": model.encoded}, os.path.join(out_dir, f"rank{rank}.pt"))
+        laid_wrong = encoder([IMAGES[0], msgspec.structs.replace(IMAGES[1], length=1)], 1, torch.float32)
+        torch.save({"results": results, "bf16": bf16, "encoded": model.encoded, "laid_wrong": laid_wrong},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.slow
@@ -189,6 +224,10 @@ def test_data_parallel_encoding_splits_unevenly_and_gathers_everything(tmp_path)
             for rows, ref in zip(features, expected):
                 assert torch.equal(rows, ref)
         assert all(torch.equal(rows, ref.bfloat16()) for rows, ref in zip(got["bf16"], expected))
-    # round-robin shares: 1 image -> rank 0 alone; 2 -> one each; 3 -> two and one (then 3 again in bf16)
-    assert ranks[0]["encoded"] == [10, 10, 10, 30, 10, 30]
-    assert ranks[1]["encoded"] == [20, 20, 20]
+        # an item laid over fewer placeholders than its data's rows: every rank gets the data's rows (the encoder
+        # cache then fails its request alike on each), and no rank is left waiting in the gather
+        assert [rows.shape[0] for rows in got["laid_wrong"]] == [4, 3]
+        assert torch.equal(got["laid_wrong"][1], expected[1])
+    # round-robin shares: 1 image -> rank 0 alone; 2 -> one each; 3 -> two and one (then 3 again in bf16, then 2)
+    assert ranks[0]["encoded"] == [10, 10, 10, 30, 10, 30, 10]
+    assert ranks[1]["encoded"] == [20, 20, 20, 20]

@@ -249,3 +249,37 @@ def test_real_model_runner_at_tp2_matches_transformers(tiny_llama: str, runtime_
                 out = executor.execute_model(SchedulerOutput(i, [], cached, {"r": 1}, 1))
                 tokens += out.sampled_token_ids[0]
         assert tokens == expected, f"tp={tp}"
+
+
+class _QueuedSocket:
+    """A result socket holding these worker messages, in order."""
+
+    def __init__(self, messages: list) -> None:
+        import msgspec
+
+        self.queue = [msgspec.msgpack.encode(message) for message in messages]
+
+    def poll(self, timeout_ms: int, flags: int) -> bool:
+        return bool(self.queue)
+
+    def recv(self) -> bytes:
+        return self.queue.pop(0)
+
+
+def test_a_step_output_takes_its_first_stage_report_even_when_a_later_output_comes_first() -> None:
+    """Pipeline stages of an image-text model: the first stage's rank 0 reports every step (its encoder-cache counts
+    and the requests it failed) on its own socket, which does not order its messages against the last stage's."""
+    from asyncllm.protocol import FirstStageReport
+
+    executor = Executor(EngineConfig.create("m", pipeline_parallel_size=2, max_model_len=64))
+    executor._first_stage_reports = True
+    executor._pending.extend([(1, 0.0), (2, 0.0)])
+    executor._results = _QueuedSocket([ModelRunnerOutput(1, ["a", "b"], [[5], []]), ModelRunnerOutput(2, ["a"], [[6]]),
+                                       FirstStageReport(1, 2, 1, {"b": "mm_items[0]: laid wrong"}),
+                                       FirstStageReport(2, 1, 0)])
+    first = executor.collect()
+    assert (first.step_id, first.failed_requests) == (1, {"b": "mm_items[0]: laid wrong"})
+    assert (first.mm_encoder_cache_queries, first.mm_encoder_cache_hits) == (2, 1)
+    second = executor.collect()
+    assert (second.step_id, second.failed_requests, second.mm_encoder_cache_queries) == (2, {}, 1)
+    assert not executor._reports and not executor._early and not executor._results.queue
