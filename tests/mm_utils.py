@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -349,12 +349,17 @@ def sent_requests(engine: Any) -> list[tuple[Any, int]]:
     return processor._encoder.sent
 
 
-@contextlib.contextmanager
-def items_laid_short(engine: Any, image: bytes) -> Iterator[None]:
-    """While open, the engine's processor sends ``image``'s item over one placeholder fewer than its features (as a
-    buggy or hostile host process sharing the core might): the workers must fail that request alone."""
+def laid_short(item: Any) -> Any:
+    """``item`` over one placeholder fewer than its features (`items_altered`)."""
     import msgspec
 
+    return msgspec.structs.replace(item, length=item.length - 1)
+
+
+@contextlib.contextmanager
+def items_altered(engine: Any, image: bytes, alter: Callable[[Any], Any] = laid_short) -> Iterator[None]:
+    """While open, the engine's processor sends ``image``'s item as ``alter`` makes it (as a buggy or hostile host
+    process sharing the core might): the workers must fail that request alone."""
     from asyncllm.mm.images import image_hash
 
     processor = engine._processor
@@ -364,7 +369,7 @@ def items_laid_short(engine: Any, image: bytes) -> Iterator[None]:
         def encode(self, message: Any) -> bytes:
             items = getattr(message, "mm_items", None)
             if items and items[0].mm_hash == image_hash(image):
-                message.mm_items = [msgspec.structs.replace(items[0], length=items[0].length - 1), *items[1:]]
+                message.mm_items = [alter(items[0]), *items[1:]]
             return real.encode(message)
 
     processor._encoder = _Shorten()

@@ -14,6 +14,7 @@ Mistral 3's row breaks).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from asyncllm.mm.encoder_cache import EncoderCache
 from asyncllm.protocol import MultiModalItem
 
 __all__ = ["EncodeFn", "EncoderOutputCache", "ScheduledSpan", "encode_items", "encoded_rows"]
+
+logger = logging.getLogger(__name__)
 
 EncodeFn = Callable[[list[MultiModalItem], int, torch.dtype], list[torch.Tensor]]
 """(items, hidden size, dtype) -> one ``[item.length, hidden]`` tensor per item, in order."""
@@ -53,16 +56,30 @@ def encoded_rows(item: MultiModalItem) -> int:
 
 
 def encode_items(model: Any, items: list[MultiModalItem], device: torch.device) -> list[torch.Tensor]:
-    """Run ``model.embed_multimodal`` over ``items`` on this rank (batched by pixel shape); features in item order."""
+    """Run ``model.embed_multimodal`` over ``items`` on this rank (batched by pixel shape); features in item order.
+
+    Items of a shape the encoder refuses (it raises: a client's item of a shape the model cannot take) get no rows,
+    the log says why, and `EncoderOutputCache` fails their requests."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for i, item in enumerate(items):
         by_shape.setdefault(tuple(item.shape), []).append(i)
     out: list[torch.Tensor] = [torch.empty(0)] * len(items)
-    for indices in by_shape.values():
-        features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in indices]))
+    for shape, indices in by_shape.items():
+        try:
+            features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in indices]))
+        except (RuntimeError, ValueError, IndexError) as exc:
+            logger.error("the encoder refused %d item(s) of shape %s: %s", len(indices), list(shape), exc)
+            continue
         for i, rows in zip(indices, features):
             out[i] = rows
     return out
+
+
+def _misfit(index: int, item: MultiModalItem, rows: int) -> str:
+    """The error of a request whose item ``index`` encodes to ``rows`` rows, not its placeholders' count."""
+    if not rows:
+        return f"mm_items[{index}]: the encoder refused its data of shape {item.shape} (the workers' log says why)"
+    return f"mm_items[{index}]: its data encodes to {rows} rows, not its {encoded_rows(item)} placeholders"
 
 
 class EncoderOutputCache:
@@ -135,8 +152,7 @@ class EncoderOutputCache:
             lo, hi = max(span.start, item.offset), min(span.start + span.length, item.offset + item.length)
             features = self.store.get_pinned(item.mm_hash)
             if features.shape[0] != encoded_rows(item):  # a client's item: its request fails, not the engine
-                self.failed[span.req_id] = (f"mm_items[{index}]: its data encodes to {features.shape[0]} rows, "
-                                            f"not its {encoded_rows(item)} placeholders")
+                self.failed[span.req_id] = _misfit(index, item, features.shape[0])
                 continue
             dst = span.flat_offset + lo - span.start
             kept = self._text_rows(item, lo, hi, embeds.device)
@@ -172,6 +188,8 @@ class EncoderOutputCache:
         outputs = []
         for req_id, index, item in wanted:
             outputs.append(self.store.get_pinned(item.mm_hash))
+            if not len(outputs[-1]):  # no placeholders to fail a request by: the worker's error, as before
+                raise RuntimeError(_misfit(index, item, 0))
             self._pinned[req_id].discard(index)
             self.store.release(item.mm_hash)
         return outputs

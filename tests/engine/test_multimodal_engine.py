@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import msgspec
 import pytest
 import pytest_asyncio
-from mm_utils import (NUM_IMAGE_TOKENS, hf_llava_greedy, items_laid_short, make_image, make_tiny_llava,
-                      sent_requests)
+from mm_utils import NUM_IMAGE_TOKENS, hf_llava_greedy, items_altered, make_image, make_tiny_llava, sent_requests
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.errors import InvalidRequestError
@@ -126,12 +126,13 @@ async def test_bad_images_fail_only_their_request(engine):
     assert len(text.outputs[0].token_ids) == 8
 
 
-async def test_an_image_laid_over_too_few_placeholders_fails_only_its_request(engine, tiny_llava):
+async def test_an_image_the_encoder_cannot_lay_on_its_placeholders_fails_only_its_request(engine, tiny_llava):
     """A host process sharing the core that lays an image's 16 feature rows over 15 of its placeholders (a bug, or
     a hostile client): the workers find it when the prefill reaches the image and fail that request alone, its
-    blocks leave the prefix cache, and the same image laid right afterwards gets transformers' tokens."""
+    blocks leave the prefix cache, and the same image laid right afterwards gets transformers' tokens. Pixels of a
+    shape the vision tower refuses fail their request the same way."""
     image, text = make_image(44, 33, seed=12), "Shown <image> here"
-    with items_laid_short(engine, image):
+    with items_altered(engine, image):
         bad, plain = await asyncio.gather(engine.generate({"prompt": text, "images": [image]}, GREEDY),
                                           engine.generate("a plain prompt beside it", GREEDY), return_exceptions=True)
     assert isinstance(bad, InvalidRequestError)
@@ -141,6 +142,12 @@ async def test_an_image_laid_over_too_few_placeholders_fails_only_its_request(en
     hf_prompt, hf_tokens = hf_llava_greedy(tiny_llava, text, [image], 8)
     assert out.outputs[0].token_ids == hf_tokens
     assert out.num_cached_tokens <= hf_prompt.index(512)  # nothing of the failed request's image rows was kept
+    odd = make_image(36, 36, seed=13)
+    tiny = bytes(3 * 8 * 8 * 4)  # pixels of a shape the vision tower cannot take (its position embeddings are 56's)
+    with items_altered(engine, odd, lambda item: msgspec.structs.replace(item, data=tiny, shape=[3, 8, 8])):
+        with pytest.raises(InvalidRequestError, match=r"mm_items\[0\]: the encoder refused its data of shape \[3, 8"):
+            await engine.generate({"prompt": text, "images": [odd]}, GREEDY)
+    assert (await engine.generate({"prompt": text, "images": [image]}, GREEDY)).outputs[0].token_ids == hf_tokens
 
 
 async def test_the_processor_cache_off_and_tp2_give_the_same_tokens(engine, tiny_llava):

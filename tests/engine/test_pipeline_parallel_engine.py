@@ -199,7 +199,7 @@ async def test_images_run_in_stages_on_qwen3_5_qwen3_vl_and_gemma3(tmp_path) -> 
     Qwen3-VL (4 layers, its deepstack rows joining the first two, on the first stage), and Gemma 3 (its images'
     rows attending both ways on every stage) with two images. Tokens equal transformers'."""
     from gemma3_mm_utils import BOI, hf_gemma3_greedy, make_tiny_gemma3_mm
-    from mm_utils import items_laid_short, make_image
+    from mm_utils import items_altered, make_image
     from qwen_vl_utils import IMAGE_PLACEHOLDER, hf_qwen_vl_greedy, make_tiny_qwen_vl
 
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
@@ -226,7 +226,7 @@ async def test_images_run_in_stages_on_qwen3_5_qwen3_vl_and_gemma3(tmp_path) -> 
         await engine.generate({"prompt": text, "images": images}, greedy)  # its images from the encoder cache
         stats = engine.stats()  # the first stage's lookups (the step outputs come from the last stage)
         laid_short = make_image(70, 70, seed=9)
-        with items_laid_short(engine, laid_short):  # the first stage alone can tell: its report fails the request
+        with items_altered(engine, laid_short):  # the first stage alone can tell: its report fails the request
             with pytest.raises(InvalidRequestError, match=r"mm_items\[0\]: its data encodes to (\d+) rows, not its"):
                 await engine.generate({"prompt": f"see {BOI} now", "images": [laid_short]}, greedy)
         assert len((await engine.generate({"prompt": text, "images": images}, greedy)).outputs[0].token_ids) == 8

@@ -167,6 +167,21 @@ def test_an_item_whose_placeholders_disagree_with_its_data_fails_only_its_reques
     assert list(cache.failed) == ["bad", "hit"]
 
 
+def test_items_of_a_shape_the_encoder_refuses_fail_their_requests_and_the_others_run():
+    class _Picky(_FakeEncoder):
+        def embed_multimodal(self, pixels: torch.Tensor) -> torch.Tensor:
+            if pixels.shape[1] == 5:
+                raise RuntimeError("size mismatch")
+            return super().embed_multimodal(pixels)
+
+    cache = EncoderOutputCache(_Picky(), torch.device("cpu"), budget_bytes=0)
+    cache.add_request("odd", [_image(300, 0, length=5)])
+    cache.add_request("ok", [_image(100, 0)])
+    spans = [ScheduledSpan("odd", 0, 5, 0), ScheduledSpan("ok", 0, 2, 5)]
+    assert cache.inputs_embeds(torch.full((7,), 7), spans).flatten().tolist() == [7.0] * 5 + [100.0, 101.0]
+    assert cache.failed == {"odd": "mm_items[0]: the encoder refused its data of shape [5] (the workers' log says why)"}
+
+
 def test_placeholders_that_disagree_with_an_m_rope_grid_fail_the_request_with_the_error():
     from asyncllm.workers.mm_runner import MRopePositions
 
