@@ -220,6 +220,8 @@ class MultiModalRunner:
             if self.routes_prompt_rows:
                 inputs.attn_metadata.mm_prompt_rows = self.mrope.prompt_rows(spans, flat, inputs.input_ids.shape[0],
                                                                              inputs.positions.device)
+        ends = self.cache.ends
+        spans = [span for span in spans if span.start < ends[span.req_id]]  # the others are past their items
         inputs.attn_metadata.attend_limit = attend_limit(self.cache.items, spans, flat, inputs.input_ids.shape[0],
                                                          inputs.positions.device)
         embeds = self.cache.inputs_embeds(inputs.input_ids, spans) if self.encodes else None

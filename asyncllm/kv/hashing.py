@@ -18,6 +18,7 @@ digest is also stable across processes and Python versions.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -96,6 +97,22 @@ def _mm_keys(mm_items: Sequence[MultiModalPlaceholder], start: int, end: int) ->
                  if item.offset < end and item.offset + item.length > start)
 
 
+class _ItemIndex:
+    """A request's items (in prompt order, none overlapping the next: the core checks it) and its long spans, to
+    find the ones overlapping a block without scanning them all (a long video's pieces are thousands of items)."""
+
+    def __init__(self, items: Sequence[MultiModalPlaceholder], spans: list["_Span"]) -> None:
+        self.items = items
+        self.spans = spans
+        self.offsets = [item.offset for item in items]
+        self.ends = [item.offset + item.length for item in items]
+
+    def keys(self, start: int, end: int) -> tuple[tuple[str | int, ...], ...]:
+        """`_mm_keys` of tokens ``[start, end)``: the items', then the spans'."""
+        lo, hi = bisect.bisect_right(self.ends, start), bisect.bisect_left(self.offsets, end)
+        return _mm_keys(self.items[lo:hi], start, end) + (_mm_keys(self.spans, start, end) if self.spans else ())
+
+
 class _Span(NamedTuple):
     """A bidirectional span that reaches past its item's rows, keyed like an item (`_span_keys`)."""
 
@@ -140,15 +157,14 @@ def extend_block_hashes(
     if start_index >= num_blocks:
         return
     parent = block_hashes[-1] if block_hashes else ROOT_PARENT_HASH
-    if mm_items:
-        mm_items = [*mm_items, *_span_keys(mm_items, token_ids, start_index * block_size)]
+    index_of = _ItemIndex(mm_items, _span_keys(mm_items, token_ids, start_index * block_size)) if mm_items else None
     prefix, packer = _PACKERS.get(block_size) or _packer(block_size)
     pack, append = packer.pack, block_hashes.append
     for index in range(start_index, num_blocks):
         start = index * block_size
         block_tokens = token_ids[start : start + block_size]
         if mm_items or (index == 0 and (cache_salt is not None or lora_id)):
-            mm_keys = _mm_keys(mm_items, start, start + block_size) if mm_items else ()
+            mm_keys = index_of.keys(start, start + block_size) if index_of is not None else ()
             parent = hash_block_tokens(parent, block_tokens, block_extra_keys(index, cache_salt, mm_keys, lora_id))
         else:  # no extra keys: `hash_block_tokens` inlined (one full block per `block_size` decode steps)
             parent = _sha256(parent + prefix + pack(*block_tokens)).digest()

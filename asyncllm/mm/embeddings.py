@@ -88,6 +88,8 @@ class EncoderOutputCache:
     def __init__(self, model: Any, device: torch.device, budget_bytes: int = 0, encode: EncodeFn | None = None) -> None:
         self.model = model
         self.items: dict[str, list[MultiModalItem]] = {}
+        self.ends: dict[str, int] = {}
+        """request id -> the prompt position its items' rows and spans end at: a step past it reaches none."""
         self.store = EncoderCache(budget_bytes)
         self.encode: EncodeFn = encode or (lambda items, hidden, dtype: encode_items(model, items, device))
         self._pinned: dict[str, set[int | str]] = {}
@@ -111,18 +113,21 @@ class EncoderOutputCache:
     def clear(self) -> None:
         """Forget every request and every cached output, pinned or not."""
         self.items.clear()
+        self.ends.clear()
         self._pinned.clear()
         self._last_piece.clear()
         self.store = EncoderCache(self.store.budget_bytes)
 
     def add_request(self, req_id: str, items: list[MultiModalItem]) -> None:
         self.items[req_id] = items
+        self.ends[req_id] = max(item.offset + max(item.length, *item.bidirectional[1:2], 0) for item in items)
         last = {item.mm_hash: index for index, item in enumerate(items) if item.rows}
         if last:
             self._last_piece[req_id] = last
 
     def remove_request(self, req_id: str) -> None:
         items = self.items.pop(req_id, [])
+        self.ends.pop(req_id, None)
         self._last_piece.pop(req_id, None)
         for key in self._pinned.pop(req_id, ()):
             self.store.release(key if isinstance(key, str) else items[key].mm_hash)

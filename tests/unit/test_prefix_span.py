@@ -67,3 +67,23 @@ def test_paligemma_prompt_text_is_its_processors():
     assert PaliGemma.mm_prompt_text(tokenizer, "caption en", 0) == "<bos>caption en\n"
     assert PaliGemma.mm_prompt_text(tokenizer, "caption en", 2) == "<image><image><bos>caption en\n"
     assert PaliGemma.mm_prompt_text(tokenizer, "<image>answer", 1) == "<image><bos>answer\n"
+
+
+def test_each_blocks_keys_are_those_of_the_items_overlapping_it_found_without_a_scan():
+    """The block keys (found by bisecting the items' offsets and ends) are a scan's, for items of every size, of no
+    rows, touching one another, and a long span, over blocks of one and of several items."""
+    import random
+
+    from asyncllm.kv.hashing import _ItemIndex, _mm_keys, _Span
+
+    rng = random.Random(0)
+    items, offset = [], 1
+    while offset < 200:
+        length = rng.choice([0, 1, 3, 4, 9, 17])
+        items.append(MultiModalItem(f"h{len(items)}", offset, length, b"", [1], rows=[0, 20] if length == 3 else []))
+        offset += length + rng.choice([0, 0, 1, 5])
+    spans = [_Span("span:x", 6, 30)]
+    index = _ItemIndex(items, spans)
+    for size in (1, 4, 16):
+        for start in range(0, 220, size):
+            assert index.keys(start, start + size) == _mm_keys([*items, *spans], start, start + size), (size, start)
