@@ -357,19 +357,17 @@ def laid_short(item: Any) -> Any:
 
 
 @contextlib.contextmanager
-def items_altered(engine: Any, image: bytes, alter: Callable[[Any], Any] = laid_short) -> Iterator[None]:
-    """While open, the engine's processor sends ``image``'s item as ``alter`` makes it (as a buggy or hostile host
-    process sharing the core might): the workers must fail that request alone."""
-    from asyncllm.mm.images import image_hash
-
+def items_altered(engine: Any, alter: Callable[[Any], Any] = laid_short) -> Iterator[None]:
+    """While open, the engine's processor sends each request's last multimodal item as ``alter`` makes it (as a
+    buggy or hostile host process sharing the core might): the workers must fail that request alone."""
     processor = engine._processor
     real = processor._encoder
 
     class _Shorten:
         def encode(self, message: Any) -> bytes:
             items = getattr(message, "mm_items", None)
-            if items and items[0].mm_hash == image_hash(image):
-                message.mm_items = [alter(items[0]), *items[1:]]
+            if items:
+                message.mm_items = [*items[:-1], alter(items[-1])]
             return real.encode(message)
 
     processor._encoder = _Shorten()

@@ -236,7 +236,8 @@ class MultiModalRunner:
             return None
         self._starting.difference_update(starting)
         outputs = self.cache.whole_outputs(starting, *self.cache.model.encoder_output_spec())
-        return [(batch.requests[req_id].row, rows) for req_id, rows in zip(starting, outputs)]
+        return [(batch.requests[req_id].row, rows) for req_id, rows in zip(starting, outputs)
+                if len(rows)]  # an output the encoder refused fails its request (`EncoderOutputCache.failed`)
 
     def _cross_images(self, sched_out: SchedulerOutput, batch: InputBatch) -> CrossImages:
         """The step's requests with images (row, flat span, first position) and, for those starting on this worker,
@@ -251,9 +252,12 @@ class MultiModalRunner:
             wanted = [(span.req_id, index, item) for index, item in enumerate(self.cache.items[span.req_id])
                       if model.mm_cross_item(item)]
             outputs = self.cache.read_whole(wanted, *model.encoder_output_spec())
+            if span.req_id in self.cache.failed:  # an image the encoder refused: no states, until the core ends it
+                continue
             row = self._state_rows[span.req_id] = batch.requests[span.req_id].row
             starts.append((row, [item for _, _, item in wanted], outputs, self._prompt_lens[span.req_id]))
-        rows = [(batch.requests[s.req_id].row, s.flat_offset, s.length, s.start) for s in spans]
+        rows = [(batch.requests[s.req_id].row, s.flat_offset, s.length, s.start) for s in spans
+                if s.req_id in self._state_rows]
         return CrossImages(starts, rows)
 
     def forget_encoder_outputs(self) -> None:

@@ -193,8 +193,8 @@ class EncoderOutputCache:
         outputs = []
         for req_id, index, item in wanted:
             outputs.append(self.store.get_pinned(item.mm_hash))
-            if not len(outputs[-1]):  # no placeholders to fail a request by: the worker's error, as before
-                raise RuntimeError(_misfit(index, item, 0))
+            if not len(outputs[-1]):  # the encoder refused it: the caller leaves the request without its states
+                self.failed[req_id] = _misfit(index, item, 0)
             self._pinned[req_id].discard(index)
             self.store.release(item.mm_hash)
         return outputs

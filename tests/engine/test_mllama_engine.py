@@ -106,6 +106,21 @@ async def test_more_images_than_the_limit_are_refused(engine):
         await engine.generate({"prompt": "<|image|>" * 4, "images": [image] * 4}, GREEDY)
 
 
+async def test_an_image_the_vision_tower_refuses_fails_alone(engine, tiny_mllama):
+    """A host process sharing the core that sends an image of the wrong size: that request fails (its rows get no
+    cross-attention states), and the engine serves the next image request transformers' tokens."""
+    import msgspec
+    from mm_utils import items_altered
+
+    bad = {"data": bytes(4 * 11), "shape": [11]}  # an aspect ratio id and 10 values: no whole tile
+    with items_altered(engine, lambda item: msgspec.structs.replace(item, **bad)):
+        with pytest.raises(InvalidRequestError, match=r"mm_items\[1\]: the encoder refused its data of shape \[11\]"):
+            await engine.generate({"prompt": "<|image|> what", "images": [make_image(20, 20, 5)]}, GREEDY)
+    image = make_image(30, 20, seed=6)
+    good = await engine.generate({"prompt": "<|image|> and", "images": [image]}, GREEDY)
+    assert good.outputs[0].token_ids == hf_mllama_greedy(tiny_mllama, good.prompt_token_ids, [image], 6)
+
+
 async def test_an_adapter_with_an_image_matches_peft(engine, tiny_mllama, adapter):
     """Beside the same prompt on the base model: the adapter's greedy tokens equal PEFT's on transformers' class with
     the image (its cross-attention layers' MLPs adapted too), the base model's transformers'."""

@@ -132,7 +132,7 @@ async def test_an_image_the_encoder_cannot_lay_on_its_placeholders_fails_only_it
     blocks leave the prefix cache, and the same image laid right afterwards gets transformers' tokens. Pixels of a
     shape the vision tower refuses fail their request the same way."""
     image, text = make_image(44, 33, seed=12), "Shown <image> here"
-    with items_altered(engine, image):
+    with items_altered(engine):
         bad, plain = await asyncio.gather(engine.generate({"prompt": text, "images": [image]}, GREEDY),
                                           engine.generate("a plain prompt beside it", GREEDY), return_exceptions=True)
     assert isinstance(bad, InvalidRequestError)
@@ -144,7 +144,7 @@ async def test_an_image_the_encoder_cannot_lay_on_its_placeholders_fails_only_it
     assert out.num_cached_tokens <= hf_prompt.index(512)  # nothing of the failed request's image rows was kept
     odd = make_image(36, 36, seed=13)
     tiny = bytes(3 * 8 * 8 * 4)  # pixels of a shape the vision tower cannot take (its position embeddings are 56's)
-    with items_altered(engine, odd, lambda item: msgspec.structs.replace(item, data=tiny, shape=[3, 8, 8])):
+    with items_altered(engine, lambda item: msgspec.structs.replace(item, data=tiny, shape=[3, 8, 8])):
         with pytest.raises(InvalidRequestError, match=r"mm_items\[0\]: the encoder refused its data of shape \[3, 8"):
             await engine.generate({"prompt": text, "images": [odd]}, GREEDY)
     assert (await engine.generate({"prompt": text, "images": [image]}, GREEDY)).outputs[0].token_ids == hf_tokens

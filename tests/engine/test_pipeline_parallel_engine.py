@@ -226,7 +226,7 @@ async def test_images_run_in_stages_on_qwen3_5_qwen3_vl_and_gemma3(tmp_path) -> 
         await engine.generate({"prompt": text, "images": images}, greedy)  # its images from the encoder cache
         stats = engine.stats()  # the first stage's lookups (the step outputs come from the last stage)
         laid_short = make_image(70, 70, seed=9)
-        with items_altered(engine, laid_short):  # the first stage alone can tell: its report fails the request
+        with items_altered(engine):  # the first stage alone can tell: its report fails the request
             with pytest.raises(InvalidRequestError, match=r"mm_items\[0\]: its data encodes to (\d+) rows, not its"):
                 await engine.generate({"prompt": f"see {BOI} now", "images": [laid_short]}, greedy)
         assert len((await engine.generate({"prompt": text, "images": images}, greedy)).outputs[0].token_ids) == 8

@@ -106,6 +106,20 @@ async def test_prompts_without_their_audio_fail_alone(engine, tiny_whisper):
     await _check(engine, tiny_whisper, [PROMPT], [audio])  # still serving
 
 
+async def test_an_audio_of_a_shape_the_encoder_refuses_fails_alone(engine, tiny_whisper):
+    """A host process sharing the core that sends log-mel frames of a shape the encoder cannot take: that request
+    fails (its decoder never gets cross-attention states), the one beside it runs."""
+    import msgspec
+    from mm_utils import items_altered
+
+    bad = {"data": bytes(4 * 20 * 10), "shape": [20, 10]}  # float32 [mels, frames], not the checkpoint's
+    with items_altered(engine, lambda item: msgspec.structs.replace(item, **bad)):
+        failed = engine.generate(_request(PROMPT, make_audio(1.0, seed=11)), GREEDY)
+        with pytest.raises(InvalidRequestError, match=r"mm_items\[0\]: the encoder refused its data of shape \[20, 10"):
+            await failed
+    await _check(engine, tiny_whisper, [PROMPT], [make_audio(1.0, seed=12)])
+
+
 async def test_vllm_encoder_decoder_prompts(engine, tiny_whisper):
     """vLLM's explicit ``encoder_prompt`` (the audio) / ``decoder_prompt`` (text, ids or none: the start token
     alone) give the tokens of the one-prompt form; on a decoder-only model they are refused."""
