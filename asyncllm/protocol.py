@@ -464,10 +464,13 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     num_offload_blocks: int = 0
     """Of ``num_cpu_blocks``, those of kv_offloading_size (the CPU prefix-cache tier; after the swap space's)."""
     mm_piece_merge: int = 0
-    """The model lays a video with its audio in pieces (`MultiModalItem.rows`, Qwen2.5-Omni's ``mm_audio_in_video``):
-    its vision tower's spatial merge, which the core checks the pieces by (0: it takes none)."""
+    """The model lays a video with its audio in pieces (`MultiModalItem.rows`, the Qwen-Omni thinkers'
+    ``mm_audio_in_video``): its vision tower's spatial merge, which the core checks the pieces by (0: it takes none)."""
     first_stage_reports: bool = False
     """This rank (a pipeline's first stage's rank 0, of an image-text model) sends a `FirstStageReport` every step."""
+    mm_piece_audio_window: int = 0
+    """The audio encoder window by which the core checks an audio piece's whole rows (Qwen3-Omni's ``n_window``:
+    the model's ``mm_piece_audio_window``; 0: Qwen2.5-Omni's pooling)."""
 
 
 class CacheReady(msgspec.Struct, **_STRUCT):

@@ -8,7 +8,7 @@ import functools
 import io
 import os
 
-from qwen2_5_omni_utils import _expanded, make_full_omni_layout, save_tiny_thinker, video_inputs
+from qwen2_5_omni_utils import _expanded, _replaced, make_full_omni_layout, save_tiny_thinker, video_inputs
 
 IMAGE_MARK = "<|vision_start|><|image_pad|><|vision_end|>"
 VIDEO_MARK = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -41,7 +41,7 @@ def _thinker_config(tokenizer):
         text_config=text, vision_config=vision, audio_config=audio, image_token_id=ids["<|image_pad|>"],
         audio_token_id=ids["<|audio_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], audio_start_token_id=ids["<|audio_start|>"],
-        audio_end_token_id=ids["<|audio_end|>"])
+        audio_end_token_id=ids["<|audio_end|>"], position_id_per_seconds=13)
 
 
 def make_tiny_qwen3_omni(path: str | os.PathLike[str], seed: int = 0) -> str:
@@ -78,12 +78,28 @@ def audio_rows(frames: int) -> int:
     return ((rows - 1) // 2 + 1 - 1) // 2 + 1 + frames // (2 * N_WINDOW) * 13
 
 
+def hf_audio_in_video_text3(grid: list[int], seconds_per_grid: float, audio_rows: int) -> str:
+    """transformers' ``Qwen3OmniMoeProcessor.replace_video_with_audio_token``'s text for a video of ``grid`` patches
+    and its track of ``audio_rows`` placeholders (the processor's own ``position_id_per_seconds``, 13)."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3OmniMoeProcessor
+
+    processor = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2), audio_bos_token="<|audio_start|>",
+                                audio_eos_token="<|audio_end|>", video_token="<|video_pad|>", audio_token="<|audio_pad|>")
+    return Qwen3OmniMoeProcessor.replace_video_with_audio_token(
+        processor, {"video_grid_thw": [grid], "video_second_per_grid": [seconds_per_grid]}, 0,
+        {"num_audio_tokens": [audio_rows]}, 0, position_id_per_seconds=Qwen3OmniMoeProcessor.position_id_per_seconds)
+
+
 def hf_omni3_greedy(path: str, text: str, images: list[bytes], audios: list, max_new_tokens: int,
-                    videos: list = (), seconds_per_grid: list[float] = ()) -> tuple[list[int], list[int]]:
+                    videos: list = (), seconds_per_grid: list[float] = (),
+                    audio_in_video: bool = False) -> tuple[list[int], list[int]]:
     """transformers' (prompt ids, greedy tokens) for ``text`` with one `IMAGE_MARK` per image, one `AUDIO_MARK` per
     16 kHz waveform and one `VIDEO_MARK` per video (its ``(t, h, w, features)`` patches, the engine's; its
     ``seconds_per_grid``), expanded as its ``Qwen3OmniMoeProcessor`` does (no processor is saved: it needs a video
-    processor, which needs torchvision)."""
+    processor, which needs torchvision). ``audio_in_video``: ``audios`` are the videos' tracks, in order, merged
+    with them by the processor's ``replace_video_with_audio_token``."""
     import torch
     from PIL import Image
     from qwen_vl_utils import image_processor
@@ -99,13 +115,19 @@ def hf_omni3_greedy(path: str, text: str, images: list[bytes], audios: list, max
         features = audio_features(path, audios)
         inputs["input_features"] = torch.from_numpy(features["input_features"])
         inputs["feature_attention_mask"] = torch.from_numpy(features["attention_mask"])
-        text = _expanded(text, "<|audio_pad|>", iter(audio_rows(int(n)) for n in features["attention_mask"].sum(-1)))
-    if videos:
+        rows = [audio_rows(int(n)) for n in features["attention_mask"].sum(-1)]
+        text = text if audio_in_video else _expanded(text, "<|audio_pad|>", iter(rows))
+    if videos and audio_in_video:
+        video_inputs(inputs, text, "<|video_pad|>", videos, seconds_per_grid)
+        text = _replaced(text, "<|video_pad|>", (hf_audio_in_video_text3(list(v.shape[:3]), seconds, n)
+                                                 for v, seconds, n in zip(videos, seconds_per_grid, rows)))
+    elif videos:
         text = video_inputs(inputs, text, "<|video_pad|>", videos, seconds_per_grid)
     ids = tokenizer([text], return_tensors="pt")["input_ids"]
     inputs.update(input_ids=ids, attention_mask=torch.ones_like(ids))
     with torch.no_grad():
-        out = hf_thinker3(path).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+        out = hf_thinker3(path).generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                         use_audio_in_video=audio_in_video)
     prompt_ids = ids[0].tolist()
     return prompt_ids, out[0, len(prompt_ids):].tolist()
 

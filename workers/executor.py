@@ -104,6 +104,8 @@ class Executor:
         """Checkpoint slots of a hybrid model's states (prefix caching; 0: none), known after `start()`."""
         self.mm_piece_merge = 0
         """`asyncllm.protocol.WorkerReady.mm_piece_merge` (any rank's), known after `start()`."""
+        self.mm_piece_audio_window = 0
+        """`asyncllm.protocol.WorkerReady.mm_piece_audio_window` (any rank's), known after `start()`."""
 
     @property
     def worker_pids(self) -> list[int]:
@@ -133,6 +135,7 @@ class Executor:
         self.state_checkpoints = min(msg.state_checkpoints for msg in ready)
         self.mm_piece_merge = max(msg.mm_piece_merge for msg in ready)  # a pipeline stage may not hold the tower
         self._first_stage_reports = any(msg.first_stage_reports for msg in ready)
+        self.mm_piece_audio_window = max(msg.mm_piece_audio_window for msg in ready)
         return min(msg.num_available_blocks for msg in ready)
 
     def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:

@@ -167,7 +167,8 @@ class Worker:
         model = getattr(self.runner, "model", None)
         piece_merge = int(getattr(model, "merge", 0)) if hasattr(model, "mm_audio_in_video") else 0
         self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks + num_offload_blocks, vocab_size,
-                                       checkpoints, num_offload_blocks, piece_merge, self._reports_first_stage()))
+                                       checkpoints, num_offload_blocks, piece_merge, self._reports_first_stage(),
+                                       int(getattr(model, "mm_piece_audio_window", 0))))
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""

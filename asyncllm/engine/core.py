@@ -58,6 +58,7 @@ class EngineCore:
         """The core's half of the multimodal processor cache: the lru store, each host's shm ring (asyncllm/mm/)."""
         available = self.executor.start()
         self.mm_cache.piece_merge = self.executor.mm_piece_merge
+        self.mm_cache.piece_audio_window = self.executor.mm_piece_audio_window
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
         _check_kv_fits(config, self.num_gpu_blocks)
         num_offload_blocks = self.executor.num_offload_blocks

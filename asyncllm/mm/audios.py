@@ -140,3 +140,18 @@ def audio_output_length(frames: int) -> int:
     """Encoder rows (= placeholder tokens) of an audio of ``frames`` mel frames through Whisper's front end as
     Qwen2-Audio's family pools it: the stride-2 convolution, then the pooling by 2 (asyncllm/models/qwen2_audio.py)."""
     return ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+
+def post_cnn_length(frames: int) -> int:
+    """Rows three (kernel 3, stride 2, padding 1) convolutions make of ``frames`` frames (none of none)."""
+    for _ in range(3):
+        frames = (frames - 1) // 2 + 1 if frames > 0 else 0
+    return frames
+
+
+def qwen3_asr_output_length(frames: int, n_window: int) -> int:
+    """Encoder rows (= placeholder tokens) of an audio of ``frames`` mel frames through Qwen3-ASR's (and
+    Qwen3-Omni's) encoder (asyncllm/models/qwen3_asr.py): each whole chunk's of ``2 * n_window`` frames, then the
+    last part's."""
+    chunk = 2 * n_window
+    return frames // chunk * post_cnn_length(chunk) + post_cnn_length(frames % chunk)

@@ -22,7 +22,7 @@ import msgspec
 import numpy as np
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.mm.audios import audio_output_length
+from asyncllm.mm.audios import audio_output_length, qwen3_asr_output_length
 from asyncllm.protocol import AddRequest, MultiModalItem
 
 if TYPE_CHECKING:
@@ -158,30 +158,37 @@ def _fill_from_ring(ring: ShmRingReader | None, items: list[MultiModalItem]) -> 
     return missing
 
 
-def _check_pieces(items: list[MultiModalItem], piece_merge: int) -> None:
+def _check_pieces(items: list[MultiModalItem], piece_merge: int, audio_window: int, prompt_len: int) -> None:
     """`InvalidRequestError` unless the items' ``rows`` (`MultiModalItem.rows`) are a layout the workers can take:
     only for a model that lays a video with its audio in pieces (``piece_merge``: its vision tower's spatial merge,
-    0: it takes none), each ``[start, whole]`` after its two start tokens, every item of a hash a piece of one
-    ``whole`` (a video's: its grid's placeholders; an audio's: its frames' rows), tiling it in prompt order (again from row 0 for a repeat), each
-    run of adjacent pieces all the rows of one video and at most one audio."""
+    0: it takes none), each ``[start, whole]``, each run of adjacent pieces between two start and two end tokens of
+    the ``prompt_len`` (no item's placeholders), every item of a hash a piece of one
+    ``whole`` (a video's: its grid's placeholders; an audio's: its frames' rows, by ``audio_window``: `_whole_rows`),
+    tiling it in prompt order (again from row 0 for a repeat), each run of adjacent pieces all the rows of one video
+    and at most one audio (Qwen2.5-Omni's time chunks and Qwen3-Omni's time-ordered runs alike)."""
     pieces = {item.mm_hash for item in items if item.rows}
     if pieces and not piece_merge:
-        raise InvalidRequestError("mm_items", "rows: this model takes no pieces of an item (only Qwen2.5-Omni's "
+        raise InvalidRequestError("mm_items", "rows: this model takes no pieces of an item (only Qwen-Omni's "
                                               "use_audio_in_video)")
     wholes: dict[str, int] = {}
     reached: dict[str, int] = {}
     group: dict[str, int] = {}  # the run's hashes -> their data's dimensions
-    for index, item in enumerate(items + [MultiModalItem("", -1, 0)]):
-        if group and (not item.rows or item.offset != items[index - 1].offset + items[index - 1].length):
-            _check_group(group, reached, wholes, index)
+    previous_end = 0
+    for index, item in enumerate(items + [MultiModalItem("", prompt_len, 0)]):
+        if group and (not item.rows or item.offset != previous_end or index == len(items)):
+            _check_group(group, reached, wholes, index, item.offset - previous_end)
             group = {}
+        if index == len(items):
+            break
+        first_of_run = not group
+        previous_end, gap = item.offset + item.length, item.offset - previous_end
         if item.mm_hash not in pieces:
             continue
         whole = item.rows[1] if len(item.rows) == 2 else -1
         start = reached.get(item.mm_hash, 0) % max(whole, 1)  # a repeat starts again at row 0
-        if (whole < 1 or wholes.setdefault(item.mm_hash, whole) != whole or item.offset < 2
+        if (whole < 1 or wholes.setdefault(item.mm_hash, whole) != whole or (first_of_run and gap < 2)
                 or item.rows[0] != start or start + item.length > whole
-                or _whole_rows(item, piece_merge) not in (None, whole)):
+                or _whole_rows(item, piece_merge, audio_window) not in (None, whole)):
             raise InvalidRequestError(f"mm_items[{index}].rows", f"{item.rows} must be [{start}, whole]: the next "
                                       "rows of its hash's one whole (a video's: its grid's; an audio's: its "
                                       "frames'), after two start tokens")
@@ -189,12 +196,14 @@ def _check_pieces(items: list[MultiModalItem], piece_merge: int) -> None:
         group[item.mm_hash] = len(item.shape)
 
 
-def _check_group(group: dict[str, int], reached: dict[str, int], wholes: dict[str, int], index: int) -> None:
-    """The run of pieces before item ``index``: one video (data of 4 dimensions) and at most one audio, whole."""
+def _check_group(group: dict[str, int], reached: dict[str, int], wholes: dict[str, int], index: int,
+                 after: int) -> None:
+    """The run of pieces before item ``index``, ``after`` tokens before the next item's (or the prompt's end): one
+    video (data of 4 dimensions) and at most one audio, whole, then two end tokens."""
     dims = sorted(group.values())
-    if dims not in ([4], [3, 4]) or any(reached[h] != wholes[h] for h in group):
+    if dims not in ([4], [3, 4]) or any(reached[h] != wholes[h] for h in group) or after < 2:
         raise InvalidRequestError(f"mm_items[{index - 1}].rows", "a run of pieces must take all the rows of one "
-                                                                 "video and at most one audio")
+                                                                 "video and at most one audio, then two end tokens")
 
 
 def _follows(item: MultiModalItem) -> bool:
@@ -218,24 +227,26 @@ def _fill_pieces(items: list[MultiModalItem]) -> None:
                                                                  f"of {item.mm_hash}")
 
 
-def _whole_rows(item: MultiModalItem, merge: int) -> int | None:
+def _whole_rows(item: MultiModalItem, merge: int, audio_window: int = 0) -> int | None:
     """The encoder rows of a piece's whole output: a video's ``(t, h, w, features)`` patches merged ``merge`` x
     ``merge``; an audio's ``[1, mel + 1, frames]`` values (the last row its frames' mask) as Qwen2.5-Omni's encoder
-    pools them (the one model that lays pieces); None when its data is not here."""
+    pools them (``audio_window`` 0), or as Qwen3-Omni's chunks them (``audio_window``: its ``n_window``); None when
+    its data is not here."""
     shape = item.shape
     if len(shape) == 4 and merge:
         return shape[0] * (shape[1] // merge) * (shape[2] // merge)
     if len(shape) == 3 and item.data is not None and shape[0] == 1 and shape[1] >= 1:
         values = np.frombuffer(item.data, np.dtype(item.dtype)).reshape(shape)
-        return audio_output_length(int(values[0, -1].sum()))
+        frames = int(values[0, -1].sum())
+        return qwen3_asr_output_length(frames, audio_window) if audio_window else audio_output_length(frames)
     return None
 
 
 def fill_mm_items(store: ProcessorCacheStore | None, message: AddRequest, ring: ShmRingReader | None = None,
-                  piece_merge: int = 0) -> None:
+                  piece_merge: int = 0, piece_audio_window: int = 0) -> None:
     """Check the request's items and give each its data: from ``ring`` (an shm location), the store (a key only)
-    or the message itself; `MultiModalCacheMiss` naming the items none of them has. ``piece_merge``: the model's
-    (`_check_pieces`)."""
+    or the message itself; `MultiModalCacheMiss` naming the items none of them has. ``piece_merge`` and
+    ``piece_audio_window``: the model's (`_check_pieces`)."""
     end = 0
     for index, item in enumerate(message.mm_items):
         end = _check_item(item, index, len(message.prompt_token_ids), end)
@@ -250,4 +261,4 @@ def fill_mm_items(store: ProcessorCacheStore | None, message: AddRequest, ring: 
     if missing:
         raise MultiModalCacheMiss("mm_items", f"not in the core's processor cache: {', '.join(missing)}")
     _fill_pieces(items)
-    _check_pieces(items, piece_merge)  # after the fill: a key-only item's shape is the cached data's
+    _check_pieces(items, piece_merge, piece_audio_window, len(message.prompt_token_ids))  # after the fill: a key-only item's shape is the cached data's

@@ -35,6 +35,9 @@ class CoreProcessorCache:
         self.rings: dict[bytes, ShmRingReader] = {}
         self.piece_merge = 0
         """The served model's `asyncllm.protocol.WorkerReady.mm_piece_merge`: the pieces its workers take."""
+        self.piece_audio_window = 0
+        """The served model's audio encoder window by which an audio piece's whole is checked (Qwen3-Omni's
+        ``n_window``; 0: Qwen2.5-Omni's pooling): asyncllm/mm/cache.py's `fill_mm_items`."""
 
     def attach(self, client_id: bytes, ring_name: str) -> bool:
         """Map the ring a host named in its Hello; False when there is none or it cannot be mapped here."""
@@ -58,7 +61,7 @@ class CoreProcessorCache:
 
     def fill(self, client_id: bytes, message: AddRequest) -> None:
         """Give every item of ``message`` its data (`MultiModalCacheMiss` naming the ones no cache holds)."""
-        fill_mm_items(self.store, message, self.rings.get(client_id), self.piece_merge)
+        fill_mm_items(self.store, message, self.rings.get(client_id), self.piece_merge, self.piece_audio_window)
 
     def close(self) -> None:
         for client_id in list(self.rings):

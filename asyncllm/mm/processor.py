@@ -130,11 +130,11 @@ class MultiModalProcessor:
                                                                        "processor (its audio features follow the checkpoint)")
         self._model_path = model_path
         self._check_kwargs = getattr(model_cls, "mm_check_processor_kwargs", None)
-        """The model's refusal of processor settings it does not build (Qwen2.5-Omni's ``use_audio_in_video``)."""
+        """The model's refusal of processor settings it does not build (Qwen-Omni's ``enable_audio_output``)."""
         if self._check_kwargs is not None:
             self._check_kwargs(processor_kwargs or {})
         self._own_kwargs: tuple[str, ...] = getattr(model_cls, "mm_own_processor_kwargs", ())
-        """``mm_processor_kwargs`` the model's processing here reads (Qwen2.5-Omni's ``use_audio_in_video``), kept
+        """``mm_processor_kwargs`` the model's processing here reads (Qwen-Omni's ``use_audio_in_video``), kept
         from its image processor."""
         self._engine_overrides = {k: v for k, v in (processor_kwargs or {}).items() if k not in self._own_kwargs}
         self._engine_own = {k: v for k, v in (processor_kwargs or {}).items() if k in self._own_kwargs}
@@ -458,16 +458,20 @@ class MultiModalProcessor:
         ``mm_audio_in_video``, asyncllm/models/omni_interleave.py): each run of placeholders one item, a piece of
         the whole video's or audio's rows (both processed, cached and encoded once)."""
         spec = self._model_cls.mm_audio_in_video(self._hf_config)
-        vision_end = self.tokenizer.convert_tokens_to_ids("<|vision_eos|>")
+        vision_end = self.tokenizer.convert_tokens_to_ids(spec.vision_end_token)
         if expanded[-1:] != [spec.vision_start] or following != [vision_end]:
             raise InvalidRequestError(video[2], f"with use_audio_in_video a video's placeholder follows its vision "
                                                 f"start token (id {spec.vision_start}) and precedes its end token "
-                                                f"(<|vision_eos|>, id {vision_end})")
+                                                f"({spec.vision_end_token}, id {vision_end})")
         whole: list[MultiModalItem] = []
         self._video(*video, [], whole, inline)
         self._audio(*audio, [], whole, inline)
+        try:
+            pieces = spec.pieces(tuple(whole[0].shape[:3]), whole[0].time_interval, whole[1].length)
+        except ValueError as exc:  # a layout the model's positions cannot take (Qwen3-Omni's fractional times)
+            raise InvalidRequestError(video[2], str(exc)) from exc
         expanded.append(spec.audio_start)
-        for is_video, start, stop in spec.pieces(tuple(whole[0].shape[:3]), whole[0].time_interval, whole[1].length):
+        for is_video, start, stop in pieces:
             item = whole[0] if is_video else whole[1]
             data = {} if start == 0 else {"data": None, "shm_offset": -1, "shm_generation": 0}  # key-only: the first's
             items.append(msgspec.structs.replace(item, offset=len(expanded), length=stop - start,

@@ -5,8 +5,9 @@ A thinker takes images and videos (its Qwen-VL tower's) and audios (its own enco
 log-mel frames and mask: Qwen2-Audio's `mm_audio_values`); it serves text only, as vLLM does. Audio placeholders are
 positioned as text is (transformers' ``get_rope_index``); a video is one run of placeholders whose temporal patches
 are ``position_id_per_seconds`` x their seconds apart in time. Speech out (``enable_audio_output``) is a
-`NotBuiltError`; a video's own audio track (``use_audio_in_video``) is Qwen2.5-Omni's only
-(asyncllm/models/omni_interleave.py), Qwen3-Omni's a `NotBuiltError`.
+`NotBuiltError`; a video's own audio track (``use_audio_in_video``) is laid out as each thinker's transformers
+processor does (its ``mm_audio_in_video``: Qwen2.5-Omni's time chunks, Qwen3-Omni's time order;
+asyncllm/models/omni_interleave.py).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.mm.qwen_video import VideoPiece
 from asyncllm.mm.videos import Video
 from asyncllm.models.layers import LoadedWeight
-from asyncllm.models.omni_interleave import interleaved_positions
+from asyncllm.models.mrope import mrope_positions
+from asyncllm.models.omni_interleave import interleaved_positions, video_times
 from asyncllm.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from asyncllm.models.vision_language import text_config_of
 
@@ -78,12 +80,15 @@ class OmniThinker:
 
     @classmethod
     def mm_video_pieces(cls, hf_config: Any, tokenizer: Any, video: Video, grid: tuple[int, int, int]) -> list[VideoPiece]:
-        """A video is one run of placeholders, its temporal patches ``position_id_per_seconds`` x their seconds
-        apart on the time axis (float32)."""
-        seconds = np.float32(hf_config.vision_config.temporal_patch_size / video.sampled_fps)
-        return [VideoPiece([], slice(0, grid[0]), [], float(seconds * np.float32(hf_config.position_id_per_seconds)))]
+        """A video is one run of placeholders; its `time_interval` is the seconds a temporal patch (transformers'
+        ``temporal_patch_size / fps``), which `_plain_positions` and asyncllm/models/omni_interleave.py turn into
+        time positions as transformers does."""
+        return [VideoPiece([], slice(0, grid[0]), [], hf_config.vision_config.temporal_patch_size / video.sampled_fps)]
 
     mm_audio_values = staticmethod(Qwen2AudioForConditionalGeneration.mm_audio_values)
+    mm_own_processor_kwargs = ("use_audio_in_video",)
+    """``mm_processor_kwargs`` the processor reads itself (asyncllm/mm/processor.py), not the image processor's; a
+    subclass gives ``mm_audio_in_video`` (asyncllm/models/omni_interleave.py's layout of a video with its audio)."""
     refused_processor_kwargs = _REFUSED_PROCESSOR_KWARGS
     """``mm_processor_kwargs`` this thinker does not build: what each would ask for."""
 
@@ -115,7 +120,13 @@ class OmniThinker:
         return interleaved_positions(prompt_len, items, spec, self._plain_positions)
 
     def _plain_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
-        return super().mrope_positions(prompt_len, [item for item in items if len(item.shape) == 4])  # type: ignore[misc]
+        """M-RoPE's positions of the images and videos (``get_rope_index``: a video's temporal patch i at ``(i *
+        seconds) * position_id_per_seconds`` in float32, truncated: `video_times`)."""
+        per_second = self.hf_config.position_id_per_seconds
+        images = [(item.offset, item.length, tuple(item.shape[:3]), item.time_interval) for item in items
+                  if len(item.shape) == 4]
+        return mrope_positions(prompt_len, images, self.merge,  # type: ignore[attr-defined]
+                               lambda t, seconds: video_times(t, seconds, per_second))
 
     def embed_audios(self, features: torch.Tensor, frames: list[int]) -> list[torch.Tensor]:
         """``[N, mel, frames]`` log-mel frames, each audio's true frames -> each audio's input rows."""

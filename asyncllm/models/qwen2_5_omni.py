@@ -31,11 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.mm.qwen_video import VideoPiece
-from asyncllm.mm.videos import Video
 from asyncllm.models.layers import LoadedWeight
-from asyncllm.models.mrope import mrope_positions
-from asyncllm.models.omni_interleave import AudioInVideo, video_times
+from asyncllm.models.omni_interleave import AudioInVideo
 from asyncllm.models.omni_thinker import OmniThinker
 from asyncllm.models.pipeline import in_missing_part
 from asyncllm.models.qwen2_audio import (
@@ -112,25 +109,7 @@ class Qwen2_5OmniThinkerForConditionalGeneration(OmniThinker, Qwen2VLForConditio
 
     # ---- audio (asyncllm/models/omni_thinker.py's hooks)
     mm_audio_extractor_kwargs = Qwen2AudioForConditionalGeneration.mm_audio_extractor_kwargs
-    mm_own_processor_kwargs = ("use_audio_in_video",)
-    """``mm_processor_kwargs`` the processor reads itself (asyncllm/mm/processor.py), not the image processor's."""
     mm_audio_in_video = staticmethod(AudioInVideo.of)
-
-    @classmethod
-    def mm_video_pieces(cls, hf_config: Any, tokenizer: Any, video: Video, grid: tuple[int, int, int]) -> list[VideoPiece]:
-        """A video is one run of placeholders; its `time_interval` is the seconds a temporal patch (transformers'
-        ``temporal_patch_size / fps``), which `_plain_positions` and asyncllm/models/omni_interleave.py turn into
-        time positions as transformers does."""
-        return [VideoPiece([], slice(0, grid[0]), [], hf_config.vision_config.temporal_patch_size / video.sampled_fps)]
-
-    def _plain_positions(self, prompt_len: int, items: list[Any]) -> tuple[np.ndarray, int]:
-        """M-RoPE's positions of the images and videos (``get_rope_index``: a video's temporal patch i at
-        ``((i * seconds) * position_id_per_seconds).long()`` in float32, `video_times`)."""
-        per_second = self.hf_config.position_id_per_seconds
-        images = [(item.offset, item.length, tuple(item.shape[:3]), item.time_interval) for item in items
-                  if len(item.shape) == 4]
-        return mrope_positions(prompt_len, images, self.merge,
-                               lambda t, seconds: video_times(t, seconds, per_second))
 
     @staticmethod
     def mm_audio_windows(waveform: np.ndarray, rate: int) -> list[np.ndarray]:

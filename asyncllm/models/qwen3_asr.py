@@ -24,26 +24,13 @@ from torch import nn
 
 from asyncllm.attention.selector import AttentionBackend
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.mm.audios import post_cnn_length, qwen3_asr_output_length
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.qwen2_audio import AudioAttention, AudioEncoderLayer, Qwen2AudioForConditionalGeneration
 from asyncllm.models.qwen3 import Qwen3ForCausalLM
 from asyncllm.models.vision_language import VisionLanguageModel, build_decoder, text_config_of
 
 __all__ = ["Qwen3ASREncoder", "Qwen3ASRForConditionalGeneration", "kept_rows", "qwen3_asr_output_length"]
-
-
-def post_cnn_length(frames: int) -> int:
-    """Rows three (kernel 3, stride 2, padding 1) convolutions make of ``frames`` frames (none of none)."""
-    for _ in range(3):
-        frames = (frames - 1) // 2 + 1 if frames > 0 else 0
-    return frames
-
-
-def qwen3_asr_output_length(frames: int, n_window: int) -> int:
-    """Encoder rows (= placeholder tokens) of an audio of ``frames`` mel frames: each whole chunk's, then the last
-    part's."""
-    chunk = 2 * n_window
-    return frames // chunk * post_cnn_length(chunk) + post_cnn_length(frames % chunk)
 
 
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:

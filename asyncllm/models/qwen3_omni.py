@@ -8,9 +8,11 @@ Qwen3-ASR's audio encoder (asyncllm/models/qwen3_asr.py) ending in ``proj2(act(p
 The full checkpoint's talker and code2wav (speech out) are not built: their weights (``talker.*``, ``code2wav.*``) are
 skipped unread, the thinker's (``thinker.*``) served, and its config is the ``thinker_config``
 (asyncllm/models/family_config.py's `omni_thinker_config`). The hooks shared with Qwen2.5-Omni's thinker (speech out
-refused, audio positioned as text, videos as one run of placeholders) are asyncllm/models/omni_thinker.py's. A
-video's audio track (``use_audio_in_video``) is a `NotBuiltError`: Qwen3-Omni merges it with the frames token by
-token in time order, not Qwen2.5-Omni's chunks (its processor's and config's ``position_id_per_seconds`` differ).
+refused, audio positioned as text, videos as one run of placeholders) are asyncllm/models/omni_thinker.py's. With
+``mm_processor_kwargs={"use_audio_in_video": True}`` each video takes the next audio of the prompt (its track), merged
+with its frames token by token in time order as transformers' processor lays them (not Qwen2.5-Omni's chunks:
+asyncllm/models/omni_interleave.py's `TimeOrderedAudioInVideo`), by the config's ``position_id_per_seconds`` (13 in
+the release, as transformers' processor's own).
 
 The host reads each audio whole (transformers' ``Qwen3OmniMoeProcessor``: the checkpoint's ``WhisperFeatureExtractor``,
 no 30 s cut, no padding). The encoder cuts an audio's frames into chunks of ``2 * n_window`` (1 s; the last shorter,
@@ -35,6 +37,7 @@ from asyncllm.mm.qwen_video import VideoSettings
 from asyncllm.models.clip import activation
 from asyncllm.models.layers import LoadedWeight
 from asyncllm.models.moe import MoESpec
+from asyncllm.models.omni_interleave import TimeOrderedAudioInVideo
 from asyncllm.models.omni_thinker import OmniThinker
 from asyncllm.models.qwen2_vl import Qwen2VLForConditionalGeneration, normalize_qwen2_vl_name
 from asyncllm.models.qwen3_asr import Qwen3ASREncoder, kept_rows, qwen3_asr_output_length
@@ -112,8 +115,14 @@ class Qwen3OmniMoeThinkerForConditionalGeneration(OmniThinker, Qwen3VLMoeForCond
         return Qwen3OmniMoeLanguageModel.moe_spec(hf_config, layer_idx)
 
     # ---- audio (asyncllm/models/omni_thinker.py's hooks)
-    refused_processor_kwargs = {**OmniThinker.refused_processor_kwargs,
-                                "use_audio_in_video": "Qwen3-Omni's audio in video (its time-ordered merge)"}
+    mm_audio_in_video = staticmethod(TimeOrderedAudioInVideo.of)
+
+    @property
+    def mm_piece_audio_window(self) -> int:
+        """The audio encoder's ``n_window``, by which the core checks an audio piece's whole rows
+        (asyncllm/mm/cache.py's ``piece_audio_window``)."""
+        return int(self.hf_config.audio_config.n_window)
+
     mm_audio_extractor_kwargs = {"padding": True, "truncation": False, "return_attention_mask": True}
     """How transformers' ``Qwen3OmniMoeProcessor`` calls the feature extractor: the whole audio, unpadded."""
 

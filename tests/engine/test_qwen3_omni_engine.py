@@ -2,9 +2,10 @@
 transformers' ``Qwen3OmniMoeThinkerForConditionalGeneration`` for an image prompt (deepstack), an audio prompt (its
 encoder's chunks of 100 frames, the last of 37 zero-padded), a prompt with both (a shorter-than-a-chunk audio) and a
 text prompt, batched and split over 16-token prefill chunks, and again on a prefix-cache hit; a video beside an
-audio (time positions from position_id_per_seconds); each audio's encoder rows equal transformers'; the full
-``Qwen3OmniMoeForConditionalGeneration`` layout loads the same thinker, its talker and code2wav skipped; speech out
-and audio-in-video are refused by name."""
+audio (time positions from position_id_per_seconds); a video with its audio track (``use_audio_in_video``: merged
+token by token in time order) over prefill chunks and on a prefix-cache hit; each audio's encoder rows equal
+transformers'; the full ``Qwen3OmniMoeForConditionalGeneration`` layout loads the same thinker, its talker and
+code2wav skipped; speech out is refused by name, and a video with its audio whose time positions are fractional."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from qwen_vl_utils import make_video, video_patches_of
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.errors import InvalidRequestError, NotBuiltError
+from asyncllm.protocol import WorkerReady
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -64,7 +66,7 @@ async def test_image_audio_and_text_prompts_match_transformers_and_on_a_prefix_c
 
 
 async def test_a_video_beside_an_audio_matches_transformers(engine, tiny_omni3):
-    """0.5 fps: 4 seconds a temporal patch, 100 positions apart on the time axis (position_id_per_seconds 25), so
+    """0.5 fps: 4 seconds a temporal patch, 52 positions apart on the time axis (position_id_per_seconds 13), so
     the audio and text after the video start past its time axis; the video's deepstack rows join the decoder."""
     video = (make_video(5, 100, 80, seed=3), {"fps": 0.5})
     text = f"watch {VIDEO_MARK} hear {AUDIO_MARK} now"
@@ -73,6 +75,38 @@ async def test_a_video_beside_an_audio_matches_transformers(engine, tiny_omni3):
     prompt_ids, tokens = hf_omni3_greedy(tiny_omni3, text, [], [AUDIO], 8, [patches], [4.0])
     assert out.prompt_token_ids == prompt_ids
     assert out.outputs[0].token_ids == tokens
+
+
+@pytest.mark.skipif("mm_piece_audio_window" not in WorkerReady.__struct_fields__,
+                    reason="the workers do not report the audio window the core checks Qwen3-Omni's audio pieces by "
+                           "(WorkerReady.mm_piece_audio_window) yet")
+async def test_a_video_with_its_audio_matches_transformers_over_prefill_chunks_and_on_a_prefix_cache_hit(
+        engine, tiny_omni3):
+    """2 fps: temporal patches 13 time positions apart, an audio row one; with a 2.37 s track (31 rows) the video's
+    patches and the audio's rows alternate, ending in audio; with a 0.62 s one (8 rows) the video's last two patches
+    follow the audio. Both prompts batched over 16-token prefill chunks (alone, the first's second and third video
+    runs would straddle a chunk's end), then the first again from the prefix cache."""
+    video = (make_video(6, 64, 64, seed=4), {"fps": 2.0})
+    text = f"now watch this {VIDEO_MARK} now"
+    patches = video_patches_of(tiny_omni3, video)
+    expected = [hf_omni3_greedy(tiny_omni3, text, [], [audio], 8, [patches], [1.0], audio_in_video=True)
+                for audio in (AUDIO, SHORT_AUDIO)]
+
+    def prompt(audio):
+        return {"prompt": text, "videos": [video], "audios": [(audio, SAMPLING_RATE)],
+                "mm_processor_kwargs": {"use_audio_in_video": True}}
+
+    outs = await asyncio.gather(*(engine.generate(prompt(audio), GREEDY) for audio in (AUDIO, SHORT_AUDIO)))
+    for out, (prompt_ids, tokens) in zip(outs, expected):
+        assert out.prompt_token_ids == prompt_ids
+        assert out.outputs[0].token_ids == tokens
+    pads = engine.tokenizer.convert_tokens_to_ids(["<|video_pad|>", "<|audio_pad|>"])
+    kinds = [token == pads[0] for token in outs[0].prompt_token_ids if token in pads]
+    assert sum(a != b for a, b in zip(kinds, kinds[1:])) == 5  # video, audio, video, audio, video, audio
+    before = engine.stats().prefix_cache_hits
+    again = await engine.generate(prompt(AUDIO), GREEDY)
+    assert engine.stats().prefix_cache_hits > before
+    assert again.outputs[0].token_ids == expected[0][1]
 
 
 async def test_the_full_checkpoint_layout_loads_the_same_thinker_whose_audio_rows_equal_transformers(tiny_omni3,
@@ -103,17 +137,20 @@ async def test_the_full_checkpoint_layout_loads_the_same_thinker_whose_audio_row
         assert not got[:, 64:].any()
 
 
-async def test_speech_out_and_audio_in_video_are_not_built(engine, tiny_omni3):
-    """A request's or the engine's ``use_audio_in_video``, and ``enable_audio_output`` set over the thinker's config
-    (``hf_overrides``), are refused by name."""
+async def test_speech_out_and_fractional_time_positions_with_audio_are_not_built(engine, tiny_omni3):
+    """``enable_audio_output`` set over the thinker's config (``hf_overrides``) is refused by name; so is a 4 fps
+    video with its audio (temporal patches 6.5 time positions apart, which transformers keeps as floats), and a
+    ``use_audio_in_video`` that is not a bool."""
     from asyncllm.config import EngineConfig
-    from asyncllm.engine.prepare import prepare
     from asyncllm.models.loader import build_model, load_hf_config
 
-    with pytest.raises(InvalidRequestError, match="use_audio_in_video.*not built"):
-        await engine.generate({**_prompt(*CASES[1]), "mm_processor_kwargs": {"use_audio_in_video": True}}, GREEDY)
-    with pytest.raises(NotBuiltError, match="use_audio_in_video.*not built"):
-        prepare(EngineConfig.create(tiny_omni3, mm_processor_kwargs={"use_audio_in_video": True}))
+    video = (make_video(4, 64, 64, seed=4), {"fps": 4.0})
+    with_audio = {"prompt": f"watch {VIDEO_MARK} now", "videos": [video], "audios": [(SHORT_AUDIO, SAMPLING_RATE)],
+                  "mm_processor_kwargs": {"use_audio_in_video": True}}
+    with pytest.raises(InvalidRequestError, match="fractional positions are not built"):
+        await engine.generate(with_audio, GREEDY)
+    with pytest.raises(InvalidRequestError, match="use_audio_in_video"):
+        await engine.generate({**with_audio, "mm_processor_kwargs": {"use_audio_in_video": "yes"}}, GREEDY)
     hf_config = load_hf_config(tiny_omni3)
     hf_config.enable_audio_output = True
     with pytest.raises(NotBuiltError, match="enable_audio_output"):

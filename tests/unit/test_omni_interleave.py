@@ -1,7 +1,8 @@
-"""Qwen2.5-Omni's audio in video (asyncllm/models/omni_interleave.py) in process: the placeholder layout equals
-transformers' ``Qwen2_5OmniProcessor.replace_video_with_audio_token`` and the M-RoPE positions its
-``get_rope_index(use_audio_in_video=True)``, for videos whose temporal patches lie within a chunk, a chunk apart and
-over a chunk apart (one-token chunks), with a standalone audio and an image around them."""
+"""Qwen2.5-Omni's and Qwen3-Omni's audio in video (asyncllm/models/omni_interleave.py) in process: the placeholder
+layout equals transformers' ``replace_video_with_audio_token`` and the M-RoPE positions its
+``get_rope_index(use_audio_in_video=True)``: Qwen2.5-Omni's for videos whose temporal patches lie within a chunk, a
+chunk apart and over a chunk apart (one-token chunks), Qwen3-Omni's time-ordered merge for videos longer and shorter
+than their audio, each with a standalone audio and an image around them; the core's check of the pieces."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 from qwen2_5_omni_utils import hf_audio_in_video_text
+from qwen3_omni_utils import hf_audio_in_video_text3
 
-from asyncllm.models.omni_interleave import AudioInVideo, interleaved_positions
+from asyncllm.mm.audios import qwen3_asr_output_length
+from asyncllm.models.omni_interleave import AudioInVideo, TimeOrderedAudioInVideo, interleaved_positions
 from asyncllm.models.qwen2_5_omni import Qwen2_5OmniThinkerForConditionalGeneration as Omni
 from asyncllm.protocol import MultiModalItem
 
@@ -36,9 +39,10 @@ def _config():
                            vision_config=SimpleNamespace(spatial_merge_size=2))
 
 
-def _video_with_audio(grid, seconds, rows, offset):
-    """Our tokens (from <|audio_bos|> to <|audio_eos|>) and items of a video with its audio at ``offset``."""
-    spec = AudioInVideo.of(_config())
+def _video_with_audio(grid, seconds, rows, offset, spec=None):
+    """Our tokens (from <|audio_bos|> to <|audio_eos|>) and items of a video with its audio at ``offset``
+    (Qwen2.5-Omni's layout, or ``spec``'s)."""
+    spec = spec or AudioInVideo.of(_config())
     video = MultiModalItem("v", 0, grid[0] * grid[1] * grid[2] // 4, shape=[*grid, 1176], time_interval=seconds)
     audio = MultiModalItem("a", 0, rows, shape=[1, 17, 3000])
     tokens, items = [spec.audio_start], []
@@ -62,19 +66,24 @@ _plain = functools.partial(Omni._plain_positions, SimpleNamespace(hf_config=_con
 """The thinker's own positions of images and videos (without their audio)."""
 
 
-def _hf_positions(ids, videos, audio_frames, image_grid, with_audio=True):
+def _hf_positions(ids, videos, audio_frames, image_grid, with_audio=True, qwen3=False):
+    """transformers' ``get_rope_index`` (Qwen2.5-Omni's, or Qwen3-Omni's) positions and delta."""
     from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-        Qwen2_5OmniPreTrainedModelForConditionalGeneration as Hf,
+        Qwen2_5OmniPreTrainedModelForConditionalGeneration as Hf2,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoePreTrainedModelForConditionalGeneration as Hf3,
     )
 
-    model = SimpleNamespace(config=_config(), spatial_merge_size=2,
-                            get_llm_pos_ids_for_vision=functools.partial(Hf.get_llm_pos_ids_for_vision, None),
-                            get_chunked_index=functools.partial(Hf.get_chunked_index, None))
+    hf = Hf3 if qwen3 else Hf2
+    model = SimpleNamespace(config=_config3() if qwen3 else _config(), spatial_merge_size=2,
+                            get_llm_pos_ids_for_vision=functools.partial(hf.get_llm_pos_ids_for_vision, None),
+                            get_chunked_index=functools.partial(hf.get_chunked_index, None))
     ids = torch.tensor([ids])
-    positions, delta = Hf.get_rope_index(model, ids, torch.tensor([image_grid]), torch.tensor([g for g, _, _ in videos]),
+    positions, delta = hf.get_rope_index(model, ids, torch.tensor([image_grid]), torch.tensor([g for g, _, _ in videos]),
                                          torch.ones_like(ids), with_audio, torch.tensor(audio_frames),
                                          torch.tensor([s for _, s, _ in videos]))
-    return positions[:, 0].numpy(), int(delta)
+    return positions[:, 0].numpy(), float(delta)
 
 
 @pytest.mark.parametrize("videos", [[CASES[1], CASES[0]], ODD_FPS[:2], ODD_FPS[2:]], ids=["2-0.5fps", "0.3-0.6fps",
@@ -159,8 +168,8 @@ def _replace(items, k, **fields):
 def test_malformed_rows_are_refused_before_any_worker_sees_them():
     """The core refuses (InvalidRequestError) pieces a worker could not take: rows for a model that takes none
     (LLaVA's image), a piece before its two start tokens, a second whole for a hash, a video's whole that is not its
-    grid's, an audio's that is not its frames', pieces out of order or leaving rows out; a video with its audio
-    twice passes."""
+    grid's, an audio's that is not its frames', pieces out of order or leaving rows out, pieces without two tokens
+    of text before and after them; a video with its audio twice passes."""
     from asyncllm.errors import InvalidRequestError
 
     tokens, items = _video_with_audio([4, 4, 6], 1.0, 62, 2)
@@ -175,7 +184,9 @@ def test_malformed_rows_are_refused_before_any_worker_sees_them():
            "not the video's grid": ([msgspec.structs.replace(i, rows=[i.rows[0], 28]) if i.mm_hash == "v" else i
                                      for i in items], 2),
            "out of order": (_replace(items, 2, rows=[0, 24]), 2), "rows left out": (items[:-1], 2),
-           "past the whole": (_replace(items, 1, rows=[0, 30]), 2), "not a pair": (_replace(items, 0, rows=[0]), 2)}
+           "past the whole": (_replace(items, 1, rows=[0, 30]), 2), "not a pair": (_replace(items, 0, rows=[0]), 2),
+           "one end token": (items, 1), "an image's placeholder as a start token": (
+               [MultiModalItem("h", items[0].offset - 2, 1, shape=[1, 2, 2, 4])] + items, 2)}
     for case, (wrong, prompt_extra) in bad.items():
         with pytest.raises(InvalidRequestError, match="rows"):
             _fill(wrong, max(end.offset + end.length for end in wrong) + prompt_extra, 0 if case == "no pieces here" else 2)
@@ -208,3 +219,97 @@ def test_only_each_outputs_first_piece_carries_data_and_takes_a_cache_operation(
     with pytest.raises(InvalidRequestError, match="rows"):
         fill_mm_items(store, AddRequest("t", [TEXT] * (len(tokens) + 4), SamplingParams(), [1], 0.0,
                                         mm_items=keys[2:]), None, 2)
+
+
+# ---- Qwen3-Omni: merged token by token in time order (13 time positions a second, one an audio row)
+NAMES3 = {1: "<|vision_start|>", 2: "<|audio_start|>", 3: "<|audio_end|>", 4: "<|vision_end|>", 5: "<|video_pad|>",
+          6: "<|audio_pad|>", 7: "<|image_pad|>"}
+CASES3 = [([4, 4, 6], 1.0, 31), ([3, 4, 4], 4.0, 120), ([6, 2, 2], 2.0, 30), ([1, 16, 16], 1.0, 3),
+          ([8, 2, 2], 2 / 2.6, 60)]
+"""(video grid, seconds a temporal patch, audio rows): 2 fps with the video reaching past its audio, 0.5 fps, 1 fps
+with the audio past the video, one temporal patch of 8 x 8 placeholders reaching higher than its 3 audio rows (the
+prompt's largest position before its last), 2.6 fps (patches 10 apart: the processor's float64 times fall just below
+a whole number, get_rope_index's float32 ones on it)."""
+
+
+def _config3():
+    return SimpleNamespace(vision_start_token_id=1, audio_start_token_id=2, audio_end_token_id=3, video_token_id=5,
+                           audio_token_id=6, image_token_id=7, position_id_per_seconds=13,
+                           vision_config=SimpleNamespace(spatial_merge_size=2), audio_config=SimpleNamespace(n_window=50))
+
+
+SPEC3 = TimeOrderedAudioInVideo.of(_config3())
+
+
+def _frames3(rows: int) -> int:
+    """Mel frames of an audio of ``rows`` Qwen3-Omni encoder rows."""
+    return next(n for n in range(1, 100 * rows + 100) if qwen3_asr_output_length(n, 50) == rows)
+
+
+@pytest.mark.parametrize("grid, seconds, rows", CASES3)
+def test_qwen3_omni_placeholders_are_transformers(grid, seconds, rows):
+    ours, _ = _video_with_audio(grid, seconds, rows, 0, SPEC3)
+    assert "".join(NAMES3[t] for t in ours) == hf_audio_in_video_text3(grid, seconds, rows)
+
+
+def test_qwen3_omni_fractional_time_positions_are_refused():
+    """4 fps: temporal patches 6.5 time positions apart, which transformers keeps as floats."""
+    with pytest.raises(ValueError, match="fractional positions are not built"):
+        SPEC3.pieces((4, 2, 2), 0.5, 30)
+
+
+@pytest.mark.parametrize("videos", [CASES3[:2], CASES3[2:4], CASES3[4:] + CASES3[3:4]],
+                         ids=["2-0.5fps", "1fps-one-patch", "2.6fps-one-patch"])
+def test_qwen3_omni_positions_are_transformers_get_rope_index(videos):
+    """Text, an image, two videos with their audio and a standalone audio between them: the start and end tokens on
+    consecutive positions, the pieces in get_rope_index's order; decoding goes on from the largest position + 1
+    (past the last when a video's rows reach higher than what follows)."""
+    ids = [TEXT, TEXT, 1] + [7] * 4 + [4]
+    items, frames = [MultiModalItem("i", 3, 4, shape=[1, 4, 4, 1176])], []
+    for n, (grid, seconds, rows) in enumerate(videos):
+        ids += [TEXT, 1]
+        tokens, pieces = _video_with_audio(grid, seconds, rows, len(ids), SPEC3)
+        ids += tokens + [4, TEXT]
+        items += pieces
+        frames.append(_frames3(rows))
+        if n == 0:
+            ids += [2]
+            items.append(MultiModalItem("s", len(ids), 5, shape=[1, 17, 3000]))
+            ids += [6] * 5 + [3, TEXT]
+            frames.append(_frames3(5))
+    want, want_delta = _hf_positions(ids, videos, frames, [1, 4, 4], qwen3=True)
+    got, delta = interleaved_positions(len(ids), items, SPEC3, _plain3)
+    np.testing.assert_array_equal(got, want)
+    assert delta == want_delta
+    if videos[-1] is CASES3[3]:
+        assert delta != int(got[:, -1].max()) + 1 - len(ids)
+
+
+_plain3 = functools.partial(Omni._plain_positions, SimpleNamespace(hf_config=_config3(), merge=2))
+
+
+def test_qwen3_omni_pieces_pass_the_core_by_their_audio_window():
+    """The core checks a Qwen3-Omni audio piece's whole by its encoder's windows (``n_window`` 50: 31 rows of 237
+    frames), not Qwen2.5-Omni's pooling; a whole one row off is refused."""
+    from asyncllm.errors import InvalidRequestError
+    from asyncllm.mm.cache import fill_mm_items
+    from asyncllm.protocol import AddRequest
+    from asyncllm.sampling import SamplingParams
+
+    tokens, items = _video_with_audio([4, 4, 6], 1.0, 31, 2, SPEC3)
+
+    def fill(items, window):
+        sent = []
+        for item in items:
+            values = np.zeros(item.shape, np.float32)
+            if len(item.shape) == 3:  # its frames' mask: 237 frames
+                values[0, -1, :_frames3(31)] = 1
+            sent.append(msgspec.structs.replace(item, data=values.tobytes()))
+        fill_mm_items(None, AddRequest("r", [TEXT] * (len(tokens) + 4), SamplingParams(), [1], 0.0, mm_items=sent),
+                      None, 2, window)
+
+    fill(items, 50)
+    with pytest.raises(InvalidRequestError, match="an audio's: its frames'"):
+        fill(items, 0)
+    with pytest.raises(InvalidRequestError, match="an audio's: its frames'"):
+        fill([msgspec.structs.replace(i, rows=[i.rows[0], 32]) if i.mm_hash == "a" else i for i in items], 50)
