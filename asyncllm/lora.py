@@ -29,7 +29,14 @@ from asyncllm.lora_experts import (
     is_expert_parameter,
     is_expert_path,
 )
-from asyncllm.lora_hybrid_shapes import KDA_TARGETS, kimi_linear_shapes, minimax_shapes, zamba2_shapes
+from asyncllm.lora_hybrid_shapes import (
+    KDA_TARGETS,
+    MAMBA_TARGETS,
+    kimi_linear_shapes,
+    minimax_shapes,
+    state_space_shapes,
+    zamba2_shapes,
+)
 from asyncllm.lora_names import canonical_name
 from asyncllm.models.family_config import LATENT_TARGETS, kv_heads, latent_attention_shapes, mlp_width
 
@@ -43,11 +50,12 @@ _FIELD = "lora_request"
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
                 "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "c_fc", "c_proj",
-                "output_gate", *LATENT_TARGETS, *KDA_TARGETS)
+                "output_gate", *LATENT_TARGETS, *KDA_TARGETS, *MAMBA_TARGETS)
 """The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
 gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3); Qwen3.5's Gated
 DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's); latent
-attention's (DeepSeek's); Kimi Delta Attention's (Kimi-Linear's); MiniMax's lightning layers' ``output_gate``."""
+attention's (DeepSeek's); Kimi Delta Attention's (Kimi-Linear's); MiniMax's lightning layers' ``output_gate``; the
+attention-free Mamba models' mixers' (``mixer.in_proj``, ...)."""
 FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
                             "FalconForCausalLM", "DbrxForCausalLM", "BloomForCausalLM", "MptForCausalLM",
                             "Phi4MultimodalForCausalLM")  # Phi-3's decoder
@@ -63,8 +71,9 @@ _UNSERVED_PREFIXES = ("model.vision_tower.", "vision_tower.", "model.multi_modal
                       "vision_model.",  # Llama 4's tower (its image-text checkpoints serve text)
                       "model.vision_model.", "model.connector.", "model.embed_vision.")  # Idefics3's, Gemma 4's
 _TENSOR_NAME = re.compile(
-    r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn|encoder_attn)\.([\w.]+)\.lora_([AB])\.weight")
-"""A decoder layer's adapter matrix (``encoder_attn``: Whisper's cross-attention): layer, block, projection
+    r"model\.layers\.(\d+)\.(self_attn|mlp|linear_attn|encoder_attn|mixer)\.([\w.]+)\.lora_([AB])\.weight")
+"""A decoder layer's adapter matrix (``encoder_attn``: Whisper's cross-attention; ``mixer``: Mamba's): layer, block,
+projection
 (``q_proj``; ``experts.3.gate_proj``, ``experts``,
 ``shared_expert.up_proj`` in an MoE layer: asyncllm/lora_experts.py), A or B."""
 
@@ -159,6 +168,9 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
     """(input features, output features) of every adaptable projection of the model, by projection name
     (the checkpoint's names: fused ``qkv_proj`` and ``gate_up_proj`` for `FUSED_LORA_ARCHITECTURES`, ``gate_up_proj``
     for `FUSED_MLP_LORA_ARCHITECTURES`)."""
+    state_space = state_space_shapes(hf_config)
+    if state_space is not None:  # Mamba's mixers (no attention, no MLP)
+        return state_space
     hidden = hf_config.hidden_size
     head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
     q = hf_config.num_attention_heads * head_dim
@@ -228,6 +240,9 @@ class AdapterChecker:
         self._layer_shapes = layer_module_shapes(hf_text_config)
         """Each layer's own projections and shapes where layers differ (Gemma 4); None: `_shapes` for all."""
         self._arch = _architecture(hf_text_config) or "this model"
+        self._state_space = state_space_shapes(hf_text_config) is not None
+        """Mamba's: its mixers' projections (``mixer.``) are the only ones; any other model's ``mixer.`` names left
+        (Nemotron-H's Mamba2 mixers: asyncllm/lora_names.py) take none."""
         self._checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}
         """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder)."""
         self._lock = threading.Lock()
@@ -262,6 +277,7 @@ class AdapterChecker:
             layer, projection = int(match.group(1)), match.group(3)
             if layer >= self._num_layers:
                 _fail(adapter.path, f"{name}: the model has {self._num_layers} layers")
+            self._check_block(adapter.path, name, match.group(2))
             if match.group(2) == "mlp" and self._check_experts(adapter.path, name, module, layer, projection):
                 continue
             shapes = self._shapes if self._layer_shapes is None else self._layer_shapes[layer]
@@ -273,6 +289,15 @@ class AdapterChecker:
             if (module.in_features, module.out_features) != expected:
                 _fail(adapter.path, f"{name} maps {module.in_features} -> {module.out_features} features, this "
                                     f"model's projection {expected[0]} -> {expected[1]} (an adapter of another model?)")
+
+    def _check_block(self, path: str, name: str, block: str) -> None:
+        """A Mamba model's adapter names its mixers only; another model's names no Mamba mixer."""
+        if self._state_space and block != "mixer":
+            _fail(path, f"{name}: {self._arch} has no {block} layers (adapt its mixers' "
+                        f"{', '.join(f'mixer.{p}' for p in self._shapes)})")
+        if block == "mixer" and not self._state_space:
+            _fail(path, f"{name}: the Mamba mixers of {self._arch} take no adapters (its attention's and MLPs' "
+                        "projections do)")
 
     def _check_experts(self, path: str, name: str, module: AdapterModule, layer: int, projection: str) -> bool:
         """Check an MLP matrix of a mixture of experts; False: a dense MLP's, left to the caller."""

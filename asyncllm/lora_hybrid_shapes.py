@@ -9,6 +9,9 @@ and its MLP's fused ``gate_up_proj`` and ``down_proj`` (PEFT names them ``layers
 ``feed_forward.*``: one adapter per hybrid layer, asyncllm/lora_names.py reads them as ``self_attn.`` / ``mlp.``);
 a Mamba2 layer has none (its ``in_proj`` / ``out_proj`` are refused, as every hybrid's state layers').
 
+Mamba, Falcon Mamba, Mamba2 (no attention, no MLP): every layer's mixer has ``in_proj`` and ``out_proj``, Mamba's
+and Falcon Mamba's ``x_proj`` and ``dt_proj`` too (`state_space_shapes`), under ``mixer.``.
+
 MiniMax-Text-01: a lightning layer has its fused-per-head ``qkv_proj``, ``output_gate`` and ``out_proj`` (named
 ``o_proj`` here, as asyncllm/lora_names.py writes every attention's ``out_proj``), a softmax layer Llama's attention,
 both under ``self_attn.``; every layer's MLP is a mixture of experts (checked as Mixtral's).
@@ -20,7 +23,12 @@ from typing import Any
 
 from asyncllm.models.family_config import latent_attention_shapes
 
-__all__ = ["KDA_TARGETS", "kimi_linear_shapes", "minimax_shapes", "zamba2_shapes"]
+__all__ = ["KDA_TARGETS", "MAMBA_TARGETS", "kimi_linear_shapes", "minimax_shapes", "state_space_shapes",
+           "zamba2_shapes"]
+
+MAMBA_TARGETS = ("in_proj", "x_proj", "dt_proj", "out_proj")
+"""The attention-free Mamba models' mixer projections (PEFT's and vLLM's targets; Mamba2 has no ``x_proj`` /
+``dt_proj``)."""
 
 KDA_TARGETS = ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj")
 """A KDA layer's projections beyond ``q_proj`` / ``k_proj`` / ``v_proj`` / ``o_proj``: its decay's (transformers'
@@ -57,3 +65,18 @@ def minimax_shapes(cfg: Any) -> list[dict[str, tuple[int, int]]]:
     lightning = {"qkv_proj": (hidden, 3 * width), "output_gate": (hidden, width), "o_proj": (width, hidden)}
     softmax = {"q_proj": (hidden, width), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (width, hidden)}
     return [dict(lightning if kind == "linear_attention" else softmax) for kind in cfg.layer_types]
+
+
+def state_space_shapes(cfg: Any) -> dict[str, tuple[int, int]] | None:
+    """An attention-free Mamba model's mixer projections (every layer's); None for any other model."""
+    model_type = getattr(cfg, "model_type", None)
+    hidden = cfg.hidden_size
+    if model_type in ("mamba", "falcon_mamba"):
+        inner, rank, state = cfg.intermediate_size, int(cfg.time_step_rank), cfg.state_size
+        return {"in_proj": (hidden, 2 * inner), "x_proj": (inner, rank + 2 * state), "dt_proj": (rank, inner),
+                "out_proj": (inner, hidden)}
+    if model_type == "mamba2":
+        inner = cfg.num_heads * cfg.head_dim
+        return {"in_proj": (hidden, 2 * inner + 2 * cfg.n_groups * cfg.state_size + cfg.num_heads),
+                "out_proj": (inner, hidden)}
+    return None

@@ -52,7 +52,8 @@ PIPELINE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCau
                           "MiniMaxForCausalLM",
                           # decoders that run a stage themselves (``run_stage``: what crosses a boundary is theirs)
                           "Gemma4ForCausalLM", "Gemma4ForConditionalGeneration", "Gemma3nForCausalLM",
-                          "Gemma3nForConditionalGeneration", "Zamba2ForCausalLM",
+                          "Gemma3nForConditionalGeneration", "Zamba2ForCausalLM", "MambaForCausalLM",
+                          "FalconMambaForCausalLM", "Mamba2ForCausalLM",  # attention-free: the stream alone crosses
                           # image-text: the encoder on the first stage (asyncllm/models/vision_language.py)
                           "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration",
                           "LlavaNextVideoForConditionalGeneration",

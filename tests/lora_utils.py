@@ -71,6 +71,44 @@ def peft_logits(base_path: str, adapter_path: str, token_ids: list[int], auto_cl
     return out.logits[0].float()
 
 
+def merged_logits(base_path: str, adapter_path: str, token_ids: list[int], added: dict[str, Any] | None = None,
+                  dtype: Any = None):
+    """transformers' logits (in ``dtype``, default float32) at every position of one sequence, the adapter merged
+    into the base model's weights (`merged_model`): ``[len(token_ids), vocab]``."""
+    import torch
+
+    model = merged_model(base_path, adapter_path, added, dtype)
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([token_ids])).logits[0]
+
+
+def merged_greedy(base_path: str, adapter_path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy tokens with the adapter merged into the weights (`merged_model`): the reference where
+    PEFT's unmerged layers are bypassed (transformers' Mamba reads ``dt_proj.weight`` itself)."""
+    import torch
+
+    model = merged_model(base_path, adapter_path)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), eos_token_id=None)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def merged_model(base_path: str, adapter_path: str, added: dict[str, Any] | None = None, dtype: Any = None):
+    """transformers' model (in ``dtype``, default float32) with the adapter merged into its weights (PEFT's
+    ``merge_and_unload``), then ``added`` (parameter name -> tensor) added to those parameters."""
+    import torch
+    from peft import PeftModel
+
+    model = PeftModel.from_pretrained(_base_model(base_path, None), adapter_path).merge_and_unload().eval()
+    model = model.to(dtype or torch.float32)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, delta in (added or {}).items():
+            params[name] += delta.to(params[name].dtype)
+    return model
+
+
 def make_expert_adapter(base: str, out_dir: str, seed: int, targets: list[str], rank: int = 4,
                         parameters: list[str] = EXPERTS) -> str:
     """A PEFT adapter of the experts' stacked parameters (``target_parameters``) and of `targets`, random."""

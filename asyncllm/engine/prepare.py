@@ -24,7 +24,6 @@ from asyncllm.models.architectures import (
     HYBRID_ARCHITECTURES,
     MOE_ARCHITECTURES,
     MULTIMODAL_ARCHITECTURES,
-    STATE_SPACE_ARCHITECTURES,
     architecture_of,
     max_positions,
     serves_text_only,
@@ -185,9 +184,10 @@ def _hybrid_config(config: EngineConfig, arch: str) -> EngineConfig:
     return config
 
 
-_NO_LORA = (*STATE_SPACE_ARCHITECTURES, *ENCODER_ARCHITECTURES)
-"""The state-space models without attention (Mamba, Mamba2, Falcon-Mamba) and the encoders take no adapters. Every
-other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
+_NO_LORA = ENCODER_ARCHITECTURES
+"""The encoders take no adapters. The state-space models without attention (Mamba, Falcon Mamba, Mamba2) take them
+on their mixers' projections (``in_proj``, ``out_proj``; Mamba's ``x_proj``, ``dt_proj`` too: asyncllm/models/mamba.py).
+Every other decoder takes them on its attention and dense MLP projections (tests/unit/test_lora_models.py: logits equal
 PEFT's; latent attention's ``kv_b_proj`` through its absorbed expansions, asyncllm/models/deepseek.py; DBRX's fused
 ``Wqkv``, not its bare expert matrices; Zamba2's shared blocks, one adapter per invocation,
 asyncllm/models/zamba2_lora.py; a hybrid's state layers take none but Qwen3.5's, Kimi-Linear's KDA layers' and

@@ -102,11 +102,14 @@ class LoRALayer(SlotBuffers):
         self.register_buffer("b", weight.new_zeros(out_features, num_slots * self.width, dtype=dtype),
                              persistent=False)
 
-    def forward(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (the projection's output for ``x``) plus the step's adapters' products."""
+    def forward(self, x: torch.Tensor, out: torch.Tensor, tokens: slice | torch.Tensor | None = None) -> torch.Tensor:
+        """``out`` (the projection's output for ``x``) plus the step's adapters' products; ``tokens``: which of the
+        step's tokens ``x`` holds, where not all (Mamba's ``x_proj`` / ``dt_proj``, run request by request)."""
         mask = self.context.mask
         if mask is None:
             return out
+        if tokens is not None:
+            mask = mask[tokens]
         num_tokens = x.shape[0]
         xa = F.linear(x, self.a).view(num_tokens, self.num_slots, self.width) * mask[:, :, None]
         return out + F.linear(xa.view(num_tokens, -1), self.b)

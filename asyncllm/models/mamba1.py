@@ -5,7 +5,9 @@
 gives the low-rank step ``dt`` and ``B``, ``C`` (Jamba RMS-norms each), ``dt_proj`` lifts ``dt`` to every channel
 (its bias added inside the softplus); per token ``h <- exp(dt A) h + dt B x``, ``y = h C + D x``, out
 ``out_proj(y * silu(z))``. A prefill chunk scans token by token (vectorized over channels and states); a step where
-every request decodes one token updates all their states at once. It runs in PyTorch on every device.
+every request decodes one token updates all their states at once. It runs in PyTorch on every device. LoRA
+adapters (attention-free Mamba's: asyncllm/models/mamba.py) on ``x_proj`` and ``dt_proj``, which run on a chunk's or
+a decode position's tokens only, take those tokens' rows of the step's adapter mask (`_adapted`).
 """
 
 from __future__ import annotations
@@ -89,30 +91,40 @@ class Mamba1Mixer(nn.Module):
         y = torch.zeros(hidden.shape[0], self.inner, device=hidden.device)
         if step.decode_only:
             n = len(step.rows)
-            y[:n] = self._decode(x[:n], a, step.rows)
+            y[:n] = self._decode(x[:n], a, step.rows, slice(0, n))
             self.states.save_decoded(step)
         else:
             for rows, index in self.states.positions(step):  # decodes and drafted requests
-                y[index] = self._decode(x[index], a, rows)
+                y[index] = self._decode(x[index], a, rows, index)
             for row, span in self.states.spans(step):
                 xc = causal_conv(x[span], self.states["conv"][row], self.conv1d)
-                dt, b, c = self._ssm_inputs(xc)
+                dt, b, c = self._ssm_inputs(xc, span)
                 y[span] = selective_scan(self.states["ssm"][row], xc.float(), dt, a, b, c) + xc * self.D
         return self.out_proj((y * F.silu(gate)).to(hidden.dtype))
 
-    def _decode(self, x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """One token of each of the rows' requests from their states (updated): ``[N, I]``."""
+    def _decode(self, x: torch.Tensor, a: torch.Tensor, rows: torch.Tensor,
+                tokens: slice | torch.Tensor) -> torch.Tensor:
+        """One token of each of the rows' requests (``tokens``: theirs in the step) from their states (updated):
+        ``[N, I]``."""
         xc = conv_step(x, self.states["conv"], rows, self.conv1d)
-        dt, b, c = self._ssm_inputs(xc)
+        dt, b, c = self._ssm_inputs(xc, tokens)
         state = self.states["ssm"][rows]
         y = selective_step(state, xc.float(), dt, a, b, c) + xc * self.D
         self.states["ssm"][rows] = state
         return y
 
-    def _ssm_inputs(self, xc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The convolved ``x [T, I]`` -> float32 ``dt`` (softplus of the lifted step plus its bias) ``[T, I]``,
-        ``B``, ``C`` ``[T, S]``, each normed as the family norms them (``inner_norms``)."""
-        low, b, c = self.x_proj(xc).split([self.rank, self.state_size, self.state_size], dim=-1)
-        lifted = F.linear(self.dt_layernorm(low), self.dt_proj.weight)
+    def _ssm_inputs(self, xc: torch.Tensor, tokens: slice | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                   torch.Tensor]:
+        """The convolved ``x [T, I]`` of the step's ``tokens`` -> float32 ``dt`` (softplus of the lifted step plus
+        its bias) ``[T, I]``, ``B``, ``C`` ``[T, S]``, each normed as the family norms them (``inner_norms``)."""
+        low, b, c = _adapted(self.x_proj, xc, tokens).split([self.rank, self.state_size, self.state_size], dim=-1)
+        lifted = _adapted(self.dt_proj, self.dt_layernorm(low), tokens)
         dt = F.softplus(lifted.float() + self.dt_proj.bias.float())
         return dt, self.b_layernorm(b).float(), self.c_layernorm(c).float()
+
+
+def _adapted(proj: ColumnParallelLinear, x: torch.Tensor, tokens: slice | torch.Tensor) -> torch.Tensor:
+    """``x W^T`` (no bias) for some of the step's tokens (``tokens``: theirs), plus their adapters' products (LoRA:
+    asyncllm/models/lora.py)."""
+    out = proj.matmul(x, None)
+    return out if proj.lora is None else proj.lora(x, out, tokens)

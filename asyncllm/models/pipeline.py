@@ -20,7 +20,9 @@ layers' checkpoints for prefix caching.
 
 A decoder with a ``run_stage`` of its own (Gemma 4 / 3n: asyncllm/models/gemma4_stages.py; Zamba2; DeepSeek-V3.2's,
 whose layers read a latent and an indexer cache each) runs a stage itself, and says what crosses a boundary beside
-the stream (``stage_widths``: per-layer inputs, the token embeddings).
+the stream (``stage_widths``: per-layer inputs, the token embeddings). Mamba's (asyncllm/models/mamba.py), with no
+attention at all, carries its float32 stream alone, and each of its stages keeps one token-sized cache layer for the
+block accounting (`StageModel.attention_free`).
 """
 
 from __future__ import annotations
@@ -157,7 +159,10 @@ class StageModel(nn.Module):
         decoder = language_model(causal_lm).model
         self._layers = list(decoder.layers[stage.start_layer : stage.end_layer])
         self._uses_kv = [uses_kv_cache(layer) for layer in self._layers]
-        if not any(self._uses_kv):
+        self.attention_free = hasattr(language_model(causal_lm), "kv_cache_spec_of")
+        """Mamba's: no layer reads a KV cache; each stage keeps the model's one token-sized cache layer for the
+        scheduler's block accounting (``kv_cache_spec_of``)."""
+        if not any(self._uses_kv) and not self.attention_free:
             raise ConfigError("pipeline_parallel_size", stage.size,
                               f"a split whose every stage holds an attention layer (stage {stage.rank} holds "
                               f"layers {stage.start_layer} to {stage.end_layer - 1}, none with a KV cache): set "
@@ -184,7 +189,10 @@ class StageModel(nn.Module):
     @property
     def num_kv_layers(self) -> int:
         """The stage's KV caches: one per layer with a KV cache (a hybrid's attention layers; every layer otherwise),
-        or as many as the layer's ``num_kv_caches`` (DeepSeek-V3.2's latent and indexer caches)."""
+        or as many as the layer's ``num_kv_caches`` (DeepSeek-V3.2's latent and indexer caches); an attention-free
+        model's token-sized one."""
+        if self.attention_free:
+            return 1
         return sum(int(getattr(layer, "num_kv_caches", uses)) for layer, uses in zip(self._layers, self._uses_kv))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

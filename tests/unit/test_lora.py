@@ -190,19 +190,23 @@ def test_an_adapter_without_enable_lora_is_refused() -> None:
 
 
 @pytest.mark.parametrize("arch", ["nemotron_h", "granitemoehybrid", "qwen3_next", "lfm2", "falcon_h1"])
-def test_the_hybrids_take_adapters_and_the_state_space_models_refuse_them(arch: str, tmp_path) -> None:
-    """Every hybrid takes ``enable_lora`` (on its attention and MLPs); Mamba2, which has neither, refuses it by
-    architecture."""
+def test_the_hybrids_and_the_state_space_models_take_adapters_and_the_encoders_refuse_them(arch: str,
+                                                                                          tmp_path) -> None:
+    """Every hybrid takes ``enable_lora`` (on its attention and MLPs), Mamba2 too (on its mixers); an encoder
+    refuses it by architecture."""
     from asyncllm.config import EngineConfig
     from asyncllm.engine.prepare import prepare
     from asyncllm.errors import NotBuiltError
     from asyncllm.tiny import tiny_checkpoint
+    from encoder_utils import make_tiny_encoder
     from mamba_utils import make_tiny_mamba
 
     assert prepare(EngineConfig.create(tiny_checkpoint(arch), enable_lora=True)).lora is not None
     if arch == "nemotron_h":
-        with pytest.raises(NotBuiltError, match="LoRA adapters for Mamba2ForCausalLM"):
-            prepare(EngineConfig.create(make_tiny_mamba(tmp_path / "mamba2", "mamba2"), enable_lora=True))
+        mamba2 = make_tiny_mamba(tmp_path / "mamba2", "mamba2")
+        assert prepare(EngineConfig.create(mamba2, enable_lora=True)).lora is not None
+        with pytest.raises(NotBuiltError, match="LoRA adapters for BertModel"):
+            prepare(EngineConfig.create(make_tiny_encoder(tmp_path / "bert"), enable_lora=True))
 
 
 def test_an_adapter_on_a_state_layer_is_refused_by_name(tmp_path) -> None:

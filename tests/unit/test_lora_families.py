@@ -78,3 +78,21 @@ def test_the_host_refuses_what_cannot_take_adapters(family: str, tensors, config
     checker = prepare(EngineConfig.create(tiny_checkpoint(family), enable_lora=True)).lora
     with pytest.raises(InvalidRequestError, match=match):
         checker.check(LoRARequest("a", 1, _hand_made(tmp_path / "adapter", tensors, **config)))
+
+
+@pytest.mark.parametrize("kind, tensors, match", [
+    ("mamba2", {"backbone.layers.0.mixer.x_proj": (4, 128)}, "Mamba2ForCausalLM has no x_proj to adapt"),
+    ("mamba", {"backbone.layers.0.mixer.conv1d": (4, 4)}, r"mixer\.conv1d.*only LoRA A and B"),
+    ("mamba", {"backbone.embeddings": (4, 512)}, r"backbone\.embeddings.*not embeddings"),
+    ("mamba", {"model.layers.1.self_attn.q_proj": (4, 64)}, r"has no self_attn layers \(adapt its mixers' mixer\.in"),
+    ("nemotron_h", {"backbone.layers.0.mixer.in_proj": (4, 64)}, "the Mamba mixers of NemotronHForCausalLM take no"),
+], ids=["mamba2-x_proj", "mamba-conv1d", "mamba-embeddings", "mamba-attention", "nemotron_h-mamba-mixer"])
+def test_the_host_refuses_what_the_mamba_models_cannot_adapt(kind: str, tensors, match: str, tmp_path) -> None:
+    """Mamba's mixers take adapters on their projections only (tests/unit/test_lora_models.py); a hybrid's Mamba
+    mixers take none."""
+    from mamba_utils import make_tiny_mamba
+
+    path = tiny_checkpoint(kind) if kind == "nemotron_h" else make_tiny_mamba(tmp_path / "base", kind)
+    checker = prepare(EngineConfig.create(path, enable_lora=True)).lora
+    with pytest.raises(InvalidRequestError, match=match):
+        checker.check(LoRARequest("a", 1, _hand_made(tmp_path / "adapter", tensors)))

@@ -147,6 +147,56 @@ def _assert_logits_equal_peft(path: str, adapter: str, seed: int) -> None:
     torch.testing.assert_close(base, hf_logits(path, sequences[1]), atol=ATOL, rtol=0)
 
 
+MAMBA = {"mamba": ["in_proj", "x_proj", "dt_proj"], "mamba2": ["in_proj"]}
+"""The Mamba mixers' projections PEFT adapts (it refuses ``out_proj`` on Mamba models, whose CUDA kernels read the
+weight directly; the tests add one by hand: `_with_out_proj`)."""
+
+
+def _with_out_proj(adapter: str, folder: str, path: str, seed: int) -> dict[str, torch.Tensor]:
+    """A copy of ``adapter`` in ``folder`` with random rank-4 ``out_proj`` matrices on every layer; the products
+    they add (alpha / r = 2 times B A) by transformers' parameter name."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    shutil.copytree(adapter, folder)
+    tensors, config = load_file(f"{adapter}/adapter_model.safetensors"), load_hf_config(path)
+    inner = config.intermediate_size if config.model_type == "mamba" else config.num_heads * config.head_dim
+    gen, added = torch.Generator().manual_seed(seed), {}
+    for i in range(config.num_hidden_layers):
+        key = f"base_model.model.backbone.layers.{i}.mixer.out_proj"
+        a, b = (torch.randn(shape, generator=gen) * 0.3 for shape in ((4, inner), (config.hidden_size, 4)))
+        tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
+        added[f"backbone.layers.{i}.mixer.out_proj.weight"] = 2.0 * b @ a
+    save_file(tensors, f"{folder}/adapter_model.safetensors")
+    with open(f"{folder}/adapter_config.json") as f:
+        assert json.load(f)["lora_alpha"] / 4 == 2.0
+    return added
+
+
+@pytest.mark.parametrize("kind", sorted(MAMBA))
+def test_mamba_mixer_adapters_equal_the_merged_weights(kind: str, tmp_path) -> None:
+    """Every projection vLLM adapts on the mixers (Mamba's ``x_proj`` / ``dt_proj`` run request by request: each
+    chunk's tokens, each decode position's, with the step's mask rows of those tokens): the logits equal
+    transformers' with the adapter merged into the weights (float64; within 3 times transformers' own float32
+    error), the base model's sequence untouched."""
+    from lora_utils import merged_logits
+    from mamba_utils import make_tiny_mamba
+
+    path = make_tiny_mamba(tmp_path / "base", kind)
+    peft = make_adapter(path, str(tmp_path / "peft"), seed=len(kind), rank=4, alpha=8, targets=MAMBA[kind])
+    added = _with_out_proj(peft, str(tmp_path / "lora"), path, len(kind))
+    AdapterChecker(load_hf_config(path), MAX_RANK).check(LoRARequest("m", 1, str(tmp_path / "lora")))  # the host's
+    sequences, with_adapter, base = masked_logits(path, str(tmp_path / "lora"), len(kind))
+    exact = merged_logits(path, peft, sequences[0], added, torch.float64)
+    assert (exact.float() - merged_logits(path, peft, sequences[0])).abs().max() > 0.5  # out_proj's adapter matters
+    assert (exact.float() - hf_logits(path, sequences[0])).abs().max() > 0.5  # the adapter changes the logits
+    bound = 3 * (merged_logits(path, peft, sequences[0], added).double() - exact).abs().max().item()
+    assert (with_adapter.double() - exact).abs().max().item() <= max(ATOL, bound)
+    torch.testing.assert_close(base, hf_logits(path, sequences[1]), atol=ATOL, rtol=0)
+
+
 def test_phi3_fused_adapters_split_per_part_over_two_ranks(adapters: dict[str, str]) -> None:
     """Each rank's column-parallel LoRA output is its rows of q, of k and of v (gate, up) of the whole product;
     the row-parallel ranks' partial products add up to it."""
