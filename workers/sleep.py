@@ -1,9 +1,12 @@
 """Sleep mode on one worker rank (docs/sleep-mode.md): give the GPU memory back, take it again.
 
-Level 1 moves every parameter's data to CPU memory (pinned on CUDA, for fast copies back); level 2 replaces it
-by an empty tensor (the Parameter objects stay, with their loader attributes, so `update_weights` can copy into
-them after the wake-up). Both free the KV cache tensors and the CUDA graphs, then return the cached blocks to
-the driver (`torch.cuda.empty_cache`). Buffers (rotary tables) stay: small, and derived from the config.
+Level 1 moves every tensor the model holds on the device (parameters, buffers, tensor attributes: a pre-quantized
+layer's repacked weights and scales; workers/sleep_tensors.py) to CPU memory (pinned on CUDA, for fast copies back),
+storage by storage, so aliases and views survive; level 2 replaces each parameter's data by an empty tensor (the
+Parameter objects stay, with their loader attributes, so `update_weights` can copy into them after the wake-up) and
+keeps the buffers (rotary tables: small, derived from the config). Level 2 is refused for pre-quantized checkpoints,
+which `update_weights` cannot reload. Both free the KV cache tensors and the CUDA graphs, then return the cached
+blocks to the driver (`torch.cuda.empty_cache`).
 
 A wake-up allocates new tensors, at new device addresses. A captured CUDA graph replays the addresses it was
 captured with, so the graphs are dropped at sleep and captured again once the weights and the KV cache are both
@@ -25,16 +28,23 @@ from asyncllm import protocol
 from asyncllm.engine.sleep import WAKE_TAGS, sleep_error_reply
 from asyncllm.errors import NotBuiltError
 from asyncllm.workers import cuda_graphs, weight_update
+from asyncllm.workers.sleep_tensors import Offloaded, held_tensors, storage_key
 
 __all__ = ["RunnerSleep", "refuse_unbuilt"]
 
 logger = logging.getLogger(__name__)
 
 
-def refuse_unbuilt(runner: Any) -> None:
-    """What moving the parameters does not cover: tensors built from the weights outside them (quantized
-    kernels' layouts)."""
-    weight_update.refuse_unbuilt(runner, "sleep mode")
+def refuse_unbuilt(runner: Any, command: protocol.Sleep | protocol.WakeUp) -> None:
+    """A level-2 sleep of a pre-quantized checkpoint: its weights would come back only through `update_weights`,
+    which does not load those (level 1 moves every tensor, and works)."""
+    if not isinstance(command, protocol.Sleep) or command.level != 2:
+        return
+    try:
+        weight_update.refuse_unbuilt(runner, "sleep(level=2)")
+    except NotBuiltError as exc:
+        raise NotBuiltError(exc.field, exc.value, f"{exc.feature} (update_weights must load the weights after it, "
+                                                  "and is not built for this format; level 1 works)") from None
 
 
 class RunnerSleep:
@@ -47,17 +57,19 @@ class RunnerSleep:
         self.kv_asleep = False
         self.num_blocks = 0
         """The KV cache's blocks when it was freed (a wake-up allocates as many)."""
+        self.offloaded: Offloaded | None = None
+        """Level 1: the model's device tensors in CPU memory (a later level 2 empties the parameters among them)."""
         self.discarded: dict[str, torch.Tensor] = {}
         """Level 2: name -> a meta tensor of the parameter's shape, dtype and strides."""
-        self.draft_offloaded = False
-        """Whether the draft's own parameters (a draft model, an EAGLE head, an MTP layer) are in CPU memory: at
-        either level (update_weights loads the served model's weights only, so the draft's are kept)."""
+        self.draft: Offloaded | None = None
+        """The draft's own tensors (a draft model, an EAGLE head, an MTP layer) in CPU memory: at either level
+        (update_weights loads the served model's weights only, so the draft's are kept)."""
 
     def handle(self, command: protocol.Sleep | protocol.WakeUp, rank: int) -> protocol.SleepModeDone:
         """Run one command; the reply for the core (an error reply changed nothing)."""
         tags = command.tags or list(WAKE_TAGS)
         try:
-            refuse_unbuilt(self.runner)
+            refuse_unbuilt(self.runner, command)
         except NotBuiltError as exc:
             return sleep_error_reply(command.call_id, exc, rank)
         if isinstance(command, protocol.Sleep):
@@ -73,10 +85,10 @@ class RunnerSleep:
             if getattr(runner, "mm_runner", None) is not None:
                 runner.mm_runner.forget_encoder_outputs()  # their memory too; the requests are recomputed anyway
             if "weights" in tags:
-                self._weights_asleep(level)
                 lora = getattr(runner, "lora_runner", None)
-                if lora is not None and self.weights != "awake":
-                    lora.release_slots()  # a second sleep finds them released
+                if lora is not None:
+                    lora.release_slots()  # before the move: emptied on the device (a second sleep finds them so)
+                self._weights_asleep(level)
             if "kv_cache" in tags and not self.kv_asleep:
                 self.num_blocks = int(runner.kv_caches[0].shape[1])
                 runner.kv_caches = []
@@ -105,31 +117,33 @@ class RunnerSleep:
 
     def _weights_asleep(self, level: int) -> None:
         device = self.runner.device
-        if not self.draft_offloaded:
-            _move(self._draft_parameters().values(), torch.device("cpu"), pin=device.type == "cuda")
-            self.draft_offloaded = True
+        pin = device.type == "cuda"
+        if self.draft is None:
+            self.draft = Offloaded(self._draft_tensors(), pin)
         if level == 1 and self.weights == "awake":
-            _move(self._parameters().values(), torch.device("cpu"), pin=device.type == "cuda")
+            self.offloaded = Offloaded(held_tensors(self.runner.model, device), pin)
             self.weights = "offloaded"
         elif level == 2 and self.weights != "discarded":
             for name, param in self._parameters().items():
                 self.discarded[name] = torch.empty_like(param.data, device="meta")
                 param.data = torch.empty(0, dtype=param.dtype, device=device)  # the memory goes, the object stays
+            if self.offloaded is not None:  # after a level 1: the parameters' CPU copies go too
+                self.offloaded.held()
             self.weights = "discarded"
 
     def _weights_awake(self) -> None:
         device = self.runner.device
-        if self.draft_offloaded:
-            _move(self._draft_parameters().values(), device)
-            self.draft_offloaded = False
-        params = self._parameters()
-        if self.weights == "offloaded":
-            _move(params.values(), device)
-        else:  # uninitialised: the core runs no step until update_weights has loaded a checkpoint into them
-            for name, param in params.items():
+        if self.draft is not None:
+            self.draft.restore(device)
+            self.draft = None
+        if self.weights == "discarded":  # uninitialised: no step runs until update_weights has loaded a checkpoint
+            for name, param in self._parameters().items():
                 param.data = torch.empty_like(self.discarded[name], device=device)
             self.discarded = {}
             weight_update.forget_weights(self.runner)  # partial update_weights_from_tensors calls count them down
+        if self.offloaded is not None:  # level 1 (then level 2: its buffers and attributes, parameters emptied)
+            self.offloaded.restore(device)
+            self.offloaded = None
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the copies from pinned memory are done before a step reads them
         self.weights = "awake"
@@ -138,22 +152,14 @@ class RunnerSleep:
         """Each parameter once (a tied embedding and LM head are one Parameter)."""
         return dict(self.runner.model.named_parameters())
 
-    def _draft_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """The draft's own parameters (none it borrows from the served model: an EAGLE head's LM head)."""
+    def _draft_tensors(self) -> list[torch.Tensor]:
+        """The draft's own device tensors (none on a storage of the served model's: an EAGLE head's LM head)."""
         drafter = getattr(self.runner, "drafter", None)
         if drafter is None:
-            return {}
-        served = {id(p) for p in self.runner.model.parameters()}
-        return {name: p for name, p in drafter.model.named_parameters() if id(p) not in served}
-
-
-def _move(params: Any, device: torch.device, pin: bool = False) -> None:
-    """Each parameter's data copied to ``device`` (pinned CPU memory with ``pin``; from the GPU the copy waits, to
-    it the caller synchronizes before a step reads it)."""
-    for param in params:
-        moved = torch.empty_like(param.data, device=device, pin_memory=pin)
-        moved.copy_(param.data, non_blocking=device.type == "cuda")
-        param.data = moved
+            return []
+        device = self.runner.device
+        served = {storage_key(t) for t in held_tensors(self.runner.model, device)}
+        return [t for t in held_tensors(drafter.model, device) if storage_key(t) not in served]
 
 
 @contextmanager

@@ -77,9 +77,10 @@ def test_what_is_not_built_is_refused_by_name_and_changes_nothing() -> None:
     path = tiny_checkpoint("llama")
     runner = SimpleNamespace(config=EngineConfig.create(path, max_model_len=64), model=torch.nn.Linear(2, 2),
                              hf_config=SimpleNamespace(quantization_config={"quant_method": "awq"}), kv_caches=["kept"])
-    reply = RunnerSleep(runner).handle(protocol.Sleep("s1", 1), rank=0)
+    reply = RunnerSleep(runner).handle(protocol.Sleep("s1", 2), rank=0)  # level 1 is built (test_sleep_quantized.py)
     error = sleep_error(reply)
     assert isinstance(error, NotBuiltError) and "pre-quantized checkpoint (awq)" in str(error)
+    assert "sleep(level=2)" in str(error)
     assert runner.kv_caches == ["kept"]
 
 
@@ -99,13 +100,13 @@ def test_a_draft_model_sleeps_in_cpu_memory_with_its_kv_cache_freed(level: int, 
     shape = drafter.kv_caches[0].shape
     sleeper = RunnerSleep(runner)
     assert sleep_error(sleeper.handle(protocol.Sleep("s", level), rank=0)) is None
-    assert drafter.kv_caches == [] and sleeper.draft_offloaded
+    assert drafter.kv_caches == [] and sleeper.draft is not None
     moved = dict(drafter.model.named_parameters())
     assert all(moved[name].data_ptr() != value.data_ptr() for name, value in before.items())  # copied out
     sleeper.wake_up(["weights", "kv_cache"])
     after = dict(drafter.model.named_parameters())
     assert all(torch.equal(after[name], value) for name, value in before.items())
-    assert drafter.kv_caches[0].shape == shape and not sleeper.draft_offloaded
+    assert drafter.kv_caches[0].shape == shape and sleeper.draft is None
 
 
 def test_levels_and_tags_are_checked_by_name() -> None:
