@@ -28,6 +28,9 @@ _LOGPROBS_BOUND = 2**31 - 1
 
 _MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a logit_bias value; a bias of +-100 bans or forces a token."""
+_REPETITION_PENALTY_BOUND = 2.0**31
+"""repetition_penalty lies in [1 / bound, bound]: the workers divide float32 logits by it, and a smaller one
+overflows them to inf (below float32's range it is 0), which samples token 0 whatever the logits."""
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -149,9 +152,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def _validate_logits_params(self) -> None:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0**31)
-        if self.repetition_penalty == 0.0 or math.isinf(self.repetition_penalty):
-            raise InvalidRequestError("repetition_penalty", f"must be a positive finite number, got {self.repetition_penalty}")
+        _check_float("repetition_penalty", self.repetition_penalty, 1 / _REPETITION_PENALTY_BOUND,
+                     _REPETITION_PENALTY_BOUND)
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise InvalidRequestError("logit_bias", f"must be a dict of token id -> bias, got {type(self.logit_bias).__name__}")

@@ -26,7 +26,7 @@ from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.core_sleep import SleepController
 from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
-from asyncllm.engine.validation import check_add_request
+from asyncllm.engine.validation import check_add_request, check_lora_id, served_tasks
 from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.procutil import exit_when_parent_dies
 from asyncllm.sched.request import Request
@@ -50,6 +50,10 @@ class EngineCore:
         self.config = config
         self.io = io
         self.clients: set[bytes] = set()
+        self.tasks = served_tasks(hf_config_json)
+        """What the model serves ("generate", "embed", "classify"); None: unknown (requests are not checked)."""
+        self.lora_paths: dict[int, str] = {}
+        """Each LoRA adapter id seen -> its path: one id, one adapter (`check_lora_id`)."""
         self.stats_reporter: bytes | None = None
         """The one host that exports the engine-wide metrics (the earliest still attached)."""
         self.executor = Executor(config, hf_config_json=hf_config_json)
@@ -232,9 +236,15 @@ class EngineCore:
         try:
             # the host checked too; other peers may not have
             check_add_request(message, self.executor.vocab_size, self.config.enable_prompt_embeds,
-                              self.config.max_logprobs)
+                              self.config.max_logprobs, self.tasks)
             if message.mm_items:
                 self.mm_cache.fill(client_id, message)
+            # after the fill (the host's mirror of the processor cache counts it), as the scheduler's checks
+            if message.request_id in self.scheduler.requests or message.request_id in self.structured.pending:
+                # (a parked structured request's matcher would replace the running one's of the same id)
+                raise errors.InvalidRequestError("request_id", f"{message.request_id!r} is already used by an "
+                                                               "unfinished request")
+            check_lora_id(message.lora, self.lora_paths)
             request = Request.from_add_request(message, client_id)
             if message.params.structured is not None:
                 self.structured.add(request)  # queued once its grammar has compiled (`_admit_compiled`)

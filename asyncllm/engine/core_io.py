@@ -97,7 +97,7 @@ class CoreIO:
         client_id, payload = frames
         try:
             message = self._decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # nested too deep: RecursionError
             logger.error("dropped an undecodable frame from a host: %s", exc)
             return
         self.inbox.put((client_id, message))

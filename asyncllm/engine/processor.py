@@ -38,6 +38,7 @@ from asyncllm.engine.stream import RequestOptions
 from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.engine.weight_update import PendingWeightUpdates
 from asyncllm.engine.validation import (
+    check_allowed_tokens,
     check_logprobs_limit,
     check_params_vocab,
     check_untokenized,
@@ -345,6 +346,7 @@ class Processor:
                 job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
             check_params_vocab(job.params, self._vocab_size)
             check_logprobs_limit(job.params, self._max_logprobs, self._vocab_size)
+            check_allowed_tokens(job.params, self._eos_token_ids)
             token_ids = self._prompts.token_ids(job)
             job.params = with_start_after_ids(job.params, token_ids, self._tokenizer, self._vocab_size)
         except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread

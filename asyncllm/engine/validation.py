@@ -11,16 +11,22 @@ crash on (token ids outside the vocabulary, non-finite numbers).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
 from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
+from asyncllm.lora import LoRARequest
+from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES
+from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
     "truncated_prompt",
-    "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_text",
+    "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request",
+    "check_allowed_tokens", "check_lora_id",
+    "check_text", "served_tasks",
     "check_params_text", "check_params_vocab",
     "check_token_ids",
     "max_prompt_chars",
@@ -131,15 +137,25 @@ def check_priority(priority: Any) -> None:
 
 # ---------------------------------------------------------------- core side
 def check_add_request(message: protocol.AddRequest, vocab_size: int, prompt_embeds: bool = False,
-                      max_logprobs: int = MAX_LOGPROBS) -> None:
+                      max_logprobs: int = MAX_LOGPROBS, tasks: frozenset[str] | None = None) -> None:
     """`InvalidRequestError` naming the field for a decoded `AddRequest` a worker could not run.
 
     `vocab_size` 0 means unknown: ids must then fit int32. `prompt_embeds`: the engine takes prompts given as
-    embeddings (``enable_prompt_embeds``); `max_logprobs` is the engine's.
+    embeddings (``enable_prompt_embeds``); `max_logprobs` is the engine's; `tasks`: what the model serves
+    (`served_tasks`; None: not checked).
     """
     if not message.request_id or len(message.request_id) > MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError("request_id", f"must be 1 to {MAX_REQUEST_ID_CHARS} characters")
     message.params.validate()
+    _check_core_params(message.params, message.eos_token_ids)
+    if message.lora is not None:
+        message.lora.validate()
+    if message.pooling is not None:
+        message.pooling.validate()
+        if message.params.max_tokens != 1:  # later steps would pool their decode rows alone
+            raise InvalidRequestError("max_tokens", "an embedding or classification request samples one token: "
+                                                    f"must be 1, got {message.params.max_tokens}")
+    _check_task(message.pooling, tasks)
     limit = vocab_size or _UNKNOWN_VOCAB_LIMIT
     check_token_ids("prompt", message.prompt_token_ids, limit)
     check_token_ids("eos_token_ids", message.eos_token_ids, limit)
@@ -153,6 +169,64 @@ def check_add_request(message: protocol.AddRequest, vocab_size: int, prompt_embe
         raise InvalidRequestError("timeout", f"must be a positive number of seconds, got {timeout}")
     if message.prompt_embeds is not None:
         _check_prompt_embeds(message.prompt_embeds, len(message.prompt_token_ids), prompt_embeds)
+
+
+def _check_core_params(params: SamplingParams, eos_token_ids: list[int]) -> None:
+    """What only the host fills in or splits up (n > 1, bad_words' ids), and allowed tokens that are all banned:
+    the workers would sample token 0, allowed or not (the host checks that too)."""
+    if params.n != 1:
+        raise InvalidRequestError("n", f"the engine core runs one sample per request (a host sends each of n "
+                                       f"samples as its own request), got {params.n}")
+    if params.bad_words and not params.bad_words_token_ids:
+        raise InvalidRequestError("bad_words", "the engine core bans token ids: send bad_words_token_ids too "
+                                               "(a host fills them from bad_words)")
+    check_allowed_tokens(params, eos_token_ids)
+
+
+def check_allowed_tokens(params: SamplingParams, eos_token_ids: list[int]) -> None:
+    """`InvalidRequestError` when every allowed token is always banned (after the host filled bad_words' ids)."""
+    if not params.allowed_token_ids:
+        return
+    banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+    if params.min_tokens:  # the workers mask these until min_tokens outputs
+        banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+    if banned.issuperset(params.allowed_token_ids):
+        raise InvalidRequestError("allowed_token_ids", "every allowed token is banned (a one-token bad word, or EOS "
+                                                       "or a stop token while min_tokens holds): none is left to sample")
+
+
+def served_tasks(hf_config_json: str | None) -> frozenset[str] | None:
+    """What the model of the host's config JSON serves ("generate", "embed", "classify"), by its architecture as
+    `asyncllm.engine.pooling_model.pooling_model_of` decides it; None when there is no JSON (a config too large for
+    the core's command line): then requests are not checked against it."""
+    if hf_config_json is None:
+        return None
+    architectures = json.loads(hf_config_json).get("architectures") or [None]
+    if architectures[0] in CLASSIFICATION_ARCHITECTURES:
+        return frozenset({"classify"})
+    if architectures[0] in EMBEDDING_ARCHITECTURES:  # no LM head
+        return frozenset({"embed"})
+    return frozenset({"generate", "embed"})
+
+
+def _check_task(pooling: PoolingParams | None, tasks: frozenset[str] | None) -> None:
+    """A classification on a model without a score head would end its workers; the host refuses what the model does
+    not serve (`PoolingModel.check`), and so does the core."""
+    task = "generate" if pooling is None else pooling.task
+    if tasks is not None and task not in tasks:
+        raise InvalidRequestError("prompt" if pooling is None else "task",
+                                  f"this model serves {' and '.join(sorted(tasks))} requests only, not {task}")
+
+
+def check_lora_id(lora: LoRARequest | None, known: dict[int, str]) -> None:
+    """One adapter per ``lora_int_id`` (the workers keep and cache adapters by id), across every host: `known` maps
+    each id seen to its ``lora_path`` and gets this request's."""
+    if lora is None:
+        return
+    path = known.setdefault(lora.lora_int_id, lora.lora_path)
+    if path != lora.lora_path:
+        raise InvalidRequestError("lora_request", f"lora_int_id {lora.lora_int_id} already names the adapter at "
+                                                  f"{path}: one id, one adapter")
 
 
 _EMBEDS_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -75,7 +75,11 @@ def _check_schema(schema: object) -> None:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's recursion limit
             raise InvalidRequestError("structured", f"json is not valid JSON text: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError("structured", f"json must be a JSON schema object, got {type(schema).__name__}")
+    try:  # what `cache_key` writes: a peer's msgpack may carry bytes, mixed-type keys or too deep a nesting
+        json.dumps(schema, sort_keys=True)
+    except (TypeError, ValueError, RecursionError) as exc:
+        raise InvalidRequestError("structured", f"json must be a JSON schema of JSON values: {exc}") from None

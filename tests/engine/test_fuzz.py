@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from asyncllm import AsyncEngine, EngineOverloadedError, InvalidRequestError, SamplingParams, protocol
+from asyncllm import (AsyncEngine, EngineOverloadedError, InvalidRequestError, PoolingParams, SamplingParams,
+                      StructuredOutputs, protocol)
 from hf_reference import hf_greedy
 from proc_utils import worker_pids
 from engine_helpers import wait_idle as _wait_idle
@@ -250,6 +251,64 @@ def test_frames_from_a_host_that_never_said_hello_are_dropped(engine_thread: Eng
         assert engine_thread.engine.stats().num_requests_running == 0
     finally:
         stranger.close()
+
+
+def _finished(host: RawHost, request_id: str, timeout: float = 30.0,
+              served: bool = False) -> list[protocol.RequestOutputDelta]:
+    """Drain `host` until a delta finishes `request_id` (`served`: one without an error); all of that id's deltas
+    (plain tokens included)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        deltas = [d for r in host.replies if isinstance(r, protocol.Outputs)
+                  for d in [*r.outputs, *(protocol.RequestOutputDelta(i, [t]) for i, t in zip(r.token_req_ids,
+                                                                                                r.token_ids))]
+                  if d.request_id == request_id]
+        if any(d.finish_reason and not (served and d.error) for d in deltas) or time.monotonic() > deadline:
+            return deltas
+        host.drain(0.05)
+
+
+@pytest.fixture()
+def own_host(engine_thread: EngineThread) -> Iterator[RawHost]:
+    host = RawHost(engine_thread.engine._core.address)
+    host.send(protocol.Hello(pid=os.getpid()))
+    yield host
+    host.send(protocol.Goodbye(shutdown=False))
+    host.close()
+
+
+def test_what_would_end_the_core_or_its_workers_is_refused_alone(engine_thread: EngineThread,
+                                                                 own_host: RawHost) -> None:
+    """A frame nested deeper than Python's recursion limit (it ended the core's I/O thread), and a classification
+    on a model without a score head (it ended the workers, then the engine): the core serves on."""
+    deep = msgspec.msgpack.encode(protocol.AddRequest("deep", [1, 2], SamplingParams(max_tokens=2, structured=(
+        StructuredOutputs(json={"a": "MARK"}))), [], time.time()))
+    own_host.dealer.send(deep.replace(b"\xa4MARK", b"\x91" * 5000 + b"\x90"))
+    own_host.send(protocol.AddRequest("classify", [1, 2], SamplingParams(max_tokens=1), [], time.time(),
+                                      pooling=PoolingParams(task="classify")))
+    [refused] = _finished(own_host, "classify")
+    assert (refused.error_type, refused.finish_reason) == ("InvalidRequestError", "abort")
+    assert refused.error.startswith("task: this model serves embed and generate requests only")
+    own_host.send(protocol.AddRequest("after", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True), [], time.time()))
+    after = _finished(own_host, "after")
+    assert [t for d in after for t in d.new_token_ids] and after[-1].finish_reason == "length"
+    assert _finished(own_host, "deep", timeout=0) == []  # dropped, not decoded
+    assert worker_pids(engine_thread.engine._core.pid) == engine_thread.workers
+
+
+def test_a_structured_request_id_in_use_is_refused_before_its_grammar_replaces_the_running_ones(
+        own_host: RawHost) -> None:
+    pytest.importorskip("xgrammar")
+    params = SamplingParams(temperature=0.0, max_tokens=50, structured=StructuredOutputs(regex="(ab){20}"))
+    own_host.send(protocol.AddRequest("twice", [1, 2, 3], params, [], time.time()))
+    deadline = time.monotonic() + 60
+    while not any(isinstance(r, protocol.Outputs) and r.outputs for r in own_host.replies):  # it runs
+        assert time.monotonic() < deadline
+        own_host.drain(0.01)
+    own_host.send(protocol.AddRequest("twice", [1, 2, 3], params, [], time.time()))
+    deltas = _finished(own_host, "twice", served=True)
+    assert [d.error.split(":")[0] for d in deltas if d.error] == ["request_id"]
+    assert deltas[-1].finish_reason == "stop" and deltas[-1].error is None  # its grammar ended it, not max_tokens
 
 
 @FUZZ

@@ -141,7 +141,9 @@ async def test_allowed_token_ids_and_bad_words_match_transformers(engine: AsyncE
     assert pieces[0] in ids and pieces[-1] in ids
     assert banned.token_ids == hf_greedy(path, prompt_ids, 12, bad_words_ids=ids) != plain.token_ids
     for errors, field in [({"allowed_token_ids": [512]}, "allowed_token_ids"), ({"allowed_token_ids": []}, "allowed_token_ids"),
-                          ({"bad_words": [" "]}, "bad_words")]:
+                          ({"bad_words": [" "]}, "bad_words"),
+                          ({"allowed_token_ids": pieces[-1], "bad_words": [words[1]]}, "allowed_token_ids"),  # all banned
+                          ({"allowed_token_ids": [EOS], "min_tokens": 2}, "allowed_token_ids")]:
         with pytest.raises(InvalidRequestError) as info:
             await engine.generate(PROMPT, SamplingParams(**errors))
         assert info.value.field == field

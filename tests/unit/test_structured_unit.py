@@ -28,6 +28,9 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     (StructuredOutputs(grammar=3), "grammar must be a non-empty string"),  # type: ignore[arg-type]
     (StructuredOutputs(json="[1"), "json is not valid JSON text"),
     (StructuredOutputs(json=[1]), "json must be a JSON schema object, got list"),  # type: ignore[arg-type]
+    (StructuredOutputs(json="[" * 100_000), "json is not valid JSON text: maximum recursion depth"),
+    (StructuredOutputs(json={"enum": [b"\x00"]}), "json must be a JSON schema of JSON values"),  # a peer's msgpack
+    (StructuredOutputs(json={"properties": {"a": {}, 2: {}}}), "json must be a JSON schema of JSON values"),
     ({"jsn": {}}, "must be a StructuredOutputs, got dict"),
 ])
 def test_invalid_constraint_names_structured(structured: object, why: str) -> None:
