@@ -471,6 +471,9 @@ class WorkerReady(msgspec.Struct, **_STRUCT):
     mm_piece_audio_window: int = 0
     """The audio encoder window by which the core checks an audio piece's whole rows (Qwen3-Omni's ``n_window``:
     the model's ``mm_piece_audio_window``; 0: Qwen2.5-Omni's pooling)."""
+    architectures: list[str] | None = None
+    """The served config's ``architectures`` (hf_overrides applied), by which the core checks what requests it
+    serves (`asyncllm.engine.validation.served_tasks`); None: a test runner without a config."""
 
 
 class CacheReady(msgspec.Struct, **_STRUCT):

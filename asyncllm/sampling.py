@@ -224,7 +224,8 @@ def sample_seed(seed: int, index: int) -> int:
 
 def _int_key(key: object) -> object:
     """A decimal str key as an int (JSON object keys are strings); anything else unchanged for validate()."""
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+    digits = key.strip().lstrip("-") if isinstance(key, str) else ""
+    if digits.isascii() and digits.isdigit():  # (str.isdigit takes "¹", which int() refuses)
         return int(key)
     return key
 

@@ -162,13 +162,16 @@ class Worker:
         num_cpu_blocks = int(self.runner.determine_num_cpu_blocks()) if swap else 0
         offload = self.config is not None and self.config.kv_offloading_size > 0
         num_offload_blocks = int(self.runner.determine_num_offload_blocks()) if offload else 0
-        vocab_size = int(getattr(getattr(self.runner, "hf_config", None), "vocab_size", 0) or 0)  # 0: a test runner
+        hf_config = getattr(self.runner, "hf_config", None)
+        vocab_size = int(getattr(hf_config, "vocab_size", 0) or 0)  # 0: a test runner
+        architectures = getattr(hf_config, "architectures", None)
+        architectures = None if architectures is None else list(architectures)
         checkpoints = int(getattr(getattr(self.runner, "model", None), "checkpoint_slots", 0))  # hybrids' (docs)
         model = getattr(self.runner, "model", None)
         piece_merge = int(getattr(model, "merge", 0)) if hasattr(model, "mm_audio_in_video") else 0
         self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks + num_offload_blocks, vocab_size,
                                        checkpoints, num_offload_blocks, piece_merge, self._reports_first_stage(),
-                                       int(getattr(model, "mm_piece_audio_window", 0))))
+                                       int(getattr(model, "mm_piece_audio_window", 0)), architectures))
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""

@@ -50,8 +50,9 @@ class EngineCore:
         self.config = config
         self.io = io
         self.clients: set[bytes] = set()
-        self.tasks = served_tasks(hf_config_json)
-        """What the model serves ("generate", "embed", "classify"); None: unknown (requests are not checked)."""
+        self.tasks: frozenset[str] | None = None
+        """What the model serves ("generate", "embed", "classify"), as the workers report it; None: unknown (requests
+        are not checked)."""
         self.lora_paths: dict[int, str] = {}
         """Each LoRA adapter id seen -> its path: one id, one adapter (`check_lora_id`)."""
         self.stats_reporter: bytes | None = None
@@ -63,6 +64,7 @@ class EngineCore:
         available = self.executor.start()
         self.mm_cache.piece_merge = self.executor.mm_piece_merge
         self.mm_cache.piece_audio_window = self.executor.mm_piece_audio_window
+        self.tasks = served_tasks(self.executor.served_architectures)
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
         _check_kv_fits(config, self.num_gpu_blocks)
         num_offload_blocks = self.executor.num_offload_blocks
@@ -133,12 +135,21 @@ class EngineCore:
             self.recover_workers(exc)
             self.send_outputs(outputs)
             return
+        self.forget_failed_items(runner_out.failed_requests)
         failed = self.scheduler.fail_requests(runner_out.failed_requests)  # before the step: drop their tokens
         step_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.structured.matchers:
             self.structured.accept(step_outputs.deltas, self.scheduler.finish_requests)
         self.send_outputs(outputs + failed + step_outputs)
 
+
+    def forget_failed_items(self, failed: dict[str, str]) -> None:
+        """Drop the multimodal items of requests the workers failed from the processor cache: a malformed item
+        (`asyncllm.mm.embeddings`) must not serve the host's next request of its hash, which then resends its data
+        (`MultiModalCacheMiss`)."""
+        for request in map(self.scheduler.requests.get, failed):
+            if request is not None and request.mm_items:
+                self.mm_cache.forget(item.mm_hash for item in request.mm_items)
 
     def recover_workers(self, exc: errors.EngineDeadError) -> None:
         """Replace failed workers; every running request is recomputed (`EngineDeadError` past the budget)."""

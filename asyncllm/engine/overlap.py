@@ -98,6 +98,7 @@ class OverlappedSteps:
         """Wait for the oldest step in flight and apply it."""
         core = self.core
         runner_out = core.executor.collect()
+        core.forget_failed_items(runner_out.failed_requests)
         failed = self.placeholders.fail(runner_out.failed_requests)  # before the step: drop their tokens
         step_outputs = self.placeholders.commit(runner_out)
         if core.structured.matchers:

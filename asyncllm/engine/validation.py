@@ -11,8 +11,8 @@ crash on (token ids outside the vocabulary, non-finite numbers).
 
 from __future__ import annotations
 
-import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from asyncllm import protocol
@@ -195,13 +195,13 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: list[int]) -> No
                                                        "or a stop token while min_tokens holds): none is left to sample")
 
 
-def served_tasks(hf_config_json: str | None) -> frozenset[str] | None:
-    """What the model of the host's config JSON serves ("generate", "embed", "classify"), by its architecture as
-    `asyncllm.engine.pooling_model.pooling_model_of` decides it; None when there is no JSON (a config too large for
-    the core's command line): then requests are not checked against it."""
-    if hf_config_json is None:
+def served_tasks(architectures: Sequence[str] | None) -> frozenset[str] | None:
+    """What a model of these ``architectures`` (its config's, as the workers serve it) serves ("generate", "embed",
+    "classify"), as `asyncllm.engine.pooling_model.pooling_model_of` decides it; None when unknown (a test runner
+    without a config): then requests are not checked against it."""
+    if architectures is None:
         return None
-    architectures = json.loads(hf_config_json).get("architectures") or [None]
+    architectures = list(architectures) or [None]
     if architectures[0] in CLASSIFICATION_ARCHITECTURES:
         return frozenset({"classify"})
     if architectures[0] in EMBEDDING_ARCHITECTURES:  # no LM head

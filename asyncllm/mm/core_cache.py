@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterable
 
 from asyncllm.config import MultiModalConfig
 from asyncllm.mm.cache import ProcessorCacheStore, fill_mm_items
@@ -62,6 +63,11 @@ class CoreProcessorCache:
     def fill(self, client_id: bytes, message: AddRequest) -> None:
         """Give every item of ``message`` its data (`MultiModalCacheMiss` naming the ones no cache holds)."""
         fill_mm_items(self.store, message, self.rings.get(client_id), self.piece_merge, self.piece_audio_window)
+
+    def forget(self, mm_hashes: Iterable[str]) -> None:
+        """Drop these keys from the lru store (their host resends their data when it next sends them)."""
+        for mm_hash in mm_hashes if self.store is not None else ():
+            self.store.drop(mm_hash)
 
     def close(self) -> None:
         for client_id in list(self.rings):

@@ -77,6 +77,8 @@ class EncoderCache:
         entry.count -= 1
         if entry.count == 0:
             del self._pinned[mm_hash]
+            if not entry.features.numel():  # an output the encoder refused (asyncllm/mm/embeddings.py): never kept
+                return
             self._unpinned[mm_hash] = entry.features
             self._evict()
 

@@ -21,7 +21,7 @@ from asyncllm.sampling import sample_seed
         ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")), ("repetition_penalty", float("nan")),
         ("repetition_penalty", 1e-30),  # float32 logits divided by it overflow to inf (token 0 sampled)
         ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: "x"}), ("logit_bias", [1.0]),
-        ("logit_bias", {"abc": 1.0}), ("logprobs", -1), ("logprobs", 2**31), ("logprobs", True),
+        ("logit_bias", {"abc": 1.0}), ("logit_bias", {"¹": 1.0}), ("logprobs", -1), ("logprobs", 2**31), ("logprobs", True),
         ("prompt_logprobs", 2**31), ("output_kind", "sometimes"), ("output_kind", 5), ("skip_special_tokens", 1),
     ],
 )
