@@ -3,8 +3,9 @@
 Every field of every config section becomes ``--field-name`` (``model`` is the
 command's positional argument; host-only objects such as a Prometheus registry
 have no flag). The flag's type comes from the field's annotation, its help
-from the field's docstring in asyncllm/config.py, and a flag the user does not
-give is left out, so `EngineConfig`'s own defaults and validation apply.
+from the field's docstring in its section's module (asyncllm/config.py,
+asyncllm/config_model.py), and a flag the user does not give is left out, so
+`EngineConfig`'s own defaults and validation apply.
 """
 
 from __future__ import annotations
@@ -103,10 +104,10 @@ def _default(field: Field) -> Any:
 
 @lru_cache(maxsize=1)
 def _field_docs() -> dict[str, str]:
-    """Each field's docstring (the string literal under it in config.py), first sentence-ish line."""
-    tree = ast.parse(inspect.getsource(config_module))
+    """Each field's docstring (the string literal under it in its section's module), first sentence-ish line."""
+    trees = [ast.parse(inspect.getsource(module)) for module in dict.fromkeys(map(inspect.getmodule, _SECTIONS))]
     docs: dict[str, str] = {}
-    for node in ast.walk(tree):
+    for node in (node for tree in trees for node in ast.walk(tree)):
         if not isinstance(node, ast.ClassDef):
             continue
         body = node.body

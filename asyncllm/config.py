@@ -8,15 +8,13 @@ built yet raises `NotBuiltError` (a `ConfigError`) naming the feature.
 
 from __future__ import annotations
 
-import json
-
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from asyncllm.attention.availability import ATTENTION_BACKENDS, check_backend_available
+from asyncllm.config_checks import check_bool, check_choice, check_float, check_int, check_registry
+from asyncllm.config_model import ModelConfig, MultiModalConfig
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.pipeline_parallel import check_pipeline_config
-from asyncllm.pooling import check_pooler_config
 from asyncllm.spec.config import SpeculativeConfig
 
 __all__ = [
@@ -31,195 +29,9 @@ __all__ = [
     "FaultToleranceConfig",
 ]
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
-TOKENIZER_MODES = ("auto", "hf", "slow")
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf")
-"""Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md); awq, gptq
-and their _marlin names serve checkpoints pre-quantized with that method (asyncllm/models/int4_checkpoint.py),
-compressed-tensors llm-compressor's checkpoints (asyncllm/models/compressed_tensors.py), gguf a .gguf file
-(asyncllm/models/gguf_loader.py)."""
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """auto = the model dtype; fp8 and fp8_e4m3 = float8_e4m3fn; fp8_e5m2 = float8_e5m2 (docs/fp8-kv-cache.md)."""
-
-
-def _choice(name: str, value: object, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ConfigError(name, value, f"one of {', '.join(map(repr, allowed))}")
-
-
-def _int(name: str, value: object, lo: int, hi: int | None = None, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
-    if not ok:
-        bound = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
-        raise ConfigError(name, value, bound + (" or None" if optional else ""))
-
-
-def _json_dict(name: str, value: object) -> None:
-    """None, or a dict with str keys that JSON can write."""
-    if value is None:
-        return
-    try:
-        ok = isinstance(value, dict) and all(isinstance(key, str) for key in value) and bool(json.dumps(value))
-    except (TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise ConfigError(name, value, "a dict of config.json keys and JSON values, or None")
-
-
-def _sampling_fields(name: str, value: object) -> None:
-    """None, or a dict of SamplingParams field names (checked by building one)."""
-    if value is None:
-        return
-    from asyncllm.sampling import SamplingParams
-
-    if not isinstance(value, dict):
-        raise ConfigError(name, value, "a dict of SamplingParams fields, or None")
-    try:
-        SamplingParams(**value).validate()
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(name, value, f"SamplingParams fields with valid values ({exc})") from None
-
-
-def _float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi  # type: ignore[operator]
-    if not ok:
-        raise ConfigError(name, value, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
-
-
-def _registry(name: str, value: object) -> None:
-    from prometheus_client import CollectorRegistry  # only when a registry is given: import asyncllm stays cheap
-
-    if not isinstance(value, CollectorRegistry):
-        raise ConfigError(name, value, "a prometheus_client.CollectorRegistry, or None for a private one")
-
-
-def _bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ConfigError(name, value, "True or False")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model: str = ""
-    """Local folder of a Hugging Face checkpoint, or a hub id (looked up in the huggingface_hub cache)."""
-    tokenizer: str | None = None
-    """Tokenizer folder or hub id; defaults to `model`."""
-    tokenizer_mode: str = "auto"
-    """vLLM's: auto (or hf) loads the fast tokenizer when there is one, slow the Python one (``use_fast=False``);
-    mistral (mistral_common) and custom are not built."""
-    trust_remote_code: bool = False
-    """vLLM's: let transformers run the checkpoint's own Python code for its config, tokenizer and image processor
-    (``auto_map``; only from checkpoints you trust). The model itself is always asyncllm's class of its
-    architecture; off, such a checkpoint is a ConfigError naming this field."""
-    enable_prompt_embeds: bool = False
-    """vLLM's: accept prompts given as embeddings, ``{"prompt_embeds": tensor [tokens, hidden]}`` (what the
-    model's input embedding layer returns; docs/sampling.md#prompts-given-as-embeddings). Not with image-text
-    models or a draft model / EAGLE head / MTP layer (n-gram drafts work)."""
-    skip_tokenizer_init: bool = False
-    """vLLM's: load no tokenizer. Prompts are token ids and outputs token ids with empty text; what needs the
-    tokenizer (text prompts, chat, stop strings, bad words, structured output, images) is refused by name."""
-    revision: str | None = None
-    """Hub revision (branch, tag or commit) of `model`."""
-    tokenizer_revision: str | None = None
-    """vLLM's: hub revision of `tokenizer` when that is a hub id of its own (None: its default branch)."""
-    download_dir: str | None = None
-    """vLLM's: the huggingface_hub cache folder a hub id's weights are downloaded to and read from (a draft
-    model's too); None: HF_HUB_CACHE, else huggingface_hub's default. A local folder is read where it is."""
-    dtype: str = "auto"
-    """Weights and activations: float32, bfloat16, float16; auto = float32 on CPU, the checkpoint's half type on GPU."""
-    device: str = "auto"
-    """cpu or cuda; auto picks cuda when available."""
-    seed: int = 0
-    """Seed of the engine's random state (dummy weights, unseeded sampling)."""
-    max_model_len: int | None = None
-    """Longest sequence (prompt + output); defaults to the model's max_position_embeddings."""
-    disable_sliding_window: bool = False
-    """vLLM's: cap max_model_len at the model's sliding window, so that no window ever slides (every layer attends
-    to the whole sequence); no effect on a model without one."""
-    load_format: str = "auto"
-    """auto/safetensors read the checkpoint; dummy makes random weights of the real shapes."""
-    quantization: str | None = None
-    """Weight quantization: None, or fp8 (online: every decoder linear's weight quantized at load to float8_e4m3fn
-    with one scale per tensor and rank, activations per token; see docs/quantization.md). A pre-quantized fp8
-    checkpoint (config.json's quantization_config) is served in its own fp8 with None or fp8; an AWQ or GPTQ one
-    (int4 weights, GPTQ int8 too) with None or its method's name (awq / gptq; vLLM's awq_marlin / gptq_marlin read
-    the same checkpoints); a compressed-tensors one (fp8 W8A8 per tensor, row or block, int8 W8A8, int4 / int8
-    W4A16 / W8A16) with None or compressed-tensors; a GGUF file (the model given as a local .gguf) with None or gguf.
-    Other methods are not built yet."""
-    enforce_eager: bool = False
-    """Never capture CUDA graphs. Otherwise, on CUDA with the triton backend and one rank, decode batches replay graphs captured at start (docs/kernels.md); the CPU and torch_sdpa always run eagerly."""
-    attention_backend: str | None = None
-    """torch_sdpa (CPU default, the reference) or triton (CUDA default; on CPU only with TRITON_INTERPRET=1);
-    flashinfer, flash_attn: an error naming the package when it is missing, not built yet otherwise. None picks the default."""
-    generation_config: str = "auto"
-    """The model's generation config: auto = the model folder's generation_config.json, vllm = the same file without
-    its sampling defaults, or a folder holding one. Its temperature, top_p, top_k, min_p, repetition_penalty and
-    max_new_tokens (as max_tokens) are the defaults of requests without SamplingParams and of server fields left
-    unset (vllm: SamplingParams' own); its suppress_tokens, begin_suppress_tokens and Whisper's task and timestamp
-    tokens apply to every request and its eos_token_id joins the EOS ids, vllm included."""
-    override_generation_config: dict[str, Any] | None = None
-    """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}."""
-    max_logprobs: int = 20
-    """vLLM's: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: the vocabulary's size);
-    a request asking for more is an InvalidRequestError naming the field."""
-    logprobs_mode: str = "raw_logprobs"
-    """What logprobs hold, as vLLM's: raw_logprobs (log-softmax of the model's logits), raw_logits, or
-    processed_logprobs / processed_logits (after logit_bias, penalties, bad words, min_tokens, a grammar, then
-    temperature, top-k, top-p and min-p for sampled rows: the distribution a token was drawn from)."""
-    pooler_config: dict[str, Any] | None = None
-    """vLLM's PoolerConfig as a dict: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (docs/embeddings.md)."""
-    enable_sleep_mode: bool = False
-    """Allow `AsyncEngine.sleep()` / `wake_up()` (vLLM's sleep mode, docs/sleep-mode.md): free the GPU memory of the
-    weights (level 1: kept in CPU memory; level 2: discarded) and of the KV cache between RL rollouts."""
-    hf_overrides: dict[str, Any] | None = None
-    """vLLM's: config.json keys set on top of the checkpoint's, e.g. {"max_position_embeddings": 4096}; a dict
-    value updates a nested config ({"text_config": {...}}). {"architectures": ["Qwen3ForSequenceClassification"],
-    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true} serves Qwen3-Reranker as a
-    cross-encoder (docs/pooling.md). JSON values only (the config travels to the workers as JSON)."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model:
-            raise ConfigError("model", self.model, "a local folder or a hub id (non-empty string)")
-        if self.tokenizer_mode in ("mistral", "custom"):
-            raise NotBuiltError("tokenizer_mode", self.tokenizer_mode, f"tokenizer_mode={self.tokenizer_mode!r} "
-                                                                       "(auto, hf or slow: transformers' tokenizers)")
-        _choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
-        _bool("skip_tokenizer_init", self.skip_tokenizer_init)
-        _bool("enable_prompt_embeds", self.enable_prompt_embeds)
-        _bool("trust_remote_code", self.trust_remote_code)
-        if self.download_dir is not None and (not isinstance(self.download_dir, str) or not self.download_dir):
-            raise ConfigError("download_dir", self.download_dir, "a folder path (non-empty string), or None")
-        _choice("dtype", self.dtype, DTYPES)
-        _choice("device", self.device, DEVICES)
-        _int("seed", self.seed, 0)
-        _int("max_model_len", self.max_model_len, 1, optional=True)
-        _int("max_logprobs", self.max_logprobs, -1)
-        _bool("disable_sliding_window", self.disable_sliding_window)
-        _choice("load_format", self.load_format, LOAD_FORMATS)
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            if not isinstance(self.quantization, str):
-                raise ConfigError("quantization", self.quantization, "None or 'fp8'")
-            raise NotBuiltError("quantization", self.quantization, f"{self.quantization!r} weight quantization "
-                                "(only 'fp8', online or pre-quantized, pre-quantized 'awq' / 'gptq' / "
-                                "'compressed-tensors' checkpoints and 'gguf' files)")
-        _bool("enforce_eager", self.enforce_eager)
-        _bool("enable_sleep_mode", self.enable_sleep_mode)
-        if self.attention_backend is not None:
-            _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-            check_backend_available(self.attention_backend)
-        if not isinstance(self.generation_config, str) or not self.generation_config:
-            raise ConfigError("generation_config", self.generation_config, "'auto', 'vllm' or a folder")
-        _sampling_fields("override_generation_config", self.override_generation_config)
-        _choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
-        check_pooler_config(self.pooler_config)
-        _json_dict("hf_overrides", self.hf_overrides)
 
 
 @dataclass(frozen=True)
@@ -254,19 +66,19 @@ class CacheConfig:
     workers keep, least recently used replaced first; 0 turns prefix caching off for them."""
 
     def __post_init__(self) -> None:
-        _choice("block_size", self.block_size, BLOCK_SIZES)
-        _float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
-        _int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
-        _int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
-        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _bool("enable_prefix_caching", self.enable_prefix_caching)
-        _float("swap_space", self.swap_space, 0.0, 1024.0)
-        _float("kv_offloading_size", self.kv_offloading_size, 0.0, 1 << 20)
+        check_choice("block_size", self.block_size, BLOCK_SIZES)
+        check_float("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
+        check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1, optional=True)
+        check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, 1, optional=True)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_float("swap_space", self.swap_space, 0.0, 1024.0)
+        check_float("kv_offloading_size", self.kv_offloading_size, 0.0, 1 << 20)
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ConfigError("kv_offloading_size", self.kv_offloading_size, "0 with enable_prefix_caching=False "
                                                                              "(the CPU tier holds prefix-cache blocks)")
-        _int("mamba_block_size", self.mamba_block_size, 1)
-        _int("mamba_checkpoint_slots", self.mamba_checkpoint_slots, 0)
+        check_int("mamba_block_size", self.mamba_block_size, 1)
+        check_int("mamba_checkpoint_slots", self.mamba_checkpoint_slots, 0)
         if self.mamba_block_size % self.block_size:
             raise ConfigError("mamba_block_size", self.mamba_block_size, f"a multiple of block_size={self.block_size}")
 
@@ -306,19 +118,19 @@ class SchedulerConfig:
     the host wakes each stream's consumer that many times less often (docs/sampling.md)."""
 
     def __post_init__(self) -> None:
-        _int("max_num_seqs", self.max_num_seqs, 1)
-        _int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
-        _bool("enable_chunked_prefill", self.enable_chunked_prefill)
-        _int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
-        _choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
-        _choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
-        _int("max_num_queued_requests", self.max_num_queued_requests, 1, optional=True)
-        _int("max_num_queued_tokens", self.max_num_queued_tokens, 1, optional=True)
-        _float("structured_output_compile_timeout_s", self.structured_output_compile_timeout_s, 0.0, 86400.0,
+        check_int("max_num_seqs", self.max_num_seqs, 1)
+        check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
+        check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        check_choice("preemption_mode", self.preemption_mode, ("recompute", "swap"))
+        check_choice("scheduling_policy", self.scheduling_policy, ("fcfs", "priority"))
+        check_int("max_num_queued_requests", self.max_num_queued_requests, 1, optional=True)
+        check_int("max_num_queued_tokens", self.max_num_queued_tokens, 1, optional=True)
+        check_float("structured_output_compile_timeout_s", self.structured_output_compile_timeout_s, 0.0, 86400.0,
                lo_open=True)
-        _bool("async_scheduling", self.async_scheduling)
+        check_bool("async_scheduling", self.async_scheduling)
         self.speculative  # noqa: B018 - validates speculative_config
-        _int("stream_interval", self.stream_interval, 1)
+        check_int("stream_interval", self.stream_interval, 1)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -343,10 +155,10 @@ class ParallelConfig:
     expert (docs/moe.md); a dense model refuses it. Not with data_parallel_size > 1 (not built yet)."""
 
     def __post_init__(self) -> None:
-        _int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
-        _int("pipeline_parallel_size", self.pipeline_parallel_size, 1, 64)
-        _int("data_parallel_size", self.data_parallel_size, 1, 64)
-        _bool("enable_expert_parallel", self.enable_expert_parallel)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1, 64)
+        check_int("data_parallel_size", self.data_parallel_size, 1, 64)
+        check_bool("enable_expert_parallel", self.enable_expert_parallel)
         if self.enable_expert_parallel and self.data_parallel_size > 1:
             raise NotBuiltError("enable_expert_parallel", True, "expert parallelism with data_parallel_size > 1 "
                                 "(experts sharded over dp x tp ranks; without enable_expert_parallel each replica "
@@ -356,76 +168,6 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
-
-def _check_mm_limits(limits: dict[str, int] | None) -> None:
-    """vLLM's ``limit_mm_per_prompt``: counts per modality (a video or audio count for a model without them is
-    refused when the model is known: asyncllm/engine/prepare.py)."""
-    if limits is None:
-        return
-    if not isinstance(limits, dict):
-        raise ConfigError("limit_mm_per_prompt", limits, 'a dict of modality -> count, e.g. {"image": 4}')
-    for modality, count in limits.items():
-        field_name = f"limit_mm_per_prompt.{modality}"
-        if modality not in ("image", "video", "audio"):
-            raise ConfigError(field_name, count, "a modality of 'image', 'video', 'audio'")
-        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-            raise ConfigError(field_name, count, "an int >= 0")
-
-
-def _check_media_io(settings: dict[str, Any] | None) -> None:
-    """``media_io_kwargs``: only the video loader's ``num_frames`` is built."""
-    if settings is None:
-        return
-    if not isinstance(settings, dict) or not all(isinstance(v, dict) for v in settings.values()):
-        raise ConfigError("media_io_kwargs", settings, 'a dict of modality -> settings, e.g. {"video": {"num_frames": 16}}')
-    for modality, values in settings.items():
-        for key, value in values.items():
-            if (modality, key) != ("video", "num_frames"):
-                raise NotBuiltError(f"media_io_kwargs.{modality}.{key}", value, "media_io_kwargs other than video num_frames")
-            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 768:
-                raise ConfigError("media_io_kwargs.video.num_frames", value, "an int in [1, 768]")
-
-
-@dataclass(frozen=True)
-class MultiModalConfig:
-    """Settings of multimodal models (LLaVA, Qwen2-VL, Qwen2.5-VL; docs/multimodal.md)."""
-
-    mm_processor_cache_gb: float = 4.0
-    """GiB of processed multimodal inputs to cache; 0 disables the cache."""
-    mm_processor_cache_type: str = "lru"
-    """lru: key-replicated (keys on the host, data in the core); shm: data in a shared-memory ring the host writes
-    and the core reads, keys in the host (docs/multimodal.md)."""
-    mm_encoder_tp_mode: str = "weights"
-    """weights: the decoder sharded, the (small) vision tower replicated, every rank encodes every image; data: each
-    rank encodes a share of a step's images and the features are all-gathered."""
-    mm_max_image_pixels: int = 16_777_216
-    """Largest image accepted (width x height, read from its header before decoding)."""
-    mm_encoder_cache_gb: float = 0.5
-    """GiB of encoder outputs kept per worker across requests (by image hash); 0 keeps them only during a prefill."""
-    mm_processor_kwargs: dict[str, Any] | None = None
-    """Overrides of the checkpoint's image processor settings, e.g. ``{"max_pixels": 1003520}`` for Qwen2-VL."""
-    media_io_kwargs: dict[str, dict[str, Any]] | None = None
-    """vLLM's media loading settings per modality: ``{"video": {"num_frames": 32}}``, the frames taken (evenly
-    spaced) from an encoded video file; None: 32."""
-    limit_mm_per_prompt: dict[str, int] | None = None
-    """Most inputs per prompt of each modality, e.g. ``{"image": 4, "video": 1}``; 0 refuses that modality (all 0 on
-    Gemma 3: its text decoder alone). None: no limit."""
-
-    def __post_init__(self) -> None:
-        _float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)
-        _choice("mm_processor_cache_type", self.mm_processor_cache_type, ("lru", "shm"))
-        _choice("mm_encoder_tp_mode", self.mm_encoder_tp_mode, ("weights", "data"))
-        _int("mm_max_image_pixels", self.mm_max_image_pixels, 1)
-        _float("mm_encoder_cache_gb", self.mm_encoder_cache_gb, 0.0, 1024.0)
-        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
-            raise ConfigError("mm_processor_kwargs", self.mm_processor_kwargs, "a dict of image processor settings")
-        _check_mm_limits(self.limit_mm_per_prompt)
-        _check_media_io(self.media_io_kwargs)
-
-    @property
-    def video_num_frames(self) -> int:
-        """Frames sampled from an encoded video file."""
-        return int(((self.media_io_kwargs or {}).get("video") or {}).get("num_frames", 32))
 
 
 @dataclass(frozen=True)
@@ -438,10 +180,10 @@ class ObservabilityConfig:
     """A prometheus_client CollectorRegistry for the engine's metrics; None = a private one (`engine.metrics_registry`)."""
 
     def __post_init__(self) -> None:
-        _bool("disable_log_stats", self.disable_log_stats)
-        _float("log_stats_interval", self.log_stats_interval, 0.0, 86400.0, lo_open=True)
+        check_bool("disable_log_stats", self.disable_log_stats)
+        check_float("log_stats_interval", self.log_stats_interval, 0.0, 86400.0, lo_open=True)
         if self.prometheus_registry is not None:
-            _registry("prometheus_registry", self.prometheus_registry)
+            check_registry("prometheus_registry", self.prometheus_registry)
 
 
 @dataclass(frozen=True)
@@ -457,11 +199,11 @@ class LoRAConfig:
     """Adapters each worker keeps in CPU memory after reading them (None: max_loras); at least max_loras."""
 
     def __post_init__(self) -> None:
-        _bool("enable_lora", self.enable_lora)
-        _int("max_loras", self.max_loras, 1)
-        _int("max_lora_rank", self.max_lora_rank, 1, 512)
+        check_bool("enable_lora", self.enable_lora)
+        check_int("max_loras", self.max_loras, 1)
+        check_int("max_lora_rank", self.max_lora_rank, 1, 512)
         if self.max_cpu_loras is not None:
-            _int("max_cpu_loras", self.max_cpu_loras, self.max_loras)
+            check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras)
 
     @property
     def resolved_max_cpu_loras(self) -> int:
@@ -483,9 +225,9 @@ class FaultToleranceConfig:
 
     def __post_init__(self) -> None:
         if self.worker_step_timeout_s is not None:
-            _float("worker_step_timeout_s", self.worker_step_timeout_s, 0.0, 86400.0, lo_open=True)
-        _int("max_worker_restarts", self.max_worker_restarts, 0, 1000)
-        _int("max_core_restarts", self.max_core_restarts, 0, 1000)
+            check_float("worker_step_timeout_s", self.worker_step_timeout_s, 0.0, 86400.0, lo_open=True)
+        check_int("max_worker_restarts", self.max_worker_restarts, 0, 1000)
+        check_int("max_core_restarts", self.max_core_restarts, 0, 1000)
 
 
 _SECTIONS = {

@@ -25,9 +25,8 @@ def test_every_design_field_exists_with_a_docstring() -> None:
         getattr(cfg, name)
     import inspect
 
-    from asyncllm import config as config_module
-
-    source = inspect.getsource(config_module)
+    sections = [type(getattr(cfg, section.name)) for section in dataclasses.fields(cfg)]
+    source = "".join(inspect.getsource(module) for module in dict.fromkeys(map(inspect.getmodule, sections)))
     for name in DESIGN_FIELDS:
         assert f'    {name}:' in source and '"""' in source.split(f"    {name}:", 1)[1].splitlines()[1], name
 

@@ -1,0 +1,70 @@
+"""The value checks of `EngineConfig`'s sections (asyncllm/config.py, asyncllm/config_model.py): each raises
+`ConfigError` naming the field, the value and what is allowed."""
+
+from __future__ import annotations
+
+import json
+
+from asyncllm.errors import ConfigError
+
+__all__ = ["check_bool", "check_choice", "check_float", "check_int", "check_json_dict", "check_registry",
+           "check_sampling_fields"]
+
+
+def check_choice(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ConfigError(name, value, f"one of {', '.join(map(repr, allowed))}")
+
+
+def check_int(name: str, value: object, lo: int, hi: int | None = None, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        bound = f"an int >= {lo}" if hi is None else f"an int in [{lo}, {hi}]"
+        raise ConfigError(name, value, bound + (" or None" if optional else ""))
+
+
+def check_json_dict(name: str, value: object) -> None:
+    """None, or a dict with str keys that JSON can write."""
+    if value is None:
+        return
+    try:
+        ok = isinstance(value, dict) and all(isinstance(key, str) for key in value) and bool(json.dumps(value))
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(name, value, "a dict of config.json keys and JSON values, or None")
+
+
+def check_sampling_fields(name: str, value: object) -> None:
+    """None, or a dict of SamplingParams field names (checked by building one)."""
+    if value is None:
+        return
+    from asyncllm.sampling import SamplingParams
+
+    if not isinstance(value, dict):
+        raise ConfigError(name, value, "a dict of SamplingParams fields, or None")
+    try:
+        SamplingParams(**value).validate()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(name, value, f"SamplingParams fields with valid values ({exc})") from None
+
+
+def check_float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = ok and (value > lo if lo_open else value >= lo) and value <= hi  # type: ignore[operator]
+    if not ok:
+        raise ConfigError(name, value, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+
+def check_registry(name: str, value: object) -> None:
+    from prometheus_client import CollectorRegistry  # only when a registry is given: import asyncllm stays cheap
+
+    if not isinstance(value, CollectorRegistry):
+        raise ConfigError(name, value, "a prometheus_client.CollectorRegistry, or None for a private one")
+
+
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ConfigError(name, value, "True or False")

@@ -1,0 +1,216 @@
+"""The sections of `EngineConfig` that describe the model: `ModelConfig` (the checkpoint, its tokenizer, dtype,
+quantization, generation defaults) and `MultiModalConfig` (how images, videos and audio are read and cached).
+Validated as every section is (asyncllm/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from asyncllm.attention.availability import ATTENTION_BACKENDS, check_backend_available
+from asyncllm.config_checks import (check_bool, check_choice, check_float, check_int, check_json_dict,
+                                     check_sampling_fields)
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.pooling import check_pooler_config
+
+__all__ = ["ModelConfig", "MultiModalConfig"]
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+TOKENIZER_MODES = ("auto", "hf", "slow")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf")
+"""Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md); awq, gptq
+and their _marlin names serve checkpoints pre-quantized with that method (asyncllm/models/int4_checkpoint.py),
+compressed-tensors llm-compressor's checkpoints (asyncllm/models/compressed_tensors.py), gguf a .gguf file
+(asyncllm/models/gguf_loader.py)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = ""
+    """Local folder of a Hugging Face checkpoint, or a hub id (looked up in the huggingface_hub cache)."""
+    tokenizer: str | None = None
+    """Tokenizer folder or hub id; defaults to `model`."""
+    tokenizer_mode: str = "auto"
+    """vLLM's: auto (or hf) loads the fast tokenizer when there is one, slow the Python one (``use_fast=False``);
+    mistral (mistral_common) and custom are not built."""
+    trust_remote_code: bool = False
+    """vLLM's: let transformers run the checkpoint's own Python code for its config, tokenizer and image processor
+    (``auto_map``; only from checkpoints you trust). The model itself is always asyncllm's class of its
+    architecture; off, such a checkpoint is a ConfigError naming this field."""
+    enable_prompt_embeds: bool = False
+    """vLLM's: accept prompts given as embeddings, ``{"prompt_embeds": tensor [tokens, hidden]}`` (what the
+    model's input embedding layer returns; docs/sampling.md#prompts-given-as-embeddings). Not with image-text
+    models or a draft model / EAGLE head / MTP layer (n-gram drafts work)."""
+    skip_tokenizer_init: bool = False
+    """vLLM's: load no tokenizer. Prompts are token ids and outputs token ids with empty text; what needs the
+    tokenizer (text prompts, chat, stop strings, bad words, structured output, images) is refused by name."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of `model`."""
+    tokenizer_revision: str | None = None
+    """vLLM's: hub revision of `tokenizer` when that is a hub id of its own (None: its default branch)."""
+    download_dir: str | None = None
+    """vLLM's: the huggingface_hub cache folder a hub id's weights are downloaded to and read from (a draft
+    model's too); None: HF_HUB_CACHE, else huggingface_hub's default. A local folder is read where it is."""
+    dtype: str = "auto"
+    """Weights and activations: float32, bfloat16, float16; auto = float32 on CPU, the checkpoint's half type on GPU."""
+    device: str = "auto"
+    """cpu or cuda; auto picks cuda when available."""
+    seed: int = 0
+    """Seed of the engine's random state (dummy weights, unseeded sampling)."""
+    max_model_len: int | None = None
+    """Longest sequence (prompt + output); defaults to the model's max_position_embeddings."""
+    disable_sliding_window: bool = False
+    """vLLM's: cap max_model_len at the model's sliding window, so that no window ever slides (every layer attends
+    to the whole sequence); no effect on a model without one."""
+    load_format: str = "auto"
+    """auto/safetensors read the checkpoint; dummy makes random weights of the real shapes."""
+    quantization: str | None = None
+    """Weight quantization: None, or fp8 (online: every decoder linear's weight quantized at load to float8_e4m3fn
+    with one scale per tensor and rank, activations per token; see docs/quantization.md). A pre-quantized fp8
+    checkpoint (config.json's quantization_config) is served in its own fp8 with None or fp8; an AWQ or GPTQ one
+    (int4 weights, GPTQ int8 too) with None or its method's name (awq / gptq; vLLM's awq_marlin / gptq_marlin read
+    the same checkpoints); a compressed-tensors one (fp8 W8A8 per tensor, row or block, int8 W8A8, int4 / int8
+    W4A16 / W8A16) with None or compressed-tensors; a GGUF file (the model given as a local .gguf) with None or gguf.
+    Other methods are not built yet."""
+    enforce_eager: bool = False
+    """Never capture CUDA graphs. Otherwise, on CUDA with the triton backend and one rank, decode batches replay graphs captured at start (docs/kernels.md); the CPU and torch_sdpa always run eagerly."""
+    attention_backend: str | None = None
+    """torch_sdpa (CPU default, the reference) or triton (CUDA default; on CPU only with TRITON_INTERPRET=1);
+    flashinfer, flash_attn: an error naming the package when it is missing, not built yet otherwise. None picks the default."""
+    generation_config: str = "auto"
+    """The model's generation config: auto = the model folder's generation_config.json, vllm = the same file without
+    its sampling defaults, or a folder holding one. Its temperature, top_p, top_k, min_p, repetition_penalty and
+    max_new_tokens (as max_tokens) are the defaults of requests without SamplingParams and of server fields left
+    unset (vllm: SamplingParams' own); its suppress_tokens, begin_suppress_tokens and Whisper's task and timestamp
+    tokens apply to every request and its eos_token_id joins the EOS ids, vllm included."""
+    override_generation_config: dict[str, Any] | None = None
+    """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}."""
+    max_logprobs: int = 20
+    """vLLM's: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: the vocabulary's size);
+    a request asking for more is an InvalidRequestError naming the field."""
+    logprobs_mode: str = "raw_logprobs"
+    """What logprobs hold, as vLLM's: raw_logprobs (log-softmax of the model's logits), raw_logits, or
+    processed_logprobs / processed_logits (after logit_bias, penalties, bad words, min_tokens, a grammar, then
+    temperature, top-k, top-p and min-p for sampled rows: the distribution a token was drawn from)."""
+    pooler_config: dict[str, Any] | None = None
+    """vLLM's PoolerConfig as a dict: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (docs/embeddings.md)."""
+    enable_sleep_mode: bool = False
+    """Allow `AsyncEngine.sleep()` / `wake_up()` (vLLM's sleep mode, docs/sleep-mode.md): free the GPU memory of the
+    weights (level 1: kept in CPU memory; level 2: discarded) and of the KV cache between RL rollouts."""
+    hf_overrides: dict[str, Any] | None = None
+    """vLLM's: config.json keys set on top of the checkpoint's, e.g. {"max_position_embeddings": 4096}; a dict
+    value updates a nested config ({"text_config": {...}}). {"architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["no", "yes"], "is_original_qwen3_reranker": true} serves Qwen3-Reranker as a
+    cross-encoder (docs/pooling.md). JSON values only (the config travels to the workers as JSON)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("model", self.model, "a local folder or a hub id (non-empty string)")
+        if self.tokenizer_mode in ("mistral", "custom"):
+            raise NotBuiltError("tokenizer_mode", self.tokenizer_mode, f"tokenizer_mode={self.tokenizer_mode!r} "
+                                                                       "(auto, hf or slow: transformers' tokenizers)")
+        check_choice("tokenizer_mode", self.tokenizer_mode, TOKENIZER_MODES)
+        check_bool("skip_tokenizer_init", self.skip_tokenizer_init)
+        check_bool("enable_prompt_embeds", self.enable_prompt_embeds)
+        check_bool("trust_remote_code", self.trust_remote_code)
+        if self.download_dir is not None and (not isinstance(self.download_dir, str) or not self.download_dir):
+            raise ConfigError("download_dir", self.download_dir, "a folder path (non-empty string), or None")
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("device", self.device, DEVICES)
+        check_int("seed", self.seed, 0)
+        check_int("max_model_len", self.max_model_len, 1, optional=True)
+        check_int("max_logprobs", self.max_logprobs, -1)
+        check_bool("disable_sliding_window", self.disable_sliding_window)
+        check_choice("load_format", self.load_format, LOAD_FORMATS)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            if not isinstance(self.quantization, str):
+                raise ConfigError("quantization", self.quantization, "None or 'fp8'")
+            raise NotBuiltError("quantization", self.quantization, f"{self.quantization!r} weight quantization "
+                                "(only 'fp8', online or pre-quantized, pre-quantized 'awq' / 'gptq' / "
+                                "'compressed-tensors' checkpoints and 'gguf' files)")
+        check_bool("enforce_eager", self.enforce_eager)
+        check_bool("enable_sleep_mode", self.enable_sleep_mode)
+        if self.attention_backend is not None:
+            check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+            check_backend_available(self.attention_backend)
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ConfigError("generation_config", self.generation_config, "'auto', 'vllm' or a folder")
+        check_sampling_fields("override_generation_config", self.override_generation_config)
+        check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
+        check_pooler_config(self.pooler_config)
+        check_json_dict("hf_overrides", self.hf_overrides)
+
+
+def _check_mm_limits(limits: dict[str, int] | None) -> None:
+    """vLLM's ``limit_mm_per_prompt``: counts per modality (a video or audio count for a model without them is
+    refused when the model is known: asyncllm/engine/prepare.py)."""
+    if limits is None:
+        return
+    if not isinstance(limits, dict):
+        raise ConfigError("limit_mm_per_prompt", limits, 'a dict of modality -> count, e.g. {"image": 4}')
+    for modality, count in limits.items():
+        field_name = f"limit_mm_per_prompt.{modality}"
+        if modality not in ("image", "video", "audio"):
+            raise ConfigError(field_name, count, "a modality of 'image', 'video', 'audio'")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ConfigError(field_name, count, "an int >= 0")
+
+
+def _check_media_io(settings: dict[str, Any] | None) -> None:
+    """``media_io_kwargs``: only the video loader's ``num_frames`` is built."""
+    if settings is None:
+        return
+    if not isinstance(settings, dict) or not all(isinstance(v, dict) for v in settings.values()):
+        raise ConfigError("media_io_kwargs", settings, 'a dict of modality -> settings, e.g. {"video": {"num_frames": 16}}')
+    for modality, values in settings.items():
+        for key, value in values.items():
+            if (modality, key) != ("video", "num_frames"):
+                raise NotBuiltError(f"media_io_kwargs.{modality}.{key}", value, "media_io_kwargs other than video num_frames")
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 768:
+                raise ConfigError("media_io_kwargs.video.num_frames", value, "an int in [1, 768]")
+
+
+@dataclass(frozen=True)
+class MultiModalConfig:
+    """Settings of multimodal models (LLaVA, Qwen2-VL, Qwen2.5-VL; docs/multimodal.md)."""
+
+    mm_processor_cache_gb: float = 4.0
+    """GiB of processed multimodal inputs to cache; 0 disables the cache."""
+    mm_processor_cache_type: str = "lru"
+    """lru: key-replicated (keys on the host, data in the core); shm: data in a shared-memory ring the host writes
+    and the core reads, keys in the host (docs/multimodal.md)."""
+    mm_encoder_tp_mode: str = "weights"
+    """weights: the decoder sharded, the (small) vision tower replicated, every rank encodes every image; data: each
+    rank encodes a share of a step's images and the features are all-gathered."""
+    mm_max_image_pixels: int = 16_777_216
+    """Largest image accepted (width x height, read from its header before decoding)."""
+    mm_encoder_cache_gb: float = 0.5
+    """GiB of encoder outputs kept per worker across requests (by image hash); 0 keeps them only during a prefill."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Overrides of the checkpoint's image processor settings, e.g. ``{"max_pixels": 1003520}`` for Qwen2-VL."""
+    media_io_kwargs: dict[str, dict[str, Any]] | None = None
+    """vLLM's media loading settings per modality: ``{"video": {"num_frames": 32}}``, the frames taken (evenly
+    spaced) from an encoded video file; None: 32."""
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """Most inputs per prompt of each modality, e.g. ``{"image": 4, "video": 1}``; 0 refuses that modality (all 0 on
+    Gemma 3: its text decoder alone). None: no limit."""
+
+    def __post_init__(self) -> None:
+        check_float("mm_processor_cache_gb", self.mm_processor_cache_gb, 0.0, 1024.0)
+        check_choice("mm_processor_cache_type", self.mm_processor_cache_type, ("lru", "shm"))
+        check_choice("mm_encoder_tp_mode", self.mm_encoder_tp_mode, ("weights", "data"))
+        check_int("mm_max_image_pixels", self.mm_max_image_pixels, 1)
+        check_float("mm_encoder_cache_gb", self.mm_encoder_cache_gb, 0.0, 1024.0)
+        if self.mm_processor_kwargs is not None and not isinstance(self.mm_processor_kwargs, dict):
+            raise ConfigError("mm_processor_kwargs", self.mm_processor_kwargs, "a dict of image processor settings")
+        _check_mm_limits(self.limit_mm_per_prompt)
+        _check_media_io(self.media_io_kwargs)
+
+    @property
+    def video_num_frames(self) -> int:
+        """Frames sampled from an encoded video file."""
+        return int(((self.media_io_kwargs or {}).get("video") or {}).get("num_frames", 32))
+

@@ -1,0 +1,185 @@
+"""`EngineRequests`: the request methods of `AsyncEngine` (asyncllm/engine/async_engine.py), a mixin: `stream`,
+`chat`, `generate`, and the pooling (`embed`, `classify`, `score`), speech (`transcribe`), batch (`generate_many`)
+and beam-search forms built on them. Each goes through the engine's `_submit` (by `RequestStream`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+import msgspec
+
+from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
+from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.stream import RequestOptions, RequestStream
+from asyncllm.errors import InvalidRequestError
+from asyncllm.lora import LoRARequest
+from asyncllm.outputs import CompletionOutput, RequestOutput
+from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
+from asyncllm.sampling import RequestOutputKind, SamplingParams
+from asyncllm.speech import transcribe, transcribe_segments
+from asyncllm.speech_segments import Segment
+
+__all__ = ["EngineRequests"]
+
+
+class EngineRequests:
+    """Mixin of `AsyncEngine`: what a request looks like to the caller; the engine starts, submits and delivers."""
+
+    if TYPE_CHECKING:
+        async def start(self) -> None: ...
+
+        def default_sampling_params(self) -> SamplingParams: ...
+
+    def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
+               request_id: str | None = None, timeout: float | None = None,
+               cache_salt: str | None = None, lora_request: LoRARequest | None = None,
+               data_parallel_rank: int | None = None) -> RequestStream:
+        """Stream `StreamDelta`s of one completion; leaving the loop aborts it.
+
+        `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md); `data_parallel_rank` on that
+        replica (data_parallel_size > 1; default: the least loaded)."""
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
+                                 data_parallel_rank=data_parallel_rank)
+        return RequestStream(self, prompt, _checked_params(params), options, chat=False)
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,
+             request_id: str | None = None, timeout: float | None = None,
+             cache_salt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
+             lora_request: LoRARequest | None = None, data_parallel_rank: int | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> RequestStream:
+        """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
+
+        `chat_template_kwargs` are variables for the template, as in
+        transformers' ``apply_chat_template`` (``{"enable_thinking": False}``
+        for Qwen3; ``{"add_generation_prompt": False}`` to continue the last message).
+        `tools` are OpenAI function tools for the template; the reply's text
+        holds the calls in the model's format (`asyncllm.tool_calls` parses them).
+        `chat_template` (Jinja) replaces the tokenizer's template for this request; `mm_processor_kwargs` (vLLM's)
+        the image processor's settings for its images (over the engine's; docs/multimodal.md).
+        """
+        options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
+                                 lora_request, data_parallel_rank=data_parallel_rank,
+                                 mm_processor_kwargs=mm_processor_kwargs)
+        return RequestStream(self, messages, _checked_params(params), options, chat=True)
+
+    async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:
+        """Run one request to the end and return it whole, every sample in `.outputs` (options as for `stream`).
+
+        `params.output_kind` does not apply: samples are collected whole on the
+        host (FINAL_ONLY), so the caller's task wakes once per sample.
+        """
+        if _checked_params(params) is None:
+            await self.start()
+            params = self.default_sampling_params()
+        if params.output_kind != RequestOutputKind.FINAL_ONLY:
+            params = msgspec.structs.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+        stream = self.stream(prompt, params, **options)
+        outputs: dict[int, CompletionOutput] = {}
+        async with stream:
+            async for delta in stream:
+                outputs[delta.index] = CompletionOutput(delta.index, delta.text, delta.token_ids, delta.finish_reason,
+                                                        delta.stop_reason, delta.logprobs)
+        collector = stream.collector
+        assert collector is not None and len(outputs) == collector.num_samples, (len(outputs), collector)
+        return RequestOutput(collector.request_id, prompt if isinstance(prompt, str) else None,
+                             collector.prompt_token_ids, [outputs[i] for i in sorted(outputs)], collector.metrics,
+                             collector.num_cached_tokens, prompt_logprobs=collector.prompt_logprobs)
+
+    async def embed(self, prompt: Any, pooling_params: PoolingParams | None = None, *, priority: int = 0,
+                    request_id: str | None = None, timeout: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None,
+                    truncate_prompt_tokens: int | None = None, data_parallel_rank: int | None = None) -> EmbeddingOutput:
+        """The embedding of a prompt (text or token ids): its last token's final hidden state (or the model's
+        MEAN / CLS pooling, ``pooler_config``), normalized unless `pooling_params` says otherwise
+        (docs/embeddings.md). It is scheduled like any request (one prefill and one dropped token), so
+        embeddings and generations share batches."""
+        pooling = PoolingParams() if pooling_params is None else pooling_params
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request, pooling=pooling,
+                                 data_parallel_rank=data_parallel_rank)
+        collector = await self._pool(prompt, options, truncate_prompt_tokens)
+        return EmbeddingOutput(collector.request_id, collector.prompt_token_ids, collector.embedding,
+                               collector.metrics, collector.num_cached_tokens)
+
+    async def classify(self, prompt: Any, *, priority: int = 0, request_id: str | None = None,
+                       timeout: float | None = None, cache_salt: str | None = None,
+                       lora_request: LoRARequest | None = None,
+                       truncate_prompt_tokens: int | None = None,
+                       data_parallel_rank: int | None = None) -> ClassificationOutput:
+        """A ``*ForSequenceClassification`` model's verdict on a prompt (text or token ids): its score head's
+        logits over the last token, the probabilities (softmax; sigmoid for one label) and the top label's
+        name (docs/pooling.md). Scheduled as `embed` is; any other model refuses it."""
+        from asyncllm.engine.scoring import classify
+
+        options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
+                                 data_parallel_rank=data_parallel_rank)
+        return await classify(self, prompt, options, truncate_prompt_tokens)
+
+    async def score(self, text_1: str | list[str], text_2: str | list[str], *, priority: int = 0,
+                    timeout: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None,
+                    truncate_prompt_tokens: int | None = None) -> list[ScoringOutput]:
+        """vLLM's ``LLM.score``: how well each text of `text_2` matches `text_1` (one text for all, 1:N; or
+        one per text, N:N), one `ScoringOutput` per pair in `text_2`'s order. A cross-encoder (a classifier
+        with one label) reads each pair as one prompt (sigmoid of its logit); any other model scores the
+        cosine similarity of the two embeddings (docs/pooling.md)."""
+        from asyncllm.engine.scoring import score
+
+        options = RequestOptions(priority, None, timeout, cache_salt, lora_request=lora_request)
+        return await score(self, text_1, text_2, options, truncate_prompt_tokens)
+
+    async def _pool(self, prompt: Any, options: RequestOptions, truncate_prompt_tokens: int | None) -> RequestCollector:
+        """Run a pooling request (`options.pooling` set) to its end; its collector holds the pooled vector."""
+        params = SamplingParams(max_tokens=1, temperature=0.0, output_kind=RequestOutputKind.FINAL_ONLY,
+                                truncate_prompt_tokens=truncate_prompt_tokens)
+        stream = RequestStream(self, prompt, params, options, chat=False)
+        async with stream:
+            async for _ in stream:
+                pass
+        collector = stream.collector
+        assert collector is not None and collector.embedding is not None, collector
+        return collector
+
+    def transcribe(self, audio: Any, *, task: str = "transcribe", language: str | None = None,
+                   prompt: str | None = None, params: SamplingParams | None = None) -> AsyncIterator[str]:
+        """Speech to text with a Whisper model: the text of ``audio`` (a ``(waveform, rate)`` pair, a waveform or an
+        encoded file) as it comes, ``task`` "translate" into English; ``language`` the spoken one (ISO-639-1, default
+        English), ``prompt`` context before it. Audio longer than the model hears at once (30 s) runs as pieces cut
+        at quiet moments, all at once, their texts in order (docs/multimodal.md#whisper); greedy unless ``params``."""
+        return transcribe(self, audio, task=task, language=language, prompt=prompt, params=params)
+
+    async def transcribe_segments(self, audio: Any, *, task: str = "transcribe", language: str | None = None,
+                                  prompt: str | None = None, params: SamplingParams | None = None) -> list[Segment]:
+        """`transcribe` with timestamps: the audio's segments (``start``/``end`` seconds in the whole audio,
+        ``text``), Whisper's timestamp tokens predicted under its rules (docs/multimodal.md#whisper)."""
+        return await transcribe_segments(self, audio, task=task, language=language, prompt=prompt, params=params)
+
+    async def generate_many(self, prompts: Any, params: Any = None, *, progress: bool = False,
+                            max_concurrency: int | None = None, lora_request: Any = None) -> list[RequestOutput]:
+        """Run a batch job: one `RequestOutput` per prompt, in input order.
+
+        `params` is one `SamplingParams` for all or a list with one per prompt,
+        and so is `lora_request` (a `LoRARequest`, or None for the base model);
+        `progress` shows a tqdm bar; at most `max_concurrency` requests are in
+        flight (default: 2 x max_num_seqs, enough to keep every batch slot fed).
+        The first error cancels the rest and is raised.
+        """
+        from asyncllm.engine.batch import generate_many
+
+        return await generate_many(self, prompts, params, progress=progress, max_concurrency=max_concurrency,
+                                   lora_request=lora_request)
+
+    async def beam_search(self, prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
+        """Beam search (vLLM's ``LLM.beam_search``): the `params.beam_width` most likely continuations, best first
+        (asyncllm/beam_search.py). `options` (priority, lora_request, ...) apply to every step's requests."""
+        from asyncllm.beam_search import beam_search
+
+        return await beam_search(self, prompt, params, **options)
+
+
+def _checked_params(params: SamplingParams | None) -> SamplingParams | None:
+    """`params` if it is a SamplingParams or None (the engine's defaults, resolved once it started)."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise InvalidRequestError("params", f"must be a SamplingParams, got {type(params).__name__}")
+    return params
+
