@@ -49,8 +49,9 @@ class DataParallelEncoder:
         rows = self._gather_rows(len(items), [f.shape[0] for f in features])
         rows_per_rank = [sum(rows[rank :: self.tp.size]) for rank in range(self.tp.size)]
         padded = torch.zeros(max(rows_per_rank), hidden, dtype=dtype, device=self.device)
-        if mine:
-            padded[: rows_per_rank[self.tp.rank]] = torch.cat(features).to(dtype)
+        encoded = [f for f in features if len(f)]  # an item the encoder refused has none (and no device)
+        if encoded:
+            padded[: rows_per_rank[self.tp.rank]] = torch.cat(encoded).to(dtype)
         gathered = self._all_gather_bytes(padded)
         out: list[torch.Tensor] = [torch.empty(0)] * len(items)
         for rank, (share, flat) in enumerate(zip(shares, gathered)):

@@ -91,10 +91,11 @@ def block_extra_keys(
 
 
 def _mm_keys(mm_items: Sequence[MultiModalPlaceholder], start: int, end: int) -> tuple[tuple[str | int, ...], ...]:
-    """``(mm_hash, offset - start)`` of the items overlapping tokens ``[start, end)`` (a piece's first row too:
-    `asyncllm.protocol.MultiModalItem.rows`)."""
-    return tuple((item.mm_hash, item.offset - start, *getattr(item, "rows", ())[:1]) for item in mm_items
-                 if item.offset < end and item.offset + item.length > start)
+    """``(mm_hash, offset - start, length)`` of the items overlapping tokens ``[start, end)`` (a piece's first row
+    too: `asyncllm.protocol.MultiModalItem.rows`). The length keeps an item laid over the wrong number of
+    placeholders (which its workers fail) from sharing blocks with the same item laid right."""
+    return tuple((item.mm_hash, item.offset - start, item.length, *getattr(item, "rows", ())[:1])
+                 for item in mm_items if item.offset < end and item.offset + item.length > start)
 
 
 class _ItemIndex:

@@ -320,6 +320,18 @@ class KVCacheManager:
             self.pool.cache_block(block, block_hash, block_tokens)
         self._num_cached_blocks[req_id] = start + 1
 
+    def holders_of(self, firsts: dict[str, int]) -> dict[str, str]:
+        """The other requests holding a block of these requests' tables from their index ``firsts[req_id]`` on:
+        holder id -> the request whose block it holds."""
+        owner = {block.block_id: req_id for req_id, first in firsts.items()
+                 for block in self.req_to_blocks.get(req_id, ())[first:]}
+        holders = {}
+        for req_id, blocks in self.req_to_blocks.items():
+            source = None if req_id in firsts else next((owner[b.block_id] for b in blocks if b.block_id in owner), None)
+            if source is not None:
+                holders[req_id] = source
+        return holders
+
     def free(self, request: KVRequest) -> None:
         """Release the request's blocks; the tail goes first so that it is evicted first.
 

@@ -15,7 +15,7 @@ Mistral 3's row breaks).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,21 +58,37 @@ def encoded_rows(item: MultiModalItem) -> int:
 def encode_items(model: Any, items: list[MultiModalItem], device: torch.device) -> list[torch.Tensor]:
     """Run ``model.embed_multimodal`` over ``items`` on this rank (batched by pixel shape); features in item order.
 
-    Items of a shape the encoder refuses (it raises: a client's item of a shape the model cannot take) get no rows,
-    the log says why, and `EncoderOutputCache` fails their requests."""
+    Items the encoder refuses (it raises: a client's item of a shape or values the model cannot take; a batch that
+    raises is encoded again item by item, so only those) get no rows, the log says why, and `EncoderOutputCache`
+    fails their requests. Running out of memory or a device error is the workers' failure, as anywhere."""
     by_shape: dict[tuple[int, ...], list[int]] = {}
     for i, item in enumerate(items):
         by_shape.setdefault(tuple(item.shape), []).append(i)
     out: list[torch.Tensor] = [torch.empty(0)] * len(items)
-    for shape, indices in by_shape.items():
-        try:
-            features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in indices]))
-        except (RuntimeError, ValueError, IndexError) as exc:
-            logger.error("the encoder refused %d item(s) of shape %s: %s", len(indices), list(shape), exc)
-            continue
-        for i, rows in zip(indices, features):
-            out[i] = rows
+    for indices in by_shape.values():
+        for batch in _encoded(model, items, indices, device):
+            for i, rows in batch:
+                out[i] = rows
     return out
+
+
+_DEVICE_FAILURES = tuple(getattr(torch, name) for name in ("OutOfMemoryError", "AcceleratorError") if hasattr(torch, name))
+
+
+def _encoded(model: Any, items: list[MultiModalItem], indices: list[int],
+             device: torch.device) -> Iterator[list[tuple[int, torch.Tensor]]]:
+    """(index, features) of ``indices``' items (one shape), in one batch, or one at a time when the batch raises."""
+    for group in (indices, *([i] for i in indices)) if len(indices) > 1 else (indices,):
+        try:
+            features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in group]))
+        except _DEVICE_FAILURES:
+            raise
+        except (RuntimeError, ValueError, IndexError) as exc:
+            logger.error("the encoder refused %d item(s) of shape %s: %s", len(group), items[group[0]].shape, exc)
+            continue
+        yield list(zip(group, features))
+        if group is indices:
+            return
 
 
 def _misfit(index: int, item: MultiModalItem, rows: int) -> str:

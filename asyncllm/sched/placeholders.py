@@ -105,9 +105,13 @@ class OutputPlaceholders:
         """End the requests the workers could not run in the oldest in-flight step (`Scheduler.fail_requests`), as
         of before that step: every in-flight step's advance is taken back first, so the blocks that step and later
         ones fill leave the prefix cache with the request (their KV is not the request's). Call before `commit`."""
+        rows = self.scheduler.rows
+        if failed and self._in_flight:  # only the step's own requests: an id ended since may name a new request
+            oldest = self._in_flight[0].record
+            live = [oldest.req_ids[i] for i in np.flatnonzero(oldest.live(rows)).tolist()]
+            failed = {req_id: failed[req_id] for req_id in live if req_id in failed}
         if not failed:
             return []
-        rows = self.scheduler.rows
         for step in self._in_flight:
             _rewind(step.record, rows)
         deltas = self.scheduler.fail_requests(failed)

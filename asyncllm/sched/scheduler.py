@@ -209,6 +209,11 @@ class Scheduler:
         aborts: call before the step's `update_from_output`, which then drops what they sampled."""
         if not failed:
             return []
+        firsts = {req_id: r.num_computed_tokens // self.block_size
+                  for req_id, r in zip(failed, map(self.requests.get, failed)) if r is not None}
+        # and the holders of their blocks not computed before the failing step (prefix hits on blocks registered
+        # when scheduled, e.g. a sibling sample's): that KV is not right either
+        failed = {**failed, **{h: failed[src] for h, src in self.kv_cache_manager.holders_of(firsts).items()}}
         requests = [r for r in map(self.requests.get, failed) if r is not None]
         self._finish_unscheduled(requests, RequestStatus.FINISHED_ABORTED)
         return [(r.client_id, protocol.RequestOutputDelta(r.request_id, [], "abort", error=failed[r.request_id],

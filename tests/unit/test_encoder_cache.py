@@ -182,6 +182,24 @@ def test_items_of_a_shape_the_encoder_refuses_fail_their_requests_and_the_others
     assert cache.failed == {"odd": "mm_items[0]: the encoder refused its data of shape [5] (the workers' log says why)"}
 
 
+def test_a_batch_the_encoder_refuses_is_encoded_again_item_by_item():
+    """Two images of one shape, one of values the encoder refuses (Mllama's aspect-ratio id out of range is such a
+    case): only its request fails."""
+    class _Picky(_FakeEncoder):
+        def embed_multimodal(self, pixels: torch.Tensor) -> torch.Tensor:
+            if bool((pixels == 666).any()):
+                raise IndexError("index out of range in self")
+            return super().embed_multimodal(pixels)
+
+    model = _Picky()
+    cache = EncoderOutputCache(model, torch.device("cpu"), budget_bytes=0)
+    cache.add_request("bad", [_image(665, 0)])  # pixels 665, 666
+    cache.add_request("ok", [_image(100, 0)])
+    spans = [ScheduledSpan("bad", 0, 2, 0), ScheduledSpan("ok", 0, 2, 2)]
+    assert cache.inputs_embeds(torch.full((4,), 7), spans).flatten().tolist() == [7.0, 7.0, 100.0, 101.0]
+    assert list(cache.failed) == ["bad"] and model.encoded == [100]
+
+
 def test_placeholders_that_disagree_with_an_m_rope_grid_fail_the_request_with_the_error():
     from asyncllm.workers.mm_runner import MRopePositions
 
@@ -224,7 +242,9 @@ def _dp_rank(rank: int, world_size: int, port: int, out_dir: str) -> None:
         results = {n: encoder(IMAGES[:n], 1, torch.float32) for n in (1, 2, 3)}
         bf16 = encoder(IMAGES, 1, torch.bfloat16)  # any dtype crosses (gathered as bytes)
         laid_wrong = encoder([IMAGES[0], msgspec.structs.replace(IMAGES[1], length=1)], 1, torch.float32)
-        torch.save({"results": results, "bf16": bf16, "encoded": model.encoded, "laid_wrong": laid_wrong},
+        refused = encoder([IMAGES[0], msgspec.structs.replace(IMAGES[1], shape=[2, 2])], 1, torch.float32)
+        torch.save({"results": results, "bf16": bf16, "encoded": model.encoded, "laid_wrong": laid_wrong,
+                    "refused": refused},
                    os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -243,6 +263,8 @@ def test_data_parallel_encoding_splits_unevenly_and_gathers_everything(tmp_path)
         # cache then fails its request alike on each), and no rank is left waiting in the gather
         assert [rows.shape[0] for rows in got["laid_wrong"]] == [4, 3]
         assert torch.equal(got["laid_wrong"][1], expected[1])
+        # an item the encoder refuses on one rank (its 3 values cannot take shape [2, 2]) gathers as no rows on all
+        assert [rows.shape[0] for rows in got["refused"]] == [4, 0]
     # round-robin shares: 1 image -> rank 0 alone; 2 -> one each; 3 -> two and one (then 3 again in bf16, then 2)
-    assert ranks[0]["encoded"] == [10, 10, 10, 30, 10, 30, 10]
+    assert ranks[0]["encoded"] == [10, 10, 10, 30, 10, 30, 10, 10]
     assert ranks[1]["encoded"] == [20, 20, 20, 20]

@@ -66,7 +66,8 @@ def _fake_core(scheduler: Scheduler, executor: Executor) -> SimpleNamespace:
         raise exc
 
     return SimpleNamespace(scheduler=scheduler, executor=executor, structured=SimpleNamespace(matchers={}),
-                           send_outputs=sent.extend, recover_workers=recover_workers, sent=sent)
+                           send_outputs=sent.extend, recover_workers=recover_workers, sent=sent,
+                           forget_failed_items=lambda failed: None)  # (no multimodal items here)
 
 
 def test_step_n_plus_1_is_submitted_before_step_n_is_collected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

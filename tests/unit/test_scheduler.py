@@ -435,3 +435,22 @@ def test_reset_prefix_cache_unhashes_free_and_held_blocks():
     sched.add_request(make_request("c", prompt, max_tokens=1))
     run_step(sched)
     assert sched.kv_cache_manager.prefix_cache_hits == 8  # nothing of before the reset was hit
+
+
+def test_a_failed_request_takes_the_requests_that_hit_its_uncomputed_blocks_with_it():
+    """Two samples of one prompt admitted in one step: the second hits the blocks the first registered when it was
+    scheduled. The workers fail the first (its KV there is not right): the second, which reads those blocks, ends
+    with the same error; a request of another prompt runs on, and the blocks leave the prefix cache."""
+    sched = make_scheduler(enable_prefix_caching=True)
+    prompt = list(range(100, 124))
+    for req_id in ("a", "a2"):
+        sched.add_request(make_request(req_id, prompt))
+    sched.add_request(make_request("b", 24))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens["a2"] < 24  # its full blocks came from a's as prefix hits
+    deltas = sched.fail_requests({"a": "mm_items[0]: laid wrong"})
+    assert sorted((d.request_id, d.error) for _, d in deltas) == [("a", "mm_items[0]: laid wrong"),
+                                                                  ("a2", "mm_items[0]: laid wrong")]
+    assert list(sched.requests) == ["b"]
+    sched.add_request(make_request("a3", prompt))
+    assert sched.schedule().num_scheduled_tokens["a3"] == 24  # nothing of a's is cached any more
