@@ -69,6 +69,14 @@ def resolve_device(device: str, rank: int) -> torch.device:
     return torch.device("cuda", rank)
 
 
+def mm_piece_fields(model: Any) -> tuple[int, int]:
+    """`WorkerReady`'s ``mm_piece_merge`` and ``mm_piece_audio_window``: a Qwen-Omni model's (``use_audio_in_video``
+    pieces), read from the whole model a pipeline stage (`StageModel`) wraps; (0, 0) for any other model."""
+    model = getattr(model, "causal_lm", model)
+    merge = int(getattr(model, "merge", 0)) if hasattr(model, "mm_audio_in_video") else 0
+    return merge, int(getattr(model, "mm_piece_audio_window", 0))
+
+
 def load_runner_class(spec: str | None, pipeline_parallel_size: int = 1) -> type:
     """The model runner class: asyncllm's `ModelRunner` (`PipelineModelRunner` with pipeline stages), or
     ``module:Class`` / ``file.py:Class``.
@@ -167,11 +175,10 @@ class Worker:
         architectures = getattr(hf_config, "architectures", None)
         architectures = None if architectures is None else list(architectures)
         checkpoints = int(getattr(getattr(self.runner, "model", None), "checkpoint_slots", 0))  # hybrids' (docs)
-        model = getattr(self.runner, "model", None)
-        piece_merge = int(getattr(model, "merge", 0)) if hasattr(model, "mm_audio_in_video") else 0
+        piece_merge, piece_audio_window = mm_piece_fields(getattr(self.runner, "model", None))
         self.send(protocol.WorkerReady(self.rank, num_blocks, num_cpu_blocks + num_offload_blocks, vocab_size,
                                        checkpoints, num_offload_blocks, piece_merge, self._reports_first_stage(),
-                                       int(getattr(model, "mm_piece_audio_window", 0)), architectures))
+                                       piece_audio_window, architectures))
 
     def run(self) -> None:
         """The command loop; returns on `ShutdownWorker`."""

@@ -26,7 +26,7 @@ from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.core_sleep import SleepController
 from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
-from asyncllm.engine.validation import check_add_request, check_lora_id, served_tasks
+from asyncllm.engine.validation import check_add_request, check_lora_id, record_lora_id, served_tasks
 from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.procutil import exit_when_parent_dies
 from asyncllm.sched.request import Request
@@ -54,7 +54,7 @@ class EngineCore:
         """What the model serves ("generate", "embed", "classify"), as the workers report it; None: unknown (requests
         are not checked)."""
         self.lora_paths: dict[int, str] = {}
-        """Each LoRA adapter id seen -> its path: one id, one adapter (`check_lora_id`)."""
+        """Each LoRA adapter id accepted -> its path's realpath: one id, one adapter (`check_lora_id`)."""
         self.stats_reporter: bytes | None = None
         """The one host that exports the engine-wide metrics (the earliest still attached)."""
         self.executor = Executor(config, hf_config_json=hf_config_json)
@@ -104,7 +104,7 @@ class EngineCore:
             changed = self._drain_inbox(block=not has_work)
             if not self._running:
                 break
-            expired = self.scheduler.finish_expired_requests()  # one comparison when none is due
+            expired = self._finish_expired()  # one comparison when none is due
             if self.structured.pending:  # requests waiting for their grammar (polled at least every 50 ms)
                 expired += self._admit_compiled()
             if self.scheduler.has_unfinished_requests() and not self.sleep.holds_steps:
@@ -143,10 +143,19 @@ class EngineCore:
         self.send_outputs(outputs + failed + step_outputs)
 
 
+    def _finish_expired(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
+        """End the requests whose timeout passed (`Scheduler.finish_expired_requests`), grammar matchers too."""
+        expired = self.scheduler.finish_expired_requests()
+        if expired and self.structured.matchers:
+            self.structured.drop(delta.request_id for _, delta in expired)
+        return expired
+
     def forget_failed_items(self, failed: dict[str, str]) -> None:
         """Drop the multimodal items of requests the workers failed from the processor cache: a malformed item
         (`asyncllm.mm.embeddings`) must not serve the host's next request of its hash, which then resends its data
-        (`MultiModalCacheMiss`)."""
+        (`MultiModalCacheMiss`); and their grammar matchers (a new request may reuse the id)."""
+        if failed and self.structured.matchers:
+            self.structured.drop(failed)
         for request in map(self.scheduler.requests.get, failed):
             if request is not None and request.mm_items:
                 self.mm_cache.forget(item.mm_hash for item in request.mm_items)
@@ -212,8 +221,10 @@ class EngineCore:
             self._add_request(client_id, message)
         elif isinstance(message, protocol.AbortRequests):  # a host aborts its own requests only
             requests = self.scheduler.requests
-            self.scheduler.abort_requests(
+            aborted = self.scheduler.abort_requests(
                 [rid for rid in message.request_ids if (r := requests.get(rid)) is not None and r.client_id == client_id])
+            if aborted and self.structured.matchers:
+                self.structured.drop(r.request_id for r in aborted)
             if self.structured.pending:
                 self.structured.abort(message.request_ids, client_id)
         elif isinstance(message, protocol.Hello):
@@ -233,7 +244,7 @@ class EngineCore:
         elif isinstance(message, (protocol.Sleep, protocol.WakeUp)):
             self.sleep.handle(client_id, message)
         elif isinstance(message, protocol.Goodbye):
-            self.scheduler.abort_client(client_id)
+            self.structured.drop(r.request_id for r in self.scheduler.abort_client(client_id))
             self.structured.abort_client(client_id)
             self.clients.discard(client_id)
             self.mm_cache.detach(client_id)
@@ -255,12 +266,15 @@ class EngineCore:
                 # (a parked structured request's matcher would replace the running one's of the same id)
                 raise errors.InvalidRequestError("request_id", f"{message.request_id!r} is already used by an "
                                                                "unfinished request")
+            # the id is free: a matcher left by an earlier request of it (ended before a step noticed) is not this one's
+            self.structured.drop([message.request_id])
             check_lora_id(message.lora, self.lora_paths)
             request = Request.from_add_request(message, client_id)
             if message.params.structured is not None:
                 self.structured.add(request)  # queued once its grammar has compiled (`_admit_compiled`)
             else:
                 self.scheduler.add_request(request)
+            record_lora_id(message.lora, self.lora_paths)  # once accepted: a refused request pins no id
         except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
             delta = protocol.RequestOutputDelta(message.request_id, [], "abort", error=str(exc),
                                                 error_type=type(exc).__name__)

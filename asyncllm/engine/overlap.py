@@ -98,8 +98,9 @@ class OverlappedSteps:
         """Wait for the oldest step in flight and apply it."""
         core = self.core
         runner_out = core.executor.collect()
-        core.forget_failed_items(runner_out.failed_requests)
-        failed = self.placeholders.fail(runner_out.failed_requests)  # before the step: drop their tokens
+        own = self.placeholders.own(runner_out.failed_requests)
+        core.forget_failed_items(own)
+        failed = self.placeholders.fail(own)  # before the step: drop their tokens
         step_outputs = self.placeholders.commit(runner_out)
         if core.structured.matchers:
             core.structured.accept(step_outputs.deltas, core.scheduler.finish_requests)

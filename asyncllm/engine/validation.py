@@ -12,6 +12,7 @@ crash on (token ids outside the vocabulary, non-finite numbers).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -220,13 +221,20 @@ def _check_task(pooling: PoolingParams | None, tasks: frozenset[str] | None) -> 
 
 def check_lora_id(lora: LoRARequest | None, known: dict[int, str]) -> None:
     """One adapter per ``lora_int_id`` (the workers keep and cache adapters by id), across every host: `known` maps
-    each id seen to its ``lora_path`` and gets this request's."""
+    each id accepted to its folder (`record_lora_id`); two paths to one folder (a symlink) are one adapter, as for
+    the host's `LoRAChecker`."""
     if lora is None:
         return
-    path = known.setdefault(lora.lora_int_id, lora.lora_path)
-    if path != lora.lora_path:
+    path = known.get(lora.lora_int_id)
+    if path is not None and path != os.path.realpath(lora.lora_path):
         raise InvalidRequestError("lora_request", f"lora_int_id {lora.lora_int_id} already names the adapter at "
                                                   f"{path}: one id, one adapter")
+
+
+def record_lora_id(lora: LoRARequest | None, known: dict[int, str]) -> None:
+    """`known` gets the folder of an accepted request's adapter (`check_lora_id` passed)."""
+    if lora is not None:
+        known.setdefault(lora.lora_int_id, os.path.realpath(lora.lora_path))
 
 
 _EMBEDS_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -101,17 +101,23 @@ class OutputPlaceholders:
             self._register_filled_blocks(later.record)
         return outputs
 
+    def own(self, failed: dict[str, str]) -> dict[str, str]:
+        """Of the requests the oldest in-flight step's output failed, those still running that step (an id ended
+        since, failed again by a later step, may already name a new request)."""
+        if not (failed and self._in_flight):
+            return failed
+        oldest = self._in_flight[0].record
+        live = [oldest.req_ids[i] for i in np.flatnonzero(oldest.live(self.scheduler.rows)).tolist()]
+        return {req_id: failed[req_id] for req_id in live if req_id in failed}
+
     def fail(self, failed: dict[str, str]) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
-        """End the requests the workers could not run in the oldest in-flight step (`Scheduler.fail_requests`), as
-        of before that step: every in-flight step's advance is taken back first, so the blocks that step and later
-        ones fill leave the prefix cache with the request (their KV is not the request's). Call before `commit`."""
-        rows = self.scheduler.rows
-        if failed and self._in_flight:  # only the step's own requests: an id ended since may name a new request
-            oldest = self._in_flight[0].record
-            live = [oldest.req_ids[i] for i in np.flatnonzero(oldest.live(rows)).tolist()]
-            failed = {req_id: failed[req_id] for req_id in live if req_id in failed}
+        """End the requests the workers could not run in the oldest in-flight step (`Scheduler.fail_requests`; its
+        `own` ones), as of before that step: every in-flight step's advance is taken back first, so the blocks that
+        step and later ones fill leave the prefix cache with the request (their KV is not the request's). Call
+        before `commit`."""
         if not failed:
             return []
+        rows = self.scheduler.rows
         for step in self._in_flight:
             _rewind(step.record, rows)
         deltas = self.scheduler.fail_requests(failed)

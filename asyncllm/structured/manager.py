@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -90,7 +90,7 @@ class StructuredOutputManager:
     def abort(self, req_ids: list[str], client_id: bytes) -> None:
         """`client_id`'s parked requests among these stop waiting (their job is cancelled if nobody else waits).
 
-        Matchers of scheduled requests go in `grammar_bitmask`, once the scheduler has let them go.
+        Scheduled requests' matchers go by `drop` (the core calls it with the scheduler's aborts).
         """
         for req_id in req_ids:
             entry = self.pending.get(req_id)
@@ -100,6 +100,13 @@ class StructuredOutputManager:
 
     def abort_client(self, client_id: bytes) -> None:
         self.abort(list(self.pending), client_id)
+
+    def drop(self, req_ids: Iterable[str]) -> None:
+        """Forget the matchers (and start_after waits) of these scheduled requests, ended by an abort, a timeout or
+        the workers: a new request of the same id must not inherit them."""
+        for req_id in req_ids:
+            self.matchers.pop(req_id, None)
+            self.waiting.pop(req_id, None)
 
     def poll(self) -> tuple[list[Request], list[tuple[bytes, protocol.RequestOutputDelta]]]:
         """(requests whose grammar is ready, with their matchers made; deltas of failed or timed-out ones).
@@ -164,6 +171,8 @@ class StructuredOutputManager:
         start_after = request.params.structured.start_after_token_ids  # type: ignore[union-attr]
         if start_after:
             self.waiting[request.request_id] = (list(start_after), [])
+        else:
+            self.waiting.pop(request.request_id, None)
         return None
 
     def _release(self, entry: _Pending) -> None:

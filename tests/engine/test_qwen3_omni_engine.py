@@ -23,7 +23,6 @@ from qwen_vl_utils import make_video, video_patches_of
 
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.errors import InvalidRequestError, NotBuiltError
-from asyncllm.protocol import WorkerReady
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -77,9 +76,6 @@ async def test_a_video_beside_an_audio_matches_transformers(engine, tiny_omni3):
     assert out.outputs[0].token_ids == tokens
 
 
-@pytest.mark.skipif("mm_piece_audio_window" not in WorkerReady.__struct_fields__,
-                    reason="the workers do not report the audio window the core checks Qwen3-Omni's audio pieces by "
-                           "(WorkerReady.mm_piece_audio_window) yet")
 async def test_a_video_with_its_audio_matches_transformers_over_prefill_chunks_and_on_a_prefix_cache_hit(
         engine, tiny_omni3):
     """2 fps: temporal patches 13 time positions apart, an audio row one; with a 2.37 s track (31 rows) the video's

@@ -1,18 +1,27 @@
 """`check_add_request` and its helpers: what the engine core refuses in a decoded `AddRequest` that a host would
-have refused or filled in (a peer that is not our host, `AsyncEngine.connect`, skips those steps)."""
+have refused or filled in (a peer that is not our host, `AsyncEngine.connect`, skips those steps); the core's request
+ids and adapter ids, driven through `EngineCore._handle` without workers."""
 
 from __future__ import annotations
 
+import os
 import time
+from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
 import pytest
 
-from asyncllm import InvalidRequestError, SamplingParams, protocol
-from asyncllm.engine.validation import check_add_request, check_lora_id, served_tasks
+from asyncllm import InvalidRequestError, SamplingParams, StructuredOutputs, protocol
+from asyncllm.config import EngineConfig
+from asyncllm.engine.core import EngineCore
+from asyncllm.engine.validation import check_add_request, check_lora_id, record_lora_id, served_tasks
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
+from asyncllm.sched.request import Request
+from asyncllm.sched.scheduler import Scheduler
+from asyncllm.structured.manager import StructuredOutputManager
 
 VOCAB = 512
 GENERATES = frozenset({"generate", "embed"})
@@ -65,10 +74,119 @@ def test_served_tasks_follow_the_architecture() -> None:
 
 def test_one_adapter_path_per_lora_id_across_hosts() -> None:
     known: dict[int, str] = {}
-    check_lora_id(LoRARequest("a", 1, "/a"), known)
-    check_lora_id(LoRARequest("also a", 1, "/a"), known)  # another host's name for the same adapter
-    check_lora_id(LoRARequest("b", 2, "/b"), known)
-    check_lora_id(None, known)
+    for lora in (LoRARequest("a", 1, "/a"), LoRARequest("also a", 1, "/a"), LoRARequest("b", 2, "/b"), None):
+        check_lora_id(lora, known)  # "also a": another host's name for the same adapter
+        record_lora_id(lora, known)
     with pytest.raises(InvalidRequestError, match="lora_int_id 1 already names the adapter at /a") as info:
         check_lora_id(LoRARequest("b", 1, "/b"), known)
     assert info.value.field == "lora_request" and known == {1: "/a", 2: "/b"}
+
+
+def test_a_symlink_to_the_adapter_folder_is_the_same_adapter(tmp_path) -> None:
+    """Host A sends the path through a symlink, host B the folder itself (the host's `_same_folder` does the same)."""
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "adapter")
+    known: dict[int, str] = {}
+    record_lora_id(LoRARequest("a", 1, str(tmp_path / "link")), known)
+    check_lora_id(LoRARequest("a", 1, str(tmp_path / "adapter")), known)
+    check_lora_id(LoRARequest("a", 1, str(tmp_path / "link")), known)
+    assert known == {1: os.path.realpath(tmp_path / "adapter")}
+
+
+# ------------------------------------------------------------ the core's _add_request, without workers
+class _ManualPool:
+    """A grammar compile pool whose jobs are done at once (a stand-in grammar: the matcher is faked too)."""
+
+    ready_since = None
+
+    def submit(self, structured: StructuredOutputs) -> Future:
+        future: Future = Future()
+        future.set_result("grammar")
+        return future
+
+    def release(self, structured, future, still_wanted: bool) -> None:
+        pass
+
+
+def _core(monkeypatch: pytest.MonkeyPatch, now: list[float],
+          **config: Any) -> tuple[EngineCore, list[protocol.RequestOutputDelta]]:
+    """An `EngineCore` with a real scheduler and structured-output manager, no executor; returns the deltas sent."""
+    xgr = pytest.importorskip("xgrammar")
+    monkeypatch.setattr(xgr, "GrammarMatcher", lambda grammar, **kwargs: SimpleNamespace(grammar=grammar))
+    sent: list[protocol.RequestOutputDelta] = []
+    core = EngineCore.__new__(EngineCore)
+    core.config = EngineConfig.create("dummy-model", block_size=4, **config)
+    core.executor, core.tasks, core.lora_paths, core.clients = SimpleNamespace(vocab_size=VOCAB), None, {}, {b"h"}
+    core.mm_cache, core.stats_reporter = SimpleNamespace(detach=lambda client_id: None), b"h"
+    core.io = SimpleNamespace(send=lambda client, outputs: sent.extend(outputs.outputs))
+    core.scheduler = Scheduler(core.config, 64, 256, clock=lambda: now[0])
+    core.structured = StructuredOutputManager("unused", VOCAB, 30.0)
+    core.structured._compilers = _ManualPool()  # type: ignore[assignment]
+    return core, sent
+
+
+def _add(core: EngineCore, req_id: str, structured: StructuredOutputs | None = None, **fields: Any) -> None:
+    message = protocol.AddRequest(req_id, [1, 2, 3], SamplingParams(max_tokens=8, structured=structured), [2],
+                                  time.time(), **fields)
+    core._handle(b"h", message)
+    if structured is not None:
+        core._admit_compiled()
+
+
+@pytest.mark.parametrize("ended_by", ["abort", "timeout", "failed", "goodbye"])
+def test_a_reused_request_id_inherits_no_grammar(monkeypatch: pytest.MonkeyPatch, ended_by: str) -> None:
+    """A structured request ends before any step notices (the engine idle); a new request of its id, plain or
+    structured, must not get its matcher (a plain one would be masked, then aborted by the old grammar) nor its
+    start_after wait."""
+    now = [0.0]
+    core, sent = _core(monkeypatch, now)
+    _add(core, "r", StructuredOutputs(choice=["x"], start_after_token_ids=[40]), timeout=1.0)
+    assert "r" in core.scheduler.requests and "r" in core.structured.matchers and "r" in core.structured.waiting
+    if ended_by == "abort":
+        core._handle(b"h", protocol.AbortRequests(["r"]))
+    elif ended_by == "timeout":
+        now[0] = 2.0
+        assert [delta.finish_reason for _, delta in core._finish_expired()] == ["timeout"]
+    elif ended_by == "failed":
+        core.forget_failed_items({"r": "bad item"})
+        core.scheduler.fail_requests({"r": "bad item"})
+    else:
+        core._handle(b"h", protocol.Goodbye())
+        core.clients.add(b"h")  # it comes back
+    assert "r" not in core.scheduler.requests
+    assert not core.structured.matchers and not core.structured.waiting
+    _add(core, "r")
+    assert "r" in core.scheduler.requests and not core.structured.matchers and sent == []
+    core._handle(b"h", protocol.AbortRequests(["r"]))
+    _add(core, "r", StructuredOutputs(choice=["x"]))
+    assert "r" in core.structured.matchers and not core.structured.waiting and sent == []
+
+
+def test_a_free_request_id_drops_whatever_matcher_is_left_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However the earlier request of an id ended, the core accepting the id again starts it without its grammar."""
+    core, sent = _core(monkeypatch, [0.0])
+    core.structured.matchers["r"], core.structured.waiting["r"] = object(), ([40], [])
+    _add(core, "r")
+    assert "r" in core.scheduler.requests and not core.structured.matchers and not core.structured.waiting
+    message = protocol.AddRequest("s", [1, 2, 3], SamplingParams(structured=StructuredOutputs(choice=["x"])), [2], 0.0)
+    core.structured.add(Request.from_add_request(message, b"h"))
+    core.structured.waiting["s"] = ([40], [])  # a stale wait, not this request's (it has no start_after)
+    ready, failed = core.structured.poll()
+    assert [r.request_id for r in ready] == ["s"] and failed == [] and "s" not in core.structured.waiting
+    assert sent == []
+
+
+def test_a_refused_request_pins_no_lora_id(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """The core records an adapter id once it accepted the request: a refused one does not bind the id to its path."""
+    core, sent = _core(monkeypatch, [0.0], enable_lora=True)
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "adapter")
+    message = protocol.AddRequest("too-long", list(range(3, 300)), SamplingParams(max_tokens=8), [2], time.time(),
+                                  lora=LoRARequest("a", 1, "/elsewhere"))
+    core._handle(b"h", message)  # longer than max_model_len: refused by the scheduler
+    assert [delta.request_id for delta in sent] == ["too-long"] and core.lora_paths == {}
+    _add(core, "a", lora=LoRARequest("a", 1, str(tmp_path / "link")))
+    _add(core, "b", lora=LoRARequest("a", 1, str(tmp_path / "adapter")))  # another host's path to the same folder
+    _add(core, "c", lora=LoRARequest("a", 1, str(tmp_path / "link")))
+    assert len(sent) == 1 and {"a", "b", "c"} <= set(core.scheduler.requests)
+    assert core.lora_paths == {1: os.path.realpath(tmp_path / "adapter")}

@@ -318,6 +318,22 @@ def _tiny_qwen3_omni(path: Any) -> str:
     return save_tiny_thinker(path, Qwen3OmniMoeThinkerForConditionalGeneration, three_layers, _TOKENS, 0, 16)
 
 
+def test_stages_of_qwen3_omni_report_its_audio_in_video_pieces(tmp_path) -> None:
+    """Each stage's `WorkerReady` carries the whole model's piece merge and audio window (a `StageModel` has neither:
+    the core would refuse every ``use_audio_in_video`` request)."""
+    from asyncllm.workers.worker import mm_piece_fields
+
+    path = _tiny_qwen3_omni(tmp_path / "qwen3_omni")
+    hf_config = load_hf_config(path)
+    config = EngineConfig.create(path, max_model_len=128, pipeline_parallel_size=2)
+    expected = (hf_config.vision_config.spatial_merge_size, hf_config.audio_config.n_window)
+    assert all(expected) and mm_piece_fields(load_model(config, hf_config, CPU, torch.float32)) == expected
+    for stage in (PipelineStage(r, 2, *get_pp_indices(3, r, 2)) for r in range(2)):
+        model = StageModel(load_model(config, hf_config, CPU, torch.float32, pipeline=stage), stage, MemoryChannel())
+        assert mm_piece_fields(model) == expected
+    assert mm_piece_fields(None) == (0, 0)
+
+
 def _tiny_granite_speech(path: Any) -> str:
     from granite_speech_utils import tiny_granite_speech_model
 

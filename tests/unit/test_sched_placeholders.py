@@ -273,6 +273,28 @@ def test_a_reused_request_id_never_gets_the_old_requests_tokens():
     assert sched.kv_cache_manager.num_used_blocks == 0
 
 
+def test_a_failure_a_later_step_reports_for_an_ended_id_spares_its_new_request():
+    """'a' fails in step 0 while step 1 (which touches 'a' again and will report it again) is in flight; a new 'a'
+    admitted meanwhile is not the failed one: only the oldest step's own requests fail."""
+    config = EngineConfig.create("dummy-model", block_size=4, max_num_batched_tokens=64)
+    sched = make_scheduler(config, 32, 0, [0.0])
+    placeholders = OutputPlaceholders(sched)
+    worker = FakeWorker(32, 4)
+    _add(sched, "a", [1, 2, 4, 0, 5, 1], 8)
+    steps = [sched.schedule()]
+    placeholders.advance(steps[0])
+    steps.append(sched.schedule())
+    placeholders.advance(steps[1])
+    out0, out1 = worker.execute(steps[0]), worker.execute(steps[1])
+    assert placeholders.own({"a": "bad"}) == {"a": "bad"}
+    placeholders.fail({"a": "bad"})
+    placeholders.commit(out0)
+    new = _add(sched, "a", [3, 3, 3], 2)
+    assert placeholders.own({"a": "bad again"}) == {}  # step 1's "a" is gone: its report names the old one
+    placeholders.commit(out1)
+    assert sched.requests["a"] is new
+
+
 def test_blocks_ending_in_a_placeholder_enter_the_prefix_cache_once_their_token_is_known():
     """A decode fills a block whose last token was a placeholder when it was scheduled: the block is cached
     as soon as that token is committed, so after every step all the computed full blocks are cached (as in
