@@ -36,9 +36,9 @@ logger = logging.getLogger(__name__)
 
 
 def refuse_unbuilt(runner: Any, command: protocol.Sleep | protocol.WakeUp) -> None:
-    """A level-2 sleep of a pre-quantized checkpoint: its weights would come back only through `update_weights`,
-    which does not load those (level 1 moves every tensor, and works)."""
-    if not isinstance(command, protocol.Sleep) or command.level != 2:
+    """A level-2 sleep of a pre-quantized checkpoint's weights: they would come back only through `update_weights`,
+    which does not load those (level 1 moves every tensor, and works; the KV cache alone sleeps at either level)."""
+    if not isinstance(command, protocol.Sleep) or command.level != 2 or "weights" not in (command.tags or ["weights"]):
         return
     try:
         weight_update.refuse_unbuilt(runner, "sleep(level=2)")

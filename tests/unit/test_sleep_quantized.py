@@ -128,6 +128,9 @@ def test_level_2_of_a_pre_quantized_checkpoint_is_refused_by_name(runner_for) ->
     error = sleep_error(RunnerSleep(runner).handle(protocol.Sleep("s", 2), rank=0))
     assert isinstance(error, NotBuiltError) and error.field == "model" and "(fp8)" in str(error)
     assert len(runner.kv_caches) > 0  # nothing changed
+    sleeper = RunnerSleep(runner)
+    assert sleep_error(sleeper.handle(protocol.Sleep("s", 2, tags=["kv_cache"]), rank=0)) is None  # no weights
+    assert sleeper.kv_asleep and sleeper.weights == "awake"
 
 
 class _Method:
