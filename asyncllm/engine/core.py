@@ -135,7 +135,7 @@ class EngineCore:
             self.recover_workers(exc)
             self.send_outputs(outputs)
             return
-        self.forget_failed_items(runner_out.failed_requests)
+        self.forget_failed(runner_out.failed_requests)
         failed = self.scheduler.fail_requests(runner_out.failed_requests)  # before the step: drop their tokens
         step_outputs = self.scheduler.update_from_output(sched_out, runner_out)
         if self.structured.matchers:
@@ -150,7 +150,7 @@ class EngineCore:
             self.structured.drop(delta.request_id for _, delta in expired)
         return expired
 
-    def forget_failed_items(self, failed: dict[str, str]) -> None:
+    def forget_failed(self, failed: dict[str, str]) -> None:
         """Drop the multimodal items of requests the workers failed from the processor cache: a malformed item
         (`asyncllm.mm.embeddings`) must not serve the host's next request of its hash, which then resends its data
         (`MultiModalCacheMiss`); and their grammar matchers (a new request may reuse the id)."""

@@ -99,7 +99,7 @@ class OverlappedSteps:
         core = self.core
         runner_out = core.executor.collect()
         own = self.placeholders.own(runner_out.failed_requests)
-        core.forget_failed_items(own)
+        core.forget_failed(own)
         failed = self.placeholders.fail(own)  # before the step: drop their tokens
         step_outputs = self.placeholders.commit(runner_out)
         if core.structured.matchers:

@@ -15,7 +15,7 @@ Mistral 3's row breaks).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,29 +66,28 @@ def encode_items(model: Any, items: list[MultiModalItem], device: torch.device) 
         by_shape.setdefault(tuple(item.shape), []).append(i)
     out: list[torch.Tensor] = [torch.empty(0)] * len(items)
     for indices in by_shape.values():
-        for batch in _encoded(model, items, indices, device):
-            for i, rows in batch:
-                out[i] = rows
+        features = _encode(model, items, indices, device)
+        if features is None and len(indices) > 1:  # again one by one: only the refused items get no rows
+            alone = [_encode(model, items, [i], device) for i in indices]
+            features = [torch.empty(0) if one is None else one[0] for one in alone]
+        for i, rows in zip(indices, () if features is None else features):
+            out[i] = rows
     return out
 
 
 _DEVICE_FAILURES = tuple(getattr(torch, name) for name in ("OutOfMemoryError", "AcceleratorError") if hasattr(torch, name))
 
 
-def _encoded(model: Any, items: list[MultiModalItem], indices: list[int],
-             device: torch.device) -> Iterator[list[tuple[int, torch.Tensor]]]:
-    """(index, features) of ``indices``' items (one shape), in one batch, or one at a time when the batch raises."""
-    for group in (indices, *([i] for i in indices)) if len(indices) > 1 else (indices,):
-        try:
-            features = model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in group]))
-        except _DEVICE_FAILURES:
-            raise
-        except (RuntimeError, ValueError, IndexError) as exc:
-            logger.error("the encoder refused %d item(s) of shape %s: %s", len(group), items[group[0]].shape, exc)
-            continue
-        yield list(zip(group, features))
-        if group is indices:
-            return
+def _encode(model: Any, items: list[MultiModalItem], indices: list[int], device: torch.device) -> Any:
+    """``model.embed_multimodal`` of ``indices``' items (one shape) in one batch; None when the encoder refuses them
+    (logged)."""
+    try:
+        return model.embed_multimodal(torch.stack([_pixels(items[i], device) for i in indices]))
+    except _DEVICE_FAILURES:
+        raise
+    except (RuntimeError, ValueError, IndexError) as exc:
+        logger.error("the encoder refused %d item(s) of shape %s: %s", len(indices), items[indices[0]].shape, exc)
+        return None
 
 
 def _misfit(index: int, item: MultiModalItem, rows: int) -> str:

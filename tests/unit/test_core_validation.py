@@ -148,7 +148,7 @@ def test_a_reused_request_id_inherits_no_grammar(monkeypatch: pytest.MonkeyPatch
         now[0] = 2.0
         assert [delta.finish_reason for _, delta in core._finish_expired()] == ["timeout"]
     elif ended_by == "failed":
-        core.forget_failed_items({"r": "bad item"})
+        core.forget_failed({"r": "bad item"})
         core.scheduler.fail_requests({"r": "bad item"})
     else:
         core._handle(b"h", protocol.Goodbye())

@@ -67,7 +67,7 @@ def _fake_core(scheduler: Scheduler, executor: Executor) -> SimpleNamespace:
 
     return SimpleNamespace(scheduler=scheduler, executor=executor, structured=SimpleNamespace(matchers={}),
                            send_outputs=sent.extend, recover_workers=recover_workers, sent=sent,
-                           forget_failed_items=lambda failed: None)  # (no multimodal items here)
+                           forget_failed=lambda failed: None)  # (no multimodal items here)
 
 
 def test_step_n_plus_1_is_submitted_before_step_n_is_collected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
