@@ -144,6 +144,15 @@ def test_gpu_session_step_gets_its_environment(tmp_path: Path, monkeypatch: pyte
     assert "pipeline=0" in (tmp_path / "session.log").read_text()
 
 
+def test_gpu_session_pytest_steps_name_existing_tests() -> None:
+    """A renamed test file would make a GPU session's pytest step fail at collection, a device call lost."""
+    from asyncllm.bench import gpu_session
+
+    root = Path(__file__).resolve().parents[2]
+    paths = [arg for step in gpu_session.STEPS if step.pytest for arg in step.argv if arg.startswith("tests/")]
+    assert len(paths) > 8 and not [p for p in paths if not (root / p).exists()]
+
+
 def test_latency(tmp_path: Path) -> None:
     result = _run(tmp_path, ["latency", "--input-len", "16", "--output-len", "12", "--num-iters", "2"])
     metrics = result["metrics"]

@@ -56,6 +56,7 @@ async def test_gpu_greedy_parity_fp32(request: pytest.FixtureRequest, fixture: s
     async with AsyncEngine(path, device="cuda", dtype="float32", attention_backend=backend,
                            enforce_eager=enforce_eager, max_num_seqs=32,  # graphs of 1, 2, 4, 8, 16, 24, 32
                            max_num_batched_tokens=64, num_gpu_blocks_override=1024,  # not 90% of the GPU
+                           kv_cache_memory_bytes=1 << 28,  # no profile: test processes share the GPU
                            disable_log_stats=True) as engine:
         for requests in _rounds():
             outs = await asyncio.gather(*(
@@ -74,7 +75,8 @@ async def test_gpu_weight_update_keeps_graphs_exact(tiny_llama: str, enforce_eag
 
     other = tiny_checkpoint("llama", seed=1)
     async with AsyncEngine(tiny_llama, device="cuda", dtype="float32", enforce_eager=enforce_eager, max_num_seqs=32,
-                           max_num_batched_tokens=64, num_gpu_blocks_override=1024, disable_log_stats=True) as engine:
+                           max_num_batched_tokens=64, num_gpu_blocks_override=1024, kv_cache_memory_bytes=1 << 28,
+                           disable_log_stats=True) as engine:
         for index, path in enumerate((tiny_llama, other, tiny_llama)):
             if index:
                 assert await engine.update_weights(path) == index

@@ -26,7 +26,8 @@ async def test_pipeline_stages_on_gpus_equal_transformers(tp: int) -> None:
     prompts = [[rng.randrange(6, 500) for _ in range(rng.randint(3, 70))] for _ in range(12)]
     greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     async with AsyncEngine(path, device="cuda", dtype="float32", pipeline_parallel_size=2, tensor_parallel_size=tp,
-                           max_num_batched_tokens=64, num_gpu_blocks_override=1024, disable_log_stats=True) as engine:
+                           max_num_batched_tokens=64, num_gpu_blocks_override=1024, kv_cache_memory_bytes=1 << 28,
+                           disable_log_stats=True) as engine:
         outs = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(path, prompt, 24, eos_token_id=None), f"{len(prompt)} tokens"

@@ -40,6 +40,7 @@ async def test_gpu_sleep_frees_memory_and_wakes_up_exact(tiny_llama: str, enforc
     blocks = 4 * _GIB // (2 * 2 * 16 * 2 * 16 * 4)  # tiny llama, fp32: 2 layers x K,V x 16 tokens x 2 heads x 16
     async with AsyncEngine(tiny_llama, device="cuda", dtype="float32", enforce_eager=enforce_eager, max_num_seqs=32,
                            max_num_batched_tokens=64, num_gpu_blocks_override=blocks, enable_sleep_mode=True,
+                           kv_cache_memory_bytes=1 << 28,  # no profile: test processes share the GPU
                            disable_log_stats=True) as engine:
         assert await _tokens(engine) == expected
         awake = _free()
@@ -65,7 +66,7 @@ async def test_gpu_tensors_pushed_in_place_keep_the_decode_graphs_exact(tiny_lla
 
     other = tiny_checkpoint("llama", seed=1)
     async with AsyncEngine(tiny_llama, device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
-                           disable_log_stats=True) as engine:
+                           kv_cache_memory_bytes=1 << 28, disable_log_stats=True) as engine:
         assert await _tokens(engine) == [hf_greedy(tiny_llama, prompt, GREEDY.max_tokens) for prompt in PROMPTS]
         pushed = {name: tensor.cuda() for name, tensor in hf_state_dict(other).items()}
         assert await engine.update_weights_from_tensors(pushed) == 1

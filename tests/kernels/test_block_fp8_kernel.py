@@ -5,7 +5,10 @@ a multiple of the weight block, a group size that is no power of two.
 Tolerances: the quantizer must equal the reference bit for bit (IEEE divisions, nearest-even rounding). The
 GEMM's fp8 products are exact in float32, so float32 output differs from the reference (dequantize, then one
 float32 matmul) only by the order of float32 sums and of the scale multiplications: 1e-5 relative to the
-output's largest magnitude. float16 output adds one rounding of the result: 2 units in the last place.
+output's largest magnitude (interpreted). On a GPU the fp8 tensor cores sum each group's products with fewer
+bits than float32 (about 14 on Hopper: why DeepGEMM promotes the partial sums to float32 every 128 products;
+an H200 measured 2.8e-4 of the largest magnitude), so the bound there is 2^-9 of it. float16 output adds one
+rounding of the result: 2 units in the last place.
 """
 
 from __future__ import annotations
@@ -18,6 +21,11 @@ from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8, w8a8_block_fp8
 from kernel_testing import DEVICE, ELEMENTWISE_TOL, assert_close, randn
 
 FP8 = torch.float8_e4m3fn
+FP32_BOUND = 2.0**-9 if DEVICE.type == "cuda" else 1e-5  # of the largest magnitude (module doc)
+
+
+def _fp32_tol(expected: torch.Tensor) -> tuple[float, float]:
+    return FP32_BOUND * float(expected.abs().max()), FP32_BOUND
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -66,7 +74,7 @@ def test_block_fp8_matmul_equals_the_reference(m: int, n: int, k: int, block: tu
     expected = reference.w8a8_block_fp8_matmul(*(t.cpu() for t in (a_q, a_s, b_q, b_s)), block, torch.float32)
     assert out.shape == (m, n) and out.dtype == out_dtype
     if out_dtype == torch.float32:
-        assert_close(out, expected, (1e-5 * float(expected.abs().max()), 1e-5))
+        assert_close(out, expected, _fp32_tol(expected))
     else:
         assert_close(out, expected.to(out_dtype), ELEMENTWISE_TOL[torch.float16])
 
@@ -81,7 +89,7 @@ def test_a_strided_activation_and_the_scales_of_each_block_column() -> None:
     b_s[1, 2] = 0.0
     out = w8a8_block_fp8_matmul(wide[:, :k], a_s, b_q, b_s, block, torch.float32)
     expected = reference.w8a8_block_fp8_matmul(*(t.cpu() for t in (a_q, a_s, b_q, b_s)), block, torch.float32)
-    assert_close(out, expected, (1e-5 * float(expected.abs().max()), 1e-5))
+    assert_close(out, expected, _fp32_tol(expected))
 
 
 def test_the_launchers_check_their_arguments() -> None:
@@ -114,4 +122,4 @@ def test_a_layers_triton_product_equals_its_dequantize_fallback() -> None:
     out = Fp8BlockLinearMethod(block, use_triton=True).apply(layer, x, layer.bias)
     expected = Fp8BlockLinearMethod(block, use_triton=False).apply(layer, x, layer.bias)
     assert out.shape == (3, 5, 40)
-    assert_close(out, expected, (1e-5 * float(expected.abs().max()), 1e-5))
+    assert_close(out, expected, _fp32_tol(expected))

@@ -21,7 +21,7 @@ async def test_triton_engine_greedy_parity(tiny_llama: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     async with AsyncEngine(
         path, attention_backend="triton", dtype="float32", max_num_batched_tokens=16, block_size=8,
-        num_gpu_blocks_override=256, disable_log_stats=True,
+        num_gpu_blocks_override=256, kv_cache_memory_bytes=1 << 28, disable_log_stats=True,  # no profile: tests share a GPU
     ) as engine:  # 16-token steps: the longer prompt is chunked over cached context while the other decodes
         outs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
     for prompt, out in zip(PROMPTS, outs):
@@ -42,7 +42,7 @@ async def test_triton_engine_whisper_cross_attention(tmp_path) -> None:
     audios = [make_audio(3.0, seed=2)]  # no silent padding: every encoder row counts
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, prompt_logprobs=0)
     async with AsyncEngine(path, attention_backend="triton", dtype="float32", max_num_batched_tokens=8,
-                           disable_log_stats=True) as engine:
+                           kv_cache_memory_bytes=1 << 28, disable_log_stats=True) as engine:
         outs = await asyncio.gather(*(engine.generate({"prompt": p, "multi_modal_data": {"audio": (a, SAMPLING_RATE)}},
                                                       params) for p, a in zip(prompts, audios)))
     tokenizer = AutoTokenizer.from_pretrained(path)
