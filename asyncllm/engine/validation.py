@@ -215,7 +215,7 @@ def _check_task(pooling: PoolingParams | None, tasks: frozenset[str] | None) -> 
     not serve (`PoolingModel.check`), and so does the core."""
     task = "generate" if pooling is None else pooling.task
     if tasks is not None and task not in tasks:
-        raise InvalidRequestError("prompt" if pooling is None else "task",
+        raise InvalidRequestError("prompt" if pooling is None else "model",  # as the host (`PoolingModel.check`)
                                   f"this model serves {' and '.join(sorted(tasks))} requests only, not {task}")
 
 

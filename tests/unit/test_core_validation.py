@@ -41,8 +41,8 @@ def _message(**fields: Any) -> protocol.AddRequest:
     ("lora_request", {"lora": LoRARequest("", 1, "/adapter")}, None),
     ("pooling_type", {"pooling": PoolingParams(pooling_type="MAX"), "params": {"max_tokens": 1}}, None),
     ("max_tokens", {"pooling": PoolingParams()}, None),  # a host's embed and classify sample one token
-    ("task", {"pooling": PoolingParams(task="classify"), "params": {"max_tokens": 1}}, GENERATES),  # no score head
-    ("task", {"pooling": PoolingParams(), "params": {"max_tokens": 1}}, frozenset({"classify"})),
+    ("model", {"pooling": PoolingParams(task="classify"), "params": {"max_tokens": 1}}, GENERATES),  # no score head
+    ("model", {"pooling": PoolingParams(), "params": {"max_tokens": 1}}, frozenset({"classify"})),
     ("prompt", {}, frozenset({"embed"})),  # no LM head
 ])
 def test_what_only_a_host_checks_names_its_field(field: str, fields: dict, tasks: frozenset[str] | None) -> None:
