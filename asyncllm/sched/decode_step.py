@@ -10,7 +10,7 @@ one (allocation, prefix-cache hashing, about one in `block_size`), appending
 each sampled token to its request's token list, and a full delta for the
 requests that stop or report more than a token. Each declines (0 / None,
 nothing changed) or stops part-way when the step is not of that kind; the
-per-request loops (`Scheduler._schedule_running`, asyncllm/sched/update_each.py)
+per-request loops (asyncllm/sched/schedule_each.py, asyncllm/sched/update_each.py)
 do the rest, with the same result.
 """
 

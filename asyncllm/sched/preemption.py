@@ -9,7 +9,10 @@ first when the token budget is short.
 `Preemptor.preempt` frees the victim's GPU blocks, by recompute (its KV is
 dropped) or by swap (its computed blocks are copied to the CPU `SwapSpace`
 first; recompute when that is full), puts it back at the front of the
-waiting queue, counts it and warns (rate-limited).
+waiting queue, counts it and warns (rate-limited). While the scheduler builds
+a step, `preempt_in_step` also drops the victim's row and lists it in the
+step's `preempted_req_ids`; `preempt_until_allocated` takes victims from the
+tail of `running` until a request's new slots fit.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import bisect
 import logging
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from asyncllm.kv.manager import KVCacheManager
 from asyncllm.kv.swap import SwapSpace
@@ -25,7 +29,10 @@ from asyncllm.protocol import EngineCoreEventType
 from asyncllm.sched.queue import RequestQueue
 from asyncllm.sched.request import Request, RequestStatus
 
-__all__ = ["PreemptionLogger", "Preemptor", "insert_running"]
+if TYPE_CHECKING:
+    from asyncllm.sched.scheduler import Scheduler, _Step
+
+__all__ = ["PreemptionLogger", "Preemptor", "insert_running", "preempt_in_step", "preempt_until_allocated"]
 
 logger = logging.getLogger("asyncllm.sched")
 
@@ -101,3 +108,28 @@ class Preemptor:
         self.waiting.add_preempted(request)
         self.num_preemptions_total += 1
         self.logger.record(request.request_id, mode, self.num_preemptions_total, why)
+
+
+def preempt_in_step(sched: Scheduler, request: Request, step: _Step,
+                    why: str = "the KV cache ran out of free blocks") -> None:
+    """Preempt `request`, already taken out of `sched.running`, in the step being scheduled."""
+    assert not step.blocks_to_swap_in, "a swap-out after a swap-in could reuse a CPU block being read"
+    sched.rows.detach(request)
+    sched.preemptor.preempt(request, step.blocks_to_swap_out, why)
+    step.preempted_req_ids.append(request.request_id)
+
+
+def preempt_until_allocated(sched: Scheduler, request: Request, num_new: int, step: _Step) -> list[int] | None:
+    """Preempt the last running requests (maybe `request` itself) until its slots fit; None if it was the victim.
+
+    The last running request is never one scheduled in this step: those
+    come before `request`, which is itself still in the list.
+    """
+    while True:
+        victim = sched.running.pop()
+        preempt_in_step(sched, victim, step)
+        if victim is request:
+            return None
+        new_block_ids = sched.kv_cache_manager.allocate_slots(request, num_new)
+        if new_block_ids is not None:
+            return new_block_ids

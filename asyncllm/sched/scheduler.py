@@ -13,6 +13,10 @@ One `schedule()` builds one step under `max_num_batched_tokens` tokens and
    left: prefix-cache hits (plus a swapped request's swap-in), then the prompt
    or a chunk of it, until blocks, budget or seats run out.
 
+Steps 0 and 2 are in asyncllm/sched/schedule_waiting.py; step 1 schedules the
+decodes in bulk (asyncllm/sched/decode_step.py), the rest one request at a time
+(asyncllm/sched/schedule_each.py).
+
 Every swap-out of a step is decided before any swap-in, and workers copy out,
 then in, then run the forward: a GPU block freed by a swap-out may be reused
 in the same step, a CPU block freed by a swap-in only in a later one.
@@ -40,27 +44,27 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from itertools import islice
-from typing import Any
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import InvalidRequestError
-from asyncllm.kv.block_pool import KVCacheBlock
 from asyncllm.kv.manager import KVCacheManager
 from asyncllm.kv.offload import CPUPrefixCache
 from asyncllm.kv.state_checkpoints import StateCheckpoints
 from asyncllm.kv.swap import SwapSpace
 from asyncllm.protocol import EngineCoreEventType
 from asyncllm.sched.admission import check_queue_capacity, check_request
-from asyncllm.sched.chunking import ChunkPolicy, token_budget, whole_spans
+from asyncllm.sched.chunking import ChunkPolicy, token_budget
 from asyncllm.sched.deadlines import DeadlineHeap
 from asyncllm.sched.decode_step import schedule_decodes, step_record, update_decodes
 from asyncllm.sched.logprobs import attach_logprobs
-from asyncllm.sched.preemption import PreemptionLogger, Preemptor, insert_running
+from asyncllm.sched.preemption import PreemptionLogger, Preemptor
 from asyncllm.sched.queue import create_request_queue
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.rows import RequestRows, StepRows
+from asyncllm.sched.schedule_each import schedule_each
+from asyncllm.sched.schedule_waiting import preempt_for_priority, schedule_waiting
+from asyncllm.sched.stats import scheduler_stats
 from asyncllm.sched.step_outputs import StepOutputs
 from asyncllm.sched.update_each import update_each
 from asyncllm.spec.draft_model import DraftModelProposer
@@ -267,40 +271,7 @@ class Scheduler:
         return bool(self.requests)
 
     def get_stats(self) -> protocol.SchedulerStats:
-        kv = self.kv_cache_manager
-        return protocol.SchedulerStats(
-            num_requests_running=len(self.running),
-            num_requests_waiting=len(self.waiting),
-            num_gpu_blocks=kv.num_gpu_blocks,
-            num_used_blocks=kv.num_used_blocks,
-            num_preemptions_total=self.preemptor.num_preemptions_total,
-            prefix_cache_queries=kv.prefix_cache_queries,
-            prefix_cache_hits=kv.prefix_cache_hits,
-            cpu_prefix_cache_hits=kv.offload.num_hit_blocks * self.block_size if kv.offload is not None else 0,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            num_steps_total=self.num_steps_total,
-            num_waiting_tokens=self.waiting.num_tokens,
-            num_swapped_total=self.preemptor.num_swapped_total,
-            mm_encoder_cache_queries=self.mm_encoder_cache_queries,
-            mm_encoder_cache_hits=self.mm_encoder_cache_hits,
-            **(self._lora_stats() if self.max_loras else {}),
-            **(self._spec_stats() if self.proposer is not None else {}),
-        )
-
-    def _spec_stats(self) -> dict[str, Any]:
-        spec = self.spec_stats
-        return {"spec_decode_num_drafts": spec.num_drafts, "spec_decode_num_draft_tokens": spec.num_draft_tokens,
-                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens,
-                "spec_decode_accepted_per_pos": list(spec.accepted_per_pos)}
-
-    def _lora_stats(self) -> dict[str, Any]:
-        """The adapters of the running and the waiting requests, by name (vLLM's lora_requests_info)."""
-        def names(requests: Iterable[Request]) -> list[str]:
-            return sorted({r.lora.lora_name for r in requests if r.lora is not None})
-
-        return {"max_lora": self.max_loras, "running_lora_adapters": names(self.running),
-                "waiting_lora_adapters": names(self.waiting)}
+        return scheduler_stats(self)
 
     # ------------------------------------------------------------ schedule
     def schedule(self) -> protocol.SchedulerOutput:
@@ -311,11 +282,11 @@ class Scheduler:
         """
         step = _Step(self.max_num_batched_tokens, *self._micro_batch_size())
         if self.policy == "priority" and self.waiting and self.running:
-            self._preempt_for_priority(step)
+            preempt_for_priority(self, step)
         num_preempted = len(step.preempted_req_ids)
         self._schedule_running(step)
         if len(step.preempted_req_ids) == num_preempted:
-            self._schedule_waiting(step)
+            schedule_waiting(self, step)
         total = self.max_num_batched_tokens - step.budget  # every scheduled token was taken from the budget
         offloads, loads = self.kv_cache_manager.take_offload_copies()  # the CPU tier's (asyncllm/kv/offload.py)
         out = protocol.SchedulerOutput(
@@ -354,198 +325,15 @@ class Scheduler:
         return max_running, max(max_running, -(-seats // stages))
 
     def _schedule_running(self, step: _Step) -> None:
-        # The decodes up to the first prefill under way go in bulk (asyncllm/sched/decode_step.py); this loop
-        # does the rest one request at a time (names bound once, a decode with room in its last block needs
-        # no allocate_slots call): prefills, drafts, and the requests after a decode that found no block.
-        running = self.running
-        draft = self._drafts if self.proposer is not None else None
-        max_running = step.max_running
-        start = schedule_decodes(self, step) if draft is None and max_running is None else 0
-        if start == len(running):
-            return
-        kv = self.kv_cache_manager
-        allocate_slots, cache_full_blocks, block_size = kv.allocate_slots, kv.cache_full_blocks, self.block_size
-        last_slot = block_size - 1
-        cached = step.cached_reqs  # flat lists, one entry per request: no object per request
-        append_cached_id, append_cached_computed = cached.req_ids.append, cached.num_computed_tokens.append
-        cached_new_block_ids = cached.new_block_ids
-        num_scheduled_tokens = step.num_scheduled_tokens
-        budget = step.budget
-        # Preemption only pops the list's tail (never a request before this one), so iterating while it
-        # shrinks is safe: when the request preempts itself it was the last one and the loop ends.
-        for request in islice(running, start, None):
-            if budget <= 0 or (max_running is not None and len(num_scheduled_tokens) >= max_running):
-                break
-            req_id = request.request_id
-            num_computed = request.num_computed_tokens
-            num_new = request.num_tokens - num_computed
-            if not num_new:  # a micro-batch in flight samples its next token
-                assert max_running is not None, request
-                continue
-            drafts = draft(request, budget) if draft is not None and num_new == 1 else None
-            slot = num_computed % block_size
-            if num_new == 1 and slot and not drafts:  # the block of the last computed token has room for this one
-                if slot == last_slot:  # and this token fills it: register it now
-                    cache_full_blocks(request, num_computed + 1)
-            else:
-                if drafts:
-                    num_new += len(drafts)
-                elif num_new != 1:
-                    num_new = self.chunking.chunk(num_new, budget)
-                    if request.mm_items:
-                        num_new = whole_spans(request.mm_items, num_computed, num_new, budget)
-                        if not num_new:  # an image's rows need a fuller step
-                            continue
-                assert num_new > 0, request
-                new_block_ids = allocate_slots(request, num_new)
-                if new_block_ids is None and drafts:  # no room for the drafts: one token, as without them
-                    drafts, num_new = None, 1
-                    new_block_ids = allocate_slots(request, num_new)
-                if new_block_ids is None:
-                    new_block_ids = self._preempt_until_allocated(request, num_new, step)
-                    if new_block_ids is None:
-                        break  # the request preempted itself: it was the last one
-                if new_block_ids:
-                    cached_new_block_ids[req_id] = new_block_ids
-                if (num_computed + num_new) % block_size < num_new:  # this step fills a block: register it now
-                    cache_full_blocks(request, min(num_computed + num_new, request.num_tokens))  # drafts wait
-                if drafts:
-                    step.spec_token_ids[req_id] = drafts
-            append_cached_id(req_id)
-            append_cached_computed(num_computed)
-            num_scheduled_tokens[req_id] = num_new
-            budget -= num_new
-        step.budget = budget
-
-    def _drafts(self, request: Request, budget: int) -> list[int]:
-        """A decoding request's drafts: as many as the budget, max_tokens and the sequence length leave room for."""
-        buffer = request.draft_buffer
-        if buffer is None:
-            return []
-        room = min(budget - 1, request.max_output_tokens - (request.num_tokens - request.num_prompt_tokens) - 1)
-        if isinstance(self.proposer, DraftModelProposer):  # proposed by the workers after the last step
-            return self.proposer.take(request.request_id, room)
-        return self.proposer.propose(request.all_token_ids, buffer, room)  # type: ignore[union-attr]
-
-    def _preempt_until_allocated(self, request: Request, num_new: int, step: _Step) -> list[int] | None:
-        """Preempt the last running requests (maybe `request` itself) until its slots fit; None if it was the victim.
-
-        The last running request is never one scheduled in this step: those
-        come before `request`, which is itself still in the list.
-        """
-        while True:
-            victim = self.running.pop()
-            self._preempt(victim, step)
-            if victim is request:
-                return None
-            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
-            if new_block_ids is not None:
-                return new_block_ids
-
-    def _preempt_for_priority(self, step: _Step) -> None:
-        """Preempt lower-priority running requests while the first waiting one lacks a seat or blocks."""
-        head = self.waiting.peek()
-        while self.running and self.running[-1].priority > head.priority and self._lacks_room(head):
-            self._preempt(self.running.pop(), step, why=f"request {head.request_id} of higher priority was waiting")
-
-    def _lacks_room(self, head: Request) -> bool:
-        """Whether `head` finds no seat, or fewer free blocks than its first chunk and the decodes need."""
-        if len(self.running) >= self.max_num_seqs:
-            return True
-        kv = self.kv_cache_manager
-        hits, num_computed, _ = self._resume_point(head)
-        num_new = self.chunking.admission_chunk(head.num_tokens - num_computed, self.max_num_batched_tokens)
-        needed = kv.num_blocks_to_allocate(head, num_computed - len(hits) * self.block_size + num_new, hits)
-        decodes = sum(kv.num_blocks_to_allocate(r, 1) for r in self.running)
-        return needed + decodes > kv.num_free_blocks
-
-    def _preempt(self, request: Request, step: _Step, why: str = "the KV cache ran out of free blocks") -> None:
-        assert not step.blocks_to_swap_in, "a swap-out after a swap-in could reuse a CPU block being read"
-        self.rows.detach(request)
-        self.preemptor.preempt(request, step.blocks_to_swap_out, why)
-        step.preempted_req_ids.append(request.request_id)
+        """The decodes up to the first prefill under way in bulk (asyncllm/sched/decode_step.py), the rest of the
+        running requests one at a time (asyncllm/sched/schedule_each.py)."""
+        start = schedule_decodes(self, step) if self.proposer is None and step.max_running is None else 0
+        if start < len(self.running):
+            schedule_each(self, step, start)
 
     @property
     def num_preemptions_total(self) -> int:
         return self.preemptor.num_preemptions_total
-
-    def _schedule_waiting(self, step: _Step) -> None:
-        kv = self.kv_cache_manager
-        loras = {r.lora_int_id for r in self.running if r.lora_int_id} if self.max_loras and self.waiting else set()
-        skipped: list[Request] = []  # their adapter would be one too many (max_loras): they keep their place
-        while self.waiting and step.budget > 0 and len(self.running) < self.max_num_seqs:
-            if step.max_reqs is not None and len(step.num_scheduled_tokens) >= step.max_reqs:
-                break
-            request = self.waiting.peek()
-            if step.preempted_req_ids and request.request_id in step.preempted_req_ids:
-                break  # preempted for a higher-priority request in this very step
-            lora_id = request.lora_int_id
-            if lora_id and lora_id not in loras and len(loras) >= self.max_loras:
-                skipped.append(self.waiting.pop())
-                continue
-            hits, num_computed, swapped = self._resume_point(request)
-            num_new = self.chunking.admission_chunk(request.num_tokens - num_computed, step.budget)
-            if request.mm_items:
-                num_new = whole_spans(request.mm_items, num_computed, num_new, step.budget)
-            if num_new == 0:
-                break
-            block_ids = kv.allocate_slots(request, num_computed - len(hits) * self.block_size + num_new, hits)
-            if block_ids is None:
-                break
-            self.waiting.pop()
-            if swapped:
-                assert self.swap_space is not None
-                step.blocks_to_swap_in += self.swap_space.resume(request.request_id, len(hits), block_ids[len(hits):])
-            self._admit(request, num_computed)
-            if lora_id:
-                loras.add(lora_id)
-            kv.cache_full_blocks(request, num_computed + num_new)  # siblings admitted after it may hit these
-            step.new_reqs.append(
-                protocol.NewRequestData(
-                    req_id=request.request_id,
-                    token_ids=list(request.all_token_ids),
-                    num_prompt_tokens=request.num_prompt_tokens,
-                    params=request.params,
-                    block_ids=block_ids,
-                    num_computed_tokens=num_computed,
-                    eos_token_ids=request.eos_token_ids,
-                    mm_items=request.mm_items,
-                    lora=request.lora,
-                    pooling=request.pooling,
-                    prompt_embeds=request.prompt_embeds,
-                )
-            )
-            step.num_scheduled_tokens[request.request_id] = num_new
-            step.budget -= num_new
-        for request in reversed(skipped):
-            self.waiting.add_preempted(request)
-
-    def _resume_point(self, request: Request) -> tuple[list[KVCacheBlock], int, bool]:
-        """A waiting request's prefix hits, the tokens it starts with computed, and whether it is swapped out.
-
-        A swapped-out request starts with all its swapped tokens computed
-        (hits for the leading blocks still cached, the rest swapped in), or
-        with its hits alone when they cover more.
-        """
-        pools_all = request.pooling is not None and request.pooling.pooling_type != "LAST"
-        swap = self.swap_space
-        entry = swap.swapped.get(request.request_id) if swap is not None and swap.swapped else None
-        if request.params.prompt_logprobs is None and not pools_all:  # a swapped request's own copy beats the CPU tier
-            hits, num_computed = self.kv_cache_manager.get_computed_blocks(request, offloaded=entry is None)
-        else:  # prompt_logprobs, MEAN/CLS pooling need every prompt position's row: no prefix-cache reads (as vLLM)
-            hits, num_computed = [], 0
-        if entry is None:
-            return hits, num_computed, False
-        return hits, max(num_computed, entry.num_computed_tokens), True
-
-    def _admit(self, request: Request, num_computed_tokens: int) -> None:
-        self.rows.attach(request)
-        request.status = RequestStatus.RUNNING
-        request.record_event(EngineCoreEventType.SCHEDULED)
-        request.num_computed_tokens = num_computed_tokens
-        if request.num_preemptions == 0:
-            request.num_cached_tokens = num_computed_tokens
-        insert_running(self.running, request, self.policy)
 
     # ------------------------------------------------------------ update
     def update_from_output(

@@ -1,0 +1,164 @@
+"""Control calls between host, engine core and workers: weight updates and sleep mode, and typed errors on the wire.
+
+Part of the wire protocol (asyncllm/protocol.py, which re-exports every name here): a call goes host -> core ->
+every worker rank (`UpdateWeights`, `Sleep`, `WakeUp`; `AwaitWeights` to a restarted core only), its answer
+rank -> core -> host (`WeightsUpdated`, `SleepModeDone`), a refused call's error as ``error_*`` fields
+(`call_error_fields` / `call_error`), a ConfigError as [field, value repr, allowed] (`config_error_parts`).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError, InvalidRequestError, NotBuiltError
+
+__all__ = [
+    "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
+    "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
+]
+
+_STRUCT = dict(tag=True, array_like=True, omit_defaults=True)
+"""The tagged messages' options (every module of the wire protocol): the tag is the class name."""
+
+
+# ---------------------------------------------------------------- host -> core -> workers
+class WeightTensor(msgspec.Struct, array_like=True, frozen=True):
+    """One tensor of `update_weights_from_tensors` in the host's shared-memory segment: its checkpoint name, torch
+    dtype name ("bfloat16"), shape, and byte offset in the segment (contiguous, row-major)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    offset: int
+
+
+class UpdateWeights(msgspec.Struct, **_STRUCT):
+    """Reload every weight of the served model in place from ``model_path``, or the weights in ``tensors`` from the
+    host's shared-memory ``segment`` (docs/weight-updates.md): the core runs it between steps, after the requests
+    the host sent before it; the core passes it on to every worker rank."""
+
+    update_id: str
+    model_path: str
+    revision: str | None = None
+    hf_config_json: str = ""
+    """The new checkpoint's config as the host read it (`hf_config_json`; empty: each worker reads it)."""
+    segment: str = ""
+    """`update_weights_from_tensors`: the /dev/shm segment holding ``tensors`` (``model_path`` is empty)."""
+    tensors: list[WeightTensor] = []
+    weights_version: int = 0
+    """The version to take on success: a restarted core replaying the host's last update keeps its number (0: one
+    more than the core's)."""
+
+    def source(self) -> str:
+        """What the update loads, for logs and errors."""
+        return f"{len(self.tensors)} tensors from the host" if self.segment else repr(self.model_path)
+
+
+class AwaitWeights(msgspec.Struct, **_STRUCT):
+    """To a restarted core whose host last pushed weights from memory (docs/weight-updates.md): those weights died
+    with the old core, so it runs no step until updates write every weight again; it is at ``weights_version``."""
+
+    weights_version: int
+
+
+class Sleep(msgspec.Struct, **_STRUCT):
+    """vLLM's sleep mode (docs/sleep-mode.md): free the GPU memory of the weights (level 1: kept in CPU memory;
+    level 2: discarded) and of the KV cache. The core runs it between steps, after the host's earlier messages,
+    and passes it on to every worker rank."""
+
+    call_id: str
+    level: int = 1
+    tags: list[str] = []
+    """Core -> workers only: the parts to put to sleep ("weights", "kv_cache"); empty: both."""
+
+
+class WakeUp(msgspec.Struct, **_STRUCT):
+    """Take the memory back (docs/sleep-mode.md): the parts named in ``tags`` ("weights", "kv_cache"); empty: all."""
+
+    call_id: str
+    tags: list[str] = []
+
+
+# ---------------------------------------------------------------- workers -> core -> host
+class WeightsUpdated(msgspec.Struct, **_STRUCT):
+    """The answer to `UpdateWeights`: from each worker rank to the core, and from the core to the host that asked.
+
+    ``error_type`` empty: it succeeded. Otherwise nothing was copied, and the error is rebuilt from
+    ``error_type`` (InvalidRequestError or NotBuiltError), ``error_field``, ``error_value`` and ``error``.
+    """
+
+    update_id: str
+    weights_version: int = 0
+    """The core's weights version after the update (core -> host only)."""
+    rank: int = 0
+    weights_unwritten: int = 0
+    """Worker -> core: how many of this rank's weights nothing has written since they stopped being real (a
+    level-2 sleep, dummy weights); partial `update_weights_from_tensors` calls count down to 0."""
+    error_type: str = ""
+    error_field: str = ""
+    error_value: str = ""
+    """NotBuiltError only: the refused value (a str: a field's name or a path)."""
+    error: str = ""
+    """InvalidRequestError's message, NotBuiltError's feature."""
+
+
+class SleepModeDone(msgspec.Struct, **_STRUCT):
+    """The answer to `Sleep` or `WakeUp`: from each worker rank to the core, and from the core to the host.
+
+    ``error_type`` empty: it was done. Otherwise nothing changed, and the error is rebuilt from ``error_type``
+    (ConfigError, InvalidRequestError or NotBuiltError), ``error_field``, ``error_value`` and ``error``
+    (asyncllm/engine/sleep.py).
+    """
+
+    call_id: str
+    rank: int = 0
+    sleep_level: int = 0
+    """The core's `SchedulerStats.sleep_level` after the call (core -> host only)."""
+    error_type: str = ""
+    error_field: str = ""
+    error_value: str = ""
+    error: str = ""
+    """InvalidRequestError's message, NotBuiltError's feature, ConfigError's allowed values."""
+
+
+# ------------------------------------------------------------- error helpers
+def config_error_parts(exc: BaseException) -> list[str]:
+    """A ConfigError as [field, value repr, allowed] for the wire; [] for anything else."""
+    if isinstance(exc, ConfigError):
+        return [exc.field, repr(exc.value), exc.allowed]
+    return []
+
+
+def config_error_from_parts(parts: list[str], where: str = "") -> ConfigError | None:
+    """Rebuild a ConfigError sent with `config_error_parts`; None if there is none."""
+    if len(parts) != 3:
+        return None
+    field, value_repr, allowed = parts
+    return ConfigError(field, value_repr, allowed + where, value_repr=value_repr)
+
+
+def call_error_fields(exc: AsyncLLMError) -> dict[str, str]:
+    """A refused call's typed error as the ``error_*`` fields `WeightsUpdated` and `SleepModeDone` carry."""
+    if isinstance(exc, NotBuiltError):  # before ConfigError: its subclass; the values refused are str
+        return {"error_type": "NotBuiltError", "error_field": exc.field, "error_value": str(exc.value),
+                "error": exc.feature}
+    if isinstance(exc, ConfigError):
+        return {"error_type": "ConfigError", "error_field": exc.field, "error_value": repr(exc.value),
+                "error": exc.allowed}
+    if isinstance(exc, EngineDeadError):
+        return {"error_type": "EngineDeadError", "error": str(exc)}
+    assert isinstance(exc, InvalidRequestError), exc
+    return {"error_type": "InvalidRequestError", "error_field": exc.field, "error": exc.message}
+
+
+def call_error(reply: "WeightsUpdated | SleepModeDone", default_field: str = "") -> AsyncLLMError | None:
+    """The typed error `call_error_fields` sent; None when the call succeeded."""
+    if not reply.error_type:
+        return None
+    if reply.error_type == "NotBuiltError":
+        return NotBuiltError(reply.error_field, reply.error_value, reply.error)
+    if reply.error_type == "ConfigError":
+        return ConfigError(reply.error_field, reply.error_value, reply.error, value_repr=reply.error_value)
+    if reply.error_type == "EngineDeadError":
+        return EngineDeadError(reply.error)
+    return InvalidRequestError(reply.error_field or default_field, reply.error)
