@@ -10,91 +10,55 @@ request in the core), and hands one batch per core message to the loop.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import os
 import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
-import numpy as np
 import zmq
 
 from asyncllm import errors, protocol
 from asyncllm.engine.channel import ConnectionWatch, open_dealer
-from asyncllm.engine.collector import RequestCollector, StreamPacer
-from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly, new_detokenizer
 from asyncllm.engine.launch import CoreProcess
-from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
+from asyncllm.engine.logprobs import LogprobsDecoder
 from asyncllm.engine.pooling_model import PoolingModel
-from asyncllm.engine.prompt_embeds import embeds_salt
-from asyncllm.engine.prompt_tokens import PromptTokenizer
-from asyncllm.engine.stats_log import StatsLogger
-from asyncllm.engine.stream import RequestOptions
-from asyncllm.engine.sleep import PendingSleepCalls
-from asyncllm.engine.weight_update import PendingWeightUpdates
-from asyncllm.engine.validation import (
-    check_allowed_tokens,
-    check_logprobs_limit,
-    check_params_vocab,
-    check_untokenized,
+from asyncllm.engine.processor_outputs import (
+    Deliver,
+    Delivery,
+    ProcessorOutputs,
+    TrackedRequest,
+    error_from,
 )
-from asyncllm.lora import AdapterChecker, LoRARequest
-from asyncllm.structured.start_after import with_start_after_ids
+from asyncllm.engine.processor_requests import (
+    ProcessorRequests,
+    Submit,
+    sample_request_ids,
+)
+from asyncllm.engine.prompt_tokens import PromptTokenizer
+from asyncllm.engine.sleep import PendingSleepCalls
+from asyncllm.engine.stats_log import StatsLogger
+from asyncllm.engine.weight_update import PendingWeightUpdates
+from asyncllm.lora import AdapterChecker
 from asyncllm.metrics.observer import RequestObserver
-from asyncllm.outputs import StreamDelta
-from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
-from asyncllm.mm.cache import CACHE_MISS_ERROR
-from asyncllm.mm.host import resend_with_data
-from asyncllm.mm.inputs import MultiModalPrompt
 from asyncllm.mm.processor import MultiModalProcessor
-from asyncllm.tokenizer import bad_words_token_ids
+from asyncllm.outputs import StreamDelta
+from asyncllm.sampling import MAX_LOGPROBS
 
 logger = logging.getLogger("asyncllm.engine")
 
-Delivery = list[tuple[RequestCollector, "StreamDelta | BaseException"]]
-Deliver = Callable[[Delivery, "protocol.SchedulerStats | None"], None]
+__all__ = ["Deliver", "Delivery", "Processor", "Submit", "sample_request_ids"]
 
 _POLL_MS = 100
 
 
-@dataclass
-class Submit:
-    collector: RequestCollector
-    prompt: Any
-    """str, list[int] of token ids, or chat messages when `chat`."""
-    params: SamplingParams
-    options: RequestOptions
-    chat: bool = False
-    trace_context: Any = None
-    """The caller's OpenTelemetry context, captured on its task (None without OTel)."""
-    mm_prompt: MultiModalPrompt | None = None
-    """Set by tokenization for a prompt with images (asyncllm/mm/)."""
-    embeds: protocol.PromptEmbeds | None = None
-    """Set by tokenization for a prompt given as embeddings (asyncllm/engine/prompt_embeds.py)."""
-
-
-@dataclass
-class _Tracked:
-    """One core request: the whole request when n == 1, else sample `index` of it."""
-
-    collector: RequestCollector
-    detokenizer: IncrementalDetokenizer | TokenIdsOnly
-    index: int = 0
-    prompt_logprobs: PromptLogprobsBuffer | None = None
-    """Filled by prefill chunks; handed over with the first token."""
-    mm_resend: tuple[protocol.AddRequest, MultiModalPrompt] | None = None
-    """A request with images: what to resend if the core misses a processor-cache key."""
-    pacer: StreamPacer | None = None
-    """``stream_interval`` > 1: groups its deltas."""
-
-
-class Processor:
-    """Runs the processor thread; `start()` returns a future of the core's Ready."""
+class Processor(ProcessorRequests, ProcessorOutputs):
+    """Runs the processor thread; `start()` returns a future of the core's Ready. A request's way to the core is
+    `ProcessorRequests`' (asyncllm/engine/processor_requests.py), its outputs' way back `ProcessorOutputs`'
+    (asyncllm/engine/processor_outputs.py)."""
 
     def __init__(self, *, address: str, tokenizer: Any, eos_token_ids: list[int], vocab_size: int,
                  deliver: Deliver, core: CoreProcess | None, stats_logger: StatsLogger | None,
@@ -130,7 +94,7 @@ class Processor:
         self._observer = observer if observer is not None else RequestObserver("")
         self._startup_timeout_s = startup_timeout_s
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         """Core request id -> its state; an n > 1 request has n core requests ``<id>-<i>``."""
         self._samples: dict[str, list[str]] = {}
         """Request id -> the core request ids of its unfinished samples."""
@@ -239,7 +203,7 @@ class Processor:
                     self.ready.set_result(message)
                     return True
                 if isinstance(message, protocol.EngineFailed):
-                    self.ready.set_exception(_error_from(message))
+                    self.ready.set_exception(error_from(message))
                     return False
             if self._core is not None and self._core.exit_code() is not None:
                 code = self._core.exit_code()
@@ -313,191 +277,6 @@ class Processor:
                 self._fail_all(None)
                 return False
 
-    def _untrack(self, request_id: str) -> list[tuple[str, _Tracked]]:
-        """Forget every unfinished sample of a request; their (core id, state)."""
-        untracked = []
-        for core_id in self._samples.pop(request_id, ()):
-            tracked = self._tracked.pop(core_id, None)
-            if tracked is not None:
-                untracked.append((core_id, tracked))
-        return untracked
-
-    def _add_request(self, dealer: zmq.Socket, job: Submit) -> None:
-        collector = job.collector
-        core_ids = sample_request_ids(collector.request_id, job.params.n)
-        if collector.request_id in self._samples or any(core_id in self._tracked for core_id in core_ids):
-            error = errors.InvalidRequestError("request_id", f"{collector.request_id!r} is already in flight")
-            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
-            self._deliver([(collector, error)], None)
-            return
-        try:
-            if self._pooling_model is not None:
-                self._pooling_model.check(job.options.pooling)
-                if job.options.pooling is not None:  # the model's pooling type and default normalize
-                    pooling = self._pooling_model.apply(job.options.pooling)
-                    job.options = dataclasses.replace(job.options, pooling=pooling)
-            lora = self.check_lora(job.options.lora_request)
-            if job.options.pooling is not None:
-                job.options.pooling.validate(self._hidden_size)
-            if self._tokenizer is None:
-                check_untokenized(job.prompt, job.chat, job.params, job.options.text_pair)
-            if job.params.bad_words:
-                ids = job.params.bad_words_token_ids + bad_words_token_ids(self._tokenizer, job.params.bad_words)
-                job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
-            check_params_vocab(job.params, self._vocab_size)
-            check_logprobs_limit(job.params, self._max_logprobs, self._vocab_size)
-            check_allowed_tokens(job.params, self._eos_token_ids)
-            token_ids = self._prompts.token_ids(job)
-            job.params = with_start_after_ids(job.params, token_ids, self._tokenizer, self._vocab_size)
-        except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread
-            error = exc if isinstance(exc, errors.InvalidRequestError) else errors.InvalidRequestError(
-                "messages" if job.chat else "prompt", f"could not be tokenized ({type(exc).__name__}: {exc})")
-            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
-            self._deliver([(collector, error)], None)
-            return
-        collector.prompt_token_ids = token_ids
-        options = job.options
-        frames = []
-        for index, core_id in enumerate(core_ids):  # n > 1: one core request per sample (see docs/sampling.md)
-            params = job.params if len(core_ids) == 1 else job.params.for_sample(index)
-            buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
-            detokenizer = new_detokenizer(self._tokenizer, token_ids, params)
-            tracked = _Tracked(collector, detokenizer, index, buffer)
-            if self._stream_interval > 1:
-                tracked.pacer = StreamPacer(self._stream_interval)
-            salt = options.cache_salt if job.embeds is None else embeds_salt(options.cache_salt, job.embeds)
-            message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
-                                          collector.metrics.arrival_time, options.priority, salt,
-                                          options.timeout, lora=lora, pooling=options.pooling,
-                                          prompt_embeds=job.embeds)
-            if job.mm_prompt is not None:
-                message.mm_items = job.mm_prompt.items
-                tracked.mm_resend = (message, job.mm_prompt)
-            try:
-                frames.append((core_id, tracked, self._encoder.encode(message)))
-            except Exception as exc:  # noqa: BLE001 - a value the wire cannot carry fails this request, not the thread
-                error = errors.InvalidRequestError("request", f"cannot be sent to the engine core ({exc})")
-                self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
-                self._deliver([(collector, error)], None)
-                return
-        self._samples[collector.request_id] = list(core_ids)
-        for core_id, tracked, frame in frames:
-            self._tracked[core_id] = tracked
-            dealer.send(frame)
-        self._observer.on_added(collector, job.params, job.chat, job.trace_context)
-
-    def check_lora(self, request: LoRARequest | None) -> LoRARequest | None:
-        """The request's adapter with a local folder, checked against the model (once per adapter id;
-        thread-safe: `AsyncEngine.add_lora` calls it from another thread)."""
-        if request is None:
-            return None
-        if self._lora is None:
-            raise errors.InvalidRequestError("lora_request", "this engine serves no LoRA adapters: "
-                                                             "start it with enable_lora=True")
-        return self._lora.check(request)
-
-    def _on_core_message(self, dealer: zmq.Socket, payload: bytes) -> None:
-        message = self._decoder.decode(payload)
-        if isinstance(message, protocol.EngineFailed):
-            self._fail_all(_error_from(message))
-            return
-        if isinstance(message, protocol.WeightsUpdated):
-            self._weight_updates.resolve(message)
-            return
-        if isinstance(message, protocol.SleepModeDone):
-            self._sleep_calls.resolve(message)
-            return
-        if not isinstance(message, protocol.Outputs):
-            return
-        now = time.time()
-        batch: Delivery = []
-        aborts: list[str] = []
-        for out in message.outputs:
-            self._on_delta(dealer, out, now, batch, aborts)
-        for req_id, token in zip(message.token_req_ids, message.token_ids):
-            self._on_delta(dealer, protocol.RequestOutputDelta(req_id, [token]), now, batch, aborts)
-        if aborts:
-            dealer.send(self._encoder.encode(protocol.AbortRequests(aborts)))
-        if message.stats is not None:
-            self._observer.on_scheduler_stats(message.stats, message.stats_reporter)
-        if batch or message.stats is not None:
-            self._deliver(batch, message.stats)
-
-    def _on_delta(self, dealer: zmq.Socket, out: protocol.RequestOutputDelta, now: float, batch: Delivery,
-                  aborts: list[str]) -> None:
-        """One request's output: into `batch` for the loop (and its id into `aborts` when a stop string ended it)."""
-        tracked = self._tracked.get(out.request_id)
-        if tracked is None:
-            return
-        if tracked.mm_resend is not None:
-            resend, tracked.mm_resend = tracked.mm_resend, None  # any answer means the core has the items
-            if out.error_type == CACHE_MISS_ERROR and self._mm is not None:
-                try:
-                    dealer.send(self._encoder.encode(resend_with_data(self._mm, *resend)))  # all data: no second miss
-                    return
-                except errors.InvalidRequestError as exc:  # an image that cannot be read again fails its request
-                    out = msgspec.structs.replace(out, error=str(exc), error_type=type(exc).__name__)
-        item = self._process_output(tracked, out, now, aborts)
-        if item is None:
-            return  # prompt logprobs of a prefill chunk: they go out with the first token
-        self._observer.on_output(tracked.collector, out, item, now)
-        if isinstance(item, StreamDelta) and tracked.pacer is not None:
-            item = tracked.pacer.offer(item)
-            if item is None:
-                return
-        batch.append((tracked.collector, item))
-
-    def _process_output(self, tracked: _Tracked, out: protocol.RequestOutputDelta, now: float,
-                        aborts: list[str]) -> StreamDelta | BaseException | None:
-        collector = tracked.collector
-        if out.error is not None:
-            aborts.extend(core_id for core_id, _ in self._untrack(collector.request_id) if core_id != out.request_id)
-            return _request_error(out.error_type, out.error)
-        if out.prompt_logprobs is not None and tracked.prompt_logprobs is not None:
-            tracked.prompt_logprobs.add(out.prompt_logprobs, self._logprobs_decoder, tracked.detokenizer.decodes)
-        if not out.new_token_ids and out.finish_reason is None:
-            return None
-        if out.embedding is not None:
-            collector.embedding = np.frombuffer(out.embedding, dtype="<f4").tolist()
-        metrics = collector.metrics
-        if out.new_token_ids and metrics.first_token_time is None:
-            metrics.first_token_time = now
-            collector.num_cached_tokens = out.num_cached_tokens
-        metrics.num_generated_tokens += len(out.new_token_ids)
-        finished = out.finish_reason is not None
-        detokenizer = tracked.detokenizer
-        num_before = len(detokenizer.token_ids)
-        # the core finishes "stop" on an EOS or stop_token_ids token only (stop strings are found here)
-        update = detokenizer.update(out.new_token_ids, finished, stop_terminated=out.finish_reason == "stop")
-        token_ids = detokenizer.token_ids[num_before:]
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        if update.stop_string is not None:
-            finish_reason, stop_reason = "stop", update.stop_string
-            if not finished:
-                aborts.append(out.request_id)
-        delta = StreamDelta(tracked.index, update.text, token_ids, finish_reason, stop_reason)
-        if out.logprobs is not None:
-            delta.logprobs = self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes)[: len(token_ids)]
-        if tracked.prompt_logprobs is not None:
-            delta.prompt_logprobs = collector.prompt_logprobs = tracked.prompt_logprobs.entries
-            tracked.prompt_logprobs = None
-        if finish_reason is not None:
-            del self._tracked[out.request_id]
-            if self._sample_finished(collector.request_id, out.request_id):
-                metrics.finished_time = now
-        return delta
-
-    def _sample_finished(self, request_id: str, core_id: str) -> bool:
-        """Count one sample of a request as finished; True when it was the last one."""
-        unfinished = self._samples.get(request_id)
-        if unfinished is None:
-            return True
-        unfinished.remove(core_id)
-        if unfinished:
-            return False
-        del self._samples[request_id]
-        return True
-
     def _lost_connection(self, dealer: zmq.Socket) -> BaseException | None:
         """The error that ends the engine if the connection to the core broke (the core's last word first)."""
         assert self._watch is not None
@@ -507,7 +286,7 @@ class Processor:
         while dealer.poll(0):  # an EngineFailed sent just before the core went away says more
             message = self._decoder.decode(dealer.recv())
             if isinstance(message, protocol.EngineFailed):
-                return _error_from(message)
+                return error_from(message)
         return errors.EngineDeadError(f"{reason} (engine address {self._address})")
 
     def _core_died(self) -> bool:
@@ -535,23 +314,3 @@ class Processor:
         self._samples.clear()
         if batch or error is not None:
             self._deliver(batch, None)
-
-
-def sample_request_ids(request_id: str, n: int) -> list[str]:
-    """Core request ids of a request's samples: the id itself when n == 1, else ``<id>-<i>``."""
-    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
-
-
-def _request_error(error_type: str, text: str) -> BaseException:
-    """Rebuild the typed error the core reported for one request."""
-    if error_type == "EngineOverloadedError":
-        return errors.EngineOverloadedError(text)
-    field, _, detail = text.partition(": ")
-    return errors.InvalidRequestError(field, detail)
-
-
-def _error_from(message: protocol.EngineFailed) -> BaseException:
-    config_error = protocol.config_error_from_parts(message.config_error)
-    return config_error if config_error is not None else errors.EngineDeadError(message.message)
-
-

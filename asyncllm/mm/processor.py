@@ -10,39 +10,26 @@ makes of it (``mm_video_pieces``; asyncllm/mm/qwen_video.py). An audio's
 (Qwen2-Audio's ``<|AUDIO|>``) becomes one token per encoder row, its features the
 checkpoint's feature extractor's (``AutoFeatureExtractor``). The host's
 half of the processor cache is here too: the lru mirror (asyncllm/mm/cache.py)
-or the shm ring's writer (asyncllm/mm/shm_ring.py).
+or the shm ring's writer (asyncllm/mm/shm_ring.py). Each input's items are made
+by `MediaItems` (asyncllm/mm/media_items.py); the HF processors are loaded by
+asyncllm/mm/hf_processors.py.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from collections import OrderedDict
 from typing import Any
 
-import msgspec
-
 from asyncllm.errors import ConfigError, InvalidRequestError, NotBuiltError
-from asyncllm.mm.audios import AudioInput, read_audio
-from asyncllm.mm.host_cache import (
-    HostProcessorCache,
-    LruHostCache,
-    ShmHostCache,
-    inline_item,
-)
-from asyncllm.mm.images import (
-    ImageInput,
-    decode_image,
-    load_image,
-    read_image,
-    uuid_key,
-)
+from asyncllm.mm.hf_processors import load_feature_extractor, load_image_processor
+from asyncllm.mm.host_cache import HostProcessorCache, LruHostCache, ShmHostCache
 from asyncllm.mm.inputs import MultiModalInputs, MultiModalPrompt
+from asyncllm.mm.media_items import MediaItems
 from asyncllm.mm.qwen_video import load_video_settings, video_grid, video_patches
 from asyncllm.mm.shm_ring import check_ring_room
 from asyncllm.mm.video_files import DEFAULT_NUM_FRAMES
-from asyncllm.mm.videos import VideoInput, read_video
 from asyncllm.protocol import MultiModalItem
 from asyncllm.tokenizer import encode_prompt
 
@@ -50,56 +37,8 @@ logger = logging.getLogger("asyncllm.mm")
 
 __all__ = ["MultiModalProcessor"]
 
-
-def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: dict[str, Any] | None = None,
-                         processor_cls: Any = None) -> Any:
-    """The checkpoint's HF image processor (or the model's ``mm_image_processor_class``, LFM2-VL's stand-in for one
-    that needs torchvision) with ``mm_processor_kwargs`` applied, then ``defaults`` for the settings it leaves None
-    (Gemma 3's pan-and-scan bounds, which its HF processor passes); a `ConfigError` names a key that changes
-    nothing (transformers drops unknown ones without a word)."""
-    from transformers import AutoImageProcessor
-
-    loader = processor_cls or AutoImageProcessor
-    processor = loader.from_pretrained(model_path, **overrides)
-    for key, value in (defaults or {}).items():
-        if getattr(processor, key, None) is None:
-            setattr(processor, key, value)
-    if overrides:
-        plain = loader.from_pretrained(model_path).to_dict()
-        for key, value in overrides.items():
-            ignored = loader.from_pretrained(model_path, **{key: value}).to_dict() == plain
-            if ignored and plain.get(key) != value:
-                raise ConfigError(f"mm_processor_kwargs.{key}", value,
-                                  f"a setting of the model's {type(processor).__name__}")
-    return processor
-
-
-def load_feature_extractor(model_path: str, extractor_cls: Any = None) -> Any:
-    """The checkpoint's HF audio feature extractor (Qwen2-Audio's ``WhisperFeatureExtractor``), or the model's
-    ``mm_feature_extractor_class`` read from the checkpoint (Granite Speech's, whose HF one needs torchaudio)."""
-    if extractor_cls is None:
-        from transformers import AutoFeatureExtractor as extractor_cls
-
-    try:
-        return extractor_cls.from_pretrained(model_path)
-    except (OSError, ValueError) as exc:
-        raise ConfigError("model", model_path, f"a checkpoint with its audio feature extractor "
-                                               f"(preprocessor_config.json: {exc})") from exc
-
-
 _REQUEST_PROCESSORS = 8
 """Image processors kept for requests' distinct ``mm_processor_kwargs``."""
-_LAYOUTS = 4096
-"""Tiled images whose layout (`mm_image_pieces`) the processor keeps, so a repeat needs no processing."""
-
-
-def overridden_key(key: str, overrides: dict[str, Any]) -> str:
-    """An image's item key under a request's ``mm_processor_kwargs``: its pixels differ, so its key does too
-    (processor, encoder and prefix caches); the plain key without them."""
-    if not overrides:
-        return key
-    text = key + json.dumps(overrides, sort_keys=True, default=str)
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 class _Counters:
@@ -107,8 +46,9 @@ class _Counters:
     mm_cache_hits = 0
 
 
-class MultiModalProcessor:
-    """One model's image processing, placeholder expansion and the host's half of the processor cache."""
+class MultiModalProcessor(MediaItems):
+    """One model's image processing, placeholder expansion and the host's half of the processor cache (each input's
+    items: `MediaItems`, asyncllm/mm/media_items.py)."""
 
     def __init__(self, model_path: str, hf_config: Any, model_cls: Any, tokenizer: Any, cache_bytes: int,
                  max_image_pixels: int, cache_type: str = "lru", processor_kwargs: dict[str, Any] | None = None,
@@ -330,15 +270,6 @@ class MultiModalProcessor:
             return encode_prompt(self.tokenizer, text, self.prompt_special_tokens)
         return encode_prompt(self.tokenizer, layout(self.tokenizer, text, num_images), False)
 
-    def _join(self, expanded: list[int], tokens: list[int]) -> None:
-        """Append ``tokens`` to ``expanded``, the two tokens at the seam merged when the model says they make one
-        (``mm_token_merges``: Gemma 3's ``"\n"`` before its ``"\n\n<start_of_image>"`` is one ``"\n\n\n"``, as
-        its tokenizer reads the text its processor writes). Only text meets at these seams."""
-        if self._merges and expanded and tokens and (expanded[-1], tokens[0]) in self._merges:
-            expanded[-1] = self._merges[(expanded[-1], tokens[0])]
-            tokens = tokens[1:]
-        expanded += tokens
-
     def _tiled(self, overrides: dict[str, Any]) -> bool:
         """Whether an image becomes several items (`mm_image_pieces`): always for Idefics3's tiles, for Gemma 3 when
         its image processor (with ``overrides``) pans and scans (the model's ``mm_image_tiled``)."""
@@ -346,18 +277,6 @@ class MultiModalProcessor:
             return False
         tiled = getattr(self._model_cls, "mm_image_tiled", None)
         return tiled is None or bool(tiled(self._processor_for(overrides)))
-
-    def _marked(self, item: MultiModalItem) -> MultiModalItem:
-        """``item`` with its rows marked to attend to each other both ways, if the model's images' do."""
-        return msgspec.structs.replace(item, bidirectional=[0, item.length]) if self._bidirectional else item
-
-    def _placeholder_ids(self, item: MultiModalItem) -> list[int]:
-        """An image's placeholder tokens: the model's layout (``mm_placeholder_ids``: Mistral 3's rows), else one
-        placeholder token per feature row (`image_placeholder_id`)."""
-        layout = getattr(self._model_cls, "mm_placeholder_ids", None)
-        if layout is None:
-            return [self.image_placeholder_id] * item.length
-        return layout(self._hf_config, self.tokenizer, tuple(item.shape))
 
     def _markers(self) -> dict[str, int | None]:
         """Each kind's placeholder token (None: the model takes none of that kind)."""
@@ -386,142 +305,6 @@ class MultiModalProcessor:
         if self.cache is not None:
             self.cache.forget(mm_hashes)
 
-    def _item(self, image: ImageInput, uuid: str | None, field: str, offset: int, inline: bool = False,
-              overrides: dict[str, Any] | None = None) -> MultiModalItem:
-        """One image's item: key-only (or a ring location) on a cache hit, else processed and recorded."""
-        raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field)
-        key = overridden_key(key, overrides or {})
-        hit = self._lookup(key, offset, inline)
-        if hit is not None:
-            return hit
-        decoded = decode_image(raw if raw is not None else read_image(image, field), field, self.max_image_pixels)
-        return self._record(key, offset, self._preprocess(decoded, field, overrides or {}), inline)
-
-    def _tiled_image(self, image: ImageInput, uuid: str | None, field: str, expanded: list[int],
-                     items: list[MultiModalItem], inline: bool, overrides: dict[str, Any]) -> None:
-        """Append an image's pieces (the model's ``mm_image_pieces``: text, one item's placeholders, text) to
-        ``expanded`` and ``items``. The layout comes from the processor's output and is kept by the image's key
-        (`_layouts`): an image seen before whose pieces the core still holds is not decoded nor processed again,
-        its pieces cross as keys."""
-        raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field)
-        key = overridden_key(key, overrides)
-        tiles = None
-
-        def process() -> Any:
-            decoded = decode_image(raw if raw is not None else read_image(image, field), field, self.max_image_pixels)
-            return self._processor_output(decoded, field, overrides)
-
-        pieces = self._layouts.get(key)
-        if pieces is None:
-            processed = process()
-            tiles = self._model_cls.mm_pixel_values(processed)
-            pieces = self._image_pieces(self._hf_config, self.tokenizer, processed)
-            self._layouts[key] = pieces
-            if len(self._layouts) > _LAYOUTS:
-                self._layouts.popitem(last=False)
-        self._layouts.move_to_end(key)
-        for index, piece in enumerate(pieces):
-            self._join(expanded, piece.before)
-            piece_key = overridden_key(key, {"piece": index})
-            item = self._lookup(piece_key, len(expanded), inline)
-            if item is None:
-                tiles = self._model_cls.mm_pixel_values(process()) if tiles is None else tiles
-                item = self._record(piece_key, len(expanded), tiles[piece.frames], inline)
-            item = self._marked(item)
-            items.append(item)
-            expanded += self._placeholder_ids(item) + piece.after
-
-    def _video(self, value: VideoInput, uuid: str | None, field: str, expanded: list[int],
-               items: list[MultiModalItem], inline: bool) -> None:
-        """Append a video's tokens to ``expanded`` and its items (one per piece the model makes of it) to ``items``;
-        its frames are processed once, and only when some piece misses the cache."""
-        video = read_video(value, field, self.max_image_pixels, self.video_num_frames)
-        grid = self._video_grid(video, self.video_settings, field)
-        pieces = self._model_cls.mm_video_pieces(self._hf_config, self.tokenizer, video, grid)
-        key = uuid_key(uuid) if uuid is not None else video.key()
-        patches = None
-        for index, piece in enumerate(pieces):
-            expanded += piece.before
-            piece_key = key if len(pieces) == 1 else overridden_key(key, {"piece": index})
-            item = self._lookup(piece_key, len(expanded), inline)
-            if item is None:
-                patches = self._video_patches(video, self.video_settings, field) if patches is None else patches
-                item = self._record(piece_key, len(expanded), patches[piece.frames], inline)
-            if piece.time_interval != 1.0:
-                item = msgspec.structs.replace(item, time_interval=piece.time_interval)
-            items.append(item)
-            expanded += [self.video_placeholder_id] * item.length + piece.after
-
-    def _video_with_audio(self, video: tuple[VideoInput, str | None, str], audio: tuple[AudioInput, str | None, str],
-                          following: list[int], expanded: list[int], items: list[MultiModalItem], inline: bool) -> None:
-        """Append a video interleaved with its audio track (``use_audio_in_video``: the model's
-        ``mm_audio_in_video``, asyncllm/models/omni_interleave.py): each run of placeholders one item, a piece of
-        the whole video's or audio's rows (both processed, cached and encoded once)."""
-        spec = self._model_cls.mm_audio_in_video(self._hf_config)
-        vision_end = self.tokenizer.convert_tokens_to_ids(spec.vision_end_token)
-        if expanded[-1:] != [spec.vision_start] or following != [vision_end]:
-            raise InvalidRequestError(video[2], f"with use_audio_in_video a video's placeholder follows its vision "
-                                                f"start token (id {spec.vision_start}) and precedes its end token "
-                                                f"({spec.vision_end_token}, id {vision_end})")
-        whole: list[MultiModalItem] = []
-        self._video(*video, [], whole, inline)
-        self._audio(*audio, [], whole, inline)
-        try:
-            pieces = spec.pieces(tuple(whole[0].shape[:3]), whole[0].time_interval, whole[1].length)
-        except ValueError as exc:  # a layout the model's positions cannot take (Qwen3-Omni's fractional times)
-            raise InvalidRequestError(video[2], str(exc)) from exc
-        expanded.append(spec.audio_start)
-        for is_video, start, stop in pieces:
-            item = whole[0] if is_video else whole[1]
-            data = {} if start == 0 else {"data": None, "shm_offset": -1, "shm_generation": 0}  # key-only: the first's
-            items.append(msgspec.structs.replace(item, offset=len(expanded), length=stop - start,
-                                                 rows=[start, item.length], **data))
-            expanded += [self.video_placeholder_id if is_video else self.audio_token_id] * (stop - start)
-        expanded.append(spec.audio_end)
-
-    def _audio(self, value: AudioInput, uuid: str | None, field: str, expanded: list[int],
-               items: list[MultiModalItem], inline: bool, with_images: bool = False) -> None:
-        """Append an audio's placeholders to ``expanded`` and its item to ``items``; it is read and its features
-        extracted only on a cache miss when the caller keys it by uuid. ``with_images``: the prompt holds images
-        too, which a model's ``mm_audio_with_images`` marks in the audio's values (and so in its key: Phi-4-multimodal
-        projects such an audio's rows with other weights)."""
-        rate = int(self.feature_extractor.sampling_rate)
-        before, after = self._audio_text
-        self._join(expanded, before)
-        audio = None if uuid is not None else read_audio(value, field, rate)
-        key = uuid_key(uuid) if audio is None else audio.key()
-        mark = getattr(self._model_cls, "mm_audio_with_images", None)
-        key = overridden_key(key, {"with_images": True}) if mark is not None and with_images else key
-        item = self._lookup(key, len(expanded), inline)
-        if item is None:
-            audio = audio or read_audio(value, field, rate)
-            processed = self.feature_extractor(self._model_cls.mm_audio_windows(audio.waveform, rate),
-                                               sampling_rate=rate, return_tensors="np",
-                                               **self._model_cls.mm_audio_extractor_kwargs)
-            values = self._model_cls.mm_audio_values(processed)
-            values = mark(values, with_images) if mark is not None else values
-            item = self._record(key, len(expanded), values, inline)
-        items.append(item)
-        expanded += [self.audio_token_id] * item.length + after
-
-    def _lookup(self, key: str, offset: int, inline: bool) -> MultiModalItem | None:
-        """The cached item of ``key`` (key-only or a ring location), counted; None on a miss or ``inline``."""
-        if inline or self.cache is None:
-            return None
-        self.stats.mm_cache_queries += 1
-        hit = self.cache.lookup(key, offset)
-        if hit is not None:
-            self.stats.mm_cache_hits += 1
-        return hit
-
-    def _record(self, key: str, offset: int, pixel_values: Any, inline: bool) -> MultiModalItem:
-        """A processed item, recorded in the cache unless ``inline``."""
-        length_of = getattr(self._model_cls, "mm_placeholder_length_of", None)  # lengths that need the values
-        length = (length_of(self._hf_config, pixel_values) if length_of is not None
-                  else self._model_cls.mm_placeholder_length(self._hf_config, pixel_values.shape))
-        if inline or self.cache is None:
-            return inline_item(key, offset, length, pixel_values)
-        return self.cache.record(key, offset, length, pixel_values)
 
     def _processor_for(self, overrides: dict[str, Any]) -> Any:
         """The image processor with a request's ``mm_processor_kwargs`` over the engine's (`ConfigError` -> the

@@ -11,7 +11,7 @@ own padding only: transformers pads several audios of one prompt to the longest 
 
 The rows go through one of two projections (up, GELU, down): ``*_for_speech``, or ``*_for_vision_speech`` when the
 audio's prompt holds an image too (transformers' ``audio_projection_mode``); the audio's item carries that choice
-(its last feature column: 1.0 with images) and its key does too (asyncllm/mm/processor.py: ``mm_audio_with_images``).
+(its last feature column: 1.0 with images) and its key does too (asyncllm/mm/media_items.py: ``mm_audio_with_images``).
 """
 
 from __future__ import annotations

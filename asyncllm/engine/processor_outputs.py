@@ -1,0 +1,191 @@
+"""`ProcessorOutputs`: how the processor thread (asyncllm/engine/processor.py) turns the core's messages into
+deliveries for the loop, a mixin: each request's new tokens detokenized incrementally, stop strings matched (the
+request aborted in the core), logprobs decoded, a sample's end counted, a processor-cache miss answered with the
+items' data, the core's errors rebuilt as typed ones."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+import msgspec
+import numpy as np
+import zmq
+
+from asyncllm import errors, protocol
+from asyncllm.engine.collector import RequestCollector, StreamPacer
+from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly
+from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
+from asyncllm.engine.sleep import PendingSleepCalls
+from asyncllm.engine.weight_update import PendingWeightUpdates
+from asyncllm.metrics.observer import RequestObserver
+from asyncllm.mm.cache import CACHE_MISS_ERROR
+from asyncllm.mm.host import resend_with_data
+from asyncllm.mm.inputs import MultiModalPrompt
+from asyncllm.mm.processor import MultiModalProcessor
+from asyncllm.outputs import StreamDelta
+
+__all__ = ["Deliver", "Delivery", "ProcessorOutputs", "TrackedRequest", "error_from"]
+
+Delivery = list[tuple[RequestCollector, "StreamDelta | BaseException"]]
+Deliver = Callable[[Delivery, "protocol.SchedulerStats | None"], None]
+
+
+@dataclass
+class TrackedRequest:
+    """One core request: the whole request when n == 1, else sample `index` of it."""
+
+    collector: RequestCollector
+    detokenizer: IncrementalDetokenizer | TokenIdsOnly
+    index: int = 0
+    prompt_logprobs: PromptLogprobsBuffer | None = None
+    """Filled by prefill chunks; handed over with the first token."""
+    mm_resend: tuple[protocol.AddRequest, MultiModalPrompt] | None = None
+    """A request with images: what to resend if the core misses a processor-cache key."""
+    pacer: StreamPacer | None = None
+    """``stream_interval`` > 1: groups its deltas."""
+
+
+class ProcessorOutputs:
+    """Mixin of `Processor`: the core's messages, each request's output as a `StreamDelta` or its error."""
+
+    _tracked: dict[str, TrackedRequest]
+    _samples: dict[str, list[str]]
+    _mm: MultiModalProcessor | None
+    _encoder: Any
+    _decoder: Any
+    _deliver: Deliver
+    _observer: RequestObserver
+    _logprobs_decoder: LogprobsDecoder
+    _weight_updates: PendingWeightUpdates
+    _sleep_calls: PendingSleepCalls
+
+    if TYPE_CHECKING:
+        def _fail_all(self, error: BaseException | None) -> None: ...
+
+    def _untrack(self, request_id: str) -> list[tuple[str, TrackedRequest]]:
+        """Forget every unfinished sample of a request; their (core id, state)."""
+        untracked = []
+        for core_id in self._samples.pop(request_id, ()):
+            tracked = self._tracked.pop(core_id, None)
+            if tracked is not None:
+                untracked.append((core_id, tracked))
+        return untracked
+
+    def _on_core_message(self, dealer: zmq.Socket, payload: bytes) -> None:
+        message = self._decoder.decode(payload)
+        if isinstance(message, protocol.EngineFailed):
+            self._fail_all(error_from(message))
+            return
+        if isinstance(message, protocol.WeightsUpdated):
+            self._weight_updates.resolve(message)
+            return
+        if isinstance(message, protocol.SleepModeDone):
+            self._sleep_calls.resolve(message)
+            return
+        if not isinstance(message, protocol.Outputs):
+            return
+        now = time.time()
+        batch: Delivery = []
+        aborts: list[str] = []
+        for out in message.outputs:
+            self._on_delta(dealer, out, now, batch, aborts)
+        for req_id, token in zip(message.token_req_ids, message.token_ids):
+            self._on_delta(dealer, protocol.RequestOutputDelta(req_id, [token]), now, batch, aborts)
+        if aborts:
+            dealer.send(self._encoder.encode(protocol.AbortRequests(aborts)))
+        if message.stats is not None:
+            self._observer.on_scheduler_stats(message.stats, message.stats_reporter)
+        if batch or message.stats is not None:
+            self._deliver(batch, message.stats)
+
+    def _on_delta(self, dealer: zmq.Socket, out: protocol.RequestOutputDelta, now: float, batch: Delivery,
+                  aborts: list[str]) -> None:
+        """One request's output: into `batch` for the loop (and its id into `aborts` when a stop string ended it)."""
+        tracked = self._tracked.get(out.request_id)
+        if tracked is None:
+            return
+        if tracked.mm_resend is not None:
+            resend, tracked.mm_resend = tracked.mm_resend, None  # any answer means the core has the items
+            if out.error_type == CACHE_MISS_ERROR and self._mm is not None:
+                try:
+                    dealer.send(self._encoder.encode(resend_with_data(self._mm, *resend)))  # all data: no second miss
+                    return
+                except errors.InvalidRequestError as exc:  # an image that cannot be read again fails its request
+                    out = msgspec.structs.replace(out, error=str(exc), error_type=type(exc).__name__)
+        item = self._process_output(tracked, out, now, aborts)
+        if item is None:
+            return  # prompt logprobs of a prefill chunk: they go out with the first token
+        self._observer.on_output(tracked.collector, out, item, now)
+        if isinstance(item, StreamDelta) and tracked.pacer is not None:
+            item = tracked.pacer.offer(item)
+            if item is None:
+                return
+        batch.append((tracked.collector, item))
+
+    def _process_output(self, tracked: TrackedRequest, out: protocol.RequestOutputDelta, now: float,
+                        aborts: list[str]) -> StreamDelta | BaseException | None:
+        collector = tracked.collector
+        if out.error is not None:
+            aborts.extend(core_id for core_id, _ in self._untrack(collector.request_id) if core_id != out.request_id)
+            return _request_error(out.error_type, out.error)
+        if out.prompt_logprobs is not None and tracked.prompt_logprobs is not None:
+            tracked.prompt_logprobs.add(out.prompt_logprobs, self._logprobs_decoder, tracked.detokenizer.decodes)
+        if not out.new_token_ids and out.finish_reason is None:
+            return None
+        if out.embedding is not None:
+            collector.embedding = np.frombuffer(out.embedding, dtype="<f4").tolist()
+        metrics = collector.metrics
+        if out.new_token_ids and metrics.first_token_time is None:
+            metrics.first_token_time = now
+            collector.num_cached_tokens = out.num_cached_tokens
+        metrics.num_generated_tokens += len(out.new_token_ids)
+        finished = out.finish_reason is not None
+        detokenizer = tracked.detokenizer
+        num_before = len(detokenizer.token_ids)
+        # the core finishes "stop" on an EOS or stop_token_ids token only (stop strings are found here)
+        update = detokenizer.update(out.new_token_ids, finished, stop_terminated=out.finish_reason == "stop")
+        token_ids = detokenizer.token_ids[num_before:]
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        if update.stop_string is not None:
+            finish_reason, stop_reason = "stop", update.stop_string
+            if not finished:
+                aborts.append(out.request_id)
+        delta = StreamDelta(tracked.index, update.text, token_ids, finish_reason, stop_reason)
+        if out.logprobs is not None:
+            delta.logprobs = self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes)[: len(token_ids)]
+        if tracked.prompt_logprobs is not None:
+            delta.prompt_logprobs = collector.prompt_logprobs = tracked.prompt_logprobs.entries
+            tracked.prompt_logprobs = None
+        if finish_reason is not None:
+            del self._tracked[out.request_id]
+            if self._sample_finished(collector.request_id, out.request_id):
+                metrics.finished_time = now
+        return delta
+
+    def _sample_finished(self, request_id: str, core_id: str) -> bool:
+        """Count one sample of a request as finished; True when it was the last one."""
+        unfinished = self._samples.get(request_id)
+        if unfinished is None:
+            return True
+        unfinished.remove(core_id)
+        if unfinished:
+            return False
+        del self._samples[request_id]
+        return True
+
+
+def _request_error(error_type: str, text: str) -> BaseException:
+    """Rebuild the typed error the core reported for one request."""
+    if error_type == "EngineOverloadedError":
+        return errors.EngineOverloadedError(text)
+    field, _, detail = text.partition(": ")
+    return errors.InvalidRequestError(field, detail)
+
+
+def error_from(message: protocol.EngineFailed) -> BaseException:
+    """The error an `EngineFailed` reports: its config error, else the engine is dead."""
+    config_error = protocol.config_error_from_parts(message.config_error)
+    return config_error if config_error is not None else errors.EngineDeadError(message.message)
+

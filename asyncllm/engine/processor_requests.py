@@ -1,0 +1,154 @@
+"""`ProcessorRequests`: how the processor thread (asyncllm/engine/processor.py) adds a request to the core, a mixin:
+its pooling, adapter, sampling and vocabulary checks, its prompt as token ids (asyncllm/engine/prompt_tokens.py),
+one core request per sample (n > 1) and the `AddRequest`s sent; a request that fails any of it fails alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from asyncllm import errors, protocol
+from asyncllm.engine.collector import RequestCollector, StreamPacer
+from asyncllm.engine.detokenizer import new_detokenizer
+from asyncllm.engine.logprobs import PromptLogprobsBuffer
+from asyncllm.engine.pooling_model import PoolingModel
+from asyncllm.engine.processor_outputs import Deliver, TrackedRequest
+from asyncllm.engine.prompt_embeds import embeds_salt
+from asyncllm.engine.prompt_tokens import PromptTokenizer
+from asyncllm.engine.stream import RequestOptions
+from asyncllm.engine.validation import (
+    check_allowed_tokens,
+    check_logprobs_limit,
+    check_params_vocab,
+    check_untokenized,
+)
+from asyncllm.lora import AdapterChecker, LoRARequest
+from asyncllm.metrics.observer import RequestObserver
+from asyncllm.mm.inputs import MultiModalPrompt
+from asyncllm.sampling import SamplingParams
+from asyncllm.structured.start_after import with_start_after_ids
+from asyncllm.tokenizer import bad_words_token_ids
+
+__all__ = ["ProcessorRequests", "Submit", "sample_request_ids"]
+
+
+@dataclass
+class Submit:
+    """A request the loop hands the processor thread (`Processor.submit`)."""
+
+    collector: RequestCollector
+    prompt: Any
+    """str, list[int] of token ids, or chat messages when `chat`."""
+    params: SamplingParams
+    options: RequestOptions
+    chat: bool = False
+    trace_context: Any = None
+    """The caller's OpenTelemetry context, captured on its task (None without OTel)."""
+    mm_prompt: MultiModalPrompt | None = None
+    """Set by tokenization for a prompt with images (asyncllm/mm/)."""
+    embeds: protocol.PromptEmbeds | None = None
+    """Set by tokenization for a prompt given as embeddings (asyncllm/engine/prompt_embeds.py)."""
+
+
+class ProcessorRequests:
+    """Mixin of `Processor`: a `Submit` checked, tokenized and sent to the core as one request per sample."""
+
+    _tracked: dict[str, TrackedRequest]
+    _samples: dict[str, list[str]]
+    _encoder: Any
+    _deliver: Deliver
+    _observer: RequestObserver
+    _prompts: PromptTokenizer
+    _tokenizer: Any
+    _eos_token_ids: list[int]
+    _vocab_size: int
+    _max_logprobs: int
+    _hidden_size: int | None
+    _lora: AdapterChecker | None
+    _pooling_model: PoolingModel | None
+    _stream_interval: int
+
+    def _add_request(self, dealer: zmq.Socket, job: Submit) -> None:
+        collector = job.collector
+        core_ids = sample_request_ids(collector.request_id, job.params.n)
+        if collector.request_id in self._samples or any(core_id in self._tracked for core_id in core_ids):
+            error = errors.InvalidRequestError("request_id", f"{collector.request_id!r} is already in flight")
+            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
+            self._deliver([(collector, error)], None)
+            return
+        try:
+            if self._pooling_model is not None:
+                self._pooling_model.check(job.options.pooling)
+                if job.options.pooling is not None:  # the model's pooling type and default normalize
+                    pooling = self._pooling_model.apply(job.options.pooling)
+                    job.options = dataclasses.replace(job.options, pooling=pooling)
+            lora = self.check_lora(job.options.lora_request)
+            if job.options.pooling is not None:
+                job.options.pooling.validate(self._hidden_size)
+            if self._tokenizer is None:
+                check_untokenized(job.prompt, job.chat, job.params, job.options.text_pair)
+            if job.params.bad_words:
+                ids = job.params.bad_words_token_ids + bad_words_token_ids(self._tokenizer, job.params.bad_words)
+                job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
+            check_params_vocab(job.params, self._vocab_size)
+            check_logprobs_limit(job.params, self._max_logprobs, self._vocab_size)
+            check_allowed_tokens(job.params, self._eos_token_ids)
+            token_ids = self._prompts.token_ids(job)
+            job.params = with_start_after_ids(job.params, token_ids, self._tokenizer, self._vocab_size)
+        except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread
+            error = exc if isinstance(exc, errors.InvalidRequestError) else errors.InvalidRequestError(
+                "messages" if job.chat else "prompt", f"could not be tokenized ({type(exc).__name__}: {exc})")
+            self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
+            self._deliver([(collector, error)], None)
+            return
+        collector.prompt_token_ids = token_ids
+        options = job.options
+        frames = []
+        for index, core_id in enumerate(core_ids):  # n > 1: one core request per sample (see docs/sampling.md)
+            params = job.params if len(core_ids) == 1 else job.params.for_sample(index)
+            buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
+            detokenizer = new_detokenizer(self._tokenizer, token_ids, params)
+            tracked = TrackedRequest(collector, detokenizer, index, buffer)
+            if self._stream_interval > 1:
+                tracked.pacer = StreamPacer(self._stream_interval)
+            salt = options.cache_salt if job.embeds is None else embeds_salt(options.cache_salt, job.embeds)
+            message = protocol.AddRequest(core_id, token_ids, params, self._eos_token_ids,
+                                          collector.metrics.arrival_time, options.priority, salt,
+                                          options.timeout, lora=lora, pooling=options.pooling,
+                                          prompt_embeds=job.embeds)
+            if job.mm_prompt is not None:
+                message.mm_items = job.mm_prompt.items
+                tracked.mm_resend = (message, job.mm_prompt)
+            try:
+                frames.append((core_id, tracked, self._encoder.encode(message)))
+            except Exception as exc:  # noqa: BLE001 - a value the wire cannot carry fails this request, not the thread
+                error = errors.InvalidRequestError("request", f"cannot be sent to the engine core ({exc})")
+                self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
+                self._deliver([(collector, error)], None)
+                return
+        self._samples[collector.request_id] = list(core_ids)
+        for core_id, tracked, frame in frames:
+            self._tracked[core_id] = tracked
+            dealer.send(frame)
+        self._observer.on_added(collector, job.params, job.chat, job.trace_context)
+
+    def check_lora(self, request: LoRARequest | None) -> LoRARequest | None:
+        """The request's adapter with a local folder, checked against the model (once per adapter id;
+        thread-safe: `AsyncEngine.add_lora` calls it from another thread)."""
+        if request is None:
+            return None
+        if self._lora is None:
+            raise errors.InvalidRequestError("lora_request", "this engine serves no LoRA adapters: "
+                                                             "start it with enable_lora=True")
+        return self._lora.check(request)
+
+
+def sample_request_ids(request_id: str, n: int) -> list[str]:
+    """Core request ids of a request's samples: the id itself when n == 1, else ``<id>-<i>``."""
+    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+

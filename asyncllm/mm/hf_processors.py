@@ -1,0 +1,48 @@
+"""The checkpoint's HF processors on the host (asyncllm/mm/processor.py loads them): its image processor, with
+``mm_processor_kwargs`` applied and a key that changes nothing refused, and its audio feature extractor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.errors import ConfigError
+
+__all__ = ["load_feature_extractor", "load_image_processor"]
+
+
+
+def load_image_processor(model_path: str, overrides: dict[str, Any], defaults: dict[str, Any] | None = None,
+                         processor_cls: Any = None) -> Any:
+    """The checkpoint's HF image processor (or the model's ``mm_image_processor_class``, LFM2-VL's stand-in for one
+    that needs torchvision) with ``mm_processor_kwargs`` applied, then ``defaults`` for the settings it leaves None
+    (Gemma 3's pan-and-scan bounds, which its HF processor passes); a `ConfigError` names a key that changes
+    nothing (transformers drops unknown ones without a word)."""
+    from transformers import AutoImageProcessor
+
+    loader = processor_cls or AutoImageProcessor
+    processor = loader.from_pretrained(model_path, **overrides)
+    for key, value in (defaults or {}).items():
+        if getattr(processor, key, None) is None:
+            setattr(processor, key, value)
+    if overrides:
+        plain = loader.from_pretrained(model_path).to_dict()
+        for key, value in overrides.items():
+            ignored = loader.from_pretrained(model_path, **{key: value}).to_dict() == plain
+            if ignored and plain.get(key) != value:
+                raise ConfigError(f"mm_processor_kwargs.{key}", value,
+                                  f"a setting of the model's {type(processor).__name__}")
+    return processor
+
+
+def load_feature_extractor(model_path: str, extractor_cls: Any = None) -> Any:
+    """The checkpoint's HF audio feature extractor (Qwen2-Audio's ``WhisperFeatureExtractor``), or the model's
+    ``mm_feature_extractor_class`` read from the checkpoint (Granite Speech's, whose HF one needs torchaudio)."""
+    if extractor_cls is None:
+        from transformers import AutoFeatureExtractor as extractor_cls
+
+    try:
+        return extractor_cls.from_pretrained(model_path)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model", model_path, f"a checkpoint with its audio feature extractor "
+                                               f"(preprocessor_config.json: {exc})") from exc
+
