@@ -2,17 +2,20 @@
 
 Written from the checkpoint format (transformers' FineGrainedFP8, DeepSeek-V3 and Qwen3-FP8 checkpoints: a
 float8_e4m3fn ``weight`` and a float32 ``weight_scale_inv`` per 2-D block, the multiplier; or one scalar
-``weight_scale`` per tensor) and docs/quantization.md, not from asyncllm's code:
+``weight_scale`` per tensor, and with AutoFP8's static activations one scalar ``input_scale``) and
+docs/quantization.md, not from asyncllm's code:
 
 - `write_fp8_checkpoint` quantizes a float checkpoint's decoder projections block by block (or per tensor),
   in plain loops, and writes safetensors plus a config.json with its ``quantization_config``;
 - `Fp8Reference` is transformers' float32 model of the float checkpoint whose quantized projections hold the
   dequantized weights (per tensor: the fused shards requantized to their largest scale, as vLLM serves them)
-  and fake-quantize their input per token: in groups of ``bk`` features (block-wise), or whole (per tensor).
+  and fake-quantize their input per token: in groups of ``bk`` features (block-wise), or whole (per tensor);
+  with static scales, with the largest ``input_scale`` of the projections fused with it instead.
   DeepSeek's ``kv_b_proj`` is the exception: a latent-attention server absorbs its dequantized matrix into the
   queries and outputs (docs/deepseek.md), so its input, the cached latent, is never quantized.
   A mixture of experts' experts (per expert in the checkpoint, stacked in transformers 5's model) likewise:
-  the dequantized matrices stacked, each product's input fake-quantized per token group.
+  the dequantized matrices stacked, each product's input fake-quantized per token group (per tensor: each
+  expert matrix dequantized with its own scalar, the groups `PER_TENSOR_EXPERT_GROUP` wide).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
                "w1", "w2", "w3",  # Mixtral-named experts (MiniMax-M2)
                "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's latent attention
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+PER_TENSOR_EXPERT_GROUP = 128
+"""Per-tensor experts quantize each product's input per token in groups of 128 features (docs/quantization.md)."""
 
 
 def _scale(t: torch.Tensor) -> torch.Tensor:
@@ -74,9 +79,11 @@ def _is_projection(name: str) -> bool:
 
 
 def write_fp8_checkpoint(src: str, dst: Path, block: tuple[int, int] | None, ignored: tuple[str, ...] = (),
-                         extra_config: dict | None = None) -> dict[str, torch.Tensor]:
+                         extra_config: dict | None = None,
+                         input_scales: dict[str, float] | None = None) -> dict[str, torch.Tensor]:
     """``src``'s checkpoint in ``dst`` with its decoder projections in fp8 (those containing an ``ignored`` entry
-    stay float); returns the checkpoint tensors."""
+    stay float); ``input_scales`` (per tensor): each projection's static ``input_scale`` by its name (``q_proj``),
+    with ``activation_scheme: "static"``. Returns the checkpoint tensors."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
@@ -88,10 +95,13 @@ def write_fp8_checkpoint(src: str, dst: Path, block: tuple[int, int] | None, ign
         if block is None:
             tensors[name + "_scale"] = _scale(w)
             tensors[name] = _to_fp8(w, tensors[name + "_scale"])
+            if input_scales is not None:
+                tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(input_scales[name.split(".")[-2]])
         else:
             tensors[name], tensors[name + "_scale_inv"] = quantize_blocks(w, block)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    section = {"quant_method": "fp8", "activation_scheme": "dynamic", **(extra_config or {})}
+    section = {"quant_method": "fp8", "activation_scheme": "dynamic" if input_scales is None else "static",
+               **(extra_config or {})}
     if block is not None:
         section["weight_block_size"] = list(block)
     if ignored:
@@ -108,6 +118,23 @@ def _group_fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
         scale = (part.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=MIN_SCALE)
         out[..., start:start + group] = _to_fp8(part, scale).float() * scale
     return out.to(x.dtype)
+
+
+def _static_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (_to_fp8(x, scale).float() * scale).to(x.dtype)
+
+
+def _fused_with(name: str) -> list[str]:
+    """The checkpoint names of the projections fused with ``name``'s (itself included), by their ``weight``."""
+    part = name.split(".")[-2]
+    group = next((g for g in FUSED if part in g), (part,))
+    return [name.replace(f".{part}.", f".{other}.") for other in group]
+
+
+def _static_input_scale(tensors: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The largest ``input_scale`` of the projections fused with ``name``'s; None when the checkpoint has none."""
+    scales = [tensors.get(n.removesuffix("weight") + "input_scale") for n in _fused_with(name)]
+    return None if scales[0] is None else torch.stack(scales).max()
 
 
 def _requantized(tensors: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
@@ -127,9 +154,10 @@ def dequantized_weights(tensors: dict[str, torch.Tensor], block: tuple[int, int]
         return {n: dequantize_blocks(tensors[n], tensors[n + "_scale_inv"], block) for n in fp8_names}
     out: dict[str, torch.Tensor] = {}
     for name in fp8_names:
-        group = next((g for g in FUSED if name.split(".")[-2] in g), (name.split(".")[-2],))
-        members = [name.replace(f".{name.split('.')[-2]}.", f".{part}.") for part in group]
-        out.update(_requantized(tensors, members))
+        if _EXPERT.match(name):  # each expert matrix by its own scale: nothing fused, nothing requantized
+            out[name] = tensors[name].float() * tensors[name + "_scale"]
+            continue
+        out.update(_requantized(tensors, _fused_with(name)))
     return out
 
 
@@ -149,14 +177,16 @@ class Fp8Reference:
                 if expert is not None:
                     part = _EXPERT_PART.get(expert.group(3), expert.group(3))
                     experts = modules.get(expert.group(1)) or modules[expert.group(1).replace("block_sparse_moe", "mlp")]
-                    _set_expert(experts, int(expert.group(2)), part, weight, group)
+                    _set_expert(experts, int(expert.group(2)), part, weight, group or PER_TENSOR_EXPERT_GROUP)
                     continue
                 linear = modules[name.removesuffix(".weight")]
                 linear.weight.copy_(weight)
                 if name.endswith(".kv_b_proj.weight"):  # latent attention absorbs it: its input is never quantized
                     continue
+                static = _static_input_scale(tensors, name)
                 linear.register_forward_pre_hook(
-                    lambda _m, args: (_group_fake_quant(args[0], group or args[0].shape[-1]),) + tuple(args[1:]))
+                    lambda _m, args, s=static: (_group_fake_quant(args[0], group or args[0].shape[-1]) if s is None
+                                                else _static_fake_quant(args[0], s),) + tuple(args[1:]))
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         return model_logits(self.model, token_ids)

@@ -261,6 +261,9 @@ class Fp8CheckpointConfig:
     ignored_layers: tuple[str, ...] = ()
     """``modules_to_not_convert`` / ``ignored_layers``: a layer whose checkpoint name contains one of these loads
     unquantized (transformers' rule)."""
+    static_input: bool = False
+    """``activation_scheme == "static"``: each layer's activations quantized with the checkpoint's per-tensor
+    ``input_scale`` (a fused layer's largest); False: dynamic, per token (per token group when block-wise)."""
 
     def is_ignored(self, checkpoint_name: str) -> bool:
         return any(entry in checkpoint_name for entry in self.ignored_layers)
@@ -269,7 +272,8 @@ class Fp8CheckpointConfig:
 def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None) -> Fp8CheckpointConfig | None:
     """What a pre-quantized checkpoint asks for: None for a float checkpoint, the `Fp8CheckpointConfig` of an
     ``"fp8"`` one (served with ``quantization`` None, "use the checkpoint's method", or "fp8"); `NotBuiltError`
-    for other methods, static activation scales and fp8 mixture-of-experts or multimodal models."""
+    for other methods, static activation scales over block-wise weights, experts or latent attention, and fp8
+    mixture-of-experts or multimodal models."""
     method = checkpoint_quantization(hf_config)
     if method is None:
         return None
@@ -285,11 +289,10 @@ def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None
                           "None or 'fp8': the checkpoint is pre-quantized with 'fp8' "
                           "(its config.json's quantization_config)")
     section = _quantization_section(hf_config) or {}
-    if section.get("activation_scheme", "dynamic") != "dynamic":
-        raise NotBuiltError("model", model, f"static fp8 activation scales (activation_scheme="
-                            f"{section.get('activation_scheme')!r}, input_scale tensors): only 'dynamic' is built")
     ignored = tuple(section.get("modules_to_not_convert") or ()) + tuple(section.get("ignored_layers") or ())
-    cfg = Fp8CheckpointConfig(_block_size(section.get("weight_block_size"), model), ignored)
+    block = _block_size(section.get("weight_block_size"), model)
+    cfg = Fp8CheckpointConfig(block, ignored, _static_input(section.get("activation_scheme", "dynamic"), block, model))
+    _refuse_static_input(hf_config, model, cfg)
     _refuse_fp8_architecture(hf_config, model, cfg)
     return cfg
 
@@ -338,6 +341,34 @@ def _check_mxfp4(hf_config: Any, model: str, quantization: str | None) -> None:
                             "dequantized to the model dtype at load; leave quantization unset)")
 
 
+def _static_input(scheme: Any, block: tuple[int, int] | None, model: str) -> bool:
+    """Whether ``activation_scheme`` is ``"static"`` (``"dynamic"``: False); `ConfigError` for another value,
+    `NotBuiltError` for static scales over block-wise weights (vLLM refuses them too)."""
+    if scheme not in ("dynamic", "static"):
+        raise ConfigError("model", model, f"a quantization_config whose activation_scheme is 'dynamic' or 'static', "
+                                          f"not {scheme!r}")
+    if scheme == "static" and block is not None:
+        raise NotBuiltError("model", model, f"static fp8 activation scales (activation_scheme='static') over "
+                                            f"block-wise weights (weight_block_size {list(block)}): block-wise "
+                                            "checkpoints quantize activations per token group")
+    return scheme == "static"
+
+
+def _refuse_static_input(hf_config: Any, model: str, cfg: Fp8CheckpointConfig) -> None:
+    """`NotBuiltError` for static activation scales on mixture-of-experts experts, or on a latent-attention model
+    (``kv_b_proj``'s matrix is read through the layer's product with the identity, which a static scale rounds)."""
+    from asyncllm.models.architectures import architecture_of, has_experts
+
+    if not cfg.static_input:
+        return
+    arch = architecture_of(hf_config)
+    where = f"the experts of {arch}" if has_experts(hf_config, arch) else \
+        f"the latent attention of {arch} (its kv_b_proj is absorbed)" if getattr(hf_config, "kv_lora_rank", 0) else ""
+    if where:
+        raise NotBuiltError("model", model, f"static fp8 activation scales (activation_scheme='static') on {where}: "
+                                            "served for dense layers only")
+
+
 def _block_size(value: Any, model: str) -> tuple[int, int] | None:
     if value is None:
         return None
@@ -359,8 +390,8 @@ def _refuse_fp8_architecture(hf_config: Any, model: str, cfg: Fp8CheckpointConfi
     from asyncllm.models.architectures import architecture_of, has_experts, refuse_quantized_multimodal
 
     arch = architecture_of(hf_config)
-    if has_experts(hf_config, arch) and (arch in FUSED_EXPERT_ARCHITECTURES or cfg.weight_block_size is None):
-        raise NotBuiltError("model", model, f"pre-quantized fp8 experts of {arch} (block-wise fp8 experts stored "
-                                            "per expert are served; online quantization='fp8' keeps experts "
-                                            "unquantized)")
+    if has_experts(hf_config, arch) and arch in FUSED_EXPERT_ARCHITECTURES:
+        raise NotBuiltError("model", model, f"pre-quantized fp8 experts of {arch} (fp8 experts stored per expert "
+                                            "are served, block-wise or per tensor; online quantization='fp8' "
+                                            "keeps experts unquantized)")
     refuse_quantized_multimodal(arch, model, "fp8", cfg.is_ignored)

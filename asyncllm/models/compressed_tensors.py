@@ -39,12 +39,14 @@ from torch import nn
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig, CompressedTensorsScheme
 from asyncllm.models.fp8_checkpoint import (
+    DUMMY_INPUT_SCALE,
     attach_block_fp8_weight,
     check_block_split,
-    load_tensor_scale,
     new_block_scale,
+    new_tensor_scale,
     quantize_fp8_blocks,
     replace_weight,
+    take_input_scale,
 )
 from asyncllm.models.int4_checkpoint import UnpackedWeight, attach_dequantized, attach_packed, unpack_columns
 from asyncllm.models.int4_experts import ct_format, expert_checkpoint_module, finish_int4_experts, make_int4_expert_params
@@ -65,7 +67,7 @@ __all__ = ["quantized_schemes", "make_compressed_tensors_params", "finish_compre
            "fill_compressed_tensors_weights"]
 
 _INT_TENSORS = ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
-_DUMMY_INPUT_SCALES = {"fp8": 1.0 / 64, "int8": 1.0 / 16}
+_DUMMY_INPUT_SCALES = {"fp8": DUMMY_INPUT_SCALE, "int8": 1.0 / 16}
 """``load_format="dummy"``: the static activation scales drawn (inputs up to 7 before they saturate)."""
 _BLOCK_LABEL = "block_structure"
 
@@ -108,20 +110,18 @@ def _check_weight_shape(in_features: int, param: nn.Parameter, loaded: LoadedWei
 # ---------------------------------------------------------------- before loading
 def _make_w8a8_params(name: str, layer: LinearBase, scheme: CompressedTensorsScheme) -> None:
     """fp8 or int8 weights stored as they are, their scales (per tensor, row or block), static input scales."""
-    row, shards = isinstance(layer, RowParallelLinear), len(output_partitions(layer))
-    out_features = layer.weight.shape[0]
-    tensor_scale = functools.partial(load_tensor_scale, layer)
+    row, out_features = isinstance(layer, RowParallelLinear), layer.weight.shape[0]
     block_scale = new_block_scale(name, layer, scheme.block, _BLOCK_LABEL) if scheme.block else None
     with torch.device(replace_weight(layer, torch.int8 if scheme.kind == "int8" else FP8_DTYPE)):
         if block_scale is not None:
             layer.weight_scale = block_scale
         elif scheme.strategy == "tensor":
-            layer.weight_scale = new_param(shards, dtype=torch.float32, loader=tensor_scale)
+            layer.weight_scale = new_tensor_scale(layer)
         else:
             loader = default_weight_loader if row else functools.partial(_load_output_rows, layer, 1)
             layer.weight_scale = new_param(out_features, 1, dtype=torch.float32, loader=loader)
-        if scheme.static_input:
-            layer.input_scale = new_param(shards, dtype=torch.float32, loader=tensor_scale)
+    if scheme.static_input:
+        layer.input_scale = new_tensor_scale(layer)
 
 
 def _check_int_split(name: str, layer: LinearBase, scheme: CompressedTensorsScheme, in_features: int) -> None:
@@ -188,9 +188,7 @@ def _finish_w8a8(layer: LinearBase, scheme: CompressedTensorsScheme) -> None:
     if scheme.strategy == "tensor":
         sizes = torch.tensor(output_partitions(layer), device=scale.device)
         scale = torch.repeat_interleave(scale, sizes).unsqueeze(1)
-    input_scale = layer.input_scale.data.max() if scheme.static_input else None
-    if scheme.static_input:
-        del layer.input_scale
+    input_scale = take_input_scale(layer) if scheme.static_input else None
     attach = attach_int8_weight if scheme.kind == "int8" else attach_fp8_weight
     attach(layer, layer.weight.data, scale.contiguous(), input_scale)
 

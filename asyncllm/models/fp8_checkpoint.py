@@ -10,11 +10,13 @@
      under tensor parallelism each rank's slice, must start on a block boundary: a split through a block is
      a `ConfigError` naming the layer and the sizes (vLLM's ``validate_fp8_block_shape``);
    - **per-tensor** (no block size): ``weight_scale`` with one scalar per checkpoint tensor (q, k and v of a
-     ``qkv_proj`` each have theirs).
+     ``qkv_proj`` each have theirs); with ``activation_scheme: "static"`` an ``input_scale`` the same way
+     (`new_tensor_scale`, shared with compressed_tensors.py).
    Layers named in ``modules_to_not_convert`` / ``ignored_layers`` stay as they are (model dtype).
 2. `finish_fp8_params` once the weights are in: block-wise layers compute through `Fp8BlockLinearMethod`;
    per-tensor layers requantize their shards to the largest shard scale (vLLM's
-   ``requantize_with_max_scale``) and then compute as online fp8 (`quantization.Fp8LinearMethod`).
+   ``requantize_with_max_scale``) and then compute as online fp8 (`quantization.Fp8LinearMethod`), their
+   activations per token or, static, with the largest of their shards' input scales (`take_input_scale`).
 
 With ``load_format="dummy"``, `quantize_drawn_weights` quantizes the drawn model-dtype weights into the same
 formats instead. The arithmetic, and what is not built, are in docs/quantization.md.
@@ -49,7 +51,11 @@ from asyncllm.models.quantization import (
 
 __all__ = ["Fp8BlockLinearMethod", "block_fp8_linear_fallback", "quantize_fp8_blocks", "make_fp8_params",
            "finish_fp8_params", "quantize_drawn_weights", "replace_weight", "load_tensor_scale", "check_block_split",
-           "new_block_scale", "attach_block_fp8_weight"]
+           "new_block_scale", "attach_block_fp8_weight", "new_tensor_scale", "take_input_scale",
+           "DUMMY_INPUT_SCALE"]
+
+DUMMY_INPUT_SCALE = 1.0 / 64
+"""``load_format="dummy"``: the static fp8 activation scale drawn (inputs up to 7 before they saturate)."""
 
 
 # ---------------------------------------------------------------- the product
@@ -141,11 +147,27 @@ def _load_row_blocks(layer: RowParallelLinear, block_cols: int, param: nn.Parame
 
 
 def load_tensor_scale(layer: LinearBase, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
-    """A checkpoint tensor's scalar ``weight_scale`` into its shard's slot."""
+    """A checkpoint tensor's scalar ``weight_scale`` (or ``input_scale``) into its shard's slot."""
     value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
     if value.numel() != 1:
-        raise ValueError(f"has shape {tuple(value.shape)}, a per-tensor weight_scale is a scalar")
+        raise ValueError(f"has shape {tuple(value.shape)}, a per-tensor scale is a scalar")
     param.data[shard_index(layer, shard_id)] = value.reshape(())
+
+
+def new_tensor_scale(layer: LinearBase) -> nn.Parameter:
+    """One float32 scalar per checkpoint tensor of the layer (q, k and v each their ``weight_scale``, or their static
+    ``input_scale``), on the weight's device, with `load_tensor_scale` as its loader."""
+    with torch.device(layer.weight.device):
+        return new_param(len(output_partitions(layer)), dtype=torch.float32,
+                         loader=functools.partial(load_tensor_scale, layer))
+
+
+def take_input_scale(layer: LinearBase) -> torch.Tensor:
+    """After loading: the layer's one static activation scale, the largest of its shards' (one activation feeds
+    them all: vLLM's rule); the per-shard parameter is removed."""
+    scale = layer.input_scale.data.max()
+    del layer.input_scale
+    return scale
 
 
 # ---------------------------------------------------------------- before and after loading
@@ -186,10 +208,11 @@ def _make_layer_params(name: str, layer: LinearBase, cfg: Fp8CheckpointConfig) -
     block = cfg.weight_block_size
     if block is not None:
         layer.weight_scale_inv = new_block_scale(name, layer, block)
-    with torch.device(replace_weight(layer)):
-        if block is None:
-            loader = functools.partial(load_tensor_scale, layer)
-            layer.weight_scale = new_param(len(output_partitions(layer)), dtype=torch.float32, loader=loader)
+    replace_weight(layer)
+    if block is None:
+        layer.weight_scale = new_tensor_scale(layer)
+    if cfg.static_input:
+        layer.input_scale = new_tensor_scale(layer)
 
 
 def make_fp8_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> int:
@@ -204,8 +227,9 @@ def make_fp8_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> int:
 
 
 @torch.no_grad()
-def _requantize_to_max_scale(layer: LinearBase) -> None:
-    """Per-tensor: one scale for the layer, the largest of its shards'; the others' rows are requantized."""
+def _requantize_to_max_scale(layer: LinearBase, static_input: bool) -> None:
+    """Per-tensor: one scale for the layer, the largest of its shards'; the others' rows are requantized.
+    ``static_input``: the activations quantized with the largest of the shards' input scales."""
     scales = layer.weight_scale.data
     del layer.weight_scale
     weight, max_scale = layer.weight.data, scales.max()
@@ -215,14 +239,14 @@ def _requantize_to_max_scale(layer: LinearBase) -> None:
         if scale != float(max_scale):
             rows.copy_(quantize_fp8(fp8_to_float(rows) * scale, max_scale))
         start += size
-    attach_fp8_weight(layer, weight, max_scale)
+    attach_fp8_weight(layer, weight, max_scale, take_input_scale(layer) if static_input else None)
 
 
 def finish_fp8_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
     """After loading: each fp8 layer's product (see the module's docstring)."""
     for _, layer in quantized_layers(model, cfg.is_ignored):
         if cfg.weight_block_size is None:
-            _requantize_to_max_scale(layer)
+            _requantize_to_max_scale(layer, cfg.static_input)
         else:
             layer.quant_method = Fp8BlockLinearMethod(cfg.weight_block_size, scaled_mm_supported(layer.weight.device))
 
@@ -230,12 +254,13 @@ def finish_fp8_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
 @torch.no_grad()
 def quantize_drawn_weights(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
     """``load_format="dummy"``: the drawn model-dtype weights quantized into the checkpoint's format (each rank's
-    shard whole: block-wise, or one scale per layer), then `finish_fp8_params`."""
+    shard whole: block-wise, or one scale per layer, with `DUMMY_INPUT_SCALE` when static)."""
     block = cfg.weight_block_size
     for name, layer in quantized_layers(model, cfg.is_ignored):
         if block is not None:
             check_block_split(name, layer, block)
             attach_block_fp8_weight(layer, *quantize_fp8_blocks(layer.weight.data, block), block)
         else:
-            attach_fp8_weight(layer, *quantize_fp8_per_tensor(layer.weight.data))
+            input_scale = torch.tensor(DUMMY_INPUT_SCALE, device=layer.weight.device) if cfg.static_input else None
+            attach_fp8_weight(layer, *quantize_fp8_per_tensor(layer.weight.data), input_scale)
     disable_fused_decode(model)

@@ -1,13 +1,27 @@
-"""Block-fp8 experts of pre-quantized fp8 mixture-of-experts checkpoints (Qwen3-30B-A3B-FP8, Qwen3.5-MoE's FP8
-releases, ...), beside the dense layers of asyncllm/models/fp8_checkpoint.py.
+"""Fp8 experts of pre-quantized fp8 mixture-of-experts checkpoints, beside the dense layers of
+asyncllm/models/fp8_checkpoint.py: block-wise (Qwen3-30B-A3B-FP8, Qwen3.5-MoE's FP8 releases, ...) or per tensor
+(Mixtral-8x7B-Instruct-v0.1-FP8 with ``activation_scheme: "dynamic"``, Qwen MoE FP8 made without
+``weight_block_size``).
 
-Each `FusedMoE` whose experts the checkpoint quantized gets float8_e4m3fn ``w13_weight`` / ``w2_weight`` and their
-block scales ``w13_weight_scale_inv [E, rows / bn, ceil(H / bk)]`` and ``w2_weight_scale_inv [E, ceil(H / bn),
-I / bk]``, filled per expert (``experts.N.gate_proj.weight_scale_inv`` ...) as the matrices are: the gate's block
-rows, then the up's, this rank's part. The gate and up rows meet on a block boundary (the intermediate size a
-multiple of ``bn``), and a tensor-parallel split of the intermediate size falls on whole blocks; otherwise
-`ConfigError`. The product is the fused-MoE op's with `reference.Fp8Experts` (docs/moe.md). Per-tensor fp8
-experts are not built.
+Each `FusedMoE` whose experts the checkpoint quantized gets float8_e4m3fn ``w13_weight`` / ``w2_weight`` (filled
+per expert as the float matrices are: the gate's rows, then the up's, this rank's part) and computes with the
+fused-MoE op's `reference.Fp8Experts` (docs/moe.md): block scales ``w13_weight_scale_inv [E, rows / bn,
+ceil(H / bk)]`` and ``w2_weight_scale_inv [E, ceil(H / bn), ceil(I / bk)]``, each expert's inputs quantized per
+token in groups of ``bk``.
+
+- **Block-wise**: the block scales are the checkpoint's (``experts.N.gate_proj.weight_scale_inv`` ...), filled
+  per expert. The gate and up rows meet on a block boundary (the intermediate size a multiple of ``bn``), and a
+  tensor-parallel split of the intermediate size falls on whole blocks; otherwise `ConfigError`.
+- **Per tensor**: a scalar ``weight_scale`` per expert matrix is a block scale whose block covers the matrix, so
+  the scalars load into staging parameters (``gate_weight_scale`` ... ``[E]``, the names the checkpoint's map to)
+  and `finish_fp8_expert_params` repeats each over the blocks of a ``(I, 128)`` block, ``I`` this rank's
+  intermediate rows: ``w13`` gets two block rows (the gate's scale, then the up's: they stay apart, nothing is
+  requantized) and ``w2`` its down scale everywhere. Exact for any intermediate size and any tensor-parallel
+  split. The inputs are quantized per token in groups of 128 (`PER_TENSOR_GROUP`; the dense per-tensor layers
+  quantize theirs per token, vLLM's per-tensor experts per tensor); under a split the down product's groups run
+  over this rank's intermediate columns.
+
+Static activation scales (``activation_scheme: "static"``) on experts are refused (`NotBuiltError`).
 """
 
 from __future__ import annotations
@@ -23,13 +37,19 @@ from asyncllm.models.checkpoint import Fp8CheckpointConfig
 from asyncllm.models.fp8_checkpoint import quantize_fp8_blocks
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
 from asyncllm.models.moe import FusedMoE
-from asyncllm.models.quantization import FP8_DTYPE, scaled_mm_supported
+from asyncllm.models.quantization import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8, scaled_mm_supported
 
-__all__ = ["fp8_expert_layers", "make_fp8_expert_params", "quantize_drawn_experts"]
+__all__ = ["fp8_expert_layers", "make_fp8_expert_params", "finish_fp8_expert_params", "quantize_drawn_experts",
+           "PER_TENSOR_GROUP"]
+
+PER_TENSOR_GROUP = 128
+"""Per-tensor experts: the columns of their block (the group each input is quantized in per token), the
+block-fp8 checkpoints' 128: a power of two, the fused-MoE kernel's K step."""
 
 
 def fp8_expert_layers(model: nn.Module, cfg: Fp8CheckpointConfig) -> list[tuple[str, FusedMoE]]:
-    """(name, experts) of every `FusedMoE` the checkpoint quantized (none of its expert matrices ignored)."""
+    """(name, experts) of every `FusedMoE` the checkpoint quantized (none of its expert matrices ignored);
+    `NotBuiltError` for static activation scales on them."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):
@@ -40,18 +60,23 @@ def fp8_expert_layers(model: nn.Module, cfg: Fp8CheckpointConfig) -> list[tuple[
                                                  "none of them")
             if not any(ignored):
                 found.append((name, module))
+    if found and cfg.static_input:
+        raise NotBuiltError("model", found[0][0], "static fp8 activation scales (activation_scheme='static') on "
+                                                  "experts: their inputs are quantized dynamically")
     return found
 
 
 def make_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> int:
-    """Before loading: fp8 weights and block scale parameters for the quantized experts; returns how many layers."""
+    """Before loading: fp8 weights and block scale parameters (per tensor: scalar staging parameters) for the
+    quantized experts; returns how many layers."""
     block = cfg.weight_block_size
     layers = fp8_expert_layers(model, cfg)
-    if layers and block is None:
-        raise NotBuiltError("model", layers[0][0], "per-tensor fp8 experts (block-wise fp8 experts are served)")
     for name, moe in layers:
-        _check_blocks(name, moe, block)  # type: ignore[arg-type]
-        _make_params(moe, block)  # type: ignore[arg-type]
+        if block is None:
+            _make_tensor_scale_params(moe)
+        else:
+            _check_blocks(name, moe, block)
+            _make_params(moe, block)
     return len(layers)
 
 
@@ -65,12 +90,18 @@ def _check_blocks(name: str, moe: FusedMoE, block: tuple[int, int]) -> None:
                           "block boundaries")
 
 
-def _make_params(moe: FusedMoE, block: tuple[int, int]) -> None:
-    (bn, bk), loader = block, functools.partial(_load_scales, moe, block)
+def _fp8_weights(moe: FusedMoE) -> None:
     w13, w2 = moe.w13_weight, moe.w2_weight
     with torch.device(w13.device):
         moe.w13_weight = new_param(*w13.shape, dtype=FP8_DTYPE, loader=moe.weight_loader)
         moe.w2_weight = new_param(*w2.shape, dtype=FP8_DTYPE, loader=moe.weight_loader)
+
+
+def _make_params(moe: FusedMoE, block: tuple[int, int]) -> None:
+    (bn, bk), loader = block, functools.partial(_load_scales, moe, block)
+    _fp8_weights(moe)
+    w13, w2 = moe.w13_weight, moe.w2_weight
+    with torch.device(w13.device):
         moe.w13_weight_scale_inv = new_param(w13.shape[0], -(-w13.shape[1] // bn), -(-w13.shape[2] // bk),
                                              dtype=torch.float32, loader=loader)
         moe.w2_weight_scale_inv = new_param(w2.shape[0], -(-w2.shape[1] // bn), -(-w2.shape[2] // bk),
@@ -101,13 +132,73 @@ def _load_scales(moe: FusedMoE, block: tuple[int, int], param: nn.Parameter, loa
         copy_weight(dst.narrow(0, offset, rows), weight_narrow(loaded, 0, start // bn, rows))
 
 
+# ---------------------------------------------------------------- per-tensor scales
+def _parts(moe: FusedMoE) -> tuple[str, ...]:
+    """The expert matrices in ``w13``'s row order, then the down."""
+    return ("gate", "up", "down") if moe.gated else ("up", "down")
+
+
+def _make_tensor_scale_params(moe: FusedMoE) -> None:
+    """fp8 weights and one float32 scalar per local expert and matrix (``gate_weight_scale`` ...)."""
+    _fp8_weights(moe)
+    with torch.device(moe.w13_weight.device):
+        for part in _parts(moe):
+            setattr(moe, f"{part}_weight_scale", new_param(moe.num_local_experts, dtype=torch.float32,
+                                                           loader=functools.partial(_load_tensor_scale, moe)))
+
+
+def _load_tensor_scale(moe: FusedMoE, param: nn.Parameter, loaded: LoadedWeight, shard_id: tuple[int, str]) -> None:
+    """One expert matrix's scalar ``weight_scale`` (every rank reads it whole)."""
+    value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+    if value.numel() != 1:
+        raise ValueError(f"has shape {tuple(value.shape)}, a per-tensor weight_scale is a scalar")
+    param.data[shard_id[0] - moe.expert_start] = value.reshape(())
+
+
+def finish_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
+    """After loading: per-tensor experts' scalars repeated into their block scales (see the module); block-wise
+    experts are done."""
+    if cfg.weight_block_size is not None:
+        return
+    for _, moe in fp8_expert_layers(model, cfg):
+        scales = [getattr(moe, f"{part}_weight_scale").data for part in _parts(moe)]
+        for part in _parts(moe):
+            delattr(moe, f"{part}_weight_scale")
+        _attach_tensor_scales(moe, torch.stack(scales[:-1], dim=1), scales[-1])
+
+
+def _attach_tensor_scales(moe: FusedMoE, w13_scales: torch.Tensor, w2_scales: torch.Tensor) -> None:
+    """``w13_scales [E, parts]`` (gate, up) and ``w2_scales [E]`` as the block scales of `PER_TENSOR_GROUP`-column
+    blocks of ``I`` rows: each of w13's block rows one matrix, w2's every block the down's."""
+    block = (moe.intermediate, PER_TENSOR_GROUP)
+    for name, scales, weight in (("w13", w13_scales, moe.w13_weight), ("w2", w2_scales, moe.w2_weight)):
+        shape = (weight.shape[0], -(-weight.shape[1] // block[0]), -(-weight.shape[2] // block[1]))
+        blocks = scales.reshape(weight.shape[0], -1, 1).expand(shape).contiguous()
+        setattr(moe, f"{name}_weight_scale_inv", nn.Parameter(blocks, requires_grad=False))
+    _compute_in_fp8(moe, block)
+
+
+@torch.no_grad()
+def _quantize_per_matrix(w: torch.Tensor, matrices: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [E, rows, cols]`` whose rows are ``matrices`` stacked ones -> (fp8, float32 ``[E, matrices]``): each
+    matrix by its own ``max|matrix| / 448``."""
+    parts = w.reshape(w.shape[0], matrices, -1)
+    scales = (parts.abs().amax(dim=-1).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    return quantize_fp8(parts, scales[..., None]).reshape(w.shape), scales
+
+
 @torch.no_grad()
 def quantize_drawn_experts(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
-    """``load_format="dummy"``: the drawn experts quantized block by block into the checkpoint's format."""
+    """``load_format="dummy"``: the drawn experts quantized into the checkpoint's format (block by block, or each
+    expert matrix per tensor)."""
     block = cfg.weight_block_size
     for name, moe in fp8_expert_layers(model, cfg):
         if block is None:
-                raise NotBuiltError("model", name, "per-tensor fp8 experts (block-wise fp8 experts are served)")
+            w13, w13_scales = _quantize_per_matrix(moe.w13_weight.data, len(_parts(moe)) - 1)
+            w2, w2_scales = _quantize_per_matrix(moe.w2_weight.data, 1)
+            moe.w13_weight, moe.w2_weight = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
+            _attach_tensor_scales(moe, w13_scales, w2_scales)
+            continue
         _check_blocks(name, moe, block)
         for attr in ("w13_weight", "w2_weight"):
             parts = [quantize_fp8_blocks(w, block) for w in getattr(moe, attr).data]

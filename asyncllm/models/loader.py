@@ -171,6 +171,7 @@ def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8
     fp8_experts.make_fp8_expert_params(model, fp8_checkpoint)  # type: ignore[arg-type]
     load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
     fp8.finish_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
+    fp8_experts.finish_fp8_expert_params(model, fp8_checkpoint)  # type: ignore[arg-type]
 
 
 def checkpoint_files(path: str, load_format: str = "auto") -> list[str]:

@@ -372,9 +372,12 @@ def test_a_wrong_weight_shape_is_refused(checkpoint) -> None:
                     reason="needs a CUDA device with fp8 (compute capability >= 8.9)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("static_input", [False, True])
-def test_scaled_mm_with_per_row_scales_equals_the_fallback(dtype: torch.dtype, static_input: bool) -> None:
+@pytest.mark.parametrize("per_row", [True, False], ids=["row-weights", "tensor-weights"])
+def test_scaled_mm_with_per_row_scales_equals_the_fallback(dtype: torch.dtype, static_input: bool,
+                                                           per_row: bool) -> None:
     """torch._scaled_mm (row-wise scales in bfloat16; a float32 product scaled after otherwise) with one weight scale
-    per output row, per-token or static input scales, against the dequantize fallback on the same fp8 tensors."""
+    per output row (or one for the tensor: fp8 checkpoints' AutoFP8 static scheme), per-token or static input
+    scales, against the dequantize fallback on the same fp8 tensors."""
     from asyncllm.models.quantization import fp8_linear_fallback
 
     cuda = torch.device("cuda")
@@ -383,10 +386,11 @@ def test_scaled_mm_with_per_row_scales_equals_the_fallback(dtype: torch.dtype, s
         layer = RowParallelLinear(256, 384, True, TensorParallel(), dtype)
         layer.bias.data.copy_(torch.randn(384, generator=gen) * 0.05)
         w_scale = torch.rand(384, 1, generator=gen) * 1e-3 + 1e-4
+        w_scale = w_scale if per_row else w_scale.max()
         w_q = quantize_fp8(torch.randn(384, 256, generator=gen) * 0.05, w_scale)
         input_scale = torch.tensor(0.02) if static_input else None
     method = attach_fp8_weight(layer, w_q, w_scale, input_scale)
-    assert method.scaled_mm and method.per_channel and method.rowwise is (dtype == torch.bfloat16)
+    assert method.scaled_mm and method.per_channel is per_row and method.rowwise is (dtype == torch.bfloat16)
     for rows in (1, 7, 64):
         x = torch.randn(rows, 256, device=cuda, generator=gen).to(dtype)
         got = layer(x)

@@ -21,6 +21,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.checkpoint import Fp8CheckpointConfig, prequantized_fp8_config
 from asyncllm.models.fp8_checkpoint import (
+    DUMMY_INPUT_SCALE,
     Fp8BlockLinearMethod,
     finish_fp8_params,
     make_fp8_params,
@@ -55,19 +56,25 @@ def test_the_quantization_config_is_read() -> None:
     assert cfg == Fp8CheckpointConfig((128, 128), ("lm_head", "layers.3.mlp"))
     assert cfg.is_ignored("model.layers.3.mlp.down_proj") and not cfg.is_ignored("model.layers.2.mlp.down_proj")
     assert prequantized_fp8_config(_section(), "m", "fp8") == Fp8CheckpointConfig(None)
+    assert prequantized_fp8_config(_section(activation_scheme="static"), "m", None) == Fp8CheckpointConfig(None, (), True)
     assert prequantized_fp8_config(SimpleNamespace(architectures=["LlamaForCausalLM"]), "m", "fp8") is None
     assert MIN_SCALE == reference.FP8_MIN_SCALE  # the online and the checkpoint paths share the floor
 
 
 @pytest.mark.parametrize("hf_config, quantization, error, message", [
-    (_section(activation_scheme="static"), None, NotBuiltError, "static fp8 activation scales"),
-    (_section(weight_block_size=[128, 128], activation_scheme="static"), None, NotBuiltError, "static"),
+    (_section(weight_block_size=[128, 128], activation_scheme="static"), None, NotBuiltError,
+     r"static fp8 activation scales .* over block-wise weights \(weight_block_size \[128, 128\]\)"),
+    (_section(activation_scheme="per-token"), None, ConfigError, "activation_scheme is 'dynamic' or 'static', not "),
+    (SimpleNamespace(architectures=["Qwen3MoeForCausalLM"], quantization_config={
+        "quant_method": "fp8", "activation_scheme": "static"}), None, NotBuiltError,
+     "static fp8 activation scales .* on the experts of Qwen3MoeForCausalLM"),
+    (SimpleNamespace(architectures=["MiniCPM3ForCausalLM"], kv_lora_rank=256, quantization_config={
+        "quant_method": "fp8", "activation_scheme": "static"}), None, NotBuiltError,
+     "static fp8 activation scales .* on the latent attention of MiniCPM3ForCausalLM"),
     (_section(weight_block_size=[128]), None, ConfigError, "weight_block_size is two positive integers"),
     (_section(), "awq", ConfigError, "pre-quantized with 'fp8'"),
     (SimpleNamespace(architectures=["LlamaForCausalLM"], quantization_config={"quant_method": "gptq"}), "fp8",
      NotBuiltError, "pre-quantized 'gptq' checkpoint"),
-    (SimpleNamespace(architectures=["Qwen3MoeForCausalLM"], quantization_config={"quant_method": "fp8"}), None,
-     NotBuiltError, "fp8 experts of Qwen3MoeForCausalLM"),  # per tensor
     (SimpleNamespace(architectures=["GptOssForCausalLM"], quantization_config={
         "quant_method": "fp8", "weight_block_size": [128, 128]}), None, NotBuiltError, "fp8 experts of GptOss"),
     (SimpleNamespace(architectures=["LlavaForConditionalGeneration"], quantization_config={"quant_method": "fp8"}),
@@ -148,6 +155,30 @@ def test_per_tensor_scales_requantize_to_the_largest() -> None:
     assert qkv.weight.float()[64:96].eq(4.0).all()
 
 
+def test_static_input_scales_take_the_fused_shards_largest() -> None:
+    """q, k, v input scales 0.5, 2, 1 and gate, up 3, 0.25: one static scale per layer, 2 and 3; o and down their
+    own; the activations are quantized with it (no per-token scale)."""
+    model = _model(TensorParallel(0, 1), num_hidden_layers=1)
+    cfg = Fp8CheckpointConfig(None, (), True)
+    make_fp8_params(model, cfg)
+    scales = {"q_proj": 0.5, "k_proj": 2.0, "v_proj": 1.0, "o_proj": 0.125, "gate_proj": 3.0, "up_proj": 0.25,
+              "down_proj": 4.0}
+    ckpt = {}
+    for name in model.checkpoint_weight_names():
+        if name.endswith(".weight_scale"):
+            ckpt[name] = torch.tensor(1.0)
+        elif name.endswith(".input_scale"):
+            ckpt[name] = torch.tensor([scales[name.split(".")[-2]]])  # AutoFP8's [1] and the 0-d scalars alike
+    assert len([n for n in ckpt if n.endswith(".input_scale")]) == 7
+    model.load_weights(ckpt.items())
+    finish_fp8_params(model, cfg)
+    layer = model.model.layers[0]
+    got = [float(m.input_scale) for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                          layer.mlp.down_proj)]
+    assert got == [2.0, 0.125, 3.0, 4.0]
+    assert layer.self_attn.qkv_proj.quant_method.static_input
+
+
 # ------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("tp, block, layer, sizes", [
     (2, (32, 32), "model.layers.0.self_attn.qkv_proj", "[32, 16, 16] output rows"),  # a KV head is half a block
@@ -178,6 +209,17 @@ def test_an_fp8_config_over_float_weights_misses_its_scales(tiny_llama: str, tmp
         load_model(EngineConfig.create(str(path)), load_hf_config(str(path)), CPU, torch.float32)
 
 
+def test_a_static_scheme_without_an_input_scale_is_refused(tiny_llama: str, tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    path = tmp_path / "fp8"
+    tensors = write_fp8_checkpoint(tiny_llama, path, None, input_scales=STATIC_INPUT_SCALES)
+    del tensors["model.layers.1.self_attn.k_proj.input_scale"]
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"missing: model\.layers\.1\.self_attn\.k_proj\.input_scale$"):
+        load_model(EngineConfig.create(str(path)), load_hf_config(str(path)), CPU, torch.float32)
+
+
 # ------------------------------------------------------------------ the loaded model
 def _logits(path: str, sequences: list[list[int]], **config) -> tuple[list[torch.Tensor], torch.nn.Module]:
     hf_config = load_hf_config(path)
@@ -191,15 +233,21 @@ def _logits(path: str, sequences: list[list[int]], **config) -> tuple[list[torch
 SEQUENCES = [[5, 60, 7, 300, 9, 10, 41, 12, 200, 14, 15], [40, 41, 42]]
 # |logits - reference|: measured up to 4e-6 (float32 sums in another order); the same model unquantized is ~1 away
 VS_REFERENCE = 1e-4
+STATIC_INPUT_SCALES = {"q_proj": 2 / 448, "k_proj": 4 / 448, "v_proj": 3 / 448, "o_proj": 4 / 448,
+                       "gate_proj": 3 / 448, "up_proj": 5 / 448, "down_proj": 24 / 448}
+"""The tiny Llama's projection inputs reach 3.2 to 4.9 (31 for layer 0's down_proj, which saturates): q's scale alone
+would saturate q/k/v's inputs past 2, gate's gate/up's past 3."""
 
 
-@pytest.mark.parametrize("block, ignored, quantization", [
-    ((32, 48), ("layers.1.mlp",), None),  # K = 64 and 128: a partial last group; layer 1's MLP stays float32
-    (None, (), "fp8"),  # per tensor, with quantization="fp8" asked explicitly
-], ids=["block-32x48-ignored", "per-tensor"])
-def test_the_loaded_model_equals_the_reference(tiny_llama: str, tmp_path, block, ignored, quantization) -> None:
+@pytest.mark.parametrize("block, ignored, quantization, input_scales", [
+    ((32, 48), ("layers.1.mlp",), None, None),  # K = 64 and 128: a partial last group; layer 1's MLP stays float32
+    (None, (), "fp8", None),  # per tensor, with quantization="fp8" asked explicitly
+    (None, ("layers.1.mlp",), None, STATIC_INPUT_SCALES),  # per tensor, static activation scales (AutoFP8's)
+], ids=["block-32x48-ignored", "per-tensor", "per-tensor-static"])
+def test_the_loaded_model_equals_the_reference(tiny_llama: str, tmp_path, block, ignored, quantization,
+                                               input_scales) -> None:
     path = tmp_path / "fp8"
-    tensors = write_fp8_checkpoint(tiny_llama, path, block, ignored)
+    tensors = write_fp8_checkpoint(tiny_llama, path, block, ignored, input_scales=input_scales)
     got, model = _logits(str(path), SEQUENCES, quantization=quantization)
     ref = Fp8Reference(tiny_llama, tensors, block)
     for seq, logits in zip(SEQUENCES, got):
@@ -208,6 +256,7 @@ def test_the_loaded_model_equals_the_reference(tiny_llama: str, tmp_path, block,
     method = Fp8BlockLinearMethod if block else Fp8LinearMethod
     layers = model.model.layers
     assert isinstance(layers[1].self_attn.qkv_proj.quant_method, method) and layers[0].mlp.down_proj.weight.dtype == FP8
+    assert getattr(layers[1].self_attn.qkv_proj.quant_method, "static_input", False) is (input_scales is not None)
     if ignored:
         assert layers[1].mlp.down_proj.quant_method is None and layers[1].mlp.down_proj.weight.dtype == torch.float32
 
@@ -222,6 +271,11 @@ def test_dummy_weights_take_the_checkpoints_format(tiny_llama: str, tmp_path) ->
     got, model = _logits(str(path), SEQUENCES, load_format="dummy")
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.weight.dtype == FP8 and qkv.weight_scale_inv.shape == (4, 2)
+    assert all(torch.isfinite(logits).all() for logits in got)
+    write_fp8_checkpoint(tiny_llama, tmp_path / "static", None, input_scales=STATIC_INPUT_SCALES)
+    got, model = _logits(str(tmp_path / "static"), SEQUENCES, load_format="dummy")
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.quant_method.static_input and float(qkv.input_scale) == DUMMY_INPUT_SCALE
     assert all(torch.isfinite(logits).all() for logits in got)
 
 

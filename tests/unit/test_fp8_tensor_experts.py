@@ -1,0 +1,121 @@
+"""Per-tensor fp8 experts (asyncllm/models/fp8_experts.py): a tiny Mixtral checkpoint with every expert matrix and
+attention projection in fp8 with one scalar ``weight_scale`` (the up matrices' scales x3, so gate and up differ
+widely) loaded through the real loader and compared with the independent reference
+(tests/fp8_checkpoint_reference.py); hidden 192 and intermediate 160 give each product a partial last 128-wide
+input group. Both tensor-parallel ranks' experts against the reference on their slice; dummy weights; static
+activation scales on experts refused. The block-fp8 experts are in tests/unit/test_fp8_checkpoint.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fp8_checkpoint_reference import (
+    PER_TENSOR_EXPERT_GROUP,
+    Fp8Reference,
+    _fp8_experts_forward,
+    dequantized_weights,
+    write_fp8_checkpoint,
+)
+from model_utils import PagedRun
+
+from asyncllm.config import EngineConfig
+from asyncllm.errors import NotBuiltError
+from asyncllm.models import fp8_checkpoint, fp8_experts
+from asyncllm.models.checkpoint import Fp8CheckpointConfig, prequantized_fp8_config
+from asyncllm.models.layers import TensorParallel
+from asyncllm.models.loader import build_model, load_checkpoint, load_hf_config, load_model
+from asyncllm.models.registry import kv_cache_spec
+
+CPU = torch.device("cpu")
+FP8 = torch.float8_e4m3fn
+SEQUENCES = [[5, 60, 7, 300, 9, 10, 41, 12, 200, 14, 15], [40, 41, 42]]
+VS_REFERENCE = 1e-4
+"""|logits - reference|: measured up to 1.2e-5 (float32 sums in another order: per input group, scaled); one
+activation's fp8 rounding flipped by that order moves a logit by ~4e-3 (the up scales x4 flip one)."""
+UP_SCALE = 3.0
+MOE = "model.layers.0.block_sparse_moe.experts"
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> tuple[str, str, dict[str, torch.Tensor]]:
+    """(float source, per-tensor fp8 copy, its tensors): the up (``w3``) scales multiplied by `UP_SCALE`."""
+    from safetensors.torch import save_file
+
+    from asyncllm.tiny import tiny_checkpoint
+
+    src = tiny_checkpoint("mixtral", hidden_size=192, intermediate_size=160)
+    path = tmp_path_factory.mktemp("fp8") / "ckpt"
+    tensors = write_fp8_checkpoint(src, path, None)
+    for name in [n for n in tensors if n.endswith(".w3.weight_scale")]:
+        tensors[name] = tensors[name] * UP_SCALE
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return src, str(path), tensors
+
+
+def test_a_per_tensor_moe_checkpoint_equals_the_reference(checkpoint) -> None:
+    src, path, tensors = checkpoint
+    hf_config = load_hf_config(path)
+    assert prequantized_fp8_config(hf_config, path, None) == Fp8CheckpointConfig(None)
+    model = load_model(EngineConfig.create(path), hf_config, CPU, torch.float32)
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+    ref = Fp8Reference(src, tensors, None)
+    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == experts.w2_weight.dtype == FP8 and experts.fp8_block == (160, 128)
+    assert not hasattr(experts, "gate_weight_scale")  # the staging scalars are gone
+    assert model.model.layers[1].self_attn.qkv_proj.weight.dtype == FP8
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_each_tensor_parallel_rank_computes_its_slice(checkpoint, rank: int) -> None:
+    """tp=2: a rank holds intermediate rows [80r, 80r+80) of every expert; its block scales are each matrix's scalar
+    (w13: the gate's block row, then the up's), and its partial output is the reference's on its slice."""
+    src, path, tensors = checkpoint
+    hf_config, cfg = load_hf_config(path), Fp8CheckpointConfig(None)
+    model = build_model(EngineConfig.create(path), hf_config, CPU, torch.float32, rank, 2)
+    with pytest.raises(NotBuiltError, match="static fp8 activation scales .* on experts"):
+        fp8_experts.make_fp8_expert_params(model, Fp8CheckpointConfig(None, (), True))
+    fp8_checkpoint.make_fp8_params(model, cfg)
+    assert fp8_experts.make_fp8_expert_params(model, cfg) == 2
+    load_checkpoint(model, path)
+    fp8_experts.finish_fp8_expert_params(model, cfg)
+    moe = model.model.layers[0].mlp.experts
+    scales = {part: torch.stack([tensors[f"{MOE}.{e}.{part}.weight_scale"] for e in range(4)])
+              for part in ("w1", "w3", "w2")}
+    assert moe.fp8_block == (80, 128) and moe.w13_weight_scale_inv.shape == (4, 2, 2)
+    gate_up = torch.stack([scales["w1"], scales["w3"]], 1)
+    assert torch.equal(moe.w13_weight_scale_inv, gate_up[..., None].expand(4, 2, 2))
+    assert moe.w2_weight_scale_inv.shape == (4, 3, 1) and moe.w2_weight_scale_inv.eq(scales["w2"][:, None, None]).all()
+
+    weights = dequantized_weights(tensors, None)
+    rows = slice(80 * rank, 80 * rank + 80)
+    sliced = SimpleNamespace(act_fn=F.silu, gate_up_proj=torch.stack([
+        torch.cat([weights[f"{MOE}.{e}.w1.weight"][rows], weights[f"{MOE}.{e}.w3.weight"][rows]]) for e in range(4)]),
+        down_proj=torch.stack([weights[f"{MOE}.{e}.w2.weight"][:, rows] for e in range(4)]))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 192, generator=gen)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0], [1, 2]])
+    topk = torch.rand(6, 2, generator=gen)
+    moe.tp = TensorParallel()  # this rank's partial sum, not all-reduced
+    got = moe(x, topk, ids)
+    want = _fp8_experts_forward(sliced, x, ids, topk, PER_TENSOR_EXPERT_GROUP)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_dummy_weights_give_per_tensor_experts(checkpoint) -> None:
+    _, path, _ = checkpoint
+    hf_config = load_hf_config(path)
+    model = load_model(EngineConfig.create(path, load_format="dummy"), hf_config, CPU, torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    w13, scales = experts.w13_weight, experts.w13_weight_scale_inv
+    assert w13.dtype == FP8 and scales.shape == (4, 2, 2) and experts.w2_weight_scale_inv.shape == (4, 2, 2)
+    largest = w13.float().abs().view(4, 2, -1).amax(-1)  # each matrix by its own scale: its largest value 448
+    assert largest.eq(448).all() and scales.eq(scales[..., :1]).all()
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+    assert all(torch.isfinite(logits).all() for logits in run.run([[6, 3], [5, 0]]))
