@@ -1,4 +1,5 @@
-"""Tiny EAGLE heads for a tiny Llama target, and their drafts computed in plain torch (the reference).
+"""Tiny EAGLE heads for a tiny Llama target (EAGLE-3's for a tiny Qwen3-MoE or gpt-oss one too), and their drafts
+computed in plain torch (the reference).
 
 The heads are written as EAGLE publishes them: EAGLE-1's ``fc`` and ``layers.0.`` (no first input norm, the
 target's embeddings copied in), EAGLE-3's ``midlayer.`` over ``2 x hidden``, ``fc`` over three target layers,
@@ -82,11 +83,18 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+def _rotary(cfg: dict, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's cos and sin ``[T, 1, head_dim]`` at positions 0..T-1: transformers' Llama rotary embedding of its
+    config (its rope type: default, or YaRN as gpt-oss's heads copy from their target)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    cos, sin = LlamaRotaryEmbedding(LlamaConfig(**cfg))(torch.zeros(1), torch.arange(t)[None])
+    return cos[0, :, None], sin[0, :, None]
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
-    freqs = positions[:, None].float() * inv
-    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
     half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
     return x * cos + half * sin
 
@@ -94,10 +102,9 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 def _layer(x_in: torch.Tensor, residual: torch.Tensor, w: dict, p: str, cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over ``x_in`` (causal, positions 0..T-1) added to ``residual``, then the MLP: (mlp out, residual)."""
     t, heads, kv, hd = x_in.shape[0], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    positions = torch.arange(t)
-    theta = cfg["rope_parameters"]["rope_theta"]
-    q = _rope((x_in @ w[p + "self_attn.q_proj.weight"].T).view(t, heads, hd), positions, theta)
-    k = _rope((x_in @ w[p + "self_attn.k_proj.weight"].T).view(t, kv, hd), positions, theta)
+    cos, sin = _rotary(cfg, t)
+    q = _rope((x_in @ w[p + "self_attn.q_proj.weight"].T).view(t, heads, hd), cos, sin)
+    k = _rope((x_in @ w[p + "self_attn.k_proj.weight"].T).view(t, kv, hd), cos, sin)
     v = (x_in @ w[p + "self_attn.v_proj.weight"].T).view(t, kv, hd)
     k, v = k.repeat_interleave(heads // kv, 1), v.repeat_interleave(heads // kv, 1)
     attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
@@ -129,8 +136,10 @@ def _tensor(out: object) -> torch.Tensor:
 
 
 @torch.no_grad()
-def reference_drafts(head: str, target: str, tokens: list[int], k: int) -> list[int]:
-    """The head's k greedy drafts after ``tokens`` (the target has computed all but the last)."""
+def reference_drafts(head: str, target: str, tokens: list[int], k: int,
+                     layers: list[int] | None = None) -> list[int]:
+    """The head's k greedy drafts after ``tokens`` (the target has computed all but the last), EAGLE-3's reading the
+    inputs of the target's ``layers`` (default `AUX_LAYERS`, what `make_eagle_head` names)."""
     from safetensors.torch import load_file
 
     from hf_reference import _hf_model
@@ -152,7 +161,7 @@ def reference_drafts(head: str, target: str, tokens: list[int], k: int) -> list[
     final = hf.model(ids[None, :-1]).last_hidden_state[0]
     for hook in hooks:
         hook.remove()
-    hidden = torch.cat([seen[i] for i in AUX_LAYERS], -1) @ w["fc.weight"].T if eagle3 else final
+    hidden = torch.cat([seen[i] for i in layers or AUX_LAYERS], -1) @ w["fc.weight"].T if eagle3 else final
     embed = w.get("embed_tokens.weight", hf.model.embed_tokens.weight) if eagle3 else hf.model.embed_tokens.weight
     inputs, drafts = list(tokens[1:]), []
     for _ in range(k):

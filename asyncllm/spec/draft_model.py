@@ -93,7 +93,8 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
 
 def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_config: Any, target_arch: str) -> None:
     """An EAGLE head that fits the target: a Llama-shaped head of the method's kind, the target's hidden size, not a
-    hybrid target; for EAGLE-3 layers the target has, in a decoder that keeps their inputs."""
+    hybrid target; for EAGLE-3 layers the target has, in a decoder that keeps their inputs (one whose layer loop is
+    `LlamaModel`'s: mixtures of experts too, Qwen3-MoE's and gpt-oss's among them)."""
     from asyncllm.models.architectures import HYBRID_ARCHITECTURES
     from asyncllm.models.eagle import EAGLE3_ARCHITECTURES, eagle3_aux_layers
     from asyncllm.models.eagle_targets import MROPE_EAGLE_ARCHITECTURES, language_model_class
@@ -137,7 +138,8 @@ def _check_eagle_head(spec_dict: dict, method: str, head_config: Any, target_con
                                                                                           LlamaModel.embed):
         name = getattr(language_model, "__name__", target_config.model_type)
         raise NotBuiltError(_FIELD, spec_dict, f"an EAGLE-3 head for a {target_arch} target ({name}; Llama-style "
-                                               "decoders: Llama, Mistral, Qwen2, Qwen3, Llama 4, ...)")
+                                               "decoders: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, gpt-oss, "
+                                               "DeepSeek, Llama 4, ...)")
 
 
 def _check_mtp_target(spec_dict: dict, target_config: Any, arch: str) -> None:

@@ -1,6 +1,6 @@
-"""EAGLE and EAGLE-3 heads in a runner in-process: their drafts equal a plain-torch reference of the head over
-transformers' target states, after a chunked prompt and after a partly accepted step; the config and the host's
-checks refuse what does not fit, by name."""
+"""EAGLE and EAGLE-3 heads in a runner in-process (EAGLE-3's for Qwen3-MoE and gpt-oss targets too): their drafts
+equal a plain-torch reference of the head over transformers' target states, after a chunked prompt and after a
+partly accepted step; the config and the host's checks refuse what does not fit, by name."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.spec.config import SpeculativeConfig
 from asyncllm.spec.draft_model import prepare_draft_model
 from asyncllm.workers.model_runner import ModelRunner
-from eagle_utils import (add_mtp_layer, add_qwen_mtp_layer, make_eagle_head, reference_drafts, reference_mtp_drafts,
-                         reference_qwen_mtp_drafts)
+from eagle_utils import (AUX_LAYERS, add_mtp_layer, add_qwen_mtp_layer, make_eagle_head, reference_drafts,
+                         reference_mtp_drafts, reference_qwen_mtp_drafts)
 from hf_reference import hf_greedy
 
 K = 3
@@ -63,19 +63,70 @@ def test_the_heads_drafts_equal_the_reference_after_a_chunked_prompt_and_a_partl
     method = HEADS[name][0]
     runner = _runner(tiny_llama, heads[name], method)
     assert (runner.cuda_graphs is None and runner.model.model.aux_layers == ((0, 1, 1) if method == "eagle3" else ()))
+    _check_drafts(runner, tiny_llama, heads[name])
+
+
+def _check_drafts(runner: ModelRunner, target: str, head: str) -> tuple[list[int], list[int]]:
+    """The runner's drafts equal the reference's after a chunked prompt and after a partly accepted step; (the
+    tokens after the prompt's step, its drafts)."""
     prompt = list(range(40, 64))  # 24 tokens: a chunk of 16, then 8
-    want = hf_greedy(tiny_llama, prompt, 3)
+    want = hf_greedy(target, prompt, 3)
     new = NewRequestData("r", prompt, len(prompt), GREEDY, [3, 4], 0)
     out = runner.execute_model(_step(0, new, 0, 16, [], []))
     assert out.sampled_token_ids == [[]] and not out.draft_token_ids  # a chunk that does not sample
     out = runner.execute_model(_step(1, None, 16, 8, [], []))
     assert out.sampled_token_ids == [want[:1]]
-    assert out.draft_token_ids == {"r": reference_drafts(heads[name], tiny_llama, prompt + want[:1], K)}
+    assert out.draft_token_ids == {"r": reference_drafts(head, target, prompt + want[:1], K)}
+    first = out.draft_token_ids["r"]
     drafts = [want[1], (want[2] + 1) % 512, 0]  # the first accepted, the second not
     out = runner.execute_model(_step(2, None, 24, 1 + K, [], drafts))
     assert out.sampled_token_ids == [want[1:3]]
-    assert out.draft_token_ids == {"r": reference_drafts(heads[name], tiny_llama, prompt + want[:3], K)}
-    runner.execute_model(SchedulerOutput(3, [], CachedRequestData(), {}, 0, finished_req_ids=["r"]))
+    assert out.draft_token_ids == {"r": reference_drafts(head, target, prompt + want[:3], K)}
+    _finish(runner, 3)
+    return prompt + want[:1], first
+
+
+def _finish(runner: ModelRunner, step_id: int) -> None:
+    runner.execute_model(SchedulerOutput(step_id, [], CachedRequestData(), {}, 0, finished_req_ids=["r"]))
+
+
+def _greedy_with_drafts(runner: ModelRunner, prompt: list[int], want: list[int], n: int) -> tuple[list[int], int]:
+    """At least ``n`` greedy tokens after ``prompt``, each step verifying the runner's own drafts (after an odd number
+    of tokens) or ``want``'s next K tokens with the last one wrong; (the tokens, how many drafts were accepted)."""
+    out = runner.execute_model(_step(0, NewRequestData("r", prompt, len(prompt), GREEDY, [3, 4, 5], 0), 0,
+                                     len(prompt), [], []))
+    tokens, computed, accepted = out.sampled_token_ids[0], len(prompt), 0
+    while len(tokens) < n:
+        i = len(tokens)
+        drafts = out.draft_token_ids["r"] if i % 2 else [*want[i : i + K - 1], (want[i + K - 1] + 1) % 512]
+        out = runner.execute_model(_step(i, None, computed, 1 + len(drafts), [], drafts))
+        sampled = out.sampled_token_ids[0]
+        tokens, computed, accepted = tokens + sampled, computed + len(sampled), accepted + len(sampled) - 1
+    _finish(runner, len(tokens) + 1)
+    return tokens, accepted
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_an_eagle3_head_reads_a_moe_target_s_layers_and_its_greedy_tokens_stay(arch, tmp_path_factory):
+    """Qwen3-MoE's and gpt-oss's decoders keep the layers' inputs for an EAGLE-3 head (the shared layer loop): its
+    drafts equal the reference's over transformers' states at those layers (not at their outputs), and greedy tokens
+    verified against them equal transformers' without speculation (gpt-oss's head rotating by its target's YaRN,
+    which `make_eagle_head` copies)."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    target = tiny_checkpoint(arch)
+    head = make_eagle_head(str(tmp_path_factory.mktemp(arch)), target, "eagle3")
+    spec_dict = {"method": "eagle3", "model": head, "num_speculative_tokens": K}  # the host's check lets it through
+    assert prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict), load_hf_config(target), 1, 128,
+                               False)["method"] == "eagle3"
+    runner = _runner(target, head, "eagle3")
+    assert runner.model.model.aux_layers == tuple(AUX_LAYERS)
+    tokens, drafts = _check_drafts(runner, target, head)
+    assert reference_drafts(head, target, tokens, K, layers=[i + 1 for i in AUX_LAYERS]) != drafts
+    prompt = list(range(100, 120))
+    want = hf_greedy(target, prompt, 16 + K + 1)
+    tokens, accepted = _greedy_with_drafts(runner, prompt, want, 16)
+    assert tokens == want[:len(tokens)] and accepted >= K - 1
 
 
 def test_an_eagle3_head_over_fewer_tokens_without_their_ids_is_refused(heads, tiny_llama, tmp_path):
@@ -129,7 +180,8 @@ def test_an_eagle3_head_for_a_decoder_that_keeps_no_layer_inputs_is_refused(head
     spec_dict = {"method": "eagle3", "model": heads["eagle3"], "num_speculative_tokens": 2}
     target = load_hf_config(tiny_llama)
     target.architectures = ["GPT2LMHeadModel"]  # Llama's stack, but its learned positions join the embeddings
-    with pytest.raises(NotBuiltError, match="an EAGLE-3 head for a GPT2LMHeadModel target"):
+    with pytest.raises(NotBuiltError, match=r"an EAGLE-3 head for a GPT2LMHeadModel target \(GPT2LMHeadModel; "
+                                            r"Llama-style decoders: .*Qwen3-MoE, gpt-oss"):
         prepare_draft_model(spec_dict, SpeculativeConfig.from_dict(spec_dict), target, 1, 128, False)
     spec_dict = {**spec_dict, "method": "eagle", "model": heads["eagle"]}
     target.architectures = ["Qwen3NextForCausalLM"]  # a hybrid: it drafts with its MTP layer
