@@ -355,14 +355,14 @@ def _static_input(scheme: Any, block: tuple[int, int] | None, model: str) -> boo
 
 
 def _refuse_static_input(hf_config: Any, model: str, cfg: Fp8CheckpointConfig) -> None:
-    """`NotBuiltError` for static activation scales on mixture-of-experts experts, or on a latent-attention model
+    """`NotBuiltError` for static activation scales on a mixture-of-experts model, or on a latent-attention model
     (``kv_b_proj``'s matrix is read through the layer's product with the identity, which a static scale rounds)."""
     from asyncllm.models.architectures import architecture_of, has_experts
 
     if not cfg.static_input:
         return
     arch = architecture_of(hf_config)
-    where = f"the experts of {arch}" if has_experts(hf_config, arch) else \
+    where = f"a mixture of experts ({arch}, its experts ignored or not)" if has_experts(hf_config, arch) else \
         f"the latent attention of {arch} (its kv_b_proj is absorbed)" if getattr(hf_config, "kv_lora_rank", 0) else ""
     if where:
         raise NotBuiltError("model", model, f"static fp8 activation scales (activation_scheme='static') on {where}: "
@@ -380,7 +380,8 @@ def _block_size(value: Any, model: str) -> tuple[int, int] | None:
 
 
 FUSED_EXPERT_ARCHITECTURES = ("GptOssForCausalLM", "Llama4ForCausalLM", "Llama4ForConditionalGeneration",
-                               "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM",
+                               "GraniteMoeForCausalLM", "GraniteMoeHybridForCausalLM", "GraniteMoeSharedForCausalLM",
+                               "DbrxForCausalLM",
                                "Qwen3VLMoeForConditionalGeneration", "Gemma4ForCausalLM",
                                "Gemma4ForConditionalGeneration")
 """Mixtures of experts whose checkpoints store each layer's experts fused (or MXFP4): their fp8 form is not read."""

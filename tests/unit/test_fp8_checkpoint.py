@@ -67,7 +67,7 @@ def test_the_quantization_config_is_read() -> None:
     (_section(activation_scheme="per-token"), None, ConfigError, "activation_scheme is 'dynamic' or 'static', not "),
     (SimpleNamespace(architectures=["Qwen3MoeForCausalLM"], quantization_config={
         "quant_method": "fp8", "activation_scheme": "static"}), None, NotBuiltError,
-     "static fp8 activation scales .* on the experts of Qwen3MoeForCausalLM"),
+     r"static fp8 activation scales .* on a mixture of experts \(Qwen3MoeForCausalLM"),
     (SimpleNamespace(architectures=["MiniCPM3ForCausalLM"], kv_lora_rank=256, quantization_config={
         "quant_method": "fp8", "activation_scheme": "static"}), None, NotBuiltError,
      "static fp8 activation scales .* on the latent attention of MiniCPM3ForCausalLM"),
@@ -77,6 +77,8 @@ def test_the_quantization_config_is_read() -> None:
      NotBuiltError, "pre-quantized 'gptq' checkpoint"),
     (SimpleNamespace(architectures=["GptOssForCausalLM"], quantization_config={
         "quant_method": "fp8", "weight_block_size": [128, 128]}), None, NotBuiltError, "fp8 experts of GptOss"),
+    *[(SimpleNamespace(architectures=[arch], quantization_config={"quant_method": "fp8"}), None, NotBuiltError,
+       f"fp8 experts of {arch}") for arch in ("DbrxForCausalLM", "GraniteMoeSharedForCausalLM")],  # stored fused
     (SimpleNamespace(architectures=["LlavaForConditionalGeneration"], quantization_config={"quant_method": "fp8"}),
      None, NotBuiltError, "fp8 LlavaForConditionalGeneration"),
 ])
