@@ -288,7 +288,7 @@ def test_what_would_end_the_core_or_its_workers_is_refused_alone(engine_thread: 
                                       pooling=PoolingParams(task="classify")))
     [refused] = _finished(own_host, "classify")
     assert (refused.error_type, refused.finish_reason) == ("InvalidRequestError", "abort")
-    assert refused.error.startswith("task: this model serves embed and generate requests only")
+    assert refused.error.startswith("model: this model serves embed and generate requests only")
     own_host.send(protocol.AddRequest("after", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True), [], time.time()))
     after = _finished(own_host, "after")
     assert [t for d in after for t in d.new_token_ids] and after[-1].finish_reason == "length"
