@@ -217,3 +217,47 @@ def write_ct_int_experts(src: str, dst: Path, bits: int, group: int, symmetric: 
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, "quantization_config": section}))
     return dequantized
+
+
+def write_ct_fp8_experts(src: str, dst: Path, strategy: str, block: tuple[int, int] | None = None
+                         ) -> dict[str, torch.Tensor]:
+    """``src``'s mixture of experts with every expert's matrices in compressed-tensors' fp8 format
+    (``float-quantized``), written here from the format: float8_e4m3fn ``weight`` and a bfloat16 ``weight_scale``
+    (the multiplier) per output row ``[out, 1]`` (``strategy`` channel: FP8_DYNAMIC), per matrix ``[1]`` (tensor) or
+    per ``block`` cell (block: FP8_BLOCK, activations in groups of the block's columns), each ``max / 448`` times 1
+    to 1.1 (not a round trip); a config group targeting the experts, the rest float. Returns each expert matrix
+    dequantized (``...weight`` -> ``[out, in]`` float32)."""
+    import json
+    import re
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.safetensors", "*.safetensors.index.json"))
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(src).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    gen = torch.Generator().manual_seed(8)
+    dequantized = {}
+    for name in sorted(n for n in tensors if re.search(r"\.experts\.\d+\.\w+\.weight$", n)):
+        w = tensors[name].float()
+        out, inp = w.shape
+        bn, bk = {"channel": (1, inp), "tensor": (out, inp)}.get(strategy, block)
+        cells = w.unflatten(0, (-1, bn)).unflatten(2, (-1, bk))  # the tests' blocks divide the matrices
+        scale = cells.abs().amax((1, 3)) / 448 * (1 + 0.1 * torch.rand(out // bn, inp // bk, generator=gen))
+        stored = scale.to(torch.bfloat16)
+        expanded = stored.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
+        q = (w / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[name], tensors[name + "_scale"] = q, stored.reshape(-1) if strategy == "tensor" else stored
+        dequantized[name] = q.float() * expanded
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
+    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    if strategy == "block":
+        weights["block_structure"] = list(block)
+        inputs.update(strategy="group", group_size=block[1])
+    section = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+               "config_groups": {"experts": {"targets": ["re:.*experts.*"], "weights": weights,
+                                             "input_activations": inputs}}}
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "quantization_config": section}))
+    return dequantized

@@ -210,6 +210,14 @@ def _set_expert(experts, index: int, part: str, weight: torch.Tensor, group: int
     experts.forward = lambda hidden, ids, weights: _fp8_experts_forward(experts, hidden, ids, weights, group)
 
 
+def routed_tokens(hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x ``[6, hidden]``, expert ids ``[6, 2]`` over 4 experts, routing weights ``[6, 2]``): seeded inputs for one
+    layer's experts."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, hidden, generator=gen)
+    return x, torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0], [1, 2]]), torch.rand(6, 2, generator=gen)
+
+
 def _fp8_experts_forward(experts, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                          group: int | None) -> torch.Tensor:
     out = torch.zeros_like(hidden)

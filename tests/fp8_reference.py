@@ -96,6 +96,50 @@ def fp8_hf_model(path: str, tp_size: int = 1, adapter: str | None = None):
     return model
 
 
+@torch.no_grad()
+def fake_quant_experts(experts: torch.nn.Module, tp_size: int) -> None:
+    """transformers 5's stacked experts (``gate_up_proj [E, 2I, H]``: gate rows, then up rows; ``down_proj [E, H,
+    I]``): each expert's gate and up split by rows, its down by columns, as the ranks split them; every part its
+    own scale."""
+    inter = experts.gate_up_proj.shape[1] // 2
+    for gate_up, down in zip(experts.gate_up_proj.data, experts.down_proj.data):
+        parts = [*gate_up[:inter].chunk(tp_size, 0), *gate_up[inter:].chunk(tp_size, 0), *down.chunk(tp_size, 1)]
+        for part in parts:
+            part.copy_(fake_quant(part, _tensor_scale(part)))
+
+
+def _quantize_moe_attention(model) -> None:
+    """One rank's online fp8 attention of a transformers mixture of experts (each layer's ``self_attn``)."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        _quantize_column_group([attn.q_proj, attn.k_proj, attn.v_proj], 1)
+        _quantize_row(attn.o_proj, 1)
+        for lin in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj):
+            lin.register_forward_pre_hook(_act_hook(1))
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_moe_hf_model(path: str):
+    """transformers' float32 mixture of experts (every layer's MLP one: Mixtral, Qwen3-MoE) of ``path`` as
+    asyncllm's online fp8 computes it on one rank: the attention as `fp8_hf_model`'s, each expert's gate, up and
+    down matrix by its own scale, each expert product's input per token in groups of 128 features; routers,
+    norms and the LM head float."""
+    from fp8_checkpoint_reference import _fp8_experts_forward
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    _quantize_moe_attention(model)
+    for layer in model.model.layers:
+        experts = layer.mlp.experts
+        fake_quant_experts(experts, 1)
+        experts.forward = functools.partial(_fp8_experts_forward, experts, group=MOE_GROUP)
+    return model
+
+
+MOE_GROUP = 128
+"""Online fp8 experts quantize each product's input per token in groups of 128 features (docs/quantization.md)."""
+
+
 def fp8_hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, tp_size: int = 1,
                   adapter: str | None = None) -> list[int]:
     model = fp8_hf_model(path, tp_size, adapter)

@@ -123,6 +123,7 @@ def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: in
     (DeepSeek) one part, an attention-free model (Mamba) none."""
     from asyncllm.config import EngineConfig
     from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
+    from asyncllm.models.fp8_online_experts import takes_online_fp8
     from asyncllm.models.linear import LinearBase
     from asyncllm.models.llama import sliding_window_of
     from asyncllm.models.loader import build_model
@@ -142,7 +143,8 @@ def _built_model_bytes(path: str, cfg: Any, dtype: torch.dtype, decode_batch: in
             share = 1.0
             if isinstance(module, FusedMoE):
                 share = 1 - (1 - top_k[id(module)] / module.num_local_experts) ** max(1, decode_batch)
-            total += numel * share * (linear_itemsize if isinstance(module, LinearBase) else itemsize)
+            fp8 = isinstance(module, LinearBase) or isinstance(module, FusedMoE) and takes_online_fp8(module)
+            total += numel * share * (linear_itemsize if fp8 else itemsize)
     kv_itemsize = torch.empty((), dtype=kv_cache_torch_dtype(kv_cache_dtype, dtype)).element_size()
     if hasattr(type(model), "kv_cache_spec_of"):  # attention-free (Mamba): no KV cache is read
         return int(total), 0.0
@@ -164,8 +166,8 @@ def _window_share(window: int | None, mean_context: float | None) -> float | int
 
 
 def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode_batch: int) -> tuple[float, float]:
-    """(linear-layer parameters, others) of layer ``layer_idx``'s MLP a decode step reads (expected, for a mixture
-    of experts: its stacked experts and router are not linear layers, and fp8 quantization leaves them)."""
+    """(parameters fp8 quantization turns into fp8, others) of layer ``layer_idx``'s MLP a decode step reads
+    (expected, for a mixture of experts: its experts are quantized too, but for gpt-oss's; its router is not)."""
     hidden = cfg.hidden_size
     spec = model_cls.moe_spec(cfg, layer_idx) if getattr(model_cls, "is_moe", False) else None
     if spec is None:  # a dense MLP (Llama 4's dense layers: intermediate_size_mlp)
@@ -178,7 +180,8 @@ def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode
     if getattr(model_cls, "moe_biases", False):  # gpt-oss: the router's bias, each expert's gate/up and down biases
         router += spec.num_experts
         expert += 2 * spec.intermediate_size + hidden
-    return 3 * hidden * spec.shared_expert_size, router + experts * expert + shared_gate
+        return 3 * hidden * spec.shared_expert_size, router + experts * expert + shared_gate  # float under fp8
+    return 3 * hidden * spec.shared_expert_size + experts * expert, router + shared_gate
 
 
 def decode_roofline(

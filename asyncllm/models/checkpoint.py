@@ -394,5 +394,5 @@ def _refuse_fp8_architecture(hf_config: Any, model: str, cfg: Fp8CheckpointConfi
     if has_experts(hf_config, arch) and arch in FUSED_EXPERT_ARCHITECTURES:
         raise NotBuiltError("model", model, f"pre-quantized fp8 experts of {arch} (fp8 experts stored per expert "
                                             "are served, block-wise or per tensor; online quantization='fp8' "
-                                            "keeps experts unquantized)")
+                                            "of a float checkpoint quantizes the experts too, but for gpt-oss)")
     refuse_quantized_multimodal(arch, model, "fp8", cfg.is_ignored)

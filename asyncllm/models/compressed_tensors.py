@@ -24,6 +24,10 @@
    layer becomes an `int4_checkpoint.UnpackedWeight` (zero point ``2**(bits-1)`` when symmetric), kept packed for
    the Triton w4a16 GEMM on CUDA and dequantized once elsewhere.
 
+A mixture of experts' experts (one scheme for all, `compressed_tensors_experts.expert_scheme`) are staged before
+step 2 and finished after step 3: pack-quantized ones through asyncllm/models/int4_experts.py, fp8 ones through
+asyncllm/models/compressed_tensors_experts.py (the fused-MoE op's block-fp8 path).
+
 The arithmetic and what is refused are in docs/quantization.md.
 """
 
@@ -38,6 +42,12 @@ from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig, CompressedTensorsScheme
+from asyncllm.models.compressed_tensors_experts import (
+    expert_scheme,
+    finish_ct_fp8_experts,
+    make_ct_fp8_expert_params,
+    quantize_drawn_ct_fp8_experts,
+)
 from asyncllm.models.fp8_checkpoint import (
     DUMMY_INPUT_SCALE,
     attach_block_fp8_weight,
@@ -49,7 +59,7 @@ from asyncllm.models.fp8_checkpoint import (
     take_input_scale,
 )
 from asyncllm.models.int4_checkpoint import UnpackedWeight, attach_dequantized, attach_packed, unpack_columns
-from asyncllm.models.int4_experts import ct_format, expert_checkpoint_module, finish_int4_experts, make_int4_expert_params
+from asyncllm.models.int4_experts import ct_format, finish_int4_experts, make_int4_expert_params
 from asyncllm.models.int8 import attach_int8_weight, quantize_int8_weight
 from asyncllm.models.layers import LoadedWeight, copy_weight, default_weight_loader, new_param, weight_narrow
 from asyncllm.models.linear import LinearBase, RowParallelLinear
@@ -281,6 +291,7 @@ def _quantize_drawn(model: nn.Module, cfg: CompressedTensorsCheckpointConfig, us
         w = _drawn_int(layer, scheme)
         del layer.weight
         _attach_int(name, layer, scheme, w, use_triton, use_triton)
+    quantize_drawn_ct_fp8_experts(model, cfg)
     _after_finish(model, use_triton)
 
 
@@ -303,24 +314,19 @@ def fill_compressed_tensors_weights(model: nn.Module, config: Any, cfg: Compress
     experts = _expert_format(model, cfg)
     if experts is not None:
         make_int4_expert_params(model, experts)
+    make_ct_fp8_expert_params(model, cfg)
     load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
     finish_compressed_tensors_params(model, cfg, use_triton)
     if experts is not None:
         finish_int4_experts(model, experts, keep_packed=use_triton)
+    finish_ct_fp8_experts(model, cfg)
 
 
 def _expert_format(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> Any:
-    """The staging format of the model's experts (`int4_experts.ct_format`): None without experts or with every
-    expert left float; `NotBuiltError` for a scheme other than pack-quantized integers, or for experts of two."""
-    from asyncllm.models.moe import FusedMoE
-
-    schemes = {cfg.scheme_of(expert_checkpoint_module(model, name)) for name, module in model.named_modules()
-               if isinstance(module, FusedMoE)} - {None}
-    if not schemes:
+    """The staging format of the model's pack-quantized integer experts (`int4_experts.ct_format`): None without
+    experts, with every expert left float, or with fp8 experts (compressed_tensors_experts.py); `expert_scheme`'s
+    `NotBuiltError` for the experts refused."""
+    scheme = expert_scheme(model, cfg)
+    if scheme is None or scheme.kind != "int":
         return None
-    scheme = next(iter(schemes))
-    if len(schemes) > 1 or scheme.kind != "int":
-        kinds = ", ".join(sorted(f"{s.kind} {s.strategy}" for s in schemes))
-        raise NotBuiltError("model", kinds, "compressed-tensors experts other than one pack-quantized integer "
-                                            "scheme (W4A16 / W8A16)")
     return ct_format(scheme, lambda name: cfg.scheme_of(name) is None)

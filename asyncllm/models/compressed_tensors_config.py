@@ -7,7 +7,8 @@ each a quantization scheme and the modules it ``targets`` (``"Linear"``, module 
 `CompressedTensorsCheckpointConfig` (what asyncllm/models/compressed_tensors.py loads), or refuses it:
 `ConfigError` for a malformed section or a ``quantization`` naming another method, `NotBuiltError` naming the
 part that is not built (asymmetric int8 activations, fp4 activations, group fp8 scales, 2:4 sparsity, KV-cache
-scales, transforms, a quantized LM head or embedding, mixture-of-experts and multimodal models).
+scales, transforms, a quantized LM head or embedding, experts stored fused, multimodal models; the experts'
+schemes are checked at load, asyncllm/models/compressed_tensors_experts.py).
 docs/quantization.md describes the formats.
 """
 
@@ -138,7 +139,8 @@ def _refuse_architecture(hf_config: Any, model: str) -> None:
 
     if has_experts(hf_config, arch) and arch in FUSED_EXPERT_ARCHITECTURES:
         raise _not_built(model, f"a mixture-of-experts model whose experts are stored fused ({arch}; experts "
-                                "stored per expert in a pack-quantized integer scheme are served)")
+                                "stored per expert in a pack-quantized integer scheme or in fp8 with dynamic "
+                                "activations are served)")
     if arch in _REFUSED_ARCHITECTURES:
         raise _not_built(model, f"{_REFUSED_ARCHITECTURES[arch]}: {arch}")
 

@@ -12,6 +12,9 @@ is alive at a time, not the model's.
 A layer that got only some of its parts (a subset of a state_dict) has the others filled from its current
 weights, dequantized, then is quantized again with the new scale: their values move by at most one fp8 rounding
 step. A layer that got none keeps its weights untouched.
+
+Online fp8 experts (asyncllm/models/fp8_online_experts.py) keep a scale per expert matrix: each matrix that arrives
+is quantized alone, in place (`ExpertsReload`); the others keep their values and scales.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from asyncllm.models.fp8_online_experts import ExpertsReload
 from asyncllm.models.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import Fp8LinearMethod, dequantize_fp8, quantize_fp8_per_tensor
 
 __all__ = ["requantizing"]
@@ -98,8 +103,12 @@ def requantizing(model: nn.Module) -> Iterator[None]:
     as each layer completes); on leaving, partly written layers are completed and every fp8 parameter is back."""
     layers = [_Layer(module) for module in model.modules()
               if isinstance(module, LinearBase) and isinstance(module.quant_method, Fp8LinearMethod)]
+    experts = [ExpertsReload(module) for module in model.modules()
+               if isinstance(module, FusedMoE) and module.fp8_block is not None]
     for entry in layers:
         entry.layer.weight = entry.stand_in()
+    for reload in experts:
+        reload.swap_in()
     try:
         yield
         for entry in layers:
@@ -107,3 +116,5 @@ def requantizing(model: nn.Module) -> Iterator[None]:
     finally:
         for entry in layers:
             entry.layer.weight = entry.fp8
+        for reload in experts:
+            reload.restore()

@@ -146,7 +146,11 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: tuple[int, str]) -> None:
         """One expert's gate, up or down matrix (``shard_id = (expert, "gate" | "up" | "down")``)."""
         expert, part = shard_id
-        dst = param.data[expert - self.expert_start]
+        self.load_part(param.data[expert - self.expert_start], loaded, part)
+
+    def load_part(self, dst: torch.Tensor, loaded: LoadedWeight, part: str) -> None:
+        """This rank's rows of a gate or up matrix into one expert's ``w13`` rows ``dst``, or its columns of a down
+        matrix into its ``w2`` (online fp8 experts reload through it: asyncllm/models/fp8_online_experts.py)."""
         inter, start = self.intermediate, 0 if self.expert_parallel else self.tp.rank * self.intermediate
         if part == "down":
             copy_weight(dst, weight_narrow(loaded, 1, start, inter))

@@ -16,10 +16,10 @@ linear layer of the text decoder (`LinearBase`: ``qkv_proj``, ``o_proj``, ``gate
   refuses) the dequantize fallback ``F.linear(dq(x_q), dq(W_q), b)``: the same function up to
   rounding and accumulation order.
 
-Left in the model dtype: embeddings, the LM head, norms, a mixture of experts' routers and experts
-(`FusedMoE` is no `LinearBase`), and a multimodal model's encoder and projector (only the
-``language_model`` is quantized). A layer's LoRA adapters keep working: they add their products, from
-the unquantized input, to the fp8 layer's output. docs/quantization.md has the measured errors.
+Left in the model dtype: embeddings, the LM head, norms, a mixture of experts' routers, and a multimodal
+model's encoder and projector (only the ``language_model`` is quantized). The experts (`FusedMoE`, no
+`LinearBase`) are quantized per expert matrix by asyncllm/models/fp8_online_experts.py. A layer's LoRA
+adapters keep working: they add their products, from the unquantized input, to the fp8 layer's output. docs/quantization.md has the measured errors.
 """
 
 from __future__ import annotations
@@ -293,7 +293,12 @@ def quantize_model(model: nn.Module, method: str) -> QuantizationSummary:
     """Quantize a loaded model in place with ``method`` (the `quantization` field)."""
     if method != "fp8":
         raise NotBuiltError("quantization", method, f"{method!r} weight quantization (only 'fp8')")
+    from asyncllm.models.fp8_online_experts import quantize_fp8_experts
+
+    experts = quantize_fp8_experts(_text_decoder(model))  # first: the linears' pass empties the CUDA cache
     summary = quantize_fp8_linears(model)
-    logger.info("fp8: %d linear layers quantized, %.1f MiB -> %.1f MiB (%s)", summary.num_layers,
-                summary.bytes_before / 2**20, summary.bytes_after / 2**20, summary.method)
+    for kind, done in (("linear", summary), ("expert", experts)):
+        if done.num_layers or kind == "linear":
+            logger.info("fp8: %d %s layers quantized, %.1f MiB -> %.1f MiB (%s)", done.num_layers, kind,
+                        done.bytes_before / 2**20, done.bytes_after / 2**20, done.method)
     return summary

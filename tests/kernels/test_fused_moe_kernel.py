@@ -164,6 +164,7 @@ FP8_TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (4e-3, 4e-3), torch.bfloa
     ("one_expert", "silu", (32, 16)),  # the gate's and the up rows' blocks meet inside a 32-row block
     ("unused_expert", "relu2", (16, 32)),
     ("expert_parallel", "silu", (I, 128)),  # per-tensor experts' block: one group wider than H, the down in 2 blocks
+    ("one_expert", "silu", (1, 128)),  # compressed-tensors' per-row experts: a scale per row, one group wider than H
 ])
 def test_block_fp8_experts_match_reference(dtype: torch.dtype, routing: str, activation: str,
                                            block: tuple[int, int]) -> None:

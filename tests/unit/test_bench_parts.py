@@ -81,6 +81,9 @@ def test_moe_model_bytes_count_the_experts_a_batch_reads() -> None:
     one_expert = (experts.w13_weight.numel() + experts.w2_weight.numel()) // 8
     assert model_bytes(path, torch.float32, 10**6)[0] == 4 * every
     assert model_bytes(path, torch.float32, 1)[0] == 4 * (every - 6 * one_expert)
+    fp8 = load_model(EngineConfig.create(path, quantization="fp8"), hf_config, torch.device("cpu"), torch.float32)
+    stored = sum(p.numel() * p.element_size() for p in fp8.parameters()) - 4 * fp8.model.embed_tokens.weight.numel()
+    assert model_bytes(path, torch.float32, 10**6, quantization="fp8")[0] == stored  # experts at one byte too
 
 
 @pytest.mark.parametrize("arch", ["gemma4", "gemma4_moe"])
@@ -107,6 +110,9 @@ def test_gemma4_model_bytes_count_its_own_layers(arch: str) -> None:
         experts = model.model.layers[0].experts
         one_expert = (experts.w13_weight.numel() + experts.w2_weight.numel()) // 6
         assert model_bytes(path, torch.float32, 1)[0] == 4 * (every - layers * 4 * one_expert)
+        fp8 = load_model(EngineConfig.create(path, quantization="fp8"), hf_config, torch.device("cpu"), torch.float32)
+        stored = sum(p.numel() * p.element_size() for p in fp8.parameters()) - 4 * tables  # experts at one byte too
+        assert model_bytes(path, torch.float32, 10**6, quantization="fp8")[0] == stored
 
 
 def test_model_bytes_with_fp8_weights_and_kv_cache(tmp_path) -> None:

@@ -435,24 +435,6 @@ def test_pack_quantized_experts_equal_the_dequantized_reference(tmp_path, arch: 
     assert moe.int_experts == (4, 16) and moe.w13_weight.dtype == torch.int32
 
 
-def test_fp8_experts_are_refused_by_name(tmp_path) -> None:
-    """Experts in an fp8 scheme (RedHatAI's ``*-FP8-dynamic`` mixtures of experts): a `NotBuiltError` naming it."""
-    import json
-
-    from compressed_tensors_reference import write_ct_int_experts
-
-    from asyncllm.tiny import tiny_checkpoint
-
-    path = tmp_path / "ct"
-    write_ct_int_experts(tiny_checkpoint("qwen3_moe"), path, 4, 16, True)
-    config = json.loads((path / "config.json").read_text())
-    config["quantization_config"]["config_groups"]["experts"].update(FP8_DYNAMIC)
-    config["quantization_config"]["format"] = "float-quantized"
-    (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(NotBuiltError, match="fp8 channel"):
-        load_model(EngineConfig.create(str(path)), load_hf_config(str(path)), CPU, torch.float32)
-
-
 def test_a_gemma4_fp8_dynamic_checkpoint_equals_compressed_tensors(tmp_path) -> None:
     """Gemma 4 (the tiny E2B-style decoder) in FP8_DYNAMIC, its per-layer-input matrices left float: the global
     layers' k projection (and scale) loaded as their values' too, the KV-sharing layers' own q projection."""

@@ -17,6 +17,7 @@ from fp8_checkpoint_reference import (
     Fp8Reference,
     _fp8_experts_forward,
     dequantized_weights,
+    routed_tokens,
     write_fp8_checkpoint,
 )
 from model_utils import PagedRun
@@ -97,10 +98,7 @@ def test_each_tensor_parallel_rank_computes_its_slice(checkpoint, rank: int) -> 
     sliced = SimpleNamespace(act_fn=F.silu, gate_up_proj=torch.stack([
         torch.cat([weights[f"{MOE}.{e}.w1.weight"][rows], weights[f"{MOE}.{e}.w3.weight"][rows]]) for e in range(4)]),
         down_proj=torch.stack([weights[f"{MOE}.{e}.w2.weight"][:, rows] for e in range(4)]))
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 192, generator=gen)
-    ids = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 0], [1, 2]])
-    topk = torch.rand(6, 2, generator=gen)
+    x, ids, topk = routed_tokens(192)
     moe.tp = TensorParallel()  # this rank's partial sum, not all-reduced
     got = moe(x, topk, ids)
     want = _fp8_experts_forward(sliced, x, ids, topk, PER_TENSOR_EXPERT_GROUP)

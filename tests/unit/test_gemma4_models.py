@@ -129,10 +129,11 @@ def test_variants_not_built_are_refused(tmp_path) -> None:
     assert prequantized_config(dense, path, None) is not None  # the dense decoder's is (test_fp8_checkpoint.py)
 
 
-def test_online_fp8_quantizes_the_parallel_linears_only() -> None:
-    """``quantization="fp8"``: the attention and MLP projections (the KV-sharing layers' q projections too) go to
-    fp8; the per-layer-input matrices, the router and the stacked experts stay float; the logits stay as close to the
-    float model's as a tiny Llama's do (mean error within a fifth of their spread, most argmaxes kept)."""
+def test_online_fp8_quantizes_the_linears_and_experts() -> None:
+    """``quantization="fp8"``: the attention and MLP projections (the KV-sharing layers' q projections too) and the
+    stacked experts (per expert matrix, asyncllm/models/fp8_online_experts.py) go to fp8; the per-layer-input
+    matrices and the router stay float; the logits stay as close to the float model's as a tiny Llama's do (mean
+    error within a fifth of their spread, most argmaxes kept)."""
     from model_utils import PagedRun
 
     for arch in ("gemma4", "gemma4_moe"):
@@ -145,7 +146,9 @@ def test_online_fp8_quantizes_the_parallel_linears_only() -> None:
         expected = {f"{i}.{m}.weight" for i in range(len(model.model.layers)) for m in
                     ("mlp.gate_up_proj", "mlp.down_proj", "self_attn.o_proj",
                      "self_attn.q_proj" if model.model.layers[i].self_attn.shares_kv else "self_attn.qkv_proj")}
-        assert fp8 == expected, arch
+        expected |= {f"{i}.experts.{w}" for i, layer in enumerate(model.model.layers) if hasattr(layer, "experts")
+                     for w in ("w13_weight", "w2_weight")}
+        assert fp8 == expected and ("experts" in str(expected)) == (arch == "gemma4_moe"), arch
         tokens = list(range(40, 60))
         logits = []
         for m in (model, _load(path, hf_config)):
