@@ -81,11 +81,13 @@ def _block_fp8_matmul_kernel(
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` -> (float8_e4m3fn ``[M, K]``, float32 ``[M, ceil(K / group_size)]``); see the module."""
+    """``x [M, K]`` -> (float8_e4m3fn ``[M, K]``, float32 ``[M, ceil(K / group_size)]``); see the module. A group
+    of at least K features: one scale per row."""
     check_float("x", x, 2)
     check_last_dim_contiguous("x", x)
     check(group_size >= 1, f"group_size must be positive, got {group_size}")
     num_rows, k = x.shape
+    group_size = max(1, min(group_size, k))
     groups = triton.cdiv(k, group_size)
     q = torch.empty(num_rows, k, dtype=_FP8, device=x.device)
     scale = torch.empty(num_rows, groups, dtype=torch.float32, device=x.device)

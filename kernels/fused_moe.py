@@ -24,10 +24,12 @@ SwiGLU of `reference.ClampedSwiglu` in place of SiLU-and-mul, rounded op by op a
 round). Nemotron 3's experts have no gate: ``GATED`` off, w13 holds only the up rows and the activation is
 ``relu(up) ** 2`` (rounded as torch rounds ``square``). Block-fp8 experts (``FP8``, `reference.Fp8Experts`): the
 hidden states and the activations are quantized per token in groups of the block's ``bk`` columns
-(`block_fp8.per_token_group_quant_fp8`), ``BLOCK_K`` is ``bk`` so each step of K is one scale group, and each fp8
-tile product (float32 accumulation; upcast to float32 under the interpreter, or for scale groups under 32 columns)
-is scaled by its rows' group scales and its columns' block scales before it is added. Off, the kernels compile as
-before.
+(`block_fp8.per_token_group_quant_fp8`; a group of at least K columns: one scale per token), ``GROUP_K`` is ``bk``,
+and each fp8 tile product (float32 accumulation; upcast to float32 under the interpreter, or for K steps under 32
+columns) is scaled by its rows' group scales and its columns' block scales (group ``k0 // GROUP_K``) before it is
+added. ``BLOCK_K`` is ``bk`` up to 128 columns (one step per scale group, the block checkpoints' 128), else 128
+(`FP8_K_STEP`): a wider group (a multiple of 128, or all of K: per-row and per-tensor experts' one scale per row or
+block row) spans several steps. Off, the kernels compile as before.
 
 Blocks past the padded total return at once (they read the total from the device). Products
 accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
@@ -46,7 +48,11 @@ from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguo
 from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8
 from asyncllm.kernels.reference import MOE_ACTIVATIONS as ACTIVATIONS, ClampedSwiglu, Fp8Experts, IntExperts
 
-__all__ = ["Alignment", "MoeConfig", "align_tokens", "fused_moe", "moe_config"]
+__all__ = ["Alignment", "FP8_K_STEP", "MoeConfig", "align_tokens", "fp8_k_step", "fused_moe", "moe_config"]
+
+FP8_K_STEP = 128
+"""The K step of fp8 experts whose scale group along K is wider than it: the block checkpoints' group, the step
+they have always run with."""
 
 
 class MoeConfig(NamedTuple):
@@ -79,6 +85,12 @@ def moe_config(num_pairs: int, num_experts: int, dtype: torch.dtype, on_gpu: boo
     if num_pairs < 32 * num_experts:  # fewer than 32 rows per expert on average
         return MoeConfig(16, 64, 64, 4, stages)
     return MoeConfig(64, 128, 64, 8 if dtype != torch.float32 else 4, stages)
+
+
+def fp8_k_step(group: int) -> int:
+    """The K step (``BLOCK_K``) of fp8 experts whose scales group ``group`` columns along K: the group itself up to
+    `FP8_K_STEP`, else `FP8_K_STEP` (the group a multiple of it, or all of K)."""
+    return min(group, FP8_K_STEP)
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -241,7 +253,7 @@ def _gate_up_kernel(
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
-        group = k0 // BLOCK_K
+        group = k0 // GROUP_K
         if INT_BITS:
             if GATED:
                 gate = _int_tile(gate_q, w_s_ptr + gate_sz, w_z_ptr + gate_sz, k0, offs_k, w_mask, n_mask, INT_BITS,
@@ -314,7 +326,7 @@ def _down_kernel(
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         else:
             w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            group = k0 // BLOCK_K
+            group = k0 // GROUP_K
             acc = _product(acc, a, w, a_s_ptrs + group, w_s_ptrs + group, row_mask, n_mask, DOT_PRECISION, FP8,
                            UPCAST)
         a_ptrs += BLOCK_K
@@ -337,7 +349,8 @@ def fused_moe(
     [E, 2I]``, ``w2_bias [E, H]`` (hidden's dtype) and the clamped SwiGLU ``swiglu``, as `reference.fused_moe`.
     ``activation="relu2"``: experts without a gate, w13 ``[E, I, H]`` (up rows only), ``relu(up) ** 2``;
     ``"gelu_tanh"``: ``gelu_tanh(gate) * up`` (Gemma 4's experts).
-    ``fp8``: w13 and w2 in float8_e4m3fn with block scales (`reference.Fp8Experts`; ``bk`` a power of two >= 16).
+    ``fp8``: w13 and w2 in float8_e4m3fn with block scales (`reference.Fp8Experts`; ``bk`` 16, 32, 64 or 128, a
+    multiple of 128, or at least H and I: one scale per row of K).
     ``int_experts``: w13 ``[E, 2I, H / p]`` and w2 ``[E, H, I / p]`` packed int32 with their scales and zero points
     (`reference.IntExperts`: AWQ / GPTQ experts), dequantized tile by tile."""
     num_experts, inter = _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, fp8, int_experts)
@@ -349,8 +362,8 @@ def fused_moe(
     if num_pairs == 0 or h == 0 or inter == 0:
         return out.sum(dim=1)
     cfg = moe_config(num_pairs, num_experts, hidden.dtype, hidden.is_cuda)
-    if fp8 is not None:  # one K step per scale group
-        cfg = cfg._replace(block_k=fp8.block[1])
+    if fp8 is not None:  # K steps inside the scale groups
+        cfg = cfg._replace(block_k=fp8_k_step(fp8.block[1]))
     if int_experts is not None:  # the dequantized tiles take registers and shared memory: two stages
         cfg = cfg._replace(num_stages=min(cfg.num_stages, 2))
     aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
@@ -358,10 +371,10 @@ def fused_moe(
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", FP8=fp8 is not None,
                   GROUP_N=fp8.block[0] if fp8 else 1, num_warps=cfg.num_warps,
-                  UPCAST=not hidden.is_cuda or (fp8 is not None and fp8.block[1] < 32),  # fp8 dots want K >= 32
+                  UPCAST=not hidden.is_cuda or (fp8 is not None and cfg.block_k < 32),  # fp8 dots want K >= 32
                   num_stages=cfg.num_stages)
     ints = int_experts
-    consts.update(INT_BITS=ints.bits if ints else 0, GROUP_K=ints.group if ints else 1)
+    consts.update(INT_BITS=ints.bits if ints else 0, GROUP_K=ints.group if ints else fp8.block[1] if fp8 else 1)
     a, a_s = per_token_group_quant_fp8(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
     w_s = fp8.w13_scale if fp8 else ints.w13_scales if ints else hidden  # read only by FP8 / INT_BITS
     w_z = ints.w13_zeros if ints else hidden
@@ -436,9 +449,10 @@ def _check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
 
 
 def _check_fp8(fp8: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    bn, bk = fp8.block
-    check(bn >= 1 and bk >= 16 and bk & (bk - 1) == 0,
-          f"fp8 experts need a block of at least 16 columns, a power of two; got {fp8.block}")
+    (bn, bk), step, widest = fp8.block, fp8_k_step(fp8.block[1]), max(w13.shape[2], w2.shape[2])
+    check(bn >= 1 and step >= 16 and step & (step - 1) == 0 and (bk % step == 0 or bk >= widest),
+          f"fp8 experts need a block of 16, 32, 64 or 128 columns, a multiple of {FP8_K_STEP}, or one covering all "
+          f"of K (at least {widest}); got {fp8.block}")
     for name, scale, w in (("w13_scale", fp8.w13_scale, w13), ("w2_scale", fp8.w2_scale, w2)):
         shape = (w.shape[0], triton.cdiv(w.shape[1], bn), triton.cdiv(w.shape[2], bk))
         check(scale.dtype == torch.float32 and tuple(scale.shape) == shape and scale.stride(2) == 1,

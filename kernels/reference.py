@@ -122,7 +122,8 @@ class Fp8Experts(NamedTuple):
     """Experts of a block-fp8 checkpoint: ``w13`` and ``w2`` in float8_e4m3fn, each ``block = (rows, cols)`` cell
     with its float32 multiplier (the checkpoint's ``weight_scale_inv``): ``w13_scale [E, ceil(rows13 / bn),
     ceil(H / bk)]``, ``w2_scale [E, ceil(H / bn), ceil(I / bk)]``. Each product's input is quantized per token in
-    groups of ``bk`` features (`per_token_group_quant_fp8`), as the checkpoint's dense projections are."""
+    groups of ``bk`` features (`per_token_group_quant_fp8`), as the checkpoint's dense projections are. ``bk`` at
+    least H and I (per-row and per-tensor experts): one scale per weight row (or block row) and per token."""
 
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
@@ -479,9 +480,10 @@ FP8_MIN_SCALE = 1.0 / (448.0 * 512.0)
 
 
 def expand_block_scales(scale: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    """``scale [ceil(R/br), ceil(C/bc)]`` repeated over its ``block = (br, bc)`` cells: ``[R, C]``."""
+    """``scale [ceil(R/br), ceil(C/bc)]`` repeated over its ``block = (br, bc)`` cells: ``[R, C]`` (a block
+    wider than the matrix repeated only over it)."""
     rows, cols = shape
-    return scale.repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return scale.repeat_interleave(min(block[0], rows), 0)[:rows].repeat_interleave(min(block[1], cols), 1)[:, :cols]
 
 
 def per_token_group_quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -489,8 +491,9 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.T
 
     Each row's features in consecutive groups of ``group_size`` (the last may be shorter) get one scale,
     ``max|group| / 448`` (at least `FP8_MIN_SCALE`), and are stored as ``fp8(clamp(x / scale, -448, 448))``,
-    rounded to nearest even, in float32."""
+    rounded to nearest even, in float32. A group of at least K features is one scale per row."""
     num_rows, k = x.shape
+    group_size = max(1, min(group_size, k))
     groups = -(-k // group_size)
     grouped = F.pad(x.float(), (0, groups * group_size - k)).view(num_rows, groups, group_size)
     scale = (grouped.abs().amax(-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=FP8_MIN_SCALE)

@@ -15,7 +15,7 @@ docs/quantization.md, not from asyncllm's code:
   queries and outputs (docs/deepseek.md), so its input, the cached latent, is never quantized.
   A mixture of experts' experts (per expert in the checkpoint, stacked in transformers 5's model) likewise:
   the dequantized matrices stacked, each product's input fake-quantized per token group (per tensor: each
-  expert matrix dequantized with its own scalar, the groups `PER_TENSOR_EXPERT_GROUP` wide).
+  expert matrix dequantized with its own scalar, each input whole per token).
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
                "w1", "w2", "w3",  # Mixtral-named experts (MiniMax-M2)
                "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # DeepSeek's latent attention
 FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-PER_TENSOR_EXPERT_GROUP = 128
-"""Per-tensor experts quantize each product's input per token in groups of 128 features (docs/quantization.md)."""
 
 
 def _scale(t: torch.Tensor) -> torch.Tensor:
@@ -177,7 +175,7 @@ class Fp8Reference:
                 if expert is not None:
                     part = _EXPERT_PART.get(expert.group(3), expert.group(3))
                     experts = modules.get(expert.group(1)) or modules[expert.group(1).replace("block_sparse_moe", "mlp")]
-                    _set_expert(experts, int(expert.group(2)), part, weight, group or PER_TENSOR_EXPERT_GROUP)
+                    _set_expert(experts, int(expert.group(2)), part, weight, group)
                     continue
                 linear = modules[name.removesuffix(".weight")]
                 linear.weight.copy_(weight)

@@ -122,7 +122,7 @@ def _quantize_moe_attention(model) -> None:
 def fp8_moe_hf_model(path: str):
     """transformers' float32 mixture of experts (every layer's MLP one: Mixtral, Qwen3-MoE) of ``path`` as
     asyncllm's online fp8 computes it on one rank: the attention as `fp8_hf_model`'s, each expert's gate, up and
-    down matrix by its own scale, each expert product's input per token in groups of 128 features; routers,
+    down matrix by its own scale, each expert product's input per token (one scale per token's row); routers,
     norms and the LM head float."""
     from fp8_checkpoint_reference import _fp8_experts_forward
     from transformers import AutoModelForCausalLM
@@ -132,12 +132,8 @@ def fp8_moe_hf_model(path: str):
     for layer in model.model.layers:
         experts = layer.mlp.experts
         fake_quant_experts(experts, 1)
-        experts.forward = functools.partial(_fp8_experts_forward, experts, group=MOE_GROUP)
+        experts.forward = functools.partial(_fp8_experts_forward, experts, group=None)
     return model
-
-
-MOE_GROUP = 128
-"""Online fp8 experts quantize each product's input per token in groups of 128 features (docs/quantization.md)."""
 
 
 def fp8_hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, tp_size: int = 1,

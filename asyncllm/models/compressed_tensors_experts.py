@@ -10,18 +10,17 @@ Each expert matrix is a float8_e4m3fn ``weight`` with a ``weight_scale`` (the mu
 or its block columns); `finish_ct_fp8_experts` turns them into the op's block scales (`reference.Fp8Experts`),
 nothing requantized:
 
-- **channel**: each row's scale is the scale of its ``(1, 128)`` blocks (`CHANNEL_BLOCK`), repeated over the row's
-  ``ceil(K / 128)`` blocks: float32 scales of 4 bytes per 128 fp8 weights, 3.1 % of the experts' weights. One
-  ``(1, K)`` block per row (one scale) is not an option: the fused-MoE kernel walks K one scale group per step,
-  and a group of all K columns would be one step of up to 16384 columns (Mixtral's down product).
-- **tensor**: the scalar of each matrix repeated into ``(I, 128)`` blocks, as fp8_experts.py's per-tensor
+- **channel**: each row's scale is the scale of its ``(1, K)`` block, ``K`` all of a product's inputs
+  (`fp8_experts.whole_row_group`): one float32 per row, ``[E, rows, 1]`` (the fused-MoE kernel walks the row's
+  group 128 columns a step).
+- **tensor**: the scalar of each matrix as the scale of an ``(I, K)`` block, as fp8_experts.py's per-tensor
   experts (``I`` this rank's intermediate rows: two block rows for w13, the gate's and the up's).
 - **block**: the checkpoint's block scales as they are (the gate and up meet on a block row boundary, a
   tensor-parallel split falls on whole blocks; otherwise `ConfigError`).
 
-The inputs of both products are quantized dynamically per token in groups of 128 features (block: of the block's
-columns), the op's block path: finer than the checkpoint's ``strategy: token`` (vLLM quantizes each token's whole
-row); under a tensor-parallel split the down product's groups run over this rank's intermediate columns. Refused
+The inputs of both products are quantized dynamically per token (channel and tensor: one scale per token, the
+checkpoint's ``strategy: token`` and vLLM's; block: in groups of the block's columns); under a tensor-parallel
+split the down product's input is this rank's intermediate columns. Refused
 by name (`expert_scheme`): static activation scales on experts, int8 W8A8 experts, experts of two schemes.
 """
 
@@ -36,21 +35,17 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig, CompressedTensorsScheme
 from asyncllm.models.fp8_checkpoint import quantize_fp8_blocks
 from asyncllm.models.fp8_experts import (
-    PER_TENSOR_GROUP,
     _attach_tensor_scales,
     _check_blocks,
     _compute_in_fp8,
     _fp8_weights,
+    whole_row_group,
 )
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
 from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import FP8_MAX, MIN_SCALE, quantize_fp8
 
-__all__ = ["CHANNEL_BLOCK", "expert_scheme", "make_ct_fp8_expert_params", "finish_ct_fp8_experts",
-           "quantize_drawn_ct_fp8_experts"]
-
-CHANNEL_BLOCK = (1, PER_TENSOR_GROUP)
-"""Per-row (channel) scales as block scales: one row, the fused-MoE kernel's 128-column K step."""
+__all__ = ["expert_scheme", "make_ct_fp8_expert_params", "finish_ct_fp8_experts", "quantize_drawn_ct_fp8_experts"]
 
 
 def _checkpoint_modules(model: nn.Module, name: str) -> list[str]:
@@ -178,10 +173,8 @@ def _attach_scales(moe: FusedMoE, scheme: CompressedTensorsScheme, w13: torch.Te
     if scheme.strategy == "tensor":
         _attach_tensor_scales(moe, w13.reshape(w13.shape[0], -1), w2.reshape(-1))
         return
-    block = scheme.block or CHANNEL_BLOCK
-    for name, scales, weight in (("w13", w13, moe.w13_weight), ("w2", w2, moe.w2_weight)):
-        if scheme.strategy == "channel":  # each row's scale over its blocks of 128 columns
-            scales = scales.expand(-1, -1, -(-weight.shape[2] // block[1]))
+    block = scheme.block or (1, whole_row_group(moe))  # channel: each row's scale over all of its K
+    for name, scales in (("w13", w13), ("w2", w2)):
         setattr(moe, f"{name}_weight_scale_inv", nn.Parameter(scales.contiguous(), requires_grad=False))
     _compute_in_fp8(moe, block)
 

@@ -14,12 +14,12 @@ token in groups of ``bk``.
   tensor-parallel split of the intermediate size falls on whole blocks; otherwise `ConfigError`.
 - **Per tensor**: a scalar ``weight_scale`` per expert matrix is a block scale whose block covers the matrix, so
   the scalars load into staging parameters (``gate_weight_scale`` ... ``[E]``, the names the checkpoint's map to)
-  and `finish_fp8_expert_params` repeats each over the blocks of a ``(I, 128)`` block, ``I`` this rank's
-  intermediate rows: ``w13`` gets two block rows (the gate's scale, then the up's: they stay apart, nothing is
-  requantized) and ``w2`` its down scale everywhere. Exact for any intermediate size and any tensor-parallel
-  split. The inputs are quantized per token in groups of 128 (`PER_TENSOR_GROUP`; the dense per-tensor layers
-  quantize theirs per token, vLLM's per-tensor experts per tensor); under a split the down product's groups run
-  over this rank's intermediate columns.
+  and `finish_fp8_expert_params` makes each the scale of an ``(I, K)`` block (``I`` this rank's intermediate
+  rows, ``K`` all of a product's inputs: `whole_row_group`): ``w13`` gets two block rows (the gate's scale, then
+  the up's: they stay apart, nothing is requantized), ``w2`` its down scale on every block row. Exact for any
+  intermediate size and any tensor-parallel split. The inputs are quantized per token, one scale per token (as
+  the dense per-tensor layers'; vLLM's per-tensor experts: one per tensor); under a split the down product's
+  input is this rank's intermediate columns.
 
 Static activation scales (``activation_scheme: "static"``) on experts are refused (`NotBuiltError`).
 """
@@ -40,11 +40,14 @@ from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8, scaled_mm_supported
 
 __all__ = ["fp8_expert_layers", "make_fp8_expert_params", "finish_fp8_expert_params", "quantize_drawn_experts",
-           "PER_TENSOR_GROUP"]
+           "whole_row_group"]
 
-PER_TENSOR_GROUP = 128
-"""Per-tensor experts: the columns of their block (the group each input is quantized in per token), the
-block-fp8 checkpoints' 128: a power of two, the fused-MoE kernel's K step."""
+
+def whole_row_group(moe: FusedMoE) -> int:
+    """The columns of a block of experts scaled per row or per matrix: all of both products' inputs (``w13``'s H,
+    ``w2``'s intermediate columns on this rank), so a weight row (or block row) has one scale and each token's
+    input one (the fused-MoE kernel walks such a group 128 columns a step)."""
+    return max(moe.w13_weight.shape[2], moe.w2_weight.shape[2])
 
 
 def fp8_expert_layers(model: nn.Module, cfg: Fp8CheckpointConfig) -> list[tuple[str, FusedMoE]]:
@@ -168,9 +171,9 @@ def finish_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None
 
 
 def _attach_tensor_scales(moe: FusedMoE, w13_scales: torch.Tensor, w2_scales: torch.Tensor) -> None:
-    """``w13_scales [E, parts]`` (gate, up) and ``w2_scales [E]`` as the block scales of `PER_TENSOR_GROUP`-column
-    blocks of ``I`` rows: each of w13's block rows one matrix, w2's every block the down's."""
-    block = (moe.intermediate, PER_TENSOR_GROUP)
+    """``w13_scales [E, parts]`` (gate, up) and ``w2_scales [E]`` as the block scales of ``I``-row blocks over all
+    of K (`whole_row_group`): each of w13's block rows one matrix, each of w2's the down's."""
+    block = (moe.intermediate, whole_row_group(moe))
     for name, scales, weight in (("w13", w13_scales, moe.w13_weight), ("w2", w2_scales, moe.w2_weight)):
         shape = (weight.shape[0], -(-weight.shape[1] // block[0]), -(-weight.shape[2] // block[1]))
         blocks = scales.reshape(weight.shape[0], -1, 1).expand(shape).contiguous()

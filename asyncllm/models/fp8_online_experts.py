@@ -7,11 +7,11 @@ per-tensor fp8 experts of pre-quantized checkpoints (asyncllm/models/fp8_experts
 - **weights**: each local expert's gate, up and down matrix (this rank's rows of gate and up, its columns of down)
   by its own scale ``max|W| / 448``, into float8_e4m3fn ``w13_weight`` / ``w2_weight``; the gate and up keep a
   scale each (vLLM's ``Fp8MoEMethod`` gives an expert's ``w13`` one: a finer scale costs nothing here, and lets an
-  update requantize each matrix alone). The scales are repeated into the block scales ``w13_weight_scale_inv`` /
-  ``w2_weight_scale_inv`` of an ``(I, 128)`` block, kept as buffers (as the dense layers' ``weight_scale``: a float
-  checkpoint has no such tensors to load);
-- **activations**: as the per-tensor checkpoints' experts, per token in groups of 128 features
-  (`fp8_experts.PER_TENSOR_GROUP`; vLLM quantizes the experts' inputs per tensor, dynamically).
+  update requantize each matrix alone). The scales are the block scales ``w13_weight_scale_inv [E, 2, 1]`` /
+  ``w2_weight_scale_inv`` of an ``(I, K)`` block (`fp8_experts.whole_row_group`), kept as buffers (as the dense
+  layers' ``weight_scale``: a float checkpoint has no such tensors to load);
+- **activations**: as the per-tensor checkpoints' experts, one scale per token (vLLM quantizes the experts' inputs
+  per tensor, dynamically).
 
 The float experts are freed as each layer is done (quantized expert by expert: a float32 temporary of one expert).
 Experts with their own forward (gpt-oss's biases and clamped SwiGLU) stay in the model dtype, logged.

@@ -112,7 +112,8 @@ class FusedMoE(nn.Module):
         """(bits, group) of AWQ / GPTQ experts kept packed (asyncllm/models/int4_experts.py: on a GPU): ``w13`` /
         ``w2`` int32 with ``w13_scales``, ``w13_zeros``, ``w2_scales``, ``w2_zeros`` (`reference.IntExperts`)."""
         self.fp8_block: tuple[int, int] | None = None
-        """An fp8 checkpoint's block (per tensor: ``(intermediate, 128)``): the weights are float8_e4m3fn with
+        """An fp8 checkpoint's block (per tensor: ``(intermediate, K)``, per row ``(1, K)``, ``K`` covering both
+        products' inputs: `fp8_experts.whole_row_group`): the weights are float8_e4m3fn with
         ``*_weight_scale_inv`` block scales (asyncllm/models/fp8_experts.py)."""
 
     def is_local(self, expert: int) -> bool:

@@ -183,6 +183,38 @@ def test_block_fp8_experts_match_reference(dtype: torch.dtype, routing: str, act
     assert_close(out, expected, FP8_TOL[dtype])
 
 
+WIDE_H, WIDE_I = 300, 136
+"""Past one 256-column group: the gate/up product's K (300) in 3 steps of 128, the last 44 wide; the down's in 2."""
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", [
+    (16, 256),  # GROUP_K = 2 * BLOCK_K: H in two groups (the last partial), I in one
+    (1, WIDE_H),  # one scale per row and per token (compressed-tensors' channel experts): a group covering all of K
+])
+def test_fp8_scale_groups_wider_than_the_k_step(dtype: torch.dtype, block: tuple[int, int]) -> None:
+    """A scale group of several K steps: each step scaled by its group's scales (``k0 // GROUP_K``), the inputs
+    quantized per token in the same groups."""
+    hidden = randn(9, WIDE_H, dtype=dtype, seed=0)
+    w13, w2 = _weights(E, WIDE_H, WIDE_I, dtype, seed=1)
+    q13, q2, fp8 = _fp8_experts(w13, w2, block)
+    assert fp8.w13_scale.shape[2] == (2 if block[1] == 256 else 1) and fp8.w2_scale.shape[2] == 1
+    topk_weights, topk_ids = _routing("expert_parallel", 9, seed=5)
+    expected = reference.fused_moe(hidden, q13, q2, topk_weights, topk_ids, fp8=fp8)
+    assert_close(expected, reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids), (0.2, 0.2))
+    assert_close(fused_moe(hidden, q13, q2, topk_weights, topk_ids, fp8=fp8), expected, FP8_TOL[dtype])
+
+
+def test_fp8_scale_groups_must_fit_the_k_step() -> None:
+    """A group wider than the step must be a multiple of it or cover all of K (300 and 136 here)."""
+    hidden = randn(3, WIDE_H, dtype=torch.float32, seed=0)
+    w13, w2 = _weights(E, WIDE_H, WIDE_I, torch.float32, seed=1)
+    q13, q2, fp8 = _fp8_experts(w13, w2, (1, 200))
+    topk_weights, topk_ids = _routing("one_expert", 3, seed=1)
+    with pytest.raises(ValueError, match=r"a multiple of 128, or one covering all of K \(at least 300\)"):
+        fused_moe(hidden, q13, q2, topk_weights, topk_ids, fp8=fp8)
+
+
 GPT_OSS_SWIGLU = reference.ClampedSwiglu(alpha=1.702, limit=0.8)
 """gpt-oss's activation with the clamp low enough (gate and up are about N(0, 1) here) to cut about 40% of them."""
 

@@ -1,5 +1,5 @@
 """Online fp8 experts (``quantization="fp8"`` on a float mixture of experts: asyncllm/models/fp8_online_experts.py):
-tiny Qwen3-MoE and Mixtral (hidden 192, intermediate 160: a partial last 128-wide input group in each product)
+tiny Qwen3-MoE and Mixtral (hidden 192, intermediate 160: partial last 128-column K steps in each product)
 through the real loader against the independent fake-quant reference (tests/fp8_reference.py); each
 tensor-parallel rank's (and an expert-parallel rank's) experts against the reference on their part, the float
 experts freed; live weight updates requantize each expert matrix in place; gpt-oss's experts stay float."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fp8_checkpoint_reference import _fp8_experts_forward, _group_fake_quant, routed_tokens
-from fp8_reference import MOE_GROUP, fake_quant, fake_quant_experts, fp8_moe_hf_model
+from fp8_reference import fake_quant, fake_quant_experts, fp8_moe_hf_model
 from hf_reference import model_logits
 from model_utils import PagedRun
 from step_driver import StepDriver
@@ -62,7 +62,7 @@ def test_logits_equal_the_fake_quant_reference(arch: str, shape: dict) -> None:
     for layer in model.model.layers:
         experts = layer.mlp.experts
         assert {name: p.dtype for name, p in experts.named_parameters()} == {"w13_weight": FP8, "w2_weight": FP8}
-        assert experts.fp8_block == (experts.intermediate, 128)
+        assert experts.fp8_block == (experts.intermediate, max(experts.hidden_size, experts.intermediate))
         assert layer.self_attn.qkv_proj.weight.dtype == FP8
 
 
@@ -87,7 +87,7 @@ def test_each_rank_quantizes_its_part_and_frees_the_float_experts(rank: int, exp
     gc.collect()
     assert float_w13() is None and moe.w13_weight.dtype == FP8  # the float experts are gone
     inter, experts = (160, [2, 3]) if expert_parallel else (80, [0, 1, 2, 3])
-    assert moe.w13_weight_scale_inv.shape == (len(experts), 2, 2) and moe.fp8_block == (inter, 128)
+    assert moe.w13_weight_scale_inv.shape == (len(experts), 2, 1) and moe.fp8_block == (inter, 192)
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).model.layers[0].mlp.experts
     fake_quant_experts(hf, 1 if expert_parallel else 2)
@@ -100,7 +100,7 @@ def test_each_rank_quantizes_its_part_and_frees_the_float_experts(rank: int, exp
     got = moe(x, topk, ids)
     local = ids - experts[0]
     here = (local >= 0) & (local < len(experts))  # other ranks' experts: weight 0 on a local one
-    want = _fp8_experts_forward(sliced, x, torch.where(here, local, 0), torch.where(here, topk, 0), MOE_GROUP)
+    want = _fp8_experts_forward(sliced, x, torch.where(here, local, 0), torch.where(here, topk, 0), None)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
@@ -181,9 +181,9 @@ def test_an_expert_adapter_adds_its_product_of_the_unquantized_activation() -> N
     a, b = torch.randn(2, moe.intermediate, generator=gen), torch.randn(moe.hidden_size, 2, generator=gen)
     moe.lora.set(0, ("down", 1), a, b, 0.5)
     context.mask, context.experts = torch.ones(5, 1), True
-    scales = moe.w13_weight_scale_inv[1, :, :1].repeat_interleave(moe.intermediate, 0)  # the gate's, the up's
+    scales = moe.w13_weight_scale_inv[1].repeat_interleave(moe.intermediate, 0)  # the gate's, the up's
     w13 = fp8_to_float(moe.w13_weight.data[1]) * scales
-    gate, up = F.linear(_group_fake_quant(x, MOE_GROUP), w13).chunk(2, dim=-1)
+    gate, up = F.linear(_group_fake_quant(x, x.shape[-1]), w13).chunk(2, dim=-1)
     token, slot = torch.where(ids == 1)
     want = base.clone()
     want[token] += topk[token, slot, None] * F.linear(F.linear((F.silu(gate) * up)[token], a), b) * 0.5
