@@ -30,7 +30,7 @@ from torch import nn
 
 from asyncllm.models.fp8_experts import _attach_tensor_scales, _quantize_per_matrix
 from asyncllm.models.moe import FusedMoE
-from asyncllm.models.quantization import FP8_DTYPE, QuantizationSummary, quantize_fp8_per_tensor
+from asyncllm.models.quantization import FP8_DTYPE, QuantizationSummary, quantize_fp8_per_tensor, scaled_mm_supported
 
 __all__ = ["takes_online_fp8", "online_fp8_expert_layers", "quantize_fp8_experts", "ExpertsReload"]
 
@@ -46,17 +46,27 @@ def takes_online_fp8(experts: FusedMoE) -> bool:
 
 
 def online_fp8_expert_layers(decoder: nn.Module) -> list[FusedMoE]:
-    """The decoder's experts that `takes_online_fp8`; the others are logged and left."""
-    layers, kept = [], set()
+    """The decoder's experts that `takes_online_fp8`, on a device that computes fp8 (the CPU's dequantizing
+    reference, or a GPU from Ada on: before it the reference's per-expert loop would be the experts' op, which syncs
+    with the host and cannot be captured in a CUDA graph); the others are logged and left in the model dtype."""
+    layers, kept, no_fp8 = [], set(), False
     for module in decoder.modules():
         if isinstance(module, FusedMoE):
-            if takes_online_fp8(module):
+            if not _computes_fp8(module.w13_weight.device):
+                no_fp8 = True
+            elif takes_online_fp8(module):
                 layers.append(module)
             else:
                 kept.add(type(module).__name__)
     if kept:
         logger.info("fp8: %s experts kept in the model dtype (their forward has no fp8 path)", ", ".join(sorted(kept)))
+    if no_fp8:
+        logger.info("fp8: experts kept in the model dtype (this GPU has no fp8 compute: compute capability < 8.9)")
     return layers
+
+
+def _computes_fp8(device: torch.device) -> bool:
+    return device.type != "cuda" or scaled_mm_supported(device)
 
 
 def _nbytes(*tensors: torch.Tensor) -> int:

@@ -198,3 +198,17 @@ def test_gpt_oss_experts_stay_in_the_model_dtype(caplog) -> None:
     assert experts.w13_weight.dtype == torch.float32 and experts.fp8_block is None
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
     assert "GptOssExperts experts kept in the model dtype" in caplog.text
+
+
+def test_experts_stay_float_on_a_gpu_without_fp8(caplog, monkeypatch) -> None:
+    """Before Ada the experts' fp8 op would be the reference's per-expert loop (a host sync, no CUDA graph): they are
+    left in the model dtype there, and the log says why (the dense layers still quantize)."""
+    from asyncllm.models import fp8_online_experts
+
+    monkeypatch.setattr(fp8_online_experts, "_computes_fp8", lambda device: False)  # as a CUDA device before 8.9
+    with caplog.at_level("INFO", logger="asyncllm.models"):
+        model = _load(tiny_checkpoint("qwen3_moe"))
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_weight.dtype == torch.float32 and experts.fp8_block is None
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
+    assert "this GPU has no fp8 compute" in caplog.text
