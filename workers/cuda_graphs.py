@@ -209,7 +209,20 @@ def model_graphs_off_reason(model: Any, drafter: Any) -> str | None:
         return "the model keeps per-request linear-attention states (capturing them is not built)"
     if getattr(drafter, "reads_layers", False):
         return "an EAGLE-3 head reads the decoder's layer inputs of every step (capturing them is not built)"
+    if _reference_experts(model):
+        return ("the experts run the reference's per-expert loop, which syncs with the host (pre-quantized fp8 "
+                "experts on a GPU without fp8 compute: asyncllm/models/fp8_experts.py)")
     return None
+
+
+def _reference_experts(model: Any) -> bool:
+    """Whether a mixture of experts computes through `reference.fused_moe` (on a GPU with the triton backend: fp8
+    experts before Ada)."""
+    from asyncllm.kernels import reference
+    from asyncllm.models.moe import FusedMoE
+
+    modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+    return any(isinstance(m, FusedMoE) and m.fused_moe is reference.fused_moe for m in modules)
 
 
 def capture_decode_graphs(runner: ModelRunner) -> CudaGraphRunner | None:

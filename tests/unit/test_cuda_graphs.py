@@ -66,6 +66,20 @@ def test_models_whose_decodes_stay_eager() -> None:
     assert model_graphs_off_reason(LlamaForCausalLM, None) is None
 
 
+def test_experts_on_the_reference_loop_stay_eager() -> None:
+    """fp8 experts on a GPU without fp8 compute run `reference.fused_moe` (a host sync per step): no graphs."""
+    from asyncllm.kernels import reference
+    from asyncllm.models.moe import FusedMoE
+
+    experts = FusedMoE.__new__(FusedMoE)
+    torch.nn.Module.__init__(experts)
+    experts.fused_moe = reference.fused_moe
+    model = torch.nn.Sequential(experts)
+    assert "per-expert loop" in model_graphs_off_reason(model, None)
+    experts.fused_moe = lambda *args, **kwargs: None  # the backend's kernel
+    assert model_graphs_off_reason(model, None) is None
+
+
 def test_a_cpu_runner_captures_nothing(tmp_path: Path) -> None:
     save_tiny_checkpoint(tmp_path, "llama")
     config = EngineConfig.create(str(tmp_path), max_model_len=64, block_size=4, max_num_seqs=4, device="cpu")
