@@ -47,7 +47,8 @@ __all__ = ["update_weights", "check_update", "check_tensor_update", "refuse_unbu
 SHAPE_KEYS = (
     "architectures", "hidden_size", "intermediate_size", "moe_intermediate_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
-    "num_local_experts", "num_experts", "num_experts_per_tok", "tie_word_embeddings", "rms_norm_eps",
+    "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok", "moe_k",
+    "moe_topk", "top_k_experts", "ffn_config", "tie_word_embeddings", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "sliding_window", "quantization_config",
 )
 """config.json keys that must equal the served model's: the engine keeps the model it built (its shapes, rotary
@@ -110,11 +111,12 @@ def check_tensor_update(runner: Any, command: protocol.UpdateWeights) -> Any:
     try:
         _check_fits(segment.size, command.tensors)
         meta = iter((t.name, torch.empty(t.shape, device="meta")) for t in command.tensors)
-        headers = _HeadersOnly()
+        model = _meta_model(runner)
+        headers = _HeadersOnly(model)
         try:
-            _meta_model(runner).load_weights(headers(meta))
-        except (ConfigError, ValueError, RuntimeError) as exc:  # a name the model lacks, a shape
-            reason = exc.allowed if isinstance(exc, ConfigError) else str(exc)
+            model.load_weights(headers(meta))
+        except Exception as exc:  # noqa: BLE001 - a name the model lacks, a shape: over meta tensors, nothing written
+            reason = _loader_refusal(exc)
             where = f" (at {headers.last!r})" if headers.last is not None and "unexpected" not in reason else ""
             raise InvalidRequestError(FIELD, f"weights the served model has, in its shapes{where}: {reason}") from exc
     except BaseException:
@@ -195,15 +197,25 @@ def check_update(runner: Any, model_path: str, revision: str | None, config_json
     path = resolve_update_path(model_path, revision, runner.config.download_dir)
     new_config = hf_config_from_json(config_json or read_update_config(path))
     _check_config(runner.hf_config, apply_hf_overrides(new_config, runner.config.hf_overrides))
-    headers = _HeadersOnly()
+    model = _meta_model(runner)
+    headers = _HeadersOnly(model)
     try:
-        load_checkpoint(_meta_model(runner), path, runner.config.kv_cache_dtype, weights_filter=headers)
+        load_checkpoint(model, path, runner.config.kv_cache_dtype, weights_filter=headers)
     except (OSError, SafetensorError) as exc:  # a file that is not safetensors, a cut one
         raise InvalidRequestError("model_path", f"{path} could not be read ({type(exc).__name__}: {exc})") from exc
-    except (ConfigError, ValueError, RuntimeError) as exc:  # names missing or unexpected, a shape (narrow or copy)
+    except Exception as exc:  # noqa: BLE001 - names missing or unexpected, a shape: over meta tensors, nothing written
         where = f" (at {headers.last})" if headers.last is not None and not isinstance(exc, ConfigError) else ""
-        raise InvalidRequestError("model_path", f"{path} does not fit the served model{where}: {exc}") from exc
+        reason = exc if isinstance(exc, ConfigError) else _loader_refusal(exc)
+        raise InvalidRequestError("model_path", f"{path} does not fit the served model{where}: {reason}") from exc
     return path
+
+
+def _loader_refusal(exc: Exception) -> str:
+    """Why the model's loader refused a tensor: what a `ConfigError` allows, a `ValueError`'s message; another
+    error (a tensor of the wrong rank: an `IndexError`) with its type, as a refusal too, so the worker keeps serving."""
+    if isinstance(exc, ConfigError):
+        return exc.allowed
+    return str(exc) if isinstance(exc, (ValueError, RuntimeError)) else f"{type(exc).__name__}: {exc}"
 
 
 def refuse_unbuilt(runner: Any, feature: str = "update_weights") -> None:
@@ -258,14 +270,18 @@ def _meta_model(runner: Any) -> Any:
 def _parameters_on_meta() -> Iterator[None]:
     """Parameters registered inside go to the meta device as they are registered, loader attributes and all;
     buffers (rotary tables) stay on the CPU: small, and on meta their first ``arange`` imports torch's
-    decompositions (seconds). A parameter's CPU storage is never written, so it costs no page."""
+    decompositions (seconds). A parameter's CPU storage is never written, so it costs no page. A parameter
+    registered twice (tied embeddings: the LM head's weight is the embedding's) stays one parameter."""
     register = nn.Module.register_parameter
+    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (the parameter, kept alive: ids stay unique)
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None:
-            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-            meta.__dict__.update(param.__dict__)  # weight_loader and the attributes loaders read
-            param = meta
+        if param is not None and not param.is_meta:
+            if id(param) not in made:
+                meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+                meta.__dict__.update(param.__dict__)  # weight_loader and the attributes loaders read
+                made[id(param)] = (param, meta)
+            param = made[id(param)][1]
         register(module, name, param)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
@@ -277,14 +293,20 @@ def _parameters_on_meta() -> Iterator[None]:
 
 class _HeadersOnly:
     """A `load_checkpoint` filter: each tensor as a meta tensor of its shape (the loaders slice and check it,
-    nothing is read); `last` names the tensor a loader failed on (the loaders consume them one at a time)."""
+    nothing is read); `last` names the tensor a loader failed on (the loaders consume them one at a time). A name
+    of one of ``model``'s parameters that no checkpoint names (a fused ``qkv_proj``, the stacked experts'
+    ``w13_weight``: their loaders take the parts) is refused by name before any loader sees it."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: Any) -> None:
         self.last: str | None = None
+        self.built = {name for name, _ in model.named_parameters()} - model.checkpoint_weight_names()
 
     def __call__(self, weights: Iterator[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
         for name, weight in weights:
             self.last = name
+            if name in self.built:
+                raise ConfigError("model", name, "a checkpoint's weight name, not that of a parameter the served "
+                                                 "model fuses from the checkpoint's weights")
             yield name, torch.empty(weight_shape(weight), device="meta")
 
 

@@ -25,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from asyncllm.errors import ConfigError
 from asyncllm.kernels.reference import Fp8Experts, IntExperts
 from asyncllm.kernels.reference import fused_moe as reference_fused_moe
-from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
+from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow, weight_shape
 from asyncllm.models.llama import DecoderBuild, LlamaMLP, check_silu
 
 __all__ = ["MoESpec", "num_experts_of", "FusedMoE", "ReplicatedLinear", "SparseMoeBlock", "MoECausalLM",
@@ -153,6 +154,10 @@ class FusedMoE(nn.Module):
         """This rank's rows of a gate or up matrix into one expert's ``w13`` rows ``dst``, or its columns of a down
         matrix into its ``w2`` (online fp8 experts reload through it: asyncllm/models/fp8_online_experts.py)."""
         inter, start = self.intermediate, 0 if self.expert_parallel else self.tp.rank * self.intermediate
+        whole = inter if self.expert_parallel else inter * self.tp.size  # every rank checks the whole matrix
+        expected = (self.hidden_size, whole) if part == "down" else (whole, self.hidden_size)
+        if weight_shape(loaded) != expected:
+            raise ValueError(f"has shape {weight_shape(loaded)}, an expert's {part} matrix is {expected}")
         if part == "down":
             copy_weight(dst, weight_narrow(loaded, 1, start, inter))
         else:
@@ -241,8 +246,16 @@ class MoECausalLM:
             return True
         if not self.holds_weight(param_name):  # type: ignore[attr-defined] - another pipeline stage's layer
             return False
-        experts = self.get_submodule(param_name.rsplit(".", 1)[0])  # type: ignore[attr-defined]
-        return not isinstance(experts, FusedMoE) or experts.is_local(shard_id[0])
+        try:
+            experts = self.get_submodule(param_name.rsplit(".", 1)[0])  # type: ignore[attr-defined]
+        except AttributeError:  # a dense layer's, a layer the model lacks: the loader lists it as unexpected
+            return True
+        if not isinstance(experts, FusedMoE):
+            return True
+        if not 0 <= shard_id[0] < experts.num_experts:  # on every rank, before expert parallel's filter
+            n = experts.num_experts
+            raise ConfigError("model", ckpt_name, f"a weight of one of config.json's {n} experts (ids 0..{n - 1})")
+        return experts.is_local(shard_id[0])
 
     def _packed(self, ckpt_name: str) -> tuple[str, object]:
         name = ckpt_name.replace(f".{self.moe_module}.", ".mlp.")

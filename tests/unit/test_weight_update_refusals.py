@@ -1,0 +1,103 @@
+"""What a weight update refuses by name and shape before it writes anything, and the tied models it updates
+(workers/weight_update.py, docs/weight-updates.md): a refusal is a typed reply, the model is unchanged and the worker
+serves on."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from asyncllm import protocol
+from asyncllm.config import EngineConfig
+from asyncllm.engine.weight_update import weights_error
+from asyncllm.errors import InvalidRequestError
+from asyncllm.models.loader import load_hf_config
+from asyncllm.tiny import tiny_checkpoint
+from asyncllm.workers.weight_update import check_update, update_weights
+from test_weight_update_checks import _params, _push, _runner
+
+CPU = torch.device("cpu")
+
+
+def test_bad_expert_tensors_and_parameter_names_are_refused_and_the_worker_serves_on() -> None:
+    runner = _runner(tiny_checkpoint("qwen3_moe"))
+    moe = runner.model.model.layers[0].mlp.experts
+    experts, inter, hidden = moe.num_experts, moe.intermediate, moe.hidden_size
+    before = _params(runner.model)
+    refused = {  # name -> (tensor, what the refusal says)
+        f"model.layers.0.mlp.experts.{experts + 3}.up_proj.weight": (torch.ones(inter, hidden), "ids 0..7"),
+        "model.layers.0.mlp.experts.1.up_proj.weight": (torch.ones(inter + 1, hidden), r"up matrix is \(32, 64\)"),
+        "model.layers.0.mlp.experts.1.down_proj.weight": (torch.ones(hidden, inter + 5), r"down matrix is \(64, 32\)"),
+        "model.layers.0.mlp.experts.w13_weight": (torch.ones(experts, 2 * inter, hidden), "fuses"),  # loaders' own
+        "model.layers.0.self_attn.qkv_proj.weight": (torch.ones(4, hidden), "fuses"),
+        "model.layers.0.self_attn.o_proj.weight": (torch.ones(hidden), "IndexError"),  # the wrong rank
+    }
+    for name, (tensor, reason) in refused.items():
+        reply = _push(runner, {"model.norm.weight": torch.zeros(hidden), name: tensor})
+        error = weights_error(reply)
+        assert isinstance(error, InvalidRequestError) and error.field == "named_tensors", name
+        assert name in reply.error and re.search(reason, reply.error), reply.error
+    assert all(torch.equal(param, before[name]) for name, param in runner.model.named_parameters())
+    up = torch.randn(inter, hidden)
+    assert _push(runner, {"model.layers.0.mlp.experts.1.up_proj.weight": up}) == protocol.WeightsUpdated("t")
+    assert torch.equal(moe.w13_weight[1, inter:], up)  # the up rows of expert 1, after its gate rows
+
+
+def _served(path: str) -> SimpleNamespace:
+    """What `check_update` reads of a runner: the model is only built, on the meta device."""
+    return SimpleNamespace(config=EngineConfig.create(path, max_model_len=256), hf_config=load_hf_config(path),
+                           model=None, device=CPU, dtype=torch.float32, rank=0, tp_size=1)
+
+
+def _with_tensor(served: str, folder: Path, name: str) -> str:
+    """A copy of the checkpoint ``served`` with one more tensor, ``name`` (an expert's up matrix's shape)."""
+    shutil.copytree(served, folder)
+    [file] = folder.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors[name] = tensors["model.layers.1.mlp.experts.0.up_proj.weight"].clone()
+    save_file(tensors, file)
+    return str(folder)
+
+
+def test_a_checkpoint_with_more_or_other_experts_is_refused(tmp_path: Path) -> None:
+    served = tiny_checkpoint("deepseek_v3")  # layer 0 dense, layer 1 eight experts
+    runner = _served(served)
+    more = tmp_path / "more"
+    shutil.copytree(served, more)
+    config = (more / "config.json").read_text()
+    (more / "config.json").write_text(config.replace('"n_routed_experts": 8', '"n_routed_experts": 10'))
+    with pytest.raises(InvalidRequestError, match=r"n_routed_experts=10 \(served: 8\)"):
+        check_update(runner, str(more), None)
+    ninth = _with_tensor(served, tmp_path / "ninth", "model.layers.1.mlp.experts.8.up_proj.weight")
+    with pytest.raises(InvalidRequestError, match=r"experts.8.up_proj.weight.*ids 0..7"):
+        check_update(runner, ninth, None)
+    dense = _with_tensor(served, tmp_path / "dense", "model.layers.0.mlp.experts.0.up_proj.weight")
+    with pytest.raises(InvalidRequestError, match=r"unexpected weights: model.layers.0.mlp.experts.0.up_proj.weight"):
+        check_update(runner, dense, None)
+
+
+def test_a_tied_model_is_updated_as_a_fresh_load_of_the_new_checkpoint() -> None:
+    a, b = (tiny_checkpoint("llama", seed=seed, tie_word_embeddings=True) for seed in (0, 1))
+    runner = _runner(a)
+    model = runner.model
+    assert update_weights(runner, protocol.UpdateWeights("u", b)) == protocol.WeightsUpdated("u")
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # one parameter: the head follows
+    fresh = _params(_runner(b).model)
+    got = _params(model)
+    assert got.keys() == fresh.keys() and all(torch.equal(got[name], fresh[name]) for name in fresh)
+
+
+def test_a_parameter_registered_twice_stays_one_on_the_meta_device() -> None:
+    from asyncllm.workers.weight_update import _parameters_on_meta
+
+    shared = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    with _parameters_on_meta():
+        first, second = torch.nn.Module(), torch.nn.Module()
+        first.weight, second.weight = shared, shared  # tied before either was registered
+    assert first.weight.is_meta and first.weight is second.weight
