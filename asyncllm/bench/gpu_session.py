@@ -97,6 +97,10 @@ STEPS: list[Step] = [
     # the mixture of experts (fused_moe kernel; 61 GB of bf16 weights: no peer fits beside it)
     Step("latency-qwen3moe", ["latency", "--preset", "qwen3-30b-a3b", "--num-iters", "2"], 150),
     Step("throughput-qwen3moe", ["throughput", "--preset", "qwen3-30b-a3b"], 200),
+    # online fp8 with the experts quantized too (session 32): against the two bf16 steps above
+    Step("latency-qwen3moe-fp8", ["latency", "--preset", "qwen3-30b-a3b", "--num-iters", "2", "--quantization", "fp8"],
+         150),
+    Step("throughput-qwen3moe-fp8", ["throughput", "--preset", "qwen3-30b-a3b", "--quantization", "fp8"], 200),
     # gpt-oss (sinks, windows, expert biases and the clamped SwiGLU; 42 GB of bf16 weights, no peer beside it):
     # fewer requests than the standard workloads, so both fit one call with the engine's two starts
     Step("latency-gptoss20b", ["latency", "--preset", "gpt-oss-20b", "--num-iters", "2"], 150),
