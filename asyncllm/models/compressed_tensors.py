@@ -299,7 +299,7 @@ def fill_compressed_tensors_weights(model: nn.Module, config: Any, cfg: Compress
                                     device: torch.device) -> None:
     """`make_compressed_tensors_params`, the checkpoint, `finish_compressed_tensors_params` (or, with
     ``load_format="dummy"``, random weights quantized into the same schemes)."""
-    from asyncllm.models.loader import init_dummy_weights, load_checkpoint, resolve_model_path
+    from asyncllm.models.loader import init_dummy_weights, load_checkpoint, materialize_params, resolve_model_path
 
     use_triton = device.type == "cuda"
     if use_triton and config.enable_lora and any(scheme.kind == "int" for _, scheme in cfg.groups):
@@ -315,6 +315,7 @@ def fill_compressed_tensors_weights(model: nn.Module, config: Any, cfg: Compress
     if experts is not None:
         make_int4_expert_params(model, experts)
     make_ct_fp8_expert_params(model, cfg)
+    materialize_params(model, device)  # the float parameters left (built on the meta device)
     load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
     finish_compressed_tensors_params(model, cfg, use_triton)
     if experts is not None:

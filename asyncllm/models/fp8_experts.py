@@ -109,7 +109,6 @@ def _make_params(moe: FusedMoE, block: tuple[int, int]) -> None:
                                              dtype=torch.float32, loader=loader)
         moe.w2_weight_scale_inv = new_param(w2.shape[0], -(-w2.shape[1] // bn), -(-w2.shape[2] // bk),
                                             dtype=torch.float32, loader=loader)
-    _compute_in_fp8(moe, block)
 
 
 def _compute_in_fp8(moe: FusedMoE, block: tuple[int, int]) -> None:
@@ -159,11 +158,13 @@ def _load_tensor_scale(moe: FusedMoE, param: nn.Parameter, loaded: LoadedWeight,
 
 
 def finish_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
-    """After loading: per-tensor experts' scalars repeated into their block scales (see the module); block-wise
-    experts are done."""
-    if cfg.weight_block_size is not None:
-        return
+    """After loading: block-wise experts compute in fp8 (decided on the weights' device, which before loading may be
+    the meta device: loader.materialize_params); per-tensor experts' scalars repeated into their block scales (see
+    the module)."""
     for _, moe in fp8_expert_layers(model, cfg):
+        if cfg.weight_block_size is not None:
+            _compute_in_fp8(moe, cfg.weight_block_size)
+            continue
         scales = [getattr(moe, f"{part}_weight_scale").data for part in _parts(moe)]
         for part in _parts(moe):
             delattr(moe, f"{part}_weight_scale")

@@ -345,7 +345,7 @@ def _draw_int4_weights(model: nn.Module, cfg: Int4CheckpointConfig, seed: int) -
 
 def fill_int4_weights(model: nn.Module, config: Any, cfg: Int4CheckpointConfig, device: torch.device) -> None:
     """`make_int4_params`, the checkpoint (or ``load_format="dummy"``'s random values), `finish_int4_params`."""
-    from asyncllm.models.loader import init_dummy_weights, load_checkpoint, resolve_model_path
+    from asyncllm.models.loader import init_dummy_weights, load_checkpoint, materialize_params, resolve_model_path
 
     use_triton = device.type == "cuda"
     if use_triton and config.enable_lora:
@@ -361,6 +361,7 @@ def fill_int4_weights(model: nn.Module, config: Any, cfg: Int4CheckpointConfig, 
         _draw_int4_weights(model, cfg, config.seed)
         draw_int4_experts(model, cfg, config.seed)
     else:
+        materialize_params(model, device)  # the float parameters left (built on the meta device)
         load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype,
                         functools.partial(drop_extra_biases, model))
     finish_int4_params(model, cfg, use_triton)

@@ -9,8 +9,10 @@ only the bytes of its own shard.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ __all__ = [
     "default_weight_loader",
     "set_weight_loader",
     "new_param",
+    "params_on_meta",
     "head_dim_of",
     "kv_heads_per_rank",
     "RMSNorm",
@@ -118,9 +121,25 @@ def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> nn.Parameter
     return param
 
 
+_PARAMS_ON_META = contextvars.ContextVar("params_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def params_on_meta() -> Iterator[None]:
+    """Inside, `new_param` allocates on the meta device: a pre-quantized checkpoint's model is built without its
+    float weights, which the quantized ones replace before any is allocated (loader.materialize_params)."""
+    token = _PARAMS_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _PARAMS_ON_META.reset(token)
+
+
 def new_param(*shape: int, dtype: torch.dtype, loader: WeightLoader = default_weight_loader) -> nn.Parameter:
-    """An uninitialised inference parameter (filled by the loader) on the current default device."""
-    return set_weight_loader(nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False), loader)
+    """An uninitialised inference parameter (filled by the loader) on the current default device (the meta device
+    inside `params_on_meta`)."""
+    device = torch.device("meta") if _PARAMS_ON_META.get() else None
+    return set_weight_loader(nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False), loader)
 
 
 def head_dim_of(hf_config: Any) -> int:

@@ -6,10 +6,14 @@ through huggingface_hub's cache), ``load_hf_config`` reads its config.json
 picks the activation dtype and ``load_model`` builds the model
 on the device and fills it from the safetensors files (each rank reads only its
 shard of each tensor), a GGUF file (asyncllm/models/gguf_loader.py) or with random dummy weights.
+A pre-quantized checkpoint's model is built with its parameters on the meta device, and allocated
+(`materialize_params`) once the quantized parameters replaced the float ones: the float model is never
+on the device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 from typing import Any, Callable, Iterator
@@ -23,7 +27,7 @@ from asyncllm.models.checkpoint import Fp8CheckpointConfig, load_hf_config, preq
 from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig
 from asyncllm.models.gguf_config import GgufCheckpointConfig
 from asyncllm.models.kv_scales import take_kv_scales
-from asyncllm.models.layers import LoadedWeight, TensorParallel
+from asyncllm.models.layers import LoadedWeight, TensorParallel, params_on_meta
 from asyncllm.models.pipeline import PipelineStage
 from asyncllm.models.registry import CausalLM, check_tensor_parallel, get_model_class, text_config_of
 from asyncllm.models.row_states import StateRows
@@ -38,6 +42,7 @@ __all__ = [
     "iterate_safetensors",
     "load_checkpoint",
     "init_dummy_weights",
+    "materialize_params",
 ]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -85,9 +90,15 @@ def load_model(
     fp8_checkpoint = prequantized if isinstance(prequantized, Fp8CheckpointConfig) else None
     check_tensor_parallel(hf_config, tp_size, config.enable_expert_parallel)
     _tensor_parallel(tp_rank, tp_size, pipeline).check_group()
-    model = build_model(config, hf_config, device, dtype, tp_rank, tp_size, pipeline=pipeline, model_cls=model_cls)
+    # a pre-quantized checkpoint read from files: its float parameters on the meta device until the quantized ones
+    # replace them (`materialize_params`), so the float model is never allocated
+    on_meta = prequantized is not None and not isinstance(prequantized, GgufCheckpointConfig) \
+        and config.load_format != "dummy"
+    with params_on_meta() if on_meta else contextlib.nullcontext():
+        model = build_model(config, hf_config, device, dtype, tp_rank, tp_size, pipeline=pipeline,
+                            model_cls=model_cls)
     if fp8_checkpoint is not None:  # a pre-quantized fp8 checkpoint: asyncllm/models/fp8_checkpoint.py
-        _fill_fp8_weights(model, config, fp8_checkpoint)
+        _fill_fp8_weights(model, config, fp8_checkpoint, device)
     elif isinstance(prequantized, GgufCheckpointConfig) and config.load_format != "dummy":
         from asyncllm.models.gguf_loader import load_gguf_weights  # dequantized at load
 
@@ -157,7 +168,8 @@ def _tensor_parallel(tp_rank: int, tp_size: int, pipeline: PipelineStage | None)
     return TensorParallel(tp_rank, tp_size, None if pipeline is None else pipeline.tp_group)
 
 
-def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8CheckpointConfig) -> None:
+def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8CheckpointConfig,
+                      device: torch.device) -> None:
     """The fp8 weights and scales read into fp8 parameters, or drawn and quantized into the same format."""
     from asyncllm.models import fp8_checkpoint as fp8
     from asyncllm.models import fp8_experts
@@ -169,6 +181,7 @@ def _fill_fp8_weights(model: CausalLM, config: EngineConfig, fp8_checkpoint: Fp8
         return
     fp8.make_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
     fp8_experts.make_fp8_expert_params(model, fp8_checkpoint)  # type: ignore[arg-type]
+    materialize_params(model, device)
     load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
     fp8.finish_fp8_params(model, fp8_checkpoint)  # type: ignore[arg-type]
     fp8_experts.finish_fp8_expert_params(model, fp8_checkpoint)  # type: ignore[arg-type]
@@ -237,6 +250,29 @@ def load_checkpoint(model: CausalLM, path: str, kv_cache_dtype: str = "auto",
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ConfigError("model", path, f"a checkpoint with every weight of its architecture; missing: {shown}")
+
+
+def materialize_params(model: CausalLM, device: torch.device) -> int:
+    """Every parameter still on the meta device (`params_on_meta`: those no quantized one replaced) made a zeroed
+    tensor on ``device`` (zeros: what an ``__init__``'s ``nn.init.zeros_`` meant for a weight never loaded); one
+    per parameter however many modules hold it (tied embeddings stay tied), its attributes (``weight_loader``)
+    kept. Returns how many; `RuntimeError` for a buffer left on the meta device (made from a meta parameter)."""
+    made: dict[int, tuple[torch.nn.Parameter, torch.nn.Parameter]] = {}  # id -> (meta, real): the ids stay unique
+    for module in model.modules():  # type: ignore[attr-defined]
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta:
+                continue
+            if id(param) not in made:
+                real = torch.nn.Parameter(torch.zeros(param.shape, dtype=param.dtype, device=device),
+                                          requires_grad=param.requires_grad)
+                real.__dict__.update(param.__dict__)
+                made[id(param)] = (param, real)
+            module._parameters[name] = made[id(param)][1]
+    meta = [name for name, buffer in model.named_buffers() if buffer.is_meta]  # type: ignore[attr-defined]
+    if meta:
+        raise RuntimeError(f"buffers {meta} were made on the meta device from parameters built there; build them "
+                           "from the parameters' shapes, not their tensors")
+    return len(made)
 
 
 @torch.no_grad()
