@@ -88,9 +88,10 @@ def moe_config(num_pairs: int, num_experts: int, dtype: torch.dtype, on_gpu: boo
 
 
 def fp8_k_step(group: int) -> int:
-    """The K step (``BLOCK_K``) of fp8 experts whose scales group ``group`` columns along K: the group itself up to
-    `FP8_K_STEP`, else `FP8_K_STEP` (the group a multiple of it, or all of K)."""
-    return min(group, FP8_K_STEP)
+    """The K step (``BLOCK_K``) of fp8 experts whose scales group ``group`` columns along K: the group rounded up to a
+    power of two (at least 16, `tl.dot`'s) up to `FP8_K_STEP`, else `FP8_K_STEP` (the group a multiple of it, or all
+    of K). A group that is no power of two fits only when it covers all of K (`_check_fp8`): one masked step."""
+    return min(max(16, triton.next_power_of_2(group)), FP8_K_STEP)
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:

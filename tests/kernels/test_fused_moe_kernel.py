@@ -205,6 +205,24 @@ def test_fp8_scale_groups_wider_than_the_k_step(dtype: torch.dtype, block: tuple
     assert_close(fused_moe(hidden, q13, q2, topk_weights, topk_ids, fp8=fp8), expected, FP8_TOL[dtype])
 
 
+@pytest.mark.parametrize("hidden_size, inter, block", [
+    (H, I, (1, H)),  # one scale per row, H = 40: no power of two, one masked step of 64
+    (H, I, (I, H)),  # per-tensor experts' block at H 40, I 24
+    (136, 300, (1, 300)),  # H < I: the gate/up product's K inside the group, the down's in three steps
+    (256, 96, (96, 256)),  # a tensor-parallel rank's I under a per-tensor block
+])
+def test_fp8_whole_row_groups_at_any_width(hidden_size: int, inter: int, block: tuple[int, int]) -> None:
+    """A group covering all of K (`fp8_experts.whole_row_group`: the larger of H and I) at widths that are no power
+    of two or below the step, and with H < I: one scale per token and row, float32 against the reference."""
+    hidden = randn(5, hidden_size, dtype=torch.float32, seed=3)
+    w13, w2 = _weights(E, hidden_size, inter, torch.float32, seed=4)
+    q13, q2, fp8 = _fp8_experts(w13, w2, block)
+    assert fp8.w13_scale.shape[2] == 1 and fp8.w2_scale.shape[2] == 1
+    topk_weights, topk_ids = _routing("expert_parallel", 5, seed=6)
+    expected = reference.fused_moe(hidden, q13, q2, topk_weights, topk_ids, fp8=fp8)
+    assert_close(fused_moe(hidden, q13, q2, topk_weights, topk_ids, fp8=fp8), expected, FP8_TOL[torch.float32])
+
+
 def test_fp8_scale_groups_must_fit_the_k_step() -> None:
     """A group wider than the step must be a multiple of it or cover all of K (300 and 136 here)."""
     hidden = randn(3, WIDE_H, dtype=torch.float32, seed=0)
