@@ -103,6 +103,7 @@ def check_tensor_update(runner: Any, command: protocol.UpdateWeights) -> Any:
     refused = [f"{t.name!r} of {t.dtype}" for t in command.tensors if t.dtype not in WEIGHT_DTYPES]
     if refused:
         raise InvalidRequestError(FIELD, f"floating-point tensors, got {', '.join(refused)}")
+    _refuse_unread(_loading_model(runner), [t.name for t in command.tensors])
     try:
         segment = attach_untracked(command.segment)
     except (OSError, ValueError) as exc:  # a core on another machine than the host (tcp://), or a cancelled call's
@@ -123,6 +124,16 @@ def check_tensor_update(runner: Any, command: protocol.UpdateWeights) -> Any:
         _close(segment)
         raise
     return segment
+
+
+def _refuse_unread(model: Any, names: list[str]) -> None:
+    """A pushed tensor the loader would leave unread (`unread_weight`: a layer past the last, as a checkpoint's
+    multi-token-prediction layer is) would change nothing: refused by name. A checkpoint's files may hold them."""
+    unread = getattr(model, "unread_weight", None)
+    refused = [repr(name) for name in names if unread is not None and unread(name)]
+    if refused:
+        raise InvalidRequestError(FIELD, "weights the served model reads; it leaves unread "
+                                         f"{', '.join(refused[:8])}{' and more' if len(refused) > 8 else ''}")
 
 
 def _close(segment: Any) -> None:
@@ -271,7 +282,13 @@ def _parameters_on_meta() -> Iterator[None]:
     """Parameters registered inside go to the meta device as they are registered, loader attributes and all;
     buffers (rotary tables) stay on the CPU: small, and on meta their first ``arange`` imports torch's
     decompositions (seconds). A parameter's CPU storage is never written, so it costs no page. A parameter
-    registered twice (tied embeddings: the LM head's weight is the embedding's) stays one parameter."""
+    registered twice (tied embeddings: the LM head's weight is the embedding's) stays one parameter.
+
+    Not `layers.params_on_meta`: that moves only `new_param`'s parameters, and the models make many others
+    (``nn.Parameter`` / ``nn.Linear`` / ``nn.LayerNorm`` of towers, norms, routers), which this patch moves
+    too; with both, two mechanisms would move the same parameters. `params_on_meta` cannot take this patch in
+    turn: the patch is process-wide (every thread's modules), and a parameter it moves loses the values its
+    ``__init__`` gave it, which a pre-quantized load (`loader.materialize_params`) would replace by zeros."""
     register = nn.Module.register_parameter
     made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (the parameter, kept alive: ids stay unique)
 

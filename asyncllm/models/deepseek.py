@@ -301,9 +301,14 @@ class DeepseekExperts(MoECausalLM):
         spec = cls.moe_spec(b.hf_config, layer_idx)
         return LlamaMLP(b) if spec is None else DeepseekMoE(spec, b)
 
+    def unread_weight(self, name: str) -> bool:
+        """Whether the loader leaves a checkpoint tensor unread: a multi-token-prediction layer's, past the last
+        (files may hold them; a pushed one is refused, workers/weight_update.py)."""
+        parts, num_layers = name.split("."), len(self.model.layers)  # type: ignore[attr-defined]
+        return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        num_layers = len(self.model.layers)  # type: ignore[attr-defined]
-        return super().load_weights((name, w) for name, w in weights if not _past_last_layer(name, num_layers))
+        return super().load_weights((name, w) for name, w in weights if not self.unread_weight(name))
 
 
 class DeepseekV2ForCausalLM(DeepseekExperts, LlamaForCausalLM):
@@ -364,12 +369,6 @@ class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):
     """GLM-4.7-Flash: DeepSeek-V3's latent attention (its rope interleaved unless ``rope_interleave`` is off) and
     experts (GLM-4.5's routing: grouped sigmoid with the correction, shared experts), dense MLPs where
     ``mlp_layer_types`` says "dense"; the multi-token-prediction layer past ``num_hidden_layers`` left unread."""
-
-
-def _past_last_layer(name: str, num_layers: int) -> bool:
-    """Whether a checkpoint name is a layer's past ``num_layers`` (a multi-token-prediction layer)."""
-    parts = name.split(".")
-    return len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and int(parts[2]) >= num_layers
 
 
 def check_deepseek(hf_config: Any) -> None:

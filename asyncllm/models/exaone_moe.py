@@ -49,10 +49,13 @@ class ExaoneMoeForCausalLM(Dots1ForCausalLM):
         super().__init__(config, **kwargs)
         self.expert_sizes = (int(config.hidden_size), int(config.moe_intermediate_size))
 
+    def unread_weight(self, name: str) -> bool:
+        return name.startswith("mtp.") or super().unread_weight(name)  # the multi-token-prediction block
+
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         from asyncllm.models.qwen3_vl_moe import split_fused_experts
 
         renamed = ((name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"), w)
                    for name, w in weights  # EXAONE keeps the score correction beside the router, not in it
-                   if not name.startswith("mtp."))  # the multi-token-prediction block is left unread
+                   if not self.unread_weight(name))
         return super().load_weights(split_fused_experts(renamed, *self.expert_sizes))

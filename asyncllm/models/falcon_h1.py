@@ -120,7 +120,7 @@ class FalconH1ForCausalLM(StateLayersMixin, LlamaForCausalLM):
         tensor = weight if isinstance(weight, torch.Tensor) else weight[:]
         if not isinstance(scale, torch.Tensor):
             return (tensor.float() * scale).to(tensor.dtype)
-        rows = scale.view(-1, *([1] * (tensor.dim() - 1)))
+        rows = scale.to(tensor.device).view(-1, *([1] * (tensor.dim() - 1)))  # meta: an update's shape check
         return (tensor.float() * rows).to(tensor.dtype)
 
 

@@ -93,6 +93,10 @@ class Qwen3_5ForCausalLM(StateLayersMixin, LlamaForCausalLM):
             raise NotBuiltError("hidden_act", hf_config.hidden_act, "Qwen3.5 with SiLU")
         super().__init__(hf_config, **kwargs)
 
+    def unread_weight(self, name: str) -> bool:
+        """Whether the loader leaves a checkpoint tensor unread (`without_mtp`; a pushed one is refused)."""
+        return name.startswith("mtp.")
+
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         return super().load_weights(without_mtp(weights))
 

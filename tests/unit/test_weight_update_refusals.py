@@ -101,3 +101,26 @@ def test_a_parameter_registered_twice_stays_one_on_the_meta_device() -> None:
         first, second = torch.nn.Module(), torch.nn.Module()
         first.weight, second.weight = shared, shared  # tied before either was registered
     assert first.weight.is_meta and first.weight is second.weight
+
+
+@pytest.mark.parametrize("arch", ["falcon_h1"])  # its loader scales the mixer's in_proj rows: on meta too
+def test_a_path_update_loads_the_new_checkpoint_as_a_fresh_load(arch: str) -> None:
+    runner = _runner(tiny_checkpoint(arch))
+    new = tiny_checkpoint(arch, seed=1)
+    assert update_weights(runner, protocol.UpdateWeights("u", new)) == protocol.WeightsUpdated("u")
+    fresh, got = _params(_runner(new).model), _params(runner.model)
+    assert got.keys() == fresh.keys() and all(torch.equal(got[name], fresh[name]) for name in fresh)
+
+
+def test_an_mtp_layer_loads_from_files_unread_and_a_pushed_one_is_refused(tmp_path: Path) -> None:
+    served = tiny_checkpoint("deepseek_v3")  # two layers; a real checkpoint's MTP layer is model.layers.2
+    runner = _runner(served)
+    mtp = "model.layers.2.mlp.down_proj.weight"
+    with_mtp = _with_tensor(tiny_checkpoint("deepseek_v3", seed=1), tmp_path / "mtp", mtp)
+    assert update_weights(runner, protocol.UpdateWeights("u", with_mtp)) == protocol.WeightsUpdated("u")
+    fresh = _params(_runner(tiny_checkpoint("deepseek_v3", seed=1)).model)
+    assert all(torch.equal(param, fresh[name]) for name, param in runner.model.named_parameters())
+    for name in (mtp, "model.layers.99.mlp.down_proj.weight"):
+        reply = _push(runner, {"model.norm.weight": torch.zeros(64), name: torch.ones(64, 32)})
+        assert isinstance(weights_error(reply), InvalidRequestError) and f"unread '{name}'" in reply.error, reply
+    assert all(torch.equal(param, fresh[name]) for name, param in runner.model.named_parameters())
