@@ -17,6 +17,7 @@ worker dies with a `WorkerError`, the core restarts its workers from the last we
 
 from __future__ import annotations
 
+import logging
 import math
 from contextlib import contextmanager, nullcontext
 from typing import Any, Iterator
@@ -24,6 +25,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 from safetensors import SafetensorError
 
 from asyncllm import protocol
@@ -41,6 +43,8 @@ from asyncllm.models.loader import build_model, load_checkpoint
 from asyncllm.models.registry import text_config_of
 from asyncllm.shm_segment import attach_untracked
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["update_weights", "check_update", "check_tensor_update", "refuse_unbuilt", "forget_weights",
            "unwritten_weights", "SHAPE_KEYS", "VISION_KEYS"]
 
@@ -48,11 +52,15 @@ SHAPE_KEYS = (
     "architectures", "hidden_size", "intermediate_size", "moe_intermediate_size",
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
     "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok", "moe_k",
-    "moe_topk", "top_k_experts", "ffn_config", "tie_word_embeddings", "rms_norm_eps",
+    "moe_topk", "top_k_experts", "tie_word_embeddings", "rms_norm_eps",
     "rope_theta", "rope_scaling", "rope_parameters", "sliding_window", "quantization_config",
+    "ffn_config.ffn_hidden_size", "ffn_config.moe_num_experts", "ffn_config.moe_top_k", "ffn_config.ffn_act_fn",
+    "ffn_config.moe_normalize_expert_weights", "attn_config.kv_n_heads", "attn_config.clip_qkv",
+    "attn_config.rope_theta",
 )
 """config.json keys that must equal the served model's: the engine keeps the model it built (its shapes, rotary
-tables, norms), so only weights may change."""
+tables, norms), so only weights may change. ``outer.inner``: a key of a nested config (DBRX's), whose other keys
+(its dtype, its training-only ``moe_loss_weight``) may differ."""
 VISION_KEYS = ("image_token_index", "image_token_id", "vision_feature_layer", "vision_feature_select_strategy",
                "projector_hidden_act", "image_seq_length", "mm_tokens_per_image")
 """A multimodal model's config.json keys that must be equal too, with every key of its ``vision_config`` but
@@ -164,7 +172,19 @@ def _written(runner: Any, names: set[str] | None) -> int:
         unwritten.clear()
     else:
         unwritten -= names
+        if unwritten:
+            unwritten -= _renamed(_loading_model(runner), names)
     return len(unwritten)
+
+
+def _renamed(model: Any, names: set[str]) -> set[str]:
+    """The checkpoint's names of the parameters among ``names`` (a parameter pushed under its own name: Mixtral's
+    router ``mlp.gate``, the checkpoint's ``block_sparse_moe.gate``)."""
+    unpacked = getattr(model, "_unpacked", None)
+    if unpacked is None:
+        return set()
+    own = names & {name for name, _ in model.named_parameters()}
+    return {ckpt for name in own for ckpt, shard in unpacked(name) if shard is None}
 
 
 def unwritten_weights(runner: Any) -> set[str]:
@@ -223,9 +243,13 @@ def check_update(runner: Any, model_path: str, revision: str | None, config_json
 
 def _loader_refusal(exc: Exception) -> str:
     """Why the model's loader refused a tensor: what a `ConfigError` allows, a `ValueError`'s message; another
-    error (a tensor of the wrong rank: an `IndexError`) with its type, as a refusal too, so the worker keeps serving."""
+    error (a tensor of the wrong rank: an `IndexError`) with its type, as a refusal too, so the worker keeps serving,
+    its traceback logged (it may be the engine's own bug)."""
     if isinstance(exc, ConfigError):
         return exc.allowed
+    if not isinstance(exc, (ValueError, InvalidRequestError)):
+        logger.warning("a weight update's check failed with %s, refused as not fitting the served model",
+                       type(exc).__name__, exc_info=exc)
     return str(exc) if isinstance(exc, (ValueError, RuntimeError)) else f"{type(exc).__name__}: {exc}"
 
 
@@ -256,6 +280,11 @@ def _plain_dict(hf_config: Any) -> dict[str, Any]:
     plain = hf_config_from_json(hf_config_json(hf_config))
     values = text_config_of(plain).to_dict()
     values["architectures"] = getattr(hf_config, "architectures", None)
+    for key in SHAPE_KEYS:
+        outer, dot, inner = key.partition(".")
+        nested = values.get(outer)
+        if dot and isinstance(nested, dict):
+            values[key] = nested.get(inner)
     vision = getattr(plain, "vision_config", None)
     if vision is not None:
         values.update({f"vision_config.{key}": value for key, value in vision.to_dict().items()
@@ -290,15 +319,15 @@ def _parameters_on_meta() -> Iterator[None]:
     turn: the patch is process-wide (every thread's modules), and a parameter it moves loses the values its
     ``__init__`` gave it, which a pre-quantized load (`loader.materialize_params`) would replace by zeros."""
     register = nn.Module.register_parameter
-    made: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id -> (the parameter, kept alive: ids stay unique)
+    made = WeakIdKeyDictionary()  # the parameter -> its meta copy, while the parameter lives (its CPU placeholder dies)
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
-            if id(param) not in made:
+            if param not in made:
                 meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
                 meta.__dict__.update(param.__dict__)  # weight_loader and the attributes loaders read
-                made[id(param)] = (param, meta)
-            param = made[id(param)][1]
+                made[param] = meta
+            param = made[param]
         register(module, name, param)
 
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
@@ -311,12 +340,12 @@ def _parameters_on_meta() -> Iterator[None]:
 class _HeadersOnly:
     """A `load_checkpoint` filter: each tensor as a meta tensor of its shape (the loaders slice and check it,
     nothing is read); `last` names the tensor a loader failed on (the loaders consume them one at a time). A name
-    of one of ``model``'s parameters that no checkpoint names (a fused ``qkv_proj``, the stacked experts'
-    ``w13_weight``: their loaders take the parts) is refused by name before any loader sees it."""
+    of one of ``model``'s parameters that the loader fills from parts (`_fused_parameters`) is refused by name
+    before any loader sees it."""
 
     def __init__(self, model: Any) -> None:
         self.last: str | None = None
-        self.built = {name for name, _ in model.named_parameters()} - model.checkpoint_weight_names()
+        self.built = _fused_parameters(model)
 
     def __call__(self, weights: Iterator[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
         for name, weight in weights:
@@ -325,6 +354,20 @@ class _HeadersOnly:
                 raise ConfigError("model", name, "a checkpoint's weight name, not that of a parameter the served "
                                                  "model fuses from the checkpoint's weights")
             yield name, torch.empty(weight_shape(weight), device="meta")
+
+
+def _fused_parameters(model: Any) -> set[str]:
+    """The names of ``model``'s parameters that its loader fills from several checkpoint weights (a fused
+    ``qkv_proj``, the stacked experts' ``w13_weight``), each with its shard id. A parameter only renamed from its
+    checkpoint's (Mixtral's router ``mlp.gate``, the checkpoint's ``block_sparse_moe.gate``) loads under its own
+    name too, so it is not among them. A model without `_unpacked`: every parameter that no checkpoint names."""
+    unpacked = getattr(model, "_unpacked", None)
+    if unpacked is not None:
+        return {name for name, _ in model.named_parameters() if any(shard is not None for _, shard in unpacked(name))}
+    decoder = getattr(model, "language_model", None)  # a vision-language model: its decoder's, prefixed
+    if isinstance(decoder, nn.Module) and hasattr(decoder, "_unpacked"):
+        return {f"language_model.{name}" for name in _fused_parameters(decoder)}
+    return {name for name, _ in model.named_parameters()} - model.checkpoint_weight_names()
 
 
 def _all_ranks_passed(passed: bool, device: torch.device) -> bool:

@@ -131,7 +131,7 @@ def build_model(config: EngineConfig, hf_config: Any, device: torch.device, dtyp
                 pipeline: PipelineStage | None = None, model_cls: type | None = None) -> CausalLM:
     """``hf_config``'s model (or ``model_cls``) for rank ``tp_rank``, its parameters uninitialised on
     ``tensor_device`` (default ``device``; workers/weight_update.py builds one whose parameters are on the meta
-    device)."""
+    device), or on the meta device inside `layers.params_on_meta` (a pre-quantized load: those `new_param` makes)."""
     model_cls = model_cls or get_model_class(hf_config, config.multimodal_config.limit_mm_per_prompt)
     max_position = max(getattr(text_config_of(hf_config), "max_position_embeddings", 0) or 0,  # Mamba: none
                        config.max_model_len or 0, 1)

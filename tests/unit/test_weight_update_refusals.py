@@ -4,8 +4,11 @@ serves on."""
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import shutil
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,7 +103,57 @@ def test_a_parameter_registered_twice_stays_one_on_the_meta_device() -> None:
     with _parameters_on_meta():
         first, second = torch.nn.Module(), torch.nn.Module()
         first.weight, second.weight = shared, shared  # tied before either was registered
-    assert first.weight.is_meta and first.weight is second.weight
+        placeholder = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+        alive = weakref.ref(placeholder)
+        first.bias = placeholder
+        del placeholder
+        assert alive() is None  # its CPU placeholder dies as the build goes on: only its meta copy is kept
+    assert first.weight.is_meta and first.weight is second.weight and first.bias.is_meta
+
+
+def test_a_renamed_parameter_is_pushed_under_its_own_name_and_a_fused_one_refused() -> None:
+    runner = _runner(tiny_checkpoint("mixtral"), load_format="dummy")  # the checkpoint's block_sparse_moe.gate is
+    router = runner.model.model.layers[0].mlp.gate.weight  # the model's mlp.gate, as transformers 5 names it
+    new = torch.randn_like(router)
+    unwritten = len(runner.model.checkpoint_weight_names())
+    reply = _push(runner, {"model.layers.0.mlp.gate.weight": new})
+    assert reply == protocol.WeightsUpdated("t", weights_unwritten=unwritten - 1)  # the checkpoint's weight written
+    assert torch.equal(router, new)
+    w13 = runner.model.model.layers[0].mlp.experts.w13_weight
+    reply = _push(runner, {"model.layers.0.mlp.experts.w13_weight": torch.zeros_like(w13)})
+    assert isinstance(weights_error(reply), InvalidRequestError) and "fuses" in reply.error, reply
+
+
+def _dbrx_with(tmp_path: Path, name: str, **ffn_config) -> str:
+    """A copy of the tiny DBRX checkpoint whose config.json's ``ffn_config`` has ``ffn_config``'s values."""
+    folder = tmp_path / name
+    shutil.copytree(tiny_checkpoint("dbrx"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["ffn_config"].update(ffn_config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_a_nested_config_is_compared_in_the_keys_that_shape_the_model(tmp_path: Path) -> None:
+    runner = _served(tiny_checkpoint("dbrx"))
+    loss = _dbrx_with(tmp_path, "loss", moe_loss_weight=0.5, dtype="bfloat16")  # training-only, the config's dtype
+    assert check_update(runner, loss, None) == loss
+    with pytest.raises(InvalidRequestError, match=r"ffn_config.moe_num_experts=8 \(served: 6\)"):
+        check_update(runner, _dbrx_with(tmp_path, "experts", moe_num_experts=8), None)
+
+
+def test_an_error_the_loader_does_not_raise_for_a_tensor_is_refused_with_its_traceback_logged(caplog) -> None:
+    from asyncllm.workers.weight_update import _loader_refusal
+
+    with caplog.at_level(logging.WARNING, logger="asyncllm.workers.weight_update"):
+        assert _loader_refusal(ValueError("its rows are 5, not 4")) == "its rows are 5, not 4"
+        assert not caplog.records  # the loader's own refusal: no traceback
+        try:
+            raise AttributeError("'NoneType' object has no attribute 'shape'")
+        except AttributeError as exc:
+            assert _loader_refusal(exc) == "AttributeError: 'NoneType' object has no attribute 'shape'"
+    [record] = caplog.records
+    assert record.levelno == logging.WARNING and record.exc_info[0] is AttributeError
 
 
 @pytest.mark.parametrize("arch", ["falcon_h1"])  # its loader scales the mixer's in_proj rows: on meta too
