@@ -14,6 +14,10 @@ and the next draft reads ``out`` in place of the target's hidden state. The laye
 (`mtp_class`: the target's layer at index ``L``, so its kind of attention and MLP, with the extra modules on it)
 and loaded from the target's own checkpoint, only the names under ``model.layers.{L}.`` read (its
 ``embed_tokens`` copy not: the target's embeddings are used).
+
+The entry projection (``eh_proj``; Qwen's ``fc``) is a float linear under every pre-quantized format, as vLLM builds
+it and the released fp8 checkpoints store it (`keep_float`); a checkpoint that stores it in fp8 with its scale has
+it dequantized as it loads (`float_entry_weights`), one stored in another quantized format is refused by name.
 """
 
 from __future__ import annotations
@@ -25,14 +29,17 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
-from asyncllm.errors import ConfigError
+from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.kernels import reference
 from asyncllm.models.eagle import TargetReader
 from asyncllm.models.embedding import ParallelLMHead
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear
+from asyncllm.models.quantization import FP8_DTYPE, fp8_to_float
+from asyncllm.models.quantized_layers import keep_float
 
-__all__ = ["DEEPSEEK_MTP_ARCHITECTURES", "MTPLayerHead", "MTP_ARCHITECTURES", "QWEN_MTP_ARCHITECTURES", "mtp_cache_config",
-           "mtp_class", "mtp_layer_config", "mtp_target", "num_mtp_layers"]
+__all__ = ["DEEPSEEK_MTP_ARCHITECTURES", "MTPLayerHead", "MTP_ARCHITECTURES", "QWEN_MTP_ARCHITECTURES",
+           "float_entry_weights", "mtp_cache_config", "mtp_class", "mtp_layer_config", "mtp_target", "num_mtp_layers"]
 
 DEEPSEEK_MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "Glm4MoeLiteForCausalLM")
 """Targets whose checkpoints' MTP layers are read in DeepSeek's layout (``model.layers.{L}``)."""
@@ -110,10 +117,55 @@ class _SharedHead(nn.Module):
         self.head = ParallelLMHead(vocab, hidden, tp, dtype)
 
 
+_FP8_SCALES = ("weight_scale_inv", "weight_scale")
+
+
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
+    """An fp8 weight times its scale: one per tensor, per output row, or per block (``block``, else the block the
+    scale's shape implies)."""
+    w, scale = fp8_to_float(weight), scale.float()
+    if scale.numel() == 1 or tuple(scale.shape) == (w.shape[0], 1):
+        return w * scale.reshape(-1, 1)
+    block = block or (-(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1]))
+    return w * reference.expand_block_scales(scale, tuple(w.shape), block)
+
+
+def float_entry_weights(weights: Iterable[tuple[str, LoadedWeight]], proj: str,
+                        block: tuple[int, int] | None) -> Iterator[tuple[str, LoadedWeight]]:
+    """The stream with the float linear ``proj``'s weight float: as stored (bf16, the released checkpoints), or an
+    fp8 one dequantized with its ``weight_scale_inv`` / ``weight_scale`` (yielded last); `NotBuiltError` for
+    ``proj`` stored in another quantized format (AWQ / GPTQ ``qweight``, compressed-tensors ``weight_packed``)."""
+    held: dict[str, torch.Tensor] = {}
+    for name, weight in weights:
+        if not name.startswith(proj + "."):
+            yield name, weight
+            continue
+        part = name.removeprefix(proj + ".")
+        if part not in ("weight", "input_scale", *_FP8_SCALES):
+            raise NotBuiltError("speculative_config", "mtp", f"an MTP layer whose {proj} is stored quantized other "
+                                                             f"than in fp8 ({name}; float or fp8 are served)")
+        held[part] = weight if isinstance(weight, torch.Tensor) else weight[...]
+    if "weight" not in held:
+        return
+    scales = [held[key] for key in _FP8_SCALES if key in held]
+    weight = held["weight"]
+    if weight.dtype == FP8_DTYPE and not scales:
+        raise ConfigError("model", proj, "an fp8 weight with its weight_scale_inv or weight_scale")
+    yield proj + ".weight", _dequantized(weight, scales[0], block) if weight.dtype == FP8_DTYPE else weight
+
+
+def _weight_block(hf_config: Any) -> tuple[int, int] | None:
+    section = getattr(hf_config, "quantization_config", None) or {}
+    block = section.get("weight_block_size") if isinstance(section, dict) else None
+    return tuple(block) if block else None  # type: ignore[return-value]
+
+
 class MTPLayerHead(TargetReader, nn.Module):
     """What both layouts share (a mixin before a target class): ``model.layers.0`` is the target's layer ``L``, with
-    the layout's own modules on it (`layer_modules`); only the checkpoint's MTP names are loaded (`mtp_names`)."""
+    the layout's own modules on it (`layer_modules`); only the checkpoint's MTP names are loaded (`mtp_names`), the
+    entry projection (``entry_proj``) float (`float_entry_weights`)."""
 
+    entry_proj = "eh_proj"
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: Any,
                  max_position: int, expert_parallel: bool = False, **_: Any) -> None:
@@ -129,6 +181,7 @@ class MTPLayerHead(TargetReader, nn.Module):
             setattr(layer, name, module)
         self.model = nn.Module()
         self.model.layers = nn.ModuleList([layer])
+        self.weight_block = _weight_block(hf_config)
 
     def layer_modules(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, ops: Any) -> dict[str, nn.Module]:
         """The layout's modules beside the decoder block (none here)."""
@@ -144,7 +197,8 @@ class MTPLayerHead(TargetReader, nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Only the MTP layer's names, as layer 0's; `ConfigError` for a checkpoint without them."""
-        loaded = super().load_weights(self.mtp_names(weights))  # type: ignore[misc]
+        names = float_entry_weights(self.mtp_names(weights), f"model.layers.0.{self.entry_proj}", self.weight_block)
+        loaded = super().load_weights(names)  # type: ignore[misc]
         if not loaded:
             raise ConfigError("speculative_config", "mtp", f"a checkpoint with its multi-token-prediction layer "
                                                             f"({self.mtp_names_hint()}); this one has none")
@@ -161,7 +215,7 @@ class MTPHead(MTPLayerHead):
     def layer_modules(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, ops: Any) -> dict[str, nn.Module]:
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
         return {"enorm": RMSNorm(hidden, eps, dtype, ops), "hnorm": RMSNorm(hidden, eps, dtype, ops),
-                "eh_proj": ColumnParallelLinear(2 * hidden, hidden, False, TensorParallel(), dtype),  # replicated
+                "eh_proj": keep_float(ColumnParallelLinear(2 * hidden, hidden, False, TensorParallel(), dtype)),
                 "shared_head": _SharedHead(hidden, hf_config.vocab_size, eps, tp, dtype, ops)}
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],

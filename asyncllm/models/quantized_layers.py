@@ -20,7 +20,16 @@ from asyncllm.models.linear import (
     RowParallelLinear,
 )
 
-__all__ = ["checkpoint_modules", "quantized_layers", "output_partitions", "shard_index"]
+__all__ = ["checkpoint_modules", "keep_float", "quantized_layers", "output_partitions", "shard_index"]
+
+
+def keep_float(layer: LinearBase) -> LinearBase:
+    """Mark a layer that stays float in every pre-quantized checkpoint whatever its quantization_config lists (an
+    MTP layer's entry projection: vLLM builds DeepSeek's ``eh_proj`` as a plain ``nn.Linear``, and the released
+    DeepSeek-V3 and Qwen3-Next fp8 checkpoints store it and ``mtp.fc`` in bf16); `quantized_layers` passes it
+    over."""
+    layer.keeps_float = True
+    return layer
 
 
 def checkpoint_modules(model: nn.Module, name: str) -> list[str]:
@@ -38,7 +47,7 @@ def quantized_layers(model: nn.Module, is_ignored: Callable[[str], bool]) -> Ite
     module unquantized); `ConfigError` for a fused layer whose parts are ignored in part (they would need two
     formats in one matmul)."""
     for name, module in model.named_modules():
-        if not isinstance(module, LinearBase):
+        if not isinstance(module, LinearBase) or getattr(module, "keeps_float", False):
             continue
         ignored = [is_ignored(part) for part in checkpoint_modules(model, name)]
         if all(ignored):

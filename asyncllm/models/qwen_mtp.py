@@ -18,6 +18,7 @@ from asyncllm.models.gemma import GemmaRMSNorm
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.linear import ColumnParallelLinear
 from asyncllm.models.mtp import MTPLayerHead
+from asyncllm.models.quantized_layers import keep_float
 from asyncllm.models.row_states import StateRows
 
 __all__ = ["QwenMTPHead"]
@@ -32,12 +33,13 @@ _RENAMES = (("mtp.layers.0.", "model.layers.0."), ("mtp.fc.", "model.layers.0.fc
 class QwenMTPHead(MTPLayerHead):
     """Qwen's layout: ``fc``, ``pre_fc_norm_embedding``, ``pre_fc_norm_hidden`` and ``mtp_norm`` on the layer."""
 
+    entry_proj = "fc"
     state_rows = StateRows(rows=0)
     """The layer keeps no recurrent states (the hybrid build asks)."""
 
     def layer_modules(self, hf_config: Any, dtype: torch.dtype, tp: TensorParallel, ops: Any) -> dict[str, nn.Module]:
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        return {"fc": ColumnParallelLinear(2 * hidden, hidden, False, TensorParallel(), dtype),  # replicated
+        return {"fc": keep_float(ColumnParallelLinear(2 * hidden, hidden, False, TensorParallel(), dtype)),
                 **{name: GemmaRMSNorm(hidden, eps, dtype, ops)
                    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "mtp_norm")}}
 
