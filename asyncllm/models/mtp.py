@@ -120,14 +120,25 @@ class _SharedHead(nn.Module):
 _FP8_SCALES = ("weight_scale_inv", "weight_scale")
 
 
-def _dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
-    """An fp8 weight times its scale: one per tensor, per output row, or per block (``block``, else the block the
-    scale's shape implies)."""
-    w, scale = fp8_to_float(weight), scale.float()
-    if scale.numel() == 1 or tuple(scale.shape) == (w.shape[0], 1):
-        return w * scale.reshape(-1, 1)
-    block = block or (-(-w.shape[0] // scale.shape[0]), -(-w.shape[1] // scale.shape[1]))
-    return w * reference.expand_block_scales(scale, tuple(w.shape), block)
+def _dequantized(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, proj: str) -> torch.Tensor:
+    """An fp8 weight times its scale: one per tensor, per output row, or per block (``block``; without one the
+    released checkpoints' 128 x 128 if the scale's shape fits it, else the block the shape implies);
+    `ConfigError` naming ``proj`` when the scale's shape fits none of them."""
+    rows, cols = weight.shape
+    scale = scale.float()
+    if scale.numel() == 1 or tuple(scale.shape) in ((rows, 1), (rows,)):
+        return fp8_to_float(weight) * scale.reshape(-1, 1)
+    if block is None and scale.dim() == 2:
+        implied = (-(-rows // scale.shape[0]), -(-cols // scale.shape[1]))
+        block = (128, 128) if _block_grid(rows, cols, (128, 128)) == tuple(scale.shape) else implied
+    if block is None or _block_grid(rows, cols, block) != tuple(scale.shape):
+        raise ConfigError("model", proj, f"a weight scale of one value, one per row or one per block ({block}) of "
+                                         f"its [{rows}, {cols}] fp8 weight; got shape {list(scale.shape)}")
+    return reference.dequantize_fp8_blocks(weight, scale, block)
+
+
+def _block_grid(rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    return -(-rows // block[0]), -(-cols // block[1])
 
 
 def float_entry_weights(weights: Iterable[tuple[str, LoadedWeight]], proj: str,
@@ -151,7 +162,10 @@ def float_entry_weights(weights: Iterable[tuple[str, LoadedWeight]], proj: str,
     weight = held["weight"]
     if weight.dtype == FP8_DTYPE and not scales:
         raise ConfigError("model", proj, "an fp8 weight with its weight_scale_inv or weight_scale")
-    yield proj + ".weight", _dequantized(weight, scales[0], block) if weight.dtype == FP8_DTYPE else weight
+    if weight.dtype != FP8_DTYPE and (not weight.dtype.is_floating_point or weight.dtype.itemsize == 1):
+        raise NotBuiltError("speculative_config", "mtp", f"an MTP layer whose {proj} is stored as {weight.dtype} "
+                                                         f"({proj}.weight; float or float8_e4m3fn are served)")
+    yield proj + ".weight", _dequantized(weight, scales[0], block, proj) if weight.dtype == FP8_DTYPE else weight
 
 
 def _weight_block(hf_config: Any) -> tuple[int, int] | None:

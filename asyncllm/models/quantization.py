@@ -271,11 +271,13 @@ def quantize_fp8_linears(model: nn.Module) -> QuantizationSummary:
     """Quantize every parallel linear layer (`LinearBase`) of the model's text decoder to fp8.
 
     Any other module (embeddings, LM head, norms, MoE routers and experts, a vision tower) is left as it
-    is. The decoder layers' fused decode path (ASYNCLLM_DECODE_LINEAR, which reads the weights directly)
-    is turned off.
+    is, and so is a layer marked `quantized_layers.keep_float` (an MTP layer's entry projection: vLLM's plain
+    ``nn.Linear``). The decoder layers' fused decode path (ASYNCLLM_DECODE_LINEAR, which reads the weights
+    directly) is turned off.
     """
     decoder = _text_decoder(model)
-    layers = [module for module in decoder.modules() if isinstance(module, LinearBase)]
+    layers = [module for module in decoder.modules()
+              if isinstance(module, LinearBase) and not getattr(module, "keeps_float", False)]
     before = after = 0
     methods = set()
     for layer in layers:

@@ -27,7 +27,7 @@ def keep_float(layer: LinearBase) -> LinearBase:
     """Mark a layer that stays float in every pre-quantized checkpoint whatever its quantization_config lists (an
     MTP layer's entry projection: vLLM builds DeepSeek's ``eh_proj`` as a plain ``nn.Linear``, and the released
     DeepSeek-V3 and Qwen3-Next fp8 checkpoints store it and ``mtp.fc`` in bf16); `quantized_layers` passes it
-    over."""
+    over, and so does online fp8 (`quantization.quantize_fp8_linears`)."""
     layer.keeps_float = True
     return layer
 

@@ -97,6 +97,20 @@ def test_an_fp8_stored_entry_projection_is_dequantized_and_other_formats_are_ref
         list(float_entry_weights(_stream(qweight=torch.zeros(4, 4, dtype=torch.int32)), proj, None))
     with pytest.raises(ConfigError, match="weight_scale_inv or weight_scale"):
         list(float_entry_weights(_stream(weight=q), proj, BLOCK))
+    with pytest.raises(NotBuiltError, match=r"eh_proj is stored as torch.int8"):  # W8A8: not read as a float weight
+        list(float_entry_weights(_stream(weight=torch.zeros(4, 4, dtype=torch.int8), weight_scale=scale), proj, None))
+    with pytest.raises(ConfigError, match=r"one per block \(\(16, 16\)\) of its \[32, 48\] fp8 weight; got shape"):
+        list(float_entry_weights(_stream(weight=q, weight_scale_inv=scale[:, :2]), proj, BLOCK))
+
+
+def test_without_a_block_in_the_config_partial_128_blocks_are_read_as_128():
+    """A 300 x 200 weight in 128 x 128 blocks has a 3 x 2 scale, which a block read off the shape would take for
+    100 x 100: the released checkpoints' 128 comes first."""
+    w = torch.randn(300, 200, generator=torch.Generator().manual_seed(1))
+    q, scale = quantize_blocks(w, (128, 128))
+    proj = "model.layers.0.eh_proj"
+    out = dict(float_entry_weights(_stream(weight=q, weight_scale_inv=scale), proj, None))[proj + ".weight"]
+    assert torch.equal(out, dequantize_blocks(q, scale, (128, 128)).float())
 
 
 def test_both_layouts_mark_their_entry_projection_float_for_every_pre_quantized_format():
@@ -108,6 +122,7 @@ def test_both_layouts_mark_their_entry_projection_float_for_every_pre_quantized_
     from asyncllm.models.linear import ColumnParallelLinear
     from asyncllm.models.mtp import MTPHead
     from asyncllm.models.qwen_mtp import QwenMTPHead
+    from asyncllm.models.quantization import quantize_fp8_linears
     from asyncllm.models.quantized_layers import quantized_layers
 
     class Config:
@@ -120,3 +135,6 @@ def test_both_layouts_mark_their_entry_projection_float_for_every_pre_quantized_
         layer.o_proj = ColumnParallelLinear(16, 16, False, TensorParallel(), torch.float32)
         assert [name for name, _ in quantized_layers(layer, lambda _: False)] == ["o_proj"]
         assert isinstance(getattr(layer, head.entry_proj), ColumnParallelLinear)
+        quantize_fp8_linears(layer)  # online fp8 (quantization="fp8") passes it over too, as vLLM's nn.Linear
+        assert layer.o_proj.weight.dtype == torch.float8_e4m3fn
+        assert getattr(layer, head.entry_proj).weight.dtype == torch.float32
