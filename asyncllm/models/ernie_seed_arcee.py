@@ -12,17 +12,18 @@ And ERNIE 4.5's mixture of experts (``Ernie4_5_MoeForCausalLM``): ERNIE 4.5's la
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from asyncllm.errors import NotBuiltError
 from asyncllm.models.glm4 import InterleavedRotaryLoading
-from asyncllm.models.layers import TensorParallel, new_param
+from asyncllm.models.layers import LoadedWeight, TensorParallel, new_param
 from asyncllm.models.linear import ColumnParallelLinear, RowParallelLinear
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaForCausalLM, LlamaMLP
 from asyncllm.models.moe import FusedMoE, MoECausalLM, MoESpec
+from asyncllm.models.phi import renamed
 
 __all__ = ["ArceeForCausalLM", "ArceeMLP", "Ernie4_5ForCausalLM", "Ernie4_5_MoeForCausalLM", "SeedOssForCausalLM"]
 
@@ -134,3 +135,7 @@ class Ernie4_5_MoeForCausalLM(MoECausalLM, Ernie4_5ForCausalLM):
         if getattr(hf_config, "use_bias", False):  # transformers gives its LM head a bias too (no release has one)
             raise NotBuiltError("use_bias", True, "ERNIE 4.5 MoE with biases (and a biased LM head)")
         super().__init__(hf_config, **kwargs)
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """The score correction under transformers 5's name too (its modules' ``mlp.gate.moe_statics``)."""
+        return super().load_weights(renamed(weights, ((".mlp.gate.moe_statics.", ".mlp.moe_statics."),)))

@@ -6,6 +6,8 @@ k when the family does). The experts are stacked in two parameters, ``w13``
 ``[E, 2I, H]`` (gate rows then up rows) and ``w2`` ``[E, H, I]``, that the
 backend's ``fused_moe`` op consumes in one call (a Triton kernel on the GPU,
 `asyncllm.kernels.reference.fused_moe` on the CPU).
+Checkpoints name each expert's matrices (``experts.{e}.gate_proj.weight``); transformers 5's modules stack
+them as ``w13`` / ``w2`` are (``experts.gate_up_proj`` / ``down_proj``), which load too, cut per expert.
 
 Across tensor-parallel ranks the experts are split one of two ways:
 - by default each rank keeps every expert's slice of the intermediate dim
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -208,6 +210,12 @@ staged as ``experts.{gate,up,down}_{kind}`` (asyncllm/models/int4_experts.py).""
 _EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|" + "|".join(INT4_EXPERT_KINDS)
                           + ")$")
 """An expert's matrix, or (block-fp8 checkpoints) its block scales, or its integer tensors."""
+_STACKED_PARTS = {"gate_up_proj": ("gate", "up"), "up_proj": ("up",), "down_proj": ("down",)}
+"""transformers 5's stacked experts (its modules' ``state_dict()``: ``experts.gate_up_proj``...) -> their parts:
+``gate_up_proj`` ``[E, 2I, H]`` (each expert's gate rows, then its up rows), ``up_proj`` ``[E, I, H]`` (experts
+without a gate), ``down_proj`` ``[E, H, I]``."""
+_STACKED_NAME = re.compile(r"^(.*)\.experts\.(" + "|".join(_STACKED_PARTS) + ")$")
+_LAYER_MLP = re.compile(r"(\.layers\.\d+)\.mlp\.")
 
 
 class MoECausalLM:
@@ -236,9 +244,31 @@ class MoECausalLM:
         return LlamaMLP(b) if spec is None else SparseMoeBlock(spec, b)
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        """As the dense model's, skipping the experts other ranks hold (expert parallel)."""
+        """As the dense model's, stacked experts cut per expert, skipping the experts other ranks hold (expert
+        parallel)."""
         return super().load_weights(  # type: ignore[misc]
-            (name, weight) for name, weight in weights if self._on_this_rank(name))
+            (name, weight) for name, weight in self._per_expert(weights) if self._on_this_rank(name))
+
+    def _per_expert(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
+        """``weights`` with each stacked experts tensor (`_STACKED_NAME`) as its experts' matrices under the
+        checkpoint's per-expert names; an expert another rank holds is not read."""
+        names = {part: ckpt for ckpt, part in self.expert_parts.items()}
+        for name, weight in weights:
+            name = _LAYER_MLP.sub(rf"\1.{self.moe_module}.", name)  # transformers 5's name of every MoE block
+            match = _STACKED_NAME.match(name)
+            parts = _STACKED_PARTS[match.group(2)] if match is not None else ()
+            if match is None or not names.keys() >= set(parts):
+                yield name, weight
+                continue
+            shape = weight_shape(weight)
+            if len(shape) != 3 or shape[1] % len(parts):
+                raise ValueError(f"has shape {list(shape)}, stacked experts are [E, 2I, H] (gate_up_proj), [E, I, H] "
+                                 "(up_proj) or [E, H, I] (down_proj)")
+            for expert in range(shape[0]):
+                expert_names = [f"{match.group(1)}.experts.{expert}.{names[part]}.weight" for part in parts]
+                if self._on_this_rank(expert_names[0]):
+                    matrix = weight_narrow(weight, 0, expert, 1)[0]  # a lazy slice reads this expert's only
+                    yield from zip(expert_names, matrix.split(shape[1] // len(parts)))
 
     def _on_this_rank(self, ckpt_name: str) -> bool:
         param_name, shard_id = self._packed(ckpt_name)

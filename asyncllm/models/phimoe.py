@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from asyncllm.models.layers import head_dim_of
+from asyncllm.models.layers import LoadedWeight, head_dim_of
 from asyncllm.models.llama import DecoderBuild, DecoderFlags, LlamaModel
 from asyncllm.models.mixtral import MixtralForCausalLM
 from asyncllm.models.moe import MoESpec, SparseMoeBlock
+from asyncllm.models.phi import renamed
 from asyncllm.models.rotary import RotaryEmbedding, fix_longrope_factors, rope_parameters
 from asyncllm.models.starcoder2 import BiasLayerNorm, Starcoder2DecoderLayer
 
@@ -99,6 +100,11 @@ class PhimoeForCausalLM(MixtralForCausalLM):
     @classmethod
     def has_lm_head_bias(cls, hf_config: Any) -> bool:
         return bool(getattr(hf_config, "lm_head_bias", False))
+
+    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
+        """The router under transformers 5's name too (its modules' ``mlp.router``), as the checkpoint's
+        ``block_sparse_moe.gate``."""
+        return super().load_weights(renamed(weights, ((".mlp.router.weight", ".block_sparse_moe.gate.weight"),)))
 
 
 def _original_length(hf_config: Any) -> int:

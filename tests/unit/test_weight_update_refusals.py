@@ -38,6 +38,8 @@ def test_bad_expert_tensors_and_parameter_names_are_refused_and_the_worker_serve
         "model.layers.0.mlp.experts.1.up_proj.weight": (torch.ones(inter + 1, hidden), r"up matrix is \(32, 64\)"),
         "model.layers.0.mlp.experts.1.down_proj.weight": (torch.ones(hidden, inter + 5), r"down matrix is \(64, 32\)"),
         "model.layers.0.mlp.experts.w13_weight": (torch.ones(experts, 2 * inter, hidden), "fuses"),  # loaders' own
+        "model.layers.0.mlp.experts.gate_up_proj": (torch.ones(experts + 1, 2 * inter, hidden), "ids 0..7"),  # stacked
+        "model.layers.0.mlp.experts.down_proj": (torch.ones(experts, inter, hidden), r"down matrix is \(64, 32\)"),
         "model.layers.0.self_attn.qkv_proj.weight": (torch.ones(4, hidden), "fuses"),
         "model.layers.0.self_attn.o_proj.weight": (torch.ones(hidden), "IndexError"),  # the wrong rank
     }
@@ -177,3 +179,23 @@ def test_an_mtp_layer_loads_from_files_unread_and_a_pushed_one_is_refused(tmp_pa
         reply = _push(runner, {"model.norm.weight": torch.zeros(64), name: torch.ones(64, 32)})
         assert isinstance(weights_error(reply), InvalidRequestError) and f"unread '{name}'" in reply.error, reply
     assert all(torch.equal(param, fresh[name]) for name, param in runner.model.named_parameters())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "phimoe", "ernie4_5_moe", "nemotron_h"])
+def test_stacked_experts_as_transformers_5_holds_them_update_as_a_fresh_load(arch: str, tmp_path: Path) -> None:
+    """A transformers 5 model's ``state_dict()`` pushed, and a checkpoint of it on disk (save_pretrained writes
+    the hub's per-expert names; a trainer's own save may not), write every weight as a fresh load of it."""
+    from transformers import AutoModelForCausalLM
+
+    new = tiny_checkpoint(arch, seed=1)
+    state = AutoModelForCausalLM.from_pretrained(new, dtype=torch.float32).state_dict()
+    assert any(name.endswith(("experts.gate_up_proj", "experts.up_proj")) for name in state)  # stacked experts
+    stacked = tmp_path / "stacked"
+    shutil.copytree(new, stacked, ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, stacked / "model.safetensors")
+    fresh = _params(_runner(new).model)
+    for update in (lambda r: _push(r, state), lambda r: update_weights(r, protocol.UpdateWeights("t", str(stacked)))):
+        runner = _runner(tiny_checkpoint(arch), load_format="dummy")
+        assert update(runner) == protocol.WeightsUpdated("t")  # every weight written
+        got = _params(runner.model)
+        assert got.keys() == fresh.keys() and all(torch.equal(got[name], fresh[name]) for name in fresh)
