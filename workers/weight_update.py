@@ -141,7 +141,8 @@ def _refuse_unread(model: Any, names: list[str]) -> None:
     refused = [repr(name) for name in names if unread is not None and unread(name)]
     if refused:
         raise InvalidRequestError(FIELD, "weights the served model reads; it leaves unread "
-                                         f"{', '.join(refused[:8])}{' and more' if len(refused) > 8 else ''}")
+                                         f"{', '.join(refused[:8])}{' and more' if len(refused) > 8 else ''} "
+                                         "(an MTP draft's layer is its checkpoint's, never updated)")
 
 
 def _close(segment: Any) -> None:
