@@ -2,7 +2,8 @@
 
 Steps, in order, each a subprocess with its own time limit, all inside one
 overall budget (a device command may run 10 minutes; the default budget
-leaves a margin): the kernel tests (``gpu``-marked ones included), the kernel micro-benchmarks,
+leaves a margin): the kernel tests (``gpu``-marked ones included), the engines' GPU tests
+(``gpu-engine-tests``), the quantized weights' (``gpu-tests-quant``), the kernel micro-benchmarks,
 the standard workloads, then the same workloads again with ``--compare hf`` in
 steps of their own (the transformers peer is slow: a peer that overruns must
 never cost our own numbers). A step that would not fit is skipped and recorded
@@ -170,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="run only these steps (repeatable): " +
                         ", ".join(s.name for s in STEPS))
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.only or ()) - {s.name for s in STEPS})
+    if unknown:  # a typo must not spend a device call running nothing
+        parser.error(f"unknown step(s) {', '.join(unknown)}; the steps: {', '.join(s.name for s in STEPS)}")
     os.makedirs(args.out, exist_ok=True)
     steps = [s for s in STEPS if not args.only or s.name in args.only]
     results: dict[str, Any] = {}

@@ -144,6 +144,14 @@ def test_gpu_session_step_gets_its_environment(tmp_path: Path, monkeypatch: pyte
     assert "pipeline=0" in (tmp_path / "session.log").read_text()
 
 
+def test_gpu_session_refuses_an_unknown_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from asyncllm.bench import gpu_session
+
+    with pytest.raises(SystemExit):
+        gpu_session.main(["--out", str(tmp_path), "--only", "gpu-test"])
+    assert "unknown step(s) gpu-test" in capsys.readouterr().err and not (tmp_path / "results.json").exists()
+
+
 def test_gpu_session_pytest_steps_name_existing_tests() -> None:
     """A renamed test file would make a GPU session's pytest step fail at collection, a device call lost."""
     from asyncllm.bench import gpu_session
