@@ -142,7 +142,8 @@ def _refuse_unread(model: Any, names: list[str]) -> None:
     if refused:
         raise InvalidRequestError(FIELD, "weights the served model reads; it leaves unread "
                                          f"{', '.join(refused[:8])}{' and more' if len(refused) > 8 else ''} "
-                                         "(an MTP draft's layer is its checkpoint's, never updated)")
+                                         "(a layer past the model's last, or an MTP draft's: drafts are never "
+                                         "updated)")
 
 
 def _close(segment: Any) -> None:

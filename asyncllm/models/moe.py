@@ -251,7 +251,9 @@ class MoECausalLM:
 
     def _per_expert(self, weights: Iterable[tuple[str, LoadedWeight]]) -> Iterator[tuple[str, LoadedWeight]]:
         """``weights`` with each stacked experts tensor (`_STACKED_NAME`) as its experts' matrices under the
-        checkpoint's per-expert names; an expert another rank holds is not read."""
+        checkpoint's per-expert names; an expert another rank holds is not read. The layout read is transformers
+        5's (``[E, 2I, H]``, gate rows first): another one is refused by the per-expert shape check, except a
+        transposed ``[E, H, 2I]`` when H == 2I (or a down ``[E, I, H]`` when H == I), which no shape tells apart."""
         names = {part: ckpt for ckpt, part in self.expert_parts.items()}
         for name, weight in weights:
             name = _LAYER_MLP.sub(rf"\1.{self.moe_module}.", name)  # transformers 5's name of every MoE block
@@ -262,8 +264,9 @@ class MoECausalLM:
                 continue
             shape = weight_shape(weight)
             if len(shape) != 3 or shape[1] % len(parts):
-                raise ValueError(f"has shape {list(shape)}, stacked experts are [E, 2I, H] (gate_up_proj), [E, I, H] "
-                                 "(up_proj) or [E, H, I] (down_proj)")
+                raise ConfigError("model", name, f"stacked experts as transformers 5 holds them: [E, 2I, H] "
+                                                 f"(gate_up_proj), [E, I, H] (up_proj) or [E, H, I] (down_proj); got "
+                                                 f"shape {list(shape)}")
             for expert in range(shape[0]):
                 expert_names = [f"{match.group(1)}.experts.{expert}.{names[part]}.weight" for part in parts]
                 if self._on_this_rank(expert_names[0]):

@@ -199,3 +199,13 @@ def test_stacked_experts_as_transformers_5_holds_them_update_as_a_fresh_load(arc
         assert update(runner) == protocol.WeightsUpdated("t")  # every weight written
         got = _params(runner.model)
         assert got.keys() == fresh.keys() and all(torch.equal(got[name], fresh[name]) for name in fresh)
+
+
+def test_a_stacked_experts_tensor_of_another_shape_in_a_file_is_a_config_error_naming_it() -> None:
+    """Read from files (not pushed), a stacked tensor that is no [E, 2I, H] fails the load typed, named."""
+    from asyncllm.errors import ConfigError
+
+    model = _runner(tiny_checkpoint("qwen3_moe")).model
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    with pytest.raises(ConfigError, match=r"experts\.gate_up_proj.*got shape \[8, 65, 64\]"):
+        model.load_weights([(name, torch.ones(8, 65, 64))])
