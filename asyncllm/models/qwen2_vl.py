@@ -52,11 +52,12 @@ __all__ = ["Qwen2VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
 
 
 def normalize_qwen2_vl_name(name: str) -> str:
-    """Either checkpoint layout -> ours: ``visual.*``, ``language_model.model.*``, ``language_model.lm_head.*``."""
+    """Either checkpoint layout -> ours: ``visual.*``, ``language_model.model.*``, ``language_model.lm_head.*``
+    (and Qwen3.5's top-level ``mtp.*``, the decoder's, which leaves it unread: ``language_model.mtp.*``)."""
     name = name.removeprefix("model.") if name.startswith(("model.visual.", "model.language_model.")) else name
     if name.startswith("language_model."):
         return "language_model.model." + name.removeprefix("language_model.")
-    if name.startswith(("model.", "lm_head.")):
+    if name.startswith(("model.", "lm_head.", "mtp.")):
         return "language_model." + name
     return name
 
@@ -240,6 +241,13 @@ class Qwen2VLForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
         """Route the decoder's weights to its loader; the vision tower's parameters keep their shard."""
         return load_vision_language_weights(self, weights, normalize_qwen2_vl_name, "Qwen2-VL")
+
+    def unread_weight(self, name: str) -> bool:
+        """Whether the decoder's loader leaves a checkpoint tensor unread (Qwen3.5's ``mtp.*``; a pushed one is
+        refused): the decoder's own `unread_weight`, over its name."""
+        ours = normalize_qwen2_vl_name(name)
+        text, unread = ours.removeprefix("language_model."), getattr(self.language_model, "unread_weight", None)
+        return text != ours and unread is not None and unread(text)
 
 
 class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

@@ -181,6 +181,23 @@ def test_an_mtp_layer_loads_from_files_unread_and_a_pushed_one_is_refused(tmp_pa
     assert all(torch.equal(param, fresh[name]) for name, param in runner.model.named_parameters())
 
 
+@pytest.mark.parametrize("version", ["3.5", "3.5-moe"])
+def test_an_image_text_qwen3_5_loads_its_mtp_layer_unread_and_a_pushed_one_is_refused(version: str,
+                                                                                      tmp_path: Path) -> None:
+    """Qwen3.5's releases are image-text checkpoints with a top-level ``mtp.*`` layer (an MTP draft's): served
+    with images, the decoder leaves it unread as the text model does."""
+    from eagle_utils import add_qwen_mtp_layer
+    from qwen_vl_utils import make_tiny_qwen_vl
+
+    plain = make_tiny_qwen_vl(tmp_path / "plain", version)
+    runner = _runner(add_qwen_mtp_layer(plain, str(tmp_path / "mtp")))
+    fresh = _params(_runner(plain).model)
+    assert all(torch.equal(param, fresh[name]) for name, param in runner.model.named_parameters())
+    reply = _push(runner, {"model.language_model.norm.weight": torch.zeros(64), "mtp.fc.weight": torch.ones(64, 128)})
+    assert isinstance(weights_error(reply), InvalidRequestError) and "unread 'mtp.fc.weight'" in reply.error, reply
+    assert all(torch.equal(param, fresh[name]) for name, param in runner.model.named_parameters())
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "phimoe", "ernie4_5_moe", "nemotron_h"])
 def test_stacked_experts_as_transformers_5_holds_them_update_as_a_fresh_load(arch: str, tmp_path: Path) -> None:
     """A transformers 5 model's ``state_dict()`` pushed, and a checkpoint of it on disk (save_pretrained writes
