@@ -2,7 +2,8 @@
 tiny Qwen3-MoE and Mixtral (hidden 192, intermediate 160: partial last 128-column K steps in each product)
 through the real loader against the independent fake-quant reference (tests/fp8_reference.py); each
 tensor-parallel rank's (and an expert-parallel rank's) experts against the reference on their part, the float
-experts freed; live weight updates requantize each expert matrix in place; gpt-oss's experts stay float."""
+experts freed; live weight updates requantize each expert matrix in place; gpt-oss's experts, and experts on a GPU
+without fp8 compute, stay float."""
 
 from __future__ import annotations
 
@@ -190,25 +191,20 @@ def test_an_expert_adapter_adds_its_product_of_the_unquantized_activation() -> N
     torch.testing.assert_close(moe(x, topk, ids), want, atol=1e-5, rtol=1e-5)
 
 
-def test_gpt_oss_experts_stay_in_the_model_dtype(caplog) -> None:
-    """gpt-oss's experts (biases, clamped SwiGLU: a forward of their own) are left float, and the log says so."""
-    with caplog.at_level("INFO", logger="asyncllm.models"):
-        model = _load(tiny_checkpoint("gpt_oss"))
-    experts = model.model.layers[0].mlp.experts
-    assert experts.w13_weight.dtype == torch.float32 and experts.fp8_block is None
-    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
-    assert "GptOssExperts experts kept in the model dtype" in caplog.text
-
-
-def test_experts_stay_float_on_a_gpu_without_fp8(caplog, monkeypatch) -> None:
-    """Before Ada the experts' fp8 op would be the reference's per-expert loop (a host sync, no CUDA graph): they are
-    left in the model dtype there, and the log says why (the dense layers still quantize)."""
+@pytest.mark.parametrize("arch, no_fp8, logged", [
+    ("gpt_oss", False, "GptOssExperts experts kept in the model dtype"),  # biases, clamped SwiGLU: their own forward
+    ("qwen3_moe", True, "this GPU has no fp8 compute"),  # before Ada: the reference's loop (a host sync, no graphs)
+])
+def test_experts_left_in_the_model_dtype(caplog, monkeypatch, arch: str, no_fp8: bool, logged: str) -> None:
+    """gpt-oss's experts, and any experts on a GPU without fp8 compute, are left float and the log says why; the
+    dense layers still quantize."""
     from asyncllm.models import fp8_online_experts
 
-    monkeypatch.setattr(fp8_online_experts, "_computes_fp8", lambda device: False)  # as a CUDA device before 8.9
+    if no_fp8:
+        monkeypatch.setattr(fp8_online_experts, "_computes_fp8", lambda device: False)  # a CUDA device before 8.9
     with caplog.at_level("INFO", logger="asyncllm.models"):
-        model = _load(tiny_checkpoint("qwen3_moe"))
+        model = _load(tiny_checkpoint(arch))
     experts = model.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == torch.float32 and experts.fp8_block is None
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
-    assert "this GPU has no fp8 compute" in caplog.text
+    assert logged in caplog.text
