@@ -35,10 +35,10 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig, CompressedTensorsScheme
 from asyncllm.models.fp8_checkpoint import quantize_fp8_blocks
 from asyncllm.models.fp8_experts import (
-    _attach_tensor_scales,
-    _check_blocks,
-    _compute_in_fp8,
-    _fp8_weights,
+    attach_tensor_scales,
+    check_blocks,
+    compute_in_fp8,
+    fp8_weights,
     whole_row_group,
 )
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
@@ -126,9 +126,9 @@ def make_ct_fp8_expert_params(model: nn.Module, cfg: CompressedTensorsCheckpoint
     layers = _fp8_layers(model, cfg)
     for name, moe, scheme in layers:
         if scheme.block is not None:
-            _check_blocks(name, moe, scheme.block)
+            check_blocks(name, moe, scheme.block)
         hidden = moe.w13_weight.shape[2]
-        _fp8_weights(moe)
+        fp8_weights(moe)
         loader = functools.partial(_load_scale, moe, scheme)
         with torch.device(moe.w13_weight.device):
             for part in _parts(moe):
@@ -171,12 +171,12 @@ def finish_ct_fp8_experts(model: nn.Module, cfg: CompressedTensorsCheckpointConf
 def _attach_scales(moe: FusedMoE, scheme: CompressedTensorsScheme, w13: torch.Tensor, w2: torch.Tensor) -> None:
     """``w13 [E, rows, c]`` (the gate's then the up's) and ``w2``, in the staging's layout, as block scales."""
     if scheme.strategy == "tensor":
-        _attach_tensor_scales(moe, w13.reshape(w13.shape[0], -1), w2.reshape(-1))
+        attach_tensor_scales(moe, w13.reshape(w13.shape[0], -1), w2.reshape(-1))
         return
     block = scheme.block or (1, whole_row_group(moe))  # channel: each row's scale over all of its K
     for name, scales in (("w13", w13), ("w2", w2)):
         setattr(moe, f"{name}_weight_scale_inv", nn.Parameter(scales.contiguous(), requires_grad=False))
-    _compute_in_fp8(moe, block)
+    compute_in_fp8(moe, block)
 
 
 @torch.no_grad()
@@ -196,7 +196,7 @@ def quantize_drawn_ct_fp8_experts(model: nn.Module, cfg: CompressedTensorsCheckp
     its own (the gate's and the up's scales apart)."""
     for name, moe, scheme in _fp8_layers(model, cfg):
         if scheme.block is not None:
-            _check_blocks(name, moe, scheme.block)
+            check_blocks(name, moe, scheme.block)
         inter = moe.intermediate
         w13 = [moe.w13_weight.data[:, i * inter:(i + 1) * inter] for i in range(len(_parts(moe)) - 1)]
         quantized = [_quantize_drawn(w, scheme) for w in (*w13, moe.w2_weight.data)]

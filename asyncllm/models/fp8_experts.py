@@ -40,7 +40,8 @@ from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8, scaled_mm_supported
 
 __all__ = ["fp8_expert_layers", "make_fp8_expert_params", "finish_fp8_expert_params", "quantize_drawn_experts",
-           "whole_row_group"]
+           "whole_row_group", "check_blocks", "fp8_weights", "compute_in_fp8", "attach_tensor_scales",
+           "quantize_per_matrix"]  # the last five: the compressed-tensors and online fp8 experts' too
 
 
 def whole_row_group(moe: FusedMoE) -> int:
@@ -78,12 +79,12 @@ def make_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> int:
         if block is None:
             _make_tensor_scale_params(moe)
         else:
-            _check_blocks(name, moe, block)
+            check_blocks(name, moe, block)
             _make_params(moe, block)
     return len(layers)
 
 
-def _check_blocks(name: str, moe: FusedMoE, block: tuple[int, int]) -> None:
+def check_blocks(name: str, moe: FusedMoE, block: tuple[int, int]) -> None:
     split = not moe.expert_parallel and moe.tp.size > 1
     bn, bk = block
     if (moe.gated or split) and moe.intermediate % bn or split and moe.intermediate % bk:
@@ -93,7 +94,7 @@ def _check_blocks(name: str, moe: FusedMoE, block: tuple[int, int]) -> None:
                           "block boundaries")
 
 
-def _fp8_weights(moe: FusedMoE) -> None:
+def fp8_weights(moe: FusedMoE) -> None:
     w13, w2 = moe.w13_weight, moe.w2_weight
     with torch.device(w13.device):
         moe.w13_weight = new_param(*w13.shape, dtype=FP8_DTYPE, loader=moe.weight_loader)
@@ -102,7 +103,7 @@ def _fp8_weights(moe: FusedMoE) -> None:
 
 def _make_params(moe: FusedMoE, block: tuple[int, int]) -> None:
     (bn, bk), loader = block, functools.partial(_load_scales, moe, block)
-    _fp8_weights(moe)
+    fp8_weights(moe)
     w13, w2 = moe.w13_weight, moe.w2_weight
     with torch.device(w13.device):
         moe.w13_weight_scale_inv = new_param(w13.shape[0], -(-w13.shape[1] // bn), -(-w13.shape[2] // bk),
@@ -111,7 +112,7 @@ def _make_params(moe: FusedMoE, block: tuple[int, int]) -> None:
                                             dtype=torch.float32, loader=loader)
 
 
-def _compute_in_fp8(moe: FusedMoE, block: tuple[int, int]) -> None:
+def compute_in_fp8(moe: FusedMoE, block: tuple[int, int]) -> None:
     """The experts compute with their block scales: the backend's op, or on a GPU without fp8 (before Ada) the
     reference's dequantizing one (as the dense layers' fallback)."""
     moe.fp8_block = block
@@ -142,7 +143,7 @@ def _parts(moe: FusedMoE) -> tuple[str, ...]:
 
 def _make_tensor_scale_params(moe: FusedMoE) -> None:
     """fp8 weights and one float32 scalar per local expert and matrix (``gate_weight_scale`` ...)."""
-    _fp8_weights(moe)
+    fp8_weights(moe)
     with torch.device(moe.w13_weight.device):
         for part in _parts(moe):
             setattr(moe, f"{part}_weight_scale", new_param(moe.num_local_experts, dtype=torch.float32,
@@ -163,15 +164,15 @@ def finish_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None
     the module)."""
     for _, moe in fp8_expert_layers(model, cfg):
         if cfg.weight_block_size is not None:
-            _compute_in_fp8(moe, cfg.weight_block_size)
+            compute_in_fp8(moe, cfg.weight_block_size)
             continue
         scales = [getattr(moe, f"{part}_weight_scale").data for part in _parts(moe)]
         for part in _parts(moe):
             delattr(moe, f"{part}_weight_scale")
-        _attach_tensor_scales(moe, torch.stack(scales[:-1], dim=1), scales[-1])
+        attach_tensor_scales(moe, torch.stack(scales[:-1], dim=1), scales[-1])
 
 
-def _attach_tensor_scales(moe: FusedMoE, w13_scales: torch.Tensor, w2_scales: torch.Tensor) -> None:
+def attach_tensor_scales(moe: FusedMoE, w13_scales: torch.Tensor, w2_scales: torch.Tensor) -> None:
     """``w13_scales [E, parts]`` (gate, up) and ``w2_scales [E]`` as the block scales of ``I``-row blocks over all
     of K (`whole_row_group`): each of w13's block rows one matrix, each of w2's the down's."""
     block = (moe.intermediate, whole_row_group(moe))
@@ -179,11 +180,11 @@ def _attach_tensor_scales(moe: FusedMoE, w13_scales: torch.Tensor, w2_scales: to
         shape = (weight.shape[0], -(-weight.shape[1] // block[0]), -(-weight.shape[2] // block[1]))
         blocks = scales.reshape(weight.shape[0], -1, 1).expand(shape).contiguous()
         setattr(moe, f"{name}_weight_scale_inv", nn.Parameter(blocks, requires_grad=False))
-    _compute_in_fp8(moe, block)
+    compute_in_fp8(moe, block)
 
 
 @torch.no_grad()
-def _quantize_per_matrix(w: torch.Tensor, matrices: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_matrix(w: torch.Tensor, matrices: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [E, rows, cols]`` whose rows are ``matrices`` stacked ones -> (fp8, float32 ``[E, matrices]``): each
     matrix by its own ``max|matrix| / 448``."""
     parts = w.reshape(w.shape[0], matrices, -1)
@@ -198,14 +199,14 @@ def quantize_drawn_experts(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
     block = cfg.weight_block_size
     for name, moe in fp8_expert_layers(model, cfg):
         if block is None:
-            w13, w13_scales = _quantize_per_matrix(moe.w13_weight.data, len(_parts(moe)) - 1)
-            w2, w2_scales = _quantize_per_matrix(moe.w2_weight.data, 1)
+            w13, w13_scales = quantize_per_matrix(moe.w13_weight.data, len(_parts(moe)) - 1)
+            w2, w2_scales = quantize_per_matrix(moe.w2_weight.data, 1)
             moe.w13_weight, moe.w2_weight = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
-            _attach_tensor_scales(moe, w13_scales, w2_scales)
+            attach_tensor_scales(moe, w13_scales, w2_scales)
             continue
-        _check_blocks(name, moe, block)
+        check_blocks(name, moe, block)
         for attr in ("w13_weight", "w2_weight"):
             parts = [quantize_fp8_blocks(w, block) for w in getattr(moe, attr).data]
             setattr(moe, attr, nn.Parameter(torch.stack([q for q, _ in parts]), requires_grad=False))
             setattr(moe, f"{attr}_scale_inv", nn.Parameter(torch.stack([s for _, s in parts]), requires_grad=False))
-        _compute_in_fp8(moe, block)
+        compute_in_fp8(moe, block)

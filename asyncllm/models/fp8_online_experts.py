@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncllm.models.fp8_experts import _attach_tensor_scales, _quantize_per_matrix
+from asyncllm.models.fp8_experts import attach_tensor_scales, quantize_per_matrix
 from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import FP8_DTYPE, QuantizationSummary, quantize_fp8_per_tensor, scaled_mm_supported
 
@@ -91,7 +91,7 @@ def _quantize_layer(moe: FusedMoE) -> None:
     w13, w13_scales = _per_expert(moe.w13_weight.data, 2 if moe.gated else 1)
     w2, w2_scales = _per_expert(moe.w2_weight.data, 1)
     moe.w13_weight, moe.w2_weight = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
-    _attach_tensor_scales(moe, w13_scales, w2_scales)
+    attach_tensor_scales(moe, w13_scales, w2_scales)
     for name in _SCALES:
         scales = getattr(moe, name).data
         delattr(moe, name)
@@ -104,7 +104,7 @@ def _per_expert(weight: torch.Tensor, matrices: int) -> tuple[torch.Tensor, torc
     out = torch.empty(weight.shape, dtype=FP8_DTYPE, device=weight.device)
     scales = torch.empty(weight.shape[0], matrices, dtype=torch.float32, device=weight.device)
     for expert in range(weight.shape[0]):
-        out[expert:expert + 1], scales[expert:expert + 1] = _quantize_per_matrix(weight[expert:expert + 1], matrices)
+        out[expert:expert + 1], scales[expert:expert + 1] = quantize_per_matrix(weight[expert:expert + 1], matrices)
     return out, scales
 
 
