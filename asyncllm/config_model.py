@@ -20,7 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 TOKENIZER_MODES = ("auto", "hf", "slow")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
-QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf")
+QUANTIZATIONS = ("fp8", "awq", "gptq", "awq_marlin", "gptq_marlin", "compressed-tensors", "gguf", "mxfp4")
 """Built values of `quantization` besides None (asyncllm/models/quantization.py, docs/quantization.md); awq, gptq
 and their _marlin names serve checkpoints pre-quantized with that method (asyncllm/models/int4_checkpoint.py),
 compressed-tensors llm-compressor's checkpoints (asyncllm/models/compressed_tensors.py), gguf a .gguf file
@@ -130,7 +130,7 @@ class ModelConfig:
                 raise ConfigError("quantization", self.quantization, "None or 'fp8'")
             raise NotBuiltError("quantization", self.quantization, f"{self.quantization!r} weight quantization "
                                 "(only 'fp8', online or pre-quantized, pre-quantized 'awq' / 'gptq' / "
-                                "'compressed-tensors' checkpoints and 'gguf' files)")
+                                "'compressed-tensors' / 'mxfp4' checkpoints and 'gguf' files)")
         check_bool("enforce_eager", self.enforce_eager)
         check_bool("enable_sleep_mode", self.enable_sleep_mode)
         if self.attention_backend is not None:

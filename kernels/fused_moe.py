@@ -29,7 +29,11 @@ and each fp8 tile product (float32 accumulation; upcast to float32 under the int
 columns) is scaled by its rows' group scales and its columns' block scales (group ``k0 // GROUP_K``) before it is
 added. ``BLOCK_K`` is ``bk`` up to 128 columns (one step per scale group, the block checkpoints' 128), else 128
 (`FP8_K_STEP`): a wider group (a multiple of 128, or all of K: per-row and per-tensor experts' one scale per row or
-block row) spans several steps. Off, the kernels compile as before.
+block row) spans several steps. Packed experts dequantize each weight tile in float32, round it to the dtype and
+multiply (`fused_moe_tiles`; two pipeline stages): AWQ / GPTQ integers (``INT_BITS``, `reference.IntExperts`) and
+gpt-oss's MXFP4 (``MXFP4``, `reference.Mxfp4Experts`: each e2m1 nibble times its group's ``2 ** (scale - 127)``
+built from float32 bits, exact, so the float path's result on the dequantized weights). Off, the kernels compile as
+before.
 
 Blocks past the padded total return at once (they read the total from the device). Products
 accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
@@ -43,10 +47,13 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels._math import tanh
 from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
 from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8
-from asyncllm.kernels.reference import MOE_ACTIVATIONS as ACTIVATIONS, ClampedSwiglu, Fp8Experts, IntExperts
+from asyncllm.kernels.fused_moe_tiles import (_block_rows, _clamped_swiglu, _gelu_tanh_mul, _packed_tile, _plus_bias,
+                                               _product, _relu_squared, _silu_mul)
+from asyncllm.kernels.reference import (MOE_ACTIVATIONS as ACTIVATIONS, ClampedSwiglu, Fp8Experts, IntExperts,
+                                        Mxfp4Experts)
+from asyncllm.models.mxfp4 import MXFP4_GROUP
 
 __all__ = ["Alignment", "FP8_K_STEP", "MoeConfig", "align_tokens", "fp8_k_step", "fused_moe", "moe_config"]
 
@@ -124,98 +131,6 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
 
 
 @triton.jit
-def _silu_mul(gate, up, dtype):
-    """``silu(gate) * up`` for float32 products, rounded as `silu_and_mul` on their dtype roundings."""
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (silu * up).to(dtype)
-
-
-@triton.jit
-def _gelu_tanh_mul(gate, up, dtype):
-    """``gelu_tanh(gate) * up`` for float32 products, rounded as `gelu_tanh_and_mul` on their dtype roundings."""
-    gate = gate.to(dtype).to(tl.float32)
-    up = up.to(dtype).to(tl.float32)
-    act = 0.5 * gate * (1.0 + tanh(0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)))
-    return (act.to(dtype).to(tl.float32) * up).to(dtype)
-
-
-@triton.jit
-def _clamped_swiglu(gate, up, alpha, limit, dtype):
-    """`reference.clamped_swiglu` of float32 values already in ``dtype``, each op rounded to ``dtype`` as torch's."""
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    scaled = (gate * alpha).to(dtype).to(tl.float32)
-    sig = (1.0 / (1.0 + tl.exp(-scaled))).to(dtype).to(tl.float32)
-    glu = (gate * sig).to(dtype).to(tl.float32)
-    return ((up + 1.0).to(dtype).to(tl.float32) * glu).to(dtype)
-
-
-@triton.jit
-def _relu_squared(up, dtype):
-    """``relu(up) ** 2`` of float32 values already in ``dtype``, rounded to ``dtype``."""
-    up = tl.maximum(up, 0.0)
-    return (up * up).to(dtype)
-
-
-@triton.jit
-def _plus_bias(product, bias_ptr, mask, HAS_BIAS: tl.constexpr, dtype):
-    """A float32 product rounded to ``dtype``, plus (when ``HAS_BIAS``) its row-broadcast bias, rounded again."""
-    out = product.to(dtype).to(tl.float32)
-    if HAS_BIAS:
-        out = (out + tl.load(bias_ptr, mask=mask, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-    return out
-
-
-@triton.jit
-def _product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
-             DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b``; with ``FP8`` the fp8 tile product scaled by the rows' group scales and the columns' block
-    scales (``*_s_ptrs``: this K group's)."""
-    if FP8:
-        if UPCAST:
-            part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            part = tl.dot(a, b)
-        a_s = tl.load(a_s_ptrs, mask=row_mask, other=0.0)
-        b_s = tl.load(b_s_ptrs, mask=n_mask, other=0.0)
-        return acc + part * a_s[:, None] * b_s[None, :]
-    else:
-        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
-
-
-@triton.jit
-def _int_tile(q_rows, s_rows, z_rows, k0, offs_k, mask, n_mask, BITS: tl.constexpr, GROUP_K: tl.constexpr,
-              BLOCK_K: tl.constexpr, dtype):
-    """``[BLOCK_K, BLOCK_N]`` weights of packed integer experts (`reference.IntExperts`): output rows ``n`` (``*_rows``
-    point at each row: ``[1, BLOCK_N]``) at inputs ``k0 + offs_k``, dequantized in float32, rounded to ``dtype``.
-    When a K step lies inside one group (``BLOCK_K`` divides ``GROUP_K``), one row of scales and zero points is
-    loaded per step instead of one per input."""
-    PACK: tl.constexpr = 32 // BITS
-    k = k0 + offs_k
-    packed = tl.load(q_rows + (k // PACK)[:, None], mask=mask, other=0)
-    q = ((packed >> ((k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
-    if GROUP_K % BLOCK_K == 0:
-        group = k0 // GROUP_K
-        scale = tl.load(s_rows + group, mask=n_mask[None, :], other=0.0).to(tl.float32)
-        zero = tl.load(z_rows + group, mask=n_mask[None, :], other=0.0).to(tl.float32)
-    else:
-        groups = (k // GROUP_K)[:, None]
-        scale = tl.load(s_rows + groups, mask=mask, other=0.0).to(tl.float32)
-        zero = tl.load(z_rows + groups, mask=mask, other=0.0).to(tl.float32)
-    return ((q - zero) * scale).to(dtype)
-
-
-@triton.jit
-def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
-    """Row block ``pid_m``: its expert, its rows' pair indices (int64), and which rows are pairs (not padding)."""
-    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
-    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    return expert, pairs, pairs < num_pairs
-
-
-@triton.jit
 def _gate_up_kernel(
     hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr, a_s_ptr, w_s_ptr,
     w_z_ptr,
@@ -224,7 +139,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, GATED: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr, GELU_TANH: tl.constexpr,
-    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr,
+    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -245,7 +160,7 @@ def _gate_up_kernel(
     up_s_ptrs = w_s_ptr + expert * w_s_stride_e + (up_rows // GROUP_N).to(tl.int64) * w_s_stride_n
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    rows = offs_n.to(tl.int64)[None, :]  # INT_BITS: each output row's packed values, scales and zero points
+    rows = offs_n.to(tl.int64)[None, :]  # INT_BITS / MXFP4: each output row's packed values, scales (and zeros)
     gate_q = w13_ptr + expert * w13_stride_e + rows * w13_stride_n
     gate_sz = expert * w_s_stride_e + rows * w_s_stride_n
     up_q = gate_q + I * w13_stride_n if GATED else gate_q
@@ -255,13 +170,13 @@ def _gate_up_kernel(
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w_mask = k_mask[:, None] & n_mask[None, :]
         group = k0 // GROUP_K
-        if INT_BITS:
+        if INT_BITS or MXFP4:
             if GATED:
-                gate = _int_tile(gate_q, w_s_ptr + gate_sz, w_z_ptr + gate_sz, k0, offs_k, w_mask, n_mask, INT_BITS,
-                                 GROUP_K, BLOCK_K, dtype)
+                gate = _packed_tile(gate_q, w_s_ptr + gate_sz, w_z_ptr + gate_sz, k0, offs_k, w_mask, n_mask,
+                                    INT_BITS, MXFP4, GROUP_K, BLOCK_K, dtype)
                 acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
-            up = _int_tile(up_q, w_s_ptr + up_sz, w_z_ptr + up_sz, k0, offs_k, w_mask, n_mask, INT_BITS, GROUP_K,
-                           BLOCK_K, dtype)
+            up = _packed_tile(up_q, w_s_ptr + up_sz, w_z_ptr + up_sz, k0, offs_k, w_mask, n_mask, INT_BITS, MXFP4,
+                              GROUP_K, BLOCK_K, dtype)
             acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         else:
             if GATED:
@@ -298,7 +213,7 @@ def _down_kernel(
     num_pairs, H, I,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr,
-    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr,
+    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -315,15 +230,15 @@ def _down_kernel(
     a_s_ptrs = a_s_ptr + pairs * a_s_stride
     w_s_ptrs = w_s_ptr + expert * w_s_stride_e + (offs_n // GROUP_N).to(tl.int64) * w_s_stride_n
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    rows = offs_n.to(tl.int64)[None, :]  # INT_BITS: each output row's packed values, scales and zero points
+    rows = offs_n.to(tl.int64)[None, :]  # INT_BITS / MXFP4: each output row's packed values, scales (and zeros)
     w_q = w2_ptr + expert * w2_stride_e + rows * w2_stride_n
     w_sz = expert * w_s_stride_e + rows * w_s_stride_n
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        if INT_BITS:
-            w = _int_tile(w_q, w_s_ptr + w_sz, w_z_ptr + w_sz, k0, offs_k, k_mask[:, None] & n_mask[None, :],
-                          n_mask, INT_BITS, GROUP_K, BLOCK_K, dtype)
+        if INT_BITS or MXFP4:
+            w = _packed_tile(w_q, w_s_ptr + w_sz, w_z_ptr + w_sz, k0, offs_k, k_mask[:, None] & n_mask[None, :],
+                             n_mask, INT_BITS, MXFP4, GROUP_K, BLOCK_K, dtype)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         else:
             w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -342,6 +257,7 @@ def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
     activation: str = "silu", fp8: Fp8Experts | None = None, int_experts: IntExperts | None = None,
+    mxfp4: Mxfp4Experts | None = None,
 ) -> torch.Tensor:
     """hidden ``[T, H]``, w13 ``[E, 2I, H]`` (gate rows, then up rows), w2 ``[E, H, I]``, topk_weights
     ``[T, k]`` float32, topk_ids ``[T, k]`` int32/int64 -> ``[T, H]`` in hidden's dtype.
@@ -353,8 +269,11 @@ def fused_moe(
     ``fp8``: w13 and w2 in float8_e4m3fn with block scales (`reference.Fp8Experts`; ``bk`` 16, 32, 64 or 128, a
     multiple of 128, or at least H and I: one scale per row of K).
     ``int_experts``: w13 ``[E, 2I, H / p]`` and w2 ``[E, H, I / p]`` packed int32 with their scales and zero points
-    (`reference.IntExperts`: AWQ / GPTQ experts), dequantized tile by tile."""
-    num_experts, inter = _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, fp8, int_experts)
+    (`reference.IntExperts`: AWQ / GPTQ experts), dequantized tile by tile.
+    ``mxfp4``: w13 ``[E, 2I, H / 2]`` and w2 ``[E, H, I / 2]`` uint8, two e2m1 values a byte, with e8m0 scales per
+    group of 32 inputs (`reference.Mxfp4Experts`: gpt-oss's checkpoints; H and I multiples of 32), dequantized tile
+    by tile, exactly: the float path's result on the dequantized weights. One of ``fp8``, ``int_experts``, ``mxfp4``."""
+    num_experts, inter = _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, fp8, int_experts, mxfp4)
     _check_bias("w13_bias", w13_bias, hidden, (num_experts, w13.shape[1]))
     _check_bias("w2_bias", w2_bias, hidden, (num_experts, hidden.shape[1]))
     (num_tokens, h), top_k = hidden.shape, topk_ids.shape[1]
@@ -365,7 +284,7 @@ def fused_moe(
     cfg = moe_config(num_pairs, num_experts, hidden.dtype, hidden.is_cuda)
     if fp8 is not None:  # K steps inside the scale groups
         cfg = cfg._replace(block_k=fp8_k_step(fp8.block[1]))
-    if int_experts is not None:  # the dequantized tiles take registers and shared memory: two stages
+    if int_experts is not None or mxfp4 is not None:  # the dequantized tiles take registers and shared memory
         cfg = cfg._replace(num_stages=min(cfg.num_stages, 2))
     aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
     num_blocks = aligned.block_experts.shape[0]
@@ -375,51 +294,61 @@ def fused_moe(
                   UPCAST=not hidden.is_cuda or (fp8 is not None and cfg.block_k < 32),  # fp8 dots want K >= 32
                   num_stages=cfg.num_stages)
     ints = int_experts
-    consts.update(INT_BITS=ints.bits if ints else 0, GROUP_K=ints.group if ints else fp8.block[1] if fp8 else 1)
+    consts.update(INT_BITS=ints.bits if ints else 0, GROUP_K=ints.group if ints else fp8.block[1] if fp8 else 1,
+                  MXFP4=mxfp4 is not None)
+    scaled = fp8 or ints or mxfp4  # NamedTuples: true when given
     a, a_s = per_token_group_quant_fp8(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
-    w_s = fp8.w13_scale if fp8 else ints.w13_scales if ints else hidden  # read only by FP8 / INT_BITS
-    w_z = ints.w13_zeros if ints else hidden
+    w_s, w_z = _weight_scales(0, hidden, fp8, ints, mxfp4)
     act = (torch.zeros if fp8 else torch.empty)((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
         a, w13, act, aligned.sorted_pairs, aligned.block_experts, aligned.total_rows,
         hidden if w13_bias is None else w13_bias, a_s, w_s, w_z,
         a.stride(0), w13.stride(0), w13.stride(1), act.stride(0), 0 if w13_bias is None else w13_bias.stride(0),
-        a_s.stride(0), w_s.stride(0), w_s.stride(1) if fp8 or ints else 0,
+        a_s.stride(0), w_s.stride(0), w_s.stride(1) if scaled else 0,
         num_pairs, h, inter, swiglu.alpha if swiglu else 0.0, swiglu.limit if swiglu else 0.0,
         TOP_K=top_k, HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=activation != "relu2",
         GELU_TANH=activation == "gelu_tanh", **consts,
     )
     a, a_s = per_token_group_quant_fp8(act, fp8.block[1]) if fp8 else (act, act)
-    w_s = fp8.w2_scale if fp8 else ints.w2_scales if ints else hidden
-    w_z = ints.w2_zeros if ints else hidden
+    w_s, w_z = _weight_scales(1, hidden, fp8, ints, mxfp4)
     out2 = out.view(num_pairs, h)
     _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
         a, w2, out2, topk_weights.reshape(-1).contiguous(), aligned.sorted_pairs, aligned.block_experts,
         aligned.total_rows, hidden if w2_bias is None else w2_bias, a_s, w_s, w_z,
         a.stride(0), w2.stride(0), w2.stride(1), out2.stride(0), 0 if w2_bias is None else w2_bias.stride(0),
-        a_s.stride(0), w_s.stride(0), w_s.stride(1) if fp8 or ints else 0,
+        a_s.stride(0), w_s.stride(0), w_s.stride(1) if scaled else 0,
         num_pairs, h, inter, HAS_BIAS=w2_bias is not None, **consts,
     )
     return out.sum(dim=1)
 
 
+def _weight_scales(which: int, hidden: torch.Tensor, fp8: Fp8Experts | None, ints: IntExperts | None,
+                   mxfp4: Mxfp4Experts | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zero points) of w13 (``which`` 0) or w2 (1) as the kernels take them; ``hidden`` where none (unread)."""
+    if ints is not None:
+        return (ints.w13_scales, ints.w13_zeros) if which == 0 else (ints.w2_scales, ints.w2_zeros)
+    quant = fp8 if fp8 is not None else mxfp4
+    return (hidden if quant is None else quant[which]), hidden
+
+
 def _check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, activation: str, fp8: Fp8Experts | None,
-                ints: IntExperts | None = None) -> tuple[int, int]:
+                ints: IntExperts | None = None, mxfp4: Mxfp4Experts | None = None) -> tuple[int, int]:
     """(experts, intermediate size), or a `ValueError` naming the argument that does not fit."""
     check(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check(fp8 is None or ints is None, "fp8 or int_experts, not both")
+    check(sum(q is not None for q in (fp8, ints, mxfp4)) <= 1, "fp8, int_experts or mxfp4: one at most, not both")
     gated = activation != "relu2"
     check_float("hidden", hidden, 2)
     check_last_dim_contiguous("hidden", hidden)
     num_tokens, h = hidden.shape
-    w_dtype = torch.float8_e4m3fn if fp8 else torch.int32 if ints else hidden.dtype
-    pack = 32 // ints.bits if ints else 1
+    w_dtype = torch.float8_e4m3fn if fp8 else torch.int32 if ints else torch.uint8 if mxfp4 else hidden.dtype
+    pack = 32 // ints.bits if ints else 2 if mxfp4 else 1
     if ints is not None:
         check(ints.bits in (4, 8) and ints.group >= 1, f"int_experts: 4 or 8 bits and a group >= 1, got {ints.bits} "
                                                        f"bits and group {ints.group}")
         check(h % pack == 0, f"int_experts: hidden size {h} must be a multiple of the {pack} values per int32")
-        h //= pack  # w13's packed columns
+    check(mxfp4 is None or h % MXFP4_GROUP == 0, f"mxfp4: hidden's size H ({h}) must be a multiple of {MXFP4_GROUP}")
+    h //= pack  # w13's packed columns
     check(w13.dim() == 3 and w13.dtype == w_dtype and w13.shape[2] == h
           and (w13.shape[1] % 2 == 0 or not gated) and w13.shape[0] >= 1,
           f"w13 must be [E, {'2I' if gated else 'I'}, {h}] of {w_dtype}, got {tuple(w13.shape)} of {w13.dtype}")
@@ -429,13 +358,9 @@ def _check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     check(w2.dim() == 3 and w2.dtype == w_dtype and tuple(w2.shape) == (num_experts, h, inter // pack),
           f"w2 must be [{num_experts}, {h}, {inter // pack}] of {w_dtype}, got {tuple(w2.shape)} of {w2.dtype}")
     if ints is not None:
-        for name, t, rows, cols in (("w13", ints.w13_scales, w13.shape[1], h), ("w2", ints.w2_scales, h, inter)):
-            for kind, tensor in (("scales", t), ("zeros", ints.w13_zeros if name == "w13" else ints.w2_zeros)):
-                shape = (num_experts, rows, -(-cols // ints.group))
-                check(tuple(tensor.shape) == shape and tensor.stride(-1) == 1,
-                      f"int_experts.{name}_{kind} must be {list(shape)} (last dim contiguous), got {tuple(tensor.shape)}")
-            check(t.stride() == (ints.w13_zeros if name == "w13" else ints.w2_zeros).stride(),
-                  f"int_experts.{name} scales and zeros must share their strides")
+        _check_int(ints, num_experts, w13.shape[1], h, inter)
+    if mxfp4 is not None:
+        _check_mxfp4(mxfp4, w13, w2, inter)
     check_last_dim_contiguous("w2", w2)
     check(topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     check(topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens and topk_ids.shape[1] >= 1,
@@ -447,6 +372,27 @@ def _check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     if fp8 is not None:
         _check_fp8(fp8, w13, w2)
     return num_experts, inter
+
+
+def _check_int(ints: IntExperts, num_experts: int, rows13: int, h: int, inter: int) -> None:
+    for name, t, rows, cols in (("w13", ints.w13_scales, rows13, h), ("w2", ints.w2_scales, h, inter)):
+        for kind, tensor in (("scales", t), ("zeros", ints.w13_zeros if name == "w13" else ints.w2_zeros)):
+            shape = (num_experts, rows, -(-cols // ints.group))
+            check(tuple(tensor.shape) == shape and tensor.stride(-1) == 1,
+                  f"int_experts.{name}_{kind} must be {list(shape)} (last dim contiguous), got {tuple(tensor.shape)}")
+        check(t.stride() == (ints.w13_zeros if name == "w13" else ints.w2_zeros).stride(),
+              f"int_experts.{name} scales and zeros must share their strides")
+
+
+def _check_mxfp4(mxfp4: Mxfp4Experts, w13: torch.Tensor, w2: torch.Tensor, inter: int) -> None:
+    """I a multiple of 32 (H was checked) and each matrix's scales ``[E, rows, K / 32]`` uint8."""
+    check(inter % MXFP4_GROUP == 0, f"mxfp4: w13's intermediate size I ({inter}) must be a multiple of {MXFP4_GROUP}")
+    for name, scales, w in (("w13_scales", mxfp4.w13_scales, w13), ("w2_scales", mxfp4.w2_scales, w2)):
+        shape = (w.shape[0], w.shape[1], w.shape[2] * 2 // MXFP4_GROUP)
+        check(scales.dtype == torch.uint8 and tuple(scales.shape) == shape and scales.stride(-1) == 1,
+              f"mxfp4.{name} must be uint8 {list(shape)} (last dim contiguous), got {scales.dtype} "
+              f"{tuple(scales.shape)}")
+        check_same_device(**{f"mxfp4.{name}": scales, "w13": w13})
 
 
 def _check_fp8(fp8: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
+from asyncllm.models.mxfp4 import MXFP4_GROUP, dequantize_mxfp4
 
 __all__ = [
     "rms_norm",
@@ -28,6 +29,7 @@ __all__ = [
     "ClampedSwiglu",
     "Fp8Experts",
     "IntExperts",
+    "Mxfp4Experts",
     "dequantize_int_expert",
     "gated_delta_step",
     "ssd_decode_step",
@@ -145,6 +147,16 @@ class IntExperts(NamedTuple):
     group: int
 
 
+class Mxfp4Experts(NamedTuple):
+    """MXFP4 experts (gpt-oss): w13 uint8 [E, 2I, H/2] and w2 uint8 [E, H, I/2], each output row's e2m1 values packed
+    two per byte along its input (the low nibble first: byte j of a row holds inputs 2j and 2j+1), with uint8 e8m0
+    exponents (bias 127) per group of 32 inputs: w13_scales [E, 2I, H/32], w2_scales [E, H, I/32].
+    W[n, k] = FP4_VALUES[nibble] * 2**(scale[n, k // 32] - 127)."""
+
+    w13_scales: torch.Tensor
+    w2_scales: torch.Tensor
+
+
 def dequantize_int_expert(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int
                           ) -> torch.Tensor:
     """One packed expert matrix (`IntExperts`' layout, ``q [N, K / p]``) -> ``W [N, K]`` float32."""
@@ -171,6 +183,7 @@ def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
     activation: str = "silu", fp8: Fp8Experts | None = None, int_experts: IntExperts | None = None,
+    mxfp4: Mxfp4Experts | None = None,
     lora: Callable[[int, int, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A mixture-of-experts MLP: each token's sum over its k experts of ``weight * down_e(silu(gate_e x) * up_e x)``.
@@ -184,33 +197,44 @@ def fused_moe(
     ``activation="relu2"`` (Nemotron 3): experts without a gate, w13 ``[E, I, H]`` up rows only, and
     ``down_e(relu(up_e x) ** 2)``; ``"gelu_tanh"`` (Gemma 4): ``gelu_tanh(gate) * up`` in place of SiLU's.
     ``fp8``: block-fp8 experts (`Fp8Experts`), each product `w8a8_block_fp8_matmul` of its quantized input. ``int_experts``: AWQ / GPTQ experts packed (`IntExperts`; w13
-    and w2 their int32 values), each matrix dequantized before its product. ``lora(which, expert, token_idx, x)``:
-    LoRA adapters' addition to an expert's gate/up (``which`` 0, before the activation) or down (1) product of
-    ``x``, the rows of tokens ``token_idx`` (asyncllm/models/lora_experts.py)."""
-    fp8 = fp8 if int_experts is None else int_experts  # type: ignore[assignment]
+    and w2 their int32 values), each matrix dequantized before its product. ``mxfp4``: gpt-oss's MXFP4 experts
+    (`Mxfp4Experts`; w13 and w2 their uint8 bytes), each matrix dequantized to hidden's dtype (`dequantize_mxfp4`,
+    exact) before its product: the float path on the dequantized weights, to the bit. One of ``fp8``,
+    ``int_experts``, ``mxfp4``. ``lora(which, expert, token_idx, x)``: LoRA adapters' addition to an expert's
+    gate/up (``which`` 0, before the activation) or down (1) product of ``x``, the rows of tokens ``token_idx``
+    (asyncllm/models/lora_experts.py)."""
+    quants = [q for q in (fp8, int_experts, mxfp4) if q is not None]
+    if len(quants) > 1:
+        raise ValueError("fp8, int_experts or mxfp4: one at most, not both")
+    quant = quants[0] if quants else None
     out = torch.zeros_like(hidden)
     num_experts = w13.shape[0]
     local = (topk_ids >= 0) & (topk_ids < num_experts)
     for expert in torch.unique(topk_ids[local]).tolist():
         token_idx, slot = torch.where(topk_ids == expert)
         x = hidden[token_idx]
-        gate_up = _add_bias(_expert_product(x, w13, expert, fp8, 0), w13_bias, expert)
+        gate_up = _add_bias(_expert_product(x, w13, expert, quant, 0), w13_bias, expert)
         if lora is not None:
             gate_up = gate_up + lora(0, expert, token_idx, x)
         act = _expert_activation(gate_up, swiglu, activation)
-        down = _add_bias(_expert_product(act, w2, expert, fp8, 1), w2_bias, expert)
+        down = _add_bias(_expert_product(act, w2, expert, quant, 1), w2_bias, expert)
         if lora is not None:
             down = down + lora(1, expert, token_idx, act)
         out.index_add_(0, token_idx, (down * topk_weights[token_idx, slot, None]).to(hidden.dtype))
     return out
 
 
-def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int, fp8: Fp8Experts | IntExperts | None, which: int
-                    ) -> torch.Tensor:
+def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int,
+                    fp8: Fp8Experts | IntExperts | Mxfp4Experts | None, which: int) -> torch.Tensor:
     """``x @ w[expert].T`` in x's dtype: plain, or (`Fp8Experts`) on x quantized per token group, with the block
-    scales of ``w13`` (``which`` 0) or ``w2`` (1), or (`IntExperts`) the packed matrix dequantized first."""
+    scales of ``w13`` (``which`` 0) or ``w2`` (1), or (`IntExperts`, `Mxfp4Experts`) the packed matrix dequantized
+    first."""
     if fp8 is None:
         return F.linear(x, w[expert])
+    if isinstance(fp8, Mxfp4Experts):
+        rows, cols = w.shape[1], w.shape[2] * 2
+        blocks = w[expert].view(rows, cols // MXFP4_GROUP, MXFP4_GROUP // 2)
+        return F.linear(x, dequantize_mxfp4(blocks, fp8[which][expert], x.dtype))
     if isinstance(fp8, IntExperts):
         scales, zeros = (fp8.w13_scales, fp8.w13_zeros) if which == 0 else (fp8.w2_scales, fp8.w2_zeros)
         weight = dequantize_int_expert(w[expert], scales[expert], zeros[expert], fp8.bits, fp8.group)

@@ -212,7 +212,7 @@ def _loading_model(runner: Any) -> Any:
 
 def _requantized(runner: Any) -> Any:
     """`requantizing` the model when it was quantized online (``quantization="fp8"``); else nothing to do."""
-    if runner.config.quantization is None:
+    if runner.config.quantization != "fp8":
         return nullcontext()
     from asyncllm.models.fp8_reload import requantizing
 

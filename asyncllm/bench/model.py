@@ -25,7 +25,7 @@ __all__ = ["PRESETS", "BenchModel", "resolve_bench_model", "preset_config"]
 
 PRESETS = ("qwen3-0.6b", "llama3.1-8b", "qwen3-30b-a3b", "gpt-oss-20b", "tiny")
 """Shape presets (dummy weights, synthetic tokenizer; qwen3-30b-a3b and gpt-oss-20b are mixtures of experts,
-gpt-oss-20b without its MXFP4 quantization_config: bf16 experts, as its checkpoint's are after load), and
+gpt-oss-20b with its MXFP4 quantization_config: dummy packed experts on a GPU, bf16 ones on the CPU), and
 ``tiny``: asyncllm's tiny random Llama (CPU runs)."""
 
 

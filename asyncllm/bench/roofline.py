@@ -19,7 +19,10 @@ from typing import Any
 
 import torch
 
-__all__ = ["Roofline", "measure_copy_bandwidth", "model_bytes", "decode_roofline"]
+__all__ = ["Roofline", "measure_copy_bandwidth", "model_bytes", "decode_roofline", "MXFP4_BYTES_PER_WEIGHT"]
+
+MXFP4_BYTES_PER_WEIGHT = 17 / 32
+"""An MXFP4 weight's bytes: 4 bits, and a one-byte exponent per 32 weights."""
 
 
 @dataclass(frozen=True)
@@ -79,12 +82,14 @@ def model_bytes(
     (k at batch 1, all of them for large batches). With ``quantization="fp8"``
     the decoder's linear weights count one byte each (docs/quantization.md), with
     an fp8 ``kv_cache_dtype`` the KV cache one byte per element. gpt-oss adds its attention sinks
-    and its router's and experts' biases (the experts' as expected, like their weights).
+    and its router's and experts' biases (the experts' as expected, like their weights); its MXFP4 checkpoints' expert
+    weights count `MXFP4_BYTES_PER_WEIGHT` each, as a GPU reads them packed (docs/gpt-oss.md).
 
     The KV bytes per token are what the cache stores per token (every layer keeps a request's whole
     context), or, given ``mean_context``, what a decode step at that context reads per token of it: a
     sliding-window layer's share scaled by ``min(mean_context, window) / mean_context``.
     """
+    from asyncllm.models.checkpoint import checkpoint_quantization
     from asyncllm.models.layers import head_dim_of
     from asyncllm.models.llama import sliding_window_of
     from asyncllm.models.loader import load_hf_config
@@ -100,11 +105,14 @@ def model_bytes(
     linear = hidden * (q_size + 2 * kv_size) + q_size * hidden  # the attention's projections
     other = 2 * hidden + (q_size + 2 * kv_size) * flags.qkv_bias + hidden * flags.o_bias + 2 * head_dim * flags.qk_norm
     other += cfg.num_attention_heads * getattr(model_cls, "attention_sinks", False)  # one logit per query head
-    layers = [_mlp_params(model_cls, cfg, i, flags.mlp_bias, decode_batch) for i in range(cfg.num_hidden_layers)]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    # gpt-oss's MXFP4 experts as a GPU reads them (packed: docs/gpt-oss.md), counted in parameters of ``dtype``
+    packed = MXFP4_BYTES_PER_WEIGHT / itemsize if checkpoint_quantization(cfg) == "mxfp4" else 1.0
+    layers = [_mlp_params(model_cls, cfg, i, flags.mlp_bias, decode_batch, packed)
+              for i in range(cfg.num_hidden_layers)]
     linear = cfg.num_hidden_layers * linear + sum(mlp_linear for mlp_linear, _ in layers)
     # the LM head reads the whole vocabulary matrix; a separate embedding table only the batch's rows
     other = cfg.num_hidden_layers * other + sum(mlp_other for _, mlp_other in layers) + hidden + cfg.vocab_size * hidden
-    itemsize = torch.empty((), dtype=dtype).element_size()
     linear_itemsize = 1 if quantization == "fp8" else itemsize
     kv_dtype = kv_cache_torch_dtype(kv_cache_dtype, dtype)
     spec = kv_cache_spec(cfg, 1)
@@ -165,9 +173,11 @@ def _window_share(window: int | None, mean_context: float | None) -> float | int
     return window / mean_context
 
 
-def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode_batch: int) -> tuple[float, float]:
+def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode_batch: int, packed: float = 1.0
+                ) -> tuple[float, float]:
     """(parameters fp8 quantization turns into fp8, others) of layer ``layer_idx``'s MLP a decode step reads
-    (expected, for a mixture of experts: its experts are quantized too, but for gpt-oss's; its router is not)."""
+    (expected, for a mixture of experts: its experts are quantized too, but for gpt-oss's, whose expert weights count
+    ``packed`` parameters each: MXFP4's bytes; its router is not)."""
     hidden = cfg.hidden_size
     spec = model_cls.moe_spec(cfg, layer_idx) if getattr(model_cls, "is_moe", False) else None
     if spec is None:  # a dense MLP (Llama 4's dense layers: intermediate_size_mlp)
@@ -179,7 +189,7 @@ def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode
     router = spec.num_experts * hidden
     if getattr(model_cls, "moe_biases", False):  # gpt-oss: the router's bias, each expert's gate/up and down biases
         router += spec.num_experts
-        expert += 2 * spec.intermediate_size + hidden
+        expert = expert * packed + 2 * spec.intermediate_size + hidden
         return 3 * hidden * spec.shared_expert_size, router + experts * expert + shared_gate  # float under fp8
     return 3 * hidden * spec.shared_expert_size + experts * expert, router + shared_gate
 

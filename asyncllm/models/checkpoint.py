@@ -322,7 +322,7 @@ def prequantized_config(
         return int4_checkpoint_config(_quantization_section(hf_config) or {}, hf_config, model, quantization)
     if method == COMPRESSED_TENSORS:
         return compressed_tensors_config(_quantization_section(hf_config) or {}, hf_config, model, quantization)
-    if method is None and (quantization == COMPRESSED_TENSORS
+    if method is None and (quantization in (COMPRESSED_TENSORS, "mxfp4")
                            or any(quantization in names for names in QUANTIZATION_NAMES.values())):
         raise ConfigError("quantization", quantization, "None or 'fp8' for a float checkpoint: "
                           f"{quantization!r} serves checkpoints pre-quantized with it (config.json's "
@@ -331,14 +331,14 @@ def prequantized_config(
 
 
 def _check_mxfp4(hf_config: Any, model: str, quantization: str | None) -> None:
-    """`NotBuiltError` for an MXFP4 checkpoint asyncllm cannot dequantize: another architecture than gpt-oss's,
-    or ``quantization`` set (nothing runs in MXFP4; the experts are dequantized to the model dtype at load)."""
+    """`NotBuiltError` for an MXFP4 checkpoint asyncllm cannot serve: another architecture than gpt-oss's, or
+    ``quantization`` naming another method than the checkpoint's (None or "mxfp4", vLLM's name, serve it)."""
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch != "GptOssForCausalLM":
-        raise NotBuiltError("model", model, f"an MXFP4 {arch} checkpoint (only gpt-oss's experts are dequantized)")
-    if quantization is not None:
-        raise NotBuiltError("quantization", quantization, "quantizing a gpt-oss MXFP4 checkpoint (its experts are "
-                            "dequantized to the model dtype at load; leave quantization unset)")
+        raise NotBuiltError("model", model, f"an MXFP4 {arch} checkpoint (only gpt-oss's experts are served)")
+    if quantization not in (None, "mxfp4"):
+        raise NotBuiltError("quantization", quantization, "quantizing a gpt-oss MXFP4 checkpoint again (its experts "
+                            "are served in MXFP4 or dequantized at load; leave quantization unset or 'mxfp4')")
 
 
 def _static_input(scheme: Any, block: tuple[int, int] | None, model: str) -> bool:

@@ -9,13 +9,15 @@ The Llama decoder (asyncllm/models/llama.py) with these differences, each in tra
   those k; experts with biases whose activation is a clamped SwiGLU (`reference.ClampedSwiglu`);
 - the checkpoint stores all experts of a layer in one tensor per projection, transformers' ``[E, in, out]``
   layout with gate and up interleaved (``gate_up_proj[..., 0::2]`` gate, ``[..., 1::2]`` up), plain or in
-  MXFP4 (``_blocks`` / ``_scales``, dequantized at load: asyncllm/models/mxfp4.py). They load into
-  `FusedMoE`'s ``w13 [E, 2I, H]`` (gate rows, then up rows) and ``w2 [E, H, I]``, split over tensor-parallel
-  ranks as every MoE family's (by intermediate dim, or by whole experts with ``enable_expert_parallel``).
+  MXFP4 (``_blocks`` / ``_scales``: kept packed on the Triton backend, asyncllm/models/mxfp4_experts.py, else
+  dequantized at load, asyncllm/models/mxfp4.py). They load into `FusedMoE`'s ``w13 [E, 2I, H]`` (gate rows, then up
+  rows) and ``w2 [E, H, I]``, split over tensor-parallel ranks as every MoE family's (by intermediate dim, or by
+  whole experts with ``enable_expert_parallel``).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.kernels.reference import ClampedSwiglu
+from asyncllm.kernels.reference import ClampedSwiglu, Mxfp4Experts
 from asyncllm.models.checkpoint import checkpoint_quantization
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, set_weight_loader, weight_narrow, weight_shape
 from asyncllm.models.llama import (
@@ -31,6 +33,7 @@ from asyncllm.models.llama import (
 )
 from asyncllm.models.moe import FusedMoE, MoESpec, num_experts_of
 from asyncllm.models.mxfp4 import dequantize_mxfp4
+from asyncllm.models.mxfp4_experts import draw_packed, load_packed, make_packed_params, packed_off_reason
 
 __all__ = ["GptOssForCausalLM", "GptOssExperts"]
 
@@ -41,6 +44,10 @@ _EXPERT_TENSORS = {
     "down_proj_blocks": ("w2_weight", "down_blocks"), "down_proj_scales": ("w2_weight", "down_scales"),
 }
 """A layer's checkpoint tensors under ``mlp.experts.`` -> (this model's parameter, shard id)."""
+_PACKED_SCALES = {"gate_up_proj_scales": "w13_scales", "down_proj_scales": "w2_scales"}
+"""The MXFP4 scales' own parameters where the experts are kept packed (asyncllm/models/mxfp4_experts.py)."""
+
+logger = logging.getLogger(__name__)
 
 
 class GptOssAttention(LlamaAttention):
@@ -74,8 +81,9 @@ class GptOssExperts(FusedMoE):
         cfg = b.hf_config
         n, inter = self.num_local_experts, self.intermediate
         self.num_experts = spec.num_experts
-        set_weight_loader(self.w13_weight, self.stacked_loader)
-        set_weight_loader(self.w2_weight, self.stacked_loader)
+        if not self.packed:
+            set_weight_loader(self.w13_weight, self.stacked_loader)
+            set_weight_loader(self.w2_weight, self.stacked_loader)
         self.w13_bias = new_param(n, 2 * inter, dtype=b.dtype, loader=self.bias_loader)
         self.w2_bias = new_param(n, hidden_size, dtype=b.dtype, loader=self.bias_loader)
         self.adds_w2_bias = self.expert_parallel or self.tp.rank == 0
@@ -84,15 +92,41 @@ class GptOssExperts(FusedMoE):
         self._mxfp4_parts: dict[str, torch.Tensor] = {}
         """Blocks or scales read before their partner, by shard id (the checkpoint stores them as two tensors)."""
 
+    def make_weights(self, b: DecoderBuild) -> None:
+        """Float experts, or (an MXFP4 checkpoint on the Triton backend) its packed blocks and scales."""
+        mxfp4 = checkpoint_quantization(b.hf_config) == "mxfp4"
+        self.packed_off = packed_off_reason(b, self.hidden_size, self.intermediate) if mxfp4 else "no MXFP4 checkpoint"
+        """Why the experts are float (dequantized at load where the checkpoint is MXFP4), or None: kept packed."""
+        if self.packed:
+            make_packed_params(self)
+        else:
+            super().make_weights(b)
+
+    @property
+    def packed(self) -> bool:
+        """The experts are MXFP4 blocks and scales (asyncllm/models/mxfp4_experts.py), not float weights."""
+        return self.packed_off is None
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         fused_moe, lora = self.kernel()
+        packed = {"mxfp4": Mxfp4Experts(self.w13_scales, self.w2_scales)} if self.packed else {}
         out = fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids), w13_bias=self.w13_bias,
-                        w2_bias=self.w2_bias if self.adds_w2_bias else None, swiglu=self.swiglu, **lora)
+                        w2_bias=self.w2_bias if self.adds_w2_bias else None, swiglu=self.swiglu, **packed, **lora)
         return self.tp.all_reduce(out)
+
+    def draw_dummy(self, generator: torch.Generator) -> None:
+        """Dummy packed experts (`loader.init_dummy_weights` draws the float parameters)."""
+        if self.packed:
+            draw_packed(self, generator)
 
     def stacked_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str) -> None:
         """A layer's whole ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]``, or one of their MXFP4 halves."""
         self._check_experts(loaded)
+        if self.packed:
+            if shard_id in ("gate_up", "down"):
+                raise ValueError(f"is a float {shard_id} matrix; this model's experts are MXFP4 blocks and scales")
+            load_packed(self, loaded, shard_id)
+            return
         if shard_id in ("gate_up", "down"):
             for expert in self._local_experts():
                 rows_in = _expert(loaded, expert).t()  # transformers' [in, out] -> [out, in]
@@ -208,19 +242,27 @@ class GptOssForCausalLM(LlamaForCausalLM):
         super().__init__(hf_config, **kwargs)
         self.mxfp4 = checkpoint_quantization(hf_config) == "mxfp4"
         """The experts' weights are stored as MXFP4 blocks and scales (biases stay float)."""
+        experts = [module for module in self.modules() if isinstance(module, GptOssExperts)]
+        self.mxfp4_packed = self.mxfp4 and bool(experts) and experts[0].packed
+        """The experts are served packed (asyncllm/models/mxfp4_experts.py); else dequantized as they load."""
+        if self.mxfp4 and experts and not self.mxfp4_packed:
+            logger.info("MXFP4 experts dequantized to %s at load: %s", kwargs.get("dtype"), experts[0].packed_off)
+
+    def _expert_param(self, leaf: str) -> str:
+        """The parameter an expert checkpoint tensor ``leaf`` (a key of `_EXPERT_TENSORS`) loads into."""
+        return _PACKED_SCALES[leaf] if self.mxfp4_packed and leaf in _PACKED_SCALES else _EXPERT_TENSORS[leaf][0]
 
     def _packed(self, ckpt_name: str) -> tuple[str, object]:
         prefix, _, leaf = ckpt_name.rpartition(".mlp.experts.")
         if prefix and leaf in _EXPERT_TENSORS:
-            param, shard = _EXPERT_TENSORS[leaf]
-            return f"{prefix}.mlp.experts.{param}", shard
+            return f"{prefix}.mlp.experts.{self._expert_param(leaf)}", _EXPERT_TENSORS[leaf][1]
         return super()._packed(ckpt_name)
 
     def _unpacked(self, param_name: str) -> list[tuple[str, object]]:
         prefix, _, leaf = param_name.rpartition(".mlp.experts.")
         if not prefix:
             return super()._unpacked(param_name)
-        names = [ckpt for ckpt, (param, _) in _EXPERT_TENSORS.items() if param == leaf]
+        names = [ckpt for ckpt in _EXPERT_TENSORS if self._expert_param(ckpt) == leaf]
         mxfp4 = [name for name in names if name.endswith(("_blocks", "_scales"))]
         names = mxfp4 if self.mxfp4 and mxfp4 else [name for name in names if name not in mxfp4]
         return [(f"{prefix}.mlp.experts.{name}", _EXPERT_TENSORS[name][1]) for name in names]

@@ -118,7 +118,7 @@ def load_model(
     else:
         load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype,
                         load_format=config.load_format)
-    if config.quantization is not None and prequantized is None:  # online: asyncllm/models/quantization.py
+    if config.quantization == "fp8" and prequantized is None:  # online: asyncllm/models/quantization.py
         from asyncllm.models.quantization import quantize_model
 
         quantize_model(model, config.quantization)
@@ -278,12 +278,21 @@ def materialize_params(model: CausalLM, device: torch.device) -> int:
 @torch.no_grad()
 def init_dummy_weights(model: CausalLM, seed: int) -> None:
     """Random weights of the real shapes, the same for the same seed: norm weights 1,
-    everything else N(0, 0.02) so activations stay well within bfloat16's range."""
+    everything else N(0, 0.02) so activations stay well within bfloat16's range; a module holding packed (integer)
+    parameters draws them itself (``draw_dummy(generator)``: gpt-oss's MXFP4 experts)."""
     generators: dict[torch.device, torch.Generator] = {}
+
+    def generator(device: torch.device) -> torch.Generator:
+        if device not in generators:
+            generators[device] = torch.Generator(device=device).manual_seed(seed)
+        return generators[device]
+
     for name, param in model.named_parameters():  # type: ignore[attr-defined]
         if name.endswith("norm.weight"):
             param.fill_(1.0)
-            continue
-        if param.device not in generators:
-            generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-        param.normal_(0.0, _DUMMY_STD, generator=generators[param.device])
+        elif param.dtype.is_floating_point:
+            param.normal_(0.0, _DUMMY_STD, generator=generator(param.device))
+    for module in model.modules():  # type: ignore[attr-defined]
+        draw = getattr(module, "draw_dummy", None)
+        if draw is not None:
+            draw(generator(next(module.parameters()).device))

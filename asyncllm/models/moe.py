@@ -95,7 +95,6 @@ class FusedMoE(nn.Module):
         self.num_local_experts = tp.split(spec.num_experts) if self.expert_parallel else spec.num_experts
         self.expert_start = tp.rank * self.num_local_experts if self.expert_parallel else 0
         self.intermediate = spec.intermediate_size if self.expert_parallel else tp.split(spec.intermediate_size)
-        n, inter = self.num_local_experts, self.intermediate
         self.num_experts = spec.num_experts
         self.hidden_size = hidden_size
         self.params_dtype = b.dtype
@@ -107,9 +106,7 @@ class FusedMoE(nn.Module):
         self.gated = spec.activation != "relu2"
         """Whether ``w13`` holds gate rows before the up rows (without a gate: the up rows alone)."""
         self.activation = {} if spec.activation == "silu" else {"activation": spec.activation}
-        rows = 2 * inter if self.gated else inter
-        self.w13_weight = new_param(n, rows, hidden_size, dtype=b.dtype, loader=self.weight_loader)
-        self.w2_weight = new_param(n, hidden_size, inter, dtype=b.dtype, loader=self.weight_loader)
+        self.make_weights(b)
         self.fused_moe = b.attn_backend.ops.fused_moe
         self.int_experts: tuple[int, int] | None = None
         """(bits, group) of AWQ / GPTQ experts kept packed (asyncllm/models/int4_experts.py: on a GPU): ``w13`` /
@@ -118,6 +115,14 @@ class FusedMoE(nn.Module):
         """An fp8 checkpoint's block (per tensor: ``(intermediate, K)``, per row ``(1, K)``, ``K`` covering both
         products' inputs: `fp8_experts.whole_row_group`): the weights are float8_e4m3fn with
         ``*_weight_scale_inv`` block scales (asyncllm/models/fp8_experts.py)."""
+
+    def make_weights(self, b: DecoderBuild) -> None:
+        """``w13_weight [E, 2I, H]`` (without a gate ``[E, I, H]``) and ``w2_weight [E, H, I]`` in the model dtype, for
+        this rank's experts and intermediate rows (gpt-oss's MXFP4 experts store theirs packed)."""
+        n, inter = self.num_local_experts, self.intermediate
+        rows = 2 * inter if self.gated else inter
+        self.w13_weight = new_param(n, rows, self.hidden_size, dtype=b.dtype, loader=self.weight_loader)
+        self.w2_weight = new_param(n, self.hidden_size, inter, dtype=b.dtype, loader=self.weight_loader)
 
     def is_local(self, expert: int) -> bool:
         """Whether this rank holds ``expert`` (every expert unless expert parallel)."""

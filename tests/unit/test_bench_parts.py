@@ -133,15 +133,18 @@ def test_gpt_oss_20b_preset_bytes_match_its_parameters_and_windows(tmp_path) -> 
     """The preset's model, built on the meta device: the roofline reads each parameter (sinks, router and expert
     biases included; the embedding table but its rows) once at a large batch, 4 of 32 experts a layer at batch 1;
     its KV per token (bf16: K and V x 8 heads x 64 dims x 2 bytes = 2 KiB a layer) counts the 12 sliding-window
-    layers' 128 tokens only."""
+    layers' 128 tokens only. The preset is the published config, MXFP4: its experts' weights then count 17/32 of a
+    byte each (a GPU reads them packed)."""
     import json
 
     from asyncllm.bench.model import preset_config
     from asyncllm.models.loader import build_model
 
-    (tmp_path / "config.json").write_text(json.dumps(preset_config("gpt-oss-20b")))
+    published = preset_config("gpt-oss-20b")
+    assert published["quantization_config"]["quant_method"] == "mxfp4"  # packed on a GPU, dequantized on the CPU
+    bf16 = {key: value for key, value in published.items() if key != "quantization_config"}
+    (tmp_path / "config.json").write_text(json.dumps(bf16))
     hf_config = load_hf_config(str(tmp_path))
-    assert "quantization_config" not in preset_config("gpt-oss-20b")  # dummy bf16 experts, as MXFP4's after load
     model = build_model(EngineConfig.create(str(tmp_path)), hf_config, torch.device("cpu"), torch.bfloat16,
                         tensor_device=torch.device("meta"))
     params = sum(p.numel() for p in model.parameters())
@@ -161,3 +164,8 @@ def test_gpt_oss_20b_preset_bytes_match_its_parameters_and_windows(tmp_path) -> 
     line = decode_roofline(str(tmp_path), torch.bfloat16, bandwidth=3e12, decode_batch=1, mean_context=512)
     step = 7_216_614_528 + 12 * layer * 512 + 12 * layer * 128
     assert line.output_tokens_per_s == pytest.approx(3e12 / step)
+
+    (tmp_path / "config.json").write_text(json.dumps(published))  # the preset: its experts read packed
+    expert_weights = 24 * 32 * 3 * 2880 * 2880
+    assert model_bytes(str(tmp_path), torch.bfloat16, 10**6)[0] == pytest.approx(
+        2 * every - expert_weights * (2 - 17 / 32), abs=1)

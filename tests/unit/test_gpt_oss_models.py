@@ -9,15 +9,14 @@ mixed with decodes, past the window, and every position's float32 logits must ma
 from __future__ import annotations
 
 import copy
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from hf_reference import _hf_model
 from model_utils import assert_paged_logits_match_checkpoint
-from safetensors.torch import load_file, save_file
+from mxfp4_utils import mxfp4_checkpoints as _mxfp4_checkpoints
+from safetensors.torch import load_file
 from transformers.integrations.mxfp4 import FP4_VALUES as HF_FP4_VALUES
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -98,32 +97,6 @@ def test_sinks_load_per_rank() -> None:
 
 
 # ---------------------------------------------------------------- MXFP4 checkpoints
-def _mxfp4_checkpoints(root: Path) -> tuple[str, str]:
-    """(an MXFP4 checkpoint, its float twin): the tiny checkpoint with its experts' matrices replaced by random MXFP4
-    blocks and scales (exponents -8 to -4, so the weights stay the tiny model's size) and gpt-oss's
-    quantization_config; the twin holds transformers' dequantization of them (`convert_moe_packed_tensors`)."""
-    src = tiny_checkpoint("gpt_oss")
-    paths = root / "mxfp4", root / "float"
-    for path in paths:
-        shutil.copytree(src, path)
-    state = load_file(f"{src}/model.safetensors")
-    quantized, dequantized = dict(state), dict(state)
-    gen = torch.Generator().manual_seed(0)
-    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        experts, inputs, outputs = quantized.pop(name).shape  # transformers' [E, in, out]
-        blocks = torch.randint(0, 256, (experts, outputs, inputs // 32, 16), generator=gen, dtype=torch.uint8)
-        scales = torch.randint(119, 124, (experts, outputs, inputs // 32), generator=gen, dtype=torch.uint8)
-        quantized.update({f"{name}_blocks": blocks, f"{name}_scales": scales})
-        dequantized[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
-    for path, weights in zip(paths, (quantized, dequantized)):
-        save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((paths[0] / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (paths[0] / "config.json").write_text(json.dumps(config))
-    return str(paths[0]), str(paths[1])
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dequantize_equals_transformers(dtype: torch.dtype) -> None:
     """Every byte and exponent (0 to 255, both nibbles) dequantized bit for bit as transformers' function, which
