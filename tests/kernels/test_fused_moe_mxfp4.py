@@ -13,7 +13,7 @@ from asyncllm.kernels import reference
 from asyncllm.kernels.fused_moe import fused_moe
 from asyncllm.kernels.fused_moe_tiles import _mxfp4_tile
 from asyncllm.models.mxfp4 import dequantize_mxfp4
-from kernel_testing import DEVICE, DTYPES, INTERPRETED, assert_close, randn
+from kernel_testing import DEVICE, DTYPES, INTERPRETED, assert_close, randn, requires_gpu
 from test_fused_moe_kernel import MOE_TOL
 
 H, I, E, K = 64, 96, 4, 2  # two and three groups of 32 along the products' inputs
@@ -156,3 +156,33 @@ def test_arguments_are_checked() -> None:
     with pytest.raises(ValueError, match="one at most"):
         reference.fused_moe(hidden, w13, w2, topk_weights, topk_ids, mxfp4=mxfp4,
                             int_experts=reference.IntExperts(*mxfp4, *mxfp4, 4, 32))
+
+
+@pytest.mark.gpu
+@requires_gpu
+@pytest.mark.parametrize("tokens", [1, 256])
+def test_gpt_oss_20b_shapes_on_the_gpu(tokens: int) -> None:
+    """gpt-oss-20b's experts (H 2880 = I, 32 experts, top 4; 90 groups a row: the GPU's 64-wide K steps cut groups in
+    the last step) in bfloat16, under torch's sync check, against the reference."""
+    hidden_size = inter = 2880
+    experts, k, dtype = 32, 4, torch.bfloat16
+    gen = torch.Generator().manual_seed(21)
+
+    def packed(rows: int, cols: int, scales: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = torch.randint(0, 256, (experts, rows, cols // 2), generator=gen, dtype=torch.uint8)
+        return blocks.to(DEVICE), torch.randint(*scales, (experts, rows, cols // 32), generator=gen,
+                                                dtype=torch.uint8).to(DEVICE)
+
+    (w13, s13), (w2, s2) = packed(2 * inter, hidden_size, (118, 122)), packed(hidden_size, inter, (116, 120))
+    hidden = randn(tokens, hidden_size, dtype=dtype, seed=22)
+    biases = randn(experts, 2 * inter, dtype=dtype, seed=23, scale=0.1), randn(experts, hidden_size, dtype=dtype,
+                                                                                 seed=24, scale=0.1)
+    topk_weights, topk_ids = torch.softmax(randn(tokens, experts, dtype=torch.float32, seed=25), -1).topk(k, dim=-1)
+    args = (topk_weights, topk_ids, *biases, GPT_OSS_SWIGLU)
+    mxfp4 = reference.Mxfp4Experts(s13, s2)
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronisation raises
+    try:
+        out = fused_moe(hidden, w13, w2, *args, mxfp4=mxfp4)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_close(out, reference.fused_moe(hidden, w13, w2, *args, mxfp4=mxfp4), MOE_TOL[dtype])
