@@ -11,12 +11,15 @@ down by its input rows, or whole experts with expert parallelism), which the che
 `finish_int4_experts` either repacks them into `reference.IntExperts`' layout (on a GPU: the fused-MoE kernel's
 integer path reads them packed) or dequantizes every expert in float32, rounds it to the model dtype once and
 stacks it into the float ``w13`` / ``w2`` weights (the CPU), dropping the staging tensors. Either computes what the
-dequantized weights compute. GPTQ's act-order (``desc_act``) experts are refused. ``cfg`` is an
+dequantized weights compute. GPTQ's act-order (``desc_act``) experts take each input row's group from its
+``g_idx`` (a rank splitting a down matrix by its rows keeps every group's scales) and are dequantized at load on a
+GPU too. ``cfg`` is an
 `Int4CheckpointConfig`, or for compressed-tensors a `ct_format` of the experts' scheme (method ``"ct"``).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -32,6 +35,8 @@ from asyncllm.models.moe import FusedMoE
 
 __all__ = ["make_int4_expert_params", "finish_int4_experts", "draw_int4_experts", "ct_format",
            "expert_checkpoint_module"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,14 +90,27 @@ def _kinds(cfg: Any) -> tuple[str, ...]:
 
 
 def _shape(moe: FusedMoE, part: str, kind: str, cfg: Any, hidden: int) -> tuple[int, ...]:
-    """A staging tensor's shape: ``[experts, ...]`` of this rank's rows and columns in the checkpoint's layout."""
+    """A staging tensor's shape: ``[experts, ...]`` of this rank's rows and columns in the checkpoint's layout (an
+    act-order down matrix: every group's scales and zero points, its rows' groups being any)."""
     k, n = (moe.intermediate, hidden) if part == "down" else (hidden, moe.intermediate)
-    pack, groups = cfg.pack_factor, -(-k // _group(moe, part, cfg, hidden))
+    pack, groups = cfg.pack_factor, -(-(_whole_down(moe) if _all_groups(moe, part, cfg) else k)
+                                      // _group(moe, part, cfg, hidden))
     shapes = {"qweight": (k, n // pack) if cfg.method == "awq" else (k // pack, n),
               "qzeros": (groups, n // pack), "scales": (groups, n), "g_idx": (k,),
               "weight_packed": (n, k // pack), "weight_scale": (n, groups), "weight_zero_point": (n // pack, groups),
               "weight_shape": (2,)}
     return (moe.num_local_experts, *shapes[kind])
+
+
+def _whole_down(moe: FusedMoE) -> int:
+    """The down matrix's input rows over every rank (its intermediate size before a tensor-parallel split)."""
+    return moe.intermediate * (1 if moe.expert_parallel else moe.tp.size)
+
+
+def _all_groups(moe: FusedMoE, part: str, cfg: Any) -> bool:
+    """Whether this rank keeps every group's scales and zero points of ``part``: an act-order down matrix split by
+    its input rows (each row's group is its ``g_idx``'s, anywhere)."""
+    return cfg.desc_act and part == "down" and moe.tp.size > 1 and not moe.expert_parallel
 
 
 def _group(moe: FusedMoE, part: str, cfg: Int4CheckpointConfig, hidden: int) -> int:
@@ -102,11 +120,9 @@ def _group(moe: FusedMoE, part: str, cfg: Int4CheckpointConfig, hidden: int) -> 
 
 
 def _check(name: str, moe: FusedMoE, cfg: Int4CheckpointConfig) -> None:
-    if cfg.desc_act:
-        raise NotBuiltError("model", name, "GPTQ act-order (desc_act) experts")
     split = moe.tp.size > 1 and not moe.expert_parallel
     bad_pack = moe.intermediate % cfg.pack_factor
-    bad_group = split and (cfg.group_size <= 0 or moe.intermediate % cfg.group_size)
+    bad_group = split and not cfg.desc_act and (cfg.group_size <= 0 or moe.intermediate % cfg.group_size)
     if bad_pack or bad_group:
         raise ConfigError("tensor_parallel_size", moe.tp.size, f"a split of {name}'s experts on whole packs and "
                                                                f"groups ({moe.intermediate} intermediate rows per "
@@ -142,6 +158,8 @@ def _load(moe: FusedMoE, part: str, kind: str, cfg: Int4CheckpointConfig, param:
     length, pack, group = moe.intermediate, cfg.pack_factor, cfg.group_size
     if cfg.method == "ct":
         src = _ct_part(loaded, part, kind, start, length, pack, group)
+    elif part == "down" and kind in ("qzeros", "scales") and _all_groups(moe, part, cfg):
+        src = loaded  # act-order: every group's
     elif part == "down":  # split by input rows: qweight (GPTQ's by packs), zero points and scales by groups, g_idx
         rows = {"qweight": pack if cfg.method == "gptq" else 1, "g_idx": 1}.get(kind, group if group > 0 else length)
         src = weight_narrow(loaded, 0, start // rows, -(-length // rows))
@@ -164,6 +182,16 @@ def _ct_part(loaded: LoadedWeight, part: str, kind: str, start: int, length: int
         return weight_narrow(loaded, 0, start // unit, length // unit)
     unit = pack if kind == "weight_packed" else group if group > 0 else length  # columns: packs, or groups
     return weight_narrow(loaded, 1, start // unit, -(-length // unit))
+
+
+def _act_order_groups(moe: FusedMoE, part: str, expert: int, g_idx: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """An act-order matrix's ``g_idx`` as the rows of its staged scales (int64), or a `ConfigError` naming the
+    expert's matrix for a group outside them."""
+    groups = g_idx.long()
+    if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
+        raise ConfigError("model", f"expert {expert + moe.expert_start}'s {part}_proj",
+                          f"a g_idx naming one of its {num_groups} groups, not {int(groups.min())}..{int(groups.max())}")
+    return groups
 
 
 @torch.no_grad()
@@ -189,7 +217,9 @@ def _unpacked(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, 
         q = reference.unpack_int_rows(tensor["qweight"], cfg.bits)
         zeros = (unpack_columns(tensor["qzeros"], cfg.bits) + cfg.zero_offset) & ((1 << cfg.bits) - 1)
     groups = torch.arange(q.shape[0], device=q.device) // _group(moe, part, cfg, hidden)
-    if cfg.method == "gptq":
+    if cfg.desc_act:  # act-order: each input row's group is its g_idx's
+        groups = _act_order_groups(moe, part, expert, tensor["g_idx"], tensor["scales"].shape[0])
+    elif cfg.method == "gptq":
         offset = 0 if part != "down" or moe.expert_parallel else moe.tp.rank * moe.intermediate
         if not torch.equal(tensor["g_idx"].long() - (offset // _group(moe, part, cfg, hidden) if cfg.group_size > 0
                                                      else 0), groups):
@@ -202,7 +232,12 @@ def _unpacked(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, 
 def finish_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, keep_packed: bool = False) -> None:
     """Every quantized `FusedMoE`'s experts, the staging dropped: packed in `reference.IntExperts`' layout
     (``keep_packed``: on a GPU, for the fused-MoE kernel's integer path), else dequantized into its float ``w13`` /
-    ``w2`` weights."""
+    ``w2`` weights. Act-order experts are dequantized on a GPU too (the kernel reads a row's groups in input order),
+    logged."""
+    if keep_packed and cfg.desc_act and any(True for _ in _quantized_experts(model, cfg)):
+        logger.info("GPTQ act-order (desc_act) experts dequantized to the model dtype at load: the fused-MoE kernel's "
+                    "integer path reads groups in input order")
+        keep_packed = False
     for _, moe in _quantized_experts(model, cfg):
         (w13_shape, w2_shape, dtype), hidden = moe.int4_shape, moe.int4_shape[0][2]
         experts = range(moe.num_local_experts)

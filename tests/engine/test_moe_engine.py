@@ -141,15 +141,16 @@ async def test_lora_adapters_on_moe_experts_and_attention_equal_peft(expert_para
         assert outs[i].token_ids != hf_greedy(path, prompts[i], MAX_TOKENS, eos_token_id=None)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True])
-async def test_gptq_experts_over_two_ranks(tmp_path, expert_parallel: bool) -> None:
+@pytest.mark.parametrize("expert_parallel, desc_act", [(False, False), (True, False), (False, True)])
+async def test_gptq_experts_over_two_ranks(tmp_path, expert_parallel: bool, desc_act: bool) -> None:
     """A GPTQ Qwen3-MoE over two ranks: each expert's staged gate and up split by columns and down by rows (or whole
-    experts on their rank), dequantized at load: greedy tokens equal the dequantized reference's."""
+    experts on their rank), dequantized at load: greedy tokens equal the dequantized reference's. Act-order
+    (``desc_act``): each rank's down rows take their groups from its part of ``g_idx``, every group's scales kept."""
     from hf_reference import model_greedy
     from int4_reference import Int4Reference, write_int4_checkpoint
 
     src, path = tiny_checkpoint("qwen3_moe"), tmp_path / "gptq"
-    reference = Int4Reference(src, write_int4_checkpoint(src, path, "gptq", 16))
+    reference = Int4Reference(src, write_int4_checkpoint(src, path, "gptq", 16, 4, desc_act))
     prompts = _prompts(3, seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     async with AsyncEngine(str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel,

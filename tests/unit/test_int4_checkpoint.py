@@ -274,17 +274,19 @@ def test_a_gemma4_checkpoint_equals_the_reference(tmp_path, method: str) -> None
         assert float((logits - unquantized.logits(seq)).abs().max()) > 0.05  # it does serve the int4 weights
 
 
-@pytest.mark.parametrize("arch, method, group", [("qwen3_moe", "gptq", 16), ("qwen3_moe", "awq", 16),
-                                                  ("qwen2_moe", "gptq", 16), ("mixtral", "awq", 8),
-                                                  ("deepseek_v3", "gptq", 8)])
-def test_a_moe_checkpoint_with_int4_experts_equals_the_reference(tmp_path, arch: str, method: str, group: int) -> None:
+@pytest.mark.parametrize("arch, method, group, desc_act", [
+    ("qwen3_moe", "gptq", 16, False), ("qwen3_moe", "awq", 16, False), ("qwen2_moe", "gptq", 16, False),
+    ("mixtral", "awq", 8, False), ("deepseek_v3", "gptq", 8, False), ("mixtral", "gptq", 16, True)])
+def test_a_moe_checkpoint_with_int4_experts_equals_the_reference(tmp_path, arch: str, method: str, group: int,
+                                                                 desc_act: bool) -> None:
     """AWQ / GPTQ mixtures of experts (Qwen3-30B-A3B-AWQ's layout: every expert's gate, up and down quantized,
-    the router float; Qwen2-MoE's shared expert; Mixtral's w1 / w3 / w2; DeepSeek-V3's latent attention too): the
-    experts dequantized at load compute as the reference's dequantized weights."""
+    the router float; Qwen2-MoE's shared expert; Mixtral's w1 / w3 / w2; DeepSeek-V3's latent attention too; GPTQ
+    act-order, each expert's matrices with their own shuffled ``g_idx``): the experts dequantized at load compute as
+    the reference's dequantized weights."""
     from asyncllm.tiny import tiny_checkpoint
 
     src, path = tiny_checkpoint(arch), tmp_path / method
-    dequantized = write_int4_checkpoint(src, path, method, group)
+    dequantized = write_int4_checkpoint(src, path, method, group, 4, desc_act)
     assert any(".experts.0." in name for name in dequantized)
     hf_config = load_hf_config(str(path))
     model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
@@ -298,15 +300,11 @@ def test_a_moe_checkpoint_with_int4_experts_equals_the_reference(tmp_path, arch:
     assert experts.w13_weight.dtype == torch.float32 and not hasattr(experts, "gate_qweight")
 
 
-def test_int4_experts_refused_and_dummy(tmp_path) -> None:
-    """GPTQ act-order experts are refused by name; dummy weights stage and dequantize experts too."""
+def test_int4_experts_dummy(tmp_path) -> None:
+    """Dummy weights stage and dequantize experts too."""
     from asyncllm.tiny import tiny_checkpoint
 
-    src, path = tiny_checkpoint("qwen3_moe"), tmp_path / "gptq"
-    write_int4_checkpoint(src, path, "gptq", 16, 4, True)
-    with pytest.raises(NotBuiltError, match="act-order"):
-        load_model(EngineConfig.create(str(path)), load_hf_config(str(path)), CPU, torch.float32)
-    path = tmp_path / "awq"
+    src, path = tiny_checkpoint("qwen3_moe"), tmp_path / "awq"
     write_int4_checkpoint(src, path, "awq", 16)
     model = load_model(EngineConfig.create(str(path), load_format="dummy"), load_hf_config(str(path)), CPU,
                        torch.float32)
