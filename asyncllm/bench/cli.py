@@ -66,7 +66,23 @@ def run(args: argparse.Namespace, argv: list[str]) -> Any:
     for flag in ("compare_time_budget", "compare_num_requests"):
         if getattr(args, flag, None) is not None and not args.compare:
             raise ConfigError("--" + flag.replace("_", "-"), getattr(args, flag), "only with --compare hf")
+    if getattr(args, "compare", None):
+        _check_peer_reads_the_same_weights(args)
     return module.run(args, argv)
+
+
+def _check_peer_reads_the_same_weights(args: argparse.Namespace) -> None:
+    """`ConfigError` for ``--compare hf`` over an MXFP4 checkpoint: transformers' ``from_config`` builds bfloat16
+    experts where asyncllm serves packed MXFP4 ones (docs/benchmarks.md), so the ratio would not compare like with
+    like."""
+    from asyncllm.bench.model import resolve_bench_model
+    from asyncllm.models.checkpoint import checkpoint_quantization
+    from asyncllm.models.loader import load_hf_config
+
+    path = resolve_bench_model(args.model, args.preset).path
+    if checkpoint_quantization(load_hf_config(path)) == "mxfp4":
+        raise ConfigError("compare", args.compare, "a model whose weights transformers' peer reads as asyncllm does; "
+                                                   f"{path} is MXFP4 (the peer would build bfloat16 experts)")
 
 
 if __name__ == "__main__":

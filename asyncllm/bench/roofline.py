@@ -71,7 +71,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, iter
 
 def model_bytes(
     path: str, dtype: torch.dtype, decode_batch: int = 1, kv_cache_dtype: str = "auto", quantization: str | None = None,
-    mean_context: float | None = None,
+    mean_context: float | None = None, mxfp4_packed: bool = False,
 ) -> tuple[int, float]:
     """(weight bytes one decode step of ``decode_batch`` requests reads, KV-cache bytes per token).
 
@@ -82,8 +82,9 @@ def model_bytes(
     (k at batch 1, all of them for large batches). With ``quantization="fp8"``
     the decoder's linear weights count one byte each (docs/quantization.md), with
     an fp8 ``kv_cache_dtype`` the KV cache one byte per element. gpt-oss adds its attention sinks
-    and its router's and experts' biases (the experts' as expected, like their weights); its MXFP4 checkpoints' expert
-    weights count `MXFP4_BYTES_PER_WEIGHT` each, as a GPU reads them packed (docs/gpt-oss.md).
+    and its router's and experts' biases (the experts' as expected, like their weights); with ``mxfp4_packed`` (an
+    MXFP4 checkpoint's experts served packed: `mxfp4_experts.serves_packed`) its expert weights count
+    `MXFP4_BYTES_PER_WEIGHT` each, else the model dtype's (dequantized at load: docs/gpt-oss.md).
 
     The KV bytes per token are what the cache stores per token (every layer keeps a request's whole
     context), or, given ``mean_context``, what a decode step at that context reads per token of it: a
@@ -106,8 +107,8 @@ def model_bytes(
     other = 2 * hidden + (q_size + 2 * kv_size) * flags.qkv_bias + hidden * flags.o_bias + 2 * head_dim * flags.qk_norm
     other += cfg.num_attention_heads * getattr(model_cls, "attention_sinks", False)  # one logit per query head
     itemsize = torch.empty((), dtype=dtype).element_size()
-    # gpt-oss's MXFP4 experts as a GPU reads them (packed: docs/gpt-oss.md), counted in parameters of ``dtype``
-    packed = MXFP4_BYTES_PER_WEIGHT / itemsize if checkpoint_quantization(cfg) == "mxfp4" else 1.0
+    # gpt-oss's MXFP4 experts served packed (docs/gpt-oss.md), counted in parameters of ``dtype``
+    packed = MXFP4_BYTES_PER_WEIGHT / itemsize if mxfp4_packed and checkpoint_quantization(cfg) == "mxfp4" else 1.0
     layers = [_mlp_params(model_cls, cfg, i, flags.mlp_bias, decode_batch, packed)
               for i in range(cfg.num_hidden_layers)]
     linear = cfg.num_hidden_layers * linear + sum(mlp_linear for mlp_linear, _ in layers)
@@ -196,10 +197,11 @@ def _mlp_params(model_cls: Any, cfg: Any, layer_idx: int, mlp_bias: bool, decode
 
 def decode_roofline(
     path: str, dtype: torch.dtype, bandwidth: float, decode_batch: int, mean_context: float,
-    kv_cache_dtype: str = "auto", quantization: str | None = None,
+    kv_cache_dtype: str = "auto", quantization: str | None = None, mxfp4_packed: bool = False,
 ) -> Roofline:
     batch = max(1, decode_batch)
-    weight_bytes, kv_per_token = model_bytes(path, dtype, batch, kv_cache_dtype, quantization, mean_context)
+    weight_bytes, kv_per_token = model_bytes(path, dtype, batch, kv_cache_dtype, quantization, mean_context,
+                                             mxfp4_packed)
     step_bytes = weight_bytes + batch * mean_context * kv_per_token
     return Roofline(
         copy_bandwidth_gb_s=bandwidth / 1e9,

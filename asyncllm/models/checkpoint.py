@@ -281,7 +281,8 @@ def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None
         raise NotBuiltError("model", model,
                             f"loading a pre-quantized {method!r} checkpoint (its config.json has a "
                             "quantization_config; "
-                            "asyncllm loads pre-quantized 'fp8', 'awq', 'gptq' and 'compressed-tensors' checkpoints, "
+                            "asyncllm loads pre-quantized 'fp8', 'awq', 'gptq' and 'compressed-tensors' checkpoints "
+                            "and gpt-oss's 'mxfp4' ones, "
                             "and quantizes float checkpoints "
                             "online with quantization='fp8', docs/quantization.md)")
     if quantization not in (None, "fp8"):
@@ -317,7 +318,7 @@ def prequantized_config(
     method = checkpoint_quantization(hf_config)
     if method == "mxfp4":
         _check_mxfp4(hf_config, model, quantization)
-        return None  # the experts are dequantized as they load (asyncllm/models/gpt_oss.py)
+        return None  # the experts load packed or dequantized as the model builds them (asyncllm/models/gpt_oss.py)
     if method in INT4_METHODS:
         return int4_checkpoint_config(_quantization_section(hf_config) or {}, hf_config, model, quantization)
     if method == COMPRESSED_TENSORS:
@@ -336,9 +337,12 @@ def _check_mxfp4(hf_config: Any, model: str, quantization: str | None) -> None:
     arch = (getattr(hf_config, "architectures", None) or [None])[0]
     if arch != "GptOssForCausalLM":
         raise NotBuiltError("model", model, f"an MXFP4 {arch} checkpoint (only gpt-oss's experts are served)")
-    if quantization not in (None, "mxfp4"):
+    if quantization == "fp8":
         raise NotBuiltError("quantization", quantization, "quantizing a gpt-oss MXFP4 checkpoint again (its experts "
                             "are served in MXFP4 or dequantized at load; leave quantization unset or 'mxfp4')")
+    if quantization not in (None, "mxfp4"):
+        raise ConfigError("quantization", quantization, "None or 'mxfp4': the checkpoint is pre-quantized with "
+                                                        "'mxfp4' (its config.json's quantization_config)")
 
 
 def _static_input(scheme: Any, block: tuple[int, int] | None, model: str) -> bool:

@@ -95,7 +95,8 @@ class GptOssExperts(FusedMoE):
     def make_weights(self, b: DecoderBuild) -> None:
         """Float experts, or (an MXFP4 checkpoint on the Triton backend) its packed blocks and scales."""
         mxfp4 = checkpoint_quantization(b.hf_config) == "mxfp4"
-        self.packed_off = packed_off_reason(b, self.hidden_size, self.intermediate) if mxfp4 else "no MXFP4 checkpoint"
+        self.packed_off = packed_off_reason(getattr(b.attn_backend, "name", None), self.hidden_size, self.intermediate) \
+            if mxfp4 else "no MXFP4 checkpoint"
         """Why the experts are float (dequantized at load where the checkpoint is MXFP4), or None: kept packed."""
         if self.packed:
             make_packed_params(self)
@@ -246,7 +247,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self.mxfp4_packed = self.mxfp4 and bool(experts) and experts[0].packed
         """The experts are served packed (asyncllm/models/mxfp4_experts.py); else dequantized as they load."""
         if self.mxfp4 and experts and not self.mxfp4_packed:
-            logger.info("MXFP4 experts dequantized to %s at load: %s", kwargs.get("dtype"), experts[0].packed_off)
+            logger.warning("MXFP4 experts dequantized to %s at load (about 3.8x the memory of the packed ones): %s",
+                           kwargs.get("dtype"), experts[0].packed_off)
 
     def _expert_param(self, leaf: str) -> str:
         """The parameter an expert checkpoint tensor ``leaf`` (a key of `_EXPERT_TENSORS`) loads into."""

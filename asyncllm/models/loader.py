@@ -292,7 +292,13 @@ def init_dummy_weights(model: CausalLM, seed: int) -> None:
             param.fill_(1.0)
         elif param.dtype.is_floating_point:
             param.normal_(0.0, _DUMMY_STD, generator=generator(param.device))
-    for module in model.modules():  # type: ignore[attr-defined]
+    undrawn = []
+    for module_name, module in model.named_modules():  # type: ignore[attr-defined]
         draw = getattr(module, "draw_dummy", None)
         if draw is not None:
             draw(generator(next(module.parameters()).device))
+            continue
+        undrawn += [f"{module_name}.{name}" for name, param in module.named_parameters(recurse=False)
+                    if not param.dtype.is_floating_point]
+    if undrawn:
+        raise RuntimeError(f"dummy weights: integer parameters {undrawn} have no module drawing them (draw_dummy)")

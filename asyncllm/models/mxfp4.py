@@ -1,4 +1,4 @@
-"""MXFP4 checkpoints (gpt-oss's experts): read and dequantized at load to the model's dtype.
+"""MXFP4 checkpoints (gpt-oss's experts): the format, and its dequantization to the model's dtype.
 
 A weight ``W [..., R, C]`` is stored as two uint8 tensors, in groups of 32 along its last dim:
 
@@ -11,8 +11,9 @@ model's dtype (every FP4 value times a power of two is exact in float32 and bflo
 exponent stays in their range). transformers then transposes to its ``[E, in, out]`` parameters;
 asyncllm keeps the stored ``[E, out, in]`` rows, its experts' layout.
 
-Nothing runs in MXFP4 here (no FP4 matmul): the experts hold dequantized weights, 4x the memory of
-the checkpoint's blocks in bfloat16 (docs/gpt-oss.md).
+On the Triton backend the experts stay packed (asyncllm/models/mxfp4_experts.py: the fused-MoE kernel decodes
+each tile to exactly these values); elsewhere they are dequantized at load with `dequantize_mxfp4`, 3.8x the
+memory of the blocks and scales in bfloat16 (docs/gpt-oss.md).
 """
 
 from __future__ import annotations

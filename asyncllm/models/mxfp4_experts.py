@@ -20,28 +20,28 @@ every step) and where a rank's split cuts a group, the experts are dequantized a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from asyncllm.models.checkpoint import checkpoint_quantization
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow, weight_shape
 from asyncllm.models.mxfp4 import MXFP4_GROUP
 
 if TYPE_CHECKING:
     from asyncllm.models.gpt_oss import GptOssExperts
-    from asyncllm.models.llama import DecoderBuild
 
-__all__ = ["packed_off_reason", "make_packed_params", "load_packed", "draw_packed", "DUMMY_SCALE"]
+__all__ = ["packed_off_reason", "serves_packed", "make_packed_params", "load_packed", "draw_packed", "DUMMY_SCALE"]
 
 DUMMY_SCALE = 120
 """Dummy weights' exponent: ``2 ** -7`` times random e2m1 values (RMS 2.9) is an RMS of about 0.023, near the float
 dummy weights' 0.02 (`loader.init_dummy_weights`)."""
 
 
-def packed_off_reason(b: DecoderBuild, hidden: int, intermediate: int) -> str | None:
-    """Why this rank's MXFP4 experts are dequantized at load rather than kept packed, or None."""
-    backend = getattr(b.attn_backend, "name", None)
+def packed_off_reason(backend: str | None, hidden: int, intermediate: int) -> str | None:
+    """Why this rank's MXFP4 experts (``intermediate`` rows of each) are dequantized at load on the ``backend``
+    attention backend rather than kept packed, or None."""
     if backend != "triton":
         return f"the {backend} backend runs experts with the torch reference, which reads float weights"
     if hidden % MXFP4_GROUP or intermediate % MXFP4_GROUP:
@@ -50,9 +50,18 @@ def packed_off_reason(b: DecoderBuild, hidden: int, intermediate: int) -> str | 
     return None
 
 
+def serves_packed(hf_config: Any, backend: str | None, tp_size: int, expert_parallel: bool) -> bool:
+    """Whether a gpt-oss MXFP4 checkpoint's experts are served packed on ``backend`` over ``tp_size`` ranks (what
+    the bench's roofline counts); `packed_off_reason` decides it for each rank's experts as it builds them."""
+    if checkpoint_quantization(hf_config) != "mxfp4":
+        return False
+    inter = hf_config.intermediate_size // (1 if expert_parallel or tp_size <= 1 else tp_size)
+    return packed_off_reason(backend, hf_config.hidden_size, inter) is None
+
+
 def make_packed_params(moe: GptOssExperts) -> None:
-    """``moe``'s packed weights and scales in place of its float ``w13_weight`` / ``w2_weight`` (built on the meta
-    device, never allocated)."""
+    """``moe``'s packed weights and scales (its float ``w13_weight`` / ``w2_weight`` are never built:
+    `GptOssExperts.make_weights`)."""
     n, inter, hidden = moe.num_local_experts, moe.intermediate, moe.hidden_size
     for name, rows, cols in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
         setattr(moe, f"{name}_weight", new_param(n, rows, cols // 2, dtype=torch.uint8, loader=moe.stacked_loader))

@@ -199,5 +199,7 @@ def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "exactly one of --model PATH or --preset NAME" in capsys.readouterr().err
     assert main(["latency", *TINY, "--compare-time-budget", "30"]) == 2  # a peer's flag without the peer
     assert "--compare-time-budget=30.0 is not allowed: only with --compare hf" in capsys.readouterr().err
+    assert main(["latency", "--preset", "gpt-oss-20b", "--compare", "hf"]) == 2  # bf16 peer experts against MXFP4
+    assert "is MXFP4 (the peer would build bfloat16 experts)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["latency", *TINY, "--compare", "hf", "--compare-time-budget", "0"])

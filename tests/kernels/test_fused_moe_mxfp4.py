@@ -160,11 +160,13 @@ def test_arguments_are_checked() -> None:
 
 @pytest.mark.gpu
 @requires_gpu
+@pytest.mark.parametrize("inter", [2880, 1440])
 @pytest.mark.parametrize("tokens", [1, 256])
-def test_gpt_oss_20b_shapes_on_the_gpu(tokens: int) -> None:
-    """gpt-oss-20b's experts (H 2880 = I, 32 experts, top 4; 90 groups a row: the GPU's 64-wide K steps cut groups in
-    the last step) in bfloat16, under torch's sync check, against the reference."""
-    hidden_size = inter = 2880
+def test_gpt_oss_20b_shapes_on_the_gpu(tokens: int, inter: int) -> None:
+    """gpt-oss-20b's experts (H 2880, 32 experts, top 4; I 2880, or 1440: a rank of two, whose down product's last
+    64-wide K step is half masked) in bfloat16, under torch's sync check: against the reference, and equal, bit for
+    bit, to the kernel's float path on the dequantized weights (the tiles decode to exactly those values)."""
+    hidden_size = 2880
     experts, k, dtype = 32, 4, torch.bfloat16
     gen = torch.Generator().manual_seed(21)
 
@@ -186,3 +188,5 @@ def test_gpt_oss_20b_shapes_on_the_gpu(tokens: int) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert_close(out, reference.fused_moe(hidden, w13, w2, *args, mxfp4=mxfp4), MOE_TOL[dtype])
+    floats = _dequantized(w13, s13, dtype), _dequantized(w2, s2, dtype)
+    assert torch.equal(out, fused_moe(hidden, *floats, *args))

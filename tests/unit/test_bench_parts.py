@@ -139,6 +139,7 @@ def test_gpt_oss_20b_preset_bytes_match_its_parameters_and_windows(tmp_path) -> 
 
     from asyncllm.bench.model import preset_config
     from asyncllm.models.loader import build_model
+    from asyncllm.models.mxfp4_experts import serves_packed
 
     published = preset_config("gpt-oss-20b")
     assert published["quantization_config"]["quant_method"] == "mxfp4"  # packed on a GPU, dequantized on the CPU
@@ -165,7 +166,12 @@ def test_gpt_oss_20b_preset_bytes_match_its_parameters_and_windows(tmp_path) -> 
     step = 7_216_614_528 + 12 * layer * 512 + 12 * layer * 128
     assert line.output_tokens_per_s == pytest.approx(3e12 / step)
 
-    (tmp_path / "config.json").write_text(json.dumps(published))  # the preset: its experts read packed
+    (tmp_path / "config.json").write_text(json.dumps(published))  # the preset: its experts read packed on a GPU
     expert_weights = 24 * 32 * 3 * 2880 * 2880
-    assert model_bytes(str(tmp_path), torch.bfloat16, 10**6)[0] == pytest.approx(
+    assert model_bytes(str(tmp_path), torch.bfloat16, 10**6, mxfp4_packed=True)[0] == pytest.approx(
         2 * every - expert_weights * (2 - 17 / 32), abs=1)
+    assert model_bytes(str(tmp_path), torch.bfloat16, 10**6)[0] == 2 * every  # dequantized (torch_sdpa, the CPU)
+    assert serves_packed(load_hf_config(str(tmp_path)), "triton", 2, False)  # 1440 rows a rank: 45 groups
+    assert not serves_packed(load_hf_config(str(tmp_path)), "triton", 4, False)  # 720: 22.5 groups
+    assert serves_packed(load_hf_config(str(tmp_path)), "triton", 4, True)  # whole experts
+    assert not serves_packed(load_hf_config(str(tmp_path)), "torch_sdpa", 1, False)
