@@ -117,3 +117,15 @@ def test_a_float_tensor_for_packed_experts_is_refused(checkpoints, tmp_path: Pat
     name = "model.layers.0.mlp.experts.down_proj"
     with pytest.raises(ValueError, match="float down matrix; this model's experts are MXFP4"):
         model.load_weights([(name, weights[name])])
+
+
+def test_dummy_weights_refuse_integer_parameters_nobody_draws() -> None:
+    """A packed (integer) parameter is drawn by its module's ``draw_dummy``; one no module draws is an error, not
+    uninitialised memory."""
+    from asyncllm.models.loader import init_dummy_weights
+
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(4, 4)
+    model.proj.register_parameter("packed", torch.nn.Parameter(torch.zeros(4, dtype=torch.uint8), requires_grad=False))
+    with pytest.raises(RuntimeError, match=r"integer parameters \['proj.packed'\] have no module drawing them"):
+        init_dummy_weights(model, seed=0)
