@@ -29,11 +29,15 @@ and each fp8 tile product (float32 accumulation; upcast to float32 under the int
 columns) is scaled by its rows' group scales and its columns' block scales (group ``k0 // GROUP_K``) before it is
 added. ``BLOCK_K`` is ``bk`` up to 128 columns (one step per scale group, the block checkpoints' 128), else 128
 (`FP8_K_STEP`): a wider group (a multiple of 128, or all of K: per-row and per-tensor experts' one scale per row or
-block row) spans several steps. Packed experts dequantize each weight tile in float32, round it to the dtype and
-multiply (`fused_moe_tiles`; two pipeline stages): AWQ / GPTQ integers (``INT_BITS``, `reference.IntExperts`) and
-gpt-oss's MXFP4 (``MXFP4``, `reference.Mxfp4Experts`: each e2m1 nibble times its group's ``2 ** (scale - 127)``
-built from float32 bits, exact, so the float path's result on the dequantized weights). Off, the kernels compile as
-before.
+block row) spans several steps. W8A8 int8 experts (compressed-tensors' ``*-quantized.w8a8``) take the same path with
+int8 weights (``FP8`` on, the pointers' element type int8): each input quantized to int8 per token
+(`int8.quantize_int8_per_token`, bit for bit compressed-tensors'), each int8 tile product summed exactly in int32 on
+tensor cores (under the interpreter or for K steps under 32 columns: in float32, exact too, a step's sum being at most
+``128 * 128 * 128 = 2**21 < 2**24``), then scaled in float32 by the token's and the row's scales. Packed experts
+dequantize each weight tile in float32, round it to the dtype and multiply (`fused_moe_tiles`; two pipeline stages):
+AWQ / GPTQ integers (``INT_BITS``, `reference.IntExperts`) and gpt-oss's MXFP4 (``MXFP4``, `reference.Mxfp4Experts`:
+each e2m1 nibble times its group's ``2 ** (scale - 127)`` built from float32 bits, exact, so the float path's result
+on the dequantized weights). Off, the kernels compile as before.
 
 Blocks past the padded total return at once (they read the total from the device). Products
 accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
@@ -47,19 +51,14 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguous, check_same_device
 from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8
 from asyncllm.kernels.fused_moe_tiles import (_block_rows, _clamped_swiglu, _gelu_tanh_mul, _packed_tile, _plus_bias,
                                                _product, _relu_squared, _silu_mul)
-from asyncllm.kernels.reference import (MOE_ACTIVATIONS as ACTIVATIONS, ClampedSwiglu, Fp8Experts, IntExperts,
-                                        Mxfp4Experts)
-from asyncllm.models.mxfp4 import MXFP4_GROUP
+from asyncllm.kernels.fused_moe_checks import FP8_K_STEP, check_args, check_bias, fp8_k_step
+from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts, IntExperts, Mxfp4Experts
+from asyncllm.models.int8 import quantize_int8_per_token
 
 __all__ = ["Alignment", "FP8_K_STEP", "MoeConfig", "align_tokens", "fp8_k_step", "fused_moe", "moe_config"]
-
-FP8_K_STEP = 128
-"""The K step of fp8 experts whose scale group along K is wider than it: the block checkpoints' group, the step
-they have always run with."""
 
 
 class MoeConfig(NamedTuple):
@@ -92,13 +91,6 @@ def moe_config(num_pairs: int, num_experts: int, dtype: torch.dtype, on_gpu: boo
     if num_pairs < 32 * num_experts:  # fewer than 32 rows per expert on average
         return MoeConfig(16, 64, 64, 4, stages)
     return MoeConfig(64, 128, 64, 8 if dtype != torch.float32 else 4, stages)
-
-
-def fp8_k_step(group: int) -> int:
-    """The K step (``BLOCK_K``) of fp8 experts whose scales group ``group`` columns along K: the group rounded up to a
-    power of two (at least 16, `tl.dot`'s) up to `FP8_K_STEP`, else `FP8_K_STEP` (the group a multiple of it, or all
-    of K). A group that is no power of two fits only when it covers all of K (`_check_fp8`): one masked step."""
-    return min(max(16, triton.next_power_of_2(group)), FP8_K_STEP)
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
@@ -267,15 +259,16 @@ def fused_moe(
     ``activation="relu2"``: experts without a gate, w13 ``[E, I, H]`` (up rows only), ``relu(up) ** 2``;
     ``"gelu_tanh"``: ``gelu_tanh(gate) * up`` (Gemma 4's experts).
     ``fp8``: w13 and w2 in float8_e4m3fn with block scales (`reference.Fp8Experts`; ``bk`` 16, 32, 64 or 128, a
-    multiple of 128, or at least H and I: one scale per row of K).
+    multiple of 128, or at least H and I: one scale per row of K); or in int8 (W8A8 int8 experts) with a block
+    covering all of K, each product's input quantized to int8 per token (`int8.quantize_int8_per_token`).
     ``int_experts``: w13 ``[E, 2I, H / p]`` and w2 ``[E, H, I / p]`` packed int32 with their scales and zero points
     (`reference.IntExperts`: AWQ / GPTQ experts), dequantized tile by tile.
     ``mxfp4``: w13 ``[E, 2I, H / 2]`` and w2 ``[E, H, I / 2]`` uint8, two e2m1 values a byte, with e8m0 scales per
     group of 32 inputs (`reference.Mxfp4Experts`: gpt-oss's checkpoints; H and I multiples of 32), dequantized tile
     by tile, exactly: the float path's result on the dequantized weights. One of ``fp8``, ``int_experts``, ``mxfp4``."""
-    num_experts, inter = _check_args(hidden, w13, w2, topk_weights, topk_ids, activation, fp8, int_experts, mxfp4)
-    _check_bias("w13_bias", w13_bias, hidden, (num_experts, w13.shape[1]))
-    _check_bias("w2_bias", w2_bias, hidden, (num_experts, hidden.shape[1]))
+    num_experts, inter = check_args(hidden, w13, w2, topk_weights, topk_ids, activation, fp8, int_experts, mxfp4)
+    check_bias("w13_bias", w13_bias, hidden, (num_experts, w13.shape[1]))
+    check_bias("w2_bias", w2_bias, hidden, (num_experts, hidden.shape[1]))
     (num_tokens, h), top_k = hidden.shape, topk_ids.shape[1]
     num_pairs = num_tokens * top_k
     out = torch.zeros((num_tokens, top_k, h), dtype=hidden.dtype, device=hidden.device)
@@ -291,13 +284,13 @@ def fused_moe(
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", FP8=fp8 is not None,
                   GROUP_N=fp8.block[0] if fp8 else 1, num_warps=cfg.num_warps,
-                  UPCAST=not hidden.is_cuda or (fp8 is not None and cfg.block_k < 32),  # fp8 dots want K >= 32
+                  UPCAST=not hidden.is_cuda or (fp8 is not None and cfg.block_k < 32),  # fp8/int8 dots: K >= 32
                   num_stages=cfg.num_stages)
     ints = int_experts
     consts.update(INT_BITS=ints.bits if ints else 0, GROUP_K=ints.group if ints else fp8.block[1] if fp8 else 1,
                   MXFP4=mxfp4 is not None)
     scaled = fp8 or ints or mxfp4  # NamedTuples: true when given
-    a, a_s = per_token_group_quant_fp8(hidden, fp8.block[1]) if fp8 else (hidden, hidden)
+    a, a_s = _quantized(hidden, fp8, w13)
     w_s, w_z = _weight_scales(0, hidden, fp8, ints, mxfp4)
     act = (torch.zeros if fp8 else torch.empty)((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
@@ -309,7 +302,7 @@ def fused_moe(
         TOP_K=top_k, HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=activation != "relu2",
         GELU_TANH=activation == "gelu_tanh", **consts,
     )
-    a, a_s = per_token_group_quant_fp8(act, fp8.block[1]) if fp8 else (act, act)
+    a, a_s = _quantized(act, fp8, w13)
     w_s, w_z = _weight_scales(1, hidden, fp8, ints, mxfp4)
     out2 = out.view(num_pairs, h)
     _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
@@ -322,6 +315,16 @@ def fused_moe(
     return out.sum(dim=1)
 
 
+def _quantized(x: torch.Tensor, fp8: Fp8Experts | None, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A product's input as the kernels read it, (values, scales): fp8 per token group, int8 per token for int8
+    experts (compressed-tensors' quantization, as the dense W8A8 layers'), or the input itself (scales unread)."""
+    if fp8 is None:
+        return x, x
+    if w13.dtype == torch.int8:
+        return quantize_int8_per_token(x)
+    return per_token_group_quant_fp8(x, fp8.block[1])
+
+
 def _weight_scales(which: int, hidden: torch.Tensor, fp8: Fp8Experts | None, ints: IntExperts | None,
                    mxfp4: Mxfp4Experts | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(scales, zero points) of w13 (``which`` 0) or w2 (1) as the kernels take them; ``hidden`` where none (unread)."""
@@ -329,87 +332,3 @@ def _weight_scales(which: int, hidden: torch.Tensor, fp8: Fp8Experts | None, int
         return (ints.w13_scales, ints.w13_zeros) if which == 0 else (ints.w2_scales, ints.w2_zeros)
     quant = fp8 if fp8 is not None else mxfp4
     return (hidden if quant is None else quant[which]), hidden
-
-
-def _check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, activation: str, fp8: Fp8Experts | None,
-                ints: IntExperts | None = None, mxfp4: Mxfp4Experts | None = None) -> tuple[int, int]:
-    """(experts, intermediate size), or a `ValueError` naming the argument that does not fit."""
-    check(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check(sum(q is not None for q in (fp8, ints, mxfp4)) <= 1, "fp8, int_experts or mxfp4: one at most, not both")
-    gated = activation != "relu2"
-    check_float("hidden", hidden, 2)
-    check_last_dim_contiguous("hidden", hidden)
-    num_tokens, h = hidden.shape
-    w_dtype = torch.float8_e4m3fn if fp8 else torch.int32 if ints else torch.uint8 if mxfp4 else hidden.dtype
-    pack = 32 // ints.bits if ints else 2 if mxfp4 else 1
-    if ints is not None:
-        check(ints.bits in (4, 8) and ints.group >= 1, f"int_experts: 4 or 8 bits and a group >= 1, got {ints.bits} "
-                                                       f"bits and group {ints.group}")
-        check(h % pack == 0, f"int_experts: hidden size {h} must be a multiple of the {pack} values per int32")
-    check(mxfp4 is None or h % MXFP4_GROUP == 0, f"mxfp4: hidden's size H ({h}) must be a multiple of {MXFP4_GROUP}")
-    h //= pack  # w13's packed columns
-    check(w13.dim() == 3 and w13.dtype == w_dtype and w13.shape[2] == h
-          and (w13.shape[1] % 2 == 0 or not gated) and w13.shape[0] >= 1,
-          f"w13 must be [E, {'2I' if gated else 'I'}, {h}] of {w_dtype}, got {tuple(w13.shape)} of {w13.dtype}")
-    check_last_dim_contiguous("w13", w13)
-    num_experts, inter = w13.shape[0], w13.shape[1] // 2 if gated else w13.shape[1]
-    h *= pack
-    check(w2.dim() == 3 and w2.dtype == w_dtype and tuple(w2.shape) == (num_experts, h, inter // pack),
-          f"w2 must be [{num_experts}, {h}, {inter // pack}] of {w_dtype}, got {tuple(w2.shape)} of {w2.dtype}")
-    if ints is not None:
-        _check_int(ints, num_experts, w13.shape[1], h, inter)
-    if mxfp4 is not None:
-        _check_mxfp4(mxfp4, w13, w2, inter)
-    check_last_dim_contiguous("w2", w2)
-    check(topk_ids.dtype in (torch.int32, torch.int64), f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    check(topk_ids.dim() == 2 and topk_ids.shape[0] == num_tokens and topk_ids.shape[1] >= 1,
-          f"topk_ids must be [{num_tokens}, k], got shape {tuple(topk_ids.shape)}")
-    check(topk_weights.dtype == torch.float32, f"topk_weights must be float32, got {topk_weights.dtype}")
-    check(tuple(topk_weights.shape) == tuple(topk_ids.shape),
-          f"topk_weights must be {list(topk_ids.shape)} like topk_ids, got shape {tuple(topk_weights.shape)}")
-    check_same_device(hidden=hidden, w13=w13, w2=w2, topk_weights=topk_weights, topk_ids=topk_ids)
-    if fp8 is not None:
-        _check_fp8(fp8, w13, w2)
-    return num_experts, inter
-
-
-def _check_int(ints: IntExperts, num_experts: int, rows13: int, h: int, inter: int) -> None:
-    for name, t, rows, cols in (("w13", ints.w13_scales, rows13, h), ("w2", ints.w2_scales, h, inter)):
-        for kind, tensor in (("scales", t), ("zeros", ints.w13_zeros if name == "w13" else ints.w2_zeros)):
-            shape = (num_experts, rows, -(-cols // ints.group))
-            check(tuple(tensor.shape) == shape and tensor.stride(-1) == 1,
-                  f"int_experts.{name}_{kind} must be {list(shape)} (last dim contiguous), got {tuple(tensor.shape)}")
-        check(t.stride() == (ints.w13_zeros if name == "w13" else ints.w2_zeros).stride(),
-              f"int_experts.{name} scales and zeros must share their strides")
-
-
-def _check_mxfp4(mxfp4: Mxfp4Experts, w13: torch.Tensor, w2: torch.Tensor, inter: int) -> None:
-    """I a multiple of 32 (H was checked) and each matrix's scales ``[E, rows, K / 32]`` uint8."""
-    check(inter % MXFP4_GROUP == 0, f"mxfp4: w13's intermediate size I ({inter}) must be a multiple of {MXFP4_GROUP}")
-    for name, scales, w in (("w13_scales", mxfp4.w13_scales, w13), ("w2_scales", mxfp4.w2_scales, w2)):
-        shape = (w.shape[0], w.shape[1], w.shape[2] * 2 // MXFP4_GROUP)
-        check(scales.dtype == torch.uint8 and tuple(scales.shape) == shape and scales.stride(-1) == 1,
-              f"mxfp4.{name} must be uint8 {list(shape)} (last dim contiguous), got {scales.dtype} "
-              f"{tuple(scales.shape)}")
-        check_same_device(**{f"mxfp4.{name}": scales, "w13": w13})
-
-
-def _check_fp8(fp8: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor) -> None:
-    (bn, bk), step, widest = fp8.block, fp8_k_step(fp8.block[1]), max(w13.shape[2], w2.shape[2])
-    check(bn >= 1 and step >= 16 and step & (step - 1) == 0 and (bk % step == 0 or bk >= widest),
-          f"fp8 experts need a block of 16, 32, 64 or 128 columns, a multiple of {FP8_K_STEP}, or one covering all "
-          f"of K (at least {widest}); got {fp8.block}")
-    for name, scale, w in (("w13_scale", fp8.w13_scale, w13), ("w2_scale", fp8.w2_scale, w2)):
-        shape = (w.shape[0], triton.cdiv(w.shape[1], bn), triton.cdiv(w.shape[2], bk))
-        check(scale.dtype == torch.float32 and tuple(scale.shape) == shape and scale.stride(2) == 1,
-              f"{name} must be float32 {list(shape)} with contiguous rows, got {scale.dtype} {tuple(scale.shape)}")
-        check_same_device(**{name: scale, "w": w})
-
-
-def _check_bias(name: str, bias: torch.Tensor | None, hidden: torch.Tensor, shape: tuple[int, int]) -> None:
-    if bias is None:
-        return
-    check(tuple(bias.shape) == shape and bias.dtype == hidden.dtype and bias.stride(1) == 1,
-          f"{name} must be {list(shape)} of {hidden.dtype}, contiguous rows; got {tuple(bias.shape)} of {bias.dtype}")
-    check_same_device(hidden=hidden, **{name: bias})

@@ -1,8 +1,8 @@
 """The fused-MoE kernels' tile and activation helpers (`@triton.jit`, called by `fused_moe`'s kernels).
 
 A row block's expert and pairs; activations on float32 products, rounded op by op as the reference's torch ops
-round; the bias addition; the tile product (plain, or block-fp8's scaled); and the weight tiles of quantized experts
-kept packed, dequantized in float32 and rounded to the activations' dtype: `_int_tile` (AWQ / GPTQ,
+round; the bias addition; the tile product (plain, or block-fp8's and W8A8 int8's scaled); and the weight tiles of
+quantized experts kept packed, dequantized in float32 and rounded to the activations' dtype: `_int_tile` (AWQ / GPTQ,
 `reference.IntExperts`) and `_mxfp4_tile` (gpt-oss's MXFP4, `reference.Mxfp4Experts`: exact).
 """
 
@@ -70,13 +70,13 @@ def _plus_bias(product, bias_ptr, mask, HAS_BIAS: tl.constexpr, dtype):
 @triton.jit
 def _product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
              DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b``; with ``FP8`` the fp8 tile product scaled by the rows' group scales and the columns' block
-    scales (``*_s_ptrs``: this K group's)."""
+    """``acc + a @ b``; with ``FP8`` the fp8 (or int8: W8A8 int8 experts, an exact int32 sum) tile product in float32
+    scaled by the rows' group scales and the columns' block scales (``*_s_ptrs``: this K group's)."""
     if FP8:
         if UPCAST:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            part = tl.dot(a, b)
+            part = tl.dot(a, b).to(tl.float32)  # int8 tiles: int32
         a_s = tl.load(a_s_ptrs, mask=row_mask, other=0.0)
         b_s = tl.load(b_s_ptrs, mask=n_mask, other=0.0)
         return acc + part * a_s[:, None] * b_s[None, :]

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
+from asyncllm.models.int8 import int8_linear_fallback
 from asyncllm.models.mxfp4 import MXFP4_GROUP, dequantize_mxfp4
 
 __all__ = [
@@ -125,7 +126,9 @@ class Fp8Experts(NamedTuple):
     with its float32 multiplier (the checkpoint's ``weight_scale_inv``): ``w13_scale [E, ceil(rows13 / bn),
     ceil(H / bk)]``, ``w2_scale [E, ceil(H / bn), ceil(I / bk)]``. Each product's input is quantized per token in
     groups of ``bk`` features (`per_token_group_quant_fp8`), as the checkpoint's dense projections are. ``bk`` at
-    least H and I (per-row and per-tensor experts): one scale per weight row (or block row) and per token."""
+    least H and I (per-row and per-tensor experts): one scale per weight row (or block row) and per token. W8A8 int8
+    experts (compressed-tensors' ``*-quantized.w8a8``): ``w13`` and ``w2`` int8 with such a block, each product's
+    input quantized to int8 per token, as the dense int8 layers (`int8.int8_linear_fallback`)."""
 
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
@@ -196,11 +199,12 @@ def fused_moe(
     are added after each product (before the routing weight), and ``swiglu`` replaces SiLU-and-mul.
     ``activation="relu2"`` (Nemotron 3): experts without a gate, w13 ``[E, I, H]`` up rows only, and
     ``down_e(relu(up_e x) ** 2)``; ``"gelu_tanh"`` (Gemma 4): ``gelu_tanh(gate) * up`` in place of SiLU's.
-    ``fp8``: block-fp8 experts (`Fp8Experts`), each product `w8a8_block_fp8_matmul` of its quantized input. ``int_experts``: AWQ / GPTQ experts packed (`IntExperts`; w13
-    and w2 their int32 values), each matrix dequantized before its product. ``mxfp4``: gpt-oss's MXFP4 experts
-    (`Mxfp4Experts`; w13 and w2 their uint8 bytes), each matrix dequantized to hidden's dtype (`dequantize_mxfp4`,
-    exact) before its product: the float path on the dequantized weights, to the bit. One of ``fp8``,
-    ``int_experts``, ``mxfp4``. ``lora(which, expert, token_idx, x)``: LoRA adapters' addition to an expert's
+    ``fp8``: block-fp8 experts (`Fp8Experts`), each product `w8a8_block_fp8_matmul` of its quantized input (int8
+    weights: `int8.int8_linear_fallback`, compressed-tensors' W8A8 int8 forward). ``int_experts``: AWQ / GPTQ experts
+    packed (`IntExperts`; w13 and w2 their int32 values), each matrix dequantized before its product. ``mxfp4``:
+    gpt-oss's MXFP4 experts (`Mxfp4Experts`; w13 and w2 their uint8 bytes), each matrix dequantized to hidden's dtype
+    (`dequantize_mxfp4`, exact) before its product: the float path on the dequantized weights, to the bit. One of
+    ``fp8``, ``int_experts``, ``mxfp4``. ``lora(which, expert, token_idx, x)``: LoRA adapters' addition to an expert's
     gate/up (``which`` 0, before the activation) or down (1) product of ``x``, the rows of tokens ``token_idx``
     (asyncllm/models/lora_experts.py)."""
     quants = [q for q in (fp8, int_experts, mxfp4) if q is not None]
@@ -226,9 +230,9 @@ def fused_moe(
 
 def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int,
                     fp8: Fp8Experts | IntExperts | Mxfp4Experts | None, which: int) -> torch.Tensor:
-    """``x @ w[expert].T`` in x's dtype: plain, or (`Fp8Experts`) on x quantized per token group, with the block
-    scales of ``w13`` (``which`` 0) or ``w2`` (1), or (`IntExperts`, `Mxfp4Experts`) the packed matrix dequantized
-    first."""
+    """``x @ w[expert].T`` in x's dtype: plain, or (`Fp8Experts`) on x quantized per token group (int8 weights: to
+    int8 per token), with the block scales of ``w13`` (``which`` 0) or ``w2`` (1), or (`IntExperts`, `Mxfp4Experts`)
+    the packed matrix dequantized first."""
     if fp8 is None:
         return F.linear(x, w[expert])
     if isinstance(fp8, Mxfp4Experts):
@@ -239,6 +243,11 @@ def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int,
         scales, zeros = (fp8.w13_scales, fp8.w13_zeros) if which == 0 else (fp8.w2_scales, fp8.w2_zeros)
         weight = dequantize_int_expert(w[expert], scales[expert], zeros[expert], fp8.bits, fp8.group)
         return F.linear(x, weight.to(x.dtype))
+    if w.dtype == torch.int8:  # compressed-tensors' forward: the input per token, ``dq(x_q) @ dq(W_q).T`` in float32
+        if fp8.block[1] < w.shape[2]:
+            raise ValueError(f"int8 experts quantize each token's input whole: block {fp8.block} must cover all of K")
+        scale = expand_block_scales(fp8[which][expert], (w.shape[1], 1), fp8.block)
+        return int8_linear_fallback(x, w[expert], scale, None, x.dtype)
     x_q, x_s = per_token_group_quant_fp8(x, fp8.block[1])
     return w8a8_block_fp8_matmul(x_q, x_s, w[expert], fp8[which][expert], fp8.block, x.dtype)
 

@@ -219,14 +219,16 @@ def write_ct_int_experts(src: str, dst: Path, bits: int, group: int, symmetric: 
     return dequantized
 
 
-def write_ct_fp8_experts(src: str, dst: Path, strategy: str, block: tuple[int, int] | None = None
-                         ) -> dict[str, torch.Tensor]:
+def write_ct_fp8_experts(src: str, dst: Path, strategy: str, block: tuple[int, int] | None = None,
+                         int8: bool = False) -> dict[str, torch.Tensor]:
     """``src``'s mixture of experts with every expert's matrices in compressed-tensors' fp8 format
     (``float-quantized``), written here from the format: float8_e4m3fn ``weight`` and a bfloat16 ``weight_scale``
     (the multiplier) per output row ``[out, 1]`` (``strategy`` channel: FP8_DYNAMIC), per matrix ``[1]`` (tensor) or
     per ``block`` cell (block: FP8_BLOCK, activations in groups of the block's columns), each ``max / 448`` times 1
-    to 1.1 (not a round trip); a config group targeting the experts, the rest float. Returns each expert matrix
-    dequantized (``...weight`` -> ``[out, in]`` float32)."""
+    to 1.1 (not a round trip); a config group targeting the experts, the rest float. ``int8``: W8A8 int8 instead
+    (``int-quantized``: int8 ``weight`` ``round(clamp(w / scale, -128, 127))``, each scale ``max / 127.5`` times 1 to
+    1.1, int8 activations per token). Returns each expert matrix dequantized (``...weight`` -> ``[out, in]``
+    float32)."""
     import json
     import re
 
@@ -243,19 +245,22 @@ def write_ct_fp8_experts(src: str, dst: Path, strategy: str, block: tuple[int, i
         out, inp = w.shape
         bn, bk = {"channel": (1, inp), "tensor": (out, inp)}.get(strategy, block)
         cells = w.unflatten(0, (-1, bn)).unflatten(2, (-1, bk))  # the tests' blocks divide the matrices
-        scale = cells.abs().amax((1, 3)) / 448 * (1 + 0.1 * torch.rand(out // bn, inp // bk, generator=gen))
+        top = 127.5 if int8 else 448
+        scale = cells.abs().amax((1, 3)) / top * (1 + 0.1 * torch.rand(out // bn, inp // bk, generator=gen))
         stored = scale.to(torch.bfloat16)
         expanded = stored.float().repeat_interleave(bn, 0).repeat_interleave(bk, 1)
-        q = (w / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)
+        q = (w / expanded).clamp(-128, 127).round().to(torch.int8) if int8 \
+            else (w / expanded).clamp(-448, 448).to(torch.float8_e4m3fn)
         tensors[name], tensors[name + "_scale"] = q, stored.reshape(-1) if strategy == "tensor" else stored
         dequantized[name] = q.float() * expanded
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
-    inputs = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+    kind = "int" if int8 else "float"
+    weights = {"num_bits": 8, "type": kind, "symmetric": True, "strategy": strategy, "dynamic": False}
+    inputs = {"num_bits": 8, "type": kind, "symmetric": True, "dynamic": True, "strategy": "token"}
     if strategy == "block":
         weights["block_structure"] = list(block)
         inputs.update(strategy="group", group_size=block[1])
-    section = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    section = {"quant_method": "compressed-tensors", "format": f"{kind}-quantized", "ignore": ["lm_head"],
                "config_groups": {"experts": {"targets": ["re:.*experts.*"], "weights": weights,
                                              "input_activations": inputs}}}
     config = json.loads((dst / "config.json").read_text())

@@ -217,13 +217,16 @@ def routed_tokens(hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def _fp8_experts_forward(experts, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                         group: int | None) -> torch.Tensor:
+                         group: int | None, fake_quant=None) -> torch.Tensor:
+    """transformers' experts with each product's input fake-quantized: fp8 per token in groups of ``group`` (None:
+    whole), or by ``fake_quant`` (int8 W8A8 experts)."""
+    fake_quant = fake_quant or (lambda t: _group_fake_quant(t, group or t.shape[-1]))
     out = torch.zeros_like(hidden)
-    x = _group_fake_quant(hidden, group or hidden.shape[-1])
+    x = fake_quant(hidden)
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
         gate, up = torch.nn.functional.linear(x[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
-        act = _group_fake_quant(experts.act_fn(gate) * up, group or gate.shape[-1])
+        act = fake_quant(experts.act_fn(gate) * up)
         out.index_add_(0, token, torch.nn.functional.linear(act, experts.down_proj[e]) * weights[token, slot, None])
     return out
 

@@ -25,8 +25,8 @@
    the Triton w4a16 GEMM on CUDA and dequantized once elsewhere.
 
 A mixture of experts' experts (one scheme for all, `compressed_tensors_experts.expert_scheme`) are staged before
-step 2 and finished after step 3: pack-quantized ones through asyncllm/models/int4_experts.py, fp8 ones through
-asyncllm/models/compressed_tensors_experts.py (the fused-MoE op's block-fp8 path).
+step 2 and finished after step 3: pack-quantized ones through asyncllm/models/int4_experts.py, fp8 and int8 W8A8
+ones through asyncllm/models/compressed_tensors_experts.py (the fused-MoE op's block-fp8 path and its int8 variant).
 
 The arithmetic and what is refused are in docs/quantization.md.
 """
@@ -44,9 +44,9 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig, CompressedTensorsScheme
 from asyncllm.models.compressed_tensors_experts import (
     expert_scheme,
-    finish_ct_fp8_experts,
-    make_ct_fp8_expert_params,
-    quantize_drawn_ct_fp8_experts,
+    finish_ct_w8a8_experts,
+    make_ct_w8a8_expert_params,
+    quantize_drawn_ct_w8a8_experts,
 )
 from asyncllm.models.fp8_checkpoint import (
     DUMMY_INPUT_SCALE,
@@ -291,7 +291,7 @@ def _quantize_drawn(model: nn.Module, cfg: CompressedTensorsCheckpointConfig, us
         w = _drawn_int(layer, scheme)
         del layer.weight
         _attach_int(name, layer, scheme, w, use_triton, use_triton)
-    quantize_drawn_ct_fp8_experts(model, cfg)
+    quantize_drawn_ct_w8a8_experts(model, cfg)
     _after_finish(model, use_triton)
 
 
@@ -314,19 +314,19 @@ def fill_compressed_tensors_weights(model: nn.Module, config: Any, cfg: Compress
     experts = _expert_format(model, cfg)
     if experts is not None:
         make_int4_expert_params(model, experts)
-    make_ct_fp8_expert_params(model, cfg)
+    make_ct_w8a8_expert_params(model, cfg)
     materialize_params(model, device)  # the float parameters left (built on the meta device)
     load_checkpoint(model, resolve_model_path(config.model, config.revision), config.kv_cache_dtype)
     finish_compressed_tensors_params(model, cfg, use_triton)
     if experts is not None:
         finish_int4_experts(model, experts, keep_packed=use_triton)
-    finish_ct_fp8_experts(model, cfg)
+    finish_ct_w8a8_experts(model, cfg)
 
 
 def _expert_format(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> Any:
     """The staging format of the model's pack-quantized integer experts (`int4_experts.ct_format`): None without
-    experts, with every expert left float, or with fp8 experts (compressed_tensors_experts.py); `expert_scheme`'s
-    `NotBuiltError` for the experts refused."""
+    experts, with every expert left float, or with fp8 / int8 W8A8 experts (compressed_tensors_experts.py);
+    `expert_scheme`'s `NotBuiltError` for the experts refused."""
     scheme = expert_scheme(model, cfg)
     if scheme is None or scheme.kind != "int":
         return None

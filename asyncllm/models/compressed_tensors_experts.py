@@ -1,14 +1,15 @@
-"""Fp8 experts of compressed-tensors mixture-of-experts checkpoints (llm-compressor's FP8_DYNAMIC: RedHatAI's
+"""W8A8 experts of compressed-tensors mixture-of-experts checkpoints, fp8 (llm-compressor's FP8_DYNAMIC: RedHatAI's
 Qwen3-30B-A3B-FP8-dynamic, Mixtral-8x7B-Instruct-v0.1-FP8-dynamic; per-tensor fp8 weights with dynamic
-activations; FP8_BLOCK), served on the fused-MoE op's block-fp8 path of asyncllm/models/fp8_experts.py.
+activations; FP8_BLOCK) or int8 (W8A8: RedHatAI's ``*-quantized.w8a8`` Mixtral and Qwen3-MoE releases), served on
+the fused-MoE op's block-fp8 path of asyncllm/models/fp8_experts.py (int8 weights: its int8 variant).
 
-Each expert matrix is a float8_e4m3fn ``weight`` with a ``weight_scale`` (the multiplier): one per output row
-(``strategy: channel``, ``[out, 1]``), one per matrix (``tensor``) or one per ``block_structure`` cell
-(``block``). `make_ct_fp8_expert_params` gives each quantized `FusedMoE` fp8 ``w13_weight`` / ``w2_weight``
-(filled per expert as the float matrices are) and staging scales ``gate_weight_scale``, ``up_weight_scale``,
-``down_weight_scale`` stacked over its local experts (this rank's rows of the gate and up, the down's rows whole
-or its block columns); `finish_ct_fp8_experts` turns them into the op's block scales (`reference.Fp8Experts`),
-nothing requantized:
+Each expert matrix is a float8_e4m3fn or int8 ``weight`` with a ``weight_scale`` (the multiplier): one per output
+row (``strategy: channel``, ``[out, 1]``), one per matrix (``tensor``) or, fp8, one per ``block_structure`` cell
+(``block``). `make_ct_w8a8_expert_params` gives each quantized `FusedMoE` fp8 or int8 ``w13_weight`` /
+``w2_weight`` (filled per expert as the float matrices are) and staging scales ``gate_weight_scale``,
+``up_weight_scale``, ``down_weight_scale`` stacked over its local experts (this rank's rows of the gate and up, the
+down's rows whole or its block columns); `finish_ct_w8a8_experts` turns them into the op's block scales
+(`reference.Fp8Experts`), nothing requantized:
 
 - **channel**: each row's scale is the scale of its ``(1, K)`` block, ``K`` all of a product's inputs
   (`fp8_experts.whole_row_group`): one float32 per row, ``[E, rows, 1]`` (the fused-MoE kernel walks the row's
@@ -19,9 +20,10 @@ nothing requantized:
   tensor-parallel split falls on whole blocks; otherwise `ConfigError`).
 
 The inputs of both products are quantized dynamically per token (channel and tensor: one scale per token, the
-checkpoint's ``strategy: token`` and vLLM's; block: in groups of the block's columns); under a tensor-parallel
-split the down product's input is this rank's intermediate columns. Refused
-by name (`expert_scheme`): static activation scales on experts, int8 W8A8 experts, experts of two schemes.
+checkpoint's ``strategy: token`` and vLLM's, to int8 for int8 experts as compressed-tensors quantizes them; block: in
+groups of the block's columns); under a tensor-parallel split the down product's input is this rank's intermediate
+columns. Refused by name (`expert_scheme`): static activation scales on experts (fp8 or int8), experts of two
+schemes.
 """
 
 from __future__ import annotations
@@ -41,11 +43,12 @@ from asyncllm.models.fp8_experts import (
     fp8_weights,
     whole_row_group,
 )
+from asyncllm.models.int8 import int8_scale, quantize_int8
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
 from asyncllm.models.moe import FusedMoE
-from asyncllm.models.quantization import FP8_MAX, MIN_SCALE, quantize_fp8
+from asyncllm.models.quantization import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 
-__all__ = ["expert_scheme", "make_ct_fp8_expert_params", "finish_ct_fp8_experts", "quantize_drawn_ct_fp8_experts"]
+__all__ = ["expert_scheme", "make_ct_w8a8_expert_params", "finish_ct_w8a8_experts", "quantize_drawn_ct_w8a8_experts"]
 
 
 def _checkpoint_modules(model: nn.Module, name: str) -> list[str]:
@@ -74,7 +77,7 @@ def _layer_schemes(model: nn.Module, cfg: CompressedTensorsCheckpointConfig
 
 def expert_scheme(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> CompressedTensorsScheme | None:
     """The one scheme of the model's quantized experts (None: no experts, or all left float); `NotBuiltError` for
-    experts of two schemes, int8 W8A8 experts, or fp8 experts with static activation scales."""
+    experts of two schemes, or fp8 / int8 W8A8 experts with static activation scales."""
     return _one_scheme(_layer_schemes(model, cfg))
 
 
@@ -85,22 +88,23 @@ def _one_scheme(layers: list[tuple[str, FusedMoE, CompressedTensorsScheme | None
         return None
     scheme = next(iter(schemes))
     kinds = ", ".join(sorted(f"{s.kind} {s.strategy}" for s in schemes))
-    if len(schemes) > 1 or scheme.kind == "int8":
-        raise NotBuiltError("model", kinds, "compressed-tensors experts other than one fp8 scheme with dynamic "
-                                            "activations (FP8_DYNAMIC, FP8_BLOCK) or one pack-quantized integer "
-                                            "scheme (W4A16 / W8A16): W8A8 int8 experts, experts of two schemes")
+    if len(schemes) > 1:
+        raise NotBuiltError("model", kinds, "compressed-tensors experts other than one fp8 or int8 W8A8 scheme with "
+                                            "dynamic activations (FP8_DYNAMIC, FP8_BLOCK, W8A8) or one "
+                                            "pack-quantized integer scheme (W4A16 / W8A16): experts of two schemes")
     if scheme.static_input:
-        raise NotBuiltError("model", kinds, "static fp8 activation scales (input_scale) on compressed-tensors "
-                                            "experts: their inputs are quantized dynamically")
+        raise NotBuiltError("model", kinds, f"static {scheme.kind} activation scales (input_scale) on "
+                                            "compressed-tensors experts: their inputs are quantized dynamically")
     return scheme
 
 
-def _fp8_layers(model: nn.Module, cfg: CompressedTensorsCheckpointConfig
-                ) -> list[tuple[str, FusedMoE, CompressedTensorsScheme]]:
-    """(name, experts, scheme) of every `FusedMoE` whose experts are fp8 (`expert_scheme`'s refusals first)."""
+def _w8a8_layers(model: nn.Module, cfg: CompressedTensorsCheckpointConfig
+                 ) -> list[tuple[str, FusedMoE, CompressedTensorsScheme]]:
+    """(name, experts, scheme) of every `FusedMoE` whose experts are fp8 or int8 W8A8 (`expert_scheme`'s refusals
+    first)."""
     layers = _layer_schemes(model, cfg)
     scheme = _one_scheme(layers)
-    if scheme is None or scheme.kind != "fp8":
+    if scheme is None or scheme.kind not in ("fp8", "int8"):
         return []
     return [(name, moe, scheme) for name, moe, layer_scheme in layers if layer_scheme is not None]
 
@@ -121,14 +125,15 @@ def _scale_shape(moe: FusedMoE, part: str, scheme: CompressedTensorsScheme, hidd
     return moe.num_local_experts, -(-rows // bn), -(-cols // bk)
 
 
-def make_ct_fp8_expert_params(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> int:
-    """Before loading: fp8 ``w13`` / ``w2`` and the staging scales of every fp8 `FusedMoE`; how many layers."""
-    layers = _fp8_layers(model, cfg)
+def make_ct_w8a8_expert_params(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> int:
+    """Before loading: fp8 or int8 ``w13`` / ``w2`` and the staging scales of every W8A8 `FusedMoE`; how many
+    layers."""
+    layers = _w8a8_layers(model, cfg)
     for name, moe, scheme in layers:
         if scheme.block is not None:
             check_blocks(name, moe, scheme.block)
         hidden = moe.w13_weight.shape[2]
-        fp8_weights(moe)
+        fp8_weights(moe, torch.int8 if scheme.kind == "int8" else FP8_DTYPE)
         loader = functools.partial(_load_scale, moe, scheme)
         with torch.device(moe.w13_weight.device):
             for part in _parts(moe):
@@ -159,9 +164,9 @@ def _load_scale(moe: FusedMoE, scheme: CompressedTensorsScheme, param: nn.Parame
 
 
 @torch.no_grad()
-def finish_ct_fp8_experts(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> None:
-    """After loading: each fp8 `FusedMoE`'s staging scales become its block scales (see the module)."""
-    for _, moe, scheme in _fp8_layers(model, cfg):
+def finish_ct_w8a8_experts(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> None:
+    """After loading: each W8A8 `FusedMoE`'s staging scales become its block scales (see the module)."""
+    for _, moe, scheme in _w8a8_layers(model, cfg):
         scales = [getattr(moe, f"{part}_weight_scale").data for part in _parts(moe)]
         for part in _parts(moe):
             delattr(moe, f"{part}_weight_scale")
@@ -181,20 +186,24 @@ def _attach_scales(moe: FusedMoE, scheme: CompressedTensorsScheme, w13: torch.Te
 
 @torch.no_grad()
 def _quantize_drawn(w: torch.Tensor, scheme: CompressedTensorsScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [E, rows, cols]`` -> (fp8, scales in the staging's layout): per block, row or matrix, ``max / 448``."""
+    """``w [E, rows, cols]`` -> (fp8 or int8, scales in the staging's layout): per block, row or matrix, ``max / 448``
+    (int8: compressed-tensors' ``max / 127.5``)."""
     if scheme.block is not None:
         parts = [quantize_fp8_blocks(matrix, scheme.block) for matrix in w]
         return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
     dims = (1, 2) if scheme.strategy == "tensor" else (2,)
+    if scheme.kind == "int8":
+        scales = int8_scale(w.abs().amax(dim=dims, keepdim=True))
+        return quantize_int8(w, scales), scales
     scales = (w.abs().amax(dim=dims, keepdim=True).float() / FP8_MAX).clamp(min=MIN_SCALE)
     return quantize_fp8(w, scales), scales
 
 
 @torch.no_grad()
-def quantize_drawn_ct_fp8_experts(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> None:
-    """``load_format="dummy"``: every fp8 `FusedMoE`'s drawn experts quantized into its scheme, each matrix on
+def quantize_drawn_ct_w8a8_experts(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> None:
+    """``load_format="dummy"``: every W8A8 `FusedMoE`'s drawn experts quantized into its scheme, each matrix on
     its own (the gate's and the up's scales apart)."""
-    for name, moe, scheme in _fp8_layers(model, cfg):
+    for name, moe, scheme in _w8a8_layers(model, cfg):
         if scheme.block is not None:
             check_blocks(name, moe, scheme.block)
         inter = moe.intermediate

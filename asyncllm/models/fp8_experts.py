@@ -94,11 +94,13 @@ def check_blocks(name: str, moe: FusedMoE, block: tuple[int, int]) -> None:
                           "block boundaries")
 
 
-def fp8_weights(moe: FusedMoE) -> None:
+def fp8_weights(moe: FusedMoE, dtype: torch.dtype = FP8_DTYPE) -> None:
+    """The experts' ``w13`` / ``w2`` as empty fp8 parameters (``dtype`` int8: compressed-tensors' W8A8 int8 experts)
+    loaded as the float ones."""
     w13, w2 = moe.w13_weight, moe.w2_weight
     with torch.device(w13.device):
-        moe.w13_weight = new_param(*w13.shape, dtype=FP8_DTYPE, loader=moe.weight_loader)
-        moe.w2_weight = new_param(*w2.shape, dtype=FP8_DTYPE, loader=moe.weight_loader)
+        moe.w13_weight = new_param(*w13.shape, dtype=dtype, loader=moe.weight_loader)
+        moe.w2_weight = new_param(*w2.shape, dtype=dtype, loader=moe.weight_loader)
 
 
 def _make_params(moe: FusedMoE, block: tuple[int, int]) -> None:
@@ -113,11 +115,15 @@ def _make_params(moe: FusedMoE, block: tuple[int, int]) -> None:
 
 
 def compute_in_fp8(moe: FusedMoE, block: tuple[int, int]) -> None:
-    """The experts compute with their block scales: the backend's op, or on a GPU without fp8 (before Ada) the
-    reference's dequantizing one (as the dense layers' fallback)."""
+    """The experts compute with their block scales: the backend's op, or on a GPU without fp8 (before Ada; int8
+    experts: without int8 tensor-core dots in Triton, before Ampere) the reference's dequantizing one (as the dense
+    layers' fallback)."""
     moe.fp8_block = block
     device = moe.w13_weight.device
-    if device.type == "cuda" and not scaled_mm_supported(device):
+    if device.type != "cuda":
+        return
+    int8 = moe.w13_weight.dtype == torch.int8
+    if not (torch.cuda.get_device_capability(device) >= (8, 0) if int8 else scaled_mm_supported(device)):
         moe.fused_moe = reference.fused_moe
 
 

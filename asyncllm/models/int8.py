@@ -28,12 +28,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from asyncllm.models.linear import LinearBase
+if TYPE_CHECKING:  # annotations only: the kernels' reference imports this module's math
+    from asyncllm.models.linear import LinearBase
 
 __all__ = ["INT8_MIN", "INT8_MAX", "int8_scale", "quantize_int8", "quantize_int8_per_token", "quantize_int8_input",
            "quantize_int8_weight", "int8_linear_fallback", "int8_mm", "int_mm_supported", "Int8LinearMethod",

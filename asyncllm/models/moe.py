@@ -113,8 +113,8 @@ class FusedMoE(nn.Module):
         ``w2`` int32 with ``w13_scales``, ``w13_zeros``, ``w2_scales``, ``w2_zeros`` (`reference.IntExperts`)."""
         self.fp8_block: tuple[int, int] | None = None
         """An fp8 checkpoint's block (per tensor: ``(intermediate, K)``, per row ``(1, K)``, ``K`` covering both
-        products' inputs: `fp8_experts.whole_row_group`): the weights are float8_e4m3fn with
-        ``*_weight_scale_inv`` block scales (asyncllm/models/fp8_experts.py)."""
+        products' inputs: `fp8_experts.whole_row_group`): the weights are float8_e4m3fn (or int8: compressed-tensors'
+        W8A8 int8 experts) with ``*_weight_scale_inv`` block scales (asyncllm/models/fp8_experts.py)."""
 
     def make_weights(self, b: DecoderBuild) -> None:
         """``w13_weight [E, 2I, H]`` (without a gate ``[E, I, H]``) and ``w2_weight [E, H, I]`` in the model dtype, for

@@ -4,8 +4,8 @@ per matrix or per 16x16 block; the rest float) loaded through the real loader an
 holding the dequantized experts, each product's input fake-quantized per token (block: in groups of 16), the served
 path's (docs/quantization.md). Mixtral at hidden 192 and intermediate 160: each product's input wider than the
 fused-MoE kernel's 128-column K step, one scale per token. Both tensor-parallel ranks' experts against the reference
-on their slice; dummy weights; static activation scales, int8 W8A8 experts and a layer's experts in two schemes
-refused."""
+on their slice; dummy weights; static activation scales (fp8 or int8 W8A8) and a layer's experts in two schemes
+refused (the int8 W8A8 experts served: tests/unit/test_compressed_tensors_int8_experts.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from model_utils import PagedRun
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.checkpoint import prequantized_config
-from asyncllm.models.compressed_tensors_experts import finish_ct_fp8_experts, make_ct_fp8_expert_params
+from asyncllm.models.compressed_tensors_experts import finish_ct_w8a8_experts, make_ct_w8a8_expert_params
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import build_model, load_checkpoint, load_hf_config, load_model
 from asyncllm.models.registry import kv_cache_spec
@@ -105,9 +105,9 @@ def test_each_tensor_parallel_rank_computes_its_slice(checkpoint, strategy: str,
     hf_config = load_hf_config(path)
     cfg = prequantized_config(hf_config, path, None)
     model = build_model(EngineConfig.create(path), hf_config, CPU, torch.float32, rank, 2)
-    assert make_ct_fp8_expert_params(model, cfg) == 2
+    assert make_ct_w8a8_expert_params(model, cfg) == 2
     load_checkpoint(model, path)
-    finish_ct_fp8_experts(model, cfg)
+    finish_ct_w8a8_experts(model, cfg)
     moe = model.model.layers[0].mlp.experts
     num_experts, inter = moe.w13_weight.shape[0], moe.intermediate
     rows, hidden = slice(inter * rank, inter * rank + inter), moe.w2_weight.shape[1]
@@ -141,12 +141,13 @@ def test_dummy_weights_give_fp8_experts(checkpoint) -> None:
 
 @pytest.mark.parametrize("change, error, refused", [
     ({"input_activations": {"strategy": "tensor", "dynamic": False}}, NotBuiltError, "static fp8 activation scales"),
-    ({"input_activations": {"type": "int"}, "weights": {"type": "int"}}, NotBuiltError, "W8A8 int8 experts"),
+    ({"input_activations": {"type": "int", "strategy": "tensor", "dynamic": False}, "weights": {"type": "int"}},
+     NotBuiltError, "static int8 activation scales"),
     ({"targets": ["re:.*experts.*w[13]$"]}, ConfigError, "one compressed-tensors scheme for all of a layer's"),
 ])
 def test_other_expert_schemes_are_refused_by_name(checkpoint, tmp_path, change: dict, error: type,
                                                   refused: str) -> None:
-    """Static input scales, int8 W8A8 experts (``int-quantized``), a layer whose down matrices are left float."""
+    """Static input scales (fp8; int8 W8A8, ``int-quantized``), a layer whose down matrices are left float."""
     import shutil
 
     _, written, _ = checkpoint("channel")
