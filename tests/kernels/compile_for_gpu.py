@@ -196,7 +196,10 @@ def moe_cases(p: str):
         ):
             consts = {**consts, **blocks}
             floats = tuple(n for n in ("alpha", "limit") if n in kernel.arg_names)
-            divisible = tuple(n for n in kernel.arg_names if n not in consts and n not in ("num_pairs", *floats))
+            # MXFP4's exponent rows are K/32 long (gpt-oss: 90, 45 at two ranks): no multiple of 16, as launched
+            odd = ("w_s_stride_n",) if mxfp4 else ()
+            divisible = tuple(n for n in kernel.arg_names
+                              if n not in consts and n not in ("num_pairs", *floats, *odd))
             yield (f"fused_moe {name} BLOCK_M={cfg.block_m} gpt_oss={gpt_oss} gated={gated} fp8={fp8_group} "
                    f"gelu={gelu} int{bits}{' mxfp4' if mxfp4 else ''}{' int8' if int8 else ''}", kernel,
                    {**aligned, **(fp8 if is_fp8 else ints if bits else mxfp4_scales if mxfp4 else {}), **pointers},
