@@ -42,7 +42,8 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--max-tokens-limit", type=int, default=None,
                        help="largest max_tokens per request (default: max_model_len)")
     serve.add_argument("--max-prompts", type=int, default=64, help="most prompts per /v1/completions request")
-    serve.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body (default: 1 MiB)")
+    serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
+                       help="largest request body (default: 64 MiB, a few photos as data URLs)")
     serve.add_argument("--max-audio-bytes", type=int, default=25 << 20,
                        help="largest audio upload to /v1/audio/transcriptions and /translations (default: 25 MiB)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -54,10 +54,12 @@ class NotBuiltError(ConfigError):
 class InvalidRequestError(AsyncLLMError, ValueError):
     """A prompt or sampling parameter is invalid; ``field`` names it."""
 
-    def __init__(self, field: str, message: str) -> None:
+    def __init__(self, field: str, message: str, *, code: str | None = None) -> None:
         self.field = field
         self.message = message
         """What was wrong, without the field name."""
+        self.code = code
+        """OpenAI's error code, for clients that branch on it (``context_length_exceeded``); None: none."""
         super().__init__(f"{field}: {message}")
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
-from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt
+from asyncllm.engine.validation import check_text, check_untokenized, context_length_error, truncated_prompt
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest,
@@ -39,6 +38,7 @@ from asyncllm.integrations.openai_protocol import (
     ServerLimits,
     completion_prompts,
     resolve_max_tokens,
+    response_id,
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.starlette import wait_disconnect
@@ -78,6 +78,9 @@ def check_beam_search_request(req: CompletionRequest | ChatCompletionRequest) ->
         (req.response_format is not None and req.response_format.get("type") != "text", "response_format",
          "structured output is not built"),
         (req.structured_outputs is not None, "structured_outputs", "structured output is not built"),
+        (req.return_token_ids, "return_token_ids", "not built"),
+        (req.add_special_tokens not in (None, isinstance(req, CompletionRequest)), "add_special_tokens",
+         "only its default is built"),
     ]
     if isinstance(req, CompletionRequest):
         refusals += [
@@ -122,8 +125,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     params = []
     for ids in prompts:
         if len(ids) >= max_model_len:
-            raise InvalidRequestError("prompt", f"{len(ids)} tokens, but max_model_len is {max_model_len} "
-                                                "(prompt plus at least one generated token)")
+            raise context_length_error(max_model_len, len(ids))  # the prompt plus at least one generated token
         room = max_model_len - len(ids)
         params.append(BeamSearchParams(width, room if max_tokens is None else min(max_tokens, room), req.ignore_eos,
                                        length_penalty=req.length_penalty))
@@ -144,7 +146,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
         choices.prompt_tokens[prompt_index] = len(ids)
     deltas = _deltas(prompts, outputs, req.n, top_logprobs is not None)
     kind = "chat.completion" if chat else "text_completion"
-    meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+    meta = {"id": response_id("chatcmpl" if chat else "cmpl", req),
             "object": kind + ".chunk" if chat and req.stream else kind, "created": int(time.time()), "model": model}
     if req.stream:
         return StreamingResponse(_sse(req, choices, deltas, meta), media_type="text/event-stream",
@@ -232,7 +234,8 @@ async def _sse(req: CompletionRequest | ChatCompletionRequest, choices: Choices,
             for choice in chat_stream_choices(choices, index, delta, logprobs):
                 yield chunk(choice)
         else:
-            yield chunk({"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason})
+            yield chunk({"index": index, "text": delta.text, "logprobs": logprobs, "finish_reason": delta.finish_reason,
+                         "stop_reason": delta.stop_reason})
     if usage != "none":
         yield sse_event({**meta, "choices": [], "usage": choices.usage()})
     yield b"data: [DONE]\n\n"

@@ -17,6 +17,7 @@ structured output: OpenAI's ``response_format`` (``json_object``,
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -26,11 +27,12 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import SamplingParams, StructuredOutputs
+from asyncllm.integrations.openai_structured import structured_output
 
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
-    "decode_request", "completion_params", "chat_params", "completion_prompts", "chat_messages", "request_options",
-    "echo_only", "template_kwargs", "resolve_max_tokens", "ChatTemplates",
+    "decode_request", "completion_params", "chat_params", "completion_prompts", "request_options",
+    "echo_only", "template_kwargs", "resolve_max_tokens", "sets_max_tokens", "response_id", "ChatTemplates",
 ]
 
 
@@ -38,8 +40,8 @@ __all__ = [
 class ServerLimits:
     """Per-request bounds the server enforces before anything reaches the engine."""
 
-    max_body_bytes: int = 1 << 20
-    """Largest request body (413 beyond)."""
+    max_body_bytes: int = 64 << 20
+    """Largest request body (413 beyond): a bound against abuse that still takes a few photos as data URLs."""
     max_audio_bytes: int = 25 << 20
     """Largest upload to ``/v1/audio/transcriptions`` and ``/translations`` (413 beyond; OpenAI's 25 MB)."""
     max_n: int = 16
@@ -100,6 +102,13 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's: beam search of width n (completions: best_of when given) instead of sampling (openai_beam_search.py)."""
     length_penalty: float = 1.0
     """vLLM's, with use_beam_search: beams are ranked by cumulative logprob / length ** length_penalty."""
+    request_id: str | None = None
+    """vLLM's: the response's id is ``cmpl-`` / ``chatcmpl-`` and this (by default a random one)."""
+    return_token_ids: bool = False
+    """vLLM's: each choice carries its ``token_ids``, and the prompt's ``prompt_token_ids`` (not with stream)."""
+    add_special_tokens: bool | None = None
+    """vLLM's: tokenize the prompt with the tokenizer's special tokens (BOS); only its default is built: true for
+    completions, false for chat (whose template writes them)."""
 
 
 class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
@@ -137,6 +146,11 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     """vLLM's: a Jinja template for this request; only on a server started with --trust-request-chat-template."""
     mm_processor_kwargs: dict[str, Any] | None = None
     """vLLM's: the image processor's settings for this request's images (``{"max_pixels": ...}``)."""
+    reasoning_effort: str | None = None
+    """OpenAI's: passed to the chat template as ``reasoning_effort`` (gpt-oss's template reads it; a
+    ``chat_template_kwargs`` key of that name wins)."""
+    include_reasoning: bool = True
+    """vLLM's: false leaves the reasoning parser's ``reasoning`` out of the reply (streamed and not)."""
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -193,35 +207,17 @@ def completion_prompts(prompt: str | list[Any], limits: ServerLimits, field: str
     raise InvalidRequestError(field, "must be a string, a list of strings, a list of token ids, or a list of those lists")
 
 
-_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+def sets_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether the request sets its max_tokens (completions' default 16 counts, as in vLLM): then a prompt plus
+    max_tokens over max_model_len is a 400, as vLLM's server answers; unset, a reply runs to the room left."""
+    if isinstance(req, ChatCompletionRequest):
+        return req.max_completion_tokens is not None or req.max_tokens is not None
+    return req.max_tokens is not None
 
 
-def chat_messages(messages: list[dict[str, Any]], images: bool = False) -> list[dict[str, Any]]:
-    """Messages with text-part lists flattened to strings (the engine's chat template takes strings).
-
-    With ``images`` (a chat completion), a content list with ``image_url`` (or vLLM's ``video_url`` / ``audio_url``,
-    OpenAI's ``input_audio``) parts stays a list of text and media parts, which the engine's chat splits
-    (asyncllm/mm/): the url is a base64 ``data:`` URL
-    (http(s) URLs are refused by the engine, which fetches nothing), OpenAI's ``detail`` hint is dropped (as vLLM
-    does), a part's ``uuid`` is the input's cache key. Elsewhere (tokenize, beam search) a media part is an error.
-    An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
-    the template (the engine parses the calls' JSON arguments for it).
-    """
-    out = []
-    for i, message in enumerate(messages):
-        content = message.get("content")
-        if isinstance(content, list) and images and any(_is_image_part(part) for part in content):
-            content = [_image_part(i, part) if _is_image_part(part) else {"type": "text", "text": _text_part(i, part)}
-                       for part in content]
-        elif isinstance(content, list):
-            content = "".join(_text_part(i, part) for part in content)
-        elif content is None:
-            content = ""
-        extra = set(message) - _MESSAGE_KEYS
-        if extra:
-            raise InvalidRequestError("messages", f"item {i} has fields asyncllm does not build yet: {sorted(extra)}")
-        out.append({**message, "content": content})
-    return out
+def response_id(prefix: str, req: _Common) -> str:
+    """A response's id: ``prefix-`` and vLLM's ``request_id``, else a random one."""
+    return f"{prefix}-{req.request_id or uuid.uuid4().hex}"
 
 
 def request_options(req: _Common) -> dict[str, Any]:
@@ -246,12 +242,15 @@ def header_data_parallel_rank(headers: Mapping[str, str]) -> int | None:
 
 
 def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
-    """The chat template's variables of a request: ``add_generation_prompt`` and ``continue_final_message``,
-    then ``chat_template_kwargs`` (which win)."""
+    """The chat template's variables of a request: ``add_generation_prompt``, ``continue_final_message`` and a chat
+    completion's ``reasoning_effort``, then ``chat_template_kwargs`` (which win)."""
     if req.continue_final_message and req.add_generation_prompt:
         raise InvalidRequestError("continue_final_message", "continues the last message: set add_generation_prompt "
                                                             "to false (a new assistant turn cannot follow it)")
     extra = {"continue_final_message": True} if req.continue_final_message else {}
+    effort = getattr(req, "reasoning_effort", None)
+    if effort is not None:
+        extra["reasoning_effort"] = effort
     return {"add_generation_prompt": req.add_generation_prompt, **extra, **(req.chat_template_kwargs or {})}
 
 
@@ -306,8 +305,7 @@ def resolve_max_tokens(max_tokens: int | None, limits: ServerLimits, defaults: M
 def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: ServerLimits,
             defaults: Mapping[str, Any], prompt_logprobs: int | None = None,
             tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
-    _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
-    _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
+    _check_combinations(req)
     if _is_int(req.n) and req.n > limits.max_n:
         raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
     max_tokens = resolve_max_tokens(max_tokens, limits, defaults)
@@ -324,7 +322,7 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
         allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or [],
         truncate_prompt_tokens=req.truncate_prompt_tokens,
     )
-    params.structured, field = _structured(req)
+    params.structured, field = structured_output(req.response_format, req.structured_outputs)
     if tool_constraint is not None:
         if params.structured is not None:
             raise InvalidRequestError("tool_choice", f"a named or 'required' tool choice constrains the output: "
@@ -337,73 +335,21 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
     return params
 
 
+def _check_combinations(req: _Common) -> None:
+    """`InvalidRequestError` for fields that do not go together, or a value of one that is not built."""
+    _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
+    _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
+    _refuse(req.stream_options is not None and not req.stream, "stream_options",
+            "Stream options can only be defined when stream=True")
+    _refuse(req.stream and req.return_token_ids, "return_token_ids", "is not built with stream yet")
+    chat = isinstance(req, ChatCompletionRequest)
+    _refuse(req.add_special_tokens not in (None, not chat), "add_special_tokens",
+            f"only its default ({str(not chat).lower()} here) is built")
+
+
 def _unset_or(value: Any, defaults: Mapping[str, Any], field: str, fallback: Any) -> Any:
     """A request's field; when unset (None), the engine's default for it, else `fallback`."""
     return value if value is not None else defaults.get(field, fallback)
-
-
-_JSON_OBJECT = {"type": "object"}
-_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar")
-
-
-def _structured(req: _Common) -> tuple[StructuredOutputs | None, str]:
-    """The request's output constraint, and the field that set it: ``response_format`` or ``structured_outputs``."""
-    response_format = req.response_format
-    if response_format is not None and response_format.get("type") == "text":
-        response_format = None
-    if response_format is not None and req.structured_outputs is not None:
-        raise InvalidRequestError("structured_outputs", "set response_format or structured_outputs, not both")
-    if req.structured_outputs is not None:
-        return _from_structured_outputs(req.structured_outputs), "structured_outputs"
-    if response_format is None:
-        return None, "response_format"
-    kind = response_format.get("type")
-    if kind == "json_object":
-        return StructuredOutputs(json=_JSON_OBJECT), "response_format"
-    if kind != "json_schema":
-        raise InvalidRequestError("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
-    spec = response_format.get("json_schema")
-    if not isinstance(spec, dict) or "schema" not in spec:
-        raise InvalidRequestError("response_format", "json_schema must be an object with a 'schema' (and a 'name')")
-    return StructuredOutputs(json=spec["schema"]), "response_format"
-
-
-def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
-    unknown = sorted(set(value) - {*_STRUCTURED_KEYS, "json_object"})
-    if unknown:
-        raise InvalidRequestError("structured_outputs", f"keys asyncllm does not build: {unknown}")
-    fields = {key: value[key] for key in _STRUCTURED_KEYS if value.get(key) is not None}
-    if value.get("json_object"):
-        if "json" in fields:
-            raise InvalidRequestError("structured_outputs", "set json or json_object, not both")
-        fields["json"] = _JSON_OBJECT
-    return StructuredOutputs(**fields)  # more than one kind: validate() names them
-
-
-def _is_image_part(part: object) -> bool:
-    return isinstance(part, dict) and part.get("type") in ("image_url", "video_url", "audio_url", "input_audio")
-
-
-def _image_part(i: int, part: dict[str, Any]) -> dict[str, Any]:
-    """An OpenAI ``image_url`` (vLLM's ``video_url`` / ``audio_url``) part as the engine's chat takes it: the url
-    string and the optional uuid; OpenAI's ``input_audio`` (``{"data": base64, "format"}``) as it is."""
-    kind = part["type"]
-    if kind == "input_audio":
-        return {key: part[key] for key in ("type", "input_audio", "uuid") if key in part}
-    value = part.get(kind)
-    url = value.get("url") if isinstance(value, dict) else value
-    if not isinstance(url, str) or not url:
-        raise InvalidRequestError("messages", f"item {i}: an {kind} part needs {kind}.url (a data: URL)")
-    return {"type": kind, kind: {"url": url}, **({"uuid": part["uuid"]} if "uuid" in part else {})}
-
-
-def _text_part(i: int, part: object) -> str:
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
-    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise InvalidRequestError("messages", f"item {i}: only text, image_url, video_url, audio_url and input_audio "
-                                          "content parts are built "
-                                          f"(the media parts in chat completions), got {kind!r}")
 
 
 def _refuse(condition: bool, field: str, why: str) -> None:

@@ -31,8 +31,12 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     num_tokens: int = 0
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    """vLLM's: the stop string or stop token id that ended the choice (None: EOS, length, or running)."""
     token_ids: list[int] = field(default_factory=list)
     logprobs: Entries = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    """The generated token ids, with vLLM's ``return_token_ids`` (`token_ids` also holds an echoed prompt's)."""
     text_offset: int = 0
     """Characters of this choice's text before the next logprob's token (completions' text_offset)."""
     reply: ChatReply | None = None
@@ -45,7 +49,8 @@ class Choices:
     def __init__(self, num_prompts: int, n: int, top_logprobs: int | None, chat: bool,
                  token_text: Callable[[int], str] | None = None, echo_only: bool = False,
                  tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None,
-                 return_prompt_logprobs: bool = False, token_ids_as_text: bool = False) -> None:
+                 return_prompt_logprobs: bool = False, token_ids_as_text: bool = False,
+                 include_reasoning: bool = True, return_token_ids: bool = False) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -64,6 +69,12 @@ class Choices:
         """Chat: the server's reasoning parser, or None."""
         self.return_prompt_logprobs = return_prompt_logprobs
         """vLLM's ``prompt_logprobs`` field: on each completion choice, at the top of a chat response."""
+        self.include_reasoning = include_reasoning
+        """Chat (vLLM's ``include_reasoning``): false leaves the ``reasoning`` deltas out."""
+        self.return_token_ids = return_token_ids
+        """vLLM's: ``token_ids`` on each choice, ``prompt_token_ids`` on each completion choice (chat: at the top)."""
+        self.prompt_token_ids: list[list[int] | None] = [None] * num_prompts
+        """Each prompt's token ids, kept with `return_token_ids` (the server sets them)."""
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
@@ -76,8 +87,10 @@ class Choices:
         choice = self._choices[index]
         choice.text.append(delta.text)
         choice.num_tokens += len(delta.token_ids)
+        if self.return_token_ids:
+            choice.output_token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
-            choice.finish_reason = delta.finish_reason
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         logprobs = None
         if self.top_logprobs is not None and delta.logprobs is not None:
             choice.token_ids.extend(delta.token_ids)
@@ -94,7 +107,11 @@ class Choices:
         if finish_reason is not None:
             more, finish_reason = choice.reply.finish(finish_reason)
             deltas += more
-        return deltas, finish_reason
+        return self._shown(deltas), finish_reason
+
+    def _shown(self, deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The deltas a client sees: without ``reasoning`` ones when the request set include_reasoning false."""
+        return deltas if self.include_reasoning else [delta for delta in deltas if "reasoning" not in delta]
 
     def echo(self, prompt_index: int, text: str, token_ids: list[int]) -> list[tuple[int, dict[str, Any] | None]]:
         """Put the prompt before each choice of this prompt (completions' ``echo``).
@@ -128,23 +145,38 @@ class Choices:
             if self.top_logprobs is not None:
                 choice.text_offset = 0
                 logprobs = self._format_logprobs(choice, choice.token_ids, choice.logprobs)
-            if self.chat:
-                reply = ChatReply(self.tool_mode, self.reasoning, stream_arguments=False)
-                deltas = reply.feed(text)
-                more, finish_reason = reply.finish(choice.finish_reason)
-                message = merge_deltas(deltas + more, tools=self.tool_mode.kind != "none")
-                out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
-            else:
-                out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason})
-                if self.return_prompt_logprobs:
-                    out[-1]["prompt_logprobs"] = prompt_logprobs_body(self.prompt_logprobs[index // self.n])
+            out.append(self._chat_choice(index, choice, text, logprobs) if self.chat else
+                       self._completion_choice(index, choice, text, logprobs))
+            if self.return_token_ids:
+                out[-1]["token_ids"] = choice.output_token_ids
+        return out
+
+    def _chat_choice(self, index: int, choice: _Choice, text: str, logprobs: Any) -> dict[str, Any]:
+        reply = ChatReply(self.tool_mode, self.reasoning, stream_arguments=False)
+        deltas = reply.feed(text)
+        more, finish_reason = reply.finish(choice.finish_reason)
+        message = merge_deltas(self._shown(deltas + more), tools=self.tool_mode.kind != "none")
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                "stop_reason": choice.stop_reason}
+
+    def _completion_choice(self, index: int, choice: _Choice, text: str, logprobs: Any) -> dict[str, Any]:
+        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": choice.finish_reason,
+               "stop_reason": choice.stop_reason}
+        if self.return_prompt_logprobs:
+            out["prompt_logprobs"] = prompt_logprobs_body(self.prompt_logprobs[index // self.n])
+        if self.return_token_ids:
+            out["prompt_token_ids"] = self.prompt_token_ids[index // self.n]
         return out
 
     def response_fields(self) -> dict[str, Any]:
-        """Fields of a non-streaming response besides its choices: a chat's ``prompt_logprobs`` when asked."""
+        """Fields of a non-streaming response besides its choices: a chat's ``prompt_logprobs`` and (vLLM's
+        ``return_token_ids``) ``prompt_token_ids`` when asked."""
+        fields: dict[str, Any] = {}
         if self.chat and self.return_prompt_logprobs:
-            return {"prompt_logprobs": prompt_logprobs_body(self.prompt_logprobs[0])}
-        return {}
+            fields["prompt_logprobs"] = prompt_logprobs_body(self.prompt_logprobs[0])
+        if self.chat and self.return_token_ids:
+            fields["prompt_token_ids"] = self.prompt_token_ids[0]
+        return fields
 
     def _format_logprobs(self, choice: _Choice, token_ids: list[int], entries: Entries) -> dict[str, Any]:
         top_n = self.top_logprobs or 0
@@ -156,7 +188,8 @@ class Choices:
                 token, logprob, top = self._token_text(token_id) if self._token_text else "", None, None
             else:
                 token, logprob = self._name(token_id, entry), _logprob(token_id, entry)
-                top = {self._name(t, entry): _finite(lp.logprob) for t, lp in _top(entry, top_n)} if top_n else None
+                top = {self._name(t, entry): _finite(lp.logprob) for t, lp in _top(entry, top_n)}
+                top.setdefault(token, logprob)  # OpenAI's legacy completions: the sampled token too (up to N+1)
             tokens.append(token)
             token_logprobs.append(logprob)
             tops.append(top)
@@ -227,12 +260,16 @@ def chat_stream_choices(choices: Choices, index: int, delta: Any, logprobs: Any)
         return []
     parts = parts or [{}]
     last = len(parts) - 1
-    return [chat_chunk(index, part, logprobs if k == 0 else None, finish_reason if k == last else None)
+    stop_reason = delta.stop_reason if finish_reason is not None else None
+    return [chat_chunk(index, part, logprobs if k == 0 else None, *((finish_reason, stop_reason) if k == last else ()))
             for k, part in enumerate(parts)]
 
 
-def chat_chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None,
+               stop_reason: str | int | None = None) -> dict:
+    """One choice of a chat chunk; vLLM's ``stop_reason`` is null until the choice's finishing chunk."""
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def sse_event(payload: dict[str, Any]) -> bytes:

@@ -31,7 +31,6 @@ import functools
 import hmac
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
@@ -49,10 +48,11 @@ from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.openai_beam_search import beam_search_response
 from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, embedding_response
 from asyncllm.integrations.openai_lora import LoadLoRAAdapterRequest, LoRAModels, LoRAModule, UnloadLoRAAdapterRequest
+from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_protocol import (
-    ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest, chat_messages,
+    ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest,
     chat_params, completion_params, completion_prompts, decode_request, echo_only, header_data_parallel_rank,
-    request_options, template_kwargs,
+    request_options, response_id, sets_max_tokens, template_kwargs,
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event, token_id_text
 from asyncllm.integrations.openai_score import score_routes
@@ -240,11 +240,12 @@ class OpenAIServer:
         params = completion_params(req, self.limits, await self._sampling_defaults())
         prompts: list[Any] = embeds if embeds is not None else completion_prompts(req.prompt, self.limits)
         rank = header_data_parallel_rank(request.headers)
-        streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank)
-                   for prompt in prompts]
+        streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank,
+                                      check_max_tokens=sets_max_tokens(req)) for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
                           token_ids_as_text=self.token_ids_as_text,
-                          echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None)
+                          echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None,
+                          return_token_ids=req.return_token_ids)
         return await self._respond(request, req, model, streams, choices, "cmpl", "text_completion",
                                    echo=prompts if req.echo else None)
 
@@ -326,10 +327,12 @@ class OpenAIServer:
         streams = [self.engine.chat(chat_messages(req.messages, images=True), params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
-                                    data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs)]
+                                    data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs,
+                                    check_max_tokens=sets_max_tokens(req))]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
                           token_ids_as_text=self.token_ids_as_text,
-                          return_prompt_logprobs=req.prompt_logprobs is not None)
+                          return_prompt_logprobs=req.prompt_logprobs is not None,
+                          include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids)
         return streams, choices
 
     async def models(self, request: Request) -> Response:
@@ -464,7 +467,7 @@ class OpenAIServer:
     def _model(self, model: str | None) -> tuple[str, LoRARequest | None]:
         """The name a response carries and the adapter a request runs with: a served name (or none) is the
         base model, a LoRA module's name its adapter; any other name is a 404."""
-        if model is None or model in self.model_names:
+        if not model or model in self.model_names:  # "" too, as vLLM
             return self.model_name, None
         lora = self.loras.get(model)
         if lora is None:
@@ -476,7 +479,7 @@ class OpenAIServer:
     async def _respond(self, request: Request, req: Any, model: str, streams: list[RequestStream], choices: Choices,
                        id_prefix: str, kind: str, echo: list[str | list[int]] | None = None) -> Response:
         chunk_kind = kind + ".chunk" if choices.chat else kind
-        meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": chunk_kind if req.stream else kind,
+        meta = {"id": response_id(id_prefix, req), "object": chunk_kind if req.stream else kind,
                 "created": int(time.time()), "model": model}
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
@@ -528,7 +531,8 @@ class OpenAIServer:
                 for index in range(len(choices.prompt_tokens) * choices.n):
                     yield chunk(chat_chunk(index, {"role": "assistant", "content": ""}))
             for index, logprobs, text in echoed:
-                yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None})
+                yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None,
+                             "stop_reason": None})
             async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
                 index, logprobs = choices.add(prompt_index, delta)
                 if choices.chat:
@@ -536,7 +540,7 @@ class OpenAIServer:
                         yield chunk(choice)
                 elif delta.text or delta.finish_reason is not None or logprobs is not None:
                     yield chunk({"index": index, "text": delta.text, "logprobs": logprobs,
-                                 "finish_reason": delta.finish_reason})
+                                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason})
             if usage != "none":
                 yield sse_event({**meta, "choices": [], "usage": choices.usage()})
         except AsyncLLMError as exc:  # after the first token the status is sent: report in the stream
@@ -550,6 +554,8 @@ def _count_prompts(streams: list[RequestStream], choices: Choices) -> None:
     for i, stream in enumerate(streams):
         if stream.collector is not None:
             choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
+            if choices.return_token_ids:
+                choices.prompt_token_ids[i] = list(stream.collector.prompt_token_ids)
 
 
 def error_response(exc: AsyncLLMError | ApiError) -> Response:

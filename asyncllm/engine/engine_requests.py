@@ -33,13 +33,14 @@ class EngineRequests:
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
                request_id: str | None = None, timeout: float | None = None,
                cache_salt: str | None = None, lora_request: LoRARequest | None = None,
-               data_parallel_rank: int | None = None) -> RequestStream:
+               data_parallel_rank: int | None = None, check_max_tokens: bool = False) -> RequestStream:
         """Stream `StreamDelta`s of one completion; leaving the loop aborts it.
 
         `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md); `data_parallel_rank` on that
-        replica (data_parallel_size > 1; default: the least loaded)."""
+        replica (data_parallel_size > 1; default: the least loaded). `check_max_tokens` (the OpenAI server's):
+        a prompt plus max_tokens over max_model_len is an `InvalidRequestError`, not max_tokens cut to fit."""
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
-                                 data_parallel_rank=data_parallel_rank)
+                                 data_parallel_rank=data_parallel_rank, check_max_tokens=check_max_tokens)
         return RequestStream(self, prompt, _checked_params(params), options, chat=False)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,
@@ -47,7 +48,7 @@ class EngineRequests:
              cache_salt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
              lora_request: LoRARequest | None = None, data_parallel_rank: int | None = None,
-             mm_processor_kwargs: dict[str, Any] | None = None) -> RequestStream:
+             mm_processor_kwargs: dict[str, Any] | None = None, check_max_tokens: bool = False) -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
 
         `chat_template_kwargs` are variables for the template, as in
@@ -56,11 +57,12 @@ class EngineRequests:
         `tools` are OpenAI function tools for the template; the reply's text
         holds the calls in the model's format (`asyncllm.tool_calls` parses them).
         `chat_template` (Jinja) replaces the tokenizer's template for this request; `mm_processor_kwargs` (vLLM's)
-        the image processor's settings for its images (over the engine's; docs/multimodal.md).
+        the image processor's settings for its images (over the engine's; docs/multimodal.md); `check_max_tokens`
+        as for `stream`.
         """
         options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
                                  lora_request, data_parallel_rank=data_parallel_rank,
-                                 mm_processor_kwargs=mm_processor_kwargs)
+                                 mm_processor_kwargs=mm_processor_kwargs, check_max_tokens=check_max_tokens)
         return RequestStream(self, messages, _checked_params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:

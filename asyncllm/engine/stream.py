@@ -56,6 +56,9 @@ class RequestOptions:
     mm_processor_kwargs: dict[str, Any] | None = None
     """`chat` only: the image processor's settings for this request's images, over the engine's (a prompt dict
     carries its own)."""
+    check_max_tokens: bool = False
+    """The OpenAI server's (as vLLM's server): a prompt plus ``max_tokens`` over max_model_len is an
+    `InvalidRequestError` (code ``context_length_exceeded``) instead of max_tokens cut to the room left."""
 
     def validate(self) -> None:
         check_priority(self.priority)

@@ -32,7 +32,7 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
         with pytest.raises(InvalidRequestError):
             await engine.generate(TEXTS[0], SamplingParams(max_tokens=2))
         too_long = " ".join(["engine"] * (engine.config.max_model_len + 1))
-        with pytest.raises(InvalidRequestError, match="max_model_len"):
+        with pytest.raises(InvalidRequestError, match="maximum context length"):
             await engine.embed(too_long)
         again = (await engine.embed(TEXTS[1])).embedding  # served on after the refusals
         # alone in its step now: the products' shapes differ from the first batch's (which arrival timing decides),

@@ -34,7 +34,7 @@ async def test_completion_matches_engine_and_usage_is_exact(app, bundled_engine,
         body = (await client.post("/v1/completions", json={**GREEDY, "prompt": prompt})).json()
     assert body["object"] == "text_completion" and body["model"] == MODEL
     assert body["choices"] == [{"index": 0, "text": expected.text, "logprobs": None,
-                                "finish_reason": expected.finish_reason}]
+                                "finish_reason": expected.finish_reason, "stop_reason": expected.outputs[0].stop_reason}]
     prompt_tokens = len(bundled_tokenizer(prompt).input_ids)
     completion_tokens = len(expected.token_ids)
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,

@@ -1,0 +1,90 @@
+"""OpenAI chat messages as the engine's chat takes them (`chat_messages`).
+
+Text-part lists become strings, media parts (``image_url``, ``video_url``, ``audio_url``, ``input_audio``) the
+engine's parts; an assistant message sent back as history (the official client's ``message.model_dump()``) is
+read as vLLM reads it: keys whose value is None dropped, OpenAI's assistant fields the template does not read
+ignored, ``reasoning`` given to the template as ``reasoning_content``. Other keys are a 400 naming them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.errors import InvalidRequestError
+
+__all__ = ["chat_messages"]
+
+
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
+_ASSISTANT_IGNORED_KEYS = frozenset({"refusal", "annotations", "audio", "function_call"})
+"""OpenAI's assistant message fields the template does not read (as vLLM, ignored): the official client's
+``message.model_dump()`` carries them when a reply is sent back as the next turn's history."""
+_REASONING_KEYS = ("reasoning", "reasoning_content")
+
+
+def chat_messages(messages: list[dict[str, Any]], images: bool = False) -> list[dict[str, Any]]:
+    """Messages with text-part lists flattened to strings (the engine's chat template takes strings).
+
+    With ``images`` (a chat completion), a content list with ``image_url`` (or vLLM's ``video_url`` / ``audio_url``,
+    OpenAI's ``input_audio``) parts stays a list of text and media parts, which the engine's chat splits
+    (asyncllm/mm/): the url is a base64 ``data:`` URL
+    (http(s) URLs are refused by the engine, which fetches nothing), OpenAI's ``detail`` hint is dropped (as vLLM
+    does), a part's ``uuid`` is the input's cache key. Elsewhere (tokenize, beam search) a media part is an error.
+    An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
+    the template (the engine parses the calls' JSON arguments for it), and so does its ``reasoning`` (or
+    ``reasoning_content``), as ``reasoning_content`` (Qwen3's and DeepSeek-R1's templates read it). Keys whose
+    value is None are dropped; an assistant's ``refusal``, ``annotations``, ``audio`` and ``function_call`` are
+    ignored (as vLLM); other keys are a 400 naming them.
+    """
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list) and images and any(_is_image_part(part) for part in content):
+            content = [_image_part(i, part) if _is_image_part(part) else {"type": "text", "text": _text_part(i, part)}
+                       for part in content]
+        elif isinstance(content, list):
+            content = "".join(_text_part(i, part) for part in content)
+        elif content is None:
+            content = ""
+        out.append({**_known_keys(i, message), "content": content})
+    return out
+
+
+def _known_keys(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    """A message's keys the template reads, None values dropped; an assistant's reasoning as reasoning_content."""
+    message = {key: value for key, value in message.items() if value is not None}
+    if message.get("role") == "assistant":
+        reasoning = [message.pop(key) for key in _REASONING_KEYS if key in message]
+        message = {key: value for key, value in message.items() if key not in _ASSISTANT_IGNORED_KEYS}
+        if reasoning:
+            message["reasoning_content"] = reasoning[0]
+    extra = set(message) - _MESSAGE_KEYS - {"reasoning_content"}
+    if extra:
+        raise InvalidRequestError("messages", f"item {i} has fields asyncllm does not build yet: {sorted(extra)}")
+    return message
+
+
+def _is_image_part(part: object) -> bool:
+    return isinstance(part, dict) and part.get("type") in ("image_url", "video_url", "audio_url", "input_audio")
+
+
+def _image_part(i: int, part: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI ``image_url`` (vLLM's ``video_url`` / ``audio_url``) part as the engine's chat takes it: the url
+    string and the optional uuid; OpenAI's ``input_audio`` (``{"data": base64, "format"}``) as it is."""
+    kind = part["type"]
+    if kind == "input_audio":
+        return {key: part[key] for key in ("type", "input_audio", "uuid") if key in part}
+    value = part.get(kind)
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise InvalidRequestError("messages", f"item {i}: an {kind} part needs {kind}.url (a data: URL)")
+    return {"type": kind, kind: {"url": url}, **({"uuid": part["uuid"]} if "uuid" in part else {})}
+
+
+def _text_part(i: int, part: object) -> str:
+    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+    raise InvalidRequestError("messages", f"item {i}: only text, image_url, video_url, audio_url and input_audio "
+                                          "content parts are built "
+                                          f"(the media parts in chat completions), got {kind!r}")

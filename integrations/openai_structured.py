@@ -1,0 +1,53 @@
+"""OpenAI's ``response_format`` and vLLM's ``structured_outputs`` as the engine's `StructuredOutputs`.
+
+``response_format``: ``text`` (no constraint), ``json_object``, ``json_schema`` (its ``schema``);
+``structured_outputs``: one of ``json``, ``regex``, ``choice``, ``grammar``, ``json_object: true``. Both in one
+request, or keys asyncllm does not build, are a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.sampling import StructuredOutputs
+
+__all__ = ["structured_output"]
+
+
+_JSON_OBJECT = {"type": "object"}
+_STRUCTURED_KEYS = ("json", "regex", "choice", "grammar")
+
+
+def structured_output(response_format: dict[str, Any] | None, structured_outputs: dict[str, Any] | None,
+                      ) -> tuple[StructuredOutputs | None, str]:
+    """A request's output constraint, and the field that set it: ``response_format`` or ``structured_outputs``."""
+    if response_format is not None and response_format.get("type") == "text":
+        response_format = None
+    if response_format is not None and structured_outputs is not None:
+        raise InvalidRequestError("structured_outputs", "set response_format or structured_outputs, not both")
+    if structured_outputs is not None:
+        return _from_structured_outputs(structured_outputs), "structured_outputs"
+    if response_format is None:
+        return None, "response_format"
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return StructuredOutputs(json=_JSON_OBJECT), "response_format"
+    if kind != "json_schema":
+        raise InvalidRequestError("response_format", f"type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or "schema" not in spec:
+        raise InvalidRequestError("response_format", "json_schema must be an object with a 'schema' (and a 'name')")
+    return StructuredOutputs(json=spec["schema"]), "response_format"
+
+
+def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:
+    unknown = sorted(set(value) - {*_STRUCTURED_KEYS, "json_object"})
+    if unknown:
+        raise InvalidRequestError("structured_outputs", f"keys asyncllm does not build: {unknown}")
+    fields = {key: value[key] for key in _STRUCTURED_KEYS if value.get(key) is not None}
+    if value.get("json_object"):
+        if "json" in fields:
+            raise InvalidRequestError("structured_outputs", "set json or json_object, not both")
+        fields["json"] = _JSON_OBJECT
+    return StructuredOutputs(**fields)  # more than one kind: validate() names them
