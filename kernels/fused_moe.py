@@ -37,7 +37,9 @@ tensor cores (under the interpreter or for K steps under 32 columns: in float32,
 dequantize each weight tile in float32, round it to the dtype and multiply (`fused_moe_tiles`; two pipeline stages):
 AWQ / GPTQ integers (``INT_BITS``, `reference.IntExperts`) and gpt-oss's MXFP4 (``MXFP4``, `reference.Mxfp4Experts`:
 each e2m1 nibble times its group's ``2 ** (scale - 127)`` built from float32 bits, exact, so the float path's result
-on the dequantized weights). Off, the kernels compile as before.
+on the dequantized weights); GPTQ's act-order integer experts (``G_IDX``, `reference.IntExperts`' ``w13_g_idx`` /
+``w2_g_idx``) gather each input's scale and zero point at its group ``g_idx[e, k]`` in place of ``k // GROUP_K``.
+Off, the kernels compile as before.
 
 Blocks past the padded total return at once (they read the total from the device). Products
 accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
@@ -125,13 +127,13 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alig
 @triton.jit
 def _gate_up_kernel(
     hidden_ptr, w13_ptr, act_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr, a_s_ptr, w_s_ptr,
-    w_z_ptr,
+    w_z_ptr, g_idx_ptr,
     hidden_stride, w13_stride_e, w13_stride_n, act_stride, bias_stride_e, a_s_stride, w_s_stride_e, w_s_stride_n,
-    num_pairs, H, I, alpha, limit,
+    g_idx_stride_e, num_pairs, H, I, alpha, limit,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, GATED: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr, GELU_TANH: tl.constexpr,
-    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
+    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, G_IDX: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -157,6 +159,7 @@ def _gate_up_kernel(
     gate_sz = expert * w_s_stride_e + rows * w_s_stride_n
     up_q = gate_q + I * w13_stride_n if GATED else gate_q
     up_sz = gate_sz + I * w_s_stride_n if GATED else gate_sz
+    g_row = g_idx_ptr + expert * g_idx_stride_e  # G_IDX: the expert's input groups (gate and up share them)
     for k0 in range(0, H, BLOCK_K):
         k_mask = offs_k < H - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -164,11 +167,11 @@ def _gate_up_kernel(
         group = k0 // GROUP_K
         if INT_BITS or MXFP4:
             if GATED:
-                gate = _packed_tile(gate_q, w_s_ptr + gate_sz, w_z_ptr + gate_sz, k0, offs_k, w_mask, n_mask,
-                                    INT_BITS, MXFP4, GROUP_K, BLOCK_K, dtype)
+                gate = _packed_tile(gate_q, w_s_ptr + gate_sz, w_z_ptr + gate_sz, g_row, k0, offs_k, k_mask, w_mask,
+                                    n_mask, INT_BITS, MXFP4, GROUP_K, G_IDX, BLOCK_K, dtype)
                 acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
-            up = _packed_tile(up_q, w_s_ptr + up_sz, w_z_ptr + up_sz, k0, offs_k, w_mask, n_mask, INT_BITS, MXFP4,
-                              GROUP_K, BLOCK_K, dtype)
+            up = _packed_tile(up_q, w_s_ptr + up_sz, w_z_ptr + up_sz, g_row, k0, offs_k, k_mask, w_mask, n_mask,
+                              INT_BITS, MXFP4, GROUP_K, G_IDX, BLOCK_K, dtype)
             acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         else:
             if GATED:
@@ -200,12 +203,12 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, w2_ptr, out_ptr, topk_weights_ptr, sorted_pairs_ptr, block_experts_ptr, total_rows_ptr, bias_ptr,
-    a_s_ptr, w_s_ptr, w_z_ptr,
+    a_s_ptr, w_s_ptr, w_z_ptr, g_idx_ptr,
     act_stride, w2_stride_e, w2_stride_n, out_stride, bias_stride_e, a_s_stride, w_s_stride_e, w_s_stride_n,
-    num_pairs, H, I,
+    g_idx_stride_e, num_pairs, H, I,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr,
-    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr,
+    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, G_IDX: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -225,12 +228,13 @@ def _down_kernel(
     rows = offs_n.to(tl.int64)[None, :]  # INT_BITS / MXFP4: each output row's packed values, scales (and zeros)
     w_q = w2_ptr + expert * w2_stride_e + rows * w2_stride_n
     w_sz = expert * w_s_stride_e + rows * w_s_stride_n
+    g_row = g_idx_ptr + expert * g_idx_stride_e  # G_IDX: the expert's input groups
     for k0 in range(0, I, BLOCK_K):
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if INT_BITS or MXFP4:
-            w = _packed_tile(w_q, w_s_ptr + w_sz, w_z_ptr + w_sz, k0, offs_k, k_mask[:, None] & n_mask[None, :],
-                             n_mask, INT_BITS, MXFP4, GROUP_K, BLOCK_K, dtype)
+            w = _packed_tile(w_q, w_s_ptr + w_sz, w_z_ptr + w_sz, g_row, k0, offs_k, k_mask,
+                             k_mask[:, None] & n_mask[None, :], n_mask, INT_BITS, MXFP4, GROUP_K, G_IDX, BLOCK_K, dtype)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         else:
             w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
@@ -262,7 +266,8 @@ def fused_moe(
     multiple of 128, or at least H and I: one scale per row of K); or in int8 (W8A8 int8 experts) with a block
     covering all of K, each product's input quantized to int8 per token (`int8.quantize_int8_per_token`).
     ``int_experts``: w13 ``[E, 2I, H / p]`` and w2 ``[E, H, I / p]`` packed int32 with their scales and zero points
-    (`reference.IntExperts`: AWQ / GPTQ experts), dequantized tile by tile.
+    (`reference.IntExperts`: AWQ / GPTQ experts; act-order ones with each matrix's ``g_idx``), dequantized tile by
+    tile.
     ``mxfp4``: w13 ``[E, 2I, H / 2]`` and w2 ``[E, H, I / 2]`` uint8, two e2m1 values a byte, with e8m0 scales per
     group of 32 inputs (`reference.Mxfp4Experts`: gpt-oss's checkpoints; H and I multiples of 32), dequantized tile
     by tile, exactly: the float path's result on the dequantized weights. One of ``fp8``, ``int_experts``, ``mxfp4``."""
@@ -279,6 +284,9 @@ def fused_moe(
         cfg = cfg._replace(block_k=fp8_k_step(fp8.block[1]))
     if int_experts is not None or mxfp4 is not None:  # the dequantized tiles take registers and shared memory
         cfg = cfg._replace(num_stages=min(cfg.num_stages, 2))
+    if int_experts is not None and (int_experts.w13_g_idx is not None or int_experts.w2_g_idx is not None):
+        # act-order: gathered scale and zero tiles; 128 columns would take 224 KiB of shared memory (sm_90: 227)
+        cfg = cfg._replace(block_n=min(cfg.block_n, 64))
     aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
     num_blocks = aligned.block_experts.shape[0]
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -292,25 +300,27 @@ def fused_moe(
     scaled = fp8 or ints or mxfp4  # NamedTuples: true when given
     a, a_s = _quantized(hidden, fp8, w13)
     w_s, w_z = _weight_scales(0, hidden, fp8, ints, mxfp4)
+    g_idx = _g_idx(0, hidden, ints)
     act = (torch.zeros if fp8 else torch.empty)((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, cfg.block_n))](
         a, w13, act, aligned.sorted_pairs, aligned.block_experts, aligned.total_rows,
-        hidden if w13_bias is None else w13_bias, a_s, w_s, w_z,
+        hidden if w13_bias is None else w13_bias, a_s, w_s, w_z, g_idx,
         a.stride(0), w13.stride(0), w13.stride(1), act.stride(0), 0 if w13_bias is None else w13_bias.stride(0),
-        a_s.stride(0), w_s.stride(0), w_s.stride(1) if scaled else 0,
+        a_s.stride(0), w_s.stride(0), w_s.stride(1) if scaled else 0, g_idx.stride(0),
         num_pairs, h, inter, swiglu.alpha if swiglu else 0.0, swiglu.limit if swiglu else 0.0,
         TOP_K=top_k, HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=activation != "relu2",
-        GELU_TANH=activation == "gelu_tanh", **consts,
+        GELU_TANH=activation == "gelu_tanh", G_IDX=g_idx is not hidden, **consts,
     )
     a, a_s = _quantized(act, fp8, w13)
     w_s, w_z = _weight_scales(1, hidden, fp8, ints, mxfp4)
+    g_idx = _g_idx(1, hidden, ints)
     out2 = out.view(num_pairs, h)
     _down_kernel[(num_blocks, triton.cdiv(h, cfg.block_n))](
         a, w2, out2, topk_weights.reshape(-1).contiguous(), aligned.sorted_pairs, aligned.block_experts,
-        aligned.total_rows, hidden if w2_bias is None else w2_bias, a_s, w_s, w_z,
+        aligned.total_rows, hidden if w2_bias is None else w2_bias, a_s, w_s, w_z, g_idx,
         a.stride(0), w2.stride(0), w2.stride(1), out2.stride(0), 0 if w2_bias is None else w2_bias.stride(0),
-        a_s.stride(0), w_s.stride(0), w_s.stride(1) if scaled else 0,
-        num_pairs, h, inter, HAS_BIAS=w2_bias is not None, **consts,
+        a_s.stride(0), w_s.stride(0), w_s.stride(1) if scaled else 0, g_idx.stride(0),
+        num_pairs, h, inter, HAS_BIAS=w2_bias is not None, G_IDX=g_idx is not hidden, **consts,
     )
     return out.sum(dim=1)
 
@@ -332,3 +342,10 @@ def _weight_scales(which: int, hidden: torch.Tensor, fp8: Fp8Experts | None, int
         return (ints.w13_scales, ints.w13_zeros) if which == 0 else (ints.w2_scales, ints.w2_zeros)
     quant = fp8 if fp8 is not None else mxfp4
     return (hidden if quant is None else quant[which]), hidden
+
+
+def _g_idx(which: int, hidden: torch.Tensor, ints: IntExperts | None) -> torch.Tensor:
+    """The act-order groups ``[E, K]`` of w13 (``which`` 0) or w2 (1) as the kernels take them (``G_IDX``); ``hidden``
+    where none (unread)."""
+    g_idx = None if ints is None else ints.w13_g_idx if which == 0 else ints.w2_g_idx
+    return hidden if g_idx is None else g_idx

@@ -72,9 +72,18 @@ def check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
 
 
 def _check_int(ints: IntExperts, num_experts: int, rows13: int, h: int, inter: int) -> None:
+    """Each matrix's scales and zero points ``[E, rows, ceil(K / group)]``; with its act-order ``g_idx`` (int32 ``[E,
+    K]``, on the scales' device) ``[E, rows, groups]`` of any group count (a rank's down matrix: the whole one's)."""
     for name, t, rows, cols in (("w13", ints.w13_scales, rows13, h), ("w2", ints.w2_scales, h, inter)):
+        g_idx = ints.w13_g_idx if name == "w13" else ints.w2_g_idx
+        if g_idx is not None:
+            check(g_idx.dtype == torch.int32 and tuple(g_idx.shape) == (num_experts, cols) and g_idx.stride(-1) == 1,
+                  f"int_experts.{name}_g_idx must be int32 [{num_experts}, {cols}] (last dim contiguous), got "
+                  f"{g_idx.dtype} {tuple(g_idx.shape)}")
+            check_same_device(**{f"int_experts.{name}_g_idx": g_idx, f"int_experts.{name}_scales": t})
+        groups = t.shape[-1] if g_idx is not None and t.dim() == 3 and t.shape[-1] >= 1 else -(-cols // ints.group)
         for kind, tensor in (("scales", t), ("zeros", ints.w13_zeros if name == "w13" else ints.w2_zeros)):
-            shape = (num_experts, rows, -(-cols // ints.group))
+            shape = (num_experts, rows, groups)
             check(tuple(tensor.shape) == shape and tensor.stride(-1) == 1,
                   f"int_experts.{name}_{kind} must be {list(shape)} (last dim contiguous), got {tuple(tensor.shape)}")
         check(t.stride() == (ints.w13_zeros if name == "w13" else ints.w2_zeros).stride(),

@@ -85,17 +85,22 @@ def _product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
 
 
 @triton.jit
-def _int_tile(q_rows, s_rows, z_rows, k0, offs_k, mask, n_mask, BITS: tl.constexpr, GROUP_K: tl.constexpr,
-              BLOCK_K: tl.constexpr, dtype):
+def _int_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, BITS: tl.constexpr,
+              GROUP_K: tl.constexpr, G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
     """``[BLOCK_K, BLOCK_N]`` weights of packed integer experts (`reference.IntExperts`): output rows ``n`` (``*_rows``
     point at each row: ``[1, BLOCK_N]``) at inputs ``k0 + offs_k``, dequantized in float32, rounded to ``dtype``.
-    When a K step lies inside one group (``BLOCK_K`` divides ``GROUP_K``), one row of scales and zero points is
-    loaded per step instead of one per input."""
+    With ``G_IDX`` (GPTQ act-order) input ``k``'s group is ``g_row[k]`` (the expert's ``g_idx`` row), its scales and
+    zero points gathered per input; else it is ``k // GROUP_K``, and when a K step lies inside one group (``BLOCK_K``
+    divides ``GROUP_K``) one row of scales and zero points is loaded per step instead of one per input."""
     PACK: tl.constexpr = 32 // BITS
     k = k0 + offs_k
     packed = tl.load(q_rows + (k // PACK)[:, None], mask=mask, other=0)
     q = ((packed >> ((k % PACK) * BITS)[:, None]) & ((1 << BITS) - 1)).to(tl.float32)
-    if GROUP_K % BLOCK_K == 0:
+    if G_IDX:
+        groups = tl.load(g_row + k, mask=k_mask, other=0)[:, None]
+        scale = tl.load(s_rows + groups, mask=mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_rows + groups, mask=mask, other=0.0).to(tl.float32)
+    elif GROUP_K % BLOCK_K == 0:
         group = k0 // GROUP_K
         scale = tl.load(s_rows + group, mask=n_mask[None, :], other=0.0).to(tl.float32)
         zero = tl.load(z_rows + group, mask=n_mask[None, :], other=0.0).to(tl.float32)
@@ -130,10 +135,12 @@ def _mxfp4_tile(w_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _packed_tile(q_rows, s_rows, z_rows, k0, offs_k, mask, n_mask, INT_BITS: tl.constexpr, MXFP4: tl.constexpr,
-                 GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
-    """The weight tile of packed experts: MXFP4's (``MXFP4``), else integer experts' of ``INT_BITS``."""
+def _packed_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, INT_BITS: tl.constexpr,
+                 MXFP4: tl.constexpr, GROUP_K: tl.constexpr, G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
+    """The weight tile of packed experts: MXFP4's (``MXFP4``), else integer experts' of ``INT_BITS`` (``G_IDX``:
+    act-order groups from ``g_row``)."""
     if MXFP4:
         return _mxfp4_tile(q_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K, dtype)
     else:
-        return _int_tile(q_rows, s_rows, z_rows, k0, offs_k, mask, n_mask, INT_BITS, GROUP_K, BLOCK_K, dtype)
+        return _int_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, INT_BITS, GROUP_K, G_IDX,
+                         BLOCK_K, dtype)

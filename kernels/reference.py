@@ -140,7 +140,10 @@ class IntExperts(NamedTuple):
     output row's ``bits``-bit values packed along its input (``p = 32 / bits`` per int32, the first in the lowest
     bits), with per-group ``*_scales`` and decoded zero points ``*_zeros`` ``[E, rows, inputs / group]``:
     ``W[n, k] = (q[n, k] - zeros[n, k // group]) * scales[n, k // group]``, dequantized in float32 and rounded to
-    the activations' dtype before each product (as `w4a16_matmul`)."""
+    the activations' dtype before each product (as `w4a16_matmul`). GPTQ's act-order experts: ``w13_g_idx`` /
+    ``w2_g_idx`` int32 ``[E, inputs]``, the group of each input of the matrix (its scales ``[E, rows, groups]``
+    holding every group its inputs name: a tensor-parallel rank's down matrix, all of the whole matrix's), read in
+    place of ``k // group``; None: ``k // group``."""
 
     w13_scales: torch.Tensor
     w13_zeros: torch.Tensor
@@ -148,6 +151,8 @@ class IntExperts(NamedTuple):
     w2_zeros: torch.Tensor
     bits: int
     group: int
+    w13_g_idx: torch.Tensor | None = None
+    w2_g_idx: torch.Tensor | None = None
 
 
 class Mxfp4Experts(NamedTuple):
@@ -160,10 +165,11 @@ class Mxfp4Experts(NamedTuple):
     w2_scales: torch.Tensor
 
 
-def dequantize_int_expert(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int
-                          ) -> torch.Tensor:
-    """One packed expert matrix (`IntExperts`' layout, ``q [N, K / p]``) -> ``W [N, K]`` float32."""
-    return dequantize_int_weight(q.t().contiguous(), scales.t(), zeros.t(), None, bits, group).t().contiguous()
+def dequantize_int_expert(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, group: int,
+                          g_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """One packed expert matrix (`IntExperts`' layout, ``q [N, K / p]``; act-order: each input's group ``g_idx
+    [K]``) -> ``W [N, K]`` float32."""
+    return dequantize_int_weight(q.t().contiguous(), scales.t(), zeros.t(), g_idx, bits, group).t().contiguous()
 
 
 class ClampedSwiglu(NamedTuple):
@@ -240,8 +246,10 @@ def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int,
         blocks = w[expert].view(rows, cols // MXFP4_GROUP, MXFP4_GROUP // 2)
         return F.linear(x, dequantize_mxfp4(blocks, fp8[which][expert], x.dtype))
     if isinstance(fp8, IntExperts):
-        scales, zeros = (fp8.w13_scales, fp8.w13_zeros) if which == 0 else (fp8.w2_scales, fp8.w2_zeros)
-        weight = dequantize_int_expert(w[expert], scales[expert], zeros[expert], fp8.bits, fp8.group)
+        scales, zeros, g_idx = ((fp8.w13_scales, fp8.w13_zeros, fp8.w13_g_idx) if which == 0
+                                else (fp8.w2_scales, fp8.w2_zeros, fp8.w2_g_idx))
+        weight = dequantize_int_expert(w[expert], scales[expert], zeros[expert], fp8.bits, fp8.group,
+                                       None if g_idx is None else g_idx[expert])
         return F.linear(x, weight.to(x.dtype))
     if w.dtype == torch.int8:  # compressed-tensors' forward: the input per token, ``dq(x_q) @ dq(W_q).T`` in float32
         if fp8.block[1] < w.shape[2]:

@@ -12,8 +12,9 @@ down by its input rows, or whole experts with expert parallelism), which the che
 integer path reads them packed) or dequantizes every expert in float32, rounds it to the model dtype once and
 stacks it into the float ``w13`` / ``w2`` weights (the CPU), dropping the staging tensors. Either computes what the
 dequantized weights compute. GPTQ's act-order (``desc_act``) experts take each input row's group from its
-``g_idx`` (a rank splitting a down matrix by its rows keeps every group's scales) and are dequantized at load on a
-GPU too. ``cfg`` is an
+``g_idx`` (a rank splitting a down matrix by its rows keeps every group's scales); kept packed, each matrix's ``g_idx``
+goes with them (``w13_g_idx`` / ``w2_g_idx``: gate and up share theirs, else the experts are dequantized, logged).
+``cfg`` is an
 `Int4CheckpointConfig`, or for compressed-tensors a `ct_format` of the experts' scheme (method ``"ct"``).
 """
 
@@ -232,11 +233,12 @@ def _unpacked(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, 
 def finish_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, keep_packed: bool = False) -> None:
     """Every quantized `FusedMoE`'s experts, the staging dropped: packed in `reference.IntExperts`' layout
     (``keep_packed``: on a GPU, for the fused-MoE kernel's integer path), else dequantized into its float ``w13`` /
-    ``w2`` weights. Act-order experts are dequantized on a GPU too (the kernel reads a row's groups in input order),
-    logged."""
-    if keep_packed and cfg.desc_act and any(True for _ in _quantized_experts(model, cfg)):
-        logger.info("GPTQ act-order (desc_act) experts dequantized to the model dtype at load: the fused-MoE kernel's "
-                    "integer path reads groups in input order")
+    ``w2`` weights. Act-order experts kept packed take their ``g_idx``, one for gate and up: an expert whose gate and
+    up ``g_idx`` differ has them all dequantized, logged."""
+    differing = _gate_up_g_idx_differ(model, cfg) if keep_packed and cfg.desc_act else None
+    if differing is not None:
+        logger.info("GPTQ act-order (desc_act) experts dequantized to the model dtype at load: %s's gate and up "
+                    "g_idx differ (the fused-MoE kernel's integer path reads one per expert)", differing)
         keep_packed = False
     for _, moe in _quantized_experts(model, cfg):
         (w13_shape, w2_shape, dtype), hidden = moe.int4_shape, moe.int4_shape[0][2]
@@ -247,6 +249,7 @@ def finish_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, keep_packed
 
             w13 = [torch.cat(pair, dim=1) for pair in zip(*(stacked(part) for part in _parts(moe)[:-1]))]
             w2 = stacked("down")
+            g_idx = (getattr(moe, f"{_parts(moe)[0]}_g_idx").data, moe.down_g_idx.data) if cfg.desc_act else None
         else:
             w13 = torch.stack([torch.cat([_dequantized(moe, part, e, cfg, hidden) for part in _parts(moe)[:-1]])
                                for e in experts])
@@ -256,11 +259,20 @@ def finish_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, keep_packed
                 delattr(moe, f"{part}_{kind}")
         del moe.int4_shape
         if keep_packed:
-            _attach_packed(moe, w13, w2, cfg, _group(moe, "gate", cfg, hidden), _group(moe, "down", cfg, hidden))
+            _attach_packed(moe, w13, w2, cfg, _group(moe, "gate", cfg, hidden), _group(moe, "down", cfg, hidden),
+                           g_idx)
             continue
         assert tuple(w13.shape) == w13_shape and tuple(w2.shape) == w2_shape, (w13.shape, w2.shape)
         moe.w13_weight = nn.Parameter(w13.to(dtype), requires_grad=False)
         moe.w2_weight = nn.Parameter(w2.to(dtype), requires_grad=False)
+
+
+def _gate_up_g_idx_differ(model: nn.Module, cfg: Int4CheckpointConfig) -> str | None:
+    """The first `FusedMoE` (its name) with an expert whose staged gate and up ``g_idx`` differ, else None."""
+    for name, moe in _quantized_experts(model, cfg):
+        if moe.gated and not torch.equal(moe.gate_g_idx.data, moe.up_g_idx.data):
+            return name
+    return None
 
 
 def _packed_rows(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, hidden: int
@@ -277,8 +289,9 @@ def _packed_rows(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfi
 
 
 def _attach_packed(moe: FusedMoE, w13: list[torch.Tensor], w2: list[torch.Tensor], cfg: Int4CheckpointConfig,
-                   group13: int, group2: int) -> None:
-    """The packed experts as the layer's ``w13`` / ``w2`` (int32) with their scales and zero points."""
+                   group13: int, group2: int, g_idx: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """The packed experts as the layer's ``w13`` / ``w2`` (int32) with their scales and zero points, and act-order
+    ones' ``g_idx`` of w13 and w2 (int32 ``[E, K]``, `reference.IntExperts`' ``w13_g_idx`` / ``w2_g_idx``)."""
     if group13 != group2:
         raise NotBuiltError("model", f"group_size {cfg.group_size}", "packed int experts whose gate/up and down "
                                                                       "inputs are grouped differently")
@@ -286,6 +299,9 @@ def _attach_packed(moe: FusedMoE, w13: list[torch.Tensor], w2: list[torch.Tensor
     moe.w2_weight = nn.Parameter(w2[0], requires_grad=False)
     for name, tensor in (("w13_scales", w13[1]), ("w13_zeros", w13[2]), ("w2_scales", w2[1]), ("w2_zeros", w2[2])):
         moe.register_buffer(name, tensor)
+    if g_idx is not None:
+        moe.register_buffer("w13_g_idx", g_idx[0].to(torch.int32).contiguous())
+        moe.register_buffer("w2_g_idx", g_idx[1].to(torch.int32).contiguous())
     moe.int_experts = (cfg.bits, group13)
 
 

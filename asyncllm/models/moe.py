@@ -110,7 +110,8 @@ class FusedMoE(nn.Module):
         self.fused_moe = b.attn_backend.ops.fused_moe
         self.int_experts: tuple[int, int] | None = None
         """(bits, group) of AWQ / GPTQ experts kept packed (asyncllm/models/int4_experts.py: on a GPU): ``w13`` /
-        ``w2`` int32 with ``w13_scales``, ``w13_zeros``, ``w2_scales``, ``w2_zeros`` (`reference.IntExperts`)."""
+        ``w2`` int32 with ``w13_scales``, ``w13_zeros``, ``w2_scales``, ``w2_zeros`` (`reference.IntExperts`), GPTQ
+        act-order ones with ``w13_g_idx`` / ``w2_g_idx`` too."""
         self.fp8_block: tuple[int, int] | None = None
         """An fp8 checkpoint's block (per tensor: ``(intermediate, K)``, per row ``(1, K)``, ``K`` covering both
         products' inputs: `fp8_experts.whole_row_group`): the weights are float8_e4m3fn (or int8: compressed-tensors'
@@ -133,7 +134,8 @@ class FusedMoE(nn.Module):
                                                                   self.fp8_block)}
         if self.int_experts is not None:
             fp8 = {"int_experts": IntExperts(self.w13_scales, self.w13_zeros, self.w2_scales, self.w2_zeros,
-                                             *self.int_experts)}
+                                             *self.int_experts, getattr(self, "w13_g_idx", None),
+                                             getattr(self, "w2_g_idx", None))}
         fused_moe, lora = self.kernel()
         return self.tp.all_reduce(fused_moe(x, self.w13_weight, self.w2_weight, weights, self.local_ids(ids),
                                             **self.activation, **fp8, **lora))

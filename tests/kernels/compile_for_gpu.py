@@ -157,35 +157,41 @@ def moe_cases(p: str):
     """The fused-MoE grouped products at both block configurations `moe_config` picks on a GPU (decode,
     prefill), with the real shapes' multiples of 16 (H 2048, I 768, contiguous weights), as launched."""
     aligned = dict(sorted_pairs_ptr="*i32", block_experts_ptr="*i32", total_rows_ptr="*i64", bias_ptr=p,
-                   a_s_ptr=p, w_s_ptr=p, w_z_ptr=p)
+                   a_s_ptr=p, w_s_ptr=p, w_z_ptr=p, g_idx_ptr=p)
     fp8 = dict(a_s_ptr="*fp32", w_s_ptr="*fp32")
-    ints = dict(w_s_ptr="*fp32", w_z_ptr="*fp32")
+    ints = dict(w_s_ptr="*fp32", w_z_ptr="*fp32", g_idx_ptr="*i32")
     mxfp4_scales = dict(w_s_ptr="*u8")  # e8m0 exponents; no zero points (w_z_ptr unread)
     # Qwen3-30B-A3B (E=128, k=8): 1 token, 8192 tokens; gpt-oss-20b (E=32, k=4, biases, clamped SwiGLU): 1 token;
     # Nemotron-3-Nano (E=128, k=6, no gate: relu2): 8192 tokens; DeepSeek-V3 (E=256, k=8, block fp8): 1, 8192;
     # Gemma 4's GELU-tanh experts (E=128, k=8): 8192 tokens; Qwen3-30B-A3B-GPTQ-Int4 (int4 experts, groups of 128): 1,
     # 8192; Qwen3-30B-A3B-FP8-dynamic (per-row fp8 experts: one scale group of all of K, 2048): 1 token; gpt-oss-20b's
     # and gpt-oss-120b's MXFP4 experts kept packed (E=32 and 128, k=4, biases, clamped SwiGLU): 1 token, 8192 tokens;
-    # Qwen3-30B-A3B-quantized.w8a8 (int8 experts, one scale per row and per token: the fp8 path on int8): 1, 8192
-    for num_pairs, experts, top_k, gpt_oss, gated, fp8_group, gelu, bits, mxfp4, int8 in (
-            (8, 128, 8, False, True, 0, False, 0, False, False),
-            (65536, 128, 8, False, True, 0, False, 0, False, False), (4, 32, 4, True, True, 0, False, 0, False, False),
-            (49152, 128, 6, False, False, 0, False, 0, False, False),
-            (8, 256, 8, False, True, 128, False, 0, False, False),
-            (65536, 256, 8, False, True, 128, False, 0, False, False),
-            (65536, 128, 8, False, True, 0, True, 0, False, False), (8, 128, 8, False, True, 0, False, 4, False, False),
-            (65536, 128, 8, False, True, 0, False, 4, False, False),
-            (8, 128, 8, False, True, 2048, False, 0, False, False), (4, 32, 4, True, True, 0, False, 0, True, False),
-            (32768, 128, 4, True, True, 0, False, 0, True, False),
-            (8, 128, 8, False, True, 2048, False, 0, False, True),
-            (65536, 128, 8, False, True, 2048, False, 0, False, True)):
+    # Qwen3-30B-A3B-quantized.w8a8 (int8 experts, one scale per row and per token: the fp8 path on int8): 1, 8192;
+    # a GPTQ act-order Qwen3-30B-A3B (int4 experts with each matrix's g_idx: G_IDX): 8192 tokens
+    for num_pairs, experts, top_k, gpt_oss, gated, fp8_group, gelu, bits, mxfp4, int8, g_idx in (
+            (8, 128, 8, False, True, 0, False, 0, False, False, False),
+            (65536, 128, 8, False, True, 0, False, 0, False, False, False),
+            (4, 32, 4, True, True, 0, False, 0, False, False, False),
+            (49152, 128, 6, False, False, 0, False, 0, False, False, False),
+            (8, 256, 8, False, True, 128, False, 0, False, False, False),
+            (65536, 256, 8, False, True, 128, False, 0, False, False, False),
+            (65536, 128, 8, False, True, 0, True, 0, False, False, False),
+            (8, 128, 8, False, True, 0, False, 4, False, False, False),
+            (65536, 128, 8, False, True, 0, False, 4, False, False, False),
+            (8, 128, 8, False, True, 2048, False, 0, False, False, False),
+            (4, 32, 4, True, True, 0, False, 0, True, False, False),
+            (32768, 128, 4, True, True, 0, False, 0, True, False, False),
+            (8, 128, 8, False, True, 2048, False, 0, False, True, False),
+            (65536, 128, 8, False, True, 2048, False, 0, False, True, False),
+            (65536, 128, 8, False, True, 0, False, 4, False, False, True)):
         is_fp8 = fp8_group > 0
         cfg = fused_moe.moe_config(num_pairs, experts, torch.bfloat16, on_gpu=True)
         cfg = cfg._replace(block_k=fused_moe.fp8_k_step(fp8_group)) if is_fp8 \
             else cfg._replace(num_stages=2) if bits or mxfp4 else cfg
+        cfg = cfg._replace(block_n=64) if g_idx else cfg  # as launched: the gathered scale and zero tiles
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32",
                       HAS_BIAS=gpt_oss, FP8=is_fp8, GROUP_N=(128 if fp8_group == 128 else 1) if is_fp8 else 1,
-                      UPCAST=False, INT_BITS=bits, GROUP_K=128 if bits else fp8_group or 1, MXFP4=mxfp4)
+                      UPCAST=False, INT_BITS=bits, GROUP_K=128 if bits else fp8_group or 1, MXFP4=mxfp4, G_IDX=g_idx)
         w = ("*i8" if int8 else "*fp8e4nv") if is_fp8 else "*i32" if bits else "*u8" if mxfp4 else p
         packed = bits or mxfp4  # the activations stay in the dtype
         for name, kernel, pointers, consts in (
@@ -201,7 +207,8 @@ def moe_cases(p: str):
             divisible = tuple(n for n in kernel.arg_names
                               if n not in consts and n not in ("num_pairs", *floats, *odd))
             yield (f"fused_moe {name} BLOCK_M={cfg.block_m} gpt_oss={gpt_oss} gated={gated} fp8={fp8_group} "
-                   f"gelu={gelu} int{bits}{' mxfp4' if mxfp4 else ''}{' int8' if int8 else ''}", kernel,
+                   f"gelu={gelu} int{bits}{' mxfp4' if mxfp4 else ''}{' int8' if int8 else ''}"
+                   f"{' g_idx' if g_idx else ''}", kernel,
                    {**aligned, **(fp8 if is_fp8 else ints if bits else mxfp4_scales if mxfp4 else {}), **pointers},
                    floats, consts, cfg.num_warps, dict(divisible=divisible, stages=cfg.num_stages))
 

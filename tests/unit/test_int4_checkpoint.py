@@ -330,34 +330,48 @@ def test_a_qwen3_5_gptq_checkpoint_equals_the_reference(tmp_path) -> None:
         assert float((logits - unquantized.logits(seq)).abs().max()) > 0.1  # it does serve the int4 weights
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq"])
-def test_moe_experts_kept_packed_equal_the_dequantized_ones(tmp_path, method: str) -> None:
-    """On a GPU the experts stay packed (`reference.IntExperts`' layout) for the fused-MoE kernel's integer path:
-    here through the torch reference of that path, the same logits as the experts dequantized at load."""
-    from asyncllm.models.int4_checkpoint import finish_int4_params, make_int4_params
-    from asyncllm.models.int4_experts import finish_int4_experts, make_int4_expert_params
+def staged_int4_moe_model(path, tp_rank: int = 0, tp_size: int = 1):
+    """(a quantized MoE model of rank ``tp_rank`` (no process group), its checkpoint config), its experts staged."""
+    from asyncllm.models.int4_experts import make_int4_expert_params
     from asyncllm.models.loader import build_model, load_checkpoint
-    from asyncllm.models.checkpoint import prequantized_config
-    from asyncllm.tiny import tiny_checkpoint
 
-    src, path = tiny_checkpoint("qwen3_moe"), tmp_path / method
-    write_int4_checkpoint(src, path, method, 16)
-    hf_config = load_hf_config(str(path))
-    config = EngineConfig.create(str(path))
+    hf_config, config = load_hf_config(str(path)), EngineConfig.create(str(path))
     cfg = prequantized_config(hf_config, str(path), None)
-    model = build_model(config, hf_config, CPU, torch.float32)
+    model = build_model(config, hf_config, CPU, torch.float32, tp_rank, tp_size)
     make_int4_params(model, cfg)
     make_int4_expert_params(model, cfg)
     load_checkpoint(model, str(path), "auto")
     finish_int4_params(model, cfg, use_triton=False)
-    finish_int4_experts(model, cfg, keep_packed=True)
+    return model, cfg
+
+
+def int4_moe_model(path, keep_packed: bool, tp_rank: int = 0, tp_size: int = 1):
+    """`staged_int4_moe_model`'s model, its experts kept packed (the GPU's layout) or dequantized."""
+    from asyncllm.models.int4_experts import finish_int4_experts
+
+    model, cfg = staged_int4_moe_model(path, tp_rank, tp_size)
+    finish_int4_experts(model, cfg, keep_packed=keep_packed)
+    return model
+
+
+def paged_logits(model, path) -> list[torch.Tensor]:
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches_for(kv_cache_spec(load_hf_config(str(path)), 1), torch.float32)
+    return run.run([[6, 3], [5, 0]])
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_moe_experts_kept_packed_equal_the_dequantized_ones(tmp_path, method: str) -> None:
+    """On a GPU the experts stay packed (`reference.IntExperts`' layout) for the fused-MoE kernel's integer path:
+    here through the torch reference of that path, the same logits as the experts dequantized at load."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    src, path = tiny_checkpoint("qwen3_moe"), tmp_path / method
+    write_int4_checkpoint(src, path, method, 16)
+    model = int4_moe_model(path, keep_packed=True)
     experts = model.model.layers[0].mlp.experts
     assert experts.w13_weight.dtype == torch.int32 and experts.int_experts == (4, 16)
     assert experts.w13_weight.shape == (8, 64, 64 // 8) and experts.w2_weight.shape == (8, 64, 32 // 8)
-    dequantized = load_model(config, hf_config, CPU, torch.float32)
-    for m in (model, dequantized):
-        run = PagedRun(m, SEQUENCES)
-        run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
-        m.logits = run.run([[6, 3], [5, 0]])
-    for packed, plain in zip(model.logits, dequantized.logits):
+    dequantized = load_model(EngineConfig.create(str(path)), load_hf_config(str(path)), CPU, torch.float32)
+    for packed, plain in zip(paged_logits(model, path), paged_logits(dequantized, path)):
         torch.testing.assert_close(packed, plain, atol=1e-5, rtol=0)
