@@ -44,12 +44,14 @@ class ServerLimits:
     """Largest request body (413 beyond): a bound against abuse that still takes a few photos as data URLs."""
     max_audio_bytes: int = 25 << 20
     """Largest upload to ``/v1/audio/transcriptions`` and ``/translations`` (413 beyond; OpenAI's 25 MB)."""
-    max_n: int = 16
-    """Largest `n` (samples per prompt)."""
+    max_n: int = 128
+    """Largest `n` (samples per prompt; and a beam search's width): RL rollouts' n of 64 or 128 fit (vLLM has no
+    limit; the engine's own is 1024)."""
     max_tokens: int | None = None
     """Largest `max_tokens`; None = the model's max_model_len bounds it."""
-    max_prompts: int = 64
-    """Most prompts in one /v1/completions request (a list prompt), or inputs in one /v1/embeddings request."""
+    max_prompts: int = 2048
+    """Most prompts in one /v1/completions request (a list prompt), or inputs in one /v1/embeddings request (OpenAI's
+    embeddings limit; vLLM has none)."""
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):

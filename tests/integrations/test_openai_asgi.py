@@ -121,7 +121,7 @@ async def test_completion_logprobs(app) -> None:
 @pytest.mark.parametrize(("request_body", "param"), [
     ({"prompt": "x", "foo": 1}, "foo"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "n": 17}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),
     ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
     ({"prompt": "x", "temperature": -1}, "temperature"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),  # 0 only with echo (the prompt alone)
