@@ -147,11 +147,12 @@ class IncrementalDetokenizer:
         return self._push_stop_checked(text, pieces)
 
     def _push_stop_checked(self, text: str, pieces: list[str]) -> bool:
-        # As vLLM: stop strings only count in the text of tokens after the first min_tokens.
-        if self._stops is None or len(self.token_ids) <= self._min_tokens:
+        # As vLLM: a stop string counts once it ends in the text of a token after the first min_tokens (it may begin
+        # before: that text is held back as any text that may begin one)
+        if self._stops is None:
             pieces.append(text)
             return False
-        emitted, self.stop_string = self._stops.push(text)
+        emitted, self.stop_string = self._stops.push(text, match=len(self.token_ids) > self._min_tokens)
         pieces.append(emitted)
         return self.stop_string is not None
 
@@ -319,10 +320,12 @@ class _StopStringMatcher:
         self._include = include_stop_str_in_output
         self._held = ""
 
-    def push(self, text: str) -> tuple[str, str | None]:
-        """Return (text safe to emit, matched stop string or None)."""
+    def push(self, text: str, match: bool = True) -> tuple[str, str | None]:
+        """Return (text safe to emit, matched stop string or None). A match must end in ``text`` (what is held back
+        was pushed before); with ``match`` false (the first min_tokens tokens' text) none is looked for, but text that
+        may begin one is still held back."""
         buffer = self._held + text
-        match = self._earliest_match(buffer)
+        match = self._earliest_match(buffer, len(self._held)) if match else None
         if match is not None:
             start, stop = match
             self._held = ""
@@ -335,11 +338,12 @@ class _StopStringMatcher:
         text, self._held = self._held, ""
         return text
 
-    def _earliest_match(self, buffer: str) -> tuple[int, str] | None:
-        """The match that starts first (the shorter one on a tie: it completed first)."""
+    def _earliest_match(self, buffer: str, held: int) -> tuple[int, str] | None:
+        """The match ending past the first ``held`` characters that starts first (the shorter one on a tie: it
+        completed first)."""
         best: tuple[int, int, str] | None = None
         for stop in self._stop:
-            start = buffer.find(stop)
+            start = buffer.find(stop, max(0, held - len(stop) + 1))
             if start >= 0 and (best is None or (start, len(stop)) < best[:2]):
                 best = (start, len(stop), stop)
         return None if best is None else (best[0], best[2])

@@ -301,6 +301,20 @@ def test_stop_strings_ignored_during_min_tokens(byte_level: Any) -> None:
     assert (eager.output_text, eager.token_ids) == ("", ids[:n_first])
 
 
+def test_a_stop_string_may_begin_during_min_tokens(byte_level: Any) -> None:
+    """vLLM's rule: a stop string counts once it ends after the first min_tokens tokens' text, wherever it begins
+    (that text is held back as any text that may begin one); one wholly inside it does not."""
+    ids = _ids(byte_level, "x", "a", "b", "c", "d")
+    deltas, detok = stream(byte_level, ids, stop=["abc"], min_tokens=2)  # "x", "a"; the match ends in "c"
+    assert (detok.output_text, detok.stop_string, detok.token_ids) == ("x", "abc", ids[:4])
+    assert "a" not in "".join(update.text for update in deltas)
+    _, inside = stream(byte_level, _ids(byte_level, "a", "b", "c", "d"), stop=["ab"], min_tokens=2)
+    assert (inside.output_text, inside.stop_string) == ("abcd", None)
+    matcher = _StopStringMatcher(["ab", "xaby"], False)
+    assert matcher.push("xab", match=False) == ("", None)  # "xab" may begin "xaby"
+    assert matcher.push("z") == ("xabz", None)  # "ab" lay wholly in the text pushed without matching
+
+
 def test_updates_after_a_stop_consume_nothing(byte_level: Any) -> None:
     detok = IncrementalDetokenizer(byte_level, [], SamplingParams(stop=["b"]))
     first = detok.update(_ids(byte_level, "a", "b", "c"), False)
