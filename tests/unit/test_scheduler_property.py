@@ -190,13 +190,16 @@ ops = st.lists(
     max_queued=st.sampled_from([None, 3]),
     max_loras=st.sampled_from([0, 1, 2]),
     num_drafts=st.sampled_from([0, 0, 1, 3]),
+    num_offload_blocks=st.sampled_from([0, 0, 2, 16]),
 )
 def test_random_schedules_keep_the_kv_cache_consistent(
     ops, num_gpu_blocks, block_size, budget, max_num_seqs, chunked, prefix_caching, threshold,
-    preemption_mode, num_cpu_blocks, policy, max_queued, max_loras, num_drafts,
+    preemption_mode, num_cpu_blocks, policy, max_queued, max_loras, num_drafts, num_offload_blocks,
 ):
     """max_loras 0: LoRA off; else requests take adapters 0 (none) to 3 by their index. num_drafts > 0:
-    n-gram speculative decoding (the fake model's small vocabulary makes drafts often right, often wrong)."""
+    n-gram speculative decoding (the fake model's small vocabulary makes drafts often right, often wrong).
+    num_offload_blocks > 0 (with prefix caching): the CPU prefix-cache tier (kv_offloading_size), its loads and
+    offloads mixed with swap, preemption, priority and drafts."""
     spec = {"method": "ngram", "num_speculative_tokens": num_drafts, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     config = EngineConfig.create(
         "dummy-model", block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
@@ -204,7 +207,7 @@ def test_random_schedules_keep_the_kv_cache_consistent(
         preemption_mode=preemption_mode, scheduling_policy=policy, max_num_queued_requests=max_queued,
         enable_lora=max_loras > 0, max_loras=max(max_loras, 1), speculative_config=spec if num_drafts else None,
     )
-    run_ops(ops, config, num_gpu_blocks, num_cpu_blocks)
+    run_ops(ops, config, num_gpu_blocks, num_cpu_blocks, num_offload_blocks if prefix_caching else 0)
 
 
 pressure_ops = st.lists(
@@ -236,11 +239,14 @@ def test_swap_and_priority_under_memory_pressure(ops, num_gpu_blocks, num_cpu_bl
     run_ops(ops, config, num_gpu_blocks, num_cpu_blocks)
 
 
-def run_ops(ops: list[tuple], config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-    """Play the ops (add, abort, step, tick = one second passes), then run to the end; check every step."""
+def run_ops(ops: list[tuple], config: EngineConfig, num_gpu_blocks: int, num_cpu_blocks: int,
+            num_offload_blocks: int = 0) -> None:
+    """Play the ops (add, abort, step, tick = one second passes), then run to the end; check every step. The CPU
+    prefix-cache tier's blocks follow the swap space's in the fake worker's CPU array (their ids do)."""
     now = [0.0]
-    sched = Scheduler(config, num_gpu_blocks, max_model_len=20, num_cpu_blocks=num_cpu_blocks, clock=lambda: now[0])
-    worker = FakeWorker(num_gpu_blocks, config.block_size, num_cpu_blocks)
+    sched = Scheduler(config, num_gpu_blocks, max_model_len=20, num_cpu_blocks=num_cpu_blocks, clock=lambda: now[0],
+                      num_offload_blocks=num_offload_blocks)
+    worker = FakeWorker(num_gpu_blocks, config.block_size, num_cpu_blocks + num_offload_blocks)
     budget = sched.max_num_batched_tokens
     added: list[Request] = []
     aborted: set[str] = set()
