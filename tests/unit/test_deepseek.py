@@ -143,12 +143,7 @@ def test_tp2_logits_match_transformers(tmp_path) -> None:
 
 
 def test_refused_variants() -> None:
-    path = tiny_checkpoint("deepseek_v3")
-    hf_config = load_hf_config(path)
-    hf_config.quantization_config = {"quant_method": "gptq", "bits": 4, "group_size": 8, "desc_act": True}
-    # block fp8, AWQ and GPTQ are served (test_fp8_checkpoint.py, test_int4_checkpoint.py); act-order experts are not
-    with pytest.raises(NotBuiltError, match="act-order"):
-        load_model(EngineConfig.create(path), hf_config, torch.device("cpu"), torch.float32)
+    # block fp8, AWQ and GPTQ (act-order experts too) are served: test_fp8_checkpoint.py, test_int4_checkpoint.py
     hf_config = load_hf_config(tiny_checkpoint("deepseek_v2"))
     hf_config.topk_method = "noaux_tc"
     with pytest.raises(NotBuiltError, match="topk_method"):
