@@ -126,10 +126,11 @@ def write_int4_checkpoint(src: str, dst: Path, method: str, group: int, bits: in
             parts, dequantized[name] = quantize_awq(w, group, gen)
         else:
             key = (prefix.rsplit(".", 1)[0], w.shape[1], prefix.endswith(("o_proj", "down_proj")))
+            size = w.shape[1] if group == -1 else group  # -1: one group for the whole input
             if key not in shared:
-                shared[key] = (act_order_g_idx(w.shape[1], group, gen) if desc_act
-                               else torch.arange(w.shape[1]) // group)
-            parts, dequantized[name] = quantize_gptq(w, group, bits, shared[key], gen)
+                shared[key] = (act_order_g_idx(w.shape[1], size, gen) if desc_act
+                               else torch.arange(w.shape[1]) // size)
+            parts, dequantized[name] = quantize_gptq(w, size, bits, shared[key], gen)
         tensors.update({f"{prefix}.{part}": t for part, t in parts.items()})
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())

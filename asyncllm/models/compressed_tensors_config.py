@@ -139,8 +139,8 @@ def _refuse_architecture(hf_config: Any, model: str) -> None:
 
     if has_experts(hf_config, arch) and arch in FUSED_EXPERT_ARCHITECTURES:
         raise _not_built(model, f"a mixture-of-experts model whose experts are stored fused ({arch}; experts "
-                                "stored per expert in a pack-quantized integer scheme or in fp8 with dynamic "
-                                "activations are served)")
+                                "stored per expert in a pack-quantized integer scheme, or in fp8 or int8 with "
+                                "dynamic activations, are served)")
     if arch in _REFUSED_ARCHITECTURES:
         raise _not_built(model, f"{_REFUSED_ARCHITECTURES[arch]}: {arch}")
 

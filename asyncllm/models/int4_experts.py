@@ -117,7 +117,7 @@ def _all_groups(moe: FusedMoE, part: str, cfg: Any) -> bool:
 def _group(moe: FusedMoE, part: str, cfg: Int4CheckpointConfig, hidden: int) -> int:
     if cfg.group_size > 0:
         return cfg.group_size
-    return moe.intermediate if part == "down" else hidden  # one group for a whole (unsplit) input
+    return _whole_down(moe) if part == "down" else hidden  # one group for a whole (unsplit) input
 
 
 def _check(name: str, moe: FusedMoE, cfg: Int4CheckpointConfig) -> None:
@@ -292,7 +292,7 @@ def _attach_packed(moe: FusedMoE, w13: list[torch.Tensor], w2: list[torch.Tensor
                    group13: int, group2: int, g_idx: tuple[torch.Tensor, torch.Tensor] | None) -> None:
     """The packed experts as the layer's ``w13`` / ``w2`` (int32) with their scales and zero points, and act-order
     ones' ``g_idx`` of w13 and w2 (int32 ``[E, K]``, `reference.IntExperts`' ``w13_g_idx`` / ``w2_g_idx``)."""
-    if group13 != group2:
+    if group13 != group2 and g_idx is None:  # with g_idx the kernel reads each row's group from it
         raise NotBuiltError("model", f"group_size {cfg.group_size}", "packed int experts whose gate/up and down "
                                                                       "inputs are grouped differently")
     moe.w13_weight = nn.Parameter(w13[0], requires_grad=False)

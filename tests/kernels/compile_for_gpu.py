@@ -167,7 +167,7 @@ def moe_cases(p: str):
     # 8192; Qwen3-30B-A3B-FP8-dynamic (per-row fp8 experts: one scale group of all of K, 2048): 1 token; gpt-oss-20b's
     # and gpt-oss-120b's MXFP4 experts kept packed (E=32 and 128, k=4, biases, clamped SwiGLU): 1 token, 8192 tokens;
     # Qwen3-30B-A3B-quantized.w8a8 (int8 experts, one scale per row and per token: the fp8 path on int8): 1, 8192;
-    # a GPTQ act-order Qwen3-30B-A3B (int4 experts with each matrix's g_idx: G_IDX): 8192 tokens
+    # a GPTQ act-order Qwen3-30B-A3B (int4 experts with each matrix's g_idx: G_IDX): 1, 8192 tokens
     for num_pairs, experts, top_k, gpt_oss, gated, fp8_group, gelu, bits, mxfp4, int8, g_idx in (
             (8, 128, 8, False, True, 0, False, 0, False, False, False),
             (65536, 128, 8, False, True, 0, False, 0, False, False, False),
@@ -183,12 +183,13 @@ def moe_cases(p: str):
             (32768, 128, 4, True, True, 0, False, 0, True, False, False),
             (8, 128, 8, False, True, 2048, False, 0, False, True, False),
             (65536, 128, 8, False, True, 2048, False, 0, False, True, False),
+            (8, 128, 8, False, True, 0, False, 4, False, False, True),
             (65536, 128, 8, False, True, 0, False, 4, False, False, True)):
         is_fp8 = fp8_group > 0
         cfg = fused_moe.moe_config(num_pairs, experts, torch.bfloat16, on_gpu=True)
         cfg = cfg._replace(block_k=fused_moe.fp8_k_step(fp8_group)) if is_fp8 \
             else cfg._replace(num_stages=2) if bits or mxfp4 else cfg
-        cfg = cfg._replace(block_n=64) if g_idx else cfg  # as launched: the gathered scale and zero tiles
+        cfg = cfg._replace(block_n=64, num_stages=1) if g_idx else cfg  # as launched: the gathered scale tiles
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32",
                       HAS_BIAS=gpt_oss, FP8=is_fp8, GROUP_N=(128 if fp8_group == 128 else 1) if is_fp8 else 1,
                       UPCAST=False, INT_BITS=bits, GROUP_K=128 if bits else fp8_group or 1, MXFP4=mxfp4, G_IDX=g_idx)
@@ -202,8 +203,9 @@ def moe_cases(p: str):
         ):
             consts = {**consts, **blocks}
             floats = tuple(n for n in ("alpha", "limit") if n in kernel.arg_names)
-            # MXFP4's exponent rows are K/32 long (gpt-oss: 90, 45 at two ranks): no multiple of 16, as launched
-            odd = ("w_s_stride_n",) if mxfp4 else ()
+            # scale rows of K / group entries (MXFP4's 90 or 45 a row, int4's 6 for I 768, per-row fp8 / int8: 1), the
+            # per-token scales' stride 1: not multiples of 16 as launched
+            odd = ("w_s_stride_n", "a_s_stride") if mxfp4 or bits or fp8_group == 2048 else ()
             divisible = tuple(n for n in kernel.arg_names
                               if n not in consts and n not in ("num_pairs", *floats, *odd))
             yield (f"fused_moe {name} BLOCK_M={cfg.block_m} gpt_oss={gpt_oss} gated={gated} fp8={fp8_group} "

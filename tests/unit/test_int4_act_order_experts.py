@@ -16,20 +16,24 @@ from asyncllm.models.moe import FusedMoE
 from asyncllm.tiny import tiny_checkpoint
 
 
-@pytest.mark.parametrize("arch, tp_rank, tp_size", [("mixtral", 0, 1), ("qwen3_moe", 1, 2)])
-def test_act_order_moe_experts_kept_packed(tmp_path, monkeypatch, arch: str, tp_rank: int, tp_size: int) -> None:
+@pytest.mark.parametrize("arch, tp_rank, tp_size, group", [("mixtral", 0, 1, 16), ("qwen3_moe", 1, 2, 16),
+                                                            ("qwen3_moe", 1, 2, -1)])
+def test_act_order_moe_experts_kept_packed(tmp_path, monkeypatch, arch: str, tp_rank: int, tp_size: int,
+                                           group: int) -> None:
     """Act-order experts kept packed with each matrix's ``g_idx`` (gate and up sharing theirs; rank 1 of 2: its down
-    rows' part of ``g_idx`` and every group's scales) compute as the experts dequantized at load: one rank's logits,
-    and each expert layer's partial sum on rank 1 of 2 (its all-reduce left out)."""
+    rows' part of ``g_idx`` and every group's scales, the whole input's one with ``group_size: -1``) compute as the
+    experts dequantized at load: one rank's logits, and each expert layer's partial sum on rank 1 of 2 (its
+    all-reduce left out)."""
     src, path = tiny_checkpoint(arch), tmp_path / "gptq"
-    write_int4_checkpoint(src, path, "gptq", 16, 4, True)
+    write_int4_checkpoint(src, path, "gptq", group, 4, True)
     packed, plain = (int4_moe_model(path, keep, tp_rank, tp_size) for keep in (True, False))
     layers = [(a, b) for a, b in zip(packed.modules(), plain.modules()) if isinstance(a, FusedMoE)]
     assert layers
     for moe, _ in layers:
         num_experts, inter = moe.w13_scales.shape[0], moe.intermediate
         assert moe.w13_weight.dtype == torch.int32 and moe.w13_g_idx.shape == (num_experts, moe.hidden_size)
-        assert moe.w2_g_idx.shape == (num_experts, inter) and moe.w2_scales.shape[2] == tp_size * inter // 16
+        groups = 1 if group == -1 else tp_size * inter // group
+        assert moe.w2_g_idx.shape == (num_experts, inter) and moe.w2_scales.shape[2] == groups
     if tp_size == 1:
         for a, b in zip(paged_logits(packed, path), paged_logits(plain, path)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
