@@ -50,8 +50,8 @@ def error_body(exc: AsyncLLMError | ApiError) -> tuple[int, dict[str, Any], dict
     else:
         status, kind, code = status_of(exc)
         param = exc.field if isinstance(exc, InvalidRequestError) else None
-        if isinstance(exc, InvalidRequestError) and exc.code is not None:  # context_length_exceeded
-            code = exc.code
         message = str(exc)
+        if isinstance(exc, InvalidRequestError) and exc.code is not None:  # context_length_exceeded
+            code, message = exc.code, exc.message  # no "field: " prefix: clients match the message anchored
     headers = {"Retry-After": "1"} if status in (429, 503) else {}
     return status, {"error": {"message": message, "type": kind, "param": param, "code": code}}, headers

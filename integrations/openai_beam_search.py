@@ -39,6 +39,7 @@ from asyncllm.integrations.openai_protocol import (
     completion_prompts,
     resolve_max_tokens,
     response_id,
+    sets_max_tokens,
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.starlette import wait_disconnect
@@ -118,7 +119,9 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     if chat:
         prompts = [await server._chat_tokens(req)]
     else:
-        prompts = [await _prompt_ids(engine, prompt) for prompt in completion_prompts(req.prompt, server.limits)]
+        texts = completion_prompts(req.prompt, server.limits)
+        server.limits.check_sequences(len(texts), width, "n" if width == req.n else "best_of")
+        prompts = [await _prompt_ids(engine, prompt) for prompt in texts]
     max_model_len = engine.config.max_model_len
     prompts = [truncated_prompt(ids, req.truncate_prompt_tokens, max_model_len) for ids in prompts]
     max_tokens = _max_tokens(req, server.limits, defaults)
@@ -126,6 +129,8 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     for ids in prompts:
         if len(ids) >= max_model_len:
             raise context_length_error(max_model_len, len(ids))  # the prompt plus at least one generated token
+        if max_tokens is not None and sets_max_tokens(req) and len(ids) + max_tokens > max_model_len:
+            raise context_length_error(max_model_len, len(ids), max_tokens)  # as sampling (vLLM checks it first)
         room = max_model_len - len(ids)
         params.append(BeamSearchParams(width, room if max_tokens is None else min(max_tokens, room), req.ignore_eos,
                                        length_penalty=req.length_penalty))
@@ -133,7 +138,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
             params[-1].validate()
         except InvalidRequestError as exc:  # name the request's field
             field = {"beam_width": "n" if width == req.n else "best_of"}.get(exc.field, exc.field)
-            raise InvalidRequestError(field, exc.message) from None
+            raise InvalidRequestError(field, exc.message, code=exc.code) from None
     options = {"priority": req.priority, "cache_salt": req.cache_salt, "lora_request": lora}
     outputs = await _search_all(engine, prompts, params, options, until=lambda: wait_disconnect(request))
     top_logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
@@ -141,7 +146,8 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
         raise InvalidRequestError("top_logprobs" if chat else "logprobs", f"with use_beam_search: at most 2 * beam "
                                   f"width = {2 * width} (the alternatives each step ranks), got {top_logprobs}")
     choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None,
-                      token_ids_as_text=server.token_ids_as_text)
+                      token_ids_as_text=server.token_ids_as_text,
+                      include_reasoning=not chat or req.include_reasoning)
     for prompt_index, ids in enumerate(prompts):
         choices.prompt_tokens[prompt_index] = len(ids)
     deltas = _deltas(prompts, outputs, req.n, top_logprobs is not None)

@@ -3,7 +3,8 @@
 Text-part lists become strings, media parts (``image_url``, ``video_url``, ``audio_url``, ``input_audio``) the
 engine's parts; an assistant message sent back as history (the official client's ``message.model_dump()``) is
 read as vLLM reads it: keys whose value is None dropped, OpenAI's assistant fields the template does not read
-ignored, ``reasoning`` given to the template as ``reasoning_content``. Other keys are a 400 naming them.
+ignored, ``reasoning`` (or ``reasoning_content``, a string) given to the template under both names. Other keys
+are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def chat_messages(messages: list[dict[str, Any]], images: bool = False) -> list[
     does), a part's ``uuid`` is the input's cache key. Elsewhere (tokenize, beam search) a media part is an error.
     An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
     the template (the engine parses the calls' JSON arguments for it), and so does its ``reasoning`` (or
-    ``reasoning_content``), as ``reasoning_content`` (Qwen3's and DeepSeek-R1's templates read it). Keys whose
+    ``reasoning_content``; a string), as both ``reasoning`` and ``reasoning_content`` (as vLLM: Qwen3's and
+    DeepSeek-R1's templates read the latter, others the former). Keys whose
     value is None are dropped; an assistant's ``refusal``, ``annotations``, ``audio`` and ``function_call`` are
     ignored (as vLLM); other keys are a 400 naming them.
     """
@@ -51,16 +53,20 @@ def chat_messages(messages: list[dict[str, Any]], images: bool = False) -> list[
 
 
 def _known_keys(i: int, message: dict[str, Any]) -> dict[str, Any]:
-    """A message's keys the template reads, None values dropped; an assistant's reasoning as reasoning_content."""
+    """A message's keys the template reads, None values dropped; an assistant's reasoning under both names."""
     message = {key: value for key, value in message.items() if value is not None}
+    reasoning = []
     if message.get("role") == "assistant":
-        reasoning = [message.pop(key) for key in _REASONING_KEYS if key in message]
+        reasoning = [(key, message.pop(key)) for key in _REASONING_KEYS if key in message]
         message = {key: value for key, value in message.items() if key not in _ASSISTANT_IGNORED_KEYS}
-        if reasoning:
-            message["reasoning_content"] = reasoning[0]
-    extra = set(message) - _MESSAGE_KEYS - {"reasoning_content"}
+    extra = set(message) - _MESSAGE_KEYS
     if extra:
         raise InvalidRequestError("messages", f"item {i} has fields asyncllm does not build yet: {sorted(extra)}")
+    if reasoning:  # under both names, as vLLM: templates read either
+        key, text = reasoning[0]
+        if not isinstance(text, str):
+            raise InvalidRequestError("messages", f"item {i}: {key} must be a string, got {type(text).__name__}")
+        message["reasoning"] = message["reasoning_content"] = text
     return message
 
 

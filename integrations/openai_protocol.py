@@ -21,17 +21,18 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
+from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import SamplingParams, StructuredOutputs
 from asyncllm.integrations.openai_structured import structured_output
 
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
-    "decode_request", "completion_params", "chat_params", "completion_prompts", "request_options",
+    "decode_request", "completion_params", "chat_params", "completion_prompts", "request_options", "take_request_id",
     "echo_only", "template_kwargs", "resolve_max_tokens", "sets_max_tokens", "response_id", "ChatTemplates",
 ]
 
@@ -52,6 +53,12 @@ class ServerLimits:
     max_prompts: int = 2048
     """Most prompts in one /v1/completions request (a list prompt), or inputs in one /v1/embeddings request (OpenAI's
     embeddings limit; vLLM has none)."""
+
+    def check_sequences(self, prompts: int, n: int, field: str = "n") -> None:
+        """`InvalidRequestError` naming `field` when prompts x n exceed max(max_prompts, max_n): no product."""
+        most = max(self.max_prompts, self.max_n)
+        if prompts * n > most:
+            raise InvalidRequestError(field, f"{prompts} prompts x {n} = {prompts * n} sequences (at most {most})")
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
@@ -148,8 +155,8 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     """vLLM's: a Jinja template for this request; only on a server started with --trust-request-chat-template."""
     mm_processor_kwargs: dict[str, Any] | None = None
     """vLLM's: the image processor's settings for this request's images (``{"max_pixels": ...}``)."""
-    reasoning_effort: str | None = None
-    """OpenAI's: passed to the chat template as ``reasoning_effort`` (gpt-oss's template reads it; a
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    """OpenAI's (vLLM's values): passed to the chat template as ``reasoning_effort`` (gpt-oss's template reads it; a
     ``chat_template_kwargs`` key of that name wins)."""
     include_reasoning: bool = True
     """vLLM's: false leaves the reasoning parser's ``reasoning`` out of the reply (streamed and not)."""
@@ -229,6 +236,14 @@ def request_options(req: _Common) -> dict[str, Any]:
 
 DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
 """vLLM's request header naming the replica that runs a completion (`AsyncEngine.stream`'s data_parallel_rank)."""
+
+
+def take_request_id(req: _Common, headers: Mapping[str, str]) -> None:
+    """As vLLM: the ``X-Request-Id`` header, when sent, is the request id (over the body's); too long a 400."""
+    req.request_id = headers.get("x-request-id", req.request_id)
+    if req.request_id is not None and len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"(or the X-Request-Id header) must be at most {MAX_REQUEST_ID_CHARS} "
+                                                f"characters, got {len(req.request_id)}")
 
 
 def header_data_parallel_rank(headers: Mapping[str, str]) -> int | None:
@@ -341,7 +356,7 @@ def _check_combinations(req: _Common) -> None:
     """`InvalidRequestError` for fields that do not go together, or a value of one that is not built."""
     _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
     _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
-    _refuse(req.stream_options is not None and not req.stream, "stream_options",
+    _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",  # {}: as vLLM
             "Stream options can only be defined when stream=True")
     _refuse(req.stream and req.return_token_ids, "return_token_ids", "is not built with stream yet")
     chat = isinstance(req, ChatCompletionRequest)

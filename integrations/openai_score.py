@@ -126,7 +126,7 @@ class _Handlers:
             outputs = await self._score(request, req.query, texts, _options(req, lora))
         except InvalidRequestError as exc:  # the engine names its own fields: name the request's
             field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
-            raise InvalidRequestError(field, exc.message) from None
+            raise InvalidRequestError(field, exc.message, code=exc.code) from None
         tokens = sum(len(out.prompt_token_ids) for out in outputs)
         return _json({"id": f"rerank-{uuid.uuid4().hex}", "model": model,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens},

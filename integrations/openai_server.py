@@ -52,7 +52,7 @@ from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest,
     chat_params, completion_params, completion_prompts, decode_request, echo_only, header_data_parallel_rank,
-    request_options, response_id, sets_max_tokens, template_kwargs,
+    request_options, response_id, sets_max_tokens, take_request_id, template_kwargs,
 )
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event, token_id_text
 from asyncllm.integrations.openai_score import score_routes
@@ -231,6 +231,7 @@ class OpenAIServer:
     # ------------------------------------------------------------ routes
     async def completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, CompletionRequest)
+        take_request_id(req, request.headers)
         model, lora = self._model(req.model)
         embeds = None if req.prompt_embeds is None else await completion_embeds_prompts(req, self.limits)
         if req.prompt is None and embeds is None:
@@ -239,6 +240,7 @@ class OpenAIServer:
             return await beam_search_response(self, request, req, model, lora)
         params = completion_params(req, self.limits, await self._sampling_defaults())
         prompts: list[Any] = embeds if embeds is not None else completion_prompts(req.prompt, self.limits)
+        self.limits.check_sequences(len(prompts), params.n)
         rank = header_data_parallel_rank(request.headers)
         streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank,
                                       check_max_tokens=sets_max_tokens(req)) for prompt in prompts]
@@ -251,6 +253,7 @@ class OpenAIServer:
 
     async def chat_completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
+        take_request_id(req, request.headers)
         model, lora = self._model(req.model)
         if req.use_beam_search:
             return await beam_search_response(self, request, req, model, lora)

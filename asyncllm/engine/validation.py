@@ -59,10 +59,10 @@ def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int
         return InvalidRequestError("prompt", f"This model's maximum context length is {max_model_len} tokens. However, "
                                              f"your request has {prompt_tokens} input tokens. Please reduce the length "
                                              "of the input messages.", code=CONTEXT_LENGTH_EXCEEDED)
-    return InvalidRequestError("max_tokens", f"This model's maximum context length is {max_model_len} tokens. However, "
-                                             f"you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
-                                             f"messages, {max_tokens} in the completion). Please reduce the length of "
-                                             "the messages or completion.", code=CONTEXT_LENGTH_EXCEEDED)
+    return InvalidRequestError("max_tokens", f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
+                                             f"This model's maximum context length is {max_model_len} tokens and your "
+                                             f"request has {prompt_tokens} input tokens ({max_tokens} > {max_model_len}"
+                                             f" - {prompt_tokens}).", code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def check_text(field: str, text: str) -> None:

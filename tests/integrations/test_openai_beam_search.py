@@ -102,11 +102,13 @@ async def test_beams_stop_at_max_model_len(app, bundled_engine) -> None:
     room = 3
     ids = [5 + i % 50 for i in range(bundled_engine.config.max_model_len - room)]
     async with asgi_client(app) as client:
-        body = (await client.post("/v1/completions", json={**BEAM, "prompt": ids, "n": 2, "max_tokens": 10})).json()
+        body = (await client.post("/v1/completions", json={**BEAM, "prompt": ids, "n": 2, "max_tokens": room})).json()
+        over = await client.post("/v1/completions", json={**BEAM, "prompt": ids, "n": 2, "max_tokens": room + 1})
+        too_long = await client.post("/v1/completions", json={**BEAM, "prompt": ids + [5] * room})
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
     assert body["usage"]["completion_tokens"] == 2 * room
-    async with asgi_client(app) as client:
-        too_long = await client.post("/v1/completions", json={**BEAM, "prompt": ids + [5] * room})
+    assert (over.status_code, over.json()["error"]["param"], over.json()["error"]["code"]) == (
+        400, "max_tokens", "context_length_exceeded")  # as sampling: vLLM checks the length first
     assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt"
 
 

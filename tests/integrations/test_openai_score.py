@@ -83,3 +83,9 @@ async def test_bad_requests_are_400s_naming_the_field(app, path: str, body: dict
 async def test_an_unknown_model_is_a_404(app) -> None:
     error = (await _post(app, "/score", {"model": "nope", "text_1": "a", "text_2": "b"}, status=404))["error"]
     assert error["code"] == "model_not_found"
+
+
+async def test_rerank_keeps_the_context_length_code(app, bundled_engine) -> None:
+    query = "a " * bundled_engine.config.max_model_len  # the pair is longer than the context: the engine's error
+    error = (await _post(app, "/rerank", {"query": query, "documents": ["b"]}, status=400))["error"]
+    assert error["code"] == "context_length_exceeded", error

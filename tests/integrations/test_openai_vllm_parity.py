@@ -7,7 +7,9 @@ import json
 
 import pytest
 
+from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_messages import chat_messages
+from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS
 from asyncllm.integrations.openai_protocol import ChatCompletionRequest, ServerLimits, decode_request, template_kwargs
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client, sse_events
@@ -27,11 +29,15 @@ async def test_history_messages_as_vllm_reads_them() -> None:
                 {"role": "assistant", "content": "y", "reasoning_content": "r", "refusal": "no", "audio": {"id": "a"}}]
     assert chat_messages(messages) == [
         {"role": "user", "content": "hi"},
-        {"role": "assistant", "content": "x", "reasoning_content": "thought"},
-        {"role": "assistant", "content": "y", "reasoning_content": "r"}]
-    for message in ({"role": "user", "content": "x", "foo": 1}, {"role": "user", "content": "x", "refusal": "no"}):
-        with pytest.raises(Exception, match=r"\['(foo|refusal)'\]"):
+        {"role": "assistant", "content": "x", "reasoning": "thought", "reasoning_content": "thought"},
+        {"role": "assistant", "content": "y", "reasoning": "r", "reasoning_content": "r"}]
+    for message in ({"role": "user", "content": "x", "foo": 1}, {"role": "user", "content": "x", "refusal": "no"},
+                    {"role": "user", "content": "x", "reasoning": "r"}):
+        with pytest.raises(Exception, match=r"\['(foo|refusal|reasoning)'\]"):
             chat_messages([message])
+    with pytest.raises(InvalidRequestError, match="item 0: reasoning_content must be a string, got dict") as error:
+        chat_messages([{"role": "assistant", "content": "x", "reasoning_content": {"text": "r"}}])
+    assert error.value.field == "messages"
 
 
 async def test_reasoning_effort_goes_to_the_template() -> None:
@@ -41,17 +47,24 @@ async def test_reasoning_effort_goes_to_the_template() -> None:
     assert kwargs(reasoning_effort="low")["reasoning_effort"] == "low"
     assert kwargs(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"})["reasoning_effort"] == "high"
     assert "reasoning_effort" not in kwargs()
+    assert [kwargs(reasoning_effort=value)["reasoning_effort"] for value in ("minimal", "none", "max")] == [
+        "minimal", "none", "max"]  # vLLM's values
+    with pytest.raises(InvalidRequestError) as error:
+        kwargs(reasoning_effort="extreme")
+    assert error.value.field == "reasoning_effort"
 
 
 async def test_history_reasoning_reaches_the_template(bundled_engine, bundled_tokenizer) -> None:
     app = create_app(bundled_engine, manage_engine=False, trust_request_chat_template=True)
-    template = "{% for m in messages %}{{ m.role }}:{{ m.reasoning_content or '' }}|{% endfor %}"
+    template = ("{% for m in messages %}{{ m.role }}:{{ m.reasoning_content or '' }}:{{ m.reasoning or '' }}|"
+                "{% endfor %}")
+    want = bundled_tokenizer("user::|assistant:thought:thought|", add_special_tokens=False).input_ids
     async with asgi_client(app) as client:
         tokens = await client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}, DUMPED],
                                                       "chat_template": template})
         chat = await client.post("/v1/chat/completions",
                                  json={**CHAT, "messages": [*CHAT["messages"], DUMPED, {"role": "user", "content": "y"}]})
-    assert tokens.json()["tokens"] == bundled_tokenizer("user:|assistant:thought|", add_special_tokens=False).input_ids
+    assert tokens.json()["tokens"] == want
     assert chat.status_code == 200, chat.text
 
 
@@ -87,16 +100,19 @@ async def test_context_length_errors_as_vllm(app, bundled_engine, bundled_tokeni
         unset_chat = await client.post("/v1/chat/completions", json={  # runs to the room left: EOS at once here
             **CHAT, "max_tokens": None, "allowed_token_ids": [bundled_tokenizer.eos_token_id]})
         too_long = await client.post("/v1/completions", json={**GREEDY, "prompt": [5] * length})
+        beams = [await client.post("/v1/completions", json={**GREEDY, "prompt": prompt, "max_tokens": max_tokens,
+                                                              "use_beam_search": True}) for max_tokens in (2, 3)]
     assert fits.status_code == 200 and unset_chat.status_code == 200, (fits.text, unset_chat.text)
     assert over.json()["error"] == {
-        "message": f"max_tokens: This model's maximum context length is {length} tokens. However, you requested "
-                   f"{length + 1} tokens ({length - 2} in the messages, 3 in the completion). Please reduce the length "
-                   "of the messages or completion.",
+        "message": f"'max_tokens' or 'max_completion_tokens' is too large: 3. This model's maximum context length is "
+                   f"{length} tokens and your request has {length - 2} input tokens (3 > {length} - {length - 2}).",
         "type": "invalid_request_error", "param": "max_tokens", "code": "context_length_exceeded"}
+    assert beams[0].status_code == 200 and beams[1].json()["error"] == over.json()["error"]  # checked before the search
     assert (over_chat.status_code, over_chat.json()["error"]["code"]) == (400, "context_length_exceeded")
-    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
-    assert (f"This model's maximum context length is {length} tokens. However, your request has {length} input "
-            "tokens. Please reduce the length of the input messages.") in too_long.json()["error"]["message"]
+    assert too_long.status_code == 400 and too_long.json()["error"] == {
+        "message": f"This model's maximum context length is {length} tokens. However, your request has {length} input "
+                   "tokens. Please reduce the length of the input messages.",
+        "type": "invalid_request_error", "param": "prompt", "code": "context_length_exceeded"}
 
 
 async def test_body_limit_takes_a_photo(app) -> None:
@@ -125,6 +141,9 @@ async def test_request_shape_checks(app) -> None:
         empty_model = await client.post("/v1/chat/completions", json={**CHAT, "model": ""})
         options = await client.post("/v1/completions", json={**GREEDY, "prompt": "x",
                                                               "stream_options": {"include_usage": True}})
+        empty_options = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "stream_options": {}})
+        sequences = [await client.post("/v1/completions", json={**GREEDY, "prompt": ["x"] * 129, "n": 16, **beam})
+                     for beam in ({}, {"use_beam_search": True})]  # 2,064 sequences
         special = [await client.post(path, json={**body, "add_special_tokens": value}) for path, body, value in (
             ("/v1/completions", {**GREEDY, "prompt": "x"}, False), ("/v1/chat/completions", CHAT, True))]
         defaults = [await client.post(path, json={**body, "add_special_tokens": value}) for path, body, value in (
@@ -132,6 +151,13 @@ async def test_request_shape_checks(app) -> None:
     assert empty_model.status_code == 200 and empty_model.json()["model"] == MODEL
     assert options.status_code == 400 and options.json()["error"]["param"] == "stream_options"
     assert "Stream options can only be defined when stream=True" in options.json()["error"]["message"]
+    assert empty_options.status_code == 200, empty_options.text  # vLLM refuses only a non-empty one
+    assert [(r.status_code, r.json()["error"]["param"]) for r in sequences] == [(400, "n")] * 2
+    assert "129 prompts x 16 = 2064 sequences (at most 2048)" in sequences[0].json()["error"]["message"]
+    ServerLimits().check_sequences(16, 128)  # max(max_prompts, max_n): each limit alone fits
+    ServerLimits().check_sequences(2048, 1)
+    with pytest.raises(InvalidRequestError):
+        ServerLimits().check_sequences(17, 128)
     assert [(r.status_code, r.json()["error"]["param"]) for r in special] == [(400, "add_special_tokens")] * 2
     assert [r.status_code for r in defaults] == [200, 200]
 
@@ -144,6 +170,12 @@ async def test_request_id_and_return_token_ids(app, bundled_tokenizer) -> None:
                                                                 "return_token_ids": True})).json()
         streamed = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "stream": True,
                                                               "return_token_ids": True})
+        header = (await client.post("/v1/chat/completions", json={**CHAT, "request_id": "body"},
+                                    headers={"X-Request-Id": "hdr"})).json()
+        refused = [await client.post("/v1/completions", json={**GREEDY, "prompt": "x", **body}, headers=headers)
+                   for body, headers in (({"request_id": "r" * (MAX_REQUEST_ID_CHARS + 1)}, {}),
+                                         ({"request_id": 7}, {}),
+                                         ({}, {"X-Request-Id": "h" * (MAX_REQUEST_ID_CHARS + 1)}))]
     choice = completion["choices"][0]
     assert (completion["id"], chat["id"]) == ("cmpl-r1", "chatcmpl-r2")
     assert choice["prompt_token_ids"] == bundled_tokenizer("import os").input_ids
@@ -152,6 +184,8 @@ async def test_request_id_and_return_token_ids(app, bundled_tokenizer) -> None:
     assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
     assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
     assert (streamed.status_code, streamed.json()["error"]["param"]) == (400, "return_token_ids")
+    assert header["id"] == "chatcmpl-hdr"  # vLLM's rule: the header wins over the body
+    assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [(400, "request_id")] * 3
 
 
 async def test_include_reasoning_false_drops_it(bundled_engine) -> None:
@@ -160,9 +194,15 @@ async def test_include_reasoning_false_drops_it(bundled_engine) -> None:
     async with asgi_client(app) as client:
         shown = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
         hidden = (await client.post("/v1/chat/completions", json={**body, "include_reasoning": False})).json()
-        stream = sse_events((await client.post("/v1/chat/completions", json={**body, "include_reasoning": False,
-                                                                              "stream": True})).text)
+        stream, with_logprobs = [sse_events((await client.post("/v1/chat/completions", json={
+            **body, "include_reasoning": False, "stream": True, **extra})).text) for extra in ({}, {"logprobs": True})]
+        beams = [(await client.post("/v1/chat/completions", json={**body, "use_beam_search": True, **extra})).json()
+                 for extra in ({}, {"include_reasoning": False})]
     assert shown["reasoning"]
     assert "reasoning" not in hidden["choices"][0]["message"] and hidden["usage"]["completion_tokens"] == 4
-    assert not any("reasoning" in e["choices"][0]["delta"] for e in stream)
-    assert stream[-1]["choices"][0]["finish_reason"] == "length"
+    assert not any("reasoning" in e["choices"][0]["delta"] for e in stream + with_logprobs)
+    assert [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in stream] == [
+        ({"role": "assistant", "content": ""}, None), ({}, "length")]  # no empty chunk per reasoning token
+    assert [e["choices"][0]["logprobs"] is not None for e in with_logprobs] == [False] + [True] * 4  # theirs kept
+    assert beams[0]["choices"][0]["message"]["reasoning"]
+    assert "reasoning" not in beams[1]["choices"][0]["message"], beams[1]
