@@ -190,4 +190,4 @@ def test_openai_server_binds_localhost_and_limits_requests_by_default() -> None:
 
     args = _parser().parse_args(["serve"])
     assert args.host == "127.0.0.1"
-    assert args.max_body_bytes == 64 << 20 and args.max_n == 16 and args.max_prompts == 64
+    assert args.max_body_bytes == 64 << 20 and args.max_n == 128 and args.max_prompts == 2048
