@@ -41,7 +41,9 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--max-n", type=int, default=128, help="largest n per request (default: %(default)s)")
     serve.add_argument("--max-tokens-limit", type=int, default=None,
                        help="largest max_tokens per request (default: max_model_len)")
-    serve.add_argument("--max-prompts", type=int, default=2048, help="most prompts per /v1/completions request")
+    serve.add_argument("--max-prompts", type=int, default=2048,
+                       help="most prompts per /v1/completions request, inputs per /v1/embeddings and /classify, "
+                            "texts per /score, documents per /rerank (default: %(default)s)")
     serve.add_argument("--max-body-bytes", type=int, default=64 << 20,
                        help="largest request body (default: 64 MiB, a few photos as data URLs)")
     serve.add_argument("--max-audio-bytes", type=int, default=25 << 20,

@@ -34,7 +34,7 @@ int8 weights (``FP8`` on, the pointers' element type int8): each input quantized
 (`int8.quantize_int8_per_token`, bit for bit compressed-tensors'), each int8 tile product summed exactly in int32 on
 tensor cores (under the interpreter or for K steps under 32 columns: in float32, exact too, a step's sum being at most
 ``128 * 128 * 128 = 2**21 < 2**24``), then scaled in float32 by the token's and the row's scales. Packed experts
-dequantize each weight tile in float32, round it to the dtype and multiply (`fused_moe_tiles`; two pipeline stages):
+dequantize each weight tile in float32, round it to the dtype and multiply (`fused_moe_tiles`; two pipeline stages, one for act-order):
 AWQ / GPTQ integers (``INT_BITS``, `reference.IntExperts`) and gpt-oss's MXFP4 (``MXFP4``, `reference.Mxfp4Experts`:
 each e2m1 nibble times its group's ``2 ** (scale - 127)`` built from float32 bits, exact, so the float path's result
 on the dequantized weights); GPTQ's act-order integer experts (``G_IDX``, `reference.IntExperts`' ``w13_g_idx`` /
@@ -54,8 +54,8 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8
-from asyncllm.kernels.fused_moe_tiles import (_block_rows, _clamped_swiglu, _gelu_tanh_mul, _packed_tile, _plus_bias,
-                                               _product, _relu_squared, _silu_mul)
+from asyncllm.kernels.fused_moe_tiles import (block_rows, clamped_swiglu, gelu_tanh_mul, packed_tile, plus_bias,
+                                               tile_product, relu_squared, silu_mul)
 from asyncllm.kernels.fused_moe_checks import FP8_K_STEP, check_args, check_bias, fp8_k_step
 from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts, IntExperts, Mxfp4Experts
 from asyncllm.models.int8 import quantize_int8_per_token
@@ -140,7 +140,7 @@ def _gate_up_kernel(
     if pid_m * BLOCK_M >= tl.load(total_rows_ptr):
         return
     dtype = act_ptr.dtype.element_ty
-    expert, pairs, row_mask = _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M)
+    expert, pairs, row_mask = block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M)
     tokens = tl.where(row_mask, pairs // TOP_K, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
@@ -167,35 +167,35 @@ def _gate_up_kernel(
         group = k0 // GROUP_K
         if INT_BITS or MXFP4:
             if GATED:
-                gate = _packed_tile(gate_q, w_s_ptr + gate_sz, w_z_ptr + gate_sz, g_row, k0, offs_k, k_mask, w_mask,
+                gate = packed_tile(gate_q, w_s_ptr + gate_sz, w_z_ptr + gate_sz, g_row, k0, offs_k, k_mask, w_mask,
                                     n_mask, INT_BITS, MXFP4, GROUP_K, G_IDX, BLOCK_K, dtype)
                 acc_gate = tl.dot(a, gate, acc_gate, input_precision=DOT_PRECISION)
-            up = _packed_tile(up_q, w_s_ptr + up_sz, w_z_ptr + up_sz, g_row, k0, offs_k, k_mask, w_mask, n_mask,
+            up = packed_tile(up_q, w_s_ptr + up_sz, w_z_ptr + up_sz, g_row, k0, offs_k, k_mask, w_mask, n_mask,
                               INT_BITS, MXFP4, GROUP_K, G_IDX, BLOCK_K, dtype)
             acc_up = tl.dot(a, up, acc_up, input_precision=DOT_PRECISION)
         else:
             if GATED:
                 gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
-                acc_gate = _product(acc_gate, a, gate, a_s_ptrs + group, gate_s_ptrs + group, row_mask, n_mask,
+                acc_gate = tile_product(acc_gate, a, gate, a_s_ptrs + group, gate_s_ptrs + group, row_mask, n_mask,
                                     DOT_PRECISION, FP8, UPCAST)
             up = tl.load(up_ptrs, mask=w_mask, other=0.0)
-            acc_up = _product(acc_up, a, up, a_s_ptrs + group, up_s_ptrs + group, row_mask, n_mask,
+            acc_up = tile_product(acc_up, a, up, a_s_ptrs + group, up_s_ptrs + group, row_mask, n_mask,
                               DOT_PRECISION, FP8, UPCAST)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     gate_bias_ptrs = bias_ptr + expert * bias_stride_e + offs_n
     if GATED:
-        gate = _plus_bias(acc_gate, gate_bias_ptrs, n_mask, HAS_BIAS, dtype)
-        up = _plus_bias(acc_up, gate_bias_ptrs + I, n_mask, HAS_BIAS, dtype)
+        gate = plus_bias(acc_gate, gate_bias_ptrs, n_mask, HAS_BIAS, dtype)
+        up = plus_bias(acc_up, gate_bias_ptrs + I, n_mask, HAS_BIAS, dtype)
         if SWIGLU:
-            act = _clamped_swiglu(gate, up, alpha, limit, dtype)
+            act = clamped_swiglu(gate, up, alpha, limit, dtype)
         elif GELU_TANH:
-            act = _gelu_tanh_mul(gate, up, dtype)
+            act = gelu_tanh_mul(gate, up, dtype)
         else:
-            act = _silu_mul(gate, up, dtype)
+            act = silu_mul(gate, up, dtype)
     else:
-        act = _relu_squared(_plus_bias(acc_up, gate_bias_ptrs, n_mask, HAS_BIAS, dtype), dtype)
+        act = relu_squared(plus_bias(acc_up, gate_bias_ptrs, n_mask, HAS_BIAS, dtype), dtype)
     out_ptrs = act_ptr + pairs[:, None] * act_stride + offs_n[None, :]
     tl.store(out_ptrs, act, mask=row_mask[:, None] & n_mask[None, :])
 
@@ -215,7 +215,7 @@ def _down_kernel(
     if pid_m * BLOCK_M >= tl.load(total_rows_ptr):
         return
     dtype = out_ptr.dtype.element_ty
-    expert, pairs, row_mask = _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M)
+    expert, pairs, row_mask = block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M)
     pairs = tl.where(row_mask, pairs, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < H
@@ -233,18 +233,18 @@ def _down_kernel(
         k_mask = offs_k < I - k0
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         if INT_BITS or MXFP4:
-            w = _packed_tile(w_q, w_s_ptr + w_sz, w_z_ptr + w_sz, g_row, k0, offs_k, k_mask,
+            w = packed_tile(w_q, w_s_ptr + w_sz, w_z_ptr + w_sz, g_row, k0, offs_k, k_mask,
                              k_mask[:, None] & n_mask[None, :], n_mask, INT_BITS, MXFP4, GROUP_K, G_IDX, BLOCK_K, dtype)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         else:
             w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             group = k0 // GROUP_K
-            acc = _product(acc, a, w, a_s_ptrs + group, w_s_ptrs + group, row_mask, n_mask, DOT_PRECISION, FP8,
+            acc = tile_product(acc, a, w, a_s_ptrs + group, w_s_ptrs + group, row_mask, n_mask, DOT_PRECISION, FP8,
                            UPCAST)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     weight = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
-    down = _plus_bias(acc, bias_ptr + expert * bias_stride_e + offs_n, n_mask, HAS_BIAS, dtype)
+    down = plus_bias(acc, bias_ptr + expert * bias_stride_e + offs_n, n_mask, HAS_BIAS, dtype)
     out = (down * weight[:, None]).to(dtype)
     tl.store(out_ptr + pairs[:, None] * out_stride + offs_n[None, :], out, mask=row_mask[:, None] & n_mask[None, :])
 

@@ -32,7 +32,7 @@ def check_args(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
                 ints: IntExperts | None = None, mxfp4: Mxfp4Experts | None = None) -> tuple[int, int]:
     """(experts, intermediate size), or a `ValueError` naming the argument that does not fit."""
     check(activation in ACTIVATIONS, f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    check(sum(q is not None for q in (fp8, ints, mxfp4)) <= 1, "fp8, int_experts or mxfp4: one at most, not both")
+    check(sum(q is not None for q in (fp8, ints, mxfp4)) <= 1, "fp8, int_experts or mxfp4: one at most")
     gated = activation != "relu2"
     check_float("hidden", hidden, 2)
     check_last_dim_contiguous("hidden", hidden)

@@ -2,8 +2,8 @@
 
 A row block's expert and pairs; activations on float32 products, rounded op by op as the reference's torch ops
 round; the bias addition; the tile product (plain, or block-fp8's and W8A8 int8's scaled); and the weight tiles of
-quantized experts kept packed, dequantized in float32 and rounded to the activations' dtype: `_int_tile` (AWQ / GPTQ,
-`reference.IntExperts`) and `_mxfp4_tile` (gpt-oss's MXFP4, `reference.Mxfp4Experts`: exact).
+quantized experts kept packed, dequantized in float32 and rounded to the activations' dtype: `int_tile` (AWQ / GPTQ,
+`reference.IntExperts`) and `mxfp4_tile` (gpt-oss's MXFP4, `reference.Mxfp4Experts`: exact).
 """
 
 from __future__ import annotations
@@ -13,9 +13,12 @@ import triton.language as tl
 
 from asyncllm.kernels._math import tanh
 
+__all__ = ["block_rows", "silu_mul", "gelu_tanh_mul", "clamped_swiglu", "relu_squared", "plus_bias", "tile_product",
+           "int_tile", "mxfp4_tile", "packed_tile"]
+
 
 @triton.jit
-def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
+def block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: tl.constexpr):
     """Row block ``pid_m``: its expert, its rows' pair indices (int64), and which rows are pairs (not padding)."""
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
     pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -23,7 +26,7 @@ def _block_rows(sorted_pairs_ptr, block_experts_ptr, pid_m, num_pairs, BLOCK_M: 
 
 
 @triton.jit
-def _silu_mul(gate, up, dtype):
+def silu_mul(gate, up, dtype):
     """``silu(gate) * up`` for float32 products, rounded as `silu_and_mul` on their dtype roundings."""
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
@@ -32,7 +35,7 @@ def _silu_mul(gate, up, dtype):
 
 
 @triton.jit
-def _gelu_tanh_mul(gate, up, dtype):
+def gelu_tanh_mul(gate, up, dtype):
     """``gelu_tanh(gate) * up`` for float32 products, rounded as `gelu_tanh_and_mul` on their dtype roundings."""
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
@@ -41,7 +44,7 @@ def _gelu_tanh_mul(gate, up, dtype):
 
 
 @triton.jit
-def _clamped_swiglu(gate, up, alpha, limit, dtype):
+def clamped_swiglu(gate, up, alpha, limit, dtype):
     """`reference.clamped_swiglu` of float32 values already in ``dtype``, each op rounded to ``dtype`` as torch's."""
     gate = tl.minimum(gate, limit)
     up = tl.minimum(tl.maximum(up, -limit), limit)
@@ -52,14 +55,14 @@ def _clamped_swiglu(gate, up, alpha, limit, dtype):
 
 
 @triton.jit
-def _relu_squared(up, dtype):
+def relu_squared(up, dtype):
     """``relu(up) ** 2`` of float32 values already in ``dtype``, rounded to ``dtype``."""
     up = tl.maximum(up, 0.0)
     return (up * up).to(dtype)
 
 
 @triton.jit
-def _plus_bias(product, bias_ptr, mask, HAS_BIAS: tl.constexpr, dtype):
+def plus_bias(product, bias_ptr, mask, HAS_BIAS: tl.constexpr, dtype):
     """A float32 product rounded to ``dtype``, plus (when ``HAS_BIAS``) its row-broadcast bias, rounded again."""
     out = product.to(dtype).to(tl.float32)
     if HAS_BIAS:
@@ -68,7 +71,7 @@ def _plus_bias(product, bias_ptr, mask, HAS_BIAS: tl.constexpr, dtype):
 
 
 @triton.jit
-def _product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
+def tile_product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
              DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b``; with ``FP8`` the fp8 (or int8: W8A8 int8 experts, an exact int32 sum) tile product in float32
     scaled by the rows' group scales and the columns' block scales (``*_s_ptrs``: this K group's)."""
@@ -85,7 +88,7 @@ def _product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
 
 
 @triton.jit
-def _int_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, BITS: tl.constexpr,
+def int_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, BITS: tl.constexpr,
               GROUP_K: tl.constexpr, G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
     """``[BLOCK_K, BLOCK_N]`` weights of packed integer experts (`reference.IntExperts`): output rows ``n`` (``*_rows``
     point at each row: ``[1, BLOCK_N]``) at inputs ``k0 + offs_k``, dequantized in float32, rounded to ``dtype``.
@@ -112,7 +115,7 @@ def _int_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, B
 
 
 @triton.jit
-def _mxfp4_tile(w_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K: tl.constexpr, dtype):
+def mxfp4_tile(w_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K: tl.constexpr, dtype):
     """``[BLOCK_K, BLOCK_N]`` weights of MXFP4 experts (`reference.Mxfp4Experts`): output rows ``n`` (``*_rows`` point
     at each row's bytes and scales: ``[1, BLOCK_N]``) at inputs ``k0 + offs_k``, each e2m1 nibble (the low one first)
     decoded and scaled by its group's ``2 ** (scale - 127)`` in float32, exactly, then rounded to ``dtype``. A K step
@@ -135,12 +138,12 @@ def _mxfp4_tile(w_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _packed_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, INT_BITS: tl.constexpr,
+def packed_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, INT_BITS: tl.constexpr,
                  MXFP4: tl.constexpr, GROUP_K: tl.constexpr, G_IDX: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
     """The weight tile of packed experts: MXFP4's (``MXFP4``), else integer experts' of ``INT_BITS`` (``G_IDX``:
     act-order groups from ``g_row``)."""
     if MXFP4:
-        return _mxfp4_tile(q_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K, dtype)
+        return mxfp4_tile(q_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K, dtype)
     else:
-        return _int_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, INT_BITS, GROUP_K, G_IDX,
+        return int_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, INT_BITS, GROUP_K, G_IDX,
                          BLOCK_K, dtype)

@@ -215,7 +215,7 @@ def fused_moe(
     (asyncllm/models/lora_experts.py)."""
     quants = [q for q in (fp8, int_experts, mxfp4) if q is not None]
     if len(quants) > 1:
-        raise ValueError("fp8, int_experts or mxfp4: one at most, not both")
+        raise ValueError("fp8, int_experts or mxfp4: one at most")
     quant = quants[0] if quants else None
     out = torch.zeros_like(hidden)
     num_experts = w13.shape[0]
@@ -235,29 +235,29 @@ def fused_moe(
 
 
 def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int,
-                    fp8: Fp8Experts | IntExperts | Mxfp4Experts | None, which: int) -> torch.Tensor:
+                    quant: Fp8Experts | IntExperts | Mxfp4Experts | None, which: int) -> torch.Tensor:
     """``x @ w[expert].T`` in x's dtype: plain, or (`Fp8Experts`) on x quantized per token group (int8 weights: to
     int8 per token), with the block scales of ``w13`` (``which`` 0) or ``w2`` (1), or (`IntExperts`, `Mxfp4Experts`)
     the packed matrix dequantized first."""
-    if fp8 is None:
+    if quant is None:
         return F.linear(x, w[expert])
-    if isinstance(fp8, Mxfp4Experts):
+    if isinstance(quant, Mxfp4Experts):
         rows, cols = w.shape[1], w.shape[2] * 2
         blocks = w[expert].view(rows, cols // MXFP4_GROUP, MXFP4_GROUP // 2)
-        return F.linear(x, dequantize_mxfp4(blocks, fp8[which][expert], x.dtype))
-    if isinstance(fp8, IntExperts):
-        scales, zeros, g_idx = ((fp8.w13_scales, fp8.w13_zeros, fp8.w13_g_idx) if which == 0
-                                else (fp8.w2_scales, fp8.w2_zeros, fp8.w2_g_idx))
-        weight = dequantize_int_expert(w[expert], scales[expert], zeros[expert], fp8.bits, fp8.group,
+        return F.linear(x, dequantize_mxfp4(blocks, quant[which][expert], x.dtype))
+    if isinstance(quant, IntExperts):
+        scales, zeros, g_idx = ((quant.w13_scales, quant.w13_zeros, quant.w13_g_idx) if which == 0
+                                else (quant.w2_scales, quant.w2_zeros, quant.w2_g_idx))
+        weight = dequantize_int_expert(w[expert], scales[expert], zeros[expert], quant.bits, quant.group,
                                        None if g_idx is None else g_idx[expert])
         return F.linear(x, weight.to(x.dtype))
     if w.dtype == torch.int8:  # compressed-tensors' forward: the input per token, ``dq(x_q) @ dq(W_q).T`` in float32
-        if fp8.block[1] < w.shape[2]:
-            raise ValueError(f"int8 experts quantize each token's input whole: block {fp8.block} must cover all of K")
-        scale = expand_block_scales(fp8[which][expert], (w.shape[1], 1), fp8.block)
+        if quant.block[1] < w.shape[2]:
+            raise ValueError(f"int8 experts quantize each token's input whole: block {quant.block} must cover all of K")
+        scale = expand_block_scales(quant[which][expert], (w.shape[1], 1), quant.block)
         return int8_linear_fallback(x, w[expert], scale, None, x.dtype)
-    x_q, x_s = per_token_group_quant_fp8(x, fp8.block[1])
-    return w8a8_block_fp8_matmul(x_q, x_s, w[expert], fp8[which][expert], fp8.block, x.dtype)
+    x_q, x_s = per_token_group_quant_fp8(x, quant.block[1])
+    return w8a8_block_fp8_matmul(x_q, x_s, w[expert], quant[which][expert], quant.block, x.dtype)
 
 
 MOE_ACTIVATIONS = ("silu", "relu2", "gelu_tanh")

@@ -102,7 +102,7 @@ STEPS: list[Step] = [
     Step("latency-qwen3moe-fp8", ["latency", "--preset", "qwen3-30b-a3b", "--num-iters", "2", "--quantization", "fp8"],
          150),
     Step("throughput-qwen3moe-fp8", ["throughput", "--preset", "qwen3-30b-a3b", "--quantization", "fp8"], 200),
-    # gpt-oss (sinks, windows, expert biases and the clamped SwiGLU; MXFP4 experts packed, 13 GB; no peer beside it):
+    # gpt-oss (sinks, windows, expert biases and the clamped SwiGLU; MXFP4 experts packed, 14 GB; no peer beside it):
     # fewer requests than the standard workloads, so both fit one call with the engine's two starts
     Step("latency-gptoss20b", ["latency", "--preset", "gpt-oss-20b", "--num-iters", "2"], 150),
     Step("throughput-gptoss20b", ["throughput", "--preset", "gpt-oss-20b", "--num-requests", "128"], 200),

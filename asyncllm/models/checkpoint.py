@@ -332,17 +332,15 @@ def prequantized_config(
 
 
 def _check_mxfp4(hf_config: Any, model: str, quantization: str | None) -> None:
-    """`NotBuiltError` for an MXFP4 checkpoint asyncllm cannot serve: another architecture than gpt-oss's, or
-    ``quantization`` naming another method than the checkpoint's (None or "mxfp4", vLLM's name, serve it)."""
-    arch = (getattr(hf_config, "architectures", None) or [None])[0]
-    if arch != "GptOssForCausalLM":
-        raise NotBuiltError("model", model, f"an MXFP4 {arch} checkpoint (only gpt-oss's experts are served)")
+    """`NotBuiltError` for another architecture than gpt-oss's or ``quantization="fp8"``; `ConfigError` for another
+    method's name (None or "mxfp4", vLLM's name, serve it)."""
+    if (arch := (getattr(hf_config, "architectures", None) or [None])[0]) != "GptOssForCausalLM":
+        raise NotBuiltError("model", model, f"an MXFP4 {arch} checkpoint (only gpt-oss's are served)")
     if quantization == "fp8":
-        raise NotBuiltError("quantization", quantization, "quantizing a gpt-oss MXFP4 checkpoint again (its experts "
-                            "are served in MXFP4 or dequantized at load; leave quantization unset or 'mxfp4')")
+        raise NotBuiltError("quantization", quantization, "quantizing a gpt-oss MXFP4 checkpoint again (leave "
+                                                          "quantization unset or 'mxfp4')")
     if quantization not in (None, "mxfp4"):
-        raise ConfigError("quantization", quantization, "None or 'mxfp4': the checkpoint is pre-quantized with "
-                                                        "'mxfp4' (its config.json's quantization_config)")
+        raise ConfigError("quantization", quantization, "None or 'mxfp4' for this pre-quantized MXFP4 checkpoint")
 
 
 def _static_input(scheme: Any, block: tuple[int, int] | None, model: str) -> bool:

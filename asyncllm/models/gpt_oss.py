@@ -247,8 +247,9 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self.mxfp4_packed = self.mxfp4 and bool(experts) and experts[0].packed
         """The experts are served packed (asyncllm/models/mxfp4_experts.py); else dequantized as they load."""
         if self.mxfp4 and experts and not self.mxfp4_packed:
-            logger.warning("MXFP4 experts dequantized to %s at load (about 3.8x the memory of the packed ones): %s",
-                           kwargs.get("dtype"), experts[0].packed_off)
+            dtype = kwargs.get("dtype", torch.bfloat16)
+            logger.warning("MXFP4 experts dequantized to %s at load (%.1fx the memory of the packed ones): %s", dtype,
+                           torch.finfo(dtype).bits / 4.25, experts[0].packed_off)
 
     def _expert_param(self, leaf: str) -> str:
         """The parameter an expert checkpoint tensor ``leaf`` (a key of `_EXPERT_TENSORS`) loads into."""

@@ -33,7 +33,7 @@ async def test_history_messages_as_vllm_reads_them() -> None:
         {"role": "assistant", "content": "y", "reasoning": "r", "reasoning_content": "r"}]
     for message in ({"role": "user", "content": "x", "foo": 1}, {"role": "user", "content": "x", "refusal": "no"},
                     {"role": "user", "content": "x", "reasoning": "r"}):
-        with pytest.raises(Exception, match=r"\['(foo|refusal|reasoning)'\]"):
+        with pytest.raises(InvalidRequestError, match=r"\['(foo|refusal|reasoning)'\]"):
             chat_messages([message])
     with pytest.raises(InvalidRequestError, match="item 0: reasoning_content must be a string, got dict") as error:
         chat_messages([{"role": "assistant", "content": "x", "reasoning_content": {"text": "r"}}])

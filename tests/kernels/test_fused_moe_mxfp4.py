@@ -11,7 +11,7 @@ import triton.language as tl
 
 from asyncllm.kernels import reference
 from asyncllm.kernels.fused_moe import fused_moe
-from asyncllm.kernels.fused_moe_tiles import _mxfp4_tile
+from asyncllm.kernels.fused_moe_tiles import mxfp4_tile
 from asyncllm.models.mxfp4 import dequantize_mxfp4
 from kernel_testing import DEVICE, DTYPES, INTERPRETED, assert_close, randn, requires_gpu
 from test_fused_moe_kernel import MOE_TOL
@@ -78,14 +78,14 @@ def test_reference_is_the_float_path_on_dequantized_weights(dtype: torch.dtype) 
 
 @triton.jit
 def _tile_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out [N, K]``: `_mxfp4_tile` of rows ``[N, K / 2]`` and their scales ``[N, K / 32]``, step by step."""
+    """``out [N, K]``: `mxfp4_tile` of rows ``[N, K / 2]`` and their scales ``[N, K / 32]``, step by step."""
     offs_n = tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     rows = offs_n.to(tl.int64)[None, :]
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         mask = (offs_k < K - k0)[:, None] & n_mask[None, :]
-        tile = _mxfp4_tile(w_ptr + rows * (K // 2), s_ptr + rows * (K // 32), k0, offs_k, mask, n_mask, BLOCK_K,
+        tile = mxfp4_tile(w_ptr + rows * (K // 2), s_ptr + rows * (K // 32), k0, offs_k, mask, n_mask, BLOCK_K,
                            out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows * K + (k0 + offs_k)[:, None], tile, mask=mask)
 
