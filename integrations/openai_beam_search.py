@@ -36,6 +36,7 @@ from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ServerLimits,
+    check_common,
     completion_prompts,
     resolve_max_tokens,
     response_id,
@@ -57,7 +58,8 @@ __all__ = ["beam_search_response", "check_beam_search_request"]
 
 
 def check_beam_search_request(req: CompletionRequest | ChatCompletionRequest) -> None:
-    """`InvalidRequestError` naming the first field beam search cannot honour."""
+    """`InvalidRequestError` naming the first field beam search cannot honour (after the ones sampling refuses too)."""
+    check_common(req)
     raw, no_sampling = "beam search follows the raw logprobs", "beam search does not sample"
     refusals: list[tuple[bool, str, str]] = [
         (req.temperature not in (None, 0), "temperature", f"only 0 or unset ({raw})"),
@@ -80,8 +82,6 @@ def check_beam_search_request(req: CompletionRequest | ChatCompletionRequest) ->
          "structured output is not built"),
         (req.structured_outputs is not None, "structured_outputs", "structured output is not built"),
         (req.return_token_ids, "return_token_ids", "not built"),
-        (req.add_special_tokens not in (None, isinstance(req, CompletionRequest)), "add_special_tokens",
-         "only its default is built"),
     ]
     if isinstance(req, CompletionRequest):
         refusals += [

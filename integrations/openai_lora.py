@@ -132,7 +132,7 @@ class LoRAModels:
             try:
                 await engine.add_lora(lora)
             except InvalidRequestError as exc:
-                raise InvalidRequestError("lora_path", exc.message) from None
+                raise InvalidRequestError("lora_path", exc.message, code=exc.code) from None
             self.loras[req.lora_name] = ServedLoRA(lora)
         return lora
 

@@ -33,6 +33,7 @@ from asyncllm.integrations.openai_structured import structured_output
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "decode_request", "completion_params", "chat_params", "completion_prompts", "request_options", "take_request_id",
+    "check_common",
     "echo_only", "template_kwargs", "resolve_max_tokens", "sets_max_tokens", "response_id", "ChatTemplates",
 ]
 
@@ -348,7 +349,7 @@ def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: 
     try:
         params.validate()
     except InvalidRequestError as exc:  # the constraint's errors name the field the client used
-        raise InvalidRequestError(field, exc.message) if exc.field == "structured" else exc from None
+        raise InvalidRequestError(field, exc.message, code=exc.code) if exc.field == "structured" else exc from None
     return params
 
 
@@ -356,6 +357,11 @@ def _check_combinations(req: _Common) -> None:
     """`InvalidRequestError` for fields that do not go together, or a value of one that is not built."""
     _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
     _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
+    check_common(req)
+
+
+def check_common(req: _Common) -> None:
+    """The refusals sampling and beam search share (stream_options, return_token_ids, add_special_tokens)."""
     _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",  # {}: as vLLM
             "Stream options can only be defined when stream=True")
     _refuse(req.stream and req.return_token_ids, "return_token_ids", "is not built with stream yet")

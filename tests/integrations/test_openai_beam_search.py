@@ -126,6 +126,7 @@ COMPLETION_REFUSALS = [
     ({"echo": True}, "echo"), ({"n": 2, "logprobs": 5}, "logprobs"), ({"n": 3, "best_of": 2}, "best_of"),
     ({"n": 0}, "n"), ({"n": 129}, "n"), ({"n": 2, "best_of": 129}, "best_of"), ({"max_tokens": 0}, "max_tokens"),
     ({"truncate_prompt_tokens": 600}, "truncate_prompt_tokens"),
+    ({"add_special_tokens": False}, "add_special_tokens"),
 ]
 CHAT_REFUSALS = [
     ({"temperature": 1.0}, "temperature"), ({"logit_bias": {"5": -1.0}}, "logit_bias"),
@@ -146,6 +147,9 @@ async def test_refused_combinations_name_the_field(app) -> None:
                     response = await client.post(path, json={**base, **fields, "stream": stream})
                     assert response.status_code == 400, (path, fields, response.text)
                     assert response.json()["error"]["param"] == param, (path, fields, response.text)
+            # the refusals sampling shares: stream options without a stream
+            response = await client.post(path, json={**base, "stream_options": {"include_usage": True}})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "stream_options", response.text
         # length_penalty means something only with beam search; use_beam_search false is ordinary sampling
         for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})):
             response = await client.post(path, json={**base, "max_tokens": 2, "length_penalty": 0.5})
