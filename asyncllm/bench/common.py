@@ -132,11 +132,12 @@ async def open_engine(ctx: BenchContext, max_model_len: int) -> AsyncIterator[An
 def roofline(ctx: BenchContext, decode_batch: int, mean_context: float) -> Roofline:
     """The decode roofline on this device: measured copy bandwidth, the model's bytes (an MXFP4 checkpoint's experts
     packed where the engine serves them so: the triton backend, CUDA's default)."""
+    from asyncllm.attention.selector import default_backend_name
     from asyncllm.models.loader import load_hf_config
     from asyncllm.models.mxfp4_experts import serves_packed
 
     bandwidth = measure_copy_bandwidth(ctx.device)
-    backend = ctx.args.attention_backend or ("triton" if ctx.device.type == "cuda" else "torch_sdpa")
+    backend = ctx.args.attention_backend or default_backend_name(ctx.device)
     packed = serves_packed(load_hf_config(ctx.model.path), backend, ctx.args.tensor_parallel_size,
                            ctx.args.enable_expert_parallel)
     return decode_roofline(ctx.model.path, ctx.dtype, bandwidth, decode_batch, mean_context,

@@ -80,10 +80,6 @@ class GptOssExperts(FusedMoE):
         super().__init__(spec, hidden_size, b)
         cfg = b.hf_config
         n, inter = self.num_local_experts, self.intermediate
-        self.num_experts = spec.num_experts
-        if not self.packed:
-            set_weight_loader(self.w13_weight, self.stacked_loader)
-            set_weight_loader(self.w2_weight, self.stacked_loader)
         self.w13_bias = new_param(n, 2 * inter, dtype=b.dtype, loader=self.bias_loader)
         self.w2_bias = new_param(n, hidden_size, dtype=b.dtype, loader=self.bias_loader)
         self.adds_w2_bias = self.expert_parallel or self.tp.rank == 0
@@ -100,8 +96,10 @@ class GptOssExperts(FusedMoE):
         """Why the experts are float (dequantized at load where the checkpoint is MXFP4), or None: kept packed."""
         if self.packed:
             make_packed_params(self)
-        else:
-            super().make_weights(b)
+            return
+        super().make_weights(b)
+        set_weight_loader(self.w13_weight, self.stacked_loader)
+        set_weight_loader(self.w2_weight, self.stacked_loader)
 
     @property
     def packed(self) -> bool:
@@ -126,7 +124,7 @@ class GptOssExperts(FusedMoE):
         if self.packed:
             if shard_id in ("gate_up", "down"):
                 raise ValueError(f"is a float {shard_id} matrix; this model's experts are MXFP4 blocks and scales")
-            load_packed(self, loaded, shard_id)
+            load_packed(self, param.data, loaded, shard_id)
             return
         if shard_id in ("gate_up", "down"):
             for expert in self._local_experts():
@@ -247,7 +245,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self.mxfp4_packed = self.mxfp4 and bool(experts) and experts[0].packed
         """The experts are served packed (asyncllm/models/mxfp4_experts.py); else dequantized as they load."""
         if self.mxfp4 and experts and not self.mxfp4_packed:
-            dtype = kwargs.get("dtype", torch.bfloat16)
+            dtype = experts[0].params_dtype
             logger.warning("MXFP4 experts dequantized to %s at load (%.1fx the memory of the packed ones): %s", dtype,
                            torch.finfo(dtype).bits / 4.25, experts[0].packed_off)
 

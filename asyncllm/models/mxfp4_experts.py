@@ -69,26 +69,23 @@ def make_packed_params(moe: GptOssExperts) -> None:
                                                  loader=moe.stacked_loader))
 
 
-def load_packed(moe: GptOssExperts, loaded: LoadedWeight, shard_id: str) -> None:
-    """A stacked ``*_blocks`` / ``*_scales`` tensor: this rank's experts, their rows of gate and up (de-interleaved)
-    or their columns of down, as they are stored."""
+def load_packed(moe: GptOssExperts, dst: torch.Tensor, loaded: LoadedWeight, shard_id: str) -> None:
+    """A stacked ``*_blocks`` / ``*_scales`` tensor into ``dst`` (its packed parameter): this rank's experts, their
+    rows of gate and up (de-interleaved) or their columns of down, as they are stored."""
     proj, kind = shard_id.rsplit("_", 1)
-    dst = getattr(moe, f"{'w2' if proj == 'down' else 'w13'}_{'weight' if kind == 'blocks' else 'scales'}").data
-    rows, inputs = (moe.hidden_size, moe.intermediate * (1 if moe.expert_parallel else moe.tp.size)) \
-        if proj == "down" else (2 * moe.intermediate * (1 if moe.expert_parallel else moe.tp.size), moe.hidden_size)
+    whole = moe.intermediate * (1 if moe.expert_parallel else moe.tp.size)  # every rank checks the whole tensor
+    rows, inputs = (moe.hidden_size, whole) if proj == "down" else (2 * whole, moe.hidden_size)
     groups = inputs // MXFP4_GROUP
     expected = (moe.num_experts, rows, groups, MXFP4_GROUP // 2) if kind == "blocks" else (moe.num_experts, rows, groups)
     if weight_shape(loaded) != expected:
         raise ValueError(f"has shape {weight_shape(loaded)}, this model's MXFP4 {proj} {kind} are {expected}")
     start = 0 if moe.expert_parallel else moe.tp.rank * moe.intermediate
+    unit = 2 if kind == "blocks" else MXFP4_GROUP  # inputs per byte of blocks or per exponent
     for expert in range(moe.expert_start, moe.expert_start + moe.num_local_experts):
-        stored = weight_narrow(loaded, 0, expert, 1)[0]
-        stored = stored.reshape(rows, -1)  # blocks: [rows, inputs / 2] bytes
-        per_input = stored.shape[1] / inputs  # bytes (1/2) or exponents (1/32) per input
+        stored = weight_narrow(loaded, 0, expert, 1)[0].reshape(rows, -1)  # blocks: [rows, inputs / 2] bytes
         out = dst[expert - moe.expert_start]
         if proj == "down":
-            cols = int(moe.intermediate * per_input)
-            copy_weight(out, stored.narrow(1, int(start * per_input), cols))
+            copy_weight(out, stored.narrow(1, start // unit, moe.intermediate // unit))
             continue
         for offset, part in ((0, stored[0::2]), (moe.intermediate, stored[1::2])):  # gate rows, then up rows
             copy_weight(out.narrow(0, offset, moe.intermediate), part.narrow(0, start, moe.intermediate))
