@@ -59,8 +59,10 @@ from asyncllm.kernels.fused_moe_tiles import (block_rows, clamped_swiglu, gelu_t
 from asyncllm.kernels.fused_moe_checks import FP8_K_STEP, check_args, check_bias, fp8_k_step
 from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts, IntExperts, Mxfp4Experts
 from asyncllm.models.int8 import quantize_int8_per_token
+from asyncllm.models.mxfp4 import MXFP4_GROUP
 
-__all__ = ["Alignment", "FP8_K_STEP", "MoeConfig", "align_tokens", "fp8_k_step", "fused_moe", "moe_config"]
+__all__ = ["Alignment", "FP8_K_STEP", "MoeConfig", "align_tokens", "fp8_k_step", "fused_moe", "launch_config",
+           "moe_config"]
 
 
 class MoeConfig(NamedTuple):
@@ -249,6 +251,22 @@ def _down_kernel(
     tl.store(out_ptr + pairs[:, None] * out_stride + offs_n[None, :], out, mask=row_mask[:, None] & n_mask[None, :])
 
 
+def launch_config(num_pairs: int, num_experts: int, dtype: torch.dtype, on_gpu: bool, fp8_group: int | None = None,
+                  packed: bool = False, act_order: bool = False) -> MoeConfig:
+    """`moe_config`'s blocks as `fused_moe` launches them (the sm_90 compile check compiles these): fp8 experts' K
+    step inside their scale groups (``fp8_group``, `fp8_k_step`); packed experts' (integer, MXFP4) dequantized tiles
+    take registers and shared memory: at most two stages; act-order's gathered scale and zero tiles kept out of a
+    pipeline's shared memory: 64 columns, one stage (two stages took 106-112 KiB: over sm_86 / sm_89's 99 KiB)."""
+    cfg = moe_config(num_pairs, num_experts, dtype, on_gpu)
+    if fp8_group is not None:
+        cfg = cfg._replace(block_k=fp8_k_step(fp8_group))
+    if packed:
+        cfg = cfg._replace(num_stages=min(cfg.num_stages, 2))
+    if act_order:
+        cfg = cfg._replace(block_n=min(cfg.block_n, 64), num_stages=1)
+    return cfg
+
+
 def fused_moe(
     hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None, swiglu: ClampedSwiglu | None = None,
@@ -279,15 +297,9 @@ def fused_moe(
     out = torch.zeros((num_tokens, top_k, h), dtype=hidden.dtype, device=hidden.device)
     if num_pairs == 0 or h == 0 or inter == 0:
         return out.sum(dim=1)
-    cfg = moe_config(num_pairs, num_experts, hidden.dtype, hidden.is_cuda)
-    if fp8 is not None:  # K steps inside the scale groups
-        cfg = cfg._replace(block_k=fp8_k_step(fp8.block[1]))
-    if int_experts is not None or mxfp4 is not None:  # the dequantized tiles take registers and shared memory
-        cfg = cfg._replace(num_stages=min(cfg.num_stages, 2))
-    if int_experts is not None and (int_experts.w13_g_idx is not None or int_experts.w2_g_idx is not None):
-        # act-order: gathered scale and zero tiles, kept out of a pipeline's shared memory (two stages of 64 columns
-        # take 106-112 KiB: over sm_86 / sm_89's 99 KiB; one stage 10-16 KiB)
-        cfg = cfg._replace(block_n=min(cfg.block_n, 64), num_stages=1)
+    act_order = int_experts is not None and (int_experts.w13_g_idx is not None or int_experts.w2_g_idx is not None)
+    cfg = launch_config(num_pairs, num_experts, hidden.dtype, hidden.is_cuda, fp8.block[1] if fp8 else None,
+                        int_experts is not None or mxfp4 is not None, act_order)
     aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
     num_blocks = aligned.block_experts.shape[0]
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -296,8 +308,8 @@ def fused_moe(
                   UPCAST=not hidden.is_cuda or (fp8 is not None and cfg.block_k < 32),  # fp8/int8 dots: K >= 32
                   num_stages=cfg.num_stages)
     ints = int_experts
-    consts.update(INT_BITS=ints.bits if ints else 0, GROUP_K=ints.group if ints else fp8.block[1] if fp8 else 1,
-                  MXFP4=mxfp4 is not None)
+    consts.update(INT_BITS=ints.bits if ints else 0, MXFP4=mxfp4 is not None,
+                  GROUP_K=ints.group if ints else fp8.block[1] if fp8 else MXFP4_GROUP if mxfp4 else 1)
     scaled = fp8 or ints or mxfp4  # NamedTuples: true when given
     a, a_s = _quantized(hidden, fp8, w13)
     w_s, w_z = _weight_scales(0, hidden, fp8, ints, mxfp4)

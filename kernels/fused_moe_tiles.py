@@ -115,11 +115,11 @@ def int_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, BI
 
 
 @triton.jit
-def mxfp4_tile(w_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K: tl.constexpr, dtype):
+def mxfp4_tile(w_rows, s_rows, k0, offs_k, mask, n_mask, GROUP_K: tl.constexpr, BLOCK_K: tl.constexpr, dtype):
     """``[BLOCK_K, BLOCK_N]`` weights of MXFP4 experts (`reference.Mxfp4Experts`): output rows ``n`` (``*_rows`` point
     at each row's bytes and scales: ``[1, BLOCK_N]``) at inputs ``k0 + offs_k``, each e2m1 nibble (the low one first)
     decoded and scaled by its group's ``2 ** (scale - 127)`` in float32, exactly, then rounded to ``dtype``. A K step
-    inside one group of 32 loads one row of scales, a wider one a scale per input."""
+    inside one group of ``GROUP_K`` (32) loads one row of scales, a wider one a scale per input."""
     k = k0 + offs_k
     packed = tl.load(w_rows + (k // 2)[:, None], mask=mask, other=0).to(tl.int32)
     nibble = (packed >> ((k % 2) * 4)[:, None]) & 0xF
@@ -128,10 +128,10 @@ def mxfp4_tile(w_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K: tl.constexpr, 
     twice = tl.where(exponent == 0, mantissa, (2 + mantissa) << (tl.maximum(exponent, 1) - 1))  # 0 1 2 3 4 6 8 12
     value = twice.to(tl.float32) * 0.5
     value = tl.where((nibble & 8) != 0, -value, value)
-    if 32 % BLOCK_K == 0:
-        scale = tl.load(s_rows + k0 // 32, mask=n_mask[None, :], other=0).to(tl.int32)
+    if GROUP_K % BLOCK_K == 0:
+        scale = tl.load(s_rows + k0 // GROUP_K, mask=n_mask[None, :], other=0).to(tl.int32)
     else:
-        scale = tl.load(s_rows + (k // 32)[:, None], mask=mask, other=0).to(tl.int32)
+        scale = tl.load(s_rows + (k // GROUP_K)[:, None], mask=mask, other=0).to(tl.int32)
     # 2 ** (scale - 127) from its float32 bits; scale 0 is the subnormal 2 ** -127 (bit 22)
     scale = tl.where(scale == 0, 1 << 22, scale << 23).to(tl.float32, bitcast=True)
     return (value * scale).to(dtype)
@@ -143,7 +143,7 @@ def packed_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask,
     """The weight tile of packed experts: MXFP4's (``MXFP4``), else integer experts' of ``INT_BITS`` (``G_IDX``:
     act-order groups from ``g_row``)."""
     if MXFP4:
-        return mxfp4_tile(q_rows, s_rows, k0, offs_k, mask, n_mask, BLOCK_K, dtype)
+        return mxfp4_tile(q_rows, s_rows, k0, offs_k, mask, n_mask, GROUP_K, BLOCK_K, dtype)
     else:
         return int_tile(q_rows, s_rows, z_rows, g_row, k0, offs_k, k_mask, mask, n_mask, INT_BITS, GROUP_K, G_IDX,
                          BLOCK_K, dtype)

@@ -186,13 +186,12 @@ def moe_cases(p: str):
             (8, 128, 8, False, True, 0, False, 4, False, False, True),
             (65536, 128, 8, False, True, 0, False, 4, False, False, True)):
         is_fp8 = fp8_group > 0
-        cfg = fused_moe.moe_config(num_pairs, experts, torch.bfloat16, on_gpu=True)
-        cfg = cfg._replace(block_k=fused_moe.fp8_k_step(fp8_group)) if is_fp8 \
-            else cfg._replace(num_stages=2) if bits or mxfp4 else cfg
-        cfg = cfg._replace(block_n=64, num_stages=1) if g_idx else cfg  # as launched: the gathered scale tiles
+        cfg = fused_moe.launch_config(num_pairs, experts, torch.bfloat16, True, fp8_group if is_fp8 else None,
+                                      bool(bits or mxfp4), g_idx)  # as launched
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32",
                       HAS_BIAS=gpt_oss, FP8=is_fp8, GROUP_N=(128 if fp8_group == 128 else 1) if is_fp8 else 1,
-                      UPCAST=False, INT_BITS=bits, GROUP_K=128 if bits else fp8_group or 1, MXFP4=mxfp4, G_IDX=g_idx)
+                      UPCAST=False, INT_BITS=bits, MXFP4=mxfp4, G_IDX=g_idx,
+                      GROUP_K=128 if bits else fp8_group or (32 if mxfp4 else 1))
         w = ("*i8" if int8 else "*fp8e4nv") if is_fp8 else "*i32" if bits else "*u8" if mxfp4 else p
         packed = bits or mxfp4  # the activations stay in the dtype
         for name, kernel, pointers, consts in (

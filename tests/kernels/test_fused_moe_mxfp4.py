@@ -85,8 +85,8 @@ def _tile_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
     offs_k = tl.arange(0, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         mask = (offs_k < K - k0)[:, None] & n_mask[None, :]
-        tile = mxfp4_tile(w_ptr + rows * (K // 2), s_ptr + rows * (K // 32), k0, offs_k, mask, n_mask, BLOCK_K,
-                           out_ptr.dtype.element_ty)
+        tile = mxfp4_tile(w_ptr + rows * (K // 2), s_ptr + rows * (K // 32), k0, offs_k, mask, n_mask, 32, BLOCK_K,
+                          out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows * K + (k0 + offs_k)[:, None], tile, mask=mask)
 
 
