@@ -211,7 +211,7 @@ def model_graphs_off_reason(model: Any, drafter: Any) -> str | None:
         return "an EAGLE-3 head reads the decoder's layer inputs of every step (capturing them is not built)"
     if _reference_experts(model):
         return ("the experts run the reference's per-expert loop, which syncs with the host (pre-quantized fp8 "
-                "experts on a GPU without fp8 compute: asyncllm/models/fp8_experts.py)")
+                "experts on a GPU without fp8 compute, int8 ones before Ampere: asyncllm/models/fp8_experts.py)")
     return None
 
 
