@@ -13,7 +13,10 @@ per stored element, and the hardware cast then has nothing left to round.
 The rounding adds ``2^(e - m + 23)`` (e: the value's exponent, at least the
 format's smallest normal one; m: its mantissa bits) and subtracts it again: the
 float32 sum has a unit in the last place of ``2^(e - m)``, the fp8 spacing there,
-and float32 addition rounds to nearest even.
+and float32 addition rounds to nearest even. The sign is then or-ed in as a bit, not
+negated: Triton 3.6 compiles a float ``-x`` as ``0.0 - x``, which is +0.0 for 0.0, so a
+negative value that rounds to zero (-0.0 among them) was stored as 0x00 where torch
+stores 0x80 (the H200 run of 2026-11-29, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ def round_to_fp8(x, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.constexpr, MAX
     exponent = tl.maximum(exponent, MIN_EXPONENT)  # subnormals have the smallest normal's spacing
     magic = ((exponent + (150 - MANTISSA_BITS)) << 23).to(tl.float32, bitcast=True)  # 2^(e - m + 23)
     rounded = (magnitude + magic) - magic
-    rounded = tl.where(x.to(tl.int32, bitcast=True) < 0, -rounded, rounded)  # the sign bit, -0.0 included
+    sign = x.to(tl.uint32, bitcast=True) & 0x80000000  # -0.0's too: a bit, not a negation (module doc)
+    rounded = (rounded.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     return tl.where(x != x, x, rounded)  # NaN stays NaN
 
 

@@ -8,6 +8,7 @@ subprocess without TRITON_INTERPRET lowers each one to a cubin (compile_for_gpu.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,3 +21,18 @@ def test_kernels_compile_for_sm90() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 74 and all(line.startswith("ok sm_90") for line in lines), proc.stdout
+
+
+def test_fp8_store_ptx_rounds_in_float32_and_sets_the_sign_by_bits() -> None:
+    """`_fp8.to_storage` for sm_90: the rounding's float32 add and subtract are kept, the sign is or-ed in as a bit
+    (Triton 3.6 compiles a float ``-x`` as ``0.0 - x``, which is +0.0 for 0.0: a negative value that rounds to zero,
+    -0.0 among them, was stored as 0x00 where torch stores 0x80), and one conversion from float32, no float16 step."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("fp8_store_ptx.py")
+    proc = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for fp8, ptx in zip(("e4m3", "e5m2"), proc.stdout.split("// fp8 ")[1:], strict=True):
+        assert f"cvt.rn.satfinite.{fp8}x2.f32" in ptx and "cvt.rn.f16.f32" not in ptx, ptx
+        assert re.search(r"\badd(\.rn)?\.f32", ptx) and re.search(r"\bsub(\.rn)?\.f32", ptx), ptx
+        assert re.search(r"\band\.b32\s+%r\d+, %r\d+, -2147483648;", ptx), ptx
+        assert "neg.f32" not in ptx and "0f00000000" not in ptx, ptx  # no float negation, as fneg or as 0.0 - x
