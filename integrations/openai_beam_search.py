@@ -30,18 +30,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
-from asyncllm.engine.validation import check_text, check_untokenized, context_length_error, truncated_prompt
-from asyncllm.errors import InvalidRequestError
+from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt
+from asyncllm.errors import InvalidRequestError, check_context_length
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ServerLimits,
-    check_common,
     completion_prompts,
-    resolve_max_tokens,
     response_id,
-    sets_max_tokens,
 )
+from asyncllm.integrations.openai_sampling import check_common, resolve_max_tokens, sets_max_tokens
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected
@@ -127,10 +125,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     max_tokens = _max_tokens(req, server.limits, defaults)
     params = []
     for ids in prompts:
-        if len(ids) >= max_model_len:
-            raise context_length_error(max_model_len, len(ids))  # the prompt plus at least one generated token
-        if max_tokens is not None and sets_max_tokens(req) and len(ids) + max_tokens > max_model_len:
-            raise context_length_error(max_model_len, len(ids), max_tokens)  # as sampling (vLLM checks it first)
+        check_context_length(max_model_len, len(ids), max_tokens if sets_max_tokens(req) else None)  # as sampling
         room = max_model_len - len(ids)
         params.append(BeamSearchParams(width, room if max_tokens is None else min(max_tokens, room), req.ignore_eos,
                                        length_penalty=req.length_penalty))

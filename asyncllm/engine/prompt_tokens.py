@@ -13,9 +13,7 @@ from typing import TYPE_CHECKING, Any
 from asyncllm import errors
 from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, prompt_embeds_of
-from asyncllm.engine.validation import (
-    CONTEXT_LENGTH_EXCEEDED, check_text, check_token_ids, context_length_error, max_prompt_chars, truncated_prompt,
-)
+from asyncllm.engine.validation import check_text, check_token_ids, max_prompt_chars, truncated_prompt
 from asyncllm.mm.host import multimodal_prompt, plain_prompt
 from asyncllm.mm.inputs import MultiModalInputs
 from asyncllm.mm.processor import MultiModalProcessor
@@ -56,9 +54,8 @@ class PromptTokenizer:
         With the option ``check_max_tokens`` (the OpenAI server's, for a request that set max_tokens), a prompt
         plus max_tokens over max_model_len is an error (else the engine cuts max_tokens to the room left)."""
         token_ids = self._token_ids(job)
-        max_tokens = job.params.max_tokens
-        if job.options.check_max_tokens and max_tokens is not None and len(token_ids) + max_tokens > self.max_model_len:
-            raise context_length_error(self.max_model_len, len(token_ids), max_tokens)
+        if job.options.check_max_tokens:  # the prompt alone was checked as it was built
+            errors.check_context_length(self.max_model_len, len(token_ids), job.params.max_tokens)
         return token_ids
 
     def _token_ids(self, job: Submit) -> list[int]:
@@ -92,7 +89,7 @@ class PromptTokenizer:
                 raise errors.InvalidRequestError(
                     "prompt", f"This model's maximum context length is {self.max_model_len} tokens. However, your "
                               f"request has {chars} characters, more than fit in that. Please reduce the length of "
-                              "the input messages.", code=CONTEXT_LENGTH_EXCEEDED)
+                              "the input messages.", code=errors.CONTEXT_LENGTH_EXCEEDED)
             check_text("prompt", job.prompt)
             token_ids = self._truncated(job.params, self._encode(job.prompt, options.text_pair))
         else:
@@ -101,8 +98,7 @@ class PromptTokenizer:
                 check_token_ids("prompt", token_ids, self.vocab_size)
         if not token_ids:
             raise errors.InvalidRequestError("prompt", "the prompt is empty")
-        if len(token_ids) >= self.max_model_len:  # the prompt plus at least one generated token
-            raise context_length_error(self.max_model_len, len(token_ids))
+        errors.check_context_length(self.max_model_len, len(token_ids))  # room for at least one generated token
         if self.mm is not None and self.mm.marks_text_prompts:  # PaliGemma: a text prompt is its prefix span too
             job.mm_prompt = self.mm.process(token_ids, MultiModalInputs(), "prompt")
         return token_ids

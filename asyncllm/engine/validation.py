@@ -27,7 +27,7 @@ __all__ = [
     "truncated_prompt",
     "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request",
     "check_allowed_tokens", "check_lora_id",
-    "check_text", "served_tasks", "CONTEXT_LENGTH_EXCEEDED", "context_length_error",
+    "check_text", "served_tasks",
     "check_params_text", "check_params_vocab",
     "check_token_ids",
     "max_prompt_chars",
@@ -48,23 +48,6 @@ _PRIORITY_LIMIT = 2**63
 
 
 # ---------------------------------------------------------------- host side
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-"""OpenAI's error code of a request longer than the model's context (clients detect overflow by it)."""
-
-
-def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int | None = None) -> InvalidRequestError:
-    """A request that does not fit in `max_model_len`, in vLLM's words (which clients detecting context overflow
-    match): the prompt alone (`max_tokens` None), or the prompt plus the `max_tokens` the request set."""
-    if max_tokens is None:
-        return InvalidRequestError("prompt", f"This model's maximum context length is {max_model_len} tokens. However, "
-                                             f"your request has {prompt_tokens} input tokens. Please reduce the length "
-                                             "of the input messages.", code=CONTEXT_LENGTH_EXCEEDED)
-    return InvalidRequestError("max_tokens", f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
-                                             f"This model's maximum context length is {max_model_len} tokens and your "
-                                             f"request has {prompt_tokens} input tokens ({max_tokens} > {max_model_len}"
-                                             f" - {prompt_tokens}).", code=CONTEXT_LENGTH_EXCEEDED)
-
-
 def check_text(field: str, text: str) -> None:
     """`InvalidRequestError` if `text` cannot be encoded as UTF-8 (a lone surrogate, e.g. from a bad decode)."""
     if text.isascii():

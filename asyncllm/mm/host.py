@@ -7,8 +7,7 @@ from typing import Any
 import msgspec
 
 from asyncllm import protocol
-from asyncllm.errors import InvalidRequestError
-from asyncllm.engine.validation import context_length_error
+from asyncllm.errors import InvalidRequestError, check_context_length
 from asyncllm.mm.audios import is_one_audio
 from asyncllm.mm.images import check_uuids
 from asyncllm.mm.inputs import MultiModalInputs, MultiModalPrompt, split_chat_media
@@ -63,8 +62,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         token_ids = mm.encode_text(text, len(images)) if ids is None else _token_ids(ids, mm)
     overrides = mm_processor_kwargs if chat else prompt.get("mm_processor_kwargs")
     result = mm.process(token_ids, inputs, field, overrides)
-    if len(result.token_ids) >= max_model_len:  # counting the media placeholders
-        raise context_length_error(max_model_len, len(result.token_ids))
+    check_context_length(max_model_len, len(result.token_ids))  # counting the media placeholders
     return result
 
 

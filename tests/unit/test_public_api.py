@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import asyncllm
 from asyncllm import errors
 
@@ -35,3 +37,21 @@ def test_error_tree() -> None:
         assert issubclass(getattr(errors, name), errors.AsyncLLMError)
     assert issubclass(errors.NotBuiltError, errors.ConfigError)
     assert errors.InvalidRequestError("temperature", "bad").field == "temperature"
+
+
+@pytest.mark.parametrize("prompt_tokens, max_tokens, field", [
+    (7, None, None), (7, 1, None), (6, 2, None),  # room for one generated token; the sum may reach max_model_len
+    (8, None, "prompt"), (7, 2, "max_tokens"), (8, 0, "prompt"),  # vLLM's order: the prompt alone first
+])
+def test_check_context_length_bounds(prompt_tokens: int, max_tokens: int | None, field: str | None) -> None:
+    if field is None:
+        errors.check_context_length(8, prompt_tokens, max_tokens)
+        return
+    with pytest.raises(errors.InvalidRequestError) as info:
+        errors.check_context_length(8, prompt_tokens, max_tokens)
+    assert (info.value.field, info.value.code) == (field, "context_length_exceeded")
+    assert info.value.message == {
+        "prompt": "This model's maximum context length is 8 tokens. However, your request has 8 input tokens. Please "
+                  "reduce the length of the input messages.",
+        "max_tokens": "'max_tokens' or 'max_completion_tokens' is too large: 2. This model's maximum context length "
+                      "is 8 tokens and your request has 7 input tokens (2 > 8 - 7)."}[field]
