@@ -206,7 +206,7 @@ class Fp8LinearMethod:
 # ---------------------------------------------------------------- quantizing a model
 @dataclass(frozen=True)
 class QuantizationSummary:
-    """What `quantize_fp8_linears` did on this rank."""
+    """What one online fp8 pass did on this rank: `quantize_fp8_linears`, or the experts' `quantize_fp8_experts`."""
 
     num_layers: int
     bytes_before: int
@@ -214,7 +214,8 @@ class QuantizationSummary:
     bytes_after: int
     """The same weights in fp8, with their scales."""
     method: str
-    """How the products run: ``_scaled_mm`` or ``dequantize``."""
+    """How the products run: ``_scaled_mm`` or ``dequantize`` (linears: both, ``+``-joined, when layers differ;
+    ``none`` without layers), ``fused_moe`` or ``dequantize`` (experts)."""
 
 
 @torch.no_grad()
@@ -291,16 +292,16 @@ def quantize_fp8_linears(model: nn.Module) -> QuantizationSummary:
     return QuantizationSummary(len(layers), before, after, "+".join(sorted(methods)) or "none")
 
 
-def quantize_model(model: nn.Module, method: str) -> QuantizationSummary:
-    """Quantize a loaded model in place with ``method`` (the `quantization` field)."""
+def quantize_model(model: nn.Module, method: str) -> None:
+    """Quantize a loaded model in place with ``method`` (the `quantization` field), and log what this rank
+    quantized: its linear layers, and its experts when it has any."""
     if method != "fp8":
         raise NotBuiltError("quantization", method, f"{method!r} weight quantization (only 'fp8')")
     from asyncllm.models.fp8_online_experts import quantize_fp8_experts
 
     experts = quantize_fp8_experts(_text_decoder(model))  # first: the linears' pass empties the CUDA cache
-    summary = quantize_fp8_linears(model)
-    for kind, done in (("linear", summary), ("expert", experts)):
+    linears = quantize_fp8_linears(model)
+    for kind, done in (("linear", linears), ("expert", experts)):
         if done.num_layers or kind == "linear":
             logger.info("fp8: %d %s layers quantized, %.1f MiB -> %.1f MiB (%s)", done.num_layers, kind,
                         done.bytes_before / 2**20, done.bytes_after / 2**20, done.method)
-    return summary

@@ -208,3 +208,4 @@ def test_experts_left_in_the_model_dtype(caplog, monkeypatch, arch: str, no_fp8:
     assert experts.w13_weight.dtype == torch.float32 and experts.fp8_block is None
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
     assert logged in caplog.text
+    assert "linear layers quantized" in caplog.text and "expert layers quantized" not in caplog.text  # none were
