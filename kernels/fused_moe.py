@@ -30,10 +30,13 @@ columns) is scaled by its rows' group scales and its columns' block scales (grou
 added. ``BLOCK_K`` is ``bk`` up to 128 columns (one step per scale group, the block checkpoints' 128), else 128
 (`FP8_K_STEP`): a wider group (a multiple of 128, or all of K: per-row and per-tensor experts' one scale per row or
 block row) spans several steps. W8A8 int8 experts (compressed-tensors' ``*-quantized.w8a8``) take the same path with
-int8 weights (``FP8`` on, the pointers' element type int8): each input quantized to int8 per token
-(`int8.quantize_int8_per_token`, bit for bit compressed-tensors'), each int8 tile product summed exactly in int32 on
-tensor cores (under the interpreter or for K steps under 32 columns: in float32, exact too, a step's sum being at most
-``128 * 128 * 128 = 2**21 < 2**24``), then scaled in float32 by the token's and the row's scales. Packed experts
+int8 weights (``FP8`` and ``INT8`` on): each input quantized to int8 per token in one Triton kernel
+(`int8_quant.quantize_int8_per_token`, bit for bit compressed-tensors' `reference.quantize_int8_per_token`), the int8
+tile products accumulated in int32 over all of K on int8 tensor cores (numpy's exact int32 ``matmul`` under the
+interpreter; K steps under 32 columns upcast to float32, exact at a step's ``32 * 128 * 128 < 2**24``), then scaled
+once in float32, ``(sum * token scale) * row scale`` (`fused_moe_tiles.int8_scaled`), as the dense int8 layers scale
+``torch._int_mm``'s: exact sums, no float op per K step. The sums fit in int32 for K up to `INT8_MAX_K` (131071:
+``128 * 128 * K < 2**31``; the launcher refuses more). Packed experts
 dequantize each weight tile in float32, round it to the dtype and multiply (`fused_moe_tiles`; two pipeline stages, one for act-order):
 AWQ / GPTQ integers (``INT_BITS``, `reference.IntExperts`) and gpt-oss's MXFP4 (``MXFP4``, `reference.Mxfp4Experts`:
 each e2m1 nibble times its group's ``2 ** (scale - 127)`` built from float32 bits, exact, so the float path's result
@@ -42,7 +45,7 @@ on the dequantized weights); GPTQ's act-order integer experts (``G_IDX``, `refer
 Off, the kernels compile as before.
 
 Blocks past the padded total return at once (they read the total from the device). Products
-accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types).
+accumulate in float32 (``ieee`` dots for float32 inputs, tensor cores for half types), int8 experts' in int32.
 """
 
 from __future__ import annotations
@@ -54,15 +57,15 @@ import triton
 import triton.language as tl
 
 from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8
-from asyncllm.kernels.fused_moe_tiles import (block_rows, clamped_swiglu, gelu_tanh_mul, packed_tile, plus_bias,
-                                               tile_product, relu_squared, silu_mul)
-from asyncllm.kernels.fused_moe_checks import FP8_K_STEP, check_args, check_bias, fp8_k_step
+from asyncllm.kernels.fused_moe_tiles import (block_rows, clamped_swiglu, gelu_tanh_mul, int8_scaled, packed_tile,
+                                               plus_bias, tile_product, relu_squared, silu_mul)
+from asyncllm.kernels.fused_moe_checks import FP8_K_STEP, INT8_MAX_K, check_args, check_bias, fp8_k_step
+from asyncllm.kernels.int8_quant import quantize_int8_per_token
 from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts, IntExperts, Mxfp4Experts
-from asyncllm.models.int8 import quantize_int8_per_token
 from asyncllm.models.mxfp4 import MXFP4_GROUP
 
-__all__ = ["Alignment", "FP8_K_STEP", "MoeConfig", "align_tokens", "fp8_k_step", "fused_moe", "launch_config",
-           "moe_config"]
+__all__ = ["Alignment", "FP8_K_STEP", "INT8_MAX_K", "MoeConfig", "align_tokens", "fp8_k_step", "fused_moe",
+           "launch_config", "moe_config"]
 
 
 class MoeConfig(NamedTuple):
@@ -135,7 +138,7 @@ def _gate_up_kernel(
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU: tl.constexpr, GATED: tl.constexpr,
     FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr, GELU_TANH: tl.constexpr,
-    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, G_IDX: tl.constexpr,
+    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, G_IDX: tl.constexpr, INT8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -154,8 +157,9 @@ def _gate_up_kernel(
     gate_s_ptrs = w_s_ptr + expert * w_s_stride_e + (offs_n // GROUP_N).to(tl.int64) * w_s_stride_n
     up_rows = offs_n + I if GATED else offs_n
     up_s_ptrs = w_s_ptr + expert * w_s_stride_e + (up_rows // GROUP_N).to(tl.int64) * w_s_stride_n
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_dtype = tl.int32 if INT8 else tl.float32  # INT8: exact int32 sums over all of K, scaled after the loop
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_dtype)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=acc_dtype)
     rows = offs_n.to(tl.int64)[None, :]  # INT_BITS / MXFP4: each output row's packed values, scales (and zeros)
     gate_q = w13_ptr + expert * w13_stride_e + rows * w13_stride_n
     gate_sz = expert * w_s_stride_e + rows * w_s_stride_n
@@ -179,13 +183,17 @@ def _gate_up_kernel(
             if GATED:
                 gate = tl.load(gate_ptrs, mask=w_mask, other=0.0)
                 acc_gate = tile_product(acc_gate, a, gate, a_s_ptrs + group, gate_s_ptrs + group, row_mask, n_mask,
-                                    DOT_PRECISION, FP8, UPCAST)
+                                        DOT_PRECISION, FP8, UPCAST, INT8)
             up = tl.load(up_ptrs, mask=w_mask, other=0.0)
             acc_up = tile_product(acc_up, a, up, a_s_ptrs + group, up_s_ptrs + group, row_mask, n_mask,
-                              DOT_PRECISION, FP8, UPCAST)
+                                  DOT_PRECISION, FP8, UPCAST, INT8)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if INT8:  # one scale group (all of K): the token's scale and each row's
+        if GATED:
+            acc_gate = int8_scaled(acc_gate, a_s_ptrs, gate_s_ptrs, row_mask, n_mask)
+        acc_up = int8_scaled(acc_up, a_s_ptrs, up_s_ptrs, row_mask, n_mask)
     gate_bias_ptrs = bias_ptr + expert * bias_stride_e + offs_n
     if GATED:
         gate = plus_bias(acc_gate, gate_bias_ptrs, n_mask, HAS_BIAS, dtype)
@@ -210,7 +218,7 @@ def _down_kernel(
     g_idx_stride_e, num_pairs, H, I,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, FP8: tl.constexpr, GROUP_N: tl.constexpr, UPCAST: tl.constexpr,
-    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, G_IDX: tl.constexpr,
+    INT_BITS: tl.constexpr, GROUP_K: tl.constexpr, MXFP4: tl.constexpr, G_IDX: tl.constexpr, INT8: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -226,7 +234,7 @@ def _down_kernel(
     w_ptrs = w2_ptr + expert * w2_stride_e + offs_n.to(tl.int64)[None, :] * w2_stride_n + offs_k[:, None]
     a_s_ptrs = a_s_ptr + pairs * a_s_stride
     w_s_ptrs = w_s_ptr + expert * w_s_stride_e + (offs_n // GROUP_N).to(tl.int64) * w_s_stride_n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32 if INT8 else tl.float32)
     rows = offs_n.to(tl.int64)[None, :]  # INT_BITS / MXFP4: each output row's packed values, scales (and zeros)
     w_q = w2_ptr + expert * w2_stride_e + rows * w2_stride_n
     w_sz = expert * w_s_stride_e + rows * w_s_stride_n
@@ -242,9 +250,11 @@ def _down_kernel(
             w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             group = k0 // GROUP_K
             acc = tile_product(acc, a, w, a_s_ptrs + group, w_s_ptrs + group, row_mask, n_mask, DOT_PRECISION, FP8,
-                           UPCAST)
+                               UPCAST, INT8)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if INT8:
+        acc = int8_scaled(acc, a_s_ptrs, w_s_ptrs, row_mask, n_mask)
     weight = tl.load(topk_weights_ptr + pairs, mask=row_mask, other=0.0)
     down = plus_bias(acc, bias_ptr + expert * bias_stride_e + offs_n, n_mask, HAS_BIAS, dtype)
     out = (down * weight[:, None]).to(dtype)
@@ -282,7 +292,8 @@ def fused_moe(
     ``"gelu_tanh"``: ``gelu_tanh(gate) * up`` (Gemma 4's experts).
     ``fp8``: w13 and w2 in float8_e4m3fn with block scales (`reference.Fp8Experts`; ``bk`` 16, 32, 64 or 128, a
     multiple of 128, or at least H and I: one scale per row of K); or in int8 (W8A8 int8 experts) with a block
-    covering all of K, each product's input quantized to int8 per token (`int8.quantize_int8_per_token`).
+    covering all of K (at most `INT8_MAX_K` columns), each product's input quantized to int8 per token
+    (`int8_quant.quantize_int8_per_token`).
     ``int_experts``: w13 ``[E, 2I, H / p]`` and w2 ``[E, H, I / p]`` packed int32 with their scales and zero points
     (`reference.IntExperts`: AWQ / GPTQ experts; act-order ones with each matrix's ``g_idx``), dequantized tile by
     tile.
@@ -302,10 +313,12 @@ def fused_moe(
                         int_experts is not None or mxfp4 is not None, act_order)
     aligned = align_tokens(topk_ids, num_experts, cfg.block_m)
     num_blocks = aligned.block_experts.shape[0]
+    int8 = fp8 is not None and w13.dtype == torch.int8
     consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                   DOT_PRECISION="ieee" if hidden.dtype == torch.float32 else "tf32", FP8=fp8 is not None,
-                  GROUP_N=fp8.block[0] if fp8 else 1, num_warps=cfg.num_warps,
-                  UPCAST=not hidden.is_cuda or (fp8 is not None and cfg.block_k < 32),  # fp8/int8 dots: K >= 32
+                  GROUP_N=fp8.block[0] if fp8 else 1, num_warps=cfg.num_warps, INT8=int8,
+                  # fp8/int8 dots want K >= 32; the interpreter's fp8 dot is float16's, its int8 dot int32's (exact)
+                  UPCAST=(fp8 is not None and cfg.block_k < 32) or (not hidden.is_cuda and not int8),
                   num_stages=cfg.num_stages)
     ints = int_experts
     consts.update(INT_BITS=ints.bits if ints else 0, MXFP4=mxfp4 is not None,
@@ -340,7 +353,8 @@ def fused_moe(
 
 def _quantized(x: torch.Tensor, fp8: Fp8Experts | None, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A product's input as the kernels read it, (values, scales): fp8 per token group, int8 per token for int8
-    experts (compressed-tensors' quantization, as the dense W8A8 layers'), or the input itself (scales unread)."""
+    experts (compressed-tensors' quantization, as the dense W8A8 layers', in one Triton kernel), or the input itself
+    (scales unread)."""
     if fp8 is None:
         return x, x
     if w13.dtype == torch.int8:

@@ -1,6 +1,7 @@
 """The fused-MoE launcher's argument checks (`fused_moe.fused_moe`): a wrong dtype, shape or stride of a weight, its
 scales or the routing gives silently wrong numbers in a Triton kernel, so each is checked first and a `ValueError`
-names the argument. The K step of fp8 and int8 W8A8 experts (`fp8_k_step`) lives here, the checks' and the launcher's.
+names the argument. The K step of fp8 and int8 W8A8 experts (`fp8_k_step`) lives here, the checks' and the launcher's,
+and int8 experts' widest K (`INT8_MAX_K`).
 """
 
 from __future__ import annotations
@@ -13,11 +14,17 @@ from asyncllm.kernels.reference import MOE_ACTIVATIONS as ACTIVATIONS
 from asyncllm.kernels.reference import Fp8Experts, IntExperts, Mxfp4Experts
 from asyncllm.models.mxfp4 import MXFP4_GROUP
 
-__all__ = ["FP8_K_STEP", "check_args", "check_bias", "fp8_k_step"]
+__all__ = ["FP8_K_STEP", "INT8_MAX_K", "check_args", "check_bias", "fp8_k_step"]
 
 FP8_K_STEP = 128
 """The K step of fp8 experts whose scale group along K is wider than it: the block checkpoints' group, the step
 they have always run with."""
+
+
+INT8_MAX_K = (2**31 - 1) // (128 * 128)
+"""131071: the widest K whose int8 products sum exactly in int32 (W8A8 int8 experts sum all of K before scaling):
+each product is at most ``128 * 128`` in magnitude (-128 times -128: a token's or a weight's most negative value may
+reach -128), so every partial sum stays within ``128 * 128 * K < 2**31``. Real experts' K is a few thousand."""
 
 
 def fp8_k_step(group: int) -> int:
@@ -108,6 +115,8 @@ def _check_fp8(fp8: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor) -> None:
           f"of K (at least {widest}); got {fp8.block}")
     check(w13.dtype != torch.int8 or bk >= widest, f"int8 experts quantize each token's input whole: their block "
                                                    f"must cover all of K (at least {widest}); got {fp8.block}")
+    check(w13.dtype != torch.int8 or widest <= INT8_MAX_K, f"int8 experts sum each product in int32: K (here "
+                                                           f"{widest}) must be at most {INT8_MAX_K}")
     for name, scale, w in (("w13_scale", fp8.w13_scale, w13), ("w2_scale", fp8.w2_scale, w2)):
         shape = (w.shape[0], triton.cdiv(w.shape[1], bn), triton.cdiv(w.shape[2], bk))
         check(scale.dtype == torch.float32 and tuple(scale.shape) == shape and scale.stride(2) == 1,

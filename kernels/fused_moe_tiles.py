@@ -1,9 +1,10 @@
 """The fused-MoE kernels' tile and activation helpers (`@triton.jit`, called by `fused_moe`'s kernels).
 
 A row block's expert and pairs; activations on float32 products, rounded op by op as the reference's torch ops
-round; the bias addition; the tile product (plain, or block-fp8's and W8A8 int8's scaled); and the weight tiles of
-quantized experts kept packed, dequantized in float32 and rounded to the activations' dtype: `int_tile` (AWQ / GPTQ,
-`reference.IntExperts`) and `mxfp4_tile` (gpt-oss's MXFP4, `reference.Mxfp4Experts`: exact).
+round; the bias addition; the tile product (plain, block-fp8's scaled, or W8A8 int8's summed in int32 over all of K
+and scaled once, `int8_scaled`); and the weight tiles of quantized experts kept packed, dequantized in float32 and
+rounded to the activations' dtype: `int_tile` (AWQ / GPTQ, `reference.IntExperts`) and `mxfp4_tile` (gpt-oss's
+MXFP4, `reference.Mxfp4Experts`: exact).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import triton.language as tl
 from asyncllm.kernels._math import tanh
 
 __all__ = ["block_rows", "silu_mul", "gelu_tanh_mul", "clamped_swiglu", "relu_squared", "plus_bias", "tile_product",
-           "int_tile", "mxfp4_tile", "packed_tile"]
+           "int8_scaled", "int_tile", "mxfp4_tile", "packed_tile"]
 
 
 @triton.jit
@@ -72,19 +73,34 @@ def plus_bias(product, bias_ptr, mask, HAS_BIAS: tl.constexpr, dtype):
 
 @triton.jit
 def tile_product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
-             DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr):
-    """``acc + a @ b``; with ``FP8`` the fp8 (or int8: W8A8 int8 experts, an exact int32 sum) tile product in float32
-    scaled by the rows' group scales and the columns' block scales (``*_s_ptrs``: this K group's)."""
-    if FP8:
+             DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, UPCAST: tl.constexpr, INT8: tl.constexpr):
+    """``acc + a @ b``; with ``FP8`` the fp8 tile product in float32 scaled by the rows' group scales and the columns'
+    block scales (``*_s_ptrs``: this K group's); with ``INT8`` (W8A8 int8 experts) the int8 tile product added to the
+    int32 ``acc`` unscaled, exactly (`int8_scaled` scales the whole sum once)."""
+    if INT8:
+        if UPCAST:  # K steps under 32 columns: float32, exact (a step's sum is at most 32 * 128 * 128 < 2**24)
+            return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee").to(tl.int32)
+        else:
+            return tl.dot(a, b, acc)
+    elif FP8:
         if UPCAST:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
-            part = tl.dot(a, b).to(tl.float32)  # int8 tiles: int32
+            part = tl.dot(a, b)
         a_s = tl.load(a_s_ptrs, mask=row_mask, other=0.0)
         b_s = tl.load(b_s_ptrs, mask=n_mask, other=0.0)
         return acc + part * a_s[:, None] * b_s[None, :]
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def int8_scaled(acc, a_s_ptrs, b_s_ptrs, row_mask, n_mask):
+    """W8A8 int8 experts' exact int32 sums over all of K in float32, times each row's token scale, times each
+    column's weight scale (per row or per matrix), as the dense int8 layers scale ``torch._int_mm``'s."""
+    a_s = tl.load(a_s_ptrs, mask=row_mask, other=0.0)
+    b_s = tl.load(b_s_ptrs, mask=n_mask, other=0.0)
+    return acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
 
 
 @triton.jit

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
-from asyncllm.models.int8 import int8_linear_fallback
+# compressed-tensors' W8A8 int8 math, defined once in models.int8: `quantize_int8_per_token` is the reference of
+# the Triton `int8_quant.quantize_int8_per_token` (W8A8 int8 experts' inputs)
+from asyncllm.models.int8 import INT8_MAX, INT8_MIN, int8_linear_fallback, quantize_int8_per_token
 from asyncllm.models.mxfp4 import MXFP4_GROUP, dequantize_mxfp4
 
 __all__ = [
@@ -50,6 +52,9 @@ __all__ = [
     "FP8_MIN_SCALE",
     "expand_block_scales",
     "per_token_group_quant_fp8",
+    "INT8_MIN",
+    "INT8_MAX",
+    "quantize_int8_per_token",
     "dequantize_fp8_blocks",
     "w8a8_block_fp8_matmul",
     "unpack_int_rows",

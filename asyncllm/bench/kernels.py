@@ -219,6 +219,23 @@ def _block_fp8(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device
     return rows
 
 
+def _int8_quant(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: str = "cuda",
+                token_counts: tuple[int, ...] = (16, 8192)) -> list[dict[str, Any]]:
+    """W8A8 int8 experts' per-token activation quantizer (one Triton kernel) against the torch function it replaces;
+    bytes: the input read once, the int8 values and the scales written."""
+    from asyncllm.kernels import reference
+    from asyncllm.kernels.int8_quant import quantize_int8_per_token
+
+    rows = []
+    for k in (cfg["hidden_size"], cfg["intermediate_size"]):
+        for tokens in token_counts:
+            x = torch.randn(tokens, k, dtype=dtype, device=device)
+            rows.append(_row("quantize_int8_per_token", f"{tokens}x{k}", tokens * (k * (dtype.itemsize + 1) + 4),
+                             _bench(lambda x=x: quantize_int8_per_token(x)),
+                             _bench(lambda x=x: reference.quantize_int8_per_token(x)), bandwidth))
+    return rows
+
+
 def _w4a16(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: str = "cuda") -> list[dict[str, Any]]:
     """A pre-quantized AWQ / GPTQ checkpoint's product (4-bit values, groups of 128; in order, and GPTQ's
     act-order g_idx) against torch's matmul of the model-dtype weight (cuBLAS) that it replaces; bytes: the packed
@@ -332,7 +349,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
         cfg = preset_config(preset)
         rows = (_elementwise(cfg, dtype, bandwidth) + _rotary(cfg, dtype, bandwidth) + _attention(cfg, dtype, bandwidth)
                 + _split_decode(cfg, dtype, bandwidth) + _decode_linear(cfg, dtype, bandwidth)
-                + _block_fp8(cfg, dtype, bandwidth) + _w4a16(cfg, dtype, bandwidth))
+                + _block_fp8(cfg, dtype, bandwidth) + _int8_quant(cfg, dtype, bandwidth)
+                + _w4a16(cfg, dtype, bandwidth))
         results["presets"][preset] = rows
         _print_rows(f"asyncllm bench kernels | {preset} | {args.dtype} | {results['meta']['device']}", rows)
     results["moe"] = _fused_moe(MOE_SHAPE, dtype, bandwidth)

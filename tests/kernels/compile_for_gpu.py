@@ -21,7 +21,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from asyncllm.kernels import block_fp8, decode_linear, fused_moe, gated_delta, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul, ssd_step, w4a16  # noqa: E402,E501
+from asyncllm.kernels import block_fp8, decode_linear, fused_moe, gated_delta, int8_quant, paged_attention, paged_decode, rms_norm, rotary_kv, silu_and_mul, ssd_step, w4a16  # noqa: E402,E501
 
 
 def _compile(kernel, pointers: dict[str, str], floats: tuple[str, ...], consts: dict, target: GPUTarget, warps: int,
@@ -190,7 +190,7 @@ def moe_cases(p: str):
                                       bool(bits or mxfp4), g_idx)  # as launched
         blocks = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32",
                       HAS_BIAS=gpt_oss, FP8=is_fp8, GROUP_N=(128 if fp8_group == 128 else 1) if is_fp8 else 1,
-                      UPCAST=False, INT_BITS=bits, MXFP4=mxfp4, G_IDX=g_idx,
+                      UPCAST=False, INT_BITS=bits, MXFP4=mxfp4, G_IDX=g_idx, INT8=int8,
                       GROUP_K=128 if bits else fp8_group or (32 if mxfp4 else 1))
         w = ("*i8" if int8 else "*fp8e4nv") if is_fp8 else "*i32" if bits else "*u8" if mxfp4 else p
         packed = bits or mxfp4  # the activations stay in the dtype
@@ -212,6 +212,13 @@ def moe_cases(p: str):
                    f"{' g_idx' if g_idx else ''}", kernel,
                    {**aligned, **(fp8 if is_fp8 else ints if bits else mxfp4_scales if mxfp4 else {}), **pointers},
                    floats, consts, cfg.num_warps, dict(divisible=divisible, stages=cfg.num_stages))
+    # int8 experts' per-token activation quantizer: Qwen3-30B-A3B's H 2048 (one block), Mixtral's I 14336 (4 blocks)
+    for k in (2048, 14336):
+        consts = int8_quant.quant_config(k)  # as launched
+        warps = consts.pop("num_warps")
+        yield (f"int8_quant BLOCK={consts['BLOCK']}", int8_quant._quantize_int8_kernel,
+               dict(x_ptr=p, q_ptr="*i8", s_ptr="*fp32"), (), consts, warps,
+               dict(divisible=("x_ptr", "q_ptr", "x_stride", "q_stride", "K")))
 
 
 def block_fp8_cases(p: str):

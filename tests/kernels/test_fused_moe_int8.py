@@ -1,7 +1,8 @@
 """W8A8 int8 experts (compressed-tensors' ``*-quantized.w8a8`` mixtures of experts) on the fused-MoE kernels' fp8 path
-with int8 weights: each product's input quantized to int8 per token, int8 tile products summed exactly (int32 on a
-GPU; float32 under the interpreter, exact for a K step's at most 2**21), scaled by the token's and the row's scales,
-against `reference.fused_moe` (compressed-tensors' forward: `int8.int8_linear_fallback` per expert matrix)."""
+with int8 weights: each product's input quantized to int8 per token (`int8_quant`), the int8 tile products summed
+exactly in int32 over all of K (the interpreter's int8 dot is numpy's int32 ``matmul``, exact too), scaled once by the
+token's and the row's scales, against `reference.fused_moe` (compressed-tensors' forward:
+`int8.int8_linear_fallback` per expert matrix), and bit for bit against those integer sums scaled in torch."""
 
 from __future__ import annotations
 
@@ -10,13 +11,15 @@ import torch
 
 from asyncllm.kernels import reference
 from asyncllm.kernels.fused_moe import fused_moe
+from asyncllm.kernels.fused_moe_checks import INT8_MAX_K
 from asyncllm.models.int8 import int8_scale, quantize_int8
 from kernel_testing import DEVICE, DTYPES, assert_close, randn, requires_gpu
 from test_fused_moe_kernel import E, FP8_TOL, H, I, _routing, _weights
 
 INT8_TOL = FP8_TOL
-"""As block-fp8's: float32, the same exact integer sums scaled in another order (one scale product per K step against
-the reference's dequantized float32 products); half types, a unit of the dtype where a product's rounding moves."""
+"""As block-fp8's: float32, the same exact integer sums scaled in another order (the kernel's once per product
+against the reference's dequantized float32 products); half types, a unit of the dtype where a product's rounding
+moves."""
 FLIP_TOL = (2e-2, 0.0)
 """A token with an activation within float32 noise of an int8 rounding midpoint (`_near_midpoint`): the kernel's
 exact sums may round it the other way, one step (``max|act| / 127.5``) times a down weight (measured up to 1.4e-2
@@ -93,8 +96,8 @@ def test_int8_experts_match_reference(dtype: torch.dtype, routing: str, block: s
 
 
 def test_int8_experts_over_several_k_steps() -> None:
-    """H 300 and I 136: the gate/up product's K in three steps of 128 (the last 44 wide), the down's in two, each
-    step's exact sum scaled and added; float32."""
+    """H 300 and I 136: the gate/up product's K in three steps of 128 (the last 44 wide), the down's in two, their
+    int32 sums scaled once; float32."""
     hidden = randn(7, 300, dtype=torch.float32, seed=2)
     w13, w2 = _weights(E, 300, 136, torch.float32, seed=3)
     q13, q2, int8 = _int8_experts(w13, w2, "row")
@@ -103,6 +106,34 @@ def test_int8_experts_over_several_k_steps() -> None:
     near = _near_midpoint(hidden, q13, q2, topk_weights, topk_ids, int8, "silu")
     out = fused_moe(hidden, q13, q2, topk_weights, topk_ids, fp8=int8)
     _assert_close_up_to_flips(out, expected, near, torch.float32)
+
+
+@pytest.mark.parametrize("hidden_size, inter", [
+    (300, 24),  # the gate/up product's K in three int8 dots of 128 columns (the last 44 wide)
+    (16, 16),  # one K step of 16 columns: upcast to float32 (int8 dots want 32), exact, then summed in int32
+])
+def test_int8_experts_sum_in_int32_and_scale_once(hidden_size: int, inter: int) -> None:
+    """Bit for bit the exact integer products scaled once, ``(float(x_q @ W_q^T) * s_x) * s_W`` as the dense layers
+    scale ``torch._int_mm``'s (a K step's sum scaled and added would round differently): float32, gateless (relu2),
+    one expert a token with routing weight 1, so that nothing else rounds."""
+    tokens = 4
+    hidden = randn(tokens, hidden_size, dtype=torch.float32, seed=2)
+    w13, w2 = _weights(E, hidden_size, inter, torch.float32, seed=3)
+    q13, q2, int8 = _int8_experts(w13[:, :inter].contiguous(), w2, "row")
+    topk_ids = (torch.arange(tokens, device=DEVICE) % E).reshape(tokens, 1)
+    topk_weights = torch.ones(tokens, 1, device=DEVICE)
+    out = fused_moe(hidden, q13, q2, topk_weights, topk_ids, activation="relu2", fp8=int8)
+
+    experts = topk_ids[:, 0].cpu()
+
+    def product(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:  # on the CPU: int64 einsum
+        x_q, x_s = reference.quantize_int8_per_token(x.cpu())
+        exact = torch.einsum("tk,tnk->tn", x_q.long(), q.cpu()[experts].long())
+        assert exact.abs().max() < 2**24  # in float32, exactly
+        return exact.float() * x_s * scales.cpu()[experts, :, 0]
+    up = product(hidden, q13, int8.w13_scale)
+    expected = product(torch.square(torch.relu(up)), q2, int8.w2_scale)
+    assert torch.equal(out.cpu(), expected)
 
 
 def test_int8_experts_take_one_input_scale_per_token() -> None:
@@ -119,6 +150,20 @@ def test_int8_experts_take_one_input_scale_per_token() -> None:
             moe(hidden, q13, q2, topk_weights, topk_ids, fp8=narrow)
     with pytest.raises(ValueError, match=r"w2 must be \[5, 40, 24\] of torch.int8"):
         fused_moe(hidden, q13, q2.view(torch.float8_e4m3fn), topk_weights, topk_ids, fp8=int8)
+
+
+def test_int8_experts_refuse_a_k_whose_int32_sums_could_overflow() -> None:
+    """``128 * 128 * K`` must fit in int32: K up to `INT8_MAX_K` (131071) is taken, one more refused."""
+    assert 128 * 128 * INT8_MAX_K < 2**31 <= 128 * 128 * (INT8_MAX_K + 1)
+
+    def moe(k: int) -> torch.Tensor:  # no tokens: checked, nothing run
+        w13, w2 = (torch.zeros(shape, dtype=torch.int8, device=DEVICE) for shape in ((1, 1, k), (1, k, 1)))
+        int8 = reference.Fp8Experts(torch.ones(1, 1, 1, device=DEVICE), torch.ones(1, k, 1, device=DEVICE), (1, k))
+        return fused_moe(torch.zeros(0, k, device=DEVICE), w13, w2, torch.zeros(0, 1, device=DEVICE),
+                         torch.zeros(0, 1, dtype=torch.int32, device=DEVICE), activation="relu2", fp8=int8)
+    assert moe(INT8_MAX_K).shape == (0, INT8_MAX_K)
+    with pytest.raises(ValueError, match=r"int8 experts sum each product in int32: K \(here 131072\) must be at "):
+        moe(INT8_MAX_K + 1)
 
 
 @requires_gpu
