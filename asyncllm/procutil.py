@@ -8,9 +8,11 @@ reason, the kernel closes it and the child sees EOF and exits.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -78,6 +80,32 @@ def exit_when_parent_dies(poll_s: float = 0.5) -> None:
 
     threading.Thread(target=read_stdin, name="asyncllm-parent-eof", daemon=True).start()
     threading.Thread(target=poll_ppid, name="asyncllm-parent-pid", daemon=True).start()
+
+
+def report_crashes() -> None:
+    """In a child: a hard crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints every thread's Python stack to
+    stderr, which the child shares with its parent, before the process dies."""
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+_SIGNAL_HINTS = {
+    signal.SIGKILL: "sent by another process or by the kernel's OOM killer, which dmesg names; no traceback",
+    signal.SIGSEGV: "a crash; faulthandler printed its Python stack to stderr",
+    signal.SIGABRT: "an abort; faulthandler printed its Python stack to stderr",
+    signal.SIGBUS: "a crash; faulthandler printed its Python stack to stderr",
+}
+
+
+def describe_exit(code: int) -> str:
+    """A child's exit status (`Popen.returncode`: minus the signal number when a signal killed it) in words."""
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        sig = signal.Signals(-code)
+    except ValueError:
+        return f"was killed by signal {-code}"
+    hint = _SIGNAL_HINTS.get(sig)
+    return f"was killed by {sig.name}" + (f" ({hint})" if hint else "")
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 5.0, grace: float = 0.0) -> None:

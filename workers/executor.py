@@ -21,7 +21,6 @@ After a failure the executor is dead: every later call raises the same
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import time
 from collections import deque
@@ -33,7 +32,7 @@ import zmq
 from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import AsyncLLMError, EngineDeadError
-from asyncllm.procutil import free_tcp_port, private_ipc_dir, remove_dir, spawn_module, stop_process
+from asyncllm.procutil import describe_exit, free_tcp_port, private_ipc_dir, remove_dir, spawn_module, stop_process
 from asyncllm.workers.shm_broadcast import BroadcastWriter
 
 __all__ = ["Executor"]
@@ -341,7 +340,7 @@ class Executor:
             last_words = self._last_worker_error()
             if last_words is not None:
                 self._fail(_error_from(last_words))
-            self._fail(EngineDeadError(f"worker rank {rank} (pid {proc.pid}) {_describe_exit(code)}"))
+            self._fail(EngineDeadError(f"worker rank {rank} (pid {proc.pid}) {describe_exit(code)}"))
 
     def _last_worker_error(self) -> protocol.WorkerError | None:
         assert self._results is not None
@@ -393,12 +392,3 @@ def _error_from(message: protocol.WorkerError) -> AsyncLLMError:
         return config_error
     kind = f"{message.error_type}: " if message.error_type else ""
     return EngineDeadError(f"worker rank {message.rank} failed: {kind}{message.message}")
-
-
-def _describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"

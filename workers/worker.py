@@ -39,7 +39,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.checkpoint import hf_config_from_json
 from asyncllm.pipeline_parallel import output_rank
-from asyncllm.procutil import exit_when_parent_dies
+from asyncllm.procutil import exit_when_parent_dies, report_crashes
 from asyncllm.workers.shm_broadcast import BroadcastReader, RingHandle
 from asyncllm.workers.step_pipeline import StepPipeline
 
@@ -291,6 +291,7 @@ def run_worker(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     exit_when_parent_dies()
+    report_crashes()
     # Ctrl-C in a terminal reaches the whole process group; the core owns the shutdown order.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     args = _parse_args(argv)

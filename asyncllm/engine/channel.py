@@ -1,12 +1,18 @@
 """The host's end of the connection to the engine core: one DEALER that notices when the core is gone.
 
-A host that owns its core also polls the core process (`CoreProcess.exit_code`);
+A host that owns its core also watches the core process (`CoreProcess.death`);
 a host attached to a shared core (`AsyncEngine.connect`) has no process to
-poll, so the connection itself must tell. The DEALER carries ZMTP heartbeats
-(answered by libzmq's own I/O thread in the core, so a long step never looks
-like a death), and a socket monitor reports the moment the connection drops:
-the core process died (the kernel closes its end at once), its machine went
-silent for `HEARTBEAT_TIMEOUT_MS`, or a CURVE handshake failed (wrong key).
+watch, so the connection itself must tell. A socket monitor reports the moment
+the connection drops: the core process died (the kernel closes its end at
+once), its machine went silent for `HEARTBEAT_TIMEOUT_MS`, or a CURVE
+handshake failed (wrong key).
+
+Only a tcp:// DEALER carries ZMTP heartbeats: on one machine (ipc://) the kernel
+already reports a dead core at once, and a heartbeat could only misreport a live
+one. libzmq's own threads answer them, so a long step is no silence, but a core
+whose every thread waits for a starved CPU (or is stopped) is: a short timeout
+there declared healthy cores dead on a loaded machine. vLLM likewise watches
+the process, not a heartbeat.
 """
 
 from __future__ import annotations
@@ -18,10 +24,11 @@ from asyncllm.auth import derive_keys, secure_client
 
 __all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "open_dealer", "ConnectionWatch"]
 
-HEARTBEAT_IVL_MS = 200
-"""A ZMTP PING every this often while the connection is quiet."""
-HEARTBEAT_TIMEOUT_MS = 1000
-"""No traffic from the core for this long: the connection is dropped (and reported as lost)."""
+HEARTBEAT_IVL_MS = 1000
+"""A ZMTP PING every this often (tcp:// only)."""
+HEARTBEAT_TIMEOUT_MS = 10_000
+"""No traffic from a tcp:// core for this long: the connection is dropped (and reported as lost). Long enough for
+a core machine whose CPUs are starved for seconds; a dead core process is reported by its kernel, at once."""
 
 _LOST_EVENTS = {
     zmq.EVENT_DISCONNECTED: "the connection to the engine core closed: the core process died or was stopped",
@@ -34,11 +41,12 @@ _LOST_EVENTS = {
 
 
 def open_dealer(ctx: zmq.Context, address: str, key: str | None, linger_ms: int = 0) -> zmq.Socket:
-    """A DEALER connected to `address`, with heartbeats, and CURVE when `key` is given (tcp://)."""
+    """A DEALER connected to `address`, with heartbeats when it is tcp://, and CURVE when `key` is given (tcp://)."""
     dealer = ctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, linger_ms)
-    dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+    if address.startswith("tcp://"):
+        dealer.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        dealer.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     if key is not None:
         secure_client(dealer, derive_keys(key))
     dealer.connect(address)

@@ -28,7 +28,7 @@ from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
 from asyncllm.engine.validation import check_add_request, check_lora_id, record_lora_id, served_tasks
 from asyncllm.mm.core_cache import CoreProcessorCache
-from asyncllm.procutil import exit_when_parent_dies
+from asyncllm.procutil import exit_when_parent_dies, report_crashes
 from asyncllm.sched.request import Request
 from asyncllm.sched.scheduler import Scheduler
 from asyncllm.sched.step_outputs import StepOutputs
@@ -141,7 +141,6 @@ class EngineCore:
         if self.structured.matchers:
             self.structured.accept(step_outputs.deltas, self.scheduler.finish_requests)
         self.send_outputs(outputs + failed + step_outputs)
-
 
     def _finish_expired(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
         """End the requests whose timeout passed (`Scheduler.finish_expired_requests`), grammar matchers too."""
@@ -361,6 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-config-json", default=None, help="the checkpoint's config, as the host read it")
     args = parser.parse_args(argv)
     exit_when_parent_dies()
+    report_crashes()
     _setup_logging()
     config = EngineConfig.from_dict(msgspec.json.decode(args.config_json))
     io = CoreIO(args.address)
@@ -377,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     except BaseException as exc:  # noqa: BLE001 - tell the hosts, then exit
         logger.exception("engine core died")
         for client_id in core.clients:
-            io.send(client_id, protocol.EngineFailed("EngineDeadError", f"engine core died: {exc}"))
+            io.send(client_id, protocol.EngineFailed("EngineDeadError", f"engine core died: {exc!r} (traceback on stderr)"))
         time.sleep(0.1)
         raise
     finally:

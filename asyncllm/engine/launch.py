@@ -8,8 +8,10 @@ from dataclasses import dataclass
 
 import msgspec
 
-from asyncllm import procutil
+from asyncllm import errors, procutil
 from asyncllm.config import EngineConfig
+
+_LOGS = "the core and its workers log to this process's stderr, tracebacks included"
 
 
 @dataclass
@@ -26,6 +28,15 @@ class CoreProcess:
 
     def exit_code(self) -> int | None:
         return self.proc.poll()
+
+    def death(self, when: str = "", wait_s: float = 0.0) -> errors.EngineDeadError | None:
+        """The error that says how the core process ended (`when`: " while starting"), waiting up to `wait_s` for
+        it to end; None while it runs."""
+        try:
+            code = self.proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            return None
+        return errors.EngineDeadError(f"engine core (pid {self.pid}) {procutil.describe_exit(code)}{when}; {_LOGS}")
 
     def stop(self, timeout: float = 10.0) -> None:
         """After Goodbye(shutdown=True) the core shuts its workers down and exits;

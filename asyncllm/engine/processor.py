@@ -53,6 +53,8 @@ logger = logging.getLogger("asyncllm.engine")
 __all__ = ["Deliver", "Delivery", "Processor", "Submit", "sample_request_ids"]
 
 _POLL_MS = 100
+_EXIT_STATUS_WAIT_S = 0.5
+"""After the connection to an owned core dropped: how long to wait for the process's exit status."""
 
 
 class Processor(ProcessorRequests, ProcessorOutputs):
@@ -205,9 +207,9 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 if isinstance(message, protocol.EngineFailed):
                     self.ready.set_exception(error_from(message))
                     return False
-            if self._core is not None and self._core.exit_code() is not None:
-                code = self._core.exit_code()
-                self.ready.set_exception(errors.EngineDeadError(f"engine core exited with code {code} while starting (its log is above)"))
+            death = self._core.death(" while starting") if self._core is not None else None
+            if death is not None:
+                self.ready.set_exception(death)
                 return False
             lost = self._lost_connection(dealer)
             if lost is not None:
@@ -287,17 +289,22 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             message = self._decoder.decode(dealer.recv())
             if isinstance(message, protocol.EngineFailed):
                 return error_from(message)
+        if self._core is not None:  # the kernel closes a dead core's socket a moment before its exit status is known
+            return self._core.death(wait_s=_EXIT_STATUS_WAIT_S) or errors.EngineDeadError(
+                f"the connection to the engine core (pid {self._core.pid}) closed while the process still runs "
+                f"(engine address {self._address})")
         return errors.EngineDeadError(f"{reason} (engine address {self._address})")
 
     def _core_died(self) -> bool:
-        if self._core is None or self._core.exit_code() is None:
+        death = self._core.death() if self._core is not None else None
+        if death is None:
             return False
-        self._fail_all(errors.EngineDeadError(f"engine core exited with code {self._core.exit_code()}"))
+        self._fail_all(death)
         return True
 
     def _fail_all(self, error: BaseException | None) -> None:
         """End every tracked request: with `error`, or as aborted when None."""
-        if error is not None:
+        if error is not None and self.dead is None:  # the first word is the best: EngineFailed before the exit code
             self.dead = error
         self._weight_updates.fail_all(error or errors.EngineDeadError("the engine was closed"))
         self._sleep_calls.fail_all(error or errors.EngineDeadError("the engine was closed"))

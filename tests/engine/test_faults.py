@@ -107,6 +107,7 @@ async def test_workers_failing_past_max_worker_restarts_fail_every_stream(tiny_l
         await streams.join(timeout=10)
         assert all(error is not None for error in streams.errors), streams.errors
         assert "max_worker_restarts=0" in str(streams.errors[0][0])
+        assert f"worker rank 0 (pid {worker}) was killed by SIGKILL" in str(streams.errors[0][0])
         assert not engine.stats().engine_alive
         with pytest.raises(EngineDeadError):
             await engine.generate(PROMPTS[0], GREEDY)
@@ -114,10 +115,22 @@ async def test_workers_failing_past_max_worker_restarts_fail_every_stream(tiny_l
 
 async def test_killed_core_fails_streams_within_a_second_and_the_supervisor_restarts_it(tiny_llama: str,
                                                                                           expected) -> None:
+    """A core stopped for seconds (SIGSTOP: every thread of it starved, as on an overloaded machine) is not dead;
+    a killed one fails the streams at once with an error naming the signal."""
     engine = AsyncEngine(tiny_llama, max_core_restarts=1, **ENGINE_KWARGS)
     async with engine:
         core_pid = engine._core.pid
         [worker] = worker_pids(core_pid)
+        streams = Streams(engine, PROMPTS)
+        await streams.wait_for_tokens(3)
+        os.kill(core_pid, signal.SIGSTOP)
+        assert streams.finish == [None] * 3  # stopped mid-generation
+        await asyncio.sleep(2.0)  # twice the 1 s heartbeat timeout that once declared such a core dead
+        os.kill(core_pid, signal.SIGCONT)
+        await streams.join()
+        assert streams.errors == [None, None, None] and streams.tokens == expected
+        assert engine.stats().engine_alive and engine._core.pid == core_pid
+
         streams = Streams(engine, PROMPTS)
         await streams.wait_for_tokens(3)
         killed_at = time.monotonic()
@@ -126,6 +139,7 @@ async def test_killed_core_fails_streams_within_a_second_and_the_supervisor_rest
         assert all(error is not None for error in streams.errors), streams.errors
         latencies = [at - killed_at for _, at in streams.errors]  # type: ignore[misc]
         assert max(latencies) < 1.0, latencies
+        assert f"engine core (pid {core_pid}) was killed by SIGKILL" in str(streams.errors[0][0])  # type: ignore[index]
         assert not engine.stats().engine_alive  # until the new core serves
 
         out = await engine.generate(PROMPTS[1], GREEDY)  # waits for the restart, then runs on the new core
