@@ -11,16 +11,17 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 from collections.abc import Callable
 from types import FrameType
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
-from asyncllm.engine.connect import check_address, handshake
+from asyncllm.engine.connect import check_address
 from asyncllm.engine.core import EngineCore, _setup_logging
 from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.prepare import prepare
-from asyncllm.errors import ConfigError, EngineDeadError, NotBuiltError
+from asyncllm.errors import ConfigError, NotBuiltError
 
 logger = logging.getLogger("asyncllm.engine.core")
 
@@ -69,13 +70,21 @@ def _claim_socket(socket_path: str) -> None:
     parent = os.path.dirname(os.path.abspath(socket_path))
     if not os.path.isdir(parent):
         os.makedirs(parent, mode=0o700)
-    if os.path.exists(socket_path):
+    if os.path.exists(socket_path) and not _listening(socket_path):
+        os.unlink(socket_path)  # a core that was killed left its socket behind: binding would fail
+    elif os.path.exists(socket_path):
+        raise ConfigError("address", f"ipc://{socket_path}", "a free address: an engine core already serves there")
+
+
+def _listening(socket_path: str) -> bool:
+    """Whether a process listens on the Unix socket: the kernel accepts or refuses the connection itself, so a live
+    core whose CPU is starved still counts (a handshake with a deadline would have called it dead)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
         try:
-            handshake(f"ipc://{socket_path}", timeout_s=1.0)
-        except EngineDeadError:
-            os.unlink(socket_path)  # a core that was killed left its socket behind: binding would fail
-        else:
-            raise ConfigError("address", f"ipc://{socket_path}", "a free address: an engine core already serves there")
+            probe.connect(socket_path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+    return True
 
 
 def _install_stop_handlers(core: EngineCore) -> dict[int, object]:

@@ -1,0 +1,45 @@
+"""`asyncllm engine` claiming its Unix socket: a leftover file of a killed core is removed, a live core's refused.
+
+A listening socket is told by the kernel accepting the connection, not by a handshake with a deadline, so a live core
+whose CPU is starved (or stopped, here) still owns its address."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from asyncllm.engine.standalone import _claim_socket
+from asyncllm.errors import ConfigError
+
+
+def _bound(path: Path, listen: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    if listen:
+        sock.listen(1)
+    return sock
+
+
+def test_a_killed_cores_socket_file_is_removed(tmp_path: Path) -> None:
+    path = tmp_path / "core.sock"
+    _bound(path, listen=False).close()  # the file stays, nobody listens: what SIGKILL leaves
+    assert path.exists()
+    _claim_socket(str(path))
+    assert not path.exists()
+
+
+def test_a_listening_core_keeps_its_address_even_when_it_never_answers(tmp_path: Path) -> None:
+    path = tmp_path / "core.sock"
+    with _bound(path, listen=True):  # listening, never accepting: a core stopped or starved of CPU
+        with pytest.raises(ConfigError, match="already serves there"):
+            _claim_socket(str(path))
+        assert path.exists()
+
+
+def test_a_missing_folder_is_created_private(tmp_path: Path) -> None:
+    path = tmp_path / "run" / "core.sock"
+    _claim_socket(str(path))
+    assert (os.stat(path.parent).st_mode & 0o777) == 0o700 and not path.exists()
