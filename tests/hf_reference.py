@@ -88,6 +88,18 @@ def hf_logits(path: str, token_ids: list[int]):
     return model_logits(_hf_model(path), token_ids)
 
 
+def greedy_divergence(path: str, prompt_ids: list[int], expected: list[int], got: list[int]) -> str:
+    """Where ``got`` first leaves transformers' greedy ``expected`` tokens, and by how much transformers' logit for
+    its own token led the other one there: a lead within the arithmetic's error (float32's about 1e-6 on the tiny
+    models, TF32's 1e-3) is a near-tie it flips, a wider one a wrong result. For an assertion's message."""
+    i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    if i == len(expected) or i == len(got):
+        return f"{len(got)} tokens where transformers gives {len(expected)}, equal up to there"
+    logits = hf_logits(path, prompt_ids + expected[:i])[-1]
+    lead = float(logits[expected[i]] - logits[got[i]])
+    return f"token {i}: {got[i]} where transformers gives {expected[i]}, whose logit leads by {lead:.2e}"
+
+
 def model_logits(model, token_ids: list[int]):
     """`hf_logits` for a transformers model already built."""
     import torch
