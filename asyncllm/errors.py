@@ -12,8 +12,9 @@ third-party exceptions are mapped to one of these at the edge::
      +-- EngineDeadError          the engine core or a worker died and was not recovered
 
 `check_context_length` raises the one error clients branch on by its code and words (vLLM's, with OpenAI's
-``context_length_exceeded``); it lives here so that the host, asyncllm/mm and the OpenAI server share it without
-importing asyncllm.engine. ``__all__`` is the exception tree (which ``asyncllm`` re-exports).
+``context_length_exceeded``; a pooling request's prompt may fill the context); it lives here so that the host and
+the OpenAI server (its beam search) share it without importing asyncllm.engine. ``__all__`` is the exception tree
+(which ``asyncllm`` re-exports).
 """
 
 from __future__ import annotations
@@ -83,15 +84,24 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """OpenAI's error code of a request longer than the model's context (clients detect overflow by it)."""
 
 
-def check_context_length(max_model_len: int, prompt_tokens: int, max_tokens: int | None = None) -> None:
+def check_context_length(max_model_len: int, prompt_tokens: int, max_tokens: int | None = None, *,
+                         operation: str | None = None, field: str = "prompt") -> None:
     """`InvalidRequestError` (code `CONTEXT_LENGTH_EXCEEDED`, in vLLM's words, which clients detecting context
     overflow match) for a request that does not fit in `max_model_len`: a prompt that leaves no room for one
     generated token, else, with `max_tokens` (a request that set it), a prompt plus `max_tokens` past it. vLLM's
-    order: the prompt alone first."""
+    order: the prompt alone first. `operation`: a pooling request's, in vLLM's words ("embedding generation",
+    "classification", "score"): it generates nothing, so its prompt may fill `max_model_len`. `field`: the prompt's
+    (``prompt.prompt_embeds`` for rows of embeddings)."""
+    if operation is not None:
+        if prompt_tokens > max_model_len:
+            raise InvalidRequestError(field, f"This model's maximum context length is {max_model_len} tokens. However, "
+                                             f"you requested {prompt_tokens} tokens in the input for {operation}. "
+                                             "Please reduce the length of the input.", code=CONTEXT_LENGTH_EXCEEDED)
+        return
     if prompt_tokens >= max_model_len:
-        raise InvalidRequestError("prompt", f"This model's maximum context length is {max_model_len} tokens. However, "
-                                            f"your request has {prompt_tokens} input tokens. Please reduce the length "
-                                            "of the input messages.", code=CONTEXT_LENGTH_EXCEEDED)
+        raise InvalidRequestError(field, f"This model's maximum context length is {max_model_len} tokens. However, "
+                                         f"your request has {prompt_tokens} input tokens. Please reduce the length "
+                                         "of the input messages.", code=CONTEXT_LENGTH_EXCEEDED)
     if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
         raise InvalidRequestError("max_tokens", f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
                                                 f"This model's maximum context length is {max_model_len} tokens and "

@@ -15,7 +15,7 @@ from typing import Any
 
 from asyncllm import protocol
 from asyncllm.engine.validation import truncated_prompt
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import InvalidRequestError, check_context_length
 from asyncllm.sampling import SamplingParams
 
 __all__ = ["PLACEHOLDER_TOKEN_ID", "prompt_embeds_of", "embeds_salt"]
@@ -27,8 +27,9 @@ _FIELD = "prompt.prompt_embeds"
 
 
 def prompt_embeds_of(prompt: dict[str, Any], hidden_size: int | None, params: SamplingParams,
-                     max_model_len: int) -> protocol.PromptEmbeds:
-    """The dict prompt's embeddings, checked, as sent to the core; `InvalidRequestError` naming what is wrong."""
+                     max_model_len: int, pooling_operation: str | None = None) -> protocol.PromptEmbeds:
+    """The dict prompt's embeddings, checked, as sent to the core; `InvalidRequestError` naming what is wrong (rows
+    past the context: `check_context_length`'s, with its code; `pooling_operation` as there)."""
     import torch
 
     if hidden_size is None:
@@ -48,12 +49,12 @@ def prompt_embeds_of(prompt: dict[str, Any], hidden_size: int | None, params: Sa
         if used:
             raise InvalidRequestError(field, "reads the prompt's token ids, and a prompt given as embeddings has none")
     if params.truncate_prompt_tokens is not None:  # as a token prompt's: the last rows
-        keep = len(truncated_prompt(list(range(embeds.shape[0])), params.truncate_prompt_tokens, max_model_len))
+        keep = len(truncated_prompt(list(range(embeds.shape[0])), params.truncate_prompt_tokens, max_model_len,
+                                    pooling=pooling_operation is not None))
         embeds = embeds[embeds.shape[0] - keep:]
-    tokens = embeds.shape[0]
-    if not 0 < tokens < max_model_len:
-        raise InvalidRequestError(_FIELD, f"{tokens} rows, but a prompt has 1 to max_model_len - 1 = "
-                                          f"{max_model_len - 1} tokens")
+    if embeds.shape[0] == 0:
+        raise InvalidRequestError(_FIELD, "has no rows: a prompt has at least one token")
+    check_context_length(max_model_len, embeds.shape[0], operation=pooling_operation, field=_FIELD)
     embeds = embeds.detach().to("cpu").contiguous()
     if not bool(torch.isfinite(embeds).all()):
         raise InvalidRequestError(_FIELD, "holds NaN or infinite values")

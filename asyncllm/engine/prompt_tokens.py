@@ -17,7 +17,6 @@ from asyncllm.engine.validation import check_text, check_token_ids, max_prompt_c
 from asyncllm.mm.host import multimodal_prompt, plain_prompt
 from asyncllm.mm.inputs import MultiModalInputs
 from asyncllm.mm.processor import MultiModalProcessor
-from asyncllm.sampling import SamplingParams
 from asyncllm.tokenizer import apply_chat_template, encode_prompt
 
 if TYPE_CHECKING:
@@ -60,19 +59,20 @@ class PromptTokenizer:
 
     def _token_ids(self, job: Submit) -> list[int]:
         options = job.options
+        operation = options.pooling_operation  # None: a generation, which needs room for one token
         if isinstance(job.prompt, dict) and not job.chat and "prompt_embeds" in job.prompt:
             if self.mm is not None and self.mm.marks_text_prompts:
                 raise errors.InvalidRequestError("prompt.prompt_embeds", "a prompt given as embeddings is not built "
                                                                          "yet for PaliGemma (its prefix span)")
-            job.embeds = prompt_embeds_of(job.prompt, self.embeds_width, job.params, self.max_model_len)
+            job.embeds = prompt_embeds_of(job.prompt, self.embeds_width, job.params, self.max_model_len, operation)
             return [PLACEHOLDER_TOKEN_ID] * job.embeds.shape[0]
         if isinstance(job.prompt, dict) and not job.chat:  # vLLM's TextPrompt / TokensPrompt: the plain prompt
             job.prompt = plain_prompt(job.prompt) or job.prompt
         if self.mm is not None or isinstance(job.prompt, dict):
-            job.mm_prompt = multimodal_prompt(self.mm, job.prompt, job.chat, self.max_model_len,
-                                              options.chat_template_kwargs, options.tools, options.chat_template,
-                                              options.mm_processor_kwargs)
-            if job.mm_prompt is not None:
+            job.mm_prompt = multimodal_prompt(self.mm, job.prompt, job.chat, options.chat_template_kwargs,
+                                              options.tools, options.chat_template, options.mm_processor_kwargs)
+            if job.mm_prompt is not None:  # its length counts the media placeholders
+                errors.check_context_length(self.max_model_len, len(job.mm_prompt.token_ids), operation=operation)
                 if job.params.truncate_prompt_tokens is not None:
                     raise errors.InvalidRequestError("truncate_prompt_tokens", "cannot cut a prompt with images")
                 return job.mm_prompt.token_ids
@@ -80,7 +80,7 @@ class PromptTokenizer:
                 raise errors.InvalidRequestError("prompt", f"a prompt without audio; the model takes "
                                                            f"{self.mm.needs_audio}")
         if job.chat:
-            token_ids = self._truncated(job.params, apply_chat_template(
+            token_ids = self._truncated(job, apply_chat_template(
                 self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
                 chat_template=options.chat_template))
         elif isinstance(job.prompt, str):
@@ -91,20 +91,21 @@ class PromptTokenizer:
                               f"request has {chars} characters, more than fit in that. Please reduce the length of "
                               "the input messages.", code=errors.CONTEXT_LENGTH_EXCEEDED)
             check_text("prompt", job.prompt)
-            token_ids = self._truncated(job.params, self._encode(job.prompt, options.text_pair))
+            token_ids = self._truncated(job, self._encode(job.prompt, options.text_pair))
         else:
-            token_ids = self._truncated(job.params, list(job.prompt))
-            if len(token_ids) < self.max_model_len:  # a huge list is refused below without a look at each id
+            token_ids = self._truncated(job, list(job.prompt))
+            if len(token_ids) <= self.max_model_len:  # a huge list is refused below without a look at each id
                 check_token_ids("prompt", token_ids, self.vocab_size)
         if not token_ids:
             raise errors.InvalidRequestError("prompt", "the prompt is empty")
-        errors.check_context_length(self.max_model_len, len(token_ids))  # room for at least one generated token
+        errors.check_context_length(self.max_model_len, len(token_ids), operation=operation)
         if self.mm is not None and self.mm.marks_text_prompts:  # PaliGemma: a text prompt is its prefix span too
             job.mm_prompt = self.mm.process(token_ids, MultiModalInputs(), "prompt")
         return token_ids
 
-    def _truncated(self, params: SamplingParams, token_ids: list[int]) -> list[int]:
-        return truncated_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
+    def _truncated(self, job: Submit, token_ids: list[int]) -> list[int]:
+        return truncated_prompt(token_ids, job.params.truncate_prompt_tokens, self.max_model_len,
+                                pooling=job.options.pooling is not None)
 
     def _encode(self, prompt: str, text_pair: str | None) -> list[int]:
         """A text's token ids; with `text_pair`, the pair's one prompt as the classifier encodes it (`score`)."""

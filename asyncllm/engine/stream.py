@@ -60,6 +60,16 @@ class RequestOptions:
     """The OpenAI server's (as vLLM's server): a prompt plus ``max_tokens`` over max_model_len is an
     `InvalidRequestError` (code ``context_length_exceeded``) instead of max_tokens cut to the room left."""
 
+    @property
+    def pooling_operation(self) -> str | None:
+        """A pooling request's operation in vLLM's context-length error ("embedding generation", "classification",
+        "score": a cross-encoder's pair); None: the request generates (`errors.check_context_length`)."""
+        if self.pooling is None:
+            return None
+        if self.text_pair is not None:
+            return "score"
+        return "classification" if self.pooling.task == "classify" else "embedding generation"
+
     def validate(self) -> None:
         check_priority(self.priority)
         if self.request_id is not None and (not isinstance(self.request_id, str) or not self.request_id):

@@ -25,7 +25,7 @@ from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
     "truncated_prompt",
-    "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request",
+    "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_request_id",
     "check_allowed_tokens", "check_lora_id",
     "check_text", "served_tasks",
     "check_params_text", "check_params_vocab",
@@ -48,6 +48,14 @@ _PRIORITY_LIMIT = 2**63
 
 
 # ---------------------------------------------------------------- host side
+def check_request_id(request_id: str, sent_as: str = "") -> None:
+    """`InvalidRequestError` for a request id over `MAX_REQUEST_ID_CHARS` (the one bound, the engine's and the
+    server's); `sent_as` says how a client sent it, before the message."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id", f"{sent_as}must be at most {MAX_REQUEST_ID_CHARS} characters, "
+                                                f"got {len(request_id)}")
+
+
 def check_text(field: str, text: str) -> None:
     """`InvalidRequestError` if `text` cannot be encoded as UTF-8 (a lone surrogate, e.g. from a bad decode)."""
     if text.isascii():
@@ -145,8 +153,9 @@ def check_add_request(message: protocol.AddRequest, vocab_size: int, prompt_embe
     embeddings (``enable_prompt_embeds``); `max_logprobs` is the engine's; `tasks`: what the model serves
     (`served_tasks`; None: not checked).
     """
-    if not message.request_id or len(message.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError("request_id", f"must be 1 to {MAX_REQUEST_ID_CHARS} characters")
+    if not message.request_id:
+        raise InvalidRequestError("request_id", "must not be empty")
+    check_request_id(message.request_id)
     message.params.validate()
     _check_core_params(message.params, message.eos_token_ids)
     if message.lora is not None:
@@ -250,13 +259,17 @@ def _check_prompt_embeds(embeds: protocol.PromptEmbeds, num_tokens: int, enabled
                                                    f"its bytes, got {embeds.dtype} {shape} in {len(embeds.data)} bytes")
 
 
-def truncated_prompt(token_ids: list[int], limit: int | None, max_model_len: int) -> list[int]:
+def truncated_prompt(token_ids: list[int], limit: int | None, max_model_len: int, *, pooling: bool = False
+                     ) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last ``limit`` tokens (-1: the last max_model_len - 1, one
-    left to generate); `InvalidRequestError` when that leaves no room or no prompt."""
+    left to generate; a `pooling` request generates nothing: max_model_len); `InvalidRequestError` when that leaves
+    no room or no prompt."""
     if limit is None:
         return token_ids
-    keep = max_model_len - 1 if limit == -1 else limit
-    if not 1 <= keep < max_model_len:
-        raise InvalidRequestError("truncate_prompt_tokens", f"is {limit}, but a prompt can have 1 to max_model_len - 1 "
-                                                            f"= {max_model_len - 1} tokens (or give -1)")
+    room = max_model_len if pooling else max_model_len - 1
+    keep = room if limit == -1 else limit
+    if not 1 <= keep <= room:
+        bound = "max_model_len" if pooling else "max_model_len - 1"
+        raise InvalidRequestError("truncate_prompt_tokens", f"is {limit}, but a prompt can have 1 to {bound} = {room} "
+                                                            "tokens (or give -1)")
     return token_ids[-keep:]

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 from asyncllm import protocol
-from asyncllm.errors import InvalidRequestError, check_context_length
+from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.audios import is_one_audio
 from asyncllm.mm.images import check_uuids
 from asyncllm.mm.inputs import MultiModalInputs, MultiModalPrompt, split_chat_media
@@ -22,7 +22,7 @@ def _is_multimodal_chat(messages: Any) -> bool:
     return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
 
 
-def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, max_model_len: int,
+def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
                       template_kwargs: dict[str, Any] | None = None,
                       tools: list[dict[str, Any]] | None = None,
                       chat_template: str | None = None,
@@ -30,7 +30,8 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
     """A dict prompt or chat messages with content parts, processed; None for a text-only prompt.
 
     `template_kwargs`, `tools`, `chat_template` and `mm_processor_kwargs` are `AsyncEngine.chat`'s
-    (asyncllm.tokenizer.template_arguments); a dict prompt carries its own ``mm_processor_kwargs``.
+    (asyncllm.tokenizer.template_arguments); a dict prompt carries its own ``mm_processor_kwargs``. Its length
+    (media placeholders counted) is the caller's to check against max_model_len (asyncllm/engine/prompt_tokens.py).
     """
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
         return None
@@ -61,9 +62,7 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool, m
         images = inputs.images if isinstance(inputs.images, (list, tuple)) else []
         token_ids = mm.encode_text(text, len(images)) if ids is None else _token_ids(ids, mm)
     overrides = mm_processor_kwargs if chat else prompt.get("mm_processor_kwargs")
-    result = mm.process(token_ids, inputs, field, overrides)
-    check_context_length(max_model_len, len(result.token_ids))  # counting the media placeholders
-    return result
+    return mm.process(token_ids, inputs, field, overrides)
 
 
 _DICT_KEYS = {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids", "audios", "audio_uuids",

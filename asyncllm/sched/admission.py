@@ -23,22 +23,26 @@ __all__ = ["check_request", "check_queue_capacity"]
 def check_request(
     request: Request, max_model_len: int, kv_capacity: int, enable_chunked_prefill: bool, max_num_batched_tokens: int
 ) -> None:
-    """`InvalidRequestError` (field "prompt") if the request could never be scheduled."""
+    """`InvalidRequestError` (field "prompt") if the request could never be scheduled.
+
+    A generation keeps one position for its first generated token; a pooling request (its one sampled token is
+    dropped, never stored) may fill max_model_len and the whole KV cache."""
     num_prompt = request.num_prompt_tokens
     if num_prompt == 0:
         raise InvalidRequestError("prompt", "is empty: at least one token is needed")
-    if num_prompt > max_model_len - 1:
+    reserved = 0 if request.pooling is not None else 1
+    if num_prompt > max_model_len - reserved:
         raise InvalidRequestError(
             "prompt",
             f"{num_prompt} tokens is too long: max_model_len={max_model_len} leaves room for "
-            f"at most {max_model_len - 1} prompt tokens and one generated token",
+            f"at most {max_model_len - reserved} prompt tokens" + (" and one generated token" if reserved else ""),
         )
-    if num_prompt > kv_capacity - 1:
+    if num_prompt > kv_capacity - reserved:
         raise InvalidRequestError(
             "prompt",
-            f"{num_prompt} tokens do not fit in the whole KV cache ({kv_capacity} tokens, one of which "
-            f"the first generated token needs): shorten the prompt, or raise gpu_memory_utilization, "
-            f"num_gpu_blocks_override or tensor_parallel_size",
+            f"{num_prompt} tokens do not fit in the whole KV cache ({kv_capacity} tokens"
+            + (", one of which the first generated token needs" if reserved else "") + "): shorten the prompt, or "
+            "raise gpu_memory_utilization, num_gpu_blocks_override or tensor_parallel_size",
         )
     longest = max((item.bidirectional[1] - item.bidirectional[0] for item in request.mm_items if item.bidirectional),
                   default=0)

@@ -82,7 +82,7 @@ class OutputPlaceholders:
         record = self.scheduler.step_records.get(sched_out.step_id)
         if record is None:  # nothing scheduled: the step carries finished or preempted ids only
             record = step_record(self.scheduler, sched_out, None, 0)
-        _advance(record, self.scheduler.rows, self._placeholders)
+        _advance(record, self.scheduler.rows, self._placeholders, self.scheduler.max_seq_len)
         self._in_flight.append(_InFlightStep(sched_out, record))
 
     def commit(self, runner_out: protocol.ModelRunnerOutput) -> StepOutputs:
@@ -97,7 +97,7 @@ class OutputPlaceholders:
             _drop_reused_ids(step, live, runner_out, self.scheduler.requests)
         outputs = self.scheduler.update_from_output(step.sched_out, runner_out)
         for later in self._in_flight:
-            _advance(later.record, rows, self._placeholders)
+            _advance(later.record, rows, self._placeholders, self.scheduler.max_seq_len)
             self._register_filled_blocks(later.record)
         return outputs
 
@@ -122,7 +122,7 @@ class OutputPlaceholders:
             _rewind(step.record, rows)
         deltas = self.scheduler.fail_requests(failed)
         for step in self._in_flight:
-            _advance(step.record, rows, self._placeholders)
+            _advance(step.record, rows, self._placeholders, self.scheduler.max_seq_len)
         return deltas
 
     def _register_filled_blocks(self, record: StepRows) -> None:
@@ -179,9 +179,10 @@ class OutputPlaceholders:
         return False
 
 
-def _advance(record: StepRows, rows: RequestRows, placeholders: bool = True) -> None:
+def _advance(record: StepRows, rows: RequestRows, placeholders: bool = True, max_seq_len: int = 2**62) -> None:
     """Count the step's tokens as computed and a placeholder where it samples (unless ``placeholders`` is
-    False), for its requests still running.
+    False), for its requests still running. None where the known tokens fill `max_seq_len` (a pooling prompt
+    of max_model_len): that sampled token ends the request, and a decode after it would have no KV position.
 
     A request that left since (finished, aborted or timed out; its id maybe
     taken by a new request) holds no row of that serial and is skipped.
@@ -193,7 +194,8 @@ def _advance(record: StepRows, rows: RequestRows, placeholders: bool = True) -> 
     rows.computed[row_ids] = computed
     held = np.zeros(len(record), dtype=np.bool_)
     if placeholders:
-        samples = computed == rows.tokens[row_ids]  # the step reaches the end of the known tokens: it samples
+        known = rows.tokens[row_ids]
+        samples = (computed == known) & (known < max_seq_len)  # the step reaches the end of the known tokens
         rows.tokens[row_ids[samples]] += 1
         held[np.flatnonzero(live)[samples]] = True
     record.placeholders = held

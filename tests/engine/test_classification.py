@@ -71,7 +71,11 @@ async def test_score_reads_each_pair_as_one_prompt(engine: AsyncEngine, reranker
 
 
 async def test_refusals_name_the_field(engine: AsyncEngine) -> None:
+    length = engine.config.max_model_len  # a prompt may fill it (a pooling request generates nothing); not pass it
     cases = [
+        (engine.classify([5] * (length + 1)), "prompt", f"you requested {length + 1} tokens in the input for "
+                                                        "classification"),
+        (engine.score("a " * length, "b"), "prompt", "tokens in the input for score"),  # the pair: one prompt
         (engine.generate([5, 9, 14]), "prompt", "classification and scores only"),
         (engine.embed([5, 9, 14]), "model", "classification and scores only"),
         (engine.score(["a", "b"], ["c", "d", "e"]), "text_2", "1:N"),
@@ -84,6 +88,7 @@ async def test_refusals_name_the_field(engine: AsyncEngine) -> None:
         with pytest.raises(InvalidRequestError, match=message) as info:
             await call
         assert info.value.field == field
+        assert info.value.code == ("context_length_exceeded" if "maximum context length" in info.value.message else None)
     assert engine.stats().num_requests_running == 0
 
 

@@ -1,6 +1,7 @@
 """Embeddings (`AsyncEngine.embed`): the last prompt token's final hidden state, as transformers' base model
 computes it, whatever the batch (generations alongside), chunking or prefix-cache hits; PoolingParams' options;
-typed errors."""
+typed errors; a prompt may fill max_model_len (it generates nothing, as vLLM's), one more token is refused in vLLM's
+words with code context_length_exceeded."""
 
 from __future__ import annotations
 
@@ -40,7 +41,9 @@ def _close(got: list[float], want: list[float]) -> bool:
 async def test_embeddings_equal_transformers_in_mixed_chunked_batches(tiny_llama: str) -> None:
     prompts = random_prompts(6, seed=21, stem_len=40, max_len=70)  # every other one shares a 40-token stem
     greedy = SamplingParams(temperature=0.0, max_tokens=10)
-    async with AsyncEngine(tiny_llama, max_num_batched_tokens=24, disable_log_stats=True) as engine:
+    long = [3 + (37 * i) % 490 for i in range(81)]
+    async with AsyncEngine(tiny_llama, max_model_len=80, max_num_batched_tokens=24, disable_log_stats=True,
+                           max_worker_restarts=0) as engine:  # a worker's failure ends the engine: the test fails
         embedded, generated = await asyncio.gather(
             asyncio.gather(*(engine.embed(p) for p in prompts)),
             asyncio.gather(*(engine.generate(p, greedy) for p in prompts)),
@@ -49,6 +52,10 @@ async def test_embeddings_equal_transformers_in_mixed_chunked_batches(tiny_llama
         raw = await engine.embed(prompts[0], PoolingParams(normalize=False))
         short = await engine.embed(prompts[0], PoolingParams(dimensions=16))
         text = await engine.embed("hello there")
+        full = await engine.embed(long[:80])  # 5 whole blocks: async scheduling must not decode after its prefill
+        cut = await engine.embed(long, truncate_prompt_tokens=-1)  # the last max_model_len tokens
+        with pytest.raises(InvalidRequestError) as over:
+            await engine.embed(long)
         with pytest.raises(InvalidRequestError, match="dimensions") as info:
             await engine.embed(prompts[0], PoolingParams(dimensions=65))
         assert info.value.field == "dimensions"
@@ -64,3 +71,8 @@ async def test_embeddings_equal_transformers_in_mixed_chunked_batches(tiny_llama
     assert _close(short.embedding, _reference(tiny_llama, prompts[0], dimensions=16))
     assert _close(text.embedding, _reference(tiny_llama, text.prompt_token_ids))
     assert abs(sum(x * x for x in text.embedding) - 1.0) < 1e-5
+    assert _close(full.embedding, _reference(tiny_llama, long[:80]))
+    assert cut.prompt_token_ids == long[1:] and _close(cut.embedding, _reference(tiny_llama, long[1:]))
+    assert (over.value.field, over.value.code) == ("prompt", "context_length_exceeded")
+    assert over.value.message == ("This model's maximum context length is 80 tokens. However, you requested 81 tokens "
+                                  "in the input for embedding generation. Please reduce the length of the input.")

@@ -22,7 +22,8 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
     without one, for ModernBERT (prompts past its local window). Prompts of different lengths share each step;
     XLM-R's positions (after pad_token_id) are held by its cross-encoder below."""
     path = make_tiny_encoder(tmp_path / kind, kind, pooling=pooling)
-    async with AsyncEngine(path, tensor_parallel_size=tp, disable_log_stats=True) as engine:
+    async with AsyncEngine(path, tensor_parallel_size=tp, disable_log_stats=True,
+                           max_worker_restarts=0) as engine:  # a worker's failure ends the engine: the test fails
         assert (engine.config.enable_chunked_prefill, engine.config.enable_prefix_caching) == (False, False)
         outs = await asyncio.gather(*(engine.embed(text) for text in TEXTS + TEXTS[:1]))
         for text, out in zip(TEXTS + TEXTS[:1], outs):
@@ -31,6 +32,11 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
         assert outs[-1].num_cached_tokens == 0  # no prefix caching: a cached prefix would skip attended tokens
         with pytest.raises(InvalidRequestError):
             await engine.generate(TEXTS[0], SamplingParams(max_tokens=2))
+        filling = " ".join(["engine"] * (engine.config.max_model_len - 2))  # with [CLS] and [SEP]: max_model_len
+        full = await engine.embed(filling)  # a pooling prompt may fill it (as vLLM's): every position of the table
+        assert len(full.prompt_token_ids) == engine.config.max_model_len
+        expected = hf_sentence_embedding(path, filling, pooling or "cls")
+        assert np.abs(np.array(full.embedding) - np.array(expected)).max() < 1e-5
         too_long = " ".join(["engine"] * (engine.config.max_model_len + 1))
         with pytest.raises(InvalidRequestError, match="maximum context length"):
             await engine.embed(too_long)

@@ -86,6 +86,26 @@ async def test_what_does_not_fit_is_refused_by_name(engine: AsyncEngine, prompt,
     assert len((await engine.generate([5, 6, 7], GREEDY)).token_ids) == MAX_TOKENS
 
 
+async def test_rows_past_the_context_are_refused_as_any_prompt_past_it() -> None:
+    """In vLLM's words with code context_length_exceeded (clients detect overflow by it), the field naming the
+    embeddings; a pooling request's rows may fill max_model_len (it generates nothing), truncated ones too."""
+    from asyncllm.engine.prompt_embeds import prompt_embeds_of
+
+    def rows_of(rows: int, operation: str | None = None, params: SamplingParams = SamplingParams()) -> int:
+        return prompt_embeds_of({"prompt_embeds": torch.zeros(rows, 64)}, 64, params, 8, operation).shape[0]
+
+    keep_all = SamplingParams(truncate_prompt_tokens=-1)
+    assert (rows_of(8, "embedding generation"), rows_of(10, "score", keep_all), rows_of(10, None, keep_all)) == (8, 8, 7)
+    for rows, operation, words in ((8, None, "your request has 8 input tokens"),
+                                   (9, "embedding generation", "you requested 9 tokens in the input for embedding")):
+        with pytest.raises(InvalidRequestError, match=f"maximum context length is 8 tokens. However, {words}") as info:
+            rows_of(rows, operation)
+        assert (info.value.field, info.value.code) == ("prompt.prompt_embeds", "context_length_exceeded")
+    with pytest.raises(InvalidRequestError, match="no rows") as info:
+        rows_of(0)
+    assert info.value.code is None
+
+
 async def test_engines_without_the_option_or_with_what_it_is_not_built_with_refuse(tiny_llama: str) -> None:
     from asyncllm.engine.prepare import prepare
     from asyncllm.engine.prompt_embeds import prompt_embeds_of

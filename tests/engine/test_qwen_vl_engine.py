@@ -50,6 +50,11 @@ async def test_one_image_matches_transformers_with_the_image_split_across_chunks
     assert [o.outputs[0].token_ids for o in vllm_style] == [hf_tokens, hf_tokens]
     with pytest.raises(InvalidRequestError, match="takes no audios"):
         await engine.generate({"prompt": text, "multi_modal_data": {"audio": [image]}}, GREEDY)
+    length = engine.config.max_model_len  # the image's placeholders count: expanded, the prompt fills it
+    filler = [ids[0]] * (length - len(out.prompt_token_ids))
+    with pytest.raises(InvalidRequestError, match=f"However, your request has {length} input tokens") as info:
+        await engine.generate({"prompt_token_ids": filler + ids, "multi_modal_data": {"image": image}}, GREEDY)
+    assert info.value.code == "context_length_exceeded"
 
 
 async def test_images_of_different_sizes_in_a_batch_with_text_and_a_prefix_hit_match_transformers(engine, qwen25_vl):

@@ -55,3 +55,14 @@ def test_check_context_length_bounds(prompt_tokens: int, max_tokens: int | None,
                   "reduce the length of the input messages.",
         "max_tokens": "'max_tokens' or 'max_completion_tokens' is too large: 2. This model's maximum context length "
                       "is 8 tokens and your request has 7 input tokens (2 > 8 - 7)."}[field]
+
+
+def test_a_pooling_request_may_fill_the_context() -> None:
+    """vLLM's pooling requests generate nothing: a prompt of max_model_len tokens fits, one more is refused in its
+    words (the operation named), with the code; `field` names where the prompt was."""
+    errors.check_context_length(8, 8, operation="embedding generation")
+    with pytest.raises(errors.InvalidRequestError) as info:
+        errors.check_context_length(8, 9, operation="classification", field="prompt.prompt_embeds")
+    assert (info.value.field, info.value.code) == ("prompt.prompt_embeds", "context_length_exceeded")
+    assert info.value.message == ("This model's maximum context length is 8 tokens. However, you requested 9 tokens "
+                                  "in the input for classification. Please reduce the length of the input.")

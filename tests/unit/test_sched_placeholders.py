@@ -26,6 +26,7 @@ from asyncllm.sched.placeholders import OutputPlaceholders
 from asyncllm.sched.recovery import requeue_all_for_recompute
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.scheduler import Scheduler
+from test_scheduler import make_pooling_request, make_request
 from test_scheduler_property import EOS, FakeWorker, check_invariants, generate_alone, prompts
 
 
@@ -335,3 +336,21 @@ def test_micro_batches_split_the_running_requests_while_the_queue_waits_for_bloc
     driver.drain()
     for req in short + long:
         assert driver.outputs[req.request_id] == generate_alone(req, 20)[0], req.request_id
+
+
+def test_an_overlapped_step_schedules_no_decode_after_a_full_length_pooling_prompt():
+    """async_scheduling: the token its prefill samples ends it, and a decode after it would need a KV position
+    past max_model_len (the workers' block tables hold max_model_len): it gets no placeholder."""
+    sched = Scheduler(EngineConfig.create("dummy-model", block_size=4), 8, max_model_len=16)
+    placeholders = OutputPlaceholders(sched)
+    sched.add_request(make_pooling_request("a", 16))
+    sched.add_request(make_request("b", 4, max_tokens=2))
+    steps = []
+    for _ in range(2):
+        steps.append(sched.schedule())
+        placeholders.advance(steps[-1])
+    assert [out.num_scheduled_tokens for out in steps] == [{"a": 16, "b": 4}, {"b": 1}]
+    first = placeholders.commit(protocol.ModelRunnerOutput(steps[0].step_id, ["a", "b"], [[7], [7]]))
+    second = placeholders.commit(protocol.ModelRunnerOutput(steps[1].step_id, ["b"], [[8]]))
+    finished = [(delta.request_id, delta.finish_reason) for _, delta in [*first, *second] if delta.finish_reason]
+    assert finished == [("a", "length"), ("b", "length")] and sched.kv_cache_manager.num_used_blocks == 0

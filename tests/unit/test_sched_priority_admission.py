@@ -1,4 +1,5 @@
-"""Priority scheduling, admission control (queue limits) and per-request timeouts (exact values)."""
+"""Priority scheduling, admission control (queue limits; the prompts that fit) and per-request timeouts (exact
+values)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from asyncllm.errors import EngineOverloadedError, InvalidRequestError
 from asyncllm.sched.deadlines import DeadlineHeap
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.scheduler import Scheduler
-from test_scheduler import make_request, run_step
+from test_scheduler import make_pooling_request, make_request, run_step
 
 
 class Clock:
@@ -192,3 +193,16 @@ def test_a_request_that_finished_first_is_not_timed_out():
     run_step(sched)
     assert not sched.has_unfinished_requests()
     assert _expire(sched, clock, 5.0) == [] and not sched.deadlines
+
+
+def test_a_pooling_prompt_may_fill_max_model_len_and_the_kv_cache():
+    """It generates nothing: no position is kept for a generated token (as vLLM)."""
+    sched = scheduler(num_gpu_blocks=4, max_model_len=16)  # 4 blocks of 4: the KV cache holds max_model_len
+    sched.add_request(make_pooling_request("a", 16))
+    with pytest.raises(InvalidRequestError, match="at most 16 prompt tokens$"):
+        sched.add_request(make_pooling_request("b", 17))
+    with pytest.raises(InvalidRequestError, match="at most 15 prompt tokens and one generated token"):
+        sched.add_request(make_request("c", 16))
+    _, deltas = run_step(sched)
+    assert [(d.request_id, d.finish_reason) for d in deltas] == [("a", "length")]
+    assert sched.kv_cache_manager.num_used_blocks == 0

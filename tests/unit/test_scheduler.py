@@ -30,6 +30,14 @@ def make_request(req_id: str, prompt: list[int] | int, client_id: bytes = b"host
     return Request(req_id, tokens, SamplingParams(**params), [EOS], 0.0, client_id=client_id)
 
 
+def make_pooling_request(req_id: str, prompt_len: int) -> Request:
+    """An embedding request as `AsyncEngine.embed` sends it: one sampled token, dropped."""
+    from asyncllm.pooling import PoolingParams
+
+    return Request(req_id, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=1), [EOS], 0.0,
+                   pooling=PoolingParams())
+
+
 def run_step(
     sched: Scheduler, next_token: Callable[[Request], int] = lambda req: 7
 ) -> tuple[protocol.SchedulerOutput, list[protocol.RequestOutputDelta]]:
