@@ -59,6 +59,8 @@ def add_serve_parser(commands: Any) -> None:
                        help="a Jinja chat template (file or text) used instead of the tokenizer's")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name tokens 'token_id:N' instead of their text (vLLM's flag)")
+    serve.add_argument("--enable-request-id-headers", action="store_true",
+                       help="put X-Request-Id on every response: the request's own, else a random id (vLLM's flag)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests bring their own chat_template (Jinja from clients)")
     serve.add_argument("--lora-modules", nargs="+", action="extend", type=_lora_module, default=None,
@@ -115,7 +117,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                          chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                          reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or (),
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                         enable_request_id_headers=args.enable_request_id_headers)
     except ConfigError as exc:
         parser.error(str(exc))
     print(f"[asyncllm] serving on http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -9,21 +9,32 @@ and ``POST /v1/unload_lora_adapter`` change the set while serving.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
+from asyncllm import envs
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError
+from asyncllm.integrations.openai_http import text_response
+from asyncllm.integrations.openai_protocol import decode_request
 from asyncllm.lora import LoRARequest
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
+    from asyncllm.integrations.openai_server import OpenAIServer
 
-__all__ = ["LoRAModule", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "ServedLoRA", "LoRAModels"]
+__all__ = ["LoRAModule", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "ServedLoRA", "LoRAModels",
+           "lora_routes"]
+
+logger = logging.getLogger("asyncllm.integrations.openai")
 
 
 class LoRAModule(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -147,3 +158,27 @@ class LoRAModels:
         request = LoRARequest(name, self._next_id, path)
         self._next_id += 1
         return request
+
+
+def lora_routes(server: OpenAIServer) -> list[Route]:
+    """vLLM's ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` over the server's `LoRAModels`, each
+    wrapped in its API-key check and error mapping; answered in plain text, as vLLM's."""
+    logger.warning("runtime LoRA updating is on (%s): API clients may load adapters from this server's "
+                   "disk or the hub; serve trusted clients only", envs.ALLOW_RUNTIME_LORA_UPDATING.name)
+
+    async def load(request: Request) -> Response:
+        """Serve the adapter at ``lora_path`` as the model ``lora_name``."""
+        req = decode_request(await server._body(request), LoadLoRAAdapterRequest)
+        lora = await server.loras.load(server.engine, req, server.model_names)
+        logger.info("loaded LoRA adapter %r from %s (id %d)", lora.lora_name, lora.lora_path, lora.lora_int_id)
+        return text_response(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload(request: Request) -> Response:
+        """Stop serving the model ``lora_name`` (404 if no adapter has that name)."""
+        req = decode_request(await server._body(request), UnloadLoRAAdapterRequest)
+        await server.loras.unload(req)
+        logger.info("unloaded LoRA adapter %r", req.lora_name)
+        return text_response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
+
+    return [Route("/v1/load_lora_adapter", server._guarded(load), methods=["POST"]),
+            Route("/v1/unload_lora_adapter", server._guarded(unload), methods=["POST"])]

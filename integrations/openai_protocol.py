@@ -1,9 +1,8 @@
-"""OpenAI request bodies as msgspec Structs, and their mapping to `SamplingParams`.
+"""OpenAI request bodies as msgspec Structs, and the request-level helpers the handlers share.
 
 Unknown fields are refused with a 400 naming them (OpenAI does the same), so a
-client never believes an option took effect when asyncllm does not build it;
-options asyncllm does not build yet (``suffix``, ``best_of`` != n) are refused
-by name too. vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+client never believes an option took effect when asyncllm does not build it.
+vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
 ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``,
 ``bad_words``, ``truncate_prompt_tokens``, ``prompt_logprobs``, ``priority``,
 ``cache_salt``, ``chat_template``, ...) are accepted, as a vLLM user expects, and
@@ -11,7 +10,9 @@ so are vLLM's ``use_beam_search`` (openai_beam_search.py runs it) and
 structured output: OpenAI's ``response_format`` (``json_object``,
 ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
 ``choice``, ``grammar``, ``json_object``). Tool calling (``tools``,
-``tool_choice``) is read in openai_tools.py.
+``tool_choice``) is read in openai_tools.py. openai_sampling.py maps the bodies
+to `SamplingParams` and refuses the options not built yet (``suffix``,
+``best_of`` != n, ...) by name.
 """
 
 from __future__ import annotations
@@ -20,21 +21,17 @@ import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Literal
 
 import msgspec
 
-from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS
+from asyncllm.engine.validation import check_request_id
 from asyncllm.errors import InvalidRequestError
-from asyncllm.sampling import SamplingParams, StructuredOutputs
-from asyncllm.integrations.openai_structured import structured_output
 
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
-    "decode_request", "completion_params", "chat_params", "completion_prompts", "request_options", "take_request_id",
-    "check_common",
-    "echo_only", "template_kwargs", "resolve_max_tokens", "sets_max_tokens", "response_id", "ChatTemplates",
+    "decode_request", "completion_prompts", "request_options", "take_request_id", "header_data_parallel_rank",
+    "template_kwargs", "chat_echo", "response_id", "ChatTemplates", "is_int",
 ]
 
 
@@ -115,7 +112,10 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     request_id: str | None = None
     """vLLM's: the response's id is ``cmpl-`` / ``chatcmpl-`` and this (by default a random one)."""
     return_token_ids: bool = False
-    """vLLM's: each choice carries its ``token_ids``, and the prompt's ``prompt_token_ids`` (not with stream)."""
+    """vLLM's: each choice carries its ``token_ids``, and the prompt's ``prompt_token_ids`` (streamed: each chunk's
+    choice the ids it adds; a completion choice's first chunk, a chat's first chunks at the top, the prompt's)."""
+    spaces_between_special_tokens: bool | None = None
+    """vLLM's; not built, refused by name when set (openai_sampling.py says why)."""
     add_special_tokens: bool | None = None
     """vLLM's: tokenize the prompt with the tokenizer's special tokens (BOS); only its default is built: true for
     completions, false for chat (whose template writes them)."""
@@ -161,6 +161,9 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     ``chat_template_kwargs`` key of that name wins)."""
     include_reasoning: bool = True
     """vLLM's: false leaves the reasoning parser's ``reasoning`` out of the reply (streamed and not)."""
+    echo: bool = False
+    """vLLM's: the reply's content starts with the last message's when that message's role is the reply's
+    (`chat_echo`); streamed, in a chunk of its own after the role."""
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -208,7 +211,7 @@ def completion_prompts(prompt: str | list[Any], limits: ServerLimits, field: str
     """OpenAI's four prompt shapes as a list of engine prompts; errors name `field` (embeddings': ``input``)."""
     if isinstance(prompt, str):
         return [prompt]
-    if prompt and all(_is_int(t) for t in prompt):
+    if prompt and all(is_int(t) for t in prompt):
         return [list(prompt)]
     if prompt and (all(isinstance(p, str) for p in prompt) or all(_is_token_list(p) for p in prompt)):
         if len(prompt) > limits.max_prompts:
@@ -216,13 +219,6 @@ def completion_prompts(prompt: str | list[Any], limits: ServerLimits, field: str
         return list(prompt)
     raise InvalidRequestError(field, "must be a string, a list of strings, a list of token ids, or a list of those lists")
 
-
-def sets_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> bool:
-    """Whether the request sets its max_tokens (completions' default 16 counts, as in vLLM): then a prompt plus
-    max_tokens over max_model_len is a 400, as vLLM's server answers; unset, a reply runs to the room left."""
-    if isinstance(req, ChatCompletionRequest):
-        return req.max_completion_tokens is not None or req.max_tokens is not None
-    return req.max_tokens is not None
 
 
 def response_id(prefix: str, req: _Common) -> str:
@@ -242,9 +238,8 @@ DATA_PARALLEL_RANK_HEADER = "x-data-parallel-rank"
 def take_request_id(req: _Common, headers: Mapping[str, str]) -> None:
     """As vLLM: the ``X-Request-Id`` header, when sent, is the request id (over the body's); too long a 400."""
     req.request_id = headers.get("x-request-id", req.request_id)
-    if req.request_id is not None and len(req.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError("request_id", f"(or the X-Request-Id header) must be at most {MAX_REQUEST_ID_CHARS} "
-                                                f"characters, got {len(req.request_id)}")
+    if req.request_id is not None:
+        check_request_id(req.request_id, "(or the X-Request-Id header) ")
 
 
 def header_data_parallel_rank(headers: Mapping[str, str]) -> int | None:
@@ -272,120 +267,28 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, A
     return {"add_generation_prompt": req.add_generation_prompt, **extra, **(req.chat_template_kwargs or {})}
 
 
-def completion_params(req: CompletionRequest, limits: ServerLimits,
-                      defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
-    """`SamplingParams` of a completion; with ``echo`` and ``logprobs`` the prompt's logprobs too.
 
-    ``echo`` with ``max_tokens`` 0 (the prompt's logprobs alone, as evaluation
-    harnesses ask) generates one token that the response leaves out
-    (`echo_only`).
-    """
-    _refuse(req.suffix is not None, "suffix", "suffix (insertion) is not built yet")
-    if req.best_of is not None and req.best_of != req.n:
-        raise InvalidRequestError("best_of", "only best_of == n is supported (no server-side ranking)")
-    prompt_logprobs = req.prompt_logprobs
-    if req.echo and req.logprobs is not None:
-        _refuse(req.n != 1, "echo", "with logprobs needs n=1 (the prompt's logprobs are computed once)")
-        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
-    max_tokens = 1 if echo_only(req) else req.max_tokens
-    return _params(req, max_tokens, req.logprobs, limits, defaults, prompt_logprobs)
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """vLLM's chat ``echo``: the last message's text when its role is the reply's (the assistant's; with
+    add_generation_prompt false, the last message's own), which the reply continues; "" otherwise."""
+    if not req.echo or not req.messages:
+        return ""
+    last = req.messages[-1]
+    if req.add_generation_prompt and last.get("role") != "assistant":
+        return ""
+    content = last.get("content") or ""
+    if isinstance(content, list):  # parts: their texts, a line apart (as vLLM joins them)
+        return "\n".join(part["text"] for part in content if isinstance(part, dict) and part.get("type") == "text")
+    return content if isinstance(content, str) else ""
 
 
-def echo_only(req: CompletionRequest) -> bool:
-    """``echo`` with ``max_tokens`` 0: the response is the prompt alone."""
-    return req.echo and req.max_tokens == 0
-
-
-def chat_params(req: ChatCompletionRequest, limits: ServerLimits, tool_constraint: StructuredOutputs | None = None,
-                defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
-    """`SamplingParams` of a chat completion; `tool_constraint` is a named or required tool choice's output schema,
-    `defaults` the engine's default sampling fields (`AsyncEngine.default_sampling_fields`) for unset ones."""
-    if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _params(req, max_tokens, logprobs, limits, defaults, req.prompt_logprobs, tool_constraint)
-
-
-def resolve_max_tokens(max_tokens: int | None, limits: ServerLimits, defaults: Mapping[str, Any]) -> int | None:
-    """The request's max_tokens, else the model's default, else the server's limit (None: up to max_model_len);
-    more than the limit is an `InvalidRequestError`."""
-    if max_tokens is None:
-        max_tokens = defaults.get("max_tokens")
-    if limits.max_tokens is not None:
-        if max_tokens is None:
-            return limits.max_tokens
-        if max_tokens > limits.max_tokens:
-            raise InvalidRequestError("max_tokens", f"at most {limits.max_tokens} on this server, got {max_tokens}")
-    return max_tokens
-
-
-def _params(req: _Common, max_tokens: int | None, logprobs: int | None, limits: ServerLimits,
-            defaults: Mapping[str, Any], prompt_logprobs: int | None = None,
-            tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
-    _check_combinations(req)
-    if _is_int(req.n) and req.n > limits.max_n:
-        raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
-    max_tokens = resolve_max_tokens(max_tokens, limits, defaults)
-    params = SamplingParams(
-        n=req.n, temperature=_unset_or(req.temperature, defaults, "temperature", 1.0),
-        top_p=_unset_or(req.top_p, defaults, "top_p", 1.0), top_k=_unset_or(req.top_k, defaults, "top_k", 0),
-        min_p=_unset_or(req.min_p, defaults, "min_p", 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
-        stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],
-        ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=_unset_or(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
-        logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or [],
-        truncate_prompt_tokens=req.truncate_prompt_tokens,
-    )
-    params.structured, field = structured_output(req.response_format, req.structured_outputs)
-    if tool_constraint is not None:
-        if params.structured is not None:
-            raise InvalidRequestError("tool_choice", f"a named or 'required' tool choice constrains the output: "
-                                                     f"it cannot be combined with {field}")
-        params.structured, field = tool_constraint, "tools"
-    try:
-        params.validate()
-    except InvalidRequestError as exc:  # the constraint's errors name the field the client used
-        raise InvalidRequestError(field, exc.message, code=exc.code) if exc.field == "structured" else exc from None
-    return params
-
-
-def _check_combinations(req: _Common) -> None:
-    """`InvalidRequestError` for fields that do not go together, or a value of one that is not built."""
-    _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
-    _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
-    check_common(req)
-
-
-def check_common(req: _Common) -> None:
-    """The refusals sampling and beam search share (stream_options, return_token_ids, add_special_tokens)."""
-    _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",  # {}: as vLLM
-            "Stream options can only be defined when stream=True")
-    _refuse(req.stream and req.return_token_ids, "return_token_ids", "is not built with stream yet")
-    chat = isinstance(req, ChatCompletionRequest)
-    _refuse(req.add_special_tokens not in (None, not chat), "add_special_tokens",
-            f"only its default ({str(not chat).lower()} here) is built")
-
-
-def _unset_or(value: Any, defaults: Mapping[str, Any], field: str, fallback: Any) -> Any:
-    """A request's field; when unset (None), the engine's default for it, else `fallback`."""
-    return value if value is not None else defaults.get(field, fallback)
-
-
-def _refuse(condition: bool, field: str, why: str) -> None:
-    if condition:
-        raise InvalidRequestError(field, why)
-
-
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
+    """An int that is not a bool (JSON's true is not a count)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_token_list(value: object) -> bool:
-    return isinstance(value, list) and bool(value) and all(_is_int(t) for t in value)
+    return isinstance(value, list) and bool(value) and all(is_int(t) for t in value)
 
 
 @dataclass(frozen=True)

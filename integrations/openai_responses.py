@@ -41,6 +41,8 @@ class _Choice:
     """Characters of this choice's text before the next logprob's token (completions' text_offset)."""
     reply: ChatReply | None = None
     """A streamed chat choice's reply (its reasoning and tool calls)."""
+    sent_prompt_ids: bool = False
+    """Streaming completions with ``return_token_ids``: whether a chunk carried this choice's prompt_token_ids."""
 
 
 class Choices:
@@ -50,7 +52,7 @@ class Choices:
                  token_text: Callable[[int], str] | None = None, echo_only: bool = False,
                  tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None,
                  return_prompt_logprobs: bool = False, token_ids_as_text: bool = False,
-                 include_reasoning: bool = True, return_token_ids: bool = False) -> None:
+                 include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "") -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -75,6 +77,8 @@ class Choices:
         """vLLM's: ``token_ids`` on each choice, ``prompt_token_ids`` on each completion choice (chat: at the top)."""
         self.prompt_token_ids: list[list[int] | None] = [None] * num_prompts
         """Each prompt's token ids, kept with `return_token_ids` (the server sets them)."""
+        self.chat_echo = chat_echo
+        """Chat (vLLM's ``echo``): the text each choice's content starts with (the last message's); "" for none."""
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
@@ -97,6 +101,19 @@ class Choices:
             choice.logprobs.extend(delta.logprobs)
             logprobs = self._format_logprobs(choice, delta.token_ids, delta.logprobs)
         return index, logprobs
+
+    def stream_token_ids(self, index: int, token_ids: list[int]) -> dict[str, Any]:
+        """A stream chunk's fields of vLLM's ``return_token_ids`` for choice `index` sending `token_ids`: those ids
+        (none of an echo-only request's generated token), and on a completion choice's first chunk its prompt's
+        ``prompt_token_ids`` (a chat's are at the top of its first chunks)."""
+        if not self.return_token_ids:
+            return {}
+        fields: dict[str, Any] = {"token_ids": [] if self.echo_only else list(token_ids)}
+        choice = self._choices[index]
+        if not self.chat and not choice.sent_prompt_ids:
+            choice.sent_prompt_ids = True
+            fields["prompt_token_ids"] = self.prompt_token_ids[index // self.n]
+        return fields
 
     def chat_deltas(self, index: int, text: str, finish_reason: str | None) -> tuple[list[dict[str, Any]], str | None]:
         """Streaming chat: the OpenAI deltas of choice `index`'s next text, and the finish_reason to send."""
@@ -156,6 +173,8 @@ class Choices:
         deltas = reply.feed(text)
         more, finish_reason = reply.finish(choice.finish_reason)
         message = merge_deltas(self._shown(deltas + more), tools=self.tool_mode.kind != "none")
+        if self.chat_echo:
+            message["content"] = self.chat_echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
                 "stop_reason": choice.stop_reason}
 
@@ -254,15 +273,18 @@ def _finite(logprob: float) -> float:
 
 def chat_stream_choices(choices: Choices, index: int, delta: Any, logprobs: Any) -> list[dict[str, Any]]:
     """The chunks' choices of one delta of a chat: one per OpenAI delta (content, a tool call), logprobs on the
-    first, the finish_reason on the last; none when there is nothing to send."""
+    first (and vLLM's ``token_ids``), the finish_reason on the last; none when there is nothing to send."""
     parts, finish_reason = choices.chat_deltas(index, delta.text, delta.finish_reason)
-    if not parts and finish_reason is None and logprobs is None:
+    token_ids = choices.stream_token_ids(index, delta.token_ids)  # vLLM's return_token_ids: sent even with no text
+    if not parts and finish_reason is None and logprobs is None and not token_ids.get("token_ids"):
         return []
     parts = parts or [{}]
     last = len(parts) - 1
     stop_reason = delta.stop_reason if finish_reason is not None else None
-    return [chat_chunk(index, part, logprobs if k == 0 else None, *((finish_reason, stop_reason) if k == last else ()))
-            for k, part in enumerate(parts)]
+    out = [chat_chunk(index, part, logprobs if k == 0 else None, *((finish_reason, stop_reason) if k == last else ()))
+           for k, part in enumerate(parts)]
+    out[0].update(token_ids)
+    return out
 
 
 def chat_chunk(index: int, delta: dict[str, Any], logprobs: Any = None, finish_reason: str | None = None,

@@ -28,10 +28,10 @@ from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import LaunchSpec, Replica, ReplicaSet, start_replica, start_replicas, stop_replicas
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
-from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS, check_params_text, check_text
+from asyncllm.engine.validation import check_params_text, check_request_id, check_text
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.tracing import capture_context
-from asyncllm.errors import AsyncLLMError, EngineDeadError, InvalidRequestError, NotBuiltError
+from asyncllm.errors import AsyncLLMError, EngineDeadError, NotBuiltError
 from asyncllm.outputs import EngineStats
 from asyncllm.sampling import SamplingParams
 from asyncllm.speech import SpeechToText, speech_to_text_of
@@ -295,7 +295,6 @@ def _check_strings(params: SamplingParams, options: RequestOptions) -> None:
     check_params_text(params)
     if options.request_id is not None:
         check_text("request_id", options.request_id)
-        if len(options.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequestError("request_id", f"must be at most {MAX_REQUEST_ID_CHARS} characters")
+        check_request_id(options.request_id)
     if options.cache_salt is not None:
         check_text("cache_salt", options.cache_salt)

@@ -10,7 +10,9 @@ import pytest
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS
-from asyncllm.integrations.openai_protocol import ChatCompletionRequest, ServerLimits, decode_request, template_kwargs
+from asyncllm.integrations.openai_protocol import (
+    ChatCompletionRequest, ServerLimits, chat_echo, decode_request, template_kwargs,
+)
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client, sse_events
 
@@ -168,8 +170,6 @@ async def test_request_id_and_return_token_ids(app, bundled_tokenizer) -> None:
                                                                  "return_token_ids": True})).json()
         chat = (await client.post("/v1/chat/completions", json={**CHAT, "request_id": "r2",
                                                                 "return_token_ids": True})).json()
-        streamed = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "stream": True,
-                                                              "return_token_ids": True})
         header = (await client.post("/v1/chat/completions", json={**CHAT, "request_id": "body"},
                                     headers={"X-Request-Id": "hdr"})).json()
         refused = [await client.post("/v1/completions", json={**GREEDY, "prompt": "x", **body}, headers=headers)
@@ -183,7 +183,6 @@ async def test_request_id_and_return_token_ids(app, bundled_tokenizer) -> None:
     assert len(choice["token_ids"]) == completion["usage"]["completion_tokens"]
     assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
     assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
-    assert (streamed.status_code, streamed.json()["error"]["param"]) == (400, "return_token_ids")
     assert header["id"] == "chatcmpl-hdr"  # vLLM's rule: the header wins over the body
     assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [(400, "request_id")] * 3
 
@@ -206,3 +205,86 @@ async def test_include_reasoning_false_drops_it(bundled_engine) -> None:
     assert [e["choices"][0]["logprobs"] is not None for e in with_logprobs] == [False] + [True] * 4  # theirs kept
     assert beams[0]["choices"][0]["message"]["reasoning"]
     assert "reasoning" not in beams[1]["choices"][0]["message"], beams[1]
+
+
+async def test_return_token_ids_streamed_as_vllm(app, bundled_tokenizer) -> None:
+    """Streamed, a completion choice's first chunk carries the prompt's ids, a chat's first chunk at its top; each
+    chunk's choice the ids it adds, which join to the ids of the same request not streamed."""
+    completion = {**GREEDY, "prompt": "import os", "return_token_ids": True}
+    chat = {**CHAT, "return_token_ids": True}
+    async with asgi_client(app) as client:
+        plain = (await client.post("/v1/completions", json=completion)).json()["choices"][0]
+        streams = [sse_events((await client.post("/v1/completions", json={**completion, "stream": True, **extra})).text)
+                   for extra in ({}, {"echo": True})]
+        only = sse_events((await client.post("/v1/completions", json={**completion, "stream": True, "echo": True,
+                                                                       "max_tokens": 0})).text)
+        chat_plain = (await client.post("/v1/chat/completions", json=chat)).json()
+        chat_stream = sse_events((await client.post("/v1/chat/completions", json={**chat, "stream": True})).text)
+    for chunks in streams:
+        choices = [chunk["choices"][0] for chunk in chunks]
+        assert choices[0]["prompt_token_ids"] == bundled_tokenizer("import os").input_ids
+        assert all("prompt_token_ids" not in choice for choice in choices[1:])
+        assert sum((choice["token_ids"] for choice in choices), []) == plain["token_ids"]
+    assert streams[1][0]["choices"][0]["text"] == "import os"  # echoed: the prompt's chunk adds no generated ids
+    only_choices = [chunk["choices"][0] for chunk in only]  # echo alone: the generated token is dropped, as unstreamed
+    assert "".join(c["text"] for c in only_choices) == "import os"
+    assert sum((c["token_ids"] for c in only_choices), []) == []
+    assert chat_stream[0]["prompt_token_ids"] == chat_plain["prompt_token_ids"]
+    assert all("prompt_token_ids" not in chunk for chunk in chat_stream[1:])
+    streamed_ids = sum((chunk["choices"][0].get("token_ids", []) for chunk in chat_stream), [])
+    assert streamed_ids == chat_plain["choices"][0]["token_ids"] != []
+
+
+async def test_request_id_headers(bundled_engine) -> None:
+    """vLLM's --enable-request-id-headers: X-Request-Id on every response, the request's own or a fresh one."""
+    body = {**GREEDY, "prompt": "x", "request_id": "body"}
+    async with asgi_client(create_app(bundled_engine, manage_engine=False, enable_request_id_headers=True)) as client:
+        sent = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc"})
+        streamed = await client.post("/v1/completions", json={**body, "stream": True}, headers={"X-Request-Id": "s"})
+        refused = await client.post("/v1/completions", json={**body, "n": 0}, headers={"X-Request-Id": "e"})
+        fresh = [(await client.post("/v1/completions", json=body)).headers["x-request-id"] for _ in range(2)]
+    async with asgi_client(create_app(bundled_engine, manage_engine=False)) as client:
+        off = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc"})
+    assert (sent.headers["x-request-id"], sent.json()["id"]) == ("abc", "cmpl-abc")
+    assert (streamed.headers["x-request-id"], refused.status_code, refused.headers["x-request-id"]) == ("s", 400, "e")
+    assert fresh[0] != fresh[1] and all(len(value) == 32 for value in fresh)  # uuid4 hex, as vLLM's
+    assert "x-request-id" not in off.headers
+
+
+async def test_spaces_between_special_tokens_is_refused_because_tokenizers_ignore_it(app, bundled_tokenizer) -> None:
+    special = [i for i, token in bundled_tokenizer.added_tokens_decoder.items() if token.special][:2]
+    ids = bundled_tokenizer("hi").input_ids + special + bundled_tokenizer("hi").input_ids + special
+    decoded = {flag: bundled_tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=flag)
+               for flag in (True, False)}
+    assert decoded[True] == decoded[False]  # once transformers honours it, build the field
+    async with asgi_client(app) as client:
+        refused = [await client.post(path, json={**body, "spaces_between_special_tokens": flag})
+                   for path, body in (("/v1/completions", {**GREEDY, "prompt": "x"}), ("/v1/chat/completions", CHAT))
+                   for flag in (True, False)]
+    field = "spaces_between_special_tokens"
+    assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [(400, field)] * 4
+    assert "transformers" in refused[0].json()["error"]["message"]
+
+
+async def test_chat_echo_puts_the_last_assistant_message_first(app) -> None:
+    partial = {**GREEDY, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}],
+               "add_generation_prompt": False, "continue_final_message": True}
+    async with asgi_client(app) as client:
+        plain = (await client.post("/v1/chat/completions", json=partial)).json()["choices"][0]["message"]
+        echoed = (await client.post("/v1/chat/completions", json={**partial, "echo": True})).json()
+        chunks = sse_events((await client.post("/v1/chat/completions", json={**partial, "echo": True,
+                                                                            "stream": True})).text)
+        user_last = (await client.post("/v1/chat/completions", json={**CHAT, "echo": True})).json()
+        without = (await client.post("/v1/chat/completions", json=CHAT)).json()
+        beam = await client.post("/v1/chat/completions", json={**CHAT, "echo": True, "use_beam_search": True})
+    content = echoed["choices"][0]["message"]["content"]
+    assert content == "Sure," + plain["content"] and plain["content"]
+    assert [chunk["choices"][0]["delta"] for chunk in chunks[:2]] == [{"role": "assistant", "content": ""},
+                                                                       {"content": "Sure,"}]
+    assert "".join(chunk["choices"][0]["delta"].get("content", "") for chunk in chunks) == content
+    assert user_last["choices"][0]["message"] == without["choices"][0]["message"]  # the last role is not the reply's
+    assert (beam.status_code, beam.json()["error"]["param"]) == (400, "echo")
+    parts = {**CHAT, "echo": True, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
+    assert chat_echo(decode_request(json.dumps(parts).encode(), ChatCompletionRequest)) == "a\nb"
+    assert chat_echo(decode_request(json.dumps({**parts, "echo": False}).encode(), ChatCompletionRequest)) == ""

@@ -1,0 +1,127 @@
+"""The OpenAI server's HTTP steps every route shares: the API key, the body's size bound, and the replies.
+
+Errors become OpenAI-style bodies ``{"error": {"message", "type", "param",
+"code"}}`` with the status of the asyncllm error (errors.py: 400 invalid
+request, 401 bad API key, 404 unknown model or route, 413 body too large, 429
+engine overloaded, 503 engine dead); anything else a handler raises is logged
+and answered as a 500 of that shape.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from asyncllm.errors import AsyncLLMError
+from asyncllm.integrations.errors import ApiError, error_body
+from asyncllm.integrations.streams import ClientDisconnected
+
+__all__ = ["SSE_HEADERS", "RequestIdHeaders", "guard", "read_body", "error_response", "json_response",
+           "text_response", "not_found", "not_allowed"]
+
+logger = logging.getLogger("asyncllm.integrations.openai")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""An event stream's headers: not cached, and not buffered by a proxy (nginx) that would hold its chunks back."""
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def guard(handler: Handler, api_key: bytes | None) -> Handler:
+    """`handler` behind the API-key check (none when `api_key` is None), its errors mapped to OpenAI-style bodies."""
+
+    async def guarded(request: Request) -> Response:
+        try:
+            check_api_key(request, api_key)
+            return await handler(request)
+        except (AsyncLLMError, ApiError) as exc:
+            return error_response(exc)
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody reads it: the client is gone, its requests aborted
+        except Exception as exc:  # noqa: BLE001 - an OpenAI-style 500 instead of a bare one; logged
+            logger.exception("unexpected error in %s", request.url.path)
+            return error_response(ApiError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+    return guarded
+
+
+def check_api_key(request: Request, api_key: bytes | None) -> None:
+    """A 401 `ApiError` unless the request sends ``Authorization: Bearer`` and the key (compared in constant time)."""
+    if api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key):
+        raise ApiError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                       "authentication_error", code="invalid_api_key")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body; a 413 `ApiError` as soon as it declares or sends more than `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def error_response(exc: AsyncLLMError | ApiError) -> Response:
+    status, body, headers = error_body(exc)
+    return json_response(body, status, headers)
+
+
+def json_response(payload: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(payload), status_code=status, media_type="application/json", headers=headers)
+
+
+def text_response(message: str) -> Response:
+    """A plain-text 200, as vLLM answers its adapter routes."""
+    return Response(message, media_type="text/plain")
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than {limit} bytes", "invalid_request_error",
+                    code="request_too_large")
+
+
+async def not_found(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(404, f"no route {request.url.path}", "not_found_error"))
+
+
+async def not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                                   "invalid_request_error"))
+
+
+class RequestIdHeaders:
+    """vLLM's ``--enable-request-id-headers``: every HTTP response carries ``X-Request-Id``, the request's own
+    header when it sent one, else a random id (as vLLM's: the body's ``request_id`` does not change it)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = Headers(scope=scope).get("x-request-id") or uuid.uuid4().hex
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                MutableHeaders(scope=message)["X-Request-Id"] = request_id
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

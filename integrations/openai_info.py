@@ -1,0 +1,66 @@
+"""The OpenAI server's read-only routes: ``GET /v1/models``, ``/version``, ``/health`` (and SageMaker's ``/ping``)
+and ``/metrics`` (Prometheus text)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from asyncllm.integrations.errors import ApiError
+from asyncllm.integrations.openai_http import error_response, json_response
+
+if TYPE_CHECKING:
+    from asyncllm.integrations.openai_server import OpenAIServer
+
+__all__ = ["info_routes"]
+
+
+def info_routes(server: OpenAIServer) -> list[Route]:
+    """The routes; /v1/models behind the server's API-key check, the probes and /metrics open."""
+    handlers = _Handlers(server)
+    return [
+        Route("/v1/models", server._guarded(handlers.models), methods=["GET"]),
+        Route("/version", handlers.version, methods=["GET"]),
+        Route("/health", handlers.health, methods=["GET"]),
+        Route("/ping", handlers.health, methods=["GET", "POST"]),
+        Route("/metrics", handlers.metrics, methods=["GET"]),
+    ]
+
+
+class _Handlers:
+    def __init__(self, server: OpenAIServer) -> None:
+        self.server = server
+
+    async def models(self, request: Request) -> Response:
+        """The served names, then each LoRA module with its path as ``root`` and its base model as ``parent``."""
+        server = self.server
+        cards = [self._model_card(name, server.engine.config.model) for name in server.model_names]
+        cards += [self._model_card(name, served.request.lora_path, served.parent or server.model_name)
+                  for name, served in list(server.loras.loras.items())]
+        return json_response({"object": "list", "data": cards})
+
+    def _model_card(self, name: str, root: str, parent: str | None = None) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.server.created, "owned_by": "asyncllm", "root": root,
+                "parent": parent, "max_model_len": self.server.engine.config.max_model_len}
+
+    async def version(self, request: Request) -> Response:
+        from asyncllm import __version__
+
+        return json_response({"version": __version__})
+
+    async def health(self, request: Request) -> Response:
+        """200 while the engine serves; 503 once it died or was closed (or before it started)."""
+        engine = self.server.engine
+        alive = engine.started and engine.stats().engine_alive
+        return json_response({"status": "ok" if alive else "unavailable"}, 200 if alive else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        registry = getattr(self.server.engine, "metrics_registry", None)
+        if registry is None:
+            return error_response(ApiError(404, "this engine exports no Prometheus metrics", "not_found_error"))
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,164 @@
+"""OpenAI request bodies (openai_protocol.py) mapped to `SamplingParams`, refusing what is not built.
+
+Fields that do not go together, and values asyncllm does not build yet
+(``suffix``, ``best_of`` != n, ``length_penalty`` without beam search), are
+refused by name; request fields left unset take the engine's defaults (the
+model's generation config), then the server's limits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_protocol import (
+    ChatCompletionRequest, CompletionRequest, ServerLimits, StreamOptions, is_int,
+)
+from asyncllm.integrations.openai_structured import structured_output
+from asyncllm.integrations.openai_tools import ToolMode
+from asyncllm.sampling import SamplingParams, StructuredOutputs
+
+if TYPE_CHECKING:
+    from asyncllm.reasoning import ReasoningParser
+
+__all__ = ["completion_params", "chat_params", "check_common", "echo_only", "resolve_max_tokens", "sets_max_tokens"]
+
+GenerationRequest = CompletionRequest | ChatCompletionRequest
+"""Either generation request (the fields they share are `openai_protocol._Common`'s)."""
+
+
+def sets_max_tokens(req: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether the request sets its max_tokens (completions' default 16 counts, as in vLLM): then a prompt plus
+    max_tokens over max_model_len is a 400, as vLLM's server answers; unset, a reply runs to the room left."""
+    if isinstance(req, ChatCompletionRequest):
+        return req.max_completion_tokens is not None or req.max_tokens is not None
+    return req.max_tokens is not None
+
+
+
+def completion_params(req: CompletionRequest, limits: ServerLimits,
+                      defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
+    """`SamplingParams` of a completion; with ``echo`` and ``logprobs`` the prompt's logprobs too.
+
+    ``echo`` with ``max_tokens`` 0 (the prompt's logprobs alone, as evaluation
+    harnesses ask) generates one token that the response leaves out
+    (`echo_only`).
+    """
+    _refuse(req.suffix is not None, "suffix", "suffix (insertion) is not built yet")
+    if req.best_of is not None and req.best_of != req.n:
+        raise InvalidRequestError("best_of", "only best_of == n is supported (no server-side ranking)")
+    prompt_logprobs = req.prompt_logprobs
+    if req.echo and req.logprobs is not None:
+        _refuse(req.n != 1, "echo", "with logprobs needs n=1 (the prompt's logprobs are computed once)")
+        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+    max_tokens = 1 if echo_only(req) else req.max_tokens
+    return _params(req, max_tokens, req.logprobs, limits, defaults, prompt_logprobs)
+
+
+def echo_only(req: CompletionRequest) -> bool:
+    """``echo`` with ``max_tokens`` 0: the response is the prompt alone."""
+    return req.echo and req.max_tokens == 0
+
+
+def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode = ToolMode("none"),
+                reasoning: ReasoningParser | None = None,
+                defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
+    """`SamplingParams` of a chat completion whose reply is read in tool `mode` (a named or required tool choice
+    constrains the output to its schema) and with the `reasoning` parser; `defaults` are the engine's default
+    sampling fields (`AsyncEngine.default_sampling_fields`) for unset ones."""
+    if mode.constraint is not None and reasoning is not None and not reasoning.forced_tool_calls:
+        raise InvalidRequestError("tool_choice", "a named or 'required' choice is not built with this reasoning "
+                                  "parser (gpt-oss writes a call as a message of its own); use 'auto'")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    params = _params(req, max_tokens, logprobs, limits, defaults, req.prompt_logprobs, mode.constraint)
+    if mode.parser is not None and mode.parser.needs_special_tokens:  # its calls open with a special token
+        params.skip_special_tokens = False
+    if reasoning is not None and reasoning.needs_special_tokens:  # harmony's channel markers
+        params.skip_special_tokens = False
+    if reasoning is not None and params.structured is not None:  # think freely, then follow the grammar
+        params.structured = msgspec.structs.replace(params.structured, start_after=reasoning.end_tag)
+    return params
+
+
+def resolve_max_tokens(max_tokens: int | None, limits: ServerLimits, defaults: Mapping[str, Any]) -> int | None:
+    """The request's max_tokens, else the model's default, else the server's limit (None: up to max_model_len);
+    more than the limit is an `InvalidRequestError`."""
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
+    if limits.max_tokens is not None:
+        if max_tokens is None:
+            return limits.max_tokens
+        if max_tokens > limits.max_tokens:
+            raise InvalidRequestError("max_tokens", f"at most {limits.max_tokens} on this server, got {max_tokens}")
+    return max_tokens
+
+
+def _params(req: GenerationRequest, max_tokens: int | None, logprobs: int | None, limits: ServerLimits,
+            defaults: Mapping[str, Any], prompt_logprobs: int | None = None,
+            tool_constraint: StructuredOutputs | None = None) -> SamplingParams:
+    _check_combinations(req)
+    if is_int(req.n) and req.n > limits.max_n:
+        raise InvalidRequestError("n", f"at most {limits.max_n} on this server, got {req.n}")
+    max_tokens = resolve_max_tokens(max_tokens, limits, defaults)
+    params = SamplingParams(
+        n=req.n, temperature=_unset_or(req.temperature, defaults, "temperature", 1.0),
+        top_p=_unset_or(req.top_p, defaults, "top_p", 1.0), top_k=_unset_or(req.top_k, defaults, "top_k", 0),
+        min_p=_unset_or(req.min_p, defaults, "min_p", 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],
+        ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=_unset_or(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
+        logit_bias=req.logit_bias, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or [],
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+    )
+    params.structured, field = structured_output(req.response_format, req.structured_outputs)
+    if tool_constraint is not None:
+        if params.structured is not None:
+            raise InvalidRequestError("tool_choice", f"a named or 'required' tool choice constrains the output: "
+                                                     f"it cannot be combined with {field}")
+        params.structured, field = tool_constraint, "tools"
+    try:
+        params.validate()
+    except InvalidRequestError as exc:  # the constraint's errors name the field the client used
+        raise InvalidRequestError(field, exc.message, code=exc.code) if exc.field == "structured" else exc from None
+    return params
+
+
+def _check_combinations(req: GenerationRequest) -> None:
+    """`InvalidRequestError` for fields that do not go together, or a value of one that is not built."""
+    _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
+    _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
+    check_common(req)
+
+
+def check_common(req: GenerationRequest) -> None:
+    """The refusals sampling and beam search share (stream_options, add_special_tokens, ...)."""
+    _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",  # {}: as vLLM
+            "Stream options can only be defined when stream=True")
+    _refuse(req.spaces_between_special_tokens is not None, "spaces_between_special_tokens",
+            "is not built: transformers' tokenizers (fast and slow) decode without such an option, so the text "
+            "around special tokens is always the tokenizer's own")
+    chat = isinstance(req, ChatCompletionRequest)
+    _refuse(chat and req.echo and req.use_beam_search, "echo", "is not built with use_beam_search")
+    _refuse(req.add_special_tokens not in (None, not chat), "add_special_tokens",
+            f"only its default ({str(not chat).lower()} here) is built")
+
+
+def _unset_or(value: Any, defaults: Mapping[str, Any], field: str, fallback: Any) -> Any:
+    """A request's field; when unset (None), the engine's default for it, else `fallback`."""
+    return value if value is not None else defaults.get(field, fallback)
+
+
+def _refuse(condition: bool, field: str, why: str) -> None:
+    if condition:
+        raise InvalidRequestError(field, why)
+

@@ -1,0 +1,159 @@
+"""Completions' and chat completions' responses from their engine streams: SSE chunks, or one JSON body.
+
+Streaming, the first delta of every stream is awaited before the response
+starts, so an error before the first token keeps its status code; after that
+an error is reported in the stream. Completions' ``echo`` puts each prompt
+before its choices. The Responses API's events (responses_api.py) are streamed
+here too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from asyncllm.errors import AsyncLLMError
+from asyncllm.integrations.errors import error_body
+from asyncllm.integrations.openai_http import SSE_HEADERS, json_response
+from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, response_id
+from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
+from asyncllm.integrations.responses_api import ResponseEvents
+from asyncllm.integrations.starlette import wait_disconnect
+from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
+
+if TYPE_CHECKING:
+    from asyncllm.engine.stream import RequestStream
+
+__all__ = ["respond", "count_prompts", "response_events"]
+
+Echoed = list[tuple[int, dict[str, Any] | None, str]]
+"""Completions' echo when streaming: one (choice index, prompt logprobs, prompt text) per choice."""
+
+
+async def respond(request: Request, req: CompletionRequest | ChatCompletionRequest, model: str,
+                  streams: list[RequestStream], choices: Choices, id_prefix: str, kind: str,
+                  echo: tuple[list[str | list[int]], Any] | None = None) -> Response:
+    """The response of `streams`: SSE chunks with ``stream``, else one JSON body. `echo`: completions' prompts to
+    put first, and the tokenizer that gives prompts of token ids their text (None: none loaded)."""
+    chunk_kind = kind + ".chunk" if choices.chat else kind
+    meta = {"id": response_id(id_prefix, req), "object": chunk_kind if req.stream else kind,
+            "created": int(time.time()), "model": model}
+    if req.stream:
+        firsts = await first_deltas(streams)  # errors before the first token keep their status code
+        count_prompts(streams, choices)
+        echoed = await _echo(choices, streams, *echo, firsts) if echo is not None else []
+        options = req.stream_options
+        usage = "none" if options is None or not options.include_usage else (
+            "continuous" if options.continuous_usage_stats else "last")
+        events = _sse(request, streams, firsts, choices, meta, usage, echoed)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+    async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
+        choices.add(prompt_index, delta)
+    count_prompts(streams, choices)
+    if echo is not None:
+        await _echo(choices, streams, *echo)
+    return json_response({**meta, "choices": choices.final_choices(), "usage": choices.usage(),
+                          **choices.response_fields()})
+
+
+def count_prompts(streams: list[RequestStream], choices: Choices) -> None:
+    """Each prompt's token count (and, with return_token_ids, its ids) from its stream, once known."""
+    for i, stream in enumerate(streams):
+        if stream.collector is not None:
+            choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
+            if choices.return_token_ids:
+                choices.prompt_token_ids[i] = list(stream.collector.prompt_token_ids)
+
+
+async def _echo(choices: Choices, streams: list[RequestStream], prompts: list[str | list[int]], tokenizer: Any,
+                firsts: list[Any] = ()) -> Echoed:
+    """Completions' ``echo``: each prompt (its text, and its logprobs when asked) before its choices.
+
+    Streaming, `firsts` (the streams' first deltas, not yet added) carry the
+    prompts' logprobs; the result is the `Echoed` of the first chunks.
+    """
+    out = []
+    for i, (stream, prompt) in enumerate(zip(streams, prompts)):
+        if i < len(firsts) and firsts[i].prompt_logprobs is not None:
+            choices.prompt_logprobs[i] = firsts[i].prompt_logprobs
+        token_ids = stream.collector.prompt_token_ids if stream.collector is not None else []
+        if isinstance(prompt, str):
+            text = prompt
+        elif tokenizer is None:  # --skip-tokenizer-init: no text for ids
+            text = ""
+        else:  # token ids: their text, decoded off the event loop
+            text = await anyio.to_thread.run_sync(tokenizer.decode, token_ids)
+        out += [(index, logprobs, text) for index, logprobs in choices.echo(i, text, token_ids)]
+    return out
+
+
+async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
+               meta: dict[str, Any], usage: str, echoed: Echoed) -> AsyncIterator[bytes]:
+    """The chunks; `usage` is "none", "last" (a final usage chunk, null in the others) or "continuous"
+    (vLLM's continuous_usage_stats: every chunk has the usage so far, then the final chunk)."""
+
+    def chunk(choice: dict[str, Any], top: dict[str, Any] | None = None) -> bytes:
+        extra = {} if usage == "none" else {"usage": choices.usage() if usage == "continuous" else None}
+        return sse_event({**meta, **(top or {}), "choices": [choice], **extra})
+
+    try:
+        if choices.chat:
+            for choice, top in _chat_openings(choices):
+                yield chunk(choice, top)
+        for index, logprobs, text in echoed:
+            yield chunk({"index": index, "text": text, "logprobs": logprobs, "finish_reason": None,
+                         "stop_reason": None, **choices.stream_token_ids(index, [])})
+        async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
+            index, logprobs = choices.add(prompt_index, delta)
+            if choices.chat:
+                for choice in chat_stream_choices(choices, index, delta, logprobs):
+                    yield chunk(choice)
+            elif (delta.text or delta.finish_reason is not None or logprobs is not None
+                  or (choices.return_token_ids and delta.token_ids)):
+                text = "" if choices.echo_only else delta.text  # echo with max_tokens 0 drops the generated token
+                yield chunk({"index": index, "text": text, "logprobs": logprobs,
+                             "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
+                             **choices.stream_token_ids(index, delta.token_ids)})
+        if usage != "none":
+            yield sse_event({**meta, "choices": [], "usage": choices.usage()})
+    except AsyncLLMError as exc:  # after the first token the status is sent: report in the stream
+        yield sse_event(error_body(exc)[1])
+    except ClientDisconnected:
+        return
+    yield b"data: [DONE]\n\n"
+
+
+def _chat_openings(choices: Choices) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """A chat stream's first chunks: each choice's role (with vLLM's ``return_token_ids``, the prompt's
+    ``prompt_token_ids`` at the top), then each choice's echoed last message (vLLM's chat ``echo``)."""
+    count = len(choices.prompt_tokens) * choices.n
+    top = {"prompt_token_ids": choices.prompt_token_ids[0]} if choices.return_token_ids else {}
+    out = [(chat_chunk(index, {"role": "assistant", "content": ""}), top) for index in range(count)]
+    if choices.chat_echo:
+        out += [(chat_chunk(index, {"content": choices.chat_echo}), {}) for index in range(count)]
+    return out
+
+
+async def response_events(request: Request, events: ResponseEvents, streams: list[RequestStream],
+                          firsts: list[Any], choices: Choices) -> AsyncIterator[bytes]:
+    """The Responses API's SSE events of one chat completion's stream (responses_api.py)."""
+    for event in events.start():
+        yield event
+    try:
+        async for prompt_index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
+            index, _ = choices.add(prompt_index, delta)
+            parts, finish_reason = choices.chat_deltas(index, delta.text, delta.finish_reason)
+            for event in events.feed(parts):
+                yield event
+            if finish_reason is not None:
+                for event in events.finish(finish_reason, choices.usage()):
+                    yield event
+    except AsyncLLMError as exc:  # after the first event the status is sent: report in the stream
+        yield events.error(error_body(exc)[1]["error"])
+    except ClientDisconnected:
+        return
