@@ -41,10 +41,11 @@ from asyncllm.models.fp8_experts import (
     check_blocks,
     compute_in_fp8,
     fp8_weights,
+    pop_staged_scales,
     whole_row_group,
 )
 from asyncllm.models.int8 import int8_scale, quantize_int8
-from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
+from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, scalar_weight, weight_narrow
 from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8
 
@@ -109,11 +110,6 @@ def _w8a8_layers(model: nn.Module, cfg: CompressedTensorsCheckpointConfig
     return [(name, moe, scheme) for name, moe, layer_scheme in layers if layer_scheme is not None]
 
 
-def _parts(moe: FusedMoE) -> tuple[str, ...]:
-    """The expert matrices in ``w13``'s row order, then the down."""
-    return ("gate", "up", "down") if moe.gated else ("up", "down")
-
-
 def _scale_shape(moe: FusedMoE, part: str, scheme: CompressedTensorsScheme, hidden: int) -> tuple[int, ...]:
     """A staging scale's shape over the local experts: this rank's rows and columns of the matrix's scales."""
     rows, cols = (hidden, moe.intermediate) if part == "down" else (moe.intermediate, hidden)
@@ -136,7 +132,7 @@ def make_ct_w8a8_expert_params(model: nn.Module, cfg: CompressedTensorsCheckpoin
         fp8_weights(moe, torch.int8 if scheme.kind == "int8" else FP8_DTYPE)
         loader = functools.partial(_load_scale, moe, scheme)
         with torch.device(moe.w13_weight.device):
-            for part in _parts(moe):
+            for part in moe.parts:
                 setattr(moe, f"{part}_weight_scale", new_param(*_scale_shape(moe, part, scheme, hidden),
                                                                dtype=torch.float32, loader=loader))
     return len(layers)
@@ -148,13 +144,10 @@ def _load_scale(moe: FusedMoE, scheme: CompressedTensorsScheme, param: nn.Parame
     up (per row or block row), or the down's block columns."""
     expert, part = shard_id
     dst = param.data[expert - moe.expert_start]
-    start = 0 if moe.expert_parallel else moe.tp.rank * moe.intermediate
+    start = moe.intermediate_start
     bn, bk = scheme.block or (1, 1)
     if scheme.strategy == "tensor":
-        value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
-        if value.numel() != 1:
-            raise ValueError(f"has shape {tuple(value.shape)}, a per-tensor weight_scale holds one value")
-        copy_weight(dst, value.reshape(1, 1))
+        copy_weight(dst, scalar_weight(loaded).reshape(1, 1))
     elif part != "down":
         copy_weight(dst, weight_narrow(loaded, 0, start // bn, dst.shape[0]))
     elif scheme.block is not None:
@@ -167,9 +160,7 @@ def _load_scale(moe: FusedMoE, scheme: CompressedTensorsScheme, param: nn.Parame
 def finish_ct_w8a8_experts(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> None:
     """After loading: each W8A8 `FusedMoE`'s staging scales become its block scales (see the module)."""
     for _, moe, scheme in _w8a8_layers(model, cfg):
-        scales = [getattr(moe, f"{part}_weight_scale").data for part in _parts(moe)]
-        for part in _parts(moe):
-            delattr(moe, f"{part}_weight_scale")
+        scales = pop_staged_scales(moe)
         _attach_scales(moe, scheme, torch.cat(scales[:-1], dim=1), scales[-1])
 
 
@@ -207,7 +198,7 @@ def quantize_drawn_ct_w8a8_experts(model: nn.Module, cfg: CompressedTensorsCheck
         if scheme.block is not None:
             check_blocks(name, moe, scheme.block)
         inter = moe.intermediate
-        w13 = [moe.w13_weight.data[:, i * inter:(i + 1) * inter] for i in range(len(_parts(moe)) - 1)]
+        w13 = [moe.w13_weight.data[:, i * inter:(i + 1) * inter] for i in range(len(moe.parts) - 1)]
         quantized = [_quantize_drawn(w, scheme) for w in (*w13, moe.w2_weight.data)]
         moe.w13_weight = nn.Parameter(torch.cat([q for q, _ in quantized[:-1]], dim=1), requires_grad=False)
         moe.w2_weight = nn.Parameter(quantized[-1][0], requires_grad=False)

@@ -33,7 +33,7 @@ from torch import nn
 from asyncllm.errors import ConfigError
 from asyncllm.kernels import reference
 from asyncllm.models.checkpoint import Fp8CheckpointConfig
-from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
+from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, scalar_weight, weight_narrow
 from asyncllm.models.linear import (
     LinearBase,
     RowParallelLinear,
@@ -148,10 +148,7 @@ def _load_row_blocks(layer: RowParallelLinear, block_cols: int, param: nn.Parame
 
 def load_tensor_scale(layer: LinearBase, param: nn.Parameter, loaded: LoadedWeight, shard_id: object = None) -> None:
     """A checkpoint tensor's scalar ``weight_scale`` (or ``input_scale``) into its shard's slot."""
-    value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
-    if value.numel() != 1:
-        raise ValueError(f"has shape {tuple(value.shape)}, a per-tensor scale is a scalar")
-    param.data[shard_index(layer, shard_id)] = value.reshape(())
+    param.data[shard_index(layer, shard_id)] = scalar_weight(loaded)
 
 
 def new_tensor_scale(layer: LinearBase) -> nn.Parameter:

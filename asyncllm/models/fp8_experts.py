@@ -35,13 +35,13 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
 from asyncllm.models.checkpoint import Fp8CheckpointConfig
 from asyncllm.models.fp8_checkpoint import quantize_fp8_blocks
-from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, weight_narrow
+from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, scalar_weight, weight_narrow
 from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8, scaled_mm_supported
 
 __all__ = ["fp8_expert_layers", "make_fp8_expert_params", "finish_fp8_expert_params", "quantize_drawn_experts",
            "whole_row_group", "check_blocks", "fp8_weights", "compute_in_fp8", "attach_tensor_scales",
-           "quantize_per_matrix"]  # the last five: the compressed-tensors and online fp8 experts' too
+           "quantize_per_matrix", "pop_staged_scales"]  # the last six: compressed-tensors' and online fp8's too
 
 
 def whole_row_group(moe: FusedMoE) -> int:
@@ -132,7 +132,7 @@ def _load_scales(moe: FusedMoE, block: tuple[int, int], param: nn.Parameter, loa
     """One expert's gate, up or down block scales: this rank's block rows (gate, up) or block columns (down)."""
     expert, part = shard_id
     (bn, bk), dst = block, param.data[expert - moe.expert_start]
-    inter, start = moe.intermediate, 0 if moe.expert_parallel else moe.tp.rank * moe.intermediate
+    inter, start = moe.intermediate, moe.intermediate_start
     if part == "down":
         copy_weight(dst, weight_narrow(loaded, 1, start // bk, dst.shape[1]))
     else:
@@ -142,26 +142,18 @@ def _load_scales(moe: FusedMoE, block: tuple[int, int], param: nn.Parameter, loa
 
 
 # ---------------------------------------------------------------- per-tensor scales
-def _parts(moe: FusedMoE) -> tuple[str, ...]:
-    """The expert matrices in ``w13``'s row order, then the down."""
-    return ("gate", "up", "down") if moe.gated else ("up", "down")
-
-
 def _make_tensor_scale_params(moe: FusedMoE) -> None:
     """fp8 weights and one float32 scalar per local expert and matrix (``gate_weight_scale`` ...)."""
     fp8_weights(moe)
     with torch.device(moe.w13_weight.device):
-        for part in _parts(moe):
+        for part in moe.parts:
             setattr(moe, f"{part}_weight_scale", new_param(moe.num_local_experts, dtype=torch.float32,
                                                            loader=functools.partial(_load_tensor_scale, moe)))
 
 
 def _load_tensor_scale(moe: FusedMoE, param: nn.Parameter, loaded: LoadedWeight, shard_id: tuple[int, str]) -> None:
     """One expert matrix's scalar ``weight_scale`` (every rank reads it whole)."""
-    value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
-    if value.numel() != 1:
-        raise ValueError(f"has shape {tuple(value.shape)}, a per-tensor weight_scale is a scalar")
-    param.data[shard_id[0] - moe.expert_start] = value.reshape(())
+    param.data[shard_id[0] - moe.expert_start] = scalar_weight(loaded)
 
 
 def finish_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
@@ -172,10 +164,17 @@ def finish_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None
         if cfg.weight_block_size is not None:
             compute_in_fp8(moe, cfg.weight_block_size)
             continue
-        scales = [getattr(moe, f"{part}_weight_scale").data for part in _parts(moe)]
-        for part in _parts(moe):
-            delattr(moe, f"{part}_weight_scale")
+        scales = pop_staged_scales(moe)
         attach_tensor_scales(moe, torch.stack(scales[:-1], dim=1), scales[-1])
+
+
+def pop_staged_scales(moe: FusedMoE) -> list[torch.Tensor]:
+    """The staged ``{part}_weight_scale`` of each of the experts' matrices (`FusedMoE.parts`' order), removed from
+    the layer."""
+    scales = [getattr(moe, f"{part}_weight_scale").data for part in moe.parts]
+    for part in moe.parts:
+        delattr(moe, f"{part}_weight_scale")
+    return scales
 
 
 def attach_tensor_scales(moe: FusedMoE, w13_scales: torch.Tensor, w2_scales: torch.Tensor) -> None:
@@ -205,7 +204,7 @@ def quantize_drawn_experts(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
     block = cfg.weight_block_size
     for name, moe in fp8_expert_layers(model, cfg):
         if block is None:
-            w13, w13_scales = quantize_per_matrix(moe.w13_weight.data, len(_parts(moe)) - 1)
+            w13, w13_scales = quantize_per_matrix(moe.w13_weight.data, len(moe.parts) - 1)
             w2, w2_scales = quantize_per_matrix(moe.w2_weight.data, 1)
             moe.w13_weight, moe.w2_weight = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
             attach_tensor_scales(moe, w13_scales, w2_scales)

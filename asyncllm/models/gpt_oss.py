@@ -127,7 +127,7 @@ class GptOssExperts(FusedMoE):
             load_packed(self, param.data, loaded, shard_id)
             return
         if shard_id in ("gate_up", "down"):
-            for expert in self._local_experts():
+            for expert in self.local_experts:
                 rows_in = _expert(loaded, expert).t()  # transformers' [in, out] -> [out, in]
                 self._load_rows(param, expert, rows_in, shard_id)
             return
@@ -135,14 +135,14 @@ class GptOssExperts(FusedMoE):
         self._mxfp4_parts[shard_id] = self._local_slice(loaded)
         if {f"{proj}_blocks", f"{proj}_scales"} <= self._mxfp4_parts.keys():
             blocks, scales = self._mxfp4_parts.pop(f"{proj}_blocks"), self._mxfp4_parts.pop(f"{proj}_scales")
-            for i, expert in enumerate(self._local_experts()):
+            for i, expert in enumerate(self.local_experts):
                 self._load_rows(param, expert, dequantize_mxfp4(blocks[i], scales[i], param.dtype), proj)
 
     def bias_loader(self, param: nn.Parameter, loaded: LoadedWeight, shard_id: str) -> None:
         """``gate_up_proj_bias [E, 2I]`` (interleaved) or ``down_proj_bias [E, H]``: this rank's experts and slice."""
         self._check_experts(loaded)
-        start = 0 if self.expert_parallel else self.tp.rank * self.intermediate
-        for expert in self._local_experts():
+        start = self.intermediate_start
+        for expert in self.local_experts:
             dst, bias = param.data[expert - self.expert_start], _expert(loaded, expert)
             if shard_id == "down_bias":
                 copy_weight(dst, bias)
@@ -161,9 +161,6 @@ class GptOssExperts(FusedMoE):
     def _check_experts(self, loaded: LoadedWeight) -> None:
         if weight_shape(loaded)[0] != self.num_experts:
             raise ValueError(f"stacks {weight_shape(loaded)[0]} experts, config.json says {self.num_experts}")
-
-    def _local_experts(self) -> range:
-        return range(self.expert_start, self.expert_start + self.num_local_experts)
 
     def _local_slice(self, loaded: LoadedWeight) -> torch.Tensor:
         """This rank's experts of a stacked MXFP4 tensor, read now: its partner may come from another file."""

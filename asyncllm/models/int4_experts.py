@@ -81,10 +81,6 @@ def _quantized_experts(model: nn.Module, cfg: Any) -> Iterator[tuple[str, FusedM
             yield name, module
 
 
-def _parts(moe: FusedMoE) -> tuple[str, ...]:
-    return ("gate", "up", "down") if moe.gated else ("up", "down")
-
-
 def _kinds(cfg: Any) -> tuple[str, ...]:
     kinds = _KINDS[cfg.method]
     return tuple(k for k in kinds if k != "weight_zero_point" or not cfg.symmetric)
@@ -94,18 +90,13 @@ def _shape(moe: FusedMoE, part: str, kind: str, cfg: Any, hidden: int) -> tuple[
     """A staging tensor's shape: ``[experts, ...]`` of this rank's rows and columns in the checkpoint's layout (an
     act-order down matrix: every group's scales and zero points, its rows' groups being any)."""
     k, n = (moe.intermediate, hidden) if part == "down" else (hidden, moe.intermediate)
-    pack, groups = cfg.pack_factor, -(-(_whole_down(moe) if _all_groups(moe, part, cfg) else k)
+    pack, groups = cfg.pack_factor, -(-(moe.whole_intermediate if _all_groups(moe, part, cfg) else k)
                                       // _group(moe, part, cfg, hidden))
     shapes = {"qweight": (k, n // pack) if cfg.method == "awq" else (k // pack, n),
               "qzeros": (groups, n // pack), "scales": (groups, n), "g_idx": (k,),
               "weight_packed": (n, k // pack), "weight_scale": (n, groups), "weight_zero_point": (n // pack, groups),
               "weight_shape": (2,)}
     return (moe.num_local_experts, *shapes[kind])
-
-
-def _whole_down(moe: FusedMoE) -> int:
-    """The down matrix's input rows over every rank (its intermediate size before a tensor-parallel split)."""
-    return moe.intermediate * (1 if moe.expert_parallel else moe.tp.size)
 
 
 def _all_groups(moe: FusedMoE, part: str, cfg: Any) -> bool:
@@ -117,7 +108,7 @@ def _all_groups(moe: FusedMoE, part: str, cfg: Any) -> bool:
 def _group(moe: FusedMoE, part: str, cfg: Int4CheckpointConfig, hidden: int) -> int:
     if cfg.group_size > 0:
         return cfg.group_size
-    return _whole_down(moe) if part == "down" else hidden  # one group for a whole (unsplit) input
+    return moe.whole_intermediate if part == "down" else hidden  # one group for a whole (unsplit) input
 
 
 def _check(name: str, moe: FusedMoE, cfg: Int4CheckpointConfig) -> None:
@@ -139,7 +130,7 @@ def make_int4_expert_params(model: nn.Module, cfg: Int4CheckpointConfig) -> int:
         moe.int4_shape = (tuple(moe.w13_weight.shape), tuple(moe.w2_weight.shape), moe.w13_weight.dtype)
         del moe.w13_weight, moe.w2_weight
         with torch.device(device):
-            for part in _parts(moe):
+            for part in moe.parts:
                 for kind in _kinds(cfg):
                     dtype = {"scales": torch.float32, "weight_scale": torch.float32,
                              "weight_shape": torch.int64}.get(kind, torch.int32)
@@ -155,7 +146,7 @@ def _load(moe: FusedMoE, part: str, kind: str, cfg: Int4CheckpointConfig, param:
           loaded: LoadedWeight, shard: tuple[int, str]) -> None:
     """One expert's checkpoint tensor: this rank's columns (gate, up) or rows (down) of it."""
     expert = shard[0] - moe.expert_start
-    start = 0 if moe.expert_parallel else moe.tp.rank * moe.intermediate
+    start = moe.intermediate_start
     length, pack, group = moe.intermediate, cfg.pack_factor, cfg.group_size
     if cfg.method == "ct":
         src = _ct_part(loaded, part, kind, start, length, pack, group)
@@ -221,7 +212,7 @@ def _unpacked(moe: FusedMoE, part: str, expert: int, cfg: Int4CheckpointConfig, 
     if cfg.desc_act:  # act-order: each input row's group is its g_idx's
         groups = _act_order_groups(moe, part, expert, tensor["g_idx"], tensor["scales"].shape[0])
     elif cfg.method == "gptq":
-        offset = 0 if part != "down" or moe.expert_parallel else moe.tp.rank * moe.intermediate
+        offset = moe.intermediate_start if part == "down" else 0
         if not torch.equal(tensor["g_idx"].long() - (offset // _group(moe, part, cfg, hidden) if cfg.group_size > 0
                                                      else 0), groups):
             raise ConfigError("model", f"expert {expert + moe.expert_start}'s {part}_proj",
@@ -247,14 +238,14 @@ def finish_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, keep_packed
             def stacked(part: str) -> list[torch.Tensor]:  # (values, scales, zero points) over the local experts
                 return [torch.stack(t) for t in zip(*(_packed_rows(moe, part, e, cfg, hidden) for e in experts))]
 
-            w13 = [torch.cat(pair, dim=1) for pair in zip(*(stacked(part) for part in _parts(moe)[:-1]))]
+            w13 = [torch.cat(pair, dim=1) for pair in zip(*(stacked(part) for part in moe.parts[:-1]))]
             w2 = stacked("down")
-            g_idx = (getattr(moe, f"{_parts(moe)[0]}_g_idx").data, moe.down_g_idx.data) if cfg.desc_act else None
+            g_idx = (getattr(moe, f"{moe.parts[0]}_g_idx").data, moe.down_g_idx.data) if cfg.desc_act else None
         else:
-            w13 = torch.stack([torch.cat([_dequantized(moe, part, e, cfg, hidden) for part in _parts(moe)[:-1]])
+            w13 = torch.stack([torch.cat([_dequantized(moe, part, e, cfg, hidden) for part in moe.parts[:-1]])
                                for e in experts])
             w2 = torch.stack([_dequantized(moe, "down", e, cfg, hidden) for e in experts])
-        for part in _parts(moe):
+        for part in moe.parts:
             for kind in _kinds(cfg):
                 delattr(moe, f"{part}_{kind}")
         del moe.int4_shape
@@ -311,7 +302,7 @@ def draw_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, seed: int) ->
     gen = torch.Generator().manual_seed(seed)
     for _, moe in _quantized_experts(model, cfg):
         hidden = moe.int4_shape[0][2]
-        for part in _parts(moe):
+        for part in moe.parts:
             for kind in ("qweight", "qzeros"):
                 param = getattr(moe, f"{part}_{kind}")
                 param.copy_(torch.randint(-2**31, 2**31 - 1, param.shape, generator=gen, dtype=torch.int32))
@@ -319,5 +310,5 @@ def draw_int4_experts(model: nn.Module, cfg: Int4CheckpointConfig, seed: int) ->
             scales.copy_(torch.rand(scales.shape, generator=gen) * 0.005)
             if cfg.method == "gptq":
                 g_idx = getattr(moe, f"{part}_g_idx")
-                offset = moe.tp.rank * moe.intermediate if part == "down" and not moe.expert_parallel else 0
+                offset = moe.intermediate_start if part == "down" else 0
                 g_idx.copy_(((torch.arange(g_idx.shape[1]) + offset) // _group(moe, part, cfg, hidden)).expand_as(g_idx))

@@ -29,6 +29,7 @@ __all__ = [
     "weight_shape",
     "weight_narrow",
     "copy_weight",
+    "scalar_weight",
     "default_weight_loader",
     "set_weight_loader",
     "new_param",
@@ -109,6 +110,14 @@ def copy_weight(dst: torch.Tensor, src: LoadedWeight) -> None:
         raise ValueError(f"has shape {tuple(src_tensor.shape)}, the model expects {tuple(dst.shape)}")
     with torch.no_grad():
         dst.copy_(src_tensor)
+
+
+def scalar_weight(loaded: LoadedWeight) -> torch.Tensor:
+    """A checkpoint's per-tensor scale as a 0-d tensor; ValueError when it holds more than one value."""
+    value = _full(loaded)
+    if value.numel() != 1:
+        raise ValueError(f"has shape {tuple(value.shape)}, a per-tensor scale is a scalar")
+    return value.reshape(())
 
 
 def default_weight_loader(param: nn.Parameter, loaded: LoadedWeight) -> None:

@@ -95,7 +95,7 @@ class ExpertsLoRA(SlotBuffers):
         """Experts' A ``[n, r, in]`` and scaled B ``[n, out, r]`` (whole, as the checkpoint's) into the slot."""
         moe = self.experts[0]
         inter = moe.intermediate
-        first = 0 if moe.expert_parallel else moe.tp.rank * inter  # this rank's rows of gate and up, columns of down
+        first = moe.intermediate_start  # this rank's rows of gate and up, columns of down
         rank = a.shape[1]
         columns = slice(slot * self.max_rank, slot * self.max_rank + rank)
         if kind == "down":

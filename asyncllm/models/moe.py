@@ -125,9 +125,30 @@ class FusedMoE(nn.Module):
         self.w13_weight = new_param(n, rows, self.hidden_size, dtype=b.dtype, loader=self.weight_loader)
         self.w2_weight = new_param(n, self.hidden_size, inter, dtype=b.dtype, loader=self.weight_loader)
 
+    @property
+    def local_experts(self) -> range:
+        """The ids of the experts this rank holds (every expert unless expert parallel)."""
+        return range(self.expert_start, self.expert_start + self.num_local_experts)
+
     def is_local(self, expert: int) -> bool:
-        """Whether this rank holds ``expert`` (every expert unless expert parallel)."""
-        return 0 <= expert - self.expert_start < self.num_local_experts
+        """Whether this rank holds ``expert``."""
+        return expert in self.local_experts
+
+    @property
+    def intermediate_start(self) -> int:
+        """This rank's first row of an expert's whole gate and up (first column of its down): 0 under expert
+        parallelism, which keeps the experts whole."""
+        return 0 if self.expert_parallel else self.tp.rank * self.intermediate
+
+    @property
+    def whole_intermediate(self) -> int:
+        """An expert's intermediate size before the tensor-parallel split (the checkpoint's, every rank's check)."""
+        return self.intermediate if self.expert_parallel else self.intermediate * self.tp.size
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """An expert's matrices in ``w13``'s row order, then the down."""
+        return ("gate", "up", "down") if self.gated else ("up", "down")
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         fp8 = {} if self.fp8_block is None else {"fp8": Fp8Experts(self.w13_weight_scale_inv, self.w2_weight_scale_inv,
@@ -162,9 +183,8 @@ class FusedMoE(nn.Module):
     def load_part(self, dst: torch.Tensor, loaded: LoadedWeight, part: str) -> None:
         """This rank's rows of a gate or up matrix into one expert's ``w13`` rows ``dst``, or its columns of a down
         matrix into its ``w2`` (online fp8 experts reload through it: asyncllm/models/fp8_online_experts.py)."""
-        inter, start = self.intermediate, 0 if self.expert_parallel else self.tp.rank * self.intermediate
-        whole = inter if self.expert_parallel else inter * self.tp.size  # every rank checks the whole matrix
-        expected = (self.hidden_size, whole) if part == "down" else (whole, self.hidden_size)
+        inter, start, whole = self.intermediate, self.intermediate_start, self.whole_intermediate
+        expected = (self.hidden_size, whole) if part == "down" else (whole, self.hidden_size)  # every rank checks it
         if weight_shape(loaded) != expected:
             raise ValueError(f"has shape {weight_shape(loaded)}, an expert's {part} matrix is {expected}")
         if part == "down":
@@ -316,14 +336,13 @@ class MoECausalLM:
             experts = self.get_submodule(f"{prefix}.experts")  # type: ignore[attr-defined]
             names = {p: ckpt for ckpt, p in self.expert_parts.items()}
             return [(f"{ckpt_prefix}.experts.{e}.{names[part]}.{int4_kind}", (e, part))
-                    for e in range(experts.expert_start, experts.expert_start + experts.num_local_experts)]
+                    for e in experts.local_experts]
         kind, _, suffix = leaf.partition("_weight")
         if kind in ("w13", "w2") and suffix in ("", "_scale_inv"):
             experts: FusedMoE = self.get_submodule(f"{prefix}.experts")  # type: ignore[attr-defined]
-            parts = ("down",) if kind == "w2" else ("gate", "up") if experts.gated else ("up",)
+            parts = experts.parts[-1:] if kind == "w2" else experts.parts[:-1]
             names = {part: ckpt for ckpt, part in self.expert_parts.items()}
             return [(f"{ckpt_prefix}.experts.{e}.{names[part]}.weight{suffix}", (e, part))
-                    for e in range(experts.expert_start, experts.expert_start + experts.num_local_experts)
-                    for part in parts]
+                    for e in experts.local_experts for part in parts]
         return [(name.replace(".mlp.", f".{self.moe_module}."), shard)
                 for name, shard in super()._unpacked(param_name)]  # type: ignore[misc]

@@ -73,15 +73,15 @@ def load_packed(moe: GptOssExperts, dst: torch.Tensor, loaded: LoadedWeight, sha
     """A stacked ``*_blocks`` / ``*_scales`` tensor into ``dst`` (its packed parameter): this rank's experts, their
     rows of gate and up (de-interleaved) or their columns of down, as they are stored."""
     proj, kind = shard_id.rsplit("_", 1)
-    whole = moe.intermediate * (1 if moe.expert_parallel else moe.tp.size)  # every rank checks the whole tensor
+    whole = moe.whole_intermediate  # every rank checks the whole tensor
     rows, inputs = (moe.hidden_size, whole) if proj == "down" else (2 * whole, moe.hidden_size)
     groups = inputs // MXFP4_GROUP
     expected = (moe.num_experts, rows, groups, MXFP4_GROUP // 2) if kind == "blocks" else (moe.num_experts, rows, groups)
     if weight_shape(loaded) != expected:
         raise ValueError(f"has shape {weight_shape(loaded)}, this model's MXFP4 {proj} {kind} are {expected}")
-    start = 0 if moe.expert_parallel else moe.tp.rank * moe.intermediate
+    start = moe.intermediate_start
     unit = 2 if kind == "blocks" else MXFP4_GROUP  # inputs per byte of blocks or per exponent
-    for expert in range(moe.expert_start, moe.expert_start + moe.num_local_experts):
+    for expert in moe.local_experts:
         stored = weight_narrow(loaded, 0, expert, 1)[0].reshape(rows, -1)  # blocks: [rows, inputs / 2] bytes
         out = dst[expert - moe.expert_start]
         if proj == "down":

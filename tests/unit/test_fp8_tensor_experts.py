@@ -3,7 +3,8 @@ attention projection in fp8 with one scalar ``weight_scale`` (the up matrices' s
 widely) loaded through the real loader and compared with the independent reference
 (tests/fp8_checkpoint_reference.py); hidden 192 and intermediate 160 (each product's input wider than 128 columns,
 quantized with one scale per token). Both tensor-parallel ranks' experts against the reference on their slice; dummy
-weights; static activation scales on experts refused. The block-fp8 experts are in tests/unit/test_fp8_checkpoint.py."""
+weights; static activation scales on experts refused; a per-tensor scale of more than one value refused. The block-fp8
+experts are in tests/unit/test_fp8_checkpoint.py."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import NotBuiltError
 from asyncllm.models import fp8_checkpoint, fp8_experts
 from asyncllm.models.checkpoint import Fp8CheckpointConfig, prequantized_fp8_config
-from asyncllm.models.layers import TensorParallel
+from asyncllm.models.layers import TensorParallel, scalar_weight
 from asyncllm.models.loader import build_model, load_checkpoint, load_hf_config, load_model
 from asyncllm.models.registry import kv_cache_spec
 
@@ -118,3 +119,11 @@ def test_dummy_weights_give_per_tensor_experts(checkpoint) -> None:
     run = PagedRun(model, SEQUENCES)
     run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
     assert all(torch.isfinite(logits).all() for logits in run.run([[6, 3], [5, 0]]))
+
+
+def test_a_per_tensor_scale_is_one_value() -> None:
+    """`layers.scalar_weight`, which every per-tensor scale loader reads through (the experts', compressed-tensors'
+    experts', the dense layers'): AutoFP8's ``[1]`` and a 0-d scalar alike; more values refused."""
+    assert scalar_weight(torch.tensor([2.5])).shape == () and float(scalar_weight(torch.tensor(2.5))) == 2.5
+    with pytest.raises(ValueError, match=r"has shape \(2,\), a per-tensor scale is a scalar"):
+        scalar_weight(torch.tensor([1.0, 2.0]))
