@@ -36,6 +36,7 @@ from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ServerLimits,
+    chat_role,
     completion_prompts,
     response_id,
 )
@@ -142,7 +143,8 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
                                   f"width = {2 * width} (the alternatives each step ranks), got {top_logprobs}")
     choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None,
                       token_ids_as_text=server.token_ids_as_text,
-                      include_reasoning=not chat or req.include_reasoning)
+                      include_reasoning=not chat or req.include_reasoning,
+                      chat_role=chat_role(req) if chat else "assistant")
     for prompt_index, ids in enumerate(prompts):
         choices.prompt_tokens[prompt_index] = len(ids)
     deltas = _deltas(prompts, outputs, req.n, top_logprobs is not None)
@@ -228,7 +230,7 @@ async def _sse(req: CompletionRequest | ChatCompletionRequest, choices: Choices,
 
     if choices.chat:
         for index in range(len(deltas)):
-            yield chunk(chat_chunk(index, {"role": "assistant", "content": ""}))
+            yield chunk(chat_chunk(index, {"role": choices.chat_role, "content": ""}))
     for prompt_index, delta in deltas:
         index, logprobs = choices.add(prompt_index, delta)
         if choices.chat:

@@ -31,7 +31,7 @@ from asyncllm.errors import InvalidRequestError
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
     "decode_request", "completion_prompts", "request_options", "take_request_id", "header_data_parallel_rank",
-    "template_kwargs", "chat_echo", "response_id", "ChatTemplates", "is_int",
+    "template_kwargs", "chat_echo", "chat_role", "response_id", "ChatTemplates", "is_int",
 ]
 
 
@@ -268,13 +268,21 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, A
 
 
 
+def chat_role(req: ChatCompletionRequest) -> str:
+    """The reply's role, as vLLM's ``get_chat_request_role``: the assistant's, or with add_generation_prompt false
+    the last message's (the turn the reply continues)."""
+    if req.add_generation_prompt or not req.messages:
+        return "assistant"
+    return req.messages[-1].get("role") or "assistant"
+
+
 def chat_echo(req: ChatCompletionRequest) -> str:
-    """vLLM's chat ``echo``: the last message's text when its role is the reply's (the assistant's; with
-    add_generation_prompt false, the last message's own), which the reply continues; "" otherwise."""
+    """vLLM's chat ``echo``: the last message's text when its role is the reply's (`chat_role`), which the reply
+    continues; "" otherwise."""
     if not req.echo or not req.messages:
         return ""
     last = req.messages[-1]
-    if req.add_generation_prompt and last.get("role") != "assistant":
+    if last.get("role") != chat_role(req):
         return ""
     content = last.get("content") or ""
     if isinstance(content, list):  # parts: their texts, a line apart (as vLLM joins them)

@@ -52,7 +52,8 @@ class Choices:
                  token_text: Callable[[int], str] | None = None, echo_only: bool = False,
                  tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None,
                  return_prompt_logprobs: bool = False, token_ids_as_text: bool = False,
-                 include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "") -> None:
+                 include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "",
+                 chat_role: str = "assistant") -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -79,6 +80,8 @@ class Choices:
         """Each prompt's token ids, kept with `return_token_ids` (the server sets them)."""
         self.chat_echo = chat_echo
         """Chat (vLLM's ``echo``): the text each choice's content starts with (the last message's); "" for none."""
+        self.chat_role = chat_role
+        """Chat: the reply's role (vLLM's: the last message's with ``add_generation_prompt`` false, `chat_role`)."""
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
@@ -173,6 +176,7 @@ class Choices:
         deltas = reply.feed(text)
         more, finish_reason = reply.finish(choice.finish_reason)
         message = merge_deltas(self._shown(deltas + more), tools=self.tool_mode.kind != "none")
+        message["role"] = self.chat_role
         if self.chat_echo:
             message["content"] = self.chat_echo + (message["content"] or "")
         return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,

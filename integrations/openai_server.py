@@ -51,7 +51,7 @@ from asyncllm.integrations.openai_http import (
     SSE_HEADERS, RequestIdHeaders, guard, json_response, not_allowed, not_found, read_body,
 )
 from asyncllm.integrations.openai_protocol import (
-    ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest, chat_echo,
+    ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest, chat_echo, chat_role,
     completion_prompts, decode_request, header_data_parallel_rank, request_options, take_request_id, template_kwargs,
 )
 from asyncllm.integrations.openai_responses import Choices, token_id_text
@@ -325,7 +325,7 @@ class OpenAIServer:
                           token_ids_as_text=self.token_ids_as_text,
                           return_prompt_logprobs=req.prompt_logprobs is not None,
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
-                          chat_echo=chat_echo(req))
+                          chat_echo=chat_echo(req), chat_role=chat_role(req))
         return streams, choices
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,

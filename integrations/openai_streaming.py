@@ -82,7 +82,9 @@ async def _echo(choices: Choices, streams: list[RequestStream], prompts: list[st
         if i < len(firsts) and firsts[i].prompt_logprobs is not None:
             choices.prompt_logprobs[i] = firsts[i].prompt_logprobs
         token_ids = stream.collector.prompt_token_ids if stream.collector is not None else []
-        if isinstance(prompt, str):
+        if choices.return_token_ids:  # vLLM's: the prompt comes back as prompt_token_ids, not as echoed text
+            text = ""
+        elif isinstance(prompt, str):
             text = prompt
         elif tokenizer is None:  # --skip-tokenizer-init: no text for ids
             text = ""
@@ -129,11 +131,11 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
 
 
 def _chat_openings(choices: Choices) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """A chat stream's first chunks: each choice's role (with vLLM's ``return_token_ids``, the prompt's
-    ``prompt_token_ids`` at the top), then each choice's echoed last message (vLLM's chat ``echo``)."""
+    """A chat stream's first chunks: each choice's role (`Choices.chat_role`; with vLLM's ``return_token_ids``, the
+    prompt's ``prompt_token_ids`` at the top), then each choice's echoed last message (vLLM's chat ``echo``)."""
     count = len(choices.prompt_tokens) * choices.n
     top = {"prompt_token_ids": choices.prompt_token_ids[0]} if choices.return_token_ids else {}
-    out = [(chat_chunk(index, {"role": "assistant", "content": ""}), top) for index in range(count)]
+    out = [(chat_chunk(index, {"role": choices.chat_role, "content": ""}), top) for index in range(count)]
     if choices.chat_echo:
         out += [(chat_chunk(index, {"content": choices.chat_echo}), {}) for index in range(count)]
     return out

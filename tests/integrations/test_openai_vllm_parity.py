@@ -218,6 +218,7 @@ async def test_return_token_ids_streamed_as_vllm(app, bundled_tokenizer) -> None
                    for extra in ({}, {"echo": True})]
         only = sse_events((await client.post("/v1/completions", json={**completion, "stream": True, "echo": True,
                                                                        "max_tokens": 0})).text)
+        echoed = (await client.post("/v1/completions", json={**completion, "echo": True, "logprobs": 0})).json()
         chat_plain = (await client.post("/v1/chat/completions", json=chat)).json()
         chat_stream = sse_events((await client.post("/v1/chat/completions", json={**chat, "stream": True})).text)
     for chunks in streams:
@@ -225,9 +226,15 @@ async def test_return_token_ids_streamed_as_vllm(app, bundled_tokenizer) -> None
         assert choices[0]["prompt_token_ids"] == bundled_tokenizer("import os").input_ids
         assert all("prompt_token_ids" not in choice for choice in choices[1:])
         assert sum((choice["token_ids"] for choice in choices), []) == plain["token_ids"]
-    assert streams[1][0]["choices"][0]["text"] == "import os"  # echoed: the prompt's chunk adds no generated ids
+    # vLLM's echo with return_token_ids: the prompt comes back as prompt_token_ids, neither as text nor in token_ids
+    assert streams[1][0]["choices"][0]["text"] == "" and streams[1][0]["choices"][0]["token_ids"] == []
+    assert "".join(chunk["choices"][0]["text"] for chunk in streams[1]) == plain["text"]
+    echoed = echoed["choices"][0]
+    assert (echoed["text"], echoed["token_ids"]) == (plain["text"], plain["token_ids"])
+    assert echoed["prompt_token_ids"] == bundled_tokenizer("import os").input_ids
+    assert len(echoed["logprobs"]["tokens"]) == len(echoed["prompt_token_ids"]) + len(plain["token_ids"])
     only_choices = [chunk["choices"][0] for chunk in only]  # echo alone: the generated token is dropped, as unstreamed
-    assert "".join(c["text"] for c in only_choices) == "import os"
+    assert "".join(c["text"] for c in only_choices) == ""
     assert sum((c["token_ids"] for c in only_choices), []) == []
     assert chat_stream[0]["prompt_token_ids"] == chat_plain["prompt_token_ids"]
     assert all("prompt_token_ids" not in chunk for chunk in chat_stream[1:])
@@ -288,3 +295,17 @@ async def test_chat_echo_puts_the_last_assistant_message_first(app) -> None:
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}
     assert chat_echo(decode_request(json.dumps(parts).encode(), ChatCompletionRequest)) == "a\nb"
     assert chat_echo(decode_request(json.dumps({**parts, "echo": False}).encode(), ChatCompletionRequest)) == ""
+
+
+async def test_reply_role_is_the_last_messages_without_a_generation_prompt(app) -> None:
+    """vLLM's get_chat_request_role: with add_generation_prompt false the reply continues the last message's turn
+    and takes its role, in the message and in the streamed role chunk (beam search's too)."""
+    body = {**CHAT, "add_generation_prompt": False}
+    async with asgi_client(app) as client:
+        plain = (await client.post("/v1/chat/completions", json=body)).json()
+        streams = [sse_events((await client.post("/v1/chat/completions", json={**body, "stream": True, **extra})).text)
+                   for extra in ({}, {"use_beam_search": True})]
+        prompted = (await client.post("/v1/chat/completions", json=CHAT)).json()
+    assert plain["choices"][0]["message"]["role"] == "user"
+    assert [chunks[0]["choices"][0]["delta"] for chunks in streams] == [{"role": "user", "content": ""}] * 2
+    assert prompted["choices"][0]["message"]["role"] == "assistant"
