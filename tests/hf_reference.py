@@ -92,12 +92,33 @@ def greedy_divergence(path: str, prompt_ids: list[int], expected: list[int], got
     """Where ``got`` first leaves transformers' greedy ``expected`` tokens, and by how much transformers' logit for
     its own token led the other one there: a lead within the arithmetic's error (float32's about 1e-6 on the tiny
     models, TF32's 1e-3) is a near-tie it flips, a wider one a wrong result. For an assertion's message."""
-    i = next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+    i = first_difference(expected, got)
     if i == len(expected) or i == len(got):
         return f"{len(got)} tokens where transformers gives {len(expected)}, equal up to there"
     logits = hf_logits(path, prompt_ids + expected[:i])[-1]
     lead = float(logits[expected[i]] - logits[got[i]])
     return f"token {i}: {got[i]} where transformers gives {expected[i]}, whose logit leads by {lead:.2e}"
+
+
+def first_difference(expected: list[int], got: list[int]) -> int:
+    """The first position where ``got`` and ``expected`` differ, or the shorter one's length where none does."""
+    return next((j for j, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+
+
+def assert_greedy_until_a_near_tie(logits_of, prompt_ids: list[int], expected: list[int], got: list[int],
+                                   near_tie: float) -> None:
+    """``got`` equals a reference's greedy ``expected`` tokens over their common length, or differs first where the
+    reference's top two logprobs are closer than ``near_tie`` (a rounding error may rightly flip such an argmax).
+    ``logits_of``: the reference's logits of a token sequence, ``[len, vocab]`` (`hf_logits`, a test's own model)."""
+    import torch
+
+    i = first_difference(expected, got)
+    if i == min(len(expected), len(got)):
+        return
+    top2 = torch.log_softmax(logits_of(prompt_ids + expected[:i])[-1].double(), -1).topk(2).values
+    margin = float(top2[0] - top2[1])
+    assert margin < near_tie, (f"token {i}: {got[i]} where the reference gives {expected[i]}, its top two logprobs "
+                               f"{margin:.3g} apart (a near-tie: under {near_tie}); {expected} != {got}")
 
 
 def model_logits(model, token_ids: list[int]):

@@ -16,7 +16,8 @@ The product (`Int8LinearMethod`):
 - on CUDA, ``torch._int_mm`` (cuBLAS int8 GEMM, exact int32 sums) scaled after in float32,
   ``(x_q @ W_q^T) * s_x * s_W (+ b)``, cast once to the model dtype. ``_int_mm`` wants more than 16 rows and K and
   N multiples of 8: fewer rows are padded with zero rows to 17 (decode batches; the padding costs 17 x K bytes, far
-  less than dequantizing the weight), and a layer whose K or N is not a multiple of 8 takes the fallback;
+  less than dequantizing the weight), and a layer whose K or N is not a multiple of 8 takes the fallback; per-token
+  activations are quantized there by `kernels/int8_quant.py`'s one Triton kernel, bit for bit `quantize_int8_per_token`;
 - elsewhere (the CPU) the dequantize fallback ``F.linear(float(x_q) * s_x, float(W_q) * s_W, b)`` in float32, cast
   once: compressed-tensors' function, and the GPU's up to float32 rounding and summation order.
 
@@ -125,16 +126,19 @@ def int_mm_supported(device: torch.device, in_features: int, out_features: int) 
 
 class Int8LinearMethod:
     """A W8A8 int8 layer's product (`LinearBase.quant_method`): ``int_mm``: ``torch._int_mm`` scaled after in
-    float32; else the dequantize fallback (`int8_linear_fallback`). Activations per token, or with the layer's static
+    float32, its per-token input quantized by the Triton kernel (``use_triton``) or `quantize_int8_per_token`; else
+    the dequantize fallback (`int8_linear_fallback`). Activations per token, or with the layer's static
     ``input_scale`` (``static_input``)."""
 
-    def __init__(self, int_mm: bool, static_input: bool = False) -> None:
+    def __init__(self, int_mm: bool, static_input: bool = False, use_triton: bool = False) -> None:
         self.int_mm = int_mm
         self.static_input = static_input
+        self.use_triton = use_triton
 
     def __repr__(self) -> str:
         scales = ", static input scale" * self.static_input
-        return f"Int8LinearMethod({'_int_mm' if self.int_mm else 'dequantize'}{scales})"
+        quantizer = ", triton quantizer" * (self.int_mm and self.use_triton)
+        return f"Int8LinearMethod({'_int_mm' if self.int_mm else 'dequantize'}{scales}{quantizer})"
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         dtype = layer.params_dtype
@@ -142,17 +146,26 @@ class Int8LinearMethod:
         if not self.int_mm:
             return int8_linear_fallback(x, layer.weight, layer.weight_scale, bias, dtype, input_scale)
         lead = x.shape[:-1]
-        x_q, x_scale = quantize_int8_input(x.reshape(-1, x.shape[-1]), input_scale)
+        x_q, x_scale = self._quantized_input(x.reshape(-1, x.shape[-1]), input_scale)
         out = int8_mm(x_q, layer.weight.t()).float() * x_scale * layer.weight_scale_row
         out = (out if bias is None else out + bias).to(dtype)
         return out.view(*lead, out.shape[-1])
 
+    def _quantized_input(self, x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if input_scale is None and self.use_triton:
+            from asyncllm.kernels.int8_quant import quantize_int8_per_token as triton_quantize
+
+            return triton_quantize(x.contiguous())
+        return quantize_int8_input(x, input_scale)
+
 
 def attach_int8_weight(layer: LinearBase, w_q: torch.Tensor, scale: torch.Tensor,
-                       input_scale: torch.Tensor | None = None, int_mm: bool | None = None) -> Int8LinearMethod:
+                       input_scale: torch.Tensor | None = None, int_mm: bool | None = None,
+                       use_triton: bool | None = None) -> Int8LinearMethod:
     """Make ``w_q`` (int8 ``[N, K]``) and its ``scale`` (float32 ``[N, 1]``) the layer's weight and route its product
     through an `Int8LinearMethod`; ``input_scale``: a static per-tensor activation scale (None: per token);
-    ``int_mm`` None: ``torch._int_mm`` where `int_mm_supported` (True forces it: tests, on the CPU)."""
+    ``int_mm`` None: ``torch._int_mm`` where `int_mm_supported` (True forces it: tests, on the CPU); ``use_triton``
+    None: the Triton quantizer on CUDA (True forces it: tests, under Triton's interpreter)."""
     layer.weight = nn.Parameter(w_q, requires_grad=False)
     layer.register_buffer("weight_scale", scale.float())
     if input_scale is not None:
@@ -163,5 +176,6 @@ def attach_int8_weight(layer: LinearBase, w_q: torch.Tensor, scale: torch.Tensor
     if int_mm:
         layer.register_buffer("weight_scale_row", scale.float().reshape(1, out_features).contiguous(),
                               persistent=False)
-    layer.quant_method = Int8LinearMethod(int_mm, input_scale is not None)
+    use_triton = w_q.device.type == "cuda" if use_triton is None else use_triton
+    layer.quant_method = Int8LinearMethod(int_mm, input_scale is not None, use_triton)
     return layer.quant_method

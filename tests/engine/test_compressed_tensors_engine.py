@@ -21,6 +21,7 @@ import pytest
 import torch
 from compressed_tensors_reference import MIXED, CtReference, write_ct_checkpoint
 from engine_helpers import random_prompts
+from hf_reference import assert_greedy_until_a_near_tie
 
 from asyncllm import AsyncEngine, SamplingParams
 
@@ -70,8 +71,4 @@ async def test_two_ranks_serve_the_reference(mixed_checkpoint) -> None:
 
 def _check_greedy(reference: CtReference, prompt: list[int], got: list[int]) -> None:
     """Equal to the reference's greedy tokens, or different first at one of its near-ties."""
-    want = reference.greedy(prompt, len(got))
-    first_diff = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
-    if first_diff is not None:
-        top2 = torch.log_softmax(reference.logits(prompt + want[:first_diff])[-1].double(), -1).topk(2).values
-        assert float(top2[0] - top2[1]) < NEAR_TIE, (first_diff, want, got)
+    assert_greedy_until_a_near_tie(reference.logits, prompt, reference.greedy(prompt, len(got)), got, NEAR_TIE)

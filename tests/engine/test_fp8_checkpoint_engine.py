@@ -16,6 +16,7 @@ import pytest
 import torch
 from engine_helpers import random_prompts
 from fp8_checkpoint_reference import Fp8Reference, write_fp8_checkpoint
+from hf_reference import assert_greedy_until_a_near_tie
 
 from asyncllm import AsyncEngine, SamplingParams
 
@@ -73,11 +74,7 @@ async def test_prompt_logprobs_and_greedy_tokens_equal_the_reference(fp8_checkpo
 
 def _check_greedy(reference: Fp8Reference, prompt: list[int], got: list[int]) -> None:
     """Equal to the reference's greedy tokens, or different first at one of its near-ties."""
-    expected = reference.greedy(prompt, len(got))
-    first_diff = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
-    if first_diff is not None:
-        top2 = torch.log_softmax(reference.logits(prompt + expected[:first_diff])[-1].double(), -1).topk(2).values
-        assert float(top2[0] - top2[1]) < NEAR_TIE, (first_diff, expected, got)
+    assert_greedy_until_a_near_tie(reference.logits, prompt, reference.greedy(prompt, len(got)), got, NEAR_TIE)
 
 
 async def test_two_ranks_equal_one(fp8_checkpoint) -> None:

@@ -19,7 +19,7 @@ import torch
 from asyncllm import AsyncEngine, SamplingParams
 from asyncllm.bundled import bundled_model_path
 from engine_helpers import CODE_PROMPTS, random_prompts
-from hf_reference import hf_greedy, hf_logits
+from hf_reference import assert_greedy_until_a_near_tie, hf_greedy, hf_logits
 
 PROMPTS = CODE_PROMPTS
 MAX_TOKENS = 16
@@ -46,14 +46,6 @@ def _logprob_errors(prompt: list[int], scored) -> torch.Tensor:
     return (got.double() - expected[torch.arange(len(prompt) - 1), prompt[1:]]).abs()
 
 
-def _greedy_and_margins(prompt: list[int]) -> tuple[list[int], list[float]]:
-    """transformers' float32 greedy tokens and its top-two logprob margin where each was chosen."""
-    tokens = hf_greedy(bundled_model_path(), prompt, MAX_TOKENS)
-    logits = hf_logits(bundled_model_path(), prompt + tokens[:-1])[len(prompt) - 1 :]
-    top2 = torch.log_softmax(logits.double(), -1).topk(2).values
-    return tokens, (top2[:, 0] - top2[:, 1]).tolist()
-
-
 async def test_fp8_e5m2_cache_blocks_logprobs_and_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     """The block count in a 64 MiB budget, then the logprobs and tokens; fp8 (e4m3): the swap test's engine below
     (the same code, another dtype)."""
@@ -77,12 +69,11 @@ async def _assert_logprobs_and_greedy_tokens(engine: AsyncEngine, kv_cache_dtype
     max_tol, mean_tol = LOGPROB_TOL[kv_cache_dtype]
     assert 1e-3 < float(errors.max()) < max_tol, errors.max()  # far above a float32 cache's 2.3e-6: it rounds
     assert float(errors.mean()) < mean_tol, errors.mean()
+    path = bundled_model_path()
     for prompt, out in zip(prompts, generated):
-        reference, margins = _greedy_and_margins(prompt)
         assert len(out.token_ids) == MAX_TOKENS
-        first_diff = next((i for i, (a, b) in enumerate(zip(reference, out.token_ids)) if a != b), None)
-        if first_diff is not None:
-            assert margins[first_diff] < NEAR_TIE, (first_diff, margins[first_diff], reference, out.token_ids)
+        assert_greedy_until_a_near_tie(functools.partial(hf_logits, path), prompt,
+                                       hf_greedy(path, prompt, MAX_TOKENS), out.token_ids, NEAR_TIE)
 
 
 async def test_swap_preemption_with_an_fp8_cache_changes_no_token() -> None:

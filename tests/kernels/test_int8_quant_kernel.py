@@ -1,7 +1,8 @@
 """kernels/int8_quant.py against kernels/reference.py: the per-token int8 quantizer of W8A8 int8 experts' inputs must
 equal `reference.quantize_int8_per_token` (compressed-tensors' function, `asyncllm.models.int8`'s) bit for bit: the
 int8 values and the float32 scales, at odd shapes, an all-zero row, large and tiny magnitudes, exact rounding
-midpoints (half to even), a row whose largest magnitude is negative (-128), rows over several blocks, strided rows."""
+midpoints (half to even), a row whose largest magnitude is negative (-128), rows over several blocks, strided rows;
+and the dense W8A8 layers' ``torch._int_mm`` path, whose outputs stay the same bits through the kernel."""
 
 from __future__ import annotations
 
@@ -79,3 +80,31 @@ def test_the_micro_benchmark_times_kernel_and_reference(monkeypatch: pytest.Monk
     assert [r["shape"] for r in rows] == ["1x24", "3x24", "1x40", "3x40"] and len(calls) == 8
     for (q, scale), (ref_q, ref_scale) in zip(calls[0::2], calls[1::2]):
         assert torch.equal(q, ref_q) and torch.equal(scale, ref_scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_dense_int_mm_path_is_unchanged_through_the_kernel(monkeypatch: pytest.MonkeyPatch,
+                                                               dtype: torch.dtype) -> None:
+    """`Int8LinearMethod`'s ``torch._int_mm`` path (forced here, as on CUDA) with its per-token input quantized by the
+    kernel (``use_triton``, CUDA's default) against `quantize_int8_per_token`: the same output bits; the kernel is
+    asked once a call."""
+    from asyncllm.models.int8 import attach_int8_weight, quantize_int8_weight
+    from asyncllm.models.layers import TensorParallel
+    from asyncllm.models.linear import RowParallelLinear
+
+    calls = []
+    monkeypatch.setattr(int8_quant, "quantize_int8_per_token",
+                        lambda x: calls.append(x.shape) or quantize_int8_per_token(x))
+    w_q, w_scale = quantize_int8_weight(randn(48, 64, dtype=torch.float32, seed=11, scale=0.05))
+    layers = []
+    for use_triton in (True, False):
+        with torch.device(DEVICE):
+            layer = RowParallelLinear(64, 48, False, TensorParallel(), dtype)
+        method = attach_int8_weight(layer, w_q, w_scale, int_mm=True, use_triton=use_triton)
+        assert method.int_mm and method.use_triton is use_triton
+        layers.append(layer)
+    for rows in (1, 17):
+        x = randn(2, rows, 64, dtype=dtype, seed=rows, scale=2.0)
+        got, want = layers[0](x), layers[1](x)
+        assert got.shape == (2, rows, 48) and torch.equal(got, want)
+    assert calls == [(2, 64), (34, 64)]

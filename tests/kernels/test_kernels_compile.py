@@ -26,13 +26,27 @@ def test_kernels_compile_for_sm90() -> None:
 def test_fp8_store_ptx_rounds_in_float32_and_sets_the_sign_by_bits() -> None:
     """`_fp8.to_storage` for sm_90: the rounding's float32 add and subtract are kept, the sign is or-ed in as a bit
     (Triton 3.6 compiles a float ``-x`` as ``0.0 - x``, which is +0.0 for 0.0: a negative value that rounds to zero,
-    -0.0 among them, was stored as 0x00 where torch stores 0x80), and one conversion from float32, no float16 step."""
+    -0.0 among them, was stored as 0x00 where torch stores 0x80), and one conversion from float32, no float16 step.
+    With it, one more small compile: `int8_quant`'s rounding by the same trick, and its IEEE divisions."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).with_name("fp8_store_ptx.py")
     proc = subprocess.run([sys.executable, str(script), "90"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for fp8, ptx in zip(("e4m3", "e5m2"), proc.stdout.split("// fp8 ")[1:], strict=True):
+    fp8_ptx, int8_ptx = proc.stdout.split("// int8_quant\n")
+    for fp8, ptx in zip(("e4m3", "e5m2"), fp8_ptx.split("// fp8 ")[1:], strict=True):
         assert f"cvt.rn.satfinite.{fp8}x2.f32" in ptx and "cvt.rn.f16.f32" not in ptx, ptx
         assert re.search(r"\badd(\.rn)?\.f32", ptx) and re.search(r"\bsub(\.rn)?\.f32", ptx), ptx
         assert re.search(r"\band\.b32\s+%r\d+, %r\d+, -2147483648;", ptx), ptx
         assert "neg.f32" not in ptx and "0f00000000" not in ptx, ptx  # no float negation, as fneg or as 0.0 - x
+    _assert_int8_quant_rounds_by_the_magic_constant(int8_ptx)
+
+
+def _assert_int8_quant_rounds_by_the_magic_constant(ptx: str) -> None:
+    """`int8_quant`'s ``(v + 1.5 * 2**23) - 1.5 * 2**23`` (0f4B400000) kept as two float32 additions, the second on the
+    first's result (the subtraction as an addition of 0fCB400000, or a ``sub``), and its divisions IEEE
+    (``div.rn.f32``: the scale and the quotient), none approximate."""
+    rounded = re.search(r"\badd(?:\.rn)?\.f32\s+(%r\d+), %r\d+, 0f4B400000;", ptx)
+    assert rounded, ptx
+    back = rf"\b(add(\.rn)?\.f32\s+%r\d+, {rounded[1]}, 0fCB400000|sub(\.rn)?\.f32\s+%r\d+, {rounded[1]}, 0f4B400000);"
+    assert re.search(back, ptx), ptx
+    assert ptx.count("div.rn.f32") == 2 and not re.search(r"\bdiv\.(approx|full)\.f32|\brcp\.approx", ptx), ptx
