@@ -5,7 +5,8 @@ types (float8_e4m3fn: ``tl.float8e4nv``, float8_e5m2: ``tl.float8e5``) it first
 rounds x in float32 to the nearest fp8 value (ties to even) and saturates at the
 largest finite one, so the cast that follows is exact on every target and equals
 torch's ``x.clamp(-max, max).to(dtype)`` (`asyncllm.kernels.reference.write_kv_cache`)
-bit for bit, as vLLM's saturating conversion. Rounding first matters for Triton's
+bit for bit for finite and infinite values (a NaN is stored as a NaN, its bits the target's), as vLLM's
+saturating conversion. Rounding first matters for Triton's
 CPU interpreter, whose fp8 downcast rounds half up and drops the carry into the
 exponent (1.94 becomes 1.0); on a GPU the rounding is a few float32 operations
 per stored element, and the hardware cast then has nothing left to round.

@@ -5,8 +5,11 @@
 rounded half to even, as int8. Grid: one program a row, walking K in blocks of at most `MAX_BLOCK` columns twice
 (the row's largest magnitude, then its values). Divisions are IEEE (``div_rn``) and the rounding is float32's own
 nearest-even addition (``(v + 1.5 * 2**23) - 1.5 * 2**23``, exact for ``|v| <= 128``), so the result equals
-`reference.quantize_int8_per_token` (`asyncllm.models.int8`'s, the dense W8A8 layers') bit for bit on finite
-inputs, in one launch where the torch function takes about ten ops. No host sync: it runs inside CUDA graphs.
+`reference.quantize_int8_per_token` (`asyncllm.models.int8`'s, the dense W8A8 layers') bit for bit, in one launch
+where the torch function takes about ten ops. Non-finite rows as torch's: a NaN makes the row's scale NaN and its
+values 0; an inf makes the scale inf, the inf itself 0 (inf / inf) and the rest 0 (a NaN would otherwise vanish
+into a finite scale: `tl.maximum` and `tl.max` skip NaN unless told). Under the interpreter bf16 subnormals load
+wrong (Triton 3.9's numpy path), so its tests draw none. No host sync: it runs inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -36,14 +39,16 @@ def _quantize_int8_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, K, BLOCK: tl.
     amax = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_row + k0 + lanes, mask=k0 + lanes < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.max(amax, axis=0), HALF_RANGE)
+        amax = tl.maximum(amax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+    scale = tl.math.div_rn(tl.max(amax, axis=0), HALF_RANGE)  # tl.max skips NaN: a NaN row's scale is set below
     scale = tl.where(scale == 0.0, EPS, scale)
+    scale = tl.where(tl.sum((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), scale)
     for k0 in range(0, K, BLOCK):
         mask = k0 + lanes < K
         x = tl.load(x_row + k0 + lanes, mask=mask, other=0.0).to(tl.float32)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), Q_MIN), Q_MAX)
-        q = (v + ROUNDER) - ROUNDER
+        v = tl.math.div_rn(x, scale)
+        v = tl.minimum(tl.maximum(v, Q_MIN, propagate_nan=tl.PropagateNan.ALL), Q_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.where(v != v, 0.0, (v + ROUNDER) - ROUNDER)  # NaN (a NaN row, inf / inf) is 0, as torch's cast
         tl.store(q_ptr + row * q_stride + k0 + lanes, q.to(tl.int8), mask=mask)
     tl.store(s_ptr + row, scale)
 

@@ -48,6 +48,20 @@ def test_quantize_int8_per_token_rounds_half_to_even() -> None:
     assert q.tolist() == [[127, 0, 2, 2, 0, -2, -4, 0, 126]]
 
 
+def test_non_finite_rows_as_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN (here in a row's second block) makes its row's scale NaN and its values 0; an inf makes the scale inf and every
+    value 0 (inf / inf is NaN, cast to 0): torch's results, not a finite scale that hides the NaN."""
+    monkeypatch.setattr(int8_quant, "MAX_BLOCK", 2)
+    x = torch.tensor([[3.0, 1.0, -2.0, float("nan")], [1.0, float("inf"), -1.0, 0.5], [1.0, 2.0, -4.0, 0.5]],
+                     device=DEVICE)
+    q, scale = quantize_int8_per_token(x)
+    ref_q, ref_scale = reference.quantize_int8_per_token(x.cpu())
+    assert torch.isnan(scale[0]).all() and torch.isnan(ref_scale[0]).all()
+    assert float(scale[1]) == float(ref_scale[1]) == float("inf")
+    assert not q[:2].any() and torch.equal(q.cpu(), ref_q)
+    assert torch.equal(scale[2:].cpu(), ref_scale[2:])
+
+
 def test_quantize_int8_per_token_over_several_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows wider than a program's block (`MAX_BLOCK` lowered to 16: 300 columns in 19 blocks, the last partial), the
     largest magnitude in the last block, rows read through a stride."""
