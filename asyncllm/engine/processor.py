@@ -211,7 +211,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             if death is not None:
                 self.ready.set_exception(death)
                 return False
-            lost = self._lost_connection(dealer)
+            lost = self._lost_connection(dealer, " while starting")
             if lost is not None:
                 self.ready.set_exception(lost)
                 return False
@@ -279,8 +279,9 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 self._fail_all(None)
                 return False
 
-    def _lost_connection(self, dealer: zmq.Socket) -> BaseException | None:
-        """The error that ends the engine if the connection to the core broke (the core's last word first)."""
+    def _lost_connection(self, dealer: zmq.Socket, when: str = "") -> BaseException | None:
+        """The error that ends the engine if the connection to the core broke (the core's last word first; `when`:
+        " while starting")."""
         assert self._watch is not None
         reason = self._watch.lost()
         if reason is None:
@@ -290,8 +291,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             if isinstance(message, protocol.EngineFailed):
                 return error_from(message)
         if self._core is not None:  # the kernel closes a dead core's socket a moment before its exit status is known
-            return self._core.death(wait_s=_EXIT_STATUS_WAIT_S) or errors.EngineDeadError(
-                f"the connection to the engine core (pid {self._core.pid}) closed while the process still runs "
+            return self._core.death(when, wait_s=_EXIT_STATUS_WAIT_S) or errors.EngineDeadError(
+                f"the connection to the engine core (pid {self._core.pid}) closed{when} while the process still runs "
                 f"(engine address {self._address})")
         return errors.EngineDeadError(f"{reason} (engine address {self._address})")
 

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import stat
 from collections.abc import Callable
 from types import FrameType
 
@@ -22,6 +23,7 @@ from asyncllm.engine.core import EngineCore, _setup_logging
 from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.prepare import prepare
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.procutil import report_crashes
 
 logger = logging.getLogger("asyncllm.engine.core")
 
@@ -38,6 +40,7 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
         raise NotBuiltError("data_parallel_size", config.data_parallel_size,
                             "data parallelism in a standalone engine core (`asyncllm engine`)")
     _setup_logging()
+    report_crashes()
     prepared = prepare(config)  # resolve the model folder and max_model_len as a host would
     config = prepared.config
     socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)
@@ -70,20 +73,32 @@ def _claim_socket(socket_path: str) -> None:
     parent = os.path.dirname(os.path.abspath(socket_path))
     if not os.path.isdir(parent):
         os.makedirs(parent, mode=0o700)
-    if os.path.exists(socket_path) and not _listening(socket_path):
-        os.unlink(socket_path)  # a core that was killed left its socket behind: binding would fail
-    elif os.path.exists(socket_path):
-        raise ConfigError("address", f"ipc://{socket_path}", "a free address: an engine core already serves there")
+    try:
+        mode = os.lstat(socket_path).st_mode
+    except FileNotFoundError:
+        return
+    address = f"ipc://{socket_path}"
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError("address", address, "a socket path: something that is not a socket is there")
+    if _listening(socket_path, address):
+        raise ConfigError("address", address, "a free address: an engine core already serves there")
+    os.unlink(socket_path)  # a core that was killed left its socket behind: binding would fail
 
 
-def _listening(socket_path: str) -> bool:
+def _listening(socket_path: str, address: str) -> bool:
     """Whether a process listens on the Unix socket: the kernel accepts or refuses the connection itself, so a live
-    core whose CPU is starved still counts (a handshake with a deadline would have called it dead)."""
+    core whose CPU is starved still counts (a handshake with a deadline would have called it dead); a full backlog
+    (a stopped core) blocks the connect: listening too."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
         try:
             probe.connect(socket_path)
         except (ConnectionRefusedError, FileNotFoundError):
             return False
+        except (BlockingIOError, TimeoutError):
+            return True
+        except PermissionError:
+            raise ConfigError("address", address, "a socket this user may connect to (another user's is there)") from None
     return True
 
 

@@ -179,7 +179,7 @@ class OutputPlaceholders:
         return False
 
 
-def _advance(record: StepRows, rows: RequestRows, placeholders: bool = True, max_seq_len: int = 2**62) -> None:
+def _advance(record: StepRows, rows: RequestRows, placeholders: bool, max_seq_len: int) -> None:
     """Count the step's tokens as computed and a placeholder where it samples (unless ``placeholders`` is
     False), for its requests still running. None where the known tokens fill `max_seq_len` (a pooling prompt
     of max_model_len): that sampled token ends the request, and a decode after it would have no KV position.

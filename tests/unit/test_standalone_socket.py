@@ -1,4 +1,5 @@
-"""`asyncllm engine` claiming its Unix socket: a leftover file of a killed core is removed, a live core's refused.
+"""`asyncllm engine` claiming its Unix socket: a leftover socket of a killed core is removed; a live core's, or a file
+that is not a socket, stops the start.
 
 A listening socket is told by the kernel accepting the connection, not by a handshake with a deadline, so a live core
 whose CPU is starved (or stopped, here) still owns its address."""
@@ -43,3 +44,11 @@ def test_a_missing_folder_is_created_private(tmp_path: Path) -> None:
     path = tmp_path / "run" / "core.sock"
     _claim_socket(str(path))
     assert (os.stat(path.parent).st_mode & 0o777) == 0o700 and not path.exists()
+
+
+def test_a_file_that_is_not_a_socket_is_never_removed(tmp_path: Path) -> None:
+    path = tmp_path / "core.sock"
+    path.write_text("precious")
+    with pytest.raises(ConfigError, match="not a socket"):
+        _claim_socket(str(path))
+    assert path.read_text() == "precious"
