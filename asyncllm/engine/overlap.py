@@ -5,10 +5,6 @@ One call of `OverlappedSteps.step`, in the steady state: schedule step N+1
 submit it to the workers, then collect step N, apply it and send its outputs.
 The workers go from step N to step N+1 without waiting for the core, and the
 core's scheduling, output handling and host messages run while they compute.
-Step N's outputs go to the hosts right after step N+2 is submitted (the next
-call), not before it is scheduled: handing a message to the I/O thread costs
-a GIL round trip (0.1-0.2 ms on a busy 2-core machine), which would otherwise
-lie between step N's output and the workers' step N+2 (docs/benchmarks.md).
 At most one step runs ahead; with pipeline micro-batches (P stages), P - 1
 (each of disjoint requests: asyncllm/sched/placeholders.py).
 
@@ -46,9 +42,6 @@ class OverlappedSteps:
         """Steps submitted and not collected at most: one running ahead, or one per pipeline stage."""
         self.num_sync_steps = 0
         """Steps scheduled after collecting the one in flight (structured output, possible preemption)."""
-        self.unsent: _Outputs | None = None
-        """A collected step's outputs, sent after the next submit; only while a step is in flight (the core's next
-        iteration calls `step` or `drain` at once, both send them)."""
 
     @property
     def in_flight(self) -> bool:
@@ -57,48 +50,33 @@ class OverlappedSteps:
     def step(self, outputs: _Outputs, changed: bool) -> None:
         """Schedule and submit one step, collect the previous one; `outputs` (timeouts) go out with its results."""
         core = self.core
-        unsent, self.unsent = self.unsent, None
-        collected = ran_ahead = False
+        collected = False
         try:
             if self.in_flight and (core.structured.matchers or self.placeholders.may_preempt()):
-                if unsent is not None:  # before waiting for the step in flight (the workers have it)
-                    core.send_outputs(unsent)
-                    unsent = None
                 while self.in_flight:
                     outputs = outputs + self._collect()
                 collected = True
                 self.num_sync_steps += 1
             sched_out = core.scheduler.schedule()
             if not (sched_out.total_num_scheduled_tokens or sched_out.finished_req_ids or sched_out.preempted_req_ids):
-                if unsent is not None:
-                    outputs, changed = unsent + outputs, True
                 self._idle_step(outputs, changed or collected)
                 return
             if core.structured.matchers:
                 sched_out.grammar_bitmask = core.structured.grammar_bitmask(sched_out, core.scheduler.requests)
             self.placeholders.advance(sched_out)
             core.executor.submit(sched_out)
-            if unsent is not None:  # the last call's outputs, now that the workers have their next step
-                core.send_outputs(unsent)
-                unsent = None
             if len(self.placeholders) >= self.max_in_flight:
                 outputs = outputs + self._collect()
-                collected = ran_ahead = True
+                collected = True
         except errors.EngineDeadError as exc:  # the steps in flight are lost: their requests are recomputed
             self.placeholders.discard_all()
             core.recover_workers(exc)
             collected = True  # the hosts' stats changed (requests went back to waiting)
-        if unsent is not None:  # a failure before the submit: they go first
-            outputs, collected = unsent + outputs, True
-        if ran_ahead and self.in_flight:  # (a failure leaves none in flight)
-            self.unsent = outputs  # sent after the next submit
-        elif outputs or changed or collected:
+        if outputs or changed or collected:
             core.send_outputs(outputs)
 
     def drain(self, outputs: _Outputs) -> None:
         """Collect every step in flight and send its outputs (nothing is left to schedule)."""
-        if self.unsent is not None:
-            outputs, self.unsent = self.unsent + outputs, None
         try:
             while self.in_flight:
                 outputs = outputs + self._collect()

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections import deque
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from asyncllm.workers.executor import Executor
 
 from asyncllm.config import EngineConfig
 from asyncllm.engine.overlap import OverlappedSteps
@@ -23,6 +21,7 @@ from asyncllm.protocol import ModelRunnerOutput, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.sched.request import Request
 from asyncllm.sched.scheduler import Scheduler
+from asyncllm.workers.executor import Executor
 
 _GATE_ENV = "ASYNCLLM_TEST_OVERLAP_GATE"
 
@@ -145,38 +144,3 @@ def test_submitted_steps_come_back_in_order(tmp_path: Path, monkeypatch: pytest.
             executor.execute_model(SchedulerOutput(4, [], [], {"a": 1}, 1))
         assert executor.collect().step_id == 3
         assert executor.execute_model(SchedulerOutput(5, [], [], {"a": 2}, 2)).sampled_token_ids == [[5102]]
-
-
-class InlineExecutor:
-    """Runs each step at its submission (GatedRunner's tokens) and logs submits and collects into ``events``."""
-
-    def __init__(self, events: list[str]) -> None:
-        self.events, self.pending = events, deque()
-
-    def submit(self, sched_out: SchedulerOutput) -> None:
-        self.events.append(f"submit {sched_out.step_id}")
-        self.pending.append(sched_out)
-
-    def collect(self) -> ModelRunnerOutput:
-        sched_out = self.pending.popleft()
-        self.events.append(f"collect {sched_out.step_id}")
-        req_ids = list(sched_out.num_scheduled_tokens)
-        base = 1000 * sched_out.step_id + 100
-        return ModelRunnerOutput(sched_out.step_id, req_ids, [[base + sched_out.num_scheduled_tokens[r]] for r in req_ids])
-
-
-def test_a_collected_steps_outputs_go_out_after_the_next_submit() -> None:
-    """Step N's outputs leave after step N+2 is submitted (off the path from step N's output to the workers' next
-    step), and the last ones when the core drains; no token is lost or reordered."""
-    config = make_config()
-    scheduler = Scheduler(config, 16, config.max_model_len)
-    events: list[str] = []
-    core = _fake_core(scheduler, InlineExecutor(events))  # type: ignore[arg-type]
-    core.send_outputs = lambda outputs: events.append(f"send {[d.new_token_ids for _, d in outputs]}")
-    overlap = OverlappedSteps(core)  # type: ignore[arg-type]
-    scheduler.add_request(Request("a", [5, 6], SamplingParams(max_tokens=3), [0], 0.0))
-    while scheduler.has_unfinished_requests():
-        overlap.step([], False)
-    overlap.drain([])
-    assert events == ["submit 0", "submit 1", "collect 0", "submit 2", "send [[102]]", "collect 1", "submit 3",
-                      "send [[1101]]", "collect 2", "collect 3", "send [[2101]]"]  # step 3's token: past max_tokens
