@@ -32,6 +32,7 @@ from starlette.responses import Response, StreamingResponse
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt
 from asyncllm.errors import InvalidRequestError, check_context_length
+from asyncllm.integrations.openai_http import SSE_HEADERS
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -90,6 +91,7 @@ def check_beam_search_request(req: CompletionRequest | ChatCompletionRequest) ->
         ]
     else:
         refusals += [
+            (req.echo, "echo", "not built"),
             (bool(req.tools), "tools", "tool calling is not built"),
             (req.tool_choice not in (None, "none"), "tool_choice", "tool calling is not built"),
             (req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs: true"),
@@ -152,8 +154,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     meta = {"id": response_id("chatcmpl" if chat else "cmpl", req),
             "object": kind + ".chunk" if chat and req.stream else kind, "created": int(time.time()), "model": model}
     if req.stream:
-        return StreamingResponse(_sse(req, choices, deltas, meta), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(_sse(req, choices, deltas, meta), media_type="text/event-stream", headers=SSE_HEADERS)
     for prompt_index, delta in deltas:
         choices.add(prompt_index, delta)
     body = {**meta, "choices": choices.final_choices(), "usage": choices.usage()}
@@ -225,7 +226,8 @@ async def _sse(req: CompletionRequest | ChatCompletionRequest, choices: Choices,
         "continuous" if options.continuous_usage_stats else "last")
 
     def chunk(choice: dict[str, Any]) -> bytes:
-        extra = {} if usage == "none" else {"usage": choices.usage() if usage == "continuous" else None}
+        extra = {} if usage == "none" else {
+            "usage": choices.choice_usage(choice["index"]) if usage == "continuous" else None}
         return sse_event({**meta, "choices": [choice], **extra})
 
     if choices.chat:

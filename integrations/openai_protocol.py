@@ -160,7 +160,8 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     """OpenAI's (vLLM's values): passed to the chat template as ``reasoning_effort`` (gpt-oss's template reads it; a
     ``chat_template_kwargs`` key of that name wins)."""
     include_reasoning: bool = True
-    """vLLM's: false leaves the reasoning parser's ``reasoning`` out of the reply (streamed and not)."""
+    """vLLM's: false leaves the reasoning parser's ``reasoning`` out of the reply (streamed and not), and with it the
+    choices' ``logprobs`` and ``token_ids``, which would show it."""
     echo: bool = False
     """vLLM's: the reply's content starts with the last message's when that message's role is the reply's
     (`chat_echo`); streamed, in a chunk of its own after the role."""

@@ -73,7 +73,7 @@ class Choices:
         self.return_prompt_logprobs = return_prompt_logprobs
         """vLLM's ``prompt_logprobs`` field: on each completion choice, at the top of a chat response."""
         self.include_reasoning = include_reasoning
-        """Chat (vLLM's ``include_reasoning``): false leaves the ``reasoning`` deltas out."""
+        """Chat (vLLM's ``include_reasoning``): false leaves the ``reasoning`` deltas out (and `hides_metadata`)."""
         self.return_token_ids = return_token_ids
         """vLLM's: ``token_ids`` on each choice, ``prompt_token_ids`` on each completion choice (chat: at the top)."""
         self.prompt_token_ids: list[list[int] | None] = [None] * num_prompts
@@ -82,6 +82,8 @@ class Choices:
         """Chat (vLLM's ``echo``): the text each choice's content starts with (the last message's); "" for none."""
         self.chat_role = chat_role
         """Chat: the reply's role (vLLM's: the last message's with ``add_generation_prompt`` false, `chat_role`)."""
+        self.hides_metadata = chat and not include_reasoning and reasoning is not None
+        """vLLM's: hidden reasoning leaves out the choices' ``logprobs`` and ``token_ids`` too (they would show it)."""
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""
@@ -99,7 +101,7 @@ class Choices:
         if delta.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
         logprobs = None
-        if self.top_logprobs is not None and delta.logprobs is not None:
+        if self.top_logprobs is not None and delta.logprobs is not None and not self.hides_metadata:
             choice.token_ids.extend(delta.token_ids)
             choice.logprobs.extend(delta.logprobs)
             logprobs = self._format_logprobs(choice, delta.token_ids, delta.logprobs)
@@ -111,6 +113,8 @@ class Choices:
         ``prompt_token_ids`` (a chat's are at the top of its first chunks)."""
         if not self.return_token_ids:
             return {}
+        if self.hides_metadata:
+            return {"token_ids": None}
         fields: dict[str, Any] = {"token_ids": [] if self.echo_only else list(token_ids)}
         choice = self._choices[index]
         if not self.chat and not choice.sent_prompt_ids:
@@ -156,19 +160,23 @@ class Choices:
     def usage(self) -> dict[str, int]:
         return usage(sum(self.prompt_tokens), sum(c.num_tokens for c in self._choices))
 
+    def choice_usage(self, index: int) -> dict[str, int]:
+        """vLLM's ``continuous_usage_stats`` on a chunk of choice `index`: its prompt's tokens, its own so far."""
+        return usage(self.prompt_tokens[index // self.n], self._choices[index].num_tokens)
+
     def final_choices(self) -> list[dict[str, Any]]:
         """The `choices` of a non-streaming response."""
         out = []
         for index, choice in enumerate(self._choices):
             text = "".join(choice.text)
             logprobs = None
-            if self.top_logprobs is not None:
+            if self.top_logprobs is not None and not self.hides_metadata:
                 choice.text_offset = 0
                 logprobs = self._format_logprobs(choice, choice.token_ids, choice.logprobs)
             out.append(self._chat_choice(index, choice, text, logprobs) if self.chat else
                        self._completion_choice(index, choice, text, logprobs))
             if self.return_token_ids:
-                out[-1]["token_ids"] = choice.output_token_ids
+                out[-1]["token_ids"] = None if self.hides_metadata else choice.output_token_ids
         return out
 
     def _chat_choice(self, index: int, choice: _Choice, text: str, logprobs: Any) -> dict[str, Any]:
@@ -277,7 +285,8 @@ def _finite(logprob: float) -> float:
 
 def chat_stream_choices(choices: Choices, index: int, delta: Any, logprobs: Any) -> list[dict[str, Any]]:
     """The chunks' choices of one delta of a chat: one per OpenAI delta (content, a tool call), logprobs on the
-    first (and vLLM's ``token_ids``), the finish_reason on the last; none when there is nothing to send."""
+    first (and vLLM's ``token_ids``), the finish_reason on the last; none when there is nothing to send (as for a
+    hidden reasoning token: `Choices.hides_metadata`)."""
     parts, finish_reason = choices.chat_deltas(index, delta.text, delta.finish_reason)
     token_ids = choices.stream_token_ids(index, delta.token_ids)  # vLLM's return_token_ids: sent even with no text
     if not parts and finish_reason is None and logprobs is None and not token_ids.get("token_ids"):

@@ -145,10 +145,11 @@ def check_common(req: GenerationRequest) -> None:
     _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",  # {}: as vLLM
             "Stream options can only be defined when stream=True")
     _refuse(req.spaces_between_special_tokens is not None, "spaces_between_special_tokens",
-            "is not built: transformers' tokenizers (fast and slow) decode without such an option, so the text "
-            "around special tokens is always the tokenizer's own")
+            "is not built: asyncllm's detokenizer has no such option (it would need the field carried to each "
+            "request's detokenizer and a decode of its own that joins special tokens with or without spaces, as "
+            "transformers 4's slow tokenizers do; transformers 5's tokenizers, fast and slow, decode without it), "
+            "so the text around special tokens is the tokenizer's own")
     chat = isinstance(req, ChatCompletionRequest)
-    _refuse(chat and req.echo and req.use_beam_search, "echo", "is not built with use_beam_search")
     _refuse(req.add_special_tokens not in (None, not chat), "add_special_tokens",
             f"only its default ({str(not chat).lower()} here) is built")
 

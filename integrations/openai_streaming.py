@@ -97,10 +97,11 @@ async def _echo(choices: Choices, streams: list[RequestStream], prompts: list[st
 async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any], choices: Choices,
                meta: dict[str, Any], usage: str, echoed: Echoed) -> AsyncIterator[bytes]:
     """The chunks; `usage` is "none", "last" (a final usage chunk, null in the others) or "continuous"
-    (vLLM's continuous_usage_stats: every chunk has the usage so far, then the final chunk)."""
+    (vLLM's continuous_usage_stats: every chunk has its choice's usage so far, then the final chunk the request's)."""
 
     def chunk(choice: dict[str, Any], top: dict[str, Any] | None = None) -> bytes:
-        extra = {} if usage == "none" else {"usage": choices.usage() if usage == "continuous" else None}
+        extra = {} if usage == "none" else {
+            "usage": choices.choice_usage(choice["index"]) if usage == "continuous" else None}
         return sse_event({**meta, **(top or {}), "choices": [choice], **extra})
 
     try:

@@ -188,23 +188,59 @@ async def test_request_id_and_return_token_ids(app, bundled_tokenizer) -> None:
 
 
 async def test_include_reasoning_false_drops_it(bundled_engine) -> None:
+    """As vLLM's: hidden reasoning takes the choices' logprobs and token_ids with it (they would show it), streamed
+    and not, and a hidden reasoning token sends no chunk."""
     app = create_app(bundled_engine, manage_engine=False, reasoning_parser="deepseek_r1")
     body = {**CHAT, "max_tokens": 4}  # no </think> in 4 tokens: all of it is reasoning
+    metadata = {"logprobs": True, "return_token_ids": True}
     async with asgi_client(app) as client:
-        shown = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
-        hidden = (await client.post("/v1/chat/completions", json={**body, "include_reasoning": False})).json()
-        stream, with_logprobs = [sse_events((await client.post("/v1/chat/completions", json={
-            **body, "include_reasoning": False, "stream": True, **extra})).text) for extra in ({}, {"logprobs": True})]
+        shown = (await client.post("/v1/chat/completions", json={**body, **metadata})).json()
+        hidden = (await client.post("/v1/chat/completions",
+                                    json={**body, **metadata, "include_reasoning": False})).json()
+        stream, with_metadata = [sse_events((await client.post("/v1/chat/completions", json={
+            **body, "include_reasoning": False, "stream": True, **extra})).text) for extra in ({}, metadata)]
         beams = [(await client.post("/v1/chat/completions", json={**body, "use_beam_search": True, **extra})).json()
                  for extra in ({}, {"include_reasoning": False})]
-    assert shown["reasoning"]
-    assert "reasoning" not in hidden["choices"][0]["message"] and hidden["usage"]["completion_tokens"] == 4
-    assert not any("reasoning" in e["choices"][0]["delta"] for e in stream + with_logprobs)
-    assert [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in stream] == [
-        ({"role": "assistant", "content": ""}, None), ({}, "length")]  # no empty chunk per reasoning token
-    assert [e["choices"][0]["logprobs"] is not None for e in with_logprobs] == [False] + [True] * 4  # theirs kept
+    choice = shown["choices"][0]
+    assert choice["message"]["reasoning"] and len(choice["logprobs"]["content"]) == len(choice["token_ids"]) == 4
+    choice = hidden["choices"][0]
+    assert "reasoning" not in choice["message"] and hidden["usage"]["completion_tokens"] == 4
+    assert (choice["logprobs"], choice["token_ids"]) == (None, None)
+    assert len(hidden["prompt_token_ids"]) == hidden["usage"]["prompt_tokens"]  # the prompt's ids show no reasoning
+    for events in (stream, with_metadata):  # no chunk per reasoning token
+        assert [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in events] == [
+            ({"role": "assistant", "content": ""}, None), ({}, "length")]
+    assert [(e["choices"][0]["logprobs"], e["choices"][0].get("token_ids", "absent")) for e in with_metadata] == [
+        (None, "absent"), (None, None)]
     assert beams[0]["choices"][0]["message"]["reasoning"]
     assert "reasoning" not in beams[1]["choices"][0]["message"], beams[1]
+
+
+async def test_continuous_usage_stats_are_per_choice(app, bundled_tokenizer) -> None:
+    """As vLLM's: a chunk's usage is its choice's prompt's tokens and that choice's completion tokens so far (n=2,
+    two prompts of different lengths); the final chunk has the request's."""
+    options = {"stream": True, "n": 2, "max_tokens": 3, "return_token_ids": True,
+               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    prompts = ["x", "def add(a, b):"]
+    async with asgi_client(app) as client:
+        completion = sse_events((await client.post("/v1/completions", json={**GREEDY, **options,
+                                                                             "prompt": prompts})).text)
+        chat = sse_events((await client.post("/v1/chat/completions", json={**GREEDY, **options, "messages": [
+            {"role": "user", "content": "hi"}]})).text)
+    prompt_tokens = [len(bundled_tokenizer(prompt).input_ids) for prompt in prompts]
+    chat_prompt_tokens = chat[-1]["usage"]["prompt_tokens"]
+    for events, prompt_of in ((completion, lambda i: prompt_tokens[i // 2]), (chat, lambda i: chat_prompt_tokens)):
+        generated = [0] * (4 if events is completion else 2)
+        for event in events[:-1]:
+            [choice] = event["choices"]
+            generated[choice["index"]] += len(choice.get("token_ids") or [])
+            assert event["usage"] == {"prompt_tokens": prompt_of(choice["index"]),
+                                      "completion_tokens": generated[choice["index"]],
+                                      "total_tokens": prompt_of(choice["index"]) + generated[choice["index"]]}
+        assert generated == [3] * len(generated) and events[-1]["choices"] == []
+        prompts_total = sum(prompt_tokens) if events is completion else chat_prompt_tokens
+        assert events[-1]["usage"]["completion_tokens"] == 3 * len(generated) and (
+            events[-1]["usage"]["prompt_tokens"] == prompts_total)
 
 
 async def test_return_token_ids_streamed_as_vllm(app, bundled_tokenizer) -> None:
@@ -258,19 +294,20 @@ async def test_request_id_headers(bundled_engine) -> None:
     assert "x-request-id" not in off.headers
 
 
-async def test_spaces_between_special_tokens_is_refused_because_tokenizers_ignore_it(app, bundled_tokenizer) -> None:
+async def test_spaces_between_special_tokens_is_refused_as_not_built(app, bundled_tokenizer) -> None:
     special = [i for i, token in bundled_tokenizer.added_tokens_decoder.items() if token.special][:2]
     ids = bundled_tokenizer("hi").input_ids + special + bundled_tokenizer("hi").input_ids + special
     decoded = {flag: bundled_tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=flag)
                for flag in (True, False)}
-    assert decoded[True] == decoded[False]  # once transformers honours it, build the field
+    assert decoded[True] == decoded[False]  # transformers 5 decodes without it: why the field was not built
     async with asgi_client(app) as client:
         refused = [await client.post(path, json={**body, "spaces_between_special_tokens": flag})
                    for path, body in (("/v1/completions", {**GREEDY, "prompt": "x"}), ("/v1/chat/completions", CHAT))
                    for flag in (True, False)]
     field = "spaces_between_special_tokens"
     assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [(400, field)] * 4
-    assert "transformers" in refused[0].json()["error"]["message"]
+    assert "asyncllm's detokenizer has no such option" in refused[0].json()["error"]["message"]
+    assert "transformers 5's tokenizers" in refused[0].json()["error"]["message"]
 
 
 async def test_chat_echo_puts_the_last_assistant_message_first(app) -> None:
