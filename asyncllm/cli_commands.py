@@ -59,6 +59,8 @@ def add_serve_parser(commands: Any) -> None:
                        help="a Jinja chat template (file or text) used instead of the tokenizer's")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name tokens 'token_id:N' instead of their text (vLLM's flag)")
+    serve.add_argument("--response-role", default="assistant",
+                       help="the role of chat replies to a generation prompt (vLLM's flag)")
     serve.add_argument("--enable-request-id-headers", action="store_true",
                        help="put X-Request-Id on every response: the request's own, else a random id (vLLM's flag)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
@@ -118,7 +120,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                          chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                          reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or (),
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                         enable_request_id_headers=args.enable_request_id_headers)
+                         enable_request_id_headers=args.enable_request_id_headers,
+                         response_role=args.response_role)
     except ConfigError as exc:
         parser.error(str(exc))
     print(f"[asyncllm] serving on http://{args.host}:{args.port}/v1", file=sys.stderr)

@@ -146,7 +146,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None,
                       token_ids_as_text=server.token_ids_as_text,
                       include_reasoning=not chat or req.include_reasoning,
-                      chat_role=chat_role(req) if chat else "assistant")
+                      chat_role=chat_role(req, server.response_role) if chat else "assistant")
     for prompt_index, ids in enumerate(prompts):
         choices.prompt_tokens[prompt_index] = len(ids)
     deltas = _deltas(prompts, outputs, req.n, top_logprobs is not None)

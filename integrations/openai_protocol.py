@@ -269,21 +269,21 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, A
 
 
 
-def chat_role(req: ChatCompletionRequest) -> str:
-    """The reply's role, as vLLM's ``get_chat_request_role``: the assistant's, or with add_generation_prompt false
-    the last message's (the turn the reply continues)."""
+def chat_role(req: ChatCompletionRequest, response_role: str = "assistant") -> str:
+    """The reply's role, as vLLM's ``get_chat_request_role``: `response_role` (the server's ``--response-role``), or
+    with add_generation_prompt false the last message's (the turn the reply continues)."""
     if req.add_generation_prompt or not req.messages:
-        return "assistant"
-    return req.messages[-1].get("role") or "assistant"
+        return response_role
+    return req.messages[-1].get("role") or response_role
 
 
-def chat_echo(req: ChatCompletionRequest) -> str:
+def chat_echo(req: ChatCompletionRequest, response_role: str = "assistant") -> str:
     """vLLM's chat ``echo``: the last message's text when its role is the reply's (`chat_role`), which the reply
     continues; "" otherwise."""
     if not req.echo or not req.messages:
         return ""
     last = req.messages[-1]
-    if last.get("role") != chat_role(req):
+    if last.get("role") != chat_role(req, response_role):
         return ""
     content = last.get("content") or ""
     if isinstance(content, list):  # parts: their texts, a line apart (as vLLM joins them)

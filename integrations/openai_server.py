@@ -88,7 +88,7 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
                tool_call_parser: str | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
                lora_modules: Sequence[LoRAModule] = (), return_tokens_as_token_ids: bool = False,
-               enable_request_id_headers: bool = False) -> Starlette:
+               enable_request_id_headers: bool = False, response_role: str = "assistant") -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
     `model_name` is the id clients pass as ``model`` (default: the model as
@@ -110,6 +110,7 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     routes that load and unload adapters while serving. `return_tokens_as_token_ids` names logprobs' tokens
     ``token_id:N`` instead of their text (vLLM's flag: for tokens that are not whole characters).
     `enable_request_id_headers` puts ``X-Request-Id`` on every response (vLLM's flag; `RequestIdHeaders`).
+    `response_role` is chat replies' role with a generation prompt (vLLM's ``--response-role``).
     """
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     check_parser_pair(parser, reasoning_parser)  # openai (gpt-oss's harmony) reads after openai_gptoss
@@ -123,7 +124,7 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     server = OpenAIServer(engine, names or [_served_name(engine.config.model)], api_key, limits or ServerLimits(),
                           parser, templates, get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
                           lora_modules=lora_modules, runtime_lora=envs.ALLOW_RUNTIME_LORA_UPDATING.get(),
-                          token_ids_as_text=return_tokens_as_token_ids)
+                          token_ids_as_text=return_tokens_as_token_ids, response_role=response_role)
     return server.app(manage_engine, enable_request_id_headers)
 
 
@@ -147,8 +148,10 @@ class OpenAIServer:
                  limits: ServerLimits, tool_parser: ToolParser | None = None,
                  templates: ChatTemplates = ChatTemplates(), reasoning: ReasoningParser | None = None, *,
                  lora_modules: Sequence[LoRAModule] = (), runtime_lora: bool = False,
-                 token_ids_as_text: bool = False) -> None:
+                 token_ids_as_text: bool = False, response_role: str = "assistant") -> None:
         self.engine = engine
+        self.response_role = response_role
+        """Chat replies' role with a generation prompt (vLLM's --response-role)."""
         self.token_ids_as_text = token_ids_as_text
         """Logprobs name tokens ``token_id:N`` (vLLM's --return-tokens-as-token-ids)."""
         self.reasoning = reasoning
@@ -325,7 +328,7 @@ class OpenAIServer:
                           token_ids_as_text=self.token_ids_as_text,
                           return_prompt_logprobs=req.prompt_logprobs is not None,
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
-                          chat_echo=chat_echo(req), chat_role=chat_role(req))
+                          chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role))
         return streams, choices
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,

@@ -346,3 +346,17 @@ async def test_reply_role_is_the_last_messages_without_a_generation_prompt(app) 
     assert plain["choices"][0]["message"]["role"] == "user"
     assert [chunks[0]["choices"][0]["delta"] for chunks in streams] == [{"role": "user", "content": ""}] * 2
     assert prompted["choices"][0]["message"]["role"] == "assistant"
+
+
+async def test_response_role_names_replies_to_a_generation_prompt(bundled_engine) -> None:
+    """vLLM's --response-role: the role of a reply to a generation prompt (here "user": the bundled template knows no
+    other roles), in the message, the streamed role chunk and beam search's; chat echo compares the last message's
+    role with it."""
+    async with asgi_client(create_app(bundled_engine, manage_engine=False, response_role="user")) as client:
+        plain = (await client.post("/v1/chat/completions", json=CHAT)).json()
+        streams = [sse_events((await client.post("/v1/chat/completions", json={**CHAT, "stream": True, **extra})).text)
+                   for extra in ({}, {"use_beam_search": True})]
+        echo = (await client.post("/v1/chat/completions", json={**CHAT, "echo": True})).json()
+    assert plain["choices"][0]["message"]["role"] == "user"
+    assert [chunks[0]["choices"][0]["delta"] for chunks in streams] == [{"role": "user", "content": ""}] * 2
+    assert echo["choices"][0]["message"]["content"].startswith("hi")
