@@ -29,7 +29,9 @@ and each fp8 tile product (float32 accumulation; upcast to float32 under the int
 columns) is scaled by its rows' group scales and its columns' block scales (group ``k0 // GROUP_K``) before it is
 added. ``BLOCK_K`` is ``bk`` up to 128 columns (one step per scale group, the block checkpoints' 128), else 128
 (`FP8_K_STEP`): a wider group (a multiple of 128, or all of K: per-row and per-tensor experts' one scale per row or
-block row) spans several steps. W8A8 int8 experts (compressed-tensors' ``*-quantized.w8a8``) take the same path with
+block row) spans several steps. Static activation scales (`reference.Fp8Experts`' ``w13_input_scale`` /
+``w2_input_scale``) take the same path: each input quantized with its product's one scale, a scales tensor of it
+for every token (no new constexpr). W8A8 int8 experts (compressed-tensors' ``*-quantized.w8a8``) take the same path with
 int8 weights (``FP8`` and ``INT8`` on): each input quantized to int8 per token in one Triton kernel
 (`int8_quant.quantize_int8_per_token`, bit for bit compressed-tensors' `reference.quantize_int8_per_token`), the int8
 tile products accumulated in int32 over all of K on int8 tensor cores (numpy's exact int32 ``matmul`` under the
@@ -61,7 +63,7 @@ from asyncllm.kernels.fused_moe_tiles import (block_rows, clamped_swiglu, gelu_t
                                                plus_bias, tile_product, relu_squared, silu_mul)
 from asyncllm.kernels.fused_moe_checks import FP8_K_STEP, INT8_MAX_K, check_args, check_bias, fp8_k_step
 from asyncllm.kernels.int8_quant import quantize_int8_per_token
-from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts, IntExperts, Mxfp4Experts
+from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts, IntExperts, Mxfp4Experts, static_quant_fp8
 from asyncllm.models.mxfp4 import MXFP4_GROUP
 
 __all__ = ["Alignment", "FP8_K_STEP", "INT8_MAX_K", "MoeConfig", "align_tokens", "fp8_k_step", "fused_moe",
@@ -324,7 +326,7 @@ def fused_moe(
     consts.update(INT_BITS=ints.bits if ints else 0, MXFP4=mxfp4 is not None,
                   GROUP_K=ints.group if ints else fp8.block[1] if fp8 else MXFP4_GROUP if mxfp4 else 1)
     scaled = fp8 or ints or mxfp4  # NamedTuples: true when given
-    a, a_s = _quantized(hidden, fp8, w13)
+    a, a_s = _quantized(hidden, fp8, w13, 0)
     w_s, w_z = _weight_scales(0, hidden, fp8, ints, mxfp4)
     g_idx = _g_idx(0, hidden, ints)
     act = (torch.zeros if fp8 else torch.empty)((num_pairs, inter), dtype=hidden.dtype, device=hidden.device)
@@ -337,7 +339,7 @@ def fused_moe(
         TOP_K=top_k, HAS_BIAS=w13_bias is not None, SWIGLU=swiglu is not None, GATED=activation != "relu2",
         GELU_TANH=activation == "gelu_tanh", G_IDX=g_idx is not hidden, **consts,
     )
-    a, a_s = _quantized(act, fp8, w13)
+    a, a_s = _quantized(act, fp8, w13, 1)
     w_s, w_z = _weight_scales(1, hidden, fp8, ints, mxfp4)
     g_idx = _g_idx(1, hidden, ints)
     out2 = out.view(num_pairs, h)
@@ -351,14 +353,19 @@ def fused_moe(
     return out.sum(dim=1)
 
 
-def _quantized(x: torch.Tensor, fp8: Fp8Experts | None, w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A product's input as the kernels read it, (values, scales): fp8 per token group, int8 per token for int8
-    experts (compressed-tensors' quantization, as the dense W8A8 layers', in one Triton kernel), or the input itself
-    (scales unread)."""
+def _quantized(x: torch.Tensor, fp8: Fp8Experts | None, w13: torch.Tensor,
+               which: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input of w13's (``which`` 0) or w2's (1) product as the kernels read it, (values, scales): fp8 per token
+    group, or with the product's static input scale (every token's scale that one: `reference.static_quant_fp8`,
+    torch ops, sync-free), int8 per token for int8 experts (compressed-tensors' quantization, as the dense W8A8
+    layers', in one Triton kernel), or the input itself (scales unread)."""
     if fp8 is None:
         return x, x
     if w13.dtype == torch.int8:
         return quantize_int8_per_token(x)
+    input_scale = fp8.w13_input_scale if which == 0 else fp8.w2_input_scale
+    if input_scale is not None:
+        return static_quant_fp8(x, input_scale)
     return per_token_group_quant_fp8(x, fp8.block[1])
 
 

@@ -117,6 +117,14 @@ def _check_fp8(fp8: Fp8Experts, w13: torch.Tensor, w2: torch.Tensor) -> None:
                                                    f"must cover all of K (at least {widest}); got {fp8.block}")
     check(w13.dtype != torch.int8 or widest <= INT8_MAX_K, f"int8 experts sum each product in int32: K (here "
                                                            f"{widest}) must be at most {INT8_MAX_K}")
+    for name, scale in (("w13_input_scale", fp8.w13_input_scale), ("w2_input_scale", fp8.w2_input_scale)):
+        check(scale is None or (scale.dtype == torch.float32 and scale.numel() == 1 and w13.dtype != torch.int8
+                                and bk >= widest),
+              f"{name} (a static activation scale) must be one float32 value, on fp8 experts whose block covers all "
+              f"of K (at least {widest}); got {None if scale is None else (scale.dtype, tuple(scale.shape))}, "
+              f"block {fp8.block}")
+        if scale is not None:
+            check_same_device(**{name: scale, "w13": w13})
     for name, scale, w in (("w13_scale", fp8.w13_scale, w13), ("w2_scale", fp8.w2_scale, w2)):
         shape = (w.shape[0], triton.cdiv(w.shape[1], bn), triton.cdiv(w.shape[2], bk))
         check(scale.dtype == torch.float32 and tuple(scale.shape) == shape and scale.stride(2) == 1,

@@ -15,7 +15,8 @@ docs/quantization.md, not from asyncllm's code:
   queries and outputs (docs/deepseek.md), so its input, the cached latent, is never quantized.
   A mixture of experts' experts (per expert in the checkpoint, stacked in transformers 5's model) likewise:
   the dequantized matrices stacked, each product's input fake-quantized per token group (per tensor: each
-  expert matrix dequantized with its own scalar, each input whole per token).
+  expert matrix dequantized with its own scalar, each input whole per token; with static scales, vLLM's one scale
+  per product: the largest ``input_scale`` of the layer's experts' gate and up matrices, and of their downs).
 """
 
 from __future__ import annotations
@@ -175,7 +176,8 @@ class Fp8Reference:
                 if expert is not None:
                     part = _EXPERT_PART.get(expert.group(3), expert.group(3))
                     experts = modules.get(expert.group(1)) or modules[expert.group(1).replace("block_sparse_moe", "mlp")]
-                    _set_expert(experts, int(expert.group(2)), part, weight, group)
+                    _set_expert(experts, int(expert.group(2)), part, weight, group,
+                                _expert_input_scales(tensors, expert.group(1)))
                     continue
                 linear = modules[name.removesuffix(".weight")]
                 linear.weight.copy_(weight)
@@ -197,15 +199,28 @@ _EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3
 _EXPERT_PART = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
-def _set_expert(experts, index: int, part: str, weight: torch.Tensor, group: int | None) -> None:
+def _expert_input_scales(tensors: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The static input scales of the experts ``prefix`` (``...experts``) as vLLM serves them: (the largest gate or
+    up ``input_scale``, the largest down one); None when the checkpoint has none."""
+    scales: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    for name, value in tensors.items():
+        match = _EXPERT.match(name.removesuffix("input_scale") + "weight")
+        if name.endswith(".input_scale") and match is not None and match.group(1) == prefix:
+            scales[match.group(3) in ("down_proj", "w2")].append(value)
+    return (torch.stack(scales[False]).max(), torch.stack(scales[True]).max()) if scales[True] else None
+
+
+def _set_expert(experts, index: int, part: str, weight: torch.Tensor, group: int | None,
+                static: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One expert's dequantized matrix into transformers' stacked ``gate_up_proj`` / ``down_proj``; the module then
-    computes with its products' inputs fake-quantized."""
+    computes with its products' inputs fake-quantized (per token, or with the ``static`` scales)."""
     if part == "down_proj":
         experts.down_proj[index].copy_(weight)
     else:
         inter = experts.gate_up_proj.shape[1] // 2
         experts.gate_up_proj[index, (0 if part == "gate_proj" else inter):][:inter].copy_(weight)
-    experts.forward = lambda hidden, ids, weights: _fp8_experts_forward(experts, hidden, ids, weights, group)
+    experts.forward = lambda hidden, ids, weights: _fp8_experts_forward(experts, hidden, ids, weights, group,
+                                                                        static=static)
 
 
 def routed_tokens(hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -217,16 +232,19 @@ def routed_tokens(hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 
 
 def _fp8_experts_forward(experts, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                         group: int | None, fake_quant=None) -> torch.Tensor:
+                         group: int | None, fake_quant=None,
+                         static: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """transformers' experts with each product's input fake-quantized: fp8 per token in groups of ``group`` (None:
-    whole), or by ``fake_quant`` (int8 W8A8 experts)."""
+    whole), or by ``fake_quant`` (int8 W8A8 experts), or fp8 with the ``static`` scales (gate/up's, down's)."""
     fake_quant = fake_quant or (lambda t: _group_fake_quant(t, group or t.shape[-1]))
+    quant_in, quant_act = (fake_quant, fake_quant) if static is None else (
+        lambda t: _static_fake_quant(t, static[0]), lambda t: _static_fake_quant(t, static[1]))
     out = torch.zeros_like(hidden)
-    x = fake_quant(hidden)
+    x = quant_in(hidden)
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
         gate, up = torch.nn.functional.linear(x[token], experts.gate_up_proj[e]).chunk(2, dim=-1)
-        act = fake_quant(experts.act_fn(gate) * up)
+        act = quant_act(experts.act_fn(gate) * up)
         out.index_add_(0, token, torch.nn.functional.linear(act, experts.down_proj[e]) * weights[token, slot, None])
     return out
 

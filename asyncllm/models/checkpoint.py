@@ -263,7 +263,8 @@ class Fp8CheckpointConfig:
     unquantized (transformers' rule)."""
     static_input: bool = False
     """``activation_scheme == "static"``: each layer's activations quantized with the checkpoint's per-tensor
-    ``input_scale`` (a fused layer's largest); False: dynamic, per token (per token group when block-wise)."""
+    ``input_scale`` (a fused layer's largest; per-tensor experts: each product's largest over the experts);
+    False: dynamic, per token (per token group when block-wise)."""
 
     def is_ignored(self, checkpoint_name: str) -> bool:
         return any(entry in checkpoint_name for entry in self.ignored_layers)
@@ -272,8 +273,8 @@ class Fp8CheckpointConfig:
 def prequantized_fp8_config(hf_config: Any, model: str, quantization: str | None) -> Fp8CheckpointConfig | None:
     """What a pre-quantized checkpoint asks for: None for a float checkpoint, the `Fp8CheckpointConfig` of an
     ``"fp8"`` one (served with ``quantization`` None, "use the checkpoint's method", or "fp8"); `NotBuiltError`
-    for other methods, static activation scales over block-wise weights, experts or latent attention, and fp8
-    mixture-of-experts or multimodal models."""
+    for other methods, static activation scales over block-wise weights or latent attention, and fp8
+    mixture-of-experts models with fused experts or multimodal models."""
     method = checkpoint_quantization(hf_config)
     if method is None:
         return None
@@ -357,18 +358,15 @@ def _static_input(scheme: Any, block: tuple[int, int] | None, model: str) -> boo
 
 
 def _refuse_static_input(hf_config: Any, model: str, cfg: Fp8CheckpointConfig) -> None:
-    """`NotBuiltError` for static activation scales on a mixture-of-experts model, or on a latent-attention model
-    (``kv_b_proj``'s matrix is read through the layer's product with the identity, which a static scale rounds)."""
-    from asyncllm.models.architectures import architecture_of, has_experts
+    """`NotBuiltError` for static activation scales on a latent-attention model (``kv_b_proj``'s matrix is read
+    through the layer's product with the identity, which a static scale rounds). Per-tensor experts take them
+    (asyncllm/models/fp8_experts.py)."""
+    from asyncllm.models.architectures import architecture_of
 
-    if not cfg.static_input:
-        return
-    arch = architecture_of(hf_config)
-    where = f"a mixture of experts ({arch}, its experts ignored or not)" if has_experts(hf_config, arch) else \
-        f"the latent attention of {arch} (its kv_b_proj is absorbed)" if getattr(hf_config, "kv_lora_rank", 0) else ""
-    if where:
-        raise NotBuiltError("model", model, f"static fp8 activation scales (activation_scheme='static') on {where}: "
-                                            "served for dense layers only")
+    if cfg.static_input and getattr(hf_config, "kv_lora_rank", 0):
+        raise NotBuiltError("model", model, f"static fp8 activation scales (activation_scheme='static') on the "
+                                            f"latent attention of {architecture_of(hf_config)} (its kv_b_proj is "
+                                            "absorbed): served for dense layers and per-tensor experts only")
 
 
 def _block_size(value: Any, model: str) -> tuple[int, int] | None:

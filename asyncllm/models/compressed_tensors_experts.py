@@ -22,7 +22,10 @@ down's rows whole or its block columns); `finish_ct_w8a8_experts` turns them int
 The inputs of both products are quantized dynamically per token (channel and tensor: one scale per token, the
 checkpoint's ``strategy: token`` and vLLM's, to int8 for int8 experts as compressed-tensors quantizes them; block: in
 groups of the block's columns); under a tensor-parallel split the down product's input is this rank's intermediate
-columns. Refused by name (`expert_scheme`): static activation scales on experts (fp8 or int8), experts of two
+columns. fp8 experts with static activation scales (``input_activations`` ``strategy: tensor``, ``dynamic:
+false``; channel or tensor weights): each expert matrix's scalar ``input_scale`` staged and reduced to one scale per
+product as fp8_experts.py's (`fp8_experts.attach_input_scales`: the largest over the experts, vLLM's), each input
+quantized with it. Refused by name (`expert_scheme`): static int8 activation scales on experts, experts of two
 schemes.
 """
 
@@ -35,12 +38,14 @@ from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig, CompressedTensorsScheme
-from asyncllm.models.fp8_checkpoint import quantize_fp8_blocks
+from asyncllm.models.fp8_checkpoint import DUMMY_INPUT_SCALE, quantize_fp8_blocks
 from asyncllm.models.fp8_experts import (
+    attach_input_scales,
     attach_tensor_scales,
     check_blocks,
     compute_in_fp8,
     fp8_weights,
+    make_input_scale_params,
     pop_staged_scales,
     whole_row_group,
 )
@@ -78,7 +83,7 @@ def _layer_schemes(model: nn.Module, cfg: CompressedTensorsCheckpointConfig
 
 def expert_scheme(model: nn.Module, cfg: CompressedTensorsCheckpointConfig) -> CompressedTensorsScheme | None:
     """The one scheme of the model's quantized experts (None: no experts, or all left float); `NotBuiltError` for
-    experts of two schemes, or fp8 / int8 W8A8 experts with static activation scales."""
+    experts of two schemes, or int8 W8A8 experts with static activation scales."""
     return _one_scheme(_layer_schemes(model, cfg))
 
 
@@ -93,9 +98,10 @@ def _one_scheme(layers: list[tuple[str, FusedMoE, CompressedTensorsScheme | None
         raise NotBuiltError("model", kinds, "compressed-tensors experts other than one fp8 or int8 W8A8 scheme with "
                                             "dynamic activations (FP8_DYNAMIC, FP8_BLOCK, W8A8) or one "
                                             "pack-quantized integer scheme (W4A16 / W8A16): experts of two schemes")
-    if scheme.static_input:
+    if scheme.static_input and scheme.kind != "fp8":
         raise NotBuiltError("model", kinds, f"static {scheme.kind} activation scales (input_scale) on "
-                                            "compressed-tensors experts: their inputs are quantized dynamically")
+                                            "compressed-tensors experts: their inputs are quantized dynamically "
+                                            "(static scales: fp8 experts only)")
     return scheme
 
 
@@ -135,6 +141,8 @@ def make_ct_w8a8_expert_params(model: nn.Module, cfg: CompressedTensorsCheckpoin
             for part in moe.parts:
                 setattr(moe, f"{part}_weight_scale", new_param(*_scale_shape(moe, part, scheme, hidden),
                                                                dtype=torch.float32, loader=loader))
+        if scheme.static_input:
+            make_input_scale_params(moe)
     return len(layers)
 
 
@@ -162,6 +170,8 @@ def finish_ct_w8a8_experts(model: nn.Module, cfg: CompressedTensorsCheckpointCon
     for _, moe, scheme in _w8a8_layers(model, cfg):
         scales = pop_staged_scales(moe)
         _attach_scales(moe, scheme, torch.cat(scales[:-1], dim=1), scales[-1])
+        if scheme.static_input:
+            attach_input_scales(moe, pop_staged_scales(moe, "input_scale"))
 
 
 def _attach_scales(moe: FusedMoE, scheme: CompressedTensorsScheme, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -203,3 +213,6 @@ def quantize_drawn_ct_w8a8_experts(model: nn.Module, cfg: CompressedTensorsCheck
         moe.w13_weight = nn.Parameter(torch.cat([q for q, _ in quantized[:-1]], dim=1), requires_grad=False)
         moe.w2_weight = nn.Parameter(quantized[-1][0], requires_grad=False)
         _attach_scales(moe, scheme, torch.cat([s for _, s in quantized[:-1]], dim=1), quantized[-1][1])
+        if scheme.static_input:
+            moe.w13_input_scale, moe.w2_input_scale = (torch.tensor(DUMMY_INPUT_SCALE, device=moe.w13_weight.device)
+                                                       for _ in range(2))

@@ -21,27 +21,37 @@ token in groups of ``bk``.
   the dense per-tensor layers'; vLLM's per-tensor experts: one per tensor); under a split the down product's
   input is this rank's intermediate columns.
 
-Static activation scales (``activation_scheme: "static"``) on experts are refused (`NotBuiltError`).
+Static activation scales (``activation_scheme: "static"``, AutoFP8's per-tensor checkpoints:
+Mixtral-8x7B-Instruct-v0.1-FP8): each expert matrix's scalar ``input_scale`` loads into a staging parameter
+(``gate_input_scale`` ... ``[E]``, as the weight scales), and `attach_input_scales` keeps one per product, as vLLM's
+``Fp8MoEMethod`` does: ``w13_input_scale`` the largest of this rank's experts' gate and up scales, ``w2_input_scale``
+the largest down scale (a warning when the experts' differ). Each product's input is then quantized with it,
+``fp8(clamp(x / s, -448, 448))`` for every token (`reference.static_quant_fp8`, the dense static layers'
+arithmetic). Static scales over block-wise weights are refused when the config is read (checkpoint.py, as vLLM).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from torch import nn
 
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import ConfigError
 from asyncllm.kernels import reference
 from asyncllm.models.checkpoint import Fp8CheckpointConfig
-from asyncllm.models.fp8_checkpoint import quantize_fp8_blocks
+from asyncllm.models.fp8_checkpoint import DUMMY_INPUT_SCALE, quantize_fp8_blocks
 from asyncllm.models.layers import LoadedWeight, copy_weight, new_param, scalar_weight, weight_narrow
 from asyncllm.models.moe import FusedMoE
 from asyncllm.models.quantization import FP8_DTYPE, FP8_MAX, MIN_SCALE, quantize_fp8, scaled_mm_supported
 
+logger = logging.getLogger("asyncllm.models")
+
 __all__ = ["fp8_expert_layers", "make_fp8_expert_params", "finish_fp8_expert_params", "quantize_drawn_experts",
            "whole_row_group", "check_blocks", "fp8_weights", "compute_in_fp8", "attach_tensor_scales",
-           "quantize_per_matrix", "pop_staged_scales"]  # the last six: compressed-tensors' and online fp8's too
+           "quantize_per_matrix", "pop_staged_scales", "make_input_scale_params", "attach_input_scales"]
+# from whole_row_group on: compressed-tensors' and online fp8's too
 
 
 def whole_row_group(moe: FusedMoE) -> int:
@@ -52,8 +62,7 @@ def whole_row_group(moe: FusedMoE) -> int:
 
 
 def fp8_expert_layers(model: nn.Module, cfg: Fp8CheckpointConfig) -> list[tuple[str, FusedMoE]]:
-    """(name, experts) of every `FusedMoE` the checkpoint quantized (none of its expert matrices ignored);
-    `NotBuiltError` for static activation scales on them."""
+    """(name, experts) of every `FusedMoE` the checkpoint quantized (none of its expert matrices ignored)."""
     found = []
     for name, module in model.named_modules():
         if isinstance(module, FusedMoE):
@@ -64,9 +73,6 @@ def fp8_expert_layers(model: nn.Module, cfg: Fp8CheckpointConfig) -> list[tuple[
                                                  "none of them")
             if not any(ignored):
                 found.append((name, module))
-    if found and cfg.static_input:
-        raise NotBuiltError("model", found[0][0], "static fp8 activation scales (activation_scheme='static') on "
-                                                  "experts: their inputs are quantized dynamically")
     return found
 
 
@@ -78,6 +84,8 @@ def make_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> int:
     for name, moe in layers:
         if block is None:
             _make_tensor_scale_params(moe)
+            if cfg.static_input:
+                make_input_scale_params(moe)
         else:
             check_blocks(name, moe, block)
             _make_params(moe, block)
@@ -166,15 +174,40 @@ def finish_fp8_expert_params(model: nn.Module, cfg: Fp8CheckpointConfig) -> None
             continue
         scales = pop_staged_scales(moe)
         attach_tensor_scales(moe, torch.stack(scales[:-1], dim=1), scales[-1])
+        if cfg.static_input:
+            attach_input_scales(moe, pop_staged_scales(moe, "input_scale"))
 
 
-def pop_staged_scales(moe: FusedMoE) -> list[torch.Tensor]:
-    """The staged ``{part}_weight_scale`` of each of the experts' matrices (`FusedMoE.parts`' order), removed from
-    the layer."""
-    scales = [getattr(moe, f"{part}_weight_scale").data for part in moe.parts]
+def pop_staged_scales(moe: FusedMoE, kind: str = "weight_scale") -> list[torch.Tensor]:
+    """The staged ``{part}_{kind}`` of each of the experts' matrices (`FusedMoE.parts`' order), removed from the
+    layer."""
+    scales = [getattr(moe, f"{part}_{kind}").data for part in moe.parts]
     for part in moe.parts:
-        delattr(moe, f"{part}_weight_scale")
+        delattr(moe, f"{part}_{kind}")
     return scales
+
+
+def make_input_scale_params(moe: FusedMoE) -> None:
+    """Static activations: one float32 staging scalar per local expert and matrix (``gate_input_scale`` ...), each
+    expert matrix's ``input_scale``."""
+    with torch.device(moe.w13_weight.device):
+        for part in moe.parts:
+            setattr(moe, f"{part}_input_scale", new_param(moe.num_local_experts, dtype=torch.float32,
+                                                          loader=functools.partial(_load_tensor_scale, moe)))
+
+
+def attach_input_scales(moe: FusedMoE, scales: list[torch.Tensor]) -> None:
+    """The staged input scales (`FusedMoE.parts`' order) as the experts' two static scales, vLLM's: the largest of
+    the gate and up ones (one input feeds both) over this rank's experts, and the largest down one."""
+    w13, w2 = torch.stack(scales[:-1]), scales[-1]
+    if not (bool((w13 == w13.flatten()[0]).all()) and bool((w2 == w2[0]).all())):
+        _warn_once("the experts' static fp8 input scales differ: each product's input is quantized with the largest")
+    moe.w13_input_scale, moe.w2_input_scale = w13.max(), w2.max()
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 def attach_tensor_scales(moe: FusedMoE, w13_scales: torch.Tensor, w2_scales: torch.Tensor) -> None:
@@ -208,6 +241,9 @@ def quantize_drawn_experts(model: nn.Module, cfg: Fp8CheckpointConfig) -> None:
             w2, w2_scales = quantize_per_matrix(moe.w2_weight.data, 1)
             moe.w13_weight, moe.w2_weight = (nn.Parameter(w, requires_grad=False) for w in (w13, w2))
             attach_tensor_scales(moe, w13_scales, w2_scales)
+            if cfg.static_input:
+                moe.w13_input_scale, moe.w2_input_scale = (torch.tensor(DUMMY_INPUT_SCALE, device=w13.device)
+                                                           for _ in range(2))
             continue
         check_blocks(name, moe, block)
         for attr in ("w13_weight", "w2_weight"):

@@ -116,6 +116,10 @@ class FusedMoE(nn.Module):
         """An fp8 checkpoint's block (per tensor: ``(intermediate, K)``, per row ``(1, K)``, ``K`` covering both
         products' inputs: `fp8_experts.whole_row_group`): the weights are float8_e4m3fn (or int8: compressed-tensors'
         W8A8 int8 experts) with ``*_weight_scale_inv`` block scales (asyncllm/models/fp8_experts.py)."""
+        self.w13_input_scale: torch.Tensor | None = None
+        """Static fp8 activation scales (per-tensor fp8 experts): the gate/up product's one input scale, and
+        ``w2_input_scale`` the down's (float32 scalars; None: the inputs quantized per token)."""
+        self.w2_input_scale: torch.Tensor | None = None
 
     def make_weights(self, b: DecoderBuild) -> None:
         """``w13_weight [E, 2I, H]`` (without a gate ``[E, I, H]``) and ``w2_weight [E, H, I]`` in the model dtype, for
@@ -152,7 +156,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         fp8 = {} if self.fp8_block is None else {"fp8": Fp8Experts(self.w13_weight_scale_inv, self.w2_weight_scale_inv,
-                                                                  self.fp8_block)}
+                                                                  self.fp8_block, self.w13_input_scale,
+                                                                  self.w2_input_scale)}
         if self.int_experts is not None:
             fp8 = {"int_experts": IntExperts(self.w13_scales, self.w13_zeros, self.w2_scales, self.w2_zeros,
                                              *self.int_experts, getattr(self, "w13_g_idx", None),
@@ -234,7 +239,10 @@ INT4_EXPERT_KINDS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "w
                      "weight_shape")
 """An integer expert matrix's tensors: AWQ / GPTQ's (g_idx: GPTQ's only), compressed-tensors' pack-quantized ones;
 staged as ``experts.{gate,up,down}_{kind}`` (asyncllm/models/int4_experts.py)."""
-_EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|" + "|".join(INT4_EXPERT_KINDS)
+STAGED_EXPERT_KINDS = (*INT4_EXPERT_KINDS, "input_scale")
+"""The expert tensors staged per matrix as ``experts.{gate,up,down}_{kind}``: the integer ones, and a static fp8
+activation scale (asyncllm/models/fp8_experts.py)."""
+_EXPERT_NAME = re.compile(r"^(.*)\.experts\.(\d+)\.(\w+)\.(weight|weight_scale_inv|" + "|".join(STAGED_EXPERT_KINDS)
                           + ")$")
 """An expert's matrix, or (block-fp8 checkpoints) its block scales, or its integer tensors."""
 _STACKED_PARTS = {"gate_up_proj": ("gate", "up"), "up_proj": ("up",), "down_proj": ("down",)}
@@ -323,7 +331,7 @@ class MoECausalLM:
         if match is None or match.group(3) not in self.expert_parts:
             return super()._packed(name)  # type: ignore[misc]
         prefix, expert, part = match.group(1), int(match.group(2)), self.expert_parts[match.group(3)]
-        if match.group(4) in INT4_EXPERT_KINDS:
+        if match.group(4) in STAGED_EXPERT_KINDS:
             return f"{prefix}.experts.{part}_{match.group(4)}", (expert, part)
         suffix = match.group(4).removeprefix("weight")
         return f"{prefix}.experts.{'w2' if part == 'down' else 'w13'}_weight{suffix}", (expert, part)
@@ -332,7 +340,7 @@ class MoECausalLM:
         prefix, _, leaf = param_name.rpartition(".experts.")
         ckpt_prefix = prefix.removesuffix(".mlp") + f".{self.moe_module}" if prefix.endswith(".mlp") else prefix
         part, _, int4_kind = leaf.partition("_")
-        if part in ("gate", "up", "down") and int4_kind in INT4_EXPERT_KINDS:  # AWQ / GPTQ staging
+        if part in ("gate", "up", "down") and int4_kind in STAGED_EXPERT_KINDS:  # AWQ / GPTQ staging, input scales
             experts = self.get_submodule(f"{prefix}.experts")  # type: ignore[attr-defined]
             names = {p: ckpt for ckpt, p in self.expert_parts.items()}
             return [(f"{ckpt_prefix}.experts.{e}.{names[part]}.{int4_kind}", (e, part))

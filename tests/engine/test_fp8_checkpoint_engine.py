@@ -87,18 +87,28 @@ async def test_two_ranks_equal_one(fp8_checkpoint) -> None:
     assert float(errors.max()) < TP2_VS_TP1[0] and float(errors.mean()) < TP2_VS_TP1[1], errors
 
 
-@pytest.mark.parametrize("fields", [{}, {"tensor_parallel_size": 2}, {"tensor_parallel_size": 2,
-                                                                        "enable_expert_parallel": True}],
-                         ids=["one-rank", "intermediate-split", "expert-parallel"])
-async def test_block_fp8_experts_serve_the_reference_on_one_and_two_ranks(tmp_path_factory, fields) -> None:
+STATIC_INPUT_SCALES = {"q_proj": 2 / 448, "k_proj": 4 / 448, "v_proj": 3 / 448, "o_proj": 4 / 448,
+                       "gate_proj": 3 / 448, "up_proj": 3 / 448, "down_proj": 16 / 448}
+"""AutoFP8-style static activation scales for the tiny Qwen3-MoE (its experts' inputs reach 3.5 to 4.2, their
+activations 12 to 16: some saturate)."""
+
+
+@pytest.mark.parametrize("fields, block, input_scales", [
+    ({}, BLOCK, None), ({"tensor_parallel_size": 2}, BLOCK, None),
+    ({"tensor_parallel_size": 2, "enable_expert_parallel": True}, BLOCK, None),
+    ({"tensor_parallel_size": 2}, None, STATIC_INPUT_SCALES),
+], ids=["one-rank", "intermediate-split", "expert-parallel", "per-tensor-static-split"])
+async def test_fp8_experts_serve_the_reference_on_one_and_two_ranks(tmp_path_factory, fields, block,
+                                                                    input_scales) -> None:
     """Qwen3-MoE with block-fp8 experts: two ranks split each expert's intermediate rows on whole blocks (their
-    scales with them), or hold half the experts each; greedy tokens equal the reference's (or differ at a
-    near-tie)."""
+    scales with them), or hold half the experts each; per-tensor fp8 experts with static activation scales (AutoFP8's)
+    split over two ranks; greedy tokens equal the reference's (or differ at a near-tie)."""
     from asyncllm.tiny import tiny_checkpoint
 
     src = tiny_checkpoint("qwen3_moe")
     path = tmp_path_factory.mktemp("fp8_moe") / "qwen3-moe-fp8"
-    reference = Fp8Reference(src, write_fp8_checkpoint(src, path, BLOCK, ("lm_head",)), BLOCK)
+    tensors = write_fp8_checkpoint(src, path, block, ("lm_head",), input_scales=input_scales)
+    reference = Fp8Reference(src, tensors, block)
     greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     async with AsyncEngine(str(path), disable_log_stats=True, max_num_batched_tokens=24, **fields) as engine:
         outs = await asyncio.gather(*(engine.generate(p, greedy) for p in PROMPTS[:3]))

@@ -4,8 +4,9 @@ per matrix or per 16x16 block; the rest float) loaded through the real loader an
 holding the dequantized experts, each product's input fake-quantized per token (block: in groups of 16), the served
 path's (docs/quantization.md). Mixtral at hidden 192 and intermediate 160: each product's input wider than the
 fused-MoE kernel's 128-column K step, one scale per token. Both tensor-parallel ranks' experts against the reference
-on their slice; dummy weights; static activation scales (fp8 or int8 W8A8) and a layer's experts in two schemes
-refused (the int8 W8A8 experts served: tests/unit/test_compressed_tensors_int8_experts.py)."""
+on their slice; dummy weights; static fp8 activation scales (llm-compressor's FP8: one ``input_scale`` per expert
+matrix, the largest of the experts' per product served, vLLM's); static int8 W8A8 ones and a layer's experts in two
+schemes refused (the int8 W8A8 experts served: tests/unit/test_compressed_tensors_int8_experts.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from compressed_tensors_reference import write_ct_fp8_experts
-from fp8_checkpoint_reference import _EXPERT, _EXPERT_PART, _fp8_experts_forward, _set_expert
+from fp8_checkpoint_reference import _EXPERT, _EXPERT_PART, _expert_input_scales, _fp8_experts_forward, _set_expert
 from hf_reference import model_logits
 from model_utils import PagedRun
 
@@ -47,9 +48,11 @@ CASES = {  # strategy -> (architecture, its sizes), the served fp8_block, the re
 
 class ExpertsReference:
     """transformers' float32 model of ``src`` with the dequantized experts, their inputs fake-quantized per token in
-    groups of ``group`` features (None: whole)."""
+    groups of ``group`` features (None: whole), or with the static scales of the checkpoint ``tensors`` (their
+    ``input_scale``s)."""
 
-    def __init__(self, src: str, dequantized: dict[str, torch.Tensor], group: int | None) -> None:
+    def __init__(self, src: str, dequantized: dict[str, torch.Tensor], group: int | None,
+                 tensors: dict[str, torch.Tensor] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         self.model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
@@ -58,7 +61,8 @@ class ExpertsReference:
             for name, weight in dequantized.items():
                 prefix, index, part = _EXPERT.match(name).groups()
                 experts = modules.get(prefix) or modules[prefix.replace("block_sparse_moe", "mlp")]
-                _set_expert(experts, int(index), _EXPERT_PART.get(part, part), weight, group)
+                static = None if tensors is None else _expert_input_scales(tensors, prefix)
+                _set_expert(experts, int(index), _EXPERT_PART.get(part, part), weight, group, static)
 
     def logits(self, token_ids: list[int]) -> torch.Tensor:
         return model_logits(self.model, token_ids)
@@ -126,6 +130,38 @@ def test_each_tensor_parallel_rank_computes_its_slice(checkpoint, strategy: str,
     torch.testing.assert_close(moe(x, topk, ids), want, atol=1e-5, rtol=1e-5)
 
 
+def test_static_fp8_input_scales_equal_the_reference(checkpoint, tmp_path) -> None:
+    """FP8 with static per-tensor activations: each expert matrix's bfloat16 ``input_scale`` (gate and up 3 / 448,
+    down 16 / 448, times 1 + e / 4 for expert e; the inputs reach 3.5 to 4.2, the activations 12 to 16), the
+    experts' inputs quantized with the largest gate/up and down ones."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, written, dequantized = checkpoint("tensor")
+    path = shutil.copytree(written, tmp_path / "ct")
+    tensors = load_file(str(path / "model.safetensors"))
+    for name in dequantized:
+        scale = (16 if ".down_proj." in name else 3) / 448 * (1 + int(name.split(".experts.")[1].split(".")[0]) / 4)
+        tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor([scale], dtype=torch.bfloat16)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["experts"]
+    group["input_activations"].update(strategy="tensor", dynamic=False)
+    (path / "config.json").write_text(json.dumps(config))
+    hf_config = load_hf_config(str(path))
+    model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    last = experts.num_experts - 1
+    assert experts.w13_input_scale == tensors[f"model.layers.0.mlp.experts.{last}.up_proj.input_scale"].float()
+    assert experts.w2_input_scale == tensors[f"model.layers.0.mlp.experts.{last}.down_proj.input_scale"].float()
+    run = PagedRun(model, SEQUENCES)
+    run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
+    ref = ExpertsReference(src, dequantized, None, tensors)
+    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
+        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
+
+
 def test_dummy_weights_give_fp8_experts(checkpoint) -> None:
     _, path, _ = checkpoint("channel")
     hf_config = load_hf_config(path)
@@ -140,7 +176,8 @@ def test_dummy_weights_give_fp8_experts(checkpoint) -> None:
 
 
 @pytest.mark.parametrize("change, error, refused", [
-    ({"input_activations": {"strategy": "tensor", "dynamic": False}}, NotBuiltError, "static fp8 activation scales"),
+    ({"input_activations": {"strategy": "tensor", "dynamic": False}}, ConfigError,  # static without input_scale
+     r"missing: model\.layers\.0\.block_sparse_moe\.experts\.0\.w1\.input_scale"),
     ({"input_activations": {"type": "int", "strategy": "tensor", "dynamic": False}, "weights": {"type": "int"}},
      NotBuiltError, "static int8 activation scales"),
     ({"targets": ["re:.*experts.*w[13]$"]}, ConfigError, "one compressed-tensors scheme for all of a layer's"),

@@ -57,6 +57,9 @@ def test_the_quantization_config_is_read() -> None:
     assert cfg.is_ignored("model.layers.3.mlp.down_proj") and not cfg.is_ignored("model.layers.2.mlp.down_proj")
     assert prequantized_fp8_config(_section(), "m", "fp8") == Fp8CheckpointConfig(None)
     assert prequantized_fp8_config(_section(activation_scheme="static"), "m", None) == Fp8CheckpointConfig(None, (), True)
+    moe = SimpleNamespace(architectures=["Qwen3MoeForCausalLM"], quantization_config={  # per-tensor experts take them
+        "quant_method": "fp8", "activation_scheme": "static"})
+    assert prequantized_fp8_config(moe, "m", None) == Fp8CheckpointConfig(None, (), True)
     assert prequantized_fp8_config(SimpleNamespace(architectures=["LlamaForCausalLM"]), "m", "fp8") is None
     assert MIN_SCALE == reference.FP8_MIN_SCALE  # the online and the checkpoint paths share the floor
 
@@ -65,9 +68,6 @@ def test_the_quantization_config_is_read() -> None:
     (_section(weight_block_size=[128, 128], activation_scheme="static"), None, NotBuiltError,
      r"static fp8 activation scales .* over block-wise weights \(weight_block_size \[128, 128\]\)"),
     (_section(activation_scheme="per-token"), None, ConfigError, "activation_scheme is 'dynamic' or 'static', not "),
-    (SimpleNamespace(architectures=["Qwen3MoeForCausalLM"], quantization_config={
-        "quant_method": "fp8", "activation_scheme": "static"}), None, NotBuiltError,
-     r"static fp8 activation scales .* on a mixture of experts \(Qwen3MoeForCausalLM"),
     (SimpleNamespace(architectures=["MiniCPM3ForCausalLM"], kv_lora_rank=256, quantization_config={
         "quant_method": "fp8", "activation_scheme": "static"}), None, NotBuiltError,
      "static fp8 activation scales .* on the latent attention of MiniCPM3ForCausalLM"),

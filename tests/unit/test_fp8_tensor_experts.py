@@ -3,8 +3,8 @@ attention projection in fp8 with one scalar ``weight_scale`` (the up matrices' s
 widely) loaded through the real loader and compared with the independent reference
 (tests/fp8_checkpoint_reference.py); hidden 192 and intermediate 160 (each product's input wider than 128 columns,
 quantized with one scale per token). Both tensor-parallel ranks' experts against the reference on their slice; dummy
-weights; static activation scales on experts refused; a per-tensor scale of more than one value refused. The block-fp8
-experts are in tests/unit/test_fp8_checkpoint.py."""
+weights; a per-tensor scale of more than one value refused. The block-fp8 experts are in
+tests/unit/test_fp8_checkpoint.py; static activation scales in tests/unit/test_fp8_static_experts.py."""
 
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ from fp8_checkpoint_reference import (
 from model_utils import PagedRun
 
 from asyncllm.config import EngineConfig
-from asyncllm.errors import NotBuiltError
 from asyncllm.models import fp8_checkpoint, fp8_experts
 from asyncllm.models.checkpoint import Fp8CheckpointConfig, prequantized_fp8_config
 from asyncllm.models.layers import TensorParallel, scalar_weight
@@ -81,8 +80,6 @@ def test_each_tensor_parallel_rank_computes_its_slice(checkpoint, rank: int) -> 
     src, path, tensors = checkpoint
     hf_config, cfg = load_hf_config(path), Fp8CheckpointConfig(None)
     model = build_model(EngineConfig.create(path), hf_config, CPU, torch.float32, rank, 2)
-    with pytest.raises(NotBuiltError, match="static fp8 activation scales .* on experts"):
-        fp8_experts.make_fp8_expert_params(model, Fp8CheckpointConfig(None, (), True))
     fp8_checkpoint.make_fp8_params(model, cfg)
     assert fp8_experts.make_fp8_expert_params(model, cfg) == 2
     load_checkpoint(model, path)
