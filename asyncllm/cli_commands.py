@@ -7,6 +7,8 @@ bundled tiny model when no model is given; docs/cli.md is their reference.
 from __future__ import annotations
 
 import argparse
+import json
+import ssl
 import sys
 from typing import Any
 
@@ -16,7 +18,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
 
-__all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine"]
+__all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "uvicorn_kwargs"]
 
 _HOST_SIDE_FIELDS = frozenset({"disable_log_stats", "log_stats_interval"})
 """Fields a host that attaches to a shared core may still set; the rest belong to the core."""
@@ -70,8 +72,67 @@ def add_serve_parser(commands: Any) -> None:
                        help="LoRA adapters served as models of their own: a request with model NAME runs with the "
                             "adapter at PATH; also JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
                             "(needs --enable-lora)")
-    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="usage carries prompt_tokens_details.cached_tokens: prompt tokens served from the "
+                            "prefix cache (vLLM's flag)")
+    serve.add_argument("--enable-force-include-usage", action="store_true",
+                       help="every stream ends with the usage chunk, without stream_options.include_usage "
+                            "(vLLM's flag)")
+    _add_http_args(serve)
     add_engine_args(serve)
+
+
+def _add_http_args(serve: argparse.ArgumentParser) -> None:
+    """vLLM's CORS and uvicorn flags (`cors_policy`, `uvicorn_kwargs`)."""
+    for flag, what in (("origins", "origins"), ("methods", "HTTP methods"), ("headers", "request headers")):
+        serve.add_argument(f"--allowed-{flag}", type=_json_list, default=["*"], metavar="JSON",
+                           help=f"CORS: the {what} browsers may use, a JSON list (default: [\"*\"])")
+    serve.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
+    serve.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level (--uvicorn-log-level: vLLM's name)")
+    serve.add_argument("--disable-uvicorn-access-log", action="store_true", help="no uvicorn access log lines")
+    serve.add_argument("--root-path", default="", metavar="PREFIX",
+                       help="the path prefix a proxy serves the app under (ASGI root_path)")
+    serve.add_argument("--uds", default=None, metavar="PATH", help="listen on this Unix socket instead of host:port")
+    serve.add_argument("--ssl-keyfile", default=None, metavar="PATH", help="HTTPS: the server's private key")
+    serve.add_argument("--ssl-certfile", default=None, metavar="PATH", help="HTTPS: the server's certificate")
+    serve.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
+                       help="HTTPS: CA certificates that clients' certificates are checked against")
+    serve.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
+                       help="HTTPS: whether clients need a certificate (0 none, 1 optional, 2 required; ssl's CERT_*)")
+
+
+def _json_list(raw: str) -> list[str]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {raw!r}") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f"not a JSON list of strings: {raw!r}")
+    return value
+
+
+def cors_policy(args: argparse.Namespace) -> Any:
+    """The app's `CorsPolicy` from the CORS flags (always one, as vLLM's server: by default any origin)."""
+    from asyncllm.integrations.openai_http import CorsPolicy
+
+    return CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
+
+
+def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """`uvicorn.run`'s keywords from the serve flags: a Unix socket (`--uds`) replaces host and port."""
+    where = {"uds": args.uds} if args.uds is not None else {"host": args.host, "port": args.port}
+    return {**where, "log_level": args.log_level, "access_log": not args.disable_uvicorn_access_log,
+            "root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
+            "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}
+
+
+def _listen_url(args: argparse.Namespace) -> str:
+    """Where the routes are (a --root-path proxy strips its prefix before them)."""
+    if args.uds is not None:
+        return f"unix:{args.uds} (/v1)"
+    return f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}/v1"
 
 
 def _lora_module(raw: str) -> Any:
@@ -121,11 +182,13 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                          reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or (),
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          enable_request_id_headers=args.enable_request_id_headers,
-                         response_role=args.response_role)
+                         response_role=args.response_role, cors=cors_policy(args),
+                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                         enable_force_include_usage=args.enable_force_include_usage)
     except ConfigError as exc:
         parser.error(str(exc))
-    print(f"[asyncllm] serving on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    print(f"[asyncllm] serving on {_listen_url(args)}", file=sys.stderr)
+    uvicorn.run(app, **uvicorn_kwargs(args))
 
 
 def _serve_engine(args: argparse.Namespace) -> tuple[Any, str | None]:

@@ -1,4 +1,5 @@
-"""The OpenAI server's HTTP steps every route shares: the API key, the body's size bound, and the replies.
+"""The OpenAI server's HTTP steps every route shares: the API key, the body's size bound, the replies, and the
+optional middleware (`CorsPolicy`, `RequestIdHeaders`).
 
 Errors become OpenAI-style bodies ``{"error": {"message", "type", "param",
 "code"}}`` with the status of the asyncllm error (errors.py: 400 invalid
@@ -12,11 +13,14 @@ from __future__ import annotations
 import hmac
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from starlette.datastructures import Headers, MutableHeaders
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -25,7 +29,7 @@ from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.streams import ClientDisconnected
 
-__all__ = ["SSE_HEADERS", "RequestIdHeaders", "guard", "read_body", "error_response", "json_response",
+__all__ = ["SSE_HEADERS", "CorsPolicy", "RequestIdHeaders", "guard", "read_body", "error_response", "json_response",
            "text_response", "not_found", "not_allowed"]
 
 logger = logging.getLogger("asyncllm.integrations.openai")
@@ -125,3 +129,19 @@ class RequestIdHeaders:
             await send(message)
 
         await self.app(scope, receive, send_with_id)
+
+
+@dataclass(frozen=True, slots=True)
+class CorsPolicy:
+    """Which browser origins may call the server (vLLM's ``--allowed-origins``, ``--allowed-methods``,
+    ``--allowed-headers``, ``--allow-credentials``, with vLLM's defaults); Starlette's `CORSMiddleware` applies it."""
+
+    allowed_origins: Sequence[str] = ("*",)
+    allowed_methods: Sequence[str] = ("*",)
+    allowed_headers: Sequence[str] = ("*",)
+    allow_credentials: bool = False
+
+    def middleware(self) -> Middleware:
+        return Middleware(CORSMiddleware, allow_origins=list(self.allowed_origins),
+                          allow_methods=list(self.allowed_methods), allow_headers=list(self.allowed_headers),
+                          allow_credentials=self.allow_credentials)

@@ -53,12 +53,15 @@ class Choices:
                  tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None,
                  return_prompt_logprobs: bool = False, token_ids_as_text: bool = False,
                  include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "",
-                 chat_role: str = "assistant") -> None:
+                 chat_role: str = "assistant", prompt_tokens_details: bool = False) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
         self._choices = [_Choice() for _ in range(num_prompts * n)]
         self.prompt_tokens = [0] * num_prompts
+        self.cached_tokens: list[int] | None = [0] * num_prompts if prompt_tokens_details else None
+        """Each prompt's tokens served from the prefix cache, reported in `usage` (vLLM's
+        --enable-prompt-tokens-details); None: not reported."""
         self.prompt_logprobs: list[PromptLogprobs | None] = [None] * num_prompts
         self._token_text = token_text
         """A token id's text, for an echoed prompt's first token (it has no logprob entry)."""
@@ -157,8 +160,11 @@ class Choices:
             out.append((index, logprobs))
         return out
 
-    def usage(self) -> dict[str, int]:
-        return usage(sum(self.prompt_tokens), sum(c.num_tokens for c in self._choices))
+    def usage(self) -> dict[str, Any]:
+        body = usage(sum(self.prompt_tokens), sum(c.num_tokens for c in self._choices))
+        if self.cached_tokens is not None:
+            body["prompt_tokens_details"] = {"cached_tokens": sum(self.cached_tokens)}
+        return body
 
     def choice_usage(self, index: int) -> dict[str, int]:
         """vLLM's ``continuous_usage_stats`` on a chunk of choice `index`: its prompt's tokens, its own so far."""
@@ -238,7 +244,7 @@ def prompt_logprobs_body(entries: PromptLogprobs | None) -> list[dict[str, dict[
         for token_id, lp in entry.items()} for entry in entries]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
 

@@ -48,7 +48,7 @@ from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all,
 from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes
 from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_http import (
-    SSE_HEADERS, RequestIdHeaders, guard, json_response, not_allowed, not_found, read_body,
+    SSE_HEADERS, CorsPolicy, RequestIdHeaders, guard, json_response, not_allowed, not_found, read_body,
 )
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest, chat_echo, chat_role,
@@ -88,7 +88,9 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
                tool_call_parser: str | None = None, chat_template: str | None = None,
                trust_request_chat_template: bool = False, reasoning_parser: str | None = None,
                lora_modules: Sequence[LoRAModule] = (), return_tokens_as_token_ids: bool = False,
-               enable_request_id_headers: bool = False, response_role: str = "assistant") -> Starlette:
+               enable_request_id_headers: bool = False, response_role: str = "assistant",
+               cors: CorsPolicy | None = None, enable_prompt_tokens_details: bool = False,
+               enable_force_include_usage: bool = False) -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
     `model_name` is the id clients pass as ``model`` (default: the model as
@@ -111,6 +113,10 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     ``token_id:N`` instead of their text (vLLM's flag: for tokens that are not whole characters).
     `enable_request_id_headers` puts ``X-Request-Id`` on every response (vLLM's flag; `RequestIdHeaders`).
     `response_role` is chat replies' role with a generation prompt (vLLM's ``--response-role``).
+    `cors` lets browsers on other origins call the app (`CorsPolicy`; None: no CORS headers).
+    `enable_prompt_tokens_details` adds ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the
+    prefix cache) to completions' and chats' usage; `enable_force_include_usage` ends every stream with the usage
+    chunk, asked for or not (vLLM's flags of the same names).
     """
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     check_parser_pair(parser, reasoning_parser)  # openai (gpt-oss's harmony) reads after openai_gptoss
@@ -124,8 +130,10 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     server = OpenAIServer(engine, names or [_served_name(engine.config.model)], api_key, limits or ServerLimits(),
                           parser, templates, get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
                           lora_modules=lora_modules, runtime_lora=envs.ALLOW_RUNTIME_LORA_UPDATING.get(),
-                          token_ids_as_text=return_tokens_as_token_ids, response_role=response_role)
-    return server.app(manage_engine, enable_request_id_headers)
+                          token_ids_as_text=return_tokens_as_token_ids, response_role=response_role,
+                          prompt_tokens_details=enable_prompt_tokens_details,
+                          force_include_usage=enable_force_include_usage)
+    return server.app(manage_engine, enable_request_id_headers, cors)
 
 
 def _served_name(model: str) -> str | None:
@@ -148,8 +156,13 @@ class OpenAIServer:
                  limits: ServerLimits, tool_parser: ToolParser | None = None,
                  templates: ChatTemplates = ChatTemplates(), reasoning: ReasoningParser | None = None, *,
                  lora_modules: Sequence[LoRAModule] = (), runtime_lora: bool = False,
-                 token_ids_as_text: bool = False, response_role: str = "assistant") -> None:
+                 token_ids_as_text: bool = False, response_role: str = "assistant",
+                 prompt_tokens_details: bool = False, force_include_usage: bool = False) -> None:
         self.engine = engine
+        self.prompt_tokens_details = prompt_tokens_details
+        """Usage carries ``prompt_tokens_details.cached_tokens`` (vLLM's --enable-prompt-tokens-details)."""
+        self.force_include_usage = force_include_usage
+        """Streams end with the usage chunk unasked (vLLM's --enable-force-include-usage)."""
         self.response_role = response_role
         """Chat replies' role with a generation prompt (vLLM's --response-role)."""
         self.token_ids_as_text = token_ids_as_text
@@ -181,9 +194,11 @@ class OpenAIServer:
         """The id responses carry."""
         return self.model_names[0]
 
-    def app(self, manage_engine: bool = True, request_id_headers: bool = False) -> Starlette:
+    def app(self, manage_engine: bool = True, request_id_headers: bool = False,
+            cors: CorsPolicy | None = None) -> Starlette:
         """The Starlette app; with `manage_engine` its lifespan starts and closes the engine. Its startup
-        checks the LoRA modules (`check_lora_modules`). `request_id_headers`: `RequestIdHeaders` around it."""
+        checks the LoRA modules (`check_lora_modules`). `request_id_headers`: `RequestIdHeaders` around it;
+        `cors`: Starlette's CORS middleware outermost (it answers preflight requests itself)."""
         routes = [
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guarded(self.chat_completions), methods=["POST"]),
@@ -200,9 +215,10 @@ class OpenAIServer:
             routes += lora_routes(self)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter (openai_lora.py)
         if envs.SERVER_DEV_MODE.get():
             routes += dev_routes(self)
+        middleware = ([cors.middleware()] if cors is not None else []) + (
+            [Middleware(RequestIdHeaders)] if request_id_headers else [])
         app = Starlette(routes=routes, lifespan=self._lifespan(manage_engine),
-                        exception_handlers={404: not_found, 405: not_allowed},
-                        middleware=[Middleware(RequestIdHeaders)] if request_id_headers else None)
+                        exception_handlers={404: not_found, 405: not_allowed}, middleware=middleware)
         app.state.openai_server = self
         return app
 
@@ -248,9 +264,10 @@ class OpenAIServer:
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
                           token_ids_as_text=self.token_ids_as_text,
                           echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None,
-                          return_token_ids=req.return_token_ids)
+                          return_token_ids=req.return_token_ids, prompt_tokens_details=self.prompt_tokens_details)
         echo = (prompts, self.engine.tokenizer) if req.echo else None
-        return await respond(request, req, model, streams, choices, "cmpl", "text_completion", echo)
+        return await respond(request, req, model, streams, choices, "cmpl", "text_completion", echo,
+                             force_usage=self.force_include_usage)
 
     async def chat_completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
@@ -260,7 +277,8 @@ class OpenAIServer:
             return await beam_search_response(self, request, req, model, lora)
         streams, choices = self._start_chat(req, lora, await self._sampling_defaults(),
                                             header_data_parallel_rank(request.headers))
-        return await respond(request, req, model, streams, choices, "chatcmpl", "chat.completion")
+        return await respond(request, req, model, streams, choices, "chatcmpl", "chat.completion",
+                             force_usage=self.force_include_usage)
 
     async def embeddings(self, request: Request, body: bytes | None = None) -> Response:
         """OpenAI's: one embedding per ``input``, or (vLLM's) of chat ``messages`` (openai_embeddings.py)."""
@@ -328,7 +346,8 @@ class OpenAIServer:
                           token_ids_as_text=self.token_ids_as_text,
                           return_prompt_logprobs=req.prompt_logprobs is not None,
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
-                          chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role))
+                          chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
+                          prompt_tokens_details=self.prompt_tokens_details)
         return streams, choices
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,

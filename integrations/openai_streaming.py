@@ -37,9 +37,10 @@ Echoed = list[tuple[int, dict[str, Any] | None, str]]
 
 async def respond(request: Request, req: CompletionRequest | ChatCompletionRequest, model: str,
                   streams: list[RequestStream], choices: Choices, id_prefix: str, kind: str,
-                  echo: tuple[list[str | list[int]], Any] | None = None) -> Response:
+                  echo: tuple[list[str | list[int]], Any] | None = None, force_usage: bool = False) -> Response:
     """The response of `streams`: SSE chunks with ``stream``, else one JSON body. `echo`: completions' prompts to
-    put first, and the tokenizer that gives prompts of token ids their text (None: none loaded)."""
+    put first, and the tokenizer that gives prompts of token ids their text (None: none loaded). `force_usage`
+    (vLLM's --enable-force-include-usage): a stream ends with the usage chunk without ``include_usage``."""
     chunk_kind = kind + ".chunk" if choices.chat else kind
     meta = {"id": response_id(id_prefix, req), "object": chunk_kind if req.stream else kind,
             "created": int(time.time()), "model": model}
@@ -47,10 +48,7 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
         firsts = await first_deltas(streams)  # errors before the first token keep their status code
         count_prompts(streams, choices)
         echoed = await _echo(choices, streams, *echo, firsts) if echo is not None else []
-        options = req.stream_options
-        usage = "none" if options is None or not options.include_usage else (
-            "continuous" if options.continuous_usage_stats else "last")
-        events = _sse(request, streams, firsts, choices, meta, usage, echoed)
+        events = _sse(request, streams, firsts, choices, meta, _usage_mode(req, force_usage), echoed)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
         choices.add(prompt_index, delta)
@@ -61,11 +59,22 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
                           **choices.response_fields()})
 
 
+def _usage_mode(req: CompletionRequest | ChatCompletionRequest, force_usage: bool) -> str:
+    """`_sse`'s `usage`, as vLLM's ``should_include_usage``: ``continuous_usage_stats`` counts only with usage."""
+    options = req.stream_options
+    if not force_usage and (options is None or not options.include_usage):
+        return "none"
+    return "continuous" if options is not None and options.continuous_usage_stats else "last"
+
+
 def count_prompts(streams: list[RequestStream], choices: Choices) -> None:
-    """Each prompt's token count (and, with return_token_ids, its ids) from its stream, once known."""
+    """Each prompt's token count (and, with return_token_ids, its ids; with prompt tokens details, its cached
+    tokens, known from its first token on) from its stream, once known."""
     for i, stream in enumerate(streams):
         if stream.collector is not None:
             choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
+            if choices.cached_tokens is not None:
+                choices.cached_tokens[i] = stream.collector.num_cached_tokens
             if choices.return_token_ids:
                 choices.prompt_token_ids[i] = list(stream.collector.prompt_token_ids)
 

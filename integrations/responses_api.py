@@ -209,8 +209,10 @@ def _new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _usage(usage: dict[str, int]) -> dict[str, Any]:
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+def _usage(usage: dict[str, Any]) -> dict[str, Any]:
+    """Responses' usage of a chat's; cached input tokens as counted with --enable-prompt-tokens-details, else 0."""
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": usage.get("prompt_tokens_details",
+                                                                                     {"cached_tokens": 0}),
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 
@@ -227,7 +229,7 @@ def _skeleton(req: ResponsesRequest, response_id: str, model: str, created: int)
     }
 
 
-def _finished(body: dict[str, Any], finish_reason: str | None, usage: dict[str, int]) -> dict[str, Any]:
+def _finished(body: dict[str, Any], finish_reason: str | None, usage: dict[str, Any]) -> dict[str, Any]:
     incomplete = finish_reason == "length"
     return {**body, "status": "incomplete" if incomplete else "completed", "usage": _usage(usage),
             "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None}
@@ -248,7 +250,7 @@ def _call_item(item_id: str, call: dict[str, Any], status: str) -> dict[str, Any
 
 
 def response_body(req: ResponsesRequest, model: str, message: dict[str, Any], finish_reason: str | None,
-                  usage: dict[str, int]) -> dict[str, Any]:
+                  usage: dict[str, Any]) -> dict[str, Any]:
     """A whole response from a chat choice's merged message."""
     output = []
     if message.get("reasoning"):
@@ -289,7 +291,7 @@ class ResponseEvents:
                 events += self._call_delta(item)
         return events
 
-    def finish(self, finish_reason: str | None, usage: dict[str, int]) -> list[bytes]:
+    def finish(self, finish_reason: str | None, usage: dict[str, Any]) -> list[bytes]:
         events = self._close()
         self.body = {**_finished(self.body, finish_reason, usage), "output": self._output}
         if self._on_finish is not None:
