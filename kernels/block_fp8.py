@@ -4,6 +4,10 @@
   features, one float32 scale per group, ``max|group| / 448`` (at least `reference.FP8_MIN_SCALE`), the
   values rounded to float8_e4m3fn (nearest even, saturated; `_fp8.to_storage`). Grid: (rows, groups).
   Divisions are IEEE (``div_rn``), so the result equals `reference.per_token_group_quant_fp8` bit for bit.
+- `static_quant_fp8(x, scale)`: the same kernel with a static per-tensor scale read from ``scale`` (static fp8
+  activation scales: per-tensor fp8 experts' ``w13_input_scale`` / ``w2_input_scale``) instead of each group's
+  absmax, ``fp8(clamp(x / scale, -448, 448))`` with the same IEEE division and rounding: bit for bit
+  `reference.static_quant_fp8`, without its float32 copy of ``x``.
 - `w8a8_block_fp8_matmul(a_q, a_s, b_q, b_s, (bn, bk), out_dtype)`: ``a [M, K]`` fp8 with per-token-group
   scales ``a_s [M, ceil(K/bk)]`` times ``b [N, K]^T`` fp8 with block scales ``b_s [ceil(N/bn), ceil(K/bk)]``.
   Each program owns a ``[BLOCK_M, BLOCK_N]`` output tile and walks K one scale group at a time: the fp8
@@ -26,25 +30,35 @@ from asyncllm.kernels._checks import check, check_float, check_last_dim_contiguo
 from asyncllm.kernels._fp8 import to_storage
 from asyncllm.kernels.reference import FP8_E4M3_MAX, FP8_MIN_SCALE
 
-__all__ = ["per_token_group_quant_fp8", "w8a8_block_fp8_matmul", "matmul_config"]
+__all__ = ["per_token_group_quant_fp8", "static_quant_fp8", "w8a8_block_fp8_matmul", "matmul_config"]
 
 _FP8 = torch.float8_e4m3fn
+STATIC_BLOCK = 1024
+"""`static_quant_fp8`'s columns per program (its scale is given: a row need not be one program's)."""
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, x_stride, q_stride, s_stride, K,
-                        GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, static_ptr, x_stride, q_stride, s_stride, K,
+                        GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
+                        STATIC: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     lanes = tl.arange(0, BLOCK)
     offs = group * GROUP + lanes
     mask = (lanes < GROUP) & (offs < K)
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
+    if STATIC:  # `static_quant_fp8`: the one scale read, each row's ``s [M, 1]`` written by its first program
+        scale = tl.load(static_ptr)
+    else:
+        amax = tl.max(tl.abs(x), axis=0)
+        scale = tl.maximum(tl.math.div_rn(amax, FP8_MAX), MIN_SCALE)
     q = to_storage(tl.math.div_rn(x, scale), q_ptr.dtype.element_ty)
     tl.store(q_ptr + row * q_stride + offs, q, mask=mask)
-    tl.store(s_ptr + row * s_stride + group, scale)
+    if STATIC:
+        if group == 0:
+            tl.store(s_ptr + row * s_stride, scale)
+    else:
+        tl.store(s_ptr + row * s_stride + group, scale)
 
 
 @triton.jit
@@ -93,11 +107,32 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.T
     scale = torch.empty(num_rows, groups, dtype=torch.float32, device=x.device)
     if num_rows and k:
         _group_quant_kernel[(num_rows, groups)](
-            x, q, scale, x.stride(0), q.stride(0), scale.stride(0), k,
+            x, q, scale, scale, x.stride(0), q.stride(0), scale.stride(0), k,
             GROUP=group_size, BLOCK=triton.next_power_of_2(group_size), FP8_MAX=FP8_E4M3_MAX,
-            MIN_SCALE=FP8_MIN_SCALE,
+            MIN_SCALE=FP8_MIN_SCALE, STATIC=False,
         )
     return q, scale
+
+
+def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` with a static per-tensor ``scale`` (one float32 value) -> (float8_e4m3fn ``[M, K]``,
+    float32 ``[M, 1]`` all ``scale``): `reference.static_quant_fp8` bit for bit, no float32 copy of ``x``; see the
+    module. Grid: (rows, ``STATIC_BLOCK`` column tiles)."""
+    check_float("x", x, 2)
+    check_last_dim_contiguous("x", x)
+    check(scale.dtype == torch.float32 and scale.numel() == 1,
+          f"scale must be one float32 value, got {scale.dtype} {tuple(scale.shape)}")
+    check_same_device(x=x, scale=scale)
+    num_rows, k = x.shape
+    q = torch.empty(num_rows, k, dtype=_FP8, device=x.device)
+    scales = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
+    if num_rows and k:
+        block = min(STATIC_BLOCK, triton.next_power_of_2(k))
+        _group_quant_kernel[(num_rows, triton.cdiv(k, block))](
+            x, q, scales, scale, x.stride(0), q.stride(0), scales.stride(0), k,
+            GROUP=block, BLOCK=block, FP8_MAX=FP8_E4M3_MAX, MIN_SCALE=FP8_MIN_SCALE, STATIC=True,
+        )
+    return q, scales
 
 
 def matmul_config(num_rows: int, n: int, on_gpu: bool) -> dict[str, int]:

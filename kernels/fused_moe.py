@@ -30,7 +30,8 @@ columns) is scaled by its rows' group scales and its columns' block scales (grou
 added. ``BLOCK_K`` is ``bk`` up to 128 columns (one step per scale group, the block checkpoints' 128), else 128
 (`FP8_K_STEP`): a wider group (a multiple of 128, or all of K: per-row and per-tensor experts' one scale per row or
 block row) spans several steps. Static activation scales (`reference.Fp8Experts`' ``w13_input_scale`` /
-``w2_input_scale``) take the same path: each input quantized with its product's one scale, a scales tensor of it
+``w2_input_scale``) take the same path: each input quantized with its product's one scale by
+`block_fp8.static_quant_fp8` (one Triton kernel, bit for bit `reference.static_quant_fp8`), a scales tensor of it
 for every token (no new constexpr). W8A8 int8 experts (compressed-tensors' ``*-quantized.w8a8``) take the same path with
 int8 weights (``FP8`` and ``INT8`` on): each input quantized to int8 per token in one Triton kernel
 (`int8_quant.quantize_int8_per_token`, bit for bit compressed-tensors' `reference.quantize_int8_per_token`), the int8
@@ -58,12 +59,12 @@ import torch
 import triton
 import triton.language as tl
 
-from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8
+from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8, static_quant_fp8
 from asyncllm.kernels.fused_moe_tiles import (block_rows, clamped_swiglu, gelu_tanh_mul, int8_scaled, packed_tile,
                                                plus_bias, tile_product, relu_squared, silu_mul)
 from asyncllm.kernels.fused_moe_checks import FP8_K_STEP, INT8_MAX_K, check_args, check_bias, fp8_k_step
 from asyncllm.kernels.int8_quant import quantize_int8_per_token
-from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts, IntExperts, Mxfp4Experts, static_quant_fp8
+from asyncllm.kernels.reference import ClampedSwiglu, Fp8Experts, IntExperts, Mxfp4Experts
 from asyncllm.models.mxfp4 import MXFP4_GROUP
 
 __all__ = ["Alignment", "FP8_K_STEP", "INT8_MAX_K", "MoeConfig", "align_tokens", "fp8_k_step", "fused_moe",
@@ -356,8 +357,8 @@ def fused_moe(
 def _quantized(x: torch.Tensor, fp8: Fp8Experts | None, w13: torch.Tensor,
                which: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The input of w13's (``which`` 0) or w2's (1) product as the kernels read it, (values, scales): fp8 per token
-    group, or with the product's static input scale (every token's scale that one: `reference.static_quant_fp8`,
-    torch ops, sync-free), int8 per token for int8 experts (compressed-tensors' quantization, as the dense W8A8
+    group, or with the product's static input scale (every token's scale that one: `block_fp8.static_quant_fp8`,
+    a Triton kernel), int8 per token for int8 experts (compressed-tensors' quantization, as the dense W8A8
     layers', in one Triton kernel), or the input itself (scales unread)."""
     if fp8 is None:
         return x, x

@@ -134,10 +134,8 @@ class Fp8Experts(NamedTuple):
     groups of ``bk`` features (`per_token_group_quant_fp8`), as the checkpoint's dense projections are. ``bk`` at
     least H and I (per-row and per-tensor experts): one scale per weight row (or block row) and per token. W8A8 int8
     experts (compressed-tensors' ``*-quantized.w8a8``): ``w13`` and ``w2`` int8 with such a block, each product's
-    input quantized to int8 per token, as the dense int8 layers (`int8.int8_linear_fallback`). Static activation
-    scales (per-tensor fp8 experts of ``activation_scheme: "static"`` checkpoints): ``w13_input_scale`` and
-    ``w2_input_scale``, float32 scalars, each product's one input scale (`static_quant_fp8`: every token's
-    scale); ``bk`` at least K."""
+    input quantized to int8 per token, as the dense int8 layers (`int8.int8_linear_fallback`). ``w13_input_scale``,
+    ``w2_input_scale``: static activation scales, float32 scalars (`static_quant_fp8`; ``bk`` at least K)."""
 
     w13_scale: torch.Tensor
     w2_scale: torch.Tensor
@@ -267,11 +265,8 @@ def _expert_product(x: torch.Tensor, w: torch.Tensor, expert: int,
             raise ValueError(f"int8 experts quantize each token's input whole: block {quant.block} must cover all of K")
         scale = expand_block_scales(quant[which][expert], (w.shape[1], 1), quant.block)
         return int8_linear_fallback(x, w[expert], scale, None, x.dtype)
-    input_scale = quant.w13_input_scale if which == 0 else quant.w2_input_scale
-    if input_scale is None:
-        x_q, x_s = per_token_group_quant_fp8(x, quant.block[1])
-    else:
-        x_q, x_s = static_quant_fp8(x, input_scale)
+    static = quant.w13_input_scale if which == 0 else quant.w2_input_scale
+    x_q, x_s = per_token_group_quant_fp8(x, quant.block[1]) if static is None else static_quant_fp8(x, static)
     return w8a8_block_fp8_matmul(x_q, x_s, w[expert], quant[which][expert], quant.block, x.dtype)
 
 
@@ -558,10 +553,9 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int) -> tuple[torch.T
 
 
 def static_quant_fp8(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [M, K]`` with a static per-tensor ``scale`` (float32 scalar) -> (float8_e4m3fn
-    ``fp8(clamp(x / scale, -448, 448))``, float32 ``[M, 1]`` all ``scale``): the dense static layers' arithmetic
-    (`quantization.quantize_fp8_input`), as the per-token group scales of a group covering all of K. Sync-free."""
-    q = (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    """``x [M, K]``, a static per-tensor ``scale`` (float32 scalar) -> (float8_e4m3fn ``fp8(clamp(x / scale, -448,
+    448))``, float32 ``[M, 1]`` all ``scale``): static fp8 activations, dense and experts'. One float32 copy."""
+    q = x.to(torch.float32, copy=True).div_(scale).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q, scale.float().reshape(1, 1).expand(x.shape[0], 1).contiguous()
 
 

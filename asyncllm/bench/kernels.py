@@ -221,18 +221,36 @@ def _block_fp8(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device
 
 def _int8_quant(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: str = "cuda",
                 token_counts: tuple[int, ...] = (16, 8192)) -> list[dict[str, Any]]:
-    """W8A8 int8 experts' per-token activation quantizer (one Triton kernel) against the torch function it replaces;
-    bytes: the input read once, the int8 values and the scales written."""
+    """W8A8 int8 experts' per-token activation quantizer (one Triton kernel) against the torch function it replaces."""
     from asyncllm.kernels import reference
     from asyncllm.kernels.int8_quant import quantize_int8_per_token
 
+    return _quantizer_rows("quantize_int8_per_token", quantize_int8_per_token, reference.quantize_int8_per_token,
+                           cfg, dtype, bandwidth, device, token_counts)
+
+
+def _static_fp8_quant(cfg: dict[str, Any], dtype: torch.dtype, bandwidth: float, device: str = "cuda",
+                      token_counts: tuple[int, ...] = (16, 8192)) -> list[dict[str, Any]]:
+    """Static fp8 activation scales' quantizer (per-tensor fp8 experts' inputs; one Triton kernel) against the torch
+    function it replaces (a float32 copy of the input)."""
+    from asyncllm.kernels import reference
+    from asyncllm.kernels.block_fp8 import static_quant_fp8
+
+    scale = torch.tensor(1 / 64, device=device)
+    return _quantizer_rows("static_quant_fp8", lambda x: static_quant_fp8(x, scale),
+                           lambda x: reference.static_quant_fp8(x, scale), cfg, dtype, bandwidth, device, token_counts)
+
+
+def _quantizer_rows(name: str, kernel: Callable, torch_fn: Callable, cfg: dict[str, Any], dtype: torch.dtype,
+                    bandwidth: float, device: str, token_counts: tuple[int, ...]) -> list[dict[str, Any]]:
+    """A per-token activation quantizer's rows at the hidden and intermediate widths; bytes: the input read once,
+    the 1-byte values and the float32 scales written."""
     rows = []
     for k in (cfg["hidden_size"], cfg["intermediate_size"]):
         for tokens in token_counts:
             x = torch.randn(tokens, k, dtype=dtype, device=device)
-            rows.append(_row("quantize_int8_per_token", f"{tokens}x{k}", tokens * (k * (dtype.itemsize + 1) + 4),
-                             _bench(lambda x=x: quantize_int8_per_token(x)),
-                             _bench(lambda x=x: reference.quantize_int8_per_token(x)), bandwidth))
+            rows.append(_row(name, f"{tokens}x{k}", tokens * (k * (dtype.itemsize + 1) + 4),
+                             _bench(lambda x=x: kernel(x)), _bench(lambda x=x: torch_fn(x)), bandwidth))
     return rows
 
 
@@ -350,6 +368,7 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any] | No
         rows = (_elementwise(cfg, dtype, bandwidth) + _rotary(cfg, dtype, bandwidth) + _attention(cfg, dtype, bandwidth)
                 + _split_decode(cfg, dtype, bandwidth) + _decode_linear(cfg, dtype, bandwidth)
                 + _block_fp8(cfg, dtype, bandwidth) + _int8_quant(cfg, dtype, bandwidth)
+                + _static_fp8_quant(cfg, dtype, bandwidth)
                 + _w4a16(cfg, dtype, bandwidth))
         results["presets"][preset] = rows
         _print_rows(f"asyncllm bench kernels | {preset} | {args.dtype} | {results['meta']['device']}", rows)

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from asyncllm.errors import NotBuiltError
+from asyncllm.kernels import reference
 from asyncllm.models.linear import LinearBase
 
 __all__ = [
@@ -100,10 +101,10 @@ def quantize_fp8_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 def quantize_fp8_input(x: torch.Tensor, input_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's input ``x [M, K]`` -> (float8_e4m3fn ``[M, K]``, float32 scales ``[M, 1]``): per token
     (`quantize_fp8_per_token`) when ``input_scale`` is None, else with that static per-tensor scale (a checkpoint's
-    calibrated ``input_scale``) repeated for every row."""
+    calibrated ``input_scale``) repeated for every row (`reference.static_quant_fp8`, the experts' too)."""
     if input_scale is None:
         return quantize_fp8_per_token(x)
-    return quantize_fp8(x, input_scale), input_scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    return reference.static_quant_fp8(x, input_scale)
 
 
 @functools.lru_cache(maxsize=None)

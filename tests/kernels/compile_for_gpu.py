@@ -222,11 +222,18 @@ def moe_cases(p: str):
 
 
 def block_fp8_cases(p: str):
-    """Pre-quantized fp8 checkpoints (128x128 weight blocks): the activation quantizer, and the GEMM on fp8
-    tensor cores at a decode and a prefill tile, as `block_fp8.matmul_config` launches them on a GPU."""
+    """Pre-quantized fp8 checkpoints (128x128 weight blocks): the activation quantizer (and its static-scale variant),
+    and the GEMM on fp8 tensor cores at a decode and a prefill tile, as `block_fp8.matmul_config` launches them on a
+    GPU."""
     fp8 = "*fp8e4nv"
-    yield ("block_fp8 group_quant", block_fp8._group_quant_kernel, dict(x_ptr=p, q_ptr=fp8, s_ptr="*fp32"), (),
-           dict(GROUP=128, BLOCK=128, FP8_MAX=448.0, MIN_SCALE=1.0 / (448.0 * 512.0)), 4)
+    quant = dict(x_ptr=p, q_ptr=fp8, s_ptr="*fp32", static_ptr="*fp32")
+    yield ("block_fp8 group_quant", block_fp8._group_quant_kernel, quant, (),
+           dict(GROUP=128, BLOCK=128, FP8_MAX=448.0, MIN_SCALE=1.0 / (448.0 * 512.0), STATIC=False), 4)
+    # static activation scales (per-tensor fp8 experts' inputs), as `block_fp8.static_quant_fp8` launches it
+    yield ("block_fp8 static_quant", block_fp8._group_quant_kernel, quant, (),
+           dict(GROUP=block_fp8.STATIC_BLOCK, BLOCK=block_fp8.STATIC_BLOCK, FP8_MAX=448.0,
+                MIN_SCALE=1.0 / (448.0 * 512.0), STATIC=True), 4,
+           dict(divisible=("x_ptr", "q_ptr", "x_stride", "q_stride", "K")))
     for rows in (1, 4096):
         cfg = block_fp8.matmul_config(rows, 4096, on_gpu=True)
         consts = dict(GROUP_N=128, GROUP_K=128, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=128,

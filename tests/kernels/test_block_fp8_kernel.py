@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from asyncllm.kernels import reference
-from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8, w8a8_block_fp8_matmul
+from asyncllm.kernels.block_fp8 import per_token_group_quant_fp8, static_quant_fp8, w8a8_block_fp8_matmul
 from kernel_testing import DEVICE, ELEMENTWISE_TOL, assert_close, randn
 
 FP8 = torch.float8_e4m3fn
@@ -50,6 +50,43 @@ def test_group_quant_equals_the_reference_bit_for_bit(dtype: torch.dtype, rows: 
     assert float(ref_scale[0, 0]) == float(torch.tensor(reference.FP8_MIN_SCALE)) and not _bits(ref_q)[0, 0].any()
     for g in range(1, scale.shape[1]):  # every other group's largest value maps to exactly 448
         assert bool((ref_q[:, g * group:(g + 1) * group].float().abs().amax(-1) == 448.0).all())
+
+
+STATIC_SCALE = 3 / 448 * 1.75
+"""No power of two: ``x / s`` rounds, and `DIVIDED` tells a division from a multiplication by ``1 / s``."""
+DIVIDED = (1.7812498807907104, 113)
+"""(x, fp8 bits of ``x / STATIC_SCALE``): ``x * (1 / STATIC_SCALE)`` rounds to 114 (vLLM's arithmetic)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows, k", [(1, 72), (5, 17), (3, 2500)])
+def test_static_quant_equals_the_reference_bit_for_bit(dtype: torch.dtype, rows: int, k: int) -> None:
+    """A static scale: -0.0 (0x80), saturating values (+-448: 0x7E, 0xFE), one in e4m3's subnormals, K past a
+    column tile (`block_fp8.STATIC_BLOCK`), rows strided wider than K."""
+    x = randn(rows, k + 3, dtype=dtype, seed=rows + k, scale=4.0)[:, :k]
+    x[0, :4] = torch.tensor([-0.0, 1e4, -1e4, 1e-4])
+    if dtype == torch.float32:
+        x[0, 4] = DIVIDED[0]
+    scale = torch.tensor(STATIC_SCALE, device=DEVICE)
+    q, s = static_quant_fp8(x, scale)
+    ref_q, ref_s = reference.static_quant_fp8(x.cpu(), scale.cpu())
+    assert q.dtype == FP8 and s.shape == (rows, 1)
+    assert torch.equal(_bits(q), _bits(ref_q)) and torch.equal(s.cpu(), ref_s) and bool((ref_s == scale.cpu()).all())
+    assert _bits(ref_q)[0, :3].tolist() == [0x80, 0x7E, 0xFE] and 0 < _bits(ref_q)[0, 3] < 8
+    assert dtype != torch.float32 or int(_bits(ref_q)[0, 4]) == DIVIDED[1]
+
+
+def test_the_static_quant_micro_benchmark_times_kernel_and_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`asyncllm bench kernels`' static fp8 quantizer rows on a tiny shape (each call run once, not timed)."""
+    from asyncllm.bench import kernels as bench
+
+    calls = []
+    monkeypatch.setattr(bench, "_bench", lambda fn: calls.append(fn()) or 0.001)
+    rows = bench._static_fp8_quant({"hidden_size": 24, "intermediate_size": 40}, torch.float32, 1e12,
+                                   device=str(DEVICE), token_counts=(1, 3))
+    assert [r["shape"] for r in rows] == ["1x24", "3x24", "1x40", "3x40"] and len(calls) == 8
+    for (q, scale), (ref_q, ref_scale) in zip(calls[0::2], calls[1::2]):
+        assert torch.equal(_bits(q), _bits(ref_q)) and torch.equal(scale.cpu(), ref_scale.cpu())
 
 
 def _operands(m: int, n: int, k: int, block: tuple[int, int], seed: int):

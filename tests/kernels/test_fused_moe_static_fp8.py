@@ -1,6 +1,7 @@
 """Per-tensor fp8 experts with static activation scales (AutoFP8's ``activation_scheme: "static"`` mixtures of
 experts): each product's input quantized with its one scale, ``fp8(clamp(x / s, -448, 448))`` for every token
-(`reference.static_quant_fp8`), on the fused-MoE kernels' fp8 path, against `reference.fused_moe`."""
+(`block_fp8.static_quant_fp8`, tested bit for bit against `reference.static_quant_fp8` in test_block_fp8_kernel.py),
+on the fused-MoE kernels' fp8 path, against `reference.fused_moe`."""
 
 from __future__ import annotations
 
@@ -35,16 +36,6 @@ def test_static_input_scales_match_the_reference(dtype: torch.dtype) -> None:
                                                                                           w2_input_scale=None))
     assert (expected - dynamic).abs().max() > 0.05  # the static scales (saturating) compute another function
     assert_close(fused_moe(hidden, q13, q2, topk_weights, topk_ids, fp8=fp8), expected, FP8_TOL[dtype])
-
-
-def test_static_quant_is_the_dense_static_arithmetic() -> None:
-    """`reference.static_quant_fp8` equals the dense static layers' `quantization.quantize_fp8_input`, bit for bit."""
-    from asyncllm.models.quantization import quantize_fp8_input
-
-    x, scale = randn(7, 33, dtype=torch.float32, seed=2) * 3, torch.tensor(2.0 / 448)
-    (q, s), (want_q, want_s) = reference.static_quant_fp8(x, scale), quantize_fp8_input(x, scale)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
-    assert q.float().abs().max() == 448  # saturated, not NaN
 
 
 def test_static_scales_need_a_whole_row_block() -> None:

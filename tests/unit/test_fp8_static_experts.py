@@ -3,7 +3,8 @@ Mixtral-8x7B-Instruct-v0.1-FP8; asyncllm/models/fp8_experts.py): tiny Mixtral an
 projection in fp8 with a scalar ``weight_scale`` and ``input_scale``, the experts' input scales different per expert,
 loaded through the real loader and compared with the independent reference (tests/fp8_checkpoint_reference.py:
 vLLM's one scale per product, the largest of the experts'). Both tensor-parallel ranks' experts against the
-reference on their slice; dummy weights. The kernel path: tests/kernels/test_fused_moe_static_fp8.py."""
+reference on their slice; each expert-parallel rank's scales (its own experts' largest); dummy weights. The kernel
+path: tests/kernels/test_fused_moe_static_fp8.py."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from asyncllm.models.checkpoint import Fp8CheckpointConfig
 from asyncllm.models.fp8_checkpoint import DUMMY_INPUT_SCALE
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import build_model, load_checkpoint, load_hf_config, load_model
+from asyncllm.models.moe import FusedMoE
 from asyncllm.models.registry import kv_cache_spec
 
 CPU = torch.device("cpu")
@@ -90,13 +92,7 @@ def test_each_tensor_parallel_rank_quantizes_with_the_static_scales(checkpoint, 
     """tp=2: a rank holds half of every expert's intermediate rows; every rank reads the input scales whole and
     quantizes both products' inputs with the same largest ones (its down input: its intermediate columns)."""
     _, path, tensors, prefix = checkpoint
-    hf_config, cfg = load_hf_config(path), Fp8CheckpointConfig(None, (), True)
-    model = build_model(EngineConfig.create(path), hf_config, CPU, torch.float32, rank, 2)
-    fp8_checkpoint.make_fp8_params(model, cfg)
-    fp8_experts.make_fp8_expert_params(model, cfg)
-    load_checkpoint(model, path)
-    fp8_experts.finish_fp8_expert_params(model, cfg)
-    moe = model.model.layers[0].mlp.experts
+    moe = _load_rank(path, rank)
     static = _expert_input_scales(tensors, prefix)
     assert torch.equal(moe.w13_input_scale, static[0]) and torch.equal(moe.w2_input_scale, static[1])
 
@@ -112,6 +108,34 @@ def test_each_tensor_parallel_rank_quantizes_with_the_static_scales(checkpoint, 
     moe.tp = TensorParallel()  # this rank's partial sum, not all-reduced
     torch.testing.assert_close(moe(x, topk, ids), _fp8_experts_forward(sliced, x, ids, topk, None, static=static),
                                atol=1e-5, rtol=1e-5)
+
+
+def _load_rank(path: str, rank: int, **engine) -> FusedMoE:
+    """Layer 0's experts of rank ``rank`` of two, loaded through the real loader's fp8 steps."""
+    hf_config, cfg = load_hf_config(path), Fp8CheckpointConfig(None, (), True)
+    model = build_model(EngineConfig.create(path, **engine), hf_config, CPU, torch.float32, rank, 2)
+    fp8_checkpoint.make_fp8_params(model, cfg)
+    fp8_experts.make_fp8_expert_params(model, cfg)
+    load_checkpoint(model, path)
+    fp8_experts.finish_fp8_expert_params(model, cfg)
+    return model.model.layers[0].mlp.experts
+
+
+def test_each_expert_parallel_rank_takes_its_own_experts_largest_scales(checkpoint) -> None:
+    """Expert parallelism (two ranks, each half of the experts): each rank keeps the largest scales over its OWN
+    experts, as vLLM (its FusedMoE makes the input scales of the local experts only), so the ranks' scales differ
+    (rank 0's below the whole layer's: its results differ from one rank's)."""
+    _, path, tensors, prefix = checkpoint
+    names, whole = _names(prefix), _expert_input_scales(tensors, prefix)
+    for rank in (0, 1):
+        moe = _load_rank(path, rank, enable_expert_parallel=True, tensor_parallel_size=2)
+        local, half = list(moe.local_experts), moe.num_experts // 2
+        assert local == list(range(rank * half, rank * half + half))
+        scales = {p: torch.stack([tensors[f"{prefix}.{e}.{names[p]}.input_scale"] for e in local]).max()
+                  for p in ("gate", "up", "down")}
+        assert torch.equal(moe.w13_input_scale, torch.maximum(scales["gate"], scales["up"]))
+        assert torch.equal(moe.w2_input_scale, scales["down"])
+        assert (moe.w13_input_scale < whole[0] and moe.w2_input_scale < whole[1]) == (rank == 0)
 
 
 def test_dummy_weights_draw_the_input_scales(checkpoint) -> None:
