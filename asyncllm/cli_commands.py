@@ -18,7 +18,8 @@ from asyncllm.errors import ConfigError
 from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
 
-__all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "uvicorn_kwargs"]
+__all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "uvicorn_kwargs",
+           "check_tls_args"]
 
 _HOST_SIDE_FIELDS = frozenset({"disable_log_stats", "log_stats_interval"})
 """Fields a host that attaches to a shared core may still set; the rest belong to the core."""
@@ -76,8 +77,8 @@ def add_serve_parser(commands: Any) -> None:
                        help="usage carries prompt_tokens_details.cached_tokens: prompt tokens served from the "
                             "prefix cache (vLLM's flag)")
     serve.add_argument("--enable-force-include-usage", action="store_true",
-                       help="every stream ends with the usage chunk, without stream_options.include_usage "
-                            "(vLLM's flag)")
+                       help="every stream carries usage on every chunk and ends with the usage chunk, whatever "
+                            "stream_options asks (vLLM's flag)")
     _add_http_args(serve)
     add_engine_args(serve)
 
@@ -99,7 +100,7 @@ def _add_http_args(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--ssl-certfile", default=None, metavar="PATH", help="HTTPS: the server's certificate")
     serve.add_argument("--ssl-ca-certs", default=None, metavar="PATH",
                        help="HTTPS: CA certificates that clients' certificates are checked against")
-    serve.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), metavar="N",
+    serve.add_argument("--ssl-cert-reqs", type=int, default=int(ssl.CERT_NONE), choices=[0, 1, 2], metavar="N",
                        help="HTTPS: whether clients need a certificate (0 none, 1 optional, 2 required; ssl's CERT_*)")
 
 
@@ -126,6 +127,36 @@ def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {**where, "log_level": args.log_level, "access_log": not args.disable_uvicorn_access_log,
             "root_path": args.root_path, "ssl_keyfile": args.ssl_keyfile, "ssl_certfile": args.ssl_certfile,
             "ssl_ca_certs": args.ssl_ca_certs, "ssl_cert_reqs": args.ssl_cert_reqs}
+
+
+def check_tls_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Refuse TLS flags uvicorn would ignore (client certificates without a certificate of the server's: plain HTTP)
+    or fail on (a key without its certificate, or the reverse)."""
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        parser.error("--ssl-keyfile and --ssl-certfile go together (HTTPS needs the key and its certificate)")
+    if args.ssl_certfile is None and (args.ssl_ca_certs is not None or args.ssl_cert_reqs != ssl.CERT_NONE):
+        parser.error("--ssl-ca-certs and --ssl-cert-reqs need --ssl-keyfile and --ssl-certfile "
+                     "(without them the server speaks plain HTTP and checks no client certificate)")
+
+
+def _run_uvicorn(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """`uvicorn.run`; a --uds socket is claimed first (asyncio would unlink a live server's socket unasked: a
+    file that is not a socket, or a socket something listens on, stops the start) and removed when it returns."""
+    import uvicorn
+
+    from asyncllm.procutil import claim_socket, remove_file
+
+    if args.uds is not None:
+        try:
+            claim_socket(args.uds, "uds", args.uds, "a server")
+        except ConfigError as exc:
+            parser.error(str(exc))
+    print(f"[asyncllm] serving on {_listen_url(args)}", file=sys.stderr)
+    try:
+        uvicorn.run(app, **uvicorn_kwargs(args))
+    finally:
+        if args.uds is not None:
+            remove_file(args.uds)
 
 
 def _listen_url(args: argparse.Namespace) -> str:
@@ -162,8 +193,6 @@ def add_engine_parser(commands: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    import uvicorn
-
     from asyncllm.integrations.openai_protocol import ServerLimits
     from asyncllm.integrations.openai_server import create_app
 
@@ -172,6 +201,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                      "(hermes, llama3_json, pythonic, mistral or openai)")
     if args.lora_modules and args.connect is None and not getattr(args, "enable_lora", False):
         parser.error("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
+    check_tls_args(args, parser)
     try:
         engine, name = _serve_engine(args)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_audio_bytes=args.max_audio_bytes, max_n=args.max_n,
@@ -187,8 +217,7 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                          enable_force_include_usage=args.enable_force_include_usage)
     except ConfigError as exc:
         parser.error(str(exc))
-    print(f"[asyncllm] serving on {_listen_url(args)}", file=sys.stderr)
-    uvicorn.run(app, **uvicorn_kwargs(args))
+    _run_uvicorn(app, args, parser)
 
 
 def _serve_engine(args: argparse.Namespace) -> tuple[Any, str | None]:

@@ -1,4 +1,5 @@
-"""Child processes that never outlive their parent, and private socket folders.
+"""Child processes that never outlive their parent, private socket folders, and claiming a Unix socket path
+(`claim_socket`).
 
 Children are started with `subprocess` running ``python -m <module>`` (a fresh
 interpreter, like multiprocessing's spawn, with none of its atexit joins). The
@@ -14,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,7 @@ import threading
 import time
 
 from asyncllm import envs
+from asyncllm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -147,3 +150,46 @@ def free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def claim_socket(socket_path: str, field: str, value: str, owner: str) -> None:
+    """Make `socket_path` free to bind: a missing folder is made (0700); a leftover socket that nobody listens on
+    (its server was killed) is removed. Raises `ConfigError` on `field` = `value` when something that is not a
+    socket is there, or `owner` (say "an engine core") listens there: binding would take its socket over."""
+    parent = os.path.dirname(os.path.abspath(socket_path))
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o700)
+    try:
+        mode = os.lstat(socket_path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise ConfigError(field, value, "a socket path: something that is not a socket is there")
+    if _listening(socket_path, field, value):
+        raise ConfigError(field, value, f"a free address: {owner} already serves there")
+    os.unlink(socket_path)  # a killed server left its socket behind: binding would fail
+
+
+def _listening(socket_path: str, field: str, value: str) -> bool:
+    """Whether a process listens on the Unix socket: the kernel accepts or refuses the connection itself, so a live
+    server whose CPU is starved still counts (a handshake with a deadline would have called it dead); a full backlog
+    (a stopped server) blocks the connect: listening too."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(socket_path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except (BlockingIOError, TimeoutError):
+            return True
+        except PermissionError:
+            raise ConfigError(field, value, "a socket this user may connect to (another user's is there)") from None
+    return True
+
+
+def remove_file(path: str) -> None:
+    """Remove `path` if it is there (a socket a server bound)."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

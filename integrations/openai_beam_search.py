@@ -43,6 +43,7 @@ from asyncllm.integrations.openai_protocol import (
 )
 from asyncllm.integrations.openai_sampling import check_common, resolve_max_tokens, sets_max_tokens
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
+from asyncllm.integrations.openai_streaming import usage_mode
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected
 from asyncllm.outputs import StreamDelta
@@ -154,7 +155,8 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     meta = {"id": response_id("chatcmpl" if chat else "cmpl", req),
             "object": kind + ".chunk" if chat and req.stream else kind, "created": int(time.time()), "model": model}
     if req.stream:
-        return StreamingResponse(_sse(req, choices, deltas, meta), media_type="text/event-stream", headers=SSE_HEADERS)
+        events = _sse(req, choices, deltas, meta, server.force_include_usage)
+        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     for prompt_index, delta in deltas:
         choices.add(prompt_index, delta)
     body = {**meta, "choices": choices.final_choices(), "usage": choices.usage()}
@@ -218,12 +220,11 @@ def _deltas(prompts: Sequence[list[int]], outputs: Sequence[BeamSearchOutput], n
 
 
 async def _sse(req: CompletionRequest | ChatCompletionRequest, choices: Choices,
-               deltas: list[tuple[int, StreamDelta]], meta: dict[str, Any]) -> AsyncIterator[bytes]:
+               deltas: list[tuple[int, StreamDelta]], meta: dict[str, Any],
+               force_usage: bool) -> AsyncIterator[bytes]:
     """The chunks of a finished search: chat's role chunks, then each choice whole in one chunk (its text,
-    logprobs and finish_reason), the usage chunk when asked, ``[DONE]``."""
-    options = req.stream_options
-    usage = "none" if options is None or not options.include_usage else (
-        "continuous" if options.continuous_usage_stats else "last")
+    logprobs and finish_reason), the usage chunk when asked or forced (`usage_mode`), ``[DONE]``."""
+    usage = usage_mode(req, force_usage)
 
     def chunk(choice: dict[str, Any]) -> bytes:
         extra = {} if usage == "none" else {

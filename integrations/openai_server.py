@@ -115,8 +115,8 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     `response_role` is chat replies' role with a generation prompt (vLLM's ``--response-role``).
     `cors` lets browsers on other origins call the app (`CorsPolicy`; None: no CORS headers).
     `enable_prompt_tokens_details` adds ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the
-    prefix cache) to completions' and chats' usage; `enable_force_include_usage` ends every stream with the usage
-    chunk, asked for or not (vLLM's flags of the same names).
+    prefix cache) to completions' and chats' usage; `enable_force_include_usage` gives every stream continuous
+    usage and the usage chunk, asked for or not (`usage_mode`; vLLM's flags of the same names).
     """
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     check_parser_pair(parser, reasoning_parser)  # openai (gpt-oss's harmony) reads after openai_gptoss
@@ -314,6 +314,8 @@ class OpenAIServer:
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
         streams, choices = self._start_chat(turn.chat_request(), lora, await self._sampling_defaults(),
                                             header_data_parallel_rank(request.headers))
+        if choices.cached_tokens is None:  # vLLM's Responses API reports cached input tokens without the flag
+            choices.cached_tokens = [0]
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             count_prompts(streams, choices)

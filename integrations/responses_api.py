@@ -210,7 +210,7 @@ def _new_id(prefix: str) -> str:
 
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
-    """Responses' usage of a chat's; cached input tokens as counted with --enable-prompt-tokens-details, else 0."""
+    """Responses' usage of a chat's: its cached input tokens counted with the flag or not (as vLLM's)."""
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": usage.get("prompt_tokens_details",
                                                                                      {"cached_tokens": 0}),
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},

@@ -9,10 +9,7 @@ lives until SIGTERM or SIGINT, when it stops its workers and removes its socket.
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import socket
-import stat
 from collections.abc import Callable
 from types import FrameType
 
@@ -22,8 +19,8 @@ from asyncllm.engine.connect import check_address
 from asyncllm.engine.core import EngineCore, _setup_logging
 from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.prepare import prepare
-from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.procutil import report_crashes
+from asyncllm.errors import NotBuiltError
+from asyncllm.procutil import claim_socket, remove_file, report_crashes
 
 logger = logging.getLogger("asyncllm.engine.core")
 
@@ -52,7 +49,7 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
     except BaseException:
         io.close()
         if socket_path is not None:
-            _remove(socket_path)
+            remove_file(socket_path)
         raise
     previous = _install_stop_handlers(core)
     try:
@@ -66,40 +63,11 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
         core.shutdown()
         io.close()
         if socket_path is not None:
-            _remove(socket_path)
+            remove_file(socket_path)
 
 
 def _claim_socket(socket_path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(socket_path))
-    if not os.path.isdir(parent):
-        os.makedirs(parent, mode=0o700)
-    try:
-        mode = os.lstat(socket_path).st_mode
-    except FileNotFoundError:
-        return
-    address = f"ipc://{socket_path}"
-    if not stat.S_ISSOCK(mode):
-        raise ConfigError("address", address, "a socket path: something that is not a socket is there")
-    if _listening(socket_path, address):
-        raise ConfigError("address", address, "a free address: an engine core already serves there")
-    os.unlink(socket_path)  # a core that was killed left its socket behind: binding would fail
-
-
-def _listening(socket_path: str, address: str) -> bool:
-    """Whether a process listens on the Unix socket: the kernel accepts or refuses the connection itself, so a live
-    core whose CPU is starved still counts (a handshake with a deadline would have called it dead); a full backlog
-    (a stopped core) blocks the connect: listening too."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(socket_path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            return False
-        except (BlockingIOError, TimeoutError):
-            return True
-        except PermissionError:
-            raise ConfigError("address", address, "a socket this user may connect to (another user's is there)") from None
-    return True
+    claim_socket(socket_path, "address", f"ipc://{socket_path}", "an engine core")
 
 
 def _install_stop_handlers(core: EngineCore) -> dict[int, object]:
@@ -113,11 +81,3 @@ def _install_stop_handlers(core: EngineCore) -> dict[int, object]:
 def _restore(previous: dict[int, object]) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)  # type: ignore[arg-type]
-
-
-def _remove(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-

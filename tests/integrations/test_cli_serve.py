@@ -139,3 +139,55 @@ def test_uvicorn_flags_map_to_uvicorn_config() -> None:
     assert uvicorn_kwargs(_serve_args("--port", "9", "--log-level", "warning")) == {
         "host": "127.0.0.1", "port": 9, "log_level": "warning", "access_log": True, "root_path": "",
         "ssl_keyfile": None, "ssl_certfile": None, "ssl_ca_certs": None, "ssl_cert_reqs": ssl.CERT_NONE}
+
+
+@pytest.mark.parametrize("flags,named", [
+    (["--ssl-keyfile", "k.pem"], "--ssl-keyfile and --ssl-certfile"),
+    (["--ssl-certfile", "c.pem"], "--ssl-keyfile and --ssl-certfile"),
+    (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs and --ssl-cert-reqs need"),
+    (["--ssl-cert-reqs", "2"], "--ssl-ca-certs and --ssl-cert-reqs need"),
+])
+def test_tls_flags_uvicorn_would_ignore_or_fail_on_are_refused(capsys, flags, named) -> None:
+    from asyncllm.cli_commands import check_tls_args
+
+    parser = _parser()
+    with pytest.raises(SystemExit):
+        check_tls_args(parser.parse_args(["serve", *flags]), parser)
+    assert named in capsys.readouterr().err
+    check_tls_args(parser.parse_args(["serve", "--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem",
+                                      "--ssl-ca-certs", "ca.pem", "--ssl-cert-reqs", "2"]), parser)  # whole: fine
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--ssl-cert-reqs", "3"])  # ssl's CERT_* only
+
+
+def test_uds_keeps_other_files_and_live_servers_and_removes_its_socket(tmp_path, monkeypatch, capsys) -> None:
+    import socket
+
+    import uvicorn
+
+    from asyncllm.cli_commands import _run_uvicorn
+
+    path = tmp_path / "serve.sock"
+    bound = []
+
+    def bind(app, **kwargs) -> None:  # uvicorn.run: binds the socket, serves, returns on SIGINT
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(kwargs["uds"])
+        bound.append(path.exists())
+
+    monkeypatch.setattr(uvicorn, "run", bind)
+    parser = _parser()
+    args = parser.parse_args(["serve", "--uds", str(path)])
+    path.write_text("precious")
+    with pytest.raises(SystemExit):
+        _run_uvicorn(None, args, parser)
+    assert path.read_text() == "precious" and "not a socket" in capsys.readouterr().err
+    path.unlink()
+    with socket.socket(socket.AF_UNIX) as live:
+        live.bind(str(path))
+        live.listen(1)
+        with pytest.raises(SystemExit):
+            _run_uvicorn(None, args, parser)
+        assert path.exists() and "already serves there" in capsys.readouterr().err
+    _run_uvicorn(None, args, parser)  # the dead server's socket is removed, ours is bound, then removed on exit
+    assert bound == [True] and not path.exists()

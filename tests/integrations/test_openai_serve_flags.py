@@ -40,6 +40,15 @@ async def test_cors_flags_answer_preflight_and_mark_responses(bundled_engine) ->
     assert preflight.headers["access-control-allow-methods"] == "GET, POST"
     assert preflight.headers["access-control-allow-credentials"] == "true"
     assert completion.status_code == 200 and completion.headers["access-control-allow-origin"] == "https://ui.example"
+    keyed = create_app(bundled_engine, manage_engine=False, cors=cors_policy(args), api_key="secret")
+    async with asgi_client(keyed) as client:  # browsers send no key with a preflight: vLLM's auth skips OPTIONS
+        keyed_preflight = await client.options("/v1/completions", headers=preflight_headers)
+        unauthorized = await client.post("/v1/completions", json={**GREEDY, "prompt": "x"},
+                                         headers={"Origin": "https://ui.example"})
+    assert keyed_preflight.status_code == 200
+    assert keyed_preflight.headers["access-control-allow-origin"] == "https://ui.example"
+    assert unauthorized.status_code == 401  # with the CORS headers: the page can read why
+    assert unauthorized.headers["access-control-allow-origin"] == "https://ui.example"
     defaults = cors_policy(_serve_args())  # vLLM's: any origin, method and header, no credentials
     assert (defaults.allowed_origins, defaults.allowed_methods, defaults.allowed_headers,
             defaults.allow_credentials) == (["*"], ["*"], ["*"], False)
@@ -89,21 +98,23 @@ async def test_prompt_tokens_details_count_the_prefix_cache_hit(bundled_engine) 
     assert cached == hits and cached[0] == cached[2] == 0 and min(cached[1], cached[3], cached[5]) >= 16, hits
     async with asgi_client(create_app(bundled_engine, manage_engine=False)) as client:  # off: vLLM's default
         assert "prompt_tokens_details" not in (await client.post("/v1/completions", json=body)).json()["usage"]
+        unflagged = (await client.post("/v1/responses", json=turn)).json()["usage"]  # vLLM's Responses: counted
+    assert unflagged["input_tokens_details"]["cached_tokens"] >= 16
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
-async def test_force_include_usage_ends_every_stream_with_usage(bundled_engine, route) -> None:
-    body = {**GREEDY, "stream": True, **({"prompt": "x"} if route == "/v1/completions" else
-                                         {"messages": [{"role": "user", "content": "x"}]})}
+@pytest.mark.parametrize("route,extra", [("/v1/completions", {}), ("/v1/chat/completions", {}),
+                                         ("/v1/completions", {"use_beam_search": True})])
+async def test_force_include_usage_ends_every_stream_with_usage(bundled_engine, route, extra) -> None:
+    body = {**GREEDY, **extra, "stream": True, **({"prompt": "x"} if route == "/v1/completions" else
+                                                  {"messages": [{"role": "user", "content": "x"}]})}
     forced = create_app(bundled_engine, manage_engine=False, enable_force_include_usage=True)
     async with asgi_client(forced) as client:
         unasked = sse_events((await client.post(route, json=body)).text)
         declined = sse_events((await client.post(route, json={**body, "stream_options": {
-            "include_usage": False, "continuous_usage_stats": True}})).text)
+            "include_usage": False, "continuous_usage_stats": False}})).text)
     async with asgi_client(create_app(bundled_engine, manage_engine=False)) as client:
         plain = sse_events((await client.post(route, json=body)).text)
-    for events in (unasked, declined):
+    for events in (unasked, declined):  # forced usage is continuous, whatever the request asks (newest vLLM's)
         assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 2
-    assert all(event["usage"] is None for event in unasked[:-1])
-    assert all(event["usage"]["completion_tokens"] <= 2 for event in declined[:-1])  # forced usage is continuous
+        assert all(event["usage"]["completion_tokens"] <= 2 for event in events[:-1])
     assert all("usage" not in event for event in plain)
