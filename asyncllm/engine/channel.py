@@ -31,7 +31,7 @@ HEARTBEAT_TIMEOUT_MS = 10_000
 a core machine whose CPUs are starved for seconds; a dead core process is reported by its kernel, at once."""
 
 _LOST_EVENTS = {
-    zmq.EVENT_DISCONNECTED: "the connection to the engine core closed: the core process died or was stopped",
+    zmq.EVENT_DISCONNECTED: "the connection to the engine core closed: the core process exited, or (tcp://) was silent for 10 s",
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "the engine core refused this host's key: ASYNCLLM_ENGINE_KEY differs",
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the CURVE handshake with the engine core failed: "
                                           "ASYNCLLM_ENGINE_KEY differs from the core's",

@@ -26,9 +26,6 @@ class CoreProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def exit_code(self) -> int | None:
-        return self.proc.poll()
-
     def death(self, when: str = "", wait_s: float = 0.0) -> errors.EngineDeadError | None:
         """The error that says how the core process ended (`when`: " while starting"), waiting up to `wait_s` for
         it to end; None while it runs."""

@@ -292,9 +292,9 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 return error_from(message)
         if self._core is not None:  # the kernel closes a dead core's socket a moment before its exit status is known
             return self._core.death(when, wait_s=_EXIT_STATUS_WAIT_S) or errors.EngineDeadError(
-                f"the connection to the engine core (pid {self._core.pid}) closed{when} while the process still runs "
+                f"{reason}{when}; the core process (pid {self._core.pid}) had not exited {_EXIT_STATUS_WAIT_S} s later "
                 f"(engine address {self._address})")
-        return errors.EngineDeadError(f"{reason} (engine address {self._address})")
+        return errors.EngineDeadError(f"{reason}{when} (engine address {self._address})")
 
     def _core_died(self) -> bool:
         death = self._core.death() if self._core is not None else None

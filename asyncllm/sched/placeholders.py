@@ -181,8 +181,8 @@ class OutputPlaceholders:
 
 def _advance(record: StepRows, rows: RequestRows, placeholders: bool, max_seq_len: int) -> None:
     """Count the step's tokens as computed and a placeholder where it samples (unless ``placeholders`` is
-    False), for its requests still running. None where the known tokens fill `max_seq_len` (a pooling prompt
-    of max_model_len): that sampled token ends the request, and a decode after it would have no KV position.
+    False), for its requests still running. No placeholder where the known tokens fill `max_seq_len` (a pooling
+    prompt that long): that sampled token ends the request, and a decode after it would have no KV position.
 
     A request that left since (finished, aborted or timed out; its id maybe
     taken by a new request) holds no row of that serial and is skipped.

@@ -317,7 +317,7 @@ def test_raw_frame_fuzz_never_kills_the_core(engine_thread: EngineThread, raw_ho
                                              frames: list[bytes]) -> None:
     raw_host.dealer.send_multipart(frames)
     raw_host.drain(0.0)
-    assert engine_thread.engine._core.exit_code() is None
+    assert engine_thread.engine._core.death() is None
 
 
 def test_raw_frames_got_only_typed_errors_and_the_core_serves(engine_thread: EngineThread, raw_host: RawHost,
