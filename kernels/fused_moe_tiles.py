@@ -81,7 +81,7 @@ def tile_product(acc, a, b, a_s_ptrs, b_s_ptrs, row_mask, n_mask,
         if UPCAST:  # K steps under 32 columns: float32, exact (a step's sum is at most 32 * 128 * 128 < 2**24)
             return acc + tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee").to(tl.int32)
         else:
-            return tl.dot(a, b, acc)
+            return tl.dot(a, b, acc, out_dtype=tl.int32)  # Triton 3.6 assumes float32 without it and refuses acc
     elif FP8:
         if UPCAST:
             part = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
