@@ -18,8 +18,8 @@ from asyncllm.errors import ConfigError
 from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
 
-__all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "uvicorn_kwargs",
-           "check_tls_args"]
+__all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "warn_open_cors",
+           "uvicorn_kwargs", "check_tls_args"]
 
 _HOST_SIDE_FIELDS = frozenset({"disable_log_stats", "log_stats_interval"})
 """Fields a host that attaches to a shared core may still set; the rest belong to the core."""
@@ -121,6 +121,15 @@ def cors_policy(args: argparse.Namespace) -> Any:
     return CorsPolicy(args.allowed_origins, args.allowed_methods, args.allowed_headers, args.allow_credentials)
 
 
+def warn_open_cors(cors: Any, api_key: str | None) -> None:
+    """Warn that any origin with no key lets every web page the user's browser opens read the server (a
+    localhost one too: binding to 127.0.0.1 does not stop a browser on the same machine; docs/security.md)."""
+    if api_key is None and "*" in cors.allowed_origins:
+        print("[asyncllm] warning: no --api-key and CORS allows any origin (--allowed-origins '[\"*\"]', vLLM's "
+              "default): any web page opened in a browser on a machine that reaches this server, this one "
+              "included, can call it and read the replies; set --api-key or --allowed-origins", file=sys.stderr)
+
+
 def uvicorn_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """`uvicorn.run`'s keywords from the serve flags: a Unix socket (`--uds`) replaces host and port."""
     where = {"uds": args.uds} if args.uds is not None else {"host": args.host, "port": args.port}
@@ -206,13 +215,15 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         engine, name = _serve_engine(args)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_audio_bytes=args.max_audio_bytes, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts)
-        app = create_app(engine, model_name=name, api_key=args.api_key or envs.API_KEY.get() or None, limits=limits,
+        api_key, cors = args.api_key or envs.API_KEY.get() or None, cors_policy(args)
+        warn_open_cors(cors, api_key)
+        app = create_app(engine, model_name=name, api_key=api_key, limits=limits,
                          tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                          chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
                          reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or (),
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          enable_request_id_headers=args.enable_request_id_headers,
-                         response_role=args.response_role, cors=cors_policy(args),
+                         response_role=args.response_role, cors=cors,
                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                          enable_force_include_usage=args.enable_force_include_usage)
     except ConfigError as exc:

@@ -43,7 +43,7 @@ from asyncllm.integrations.openai_protocol import (
 )
 from asyncllm.integrations.openai_sampling import check_common, resolve_max_tokens, sets_max_tokens
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
-from asyncllm.integrations.openai_streaming import usage_mode
+from asyncllm.integrations.openai_streaming import chunk_usage, usage_mode
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected
 from asyncllm.outputs import StreamDelta
@@ -221,15 +221,13 @@ def _deltas(prompts: Sequence[list[int]], outputs: Sequence[BeamSearchOutput], n
 
 async def _sse(req: CompletionRequest | ChatCompletionRequest, choices: Choices,
                deltas: list[tuple[int, StreamDelta]], meta: dict[str, Any],
-               force_usage: bool) -> AsyncIterator[bytes]:
+               force_include_usage: bool) -> AsyncIterator[bytes]:
     """The chunks of a finished search: chat's role chunks, then each choice whole in one chunk (its text,
     logprobs and finish_reason), the usage chunk when asked or forced (`usage_mode`), ``[DONE]``."""
-    usage = usage_mode(req, force_usage)
+    usage = usage_mode(req, force_include_usage)
 
     def chunk(choice: dict[str, Any]) -> bytes:
-        extra = {} if usage == "none" else {
-            "usage": choices.choice_usage(choice["index"]) if usage == "continuous" else None}
-        return sse_event({**meta, "choices": [choice], **extra})
+        return sse_event({**meta, "choices": [choice], **chunk_usage(choices, choice["index"], usage)})
 
     if choices.chat:
         for index in range(len(deltas)):

@@ -93,11 +93,11 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
                enable_force_include_usage: bool = False) -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
-    `model_name` is the id clients pass as ``model`` (default: the model as
-    configured, or ``asyncllm-tiny`` for the bundled one); several names are
-    all accepted, and responses carry the first (vLLM's ``--served-model-name
-    a b``). With `manage_engine`
-    the app's lifespan starts the engine and closes it at shutdown.
+    `model_name` is the id clients pass as ``model`` (default: the model as configured, or ``asyncllm-tiny`` for
+    the bundled one); several names are all accepted, and responses carry the first (vLLM's ``--served-model-name
+    a b``). With `manage_engine` the app's lifespan starts the engine and closes it at shutdown.
+    `api_key`: requests need ``Authorization: Bearer <key>`` (vLLM's ``--api-key``; None: no key asked).
+    `limits` bound each request (`ServerLimits`: body and upload bytes, n, max_tokens, prompts; None: the defaults).
     `tool_call_parser` (``"hermes"``, ``"llama3_json"``, ``"openai"``, ...) enables
     ``tool_choice: "auto"`` (vLLM's ``--enable-auto-tool-choice --tool-call-parser``).
     `chat_template` (a file path or the Jinja text) replaces the tokenizer's
@@ -197,8 +197,8 @@ class OpenAIServer:
     def app(self, manage_engine: bool = True, request_id_headers: bool = False,
             cors: CorsPolicy | None = None) -> Starlette:
         """The Starlette app; with `manage_engine` its lifespan starts and closes the engine. Its startup
-        checks the LoRA modules (`check_lora_modules`). `request_id_headers`: `RequestIdHeaders` around it;
-        `cors`: Starlette's CORS middleware outermost (it answers preflight requests itself)."""
+        checks the LoRA modules (`check_lora_modules`). `request_id_headers`: `RequestIdHeaders` outermost, as
+        vLLM's (preflights too); `cors`: Starlette's CORS middleware inside it (it answers preflights itself)."""
         routes = [
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
             Route("/v1/chat/completions", self._guarded(self.chat_completions), methods=["POST"]),
@@ -215,8 +215,8 @@ class OpenAIServer:
             routes += lora_routes(self)  # vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter (openai_lora.py)
         if envs.SERVER_DEV_MODE.get():
             routes += dev_routes(self)
-        middleware = ([cors.middleware()] if cors is not None else []) + (
-            [Middleware(RequestIdHeaders)] if request_id_headers else [])
+        middleware = ([Middleware(RequestIdHeaders)] if request_id_headers else []) + (
+            [cors.middleware()] if cors is not None else [])
         app = Starlette(routes=routes, lifespan=self._lifespan(manage_engine),
                         exception_handlers={404: not_found, 405: not_allowed}, middleware=middleware)
         app.state.openai_server = self
@@ -267,7 +267,7 @@ class OpenAIServer:
                           return_token_ids=req.return_token_ids, prompt_tokens_details=self.prompt_tokens_details)
         echo = (prompts, self.engine.tokenizer) if req.echo else None
         return await respond(request, req, model, streams, choices, "cmpl", "text_completion", echo,
-                             force_usage=self.force_include_usage)
+                             force_include_usage=self.force_include_usage)
 
     async def chat_completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
@@ -278,7 +278,7 @@ class OpenAIServer:
         streams, choices = self._start_chat(req, lora, await self._sampling_defaults(),
                                             header_data_parallel_rank(request.headers))
         return await respond(request, req, model, streams, choices, "chatcmpl", "chat.completion",
-                             force_usage=self.force_include_usage)
+                             force_include_usage=self.force_include_usage)
 
     async def embeddings(self, request: Request, body: bytes | None = None) -> Response:
         """OpenAI's: one embedding per ``input``, or (vLLM's) of chat ``messages`` (openai_embeddings.py)."""
@@ -313,9 +313,7 @@ class OpenAIServer:
         model, lora = self._model(req.model)
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
         streams, choices = self._start_chat(turn.chat_request(), lora, await self._sampling_defaults(),
-                                            header_data_parallel_rank(request.headers))
-        if choices.cached_tokens is None:  # vLLM's Responses API reports cached input tokens without the flag
-            choices.cached_tokens = [0]
+                                            header_data_parallel_rank(request.headers), prompt_tokens_details=True)
         if req.stream:
             firsts = await first_deltas(streams)  # errors before the first token keep their status code
             count_prompts(streams, choices)
@@ -336,7 +334,9 @@ class OpenAIServer:
         return self.engine.default_sampling_fields()
 
     def _start_chat(self, req: ChatCompletionRequest, lora: LoRARequest | None, defaults: dict[str, Any],
-                    data_parallel_rank: int | None = None) -> tuple[list[RequestStream], Choices]:
+                    data_parallel_rank: int | None = None,
+                    prompt_tokens_details: bool = False) -> tuple[list[RequestStream], Choices]:
+        """The chat's streams and their `Choices`; the Responses API has `prompt_tokens_details` without the flag."""
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         params = chat_params(req, self.limits, mode, self.reasoning, defaults)
         streams = [self.engine.chat(chat_messages(req.messages, images=True), params, **request_options(req),
@@ -349,7 +349,7 @@ class OpenAIServer:
                           return_prompt_logprobs=req.prompt_logprobs is not None,
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
                           chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
-                          prompt_tokens_details=self.prompt_tokens_details)
+                          prompt_tokens_details=self.prompt_tokens_details or prompt_tokens_details)
         return streams, choices
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,

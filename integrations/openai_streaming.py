@@ -29,7 +29,7 @@ from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merg
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
 
-__all__ = ["respond", "count_prompts", "response_events", "usage_mode"]
+__all__ = ["respond", "count_prompts", "response_events", "usage_mode", "chunk_usage"]
 
 Echoed = list[tuple[int, dict[str, Any] | None, str]]
 """Completions' echo when streaming: one (choice index, prompt logprobs, prompt text) per choice."""
@@ -37,10 +37,11 @@ Echoed = list[tuple[int, dict[str, Any] | None, str]]
 
 async def respond(request: Request, req: CompletionRequest | ChatCompletionRequest, model: str,
                   streams: list[RequestStream], choices: Choices, id_prefix: str, kind: str,
-                  echo: tuple[list[str | list[int]], Any] | None = None, force_usage: bool = False) -> Response:
+                  echo: tuple[list[str | list[int]], Any] | None = None, force_include_usage: bool = False) -> Response:
     """The response of `streams`: SSE chunks with ``stream``, else one JSON body. `echo`: completions' prompts to
-    put first, and the tokenizer that gives prompts of token ids their text (None: none loaded). `force_usage`
-    (vLLM's --enable-force-include-usage): continuous usage and the usage chunk, asked or not (`usage_mode`)."""
+    put first, and the tokenizer that gives prompts of token ids their text (None: none loaded).
+    `force_include_usage` (vLLM's --enable-force-include-usage): continuous usage and the usage chunk, asked or
+    not (`usage_mode`)."""
     chunk_kind = kind + ".chunk" if choices.chat else kind
     meta = {"id": response_id(id_prefix, req), "object": chunk_kind if req.stream else kind,
             "created": int(time.time()), "model": model}
@@ -48,7 +49,7 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
         firsts = await first_deltas(streams)  # errors before the first token keep their status code
         count_prompts(streams, choices)
         echoed = await _echo(choices, streams, *echo, firsts) if echo is not None else []
-        events = _sse(request, streams, firsts, choices, meta, usage_mode(req, force_usage), echoed)
+        events = _sse(request, streams, firsts, choices, meta, usage_mode(req, force_include_usage), echoed)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
         choices.add(prompt_index, delta)
@@ -59,16 +60,23 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
                           **choices.response_fields()})
 
 
-def usage_mode(req: CompletionRequest | ChatCompletionRequest, force_usage: bool) -> str:
+def usage_mode(req: CompletionRequest | ChatCompletionRequest, force_include_usage: bool) -> str:
     """A stream's usage chunks, as vLLM's ``should_include_usage``: "none", "last" (the final usage chunk) or
     "continuous" (every chunk too); ``continuous_usage_stats`` counts only with ``include_usage``, and
-    `force_usage` (--enable-force-include-usage) makes it "continuous" whatever the request asks, as vLLM's."""
-    if force_usage:
+    `force_include_usage` (--enable-force-include-usage) makes it "continuous" whatever the request asks, as vLLM's."""
+    if force_include_usage:
         return "continuous"
     options = req.stream_options
     if options is None or not options.include_usage:
         return "none"
     return "continuous" if options.continuous_usage_stats else "last"
+
+
+def chunk_usage(choices: Choices, index: int, usage: str) -> dict[str, Any]:
+    """A chunk's ``usage`` field for `usage_mode`'s `usage`: none, null, or choice `index`'s usage so far."""
+    if usage == "none":
+        return {}
+    return {"usage": choices.choice_usage(index) if usage == "continuous" else None}
 
 
 def count_prompts(streams: list[RequestStream], choices: Choices) -> None:
@@ -113,9 +121,7 @@ async def _sse(request: Request, streams: list[RequestStream], firsts: list[Any]
     (vLLM's continuous_usage_stats: every chunk has its choice's usage so far, then the final chunk the request's)."""
 
     def chunk(choice: dict[str, Any], top: dict[str, Any] | None = None) -> bytes:
-        extra = {} if usage == "none" else {
-            "usage": choices.choice_usage(choice["index"]) if usage == "continuous" else None}
-        return sse_event({**meta, **(top or {}), "choices": [choice], **extra})
+        return sse_event({**meta, **(top or {}), "choices": [choice], **chunk_usage(choices, choice["index"], usage)})
 
     try:
         if choices.chat:

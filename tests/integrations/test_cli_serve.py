@@ -191,3 +191,21 @@ def test_uds_keeps_other_files_and_live_servers_and_removes_its_socket(tmp_path,
         assert path.exists() and "already serves there" in capsys.readouterr().err
     _run_uvicorn(None, args, parser)  # the dead server's socket is removed, ours is bound, then removed on exit
     assert bound == [True] and not path.exists()
+
+
+def test_serve_warns_that_any_origin_without_a_key_opens_it_to_web_pages(monkeypatch, capsys) -> None:
+    import uvicorn
+
+    from asyncllm.cli_commands import run_serve
+
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)  # the app is built, nothing served
+    monkeypatch.delenv("ASYNCLLM_API_KEY", raising=False)
+    parser = _parser()
+    warned = []
+    for flags in ([], ["--api-key", "k"], ["--allowed-origins", '["https://ui.example"]']):
+        run_serve(parser.parse_args(["serve", *flags]), parser)
+        warned.append("warning: no --api-key and CORS allows any origin" in capsys.readouterr().err)
+    assert warned == [True, False, False]  # vLLM's default origins ["*"] and no key: any page may read it
+    monkeypatch.setenv("ASYNCLLM_API_KEY", "k")
+    run_serve(parser.parse_args(["serve"]), parser)
+    assert "warning" not in capsys.readouterr().err

@@ -4,6 +4,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
+import shutil
+import tempfile
+import time
 
 import httpx
 import pytest
@@ -58,20 +63,27 @@ async def test_cors_flags_answer_preflight_and_mark_responses(bundled_engine) ->
         _serve_args("--allowed-origins", "https://ui.example")  # not a JSON list
 
 
-async def test_uds_serves_the_app_on_a_unix_socket(bundled_engine, tmp_path) -> None:
-    path = str(tmp_path / "serve.sock")
+async def test_uds_serves_the_app_on_a_unix_socket(bundled_engine) -> None:
+    folder = tempfile.mkdtemp(dir="/tmp")  # short: a socket path has at most 108 bytes, tmp_path can be longer
+    path = os.path.join(folder, "serve.sock")
     kwargs = uvicorn_kwargs(_serve_args("--uds", path, "--root-path", "/llm", "--log-level", "warning"))
     server = uvicorn.Server(uvicorn.Config(create_app(bundled_engine, manage_engine=False), **kwargs, lifespan="off"))
     task = asyncio.ensure_future(server.serve())
+    deadline = time.monotonic() + 10
     try:
         while not server.started:
+            assert not task.done() and time.monotonic() < deadline, "uvicorn did not start on the socket"
             await asyncio.sleep(0.02)
         transport = httpx.AsyncHTTPTransport(uds=path)
         async with httpx.AsyncClient(transport=transport, base_url="http://serve") as client:
             models = await client.get("/v1/models")  # the proxy in front of --root-path strips its prefix
     finally:
         server.should_exit = True
-        await task
+        if not server.started:
+            task.cancel()  # a start that hangs: should_exit reaches only a started server
+        with contextlib.suppress(asyncio.CancelledError):
+            await task  # a start that failed raises its error here
+        shutil.rmtree(folder, ignore_errors=True)
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "asyncllm-tiny"
 
 

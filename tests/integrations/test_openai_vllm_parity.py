@@ -13,6 +13,7 @@ from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, ServerLimits, chat_echo, decode_request, template_kwargs,
 )
+from asyncllm.integrations.openai_http import CorsPolicy
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client, sse_events
 
@@ -286,12 +287,17 @@ async def test_request_id_headers(bundled_engine) -> None:
         streamed = await client.post("/v1/completions", json={**body, "stream": True}, headers={"X-Request-Id": "s"})
         refused = await client.post("/v1/completions", json={**body, "n": 0}, headers={"X-Request-Id": "e"})
         fresh = [(await client.post("/v1/completions", json=body)).headers["x-request-id"] for _ in range(2)]
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST", "X-Request-Id": "p"}
+    cors = create_app(bundled_engine, manage_engine=False, enable_request_id_headers=True, cors=CorsPolicy())
+    async with asgi_client(cors) as client:  # vLLM's request-id middleware is outermost: preflights carry it
+        answered = await client.options("/v1/completions", headers=preflight)
     async with asgi_client(create_app(bundled_engine, manage_engine=False)) as client:
         off = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "abc"})
     assert (sent.headers["x-request-id"], sent.json()["id"]) == ("abc", "cmpl-abc")
     assert (streamed.headers["x-request-id"], refused.status_code, refused.headers["x-request-id"]) == ("s", 400, "e")
     assert fresh[0] != fresh[1] and all(len(value) == 32 for value in fresh)  # uuid4 hex, as vLLM's
     assert "x-request-id" not in off.headers
+    assert (answered.status_code, answered.headers["x-request-id"]) == (200, "p")
 
 
 async def test_spaces_between_special_tokens_is_refused_as_not_built(app, bundled_tokenizer) -> None:
