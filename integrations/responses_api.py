@@ -211,8 +211,9 @@ def _new_id(prefix: str) -> str:
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     """Responses' usage of a chat's, whose prompt_tokens_details the server asks for with the flag or not
-    (`OpenAIServer.responses`: vLLM's Responses API counts cached input tokens always)."""
-    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": usage["prompt_tokens_details"],
+    (`OpenAIServer.responses`: vLLM's Responses API counts cached input tokens always); 0 where a usage has none."""
+    details = usage.get("prompt_tokens_details") or {"cached_tokens": 0}
+    return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": details,
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}
 

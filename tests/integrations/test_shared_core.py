@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from asyncllm import AsyncEngine, ConfigError, EngineDeadError
+from asyncllm import AsyncEngine, ConfigError, EngineDeadError, SamplingParams
 from asyncllm.engine.connect import handshake
 from hf_reference import hf_greedy
 
@@ -49,17 +49,21 @@ def _python(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-P", *args], **kwargs)
 
 
-@pytest.fixture(scope="module")
-def core(tiny_llama: str, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("core")
+def _start_core(model: str, folder: Path) -> tuple[subprocess.Popen, str]:
     address = f"ipc://{folder / 'run' / 'engine.sock'}"
-    proc = _python("-m", "asyncllm", "engine", tiny_llama, "--address", address, "--disable-log-stats",
+    proc = _python("-m", "asyncllm", "engine", model, "--address", address, "--disable-log-stats",
                    stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not os.path.exists(address[len("ipc://"):]):
         assert proc.poll() is None and time.monotonic() < deadline, "the standalone core did not start"
         time.sleep(0.05)
     handshake(address, timeout_s=120)  # returns once the model is loaded
+    return proc, address
+
+
+@pytest.fixture(scope="module")
+def core(tiny_llama: str, tmp_path_factory):
+    proc, address = _start_core(tiny_llama, tmp_path_factory.mktemp("core"))
     yield proc, address
     if proc.poll() is None:
         proc.kill()
@@ -107,3 +111,23 @@ async def test_connect_refuses_tcp_and_bad_addresses(tmp_path: Path, monkeypatch
     engine = AsyncEngine.connect(f"ipc://{tmp_path / 'nobody.sock'}")
     with pytest.raises(EngineDeadError, match="no engine core listens"):
         await engine.start()
+
+
+async def test_a_killed_core_fails_an_attached_hosts_streams_at_once(tiny_llama: str, tmp_path_factory) -> None:
+    """A host attached over ipc:// has no heartbeat and no process to watch: the kernel closing the dead core's socket
+    is what tells it. A SIGKILLed core (no last word) fails the host's open stream within seconds, naming the
+    address."""
+    proc, address = _start_core(tiny_llama, tmp_path_factory.mktemp("killed"))
+    try:
+        async with AsyncEngine.connect(address, disable_log_stats=True) as engine:
+            stream = engine.stream("def main():", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
+            with pytest.raises(EngineDeadError, match="connection to the engine core closed") as failed:
+                async for _ in stream:
+                    if proc.poll() is None:
+                        proc.kill()
+                        killed = time.monotonic()
+        assert time.monotonic() - killed < 5 and address in str(failed.value)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
