@@ -51,6 +51,9 @@ def add_serve_parser(commands: Any) -> None:
                        help="largest request body (default: 64 MiB, a few photos as data URLs)")
     serve.add_argument("--max-audio-bytes", type=int, default=25 << 20,
                        help="largest audio upload to /v1/audio/transcriptions and /translations (default: 25 MiB)")
+    serve.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                       help="let requests name media files inside DIR as file:// URLs (trusted clients only; "
+                            "default: no file is read for a request)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
@@ -214,7 +217,8 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     try:
         engine, name = _serve_engine(args)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_audio_bytes=args.max_audio_bytes, max_n=args.max_n,
-                              max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts)
+                              max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts,
+                              allowed_local_media_path=args.allowed_local_media_path)
         api_key, cors = args.api_key or envs.API_KEY.get() or None, cors_policy(args)
         warn_open_cors(cors, api_key)
         app = create_app(engine, model_name=name, api_key=api_key, limits=limits,

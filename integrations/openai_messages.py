@@ -9,11 +9,14 @@ are a 400 naming them.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["chat_messages"]
+__all__ = ["chat_messages", "media_url"]
 
 
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id"})
@@ -23,15 +26,16 @@ _ASSISTANT_IGNORED_KEYS = frozenset({"refusal", "annotations", "audio", "functio
 _REASONING_KEYS = ("reasoning", "reasoning_content")
 
 
-def chat_messages(messages: list[dict[str, Any]], images: bool = False) -> list[dict[str, Any]]:
+def chat_messages(messages: list[dict[str, Any]], images: bool = False,
+                  media_root: Path | None = None) -> list[dict[str, Any]]:
     """Messages with text-part lists flattened to strings (the engine's chat template takes strings).
 
     With ``images`` (a chat completion), a content list with ``image_url`` (or vLLM's ``video_url`` / ``audio_url``,
     OpenAI's ``input_audio``) parts stays a list of text and media parts, which the engine's chat splits
-    (asyncllm/mm/): the url is a base64 ``data:`` URL
-    (http(s) URLs are refused by the engine, which fetches nothing), OpenAI's ``detail`` hint is dropped (as vLLM
-    does), a part's ``uuid`` is the input's cache key. Elsewhere (tokenize, beam search) a media part is an error.
-    An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
+    (asyncllm/mm/): the url is a base64 ``data:`` URL, or a ``file://`` URL under `media_root` (vLLM's
+    ``--allowed-local-media-path``; `media_url`); http(s) URLs are refused by the engine, which fetches nothing.
+    OpenAI's ``detail`` hint is dropped (as vLLM does), a part's ``uuid`` is the input's cache key. Elsewhere
+    (tokenize, beam search) a media part is an error. An assistant's ``tool_calls`` and a tool message's ``tool_call_id`` go to
     the template (the engine parses the calls' JSON arguments for it), and so does its ``reasoning`` (or
     ``reasoning_content``; a string), as both ``reasoning`` and ``reasoning_content`` (as vLLM: Qwen3's and
     DeepSeek-R1's templates read the latter, others the former). Keys whose
@@ -42,8 +46,8 @@ def chat_messages(messages: list[dict[str, Any]], images: bool = False) -> list[
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, list) and images and any(_is_image_part(part) for part in content):
-            content = [_image_part(i, part) if _is_image_part(part) else {"type": "text", "text": _text_part(i, part)}
-                       for part in content]
+            content = [_image_part(i, part, media_root) if _is_image_part(part)
+                       else {"type": "text", "text": _text_part(i, part)} for part in content]
         elif isinstance(content, list):
             content = "".join(_text_part(i, part) for part in content)
         elif content is None:
@@ -74,7 +78,7 @@ def _is_image_part(part: object) -> bool:
     return isinstance(part, dict) and part.get("type") in ("image_url", "video_url", "audio_url", "input_audio")
 
 
-def _image_part(i: int, part: dict[str, Any]) -> dict[str, Any]:
+def _image_part(i: int, part: dict[str, Any], media_root: Path | None) -> dict[str, Any]:
     """An OpenAI ``image_url`` (vLLM's ``video_url`` / ``audio_url``) part as the engine's chat takes it: the url
     string and the optional uuid; OpenAI's ``input_audio`` (``{"data": base64, "format"}``) as it is."""
     kind = part["type"]
@@ -84,7 +88,28 @@ def _image_part(i: int, part: dict[str, Any]) -> dict[str, Any]:
     url = value.get("url") if isinstance(value, dict) else value
     if not isinstance(url, str) or not url:
         raise InvalidRequestError("messages", f"item {i}: an {kind} part needs {kind}.url (a data: URL)")
+    url = media_url(url, media_root, f"messages[{i}]")
     return {"type": kind, kind: {"url": url}, **({"uuid": part["uuid"]} if "uuid" in part else {})}
+
+
+def media_url(url: str, media_root: Path | None, field: str) -> str:
+    """What the engine reads for a client's media url: a ``data:`` or http(s) URL as it is (the engine decodes the
+    first and refuses the second); a ``file://`` URL as its path, only inside `media_root` (the server's
+    ``allowed_local_media_path``, resolved: symbolic links cannot leave it), as vLLM's ``MediaConnector``. Anything
+    else is a 400: the engine reads a bare path as a file of the server's, which a client must never name."""
+    parts = urlsplit(url)
+    if parts.scheme in ("data", "http", "https"):
+        return url
+    if parts.scheme != "file":
+        raise InvalidRequestError(field, f"a media url must be a data:, http(s) or file: URL, got {url!r:.80}")
+    if media_root is None:
+        raise InvalidRequestError(field, "cannot load local files without --allowed-local-media-path "
+                                         "(ServerLimits.allowed_local_media_path)")
+    path = Path(url2pathname(parts.path)).resolve()
+    if parts.netloc not in ("", "localhost") or media_root not in path.parents:
+        raise InvalidRequestError(field, f"the file {url!r:.120} must be inside --allowed-local-media-path "
+                                         f"{str(media_root)!r}")
+    return str(path)
 
 
 def _text_part(i: int, part: object) -> str:

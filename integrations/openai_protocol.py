@@ -21,12 +21,13 @@ import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
 from asyncllm.engine.validation import check_request_id
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import ConfigError, InvalidRequestError
 
 __all__ = [
     "ServerLimits", "StreamOptions", "CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
@@ -51,6 +52,16 @@ class ServerLimits:
     max_prompts: int = 2048
     """Most prompts in one /v1/completions request (a list prompt), or inputs in one /v1/embeddings request (OpenAI's
     embeddings limit; vLLM has none)."""
+    allowed_local_media_path: Path | None = None
+    """The folder whose files requests may name as ``file://`` media urls (vLLM's ``--allowed-local-media-path``:
+    a risk, for trusted clients only); None: no file is read for a request (`media_url`). Resolved at creation."""
+
+    def __post_init__(self) -> None:
+        root = self.allowed_local_media_path
+        if root is not None:
+            if not Path(root).is_dir():
+                raise ConfigError("allowed_local_media_path", str(root), "an existing folder")
+            object.__setattr__(self, "allowed_local_media_path", Path(root).resolve())
 
     def check_sequences(self, prompts: int, n: int, field: str = "n") -> None:
         """`InvalidRequestError` naming `field` when prompts x n exceed max(max_prompts, max_n): no product."""

@@ -339,7 +339,8 @@ class OpenAIServer:
         """The chat's streams and their `Choices`; the Responses API has `prompt_tokens_details` without the flag."""
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         params = chat_params(req, self.limits, mode, self.reasoning, defaults)
-        streams = [self.engine.chat(chat_messages(req.messages, images=True), params, **request_options(req),
+        messages = chat_messages(req.messages, images=True, media_root=self.limits.allowed_local_media_path)
+        streams = [self.engine.chat(messages, params, **request_options(req),
                                     chat_template_kwargs=template_kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
                                     data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs,

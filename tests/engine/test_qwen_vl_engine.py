@@ -242,11 +242,12 @@ async def test_mm_processor_kwargs_bound_an_image_and_an_unknown_key_is_refused(
         await AsyncEngine(qwen25_vl, mm_processor_kwargs={"max_pixel": 1000}).start()
 
 
-async def test_openai_chat_completions_and_responses_take_base64_data_url_images(engine, qwen25_vl):
+async def test_openai_chat_completions_and_responses_take_base64_data_url_images(engine, qwen25_vl, tmp_path):
     import base64
 
     from asgi_helpers import asgi_client
 
+    from asyncllm.integrations.openai_protocol import ServerLimits
     from asyncllm.integrations.openai_server import create_app
 
     image = make_image(90, 90, seed=5)
@@ -263,6 +264,13 @@ async def test_openai_chat_completions_and_responses_take_base64_data_url_images
         bounded = await client.post("/v1/chat/completions", json={**body, "mm_processor_kwargs": {"max_pixels": 3136}})
         content[0]["image_url"]["url"] = "https://example.com/cat.png"
         fetched = await client.post("/v1/chat/completions", json=body)
+        (tmp_path / "cat.png").write_bytes(image)
+        content[0]["image_url"]["url"] = str(tmp_path / "cat.png")  # a server file: never read for a client
+        bare_path = await client.post("/v1/chat/completions", json=body)
+    limits = ServerLimits(allowed_local_media_path=str(tmp_path))  # vLLM's --allowed-local-media-path
+    async with asgi_client(create_app(engine, manage_engine=False, limits=limits)) as client:
+        content[0]["image_url"]["url"] = (tmp_path / "cat.png").as_uri()
+        from_file = await client.post("/v1/chat/completions", json=body)
     hf_messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what is this?"}]}]
     hf_prompt, hf_tokens = hf_qwen_vl_greedy(qwen25_vl, None, [image], 8, messages=hf_messages)
     pad = engine.tokenizer.convert_tokens_to_ids(IMAGE_PAD)
@@ -270,6 +278,8 @@ async def test_openai_chat_completions_and_responses_take_base64_data_url_images
     assert ok.json()["usage"]["prompt_tokens"] == len(hf_prompt)
     assert ok.json()["choices"][0]["message"]["content"] == engine.tokenizer.decode(hf_tokens, skip_special_tokens=True)
     assert fetched.status_code == 400 and "URLs are not fetched" in fetched.json()["error"]["message"]
+    assert bare_path.status_code == 400 and "data:, http(s) or file: URL" in bare_path.json()["error"]["message"]
+    assert from_file.json()["choices"][0]["message"]["content"] == ok.json()["choices"][0]["message"]["content"]
     assert bounded.json()["usage"]["prompt_tokens"] == len(hf_prompt) - hf_prompt.count(pad) + 4  # 56 x 56 pixels
     assert response.status_code == 200, response.text
     message = next(item for item in response.json()["output"] if item["type"] == "message")
