@@ -12,9 +12,9 @@ third-party exceptions are mapped to one of these at the edge::
      +-- EngineDeadError          the engine core or a worker died and was not recovered
 
 `check_context_length` raises the one error clients branch on by its code and words (vLLM's, with OpenAI's
-``context_length_exceeded``; a pooling request's prompt may fill the context); it lives here so that the host and
-the OpenAI server (its beam search) share it without importing asyncllm.engine. ``__all__`` is the exception tree
-(which ``asyncllm`` re-exports).
+``context_length_exceeded``; a pooling request's prompt may fill the context, its API named in
+`POOLING_OPERATIONS`' word); it lives here so that the host and the OpenAI server (its beam search) share it
+without importing asyncllm.engine. ``__all__`` is the exception tree (which ``asyncllm`` re-exports).
 """
 
 from __future__ import annotations
@@ -84,26 +84,41 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 """OpenAI's error code of a request longer than the model's context (clients detect overflow by it)."""
 
 
+POOLING_OPERATIONS = {"embed": "embedding generation", "classify": "classification", "score": "score",
+                      "rerank": "embedding generation"}
+"""A pooling API's operation in vLLM's context-length error, by the API whatever the model (vLLM keys the word by
+the request's type: /score says "score" on an embedding model too, and /rerank, not in its mapping, "embedding
+generation" on a cross-encoder too). `embed` and `classify` are also the `PoolingParams.task`s."""
+
+
 def check_context_length(max_model_len: int, prompt_tokens: int, max_tokens: int | None = None, *,
                          operation: str | None = None, field: str = "prompt") -> None:
     """`InvalidRequestError` (code `CONTEXT_LENGTH_EXCEEDED`, in vLLM's words, which clients detecting context
     overflow match) for a request that does not fit in `max_model_len`: a prompt that leaves no room for one
     generated token, else, with `max_tokens` (a request that set it), a prompt plus `max_tokens` past it. vLLM's
-    order: the prompt alone first. `operation`: a pooling request's, in vLLM's words ("embedding generation",
-    "classification", "score"): it generates nothing, so its prompt may fill `max_model_len`. `field`: the prompt's
-    (``prompt.prompt_embeds`` for rows of embeddings)."""
+    order: the prompt alone first. `operation`: a pooling request's (a `POOLING_OPERATIONS` word): it generates
+    nothing, so its prompt may fill `max_model_len`. `field`: the prompt's (``prompt.prompt_embeds`` for rows of
+    embeddings)."""
     if operation is not None:
         if prompt_tokens > max_model_len:
-            raise InvalidRequestError(field, f"This model's maximum context length is {max_model_len} tokens. However, "
-                                             f"you requested {prompt_tokens} tokens in the input for {operation}. "
-                                             "Please reduce the length of the input.", code=CONTEXT_LENGTH_EXCEEDED)
+            raise prompt_too_long(max_model_len, f"{prompt_tokens} tokens", operation, field)
         return
     if prompt_tokens >= max_model_len:
-        raise InvalidRequestError(field, f"This model's maximum context length is {max_model_len} tokens. However, "
-                                         f"your request has {prompt_tokens} input tokens. Please reduce the length "
-                                         "of the input messages.", code=CONTEXT_LENGTH_EXCEEDED)
+        raise prompt_too_long(max_model_len, f"{prompt_tokens} input tokens", None, field)
     if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
         raise InvalidRequestError("max_tokens", f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. "
                                                 f"This model's maximum context length is {max_model_len} tokens and "
                                                 f"your request has {prompt_tokens} input tokens ({max_tokens} > "
                                                 f"{max_model_len} - {prompt_tokens}).", code=CONTEXT_LENGTH_EXCEEDED)
+
+
+def prompt_too_long(max_model_len: int, amount: str, operation: str | None,
+                    field: str = "prompt") -> InvalidRequestError:
+    """The error of a prompt of `amount` ("9 tokens") past `max_model_len`, in vLLM's words: a pooling request's
+    names its `operation` (a `POOLING_OPERATIONS` word), a generation's (None) does not."""
+    if operation is not None:
+        said = f"you requested {amount} in the input for {operation}. Please reduce the length of the input."
+    else:
+        said = f"your request has {amount}. Please reduce the length of the input messages."
+    return InvalidRequestError(field, f"This model's maximum context length is {max_model_len} tokens. However, "
+                                      f"{said}", code=CONTEXT_LENGTH_EXCEEDED)

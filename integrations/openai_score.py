@@ -123,7 +123,7 @@ class _Handlers:
         _check_count("documents", req.documents, self.server.limits.max_prompts)
         texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
         try:
-            outputs = await self._score(request, req.query, texts, _options(req, lora))
+            outputs = await self._score(request, req.query, texts, {**_options(req, lora), "rerank": True})
         except InvalidRequestError as exc:  # the engine names its own fields: name the request's
             field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None

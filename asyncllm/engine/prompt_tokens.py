@@ -85,11 +85,8 @@ class PromptTokenizer:
                 chat_template=options.chat_template))
         elif isinstance(job.prompt, str):
             chars = len(job.prompt) + len(options.text_pair or "")
-            if chars > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:
-                raise errors.InvalidRequestError(
-                    "prompt", f"This model's maximum context length is {self.max_model_len} tokens. However, your "
-                              f"request has {chars} characters, more than fit in that. Please reduce the length of "
-                              "the input messages.", code=errors.CONTEXT_LENGTH_EXCEEDED)
+            if chars > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:  # more tokens than fit
+                raise errors.prompt_too_long(self.max_model_len, f"{chars} characters", operation)
             check_text("prompt", job.prompt)
             token_ids = self._truncated(job, self._encode(job.prompt, options.text_pair))
         else:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.engine.collector import RequestCollector
-from asyncllm.errors import InvalidRequestError
+from asyncllm.errors import POOLING_OPERATIONS, InvalidRequestError
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
 from asyncllm.outputs import StreamDelta
@@ -60,15 +60,17 @@ class RequestOptions:
     """The OpenAI server's (as vLLM's server): a prompt plus ``max_tokens`` over max_model_len is an
     `InvalidRequestError` (code ``context_length_exceeded``) instead of max_tokens cut to the room left."""
 
+    pooling_api: str | None = None
+    """The pooling API that made the request when it is not `pooling`'s task (``"score"``; ``"rerank"``, the
+    OpenAI server's): it names the operation in a context-length error (`errors.POOLING_OPERATIONS`)."""
+
     @property
     def pooling_operation(self) -> str | None:
-        """A pooling request's operation in vLLM's context-length error ("embedding generation", "classification",
-        "score": a cross-encoder's pair); None: the request generates (`errors.check_context_length`)."""
+        """A pooling request's operation in vLLM's context-length error (`errors.POOLING_OPERATIONS`' word for its
+        API); None: the request generates (`errors.check_context_length`)."""
         if self.pooling is None:
             return None
-        if self.text_pair is not None:
-            return "score"
-        return "classification" if self.pooling.task == "classify" else "embedding generation"
+        return POOLING_OPERATIONS[self.pooling_api or self.pooling.task]
 
     def validate(self) -> None:
         check_priority(self.priority)
