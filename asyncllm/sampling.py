@@ -73,6 +73,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     """Keep the matched stop string at the end of the text."""
     skip_special_tokens: bool = True
     """Leave special tokens out of the decoded text."""
+    spaces_between_special_tokens: bool = True
+    """False (with skip_special_tokens False): an added token right after another is emitted as its bare content,
+    without the space the tokenizer's decoder may put before it (vLLM's rule; docs/sampling.md)."""
     presence_penalty: float = 0.0
     """Subtracted once from the logit of every token already generated (OpenAI's formula)."""
     frequency_penalty: float = 0.0
@@ -140,7 +143,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             raise InvalidRequestError("stop", "must be a string or a list of non-empty strings")
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids", "must be a list of non-negative token ids")
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(name, f"must be a bool, got {getattr(self, name)!r}")
         if not self.detokenize and self.stop:

@@ -125,8 +125,8 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     return_token_ids: bool = False
     """vLLM's: each choice carries its ``token_ids``, and the prompt's ``prompt_token_ids`` (streamed: each chunk's
     choice the ids it adds; a completion choice's first chunk, a chat's first chunks at the top, the prompt's)."""
-    spaces_between_special_tokens: bool | None = None
-    """vLLM's; not built, refused by name when set (openai_sampling.py says why)."""
+    spaces_between_special_tokens: bool = True
+    """vLLM's: false (with skip_special_tokens false) joins adjacent added tokens without the decoder's space."""
     add_special_tokens: bool | None = None
     """vLLM's: tokenize the prompt with the tokenizer's special tokens (BOS); only its default is built: true for
     completions, false for chat (whose template writes them)."""

@@ -113,6 +113,7 @@ def _params(req: GenerationRequest, max_tokens: int | None, logprobs: int | None
         min_p=_unset_or(req.min_p, defaults, "min_p", 0.0), seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
         stop=[] if req.stop is None else req.stop, stop_token_ids=req.stop_token_ids or [],
         ignore_eos=req.ignore_eos, skip_special_tokens=req.skip_special_tokens,
+        spaces_between_special_tokens=req.spaces_between_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=_unset_or(req.repetition_penalty, defaults, "repetition_penalty", 1.0),
@@ -144,11 +145,6 @@ def check_common(req: GenerationRequest) -> None:
     """The refusals sampling and beam search share (stream_options, add_special_tokens, ...)."""
     _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",  # {}: as vLLM
             "Stream options can only be defined when stream=True")
-    _refuse(req.spaces_between_special_tokens is not None, "spaces_between_special_tokens",
-            "is not built: asyncllm's detokenizer has no such option (it would need the field carried to each "
-            "request's detokenizer and a decode of its own that joins special tokens with or without spaces, as "
-            "transformers 4's slow tokenizers do; transformers 5's tokenizers, fast and slow, decode without it), "
-            "so the text around special tokens is the tokenizer's own")
     chat = isinstance(req, ChatCompletionRequest)
     _refuse(req.add_special_tokens not in (None, not chat), "add_special_tokens",
             f"only its default ({str(not chat).lower()} here) is built")

@@ -9,13 +9,16 @@ ids into the text that is safe to show now, in three stages, token by token
    tokenizers). Text is held back while it ends in an incomplete UTF-8
    sequence (U+FFFD) or a byte-fallback token, and released when the
    character completes or the request finishes.
+   With ``spaces_between_special_tokens=False`` (and special tokens kept), an
+   added token right after another is emitted as its bare content (vLLM's
+   rule, `_AddedTokensJoined`).
 2. clean-up: when the tokenizer's ``decode`` applies
    ``clean_up_tokenization_spaces`` (" ." -> "."), the same rewrite applied in
    a streaming-safe way.
 3. stop strings: text that could still be the start of a stop string is held
-   back; a match truncates the text and ends the request.
+   back; a match truncates the text and ends the request (`StopStringMatcher`).
 
-Exactness: without stop strings, the deltas add up to
+Exactness: without stop strings (and with spaces_between_special_tokens), the deltas add up to
 ``tokenizer.decode(output_token_ids, skip_special_tokens=...)``, the text HF
 users get, less the EOS or stop token that ended the request (vLLM's rule,
 `IncrementalDetokenizer.update`). The prompt is deliberately not used as decoding context: with
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from asyncllm.engine.stop_strings import StopStringMatcher
 from asyncllm.sampling import SamplingParams
 
 __all__ = ["DetokenizerUpdate", "IncrementalDetokenizer", "TokenIdsOnly", "new_detokenizer"]
@@ -95,9 +99,9 @@ class IncrementalDetokenizer:
         """Output ids consumed so far (up to the token that completed a stop string)."""
         self.stop_string: str | None = None
         """The stop string that ended the request, once one matched."""
-        self._stream = _make_stream(tokenizer, params.skip_special_tokens)
+        self._stream = _make_stream(tokenizer, params)
         self._cleanup = _SpacesCleanup(tokenizer.clean_up_tokenization) if _cleanup_applies(tokenizer) else None
-        self._stops = _StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
+        self._stops = StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None
         self._min_tokens = params.min_tokens
         self._include_stop_token = params.include_stop_str_in_output
         self._chunks: list[str] = []
@@ -243,7 +247,43 @@ class _FastStream(_WindowStream):
         return "" if text is None else self._advance(text)
 
 
-def _make_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:
+class _AddedTokensJoined:
+    """A stream whose added tokens, each right after another, show as their bare content.
+
+    vLLM's ``spaces_between_special_tokens=False`` (its FastIncrementalDetokenizer): a decoder may put a space
+    before an added token (WordPiece's does: "[CLS] [SEP]"); such a token's text is replaced by the token's
+    content when the token before it was an added token too. The wrapped stream still steps on every id.
+    """
+
+    def __init__(self, stream: _WindowStream, added_tokens: dict[int, str]) -> None:
+        self._stream = stream
+        self._added_tokens = added_tokens
+        self._last_added = False
+
+    def step(self, token_id: int) -> str:
+        text = self._stream.step(token_id)
+        content = self._added_tokens.get(token_id)
+        if content is not None and self._last_added:
+            text = content
+        self._last_added = content is not None
+        return text
+
+    def flush(self) -> str:
+        return self._stream.flush()
+
+
+def _make_stream(tokenizer: Any, params: SamplingParams) -> _WindowStream | _AddedTokensJoined:
+    """The decode stream, with added tokens joined when `SamplingParams.spaces_between_special_tokens` is off
+    and special tokens are kept (no-op without added tokens, as vLLM)."""
+    stream = _decode_stream(tokenizer, params.skip_special_tokens)
+    if params.skip_special_tokens or params.spaces_between_special_tokens:
+        return stream
+    backend = getattr(tokenizer, "_tokenizer", None)  # vLLM reads the Rust tokenizer's added tokens
+    added = backend.get_added_tokens_decoder() if backend is not None else tokenizer.added_tokens_decoder
+    return _AddedTokensJoined(stream, {i: token.content for i, token in added.items()}) if added else stream
+
+
+def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:
     """DecodeStream for fast tokenizers without byte fallback; the Python window otherwise."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is not None and not getattr(backend.model, "byte_fallback", False):
@@ -306,57 +346,3 @@ class _SpacesCleanup:
     def flush(self) -> str:
         text, self._held = self._clean(self._held), ""
         return text
-
-
-class _StopStringMatcher:
-    """Finds stop strings across pushes, holding back text that may begin one.
-
-    The held-back tail is shorter than the longest stop string, so each push
-    costs O(new text + longest stop string) whatever the length of the output.
-    """
-
-    def __init__(self, stop: list[str], include_stop_str_in_output: bool) -> None:
-        self._stop = stop
-        self._include = include_stop_str_in_output
-        self._held = ""
-
-    def push(self, text: str, match: bool = True) -> tuple[str, str | None]:
-        """Return (text safe to emit, matched stop string or None). A match must end in ``text`` (what is held back
-        was pushed before); with ``match`` false (the first min_tokens tokens' text) none is looked for, but text that
-        may begin one is still held back."""
-        buffer = self._held + text
-        match = self._earliest_match(buffer, len(self._held)) if match else None
-        if match is not None:
-            start, stop = match
-            self._held = ""
-            return buffer[: start + len(stop) if self._include else start], stop
-        keep = self._partial_match_len(buffer)
-        self._held = buffer[len(buffer) - keep:]
-        return buffer[: len(buffer) - keep], None
-
-    def flush(self) -> str:
-        text, self._held = self._held, ""
-        return text
-
-    def _earliest_match(self, buffer: str, held: int) -> tuple[int, str] | None:
-        """The match ending past the first ``held`` characters that starts first (the shorter one on a tie: it
-        completed first)."""
-        best: tuple[int, int, str] | None = None
-        for stop in self._stop:
-            start = buffer.find(stop, max(0, held - len(stop) + 1))
-            if start >= 0 and (best is None or (start, len(stop)) < best[:2]):
-                best = (start, len(stop), stop)
-        return None if best is None else (best[0], best[2])
-
-    def _partial_match_len(self, buffer: str) -> int:
-        """Length of the longest suffix of ``buffer`` that is a proper prefix of a stop string."""
-        if not buffer:
-            return 0
-        longest = 0
-        last = buffer[-1]
-        for stop in self._stop:
-            for k in range(min(len(stop) - 1, len(buffer)), longest, -1):
-                if stop[k - 1] == last and buffer.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest

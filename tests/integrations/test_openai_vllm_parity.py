@@ -11,8 +11,9 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.engine.validation import MAX_REQUEST_ID_CHARS
 from asyncllm.integrations.openai_protocol import (
-    ChatCompletionRequest, ServerLimits, chat_echo, decode_request, template_kwargs,
+    ChatCompletionRequest, CompletionRequest, ServerLimits, chat_echo, decode_request, template_kwargs,
 )
+from asyncllm.integrations.openai_sampling import chat_params, completion_params
 from asyncllm.integrations.openai_http import CorsPolicy
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client, sse_events
@@ -328,20 +329,22 @@ async def test_request_id_headers(bundled_engine) -> None:
     assert (answered.status_code, answered.headers["x-request-id"]) == (200, "p")
 
 
-async def test_spaces_between_special_tokens_is_refused_as_not_built(app, bundled_tokenizer) -> None:
-    special = [i for i, token in bundled_tokenizer.added_tokens_decoder.items() if token.special][:2]
-    ids = bundled_tokenizer("hi").input_ids + special + bundled_tokenizer("hi").input_ids + special
-    decoded = {flag: bundled_tokenizer.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=flag)
-               for flag in (True, False)}
-    assert decoded[True] == decoded[False]  # transformers 5 decodes without it: why the field was not built
-    async with asgi_client(app) as client:
-        refused = [await client.post(path, json={**body, "spaces_between_special_tokens": flag})
-                   for path, body in (("/v1/completions", {**GREEDY, "prompt": "x"}), ("/v1/chat/completions", CHAT))
-                   for flag in (True, False)]
+async def test_spaces_between_special_tokens_reaches_the_sampling_params(app) -> None:
     field = "spaces_between_special_tokens"
-    assert [(r.status_code, r.json()["error"]["param"]) for r in refused] == [(400, field)] * 4
-    assert "asyncllm's detokenizer has no such option" in refused[0].json()["error"]["message"]
-    assert "transformers 5's tokenizers" in refused[0].json()["error"]["message"]
+    completion = decode_request(json.dumps({**GREEDY, "prompt": "x", field: False}).encode(), CompletionRequest)
+    chat = decode_request(json.dumps({**CHAT, field: False}).encode(), ChatCompletionRequest)
+    assert completion_params(completion, ServerLimits()).spaces_between_special_tokens is False
+    assert chat_params(chat, ServerLimits()).spaces_between_special_tokens is False
+    assert chat_params(decode_request(json.dumps(CHAT).encode(), ChatCompletionRequest),
+                       ServerLimits()).spaces_between_special_tokens is True  # vLLM's default
+    bodies = [("/v1/completions", {**GREEDY, "prompt": "x", field: True}),
+              ("/v1/chat/completions", {**CHAT, field: False}),
+              ("/v1/chat/completions", {**CHAT, "use_beam_search": True, field: False})]  # beam search: no effect
+    async with asgi_client(app) as client:
+        answered = [await client.post(path, json={**body, "max_tokens": 2}) for path, body in bodies]
+        wrong = await client.post("/v1/chat/completions", json={**CHAT, field: "no"})
+    assert [r.status_code for r in answered] == [200] * 3
+    assert (wrong.status_code, wrong.json()["error"]["param"]) == (400, field)
 
 
 async def test_chat_echo_puts_the_last_assistant_message_first(app) -> None:

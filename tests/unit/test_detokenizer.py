@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from asyncllm.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer, _StopStringMatcher
+from asyncllm.engine.detokenizer import DetokenizerUpdate, IncrementalDetokenizer
+from asyncllm.engine.stop_strings import StopStringMatcher
 from asyncllm.sampling import SamplingParams
 from asyncllm.tiny import make_tiny_checkpoint
 
@@ -310,7 +311,7 @@ def test_a_stop_string_may_begin_during_min_tokens(byte_level: Any) -> None:
     assert "a" not in "".join(update.text for update in deltas)
     _, inside = stream(byte_level, _ids(byte_level, "a", "b", "c", "d"), stop=["ab"], min_tokens=2)
     assert (inside.output_text, inside.stop_string) == ("abcd", None)
-    matcher = _StopStringMatcher(["ab", "xaby"], False)
+    matcher = StopStringMatcher(["ab", "xaby"], False)
     assert matcher.push("xab", match=False) == ("", None)  # "xab" may begin "xaby"
     assert matcher.push("z") == ("xabz", None)  # "ab" lay wholly in the text pushed without matching
 
@@ -325,12 +326,12 @@ def test_updates_after_a_stop_consume_nothing(byte_level: Any) -> None:
 
 
 def test_matcher_picks_earliest_start_then_shortest() -> None:
-    assert _StopStringMatcher(["cd", "abc"], False).push("xabcd") == ("x", "abc")
-    assert _StopStringMatcher(["abc", "ab"], True).push("xabcd") == ("xab", "ab")
+    assert StopStringMatcher(["cd", "abc"], False).push("xabcd") == ("x", "abc")
+    assert StopStringMatcher(["abc", "ab"], True).push("xabcd") == ("xab", "ab")
 
 
 def test_matcher_holds_longest_partial_prefix_only() -> None:
-    matcher = _StopStringMatcher(["hello", "lol"], False)
+    matcher = StopStringMatcher(["hello", "lol"], False)
     assert matcher.push("xxhel") == ("xx", None)  # "hel" may start "hello"
     assert matcher.push("lx") == ("hellx", None)
     assert matcher.push("lo") == ("", None)  # "lo" may start "lol"
