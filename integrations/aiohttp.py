@@ -10,26 +10,30 @@
         return await stream_text(request, engine.stream(prompt, params))
 
 `create_app(engine)` builds a ready app with ``POST /generate`` (JSON in,
-streamed text out). A client that disconnects aborts its request: the write
-fails, the handler leaves the stream, and leaving a stream aborts it.
+streamed text out). A client that disconnects aborts its request, whether it
+is queued, generating, or its next write fails.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from contextlib import aclosing
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import error_body
+from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
     from asyncllm.engine.stream import RequestStream
 
-__all__ = ["ENGINE_KEY", "setup_engine", "stream_text", "generate_handler", "create_app"]
+__all__ = ["ENGINE_KEY", "setup_engine", "stream_text", "wait_disconnect", "generate_handler", "create_app"]
 
 ENGINE_KEY: web.AppKey[Any] = web.AppKey("asyncllm_engine")
 """``request.app[ENGINE_KEY]`` is the engine that `setup_engine` registered."""
@@ -54,22 +58,34 @@ async def stream_text(request: web.Request, stream: RequestStream, *,
 
     The first delta is awaited before the status line goes out, so a bad
     prompt or an overloaded engine becomes a 400 / 429 JSON error, not a
-    broken 200 stream.
+    broken 200 stream. A client that disconnects, while its request is queued
+    or between tokens, aborts the request.
     """
+    until = partial(wait_disconnect, request)
     async with stream:
         try:
-            first = await stream.__anext__()
+            firsts = await first_deltas([stream], until=until)
         except AsyncLLMError as exc:
             return _error(exc)
+        except ClientDisconnected:
+            return web.Response(status=499)  # nobody reads it: aiohttp logs the early disconnect at debug level
         response = web.StreamResponse(headers={"Content-Type": f"{content_type}; charset=utf-8"})
-        await response.prepare(request)
-        if first.text:
-            await response.write(first.text.encode())
-        async for delta in stream:
-            if delta.text:
-                await response.write(delta.text.encode())  # raises once the client is gone: the stream aborts
-        await response.write_eof()
+        try:
+            await response.prepare(request)
+            async with aclosing(merge_streams([stream], firsts, until=until)) as deltas:
+                async for _, delta in deltas:
+                    if delta.text:
+                        await response.write(delta.text.encode())
+            await response.write_eof()
+        except (ClientDisconnected, ConnectionResetError):  # an ordinary disconnect: abort, no traceback
+            pass
         return response
+
+
+async def wait_disconnect(request: web.Request, interval: float = 0.05) -> None:
+    """Return when the client's connection is gone (aiohttp has no event for it: polled every `interval` s)."""
+    while request.transport is not None and not request.transport.is_closing():
+        await asyncio.sleep(interval)
 
 
 async def generate_handler(request: web.Request) -> web.StreamResponse:

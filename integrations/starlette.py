@@ -20,13 +20,17 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from asyncllm.integrations.streams import ClientDisconnected, merge_streams
+from asyncllm.errors import AsyncLLMError
+from asyncllm.integrations.errors import error_body
+from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 
 if TYPE_CHECKING:
     from asyncllm.engine.async_engine import AsyncEngine
     from asyncllm.engine.stream import RequestStream
+    from asyncllm.outputs import StreamDelta
 
 __all__ = ["engine_lifespan", "get_engine", "text_stream_response", "wait_disconnect"]
 
@@ -67,15 +71,41 @@ async def wait_disconnect(request: Request) -> None:
 
 def text_stream_response(stream: RequestStream, request: Request | None = None, *,
                          media_type: str = "text/plain; charset=utf-8") -> StreamingResponse:
-    """Stream the generated text as it comes; a client that leaves aborts the request."""
+    """Stream the generated text as it comes; a client that leaves aborts the request.
 
-    async def body() -> AsyncIterator[str]:
-        until = (lambda: wait_disconnect(request)) if request is not None else None
+    The first delta is awaited before the status line goes out, so a bad prompt
+    or an overloaded engine is a 400 / 429 JSON error, not a broken 200 stream.
+    With `request`, a client that disconnects is noticed even while its request
+    is queued or between tokens.
+    """
+    return _TextStreamResponse(stream, request, media_type)
+
+
+class _TextStreamResponse(StreamingResponse):
+    """Sends its status only once the first delta (or the error instead of it) has come."""
+
+    def __init__(self, stream: RequestStream, request: Request | None, media_type: str) -> None:
+        super().__init__(self._text(), media_type=media_type)  # runs once __call__ has the first delta
+        self._stream = stream
+        self._until = (lambda: wait_disconnect(request)) if request is not None else None
+        self._firsts: list[StreamDelta] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async for _, delta in merge_streams([stream], until=until):
+            self._firsts = await first_deltas([self._stream], until=self._until)
+        except AsyncLLMError as exc:
+            status, body, headers = error_body(exc)
+            await JSONResponse(body, status, headers)(scope, receive, send)
+            return
+        except ClientDisconnected:  # its request is aborted; nobody reads the status
+            await Response(status_code=499)(scope, receive, send)
+            return
+        await super().__call__(scope, receive, send)
+
+    async def _text(self) -> AsyncIterator[str]:
+        try:
+            async for _, delta in merge_streams([self._stream], self._firsts, until=self._until):
                 if delta.text:
                     yield delta.text
         except ClientDisconnected:
             return
-
-    return StreamingResponse(body(), media_type=media_type)

@@ -25,16 +25,19 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
 
 
-async def first_deltas(streams: Sequence[RequestStream]) -> list[StreamDelta]:
+async def first_deltas(streams: Sequence[RequestStream], *,
+                       until: Callable[[], Awaitable[object]] | None = None) -> list[StreamDelta]:
     """Submit every stream at once and wait for each one's first delta.
 
     A server calls this before it sends a status line, so that an error raised
     at submission (a prompt longer than max_model_len, an overloaded engine)
     becomes a 400 or a 429 rather than an error event inside a 200 stream.
+    `until` is `merge_streams`' disconnect watch: a client that leaves while its
+    requests wait (queued behind a full engine) aborts them, `ClientDisconnected`.
     """
     steps = [asyncio.ensure_future(stream.__anext__()) for stream in streams]
     try:
-        return list(await asyncio.gather(*steps))
+        return await gather_until(steps, until)
     except BaseException:
         await _leave(steps, streams)
         raise

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from asyncllm import SamplingParams
 from asyncllm.integrations import aiohttp as aiohttp_adapter
+from stream_stubs import StalledStream
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -48,6 +55,57 @@ async def test_aiohttp_custom_handler_with_engine_key(bundled_engine) -> None:
     async with TestClient(TestServer(app)) as client:
         text = await (await client.get("/q", params={"q": "import re"})).text()
     assert text == await _expected(bundled_engine, "import re")
+
+
+@asynccontextmanager
+async def _served(make_stream) -> AsyncIterator[str]:
+    """``GET /q`` streaming `make_stream()`, served with `web.run_app`'s defaults: unlike aiohttp's
+    TestServer, a client that disconnects does not cancel the handler. Yields the URL."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await aiohttp_adapter.stream_text(request, make_stream())
+
+    app = web.Application()
+    app.router.add_get("/q", handler)
+    runner = web.AppRunner(app, shutdown_timeout=1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield "http://127.0.0.1:%d/q" % runner.addresses[0][1]
+    finally:
+        await runner.cleanup()
+
+
+@pytest.mark.parametrize("texts", [(), ("def",)], ids=["queued", "stalled-mid-stream"])
+async def test_aiohttp_disconnect_while_waiting_aborts(texts, caplog) -> None:
+    """A client that leaves while no delta comes (queued, or preempted) aborts the request, without an ERROR log."""
+    stream = StalledStream(texts)
+    async with _served(lambda: stream) as url, aiohttp.ClientSession() as client:
+
+        async def read() -> None:
+            async with client.get(url) as response:
+                await response.read()
+
+        call = asyncio.ensure_future(read())
+        await asyncio.wait_for(stream.waiting.wait(), 5)
+        call.cancel()  # closes the connection
+        await asyncio.wait_for(stream.closed.wait(), 2)
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
+
+
+async def test_aiohttp_disconnect_between_tokens_aborts(bundled_engine, caplog) -> None:
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # seconds of work on this model
+    aborted_before = bundled_engine.stats().request_success_total.get("abort", 0)
+    async with _served(lambda: bundled_engine.stream("x", params)) as url, aiohttp.ClientSession() as client:
+        response = await client.get(url)
+        assert response.status == 200 and await response.content.readany()
+        response.close()  # hang up mid-stream
+        for _ in range(250):
+            if bundled_engine.stats().request_success_total.get("abort", 0) > aborted_before:
+                break
+            await asyncio.sleep(0.02)
+    assert bundled_engine.stats().request_success_total.get("abort", 0) == aborted_before + 1
+    assert not [record for record in caplog.records if record.levelno >= logging.ERROR]
 
 
 # ---------------------------------------------------------------- Django

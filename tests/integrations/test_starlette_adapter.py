@@ -1,0 +1,87 @@
+"""The Starlette adapter's `text_stream_response`, in process over the shared engine's loop."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from urllib.parse import urlencode
+
+import pytest
+from asgi_helpers import asgi_client
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from asyncllm import SamplingParams
+from asyncllm.integrations.starlette import text_stream_response
+from stream_stubs import StalledStream
+
+pytestmark = pytest.mark.asyncio(loop_scope="session")
+
+PARAMS = {"temperature": 0, "max_tokens": 8}
+
+
+def _app(make_stream) -> Starlette:
+    async def complete(request):
+        return text_stream_response(make_stream(request.query_params["prompt"]), request)
+
+    return Starlette(routes=[Route("/complete", complete)])
+
+
+async def _call(app: Starlette, prompt: str, hang_up: Callable[[list[dict]], Awaitable[None]]) -> list[dict]:
+    """Run one request by raw ASGI; the client hangs up once `hang_up(messages sent so far)` returns."""
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        await hang_up(sent)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},  # 2.4: Starlette does not listen
+             "http_version": "1.1", "method": "GET", "scheme": "http", "path": "/complete", "raw_path": b"/complete",
+             "query_string": urlencode({"prompt": prompt}).encode(), "root_path": "", "headers": [],
+             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    return sent
+
+
+async def test_text_stream_response_streams_and_refuses_bad_prompts(bundled_engine) -> None:
+    app = _app(lambda prompt: bundled_engine.stream(prompt, SamplingParams(**PARAMS)))
+    async with asgi_client(app) as client:
+        good = await client.get("/complete", params={"prompt": "while True:"})
+        empty = await client.get("/complete", params={"prompt": ""})
+        too_long = await client.get("/complete", params={"prompt": "x " * bundled_engine.config.max_model_len})
+    expected = (await bundled_engine.generate("while True:", SamplingParams(**PARAMS))).text
+    assert good.status_code == 200 and good.text == expected
+    assert good.headers["content-type"] == "text/plain; charset=utf-8"
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+
+
+async def test_disconnect_while_queued_aborts() -> None:
+    stream = StalledStream()
+
+    async def once_queued(sent: list[dict]) -> None:
+        await stream.waiting.wait()
+
+    sent = await _call(_app(lambda prompt: stream), "x", once_queued)
+    assert stream.closed.is_set()
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499  # no 200 before the first delta
+
+
+async def test_disconnect_between_tokens_aborts(bundled_engine) -> None:
+    aborted_before = bundled_engine.stats().request_success_total.get("abort", 0)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # seconds of work on this model
+
+    async def after_some_text(sent: list[dict]) -> None:
+        while not any(message.get("body") for message in sent):
+            await asyncio.sleep(0.005)
+
+    sent = await _call(_app(lambda prompt: bundled_engine.stream(prompt, params)), "def f():", after_some_text)
+    assert sent[0]["status"] == 200 and sent[-1] == {"type": "http.response.body", "body": b"", "more_body": False}
+    for _ in range(250):
+        if bundled_engine.stats().request_success_total.get("abort", 0) > aborted_before:
+            break
+        await asyncio.sleep(0.02)
+    assert bundled_engine.stats().request_success_total.get("abort", 0) == aborted_before + 1
