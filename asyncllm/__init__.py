@@ -14,6 +14,7 @@ from asyncllm.errors import (
     ConfigError,
     EngineDeadError,
     EngineOverloadedError,
+    EventLoopError,
     InvalidRequestError,
     NotBuiltError,
     RequestTimeoutError,
@@ -56,6 +57,7 @@ __all__ = [
     "EngineOverloadedError",
     "RequestTimeoutError",
     "EngineDeadError",
+    "EventLoopError",
 ]
 
 

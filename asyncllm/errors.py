@@ -10,6 +10,7 @@ third-party exceptions are mapped to one of these at the edge::
      +-- EngineOverloadedError    admission control refused the request
      +-- RequestTimeoutError      the request's deadline passed
      +-- EngineDeadError          the engine core or a worker died and was not recovered
+     +-- EventLoopError           an AsyncEngine used from an event loop other than the one it started in
 
 `check_context_length` raises the one error clients branch on by its code and words (vLLM's, with OpenAI's
 ``context_length_exceeded``; a pooling request's prompt may fill the context, its API named in
@@ -27,6 +28,7 @@ __all__ = [
     "EngineOverloadedError",
     "RequestTimeoutError",
     "EngineDeadError",
+    "EventLoopError",
 ]
 
 
@@ -78,6 +80,11 @@ class RequestTimeoutError(AsyncLLMError, TimeoutError):
 
 class EngineDeadError(AsyncLLMError, RuntimeError):
     """The engine core or a worker died and could not be recovered."""
+
+
+class EventLoopError(AsyncLLMError, RuntimeError):
+    """An `AsyncEngine` was used from an event loop other than the one it started in while that one is still open
+    (its outputs are delivered there); a RuntimeError, as asyncio's own "attached to a different loop"."""
 
 
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"

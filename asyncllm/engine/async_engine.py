@@ -31,7 +31,7 @@ from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import check_params_text, check_request_id, check_text
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.tracing import capture_context
-from asyncllm.errors import AsyncLLMError, EngineDeadError, NotBuiltError
+from asyncllm.errors import AsyncLLMError, EngineDeadError, EventLoopError, NotBuiltError
 from asyncllm.outputs import EngineStats
 from asyncllm.sampling import SamplingParams
 from asyncllm.speech import SpeechToText, speech_to_text_of
@@ -93,6 +93,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._weights = EngineWeights()
         """Weight updates on every replica, and the last one for a restarted core."""
         self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop the engine started in: the processor threads deliver outputs there (`_check_loop`)."""
         self._start_lock: asyncio.Lock | None = None
         self._observer = RequestObserver(config.model, config.prometheus_registry)
         """Replica 0's observer (the only one with data_parallel_size 1)."""
@@ -147,7 +148,9 @@ class AsyncEngine(EngineRequests, EngineControl):
         return self._replicas[0].core
 
     async def start(self) -> None:
-        """Start the engine core(s) and their workers; returns once they serve."""
+        """Start the engine core(s) and their workers; returns once they serve. The engine then belongs to this
+        event loop (`_check_loop`)."""
+        self._check_loop()
         if self._closed:
             raise EngineDeadError("this AsyncEngine was closed; create a new one")
         if self._started:
@@ -155,8 +158,34 @@ class AsyncEngine(EngineRequests, EngineControl):
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
         async with self._start_lock:
+            if self._closed:  # closed while this call waited for another's start
+                raise EngineDeadError("this AsyncEngine was closed while starting; create a new one")
             if not self._started:
                 await self._start()
+
+    def _check_loop(self) -> None:
+        """Requests and lifecycle calls come from the loop the engine started in: outputs are delivered there, so a
+        request from another loop would wait forever. Once that loop is closed (``asyncio.run`` returned, a
+        per-test loop ended) the engine moves to the calling loop (`_rebind`)."""
+        loop = asyncio.get_running_loop()
+        bound = self._loop
+        if bound is None or bound is loop:
+            return
+        if not bound.is_closed():
+            raise EventLoopError(
+                "this AsyncEngine started in another event loop, which is still open, and delivers its outputs "
+                "there: use it from that loop only (one engine per event loop), use SyncEngine "
+                "(asyncllm.integrations.sync) from other threads, or start and aclose() it within each loop")
+        self._rebind(loop)
+
+    def _rebind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Serve `loop` from now on; the closed loop's requests are aborted (their tasks were cancelled with it)."""
+        for collector in list(self._in_flight):
+            if not collector.finished:
+                self._abort(collector.request_id)
+        self._in_flight = weakref.WeakSet()
+        self._start_lock = None  # an asyncio.Lock belongs to the loop that first waited on it
+        self._loop = loop
 
     def _launch_spec(self) -> LaunchSpec:
         return LaunchSpec(self._deliver_threadsafe, self._connect_address, self._engine_key,
@@ -165,6 +194,9 @@ class AsyncEngine(EngineRequests, EngineControl):
     async def _start(self) -> None:
         self._loop = asyncio.get_running_loop()
         prepared = await start_replicas(self._replicas.replicas, self.config, self._launch_spec())
+        if self._closed:  # aclose() came meanwhile (it waits for this start): nothing may be left running
+            await self._stop_replicas()
+            raise EngineDeadError("the engine was closed while starting (aclose() during start())")
         self.config = prepared.config
         self.pooling_model = prepared.pooling_model
         self._default_sampling = prepared.default_sampling
@@ -182,20 +214,28 @@ class AsyncEngine(EngineRequests, EngineControl):
         (`EngineDeadError`) and waits until every submitted request finished,
         at most `timeout` seconds (None: no limit); the rest is then aborted.
         """
+        self._check_loop()
         if drain and not self._closed and self._started:
             self._draining = True
             await self._wait_drained(timeout)
         self._closed = True
+        if self._start_lock is not None:
+            async with self._start_lock:  # a start in progress ends first: it sees `_closed` and stops its replicas
+                pass
         with anyio.CancelScope(shield=True):
             for replica in self._replicas:  # a half-done core restart must finish before its processes can be stopped
                 await replica.supervisor.wait()
         if self._started:
             self._started = False
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(stop_replicas, self._replicas.replicas)
+            await self._stop_replicas()
             for replica in self._replicas:
-                replica.processor = replica.core = None
                 replica.observer.on_closed()
+
+    async def _stop_replicas(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(stop_replicas, self._replicas.replicas)
+        for replica in self._replicas:
+            replica.processor = replica.core = None
 
     async def _wait_drained(self, timeout: float | None) -> None:
         with anyio.move_on_after(timeout):

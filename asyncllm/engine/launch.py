@@ -35,10 +35,11 @@ class CoreProcess:
             return None
         return errors.EngineDeadError(f"engine core (pid {self.pid}) {procutil.describe_exit(code)}{when}; {_LOGS}")
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """After Goodbye(shutdown=True) the core shuts its workers down and exits;
-        wait for that before cutting its lifeline."""
-        procutil.stop_process(self.proc, timeout, grace=timeout)
+    def stop(self, timeout: float = 10.0, told: bool = True) -> None:
+        """After Goodbye(shutdown=True) (`told`) the core shuts its workers down and exits: wait for that before
+        cutting its lifeline. A core not told (closed while it started, before it reads messages) is cut at once:
+        its stdin's EOF ends it, and its workers with it."""
+        procutil.stop_process(self.proc, timeout, grace=timeout if told else 0.0)
         procutil.remove_dir(self.ipc_dir)
 
 

@@ -8,6 +8,7 @@ processing aside): the host is the user's app process, the workers run the model
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,11 @@ from asyncllm.spec.draft_model import prepare_draft_model
 from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger("asyncllm.engine")
+
+_PREPARE_LOCK = threading.Lock()
+"""One `prepare` at a time in a process: transformers' lazy imports are not thread-safe (two engines starting at once,
+or a retry while a cancelled start's thread still prepares, got "cannot import name 'AutoConfig' from
+'transformers'"). Every transformers import of the host's start is reached from `prepare`."""
 
 
 @dataclass
@@ -66,6 +72,12 @@ class Prepared:
 
 
 def prepare(config: EngineConfig) -> Prepared:
+    """What the host needs before the core starts (on a worker thread; one at a time: `_PREPARE_LOCK`)."""
+    with _PREPARE_LOCK:
+        return _prepare(config)
+
+
+def _prepare(config: EngineConfig) -> Prepared:
     path = resolve_model_path(config.model, config.revision, config.download_dir)
     hf_config = served_hf_config(path, config.hf_overrides, config.trust_remote_code)
     arch = architecture_of(hf_config)  # refuse an unsupported architecture before spawning anything

@@ -116,6 +116,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         self._decoder = msgspec.msgpack.Decoder(protocol.CoreMessage)
         self.ready: concurrent.futures.Future[protocol.Ready] = concurrent.futures.Future()
         self.dead: BaseException | None = None
+        self.said_goodbye = False
+        """Goodbye was sent (`close`): an owned core shuts its workers down and exits on its own."""
         self._thread = threading.Thread(target=self._run, name="asyncllm-processor", daemon=True)
 
     # ------------------------------------------------------------ loop side
@@ -181,8 +183,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 self._serve(dealer)
         except BaseException as exc:  # noqa: BLE001 - never die silently: fail every stream
             logger.exception("asyncllm processor thread failed")
-            if not self.ready.done():
-                self.ready.set_exception(exc)
+            self._settle_ready(exc)
             self._fail_all(errors.EngineDeadError(f"processor thread failed: {exc}"))
         finally:
             self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
@@ -202,24 +203,35 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                     if self._mm is not None:
                         self._mm.cache_mapped(message.mm_shm_ring_mapped)
                     self._prompts.ready(message.max_model_len)
-                    self.ready.set_result(message)
+                    self._settle_ready(message)
                     return True
                 if isinstance(message, protocol.EngineFailed):
-                    self.ready.set_exception(error_from(message))
+                    self._settle_ready(error_from(message))
                     return False
             death = self._core.death(" while starting") if self._core is not None else None
             if death is not None:
-                self.ready.set_exception(death)
+                self._settle_ready(death)
                 return False
             lost = self._lost_connection(dealer, " while starting")
             if lost is not None:
-                self.ready.set_exception(lost)
+                self._settle_ready(lost)
                 return False
-            if self._close_requested():
-                self.ready.set_exception(errors.EngineDeadError("engine closed while starting"))
+            if self._close_requested():  # no Goodbye: an owned core still starting is stopped by its stdin's EOF
+                self._settle_ready(errors.EngineDeadError("engine closed while starting"))
                 return False
-        self.ready.set_exception(errors.EngineDeadError(f"engine core not ready after {self._startup_timeout_s:.0f} s"))
+        self._settle_ready(errors.EngineDeadError(f"engine core not ready after {self._startup_timeout_s:.0f} s"))
         return False
+
+    def _settle_ready(self, outcome: protocol.Ready | BaseException) -> None:
+        """Set `ready` unless it is done already: a cancelled start (``asyncio.wait_for(engine.start(), T)``)
+        cancelled it from the loop, at any moment."""
+        try:
+            if isinstance(outcome, BaseException):
+                self.ready.set_exception(outcome)
+            else:
+                self.ready.set_result(outcome)
+        except concurrent.futures.InvalidStateError:
+            pass
 
     def _close_requested(self) -> bool:
         try:
@@ -276,6 +288,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 dealer.send(self._encoder.encode(job[1]))
             elif job[0] == "close":
                 dealer.send(self._encoder.encode(protocol.Goodbye(shutdown=job[1])))
+                self.said_goodbye = True
                 self._fail_all(None)
                 return False
 

@@ -259,4 +259,4 @@ def stop_replicas(replicas: list[Replica]) -> None:
 def _stop(processor: Processor, core: CoreProcess | None) -> None:
     processor.close(shutdown_core=core is not None)
     if core is not None:
-        core.stop()
+        core.stop(told=processor.said_goodbye)

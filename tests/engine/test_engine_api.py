@@ -8,7 +8,7 @@ import pytest
 import pytest_asyncio
 from transformers import AutoTokenizer
 
-from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+from asyncllm import AsyncEngine, EventLoopError, InvalidRequestError, SamplingParams
 from hf_reference import hf_greedy
 from engine_helpers import wait_idle as _wait_idle
 
@@ -202,11 +202,38 @@ async def test_bad_requests_are_typed_and_engine_keeps_serving(engine: AsyncEngi
     assert len(out.token_ids) == 2
 
 
-async def test_lazy_start_on_first_request(tiny_llama: str) -> None:
+async def test_a_request_from_another_open_loop_is_refused_at_once(engine: AsyncEngine) -> None:
+    """Its outputs would go to the engine's loop (a hang, before): a typed error that names the ways out."""
+    def other_loop() -> None:
+        asyncio.run(asyncio.wait_for(engine.generate("x", SamplingParams(max_tokens=2)), 10))
+
+    with pytest.raises(EventLoopError, match="one engine per event loop"):
+        await asyncio.to_thread(other_loop)
+    assert len((await engine.generate("ok", SamplingParams(max_tokens=2, ignore_eos=True))).token_ids) == 2
+
+
+async def test_lazy_start_on_first_request_then_a_later_asyncio_run(tiny_llama: str) -> None:
+    """The first request starts the engine; once its loop closed (asyncio.run returned, a per-test loop ended) the
+    engine serves the next loop (it hung, before)."""
     engine = AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=256)
-    assert not engine.started
-    try:
-        out = await engine.generate([5, 6, 7], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
-        assert engine.started and len(out.token_ids) == 3
-    finally:
-        await engine.aclose()
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    async def first() -> tuple[bool, list[int]]:
+        assert not engine.started
+        out = await engine.generate([5, 6, 7], params)
+        return engine.started, out.token_ids
+
+    async def second() -> list[int]:
+        try:
+            return (await asyncio.wait_for(engine.generate([5, 6, 7], params), 20)).token_ids
+        finally:
+            await engine.aclose()
+
+    def runs() -> tuple[tuple[bool, list[int]], list[int]]:
+        try:
+            return asyncio.run(first()), asyncio.run(second())
+        finally:
+            asyncio.run(engine.aclose())  # (again: a no-op once closed)
+
+    (started, one), two = await asyncio.to_thread(runs)
+    assert started and len(one) == 3 and two == one

@@ -7,18 +7,30 @@ both (the second's drain times out, so its stream is aborted), the process has t
 children it had before, no shared-memory segment of either core is left, the
 second engine left no thread the first did not (the first use of a tokenizer
 or of torch starts thread pools that stay), and no signal handler changed.
+
+Without processes: aclose() during start(), one prepare at a time, and a cancelled start's quick, quiet stop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from asyncllm import AsyncEngine, EngineDeadError, SamplingParams
+from asyncllm.engine import async_engine, replica
+from asyncllm.engine import prepare as prepare_module
+from asyncllm.engine.launch import CoreProcess
+from asyncllm.engine.processor import Processor
 from proc_utils import children
 
 PROMPTS = ["def main():", "import os\n", "class Config:"]
@@ -139,3 +151,66 @@ def test_two_engines_in_a_thread_under_asyncio_run_twice_leave_nothing_behind(ti
         time.sleep(0.1)  # exiting children take a moment
     assert fds_and_children() == (before["fds"], before["children"])
     assert _settled_thread_count() == results["threads_between"] - 1  # "between" counted the engine-host thread
+
+
+def test_aclose_during_start_waits_and_the_start_stops_what_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """aclose() returned at once and the start then finished, leaving the core running: now aclose waits for the
+    start, which stops its replicas and raises (no processes here: the replicas' start and stop are stand-ins)."""
+    stopped: list[list[Any]] = []
+
+    async def start_replicas(replicas: list[replica.Replica], config: Any, spec: Any) -> Any:
+        await asyncio.sleep(0.2)
+        for started in replicas:
+            started.processor = "processor"
+        return SimpleNamespace(config=config, pooling_model=None, default_sampling={}, tokenizer=None, mm=None,
+                               generation_config={}, vocab_size=1, eos_token_ids=[])
+
+    monkeypatch.setattr(async_engine, "start_replicas", start_replicas)
+    monkeypatch.setattr(async_engine, "stop_replicas", lambda replicas: stopped.append([r.processor for r in replicas]))
+
+    async def main() -> AsyncEngine:
+        engine = AsyncEngine(**KWARGS)
+        start = asyncio.create_task(engine.start())
+        await asyncio.sleep(0.05)
+        await engine.aclose()
+        assert start.done()
+        with pytest.raises(EngineDeadError, match="closed while starting"):
+            await start
+        return engine
+
+    engine = asyncio.run(main())
+    assert stopped == [["processor"]] and engine._processor is None and not engine.started
+
+
+def test_prepares_run_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers' lazy imports are not thread-safe: two engines preparing at once got "cannot import name
+    'AutoConfig' from 'transformers'"."""
+    running, most = [0], [0]
+
+    def one_prepare(config: Any) -> None:
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        time.sleep(0.05)
+        running[0] -= 1
+
+    monkeypatch.setattr(prepare_module, "_prepare", one_prepare)
+    threads = [threading.Thread(target=prepare_module.prepare, args=(None,)) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert most[0] == 1
+
+
+def test_a_cancelled_start_stops_at_once_and_quietly(tmp_path: Any) -> None:
+    """``asyncio.wait_for(engine.start(), T)``: the processor thread's ready future was cancelled (its setting it
+    raised InvalidStateError, logged), and a core never told Goodbye had its 10 s grace before its stdin closed."""
+    ready: concurrent.futures.Future = concurrent.futures.Future()
+    ready.cancel()
+    Processor._settle_ready(SimpleNamespace(ready=ready), EngineDeadError("engine closed while starting"))
+
+    child = subprocess.Popen([sys.executable, "-c", "import os\nwhile os.read(0, 1): pass"], stdin=subprocess.PIPE)
+    processor = SimpleNamespace(said_goodbye=False, close=lambda shutdown_core: None)
+    began = time.monotonic()
+    replica._stop(processor, CoreProcess(child, "ipc://unused", str(tmp_path / "ipc")))  # type: ignore[arg-type]
+    assert time.monotonic() - began < 3 and child.returncode == 0
