@@ -26,6 +26,7 @@ from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.core_sleep import SleepController
 from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
+from asyncllm.engine.request_keys import host_outputs, request_key, request_keys
 from asyncllm.engine.validation import check_add_request, check_lora_id, record_lora_id, served_tasks
 from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.procutil import exit_when_parent_dies, report_crashes
@@ -191,7 +192,8 @@ class EngineCore:
         now = time.time()
         for client_id in self.clients:
             token_req_ids, token_ids = tokens.get(client_id, ([], []))
-            self.io.send(client_id, protocol.Outputs(per_client.get(client_id, []), stats, now,
+            deltas, token_req_ids = host_outputs(client_id, per_client.get(client_id, []), token_req_ids)
+            self.io.send(client_id, protocol.Outputs(deltas, stats, now,
                                                      stats_reporter=client_id == self.stats_reporter,
                                                      token_req_ids=token_req_ids, token_ids=token_ids))
 
@@ -218,14 +220,13 @@ class EngineCore:
             return False
         if isinstance(message, protocol.AddRequest):
             self._add_request(client_id, message)
-        elif isinstance(message, protocol.AbortRequests):  # a host aborts its own requests only
-            requests = self.scheduler.requests
-            aborted = self.scheduler.abort_requests(
-                [rid for rid in message.request_ids if (r := requests.get(rid)) is not None and r.client_id == client_id])
+        elif isinstance(message, protocol.AbortRequests):  # a host can name, so abort, its own requests only
+            keys = request_keys(client_id, message.request_ids)
+            aborted = self.scheduler.abort_requests(keys)
             if aborted and self.structured.matchers:
                 self.structured.drop(r.request_id for r in aborted)
             if self.structured.pending:
-                self.structured.abort(message.request_ids, client_id)
+                self.structured.abort(keys, client_id)
         elif isinstance(message, protocol.Hello):
             self.clients.add(client_id)
             if self.stats_reporter is None:
@@ -254,19 +255,21 @@ class EngineCore:
         return True
 
     def _add_request(self, client_id: bytes, message: protocol.AddRequest) -> None:
+        request_id = message.request_id  # the host's: the core keys the request by `request_key` (ids are per host)
         try:
             # the host checked too; other peers may not have
             check_add_request(message, self.executor.vocab_size, self.config.enable_prompt_embeds,
                               self.config.max_logprobs, self.tasks)
+            message.request_id = key = request_key(client_id, request_id)
             if message.mm_items:
                 self.mm_cache.fill(client_id, message)
-            # after the fill (the host's mirror of the processor cache counts it), as the scheduler's checks
-            if message.request_id in self.scheduler.requests or message.request_id in self.structured.pending:
-                # (a parked structured request's matcher would replace the running one's of the same id)
-                raise errors.InvalidRequestError("request_id", f"{message.request_id!r} is already used by an "
-                                                               "unfinished request")
+            # after the fill (the host's mirror of the processor cache counts it), as the scheduler's checks; a parked
+            # structured request counts (its matcher would replace the running one's of the same id)
+            if key in self.scheduler.requests or key in self.structured.pending:
+                raise errors.InvalidRequestError("request_id", f"{request_id!r} is already used by an unfinished "
+                                                               "request")
             # the id is free: a matcher left by an earlier request of it (ended before a step noticed) is not this one's
-            self.structured.drop([message.request_id])
+            self.structured.drop([key])
             check_lora_id(message.lora, self.lora_paths)
             request = Request.from_add_request(message, client_id)
             if message.params.structured is not None:
@@ -275,8 +278,7 @@ class EngineCore:
                 self.scheduler.add_request(request)
             record_lora_id(message.lora, self.lora_paths)  # once accepted: a refused request pins no id
         except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
-            delta = protocol.RequestOutputDelta(message.request_id, [], "abort", error=str(exc),
-                                                error_type=type(exc).__name__)
+            delta = protocol.RequestOutputDelta(request_id, [], "abort", error=str(exc), error_type=type(exc).__name__)
             self.io.send(client_id, protocol.Outputs([delta], None, time.time()))
 
     def _admit_compiled(self) -> list[tuple[bytes, protocol.RequestOutputDelta]]:
@@ -314,12 +316,10 @@ class EngineCore:
 def _check_kv_fits(config: EngineConfig, num_gpu_blocks: int) -> None:
     capacity = num_gpu_blocks * config.block_size
     if capacity < config.max_model_len:
-        raise errors.ConfigError(
-            "max_model_len",
-            config.max_model_len,
-            f"at most {capacity} tokens fit in the KV cache ({num_gpu_blocks} blocks of {config.block_size}); "
-            "lower max_model_len, or raise gpu_memory_utilization / num_gpu_blocks_override",
-        )
+        raise errors.ConfigError("max_model_len", config.max_model_len,
+                                 f"at most {capacity} tokens fit in the KV cache ({num_gpu_blocks} blocks of "
+                                 f"{config.block_size}); lower max_model_len, or raise gpu_memory_utilization / "
+                                 "num_gpu_blocks_override")
 
 
 def _swap_blocks(config: EngineConfig, num_cpu_blocks: int) -> int:

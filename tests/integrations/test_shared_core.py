@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -91,6 +92,32 @@ def test_two_hosts_share_one_core(core, tiny_llama: str, tmp_path: Path) -> None
 
     assert proc.poll() is None  # the hosts detached without stopping the shared core
     assert handshake(address, timeout_s=10).model == tiny_llama
+
+
+async def test_each_host_has_its_own_request_ids(core, tiny_llama: str) -> None:
+    """Two hosts run requests of the same id at once, both token-exact; one aborting its id leaves the other's running
+    (the core keys a request by its host and id: asyncllm/engine/request_keys.py)."""
+    _, address = core
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    expected = [hf_greedy(tiny_llama, tokenizer(p).input_ids, n) for p, n in ((PROMPTS[0], 40), (PROMPTS[1], 200))]
+
+    async def collect(stream) -> list[int]:
+        return [t async for delta in stream for t in delta.token_ids]
+
+    def greedy(max_tokens: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+
+    async with AsyncEngine.connect(address, disable_log_stats=True) as a, \
+            AsyncEngine.connect(address, disable_log_stats=True) as b:
+        assert await asyncio.gather(collect(a.stream(PROMPTS[0], greedy(40), request_id="same")),
+                                    collect(b.stream(PROMPTS[1], greedy(40), request_id="same"))) \
+            == [expected[0], expected[1][:40]]
+        b_stream = b.stream(PROMPTS[1], greedy(200), request_id="again")
+        b_ids = (await anext(b_stream)).token_ids
+        async for _ in a.stream(PROMPTS[0], greedy(40), request_id="again"):
+            break  # a aborts its "again" one token in, long before b's 200 tokens
+        b_ids += await asyncio.wait_for(collect(b_stream), 120)  # had a's abort ended b's request, b would wait
+        assert b_ids == expected[1]
 
 
 def test_sigterm_stops_the_core_cleanly(core) -> None:

@@ -16,15 +16,19 @@ import pytest
 from asyncllm import InvalidRequestError, SamplingParams, StructuredOutputs, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.request_keys import request_key
 from asyncllm.engine.validation import check_add_request, check_lora_id, record_lora_id, served_tasks
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
 from asyncllm.sched.request import Request
 from asyncllm.sched.scheduler import Scheduler
+from asyncllm.sched.step_outputs import StepOutputs
 from asyncllm.structured.manager import StructuredOutputManager
 
 VOCAB = 512
 GENERATES = frozenset({"generate", "embed"})
+R = request_key(b"h", "r")
+"""The core's key of host b"h"'s request "r" (asyncllm/engine/request_keys.py)."""
 
 
 def _message(**fields: Any) -> protocol.AddRequest:
@@ -141,33 +145,33 @@ def test_a_reused_request_id_inherits_no_grammar(monkeypatch: pytest.MonkeyPatch
     now = [0.0]
     core, sent = _core(monkeypatch, now)
     _add(core, "r", StructuredOutputs(choice=["x"], start_after_token_ids=[40]), timeout=1.0)
-    assert "r" in core.scheduler.requests and "r" in core.structured.matchers and "r" in core.structured.waiting
+    assert R in core.scheduler.requests and R in core.structured.matchers and R in core.structured.waiting
     if ended_by == "abort":
         core._handle(b"h", protocol.AbortRequests(["r"]))
     elif ended_by == "timeout":
         now[0] = 2.0
         assert [delta.finish_reason for _, delta in core._finish_expired()] == ["timeout"]
     elif ended_by == "failed":
-        core.forget_failed({"r": "bad item"})
-        core.scheduler.fail_requests({"r": "bad item"})
+        core.forget_failed({R: "bad item"})
+        core.scheduler.fail_requests({R: "bad item"})
     else:
         core._handle(b"h", protocol.Goodbye())
         core.clients.add(b"h")  # it comes back
-    assert "r" not in core.scheduler.requests
+    assert R not in core.scheduler.requests
     assert not core.structured.matchers and not core.structured.waiting
     _add(core, "r")
-    assert "r" in core.scheduler.requests and not core.structured.matchers and sent == []
+    assert R in core.scheduler.requests and not core.structured.matchers and sent == []
     core._handle(b"h", protocol.AbortRequests(["r"]))
     _add(core, "r", StructuredOutputs(choice=["x"]))
-    assert "r" in core.structured.matchers and not core.structured.waiting and sent == []
+    assert R in core.structured.matchers and not core.structured.waiting and sent == []
 
 
 def test_a_free_request_id_drops_whatever_matcher_is_left_of_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """However the earlier request of an id ended, the core accepting the id again starts it without its grammar."""
     core, sent = _core(monkeypatch, [0.0])
-    core.structured.matchers["r"], core.structured.waiting["r"] = object(), ([40], [])
+    core.structured.matchers[R], core.structured.waiting[R] = object(), ([40], [])
     _add(core, "r")
-    assert "r" in core.scheduler.requests and not core.structured.matchers and not core.structured.waiting
+    assert R in core.scheduler.requests and not core.structured.matchers and not core.structured.waiting
     message = protocol.AddRequest("s", [1, 2, 3], SamplingParams(structured=StructuredOutputs(choice=["x"])), [2], 0.0)
     core.structured.add(Request.from_add_request(message, b"h"))
     core.structured.waiting["s"] = ([40], [])  # a stale wait, not this request's (it has no start_after)
@@ -188,5 +192,29 @@ def test_a_refused_request_pins_no_lora_id(monkeypatch: pytest.MonkeyPatch, tmp_
     _add(core, "a", lora=LoRARequest("a", 1, str(tmp_path / "link")))
     _add(core, "b", lora=LoRARequest("a", 1, str(tmp_path / "adapter")))  # another host's path to the same folder
     _add(core, "c", lora=LoRARequest("a", 1, str(tmp_path / "link")))
-    assert len(sent) == 1 and {"a", "b", "c"} <= set(core.scheduler.requests)
+    assert len(sent) == 1 and {request_key(b"h", r) for r in "abc"} <= set(core.scheduler.requests)
     assert core.lora_paths == {1: os.path.realpath(tmp_path / "adapter")}
+
+
+def test_each_host_has_its_own_request_ids(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hosts of one core may use the same request id: each is its own request, a host aborts only its own, and each
+    host's outputs and errors name its ids as it sent them (asyncllm/engine/request_keys.py)."""
+    core, sent = _core(monkeypatch, [0.0])
+    core.clients.add(b"g")
+    _add(core, "r")
+    core._handle(b"g", protocol.AddRequest("r", [4, 5], SamplingParams(max_tokens=8), [2], time.time()))
+    g_r = request_key(b"g", "r")
+    assert sent == [] and set(core.scheduler.requests) == {R, g_r}
+    _add(core, "r")  # the same host again: refused, naming its id
+    assert [(d.request_id, d.error) for d in sent] == [("r", "request_id: 'r' is already used by an unfinished request")]
+    core._handle(b"g", protocol.AbortRequests(["r", R]))  # not even the key names another host's request
+    assert set(core.scheduler.requests) == {R}
+    wire: list[tuple[bytes, protocol.Outputs]] = []
+    core.io = SimpleNamespace(send=lambda client, message: wire.append((client, message)))
+    core.weights, core.sleep = SimpleNamespace(weights_version=0), SimpleNamespace(sleep_level=0, awaiting_weights=False)
+    outputs = StepOutputs([(b"g", protocol.RequestOutputDelta(g_r, [], "abort", error=f"{g_r!r} failed"))])
+    outputs.token_lists(b"h")[0].append(R)
+    outputs.token_lists(b"h")[1].append(7)
+    core.send_outputs(outputs)
+    hosts = {client: (message.token_req_ids, [(d.request_id, d.error) for d in message.outputs]) for client, message in wire}
+    assert hosts == {b"h": (["r"], []), b"g": ([], [("r", "'r' failed")])}
