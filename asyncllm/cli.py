@@ -7,6 +7,7 @@ import asyncio
 import sys
 
 from asyncllm.cli_commands import add_engine_parser, add_serve_parser, run_engine, run_serve
+from asyncllm.cli_config import expand_config_file
 from asyncllm.sampling import SamplingParams
 
 
@@ -50,6 +51,18 @@ async def _generate(args: argparse.Namespace) -> None:
                 print(f"\n[asyncllm] finish_reason={delta.finish_reason}", file=sys.stderr)
 
 
+def parse_args(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """`parser`'s namespace for `argv`, serve's and engine's ``--config FILE`` read first (asyncllm/cli_config.py)."""
+    config_model = None
+    if argv[:1] in (["serve"], ["engine"]):
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        argv, config_model = expand_config_file(argv, commands.choices[argv[0]])
+    args = parser.parse_args(argv)
+    if config_model is not None and args.model is None:
+        args.model = config_model
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # its own parser: asyncllm.bench.cli
@@ -57,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
 
         sys.exit(bench_main(argv[1:]))
     parser = _parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.command == "generate":
         asyncio.run(_generate(args))
     elif args.command == "serve":

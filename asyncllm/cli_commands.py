@@ -19,7 +19,7 @@ from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
 
 __all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "warn_open_cors",
-           "uvicorn_kwargs", "check_tls_args"]
+           "uvicorn_kwargs", "check_tls_args", "add_config_arg", "request_logger"]
 
 _HOST_SIDE_FIELDS = frozenset({"disable_log_stats", "log_stats_interval"})
 """Fields a host that attaches to a shared core may still set; the rest belong to the core."""
@@ -63,6 +63,9 @@ def add_serve_parser(commands: Any) -> None:
                        help="split chat replies into reasoning and content (deepseek_r1: DeepSeek-R1, QwQ; qwen3)")
     serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                        help="a Jinja chat template (file or text) used instead of the tokenizer's")
+    serve.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+                       help="how message content reaches the chat template: string (text parts joined with a "
+                            "newline), openai (a list of parts) or auto (as the template reads it; vLLM's flag)")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",
                        help="logprobs name tokens 'token_id:N' instead of their text (vLLM's flag)")
     serve.add_argument("--response-role", default="assistant",
@@ -82,8 +85,71 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--enable-force-include-usage", action="store_true",
                        help="every stream carries usage on every chunk and ends with the usage chunk, whatever "
                             "stream_options asks (vLLM's flag)")
+    serve.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                       help="chat template variables for every request, under a request's own chat_template_kwargs, "
+                            "e.g. '{\"enable_thinking\": false}' (vLLM's flag)")
+    _add_request_log_args(serve)
     _add_http_args(serve)
+    add_config_arg(serve)
     add_engine_args(serve)
+
+
+def add_config_arg(command: argparse.ArgumentParser) -> None:
+    """vLLM's ``--config FILE`` (asyncllm/cli_config.py reads it before argparse sees the command line)."""
+    command.add_argument("--config", default=None, metavar="FILE",
+                         help="a YAML file of options (long names as keys, e.g. 'port: 8001'); the command "
+                              "line's own win (vLLM's flag)")
+
+
+def _add_request_log_args(serve: argparse.ArgumentParser) -> None:
+    """vLLM's request log flags (integrations/openai_request_log.py)."""
+    serve.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                       help="log each request: an INFO line (its id, sampling params, LoRA adapter) and its prompt "
+                            "at DEBUG, on the asyncllm.integrations.openai.requests logger (vLLM's flag)")
+    serve.add_argument("--disable-log-requests", action=_DeprecatedFlag, default=True,
+                       help="[DEPRECATED] vLLM's old flag, accepted with a warning: requests are not logged "
+                            "without --enable-log-requests")
+    serve.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                       help="the request log shows at most N characters of a prompt and N of its token ids "
+                            "(default: all; vLLM's flag)")
+
+
+class _DeprecatedFlag(argparse.BooleanOptionalAction):
+    """A flag kept for vLLM's command lines: warns as argparse's ``deprecated=True`` (Python 3.13, vLLM's)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"{parser.prog}: warning: option '{option_string}' is deprecated", file=sys.stderr)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _json_object(raw: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {raw!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {raw!r}")
+    return value
+
+
+def request_logger(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Any:
+    """The server's `RequestLogger` from ``--enable-log-requests`` and ``--max-log-len`` (None: no log). Its lines
+    go to stderr unless logging is configured (this is asyncllm's own process, as the engine core's)."""
+    import logging
+
+    from asyncllm.integrations.openai_request_log import RequestLogger, logger
+
+    if args.max_log_len is not None and args.max_log_len < 0:
+        parser.error(f"--max-log-len: at least 0, got {args.max_log_len}")
+    if not args.enable_log_requests:
+        return None
+    if not logger.hasHandlers():
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    return RequestLogger(args.max_log_len)
 
 
 def _add_http_args(serve: argparse.ArgumentParser) -> None:
@@ -201,6 +267,7 @@ def add_engine_parser(commands: Any) -> None:
     core.add_argument("--address", default=default_address(),
                       help="ipc://PATH socket to listen on (default: %(default)s), or tcp://HOST:PORT with "
                            "ASYNCLLM_ENGINE_KEY set (CURVE-encrypted and authenticated; docs/security.md)")
+    add_config_arg(core)
     add_engine_args(core)
 
 
@@ -228,8 +295,11 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                          enable_request_id_headers=args.enable_request_id_headers,
                          response_role=args.response_role, cors=cors,
+                         chat_template_content_format=args.chat_template_content_format,
                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                         enable_force_include_usage=args.enable_force_include_usage)
+                         enable_force_include_usage=args.enable_force_include_usage,
+                         default_chat_template_kwargs=args.default_chat_template_kwargs,
+                         request_logger=request_logger(args, parser))
     except ConfigError as exc:
         parser.error(str(exc))
     _run_uvicorn(app, args, parser)
@@ -245,8 +315,12 @@ def _serve_engine(args: argparse.Namespace) -> tuple[Any, str | None]:
             raise ConfigError("connect", args.connect,
                               f"no MODEL or core flags with --connect ({core_side or 'MODEL'}): give them to "
                               "`asyncllm engine`")
-        return AsyncEngine.connect(args.connect, **kwargs), args.served_model_name
-    return AsyncEngine(args.model, **kwargs), args.served_model_name
+        engine = AsyncEngine.connect(args.connect, **kwargs)
+    else:
+        engine = AsyncEngine(args.model, **kwargs)
+    if args.served_model_name:  # as vLLM's metrics: labelled with the first served name
+        engine.set_served_model_name(args.served_model_name[0])
+    return engine, args.served_model_name
 
 
 def run_engine(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

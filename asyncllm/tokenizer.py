@@ -118,13 +118,18 @@ def template_arguments(
 def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None, tools: list[dict[str, Any]] | None = None,
-    chat_template: str | None = None,
+    chat_template: str | None = None, content_format: str = "auto",
 ) -> list[int]:
-    """Render ``messages`` with the chat template and tokenize them (arguments: `template_arguments`).
+    """Render ``messages`` with the chat template and tokenize them (arguments: `template_arguments`), their
+    content in vLLM's `content_format` (asyncllm/chat_content.py: "auto", "string" or "openai").
 
     The template writes the special tokens itself (BOS included), so the
     rendered text is tokenized without adding any, as transformers does.
     """
+    from asyncllm.chat_content import content_format_of, formatted_messages
+
+    if isinstance(messages, list):
+        messages = formatted_messages(messages, content_format_of(content_format, tokenizer, chat_template, tools))
     messages = template_messages(messages)
     kwargs = template_arguments(template_kwargs, tools, chat_template, add_generation_prompt)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -144,7 +149,8 @@ def apply_chat_template(
 def template_messages(messages: object) -> list[dict[str, Any]]:
     """Checked messages as chat templates read them.
 
-    Each is a dict with a str ``role`` and ``content``; an assistant message
+    Each is a dict with a str ``role`` and ``content`` (or a list of parts: the "openai" content format,
+    asyncllm/chat_content.py); an assistant message
     with ``tool_calls`` (OpenAI's shape) may have ``content`` None (rendered
     as ""), and its calls' ``arguments`` JSON text is parsed into the dict the
     templates write (as vLLM does). Other keys (``tool_call_id``, ``name``)
@@ -157,9 +163,9 @@ def template_messages(messages: object) -> list[dict[str, Any]]:
         if not isinstance(message, dict):
             raise InvalidRequestError("messages", f"item {i} must be a dict, got {type(message).__name__}")
         message = with_template_calls(i, message)
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise InvalidRequestError("messages", f"item {i} needs a str {key!r}, got {message.get(key)!r}")
+        if not isinstance(message.get("role"), str) or not isinstance(message.get("content"), (str, list)):
+            raise InvalidRequestError("messages", f"item {i} needs a str 'role' and a str (or list of parts) "
+                                                  f"'content', got {message!r:.120}")
         out.append(message)
     return out
 
@@ -169,7 +175,8 @@ def with_template_calls(i: int, message: dict[str, Any]) -> dict[str, Any]:
     if message.get("tool_calls") is None:
         return message
     calls = [_template_call(i, call) for call in _listed(i, message["tool_calls"])]
-    return {**message, "content": message.get("content") or "", "tool_calls": calls}
+    content = message.get("content")
+    return {**message, "content": "" if content is None else content, "tool_calls": calls}
 
 
 def _listed(i: int, calls: object) -> list[Any]:

@@ -41,6 +41,7 @@ from asyncllm.integrations.openai_protocol import (
     completion_prompts,
     response_id,
 )
+from asyncllm.integrations.openai_request_log import log_prompts
 from asyncllm.integrations.openai_sampling import check_common, resolve_max_tokens, sets_max_tokens
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.openai_streaming import chunk_usage, usage_mode
@@ -139,6 +140,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
             field = {"beam_width": "n" if width == req.n else "best_of"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None
     options = {"priority": req.priority, "cache_salt": req.cache_salt, "lora_request": lora}
+    log_prompts(server.request_log, req, "chatcmpl" if chat else "cmpl", prompts, params, lora, indexed=not chat)
     outputs = await _search_all(engine, prompts, params, options, until=lambda: wait_disconnect(request))
     top_logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
     if top_logprobs is not None and top_logprobs > 2 * width:

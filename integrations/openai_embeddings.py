@@ -22,6 +22,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import ServerLimits, completion_prompts, request_options
+from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts
 from asyncllm.integrations.streams import gather_until
 from asyncllm.pooling import EmbeddingOutput, PoolingParams
 
@@ -93,14 +94,16 @@ def pooling_params(req: EmbeddingRequest) -> PoolingParams:
 
 async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req: EmbeddingRequest,
                     lora: LoRARequest | None = None, *,
-                    until: Callable[[], Awaitable[object]] | None = None) -> list[EmbeddingOutput]:
-    """Embed every prompt at once, results in input order.
+                    until: Callable[[], Awaitable[object]] | None = None,
+                    request_log: RequestLogger | None = None) -> list[EmbeddingOutput]:
+    """Embed every prompt at once, results in input order; `request_log` logs each as ``embd-ID-i``.
 
     The first error cancels the others (each cancelled `embed` aborts its
     request in the engine) and is raised; `until` completing (the client went
     away) does the same and raises `ClientDisconnected`.
     """
     pooling = pooling_params(req)
+    log_prompts(request_log, req, "embd", prompts, pooling, lora)
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
     return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
 

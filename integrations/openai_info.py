@@ -9,13 +9,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import ApiError
 from asyncllm.integrations.openai_http import error_response, json_response
 
 if TYPE_CHECKING:
     from asyncllm.integrations.openai_server import OpenAIServer
 
-__all__ = ["info_routes"]
+__all__ = ["info_routes", "served_name"]
 
 
 def info_routes(server: OpenAIServer) -> list[Route]:
@@ -64,3 +65,16 @@ class _Handlers:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+def served_name(model: str) -> str | None:
+    """The bundled model's short name; None for an engine attached to a shared core (its model is known
+    once attached); else the model as configured (before the engine resolves it to a folder)."""
+    from asyncllm.bundled import BUNDLED_MODEL_NAME, bundled_model_path
+
+    if model.startswith("ipc://"):
+        return None
+    try:
+        return BUNDLED_MODEL_NAME if model == bundled_model_path() else model
+    except AsyncLLMError:  # no bundled model in this install
+        return model

@@ -10,9 +10,10 @@ and ``POST /v1/unload_lora_adapter`` change the set while serving.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -25,6 +26,7 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError
 from asyncllm.integrations.openai_http import text_response
 from asyncllm.integrations.openai_protocol import decode_request
+from asyncllm.integrations.starlette import engine_lifespan
 from asyncllm.lora import LoRARequest
 
 if TYPE_CHECKING:
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
     from asyncllm.integrations.openai_server import OpenAIServer
 
 __all__ = ["LoRAModule", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "ServedLoRA", "LoRAModels",
-           "lora_routes"]
+           "lora_routes", "server_lifespan"]
 
 logger = logging.getLogger("asyncllm.integrations.openai")
 
@@ -182,3 +184,28 @@ def lora_routes(server: OpenAIServer) -> list[Route]:
 
     return [Route("/v1/load_lora_adapter", server._guarded(load), methods=["POST"]),
             Route("/v1/unload_lora_adapter", server._guarded(unload), methods=["POST"])]
+
+
+def server_lifespan(server: OpenAIServer, manage_engine: bool) -> Any:
+    """The app's lifespan: the engine's (`manage_engine`), with the LoRA modules checked at startup (the engine
+    started, `ConfigError` naming the first bad one; a failed check closes a managed engine); None: neither."""
+    engine_life = engine_lifespan(server.engine) if manage_engine else None
+    if not server.loras.loras:
+        return engine_life
+
+    @asynccontextmanager
+    async def lifespan(app: Any) -> AsyncIterator[dict[str, Any] | None]:
+        if engine_life is None:
+            await _check_modules(server)
+            yield None
+            return
+        async with engine_life(app) as state:
+            await _check_modules(server)
+            yield state
+
+    return lifespan
+
+
+async def _check_modules(server: OpenAIServer) -> None:
+    await server.engine.start()
+    await server.loras.check(server.engine, server.model_names)

@@ -1,6 +1,7 @@
 """OpenAI chat messages as the engine's chat takes them (`chat_messages`).
 
-Text-part lists become strings, media parts (``image_url``, ``video_url``, ``audio_url``, ``input_audio``) the
+Text parts become ``{"type": "text", "text": str}`` (joined with "\\n" by the engine, or not: vLLM's chat template
+content format, asyncllm/chat_content.py), media parts (``image_url``, ``video_url``, ``audio_url``, ``input_audio``) the
 engine's parts; an assistant message sent back as history (the official client's ``message.model_dump()``) is
 read as vLLM reads it: keys whose value is None dropped, OpenAI's assistant fields the template does not read
 ignored, ``reasoning`` (or ``reasoning_content``, a string) given to the template under both names. Other keys
@@ -28,10 +29,11 @@ _REASONING_KEYS = ("reasoning", "reasoning_content")
 
 def chat_messages(messages: list[dict[str, Any]], images: bool = False,
                   media_root: Path | None = None) -> list[dict[str, Any]]:
-    """Messages with text-part lists flattened to strings (the engine's chat template takes strings).
+    """Messages with content lists as text parts ``{"type": "text", "text": str}`` (the engine renders them in the
+    chat template content format: joined with "\n" or as parts; asyncllm/chat_content.py), a content None as None.
 
     With ``images`` (a chat completion), a content list with ``image_url`` (or vLLM's ``video_url`` / ``audio_url``,
-    OpenAI's ``input_audio``) parts stays a list of text and media parts, which the engine's chat splits
+    OpenAI's ``input_audio``) parts is a list of text and media parts, which the engine's chat splits
     (asyncllm/mm/): the url is a base64 ``data:`` URL, or a ``file://`` URL under `media_root` (vLLM's
     ``--allowed-local-media-path``; `media_url`); http(s) URLs are refused by the engine, which fetches nothing.
     OpenAI's ``detail`` hint is dropped (as vLLM does), a part's ``uuid`` is the input's cache key. Elsewhere
@@ -45,13 +47,9 @@ def chat_messages(messages: list[dict[str, Any]], images: bool = False,
     out = []
     for i, message in enumerate(messages):
         content = message.get("content")
-        if isinstance(content, list) and images and any(_is_image_part(part) for part in content):
-            content = [_image_part(i, part, media_root) if _is_image_part(part)
+        if isinstance(content, list):  # the engine joins text parts with "\n" or keeps them (content format)
+            content = [_image_part(i, part, media_root) if images and _is_image_part(part)
                        else {"type": "text", "text": _text_part(i, part)} for part in content]
-        elif isinstance(content, list):
-            content = "".join(_text_part(i, part) for part in content)
-        elif content is None:
-            content = ""
         out.append({**_known_keys(i, message), "content": content})
     return out
 

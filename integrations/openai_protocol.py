@@ -17,14 +17,16 @@ to `SamplingParams` and refuses the options not built yet (``suffix``,
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from asyncllm.engine.validation import check_request_id
 from asyncllm.errors import ConfigError, InvalidRequestError
@@ -71,26 +73,65 @@ class ServerLimits:
 
 
 class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
-    include_usage: bool = False
-    """Send one last chunk with the request's token usage (and no choices)."""
-    continuous_usage_stats: bool = False
-    """vLLM's: with include_usage, every chunk carries the usage so far (instead of null)."""
+    """vLLM's (``include_usage: bool | None = True``): ``{}`` asks for the usage chunk, null reads as false (vLLM's
+    ``bool(include_usage)``). A field left out is UNSET, so that `check_common` refuses, as vLLM, stream options
+    that set anything on a request without ``stream``."""
+
+    include_usage: bool | None | UnsetType = UNSET
+    """Send one last chunk with the request's token usage (and no choices); left out: true (`usage`)."""
+    continuous_usage_stats: bool | None | UnsetType = UNSET
+    """vLLM's: with include_usage, every chunk carries the usage so far (instead of null); left out: false."""
+
+    @property
+    def usage(self) -> bool:
+        """Whether the stream ends with the usage chunk."""
+        return self.include_usage is UNSET or bool(self.include_usage)
+
+    @property
+    def continuous(self) -> bool:
+        """Whether every chunk carries the usage so far (only with `usage`, as vLLM's ``should_include_usage``)."""
+        return self.usage and bool(self.continuous_usage_stats)
 
 
-class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+T = TypeVar("T")
+_NULL_IS_DEFAULT = object()
+Nullable = Annotated[T | None, _NULL_IS_DEFAULT]
+"""A field vLLM declares ``X | None = default`` where null means the default (its ``SamplingParams.from_optional``
+and handlers read None so): JSON null decodes to the field's default (`_Request`). A wrong type is still a 400
+naming the field."""
+
+
+@functools.cache
+def _null_defaults(cls: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
+    """The `Nullable` fields of `cls` and their defaults."""
+    return tuple((f.name, f.default) for f in msgspec.structs.fields(cls)
+                 if get_origin(f.type) is Annotated and _NULL_IS_DEFAULT in get_args(f.type)[1:])
+
+
+class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A request body whose `Nullable` fields sent as null take their defaults."""
+
+    def __post_init__(self) -> None:
+        for name, default in _null_defaults(type(self)):
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+
+
+class _Common(_Request, kw_only=True, forbid_unknown_fields=True):
     """Fields both endpoints share (OpenAI's, then vLLM's extensions)."""
 
     model: str | None = None
     """The served model's name; left out, the served model (as vLLM's server)."""
     n: int = 1
+    """Not nullable for completions (vLLM's ``n: int = 1``); chat's is."""
     temperature: float | None = None
     top_p: float | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: Nullable[bool] = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: Nullable[float] = 0.0
+    frequency_penalty: Nullable[float] = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     """End-user id for the caller's own abuse tracking; accepted and not used by asyncllm."""
@@ -122,7 +163,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's, with use_beam_search: beams are ranked by cumulative logprob / length ** length_penalty."""
     request_id: str | None = None
     """vLLM's: the response's id is ``cmpl-`` / ``chatcmpl-`` and this (by default a random one)."""
-    return_token_ids: bool = False
+    return_token_ids: Nullable[bool] = False
     """vLLM's: each choice carries its ``token_ids``, and the prompt's ``prompt_token_ids`` (streamed: each chunk's
     choice the ids it adds; a completion choice's first chunk, a chat's first chunks at the top, the prompt's)."""
     spaces_between_special_tokens: bool = True
@@ -140,7 +181,7 @@ class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     with --enable-prompt-embeds; integrations/openai_prompt_embeds.py)."""
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: Nullable[bool] = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -149,7 +190,8 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    n: Nullable[int] = 1
+    logprobs: Nullable[bool] = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     """OpenAI function tools: rendered by the chat template, their calls read back (openai_tools.py)."""
@@ -178,7 +220,7 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     (`chat_echo`); streamed, in a chunk of its own after the role."""
 
 
-class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class TokenizeRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     """vLLM's ``POST /tokenize``: a prompt, or chat messages rendered with the chat template."""
 
     model: str | None = None
@@ -194,6 +236,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     chat_template_kwargs: dict[str, Any] | None = None
     """For messages: variables for the chat template, as chat completions take them."""
     chat_template: str | None = None
+    return_token_strs: Nullable[bool] = False
+    """vLLM's: the response's ``token_strs`` are the tokens' strings (``convert_ids_to_tokens``); else null."""
 
 
 class DetokenizeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -266,9 +310,11 @@ def header_data_parallel_rank(headers: Mapping[str, str]) -> int | None:
                                                         f"(an int), got {raw!r}") from None
 
 
-def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+def template_kwargs(req: ChatCompletionRequest | TokenizeRequest,
+                    defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The chat template's variables of a request: ``add_generation_prompt``, ``continue_final_message`` and a chat
-    completion's ``reasoning_effort``, then ``chat_template_kwargs`` (which win)."""
+    completion's ``reasoning_effort``, then the server's `defaults` (``--default-chat-template-kwargs``), then
+    ``chat_template_kwargs`` (which win key by key, as vLLM's ``default_chat_template_kwargs | request's``)."""
     if req.continue_final_message and req.add_generation_prompt:
         raise InvalidRequestError("continue_final_message", "continues the last message: set add_generation_prompt "
                                                             "to false (a new assistant turn cannot follow it)")
@@ -276,7 +322,8 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest) -> dict[str, A
     effort = getattr(req, "reasoning_effort", None)
     if effort is not None:
         extra["reasoning_effort"] = effort
-    return {"add_generation_prompt": req.add_generation_prompt, **extra, **(req.chat_template_kwargs or {})}
+    return {"add_generation_prompt": req.add_generation_prompt, **extra, **(defaults or {}),
+            **(req.chat_template_kwargs or {})}
 
 
 
@@ -319,6 +366,25 @@ class ChatTemplates:
     """The server's (``--chat-template``); None: the tokenizer's."""
     trust_request: bool = False
     """Whether a request may bring its own (``--trust-request-chat-template``): Jinja from clients."""
+    default_kwargs: dict[str, Any] | None = None
+    """The server's template variables (``--default-chat-template-kwargs``), under each request's own."""
+
+    @classmethod
+    def create(cls, chat_template: str | None = None, trust_request: bool = False,
+               default_kwargs: dict[str, Any] | None = None) -> ChatTemplates:
+        """`create_app`'s: `chat_template` a file path or the Jinja text; `default_kwargs` checked as a request's."""
+        from asyncllm.tokenizer import check_template_kwargs, load_chat_template
+
+        try:
+            check_template_kwargs(default_kwargs)
+        except InvalidRequestError as exc:
+            raise ConfigError("default_chat_template_kwargs", default_kwargs, exc.message) from None
+        default = load_chat_template(chat_template) if chat_template is not None else None
+        return cls(default, trust_request, dict(default_kwargs) if default_kwargs is not None else None)
+
+    def kwargs(self, req: ChatCompletionRequest | TokenizeRequest) -> dict[str, Any]:
+        """The request's template variables over the server's defaults (`template_kwargs`)."""
+        return template_kwargs(req, self.default_kwargs)
 
     def pick(self, requested: str | None) -> str | None:
         if requested is None:

@@ -143,7 +143,8 @@ def _check_combinations(req: GenerationRequest) -> None:
 
 def check_common(req: GenerationRequest) -> None:
     """The refusals sampling and beam search share (stream_options, add_special_tokens, ...)."""
-    _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",  # {}: as vLLM
+    # as vLLM's validate_stream_options: refused when they set any field ({} and null pass)
+    _refuse(req.stream_options not in (None, StreamOptions()) and not req.stream, "stream_options",
             "Stream options can only be defined when stream=True")
     chat = isinstance(req, ChatCompletionRequest)
     _refuse(req.add_special_tokens not in (None, not chat), "add_special_tokens",

@@ -28,8 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -41,36 +40,38 @@ from starlette.middleware import Middleware
 from starlette.routing import Route
 
 from asyncllm import envs
-from asyncllm.errors import AsyncLLMError, InvalidRequestError
+from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import ApiError
 from asyncllm.integrations.openai_beam_search import beam_search_response
 from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, embedding_response
-from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes
+from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes, server_lifespan
 from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_http import (
     SSE_HEADERS, CorsPolicy, RequestIdHeaders, guard, json_response, not_allowed, not_found, read_body,
 )
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest, chat_echo, chat_role,
-    completion_prompts, decode_request, header_data_parallel_rank, request_options, take_request_id, template_kwargs,
+    completion_prompts, decode_request, header_data_parallel_rank, request_options, take_request_id,
 )
 from asyncllm.integrations.openai_responses import Choices, token_id_text
 from asyncllm.integrations.openai_sampling import chat_params, completion_params, echo_only, sets_max_tokens
 from asyncllm.integrations.openai_streaming import count_prompts, respond, response_events
 from asyncllm.integrations.openai_score import score_routes
-from asyncllm.integrations.openai_info import info_routes
+from asyncllm.integrations.openai_info import info_routes, served_name
 from asyncllm.integrations.openai_tokenize import tokenize_routes
 from asyncllm.integrations.openai_audio import audio_routes
 from asyncllm.integrations.openai_dev import dev_routes
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
 from asyncllm.integrations.responses_store import ResponseStore
-from asyncllm.integrations.starlette import engine_lifespan, wait_disconnect
+from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import first_deltas, merge_streams
 from asyncllm.lora import LoRARequest
 from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
 from asyncllm.integrations.openai_prompt_embeds import completion_embeds_prompts
-from asyncllm.tokenizer import apply_chat_template, load_chat_template
+from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts
+from asyncllm.chat_content import check_content_format
+from asyncllm.tokenizer import apply_chat_template
 from asyncllm.tool_calls import ToolParser, check_parser_pair, get_tool_parser
 
 if TYPE_CHECKING:
@@ -90,7 +91,8 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
                lora_modules: Sequence[LoRAModule] = (), return_tokens_as_token_ids: bool = False,
                enable_request_id_headers: bool = False, response_role: str = "assistant",
                cors: CorsPolicy | None = None, enable_prompt_tokens_details: bool = False,
-               enable_force_include_usage: bool = False) -> Starlette:
+               enable_force_include_usage: bool = False, default_chat_template_kwargs: dict[str, Any] | None = None,
+               request_logger: RequestLogger | None = None, chat_template_content_format: str = "auto") -> Starlette:
     """The app; `engine` defaults to one over the bundled tiny model.
 
     `model_name` is the id clients pass as ``model`` (default: the model as configured, or ``asyncllm-tiny`` for
@@ -100,9 +102,9 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     `limits` bound each request (`ServerLimits`: body and upload bytes, n, max_tokens, prompts; None: the defaults).
     `tool_call_parser` (``"hermes"``, ``"llama3_json"``, ``"openai"``, ...) enables
     ``tool_choice: "auto"`` (vLLM's ``--enable-auto-tool-choice --tool-call-parser``).
-    `chat_template` (a file path or the Jinja text) replaces the tokenizer's
-    for every chat request; a request's own ``chat_template`` is taken only
-    with `trust_request_chat_template` (vLLM's flags of the same names).
+    `chat_template` (a file path or the Jinja text) replaces the tokenizer's for every chat request; a request's own
+    ``chat_template`` is taken only with `trust_request_chat_template`; `default_chat_template_kwargs` are template
+    variables under each request's ``chat_template_kwargs`` (vLLM's flags of the same names; `ChatTemplates`).
     `reasoning_parser` (``"deepseek_r1"``, ``"qwen3"``, ``"openai_gptoss"``) splits chat replies
     into ``reasoning`` and ``content`` (vLLM's ``--reasoning-parser``).
     `lora_modules` are LoRA adapters served as models of their own (vLLM's
@@ -113,40 +115,29 @@ def create_app(engine: AsyncEngine | None = None, *, model_name: str | Sequence[
     ``token_id:N`` instead of their text (vLLM's flag: for tokens that are not whole characters).
     `enable_request_id_headers` puts ``X-Request-Id`` on every response (vLLM's flag; `RequestIdHeaders`).
     `response_role` is chat replies' role with a generation prompt (vLLM's ``--response-role``).
+    `chat_template_content_format`: how message content reaches the template (vLLM's flag; asyncllm/chat_content.py).
     `cors` lets browsers on other origins call the app (`CorsPolicy`; None: no CORS headers).
     `enable_prompt_tokens_details` adds ``prompt_tokens_details.cached_tokens`` (prompt tokens served from the
     prefix cache) to completions' and chats' usage; `enable_force_include_usage` gives every stream continuous
-    usage and the usage chunk, asked for or not (`usage_mode`; vLLM's flags of the same names).
-    """
+    usage and the usage chunk, asked for or not (`usage_mode`; vLLM's flags of the same names). `request_logger`
+    logs each request (vLLM's ``--enable-log-requests``; openai_request_log.py)."""
     parser = get_tool_parser(tool_call_parser) if tool_call_parser is not None else None
     check_parser_pair(parser, reasoning_parser)  # openai (gpt-oss's harmony) reads after openai_gptoss
-    templates = ChatTemplates(load_chat_template(chat_template) if chat_template is not None else None,
-                              trust_request_chat_template)
+    check_content_format(chat_template_content_format, config=True)
+    templates = ChatTemplates.create(chat_template, trust_request_chat_template, default_chat_template_kwargs)
     if engine is None:
         from asyncllm import AsyncEngine
 
         engine = AsyncEngine(disable_log_stats=True)
     names = [model_name] if isinstance(model_name, str) else list(model_name or [])
-    server = OpenAIServer(engine, names or [_served_name(engine.config.model)], api_key, limits or ServerLimits(),
+    server = OpenAIServer(engine, names or [served_name(engine.config.model)], api_key, limits or ServerLimits(),
                           parser, templates, get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
                           lora_modules=lora_modules, runtime_lora=envs.ALLOW_RUNTIME_LORA_UPDATING.get(),
                           token_ids_as_text=return_tokens_as_token_ids, response_role=response_role,
                           prompt_tokens_details=enable_prompt_tokens_details,
-                          force_include_usage=enable_force_include_usage)
+                          force_include_usage=enable_force_include_usage, request_log=request_logger,
+                          content_format=chat_template_content_format)
     return server.app(manage_engine, enable_request_id_headers, cors)
-
-
-def _served_name(model: str) -> str | None:
-    """The bundled model's short name; None for an engine attached to a shared core (its model is known
-    once attached); else the model as configured (before the engine resolves it to a folder)."""
-    from asyncllm.bundled import BUNDLED_MODEL_NAME, bundled_model_path
-
-    if model.startswith("ipc://"):
-        return None
-    try:
-        return BUNDLED_MODEL_NAME if model == bundled_model_path() else model
-    except AsyncLLMError:  # no bundled model in this install
-        return model
 
 
 class OpenAIServer:
@@ -157,8 +148,12 @@ class OpenAIServer:
                  templates: ChatTemplates = ChatTemplates(), reasoning: ReasoningParser | None = None, *,
                  lora_modules: Sequence[LoRAModule] = (), runtime_lora: bool = False,
                  token_ids_as_text: bool = False, response_role: str = "assistant",
-                 prompt_tokens_details: bool = False, force_include_usage: bool = False) -> None:
+                 prompt_tokens_details: bool = False, force_include_usage: bool = False,
+                 request_log: RequestLogger | None = None, content_format: str = "auto") -> None:
         self.engine = engine
+        self.content_format = content_format  # vLLM's --chat-template-content-format (create_app)
+        self.request_log = request_log
+        """Logs each request's prompts as the server submits them (openai_request_log.py); None: no log."""
         self.prompt_tokens_details = prompt_tokens_details
         """Usage carries ``prompt_tokens_details.cached_tokens`` (vLLM's --enable-prompt-tokens-details)."""
         self.force_include_usage = force_include_usage
@@ -186,7 +181,7 @@ class OpenAIServer:
     def model_names(self) -> list[str]:
         """The ids clients may send as ``model``; responses carry the first."""
         if self._model_names == [None]:  # attached to a shared core: name it after what the core serves
-            return [_served_name(self.engine.config.model) or self.engine.config.model]
+            return [served_name(self.engine.config.model) or self.engine.config.model]
         return [name for name in self._model_names if name is not None]
 
     @property
@@ -197,7 +192,7 @@ class OpenAIServer:
     def app(self, manage_engine: bool = True, request_id_headers: bool = False,
             cors: CorsPolicy | None = None) -> Starlette:
         """The Starlette app; with `manage_engine` its lifespan starts and closes the engine. Its startup
-        checks the LoRA modules (`check_lora_modules`). `request_id_headers`: `RequestIdHeaders` outermost, as
+        checks the LoRA modules (`server_lifespan`). `request_id_headers`: `RequestIdHeaders` outermost, as
         vLLM's (preflights too); `cors`: Starlette's CORS middleware inside it (it answers preflights itself)."""
         routes = [
             Route("/v1/completions", self._guarded(self.completions), methods=["POST"]),
@@ -217,33 +212,10 @@ class OpenAIServer:
             routes += dev_routes(self)
         middleware = ([Middleware(RequestIdHeaders)] if request_id_headers else []) + (
             [cors.middleware()] if cors is not None else [])
-        app = Starlette(routes=routes, lifespan=self._lifespan(manage_engine),
+        app = Starlette(routes=routes, lifespan=server_lifespan(self, manage_engine),
                         exception_handlers={404: not_found, 405: not_allowed}, middleware=middleware)
         app.state.openai_server = self
         return app
-
-    def _lifespan(self, manage_engine: bool) -> Any:
-        """The engine's lifespan (`manage_engine`) with the LoRA modules checked at startup; None: neither."""
-        if not self.loras.loras:
-            return engine_lifespan(self.engine) if manage_engine else None
-        engine_life = engine_lifespan(self.engine) if manage_engine else None
-
-        @asynccontextmanager
-        async def lifespan(app: Starlette) -> AsyncIterator[dict[str, Any] | None]:
-            if engine_life is None:
-                await self.check_lora_modules()
-                yield None
-                return
-            async with engine_life(app) as state:  # a failed check closes the engine
-                await self.check_lora_modules()
-                yield state
-
-        return lifespan
-
-    async def check_lora_modules(self) -> None:
-        """Start the engine and check every LoRA module with it (`ConfigError` naming the first bad one)."""
-        await self.engine.start()
-        await self.loras.check(self.engine, self.model_names)
 
     # ------------------------------------------------------------ routes
     async def completions(self, request: Request, body: bytes | None = None) -> Response:
@@ -258,6 +230,7 @@ class OpenAIServer:
         params = completion_params(req, self.limits, await self._sampling_defaults())
         prompts: list[Any] = embeds if embeds is not None else completion_prompts(req.prompt, self.limits)
         self.limits.check_sequences(len(prompts), params.n)
+        log_prompts(self.request_log, req, "cmpl", prompts, params, lora)
         rank = header_data_parallel_rank(request.headers)
         streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank,
                                       check_max_tokens=sets_max_tokens(req)) for prompt in prompts]
@@ -287,7 +260,8 @@ class OpenAIServer:
         prompts = embedding_inputs(req, self.limits)
         if prompts is None:
             prompts = [await self._chat_tokens(req)]
-        outputs = await embed_all(self.engine, prompts, req, lora, until=lambda: wait_disconnect(request))
+        outputs = await embed_all(self.engine, prompts, req, lora, until=lambda: wait_disconnect(request),
+                                  request_log=self.request_log)
         return json_response(embedding_response(outputs, model, req.encoding_format))
 
     async def invocations(self, request: Request) -> Response:
@@ -340,11 +314,13 @@ class OpenAIServer:
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         params = chat_params(req, self.limits, mode, self.reasoning, defaults)
         messages = chat_messages(req.messages, images=True, media_root=self.limits.allowed_local_media_path)
+        log_prompts(self.request_log, req, "chatcmpl", [messages], params, lora, indexed=False)
         streams = [self.engine.chat(messages, params, **request_options(req),
-                                    chat_template_kwargs=template_kwargs(req), tools=req.tools,
+                                    chat_template_kwargs=self.templates.kwargs(req), tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
                                     data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs,
-                                    check_max_tokens=sets_max_tokens(req))]
+                                    check_max_tokens=sets_max_tokens(req),
+                                    chat_template_content_format=self.content_format)]
         choices = Choices(1, params.n, params.logprobs, chat=True, tool_mode=mode, reasoning=self.reasoning,
                           token_ids_as_text=self.token_ids_as_text,
                           return_prompt_logprobs=req.prompt_logprobs is not None,
@@ -359,8 +335,9 @@ class OpenAIServer:
         and tokenized, on a worker thread: the ids the engine's chat would run."""
         tokenizer = await self._tokenizer()
         render = functools.partial(apply_chat_template, tokenizer, chat_messages(req.messages),
-                                   template_kwargs=template_kwargs(req), tools=tools,
-                                   chat_template=self.templates.pick(req.chat_template))
+                                   template_kwargs=self.templates.kwargs(req), tools=tools,
+                                   chat_template=self.templates.pick(req.chat_template),
+                                   content_format=self.content_format)
         return await anyio.to_thread.run_sync(render)
 
     async def _tokenizer(self) -> Any:

@@ -62,14 +62,15 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
 
 def usage_mode(req: CompletionRequest | ChatCompletionRequest, force_include_usage: bool) -> str:
     """A stream's usage chunks, as vLLM's ``should_include_usage``: "none", "last" (the final usage chunk) or
-    "continuous" (every chunk too); ``continuous_usage_stats`` counts only with ``include_usage``, and
-    `force_include_usage` (--enable-force-include-usage) makes it "continuous" whatever the request asks, as vLLM's."""
+    "continuous" (every chunk too); ``include_usage`` left out is true (``stream_options: {}`` asks for usage),
+    ``continuous_usage_stats`` counts only with it (`StreamOptions`), and `force_include_usage`
+    (--enable-force-include-usage) makes it "continuous" whatever the request asks, as vLLM's."""
     if force_include_usage:
         return "continuous"
     options = req.stream_options
-    if options is None or not options.include_usage:
+    if options is None or not options.usage:
         return "none"
-    return "continuous" if options.continuous_usage_stats else "last"
+    return "continuous" if options.continuous else "last"
 
 
 def chunk_usage(choices: Choices, index: int, usage: str) -> dict[str, Any]:

@@ -29,15 +29,17 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
         server._model(req.model)  # an adapter shares the model's tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("prompt", "give a prompt or messages (one of them)")
+        tokenizer = await server._tokenizer()
         if req.prompt is not None:
-            tokenizer = await server._tokenizer()
             prompt, special = req.prompt, req.add_special_tokens
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         else:
             check_tools(req.tools)
             tokens = await server._chat_tokens(req, req.tools)
+        tokens = [int(t) for t in tokens]
+        token_strs = tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None  # as vLLM's
         return _json({"count": len(tokens), "max_model_len": server.engine.config.max_model_len,
-                      "tokens": [int(t) for t in tokens], "token_strs": None})
+                      "tokens": tokens, "token_strs": token_strs})
 
     async def detokenize(request: Request) -> Response:
         """The text of token ids (special tokens included)."""

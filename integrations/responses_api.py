@@ -145,9 +145,10 @@ def input_messages(items: str | list[dict[str, Any]], instructions: str | None) 
 
 
 def _content(i: int, content: object) -> str | list[dict[str, Any]]:
-    """A message's content for the chat path: its text, or, with ``input_image`` parts (``image_url``: a base64
-    ``data:`` URL; ``detail`` dropped, as in chat completions), chat text and ``image_url`` parts in order."""
-    if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") == "input_image" for p in content):
+    """A message's content for the chat path: its text, or a list's chat text parts (the engine joins them with
+    "\n" or keeps them: the chat template content format, asyncllm/chat_content.py) and ``input_image`` parts as
+    ``image_url`` ones (a base64 ``data:`` URL; ``detail`` dropped, as in chat completions), in order."""
+    if not isinstance(content, list):
         return _text(i, content)
     parts: list[dict[str, Any]] = []
     for part in content:

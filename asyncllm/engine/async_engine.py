@@ -281,6 +281,12 @@ class AsyncEngine(EngineRequests, EngineControl):
         data_parallel_size > 1 the replicas' numbers added up, each replica's own in `replicas`."""
         return self._replicas.stats()
 
+    def set_served_model_name(self, name: str) -> None:
+        """Label the Prometheus series (``model_name``) and request spans `name`, the name a server serves the model
+        as, instead of the model as configured: vLLM labels them with its first ``--served-model-name``."""
+        for replica in self._replicas:
+            replica.observer.serve_as(name)
+
     # ------------------------------------------------------------ internals used by RequestStream
     async def _submit(self, prompt: Any, params: SamplingParams | None, options: RequestOptions,
                       chat: bool) -> RequestCollector:

@@ -48,7 +48,8 @@ class EngineRequests:
              cache_salt: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
              tools: list[dict[str, Any]] | None = None, chat_template: str | None = None,
              lora_request: LoRARequest | None = None, data_parallel_rank: int | None = None,
-             mm_processor_kwargs: dict[str, Any] | None = None, check_max_tokens: bool = False) -> RequestStream:
+             mm_processor_kwargs: dict[str, Any] | None = None, check_max_tokens: bool = False,
+             chat_template_content_format: str = "auto") -> RequestStream:
         """Stream a reply to chat `messages`, formatted by the tokenizer's chat template.
 
         `chat_template_kwargs` are variables for the template, as in
@@ -58,11 +59,15 @@ class EngineRequests:
         holds the calls in the model's format (`asyncllm.tool_calls` parses them).
         `chat_template` (Jinja) replaces the tokenizer's template for this request; `mm_processor_kwargs` (vLLM's)
         the image processor's settings for its images (over the engine's; docs/multimodal.md); `check_max_tokens`
-        as for `stream`.
+        as for `stream`. `chat_template_content_format` (vLLM's ``LLM.chat`` argument) is how a message's content
+        reaches the template: "string" (text parts joined with "\\n"), "openai" (a list of ``{"type": "text",
+        "text": ...}`` and media parts) or "auto" (the default: "openai" when the template loops over a message's
+        content; asyncllm/chat_content.py).
         """
         options = RequestOptions(priority, request_id, timeout, cache_salt, chat_template_kwargs, tools, chat_template,
                                  lora_request, data_parallel_rank=data_parallel_rank,
-                                 mm_processor_kwargs=mm_processor_kwargs, check_max_tokens=check_max_tokens)
+                                 mm_processor_kwargs=mm_processor_kwargs, check_max_tokens=check_max_tokens,
+                                 chat_template_content_format=chat_template_content_format)
         return RequestStream(self, messages, _checked_params(params), options, chat=True)
 
     async def generate(self, prompt: Any, params: SamplingParams | None = None, **options: Any) -> RequestOutput:

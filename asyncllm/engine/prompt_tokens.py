@@ -68,9 +68,10 @@ class PromptTokenizer:
             return [PLACEHOLDER_TOKEN_ID] * job.embeds.shape[0]
         if isinstance(job.prompt, dict) and not job.chat:  # vLLM's TextPrompt / TokensPrompt: the plain prompt
             job.prompt = plain_prompt(job.prompt) or job.prompt
-        if self.mm is not None or isinstance(job.prompt, dict):
+        if self.mm is not None or isinstance(job.prompt, dict) or job.chat:  # chat: media for a text model is refused
             job.mm_prompt = multimodal_prompt(self.mm, job.prompt, job.chat, options.chat_template_kwargs,
-                                              options.tools, options.chat_template, options.mm_processor_kwargs)
+                                              options.tools, options.chat_template, options.mm_processor_kwargs,
+                                              options.chat_template_content_format)
             if job.mm_prompt is not None:  # its length counts the media placeholders
                 errors.check_context_length(self.max_model_len, len(job.mm_prompt.token_ids), operation=operation)
                 if job.params.truncate_prompt_tokens is not None:
@@ -82,7 +83,7 @@ class PromptTokenizer:
         if job.chat:
             token_ids = self._truncated(job, apply_chat_template(
                 self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
-                chat_template=options.chat_template))
+                chat_template=options.chat_template, content_format=options.chat_template_content_format))
         elif isinstance(job.prompt, str):
             chars = len(job.prompt) + len(options.text_pair or "")
             if chars > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:  # more tokens than fit

@@ -18,6 +18,7 @@ from asyncllm.pooling import PoolingParams
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
 from asyncllm.engine.validation import check_priority, check_text
+from asyncllm.chat_content import check_content_format
 from asyncllm.tokenizer import check_chat_template, check_template_kwargs
 from asyncllm.tool_calls import check_tools
 
@@ -56,6 +57,9 @@ class RequestOptions:
     mm_processor_kwargs: dict[str, Any] | None = None
     """`chat` only: the image processor's settings for this request's images, over the engine's (a prompt dict
     carries its own)."""
+    chat_template_content_format: str = "auto"
+    """`chat` only: how message content reaches the template (vLLM's): "string" (text parts joined with "\\n"),
+    "openai" (a list of parts) or "auto" (as the template reads it; asyncllm/chat_content.py)."""
     check_max_tokens: bool = False
     """The OpenAI server's (as vLLM's server): a prompt plus ``max_tokens`` over max_model_len is an
     `InvalidRequestError` (code ``context_length_exceeded``) instead of max_tokens cut to the room left."""
@@ -100,6 +104,7 @@ class RequestOptions:
         check_template_kwargs(self.chat_template_kwargs)
         check_tools(self.tools)
         check_chat_template(self.chat_template)
+        check_content_format(self.chat_template_content_format)
 
 
 class RequestStream:

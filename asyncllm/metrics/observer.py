@@ -51,9 +51,21 @@ class RequestObserver:
         self._tracer = RequestTracer(model_name) if tracing_available() else None
         self._traced: dict[str, _Traced] = {}
         """request_id -> its span, only while the host has a tracer provider."""
+        self._served_name: str | None = None
+        """The server's model name (`serve_as`), which no later `set_model_name` replaces."""
 
     def set_model_name(self, model_name: str) -> None:
-        """Relabel metrics and spans (an attached host learns the model from the core)."""
+        """Relabel metrics and spans (an attached host learns the model from the core), unless `serve_as` named
+        them."""
+        if self._served_name is None:
+            self._label(model_name)
+
+    def serve_as(self, served_name: str) -> None:
+        """Label metrics and spans with the server's model name for good (`AsyncEngine.set_served_model_name`)."""
+        self._served_name = served_name
+        self._label(served_name)
+
+    def _label(self, model_name: str) -> None:
         self.stats.model_name = model_name
         if self._tracer is not None:
             self._tracer.model_name = model_name

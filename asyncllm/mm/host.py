@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from asyncllm import protocol
+from asyncllm.chat_content import content_format_of, formatted_messages
 from asyncllm.errors import InvalidRequestError
 from asyncllm.mm.audios import is_one_audio
 from asyncllm.mm.images import check_uuids
@@ -19,39 +20,40 @@ __all__ = ["multimodal_prompt", "plain_prompt", "resend_with_data"]
 
 
 def _is_multimodal_chat(messages: Any) -> bool:
-    return isinstance(messages, list) and any(isinstance(m, dict) and isinstance(m.get("content"), list) for m in messages)
+    """Whether some message's content holds a part other than text (a list of text parts alone is a text chat)."""
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and isinstance(m.get("content"), list)
+        and any(not isinstance(part, dict) or part.get("type") != "text" for part in m["content"]) for m in messages)
 
 
 def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
                       template_kwargs: dict[str, Any] | None = None,
                       tools: list[dict[str, Any]] | None = None,
                       chat_template: str | None = None,
-                      mm_processor_kwargs: dict[str, Any] | None = None) -> MultiModalPrompt | None:
+                      mm_processor_kwargs: dict[str, Any] | None = None,
+                      content_format: str = "auto") -> MultiModalPrompt | None:
     """A dict prompt or chat messages with content parts, processed; None for a text-only prompt.
 
     `template_kwargs`, `tools`, `chat_template` and `mm_processor_kwargs` are `AsyncEngine.chat`'s
-    (asyncllm.tokenizer.template_arguments); a dict prompt carries its own ``mm_processor_kwargs``. Its length
+    (asyncllm.tokenizer.template_arguments), `content_format` vLLM's chat template content format
+    (asyncllm/chat_content.py); a dict prompt carries its own ``mm_processor_kwargs``. Its length
     (media placeholders counted) is the caller's to check against max_model_len (asyncllm/engine/prompt_tokens.py).
     """
     if chat and not _is_multimodal_chat(prompt) or not chat and not isinstance(prompt, dict):
         return None
-    field = "messages" if chat else "prompt.images"
-    if mm is None:
+    if mm is None:  # a dict prompt's shape first: `plain_prompt` found no plain prompt in it
+        field = "messages" if chat else _media_field(_check_dict_prompt(from_vllm_prompt(prompt)))
         raise InvalidRequestError(field, "this model takes no images, videos or audio (it is not a multimodal "
                                          "architecture)")
+    field = "messages" if chat else "prompt.images"
     if chat:
         messages, inputs = split_chat_media(prompt)
+        messages = formatted_messages(messages, content_format_of(content_format, mm.tokenizer, chat_template, tools))
         messages = [with_template_calls(i, m) if isinstance(m, dict) else m for i, m in enumerate(messages)]
         token_ids = _render_chat(mm, messages, template_arguments(template_kwargs, tools, chat_template))
     else:
-        prompt = from_vllm_prompt(encoder_decoder_prompt(prompt, mm))
-        unknown = set(prompt) - _DICT_KEYS
+        prompt = _check_dict_prompt(from_vllm_prompt(encoder_decoder_prompt(prompt, mm)))
         text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
-        if unknown or (isinstance(text, str) and bool(text)) == (isinstance(ids, list) and bool(ids)):
-            raise InvalidRequestError("prompt", "a dict prompt is {'prompt': str (or 'prompt_token_ids': [int]), "
-                                      "'images', 'image_uuids', 'videos', 'video_uuids', 'audios', 'audio_uuids', "
-                                      "'mm_processor_kwargs' (optional)} or vLLM's {'prompt', 'multi_modal_data': "
-                                      f"{{'image': ..., 'video': ..., 'audio': ...}}}}; got keys {sorted(prompt)}")
         inputs = MultiModalInputs(prompt.get("images", []), None, prompt.get("videos", []), None,
                                   prompt.get("audios", []), None)
         for kind in ("image", "video", "audio"):
@@ -67,6 +69,34 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
 
 _DICT_KEYS = {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids", "audios", "audio_uuids",
               "mm_processor_kwargs"}
+_DICT_SHAPE = ("a dict prompt is {'prompt': str (or 'prompt_token_ids': [int]), 'images', 'image_uuids', 'videos', "
+               "'video_uuids', 'audios', 'audio_uuids', 'mm_processor_kwargs' (optional)} or vLLM's {'prompt', "
+               "'multi_modal_data': {'image': ..., 'video': ..., 'audio': ...}}")
+
+
+def _check_dict_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
+    """`prompt` (ours, after `from_vllm_prompt`) if its keys and the types of its text or token ids are right, else
+    `InvalidRequestError` naming what is wrong: unknown keys, a text that is no str (``prompt``), token ids that are
+    no list (``prompt.prompt_token_ids``), neither or both given (the media are checked by the processor)."""
+    unknown = set(prompt) - _DICT_KEYS
+    if unknown:
+        raise InvalidRequestError("prompt", f"unknown keys {sorted(unknown)}: {_DICT_SHAPE}")
+    text, ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+    if text is not None and not isinstance(text, str):
+        raise InvalidRequestError("prompt", f"'prompt' must be a str, got {type(text).__name__}")
+    if ids is not None and not isinstance(ids, list):
+        raise InvalidRequestError("prompt.prompt_token_ids", f"must be a list of token ids, got {type(ids).__name__}")
+    if bool(text) == bool(ids):
+        why = "both 'prompt' and 'prompt_token_ids'" if text else "neither a non-empty 'prompt' nor 'prompt_token_ids'"
+        raise InvalidRequestError("prompt", f"{why}: {_DICT_SHAPE}; got keys {sorted(prompt)}")
+    return prompt
+
+
+def _media_field(prompt: dict[str, Any]) -> str:
+    """The media a text model refuses in a well-formed dict prompt: its first images, videos or audios; else its
+    ``mm_processor_kwargs`` (`plain_prompt` takes any other well-formed dict as the plain prompt it is)."""
+    given = [key for key in ("images", "videos", "audios") if prompt.get(key) is not None and not _empty(prompt[key])]
+    return f"prompt.{given[0] if given else 'mm_processor_kwargs'}"
 
 
 def plain_prompt(prompt: dict[str, Any]) -> str | list[int] | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +32,8 @@ from asyncllm.structured.spec import StructuredOutputs
 __all__ = ["GrammarCompilerPool", "check_xgrammar_installed"]
 
 _CACHE_SIZE = 256
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
+"""xgrammar's C++ errors start with its log line's time and source position (``[05:32:42] /project/cpp/x.cc:94: ``)."""
 _NUM_THREADS = 2
 """Compile threads for queued jobs. Daemon threads (not a ThreadPoolExecutor, whose threads the
 interpreter joins at exit): a runaway compile must not delay the core's shutdown."""
@@ -179,7 +182,8 @@ class GrammarCompilerPool:
                 return compiler.compile_grammar(choice_grammar(json.loads(text)))
             return compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as exc:  # xgrammar's parse errors: the user's constraint is invalid
-            raise InvalidRequestError("structured", f"invalid {kind}: {exc}") from None
+            message = _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()  # the client sees the message only
+            raise InvalidRequestError("structured", f"invalid {kind}: {message}") from None
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -156,6 +156,12 @@ async def test_vllm_prompt_dicts_are_their_plain_prompts(engine: AsyncEngine, to
     assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids and outs[2].prompt_token_ids == ids
     with pytest.raises(InvalidRequestError, match="takes no images"):
         await engine.generate({"prompt": "x", "multi_modal_data": {"image": b"png"}}, params)
+    for bad, field, match in (({"prompt": "x", "bogus": 1}, "prompt", r"unknown keys \['bogus'\]"),
+                              ({"prompt": 5}, "prompt", "must be a str, got int"), ({}, "prompt", "neither"),
+                              ({"prompt_token_ids": "abc"}, "prompt.prompt_token_ids", "got str")):
+        with pytest.raises(InvalidRequestError, match=match) as info:  # the dict's shape, before any media
+            await engine.generate(bad, params)
+        assert info.value.field == field
     with pytest.raises(InvalidRequestError, match="prompt_embeds.*enable_prompt_embeds=True"):  # vLLM's option, off
         await engine.generate({"prompt_embeds": [[0.0] * 8]}, params)
 

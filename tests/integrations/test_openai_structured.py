@@ -83,4 +83,5 @@ async def test_bad_constraints_are_400_naming_the_field(app, extra, param) -> No
         response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra})
         after = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0})
     assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
+    assert not re.search(r"\[\d\d:\d\d:\d\d\]|\.cc:\d+", response.json()["error"]["message"])  # no xgrammar log prefix
     assert after.status_code == 200  # the engine keeps serving

@@ -50,3 +50,28 @@ async def test_server_and_request_chat_templates(app, template_app, bundled_toke
     assert requested["tokens"] == bundled_tokenizer("Write a functiondef add(a, b):", add_special_tokens=False).input_ids
     assert (refused.status_code, refused.json()["error"]["param"]) == (400, "chat_template")
 
+
+
+PARTS_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}S:{{ m['content'] }}{% else %}"
+                  "L:{{ m['content'] | map(attribute='text') | join('; and then, after that: ') }}{% endif %}"
+                  "{% endfor %}")
+"""Reads a list of parts without looping over it, so "auto" detects "string" (as vLLM); the "openai" rendering has
+more tokens, so a chat rendered in the wrong format shows in its usage."""
+
+
+async def test_chat_template_content_format_flag_reaches_rendering(bundled_engine, bundled_tokenizer) -> None:
+    """--chat-template-content-format: text parts joined with "\\n" ("auto" here, as vLLM) or kept as parts."""
+    from asyncllm.integrations.openai_server import create_app
+
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    body = {"messages": [{"role": "user", "content": parts}], "add_generation_prompt": False}
+    rendered = {}
+    for content_format in ("auto", "openai"):
+        app = create_app(bundled_engine, manage_engine=False, chat_template=PARTS_TEMPLATE,
+                         chat_template_content_format=content_format)
+        async with _client(app) as client:
+            tokens = (await client.post("/tokenize", json=body)).json()["tokens"]
+            chat = await client.post("/v1/chat/completions", json={**GREEDY, **body})
+        assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(tokens)
+        rendered[content_format] = bundled_tokenizer.decode(tokens)
+    assert rendered == {"auto": "S:first\nsecond", "openai": "L:first; and then, after that: second"}

@@ -1,0 +1,155 @@
+"""Chat message content as the chat template reads it: vLLM's chat template *content format*.
+
+vLLM hands a message's content to the template in one of two shapes (``--chat-template-content-format``,
+``LLM.chat(chat_template_content_format=...)``; vllm/entrypoints/chat_utils.py, vllm/renderers/hf.py):
+
+- ``"string"``: one string, a list of text parts joined with ``"\\n"``;
+- ``"openai"``: a list of ``{"type": "text", "text": ...}`` parts (media parts in place), a string content too;
+- ``"auto"`` (the default): ``"openai"`` when the template loops over a message's content
+  (``{% for part in message['content'] %}``, through the names the template gives messages and their
+  content; `detect_content_format`), else ``"string"``.
+
+Either way a content of None is no parts ("" or []), and a tool message of text parts only is one joined string
+(as vLLM: most templates take a tool result as a string).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from asyncllm.errors import ConfigError, InvalidRequestError
+
+__all__ = ["CONTENT_FORMATS", "check_content_format", "content_format_of", "detect_content_format",
+           "formatted_messages"]
+
+CONTENT_FORMATS = ("auto", "string", "openai")
+
+
+def check_content_format(value: object, config: bool = False) -> None:
+    """`InvalidRequestError` (a server's setting, `config`: `ConfigError`) unless `value` is one of
+    `CONTENT_FORMATS`."""
+    if value not in CONTENT_FORMATS:
+        if config:
+            raise ConfigError("chat_template_content_format", value, f"one of {list(CONTENT_FORMATS)}")
+        raise InvalidRequestError("chat_template_content_format",
+                                  f"must be one of {list(CONTENT_FORMATS)}, got {value!r}")
+
+
+def content_format_of(given: str, tokenizer: Any, chat_template: str | None = None,
+                      tools: list[dict[str, Any]] | None = None) -> str:
+    """``"string"`` or ``"openai"``: `given` itself, or for ``"auto"`` what `detect_content_format` finds in
+    `chat_template` (else the tokenizer's template for `tools`); no template at all: ``"string"``, as vLLM."""
+    check_content_format(given)
+    if given != "auto":
+        return given
+    if chat_template is None:
+        try:
+            chat_template = tokenizer.get_chat_template(None, tools=tools)
+        except (ValueError, AttributeError):  # no template: rendering says so
+            return "string"
+    return detect_content_format(chat_template)
+
+
+@functools.lru_cache(maxsize=32)
+def detect_content_format(chat_template: str) -> str:
+    """``"openai"`` when the Jinja `chat_template` loops over a message's content, else ``"string"`` (also for a
+    template that does not parse: rendering reports that)."""
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        root = _compile_jinja_template(chat_template).environment.parse(chat_template)
+        return "openai" if next(_content_loops(root), None) is not None else "string"
+    except Exception:  # noqa: BLE001 - jinja's TemplateSyntaxError, transformers' ImportError, a tuple target
+        return "string"
+
+
+def _content_loops(root: Any) -> Iterator[Any]:
+    """The template's loops over a message's content: ``for x in message['content']`` (``message`` any loop
+    variable over ``messages`` or a name assigned from it) or ``for x in content``."""
+    from jinja2 import nodes
+
+    message_names = {_name(loop.target) for loop in root.find_all(nodes.For)
+                     if any(_reads(loop.iter, name) for name in _aliases(root, "messages"))}
+    for loop in root.find_all(nodes.For):
+        if any(_reads(loop.iter, name, "content") for name in message_names) \
+                or isinstance(loop.iter, nodes.Name) and loop.iter.name == "content":
+            yield loop
+
+
+def _aliases(root: Any, name: str) -> list[str]:
+    """`name` and every name ``{% set %}`` from it (``{% set loop_messages = messages[1:] %}``), transitively."""
+    from jinja2 import nodes
+
+    found, queue = [name], deque([name])
+    while queue:
+        source = queue.popleft()
+        for assign in root.find_all(nodes.Assign):
+            if _reads(assign.node, source) and _name(assign.target) not in found:
+                found.append(assign.target.name)
+                queue.append(assign.target.name)
+    return found
+
+
+def _name(target: Any) -> str:
+    """A loop's or assignment's target name; a tuple target (``for i, m in messages | enumerate``) is not followed
+    (vLLM's detection gives up on it: ``"string"``)."""
+    from jinja2 import nodes
+
+    if not isinstance(target, nodes.Name):
+        raise ValueError("a tuple target over messages")
+    return target.name
+
+
+def _reads(node: Any, name: str, key: str | None = None) -> bool:
+    """Whether `node` is `name` (or its `key`: ``name['key']`` / ``name.key``), through filters, tests and
+    slices (``messages | reverse``, ``messages[1:]``)."""
+    from jinja2 import nodes
+
+    if isinstance(node, (nodes.Filter, nodes.Test)):
+        return node.node is not None and _reads(node.node, name, key)
+    if isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Slice):
+        return _reads(node.node, name, key)
+    if key is None:
+        return isinstance(node, nodes.Name) and node.ctx == "load" and node.name == name
+    named = isinstance(getattr(node, "node", None), nodes.Name) and _reads(node.node, name)
+    if isinstance(node, nodes.Getitem):
+        return named and isinstance(node.arg, nodes.Const) and node.arg.value == key
+    return isinstance(node, nodes.Getattr) and named and node.attr == key
+
+
+def formatted_messages(messages: list[Any], content_format: str) -> list[Any]:
+    """`messages` with each dict's content in `content_format` (``"string"`` or ``"openai"``); a content list's
+    parts are text parts (``{"type": "text", "text": str}``) or media parts, which ``"openai"`` keeps in place
+    and ``"string"`` refuses (vLLM writes model-specific placeholder text there, which asyncllm does not build)."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("content", None), (str, list, type(None))):
+            out.append(message)  # template_messages names what is wrong
+            continue
+        parts = _parts(i, message.get("content"))
+        texts = [part["text"] for part in parts if part.get("type") == "text"]
+        if content_format == "string" or message.get("role") == "tool" and len(texts) == len(parts):
+            if len(texts) != len(parts):
+                raise InvalidRequestError("chat_template_content_format", "'string' with image, video or audio "
+                                          "parts is not built (vLLM writes the model's placeholder text ahead of "
+                                          "the message's text there); use 'openai' or 'auto'")
+            out.append({**message, "content": "\n".join(texts)})
+        else:
+            out.append({**message, "content": parts})
+    return out
+
+
+def _parts(i: int, content: str | list[Any] | None) -> list[dict[str, Any]]:
+    """A content as parts: None no parts, a string one text part; a text part's text must be a string."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") == "text" and not isinstance(part.get("text"), str):
+            raise InvalidRequestError("messages", f"item {i}: a content part must be a dict, a text part "
+                                                  f"{{'type': 'text', 'text': str}}; got {part!r:.80}")
+    return list(content)

@@ -1,0 +1,76 @@
+"""``--config FILE``: a YAML file of command-line options, as vLLM's ``FlexibleArgumentParser.load_config_file``.
+
+Each key is a long option's name (``tensor-parallel-size`` or ``tensor_parallel_size``); a true boolean gives the
+flag, a false one its ``--no-`` form where the flag has one (else nothing, as an unset store_true); a list gives
+the option once with each item as an argument (``served-model-name: [a, b]``); a mapping is passed as JSON; any
+other value as its text. The options are put in front of the command line's, which win (argparse keeps the last);
+an unknown key (a flag's prefix too) is argparse's ``unrecognized arguments`` error naming it. ``model`` is the command's MODEL when the
+command line gives none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+__all__ = ["expand_config_file"]
+
+
+def expand_config_file(argv: list[str], command: argparse.ArgumentParser) -> tuple[list[str], str | None]:
+    """`argv` (a command and its arguments) with ``--config FILE``'s options in place of the flag, and the file's
+    ``model`` (None without one); `command` is the command's parser (its ``--no-`` flags, its errors)."""
+    where = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    if not where:
+        return argv, None
+    if len(where) > 1:
+        command.error("--config: give one config file")
+    i = where[0]
+    if argv[i] == "--config":
+        if i + 1 >= len(argv):
+            command.error("argument --config: expected one argument")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        path, rest = argv[i].removeprefix("--config="), argv[:i] + argv[i + 1:]
+    options = _load(path, command)
+    model = options.pop("model", None)
+    flags = [arg for key, value in options.items() for arg in _flag_args(str(key), value, command, path)]
+    # After the command and a leading MODEL (an option taking several values would swallow the MODEL after it,
+    # as vLLM's _pull_args_from_config orders them); before the rest, which win
+    start = 2 if len(rest) > 1 and not rest[1].startswith("-") else 1
+    return rest[:start] + flags + rest[start:], None if model is None else str(model)
+
+
+def _load(path: str, command: argparse.ArgumentParser) -> dict[str, Any]:
+    import yaml
+
+    if path.rsplit(".", 1)[-1] not in ("yaml", "yml"):
+        command.error(f"--config: {path!r} is not a .yaml or .yml file (vLLM's config files are YAML)")
+    try:
+        with open(path, encoding="utf-8") as file:
+            options = yaml.safe_load(file)
+    except OSError as exc:
+        command.error(f"--config: cannot read {path!r}: {exc.strerror}")
+    except yaml.YAMLError as exc:
+        command.error(f"--config: {path!r} is not valid YAML: {exc}")
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        command.error(f"--config: {path!r} must map option names to values, got {type(options).__name__}")
+    return options
+
+
+def _flag_args(key: str, value: Any, command: argparse.ArgumentParser, path: str) -> list[str]:
+    flag = "--" + key.replace("_", "-")
+    if flag not in command._option_string_actions:  # argparse would take a prefix of a flag for it
+        command.error(f"unrecognized arguments: {flag} (the key {key!r} of --config {path})")
+    if isinstance(value, bool):
+        if value:
+            return [flag]
+        negative = "--no-" + key.replace("_", "-")
+        return [negative] if negative in command._option_string_actions else []
+    if isinstance(value, list):
+        return [flag, *map(str, value)] if value else []
+    if isinstance(value, dict):
+        return [flag, json.dumps(value)]
+    return [flag, str(value)]

@@ -1,0 +1,108 @@
+"""vLLM's request-field semantics the official client meets: ``stream_options`` defaults, explicit nulls of the
+fields vLLM declares nullable, ``/tokenize``'s ``return_token_strs``, and the served name labelling the metrics."""
+
+from __future__ import annotations
+
+import prometheus_client
+import pytest
+
+from asyncllm.cli import _parser
+from asyncllm.cli_commands import _serve_engine
+from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.openai_protocol import (
+    ChatCompletionRequest, CompletionRequest, StreamOptions, TokenizeRequest, decode_request,
+)
+from asgi_helpers import asgi_client, sse_events
+
+session_loop = pytest.mark.asyncio(loop_scope="session")
+
+GREEDY = {"temperature": 0, "max_tokens": 2, "ignore_eos": True}
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@session_loop
+async def test_stream_options_include_usage_defaults_to_true(app) -> None:
+    """As vLLM's ``StreamOptions.include_usage: bool | None = True``: ``{}`` ends with the usage chunk,
+    ``continuous_usage_stats`` alone gives every chunk usage, null reads as false; without ``stream`` only an
+    empty (or null) ``stream_options`` passes (vLLM's ``validate_stream_options`` tests the dict's truth)."""
+    async with asgi_client(app) as client:
+        async def events(options, path="/v1/completions", body=None):
+            body = body or {"prompt": "x"}
+            response = await client.post(path, json={**GREEDY, **body, "stream": True, "stream_options": options})
+            return sse_events(response.text)
+
+        empty = await events({})
+        chat = await events({}, "/v1/chat/completions", {"messages": MESSAGES})
+        continuous = await events({"continuous_usage_stats": True})
+        null = await events({"include_usage": None})
+        unstreamed = [(await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "stream_options": o}))
+                      for o in ({}, None, {"include_usage": None}, {"continuous_usage_stats": False})]
+    for stream in (empty, chat):
+        assert stream[-1]["choices"] == [] and stream[-1]["usage"]["completion_tokens"] == 2, stream
+        assert all(event["usage"] is None for event in stream[:-1])
+    assert continuous[-1]["choices"] == [] and all(event["usage"] for event in continuous)
+    assert all(event["choices"] and "usage" not in event for event in null)
+    assert [r.status_code for r in unstreamed] == [200, 200, 400, 400]
+    assert unstreamed[2].json()["error"]["param"] == "stream_options"
+    assert StreamOptions().usage and not StreamOptions(include_usage=False, continuous_usage_stats=True).continuous
+
+
+def test_nullable_fields_take_their_defaults() -> None:
+    """Each field vLLM declares ``X | None = default`` takes JSON null as its default; the fields vLLM declares not
+    nullable still refuse it, and a wrong type is still a 400 naming the field."""
+    completion = decode_request(b'{"prompt": "x", "stream": null, "echo": null, "presence_penalty": null, '
+                                b'"frequency_penalty": null, "return_token_ids": null, "max_tokens": null}',
+                                CompletionRequest)
+    assert (completion.stream, completion.echo, completion.presence_penalty, completion.frequency_penalty,
+            completion.return_token_ids, completion.max_tokens) == (False, False, 0.0, 0.0, False, None)
+    chat = decode_request(b'{"messages": [], "stream": null, "n": null, "logprobs": null, "presence_penalty": null, '
+                          b'"frequency_penalty": null}', ChatCompletionRequest)
+    assert (chat.stream, chat.n, chat.logprobs, chat.presence_penalty, chat.frequency_penalty) == (
+        False, 1, False, 0.0, 0.0)
+    assert decode_request(b'{"prompt": "x", "return_token_strs": null}', TokenizeRequest).return_token_strs is False
+    for body, kind, field in ((b'{"prompt": "x", "n": null}', CompletionRequest, "n"),  # vLLM's n: int = 1
+                              (b'{"prompt": "x", "ignore_eos": null}', CompletionRequest, "ignore_eos"),
+                              (b'{"prompt": "x", "stream": "yes"}', CompletionRequest, "stream"),
+                              (b'{"messages": [], "n": "2"}', ChatCompletionRequest, "n")):
+        with pytest.raises(InvalidRequestError) as caught:
+            decode_request(body, kind)
+        assert caught.value.field == field, caught.value
+
+
+@session_loop
+async def test_nulls_through_the_server(app) -> None:
+    nulls = {"stream": None, "presence_penalty": None, "frequency_penalty": None}
+    async with asgi_client(app) as client:
+        completion = await client.post("/v1/completions", json={**GREEDY, **nulls, "prompt": "x", "echo": None})
+        chat = await client.post("/v1/chat/completions", json={**GREEDY, **nulls, "messages": MESSAGES, "n": None,
+                                                               "logprobs": None})
+    assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 2, completion.text
+    [choice] = chat.json()["choices"]
+    assert chat.status_code == 200 and choice["logprobs"] is None, chat.text
+
+
+@session_loop
+async def test_tokenize_returns_token_strs_when_asked(app, bundled_tokenizer) -> None:
+    """vLLM's ``return_token_strs``: the tokenizer's ``convert_ids_to_tokens`` of the ids; null otherwise."""
+    async with asgi_client(app) as client:
+        prompt = [(await client.post("/tokenize", json={"prompt": "Hello world", **flag})).json()
+                  for flag in ({}, {"return_token_strs": True})]
+        chat = (await client.post("/tokenize", json={"messages": MESSAGES, "return_token_strs": True})).json()
+    assert prompt[0]["token_strs"] is None and prompt[1]["tokens"] == prompt[0]["tokens"]
+    for body in (prompt[1], chat):
+        assert body["token_strs"] == bundled_tokenizer.convert_ids_to_tokens(body["tokens"]) and body["token_strs"]
+
+
+def test_served_model_name_labels_the_metrics() -> None:
+    """As vLLM's ``PrometheusStatLogger`` (``model_config.served_model_name``): ``serve --served-model-name foo bar``
+    labels every series ``foo``, and an attached host learning its model keeps it; without one, the model."""
+    def labels(engine) -> set[str]:
+        text = prometheus_client.generate_latest(engine.metrics_registry).decode()
+        return {line.split('model_name="')[1].split('"')[0] for line in text.splitlines()
+                if line.startswith("asyncllm:prompt_tokens_total{")}
+
+    named, _ = _serve_engine(_parser().parse_args(["serve", "--served-model-name", "foo", "bar"]))
+    named._replicas[0].observer.set_model_name("/models/from-the-core")  # what an attached host learns
+    plain, _ = _serve_engine(_parser().parse_args(["serve"]))
+    assert labels(named) == {"foo"}
+    assert labels(plain) == {plain.config.model}

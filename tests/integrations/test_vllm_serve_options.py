@@ -1,0 +1,86 @@
+"""vLLM's serve options: ``--config FILE`` (YAML), ``--default-chat-template-kwargs``, and the request log
+(``--enable-log-requests``, ``--max-log-len``, the deprecated ``--disable-log-requests``)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from asyncllm.cli import _parser, parse_args
+from asyncllm.cli_commands import request_logger
+from asyncllm.errors import ConfigError
+from asyncllm.integrations.openai_protocol import ChatTemplates
+from asyncllm.integrations.openai_request_log import RequestLogger
+from asyncllm.integrations.openai_server import create_app
+from asgi_helpers import asgi_client
+
+GREEDY = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
+THINKING = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %} no thoughts{% else %} think{% endif %}")
+"""A template that reads ``enable_thinking`` as Qwen3's does (thinking unless it is false)."""
+
+
+def test_config_file_options_under_the_command_line(tmp_path, capsys) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: /models/from-config\nport: 8001\nmax_n: 4\nenable-log-requests: true\n"
+                      "trust_request_chat_template: true\nenable_prefix_caching: false\nreturn-tokens-as-token-ids: false\n"
+                      "served-model-name: [a, b]\ndefault-chat-template-kwargs: {enable_thinking: false}\n")
+    args = parse_args(_parser(), ["serve", "--config", str(config), "--port", "9000", "--no-enable-log-requests"])
+    assert (args.port, args.max_n, args.enable_log_requests, args.trust_request_chat_template) == (9000, 4, False, True)
+    assert (args.enable_prefix_caching, args.return_tokens_as_token_ids) == (False, False)  # --no-..., nothing
+    assert (args.served_model_name, args.default_chat_template_kwargs) == (["a", "b"], {"enable_thinking": False})
+    assert args.model == "/models/from-config"
+    assert parse_args(_parser(), ["serve", "m", f"--config={config}"]).model == "m"  # the command line's MODEL wins
+    core = tmp_path / "core.yaml"
+    core.write_text("max_num_seqs: 8\n")
+    assert parse_args(_parser(), ["engine", "--config", str(core)]).max_num_seqs == 8
+    core.write_text("max-n: 8\n")  # a serve option, and a prefix of engine flags: unknown to `engine`
+    with pytest.raises(SystemExit):
+        parse_args(_parser(), ["engine", "--config", str(core)])
+    assert "unrecognized arguments: --max-n (the key 'max-n'" in capsys.readouterr().err
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_default_chat_template_kwargs_under_the_requests(bundled_engine, bundled_tokenizer) -> None:
+    args = parse_args(_parser(), ["serve", "--default-chat-template-kwargs", '{"enable_thinking": false}'])
+    app = create_app(bundled_engine, manage_engine=False, chat_template=THINKING,
+                     default_chat_template_kwargs=args.default_chat_template_kwargs)
+    messages = [{"role": "user", "content": "hi"}]
+    async with asgi_client(app) as client:
+        default = await client.post("/tokenize", json={"messages": messages})
+        asked = await client.post("/tokenize", json={"messages": messages,
+                                                     "chat_template_kwargs": {"enable_thinking": True}})
+        chat = await client.post("/v1/chat/completions", json={**GREEDY, "messages": messages, "return_token_ids": True})
+    quiet, thinking = (bundled_tokenizer(text, add_special_tokens=False).input_ids for text in ("hi no thoughts", "hi think"))
+    assert (default.json()["tokens"], asked.json()["tokens"]) == (quiet, thinking)
+    assert chat.json()["prompt_token_ids"] == quiet
+    with pytest.raises(ConfigError, match="default_chat_template_kwargs"):
+        ChatTemplates.create(default_kwargs={"tools": []})  # an argument of apply_chat_template, not a variable
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_request_log_lines(bundled_engine, caplog, capsys) -> None:
+    args = parse_args(_parser(), ["serve", "--enable-log-requests", "--max-log-len", "4", "--disable-log-requests"])
+    assert "asyncllm serve: warning: option '--disable-log-requests' is deprecated" in capsys.readouterr().err
+    assert request_logger(args, _parser()) == RequestLogger(max_log_len=4)
+    assert request_logger(parse_args(_parser(), ["serve", "--disable-log-requests"]), _parser()) is None
+    caplog.set_level(logging.DEBUG, logger="asyncllm.integrations.openai.requests")
+    async with asgi_client(create_app(bundled_engine, manage_engine=False, request_logger=RequestLogger(4))) as client:
+        done = await client.post("/v1/completions", json={**GREEDY, "prompt": ["hello world", "x"]},
+                                 headers={"X-Request-Id": "abc"})
+        ids = await client.post("/v1/completions", json={**GREEDY, "prompt": [5, 6, 7, 8, 9], "request_id": "ids"})
+        chat = await client.post("/v1/chat/completions", json={**GREEDY, "messages": [{"role": "user", "content": "hi"}]})
+    assert done.status_code == ids.status_code == chat.status_code == 200
+    lines = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "asyncllm.integrations.openai.requests"]
+    assert lines[0] == ("DEBUG", "Request cmpl-abc-0 details: prompt: 'hell', prompt_token_ids: None, "
+                                 "prompt_embeds shape: None.")
+    assert lines[1][0] == "INFO" and lines[1][1].startswith("Received request cmpl-abc-0: params: SamplingParams(")
+    assert lines[1][1].endswith(", lora_request: None.") and "max_tokens=2" in lines[1][1]
+    assert lines[2] == ("DEBUG", "Request cmpl-abc-1 details: prompt: 'x', prompt_token_ids: None, "
+                                 "prompt_embeds shape: None.")
+    assert lines[4] == ("DEBUG", "Request cmpl-ids-0 details: prompt: None, prompt_token_ids: [5, 6, 7, 8], "
+                                 "prompt_embeds shape: None.")
+    assert lines[6] == ("DEBUG", f"Request {chat.json()['id']} details: prompt: '[{{\"r', prompt_token_ids: None, "
+                                 "prompt_embeds shape: None.")
+    assert len(lines) == 8 and lines[7][1].startswith(f"Received request {chat.json()['id']}: params: ")
