@@ -4,8 +4,9 @@ Each key is a long option's name (``tensor-parallel-size`` or ``tensor_parallel_
 flag, a false one its ``--no-`` form where the flag has one (else nothing, as an unset store_true); a list gives
 the option once with each item as an argument (``served-model-name: [a, b]``); a mapping is passed as JSON; any
 other value as its text. The options are put in front of the command line's, which win (argparse keeps the last);
-an unknown key (a flag's prefix too) is argparse's ``unrecognized arguments`` error naming it. ``model`` is the command's MODEL when the
-command line gives none.
+an unknown key (a flag's prefix too, and ``config``: one file) is argparse's ``unrecognized arguments`` error naming
+it; a null value leaves the option unset; a flag's value must be a boolean. ``model`` is the command's MODEL when the
+command line gives none. A ``--config`` after ``--`` is a positional, not read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ __all__ = ["expand_config_file"]
 def expand_config_file(argv: list[str], command: argparse.ArgumentParser) -> tuple[list[str], str | None]:
     """`argv` (a command and its arguments) with ``--config FILE``'s options in place of the flag, and the file's
     ``model`` (None without one); `command` is the command's parser (its ``--no-`` flags, its errors)."""
-    where = [i for i, arg in enumerate(argv) if arg == "--config" or arg.startswith("--config=")]
+    end = argv.index("--") if "--" in argv else len(argv)  # after "--" every word is a positional
+    where = [i for i, arg in enumerate(argv[:end]) if arg == "--config" or arg.startswith("--config=")]
     if not where:
         return argv, None
     if len(where) > 1:
@@ -62,8 +64,13 @@ def _load(path: str, command: argparse.ArgumentParser) -> dict[str, Any]:
 
 def _flag_args(key: str, value: Any, command: argparse.ArgumentParser, path: str) -> list[str]:
     flag = "--" + key.replace("_", "-")
-    if flag not in command._option_string_actions:  # argparse would take a prefix of a flag for it
-        command.error(f"unrecognized arguments: {flag} (the key {key!r} of --config {path})")
+    if flag not in command._option_string_actions or flag == "--config":  # argparse would take a flag's prefix
+        command.error(f"unrecognized arguments: {flag} (the key {key!r} of --config {path}; one config file)")
+    if value is None:  # YAML's null: the option left unset
+        return []
+    action = command._option_string_actions[flag]
+    if action.nargs == 0 and not isinstance(value, bool):
+        command.error(f"--config {path}: the key {key!r} is a flag: give true or false, got {value!r}")
     if isinstance(value, bool):
         if value:
             return [flag]

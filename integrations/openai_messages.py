@@ -94,16 +94,20 @@ def media_url(url: str, media_root: Path | None, field: str) -> str:
     """What the engine reads for a client's media url: a ``data:`` or http(s) URL as it is (the engine decodes the
     first and refuses the second); a ``file://`` URL as its path, only inside `media_root` (the server's
     ``allowed_local_media_path``, resolved: symbolic links cannot leave it), as vLLM's ``MediaConnector``. Anything
-    else is a 400: the engine reads a bare path as a file of the server's, which a client must never name."""
-    parts = urlsplit(url)
-    if parts.scheme in ("data", "http", "https"):
+    else is a 400: the engine reads a bare path as a file of the server's, which a client must never name. The
+    schemes are matched as the engine matches them, literally (``DATA:...``, `` data:...`` would be paths to it)."""
+    if url.startswith(("data:", "http://", "https://")):
         return url
-    if parts.scheme != "file":
+    if not url.startswith("file://"):
         raise InvalidRequestError(field, f"a media url must be a data:, http(s) or file: URL, got {url!r:.80}")
     if media_root is None:
         raise InvalidRequestError(field, "cannot load local files without --allowed-local-media-path "
                                          "(ServerLimits.allowed_local_media_path)")
-    path = Path(url2pathname(parts.path)).resolve()
+    parts = urlsplit(url)
+    try:
+        path = Path(url2pathname(parts.path)).resolve()
+    except (OSError, ValueError) as exc:  # a NUL byte, a path the system refuses
+        raise InvalidRequestError(field, f"the file {url!r:.120} is not a valid path: {exc}") from None
     if parts.netloc not in ("", "localhost") or media_root not in path.parents:
         raise InvalidRequestError(field, f"the file {url!r:.120} must be inside --allowed-local-media-path "
                                          f"{str(media_root)!r}")

@@ -50,18 +50,29 @@ def log_prompts(request_log: RequestLogger | None, req: Any, prefix: str, prompt
     if getattr(req, "request_id", False) is None:
         req.request_id = uuid.uuid4().hex
     base = f"{prefix}-{getattr(req, 'request_id', None) or uuid.uuid4().hex}"
+    detailed = logger.isEnabledFor(logging.DEBUG)  # the prompt is built only for its DEBUG line
     for i, prompt in enumerate(prompts):
-        text, token_ids, shape = _prompt_parts(prompt)
+        text, token_ids, shape = _prompt_parts(prompt) if detailed else (None, None, None)
         own = params[i] if isinstance(params, list) else params
         request_log.log_inputs(f"{base}-{i}" if indexed else base, text, token_ids, own, lora_request, shape)
 
 
 def _prompt_parts(prompt: Any) -> tuple[str | None, Sequence[int] | None, tuple[int, ...] | None]:
-    """A prompt's text (a chat's messages as JSON), token ids and embeddings' shape, as vLLM's log shows them."""
+    """A prompt's text (a chat's messages as JSON, each media part as its type alone: vLLM logs the rendered
+    prompt, its placeholders, never the media's data), token ids and embeddings' shape, as vLLM's log shows them."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):  # a chat's messages
-        return json.dumps(prompt, ensure_ascii=False, default=str), None, None
+        return json.dumps([_without_media(message) for message in prompt], ensure_ascii=False, default=str), None, None
     if isinstance(prompt, str):
         return prompt, None, None
     if isinstance(prompt, dict) and "prompt_embeds" in prompt:
         return None, None, tuple(prompt["prompt_embeds"].shape)
     return None, list(prompt), None
+
+
+def _without_media(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return message
+    parts = [part if isinstance(part, dict) and part.get("type") == "text" else
+             {"type": part.get("type") if isinstance(part, dict) else type(part).__name__} for part in content]
+    return {**message, "content": parts}

@@ -46,7 +46,9 @@ async def test_a_client_names_server_files_only_as_file_urls_inside_the_allowed_
     assert url_of("https://example.com/a.png", None) == "https://example.com/a.png"  # the engine refuses it
     refused = {str(tmp_path / "ok" / "cat.png"): "data:, http", f"file://{tmp_path}/secret.png": "must be inside",
                f"file://{tmp_path}/ok/../secret.png": "must be inside", f"file://{tmp_path}/ok/link.png": "must be inside",
-               f"file://evil.host{tmp_path}/ok/cat.png": "must be inside", "ftp://x/y.png": "data:, http"}
+               f"file://evil.host{tmp_path}/ok/cat.png": "must be inside", "ftp://x/y.png": "data:, http",
+               "DATA:/../etc/passwd": "data:, http", " data:x": "data:, http", "da\tta:/etc/passwd": "data:, http",
+               "HTTP://x/y": "data:, http", f"file://{tmp_path}/ok/a%00b.png": "not a valid path"}
     for url, message in refused.items():
         with pytest.raises(InvalidRequestError, match=message):
             url_of(url)

@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
+from unittest.mock import patch
 
 import pytest
 
 from asyncllm.cli import _parser, parse_args
 from asyncllm.cli_commands import request_logger
+from asyncllm.cli_config import expand_config_file
 from asyncllm.errors import ConfigError
-from asyncllm.integrations.openai_protocol import ChatTemplates
-from asyncllm.integrations.openai_request_log import RequestLogger
+from asyncllm.integrations.openai_protocol import ChatTemplates, CompletionRequest
+from asyncllm.integrations.openai_request_log import RequestLogger, _prompt_parts, log_prompts
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client
 
@@ -39,6 +42,16 @@ def test_config_file_options_under_the_command_line(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(_parser(), ["engine", "--config", str(core)])
     assert "unrecognized arguments: --max-n (the key 'max-n'" in capsys.readouterr().err
+    after_dashes = ["engine", "--", "m", "--config", str(core)]  # a positional after "--", never read
+    assert expand_config_file(after_dashes, _parser()) == (after_dashes, None)
+    core.write_text("max_num_seqs: null\n")  # null: left unset
+    assert not hasattr(parse_args(_parser(), ["engine", "--config", str(core)]), "max_num_seqs")
+    for text, said in (("config: other.yaml\n", "unrecognized arguments: --config"),
+                       ("enforce_eager: 'false'\n", "the key 'enforce_eager' is a flag")):
+        core.write_text(text)
+        with pytest.raises(SystemExit):
+            parse_args(_parser(), ["engine", "--config", str(core)])
+        assert said in capsys.readouterr().err
 
 
 @pytest.mark.asyncio(loop_scope="session")
@@ -84,3 +97,12 @@ async def test_request_log_lines(bundled_engine, caplog, capsys) -> None:
     assert lines[6] == ("DEBUG", f"Request {chat.json()['id']} details: prompt: '[{{\"r', prompt_token_ids: None, "
                                  "prompt_embeds shape: None.")
     assert len(lines) == 8 and lines[7][1].startswith(f"Received request {chat.json()['id']}: params: ")
+    image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}},
+                                         {"type": "text", "text": "what?"}]}
+    assert json.loads(_prompt_parts([image])[0]) == [{"role": "user", "content": [
+        {"type": "image_url"}, {"type": "text", "text": "what?"}]}]  # a media part's data never reaches the log
+    caplog.clear()
+    caplog.set_level(logging.INFO, logger="asyncllm.integrations.openai.requests")
+    with patch("asyncllm.integrations.openai_request_log._prompt_parts", side_effect=AssertionError):
+        log_prompts(RequestLogger(), CompletionRequest(model="m", prompt="p"), "cmpl", ["p"], None, None)
+    assert [r.levelname for r in caplog.records] == ["INFO"]  # below DEBUG the prompt is not even built
