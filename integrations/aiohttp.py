@@ -82,8 +82,9 @@ async def stream_text(request: web.Request, stream: RequestStream, *,
         return response
 
 
-async def wait_disconnect(request: web.Request, interval: float = 0.05) -> None:
-    """Return when the client's connection is gone (aiohttp has no event for it: polled every `interval` s)."""
+async def wait_disconnect(request: web.Request, interval: float = 0.25) -> None:
+    """Return when the client's connection is gone (aiohttp has no event for it: polled every `interval` s, a
+    wake-up per open request; 0.25 s costs about 1.5% of a core per 1,000 streams)."""
     while request.transport is not None and not request.transport.is_closing():
         await asyncio.sleep(interval)
 

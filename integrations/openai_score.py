@@ -23,6 +23,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from asyncllm.engine import scoring
+from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import completion_prompts, decode_request
 from asyncllm.integrations.starlette import wait_disconnect
@@ -123,7 +125,7 @@ class _Handlers:
         _check_count("documents", req.documents, self.server.limits.max_prompts)
         texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
         try:
-            outputs = await self._score(request, req.query, texts, {**_options(req, lora), "rerank": True})
+            outputs = await self._score(request, req.query, texts, _options(req, lora), "rerank")
         except InvalidRequestError as exc:  # the engine names its own fields: name the request's
             field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None
@@ -132,8 +134,12 @@ class _Handlers:
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                       "results": rerank_results(texts, outputs, req.top_n, req.return_documents)})
 
-    async def _score(self, request: Request, text_1: Any, text_2: Any, options: dict[str, Any]) -> list[ScoringOutput]:
-        call = self.server.engine.score(text_1, text_2, **options)
+    async def _score(self, request: Request, text_1: Any, text_2: Any, options: dict[str, Any],
+                     api: str = "score") -> list[ScoringOutput]:
+        """`AsyncEngine.score`, with `api` naming the route in a context-length error (vLLM's words: a rerank's is
+        "embedding generation", `errors.POOLING_OPERATIONS`)."""
+        truncate = options.pop("truncate_prompt_tokens")
+        call = scoring.score(self.server.engine, text_1, text_2, RequestOptions(**options, pooling_api=api), truncate)
         return (await gather_until([call], lambda: wait_disconnect(request)))[0]
 
 

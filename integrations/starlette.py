@@ -100,7 +100,10 @@ class _TextStreamResponse(StreamingResponse):
         except ClientDisconnected:  # its request is aborted; nobody reads the status
             await Response(status_code=499)(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        try:
+            await super().__call__(scope, receive, send)
+        finally:  # Starlette drops the body iterator unclosed when a send fails: abort now, not at a GC pass
+            await self._stream.aclose()
 
     async def _text(self) -> AsyncIterator[str]:
         try:

@@ -85,3 +85,31 @@ async def test_disconnect_between_tokens_aborts(bundled_engine) -> None:
             break
         await asyncio.sleep(0.02)
     assert bundled_engine.stats().request_success_total.get("abort", 0) == aborted_before + 1
+
+
+async def test_a_failed_send_closes_the_stream_at_once() -> None:
+    """A spec 2.4 server's send raising OSError (the client gone): Starlette drops the body iterator unclosed, so the
+    response closes the stream itself, not a garbage-collection pass later."""
+    import gc
+
+    stream = StalledStream(("a", "b", "c"))
+    app = _app(lambda prompt: stream)
+    chunks = 0
+
+    async def send(message: dict) -> None:
+        nonlocal chunks
+        chunks += message["type"] == "http.response.body"
+        if chunks == 2:
+            raise OSError("connection reset")
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "GET", "scheme": "http", "path": "/complete", "raw_path": b"/complete",
+             "query_string": b"prompt=x", "root_path": "", "headers": [], "client": ("127.0.0.1", 1),
+             "server": ("test", 80)}
+    gc.disable()
+    try:
+        with pytest.raises(Exception):  # the server's to handle (OSError, or Starlette's ClientDisconnect)
+            await asyncio.wait_for(app(scope, asyncio.Event().wait, send), 10)
+        assert stream.closed.is_set()
+    finally:
+        gc.enable()
