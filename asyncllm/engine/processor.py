@@ -10,6 +10,7 @@ request in the core), and hands one batch per core message to the loop.
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import logging
 import os
 import queue
@@ -97,9 +98,11 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         self._startup_timeout_s = startup_timeout_s
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._tracked: dict[str, TrackedRequest] = {}
-        """Core request id -> its state; an n > 1 request has n core requests ``<id>-<i>``."""
+        """Core request id -> its state (`sample_request_ids`: ``<id>#<k>``, an n > 1 request's ``<id>#<k>-<i>``)."""
         self._samples: dict[str, list[str]] = {}
         """Request id -> the core request ids of its unfinished samples."""
+        self._submissions = itertools.count()
+        """Numbers each request's core ids apart from an earlier request of the same id (`sample_request_ids`)."""
         self._logprobs_decoder = LogprobsDecoder(tokenizer)
         self._weight_updates = PendingWeightUpdates()
         """`UpdateWeights` sent and not answered yet (asyncllm/engine/weight_update.py)."""

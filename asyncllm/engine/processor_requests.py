@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -60,6 +61,7 @@ class ProcessorRequests:
 
     _tracked: dict[str, TrackedRequest]
     _samples: dict[str, list[str]]
+    _submissions: Iterator[int]
     _encoder: Any
     _deliver: Deliver
     _observer: RequestObserver
@@ -75,8 +77,8 @@ class ProcessorRequests:
 
     def _add_request(self, dealer: zmq.Socket, job: Submit) -> None:
         collector = job.collector
-        core_ids = sample_request_ids(collector.request_id, job.params.n)
-        if collector.request_id in self._samples or any(core_id in self._tracked for core_id in core_ids):
+        core_ids = sample_request_ids(collector.request_id, job.params.n, next(self._submissions))
+        if collector.request_id in self._samples:
             error = errors.InvalidRequestError("request_id", f"{collector.request_id!r} is already in flight")
             self._observer.on_rejected(collector, job.params, job.chat, job.trace_context, error, time.time())
             self._deliver([(collector, error)], None)
@@ -148,7 +150,10 @@ class ProcessorRequests:
         return self._lora.check(request)
 
 
-def sample_request_ids(request_id: str, n: int) -> list[str]:
-    """Core request ids of a request's samples: the id itself when n == 1, else ``<id>-<i>``."""
-    return [request_id] if n == 1 else [f"{request_id}-{i}" for i in range(n)]
+def sample_request_ids(request_id: str, n: int, submission: int) -> list[str]:
+    """Core request ids of a request's samples: ``<id>#<submission>`` when n == 1, else ``<id>#<submission>-<i>``.
+    `submission` numbers the host's submissions: an id used again right after its request was aborted names a new
+    core request, so the old one's outputs still in flight are dropped, never given to the new one."""
+    base = f"{request_id}#{submission}"
+    return [base] if n == 1 else [f"{base}-{i}" for i in range(n)]
 

@@ -34,6 +34,9 @@ __all__ = [
 ]
 
 MAX_REQUEST_ID_CHARS = 1024
+CORE_ID_SUFFIX_CHARS = 48
+"""Room the core's bound leaves past `MAX_REQUEST_ID_CHARS` for the host's ``#<submission>-<sample>`` suffix
+(asyncllm/engine/processor_requests.py `sample_request_ids`)."""
 """Longest request id (caller-given ids are echoed in logs, metrics and every delta)."""
 MAX_N = 1024
 """Most samples per request: each is a request in the core, so n is bounded like a batch, not like an int."""
@@ -48,11 +51,11 @@ _PRIORITY_LIMIT = 2**63
 
 
 # ---------------------------------------------------------------- host side
-def check_request_id(request_id: str, sent_as: str = "") -> None:
+def check_request_id(request_id: str, sent_as: str = "", limit: int = MAX_REQUEST_ID_CHARS) -> None:
     """`InvalidRequestError` for a request id over `MAX_REQUEST_ID_CHARS` (the one bound, the engine's and the
-    server's); `sent_as` says how a client sent it, before the message."""
-    if len(request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError("request_id", f"{sent_as}must be at most {MAX_REQUEST_ID_CHARS} characters, "
+    server's; the core's allows the host's suffix, `CORE_ID_SUFFIX_CHARS`); `sent_as` says how a client sent it."""
+    if len(request_id) > limit:
+        raise InvalidRequestError("request_id", f"{sent_as}must be at most {limit} characters, "
                                                 f"got {len(request_id)}")
 
 
@@ -155,7 +158,7 @@ def check_add_request(message: protocol.AddRequest, vocab_size: int, prompt_embe
     """
     if not message.request_id:
         raise InvalidRequestError("request_id", "must not be empty")
-    check_request_id(message.request_id)
+    check_request_id(message.request_id, limit=MAX_REQUEST_ID_CHARS + CORE_ID_SUFFIX_CHARS)
     message.params.validate()
     _check_core_params(message.params, message.eos_token_ids)
     if message.lora is not None:

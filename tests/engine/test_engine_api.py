@@ -64,6 +64,19 @@ async def test_break_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
     await _wait_idle(engine)
 
 
+async def test_an_id_used_again_right_after_its_abort_gets_none_of_the_old_tokens(engine: AsyncEngine) -> None:
+    """The aborted request's outputs still on their way from the core belong to it alone (they joined the new
+    request of the same id, before)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = (await engine.generate([5, 6, 7], greedy)).token_ids
+    for _ in range(3):
+        async with engine.stream("class A:\n", LONG, request_id="again") as stream:
+            async for _ in stream:
+                break
+        out = await engine.generate([5, 6, 7], greedy, request_id="again")
+        assert out.request_id == "again" and out.token_ids == expected
+
+
 async def test_task_cancel_aborts(engine: AsyncEngine) -> None:
     started = asyncio.Event()
 

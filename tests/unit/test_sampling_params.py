@@ -71,4 +71,5 @@ def test_samples_of_an_n_request() -> None:
     assert samples[0].seed == 42 and len({s.seed for s in samples}) == 3
     assert sample_seed(42, 1) != sample_seed(43, 0) and sample_seed(42, 1) == samples[1].seed
     assert SamplingParams(n=2).for_sample(1).seed is None
-    assert sample_request_ids("abc", 1) == ["abc"] and sample_request_ids("abc", 3) == ["abc-0", "abc-1", "abc-2"]
+    assert sample_request_ids("abc", 1, 7) == ["abc#7"]
+    assert sample_request_ids("abc", 3, 8) == ["abc#8-0", "abc#8-1", "abc#8-2"]
