@@ -9,12 +9,15 @@ This module holds the host <-> core messages and re-exports the rest, so
 payloads they share with the host's (asyncllm/protocol_worker.py), the weight
 update and sleep mode calls and typed errors on the wire
 (asyncllm/protocol_control.py). A tag is its class's name, whatever the module.
+`wire_protocol()` fingerprints the host <-> core messages' shapes: a core refuses a host of another.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Union
+import functools
+import hashlib
+from typing import Any, Union
 
 import msgspec
 
@@ -35,6 +38,8 @@ __all__ = [
     # core -> host
     "SchedulerStats", "Ready", "EngineCoreEventType", "EngineCoreEvent", "RequestOutputDelta", "Outputs",
     "EngineFailed", "CoreMessage",
+    # both ways
+    "wire_protocol", "wire_protocol_mismatch",
     # asyncllm/protocol_worker.py
     "PromptEmbeds", "MultiModalItem", "LogprobsArrays", "NewRequestData", "CachedRequestData", "SchedulerOutput",
     "GrammarBitmask", "InitCache", "ShutdownWorker", "WorkerCommand", "WorkerReady", "CacheReady",
@@ -52,6 +57,8 @@ class Hello(msgspec.Struct, **_STRUCT):
     pid: int
     mm_shm_ring: str = ""
     """The host's shared-memory processor cache segment (mm_processor_cache_type="shm"), for the core to map."""
+    wire_protocol: str = ""
+    """The host's `wire_protocol()`; "" (a host from before the check) matches no core."""
 
 
 class AddRequest(msgspec.Struct, **_STRUCT):
@@ -156,6 +163,8 @@ class Ready(msgspec.Struct, **_STRUCT):
     max_lora_rank: int = 0
     """The core's max_lora_rank when it serves LoRA adapters (0: enable_lora is off), for an attached host."""
     max_loras: int = 1
+    wire_protocol: str = ""
+    """The core's `wire_protocol()`; "" (a core from before the check) matches no host."""
 
 
 class EngineCoreEventType(enum.IntEnum):
@@ -223,3 +232,45 @@ class EngineFailed(msgspec.Struct, **_STRUCT):
 
 
 CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated, SleepModeDone]
+
+
+# ---------------------------------------------------------------- both ways
+_DOC_KEYS = frozenset({"title", "description", "examples"})
+
+
+@functools.cache
+def wire_protocol() -> str:
+    """This install's host <-> core wire protocol: a short hash of msgspec's JSON schema of `HostMessage` and
+    `CoreMessage`, every nested struct included (SamplingParams, MultiModalItem, ...), docstrings left out.
+
+    Array-like structs are decoded by position: a field inserted mid-struct misreads every request of a host and a
+    core of different asyncllm versions, so each refuses the other at `Hello` / `Ready` (`wire_protocol_mismatch`).
+    Computed once per process, on first use (a few ms).
+    """
+    return _fingerprint((HostMessage, CoreMessage))
+
+
+def _fingerprint(messages: tuple[Any, ...]) -> str:
+    schemas, structs = msgspec.json.schema_components(messages)
+    shape = {"messages": _shape(list(schemas)), "structs": {name: _shape(s) for name, s in structs.items()}}
+    return hashlib.sha256(msgspec.json.encode(shape, order="sorted")).hexdigest()[:16]
+
+
+def _shape(schema: Any) -> Any:
+    """`schema` without its docs; the keys of ``properties`` are field names, kept (a field may be named "title")."""
+    if isinstance(schema, dict):
+        return {key: {name: _shape(s) for name, s in value.items()} if key == "properties" else _shape(value)
+                for key, value in schema.items() if key not in _DOC_KEYS}
+    if isinstance(schema, list):
+        return [_shape(item) for item in schema]
+    return schema
+
+
+def wire_protocol_mismatch(host: str, core: str) -> str | None:
+    """Why a host of wire protocol `host` and a core of `core` cannot talk (an EngineDeadError's message); None: they
+    can."""
+    if host == core:
+        return None
+    return (f"the host and the engine core run different asyncllm wire protocols (host {host or 'unknown: older'}, "
+            f"core {core or 'unknown: older'}): upgrade or restart both, so that they run the same asyncllm "
+            "(a standalone `asyncllm engine` is restarted with the hosts' install)")

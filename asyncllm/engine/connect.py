@@ -58,7 +58,7 @@ def handshake(address: str, timeout_s: float, key: str | None = None) -> protoco
     encoder = msgspec.msgpack.Encoder()
     decoder = msgspec.msgpack.Decoder(protocol.CoreMessage)
     try:
-        dealer.send(encoder.encode(protocol.Hello(pid=0)))
+        dealer.send(encoder.encode(protocol.Hello(pid=0, wire_protocol=protocol.wire_protocol())))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not dealer.poll(100):
@@ -71,6 +71,9 @@ def handshake(address: str, timeout_s: float, key: str | None = None) -> protoco
                 raise EngineDeadError(f"the engine core at {address} failed: {message.message}")
             if isinstance(message, protocol.Ready):
                 dealer.send(encoder.encode(protocol.Goodbye(shutdown=False)))
+                mismatch = protocol.wire_protocol_mismatch(protocol.wire_protocol(), message.wire_protocol)
+                if mismatch is not None:  # a core from before the check: it took this Hello
+                    raise EngineDeadError(f"the engine core at {address}: {mismatch}")
                 return message
         raise EngineDeadError(
             f"no engine core answered at {address} within {timeout_s:.0f} s; start one with "

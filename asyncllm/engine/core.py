@@ -26,6 +26,7 @@ from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.core_sleep import SleepController
 from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
+from asyncllm.engine.kv_budget import check_kv_fits, swap_blocks
 from asyncllm.engine.request_keys import host_outputs, request_key, request_keys
 from asyncllm.engine.validation import check_add_request, check_lora_id, record_lora_id, served_tasks
 from asyncllm.mm.core_cache import CoreProcessorCache
@@ -67,9 +68,9 @@ class EngineCore:
         self.mm_cache.piece_audio_window = self.executor.mm_piece_audio_window
         self.tasks = served_tasks(self.executor.served_architectures)
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
-        _check_kv_fits(config, self.num_gpu_blocks)
+        check_kv_fits(config, self.num_gpu_blocks)
         num_offload_blocks = self.executor.num_offload_blocks
-        num_swap_blocks = _swap_blocks(config, self.executor.num_cpu_blocks - num_offload_blocks)
+        num_swap_blocks = swap_blocks(config, self.executor.num_cpu_blocks - num_offload_blocks)
         self.num_cpu_blocks = num_swap_blocks + num_offload_blocks
         self.executor.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)
         self.scheduler = Scheduler(config, self.num_gpu_blocks, config.max_model_len,
@@ -228,6 +229,11 @@ class EngineCore:
             if self.structured.pending:
                 self.structured.abort(keys, client_id)
         elif isinstance(message, protocol.Hello):
+            mismatch = protocol.wire_protocol_mismatch(message.wire_protocol, protocol.wire_protocol())
+            if mismatch is not None:  # told, never registered: its AddRequests would be misread (protocol.py)
+                logger.error("refused host pid %d: %s", message.pid, mismatch)
+                self.io.send(client_id, protocol.EngineFailed("EngineDeadError", mismatch))
+                return False
             self.clients.add(client_id)
             if self.stats_reporter is None:
                 self.stats_reporter = client_id
@@ -298,7 +304,8 @@ class EngineCore:
         lora = config.lora_config
         return protocol.Ready(self.num_gpu_blocks, config.block_size, config.max_model_len, os.getpid(),
                               config.model, config.tokenizer or "", config.tokenizer_revision,
-                              max_lora_rank=lora.max_lora_rank if lora.enable_lora else 0, max_loras=lora.max_loras)
+                              max_lora_rank=lora.max_lora_rank if lora.enable_lora else 0, max_loras=lora.max_loras,
+                              wire_protocol=protocol.wire_protocol())
 
     def stop(self) -> None:
         """End `run()` after the current step (a standalone core's signal handler calls this)."""
@@ -311,27 +318,6 @@ class EngineCore:
         self.mm_cache.close()
         self.structured.shutdown()
         self.executor.shutdown()
-
-
-def _check_kv_fits(config: EngineConfig, num_gpu_blocks: int) -> None:
-    capacity = num_gpu_blocks * config.block_size
-    if capacity < config.max_model_len:
-        raise errors.ConfigError("max_model_len", config.max_model_len,
-                                 f"at most {capacity} tokens fit in the KV cache ({num_gpu_blocks} blocks of "
-                                 f"{config.block_size}); lower max_model_len, or raise gpu_memory_utilization / "
-                                 "num_gpu_blocks_override")
-
-
-def _swap_blocks(config: EngineConfig, num_cpu_blocks: int) -> int:
-    """CPU swap blocks for the scheduler: the workers' count under preemption_mode='swap', else 0."""
-    if config.preemption_mode != "swap":
-        return 0
-    if num_cpu_blocks == 0:
-        logger.warning(
-            "preemption_mode='swap' but swap_space=%s GiB holds no KV block: every preemption will recompute; "
-            "raise swap_space", config.swap_space,
-        )
-    return num_cpu_blocks
 
 
 def _fail_startup(io: CoreIO, exc: BaseException, grace_s: float = 3.0) -> None:

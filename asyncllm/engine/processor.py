@@ -181,7 +181,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         self._watch = watch = ConnectionWatch(dealer)
         try:
             ring = self._mm.open_cache() if self._mm is not None else ""  # the shm processor cache's segment
-            dealer.send(self._encoder.encode(protocol.Hello(pid=os.getpid(), mm_shm_ring=ring)))
+            dealer.send(self._encoder.encode(protocol.Hello(pid=os.getpid(), mm_shm_ring=ring,
+                                                            wire_protocol=protocol.wire_protocol())))
             if self._await_ready(dealer):
                 self._serve(dealer)
         except BaseException as exc:  # noqa: BLE001 - never die silently: fail every stream
@@ -203,6 +204,10 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             if dealer.poll(_POLL_MS):
                 message = self._decoder.decode(dealer.recv())
                 if isinstance(message, protocol.Ready):
+                    mismatch = protocol.wire_protocol_mismatch(protocol.wire_protocol(), message.wire_protocol)
+                    if mismatch is not None:  # a core from before the check: it took this host's Hello
+                        self._settle_ready(errors.EngineDeadError(mismatch))
+                        return False
                     if self._mm is not None:
                         self._mm.cache_mapped(message.mm_shm_ring_mapped)
                     self._prompts.ready(message.max_model_len)

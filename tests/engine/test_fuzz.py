@@ -235,7 +235,7 @@ class RawHost:
 @pytest.fixture(scope="module")
 def raw_host(engine_thread: EngineThread) -> Iterator[RawHost]:
     host = RawHost(engine_thread.engine._core.address)
-    host.send(protocol.Hello(pid=os.getpid()))
+    host.send(protocol.Hello(pid=os.getpid(), wire_protocol=protocol.wire_protocol()))
     host.drain(2.0)
     assert any(isinstance(r, protocol.Ready) for r in host.replies)
     yield host
@@ -271,7 +271,7 @@ def _finished(host: RawHost, request_id: str, timeout: float = 30.0,
 @pytest.fixture()
 def own_host(engine_thread: EngineThread) -> Iterator[RawHost]:
     host = RawHost(engine_thread.engine._core.address)
-    host.send(protocol.Hello(pid=os.getpid()))
+    host.send(protocol.Hello(pid=os.getpid(), wire_protocol=protocol.wire_protocol()))
     yield host
     host.send(protocol.Goodbye(shutdown=False))
     host.close()

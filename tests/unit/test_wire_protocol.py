@@ -1,0 +1,144 @@
+"""The host <-> core wire protocol's fingerprint (`protocol.wire_protocol`): the same in every process of one install,
+another when a message's shape changes (not when only its docs do); a core refuses a host of another fingerprint
+with an EngineFailed and keeps serving the others, and a host refuses a core from before the check."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from types import SimpleNamespace
+from typing import Any, Union
+
+import msgspec
+import pytest
+import zmq
+
+from asyncllm import EngineDeadError, SamplingParams, protocol
+from asyncllm.config import EngineConfig
+from asyncllm.engine.connect import handshake
+from asyncllm.engine.core import EngineCore
+from asyncllm.engine.processor import Processor
+from asyncllm.engine.processor_outputs import error_from
+
+_WIRE = dict(tag=True, array_like=True, omit_defaults=True)
+
+
+def _rebuilt(cls: type, options: dict, insert_after: str | None = None, doc: str | None = None,
+             **types: Any) -> type:
+    """`cls` again as a new struct class: `types` replace fields' types, a bool field goes after `insert_after`."""
+    fields: list[tuple] = []
+    for f in msgspec.structs.fields(cls):
+        default = f.default if f.default is not msgspec.NODEFAULT else msgspec.field(default_factory=f.default_factory)
+        kind = types.get(f.name, f.type)
+        fields.append((f.name, kind) if f.required else (f.name, kind, default))
+        if f.name == insert_after:
+            fields.append(("inserted", bool, False))
+    return msgspec.defstruct(cls.__name__, fields, namespace={"__doc__": doc or cls.__doc__}, **options)
+
+
+def _host_messages(add_request: type) -> Any:
+    return Union[tuple(add_request if m is protocol.AddRequest else m for m in protocol.HostMessage.__args__)]
+
+
+def test_fingerprint_is_stable_across_computations_and_processes() -> None:
+    fingerprint = protocol.wire_protocol()
+    assert len(fingerprint) == 16 and fingerprint == protocol._fingerprint((protocol.HostMessage, protocol.CoreMessage))
+    child = subprocess.run([sys.executable, "-c", "from asyncllm import protocol; print(protocol.wire_protocol())"],
+                           capture_output=True, text=True, check=True, cwd="/",
+                           env={**os.environ, "PYTHONHASHSEED": "7"})  # no str-hash-ordered part in the fingerprint
+    assert child.stdout.strip() == fingerprint
+
+
+def test_fingerprint_follows_the_shape_of_nested_structs_not_their_docs() -> None:
+    sampling = dict(kw_only=True, omit_defaults=True, array_like=True)
+    same = _rebuilt(protocol.AddRequest, _WIRE, params=_rebuilt(SamplingParams, sampling, doc="other words"))
+    assert protocol._fingerprint((_host_messages(same), protocol.CoreMessage)) == protocol.wire_protocol()
+    inserted = _rebuilt(SamplingParams, sampling, insert_after="top_p")  # today's break: a field mid-struct
+    changed = _rebuilt(protocol.AddRequest, _WIRE, params=inserted)
+    assert protocol._fingerprint((_host_messages(changed), protocol.CoreMessage)) != protocol.wire_protocol()
+    core_side = _rebuilt(protocol.EngineFailed, _WIRE, insert_after="message")
+    messages = Union[tuple(core_side if m is protocol.EngineFailed else m for m in protocol.CoreMessage.__args__)]
+    assert protocol._fingerprint((protocol.HostMessage, messages)) != protocol.wire_protocol()
+
+
+def _core() -> tuple[EngineCore, list[tuple[bytes, Any]]]:
+    """An `EngineCore` that answers Hellos (no scheduler or workers); returns what it sends."""
+    sent: list[tuple[bytes, Any]] = []
+    core = EngineCore.__new__(EngineCore)
+    core.config, core.num_gpu_blocks = EngineConfig.create("dummy-model", block_size=4), 64
+    core.clients, core.stats_reporter = set(), None
+    core.mm_cache = SimpleNamespace(attach=lambda client_id, ring: False)
+    core.io = SimpleNamespace(send=lambda client, message: sent.append((client, message)))
+    return core, sent
+
+
+@pytest.mark.parametrize("host", ["", "0123456789abcdef"])  # a host from before the check; another install's
+def test_core_refuses_a_host_of_another_wire_protocol_and_serves_the_others(host: str) -> None:
+    core, sent = _core()
+    assert core._handle(b"other", protocol.Hello(pid=1, wire_protocol=host)) is False
+    (client, failed), = sent
+    assert client == b"other" and isinstance(failed, protocol.EngineFailed)
+    error = error_from(failed)  # what the host's start raises (`Processor._await_ready`)
+    assert type(error) is EngineDeadError
+    assert "different asyncllm wire protocols" in str(error) and "upgrade or restart both" in str(error)
+    assert protocol.wire_protocol() in str(error) and (host or "unknown: older") in str(error)
+    assert core.clients == set() and core.stats_reporter is None
+    sent.clear()
+    assert core._handle(b"ours", protocol.Hello(pid=2, wire_protocol=protocol.wire_protocol())) is True
+    (client, ready), = sent
+    assert client == b"ours" and isinstance(ready, protocol.Ready) and ready.wire_protocol == protocol.wire_protocol()
+    assert core.clients == {b"ours"} and core.stats_reporter == b"ours"
+    sent.clear()  # the refused host's requests are dropped (it never said a Hello the core took)
+    assert core._handle(b"other", protocol.AddRequest("r", [1], SamplingParams(), [2], 0.0)) is False
+    assert sent == []
+
+
+def test_an_old_hosts_hello_decodes_to_no_fingerprint() -> None:
+    old_hello = msgspec.msgpack.encode(["Hello", 4242, "ring"])  # the Hello of an asyncllm before the check
+    hello = msgspec.msgpack.decode(old_hello, type=protocol.HostMessage)
+    assert hello == protocol.Hello(4242, "ring") and hello.wire_protocol == ""
+
+
+@pytest.fixture()
+def old_core(tmp_path: Any) -> Any:
+    """A core from before the check at an ipc:// address: it answers each Hello with a Ready without a fingerprint."""
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    address = f"ipc://{tmp_path}/core"
+    router.bind(address)
+    hellos: list[protocol.Hello] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            client, payload = router.recv_multipart()
+            message = msgspec.msgpack.decode(payload, type=protocol.HostMessage)
+            if isinstance(message, protocol.Hello):
+                hellos.append(message)
+                router.send_multipart([client, msgspec.msgpack.encode(protocol.Ready(64, 4, 128, 1))])
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield address, hellos
+    stop.set()
+    thread.join(timeout=10)
+    router.close(linger=0)
+    ctx.term()
+
+
+def test_hosts_refuse_a_core_from_before_the_check(old_core: Any) -> None:
+    address, hellos = old_core
+    with pytest.raises(EngineDeadError, match="different asyncllm wire protocols .*unknown: older"):
+        handshake(address, timeout_s=5)
+    processor = Processor(address=address, tokenizer=None, eos_token_ids=[2], vocab_size=512, deliver=lambda *a: None,
+                          core=None, stats_logger=None, startup_timeout_s=5)
+    try:
+        with pytest.raises(EngineDeadError, match="upgrade or restart both"):
+            processor.start().result(timeout=10)
+    finally:
+        processor.close(shutdown_core=False)
+    assert [hello.wire_protocol for hello in hellos] == [protocol.wire_protocol()] * 2  # both hosts said theirs
