@@ -93,7 +93,8 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
     if _flag(form, "stream"):
         meta = {"id": f"trsc-{uuid.uuid4().hex}", "object": "transcription.chunk", "created": int(time.time()),
                 "model": model}
-        firsts = await first_deltas(streams)  # errors before the first token keep their status code
+        # errors before the first token keep their status code; a client gone while queued is a 499 (`guard`)
+        firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
         return StreamingResponse(_events(request, streams, firsts, meta), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     text = "".join([piece async for piece in _texts_in_order(request, streams)])

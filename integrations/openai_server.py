@@ -289,7 +289,8 @@ class OpenAIServer:
         streams, choices = self._start_chat(turn.chat_request(), lora, await self._sampling_defaults(),
                                             header_data_parallel_rank(request.headers), prompt_tokens_details=True)
         if req.stream:
-            firsts = await first_deltas(streams)  # errors before the first token keep their status code
+            # errors before the first token keep their status code; a client gone while queued: 499 (`guard`)
+            firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
             count_prompts(streams, choices)
             events = ResponseEvents(turn.req, model, on_finish=turn.keep)  # kept before its last event is sent
             return StreamingResponse(response_events(request, events, streams, firsts, choices),

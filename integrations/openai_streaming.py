@@ -1,8 +1,9 @@
 """Completions' and chat completions' responses from their engine streams: SSE chunks, or one JSON body.
 
 Streaming, the first delta of every stream is awaited before the response
-starts, so an error before the first token keeps its status code; after that
-an error is reported in the stream. Completions' ``echo`` puts each prompt
+starts, so an error before the first token keeps its status code (and a client
+that leaves meanwhile, queued behind a full engine, aborts its requests: a 499);
+after that an error is reported in the stream. Completions' ``echo`` puts each prompt
 before its choices. The Responses API's events (responses_api.py) are streamed
 here too.
 """
@@ -46,7 +47,8 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
     meta = {"id": response_id(id_prefix, req), "object": chunk_kind if req.stream else kind,
             "created": int(time.time()), "model": model}
     if req.stream:
-        firsts = await first_deltas(streams)  # errors before the first token keep their status code
+        # errors before the first token keep their status code; a client gone while queued is a 499 (`guard`)
+        firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
         count_prompts(streams, choices)
         echoed = await _echo(choices, streams, *echo, firsts) if echo is not None else []
         events = _sse(request, streams, firsts, choices, meta, usage_mode(req, force_include_usage), echoed)

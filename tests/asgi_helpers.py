@@ -17,3 +17,26 @@ def sse_events(text: str) -> list:
     lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
     assert lines[-1] == "[DONE]"
     return [json.loads(line) for line in lines[:-1]]
+
+
+async def hang_up_on(app, request: httpx.Request, hang_up) -> list[dict]:
+    """Run `request` by raw ASGI; the client hangs up once ``await hang_up()`` returns. The messages the app sent."""
+    body, sent = request.read(), []
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await hang_up()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    path = request.url.path
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
+             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(k.lower(), v) for k, v in request.headers.raw], "client": ("127.0.0.1", 1),
+             "server": ("test", 80)}
+    await app(scope, receive, send)
+    return sent

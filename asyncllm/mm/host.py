@@ -102,9 +102,12 @@ def _media_field(prompt: dict[str, Any]) -> str:
 def plain_prompt(prompt: dict[str, Any]) -> str | list[int] | None:
     """A prompt dict without images, videos or audios (vLLM's ``TextPrompt`` / ``TokensPrompt``: ``{"prompt": str}``,
     ``{"prompt_token_ids": [...]}``) as the plain prompt it is, for any model; None when it holds media (or is
-    malformed: `multimodal_prompt` names what is wrong)."""
+    malformed: `multimodal_prompt` names what is wrong). A None or empty media entry is no media, and empty
+    ``mm_processor_kwargs`` nothing."""
     if set(prompt) - {"prompt", "prompt_token_ids", "images", "image_uuids", "videos", "video_uuids", "audios",
-                      "audio_uuids", "multi_modal_data", "multi_modal_uuids"}:
+                      "audio_uuids", "multi_modal_data", "multi_modal_uuids", "mm_processor_kwargs"}:
+        return None
+    if prompt.get("mm_processor_kwargs") not in (None, {}):
         return None
     data = prompt.get("multi_modal_data")
     values = [prompt.get("images"), prompt.get("videos"), prompt.get("audios"),
@@ -126,7 +129,7 @@ def _empty(value: Any) -> bool:
 def from_vllm_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
     """vLLM's prompt dict (``multi_modal_data={"image": image or [images], "video": video or [videos], "audio":
     audio or [audios]}``, ``multi_modal_uuids`` alike) as ours (``images``, ``image_uuids``, ...); ours unchanged.
-    Other modalities: `InvalidRequestError` naming them."""
+    A None entry (``{"image": None}``) is none of that kind. Other modalities: `InvalidRequestError` naming them."""
     if "multi_modal_data" not in prompt and "multi_modal_uuids" not in prompt:
         return prompt
     out = {key: value for key, value in prompt.items() if key not in ("multi_modal_data", "multi_modal_uuids")}
@@ -138,6 +141,8 @@ def from_vllm_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
             raise InvalidRequestError(f"prompt.{key}", "{'image': an image or a list, 'video': a video or a list, "
                                                        f"'audio': an audio or a list}}, got {value!r:.80}")
         for kind, given in value.items():
+            if given is None:
+                continue
             ours = kind + suffix
             if ours in out:
                 raise InvalidRequestError(f"prompt.{key}", f"give {kind}s as {key} or as {ours!r}, not both")

@@ -161,14 +161,21 @@ async def test_chat_template_kwargs_reach_the_template(engine: AsyncEngine, toke
 
 
 async def test_vllm_prompt_dicts_are_their_plain_prompts(engine: AsyncEngine, tokenizer) -> None:
-    """vLLM's TextPrompt / TokensPrompt dicts on a text model; a dict with images still says it takes none."""
+    """vLLM's TextPrompt / TokensPrompt dicts on a text model (a None media entry, empty mm_processor_kwargs: no
+    media); a dict with media still says it takes none, naming the media it holds."""
     params = SamplingParams(max_tokens=6, temperature=0.0)
     ids = tokenizer("def f(x):")["input_ids"]
     outs = await asyncio.gather(engine.generate("def f(x):", params), engine.generate({"prompt": "def f(x):"}, params),
-                                engine.generate({"prompt_token_ids": ids}, params))
-    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids and outs[2].prompt_token_ids == ids
-    with pytest.raises(InvalidRequestError, match="takes no images"):
-        await engine.generate({"prompt": "x", "multi_modal_data": {"image": b"png"}}, params)
+                                engine.generate({"prompt_token_ids": ids}, params),
+                                engine.generate({"prompt": "def f(x):", "multi_modal_data": {"image": None}}, params),
+                                engine.generate({"prompt": "def f(x):", "mm_processor_kwargs": {}}, params))
+    assert len({tuple(out.token_ids) for out in outs}) == 1 and outs[2].prompt_token_ids == ids
+    for media, field in (({"multi_modal_data": {"image": b"png"}}, "prompt.images"),
+                         ({"multi_modal_data": {"image": None, "video": ["v"]}}, "prompt.videos"),
+                         ({"mm_processor_kwargs": {"fps": 2}}, "prompt.mm_processor_kwargs")):
+        with pytest.raises(InvalidRequestError, match="takes no images") as info:
+            await engine.generate({"prompt": "x", **media}, params)
+        assert info.value.field == field
     for bad, field, match in (({"prompt": "x", "bogus": 1}, "prompt", r"unknown keys \['bogus'\]"),
                               ({"prompt": 5}, "prompt", "must be a str, got int"), ({}, "prompt", "neither"),
                               ({"prompt_token_ids": "abc"}, "prompt.prompt_token_ids", "got str")):

@@ -6,10 +6,13 @@ not transcribe refuses."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import pytest_asyncio
-from asgi_helpers import asgi_client, sse_events
+from asgi_helpers import asgi_client, hang_up_on, sse_events
+from stream_stubs import StalledStream
 from audio_utils import SAMPLING_RATE, make_audio, wav_bytes
 from whisper_utils import CHUNK_SECONDS, hf_whisper_greedy, make_tiny_whisper
 
@@ -96,6 +99,15 @@ async def test_translations_take_the_translate_task_and_the_openai_client_reads_
     assert translated.text == expected
     assert transcribed.text == _expected(engine, tiny_whisper, wav,
                                          "<|startoftranscript|><|fr|><|transcribe|><|notimestamps|>")
+
+
+async def test_a_client_gone_while_queued_aborts_a_streamed_transcription(engine, monkeypatch):
+    stream = StalledStream()  # queued behind a full engine: no first token
+    monkeypatch.setattr(engine, "stream", lambda *args, **kwargs: stream)
+    request = httpx.Request("POST", "http://test/v1/audio/transcriptions", data={"stream": "true"},
+                            files={"file": ("audio.wav", wav_bytes(make_audio(0.5, seed=3)), "audio/wav")})
+    sent = await asyncio.wait_for(hang_up_on(create_app(engine, manage_engine=False), request, stream.waiting.wait), 5)
+    assert sent[0]["status"] == 499 and stream.closed.is_set()  # aborted before a first token, no 200
 
 
 @pytest.mark.parametrize("fields, param", [
