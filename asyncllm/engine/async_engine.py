@@ -24,6 +24,7 @@ from asyncllm.engine.engine_requests import EngineRequests
 from asyncllm.engine.engine_weights import EngineWeights
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.pooling_model import PoolingModel
+from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import LaunchSpec, Replica, ReplicaSet, start_replica, start_replicas, stop_replicas
 from asyncllm.engine.stream import RequestOptions, check_prompt
@@ -95,6 +96,8 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop the engine started in: the processor threads deliver outputs there (`_check_loop`)."""
         self._start_lock: asyncio.Lock | None = None
+        self._starting: asyncio.Task[Prepared] | None = None
+        """The replicas' start in progress, which `aclose` cancels."""
         self._observer = RequestObserver(config.model, config.prometheus_registry)
         """Replica 0's observer (the only one with data_parallel_size 1)."""
         self.metrics_registry = self._observer.registry
@@ -192,8 +195,12 @@ class AsyncEngine(EngineRequests, EngineControl):
                           replica_devices(self.config))
 
     async def _start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        prepared = await start_replicas(self._replicas.replicas, self.config, self._launch_spec())
+        self._loop = asyncio.get_running_loop()  # a start from another open loop meanwhile is refused
+        try:
+            prepared = await self._start_replicas()
+        except BaseException:
+            self._loop = None  # nothing runs: the engine belongs to no loop (a retry may come from another)
+            raise
         if self._closed:  # aclose() came meanwhile (it waits for this start): nothing may be left running
             await self._stop_replicas()
             raise EngineDeadError("the engine was closed while starting (aclose() during start())")
@@ -205,6 +212,24 @@ class AsyncEngine(EngineRequests, EngineControl):
         self.eos_token_ids: list[int] = list(prepared.eos_token_ids)
         """The tokenizer's and generation_config's EOS ids (known once started)."""
         self._started = True
+
+    async def _start_replicas(self) -> Prepared:
+        """`start_replicas` as a task of its own, so that `aclose` can cancel it (a shutdown during a download or a
+        model load need not wait for it) without cancelling the caller of `start`, who gets `EngineDeadError`. A
+        cancelled start cancels it too and waits while it stops what it started."""
+        starting = asyncio.ensure_future(start_replicas(self._replicas.replicas, self.config, self._launch_spec()))
+        self._starting = starting
+        try:
+            await asyncio.wait([starting])
+        except asyncio.CancelledError:
+            starting.cancel()
+            await asyncio.wait([starting])
+            raise
+        finally:
+            self._starting = None
+        if starting.cancelled():
+            raise EngineDeadError("the engine was closed while starting (aclose() during start())")
+        return starting.result()
 
     async def aclose(self, drain: bool = False, timeout: float | None = None) -> None:
         """Stop the engine core(s) and their workers; free every process, socket and shared-memory segment.
@@ -219,6 +244,8 @@ class AsyncEngine(EngineRequests, EngineControl):
             self._draining = True
             await self._wait_drained(timeout)
         self._closed = True
+        if self._starting is not None:
+            self._starting.cancel()  # a start in progress stops what it started now (a download's thread runs on)
         if self._start_lock is not None:
             async with self._start_lock:  # a start in progress ends first: it sees `_closed` and stops its replicas
                 pass

@@ -37,10 +37,9 @@ from asyncllm.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger("asyncllm.engine")
 
-_PREPARE_LOCK = threading.Lock()
-"""One `prepare` at a time in a process: transformers' lazy imports are not thread-safe (two engines starting at once,
-or a retry while a cancelled start's thread still prepares, got "cannot import name 'AutoConfig' from
-'transformers'"). Every transformers import of the host's start is reached from `prepare`."""
+_IMPORT_LOCK = threading.Lock()
+"""Held around the import of the transformers names preparation uses (`import_transformers`), never around a download
+or a load."""
 
 
 @dataclass
@@ -72,9 +71,20 @@ class Prepared:
 
 
 def prepare(config: EngineConfig) -> Prepared:
-    """What the host needs before the core starts (on a worker thread; one at a time: `_PREPARE_LOCK`)."""
-    with _PREPARE_LOCK:
-        return _prepare(config)
+    """What the host needs before the core starts (on a worker thread; engines starting at once prepare in parallel,
+    their transformers names imported first, one thread at a time)."""
+    import_transformers()
+    return _prepare(config)
+
+
+def import_transformers() -> None:
+    """Import the names of transformers' lazy namespace that preparation reaches, one thread at a time: its lazy
+    imports are not thread-safe (two engines starting at once got "cannot import name 'AutoConfig' from
+    'transformers'"). Once imported they are plain attributes, so the next import is cheap and the loads that
+    follow run in parallel."""
+    with _IMPORT_LOCK:
+        from transformers import (AutoConfig, AutoFeatureExtractor, AutoImageProcessor,  # noqa: F401
+                                  AutoTokenizer, LlamaConfig, PretrainedConfig)
 
 
 def _prepare(config: EngineConfig) -> Prepared:

@@ -11,9 +11,12 @@ restarts only its replica's requests (docs/parallelism.md).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import anyio
 
@@ -31,7 +34,10 @@ from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import EngineStats
 
-__all__ = ["LaunchSpec", "Replica", "ReplicaSet", "pick_replica", "start_replica", "start_replicas", "stop_replicas"]
+__all__ = ["LaunchSpec", "Replica", "ReplicaSet", "in_thread", "pick_replica", "start_replica", "start_replicas",
+           "stop_replicas"]
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -189,13 +195,12 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
     if spec.connect_address is not None:
         from asyncllm.engine.connect import prepare_attached
 
-        prepared = await anyio.to_thread.run_sync(prepare_attached, config, spec.connect_address, timeout_s,
-                                                  spec.engine_key)
+        prepared = await in_thread(prepare_attached, config, spec.connect_address, timeout_s, spec.engine_key)
         replica.observer.set_model_name(prepared.config.model)
     else:
-        prepared = await anyio.to_thread.run_sync(prepare, config)
-        core = await anyio.to_thread.run_sync(launch_core, prepared.config, prepared.hf_config_json,
-                                              replica_env(spec.devices, replica.index))
+        prepared = await in_thread(prepare, config)
+        core = await in_thread(launch_core, prepared.config, prepared.hf_config_json,
+                               replica_env(spec.devices, replica.index), abandoned=_stop_untold)
     processor = _processor(replica, prepared, core, spec, timeout_s)
     try:
         await asyncio.wrap_future(processor.start())
@@ -205,6 +210,39 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
         raise
     replica.processor, replica.core = processor, core
     return prepared
+
+
+async def in_thread(func: Callable[..., T], *args: Any, abandoned: Callable[[T], None] | None = None) -> T:
+    """``func(*args)`` in a thread of its own. Cancelled (a plain asyncio cancel too: ``asyncio.wait_for``,
+    ``asyncio.run`` shutting down, which anyio's shield does not hold off), it returns at once and the thread runs
+    on: `abandoned` then gets what `func` returns (a core to stop), in that thread."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    def run() -> None:
+        if not done.set_running_or_notify_cancel():
+            return  # cancelled before it began
+        try:
+            done.set_result(func(*args))
+        except BaseException as exc:  # noqa: BLE001 - raised by the await below
+            done.set_exception(exc)
+
+    threading.Thread(target=run, name=f"asyncllm-{getattr(func, '__name__', 'start')}", daemon=True).start()
+    try:
+        return await asyncio.wrap_future(done)
+    except asyncio.CancelledError:
+        if abandoned is not None:
+            done.add_done_callback(lambda f: _hand_over(f, abandoned))
+        raise
+
+
+def _hand_over(done: concurrent.futures.Future[T], abandoned: Callable[[T], None]) -> None:
+    if not done.cancelled() and done.exception() is None:
+        abandoned(done.result())
+
+
+def _stop_untold(core: CoreProcess) -> None:
+    """A core launched for a start that was cancelled meanwhile: never told Goodbye, cut at once."""
+    core.stop(told=False)
 
 
 def _processor(replica: Replica, prepared: Prepared, core: CoreProcess | None, spec: LaunchSpec,

@@ -8,7 +8,9 @@ children it had before, no shared-memory segment of either core is left, the
 second engine left no thread the first did not (the first use of a tokenizer
 or of torch starts thread pools that stay), and no signal handler changed.
 
-Without processes: aclose() during start(), one prepare at a time, and a cancelled start's quick, quiet stop.
+Without engines (stand-ins for prepare and launch): aclose() during start(), a cancelled start's quick, quiet stop of
+what it launched, a failed start's retry from another loop, prepares in parallel (and, in a fresh process, their
+transformers imports one at a time).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import pytest
 
 from asyncllm import AsyncEngine, EngineDeadError, SamplingParams
-from asyncllm.engine import async_engine, replica
+from asyncllm.engine import replica
 from asyncllm.engine import prepare as prepare_module
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.processor import Processor
@@ -153,53 +155,135 @@ def test_two_engines_in_a_thread_under_asyncio_run_twice_leave_nothing_behind(ti
     assert _settled_thread_count() == results["threads_between"] - 1  # "between" counted the engine-host thread
 
 
-def test_aclose_during_start_waits_and_the_start_stops_what_it_started(monkeypatch: pytest.MonkeyPatch) -> None:
-    """aclose() returned at once and the start then finished, leaving the core running: now aclose waits for the
-    start, which stops its replicas and raises (no processes here: the replicas' start and stop are stand-ins)."""
-    stopped: list[list[Any]] = []
+def _stand_in_prepare(monkeypatch: pytest.MonkeyPatch, wait: threading.Event | None = None) -> list[str]:
+    """`replica.prepare` blocks until `wait` is set (a download); `replica.launch_core` records its call."""
+    launched: list[str] = []
 
-    async def start_replicas(replicas: list[replica.Replica], config: Any, spec: Any) -> Any:
-        await asyncio.sleep(0.2)
-        for started in replicas:
-            started.processor = "processor"
-        return SimpleNamespace(config=config, pooling_model=None, default_sampling={}, tokenizer=None, mm=None,
-                               generation_config={}, vocab_size=1, eos_token_ids=[])
+    def prepare(config: Any) -> Any:
+        if wait is not None:
+            wait.wait(3)
+        return SimpleNamespace(config=config, hf_config_json=None)
 
-    monkeypatch.setattr(async_engine, "start_replicas", start_replicas)
-    monkeypatch.setattr(async_engine, "stop_replicas", lambda replicas: stopped.append([r.processor for r in replicas]))
+    monkeypatch.setattr(replica, "prepare", prepare)
+    monkeypatch.setattr(replica, "launch_core", lambda *args: launched.append("core"))
+    return launched
 
-    async def main() -> AsyncEngine:
+
+def test_aclose_during_start_stops_the_start_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """aclose() during a start waited for the whole start (a download, up to the startup timeout): now it cancels
+    the start, whose prepare thread runs on unheeded; the start raises and nothing was launched."""
+    download = threading.Event()
+    launched = _stand_in_prepare(monkeypatch, download)
+
+    async def main() -> tuple[float, BaseException, AsyncEngine]:
         engine = AsyncEngine(**KWARGS)
         start = asyncio.create_task(engine.start())
         await asyncio.sleep(0.05)
+        began = time.monotonic()
         await engine.aclose()
-        assert start.done()
-        with pytest.raises(EngineDeadError, match="closed while starting"):
-            await start
-        return engine
+        took = time.monotonic() - began
+        return took, (await asyncio.gather(start, return_exceptions=True))[0], engine
 
-    engine = asyncio.run(main())
-    assert stopped == [["processor"]] and engine._processor is None and not engine.started
+    took, error, engine = asyncio.run(main())
+    download.set()
+    assert took < 1
+    assert isinstance(error, EngineDeadError) and "closed while starting" in str(error)
+    assert launched == [] and engine._processor is None and not engine.started
 
 
-def test_prepares_run_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
-    """transformers' lazy imports are not thread-safe: two engines preparing at once got "cannot import name
-    'AutoConfig' from 'transformers'"."""
-    running, most = [0], [0]
+def test_a_cancelled_start_stops_the_core_launched_after_the_cancel(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Any) -> None:
+    """``asyncio.wait_for(engine.start(), T)`` during `launch_core`: the start returned on time and its thread then
+    spawned a core that nobody stopped (anyio's shield does not hold off a plain asyncio cancel)."""
+    _stand_in_prepare(monkeypatch)
+    spawned: list[subprocess.Popen] = []
+
+    def launch_core(*args: Any) -> CoreProcess:
+        time.sleep(0.3)  # the spawn (a fork server's round trip, a slow disk)
+        spawned.append(subprocess.Popen([sys.executable, "-c", "import os\nwhile os.read(0, 1): pass"],
+                                        stdin=subprocess.PIPE))
+        return CoreProcess(spawned[-1], "ipc://unused", str(tmp_path / "ipc"))
+
+    monkeypatch.setattr(replica, "launch_core", launch_core)
+
+    async def main() -> float:
+        began = time.monotonic()
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(AsyncEngine(**KWARGS).start(), 0.1)
+        return time.monotonic() - began
+
+    assert asyncio.run(main()) < 0.25
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline and not (spawned and spawned[0].poll() is not None):
+        time.sleep(0.02)
+    assert spawned and spawned[0].returncode == 0  # stopped: its stdin closed
+
+
+def test_a_failed_start_leaves_the_engine_to_any_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failed start left the engine bound to its loop: a retry from another open loop raised EventLoopError though
+    nothing ran."""
+    def prepare(config: Any) -> Any:
+        raise RuntimeError("stand-in prepare failed")
+
+    monkeypatch.setattr(replica, "prepare", prepare)
+    engine = AsyncEngine(**KWARGS)
+    first = asyncio.new_event_loop()
+    try:
+        with pytest.raises(RuntimeError, match="stand-in"):
+            first.run_until_complete(engine.start())
+        with pytest.raises(RuntimeError, match="stand-in"):  # not EventLoopError: the first loop is still open
+            asyncio.run(engine.start())
+    finally:
+        first.close()
+
+
+def test_prepares_run_in_parallel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Preparation ran one at a time: an engine whose model is cached waited out another's download."""
+    together = threading.Barrier(3, timeout=2)
+    broken: list[BaseException] = []
 
     def one_prepare(config: Any) -> None:
-        running[0] += 1
-        most[0] = max(most[0], running[0])
-        time.sleep(0.05)
-        running[0] -= 1
+        try:
+            together.wait()
+        except threading.BrokenBarrierError as exc:
+            broken.append(exc)
 
+    monkeypatch.setattr(prepare_module, "import_transformers", lambda: None)
     monkeypatch.setattr(prepare_module, "_prepare", one_prepare)
     threads = [threading.Thread(target=prepare_module.prepare, args=(None,)) for _ in range(3)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert most[0] == 1
+    assert broken == []
+
+
+_CONCURRENT_PREPARES = """
+import sys, threading
+from asyncllm.config import EngineConfig
+from asyncllm.engine.prepare import prepare
+config = EngineConfig.create(sys.argv[1], max_model_len=128)
+together, errors = threading.Barrier(4), []
+def one():
+    together.wait()
+    try:
+        prepare(config)
+    except Exception as exc:
+        errors.append(repr(exc))
+threads = [threading.Thread(target=one) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(errors)
+"""
+
+
+def test_concurrent_prepares_in_a_fresh_process_import_transformers_safely(tiny_llama: str, tmp_path: Any) -> None:
+    """transformers' lazy imports are not thread-safe: four engines preparing at once in a process that had not
+    imported transformers got "cannot import name 'AutoConfig' from 'transformers'" (`import_transformers`)."""
+    done = subprocess.run([sys.executable, "-c", _CONCURRENT_PREPARES, tiny_llama], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 def test_a_cancelled_start_stops_at_once_and_quietly(tmp_path: Any) -> None:
