@@ -294,7 +294,9 @@ async def test_caller_request_ids_are_unique_among_in_flight_requests(engine: As
                              request_id="pair") as pair:
         await pair.__anext__()
         with pytest.raises(InvalidRequestError, match="request_id"):
-            await engine.generate(PROMPT, SamplingParams(max_tokens=2), request_id="pair-1")
+            await engine.generate(PROMPT, SamplingParams(max_tokens=2), request_id="pair")
+        # the samples' core ids carry the host's submission number: another request's id never collides with them
+        assert (await engine.generate(PROMPT, SamplingParams(max_tokens=2), request_id="pair-1")).request_id == "pair-1"
     out = await engine.generate(PROMPT, SamplingParams(max_tokens=2), request_id="dup")  # free again
     assert out.request_id == "dup"
     await _wait_idle(engine)
