@@ -245,14 +245,20 @@ def wire_protocol() -> str:
 
     Array-like structs are decoded by position: a field inserted mid-struct misreads every request of a host and a
     core of different asyncllm versions, so each refuses the other at `Hello` / `Ready` (`wire_protocol_mismatch`).
-    Computed once per process, on first use (a few ms).
+    Computed once per process, on first use (a few ms). `WIRE_REVISION` is in it too: a change of meaning the
+    schema does not show (an id's format or bound, an error type's name) bumps it by hand.
     """
     return _fingerprint((HostMessage, CoreMessage))
 
 
+WIRE_REVISION = 1
+"""Bumped when the messages' meaning changes without their shape (1: core ids ``<id>#<k>``, 2026-11-30)."""
+
+
 def _fingerprint(messages: tuple[Any, ...]) -> str:
     schemas, structs = msgspec.json.schema_components(messages)
-    shape = {"messages": _shape(list(schemas)), "structs": {name: _shape(s) for name, s in structs.items()}}
+    shape = {"messages": _shape(list(schemas)), "structs": {name: _shape(s) for name, s in structs.items()},
+             "revision": WIRE_REVISION}
     return hashlib.sha256(msgspec.json.encode(shape, order="sorted")).hexdigest()[:16]
 
 

@@ -26,7 +26,9 @@ from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
-from asyncllm.engine.replica import LaunchSpec, Replica, ReplicaSet, start_replica, start_replicas, stop_replicas
+from asyncllm.engine.replica import (
+    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica, start_replicas, stop_replicas,
+)
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import check_params_text, check_request_id, check_text
@@ -200,6 +202,7 @@ class AsyncEngine(EngineRequests, EngineControl):
             prepared = await self._start_replicas()
         except BaseException:
             self._loop = None  # nothing runs: the engine belongs to no loop (a retry may come from another)
+            self._start_lock = None  # (an asyncio.Lock is bound to the loop that first waited on it)
             raise
         if self._closed:  # aclose() came meanwhile (it waits for this start): nothing may be left running
             await self._stop_replicas()
@@ -228,7 +231,8 @@ class AsyncEngine(EngineRequests, EngineControl):
         finally:
             self._starting = None
         if starting.cancelled():
-            raise EngineDeadError("the engine was closed while starting (aclose() during start())")
+            why = "aclose() during start()" if self._closed else "its start task was cancelled"
+            raise EngineDeadError(f"the engine was closed while starting ({why})")
         return starting.result()
 
     async def aclose(self, drain: bool = False, timeout: float | None = None) -> None:
@@ -259,8 +263,7 @@ class AsyncEngine(EngineRequests, EngineControl):
                 replica.observer.on_closed()
 
     async def _stop_replicas(self) -> None:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(stop_replicas, self._replicas.replicas)
+        await finish_in_thread(stop_replicas, self._replicas.replicas)
         for replica in self._replicas:
             replica.processor = replica.core = None
 

@@ -206,6 +206,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 if isinstance(message, protocol.Ready):
                     mismatch = protocol.wire_protocol_mismatch(protocol.wire_protocol(), message.wire_protocol)
                     if mismatch is not None:  # a core from before the check: it took this host's Hello
+                        dealer.send(self._encoder.encode(protocol.Goodbye(shutdown=False)))  # no ghost host left
                         self._settle_ready(errors.EngineDeadError(mismatch))
                         return False
                     if self._mm is not None:

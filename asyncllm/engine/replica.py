@@ -18,8 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import anyio
-
 from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.engine.admission import HostAdmission
@@ -205,8 +203,7 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
     try:
         await asyncio.wrap_future(processor.start())
     except BaseException:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(_stop, processor, core)
+        await finish_in_thread(_stop, processor, core)
         raise
     replica.processor, replica.core = processor, core
     return prepared
@@ -215,7 +212,7 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
 async def in_thread(func: Callable[..., T], *args: Any, abandoned: Callable[[T], None] | None = None) -> T:
     """``func(*args)`` in a thread of its own. Cancelled (a plain asyncio cancel too: ``asyncio.wait_for``,
     ``asyncio.run`` shutting down, which anyio's shield does not hold off), it returns at once and the thread runs
-    on: `abandoned` then gets what `func` returns (a core to stop), in that thread."""
+    on: `abandoned` then gets what `func` returns (a core to stop), in a thread (`_hand_over`)."""
     done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
@@ -236,8 +233,26 @@ async def in_thread(func: Callable[..., T], *args: Any, abandoned: Callable[[T],
 
 
 def _hand_over(done: concurrent.futures.Future[T], abandoned: Callable[[T], None]) -> None:
+    """Called in the thread that finished `done`, or on the loop when it finished before the cancel: `abandoned`
+    (stopping a core waits) always runs in a thread of its own."""
     if not done.cancelled() and done.exception() is None:
-        abandoned(done.result())
+        threading.Thread(target=abandoned, args=(done.result(),), name="asyncllm-abandoned", daemon=True).start()
+
+
+async def finish_in_thread(func: Callable[..., Any], *args: Any) -> None:
+    """``func(*args)`` in a worker thread, awaited to its end even when the caller is cancelled, as often as it is
+    (cleanup that must finish: stopping processes; anyio's shield does not hold off a plain asyncio cancel); the
+    cancel is raised afterwards."""
+    future = asyncio.ensure_future(asyncio.to_thread(func, *args))
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.shield(future)
+        except asyncio.CancelledError:
+            cancelled = True
+    future.result()
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 def _stop_untold(core: CoreProcess) -> None:
@@ -272,8 +287,7 @@ async def start_replicas(replicas: list[Replica], config: EngineConfig, spec: La
         if failed is not None:
             raise failed
     except BaseException:  # a failed replica, or the start cancelled: none may be left running
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(stop_replicas, replicas)
+        await finish_in_thread(stop_replicas, replicas)
         for replica in replicas:
             replica.processor = replica.core = None
         raise

@@ -34,10 +34,10 @@ __all__ = [
 ]
 
 MAX_REQUEST_ID_CHARS = 1024
+"""Longest request id (caller-given ids are echoed in logs, metrics and every delta)."""
 CORE_ID_SUFFIX_CHARS = 48
 """Room the core's bound leaves past `MAX_REQUEST_ID_CHARS` for the host's ``#<submission>-<sample>`` suffix
 (asyncllm/engine/processor_requests.py `sample_request_ids`)."""
-"""Longest request id (caller-given ids are echoed in logs, metrics and every delta)."""
 MAX_N = 1024
 """Most samples per request: each is a request in the core, so n is bounded like a batch, not like an int."""
 MAX_STOP_STRINGS = 256

@@ -263,14 +263,14 @@ import sys, threading
 from asyncllm.config import EngineConfig
 from asyncllm.engine.prepare import prepare
 config = EngineConfig.create(sys.argv[1], max_model_len=128)
-together, errors = threading.Barrier(4), []
+together, errors = threading.Barrier(8), []
 def one():
     together.wait()
     try:
         prepare(config)
     except Exception as exc:
         errors.append(repr(exc))
-threads = [threading.Thread(target=one) for _ in range(4)]
+threads = [threading.Thread(target=one) for _ in range(8)]
 [t.start() for t in threads]
 [t.join() for t in threads]
 print(errors)
@@ -278,7 +278,7 @@ print(errors)
 
 
 def test_concurrent_prepares_in_a_fresh_process_import_transformers_safely(tiny_llama: str, tmp_path: Any) -> None:
-    """transformers' lazy imports are not thread-safe: four engines preparing at once in a process that had not
+    """transformers' lazy imports are not thread-safe: eight engines preparing at once in a process that had not
     imported transformers got "cannot import name 'AutoConfig' from 'transformers'" (`import_transformers`)."""
     done = subprocess.run([sys.executable, "-c", _CONCURRENT_PREPARES, tiny_llama], cwd=tmp_path, capture_output=True,
                           text=True, timeout=120)
@@ -298,3 +298,48 @@ def test_a_cancelled_start_stops_at_once_and_quietly(tmp_path: Any) -> None:
     began = time.monotonic()
     replica._stop(processor, CoreProcess(child, "ipc://unused", str(tmp_path / "ipc")))  # type: ignore[arg-type]
     assert time.monotonic() - began < 3 and child.returncode == 0
+
+
+async def test_cleanup_in_a_thread_finishes_through_repeated_cancels() -> None:
+    """anyio's shield did not hold off a plain asyncio cancel: a start cancelled by wait_for, then by aclose(),
+    returned while its stop still ran unawaited (`finish_in_thread`)."""
+    stopped = threading.Event()
+
+    def stop() -> None:
+        time.sleep(0.3)
+        stopped.set()
+
+    task = asyncio.ensure_future(replica.finish_in_thread(stop))
+    for _ in range(2):
+        await asyncio.sleep(0.05)
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert stopped.is_set()
+
+
+def test_an_abandoned_result_is_stopped_in_a_thread_of_its_own() -> None:
+    """A launch that finished just before its cancel: stopping its core (seconds) ran on the event loop."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+    done.set_result("core")
+    ran = concurrent.futures.Future()
+    replica._hand_over(done, lambda core: ran.set_result((core, threading.current_thread().name)))
+    assert ran.result(timeout=2) == ("core", "asyncllm-abandoned")
+
+
+def test_after_a_failed_start_another_loop_may_start_it_contended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start lock of the failed loop stayed: two starts from the next loop raised "bound to a different event
+    loop"."""
+    def prepare(config: Any) -> Any:
+        time.sleep(0.05)
+        raise RuntimeError("stand-in prepare failed")
+
+    monkeypatch.setattr(replica, "prepare", prepare)
+    engine = AsyncEngine(**KWARGS)
+
+    async def two_starts() -> list[BaseException | None]:
+        return await asyncio.gather(engine.start(), engine.start(), return_exceptions=True)
+
+    for _ in range(2):
+        results = asyncio.run(two_starts())
+        assert all(isinstance(r, RuntimeError) and "stand-in" in str(r) for r in results), results
