@@ -24,11 +24,12 @@ import anyio
 import msgspec
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body
+from asyncllm.integrations.openai_http import EventStream
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.mm.audios import read_audio
@@ -95,8 +96,7 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
                 "model": model}
         # errors before the first token keep their status code; a client gone while queued is a 499 (`guard`)
         firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
-        return StreamingResponse(_events(request, streams, firsts, meta), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return EventStream(_events(request, streams, firsts, meta))
     text = "".join([piece async for piece in _texts_in_order(request, streams)])
     if response_format == "text":
         return Response(text, media_type="text/plain; charset=utf-8")

@@ -27,12 +27,12 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
 from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt
 from asyncllm.errors import InvalidRequestError, check_context_length
-from asyncllm.integrations.openai_http import SSE_HEADERS
+from asyncllm.integrations.openai_http import EventStream
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -158,7 +158,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
             "object": kind + ".chunk" if chat and req.stream else kind, "created": int(time.time()), "model": model}
     if req.stream:
         events = _sse(req, choices, deltas, meta, server.force_include_usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(events)
     for prompt_index, delta in deltas:
         choices.add(prompt_index, delta)
     body = {**meta, "choices": choices.final_choices(), "usage": choices.usage()}

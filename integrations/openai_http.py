@@ -22,19 +22,34 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.streams import ClientDisconnected
 
-__all__ = ["SSE_HEADERS", "CorsPolicy", "RequestIdHeaders", "guard", "read_body", "error_response", "json_response",
+__all__ = ["SSE_HEADERS", "EventStream", "CorsPolicy", "RequestIdHeaders", "guard", "read_body", "error_response", "json_response",
            "text_response", "not_found", "not_allowed"]
 
 logger = logging.getLogger("asyncllm.integrations.openai")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class EventStream(StreamingResponse):
+    """A server-sent events reply (`SSE_HEADERS`) that closes its event generator however the reply ends: Starlette
+    drops the body iterator unclosed when a send fails (ASGI spec 2.4 servers), and the requests' abort (the
+    generator's ``finally``) then waited for a garbage-collection pass."""
+
+    def __init__(self, events: Any, headers: dict[str, str] | None = None) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers or SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
 """An event stream's headers: not cached, and not buffered by a proxy (nginx) that would hold its chunks back."""
 
 Handler = Callable[[Request], Awaitable[Response]]

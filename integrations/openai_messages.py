@@ -98,12 +98,12 @@ def media_url(url: str, media_root: Path | None, field: str) -> str:
     schemes are matched as the engine matches them, literally (``DATA:...``, `` data:...`` would be paths to it)."""
     if url.startswith(("data:", "http://", "https://")):
         return url
-    if not url.startswith("file://"):
+    parts = urlsplit(url)  # a file: URL is parsed here (``FILE:``, ``file:/x`` too): only its resolved path goes on
+    if parts.scheme != "file":
         raise InvalidRequestError(field, f"a media url must be a data:, http(s) or file: URL, got {url!r:.80}")
     if media_root is None:
         raise InvalidRequestError(field, "cannot load local files without --allowed-local-media-path "
                                          "(ServerLimits.allowed_local_media_path)")
-    parts = urlsplit(url)
     try:
         path = Path(url2pathname(parts.path)).resolve()
     except (OSError, ValueError) as exc:  # a NUL byte, a path the system refuses

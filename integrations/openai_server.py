@@ -35,7 +35,7 @@ import anyio
 import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.middleware import Middleware
 from starlette.routing import Route
 
@@ -47,7 +47,7 @@ from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all,
 from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes, server_lifespan
 from asyncllm.integrations.openai_messages import chat_messages
 from asyncllm.integrations.openai_http import (
-    SSE_HEADERS, CorsPolicy, RequestIdHeaders, guard, json_response, not_allowed, not_found, read_body,
+    CorsPolicy, EventStream, RequestIdHeaders, guard, json_response, not_allowed, not_found, read_body,
 )
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, ChatTemplates, CompletionRequest, ServerLimits, TokenizeRequest, chat_echo, chat_role,
@@ -293,8 +293,7 @@ class OpenAIServer:
             firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
             count_prompts(streams, choices)
             events = ResponseEvents(turn.req, model, on_finish=turn.keep)  # kept before its last event is sent
-            return StreamingResponse(response_events(request, events, streams, firsts, choices),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
+            return EventStream(response_events(request, events, streams, firsts, choices))
         async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
             choices.add(prompt_index, delta)
         count_prompts(streams, choices)

@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from asyncllm.errors import AsyncLLMError
 from asyncllm.integrations.errors import error_body
-from asyncllm.integrations.openai_http import SSE_HEADERS, json_response
+from asyncllm.integrations.openai_http import EventStream, json_response
 from asyncllm.integrations.openai_protocol import ChatCompletionRequest, CompletionRequest, response_id
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.responses_api import ResponseEvents
@@ -52,7 +52,7 @@ async def respond(request: Request, req: CompletionRequest | ChatCompletionReque
         count_prompts(streams, choices)
         echoed = await _echo(choices, streams, *echo, firsts) if echo is not None else []
         events = _sse(request, streams, firsts, choices, meta, usage_mode(req, force_include_usage), echoed)
-        return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        return EventStream(events)
     async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
         choices.add(prompt_index, delta)
     count_prompts(streams, choices)

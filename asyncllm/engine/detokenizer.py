@@ -290,7 +290,10 @@ def _added_tokens(tokenizer: Any) -> dict[int, str]:
         backend = getattr(tokenizer, "_tokenizer", None)  # vLLM reads the Rust tokenizer's added tokens
         added = backend.get_added_tokens_decoder() if backend is not None else tokenizer.added_tokens_decoder
         cached = {i: token.content for i, token in added.items()}
-        tokenizer._asyncllm_added_tokens = cached
+        try:
+            tokenizer._asyncllm_added_tokens = cached
+        except (AttributeError, TypeError):  # a tokenizer class that takes no new attribute: read each time
+            pass
     return cached
 
 

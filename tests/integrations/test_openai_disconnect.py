@@ -39,3 +39,40 @@ async def test_a_client_gone_while_queued_aborts_its_stream(app, bundled_engine,
     sent = await asyncio.wait_for(hang_up_on(app, request, once_all_queued), 5)
     assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499  # no 200 before a first token
     assert len(streams) == len(body.get("prompt", [0])) and all(stream.closed.is_set() for stream in streams)
+
+
+async def test_a_failed_send_aborts_a_streamed_completion_at_once(app, bundled_engine) -> None:
+    """An ASGI spec 2.4 server's send raising OSError (the client gone): Starlette drops the event generator unclosed,
+    and the request ran on until a garbage-collection pass (`EventStream` closes it)."""
+    import gc
+
+    body = httpx.Request("POST", "http://test/v1/completions", json={
+        "model": MODEL, "stream": True, "prompt": "a", "max_tokens": 400, "ignore_eos": True}).read()
+    messages, chunks = [{"type": "http.request", "body": body, "more_body": False}], 0
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()
+
+    async def send(message: dict) -> None:
+        nonlocal chunks
+        chunks += message["type"] == "http.response.body"
+        if chunks == 3:
+            raise OSError("connection reset")
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    gc.disable()
+    try:
+        with pytest.raises(Exception):  # the server's to handle (OSError, or Starlette's ClientDisconnect)
+            await asyncio.wait_for(app(scope, receive, send), 10)
+        for _ in range(200):  # the abort reaches the core within a step or two
+            if bundled_engine.stats().num_requests_running == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert bundled_engine.stats().num_requests_running == 0
+    finally:
+        gc.enable()

@@ -41,7 +41,8 @@ async def test_a_client_names_server_files_only_as_file_urls_inside_the_allowed_
         part = {"type": "image_url", "image_url": {"url": url}}
         return chat_messages([{"role": "user", "content": [part]}], True, media_root)[0]["content"][0]["image_url"]["url"]
 
-    assert url_of(f"file://{tmp_path}/ok/cat.png") == str(tmp_path / "ok" / "cat.png")
+    for url in (f"file://{tmp_path}/ok/cat.png", f"FILE://{tmp_path}/ok/cat.png", f"file:{tmp_path}/ok/cat.png"):
+        assert url_of(url) == str(tmp_path / "ok" / "cat.png")
     assert url_of("data:image/png;base64,AAAA") == "data:image/png;base64,AAAA"
     assert url_of("https://example.com/a.png", None) == "https://example.com/a.png"  # the engine refuses it
     refused = {str(tmp_path / "ok" / "cat.png"): "data:, http", f"file://{tmp_path}/secret.png": "must be inside",
