@@ -5,7 +5,8 @@ queue order take what the running ones left, starting from their resume point (p
 request's swap-in) and computing the prompt or a chunk of it, until blocks, budget or seats run out. A request
 whose LoRA adapter would be one too many (max_loras) is skipped and keeps its place. `preempt_for_priority` is
 step 0 under 'priority': running requests of lower priority are preempted while the first waiting request finds
-no seat or too few free blocks.
+no seat or too few free blocks, unless its adapter would stay one too many (it would be skipped anyway: the
+preempted requests only recomputed, step after step).
 """
 
 from __future__ import annotations
@@ -27,11 +28,22 @@ __all__ = ["preempt_for_priority", "schedule_waiting"]
 
 
 def preempt_for_priority(sched: Scheduler, step: _Step) -> None:
-    """Preempt lower-priority running requests while the first waiting one lacks a seat or blocks."""
+    """Preempt lower-priority running requests while the first waiting one lacks a seat or blocks (never for one
+    whose adapter would still be one too many: it is skipped all the same, and they would only recompute)."""
     head = sched.waiting.peek()
+    if _adapter_blocked(sched, head):
+        return
     while sched.running and sched.running[-1].priority > head.priority and _lacks_room(sched, head):
         why = f"request {head.request_id} of higher priority was waiting"
         preempt_in_step(sched, sched.running.pop(), step, why=why)
+
+
+def _adapter_blocked(sched: Scheduler, head: Request) -> bool:
+    """Whether `head`'s adapter would be one too many (max_loras) with every lower-priority request preempted."""
+    if not (sched.max_loras and head.lora_int_id):
+        return False
+    kept = {r.lora_int_id for r in sched.running if r.lora_int_id and r.priority <= head.priority}
+    return head.lora_int_id not in kept and len(kept) >= sched.max_loras
 
 
 def _lacks_room(sched: Scheduler, head: Request) -> bool:

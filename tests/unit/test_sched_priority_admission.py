@@ -206,3 +206,24 @@ def test_a_pooling_prompt_may_fill_max_model_len_and_the_kv_cache():
     _, deltas = run_step(sched)
     assert [(d.request_id, d.finish_reason) for d in deltas] == [("a", "length")]
     assert sched.kv_cache_manager.num_used_blocks == 0
+
+
+def test_no_preemption_for_a_request_whose_adapter_cannot_run_yet():
+    """max_loras=1, adapter 1 running at priority 0: a waiting priority-1 request of adapter 2 is skipped all the
+    same, so the priority-5 base request is not preempted for it (it was, every other step, and recomputed)."""
+    from asyncllm.lora import LoRARequest
+    from asyncllm.sampling import SamplingParams
+
+    def lora_request(req_id: str, lora_id: int, priority: int, arrival: float) -> Request:
+        lora = LoRARequest(f"a{lora_id}", lora_id, f"/adapters/{lora_id}")
+        return Request(req_id, [7] * 6, SamplingParams(max_tokens=20, ignore_eos=True), [0], arrival,
+                       priority=priority, lora=lora)
+
+    sched = scheduler(scheduling_policy="priority", max_num_seqs=2, enable_lora=True, max_loras=1)
+    sched.add_request(lora_request("a", 1, 0, 0.0))
+    sched.add_request(request("base", 6, priority=5, arrival=0.5, max_tokens=20))
+    run_step(sched)
+    sched.add_request(lora_request("c", 2, 1, 1.0))
+    for _ in range(6):
+        run_step(sched)
+    assert sched.num_preemptions_total == 0 and ids(sched.running) == ["a", "base"] and ids(sched.waiting) == ["c"]
