@@ -93,9 +93,10 @@ def _check_dict_prompt(prompt: dict[str, Any]) -> dict[str, Any]:
 
 
 def _media_field(prompt: dict[str, Any]) -> str:
-    """The media a text model refuses in a well-formed dict prompt: its first images, videos or audios; else its
-    ``mm_processor_kwargs`` (`plain_prompt` takes any other well-formed dict as the plain prompt it is)."""
-    given = [key for key in ("images", "videos", "audios") if prompt.get(key) is not None and not _empty(prompt[key])]
+    """The media a text model refuses in a well-formed dict prompt: its first images, videos or audios (or their
+    uuids); else its ``mm_processor_kwargs`` (`plain_prompt` takes any other well-formed dict as its plain prompt)."""
+    keys = ("images", "videos", "audios", "image_uuids", "video_uuids", "audio_uuids")
+    given = [key for key in keys if prompt.get(key) is not None and not _empty(prompt[key])]
     return f"prompt.{given[0] if given else 'mm_processor_kwargs'}"
 
 
@@ -110,6 +111,11 @@ def plain_prompt(prompt: dict[str, Any]) -> str | list[int] | None:
     if prompt.get("mm_processor_kwargs") not in (None, {}):
         return None
     data = prompt.get("multi_modal_data")
+    if data is not None and (not isinstance(data, dict) or set(data) - {"image", "video", "audio"}):
+        return None  # `multimodal_prompt` names what is wrong: never silently a plain prompt
+    uuids = [prompt.get(key) for key in ("image_uuids", "video_uuids", "audio_uuids", "multi_modal_uuids")]
+    if any(value is not None and not _empty(value) for value in uuids):
+        return None  # uuids of media not given
     values = [prompt.get("images"), prompt.get("videos"), prompt.get("audios"),
               *(data.values() if isinstance(data, dict) else [data])]
     if any(value is not None and not _empty(value) for value in values):

@@ -172,13 +172,16 @@ async def test_vllm_prompt_dicts_are_their_plain_prompts(engine: AsyncEngine, to
     assert len({tuple(out.token_ids) for out in outs}) == 1 and outs[2].prompt_token_ids == ids
     for media, field in (({"multi_modal_data": {"image": b"png"}}, "prompt.images"),
                          ({"multi_modal_data": {"image": None, "video": ["v"]}}, "prompt.videos"),
-                         ({"mm_processor_kwargs": {"fps": 2}}, "prompt.mm_processor_kwargs")):
+                         ({"mm_processor_kwargs": {"fps": 2}}, "prompt.mm_processor_kwargs"),
+                         ({"image_uuids": ["u"]}, "prompt.image_uuids")):  # uuids without media: never dropped
         with pytest.raises(InvalidRequestError, match="takes no images") as info:
             await engine.generate({"prompt": "x", **media}, params)
         assert info.value.field == field
     for bad, field, match in (({"prompt": "x", "bogus": 1}, "prompt", r"unknown keys \['bogus'\]"),
                               ({"prompt": 5}, "prompt", "must be a str, got int"), ({}, "prompt", "neither"),
-                              ({"prompt_token_ids": "abc"}, "prompt.prompt_token_ids", "got str")):
+                              ({"prompt_token_ids": "abc"}, "prompt.prompt_token_ids", "got str"),
+                              ({"prompt": "x", "multi_modal_data": {"bogus": None}}, "prompt.multi_modal_data",
+                               "image")):
         with pytest.raises(InvalidRequestError, match=match) as info:  # the dict's shape, before any media
             await engine.generate(bad, params)
         assert info.value.field == field
