@@ -12,6 +12,14 @@ def asgi_client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
+def http_scope(method: str, path: str, query: bytes = b"", headers: list | None = None) -> dict:
+    """A raw ASGI HTTP scope of ASGI spec 2.4, whose servers' send raises OSError once the client is gone (Starlette
+    then stops listening for a disconnect and drops the body iterator)."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+            "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
+            "root_path": "", "headers": headers or [], "client": ("127.0.0.1", 1), "server": ("test", 80)}
+
+
 def sse_events(text: str) -> list:
     """The JSON payloads of a server-sent-events body, which must end with ``data: [DONE]``."""
     lines = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]

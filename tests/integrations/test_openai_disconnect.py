@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import pytest
-from asgi_helpers import hang_up_on
+from asgi_helpers import hang_up_on, http_scope
 
 from stream_stubs import StalledStream
 
@@ -61,10 +61,7 @@ async def test_a_failed_send_aborts_a_streamed_completion_at_once(app, bundled_e
         if chunks == 3:
             raise OSError("connection reset")
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
-             "query_string": b"", "root_path": "", "headers": [(b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    scope = http_scope("POST", "/v1/completions", headers=[(b"content-type", b"application/json")])
     gc.disable()
     try:
         with pytest.raises(Exception):  # the server's to handle (OSError, or Starlette's ClientDisconnect)

@@ -7,7 +7,7 @@ from collections.abc import Awaitable, Callable
 from urllib.parse import urlencode
 
 import pytest
-from asgi_helpers import asgi_client
+from asgi_helpers import asgi_client, http_scope
 from starlette.applications import Starlette
 from starlette.routing import Route
 
@@ -38,10 +38,7 @@ async def _call(app: Starlette, prompt: str, hang_up: Callable[[list[dict]], Awa
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},  # 2.4: Starlette does not listen
-             "http_version": "1.1", "method": "GET", "scheme": "http", "path": "/complete", "raw_path": b"/complete",
-             "query_string": urlencode({"prompt": prompt}).encode(), "root_path": "", "headers": [],
-             "client": ("127.0.0.1", 1), "server": ("test", 80)}
+    scope = http_scope("GET", "/complete", urlencode({"prompt": prompt}).encode())  # 2.4: Starlette does not listen
     await asyncio.wait_for(app(scope, receive, send), 10)
     return sent
 
@@ -102,10 +99,7 @@ async def test_a_failed_send_closes_the_stream_at_once() -> None:
         if chunks == 2:
             raise OSError("connection reset")
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-             "method": "GET", "scheme": "http", "path": "/complete", "raw_path": b"/complete",
-             "query_string": b"prompt=x", "root_path": "", "headers": [], "client": ("127.0.0.1", 1),
-             "server": ("test", 80)}
+    scope = http_scope("GET", "/complete", b"prompt=x")
     gc.disable()
     try:
         with pytest.raises(Exception):  # the server's to handle (OSError, or Starlette's ClientDisconnect)
