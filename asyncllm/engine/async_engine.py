@@ -27,7 +27,7 @@ from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import (
-    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica, start_replicas, stop_replicas,
+    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica, start_replicas, stop_all,
 )
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
@@ -98,6 +98,8 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop the engine started in: the processor threads deliver outputs there (`_check_loop`)."""
         self._start_lock: asyncio.Lock | None = None
+        self._start_lock_loop: asyncio.AbstractEventLoop | None = None
+        """The loop `_start_lock` belongs to (`_loop_start_lock`)."""
         self._starting: asyncio.Task[Prepared] | None = None
         """The replicas' start in progress, which `aclose` cancels."""
         self._observer = RequestObserver(config.model, config.prometheus_registry)
@@ -160,13 +162,20 @@ class AsyncEngine(EngineRequests, EngineControl):
             raise EngineDeadError("this AsyncEngine was closed; create a new one")
         if self._started:
             return  # (a replica's core restart does not hold up requests to the others)
-        if self._start_lock is None:
-            self._start_lock = asyncio.Lock()
-        async with self._start_lock:
+        lock = self._loop_start_lock()
+        async with lock:
             if self._closed:  # closed while this call waited for another's start
                 raise EngineDeadError("this AsyncEngine was closed while starting; create a new one")
             if not self._started:
                 await self._start()
+
+    def _loop_start_lock(self) -> asyncio.Lock:
+        """The calling loop's start lock: an asyncio.Lock belongs to the loop that first waited on it, so a loop that
+        takes the engine over (or retries a failed start) gets its own; starts of one loop wait for each other."""
+        loop = asyncio.get_running_loop()
+        if self._start_lock is None or self._start_lock_loop is not loop:
+            self._start_lock, self._start_lock_loop = asyncio.Lock(), loop
+        return self._start_lock
 
     def _check_loop(self) -> None:
         """Requests and lifecycle calls come from the loop the engine started in: outputs are delivered there, so a
@@ -189,7 +198,6 @@ class AsyncEngine(EngineRequests, EngineControl):
             if not collector.finished:
                 self._abort(collector.request_id)
         self._in_flight = weakref.WeakSet()
-        self._start_lock = None  # an asyncio.Lock belongs to the loop that first waited on it
         self._loop = loop
 
     def _launch_spec(self) -> LaunchSpec:
@@ -197,15 +205,16 @@ class AsyncEngine(EngineRequests, EngineControl):
                           replica_devices(self.config))
 
     async def _start(self) -> None:
+        if self._starting is not None:  # another loop's start, begun before this loop's lock was taken
+            raise EventLoopError("this AsyncEngine is starting in another event loop: start it from one loop")
         self._loop = asyncio.get_running_loop()  # a start from another open loop meanwhile is refused
         try:
             prepared = await self._start_replicas()
         except BaseException:
             self._loop = None  # nothing runs: the engine belongs to no loop (a retry may come from another)
-            self._start_lock = None  # (an asyncio.Lock is bound to the loop that first waited on it)
             raise
         if self._closed:  # aclose() came meanwhile (it waits for this start): nothing may be left running
-            await self._stop_replicas()
+            await stop_all(self._replicas.replicas)
             raise EngineDeadError("the engine was closed while starting (aclose() during start())")
         self.config = prepared.config
         self.pooling_model = prepared.pooling_model
@@ -250,22 +259,16 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._closed = True
         if self._starting is not None:
             self._starting.cancel()  # a start in progress stops what it started now (a download's thread runs on)
-        if self._start_lock is not None:
-            async with self._start_lock:  # a start in progress ends first: it sees `_closed` and stops its replicas
-                pass
+        async with self._loop_start_lock():  # a start in progress ends first: it sees `_closed` and stops its replicas
+            pass
         with anyio.CancelScope(shield=True):
             for replica in self._replicas:  # a half-done core restart must finish before its processes can be stopped
                 await replica.supervisor.wait()
         if self._started:
             self._started = False
-            await self._stop_replicas()
+            await stop_all(self._replicas.replicas)
             for replica in self._replicas:
                 replica.observer.on_closed()
-
-    async def _stop_replicas(self) -> None:
-        await finish_in_thread(stop_replicas, self._replicas.replicas)
-        for replica in self._replicas:
-            replica.processor = replica.core = None
 
     async def _wait_drained(self, timeout: float | None) -> None:
         with anyio.move_on_after(timeout):
@@ -280,7 +283,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         processor = replica.processor
         if self._closed or processor is None:
             return
-        await anyio.to_thread.run_sync(replica.stop)
+        await finish_in_thread(replica.stop)
         replica.processor = replica.core = None
         owned = self._connect_address is None  # a shared core's weights are its own: nothing to restore
         config = self._weights.restart_config(self.config) if owned else self.config

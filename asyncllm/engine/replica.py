@@ -32,8 +32,8 @@ from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import EngineStats
 
-__all__ = ["LaunchSpec", "Replica", "ReplicaSet", "in_thread", "pick_replica", "start_replica", "start_replicas",
-           "stop_replicas"]
+__all__ = ["LaunchSpec", "Replica", "ReplicaSet", "finish_in_thread", "in_thread", "pick_replica", "start_replica",
+           "start_replicas", "stop_all", "stop_replicas"]
 
 T = TypeVar("T")
 
@@ -287,13 +287,19 @@ async def start_replicas(replicas: list[Replica], config: EngineConfig, spec: La
         if failed is not None:
             raise failed
     except BaseException:  # a failed replica, or the start cancelled: none may be left running
-        await finish_in_thread(stop_replicas, replicas)
-        for replica in replicas:
-            replica.processor = replica.core = None
+        await stop_all(replicas)
         raise
     prepared = results[0]
     assert isinstance(prepared, Prepared)
     return prepared
+
+
+async def stop_all(replicas: list[Replica]) -> None:
+    """Stop every replica (`stop_replicas`, to the end however often the caller is cancelled); none is left
+    holding its processor or core."""
+    await finish_in_thread(stop_replicas, replicas)
+    for replica in replicas:
+        replica.processor = replica.core = None
 
 
 def stop_replicas(replicas: list[Replica]) -> None:

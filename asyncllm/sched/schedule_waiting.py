@@ -43,7 +43,12 @@ def _adapter_blocked(sched: Scheduler, head: Request) -> bool:
     if not (sched.max_loras and head.lora_int_id):
         return False
     kept = {r.lora_int_id for r in sched.running if r.lora_int_id and r.priority <= head.priority}
-    return head.lora_int_id not in kept and len(kept) >= sched.max_loras
+    return _one_too_many(head.lora_int_id, kept, sched.max_loras)
+
+
+def _one_too_many(lora_id: int, loras: set[int], max_loras: int) -> bool:
+    """Whether adapter `lora_id` (0: none) would make `max_loras` + 1 distinct adapters beside `loras`."""
+    return bool(lora_id) and lora_id not in loras and len(loras) >= max_loras
 
 
 def _lacks_room(sched: Scheduler, head: Request) -> bool:
@@ -71,7 +76,7 @@ def schedule_waiting(sched: Scheduler, step: _Step) -> None:
         if step.preempted_req_ids and request.request_id in step.preempted_req_ids:
             break  # preempted for a higher-priority request in this very step
         lora_id = request.lora_int_id
-        if lora_id and lora_id not in loras and len(loras) >= sched.max_loras:
+        if _one_too_many(lora_id, loras, sched.max_loras):
             skipped.append(sched.waiting.pop())
             continue
         hits, num_computed, swapped = _resume_point(sched, request)

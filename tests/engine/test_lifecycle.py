@@ -343,3 +343,31 @@ def test_after_a_failed_start_another_loop_may_start_it_contended(monkeypatch: p
     for _ in range(2):
         results = asyncio.run(two_starts())
         assert all(isinstance(r, RuntimeError) and "stand-in" in str(r) for r in results), results
+
+
+def test_starts_of_one_loop_run_one_at_a_time_after_a_failed_one() -> None:
+    """A failed start dropped the start lock while a second start waited on it: a third made a new lock and two
+    starts ran at once (each launching cores onto the same replicas)."""
+    engine = AsyncEngine(**KWARGS)
+    active, peak = 0, 0
+
+    async def start_replicas() -> Any:
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        try:
+            await asyncio.sleep(0.05)
+            raise RuntimeError("stand-in start failed")
+        finally:
+            active -= 1
+
+    engine._start_replicas = start_replicas  # type: ignore[method-assign]
+
+    async def three_starts() -> list[BaseException | None]:
+        first, second = asyncio.ensure_future(engine.start()), asyncio.ensure_future(engine.start())
+        await asyncio.sleep(0.08)  # the first failed, the second is starting
+        return await asyncio.gather(first, second, engine.start(), return_exceptions=True)
+
+    results = asyncio.run(three_starts())
+    assert all(isinstance(r, RuntimeError) for r in results), results
+    assert peak == 1
