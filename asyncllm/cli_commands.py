@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from asyncllm import envs
+from asyncllm.chat_content import CONTENT_FORMATS
 from asyncllm.cli_args import add_engine_args, engine_kwargs
 from asyncllm.errors import ConfigError
 from asyncllm.reasoning import REASONING_PARSERS
@@ -63,7 +64,7 @@ def add_serve_parser(commands: Any) -> None:
                        help="split chat replies into reasoning and content (deepseek_r1: DeepSeek-R1, QwQ; qwen3)")
     serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                        help="a Jinja chat template (file or text) used instead of the tokenizer's")
-    serve.add_argument("--chat-template-content-format", default="auto", choices=["auto", "string", "openai"],
+    serve.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
                        help="how message content reaches the chat template: string (text parts joined with a "
                             "newline), openai (a list of parts) or auto (as the template reads it; vLLM's flag)")
     serve.add_argument("--return-tokens-as-token-ids", action="store_true",

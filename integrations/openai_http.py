@@ -35,6 +35,7 @@ __all__ = ["SSE_HEADERS", "EventStream", "CorsPolicy", "RequestIdHeaders", "guar
 logger = logging.getLogger("asyncllm.integrations.openai")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+"""An event stream's headers: not cached, and not buffered by a proxy (nginx) that would hold its chunks back."""
 
 
 class EventStream(StreamingResponse):
@@ -42,15 +43,14 @@ class EventStream(StreamingResponse):
     drops the body iterator unclosed when a send fails (ASGI spec 2.4 servers), and the requests' abort (the
     generator's ``finally``) then waited for a garbage-collection pass."""
 
-    def __init__(self, events: Any, headers: dict[str, str] | None = None) -> None:
-        super().__init__(events, media_type="text/event-stream", headers=headers or SSE_HEADERS)
+    def __init__(self, events: Any) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
-"""An event stream's headers: not cached, and not buffered by a proxy (nginx) that would hold its chunks back."""
 
 Handler = Callable[[Request], Awaitable[Response]]
 

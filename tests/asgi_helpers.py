@@ -12,10 +12,12 @@ def asgi_client(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
 
 
-def http_scope(method: str, path: str, query: bytes = b"", headers: list | None = None) -> dict:
-    """A raw ASGI HTTP scope of ASGI spec 2.4, whose servers' send raises OSError once the client is gone (Starlette
-    then stops listening for a disconnect and drops the body iterator)."""
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
+def http_scope(method: str, path: str, query: bytes = b"", headers: list | None = None,
+               spec_version: str | None = "2.4") -> dict:
+    """A raw ASGI HTTP scope, by default of ASGI spec 2.4, whose servers' send raises OSError once the client is gone
+    (Starlette then stops listening for a disconnect and drops the body iterator); None: no spec version (2.0)."""
+    asgi = {"version": "3.0"} if spec_version is None else {"version": "3.0", "spec_version": spec_version}
+    return {"type": "http", "asgi": asgi, "http_version": "1.1",
             "method": method, "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
             "root_path": "", "headers": headers or [], "client": ("127.0.0.1", 1), "server": ("test", 80)}
 
@@ -41,10 +43,6 @@ async def hang_up_on(app, request: httpx.Request, hang_up) -> list[dict]:
     async def send(message: dict) -> None:
         sent.append(message)
 
-    path = request.url.path
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": request.method,
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
-             "headers": [(k.lower(), v) for k, v in request.headers.raw], "client": ("127.0.0.1", 1),
-             "server": ("test", 80)}
-    await app(scope, receive, send)
+    headers = [(k.lower(), v) for k, v in request.headers.raw]
+    await app(http_scope(request.method, request.url.path, headers=headers, spec_version=None), receive, send)
     return sent
