@@ -3,7 +3,8 @@
 vLLM hands a message's content to the template in one of two shapes (``--chat-template-content-format``,
 ``LLM.chat(chat_template_content_format=...)``; vllm/entrypoints/chat_utils.py, vllm/renderers/hf.py):
 
-- ``"string"``: one string, a list of text parts joined with ``"\\n"``;
+- ``"string"``: one string, a list of text parts joined with ``"\\n"``, each image, video or audio part's
+  placeholder text (the model's, `MultiModalProcessor.placeholder_text`) ahead of them unless the text holds it;
 - ``"openai"``: a list of ``{"type": "text", "text": ...}`` parts (media parts in place), a string content too;
 - ``"auto"`` (the default): ``"openai"`` when the template loops over a message's content
   (``{% for part in message['content'] %}``, through the names the template gives messages and their
@@ -16,8 +17,8 @@ Either way a content of None is no parts ("" or []), and a tool message of text 
 from __future__ import annotations
 
 import functools
-from collections import deque
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
@@ -120,10 +121,11 @@ def _reads(node: Any, name: str, key: str | None = None) -> bool:
     return isinstance(node, nodes.Getattr) and named and node.attr == key
 
 
-def formatted_messages(messages: list[Any], content_format: str) -> list[Any]:
+def formatted_messages(messages: list[Any], content_format: str,
+                       placeholder: Callable[[str], str] | None = None) -> list[Any]:
     """`messages` with each dict's content in `content_format` (``"string"`` or ``"openai"``); a content list's
-    parts are text parts (``{"type": "text", "text": str}``) or media parts, which ``"openai"`` keeps in place
-    and ``"string"`` refuses (vLLM writes model-specific placeholder text there, which asyncllm does not build)."""
+    parts are text parts (``{"type": "text", "text": str}``) or media parts (``{"type": "image" | "video" |
+    "audio"}``), which ``"openai"`` keeps in place and ``"string"`` writes as `placeholder` (a kind's text) does."""
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("content", None), (str, list, type(None))):
@@ -132,14 +134,29 @@ def formatted_messages(messages: list[Any], content_format: str) -> list[Any]:
         parts = _parts(i, message.get("content"))
         texts = [part["text"] for part in parts if part.get("type") == "text"]
         if content_format == "string" or message.get("role") == "tool" and len(texts) == len(parts):
-            if len(texts) != len(parts):
-                raise InvalidRequestError("chat_template_content_format", "'string' with image, video or audio "
-                                          "parts is not built (vLLM writes the model's placeholder text ahead of "
-                                          "the message's text there); use 'openai' or 'auto'")
-            out.append({**message, "content": "\n".join(texts)})
+            media = [part.get("type") for part in parts if part.get("type") != "text"]
+            out.append({**message, "content": _string_content(i, texts, media, placeholder)})
         else:
             out.append({**message, "content": parts})
     return out
+
+
+def _string_content(i: int, texts: list[str], media: list[str], placeholder: Callable[[str], str] | None) -> str:
+    """A message's ``"string"`` content as vLLM writes it: its texts joined with ``"\\n"``, after one placeholder per
+    medium that the text does not already hold (in the order of their kinds' first parts)."""
+    text = "\n".join(texts)
+    if not media:
+        return text
+    if placeholder is None:
+        raise InvalidRequestError("messages", f"item {i}: image, video or audio parts need a multimodal model")
+    missing: list[str] = []
+    for mark, count in Counter(placeholder(kind) for kind in media).items():
+        left = count - text.count(mark)
+        if left < 0:
+            raise InvalidRequestError("messages", f"item {i}: its text holds {text.count(mark)} {mark!r} placeholders "
+                                                  f"but the message has {count} such media parts")
+        missing += [mark] * left
+    return "\n".join([*missing, text])
 
 
 def _parts(i: int, content: str | list[Any] | None) -> list[dict[str, Any]]:

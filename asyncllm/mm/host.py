@@ -48,7 +48,8 @@ def multimodal_prompt(mm: MultiModalProcessor | None, prompt: Any, chat: bool,
     field = "messages" if chat else "prompt.images"
     if chat:
         messages, inputs = split_chat_media(prompt)
-        messages = formatted_messages(messages, content_format_of(content_format, mm.tokenizer, chat_template, tools))
+        messages = formatted_messages(messages, content_format_of(content_format, mm.tokenizer, chat_template, tools),
+                                      mm.placeholder_text)
         messages = [with_template_calls(i, m) if isinstance(m, dict) else m for i, m in enumerate(messages)]
         token_ids = _render_chat(mm, messages, template_arguments(template_kwargs, tools, chat_template))
     else:

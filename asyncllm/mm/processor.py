@@ -270,6 +270,18 @@ class MultiModalProcessor(MediaItems):
             return encode_prompt(self.tokenizer, text, self.prompt_special_tokens)
         return encode_prompt(self.tokenizer, layout(self.tokenizer, text, num_images), False)
 
+    def placeholder_text(self, kind: str) -> str:
+        """One `kind` ("image", "video", "audio") as a ``"string"`` chat content writes it (vLLM's placeholder string):
+        its marker token, between the model's start and end tokens where it names them (``mm_placeholder_around``:
+        Qwen-VL's ``<|vision_start|><|image_pad|><|vision_end|>``)."""
+        marker = self._markers()[kind]
+        if marker is None:
+            raise InvalidRequestError("messages", f"{self._model_cls.__name__} takes no {kind}s")
+        names = getattr(self._model_cls, "mm_placeholder_around", {}).get(kind, ())
+        around = [getattr(self._hf_config, name, None) for name in names]
+        ids = [around[0], marker, around[1]] if len(around) == 2 and None not in around else [marker]
+        return "".join(self.tokenizer.convert_ids_to_tokens([int(i) for i in ids]))
+
     def _tiled(self, overrides: dict[str, Any]) -> bool:
         """Whether an image becomes several items (`mm_image_pieces`): always for Idefics3's tiles, for Gemma 3 when
         its image processor (with ``overrides``) pans and scans (the model's ``mm_image_tiled``)."""

@@ -72,6 +72,10 @@ class Glm4vForConditionalGeneration(Qwen2VLForConditionalGeneration):
     video_settings = GLM4V_VIDEO_SETTINGS
     """``Glm4vVideoProcessor``'s defaults (asyncllm/mm/glm4v_video.py; the checkpoint's config overrides them)."""
 
+    mm_placeholder_around = {"image": ("image_start_token_id", "image_end_token_id"),
+                             "video": ("video_start_token_id", "video_end_token_id")}
+    """``<|begin_of_image|><|image|><|end_of_image|>`` in a "string" chat (`MultiModalProcessor.placeholder_text`)."""
+
     @staticmethod
     def mm_video_token_id(hf_config: Any) -> int:
         """The prompt token that marks a video (``<|video|>``, between ``<|begin_of_video|>`` and

@@ -183,6 +183,10 @@ class Qwen2VLForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
                                                       **decoder_options)
 
     # ---- multimodal hooks (asyncllm/mm/, workers/mm_runner.py)
+    mm_placeholder_around = {"image": ("vision_start_token_id", "vision_end_token_id"),
+                             "video": ("vision_start_token_id", "vision_end_token_id")}
+    """The config's tokens around a medium's marker in a "string" chat (`MultiModalProcessor.placeholder_text`)."""
+
     @staticmethod
     def mm_placeholder_token_id(hf_config: Any) -> int:
         """The prompt token that marks an image (``<|image_pad|>``)."""

@@ -75,6 +75,27 @@ async def test_chat_messages_with_image_parts_match_transformers(engine, qwen25_
         engine, make_image(90, 90, seed=5), lambda *args, **kwargs: hf_qwen_vl_greedy(qwen25_vl, *args, **kwargs))
 
 
+async def test_a_string_chat_writes_each_images_placeholder_text_as_vllm(engine, qwen25_vl):
+    """chat_template_content_format="string" with an image part: vLLM's placeholder string
+    (``<|vision_start|><|image_pad|><|vision_end|>``) and a newline ahead of the text, unless the text holds it
+    already; prompt ids and tokens equal transformers' over that text. More placeholders than images is refused."""
+    image = make_image(60, 60, seed=7)
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    part = {"type": "image_url", "image_url": {"url": image}}
+
+    def chat(text: str):
+        return engine.chat([{"role": "user", "content": [part, {"type": "text", "text": text}]}], GREEDY,
+                           chat_template=template, chat_template_content_format="string")
+
+    for text, written in (("what?", f"{IMAGE_PLACEHOLDER}\nwhat?"), (f"a {IMAGE_PLACEHOLDER} b", None)):
+        stream = chat(text)
+        tokens = [token for delta in [d async for d in stream] for token in delta.token_ids]
+        hf_prompt, hf_tokens = hf_qwen_vl_greedy(qwen25_vl, f"user: {written or text}\n", [image], 8)
+        assert (stream.collector.prompt_token_ids, tokens) == (hf_prompt, hf_tokens)
+    with pytest.raises(InvalidRequestError, match="holds 2 .* placeholders but the message has 1"):
+        [d async for d in chat(IMAGE_PLACEHOLDER * 2)]
+
+
 async def test_qwen3_vl_deepstack_and_interleaved_mrope_match_transformers(tmp_path_factory):
     """Qwen3-VL: images split across chunks beside a text-only request, then the same prompt from the prefix cache
     (the deepstack rows of a chunk's image tokens, the interleaved M-RoPE bands); and a video: each temporal patch

@@ -69,8 +69,23 @@ def test_string_joins_text_parts_with_newlines_and_openai_keeps_them() -> None:
     assert openai == [TWO_PARTS[0]["content"], [], "a\nb", [{"type": "text", "text": "hi"}]]  # tool: joined, as vLLM
     image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}]
     assert formatted_messages(image, "openai")[0]["content"] == image[0]["content"]
-    with pytest.raises(InvalidRequestError, match="'string' with image"):
+    with pytest.raises(InvalidRequestError, match="need a multimodal model"):
         formatted_messages(image, "string")
+
+
+def test_string_writes_each_mediums_missing_placeholder_ahead_of_the_text_as_vllm() -> None:
+    """One placeholder per medium the text does not hold, by kind in the order of their first parts, then the text
+    (vLLM's ``_get_full_multimodal_text_prompt``); more placeholders in the text than media is refused."""
+    marks = {"image": "<I>", "audio": "<A>"}.__getitem__
+    parts = [{"type": "audio", "audio": ""}, {"type": "text", "text": "x <I> y"}, {"type": "image"}, {"type": "image"},
+             {"type": "text", "text": "z"}, {"type": "audio", "audio": ""}]
+    content = formatted_messages([{"role": "user", "content": parts}], "string", marks)[0]["content"]
+    assert content == "<A>\n<A>\n<I>\nx <I> y\nz"
+    assert formatted_messages([{"role": "user", "content": [{"type": "image"}]}], "string", marks)[0]["content"] \
+        == "<I>\n"
+    with pytest.raises(InvalidRequestError, match="item 0: its text holds 2 '<I>' placeholders but the message has 1"):
+        formatted_messages([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "<I><I>"}]}],
+                           "string", marks)
 
 
 def test_rendered_prompts_match_vllms_conversation(tokenizer) -> None:
@@ -100,7 +115,8 @@ def test_multimodal_chat_renders_vllms_openai_conversation(tokenizer) -> None:
 
     from asyncllm.mm.host import multimodal_prompt
 
-    fake = SimpleNamespace(tokenizer=tokenizer, process=lambda token_ids, inputs, field, overrides: token_ids)
+    fake = SimpleNamespace(tokenizer=tokenizer, process=lambda token_ids, inputs, field, overrides: token_ids,
+                           placeholder_text=lambda kind: "<image>")
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
     messages = [{"role": "system", "content": "sys"},
                 {"role": "user", "content": [image, {"type": "text", "text": "what?"}]}]
