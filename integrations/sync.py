@@ -165,7 +165,15 @@ class SyncEngine:
                     return
         finally:  # break, exception or garbage collection of the generator: abort the request
             if not self._closed:
-                self._call(stream.aclose())
+                self._finish(stream.aclose())
+
+    def _finish(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run `coro` on the loop: waited for, unless this is the loop's own thread (a generator in a reference
+        cycle collected there), which cannot wait for its own loop: there it is only scheduled."""
+        if threading.current_thread() is self._thread:
+            asyncio.run_coroutine_threadsafe(coro, self._loop)
+        else:
+            self._call(coro)
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)

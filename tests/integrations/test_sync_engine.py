@@ -55,6 +55,35 @@ def test_leaving_a_stream_early_aborts(engine) -> None:
     assert engine.stats().request_success_total.get("abort", 0) == before + 1
 
 
+def test_a_stream_collected_on_the_loops_own_thread_aborts_without_a_deadlock(engine) -> None:
+    """A stream left in a reference cycle is closed by whichever thread's garbage collection finds it; on the
+    engine's loop thread its abort is scheduled, not waited for (which hung the loop for good)."""
+    import gc
+    import sys
+
+    def leave_in_a_cycle() -> None:
+        stream = engine.stream("x", SamplingParams(max_tokens=1000, ignore_eos=True))
+        next(stream)
+        frame = sys._getframe()  # noqa: F841 - the frame holds itself and the stream: only the GC frees them
+
+    async def collect() -> str:
+        gc.collect()
+        return "collected"
+
+    before = engine.stats().request_success_total.get("abort", 0)
+    gc.disable()
+    try:
+        leave_in_a_cycle()
+        with ThreadPoolExecutor(1) as pool:
+            assert pool.submit(engine.run, collect()).result(timeout=20) == "collected"
+    finally:
+        gc.enable()
+    deadline = time.monotonic() + 5
+    while engine.stats().request_success_total.get("abort", 0) == before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.stats().request_success_total.get("abort", 0) == before + 1
+
+
 def test_chat_and_generate_many(engine, expected) -> None:
     reply = "".join(d.text for d in engine.chat([{"role": "user", "content": "hi"}], GREEDY))
     assert isinstance(reply, str)
