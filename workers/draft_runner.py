@@ -103,13 +103,18 @@ class DraftModelRunner:
         """Run the draft over the step's tokens, then propose for the ``sampled`` requests (after verification).
         ``hidden``, ``rope_positions``: the target's output and rotary positions of the step (what an EAGLE head
         reads; a draft model, for text targets only, needs neither)."""
-        self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn_metadata)
+        self.model(inputs.input_ids, self._within_table(inputs.positions), self.kv_caches, inputs.attn_metadata)
         proposing = self.proposing(sampled)
         if not proposing:
             return {}
         ids = torch.tensor([s.token_ids[-1] for s in proposing], dtype=torch.int64, device=self.device)
         drafts = self._chain(proposing, batch.block_table, ids, None, self.k).tolist()
         return {state.req_id: row for state, row in zip(proposing, drafts)}
+
+    def _within_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """`positions` held below ``max_len`` (a draft's own position table, GPT-2's, may end there): the draft's KV
+        past ``max_len`` is never read, as no request proposes there."""
+        return positions if self.max_len >= self.config.max_model_len else positions.clamp(max=self.max_len - 1)
 
     def proposing(self, sampled: list[RequestState]) -> list[RequestState]:
         """The requests that sampled and get drafts: those with room for ``k`` more tokens."""

@@ -104,3 +104,20 @@ async def test_a_draft_with_another_vocabulary_is_refused_at_start(tiny_llama, t
         async with AsyncEngine(tiny_llama, speculative_config={"model": str(draft), "num_speculative_tokens": 2}):
             pass
     assert f"vocab_size={target_vocab + 64}" in str(info.value) and f"the target {target_vocab}" in str(info.value)
+
+
+async def test_a_draft_with_a_shorter_position_table_drafts_below_it_and_runs_past_it() -> None:
+    """A GPT-2 draft whose learned positions end at 64 under a target of max_model_len 128: requests past 64
+    tokens get no drafts and their tokens equal transformers' (the draft's forward indexed past its table: the
+    worker failed and the engine died)."""
+    from asyncllm.tiny import tiny_checkpoint
+
+    target, draft = tiny_checkpoint("llama"), tiny_checkpoint("gpt2", max_position_embeddings=64)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    prompts = [[(7 * i) % 500 + 3 for i in range(n)] for n in (30, 50, 90)]
+    async with AsyncEngine(target, disable_log_stats=True, max_model_len=128,
+                           speculative_config={"model": draft, "num_speculative_tokens": 3}) as engine:
+        assert engine.config.speculative_config["max_model_len"] == 64
+        outs = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
+        assert [o.token_ids for o in outs] == [_reference(target, tuple(p)) for p in prompts]
+        assert engine.stats().spec_decode_num_drafts > 0
