@@ -284,6 +284,11 @@ def _encoder_config(config: EngineConfig) -> EngineConfig:
     if config.kv_offloading_size:
         raise ConfigError("kv_offloading_size", config.kv_offloading_size, "0 for an encoder model (it keeps no KV "
                                                                            "cache and no prefix cache to offload)")
+    budget = config.max_num_batched_tokens
+    if budget is not None and budget < config.max_model_len:
+        raise ConfigError("max_num_batched_tokens", budget, f"at least max_model_len={config.max_model_len} for an "
+                                                            "encoder model (each prompt runs whole in one step), or "
+                                                            "a smaller max_model_len")
     changes: dict[str, Any] = {"enable_chunked_prefill": False, "enable_prefix_caching": False}
     if config.num_gpu_blocks_override is None:
         blocks_per_prompt = -(-(config.max_model_len + 1) // config.block_size)

@@ -73,3 +73,14 @@ async def test_cross_encoders_score_and_classify_as_transformers(tmp_path, kind:
         [logit] = hf_pair_logits(path, query, document)
         assert out.score == pytest.approx(1 / (1 + np.exp(-logit)), abs=1e-5), document
     assert single.logits == pytest.approx(hf_pair_logits(path, TEXTS[2]), abs=1e-5)
+
+
+async def test_an_encoder_with_a_token_budget_below_max_model_len_is_refused_at_start(tmp_path) -> None:
+    """Every encoder prompt runs whole in one step: a budget below max_model_len would refuse long prompts with
+    advice that cannot be followed (chunked prefill), so the start is refused naming the field (as vLLM)."""
+    from asyncllm import ConfigError
+
+    path = make_tiny_encoder(tmp_path / "bert", "bert", pooling="mean")
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=16 .*at least max_model_len=40"):
+        async with AsyncEngine(path, max_num_batched_tokens=16, max_model_len=40):
+            pass
