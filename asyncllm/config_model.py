@@ -94,7 +94,7 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"
     """What logprobs hold, as vLLM's: raw_logprobs (log-softmax of the model's logits), raw_logits, or
     processed_logprobs / processed_logits (after logit_bias, penalties, bad words, min_tokens, a grammar, then
-    temperature, top-k, top-p and min-p for sampled rows: the distribution a token was drawn from)."""
+    temperature, min-p, top-k and top-p for sampled rows: the distribution a token was drawn from)."""
     pooler_config: dict[str, Any] | None = None
     """vLLM's PoolerConfig as a dict: {"pooling_type": "LAST"|"MEAN"|"CLS", "normalize": bool} (docs/embeddings.md)."""
     enable_sleep_mode: bool = False

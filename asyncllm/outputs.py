@@ -46,6 +46,9 @@ class StreamDelta:
     """One dict per token of ``token_ids`` when the request asked for logprobs."""
     prompt_logprobs: PromptLogprobs | None = None
     """Set on the first delta of sample 0 when the request asked for prompt_logprobs."""
+    cumulative_logprob: float | None = None
+    """With logprobs: the sum of the sample's token logprobs so far, up to this delta's last token (vLLM's running
+    total, in DELTA streams too); None without logprobs."""
 
     @property
     def finished(self) -> bool:
@@ -118,6 +121,13 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None
+    """vLLM's: the sum of the sampled tokens' logprobs (as ``logprobs_mode`` gives them) when the request asked for
+    ``logprobs`` (0 included), else None."""
+
+    def finished(self) -> bool:
+        """Whether the sample has ended (vLLM's method)."""
+        return self.finish_reason is not None
 
 
 @dataclass(slots=True)

@@ -98,7 +98,7 @@ class NewRequestData(msgspec.Struct, array_like=True, omit_defaults=True):
     block_ids: list[int]
     num_computed_tokens: int
     eos_token_ids: list[int] = []
-    """The tokenizer's EOS ids: masked until min_tokens outputs exist (unless ignore_eos)."""
+    """The tokenizer's EOS ids: masked until min_tokens outputs exist (with ignore_eos too, as vLLM)."""
     mm_items: list[MultiModalItem] = []
     """The prompt's images, with their data (the worker encodes the ones a step reaches)."""
     lora: LoRARequest | None = None

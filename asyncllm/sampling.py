@@ -18,6 +18,9 @@ from asyncllm.structured.spec import StructuredOutputs
 __all__ = ["MAX_LOGPROBS", "RequestOutputKind", "SamplingParams", "StructuredOutputs", "sample_seed"]
 
 _MAX_SEED = 2**63 - 1
+_MIN_SEED = -(2**63)
+"""Seeds are int64, as vLLM's server bounds them; a negative one draws as its 64-bit two's complement (torch's
+``manual_seed`` reading of it in vLLM)."""
 _MASK64 = (1 << 64) - 1
 
 MAX_LOGPROBS = 20
@@ -58,7 +61,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p times the most likely token's."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens whatever else is batched."""
+    """Per-request seed: the same seed gives the same tokens whatever else is batched; -1 is None (vLLM's)."""
     max_tokens: int | None = 16
     """Most tokens to generate; None means up to max_model_len."""
     min_tokens: int = 0
@@ -85,9 +88,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     logit_bias: dict[int, float] | None = None
     """Token id -> value added to its logit before sampling, in [-100, 100]."""
     logprobs: int | None = None
-    """Return the logprob of each generated token and of the N most likely ones (0: the token's only)."""
+    """Return the logprob of each generated token and of the N most likely ones (0: the token's only; -1: the whole
+    vocabulary, as vLLM's)."""
     prompt_logprobs: int | None = None
-    """Return the logprob of each prompt token and of the N most likely ones there (disables prefix-cache reads)."""
+    """Return the logprob of each prompt token and of the N most likely ones there (-1: the whole vocabulary;
+    disables prefix-cache reads)."""
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     """What `stream` yields: deltas, cumulative outputs, or each sample once at its end."""
     structured: StructuredOutputs | None = None
@@ -106,6 +111,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     spends no time decoding: for callers that only need ids (RL rollouts). Stop strings need the text."""
 
     def __post_init__(self) -> None:
+        if self.seed == -1 and _is_int(self.seed):  # vLLM's "no seed"
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if isinstance(self.output_kind, str) and self.output_kind.upper() in RequestOutputKind.__members__:
@@ -131,7 +138,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         _check_int("top_k", self.top_k, -1, 2**31 - 1)
         _check_float("min_p", self.min_p, 0.0, 1.0)
         if self.seed is not None:
-            _check_int("seed", self.seed, 0, _MAX_SEED)
+            _check_int("seed", self.seed, _MIN_SEED, _MAX_SEED)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, 1, 2**31 - 1)
         _check_int("min_tokens", self.min_tokens, 0, 2**31 - 1)
@@ -179,8 +186,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     def _validate_outputs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None:
-                _check_int(name, value, 0, _LOGPROBS_BOUND)
+            if value is not None:  # -1: the whole vocabulary (vLLM's)
+                _check_int(name, value, -1, _LOGPROBS_BOUND, f"must be in [0, {_LOGPROBS_BOUND}] or -1 (the whole "
+                                                             f"vocabulary), got {value}")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidRequestError("output_kind", f"must be a RequestOutputKind or one of "
                                       f"{[k.lower() for k in RequestOutputKind.__members__]}, got {self.output_kind!r}")

@@ -209,6 +209,8 @@ def eos_token_ids(tokenizer: PreTrainedTokenizerBase | None, generation: Mapping
     (Llama 3's ``<|eot_id|>``) and list it only in generation_config.json, as
     HF ``generate`` reads it; ``generation`` is that file's keys (asyncllm/generation_config.py; {}: no extra ids).
     Without a tokenizer (``skip_tokenizer_init``) config.json's `config_eos` stands in for its EOS.
+    The engine core treats the rest as vLLM's ``update_from_generation_config`` does: the first id ends a request
+    with ``stop_reason`` None, the others as ``stop_token_ids`` (``stop_reason`` the id; asyncllm/sched/request.py).
     """
     first = config_eos if tokenizer is None else tokenizer.eos_token_id
     candidates: list[object] = [*_listify(first), *_listify(generation.get("eos_token_id"))]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +29,7 @@ from starlette.routing import Route
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
 from asyncllm.integrations.errors import ApiError, error_body
 from asyncllm.integrations.openai_http import EventStream
+from asyncllm.integrations.openai_request_log import log_under, route_id
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
 from asyncllm.mm.audios import read_audio
@@ -85,6 +85,8 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
                             max_tokens=_parsed(form, "max_completion_tokens", int, "an integer"),  # vLLM's; left out,
                             seed=_parsed(form, "seed", int, "an integer"))  # as many as max_model_len allows
     priority = _parsed(form, "priority", int, "an integer", 0)
+    request_id = route_id(task, request.headers)  # vLLM's "transcribe-ID", "translate-ID": the client's prompt
+    log_under(server.request_log, request_id, [form.get("prompt") or ""], params, lora, indexed=False)
     requests = speech.requests(prompt, audio)
     streams = [server.engine.stream(request, params, lora_request=lora, priority=priority) for request in requests]
     seconds = math.ceil(audio.size / speech.sampling_rate)
@@ -92,7 +94,7 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
         return await _timed_response(server, request, streams, requests, response_format,
                                      (task, language or "en", audio.size / speech.sampling_rate, params.temperature))
     if _flag(form, "stream"):
-        meta = {"id": f"trsc-{uuid.uuid4().hex}", "object": "transcription.chunk", "created": int(time.time()),
+        meta = {"id": request_id, "object": "transcription.chunk", "created": int(time.time()),
                 "model": model}
         # errors before the first token keep their status code; a client gone while queued is a 499 (`guard`)
         firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))

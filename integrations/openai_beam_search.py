@@ -42,7 +42,7 @@ from asyncllm.integrations.openai_protocol import (
     response_id,
 )
 from asyncllm.integrations.openai_request_log import log_prompts
-from asyncllm.integrations.openai_sampling import check_common, resolve_max_tokens, sets_max_tokens
+from asyncllm.integrations.openai_sampling import chat_logprobs, check_common, resolve_max_tokens, sets_max_tokens
 from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_stream_choices, sse_event
 from asyncllm.integrations.openai_streaming import chunk_usage, usage_mode
 from asyncllm.integrations.starlette import wait_disconnect
@@ -96,7 +96,6 @@ def check_beam_search_request(req: CompletionRequest | ChatCompletionRequest) ->
             (req.echo, "echo", "not built"),
             (bool(req.tools), "tools", "tool calling is not built"),
             (req.tool_choice not in (None, "none"), "tool_choice", "tool calling is not built"),
-            (req.top_logprobs is not None and not req.logprobs, "top_logprobs", "needs logprobs: true"),
         ]
     for refused, field, why in refusals:
         if refused:
@@ -108,6 +107,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     """The response of a ``use_beam_search`` request (see the module docstring)."""
     chat = isinstance(req, ChatCompletionRequest)
     check_beam_search_request(req)
+    top_logprobs = chat_logprobs(req) if chat else req.logprobs
     if chat and server.reasoning is not None and server.reasoning.needs_special_tokens:
         raise InvalidRequestError("use_beam_search", "not built with this server's reasoning parser (its markers are "
                                   "special tokens, which the beams' text leaves out)")
@@ -142,7 +142,6 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     options = {"priority": req.priority, "cache_salt": req.cache_salt, "lora_request": lora}
     log_prompts(server.request_log, req, "chatcmpl" if chat else "cmpl", prompts, params, lora, indexed=not chat)
     outputs = await _search_all(engine, prompts, params, options, until=lambda: wait_disconnect(request))
-    top_logprobs = ((req.top_logprobs or 0) if req.logprobs else None) if chat else req.logprobs
     if top_logprobs is not None and top_logprobs > 2 * width:
         raise InvalidRequestError("top_logprobs" if chat else "logprobs", f"with use_beam_search: at most 2 * beam "
                                   f"width = {2 * width} (the alternatives each step ranks), got {top_logprobs}")

@@ -94,27 +94,32 @@ class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
 
 
 T = TypeVar("T")
-_NULL_IS_DEFAULT = object()
+_NULL_IS_DEFAULT, _BOOL_IS_COUNT = object(), object()
 Nullable = Annotated[T | None, _NULL_IS_DEFAULT]
 """A field vLLM declares ``X | None = default`` where null means the default (its ``SamplingParams.from_optional``
 and handlers read None so): JSON null decodes to the field's default (`_Request`). A wrong type is still a 400
 naming the field."""
+LaxCount = Annotated[int | bool | None, _BOOL_IS_COUNT]
+"""A logprob count (vLLM's ``int | None``): JSON true is 1 and false 0, as vLLM's pydantic reads them (lax mode)."""
 
 
 @functools.cache
-def _null_defaults(cls: type[msgspec.Struct]) -> tuple[tuple[str, Any], ...]:
-    """The `Nullable` fields of `cls` and their defaults."""
+def _marked(cls: type[msgspec.Struct], marker: object) -> tuple[tuple[str, Any], ...]:
+    """The fields of `cls` annotated with `marker` (`Nullable`, `LaxCount`) and their defaults."""
     return tuple((f.name, f.default) for f in msgspec.structs.fields(cls)
-                 if get_origin(f.type) is Annotated and _NULL_IS_DEFAULT in get_args(f.type)[1:])
+                 if get_origin(f.type) is Annotated and marker in get_args(f.type)[1:])
 
 
 class _Request(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """A request body whose `Nullable` fields sent as null take their defaults."""
+    """A request body: `Nullable` fields sent as null take their defaults, `LaxCount` fields sent as a bool 1 or 0."""
 
     def __post_init__(self) -> None:
-        for name, default in _null_defaults(type(self)):
+        for name, default in _marked(type(self), _NULL_IS_DEFAULT):
             if getattr(self, name) is None:
                 setattr(self, name, default)
+        for name, _ in _marked(type(self), _BOOL_IS_COUNT):
+            if isinstance(getattr(self, name), bool):
+                setattr(self, name, int(getattr(self, name)))
 
 
 class _Common(_Request, kw_only=True, forbid_unknown_fields=True):
@@ -145,7 +150,7 @@ class _Common(_Request, kw_only=True, forbid_unknown_fields=True):
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows)."""
-    prompt_logprobs: int | None = None
+    prompt_logprobs: LaxCount = None
     """vLLM's: each prompt token's logprob and the N most likely there (not with stream)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -180,7 +185,7 @@ class CompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     """vLLM's: base64 ``torch.save``'d ``[tokens, hidden]`` tensors, prompts given as embeddings (a server started
     with --enable-prompt-embeds; integrations/openai_prompt_embeds.py)."""
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: LaxCount = None
     echo: Nullable[bool] = False
     best_of: int | None = None
     suffix: str | None = None
@@ -192,7 +197,8 @@ class ChatCompletionRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     max_completion_tokens: int | None = None
     n: Nullable[int] = 1
     logprobs: Nullable[bool] = False
-    top_logprobs: int | None = None
+    top_logprobs: LaxCount = None
+    """With ``logprobs``: the top-N of each token; null or left out: 0 (vLLM's default; true: 1, false: 0)."""
     tools: list[Any] | None = None
     """OpenAI function tools: rendered by the chat template, their calls read back (openai_tools.py)."""
     tool_choice: str | dict[str, Any] | None = None
@@ -276,7 +282,6 @@ def completion_prompts(prompt: str | list[Any], limits: ServerLimits, field: str
     raise InvalidRequestError(field, "must be a string, a list of strings, a list of token ids, or a list of those lists")
 
 
-
 def response_id(prefix: str, req: _Common) -> str:
     """A response's id: ``prefix-`` and vLLM's ``request_id``, else a random one."""
     return f"{prefix}-{req.request_id or uuid.uuid4().hex}"
@@ -324,7 +329,6 @@ def template_kwargs(req: ChatCompletionRequest | TokenizeRequest,
         extra["reasoning_effort"] = effort
     return {"add_generation_prompt": req.add_generation_prompt, **extra, **(defaults or {}),
             **(req.chat_template_kwargs or {})}
-
 
 
 def chat_role(req: ChatCompletionRequest, response_role: str = "assistant") -> str:

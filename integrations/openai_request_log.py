@@ -5,8 +5,9 @@ One INFO line per prompt, ``Received request ID: params: ..., lora_request: ...`
 ``Request ID details: prompt: ..., prompt_token_ids: ..., prompt_embeds shape: ...``, the prompt's text and token
 ids cut to ``max_log_len`` (characters, token ids). A completion's prompts are logged as ``cmpl-ID-0``, ``cmpl-ID-1``
 ..., a chat as ``chatcmpl-ID`` (the response's id); a chat's prompt is its messages as JSON (vLLM logs the rendered
-template, which the engine makes later, on its processor thread). The logger is
-``asyncllm.integrations.openai.requests``: it adds no handler and sets no level (docs/observability.md).
+template, which the engine makes later, on its processor thread). The routes whose body has no ``request_id`` log
+under `route_id` (``classify-ID-i``, ``score-ID-i``, ``rerank-ID-i``, ``tokn-ID``, ``transcribe-ID``, ...). The
+logger is ``asyncllm.integrations.openai.requests``: it adds no handler and sets no level (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["RequestLogger", "log_prompts"]
+__all__ = ["RequestLogger", "log_prompts", "log_under", "route_id"]
 
 logger = logging.getLogger("asyncllm.integrations.openai.requests")
 
@@ -50,11 +51,27 @@ def log_prompts(request_log: RequestLogger | None, req: Any, prefix: str, prompt
     if getattr(req, "request_id", False) is None:
         req.request_id = uuid.uuid4().hex
     base = f"{prefix}-{getattr(req, 'request_id', None) or uuid.uuid4().hex}"
+    log_under(request_log, base, prompts, params, lora_request, indexed=indexed)
+
+
+def route_id(prefix: str, headers: Mapping[str, str]) -> str:
+    """The id of a request to a route whose body has no ``request_id`` (vLLM's ``_base_request_id``): ``prefix-``
+    and the ``X-Request-Id`` header when sent, else a random id."""
+    return f"{prefix}-{headers.get('x-request-id') or uuid.uuid4().hex}"
+
+
+def log_under(request_log: RequestLogger | None, request_id: str, prompts: Sequence[Any], params: Any,
+              lora_request: Any, *, indexed: bool = True) -> None:
+    """Log `prompts` (as `log_prompts` takes them, or ``{"prompt", "prompt_token_ids"}``) under ``request_id-i``,
+    or, not `indexed`, ``request_id``; `params` a list: each prompt's own; `request_log` None: no log."""
+    if request_log is None:
+        return
     detailed = logger.isEnabledFor(logging.DEBUG)  # the prompt is built only for its DEBUG line
     for i, prompt in enumerate(prompts):
         text, token_ids, shape = _prompt_parts(prompt) if detailed else (None, None, None)
         own = params[i] if isinstance(params, list) else params
-        request_log.log_inputs(f"{base}-{i}" if indexed else base, text, token_ids, own, lora_request, shape)
+        request_log.log_inputs(f"{request_id}-{i}" if indexed else request_id, text, token_ids, own, lora_request,
+                               shape)
 
 
 def _prompt_parts(prompt: Any) -> tuple[str | None, Sequence[int] | None, tuple[int, ...] | None]:
@@ -66,6 +83,8 @@ def _prompt_parts(prompt: Any) -> tuple[str | None, Sequence[int] | None, tuple[
         return prompt, None, None
     if isinstance(prompt, dict) and "prompt_embeds" in prompt:
         return None, None, tuple(prompt["prompt_embeds"].shape)
+    if isinstance(prompt, dict):  # a tokenized prompt, its text or None (/tokenize's, /detokenize's)
+        return prompt.get("prompt"), prompt["prompt_token_ids"], None
     return None, list(prompt), None
 
 

@@ -25,7 +25,8 @@ from asyncllm.sampling import SamplingParams, StructuredOutputs
 if TYPE_CHECKING:
     from asyncllm.reasoning import ReasoningParser
 
-__all__ = ["completion_params", "chat_params", "check_common", "echo_only", "resolve_max_tokens", "sets_max_tokens"]
+__all__ = ["completion_params", "chat_params", "chat_logprobs", "check_common", "echo_only", "resolve_max_tokens",
+           "sets_max_tokens"]
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 """Either generation request (the fields they share are `openai_protocol._Common`'s)."""
@@ -54,7 +55,7 @@ def completion_params(req: CompletionRequest, limits: ServerLimits,
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:
         _refuse(req.n != 1, "echo", "with logprobs needs n=1 (the prompt's logprobs are computed once)")
-        prompt_logprobs = max(req.logprobs, prompt_logprobs or 0)
+        prompt_logprobs = -1 if -1 in (req.logprobs, prompt_logprobs) else max(req.logprobs, prompt_logprobs or 0)
     max_tokens = 1 if echo_only(req) else req.max_tokens
     return _params(req, max_tokens, req.logprobs, limits, defaults, prompt_logprobs)
 
@@ -73,9 +74,7 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
     if mode.constraint is not None and reasoning is not None and not reasoning.forced_tool_calls:
         raise InvalidRequestError("tool_choice", "a named or 'required' choice is not built with this reasoning "
                                   "parser (gpt-oss writes a call as a message of its own); use 'auto'")
-    if req.top_logprobs is not None and not req.logprobs:
-        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    logprobs = chat_logprobs(req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _params(req, max_tokens, logprobs, limits, defaults, req.prompt_logprobs, mode.constraint)
     if mode.parser is not None and mode.parser.needs_special_tokens:  # its calls open with a special token
@@ -85,6 +84,17 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
     if reasoning is not None and params.structured is not None:  # think freely, then follow the grammar
         params.structured = msgspec.structs.replace(params.structured, start_after=reasoning.end_tag)
     return params
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """The top-N logprobs of a chat's tokens (None: no logprobs), as vLLM reads them: ``top_logprobs`` null or left
+    out is 0 (each token's own logprob and ``top_logprobs: []``); above 0 it needs ``logprobs: true``, 0 does not;
+    -1 is the whole vocabulary (it needs ``logprobs: true`` too), below -1 an error naming ``top_logprobs``."""
+    if is_int(req.top_logprobs) and req.top_logprobs < -1:
+        raise InvalidRequestError("top_logprobs", f"must be a non-negative value or -1, got {req.top_logprobs}")
+    if req.top_logprobs and not req.logprobs:
+        raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+    return (req.top_logprobs or 0) if req.logprobs else None
 
 
 def resolve_max_tokens(max_tokens: int | None, limits: ServerLimits, defaults: Mapping[str, Any]) -> int | None:

@@ -14,7 +14,6 @@ leaves aborts them all. docs/integrations/openai-server.md has the details.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,9 +26,10 @@ from asyncllm.engine import scoring
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import completion_prompts, decode_request
+from asyncllm.integrations.openai_request_log import log_under, route_id
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import gather_until
-from asyncllm.pooling import ClassificationOutput, ScoringOutput
+from asyncllm.pooling import ClassificationOutput, PoolingParams, ScoringOutput
 
 if TYPE_CHECKING:
     from asyncllm.integrations.openai_server import OpenAIServer
@@ -101,19 +101,22 @@ class _Handlers:
         if any(prompt == "" for prompt in prompts):
             raise InvalidRequestError("input", "an input is an empty string: there is nothing to classify")
         engine, options = self.server.engine, _options(req, lora)
+        request_id = route_id("classify", request.headers)
+        log_under(self.server.request_log, request_id, prompts, PoolingParams(task="classify"), lora)
         calls = [engine.classify(prompt, **options) for prompt in prompts]
         outputs = await gather_until(calls, lambda: wait_disconnect(request))
         data = [{"index": i, "label": out.label, "probs": out.probs, "num_classes": out.num_classes}
                 for i, out in enumerate(outputs)]
-        return _json(_listing("classify", model, data, outputs))
+        return _json(_listing(request_id, model, data, outputs))
 
     async def score(self, request: Request) -> Response:
         req = decode_request(await self.server._body(request), ScoreRequest)
         model, lora = self.server._model(req.model)
         _check_count("text_2", req.text_2, self.server.limits.max_prompts)
-        outputs = await self._score(request, req.text_1, req.text_2, _options(req, lora))
+        request_id = route_id("score", request.headers)
+        outputs = await self._score(request, request_id, req.text_1, req.text_2, _options(req, lora))
         data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
-        return _json(_listing("score", model, data, outputs))
+        return _json(_listing(request_id, model, data, outputs))
 
     async def rerank(self, request: Request) -> Response:
         req = decode_request(await self.server._body(request), RerankRequest)
@@ -124,23 +127,42 @@ class _Handlers:
             raise InvalidRequestError("top_n", f"must be 0 (all) or positive, got {req.top_n}")
         _check_count("documents", req.documents, self.server.limits.max_prompts)
         texts = [doc if isinstance(doc, str) else doc.text for doc in req.documents]
+        request_id = route_id("rerank", request.headers)
         try:
-            outputs = await self._score(request, req.query, texts, _options(req, lora), "rerank")
+            outputs = await self._score(request, request_id, req.query, texts, _options(req, lora), "rerank")
         except InvalidRequestError as exc:  # the engine names its own fields: name the request's
             field = {"text_1": "query", "text_2": "documents"}.get(exc.field, exc.field)
             raise InvalidRequestError(field, exc.message, code=exc.code) from None
         tokens = sum(len(out.prompt_token_ids) for out in outputs)
-        return _json({"id": f"rerank-{uuid.uuid4().hex}", "model": model,
+        return _json({"id": request_id, "model": model,
                       "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                       "results": rerank_results(texts, outputs, req.top_n, req.return_documents)})
 
-    async def _score(self, request: Request, text_1: Any, text_2: Any, options: dict[str, Any],
+    async def _score(self, request: Request, request_id: str, text_1: Any, text_2: Any, options: dict[str, Any],
                      api: str = "score") -> list[ScoringOutput]:
         """`AsyncEngine.score`, with `api` naming the route in a context-length error (vLLM's words: a rerank's is
-        "embedding generation", `errors.POOLING_OPERATIONS`)."""
+        "embedding generation", `errors.POOLING_OPERATIONS`); its prompts logged under `request_id`."""
+        await self._log_scoring(request_id, text_1, text_2, options["lora_request"])
         truncate = options.pop("truncate_prompt_tokens")
         call = scoring.score(self.server.engine, text_1, text_2, RequestOptions(**options, pooling_api=api), truncate)
         return (await gather_until([call], lambda: wait_disconnect(request)))[0]
+
+    async def _log_scoring(self, request_id: str, text_1: Any, text_2: Any, lora: LoRARequest | None) -> None:
+        """Log a scoring's prompts as vLLM's: a cross-encoder's pairs (``text_1``, the tokenizer's sep token,
+        ``text_2``), any other model's texts (``text_1``'s, then ``text_2``'s)."""
+        request_log, engine = self.server.request_log, self.server.engine
+        if request_log is None:
+            return
+        await engine.start()
+        assert engine.pooling_model is not None, "set by start"
+        firsts, seconds = scoring.score_pairs(text_1, text_2)
+        if engine.pooling_model.classifier is None:
+            texts = [text_1] if isinstance(text_1, str) else list(text_1)
+            log_under(request_log, request_id, texts + seconds, PoolingParams(), lora)
+            return
+        sep = getattr(engine.tokenizer, "sep_token", None) or ""
+        pairs = [f"{first}{sep}{second}" for first, second in zip(firsts, seconds)]
+        log_under(request_log, request_id, pairs, PoolingParams(task="classify"), lora)
 
 
 def rerank_results(documents: Sequence[str], outputs: Sequence[ScoringOutput], top_n: int,
@@ -166,12 +188,12 @@ def _check_count(field: str, texts: str | Sequence[Any], limit: int) -> None:
         raise InvalidRequestError(field, f"at most {limit} per request, got {len(texts)}")
 
 
-def _listing(kind: str, model: str, data: list[dict[str, Any]],
+def _listing(request_id: str, model: str, data: list[dict[str, Any]],
              outputs: Sequence[ClassificationOutput | ScoringOutput]) -> dict[str, Any]:
     """vLLM's list response: ``data`` in input order and the prompts' token usage."""
     tokens = sum(len(out.prompt_token_ids) for out in outputs)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}
-    return {"id": f"{kind}-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+    return {"id": request_id, "object": "list", "created": int(time.time()), "model": model,
             "data": data, "usage": usage}
 
 

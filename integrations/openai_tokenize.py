@@ -12,6 +12,7 @@ from starlette.routing import Route
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import DetokenizeRequest, TokenizeRequest, decode_request
+from asyncllm.integrations.openai_request_log import log_under, route_id
 from asyncllm.tool_calls import check_tools
 
 if TYPE_CHECKING:
@@ -26,7 +27,7 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
     async def tokenize(request: Request) -> Response:
         """The token ids the engine would run for a prompt or for chat messages (on a worker thread)."""
         req = decode_request(await server._body(request), TokenizeRequest)
-        server._model(req.model)  # an adapter shares the model's tokenizer
+        _, lora = server._model(req.model)  # an adapter shares the model's tokenizer
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("prompt", "give a prompt or messages (one of them)")
         tokenizer = await server._tokenizer()
@@ -37,6 +38,8 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
             check_tools(req.tools)
             tokens = await server._chat_tokens(req, req.tools)
         tokens = [int(t) for t in tokens]
+        log_under(server.request_log, route_id("tokn", request.headers),  # as vLLM's, once tokenized
+                  [{"prompt": req.prompt, "prompt_token_ids": tokens}], None, lora, indexed=False)
         token_strs = tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None  # as vLLM's
         return _json({"count": len(tokens), "max_model_len": server.engine.config.max_model_len,
                       "tokens": tokens, "token_strs": token_strs})
@@ -44,7 +47,9 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
     async def detokenize(request: Request) -> Response:
         """The text of token ids (special tokens included)."""
         req = decode_request(await server._body(request), DetokenizeRequest)
-        server._model(req.model)
+        _, lora = server._model(req.model)
+        log_under(server.request_log, route_id("tokn", request.headers), [{"prompt_token_ids": req.tokens}], None, lora,
+                  indexed=False)
         tokenizer = await server._tokenizer()
         bad = [t for t in req.tokens if not 0 <= t < len(tokenizer)]
         if bad:

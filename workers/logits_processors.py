@@ -52,7 +52,8 @@ class RowLogitsParams:
     """float32 biases, aligned with ``bias_token_ids``."""
     min_tokens: int
     stop_token_ids: np.ndarray
-    """int64: EOS ids (unless ignore_eos) and stop_token_ids, masked while outputs < min_tokens."""
+    """int64: EOS ids and stop_token_ids, masked while outputs < min_tokens (with ignore_eos too, as vLLM's
+    ``all_stop_token_ids``)."""
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float
@@ -70,7 +71,7 @@ class RowLogitsParams:
     @classmethod
     def from_params(cls, params: SamplingParams, eos_token_ids: Sequence[int]) -> "RowLogitsParams | None":
         """None when the request needs none of these processors (the common case: no per-step cost)."""
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        stop_ids = set(params.stop_token_ids) | set(eos_token_ids)
         min_tokens = params.min_tokens if stop_ids else 0
         row = cls(
             bias_token_ids=np.fromiter(params.logit_bias, np.int64) if params.logit_bias else None,

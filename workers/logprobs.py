@@ -1,7 +1,7 @@
 """Logprobs on the worker: of sampled tokens, and of prompt tokens during prefill.
 
 Logprobs are those of the model's raw distribution, ``log_softmax(logits)``
-before logit_bias, penalties, temperature and the top-k/top-p/min-p filters
+before logit_bias, penalties, temperature and the min-p/top-k/top-p filters
 (vLLM's default "raw_logprobs"), so they match what transformers' logits give.
 For each position the worker returns its own token (sampled, or the prompt
 token) with its logprob and rank (the number of tokens at least as likely,
@@ -33,6 +33,7 @@ __all__ = [
     "plan_prompt_logprobs",
     "sampled_logprobs",
     "token_logprobs",
+    "whole_vocabulary",
 ]
 
 PROMPT_LOGITS_SLICE = 256
@@ -46,7 +47,7 @@ class LogprobsMetadata:
     rows: torch.Tensor
     """int64 indices into the step's logits rows."""
     num_logprobs: list[int]
-    """Top-N of each such row (0: the sampled token only)."""
+    """Top-N of each such row (0: the sampled token only; -1: the whole vocabulary)."""
     row_indices: list[int]
     """``rows`` as host ints: positions in the step's sampling order."""
 
@@ -65,14 +66,20 @@ def token_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For logprobs [R, V] and one token per row: (ids [R, 1+k], logprobs [R, 1+k], ranks [R]).
 
-    Column 0 is the row's own token, then the top ``num_top`` tokens.
+    Column 0 is the row's own token, then the top ``num_top`` tokens (-1: every token, as vLLM's ``logprobs=-1``).
     """
+    num_top = whole_vocabulary(num_top, logprobs.shape[-1])
     own = logprobs.gather(1, token_ids.unsqueeze(1))
     ranks = (logprobs >= own).sum(dim=-1)
     if num_top == 0:
         return token_ids.unsqueeze(1), own, ranks
     top_values, top_ids = logprobs.topk(num_top, dim=-1)
     return torch.cat([token_ids.unsqueeze(1), top_ids], 1), torch.cat([own, top_values], 1), ranks
+
+
+def whole_vocabulary(num_logprobs: int, vocab_size: int) -> int:
+    """A request's top-N count with -1 (the whole vocabulary) read as ``vocab_size``."""
+    return vocab_size if num_logprobs == -1 else num_logprobs
 
 
 def pack_logprobs(ids: np.ndarray, values: np.ndarray, ranks: np.ndarray, start: int = 0) -> LogprobsArrays:
@@ -97,11 +104,12 @@ def sampled_logprobs(
 ) -> list[LogprobsArrays]:
     """One packed row per asking request: ``raw_logprobs`` [len(meta.rows), V], ``sampled`` [N] all rows."""
     tokens = sampled.index_select(0, meta.rows)
-    ids, values, ranks = token_logprobs(raw_logprobs, tokens, max(meta.num_logprobs))
+    widths = [1 + whole_vocabulary(n, raw_logprobs.shape[-1]) for n in meta.num_logprobs]
+    ids, values, ranks = token_logprobs(raw_logprobs, tokens, max(widths) - 1)
     ids_np, values_np, ranks_np = ids.cpu().numpy(), values.cpu().numpy(), ranks.cpu().numpy()
     return [
-        pack_logprobs(ids_np[r : r + 1, : 1 + n], values_np[r : r + 1, : 1 + n], ranks_np[r : r + 1])
-        for r, n in enumerate(meta.num_logprobs)
+        pack_logprobs(ids_np[r : r + 1, :width], values_np[r : r + 1, :width], ranks_np[r : r + 1])
+        for r, width in enumerate(widths)
     ]
 
 

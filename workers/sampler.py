@@ -5,7 +5,7 @@ asked (`workers/logprobs.py`), then logit_bias, the min_tokens mask and the
 penalties for every row that has them (`workers/logits_processors.py`), and the model's generation_config rules
 (suppressed ids, Whisper's timestamps: `workers/generation_rules.py`); then
 greedy rows take the argmax; random rows are divided by their temperature,
-filtered by top-k, top-p and min-p, and sampled with the exponential race
+filtered by min-p, then top-k and top-p (vLLM's order), and sampled with the exponential race
 (``argmax(probs / q)`` with ``q ~ Exp(1)``, which draws from ``probs`` exactly).
 
 Reproducibility. The noise ``q`` of a request with a ``seed`` comes from a
@@ -219,7 +219,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
                 keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(one token per row, with ``keep`` the logits each was drawn from: greedy rows' as given, sampled rows'
-        after temperature, top-k, top-p and min-p)."""
+        after temperature, min-p, top-k and top-p)."""
         if metadata.random_rows is None:
             return logits.argmax(dim=-1), logits if keep else None
         rows = logits if metadata.all_random else logits.index_select(0, metadata.random_rows)
@@ -233,9 +233,9 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         assert metadata.temperature is not None
         logits = logits / metadata.temperature.unsqueeze(1)
-        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
-        if metadata.min_p is not None:
+        if metadata.min_p is not None:  # vLLM's order: min-p, then top-k / top-p over what min-p kept
             logits = apply_min_p(logits, metadata.min_p)
+        logits = apply_top_k_top_p(logits, metadata.top_k, metadata.top_p)
         probs = logits.softmax(dim=-1)
         noise = self._exponential_noise(probs.shape, metadata.seeds, metadata.positions)
         return probs.div_(noise).argmax(dim=-1), logits

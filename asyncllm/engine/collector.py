@@ -22,7 +22,8 @@ __all__ = ["RequestCollector", "StreamPacer", "merge_delta"]
 class _SampleOutput:
     """The whole output of one sample so far (CUMULATIVE / FINAL_ONLY)."""
 
-    __slots__ = ("index", "chunks", "token_ids", "logprobs", "finish_reason", "stop_reason", "prompt_logprobs")
+    __slots__ = ("index", "chunks", "token_ids", "logprobs", "finish_reason", "stop_reason", "prompt_logprobs",
+                 "cumulative_logprob")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -32,6 +33,7 @@ class _SampleOutput:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.prompt_logprobs: PromptLogprobs | None = None
+        self.cumulative_logprob: float | None = None
 
     def add(self, delta: StreamDelta) -> None:
         self.chunks.append(delta.text)
@@ -41,6 +43,7 @@ class _SampleOutput:
                 self.logprobs = []
             self.logprobs.extend(delta.logprobs)
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.cumulative_logprob = delta.cumulative_logprob
         if delta.prompt_logprobs is not None:
             self.prompt_logprobs = delta.prompt_logprobs
 
@@ -50,7 +53,7 @@ class _SampleOutput:
         self.chunks = [text]
         logprobs = None if self.logprobs is None else list(self.logprobs)
         return StreamDelta(self.index, text, list(self.token_ids), self.finish_reason, self.stop_reason,
-                           logprobs, self.prompt_logprobs)
+                           logprobs, self.prompt_logprobs, self.cumulative_logprob)
 
 
 def merge_delta(into: StreamDelta, delta: StreamDelta) -> None:
@@ -64,6 +67,7 @@ def merge_delta(into: StreamDelta, delta: StreamDelta) -> None:
             into.logprobs.extend(delta.logprobs)
     into.finish_reason = delta.finish_reason
     into.stop_reason = delta.stop_reason
+    into.cumulative_logprob = delta.cumulative_logprob  # a running total: the later one covers both
     if delta.prompt_logprobs is not None:
         into.prompt_logprobs = delta.prompt_logprobs
 

@@ -27,10 +27,8 @@ GENERATION_CONFIG_FIELDS = {
 
 def default_sampling_fields(generation: Mapping[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The `SamplingParams` fields the model's generation config (`read_generation_config`'s keys) and the
-    overrides set."""
-    if generation.get("do_sample") is False:  # transformers' greedy: its temperature / top_p / top_k do not apply
-        generation = {key: value for key, value in generation.items()
-                      if key not in ("temperature", "top_p", "top_k", "min_p")}
+    overrides set. ``do_sample`` is not read: as vLLM's ``get_diff_sampling_param``, a ``do_sample: false`` file's
+    temperature, top_p, top_k and min_p are defaults too (transformers would decode greedily)."""
     fields = {field: generation[key] for key, field in GENERATION_CONFIG_FIELDS.items()
               if generation.get(key) is not None}
     fields.update(overrides or {})

@@ -86,7 +86,7 @@ class EngineRequests:
         async with stream:
             async for delta in stream:
                 outputs[delta.index] = CompletionOutput(delta.index, delta.text, delta.token_ids, delta.finish_reason,
-                                                        delta.stop_reason, delta.logprobs)
+                                                        delta.stop_reason, delta.logprobs, delta.cumulative_logprob)
         collector = stream.collector
         assert collector is not None and len(outputs) == collector.num_samples, (len(outputs), collector)
         return RequestOutput(collector.request_id, prompt if isinstance(prompt, str) else None,

@@ -334,7 +334,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         batch: Delivery = []
         now = time.time()
         for tracked in self._tracked.values():
-            item = error if error is not None else StreamDelta(tracked.index, "", [], "abort")
+            item = error if error is not None else StreamDelta(tracked.index, "", [], "abort",
+                                                               cumulative_logprob=tracked.cumulative_logprob)
             batch.append((tracked.collector, item))
             if error is not None:  # once per sample: the observer counts samples, ends a span once
                 self._observer.on_error(tracked.collector, error, now)

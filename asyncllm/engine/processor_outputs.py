@@ -45,6 +45,8 @@ class TrackedRequest:
     """A request with images: what to resend if the core misses a processor-cache key."""
     pacer: StreamPacer | None = None
     """``stream_interval`` > 1: groups its deltas."""
+    cumulative_logprob: float | None = None
+    """With logprobs (0.0 from the start): the sum of the sample's token logprobs delivered so far (vLLM's)."""
 
 
 class ProcessorOutputs:
@@ -155,6 +157,9 @@ class ProcessorOutputs:
         delta = StreamDelta(tracked.index, update.text, token_ids, finish_reason, stop_reason)
         if out.logprobs is not None:
             delta.logprobs = self._logprobs_decoder.decode(out.logprobs, detokenizer.decodes)[: len(token_ids)]
+            tracked.cumulative_logprob = (tracked.cumulative_logprob or 0.0) + sum(
+                entry[token].logprob for token, entry in zip(token_ids, delta.logprobs))
+        delta.cumulative_logprob = tracked.cumulative_logprob
         if tracked.prompt_logprobs is not None:
             delta.prompt_logprobs = collector.prompt_logprobs = tracked.prompt_logprobs.entries
             tracked.prompt_logprobs = None

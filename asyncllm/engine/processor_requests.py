@@ -115,7 +115,8 @@ class ProcessorRequests:
             params = job.params if len(core_ids) == 1 else job.params.for_sample(index)
             buffer = None if params.prompt_logprobs is None else PromptLogprobsBuffer(len(token_ids))
             detokenizer = new_detokenizer(self._tokenizer, token_ids, params)
-            tracked = TrackedRequest(collector, detokenizer, index, buffer)
+            tracked = TrackedRequest(collector, detokenizer, index, buffer,
+                                     cumulative_logprob=None if params.logprobs is None else 0.0)
             if self._stream_interval > 1:
                 tracked.pacer = StreamPacer(self._stream_interval)
             salt = options.cache_salt if job.embeds is None else embeds_salt(options.cache_salt, job.embeds)

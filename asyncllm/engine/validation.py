@@ -121,12 +121,15 @@ def check_token_ids(field: str, token_ids: list[Any], vocab_size: int) -> None:
 
 def check_logprobs_limit(params: SamplingParams, max_logprobs: int, vocab_size: int) -> None:
     """`InvalidRequestError` for ``logprobs`` / ``prompt_logprobs`` above the engine's ``max_logprobs`` (-1: the
-    vocabulary's size)."""
+    vocabulary's size). A request's -1 asks for the whole vocabulary, as vLLM's ``_validate_logprobs`` reads it:
+    it needs ``max_logprobs`` -1 or at least the vocabulary's size."""
     limit = vocab_size if max_logprobs == -1 else max_logprobs
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
-        if value is not None and value > limit:
-            raise InvalidRequestError(name, f"at most {limit} (the engine's max_logprobs), got {value}")
+        asked = vocab_size if value == -1 else value
+        if asked is not None and asked > limit:
+            whole = " (-1: the whole vocabulary)" if value == -1 else ""
+            raise InvalidRequestError(name, f"at most {limit} (the engine's max_logprobs), got {value}{whole}")
 
 
 def check_params_vocab(params: SamplingParams, vocab_size: int) -> None:
@@ -202,7 +205,7 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: list[int]) -> No
         return
     banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
     if params.min_tokens:  # the workers mask these until min_tokens outputs
-        banned |= set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
+        banned |= set(params.stop_token_ids) | set(eos_token_ids)
     if banned.issuperset(params.allowed_token_ids):
         raise InvalidRequestError("allowed_token_ids", "every allowed token is banned (a one-token bad word, or EOS "
                                                        "or a stop token while min_tokens holds): none is left to sample")

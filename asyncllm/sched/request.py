@@ -70,7 +70,7 @@ class Request:
         "block_hashes",
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
-        "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_ids", "mm_items", "lora", "lora_int_id", "pooling",
+        "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_id", "mm_items", "lora", "lora_int_id", "pooling",
         "draft_buffer", "prompt_embeds",
     )
 
@@ -112,7 +112,8 @@ class Request:
         self.finish_reason: str | None = None
         """'stop', 'length', 'abort' or 'timeout' once finished."""
         self.stop_reason: int | None = None
-        """The stop_token_ids entry that ended the request (None for EOS and other reasons)."""
+        """The stop token id that ended the request: a stop_token_ids entry or an extra EOS id (None for the
+        first EOS id and other reasons)."""
         self.num_preemptions = 0
         self.cache_salt = cache_salt
         """Requests with different salts never share prefix-cache blocks."""
@@ -140,9 +141,12 @@ class Request:
         # copies of the stop settings, read once per generated token
         self._max_tokens = params.max_tokens
         self._min_tokens = params.min_tokens
-        self._stop_token_ids = frozenset(params.stop_token_ids)
-        self._eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
-        self.stop_check_token_ids = _shared(self._stop_token_ids | self._eos_token_ids)
+        # vLLM's update_from_generation_config: the first EOS id (the tokenizer's) stops with stop_reason None; the
+        # others (generation_config.json's) join stop_token_ids; ignore_eos drops both
+        eos = [] if params.ignore_eos else self.eos_token_ids
+        self._eos_token_id = eos[0] if eos else None
+        self._stop_token_ids = frozenset(params.stop_token_ids).union(eos[1:])
+        self.stop_check_token_ids = _shared(self._stop_token_ids.union(eos[:1]))
         """Every token that may stop the request: after any other, only the length limits can
         (the scheduler's decode loop skips `check_stop` then). Requests with equal sets share one
         object, which stays in the CPU cache while the decode loop reads it for every request."""
@@ -253,16 +257,18 @@ class Request:
 
         EOS (unless ignore_eos) and stop_token_ids end the request only once
         `min_tokens` outputs exist; they are checked before the length limits,
-        so a stop token that is also the last allowed token reports 'stop'.
+        so a stop token that is also the last allowed token reports 'stop'. The
+        first EOS id is checked first, as vLLM's check_stop: it reports
+        stop_reason None even when stop_token_ids lists it too.
         """
         num_output = self.num_tokens - self.num_prompt_tokens
         last = self.all_token_ids[-1]
         if num_output >= self._min_tokens:
-            if last in self._stop_token_ids:
-                self.stop_reason = last
+            if last == self._eos_token_id:
                 self.finish(RequestStatus.FINISHED_STOPPED)
                 return True
-            if last in self._eos_token_ids:
+            if last in self._stop_token_ids:
+                self.stop_reason = last
                 self.finish(RequestStatus.FINISHED_STOPPED)
                 return True
         max_tokens = self._max_tokens

@@ -68,6 +68,9 @@ class StructuredOutputManager:
         """xgrammar GrammarMatcher of every structured request handed to the scheduler."""
         self.waiting: dict[str, tuple[list[int], list[int]]] = {}
         """Requests whose constraint starts later: (its start_after_token_ids, the output's last tokens)."""
+        self.narrowed: dict[str, tuple[str, ...]] = {}
+        """The fields of a structured request that forbid tokens whatever its grammar allows (`_narrowing`), named
+        when together they leave the grammar no token (`_rejection`)."""
         self._bitmask: Any = None
 
     @property
@@ -105,8 +108,13 @@ class StructuredOutputManager:
         """Forget the matchers (and start_after waits) of these scheduled requests, ended by an abort, a timeout or
         the workers: a new request of the same id must not inherit them."""
         for req_id in req_ids:
-            self.matchers.pop(req_id, None)
-            self.waiting.pop(req_id, None)
+            self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        """Drop a scheduled request's matcher, its start_after wait and its `narrowed` fields."""
+        self.matchers.pop(req_id, None)
+        self.waiting.pop(req_id, None)
+        self.narrowed.pop(req_id, None)
 
     def poll(self) -> tuple[list[Request], list[tuple[bytes, protocol.RequestOutputDelta]]]:
         """(requests whose grammar is ready, with their matchers made; deltas of failed or timed-out ones).
@@ -168,6 +176,11 @@ class StructuredOutputManager:
         self.matchers[request.request_id] = xgr.GrammarMatcher(
             entry.future.result(), override_stop_tokens=list(request.eos_token_ids) or None, **rollback
         )
+        narrowing = _narrowing(request)
+        if narrowing:
+            self.narrowed[request.request_id] = narrowing
+        else:
+            self.narrowed.pop(request.request_id, None)
         start_after = request.params.structured.start_after_token_ids  # type: ignore[union-attr]
         if start_after:
             self.waiting[request.request_id] = (list(start_after), [])
@@ -194,8 +207,7 @@ class StructuredOutputManager:
         for req_id in list(self.matchers):
             request = requests.get(req_id)
             if request is None:
-                del self.matchers[req_id]
-                self.waiting.pop(req_id, None)
+                self._forget(req_id)
             elif req_id in self.waiting and not drafts.get(req_id):
                 continue  # free text until its start_after tokens
             elif req_id in num_scheduled and request.num_computed_tokens + num_scheduled[req_id] >= request.num_tokens:
@@ -261,19 +273,30 @@ class StructuredOutputManager:
                 continue
             for token in self._grammar_tokens(delta.request_id, delta.new_token_ids):
                 if not matcher.accept_token(token):
-                    delta.error = f"structured: token {token} is not allowed by the grammar"
+                    delta.error = self._rejection(delta.request_id, token)
                     break
             if delta.finish_reason is not None:
-                del self.matchers[delta.request_id]
-                self.waiting.pop(delta.request_id, None)
+                self._forget(delta.request_id)
             elif delta.request_id in self.waiting:
                 continue
             elif matcher.is_terminated() or delta.error is not None:
                 delta.finish_reason = "stop" if delta.error is None else "abort"
-                del self.matchers[delta.request_id]
+                self._forget(delta.request_id)
                 ended.append(delta.request_id)
         if ended:
             finish(ended)
+
+    def _rejection(self, req_id: str, token: int) -> str:
+        """The error of a sampled token the grammar refuses: the bitmask let through only tokens the grammar allows,
+        so the request's `narrowed` fields (bad_words, allowed_token_ids) forbade all of them (the workers then
+        sample token 0) and are named, with the grammar; without them, the grammar alone."""
+        fields = self.narrowed.get(req_id)
+        if not fields:
+            return f"structured: token {token} is not allowed by the grammar"
+        together = f" (with {' and '.join(fields[1:])})" if fields[1:] else ""
+        return (f"{fields[0]}: forbids every token the grammar (structured output) allows next{together}, so nothing "
+                f"can be generated (token {token} was sampled): allow some of the grammar's tokens, or drop "
+                f"{' and '.join(fields)}")
 
     def _grammar_tokens(self, req_id: str, tokens: list[int]) -> list[int]:
         """The tokens the grammar reads: all of them, or for a waiting request those after its start_after ids."""
@@ -304,6 +327,13 @@ class StructuredOutputManager:
             logger.info("exiting without waiting for a grammar compilation still running")
             logging.shutdown()
             os._exit(0)
+
+
+def _narrowing(request: Request) -> tuple[str, ...]:
+    """The request's fields that forbid tokens whatever the grammar allows: allowed_token_ids, bad_words."""
+    params = request.params
+    return tuple(name for name, value in (("allowed_token_ids", params.allowed_token_ids),
+                                          ("bad_words", params.bad_words_token_ids)) if value)
 
 
 @functools.lru_cache(maxsize=1)

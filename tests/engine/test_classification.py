@@ -139,3 +139,27 @@ async def test_the_server_names_the_route_in_context_length_errors(engine: Async
         f"This model's maximum context length is {length} tokens. However, you requested {amount} in the input for "
         f"{operation}. Please reduce the length of the input." for amount, operation in said]
     assert all((error["code"], error["param"]) == ("context_length_exceeded", "prompt") for error in errors), errors
+
+
+async def test_the_server_logs_each_input_and_pair(engine: AsyncEngine, caplog) -> None:
+    """vLLM's request log: /classify each input as ``classify-ID-i`` (ID the X-Request-Id header, the response's
+    id), a cross-encoder's /score and /rerank each pair as ``text_1`` + the tokenizer's sep token + ``text_2``."""
+    import logging
+
+    from asyncllm.integrations.openai_request_log import RequestLogger
+
+    caplog.set_level(logging.DEBUG, logger="asyncllm.integrations.openai.requests")
+    async with asgi_client(create_app(engine, manage_engine=False, request_logger=RequestLogger())) as client:
+        classified = await client.post("/classify", json={"input": ["a", "b"]}, headers={"X-Request-Id": "c"})
+        scored = (await client.post("/score", json={"text_1": "q", "text_2": ["x", "y"]})).json()
+        reranked = (await client.post("/rerank", json={"query": "q", "documents": ["z"]})).json()
+    sep = engine.tokenizer.sep_token or ""
+    assert classified.json()["id"] == "classify-c"
+    assert [r.getMessage().split(", prompt_embeds")[0] for r in caplog.records if r.levelname == "DEBUG"] == [
+        "Request classify-c-0 details: prompt: 'a', prompt_token_ids: None",
+        "Request classify-c-1 details: prompt: 'b', prompt_token_ids: None",
+        f"Request {scored['id']}-0 details: prompt: {'q' + sep + 'x'!r}, prompt_token_ids: None",
+        f"Request {scored['id']}-1 details: prompt: {'q' + sep + 'y'!r}, prompt_token_ids: None",
+        f"Request {reranked['id']}-0 details: prompt: {'q' + sep + 'z'!r}, prompt_token_ids: None"]
+    infos = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]
+    assert len(infos) == 5 and all("params: PoolingParams(" in line and "task='classify'" in line for line in infos)

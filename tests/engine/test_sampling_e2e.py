@@ -71,6 +71,9 @@ async def test_logprobs_match_transformers(engine: AsyncEngine, tokenizer) -> No
         assert entry[token_id].rank == 1  # greedy
     streamed = [d async for d in engine.stream(PROMPT, params)]
     assert [e for d in streamed for e in d.logprobs] == out.logprobs
+    total = sum(float(logprobs[len(prompt_ids) - 1 + i, t]) for i, t in enumerate(out.token_ids))
+    assert out.outputs[0].cumulative_logprob == pytest.approx(total, abs=1e-4) == streamed[-1].cumulative_logprob
+    assert out.outputs[0].finished()
     wide = await engine.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, logprobs=40))
     _check_logprob_entry(wide.logprobs[0], wide.token_ids[0], logprobs[len(prompt_ids) - 1], 40, tokenizer)
     for field in ("logprobs", "prompt_logprobs"):  # max_logprobs=40: vLLM's default is 20
@@ -194,10 +197,13 @@ async def test_detokenize_false_gives_the_same_ids_and_logprobs_without_text(eng
 async def test_n_stream_carries_indexes_and_generate_returns_every_sample(engine: AsyncEngine) -> None:
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True, logprobs=1)
     streamed: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    sums = {0: 0.0, 1: 0.0, 2: 0.0}
     finished = []
     async for delta in engine.stream(PROMPT, params):
         streamed[delta.index] += delta.token_ids
         assert len(delta.logprobs) == len(delta.token_ids)
+        sums[delta.index] += sum(e[t].logprob for t, e in zip(delta.token_ids, delta.logprobs))
+        assert delta.cumulative_logprob == pytest.approx(sums[delta.index])  # vLLM's running total
         if delta.finished:
             finished.append(delta.index)
     assert sorted(finished) == [0, 1, 2]
@@ -205,8 +211,12 @@ async def test_n_stream_carries_indexes_and_generate_returns_every_sample(engine
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert {o.index: o.token_ids for o in out.outputs} == streamed
     assert len({tuple(t) for t in streamed.values()}) == 3
+    assert {o.index: o.cumulative_logprob for o in out.outputs} == pytest.approx(sums)  # each sample its own
+    cumulative = [d async for d in engine.stream(PROMPT, msgspec.structs.replace(params, output_kind="cumulative"))]
+    assert {d.index: d.cumulative_logprob for d in cumulative if d.finished} == pytest.approx(sums)
     alone = await engine.generate(PROMPT, SamplingParams(temperature=1.0, seed=7, max_tokens=8, ignore_eos=True))
     assert alone.token_ids == streamed[0]  # sample 0 keeps the request's seed
+    assert alone.outputs[0].cumulative_logprob is None  # no logprobs asked
     m = out.metrics
     assert m.arrival_time <= m.first_token_time <= m.finished_time and m.num_generated_tokens == 24
 

@@ -101,6 +101,26 @@ async def test_translations_take_the_translate_task_and_the_openai_client_reads_
                                          "<|startoftranscript|><|fr|><|transcribe|><|notimestamps|>")
 
 
+async def test_the_request_log_names_the_task(engine, caplog):
+    """vLLM's request log: one line per request, ``transcribe-ID`` / ``translate-ID`` (ID the X-Request-Id header,
+    the streamed chunks' id too), its sampling params and the client's prompt ("" when none)."""
+    import logging
+
+    from asyncllm.integrations.openai_request_log import RequestLogger
+
+    caplog.set_level(logging.DEBUG, logger="asyncllm.integrations.openai.requests")
+    files = {"file": ("audio.wav", wav_bytes(make_audio(0.5, seed=3)), "audio/wav")}
+    async with asgi_client(create_app(engine, manage_engine=False, request_logger=RequestLogger())) as client:
+        streamed = await client.post("/v1/audio/transcriptions", files=files, data={"stream": "true"},
+                                     headers={"X-Request-Id": "a"})
+        await client.post("/v1/audio/translations", files=files)
+    lines = [r.getMessage() for r in caplog.records if r.name == "asyncllm.integrations.openai.requests"]
+    assert lines[0] == "Request transcribe-a details: prompt: '', prompt_token_ids: None, prompt_embeds shape: None."
+    assert lines[1].startswith("Received request transcribe-a: params: SamplingParams(") and len(lines) == 4
+    assert lines[3].startswith("Received request translate-") and "temperature=0.0" in lines[3]
+    assert {event["id"] for event in sse_events(streamed.text) if "id" in event} == {"transcribe-a"}
+
+
 async def test_a_client_gone_while_queued_aborts_a_streamed_transcription(engine, monkeypatch):
     stream = StalledStream()  # queued behind a full engine: no first token
     monkeypatch.setattr(engine, "stream", lambda *args, **kwargs: stream)

@@ -134,7 +134,7 @@ CHAT_REFUSALS = [
      "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"), ({"n": 2, "logprobs": True, "top_logprobs": 5}, "top_logprobs"),
-    ({"top_logprobs": 0}, "top_logprobs"), ({"stop": "x"}, "stop"), ({"best_of": 2}, "best_of"),
+    ({"top_logprobs": 1}, "top_logprobs"), ({"stop": "x"}, "stop"), ({"best_of": 2}, "best_of"),
 ]
 
 

@@ -85,3 +85,20 @@ async def test_bad_constraints_are_400_naming_the_field(app, extra, param) -> No
     assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
     assert not re.search(r"\[\d\d:\d\d:\d\d\]|\.cc:\d+", response.json()["error"]["message"])  # no xgrammar log prefix
     assert after.status_code == 200  # the engine keeps serving
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"bad_words": list("0123456789")}, "bad_words"),
+    ({"allowed_token_ids": [0, 1]}, "allowed_token_ids"),
+])
+async def test_vocabulary_limits_that_leave_the_grammar_no_token_are_named(app, extra, param) -> None:
+    """A grammar whose every next token bad_words or allowed_token_ids forbid fails at that step with a 400 naming
+    the field and the grammar (not "structured": the grammar alone is fine); the engine keeps serving."""
+    body = {"prompt": "x", "max_tokens": 4, "structured_outputs": {"regex": "[0-9]"}, **extra}
+    async with _client(app) as client:
+        response = await client.post("/v1/completions", json=body)
+        after = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0})
+    error = response.json()["error"]
+    assert (response.status_code, error["param"]) == (400, param), response.text
+    assert error["message"].startswith(f"{param}: forbids every token the grammar (structured output) allows next")
+    assert after.status_code == 200

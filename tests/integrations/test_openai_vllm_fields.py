@@ -63,7 +63,9 @@ def test_nullable_fields_take_their_defaults() -> None:
     for body, kind, field in ((b'{"prompt": "x", "n": null}', CompletionRequest, "n"),  # vLLM's n: int = 1
                               (b'{"prompt": "x", "ignore_eos": null}', CompletionRequest, "ignore_eos"),
                               (b'{"prompt": "x", "stream": "yes"}', CompletionRequest, "stream"),
-                              (b'{"messages": [], "n": "2"}', ChatCompletionRequest, "n")):
+                              (b'{"messages": [], "n": "2"}', ChatCompletionRequest, "n"),
+                              (b'{"prompt": "x", "logprobs": "1"}', CompletionRequest, "logprobs"),
+                              (b'{"messages": [], "n": true}', ChatCompletionRequest, "n")):  # bools: counts only
         with pytest.raises(InvalidRequestError) as caught:
             decode_request(body, kind)
         assert caught.value.field == field, caught.value
@@ -106,3 +108,39 @@ def test_served_model_name_labels_the_metrics() -> None:
     plain, _ = _serve_engine(_parser().parse_args(["serve"]))
     assert labels(named) == {"foo"}
     assert labels(plain) == {plain.config.model}
+
+
+def test_logprob_counts_take_bools_as_vllm() -> None:
+    """vLLM's ``logprobs`` / ``top_logprobs`` / ``prompt_logprobs`` are ``int | None`` in pydantic's lax mode: true
+    is 1 and false 0 there (only there, and a string is still a 400: `test_nullable_fields_take_their_defaults`)."""
+    completion = decode_request(b'{"prompt": "x", "logprobs": true, "prompt_logprobs": false}', CompletionRequest)
+    assert (completion.logprobs, completion.prompt_logprobs) == (1, 0)
+    assert type(completion.logprobs) is int and type(completion.prompt_logprobs) is int
+    chat = decode_request(b'{"messages": [], "logprobs": true, "top_logprobs": true}', ChatCompletionRequest)
+    assert (chat.logprobs, chat.top_logprobs) == (True, 1) and type(chat.top_logprobs) is int
+
+
+@session_loop
+async def test_logprobs_as_vllm_reads_them(app) -> None:
+    """Completions' ``logprobs: true`` is ``logprobs: 1``; chat's ``top_logprobs`` null (or left out) with
+    ``logprobs: true`` is 0, each token's own logprob and ``top_logprobs: []`` (vLLM's ``top_logprobs`` default);
+    without ``logprobs`` a ``top_logprobs`` of 0 is accepted (no logprobs), above 0 is a 400."""
+    chat_body = {**GREEDY, "messages": MESSAGES}
+    async with asgi_client(app) as client:
+        completion = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "logprobs": True})
+        null = await client.post("/v1/chat/completions", json={**chat_body, "logprobs": True, "top_logprobs": None})
+        streamed = await client.post("/v1/chat/completions", json={**chat_body, "logprobs": True, "stream": True,
+                                                                   "top_logprobs": None})
+        zero = await client.post("/v1/chat/completions", json={**chat_body, "top_logprobs": 0})
+        two = await client.post("/v1/chat/completions", json={**chat_body, "top_logprobs": 2})
+    logprobs = completion.json()["choices"][0]["logprobs"]
+    assert completion.status_code == 200 and len(logprobs["tokens"]) == 2, completion.text
+    assert all(1 <= len(top) <= 2 and token in top for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]))
+    content = null.json()["choices"][0]["logprobs"]["content"]
+    content += [entry for event in sse_events(streamed.text) for choice in event["choices"]
+                for entry in (choice.get("logprobs") or {}).get("content") or []]
+    assert len(content) == 4 and all(entry["top_logprobs"] == [] for entry in content), content
+    assert all(list(entry) == ["token", "logprob", "bytes", "top_logprobs"] for entry in content)
+    assert all(entry["bytes"] == list(entry["token"].encode()) and entry["logprob"] <= 0 for entry in content)
+    assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None, zero.text
+    assert two.status_code == 400 and two.json()["error"]["param"] == "top_logprobs", two.text

@@ -319,6 +319,27 @@ async def test_spaces_between_special_tokens_reaches_the_sampling_params(app) ->
     assert (wrong.status_code, wrong.json()["error"]["param"]) == (400, field)
 
 
+async def test_minus_one_fields_as_vllm() -> None:
+    """seed -1 is no seed; logprobs, prompt_logprobs, echo's and chat's top_logprobs -1 the whole vocabulary (the
+    engine's max_logprobs then decides); chat's top_logprobs below -1 is an error naming it."""
+    def completion(**fields):
+        return completion_params(decode_request(json.dumps({**GREEDY, "prompt": "x", **fields}).encode(),
+                                                CompletionRequest), ServerLimits())
+
+    def chat(**fields):
+        return chat_params(decode_request(json.dumps({**CHAT, **fields}).encode(), ChatCompletionRequest),
+                           ServerLimits())
+
+    params = completion(seed=-1, logprobs=-1, prompt_logprobs=-1)
+    assert (params.seed, params.logprobs, params.prompt_logprobs) == (None, -1, -1)
+    assert completion(seed=-7).seed == -7 and completion(echo=True, logprobs=-1).prompt_logprobs == -1
+    assert chat(logprobs=True, top_logprobs=-1).logprobs == -1
+    for fields in ({"logprobs": True, "top_logprobs": -2}, {"top_logprobs": -1}):
+        with pytest.raises(InvalidRequestError) as info:
+            chat(**fields)
+        assert info.value.field == "top_logprobs"
+
+
 async def test_chat_echo_puts_the_last_assistant_message_first(app) -> None:
     partial = {**GREEDY, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure,"}],
                "add_generation_prompt": False, "continue_final_message": True}

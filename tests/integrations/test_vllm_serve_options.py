@@ -106,3 +106,28 @@ async def test_request_log_lines(bundled_engine, caplog, capsys) -> None:
     with patch("asyncllm.integrations.openai_request_log._prompt_parts", side_effect=AssertionError):
         log_prompts(RequestLogger(), CompletionRequest(model="m", prompt="p"), "cmpl", ["p"], None, None)
     assert [r.levelname for r in caplog.records] == ["INFO"]  # below DEBUG the prompt is not even built
+
+
+@pytest.mark.asyncio(loop_scope="session")
+async def test_score_rerank_and_tokenize_are_logged(bundled_engine, caplog) -> None:
+    """As vLLM's: /score and /rerank log an embedding model's texts (text_1's, then text_2's) as ``score-ID-i`` /
+    ``rerank-ID-i`` with the pooling params, ID the X-Request-Id header (else random), the response's id;
+    /tokenize and /detokenize their prompt as ``tokn-ID``, params None."""
+    caplog.set_level(logging.DEBUG, logger="asyncllm.integrations.openai.requests")
+    async with asgi_client(create_app(bundled_engine, manage_engine=False, request_logger=RequestLogger())) as client:
+        scored = await client.post("/score", json={"text_1": "a", "text_2": ["b", "c"]}, headers={"X-Request-Id": "s"})
+        reranked = (await client.post("/rerank", json={"query": "q", "documents": ["d"]})).json()
+        tokens = (await client.post("/tokenize", json={"prompt": "hi"}, headers={"X-Request-Id": "t"})).json()["tokens"]
+        await client.post("/detokenize", json={"tokens": tokens}, headers={"X-Request-Id": "d"})
+    records = [r for r in caplog.records if r.name == "asyncllm.integrations.openai.requests"]
+    rerank = reranked["id"]
+    assert scored.json()["id"] == "score-s" and rerank.startswith("rerank-")
+    details = [(f"score-s-{i}", repr(text), None) for i, text in enumerate("abc")]
+    details += [(f"{rerank}-0", "'q'", None), (f"{rerank}-1", "'d'", None), ("tokn-t", "'hi'", tokens),
+                ("tokn-d", "None", tokens)]
+    assert [r.getMessage() for r in records if r.levelname == "DEBUG"] == [
+        f"Request {rid} details: prompt: {text}, prompt_token_ids: {ids}, prompt_embeds shape: None."
+        for rid, text, ids in details]
+    infos = [r.getMessage() for r in records if r.levelname == "INFO"]
+    assert infos[0].startswith("Received request score-s-0: params: PoolingParams(") and len(infos) == len(details)
+    assert infos[-1] == "Received request tokn-d: params: None, lora_request: None."

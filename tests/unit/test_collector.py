@@ -17,7 +17,8 @@ def lp(token_id: int) -> dict[int, Logprob]:
 
 
 def delta(index: int, text: str, token: int, finish: str | None = None) -> StreamDelta:
-    return StreamDelta(index, text, [token], finish, None, [lp(token)])
+    """One token; its ``cumulative_logprob`` -token stands for the running total up to it."""
+    return StreamDelta(index, text, [token], finish, None, [lp(token)], cumulative_logprob=-float(token))
 
 
 async def drain(collector: RequestCollector) -> list[StreamDelta]:
@@ -36,6 +37,7 @@ async def test_delta_kind_merges_each_sample_separately() -> None:
     assert [(d.index, d.text, d.token_ids, d.finish_reason) for d in got] == [
         (0, "abc", [1, 2, 3], "stop"), (1, "xy", [7, 8], "length")]
     assert got[0].logprobs == [lp(1), lp(2), lp(3)]
+    assert [d.cumulative_logprob for d in got] == [-3.0, -8.0]  # a running total: the merged delta's latest
 
 
 async def test_n_samples_finish_the_request_only_when_all_did() -> None:
@@ -55,7 +57,8 @@ async def test_cumulative_kind_hands_out_snapshots() -> None:
     c.put(delta(0, "b", 2))
     c.put(delta(0, "c", 3, "stop"))
     last = await c.get()
-    assert (first.text, first.token_ids) == ("a", [1])  # a snapshot: later tokens do not change it
+    assert (first.text, first.token_ids, first.cumulative_logprob) == ("a", [1], -1.0)  # later tokens leave it
+    assert last.cumulative_logprob == -3.0
     assert (last.text, last.token_ids, last.finish_reason, last.logprobs) == ("abc", [1, 2, 3], "stop", [lp(1), lp(2), lp(3)])
     assert c.done
 

@@ -41,6 +41,8 @@ def _message(**fields: Any) -> protocol.AddRequest:
     ("bad_words", {"params": {"bad_words": ["hello"]}}, None),  # the ids the workers ban come from the host
     ("allowed_token_ids", {"params": {"allowed_token_ids": [5], "bad_words_token_ids": [[5]]}}, None),
     ("allowed_token_ids", {"params": {"allowed_token_ids": [2, 7], "stop_token_ids": [7], "min_tokens": 1}}, None),
+    ("allowed_token_ids", {"params": {"allowed_token_ids": [2, 7], "stop_token_ids": [7], "min_tokens": 1,
+                                      "ignore_eos": True}}, None),  # min_tokens masks EOS with ignore_eos too (vLLM)
     ("lora_request", {"lora": LoRARequest("a", 0, "/adapter")}, None),  # id 0 is the base model's
     ("lora_request", {"lora": LoRARequest("", 1, "/adapter")}, None),
     ("pooling_type", {"pooling": PoolingParams(pooling_type="MAX"), "params": {"max_tokens": 1}}, None),
@@ -58,7 +60,7 @@ def test_what_only_a_host_checks_names_its_field(field: str, fields: dict, tasks
 @pytest.mark.parametrize("fields", [
     {},
     {"params": {"bad_words": ["hello"], "bad_words_token_ids": [[7], [9, 10]]}},
-    {"params": {"allowed_token_ids": [2, 7], "stop_token_ids": [7], "min_tokens": 1, "ignore_eos": True}},
+    {"params": {"allowed_token_ids": [2, 5], "stop_token_ids": [7], "min_tokens": 1, "ignore_eos": True}},
     {"params": {"allowed_token_ids": [2, 7], "stop_token_ids": [7]}},  # no min_tokens: EOS and 7 may end it
     {"pooling": PoolingParams(), "params": {"max_tokens": 1}, "lora": LoRARequest("a", 1, "/adapter")},
 ])

@@ -33,9 +33,12 @@ def test_the_models_sampling_fields_become_defaults(tmp_path) -> None:
     assert _defaults("vllm", folder, {"top_k": 5}) == {"top_k": 5}
 
 
-def test_greedy_configs_keep_only_what_applies_to_greedy(tmp_path) -> None:
-    folder = _folder(tmp_path, do_sample=False, temperature=0.7, repetition_penalty=1.1)
-    assert _defaults("auto", folder) == {"repetition_penalty": 1.1}
+def test_do_sample_false_is_not_read(tmp_path) -> None:
+    """vLLM's get_diff_sampling_param takes the sampling fields whatever ``do_sample`` says."""
+    folder = _folder(tmp_path, do_sample=False, temperature=0.7, top_p=0.8, top_k=5, min_p=0.1,
+                     repetition_penalty=1.1)
+    assert _defaults("auto", folder) == {"temperature": 0.7, "top_p": 0.8, "top_k": 5, "min_p": 0.1,
+                                         "repetition_penalty": 1.1}
 
 
 def test_missing_and_bad_files(tmp_path) -> None:

@@ -191,7 +191,8 @@ def test_min_tokens_matches_min_new_tokens_and_masks_stop_token_ids() -> None:
     hf = MinNewTokensLengthLogitsProcessor(len(prompt), 4, list(eos))
     assert torch.equal(got[0], hf(torch.tensor([prompt + [1, 1, 1]]), logits[:1].clone())[0])
     inf = float("-inf")
-    assert got[1, [2, 7, 9]].tolist() == [inf] * 3 and got[2, 2] == inf and got[2, [7, 9]].tolist() == logits[2, [7, 9]].tolist()
+    assert got[1, [2, 7, 9]].tolist() == [inf] * 3
+    assert got[2, [2, 7, 9]].tolist() == [inf] * 3  # ignore_eos too: vLLM masks its all_stop_token_ids
     reached = SamplingMetadata.from_params(params, [0] * 3, CPU, [prompt] * 3, [[1] * 4] * 3, eos)
     assert reached.logits_processors is None  # nothing left to do once min_tokens outputs exist
 

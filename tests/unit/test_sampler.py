@@ -99,6 +99,14 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_top() -> None:
     assert counts[2:].sum() == 0 and counts[0] > 0 and counts[1] > 0
 
 
+def test_min_p_applies_before_top_p() -> None:
+    """vLLM's order: min-p first, then top-p's nucleus over what min-p kept (renormalised). Here min-p keeps
+    {0, 1} (.625, .375 renormalised) and top-p 0.6 then keeps {0} alone; top-p first would keep {0, 1}."""
+    logits = torch.tensor([0.5, 0.3, 0.1, 0.1]).log().expand(200, 4).contiguous()
+    assert sample(logits, [SamplingParams(temperature=1.0, top_p=0.6, min_p=0.3)] * 200) == [0] * 200
+    assert set(sample(logits, [SamplingParams(temperature=1.0, top_p=0.6)] * 200)) == {0, 1}
+
+
 # ------------------------------------------------------------------ seeded reproducibility
 def seeded_sequence(sampler: Sampler, logits: torch.Tensor, seed: int, batch: int, where: int) -> list[int]:
     """Tokens of one seeded row over 20 positions, placed at row `where` of a batch of noise rows."""

@@ -16,19 +16,37 @@ from asyncllm.sampling import sample_seed
     ("field", "value"),
     [
         ("n", 0), ("n", 1.5), ("temperature", -0.1), ("top_p", 0.0), ("top_k", -2), ("min_p", 1.5),
-        ("seed", -1), ("max_tokens", 0), ("min_tokens", -1), ("stop", [""]), ("stop_token_ids", [-1]),
+        ("seed", -(2**63) - 1), ("seed", 2**63), ("max_tokens", 0), ("min_tokens", -1), ("stop", [""]),
+        ("stop_token_ids", [-1]),
         ("presence_penalty", 2.5), ("frequency_penalty", -2.01), ("frequency_penalty", "1"),
         ("repetition_penalty", 0.0), ("repetition_penalty", float("inf")), ("repetition_penalty", float("nan")),
         ("repetition_penalty", 1e-30),  # float32 logits divided by it overflow to inf (token 0 sampled)
         ("logit_bias", {1: 101.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {1: "x"}), ("logit_bias", [1.0]),
-        ("logit_bias", {"abc": 1.0}), ("logit_bias", {"¹": 1.0}), ("logprobs", -1), ("logprobs", 2**31), ("logprobs", True),
-        ("prompt_logprobs", 2**31), ("output_kind", "sometimes"), ("output_kind", 5), ("skip_special_tokens", 1),
+        ("logit_bias", {"abc": 1.0}), ("logit_bias", {"¹": 1.0}), ("logprobs", -2), ("logprobs", 2**31),
+        ("logprobs", True), ("prompt_logprobs", 2**31), ("prompt_logprobs", -2), ("output_kind", "sometimes"),
+        ("output_kind", 5), ("skip_special_tokens", 1),
     ],
 )
 def test_each_bad_value_names_its_field(field: str, value: Any) -> None:
     with pytest.raises(InvalidRequestError) as info:
         SamplingParams(**{field: value}).validate()
     assert info.value.field == field
+
+
+def test_minus_one_values_are_vllms() -> None:
+    """seed -1 is no seed; other int64 seeds are valid, negative ones too; logprobs / prompt_logprobs -1 ask for the
+    whole vocabulary (the engine's max_logprobs must allow it: `check_logprobs_limit`)."""
+    from asyncllm.engine.validation import check_logprobs_limit
+
+    assert SamplingParams(seed=-1).seed is None
+    p = SamplingParams(seed=-(2**63), logprobs=-1, prompt_logprobs=-1)
+    p.validate()
+    assert p.seed == -(2**63) and msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
+    for max_logprobs, vocab in ((-1, 512), (512, 512)):
+        check_logprobs_limit(p, max_logprobs, vocab)
+    with pytest.raises(InvalidRequestError, match="whole vocabulary") as info:
+        check_logprobs_limit(p, 511, 512)
+    assert info.value.field == "logprobs"
 
 
 def test_min_tokens_above_max_tokens_names_min_tokens() -> None:

@@ -23,11 +23,12 @@ def make_scheduler(num_gpu_blocks: int = 64, max_model_len: int = 256, **fields)
     return Scheduler(EngineConfig.create("dummy-model", **fields), num_gpu_blocks, max_model_len)
 
 
-def make_request(req_id: str, prompt: list[int] | int, client_id: bytes = b"host", **params) -> Request:
+def make_request(req_id: str, prompt: list[int] | int, client_id: bytes = b"host", eos: tuple[int, ...] = (EOS,),
+                 **params) -> Request:
     start = 1000 * (ord(req_id[0]) - ord("a") + 1)  # distinct prompts per first letter: no accidental prefix hits
     tokens = list(range(start, start + prompt)) if isinstance(prompt, int) else prompt
     params.setdefault("max_tokens", 16)
-    return Request(req_id, tokens, SamplingParams(**params), [EOS], 0.0, client_id=client_id)
+    return Request(req_id, tokens, SamplingParams(**params), list(eos), 0.0, client_id=client_id)
 
 
 def make_pooling_request(req_id: str, prompt_len: int) -> Request:
@@ -281,6 +282,11 @@ def _generate(sched: Scheduler, req: Request, tokens: list[int]) -> protocol.Req
         ({}, [5, EOS, 5], [5, EOS], "stop", None),
         ({"ignore_eos": True, "max_tokens": 3}, [5, EOS, 5, 5], [5, EOS, 5], "length", None),
         ({"stop_token_ids": [9]}, [5, 9, 5], [5, 9], "stop", 9),
+        ({"stop_token_ids": [EOS]}, [5, EOS, 5], [5, EOS], "stop", None),  # EOS is checked first, as vLLM
+        # generation_config.json's EOS ids past the tokenizer's are stop_token_ids unless ignore_eos (vLLM's)
+        ({"eos": (EOS, 7)}, [5, 7, 5], [5, 7], "stop", 7),
+        ({"eos": (EOS, 7), "ignore_eos": True, "max_tokens": 3}, [7, EOS, 7, 5], [7, EOS, 7], "length", None),
+        ({"eos": (EOS, 7), "ignore_eos": True, "stop_token_ids": [EOS]}, [7, EOS, 5], [7, EOS], "stop", EOS),
         ({"min_tokens": 3}, [EOS, 9, EOS, 5], [EOS, 9, EOS], "stop", None),
         ({"min_tokens": 2, "stop_token_ids": [9]}, [9, 9, 5], [9, 9], "stop", 9),
         ({"max_tokens": 2}, [5, 5, 5], [5, 5], "length", None),

@@ -107,6 +107,21 @@ def test_prompt_logprobs_over_chunks_and_a_preemption(runner: ModelRunner) -> No
     check_rows(decode.logprobs["r"], full[13:14], [driver.tokens[14]])
 
 
+def test_minus_one_logprobs_cover_the_whole_vocabulary(runner: ModelRunner) -> None:
+    """vLLM's logprobs=-1 / prompt_logprobs=-1: every token of the vocabulary, in rank order."""
+    driver = Driver(runner, SamplingParams(temperature=0.0, prompt_logprobs=-1, logprobs=-1))
+    out = driver.step(len(PROMPT))
+    vocab = runner.model.lm_head.shape[1]
+    reference = reference_logits(runner.model, driver.tokens).log_softmax(-1)
+    for arrays, rows, tokens in ((out.prompt_logprobs["r"], reference[:12], PROMPT[1:]),
+                                 (out.logprobs["r"], reference[12:13], driver.tokens[13:])):
+        ids, values, _ = unpack(arrays)
+        assert arrays.width == vocab + 1 and ids[:, 0].tolist() == tokens
+        assert all(sorted(row[1:].tolist()) == list(range(vocab)) for row in ids)
+        np.testing.assert_allclose(np.sort(values[:, 1:], axis=1)[:, ::-1], rows.sort(-1, descending=True).values,
+                                   atol=1e-5)
+
+
 def test_penalties_and_min_tokens_survive_preemption(runner: ModelRunner) -> None:
     """Greedy with every penalty and min_tokens equals transformers' processors on the cache-free logits."""
     params = SamplingParams(temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.6, presence_penalty=0.4,
