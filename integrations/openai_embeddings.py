@@ -22,7 +22,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import ServerLimits, completion_prompts, request_options
-from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts
+from asyncllm.integrations.openai_request_log import RequestLogger, log_under
 from asyncllm.integrations.streams import gather_until
 from asyncllm.pooling import EmbeddingOutput, PoolingParams
 
@@ -95,26 +95,29 @@ def pooling_params(req: EmbeddingRequest) -> PoolingParams:
 async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req: EmbeddingRequest,
                     lora: LoRARequest | None = None, *,
                     until: Callable[[], Awaitable[object]] | None = None,
-                    request_log: RequestLogger | None = None) -> list[EmbeddingOutput]:
-    """Embed every prompt at once, results in input order; `request_log` logs each as ``embd-ID-i``.
+                    request_log: RequestLogger | None = None,
+                    request_id: str | None = None) -> list[EmbeddingOutput]:
+    """Embed every prompt at once, results in input order; `request_log` logs each as ``request_id-i`` (the
+    response's id; None: ``embd-`` and a random id).
 
     The first error cancels the others (each cancelled `embed` aborts its
     request in the engine) and is raised; `until` completing (the client went
     away) does the same and raises `ClientDisconnected`.
     """
     pooling = pooling_params(req)
-    log_prompts(request_log, req, "embd", prompts, pooling, lora)
+    log_under(request_log, request_id or f"embd-{uuid.uuid4().hex}", prompts, pooling, lora)
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
     return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
 
 
-def embedding_response(outputs: Sequence[EmbeddingOutput], model: str,
-                       encoding_format: str = "float") -> dict[str, Any]:
-    """The response body: one ``embedding`` item per input, in order, and the prompts' token usage."""
+def embedding_response(outputs: Sequence[EmbeddingOutput], model: str, encoding_format: str = "float",
+                       response_id: str | None = None) -> dict[str, Any]:
+    """The response body: one ``embedding`` item per input, in order, and the prompts' token usage; its id
+    `response_id` (None: ``embd-`` and a random id)."""
     data = [{"object": "embedding", "index": i, "embedding": encode_embedding(out.embedding, encoding_format)}
             for i, out in enumerate(outputs)]
     tokens = sum(len(out.prompt_token_ids) for out in outputs)
-    return {"id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
+    return {"id": response_id or f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": model,
             "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 

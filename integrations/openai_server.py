@@ -69,7 +69,7 @@ from asyncllm.integrations.streams import first_deltas, merge_streams
 from asyncllm.lora import LoRARequest
 from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
 from asyncllm.integrations.openai_prompt_embeds import completion_embeds_prompts
-from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts
+from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts, route_id
 from asyncllm.chat_content import check_content_format
 from asyncllm.tokenizer import apply_chat_template
 from asyncllm.tool_calls import ToolParser, check_parser_pair, get_tool_parser
@@ -260,9 +260,10 @@ class OpenAIServer:
         prompts = embedding_inputs(req, self.limits)
         if prompts is None:
             prompts = [await self._chat_tokens(req)]
+        response_id = route_id("embd", request.headers)
         outputs = await embed_all(self.engine, prompts, req, lora, until=lambda: wait_disconnect(request),
-                                  request_log=self.request_log)
-        return json_response(embedding_response(outputs, model, req.encoding_format))
+                                  request_log=self.request_log, request_id=response_id)
+        return json_response(embedding_response(outputs, model, req.encoding_format, response_id))
 
     async def invocations(self, request: Request) -> Response:
         """SageMaker's (as vLLM): a body with ``messages`` is a chat completion, one with ``prompt`` a completion,

@@ -112,22 +112,24 @@ async def test_request_log_lines(bundled_engine, caplog, capsys) -> None:
 async def test_score_rerank_and_tokenize_are_logged(bundled_engine, caplog) -> None:
     """As vLLM's: /score and /rerank log an embedding model's texts (text_1's, then text_2's) as ``score-ID-i`` /
     ``rerank-ID-i`` with the pooling params, ID the X-Request-Id header (else random), the response's id;
-    /tokenize and /detokenize their prompt as ``tokn-ID``, params None."""
+    /tokenize and /detokenize their prompt as ``tokn-ID``, params None; /v1/embeddings its inputs as ``embd-ID-i``."""
     caplog.set_level(logging.DEBUG, logger="asyncllm.integrations.openai.requests")
     async with asgi_client(create_app(bundled_engine, manage_engine=False, request_logger=RequestLogger())) as client:
         scored = await client.post("/score", json={"text_1": "a", "text_2": ["b", "c"]}, headers={"X-Request-Id": "s"})
         reranked = (await client.post("/rerank", json={"query": "q", "documents": ["d"]})).json()
         tokens = (await client.post("/tokenize", json={"prompt": "hi"}, headers={"X-Request-Id": "t"})).json()["tokens"]
         await client.post("/detokenize", json={"tokens": tokens}, headers={"X-Request-Id": "d"})
+        embedded = await client.post("/v1/embeddings", json={"input": ["e"]}, headers={"X-Request-Id": "e"})
+    assert embedded.json()["id"] == "embd-e"  # the id it was logged under
     records = [r for r in caplog.records if r.name == "asyncllm.integrations.openai.requests"]
     rerank = reranked["id"]
     assert scored.json()["id"] == "score-s" and rerank.startswith("rerank-")
     details = [(f"score-s-{i}", repr(text), None) for i, text in enumerate("abc")]
     details += [(f"{rerank}-0", "'q'", None), (f"{rerank}-1", "'d'", None), ("tokn-t", "'hi'", tokens),
-                ("tokn-d", "None", tokens)]
+                ("tokn-d", "None", tokens), ("embd-e-0", "'e'", None)]
     assert [r.getMessage() for r in records if r.levelname == "DEBUG"] == [
         f"Request {rid} details: prompt: {text}, prompt_token_ids: {ids}, prompt_embeds shape: None."
         for rid, text, ids in details]
     infos = [r.getMessage() for r in records if r.levelname == "INFO"]
     assert infos[0].startswith("Received request score-s-0: params: PoolingParams(") and len(infos) == len(details)
-    assert infos[-1] == "Received request tokn-d: params: None, lora_request: None."
+    assert infos[-2] == "Received request tokn-d: params: None, lora_request: None."
