@@ -6,8 +6,9 @@ or hangs past `worker_step_timeout_s` fails the executor with
 `WorkerRestarter.recover`: it shuts the old one down (every rank, the
 single-use shared-memory ring, the sockets), starts a fresh executor with the
 same KV-cache size, and puts the scheduler back in step (every running
-request is recomputed, see `asyncllm.sched.recovery`). More than
-`max_worker_restarts` failures within `RESTART_WINDOW_S` end the engine:
+request is recomputed, see `asyncllm.sched.recovery`). A fresh executor that
+fails while it starts is one more failure, and the restarter starts another.
+More than `max_worker_restarts` failures within `RESTART_WINDOW_S` end the engine:
 the error propagates and every host's streams get `EngineDeadError`.
 """
 
@@ -72,18 +73,30 @@ class WorkerRestarter:
     def recover(self, failed: Executor, scheduler: "Scheduler", error: EngineDeadError) -> Executor:
         """A new executor serving the same requests (they are recomputed); `EngineDeadError` if none can be had."""
         failed.shutdown()
-        if not self.budget.try_take():
-            raise EngineDeadError(
-                f"{error}; the workers failed more than max_worker_restarts={self.budget.max_restarts} "
-                f"times within {RESTART_WINDOW_S:.0f} s, so the engine stops") from error
+        self._take_restart(error)
         started = time.monotonic()
         num_requeued = requeue_all_for_recompute(scheduler)
         logger.error("workers failed (%s); restarting them (restart %d of at most %d per %.0f s), "
                      "%d running requests will be recomputed", error, self.budget.num_restarts_total,
                      self.budget.max_restarts, RESTART_WINDOW_S, num_requeued)
-        executor = self._start_executor()
+        while True:
+            try:
+                executor = self._start_executor()
+                break
+            except EngineDeadError as exc:  # a new worker died while loading: one more failure, not the end
+                self._take_restart(exc)
+                logger.error("restarted workers failed while starting (%s); starting them again (restart %d of "
+                             "at most %d per %.0f s)", exc, self.budget.num_restarts_total,
+                             self.budget.max_restarts, RESTART_WINDOW_S)
         logger.warning("workers restarted in %.1f s", time.monotonic() - started)
         return executor
+
+    def _take_restart(self, error: EngineDeadError) -> None:
+        """Count one restart, or raise `EngineDeadError` (from `error`) when the budget is spent."""
+        if not self.budget.try_take():
+            raise EngineDeadError(
+                f"{error}; the workers failed more than max_worker_restarts={self.budget.max_restarts} "
+                f"times within {RESTART_WINDOW_S:.0f} s, so the engine stops") from error
 
     def _start_executor(self) -> Executor:
         executor = self._executor_factory(self.config)

@@ -33,7 +33,6 @@ from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.engine.validation import check_params_text, check_request_id, check_text
 from asyncllm.metrics.observer import RequestObserver
-from asyncllm.metrics.tracing import capture_context
 from asyncllm.errors import AsyncLLMError, EngineDeadError, EventLoopError, NotBuiltError
 from asyncllm.outputs import EngineStats
 from asyncllm.sampling import SamplingParams
@@ -322,7 +321,7 @@ class AsyncEngine(EngineRequests, EngineControl):
 
     # ------------------------------------------------------------ internals used by RequestStream
     async def _submit(self, prompt: Any, params: SamplingParams | None, options: RequestOptions,
-                      chat: bool) -> RequestCollector:
+                      chat: bool, trace_context: Any) -> RequestCollector:
         check_prompt(prompt, chat)
         if params is None:
             await self.start()
@@ -342,7 +341,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         collector = RequestCollector(options.request_id or uuid.uuid4().hex, time.time(), params.n, params.output_kind)
         self._replicas.placed(replica, collector, params.n)
         self._in_flight.add(collector)
-        processor.submit(Submit(collector, prompt, params, options, chat, trace_context=capture_context()))
+        processor.submit(Submit(collector, prompt, params, options, chat, trace_context=trace_context))
         return collector
 
     def _abort(self, request_id: str) -> None:

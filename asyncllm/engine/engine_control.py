@@ -46,7 +46,7 @@ class EngineControl:
             raise InvalidRequestError("lora_request", "must be an asyncllm.LoRARequest, got None")
         RequestOptions(lora_request=lora_request).validate()
         await self.start()
-        for processor in self._replicas.live_processors():  # each replica's host side has its own checker
+        for processor in await self._replicas.serving_processors():  # each replica's host side has its own checker
             await anyio.to_thread.run_sync(processor.check_lora, lora_request)
 
     async def reset_prefix_cache(self) -> bool:
@@ -55,7 +55,7 @@ class EngineControl:
         requests keep their KV blocks. Returns True (it cannot fail while the engine lives; `EngineDeadError`
         otherwise)."""
         await self.start()
-        for processor in self._replicas.live_processors():
+        for processor in await self._replicas.serving_processors():
             processor.reset_prefix_cache()
         return True
 
@@ -86,10 +86,11 @@ class EngineControl:
         name the model lacks or a wrong shape is an `InvalidRequestError` naming ``named_tensors``, and nothing is
         written), after the requests this engine submitted before, running requests recomputed, the prefix cache
         forgotten; returns the new weights version. See docs/weight-updates.md."""
-        from asyncllm.engine.weight_tensors import pack_tensors
+        from asyncllm.engine.weight_tensors import pack_off_loop
 
         await self.start()
-        packed = await anyio.to_thread.run_sync(pack_tensors, named_tensors)
+        await self._replicas.serving_processors()  # a dead engine refuses before anything is copied
+        packed = await pack_off_loop(named_tensors)
         message = protocol.UpdateWeights("", "", segment=packed.segment.name, tensors=packed.tensors)
         return await self._weights.update(self._replicas, message, when_answered=packed.close)
 
@@ -112,9 +113,10 @@ class EngineControl:
         """Whether any part of the engine's memory sleeps (every host attached to the core sees it: `stats()`'s
         ``is_sleeping``, which the core sends with its outputs)."""
         await self.start()
+        await self._replicas.wait_restart()  # a restarting core's stats say nothing yet
         return self.stats().is_sleeping
 
     async def _sleep_mode(self, message: protocol.Sleep | protocol.WakeUp) -> None:
         await self.start()
         await every_replica([processor.sleep_mode(msgspec.structs.replace(message))
-                              for processor in self._replicas.live_processors()])
+                              for processor in await self._replicas.serving_processors()])

@@ -33,10 +33,16 @@ class EngineWeights:
 
     async def update(self, replicas: "ReplicaSet", message: protocol.UpdateWeights,
                      when_answered: Callable[[], None] | None = None) -> int:
-        """Every live replica's core runs `message`; the lowest weights version after it. ``when_answered()`` runs
-        once every replica has answered (or failed), even if the caller was cancelled before."""
-        futures = [processor.update_weights(msgspec.structs.replace(message))
-                   for processor in replicas.live_processors()]
+        """Every live replica's core runs `message` (after a core restart in progress); the lowest weights version
+        after it. ``when_answered()`` runs once every replica has answered (or failed), even if the caller was
+        cancelled before; at once if no replica is asked (the engine is dead, or the caller cancelled first)."""
+        try:
+            processors = await replicas.serving_processors()
+        except BaseException:
+            if when_answered is not None:
+                when_answered()
+            raise
+        futures = [processor.update_weights(msgspec.structs.replace(message)) for processor in processors]
         if when_answered is not None:
             _call_when_all_done(futures, when_answered)
         version = min(await every_replica(futures))

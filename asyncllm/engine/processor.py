@@ -24,6 +24,7 @@ import zmq
 
 from asyncllm import errors, protocol
 from asyncllm.engine.channel import ConnectionWatch, open_dealer
+from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder
 from asyncllm.engine.pooling_model import PoolingModel
@@ -101,6 +102,9 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         """Core request id -> its state (`sample_request_ids`: ``<id>#<k>``, an n > 1 request's ``<id>#<k>-<i>``)."""
         self._samples: dict[str, list[str]] = {}
         """Request id -> the core request ids of its unfinished samples."""
+        self._ending: list[RequestCollector] = []
+        """Requests the core message being handled ended (untracked, their last item not delivered yet): should the
+        thread fail before it delivers them, `_fail_all` fails them too."""
         self._submissions = itertools.count()
         """Numbers each request's core ids apart from an earlier request of the same id (`sample_request_ids`)."""
         self._logprobs_decoder = LogprobsDecoder(tokenizer)
@@ -170,10 +174,16 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         self._ctx.term()
 
     def _post(self, job: Any) -> None:
+        if isinstance(job, Submit) and self.dead is not None:  # a request racing the engine's death: never queued
+            raise errors.EngineDeadError(f"the engine is dead: {self.dead}")
         self._jobs.put(job)
         with self._doorbell_lock:
-            if not self._doorbell.closed:
+            if self._doorbell.closed:
+                return
+            try:
                 self._doorbell.send(b"", zmq.NOBLOCK)
+            except zmq.Again:  # no room: rings wait for the thread, or it ended (an abort then has nothing to abort)
+                pass
 
     # ------------------------------------------------------------ thread side
     def _run(self) -> None:
@@ -190,6 +200,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             self._settle_ready(exc)
             self._fail_all(errors.EngineDeadError(f"processor thread failed: {exc}"))
         finally:
+            self._fail_queued_requests()
             self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
             self._sleep_calls.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
             if self._mm is not None:
@@ -197,6 +208,17 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             watch.close()
             dealer.close(linger=0)
             self._doorbell_pull.close(linger=0)
+
+    def _fail_queued_requests(self) -> None:
+        """Requests posted that the ending thread will never serve: they fail rather than wait forever."""
+        error = self.dead or errors.EngineDeadError("the engine was closed")
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(job, Submit):
+                self._deliver([(job.collector, error)], None)
 
     def _await_ready(self, dealer: zmq.Socket) -> bool:
         deadline = time.monotonic() + self._startup_timeout_s
@@ -341,6 +363,9 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 self._observer.on_error(tracked.collector, error, now)
             else:
                 self._observer.on_aborted(tracked.collector, now)
+        if error is not None:
+            batch.extend((collector, error) for collector in self._ending)
+        self._ending.clear()
         self._tracked.clear()
         self._samples.clear()
         if batch or error is not None:

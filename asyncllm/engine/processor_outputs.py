@@ -54,6 +54,7 @@ class ProcessorOutputs:
 
     _tracked: dict[str, TrackedRequest]
     _samples: dict[str, list[str]]
+    _ending: list[RequestCollector]
     _mm: MultiModalProcessor | None
     _encoder: Any
     _decoder: Any
@@ -101,6 +102,7 @@ class ProcessorOutputs:
             self._observer.on_scheduler_stats(message.stats, message.stats_reporter)
         if batch or message.stats is not None:
             self._deliver(batch, message.stats)
+        self._ending.clear()
 
     def _on_delta(self, dealer: zmq.Socket, out: protocol.RequestOutputDelta, now: float, batch: Delivery,
                   aborts: list[str]) -> None:
@@ -130,6 +132,7 @@ class ProcessorOutputs:
                         aborts: list[str]) -> StreamDelta | BaseException | None:
         collector = tracked.collector
         if out.error is not None:
+            self._ending.append(collector)
             aborts.extend(core_id for core_id, _ in self._untrack(collector.request_id) if core_id != out.request_id)
             return _request_error(out.error_type, out.error)
         if out.prompt_logprobs is not None and tracked.prompt_logprobs is not None:
@@ -165,6 +168,7 @@ class ProcessorOutputs:
             tracked.prompt_logprobs = None
         if finish_reason is not None:
             del self._tracked[out.request_id]
+            self._ending.append(collector)
             if self._sample_finished(collector.request_id, out.request_id):
                 metrics.finished_time = now
         return delta

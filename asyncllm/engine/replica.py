@@ -105,10 +105,7 @@ class ReplicaSet:
         alive (or replica ``rank`` is not) but one restarts."""
         if rank is not None:
             return await self._pinned(rank)
-        if not self.any_alive:
-            for replica in self.replicas:
-                if replica.supervisor.restarting:
-                    await replica.supervisor.wait()  # the core is being restarted: this request goes to the new one
+        await self.wait_restart()  # the core is being restarted: this request goes to the new one
         previous = self._placed.get(request_id) if request_id is not None else None
         if previous is not None and not previous.finished and self.replicas[previous.replica].alive:
             return self.replicas[previous.replica]
@@ -141,6 +138,19 @@ class ReplicaSet:
         for replica in self.replicas if collector is None else [self.replicas[collector.replica]]:
             if replica.processor is not None:
                 replica.processor.abort(request_id)
+
+    async def wait_restart(self) -> None:
+        """When no replica is alive but a core restarts: until its restart is done (bounded by the core's
+        startup timeout; it never raises, the replicas' state tells)."""
+        if not self.any_alive:
+            for replica in self.replicas:
+                if replica.supervisor.restarting:
+                    await replica.supervisor.wait()
+
+    async def serving_processors(self) -> list[Processor]:
+        """`live_processors` once a core restart in progress is done (what control calls act on)."""
+        await self.wait_restart()
+        return self.live_processors()
 
     def live_processors(self) -> list[Processor]:
         """The processor threads of the replicas that serve; `EngineDeadError` when none does."""
@@ -206,6 +216,7 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
         await finish_in_thread(_stop, processor, core)
         raise
     replica.processor, replica.core = processor, core
+    replica.observer.stats.owns_core = core is not None  # its counters end with it (`HostStats.mark_closed`)
     return prepared
 
 

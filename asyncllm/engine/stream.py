@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.errors import POOLING_OPERATIONS, InvalidRequestError
 from asyncllm.lora import LoRARequest
+from asyncllm.metrics.tracing import capture_context
 from asyncllm.pooling import PoolingParams
 from asyncllm.outputs import StreamDelta
 from asyncllm.sampling import SamplingParams
@@ -117,6 +118,9 @@ class RequestStream:
         self._params = params
         self._options = options
         self._chat = chat
+        self._trace_context = capture_context()
+        """The OpenTelemetry context where the stream was made: its request span's parent, however late and on
+        whichever task the stream is first iterated (a StreamingResponse iterates it after the handler returned)."""
         self.collector: RequestCollector | None = None
         self._done = False
 
@@ -132,7 +136,8 @@ class RequestStream:
             raise StopAsyncIteration
         try:
             if self.collector is None:
-                self.collector = await self._engine._submit(self._prompt, self._params, self._options, self._chat)
+                self.collector = await self._engine._submit(self._prompt, self._params, self._options, self._chat,
+                                                            self._trace_context)
             delta = await self.collector.get()
         except BaseException:
             self._leave()

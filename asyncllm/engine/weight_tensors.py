@@ -4,22 +4,25 @@ The host copies the caller's tensors (CPU or GPU, any layout) once, into one new
 contiguous at a 64-byte-aligned offset; the `UpdateWeights` message carries the segment's name and each tensor's
 name, dtype, shape and offset (`protocol.WeightTensor`). Every worker rank maps the segment, checks the names and
 shapes against its model, and copies its shard of each tensor into the parameters in place
-(workers/weight_update.py). The host unlinks the segment when the call is answered, refused or failed.
+(workers/weight_update.py). The host unlinks the segment when the call is answered, refused or failed, and when
+the caller is cancelled (`pack_off_loop`).
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import anyio
 import torch
 
 from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
 from asyncllm.shm_segment import OwnedSegment
 
-__all__ = ["FIELD", "PackedTensors", "WEIGHT_DTYPES", "pack_tensors", "tensor_views"]
+__all__ = ["FIELD", "PackedTensors", "WEIGHT_DTYPES", "pack_off_loop", "pack_tensors", "tensor_views"]
 
 FIELD = "named_tensors"
 WEIGHT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
@@ -60,6 +63,33 @@ def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str
         PackedTensors(segment, tensors).close()
         raise
     return PackedTensors(segment, tensors)
+
+
+async def pack_off_loop(
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> PackedTensors:
+    """`pack_tensors` in a worker thread. A caller cancelled while it copies (a timeout) does not wait for the
+    copy: whichever of the thread and the caller comes second closes the segment, so none is left in /dev/shm."""
+    lock = threading.Lock()
+    state: dict[str, Any] = {"abandoned": False, "packed": None}
+
+    def pack() -> None:
+        packed = pack_tensors(named_tensors)
+        with lock:
+            if not state["abandoned"]:
+                state["packed"] = packed
+                return
+        packed.close()
+
+    try:
+        await anyio.to_thread.run_sync(pack)
+    except BaseException:
+        with lock:
+            state["abandoned"] = True
+            packed = state["packed"]
+        if packed is not None:
+            packed.close()
+        raise
+    return state["packed"]
 
 
 def tensor_views(buf: Any, tensors: list[protocol.WeightTensor]) -> Iterable[torch.Tensor]:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
+from itertools import zip_longest
 
 from asyncllm.outputs import EngineStats
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["Histogram", "HostStats", "FINISH_REASONS"]
+__all__ = ["Histogram", "HostStats", "FINISH_REASONS", "summed_snapshots"]
 
 # vLLM's buckets, with finer ones at the low end of the inter-token latency (fast GPUs decode in < 10 ms).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -49,6 +50,11 @@ class Histogram:
     def count(self) -> int:
         return sum(self.counts)
 
+    def add(self, other: Histogram) -> None:
+        """Add `other`'s observations (same bounds)."""
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.sum += other.sum
+
 
 class HostStats:
     """What this `AsyncEngine` knows: the core's latest `SchedulerStats` and its own requests.
@@ -64,8 +70,13 @@ class HostStats:
         """The data-parallel replica whose core this host follows (data_parallel_size > 1; its engine-wide series
         carry the label engine="<index>"), else None (no engine label)."""
         self.reports_engine = False
+        self.owns_core = False
+        """Whether this host launched its core (not `AsyncEngine.connect`): the core's counters end with it."""
         self.scheduler = SchedulerStats()
         """The core's latest snapshot (gauges and engine-wide counters)."""
+        self.retired_engine = SchedulerStats()
+        """The final engine-wide counters of this host's own cores that stopped or died, summed (a restarted core
+        counts from 0): Prometheus adds them to the live core's, so the summed counters never go down."""
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.request_success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
@@ -90,8 +101,10 @@ class HostStats:
 
         It stops exporting the engine-wide series: another host attached to the
         same core (if any) exports them now, and counting its counters twice
-        would be wrong.
+        would be wrong. The counters of a core this host owns are final: they
+        go to `retired_engine`.
         """
+        retire = self.reports_engine and self.owns_core
         self.reports_engine = False
         s = self.scheduler
         self.scheduler = SchedulerStats(
@@ -105,6 +118,21 @@ class HostStats:
             spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
             spec_decode_accepted_per_pos=s.spec_decode_accepted_per_pos,
         )
+        if retire:
+            self.retired_engine = summed_snapshots([self.retired_engine, self.scheduler])
+
+    def absorb(self, other: HostStats) -> None:
+        """Add the final counters and histograms of `other`, an engine closed for good (after its `mark_closed`)."""
+        self.prompt_tokens_total += other.prompt_tokens_total
+        self.generation_tokens_total += other.generation_tokens_total
+        self.mm_cache_queries += other.mm_cache_queries
+        self.mm_cache_hits += other.mm_cache_hits
+        for reason, count in list(other.request_success.items()):
+            self.request_success[reason] = self.request_success.get(reason, 0) + count
+        for name, histogram in vars(other).items():
+            if isinstance(histogram, Histogram):
+                getattr(self, name).add(histogram)
+        self.retired_engine = summed_snapshots([self.retired_engine, other.retired_engine])
 
     def snapshot(self, engine_alive: bool = True) -> EngineStats:
         """A typed copy of every gauge and counter (no I/O; a few microseconds)."""
@@ -126,3 +154,15 @@ class HostStats:
             weights_version=s.weights_version, is_sleeping=s.sleep_level > 0, sleep_level=s.sleep_level,
             awaiting_weights=s.awaiting_weights,
         )
+
+
+def summed_snapshots(snapshots: list[SchedulerStats]) -> SchedulerStats:
+    """Numbers add up (KV usage then is used / total blocks of all engines); anything else is the first's."""
+    fields = {}
+    for name in SchedulerStats.__struct_fields__:
+        values = [getattr(s, name) for s in snapshots]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        fields[name] = sum(values) if numeric else values[0]
+    fields["spec_decode_accepted_per_pos"] = [
+        sum(n) for n in zip_longest(*(s.spec_decode_accepted_per_pos for s in snapshots), fillvalue=0)]
+    return SchedulerStats(**fields)

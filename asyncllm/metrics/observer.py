@@ -3,15 +3,18 @@
 Every method runs on the processor thread, once per request event or once per
 output delta; none does I/O. The per-delta path (`on_output`) is a few
 attribute updates and at most one histogram observation unless the request
-finished or the core sent scheduling events.
+finished or the core sent scheduling events. A span call that raises (the
+host's sampler, span processor or exporter) is logged once per kind and
+skipped: the host's tracing never ends a request or the processor thread.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import logging
+from typing import TYPE_CHECKING, Any, Callable
 
 from asyncllm.metrics.host_stats import HostStats
-from asyncllm.metrics.prometheus import attach
+from asyncllm.metrics.prometheus import attach, retire
 from asyncllm.metrics.request_timing import apply_events, observe_finished
 from asyncllm.metrics.tracing import RequestTracer, tracing_available
 from asyncllm.protocol import RequestOutputDelta, SchedulerStats
@@ -22,6 +25,11 @@ if TYPE_CHECKING:
     from asyncllm.sampling import SamplingParams
 
 __all__ = ["RequestObserver"]
+
+logger = logging.getLogger("asyncllm.engine")
+
+
+_SPAN_CALL_VERBS = {"start": "started", "annotate": "annotated", "end": "ended"}
 
 
 class _Traced:
@@ -53,6 +61,8 @@ class RequestObserver:
         """request_id -> its span, only while the host has a tracer provider."""
         self._served_name: str | None = None
         """The server's model name (`serve_as`), which no later `set_model_name` replaces."""
+        self._span_failures: set[str] = set()
+        """The kinds of span call ("start", "annotate", "end") that raised and were logged (once each)."""
 
     def set_model_name(self, model_name: str) -> None:
         """Relabel metrics and spans (an attached host learns the model from the core), unless `serve_as` named
@@ -70,12 +80,24 @@ class RequestObserver:
         if self._tracer is not None:
             self._tracer.model_name = model_name
 
+    def _span_call(self, kind: str, call: Callable[..., Any], *args: Any) -> Any:
+        """`call(*args)`, or None if it raised: the host's tracer provider runs its sampler (start) and span
+        processors (end) inside these calls, and a bug of theirs must not end the processor thread."""
+        try:
+            return call(*args)
+        except Exception:  # noqa: BLE001 - the host's code: logged once per kind, the request carries on
+            if kind not in self._span_failures:
+                self._span_failures.add(kind)
+                logger.exception("asyncllm: the host's OpenTelemetry provider raised as a request span was %s; "
+                                 "requests carry on (further such errors are not logged)", _SPAN_CALL_VERBS[kind])
+            return None
+
     # ------------------------------------------------------------ request start
     def on_added(self, collector: RequestCollector, params: SamplingParams, chat: bool, trace_context: Any) -> None:
         """The request was tokenized and sent to the core."""
         if self._tracer is not None:
-            span = self._tracer.start(collector.request_id, params, chat, len(collector.prompt_token_ids),
-                                      trace_context, collector.metrics.arrival_time)
+            span = self._span_call("start", self._tracer.start, collector.request_id, params, chat,
+                                   len(collector.prompt_token_ids), trace_context, collector.metrics.arrival_time)
             if span is not None:
                 self._traced[collector.request_id] = _Traced(span)
 
@@ -83,10 +105,10 @@ class RequestObserver:
                     error: BaseException, now: float) -> None:
         """The host refused the request before sending it (a bad prompt, a duplicate id)."""
         if self._tracer is not None:
-            span = self._tracer.start(collector.request_id, params, chat, 0, trace_context,
-                                      collector.metrics.arrival_time)
+            span = self._span_call("start", self._tracer.start, collector.request_id, params, chat, 0,
+                                   trace_context, collector.metrics.arrival_time)
             if span is not None:
-                RequestTracer.fail(span, error, now)
+                self._span_call("end", RequestTracer.fail, span, error, now)
 
     # ------------------------------------------------------------ outputs
     def on_scheduler_stats(self, stats: SchedulerStats, reporter: bool) -> None:
@@ -102,7 +124,7 @@ class RequestObserver:
         if out.events:
             apply_events(metrics, out.events)
             if traced is not None:
-                RequestTracer.add_core_events(traced.span, out.events)
+                self._span_call("annotate", RequestTracer.add_core_events, traced.span, out.events)
         if isinstance(item, BaseException):
             self.on_error(collector, item, now)
             return
@@ -122,7 +144,7 @@ class RequestObserver:
             stats.prompt_tokens_total += len(collector.prompt_token_ids)
             stats.time_to_first_token.observe(now - metrics.arrival_time)
             if traced is not None:
-                RequestTracer.first_token(traced.span, now)
+                self._span_call("annotate", RequestTracer.first_token, traced.span, now)
         elif now != last:  # once per core step, however many samples of the request it carried
             stats.inter_token_latency.observe(now - last)
         metrics.last_token_time = now
@@ -133,8 +155,8 @@ class RequestObserver:
             observe_finished(self.stats, collector.metrics, len(collector.prompt_token_ids))
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
-            RequestTracer.finish(traced.span, collector.metrics, traced.finish_reasons, collector.num_cached_tokens,
-                                 now)
+            self._span_call("end", RequestTracer.finish, traced.span, collector.metrics, traced.finish_reasons,
+                            collector.num_cached_tokens, now)
 
     # ------------------------------------------------------------ early ends
     def on_aborted(self, collector: RequestCollector, now: float) -> None:
@@ -142,13 +164,15 @@ class RequestObserver:
         self.stats.count_finished("abort")
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
-            RequestTracer.cancel(traced.span, collector.metrics, now)
+            self._span_call("end", RequestTracer.cancel, traced.span, collector.metrics, now)
 
     def on_error(self, collector: RequestCollector, error: BaseException, now: float) -> None:
         """The request failed (the core refused it, or the engine died); safe to call once per sample."""
         traced = self._traced.pop(collector.request_id, None) if self._traced else None
         if traced is not None:
-            RequestTracer.fail(traced.span, error, now)
+            self._span_call("end", RequestTracer.fail, traced.span, error, now)
 
     def on_closed(self) -> None:
+        """The engine closed for good: its counters stay in the registry's summed series, its gauges leave."""
         self.stats.mark_closed()
+        retire(self.stats, self.registry)

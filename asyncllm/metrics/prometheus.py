@@ -4,7 +4,10 @@ Each `CollectorRegistry` holds one `AsyncLLMCollector`, shared by every engine
 that uses the registry (the host's registry passed as ``prometheus_registry=``,
 or a private one per engine). At scrape time it reads the engines' `HostStats`
 (held weakly: a garbage-collected engine drops out) and sums engines that
-serve the same ``model_name``. Nothing is ever registered in
+serve the same ``model_name``. Summed counters never go down: an engine closed
+for good (`retire`) leaves its final counters and histograms in its model's
+totals, and a core that stopped or died leaves its engine-wide counters
+(`HostStats.retired_engine`); only its gauges leave. Nothing is ever registered in
 ``prometheus_client.REGISTRY`` unless the host passes it.
 
 Engine-wide series (the gauges, preemptions, prefix-cache counters) come from
@@ -33,15 +36,16 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from asyncllm.metrics.host_stats import Histogram, HostStats
+from asyncllm.metrics.host_stats import Histogram, HostStats, summed_snapshots
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["AsyncLLMCollector", "attach", "PREFIX"]
+__all__ = ["AsyncLLMCollector", "attach", "PREFIX", "retire"]
 
 PREFIX = "asyncllm:"
 _LABELS = ["model_name"]
 _EngineKey = tuple[str, "int | None"]
 """(model_name, data-parallel replica index or None): one engine-wide series each."""
+_NO_COUNTERS = SchedulerStats()
 
 _GAUGES: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
     ("num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_requests_running),
@@ -90,10 +94,25 @@ class AsyncLLMCollector(Collector):
     def __init__(self) -> None:
         self._sources: weakref.WeakSet[HostStats] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self._retired: dict[_EngineKey, HostStats] = {}
+        """Per model (and replica index), the final counters and histograms of the engines closed for good."""
 
     def add(self, stats: HostStats) -> None:
         with self._lock:
             self._sources.add(stats)
+
+    def retire(self, stats: HostStats) -> None:
+        """`stats`' engine closed for good: its counters stay in its model's totals, its gauges leave."""
+        with self._lock:
+            if stats not in self._sources:
+                return
+            self._sources.discard(stats)
+            key = (stats.model_name, stats.engine_index)
+            retired = self._retired.get(key)
+            if retired is None:
+                retired = self._retired[key] = HostStats(stats.model_name)
+                retired.engine_index = stats.engine_index
+            retired.absorb(stats)
 
     def describe(self) -> Iterable[Metric]:
         """The families without samples, so the registry refuses a clashing name up front."""
@@ -101,7 +120,7 @@ class AsyncLLMCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         with self._lock:
-            sources = list(self._sources)
+            sources = [*self._sources, *self._retired.values()]
         by_model: dict[str, list[HostStats]] = defaultdict(list)
         for stats in sources:
             by_model[stats.model_name].append(stats)
@@ -115,9 +134,10 @@ def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
         for key, scheduler in engines.items():
             family.add_sample(PREFIX + name, _labels(key), read(scheduler))
         yield family
+    counters = _engine_counters(by_model, engines)
     for name, doc, read in _ENGINE_COUNTERS:
         family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)
-        for key, scheduler in engines.items():
+        for key, scheduler in counters.items():
             family.add_sample(PREFIX + name + "_total", _labels(key), read(scheduler))
         yield family
     for name, doc, read_host in _REQUEST_COUNTERS:
@@ -127,7 +147,7 @@ def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
         yield family
     yield _request_success(by_model)
     yield _lora_info(engines)
-    yield _accepted_per_pos(engines)
+    yield _accepted_per_pos(counters)
     for name, doc, attribute in _HISTOGRAMS:
         family = HistogramMetricFamily(PREFIX + name, doc, labels=_LABELS)
         for model, group in by_model.items():
@@ -143,7 +163,7 @@ def _engine_stats(by_model: dict[str, list[HostStats]]) -> dict[_EngineKey, Sche
         for h in group:
             if h.reports_engine:
                 reported[(model, h.engine_index)].append(h.scheduler)
-    return {key: group[0] if len(group) == 1 else _summed(group) for key, group in reported.items()}
+    return {key: group[0] if len(group) == 1 else summed_snapshots(group) for key, group in reported.items()}
 
 
 def _labels(key: _EngineKey, **extra: str) -> dict[str, str]:
@@ -152,15 +172,17 @@ def _labels(key: _EngineKey, **extra: str) -> dict[str, str]:
     return {**labels, **extra}
 
 
-def _summed(snapshots: list[SchedulerStats]) -> SchedulerStats:
-    """Numbers add up (KV usage then is used / total blocks of all engines); anything else is the first's."""
-    fields = {}
-    for name in SchedulerStats.__struct_fields__:
-        values = [getattr(s, name) for s in snapshots]
-        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        fields[name] = sum(values) if numeric else values[0]
-    fields["spec_decode_accepted_per_pos"] = [sum(n) for n in zip(*(s.spec_decode_accepted_per_pos for s in snapshots))]
-    return SchedulerStats(**fields)
+def _engine_counters(by_model: dict[str, list[HostStats]],
+                     engines: dict[_EngineKey, SchedulerStats]) -> dict[_EngineKey, SchedulerStats]:
+    """The live cores' snapshots plus the final counters of cores that stopped (`HostStats.retired_engine`)."""
+    counters = dict(engines)
+    for model, group in by_model.items():
+        for h in group:
+            if h.retired_engine != _NO_COUNTERS:
+                key = (model, h.engine_index)
+                counters[key] = summed_snapshots([counters[key], h.retired_engine]) if key in counters \
+                    else h.retired_engine
+    return counters
 
 
 def _lora_info(engines: dict[_EngineKey, SchedulerStats]) -> Metric:
@@ -214,6 +236,15 @@ def _merged_buckets(histograms: list[Histogram]) -> tuple[list[tuple[str, float]
         cumulative += count
         buckets.append((bound, cumulative))
     return buckets, total
+
+
+def retire(stats: HostStats, registry: CollectorRegistry) -> None:
+    """The engine of `stats` closed for good (after `HostStats.mark_closed`): its final counters stay in the summed
+    series of `registry`, which never go down (Prometheus would read a drop as a reset)."""
+    with _collectors_lock:
+        collector = _collectors.get(registry)
+    if collector is not None:
+        collector.retire(stats)
 
 
 _collectors: weakref.WeakKeyDictionary[CollectorRegistry, AsyncLLMCollector] = weakref.WeakKeyDictionary()

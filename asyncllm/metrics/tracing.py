@@ -2,10 +2,12 @@
 
 asyncllm never installs a provider or an exporter: spans come from
 ``opentelemetry.trace.get_tracer("asyncllm")``, which is a no-op until the
-host sets its provider. The caller's context is captured on its task (the
-processor thread has none), so the span is a child of the span current where
-`stream()` / `generate()` / `chat()` was called. Spans are started, annotated
-and ended on the processor thread (OpenTelemetry is thread-safe). Without
+host sets its provider. The caller's context is captured on its task as its
+`RequestStream` is made (the processor thread has none), so the span is a child
+of the span current where `stream()` / `generate()` / `chat()` was called,
+wherever the stream is iterated. Spans are started, annotated and ended on the
+processor thread (OpenTelemetry is thread-safe; `RequestObserver` logs and skips
+a span call the host's provider makes raise). Without
 opentelemetry-api installed, `capture_context` returns None and no
 `RequestTracer` is made: the whole feature costs one None check per call site.
 

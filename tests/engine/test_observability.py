@@ -15,12 +15,15 @@ import prometheus_client
 import pytest
 import pytest_asyncio
 from opentelemetry import trace
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
+from asyncllm import AsyncEngine, EngineDeadError, InvalidRequestError, SamplingParams
+from asyncllm.engine.collector import RequestCollector
+from asyncllm.engine.processor import Submit
+from asyncllm.engine.stream import RequestOptions
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -153,6 +156,68 @@ async def test_span_is_a_child_of_the_callers_span_with_gen_ai_attributes(engine
     assert names[:3] == ["queued", "scheduled", "first_token"] and names[-1] == "finished"
     assert span.status.status_code is StatusCode.UNSET
     assert span.start_time == int(out.metrics.arrival_time * 1e9)
+
+
+async def test_span_parent_is_where_the_stream_was_made_not_where_it_is_iterated(engine: AsyncEngine) -> None:
+    tracer = trace.get_tracer("test")
+    with tracer.start_as_current_span("handler") as handler:  # a handler returns a StreamingResponse of the stream
+        stream = engine.stream(PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True), request_id="traced-lazy")
+    with tracer.start_as_current_span("response-writer"):
+        async for _ in stream:
+            pass
+    (span,) = _spans_named("traced-lazy")
+    assert span.parent.span_id == handler.get_span_context().span_id
+
+
+class _RaisingSpanProcessor(SpanProcessor):
+    """A host's span processor with a bug, for the spans of requests ``flaky-start*`` / ``flaky-end*``."""
+
+    def on_start(self, span, parent_context=None) -> None:
+        if span.attributes.get("gen_ai.response.id", "").startswith("flaky-start"):
+            raise RuntimeError("host span processor bug (on_start)")
+
+    def on_end(self, span) -> None:
+        if span.attributes.get("gen_ai.response.id", "").startswith("flaky-end"):
+            raise RuntimeError("host span processor bug (on_end)")
+
+
+async def test_a_raising_span_processor_costs_its_spans_never_a_request(engine: AsyncEngine, caplog) -> None:
+    trace.get_tracer_provider().add_span_processor(_RaisingSpanProcessor())  # acts on flaky-* requests only
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    ids = ["flaky-start-0", "flaky-end-0", "flaky-end-1"]
+    with caplog.at_level(logging.ERROR, logger="asyncllm.engine"):
+        outs = await asyncio.wait_for(asyncio.gather(
+            *(engine.generate(PROMPTS[0], params, request_id=rid) for rid in ids)), 20)
+    assert [len(out.outputs[0].token_ids) for out in outs] == [3, 3, 3]
+    logged = [r.getMessage() for r in caplog.records if "OpenTelemetry" in r.getMessage()]
+    assert len(logged) == 2 and {m.split("span was ")[1].split(";")[0] for m in logged} == {"started", "ended"}
+    assert engine.stats().engine_alive
+    assert _spans_named("flaky-start-0") == [] and len(_spans_named("flaky-end-0")) == 1  # exported before it raised
+
+
+async def test_a_processor_thread_failing_mid_message_fails_the_request_it_held(
+        tiny_llama: str, monkeypatch) -> None:
+    async with AsyncEngine(tiny_llama, max_model_len=64, disable_log_stats=True) as other:
+        processor, real_on_output = other._processor, other._observer.on_output
+        queued, late = (Submit(RequestCollector(rid, time.time()), [5, 6], SamplingParams(), RequestOptions())
+                        for rid in ("queued", "late"))
+
+        def on_output(collector, out, item, now) -> None:
+            real_on_output(collector, out, item, now)
+            if collector.request_id == "doomed" and getattr(item, "finish_reason", None) is not None:
+                processor._jobs.put(queued)  # posted as the thread fails: it is never served
+                raise RuntimeError("a bug on the processor thread")  # after the request was untracked
+
+        monkeypatch.setattr(other._observer, "on_output", on_output)
+        with pytest.raises(EngineDeadError, match="a bug on the processor thread"):
+            await asyncio.wait_for(other.generate([5, 6, 7], SamplingParams(max_tokens=2), request_id="doomed"), 10)
+        with pytest.raises(EngineDeadError, match="a bug on the processor thread"):
+            await asyncio.wait_for(queued.collector.get(), 5)
+        processor._thread.join(5)
+        for _ in range(1100):  # past the doorbell's high-water mark: no zmq.Again once the thread is gone
+            processor.abort("doomed")
+        with pytest.raises(EngineDeadError, match="a bug on the processor thread"):
+            processor.submit(late)  # a request racing the engine's death: a typed error, never queued
 
 
 async def test_a_request_with_two_samples_has_one_span(engine: AsyncEngine) -> None:

@@ -208,3 +208,43 @@ def test_grafana_dashboard_uses_only_exported_series() -> None:
     exported = {sample.name for family in registry.collect() for sample in family.samples}
     exported |= {family.name + suffix for family in registry.collect() for suffix in ("", "_total")}
     assert used and used <= exported, used - exported
+
+
+def _counters(reg: CollectorRegistry) -> tuple:
+    labels = {"model_name": "m"}
+    return (reg.get_sample_value("asyncllm:prefix_cache_queries_total", labels),
+            reg.get_sample_value("asyncllm:prompt_tokens_total", labels),
+            reg.get_sample_value("asyncllm:request_success_total", {**labels, "finished_reason": "length"}),
+            reg.get_sample_value("asyncllm:time_to_first_token_seconds_count", labels))
+
+
+def test_an_engine_closed_for_good_leaves_its_counters_in_the_shared_registry() -> None:
+    reg = CollectorRegistry()
+    old, new = RequestObserver("m", reg), RequestObserver("m", reg)  # e.g. a model reload: two engines, one registry
+    for observer, n in ((old, 40), (new, 10)):
+        observer.stats.owns_core = True
+        observer.on_scheduler_stats(SchedulerStats(num_requests_running=1, prefix_cache_queries=n), reporter=True)
+        observer.stats.prompt_tokens_total = n
+        observer.stats.count_finished("length")
+        observer.stats.time_to_first_token.observe(0.1)
+    assert _counters(reg) == (50, 50, 2, 2)
+    old.on_closed()
+    assert _counters(reg) == (50, 50, 2, 2)  # a counter that went down would read as a reset
+    assert reg.get_sample_value("asyncllm:num_requests_running", {"model_name": "m"}) == 1  # gauges leave
+    del old
+    gc.collect()
+    assert _counters(reg) == (50, 50, 2, 2)
+
+
+def test_a_restarted_core_counts_on_from_its_predecessors_final_counters() -> None:
+    stats = HostStats("m")
+    reg = attach(stats, None)
+    stats.owns_core, stats.reports_engine = True, True
+    stats.scheduler = SchedulerStats(prefix_cache_queries=30, spec_decode_accepted_per_pos=[3, 1])
+    stats.mark_closed()  # the core died; the supervisor starts a new one, which counts from 0
+    stats.mark_closed()  # and the engine closes: nothing is counted twice
+    stats.scheduler = SchedulerStats(prefix_cache_queries=4, spec_decode_accepted_per_pos=[2])
+    stats.reports_engine = True
+    assert reg.get_sample_value("asyncllm:prefix_cache_queries_total", {"model_name": "m"}) == 34
+    per_pos = {"model_name": "m", "position": "1"}
+    assert reg.get_sample_value("asyncllm:spec_decode_num_accepted_tokens_per_pos_total", per_pos) == 1

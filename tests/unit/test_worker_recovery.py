@@ -3,13 +3,16 @@ restart budget counts restarts within a sliding window."""
 
 from __future__ import annotations
 
+import pytest
+
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
+from asyncllm.errors import EngineDeadError
 from asyncllm.sampling import SamplingParams
 from asyncllm.sched.recovery import requeue_all_for_recompute
 from asyncllm.sched.request import Request, RequestStatus
 from asyncllm.sched.scheduler import Scheduler
-from asyncllm.workers.restart import RestartBudget
+from asyncllm.workers.restart import RestartBudget, WorkerRestarter
 
 
 def _scheduler(**fields) -> Scheduler:
@@ -78,3 +81,45 @@ def test_restart_budget_counts_within_the_window() -> None:
     now[0] = 600.0  # the first restart left the window
     assert budget.try_take() and budget.num_restarts_total == 3
     assert not RestartBudget(0).try_take()  # max 0: fail-stop
+
+
+class _FakeExecutor:
+    """Starts (or dies while loading, like a SIGKILLed new worker) without spawning anything."""
+
+    def __init__(self, dies: bool) -> None:
+        self.dies, self.num_cpu_blocks, self.shut_down, self.cache = dies, 0, False, None
+
+    def start(self) -> int:
+        if self.dies:
+            raise EngineDeadError("worker rank 0 (pid 1) was killed by SIGKILL")
+        return 16
+
+    def init_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache = (num_gpu_blocks, num_cpu_blocks)
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+
+
+def _restarter(max_worker_restarts: int, deaths: int) -> tuple[WorkerRestarter, list[_FakeExecutor]]:
+    made: list[_FakeExecutor] = []
+
+    def factory(config: EngineConfig) -> _FakeExecutor:
+        made.append(_FakeExecutor(dies=len(made) < deaths))
+        return made[-1]
+
+    config = EngineConfig.create("dummy-model", block_size=4, max_worker_restarts=max_worker_restarts)
+    return WorkerRestarter(config, 16, 0, executor_factory=factory), made  # type: ignore[arg-type]
+
+
+def test_new_workers_that_die_while_loading_spend_the_budget_and_are_started_again() -> None:
+    restarter, made = _restarter(max_worker_restarts=3, deaths=2)  # 1 failure + 2 failed starts = 3, allowed
+    failed = _FakeExecutor(dies=False)
+    executor = restarter.recover(failed, _scheduler(), EngineDeadError("worker rank 0 killed"))
+    assert failed.shut_down and executor is made[2] and executor.cache == (16, 0)
+    assert [e.shut_down for e in made] == [True, True, False] and restarter.budget.num_restarts_total == 3
+
+    restarter, made = _restarter(max_worker_restarts=3, deaths=3)  # the 4th failure ends the engine
+    with pytest.raises(EngineDeadError, match="failed more than max_worker_restarts=3") as info:
+        restarter.recover(_FakeExecutor(dies=False), _scheduler(), EngineDeadError("worker rank 0 killed"))
+    assert len(made) == 3 and all(e.shut_down for e in made) and "pid 1" in str(info.value)
