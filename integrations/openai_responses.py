@@ -258,8 +258,10 @@ def _chat_token(token_id: int, entry: dict[int, Logprob], top_n: int,
 
 
 def _top(entry: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
-    """The `top_n` most likely tokens: the entry holds them and the sampled token (which may be one of them)."""
-    return sorted(entry.items(), key=lambda item: -item[1].logprob)[:top_n]
+    """The `top_n` most likely tokens (-1: every one, the whole vocabulary): the entry holds them and the sampled
+    token (which may be one of them)."""
+    ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)
+    return ranked if top_n == -1 else ranked[:top_n]
 
 
 def _token_text(token_id: int, entry: dict[int, Logprob]) -> str:

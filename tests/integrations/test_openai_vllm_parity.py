@@ -338,6 +338,11 @@ async def test_minus_one_fields_as_vllm() -> None:
         with pytest.raises(InvalidRequestError) as info:
             chat(**fields)
         assert info.value.field == "top_logprobs"
+    from asyncllm.integrations.openai_responses import _top
+    from asyncllm.outputs import Logprob
+
+    entry = {token: Logprob(-float(token)) for token in (3, 1, 2)}
+    assert [t for t, _ in _top(entry, -1)] == [1, 2, 3] and [t for t, _ in _top(entry, 2)] == [1, 2]  # -1: all
 
 
 async def test_chat_echo_puts_the_last_assistant_message_first(app) -> None:
