@@ -277,6 +277,11 @@ class MultiModalProcessor(MediaItems):
         marker = self._markers()[kind]
         if marker is None:
             raise InvalidRequestError("messages", f"{self._model_cls.__name__} takes no {kind}s")
+        if not getattr(self._model_cls, "mm_string_placeholder", True):
+            raise InvalidRequestError("chat_template_content_format", f"'string' with {kind} parts is not built for "
+                                      f"{self._model_cls.__name__} (vLLM writes its own placeholder text there, "
+                                      "numbered or with other tokens); use 'openai' or 'auto', or give a prompt with "
+                                      "the placeholders")
         names = getattr(self._model_cls, "mm_placeholder_around", {}).get(kind, ())
         around = [getattr(self._hf_config, name, None) for name in names]
         ids = [around[0], marker, around[1]] if len(around) == 2 and None not in around else [marker]

@@ -93,6 +93,10 @@ def _check_config(hf_config: Any) -> None:
 class Cohere2VisionForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """A SigLIP tower, pixel shuffle and a SwiGLU projector before the Cohere2 decoder; each tile one item."""
 
+    mm_string_placeholder = False
+    """A "string" chat's media parts are refused: vLLM's placeholder text differs from the marker token
+    (`MultiModalProcessor.placeholder_text`)."""
+
     supports_encoder_data_parallel = True
     mm_image_processor_class = Cohere2VisionImages
     """transformers' ``Cohere2VisionImageProcessor`` needs torchvision: this stands in for it (asyncllm/mm/)."""

@@ -246,6 +246,10 @@ class Ernie4_5_VLMoeForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Image features (tower, then resampler) replace the ``<|IMAGE_PLACEHOLDER|>`` embeddings; positions are
     M-RoPE's; image and video rows and their markers run the vision experts."""
 
+    mm_string_placeholder = False
+    """A "string" chat's media parts are refused: vLLM's placeholder text differs from the marker token
+    (`MultiModalProcessor.placeholder_text`)."""
+
     is_moe = True
     tower_cls = ErnieVisionTower
     language_model_cls = ErnieVLLanguageModel

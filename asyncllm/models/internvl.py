@@ -175,6 +175,10 @@ class InternVLProjector(nn.Module):
 class InternVLForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Image features replace the ``<IMG_CONTEXT>`` embeddings; ``<img>`` / ``</img>`` keep theirs."""
 
+    mm_string_placeholder = False
+    """A "string" chat's media parts are refused: vLLM's placeholder text differs from the marker token
+    (`MultiModalProcessor.placeholder_text`)."""
+
     supports_encoder_data_parallel = True
 
     def __init__(self, hf_config: Any, *, dtype: torch.dtype, tp: TensorParallel, attn_backend: AttentionBackend,

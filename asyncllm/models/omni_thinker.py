@@ -48,6 +48,10 @@ class OmniThinker:
     """Mixin before a Qwen-VL model class: the audio hooks around its vision ones. A subclass sets ``speech_parts``
     and ``audio_tower_cls`` and gives `audio_placeholders` and `embed_audios`."""
 
+    mm_string_placeholder = False
+    """A "string" chat's media parts are refused: vLLM's placeholder text differs from the marker token
+    (`MultiModalProcessor.placeholder_text`)."""
+
     speech_parts: tuple[str, ...] = ()
     """The full checkpoint's speech-out parts' weight prefixes, skipped unread."""
     audio_tower_cls: type[nn.Module]

@@ -83,6 +83,10 @@ def _decoder_config(hf_config: Any) -> Any:
 class PaliGemmaForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Image features replace the ``<image>`` rows' embeddings; the rest is the Gemma decoder at positions + 1."""
 
+    mm_string_placeholder = False
+    """A "string" chat's media parts are refused: vLLM's placeholder text differs from the marker token
+    (`MultiModalProcessor.placeholder_text`)."""
+
     supports_encoder_data_parallel = True
     """The tower and projector are whole on every rank in either mode, so "data" splits a step's images."""
     position_offset = 1

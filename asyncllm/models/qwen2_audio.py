@@ -165,6 +165,10 @@ def normalize_qwen2_audio_name(name: str) -> str:
 class Qwen2AudioForConditionalGeneration(DecoderLoRA, VisionLanguageModel):
     """Audio features replace the ``<|AUDIO|>`` placeholder embeddings; the rest is the Qwen2 decoder."""
 
+    mm_string_placeholder = False
+    """A "string" chat's media parts are refused: vLLM's placeholder text differs from the marker token
+    (`MultiModalProcessor.placeholder_text`)."""
+
     mm_takes_images = False
     """Audio only: no image processor, no image placeholder (asyncllm/mm/processor.py)."""
     normalize_name = staticmethod(normalize_qwen2_audio_name)

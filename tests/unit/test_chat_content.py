@@ -88,6 +88,20 @@ def test_string_writes_each_mediums_missing_placeholder_ahead_of_the_text_as_vll
                            "string", marks)
 
 
+def test_models_whose_vllm_placeholder_is_not_their_marker_refuse_string_media() -> None:
+    """Qwen2-Audio, the Omni thinkers, Ernie-VL, PaliGemma, InternVL, Command A Vision: vLLM writes other text than
+    the marker there (numbered, or other tokens), so a "string" chat's media parts are refused naming the field."""
+    from types import SimpleNamespace
+
+    from asyncllm.mm.processor import MultiModalProcessor
+    from asyncllm.models.qwen2_audio import Qwen2AudioForConditionalGeneration
+
+    fake = SimpleNamespace(_markers=lambda: {"audio": 7}, _model_cls=Qwen2AudioForConditionalGeneration)
+    with pytest.raises(InvalidRequestError, match="'string' with audio parts is not built") as info:
+        MultiModalProcessor.placeholder_text(fake, "audio")
+    assert info.value.field == "chat_template_content_format"
+
+
 def test_rendered_prompts_match_vllms_conversation(tokenizer) -> None:
     """The ids are transformers' over the conversation vLLM builds: one "\\n"-joined string with the tiny model's
     string template; the parts themselves (a string content as one text part) with a template that loops."""
