@@ -7,20 +7,28 @@ before the answer. The parsers have vLLM's names (``--reasoning-parser``):
   ``<think>`` in the prompt, so the reply is reasoning up to ``</think>`` (a
   leading ``<think>`` is dropped); a reply without ``</think>`` is all
   reasoning (cut short while thinking).
-- ``qwen3`` (Qwen3): reasoning only when the reply opens ``<think>`` itself;
-  a reply that does not (``enable_thinking: false``, whose template writes an
-  empty think block in the prompt) is all answer, streamed as it comes.
-  (A template that opens ``<think>`` in the prompt: use ``deepseek_r1``.)
-- ``mistral`` (Magistral): as ``qwen3`` with ``[THINK]`` and ``[/THINK]``
-  (special tokens, kept in the reply's text by the server).
-- ``glm45`` (GLM-4.5 / 4.6 / 4.7): as ``qwen3``; ``minimax_m2`` (MiniMax-M2): as
-  ``deepseek_r1``; ``seed_oss`` (Seed-OSS): as ``qwen3`` with ``<seed:think>`` and
-  ``</seed:think>``; ``hunyuan_a13b`` (Hunyuan-A13B): as ``qwen3``, the answer's
-  ``<answer>`` ... ``</answer>`` tags dropped.
+- ``qwen3`` (Qwen3, Qwen3-Thinking-2507, Qwen3.5): as ``deepseek_r1`` (as
+  current vLLM's: newer templates open ``<think>`` in the prompt, older
+  models' replies open it themselves and it is dropped), a reply without
+  ``</think>`` all reasoning; a ``<tool_call>`` followed by ``<function``
+  (Qwen3.5 calling from inside its thinking) ends the reasoning too.
+- ``mistral`` (Magistral): reasoning only when the reply opens ``[THINK]``
+  itself (a special token, kept in the reply's text by the server) up to
+  ``[/THINK]``; a reply that does not is all answer, streamed as it comes.
+- ``glm45`` (GLM-4.5 / 4.6 / 4.7): as ``mistral`` with ``<think>`` and
+  ``</think>``; ``minimax_m2`` (MiniMax-M2): as ``deepseek_r1``; ``seed_oss``
+  (Seed-OSS): as ``glm45`` with ``<seed:think>`` and ``</seed:think>``;
+  ``hunyuan_a13b`` (Hunyuan-A13B): as ``glm45``, the answer's ``<answer>`` ...
+  ``</answer>`` tags dropped.
 - ``openai_gptoss`` (gpt-oss): harmony channels, not tags (harmony.py): the
   analysis channel is reasoning, the final channel (and commentary without a
   recipient, a preamble) the answer; a message with a recipient (a tool call)
   passes on as written, for the ``openai`` tool-call parser.
+
+Whatever the tag parser, a reply whose prompt already ended the thinking (a
+template with thinking turned off writes ``<think>\\n\\n</think>\\n\\n`` at the
+prompt's end: Qwen3's and DeepSeek-V3.1's ``enable_thinking: false``, Qwen3.5's
+default) is all answer (`ReasoningParser.stream`'s ``answering``).
 
 `ReasoningParser.parse` splits a whole reply; `ReasoningParser.stream` splits
 text deltas as they come, holding back only the characters that may begin a
@@ -43,12 +51,15 @@ _OPEN, _CLOSE = "<think>", "</think>"
 class ReasoningStream:
     """One reply's deltas in, (reasoning, content) deltas out."""
 
-    def __init__(self, opened_by_prompt: bool, open_tag: str = _OPEN, close_tag: str = _CLOSE) -> None:
+    def __init__(self, opened_by_prompt: bool, open_tag: str = _OPEN, close_tag: str = _CLOSE,
+                 answering: bool = False) -> None:
+        """`answering`: the prompt already ended the thinking (`ReasoningParser.stream`): all of the reply is
+        content, as it comes."""
         self._opened_by_prompt = opened_by_prompt
         self._open, self._close = open_tag, close_tag
-        self._thinking: bool | None = None
+        self._thinking: bool | None = False if answering else None
         """None until the reply's first characters show whether it opens ``<think>``."""
-        self._answer_started = False
+        self._answer_started = answering
         self._buffer = ""
 
     def feed(self, text: str) -> tuple[str, str]:
@@ -66,14 +77,22 @@ class ReasoningStream:
             elif not self._thinking:
                 text, self._buffer = self._buffer, ""
                 return "", self._answer(text)
-        end = self._buffer.find(self._close)
+        end, after = self._thinking_end()
         if end >= 0:
-            reasoning, rest = self._buffer[:end], self._buffer[end + len(self._close):]
+            reasoning, rest = self._buffer[:end], self._buffer[after:]
             self._buffer, self._thinking = "", False
             return reasoning, self._answer(rest)
-        keep = partial_tag_suffix(self._buffer, self._close)
+        keep = after
         released, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
         return released, ""
+
+    def _thinking_end(self) -> tuple[int, int]:
+        """Where in the buffer the reasoning ends and the answer starts; (-1, n) when not yet, the last n characters
+        held back (they may begin the end)."""
+        end = self._buffer.find(self._close)
+        if end >= 0:
+            return end, end + len(self._close)
+        return -1, partial_tag_suffix(self._buffer, self._close)
 
     def finish(self) -> tuple[str, str]:
         """At the reply's end: what was held back (reasoning when cut short while thinking)."""
@@ -100,17 +119,22 @@ class ReasoningParser:
     """Whether the chat template opens ``<think>`` in the prompt (the reply is reasoning until ``</think>``)."""
     needs_special_tokens = False
     """Its markers are special tokens (harmony's): the server keeps special tokens in every chat reply's text."""
+    prompt_ends_thinking = True
+    """Whether a prompt can end the thinking (`stream`'s ``answering``): not harmony's, whose prompt ends with the
+    assistant's start."""
     forced_tool_calls = True
     """Whether a named or ``required`` tool choice can be served: its grammar (after `end_tag`) writes the answer,
     which is then the call. Not with harmony, where a call is a message of its own, before any final answer."""
 
-    def stream(self) -> ReasoningStream | HarmonyReasoningStream:
-        """A parser of one reply's deltas."""
-        return ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag)
+    def stream(self, answering: bool = False) -> ReasoningStream | HarmonyReasoningStream:
+        """A parser of one reply's deltas; `answering`: its prompt ended with `end_tag` (a template that turned
+        thinking off, `prompt_wrote_marker`), so all of it is content, as vLLM reads it (``is_reasoning_end``
+        on the prompt)."""
+        return ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 
-    def parse(self, text: str) -> tuple[str | None, str | None]:
+    def parse(self, text: str, answering: bool = False) -> tuple[str | None, str | None]:
         """A whole reply's reasoning and content (None where there is none)."""
-        stream = self.stream()
+        stream = self.stream(answering)
         reasoning, content = stream.feed(text)
         more_reasoning, more_content = stream.finish()
         return reasoning + more_reasoning or None, content + more_content or None
@@ -120,10 +144,33 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
     """DeepSeek-R1 and its distills, QwQ: the template opens ``<think>`` in the prompt."""
 
 
-class Qwen3ReasoningParser(ReasoningParser):
-    """Qwen3: the reply opens ``<think>`` itself when it thinks."""
+class Qwen3ReasoningStream(ReasoningStream):
+    """`ReasoningStream` whose thinking also ends at a ``<tool_call>`` followed by ``<function`` (Qwen3.5 may call a
+    tool from inside its thinking, without ``</think>``): the call is the answer's, as vLLM's qwen3 parser reads it."""
 
-    opened_by_prompt = False
+    CALL = "<tool_call>"
+    _FUNCTION = re.compile(r"\s*<function[\s=]")
+
+    def _thinking_end(self) -> tuple[int, int]:
+        end, after = super()._thinking_end()
+        start = 0
+        while (call := self._buffer.find(self.CALL, start)) >= 0 and (end < 0 or call < end):
+            rest = self._buffer[call + len(self.CALL):]
+            if self._FUNCTION.match(rest):
+                return call, call
+            if "<function".startswith(rest.lstrip()):  # what follows may still open the function: wait
+                return -1, len(self._buffer) - call
+            start = call + 1
+        return (end, after) if end >= 0 else (-1, max(after, partial_tag_suffix(self._buffer, self.CALL)))
+
+
+class Qwen3ReasoningParser(ReasoningParser):
+    """Qwen3 / Qwen3.5: ``<think>`` opened in the prompt (Qwen3-Thinking-2507, Qwen3.5) or by the reply (dropped);
+    reasoning up to ``</think>`` (or a tool call's ``<tool_call><function=``), all of a reply without it (cut short
+    while thinking), as vLLM's."""
+
+    def stream(self, answering: bool = False) -> Qwen3ReasoningStream:
+        return Qwen3ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 
 
 class MistralReasoningParser(ReasoningParser):
@@ -142,8 +189,9 @@ class GptOssReasoningParser(ReasoningParser):
     end_tag = FINAL_START
     needs_special_tokens = True
     forced_tool_calls = False
+    prompt_ends_thinking = False
 
-    def stream(self) -> HarmonyReasoningStream:
+    def stream(self, answering: bool = False) -> HarmonyReasoningStream:
         return HarmonyReasoningStream()
 
 
@@ -190,12 +238,14 @@ class HunyuanA13BReasoningParser(ReasoningParser):
 
     opened_by_prompt = False
 
-    def stream(self) -> WrappedAnswerStream:
-        return WrappedAnswerStream(self.opened_by_prompt, self.start_tag, self.end_tag)
+    def stream(self, answering: bool = False) -> WrappedAnswerStream:
+        return WrappedAnswerStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 
 
-class Glm45ReasoningParser(Qwen3ReasoningParser):
-    """GLM-4.5 / 4.6 / 4.7: the reply opens ``<think>`` itself when it thinks (as Qwen3's)."""
+class Glm45ReasoningParser(ReasoningParser):
+    """GLM-4.5 / 4.6 / 4.7: the reply opens ``<think>`` itself when it thinks."""
+
+    opened_by_prompt = False
 
 
 class SeedOssReasoningParser(ReasoningParser):

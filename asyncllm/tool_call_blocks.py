@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncllm.tool_call_streams import ReplyPart, TaggedBlockStream, ToolCallDelta, partial_tag_suffix, tool_call_id
-from asyncllm.tool_call_xml import XmlCallsStream, typed_value
+from asyncllm.tool_call_xml import CLOSED_PARAMETER, XmlCallsStream, typed_value
 
 __all__ = ["BlockCall", "FORMATS", "SeedXmlStream", "WholeBlockStream", "block_stream", "deepseek_v3_call",
            "deepseek_v31_call", "glm45_call", "json_list_calls", "kimi_k2_call", "minimax_m2_calls"]
@@ -176,9 +176,11 @@ class WholeBlockStream(TaggedBlockStream):
 
 
 class SeedXmlStream(XmlCallsStream):
-    """Seed-OSS: Qwen3-Coder's XML calls inside ``<seed:tool_call>`` blocks."""
+    """Seed-OSS: Qwen3-Coder's XML calls inside ``<seed:tool_call>`` blocks (a parameter's ``</parameter>`` left
+    out only at the block's end, as vLLM's ``seed_oss`` regex reads it)."""
 
     OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
+    PARAMETER = CLOSED_PARAMETER
 
 
 FORMATS: dict[str, tuple[str, str, Callable[[str, dict[str, dict[str, str]]], list[BlockCall] | None],

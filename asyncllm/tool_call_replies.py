@@ -14,6 +14,7 @@ every call waits for the reply's end.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from dataclasses import replace
 
 from asyncllm.json_stream import JsonObjectScanner
@@ -33,9 +34,9 @@ class ArgumentsObject:
     """A call whose name came before its arguments object (Mistral's ``name[ARGS]{...}``): the object's text is
     the arguments. Streamed, its first piece goes out at once."""
 
-    def __init__(self, index: int, name: str, stream_arguments: bool) -> None:
+    def __init__(self, index: int, name: str, stream_arguments: bool, new_id: Callable[[], str] = tool_call_id) -> None:
         self.json = JsonObjectScanner()
-        self.index, self.name, self.id = index, name, tool_call_id()
+        self.index, self.name, self.id = index, name, new_id()
         self._stream = stream_arguments
         self._sent = 0  # pieces of the object's text sent
 
@@ -195,10 +196,12 @@ class MistralStream(_CallsReplyStream):
     OPENERS = (TOOL_CALLS,)
     TAG = TOOL_CALLS
 
-    def __init__(self, stream_arguments: bool) -> None:
+    def __init__(self, stream_arguments: bool, new_id: Callable[[], str] = tool_call_id) -> None:
+        """`new_id`: the calls' id maker (the ``mistral`` parser's: `mistral_tool_call_id`)."""
         super().__init__(stream_arguments)
         self._state = "start"  # start; v11: name, after (an object); a list: item, next, end
         self._name: list[str] = []
+        self._new_id = new_id
 
     def _complete(self) -> bool:
         return self._state in ("after", "end") and not self._pending.strip()
@@ -241,7 +244,7 @@ class MistralStream(_CallsReplyStream):
         if not name:
             self._mode = "broken"
         else:
-            self._call = ArgumentsObject(self._index, name, self._stream_arguments)
+            self._call = ArgumentsObject(self._index, name, self._stream_arguments, self._new_id)
             parts += self._call.first()
         return True
 
@@ -267,7 +270,7 @@ class MistralStream(_CallsReplyStream):
             self._trailing()
         elif self._state == "item" and char == "{":
             self._state = "next"
-            self._call = CallObject(self._index, ("arguments",), self._stream_arguments)
+            self._call = CallObject(self._index, ("arguments",), self._stream_arguments, self._new_id)
         elif self._state == "next" and char in ",]":
             self._pending, self._state = self._pending[1:], "item" if char == "," else "end"
         else:

@@ -14,18 +14,27 @@ from __future__ import annotations
 
 import abc
 import json
+import random
+import string
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from asyncllm.json_stream import JsonObjectScanner
 
 __all__ = ["ToolCallDelta", "ReplyPart", "ToolCallDeltaStream", "CallObject", "TaggedBlockStream", "HermesStream",
-           "tool_call_id", "partial_tag_suffix"]
+           "tool_call_id", "mistral_tool_call_id", "partial_tag_suffix"]
 
 
 def tool_call_id() -> str:
     """A fresh id for one call (``call_`` and 24 hex digits, as OpenAI's)."""
     return "call_" + uuid.uuid4().hex[:24]
+
+
+def mistral_tool_call_id() -> str:
+    """A fresh id for one Mistral call: 9 letters and digits, as vLLM's ``MistralToolCall`` (Mistral's chat
+    templates refuse any other id in the next turn's history)."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
 
 
 @dataclass
@@ -78,10 +87,11 @@ class CallObject:
     `stream_arguments` its pieces are reported as they are read.
     """
 
-    def __init__(self, index: int, arguments_keys: tuple[str, ...], stream_arguments: bool) -> None:
+    def __init__(self, index: int, arguments_keys: tuple[str, ...], stream_arguments: bool,
+                 new_id: Callable[[], str] = tool_call_id) -> None:
         self.json = JsonObjectScanner()
         self.index = index
-        self.id = tool_call_id()
+        self.id = new_id()
         self._keys = arguments_keys
         self._stream = stream_arguments
         self.started = False
@@ -140,13 +150,18 @@ class CallObject:
 class TaggedBlockStream(ToolCallDeltaStream):
     """Calls in ``<tool_call>`` blocks, content between them: the block text is read up to its first
     ``</tool_call>`` (held back while the text may be that tag's start, so none of it reaches a call) and a block
-    that is not a call is content. A subclass reads a block's text (`_feed_block`) and closes it (`_close_block`)."""
+    that is not a call is content. A subclass reads a block's text (`_feed_block`) and closes it (`_close_block`).
+
+    With `LAST_CLOSE_OPTIONAL` (vLLM's ``hermes`` and ``qwen3_coder`` regexes), a block still open at the reply's
+    end is closed there: a call if its text is one whole call, else content (without the closing tag it lacks)."""
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    LAST_CLOSE_OPTIONAL = False
 
     def __init__(self) -> None:
         self._buffer = ""
         self._in_block = False
+        self._unclosed = False  # the open block is closed by the reply's end, not by its tag
         self._block: list[str] = []  # the open block's text (its content if it is not a call)
         self._index = 0  # the next call's index
         self._calls = 0  # whole calls read
@@ -160,11 +175,18 @@ class TaggedBlockStream(ToolCallDeltaStream):
         return self._spacing(parts)
 
     def finish(self) -> list[ReplyPart]:
+        parts: list[ReplyPart] = []
+        if self._in_block and self.LAST_CLOSE_OPTIONAL:
+            rest, self._buffer = self._buffer, ""
+            self._block.append(rest)
+            parts += self._feed_block(rest)
+            self._in_block, self._unclosed = False, True
+            parts += self._close_block()
         rest = self._buffer
         if self._in_block:
             rest = self.OPEN + "".join(self._block) + rest
         self._buffer, self._in_block, self._block = "", False, []
-        return self._spacing([rest])
+        return self._spacing(parts + [rest])
 
     @abc.abstractmethod
     def _open_block(self) -> None:
@@ -179,7 +201,7 @@ class TaggedBlockStream(ToolCallDeltaStream):
         """The block closed: its call's last pieces, or its text as content (`_as_content`)."""
 
     def _as_content(self) -> list[ReplyPart]:
-        return [self.OPEN + "".join(self._block) + self.CLOSE]
+        return [self.OPEN + "".join(self._block) + ("" if self._unclosed else self.CLOSE)]
 
     def _read_content(self, parts: list[ReplyPart]) -> bool:
         """Content up to the next block's start; True when a block opened."""
@@ -224,7 +246,9 @@ class TaggedBlockStream(ToolCallDeltaStream):
         return out
 
 class HermesStream(TaggedBlockStream):
-    """``<tool_call>`` blocks each holding one call's JSON object."""
+    """``<tool_call>`` blocks each holding one call's JSON object (the last one's ``</tool_call>`` optional)."""
+
+    LAST_CLOSE_OPTIONAL = True
 
     def __init__(self, stream_arguments: bool) -> None:
         super().__init__()

@@ -18,6 +18,10 @@ A parameter's value is its text less one newline at each end, typed by the tool'
 ``array`` as JSON (or a Python literal), ``null`` as null, anything else (and a parameter the schema does not
 name) a string. Streamed, a call's first piece comes once ``<function=NAME>`` is read and its arguments one
 parameter at a time, each as soon as its ``</parameter>`` is: joined, they are the JSON object of the whole call.
+
+As vLLM's regexes read them, a parameter's ``</parameter>`` may be left out (the next ``<parameter=``, the
+``</function>`` or the block's end ends it; Seed-OSS's: only the block's end), and so may a block's ``</function>``
+and the last block's ``</tool_call>``: at the reply's end an open block whose text is one whole call is that call.
 """
 
 from __future__ import annotations
@@ -30,11 +34,14 @@ from typing import Any
 
 from asyncllm.tool_call_streams import ReplyPart, TaggedBlockStream, ToolCallDelta, tool_call_id
 
-__all__ = ["XmlCallsStream", "parameter_types", "typed_value"]
+__all__ = ["XmlCallsStream", "parameter_types", "typed_value", "CLOSED_PARAMETER"]
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
-_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-_FUNCTION_END = re.compile(r"\s*</function>\s*$")
+_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>))", re.DOTALL)
+CLOSED_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_LAST_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?=(?:</function>\s*)?\Z)", re.DOTALL)
+"""At the block's end, a parameter that nothing closed: its value runs to the block's end (or its ``</function>``)."""
+_FUNCTION_END = re.compile(r"\s*(?:</function>\s*)?\Z")
 _STRINGS = ("string", "str", "text", "varchar", "char", "enum")
 
 
@@ -83,16 +90,18 @@ def typed_value(text: str, kind: str | None) -> Any:
 
 
 class _Block:
-    """One ``<tool_call>`` block's text as it comes: its function name, its finished parameters, whether its
-    ``</function>`` came."""
+    """One ``<tool_call>`` block's text as it comes: its function name, its finished parameters, and at its end
+    whether it is one whole call."""
 
-    def __init__(self, index: int, types: dict[str, dict[str, str]]) -> None:
+    def __init__(self, index: int, types: dict[str, dict[str, str]], parameter: re.Pattern[str] = _PARAMETER) -> None:
         self.index, self.id, self.text = index, tool_call_id(), ""
         self._types = types
+        self._parameter = parameter
         self.name: str | None = None
         self.arguments: list[str] = []  # one '"key": value' per finished parameter
         self._end = 0  # where the text after the last finished parameter starts
         self.closed = False
+        """Its text is one whole call (known at the block's end: `end`)."""
         self.started = False
         """Its first piece is out (streaming): it stays, whatever follows."""
 
@@ -103,13 +112,21 @@ class _Block:
             if match is None:
                 return
             self.name, self._end = match.group(1).strip(), match.end()
-        while (match := _PARAMETER.match(self.text, self._end)) is not None:
-            key, value = match.group(1).strip(), match.group(2)
-            value = value.removeprefix("\n").removesuffix("\n")
-            kind = self._types.get(self.name, {}).get(key)
-            self.arguments.append(f"{json.dumps(key)}: {json.dumps(typed_value(value, kind), ensure_ascii=False)}")
-            self._end = match.end()
-        self.closed = _FUNCTION_END.match(self.text, self._end) is not None
+        while (match := self._parameter.match(self.text, self._end)) is not None:
+            self._add(match)
+
+    def end(self) -> None:
+        """The block's text ended: a last parameter runs to its end, and ``</function>`` is optional."""
+        if self.name is not None and (match := _LAST_PARAMETER.match(self.text, self._end)) is not None:
+            self._add(match)
+        self.closed = self.name is not None and _FUNCTION_END.match(self.text, self._end) is not None
+
+    def _add(self, match: re.Match[str]) -> None:
+        key, value = match.group(1).strip(), match.group(2)
+        value = value.removeprefix("\n").removesuffix("\n")
+        kind = self._types.get(self.name or "", {}).get(key)
+        self.arguments.append(f"{json.dumps(key)}: {json.dumps(typed_value(value, kind), ensure_ascii=False)}")
+        self._end = match.end()
 
     def arguments_text(self) -> str:
         return "{" + ", ".join(self.arguments) + "}"
@@ -119,6 +136,9 @@ class XmlCallsStream(TaggedBlockStream):
     """``<tool_call>`` blocks of XML parameters; text outside them is content. A block whose text is not one
     whole call is content (one that started streaming stays as sent, its text content as well)."""
 
+    LAST_CLOSE_OPTIONAL = True
+    PARAMETER = _PARAMETER
+
     def __init__(self, stream_arguments: bool, types: dict[str, dict[str, str]]) -> None:
         super().__init__()
         self._stream = stream_arguments
@@ -127,7 +147,7 @@ class XmlCallsStream(TaggedBlockStream):
         self._sent = 0  # the open block's parameters sent (streaming)
 
     def _open_block(self) -> None:
-        self._call, self._sent = _Block(self._index, self._types), 0
+        self._call, self._sent = _Block(self._index, self._types, self.PARAMETER), 0
 
     def _feed_block(self, text: str) -> list[ReplyPart]:
         assert self._call is not None
@@ -150,6 +170,10 @@ class XmlCallsStream(TaggedBlockStream):
     def _close_block(self) -> list[ReplyPart]:
         block, self._call = self._call, None
         assert block is not None
+        block.end()
+        return (self._streamed(block) if self._stream and block.closed else []) + self._closed(block)
+
+    def _closed(self, block: _Block) -> list[ReplyPart]:
         if block.started:
             self._index = block.index + 1
         if block.name is None or not block.closed:  # not one whole call: its text is content

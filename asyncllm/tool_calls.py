@@ -51,8 +51,8 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.harmony import HarmonyToolStream
 from asyncllm.tool_call_replies import GraniteStream, Llama3JsonStream, MistralStream, Phi4MiniStream
 from asyncllm.tool_call_xml import XmlCallsStream, parameter_types
-from asyncllm.tool_call_streams import (HermesStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
-                                        tool_call_id)
+from asyncllm.tool_call_streams import (HermesStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream,
+                                        mistral_tool_call_id, partial_tag_suffix, tool_call_id)
 
 __all__ = ["ToolCall", "ToolCallDelta", "ReplyPart", "ParsedReply", "ToolParser", "ToolCallDeltaStream",
            "ToolCallStream", "TOOL_PARSERS", "get_tool_parser",
@@ -134,6 +134,8 @@ class ToolParser(abc.ABC):
     reply's text (``skip_special_tokens`` false) for requests it reads, as vLLM does."""
     reasoning_parser: str | None = None
     """The reasoning parser it reads after, which the server requires with it (None: any, or none)."""
+    new_call_id: Callable[[], str] = staticmethod(tool_call_id)
+    """A fresh id for one of its calls (a named or ``required`` choice's too, on a server with this parser)."""
 
     @abc.abstractmethod
     def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
@@ -258,9 +260,10 @@ class MistralToolParser(ToolParser):
     Ministral, Devstral); ``[TOOL_CALLS]`` is a special token, so the server keeps special tokens for it."""
 
     needs_special_tokens = True
+    new_call_id = staticmethod(mistral_tool_call_id)
 
     def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
-        return MistralStream(stream_arguments)
+        return MistralStream(stream_arguments, self.new_call_id)
 
 
 class OpenAIToolParser(ToolParser):

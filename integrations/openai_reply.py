@@ -18,23 +18,30 @@ stream as it was sent, while the whole reply has only its text, as content
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Callable
 from typing import Any
 
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.reasoning import ReasoningParser
-from asyncllm.tool_calls import ReplyPart, ToolCall, ToolCallDelta, ToolCallDeltaStream, call_from_value, tool_call_id
+from asyncllm.tool_calls import ReplyPart, ToolCall, ToolCallDelta, ToolCallDeltaStream, call_from_value
 
 __all__ = ["ChatReply", "merge_deltas"]
 
 Delta = dict[str, Any]
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
 
 class ChatReply:
     """One choice's reply: text deltas in, OpenAI chat deltas out."""
 
-    def __init__(self, mode: ToolMode, reasoning: ReasoningParser | None = None, stream_arguments: bool = True) -> None:
+    def __init__(self, mode: ToolMode, reasoning: ReasoningParser | None = None, stream_arguments: bool = True,
+                 prompt_ended_thinking: bool = False) -> None:
         """With `reasoning`, a constraint (a named or required tool choice's) applies after the thinking
         (`StructuredOutputs.start_after`, set by the server): the thoughts come first in any mode.
+        `prompt_ended_thinking`: the prompt's end closed the thinking (`prompt_wrote_marker`): all of the reply
+        is the answer, and a constraint applies from its start.
 
         `stream_arguments` (a streamed reply): an ``auto`` call's arguments come
         in pieces as they are generated; a call that breaks after its first
@@ -43,7 +50,7 @@ class ChatReply:
         only (`ToolParser.delta_stream`).
         """
         self.mode = mode
-        self._reasoning = reasoning.stream() if reasoning is not None else None
+        self._reasoning = reasoning.stream(prompt_ended_thinking) if reasoning is not None else None
         self._calls_stream: ToolCallDeltaStream | None = (
             mode.parser.delta_stream(stream_arguments) if mode.parser is not None else None)
         self._text: list[str] = []
@@ -51,7 +58,7 @@ class ChatReply:
         self._indexes: dict[int, int | None] = {}
         """An auto call's index in the parser's stream -> its index in the reply (None: left out, not parallel)."""
         self._whole_calls = 0
-        self._named_id = tool_call_id()
+        self._named_id = mode.new_call_id()
 
     def feed(self, text: str) -> list[Delta]:
         """The deltas `text` (the next part of the reply) releases."""
@@ -90,7 +97,7 @@ class ChatReply:
     def _finish_answer(self, finish_reason: str | None) -> tuple[list[Delta], str | None]:
         kind = self.mode.kind
         if kind == "required":
-            calls = _required_calls("".join(self._text))
+            calls = _required_calls("".join(self._text), self.mode.new_call_id)
             if calls is None:  # cut short (length) or not a list of calls: the text as it is
                 return [{"content": "".join(self._text)}] if self._text else [], finish_reason
             deltas = self._deltas([call.as_delta(index) for index, call in enumerate(calls)])
@@ -120,13 +127,20 @@ class ChatReply:
         if index is None:
             return []
         self._whole_calls += part.done
+        arguments = _escaped_surrogates(part.arguments)
         if part.name is not None:
             return [{"tool_calls": [{"index": index, "id": part.id, "type": "function",
-                                     "function": {"name": part.name, "arguments": part.arguments}}]}]
-        return [{"tool_calls": [{"index": index, "function": {"arguments": part.arguments}}]}] if part.arguments else []
+                                     "function": {"name": part.name, "arguments": arguments}}]}]
+        return [{"tool_calls": [{"index": index, "function": {"arguments": arguments}}]}] if arguments else []
 
 
-def _required_calls(text: str) -> list[ToolCall] | None:
+def _escaped_surrogates(arguments: str) -> str:
+    """Arguments JSON whose strings hold lone surrogates (a model's ``"\\ud83d"``, decoded by the parser) with
+    them written back as JSON escapes: the same JSON, and text that UTF-8 (the response) can encode."""
+    return _LONE_SURROGATE.sub(lambda match: f"\\u{ord(match.group()):04x}", arguments)
+
+
+def _required_calls(text: str, new_id: Callable[[], str]) -> list[ToolCall] | None:
     try:
         value = json.loads(text)
     except ValueError:
@@ -134,15 +148,18 @@ def _required_calls(text: str) -> list[ToolCall] | None:
     if not isinstance(value, list):
         return None
     calls = [call_from_value(v, ("parameters",)) for v in value]
-    return None if None in calls else calls  # type: ignore[return-value]
+    if None in calls:
+        return None
+    return [ToolCall(call.name, call.arguments, new_id()) for call in calls]  # type: ignore[union-attr]
 
 
-def merge_deltas(deltas: list[Delta], tools: bool) -> dict[str, Any]:
+def merge_deltas(deltas: list[Delta], tools: bool, reasoning_parser: bool = False) -> dict[str, Any]:
     """The assistant message the deltas stream: content joined, each call's argument parts joined.
 
-    Without tool calling the content is always a str (as before tools
-    existed); with it, None when there is none (as OpenAI). ``reasoning``
-    is there when a reasoning parser found some.
+    Without tool calling or a reasoning parser the content is always a str
+    (as before tools existed); with either, None when there is none (as
+    OpenAI, and vLLM for a reply that is all reasoning). ``reasoning`` is
+    there when a reasoning parser found some.
     """
     content = "".join(d["content"] for d in deltas if "content" in d)
     reasoning = "".join(d["reasoning"] for d in deltas if "reasoning" in d)
@@ -153,7 +170,8 @@ def merge_deltas(deltas: list[Delta], tools: bool) -> dict[str, Any]:
                 calls.append({"id": item["id"], "type": "function",
                               "function": {"name": item["function"]["name"], "arguments": ""}})
             calls[item["index"]]["function"]["arguments"] += item["function"]["arguments"]
-    message: dict[str, Any] = {"role": "assistant", "content": content if content or not tools else None}
+    message: dict[str, Any] = {"role": "assistant",
+                               "content": content if content or not (tools or reasoning_parser) else None}
     if reasoning:
         message["reasoning"] = reasoning
     if calls:

@@ -53,7 +53,8 @@ class Choices:
                  tool_mode: ToolMode | None = None, reasoning: ReasoningParser | None = None,
                  return_prompt_logprobs: bool = False, token_ids_as_text: bool = False,
                  include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "",
-                 chat_role: str = "assistant", prompt_tokens_details: bool = False) -> None:
+                 chat_role: str = "assistant", prompt_tokens_details: bool = False,
+                 reasoning_end_ids: list[int] | None = None) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -85,6 +86,10 @@ class Choices:
         """Chat (vLLM's ``echo``): the text each choice's content starts with (the last message's); "" for none."""
         self.chat_role = chat_role
         """Chat: the reply's role (vLLM's: the last message's with ``add_generation_prompt`` false, `chat_role`)."""
+        self.reasoning_end_ids = reasoning_end_ids
+        """Chat: the reasoning parser's end tag as token ids (None: no parser, or no tokenizer)."""
+        self.prompt_ended_thinking = [False] * num_prompts
+        """Each prompt's end wrote `reasoning_end_ids` (thinking turned off): its replies are all answer."""
         self.hides_metadata = chat and not include_reasoning and reasoning is not None
         """vLLM's: hidden reasoning leaves out the choices' ``logprobs`` and ``token_ids`` too (they would show it)."""
 
@@ -129,7 +134,8 @@ class Choices:
         """Streaming chat: the OpenAI deltas of choice `index`'s next text, and the finish_reason to send."""
         choice = self._choices[index]
         if choice.reply is None:
-            choice.reply = ChatReply(self.tool_mode, self.reasoning)
+            choice.reply = ChatReply(self.tool_mode, self.reasoning,
+                                     prompt_ended_thinking=self.prompt_ended_thinking[index // self.n])
         deltas = choice.reply.feed(text)
         if finish_reason is not None:
             more, finish_reason = choice.reply.finish(finish_reason)
@@ -186,10 +192,12 @@ class Choices:
         return out
 
     def _chat_choice(self, index: int, choice: _Choice, text: str, logprobs: Any) -> dict[str, Any]:
-        reply = ChatReply(self.tool_mode, self.reasoning, stream_arguments=False)
+        reply = ChatReply(self.tool_mode, self.reasoning, stream_arguments=False,
+                          prompt_ended_thinking=self.prompt_ended_thinking[index // self.n])
         deltas = reply.feed(text)
         more, finish_reason = reply.finish(choice.finish_reason)
-        message = merge_deltas(self._shown(deltas + more), tools=self.tool_mode.kind != "none")
+        message = merge_deltas(self._shown(deltas + more), tools=self.tool_mode.kind != "none",
+                               reasoning_parser=self.reasoning is not None)
         message["role"] = self.chat_role
         if self.chat_echo:
             message["content"] = self.chat_echo + (message["content"] or "")

@@ -61,7 +61,7 @@ from asyncllm.integrations.openai_info import info_routes, served_name
 from asyncllm.integrations.openai_tokenize import tokenize_routes
 from asyncllm.integrations.openai_audio import audio_routes
 from asyncllm.integrations.openai_dev import dev_routes
-from asyncllm.integrations.openai_tools import tool_mode
+from asyncllm.integrations.openai_tools import tool_grammar_errors, tool_mode
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
 from asyncllm.integrations.responses_store import ResponseStore
 from asyncllm.integrations.starlette import wait_disconnect
@@ -71,6 +71,7 @@ from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
 from asyncllm.integrations.openai_prompt_embeds import completion_embeds_prompts
 from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts, route_id
 from asyncllm.chat_content import check_content_format
+from asyncllm.structured.start_after import marker_ids
 from asyncllm.tokenizer import apply_chat_template
 from asyncllm.tool_calls import ToolParser, check_parser_pair, get_tool_parser
 
@@ -250,8 +251,9 @@ class OpenAIServer:
             return await beam_search_response(self, request, req, model, lora)
         streams, choices = self._start_chat(req, lora, await self._sampling_defaults(),
                                             header_data_parallel_rank(request.headers))
-        return await respond(request, req, model, streams, choices, "chatcmpl", "chat.completion",
-                             force_include_usage=self.force_include_usage)
+        with tool_grammar_errors(choices.tool_mode):
+            return await respond(request, req, model, streams, choices, "chatcmpl", "chat.completion",
+                                 force_include_usage=self.force_include_usage)
 
     async def embeddings(self, request: Request, body: bytes | None = None) -> Response:
         """OpenAI's: one embedding per ``input``, or (vLLM's) of chat ``messages`` (openai_embeddings.py)."""
@@ -289,14 +291,15 @@ class OpenAIServer:
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
         streams, choices = self._start_chat(turn.chat_request(), lora, await self._sampling_defaults(),
                                             header_data_parallel_rank(request.headers), prompt_tokens_details=True)
-        if req.stream:
-            # errors before the first token keep their status code; a client gone while queued: 499 (`guard`)
-            firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
-            count_prompts(streams, choices)
-            events = ResponseEvents(turn.req, model, on_finish=turn.keep)  # kept before its last event is sent
-            return EventStream(response_events(request, events, streams, firsts, choices))
-        async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
-            choices.add(prompt_index, delta)
+        with tool_grammar_errors(choices.tool_mode):
+            if req.stream:
+                # errors before the first token keep their status code; a client gone while queued: 499 (`guard`)
+                firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
+                count_prompts(streams, choices)
+                events = ResponseEvents(turn.req, model, on_finish=turn.keep)  # kept before its last event is sent
+                return EventStream(response_events(request, events, streams, firsts, choices))
+            async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
+                choices.add(prompt_index, delta)
         count_prompts(streams, choices)
         choice = choices.final_choices()[0]
         body = response_body(turn.req, model, choice["message"], choice["finish_reason"], choices.usage())
@@ -327,8 +330,15 @@ class OpenAIServer:
                           return_prompt_logprobs=req.prompt_logprobs is not None,
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
                           chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
-                          prompt_tokens_details=self.prompt_tokens_details or prompt_tokens_details)
+                          prompt_tokens_details=self.prompt_tokens_details or prompt_tokens_details,
+                          reasoning_end_ids=self._reasoning_end_ids())
         return streams, choices
+
+    def _reasoning_end_ids(self) -> list[int] | None:
+        """The reasoning parser's end tag as token ids, to find a prompt that ended the thinking (None: none)."""
+        if self.reasoning is None or not self.reasoning.prompt_ends_thinking or self.engine.tokenizer is None:
+            return None
+        return marker_ids(self.engine.tokenizer, self.reasoning.end_tag)
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,
                            tools: list[Any] | None = None) -> list[int]:

@@ -26,6 +26,7 @@ from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_str
 from asyncllm.integrations.responses_api import ResponseEvents
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
+from asyncllm.structured.start_after import prompt_wrote_marker
 
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
@@ -84,10 +85,13 @@ def chunk_usage(choices: Choices, index: int, usage: str) -> dict[str, Any]:
 
 def count_prompts(streams: list[RequestStream], choices: Choices) -> None:
     """Each prompt's token count (and, with return_token_ids, its ids; with prompt tokens details, its cached
-    tokens, known from its first token on) from its stream, once known."""
+    tokens, known from its first token on; whether it ended the thinking) from its stream, once known."""
     for i, stream in enumerate(streams):
         if stream.collector is not None:
             choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
+            if choices.reasoning_end_ids:
+                choices.prompt_ended_thinking[i] = prompt_wrote_marker(stream.collector.prompt_token_ids,
+                                                                       choices.reasoning_end_ids)
             if choices.cached_tokens is not None:
                 choices.cached_tokens[i] = stream.collector.num_cached_tokens
             if choices.return_token_ids:

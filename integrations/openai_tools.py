@@ -16,14 +16,16 @@ openai_reply.py turns replies into messages and deltas under a `ToolMode`.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import StructuredOutputs
-from asyncllm.tool_calls import ToolParser, check_tools
+from asyncllm.tool_calls import ToolParser, check_tools, tool_call_id
 
-__all__ = ["ToolMode", "tool_mode"]
+__all__ = ["ToolMode", "tool_mode", "tool_grammar_errors"]
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,15 @@ class ToolMode:
     """False: one call at most (``parallel_tool_calls: false``)."""
     constraint: StructuredOutputs | None = None
     """The output constraint of kinds "named" and "required"."""
+    new_call_id: Callable[[], str] = tool_call_id
+    """A fresh call id: the server's parser's (`ToolParser.new_call_id`: Mistral's 9 letters and digits) in any kind."""
 
 
 def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, parser: ToolParser | None) -> ToolMode:
     """The request's mode; an `InvalidRequestError` naming the field for a choice it cannot take."""
     check_tools(tools)
     parallel = parallel is not False
+    ids = parser.new_call_id if parser is not None else tool_call_id
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
@@ -56,13 +61,27 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, 
         if parser is None:
             raise InvalidRequestError("tool_choice", '"auto" needs a server started with --enable-auto-tool-choice '
                                                      "and --tool-call-parser (or choose 'none', 'required' or a function)")
-        return ToolMode("auto", parser=parser.for_tools(functions), parallel=parallel)
+        return ToolMode("auto", parser=parser.for_tools(functions), parallel=parallel, new_call_id=ids)
     if tool_choice == "required":
-        return ToolMode("required", parallel=parallel, constraint=_required_schema(functions.values(), parallel))
+        return ToolMode("required", parallel=parallel, constraint=_required_schema(functions.values(), parallel),
+                        new_call_id=ids)
     name = _named(tool_choice)
     if name not in functions:
         raise InvalidRequestError("tool_choice", f"names {name!r}, which is not among the tools {sorted(functions)}")
-    return ToolMode("named", function=name, constraint=StructuredOutputs(json=_parameters(functions[name])))
+    return ToolMode("named", function=name, constraint=StructuredOutputs(json=_parameters(functions[name])),
+                    new_call_id=ids)
+
+
+@contextlib.contextmanager
+def tool_grammar_errors(mode: ToolMode) -> Iterator[None]:
+    """The engine compiles a named or ``required`` choice's grammar from the tools' schemas: its errors (an invalid
+    schema) name ``tools``, the field the client wrote them in, not ``structured``."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if mode.constraint is None or exc.field != "structured":
+            raise
+        raise InvalidRequestError("tools", exc.message, code=exc.code) from None
 
 
 def _named(tool_choice: Any) -> str:

@@ -3,10 +3,12 @@
 A reasoning model's constraint starts after its thinking (``start_after="</think>"``): the core needs the
 marker as token ids. When the prompt's end already wrote it (a template that turned thinking off ends the
 prompt with ``<think>\\n\\n</think>\\n\\n``), the constraint applies from the first generated token instead.
+`prompt_wrote_marker` is that rule; the server's reasoning parsers read such a prompt's reply as all answer with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -14,10 +16,22 @@ import msgspec
 from asyncllm.engine.validation import check_params_vocab
 from asyncllm.sampling import SamplingParams
 
-__all__ = ["with_start_after_ids"]
+__all__ = ["with_start_after_ids", "marker_ids", "prompt_wrote_marker"]
 
 _SLACK = 8
 """Tokens after the marker at the prompt's end that still count as "already written" (Qwen3 without thinking)."""
+
+
+def marker_ids(tokenizer: Any, marker: str) -> list[int]:
+    """`marker`'s token ids (no special tokens added)."""
+    return [int(t) for t in tokenizer.encode(marker, add_special_tokens=False)]
+
+
+def prompt_wrote_marker(prompt_ids: Sequence[int], ids: Sequence[int]) -> bool:
+    """Whether the prompt's end already wrote the marker `ids` (within `_SLACK` tokens of its end)."""
+    ids = list(ids)
+    tail = list(prompt_ids[-len(ids) - _SLACK:])
+    return bool(ids) and any(tail[i:i + len(ids)] == ids for i in range(len(tail) - len(ids) + 1))
 
 
 def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenizer: Any,
@@ -26,9 +40,8 @@ def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenize
     structured = params.structured
     if structured is None or structured.start_after is None or structured.start_after_token_ids:
         return params
-    ids = [int(t) for t in tokenizer.encode(structured.start_after, add_special_tokens=False)]
-    tail = prompt_ids[-len(ids) - _SLACK:]
-    done = any(tail[i:i + len(ids)] == ids for i in range(len(tail) - len(ids) + 1))
+    ids = marker_ids(tokenizer, structured.start_after)
+    done = prompt_wrote_marker(prompt_ids, ids)
     structured = msgspec.structs.replace(structured, start_after=None) if done else msgspec.structs.replace(
         structured, start_after_token_ids=ids)
     params = msgspec.structs.replace(params, structured=structured)

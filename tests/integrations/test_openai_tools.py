@@ -113,7 +113,9 @@ async def test_tool_requests_the_server_cannot_take(app, hermes_app) -> None:
              (hermes_app, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
              (hermes_app, {"tool_choice": "required"}, "needs tools"),
              (hermes_app, {"tools": TOOLS, "tool_choice": named, "response_format": {"type": "json_object"}}, "response_format"),
-             (hermes_app, {"tools": [{"type": "function", "function": {}}]}, "name")]
+             (hermes_app, {"tools": [{"type": "function", "function": {}}]}, "name"),
+             (app, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {  # the engine's grammar
+                 "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "nonsense")]
     for server, extra, match in cases:
         async with _client(server) as client:
             response = await client.post("/v1/chat/completions", json={"messages": HISTORY, "max_tokens": 2, **extra})
@@ -137,9 +139,35 @@ async def test_reasoning_parser_wiring(bundled_engine, app) -> None:
     async with _client(app) as client:
         plain = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]
         constrained = (await client.post("/v1/chat/completions", json=structured)).json()["choices"][0]
-    assert whole["message"]["reasoning"] == plain["message"]["content"] and whole["message"]["content"] == ""
+    assert whole["message"]["reasoning"] == plain["message"]["content"] and whole["message"]["content"] is None
     deltas = [c["delta"] for event in _events(streamed.text) for c in event["choices"]]
     assert "".join(d.get("reasoning", "") for d in deltas) == plain["message"]["content"]
     assert not any(d.get("content") for d in deltas)
     assert thinking["message"]["reasoning"] == plain["message"]["content"]  # free text: the grammar waits
     assert constrained["message"]["content"].lstrip().startswith("{") and not plain["message"]["content"].startswith("{")
+
+
+NO_THINKING = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+               "{{ '<think>\\n\\n</think>\\n\\n' }}")  # as Qwen3's template writes it with enable_thinking false
+
+
+async def test_a_prompt_that_ended_the_thinking_gets_all_answer(bundled_engine) -> None:
+    """As vLLM (``is_reasoning_end(prompt_token_ids)``): after the prompt's empty think block the reply is content,
+    or a named choice's call, streamed and whole (the grammar applies at once: the same rule, start_after.py)."""
+    from asyncllm.integrations.openai_server import create_app
+
+    r1 = create_app(bundled_engine, manage_engine=False, reasoning_parser="deepseek_r1",
+                    trust_request_chat_template=True)
+    body = {"messages": HISTORY[:2], "temperature": 0, "max_tokens": 30, "chat_template": NO_THINKING}
+    forced = {**body, "structured_outputs": {"regex": "The answer is 4\\."}}
+    named = {**body, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    async with _client(r1) as client:
+        whole = (await client.post("/v1/chat/completions", json=forced)).json()["choices"][0]
+        streamed = await client.post("/v1/chat/completions", json={**forced, "stream": True})
+        call = (await client.post("/v1/chat/completions", json=named)).json()["choices"][0]
+    assert whole["message"] == {"role": "assistant", "content": "The answer is 4."}, whole
+    deltas = [c["delta"] for event in _events(streamed.text) for c in event["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == "The answer is 4."
+    assert not any("reasoning" in d for d in deltas)
+    assert "reasoning" not in call["message"] and call["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["message"]["tool_calls"][0]["function"]["arguments"]), CITY)

@@ -10,9 +10,10 @@ from asyncllm.errors import ConfigError
 from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.reasoning import get_reasoning_parser
+from asyncllm.structured.start_after import prompt_wrote_marker
 from asyncllm.tool_calls import get_tool_parser
 
-CASES = {  # reply: (deepseek_r1's split, qwen3's split)
+CASES = {  # reply: (deepseek_r1's and qwen3's split, glm45's: a parser whose reply opens the thinking itself)
     "<think>\nLet me see.\n</think>\n\nIt is 4.": (("\nLet me see.\n", "It is 4."), ("\nLet me see.\n", "It is 4.")),
     "Opened by the prompt.</think>\n\nFour.": (("Opened by the prompt.", "Four."),
                                                (None, "Opened by the prompt.</think>\n\nFour.")),
@@ -34,7 +35,8 @@ def _streamed(name: str, text: str, seed: int) -> tuple[str | None, str | None]:
 
 @pytest.mark.parametrize("reply", list(CASES))
 def test_whole_and_streamed_splits(reply: str) -> None:
-    for name, expected in zip(("deepseek_r1", "qwen3"), CASES[reply]):
+    """qwen3 reads as deepseek_r1, as current vLLM's (Qwen3-Thinking-2507 and Qwen3.5 open <think> in the prompt)."""
+    for name, expected in (("deepseek_r1", CASES[reply][0]), ("qwen3", CASES[reply][0])):
         assert get_reasoning_parser(name).parse(reply) == expected, name
         assert all(_streamed(name, reply, seed) == expected for seed in range(8)), name
 
@@ -61,9 +63,32 @@ def test_glm45_minimax_m2_and_seed_oss_split_as_their_models_write(reply: str) -
     assert all(_streamed("seed_oss", seed, s) == expected for s in range(4))
 
 
-def test_qwen3_answer_streams_at_once() -> None:
-    stream = get_reasoning_parser("qwen3").stream()
+def test_glm45_answer_streams_at_once() -> None:
+    stream = get_reasoning_parser("glm45").stream()
     assert stream.feed("Hello") == ("", "Hello") and stream.feed(" there") == ("", " there")
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3", "minimax_m2", "glm45", "mistral"])
+def test_a_prompt_that_ended_the_thinking_leaves_all_of_the_reply_content(name: str) -> None:
+    """vLLM's ``is_reasoning_end(prompt_token_ids)``: the reply after ``<think>\\n\\n</think>\\n\\n`` is content."""
+    parser = get_reasoning_parser(name)
+    for text in ("The answer is 4.", "\nplan</think>\n\nFour.", "<think>x"):
+        assert parser.parse(text, answering=True) == (None, text), text
+        stream = parser.stream(answering=True)
+        assert stream.feed(text[:3]) == ("", text[:3]) and stream.feed(text[3:]) == ("", text[3:])
+
+
+def test_the_prompt_rule_is_the_constraints_rule() -> None:
+    """One rule (start_after.py) for both: the end tag's ids within the prompt's last few tokens."""
+    close = [7, 8]
+    assert prompt_wrote_marker([1, 2, 3, 7, 8, 9, 9], close)  # Qwen3 without thinking: "\n\n" after </think>
+    assert not prompt_wrote_marker([1, 7, 8, *[5] * 9], close)  # an earlier turn's </think>, far from the end
+    assert not prompt_wrote_marker([1, 2, 7], close) and not prompt_wrote_marker([7, 8], [])
+    reply = ChatReply(tool_mode(None, None, None, None), get_reasoning_parser("deepseek_r1"),
+                      stream_arguments=False, prompt_ended_thinking=True)
+    deltas = reply.feed("It is 4.")
+    assert merge_deltas(deltas + reply.finish("stop")[0], tools=False, reasoning_parser=True) == {
+        "role": "assistant", "content": "It is 4."}
 
 
 def test_reasoning_then_a_tool_call() -> None:
@@ -100,3 +125,18 @@ def test_hunyuan_a13b_answer_tags_are_not_content() -> None:
     assert get_reasoning_parser("hunyuan_a13b").parse("plain answer") == (None, "plain answer")
     cut = "<think>x</think><answer>half </ans"  # cut short: the held-back characters are content
     assert get_reasoning_parser("hunyuan_a13b").parse(cut) == ("x", "half </ans")
+
+
+def test_qwen3_thinking_ends_at_a_call_made_inside_it() -> None:
+    """Qwen3.5 may call a tool without closing its thinking: vLLM's qwen3 parser ends the reasoning at a
+    ``<tool_call>`` that ``<function`` follows (a mere mention of the tag stays reasoning)."""
+    call = "<tool_call>\n<function=f>\n<parameter=x>\n1\n</parameter>\n</function>\n</tool_call>"
+    for text, expected in ((f"Call f.\n{call}", ("Call f.\n", call)), ("a <tool_call> b", ("a <tool_call> b", None)),
+                           (f"a <tool_call> b </think>{call}", ("a <tool_call> b ", call))):
+        assert get_reasoning_parser("qwen3").parse(text) == expected
+        assert all(_streamed("qwen3", text, seed) == expected for seed in range(8))
+    reply = ChatReply(tool_mode([{"type": "function", "function": {"name": "f"}}], "auto", None,
+                                get_tool_parser("qwen3_coder")), get_reasoning_parser("qwen3"))
+    deltas = [d for i in range(0, len(call) + 8, 3) for d in reply.feed(f"Call f.\n{call}"[i:i + 3])]
+    message = merge_deltas(deltas + reply.finish("stop")[0], tools=True)
+    assert message["reasoning"] == "Call f.\n" and message["tool_calls"][0]["function"]["arguments"] == '{"x": "1"}'

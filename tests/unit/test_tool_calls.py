@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 
+import msgspec
 import pytest
 
 from asyncllm.errors import ConfigError, InvalidRequestError
@@ -29,6 +30,18 @@ def _streamed(parser_name: str, text: str, seed: int) -> tuple[str, list[tuple[s
         content, calls, pos = content + piece_content, calls + piece_calls, pos + size
     tail, more = stream.finish()
     return content + tail, [(c.name, c.arguments) for c in calls + more]
+
+
+def _fed_in_pieces(reply: ChatReply, text: str, seed: int, most: int) -> tuple[list[dict], list[dict], str | None]:
+    """`text` fed to `reply` in random pieces of 1 to `most` characters: its deltas, then those and the
+    finish_reason of its end."""
+    rng, deltas, pos = random.Random(seed), [], 0
+    while pos < len(text):
+        size = rng.randint(1, most)
+        deltas += reply.feed(text[pos:pos + size])
+        pos += size
+    more, finish = reply.finish("stop")
+    return deltas, more, finish
 
 
 def test_hermes_reply_with_two_calls() -> None:
@@ -186,21 +199,18 @@ def test_qwen3_coder_values_are_typed_by_the_tool_schemas() -> None:
         ("get_weather", QWEN3_CODER_ARGUMENTS), ("get_weather", {})]
     untyped = get_tool_parser("qwen3_coder").parse(QWEN3_CODER_REPLY)  # no schemas: every value a string
     assert json.loads(untyped.tool_calls[0].arguments)["days"] == "3"
-    broken = "x <tool_call>\n<function=f>\n<parameter=a>\n1\n</tool_call> y"  # no </parameter>, </function>
+    lax = "x <tool_call>\n<function=f>\n<parameter=a>\n1\n</tool_call> y"  # no </parameter>, </function>: vLLM's too
+    assert parser.parse(lax).content == "x  y" and [(c.name, c.arguments) for c in parser.parse(lax).tool_calls] == [
+        ("f", '{"a": "1"}')]
+    broken = "x <tool_call>\n<function=f>\n1\n</tool_call> y"  # text that is no parameter
     assert parser.parse(broken).content == broken and parser.parse(broken).tool_calls == []
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_qwen3_coder_streamed_pieces_join_to_the_whole_calls(seed: int) -> None:
-    rng = random.Random(seed)
     reply = ChatReply(tool_mode([{"type": "function", "function": f} for f in QWEN3_CODER_TOOLS.values()], "auto",
                                 None, get_tool_parser("qwen3_coder")))
-    deltas, pos = [], 0
-    while pos < len(QWEN3_CODER_REPLY):
-        size = rng.randint(1, 9)
-        deltas += reply.feed(QWEN3_CODER_REPLY[pos:pos + size])
-        pos += size
-    more, finish = reply.finish("stop")
+    deltas, more, finish = _fed_in_pieces(reply, QWEN3_CODER_REPLY, seed, 9)
     merged = merge_deltas(deltas + more, tools=True)
     assert finish == "tool_calls" and merged["content"] == "I will check.\n"
     assert [json.loads(c["function"]["arguments"]) for c in merged["tool_calls"]] == [QWEN3_CODER_ARGUMENTS, {}]
@@ -299,3 +309,51 @@ def test_a_block_that_is_not_a_call_stays_content(parser_name: str, broken: str)
                                          ("llama4_json", "llama3_json")])
 def test_vllms_other_names_for_the_same_formats(alias: str, name: str) -> None:
     assert type(get_tool_parser(alias)) is type(get_tool_parser(name))
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits() -> None:
+    """vLLM's ``MistralToolCall`` ids (Mistral's templates refuse others in the next turn), auto, named and required."""
+    mistral = get_tool_parser("mistral")
+    texts = ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', '[TOOL_CALLS][{"name": "add", "arguments": {}}]')
+    ids = [call.id for text in texts for call in mistral.parse(text).tool_calls]
+    for kind, parts in (("auto", ('[TOOL_CALLS]add[ARGS]{', '}')), ({"type": "function", "function": {"name": "add"}},
+                        ("{}",)), ("required", ('[{"name": "add", "parameters": {}}]',))):
+        reply = ChatReply(tool_mode([WEATHER, ADD], kind, None, mistral))
+        deltas = [d for part in parts for d in reply.feed(part)] + reply.finish("stop")[0]
+        ids += [call["id"] for call in merge_deltas(deltas, tools=True)["tool_calls"]]
+    assert len(ids) == 5 and all(len(i) == 9 and i.isascii() and i.isalnum() for i in ids), ids
+    assert get_tool_parser("hermes").parse(HERMES_REPLY).tool_calls[0].id.startswith("call_")
+
+
+@pytest.mark.parametrize("parser_name, text", [
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2]}}\n'),
+    ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2]\n</function>\n"),
+    ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n<parameter=b>\n[2]\n"),
+])
+@pytest.mark.parametrize("seed", range(3))
+def test_a_last_call_left_open_is_a_call_streamed_and_whole(parser_name: str, text: str, seed: int) -> None:
+    """vLLM's regexes take the last ``<tool_call>`` without ``</tool_call>`` (qwen3_coder's: and a parameter without
+    ``</parameter>``): the call, its streamed pieces joined to the whole call's arguments, and no content."""
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+        "a": {"type": "integer"}, "b": {"type": "array"}}}}}]
+    whole = ChatReply(tool_mode(tools, "auto", None, get_tool_parser(parser_name)), stream_arguments=False)
+    message = merge_deltas(whole.feed(text) + whole.finish("stop")[0], tools=True)
+    assert message["content"] is None and message["tool_calls"][0]["function"] == {
+        "name": "add", "arguments": '{"a": 1, "b": [2]}'}
+    deltas, more, finish = _fed_in_pieces(ChatReply(tool_mode(tools, "auto", None, get_tool_parser(parser_name))),
+                                          text, seed, 7)
+    streamed = merge_deltas(deltas + more, tools=True)
+    assert finish == "tool_calls" and streamed["content"] is None
+    assert streamed["tool_calls"][0]["function"] == message["tool_calls"][0]["function"]
+
+
+def test_a_lone_surrogate_in_arguments_stays_an_escape() -> None:
+    """``"\\ud83d"`` decodes to a lone surrogate, which UTF-8 cannot encode (the response crashed): it is written
+    back as its JSON escape, the same JSON, streamed and whole."""
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "\\ud83d\\ude00 \\ud83d"}}\n</tool_call>'
+    for stream_arguments in (False, True):
+        reply = ChatReply(tool_mode([WEATHER], "auto", None, get_tool_parser("hermes")), stream_arguments=stream_arguments)
+        deltas = [d for i in range(0, len(text), 4) for d in reply.feed(text[i:i + 4])] + reply.finish("stop")[0]
+        arguments = merge_deltas(deltas, tools=True)["tool_calls"][0]["function"]["arguments"]
+        assert arguments == '{"city": "\U0001f600 \\ud83d"}' and json.loads(arguments) == {"city": "\U0001f600 \ud83d"}
+        msgspec.json.encode(deltas)  # what the server sends
