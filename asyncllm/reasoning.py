@@ -128,7 +128,7 @@ class ReasoningParser:
 
     def stream(self, answering: bool = False) -> ReasoningStream | HarmonyReasoningStream:
         """A parser of one reply's deltas; `answering`: its prompt ended with `end_tag` (a template that turned
-        thinking off, `prompt_wrote_marker`), so all of it is content, as vLLM reads it (``is_reasoning_end``
+        thinking off, `Marker.written_by`), so all of it is content, as vLLM reads it (``is_reasoning_end``
         on the prompt)."""
         return ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)
 

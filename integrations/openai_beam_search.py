@@ -148,9 +148,11 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     choices = Choices(len(prompts), req.n, top_logprobs, chat=chat, reasoning=server.reasoning if chat else None,
                       token_ids_as_text=server.token_ids_as_text,
                       include_reasoning=not chat or req.include_reasoning,
-                      chat_role=chat_role(req, server.response_role) if chat else "assistant")
+                      chat_role=chat_role(req, server.response_role) if chat else "assistant",
+                      reasoning_end=server.reasoning_end() if chat else None)
     for prompt_index, ids in enumerate(prompts):
         choices.prompt_tokens[prompt_index] = len(ids)
+        choices.ended_thinking(prompt_index, ids)
     deltas = _deltas(prompts, outputs, req.n, top_logprobs is not None)
     kind = "chat.completion" if chat else "text_completion"
     meta = {"id": response_id("chatcmpl" if chat else "cmpl", req),

@@ -40,7 +40,7 @@ class ChatReply:
                  prompt_ended_thinking: bool = False) -> None:
         """With `reasoning`, a constraint (a named or required tool choice's) applies after the thinking
         (`StructuredOutputs.start_after`, set by the server): the thoughts come first in any mode.
-        `prompt_ended_thinking`: the prompt's end closed the thinking (`prompt_wrote_marker`): all of the reply
+        `prompt_ended_thinking`: the prompt's end closed the thinking (`Marker.written_by`): all of the reply
         is the answer, and a constraint applies from its start.
 
         `stream_arguments` (a streamed reply): an ``auto`` call's arguments come

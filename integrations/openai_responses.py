@@ -19,6 +19,7 @@ from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.outputs import Logprob, PromptLogprobs, StreamDelta
 from asyncllm.reasoning import ReasoningParser
+from asyncllm.structured.start_after import Marker
 
 __all__ = ["Choices", "chat_chunk", "chat_stream_choices", "sse_event", "usage"]
 
@@ -54,7 +55,7 @@ class Choices:
                  return_prompt_logprobs: bool = False, token_ids_as_text: bool = False,
                  include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "",
                  chat_role: str = "assistant", prompt_tokens_details: bool = False,
-                 reasoning_end_ids: list[int] | None = None) -> None:
+                 reasoning_end: Marker | None = None) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -86,12 +87,17 @@ class Choices:
         """Chat (vLLM's ``echo``): the text each choice's content starts with (the last message's); "" for none."""
         self.chat_role = chat_role
         """Chat: the reply's role (vLLM's: the last message's with ``add_generation_prompt`` false, `chat_role`)."""
-        self.reasoning_end_ids = reasoning_end_ids
-        """Chat: the reasoning parser's end tag as token ids (None: no parser, or no tokenizer)."""
+        self.reasoning_end = reasoning_end
+        """Chat: the reasoning parser's end tag (None: no parser, or no tokenizer)."""
         self.prompt_ended_thinking = [False] * num_prompts
-        """Each prompt's end wrote `reasoning_end_ids` (thinking turned off): its replies are all answer."""
+        """Each prompt's end wrote `reasoning_end` (thinking turned off): its replies are all answer."""
         self.hides_metadata = chat and not include_reasoning and reasoning is not None
         """vLLM's: hidden reasoning leaves out the choices' ``logprobs`` and ``token_ids`` too (they would show it)."""
+
+    def ended_thinking(self, prompt_index: int, prompt_ids: list[int]) -> None:
+        """Note whether prompt `prompt_index` (its ids) ended the thinking: its replies are then all answer."""
+        if self.reasoning_end is not None:
+            self.prompt_ended_thinking[prompt_index] = self.reasoning_end.written_by(prompt_ids)
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:
         """Record one delta; its choice index and the logprobs of just these tokens (or None)."""

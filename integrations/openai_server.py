@@ -71,7 +71,7 @@ from asyncllm.reasoning import ReasoningParser, get_reasoning_parser
 from asyncllm.integrations.openai_prompt_embeds import completion_embeds_prompts
 from asyncllm.integrations.openai_request_log import RequestLogger, log_prompts, route_id
 from asyncllm.chat_content import check_content_format
-from asyncllm.structured.start_after import marker_ids
+from asyncllm.structured.start_after import Marker
 from asyncllm.tokenizer import apply_chat_template
 from asyncllm.tool_calls import ToolParser, check_parser_pair, get_tool_parser
 
@@ -331,14 +331,14 @@ class OpenAIServer:
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
                           chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
                           prompt_tokens_details=self.prompt_tokens_details or prompt_tokens_details,
-                          reasoning_end_ids=self._reasoning_end_ids())
+                          reasoning_end=self.reasoning_end())
         return streams, choices
 
-    def _reasoning_end_ids(self) -> list[int] | None:
-        """The reasoning parser's end tag as token ids, to find a prompt that ended the thinking (None: none)."""
+    def reasoning_end(self) -> Marker | None:
+        """The reasoning parser's end tag, to find a prompt that ended the thinking (None: no parser or tokenizer)."""
         if self.reasoning is None or not self.reasoning.prompt_ends_thinking or self.engine.tokenizer is None:
             return None
-        return marker_ids(self.engine.tokenizer, self.reasoning.end_tag)
+        return Marker.of(self.engine.tokenizer, self.reasoning.end_tag)
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,
                            tools: list[Any] | None = None) -> list[int]:

@@ -26,7 +26,6 @@ from asyncllm.integrations.openai_responses import Choices, chat_chunk, chat_str
 from asyncllm.integrations.responses_api import ResponseEvents
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import ClientDisconnected, first_deltas, merge_streams
-from asyncllm.structured.start_after import prompt_wrote_marker
 
 if TYPE_CHECKING:
     from asyncllm.engine.stream import RequestStream
@@ -89,9 +88,7 @@ def count_prompts(streams: list[RequestStream], choices: Choices) -> None:
     for i, stream in enumerate(streams):
         if stream.collector is not None:
             choices.prompt_tokens[i] = len(stream.collector.prompt_token_ids)
-            if choices.reasoning_end_ids:
-                choices.prompt_ended_thinking[i] = prompt_wrote_marker(stream.collector.prompt_token_ids,
-                                                                       choices.reasoning_end_ids)
+            choices.ended_thinking(i, stream.collector.prompt_token_ids)
             if choices.cached_tokens is not None:
                 choices.cached_tokens[i] = stream.collector.num_cached_tokens
             if choices.return_token_ids:

@@ -3,12 +3,13 @@
 A reasoning model's constraint starts after its thinking (``start_after="</think>"``): the core needs the
 marker as token ids. When the prompt's end already wrote it (a template that turned thinking off ends the
 prompt with ``<think>\\n\\n</think>\\n\\n``), the constraint applies from the first generated token instead.
-`prompt_wrote_marker` is that rule; the server's reasoning parsers read such a prompt's reply as all answer with it.
+`Marker.written_by` is that rule; the server's reasoning parsers read such a prompt's reply as all answer with it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -16,22 +17,40 @@ import msgspec
 from asyncllm.engine.validation import check_params_vocab
 from asyncllm.sampling import SamplingParams
 
-__all__ = ["with_start_after_ids", "marker_ids", "prompt_wrote_marker"]
+__all__ = ["Marker", "with_start_after_ids"]
 
 _SLACK = 8
 """Tokens after the marker at the prompt's end that still count as "already written" (Qwen3 without thinking)."""
 
 
-def marker_ids(tokenizer: Any, marker: str) -> list[int]:
-    """`marker`'s token ids (no special tokens added)."""
-    return [int(t) for t in tokenizer.encode(marker, add_special_tokens=False)]
+@dataclass(frozen=True)
+class Marker:
+    """A closing tag as token ids (``</think>``) and its opening tag's (``<think>``: the text without its first
+    "/"; none for a tag without one)."""
+
+    ids: tuple[int, ...]
+    opener: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, tokenizer: Any, text: str) -> "Marker":
+        opener = text.replace("/", "", 1)
+        return cls(_ids(tokenizer, text), _ids(tokenizer, opener) if opener != text else ())
+
+    def written_by(self, prompt_ids: Sequence[int]) -> bool:
+        """Whether the prompt's end already wrote the marker (within `_SLACK` tokens of its end) and did not open it
+        again after it (Qwen3.5 ends a prompt with ``<think>\\n`` after a user text that holds ``</think>``)."""
+        tail = list(prompt_ids[-len(self.ids) - _SLACK:])
+        ends = _found(tail, self.ids) if self.ids else []
+        return bool(ends) and not (self.opener and _found(tail[ends[-1] + len(self.ids):], self.opener))
 
 
-def prompt_wrote_marker(prompt_ids: Sequence[int], ids: Sequence[int]) -> bool:
-    """Whether the prompt's end already wrote the marker `ids` (within `_SLACK` tokens of its end)."""
-    ids = list(ids)
-    tail = list(prompt_ids[-len(ids) - _SLACK:])
-    return bool(ids) and any(tail[i:i + len(ids)] == ids for i in range(len(tail) - len(ids) + 1))
+def _ids(tokenizer: Any, text: str) -> tuple[int, ...]:
+    return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
+
+
+def _found(tokens: list[int], ids: tuple[int, ...]) -> list[int]:
+    """Where `ids` start in `tokens`."""
+    return [i for i in range(len(tokens) - len(ids) + 1) if tuple(tokens[i:i + len(ids)]) == ids]
 
 
 def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenizer: Any,
@@ -40,10 +59,9 @@ def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenize
     structured = params.structured
     if structured is None or structured.start_after is None or structured.start_after_token_ids:
         return params
-    ids = marker_ids(tokenizer, structured.start_after)
-    done = prompt_wrote_marker(prompt_ids, ids)
-    structured = msgspec.structs.replace(structured, start_after=None) if done else msgspec.structs.replace(
-        structured, start_after_token_ids=ids)
+    marker = Marker.of(tokenizer, structured.start_after)
+    structured = msgspec.structs.replace(structured, start_after=None) if marker.written_by(prompt_ids) else \
+        msgspec.structs.replace(structured, start_after_token_ids=list(marker.ids))
     params = msgspec.structs.replace(params, structured=structured)
     check_params_vocab(params, vocab_size)
     return params

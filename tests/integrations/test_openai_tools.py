@@ -165,6 +165,9 @@ async def test_a_prompt_that_ended_the_thinking_gets_all_answer(bundled_engine) 
         whole = (await client.post("/v1/chat/completions", json=forced)).json()["choices"][0]
         streamed = await client.post("/v1/chat/completions", json={**forced, "stream": True})
         call = (await client.post("/v1/chat/completions", json=named)).json()["choices"][0]
+        beam = (await client.post("/v1/chat/completions", json={**body, "use_beam_search": True, "n": 2,
+                                                                 "max_tokens": 4})).json()["choices"]
+    assert all(c["message"]["content"] and "reasoning" not in c["message"] for c in beam), beam  # beam search too
     assert whole["message"] == {"role": "assistant", "content": "The answer is 4."}, whole
     deltas = [c["delta"] for event in _events(streamed.text) for c in event["choices"]]
     assert "".join(d.get("content") or "" for d in deltas) == "The answer is 4."

@@ -10,7 +10,7 @@ from asyncllm.errors import ConfigError
 from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
 from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.reasoning import get_reasoning_parser
-from asyncllm.structured.start_after import prompt_wrote_marker
+from asyncllm.structured.start_after import Marker
 from asyncllm.tool_calls import get_tool_parser
 
 CASES = {  # reply: (deepseek_r1's and qwen3's split, glm45's: a parser whose reply opens the thinking itself)
@@ -79,11 +79,20 @@ def test_a_prompt_that_ended_the_thinking_leaves_all_of_the_reply_content(name: 
 
 
 def test_the_prompt_rule_is_the_constraints_rule() -> None:
-    """One rule (start_after.py) for both: the end tag's ids within the prompt's last few tokens."""
-    close = [7, 8]
-    assert prompt_wrote_marker([1, 2, 3, 7, 8, 9, 9], close)  # Qwen3 without thinking: "\n\n" after </think>
-    assert not prompt_wrote_marker([1, 7, 8, *[5] * 9], close)  # an earlier turn's </think>, far from the end
-    assert not prompt_wrote_marker([1, 2, 7], close) and not prompt_wrote_marker([7, 8], [])
+    """One rule (start_after.py) for both: the end tag's ids within the prompt's last few tokens, not opened again
+    after them (Qwen3.5: a user text ending with </think>, then the template's "assistant\n<think>\n")."""
+    close = Marker((7, 8), opener=(6, 8))
+    assert close.written_by([1, 2, 3, 7, 8, 9, 9])  # Qwen3 without thinking: "\n\n" after </think>
+    assert not close.written_by([1, 7, 8, *[5] * 9])  # an earlier turn's </think>, far from the end
+    assert not close.written_by([1, 2, 7]) and not Marker(()).written_by([7, 8])
+    assert not close.written_by([1, 7, 8, 4, 5, 6, 8, 9]) and close.written_by([6, 8, 7, 8, 9])
+    from transformers import AutoTokenizer
+
+    from asyncllm.bundled import bundled_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_path())
+    think = Marker.of(tokenizer, "</think>")
+    assert think.opener == tuple(tokenizer.encode("<think>", add_special_tokens=False)) != think.ids
     reply = ChatReply(tool_mode(None, None, None, None), get_reasoning_parser("deepseek_r1"),
                       stream_arguments=False, prompt_ended_thinking=True)
     deltas = reply.feed("It is 4.")
