@@ -18,7 +18,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import (
     ChatCompletionRequest, CompletionRequest, ServerLimits, StreamOptions, is_int,
 )
-from asyncllm.integrations.openai_structured import structured_output
+from asyncllm.integrations.openai_structured import constraint_errors, structured_output
 from asyncllm.integrations.openai_tools import ToolMode
 from asyncllm.sampling import SamplingParams, StructuredOutputs
 
@@ -137,10 +137,8 @@ def _params(req: GenerationRequest, max_tokens: int | None, logprobs: int | None
             raise InvalidRequestError("tool_choice", f"a named or 'required' tool choice constrains the output: "
                                                      f"it cannot be combined with {field}")
         params.structured, field = tool_constraint, "tools"
-    try:
+    with constraint_errors(field):
         params.validate()
-    except InvalidRequestError as exc:  # the constraint's errors name the field the client used
-        raise InvalidRequestError(field, exc.message, code=exc.code) if exc.field == "structured" else exc from None
     return params
 
 

@@ -61,7 +61,8 @@ from asyncllm.integrations.openai_info import info_routes, served_name
 from asyncllm.integrations.openai_tokenize import tokenize_routes
 from asyncllm.integrations.openai_audio import audio_routes
 from asyncllm.integrations.openai_dev import dev_routes
-from asyncllm.integrations.openai_tools import tool_grammar_errors, tool_mode
+from asyncllm.integrations.openai_structured import constraint_errors, constraint_field
+from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
 from asyncllm.integrations.responses_store import ResponseStore
 from asyncllm.integrations.starlette import wait_disconnect
@@ -240,8 +241,9 @@ class OpenAIServer:
                           echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None,
                           return_token_ids=req.return_token_ids, prompt_tokens_details=self.prompt_tokens_details)
         echo = (prompts, self.engine.tokenizer) if req.echo else None
-        return await respond(request, req, model, streams, choices, "cmpl", "text_completion", echo,
-                             force_include_usage=self.force_include_usage)
+        with constraint_errors(constraint_field(req)):
+            return await respond(request, req, model, streams, choices, "cmpl", "text_completion", echo,
+                                 force_include_usage=self.force_include_usage)
 
     async def chat_completions(self, request: Request, body: bytes | None = None) -> Response:
         req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
@@ -251,7 +253,7 @@ class OpenAIServer:
             return await beam_search_response(self, request, req, model, lora)
         streams, choices = self._start_chat(req, lora, await self._sampling_defaults(),
                                             header_data_parallel_rank(request.headers))
-        with tool_grammar_errors(choices.tool_mode):
+        with constraint_errors(constraint_field(req, choices.tool_mode.constraint is not None)):
             return await respond(request, req, model, streams, choices, "chatcmpl", "chat.completion",
                                  force_include_usage=self.force_include_usage)
 
@@ -291,7 +293,7 @@ class OpenAIServer:
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
         streams, choices = self._start_chat(turn.chat_request(), lora, await self._sampling_defaults(),
                                             header_data_parallel_rank(request.headers), prompt_tokens_details=True)
-        with tool_grammar_errors(choices.tool_mode):
+        with constraint_errors(constraint_field(chat, choices.tool_mode.constraint is not None)):
             if req.stream:
                 # errors before the first token keep their status code; a client gone while queued: 499 (`guard`)
                 firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))

@@ -7,12 +7,14 @@ request, or keys asyncllm does not build, are a 400 naming the field.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import StructuredOutputs
 
-__all__ = ["structured_output"]
+__all__ = ["structured_output", "constraint_field", "constraint_errors"]
 
 
 _JSON_OBJECT = {"type": "object"}
@@ -39,6 +41,26 @@ def structured_output(response_format: dict[str, Any] | None, structured_outputs
     if not isinstance(spec, dict) or "schema" not in spec:
         raise InvalidRequestError("response_format", "json_schema must be an object with a 'schema' (and a 'name')")
     return StructuredOutputs(json=spec["schema"]), "response_format"
+
+
+def constraint_field(req: Any, tool_constraint: bool = False) -> str:
+    """The field that set `req`'s output constraint: ``tools`` (a named or ``required`` tool choice), else the one
+    `structured_output` read."""
+    if tool_constraint:
+        return "tools"
+    return "structured_outputs" if req.structured_outputs is not None else "response_format"
+
+
+@contextlib.contextmanager
+def constraint_errors(field: str) -> Iterator[None]:
+    """The constraint's errors, the host's checks and the core's compile alike, name `field`, the one the client
+    wrote it in, not the engine's ``structured``."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if exc.field != "structured":
+            raise
+        raise InvalidRequestError(field, exc.message, code=exc.code) from None
 
 
 def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:

@@ -16,8 +16,7 @@ openai_reply.py turns replies into messages and deltas under a `ToolMode`.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import StructuredOutputs
 from asyncllm.tool_calls import ToolParser, check_tools, tool_call_id
 
-__all__ = ["ToolMode", "tool_mode", "tool_grammar_errors"]
+__all__ = ["ToolMode", "tool_mode"]
 
 
 @dataclass(frozen=True)
@@ -70,18 +69,6 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, 
         raise InvalidRequestError("tool_choice", f"names {name!r}, which is not among the tools {sorted(functions)}")
     return ToolMode("named", function=name, constraint=StructuredOutputs(json=_parameters(functions[name])),
                     new_call_id=ids)
-
-
-@contextlib.contextmanager
-def tool_grammar_errors(mode: ToolMode) -> Iterator[None]:
-    """The engine compiles a named or ``required`` choice's grammar from the tools' schemas: its errors (an invalid
-    schema) name ``tools``, the field the client wrote them in, not ``structured``."""
-    try:
-        yield
-    except InvalidRequestError as exc:
-        if mode.constraint is None or exc.field != "structured":
-            raise
-        raise InvalidRequestError("tools", exc.message, code=exc.code) from None
 
 
 def _named(tool_choice: Any) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import uuid
 
 import msgspec
@@ -99,5 +100,28 @@ class CoreIO:
             message = self._decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # nested too deep: RecursionError
             logger.error("dropped an undecodable frame from a host: %s", exc)
+            self._refuse_undecodable(client_id, payload, exc)
             return
         self.inbox.put((client_id, message))
+
+    def _refuse_undecodable(self, client_id: bytes, payload: bytes, exc: Exception) -> None:
+        """An add-request the core cannot decode (a value of a type its field does not take) ends with an error
+        for its id, when the id can be read, rather than leave its caller waiting."""
+        request_id = _add_request_id(payload)
+        if request_id is None:
+            return
+        delta = protocol.RequestOutputDelta(request_id, [], "abort",
+                                            error=f"request: the engine core could not decode it ({exc})")
+        outputs = protocol.Outputs([delta], None, time.time())
+        self._router.send_multipart([client_id, msgspec.msgpack.encode(outputs)])  # this thread owns the router
+
+
+def _add_request_id(payload: bytes) -> str | None:
+    """The request id of an `AddRequest` frame read without its types (tagged, array-like: its first two items)."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if isinstance(raw, list) and len(raw) > 1 and raw[0] == "AddRequest" and isinstance(raw[1], str):
+        return raw[1]
+    return None

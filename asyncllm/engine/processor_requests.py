@@ -102,6 +102,8 @@ class ProcessorRequests:
             check_allowed_tokens(job.params, self._eos_token_ids)
             token_ids = self._prompts.token_ids(job)
             job.params = with_start_after_ids(job.params, token_ids, self._tokenizer, self._vocab_size)
+            if job.params.structured is not None:  # its JSON schema as text: msgpack carries no int beyond 64 bits
+                job.params = msgspec.structs.replace(job.params, structured=job.params.structured.for_core())
         except Exception as exc:  # noqa: BLE001 - a request that cannot be tokenized fails alone, never the thread
             error = exc if isinstance(exc, errors.InvalidRequestError) else errors.InvalidRequestError(
                 "messages" if job.chat else "prompt", f"could not be tokenized ({type(exc).__name__}: {exc})")

@@ -34,6 +34,8 @@ __all__ = ["GrammarCompilerPool", "check_xgrammar_installed"]
 _CACHE_SIZE = 256
 _XGRAMMAR_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 """xgrammar's C++ errors start with its log line's time and source position (``[05:32:42] /project/cpp/x.cc:94: ``)."""
+_XGRAMMAR_CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false: ")
+"""... and a failed check with the C++ condition (``Check failed: (val <= MAX_INT64_AS_DOUBLE) is false: ``)."""
 _NUM_THREADS = 2
 """Compile threads for queued jobs. Daemon threads (not a ThreadPoolExecutor, whose threads the
 interpreter joins at exit): a runaway compile must not delay the core's shutdown."""
@@ -183,6 +185,7 @@ class GrammarCompilerPool:
             return compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as exc:  # xgrammar's parse errors: the user's constraint is invalid
             message = _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()  # the client sees the message only
+            message = _XGRAMMAR_CHECK_PREFIX.sub("", message)
             raise InvalidRequestError("structured", f"invalid {kind}: {message}") from None
 
 

@@ -8,6 +8,7 @@ host and `SamplingParams` carry it freely. The core compiles it
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import msgspec
@@ -23,7 +24,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     """Exactly one of the fields: what the generated text must match (vLLM's `StructuredOutputsParams`)."""
 
     json: dict[str, Any] | str | None = None
-    """A JSON schema (a dict, or its JSON text): the output is one JSON value valid against it."""
+    """A JSON schema (a dict, or its JSON text): the output is one JSON value valid against it, its object keys in
+    the schema's order. The host sends it to the core as text (`for_core`)."""
     regex: str | None = None
     """A regular expression the whole output matches."""
     choice: list[str] | None = None
@@ -59,13 +61,22 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
                 raise InvalidRequestError("structured", "choice must be a non-empty list of non-empty strings")
         elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
             raise InvalidRequestError("structured", f"{kind} must be a non-empty string")
+        elif kind == "grammar" and _looks_like_lark(self.grammar):  # type: ignore[arg-type]
+            raise InvalidRequestError("structured", "grammar looks like Lark (no line defines a rule with '::='): "
+                                                    "Lark grammars are not supported (vLLM converts them); use "
+                                                    "GBNF/EBNF, e.g. root ::= \"yes\" | \"no\"")
+
+    def for_core(self) -> StructuredOutputs:
+        """This constraint with its JSON schema as text: msgpack carries no integer beyond 64 bits, JSON text does."""
+        if not isinstance(self.json, dict):
+            return self
+        return msgspec.structs.replace(self, json=json.dumps(self.json))
 
     def cache_key(self) -> tuple[str, str]:
-        """(kind, canonical text): equal constraints share one compiled grammar."""
+        """(kind, text): equal constraints share one compiled grammar (a schema's text as given, key order kept)."""
         kind = self.kind
-        if kind == "json":
-            schema = self.json if isinstance(self.json, dict) else json.loads(self.json)  # type: ignore[arg-type]
-            return kind, json.dumps(schema, sort_keys=True, separators=(",", ":"))
+        if kind == "json":  # the schema's key order is kept: xgrammar writes the properties in it (vLLM's too)
+            return kind, self.json if isinstance(self.json, str) else json.dumps(self.json)
         if kind == "choice":
             return kind, json.dumps(self.choice)
         return kind, getattr(self, kind)
@@ -77,9 +88,77 @@ def _check_schema(schema: object) -> None:
             schema = json.loads(schema)
         except (ValueError, RecursionError) as exc:  # RecursionError: nested deeper than Python's recursion limit
             raise InvalidRequestError("structured", f"json is not valid JSON text: {exc}") from None
-    if not isinstance(schema, (dict, bool)):
+    if not isinstance(schema, dict):  # a boolean schema (true, false) too: xgrammar compiles objects only
         raise InvalidRequestError("structured", f"json must be a JSON schema object, got {type(schema).__name__}")
     try:  # what `cache_key` writes: a peer's msgpack may carry bytes, mixed-type keys or too deep a nesting
         json.dumps(schema, sort_keys=True)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequestError("structured", f"json must be a JSON schema of JSON values: {exc}") from None
+    try:
+        keyword = _unenforced_keyword(schema)
+    except RecursionError:
+        raise InvalidRequestError("structured", "json is nested deeper than Python's recursion limit") from None
+    if keyword is not None:
+        raise InvalidRequestError("structured", f"json uses {keyword}, which xgrammar does not enforce (vLLM refuses "
+                                                "it too with its xgrammar backend): remove it, or check it yourself")
+
+
+_STRING_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                             "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+"""The string formats xgrammar builds (vLLM's STRING_SUPPORTED_FORMATS)."""
+_ARRAY_UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains")
+
+
+def _unenforced_keyword(schema: object) -> str | None:
+    """The first keyword of `schema` (or a subschema) that xgrammar compiles but does not enforce, as vLLM's
+    `has_xgrammar_unsupported_json_features` finds them (vLLM refuses such a schema with no fallback backend)."""
+    if not isinstance(schema, dict):
+        return None
+    found = _unenforced_here(schema)
+    if found is not None:
+        return found
+    for value in schema.values():
+        for sub in value if isinstance(value, list) else [value]:
+            found = _unenforced_keyword(sub)
+            if found is not None:
+                return found
+    return None
+
+
+def _unenforced_here(schema: dict[str, Any]) -> str | None:
+    kind = schema.get("type")
+    types = {kind} if isinstance(kind, str) else {t for t in kind if isinstance(t, str)} if isinstance(kind, list) \
+        else set()
+    if types & {"integer", "number"} and "multipleOf" in schema:
+        return "'multipleOf'"
+    if "array" in types:
+        found = next((k for k in _ARRAY_UNENFORCED if k in schema), None)
+        if found is not None:
+            return f"{found!r} on an array"
+    fmt = schema.get("format")
+    if "string" in types and "format" in schema and not (isinstance(fmt, str) and fmt in _STRING_FORMATS):
+        return f"string format {fmt!r}"
+    if "string" in types and _generative_with_length(schema):
+        return "'pattern' or 'format' together with 'minLength' or 'maxLength'"
+    if "object" not in types:
+        return None
+    names = schema.get("propertyNames")
+    if isinstance(names, dict) and _generative_with_length(names):
+        return "'propertyNames' with 'pattern' or 'format' and 'minLength' or 'maxLength'"
+    if "propertyNames" in schema and ("properties" in schema or "patternProperties" in schema or isinstance(
+            schema.get("additionalProperties"), dict) or schema.get("unevaluatedProperties", True) is not True):
+        return "'propertyNames' together with properties, patternProperties, additionalProperties or " \
+               "unevaluatedProperties"
+    patterns = schema.get("patternProperties")
+    if isinstance(patterns, dict) and ("properties" in schema or len(patterns) > 1):
+        return "'patternProperties' with more than one pattern or together with 'properties'"
+    return None
+
+
+def _generative_with_length(schema: dict[str, Any]) -> bool:
+    return ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema)
+
+
+def _looks_like_lark(grammar: str) -> bool:
+    """vLLM's `grammar_is_likely_lark`: no line, comments (# or //) removed, holds an EBNF '::='."""
+    return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))

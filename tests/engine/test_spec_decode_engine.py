@@ -151,8 +151,9 @@ async def test_the_bundled_model_accepts_drafts_without_changing_a_token(bundled
 
 
 ITEMS = {"type": "array", "minItems": 3, "maxItems": 3,
-         "items": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 4},
-                                                    "id": {"type": "integer"}}, "required": ["name", "id"]}}
+         "items": {"type": "object", "properties": {"id": {"type": "integer"},  # written in this order: the
+                                                    "name": {"type": "string", "maxLength": 4}},  # string ends the id
+                   "required": ["name", "id"]}}
 
 
 @pytest.mark.asyncio(loop_scope="module")

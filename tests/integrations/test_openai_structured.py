@@ -76,15 +76,33 @@ async def test_streamed_json_schema_output_parses(app) -> None:
     ({"structured_outputs": {"json": SCHEMA, "json_object": True}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a"}, "min_tokens": 2}, "structured_outputs"),
-    ({"structured_outputs": {"regex": "(a"}}, "structured"),
+    ({"structured_outputs": {"json": True}}, "structured_outputs"),  # vLLM's 400 too (it hung the request)
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}}, "response_format"),
+    ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs"),  # unenforced
+    # the core's compile errors name the field too (not "structured")
+    ({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
+     "response_format"),
+    ({"structured_outputs": {"json": {"type": "integer", "maximum": 10**30}}}, "structured_outputs"),  # xgrammar's
 ])
 async def test_bad_constraints_are_400_naming_the_field(app, extra, param) -> None:
     async with _client(app) as client:
         response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, **extra})
         after = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0})
     assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
-    assert not re.search(r"\[\d\d:\d\d:\d\d\]|\.cc:\d+", response.json()["error"]["message"])  # no xgrammar log prefix
+    assert not re.search(r"\[\d\d:\d\d:\d\d\]|\.cc:\d+|Check failed", response.json()["error"]["message"])  # xgrammar's
     assert after.status_code == 200  # the engine keeps serving
+
+
+async def test_json_keys_come_in_the_schemas_order(app) -> None:
+    """As xgrammar in vLLM and OpenAI: properties in the schema's order ("reasoning" before "answer"), not sorted."""
+    schema = {"type": "object", "properties": {"z": {"type": "boolean"}, "a": {"type": "boolean"}},
+              "required": ["z", "a"], "additionalProperties": False}
+    async with _client(app) as client:
+        response = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 30, "temperature": 0,
+                                                              "structured_outputs": {"json": schema}})
+    assert response.status_code == 200, response.text
+    assert list(_json(response.json()["choices"][0]["text"])) == ["z", "a"]
 
 
 @pytest.mark.parametrize("extra, param", [

@@ -32,6 +32,20 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
     (StructuredOutputs(json={"enum": [b"\x00"]}), "json must be a JSON schema of JSON values"),  # a peer's msgpack
     (StructuredOutputs(json={"properties": {"a": {}, 2: {}}}), "json must be a JSON schema of JSON values"),
     ({"jsn": {}}, "must be a StructuredOutputs, got dict"),
+    (StructuredOutputs(json=True), "json must be a JSON schema object, got bool"),  # type: ignore[arg-type]
+    (StructuredOutputs(json="false"), "json must be a JSON schema object, got bool"),
+    # what xgrammar compiles but does not enforce (vLLM's has_xgrammar_unsupported_json_features)
+    (StructuredOutputs(json={"type": "array", "uniqueItems": True}), "json uses 'uniqueItems' on an array, which "
+                                                                      "xgrammar does not enforce"),
+    (StructuredOutputs(json={"properties": {"n": {"type": ["integer", "null"], "multipleOf": 2}}}),
+     "json uses 'multipleOf'"),
+    (StructuredOutputs(json={"type": "string", "format": "hex"}), "json uses string format 'hex'"),
+    (StructuredOutputs(json='{"items": {"type": "string", "pattern": "a+", "maxLength": 2}}'),
+     "json uses 'pattern' or 'format' together with 'minLength' or 'maxLength'"),
+    (StructuredOutputs(json={"type": "object", "properties": {}, "patternProperties": {"^x": {}}}),
+     "json uses 'patternProperties' with more than one pattern or together with 'properties'"),
+    (StructuredOutputs(grammar='start: "a" | rule  // a comment with ::=\nrule: "b"'),
+     "Lark grammars are not supported (vLLM converts them); use GBNF/EBNF"),
 ])
 def test_invalid_constraint_names_structured(structured: object, why: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
@@ -67,10 +81,28 @@ def test_constraint_crosses_the_wire_and_samples_keep_it() -> None:
     assert params.for_sample(2).structured is params.structured
 
 
-def test_cache_key_is_canonical() -> None:
-    as_text = StructuredOutputs(json=json.dumps({"required": ["a"], "type": "object"}, indent=2))
-    as_dict = StructuredOutputs(json={"type": "object", "required": ["a"]})
-    assert as_text.cache_key() == as_dict.cache_key() == ("json", '{"required":["a"],"type":"object"}')
+def test_schemas_xgrammar_enforces_pass() -> None:
+    for schema in ({"type": "string", "format": "email"}, {"type": "string", "minLength": 1, "maxLength": 3},
+                   {"type": "integer", "maximum": 10**30},
+                   {"type": "array", "items": {"type": "string", "format": "date"}, "minItems": 1},
+                   {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}):
+        StructuredOutputs(json=schema).validate()  # a format without a length; a length without a pattern
+    StructuredOutputs(grammar='# a comment\nroot ::= "a"').validate()
+
+
+def test_cache_key_and_the_wire_keep_the_schemas_order() -> None:
+    """The key order is meaning (xgrammar writes the properties in it: "reasoning" before "answer"), and a schema
+    crosses to the core as JSON text, whose integers have no 64-bit limit."""
+    schema = {"type": "object", "properties": {"z": {"type": "integer", "maximum": 10**30}, "a": {}}}
+    as_dict = StructuredOutputs(json=schema)
+    assert as_dict.cache_key() == ("json", json.dumps(schema)) and json.dumps(schema).index('"z"') < json.dumps(
+        schema).index('"a"')
+    assert as_dict.for_core() == StructuredOutputs(json=json.dumps(schema))
+    as_text = StructuredOutputs(json='{"b": 1,  "a": 2}')
+    assert as_text.cache_key() == ("json", '{"b": 1,  "a": 2}') and as_text.for_core() is as_text
+    message = protocol.AddRequest("r", [1], SamplingParams(structured=as_dict.for_core()), [0], 0.0)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=protocol.AddRequest)
+    assert json.loads(decoded.params.structured.json) == schema
     assert StructuredOutputs(regex="a+").cache_key() == ("regex", "a+")
     assert choice_grammar(['say "hi"', "ü\n"]) == 'root ::= "say \\"hi\\"" | "ü\\n"'
 
@@ -238,6 +270,19 @@ def test_invalid_grammar_is_a_typed_error(manager_args) -> None:
     ready, [(_, delta)] = _wait_polled(manager)
     assert ready == [] and delta.error is not None and delta.error.startswith("structured: invalid grammar: ")
     manager.shutdown()
+
+
+def test_compiled_json_writes_the_properties_in_the_schemas_order(manager_args) -> None:
+    xgr = pytest.importorskip("xgrammar")
+    from asyncllm.structured.compiler import GrammarCompilerPool
+
+    pool = GrammarCompilerPool(*manager_args)
+    schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+              "required": ["reasoning", "answer"], "additionalProperties": False}
+    compiled = pool.submit(StructuredOutputs(json=schema).for_core()).result(timeout=60)
+    pool.shutdown()
+    assert xgr.GrammarMatcher(compiled).accept_string('{"reasoning": "x", "answer": 1}')
+    assert not xgr.GrammarMatcher(compiled).accept_string('{"answer": 1')
 
 
 class _ManualPool:
