@@ -7,7 +7,9 @@ or hangs past `worker_step_timeout_s` fails the executor with
 single-use shared-memory ring, the sockets), starts a fresh executor with the
 same KV-cache size, and puts the scheduler back in step (every running
 request is recomputed, see `asyncllm.sched.recovery`). A fresh executor that
-fails while it starts is one more failure, and the restarter starts another.
+fails while it starts is one more failure, and the restarter starts another;
+one that starts with fewer KV blocks than before ends the engine at once (a
+retry would load the model again to the same result).
 More than `max_worker_restarts` failures within `RESTART_WINDOW_S` end the engine:
 the error propagates and every host's streams get `EngineDeadError`.
 """
@@ -59,6 +61,10 @@ class RestartBudget:
         return True
 
 
+class _FewerBlocks(EngineDeadError):
+    """Restarted workers that started but hold fewer KV blocks than the scheduler plans with: not retried."""
+
+
 class WorkerRestarter:
     """Replaces a failed executor with a fresh one of the same KV-cache size, within the restart budget."""
 
@@ -83,6 +89,8 @@ class WorkerRestarter:
             try:
                 executor = self._start_executor()
                 break
+            except _FewerBlocks:  # deterministic: another start would hold as few, after a full reload
+                raise
             except EngineDeadError as exc:  # a new worker died while loading: one more failure, not the end
                 self._take_restart(exc)
                 logger.error("restarted workers failed while starting (%s); starting them again (restart %d of "
@@ -104,7 +112,7 @@ class WorkerRestarter:
             available = executor.start()
             short = available < self.num_gpu_blocks and self.config.num_gpu_blocks_override is None
             if short or executor.num_cpu_blocks < self.num_cpu_blocks:
-                raise EngineDeadError(
+                raise _FewerBlocks(
                     f"the restarted workers hold {available} KV blocks ({executor.num_cpu_blocks} CPU), fewer than "
                     f"the {self.num_gpu_blocks} ({self.num_cpu_blocks}) the scheduler plans with")
             executor.init_cache(self.num_gpu_blocks, self.num_cpu_blocks)

@@ -81,7 +81,7 @@ async def pack_off_loop(
         packed.close()
 
     try:
-        await anyio.to_thread.run_sync(pack)
+        await anyio.to_thread.run_sync(pack, abandon_on_cancel=True)  # an anyio scope's deadline too returns at once
     except BaseException:
         with lock:
             state["abandoned"] = True

@@ -11,11 +11,12 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import zip_longest
+from typing import NamedTuple
 
 from asyncllm.outputs import EngineStats
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["Histogram", "HostStats", "FINISH_REASONS", "summed_snapshots"]
+__all__ = ["EngineView", "Histogram", "HostStats", "FINISH_REASONS", "summed_snapshots"]
 
 # vLLM's buckets, with finer ones at the low end of the inter-token latency (fast GPUs decode in < 10 ms).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -56,6 +57,14 @@ class Histogram:
         self.sum += other.sum
 
 
+class EngineView(NamedTuple):
+    """A host's view of its core, swapped whole (`HostStats.engine`)."""
+
+    scheduler: SchedulerStats
+    reports_engine: bool
+    retired_engine: SchedulerStats
+
+
 class HostStats:
     """What this `AsyncEngine` knows: the core's latest `SchedulerStats` and its own requests.
 
@@ -69,14 +78,11 @@ class HostStats:
         self.engine_index: int | None = None
         """The data-parallel replica whose core this host follows (data_parallel_size > 1; its engine-wide series
         carry the label engine="<index>"), else None (no engine label)."""
-        self.reports_engine = False
         self.owns_core = False
         """Whether this host launched its core (not `AsyncEngine.connect`): the core's counters end with it."""
-        self.scheduler = SchedulerStats()
-        """The core's latest snapshot (gauges and engine-wide counters)."""
-        self.retired_engine = SchedulerStats()
-        """The final engine-wide counters of this host's own cores that stopped or died, summed (a restarted core
-        counts from 0): Prometheus adds them to the live core's, so the summed counters never go down."""
+        self.engine = EngineView(SchedulerStats(), False, SchedulerStats())
+        """`scheduler`, `reports_engine` and `retired_engine` in one object, replaced whole: a scrape thread reads
+        it once and never sees a core's counters both live and retired, or in neither."""
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self.request_success: dict[str, int] = dict.fromkeys(FINISH_REASONS, 0)
@@ -93,6 +99,33 @@ class HostStats:
         self.request_prompt_tokens = Histogram(TOKEN_BUCKETS)
         self.request_generation_tokens = Histogram(TOKEN_BUCKETS)
 
+    @property
+    def scheduler(self) -> SchedulerStats:
+        """The core's latest snapshot (gauges and engine-wide counters)."""
+        return self.engine.scheduler
+
+    @scheduler.setter
+    def scheduler(self, value: SchedulerStats) -> None:
+        self.engine = self.engine._replace(scheduler=value)
+
+    @property
+    def reports_engine(self) -> bool:
+        return self.engine.reports_engine
+
+    @reports_engine.setter
+    def reports_engine(self, value: bool) -> None:
+        self.engine = self.engine._replace(reports_engine=value)
+
+    @property
+    def retired_engine(self) -> SchedulerStats:
+        """The final engine-wide counters of this host's own cores that stopped or died, summed (a restarted core
+        counts from 0): Prometheus adds them to the live core's, so the summed counters never go down."""
+        return self.engine.retired_engine
+
+    @retired_engine.setter
+    def retired_engine(self, value: SchedulerStats) -> None:
+        self.engine = self.engine._replace(retired_engine=value)
+
     def count_finished(self, finish_reason: str) -> None:
         self.request_success[finish_reason] = self.request_success.get(finish_reason, 0) + 1
 
@@ -104,10 +137,8 @@ class HostStats:
         would be wrong. The counters of a core this host owns are final: they
         go to `retired_engine`.
         """
-        retire = self.reports_engine and self.owns_core
-        self.reports_engine = False
         s = self.scheduler
-        self.scheduler = SchedulerStats(
+        scheduler = SchedulerStats(
             num_gpu_blocks=s.num_gpu_blocks, num_preemptions_total=s.num_preemptions_total,
             num_swapped_total=s.num_swapped_total, weights_version=s.weights_version, prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
             cpu_prefix_cache_hits=s.cpu_prefix_cache_hits,
@@ -118,8 +149,10 @@ class HostStats:
             spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
             spec_decode_accepted_per_pos=s.spec_decode_accepted_per_pos,
         )
-        if retire:
-            self.retired_engine = summed_snapshots([self.retired_engine, self.scheduler])
+        retired = self.retired_engine
+        if self.reports_engine and self.owns_core:
+            retired = summed_snapshots([retired, scheduler])
+        self.engine = EngineView(scheduler, False, retired)  # one swap: no scrape sees a half-closed engine
 
     def absorb(self, other: HostStats) -> None:
         """Add the final counters and histograms of `other`, an engine closed for good (after its `mark_closed`)."""

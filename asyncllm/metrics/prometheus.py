@@ -36,7 +36,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from asyncllm.metrics.host_stats import Histogram, HostStats, summed_snapshots
+from asyncllm.metrics.host_stats import EngineView, Histogram, HostStats, summed_snapshots
 from asyncllm.protocol import SchedulerStats
 
 __all__ = ["AsyncLLMCollector", "attach", "PREFIX", "retire"]
@@ -46,6 +46,8 @@ _LABELS = ["model_name"]
 _EngineKey = tuple[str, "int | None"]
 """(model_name, data-parallel replica index or None): one engine-wide series each."""
 _NO_COUNTERS = SchedulerStats()
+_Views = dict[str, list[tuple["int | None", EngineView]]]
+"""Per model, each engine's replica index and `HostStats.engine`, read once per scrape."""
 
 _GAUGES: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
     ("num_requests_running", "Number of requests in model execution batches.", lambda s: s.num_requests_running),
@@ -106,13 +108,14 @@ class AsyncLLMCollector(Collector):
         with self._lock:
             if stats not in self._sources:
                 return
-            self._sources.discard(stats)
             key = (stats.model_name, stats.engine_index)
-            retired = self._retired.get(key)
-            if retired is None:
-                retired = self._retired[key] = HostStats(stats.model_name)
-                retired.engine_index = stats.engine_index
-            retired.absorb(stats)
+            retired = HostStats(stats.model_name)  # new, not added to: a scrape may be reading the old one
+            retired.engine_index = stats.engine_index
+            for closed in (self._retired.get(key), stats):
+                if closed is not None:
+                    retired.absorb(closed)
+            self._sources.discard(stats)  # with the swap: no scrape counts `stats` twice or not at all
+            self._retired[key] = retired
 
     def describe(self) -> Iterable[Metric]:
         """The families without samples, so the registry refuses a clashing name up front."""
@@ -128,13 +131,14 @@ class AsyncLLMCollector(Collector):
 
 
 def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
-    engines = _engine_stats(by_model)
+    views = {model: [(h.engine_index, h.engine) for h in group] for model, group in by_model.items()}  # read once
+    engines = _engine_stats(views)
     for name, doc, read in _GAUGES:
         family = GaugeMetricFamily(PREFIX + name, doc, labels=_LABELS)
         for key, scheduler in engines.items():
             family.add_sample(PREFIX + name, _labels(key), read(scheduler))
         yield family
-    counters = _engine_counters(by_model, engines)
+    counters = _engine_counters(views, engines)
     for name, doc, read in _ENGINE_COUNTERS:
         family = CounterMetricFamily(PREFIX + name, doc, labels=_LABELS)
         for key, scheduler in counters.items():
@@ -156,13 +160,13 @@ def _families(by_model: dict[str, list[HostStats]]) -> Iterator[Metric]:
         yield family
 
 
-def _engine_stats(by_model: dict[str, list[HostStats]]) -> dict[_EngineKey, SchedulerStats]:
+def _engine_stats(views: _Views) -> dict[_EngineKey, SchedulerStats]:
     """Per model (and data-parallel replica), the core snapshots of the engines this process reports for, summed."""
     reported: dict[_EngineKey, list[SchedulerStats]] = defaultdict(list)
-    for model, group in by_model.items():
-        for h in group:
-            if h.reports_engine:
-                reported[(model, h.engine_index)].append(h.scheduler)
+    for model, group in views.items():
+        for engine_index, view in group:
+            if view.reports_engine:
+                reported[(model, engine_index)].append(view.scheduler)
     return {key: group[0] if len(group) == 1 else summed_snapshots(group) for key, group in reported.items()}
 
 
@@ -172,16 +176,15 @@ def _labels(key: _EngineKey, **extra: str) -> dict[str, str]:
     return {**labels, **extra}
 
 
-def _engine_counters(by_model: dict[str, list[HostStats]],
-                     engines: dict[_EngineKey, SchedulerStats]) -> dict[_EngineKey, SchedulerStats]:
+def _engine_counters(views: _Views, engines: dict[_EngineKey, SchedulerStats]) -> dict[_EngineKey, SchedulerStats]:
     """The live cores' snapshots plus the final counters of cores that stopped (`HostStats.retired_engine`)."""
     counters = dict(engines)
-    for model, group in by_model.items():
-        for h in group:
-            if h.retired_engine != _NO_COUNTERS:
-                key = (model, h.engine_index)
-                counters[key] = summed_snapshots([counters[key], h.retired_engine]) if key in counters \
-                    else h.retired_engine
+    for model, group in views.items():
+        for engine_index, view in group:
+            if view.retired_engine != _NO_COUNTERS:
+                key = (model, engine_index)
+                counters[key] = summed_snapshots([counters[key], view.retired_engine]) if key in counters \
+                    else view.retired_engine
     return counters
 
 

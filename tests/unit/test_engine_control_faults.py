@@ -10,6 +10,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import anyio
 import pytest
 import torch
 
@@ -83,23 +84,43 @@ async def test_an_update_no_replica_takes_unlinks_the_segment_at_once() -> None:
     assert closed == [True]
 
 
-async def test_a_caller_cancelled_while_the_tensors_are_copied_leaves_no_segment(monkeypatch) -> None:
-    release, made = threading.Event(), []
+def _slow_pack(monkeypatch) -> tuple[threading.Event, list]:
+    """`pack_tensors` made to wait for the event; the packed segments it made go to the list."""
+    release, made, pack_tensors = threading.Event(), [], weight_tensors.pack_tensors
 
     def slow_pack(named_tensors):
         release.wait(5)
         made.append(pack_tensors(named_tensors))
         return made[-1]
 
-    pack_tensors = weight_tensors.pack_tensors
     monkeypatch.setattr(weight_tensors, "pack_tensors", slow_pack)
+    return release, made
+
+
+async def _wait_unlinked(made: list) -> None:
+    deadline = time.monotonic() + 5
+    while not made or os.path.exists(f"/dev/shm/{made[0].segment.name}"):
+        assert time.monotonic() < deadline, "the caller's segment stayed in /dev/shm after it left"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_caller_cancelled_while_the_tensors_are_copied_leaves_no_segment(monkeypatch) -> None:
+    release, made = _slow_pack(monkeypatch)
     task = asyncio.create_task(weight_tensors.pack_off_loop({"w": torch.ones(4)}))
     await asyncio.sleep(0.05)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     release.set()  # the copy ends after its caller left: the thread unlinks the segment
-    deadline = time.monotonic() + 5
-    while not made or os.path.exists(f"/dev/shm/{made[0].segment.name}"):
-        assert time.monotonic() < deadline, "the cancelled caller's segment stayed in /dev/shm"
-        await asyncio.sleep(0.01)
+    await _wait_unlinked(made)
+
+
+async def test_an_anyio_deadline_during_the_copy_returns_at_once_and_leaves_no_segment(monkeypatch) -> None:
+    release, made = _slow_pack(monkeypatch)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        with anyio.fail_after(0.05):
+            await weight_tensors.pack_off_loop({"w": torch.ones(4)})
+    assert time.monotonic() - started < 2, "the caller waited out the copy past its deadline"
+    release.set()
+    await _wait_unlinked(made)

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.stats_log import StatsLogger
+from asyncllm.metrics import host_stats, prometheus
 from asyncllm.metrics.host_stats import Histogram, HostStats
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.metrics.prometheus import attach
@@ -248,3 +249,49 @@ def test_a_restarted_core_counts_on_from_its_predecessors_final_counters() -> No
     assert reg.get_sample_value("asyncllm:prefix_cache_queries_total", {"model_name": "m"}) == 34
     per_pos = {"model_name": "m", "position": "1"}
     assert reg.get_sample_value("asyncllm:spec_decode_num_accepted_tokens_per_pos_total", per_pos) == 1
+
+
+def _three_engines() -> tuple[CollectorRegistry, list[RequestObserver]]:
+    reg = CollectorRegistry()
+    observers = [RequestObserver("m", reg) for _ in range(3)]
+    for observer, n in zip(observers, (100, 40, 10), strict=True):
+        observer.stats.owns_core = True
+        observer.on_scheduler_stats(SchedulerStats(prefix_cache_queries=n), reporter=True)
+        observer.stats.prompt_tokens_total = n
+    observers[0].on_closed()  # an engine closed for good earlier: the retired totals exist
+    return reg, observers
+
+
+def _prompt_and_queries(reg: CollectorRegistry) -> tuple:
+    return _counters(reg)[:2]
+
+
+def test_a_scrape_overlapping_an_engines_close_counts_it_once() -> None:
+    reg, (_, closing, _) = _three_engines()
+    collector, lock = prometheus._collectors[reg], prometheus._collectors[reg]._lock
+
+    class RetireAfterTheCopy:  # the loop closes `closing` between the scrape's copy of the sources and its reads
+        def __enter__(self):
+            return lock.__enter__()
+
+        def __exit__(self, *exc):
+            lock.__exit__(*exc)
+            collector._lock = lock
+            closing.on_closed()
+
+    collector._lock = RetireAfterTheCopy()
+    assert _prompt_and_queries(reg) == (150, 150)
+    assert collector._lock is lock and _prompt_and_queries(reg) == (150, 150)
+
+
+def test_a_scrape_in_the_middle_of_mark_closed_sees_the_counters_whole(monkeypatch) -> None:
+    reg, (_, _, closing) = _three_engines()
+    seen, summed = [], host_stats.summed_snapshots
+
+    def scraped_midway(snapshots):
+        seen.append(_prompt_and_queries(reg))
+        return summed(snapshots)
+
+    monkeypatch.setattr(host_stats, "summed_snapshots", scraped_midway)
+    closing.stats.mark_closed()
+    assert seen == [(150, 150)] and _prompt_and_queries(reg) == (150, 150)

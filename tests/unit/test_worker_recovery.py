@@ -123,3 +123,11 @@ def test_new_workers_that_die_while_loading_spend_the_budget_and_are_started_aga
     with pytest.raises(EngineDeadError, match="failed more than max_worker_restarts=3") as info:
         restarter.recover(_FakeExecutor(dies=False), _scheduler(), EngineDeadError("worker rank 0 killed"))
     assert len(made) == 3 and all(e.shut_down for e in made) and "pid 1" in str(info.value)
+
+
+def test_restarted_workers_short_of_kv_blocks_end_the_engine_without_another_reload() -> None:
+    restarter, made = _restarter(max_worker_restarts=3, deaths=0)
+    restarter.num_gpu_blocks = 32  # the new workers hold 16: no retry can give more
+    with pytest.raises(EngineDeadError, match="hold 16 KV blocks"):
+        restarter.recover(_FakeExecutor(dies=False), _scheduler(), EngineDeadError("worker rank 0 killed"))
+    assert len(made) == 1 and made[0].shut_down and restarter.budget.num_restarts_total == 1
