@@ -23,9 +23,9 @@ import msgspec
 
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
-from asyncllm.protocol_control import (_STRUCT, AwaitWeights, Sleep, SleepModeDone, UpdateWeights, WakeUp,
-                                       WeightsUpdated, WeightTensor, call_error, call_error_fields,
-                                       config_error_from_parts, config_error_parts)
+from asyncllm.protocol_control import (_STRUCT, AddLoRA, AwaitWeights, LoRAAdded, Sleep, SleepModeDone,
+                                       UpdateWeights, WakeUp, WeightsUpdated, WeightTensor, call_error,
+                                       call_error_fields, config_error_from_parts, config_error_parts)
 from asyncllm.protocol_worker import (CachedRequestData, CacheReady, FirstStageReport, GrammarBitmask, InitCache,
                                       LogprobsArrays, ModelRunnerOutput, MultiModalItem, NewRequestData,
                                       PromptEmbeds, SchedulerOutput, ShutdownWorker, WorkerCommand, WorkerError,
@@ -46,7 +46,7 @@ __all__ = [
     "ModelRunnerOutput", "FirstStageReport", "WorkerError", "WorkerMessage",
     # asyncllm/protocol_control.py
     "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
-    "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
+    "AddLoRA", "LoRAAdded", "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
 ]
 
 
@@ -59,6 +59,9 @@ class Hello(msgspec.Struct, **_STRUCT):
     """The host's shared-memory processor cache segment (mm_processor_cache_type="shm"), for the core to map."""
     wire_protocol: str = ""
     """The host's `wire_protocol()`; "" (a host from before the check) matches no core."""
+    process_identity: str = ""
+    """The host's machine, pid namespace and process start time (`client_liveness.process_identity`): a core on
+    the same machine notices the host die without a `Goodbye`; "" (a handshake, off Linux): not watched."""
 
 
 class AddRequest(msgspec.Struct, **_STRUCT):
@@ -98,7 +101,7 @@ class ResetPrefixCache(msgspec.Struct, **_STRUCT):
 
 
 HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache, UpdateWeights, AwaitWeights, Sleep,
-                    WakeUp]
+                    WakeUp, AddLoRA]
 
 
 # ---------------------------------------------------------------- core -> host
@@ -231,7 +234,7 @@ class EngineFailed(msgspec.Struct, **_STRUCT):
     """[field, value repr, allowed] when error_type is ConfigError."""
 
 
-CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated, SleepModeDone]
+CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated, SleepModeDone, LoRAAdded]
 
 
 # ---------------------------------------------------------------- both ways

@@ -1,8 +1,10 @@
-"""Control calls between host, engine core and workers: weight updates and sleep mode, and typed errors on the wire.
+"""Control calls between host, engine core and workers: weight updates, sleep mode and LoRA adapters added ahead,
+and typed errors on the wire.
 
 Part of the wire protocol (asyncllm/protocol.py, which re-exports every name here): a call goes host -> core ->
 every worker rank (`UpdateWeights`, `Sleep`, `WakeUp`; `AwaitWeights` to a restarted core only), its answer
-rank -> core -> host (`WeightsUpdated`, `SleepModeDone`), a refused call's error as ``error_*`` fields
+rank -> core -> host (`WeightsUpdated`, `SleepModeDone`); `AddLoRA` goes to the core only, answered by `LoRAAdded`
+(asyncllm/engine/lora_ids.py); a refused call's error as ``error_*`` fields
 (`call_error_fields` / `call_error`), a ConfigError as [field, value repr, allowed] (`config_error_parts`).
 """
 
@@ -11,10 +13,11 @@ from __future__ import annotations
 import msgspec
 
 from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError, InvalidRequestError, NotBuiltError
+from asyncllm.lora import LoRARequest
 
 __all__ = [
     "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
-    "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
+    "AddLoRA", "LoRAAdded", "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
 ]
 
 _STRUCT = dict(tag=True, array_like=True, omit_defaults=True)
@@ -119,6 +122,25 @@ class SleepModeDone(msgspec.Struct, **_STRUCT):
     error_value: str = ""
     error: str = ""
     """InvalidRequestError's message, NotBuiltError's feature, ConfigError's allowed values."""
+
+
+# ---------------------------------------------------------------- host <-> core
+class AddLoRA(msgspec.Struct, **_STRUCT):
+    """`AsyncEngine.add_lora` at the core: the adapter as the host checked it (``lora_path`` a local folder)."""
+
+    call_id: str
+    lora: LoRARequest
+
+
+class LoRAAdded(msgspec.Struct, **_STRUCT):
+    """The answer to `AddLoRA`: ``error_type`` empty: the core took the host's id for the folder; otherwise the
+    refusal (InvalidRequestError naming ``lora_path`` or ``lora_request``)."""
+
+    call_id: str
+    error_type: str = ""
+    error_field: str = ""
+    error_value: str = ""
+    error: str = ""
 
 
 # ------------------------------------------------------------- error helpers

@@ -75,12 +75,17 @@ class LoadLoRAAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields
 
     lora_name: str
     lora_path: str
+    load_inplace: bool = False
+    """Replace the adapter served as `lora_name` (an RL loop's new weights under the same name): new requests run
+    the new one, running ones finish on the old; False: a name already served is a 400."""
 
 
 class UnloadLoRAAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """vLLM's ``POST /v1/unload_lora_adapter``: stop serving the model `lora_name`."""
 
     lora_name: str
+    lora_int_id: int | None = None
+    """Accepted and not checked, as vLLM's: the adapter is found by its name (ids are the server's own)."""
 
 
 @dataclass(frozen=True)
@@ -133,20 +138,23 @@ class LoRAModels:
                                                         f"name ({served})")
 
     async def load(self, engine: AsyncEngine, req: LoadLoRAAdapterRequest, served_names: list[str]) -> LoRARequest:
-        """Serve the adapter at ``lora_path`` as ``lora_name``, checked first (a bad adapter or a name already
-        served is an `InvalidRequestError`)."""
+        """Serve the adapter at ``lora_path`` as ``lora_name``, checked first (a bad adapter, or a name already
+        served without ``load_inplace``, is an `InvalidRequestError`). ``load_inplace`` replaces a served adapter
+        of that name as an unload and a load would: a new id, so the workers read the folder again (the old
+        adapter stays served until the new one passed its check)."""
         if not req.lora_name.strip():
             raise InvalidRequestError("lora_name", "must not be empty")
         async with self._lock:
-            if req.lora_name in self.loras or req.lora_name in served_names:
-                raise InvalidRequestError("lora_name", f"the model {req.lora_name!r} is already served "
-                                                       "(unload the adapter first to replace it)")
+            replaced = self.loras.get(req.lora_name) if req.load_inplace else None
+            if req.lora_name in served_names or (req.lora_name in self.loras and replaced is None):
+                raise InvalidRequestError("lora_name", f"the model {req.lora_name!r} is already served (unload the "
+                                                       "adapter first, or load it with load_inplace, to replace it)")
             lora = self._new_request(req.lora_name, req.lora_path)
             try:
                 await engine.add_lora(lora)
             except InvalidRequestError as exc:
                 raise InvalidRequestError("lora_path", exc.message, code=exc.code) from None
-            self.loras[req.lora_name] = ServedLoRA(lora)
+            self.loras[req.lora_name] = ServedLoRA(lora, None if replaced is None else replaced.parent)
         return lora
 
     async def unload(self, req: UnloadLoRAAdapterRequest) -> None:

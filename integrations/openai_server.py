@@ -291,7 +291,8 @@ class OpenAIServer:
         req = decode_request(await self._body(request), ResponsesRequest)
         model, lora = self._model(req.model)
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
-        streams, choices = self._start_chat(turn.chat_request(), lora, await self._sampling_defaults(),
+        chat = turn.chat_request()
+        streams, choices = self._start_chat(chat, lora, await self._sampling_defaults(),
                                             header_data_parallel_rank(request.headers), prompt_tokens_details=True)
         with constraint_errors(constraint_field(chat, choices.tool_mode.constraint is not None)):
             if req.stream:

@@ -287,7 +287,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         owned = self._connect_address is None  # a shared core's weights are its own: nothing to restore
         config = self._weights.restart_config(self.config) if owned else self.config
         try:
-            await start_replica(replica, config, self._launch_spec())
+            await start_replica(replica, config, self._launch_spec(), closed=lambda: self._closed)
         except BaseException:
             replica.processor = processor  # still dead: stats() and new requests say so
             raise

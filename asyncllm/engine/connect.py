@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -50,8 +51,10 @@ def check_address(address: object, key: str | None = None) -> str:
     return address
 
 
-def handshake(address: str, timeout_s: float, key: str | None = None) -> protocol.Ready:
-    """Say hello on a throwaway DEALER, return the core's `Ready`, then say goodbye (shutdown=False)."""
+def handshake(address: str, timeout_s: float, key: str | None = None,
+              closed: Callable[[], bool] | None = None) -> protocol.Ready:
+    """Say hello on a throwaway DEALER, return the core's `Ready`, then say goodbye (shutdown=False); `closed`
+    returning True ends the wait (the engine that waits was closed)."""
     ctx = zmq.Context()
     dealer = open_dealer(ctx, address, resolve_key(address, key), linger_ms=1000)  # linger: let the Goodbye out
     watch = ConnectionWatch(dealer)
@@ -62,9 +65,11 @@ def handshake(address: str, timeout_s: float, key: str | None = None) -> protoco
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not dealer.poll(100):
+                if closed is not None and closed():
+                    raise EngineDeadError(f"the engine was closed while waiting for the engine core at {address}")
                 lost = watch.lost()
                 if lost is not None:
-                    raise EngineDeadError(f"{lost} (engine address {address})")
+                    raise _CoreUnreachable(f"{lost} (engine address {address})")
                 continue
             message = decoder.decode(dealer.recv())
             if isinstance(message, protocol.EngineFailed):
@@ -85,16 +90,23 @@ def handshake(address: str, timeout_s: float, key: str | None = None) -> protoco
         ctx.term()
 
 
-def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: str | None = None) -> Prepared:
+class _CoreUnreachable(EngineDeadError):
+    """No socket at the address, or the connection dropped during the handshake (a core that was stopping): a
+    restart tries again."""
+
+
+def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: str | None = None,
+                     closed: Callable[[], bool] | None = None) -> Prepared:
     """Ask the core at `address` what it serves and load that tokenizer (runs in a worker thread).
 
     A core binds its socket before it loads the model, so a missing socket file
     means no core, not a slow one: that fails at once instead of after `timeout_s`.
+    `closed` given (a core restart, `max_core_restarts`): the core may be restarting,
+    so a missing socket or a dropped connection is tried again until `timeout_s`,
+    or until `closed()` (the engine was closed meanwhile).
     """
-    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
-        raise EngineDeadError(f"no engine core listens at {address}; start one with "
-                              f"`asyncllm engine MODEL --address {address}`")
-    ready = handshake(address, timeout_s, key)
+    ready = _handshake_now(address, timeout_s, key) if closed is None else _await_handshake(address, timeout_s, key,
+                                                                                            closed)
     if not ready.model:
         raise EngineDeadError(f"the engine core at {address} did not say which model it serves (an older asyncllm?)")
     lora = dict(enable_lora=True, max_lora_rank=ready.max_lora_rank, max_loras=ready.max_loras, max_cpu_loras=None) \
@@ -102,3 +114,25 @@ def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: 
     served = config.replace(model=ready.model, tokenizer=ready.tokenizer or None, tokenizer_revision=ready.revision,
                             max_model_len=ready.max_model_len, **lora)
     return prepare(served)
+
+
+def _handshake_now(address: str, timeout_s: float, key: str | None,
+                   closed: Callable[[], bool] | None = None) -> protocol.Ready:
+    if address.startswith("ipc://") and not os.path.exists(address[len("ipc://"):]):
+        raise _CoreUnreachable(f"no engine core listens at {address}; start one with "
+                               f"`asyncllm engine MODEL --address {address}`")
+    return handshake(address, timeout_s, key, closed)
+
+
+def _await_handshake(address: str, timeout_s: float, key: str | None, closed: Callable[[], bool]) -> protocol.Ready:
+    """`handshake` once a core listens at `address`, retried with backoff (0.1 s to 2 s) until `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    delay_s = 0.1
+    while True:
+        try:
+            return _handshake_now(address, max(deadline - time.monotonic(), 0.1), key, closed)
+        except _CoreUnreachable:
+            if time.monotonic() + delay_s > deadline or closed():
+                raise
+        time.sleep(delay_s)
+        delay_s = min(delay_s * 2, 2.0)

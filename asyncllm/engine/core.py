@@ -22,13 +22,15 @@ import msgspec
 
 from asyncllm import errors, protocol
 from asyncllm.config import EngineConfig
-from asyncllm.engine.core_io import CoreIO
+from asyncllm.engine.client_liveness import ClientLiveness
+from asyncllm.engine.core_io import CoreIO, fail_startup
 from asyncllm.engine.core_sleep import SleepController
 from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
 from asyncllm.engine.kv_budget import check_kv_fits, swap_blocks
+from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.request_keys import host_outputs, request_key, request_keys
-from asyncllm.engine.validation import check_add_request, check_lora_id, record_lora_id, served_tasks
+from asyncllm.engine.validation import check_add_request, served_tasks
 from asyncllm.mm.core_cache import CoreProcessorCache
 from asyncllm.procutil import exit_when_parent_dies, report_crashes
 from asyncllm.sched.request import Request
@@ -55,9 +57,12 @@ class EngineCore:
         self.tasks: frozenset[str] | None = None
         """What the model serves ("generate", "embed", "classify"), as the workers report it; None: unknown (requests
         are not checked)."""
-        self.lora_paths: dict[int, str] = {}
-        """Each LoRA adapter id accepted -> its path's realpath: one id, one adapter (`check_lora_id`)."""
+        self.lora_ids = HostLoRAIds()
+        """Each host's LoRA adapter ids -> the core's (asyncllm/engine/lora_ids.py); a detached host's are
+        forgotten (`forget_host`)."""
         self.stats_reporter: bytes | None = None
+        self.liveness = ClientLiveness()
+        """Notices a host on this machine that died without a Goodbye (SIGKILL): `_drop_dead_clients`."""
         """The one host that exports the engine-wide metrics (the earliest still attached)."""
         self.executor = Executor(config, hf_config_json=hf_config_json)
         self._running = True
@@ -106,6 +111,7 @@ class EngineCore:
             changed = self._drain_inbox(block=not has_work)
             if not self._running:
                 break
+            changed |= self._drop_dead_clients()  # one clock comparison between checks
             expired = self._finish_expired()  # one comparison when none is due
             if self.structured.pending:  # requests waiting for their grammar (polled at least every 50 ms)
                 expired += self._admit_compiled()
@@ -215,7 +221,8 @@ class EngineCore:
 
     def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
         if isinstance(message, (protocol.AddRequest, protocol.AbortRequests, protocol.ResetPrefixCache,
-                                protocol.UpdateWeights, protocol.AwaitWeights, protocol.Sleep, protocol.WakeUp)) \
+                                protocol.UpdateWeights, protocol.AwaitWeights, protocol.Sleep, protocol.WakeUp,
+                                protocol.AddLoRA)) \
                 and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
             return False
@@ -235,6 +242,7 @@ class EngineCore:
                 self.io.send(client_id, protocol.EngineFailed("EngineDeadError", mismatch))
                 return False
             self.clients.add(client_id)
+            self.liveness.watch(client_id, message.pid, message.process_identity)
             if self.stats_reporter is None:
                 self.stats_reporter = client_id
             ready = self._ready()
@@ -249,16 +257,33 @@ class EngineCore:
             self.weights.await_pushed(message.weights_version)
         elif isinstance(message, (protocol.Sleep, protocol.WakeUp)):
             self.sleep.handle(client_id, message)
+        elif isinstance(message, protocol.AddLoRA):
+            self.io.send(client_id, self.lora_ids.add(client_id, message, self.config.enable_lora))
         elif isinstance(message, protocol.Goodbye):
-            self.structured.drop(r.request_id for r in self.scheduler.abort_client(client_id))
-            self.structured.abort_client(client_id)
-            self.clients.discard(client_id)
-            self.mm_cache.detach(client_id)
-            if self.stats_reporter == client_id:
-                self.stats_reporter = next(iter(self.clients), None)
+            self._remove_client(client_id)
             if message.shutdown:
                 self._running = False
         return True
+
+    def _remove_client(self, client_id: bytes) -> None:
+        """A host left (`Goodbye`) or died: abort its requests, unmap its ring, hand its metrics export on."""
+        self.structured.drop(r.request_id for r in self.scheduler.abort_client(client_id))
+        self.structured.abort_client(client_id)
+        self.clients.discard(client_id)
+        self.liveness.forget(client_id)
+        self.mm_cache.detach(client_id)
+        self.lora_ids.forget_host(client_id)
+        if self.stats_reporter == client_id:
+            self.stats_reporter = next(iter(self.clients), None)
+
+    def _drop_dead_clients(self) -> bool:
+        """Remove the hosts whose process died without a Goodbye (asyncllm/engine/client_liveness.py)."""
+        dead = self.liveness.dead_clients()
+        for client_id in dead:
+            logger.warning("a host on this machine died without a Goodbye: its %d requests are aborted",
+                           sum(r.client_id == client_id for r in self.scheduler.requests.values()))
+            self._remove_client(client_id)
+        return bool(dead)
 
     def _add_request(self, client_id: bytes, message: protocol.AddRequest) -> None:
         request_id = message.request_id  # the host's: the core keys the request by `request_key` (ids are per host)
@@ -276,13 +301,14 @@ class EngineCore:
                                                                "request")
             # the id is free: a matcher left by an earlier request of it (ended before a step noticed) is not this one's
             self.structured.drop([key])
-            check_lora_id(message.lora, self.lora_paths)
+            host_lora_id = message.lora.lora_int_id if message.lora is not None else 0
+            message.lora = self.lora_ids.core_lora(client_id, message.lora)  # each host's adapter ids are its own
             request = Request.from_add_request(message, client_id)
             if message.params.structured is not None:
                 self.structured.add(request)  # queued once its grammar has compiled (`_admit_compiled`)
             else:
                 self.scheduler.add_request(request)
-            record_lora_id(message.lora, self.lora_paths)  # once accepted: a refused request pins no id
+            self.lora_ids.record(client_id, host_lora_id, message.lora)  # once accepted: a refused request pins no id
         except (errors.InvalidRequestError, errors.EngineOverloadedError) as exc:
             delta = protocol.RequestOutputDelta(request_id, [], "abort", error=str(exc), error_type=type(exc).__name__)
             self.io.send(client_id, protocol.Outputs([delta], None, time.time()))
@@ -320,25 +346,6 @@ class EngineCore:
         self.executor.shutdown()
 
 
-def _fail_startup(io: CoreIO, exc: BaseException, grace_s: float = 3.0) -> None:
-    """Tell every host that says hello within `grace_s` why startup failed."""
-    error_type = type(exc).__name__ if isinstance(exc, errors.AsyncLLMError) else "EngineDeadError"
-    failed = protocol.EngineFailed(error_type, f"engine core failed to start: {exc}", protocol.config_error_parts(exc))
-    deadline = time.monotonic() + grace_s
-    told: set[bytes] = set()
-    while time.monotonic() < deadline:
-        try:
-            client_id, _ = io.inbox.get(timeout=0.05)
-        except queue.Empty:
-            if told:
-                break
-            continue
-        if client_id not in told:
-            io.send(client_id, failed)
-            told.add(client_id)
-    time.sleep(0.1)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="asyncllm.engine.core")
     parser.add_argument("--address", required=True)
@@ -355,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
         core = EngineCore(config, io, args.hf_config_json)
     except BaseException as exc:  # noqa: BLE001 - reported to the host, then exit
         logger.exception("engine core failed to start")
-        _fail_startup(io, exc)
+        fail_startup(io, exc)
         io.close()
         sys.exit(1)
     try:

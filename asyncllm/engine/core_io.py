@@ -18,6 +18,7 @@ import zmq
 
 from asyncllm import protocol
 from asyncllm.auth import ServerAuth, derive_keys, resolve_key
+from asyncllm import errors
 from asyncllm.errors import ConfigError
 
 logger = logging.getLogger("asyncllm.engine.core")
@@ -125,3 +126,22 @@ def _add_request_id(payload: bytes) -> str | None:
     if isinstance(raw, list) and len(raw) > 1 and raw[0] == "AddRequest" and isinstance(raw[1], str):
         return raw[1]
     return None
+
+
+def fail_startup(io: CoreIO, exc: BaseException, grace_s: float = 3.0) -> None:
+    """Tell every host that says hello within `grace_s` why the core failed to start (`EngineFailed`)."""
+    error_type = type(exc).__name__ if isinstance(exc, errors.AsyncLLMError) else "EngineDeadError"
+    failed = protocol.EngineFailed(error_type, f"engine core failed to start: {exc}", protocol.config_error_parts(exc))
+    deadline = time.monotonic() + grace_s
+    told: set[bytes] = set()
+    while time.monotonic() < deadline:
+        try:
+            client_id, _ = io.inbox.get(timeout=0.05)
+        except queue.Empty:
+            if told:
+                break
+            continue
+        if client_id not in told:
+            io.send(client_id, failed)
+            told.add(client_id)
+    time.sleep(0.1)

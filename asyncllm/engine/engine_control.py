@@ -40,14 +40,17 @@ class EngineControl:
 
     async def add_lora(self, lora_request: LoRARequest) -> None:
         """Check a LoRA adapter now (folder, config, every tensor's shape against the model) rather than at
-        its first request; `InvalidRequestError` says what is wrong. Its weights are read by the workers
-        when a request first uses it (docs/lora.md)."""
+        its first request; `InvalidRequestError` says what is wrong. The engine core checks it too (a shared
+        core on another machine must read the folder at the same path) and binds this engine's `lora_int_id` to
+        it. Its weights are read by the workers when a request first uses it (docs/lora.md)."""
         if lora_request is None:
             raise InvalidRequestError("lora_request", "must be an asyncllm.LoRARequest, got None")
         RequestOptions(lora_request=lora_request).validate()
         await self.start()
-        for processor in await self._replicas.serving_processors():  # each replica's host side has its own checker
-            await anyio.to_thread.run_sync(processor.check_lora, lora_request)
+        processors = await self._replicas.serving_processors()
+        checked = [await anyio.to_thread.run_sync(processor.check_lora, lora_request)  # each replica's own checker
+                   for processor in processors]
+        await every_replica([processor.add_lora(lora) for processor, lora in zip(processors, checked)])
 
     async def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (vLLM's ``reset_prefix_cache``) of every replica, e.g. after new weights or

@@ -24,6 +24,7 @@ import zmq
 
 from asyncllm import errors, protocol
 from asyncllm.engine.channel import ConnectionWatch, open_dealer
+from asyncllm.engine.client_liveness import process_identity
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.launch import CoreProcess
 from asyncllm.engine.logprobs import LogprobsDecoder
@@ -41,10 +42,11 @@ from asyncllm.engine.processor_requests import (
     sample_request_ids,
 )
 from asyncllm.engine.prompt_tokens import PromptTokenizer
+from asyncllm.engine.lora_ids import PendingLoRACalls
 from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.weight_update import PendingWeightUpdates
-from asyncllm.lora import AdapterChecker
+from asyncllm.lora import AdapterChecker, LoRARequest
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.outputs import StreamDelta
@@ -112,6 +114,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         """`UpdateWeights` sent and not answered yet (asyncllm/engine/weight_update.py)."""
         self._sleep_calls = PendingSleepCalls()
         """`Sleep` / `WakeUp` sent and not answered yet (asyncllm/engine/sleep.py)."""
+        self._lora_calls = PendingLoRACalls()
+        """`AddLoRA` sent and not answered yet (asyncllm/engine/lora_ids.py)."""
         self._ctx = zmq.Context()
         self._doorbell_address = f"inproc://asyncllm-doorbell-{uuid.uuid4().hex}"
         self._doorbell_pull = self._ctx.socket(zmq.PULL)
@@ -119,6 +123,10 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         self._doorbell = self._ctx.socket(zmq.PUSH)
         self._doorbell.connect(self._doorbell_address)
         self._doorbell_lock = threading.Lock()
+        self._accepting = True
+        """False once the ending thread drained the jobs (`_fail_queued_requests`): a Submit is refused then."""
+        self._accepting_lock = threading.Lock()
+        """Held by `_post`'s check and put and by the drain, so a Submit is either drained (failed) or refused."""
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(protocol.CoreMessage)
         self.ready: concurrent.futures.Future[protocol.Ready] = concurrent.futures.Future()
@@ -164,6 +172,14 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             self._sleep_calls.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
         return future
 
+    def add_lora(self, lora: LoRARequest) -> concurrent.futures.Future[None]:
+        """Send `AddLoRA` (the adapter as `check_lora` returned it); the future of the core's answer."""
+        call_id, future = self._lora_calls.new()
+        self._post(("send", protocol.AddLoRA(call_id, lora)))
+        if not self._thread.is_alive():
+            self._lora_calls.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
+        return future
+
     def close(self, shutdown_core: bool) -> None:
         """Say goodbye to the core and stop the thread (blocking: call off the loop)."""
         if self._thread.is_alive():
@@ -174,9 +190,11 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         self._ctx.term()
 
     def _post(self, job: Any) -> None:
-        if isinstance(job, Submit) and self.dead is not None:  # a request racing the engine's death: never queued
-            raise errors.EngineDeadError(f"the engine is dead: {self.dead}")
-        self._jobs.put(job)
+        with self._accepting_lock:
+            if isinstance(job, Submit) and (self.dead is not None or not self._accepting):  # never read: refused
+                raise errors.EngineDeadError(f"the engine is dead: {self.dead}" if self.dead is not None
+                                             else "the engine was closed")
+            self._jobs.put(job)
         with self._doorbell_lock:
             if self._doorbell.closed:
                 return
@@ -192,7 +210,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         try:
             ring = self._mm.open_cache() if self._mm is not None else ""  # the shm processor cache's segment
             dealer.send(self._encoder.encode(protocol.Hello(pid=os.getpid(), mm_shm_ring=ring,
-                                                            wire_protocol=protocol.wire_protocol())))
+                                                            wire_protocol=protocol.wire_protocol(),
+                                                            process_identity=process_identity())))
             if self._await_ready(dealer):
                 self._serve(dealer)
         except BaseException as exc:  # noqa: BLE001 - never die silently: fail every stream
@@ -203,6 +222,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             self._fail_queued_requests()
             self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
             self._sleep_calls.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
+            self._lora_calls.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
             if self._mm is not None:
                 self._mm.close_cache()
             watch.close()
@@ -212,11 +232,12 @@ class Processor(ProcessorRequests, ProcessorOutputs):
     def _fail_queued_requests(self) -> None:
         """Requests posted that the ending thread will never serve: they fail rather than wait forever."""
         error = self.dead or errors.EngineDeadError("the engine was closed")
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                return
+        with self._accepting_lock:  # a `_post` between its check and its put finishes first: its job is drained
+            self._accepting = False
+            jobs = []
+            while not self._jobs.empty():
+                jobs.append(self._jobs.get_nowait())
+        for job in jobs:
             if isinstance(job, Submit):
                 self._deliver([(job.collector, error)], None)
 
@@ -353,6 +374,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             self.dead = error
         self._weight_updates.fail_all(error or errors.EngineDeadError("the engine was closed"))
         self._sleep_calls.fail_all(error or errors.EngineDeadError("the engine was closed"))
+        self._lora_calls.fail_all(error or errors.EngineDeadError("the engine was closed"))
         batch: Delivery = []
         now = time.time()
         for tracked in self._tracked.values():

@@ -17,6 +17,7 @@ from asyncllm import errors, protocol
 from asyncllm.engine.collector import RequestCollector, StreamPacer
 from asyncllm.engine.detokenizer import IncrementalDetokenizer, TokenIdsOnly
 from asyncllm.engine.logprobs import LogprobsDecoder, PromptLogprobsBuffer
+from asyncllm.engine.lora_ids import PendingLoRACalls
 from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.engine.weight_update import PendingWeightUpdates
 from asyncllm.metrics.observer import RequestObserver
@@ -63,6 +64,7 @@ class ProcessorOutputs:
     _logprobs_decoder: LogprobsDecoder
     _weight_updates: PendingWeightUpdates
     _sleep_calls: PendingSleepCalls
+    _lora_calls: PendingLoRACalls
 
     if TYPE_CHECKING:
         def _fail_all(self, error: BaseException | None) -> None: ...
@@ -86,6 +88,9 @@ class ProcessorOutputs:
             return
         if isinstance(message, protocol.SleepModeDone):
             self._sleep_calls.resolve(message)
+            return
+        if isinstance(message, protocol.LoRAAdded):
+            self._lora_calls.resolve(message)
             return
         if not isinstance(message, protocol.Outputs):
             return

@@ -195,15 +195,18 @@ def pick_replica(replicas: list[Replica]) -> Replica | None:
     return best
 
 
-async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec) -> Prepared:
+async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec,
+                        closed: Callable[[], bool] | None = None) -> Prepared:
     """Prepare the host side (model folder, tokenizer), launch or attach to the core, start the processor thread;
-    returns once the core serves. On failure nothing of it is left running."""
+    returns once the core serves. On failure nothing of it is left running. `closed` (a supervisor's restart): a
+    shared core being restarted is waited for, up to the startup timeout or until `closed()` (`prepare_attached`)."""
     timeout_s = envs.ENGINE_STARTUP_TIMEOUT_S.get()
     core: CoreProcess | None = None
     if spec.connect_address is not None:
         from asyncllm.engine.connect import prepare_attached
 
-        prepared = await in_thread(prepare_attached, config, spec.connect_address, timeout_s, spec.engine_key)
+        prepared = await in_thread(prepare_attached, config, spec.connect_address, timeout_s, spec.engine_key,
+                                   closed)
         replica.observer.set_model_name(prepared.config.model)
     else:
         prepared = await in_thread(prepare, config)

@@ -4,7 +4,7 @@ The core keys a request by its host's tag and the host's id (`request_key`): the
 identity in hex and a colon, so no id of one host spells another's key. The core tags what a host sends
 (`AddRequest`, `AbortRequests`) once it is checked, and `host_outputs` takes the tag off what it sends back: a host
 sees its own ids everywhere, and cannot name, probe or abort another host's requests. The core's own log names a
-request by its key.
+request by its key. Adapter ids likewise: asyncllm/engine/lora_ids.py.
 """
 
 from __future__ import annotations

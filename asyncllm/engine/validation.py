@@ -12,13 +12,11 @@ crash on (token ids outside the vocabulary, non-finite numbers).
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from typing import Any
 
 from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
-from asyncllm.lora import LoRARequest
 from asyncllm.models.architectures import CLASSIFICATION_ARCHITECTURES, EMBEDDING_ARCHITECTURES
 from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
@@ -26,7 +24,7 @@ from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 __all__ = [
     "truncated_prompt",
     "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_request_id",
-    "check_allowed_tokens", "check_lora_id",
+    "check_allowed_tokens",
     "check_text", "served_tasks",
     "check_params_text", "check_params_vocab",
     "check_token_ids",
@@ -232,24 +230,6 @@ def _check_task(pooling: PoolingParams | None, tasks: frozenset[str] | None) -> 
     if tasks is not None and task not in tasks:
         raise InvalidRequestError("prompt" if pooling is None else "model",  # as the host (`PoolingModel.check`)
                                   f"this model serves {' and '.join(sorted(tasks))} requests only, not {task}")
-
-
-def check_lora_id(lora: LoRARequest | None, known: dict[int, str]) -> None:
-    """One adapter per ``lora_int_id`` (the workers keep and cache adapters by id), across every host: `known` maps
-    each id accepted to its folder (`record_lora_id`); two paths to one folder (a symlink) are one adapter, as for
-    the host's `LoRAChecker`."""
-    if lora is None:
-        return
-    path = known.get(lora.lora_int_id)
-    if path is not None and path != os.path.realpath(lora.lora_path):
-        raise InvalidRequestError("lora_request", f"lora_int_id {lora.lora_int_id} already names the adapter at "
-                                                  f"{path}: one id, one adapter")
-
-
-def record_lora_id(lora: LoRARequest | None, known: dict[int, str]) -> None:
-    """`known` gets the folder of an accepted request's adapter (`check_lora_id` passed)."""
-    if lora is not None:
-        known.setdefault(lora.lora_int_id, os.path.realpath(lora.lora_path))
 
 
 _EMBEDS_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import httpx
 import pytest
@@ -162,6 +163,32 @@ async def test_load_and_unload_round_trip(lora_app, lora_engine, tiny_llama, tmp
     assert reloaded.status_code == 200 and second_id > first_id
     assert served_again.json()["choices"][0]["text"] == _decoded(lora_engine, peft_greedy(tiny_llama, second, PROMPT,
                                                                                           MAX_TOKENS))
+
+
+@asyncio_test
+async def test_load_inplace_serves_the_new_weights(lora_app, lora_engine, tiny_llama, tmp_path) -> None:
+    """vLLM's bodies: ``load_inplace`` replaces the adapter of a served name, even from the same folder retrained in
+    place (an RL loop's), and a bad one leaves the old served; unload takes ``lora_int_id`` (not checked, as vLLM)."""
+    first = make_adapter(tiny_llama, str(tmp_path / "first"), seed=3, rank=4)
+    second = make_adapter(tiny_llama, str(tmp_path / "second"), seed=4, rank=4)
+    folder = tmp_path / "policy"
+    shutil.copytree(first, folder)
+    expected = [_decoded(lora_engine, peft_greedy(tiny_llama, path, PROMPT, MAX_TOKENS)) for path in (first, second)]
+    load = {"lora_name": "pol", "lora_path": str(folder), "load_inplace": True}
+    async with _client(lora_app) as client:
+        statuses = [(await client.post("/v1/load_lora_adapter", json=load)).status_code]
+        texts = [(await _complete(client, "pol")).json()["choices"][0]["text"]]
+        shutil.rmtree(folder)
+        shutil.copytree(second, folder)
+        statuses.append((await client.post("/v1/load_lora_adapter", json=load)).status_code)
+        bad = await client.post("/v1/load_lora_adapter", json={**load, "lora_path": str(tmp_path / "missing")})
+        refused = await client.post("/v1/load_lora_adapter", json={**load, "load_inplace": False})
+        texts.append((await _complete(client, "pol")).json()["choices"][0]["text"])
+        unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "pol", "lora_int_id": 12345})
+    assert statuses == [200, 200] and texts == expected and expected[0] != expected[1]
+    assert (bad.status_code, bad.json()["error"]["param"]) == (400, "lora_path")
+    assert (refused.status_code, refused.json()["error"]["param"]) == (400, "lora_name")
+    assert unloaded.status_code == 200 and lora_app.state.openai_server.loras.get("pol") is None
 
 
 @asyncio_test

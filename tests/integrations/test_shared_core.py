@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,12 +13,19 @@ import textwrap
 import time
 from pathlib import Path
 
+import msgspec
 import pytest
+import zmq
+from prometheus_client import CollectorRegistry, generate_latest
 from transformers import AutoTokenizer
 
-from asyncllm import AsyncEngine, ConfigError, EngineDeadError, SamplingParams
+from asyncllm import AsyncEngine, ConfigError, EngineDeadError, LoRARequest, SamplingParams
+from asyncllm import protocol
+from asyncllm.engine.channel import open_dealer
+from asyncllm.engine.client_liveness import _machine, _start_time
 from asyncllm.engine.connect import handshake
 from hf_reference import hf_greedy
+from lora_utils import make_adapter, peft_greedy
 
 PROMPTS = ["def main():", "import os\n", "class Config:"]
 MAX_TOKENS = 24
@@ -50,9 +58,9 @@ def _python(*args: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-P", *args], **kwargs)
 
 
-def _start_core(model: str, folder: Path) -> tuple[subprocess.Popen, str]:
+def _start_core(model: str, folder: Path, *args: str) -> tuple[subprocess.Popen, str]:
     address = f"ipc://{folder / 'run' / 'engine.sock'}"
-    proc = _python("-m", "asyncllm", "engine", model, "--address", address, "--disable-log-stats",
+    proc = _python("-m", "asyncllm", "engine", model, "--address", address, "--disable-log-stats", *args,
                    stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while not os.path.exists(address[len("ipc://"):]):
@@ -64,7 +72,8 @@ def _start_core(model: str, folder: Path) -> tuple[subprocess.Popen, str]:
 
 @pytest.fixture(scope="module")
 def core(tiny_llama: str, tmp_path_factory):
-    proc, address = _start_core(tiny_llama, tmp_path_factory.mktemp("core"))
+    # LoRA on (two slots): the base model's outputs are unchanged, and the adapter test needs no core of its own
+    proc, address = _start_core(tiny_llama, tmp_path_factory.mktemp("core"), "--enable-lora", "--max-loras", "2")
     yield proc, address
     if proc.poll() is None:
         proc.kill()
@@ -120,13 +129,95 @@ async def test_each_host_has_its_own_request_ids(core, tiny_llama: str) -> None:
         assert b_ids == expected[1]
 
 
-def test_sigterm_stops_the_core_cleanly(core) -> None:
+async def test_each_host_has_its_own_lora_ids(core, tiny_llama: str, tmp_path: Path) -> None:
+    """Two hosts name different adapters with one lora_int_id, each gets its own adapter's tokens (PEFT's); a host
+    attached after the adapter was retrained in place (a redeployed API server, numbering its adapters from 1
+    again) gets the new weights, not the core's cached old ones (asyncllm/engine/request_keys.py)."""
+    _, address = core
+    a1, a2 = (make_adapter(tiny_llama, str(tmp_path / name), seed=seed) for name, seed in (("a1", 1), ("a2", 2)))
+    served = tmp_path / "served"
+    shutil.copytree(a1, served)
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 12]
+    expected = [peft_greedy(tiny_llama, path, prompt, 12) for path in (a1, a2)]
+    assert expected[0] != expected[1]
+
+    async def greedy(engine: AsyncEngine, lora: LoRARequest) -> list[int]:
+        stream = engine.stream({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=12,
+                                                                             ignore_eos=True), lora_request=lora)
+        return [t async for delta in stream for t in delta.token_ids]
+
+    async with AsyncEngine.connect(address, disable_log_stats=True) as b:
+        async with AsyncEngine.connect(address, disable_log_stats=True) as a:
+            assert await asyncio.gather(greedy(a, LoRARequest("sql", 1, str(served))),
+                                        greedy(b, LoRARequest("chat", 1, a2))) == expected
+        shutil.rmtree(served)
+        shutil.copytree(a2, served)  # retrained in place while the core kept running
+        async with AsyncEngine.connect(address, disable_log_stats=True) as redeployed:
+            assert await greedy(redeployed, LoRARequest("sql", 1, str(served))) == expected[1]
+
+
+async def test_a_killed_host_is_dropped_by_the_core(core) -> None:
+    """A host killed without a Goodbye (SIGKILL, the OOM killer): within about a second the core aborts its requests
+    (their KV blocks and batch slots are free) and another host exports the engine-wide metrics in its place
+    (asyncllm/engine/client_liveness.py). A `sleep` process stands for the killed host: the Hello names its pid."""
+    _, address = core
+    child = subprocess.Popen(["sleep", "60"])
+    ctx = zmq.Context()
+    dealer = open_dealer(ctx, address, None)
+    registry = CollectorRegistry()
+
+    def engine_gauges() -> list[str]:
+        return [line for line in generate_latest(registry).decode().splitlines()
+                if line.startswith("asyncllm:num_requests_running")]
+
+    async def until(predicate, timeout_s: float) -> float:
+        start = time.monotonic()
+        while not predicate():
+            assert time.monotonic() - start < timeout_s, engine.stats()
+            await asyncio.sleep(0.05)
+        return time.monotonic() - start
+
+    try:
+        dealer.send(msgspec.msgpack.encode(protocol.Hello(child.pid, wire_protocol=protocol.wire_protocol(),
+                                                          process_identity=f"{_machine()} {_start_time(child.pid)}")))
+        assert dealer.poll(30_000) and isinstance(msgspec.msgpack.decode(dealer.recv(), type=protocol.CoreMessage),
+                                                  protocol.Ready)  # the first host attached: it reports
+        dealer.send(msgspec.msgpack.encode(protocol.AddRequest(
+            "long", [5, 17, 42], SamplingParams(temperature=0, max_tokens=5000, ignore_eos=True), [], time.time())))
+        async with AsyncEngine.connect(address, disable_log_stats=True, prometheus_registry=registry) as engine:
+            await engine.generate("hi", SamplingParams(max_tokens=1))
+            await until(lambda: engine.stats().num_requests_running == 1, 30)
+            assert engine_gauges() == []
+            child.kill()
+            child.wait()
+            assert await until(lambda: engine.stats().num_requests_running == 0 and engine_gauges(), 3) < 3
+    finally:
+        child.kill()
+        child.wait()
+        dealer.close(linger=0)
+        ctx.term()
+
+
+async def test_sigterm_stops_the_core_cleanly_and_an_attached_host_survives_its_restart(core, tiny_llama: str) -> None:
+    """A planned restart of the shared core (SIGTERM, then started again): a host with max_core_restarts waits
+    for the new core (its socket is gone meanwhile) and serves again."""
     proc, address = core
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
-    assert proc.returncode == 0, stderr[-2000:]
-    assert "stopping the engine core" in stderr
-    assert not os.path.exists(address[len("ipc://"):])  # the socket is removed
+    async with AsyncEngine.connect(address, disable_log_stats=True, max_core_restarts=1) as engine:
+        greedy = SamplingParams(temperature=0, max_tokens=8)
+        before = (await engine.generate("def main():", greedy)).token_ids
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.to_thread(proc.communicate, timeout=60)
+        assert proc.returncode == 0, stderr[-2000:]
+        assert "stopping the engine core" in stderr
+        assert not os.path.exists(address[len("ipc://"):])  # the socket is removed
+        await asyncio.sleep(0.5)  # the host noticed; its restart waits for a socket
+        new_proc, _ = await asyncio.to_thread(_start_core, tiny_llama, Path(address[len("ipc://"):]).parent.parent)
+        try:
+            assert (await asyncio.wait_for(engine.generate("def main():", greedy), 60)).token_ids == before
+            assert engine.stats().engine_alive
+        finally:
+            new_proc.kill()
+            new_proc.wait()
 
 
 async def test_connect_refuses_tcp_and_bad_addresses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -143,16 +234,18 @@ async def test_connect_refuses_tcp_and_bad_addresses(tmp_path: Path, monkeypatch
 async def test_a_killed_core_fails_an_attached_hosts_streams_at_once(tiny_llama: str, tmp_path_factory) -> None:
     """A host attached over ipc:// has no heartbeat and no process to watch: the kernel closing the dead core's socket
     is what tells it. A SIGKILLed core (no last word) fails the host's open stream within seconds, naming the
-    address."""
+    address; closing the host then ends its supervisor's wait for a new core at once (the dead core's socket file
+    is left behind: the restart's handshake waits on it)."""
     proc, address = _start_core(tiny_llama, tmp_path_factory.mktemp("killed"))
     try:
-        async with AsyncEngine.connect(address, disable_log_stats=True) as engine:
+        async with AsyncEngine.connect(address, disable_log_stats=True, max_core_restarts=1) as engine:
             stream = engine.stream("def main():", SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
             with pytest.raises(EngineDeadError, match="connection to the engine core closed") as failed:
                 async for _ in stream:
                     if proc.poll() is None:
                         proc.kill()
                         killed = time.monotonic()
+            await asyncio.sleep(1)  # its supervisor's restart now waits on the stale socket; the close ends the wait
         assert time.monotonic() - killed < 5 and address in str(failed.value)
     finally:
         if proc.poll() is None:

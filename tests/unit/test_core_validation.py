@@ -15,9 +15,11 @@ import pytest
 
 from asyncllm import InvalidRequestError, SamplingParams, StructuredOutputs, protocol
 from asyncllm.config import EngineConfig
+from asyncllm.engine.client_liveness import ClientLiveness
 from asyncllm.engine.core import EngineCore
+from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.request_keys import request_key
-from asyncllm.engine.validation import check_add_request, check_lora_id, record_lora_id, served_tasks
+from asyncllm.engine.validation import check_add_request, served_tasks
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
 from asyncllm.sched.request import Request
@@ -78,27 +80,6 @@ def test_served_tasks_follow_the_architecture() -> None:
     assert served_tasks(None) is None  # a test runner without a config: not checked
 
 
-def test_one_adapter_path_per_lora_id_across_hosts() -> None:
-    known: dict[int, str] = {}
-    for lora in (LoRARequest("a", 1, "/a"), LoRARequest("also a", 1, "/a"), LoRARequest("b", 2, "/b"), None):
-        check_lora_id(lora, known)  # "also a": another host's name for the same adapter
-        record_lora_id(lora, known)
-    with pytest.raises(InvalidRequestError, match="lora_int_id 1 already names the adapter at /a") as info:
-        check_lora_id(LoRARequest("b", 1, "/b"), known)
-    assert info.value.field == "lora_request" and known == {1: "/a", 2: "/b"}
-
-
-def test_a_symlink_to_the_adapter_folder_is_the_same_adapter(tmp_path) -> None:
-    """Host A sends the path through a symlink, host B the folder itself (the host's `_same_folder` does the same)."""
-    (tmp_path / "adapter").mkdir()
-    (tmp_path / "link").symlink_to(tmp_path / "adapter")
-    known: dict[int, str] = {}
-    record_lora_id(LoRARequest("a", 1, str(tmp_path / "link")), known)
-    check_lora_id(LoRARequest("a", 1, str(tmp_path / "adapter")), known)
-    check_lora_id(LoRARequest("a", 1, str(tmp_path / "link")), known)
-    assert known == {1: os.path.realpath(tmp_path / "adapter")}
-
-
 # ------------------------------------------------------------ the core's _add_request, without workers
 class _ManualPool:
     """A grammar compile pool whose jobs are done at once (a stand-in grammar: the matcher is faked too)."""
@@ -122,7 +103,9 @@ def _core(monkeypatch: pytest.MonkeyPatch, now: list[float],
     sent: list[protocol.RequestOutputDelta] = []
     core = EngineCore.__new__(EngineCore)
     core.config = EngineConfig.create("dummy-model", block_size=4, **config)
-    core.executor, core.tasks, core.lora_paths, core.clients = SimpleNamespace(vocab_size=VOCAB), None, {}, {b"h"}
+    core.executor, core.tasks, core.clients = SimpleNamespace(vocab_size=VOCAB), None, {b"h"}
+    core.lora_ids = HostLoRAIds()
+    core.liveness = ClientLiveness()
     core.mm_cache, core.stats_reporter = SimpleNamespace(detach=lambda client_id: None), b"h"
     core.io = SimpleNamespace(send=lambda client, outputs: sent.extend(outputs.outputs))
     core.scheduler = Scheduler(core.config, 64, 256, clock=lambda: now[0])
@@ -183,19 +166,83 @@ def test_a_free_request_id_drops_whatever_matcher_is_left_of_it(monkeypatch: pyt
 
 
 def test_a_refused_request_pins_no_lora_id(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
-    """The core records an adapter id once it accepted the request: a refused one does not bind the id to its path."""
+    """The core records an adapter id once it accepted the request: a refused one does not bind the id to its path;
+    two paths to one folder (a symlink) are one adapter, as for the host's `AdapterChecker`."""
     core, sent = _core(monkeypatch, [0.0], enable_lora=True)
     (tmp_path / "adapter").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "adapter")
     message = protocol.AddRequest("too-long", list(range(3, 300)), SamplingParams(max_tokens=8), [2], time.time(),
                                   lora=LoRARequest("a", 1, "/elsewhere"))
     core._handle(b"h", message)  # longer than max_model_len: refused by the scheduler
-    assert [delta.request_id for delta in sent] == ["too-long"] and core.lora_paths == {}
+    assert [delta.request_id for delta in sent] == ["too-long"] and core.lora_ids.core_ids(b"h") == {}
     _add(core, "a", lora=LoRARequest("a", 1, str(tmp_path / "link")))
-    _add(core, "b", lora=LoRARequest("a", 1, str(tmp_path / "adapter")))  # another host's path to the same folder
+    _add(core, "b", lora=LoRARequest("a", 1, str(tmp_path / "adapter")))  # another path to the same folder
     _add(core, "c", lora=LoRARequest("a", 1, str(tmp_path / "link")))
     assert len(sent) == 1 and {request_key(b"h", r) for r in "abc"} <= set(core.scheduler.requests)
-    assert core.lora_paths == {1: os.path.realpath(tmp_path / "adapter")}
+    assert core.lora_ids.core_ids(b"h") == {1: 1}
+
+
+def test_each_host_has_its_own_lora_ids(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Two hosts name different adapters with one lora_int_id: each runs its own (its own core id, so its own slot,
+    CPU cache entry and prefix-cache keys); a host that detaches and comes back (an API server redeployed) gets a
+    new core id for the same id and folder, so the workers read the folder again (an adapter retrained in place)."""
+    core, sent = _core(monkeypatch, [0.0], enable_lora=True)
+    core.clients.add(b"g")
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    _add(core, "x", lora=LoRARequest("sql", 7, a))
+    core._handle(b"g", protocol.AddRequest("y", [1, 2, 3], SamplingParams(max_tokens=8), [2], time.time(),
+                                           lora=LoRARequest("chat", 7, b)))
+    running = {key: (r.lora.lora_name, r.lora.lora_path, r.lora_int_id) for key, r in core.scheduler.requests.items()}
+    assert sent == [] and running == {request_key(b"h", "x"): ("sql", a, 1), request_key(b"g", "y"): ("chat", b, 2)}
+    _add(core, "z", lora=LoRARequest("chat", 7, b))  # the same host: its id 7 is a's
+    assert [(d.request_id, d.error_type) for d in sent] == [("z", "InvalidRequestError")]
+    assert sent[0].error == (f"lora_request: lora_int_id 7 already names the adapter at {os.path.realpath(a)}: "
+                             "one id, one adapter")
+    core._handle(b"h", protocol.Goodbye())
+    assert core.lora_ids.core_ids(b"h") == {} and core.lora_ids.core_ids(b"g") == {7: 2}
+    core.clients.add(b"h")  # it comes back, its id 7 now names b (or a retrained in place): a new core id
+    _add(core, "z", lora=LoRARequest("chat", 7, b))
+    _add(core, "w", lora=LoRARequest("sql", 8, a))
+    assert len(sent) == 1 and core.lora_ids.core_ids(b"h") == {7: 3, 8: 4}
+    assert core.scheduler.requests[request_key(b"h", "z")].lora_int_id == 3
+
+
+def _adapter_folder(folder) -> str:
+    """The smallest PEFT folder `read_adapter` takes: its config and one projection's A and B (numpy, no model)."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    save_file({f"{prefix}.lora_A.weight": np.zeros((2, 8), np.float32),
+               f"{prefix}.lora_B.weight": np.zeros((8, 2), np.float32)}, str(folder / "adapter_model.safetensors"))
+    return str(folder)
+
+
+def test_add_lora_binds_the_hosts_id_in_the_core(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """`AddLoRA` (`AsyncEngine.add_lora`): the core binds the host's id to the folder (its requests then run that core
+    id) and refuses, naming the field, an id of another folder, a folder it cannot read, an engine without LoRA."""
+    core, _ = _core(monkeypatch, [0.0], enable_lora=True)
+    replies: list[protocol.LoRAAdded] = []
+    core.io = SimpleNamespace(send=lambda client, message: replies.append(message))
+    a, b = _adapter_folder(tmp_path / "a"), _adapter_folder(tmp_path / "b")
+    for call_id, lora in (("ok", LoRARequest("sql", 3, a)), ("clash", LoRARequest("chat", 3, b)),
+                          ("missing", LoRARequest("gone", 4, str(tmp_path / "gone")))):
+        core._handle(b"h", protocol.AddLoRA(call_id, lora))
+    errors = [(r.call_id, r.error_type, r.error_field, r.error.split(":")[0]) for r in replies]
+    assert errors == [("ok", "", "", ""), ("clash", "InvalidRequestError", "lora_request", "lora_int_id 3 already names "
+                                                                                           "the adapter at " + a),
+                      ("missing", "InvalidRequestError", "lora_path", "the engine core cannot use it")]
+    assert core.lora_ids.core_ids(b"h") == {3: 1}
+    _add(core, "r", lora=LoRARequest("sql", 3, a))
+    assert core.scheduler.requests[R].lora_int_id == 1
+    core.config = EngineConfig.create("dummy-model", block_size=4)  # without enable_lora
+    core._handle(b"h", protocol.AddLoRA("off", LoRARequest("sql", 5, a)))
+    assert (replies[-1].error_field, replies[-1].error) == ("lora_request", "this engine serves no LoRA adapters: "
+                                                                             "start it with enable_lora=True")
 
 
 def test_each_host_has_its_own_request_ids(monkeypatch: pytest.MonkeyPatch) -> None:

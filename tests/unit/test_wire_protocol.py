@@ -17,6 +17,7 @@ import zmq
 
 from asyncllm import EngineDeadError, SamplingParams, protocol
 from asyncllm.config import EngineConfig
+from asyncllm.engine.client_liveness import ClientLiveness, process_identity
 from asyncllm.engine.connect import handshake
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.processor import Processor
@@ -68,7 +69,7 @@ def _core() -> tuple[EngineCore, list[tuple[bytes, Any]]]:
     sent: list[tuple[bytes, Any]] = []
     core = EngineCore.__new__(EngineCore)
     core.config, core.num_gpu_blocks = EngineConfig.create("dummy-model", block_size=4), 64
-    core.clients, core.stats_reporter = set(), None
+    core.clients, core.stats_reporter, core.liveness = set(), None, ClientLiveness()
     core.mm_cache = SimpleNamespace(attach=lambda client_id, ring: False)
     core.io = SimpleNamespace(send=lambda client, message: sent.append((client, message)))
     return core, sent
@@ -142,3 +143,32 @@ def test_hosts_refuse_a_core_from_before_the_check(old_core: Any) -> None:
     finally:
         processor.close(shutdown_core=False)
     assert [hello.wire_protocol for hello in hellos] == [protocol.wire_protocol()] * 2  # both hosts said theirs
+    assert [hello.process_identity for hello in hellos] == ["", process_identity()]  # a handshake is not watched
+
+
+def test_core_answers_an_add_request_it_cannot_decode_with_an_error_for_its_id() -> None:
+    """A value of a type its field does not take (a boolean JSON schema) fails that request: its caller never waits."""
+    from asyncllm.engine.core_io import CoreIO
+    from asyncllm.procutil import private_ipc_dir, remove_dir
+    from asyncllm.structured.spec import StructuredOutputs
+
+    folder = private_ipc_dir()
+    io = CoreIO(f"ipc://{folder}/core")
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        dealer.connect(f"ipc://{folder}/core")
+        params = SamplingParams(structured=StructuredOutputs(json=True))  # type: ignore[arg-type]
+        dealer.send(msgspec.msgpack.encode(protocol.AddRequest("req-7", [1, 2], params, [0], 0.0)))
+        dealer.send(msgspec.msgpack.encode(["Goodbye", "not a bool"]))  # no id to answer: dropped
+        reply = msgspec.msgpack.decode(dealer.recv(), type=protocol.CoreMessage)
+        assert [(d.request_id, d.finish_reason) for d in reply.outputs] == [("req-7", "abort")]
+        assert reply.outputs[0].error.startswith("request: the engine core could not decode it (Expected `str")
+        assert io.inbox.empty()
+    finally:
+        dealer.close()
+        ctx.term()
+        io.close()
+        remove_dir(folder)

@@ -1,0 +1,85 @@
+"""The core's watch over its hosts' processes: a host killed without a `Goodbye` (SIGKILL, the OOM killer) is noticed.
+
+A host says goodbye when it closes; one that is killed cannot, and without this its requests would run to
+max_tokens holding KV blocks, batch and LoRA slots, it would stay the engine-wide metrics reporter, and its shm
+processor cache would stay mapped. `Hello` carries the host's pid and `process_identity()`: the machine's boot
+id, the host's pid namespace and its start time (/proc/PID/stat), so the core checks only hosts that share its
+machine and pid namespace (ipc://, or tcp:// from the same machine), and a pid reused by a new process does
+not pass for the host. The core reads each watched host's /proc/PID/stat every `CHECK_INTERVAL_S` (a few
+microseconds each; the busy loop pays one clock comparison in between).
+
+Not detected: a host on another machine or in another pid namespace (a container), and any host off Linux (no
+/proc): those are removed only by their `Goodbye` (docs/shared-engine.md).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["CHECK_INTERVAL_S", "ClientLiveness", "process_identity"]
+
+CHECK_INTERVAL_S = 0.5
+"""How often the core checks that its watched hosts still run."""
+
+
+def _machine() -> str:
+    """This process's machine and pid namespace ("" off Linux): hosts with the same value share its pids."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as file:
+            boot_id = file.read().strip()
+        return f"{boot_id} {os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started (clock ticks after boot, /proc/PID/stat field 22); None: no such process, or a
+    zombie (killed, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            fields = file.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
+        return None
+    return fields[19].decode()
+
+
+def process_identity() -> str:
+    """What a host's `Hello` says of its process: "<boot id> <pid namespace> <start time>"; "" off Linux."""
+    machine = _machine()
+    start = _start_time(os.getpid()) if machine else None
+    return f"{machine} {start}" if start is not None else ""
+
+
+class ClientLiveness:
+    """Which of the hosts (by DEALER identity) the core watches have died."""
+
+    def __init__(self, interval_s: float = CHECK_INTERVAL_S) -> None:
+        self._machine = _machine()
+        self._interval_s = interval_s
+        self._watched: dict[bytes, tuple[int, str]] = {}
+        """client_id -> (pid, start time) of each host on this machine and pid namespace."""
+        self._next_check = 0.0
+
+    def watch(self, client_id: bytes, pid: int, identity: str) -> None:
+        """A host said Hello: watch it if it runs beside the core (else it is left to its Goodbye)."""
+        machine, _, start = identity.rpartition(" ")
+        if pid > 0 and self._machine and machine == self._machine:
+            self._watched[client_id] = (pid, start)
+        else:
+            self._watched.pop(client_id, None)
+
+    def forget(self, client_id: bytes) -> None:
+        self._watched.pop(client_id, None)
+
+    def dead_clients(self) -> list[bytes]:
+        """The watched hosts whose process is gone (at most every `interval_s`; [] in between)."""
+        if not self._watched:
+            return []
+        now = time.monotonic()
+        if now < self._next_check:
+            return []
+        self._next_check = now + self._interval_s
+        return [client_id for client_id, (pid, start) in self._watched.items() if _start_time(pid) != start]

@@ -1,0 +1,96 @@
+"""Each host's LoRA adapter ids are its own: hosts sharing a core may number their adapters alike.
+
+The core runs a host's ``lora_int_id`` under a core id of its own (`HostLoRAIds`): the scheduler, the prefix
+cache's keys and the workers' slots and CPU cache see core ids only, so two hosts' adapter 1 are two adapters, and
+KV computed with one adapter never serves another. A host's ids are forgotten when it detaches (`forget_host`, from
+the core's client removal: a Goodbye or a host found dead). Core ids are never reused, so a host attached later (an
+API server redeployed, numbering its adapters from 1 again) gets new ones and the workers read its adapters from
+disk again: an adapter retrained in place is served fresh, while the old one's weights may stay cached under the
+old id until evicted.
+
+`AsyncEngine.add_lora` reaches the core (`AddLoRA`, answered by `LoRAAdded`): the host's id is bound there at once,
+and a folder the core's machine cannot read, or an id the host already gave another folder, is an
+`InvalidRequestError` from the core.
+"""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+
+from asyncllm import protocol
+from asyncllm.engine.sleep import PendingSleepCalls
+from asyncllm.errors import InvalidRequestError
+from asyncllm.lora import LoRARequest, read_adapter
+
+__all__ = ["HostLoRAIds", "PendingLoRACalls"]
+
+
+class HostLoRAIds:
+    """(host, its ``lora_int_id``) -> the core's adapter id and the adapter's folder (its realpath: two paths to one
+    folder, a symlink, are one adapter, as for the host's `AdapterChecker`)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[bytes, int], tuple[int, str]] = {}
+        self._next_id = 1
+
+    def core_lora(self, client_id: bytes, lora: LoRARequest | None) -> LoRARequest | None:
+        """`client_id`'s adapter under its core id (a new one for an id the host has not used), not yet recorded
+        (`record`); `InvalidRequestError` when the host's id already names another folder: one id, one adapter."""
+        if lora is None:
+            return None
+        known = self._ids.get((client_id, lora.lora_int_id))
+        if known is None:
+            return msgspec.structs.replace(lora, lora_int_id=self._next_id)
+        core_id, path = known
+        if path != os.path.realpath(lora.lora_path):
+            raise InvalidRequestError("lora_request", f"lora_int_id {lora.lora_int_id} already names the adapter at "
+                                                      f"{path}: one id, one adapter")
+        return msgspec.structs.replace(lora, lora_int_id=core_id)
+
+    def record(self, client_id: bytes, host_id: int, core: LoRARequest | None) -> None:
+        """Keep the core id of an accepted request's adapter (`core_lora` gave it): a refused request pins no id."""
+        if core is not None and (client_id, host_id) not in self._ids:
+            self._ids[client_id, host_id] = (core.lora_int_id, os.path.realpath(core.lora_path))
+            self._next_id = max(self._next_id, core.lora_int_id + 1)
+
+    def add(self, client_id: bytes, message: protocol.AddLoRA, enabled: bool) -> protocol.LoRAAdded:
+        """`AddLoRA`: bind the host's id to the folder if the core's machine reads an adapter there; the answer
+        carries the refusal (an engine without LoRA, an id of another folder, no adapter at ``lora_path``)."""
+        lora = message.lora
+        try:
+            if not enabled:
+                raise InvalidRequestError("lora_request", "this engine serves no LoRA adapters: start it with "
+                                                          "enable_lora=True")
+            lora.validate()  # another peer's may be anything
+            core = self.core_lora(client_id, lora)
+            try:
+                read_adapter(lora.lora_path)  # its config and tensor names and shapes, no weights
+            except InvalidRequestError as exc:
+                raise InvalidRequestError("lora_path", f"the engine core cannot use it: {exc.message}") from None
+            except Exception as exc:  # noqa: BLE001 - a malformed folder fails the call, never the core
+                raise InvalidRequestError("lora_path", f"the engine core cannot use it: {type(exc).__name__}: "
+                                                       f"{exc}") from None
+            self.record(client_id, lora.lora_int_id, core)
+        except InvalidRequestError as exc:
+            return protocol.LoRAAdded(message.call_id, **protocol.call_error_fields(exc))
+        return protocol.LoRAAdded(message.call_id)
+
+    def forget_host(self, client_id: bytes) -> None:
+        """A host detached (Goodbye, or found dead): its ids name nothing any more; a new host's same id and path
+        get a new core id, so the workers read the adapter from disk again."""
+        for key in [key for key in self._ids if key[0] == client_id]:
+            del self._ids[key]
+
+    def core_ids(self, client_id: bytes) -> dict[int, int]:
+        """`client_id`'s host id -> core id (tests, debugging)."""
+        return {host_id: core_id for (client, host_id), (core_id, _) in self._ids.items() if client == client_id}
+
+
+class PendingLoRACalls(PendingSleepCalls):
+    """The processor thread's `AddLoRA` sent and not answered yet; each future gets None, or the core's refusal."""
+
+    @staticmethod
+    def _result(reply: protocol.LoRAAdded) -> None:  # type: ignore[override]
+        return None

@@ -1,0 +1,52 @@
+"""The core's watch over its hosts' processes (asyncllm/engine/client_liveness.py), on this machine's real /proc."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from asyncllm.engine.client_liveness import ClientLiveness, _machine, _start_time, process_identity
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+def test_a_killed_host_is_dead_even_unreaped_and_a_live_one_is_not() -> None:
+    child = subprocess.Popen(["sleep", "30"])  # stands for a host process
+    try:
+        liveness = ClientLiveness(interval_s=0)
+        liveness.watch(b"host", child.pid, f"{_machine()} {_start_time(child.pid)}")
+        liveness.watch(b"me", os.getpid(), process_identity())
+        assert liveness.dead_clients() == []
+        child.kill()
+        for _ in range(200):  # the kill lands at once; a zombie (not yet reaped) counts as dead
+            if liveness.dead_clients():
+                break
+            os.sched_yield()
+        assert liveness.dead_clients() == [b"host"]
+        child.wait()
+        assert liveness.dead_clients() == [b"host"]
+        liveness.forget(b"host")
+        assert liveness.dead_clients() == []
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_reused_pid_another_machine_and_a_handshake_are_not_taken_for_the_host() -> None:
+    liveness = ClientLiveness(interval_s=0)
+    machine, _, start = process_identity().rpartition(" ")
+    assert machine == _machine() and start == _start_time(os.getpid())
+    liveness.watch(b"reused", os.getpid(), f"{machine} {int(start) + 1}")  # this pid, another process's start time
+    liveness.watch(b"remote", 1 << 30, f"another-boot-id {machine.split()[1]} 1")  # no such pid here: not watched
+    liveness.watch(b"handshake", 0, "")  # `connect.handshake` says pid 0 and no identity
+    assert liveness.dead_clients() == [b"reused"]
+
+
+def test_checks_are_spaced_by_the_interval() -> None:
+    liveness = ClientLiveness(interval_s=3600)
+    liveness.watch(b"reused", os.getpid(), f"{_machine()} 1")
+    assert liveness.dead_clients() == [b"reused"]
+    assert liveness.dead_clients() == []  # the next check is an hour away
