@@ -125,6 +125,13 @@ class ReasoningParser:
     forced_tool_calls = True
     """Whether a named or ``required`` tool choice can be served: its grammar (after `end_tag`) writes the answer,
     which is then the call. Not with harmony, where a call is a message of its own, before any final answer."""
+    thinking_switch: str | None = None
+    """The ``chat_template_kwargs`` key whose false turns the thinking off whatever the prompt holds (vLLM's qwen3
+    parser reads ``enable_thinking``): the reply is all answer and a constraint applies at once."""
+
+    def thinking_off(self, template_kwargs: dict) -> bool:
+        """Whether the request's template variables turned the thinking off (`thinking_switch` false)."""
+        return self.thinking_switch is not None and template_kwargs.get(self.thinking_switch) is False
 
     def stream(self, answering: bool = False) -> ReasoningStream | HarmonyReasoningStream:
         """A parser of one reply's deltas; `answering`: its prompt ended with `end_tag` (a template that turned
@@ -168,6 +175,8 @@ class Qwen3ReasoningParser(ReasoningParser):
     """Qwen3 / Qwen3.5: ``<think>`` opened in the prompt (Qwen3-Thinking-2507, Qwen3.5) or by the reply (dropped);
     reasoning up to ``</think>`` (or a tool call's ``<tool_call><function=``), all of a reply without it (cut short
     while thinking), as vLLM's."""
+
+    thinking_switch = "enable_thinking"
 
     def stream(self, answering: bool = False) -> Qwen3ReasoningStream:
         return Qwen3ReasoningStream(self.opened_by_prompt, self.start_tag, self.end_tag, answering)

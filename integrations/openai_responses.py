@@ -55,7 +55,7 @@ class Choices:
                  return_prompt_logprobs: bool = False, token_ids_as_text: bool = False,
                  include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "",
                  chat_role: str = "assistant", prompt_tokens_details: bool = False,
-                 reasoning_end: Marker | None = None) -> None:
+                 reasoning_end: Marker | None = None, thinking_off: bool = False) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -89,14 +89,15 @@ class Choices:
         """Chat: the reply's role (vLLM's: the last message's with ``add_generation_prompt`` false, `chat_role`)."""
         self.reasoning_end = reasoning_end
         """Chat: the reasoning parser's end tag (None: no parser, or no tokenizer)."""
-        self.prompt_ended_thinking = [False] * num_prompts
-        """Each prompt's end wrote `reasoning_end` (thinking turned off): its replies are all answer."""
+        self.prompt_ended_thinking = [thinking_off] * num_prompts
+        """Each prompt's end wrote `reasoning_end`, or `thinking_off` (the request turned the thinking off): its
+        replies are all answer."""
         self.hides_metadata = chat and not include_reasoning and reasoning is not None
         """vLLM's: hidden reasoning leaves out the choices' ``logprobs`` and ``token_ids`` too (they would show it)."""
 
     def ended_thinking(self, prompt_index: int, prompt_ids: list[int]) -> None:
         """Note whether prompt `prompt_index` (its ids) ended the thinking: its replies are then all answer."""
-        if self.reasoning_end is not None:
+        if self.reasoning_end is not None and not self.prompt_ended_thinking[prompt_index]:
             self.prompt_ended_thinking[prompt_index] = self.reasoning_end.written_by(prompt_ids)
 
     def add(self, prompt_index: int, delta: StreamDelta) -> tuple[int, dict[str, Any] | None]:

@@ -67,10 +67,11 @@ def echo_only(req: CompletionRequest) -> bool:
 
 def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode = ToolMode("none"),
                 reasoning: ReasoningParser | None = None,
-                defaults: Mapping[str, Any] = MappingProxyType({})) -> SamplingParams:
+                defaults: Mapping[str, Any] = MappingProxyType({}), *, thinking_off: bool = False) -> SamplingParams:
     """`SamplingParams` of a chat completion whose reply is read in tool `mode` (a named or required tool choice
     constrains the output to its schema) and with the `reasoning` parser; `defaults` are the engine's default
-    sampling fields (`AsyncEngine.default_sampling_fields`) for unset ones."""
+    sampling fields (`AsyncEngine.default_sampling_fields`) for unset ones; `thinking_off`: the request turned the
+    thinking off (`ReasoningParser.thinking_off`), so a constraint applies from the first token."""
     if mode.constraint is not None and reasoning is not None and not reasoning.forced_tool_calls:
         raise InvalidRequestError("tool_choice", "a named or 'required' choice is not built with this reasoning "
                                   "parser (gpt-oss writes a call as a message of its own); use 'auto'")
@@ -81,7 +82,7 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
         params.skip_special_tokens = False
     if reasoning is not None and reasoning.needs_special_tokens:  # harmony's channel markers
         params.skip_special_tokens = False
-    if reasoning is not None and params.structured is not None:  # think freely, then follow the grammar
+    if reasoning is not None and params.structured is not None and not thinking_off:  # think, then the grammar
         params.structured = msgspec.structs.replace(params.structured, start_after=reasoning.end_tag)
     return params
 

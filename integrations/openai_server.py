@@ -319,7 +319,8 @@ class OpenAIServer:
                     prompt_tokens_details: bool = False) -> tuple[list[RequestStream], Choices]:
         """The chat's streams and their `Choices`; the Responses API has `prompt_tokens_details` without the flag."""
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
-        params = chat_params(req, self.limits, mode, self.reasoning, defaults)
+        thinking_off = self.thinking_off(req)
+        params = chat_params(req, self.limits, mode, self.reasoning, defaults, thinking_off=thinking_off)
         messages = chat_messages(req.messages, images=True, media_root=self.limits.allowed_local_media_path)
         log_prompts(self.request_log, req, "chatcmpl", [messages], params, lora, indexed=False)
         streams = [self.engine.chat(messages, params, **request_options(req),
@@ -334,8 +335,12 @@ class OpenAIServer:
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
                           chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
                           prompt_tokens_details=self.prompt_tokens_details or prompt_tokens_details,
-                          reasoning_end=self.reasoning_end())
+                          reasoning_end=self.reasoning_end(), thinking_off=thinking_off)
         return streams, choices
+
+    def thinking_off(self, req: ChatCompletionRequest) -> bool:
+        """Whether the request's template variables turned the parser's thinking off (qwen3's ``enable_thinking``)."""
+        return self.reasoning is not None and self.reasoning.thinking_off(self.templates.kwargs(req))
 
     def reasoning_end(self) -> Marker | None:
         """The reasoning parser's end tag, to find a prompt that ended the thinking (None: no parser or tokenizer)."""

@@ -151,6 +151,25 @@ NO_THINKING = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor 
                "{{ '<think>\\n\\n</think>\\n\\n' }}")  # as Qwen3's template writes it with enable_thinking false
 
 
+async def test_qwen3_with_enable_thinking_false_reads_the_reply_as_answer(bundled_engine) -> None:
+    """vLLM's qwen3 parser reads ``chat_template_kwargs.enable_thinking`` false as thinking off whatever the prompt
+    holds (an Instruct template writes no think block): the reply is content and a constraint applies at once."""
+    from asyncllm.integrations.openai_server import create_app
+
+    app = create_app(bundled_engine, manage_engine=False, reasoning_parser="qwen3", trust_request_chat_template=True)
+    plain = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}<|assistant|>"
+    body = {"messages": HISTORY[:2], "temperature": 0, "max_tokens": 6, "chat_template": plain,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    async with _client(app) as client:
+        off = (await client.post("/v1/chat/completions", json=body)).json()["choices"][0]["message"]
+        on = (await client.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {}})).json()
+        forced = (await client.post("/v1/chat/completions", json={
+            **body, "max_tokens": 30, "structured_outputs": {"regex": "The answer is 4\\."}})).json()
+    assert off["content"] and "reasoning" not in off, off
+    assert on["choices"][0]["message"]["reasoning"] == off["content"]  # thinking on: the same text is reasoning
+    assert forced["choices"][0]["message"] == {"role": "assistant", "content": "The answer is 4."}, forced
+
+
 async def test_a_prompt_that_ended_the_thinking_gets_all_answer(bundled_engine) -> None:
     """As vLLM (``is_reasoning_end(prompt_token_ids)``): after the prompt's empty think block the reply is content,
     or a named choice's call, streamed and whole (the grammar applies at once: the same rule, start_after.py)."""
