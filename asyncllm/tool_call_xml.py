@@ -21,7 +21,9 @@ parameter at a time, each as soon as its ``</parameter>`` is: joined, they are t
 
 As vLLM's regexes read them, a parameter's ``</parameter>`` may be left out (the next ``<parameter=``, the
 ``</function>`` or the block's end ends it; Seed-OSS's: only the block's end), and so may a block's ``</function>``
-and the last block's ``</tool_call>``: at the reply's end an open block whose text is one whole call is that call.
+and the last block's ``</tool_call>``: at the reply's end an open block whose text is one whole call is that call
+(text after its ``</function>`` is not read, as vLLM's regex stops there, so a reply cut inside the closing tags is
+still its call).
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<param
 CLOSED_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 _LAST_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?=(?:</function>\s*)?\Z)", re.DOTALL)
 """At the block's end, a parameter that nothing closed: its value runs to the block's end (or its ``</function>``)."""
-_FUNCTION_END = re.compile(r"\s*(?:</function>\s*)?\Z")
 _STRINGS = ("string", "str", "text", "varchar", "char", "enum")
 
 
@@ -119,7 +120,7 @@ class _Block:
         """The block's text ended: a last parameter runs to its end, and ``</function>`` is optional."""
         if self.name is not None and (match := _LAST_PARAMETER.match(self.text, self._end)) is not None:
             self._add(match)
-        self.closed = self.name is not None and _FUNCTION_END.match(self.text, self._end) is not None
+        self.closed = self.name is not None and _ends_function(self.text[self._end:])
 
     def _add(self, match: re.Match[str]) -> None:
         key, value = match.group(1).strip(), match.group(2)
@@ -130,6 +131,13 @@ class _Block:
 
     def arguments_text(self) -> str:
         return "{" + ", ".join(self.arguments) + "}"
+
+
+def _ends_function(rest: str) -> bool:
+    """What may follow a block's last parameter, as vLLM's regexes read it: nothing, ``</function>`` and whatever
+    follows it (the function's regex stops there), or the start of ``</function>`` (a reply cut short)."""
+    rest = rest.lstrip()
+    return rest.startswith("</function>") or "</function>".startswith(rest)
 
 
 class XmlCallsStream(TaggedBlockStream):

@@ -329,11 +329,14 @@ def test_mistral_call_ids_are_nine_letters_and_digits() -> None:
     ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": [2]}}\n'),
     ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2]\n</function>\n"),
     ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n<parameter=b>\n[2]\n"),
+    ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n<parameter=b>\n[2]\n</function>\n</tool_c"),
+    ("qwen3_coder", "<tool_call>\n<function=add>\n<parameter=a>\n1\n<parameter=b>\n[2]\n</parameter>\n</func"),
 ])
 @pytest.mark.parametrize("seed", range(3))
 def test_a_last_call_left_open_is_a_call_streamed_and_whole(parser_name: str, text: str, seed: int) -> None:
     """vLLM's regexes take the last ``<tool_call>`` without ``</tool_call>`` (qwen3_coder's: and a parameter without
-    ``</parameter>``): the call, its streamed pieces joined to the whole call's arguments, and no content."""
+    ``</parameter>``, and a reply cut inside the closing tags): the call, its streamed pieces joined to the whole
+    call's arguments, and no content."""
     tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
         "a": {"type": "integer"}, "b": {"type": "array"}}}}}]
     whole = ChatReply(tool_mode(tools, "auto", None, get_tool_parser(parser_name)), stream_arguments=False)
