@@ -9,7 +9,9 @@ not pass for the host. The core reads each watched host's /proc/PID/stat every `
 microseconds each; the busy loop pays one clock comparison in between).
 
 Not detected: a host on another machine or in another pid namespace (a container), and any host off Linux (no
-/proc): those are removed only by their `Goodbye` (docs/shared-engine.md).
+/proc), nor one whose /proc entry the core cannot read as the host does (``hidepid``, systemd's
+``ProtectProc=invisible``, another time namespace): those are removed only by their `Goodbye`
+(docs/integrations/shared-engine.md).
 """
 
 from __future__ import annotations
@@ -64,9 +66,11 @@ class ClientLiveness:
         self._next_check = 0.0
 
     def watch(self, client_id: bytes, pid: int, identity: str) -> None:
-        """A host said Hello: watch it if it runs beside the core (else it is left to its Goodbye)."""
+        """A host said Hello: watch it if it runs beside the core and the core reads its start time as the host
+        does (not under ``hidepid`` /proc or another time namespace, where a live host would look dead); else it
+        is left to its Goodbye."""
         machine, _, start = identity.rpartition(" ")
-        if pid > 0 and self._machine and machine == self._machine:
+        if pid > 0 and self._machine and machine == self._machine and _start_time(pid) == start:
             self._watched[client_id] = (pid, start)
         else:
             self._watched.pop(client_id, None)

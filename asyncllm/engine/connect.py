@@ -113,7 +113,21 @@ def prepare_attached(config: EngineConfig, address: str, timeout_s: float, key: 
         if ready.max_lora_rank else dict(enable_lora=False)
     served = config.replace(model=ready.model, tokenizer=ready.tokenizer or None, tokenizer_revision=ready.revision,
                             max_model_len=ready.max_model_len, **lora)
+    if closed is not None:  # a restart: the host keeps its tokenizer, templates and served names
+        _check_same_core(config, served, address)
     return prepare(served)
+
+
+_SERVED = ("model", "tokenizer", "tokenizer_revision", "max_model_len", "enable_lora", "max_lora_rank", "max_loras")
+
+
+def _check_same_core(before: EngineConfig, now: EngineConfig, address: str) -> None:
+    """`EngineDeadError` unless the restarted core at `address` serves what the host attached to first."""
+    changed = [f"{name} {getattr(before, name)!r} -> {getattr(now, name)!r}" for name in _SERVED
+               if getattr(before, name) != getattr(now, name)]
+    if changed:
+        raise EngineDeadError(f"the engine core restarted at {address} serves something else ({'; '.join(changed)}): "
+                              "this host keeps what it attached to; restart the host to attach to it")
 
 
 def _handshake_now(address: str, timeout_s: float, key: str | None,
@@ -134,5 +148,12 @@ def _await_handshake(address: str, timeout_s: float, key: str | None, closed: Ca
         except _CoreUnreachable:
             if time.monotonic() + delay_s > deadline or closed():
                 raise
-        time.sleep(delay_s)
+        _wait_unless(closed, delay_s)
         delay_s = min(delay_s * 2, 2.0)
+
+
+def _wait_unless(closed: Callable[[], bool], seconds: float) -> None:
+    """Sleep `seconds`, or less once `closed()` (an `aclose` does not wait out a backoff)."""
+    end = time.monotonic() + seconds
+    while not closed() and (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, 0.05))

@@ -225,6 +225,10 @@ class EngineCore:
                                 protocol.AddLoRA)) \
                 and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
+            if isinstance(message, protocol.AddRequest):  # its caller must not wait (a host dropped as dead, say)
+                self.io.send(client_id, protocol.Outputs([protocol.RequestOutputDelta(
+                    message.request_id, [], "abort", error="this engine core does not know this host: it never "
+                    "said Hello, or was taken for dead", error_type="EngineDeadError")], None, time.time()))
             return False
         if isinstance(message, protocol.AddRequest):
             self._add_request(client_id, message)

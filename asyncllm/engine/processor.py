@@ -220,9 +220,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             self._fail_all(errors.EngineDeadError(f"processor thread failed: {exc}"))
         finally:
             self._fail_queued_requests()
-            self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
-            self._sleep_calls.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
-            self._lora_calls.fail_all(self.dead or errors.EngineDeadError("the engine was closed"))
+            for calls in (self._weight_updates, self._sleep_calls, self._lora_calls):  # later calls fail at once
+                calls.close(self.dead or errors.EngineDeadError("the engine was closed"))
             if self._mm is not None:
                 self._mm.close_cache()
             watch.close()

@@ -79,13 +79,19 @@ class PendingWeightUpdates:
     def __init__(self) -> None:
         self._futures: dict[str, concurrent.futures.Future[int]] = {}
         self._lock = threading.Lock()
+        self._closed: BaseException | None = None
+        """Why no answer will ever come (`close`): a call made after gets it at once."""
 
     def new(self) -> tuple[str, concurrent.futures.Future[int]]:
         """A fresh update id and the future of its weights version."""
         update_id = uuid.uuid4().hex
         future: concurrent.futures.Future[int] = concurrent.futures.Future()
         with self._lock:
-            self._futures[update_id] = future
+            closed = self._closed
+            if closed is None:
+                self._futures[update_id] = future
+        if closed is not None:  # the processor thread ended: nobody would send it, nor resolve it
+            future.set_exception(closed)
         return update_id, future
 
     def resolve(self, reply: Any) -> None:
@@ -112,6 +118,12 @@ class PendingWeightUpdates:
     @staticmethod
     def _result(reply: protocol.WeightsUpdated) -> int:
         return reply.weights_version
+
+    def close(self, error: BaseException) -> None:
+        """The processor thread ends: the calls pending and every later one fail with `error`."""
+        with self._lock:
+            self._closed = error
+        self.fail_all(error)
 
     def fail_all(self, error: BaseException) -> None:
         """The core is gone (or the engine closes): no answer will come."""

@@ -70,10 +70,13 @@ def _start_core(model: str, folder: Path, *args: str) -> tuple[subprocess.Popen,
     return proc, address
 
 
+CORE_FLAGS = ("--enable-lora", "--max-loras", "2")
+"""LoRA on (two slots): the base model's outputs are unchanged, and the adapter test needs no core of its own."""
+
+
 @pytest.fixture(scope="module")
 def core(tiny_llama: str, tmp_path_factory):
-    # LoRA on (two slots): the base model's outputs are unchanged, and the adapter test needs no core of its own
-    proc, address = _start_core(tiny_llama, tmp_path_factory.mktemp("core"), "--enable-lora", "--max-loras", "2")
+    proc, address = _start_core(tiny_llama, tmp_path_factory.mktemp("core"), *CORE_FLAGS)
     yield proc, address
     if proc.poll() is None:
         proc.kill()
@@ -211,7 +214,8 @@ async def test_sigterm_stops_the_core_cleanly_and_an_attached_host_survives_its_
         assert "stopping the engine core" in stderr
         assert not os.path.exists(address[len("ipc://"):])  # the socket is removed
         await asyncio.sleep(0.5)  # the host noticed; its restart waits for a socket
-        new_proc, _ = await asyncio.to_thread(_start_core, tiny_llama, Path(address[len("ipc://"):]).parent.parent)
+        new_proc, _ = await asyncio.to_thread(_start_core, tiny_llama, Path(address[len("ipc://"):]).parent.parent,
+                                              *CORE_FLAGS)  # the same engine again (another one ends the host)
         try:
             assert (await asyncio.wait_for(engine.generate("def main():", greedy), 60)).token_ids == before
             assert engine.stats().engine_alive

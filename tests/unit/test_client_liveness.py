@@ -35,18 +35,27 @@ def test_a_killed_host_is_dead_even_unreaped_and_a_live_one_is_not() -> None:
         child.wait()
 
 
-def test_a_reused_pid_another_machine_and_a_handshake_are_not_taken_for_the_host() -> None:
+def test_a_reused_pid_another_machine_an_unreadable_proc_and_a_handshake_are_not_taken_for_the_host(
+        monkeypatch) -> None:
+    from asyncllm.engine import client_liveness
+
     liveness = ClientLiveness(interval_s=0)
     machine, _, start = process_identity().rpartition(" ")
     assert machine == _machine() and start == _start_time(os.getpid())
-    liveness.watch(b"reused", os.getpid(), f"{machine} {int(start) + 1}")  # this pid, another process's start time
-    liveness.watch(b"remote", 1 << 30, f"another-boot-id {machine.split()[1]} 1")  # no such pid here: not watched
+    liveness.watch(b"unreadable", os.getpid(), f"{machine} {int(start) + 1}")  # the core reads another start time
+    liveness.watch(b"remote", 1 << 30, f"another-boot-id {machine.split()[1]} 1")  # another machine: not watched
     liveness.watch(b"handshake", 0, "")  # `connect.handshake` says pid 0 and no identity
+    liveness.watch(b"reused", os.getpid(), process_identity())
+    assert liveness.dead_clients() == []  # (hidepid /proc, another time namespace: a live host never looks dead)
+    monkeypatch.setattr(client_liveness, "_start_time", lambda pid: str(int(start) + 7))  # the pid now another's
     assert liveness.dead_clients() == [b"reused"]
 
 
-def test_checks_are_spaced_by_the_interval() -> None:
+def test_checks_are_spaced_by_the_interval(monkeypatch) -> None:
+    from asyncllm.engine import client_liveness
+
     liveness = ClientLiveness(interval_s=3600)
-    liveness.watch(b"reused", os.getpid(), f"{_machine()} 1")
+    liveness.watch(b"reused", os.getpid(), process_identity())
+    monkeypatch.setattr(client_liveness, "_start_time", lambda pid: None)  # gone
     assert liveness.dead_clients() == [b"reused"]
     assert liveness.dead_clients() == []  # the next check is an hour away

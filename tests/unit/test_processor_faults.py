@@ -64,3 +64,20 @@ def test_a_request_posted_after_a_close_drained_the_jobs_is_refused() -> None:
         processor._post(_submit("collector-2"))
     processor._post(("abort", "r"))  # anything else is harmless to leave
     assert delivered == []
+
+
+def test_a_control_call_made_as_the_thread_ends_fails_at_once() -> None:
+    """`add_lora`, `update_weights`, `sleep` register their future, then post: one registered after the ending thread
+    failed the pending calls (it is still closing its sockets, so `is_alive` holds) gets the thread's error at once,
+    never a future nobody resolves."""
+    from asyncllm.engine.lora_ids import PendingLoRACalls
+    from asyncllm.engine.sleep import PendingSleepCalls
+    from asyncllm.engine.weight_update import PendingWeightUpdates
+    from asyncllm.errors import EngineDeadError
+
+    for calls in (PendingLoRACalls(), PendingSleepCalls(), PendingWeightUpdates()):
+        _, before = calls.new()
+        calls.close(EngineDeadError("the engine was closed"))
+        _, after = calls.new()
+        for future in (before, after):
+            assert future.done() and isinstance(future.exception(), EngineDeadError)
