@@ -6,13 +6,18 @@ import argparse
 import asyncio
 import sys
 
-from asyncllm.cli_commands import add_engine_parser, add_serve_parser, run_engine, run_serve
+from asyncllm import __version__
+from asyncllm.cli_commands import add_engine_parser, add_serve_parser, check_model, run_engine, run_serve
 from asyncllm.cli_config import expand_config_file
+from asyncllm.config import EngineConfig
+from asyncllm.errors import AsyncLLMError
 from asyncllm.sampling import SamplingParams
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncllm", description="asyncllm: an embeddable LLM engine")
+    parser.add_argument("-V", "--version", action="version", version=__version__,
+                        help="print asyncllm's version and exit")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="stream one completion to stdout")
     gen.add_argument("prompt", nargs="?", default="def fibonacci(n):", help="the prompt (default: %(default)r)")
@@ -30,9 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _generate(args: argparse.Namespace) -> None:
-    from asyncllm import AsyncEngine
-
+def _generate_setup(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
+    """The engine's config and the request's sampling params, checked before anything starts."""
     model = args.model
     if model is None:
         from asyncllm.bundled import bundled_model_path
@@ -41,8 +45,17 @@ async def _generate(args: argparse.Namespace) -> None:
         print("[asyncllm] no --model given: the bundled tiny model (trained on Python's stdlib source; "
               "it writes Python-like text, not answers)", file=sys.stderr)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    engine = AsyncEngine(model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, disable_log_stats=True)
-    async with engine:
+    params.validate()
+    config = EngineConfig.create(model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                                 disable_log_stats=True)
+    check_model(config)
+    return config, params
+
+
+async def _generate(args: argparse.Namespace, config: EngineConfig, params: SamplingParams) -> None:
+    from asyncllm import AsyncEngine
+
+    async with AsyncEngine.from_config(config) as engine:
         sys.stdout.write(args.prompt)
         async for delta in engine.stream(args.prompt, params):
             sys.stdout.write(delta.text)
@@ -72,7 +85,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parse_args(parser, argv)
     if args.command == "generate":
-        asyncio.run(_generate(args))
+        try:  # a bad value (a flag, the model, an ASYNCLLM_* variable) is one line and exit 2, as serve's and engine's
+            asyncio.run(_generate(args, *_generate_setup(args)))
+        except AsyncLLMError as exc:
+            parser.error(str(exc))
     elif args.command == "serve":
         run_serve(args, parser)
     elif args.command == "engine":

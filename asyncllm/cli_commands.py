@@ -20,7 +20,7 @@ from asyncllm.reasoning import REASONING_PARSERS
 from asyncllm.tool_calls import TOOL_PARSERS
 
 __all__ = ["add_serve_parser", "add_engine_parser", "run_serve", "run_engine", "cors_policy", "warn_open_cors",
-           "uvicorn_kwargs", "check_tls_args", "add_config_arg", "request_logger"]
+           "uvicorn_kwargs", "check_tls_args", "add_config_arg", "request_logger", "check_model"]
 
 _HOST_SIDE_FIELDS = frozenset({"disable_log_stats", "log_stats_interval"})
 """Fields a host that attaches to a shared core may still set; the rest belong to the core."""
@@ -34,7 +34,7 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("model", nargs="?", default=None,
                        help="local folder or hub id; default: the bundled tiny model (no download)")
     serve.add_argument("--host", default="127.0.0.1", help="interface to bind (default: %(default)s, this machine only)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port (default: %(default)s)")
     serve.add_argument("--served-model-name", default=None, nargs="+", metavar="NAME",
                        help="the model ids clients may send; responses carry the first "
                             "(default: MODEL as given, or asyncllm-tiny)")
@@ -44,7 +44,8 @@ def add_serve_parser(commands: Any) -> None:
                        help="attach to a running `asyncllm engine` core at ADDRESS instead of starting one")
     serve.add_argument("--max-n", type=int, default=128, help="largest n per request (default: %(default)s)")
     serve.add_argument("--max-tokens-limit", type=int, default=None,
-                       help="largest max_tokens per request (default: max_model_len)")
+                       help="largest max_tokens per request, and the default of a request without one "
+                            "(default: none, max_model_len bounds it)")
     serve.add_argument("--max-prompts", type=int, default=2048,
                        help="most prompts per /v1/completions request, inputs per /v1/embeddings and /classify, "
                             "texts per /score, documents per /rerank (default: %(default)s)")
@@ -58,10 +59,12 @@ def add_serve_parser(commands: Any) -> None:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="let the model decide to call tools (tool_choice 'auto'); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="the format of the model's tool calls "
-                            "(hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.1; pythonic: Llama 3.2/4; mistral: Mistral)")
+                       help="the format of the model's tool calls (hermes: Qwen2.5/3, Hermes; llama3_json: Llama 3.1; "
+                            "pythonic: Llama 3.2/4; mistral: Mistral; the others are named for their models: "
+                            "docs/cli.md)")
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
-                       help="split chat replies into reasoning and content (deepseek_r1: DeepSeek-R1, QwQ; qwen3)")
+                       help="split chat replies into reasoning and content (deepseek_r1: DeepSeek-R1, QwQ; qwen3; the "
+                            "others are named for their models: docs/cli.md)")
     serve.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                        help="a Jinja chat template (file or text) used instead of the tokenizer's")
     serve.add_argument("--chat-template-content-format", default="auto", choices=CONTENT_FORMATS,
@@ -122,6 +125,17 @@ class _DeprecatedFlag(argparse.BooleanOptionalAction):
                  option_string: str | None = None) -> None:
         print(f"{parser.prog}: warning: option '{option_string}' is deprecated", file=sys.stderr)
         super().__call__(parser, namespace, values, option_string)
+
+
+def _port(raw: str) -> int:
+    """A TCP port number (0: any free one)."""
+    try:
+        port = int(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {raw!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {port}")
+    return port
 
 
 def _json_object(raw: str) -> dict[str, Any]:
@@ -277,13 +291,14 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     from asyncllm.integrations.openai_server import create_app
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser "
-                     "(hermes, llama3_json, pythonic, mistral or openai)")
+        parser.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})")
     if args.lora_modules and args.connect is None and not getattr(args, "enable_lora", False):
         parser.error("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
     check_tls_args(args, parser)
     try:
         engine, name = _serve_engine(args)
+        if args.connect is None:
+            check_model(engine.config)
         limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_audio_bytes=args.max_audio_bytes, max_n=args.max_n,
                               max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts,
                               allowed_local_media_path=args.allowed_local_media_path)
@@ -304,6 +319,16 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
     except ConfigError as exc:
         parser.error(str(exc))
     _run_uvicorn(app, args, parser)
+
+
+def check_model(config: Any) -> None:
+    """Refuse a model that cannot be found, or a --generation-config that cannot be read, before the server starts
+    (at the engine's start they would be a lifespan traceback; the engine checks them again)."""
+    from asyncllm.generation_config import read_generation_config
+    from asyncllm.models.checkpoint import resolve_model_path
+
+    path = resolve_model_path(config.model, config.revision, config.download_dir)
+    read_generation_config(config.generation_config, path)
 
 
 def _serve_engine(args: argparse.Namespace) -> tuple[Any, str | None]:

@@ -149,7 +149,7 @@ class ParallelConfig:
     data_parallel_size: int = 1
     """Engine replicas: N engine cores, each with its own tensor_parallel_size x pipeline_parallel_size workers (on
     CUDA replica i uses devices i*w .. (i+1)*w-1, w those workers); requests go to the least loaded one
-    (docs/parallelism.md)."""
+    (docs/parallelism.md). `asyncllm serve` only: `asyncllm engine` refuses it (not built)."""
     enable_expert_parallel: bool = False
     """MoE models: each TP rank holds a 1/tp share of the experts whole, instead of a 1/tp slice of every
     expert (docs/moe.md); a dense model refuses it. Not with data_parallel_size > 1 (not built yet)."""

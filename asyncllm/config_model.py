@@ -190,7 +190,8 @@ class MultiModalConfig:
     mm_encoder_cache_gb: float = 0.5
     """GiB of encoder outputs kept per worker across requests (by image hash); 0 keeps them only during a prefill."""
     mm_processor_kwargs: dict[str, Any] | None = None
-    """Overrides of the checkpoint's image processor settings, e.g. ``{"max_pixels": 1003520}`` for Qwen2-VL."""
+    """Overrides of the checkpoint's image processor settings, e.g. ``{"max_pixels": 1003520}`` for Qwen2-VL
+    (a key the processor does not have is an error)."""
     media_io_kwargs: dict[str, dict[str, Any]] | None = None
     """vLLM's media loading settings per modality: ``{"video": {"num_frames": 32}}``, the frames taken (evenly
     spaced) from an encoded video file; None: 32."""

@@ -46,8 +46,9 @@ class ConfigError(AsyncLLMError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        shown = value_repr if value_repr is not None else repr(value)
-        super().__init__(f"{field}={shown} is not allowed: {allowed}")
+        self.value_repr = value_repr if value_repr is not None else repr(value)
+        """How the message shows the value (a worker's error keeps its repr across processes)."""
+        super().__init__(f"{field}={self.value_repr} is not allowed: {allowed}")
 
 
 class NotBuiltError(ConfigError):

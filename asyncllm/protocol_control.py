@@ -10,6 +10,8 @@ rank -> core -> host (`WeightsUpdated`, `SleepModeDone`); `AddLoRA` goes to the 
 
 from __future__ import annotations
 
+import ast
+
 import msgspec
 
 from asyncllm.errors import AsyncLLMError, ConfigError, EngineDeadError, InvalidRequestError, NotBuiltError
@@ -147,7 +149,7 @@ class LoRAAdded(msgspec.Struct, **_STRUCT):
 def config_error_parts(exc: BaseException) -> list[str]:
     """A ConfigError as [field, value repr, allowed] for the wire; [] for anything else."""
     if isinstance(exc, ConfigError):
-        return [exc.field, repr(exc.value), exc.allowed]
+        return [exc.field, exc.value_repr, exc.allowed]  # not repr(value): a re-sent error is not quoted twice
     return []
 
 
@@ -156,7 +158,15 @@ def config_error_from_parts(parts: list[str], where: str = "") -> ConfigError | 
     if len(parts) != 3:
         return None
     field, value_repr, allowed = parts
-    return ConfigError(field, value_repr, allowed + where, value_repr=value_repr)
+    return ConfigError(field, _literal(value_repr), allowed + where, value_repr=value_repr)
+
+
+def _literal(value_repr: str) -> object:
+    """The value a repr stands for where it is a Python literal (a str, a number, a list ...), else the repr."""
+    try:
+        return ast.literal_eval(value_repr)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return value_repr
 
 
 def call_error_fields(exc: AsyncLLMError) -> dict[str, str]:

@@ -7,12 +7,13 @@ prints the decode roofline and a summary table, ``--output-json`` saves it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from types import ModuleType
 from typing import Any
 
 from asyncllm.bench import common, kernels, latency, loop_lag, profile, scheduler, serve, soak, throughput
-from asyncllm.errors import ConfigError
+from asyncllm.errors import AsyncLLMError, ConfigError
 
 __all__ = ["main", "parser", "WORKLOADS"]
 
@@ -51,13 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         run(args, argv)
-    except ConfigError as exc:
+    except AsyncLLMError as exc:  # a bad value (ConfigError, InvalidRequestError): one line, as a bad flag
         print(f"asyncllm bench: {exc}", file=sys.stderr)
         return 2
     return 0
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> Any:
+    output_json = getattr(args, "output_json", None)
+    if output_json and not os.path.isdir(os.path.dirname(os.path.abspath(output_json))):
+        raise ConfigError("output_json", output_json, "a file in a folder that exists (checked before the run)")
     if args.workload == "kernels":
         return kernels.run(args, argv)
     module, _ = WORKLOADS[args.workload]

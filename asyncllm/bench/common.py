@@ -30,6 +30,28 @@ def int_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a number above 0 (``inf`` allowed)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"above 0, got {text}")
+    return value
+
+
 def add_common_args(parser: argparse.ArgumentParser, overlapped_steps: bool = True) -> None:
     """The model, engine and output flags; ``--async-scheduling`` only for workloads that run the engine's
     own loop (``overlapped_steps``)."""

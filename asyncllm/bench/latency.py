@@ -25,9 +25,9 @@ so 512 tokens take about 45 s, plus the model build and the warm-up."""
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=512)
-    parser.add_argument("--num-iters", type=int, default=3, help="requests run one after another; medians reported")
+    parser.add_argument("--input-len", type=common.positive_int, default=128)
+    parser.add_argument("--output-len", type=common.positive_int, default=512)
+    parser.add_argument("--num-iters", type=common.positive_int, default=3, help="requests run one after another; medians reported")
     parser.add_argument("--compare", choices=("hf",), default=None, help="also run transformers' batch-1 generate")
     parser.add_argument("--compare-time-budget", type=seconds, default=None, metavar="SECONDS",
                         help=f"the peer's time limit (default {COMPARE_TIME_BUDGET_S:.0f}); a decode it cuts is "

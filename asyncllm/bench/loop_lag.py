@@ -23,9 +23,9 @@ _PROBE_S = 0.001
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-streams", type=int, default=256)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--num-streams", type=common.positive_int, default=256)
+    parser.add_argument("--input-len", type=common.positive_int, default=128)
+    parser.add_argument("--output-len", type=common.positive_int, default=256)
 
 
 async def _probe(lags: list[float], stop: asyncio.Event) -> None:

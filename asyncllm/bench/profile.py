@@ -56,9 +56,9 @@ def kernel_kind(name: str) -> str:
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-size", type=int, default=1, help="requests decoding together")
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--num-steps", type=int, default=50, help="decode steps timed phase by phase")
+    parser.add_argument("--batch-size", type=common.positive_int, default=1, help="requests decoding together")
+    parser.add_argument("--input-len", type=common.positive_int, default=128)
+    parser.add_argument("--num-steps", type=common.positive_int, default=50, help="decode steps timed phase by phase")
     parser.add_argument("--profile-steps", type=int, default=10, help="decode steps run under torch.profiler")
     parser.add_argument("--warmup-steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=12, help="kernels listed by time")

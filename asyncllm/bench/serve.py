@@ -25,10 +25,10 @@ __all__ = ["add_args", "run"]
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--request-rate", type=float, default=8.0, help="mean arrivals per second (inf: all at once)")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--max-input-len", type=int, default=2048)
-    parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--request-rate", type=common.positive_float, default=8.0, help="mean arrivals per second (inf: all at once)")
+    parser.add_argument("--num-requests", type=common.positive_int, default=256)
+    parser.add_argument("--max-input-len", type=common.positive_int, default=2048)
+    parser.add_argument("--max-output-len", type=common.positive_int, default=1024)
 
 
 async def _stream(engine: Any, request: BenchRequest, delay: float, t0: float) -> dict[str, Any]:

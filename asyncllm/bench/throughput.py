@@ -25,7 +25,7 @@ COMPARE_TIME_BUDGET_S = 240.0
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--num-requests", type=common.positive_int, default=256)
     parser.add_argument("--input-len-range", type=common.int_range, default=(100, 1024), metavar="LO,HI")
     parser.add_argument("--output-len-range", type=common.int_range, default=(100, 1024), metavar="LO,HI")
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -50,7 +50,9 @@ def test_kernel_kinds(name: str, kind: str) -> None:
 def test_profile_refuses_what_it_cannot_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["profile", *TINY, "--tensor-parallel-size", "2"]) == 2
     assert "tensor_parallel_size=2 is not allowed: 1: the profile runs one rank" in capsys.readouterr().err
-    assert main(["profile", *TINY, "--batch-size", "0"]) == 2
+    with pytest.raises(SystemExit) as info:  # argparse's (common.positive_int)
+        main(["profile", *TINY, "--batch-size", "0"])
+    assert info.value.code == 2
     assert main(["profile", *TINY, "--batch-size", "9"]) == 2  # TINY has --max-num-seqs 8
     assert "batch_size=9 is not allowed: at most --max-num-seqs (8)" in capsys.readouterr().err
     with pytest.raises(SystemExit) as info:  # the in-process loop is synchronous: no such flag

@@ -15,7 +15,7 @@ import pytest
 
 from asyncllm import config as config_module
 from asyncllm.cli import _parser
-from asyncllm.cli_args import ENGINE_FLAG_FIELDS, add_engine_args, engine_kwargs
+from asyncllm.cli_args import ENGINE_FLAG_FIELDS, add_engine_args, engine_kwargs, markdown_table
 
 
 def _all_config_fields() -> set[str]:
@@ -65,7 +65,8 @@ def test_auto_tool_choice_needs_a_parser(capsys) -> None:
 
     with pytest.raises(SystemExit) as exit_info:
         main(["serve", "--enable-auto-tool-choice"])
-    assert exit_info.value.code == 2 and "--tool-call-parser" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--tool-call-parser" in err and "qwen3_coder, qwen3_xml, seed_oss" in err
 
 
 def _subparser(command: str) -> argparse.ArgumentParser:
@@ -110,11 +111,25 @@ def test_cli_reference_lists_every_flag() -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8")
     for name in ENGINE_FLAG_FIELDS:
         assert f"`--{name.replace('_', '-')}`" in text, name
+    for row in markdown_table().splitlines():  # the rows' text too: regenerate with `python -m asyncllm.cli_args`
+        assert row in text, row
     for command in ("serve", "engine"):
         for action in _subparser(command)._actions:
             for option in action.option_strings:
                 if option.startswith("--") and not option.startswith("--no-") and option != "--help":
                     assert f"`{option}" in text, (command, option)
+
+
+def test_cli_reference_names_every_registered_parser() -> None:
+    from pathlib import Path
+
+    from asyncllm.reasoning import REASONING_PARSERS
+    from asyncllm.tool_calls import TOOL_PARSERS
+
+    lines = (Path(__file__).resolve().parents[2] / "docs" / "cli.md").read_text(encoding="utf-8").splitlines()
+    for flag, registry in (("--tool-call-parser", TOOL_PARSERS), ("--reasoning-parser", REASONING_PARSERS)):
+        row = next(line for line in lines if line.startswith(f"| `{flag}` |"))
+        assert [name for name in registry if f"`{name}`" not in row] == [], flag
 
 
 def _serve_args(*flags: str) -> argparse.Namespace:

@@ -1,0 +1,76 @@
+"""Bad values on the command line are one `asyncllm: error:` line and exit 2, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncllm import cli_commands
+from asyncllm.cli import main
+from asyncllm.errors import ConfigError
+from asyncllm.protocol_control import config_error_from_parts, config_error_parts
+
+
+def _exit_code_and_error(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    return exit_info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, named", [(["--dtype", "float99"], "dtype='float99'"),
+                                          (["--max-tokens", "0"], "max_tokens"),
+                                          (["--temperature", "-1"], "temperature"),
+                                          (["--model", "/nonexistent/model"], "model='/nonexistent/model'")])
+
+def test_generate_refuses_bad_values_before_the_engine_starts(flags, named, capsys) -> None:
+    code, err = _exit_code_and_error(["generate", "--model", "some/model", *flags], capsys)
+    assert code == 2 and f"asyncllm: error: {named}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("flags, named", [(["/nonexistent/model"], "model='/nonexistent/model'"),
+                                          (["--generation-config", "/nonexistent"], "generation_config='/nonexistent'"),
+                                          (["--port", "65536"], "--port"), (["--port", "-1"], "--port")])
+def test_serve_refuses_a_model_or_port_it_cannot_serve_before_the_server_starts(flags, named, capsys,
+                                                                                  monkeypatch) -> None:
+    def no_server(*args: object) -> None:
+        raise AssertionError("the server started")
+
+    monkeypatch.setattr(cli_commands, "_run_uvicorn", no_server)
+    code, err = _exit_code_and_error(["serve", *flags], capsys)
+    assert code == 2 and "error: " in err and named in err
+
+
+@pytest.mark.parametrize("value", ["cuda", frozenset({1})])  # a literal comes back as itself, the rest as its repr
+def test_a_worker_config_error_relayed_twice_shows_the_value_once(value) -> None:
+    sent = ConfigError("device", value, "a device this machine has")
+    relayed = config_error_from_parts(config_error_parts(config_error_from_parts(config_error_parts(sent))))
+    assert str(relayed) == str(sent) and relayed.value == (value if isinstance(value, str) else repr(value))
+
+
+@pytest.mark.parametrize("argv", [["throughput", "--num-requests", "0"], ["latency", "--input-len", "-1"],
+                                  ["latency", "--num-iters", "x"], ["serve", "--request-rate", "0"],
+                                  ["serve", "--request-rate", "nan"]])
+def test_bench_refuses_counts_and_rates_below_one_request(argv, capsys) -> None:
+    from asyncllm.bench.cli import parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        parser().parse_args(argv)
+    assert exit_info.value.code == 2 and "error: argument --" in capsys.readouterr().err
+
+
+def test_bench_accepts_an_infinite_rate_and_refuses_an_output_folder_that_is_missing(capsys, tmp_path) -> None:
+    from asyncllm.bench.cli import main, parser
+
+    assert parser().parse_args(["serve", "--request-rate", "inf"]).request_rate == float("inf")
+    out = str(tmp_path / "missing" / "result.json")
+    assert main(["latency", "--preset", "tiny", "--output-json", out]) == 2
+    assert capsys.readouterr().err.strip() == (f"asyncllm bench: output_json={out!r} is not allowed: a file in a "
+                                               "folder that exists (checked before the run)")
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_package_version(flag, capsys) -> None:
+    from asyncllm import __version__
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([flag])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.strip() == __version__
