@@ -10,7 +10,7 @@ from asyncllm import __version__
 from asyncllm.cli_commands import add_engine_parser, add_serve_parser, check_model, run_engine, run_serve
 from asyncllm.cli_config import expand_config_file
 from asyncllm.config import EngineConfig
-from asyncllm.errors import AsyncLLMError
+from asyncllm.errors import AsyncLLMError, ConfigError, InvalidRequestError
 from asyncllm.sampling import SamplingParams
 
 
@@ -87,8 +87,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "generate":
         try:  # a bad value (a flag, the model, an ASYNCLLM_* variable) is one line and exit 2, as serve's and engine's
             asyncio.run(_generate(args, *_generate_setup(args)))
-        except AsyncLLMError as exc:
+        except (ConfigError, InvalidRequestError) as exc:
             parser.error(str(exc))
+        except AsyncLLMError as exc:  # the engine failed while generating: no usage line, exit 1
+            sys.exit(f"asyncllm generate: {type(exc).__name__}: {exc}")
     elif args.command == "serve":
         run_serve(args, parser)
     elif args.command == "engine":

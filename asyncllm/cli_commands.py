@@ -44,7 +44,7 @@ def add_serve_parser(commands: Any) -> None:
                        help="attach to a running `asyncllm engine` core at ADDRESS instead of starting one")
     serve.add_argument("--max-n", type=int, default=128, help="largest n per request (default: %(default)s)")
     serve.add_argument("--max-tokens-limit", type=int, default=None,
-                       help="largest max_tokens per request, and the default of a request without one "
+                       help="largest max_tokens per request, and the default of a chat request without one "
                             "(default: none, max_model_len bounds it)")
     serve.add_argument("--max-prompts", type=int, default=2048,
                        help="most prompts per /v1/completions request, inputs per /v1/embeddings and /classify, "

@@ -137,7 +137,9 @@ def _ends_function(rest: str) -> bool:
     """What may follow a block's last parameter, as vLLM's regexes read it: nothing, ``</function>`` and whatever
     follows it (the function's regex stops there), or the start of ``</function>`` (a reply cut short)."""
     rest = rest.lstrip()
-    return rest.startswith("</function>") or "</function>".startswith(rest)
+    if rest.startswith("</function>"):
+        return "<function=" not in rest  # a second function in the block: not built (the block is content)
+    return "</function>".startswith(rest)
 
 
 class XmlCallsStream(TaggedBlockStream):

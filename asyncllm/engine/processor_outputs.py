@@ -194,6 +194,8 @@ def _request_error(error_type: str, text: str) -> BaseException:
     """Rebuild the typed error the core reported for one request."""
     if error_type == "EngineOverloadedError":
         return errors.EngineOverloadedError(text)
+    if error_type == "EngineDeadError":  # a core that does not know this host (core.py `_handle`)
+        return errors.EngineDeadError(text)
     field, _, detail = text.partition(": ")
     return errors.InvalidRequestError(field, detail)
 

@@ -243,11 +243,14 @@ def raw_host(engine_thread: EngineThread) -> Iterator[RawHost]:
 
 
 def test_frames_from_a_host_that_never_said_hello_are_dropped(engine_thread: EngineThread) -> None:
+    """Never run; an AddRequest is answered with an error so that its caller does not wait (core.py `_handle`)."""
     stranger = RawHost(engine_thread.engine._core.address)
     try:
         stranger.send(protocol.AddRequest("stranger", [1, 2, 3], SamplingParams(max_tokens=4), [], time.time()))
+        stranger.send(protocol.ResetPrefixCache())
         stranger.drain(0.5)
-        assert stranger.replies == []
+        assert [(d.request_id, d.finish_reason, d.error_type) for r in stranger.replies for d in r.outputs] == [
+            ("stranger", "abort", "EngineDeadError")]
         assert engine_thread.engine.stats().num_requests_running == 0
     finally:
         stranger.close()

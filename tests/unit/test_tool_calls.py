@@ -360,3 +360,13 @@ def test_a_lone_surrogate_in_arguments_stays_an_escape() -> None:
         arguments = merge_deltas(deltas, tools=True)["tool_calls"][0]["function"]["arguments"]
         assert arguments == '{"city": "\U0001f600 \\ud83d"}' and json.loads(arguments) == {"city": "\U0001f600 \ud83d"}
         msgspec.json.encode(deltas)  # what the server sends
+
+
+def test_two_functions_in_one_qwen3_coder_block_stay_content() -> None:
+    """Several ``<function=`` in one block are not built: the block is content, never its first call alone."""
+    text = ("<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n"
+            "<function=b>\n<parameter=y>\n2\n</parameter>\n</function>\n</tool_call>")
+    parsed = get_tool_parser("qwen3_coder").parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+    assert _streamed("qwen3_coder", text, 0) == (text, [])
+

@@ -96,6 +96,9 @@ def test_core_refuses_a_host_of_another_wire_protocol_and_serves_the_others(host
     (client, outputs), = sent
     assert client == b"other" and [(d.request_id, d.finish_reason, d.error_type) for d in outputs.outputs] == [
         ("r", "abort", "EngineDeadError")] and "does not know this host" in outputs.outputs[0].error
+    from asyncllm.engine.processor_outputs import _request_error
+
+    assert type(_request_error("EngineDeadError", outputs.outputs[0].error)) is EngineDeadError  # what the host raises
 
 
 def test_an_old_hosts_hello_decodes_to_no_fingerprint() -> None:
