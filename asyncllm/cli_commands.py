@@ -244,7 +244,7 @@ def _run_uvicorn(app: Any, args: argparse.Namespace, parser: argparse.ArgumentPa
             claim_socket(args.uds, "uds", args.uds, "a server")
         except ConfigError as exc:
             parser.error(str(exc))
-    print(f"[asyncllm] serving on {_listen_url(args)}", file=sys.stderr)
+    print(f"[asyncllm] starting: serving on {_listen_url(args)} once the model is loaded", file=sys.stderr)
     try:
         uvicorn.run(app, **uvicorn_kwargs(args))
     finally:
