@@ -150,7 +150,7 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
                       include_reasoning=not chat or req.include_reasoning,
                       chat_role=chat_role(req, server.response_role) if chat else "assistant",
                       reasoning_end=server.reasoning_end() if chat else None,
-                      thinking_off=chat and server.thinking_off(req))
+                      thinking_off=chat and server.thinking_off(server.templates.kwargs(req)))
     for prompt_index, ids in enumerate(prompts):
         choices.prompt_tokens[prompt_index] = len(ids)
         choices.ended_thinking(prompt_index, ids)

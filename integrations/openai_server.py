@@ -154,6 +154,7 @@ class OpenAIServer:
                  request_log: RequestLogger | None = None, content_format: str = "auto") -> None:
         self.engine = engine
         self.content_format = content_format  # vLLM's --chat-template-content-format (create_app)
+        self._reasoning_end: Marker | None = None  # `reasoning_end`, once the engine has its tokenizer
         self.request_log = request_log
         """Logs each request's prompts as the server submits them (openai_request_log.py); None: no log."""
         self.prompt_tokens_details = prompt_tokens_details
@@ -319,12 +320,13 @@ class OpenAIServer:
                     prompt_tokens_details: bool = False) -> tuple[list[RequestStream], Choices]:
         """The chat's streams and their `Choices`; the Responses API has `prompt_tokens_details` without the flag."""
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
-        thinking_off = self.thinking_off(req)
+        template_kwargs = self.templates.kwargs(req)
+        thinking_off = self.thinking_off(template_kwargs)
         params = chat_params(req, self.limits, mode, self.reasoning, defaults, thinking_off=thinking_off)
         messages = chat_messages(req.messages, images=True, media_root=self.limits.allowed_local_media_path)
         log_prompts(self.request_log, req, "chatcmpl", [messages], params, lora, indexed=False)
         streams = [self.engine.chat(messages, params, **request_options(req),
-                                    chat_template_kwargs=self.templates.kwargs(req), tools=req.tools,
+                                    chat_template_kwargs=template_kwargs, tools=req.tools,
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
                                     data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs,
                                     check_max_tokens=sets_max_tokens(req),
@@ -338,15 +340,17 @@ class OpenAIServer:
                           reasoning_end=self.reasoning_end(), thinking_off=thinking_off)
         return streams, choices
 
-    def thinking_off(self, req: ChatCompletionRequest) -> bool:
-        """Whether the request's template variables turned the parser's thinking off (qwen3's ``enable_thinking``)."""
-        return self.reasoning is not None and self.reasoning.thinking_off(self.templates.kwargs(req))
+    def thinking_off(self, template_kwargs: dict[str, Any]) -> bool:
+        """Whether a request's template variables turned the parser's thinking off (qwen3's ``enable_thinking``)."""
+        return self.reasoning is not None and self.reasoning.thinking_off(template_kwargs)
 
     def reasoning_end(self) -> Marker | None:
-        """The reasoning parser's end tag, to find a prompt that ended the thinking (None: no parser or tokenizer)."""
-        if self.reasoning is None or not self.reasoning.prompt_ends_thinking or self.engine.tokenizer is None:
-            return None
-        return Marker.of(self.engine.tokenizer, self.reasoning.end_tag)
+        """The reasoning parser's end tag, to find a prompt that ended the thinking (None: no parser, or no tokenizer
+        yet); tokenized once."""
+        if self._reasoning_end is None and self.reasoning is not None and self.reasoning.prompt_ends_thinking \
+                and self.engine.tokenizer is not None:
+            self._reasoning_end = Marker.of(self.engine.tokenizer, self.reasoning.end_tag)
+        return self._reasoning_end
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,
                            tools: list[Any] | None = None) -> list[int]:

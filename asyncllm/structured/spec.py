@@ -90,8 +90,8 @@ def _check_schema(schema: object) -> None:
             raise InvalidRequestError("structured", f"json is not valid JSON text: {exc}") from None
     if not isinstance(schema, dict):  # a boolean schema (true, false) too: xgrammar compiles objects only
         raise InvalidRequestError("structured", f"json must be a JSON schema object, got {type(schema).__name__}")
-    try:  # what `cache_key` writes: a peer's msgpack may carry bytes, mixed-type keys or too deep a nesting
-        json.dumps(schema, sort_keys=True)
+    try:  # JSON values only: a peer's msgpack may carry bytes, too deep a nesting, or mixed-type keys (2 and "2"
+        json.dumps(schema, sort_keys=True)  # would be one JSON key: sorting them refuses them)
     except (TypeError, ValueError, RecursionError) as exc:
         raise InvalidRequestError("structured", f"json must be a JSON schema of JSON values: {exc}") from None
     try:
