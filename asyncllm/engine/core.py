@@ -23,7 +23,7 @@ import msgspec
 from asyncllm import errors, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.engine.client_liveness import ClientLiveness
-from asyncllm.engine.core_io import CoreIO, fail_startup
+from asyncllm.engine.core_io import CoreIO, fail_startup, unknown_host_answer
 from asyncllm.engine.core_sleep import SleepController
 from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
@@ -225,10 +225,9 @@ class EngineCore:
                                 protocol.AddLoRA)) \
                 and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
-            if isinstance(message, protocol.AddRequest):  # its caller must not wait (a host dropped as dead, say)
-                self.io.send(client_id, protocol.Outputs([protocol.RequestOutputDelta(
-                    message.request_id, [], "abort", error="this engine core does not know this host: it never "
-                    "said Hello, or was taken for dead", error_type="EngineDeadError")], None, time.time()))
+            answer = unknown_host_answer(message)  # its caller must not wait (a host taken for dead, say)
+            if answer is not None:
+                self.io.send(client_id, answer)
             return False
         if isinstance(message, protocol.AddRequest):
             self._add_request(client_id, message)

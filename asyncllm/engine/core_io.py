@@ -145,3 +145,22 @@ def fail_startup(io: CoreIO, exc: BaseException, grace_s: float = 3.0) -> None:
             io.send(client_id, failed)
             told.add(client_id)
     time.sleep(0.1)
+
+
+def unknown_host_answer(message: protocol.HostMessage) -> protocol.CoreMessage | None:
+    """What the core answers a request or call from a host it does not know (it never said Hello, or was taken for
+    dead), so that its caller fails with `EngineDeadError` instead of waiting; None: nothing waits for an answer."""
+    error = errors.EngineDeadError("this engine core does not know this host: it never said Hello, or was taken "
+                                   "for dead")
+    if isinstance(message, protocol.AddRequest):
+        delta = protocol.RequestOutputDelta(message.request_id, [], "abort", error=str(error),
+                                            error_type="EngineDeadError")
+        return protocol.Outputs([delta], None, time.time())
+    fields = protocol.call_error_fields(error)
+    if isinstance(message, protocol.UpdateWeights):
+        return protocol.WeightsUpdated(message.update_id, **fields)
+    if isinstance(message, (protocol.Sleep, protocol.WakeUp)):
+        return protocol.SleepModeDone(message.call_id, **fields)
+    if isinstance(message, protocol.AddLoRA):
+        return protocol.LoRAAdded(message.call_id, **fields)
+    return None

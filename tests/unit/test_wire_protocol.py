@@ -22,6 +22,7 @@ from asyncllm.engine.connect import handshake
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.processor import Processor
 from asyncllm.engine.processor_outputs import error_from
+from asyncllm.lora import LoRARequest
 
 _WIRE = dict(tag=True, array_like=True, omit_defaults=True)
 
@@ -99,6 +100,12 @@ def test_core_refuses_a_host_of_another_wire_protocol_and_serves_the_others(host
     from asyncllm.engine.processor_outputs import _request_error
 
     assert type(_request_error("EngineDeadError", outputs.outputs[0].error)) is EngineDeadError  # what the host raises
+    sent.clear()  # its control calls are answered too: their futures fail instead of waiting
+    for call in (protocol.Sleep("s"), protocol.WakeUp("w"), protocol.AddLoRA("l", LoRARequest("a", 1, "/x"))):
+        assert core._handle(b"other", call) is False
+    assert [(type(reply).__name__, reply.call_id, reply.error_type) for _, reply in sent] == [
+        ("SleepModeDone", "s", "EngineDeadError"), ("SleepModeDone", "w", "EngineDeadError"),
+        ("LoRAAdded", "l", "EngineDeadError")]
 
 
 def test_an_old_hosts_hello_decodes_to_no_fingerprint() -> None:
