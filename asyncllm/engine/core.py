@@ -61,9 +61,9 @@ class EngineCore:
         """Each host's LoRA adapter ids -> the core's (asyncllm/engine/lora_ids.py); a detached host's are
         forgotten (`forget_host`)."""
         self.stats_reporter: bytes | None = None
+        """The one host that exports the engine-wide metrics (the earliest still attached)."""
         self.liveness = ClientLiveness()
         """Notices a host on this machine that died without a Goodbye (SIGKILL): `_drop_dead_clients`."""
-        """The one host that exports the engine-wide metrics (the earliest still attached)."""
         self.executor = Executor(config, hf_config_json=hf_config_json)
         self._running = True
         self.mm_cache = CoreProcessorCache(config.multimodal_config)

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import zmq
@@ -55,6 +55,8 @@ from asyncllm.sampling import MAX_LOGPROBS
 logger = logging.getLogger("asyncllm.engine")
 
 __all__ = ["Deliver", "Delivery", "Processor", "Submit", "sample_request_ids"]
+
+T = TypeVar("T")
 
 _POLL_MS = 100
 _EXIT_STATUS_WAIT_S = 0.5
@@ -154,10 +156,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         """Send `UpdateWeights` (its update_id is set here) after every request submitted before; the future of
         the new weights version."""
         message.update_id, future = self._weight_updates.new()
-        self._post(("send", message))
-        if not self._thread.is_alive():  # it ended (its last act failed the updates then pending) or never began
-            self._weight_updates.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
-        return future
+        return self._send_call(self._weight_updates, message, future)
 
     def await_weights(self, weights_version: int) -> None:
         """Send `AwaitWeights` (before any request: call it as the core restarts)."""
@@ -167,17 +166,20 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         """Send `Sleep` or `WakeUp` (its call_id is set here) after every request submitted before; the future
         of the core's sleep level after it."""
         message.call_id, future = self._sleep_calls.new()
-        self._post(("send", message))
-        if not self._thread.is_alive():
-            self._sleep_calls.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
-        return future
+        return self._send_call(self._sleep_calls, message, future)
 
     def add_lora(self, lora: LoRARequest) -> concurrent.futures.Future[None]:
         """Send `AddLoRA` (the adapter as `check_lora` returned it); the future of the core's answer."""
         call_id, future = self._lora_calls.new()
-        self._post(("send", protocol.AddLoRA(call_id, lora)))
+        return self._send_call(self._lora_calls, protocol.AddLoRA(call_id, lora), future)
+
+    def _send_call(self, calls: Any, message: Any,
+                   future: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:
+        """Post a control call registered in `calls`; a thread that never began fails it (an ended one closed
+        `calls`, so `new` failed it already)."""
+        self._post(("send", message))
         if not self._thread.is_alive():
-            self._lora_calls.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
+            calls.fail_all(self.dead or errors.EngineDeadError("the engine is not running"))
         return future
 
     def close(self, shutdown_core: bool) -> None:
