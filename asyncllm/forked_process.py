@@ -22,6 +22,8 @@ from collections.abc import Mapping
 
 import msgspec
 
+from asyncllm.procutil import proc_stat
+
 __all__ = ["ForkRefused", "ForkedProcess", "children", "fork_module", "recv_exact", "startup_env", "LEN"]
 
 LEN = struct.Struct("!q")
@@ -132,11 +134,8 @@ class ForkedProcess:
     def _exited(self) -> bool:
         if self._pidfd is not None:
             return _readable(self._pidfd, 0.0)
-        try:
-            with open(f"/proc/{self.pid}/stat") as f:
-                return f.read().rsplit(")", 1)[1].split()[0] == "Z"  # a zombie nobody reaps has exited too
-        except (OSError, IndexError):
-            return True
+        fields = proc_stat(self.pid)
+        return fields is None or fields[0] == "Z"  # a zombie nobody reaps has exited too
 
     def __del__(self) -> None:
         if getattr(self, "_pidfd", None) is not None:  # dropped without a wait

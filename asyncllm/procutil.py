@@ -111,6 +111,17 @@ def describe_exit(code: int) -> str:
     return f"was killed by {sig.name}" + (f" ({hint})" if hint else "")
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (the state first: field 3 is index 0); None when the
+    process has no entry (gone, reaped, another pid namespace) or it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as file:
+            fields = file.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return [field.decode() for field in fields] or None
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 5.0, grace: float = 0.0) -> None:
     """Give the child `grace` seconds to exit on its own, then close its stdin
     (it exits at once), then terminate and kill if needed."""

@@ -26,6 +26,7 @@ from typing import Any
 
 from asyncllm.bench import common
 from asyncllm.bench.report import percentile
+from asyncllm.procutil import proc_stat
 
 __all__ = ["add_args", "run"]
 
@@ -103,15 +104,15 @@ def _worker_pids(core_pid: int) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
+            fields = proc_stat(int(entry))
+            if fields is None or int(fields[1]) != core_pid:
+                continue
             try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    is_worker = b"asyncllm.workers.worker" in f.read()
+                    if b"asyncllm.workers.worker" in f.read():
+                        pids.append(int(entry))
             except OSError:
                 continue
-            if parent == core_pid and is_worker:
-                pids.append(int(entry))
     return sorted(pids)
 
 

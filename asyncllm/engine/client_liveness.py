@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 import time
 
+from asyncllm.procutil import proc_stat
+
 __all__ = ["CHECK_INTERVAL_S", "ClientLiveness", "process_identity"]
 
 CHECK_INTERVAL_S = 0.5
@@ -38,14 +40,10 @@ def _machine() -> str:
 def _start_time(pid: int) -> str | None:
     """When process `pid` started (clock ticks after boot, /proc/PID/stat field 22); None: no such process, or a
     zombie (killed, not yet reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as file:
-            fields = file.read().rpartition(b")")[2].split()
-    except OSError:
+    fields = proc_stat(pid)
+    if fields is None or len(fields) < 20 or fields[0] in ("Z", "X"):
         return None
-    if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-        return None
-    return fields[19].decode()
+    return fields[19]
 
 
 def process_identity() -> str:
