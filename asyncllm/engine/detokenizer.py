@@ -7,8 +7,9 @@ ids into the text that is safe to show now, in three stages, token by token
 1. decode: `tokenizers`' ``DecodeStream`` (fast tokenizers) or the same
    sliding-window algorithm over ``decode`` (byte-fallback and slow
    tokenizers). Text is held back while it ends in an incomplete UTF-8
-   sequence (U+FFFD) or a byte-fallback token, and released when the
-   character completes or the request finishes.
+   sequence (U+FFFD), and released as soon as the character completes (a
+   byte-fallback ``<0x0A>`` is a newline at once, so ``stop=["\n"]`` ends
+   the request on that token) or the request finishes.
    With ``spaces_between_special_tokens=False`` (and special tokens kept), an
    added token right after another is emitted as its bare content (vLLM's
    rule, `_AddedTokensJoined`).
@@ -21,7 +22,12 @@ ids into the text that is safe to show now, in three stages, token by token
 Exactness: without stop strings (and with spaces_between_special_tokens), the deltas add up to
 ``tokenizer.decode(output_token_ids, skip_special_tokens=...)``, the text HF
 users get, less the EOS or stop token that ended the request (vLLM's rule,
-`IncrementalDetokenizer.update`). The prompt is deliberately not used as decoding context: with
+`IncrementalDetokenizer.update`). One exception, as vLLM's DecodeStream: a
+byte-fallback run that turns invalid UTF-8 after characters of it were shown.
+sentencepiece's ByteFallback decoder then writes every byte of the run as
+U+FFFD, the shown characters included; the stream keeps what it showed, goes
+on showing each character its later bytes complete and writes U+FFFD for the
+invalid bytes (the text before and after the run is decode()'s). The prompt is deliberately not used as decoding context: with
 sentencepiece-style tokenizers (Llama 2, Mistral) it would add the leading
 space of the first output token, which ``decode(output_token_ids)`` drops.
 """
@@ -175,18 +181,13 @@ class _WindowStream:
     ``decode(context)``, released once it does not end in U+FFFD. This is the
     algorithm of ``tokenizers.decoders.DecodeStream``, kept here so that the
     held-back ids can be flushed at the end, and for the tokenizers
-    DecodeStream does not serve exactly.
-
-    ``hold_after`` lists byte-fallback ids (``<0xE6>``): sentencepiece's
-    ByteFallback decoder turns a whole run of byte tokens into one U+FFFD per
-    byte as soon as one byte in the run is invalid, which rewrites text that
-    already decoded cleanly. So nothing is released while the window ends in
-    a byte token; a run is final once a regular token follows it.
+    DecodeStream refuses: byte-fallback ones, whose decoder rewrites a whole
+    byte run as U+FFFD once a byte of it is invalid (the text is then sliced
+    by length, as vLLM's original algorithm did; see the module docstring).
     """
 
-    def __init__(self, decode: Callable[[list[int]], str], hold_after: frozenset[int] = frozenset()) -> None:
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
         self._decode = decode
-        self._hold_after = hold_after
         self._context: list[int] = []
         self._pending: list[int] = []
         self._prefix: str | None = None
@@ -194,8 +195,6 @@ class _WindowStream:
 
     def step(self, token_id: int) -> str:
         self._pending.append(token_id)
-        if token_id in self._hold_after:
-            return ""
         prefix = self._prefix_text()
         text = self._decode(self._context + self._pending)
         if len(text) <= len(prefix) or text.endswith(_REPLACEMENT_CHAR):
@@ -308,20 +307,7 @@ def _decode_stream(tokenizer: Any, skip_special_tokens: bool) -> _WindowStream:
     else:
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
-    return _WindowStream(decode, _byte_run_ids(tokenizer, skip_special_tokens))
-
-
-def _byte_run_ids(tokenizer: Any, skip_special_tokens: bool) -> frozenset[int]:
-    """Ids that may continue a byte-fallback run: ``<0x00>`` .. ``<0xFF>`` and, when they are
-    skipped, special tokens (decode() drops them first, so the bytes on both sides join)."""
-    ids = set(tokenizer.convert_tokens_to_ids([f"<0x{b:02X}>" for b in range(256)]))
-    ids.discard(None)
-    ids.discard(tokenizer.unk_token_id)
-    if not ids:
-        return frozenset()
-    if skip_special_tokens:
-        ids.update(i for i, token in tokenizer.added_tokens_decoder.items() if token.special)
-    return frozenset(ids)
+    return _WindowStream(decode)
 
 
 def _cleanup_applies(tokenizer: Any) -> bool:

@@ -167,18 +167,45 @@ def test_random_ids_sentencepiece_style_match_decode(tokenizers: dict[str, Any],
         ids = fast(rng.choice(words), add_special_tokens=False).input_ids + ids
         skip = rng.random() < 0.5
         updates, _ = stream(tokenizer, ids, rng, skip_special_tokens=skip)
-        assert "".join(u.text for u in updates) == _decode(fast, ids, skip), ids
+        assert_decodes_as(_decode(fast, ids, skip), "".join(u.text for u in updates), ids)
+
+
+def assert_decodes_as(decoded: str, streamed: str, ids: list[int]) -> None:
+    """The stream's text is decode()'s but for a byte run that turned invalid after it showed characters of it
+    (decode() writes that whole run as U+FFFD): the text before and after the U+FFFDs is decode()'s."""
+    if "\ufffd" not in decoded:
+        assert streamed == decoded, ids
+        return
+    head, tail = decoded.split("\ufffd", 1)[0], decoded.rsplit("\ufffd", 1)[1]
+    assert streamed.startswith(head) and streamed.endswith(tail) and "\ufffd" in streamed, ids
 
 
 @pytest.mark.parametrize("skip", [True, False])
 def test_skipped_special_token_inside_byte_run(tokenizers: dict[str, Any], skip: bool) -> None:
-    """decode() drops skipped specials first, so an invalid byte after one rewrites the byte before it."""
+    """decode() drops skipped specials first, so an invalid byte after one rewrites the byte before it; the
+    stream showed that byte's "a" before the invalid byte came, and keeps it."""
     tokenizer = tokenizers["llama2"]
     ids = tokenizer.convert_tokens_to_ids(["<0x61>", "<s>", "<0xED>", "▁the"])
-    expected = "\ufffd\ufffd the" if skip else "a<s>\ufffd the"
-    assert tokenizer.decode(ids, skip_special_tokens=skip) == expected
+    assert tokenizer.decode(ids, skip_special_tokens=skip) == ("\ufffd\ufffd the" if skip else "a<s>\ufffd the")
     updates, _ = stream(tokenizer, ids, skip_special_tokens=skip)
-    assert "".join(u.text for u in updates) == expected
+    assert "".join(u.text for u in updates) == ("a\ufffd the" if skip else "a<s>\ufffd the")
+
+
+@pytest.mark.parametrize("name", ["llama2", "slow_view"])
+def test_a_byte_run_is_shown_as_each_character_completes(tokenizers: dict[str, Any], name: str) -> None:
+    """A newline that is ``<0x0A>`` and an emoji of four byte tokens show on the token that completes them, so
+    a stop string in them ends the request there, and min_tokens counts that token (vLLM's DecodeStream)."""
+    tokenizer = tokenizers[name]
+    fast = tokenizer._fast if name == "slow_view" else tokenizer
+    ids = fast.convert_tokens_to_ids(["▁The", "<0x0A>", "<0xF0>", "<0x9F>", "<0x99>", "<0x82>", "▁quick"])
+    updates, _ = stream(tokenizer, ids)
+    assert [u.text for u in updates] == ["The", "\n", "", "", "", "🙂", " quick", ""]
+    _, detok = stream(tokenizer, ids, stop=["\n"])
+    assert (detok.output_text, detok.stop_string, detok.token_ids) == ("The", "\n", ids[:2])
+    _, detok = stream(tokenizer, ids, stop=["🙂"], min_tokens=5)
+    assert (detok.output_text, detok.stop_string) == ("The\n", "🙂")
+    _, detok = stream(tokenizer, ids, stop=["🙂"], min_tokens=6)  # it ends in token 6: not after the first 6
+    assert (detok.output_text, detok.stop_string) == ("The\n🙂 quick", None)
 
 
 def test_leading_space_of_first_output_token_matches_hf_decode(tokenizers: dict[str, Any]) -> None:
