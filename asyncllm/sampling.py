@@ -96,7 +96,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     output_kind: RequestOutputKind = RequestOutputKind.DELTA
     """What `stream` yields: deltas, cumulative outputs, or each sample once at its end."""
     structured: StructuredOutputs | None = None
-    """Constrain the output to a JSON schema, a regex, a choice list or an EBNF grammar (needs xgrammar)."""
+    """Constrain the output to a JSON schema, a regex, a choice list or a grammar, EBNF or Lark (needs xgrammar)."""
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be generated (every other logit is set to -inf)."""
     bad_words: list[str] = []

@@ -151,13 +151,13 @@ class _Common(_Request, kw_only=True, forbid_unknown_fields=True):
     truncate_prompt_tokens: int | None = None
     """vLLM's: keep the prompt's last k tokens (-1: as many as max_model_len allows)."""
     prompt_logprobs: LaxCount = None
-    """vLLM's: each prompt token's logprob and the N most likely there (not with stream)."""
+    """vLLM's: each prompt token's logprob and the N most likely there (not with stream, but for 0)."""
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     response_format: dict[str, Any] | None = None
     """OpenAI's: ``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", ...}}``."""
     structured_outputs: dict[str, Any] | None = None
-    """vLLM's: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (EBNF), ``json_object: true``."""
+    """vLLM's: one of ``json`` (a schema), ``regex``, ``choice``, ``grammar`` (EBNF or Lark), ``json_object: true``."""
     priority: int = 0
     """vLLM's: lower runs first; needs an engine started with scheduling_policy='priority' unless 0."""
     cache_salt: str | None = None

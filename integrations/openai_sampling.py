@@ -145,7 +145,9 @@ def _params(req: GenerationRequest, max_tokens: int | None, logprobs: int | None
 
 def _check_combinations(req: GenerationRequest) -> None:
     """`InvalidRequestError` for fields that do not go together, or a value of one that is not built."""
-    _refuse(req.stream and req.prompt_logprobs is not None, "prompt_logprobs", "is not available when streaming")
+    # as vLLM's check_logprobs: a stream carries no prompt logprobs, so a count asking for some is refused (0 passes)
+    _refuse(req.stream and req.prompt_logprobs is not None and (req.prompt_logprobs > 0 or req.prompt_logprobs == -1),
+            "prompt_logprobs", "is not available when streaming")
     _refuse(req.length_penalty != 1.0, "length_penalty", "applies to beam search only (use_beam_search: true)")
     check_common(req)
 

@@ -1,6 +1,6 @@
 """Grammar compilation off the core's step loop: a small thread pool and a cache of compiled grammars.
 
-xgrammar compiles a JSON schema, regex, choice list or EBNF grammar against the
+xgrammar compiles a JSON schema, regex, choice list or grammar (EBNF or Lark) against the
 model's vocabulary (its `TokenizerInfo`, built once, lazily, from the model
 folder's tokenizer: the core holds no tokenizer otherwise). Compiling can take
 from microseconds to minutes (a pathological grammar), so the core never
@@ -16,6 +16,7 @@ background and its result stays in the cache for the next request.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import queue
@@ -27,7 +28,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
-from asyncllm.structured.spec import StructuredOutputs
+from asyncllm.structured.spec import StructuredOutputs, looks_like_lark
 
 __all__ = ["GrammarCompilerPool", "check_xgrammar_installed"]
 
@@ -175,6 +176,9 @@ class GrammarCompilerPool:
     def _compile(self, key: tuple[str, str]) -> Any:
         kind, text = key
         compiler = self._get_compiler()
+        lark = kind == "grammar" and looks_like_lark(text)
+        if lark:
+            _check_lark_support(compiler)
         try:
             if kind == "json":
                 return compiler.compile_json_schema(text, any_whitespace=False)
@@ -182,11 +186,19 @@ class GrammarCompilerPool:
                 return compiler.compile_regex(text)
             if kind == "choice":
                 return compiler.compile_grammar(choice_grammar(json.loads(text)))
-            return compiler.compile_grammar(text)
+            return compiler.compile_lark(text) if lark else compiler.compile_grammar(text)
         except (RuntimeError, ValueError) as exc:  # xgrammar's parse errors: the user's constraint is invalid
             message = _XGRAMMAR_LOG_PREFIX.sub("", str(exc)).strip()  # the client sees the message only
             message = _XGRAMMAR_CHECK_PREFIX.sub("", message)
             raise InvalidRequestError("structured", f"invalid {kind}: {message}") from None
+
+
+def _check_lark_support(compiler: Any) -> None:
+    if not hasattr(compiler, "compile_lark"):  # pyproject allows xgrammar releases without Lark
+        raise InvalidRequestError("structured", "a Lark grammar needs an xgrammar with Lark support "
+                                  "(GrammarCompiler.compile_lark); this server has xgrammar "
+                                  f"{importlib.metadata.version('xgrammar')}: upgrade it, or write the grammar in "
+                                  "GBNF/EBNF (root ::= ...)")
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -1,4 +1,4 @@
-"""`StructuredOutputs`: the constraint a request's output must follow (a JSON schema, a regex, choices, EBNF).
+"""`StructuredOutputs`: the constraint a request's output must follow (a JSON schema, a regex, choices, a grammar).
 
 Pure data and validation: importing it never loads xgrammar or torch, so the
 host and `SamplingParams` carry it freely. The core compiles it
@@ -15,7 +15,7 @@ import msgspec
 
 from asyncllm.errors import InvalidRequestError
 
-__all__ = ["StructuredOutputs"]
+__all__ = ["StructuredOutputs", "looks_like_lark"]
 
 _KINDS = ("json", "regex", "choice", "grammar")
 
@@ -31,7 +31,8 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     choice: list[str] | None = None
     """The output is exactly one of these strings."""
     grammar: str | None = None
-    """An EBNF grammar (xgrammar's GBNF dialect, start rule ``root``)."""
+    """An EBNF grammar (xgrammar's GBNF dialect, start rule ``root``), or a Lark grammar (start rule ``start``),
+    told apart as vLLM does (`looks_like_lark`)."""
     start_after: str | None = None
     """The constraint starts once the output has written this text (a reasoning model's ``</think>``):
     what comes before is free. Already in the end of the prompt, it starts at once."""
@@ -61,10 +62,6 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
                 raise InvalidRequestError("structured", "choice must be a non-empty list of non-empty strings")
         elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
             raise InvalidRequestError("structured", f"{kind} must be a non-empty string")
-        elif kind == "grammar" and _looks_like_lark(self.grammar):  # type: ignore[arg-type]
-            raise InvalidRequestError("structured", "grammar looks like Lark (no line defines a rule with '::='): "
-                                                    "Lark grammars are not supported (vLLM converts them); use "
-                                                    "GBNF/EBNF, e.g. root ::= \"yes\" | \"no\"")
 
     def for_core(self) -> StructuredOutputs:
         """This constraint with its JSON schema as text: msgpack carries no integer beyond 64 bits, JSON text does."""
@@ -159,6 +156,7 @@ def _generative_with_length(schema: dict[str, Any]) -> bool:
     return ("pattern" in schema or "format" in schema) and ("minLength" in schema or "maxLength" in schema)
 
 
-def _looks_like_lark(grammar: str) -> bool:
-    """vLLM's `grammar_is_likely_lark`: no line, comments (# or //) removed, holds an EBNF '::='."""
+def looks_like_lark(grammar: str) -> bool:
+    """Whether `grammar` is Lark, not EBNF: vLLM's `grammar_is_likely_lark` (no line, comments (# or //) removed,
+    holds an EBNF '::=')."""
     return not any("::=" in re.sub(r"(#|//).*$", "", line) for line in grammar.split("\n"))

@@ -1,4 +1,4 @@
-"""Structured output on a real engine: JSON schema, regex, choices, compile timeout, abort while compiling."""
+"""Structured output on a real engine: JSON schema, regex, choices, grammars, compile timeout, abort while compiling."""
 
 from __future__ import annotations
 
@@ -83,6 +83,9 @@ async def test_regex_and_choice_are_obeyed(engine: AsyncEngine) -> None:
     greedy = SamplingParams(temperature=0.0, max_tokens=30, structured=StructuredOutputs(grammar='root ::= "x" [0-9] "y"'))
     out = await engine.generate("ebnf:", greedy)
     assert re.fullmatch(r"x[0-9]y", out.text) and out.finish_reason == "stop"
+    lark = StructuredOutputs(grammar='start: "x" DIGIT DIGIT? "y"\n%import common.DIGIT  // Lark, as vLLM takes it')
+    by_lark = await engine.generate("lark:", SamplingParams(n=5, seed=5, max_tokens=30, structured=lark))
+    assert all(re.fullmatch(r"x[0-9]{1,2}y", o.text) and o.finish_reason == "stop" for o in by_lark.outputs)
 
 
 async def test_a_constraint_starts_after_its_start_after_text(engine: AsyncEngine) -> None:
@@ -101,9 +104,13 @@ async def test_a_constraint_starts_after_its_start_after_text(engine: AsyncEngin
         assert re.fullmatch(r"x[0-9]y(<\|eos\|>)?", out.text) and user not in out.token_ids, out.text
 
 
-async def test_invalid_regex_is_a_typed_error(engine: AsyncEngine) -> None:
-    with pytest.raises(InvalidRequestError, match="^structured: invalid regex: ") as info:
-        await engine.generate("x", SamplingParams(structured=StructuredOutputs(regex="(a")))
+@pytest.mark.parametrize("structured, why", [
+    (StructuredOutputs(regex="(a"), "invalid regex: "),
+    (StructuredOutputs(grammar='start: ("x" '), "invalid grammar: Lark error at line 1, column 13: expected ')'"),
+])
+async def test_invalid_constraint_is_a_typed_error(engine: AsyncEngine, structured, why) -> None:
+    with pytest.raises(InvalidRequestError, match=f"^structured: {re.escape(why)}") as info:
+        await engine.generate("x", SamplingParams(structured=structured))
     assert info.value.field == "structured"
 
 

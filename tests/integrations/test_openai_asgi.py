@@ -332,6 +332,9 @@ async def test_prompt_logprobs_and_truncation_fields(app, bundled_engine) -> Non
         completion = (await client.post("/v1/completions", json={**body, "prompt_logprobs": 2})).json()
         chat_body = (await client.post("/v1/chat/completions", json=chat)).json()
         streamed = await client.post("/v1/completions", json={**body, "prompt_logprobs": 2, "stream": True})
+        unlisted = await client.post("/v1/completions", json={**body, "prompt_logprobs": -1, "stream": True})
+        zero = await client.post("/v1/completions", json={**body, "prompt_logprobs": 0, "stream": True})
+        no = await client.post("/v1/chat/completions", json={**chat, "prompt_logprobs": False, "stream": True})
         cut = (await client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 3})).json()
     expected = await bundled_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
     entries = completion["choices"][0]["prompt_logprobs"]
@@ -341,6 +344,10 @@ async def test_prompt_logprobs_and_truncation_fields(app, bundled_engine) -> Non
             str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token} for t, lp in want.items()}
     assert len(chat_body["prompt_logprobs"]) == chat_body["usage"]["prompt_tokens"]
     assert (streamed.status_code, streamed.json()["error"]["param"]) == (400, "prompt_logprobs")
+    assert unlisted.status_code == 400 and "streaming" in unlisted.json()["error"]["message"]
+    # as vLLM's: 0 (false) asks for no prompt logprobs, so it streams; the stream carries none
+    assert zero.status_code == no.status_code == 200 and zero.text.endswith("data: [DONE]\n\n")
+    assert "prompt_logprobs" not in zero.text + no.text and '"content"' in no.text
     assert cut["usage"]["prompt_tokens"] == 3
 
 

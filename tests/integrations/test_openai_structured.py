@@ -44,7 +44,7 @@ async def test_response_format_json_schema_and_json_object(app) -> None:
 
 async def test_structured_outputs_regex_choice_grammar_and_json_object(app) -> None:
     cases = [({"regex": r"[a-z]{3}-\d{2}"}, r"[a-z]{3}-\d{2}"), ({"choice": ["yes", "no"]}, r"yes|no"),
-             ({"grammar": 'root ::= "x" [0-9] "y"'}, r"x[0-9]y")]
+             ({"grammar": 'root ::= "x" [0-9] "y"'}, r"x[0-9]y"), ({"grammar": 'start: "x" /[0-9]/ "y"'}, r"x[0-9]y")]
     async with _client(app) as client:
         for structured, pattern in cases:
             response = await client.post("/v1/completions", json={"prompt": "id:", **SAMPLED, "n": 3,
@@ -81,6 +81,7 @@ async def test_streamed_json_schema_output_parses(app) -> None:
     ({"structured_outputs": {"json": {"type": "array", "uniqueItems": True}}}, "structured_outputs"),  # unenforced
     # the core's compile errors name the field too (not "structured")
     ({"structured_outputs": {"regex": "(a"}}, "structured_outputs"),
+    ({"structured_outputs": {"grammar": 'start: ("x" '}}, "structured_outputs"),  # Lark
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
      "response_format"),
     ({"structured_outputs": {"json": {"type": "integer", "maximum": 10**30}}}, "structured_outputs"),  # xgrammar's

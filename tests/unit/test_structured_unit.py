@@ -44,8 +44,6 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
      "json uses 'pattern' or 'format' together with 'minLength' or 'maxLength'"),
     (StructuredOutputs(json={"type": "object", "properties": {}, "patternProperties": {"^x": {}}}),
      "json uses 'patternProperties' with more than one pattern or together with 'properties'"),
-    (StructuredOutputs(grammar='start: "a" | rule  // a comment with ::=\nrule: "b"'),
-     "Lark grammars are not supported (vLLM converts them); use GBNF/EBNF"),
 ])
 def test_invalid_constraint_names_structured(structured: object, why: str) -> None:
     with pytest.raises(InvalidRequestError) as info:
@@ -88,6 +86,14 @@ def test_schemas_xgrammar_enforces_pass() -> None:
                    {"type": "object", "patternProperties": {"^x": {"type": "integer"}}}):
         StructuredOutputs(json=schema).validate()  # a format without a length; a length without a pattern
     StructuredOutputs(grammar='# a comment\nroot ::= "a"').validate()
+    StructuredOutputs(grammar='start: "a" | rule  // a comment with ::=\nrule: "b"').validate()  # Lark
+
+
+def test_lark_is_told_from_ebnf_as_vllm_does() -> None:
+    from asyncllm.structured.spec import looks_like_lark
+
+    assert looks_like_lark('start: "a" | rule  // a comment with ::=\nrule: "b"')
+    assert not looks_like_lark('# a comment: x\nroot ::= "a"')
 
 
 def test_cache_key_and_the_wire_keep_the_schemas_order() -> None:
@@ -283,6 +289,41 @@ def test_compiled_json_writes_the_properties_in_the_schemas_order(manager_args) 
     pool.shutdown()
     assert xgr.GrammarMatcher(compiled).accept_string('{"reasoning": "x", "answer": 1}')
     assert not xgr.GrammarMatcher(compiled).accept_string('{"answer": 1')
+
+
+LARK = 'start: "SELECT " column\ncolumn: "a" | NAME\nNAME: /[x-z]+/'
+
+
+def test_lark_grammar_compiles_through_xgrammars_lark_path(manager_args) -> None:
+    xgr = pytest.importorskip("xgrammar")
+    from asyncllm.structured.compiler import GrammarCompilerPool
+
+    pool = GrammarCompilerPool(*manager_args)
+    compiled = pool.submit(StructuredOutputs(grammar=LARK)).result(timeout=60)
+    pool.shutdown()
+    assert xgr.GrammarMatcher(compiled).accept_string("SELECT a") and xgr.GrammarMatcher(compiled).accept_string(
+        "SELECT xyz")
+    assert not xgr.GrammarMatcher(compiled).accept_string("SELECT b")
+
+
+def test_lark_without_xgrammars_lark_support_names_it() -> None:
+    """pyproject allows an xgrammar from before its Lark support: the request's error says what is missing."""
+    import importlib.metadata
+    import types
+
+    from asyncllm.structured.compiler import GrammarCompilerPool
+
+    pytest.importorskip("xgrammar")  # the message names its version
+    pool = GrammarCompilerPool("unused", 512)
+    pool._compiler = types.SimpleNamespace(compile_grammar=lambda text: "an EBNF grammar")  # no compile_lark
+    lark, ebnf = pool.submit(StructuredOutputs(grammar=LARK)), pool.submit(StructuredOutputs(grammar='root ::= "a"'))
+    assert ebnf.result(timeout=10) == "an EBNF grammar"
+    error = lark.exception(timeout=10)
+    pool.shutdown()
+    assert isinstance(error, InvalidRequestError) and str(error) == (
+        "structured: a Lark grammar needs an xgrammar with Lark support (GrammarCompiler.compile_lark); this server "
+        f"has xgrammar {importlib.metadata.version('xgrammar')}: upgrade it, or write the grammar in GBNF/EBNF "
+        "(root ::= ...)")
 
 
 class _ManualPool:
