@@ -63,9 +63,10 @@ def prompt_embeds_of(prompt: dict[str, Any], hidden_size: int | None, params: Sa
 
 
 def embeds_salt(cache_salt: str | None, embeds: protocol.PromptEmbeds) -> str:
-    """The request's cache salt with the embeddings' digest: equal embeddings (and salts) share cached blocks."""
+    """The request's cache salt with the embeddings' digest: equal embeddings (and salts) share cached blocks. The
+    core tags it (`Request.cache_salt`), so it never keys a token prompt's blocks; no salt and "" differ."""
     digest = hashlib.sha256(embeds.data).hexdigest()[:32]
-    return f"{cache_salt or ''}\x00prompt_embeds:{embeds.dtype}:{digest}"
+    return f"{embeds.dtype}:{digest}" + ("" if cache_salt is None else f":{cache_salt}")
 
 
 def _described(value: Any) -> str:

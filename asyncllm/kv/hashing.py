@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, Protocol
 
 import msgspec
 
-__all__ = ["BlockHash", "MultiModalPlaceholder", "ROOT_PARENT_HASH", "hash_block_tokens", "block_extra_keys", "extend_block_hashes"]
+__all__ = ["BlockHash", "CacheSalt", "MultiModalPlaceholder", "ROOT_PARENT_HASH", "hash_block_tokens", "block_extra_keys", "extend_block_hashes"]
 
 BlockHash = bytes
 """A 32-byte sha256 digest naming a full block and everything before it."""
@@ -43,6 +43,10 @@ _PACKERS: dict[int, tuple[bytes, struct.Struct]] = {}
 def _packer(num_tokens: int) -> tuple[bytes, struct.Struct]:
     entry = _PACKERS[num_tokens] = (num_tokens.to_bytes(4, "little"), struct.Struct(f"<{num_tokens}q"))
     return entry
+
+
+CacheSalt = str | tuple[str, str | None] | None
+"""A request's salt (`Request.cache_salt`): a prompt-embeds request's is ``("prompt_embeds", salt)``."""
 
 
 def hash_block_tokens(
@@ -71,7 +75,7 @@ class MultiModalPlaceholder(Protocol):
 
 
 def block_extra_keys(
-    block_index: int, cache_salt: str | None, mm_keys: tuple[tuple[str | int, ...], ...] = (), lora_id: int = 0
+    block_index: int, cache_salt: CacheSalt, mm_keys: tuple[tuple[str | int, ...], ...] = (), lora_id: int = 0
 ) -> tuple[Any, ...]:
     """Extra keys of block `block_index` of a request, beyond its token ids.
 
@@ -144,7 +148,7 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     num_blocks: int,
-    cache_salt: str | None,
+    cache_salt: CacheSalt,
     mm_items: Sequence[MultiModalPlaceholder] = (),
     lora_id: int = 0,
 ) -> None:

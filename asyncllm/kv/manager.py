@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from asyncllm.kv.block_pool import BlockPool, KVCacheBlock
-from asyncllm.kv.hashing import BlockHash, MultiModalPlaceholder, extend_block_hashes, hash_block_tokens
+from asyncllm.kv.hashing import BlockHash, CacheSalt, MultiModalPlaceholder, extend_block_hashes, hash_block_tokens
 from asyncllm.kv.offload import CPUPrefixCache
 from asyncllm.kv.state_checkpoints import StateCheckpoints
 
@@ -41,7 +41,7 @@ class KVRequest(Protocol):
 
     request_id: str
     num_computed_tokens: int
-    cache_salt: str | None
+    cache_salt: CacheSalt
     lora_int_id: int
     """The request's LoRA adapter (0: none): keys its blocks like the salt."""
     mm_items: Sequence[MultiModalPlaceholder]

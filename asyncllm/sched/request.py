@@ -13,7 +13,7 @@ import functools
 import time
 
 from asyncllm import protocol
-from asyncllm.kv.hashing import BlockHash
+from asyncllm.kv.hashing import BlockHash, CacheSalt
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import SamplingParams
@@ -115,8 +115,11 @@ class Request:
         """The stop token id that ended the request: a stop_token_ids entry or an extra EOS id (None for the
         first EOS id and other reasons)."""
         self.num_preemptions = 0
-        self.cache_salt = cache_salt
-        """Requests with different salts never share prefix-cache blocks."""
+        self.cache_salt: CacheSalt = (
+            cache_salt if prompt_embeds is None else ("prompt_embeds", cache_salt))
+        """Requests with different salts never share prefix-cache blocks. A prompt-embeds request's (the host's
+        `embeds_salt`: the user's salt and the embeddings' digest) is tagged, so no token prompt's salt equals it:
+        its placeholder ids are 0s, a token prompt of 0s with that salt would take its blocks."""
         self.block_hashes: list[BlockHash] = []
         """Prefix-cache hashes of full blocks, filled by the KV manager."""
         self.timeout = timeout

@@ -16,6 +16,7 @@ import torch
 
 from asyncllm import AsyncEngine, InvalidRequestError, SamplingParams
 from asyncllm.config import EngineConfig
+from asyncllm.engine.prompt_embeds import embeds_salt, prompt_embeds_of
 from asyncllm.errors import NotBuiltError
 from hf_reference import hf_embeds_greedy, hf_greedy, hf_input_embeddings
 
@@ -64,9 +65,13 @@ async def test_equal_embeddings_share_cached_blocks_and_other_ones_none(engine: 
     changed[-1] += 1.0  # the same first blocks' rows: the whole prompt's digest differs
     other = await engine.generate({"prompt_embeds": changed}, GREEDY)
     tokens = await engine.generate([0] * 48, GREEDY)  # the placeholders as a token prompt: no embeddings' blocks
+    packed = prompt_embeds_of({"prompt_embeds": embeds}, 64, GREEDY, 256)
+    forged = await engine.generate([0] * 48, GREEDY, cache_salt=embeds_salt(None, packed))  # the salt they send
     assert again.num_cached_tokens >= 32 and again.token_ids == first.token_ids
     assert other.num_cached_tokens == 0 and other.token_ids == hf_embeds_greedy(tiny_llama, changed, MAX_TOKENS)
-    assert tokens.num_cached_tokens == 0
+    assert tokens.num_cached_tokens == forged.num_cached_tokens == 0
+    salted = await engine.generate({"prompt_embeds": embeds}, GREEDY, cache_salt="")
+    assert salted.num_cached_tokens == 0  # no salt and "" are two salts, as for token prompts
 
 
 @pytest.mark.parametrize("prompt, params, field", [
