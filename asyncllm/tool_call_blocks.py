@@ -177,7 +177,7 @@ class WholeBlockStream(TaggedBlockStream):
 
 class SeedXmlStream(XmlCallsStream):
     """Seed-OSS: Qwen3-Coder's XML calls inside ``<seed:tool_call>`` blocks (a parameter's ``</parameter>`` left
-    out only at the block's end, as vLLM's ``seed_oss`` regex reads it)."""
+    out only at a function's end, its ``</function>`` or the block's end, as vLLM's ``seed_oss`` regex reads it)."""
 
     OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
     PARAMETER = CLOSED_PARAMETER

@@ -1,5 +1,5 @@
 """The streams of formats whose whole reply is calls: ``llama3_json``, ``mistral``, and ``granite`` and
-``phi4_mini_json`` (Mistral's list format after their own tag).
+``phi4_mini_json`` (Mistral's list format after their own tag), and ``pythonic`` (read whole at the reply's end).
 
 Such a reply opens with its format's opener and is calls only if all of it
 reads as calls (and there is one); otherwise all of it is content, at its end,
@@ -14,6 +14,8 @@ every call waits for the reply's end.
 from __future__ import annotations
 
 import abc
+import ast
+import json
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -21,8 +23,8 @@ from asyncllm.json_stream import JsonObjectScanner
 from asyncllm.tool_call_streams import (CallObject, ReplyPart, ToolCallDelta, ToolCallDeltaStream, partial_tag_suffix,
                                         tool_call_id)
 
-__all__ = ["ArgumentsObject", "Llama3JsonStream", "MistralStream", "GraniteStream", "Phi4MiniStream", "PYTHON_TAG",
-           "TOOL_CALLS", "ARGS", "GRANITE_TOOL_CALL", "FUNCTOOLS"]
+__all__ = ["ArgumentsObject", "Llama3JsonStream", "MistralStream", "GraniteStream", "Phi4MiniStream", "PythonicStream",
+           "pythonic_calls", "PYTHON_TAG", "TOOL_CALLS", "ARGS", "GRANITE_TOOL_CALL", "FUNCTOOLS"]
 
 PYTHON_TAG = "<|python_tag|>"
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -290,3 +292,61 @@ class Phi4MiniStream(MistralStream):
 
     OPENERS = (FUNCTOOLS,)
     TAG = FUNCTOOLS
+
+
+def pythonic_calls(text: str) -> list[tuple[str, str]] | None:
+    """(name, arguments) of each call of a Python list of calls with literal keyword arguments:
+    ``[f(a=1), g(b="x")]``; None when `text` is not one."""
+    text = text.removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
+    try:
+        tree = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        return None
+    if not isinstance(tree, ast.List) or not tree.elts:
+        return None
+    calls = []
+    for node in tree.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+        except ValueError:
+            return None
+        if len(arguments) != len(node.keywords):
+            return None  # **kwargs
+        calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+    return calls
+
+
+class PythonicStream(ToolCallDeltaStream):
+    """``pythonic``: a reply that opens with ``[`` (or ``<|python_start|>``) is calls, read whole at its end
+    (`pythonic_calls`); any other reply is content, as it comes."""
+
+    OPENERS = ("[", "<|python_start|>")
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._mode: str | None = None  # None: undecided, "content" or "calls"
+
+    def feed(self, text: str) -> list[ReplyPart]:
+        if self._mode == "content":
+            return [text] if text else []
+        self._buffer += text
+        if self._mode == "calls":
+            return []  # read whole at the end
+        head = self._buffer.lstrip()
+        if not head or any(opener.startswith(head) for opener in self.OPENERS):
+            return []  # whitespace, or an opener's first characters: not decided yet
+        self._mode = "calls" if head.startswith(self.OPENERS) else "content"
+        if self._mode == "calls":
+            return []
+        text, self._buffer = self._buffer, ""
+        return [text]
+
+    def finish(self) -> list[ReplyPart]:
+        text, self._buffer = self._buffer, ""
+        calls = pythonic_calls(text.strip()) if self._mode == "calls" else None
+        if not calls:
+            return [text] if text else []
+        return [ToolCallDelta(index, arguments, name, tool_call_id(), done=True)
+                for index, (name, arguments) in enumerate(calls)]

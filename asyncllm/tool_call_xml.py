@@ -19,11 +19,13 @@ A parameter's value is its text less one newline at each end, typed by the tool'
 name) a string. Streamed, a call's first piece comes once ``<function=NAME>`` is read and its arguments one
 parameter at a time, each as soon as its ``</parameter>`` is: joined, they are the JSON object of the whole call.
 
-As vLLM's regexes read them, a parameter's ``</parameter>`` may be left out (the next ``<parameter=``, the
-``</function>`` or the block's end ends it; Seed-OSS's: only the block's end), and so may a block's ``</function>``
-and the last block's ``</tool_call>``: at the reply's end an open block whose text is one whole call is that call
-(text after its ``</function>`` is not read, as vLLM's regex stops there, so a reply cut inside the closing tags is
-still its call).
+A block may hold several functions, each its own call (vLLM's function regex finds every one); the block's text
+before its first ``<function=`` must be whitespace, or the block is content. As vLLM's regexes read them, text in a
+function that is no parameter (between its parameters, or after its last one) and text after a ``</function>`` up to
+the next ``<function=`` are not read; a parameter's ``</parameter>`` may be left out (the next ``<parameter=``, the
+``</function>`` or the block's end ends it; Seed-OSS's: only the ``</function>`` or the block's end), and so may a
+function's ``</function>`` and the last block's ``</tool_call>``: a function still open at the block's end is a call
+(so a reply cut inside its closing tags is still its calls).
 """
 
 from __future__ import annotations
@@ -39,10 +41,14 @@ from asyncllm.tool_call_streams import ReplyPart, TaggedBlockStream, ToolCallDel
 __all__ = ["XmlCallsStream", "parameter_types", "typed_value", "CLOSED_PARAMETER"]
 
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
-_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|(?=</function>))", re.DOTALL)
-CLOSED_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
-_LAST_PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)(?=(?:</function>\s*)?\Z)", re.DOTALL)
-"""At the block's end, a parameter that nothing closed: its value runs to the block's end (or its ``</function>``)."""
+"""A block's first function: only whitespace before it (other text makes the block content)."""
+_NEXT_FUNCTION = re.compile(r"<function=([^>\n]+)>")
+"""A later function: the text before it, after the last one's ``</function>``, is not read."""
+_FUNCTION_END = "</function>"
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=))", re.DOTALL)
+CLOSED_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
+_OPEN_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*)", re.DOTALL)
+"""At a function's end, a parameter that nothing closed: its value runs to that end."""
 _STRINGS = ("string", "str", "text", "varchar", "char", "enum")
 
 
@@ -90,61 +96,102 @@ def typed_value(text: str, kind: str | None) -> Any:
     return text
 
 
-class _Block:
-    """One ``<tool_call>`` block's text as it comes: its function name, its finished parameters, and at its end
-    whether it is one whole call."""
+class _Function:
+    """One ``<function=NAME>`` of a block, a call: its parameters as they finish, its pieces as they are sent."""
 
-    def __init__(self, index: int, types: dict[str, dict[str, str]], parameter: re.Pattern[str] = _PARAMETER) -> None:
-        self.index, self.id, self.text = index, tool_call_id(), ""
+    def __init__(self, index: int, name: str, types: dict[str, str]) -> None:
+        self.index, self.id, self.name = index, tool_call_id(), name
+        self._types = types
+        self.arguments: list[str] = []  # one '"key": value' per finished parameter
+        self.ended = False
+        """Its ``</function>`` (or the block's end) came: no more parameters."""
+        self.done = False
+        """Its last piece is out."""
+        self._started = False
+        self._sent = 0  # parameters sent (streaming)
+
+    def add(self, match: re.Match[str]) -> None:
+        key, value = match.group(1).strip(), match.group(2).removeprefix("\n").removesuffix("\n")
+        value_text = json.dumps(typed_value(value, self._types.get(key)), ensure_ascii=False)
+        self.arguments.append(f"{json.dumps(key)}: {value_text}")
+
+    def pieces(self, stream_arguments: bool) -> list[ToolCallDelta]:
+        """Its pieces not sent yet: streamed, its first piece, then each finished parameter, then its close once
+        it ended; else the whole call once it ended."""
+        if not stream_arguments:
+            self.done = self.ended
+            arguments = "{" + ", ".join(self.arguments) + "}"
+            return [ToolCallDelta(self.index, arguments, self.name, self.id, done=True)] if self.ended else []
+        deltas = [] if self._started else [ToolCallDelta(self.index, "", self.name, self.id)]
+        self._started = True
+        for argument in self.arguments[self._sent:]:
+            deltas.append(ToolCallDelta(self.index, ("{" if self._sent == 0 else ", ") + argument))
+            self._sent += 1
+        if self.ended:
+            self.done = True
+            deltas.append(ToolCallDelta(self.index, "}" if self._sent else "{}", done=True))
+        return deltas
+
+
+class _Block:
+    """One ``<tool_call>`` block's text as it comes, read into its functions (calls) and their parameters."""
+
+    def __init__(self, index: int, types: dict[str, dict[str, str]], parameter: re.Pattern[str]) -> None:
+        self.index = index  # the index of its first call
+        self.functions: list[_Function] = []
         self._types = types
         self._parameter = parameter
-        self.name: str | None = None
-        self.arguments: list[str] = []  # one '"key": value' per finished parameter
-        self._end = 0  # where the text after the last finished parameter starts
-        self.closed = False
-        """Its text is one whole call (known at the block's end: `end`)."""
-        self.started = False
-        """Its first piece is out (streaming): it stays, whatever follows."""
+        self._text = ""
+        self._pos = 0  # where the text not read yet starts
+        self._open = False  # the last function's end has not come
 
     def feed(self, text: str) -> None:
-        self.text += text
-        if self.name is None:
-            match = _FUNCTION.match(self.text)
-            if match is None:
-                return
-            self.name, self._end = match.group(1).strip(), match.end()
-        while (match := self._parameter.match(self.text, self._end)) is not None:
-            self._add(match)
+        self._text += text
+        while self._read():
+            pass
 
     def end(self) -> None:
-        """The block's text ended: a last parameter runs to its end, and ``</function>`` is optional."""
-        if self.name is not None and (match := _LAST_PARAMETER.match(self.text, self._end)) is not None:
-            self._add(match)
-        self.closed = self.name is not None and _ends_function(self.text[self._end:])
+        """The block's text ended: so does a function still open."""
+        if self._open:
+            self._end_function(len(self._text))
 
-    def _add(self, match: re.Match[str]) -> None:
-        key, value = match.group(1).strip(), match.group(2)
-        value = value.removeprefix("\n").removesuffix("\n")
-        kind = self._types.get(self.name or "", {}).get(key)
-        self.arguments.append(f"{json.dumps(key)}: {json.dumps(typed_value(value, kind), ensure_ascii=False)}")
-        self._end = match.end()
+    def _read(self) -> bool:
+        """A function opened, or the open one ended; False when the text so far holds no more."""
+        if not self._open:
+            return self._open_function()
+        end = self._text.find(_FUNCTION_END, self._pos)
+        while (match := self._parameter.search(self._text, self._pos, len(self._text) if end < 0 else end)):
+            self.functions[-1].add(match)
+            self._pos = match.end()
+        if end < 0:
+            return False
+        self._end_function(end)
+        self._pos = end + len(_FUNCTION_END)
+        return True
 
-    def arguments_text(self) -> str:
-        return "{" + ", ".join(self.arguments) + "}"
+    def _open_function(self) -> bool:
+        if self.functions:
+            match = _NEXT_FUNCTION.search(self._text, self._pos)
+        else:
+            match = _FUNCTION.match(self._text, self._pos)
+        if match is None:
+            return False
+        name = match.group(1).strip()
+        self.functions.append(_Function(self.index + len(self.functions), name, self._types.get(name, {})))
+        self._pos, self._open = match.end(), True
+        return True
 
-
-def _ends_function(rest: str) -> bool:
-    """What may follow a block's last parameter, as vLLM's regexes read it: nothing, ``</function>`` and whatever
-    follows it (the function's regex stops there), or the start of ``</function>`` (a reply cut short)."""
-    rest = rest.lstrip()
-    if rest.startswith("</function>"):
-        return "<function=" not in rest  # a second function in the block: not built (the block is content)
-    return "</function>".startswith(rest)
+    def _end_function(self, end: int) -> None:
+        """The open function ends at `end`: a parameter still open runs to it, and text after its last parameter
+        is not read (vLLM's parameter regex skips it)."""
+        if (match := _OPEN_PARAMETER.search(self._text, self._pos, end)) is not None:
+            self.functions[-1].add(match)
+        self.functions[-1].ended, self._open = True, False
 
 
 class XmlCallsStream(TaggedBlockStream):
-    """``<tool_call>`` blocks of XML parameters; text outside them is content. A block whose text is not one
-    whole call is content (one that started streaming stays as sent, its text content as well)."""
+    """``<tool_call>`` blocks of XML functions, each function a call; text outside them is content. A block with
+    no function (or text before its first one) is content."""
 
     LAST_CLOSE_OPTIONAL = True
     PARAMETER = _PARAMETER
@@ -153,42 +200,30 @@ class XmlCallsStream(TaggedBlockStream):
         super().__init__()
         self._stream = stream_arguments
         self._types = types
-        self._call: _Block | None = None
-        self._sent = 0  # the open block's parameters sent (streaming)
+        self._calls_block: _Block | None = None
 
     def _open_block(self) -> None:
-        self._call, self._sent = _Block(self._index, self._types, self.PARAMETER), 0
+        self._calls_block = _Block(self._index, self._types, self.PARAMETER)
 
     def _feed_block(self, text: str) -> list[ReplyPart]:
-        assert self._call is not None
-        self._call.feed(text)
-        return list(self._streamed(self._call)) if self._stream else []
-
-    def _streamed(self, block: _Block) -> list[ToolCallDelta]:
-        """The pieces of the open block not sent yet: its first piece once named, then each finished parameter."""
-        if block.name is None:
-            return []
-        deltas = []
-        if not block.started:
-            block.started = True
-            deltas.append(ToolCallDelta(block.index, "", block.name, block.id))
-        for argument in block.arguments[self._sent:]:
-            deltas.append(ToolCallDelta(block.index, ("{" if self._sent == 0 else ", ") + argument))
-            self._sent += 1
-        return deltas
+        assert self._calls_block is not None
+        self._calls_block.feed(text)
+        return self._pieces(self._calls_block)
 
     def _close_block(self) -> list[ReplyPart]:
-        block, self._call = self._call, None
+        block, self._calls_block = self._calls_block, None
         assert block is not None
         block.end()
-        return (self._streamed(block) if self._stream and block.closed else []) + self._closed(block)
-
-    def _closed(self, block: _Block) -> list[ReplyPart]:
-        if block.started:
-            self._index = block.index + 1
-        if block.name is None or not block.closed:  # not one whole call: its text is content
+        if not block.functions:
             return self._as_content()
-        self._index, self._calls = block.index + 1, self._calls + 1
-        if not self._stream:
-            return [ToolCallDelta(block.index, block.arguments_text(), block.name, block.id, done=True)]
-        return [ToolCallDelta(block.index, "}" if self._sent else "{}", done=True)]
+        self._index = block.index + len(block.functions)
+        return self._pieces(block)
+
+    def _pieces(self, block: _Block) -> list[ReplyPart]:
+        """The pieces of the block's calls not sent yet (a function is a call once named, so none is taken back)."""
+        parts: list[ReplyPart] = []
+        for function in block.functions:
+            if not function.done:
+                parts += function.pieces(self._stream)
+                self._calls += int(function.done)
+        return parts

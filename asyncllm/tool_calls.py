@@ -41,7 +41,6 @@ content too). A call's arguments are its JSON as ``json.dumps`` writes it.
 from __future__ import annotations
 
 import abc
-import ast
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from typing import Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.harmony import HarmonyToolStream
-from asyncllm.tool_call_replies import GraniteStream, Llama3JsonStream, MistralStream, Phi4MiniStream
+from asyncllm.tool_call_replies import GraniteStream, Llama3JsonStream, MistralStream, Phi4MiniStream, PythonicStream
 from asyncllm.tool_call_xml import XmlCallsStream, parameter_types
 from asyncllm.tool_call_streams import (HermesStream, ReplyPart, ToolCallDelta, ToolCallDeltaStream,
                                         mistral_tool_call_id, partial_tag_suffix, tool_call_id)
@@ -186,38 +185,6 @@ class HermesToolParser(ToolParser):
         return HermesStream(stream_arguments)
 
 
-class _WholeReplyStream(ToolCallDeltaStream):
-    """A reply that opens with one of `openers` is calls, read whole at its end; any other reply is content."""
-
-    def __init__(self, openers: tuple[str, ...], parse: Callable[[str], list[ToolCall] | None]) -> None:
-        self._openers = openers
-        self._parse = parse
-        self._buffer = ""
-        self._mode: str | None = None  # None: undecided, "content" or "calls"
-
-    def feed(self, text: str) -> list[ReplyPart]:
-        if self._mode == "content":
-            return [text] if text else []
-        self._buffer += text
-        if self._mode == "calls":
-            return []  # read whole at the end
-        head = self._buffer.lstrip()
-        if not head or any(opener.startswith(head) for opener in self._openers):
-            return []  # whitespace, or an opener's first characters: not decided yet
-        self._mode = "calls" if head.startswith(self._openers) else "content"
-        if self._mode == "calls":
-            return []
-        text, self._buffer = self._buffer, ""
-        return [text]
-
-    def finish(self) -> list[ReplyPart]:
-        text, self._buffer = self._buffer, ""
-        calls = self._parse(text.strip()) if self._mode == "calls" else None
-        if not calls:
-            return [text] if text else []
-        return [call.as_delta(index) for index, call in enumerate(calls)]
-
-
 class Llama3JsonToolParser(ToolParser):
     """``{"name": "f", "parameters": {...}}`` (``; `` between several), maybe after ``<|python_tag|>``."""
 
@@ -225,34 +192,11 @@ class Llama3JsonToolParser(ToolParser):
         return Llama3JsonStream(stream_arguments)
 
 
-def _pythonic_calls(text: str) -> list[ToolCall] | None:
-    """Calls from a Python list of calls with literal keyword arguments: ``[f(a=1), g(b="x")]``."""
-    text = text.removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
-    try:
-        tree = ast.parse(text, mode="eval").body
-    except SyntaxError:
-        return None
-    if not isinstance(tree, ast.List) or not tree.elts:
-        return None
-    calls = []
-    for node in tree.elts:
-        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
-            return None
-        try:
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-        except ValueError:
-            return None
-        if len(arguments) != len(node.keywords):
-            return None  # **kwargs
-        calls.append(ToolCall(node.func.id, json.dumps(arguments, ensure_ascii=False)))
-    return calls
-
-
 class PythonicToolParser(ToolParser):
     """``[get_weather(city="Paris"), add(a=1, b=2)]``: a Python list of calls (Llama 3.2 / 4 and others)."""
 
     def delta_stream(self, stream_arguments: bool = True) -> ToolCallDeltaStream:
-        return _WholeReplyStream(("[", "<|python_start|>"), _pythonic_calls)
+        return PythonicStream()
 
 
 class MistralToolParser(ToolParser):

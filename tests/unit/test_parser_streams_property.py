@@ -10,7 +10,8 @@ from asyncllm.tool_calls import TOOL_PARSERS, get_tool_parser
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", '{"name": "f", "arguments": {"x": 1}}', '{"name": "g", "parameters": {}}',
              "<think>", "</think>", "<|python_tag|>", "[f(a=1)]", "; ", "\n", " ", "text", "<", "</", "{", "[", "Ω",
-             "[TOOL_CALLS]", "f[ARGS]", '{"x": 1}', '[{"name": "f", "arguments": {}}]']
+             "[TOOL_CALLS]", "f[ARGS]", '{"x": 1}', '[{"name": "f", "arguments": {}}]', "<function=f>", "<parameter=x>",
+             "</parameter>", "</function>"]
 replies = st.lists(st.sampled_from(FRAGMENTS), max_size=12).map("".join)
 cuts = st.lists(st.integers(min_value=1, max_value=9), min_size=1, max_size=40)
 

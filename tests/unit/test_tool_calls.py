@@ -202,7 +202,10 @@ def test_qwen3_coder_values_are_typed_by_the_tool_schemas() -> None:
     lax = "x <tool_call>\n<function=f>\n<parameter=a>\n1\n</tool_call> y"  # no </parameter>, </function>: vLLM's too
     assert parser.parse(lax).content == "x  y" and [(c.name, c.arguments) for c in parser.parse(lax).tool_calls] == [
         ("f", '{"a": "1"}')]
-    broken = "x <tool_call>\n<function=f>\n1\n</tool_call> y"  # text that is no parameter
+    bare = "x <tool_call>\n<function=f>\n1\n</tool_call> y"  # text that is no parameter is not read, as vLLM's
+    assert parser.parse(bare).content == "x  y" and [(c.name, c.arguments) for c in parser.parse(bare).tool_calls] == [
+        ("f", "{}")]
+    broken = "x <tool_call>\n1\n<function=f>\n</tool_call> y"  # text before the block's first function
     assert parser.parse(broken).content == broken and parser.parse(broken).tool_calls == []
 
 
@@ -362,11 +365,39 @@ def test_a_lone_surrogate_in_arguments_stays_an_escape() -> None:
         msgspec.json.encode(deltas)  # what the server sends
 
 
-def test_two_functions_in_one_qwen3_coder_block_stay_content() -> None:
-    """Several ``<function=`` in one block are not built: the block is content, never its first call alone."""
-    text = ("<tool_call>\n<function=a>\n<parameter=x>\n1\n</parameter>\n</function>\n"
-            "<function=b>\n<parameter=y>\n2\n</parameter>\n</function>\n</tool_call>")
-    parsed = get_tool_parser("qwen3_coder").parse(text)
-    assert parsed.tool_calls == [] and parsed.content == text
-    assert _streamed("qwen3_coder", text, 0) == (text, [])
+XML_ADD = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "array"}}}}}, {"type": "function", "function": {"name": "g"}}]
+XML_TWO_CALLS = [("add", '{"a": 1, "b": [2]}'), ("g", '{"y": "2"}')]
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2]\n</parameter>\n</function>\n"
+    "<function=g>\n<parameter=y>\n2\n</parameter>\n</function>\n</tool_call>",
+    # text after a last parameter, around and between the functions: not read, as vLLM's regexes skip it
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\nso\n<parameter=b>\n[2]\n</parameter>\nthen\n"
+    "</function>\nand\n<function=g>\n<parameter=y>\n2\n</parameter>\nnow</function>\nend\n</tool_call>",
+    # cut off: no </tool_call>, no </function>, no </parameter>, a reply cut inside the closing tags
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n<parameter=b>\n[2]\n</function>\n<function=g>\n<parameter=y>\n2\n",
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n<parameter=b>\n[2]\n</parameter>\n</function>\n<function=g>\n"
+    "<parameter=y>\n2\n</parameter>\n</func",
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2]\n</parameter>\n</function>"
+    "<function=g>\n<parameter=y>\n2\n</function>\n</tool_c",
+])
+@pytest.mark.parametrize("seed", range(3))
+def test_each_function_of_a_qwen3_coder_block_is_a_call(text: str, seed: int) -> None:
+    """Several ``<function=`` in one block are each a call, as vLLM's function regex reads them: whole, and streamed
+    in any pieces (whole calls, and arguments as they come), the same calls, with no content."""
+    parser = get_tool_parser("qwen3_coder")
+    whole = ChatReply(tool_mode(XML_ADD, "auto", None, parser), stream_arguments=False)
+    message = merge_deltas(whole.feed(text) + whole.finish("stop")[0], tools=True)
+    assert message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == XML_TWO_CALLS
+    deltas, more, finish = _fed_in_pieces(ChatReply(tool_mode(XML_ADD, "auto", None, parser)), text, seed, 7)
+    streamed = merge_deltas(deltas + more, tools=True)
+    assert finish == "tool_calls" and streamed["content"] is None
+    assert [c["function"] for c in streamed["tool_calls"]] == [c["function"] for c in message["tool_calls"]]
+    assert [d["tool_calls"][0]["index"] for d in deltas if d.get("tool_calls") and "id" in d["tool_calls"][0]] == [
+        0, 1]  # the first call's pieces came before the second one's
+    untyped = [("add", '{"a": "1", "b": "[2]"}'), ("g", '{"y": "2"}')]  # no schemas: every value a string
+    assert _streamed("qwen3_coder", "x " + text, seed) == ("x ", untyped)
 
