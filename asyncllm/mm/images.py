@@ -64,21 +64,29 @@ def data_url_bytes(url: str, field: str) -> bytes:
 
 
 def image_hash(raw: bytes | Any) -> str:
-    """A content hash (blake2b-128) of the encoded bytes, or of a PIL image's mode, size and pixels."""
+    """A content hash (blake2b-128) of the encoded bytes, or of a PIL image's mode, size and pixels, and its palette
+    in a palette mode ("P", "PA": the pixels are indices into it, so equal pixels of two palettes are two images)."""
     digest = hashlib.blake2b(digest_size=16)
     if isinstance(raw, bytes):
         digest.update(b"bytes:")
         digest.update(raw)
     else:
         digest.update(f"pil:{raw.mode}:{raw.size}:".encode())
-        digest.update(raw.tobytes())
+        digest.update(raw.tobytes())  # loads a lazily opened image first, its palette with it
+        if raw.palette is not None:
+            digest.update(f":palette:{raw.palette.mode}:".encode())
+            digest.update(raw.palette.tobytes())
     return digest.hexdigest()
 
 
 def load_image(image: ImageInput, field: str) -> tuple[bytes | Any, str]:
-    """(the raw input to decode later, its content hash); cheap: nothing is decoded yet."""
+    """(the raw input to decode later, its content hash); cheap for bytes: nothing is decoded yet (a lazily opened
+    PIL image is loaded to hash its pixels: a truncated one fails here as it would decoding)."""
     raw = read_image(image, field)
-    return raw, image_hash(raw)
+    try:
+        return raw, image_hash(raw)
+    except (OSError, ValueError) as exc:
+        raise InvalidRequestError(field, f"cannot decode the image: {exc}") from exc
 
 
 def uuid_key(uuid: str) -> str:

@@ -186,3 +186,22 @@ def test_an_image_split_across_steps_is_encoded_once_and_scattered_row_by_row():
     assert cache.inputs_embeds(torch.tensor([5]), [ScheduledSpan("a", 5, 1, 0)]) is None  # past every image
     cache.remove_request("a")
     assert cache.items == {}
+
+
+def test_palette_images_key_on_their_palette_and_a_truncated_lazy_one_is_a_decode_error():
+    import io
+
+    from PIL import Image
+
+    indices = Image.frombytes("L", (8, 8), bytes(range(4)) * 16)
+    first, second = indices.convert("P"), indices.convert("P")
+    first.putpalette([0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255])
+    second.putpalette([255, 255, 255, 10, 200, 30, 90, 0, 250, 200, 200, 0])
+    assert first.tobytes() == second.tobytes()  # the same indices: only the palettes differ
+    assert image_hash(first) != image_hash(second) and image_hash(first) == image_hash(first.copy())
+    encoded = io.BytesIO()
+    indices.convert("RGB").save(encoded, format="PNG")
+    truncated = Image.open(io.BytesIO(encoded.getvalue()[:60]))  # PIL reads the header only until it loads
+    with pytest.raises(InvalidRequestError, match="cannot decode the image") as info:
+        load_image(truncated, "images[1]")
+    assert info.value.field == "images[1]"
