@@ -84,19 +84,31 @@ class BeamSearchOutput:
     """The best ``beam_width`` beams, best first."""
 
 
+def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
+    """Token ids of text, of token ids, or of vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; another
+    key (media, embeddings) is an `InvalidRequestError` naming it: beam search is built for text prompts only."""
+    if isinstance(prompt, dict):
+        other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+        if other or len(prompt) != 1:
+            raise InvalidRequestError(f"prompt.{other[0]}" if other else "prompt", "beam search takes {'prompt': "
+                                      "text} or {'prompt_token_ids': ids}; media and embeddings are not built")
+        prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    if not isinstance(prompt, list) and engine.tokenizer is None:
+        check_untokenized(prompt, False, SamplingParams(), None)
+    return list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids
+
+
 def _score(beam: BeamSearchSequence, length_penalty: float) -> float:
     return beam.cum_logprob / (len(beam.tokens) ** length_penalty)
 
 
 async def beam_search(engine: "AsyncEngine", prompt: Any, params: BeamSearchParams, **options: Any) -> BeamSearchOutput:
-    """See the module docstring; `prompt` is text or token ids."""
+    """See the module docstring; `prompt` is text or token ids, bare or in vLLM's prompt dicts."""
     params.validate()
     if options.get("request_id") is not None:
         raise InvalidRequestError("request_id", "beam search runs one request per beam and step and names them itself")
     await engine.start()
-    if not isinstance(prompt, list) and engine.tokenizer is None:
-        check_untokenized(prompt, False, SamplingParams(), None)
-    prompt_ids = list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids
+    prompt_ids = _prompt_ids(engine, prompt)
     width = params.beam_width
     step = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)
