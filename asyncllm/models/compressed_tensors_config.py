@@ -149,7 +149,7 @@ def _refuse_extras(section: dict[str, Any], model: str) -> None:
     """What a checkpoint may carry besides weight schemes: none of it is built."""
     kv = section.get("kv_cache_scheme") or {}
     if kv and not (kv.get("num_bits") == 8 and kv.get("type") == "float" and kv.get("strategy", "tensor") == "tensor"
-                   and not kv.get("dynamic", False)):
+                   and not kv.get("dynamic", False) and kv.get("symmetric", True) is not False):
         raise _not_built(model, f"kv_cache_scheme {kv} (one static fp8 scale per layer for keys and for values is "
                                 "read: docs/fp8-kv-cache.md)")
     sparsity = section.get("sparsity_config") or {}

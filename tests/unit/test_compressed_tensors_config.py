@@ -206,6 +206,8 @@ REFUSED = {  # id: (section, architectures, error, message)
                     LLAMA, NotBuiltError, "sparsity_config \\(format 'sparse-24-bitmask'"),
     "kv-cache-scheme-int": (_section(_group(FP8_DYNAMIC), kv_cache_scheme={"num_bits": 8, "type": "int"}),
                             LLAMA, NotBuiltError, "kv_cache_scheme"),
+    "kv-cache-scheme-asymmetric": (_section(_group(FP8_DYNAMIC), kv_cache_scheme={  # zero points are not read
+        "num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": False}), LLAMA, NotBuiltError, "symmetric"),
     "transforms": (_section(_group(FP8_DYNAMIC), transform_config={"config_groups": {"u": {}}}),
                    LLAMA, NotBuiltError, "transform_config"),
     "output-activations": (_section(_group({**FP8_DYNAMIC, "output_activations": {"num_bits": 8}})),
