@@ -232,33 +232,6 @@ def check_tls_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
                      "(without them the server speaks plain HTTP and checks no client certificate)")
 
 
-def _run_uvicorn(app: Any, args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """`uvicorn.run`; a --uds socket is claimed first (asyncio would unlink a live server's socket unasked: a
-    file that is not a socket, or a socket something listens on, stops the start) and removed when it returns."""
-    import uvicorn
-
-    from asyncllm.procutil import claim_socket, remove_file
-
-    if args.uds is not None:
-        try:
-            claim_socket(args.uds, "uds", args.uds, "a server")
-        except ConfigError as exc:
-            parser.error(str(exc))
-    print(f"[asyncllm] starting: serving on {_listen_url(args)} once the model is loaded", file=sys.stderr)
-    try:
-        uvicorn.run(app, **uvicorn_kwargs(args))
-    finally:
-        if args.uds is not None:
-            remove_file(args.uds)
-
-
-def _listen_url(args: argparse.Namespace) -> str:
-    """Where the routes are (a --root-path proxy strips its prefix before them)."""
-    if args.uds is not None:
-        return f"unix:{args.uds} (/v1)"
-    return f"{'https' if args.ssl_certfile else 'http'}://{args.host}:{args.port}/v1"
-
-
 def _lora_module(raw: str) -> Any:
     """One ``--lora-modules`` item; argparse reports a bad one with what is wrong."""
     from asyncllm.integrations.openai_lora import LoRAModule
@@ -287,8 +260,9 @@ def add_engine_parser(commands: Any) -> None:
 
 
 def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from asyncllm.integrations.openai_protocol import ServerLimits
-    from asyncllm.integrations.openai_server import create_app
+    """Check the flags and build the app, bind the socket (as vLLM's `run_server`: a port in use fails before the
+    model is downloaded or loaded), check the model, then start the engine and serve (asyncllm/cli_serve.py)."""
+    from asyncllm.cli_serve import bound_socket, serve_app
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         parser.error(f"--enable-auto-tool-choice needs --tool-call-parser (one of {', '.join(sorted(TOOL_PARSERS))})")
@@ -296,34 +270,47 @@ def run_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None
         parser.error("--lora-modules needs --enable-lora (the engine serves adapters only with it)")
     check_tls_args(args, parser)
     try:
-        engine, name = _serve_engine(args)
-        if args.connect is None:
-            check_model(engine.config)
-        limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_audio_bytes=args.max_audio_bytes, max_n=args.max_n,
-                              max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts,
-                              allowed_local_media_path=args.allowed_local_media_path)
-        api_key, cors = args.api_key or envs.API_KEY.get() or None, cors_policy(args)
-        warn_open_cors(cors, api_key)
-        app = create_app(engine, model_name=name, api_key=api_key, limits=limits,
-                         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                         chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
-                         reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or (),
-                         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                         enable_request_id_headers=args.enable_request_id_headers,
-                         response_role=args.response_role, cors=cors,
-                         chat_template_content_format=args.chat_template_content_format,
-                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                         enable_force_include_usage=args.enable_force_include_usage,
-                         default_chat_template_kwargs=args.default_chat_template_kwargs,
-                         request_logger=request_logger(args, parser))
+        engine, app = _serve_app(args, parser)
     except ConfigError as exc:
         parser.error(str(exc))
-    _run_uvicorn(app, args, parser)
+    with bound_socket(args, parser) as sock:
+        try:
+            if args.connect is None:
+                check_model(engine.config)
+        except ConfigError as exc:
+            parser.error(str(exc))
+        serve_app(app, engine, sock, args, parser)
+
+
+def _serve_app(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any]:
+    """The engine (not started) and the OpenAI app over it: nothing read but the flags' own files."""
+    from asyncllm.integrations.openai_protocol import ServerLimits
+    from asyncllm.integrations.openai_server import create_app
+
+    engine, name = _serve_engine(args)
+    limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_audio_bytes=args.max_audio_bytes, max_n=args.max_n,
+                          max_tokens=args.max_tokens_limit, max_prompts=args.max_prompts,
+                          allowed_local_media_path=args.allowed_local_media_path)
+    api_key, cors = args.api_key or envs.API_KEY.get() or None, cors_policy(args)
+    warn_open_cors(cors, api_key)
+    app = create_app(engine, model_name=name, api_key=api_key, limits=limits,
+                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                     chat_template=args.chat_template, trust_request_chat_template=args.trust_request_chat_template,
+                     reasoning_parser=args.reasoning_parser, lora_modules=args.lora_modules or (),
+                     return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                     enable_request_id_headers=args.enable_request_id_headers,
+                     response_role=args.response_role, cors=cors,
+                     chat_template_content_format=args.chat_template_content_format,
+                     enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                     enable_force_include_usage=args.enable_force_include_usage,
+                     default_chat_template_kwargs=args.default_chat_template_kwargs,
+                     request_logger=request_logger(args, parser))
+    return engine, app
 
 
 def check_model(config: Any) -> None:
-    """Refuse a model that cannot be found, or a --generation-config that cannot be read, before the server starts
-    (at the engine's start they would be a lifespan traceback; the engine checks them again)."""
+    """Refuse a model that cannot be found, or a --generation-config that cannot be read, before the engine starts
+    worker processes (a hub model is downloaded here; the engine checks them again)."""
     from asyncllm.generation_config import read_generation_config
     from asyncllm.models.checkpoint import resolve_model_path
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from asyncllm.integrations.openai_server import OpenAIServer
 
 __all__ = ["LoRAModule", "LoadLoRAAdapterRequest", "UnloadLoRAAdapterRequest", "ServedLoRA", "LoRAModels",
-           "lora_routes", "server_lifespan"]
+           "lora_routes", "server_lifespan", "start_server"]
 
 logger = logging.getLogger("asyncllm.integrations.openai")
 
@@ -105,6 +105,8 @@ class LoRAModels:
         self.loras: dict[str, ServedLoRA] = {}
         self._next_id = 1
         self._lock = anyio.Lock()
+        self.checked = False
+        """Whether `check` passed (the app's startup checks the modules once)."""
         for module in modules:
             self.loras[module.name] = ServedLoRA(self._new_request(module.name, module.path), module.base_model_name)
         self.check_names([module.name for module in modules], served_names)  # a shared core's: at startup
@@ -122,6 +124,7 @@ class LoRAModels:
                 await engine.add_lora(served.request)
             except InvalidRequestError as exc:
                 raise ConfigError("lora_modules", f"{name}={served.request.lora_path}", exc.message) from None
+        self.checked = True
 
     def check_names(self, names: list[str], served: list[str]) -> None:
         """`ConfigError` for a module name given twice or equal to a `served` model name, or a base_model_name
@@ -204,16 +207,19 @@ def server_lifespan(server: OpenAIServer, manage_engine: bool) -> Any:
     @asynccontextmanager
     async def lifespan(app: Any) -> AsyncIterator[dict[str, Any] | None]:
         if engine_life is None:
-            await _check_modules(server)
+            await start_server(server)
             yield None
             return
         async with engine_life(app) as state:
-            await _check_modules(server)
+            await start_server(server)
             yield state
 
     return lifespan
 
 
-async def _check_modules(server: OpenAIServer) -> None:
+async def start_server(server: OpenAIServer) -> None:
+    """The app's startup: the engine started, the LoRA modules checked with it, once (`asyncllm serve` runs it before
+    the server starts, so a bad module is one line and exit 2; the lifespan's run then finds it done)."""
     await server.engine.start()
-    await server.loras.check(server.engine, server.model_names)
+    if not server.loras.checked:
+        await server.loras.check(server.engine, server.model_names)

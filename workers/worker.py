@@ -278,7 +278,8 @@ def run_worker(args: argparse.Namespace) -> int:
         worker.start()
         worker.run()
     except Exception as exc:  # noqa: BLE001 - reported to the executor, which raises it in the core
-        logger.error("worker rank %d failed:\n%s", args.rank, traceback.format_exc())
+        if not isinstance(exc, ConfigError):  # a bad config is the host's one line (`asyncllm serve`: exit 2)
+            logger.error("worker rank %d failed:\n%s", args.rank, traceback.format_exc())
         results.send(msgspec.msgpack.encode(error_message(args.rank, exc)))
         code = 1
     else:

@@ -364,7 +364,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         core = EngineCore(config, io, args.hf_config_json)
     except BaseException as exc:  # noqa: BLE001 - reported to the host, then exit
-        logger.exception("engine core failed to start")
+        if not isinstance(exc, errors.ConfigError):  # a bad config is the host's one line, not a traceback here
+            logger.exception("engine core failed to start")
         fail_startup(io, exc)
         io.close()
         sys.exit(1)

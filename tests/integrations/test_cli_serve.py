@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import signal
 import ssl
 import subprocess
@@ -75,14 +76,13 @@ def _subparser(command: str) -> argparse.ArgumentParser:
 
 
 def test_serve_runs_the_bundled_model_on_localhost() -> None:
-    from asyncllm.procutil import free_tcp_port
-
-    port = free_tcp_port()
-    proc = subprocess.Popen([sys.executable, "-P", "-m", "asyncllm", "serve", "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "asyncllm", "serve", "--port", "0",
                              "--max-num-seqs", "4", "--disable-log-stats", "--log-level", "warning"],
                             stderr=subprocess.PIPE, text=True)
     try:
-        base = f"http://127.0.0.1:{port}"
+        url = re.search(r"serving on (http://127\.0\.0\.1:(\d+))/v1 once", _line_with(proc, "serving on"))
+        base, port = url[1], int(url[2])  # --port 0: the port the kernel picked, bound before the model loads
+        assert port != 0
         deadline = time.monotonic() + 180
         while True:
             assert proc.poll() is None, proc.stderr.read()
@@ -102,7 +102,14 @@ def test_serve_runs_the_bundled_model_on_localhost() -> None:
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 0, stderr[-2000:]
-    assert f"http://127.0.0.1:{port}/v1" in stderr  # bound to localhost by default
+
+
+def _line_with(proc: subprocess.Popen, text: str) -> str:
+    """The first stderr line of `proc` that has `text` (the lines before it are read and dropped)."""
+    for line in proc.stderr:
+        if text in line:
+            return line
+    raise AssertionError(f"no line with {text!r}; exit code {proc.wait()}")
 
 
 def test_cli_reference_lists_every_flag() -> None:
@@ -175,52 +182,42 @@ def test_tls_flags_uvicorn_would_ignore_or_fail_on_are_refused(capsys, flags, na
         parser.parse_args(["serve", "--ssl-cert-reqs", "3"])  # ssl's CERT_* only
 
 
-def test_uds_keeps_other_files_and_live_servers_and_removes_its_socket(tmp_path, monkeypatch, capsys) -> None:
+def test_uds_keeps_other_files_and_live_servers_and_removes_its_socket(tmp_path, capsys) -> None:
     import socket
 
-    import uvicorn
-
-    from asyncllm.cli_commands import _run_uvicorn
+    from asyncllm.cli_serve import bound_socket
 
     path = tmp_path / "serve.sock"
-    bound = []
-
-    def bind(app, **kwargs) -> None:  # uvicorn.run: binds the socket, serves, returns on SIGINT
-        with socket.socket(socket.AF_UNIX) as sock:
-            sock.bind(kwargs["uds"])
-        bound.append(path.exists())
-
-    monkeypatch.setattr(uvicorn, "run", bind)
     parser = _parser()
     args = parser.parse_args(["serve", "--uds", str(path)])
     path.write_text("precious")
     with pytest.raises(SystemExit):
-        _run_uvicorn(None, args, parser)
+        bound_socket(args, parser).__enter__()
     assert path.read_text() == "precious" and "not a socket" in capsys.readouterr().err
     path.unlink()
     with socket.socket(socket.AF_UNIX) as live:
         live.bind(str(path))
         live.listen(1)
         with pytest.raises(SystemExit):
-            _run_uvicorn(None, args, parser)
+            bound_socket(args, parser).__enter__()
         assert path.exists() and "already serves there" in capsys.readouterr().err
-    _run_uvicorn(None, args, parser)  # the dead server's socket is removed, ours is bound, then removed on exit
-    assert bound == [True] and not path.exists()
+    with bound_socket(args, parser) as sock:  # the dead server's socket is removed, ours is bound, then removed
+        assert sock.getsockname() == str(path) and path.stat().st_mode & 0o777 == 0o666  # as uvicorn's
+    assert not path.exists()
 
 
 def test_serve_warns_that_any_origin_without_a_key_opens_it_to_web_pages(monkeypatch, capsys) -> None:
-    import uvicorn
-
+    from asyncllm import cli_serve
     from asyncllm.cli_commands import run_serve
 
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: None)  # the app is built, nothing served
+    monkeypatch.setattr(cli_serve, "serve_app", lambda *args: None)  # the app is built, nothing served
     monkeypatch.delenv("ASYNCLLM_API_KEY", raising=False)
     parser = _parser()
     warned = []
     for flags in ([], ["--api-key", "k"], ["--allowed-origins", '["https://ui.example"]']):
-        run_serve(parser.parse_args(["serve", *flags]), parser)
+        run_serve(parser.parse_args(["serve", "--port", "0", *flags]), parser)
         warned.append("warning: no --api-key and CORS allows any origin" in capsys.readouterr().err)
     assert warned == [True, False, False]  # vLLM's default origins ["*"] and no key: any page may read it
     monkeypatch.setenv("ASYNCLLM_API_KEY", "k")
-    run_serve(parser.parse_args(["serve"]), parser)
+    run_serve(parser.parse_args(["serve", "--port", "0"]), parser)
     assert "warning" not in capsys.readouterr().err

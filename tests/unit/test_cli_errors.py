@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncllm import cli_commands
+from asyncllm import cli_serve
 from asyncllm.cli import main
 from asyncllm.errors import ConfigError
 from asyncllm.protocol_control import config_error_from_parts, config_error_parts
@@ -34,8 +34,8 @@ def test_serve_refuses_a_model_or_port_it_cannot_serve_before_the_server_starts(
     def no_server(*args: object) -> None:
         raise AssertionError("the server started")
 
-    monkeypatch.setattr(cli_commands, "_run_uvicorn", no_server)
-    code, err = _exit_code_and_error(["serve", *flags], capsys)
+    monkeypatch.setattr(cli_serve, "serve_app", no_server)
+    code, err = _exit_code_and_error(["serve", "--port", "0", *flags], capsys)  # a later --port wins
     assert code == 2 and "error: " in err and named in err
 
 

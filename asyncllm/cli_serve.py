@@ -1,0 +1,144 @@
+"""``asyncllm serve``'s start, in vLLM's order: bind the listening socket, start the engine, then serve on that socket.
+
+A port in use or a bad engine config (a device this machine lacks, a dtype or max_model_len the model cannot take)
+is one ``asyncllm: error:`` line and exit 2 within seconds, before the model loads or the server starts; the app's
+lifespan then finds the engine started (its `AsyncEngine.start` returns at once) and closes it at shutdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from asyncllm.cli_commands import uvicorn_kwargs
+from asyncllm.errors import AsyncLLMError, ConfigError
+from asyncllm.integrations.openai_lora import start_server
+
+__all__ = ["bound_socket", "serve_app", "bind_socket", "listen_url"]
+
+
+@contextmanager
+def bound_socket(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Iterator[socket.socket]:
+    """`bind_socket`'s socket, closed (a --uds one removed) when the command ends."""
+    from asyncllm.procutil import remove_file
+
+    sock = bind_socket(args, parser)
+    try:
+        yield sock
+    finally:
+        sock.close()
+        if args.uds is not None:
+            remove_file(args.uds)
+
+
+def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespace,
+              parser: argparse.ArgumentParser) -> None:
+    """Start `engine` and run the app's startup checks (`start_server`: its LoRA modules), then serve `app` (whose
+    lifespan closes the engine) on `sock`; returns when a signal stopped the server. A `ConfigError` of the start is
+    one line and exit 2, another `AsyncLLMError` (a worker died while loading) one line and exit 1; Ctrl-C while the
+    model loads is exit 130 (as `asyncllm engine`'s), SIGTERM 143."""
+    import uvicorn
+
+    config = uvicorn.Config(app, **uvicorn_kwargs(args))
+    _load_config(config, parser)
+    print(f"[asyncllm] starting: serving on {listen_url(args, sock)} once the model is loaded", file=sys.stderr)
+    server = uvicorn.Server(config)
+    try:
+        asyncio.run(_start_and_serve(app, engine, server, sock))
+    except ConfigError as exc:
+        parser.error(str(exc))
+    except AsyncLLMError as exc:
+        sys.exit(f"asyncllm serve: {type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT that stopped it; before it started, the load was cut
+        if not server.started:
+            sys.exit(130)
+    except asyncio.CancelledError:  # SIGTERM while the model loaded (`_start`)
+        sys.exit(128 + signal.SIGTERM)
+
+
+async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.socket) -> None:
+    await _start(app, engine)
+    await server.serve(sockets=[sock])  # uvicorn's signal handling from here on: SIGINT/SIGTERM stop it gracefully
+
+
+async def _start(app: Any, engine: Any) -> None:
+    """`engine.start` and the OpenAI app's `start_server`, stopped by SIGTERM as by Ctrl-C (vLLM's `run_server` makes
+    both a KeyboardInterrupt while the engine builds); whatever started is closed when the start fails."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    assert task is not None
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        openai_server = getattr(getattr(app, "state", None), "openai_server", None)  # None: another ASGI app
+        if openai_server is None:
+            await engine.start()
+        else:
+            await start_server(openai_server)  # the engine's start, then its LoRA modules
+    except BaseException:  # a bad config, a failed load, Ctrl-C, SIGTERM
+        await engine.aclose()
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def _load_config(config: Any, parser: argparse.ArgumentParser) -> None:
+    """uvicorn's config loaded now: an unreadable --ssl-keyfile or --ssl-certfile is one line, not a traceback after
+    the model loaded."""
+    try:
+        config.load()
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        parser.error(f"uvicorn could not load its config (--ssl-*): {exc}")
+
+
+def bind_socket(args: argparse.Namespace, parser: argparse.ArgumentParser) -> socket.socket:
+    """The server's socket, bound (not listening: a client is refused, not kept waiting, while the model loads); a
+    port in use, an address not of this machine or a --uds path taken is one line and exit 2. A --uds socket is
+    claimed first (a leftover of a killed server is removed; a file or a live server stops the start) and made
+    0o666, as uvicorn makes its own."""
+    from asyncllm.procutil import claim_socket
+
+    try:
+        if args.uds is None:
+            return _bind_tcp(args.host, args.port)
+        claim_socket(args.uds, "uds", args.uds, "a server")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(args.uds)
+        os.chmod(args.uds, 0o666)
+        return sock
+    except ConfigError as exc:
+        parser.error(str(exc))
+    except OSError as exc:  # EADDRINUSE, EADDRNOTAVAIL, an unknown host name (socket.gaierror)
+        where = f"--uds {args.uds}" if args.uds is not None else f"--host {args.host} --port {args.port}"
+        parser.error(f"cannot bind {where}: {exc.strerror or exc}")
+
+
+def _bind_tcp(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to `host`'s first address, with asyncio's options (SO_REUSEADDR: a port a stopped server
+    left in TIME_WAIT is free; an IPv6 socket takes IPv6 only). No SO_REUSEPORT: a port in use must fail."""
+    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def listen_url(args: argparse.Namespace, sock: socket.socket) -> str:
+    """Where the routes are, with the port `sock` got (--port 0: the kernel's pick); a --root-path proxy strips its
+    prefix before them."""
+    if args.uds is not None:
+        return f"unix:{args.uds} (/v1)"
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    return f"{'https' if args.ssl_certfile else 'http'}://{host}:{sock.getsockname()[1]}/v1"
