@@ -4,7 +4,7 @@ Every field of every config section becomes ``--field-name`` (``model`` is the
 command's positional argument; host-only objects such as a Prometheus registry
 have no flag). The flag's type comes from the field's annotation, its help
 from the field's docstring in its section's module (asyncllm/config.py,
-asyncllm/config_model.py), and a flag the user does not give is left out, so
+asyncllm/config_model.py, ...), and a flag the user does not give is left out, so
 `EngineConfig`'s own defaults and validation apply.
 """
 
@@ -14,23 +14,23 @@ import argparse
 import ast
 import inspect
 import json
+import re
 from dataclasses import MISSING, Field, fields
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, get_type_hints
 
 from asyncllm import config as config_module
 
 __all__ = ["ENGINE_FLAG_FIELDS", "add_engine_args", "engine_kwargs", "markdown_table"]
 
-_SECTIONS = (
-    config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
-    config_module.ParallelConfig, config_module.MultiModalConfig, config_module.ObservabilityConfig,
-    config_module.LoRAConfig,
-)
+_SECTIONS = tuple(get_type_hints(config_module.EngineConfig)[f.name] for f in fields(config_module.EngineConfig))
+"""`EngineConfig`'s sections (ModelConfig, CacheConfig, ...), read from its fields so that a new one has flags."""
 _NO_FLAG = frozenset({"model", "prometheus_registry"})
 """`model` is positional; a registry object cannot come from a command line."""
 _SHORT_FLAGS = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp"}
 """vLLM's short forms."""
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 def _flag_fields() -> list[Field]:
@@ -48,7 +48,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for field in _flag_fields():
         flags = ["--" + field.name.replace("_", "-")] + ([_SHORT_FLAGS[field.name]] if field.name in _SHORT_FLAGS else [])
         help_text = f"{docs.get(field.name, '')} (default: {_default(field)!r})".replace("%", "%%")
-        parse = _parser_for(str(field.type))
+        parse = _parser_for(str(field.type), _INT_PARSERS.get(field.name, int))
         if parse is bool:
             group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                help=help_text)
@@ -62,13 +62,13 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return {name: getattr(args, name) for name in ENGINE_FLAG_FIELDS if hasattr(args, name)}
 
 
-def _parser_for(annotation: str) -> Callable[[str], Any] | type[bool]:
+def _parser_for(annotation: str, integer: Callable[[str], int] = int) -> Callable[[str], Any] | type[bool]:
     base = annotation.replace(" ", "").split("|")
     optional = "None" in base
     kind = next((part for part in base if part != "None"), "str").split("[")[0]  # dict[str, Any] -> dict
     if kind == "bool":
         return bool
-    convert: Callable[[str], Any] = {"int": int, "float": float, "dict": _json_object}.get(kind, str)
+    convert: Callable[[str], Any] = {"int": integer, "float": float, "dict": _json_object}.get(kind, str)
 
     def parse(raw: str) -> Any:
         if optional and raw.lower() == "none":
@@ -80,6 +80,29 @@ def _parser_for(annotation: str) -> Callable[[str], Any] | type[bool]:
 
     parse.__name__ = kind  # argparse names the type in its error messages
     return parse
+
+
+def human_readable_int(raw: str) -> int:
+    """vLLM's: ``4k`` -> 4000, ``25.6k`` -> 25600 (decimal k m g t), ``2K`` -> 2048, ``2G`` -> 2**31 (binary K M G T,
+    whole numbers only)."""
+    raw = raw.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", raw)
+    if match is None:
+        return int(raw)
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    return int(number) * _BINARY_SUFFIXES[suffix]  # "2.5G": a ValueError (vLLM: use 2.5g)
+
+
+def human_readable_int_or_auto(raw: str) -> int:
+    """`human_readable_int`, or vLLM's ``auto`` (-1: the longest length that fits the KV cache, not built here)."""
+    return -1 if raw.strip().lower() == "auto" else human_readable_int(raw)
+
+
+_INT_PARSERS = {"max_model_len": human_readable_int_or_auto, "max_num_batched_tokens": human_readable_int,
+                "kv_cache_memory_bytes": human_readable_int}
+"""vLLM's flags that take human-readable sizes (``4k``, ``2G``)."""
 
 
 def _json_object(raw: str) -> dict:

@@ -10,12 +10,15 @@ from typing import Any
 from asyncllm.attention.availability import ATTENTION_BACKENDS, check_backend_available
 from asyncllm.config_checks import (check_bool, check_choice, check_float, check_int, check_json_dict,
                                      check_sampling_fields)
+from asyncllm.engine.defaults import sampling_overrides
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.pooling import check_pooler_config
 
 __all__ = ["ModelConfig", "MultiModalConfig"]
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+"""vLLM's other names, served as the names they stand for."""
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 TOKENIZER_MODES = ("auto", "hf", "slow")
@@ -50,18 +53,21 @@ class ModelConfig:
     revision: str | None = None
     """Hub revision (branch, tag or commit) of `model`."""
     tokenizer_revision: str | None = None
-    """vLLM's: hub revision of `tokenizer` when that is a hub id of its own (None: its default branch)."""
+    """vLLM's: hub revision of `tokenizer` when that is a hub id of its own (None: its default branch); with no
+    tokenizer, the model repo's tokenizer at this revision (a local model has none)."""
     download_dir: str | None = None
     """vLLM's: the huggingface_hub cache folder a hub id's weights are downloaded to and read from (a draft
     model's too); None: HF_HUB_CACHE, else huggingface_hub's default. A local folder is read where it is."""
     dtype: str = "auto"
-    """Weights and activations: float32, bfloat16, float16; auto = float32 on CPU, the checkpoint's half type on GPU."""
+    """Weights and activations: float32, bfloat16, float16 (vLLM's half and float too); auto = float32 on CPU, the
+    checkpoint's half type on GPU."""
     device: str = "auto"
     """cpu or cuda; auto picks cuda when available."""
     seed: int = 0
     """Seed of the engine's random state (dummy weights, unseeded sampling)."""
     max_model_len: int | None = None
-    """Longest sequence (prompt + output); defaults to the model's max_position_embeddings."""
+    """Longest sequence (prompt + output); defaults to the model's max_position_embeddings, times its rope scaling
+    factor (YaRN: original_max_position_embeddings times it), as vLLM derives it."""
     disable_sliding_window: bool = False
     """vLLM's: cap max_model_len at the model's sliding window, so that no window ever slides (every layer attends
     to the whole sequence); no effect on a model without one."""
@@ -87,7 +93,8 @@ class ModelConfig:
     unset (vllm: SamplingParams' own); its suppress_tokens, begin_suppress_tokens and Whisper's task and timestamp
     tokens apply to every request and its eos_token_id joins the EOS ids, vllm included."""
     override_generation_config: dict[str, Any] | None = None
-    """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}."""
+    """SamplingParams fields set on top of those defaults, e.g. {"temperature": 0.5}; generation_config.json's
+    names too (max_new_tokens is max_tokens)."""
     max_logprobs: int = 20
     """vLLM's: the most ``logprobs`` / ``prompt_logprobs`` a request may ask for (-1: the vocabulary's size);
     a request asking for more is an InvalidRequestError naming the field."""
@@ -118,9 +125,14 @@ class ModelConfig:
         check_bool("trust_remote_code", self.trust_remote_code)
         if self.download_dir is not None and (not isinstance(self.download_dir, str) or not self.download_dir):
             raise ConfigError("download_dir", self.download_dir, "a folder path (non-empty string), or None")
+        if isinstance(self.dtype, str) and self.dtype in DTYPE_ALIASES:
+            object.__setattr__(self, "dtype", DTYPE_ALIASES[self.dtype])
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("device", self.device, DEVICES)
         check_int("seed", self.seed, 0)
+        if self.max_model_len == -1 and not isinstance(self.max_model_len, bool):
+            raise NotBuiltError("max_model_len", -1, "max_model_len 'auto' / -1 (vLLM's longest length that fits the "
+                                                     "KV cache; None serves the model's own maximum)")
         check_int("max_model_len", self.max_model_len, 1, optional=True)
         check_int("max_logprobs", self.max_logprobs, -1)
         check_bool("disable_sliding_window", self.disable_sliding_window)
@@ -138,6 +150,8 @@ class ModelConfig:
             check_backend_available(self.attention_backend)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             raise ConfigError("generation_config", self.generation_config, "'auto', 'vllm' or a folder")
+        object.__setattr__(self, "override_generation_config",
+                           sampling_overrides("override_generation_config", self.override_generation_config))
         check_sampling_fields("override_generation_config", self.override_generation_config)
         check_choice("logprobs_mode", self.logprobs_mode, LOGPROBS_MODES)
         check_pooler_config(self.pooler_config)

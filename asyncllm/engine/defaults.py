@@ -14,7 +14,9 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["default_sampling_fields", "GENERATION_CONFIG_FIELDS"]
+from asyncllm.errors import ConfigError
+
+__all__ = ["default_sampling_fields", "sampling_overrides", "GENERATION_CONFIG_FIELDS"]
 
 logger = logging.getLogger("asyncllm.engine")
 
@@ -23,6 +25,18 @@ GENERATION_CONFIG_FIELDS = {
     "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens",
 }
 """generation_config.json key -> the `SamplingParams` field it defaults (vLLM's set)."""
+
+
+def sampling_overrides(name: str, overrides: object) -> object:
+    """``override_generation_config`` with generation_config.json's keys as the `SamplingParams` fields they
+    default (``max_new_tokens`` -> ``max_tokens``, as vLLM maps them); SamplingParams' own names as they are.
+    Anything but a dict is returned for the config's own check to refuse."""
+    if not isinstance(overrides, dict):
+        return overrides
+    fields = {GENERATION_CONFIG_FIELDS.get(key, key): value for key, value in overrides.items()}
+    if len(fields) < len(overrides):
+        raise ConfigError(name, overrides, "one value per SamplingParams field (max_new_tokens is max_tokens)")
+    return fields
 
 
 def default_sampling_fields(generation: Mapping[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -8,6 +8,7 @@ processing aside): the host is the user's app process, the workers run the model
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -97,7 +98,7 @@ def _prepare(config: EngineConfig) -> Prepared:
     text_config = getattr(hf_config, "text_config", None) or hf_config
     check_pipeline_model(config, arch, text_config)
     max_model_len = _max_model_len(config, text_config)
-    tokenizer_name = config.tokenizer or path
+    tokenizer_name = config.tokenizer or _model_tokenizer_path(config, path)
     tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
         tokenizer_name, config.tokenizer_revision if config.tokenizer else None, config.tokenizer_mode,
         config.trust_remote_code)
@@ -297,8 +298,19 @@ def _encoder_config(config: EngineConfig) -> EngineConfig:
     return config.replace(**changes)
 
 
+def _model_tokenizer_path(config: EngineConfig, path: str) -> str:
+    """The folder of the model's own tokenizer: the model's, or (as vLLM reads ``tokenizer_revision`` with no
+    ``tokenizer``) the model repo's tokenizer files at that revision, without its weights."""
+    if config.tokenizer_revision is None or config.tokenizer_revision == config.revision:
+        return path
+    if os.path.exists(config.model):
+        raise ConfigError("tokenizer_revision", config.tokenizer_revision, f"None for a local model ({config.model} "
+                                                                           "has no revisions; pass tokenizer= a folder)")
+    return resolve_model_path(config.model, config.tokenizer_revision, config.download_dir, weights=False)
+
+
 def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
-    limit, what = max_positions(hf_config), "the model's max_position_embeddings"
+    limit, what = max_positions(hf_config), "the model's max_position_embeddings (times its rope scaling factor)"
     window = getattr(hf_config, "sliding_window", None)
     if config.disable_sliding_window and isinstance(window, int) and window > 0 and (limit is None or window < limit):
         limit, what = window, "the sliding window (disable_sliding_window)"  # no window ever slides: full attention

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from asyncllm.errors import NotBuiltError
+from asyncllm.models.rope_config import rope_scaled_length
 
 __all__ = ["AUDIO_ARCHITECTURES", "HYBRID_ARCHITECTURES", "STATE_SPACE_ARCHITECTURES", "TEXT_ONLY_CAPABLE_ARCHITECTURES", "serves_text_only", "has_experts",
            "TEXT_ARCHITECTURES",
@@ -157,15 +158,15 @@ def architecture_of(hf_config: Any) -> str:
 
 
 def max_positions(hf_config: Any) -> int | None:
-    """The longest prompt + output the model's position table holds: ``max_position_embeddings`` (Whisper's decoder:
+    """The longest prompt + output the model's positions serve: ``max_position_embeddings`` (Whisper's decoder:
     ``max_target_positions``), less RoBERTa's and XLM-R's ``pad_token_id + 1`` (their positions start after it;
-    514 -> 512)."""
+    514 -> 512), times a rope scaling's factor (`rope_scaled_length`: vLLM's derivation)."""
     limit = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "max_target_positions", None)
     if limit is None and getattr(hf_config, "model_type", "") == "mpt":  # MPT's name for it (BLOOM's ALiBi: none)
         limit = hf_config.max_seq_len
     if limit is not None and getattr(hf_config, "model_type", "") in ("roberta", "xlm-roberta"):
         limit -= int(hf_config.pad_token_id) + 1
-    return limit
+    return None if limit is None else rope_scaled_length(hf_config, limit)
 
 
 QUANTIZED_DECODER_ARCHITECTURES = ("Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",

@@ -11,6 +11,7 @@ when torch is installed, imports it), never at an app's import time.
 
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import os
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.models.rope_config import ROPE_OVERRIDE_KEYS, apply_rope_overrides, folds_rope_overrides
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -29,19 +31,17 @@ if TYPE_CHECKING:
     from asyncllm.models.int4_config import Int4CheckpointConfig
 
 __all__ = ["resolve_model_path", "load_hf_config", "apply_hf_overrides", "served_hf_config", "hf_config_json", "hf_config_from_json", "WireConfig",
-           "pretrained_config",
-           "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config", "prequantized_config"]
+           "pretrained_config", "checkpoint_quantization", "Fp8CheckpointConfig", "prequantized_fp8_config", "prequantized_config"]
 
-_HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-"""What a snapshot needs for serving: configs, safetensors weights, tokenizer files."""
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+_TOKENIZER_PATTERNS = ["*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+_HUB_ALLOW_PATTERNS = [*_TOKENIZER_PATTERNS, "*.safetensors"]
+"""What a snapshot needs for serving: configs and tokenizer files (all a tokenizer's snapshot has), safetensors."""
 
 
-def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None) -> str:
-    """A local folder as is; otherwise a hub id looked up through huggingface_hub.
+def resolve_model_path(model: str, revision: str | None = None, download_dir: str | None = None,
+                       weights: bool = True) -> str:
+    """A local folder as is; otherwise a hub id looked up through huggingface_hub (``weights`` False: its configs and
+    tokenizer files only, the snapshot of a `tokenizer_revision`).
 
     The hub is asked first unless HF_HUB_OFFLINE is set (read now, not at import),
     and huggingface_hub falls back to its cache (``download_dir``, else HF_HUB_CACHE) when the hub is
@@ -60,13 +60,14 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    offline = constants.HF_HUB_OFFLINE or _env_flag("HF_HUB_OFFLINE")
+    offline = (constants.HF_HUB_OFFLINE
+               or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"))
     cache_dir = download_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
     try:
         path = snapshot_download(
-            model, revision=revision, cache_dir=cache_dir, local_files_only=offline, allow_patterns=_HUB_ALLOW_PATTERNS
-        )
-        if glob.glob(os.path.join(path, "*.safetensors")):
+            model, revision=revision, cache_dir=cache_dir, local_files_only=offline,
+            allow_patterns=_HUB_ALLOW_PATTERNS if weights else _TOKENIZER_PATTERNS)
+        if not weights or glob.glob(os.path.join(path, "*.safetensors")):
             return path
         return snapshot_download(  # no safetensors: the PyTorch pickles (asyncllm/models/pt_checkpoint.py)
             model, revision=revision, cache_dir=cache_dir, local_files_only=offline,
@@ -140,16 +141,16 @@ class _GlobalReadFilter:
 
 
 def apply_hf_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | None) -> PretrainedConfig:
-    """``hf_config`` with the engine's ``hf_overrides`` set on it (in place; a dict value over a nested config
-    updates that config's keys)."""
+    """``hf_config`` with copies of ``hf_overrides`` set (in place; a dict over a sub-config sets its keys)."""
     from transformers import PretrainedConfig
-
-    for key, value in (overrides or {}).items():
+    overrides = copy.deepcopy(overrides or {})
+    for key, value in overrides.items():
         nested = getattr(hf_config, key, None)
         if isinstance(value, dict) and isinstance(nested, PretrainedConfig):
             apply_hf_overrides(nested, value)
-        else:
+        elif not (key in ROPE_OVERRIDE_KEYS and folds_rope_overrides(hf_config)):
             setattr(hf_config, key, value)
+    apply_rope_overrides(hf_config, overrides)  # rope_theta, rope_scaling: into rope_parameters, checked
     return hf_config
 
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from dataclasses import fields
+from typing import get_type_hints
 
 import httpx
 import pytest
@@ -20,9 +21,9 @@ from asyncllm.cli_args import ENGINE_FLAG_FIELDS, add_engine_args, engine_kwargs
 
 
 def _all_config_fields() -> set[str]:
-    sections = [config_module.ModelConfig, config_module.CacheConfig, config_module.SchedulerConfig,
-                config_module.ParallelConfig, config_module.MultiModalConfig, config_module.ObservabilityConfig,
-                config_module.LoRAConfig]
+    """Every flat field of every section of `EngineConfig` (its sections read from its fields, not listed here)."""
+    engine = config_module.EngineConfig
+    sections = [get_type_hints(engine)[f.name] for f in fields(engine)]
     return {f.name for section in sections for f in fields(section)}
 
 
@@ -46,6 +47,20 @@ def test_flags_parse_to_config_kwargs() -> None:
     assert engine_kwargs(parser.parse_args([])) == {}  # unset flags keep EngineConfig's defaults
     with pytest.raises(SystemExit):
         parser.parse_args(["--max-num-seqs", "many"])
+
+
+def test_vllm_human_readable_sizes_and_fault_tolerance_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    args = parser.parse_args(["--max-model-len", "4k", "--max-num-batched-tokens", "2K", "--kv-cache-memory-bytes",
+                              "2G", "--max-core-restarts", "2", "--worker-step-timeout-s", "none"])
+    assert engine_kwargs(args) == {"max_model_len": 4000, "max_num_batched_tokens": 2048,
+                                   "kv_cache_memory_bytes": 2 * 2**30, "max_core_restarts": 2,
+                                   "worker_step_timeout_s": None}
+    assert engine_kwargs(parser.parse_args(["--max-model-len", "auto"])) == {"max_model_len": -1}  # refused later
+    for bad in (["--kv-cache-memory-bytes", "2.5G"], ["--max-num-seqs", "4k"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
 
 
 def test_help_comes_from_the_field_docstrings() -> None:

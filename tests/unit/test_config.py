@@ -128,3 +128,9 @@ def test_the_cpu_prefix_cache_tier_needs_prefix_caching() -> None:
     with pytest.raises(ConfigError, match="enable_prefix_caching=False") as info:
         EngineConfig.create("m", kv_offloading_size=1.0, enable_prefix_caching=False)
     assert info.value.field == "kv_offloading_size"
+
+
+def test_vllm_dtype_aliases_and_max_model_len_auto() -> None:
+    assert [EngineConfig.create("m", dtype=d).dtype for d in ("half", "float")] == ["float16", "float32"]
+    with pytest.raises(NotBuiltError, match="auto"):
+        EngineConfig.create("m", max_model_len=-1)

@@ -81,3 +81,11 @@ def test_the_host_reads_the_file_the_field_names(tiny_llama: str, tmp_path) -> N
     off = _prepared(str(model), "vllm")
     assert (off.default_sampling, off.eos_token_ids) == ({}, [1, 13])
     assert off.generation_config == {"eos_token_id": [1, 13], "top_k": 2}
+
+
+def test_override_generation_config_takes_generation_config_keys() -> None:
+    """vLLM maps generation_config.json's names: max_new_tokens is max_tokens; both at once is refused."""
+    config = EngineConfig.create("m", override_generation_config={"max_new_tokens": 5, "temperature": 0.5})
+    assert config.override_generation_config == {"max_tokens": 5, "temperature": 0.5}
+    with pytest.raises(ConfigError, match="max_new_tokens is max_tokens"):
+        EngineConfig.create("m", override_generation_config={"max_new_tokens": 5, "max_tokens": 6})

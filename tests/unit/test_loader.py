@@ -255,6 +255,29 @@ def test_download_dir_is_the_cache_a_hub_id_is_read_from(tmp_path, monkeypatch):
         EngineConfig.create("m", download_dir="")
 
 
+def test_tokenizer_revision_without_tokenizer_reads_the_model_repo_at_it(tmp_path, monkeypatch):
+    """vLLM's ``tokenizer_revision`` with no ``tokenizer``: the model repo's tokenizer at that revision (its
+    snapshot without weights), the model at its own; a local model has no revisions (a ConfigError)."""
+    from asyncllm.engine.prepare import prepare
+
+    repo = tmp_path / "models--tiny-org--tiny-llama"
+    for ref, commit in (("main", "a" * 40), ("v2", "b" * 40)):
+        snapshot = repo / "snapshots" / commit
+        shutil.copytree(tiny_checkpoint("llama"), snapshot, ignore=shutil.ignore_patterns(*(
+            ["*.safetensors"] if ref == "v2" else [])))
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    tokenizer_config = repo / "snapshots" / ("b" * 40) / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()), "model_max_length": 77}))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    prepared = prepare(EngineConfig.create("tiny-org/tiny-llama", download_dir=str(tmp_path), tokenizer_revision="v2"))
+    assert prepared.tokenizer.model_max_length == 77
+    assert Path(prepared.config.tokenizer).name == "b" * 40 and Path(prepared.config.model).name == "a" * 40
+    with pytest.raises(ConfigError) as info:
+        prepare(EngineConfig.create(tiny_checkpoint("llama"), tokenizer_revision="v2"))
+    assert info.value.field == "tokenizer_revision"
+
+
 def test_local_folder_is_itself(llama_dir):
     assert resolve_model_path(str(llama_dir)) == str(llama_dir)
 
