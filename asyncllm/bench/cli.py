@@ -71,6 +71,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> Any:
         if getattr(args, flag, None) is not None and not args.compare:
             raise ConfigError("--" + flag.replace("_", "-"), getattr(args, flag), "only with --compare hf")
     if getattr(args, "compare", None):
+        if getattr(args, "temperature", 0.0):  # transformers' peers decode greedily
+            raise ConfigError("temperature", args.temperature, "0 with --compare hf (the peers decode greedily)")
         _check_peer_reads_the_same_weights(args)
     return module.run(args, argv)
 

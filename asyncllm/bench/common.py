@@ -169,9 +169,10 @@ def roofline(ctx: BenchContext, decode_batch: int, mean_context: float) -> Roofl
 def finish(
     ctx: BenchContext, workload: str, settings: dict[str, Any], metrics: dict[str, Any],
     line: Roofline, decode_tokens_per_s: float, peers: dict[str, dict[str, Any]] | None = None,
-    ratio_metric: str | None = None,
+    ratio_metric: str | None = None, compared: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Print the roofline and the summary table, write the JSON; returns the result."""
+    """Print the roofline and the summary table, write the JSON; returns the result. The ratios divide
+    `compared` (asyncllm's metrics on the peers' workload, when that is a part of `metrics`') by the peers'."""
     fraction = line.fraction(decode_tokens_per_s)
     result: dict[str, Any] = {
         "workload": workload,
@@ -186,8 +187,12 @@ def finish(
     if peers:
         result["peers"] = peers
         result["ratios"] = {}
+        base = compared or metrics
+        if compared is not None:
+            rows.append((f"asyncllm on the peers' {compared['num_requests']} requests {ratio_metric}",
+                         compared[ratio_metric]))
         for name, peer in peers.items():
-            ratio = metrics[ratio_metric] / peer[ratio_metric] if peer.get(ratio_metric) else None
+            ratio = base[ratio_metric] / peer[ratio_metric] if peer.get(ratio_metric) else None
             result["ratios"][name] = ratio
             rows.append((f"{name} {ratio_metric}", peer.get(ratio_metric, "failed" if "error" in peer else "n/a")))
             if "completed" in peer:  # a peer cut by its time budget says so here and in its ratio's name

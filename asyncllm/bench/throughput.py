@@ -30,34 +30,47 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len-range", type=common.int_range, default=(100, 1024), metavar="LO,HI")
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--compare", choices=("hf",), default=None, help="also run transformers on the same requests")
-    parser.add_argument("--compare-num-requests", type=int, default=None,
-                        help="run the peer on only the first N requests (its tokens/s is compared); default: all")
+    parser.add_argument("--compare-num-requests", type=common.positive_int, default=None,
+                        help="run the peer on only the first N requests; asyncllm runs them again, alone, for the "
+                             "ratio; default: all")
     parser.add_argument("--compare-time-budget", type=seconds, default=None, metavar="SECONDS",
                         help=f"the whole peer side's time limit (default {COMPARE_TIME_BUDGET_S:.0f}): half of what "
                              "is left after its set-up for static batching, the rest for continuous batching; a cut "
                              "peer reports what it completed")
-    parser.add_argument("--hf-batch-size", type=int, default=64, help="transformers' static batch size")
+    parser.add_argument("--hf-batch-size", type=common.positive_int, default=64,
+                        help="transformers' static batch size")
 
 
-async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], temperature: float) -> dict[str, Any]:
-    """Submit every request at once; returns the measured metrics."""
-    from asyncllm import SamplingParams
-
+async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], temperature: float,
+                     num_compared: int | None = None) -> dict[str, Any]:
+    """Submit every request at once; returns the measured metrics. With `num_compared`, the first that many
+    requests run again afterwards, alone and with the prefix cache reset: the peer's workload, under
+    ``"compared"``."""
     longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     async with common.open_engine(ctx, longest) as engine:
-        bar = progress(len(requests), "asyncllm", ctx.show_progress)
+        metrics = await _timed(engine, requests, temperature, progress(len(requests), "asyncllm", ctx.show_progress))
+        metrics["num_preemptions"] = engine.stats().num_preemptions_total
+        if num_compared is not None:
+            await engine.reset_prefix_cache()
+            subset = requests[:num_compared]
+            metrics["compared"] = await _timed(engine, subset, temperature,
+                                               progress(len(subset), "asyncllm, the peer's requests", ctx.show_progress))
+    return metrics
 
-        async def one(request: BenchRequest) -> int:
-            params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=temperature)
-            out = await engine.generate(request.prompt_token_ids, params)
-            bar.update(1)
-            return len(out.token_ids)
 
-        start = time.perf_counter()
-        generated = await asyncio.gather(*(one(r) for r in requests))
-        elapsed = time.perf_counter() - start
-        bar.close()
-        stats = engine.stats()
+async def _timed(engine: Any, requests: list[BenchRequest], temperature: float, bar: Any) -> dict[str, Any]:
+    from asyncllm import SamplingParams
+
+    async def one(request: BenchRequest) -> int:
+        params = SamplingParams(max_tokens=request.output_len, ignore_eos=True, temperature=temperature)
+        out = await engine.generate(request.prompt_token_ids, params)
+        bar.update(1)
+        return len(out.token_ids)
+
+    start = time.perf_counter()
+    generated = await asyncio.gather(*(one(r) for r in requests))
+    elapsed = time.perf_counter() - start
+    bar.close()
     prompt_tokens, output_tokens = total_tokens(requests)
     if sum(generated) != output_tokens:
         raise RuntimeError(f"the engine generated {sum(generated)} tokens, {output_tokens} were requested")
@@ -69,7 +82,6 @@ async def run_engine(ctx: common.BenchContext, requests: list[BenchRequest], tem
         "requests_per_s": len(requests) / elapsed,
         "output_tokens_per_s": output_tokens / elapsed,
         "total_tokens_per_s": (prompt_tokens + output_tokens) / elapsed,
-        "num_preemptions": stats.num_preemptions_total,
     }
 
 
@@ -77,7 +89,8 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     ctx = common.make_context(args, argv)
     requests = uniform_requests(args.num_requests, args.input_len_range, args.output_len_range,
                                 ctx.model.vocab_size, args.seed)
-    metrics = asyncio.run(run_engine(ctx, requests, args.temperature))
+    num_compared = args.compare_num_requests if args.compare and args.compare_num_requests else None
+    metrics = asyncio.run(run_engine(ctx, requests, args.temperature, num_compared))
     prompt_tokens, output_tokens = total_tokens(requests)
     mean_context = (prompt_tokens + output_tokens / 2) / len(requests)
     line = common.roofline(ctx, min(len(requests), args.max_num_seqs), mean_context)
@@ -85,15 +98,14 @@ def run(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     if args.compare == "hf":
         from asyncllm.bench import hf_peer
 
-        subset = requests[: args.compare_num_requests] if args.compare_num_requests else requests
-        peers = hf_peer.throughput_peers(ctx, subset, args.hf_batch_size, _budget(args))
+        peers = hf_peer.throughput_peers(ctx, requests[:num_compared], args.hf_batch_size, _budget(args))
     settings = {"num_requests": args.num_requests, "input_len_range": list(args.input_len_range),
                 "output_len_range": list(args.output_len_range), "temperature": args.temperature,
                 "compare_num_requests": args.compare_num_requests, "hf_batch_size": args.hf_batch_size,
                 "compare_time_budget_s": _budget(args) if args.compare else None,
                 "async_scheduling": args.async_scheduling}
     return common.finish(ctx, "throughput", settings, metrics, line, metrics["output_tokens_per_s"],
-                         peers, "output_tokens_per_s")
+                         peers, "output_tokens_per_s", metrics.get("compared"))
 
 
 def _budget(args: argparse.Namespace) -> float:

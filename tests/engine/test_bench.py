@@ -37,18 +37,22 @@ def _run(tmp_path: Path, argv: list[str]) -> dict[str, Any]:
 
 def test_throughput_with_transformers_peer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = _run(tmp_path, ["throughput", "--num-requests", "6", "--input-len-range", "8,24",
-                             "--output-len-range", "4,12", "--compare", "hf", "--hf-batch-size", "4"])
+                             "--output-len-range", "4,12", "--compare", "hf", "--hf-batch-size", "2",
+                             "--compare-num-requests", "4"])
     metrics = result["metrics"]
-    prompt_tokens, output_tokens = total_tokens(uniform_requests(6, (8, 24), (4, 12), TINY_VOCAB, seed=0))
+    requests = uniform_requests(6, (8, 24), (4, 12), TINY_VOCAB, seed=0)
+    prompt_tokens, output_tokens = total_tokens(requests)
     counts = (metrics["num_requests"], metrics["prompt_tokens"], metrics["output_tokens"])
     assert counts == (6, prompt_tokens, output_tokens)
     assert metrics["output_tokens_per_s"] == pytest.approx(output_tokens / metrics["elapsed_s"])
+    compared = metrics["compared"]  # asyncllm on the peers' 4 requests: what the ratios divide
+    assert (compared["num_requests"], compared["output_tokens"]) == (4, total_tokens(requests[:4])[1])
     assert result["settings"]["compare_time_budget_s"] == 240
     assert set(result["peers"]) == {"hf_static", "hf_continuous"}
     for name, peer in result["peers"].items():
-        assert (peer["num_requests"], peer["num_requests_completed"], peer["cut"]) == (6, 6, False)
-        assert peer["output_tokens"] == output_tokens and peer["output_tokens_per_s"] > 0
-        assert result["ratios"][name] == pytest.approx(metrics["output_tokens_per_s"] / peer["output_tokens_per_s"])
+        assert (peer["num_requests"], peer["num_requests_completed"], peer["cut"]) == (4, 4, False)
+        assert peer["output_tokens"] == compared["output_tokens"] and peer["output_tokens_per_s"] > 0
+        assert result["ratios"][name] == pytest.approx(compared["output_tokens_per_s"] / peer["output_tokens_per_s"])
         assert all(p["seconds"] >= 0 for p in peer["phases"] if "seconds" in p)
     static_phases = [p["phase"] for p in result["peers"]["hf_static"]["phases"]]
     assert static_phases[-2:] == ["static batch 1/2", "static batch 2/2"] and "warm-up generate" in static_phases
@@ -57,6 +61,7 @@ def test_throughput_with_transformers_peer(tmp_path: Path, capsys: pytest.Captur
     assert result["roofline"]["decode_batch"] == 6
     out, err = capsys.readouterr()
     assert "asyncllm / hf_static " in out and "asyncllm / hf_continuous " in out and "peer cut" not in out
+    assert "asyncllm on the peers' 4 requests output_tokens_per_s" in out
     assert "] static batch 2/2: done in" in err  # each phase's start and end on stderr
 
 
@@ -203,3 +208,9 @@ def test_bad_flags_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "is MXFP4 (the peer would build bfloat16 experts)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["latency", *TINY, "--compare", "hf", "--compare-time-budget", "0"])
+    for flag in ("--hf-batch-size", "--compare-num-requests"):
+        with pytest.raises(SystemExit):
+            main(["throughput", *TINY, "--compare", "hf", flag, "0"])
+    capsys.readouterr()
+    assert main(["throughput", *TINY, "--compare", "hf", "--temperature", "0.7"]) == 2  # the peers decode greedily
+    assert "temperature=0.7 is not allowed: 0 with --compare hf" in capsys.readouterr().err
