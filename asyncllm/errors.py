@@ -100,16 +100,18 @@ generation" on a cross-encoder too). `embed` and `classify` are also the `Poolin
 
 
 def check_context_length(max_model_len: int, prompt_tokens: int, max_tokens: int | None = None, *,
-                         operation: str | None = None, field: str = "prompt") -> None:
+                         operation: str | None = None, field: str = "prompt", echo_only: bool = False) -> None:
     """`InvalidRequestError` (code `CONTEXT_LENGTH_EXCEEDED`, in vLLM's words, which clients detecting context
     overflow match) for a request that does not fit in `max_model_len`: a prompt that leaves no room for one
     generated token, else, with `max_tokens` (a request that set it), a prompt plus `max_tokens` past it. vLLM's
     order: the prompt alone first. `operation`: a pooling request's (a `POOLING_OPERATIONS` word): it generates
-    nothing, so its prompt may fill `max_model_len`. `field`: the prompt's (``prompt.prompt_embeds`` for rows of
-    embeddings)."""
-    if operation is not None:
+    nothing, so its prompt may fill `max_model_len`; so may an `echo_only` one's (the OpenAI server's echo with
+    max_tokens 0, which drops its one sampled token: vLLM's server counts its max_tokens as 0). `field`: the
+    prompt's (``prompt.prompt_embeds`` for rows of embeddings)."""
+    if operation is not None or echo_only:
         if prompt_tokens > max_model_len:
-            raise prompt_too_long(max_model_len, f"{prompt_tokens} tokens", operation, field)
+            amount = f"{prompt_tokens} {'tokens' if operation is not None else 'input tokens'}"
+            raise prompt_too_long(max_model_len, amount, operation, field)
         return
     if prompt_tokens >= max_model_len:
         raise prompt_too_long(max_model_len, f"{prompt_tokens} input tokens", None, field)

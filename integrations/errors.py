@@ -7,13 +7,15 @@ clients parse it (``openai.BadRequestError`` for 400, ``RateLimitError`` for
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from asyncllm.errors import (
     AsyncLLMError, ConfigError, EngineDeadError, EngineOverloadedError, InvalidRequestError, RequestTimeoutError,
 )
 
-__all__ = ["ApiError", "error_body", "status_of"]
+__all__ = ["ApiError", "error_body", "renamed_fields", "status_of"]
 
 
 class ApiError(Exception):
@@ -41,6 +43,18 @@ def status_of(exc: AsyncLLMError) -> tuple[int, str, str | None]:
         if isinstance(exc, cls):
             return status, kind, code
     return 500, "server_error", None
+
+
+@contextlib.contextmanager
+def renamed_fields(renames: Mapping[str, str]) -> Iterator[None]:
+    """An `InvalidRequestError` raised inside names the field the client wrote (`renames`: the name the engine or
+    a translated request gives it -> the client's), as clients read ``param``."""
+    try:
+        yield
+    except InvalidRequestError as exc:
+        if exc.field not in renames:
+            raise
+        raise InvalidRequestError(renames[exc.field], exc.message, code=exc.code) from None
 
 
 def error_body(exc: AsyncLLMError | ApiError) -> tuple[int, dict[str, Any], dict[str, str]]:

@@ -234,8 +234,8 @@ class TokenizeRequest(_Request, kw_only=True, forbid_unknown_fields=True):
     messages: list[dict[str, Any]] | None = None
     tools: list[Any] | None = None
     """For messages: function tools for the chat template, as chat completions take them."""
-    add_special_tokens: bool = True
-    """For a prompt: the tokenizer's special tokens (BOS), as the engine adds them."""
+    add_special_tokens: bool | None = None
+    """For a prompt: the tokenizer's special tokens (BOS), default true; for messages only false is built."""
     add_generation_prompt: bool = True
     """For messages: end with the assistant's turn opening, as chat completions do."""
     continue_final_message: bool = False

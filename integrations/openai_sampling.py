@@ -25,8 +25,8 @@ from asyncllm.sampling import SamplingParams, StructuredOutputs
 if TYPE_CHECKING:
     from asyncllm.reasoning import ReasoningParser
 
-__all__ = ["completion_params", "chat_params", "chat_logprobs", "check_common", "echo_only", "resolve_max_tokens",
-           "sets_max_tokens"]
+__all__ = ["completion_params", "chat_params", "chat_field_names", "chat_logprobs", "check_common", "echo_only",
+           "resolve_max_tokens", "sets_max_tokens"]
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 """Either generation request (the fields they share are `openai_protocol._Common`'s)."""
@@ -85,6 +85,12 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
     if reasoning is not None and params.structured is not None and not thinking_off:  # think, then the grammar
         params.structured = msgspec.structs.replace(params.structured, start_after=reasoning.end_tag)
     return params
+
+
+def chat_field_names(req: ChatCompletionRequest) -> dict[str, str]:
+    """The chat's names of fields its errors name otherwise (`renamed_fields`): ``max_completion_tokens`` when set,
+    which `chat_params` reads before ``max_tokens``."""
+    return {"max_tokens": "max_completion_tokens"} if req.max_completion_tokens is not None else {}
 
 
 def chat_logprobs(req: ChatCompletionRequest) -> int | None:

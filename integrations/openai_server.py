@@ -41,7 +41,7 @@ from starlette.routing import Route
 
 from asyncllm import envs
 from asyncllm.errors import InvalidRequestError
-from asyncllm.integrations.errors import ApiError
+from asyncllm.integrations.errors import ApiError, renamed_fields
 from asyncllm.integrations.openai_beam_search import beam_search_response
 from asyncllm.integrations.openai_embeddings import EmbeddingRequest, embed_all, embedding_inputs, embedding_response
 from asyncllm.integrations.openai_lora import LoRAModels, LoRAModule, lora_routes, server_lifespan
@@ -54,7 +54,7 @@ from asyncllm.integrations.openai_protocol import (
     completion_prompts, decode_request, header_data_parallel_rank, request_options, take_request_id,
 )
 from asyncllm.integrations.openai_responses import Choices, token_id_text
-from asyncllm.integrations.openai_sampling import chat_params, completion_params, echo_only, sets_max_tokens
+from asyncllm.integrations.openai_sampling import chat_field_names, chat_params, completion_params, echo_only, sets_max_tokens
 from asyncllm.integrations.openai_streaming import count_prompts, respond, response_events
 from asyncllm.integrations.openai_score import score_routes
 from asyncllm.integrations.openai_info import info_routes, served_name
@@ -63,7 +63,7 @@ from asyncllm.integrations.openai_audio import audio_routes
 from asyncllm.integrations.openai_dev import dev_routes
 from asyncllm.integrations.openai_structured import constraint_errors, constraint_field
 from asyncllm.integrations.openai_tools import tool_mode
-from asyncllm.integrations.responses_api import ResponseEvents, ResponsesRequest, response_body
+from asyncllm.integrations.responses_api import RESPONSES_FIELDS, ResponseEvents, ResponsesRequest, response_body
 from asyncllm.integrations.responses_store import ResponseStore
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import first_deltas, merge_streams
@@ -236,7 +236,7 @@ class OpenAIServer:
         log_prompts(self.request_log, req, "cmpl", prompts, params, lora)
         rank = header_data_parallel_rank(request.headers)
         streams = [self.engine.stream(prompt, params, **request_options(req), lora_request=lora, data_parallel_rank=rank,
-                                      check_max_tokens=sets_max_tokens(req)) for prompt in prompts]
+                                      check_max_tokens=sets_max_tokens(req), echo_only=echo_only(req)) for prompt in prompts]
         choices = Choices(len(prompts), params.n, params.logprobs, chat=False, token_text=self._token_text,
                           token_ids_as_text=self.token_ids_as_text,
                           echo_only=echo_only(req), return_prompt_logprobs=req.prompt_logprobs is not None,
@@ -250,13 +250,14 @@ class OpenAIServer:
         req = decode_request(await self._body(request) if body is None else body, ChatCompletionRequest)
         take_request_id(req, request.headers)
         model, lora = self._model(req.model)
-        if req.use_beam_search:
-            return await beam_search_response(self, request, req, model, lora)
-        streams, choices = self._start_chat(req, lora, await self._sampling_defaults(),
-                                            header_data_parallel_rank(request.headers))
-        with constraint_errors(constraint_field(req, choices.tool_mode.constraint is not None)):
-            return await respond(request, req, model, streams, choices, "chatcmpl", "chat.completion",
-                                 force_include_usage=self.force_include_usage)
+        with renamed_fields(chat_field_names(req)):
+            if req.use_beam_search:
+                return await beam_search_response(self, request, req, model, lora)
+            streams, choices = self._start_chat(req, lora, await self._sampling_defaults(),
+                                                header_data_parallel_rank(request.headers))
+            with constraint_errors(constraint_field(req, choices.tool_mode.constraint is not None)):
+                return await respond(request, req, model, streams, choices, "chatcmpl", "chat.completion",
+                                     force_include_usage=self.force_include_usage)
 
     async def embeddings(self, request: Request, body: bytes | None = None) -> Response:
         """OpenAI's: one embedding per ``input``, or (vLLM's) of chat ``messages`` (openai_embeddings.py)."""
@@ -278,12 +279,9 @@ class OpenAIServer:
             keys = msgspec.json.decode(body)
         except msgspec.DecodeError as exc:
             raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
-        if isinstance(keys, dict) and "messages" in keys:
-            return await self.chat_completions(request, body)
-        if isinstance(keys, dict) and "prompt" in keys:
-            return await self.completions(request, body)
-        if isinstance(keys, dict) and "input" in keys:
-            return await self.embeddings(request, body)
+        for key, route in (("messages", self.chat_completions), ("prompt", self.completions), ("input", self.embeddings)):
+            if isinstance(keys, dict) and key in keys:
+                return await route(request, body)
         raise InvalidRequestError("body", "an invocation has 'messages' (a chat completion), 'prompt' (a completion) "
                                           "or 'input' (embeddings)")
 
@@ -292,18 +290,19 @@ class OpenAIServer:
         req = decode_request(await self._body(request), ResponsesRequest)
         model, lora = self._model(req.model)
         turn = self.responses_store.begin(req)  # store and previous_response_id resolved (responses_store.py)
-        chat = turn.chat_request()
-        streams, choices = self._start_chat(chat, lora, await self._sampling_defaults(),
-                                            header_data_parallel_rank(request.headers), prompt_tokens_details=True)
-        with constraint_errors(constraint_field(chat, choices.tool_mode.constraint is not None)):
-            if req.stream:
-                # errors before the first token keep their status code; a client gone while queued: 499 (`guard`)
-                firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
-                count_prompts(streams, choices)
-                events = ResponseEvents(turn.req, model, on_finish=turn.keep)  # kept before its last event is sent
-                return EventStream(response_events(request, events, streams, firsts, choices))
-            async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
-                choices.add(prompt_index, delta)
+        with renamed_fields(RESPONSES_FIELDS):  # the client's names: input, text, max_output_tokens
+            chat = turn.chat_request()
+            streams, choices = self._start_chat(chat, lora, await self._sampling_defaults(),
+                                                header_data_parallel_rank(request.headers), prompt_tokens_details=True)
+            with constraint_errors(constraint_field(chat, choices.tool_mode.constraint is not None)):
+                if req.stream:
+                    # errors before the first token keep their status code; a client gone while queued: 499
+                    firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
+                    count_prompts(streams, choices)
+                    events = ResponseEvents(turn.req, model, on_finish=turn.keep)  # kept before its last event
+                    return EventStream(response_events(request, events, streams, firsts, choices))
+                async for prompt_index, delta in merge_streams(streams, until=lambda: wait_disconnect(request)):
+                    choices.add(prompt_index, delta)
         count_prompts(streams, choices)
         choice = choices.final_choices()[0]
         body = response_body(turn.req, model, choice["message"], choice["finish_reason"], choices.usage())

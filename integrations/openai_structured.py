@@ -8,10 +8,10 @@ request, or keys asyncllm does not build, are a 400 naming the field.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.errors import renamed_fields
 from asyncllm.sampling import StructuredOutputs
 
 __all__ = ["structured_output", "constraint_field", "constraint_errors"]
@@ -51,16 +51,10 @@ def constraint_field(req: Any, tool_constraint: bool = False) -> str:
     return "structured_outputs" if req.structured_outputs is not None else "response_format"
 
 
-@contextlib.contextmanager
-def constraint_errors(field: str) -> Iterator[None]:
+def constraint_errors(field: str) -> contextlib.AbstractContextManager[None]:
     """The constraint's errors, the host's checks and the core's compile alike, name `field`, the one the client
     wrote it in, not the engine's ``structured``."""
-    try:
-        yield
-    except InvalidRequestError as exc:
-        if exc.field != "structured":
-            raise
-        raise InvalidRequestError(field, exc.message, code=exc.code) from None
+    return renamed_fields({"structured": field})
 
 
 def _from_structured_outputs(value: dict[str, Any]) -> StructuredOutputs:

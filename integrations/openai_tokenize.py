@@ -32,9 +32,11 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
             raise InvalidRequestError("prompt", "give a prompt or messages (one of them)")
         tokenizer = await server._tokenizer()
         if req.prompt is not None:
-            prompt, special = req.prompt, req.add_special_tokens
+            prompt, special = req.prompt, req.add_special_tokens is not False
             tokens = await anyio.to_thread.run_sync(lambda: tokenizer(prompt, add_special_tokens=special).input_ids)
         else:
+            if req.add_special_tokens:  # as chat completions (openai_sampling.check_common)
+                raise InvalidRequestError("add_special_tokens", "only its default (false here) is built")
             check_tools(req.tools)
             tokens = await server._chat_tokens(req, req.tools)
         tokens = [int(t) for t in tokens]

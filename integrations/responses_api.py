@@ -30,7 +30,7 @@ import msgspec
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import ChatCompletionRequest
 
-__all__ = ["ResponsesRequest", "chat_request", "input_items", "response_body", "ResponseEvents"]
+__all__ = ["RESPONSES_FIELDS", "ResponsesRequest", "chat_request", "input_items", "response_body", "ResponseEvents"]
 
 
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -66,6 +66,11 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     priority: int = 0
     cache_salt: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+RESPONSES_FIELDS = {"messages": "input", "response_format": "text", "max_completion_tokens": "max_output_tokens",
+                    "max_tokens": "max_output_tokens"}
+"""The chat request's fields (`chat_request`) that errors name -> the Responses API's (`renamed_fields`)."""
 
 
 def _refused(req: ResponsesRequest) -> None:

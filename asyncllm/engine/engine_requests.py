@@ -33,14 +33,17 @@ class EngineRequests:
     def stream(self, prompt: Any, params: SamplingParams | None = None, *, priority: int = 0,
                request_id: str | None = None, timeout: float | None = None,
                cache_salt: str | None = None, lora_request: LoRARequest | None = None,
-               data_parallel_rank: int | None = None, check_max_tokens: bool = False) -> RequestStream:
+               data_parallel_rank: int | None = None, check_max_tokens: bool = False,
+               echo_only: bool = False) -> RequestStream:
         """Stream `StreamDelta`s of one completion; leaving the loop aborts it.
 
         `lora_request` runs it with a LoRA adapter (enable_lora; docs/lora.md); `data_parallel_rank` on that
         replica (data_parallel_size > 1; default: the least loaded). `check_max_tokens` (the OpenAI server's):
-        a prompt plus max_tokens over max_model_len is an `InvalidRequestError`, not max_tokens cut to fit."""
+        a prompt plus max_tokens over max_model_len is an `InvalidRequestError`, not max_tokens cut to fit;
+        `echo_only` (its echo with max_tokens 0, max_tokens 1 here): the prompt may fill max_model_len."""
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
-                                 data_parallel_rank=data_parallel_rank, check_max_tokens=check_max_tokens)
+                                 data_parallel_rank=data_parallel_rank, check_max_tokens=check_max_tokens,
+                                 echo_only=echo_only)
         return RequestStream(self, prompt, _checked_params(params), options, chat=False)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,

@@ -53,7 +53,7 @@ class PromptTokenizer:
         With the option ``check_max_tokens`` (the OpenAI server's, for a request that set max_tokens), a prompt
         plus max_tokens over max_model_len is an error (else the engine cuts max_tokens to the room left)."""
         token_ids = self._token_ids(job)
-        if job.options.check_max_tokens:  # the prompt alone was checked as it was built
+        if job.options.check_max_tokens and not job.options.echo_only:  # the prompt alone was checked when built
             errors.check_context_length(self.max_model_len, len(token_ids), job.params.max_tokens)
         return token_ids
 
@@ -73,7 +73,8 @@ class PromptTokenizer:
                                               options.tools, options.chat_template, options.mm_processor_kwargs,
                                               options.chat_template_content_format)
             if job.mm_prompt is not None:  # its length counts the media placeholders
-                errors.check_context_length(self.max_model_len, len(job.mm_prompt.token_ids), operation=operation)
+                errors.check_context_length(self.max_model_len, len(job.mm_prompt.token_ids), operation=operation,
+                                            echo_only=options.echo_only)
                 if job.params.truncate_prompt_tokens is not None:
                     raise errors.InvalidRequestError("truncate_prompt_tokens", "cannot cut a prompt with images")
                 return job.mm_prompt.token_ids
@@ -96,7 +97,8 @@ class PromptTokenizer:
                 check_token_ids("prompt", token_ids, self.vocab_size)
         if not token_ids:
             raise errors.InvalidRequestError("prompt", "the prompt is empty")
-        errors.check_context_length(self.max_model_len, len(token_ids), operation=operation)
+        errors.check_context_length(self.max_model_len, len(token_ids), operation=operation,
+                                    echo_only=options.echo_only)
         if self.mm is not None and self.mm.marks_text_prompts:  # PaliGemma: a text prompt is its prefix span too
             job.mm_prompt = self.mm.process(token_ids, MultiModalInputs(), "prompt")
         return token_ids

@@ -64,6 +64,9 @@ class RequestOptions:
     check_max_tokens: bool = False
     """The OpenAI server's (as vLLM's server): a prompt plus ``max_tokens`` over max_model_len is an
     `InvalidRequestError` (code ``context_length_exceeded``) instead of max_tokens cut to the room left."""
+    echo_only: bool = False
+    """The OpenAI server's echo with max_tokens 0 (params' max_tokens 1, the sampled token dropped): the prompt may
+    fill max_model_len, as vLLM's server (`errors.check_context_length`); the request ends at its first token."""
 
     pooling_api: str | None = None
     """The pooling API that made the request when it is not `pooling`'s task (``"score"``; ``"rerank"``, the

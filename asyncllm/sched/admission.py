@@ -25,12 +25,13 @@ def check_request(
 ) -> None:
     """`InvalidRequestError` (field "prompt") if the request could never be scheduled.
 
-    A generation keeps one position for its first generated token; a pooling request (its one sampled token is
-    dropped, never stored) may fill max_model_len and the whole KV cache."""
+    A generation keeps one position for its first generated token; a request that samples one token (pooling, its
+    token dropped, or max_tokens 1: the OpenAI server's echo) may fill max_model_len and the whole KV cache: that
+    token ends it, never stored."""
     num_prompt = request.num_prompt_tokens
     if num_prompt == 0:
         raise InvalidRequestError("prompt", "is empty: at least one token is needed")
-    reserved = 0 if request.pooling is not None else 1
+    reserved = 0 if request.samples_once else 1
     if num_prompt > max_model_len - reserved:
         raise InvalidRequestError(
             "prompt",

@@ -230,6 +230,11 @@ class Request:
         return self.num_tokens - self.num_prompt_tokens
 
     @property
+    def samples_once(self) -> bool:
+        """Whether its first sampled token ends it (pooling, or max_tokens 1): its prompt may fill max_seq_len."""
+        return self.pooling is not None or self._max_tokens == 1
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

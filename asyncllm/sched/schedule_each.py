@@ -48,9 +48,8 @@ def schedule_each(sched: Scheduler, step: _Step, start: int) -> None:
         req_id = request.request_id
         num_computed = request.num_computed_tokens
         num_new = request.num_tokens - num_computed
-        if not num_new:  # a micro-batch in flight samples its next token, or one that ends a pooling request
-            ends_pooling = request.pooling is not None and request.num_tokens >= sched.max_seq_len
-            assert max_running is not None or ends_pooling, request
+        if not num_new:  # a micro-batch in flight samples its next token, or one that ends a full-length request
+            assert max_running is not None or request.num_tokens >= sched.max_seq_len, request
             continue
         drafts = draft(request, budget) if draft is not None and num_new == 1 else None
         slot = num_computed % block_size

@@ -146,6 +146,9 @@ async def test_invalid_completion_is_400_naming_the_field(app, bundled_engine, r
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 10**6}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}, "max_tokens"),
 ])
 async def test_invalid_chat_is_400(app, request_body, param) -> None:
     async with asgi_client(app) as client:

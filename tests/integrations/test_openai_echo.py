@@ -34,6 +34,26 @@ async def test_echo_with_max_tokens_zero_gives_the_prompt_logprobs(app, bundled_
         assert logprobs["text_offset"][i] == logprobs["text_offset"][i - 1] + len(logprobs["tokens"][i - 1])
 
 
+async def test_echo_only_prompt_may_fill_the_context(app) -> None:
+    """lm-eval's perplexity windows are max_model_len tokens: echo with max_tokens 0 scores one (vLLM's server counts
+    its max_tokens as 0; the one sampled token ends it); a token more, or max_tokens 1, is still refused."""
+    max_model_len = app.state.openai_server.engine.config.max_model_len
+    full = {"prompt": [5, 6, 7] * (max_model_len // 3) + [5] * (max_model_len % 3), "echo": True, "max_tokens": 0,
+            "logprobs": 0, "temperature": 0}
+    async with _client(app) as client:
+        scored = await client.post("/v1/completions", json=full)
+        shorter = await client.post("/v1/completions", json={**full, "prompt": full["prompt"][:-1]})
+        refused = [await client.post("/v1/completions", json={**full, **extra})
+                   for extra in ({"prompt": full["prompt"] + [5]}, {"max_tokens": 1})]
+    assert scored.status_code == 200, scored.text
+    choice, usage = scored.json()["choices"][0], scored.json()["usage"]
+    assert choice["finish_reason"] == "length" and len(choice["logprobs"]["tokens"]) == max_model_len
+    assert usage == {"prompt_tokens": max_model_len, "completion_tokens": 0, "total_tokens": max_model_len}
+    assert choice["logprobs"]["token_logprobs"][:-1] == pytest.approx(
+        shorter.json()["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)  # causal: the same up to the last
+    assert [(r.status_code, r.json()["error"]["code"]) for r in refused] == [(400, "context_length_exceeded")] * 2
+
+
 async def test_echo_then_generated_tokens_streamed_or_not(app) -> None:
     body = {**GREEDY, "prompt": PROMPT, "logprobs": 1}
     async with _client(app) as client:

@@ -84,7 +84,11 @@ async def test_what_is_not_built_is_refused_by_name(app) -> None:
              ({"tools": [{"type": "web_search"}]}, "tools"),
              ({"reasoning": {"effort": "low"}}, "reasoning"),
              ({"input": [{"type": "image_generation_call"}]}, "input"),
-             ({"unknown_field": 1}, "unknown_field")]
+             ({"unknown_field": 1}, "unknown_field"),
+             # the chat request's errors name the Responses API's fields (RESPONSES_FIELDS)
+             ({"max_output_tokens": 0}, "max_output_tokens"), ({"max_output_tokens": 10**6}, "max_output_tokens"),
+             ({"input": []}, "input"), ({"input": [{"type": "message", "content": "x"}]}, "input"),
+             ({"text": {"format": {"type": "yaml"}}}, "text")]
     async with _client(app) as http:
         for extra, param in cases:
             response = await http.post("/v1/responses", json={"model": MODEL, "input": "x", **extra})

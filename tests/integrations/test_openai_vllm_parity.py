@@ -149,9 +149,11 @@ async def test_request_shape_checks(app) -> None:
         sequences = [await client.post("/v1/completions", json={**GREEDY, "prompt": ["x"] * 129, "n": 16, **beam})
                      for beam in ({}, {"use_beam_search": True})]  # 2,064 sequences
         special = [await client.post(path, json={**body, "add_special_tokens": value}) for path, body, value in (
-            ("/v1/completions", {**GREEDY, "prompt": "x"}, False), ("/v1/chat/completions", CHAT, True))]
+            ("/v1/completions", {**GREEDY, "prompt": "x"}, False), ("/v1/chat/completions", CHAT, True),
+            ("/tokenize", {"messages": CHAT["messages"]}, True))]
         defaults = [await client.post(path, json={**body, "add_special_tokens": value}) for path, body, value in (
-            ("/v1/completions", {**GREEDY, "prompt": "x"}, True), ("/v1/chat/completions", CHAT, False))]
+            ("/v1/completions", {**GREEDY, "prompt": "x"}, True), ("/v1/chat/completions", CHAT, False),
+            ("/tokenize", {"messages": CHAT["messages"]}, False))]
     assert empty_model.status_code == 200 and empty_model.json()["model"] == MODEL
     assert options.status_code == 400 and options.json()["error"]["param"] == "stream_options"
     assert "Stream options can only be defined when stream=True" in options.json()["error"]["message"]
@@ -162,8 +164,8 @@ async def test_request_shape_checks(app) -> None:
     ServerLimits().check_sequences(2048, 1)
     with pytest.raises(InvalidRequestError):
         ServerLimits().check_sequences(17, 128)
-    assert [(r.status_code, r.json()["error"]["param"]) for r in special] == [(400, "add_special_tokens")] * 2
-    assert [r.status_code for r in defaults] == [200, 200]
+    assert [(r.status_code, r.json()["error"]["param"]) for r in special] == [(400, "add_special_tokens")] * 3
+    assert [r.status_code for r in defaults] == [200, 200, 200]
 
 
 async def test_request_id_and_return_token_ids(app, bundled_tokenizer) -> None:

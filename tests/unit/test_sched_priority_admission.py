@@ -208,6 +208,18 @@ def test_a_pooling_prompt_may_fill_max_model_len_and_the_kv_cache():
     assert sched.kv_cache_manager.num_used_blocks == 0
 
 
+def test_a_max_tokens_1_prompt_may_fill_max_model_len_and_the_kv_cache():
+    """Its one sampled token ends it, never stored (the OpenAI server's echo with max_tokens 0, as vLLM's)."""
+    sched = scheduler(num_gpu_blocks=4, max_model_len=16)
+    sched.add_request(make_request("a", 16, max_tokens=1))
+    with pytest.raises(InvalidRequestError, match="at most 16 prompt tokens$"):
+        sched.add_request(make_request("b", 17, max_tokens=1))
+    out, deltas = run_step(sched)
+    assert out.num_scheduled_tokens == {"a": 16}
+    assert [(d.request_id, d.new_token_ids, d.finish_reason) for d in deltas] == [("a", [7], "length")]
+    assert sched.kv_cache_manager.num_used_blocks == 0 and not sched.has_unfinished_requests()
+
+
 def test_no_preemption_for_a_request_whose_adapter_cannot_run_yet():
     """max_loras=1, adapter 1 running at priority 0: a waiting priority-1 request of adapter 2 is skipped all the
     same, so the priority-5 base request is not preempted for it (it was, every other step, and recomputed)."""
