@@ -56,6 +56,8 @@ def completion_params(req: CompletionRequest, limits: ServerLimits,
     if req.echo and req.logprobs is not None:
         _refuse(req.n != 1, "echo", "with logprobs needs n=1 (the prompt's logprobs are computed once)")
         prompt_logprobs = -1 if -1 in (req.logprobs, prompt_logprobs) else max(req.logprobs, prompt_logprobs or 0)
+    if echo_only(req) and req.min_tokens:  # named by what the client sent, not the one token run for it
+        raise InvalidRequestError("min_tokens", f"{req.min_tokens} exceeds max_tokens=0")
     max_tokens = 1 if echo_only(req) else req.max_tokens
     return _params(req, max_tokens, req.logprobs, limits, defaults, prompt_logprobs)
 

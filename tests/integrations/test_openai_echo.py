@@ -21,6 +21,9 @@ async def test_echo_with_max_tokens_zero_gives_the_prompt_logprobs(app, bundled_
     async with _client(app) as client:
         body = (await client.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 0,
                                                           "logprobs": 2})).json()
+        refused = await client.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "max_tokens": 0,
+                                                             "min_tokens": 2})
+    assert refused.status_code == 400 and "2 exceeds max_tokens=0" in refused.json()["error"]["message"]
     choice = body["choices"][0]
     assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 0, "total_tokens": len(prompt_ids)}
