@@ -48,8 +48,10 @@ logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
 
-_CLEANUP_TAIL_CHARS = frozenset(" n'vr")
-"""Every proper prefix of a clean-up pattern (" .", " n't", " 've", ...) ends in one of these."""
+_CLEANUP_LETTER_TAILS = {" n'": 2, " n": 1, "'v": 1, "'r": 1}
+"""Ends of text that may begin a clean-up pattern with letters (" n't", " 've", " 're"), and how many of their
+last characters are not spaces or quotes; every other proper prefix of a pattern (" .", " ' ", " 's", ...) is
+spaces and quotes."""
 
 
 @dataclass(frozen=True)
@@ -325,10 +327,12 @@ def _cleanup_applies(tokenizer: Any) -> bool:
 class _SpacesCleanup:
     """transformers' ``clean_up_tokenization`` applied to a stream of text.
 
-    Every clean-up pattern starts with a space and only deletes spaces, so no
-    pattern can span a cut whose left side ends in a character that ends no
-    proper pattern prefix (not in " n'vr"): text up to the last such
-    character is cleaned and released, the rest waits for more text.
+    A pattern can span a cut only where the text before it ends in a proper
+    prefix of the pattern (" ", " n", " 'v", ...); a " ' " rewrite may make a
+    new pattern with the space before it, so the whole run of spaces and quotes
+    before such a prefix waits with it for more text, and the rest is cleaned
+    and released. "Human" is released whole (a stop string ending in it matches
+    on its token); "do n" waits for what follows the "n".
     """
 
     def __init__(self, clean: Callable[[str], str]) -> None:
@@ -337,8 +341,8 @@ class _SpacesCleanup:
 
     def push(self, text: str) -> str:
         buffer = self._held + text
-        cut = len(buffer)
-        while cut > 0 and buffer[cut - 1] in _CLEANUP_TAIL_CHARS:
+        cut = len(buffer) - next((n for tail, n in _CLEANUP_LETTER_TAILS.items() if buffer.endswith(tail)), 0)
+        while cut > 0 and buffer[cut - 1] in " '":  # a run of spaces and quotes: " ' " rewrites may chain
             cut -= 1
         self._held = buffer[cut:]
         return self._clean(buffer[:cut])

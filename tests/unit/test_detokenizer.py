@@ -249,6 +249,13 @@ def test_clean_up_tokenization_spaces_streams_exactly(tiny_path: str) -> None:
     for case in cases:
         updates, _ = stream(tokenizer, case, rng)
         assert "".join(u.text for u in updates) == tokenizer.decode(case, skip_special_tokens=True), case
+    words = _ids(tokenizer, "Hello", " Human", " over", " do", " n", "'t")  # "Human" ends in "n", "over" in "r"
+    for stop in ("Human", "over"):
+        _, detok = stream(tokenizer, words, stop=[stop])
+        assert detok.token_ids == words[: next(k for k in range(len(words) + 1)
+                                               if stop in tokenizer.decode(words[:k]))]  # found on its token
+    updates, _ = stream(tokenizer, words)
+    assert [u.text for u in updates][-3:] == ["", "n't", ""]  # " n" waits: " n't" becomes "n't"
 
 
 def _ids(tokenizer: Any, *parts: str) -> list[int]:
