@@ -85,6 +85,15 @@ def exit_when_parent_dies(poll_s: float = 0.5) -> None:
     threading.Thread(target=poll_ppid, name="asyncllm-parent-pid", daemon=True).start()
 
 
+def ignore_group_signals() -> None:
+    """In a child its parent owns (an engine core started by its host, a worker): ignore SIGINT and SIGTERM. Ctrl-C
+    in a terminal and a service manager's stop (systemd's KillMode=control-group) signal the whole process group;
+    the parent owns the shutdown order (a host may drain its requests first) and ends us with a goodbye, or by
+    dying (`exit_when_parent_dies`). A standalone core installs its own handlers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def report_crashes() -> None:
     """In a child: a hard crash (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) prints every thread's Python stack to
     stderr, which the child shares with its parent, before the process dies."""
@@ -124,7 +133,8 @@ def proc_stat(pid: int) -> list[str] | None:
 
 def stop_process(proc: subprocess.Popen, timeout: float = 5.0, grace: float = 0.0) -> None:
     """Give the child `grace` seconds to exit on its own, then close its stdin
-    (it exits at once), then terminate and kill if needed."""
+    (it exits at once), then kill it if it has not exited `timeout` seconds later (no SIGTERM between: our
+    children ignore it, `ignore_group_signals`)."""
     if grace > 0:
         try:
             proc.wait(timeout=grace)
@@ -135,7 +145,7 @@ def stop_process(proc: subprocess.Popen, timeout: float = 5.0, grace: float = 0.
             proc.stdin.close()
         except OSError:
             pass
-    for action in (None, proc.terminate, proc.kill):
+    for action in (None, proc.kill):
         if action is not None:
             action()
         try:

@@ -23,7 +23,6 @@ import importlib
 import importlib.util
 import logging
 import os
-import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -39,7 +38,7 @@ from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.checkpoint import hf_config_from_json
 from asyncllm.pipeline_parallel import output_rank
-from asyncllm.procutil import exit_when_parent_dies, report_crashes
+from asyncllm.procutil import exit_when_parent_dies, ignore_group_signals, report_crashes
 from asyncllm.workers.shm_broadcast import BroadcastReader, RingHandle
 from asyncllm.workers.step_pipeline import StepPipeline
 
@@ -293,8 +292,7 @@ def run_worker(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> None:
     exit_when_parent_dies()
     report_crashes()
-    # Ctrl-C in a terminal reaches the whole process group; the core owns the shutdown order.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ignore_group_signals()  # Ctrl-C and SIGTERM reach the whole process group; the core owns the shutdown order
     args = _parse_args(argv)
     _setup_logging(args.rank)
     code = run_worker(args)

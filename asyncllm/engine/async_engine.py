@@ -27,7 +27,8 @@ from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import (
-    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica, start_replicas, stop_all,
+    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica, start_replicas, stop_all, stop_forgotten,
+    weak_deliver,
 )
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
@@ -39,6 +40,13 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.speech import SpeechToText, speech_to_text_of
 
 __all__ = ["AsyncEngine"]
+
+
+async def _restart_if_alive(restart: weakref.WeakMethod, index: int) -> None:
+    """A supervisor's restart of replica `index`, unless its engine was collected (its finalizer stops the rest)."""
+    method = restart()
+    if method is not None:
+        await method(index)
 
 
 class AsyncEngine(EngineRequests, EngineControl):
@@ -136,7 +144,8 @@ class AsyncEngine(EngineRequests, EngineControl):
             observer.stats.engine_index = index  # Prometheus labels its engine-wide series engine="<index>"
         admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens)
         name = "engine core" if config.data_parallel_size == 1 else f"engine core {index}"
-        supervisor = CoreSupervisor(config.max_core_restarts, lambda: self._restart_replica(index), name)
+        restart = weakref.WeakMethod(self._restart_replica)  # a running core's supervisor must not keep us alive
+        supervisor = CoreSupervisor(config.max_core_restarts, lambda: _restart_if_alive(restart, index), name)
         return Replica(index, observer, admission, supervisor)
 
     @property
@@ -200,7 +209,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._loop = loop
 
     def _launch_spec(self) -> LaunchSpec:
-        return LaunchSpec(self._deliver_threadsafe, self._connect_address, self._engine_key,
+        return LaunchSpec(weak_deliver(self._deliver_threadsafe), self._connect_address, self._engine_key,
                           replica_devices(self.config))
 
     async def _start(self) -> None:
@@ -223,6 +232,8 @@ class AsyncEngine(EngineRequests, EngineControl):
         self.eos_token_ids: list[int] = list(prepared.eos_token_ids)
         """The tokenizer's and generation_config's EOS ids (known once started)."""
         self._started = True
+        self._forgotten = weakref.finalize(self, stop_forgotten, self._replicas.replicas)
+        self._forgotten.atexit = False  # at exit the processes end with this one (their parent-death lifeline)
 
     async def _start_replicas(self) -> Prepared:
         """`start_replicas` as a task of its own, so that `aclose` can cancel it (a shutdown during a download or a
@@ -254,7 +265,14 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._check_loop()
         if drain and not self._closed and self._started:
             self._draining = True
-            await self._wait_drained(timeout)
+            try:
+                await self._wait_drained(timeout)
+            except asyncio.CancelledError:  # the host's shutdown deadline: abort what is left and stop, as on timeout
+                await self._close()
+                raise
+        await self._close()
+
+    async def _close(self) -> None:
         self._closed = True
         if self._starting is not None:
             self._starting.cancel()  # a start in progress stops what it started now (a download's thread runs on)
@@ -265,6 +283,7 @@ class AsyncEngine(EngineRequests, EngineControl):
                 await replica.supervisor.wait()
         if self._started:
             self._started = False
+            self._forgotten.detach()
             await stop_all(self._replicas.replicas)
             for replica in self._replicas:
                 replica.observer.on_closed()

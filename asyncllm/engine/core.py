@@ -32,7 +32,7 @@ from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.request_keys import host_outputs, request_key, request_keys
 from asyncllm.engine.validation import check_add_request, served_tasks
 from asyncllm.mm.core_cache import CoreProcessorCache
-from asyncllm.procutil import exit_when_parent_dies, report_crashes
+from asyncllm.procutil import exit_when_parent_dies, ignore_group_signals, report_crashes
 from asyncllm.sched.request import Request
 from asyncllm.sched.scheduler import Scheduler
 from asyncllm.sched.step_outputs import StepOutputs
@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     exit_when_parent_dies()
     report_crashes()
+    ignore_group_signals()  # the host owns the shutdown order: Ctrl-C must not kill what it drains
     _setup_logging()
     config = EngineConfig.from_dict(msgspec.json.decode(args.config_json))
     io = CoreIO(args.address)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -33,7 +34,9 @@ from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import EngineStats
 
 __all__ = ["LaunchSpec", "Replica", "ReplicaSet", "finish_in_thread", "in_thread", "pick_replica", "start_replica",
-           "start_replicas", "stop_all", "stop_replicas"]
+           "start_replicas", "stop_all", "stop_forgotten", "stop_replicas", "weak_deliver"]
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -326,6 +329,27 @@ def stop_replicas(replicas: list[Replica]) -> None:
         thread.start()
     for thread in threads:
         thread.join()
+
+
+def weak_deliver(deliver: Deliver) -> Deliver:
+    """`deliver` (the engine's bound method) as the processor threads hold it: weakly, so that an engine dropped
+    without aclose() is collected (`stop_forgotten`). What a thread delivers after that is dropped: no stream of
+    that engine is left to take it (a stream holds its engine)."""
+    method = weakref.WeakMethod(deliver)  # type: ignore[arg-type]
+
+    def deliver_while_alive(batch: Any, stats: Any) -> None:
+        bound = method()
+        if bound is not None:
+            bound(batch, stats)
+
+    return deliver_while_alive
+
+
+def stop_forgotten(replicas: list[Replica]) -> None:
+    """The finalizer of a started engine collected without aclose(): stop its replicas in a thread of their own, never
+    blocking the thread or event loop the collection happened in."""
+    logger.warning("an AsyncEngine was garbage-collected without aclose(): stopping its engine core(s)")
+    threading.Thread(target=stop_replicas, args=(replicas,), name="asyncllm-stop-forgotten", daemon=True).start()
 
 
 def _stop(processor: Processor, core: CoreProcess | None) -> None:

@@ -112,7 +112,9 @@ class RequestOptions:
 
 
 class RequestStream:
-    """Iterate with ``async for delta in stream``; deltas are `StreamDelta`s."""
+    """Iterate with ``async for delta in stream``; deltas are `StreamDelta`s. Leaving it aborts the request:
+    ``aclose()``, ``async with``, an error or cancellation in `__anext__`, or the object collected. A `break`
+    alone tells an async iterator nothing: a stream held in a variable generates on until closed or collected."""
 
     def __init__(self, engine: "AsyncEngine", prompt: Any, params: SamplingParams | None, options: RequestOptions,
                  chat: bool) -> None:
