@@ -195,7 +195,7 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.add(request)
         if request.timeout is not None:
-            self.deadlines.add(request, self._clock() + request.timeout)
+            self.deadlines.add(request, self._clock() + request.timeout, len(self.requests))
         request.record_event(EngineCoreEventType.QUEUED)
 
     def abort_requests(self, req_ids: Iterable[str]) -> list[Request]:

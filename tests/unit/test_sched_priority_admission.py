@@ -132,13 +132,24 @@ def test_max_num_queued_tokens_counts_waiting_prompts():
 def test_deadline_heap_skips_finished_requests():
     heap = DeadlineHeap()
     a, b, c = (request(x, 2) for x in "abc")
-    heap.add(b, 5.0)
-    heap.add(a, 3.0)
-    heap.add(c, 4.0)
+    heap.add(b, 5.0, 3)
+    heap.add(a, 3.0, 3)
+    heap.add(c, 4.0, 3)
     c.finish(RequestStatus.FINISHED_STOPPED)
     assert heap.pop_expired(2.9) == [] and heap.next_deadline() == 3.0
     assert ids(heap.pop_expired(4.5)) == ["a"] and len(heap) == 1
     assert ids(heap.pop_expired(10.0)) == ["b"] and not heap
+
+
+def test_finished_requests_leave_the_deadline_heap_before_their_deadline():
+    heap, live = DeadlineHeap(), request("live", 2)
+    heap.add(live, 3600.0, 1)
+    for i in range(1000):  # each finishes long before its hour is up, as requests under a generous timeout do
+        done = request(f"r{i}", 2)
+        heap.add(done, 3600.0, 2)
+        done.finish(RequestStatus.FINISHED_STOPPED)
+    assert len(heap) <= 2 * 2 + 64 + 1  # a finished request is not kept for its whole timeout
+    assert ids(heap.pop_expired(3600.0)) == ["live"]
 
 
 def _expire(sched: Scheduler, clock: Clock, seconds: float) -> list[tuple[str, list[int], str | None]]:
