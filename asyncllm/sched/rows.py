@@ -37,7 +37,7 @@ class RequestRows:
     """One row of counters and fixed facts per running request (capacity grows when needed)."""
 
     __slots__ = ("num_computed", "num_tokens", "computed", "tokens", "num_prompt", "delta_from", "quiet_delta_from",
-                 "client", "serial", "_stop_tokens", "_stop_sets", "_clients", "_free", "_next_serial")
+                 "client", "serial", "_stop_tokens", "_stop_sets", "_clients", "_free_clients", "_free", "_next_serial")
 
     def __init__(self, capacity: int) -> None:
         capacity = max(capacity, 1)
@@ -63,8 +63,11 @@ class RequestRows:
         """`stop_tokens`, or None until it is next read (a stop set left)."""
         self._stop_sets: dict[frozenset[int], int] = {}
         """The running requests' distinct stop sets, each with how many hold it."""
-        self._clients: dict[bytes, int] = {}
-        """Host identity -> a small int (`client`), so that a step's tokens are grouped by host with numpy."""
+        self._clients: dict[bytes, list[int]] = {}
+        """Host identity of the running requests -> [its small int (`client`), its rows], so that a step's tokens are
+        grouped by host with numpy; a host leaves the map with its last row (a shared core serves hosts that come
+        and go), and its int is given to the next host (`_free_clients`)."""
+        self._free_clients: list[int] = []
         self._next_serial = 1
         self._free = list(range(capacity - 1, -1, -1))
         """Free rows, the lowest last (taken first)."""
@@ -97,7 +100,7 @@ class RequestRows:
 
     @property
     def num_clients(self) -> int:
-        """Hosts whose requests ever ran here (1: every running request is that host's)."""
+        """Hosts with running requests (1: every running request is that host's)."""
         return len(self._clients)
 
     @property
@@ -123,8 +126,10 @@ class RequestRows:
             self._stop_tokens = self._stop_tokens | stops
         client = self._clients.get(request.client_id)
         if client is None:
-            client = self._clients[request.client_id] = len(self._clients)
-        self.client[row] = client
+            number = self._free_clients.pop() if self._free_clients else len(self._clients)
+            client = self._clients[request.client_id] = [number, 0]
+        client[1] += 1
+        self.client[row] = client[0]
         serial = self._next_serial
         self._next_serial = serial + 1
         self.serial[row] = serial
@@ -152,6 +157,11 @@ class RequestRows:
             self._stop_sets[stops] = count
         else:
             self._stop_tokens = None  # rebuilt when next read: at most once per step, however many left
+        client = self._clients[request.client_id]
+        client[1] -= 1
+        if not client[1]:
+            del self._clients[request.client_id]
+            self._free_clients.append(client[0])
         self._free.append(row)
 
     def rows_of(self, requests: list[Request]) -> StepRows:

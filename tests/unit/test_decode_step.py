@@ -142,6 +142,26 @@ def test_request_rows_hold_the_counters_of_running_requests() -> None:
     assert rows.stop_tokens == frozenset()
 
 
+def test_request_rows_count_the_hosts_of_running_requests_only() -> None:
+    """A shared core's hosts come and go: one that has no running request leaves the count (one host: the decode
+    step's fast path), and its number goes to the next host, never to two hosts at once."""
+    rows = RequestRows(capacity=2)
+    params = SamplingParams(max_tokens=5)
+    a, b, b2, c = (Request(name, [1], params, [2], 0.0, client_id=client)
+                   for name, client in (("a", b"A"), ("b", b"B"), ("b2", b"B"), ("c", b"C")))
+    for request in (a, b, b2):
+        rows.attach(request)
+    assert rows.num_clients == 2 and rows.client[b._row] == rows.client[b2._row] != rows.client[a._row]
+    rows.detach(a)
+    rows.detach(b)
+    assert rows.num_clients == 1  # B still runs b2
+    rows.attach(c)  # takes A's number, not B's
+    assert rows.num_clients == 2 and rows.client[c._row] != rows.client[b2._row]
+    for request in (b2, c):
+        rows.detach(request)
+    assert rows.num_clients == 0
+
+
 def test_only_steps_that_run_are_recorded() -> None:
     """The core skips empty steps (no update follows): an idle scheduler keeps no step records."""
     config = EngineConfig.create("dummy-model", block_size=4, max_model_len=64)
