@@ -11,9 +11,11 @@ the caller is cancelled (`pack_off_loop`).
 from __future__ import annotations
 
 import secrets
+import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import anyio
 import torch
 
 from asyncllm import protocol
@@ -65,11 +67,29 @@ def pack_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str
 
 async def pack_off_loop(
         named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor]) -> PackedTensors:
-    """`pack_tensors` in a thread of its own. A caller cancelled while it copies (a timeout, an anyio deadline)
-    does not wait for the copy, and the segment is closed once the copy ends, so none is left in /dev/shm."""
-    from asyncllm.engine.replica import in_thread  # the host's side only: workers import this module too
+    """`pack_tensors` in a worker thread. A caller cancelled while it copies (a timeout) does not wait for the
+    copy: whichever of the thread and the caller comes second closes the segment, so none is left in /dev/shm."""
+    lock = threading.Lock()
+    state: dict[str, Any] = {"abandoned": False, "packed": None}
 
-    return await in_thread(pack_tensors, named_tensors, abandoned=PackedTensors.close)
+    def pack() -> None:
+        packed = pack_tensors(named_tensors)
+        with lock:
+            if not state["abandoned"]:
+                state["packed"] = packed
+                return
+        packed.close()
+
+    try:
+        await anyio.to_thread.run_sync(pack, abandon_on_cancel=True)  # an anyio scope's deadline too returns at once
+    except BaseException:
+        with lock:
+            state["abandoned"] = True
+            packed = state["packed"]
+        if packed is not None:
+            packed.close()
+        raise
+    return state["packed"]
 
 
 def tensor_views(buf: Any, tensors: list[protocol.WeightTensor]) -> Iterable[torch.Tensor]:
