@@ -25,7 +25,18 @@ function that is no parameter (between its parameters, or after its last one) an
 the next ``<function=`` are not read; a parameter's ``</parameter>`` may be left out (the next ``<parameter=``, the
 ``</function>`` or the block's end ends it; Seed-OSS's: only the ``</function>`` or the block's end), and so may a
 function's ``</function>`` and the last block's ``</tool_call>``: a function still open at the block's end is a call
-(so a reply cut inside its closing tags is still its calls).
+(so a reply cut inside its closing tags is still its calls). A value that such an end cuts off loses one more
+newline at its end, as ``$`` in vLLM's regexes also matches before a last newline (and a block the reply's end cuts
+off, one more).
+
+This follows vLLM's regex parser (commit 0b13f933), not the current one, which scans the tags (commit 00d0a333)
+and reads differently: it takes only the first function of a block (and drops the later ones, which here are
+calls); it still calls a block with text before its first ``<function=`` (here the block is content); it rejects a
+template-like name such as ``{{ tc.name }}`` (here it is the call's name); and it skips a literal ``</parameter>``
+inside code in a value (here it ends the value).
+
+Streamed, the block's text is read only when a piece holds a tag the reader waits for, so a long value fed in
+small pieces is read once (linear, not quadratic, time on the server's event loop).
 """
 
 from __future__ import annotations
@@ -110,8 +121,11 @@ class _Function:
         self._started = False
         self._sent = 0  # parameters sent (streaming)
 
-    def add(self, match: re.Match[str]) -> None:
-        key, value = match.group(1).strip(), match.group(2).removeprefix("\n").removesuffix("\n")
+    def add(self, match: re.Match[str], at_end: bool = False) -> None:
+        """A parameter's match; `at_end`: its value runs to the function's end, where vLLM's ``$`` also matches
+        before a last newline, so one more newline goes."""
+        value = match.group(2).removesuffix("\n") if at_end else match.group(2)
+        key, value = match.group(1).strip(), value.removeprefix("\n").removesuffix("\n")
         value_text = json.dumps(typed_value(value, self._types.get(key)), ensure_ascii=False)
         self.arguments.append(f"{json.dumps(key)}: {value_text}")
 
@@ -136,24 +150,45 @@ class _Function:
 class _Block:
     """One ``<tool_call>`` block's text as it comes, read into its functions (calls) and their parameters."""
 
-    def __init__(self, index: int, types: dict[str, dict[str, str]], parameter: re.Pattern[str]) -> None:
+    def __init__(self, index: int, types: dict[str, dict[str, str]], parameter: re.Pattern[str],
+                 parameter_ends: tuple[str, ...]) -> None:
         self.index = index  # the index of its first call
         self.functions: list[_Function] = []
         self._types = types
-        self._parameter = parameter
-        self._text = ""
+        self._parameter, self._parameter_ends = parameter, parameter_ends
+        self._text = ""  # the block's text from where the last read stopped (what it read is dropped)
         self._pos = 0  # where the text not read yet starts
+        self._more: list[str] = []  # text fed after `_text`, holding no tag the reader waits for
+        self._overlap = max(map(len, (_FUNCTION_END, *parameter_ends))) - 1
+        self._tail = ""  # the last `_overlap` characters fed: a tag may start in them and end in the next feed
         self._open = False  # the last function's end has not come
 
     def feed(self, text: str) -> None:
-        self._text += text
-        while self._read():
-            pass
+        """Only text with a tag the reader waits for (a parameter's or function's end while a function is open,
+        else the ``>`` that ends ``<function=NAME>``) can read more, so only such a feed reads the text: a long
+        parameter fed in small pieces is read once, not once a piece."""
+        self._more.append(text)
+        window = self._tail + text
+        self._tail = window[-self._overlap:]
+        waited = (_FUNCTION_END, *self._parameter_ends) if self._open else (">",)
+        if any(tag in window for tag in waited):
+            self._catch_up()
+            while self._read():
+                pass
+            self._text, self._pos = self._text[self._pos:], 0
 
-    def end(self) -> None:
-        """The block's text ended: so does a function still open."""
+    def end(self, reply_end: bool) -> None:
+        """The block's text ended (`reply_end`: the reply's end, not its closing tag, where vLLM's ``$`` leaves out
+        a last newline): so does a function still open."""
+        self._catch_up()
+        if reply_end:
+            self._text = self._text.removesuffix("\n")
         if self._open:
             self._end_function(len(self._text))
+
+    def _catch_up(self) -> None:
+        self._text += "".join(self._more)
+        self._more = []
 
     def _read(self) -> bool:
         """A function opened, or the open one ended; False when the text so far holds no more."""
@@ -185,7 +220,7 @@ class _Block:
         """The open function ends at `end`: a parameter still open runs to it, and text after its last parameter
         is not read (vLLM's parameter regex skips it)."""
         if (match := _OPEN_PARAMETER.search(self._text, self._pos, end)) is not None:
-            self.functions[-1].add(match)
+            self.functions[-1].add(match, at_end=True)
         self.functions[-1].ended, self._open = True, False
 
 
@@ -195,6 +230,8 @@ class XmlCallsStream(TaggedBlockStream):
 
     LAST_CLOSE_OPTIONAL = True
     PARAMETER = _PARAMETER
+    PARAMETER_ENDS = ("</parameter>", "<parameter=")
+    """The tags that end a parameter (`PARAMETER`'s ends): only one in new text can finish a parameter."""
 
     def __init__(self, stream_arguments: bool, types: dict[str, dict[str, str]]) -> None:
         super().__init__()
@@ -203,7 +240,7 @@ class XmlCallsStream(TaggedBlockStream):
         self._calls_block: _Block | None = None
 
     def _open_block(self) -> None:
-        self._calls_block = _Block(self._index, self._types, self.PARAMETER)
+        self._calls_block = _Block(self._index, self._types, self.PARAMETER, self.PARAMETER_ENDS)
 
     def _feed_block(self, text: str) -> list[ReplyPart]:
         assert self._calls_block is not None
@@ -213,7 +250,7 @@ class XmlCallsStream(TaggedBlockStream):
     def _close_block(self) -> list[ReplyPart]:
         block, self._calls_block = self._calls_block, None
         assert block is not None
-        block.end()
+        block.end(self._unclosed)
         if not block.functions:
             return self._as_content()
         self._index = block.index + len(block.functions)

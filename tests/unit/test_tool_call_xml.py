@@ -1,0 +1,62 @@
+"""The ``qwen3_coder`` / ``seed_oss`` XML call reader (asyncllm/tool_call_xml.py): its reading cost and vLLM's ``$``."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from asyncllm import tool_call_xml
+from asyncllm.tool_calls import get_tool_parser
+
+
+def _fed(parser_name: str, text: str, sizes: list[int]) -> list[tuple[str, dict]]:
+    """`text` fed in pieces of `sizes` (cycled), then finished: each call's name and arguments."""
+    stream, calls, pos, k = get_tool_parser(parser_name).stream(), [], 0, 0
+    while pos < len(text):
+        calls += stream.feed(text[pos:pos + sizes[k % len(sizes)]])[1]
+        pos, k = pos + sizes[k % len(sizes)], k + 1
+    calls += stream.finish()[1]
+    return [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_a_long_value_fed_in_small_pieces_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The characters the block reader holds at each read, summed over a reply fed 3 characters at a time, stay
+    within a few times the reply's length (read once a piece, a 40 KB value cost seconds of the event loop)."""
+    held = [0]
+    read = tool_call_xml._Block._read
+
+    def counted(block: tool_call_xml._Block) -> bool:
+        held[0] += len(block._text)
+        return read(block)
+
+    monkeypatch.setattr(tool_call_xml._Block, "_read", counted)
+    value = "def f(x):\n    return x > 1  # a line of code\n" * 1000
+    small = "".join(f"<parameter=p{i}>\n{i}\n</parameter>\n" for i in range(200))
+    text = (f"<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n{value}\n"
+            f"</parameter>\n{small}</function>\n</tool_call>")
+    calls = _fed("qwen3_coder", text, [3])
+    assert calls == [("write", {"path": "a.py", "content": value, **{f"p{i}": str(i) for i in range(200)}})]
+    assert held[0] < 3 * len(text), (held[0], len(text))
+
+
+@pytest.mark.parametrize("parser_name", ["qwen3_coder", "seed_oss"])
+@pytest.mark.parametrize("ending, value", [
+    ("x\n\n</function>\n</tool_call>", "x"),  # vLLM's `$` leaves out the last newline, then one more goes
+    ("x\n\n</tool_call>", "x"),
+    ("x\n\n\n", "x"),  # the block cut off by the reply's end: its last newline is left out too
+    ("x\n\n\n\n", "x\n"),
+    ("x\n</parameter>\n</function>", "x"),
+    ("x\n\n</parameter>\n", "x\n"),  # a closed value: one newline at each end, as before
+    ("\n\n", ""),
+])
+def test_a_cut_off_value_loses_newlines_as_vllm_reads_it(parser_name: str, ending: str, value: str) -> None:
+    """vLLM's regexes end an open parameter (and a block the reply cuts off) at ``$``, which also matches before a
+    last newline: whole and in any pieces, the value is vLLM's."""
+    text = "<tool_call>\n<function=f>\n<parameter=a>\n" + ending
+    if parser_name == "seed_oss":
+        text = text.replace("tool_call>", "seed:tool_call>")
+    rng = random.Random(0)
+    for sizes in ([len(text)], [1], [rng.randint(1, 5) for _ in range(9)]):
+        assert _fed(parser_name, text, sizes) == [("f", {"a": value})], sizes
