@@ -16,7 +16,7 @@ from typing import NamedTuple
 from asyncllm.outputs import EngineStats
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["EngineView", "Histogram", "HostStats", "FINISH_REASONS", "summed_snapshots"]
+__all__ = ["EngineView", "Histogram", "HostStats", "FINISH_REASONS", "engine_counters", "summed_snapshots"]
 
 # vLLM's buckets, with finer ones at the low end of the inter-token latency (fast GPUs decode in < 10 ms).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -168,25 +168,40 @@ class HostStats:
         self.retired_engine = summed_snapshots([self.retired_engine, other.retired_engine])
 
     def snapshot(self, engine_alive: bool = True) -> EngineStats:
-        """A typed copy of every gauge and counter (no I/O; a few microseconds)."""
-        s = self.scheduler
+        """A typed copy of every gauge and counter (no I/O; a few microseconds). The engine-wide counters are
+        Prometheus' (`engine_counters`): a restarted core's count on from the dead one's."""
+        view = self.engine
+        s, c = view.scheduler, engine_counters(view)
         return EngineStats(
             num_requests_running=s.num_requests_running, num_requests_waiting=s.num_requests_waiting,
             kv_cache_usage=s.kv_cache_usage, num_gpu_blocks=s.num_gpu_blocks, num_used_blocks=s.num_used_blocks,
-            num_preemptions_total=s.num_preemptions_total, prefix_cache_queries=s.prefix_cache_queries,
-            prefix_cache_hits=s.prefix_cache_hits, cpu_prefix_cache_hits=s.cpu_prefix_cache_hits,
+            num_preemptions_total=c.num_preemptions_total, prefix_cache_queries=c.prefix_cache_queries,
+            prefix_cache_hits=c.prefix_cache_hits, cpu_prefix_cache_hits=c.cpu_prefix_cache_hits,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total, engine_alive=engine_alive,
-            num_steps_total=s.num_steps_total,
-            request_success_total=dict(self.request_success), num_swapped_total=s.num_swapped_total,
+            num_steps_total=c.num_steps_total,
+            request_success_total=dict(self.request_success), num_swapped_total=c.num_swapped_total,
             mm_cache_queries=self.mm_cache_queries, mm_cache_hits=self.mm_cache_hits,
-            mm_encoder_cache_queries=s.mm_encoder_cache_queries, mm_encoder_cache_hits=s.mm_encoder_cache_hits,
-            spec_decode_num_drafts=s.spec_decode_num_drafts, spec_decode_num_draft_tokens=s.spec_decode_num_draft_tokens,
-            spec_decode_num_accepted_tokens=s.spec_decode_num_accepted_tokens,
-            spec_decode_accepted_per_pos=list(s.spec_decode_accepted_per_pos),
+            mm_encoder_cache_queries=c.mm_encoder_cache_queries, mm_encoder_cache_hits=c.mm_encoder_cache_hits,
+            spec_decode_num_drafts=c.spec_decode_num_drafts, spec_decode_num_draft_tokens=c.spec_decode_num_draft_tokens,
+            spec_decode_num_accepted_tokens=c.spec_decode_num_accepted_tokens,
+            spec_decode_accepted_per_pos=list(c.spec_decode_accepted_per_pos),
             weights_version=s.weights_version, is_sleeping=s.sleep_level > 0, sleep_level=s.sleep_level,
             awaiting_weights=s.awaiting_weights,
         )
+
+
+_NO_COUNTERS = SchedulerStats()
+
+
+def engine_counters(view: EngineView) -> SchedulerStats:
+    """A host's engine-wide counters: its live core's plus the final ones of its cores that stopped or died
+    (`HostStats.retired_engine`); once closed, those final ones alone (they hold the live core's last)."""
+    if view.retired_engine == _NO_COUNTERS:
+        return view.scheduler
+    if view.reports_engine:
+        return summed_snapshots([view.scheduler, view.retired_engine])
+    return view.retired_engine
 
 
 def summed_snapshots(snapshots: list[SchedulerStats]) -> SchedulerStats:

@@ -249,6 +249,10 @@ def test_a_restarted_core_counts_on_from_its_predecessors_final_counters() -> No
     assert reg.get_sample_value("asyncllm:prefix_cache_queries_total", {"model_name": "m"}) == 34
     per_pos = {"model_name": "m", "position": "1"}
     assert reg.get_sample_value("asyncllm:spec_decode_num_accepted_tokens_per_pos_total", per_pos) == 1
+    snapshot = stats.snapshot()  # engine.stats() reads the same numbers: they never go down
+    assert (snapshot.prefix_cache_queries, snapshot.spec_decode_accepted_per_pos) == (34, [5, 1])
+    stats.mark_closed()
+    assert stats.snapshot().prefix_cache_queries == 34  # closed: its last counters, not twice
 
 
 def _three_engines() -> tuple[CollectorRegistry, list[RequestObserver]]:
