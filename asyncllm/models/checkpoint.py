@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import ConfigError, NotBuiltError
-from asyncllm.models.rope_config import ROPE_OVERRIDE_KEYS, apply_rope_overrides, folds_rope_overrides
+from asyncllm.models.rope_config import ROPE_OVERRIDE_KEYS, apply_rope_overrides
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -143,14 +143,14 @@ class _GlobalReadFilter:
 def apply_hf_overrides(hf_config: PretrainedConfig, overrides: dict[str, Any] | None) -> PretrainedConfig:
     """``hf_config`` with copies of ``hf_overrides`` set (in place; a dict over a sub-config sets its keys)."""
     from transformers import PretrainedConfig
-    overrides = copy.deepcopy(overrides or {})
+    overrides = overrides or {}
     for key, value in overrides.items():
         nested = getattr(hf_config, key, None)
         if isinstance(value, dict) and isinstance(nested, PretrainedConfig):
             apply_hf_overrides(nested, value)
-        elif not (key in ROPE_OVERRIDE_KEYS and folds_rope_overrides(hf_config)):
-            setattr(hf_config, key, value)
-    apply_rope_overrides(hf_config, overrides)  # rope_theta, rope_scaling: into rope_parameters, checked
+        elif key not in ROPE_OVERRIDE_KEYS:
+            setattr(hf_config, key, copy.deepcopy(value))
+    apply_rope_overrides(hf_config, overrides)  # the rope keys: into rope_parameters (the text config's), checked
     return hf_config
 
 

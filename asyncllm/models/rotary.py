@@ -23,13 +23,14 @@ from torch import nn
 
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.checkpoint import pretrained_config
+from asyncllm.models.rope_config import UNBUILT_ROPE_TYPES
 from asyncllm.kernels import reference
 
 __all__ = ["FREQ_FACTORS", "rope_parameters", "compute_inv_freq", "fix_longrope_factors", "RotaryEmbedding", "identity_rotary"]
 
-# Their frequencies change with the batch's sequence length in HF, so the same
-# token would get different rotations depending on what it is batched with.
-_LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+# Their frequencies change with the batch's sequence length in HF, so the same token would get different rotations
+# depending on what it is batched with (LongRoPE's, unless `fix_longrope_factors` fixed them).
+_LENGTH_DEPENDENT_ROPE_TYPES = (*UNBUILT_ROPE_TYPES, "longrope")
 FREQ_FACTORS = "rope_freq_factors"
 """The config attribute of per-frequency divisors of the inverse frequencies (GGUF's ``rope_freqs.weight``)."""
 

@@ -54,7 +54,7 @@ class SpeculativeConfig:
     """draft_model: the draft checkpoint's hub revision."""
     max_model_len: int | None = None
     """draft_model: no drafts for a request past this length (default: the target's max_model_len, capped by the
-    draft's max_position_embeddings)."""
+    draft's max_position_embeddings times its rope scaling factor)."""
     quantization: str | None = None
     """draft_model: None, or ``fp8`` (the draft's weights quantized at load, or its pre-quantized fp8 checkpoint)."""
     draft_tensor_parallel_size: int | None = None

@@ -49,7 +49,7 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
     """Check the draft checkpoint against the target (``target_config``: its text config; ``arch``: the
     checkpoint's architecture, default the config's; ``download_dir``: the engine's hub cache); returns
     ``speculative_config`` with the draft's folder."""
-    from asyncllm.models.architectures import HYBRID_ARCHITECTURES, TEXT_ARCHITECTURES, architecture_of
+    from asyncllm.models.architectures import HYBRID_ARCHITECTURES, TEXT_ARCHITECTURES, architecture_of, max_positions
     from asyncllm.models.checkpoint import load_hf_config, resolve_model_path
     from asyncllm.models.eagle_targets import check_multimodal_target
 
@@ -84,10 +84,11 @@ def prepare_draft_model(spec_dict: dict, spec: SpeculativeConfig, target_config:
     if draft_vocab != target_vocab:
         raise ConfigError(_FIELD, spec_dict, f"a draft model with the target's vocabulary: the draft {spec.model} has "
                                              f"vocab_size={draft_vocab}, the target {target_vocab}")
-    limit = getattr(draft_config, "max_position_embeddings", None) or max_model_len
+    limit = max_positions(draft_config) or max_model_len
     draft_len = min(max_model_len, limit) if spec.max_model_len is None else spec.max_model_len
     if draft_len > limit:
-        raise ConfigError(_FIELD, spec_dict, f"max_model_len at most the draft's max_position_embeddings ({limit})")
+        raise ConfigError(_FIELD, spec_dict, f"max_model_len at most the draft's max_position_embeddings (times its "
+                                             f"rope scaling factor: {limit})")
     return {**spec_dict, "method": method, "model": path, "revision": None, "max_model_len": draft_len}
 
 

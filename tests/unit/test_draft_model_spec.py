@@ -53,6 +53,20 @@ def test_a_bad_draft_model_config_is_refused_by_name(value, error, words):
     assert type(info.value) is error and words in str(info.value)
 
 
+def test_a_yarn_draft_drafts_to_its_scaled_length(tmp_path):
+    from transformers import LlamaConfig
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "original_max_position_embeddings": 64}
+    draft = LlamaConfig(max_position_embeddings=64, rope_parameters=yarn, architectures=["LlamaForCausalLM"])
+    draft.save_pretrained(tmp_path)  # the config is all the host reads of a draft
+    spec_dict = {"model": str(tmp_path), "num_speculative_tokens": 2}
+    spec = SpeculativeConfig.from_dict(spec_dict)
+    assert prepare_draft_model(spec_dict, spec, draft, 1, 256, False)["max_model_len"] == 256  # 64 x 4
+    with pytest.raises(ConfigError, match=r"max_model_len at most .* rope scaling factor: 256"):
+        prepare_draft_model({**spec_dict, "max_model_len": 257}, SpeculativeConfig.from_dict(
+            {**spec_dict, "max_model_len": 257}), draft, 1, 512, False)
+
+
 def test_the_core_takes_the_last_step_s_drafts_within_its_room():
     proposer = DraftModelProposer()
     proposer.update({"a": [5, 6, 7], "b": [8, 9, 10]})

@@ -4,12 +4,13 @@ a rope scaling allows (vLLM's patch_rope_parameters and _get_and_verify_max_len)
 from __future__ import annotations
 
 import types
+from typing import Any
 
 import pytest
 
 from asyncllm import ConfigError
 from asyncllm.models.architectures import max_positions
-from asyncllm.models.checkpoint import served_hf_config
+from asyncllm.models.checkpoint import apply_hf_overrides, served_hf_config
 from asyncllm.models.rope_config import rope_scaled_length
 from asyncllm.tiny import tiny_checkpoint
 
@@ -32,6 +33,49 @@ def test_rope_theta_and_rope_scaling_go_into_rope_parameters() -> None:
 def test_a_bad_rope_is_a_config_error_on_the_host(scaling) -> None:
     with pytest.raises(ConfigError) as info:
         served_hf_config(tiny_checkpoint("llama"), {"rope_scaling": scaling})
+    assert info.value.field == "hf_overrides"
+
+
+def test_a_direct_rope_parameters_override_keeps_the_model_s_theta_and_errors_quote_it_as_given() -> None:
+    from transformers import LlamaConfig
+
+    def llama() -> Any:
+        return LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 5e5})
+
+    linear = {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}
+    assert apply_hf_overrides(llama(), linear).rope_parameters == {"rope_type": "linear", "factor": 2.0,
+                                                                  "rope_theta": 5e5}
+    missing_factor = {"rope_parameters": {"rope_type": "linear"}}
+    with pytest.raises(ConfigError) as info:
+        apply_hf_overrides(llama(), missing_factor)
+    assert f"hf_overrides={missing_factor!r} " in str(info.value)  # not transformers' standardized copy
+    assert missing_factor == {"rope_parameters": {"rope_type": "linear"}}
+
+
+def _qwen2_vl_config() -> Any:
+    """A Qwen2-VL config as transformers 5 reads one: the rope parameters (M-RoPE's) on the text config only."""
+    from transformers import Qwen2VLConfig
+
+    return Qwen2VLConfig(text_config={"max_position_embeddings": 1024, "rope_parameters": {
+        "rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]}})
+
+
+def test_rope_overrides_on_a_multimodal_model_go_to_its_text_config() -> None:
+    overrides = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "rope_theta": 5e6}
+    config = apply_hf_overrides(_qwen2_vl_config(), overrides)
+    assert config.text_config.rope_parameters == {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e6,
+                                                  "mrope_section": [4, 6, 6],
+                                                  "original_max_position_embeddings": 1024}
+    assert max_positions(config.text_config) == 4096
+    assert getattr(config, "rope_parameters", None) is None  # nothing left on the outer config
+    direct = apply_hf_overrides(_qwen2_vl_config(), {"rope_parameters": {"rope_type": "linear", "factor": 2.0}})
+    assert direct.text_config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6,
+                                                  "mrope_section": [4, 6, 6]}
+
+
+def test_a_rope_type_no_worker_builds_is_refused_on_the_host() -> None:
+    with pytest.raises(ConfigError, match="not 'dynamic'") as info:
+        served_hf_config(tiny_checkpoint("llama"), {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}})
     assert info.value.field == "hf_overrides"
 
 
