@@ -8,6 +8,7 @@ clients parse it (``openai.BadRequestError`` for 400, ``RateLimitError`` for
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -48,13 +49,16 @@ def status_of(exc: AsyncLLMError) -> tuple[int, str, str | None]:
 @contextlib.contextmanager
 def renamed_fields(renames: Mapping[str, str]) -> Iterator[None]:
     """An `InvalidRequestError` raised inside names the field the client wrote (`renames`: the name the engine or
-    a translated request gives it -> the client's), as clients read ``param``."""
+    a translated request gives it -> the client's), as clients read ``param``. A field within a renamed one
+    (``messages[0].content[1]``) is named by the client's whole field (``input``): its items need not be the
+    translated request's one for one."""
     try:
         yield
     except InvalidRequestError as exc:
-        if exc.field not in renames:
+        field = exc.field if exc.field in renames else re.split(r"[\[.]", exc.field, maxsplit=1)[0]
+        if field not in renames:
             raise
-        raise InvalidRequestError(renames[exc.field], exc.message, code=exc.code) from None
+        raise InvalidRequestError(renames[field], exc.message, code=exc.code) from None
 
 
 def error_body(exc: AsyncLLMError | ApiError) -> tuple[int, dict[str, Any], dict[str, str]]:

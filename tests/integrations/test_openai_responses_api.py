@@ -88,7 +88,9 @@ async def test_what_is_not_built_is_refused_by_name(app) -> None:
              # the chat request's errors name the Responses API's fields (RESPONSES_FIELDS)
              ({"max_output_tokens": 0}, "max_output_tokens"), ({"max_output_tokens": 10**6}, "max_output_tokens"),
              ({"input": []}, "input"), ({"input": [{"type": "message", "content": "x"}]}, "input"),
-             ({"text": {"format": {"type": "yaml"}}}, "text")]
+             ({"text": {"format": {"type": "yaml"}}}, "text"),
+             ({"input": [{"type": "message", "role": "user", "content": [  # messages[0]... is the client's input
+                 {"type": "input_image", "image_url": "file:///etc/hostname"}]}]}, "input")]
     async with _client(app) as http:
         for extra, param in cases:
             response = await http.post("/v1/responses", json={"model": MODEL, "input": "x", **extra})
