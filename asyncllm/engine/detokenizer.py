@@ -25,9 +25,10 @@ users get, less the EOS or stop token that ended the request (vLLM's rule,
 `IncrementalDetokenizer.update`). One exception, as vLLM's DecodeStream: a
 byte-fallback run that turns invalid UTF-8 after characters of it were shown.
 sentencepiece's ByteFallback decoder then writes every byte of the run as
-U+FFFD, the shown characters included; the stream keeps what it showed, goes
-on showing each character its later bytes complete and writes U+FFFD for the
-invalid bytes (the text before and after the run is decode()'s). The prompt is deliberately not used as decoding context: with
+U+FFFD, the shown characters included; the stream keeps what it showed and
+writes U+FFFD for the rest of the run (their count follows the decoding
+window, so it may differ from decode()'s; the text before and after the run is
+decode()'s). vLLM's DecodeStream drops such bytes instead. The prompt is deliberately not used as decoding context: with
 sentencepiece-style tokenizers (Llama 2, Mistral) it would add the leading
 space of the first output token, which ``decode(output_token_ids)`` drops.
 """
@@ -48,10 +49,8 @@ logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
 
-_CLEANUP_LETTER_TAILS = {" n'": 2, " n": 1, "'v": 1, "'r": 1}
-"""Ends of text that may begin a clean-up pattern with letters (" n't", " 've", " 're"), and how many of their
-last characters are not spaces or quotes; every other proper prefix of a pattern (" .", " ' ", " 's", ...) is
-spaces and quotes."""
+_CLEANUP_TAIL_CHARS = frozenset(" n'vr")
+"""Every proper prefix of a clean-up pattern (" .", " n't", " 've", ...) is made of these, and starts with a space."""
 
 
 @dataclass(frozen=True)
@@ -327,12 +326,13 @@ def _cleanup_applies(tokenizer: Any) -> bool:
 class _SpacesCleanup:
     """transformers' ``clean_up_tokenization`` applied to a stream of text.
 
-    A pattern can span a cut only where the text before it ends in a proper
-    prefix of the pattern (" ", " n", " 'v", ...); a " ' " rewrite may make a
-    new pattern with the space before it, so the whole run of spaces and quotes
-    before such a prefix waits with it for more text, and the rest is cleaned
-    and released. "Human" is released whole (a stop string ending in it matches
-    on its token); "do n" waits for what follows the "n".
+    Every clean-up pattern starts with a space and only deletes spaces; a
+    pattern, or a chain of them (" ' " becomes "'", which may join the space
+    before it), can span a cut only from a space inside the text's trailing run
+    of characters that proper pattern prefixes are made of (" n'vr"). So the
+    text from that run's first space waits for more text, and the rest is
+    cleaned and released: "Human" is released whole (a stop string ending in it
+    matches on its token); "do n '" waits from its " n".
     """
 
     def __init__(self, clean: Callable[[str], str]) -> None:
@@ -341,9 +341,11 @@ class _SpacesCleanup:
 
     def push(self, text: str) -> str:
         buffer = self._held + text
-        cut = len(buffer) - next((n for tail, n in _CLEANUP_LETTER_TAILS.items() if buffer.endswith(tail)), 0)
-        while cut > 0 and buffer[cut - 1] in " '":  # a run of spaces and quotes: " ' " rewrites may chain
-            cut -= 1
+        run = len(buffer)
+        while run > 0 and buffer[run - 1] in _CLEANUP_TAIL_CHARS:
+            run -= 1
+        space = buffer.find(" ", run)  # a pattern (or a chain of " ' " rewrites) can only start at a space
+        cut = len(buffer) if space < 0 else space
         self._held = buffer[cut:]
         return self._clean(buffer[:cut])
 

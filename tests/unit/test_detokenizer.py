@@ -256,6 +256,10 @@ def test_clean_up_tokenization_spaces_streams_exactly(tiny_path: str) -> None:
                                                if stop in tokenizer.decode(words[:k]))]  # found on its token
     updates, _ = stream(tokenizer, words)
     assert [u.text for u in updates][-3:] == ["", "n't", ""]  # " n" waits: " n't" becomes "n't"
+    for parts in (("I do", " n", " '", " t"), ("x", "  '", " v", "e")):  # " ' " rewrites that chain into a pattern
+        ids = _ids(tokenizer, *parts)
+        updates, _ = stream(tokenizer, ids)
+        assert "".join(u.text for u in updates) == tokenizer.decode(ids), parts
 
 
 def _ids(tokenizer: Any, *parts: str) -> list[int]:
