@@ -124,7 +124,8 @@ def apply_chat_template(
     content in vLLM's `content_format` (asyncllm/chat_content.py: "auto", "string" or "openai").
 
     The template writes the special tokens itself (BOS included), so the
-    rendered text is tokenized without adding any, as transformers does.
+    rendered text is tokenized without adding any, as transformers does. Whatever rendering raises is an
+    `InvalidRequestError` on ``messages`` (vLLM's ``apply_hf_chat_template`` makes any exception a 400).
     """
     from asyncllm.chat_content import content_format_of, formatted_messages
 
@@ -143,6 +144,8 @@ def apply_chat_template(
         token_ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs)
     except TemplateError as exc:  # raise_exception() in the template, or a template bug
         raise InvalidRequestError("messages", f"the chat template rejected them: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - a template's TypeError, ZeroDivisionError...: a 400, as vLLM's
+        raise InvalidRequestError("messages", f"could not be tokenized ({type(exc).__name__}: {exc})") from exc
     return [int(t) for t in token_ids]
 
 
@@ -152,7 +155,7 @@ def template_messages(messages: object) -> list[dict[str, Any]]:
     Each is a dict with a str ``role`` and ``content`` (or a list of parts: the "openai" content format,
     asyncllm/chat_content.py); an assistant message
     with ``tool_calls`` (OpenAI's shape) may have ``content`` None (rendered
-    as ""), and its calls' ``arguments`` JSON text is parsed into the dict the
+    as ""), and its calls' ``arguments`` JSON text is parsed into the dict (or list) the
     templates write (as vLLM does). Other keys (``tool_call_id``, ``name``)
     pass through.
     """
@@ -186,18 +189,19 @@ def _listed(i: int, calls: object) -> list[Any]:
 
 
 def _template_call(i: int, call: object) -> dict[str, Any]:
-    """One of an assistant's ``tool_calls`` with its arguments as a dict."""
+    """One of an assistant's ``tool_calls`` with its arguments parsed, as vLLM's ``_postprocess_messages``: JSON
+    text as the object (or array) it holds, none (None, "", empty) as {}."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidRequestError("messages", f"item {i}: each tool call needs a 'function' with a str 'name'")
-    arguments = function.get("arguments", {})
+    arguments = function.get("arguments") or {}
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError:
             raise InvalidRequestError("messages", f"item {i}: tool call arguments are not JSON: {arguments!r}") from None
-    if not isinstance(arguments, dict):
-        raise InvalidRequestError("messages", f"item {i}: tool call arguments must be a JSON object")
+    if not isinstance(arguments, (dict, list)):
+        raise InvalidRequestError("messages", f"item {i}: tool call arguments must be a JSON object or array")
     return {**call, "function": {**function, "arguments": arguments}}
 
 

@@ -87,7 +87,8 @@ def check_tools(tools: object) -> None:
     """`InvalidRequestError` unless `tools` is None or a list of OpenAI function tools.
 
     A tool is ``{"type": "function", "function": {"name": str, "description": str,
-    "parameters": {JSON schema}}}`` (description and parameters optional).
+    "parameters": {JSON schema}}}`` (as vLLM's ``ChatCompletionToolsParam``: ``type`` may be left out,
+    description and parameters left out or None).
     """
     if tools is None:
         return
@@ -95,11 +96,13 @@ def check_tools(tools: object) -> None:
         raise InvalidRequestError("tools", f"must be a list of tools, got {type(tools).__name__}")
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
             raise InvalidRequestError("tools", f"item {i} must be {{'type': 'function', 'function': {{...}}}}")
         if not isinstance(function.get("name"), str) or not function["name"]:
             raise InvalidRequestError("tools", f"item {i}: function needs a non-empty str 'name'")
-        if not isinstance(function.get("parameters", {}), dict):
+        if not isinstance(function.get("description", ""), (str, type(None))):
+            raise InvalidRequestError("tools", f"item {i}: function 'description' must be a str")
+        if not isinstance(function.get("parameters", {}), (dict, type(None))):
             raise InvalidRequestError("tools", f"item {i}: function 'parameters' must be a JSON schema object")
 
 

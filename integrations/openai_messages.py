@@ -1,11 +1,12 @@
 """OpenAI chat messages as the engine's chat takes them (`chat_messages`).
 
-Text parts become ``{"type": "text", "text": str}`` (joined with "\\n" by the engine, or not: vLLM's chat template
-content format, asyncllm/chat_content.py), media parts (``image_url``, ``video_url``, ``audio_url``, ``input_audio``) the
-engine's parts; an assistant message sent back as history (the official client's ``message.model_dump()``) is
-read as vLLM reads it: keys whose value is None dropped, OpenAI's assistant fields the template does not read
-ignored, ``reasoning`` (or ``reasoning_content``, a string) given to the template under both names. Other keys
-are a 400 naming them.
+Text parts (and what vLLM reads as text: bare strings, ``input_text``, ``output_text``, ``refusal`` and ``thinking``
+parts; a ``text`` or ``refusal`` part whose text is None is dropped) become ``{"type": "text", "text": str}``
+(joined with "\\n" by the engine, or not: vLLM's chat template content format, asyncllm/chat_content.py), media
+parts (``image_url``, ``video_url``, ``audio_url``, ``input_audio``) the engine's parts; an assistant message sent
+back as history (the official client's ``message.model_dump()``) is read as vLLM reads it: keys whose value is
+None dropped, OpenAI's assistant fields the template does not read ignored, ``reasoning`` (or
+``reasoning_content``, a string) given to the template under both names. Other keys are a 400 naming them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ _ASSISTANT_IGNORED_KEYS = frozenset({"refusal", "annotations", "audio", "functio
 """OpenAI's assistant message fields the template does not read (as vLLM, ignored): the official client's
 ``message.model_dump()`` carries them when a reply is sent back as the next turn's history."""
 _REASONING_KEYS = ("reasoning", "reasoning_content")
+_TEXT_FIELDS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal",
+                "thinking": "thinking"}
+"""The text-like part types vLLM reads as text, and the field each holds it in."""
 
 
 def chat_messages(messages: list[dict[str, Any]], images: bool = False,
@@ -48,8 +52,8 @@ def chat_messages(messages: list[dict[str, Any]], images: bool = False,
     for i, message in enumerate(messages):
         content = message.get("content")
         if isinstance(content, list):  # the engine joins text parts with "\n" or keeps them (content format)
-            content = [_image_part(i, part, media_root) if images and _is_image_part(part)
-                       else {"type": "text", "text": _text_part(i, part)} for part in content]
+            parts = (_content_part(i, part, images, media_root) for part in content)
+            content = [part for part in parts if part is not None]
         out.append({**_known_keys(i, message), "content": content})
     return out
 
@@ -70,6 +74,15 @@ def _known_keys(i: int, message: dict[str, Any]) -> dict[str, Any]:
             raise InvalidRequestError("messages", f"item {i}: {key} must be a string, got {type(text).__name__}")
         message["reasoning"] = message["reasoning_content"] = text
     return message
+
+
+def _content_part(i: int, part: object, images: bool, media_root: Path | None) -> dict[str, Any] | None:
+    """A content part as the engine's chat takes it; None for one vLLM skips (a text or refusal part whose text
+    is None)."""
+    if images and _is_image_part(part):
+        return _image_part(i, part, media_root)
+    text = _text_part(i, part)
+    return None if text is None else {"type": "text", "text": text}
 
 
 def _is_image_part(part: object) -> bool:
@@ -114,10 +127,21 @@ def media_url(url: str, media_root: Path | None, field: str) -> str:
     return str(path)
 
 
-def _text_part(i: int, part: object) -> str:
-    if isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str):
-        return part["text"]
+def _text_part(i: int, part: object) -> str | None:
+    """A text-like part's text, as vLLM's ``_parse_chat_message_content_part``: a bare string, a ``text``,
+    ``input_text`` or ``output_text`` part's ``text``, a ``refusal``'s ``refusal``, a ``thinking``'s ``thinking``;
+    None for a ``text`` or ``refusal`` part whose text is None (vLLM skips it)."""
+    if isinstance(part, str):
+        return part
     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-    raise InvalidRequestError("messages", f"item {i}: only text, image_url, video_url, audio_url and input_audio "
-                                          "content parts are built "
-                                          f"(the media parts in chat completions), got {kind!r}")
+    field = _TEXT_FIELDS.get(kind) if isinstance(kind, str) else None
+    if field is None:
+        raise InvalidRequestError("messages", f"item {i}: only text ({', '.join(_TEXT_FIELDS)}), image_url, "
+                                              "video_url, audio_url and input_audio content parts are built "
+                                              f"(the media parts in chat completions), got {kind!r}")
+    text = part.get(field)
+    if text is None and kind in ("text", "refusal"):
+        return None
+    if not isinstance(text, str):
+        raise InvalidRequestError("messages", f"item {i}: a {kind} part needs a str {field!r}, got {text!r:.80}")
+    return text

@@ -62,7 +62,7 @@ from asyncllm.integrations.openai_tokenize import tokenize_routes
 from asyncllm.integrations.openai_audio import audio_routes
 from asyncllm.integrations.openai_dev import dev_routes
 from asyncllm.integrations.openai_structured import constraint_errors, constraint_field
-from asyncllm.integrations.openai_tools import tool_mode
+from asyncllm.integrations.openai_tools import template_tools, tool_mode
 from asyncllm.integrations.responses_api import RESPONSES_FIELDS, ResponseEvents, ResponsesRequest, response_body
 from asyncllm.integrations.responses_store import ResponseStore
 from asyncllm.integrations.starlette import wait_disconnect
@@ -325,7 +325,7 @@ class OpenAIServer:
         messages = chat_messages(req.messages, images=True, media_root=self.limits.allowed_local_media_path)
         log_prompts(self.request_log, req, "chatcmpl", [messages], params, lora, indexed=False)
         streams = [self.engine.chat(messages, params, **request_options(req),
-                                    chat_template_kwargs=template_kwargs, tools=req.tools,
+                                    chat_template_kwargs=template_kwargs, tools=template_tools(req.tools),
                                     chat_template=self.templates.pick(req.chat_template), lora_request=lora,
                                     data_parallel_rank=data_parallel_rank, mm_processor_kwargs=req.mm_processor_kwargs,
                                     check_max_tokens=sets_max_tokens(req),
@@ -354,10 +354,10 @@ class OpenAIServer:
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,
                            tools: list[Any] | None = None) -> list[int]:
         """A request's ``messages`` rendered with the chat template (the server's, or the request's when trusted)
-        and tokenized, on a worker thread: the ids the engine's chat would run."""
+        and tokenized, on a worker thread: the ids the engine's chat would run (`tools` as vLLM dumps them)."""
         tokenizer = await self._tokenizer()
         render = functools.partial(apply_chat_template, tokenizer, chat_messages(req.messages),
-                                   template_kwargs=self.templates.kwargs(req), tools=tools,
+                                   template_kwargs=self.templates.kwargs(req), tools=template_tools(tools),
                                    chat_template=self.templates.pick(req.chat_template),
                                    content_format=self.content_format)
         return await anyio.to_thread.run_sync(render)

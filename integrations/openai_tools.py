@@ -24,7 +24,7 @@ from asyncllm.errors import InvalidRequestError
 from asyncllm.sampling import StructuredOutputs
 from asyncllm.tool_calls import ToolParser, check_tools, tool_call_id
 
-__all__ = ["ToolMode", "tool_mode"]
+__all__ = ["ToolMode", "template_tools", "tool_mode"]
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,23 @@ def tool_mode(tools: list[Any] | None, tool_choice: Any, parallel: bool | None, 
         raise InvalidRequestError("tool_choice", f"names {name!r}, which is not among the tools {sorted(functions)}")
     return ToolMode("named", function=name, constraint=StructuredOutputs(json=_parameters(functions[name])),
                     new_call_id=ids)
+
+
+def template_tools(tools: list[Any] | None) -> list[dict[str, Any]] | None:
+    """Checked tools as vLLM's server hands them to the chat template (``ChatCompletionToolsParam(**tool)
+    .model_dump()``): ``type`` ("function" when left out), then ``function``: ``name``, ``description`` and
+    ``parameters`` first (None when left out), then the keys the client added, in its order. Templates that
+    ``tojson`` a whole tool (Llama 3.1's, Qwen2.5's) so render vLLM's prompt."""
+    check_tools(tools)
+    return None if tools is None else [_dumped_tool(tool) for tool in tools]
+
+
+def _dumped_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    function = tool["function"]
+    declared = {"name": function["name"], "description": function.get("description"),
+                "parameters": function.get("parameters")}
+    extra = {key: value for key, value in tool.items() if key not in ("type", "function")}
+    return {"type": "function", "function": {**declared, **function}, **extra}
 
 
 def _named(tool_choice: Any) -> str:

@@ -75,3 +75,40 @@ async def test_chat_template_content_format_flag_reaches_rendering(bundled_engin
         assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(tokens)
         rendered[content_format] = bundled_tokenizer.decode(tokens)
     assert rendered == {"auto": "S:first\nsecond", "openai": "L:first; and then, after that: second"}
+
+
+async def test_text_like_parts_and_array_arguments_as_vllm_reads_them(app, bundled_tokenizer) -> None:
+    """vLLM's text parts: bare strings, input_text, output_text, refusal, thinking; a text or refusal whose text is
+    null dropped; a tool call's arguments a JSON array. Compared with vLLM's conversation, rendered and tokenized."""
+    call = {"id": "c1", "type": "function", "function": {"name": "pick", "arguments": "[1, 2]"}}
+    messages = [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}, "there",
+                                             {"type": "text", "text": None}, {"type": "thinking", "thinking": "hmm"}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "No."},
+                                                  {"type": "refusal", "refusal": "I can't"},
+                                                  {"type": "refusal", "refusal": None}]},
+                {"role": "assistant", "content": None, "tool_calls": [call]}]
+    vllm = [{"role": "user", "content": "Hi\nthere\nhmm"}, {"role": "assistant", "content": "No.\nI can't"},
+            {"role": "assistant", "content": "",
+             "tool_calls": [{**call, "function": {"name": "pick", "arguments": [1, 2]}}]}]
+    text = bundled_tokenizer.apply_chat_template(vllm, add_generation_prompt=True, tokenize=False)
+    async with _client(app) as client:
+        tokenized = await client.post("/tokenize", json={"messages": messages})
+        bad = await client.post("/tokenize", json={"messages": [{"role": "user", "content": [{"type": "refusal"}, 5]}]})
+    assert tokenized.status_code == 200, tokenized.text
+    assert tokenized.json()["tokens"] == bundled_tokenizer(text, add_special_tokens=False).input_ids
+    assert bad.status_code == 400 and "got 'int'" in bad.json()["error"]["message"]
+
+
+async def test_a_template_that_raises_is_a_400_everywhere(template_app) -> None:
+    """Any exception a template raises (here ZeroDivisionError) is a 400 on messages, as vLLM's."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 1 / 0 }}"}
+    async with _client(template_app) as client:
+        responses = [await client.post("/tokenize", json=body),
+                     await client.post("/v1/embeddings", json=body),
+                     await client.post("/v1/chat/completions", json={**GREEDY, **body}),
+                     await client.post("/v1/chat/completions",
+                                       json={**GREEDY, **body, "use_beam_search": True, "n": 2})]
+    for response in responses:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == "messages" and "ZeroDivisionError" in error["message"], error

@@ -19,6 +19,9 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "add", "parameters": {
              "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
              "required": ["a"], "additionalProperties": False}}}]
+DUMPED_TOOLS = [TOOLS[0], {"type": "function", "function": {"name": "add", "description": None,
+                                                             "parameters": TOOLS[1]["function"]["parameters"]}}]
+"""TOOLS as vLLM's server gives them to the template (``ChatCompletionToolsParam(**tool).model_dump()``)."""
 HISTORY = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Weather in Paris?"},
            {"role": "assistant", "content": None, "tool_calls": [
                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "paris"}'}}]},
@@ -36,15 +39,20 @@ def hermes_app(bundled_engine):
 
 
 def _rendered(tokenizer, messages=HISTORY, tools=TOOLS) -> list[int]:
+    """vLLM's prompt: HISTORY as its conversation, rendered to text, tokenized without special tokens."""
     template = [dict(m) for m in messages]
     template[2] = {**template[2], "content": "", "tool_calls": [
         {**template[2]["tool_calls"][0], "function": {"name": "get_weather", "arguments": {"city": "paris"}}}]}
-    return tokenizer.apply_chat_template(template, tools=tools, add_generation_prompt=True, return_dict=False)
+    text = tokenizer.apply_chat_template(template, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False).input_ids
 
 
 async def test_tools_and_tool_history_reach_the_template(app, bundled_engine, bundled_tokenizer) -> None:
-    expected = _rendered(bundled_tokenizer)
+    """The server renders tools as vLLM's server does (dumped: "description": null here), the engine's chat as
+    given (as vLLM's ``LLM.chat``); the bundled template writes whole tools with ``tojson``, so they differ."""
+    expected, as_given = _rendered(bundled_tokenizer, tools=DUMPED_TOOLS), _rendered(bundled_tokenizer)
     assert "get_weather" in bundled_tokenizer.decode(expected) and "sunny" in bundled_tokenizer.decode(expected)
+    assert expected != as_given
     async with _client(app) as client:
         tokenized = await client.post("/tokenize", json={"messages": HISTORY, "tools": TOOLS})
     assert tokenized.status_code == 200 and tokenized.json()["tokens"] == expected
@@ -52,7 +60,24 @@ async def test_tools_and_tool_history_reach_the_template(app, bundled_engine, bu
     async with stream:
         async for _ in stream:
             pass
-    assert stream.collector.prompt_token_ids == expected
+    assert stream.collector.prompt_token_ids == as_given
+
+
+async def test_tools_reach_the_template_as_vllm_dumps_them(app, bundled_tokenizer) -> None:
+    """vLLM's model_dump: ``type`` defaulted and first, ``name``, ``description``, ``parameters`` (None kept) first in
+    that order, then the client's other keys; a tool without ``type`` or with ``"parameters": null`` is served."""
+    tools = [{"function": {"parameters": CITY, "strict": True, "name": "get_weather"}, "x-tag": 1},
+             {"type": "function", "function": {"description": "The time", "name": "now", "parameters": None}}]
+    dumped = [{"type": "function", "function": {"name": "get_weather", "description": None, "parameters": CITY,
+                                                "strict": True}, "x-tag": 1},
+              {"type": "function", "function": {"name": "now", "description": "The time", "parameters": None}}]
+    expected = _rendered(bundled_tokenizer, tools=dumped)
+    async with _client(app) as client:
+        tokenized = await client.post("/tokenize", json={"messages": HISTORY, "tools": tools})
+        chat = await client.post("/v1/chat/completions", json={"messages": HISTORY, "tools": tools,
+                                                                "tool_choice": "none", "max_tokens": 1})
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"] == expected
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == len(expected)
 
 
 async def test_named_tool_choice_streamed_and_whole(app) -> None:
@@ -114,6 +139,8 @@ async def test_tool_requests_the_server_cannot_take(app, hermes_app) -> None:
              (hermes_app, {"tool_choice": "required"}, "needs tools"),
              (hermes_app, {"tools": TOOLS, "tool_choice": named, "response_format": {"type": "json_object"}}, "response_format"),
              (hermes_app, {"tools": [{"type": "function", "function": {}}]}, "name"),
+             (hermes_app, {"tools": [{"type": "custom", "function": {"name": "f"}}]}, "item 0"),
+             (hermes_app, {"tools": [{"function": {"name": "f", "description": 5}}]}, "description"),
              (app, {"tools": [{"type": "function", "function": {"name": "f", "parameters": {  # the engine's grammar
                  "type": "object", "properties": {"a": {"type": "nonsense"}}}}}], "tool_choice": "required"}, "nonsense")]
     for server, extra, match in cases:

@@ -14,7 +14,9 @@ from transformers import PreTrainedTokenizerFast
 from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.generation_config import read_generation_config
 from asyncllm.tiny import make_tiny_checkpoint
-from asyncllm.tokenizer import apply_chat_template, encode_prompt, eos_token_ids, load_chat_template, load_tokenizer
+from asyncllm.tokenizer import (
+    apply_chat_template, encode_prompt, eos_token_ids, load_chat_template, load_tokenizer, template_messages,
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +103,24 @@ def test_malformed_messages_are_invalid_request(tokenizer: Any, messages: Any) -
 def test_template_exception_is_invalid_request(tokenizer: Any) -> None:
     with pytest.raises(InvalidRequestError, match="unknown role: robot"):
         apply_chat_template(tokenizer, [{"role": "robot", "content": "{}"}])
+    for template, kind in [("{{ 1 / 0 }}", "ZeroDivisionError"), ("{{ messages[0]['content'] + 1 }}", "TypeError")]:
+        with pytest.raises(InvalidRequestError, match=rf"could not be tokenized \({kind}: ") as info:  # as vLLM: 400
+            apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}], chat_template=template)
+        assert info.value.field == "messages"
+
+
+def test_tool_call_arguments_parsed_as_vllm() -> None:
+    """vLLM's ``_postprocess_messages``: JSON text parsed, a dict or list kept, none (None, "", []) as {}."""
+    def parsed(arguments: object) -> object:
+        call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return template_messages([{"role": "assistant", "content": None, "tool_calls": [call]}])[0][
+            "tool_calls"][0]["function"]["arguments"]
+
+    assert [parsed(a) for a in ("[1, 2]", [1, 2], '{"a": 1}', {"a": 1}, None, "", [])] == [
+        [1, 2], [1, 2], {"a": 1}, {"a": 1}, {}, {}, {}]
+    for arguments in ("5", '"x"', 5):
+        with pytest.raises(InvalidRequestError, match="JSON object or array"):
+            parsed(arguments)
 
 
 def _with_generation_config(tiny_path: str, tmp_path: Path, eos: object) -> str:
