@@ -264,6 +264,11 @@ class AdapterChecker:
             self._checked[request.lora_int_id] = (request, resolved)
         return resolved
 
+    def forget(self, lora_int_id: int) -> bool:
+        """`AsyncEngine.remove_lora`: the id names nothing here any more; whether it did."""
+        with self._lock:
+            return self._checked.pop(lora_int_id, None) is not None
+
     def _check_adapter(self, adapter: Adapter) -> None:
         if self._runs_tower and adapter.unserved:
             _fail(adapter.path, f"tensor {adapter.unserved[0]}: adapters on the vision tower and projector are not "

@@ -23,8 +23,8 @@ import msgspec
 
 from asyncllm.lora import LoRARequest
 from asyncllm.pooling import PoolingParams
-from asyncllm.protocol_control import (_STRUCT, AddLoRA, AwaitWeights, LoRAAdded, Sleep, SleepModeDone,
-                                       UpdateWeights, WakeUp, WeightsUpdated, WeightTensor, call_error,
+from asyncllm.protocol_control import (_STRUCT, AddLoRA, AwaitWeights, LoRAAdded, LoRARemoved, RemoveLoRA, Sleep,
+                                       SleepModeDone, UpdateWeights, WakeUp, WeightsUpdated, WeightTensor, call_error,
                                        call_error_fields, config_error_from_parts, config_error_parts)
 from asyncllm.protocol_worker import (CachedRequestData, CacheReady, FirstStageReport, GrammarBitmask, InitCache,
                                       LogprobsArrays, ModelRunnerOutput, MultiModalItem, NewRequestData,
@@ -46,7 +46,8 @@ __all__ = [
     "ModelRunnerOutput", "FirstStageReport", "WorkerError", "WorkerMessage",
     # asyncllm/protocol_control.py
     "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
-    "AddLoRA", "LoRAAdded", "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
+    "AddLoRA", "LoRAAdded", "RemoveLoRA", "LoRARemoved", "config_error_parts", "config_error_from_parts",
+    "call_error_fields", "call_error",
 ]
 
 
@@ -101,7 +102,7 @@ class ResetPrefixCache(msgspec.Struct, **_STRUCT):
 
 
 HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache, UpdateWeights, AwaitWeights, Sleep,
-                    WakeUp, AddLoRA]
+                    WakeUp, AddLoRA, RemoveLoRA]
 
 
 # ---------------------------------------------------------------- core -> host
@@ -234,7 +235,7 @@ class EngineFailed(msgspec.Struct, **_STRUCT):
     """[field, value repr, allowed] when error_type is ConfigError."""
 
 
-CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated, SleepModeDone, LoRAAdded]
+CoreMessage = Union[Ready, Outputs, EngineFailed, WeightsUpdated, SleepModeDone, LoRAAdded, LoRARemoved]
 
 
 # ---------------------------------------------------------------- both ways

@@ -3,8 +3,8 @@ and typed errors on the wire.
 
 Part of the wire protocol (asyncllm/protocol.py, which re-exports every name here): a call goes host -> core ->
 every worker rank (`UpdateWeights`, `Sleep`, `WakeUp`; `AwaitWeights` to a restarted core only), its answer
-rank -> core -> host (`WeightsUpdated`, `SleepModeDone`); `AddLoRA` goes to the core only, answered by `LoRAAdded`
-(asyncllm/engine/lora_ids.py); a refused call's error as ``error_*`` fields
+rank -> core -> host (`WeightsUpdated`, `SleepModeDone`); `AddLoRA` and `RemoveLoRA` go to the core only, answered
+by `LoRAAdded` and `LoRARemoved` (asyncllm/engine/lora_ids.py); a refused call's error as ``error_*`` fields
 (`call_error_fields` / `call_error`), a ConfigError as [field, value repr, allowed] (`config_error_parts`).
 """
 
@@ -19,7 +19,7 @@ from asyncllm.lora import LoRARequest
 
 __all__ = [
     "WeightTensor", "UpdateWeights", "AwaitWeights", "Sleep", "WakeUp", "WeightsUpdated", "SleepModeDone",
-    "AddLoRA", "LoRAAdded", "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
+    "AddLoRA", "LoRAAdded", "RemoveLoRA", "LoRARemoved", "config_error_parts", "config_error_from_parts", "call_error_fields", "call_error",
 ]
 
 _STRUCT = dict(tag=True, array_like=True, omit_defaults=True)
@@ -139,6 +139,25 @@ class LoRAAdded(msgspec.Struct, **_STRUCT):
     refusal (InvalidRequestError naming ``lora_path`` or ``lora_request``)."""
 
     call_id: str
+    error_type: str = ""
+    error_field: str = ""
+    error_value: str = ""
+    error: str = ""
+
+
+class RemoveLoRA(msgspec.Struct, **_STRUCT):
+    """`AsyncEngine.remove_lora` at the core: forget the host's ``lora_int_id`` (its requests running go on)."""
+
+    call_id: str
+    lora_int_id: int
+
+
+class LoRARemoved(msgspec.Struct, **_STRUCT):
+    """The answer to `RemoveLoRA`: whether the core knew the host's id; ``error_type`` set only for a host the core
+    does not know (EngineDeadError)."""
+
+    call_id: str
+    removed: bool = False
     error_type: str = ""
     error_field: str = ""
     error_value: str = ""

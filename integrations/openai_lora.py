@@ -144,7 +144,7 @@ class LoRAModels:
         """Serve the adapter at ``lora_path`` as ``lora_name``, checked first (a bad adapter, or a name already
         served without ``load_inplace``, is an `InvalidRequestError`). ``load_inplace`` replaces a served adapter
         of that name as an unload and a load would: a new id, so the workers read the folder again (the old
-        adapter stays served until the new one passed its check)."""
+        adapter stays served until the new one passed its check, then its id is removed from the engine)."""
         if not req.lora_name.strip():
             raise InvalidRequestError("lora_name", "must not be empty")
         async with self._lock:
@@ -158,14 +158,19 @@ class LoRAModels:
             except InvalidRequestError as exc:
                 raise InvalidRequestError("lora_path", exc.message, code=exc.code) from None
             self.loras[req.lora_name] = ServedLoRA(lora, None if replaced is None else replaced.parent)
+            if replaced is not None:
+                await engine.remove_lora(replaced.request.lora_int_id)
         return lora
 
-    async def unload(self, req: UnloadLoRAAdapterRequest) -> None:
-        """Stop serving ``lora_name`` (a 404 if no adapter has that name); requests running with it finish."""
+    async def unload(self, engine: AsyncEngine, req: UnloadLoRAAdapterRequest) -> None:
+        """Stop serving ``lora_name`` (a 404 if no adapter has that name) and remove its id from the engine
+        (`AsyncEngine.remove_lora`); requests running with it finish with it."""
         async with self._lock:
-            if self.loras.pop(req.lora_name, None) is None:
+            served = self.loras.pop(req.lora_name, None)
+            if served is None:
                 raise ApiError(404, f"the LoRA adapter {req.lora_name!r} cannot be found; loaded: {list(self.loras)}",
                                "not_found_error", param="lora_name", code="model_not_found")
+            await engine.remove_lora(served.request.lora_int_id)
 
     def _new_request(self, name: str, path: str) -> LoRARequest:
         request = LoRARequest(name, self._next_id, path)
@@ -189,7 +194,7 @@ def lora_routes(server: OpenAIServer) -> list[Route]:
     async def unload(request: Request) -> Response:
         """Stop serving the model ``lora_name`` (404 if no adapter has that name)."""
         req = decode_request(await server._body(request), UnloadLoRAAdapterRequest)
-        await server.loras.unload(req)
+        await server.loras.unload(server.engine, req)
         logger.info("unloaded LoRA adapter %r", req.lora_name)
         return text_response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 

@@ -222,7 +222,7 @@ class EngineCore:
     def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
         if isinstance(message, (protocol.AddRequest, protocol.AbortRequests, protocol.ResetPrefixCache,
                                 protocol.UpdateWeights, protocol.AwaitWeights, protocol.Sleep, protocol.WakeUp,
-                                protocol.AddLoRA)) \
+                                protocol.AddLoRA, protocol.RemoveLoRA)) \
                 and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
             answer = unknown_host_answer(message)  # its caller must not wait (a host taken for dead, say)
@@ -262,6 +262,8 @@ class EngineCore:
             self.sleep.handle(client_id, message)
         elif isinstance(message, protocol.AddLoRA):
             self.io.send(client_id, self.lora_ids.add(client_id, message, self.config.enable_lora))
+        elif isinstance(message, protocol.RemoveLoRA):
+            self.io.send(client_id, self.lora_ids.remove(client_id, message))
         elif isinstance(message, protocol.Goodbye):
             self._remove_client(client_id)
             if message.shutdown:

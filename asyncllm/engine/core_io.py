@@ -163,4 +163,6 @@ def unknown_host_answer(message: protocol.HostMessage) -> protocol.CoreMessage |
         return protocol.SleepModeDone(message.call_id, **fields)
     if isinstance(message, protocol.AddLoRA):
         return protocol.LoRAAdded(message.call_id, **fields)
+    if isinstance(message, protocol.RemoveLoRA):
+        return protocol.LoRARemoved(message.call_id, **fields)
     return None

@@ -1,6 +1,6 @@
 """`EngineControl`: the methods of `AsyncEngine` (asyncllm/engine/async_engine.py) that change what the running
-engine holds rather than run a request, a mixin: LoRA adapters checked ahead (`add_lora`), the prefix cache
-forgotten, live weight updates (docs/weight-updates.md) and sleep mode (docs/sleep-mode.md), on every replica."""
+engine holds rather than run a request, a mixin: LoRA adapters checked ahead and forgotten (`add_lora`,
+`remove_lora`), the prefix cache forgotten, live weight updates (docs/weight-updates.md) and sleep mode (docs/sleep-mode.md), on every replica."""
 
 from __future__ import annotations
 
@@ -50,7 +50,22 @@ class EngineControl:
         processors = await self._replicas.serving_processors()
         checked = [await anyio.to_thread.run_sync(processor.check_lora, lora_request)  # each replica's own checker
                    for processor in processors]
-        await every_replica([processor.add_lora(lora) for processor, lora in zip(processors, checked)])
+        await every_replica([processor.lora_call(protocol.AddLoRA("", lora))
+                             for processor, lora in zip(processors, checked)])
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Forget the LoRA adapter id `lora_id` (vLLM's ``remove_lora``), here and in the engine core: the id used
+        again is checked and bound afresh, so it may name another folder, whose weights the workers read anew.
+        Requests already running with it finish with it. Returns whether any replica knew the id (False: an
+        unknown one, as vLLM's)."""
+        if isinstance(lora_id, bool) or not isinstance(lora_id, int):
+            raise InvalidRequestError("lora_id", f"an adapter's lora_int_id (int), got {lora_id!r}")
+        await self.start()
+        processors = await self._replicas.serving_processors()
+        forgot = [processor.forget_lora(lora_id) for processor in processors]
+        removed = await every_replica([processor.lora_call(protocol.RemoveLoRA("", lora_id))
+                                       for processor in processors])
+        return any(forgot) or any(removed)
 
     async def reset_prefix_cache(self) -> bool:
         """Forget the prefix cache (vLLM's ``reset_prefix_cache``) of every replica, e.g. after new weights or

@@ -10,7 +10,10 @@ old id until evicted.
 
 `AsyncEngine.add_lora` reaches the core (`AddLoRA`, answered by `LoRAAdded`): the host's id is bound there at once,
 and a folder the core's machine cannot read, or an id the host already gave another folder, is an
-`InvalidRequestError` from the core.
+`InvalidRequestError` from the core. `AsyncEngine.remove_lora` (`RemoveLoRA`, answered by `LoRARemoved`) forgets one
+host id (vLLM's ``remove_lora``): its requests still running keep the core id they run under; the id used again is
+bound afresh, under a new core id (the workers read its folder again). The workers' slots and CPU cache are not told:
+they keep a removed adapter's weights until evicted, as any adapter's (least recently used first).
 """
 
 from __future__ import annotations
@@ -77,6 +80,10 @@ class HostLoRAIds:
             return protocol.LoRAAdded(message.call_id, **protocol.call_error_fields(exc))
         return protocol.LoRAAdded(message.call_id)
 
+    def remove(self, client_id: bytes, message: protocol.RemoveLoRA) -> protocol.LoRARemoved:
+        """`RemoveLoRA`: forget the host's id; the answer says whether it was bound (vLLM's False: unknown)."""
+        return protocol.LoRARemoved(message.call_id, self._ids.pop((client_id, message.lora_int_id), None) is not None)
+
     def forget_host(self, client_id: bytes) -> None:
         """A host detached (Goodbye, or found dead): its ids name nothing any more; a new host's same id and path
         get a new core id, so the workers read the adapter from disk again."""
@@ -89,8 +96,9 @@ class HostLoRAIds:
 
 
 class PendingLoRACalls(PendingSleepCalls):
-    """The processor thread's `AddLoRA` sent and not answered yet; each future gets None, or the core's refusal."""
+    """The processor thread's `AddLoRA` and `RemoveLoRA` sent and not answered yet; each future gets None (added),
+    whether the id was removed, or the core's refusal."""
 
     @staticmethod
-    def _result(reply: protocol.LoRAAdded) -> None:  # type: ignore[override]
-        return None
+    def _result(reply: protocol.LoRAAdded | protocol.LoRARemoved) -> bool | None:  # type: ignore[override]
+        return reply.removed if isinstance(reply, protocol.LoRARemoved) else None

@@ -46,7 +46,7 @@ from asyncllm.engine.lora_ids import PendingLoRACalls
 from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.weight_update import PendingWeightUpdates
-from asyncllm.lora import AdapterChecker, LoRARequest
+from asyncllm.lora import AdapterChecker
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.outputs import StreamDelta
@@ -168,10 +168,11 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         message.call_id, future = self._sleep_calls.new()
         return self._send_call(self._sleep_calls, message, future)
 
-    def add_lora(self, lora: LoRARequest) -> concurrent.futures.Future[None]:
-        """Send `AddLoRA` (the adapter as `check_lora` returned it); the future of the core's answer."""
-        call_id, future = self._lora_calls.new()
-        return self._send_call(self._lora_calls, protocol.AddLoRA(call_id, lora), future)
+    def lora_call(self, message: protocol.AddLoRA | protocol.RemoveLoRA) -> concurrent.futures.Future[Any]:
+        """Send `AddLoRA` (the adapter as `check_lora` returned it) or `RemoveLoRA`, its call_id set here; the
+        future of the core's answer (None, or whether it knew the removed id)."""
+        message.call_id, future = self._lora_calls.new()
+        return self._send_call(self._lora_calls, message, future)
 
     def _send_call(self, calls: Any, message: Any,
                    future: concurrent.futures.Future[T]) -> concurrent.futures.Future[T]:

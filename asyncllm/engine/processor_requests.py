@@ -152,6 +152,10 @@ class ProcessorRequests:
                                                              "start it with enable_lora=True")
         return self._lora.check(request)
 
+    def forget_lora(self, lora_int_id: int) -> bool:
+        """`AsyncEngine.remove_lora`: the adapter id is checked again when used again; whether it was known."""
+        return self._lora is not None and self._lora.forget(lora_int_id)
+
 
 def sample_request_ids(request_id: str, n: int, submission: int) -> list[str]:
     """Core request ids of a request's samples: ``<id>#<submission>`` when n == 1, else ``<id>#<submission>-<i>``.

@@ -121,6 +121,41 @@ async def test_prefix_cache_hits_only_under_the_same_adapter(tiny_llama: str, lo
         assert [o.token_ids for o in outs] == expected, level
 
 
+async def test_remove_lora_forgets_the_id_and_running_requests_finish_with_it(
+        tiny_llama: str, lora_engine: AsyncEngine, adapters: list[LoRARequest]) -> None:
+    """`remove_lora` (vLLM's): add/remove cycles leave no id in the host's checker (the core's map: the unit test);
+    an unknown id is False; a request running with the removed id, and one with another adapter, finish with
+    PEFT's tokens; the id added again for another folder serves that folder, not the old weights."""
+    a1, a2 = adapters[:2]
+    checked = lora_engine._processor._lora._checked
+    known = len(checked)
+    for i in range(4):
+        await lora_engine.add_lora(LoRARequest(f"cycle{i}", 100 + i, a1.lora_path))
+        assert await lora_engine.remove_lora(100 + i) is True
+    assert len(checked) == known and await lora_engine.remove_lora(100) is False
+    prompt = random_prompts(1, seed=13, max_len=30)[0]
+    moved = LoRARequest("moved", 200, a1.lora_path)
+    other = asyncio.ensure_future(lora_engine.generate(prompt, GREEDY, lora_request=a2))
+    stream = lora_engine.stream(prompt, GREEDY, lora_request=moved)
+    async with stream:
+        tokens = [t async for delta in _first(stream) for t in delta.token_ids]
+        assert await lora_engine.remove_lora(200) is True and 200 not in checked
+        tokens += [t async for delta in stream for t in delta.token_ids]
+    assert tokens == _reference(tiny_llama, a1, prompt)
+    assert (await other).token_ids == _reference(tiny_llama, a2, prompt)
+    again = await lora_engine.generate(prompt, GREEDY, lora_request=LoRARequest("moved", 200, a2.lora_path))
+    assert again.token_ids == _reference(tiny_llama, a2, prompt)
+    with pytest.raises(InvalidRequestError, match="lora_id"):
+        await lora_engine.remove_lora("200")
+
+
+async def _first(stream):
+    """The stream's first delta only (the request runs on)."""
+    async for delta in stream:
+        yield delta
+        return
+
+
 async def test_an_adapter_without_enable_lora_is_refused(tiny_llama: str, adapters: list[LoRARequest]) -> None:
     async with AsyncEngine(tiny_llama, disable_log_stats=True) as engine:
         with pytest.raises(InvalidRequestError, match="enable_lora=True"):

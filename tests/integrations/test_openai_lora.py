@@ -144,6 +144,7 @@ async def test_load_and_unload_round_trip(lora_app, lora_engine, tiny_llama, tmp
         again = await client.post("/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": second})
         base_name = await client.post("/v1/load_lora_adapter", json={"lora_name": BASE, "lora_path": second})
         unloaded = await client.post("/v1/unload_lora_adapter", json={"lora_name": "new"})
+        removed = first_id not in lora_engine._processor._lora._checked  # remove_lora: the engine forgot its id
         gone = await _complete(client, "new")
         unload_again = await client.post("/v1/unload_lora_adapter", json={"lora_name": "new"})
         reloaded = await client.post("/v1/load_lora_adapter", json={"lora_name": "new", "lora_path": second})
@@ -157,7 +158,7 @@ async def test_load_and_unload_round_trip(lora_app, lora_engine, tiny_llama, tmp
                                                                                     MAX_TOKENS))
     for refused in (again, base_name):
         assert (refused.status_code, refused.json()["error"]["param"]) == (400, "lora_name")
-    assert (unloaded.status_code, gone.status_code) == (200, 404)
+    assert (unloaded.status_code, gone.status_code, removed) == (200, 404, True)
     error = unload_again.json()["error"]
     assert (unload_again.status_code, error["type"], error["param"]) == (404, "not_found_error", "lora_name")
     assert reloaded.status_code == 200 and second_id > first_id
@@ -180,7 +181,9 @@ async def test_load_inplace_serves_the_new_weights(lora_app, lora_engine, tiny_l
         texts = [(await _complete(client, "pol")).json()["choices"][0]["text"]]
         shutil.rmtree(folder)
         shutil.copytree(second, folder)
+        replaced_id = lora_app.state.openai_server.loras.get("pol").lora_int_id
         statuses.append((await client.post("/v1/load_lora_adapter", json=load)).status_code)
+        assert replaced_id not in lora_engine._processor._lora._checked  # the replaced id removed from the engine
         bad = await client.post("/v1/load_lora_adapter", json={**load, "lora_path": str(tmp_path / "missing")})
         refused = await client.post("/v1/load_lora_adapter", json={**load, "load_inplace": False})
         texts.append((await _complete(client, "pol")).json()["choices"][0]["text"])

@@ -245,6 +245,31 @@ def test_add_lora_binds_the_hosts_id_in_the_core(monkeypatch: pytest.MonkeyPatch
                                                                              "start it with enable_lora=True")
 
 
+def test_remove_lora_forgets_the_hosts_id_only(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """`RemoveLoRA` (`AsyncEngine.remove_lora`): the host's id is forgotten (N add/remove cycles leave no entry),
+    another host's same id stays, a running request keeps its core id, an unknown id answers False, and the id used
+    again, even for another folder, is bound afresh under a new core id (the workers read that folder)."""
+    core, _ = _core(monkeypatch, [0.0], enable_lora=True)
+    core.clients.add(b"g")
+    replies: list = []
+    core.io = SimpleNamespace(send=lambda client, message: replies.append(message))
+    a, b = _adapter_folder(tmp_path / "a"), _adapter_folder(tmp_path / "b")
+    core._handle(b"g", protocol.AddLoRA("g", LoRARequest("sql", 3, a)))
+    for i in range(5):
+        core._handle(b"h", protocol.AddLoRA(f"add{i}", LoRARequest("sql", 10 + i, a)))
+        core._handle(b"h", protocol.RemoveLoRA(f"rm{i}", 10 + i))
+    assert core.lora_ids._ids == {(b"g", 3): (1, os.path.realpath(a))}
+    _add(core, "r", lora=LoRARequest("sql", 3, a))
+    core._handle(b"h", protocol.RemoveLoRA("running", 3))
+    core._handle(b"h", protocol.RemoveLoRA("unknown", 3))
+    assert core.scheduler.requests[R].lora_int_id == 7 and core.lora_ids.core_ids(b"g") == {3: 1}
+    core._handle(b"h", protocol.AddLoRA("again", LoRARequest("chat", 3, b)))
+    assert core.lora_ids.core_ids(b"h") == {3: 8}
+    assert [(r.call_id, r.removed) for r in replies if isinstance(r, protocol.LoRARemoved)] == [
+        *((f"rm{i}", True) for i in range(5)), ("running", True), ("unknown", False)]
+    assert all(not r.error_type for r in replies)
+
+
 def test_each_host_has_its_own_request_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     """Hosts of one core may use the same request id: each is its own request, a host aborts only its own, and each
     host's outputs and errors name its ids as it sent them (asyncllm/engine/request_keys.py)."""

@@ -101,11 +101,12 @@ def test_core_refuses_a_host_of_another_wire_protocol_and_serves_the_others(host
 
     assert type(_request_error("EngineDeadError", outputs.outputs[0].error)) is EngineDeadError  # what the host raises
     sent.clear()  # its control calls are answered too: their futures fail instead of waiting
-    for call in (protocol.Sleep("s"), protocol.WakeUp("w"), protocol.AddLoRA("l", LoRARequest("a", 1, "/x"))):
+    for call in (protocol.Sleep("s"), protocol.WakeUp("w"), protocol.AddLoRA("l", LoRARequest("a", 1, "/x")),
+                 protocol.RemoveLoRA("r", 1)):
         assert core._handle(b"other", call) is False
     assert [(type(reply).__name__, reply.call_id, reply.error_type) for _, reply in sent] == [
         ("SleepModeDone", "s", "EngineDeadError"), ("SleepModeDone", "w", "EngineDeadError"),
-        ("LoRAAdded", "l", "EngineDeadError")]
+        ("LoRAAdded", "l", "EngineDeadError"), ("LoRARemoved", "r", "EngineDeadError")]
 
 
 def test_an_old_hosts_hello_decodes_to_no_fingerprint() -> None:
