@@ -9,17 +9,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import os
 import signal
 import socket
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from asyncllm.cli_commands import uvicorn_kwargs
 from asyncllm.errors import AsyncLLMError, ConfigError
 from asyncllm.integrations.openai_lora import start_server
+
+STARTUP_FAILURE = 3
+"""uvicorn.run's exit status when the app's lifespan startup failed."""
 
 __all__ = ["bound_socket", "serve_app", "bind_socket", "listen_url"]
 
@@ -43,7 +48,8 @@ def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespa
     """Start `engine` and run the app's startup checks (`start_server`: its LoRA modules), then serve `app` (whose
     lifespan closes the engine) on `sock`; returns when a signal stopped the server. A `ConfigError` of the start is
     one line and exit 2, another `AsyncLLMError` (a worker died while loading) one line and exit 1; Ctrl-C while the
-    model loads is exit 130 (as `asyncllm engine`'s), SIGTERM 143."""
+    model loads is exit 130 (as `asyncllm engine`'s), SIGTERM 143; a failed lifespan startup exit 3 (as
+    `uvicorn.run`)."""
     import uvicorn
 
     config = uvicorn.Config(app, **uvicorn_kwargs(args))
@@ -51,7 +57,7 @@ def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespa
     print(f"[asyncllm] starting: serving on {listen_url(args, sock)} once the model is loaded", file=sys.stderr)
     server = uvicorn.Server(config)
     try:
-        asyncio.run(_start_and_serve(app, engine, server, sock))
+        asyncio.run(_start_and_serve(app, engine, server, sock, args.uds))
     except ConfigError as exc:
         parser.error(str(exc))
     except AsyncLLMError as exc:
@@ -61,11 +67,31 @@ def serve_app(app: Any, engine: Any, sock: socket.socket, args: argparse.Namespa
             sys.exit(130)
     except asyncio.CancelledError:  # SIGTERM while the model loaded (`_start`)
         sys.exit(128 + signal.SIGTERM)
+    if not server.started:  # the app's lifespan startup failed (uvicorn logged why): uvicorn.run's exit status
+        sys.exit(STARTUP_FAILURE)
 
 
-async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.socket) -> None:
+async def _start_and_serve(app: Any, engine: Any, server: Any, sock: socket.socket, uds: str | None) -> None:
     await _start(app, engine)
-    await server.serve(sockets=[sock])  # uvicorn's signal handling from here on: SIGINT/SIGTERM stop it gracefully
+    # uvicorn's signal handling from here on: SIGINT/SIGTERM stop it gracefully, then it re-raises the signal to the
+    # handler it found, this one: a SIGTERM's default action would end the process before `bound_socket` removes a
+    # --uds socket
+    previous = signal.signal(signal.SIGTERM, partial(_remove_then_die, uds))
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _remove_then_die(path: str | None, signum: int, frame: Any = None) -> None:
+    """A SIGTERM's default action (the process ends by the signal, as after `uvicorn.run`), the --uds socket at
+    `path` removed first."""
+    from asyncllm.procutil import remove_file
+
+    if path is not None:
+        remove_file(path)
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
 
 
 async def _start(app: Any, engine: Any) -> None:
@@ -119,20 +145,26 @@ def bind_socket(args: argparse.Namespace, parser: argparse.ArgumentParser) -> so
 
 
 def _bind_tcp(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to `host`'s first address, with asyncio's options (SO_REUSEADDR: a port a stopped server
-    left in TIME_WAIT is free; an IPv6 socket takes IPv6 only). No SO_REUSEPORT: a port in use must fail."""
-    family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
+    """A TCP socket bound as vLLM's `create_server_socket` binds it: IPv4 unless `host` is an IPv6 literal (a name
+    such as localhost is its IPv4 address; "" every IPv4 interface; "::" every interface, IPv4 clients too, as
+    Linux's IPV6_V6ONLY default is 0), SO_REUSEADDR (a port a stopped server left in TIME_WAIT is free). No
+    SO_REUSEPORT: a port in use must fail."""
+    sock = socket.socket(socket.AF_INET6 if _is_ipv6(host) else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind(address)
+        sock.bind((host, port))
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        ipaddress.IPv6Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def listen_url(args: argparse.Namespace, sock: socket.socket) -> str:
@@ -140,5 +172,5 @@ def listen_url(args: argparse.Namespace, sock: socket.socket) -> str:
     prefix before them."""
     if args.uds is not None:
         return f"unix:{args.uds} (/v1)"
-    host = f"[{args.host}]" if ":" in args.host else args.host
+    host = f"[{args.host}]" if _is_ipv6(args.host) else args.host or "0.0.0.0"  # vLLM's: "" is 0.0.0.0
     return f"{'https' if args.ssl_certfile else 'http'}://{host}:{sock.getsockname()[1]}/v1"

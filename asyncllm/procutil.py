@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 from asyncllm import envs
 from asyncllm.errors import ConfigError
@@ -74,15 +75,35 @@ def exit_when_parent_dies(poll_s: float = 0.5) -> None:
                 pass
         except OSError:
             pass
-        os._exit(0)
+        _exit_orphaned()
 
     def poll_ppid() -> None:
         while os.getppid() == parent:
             time.sleep(poll_s)
-        os._exit(0)
+        _exit_orphaned()
 
     threading.Thread(target=read_stdin, name="asyncllm-parent-eof", daemon=True).start()
     threading.Thread(target=poll_ppid, name="asyncllm-parent-pid", daemon=True).start()
+
+
+_AT_ORPHAN_EXIT: list[Callable[[], None]] = []
+
+
+def at_orphan_exit(func: Callable[[], None]) -> Callable[[], None]:
+    """Call `func` (from a watcher thread) before `exit_when_parent_dies` ends this process, whose ``os._exit`` runs
+    no finally and no atexit: a name that must not outlive it (a shared-memory segment) removed. Returns the call
+    that takes `func` back (once it is freed otherwise)."""
+    _AT_ORPHAN_EXIT.append(func)
+    return lambda: _AT_ORPHAN_EXIT.remove(func) if func in _AT_ORPHAN_EXIT else None
+
+
+def _exit_orphaned() -> None:
+    for func in list(_AT_ORPHAN_EXIT):
+        try:
+            func()
+        except Exception:  # noqa: BLE001 - exiting regardless
+            logger.exception("cleanup before exiting (the parent died) failed")
+    os._exit(0)
 
 
 def ignore_group_signals() -> None:

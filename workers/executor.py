@@ -24,6 +24,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
@@ -32,7 +33,8 @@ import zmq
 from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import AsyncLLMError, EngineDeadError
-from asyncllm.procutil import describe_exit, free_tcp_port, private_ipc_dir, remove_dir, spawn_module, stop_process
+from asyncllm.procutil import at_orphan_exit, describe_exit, free_tcp_port, private_ipc_dir, remove_dir, spawn_module
+from asyncllm.procutil import stop_process
 from asyncllm.workers.shm_broadcast import BroadcastWriter
 
 __all__ = ["Executor"]
@@ -87,6 +89,7 @@ class Executor:
         self._ctx: zmq.Context | None = None
         self._results: zmq.Socket | None = None
         self._ring: BroadcastWriter | None = None
+        self._forget_names: Callable[[], None] = lambda: None
         self._failure: AsyncLLMError | None = None
         self._closed = False
         self._pending: deque[tuple[int, float]] = deque()
@@ -236,6 +239,7 @@ class Executor:
             self._ring.close()
         if self._ipc_dir is not None:
             remove_dir(self._ipc_dir)
+        self._forget_names()
 
     def __enter__(self) -> "Executor":
         return self
@@ -253,6 +257,8 @@ class Executor:
         self._ring = BroadcastWriter(
             self._world_size, f"ipc://{self._ipc_dir}/broadcast", self._ring_slots, self._ring_slot_bytes
         )
+        ring, ipc_dir = self._ring, self._ipc_dir  # named until every worker is ready: a host gone meanwhile ends us
+        self._forget_names = at_orphan_exit(lambda: (ring.unlink(), remove_dir(ipc_dir)))  # with no `shutdown`
 
     def _spawn_workers(self) -> None:
         assert self._ring is not None and self._ipc_dir is not None

@@ -144,9 +144,9 @@ class BroadcastWriter:
                 raise TimeoutError(f"{self._subscriptions // 2} of {self.handle.num_readers} ring readers attached")
             if self._pub.recv()[:1] == b"\x01":
                 self._subscriptions += 1
-        self._unlink()
+        self.unlink()
 
-    def _unlink(self) -> None:
+    def unlink(self) -> None:
         """Remove the segment's name; mappings stay valid until each process unmaps.
 
         Done as soon as every reader has mapped it (a reader subscribes only
@@ -208,7 +208,7 @@ class BroadcastWriter:
         self._ctx.term()
         self._view.release()
         self._shm.close()
-        self._unlink()
+        self.unlink()
 
 
 class BroadcastReader:

@@ -3,7 +3,10 @@ use and a bad engine config are one line and exit 2 before anything loads or ser
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -90,6 +93,7 @@ def test_the_engine_starts_then_the_server_serves_on_the_bound_socket(monkeypatc
 
     async def serve(self, sockets=None) -> None:
         served.append((list(engine.calls), sockets))
+        self.started = True
 
     monkeypatch.setattr(uvicorn.Server, "serve", serve)
     parser, engine = _parser(), _Engine()
@@ -104,6 +108,7 @@ def test_the_engine_starts_then_the_server_serves_on_the_bound_socket(monkeypatc
 def test_a_bad_lora_module_is_one_line_before_the_server_starts_and_is_checked_once(monkeypatch, capsys) -> None:
     async def serve(self, sockets=None) -> None:
         await start_server(self.config.app.state.openai_server)  # the lifespan's run: finds the modules checked
+        self.started = True
 
     monkeypatch.setattr(uvicorn.Server, "serve", serve)
     parser = _parser()
@@ -117,3 +122,65 @@ def test_a_bad_lora_module_is_one_line_before_the_server_starts_and_is_checked_o
     assert exit_info.value.code == 2 and bad.calls == ["start", "add_lora", "aclose"]
     assert err.endswith("asyncllm: error: lora_modules='sql=/bad' is not allowed: no adapter folder there\n")
     assert good.calls == ["start", "add_lora", "start"]  # the modules checked once (a started engine's start returns)
+
+
+def test_a_failed_lifespan_startup_is_uvicorn_runs_exit_3(capsys) -> None:
+    @asynccontextmanager
+    async def lifespan(app):
+        raise RuntimeError("the app could not start")
+        yield
+
+    async def unstarted(self, sockets=None) -> None:
+        """An uvicorn whose `Server.startup` returns on a failed lifespan (0.54's calls sys.exit(3) itself)."""
+
+    parser = _parser()
+    args = parser.parse_args(["serve", "--port", "0"])
+    for patch in (None, unstarted):
+        engine = _Engine()
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            if patch is not None:
+                monkeypatch.setattr(uvicorn.Server, "serve", patch)
+            with cli_serve.bound_socket(args, parser) as sock, pytest.raises(SystemExit) as exit_info:
+                cli_serve.serve_app(Starlette(lifespan=lifespan), engine, sock, args, parser)
+        assert exit_info.value.code == 3 and engine.calls == ["start"]
+
+
+def test_sigterm_after_serving_removes_the_uds_socket_before_the_signal_ends_the_process(monkeypatch, tmp_path):
+    raised = []
+
+    async def serve(self, sockets=None) -> None:  # uvicorn's: shut down, then re-raise SIGTERM to the prior handler
+        self.started = True
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+
+    monkeypatch.setattr(uvicorn.Server, "serve", serve)
+    monkeypatch.setattr(signal, "raise_signal", raised.append)
+    parser, path = _parser(), str(tmp_path / "s.sock")
+    args = parser.parse_args(["serve", "--uds", path])
+    before = signal.getsignal(signal.SIGTERM)
+    with cli_serve.bound_socket(args, parser) as sock:
+        cli_serve.serve_app(_app, _Engine(), sock, args, parser)
+        assert raised == [signal.SIGTERM] and not os.path.exists(path)
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+@pytest.mark.parametrize("host, reaches", [("127.0.0.1", "127.0.0.1"), ("localhost", "127.0.0.1"),
+                                           ("", "127.0.0.1"), ("::1", "::1"), ("::", "127.0.0.1")])
+def test_the_socket_is_bound_as_vllms_create_server_socket(host, reaches) -> None:
+    if ":" in host and not _has_ipv6():
+        pytest.skip("no IPv6 loopback here")
+    with cli_serve._bind_tcp(host, 0) as sock:
+        sock.listen()
+        port = sock.getsockname()[1]
+        socket.create_connection((reaches, port), timeout=2).close()  # the kernel queues it on the listening socket
+        shown = cli_serve.listen_url(SimpleNamespace(uds=None, host=host, ssl_certfile=None), sock)
+    url_host = {"": "0.0.0.0", "::1": "[::1]", "::": "[::]"}.get(host, host)
+    assert shown == f"http://{url_host}:{port}/v1"
+
+
+def _has_ipv6() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
