@@ -261,7 +261,10 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; our parent decides
     _preload()
     server = _Server(args.address)
-    signal.signal(signal.SIGTERM, lambda *_: server.exit())
+    if stat.S_ISFIFO(os.fstat(0).st_mode):  # spawned by a host: it ends us by closing our stdin, and SIGTERM to its
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # group (systemd's stop) must not kill the cores it drains
+    else:  # started by hand: SIGTERM stops it
+        signal.signal(signal.SIGTERM, lambda *_: server.exit())
     server.serve()
 
 

@@ -132,3 +132,13 @@ def test_the_startup_variables_are_those_read_before_a_child_runs() -> None:
            "PYTEST_XDIST_WORKER": "gw0", "ASYNCLLM_CPU_KVCACHE_SPACE_GB": "1", "HF_HOME": "/h", "CUDA_VISIBLE_DEVICES": "0"}
     assert set(forked_process.startup_env(env)) == {"PYTORCH_JIT", "ATEN_CPU_CAPABILITY", "NPY_DISABLE_CPU_FEATURES",
                                                     "KMP_AFFINITY", "GLIBC_TUNABLES", "PYTHONHASHSEED", "LANG"}
+
+
+def test_a_server_a_host_started_outlives_sigterm_to_the_group(tmp_path) -> None:
+    """systemd's stop signals the whole group: the host drains its cores, forked by this server, then closes it."""
+    proc = forkserver.start_server(str(tmp_path / "own.sock"))
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    alive = proc.poll() is None
+    procutil.stop_process(proc)  # closes its stdin: that ends it
+    assert alive and proc.returncode == 0
