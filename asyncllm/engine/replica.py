@@ -349,7 +349,15 @@ def stop_forgotten(replicas: list[Replica]) -> None:
     """The finalizer of a started engine collected without aclose(): stop its replicas in a thread of their own, never
     blocking the thread or event loop the collection happened in."""
     logger.warning("an AsyncEngine was garbage-collected without aclose(): stopping its engine core(s)")
-    threading.Thread(target=stop_replicas, args=(replicas,), name="asyncllm-stop-forgotten", daemon=True).start()
+    threading.Thread(target=_stop_and_retire, args=(replicas,), name="asyncllm-stop-forgotten", daemon=True).start()
+
+
+def _stop_and_retire(replicas: list[Replica]) -> None:
+    """`stop_replicas`, then their counters retired into the Prometheus registry as `aclose` does (they never go
+    down)."""
+    stop_replicas(replicas)
+    for replica in replicas:
+        replica.observer.on_closed()
 
 
 def _stop(processor: Processor, core: CoreProcess | None) -> None:

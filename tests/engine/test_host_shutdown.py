@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import weakref
 
@@ -103,12 +104,22 @@ def test_a_cancelled_drain_still_stops_the_core(tiny_llama: str) -> None:
 
 
 def test_an_engine_dropped_without_aclose_stops_its_core(tiny_llama: str) -> None:
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+
     async def main() -> tuple[bool, bool]:
-        engine = AsyncEngine(tiny_llama, **KWARGS)
-        await engine.generate("def main():", SamplingParams(max_tokens=4))
+        engine = AsyncEngine(tiny_llama, **KWARGS, prometheus_registry=registry)
+        await engine.generate("def main():", SamplingParams(max_tokens=4, ignore_eos=True))
         core_pid, collected = engine._core.pid, weakref.ref(engine)
         del engine
         gc.collect()
         return collected() is None, await asyncio.to_thread(_wait_gone, core_pid, 5)
 
     assert asyncio.run(main()) == (True, True)
+    for thread in threading.enumerate():  # the finalizer's stop, then its replicas are gone
+        if thread.name == "asyncllm-stop-forgotten":
+            thread.join(10)
+    gc.collect()
+    samples = {s.name: s.value for m in registry.collect() for s in m.samples}
+    assert samples.get("asyncllm:generation_tokens_total") == 4, samples  # retired as aclose() retires them
