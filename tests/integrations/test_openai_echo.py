@@ -8,7 +8,7 @@ import pytest
 from asgi_helpers import asgi_client as _client
 from test_openai_asgi import GREEDY
 
-from asyncllm import SamplingParams
+from asyncllm import InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
 
@@ -55,6 +55,11 @@ async def test_echo_only_prompt_may_fill_the_context(app) -> None:
     assert choice["logprobs"]["token_logprobs"][:-1] == pytest.approx(
         shorter.json()["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)  # causal: the same up to the last
     assert [(r.status_code, r.json()["error"]["code"]) for r in refused] == [(400, "context_length_exceeded")] * 2
+    engine = app.state.openai_server.engine
+    for params in (None, SamplingParams(max_tokens=5)):  # the engine's option names itself, not the prompt
+        with pytest.raises(InvalidRequestError) as info:
+            engine.stream(full["prompt"], params, echo_only=True)
+        assert info.value.field == "echo_only"
 
 
 async def test_echo_then_generated_tokens_streamed_or_not(app) -> None:
