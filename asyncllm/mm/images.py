@@ -79,14 +79,24 @@ def image_hash(raw: bytes | Any) -> str:
     return digest.hexdigest()
 
 
-def load_image(image: ImageInput, field: str) -> tuple[bytes | Any, str]:
+def load_image(image: ImageInput, field: str, max_pixels: int | None = None) -> tuple[bytes | Any, str]:
     """(the raw input to decode later, its content hash); cheap for bytes: nothing is decoded yet (a lazily opened
-    PIL image is loaded to hash its pixels: a truncated one fails here as it would decoding)."""
+    PIL image is loaded to hash its pixels, after its size is checked against `max_pixels`: a truncated one
+    fails here as it would decoding)."""
     raw = read_image(image, field)
+    if max_pixels is not None and not isinstance(raw, bytes):
+        _check_pixels(raw.size, field, max_pixels)
     try:
         return raw, image_hash(raw)
     except (OSError, ValueError) as exc:
         raise InvalidRequestError(field, f"cannot decode the image: {exc}") from exc
+
+
+def _check_pixels(size: tuple[int, int], field: str, max_pixels: int) -> None:
+    width, height = size
+    if width * height > max_pixels:
+        raise InvalidRequestError(
+            field, f"the image is {width}x{height} = {width * height} pixels, over mm_max_image_pixels={max_pixels}")
 
 
 def uuid_key(uuid: str) -> str:
@@ -117,11 +127,9 @@ def decode_image(raw: bytes | Any, field: str, max_pixels: int) -> Any:
 
     try:
         image = Image.open(io.BytesIO(raw)) if isinstance(raw, bytes) else raw
-        width, height = image.size
-        if width * height > max_pixels:
-            raise InvalidRequestError(
-                field, f"the image is {width}x{height} = {width * height} pixels, over mm_max_image_pixels={max_pixels}"
-            )
+        _check_pixels(image.size, field, max_pixels)
         return image.convert("RGB")
+    except InvalidRequestError:
+        raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise InvalidRequestError(field, f"cannot decode the image: {exc}") from exc

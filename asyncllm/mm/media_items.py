@@ -96,7 +96,7 @@ class MediaItems:
     def _item(self, image: ImageInput, uuid: str | None, field: str, offset: int, inline: bool = False,
               overrides: dict[str, Any] | None = None) -> MultiModalItem:
         """One image's item: key-only (or a ring location) on a cache hit, else processed and recorded."""
-        raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field)
+        raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field, self.max_image_pixels)
         key = overridden_key(key, overrides or {})
         hit = self._lookup(key, offset, inline)
         if hit is not None:
@@ -110,7 +110,7 @@ class MediaItems:
         ``expanded`` and ``items``. The layout comes from the processor's output and is kept by the image's key
         (`_layouts`): an image seen before whose pieces the core still holds is not decoded nor processed again,
         its pieces cross as keys."""
-        raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field)
+        raw, key = (None, uuid_key(uuid)) if uuid is not None else load_image(image, field, self.max_image_pixels)
         key = overridden_key(key, overrides)
         tiles = None
 

@@ -205,3 +205,10 @@ def test_palette_images_key_on_their_palette_and_a_truncated_lazy_one_is_a_decod
     with pytest.raises(InvalidRequestError, match="cannot decode the image") as info:
         load_image(truncated, "images[1]")
     assert info.value.field == "images[1]"
+    big = io.BytesIO()
+    Image.new("RGB", (64, 64)).save(big, format="PNG")
+    lazy = Image.open(io.BytesIO(big.getvalue()))
+    with pytest.raises(InvalidRequestError) as info:  # refused by its header, before a pixel is decoded to hash it
+        load_image(lazy, "images[2]", max_pixels=1000)
+    assert str(info.value) == "images[2]: the image is 64x64 = 4096 pixels, over mm_max_image_pixels=1000"
+    assert lazy._im is None  # never loaded (PIL decodes on the first pixel access)
