@@ -92,7 +92,10 @@ def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
         if other or len(prompt) != 1:
             raise InvalidRequestError(f"prompt.{other[0]}" if other else "prompt", "beam search takes {'prompt': "
                                       "text} or {'prompt_token_ids': ids}; media and embeddings are not built")
-        prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
+        key, prompt = next(iter(prompt.items()))
+        if not isinstance(prompt, str if key == "prompt" else list):
+            raise InvalidRequestError(f"prompt.{key}", f"must be {'a str' if key == 'prompt' else 'a list of ids'}, "
+                                                       f"got {type(prompt).__name__}")
     if not isinstance(prompt, list) and engine.tokenizer is None:
         check_untokenized(prompt, False, SamplingParams(), None)
     return list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids

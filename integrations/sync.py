@@ -196,7 +196,7 @@ class SyncEngine:
             raise problem
 
     def __del__(self) -> None:
-        # A forgotten close: stop the loop thread; the engine's processes exit with this process.
+        # A forgotten close: stop the loop thread; the dropped AsyncEngine is then collected and stops its processes.
         loop = getattr(self, "_loop", None)
         if loop is not None and not loop.is_closed() and not getattr(self, "_closed", True):
             try:

@@ -52,7 +52,8 @@ async def test_beams_equal_transformers_when_no_beam_ends(tiny_llama: str) -> No
         as_dicts = [await engine.beam_search(p, BeamSearchParams(beam_width=2, max_tokens=4))
                     for p in ({"prompt": "def add(a, b):"}, {"prompt_token_ids": text.sequences[0].tokens[:-4]})]
         assert [d.sequences[0].tokens for d in as_dicts] == [text.sequences[0].tokens] * 2  # vLLM's prompt dicts
-        for bad, field in (({"prompt": "hi", "images": [b"x"]}, "prompt.images"), ({}, "prompt")):
+        for bad, field in (({"prompt": "hi", "images": [b"x"]}, "prompt.images"), ({}, "prompt"),
+                           ({"prompt": [1, 2]}, "prompt.prompt"), ({"prompt_token_ids": "hi"}, "prompt.prompt_token_ids")):
             with pytest.raises(InvalidRequestError) as info:
                 await engine.beam_search(bad, params)
             assert info.value.field == field
