@@ -1,4 +1,5 @@
-"""The ``qwen3_coder`` / ``seed_oss`` XML call reader (asyncllm/tool_call_xml.py): its reading cost and vLLM's ``$``."""
+"""The ``qwen3_coder`` / ``seed_oss`` XML call reader (asyncllm/tool_call_xml.py): each function of a block a call,
+its reading cost and vLLM's ``$``."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import random
 
 import pytest
 
+from test_tool_calls import _fed_in_pieces, _streamed
+
 from asyncllm import tool_call_xml
+from asyncllm.integrations.openai_reply import ChatReply, merge_deltas
+from asyncllm.integrations.openai_tools import tool_mode
 from asyncllm.tool_calls import get_tool_parser
 
 
@@ -60,3 +65,41 @@ def test_a_cut_off_value_loses_newlines_as_vllm_reads_it(parser_name: str, endin
     rng = random.Random(0)
     for sizes in ([len(text)], [1], [rng.randint(1, 5) for _ in range(9)]):
         assert _fed(parser_name, text, sizes) == [("f", {"a": value})], sizes
+
+
+XML_ADD = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {
+    "a": {"type": "integer"}, "b": {"type": "array"}}}}}, {"type": "function", "function": {"name": "g"}}]
+XML_TWO_CALLS = [("add", '{"a": 1, "b": [2]}'), ("g", '{"y": "2"}')]
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2]\n</parameter>\n</function>\n"
+    "<function=g>\n<parameter=y>\n2\n</parameter>\n</function>\n</tool_call>",
+    # text after a last parameter, around and between the functions: not read, as vLLM's regexes skip it
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\nso\n<parameter=b>\n[2]\n</parameter>\nthen\n"
+    "</function>\nand\n<function=g>\n<parameter=y>\n2\n</parameter>\nnow</function>\nend\n</tool_call>",
+    # cut off: no </tool_call>, no </function>, no </parameter>, a reply cut inside the closing tags
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n<parameter=b>\n[2]\n</function>\n<function=g>\n<parameter=y>\n2\n",
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n<parameter=b>\n[2]\n</parameter>\n</function>\n<function=g>\n"
+    "<parameter=y>\n2\n</parameter>\n</func",
+    "<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n<parameter=b>\n[2]\n</parameter>\n</function>"
+    "<function=g>\n<parameter=y>\n2\n</function>\n</tool_c",
+])
+@pytest.mark.parametrize("seed", range(3))
+def test_each_function_of_a_qwen3_coder_block_is_a_call(text: str, seed: int) -> None:
+    """Several ``<function=`` in one block are each a call, as vLLM's function regex reads them: whole, and streamed
+    in any pieces (whole calls, and arguments as they come), the same calls, with no content."""
+    parser = get_tool_parser("qwen3_coder")
+    whole = ChatReply(tool_mode(XML_ADD, "auto", None, parser), stream_arguments=False)
+    message = merge_deltas(whole.feed(text) + whole.finish("stop")[0], tools=True)
+    assert message["content"] is None
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]] == XML_TWO_CALLS
+    deltas, more, finish = _fed_in_pieces(ChatReply(tool_mode(XML_ADD, "auto", None, parser)), text, seed, 7)
+    streamed = merge_deltas(deltas + more, tools=True)
+    assert finish == "tool_calls" and streamed["content"] is None
+    assert [c["function"] for c in streamed["tool_calls"]] == [c["function"] for c in message["tool_calls"]]
+    assert [d["tool_calls"][0]["index"] for d in deltas if d.get("tool_calls") and "id" in d["tool_calls"][0]] == [
+        0, 1]  # the first call's pieces came before the second one's
+    untyped = [("add", '{"a": "1", "b": "[2]"}'), ("g", '{"y": "2"}')]  # no schemas: every value a string
+    assert _streamed("qwen3_coder", "x " + text, seed) == ("x ", untyped)
+
