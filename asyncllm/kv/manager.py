@@ -48,6 +48,8 @@ class KVRequest(Protocol):
     """Images whose hashes and offsets key the blocks they overlap."""
     block_hashes: list[BlockHash]
     """Hashes of the request's full blocks, filled lazily by the manager."""
+    num_preemptions: int
+    """Times it was preempted (its readmissions are no prefix-cache queries)."""
 
     @property
     def all_token_ids(self) -> list[int]: ...
@@ -351,7 +353,9 @@ class KVCacheManager:
         self.pool.free(reversed(blocks))
 
     def _count_query(self, request: KVRequest, num_hit_blocks: int) -> None:
-        """Count one admission's lookup (once per admission, however often admission was retried)."""
-        if self.enable_prefix_caching:
+        """Count one admission's lookup (once per admission, however often admission was retried); a preempted
+        request's readmission is not counted (as vLLM's, whose preempted lookups are kept apart and not exported):
+        its prompt was counted once, and its hits on its own freed blocks are no sharing."""
+        if self.enable_prefix_caching and not request.num_preemptions:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_hit_blocks * self.block_size

@@ -195,3 +195,16 @@ def test_the_cpu_tier_keeps_a_block_once_and_evicts_its_least_recent_entry():
     assert tier.take_copies() == ([], []) and tier.num_used_blocks == 2
     tier.reset()
     assert tier.lookup(b"x", [1, 2]) is None and tier.num_used_blocks == 0
+
+
+def test_a_preempted_requests_readmission_is_no_prefix_cache_query():
+    """As vLLM's (its preempted lookups are kept apart, not exported): the prompt was counted once, and hits on the
+    request's own freed blocks are no sharing, so distinct prompts under KV pressure show no hit rate."""
+    kv = KVCacheManager(num_gpu_blocks=16, block_size=16, enable_prefix_caching=True)
+    req = _request("a", list(range(100, 140)))
+    _admit_and_compute(kv, req)
+    kv.free(req)
+    req.num_preemptions += 1
+    req.num_computed_tokens = 0
+    _admit_and_compute(kv, req)  # readmitted: hits on its own 2 freed blocks
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (40, 0)
