@@ -204,13 +204,23 @@ def engine_counters(view: EngineView) -> SchedulerStats:
     return view.retired_engine
 
 
+_LARGEST = ("max_lora", "weights_version", "sleep_level")
+"""Settings and states, not amounts: several engines' are their largest (never a sum)."""
+
+_UNITED = ("running_lora_adapters", "waiting_lora_adapters")
+"""Lists of names: several engines' are the sorted union."""
+
+
 def summed_snapshots(snapshots: list[SchedulerStats]) -> SchedulerStats:
-    """Numbers add up (KV usage then is used / total blocks of all engines); anything else is the first's."""
+    """Numbers add up (KV usage then is used / total blocks of all engines), but for `_LARGEST`'s; adapter names
+    are united; anything else is the first's."""
     fields = {}
     for name in SchedulerStats.__struct_fields__:
         values = [getattr(s, name) for s in snapshots]
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        fields[name] = sum(values) if numeric else values[0]
+        fields[name] = (max(values) if name in _LARGEST else sum(values)) if numeric else values[0]
+    for name in _UNITED:
+        fields[name] = sorted({adapter for s in snapshots for adapter in getattr(s, name)})
     fields["spec_decode_accepted_per_pos"] = [
         sum(n) for n in zip_longest(*(s.spec_decode_accepted_per_pos for s in snapshots), fillvalue=0)]
     return SchedulerStats(**fields)

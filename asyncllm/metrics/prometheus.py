@@ -26,6 +26,7 @@ over the replicas, as over engines.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -190,7 +191,8 @@ def _engine_counters(views: _Views, engines: dict[_EngineKey, SchedulerStats]) -
 
 def _lora_info(engines: dict[_EngineKey, SchedulerStats]) -> Metric:
     """vLLM's ``lora_requests_info``: one sample per engine serving adapters, its labels saying which adapters
-    the running and the waiting requests use (comma-separated names) and max_loras; the value is 1."""
+    the running and the waiting requests use (comma-separated names) and max_loras; the value is the time (Unix
+    seconds), as vLLM's ``set_to_current_time()``."""
     family = GaugeMetricFamily(PREFIX + "lora_requests_info", "Running stats on LoRA requests.",
                                labels=[*_LABELS, "max_lora", "running_lora_adapters", "waiting_lora_adapters"])
     for key, scheduler in engines.items():
@@ -198,7 +200,7 @@ def _lora_info(engines: dict[_EngineKey, SchedulerStats]) -> Metric:
             family.add_sample(family.name, _labels(key, max_lora=str(scheduler.max_lora),
                                                    running_lora_adapters=",".join(scheduler.running_lora_adapters),
                                                    waiting_lora_adapters=",".join(scheduler.waiting_lora_adapters)),
-                              1.0)
+                              time.time())
     return family
 
 

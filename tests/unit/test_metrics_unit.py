@@ -299,3 +299,11 @@ def test_a_scrape_in_the_middle_of_mark_closed_sees_the_counters_whole(monkeypat
     monkeypatch.setattr(host_stats, "summed_snapshots", scraped_midway)
     closing.stats.mark_closed()
     assert seen == [(150, 150)] and _prompt_and_queries(reg) == (150, 150)
+
+
+def test_two_engines_lora_settings_are_not_summed_and_their_adapters_are_united() -> None:
+    a = SchedulerStats(max_lora=2, running_lora_adapters=["ad1"], weights_version=3, prefix_cache_queries=5)
+    b = SchedulerStats(max_lora=2, running_lora_adapters=["ad2", "ad1"], weights_version=3, prefix_cache_queries=7)
+    summed = host_stats.summed_snapshots([a, b])
+    assert (summed.max_lora, summed.running_lora_adapters, summed.weights_version) == (2, ["ad1", "ad2"], 3)
+    assert summed.prefix_cache_queries == 12  # amounts still add up
