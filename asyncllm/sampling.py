@@ -105,7 +105,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     bad_words_token_ids: list[list[int]] = []
     """Token sequences that may not be generated (as bad_words, in ids); filled from bad_words by the engine."""
     truncate_prompt_tokens: int | None = None
-    """Keep only the last k prompt tokens (left truncation); -1 keeps as many as max_model_len allows."""
+    """Keep only the last k prompt tokens (left truncation); -1 keeps as many as max_model_len allows. A pooling
+    request's text prompt keeps its first k instead, cut by the tokenizer with its special tokens (vLLM's)."""
     detokenize: bool = True
     """False: the outputs carry token ids only (empty text, logprobs without ``decoded_token``), and the host
     spends no time decoding: for callers that only need ids (RL rollouts). Stop strings need the text."""
@@ -143,7 +144,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
             _check_int("max_tokens", self.max_tokens, 1, 2**31 - 1)
         _check_int("min_tokens", self.min_tokens, 0, 2**31 - 1)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
-            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, 2**31 - 1)
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, 2**31 - 1,
+                       f"must be -1 or in [1, {2**31 - 1}], got {self.truncate_prompt_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise InvalidRequestError("min_tokens", f"{self.min_tokens} exceeds max_tokens={self.max_tokens}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):

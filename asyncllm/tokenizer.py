@@ -9,6 +9,7 @@ are an `InvalidRequestError` naming the field.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "load_tokenizer", "encode_prompt", "apply_chat_template", "template_arguments", "template_messages",
+    "load_tokenizer", "encode_prompt", "right_truncating", "apply_chat_template", "template_arguments", "template_messages",
     "with_template_calls",
     "check_template_kwargs", "check_chat_template", "load_chat_template", "bad_words_token_ids", "eos_token_ids",
 ]
@@ -73,15 +74,28 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, mode: str = "
         raise ConfigError("tokenizer", name_or_path, f"a loadable Hugging Face tokenizer ({exc})") from exc
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_tokens: bool = True) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_tokens: bool = True,
+                  max_length: int | None = None) -> list[int]:
     """Token ids of ``prompt`` as ``tokenizer(prompt).input_ids`` gives them (with BOS if the tokenizer adds it;
-    ``add_special_tokens=False``: the text's own tokens only, Whisper's decoder prompt)."""
+    ``add_special_tokens=False``: the text's own tokens only, Whisper's decoder prompt); ``max_length``: as
+    ``truncation=True, max_length=max_length`` cuts them (special tokens kept), on the tokenizer's side."""
     if not isinstance(prompt, str):
         raise InvalidRequestError("prompt", f"must be a str, got {type(prompt).__name__}")
-    token_ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+    cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
+    token_ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens, **cut).input_ids)
     if not token_ids:
         raise InvalidRequestError("prompt", "encodes to no tokens; give at least one character")
     return token_ids
+
+
+def right_truncating(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
+    """The tokenizer cutting on the right, as vLLM sets it for pooling models (a shallow copy when it is set to
+    cut on the left): ``truncate_prompt_tokens`` keeps a text's start, [CLS] included, as sentence-transformers."""
+    if getattr(tokenizer, "truncation_side", "right") == "right":
+        return tokenizer
+    right = copy.copy(tokenizer)
+    right.truncation_side = "right"
+    return right
 
 
 def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:

@@ -47,16 +47,17 @@ def status_of(exc: AsyncLLMError) -> tuple[int, str, str | None]:
 
 
 @contextlib.contextmanager
-def renamed_fields(renames: Mapping[str, str]) -> Iterator[None]:
+def renamed_fields(renames: Mapping[str, str], *, uncoded_only: bool = False) -> Iterator[None]:
     """An `InvalidRequestError` raised inside names the field the client wrote (`renames`: the name the engine or
     a translated request gives it -> the client's), as clients read ``param``. A field within a renamed one
     (``messages[0].content[1]``) is named by the client's whole field (``input``): its items need not be the
-    translated request's one for one."""
+    translated request's one for one. `uncoded_only`: an error with a ``code`` (``context_length_exceeded``)
+    keeps its field, ``prompt`` on every route."""
     try:
         yield
     except InvalidRequestError as exc:
         field = exc.field if exc.field in renames else re.split(r"[\[.]", exc.field, maxsplit=1)[0]
-        if field not in renames:
+        if field not in renames or (uncoded_only and exc.code is not None):
             raise
         raise InvalidRequestError(renames[field], exc.message, code=exc.code) from None
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.errors import renamed_fields
 from asyncllm.integrations.openai_protocol import ServerLimits, completion_prompts, request_options
 from asyncllm.integrations.openai_request_log import RequestLogger, log_under
 from asyncllm.integrations.streams import gather_until
@@ -102,12 +103,14 @@ async def embed_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], req
 
     The first error cancels the others (each cancelled `embed` aborts its
     request in the engine) and is raised; `until` completing (the client went
-    away) does the same and raises `ClientDisconnected`.
+    away) does the same and raises `ClientDisconnected`. An engine error naming ``prompt`` names the request's
+    field (``input`` or ``messages``), but a context-length error's stays ``prompt``, as on every route.
     """
     pooling = pooling_params(req)
     log_under(request_log, request_id or f"embd-{uuid.uuid4().hex}", prompts, pooling, lora)
     options = {**request_options(req), "truncate_prompt_tokens": req.truncate_prompt_tokens, "lora_request": lora}
-    return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
+    with renamed_fields({"prompt": "input" if req.messages is None else "messages"}, uncoded_only=True):
+        return await gather_until([engine.embed(prompt, pooling, **options) for prompt in prompts], until)
 
 
 def embedding_response(outputs: Sequence[EmbeddingOutput], model: str, encoding_format: str = "float",

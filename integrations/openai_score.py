@@ -25,6 +25,7 @@ from starlette.routing import Route
 from asyncllm.engine import scoring
 from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
+from asyncllm.integrations.errors import renamed_fields
 from asyncllm.integrations.openai_protocol import completion_prompts, decode_request
 from asyncllm.integrations.openai_request_log import log_under, route_id
 from asyncllm.integrations.starlette import wait_disconnect
@@ -104,7 +105,8 @@ class _Handlers:
         request_id = route_id("classify", request.headers)
         log_under(self.server.request_log, request_id, prompts, PoolingParams(task="classify"), lora)
         calls = [engine.classify(prompt, **options) for prompt in prompts]
-        outputs = await gather_until(calls, lambda: wait_disconnect(request))
+        with renamed_fields({"prompt": "input"}, uncoded_only=True):  # the engine's field: name the request's
+            outputs = await gather_until(calls, lambda: wait_disconnect(request))
         data = [{"index": i, "label": out.label, "probs": out.probs, "num_classes": out.num_classes}
                 for i, out in enumerate(outputs)]
         return _json(_listing(request_id, model, data, outputs))

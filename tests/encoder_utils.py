@@ -98,16 +98,19 @@ def make_tiny_encoder(folder: str | Path, kind: str = "bert", pooling: str | Non
     return str(folder)
 
 
-def hf_sentence_embedding(folder: str, text: str, pooling: str, dimensions: int | None = None) -> list[float]:
-    """transformers' normalized sentence embedding of ``text``: the mean or the first of the last hidden states,
-    through the folder's Dense modules, its first ``dimensions``."""
+def hf_sentence_embedding(folder: str, text: str, pooling: str, dimensions: int | None = None,
+                          max_length: int | None = None) -> list[float]:
+    """transformers' normalized sentence embedding of ``text`` (cut by the tokenizer to ``max_length`` tokens, as
+    sentence-transformers cuts): the mean or the first of the last hidden states, through the folder's Dense
+    modules, its first ``dimensions``."""
     import torch
     from transformers import AutoModel, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        hidden = model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0]
+        cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
+        hidden = model(**tokenizer(text, return_tensors="pt", **cut)).last_hidden_state[0]
     vector = hidden.mean(0) if pooling == "mean" else hidden[0]
     modules = json.loads((Path(folder) / "modules.json").read_text()) if (Path(folder) / "modules.json").exists() else []
     for module in modules:  # sentence-transformers' Dense projections (bias-free, Identity) after the pooling

@@ -27,7 +27,7 @@ from asyncllm.models.architectures import (
 from asyncllm.models.st_dense import dense_modules
 from asyncllm.pooling import PoolingParams
 
-__all__ = ["ClassifierHead", "PoolingModel", "pooling_model_of", "sentence_transformers_pooling"]
+__all__ = ["ClassifierHead", "Matryoshka", "PoolingModel", "pooling_model_of", "sentence_transformers_pooling"]
 
 _ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                      "pooling_mode_cls_token": "CLS"}
@@ -65,11 +65,13 @@ class ClassifierHead:
     def num_labels(self) -> int:
         return len(self.labels)
 
-    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str) -> list[int]:
-        """The token ids of the pair's one prompt (vLLM's cross-encoder encoding)."""
+    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None) -> list[int]:
+        """The token ids of the pair's one prompt (vLLM's cross-encoder encoding); ``max_length``: cut by the
+        tokenizer (``truncation=True``: the longer text first, special tokens kept)."""
+        cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
         if self.use_sep_token:
-            return list(tokenizer(text_1, text_2).input_ids)
-        return list(tokenizer(text_1 + text_2).input_ids)
+            return list(tokenizer(text_1, text_2, **cut).input_ids)
+        return list(tokenizer(text_1 + text_2, **cut).input_ids)
 
 
 def activate(logits: list[float], activation: str) -> list[float]:
@@ -97,6 +99,37 @@ def _score_activation(hf_config: Any) -> str:
 
 
 @dataclass(frozen=True)
+class Matryoshka:
+    """Which output ``dimensions`` an embedding model serves (vLLM's ``ModelConfig.is_matryoshka``)."""
+
+    name: str
+    """The model as vLLM names it in its refusals (``EngineConfig.model``)."""
+    supported: bool = False
+    """The config's ``is_matryoshka`` or ``matryoshka_dimensions``: False refuses any ``dimensions``."""
+    dimensions: tuple[int, ...] | None = None
+    """The config's ``matryoshka_dimensions``: only these; None: any."""
+
+    @classmethod
+    def of(cls, hf_config: Any, name: str) -> Matryoshka:
+        """From the config (after ``hf_overrides``), as vLLM reads it."""
+        dims = getattr(hf_config, "matryoshka_dimensions", None)
+        if dims:
+            return cls(name, True, tuple(int(d) for d in dims))
+        return cls(name, bool(getattr(hf_config, "is_matryoshka", False)))
+
+    def check(self, dimensions: int) -> None:
+        """vLLM's refusals of ``dimensions`` for a model that is not Matryoshka or not at this size."""
+        if not self.supported:
+            raise InvalidRequestError("dimensions", f'Model "{self.name}" does not support matryoshka '
+                                                    "representation, changing output dimensions will lead to poor "
+                                                    "results.")
+        if self.dimensions is not None and dimensions not in self.dimensions:
+            raise InvalidRequestError("dimensions", f'Model "{self.name}" only supports {list(self.dimensions)} '
+                                                    "matryoshka dimensions, use other output dimensions will lead "
+                                                    "to poor results.")
+
+
+@dataclass(frozen=True)
 class PoolingModel:
     """The served architecture and which requests it takes."""
 
@@ -109,6 +142,8 @@ class PoolingModel:
     """How embeddings pool the prompt's hidden states (`asyncllm.pooling.POOLING_TYPES`)."""
     normalize: bool = True
     """Embeddings' ``normalize`` when a request leaves it None (``pooler_config``'s)."""
+    matryoshka: Matryoshka | None = None
+    """Which ``dimensions`` embeddings may be cut to; None: none (a model not prepared from a config)."""
 
     def apply(self, pooling: PoolingParams | None) -> PoolingParams | None:
         """An embedding request's params with the model's pooling type and default ``normalize`` filled in; a
@@ -135,12 +170,14 @@ class PoolingModel:
         elif task == "generate" and not self.generates:
             raise InvalidRequestError("prompt", f"this model ({arch}, no LM head) serves embeddings only: use "
                                                 "embed() or /v1/embeddings")
+        elif task == "embed" and pooling.dimensions is not None:
+            (self.matryoshka or Matryoshka(arch)).check(pooling.dimensions)
 
-    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str) -> list[int]:
+    def encode_pair(self, tokenizer: Any, text_1: str, text_2: str, max_length: int | None = None) -> list[int]:
         if self.classifier is None:
             raise InvalidRequestError("text_2", f"this model ({self.architecture}) has no classification head to "
                                                 "score a pair as one prompt")
-        return self.classifier.encode_pair(tokenizer, text_1, text_2)
+        return self.classifier.encode_pair(tokenizer, text_1, text_2, max_length)
 
 
 def sentence_transformers_pooling(path: str | None) -> str | None:
@@ -166,7 +203,8 @@ def sentence_transformers_pooling(path: str | None) -> str | None:
 
 
 def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
-                     pooler_config: dict[str, Any] | None = None) -> PoolingModel:
+                     pooler_config: dict[str, Any] | None = None, matryoshka: Matryoshka | None = None
+                     ) -> PoolingModel:
     """What ``architecture`` serves; a classifier's head from its config (`NotBuiltError` for an activation
     asyncllm does not apply); embeddings' pooling from ``pooler_config``, else the checkpoint folder's
     sentence-transformers config, else LAST."""
@@ -182,4 +220,5 @@ def pooling_model_of(architecture: str, hf_config: Any, path: str | None = None,
     default = "CLS" if architecture in ENCODER_ARCHITECTURES else "LAST"  # vLLM's defaults for each
     pooling_type = pooler.get("pooling_type") or sentence_transformers_pooling(path) or default
     dense_modules(path)  # its Dense modules readable, their activations built (the workers apply them)
-    return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES, None, pooling_type, normalize)
+    return PoolingModel(architecture, architecture not in EMBEDDING_ARCHITECTURES, None, pooling_type, normalize,
+                        matryoshka)

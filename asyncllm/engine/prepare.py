@@ -19,7 +19,7 @@ from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.generation_config import read_generation_config, sampling_fields_of
 from asyncllm.lora import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
-from asyncllm.engine.pooling_model import PoolingModel, pooling_model_of
+from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of
 from asyncllm.models.architectures import (
     CLASSIFICATION_ARCHITECTURES,
     ENCODER_ARCHITECTURES,
@@ -158,7 +158,8 @@ def _prepare(config: EngineConfig) -> Prepared:
                     embedding_width(path, text_config.hidden_size),
                     default_sampling_fields(sampling_fields_of(config.generation_config, generation),
                                             config.override_generation_config), generation,
-                    pooling_model_of(arch, text_config, path, config.pooler_config),
+                    pooling_model_of(arch, text_config, path, config.pooler_config,
+                                     Matryoshka.of(hf_config, config.model)),
                     _embeds_width(config, arch, multimodal, text_config))
 
 

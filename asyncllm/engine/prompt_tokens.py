@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 from asyncllm import errors
 from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prompt_embeds import PLACEHOLDER_TOKEN_ID, prompt_embeds_of
-from asyncllm.engine.validation import check_text, check_token_ids, max_prompt_chars, truncated_prompt
+from asyncllm.engine.validation import (check_text, check_token_ids, max_prompt_chars, truncated_prompt,
+                                       truncation_length)
 from asyncllm.mm.host import multimodal_prompt, plain_prompt
 from asyncllm.mm.inputs import MultiModalInputs
 from asyncllm.mm.processor import MultiModalProcessor
-from asyncllm.tokenizer import apply_chat_template, encode_prompt
+from asyncllm.tokenizer import apply_chat_template, encode_prompt, right_truncating
 
 if TYPE_CHECKING:
     from asyncllm.engine.processor import Submit
@@ -84,13 +85,14 @@ class PromptTokenizer:
         if job.chat:
             token_ids = self._truncated(job, apply_chat_template(
                 self.tokenizer, job.prompt, template_kwargs=options.chat_template_kwargs, tools=options.tools,
-                chat_template=options.chat_template, content_format=options.chat_template_content_format))
+                chat_template=options.chat_template, content_format=options.chat_template_content_format),
+                right=True)
         elif isinstance(job.prompt, str):
             chars = len(job.prompt) + len(options.text_pair or "")
             if chars > self.max_prompt_chars and job.params.truncate_prompt_tokens is None:  # more tokens than fit
                 raise errors.prompt_too_long(self.max_model_len, f"{chars} characters", operation)
             check_text("prompt", job.prompt)
-            token_ids = self._truncated(job, self._encode(job.prompt, options.text_pair))
+            token_ids = self._text_token_ids(job)
         else:
             token_ids = self._truncated(job, list(job.prompt))
             if len(token_ids) <= self.max_model_len:  # a huge list is refused below without a look at each id
@@ -103,13 +105,28 @@ class PromptTokenizer:
             job.mm_prompt = self.mm.process(token_ids, MultiModalInputs(), "prompt")
         return token_ids
 
-    def _truncated(self, job: Submit, token_ids: list[int]) -> list[int]:
-        return truncated_prompt(token_ids, job.params.truncate_prompt_tokens, self.max_model_len,
-                                pooling=job.options.pooling is not None)
+    def _truncated(self, job: Submit, token_ids: list[int], right: bool = False) -> list[int]:
+        """Token ids cut to ``truncate_prompt_tokens``: the last k (vLLM's cut of token ids), the first k for a
+        pooling request's rendered chat (`right`: its text cut by a tokenizer that adds no special tokens)."""
+        pooling = job.options.pooling is not None
+        if not (right and pooling):
+            return truncated_prompt(token_ids, job.params.truncate_prompt_tokens, self.max_model_len, pooling=pooling)
+        keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=True)
+        return token_ids if keep is None else token_ids[:keep]
 
-    def _encode(self, prompt: str, text_pair: str | None) -> list[int]:
-        """A text's token ids; with `text_pair`, the pair's one prompt as the classifier encodes it (`score`)."""
+    def _text_token_ids(self, job: Submit) -> list[int]:
+        """A text prompt's ids: a generation's last k tokens; a pooling request's (embed, classify, score) cut on
+        the right by the tokenizer, special tokens kept, as vLLM's pooling runner and sentence-transformers."""
+        if job.options.pooling is None:
+            return self._truncated(job, self._encode(job.prompt, job.options.text_pair))
+        keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=True)
+        return self._encode(job.prompt, job.options.text_pair, keep)
+
+    def _encode(self, prompt: str, text_pair: str | None, max_length: int | None = None) -> list[int]:
+        """A text's token ids (``max_length``: cut on the right); with `text_pair`, the pair's one prompt as the
+        classifier encodes it (`score`)."""
+        tokenizer = self.tokenizer if max_length is None else right_truncating(self.tokenizer)
         if text_pair is None:
-            return encode_prompt(self.tokenizer, prompt)
+            return encode_prompt(tokenizer, prompt, max_length=max_length)
         assert self.pooling_model is not None, "score sends pairs to a started engine's classifier"
-        return self.pooling_model.encode_pair(self.tokenizer, prompt, text_pair)
+        return self.pooling_model.encode_pair(tokenizer, prompt, text_pair, max_length)

@@ -22,7 +22,7 @@ from asyncllm.pooling import PoolingParams
 from asyncllm.sampling import MAX_LOGPROBS, SamplingParams
 
 __all__ = [
-    "truncated_prompt",
+    "truncated_prompt", "truncation_length",
     "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_request_id",
     "check_allowed_tokens",
     "check_text", "served_tasks",
@@ -247,15 +247,22 @@ def _check_prompt_embeds(embeds: protocol.PromptEmbeds, num_tokens: int, enabled
 
 def truncated_prompt(token_ids: list[int], limit: int | None, max_model_len: int, *, pooling: bool = False
                      ) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last ``limit`` tokens (-1: the last max_model_len - 1, one
-    left to generate; a `pooling` request generates nothing: max_model_len); `InvalidRequestError` when that leaves
-    no room or no prompt."""
+    """vLLM's ``truncate_prompt_tokens`` for token ids: the prompt's last ``limit`` tokens (a text prompt of a
+    `pooling` request is cut on the right instead, by its tokenizer: `truncation_length`)."""
+    keep = truncation_length(limit, max_model_len, pooling=pooling)
+    return token_ids if keep is None else token_ids[-keep:]
+
+
+def truncation_length(limit: int | None, max_model_len: int, *, pooling: bool = False) -> int | None:
+    """How many tokens ``truncate_prompt_tokens`` keeps (-1: max_model_len - 1, one left to generate; a `pooling`
+    request generates nothing: max_model_len); None: no truncation; `InvalidRequestError` when that leaves no
+    room or no prompt."""
     if limit is None:
-        return token_ids
+        return None
     room = max_model_len if pooling else max_model_len - 1
     keep = room if limit == -1 else limit
     if not 1 <= keep <= room:
         bound = "max_model_len" if pooling else "max_model_len - 1"
         raise InvalidRequestError("truncate_prompt_tokens", f"is {limit}, but a prompt can have 1 to {bound} = {room} "
                                                             "tokens (or give -1)")
-    return token_ids[-keep:]
+    return keep

@@ -43,6 +43,7 @@ async def test_embeddings_equal_transformers_in_mixed_chunked_batches(tiny_llama
     greedy = SamplingParams(temperature=0.0, max_tokens=10)
     long = [3 + (37 * i) % 490 for i in range(81)]
     async with AsyncEngine(tiny_llama, max_model_len=80, max_num_batched_tokens=24, disable_log_stats=True,
+                           hf_overrides={"is_matryoshka": True},  # `dimensions` allowed, as vLLM's
                            max_worker_restarts=0) as engine:  # a worker's failure ends the engine: the test fails
         embedded, generated = await asyncio.gather(
             asyncio.gather(*(engine.embed(p) for p in prompts)),

@@ -40,6 +40,13 @@ async def test_sentence_embeddings_equal_transformers(tmp_path, kind: str, pooli
         too_long = " ".join(["engine"] * (engine.config.max_model_len + 1))
         with pytest.raises(InvalidRequestError, match="maximum context length"):
             await engine.embed(too_long)
+        cut = await engine.embed(TEXTS[2], truncate_prompt_tokens=6)  # vLLM's pooling tokenizer: cut on the right
+        assert np.abs(np.array(cut.embedding) - np.array(hf_sentence_embedding(path, TEXTS[2], pooling or "cls",
+                                                                               max_length=6))).max() < 1e-5
+        assert len(cut.prompt_token_ids) == 6 and cut.prompt_token_ids[0] == 2  # [CLS] kept
+        with pytest.raises(InvalidRequestError, match="does not support matryoshka") as info:
+            await engine.embed(TEXTS[0], PoolingParams(dimensions=8))  # vLLM's: no is_matryoshka in the config
+        assert info.value.field == "dimensions"
         again = (await engine.embed(TEXTS[1])).embedding  # served on after the refusals
         # alone in its step now: the products' shapes differ from the first batch's (which arrival timing decides),
         # so only the last bits may
@@ -50,13 +57,16 @@ async def test_embeddinggemma_with_its_dense_projections_equals_transformers(tmp
     """EmbeddingGemma's form: Gemma 3 layers attending both ways (within 4 positions in the sliding layers; the
     prompts are longer), mean pooling, two Dense projections (32 -> 48 -> 32), Matryoshka truncation after them."""
     path = make_tiny_encoder(tmp_path / "gemma", "embeddinggemma", pooling="mean", dense=(48, 32))
-    async with AsyncEngine(path, disable_log_stats=True) as engine:
+    async with AsyncEngine(path, disable_log_stats=True, hf_overrides={"matryoshka_dimensions": [16]}) as engine:
         assert (engine.config.enable_chunked_prefill, engine.config.enable_prefix_caching) == (False, False)
         outs = await asyncio.gather(*(engine.embed(text) for text in TEXTS), engine.embed(TEXTS[2], PoolingParams(dimensions=16)))
         for out, text, dims in zip(outs, TEXTS + TEXTS[2:], (None, None, None, 16)):
             expected = hf_sentence_embedding(path, text, "mean", dims)
             assert len(out.embedding) == (dims or 32)
             assert np.abs(np.array(out.embedding) - np.array(expected)).max() < 1e-5, text
+        with pytest.raises(InvalidRequestError, match=r"only supports \[16\] matryoshka dimensions") as info:
+            await engine.embed(TEXTS[0], PoolingParams(dimensions=8))  # vLLM's: only matryoshka_dimensions
+        assert info.value.field == "dimensions"
 
 
 @pytest.mark.parametrize("kind", ["bert", "xlm-roberta"])  # ModernBERT's head: tests/unit/test_bert_model.py

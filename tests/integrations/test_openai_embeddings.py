@@ -144,6 +144,8 @@ async def test_invocations_with_input_are_embeddings(app) -> None:
     ({"input": "x", "add_generation_prompt": True}, 400, "add_generation_prompt"),
     ({"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ x }}"}, 400, "chat_template"),
     ({"input": "x", "embed_dtype": "float16"}, 400, "embed_dtype"),
+    ({"input": [[5, 6], [999999]]}, 400, "input"),  # the engine's "prompt" named as the request's field
+    ({"input": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     ({"input": "x", "model": "gpt-4"}, 404, "model"),
 ])
 async def test_errors(app, body: dict, status: int, param: str) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from asyncllm import ConfigError, InvalidRequestError, NotBuiltError, PoolingParams, SamplingParams
 from asyncllm.config import EngineConfig
-from asyncllm.engine.pooling_model import ClassifierHead, PoolingModel, activate, pooling_model_of
+from asyncllm.engine.pooling_model import ClassifierHead, Matryoshka, PoolingModel, activate, pooling_model_of
 from asyncllm.lora import LoRARequest
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.workers.model_runner import ModelRunner
@@ -136,6 +136,22 @@ def test_each_model_kind_takes_its_own_requests(model: PoolingModel, allowed: se
         else:
             with pytest.raises(InvalidRequestError, match=model.architecture):
                 model.check(pooling)
+
+
+def test_dimensions_only_for_a_matryoshka_config_as_vllm() -> None:
+    """vLLM's ``is_matryoshka`` / ``matryoshka_dimensions`` (read after hf_overrides), in its words."""
+    config = SimpleNamespace(matryoshka_dimensions=[8, 16])
+    Matryoshka.of(config, "m").check(16)
+    Matryoshka.of(SimpleNamespace(is_matryoshka=True), "m").check(5)
+    with pytest.raises(InvalidRequestError) as only:
+        Matryoshka.of(config, "m").check(12)
+    with pytest.raises(InvalidRequestError) as none:
+        Matryoshka.of(SimpleNamespace(), "m").check(8)
+    assert (only.value.field, none.value.field) == ("dimensions", "dimensions")
+    assert only.value.message == ('Model "m" only supports [8, 16] matryoshka dimensions, use other output '
+                                  "dimensions will lead to poor results.")
+    assert none.value.message == ('Model "m" does not support matryoshka representation, changing output '
+                                  "dimensions will lead to poor results.")
 
 
 def test_a_classification_request_takes_no_dimensions() -> None:

@@ -47,6 +47,9 @@ def test_minus_one_values_are_vllms() -> None:
     with pytest.raises(InvalidRequestError, match="whole vocabulary") as info:
         check_logprobs_limit(p, 511, 512)
     assert info.value.field == "logprobs"
+    SamplingParams(truncate_prompt_tokens=-1).validate()
+    with pytest.raises(InvalidRequestError, match=r"must be -1 or in \[1, 2147483647\], got -2"):
+        SamplingParams(truncate_prompt_tokens=-2).validate()
 
 
 def test_min_tokens_above_max_tokens_names_min_tokens() -> None:
