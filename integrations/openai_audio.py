@@ -8,7 +8,8 @@ order. ``response_format`` "json" answers ``{"text", "usage"}`` (the audio's sec
 text; "verbose_json", "srt" and "vtt" prompt without ``<|notimestamps|>`` and answer the pieces' timestamped segments
 (asyncllm/speech_segments.py; ``timestamp_granularities`` "segment" only); ``stream=true`` sends server-sent
 events, each both OpenAI's (``{"type": "transcript.text.delta", "delta"}``, then ``"transcript.text.done"``) and
-vLLM's (``"object": "transcription.chunk"`` with ``choices[0].delta.content``), then ``[DONE]``. A client that
+vLLM's (``"object": "transcription.chunk"`` with ``choices[0].delta.content``), with ``stream_include_usage`` vLLM's
+usage chunk, then ``[DONE]``. A client that
 leaves aborts every piece. docs/integrations/openai-server.md has the details.
 """
 
@@ -27,7 +28,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from asyncllm.errors import AsyncLLMError, InvalidRequestError
-from asyncllm.integrations.errors import ApiError, error_body
+from asyncllm.integrations.errors import ApiError, error_body, renamed_fields
 from asyncllm.integrations.openai_http import EventStream
 from asyncllm.integrations.openai_request_log import log_under, route_id
 from asyncllm.integrations.starlette import wait_disconnect
@@ -84,6 +85,8 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
     params = SamplingParams(temperature=_parsed(form, "temperature", float, "a number", 0.0),
                             max_tokens=_parsed(form, "max_completion_tokens", int, "an integer"),  # vLLM's; left out,
                             seed=_parsed(form, "seed", int, "an integer"))  # as many as max_model_len allows
+    with renamed_fields({"max_tokens": "max_completion_tokens"}):  # checked here to name the form's field
+        params.validate()
     priority = _parsed(form, "priority", int, "an integer", 0)
     request_id = route_id(task, request.headers)  # vLLM's "transcribe-ID", "translate-ID": the client's prompt
     log_under(server.request_log, request_id, [form.get("prompt") or ""], params, lora, indexed=False)
@@ -98,7 +101,8 @@ async def _speech(server: OpenAIServer, request: Request, task: str) -> Response
                 "model": model}
         # errors before the first token keep their status code; a client gone while queued is a 499 (`guard`)
         firsts = await first_deltas(streams, until=lambda: wait_disconnect(request))
-        return EventStream(_events(request, streams, firsts, meta))
+        usage = _flag(form, "stream_include_usage") or server.force_include_usage
+        return EventStream(_events(request, streams, firsts, meta, usage))
     text = "".join([piece async for piece in _texts_in_order(request, streams)])
     if response_format == "text":
         return Response(text, media_type="text/plain; charset=utf-8")
@@ -199,14 +203,17 @@ def _flag(form: dict[str, Any], key: str) -> bool:
     return value in ("true", "1")
 
 
-async def _texts_in_order(request: Request, streams: list[RequestStream], firsts: list[Any] = ()
-                          ) -> AsyncIterator[str]:
-    """The pieces' texts as they come, in the audio's order: a later piece's text waits for the earlier ones."""
+async def _texts_in_order(request: Request, streams: list[RequestStream], firsts: list[Any] = (),
+                          generated: list[int] | None = None) -> AsyncIterator[str]:
+    """The pieces' texts as they come, in the audio's order: a later piece's text waits for the earlier ones;
+    `generated`'s one item counts the tokens of every piece."""
     held: list[list[str]] = [[] for _ in streams]
     finished = [False] * len(streams)
     current = 0
     async for index, delta in merge_streams(streams, firsts, until=lambda: wait_disconnect(request)):
         held[index].append(delta.text)
+        if generated is not None:
+            generated[0] += len(delta.token_ids)
         finished[index] = finished[index] or delta.finish_reason is not None
         while current < len(streams) and (held[current] or finished[current]):
             text = "".join(held[current])
@@ -218,22 +225,32 @@ async def _texts_in_order(request: Request, streams: list[RequestStream], firsts
             current += 1
 
 
-async def _events(request: Request, streams: list[RequestStream], firsts: list[Any], meta: dict[str, Any]
-                  ) -> AsyncIterator[bytes]:
-    """Server-sent events: each delta in OpenAI's and vLLM's shapes at once, the whole text, then ``[DONE]``."""
+async def _events(request: Request, streams: list[RequestStream], firsts: list[Any], meta: dict[str, Any],
+                  usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: each delta in OpenAI's and vLLM's shapes at once, the whole text, with `usage` vLLM's
+    usage chunk (``stream_include_usage``), then ``[DONE]``."""
     parts: list[str] = []
+    generated = [0]
     try:
-        async for text in _texts_in_order(request, streams, firsts):
+        async for text in _texts_in_order(request, streams, firsts, generated):
             parts.append(text)
             yield _event({**meta, "type": "transcript.text.delta", "delta": text,
                           "choices": [{"delta": {"content": text}, "finish_reason": None}]})
         yield _event({**meta, "type": "transcript.text.done", "text": "".join(parts),
                       "choices": [{"delta": {"content": ""}, "finish_reason": "stop"}]})
+        if usage:
+            yield _event({**meta, "choices": [], "usage": _usage(streams, generated[0])})
     except ClientDisconnected:
         return
     except AsyncLLMError as exc:  # after the first event the status is sent: report in the stream
         yield _event(error_body(exc)[1])
     yield b"data: [DONE]\n\n"
+
+
+def _usage(streams: list[RequestStream], generated: int) -> dict[str, int]:
+    """vLLM's usage chunk: the decoder prompts' tokens (every piece's) and the generated ones."""
+    prompt = sum(len(stream.collector.prompt_token_ids) for stream in streams if stream.collector is not None)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
 
 
 def _event(payload: dict[str, Any]) -> bytes:

@@ -111,7 +111,7 @@ class Choices:
         choice = self._choices[index]
         choice.text.append(delta.text)
         choice.num_tokens += len(delta.token_ids)
-        if self.return_token_ids:
+        if self.return_token_ids or self.reasoning_end is not None:  # the latter for `reasoning_tokens`
             choice.output_token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
@@ -173,11 +173,23 @@ class Choices:
             out.append((index, logprobs))
         return out
 
-    def usage(self) -> dict[str, Any]:
+    def usage(self, reasoning_tokens: bool = False) -> dict[str, Any]:
+        """The request's usage; `reasoning_tokens` adds OpenAI's ``completion_tokens_details`` (the Responses API's
+        ``output_tokens_details``)."""
         body = usage(sum(self.prompt_tokens), sum(c.num_tokens for c in self._choices))
         if self.cached_tokens is not None:
             body["prompt_tokens_details"] = {"cached_tokens": sum(self.cached_tokens)}
+        if reasoning_tokens:
+            body["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
         return body
+
+    def reasoning_tokens(self) -> int:
+        """The generated tokens of every choice within its thinking (`Marker.spanned`, as vLLM counts the Responses
+        API's ``reasoning_tokens``); 0 without a tag parser (harmony's channels are not counted)."""
+        if self.reasoning is None or self.reasoning_end is None:
+            return 0
+        return sum(self.reasoning_end.spanned(choice.output_token_ids, self.reasoning.opened_by_prompt)
+                   for index, choice in enumerate(self._choices) if not self.prompt_ended_thinking[index // self.n])
 
     def choice_usage(self, index: int) -> dict[str, int]:
         """vLLM's ``continuous_usage_stats`` on a chunk of choice `index`: its prompt's tokens, its own so far."""

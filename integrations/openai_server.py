@@ -305,7 +305,8 @@ class OpenAIServer:
                     choices.add(prompt_index, delta)
         count_prompts(streams, choices)
         choice = choices.final_choices()[0]
-        body = response_body(turn.req, model, choice["message"], choice["finish_reason"], choices.usage())
+        body = response_body(turn.req, model, choice["message"], choice["finish_reason"],
+                             choices.usage(reasoning_tokens=True))
         return json_response(turn.keep(body))
 
     async def _sampling_defaults(self) -> dict[str, Any]:

@@ -177,7 +177,7 @@ async def response_events(request: Request, events: ResponseEvents, streams: lis
             for event in events.feed(parts):
                 yield event
             if finish_reason is not None:
-                for event in events.finish(finish_reason, choices.usage()):
+                for event in events.finish(finish_reason, choices.usage(reasoning_tokens=True)):
                     yield event
     except AsyncLLMError as exc:  # after the first event the status is sent: report in the stream
         yield events.error(error_body(exc)[1]["error"])

@@ -132,14 +132,16 @@ def input_messages(items: str | list[dict[str, Any]], instructions: str | None) 
             messages.append({"role": "system" if role == "developer" else role,
                              "content": _content(i, item.get("content"))})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments", "")}}
+            _require_strings(i, item, ("call_id", "name", "arguments"))
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") and not last["content"]:
                 last["tool_calls"].append(call)  # parallel calls: one assistant turn
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
+            _require_strings(i, item, ("call_id",))
             output = item.get("output")
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if isinstance(output, str) else _text(i, output)})
@@ -147,6 +149,13 @@ def input_messages(items: str | list[dict[str, Any]], instructions: str | None) 
             raise InvalidRequestError("input", f"item {i}: type {kind!r} is not built (message, function_call, "
                                                "function_call_output, reasoning are)")
     return messages
+
+
+def _require_strings(i: int, item: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """vLLM's item models (``ResponseFunctionToolCall``, a function_call_output) require these as strings."""
+    for key in keys:
+        if not isinstance(item.get(key), str):
+            raise InvalidRequestError("input", f"item {i}: a {item['type']} needs {key} as a string")
 
 
 def _content(i: int, content: object) -> str | list[dict[str, Any]]:
@@ -203,7 +212,9 @@ def _chat_tool_choice(choice: Any) -> Any:
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
-    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+    if fmt is not None and not isinstance(fmt, dict):
+        raise InvalidRequestError("text", f"format must be an object ({{\"type\": ...}}), got {fmt!r}")
+    if fmt is None or fmt.get("type") in (None, "text"):
         return None
     if fmt.get("type") == "json_schema":
         return {"type": "json_schema", "json_schema": {k: fmt[k] for k in ("name", "schema", "strict") if k in fmt}}
@@ -217,10 +228,12 @@ def _new_id(prefix: str) -> str:
 
 def _usage(usage: dict[str, Any]) -> dict[str, Any]:
     """Responses' usage of a chat's, whose prompt_tokens_details the server asks for with the flag or not
-    (`OpenAIServer.responses`: vLLM's Responses API counts cached input tokens always); 0 where a usage has none."""
+    (`OpenAIServer.responses`: vLLM's Responses API counts cached input tokens always) and its
+    completion_tokens_details (`Choices.reasoning_tokens`); 0 where a usage has none."""
     details = usage.get("prompt_tokens_details") or {"cached_tokens": 0}
+    reasoning = (usage.get("completion_tokens_details") or {}).get("reasoning_tokens", 0)
     return {"input_tokens": usage["prompt_tokens"], "input_tokens_details": details,
-            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning},
             "total_tokens": usage["total_tokens"]}
 
 
@@ -341,8 +354,11 @@ class ResponseEvents:
         self._open = {"kind": kind, "id": _new_id("rs" if kind == "reasoning" else "msg"), "index": len(self._output),
                       "text": ""}
         index, item_id = self._open["index"], self._open["id"]
-        if kind == "reasoning":
-            return events + [self._event("response.output_item.added", output_index=index, item=_reasoning_item(item_id, ""))]
+        if kind == "reasoning":  # vLLM's reasoning_part events around the reasoning_text ones
+            return events + [self._event("response.output_item.added", output_index=index,
+                                         item=_reasoning_item(item_id, "")),
+                             self._event("response.reasoning_part.added", item_id=item_id, output_index=index,
+                                         content_index=0, part={"type": "reasoning_text", "text": ""})]
         part = {"type": "output_text", "text": "", "annotations": []}
         return events + [self._event("response.output_item.added", output_index=index,
                                      item=_message_item(item_id, "", "in_progress")),
@@ -361,7 +377,9 @@ class ResponseEvents:
         elif open_["kind"] == "reasoning":
             item = _reasoning_item(item_id, open_["text"])
             events = [self._event("response.reasoning_text.done", item_id=item_id, output_index=index,
-                                  content_index=0, text=open_["text"])]
+                                  content_index=0, text=open_["text"]),
+                      self._event("response.reasoning_part.done", item_id=item_id, output_index=index,
+                                  content_index=0, part=item["content"][0])]
         else:
             item = _message_item(item_id, open_["text"], "completed")
             events = [self._event("response.output_text.done", item_id=item_id, output_index=index, content_index=0,

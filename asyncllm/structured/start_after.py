@@ -43,6 +43,18 @@ class Marker:
         ends = _found(tail, self.ids) if self.ids else []
         return bool(ends) and not (self.opener and _found(tail[ends[-1] + len(self.ids):], self.opener))
 
+    def spanned(self, token_ids: Sequence[int], opened: bool) -> int:
+        """The tokens between the opening tag and this marker in a reply's `token_ids`, neither counted (vLLM's
+        ``count_reasoning_tokens``): from after the first opener, else from the start when `opened` (the prompt
+        opened the thinking), to the first marker after, else to the end; 0 when nothing opened it."""
+        tokens = list(token_ids)
+        starts = _found(tokens, self.opener) if self.opener else []
+        if not starts and not opened:
+            return 0
+        begin = starts[0] + len(self.opener) if starts else 0
+        ends = [end for end in _found(tokens, self.ids) if end >= begin]
+        return (ends[0] if ends else len(tokens)) - begin
+
 
 def _ids(tokenizer: Any, text: str) -> tuple[int, ...]:
     return tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))

@@ -73,6 +73,20 @@ async def test_transcriptions_equal_transformers_in_every_format(engine, tiny_wh
     assert {e["type"] for e in events} == {"transcript.text.delta", "transcript.text.done"}
 
 
+async def test_a_stream_with_stream_include_usage_ends_with_vllm_usage_chunk(engine, tiny_whisper):
+    wav = wav_bytes(make_audio(1.5, seed=1))
+    prompt = "<|startoftranscript|><|en|><|transcribe|><|notimestamps|>"
+    ids = engine.tokenizer(prompt, add_special_tokens=False).input_ids
+    waveform = read_audio(wav, "file", SAMPLING_RATE).waveform
+    generated = sum(len(hf_whisper_greedy(tiny_whisper, piece, ids, MAX_MODEL_LEN - len(ids)))
+                    for piece in split_audio(waveform, SAMPLING_RATE, CHUNK_SECONDS))
+    streamed = await _post(engine, "transcriptions", wav, language="en", stream="true", stream_include_usage="true")
+    *events, last = sse_events(streamed.text)
+    assert events[-1]["type"] == "transcript.text.done"  # the usage chunk last before [DONE]
+    assert last["choices"] == [] and last["object"] == "transcription.chunk" and last["usage"] == {
+        "prompt_tokens": len(ids), "completion_tokens": generated, "total_tokens": len(ids) + generated}
+
+
 async def test_long_audio_is_cut_into_pieces_transcribed_in_order(engine, tiny_whisper):
     wav = wav_bytes(make_audio(2.5 * CHUNK_SECONDS, seed=4))
     pieces = split_audio(read_audio(wav, "file", SAMPLING_RATE).waveform, SAMPLING_RATE, CHUNK_SECONDS)
@@ -134,6 +148,7 @@ async def test_a_client_gone_while_queued_aborts_a_streamed_transcription(engine
     (dict(response_format="srt"), "response_format"), (dict(language="xx"), "language"),
     (dict(temperature="warm"), "temperature"), (dict(colour="blue"), "colour"),
     (dict(prompt="earlier words"), "prompt"),  # the tiny tokenizer has no <|startofprev|>
+    (dict(max_completion_tokens="0"), "max_completion_tokens"),  # SamplingParams' max_tokens, by the form's name
     (dict(**{"timestamp_granularities[]": "word"}), "timestamp_granularities"),
 ])
 async def test_bad_fields_are_400s_naming_them(engine, fields, param):

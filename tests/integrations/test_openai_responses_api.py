@@ -88,10 +88,33 @@ async def test_what_is_not_built_is_refused_by_name(app) -> None:
              # the chat request's errors name the Responses API's fields (RESPONSES_FIELDS)
              ({"max_output_tokens": 0}, "max_output_tokens"), ({"max_output_tokens": 10**6}, "max_output_tokens"),
              ({"input": []}, "input"), ({"input": [{"type": "message", "content": "x"}]}, "input"),
-             ({"text": {"format": {"type": "yaml"}}}, "text"),
+             ({"text": {"format": {"type": "yaml"}}}, "text"), ({"text": {"format": "json_object"}}, "text"),
+             # function_call items need call_id, name and arguments as strings, their outputs call_id (vLLM's models)
+             ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input"),
+             ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input"),
+             ({"input": [{"type": "function_call_output", "output": "x"}]}, "input"),
              ({"input": [{"type": "message", "role": "user", "content": [  # messages[0]... is the client's input
                  {"type": "input_image", "image_url": "file:///etc/hostname"}]}]}, "input")]
     async with _client(app) as http:
         for extra, param in cases:
             response = await http.post("/v1/responses", json={"model": MODEL, "input": "x", **extra})
             assert (response.status_code, response.json()["error"]["param"]) == (400, param), response.text
+
+
+async def test_reasoning_tokens_and_events(bundled_engine) -> None:
+    """With a reasoning parser, usage counts the reply's tokens within its thinking (the bundled model's short reply
+    never closes it: all of it) and a streamed reasoning item has vLLM's reasoning_part events around its text."""
+    from asyncllm.integrations.openai_server import create_app
+
+    body = {"model": MODEL, "input": "What is 2+2?", "max_output_tokens": 6, "temperature": 0}
+    async with _client(create_app(bundled_engine, manage_engine=False, reasoning_parser="deepseek_r1")) as http:
+        whole = (await http.post("/v1/responses", json=body)).json()
+        streamed = await http.post("/v1/responses", json={**body, "stream": True})
+    assert [item["type"] for item in whole["output"]] == ["reasoning"]
+    assert whole["usage"]["output_tokens_details"] == {"reasoning_tokens": whole["usage"]["output_tokens"]} != {
+        "reasoning_tokens": 0}
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    kinds = [e["type"] for e in events if "reasoning" in e["type"] or "output_item" in e["type"]]
+    assert kinds[:2] == ["response.output_item.added", "response.reasoning_part.added"]
+    assert kinds[-3:] == ["response.reasoning_text.done", "response.reasoning_part.done", "response.output_item.done"]
+    assert events[-1]["response"]["usage"] == whole["usage"]

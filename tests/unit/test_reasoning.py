@@ -100,6 +100,14 @@ def test_the_prompt_rule_is_the_constraints_rule() -> None:
         "role": "assistant", "content": "It is 4."}
 
 
+def test_reasoning_tokens_are_counted_between_the_tags_as_vllm_counts_them() -> None:
+    close = Marker((7, 8), opener=(6, 8))
+    assert close.spanned([6, 8, 1, 2, 3, 7, 8, 4], opened=False) == 3  # the tags' own tokens not counted
+    assert close.spanned([1, 2, 7, 8, 4, 4], opened=True) == 2  # the prompt opened the thinking
+    assert close.spanned([1, 2, 3], opened=True) == 3 and close.spanned([1, 2, 7, 8], opened=False) == 0
+    assert close.spanned([7, 8, 6, 8, 5, 5], opened=False) == 2  # an end before the opener does not end it
+
+
 def test_reasoning_then_a_tool_call() -> None:
     reply = ChatReply(tool_mode([{"type": "function", "function": {"name": "f"}}], "auto", None,
                                 get_tool_parser("hermes")), get_reasoning_parser("deepseek_r1"))
