@@ -86,6 +86,8 @@ class KVCacheManager:
         """Tokens of admitted requests looked up in the prefix cache."""
         self.prefix_cache_hits = 0
         """Tokens of those found in the prefix cache."""
+        self.cpu_prefix_cache_hits = 0
+        """Tokens of those hits loaded back from the CPU tier."""
 
     # ------------------------------------------------------------ queries
     @property
@@ -221,7 +223,7 @@ class KVCacheManager:
         if admitted:
             num_loaded = self._load_cpu_hits(request, appended, len(hits))
             self._num_cached_blocks[req_id] = len(hits) + num_loaded
-            self._count_query(request, len(hits) + num_loaded)
+            self._count_query(request, len(hits), num_loaded)
         return [block.block_id for block in appended]
 
     def _load_cpu_hits(self, request: KVRequest, blocks: list[KVCacheBlock], start: int) -> int:
@@ -352,10 +354,11 @@ class KVCacheManager:
             self.pool.uncache(blocks[num_computed_blocks:num_cached])
         self.pool.free(reversed(blocks))
 
-    def _count_query(self, request: KVRequest, num_hit_blocks: int) -> None:
+    def _count_query(self, request: KVRequest, num_gpu_hits: int, num_cpu_hits: int) -> None:
         """Count one admission's lookup (once per admission, however often admission was retried); a preempted
         request's readmission is not counted (as vLLM's, whose preempted lookups are kept apart and not exported):
         its prompt was counted once, and its hits on its own freed blocks are no sharing."""
         if self.enable_prefix_caching and not request.num_preemptions:
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_hit_blocks * self.block_size
+            self.prefix_cache_hits += (num_gpu_hits + num_cpu_hits) * self.block_size
+            self.cpu_prefix_cache_hits += num_cpu_hits * self.block_size

@@ -38,7 +38,6 @@ class CPUPrefixCache:
         self.loads: list[list[int]] = []
         """[gpu, cpu] copies in of this step."""
         self.num_offloaded_blocks = 0
-        self.num_hit_blocks = 0
 
     @property
     def num_used_blocks(self) -> int:
@@ -70,7 +69,6 @@ class CPUPrefixCache:
     def load(self, cpu_block_id: int, gpu_block_id: int) -> None:
         """Copy a hit CPU block into a GPU block this step."""
         self.loads.append([gpu_block_id, cpu_block_id])
-        self.num_hit_blocks += 1
 
     def take_copies(self) -> tuple[list[list[int]], list[list[int]]]:
         """The step's (copies out, copies in); unpins its hits."""

@@ -29,7 +29,7 @@ def scheduler_stats(sched: Scheduler) -> protocol.SchedulerStats:
         num_preemptions_total=sched.preemptor.num_preemptions_total,
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
-        cpu_prefix_cache_hits=kv.offload.num_hit_blocks * sched.block_size if kv.offload is not None else 0,
+        cpu_prefix_cache_hits=kv.cpu_prefix_cache_hits,
         prompt_tokens_total=sched.prompt_tokens_total,
         generation_tokens_total=sched.generation_tokens_total,
         num_steps_total=sched.num_steps_total,

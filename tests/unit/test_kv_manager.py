@@ -171,7 +171,7 @@ def test_evicted_cached_blocks_go_to_the_cpu_tier_and_come_back_on_a_hit():
     out, loads = kv.take_offload_copies()
     assert loads == [[ids[0], 12], [ids[1], 11], [ids[2], 10]]
     assert out == []  # b's evicted blocks find no room: every CPU block is read this step
-    assert (kv.prefix_cache_hits, kv.offload.num_hit_blocks) == (12, 3)
+    assert (kv.prefix_cache_hits, kv.cpu_prefix_cache_hits) == (12, 12)
     again.num_computed_tokens = 13
     kv.cache_full_blocks(again)
     kv.free(again)
@@ -208,3 +208,21 @@ def test_a_preempted_requests_readmission_is_no_prefix_cache_query():
     req.num_computed_tokens = 0
     _admit_and_compute(kv, req)  # readmitted: hits on its own 2 freed blocks
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (40, 0)
+
+
+def test_a_preempted_readmission_from_the_cpu_tier_is_no_cpu_hit_either():
+    """cpu_prefix_cache_hits is a part of prefix_cache_hits, counted under the same rule."""
+    from asyncllm.kv.offload import CPUPrefixCache
+
+    kv = KVCacheManager(num_gpu_blocks=4, block_size=4, enable_prefix_caching=True, offload=CPUPrefixCache(10, 3))
+    a = _request("a", list(range(13)))
+    _admit_and_compute(kv, a)
+    kv.free(a)
+    a.num_preemptions, a.num_computed_tokens = 1, 0
+    b = _request("b", list(range(100, 113)))
+    _admit_and_compute(kv, b)  # evicts a's blocks to the CPU tier
+    kv.take_offload_copies()
+    kv.free(b)
+    hits, num_hit = kv.get_computed_blocks(a)  # a readmitted: its 3 blocks loaded back from the CPU tier
+    assert (hits, num_hit) == ([], 12) and kv.allocate_slots(a, 13, hits) is not None
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.cpu_prefix_cache_hits) == (26, 0, 0)
