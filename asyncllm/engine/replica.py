@@ -355,9 +355,11 @@ def stop_forgotten(replicas: list[Replica]) -> None:
 def _stop_and_retire(replicas: list[Replica]) -> None:
     """`stop_replicas`, then their counters retired into the Prometheus registry as `aclose` does (they never go
     down)."""
-    stop_replicas(replicas)
-    for replica in replicas:
-        replica.observer.on_closed()
+    try:
+        stop_replicas(replicas)
+    finally:
+        for replica in replicas:
+            replica.observer.on_closed()
 
 
 def _stop(processor: Processor, core: CoreProcess | None) -> None:

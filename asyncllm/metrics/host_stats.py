@@ -63,6 +63,8 @@ class EngineView(NamedTuple):
     scheduler: SchedulerStats
     reports_engine: bool
     retired_engine: SchedulerStats
+    closed: bool = False
+    """Set by `HostStats.mark_closed` until the next core's snapshot: `scheduler` then holds final counters."""
 
 
 class HostStats:
@@ -106,7 +108,7 @@ class HostStats:
 
     @scheduler.setter
     def scheduler(self, value: SchedulerStats) -> None:
-        self.engine = self.engine._replace(scheduler=value)
+        self.engine = self.engine._replace(scheduler=value, closed=False)  # a core's snapshot: it is live
 
     @property
     def reports_engine(self) -> bool:
@@ -152,7 +154,7 @@ class HostStats:
         retired = self.retired_engine
         if self.reports_engine and self.owns_core:
             retired = summed_snapshots([retired, scheduler])
-        self.engine = EngineView(scheduler, False, retired)  # one swap: no scrape sees a half-closed engine
+        self.engine = EngineView(scheduler, False, retired, True)  # one swap: no scrape sees a half-closed engine
 
     def absorb(self, other: HostStats) -> None:
         """Add the final counters and histograms of `other`, an engine closed for good (after its `mark_closed`)."""
@@ -196,12 +198,12 @@ _NO_COUNTERS = SchedulerStats()
 
 def engine_counters(view: EngineView) -> SchedulerStats:
     """A host's engine-wide counters: its live core's plus the final ones of its cores that stopped or died
-    (`HostStats.retired_engine`); once closed, those final ones alone (they hold the live core's last)."""
+    (`HostStats.retired_engine`); once closed, those final ones alone (they hold the last core's)."""
     if view.retired_engine == _NO_COUNTERS:
         return view.scheduler
-    if view.reports_engine:
-        return summed_snapshots([view.scheduler, view.retired_engine])
-    return view.retired_engine
+    if view.closed:
+        return view.retired_engine
+    return summed_snapshots([view.scheduler, view.retired_engine])
 
 
 _LARGEST = ("max_lora", "weights_version", "sleep_level")

@@ -307,3 +307,15 @@ def test_two_engines_lora_settings_are_not_summed_and_their_adapters_are_united(
     summed = host_stats.summed_snapshots([a, b])
     assert (summed.max_lora, summed.running_lora_adapters, summed.weights_version) == (2, ["ad1", "ad2"], 3)
     assert summed.prefix_cache_queries == 12  # amounts still add up
+
+
+def test_a_live_host_that_does_not_report_the_engine_still_counts_its_live_core() -> None:
+    """A restarted shared core may pick another host as its reporter: the owner's stats() counts on all the same."""
+    stats = HostStats("m")
+    stats.owns_core, stats.reports_engine = True, True
+    stats.scheduler = SchedulerStats(prefix_cache_queries=30)
+    stats.mark_closed()  # the core died
+    observer_view = stats.engine._replace(scheduler=SchedulerStats(prefix_cache_queries=4), reports_engine=False,
+                                          closed=False)  # the new core's snapshot, another host reporting
+    stats.engine = observer_view
+    assert stats.snapshot().prefix_cache_queries == 34
