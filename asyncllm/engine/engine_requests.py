@@ -44,10 +44,11 @@ class EngineRequests:
         options = RequestOptions(priority, request_id, timeout, cache_salt, lora_request=lora_request,
                                  data_parallel_rank=data_parallel_rank, check_max_tokens=check_max_tokens,
                                  echo_only=echo_only)
+        params = _checked_params(params)
         if echo_only and (params is None or params.max_tokens != 1):
             raise InvalidRequestError("echo_only", "needs params with max_tokens=1 (the token sampled for it is "
                                                    "dropped)")
-        return RequestStream(self, prompt, _checked_params(params), options, chat=False)
+        return RequestStream(self, prompt, params, options, chat=False)
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, *, priority: int = 0,
              request_id: str | None = None, timeout: float | None = None,

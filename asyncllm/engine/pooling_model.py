@@ -113,7 +113,7 @@ class Matryoshka:
     def of(cls, hf_config: Any, name: str) -> Matryoshka:
         """From the config (after ``hf_overrides``), as vLLM reads it."""
         dims = getattr(hf_config, "matryoshka_dimensions", None)
-        if dims:
+        if dims is not None:  # [] allows no size, as vLLM's
             return cls(name, True, tuple(int(d) for d in dims))
         return cls(name, bool(getattr(hf_config, "is_matryoshka", False)))
 

@@ -56,10 +56,10 @@ async def test_echo_only_prompt_may_fill_the_context(app) -> None:
         shorter.json()["choices"][0]["logprobs"]["token_logprobs"], abs=1e-4)  # causal: the same up to the last
     assert [(r.status_code, r.json()["error"]["code"]) for r in refused] == [(400, "context_length_exceeded")] * 2
     engine = app.state.openai_server.engine
-    for params in (None, SamplingParams(max_tokens=5)):  # the engine's option names itself, not the prompt
-        with pytest.raises(InvalidRequestError) as info:
+    for params, field in ((None, "echo_only"), (SamplingParams(max_tokens=5), "echo_only"), ({}, "params")):
+        with pytest.raises(InvalidRequestError) as info:  # the engine's option names itself, not the prompt
             engine.stream(full["prompt"], params, echo_only=True)
-        assert info.value.field == "echo_only"
+        assert info.value.field == field
 
 
 async def test_echo_then_generated_tokens_streamed_or_not(app) -> None:
