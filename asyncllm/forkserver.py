@@ -217,7 +217,7 @@ def start_server(address: str, timeout: float = 60.0) -> subprocess.Popen:
     """Start a fork server listening at `address` (tied to this process's life); returns once it accepts."""
     from asyncllm import procutil
 
-    proc = procutil.spawn_module("asyncllm.forkserver", ["--address", address], {envs.FORKSERVER.name: ""})
+    proc = procutil.spawn_module("asyncllm.forkserver", ["--address", address, "--owned"], {envs.FORKSERVER.name: ""})
     deadline = time.monotonic() + timeout
     while not _accepts(address):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -257,12 +257,14 @@ def _preload() -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m asyncllm.forkserver", description=__doc__.splitlines()[0])
     parser.add_argument("--address", required=True, help="path of the unix socket to listen on")
+    parser.add_argument("--owned", action="store_true", help="started by a host (`start_server`), which ends it by "
+                        "closing its stdin: SIGTERM to the host's process group is ignored")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; our parent decides
     _preload()
     server = _Server(args.address)
-    if stat.S_ISFIFO(os.fstat(0).st_mode):  # spawned by a host: it ends us by closing our stdin, and SIGTERM to its
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # group (systemd's stop) must not kill the cores it drains
+    if args.owned:  # a host ends us by closing our stdin; SIGTERM to its group (systemd's stop) must not kill the
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # cores it drains
     else:  # started by hand: SIGTERM stops it
         signal.signal(signal.SIGTERM, lambda *_: server.exit())
     server.serve()
