@@ -126,6 +126,10 @@ class PromptTokenizer:
         """A text's token ids (``max_length``: cut on the right); with `text_pair`, the pair's one prompt as the
         classifier encodes it (`score`)."""
         tokenizer = self.tokenizer if max_length is None else right_truncating(self.tokenizer)
+        special = 0 if max_length is None else tokenizer.num_special_tokens_to_add(pair=text_pair is not None)
+        if max_length is not None and max_length <= special:  # the tokenizer would not cut at all (it logs why)
+            raise errors.InvalidRequestError("truncate_prompt_tokens", f"is {max_length}, but the tokenizer adds "
+                                             f"{special} special tokens: keep at least {special + 1}")
         if text_pair is None:
             return encode_prompt(tokenizer, prompt, max_length=max_length)
         assert self.pooling_model is not None, "score sends pairs to a started engine's classifier"
