@@ -55,7 +55,8 @@ class Choices:
                  return_prompt_logprobs: bool = False, token_ids_as_text: bool = False,
                  include_reasoning: bool = True, return_token_ids: bool = False, chat_echo: str = "",
                  chat_role: str = "assistant", prompt_tokens_details: bool = False,
-                 reasoning_end: Marker | None = None, thinking_off: bool = False) -> None:
+                 reasoning_end: Marker | None = None, thinking_off: bool = False,
+                 counts_reasoning: bool = False) -> None:
         self.n = n
         self.top_logprobs = top_logprobs
         self.chat = chat
@@ -89,6 +90,8 @@ class Choices:
         """Chat: the reply's role (vLLM's: the last message's with ``add_generation_prompt`` false, `chat_role`)."""
         self.reasoning_end = reasoning_end
         """Chat: the reasoning parser's end tag (None: no parser, or no tokenizer)."""
+        self.counts_reasoning = counts_reasoning and reasoning_end is not None
+        """The Responses API's: the generated ids are kept for `reasoning_tokens` (chat completions report none)."""
         self.prompt_ended_thinking = [thinking_off] * num_prompts
         """Each prompt's end wrote `reasoning_end`, or `thinking_off` (the request turned the thinking off): its
         replies are all answer."""
@@ -111,7 +114,7 @@ class Choices:
         choice = self._choices[index]
         choice.text.append(delta.text)
         choice.num_tokens += len(delta.token_ids)
-        if self.return_token_ids or self.reasoning_end is not None:  # the latter for `reasoning_tokens`
+        if self.return_token_ids or self.counts_reasoning:
             choice.output_token_ids.extend(delta.token_ids)
         if delta.finish_reason is not None:
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
@@ -186,7 +189,7 @@ class Choices:
     def reasoning_tokens(self) -> int:
         """The generated tokens of every choice within its thinking (`Marker.spanned`, as vLLM counts the Responses
         API's ``reasoning_tokens``); 0 without a tag parser (harmony's channels are not counted)."""
-        if self.reasoning is None or self.reasoning_end is None:
+        if self.reasoning is None or not self.counts_reasoning:
             return 0
         return sum(self.reasoning_end.spanned(choice.output_token_ids, self.reasoning.opened_by_prompt)
                    for index, choice in enumerate(self._choices) if not self.prompt_ended_thinking[index // self.n])

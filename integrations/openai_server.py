@@ -293,7 +293,7 @@ class OpenAIServer:
         with renamed_fields(RESPONSES_FIELDS):  # the client's names: input, text, max_output_tokens
             chat = turn.chat_request()
             streams, choices = self._start_chat(chat, lora, await self._sampling_defaults(),
-                                                header_data_parallel_rank(request.headers), prompt_tokens_details=True)
+                                                header_data_parallel_rank(request.headers), responses=True)
             with constraint_errors(constraint_field(chat, choices.tool_mode.constraint is not None)):
                 if req.stream:
                     # errors before the first token keep their status code; a client gone while queued: 499
@@ -317,8 +317,8 @@ class OpenAIServer:
 
     def _start_chat(self, req: ChatCompletionRequest, lora: LoRARequest | None, defaults: dict[str, Any],
                     data_parallel_rank: int | None = None,
-                    prompt_tokens_details: bool = False) -> tuple[list[RequestStream], Choices]:
-        """The chat's streams and their `Choices`; the Responses API has `prompt_tokens_details` without the flag."""
+                    responses: bool = False) -> tuple[list[RequestStream], Choices]:
+        """The chat's streams and their `Choices` (`responses`: the Responses API's, token details and reasoning)."""
         mode = tool_mode(req.tools, req.tool_choice, req.parallel_tool_calls, self.tool_parser)
         template_kwargs = self.templates.kwargs(req)
         thinking_off = self.thinking_off(template_kwargs)
@@ -336,8 +336,8 @@ class OpenAIServer:
                           return_prompt_logprobs=req.prompt_logprobs is not None,
                           include_reasoning=req.include_reasoning, return_token_ids=req.return_token_ids,
                           chat_echo=chat_echo(req, self.response_role), chat_role=chat_role(req, self.response_role),
-                          prompt_tokens_details=self.prompt_tokens_details or prompt_tokens_details,
-                          reasoning_end=self.reasoning_end(), thinking_off=thinking_off)
+                          prompt_tokens_details=self.prompt_tokens_details or responses,
+                          reasoning_end=self.reasoning_end(), thinking_off=thinking_off, counts_reasoning=responses)
         return streams, choices
 
     def thinking_off(self, template_kwargs: dict[str, Any]) -> bool:
