@@ -184,6 +184,8 @@ class EngineStats:
     """Prompt tokens found there."""
     cpu_prefix_cache_hits: int = 0
     """Of those, the tokens loaded back from the CPU tier (``kv_offloading_size``)."""
+    preempted_prefix_cache_hits: int = 0
+    """Tokens preempted requests found again at their readmission: no query, no hit above (vLLM keeps them apart)."""
     prompt_tokens_total: int = 0
     """Prompt tokens of this host's requests, counted when their first token arrives."""
     generation_tokens_total: int = 0

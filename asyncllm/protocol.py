@@ -145,6 +145,8 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     """The level of the last `Sleep` while any part (weights, KV cache) still sleeps; 0: awake (docs/sleep-mode.md)."""
     awaiting_weights: bool = False
     """Woken after a level-2 sleep with no `UpdateWeights` since: no step runs until one succeeds."""
+    preempted_prefix_cache_hits: int = 0
+    """Tokens preempted requests found again in the prefix cache at their readmission (not in `prefix_cache_hits`)."""
 
     @property
     def kv_cache_usage(self) -> float:

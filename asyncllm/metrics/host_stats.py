@@ -143,7 +143,7 @@ class HostStats:
         scheduler = SchedulerStats(
             num_gpu_blocks=s.num_gpu_blocks, num_preemptions_total=s.num_preemptions_total,
             num_swapped_total=s.num_swapped_total, weights_version=s.weights_version, prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
-            cpu_prefix_cache_hits=s.cpu_prefix_cache_hits,
+            cpu_prefix_cache_hits=s.cpu_prefix_cache_hits, preempted_prefix_cache_hits=s.preempted_prefix_cache_hits,
             prompt_tokens_total=s.prompt_tokens_total, generation_tokens_total=s.generation_tokens_total,
             num_steps_total=s.num_steps_total, mm_encoder_cache_queries=s.mm_encoder_cache_queries,
             mm_encoder_cache_hits=s.mm_encoder_cache_hits, spec_decode_num_drafts=s.spec_decode_num_drafts,
@@ -179,6 +179,7 @@ class HostStats:
             kv_cache_usage=s.kv_cache_usage, num_gpu_blocks=s.num_gpu_blocks, num_used_blocks=s.num_used_blocks,
             num_preemptions_total=c.num_preemptions_total, prefix_cache_queries=c.prefix_cache_queries,
             prefix_cache_hits=c.prefix_cache_hits, cpu_prefix_cache_hits=c.cpu_prefix_cache_hits,
+            preempted_prefix_cache_hits=c.preempted_prefix_cache_hits,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total, engine_alive=engine_alive,
             num_steps_total=c.num_steps_total,

@@ -30,6 +30,7 @@ def scheduler_stats(sched: Scheduler) -> protocol.SchedulerStats:
         prefix_cache_queries=kv.prefix_cache_queries,
         prefix_cache_hits=kv.prefix_cache_hits,
         cpu_prefix_cache_hits=kv.cpu_prefix_cache_hits,
+        preempted_prefix_cache_hits=kv.preempted_prefix_cache_hits,
         prompt_tokens_total=sched.prompt_tokens_total,
         generation_tokens_total=sched.generation_tokens_total,
         num_steps_total=sched.num_steps_total,

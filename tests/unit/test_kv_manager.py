@@ -207,7 +207,7 @@ def test_a_preempted_requests_readmission_is_no_prefix_cache_query():
     req.num_preemptions += 1
     req.num_computed_tokens = 0
     _admit_and_compute(kv, req)  # readmitted: hits on its own 2 freed blocks
-    assert (kv.prefix_cache_queries, kv.prefix_cache_hits) == (40, 0)
+    assert (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.preempted_prefix_cache_hits) == (40, 0, 32)
 
 
 def test_a_preempted_readmission_from_the_cpu_tier_is_no_cpu_hit_either():
@@ -226,3 +226,4 @@ def test_a_preempted_readmission_from_the_cpu_tier_is_no_cpu_hit_either():
     hits, num_hit = kv.get_computed_blocks(a)  # a readmitted: its 3 blocks loaded back from the CPU tier
     assert (hits, num_hit) == ([], 12) and kv.allocate_slots(a, 13, hits) is not None
     assert (kv.prefix_cache_queries, kv.prefix_cache_hits, kv.cpu_prefix_cache_hits) == (26, 0, 0)
+    assert kv.preempted_prefix_cache_hits == 12  # kept apart

@@ -76,7 +76,7 @@ def test_swap_in_takes_blocks_still_in_the_prefix_cache_and_copies_the_rest():
     assert out.blocks_to_swap_in == [[5, 2]]
     assert [(n.block_ids, n.num_computed_tokens) for n in out.new_reqs] == [([2, 3, 5, 4], 12)]
     assert out.num_scheduled_tokens == {"b": 1}
-    assert sched.get_stats().prefix_cache_hits == 8
+    assert sched.get_stats().preempted_prefix_cache_hits == 8  # a swapped-out request finds its blocks again
 
 
 def test_a_full_swap_space_falls_back_to_recompute(caplog):
