@@ -83,10 +83,11 @@ def test_ctrl_c_and_sigterm_to_the_group_leave_a_draining_host_its_requests(tiny
 
 def test_a_cancelled_drain_still_stops_the_core(tiny_llama: str) -> None:
     async def main() -> tuple[list[str | None], bool]:
-        engine = AsyncEngine(tiny_llama, **KWARGS)
+        engine = AsyncEngine(tiny_llama, **{**KWARGS, "max_model_len": 2048, "num_gpu_blocks_override": 512})
         await engine.start()
         core_pid = engine._core.pid
-        streams = [engine.stream(prompt, LONG) for prompt in ("def main():", "import os")]
+        longer = SamplingParams(temperature=0.0, max_tokens=2000, ignore_eos=True)  # seconds: past any deadline
+        streams = [engine.stream(prompt, longer) for prompt in ("def main():", "import os")]
         for stream in streams:
             await stream.__anext__()
         try:
