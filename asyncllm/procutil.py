@@ -152,6 +152,20 @@ def proc_stat(pid: int) -> list[str] | None:
     return [field.decode() for field in fields] or None
 
 
+def first_exited(procs: list, wait_s: float, skip: int = -1) -> tuple[int, int] | None:
+    """(index, exit code) of the first of `procs` but `skip` that has exited, polled for up to `wait_s` seconds
+    (a peer's death reaches its collectives' partners before its parent sees it exit); None if none did."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for index, proc in enumerate(procs):
+            code = proc.poll() if index != skip else None
+            if code is not None:
+                return index, code
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.02)
+
+
 def stop_process(proc: subprocess.Popen, timeout: float = 5.0, grace: float = 0.0) -> None:
     """Give the child `grace` seconds to exit on its own, then close its stdin
     (it exits at once), then kill it if it has not exited `timeout` seconds later (no SIGTERM between: our

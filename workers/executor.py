@@ -1,22 +1,18 @@
 """The executor: starts one worker process per rank (tensor x pipeline parallel) and drives them.
 
-The engine core calls it from its busy loop (one thread; not thread-safe).
-Commands go down once, through the shared-memory broadcast ring; replies come
-back on one zmq PULL socket that every worker PUSHes to. Every wait polls that
-socket in short slices and checks the worker processes in between, so a rank
-that dies or reports a `WorkerError` turns into `EngineDeadError` (or the
-worker's `ConfigError`) within about `_POLL_S`, never a hang.
+The engine core calls it from its busy loop (one thread; not thread-safe). Commands go down once, through the
+shared-memory broadcast ring; replies come back on one zmq PULL socket that every worker PUSHes to. Every wait polls
+that socket in short slices and checks the worker processes in between, so a rank that dies or reports a
+`WorkerError` turns into `EngineDeadError` (or the worker's `ConfigError`) within about `_POLL_S`, never a hang.
 
-A step's deadline is `worker_step_timeout_s` (None: no deadline, for a first
-step that compiles for minutes): a rank that hangs past it fails the step like
-a dead one. The engine core then restarts the workers (workers/restart.py).
+A step's deadline is `worker_step_timeout_s` (None: no deadline, for a first step that compiles for minutes): a rank
+that hangs past it fails the step like a dead one. The engine core then restarts the workers (workers/restart.py).
 
-`execute_model` runs one step and waits for it. With async_scheduling the
-core uses its halves instead: `submit` step N+1 while step N still runs, then
-`collect` step N (docs/scheduling.md, "Overlapped scheduling").
+`execute_model` runs one step and waits for it. With async_scheduling the core uses its halves instead: `submit`
+step N+1 while step N still runs, then `collect` step N (docs/scheduling.md, "Overlapped scheduling").
 
-After a failure the executor is dead: every later call raises the same
-`EngineDeadError` at once, and `shutdown()` still frees everything.
+After a failure the executor is dead: every later call raises the same `EngineDeadError` at once, and `shutdown()`
+still frees everything.
 """
 
 from __future__ import annotations
@@ -33,8 +29,8 @@ import zmq
 from asyncllm import envs, protocol
 from asyncllm.config import EngineConfig
 from asyncllm.errors import AsyncLLMError, EngineDeadError
-from asyncllm.procutil import at_orphan_exit, describe_exit, free_tcp_port, private_ipc_dir, remove_dir, spawn_module
-from asyncllm.procutil import stop_process
+from asyncllm.procutil import (at_orphan_exit, describe_exit, first_exited, free_tcp_port, private_ipc_dir, remove_dir,
+                               spawn_module, stop_process)
 from asyncllm.workers.shm_broadcast import BroadcastWriter
 
 __all__ = ["Executor"]
@@ -324,8 +320,9 @@ class Executor:
         while True:
             if self._results.poll(int(_POLL_S * 1000), zmq.POLLIN):
                 message = self._decoder.decode(self._results.recv())
-                if isinstance(message, protocol.WorkerError):
-                    self._fail(_error_from(message))
+                if isinstance(message, protocol.WorkerError):  # a peer's death fails its partners first: name it
+                    dead = first_exited(self._procs, _LAST_WORDS_S, message.rank) if self._world_size > 1 else None
+                    self._fail(_error_from(message) if dead is None else self._death(*dead))
                 if isinstance(message, protocol.FirstStageReport):  # kept for its step's output
                     self._reports[message.step_id] = message
                     if reports:
@@ -344,9 +341,12 @@ class Executor:
             if code is None:
                 continue
             last_words = self._last_worker_error()
-            if last_words is not None:
+            if last_words is not None and last_words.rank == rank:  # its own, not a partner's broken collective
                 self._fail(_error_from(last_words))
-            self._fail(EngineDeadError(f"worker rank {rank} (pid {proc.pid}) {describe_exit(code)}"))
+            self._fail(self._death(rank, code))
+
+    def _death(self, rank: int, code: int) -> EngineDeadError:
+        return EngineDeadError(f"worker rank {rank} (pid {self._procs[rank].pid}) {describe_exit(code)}")
 
     def _last_worker_error(self) -> protocol.WorkerError | None:
         assert self._results is not None
