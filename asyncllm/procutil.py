@@ -152,14 +152,15 @@ def proc_stat(pid: int) -> list[str] | None:
     return [field.decode() for field in fields] or None
 
 
-def first_exited(procs: list, wait_s: float, skip: int = -1) -> tuple[int, int] | None:
-    """(index, exit code) of the first of `procs` but `skip` that has exited, polled for up to `wait_s` seconds
-    (a peer's death reaches its collectives' partners before its parent sees it exit); None if none did."""
+def first_exited(procs: list, wait_s: float, skip: int = -1, killed: bool = False) -> tuple[int, int] | None:
+    """(index, exit code) of the first of `procs` but `skip` that has exited (`killed`: by a signal; one that exited
+    with a code sent its own last words), polled for up to `wait_s` seconds (a peer's death reaches its
+    collectives' partners before its parent sees it exit); None if none did."""
     deadline = time.monotonic() + wait_s
     while True:
         for index, proc in enumerate(procs):
             code = proc.poll() if index != skip else None
-            if code is not None:
+            if code is not None and (code < 0 or not killed):
                 return index, code
         if time.monotonic() >= deadline:
             return None

@@ -11,8 +11,7 @@ that hangs past it fails the step like a dead one. The engine core then restarts
 `execute_model` runs one step and waits for it. With async_scheduling the core uses its halves instead: `submit`
 step N+1 while step N still runs, then `collect` step N (docs/scheduling.md, "Overlapped scheduling").
 
-After a failure the executor is dead: every later call raises the same `EngineDeadError` at once, and `shutdown()`
-still frees everything.
+After a failure the executor is dead: every later call raises the same `EngineDeadError`; `shutdown()` frees all.
 """
 
 from __future__ import annotations
@@ -320,8 +319,9 @@ class Executor:
         while True:
             if self._results.poll(int(_POLL_S * 1000), zmq.POLLIN):
                 message = self._decoder.decode(self._results.recv())
-                if isinstance(message, protocol.WorkerError):  # a peer's death fails its partners first: name it
-                    dead = first_exited(self._procs, _LAST_WORDS_S, message.rank) if self._world_size > 1 else None
+                if isinstance(message, protocol.WorkerError):  # a peer killed fails its partners first: name it
+                    peers = self._world_size > 1 and not message.config_error  # every rank sends a config's own
+                    dead = first_exited(self._procs, _LAST_WORDS_S, message.rank, killed=True) if peers else None
                     self._fail(_error_from(message) if dead is None else self._death(*dead))
                 if isinstance(message, protocol.FirstStageReport):  # kept for its step's output
                     self._reports[message.step_id] = message
