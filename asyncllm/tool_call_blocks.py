@@ -181,6 +181,7 @@ class SeedXmlStream(XmlCallsStream):
 
     OPEN, CLOSE = "<seed:tool_call>", "</seed:tool_call>"
     PARAMETER = CLOSED_PARAMETER
+    PARAMETER_ENDS = ("</parameter>",)
 
 
 FORMATS: dict[str, tuple[str, str, Callable[[str, dict[str, dict[str, str]]], list[BlockCall] | None],

@@ -308,13 +308,13 @@ def pythonic_calls(text: str) -> list[tuple[str, str]] | None:
     for node in tree.elts:
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
-        try:
+        try:  # a set, bytes or a complex number: literals JSON cannot write, so content (as vLLM's)
             arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-        except ValueError:
+            if len(arguments) != len(node.keywords):
+                return None  # **kwargs
+            calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
+        except (ValueError, TypeError, RecursionError, MemoryError):
             return None
-        if len(arguments) != len(node.keywords):
-            return None  # **kwargs
-        calls.append((node.func.id, json.dumps(arguments, ensure_ascii=False)))
     return calls
 
 

@@ -13,7 +13,6 @@ from starlette.routing import Route
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.openai_protocol import DetokenizeRequest, TokenizeRequest, decode_request
 from asyncllm.integrations.openai_request_log import log_under, route_id
-from asyncllm.tool_calls import check_tools
 
 if TYPE_CHECKING:
     from asyncllm.integrations.openai_server import OpenAIServer
@@ -37,8 +36,7 @@ def tokenize_routes(server: OpenAIServer) -> list[Route]:
         else:
             if req.add_special_tokens:  # as chat completions (openai_sampling.check_common)
                 raise InvalidRequestError("add_special_tokens", "only its default (false here) is built")
-            check_tools(req.tools)
-            tokens = await server._chat_tokens(req, req.tools)
+            tokens = await server._chat_tokens(req, req.tools)  # the tools checked there (`template_tools`)
         tokens = [int(t) for t in tokens]
         log_under(server.request_log, route_id("tokn", request.headers),  # as vLLM's, once tokenized
                   [{"prompt": req.prompt, "prompt_token_ids": tokens}], None, lora, indexed=False)

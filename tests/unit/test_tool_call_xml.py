@@ -103,3 +103,13 @@ def test_each_function_of_a_qwen3_coder_block_is_a_call(text: str, seed: int) ->
     untyped = [("add", '{"a": "1", "b": "[2]"}'), ("g", '{"y": "2"}')]  # no schemas: every value a string
     assert _streamed("qwen3_coder", "x " + text, seed) == ("x ", untyped)
 
+
+
+@pytest.mark.parametrize("literal", ["{1, 2}", "b'x'", "1j", "{[1]: 2}"])
+def test_pythonic_literals_json_cannot_write_are_content(literal: str) -> None:
+    """As vLLM's pythonic parser: a reply it cannot turn into JSON arguments is content, never a server error."""
+    stream = get_tool_parser("pythonic").stream()
+    text = f"[f(a={literal})]"
+    content, calls = stream.feed(text)
+    more_content, more_calls = stream.finish()
+    assert calls + more_calls == [] and content + more_content == text
