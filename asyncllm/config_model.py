@@ -130,7 +130,7 @@ class ModelConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("device", self.device, DEVICES)
         check_int("seed", self.seed, 0)
-        if self.max_model_len == -1 and not isinstance(self.max_model_len, bool):
+        if self.max_model_len == -1:
             raise NotBuiltError("max_model_len", -1, "max_model_len 'auto' / -1 (vLLM's longest length that fits the "
                                                      "KV cache; None serves the model's own maximum)")
         check_int("max_model_len", self.max_model_len, 1, optional=True)

@@ -181,14 +181,15 @@ def stop_process(proc: subprocess.Popen, timeout: float = 5.0, grace: float = 0.
             proc.stdin.close()
         except OSError:
             pass
-    for action in (None, proc.kill):
-        if action is not None:
-            action()
-        try:
-            proc.wait(timeout=timeout)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    try:
+        proc.wait(timeout=timeout)
+        return
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def private_ipc_dir() -> str:

@@ -169,10 +169,11 @@ def roofline(ctx: BenchContext, decode_batch: int, mean_context: float) -> Roofl
 def finish(
     ctx: BenchContext, workload: str, settings: dict[str, Any], metrics: dict[str, Any],
     line: Roofline, decode_tokens_per_s: float, peers: dict[str, dict[str, Any]] | None = None,
-    ratio_metric: str | None = None, compared: dict[str, Any] | None = None,
+    ratio_metric: str | None = None,
 ) -> dict[str, Any]:
     """Print the roofline and the summary table, write the JSON; returns the result. The ratios divide
-    `compared` (asyncllm's metrics on the peers' workload, when that is a part of `metrics`') by the peers'."""
+    ``metrics["compared"]`` (asyncllm's metrics on the peers' workload, when that is a part of `metrics`') by the
+    peers'."""
     fraction = line.fraction(decode_tokens_per_s)
     result: dict[str, Any] = {
         "workload": workload,
@@ -187,6 +188,7 @@ def finish(
     if peers:
         result["peers"] = peers
         result["ratios"] = {}
+        compared = metrics.get("compared")
         base = compared or metrics
         if compared is not None:
             rows.append((f"asyncllm on the peers' {compared['num_requests']} requests {ratio_metric}",

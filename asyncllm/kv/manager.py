@@ -360,9 +360,11 @@ class KVCacheManager:
         """Count one admission's lookup (once per admission, however often admission was retried); a preempted
         request's readmission is not counted (as vLLM's, whose preempted lookups are kept apart and not exported):
         its prompt was counted once, and its hits on its own freed blocks are no sharing."""
-        if self.enable_prefix_caching and request.num_preemptions:
+        if not self.enable_prefix_caching:
+            return
+        if request.num_preemptions:
             self.preempted_prefix_cache_hits += (num_gpu_hits + num_cpu_hits) * self.block_size
-        elif self.enable_prefix_caching:
+        else:
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += (num_gpu_hits + num_cpu_hits) * self.block_size
             self.cpu_prefix_cache_hits += num_cpu_hits * self.block_size

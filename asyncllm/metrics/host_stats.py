@@ -16,7 +16,7 @@ from typing import NamedTuple
 from asyncllm.outputs import EngineStats
 from asyncllm.protocol import SchedulerStats
 
-__all__ = ["EngineView", "Histogram", "HostStats", "FINISH_REASONS", "engine_counters", "summed_snapshots"]
+__all__ = ["EngineView", "Histogram", "HostStats", "FINISH_REASONS", "engine_counters", "summed_snapshots", "NO_COUNTERS"]
 
 # vLLM's buckets, with finer ones at the low end of the inter-token latency (fast GPUs decode in < 10 ms).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -194,13 +194,14 @@ class HostStats:
         )
 
 
-_NO_COUNTERS = SchedulerStats()
+NO_COUNTERS = SchedulerStats()
+"""No counters at all: a `retired_engine` of a host whose cores never stopped."""
 
 
 def engine_counters(view: EngineView) -> SchedulerStats:
     """A host's engine-wide counters: its live core's plus the final ones of its cores that stopped or died
     (`HostStats.retired_engine`); once closed, those final ones alone (they hold the last core's)."""
-    if view.retired_engine == _NO_COUNTERS:
+    if view.retired_engine == NO_COUNTERS:
         return view.scheduler
     if view.closed:
         return view.retired_engine

@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from asyncllm.metrics.host_stats import EngineView, Histogram, HostStats, summed_snapshots
+from asyncllm.metrics.host_stats import NO_COUNTERS, EngineView, Histogram, HostStats, summed_snapshots
 from asyncllm.protocol import SchedulerStats
 
 __all__ = ["AsyncLLMCollector", "attach", "PREFIX", "retire"]
@@ -46,7 +46,6 @@ PREFIX = "asyncllm:"
 _LABELS = ["model_name"]
 _EngineKey = tuple[str, "int | None"]
 """(model_name, data-parallel replica index or None): one engine-wide series each."""
-_NO_COUNTERS = SchedulerStats()
 _Views = dict[str, list[tuple["int | None", EngineView]]]
 """Per model, each engine's replica index and `HostStats.engine`, read once per scrape."""
 
@@ -178,11 +177,13 @@ def _labels(key: _EngineKey, **extra: str) -> dict[str, str]:
 
 
 def _engine_counters(views: _Views, engines: dict[_EngineKey, SchedulerStats]) -> dict[_EngineKey, SchedulerStats]:
-    """The live cores' snapshots plus the final counters of cores that stopped (`HostStats.retired_engine`)."""
+    """The live cores' snapshots plus the final counters of cores that stopped (`HostStats.retired_engine`). Not
+    `host_stats.engine_counters` per host: a core's live counters come once, from the host that reports it,
+    and every host's retired ones are added to its key."""
     counters = dict(engines)
     for model, group in views.items():
         for engine_index, view in group:
-            if view.retired_engine != _NO_COUNTERS:
+            if view.retired_engine != NO_COUNTERS:
                 key = (model, engine_index)
                 counters[key] = summed_snapshots([counters[key], view.retired_engine]) if key in counters \
                     else view.retired_engine
