@@ -96,7 +96,7 @@ def human_readable_int(raw: str) -> int:
 
 
 def human_readable_int_or_auto(raw: str) -> int:
-    """`human_readable_int`, or vLLM's ``auto`` (-1: the longest length that fits the KV cache, not built here)."""
+    """`human_readable_int`, or vLLM's ``auto`` (-1: the longest length that fits the KV cache)."""
     return -1 if raw.strip().lower() == "auto" else human_readable_int(raw)
 
 

@@ -20,6 +20,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 """vLLM's other names, served as the names they stand for."""
 DEVICES = ("auto", "cpu", "cuda")
+AUTO_MAX_MODEL_LEN = -1
+"""vLLM's ``max_model_len`` -1 (the CLI's ``auto``): the longest length that fits the KV cache
+(asyncllm/engine/kv_budget.py `fit_max_model_len`)."""
 LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
 TOKENIZER_MODES = ("auto", "hf", "slow")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -67,7 +70,9 @@ class ModelConfig:
     """Seed of the engine's random state (dummy weights, unseeded sampling)."""
     max_model_len: int | None = None
     """Longest sequence (prompt + output); defaults to the model's max_position_embeddings, times its rope scaling
-    factor (YaRN: original_max_position_embeddings times it), as vLLM derives it."""
+    factor (YaRN: original_max_position_embeddings times it), as vLLM derives it. -1 (the CLI's ``auto``, vLLM's):
+    that default, lowered once the KV cache is sized to the most tokens its blocks hold (blocks x block_size: one
+    sequence fills the whole cache), and logged; ``engine.config`` and the server show the resolved value."""
     disable_sliding_window: bool = False
     """vLLM's: cap max_model_len at the model's sliding window, so that no window ever slides (every layer attends
     to the whole sequence); no effect on a model without one."""
@@ -130,10 +135,8 @@ class ModelConfig:
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("device", self.device, DEVICES)
         check_int("seed", self.seed, 0)
-        if self.max_model_len == -1:
-            raise NotBuiltError("max_model_len", -1, "max_model_len 'auto' / -1 (vLLM's longest length that fits the "
-                                                     "KV cache; None serves the model's own maximum)")
-        check_int("max_model_len", self.max_model_len, 1, optional=True)
+        if self.max_model_len != AUTO_MAX_MODEL_LEN or not isinstance(self.max_model_len, int):
+            check_int("max_model_len", self.max_model_len, 1, optional=True)
         check_int("max_logprobs", self.max_logprobs, -1)
         check_bool("disable_sliding_window", self.disable_sliding_window)
         check_choice("load_format", self.load_format, LOAD_FORMATS)

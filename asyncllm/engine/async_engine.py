@@ -16,6 +16,7 @@ import anyio
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
+from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.data_parallel import replica_devices
@@ -96,6 +97,8 @@ class AsyncEngine(EngineRequests, EngineControl):
 
     def _init(self, config: EngineConfig) -> None:
         self.config = config
+        self._fits_max_model_len = config.max_model_len == AUTO_MAX_MODEL_LEN
+        """max_model_len -1: `config` gets the core's fitted value, and a restarted core fits it again."""
         self._connect_address: str | None = None
         """Set by `connect`: attach to this core instead of starting one."""
         self._engine_key: str | None = None
@@ -305,6 +308,8 @@ class AsyncEngine(EngineRequests, EngineControl):
         replica.processor = replica.core = None
         owned = self._connect_address is None  # a shared core's weights are its own: nothing to restore
         config = self._weights.restart_config(self.config) if owned else self.config
+        if self._fits_max_model_len:  # fitted again: LongRoPE's factors follow the model's maximum, as at the start
+            config = config.replace(max_model_len=AUTO_MAX_MODEL_LEN)
         try:
             await start_replica(replica, config, self._launch_spec(), closed=lambda: self._closed)
         except BaseException:

@@ -27,7 +27,7 @@ from asyncllm.engine.core_io import CoreIO, fail_startup, unknown_host_answer
 from asyncllm.engine.core_sleep import SleepController
 from asyncllm.engine.core_weights import WeightUpdater
 from asyncllm.engine.overlap import OverlappedSteps
-from asyncllm.engine.kv_budget import check_kv_fits, swap_blocks
+from asyncllm.engine.kv_budget import served_config, swap_blocks
 from asyncllm.engine.lora_ids import HostLoRAIds
 from asyncllm.engine.request_keys import host_outputs, request_key, request_keys
 from asyncllm.engine.validation import check_add_request, served_tasks
@@ -50,7 +50,7 @@ _IDLE_HEALTH_CHECK_S = 0.5
 class EngineCore:
     """Owns the scheduler and the executor; `run()` is the busy loop."""
 
-    def __init__(self, config: EngineConfig, io: CoreIO, hf_config_json: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, io: CoreIO, hf_config_json: str | None = None, auto_fit: bool = False):
         self.config = config
         self.io = io
         self.clients: set[bytes] = set()
@@ -73,7 +73,7 @@ class EngineCore:
         self.mm_cache.piece_audio_window = self.executor.mm_piece_audio_window
         self.tasks = served_tasks(self.executor.served_architectures)
         self.num_gpu_blocks = config.num_gpu_blocks_override or available
-        check_kv_fits(config, self.num_gpu_blocks)
+        self.config = config = served_config(config, self.num_gpu_blocks, auto_fit)  # vLLM's max_model_len -1
         num_offload_blocks = self.executor.num_offload_blocks
         num_swap_blocks = swap_blocks(config, self.executor.num_cpu_blocks - num_offload_blocks)
         self.num_cpu_blocks = num_swap_blocks + num_offload_blocks
@@ -88,7 +88,7 @@ class EngineCore:
                                                   trust_remote_code=config.trust_remote_code)
         # restarted workers get the same config JSON (no config.json read, no transformers import); after an
         # update_weights it is still the served architecture's, which the running workers keep using too
-        self.restarter = WorkerRestarter(config, self.num_gpu_blocks, self.num_cpu_blocks,
+        self.restarter = WorkerRestarter(self.executor.config, self.num_gpu_blocks, self.num_cpu_blocks,
                                          functools.partial(Executor, hf_config_json=hf_config_json))
         self.weights = WeightUpdater(self)
         """Live weight updates (`UpdateWeights`, docs/weight-updates.md) and the weights version."""
@@ -331,8 +331,7 @@ class EngineCore:
         return failed
 
     def _ready(self) -> protocol.Ready:
-        config = self.config
-        lora = config.lora_config
+        config, lora = self.config, self.config.lora_config
         return protocol.Ready(self.num_gpu_blocks, config.block_size, config.max_model_len, os.getpid(),
                               config.model, config.tokenizer or "", config.tokenizer_revision,
                               max_lora_rank=lora.max_lora_rank if lora.enable_lora else 0, max_loras=lora.max_loras,
@@ -356,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--address", required=True)
     parser.add_argument("--config-json", required=True)
     parser.add_argument("--hf-config-json", default=None, help="the checkpoint's config, as the host read it")
+    parser.add_argument("--auto-max-model-len", action="store_true", help="max_model_len -1: fit to the KV cache")
     args = parser.parse_args(argv)
     exit_when_parent_dies()
     report_crashes()
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     io = CoreIO(args.address)
     core = None
     try:
-        core = EngineCore(config, io, args.hf_config_json)
+        core = EngineCore(config, io, args.hf_config_json, args.auto_max_model_len)
     except BaseException as exc:  # noqa: BLE001 - reported to the host, then exit
         if not isinstance(exc, errors.ConfigError):  # a bad config is the host's one line, not a traceback here
             logger.exception("engine core failed to start")

@@ -1,5 +1,5 @@
-"""The engine core's KV-cache budget checks at startup: the cache holds one whole sequence, and the swap space's
-blocks under ``preemption_mode="swap"``."""
+"""The engine core's KV-cache budget at startup: max_model_len ``auto`` (-1) fitted to the cache, the check that
+the cache holds one whole sequence, and the swap space's blocks under ``preemption_mode="swap"``."""
 
 from __future__ import annotations
 
@@ -8,19 +8,50 @@ import logging
 from asyncllm import errors
 from asyncllm.config import EngineConfig
 
-__all__ = ["check_kv_fits", "swap_blocks"]
+__all__ = ["check_kv_fits", "fit_max_model_len", "kv_capacity", "served_config", "swap_blocks"]
 
 logger = logging.getLogger("asyncllm.engine.core")
 
 
+def kv_capacity(config: EngineConfig, num_gpu_blocks: int) -> int:
+    """Tokens of the longest sequence the KV cache holds: all its blocks. Every layer, sliding-window ones too,
+    keeps a block per `block_size` tokens of a sequence (no block is freed behind a window), and a hybrid model's
+    recurrent states lie outside the blocks, so one count holds for every model."""
+    return num_gpu_blocks * config.block_size
+
+
+def served_config(config: EngineConfig, num_gpu_blocks: int, auto_max_model_len: bool) -> EngineConfig:
+    """The config the core serves once the KV cache is sized: `auto_max_model_len` (the user's max_model_len -1)
+    fitted to the cache (`fit_max_model_len`), then checked to hold one whole sequence (`check_kv_fits`). The
+    workers keep the model's maximum they were started with (a restart loads the model as the first start did,
+    LongRoPE's factors included); the scheduler and the hosts (`protocol.Ready`) get this one."""
+    if auto_max_model_len:
+        config = fit_max_model_len(config, num_gpu_blocks)
+    check_kv_fits(config, num_gpu_blocks)
+    return config
+
+
+def fit_max_model_len(config: EngineConfig, num_gpu_blocks: int) -> EngineConfig:
+    """vLLM's max_model_len -1 (``auto``): `config` (its max_model_len the model's own maximum, as the host derived
+    it) with max_model_len lowered to the KV cache's capacity when that holds fewer tokens; logged either way."""
+    capacity = kv_capacity(config, num_gpu_blocks)
+    if capacity >= config.max_model_len:
+        logger.info("max_model_len auto: %d, the model's maximum (the KV cache holds %d tokens)",
+                    config.max_model_len, capacity)
+        return config
+    logger.info("max_model_len auto: %d, the KV cache's %d blocks of %d tokens (the model's maximum is %d)",
+                capacity, num_gpu_blocks, config.block_size, config.max_model_len)
+    return config.replace(max_model_len=capacity)
+
+
 def check_kv_fits(config: EngineConfig, num_gpu_blocks: int) -> None:
     """`ConfigError` when one sequence of `max_model_len` tokens does not fit in the KV cache's blocks."""
-    capacity = num_gpu_blocks * config.block_size
+    capacity = kv_capacity(config, num_gpu_blocks)
     if capacity < config.max_model_len:
         raise errors.ConfigError("max_model_len", config.max_model_len,
                                  f"at most {capacity} tokens fit in the KV cache ({num_gpu_blocks} blocks of "
-                                 f"{config.block_size}); lower max_model_len, or raise gpu_memory_utilization / "
-                                 "num_gpu_blocks_override")
+                                 f"{config.block_size}); lower max_model_len (-1 / 'auto': the longest that fits), "
+                                 "or raise gpu_memory_utilization / num_gpu_blocks_override")
 
 
 def swap_blocks(config: EngineConfig, num_cpu_blocks: int) -> int:

@@ -44,18 +44,21 @@ class CoreProcess:
 
 
 def launch_core(config: EngineConfig, hf_config_json: str | None = None,
-                env: dict[str, str] | None = None) -> CoreProcess:
+                env: dict[str, str] | None = None, auto_fit: bool = False) -> CoreProcess:
     """Spawn ``python -m asyncllm.engine.core`` on a private ipc:// socket.
 
     `hf_config_json` is the checkpoint's config as the host read it; the
     workers build their model from it instead of reading it again. `env` is
     added to the core's environment, which its workers inherit (a
-    data-parallel replica's CUDA_VISIBLE_DEVICES).
+    data-parallel replica's CUDA_VISIBLE_DEVICES). `auto_fit` (the user's
+    max_model_len -1): the core lowers `config`'s max_model_len to what the
+    KV cache holds and says so in its `protocol.Ready`.
     """
     ipc_dir = procutil.private_ipc_dir()
     address = f"ipc://{os.path.join(ipc_dir, 'core.sock')}"
     config_json = msgspec.json.encode(config.to_dict(wire=True)).decode()
     extra = ["--hf-config-json", hf_config_json] if hf_config_json is not None else []
+    extra += ["--auto-max-model-len"] if auto_fit else []
     proc = procutil.spawn_module(
         "asyncllm.engine.core", ["--address", address, "--config-json", config_json, *extra], env
     )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncllm.config import EngineConfig
+from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.generation_config import read_generation_config, sampling_fields_of
@@ -315,7 +316,7 @@ def _max_model_len(config: EngineConfig, hf_config: Any) -> int:
     window = getattr(hf_config, "sliding_window", None)
     if config.disable_sliding_window and isinstance(window, int) and window > 0 and (limit is None or window < limit):
         limit, what = window, "the sliding window (disable_sliding_window)"  # no window ever slides: full attention
-    if config.max_model_len is None:
+    if config.max_model_len in (None, AUTO_MAX_MODEL_LEN):  # auto: the core lowers it to the KV cache's capacity
         return limit or 2048
     if limit is not None and config.max_model_len > limit:
         raise ConfigError("max_model_len", config.max_model_len, f"at most {what} ({limit})")

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from asyncllm import envs
 from asyncllm.config import EngineConfig
+from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.admission import HostAdmission
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.data_parallel import ReplicaLoad, combined_stats, replica_env
@@ -201,8 +202,9 @@ def pick_replica(replicas: list[Replica]) -> Replica | None:
 async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec,
                         closed: Callable[[], bool] | None = None) -> Prepared:
     """Prepare the host side (model folder, tokenizer), launch or attach to the core, start the processor thread;
-    returns once the core serves. On failure nothing of it is left running. `closed` (a supervisor's restart): a
-    shared core being restarted is waited for, up to the startup timeout or until `closed()` (`prepare_attached`)."""
+    returns once the core serves, `Prepared.config` holding the core's max_model_len (``auto``: fitted to its KV
+    cache). On failure nothing of it is left running. `closed` (a supervisor's restart): a shared core being
+    restarted is waited for, up to the startup timeout or until `closed()` (`prepare_attached`)."""
     timeout_s = envs.ENGINE_STARTUP_TIMEOUT_S.get()
     core: CoreProcess | None = None
     if spec.connect_address is not None:
@@ -214,13 +216,16 @@ async def start_replica(replica: Replica, config: EngineConfig, spec: LaunchSpec
     else:
         prepared = await in_thread(prepare, config)
         core = await in_thread(launch_core, prepared.config, prepared.hf_config_json,
-                               replica_env(spec.devices, replica.index), abandoned=_stop_untold)
+                               replica_env(spec.devices, replica.index), config.max_model_len == AUTO_MAX_MODEL_LEN,
+                               abandoned=_stop_untold)
     processor = _processor(replica, prepared, core, spec, timeout_s)
     try:
-        await asyncio.wrap_future(processor.start())
+        ready = await asyncio.wrap_future(processor.start())
     except BaseException:
         await finish_in_thread(_stop, processor, core)
         raise
+    if ready.max_model_len != prepared.config.max_model_len:  # max_model_len auto: the core fitted it to its KV cache
+        prepared.config = prepared.config.replace(max_model_len=ready.max_model_len)
     replica.processor, replica.core = processor, core
     replica.observer.stats.owns_core = core is not None  # its counters end with it (`HostStats.mark_closed`)
     return prepared

@@ -15,6 +15,7 @@ from types import FrameType
 
 from asyncllm import protocol
 from asyncllm.config import EngineConfig
+from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.connect import check_address
 from asyncllm.engine.core import EngineCore, _setup_logging
 from asyncllm.engine.core_io import CoreIO
@@ -39,13 +40,13 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
     _setup_logging()
     report_crashes()
     prepared = prepare(config)  # resolve the model folder and max_model_len as a host would
-    config = prepared.config
+    auto_fit, config = config.max_model_len == AUTO_MAX_MODEL_LEN, prepared.config
     socket_path = address[len("ipc://"):] if address.startswith("ipc://") else None  # tcp://: CURVE (auth.py)
     if socket_path is not None:
         _claim_socket(socket_path)
     io = CoreIO(address)
     try:
-        core = EngineCore(config, io, prepared.hf_config_json)
+        core = EngineCore(config, io, prepared.hf_config_json, auto_fit)
     except BaseException:
         io.close()
         if socket_path is not None:

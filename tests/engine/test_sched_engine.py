@@ -9,7 +9,7 @@ import time
 import pytest
 import pytest_asyncio
 
-from asyncllm import AsyncEngine, ConfigError, EngineOverloadedError, SamplingParams
+from asyncllm import AsyncEngine, ConfigError, EngineOverloadedError, InvalidRequestError, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -146,3 +146,17 @@ async def test_max_model_len_larger_than_the_kv_cache_fails_at_start(tiny_llama:
     assert info.value.field == "max_model_len"
     assert "at most 64 tokens fit in the KV cache (4 blocks of 16)" in str(info.value)
     assert "lower max_model_len" in str(info.value)
+
+
+async def test_max_model_len_auto_fits_the_kv_cache(tiny_llama: str) -> None:
+    """vLLM's max_model_len -1: the model's 2048 lowered to what the KV cache holds. 48 KiB (+100 bytes) hold 6
+    blocks of 16 tokens (a block: 2 layers x K and V x 2 heads x 16 dims x 16 tokens x 4 bytes = 8 KiB), so 96."""
+    engine = AsyncEngine(tiny_llama, disable_log_stats=True, max_model_len=-1, kv_cache_memory_bytes=6 * 8192 + 100,
+                         enable_chunked_prefill=False, max_num_seqs=2)
+    async with engine:
+        assert engine.config.max_model_len == 96  # the core's value, through its Ready
+        assert engine.config.resolved_max_num_batched_tokens == 96  # no chunked prefill: a whole prompt a step
+        with pytest.raises(InvalidRequestError, match="maximum context length is 96 tokens"):
+            await engine.generate(_prompt(96), GREEDY)
+        out = await engine.generate(_prompt(90), SamplingParams(temperature=0.0, ignore_eos=True))
+        assert (len(out.token_ids), out.finish_reason) == (6, "length")  # runs to the fitted length

@@ -23,7 +23,7 @@ def tcp_core(tiny_llama: str):
     address = f"tcp://127.0.0.1:{free_tcp_port()}"
     env = {**os.environ, "ASYNCLLM_ENGINE_KEY": KEY}
     command = [sys.executable, "-P", "-m", "asyncllm", "engine", tiny_llama, "--address", address,
-               "--disable-log-stats", "--max-model-len", "128"]
+               "--disable-log-stats", "--max-model-len", "auto", "--num-gpu-blocks-override", "8"]  # auto: 8 x 16
     proc = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
     while True:
@@ -41,6 +41,7 @@ def tcp_core(tiny_llama: str):
 async def test_the_right_key_is_served_exactly(tcp_core, tiny_llama: str) -> None:
     address, _ = tcp_core
     async with AsyncEngine.connect(address, key=KEY, disable_log_stats=True) as engine:
+        assert engine.config.max_model_len == 128  # the shared core's, fitted to its 8 blocks of 16
         out = await engine.generate("def main():", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     assert out.token_ids == hf_greedy(tiny_llama, tokenizer("def main():").input_ids, 8)

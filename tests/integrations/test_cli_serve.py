@@ -57,7 +57,9 @@ def test_vllm_human_readable_sizes_and_fault_tolerance_flags() -> None:
     assert engine_kwargs(args) == {"max_model_len": 4000, "max_num_batched_tokens": 2048,
                                    "kv_cache_memory_bytes": 2 * 2**30, "max_core_restarts": 2,
                                    "worker_step_timeout_s": None}
-    assert engine_kwargs(parser.parse_args(["--max-model-len", "auto"])) == {"max_model_len": -1}  # refused later
+    assert engine_kwargs(parser.parse_args(["--max-model-len", "auto"])) == {"max_model_len": -1}  # fitted by the core
+    auto = engine_kwargs(parser.parse_args(["--max-model-len", "AUTO"]))
+    assert config_module.EngineConfig.create("m", **auto).max_model_len == -1
     for bad in (["--kv-cache-memory-bytes", "2.5G"], ["--max-num-seqs", "4k"]):
         with pytest.raises(SystemExit):
             parser.parse_args(bad)

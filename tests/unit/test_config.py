@@ -132,5 +132,19 @@ def test_the_cpu_prefix_cache_tier_needs_prefix_caching() -> None:
 
 def test_vllm_dtype_aliases_and_max_model_len_auto() -> None:
     assert [EngineConfig.create("m", dtype=d).dtype for d in ("half", "float")] == ["float16", "float32"]
-    with pytest.raises(NotBuiltError, match="auto"):
-        EngineConfig.create("m", max_model_len=-1)
+    assert EngineConfig.create("m", max_model_len=-1).max_model_len == -1  # auto: fitted by the core
+    for bad in (-2, 0, -1.0):
+        with pytest.raises(ConfigError) as info:
+            EngineConfig.create("m", max_model_len=bad)
+        assert info.value.field == "max_model_len"
+
+
+def test_max_model_len_auto_is_the_kv_caches_capacity_capped_by_the_models() -> None:
+    from asyncllm.engine.kv_budget import served_config
+
+    config = EngineConfig.create("m", max_model_len=2048, block_size=16)  # 2048: the model's own, as prepared
+    assert served_config(config, 10, auto_max_model_len=True).max_model_len == 160  # 10 blocks of 16
+    assert served_config(config, 128, auto_max_model_len=True).max_model_len == 2048  # exactly the model's
+    assert served_config(config, 500, auto_max_model_len=True).max_model_len == 2048  # never past the model's
+    with pytest.raises(ConfigError, match="at most 160 tokens fit"):  # without auto: refused, as before
+        served_config(config, 10, auto_max_model_len=False)
