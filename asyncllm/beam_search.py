@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import InvalidRequestError
 from asyncllm.engine.validation import check_untokenized
+from asyncllm.mm.host import plain_prompt
 from asyncllm.outputs import Logprob
 from asyncllm.sampling import SamplingParams
 
@@ -85,20 +86,30 @@ class BeamSearchOutput:
 
 
 def _prompt_ids(engine: "AsyncEngine", prompt: Any) -> list[int]:
-    """Token ids of text, of token ids, or of vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``; another
-    key (media, embeddings) is an `InvalidRequestError` naming it: beam search is built for text prompts only."""
+    """Token ids of text, of token ids, or of vLLM's ``{"prompt": text}`` / ``{"prompt_token_ids": ids}`` (as the
+    engine reads them: `plain_prompt`, None or empty media entries are none)."""
     if isinstance(prompt, dict):
-        other = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-        if other or len(prompt) != 1:
-            raise InvalidRequestError(f"prompt.{other[0]}" if other else "prompt", "beam search takes {'prompt': "
-                                      "text} or {'prompt_token_ids': ids}; media and embeddings are not built")
-        key, prompt = next(iter(prompt.items()))
-        if not isinstance(prompt, str if key == "prompt" else list):
-            raise InvalidRequestError(f"prompt.{key}", f"must be {'a str' if key == 'prompt' else 'a list of ids'}, "
-                                                       f"got {type(prompt).__name__}")
+        plain = plain_prompt(prompt)
+        if plain is None:
+            raise _not_plain(prompt)
+        prompt = plain
     if not isinstance(prompt, list) and engine.tokenizer is None:
         check_untokenized(prompt, False, SamplingParams(), None)
     return list(prompt) if isinstance(prompt, list) else engine.tokenizer(prompt).input_ids
+
+
+def _not_plain(prompt: dict[str, Any]) -> InvalidRequestError:
+    """Why a dict holds no plain prompt, naming the key: media or embeddings (beam search is built for text prompts
+    only), a text or ids of the wrong type, or neither or both of them."""
+    media = [key for key in sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+             if plain_prompt({"prompt": "", key: prompt[key]}) is None]  # the keys that hold more than text
+    if media:
+        return InvalidRequestError(f"prompt.{media[0]}", "beam search takes {'prompt': text} or {'prompt_token_ids': "
+                                                         "ids}; media and embeddings are not built")
+    for key, kind, name in (("prompt", str, "a str"), ("prompt_token_ids", list, "a list of ids")):
+        if prompt.get(key) is not None and not isinstance(prompt[key], kind):
+            return InvalidRequestError(f"prompt.{key}", f"must be {name}, got {type(prompt[key]).__name__}")
+    return InvalidRequestError("prompt", "beam search takes {'prompt': text} or {'prompt_token_ids': ids}")
 
 
 def _score(beam: BeamSearchSequence, length_penalty: float) -> float:

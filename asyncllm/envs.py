@@ -42,10 +42,21 @@ RUNTIME_DIR = EnvVar(
     "Parent folder of the private 0700 socket folders (default: the system temp dir).",
 )
 
+
+def _truthy(raw: str) -> bool:
+    """A switch read as its owner reads it: 1, true, yes or on (any case) is on, anything else off."""
+    return raw.strip().lower() in ("1", "true", "yes", "on")
+
+
 TRITON_INTERPRET = EnvVar(
-    "TRITON_INTERPRET", False, lambda raw: raw.strip().lower() in ("1", "true", "yes", "on"),
+    "TRITON_INTERPRET", False, _truthy,
     "Triton's own switch to run kernels in its CPU interpreter; with it, attention_backend='triton' "
     "is allowed on the CPU (tests only: slow). Read at worker start.",
+)
+HF_HUB_OFFLINE = EnvVar(
+    "HF_HUB_OFFLINE", False, _truthy,
+    "huggingface_hub's own switch: a hub id is looked up in the cache only, never downloaded. Read when a model "
+    "path is resolved (huggingface_hub reads it once, at its import).",
 )
 API_KEY = EnvVar(
     "ASYNCLLM_API_KEY", "", str,
@@ -144,5 +155,5 @@ FORKSERVER = EnvVar(
 )
 
 REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENABLE_RESPONSES_API_STORE,
-            ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES, RUNTIME_DIR,
+            ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_OFFLINE, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES, RUNTIME_DIR,
             SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE)

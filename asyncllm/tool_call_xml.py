@@ -207,6 +207,9 @@ class _Block:
     def _open_function(self) -> bool:
         if self.functions:
             match = _NEXT_FUNCTION.search(self._text, self._pos)
+            if match is None:  # the text between is not read: a function yet to come starts past its last '>'
+                # (no tag or name holds one), so the next search starts there, not again at the last one's end
+                self._pos = max(self._pos, self._text.rfind(">", self._pos) + 1)
         else:
             match = _FUNCTION.match(self._text, self._pos)
         if match is None:

@@ -29,7 +29,7 @@ from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import (
     LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica, start_replicas, stop_all, stop_forgotten,
-    weak_deliver,
+    weakly,
 )
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
@@ -41,13 +41,6 @@ from asyncllm.sampling import SamplingParams
 from asyncllm.speech import SpeechToText, speech_to_text_of
 
 __all__ = ["AsyncEngine"]
-
-
-async def _restart_if_alive(restart: weakref.WeakMethod, index: int) -> None:
-    """A supervisor's restart of replica `index`, unless its engine was collected (its finalizer stops the rest)."""
-    method = restart()
-    if method is not None:
-        await method(index)
 
 
 class AsyncEngine(EngineRequests, EngineControl):
@@ -147,8 +140,9 @@ class AsyncEngine(EngineRequests, EngineControl):
             observer.stats.engine_index = index  # Prometheus labels its engine-wide series engine="<index>"
         admission = HostAdmission(config.max_num_queued_requests, config.max_num_queued_tokens)
         name = "engine core" if config.data_parallel_size == 1 else f"engine core {index}"
-        restart = weakref.WeakMethod(self._restart_replica)  # a running core's supervisor must not keep us alive
-        supervisor = CoreSupervisor(config.max_core_restarts, lambda: _restart_if_alive(restart, index), name)
+        restart = weakly(self._restart_replica)  # a running core's supervisor must not keep us alive
+        # None once we are collected: nothing to restart (our finalizer stops the replicas)
+        supervisor = CoreSupervisor(config.max_core_restarts, lambda: restart(index) or asyncio.sleep(0), name)
         return Replica(index, observer, admission, supervisor)
 
     @property
@@ -212,7 +206,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         self._loop = loop
 
     def _launch_spec(self) -> LaunchSpec:
-        return LaunchSpec(weak_deliver(self._deliver_threadsafe), self._connect_address, self._engine_key,
+        return LaunchSpec(weakly(self._deliver_threadsafe), self._connect_address, self._engine_key,
                           replica_devices(self.config))
 
     async def _start(self) -> None:

@@ -35,7 +35,7 @@ from asyncllm.metrics.observer import RequestObserver
 from asyncllm.outputs import EngineStats
 
 __all__ = ["LaunchSpec", "Replica", "ReplicaSet", "finish_in_thread", "in_thread", "pick_replica", "start_replica",
-           "start_replicas", "stop_all", "stop_forgotten", "stop_replicas", "weak_deliver"]
+           "start_replicas", "stop_all", "stop_forgotten", "stop_replicas", "weakly"]
 
 logger = logging.getLogger(__name__)
 
@@ -336,18 +336,18 @@ def stop_replicas(replicas: list[Replica]) -> None:
         thread.join()
 
 
-def weak_deliver(deliver: Deliver) -> Deliver:
-    """`deliver` (the engine's bound method) as the processor threads hold it: weakly, so that an engine dropped
-    without aclose() is collected (`stop_forgotten`). What a thread delivers after that is dropped: no stream of
-    that engine is left to take it (a stream holds its engine)."""
-    method = weakref.WeakMethod(deliver)  # type: ignore[arg-type]
+def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` (the engine's bound method) as the processor threads and a core's supervisor hold it: weakly, so
+    that an engine dropped without aclose() is collected (`stop_forgotten`). A call after that does nothing and
+    returns None: what a thread delivers then is dropped (no stream of that engine is left to take it: a stream
+    holds its engine)."""
+    ref = weakref.WeakMethod(method)  # type: ignore[arg-type]
 
-    def deliver_while_alive(batch: Any, stats: Any) -> None:
-        bound = method()
-        if bound is not None:
-            bound(batch, stats)
+    def call_while_alive(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
 
-    return deliver_while_alive
+    return call_while_alive
 
 
 def stop_forgotten(replicas: list[Replica]) -> None:

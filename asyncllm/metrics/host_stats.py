@@ -108,7 +108,12 @@ class HostStats:
 
     @scheduler.setter
     def scheduler(self, value: SchedulerStats) -> None:
-        self.engine = self.engine._replace(scheduler=value, closed=False)  # a core's snapshot: it is live
+        self.take_snapshot(value, self.reports_engine)
+
+    def take_snapshot(self, scheduler: SchedulerStats, reports_engine: bool) -> None:
+        """A core's snapshot, and whether this host exports the engine-wide series, in one swap: the core is live
+        (no longer `closed`)."""
+        self.engine = self.engine._replace(scheduler=scheduler, reports_engine=reports_engine, closed=False)
 
     @property
     def reports_engine(self) -> bool:

@@ -113,8 +113,7 @@ class RequestObserver:
     # ------------------------------------------------------------ outputs
     def on_scheduler_stats(self, stats: SchedulerStats, reporter: bool) -> None:
         """The core's snapshot; `reporter` says whether this host exports the engine-wide series."""
-        self.stats.engine = self.stats.engine._replace(scheduler=stats, reports_engine=reporter,  # one swap
-                                                       closed=False)
+        self.stats.take_snapshot(stats, reporter)
 
     def on_output(self, collector: RequestCollector, out: RequestOutputDelta, item: StreamDelta | BaseException,
                   now: float) -> None:

@@ -20,6 +20,7 @@ import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from asyncllm import envs
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.models.rope_config import ROPE_OVERRIDE_KEYS, apply_rope_overrides
 
@@ -60,8 +61,7 @@ def resolve_model_path(model: str, revision: str | None = None, download_dir: st
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
-    offline = (constants.HF_HUB_OFFLINE
-               or os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE"))
+    offline = constants.HF_HUB_OFFLINE or envs.HF_HUB_OFFLINE.get()
     cache_dir = download_dir or os.environ.get("HF_HUB_CACHE") or constants.HF_HUB_CACHE
     try:
         path = snapshot_download(

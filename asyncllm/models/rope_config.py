@@ -17,8 +17,7 @@ from typing import Any
 
 from asyncllm.errors import ConfigError
 
-__all__ = ["ROPE_OVERRIDE_KEYS", "UNBUILT_ROPE_TYPES", "folds_rope_overrides", "apply_rope_overrides",
-           "rope_scaled_length"]
+__all__ = ["ROPE_OVERRIDE_KEYS", "UNBUILT_ROPE_TYPES", "apply_rope_overrides", "rope_scaled_length"]
 
 ROPE_OVERRIDE_KEYS = ("rope_theta", "rope_scaling", "rope_parameters")
 """The ``hf_overrides`` keys `apply_rope_overrides` sets (the legacy pair folded into ``rope_parameters``)."""
@@ -32,7 +31,7 @@ _UNSCALED_LENGTH_TYPES = ("su", "longrope", "llama3")
 """Rope types whose ``max_position_embeddings`` already counts the scaling (vLLM's list)."""
 
 
-def folds_rope_overrides(hf_config: Any) -> bool:
+def _folds_rope_overrides(hf_config: Any) -> bool:
     """Whether the config keeps its rope in ``rope_parameters`` (transformers 5), where the legacy keys go."""
     return isinstance(getattr(hf_config, "rope_parameters", None), dict)
 
@@ -46,7 +45,7 @@ def apply_rope_overrides(hf_config: Any, overrides: dict[str, Any]) -> None:
     if not given:
         return
     text_config = getattr(hf_config, "text_config", None)  # what the engine serves a multimodal model's decoder from
-    target = next((c for c in (hf_config, text_config) if folds_rope_overrides(c)), None)
+    target = next((c for c in (hf_config, text_config) if _folds_rope_overrides(c)), None)
     if target is None:  # transformers 4, or a model without rope parameters: the keys set as given
         target = hf_config
         _set_attributes(target, given, overrides)
@@ -108,6 +107,8 @@ def _check_rope(hf_config: Any, overrides: dict[str, Any]) -> None:
         raise ConfigError("hf_overrides", overrides, f"a rope configuration transformers accepts ({exc})") from exc
     for params in _each_layer_type(getattr(hf_config, "rope_parameters", None)):
         rope_type = params.get("rope_type")
+        # validate_rope only warns on an unknown type, and transformers has no public list of the types it knows
+        # (ROPE_INIT_FUNCTIONS lacks 'default'): its validators, which validate_rope looks up the same way, are it
         if not hasattr(hf_config, f"_validate_{rope_type}_rope_parameters"):
             raise ConfigError("hf_overrides", overrides, f"a rope_type transformers knows (not {rope_type!r})")
         if rope_type in UNBUILT_ROPE_TYPES:

@@ -50,10 +50,13 @@ async def test_beams_equal_transformers_when_no_beam_ends(tiny_llama: str) -> No
         text = await engine.beam_search("def add(a, b):", BeamSearchParams(beam_width=2, max_tokens=4))
         assert len(text.sequences) == 2 and all(s.cum_logprob < 0 for s in text.sequences)
         as_dicts = [await engine.beam_search(p, BeamSearchParams(beam_width=2, max_tokens=4))
-                    for p in ({"prompt": "def add(a, b):"}, {"prompt_token_ids": text.sequences[0].tokens[:-4]})]
-        assert [d.sequences[0].tokens for d in as_dicts] == [text.sequences[0].tokens] * 2  # vLLM's prompt dicts
+                    for p in ({"prompt": "def add(a, b):"}, {"prompt_token_ids": text.sequences[0].tokens[:-4]},
+                              {"prompt": "def add(a, b):", "images": None, "multi_modal_data": {"image": []}})]
+        assert [d.sequences[0].tokens for d in as_dicts] == [text.sequences[0].tokens] * 3  # vLLM's prompt dicts
         for bad, field in (({"prompt": "hi", "images": [b"x"]}, "prompt.images"), ({}, "prompt"),
-                           ({"prompt": [1, 2]}, "prompt.prompt"), ({"prompt_token_ids": "hi"}, "prompt.prompt_token_ids")):
+                           ({"prompt": [1, 2]}, "prompt.prompt"), ({"prompt_token_ids": "hi"}, "prompt.prompt_token_ids"),
+                           ({"prompt": "hi", "images": None, "videos": [b"x"]}, "prompt.videos"),
+                           ({"prompt": "hi", "prompt_token_ids": [5]}, "prompt")):
             with pytest.raises(InvalidRequestError) as info:
                 await engine.beam_search(bad, params)
             assert info.value.field == field

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from asyncllm import AsyncEngine, ConfigError, EngineConfig
 from asyncllm.engine.data_parallel import ReplicaLoad, combined_stats, replica_devices, replica_env
+from asyncllm.engine.replica import weakly
 from asyncllm.errors import NotBuiltError
 from asyncllm.outputs import EngineStats
 from asyncllm.protocol import SchedulerStats
@@ -111,3 +115,31 @@ def test_a_replica_awaiting_weights_is_picked_only_when_every_replica_is() -> No
     idle_but_awaiting, busy = replica(0, 0, True), replica(1, 40, False)
     assert pick_replica([idle_but_awaiting, busy]) is busy
     assert pick_replica([idle_but_awaiting, replica(1, 40, True)]) is idle_but_awaiting  # all await: the least loaded
+
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.got: list[tuple[object, ...]] = []
+
+    def take(self, *args: object) -> int:
+        self.got.append(args)
+        return len(self.got)
+
+
+async def test_a_collected_engines_deliveries_and_restarts_do_nothing() -> None:
+    """The processor threads and core supervisors hold the engine weakly (`weakly`): once it is collected a delivery
+    is dropped and a core's restart has nothing to do, and neither raises."""
+    sink = _Sink()
+    take, got = weakly(sink.take), sink.got
+    assert take("batch", "stats") == 1 and got == [("batch", "stats")]
+    del sink
+    gc.collect()
+    assert take("batch", "stats") is None and got == [("batch", "stats")]
+    engine = AsyncEngine("m", data_parallel_size=2)
+    supervisors, collected = [replica.supervisor for replica in engine._replicas.replicas], weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert collected() is None
+    for supervisor in supervisors:
+        await supervisor._restart()

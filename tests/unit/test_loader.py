@@ -192,12 +192,16 @@ def test_load_hf_config_errors_are_config_errors(tmp_path):
 
 
 def test_hub_id_absent_offline(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    """HF_HUB_OFFLINE is read when the path is resolved, not only at huggingface_hub's import (which reads it once)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "yes")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(ConfigError) as info:
         resolve_model_path("some-org/not-downloaded")
     message = str(info.value)
-    assert "not a folder, not in the cache" in message and str(tmp_path) in message
+    assert "not a folder, not in the cache" in message and str(tmp_path) in message and "offline mode is on" in message
     assert "HF_HUB_OFFLINE=0" in message and "huggingface-cli download some-org/not-downloaded" in message
 
 

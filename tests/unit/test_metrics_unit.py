@@ -315,7 +315,5 @@ def test_a_live_host_that_does_not_report_the_engine_still_counts_its_live_core(
     stats.owns_core, stats.reports_engine = True, True
     stats.scheduler = SchedulerStats(prefix_cache_queries=30)
     stats.mark_closed()  # the core died
-    observer_view = stats.engine._replace(scheduler=SchedulerStats(prefix_cache_queries=4), reports_engine=False,
-                                          closed=False)  # the new core's snapshot, another host reporting
-    stats.engine = observer_view
+    stats.take_snapshot(SchedulerStats(prefix_cache_queries=4), False)  # the new core's, another host reporting
     assert stats.snapshot().prefix_cache_queries == 34

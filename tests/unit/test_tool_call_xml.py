@@ -26,9 +26,8 @@ def _fed(parser_name: str, text: str, sizes: list[int]) -> list[tuple[str, dict]
     return [(c.name, json.loads(c.arguments)) for c in calls]
 
 
-def test_a_long_value_fed_in_small_pieces_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The characters the block reader holds at each read, summed over a reply fed 3 characters at a time, stay
-    within a few times the reply's length (read once a piece, a 40 KB value cost seconds of the event loop)."""
+def _held_at_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter the block reader adds the characters it holds to at each read."""
     held = [0]
     read = tool_call_xml._Block._read
 
@@ -37,6 +36,13 @@ def test_a_long_value_fed_in_small_pieces_is_read_once(monkeypatch: pytest.Monke
         return read(block)
 
     monkeypatch.setattr(tool_call_xml._Block, "_read", counted)
+    return held
+
+
+def test_a_long_value_fed_in_small_pieces_is_read_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The characters the block reader holds at each read, summed over a reply fed 3 characters at a time, stay
+    within a few times the reply's length (read once a piece, a 40 KB value cost seconds of the event loop)."""
+    held = _held_at_reads(monkeypatch)
     value = "def f(x):\n    return x > 1  # a line of code\n" * 1000
     small = "".join(f"<parameter=p{i}>\n{i}\n</parameter>\n" for i in range(200))
     text = (f"<tool_call>\n<function=write>\n<parameter=path>\na.py\n</parameter>\n<parameter=content>\n{value}\n"
@@ -44,6 +50,19 @@ def test_a_long_value_fed_in_small_pieces_is_read_once(monkeypatch: pytest.Monke
     calls = _fed("qwen3_coder", text, [3])
     assert calls == [("write", {"path": "a.py", "content": value, **{f"p{i}": str(i) for i in range(200)}})]
     assert held[0] < 3 * len(text), (held[0], len(text))
+
+
+@pytest.mark.parametrize("sizes", [[3], [7, 2, 11]])
+def test_text_after_a_function_is_searched_once(monkeypatch: pytest.MonkeyPatch, sizes: list[int]) -> None:
+    """Text after a ``</function>`` up to the next ``<function=`` is not read: fed in pieces that hold a ``>``, the
+    search for the next function goes on from where the last one stopped (from the function's end each time, it
+    held the whole text each piece: quadratic), and still finds a function whose name is split between pieces."""
+    held = _held_at_reads(monkeypatch)
+    between = "x > 1 <function=\n not a call\n" * 300
+    text = (f"<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>\n{between}"
+            f"ok =><function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>")
+    assert _fed("qwen3_coder", text, sizes) == [("f", {"a": "1"}), ("get_weather", {"city": "Paris"})]
+    assert held[0] < 10 * len(text), (held[0], len(text))  # a few pieces a read (searched again: 700 times the text)
 
 
 @pytest.mark.parametrize("parser_name", ["qwen3_coder", "seed_oss"])
