@@ -222,10 +222,16 @@ class FaultToleranceConfig:
     max_core_restarts: int = 0
     """The host restarts a dead engine core this many times within 10 minutes (its in-flight requests fail,
     new ones are served); 0 = no supervisor, a dead core ends the engine."""
+    host_heartbeat_timeout_s: float | None = 30.0
+    """A core detaches a host attached over tcp:// that sent nothing, not even its heartbeat (every second), for
+    this many seconds (a dead machine, a lost network): its requests are aborted; None = only its Goodbye
+    detaches it. A shared core's (`asyncllm engine`) setting; hosts on its machine are watched by pid besides."""
 
     def __post_init__(self) -> None:
         if self.worker_step_timeout_s is not None:
             check_float("worker_step_timeout_s", self.worker_step_timeout_s, 0.0, 86400.0, lo_open=True)
+        if self.host_heartbeat_timeout_s is not None:  # several heartbeats: one late beat is no death
+            check_float("host_heartbeat_timeout_s", self.host_heartbeat_timeout_s, 3.0, 86400.0)
         check_int("max_worker_restarts", self.max_worker_restarts, 0, 1000)
         check_int("max_core_restarts", self.max_core_restarts, 0, 1000)
 

@@ -261,6 +261,10 @@ def main(argv: list[str] | None = None) -> None:
                         "closing its stdin: SIGTERM to the host's process group is ignored")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the process group; our parent decides
+    if args.owned:
+        from asyncllm import procutil
+
+        procutil.die_with_parent()  # the kernel ends us with the host too, should our stdin watch hang
     _preload()
     server = _Server(args.address)
     if args.owned:  # a host ends us by closing our stdin; SIGTERM to its group (systemd's stop) must not kill the

@@ -4,14 +4,18 @@
 Children are started with `subprocess` running ``python -m <module>`` (a fresh
 interpreter, like multiprocessing's spawn, with none of its atexit joins). The
 parent keeps the write end of the child's stdin: when the parent dies, for any
-reason, the kernel closes it and the child sees EOF and exits.
+reason, the kernel closes it and the child sees EOF and exits. On Linux the child also
+asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), which ends it
+even while its Python is hung holding the GIL and no watcher thread can run.
 """
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import logging
 import os
+import queue
 import shutil
 import signal
 import socket
@@ -22,11 +26,16 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 
 from asyncllm import envs
 from asyncllm.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+_PARENT_PID = "ASYNCLLM_PARENT_PID"
+"""Private: set by `spawn_module` in a new interpreter's environment, read (and removed) by `exit_when_parent_dies`."""
 
 
 def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
@@ -52,19 +61,75 @@ def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None
     # -P: never put the working directory on sys.path (a repo checkout's kernels/
     # folder would shadow Hugging Face's `kernels` package).
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-    return subprocess.Popen(
+    child_env[_PARENT_PID] = str(os.getpid())
+    return _in_spawner_thread(lambda: subprocess.Popen(
         [sys.executable, *safe_path, "-m", module, *args],
         stdin=subprocess.PIPE,
         env=child_env,
         close_fds=True,
-    )
+    ))
+
+
+_spawner: queue.SimpleQueue | None = None
+_spawner_lock = threading.Lock()
+
+
+def _in_spawner_thread(start: Callable[[], subprocess.Popen]) -> subprocess.Popen:
+    """Run `start` in this process's one spawner thread, which lives as long as the process. The kernel sends a
+    child its parent-death signal when the *thread* that started it exits, and hosts start cores from threads that
+    end before the engine does (asyncio.to_thread's executor at the end of asyncio.run, anyio's idle workers, a
+    `SyncEngine`'s loop thread)."""
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = queue.SimpleQueue()
+            threading.Thread(target=_serve_spawns, args=(_spawner,), name="asyncllm-spawner", daemon=True).start()
+        spawner = _spawner
+    done: Future[subprocess.Popen] = Future()
+    spawner.put((start, done))
+    return done.result()
+
+
+def _serve_spawns(spawner: queue.SimpleQueue) -> None:
+    while True:
+        start, done = spawner.get()
+        try:
+            done.set_result(start())
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+            done.set_exception(exc)
+
+
+def _forget_spawner() -> None:
+    global _spawner, _spawner_lock
+    _spawner, _spawner_lock = None, threading.Lock()  # a forked child has no spawner thread (nor a held lock)
+
+
+os.register_at_fork(after_in_child=_forget_spawner)
+
+
+def die_with_parent() -> None:
+    """In a new interpreter `spawn_module` started on Linux: the kernel SIGKILLs us when the parent's spawner thread
+    (so the parent) ends, even while our Python is hung holding the GIL and no watcher thread runs. A parent that
+    died before the signal was armed is seen by its pid. A child forked by a fork server has that server's signal
+    (asyncllm/forkserver.py); a standalone core (``asyncllm engine``) none."""
+    expected = os.environ.pop(_PARENT_PID, "")
+    if not expected or not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed (%s): only the watcher threads end this process with its "
+                       "parent", os.strerror(ctypes.get_errno()))
+    elif os.getppid() != int(expected):  # the parent died before the signal was armed
+        _exit_orphaned()
 
 
 def exit_when_parent_dies(poll_s: float = 0.5) -> None:
     """In a child made by `spawn_module`: exit at once when the parent is gone.
 
-    Two signals, either enough: EOF on stdin, or a changed parent pid.
+    Two signals, either enough: EOF on stdin, or a changed parent pid; on Linux the kernel's parent-death
+    signal besides (`die_with_parent`), for a process hung holding the GIL.
     """
+    die_with_parent()
     parent = os.getppid()
 
     def read_stdin() -> None:

@@ -34,7 +34,7 @@ from asyncllm.sampling import SamplingParams
 
 __all__ = [
     # host -> core
-    "Hello", "AddRequest", "AbortRequests", "Goodbye", "ResetPrefixCache", "HostMessage",
+    "Hello", "AddRequest", "AbortRequests", "Goodbye", "ResetPrefixCache", "Heartbeat", "HostMessage",
     # core -> host
     "SchedulerStats", "Ready", "EngineCoreEventType", "EngineCoreEvent", "RequestOutputDelta", "Outputs",
     "EngineFailed", "CoreMessage",
@@ -63,6 +63,9 @@ class Hello(msgspec.Struct, **_STRUCT):
     process_identity: str = ""
     """The host's machine, pid namespace and process start time (`client_liveness.process_identity`): a core on
     the same machine notices the host die without a `Goodbye`; "" (a handshake, off Linux): not watched."""
+    heartbeat_interval_s: float = 0.0
+    """The host sends a `Heartbeat` this often (a host attached over tcp://): a core with
+    `host_heartbeat_timeout_s` detaches it once it is silent that long; 0: it sends none and is not timed out."""
 
 
 class AddRequest(msgspec.Struct, **_STRUCT):
@@ -101,8 +104,13 @@ class ResetPrefixCache(msgspec.Struct, **_STRUCT):
     message hit nothing computed before it. Running requests keep their blocks."""
 
 
+class Heartbeat(msgspec.Struct, **_STRUCT):
+    """A host attached over tcp:// is alive (sent every `Hello.heartbeat_interval_s`); the core answers one from a
+    host it detached with `EngineFailed`."""
+
+
 HostMessage = Union[Hello, AddRequest, AbortRequests, Goodbye, ResetPrefixCache, UpdateWeights, AwaitWeights, Sleep,
-                    WakeUp, AddLoRA, RemoveLoRA]
+                    WakeUp, AddLoRA, RemoveLoRA, Heartbeat]
 
 
 # ---------------------------------------------------------------- core -> host

@@ -17,18 +17,27 @@ the process, not a heartbeat.
 
 from __future__ import annotations
 
+import time
+
+import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from asyncllm import protocol
 from asyncllm.auth import derive_keys, secure_client
 
-__all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "open_dealer", "ConnectionWatch"]
+__all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "HOST_HEARTBEAT_IVL_S", "open_dealer", "ConnectionWatch",
+           "HostHeartbeat"]
 
 HEARTBEAT_IVL_MS = 1000
 """A ZMTP PING every this often (tcp:// only)."""
 HEARTBEAT_TIMEOUT_MS = 10_000
 """No traffic from a tcp:// core for this long: the connection is dropped (and reported as lost). Long enough for
 a core machine whose CPUs are starved for seconds; a dead core process is reported by its kernel, at once."""
+
+HOST_HEARTBEAT_IVL_S = 1.0
+"""A tcp:// host sends the core a `protocol.Heartbeat` this often: ZMTP's heartbeats are answered inside libzmq,
+so the core cannot tell which host fell silent; this message names it (`host_heartbeat_timeout_s`)."""
 
 _LOST_EVENTS = {
     zmq.EVENT_DISCONNECTED: "the connection to the engine core closed: the core process exited, or (tcp://) was silent for 10 s",
@@ -80,3 +89,23 @@ class ConnectionWatch:
         except zmq.ZMQError:  # the DEALER is already closed
             pass
         self.socket.close(linger=0)
+
+
+class HostHeartbeat:
+    """The host's `protocol.Heartbeat`, sent every `interval_s` on a tcp:// connection (0: ipc://, none: the core
+    watches a host on its machine by its pid)."""
+
+    def __init__(self, address: str, encoder: msgspec.msgpack.Encoder) -> None:
+        self.interval_s = HOST_HEARTBEAT_IVL_S if address.startswith("tcp://") else 0.0
+        self._frame = encoder.encode(protocol.Heartbeat())
+        self._next = 0.0
+
+    def maybe_send(self, dealer: zmq.Socket) -> None:
+        """Call often (the processor thread's poll loop): sends when one is due."""
+        now = time.monotonic()
+        if self.interval_s and now >= self._next:
+            self._next = now + self.interval_s
+            try:
+                dealer.send(self._frame, zmq.NOBLOCK)
+            except zmq.Again:  # the queue to the core is full: what is queued ahead will be heard
+                pass

@@ -8,10 +8,13 @@ machine and pid namespace (ipc://, or tcp:// from the same machine), and a pid r
 not pass for the host. The core reads each watched host's /proc/PID/stat every `CHECK_INTERVAL_S` (a few
 microseconds each; the busy loop pays one clock comparison in between).
 
-Not detected: a host on another machine or in another pid namespace (a container), and any host off Linux (no
-/proc), nor one whose /proc entry the core cannot read as the host does (``hidepid``, systemd's
-``ProtectProc=invisible``, another time namespace): those are removed only by their `Goodbye`
-(docs/integrations/shared-engine.md).
+A host attached over tcp:// sends a `Heartbeat` every `Hello.heartbeat_interval_s` (asyncllm/engine/channel.py):
+one the core has heard nothing from for `host_heartbeat_timeout_s` (its machine died, the network is lost) is
+silent, wherever it runs.
+
+Not detected: a host over ipc:// in another pid namespace (a container), or off Linux (no /proc), or one whose
+/proc entry the core cannot read as the host does (``hidepid``, systemd's ``ProtectProc=invisible``, another time
+namespace): those are removed only by their `Goodbye` (docs/integrations/shared-engine.md).
 """
 
 from __future__ import annotations
@@ -54,19 +57,28 @@ def process_identity() -> str:
 
 
 class ClientLiveness:
-    """Which of the hosts (by DEALER identity) the core watches have died."""
+    """Which of the hosts (by DEALER identity) the core watches have died or fell silent."""
 
-    def __init__(self, interval_s: float = CHECK_INTERVAL_S) -> None:
+    def __init__(self, silence_timeout_s: float | None = None, last_heard: dict[bytes, float] | None = None,
+                 interval_s: float = CHECK_INTERVAL_S) -> None:
         self._machine = _machine()
         self._interval_s = interval_s
         self._watched: dict[bytes, tuple[int, str]] = {}
         """client_id -> (pid, start time) of each host on this machine and pid namespace."""
         self._next_check = 0.0
+        self._silence_timeout_s = silence_timeout_s
+        self._last_heard = last_heard if last_heard is not None else {}
+        """client_id -> when the core's I/O thread last received from it (`CoreIO.last_heard`)."""
+        self._beating: set[bytes] = set()
+        """The hosts that send heartbeats (tcp://)."""
 
-    def watch(self, client_id: bytes, pid: int, identity: str) -> None:
+    def watch(self, client_id: bytes, pid: int, identity: str, heartbeat_interval_s: float = 0.0) -> None:
         """A host said Hello: watch it if it runs beside the core and the core reads its start time as the host
-        does (not under ``hidepid`` /proc or another time namespace, where a live host would look dead); else it
-        is left to its Goodbye."""
+        does (not under ``hidepid`` /proc or another time namespace, where a live host would look dead); time it
+        out when it sends heartbeats and the core has a timeout; else it is left to its Goodbye."""
+        if heartbeat_interval_s > 0 and self._silence_timeout_s is not None:
+            self._beating.add(client_id)
+            self._last_heard.setdefault(client_id, time.monotonic())
         machine, _, start = identity.rpartition(" ")
         if pid > 0 and self._machine and machine == self._machine and _start_time(pid) == start:
             self._watched[client_id] = (pid, start)
@@ -75,13 +87,23 @@ class ClientLiveness:
 
     def forget(self, client_id: bytes) -> None:
         self._watched.pop(client_id, None)
+        self._beating.discard(client_id)
+        self._last_heard.pop(client_id, None)
 
-    def dead_clients(self) -> list[bytes]:
-        """The watched hosts whose process is gone (at most every `interval_s`; [] in between)."""
-        if not self._watched:
-            return []
+    def dead_clients(self) -> dict[bytes, str]:
+        """The watched hosts whose process is gone, and the heartbeating ones silent too long, each with what
+        happened (at most every `interval_s`; {} in between)."""
+        if not self._watched and not self._beating:
+            return {}
         now = time.monotonic()
         if now < self._next_check:
-            return []
+            return {}
         self._next_check = now + self._interval_s
-        return [client_id for client_id, (pid, start) in self._watched.items() if _start_time(pid) != start]
+        dead = {client_id: "died without a Goodbye (its process on this machine is gone)"
+                for client_id, (pid, start) in self._watched.items() if _start_time(pid) != start}
+        for client_id in self._beating:
+            silent_s = now - self._last_heard.get(client_id, now)
+            if silent_s > self._silence_timeout_s:  # type: ignore[operator] - set only with a timeout
+                dead.setdefault(client_id, f"sent nothing, not even its heartbeat, for {silent_s:.0f} s "
+                                           f"(host_heartbeat_timeout_s={self._silence_timeout_s})")
+        return dead

@@ -62,8 +62,8 @@ class EngineCore:
         forgotten (`forget_host`)."""
         self.stats_reporter: bytes | None = None
         """The one host that exports the engine-wide metrics (the earliest still attached)."""
-        self.liveness = ClientLiveness()
-        """Notices a host on this machine that died without a Goodbye (SIGKILL): `_drop_dead_clients`."""
+        self.liveness = ClientLiveness(config.fault_tolerance_config.host_heartbeat_timeout_s, io.last_heard)
+        """Notices a host that died without a Goodbye (SIGKILL) or fell silent (tcp://): `_drop_dead_clients`."""
         self.executor = Executor(config, hf_config_json=hf_config_json)
         self._running = True
         self.mm_cache = CoreProcessorCache(config.multimodal_config)
@@ -222,7 +222,7 @@ class EngineCore:
     def _handle(self, client_id: bytes, message: protocol.HostMessage) -> bool:
         if isinstance(message, (protocol.AddRequest, protocol.AbortRequests, protocol.ResetPrefixCache,
                                 protocol.UpdateWeights, protocol.AwaitWeights, protocol.Sleep, protocol.WakeUp,
-                                protocol.AddLoRA, protocol.RemoveLoRA)) \
+                                protocol.AddLoRA, protocol.RemoveLoRA, protocol.Heartbeat)) \
                 and client_id not in self.clients:
             logger.error("dropped a %s from a host that never said Hello", type(message).__name__)
             answer = unknown_host_answer(message)  # its caller must not wait (a host taken for dead, say)
@@ -245,7 +245,7 @@ class EngineCore:
                 self.io.send(client_id, protocol.EngineFailed("EngineDeadError", mismatch))
                 return False
             self.clients.add(client_id)
-            self.liveness.watch(client_id, message.pid, message.process_identity)
+            self.liveness.watch(client_id, message.pid, message.process_identity, message.heartbeat_interval_s)
             if self.stats_reporter is None:
                 self.stats_reporter = client_id
             ready = self._ready()
@@ -268,7 +268,7 @@ class EngineCore:
             self._remove_client(client_id)
             if message.shutdown:
                 self._running = False
-        return True
+        return not isinstance(message, protocol.Heartbeat)  # heard by the I/O thread already (`CoreIO.last_heard`)
 
     def _remove_client(self, client_id: bytes) -> None:
         """A host left (`Goodbye`) or died: abort its requests, unmap its ring, hand its metrics export on."""
@@ -282,10 +282,10 @@ class EngineCore:
             self.stats_reporter = next(iter(self.clients), None)
 
     def _drop_dead_clients(self) -> bool:
-        """Remove the hosts whose process died without a Goodbye (asyncllm/engine/client_liveness.py)."""
+        """Remove the hosts that died without a Goodbye or fell silent (asyncllm/engine/client_liveness.py)."""
         dead = self.liveness.dead_clients()
-        for client_id in dead:
-            logger.warning("a host on this machine died without a Goodbye: its %d requests are aborted",
+        for client_id, what in dead.items():
+            logger.warning("a host %s: its %d requests are aborted", what,
                            sum(r.client_id == client_id for r in self.scheduler.requests.values()))
             self._remove_client(client_id)
         return bool(dead)

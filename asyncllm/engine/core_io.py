@@ -34,6 +34,9 @@ class CoreIO:
     def __init__(self, address: str, key: str | None = None) -> None:
         """`key`: the shared secret of a tcp:// address (default ASYNCLLM_ENGINE_KEY; asyncllm/auth.py)."""
         self.inbox: queue.Queue[tuple[bytes, protocol.HostMessage]] = queue.Queue()
+        self.last_heard: dict[bytes, float] = {}
+        """client_id -> when this thread last received from that host (`time.monotonic`): a step that keeps the busy
+        loop from the inbox does not make a host look silent (`ClientLiveness`)."""
         self._ctx = zmq.Context()
         key = resolve_key(address, key)
         self._auth = ServerAuth(self._ctx, derive_keys(key)) if key is not None else None
@@ -103,6 +106,7 @@ class CoreIO:
             logger.error("dropped an undecodable frame from a host: %s", exc)
             self._refuse_undecodable(client_id, payload, exc)
             return
+        self.last_heard[client_id] = time.monotonic()
         self.inbox.put((client_id, message))
 
     def _refuse_undecodable(self, client_id: bytes, payload: bytes, exc: Exception) -> None:
@@ -165,4 +169,6 @@ def unknown_host_answer(message: protocol.HostMessage) -> protocol.CoreMessage |
         return protocol.LoRAAdded(message.call_id, **fields)
     if isinstance(message, protocol.RemoveLoRA):
         return protocol.LoRARemoved(message.call_id, **fields)
+    if isinstance(message, protocol.Heartbeat):  # detached while silent (a lost network): its streams must not wait
+        return protocol.EngineFailed("EngineDeadError", f"{error}: it was silent past host_heartbeat_timeout_s")
     return None

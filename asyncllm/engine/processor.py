@@ -23,7 +23,7 @@ import msgspec
 import zmq
 
 from asyncllm import errors, protocol
-from asyncllm.engine.channel import ConnectionWatch, open_dealer
+from asyncllm.engine.channel import ConnectionWatch, HostHeartbeat, open_dealer
 from asyncllm.engine.client_liveness import process_identity
 from asyncllm.engine.collector import RequestCollector
 from asyncllm.engine.launch import CoreProcess
@@ -210,13 +210,15 @@ class Processor(ProcessorRequests, ProcessorOutputs):
     def _run(self) -> None:
         dealer = open_dealer(self._ctx, self._address, self._engine_key)
         self._watch = watch = ConnectionWatch(dealer)
+        heartbeat = HostHeartbeat(self._address, self._encoder)
         try:
             ring = self._mm.open_cache() if self._mm is not None else ""  # the shm processor cache's segment
             dealer.send(self._encoder.encode(protocol.Hello(pid=os.getpid(), mm_shm_ring=ring,
                                                             wire_protocol=protocol.wire_protocol(),
-                                                            process_identity=process_identity())))
+                                                            process_identity=process_identity(),
+                                                            heartbeat_interval_s=heartbeat.interval_s)))
             if self._await_ready(dealer):
-                self._serve(dealer)
+                self._serve(dealer, heartbeat)
         except BaseException as exc:  # noqa: BLE001 - never die silently: fail every stream
             logger.exception("asyncllm processor thread failed")
             self._settle_ready(exc)
@@ -295,7 +297,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
         self._jobs.put(job)
         return isinstance(job, tuple) and job[0] == "close"
 
-    def _serve(self, dealer: zmq.Socket) -> None:
+    def _serve(self, dealer: zmq.Socket, heartbeat: HostHeartbeat) -> None:
         poller = zmq.Poller()
         poller.register(dealer, zmq.POLLIN)
         poller.register(self._doorbell_pull, zmq.POLLIN)
@@ -318,6 +320,8 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 if lost is not None:
                     self._fail_all(lost)
                     return
+            if self.dead is None:  # a host the core detached (silent too long) was told so: it stops
+                heartbeat.maybe_send(dealer)
             if self._stats_logger is not None:
                 self._stats_logger.maybe_log()
 

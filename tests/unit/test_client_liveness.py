@@ -19,17 +19,17 @@ def test_a_killed_host_is_dead_even_unreaped_and_a_live_one_is_not() -> None:
         liveness = ClientLiveness(interval_s=0)
         liveness.watch(b"host", child.pid, f"{_machine()} {_start_time(child.pid)}")
         liveness.watch(b"me", os.getpid(), process_identity())
-        assert liveness.dead_clients() == []
+        assert list(liveness.dead_clients()) == []
         child.kill()
         for _ in range(200):  # the kill lands at once; a zombie (not yet reaped) counts as dead
             if liveness.dead_clients():
                 break
             os.sched_yield()
-        assert liveness.dead_clients() == [b"host"]
+        assert list(liveness.dead_clients()) == [b"host"]
         child.wait()
-        assert liveness.dead_clients() == [b"host"]
+        assert list(liveness.dead_clients()) == [b"host"]
         liveness.forget(b"host")
-        assert liveness.dead_clients() == []
+        assert list(liveness.dead_clients()) == []
     finally:
         child.kill()
         child.wait()
@@ -46,9 +46,9 @@ def test_a_reused_pid_another_machine_an_unreadable_proc_and_a_handshake_are_not
     liveness.watch(b"remote", 1 << 30, f"another-boot-id {machine.split()[1]} 1")  # another machine: not watched
     liveness.watch(b"handshake", 0, "")  # `connect.handshake` says pid 0 and no identity
     liveness.watch(b"reused", os.getpid(), process_identity())
-    assert liveness.dead_clients() == []  # (hidepid /proc, another time namespace: a live host never looks dead)
+    assert list(liveness.dead_clients()) == []  # (hidepid /proc, another time namespace: a live host never looks dead)
     monkeypatch.setattr(client_liveness, "_start_time", lambda pid: str(int(start) + 7))  # the pid now another's
-    assert liveness.dead_clients() == [b"reused"]
+    assert list(liveness.dead_clients()) == [b"reused"]
 
 
 def test_checks_are_spaced_by_the_interval(monkeypatch) -> None:
@@ -57,5 +57,5 @@ def test_checks_are_spaced_by_the_interval(monkeypatch) -> None:
     liveness = ClientLiveness(interval_s=3600)
     liveness.watch(b"reused", os.getpid(), process_identity())
     monkeypatch.setattr(client_liveness, "_start_time", lambda pid: None)  # gone
-    assert liveness.dead_clients() == [b"reused"]
-    assert liveness.dead_clients() == []  # the next check is an hour away
+    assert list(liveness.dead_clients()) == [b"reused"]
+    assert list(liveness.dead_clients()) == []  # the next check is an hour away
