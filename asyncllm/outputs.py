@@ -187,7 +187,8 @@ class EngineStats:
     preempted_prefix_cache_hits: int = 0
     """Tokens preempted requests found again at their readmission: no query, no hit above (vLLM keeps them apart)."""
     prompt_tokens_total: int = 0
-    """Prompt tokens of this host's requests, counted when their first token arrives."""
+    """Prompt tokens of this host's requests, counted when their first token arrives (once per sample of an
+    n > 1 request, as vLLM's child requests: the Prometheus ``prompt_tokens_total``)."""
     generation_tokens_total: int = 0
     """Tokens generated for this host's requests."""
     engine_alive: bool = True

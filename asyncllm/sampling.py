@@ -105,8 +105,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
     bad_words_token_ids: list[list[int]] = []
     """Token sequences that may not be generated (as bad_words, in ids); filled from bad_words by the engine."""
     truncate_prompt_tokens: int | None = None
-    """Keep only the last k prompt tokens (left truncation); -1 keeps as many as max_model_len allows. A pooling
-    request's text prompt keeps its first k instead, cut by the tokenizer with its special tokens (vLLM's)."""
+    """Keep only the last k prompt tokens (left truncation; a text prompt is cut by the tokenizer, its special
+    tokens kept, as vLLM's); -1 keeps as many as max_model_len allows. A pooling request's text prompt keeps its
+    first k instead, cut by the tokenizer with its special tokens (vLLM's)."""
     detokenize: bool = True
     """False: the outputs carry token ids only (empty text, logprobs without ``decoded_token``), and the host
     spends no time decoding: for callers that only need ids (RL rollouts). Stop strings need the text."""

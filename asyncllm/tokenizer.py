@@ -9,10 +9,13 @@ are an `InvalidRequestError` naming the field.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
-from collections.abc import Iterable, Mapping
+import threading
+import weakref
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from asyncllm.errors import ConfigError, InvalidRequestError
@@ -21,7 +24,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 __all__ = [
-    "load_tokenizer", "encode_prompt", "right_truncating", "apply_chat_template", "template_arguments", "template_messages",
+    "load_tokenizer", "encode_prompt", "truncating", "apply_chat_template", "template_arguments", "template_messages",
     "with_template_calls",
     "check_template_kwargs", "check_chat_template", "load_chat_template", "bad_words_token_ids", "eos_token_ids",
 ]
@@ -75,27 +78,49 @@ def load_tokenizer(name_or_path: str, revision: str | None = None, mode: str = "
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, add_special_tokens: bool = True,
-                  max_length: int | None = None) -> list[int]:
+                  max_length: int | None = None, truncation_side: str = "left") -> list[int]:
     """Token ids of ``prompt`` as ``tokenizer(prompt).input_ids`` gives them (with BOS if the tokenizer adds it;
     ``add_special_tokens=False``: the text's own tokens only, Whisper's decoder prompt); ``max_length``: as
-    ``truncation=True, max_length=max_length`` cuts them (special tokens kept), on the tokenizer's side."""
+    ``truncation=True, max_length=max_length`` cuts them on `truncation_side`, special tokens kept (`truncating`)."""
     if not isinstance(prompt, str):
         raise InvalidRequestError("prompt", f"must be a str, got {type(prompt).__name__}")
-    cut = {} if max_length is None else {"truncation": True, "max_length": max_length}
-    token_ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens, **cut).input_ids)
+    if max_length is None:
+        token_ids = list(tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
+    else:
+        with truncating(tokenizer, max_length, truncation_side) as cutting:
+            token_ids = list(cutting(prompt, add_special_tokens=add_special_tokens, truncation=True,
+                                     max_length=max_length).input_ids)
     if not token_ids:
         raise InvalidRequestError("prompt", "encodes to no tokens; give at least one character")
     return token_ids
 
 
-def right_truncating(tokenizer: PreTrainedTokenizerBase) -> PreTrainedTokenizerBase:
-    """The tokenizer cutting on the right, as vLLM sets it for pooling models (a shallow copy when it is set to
-    cut on the left): ``truncate_prompt_tokens`` keeps a text's start, [CLS] included, as sentence-transformers."""
-    if getattr(tokenizer, "truncation_side", "right") == "right":
-        return tokenizer
-    right = copy.copy(tokenizer)
-    right.truncation_side = "right"
-    return right
+@contextlib.contextmanager
+def truncating(tokenizer: PreTrainedTokenizerBase, max_length: int, side: str, pair: bool = False
+               ) -> Iterator[PreTrainedTokenizerBase]:
+    """The tokenizer to encode with ``truncation=True, max_length=max_length`` cutting on `side`, as vLLM sets it:
+    "left" for a generation (its special tokens, BOS, then the text's last tokens), "right" for pooling (a
+    text's start, [CLS] included, as sentence-transformers). A copy with its own backend, held under a lock: a
+    fast tokenizer's truncation setting lives in its backend, and setting the shared one would race other
+    threads' encodes. `InvalidRequestError` for a `max_length` no larger than the special tokens added (HF's
+    tokenizer would keep only them, or not cut at all)."""
+    special = tokenizer.num_special_tokens_to_add(pair=pair)
+    if max_length <= special:
+        raise InvalidRequestError("truncate_prompt_tokens", f"is {max_length}, but the tokenizer adds {special} "
+                                                            f"special tokens: keep at least {special + 1}")
+    with _TRUNCATING_LOCK:
+        copies = _TRUNCATING.setdefault(tokenizer, {})
+        if side not in copies:
+            copies[side] = copy.copy(tokenizer)
+            if getattr(tokenizer, "_tokenizer", None) is not None:  # a fast tokenizer's Rust backend
+                copies[side]._tokenizer = copy.deepcopy(tokenizer._tokenizer)
+            copies[side].truncation_side = side
+        yield copies[side]
+
+
+_TRUNCATING: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+"""Each tokenizer's truncating copies (`truncating`), by side; they go with the tokenizer."""
+_TRUNCATING_LOCK = threading.Lock()
 
 
 def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:

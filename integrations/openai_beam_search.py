@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
-from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt
+from asyncllm.engine.validation import check_text, check_untokenized, truncated_prompt, truncation_length
 from asyncllm.errors import InvalidRequestError, check_context_length
 from asyncllm.integrations.openai_http import EventStream
 from asyncllm.integrations.openai_protocol import (
@@ -119,14 +119,13 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
             raise InvalidRequestError(field, f"at most {server.limits.max_n} on this server, got {value}")
     defaults = await server._sampling_defaults()  # starts the engine
     engine = server.engine
+    max_model_len = engine.config.max_model_len
     if chat:
-        prompts = [await server._chat_tokens(req)]
+        prompts = [truncated_prompt(await server._chat_tokens(req), req.truncate_prompt_tokens, max_model_len)]
     else:
         texts = completion_prompts(req.prompt, server.limits)
         server.limits.check_sequences(len(texts), width, "n" if width == req.n else "best_of")
-        prompts = [await _prompt_ids(engine, prompt) for prompt in texts]
-    max_model_len = engine.config.max_model_len
-    prompts = [truncated_prompt(ids, req.truncate_prompt_tokens, max_model_len) for ids in prompts]
+        prompts = [await _prompt_ids(engine, prompt, req.truncate_prompt_tokens) for prompt in texts]
     max_tokens = _max_tokens(req, server.limits, defaults)
     params = []
     for ids in prompts:
@@ -167,14 +166,17 @@ async def beam_search_response(server: OpenAIServer, request: Request, req: Comp
     return Response(msgspec.json.encode(body), media_type="application/json")
 
 
-async def _prompt_ids(engine: AsyncEngine, prompt: str | list[int]) -> list[int]:
-    """A completion prompt's token ids, as the engine tokenizes it (text off the event loop)."""
-    if not isinstance(prompt, str):
-        return list(prompt)  # the engine checks the ids at the first step
+async def _prompt_ids(engine: AsyncEngine, prompt: str | list[int], truncate_prompt_tokens: int | None) -> list[int]:
+    """A completion prompt's token ids, as the engine tokenizes and cuts them (text off the event loop): a text's
+    by the tokenizer on the left, BOS kept; token ids' last k."""
+    max_model_len = engine.config.max_model_len
+    if not isinstance(prompt, str):  # the engine checks the ids at the first step
+        return truncated_prompt(list(prompt), truncate_prompt_tokens, max_model_len)
     check_text("prompt", prompt)
     if engine.tokenizer is None:
         check_untokenized(prompt, False, SamplingParams(), None)
-    return await anyio.to_thread.run_sync(encode_prompt, engine.tokenizer, prompt)
+    keep = truncation_length(truncate_prompt_tokens, max_model_len)
+    return await anyio.to_thread.run_sync(lambda: encode_prompt(engine.tokenizer, prompt, max_length=keep))
 
 
 def _max_tokens(req: CompletionRequest | ChatCompletionRequest, limits: ServerLimits,

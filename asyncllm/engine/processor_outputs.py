@@ -48,6 +48,8 @@ class TrackedRequest:
     """``stream_interval`` > 1: groups its deltas."""
     cumulative_logprob: float | None = None
     """With logprobs (0.0 from the start): the sum of the sample's token logprobs delivered so far (vLLM's)."""
+    is_prefilling: bool = True
+    """No token of this sample out yet (vLLM's RequestState.is_prefilling): its first counts the prompt's tokens."""
 
 
 class ProcessorOutputs:
@@ -123,10 +125,11 @@ class ProcessorOutputs:
                     return
                 except errors.InvalidRequestError as exc:  # an image that cannot be read again fails its request
                     out = msgspec.structs.replace(out, error=str(exc), error_type=type(exc).__name__)
+        is_prefilling, tracked.is_prefilling = tracked.is_prefilling, tracked.is_prefilling and not out.new_token_ids
         item = self._process_output(tracked, out, now, aborts)
         if item is None:
             return  # prompt logprobs of a prefill chunk: they go out with the first token
-        self._observer.on_output(tracked.collector, out, item, now)
+        self._observer.on_output(tracked.collector, out, item, now, is_prefilling)
         if isinstance(item, StreamDelta) and tracked.pacer is not None:
             item = tracked.pacer.offer(item)
             if item is None:

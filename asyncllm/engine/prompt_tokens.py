@@ -18,7 +18,7 @@ from asyncllm.engine.validation import (check_text, check_token_ids, max_prompt_
 from asyncllm.mm.host import multimodal_prompt, plain_prompt
 from asyncllm.mm.inputs import MultiModalInputs
 from asyncllm.mm.processor import MultiModalProcessor
-from asyncllm.tokenizer import apply_chat_template, encode_prompt, right_truncating
+from asyncllm.tokenizer import apply_chat_template, encode_prompt, truncating
 
 if TYPE_CHECKING:
     from asyncllm.engine.processor import Submit
@@ -115,22 +115,20 @@ class PromptTokenizer:
         return token_ids if keep is None else token_ids[:keep]
 
     def _text_token_ids(self, job: Submit) -> list[int]:
-        """A text prompt's ids: a generation's last k tokens; a pooling request's (embed, classify, score) cut on
-        the right by the tokenizer, special tokens kept, as vLLM's pooling runner and sentence-transformers."""
-        if job.options.pooling is None:
-            return self._truncated(job, self._encode(job.prompt, job.options.text_pair))
-        keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=True)
-        return self._encode(job.prompt, job.options.text_pair, keep)
+        """A text prompt's ids, cut by the tokenizer as vLLM's (``truncation=True, max_length=k``, special tokens
+        kept): a generation's on the left (BOS, then the text's last tokens), a pooling request's (embed,
+        classify, score) on the right, as vLLM's pooling runner and sentence-transformers."""
+        pooling = job.options.pooling is not None
+        keep = truncation_length(job.params.truncate_prompt_tokens, self.max_model_len, pooling=pooling)
+        if job.options.text_pair is None:
+            return encode_prompt(self.tokenizer, job.prompt, max_length=keep,
+                                 truncation_side="right" if pooling else "left")
+        return self._encode_pair(job.prompt, job.options.text_pair, keep)
 
-    def _encode(self, prompt: str, text_pair: str | None, max_length: int | None = None) -> list[int]:
-        """A text's token ids (``max_length``: cut on the right); with `text_pair`, the pair's one prompt as the
-        classifier encodes it (`score`)."""
-        tokenizer = self.tokenizer if max_length is None else right_truncating(self.tokenizer)
-        special = 0 if max_length is None else tokenizer.num_special_tokens_to_add(pair=text_pair is not None)
-        if max_length is not None and max_length <= special:  # the tokenizer would not cut at all (it logs why)
-            raise errors.InvalidRequestError("truncate_prompt_tokens", f"is {max_length}, but the tokenizer adds "
-                                             f"{special} special tokens: keep at least {special + 1}")
-        if text_pair is None:
-            return encode_prompt(tokenizer, prompt, max_length=max_length)
+    def _encode_pair(self, prompt: str, text_pair: str, max_length: int | None) -> list[int]:
+        """The pair's one prompt as the classifier encodes it (`score`); ``max_length``: cut on the right."""
         assert self.pooling_model is not None, "score sends pairs to a started engine's classifier"
-        return self.pooling_model.encode_pair(tokenizer, prompt, text_pair, max_length)
+        if max_length is None:
+            return self.pooling_model.encode_pair(self.tokenizer, prompt, text_pair)
+        with truncating(self.tokenizer, max_length, "right", pair=True) as tokenizer:
+            return self.pooling_model.encode_pair(tokenizer, prompt, text_pair, max_length)

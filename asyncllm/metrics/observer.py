@@ -116,8 +116,9 @@ class RequestObserver:
         self.stats.take_snapshot(stats, reporter)
 
     def on_output(self, collector: RequestCollector, out: RequestOutputDelta, item: StreamDelta | BaseException,
-                  now: float) -> None:
-        """One core output delta, after the processor turned it into `item`."""
+                  now: float, is_prefilling: bool) -> None:
+        """One core output delta, after the processor turned it into `item`; `is_prefilling`: its sample had no
+        token out before (its first tokens count the prompt, once per sample as vLLM's child requests)."""
         metrics = collector.metrics
         traced = self._traced.get(collector.request_id) if self._traced else None
         if out.events:
@@ -128,7 +129,7 @@ class RequestObserver:
             self.on_error(collector, item, now)
             return
         if out.new_token_ids:
-            self._on_tokens(collector, len(out.new_token_ids), traced, now)
+            self._on_tokens(collector, len(out.new_token_ids), traced, now, is_prefilling)
         if item.finish_reason is not None:
             self.stats.count_finished(item.finish_reason)
             if traced is not None:
@@ -136,11 +137,13 @@ class RequestObserver:
             if metrics.finished_time is not None:  # the request's last sample
                 self._on_request_finished(collector, item.finish_reason, now)
 
-    def _on_tokens(self, collector: RequestCollector, num_new: int, traced: _Traced | None, now: float) -> None:
+    def _on_tokens(self, collector: RequestCollector, num_new: int, traced: _Traced | None, now: float,
+                   is_prefilling: bool) -> None:
         stats, metrics = self.stats, collector.metrics
+        if is_prefilling:
+            stats.prompt_tokens_total += len(collector.prompt_token_ids)
         last = metrics.last_token_time
         if last is None:
-            stats.prompt_tokens_total += len(collector.prompt_token_ids)
             stats.time_to_first_token.observe(now - metrics.arrival_time)
             if traced is not None:
                 self._span_call("annotate", RequestTracer.first_token, traced.span, now)

@@ -75,7 +75,7 @@ async def test_greedy_batch_equals_transformers_on_both_replicas(engine: AsyncEn
     served = [a.prompt_tokens_total - b.prompt_tokens_total for a, b in zip(after.replicas, before.replicas)]
     assert all(n > 0 for n in served), served  # both replicas ran requests
     assert sum(served) == after.prompt_tokens_total - before.prompt_tokens_total
-    assert sum(served) == sum(map(len, prompts)) + len(prompts[0])  # the n=2 request counts its prompt once
+    assert sum(served) == sum(map(len, prompts)) + 2 * len(prompts[0])  # the n=2 request: once per sample
     assert after.num_gpu_blocks == sum(r.num_gpu_blocks for r in after.replicas) > 0
 
 

@@ -202,8 +202,8 @@ async def test_a_processor_thread_failing_mid_message_fails_the_request_it_held(
         queued, late = (Submit(RequestCollector(rid, time.time()), [5, 6], SamplingParams(), RequestOptions())
                         for rid in ("queued", "late"))
 
-        def on_output(collector, out, item, now) -> None:
-            real_on_output(collector, out, item, now)
+        def on_output(collector, out, item, now, is_prefilling) -> None:
+            real_on_output(collector, out, item, now, is_prefilling)
             if collector.request_id == "doomed" and getattr(item, "finish_reason", None) is not None:
                 processor._jobs.put(queued)  # posted as the thread fails: it is never served
                 raise RuntimeError("a bug on the processor thread")  # after the request was untracked
@@ -229,7 +229,7 @@ async def test_a_request_with_two_samples_has_one_span(engine: AsyncEngine) -> N
     after = _scrape(engine)
     assert after["length"] - before["length"] == 2  # one per sample, as vLLM counts child requests
     assert after["e2e_request_latency_seconds_count"] - before["e2e_request_latency_seconds_count"] == 1
-    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == len(PROMPTS[3])
+    assert after["prompt_tokens_total"] - before["prompt_tokens_total"] == 2 * len(PROMPTS[3])  # per sample too
 
 
 async def test_cancelled_request_span_has_error_status(engine: AsyncEngine) -> None:

@@ -45,7 +45,7 @@ async def _counters(engine: AsyncEngine) -> tuple[int, int, int]:
 
 async def _check_the_prompt_was_computed_once(engine: AsyncEngine, before: tuple[int, int, int]) -> None:
     prompt_tokens, queries, hits = (a - b for a, b in zip(await _counters(engine), before))
-    assert prompt_tokens == PROMPT_LEN  # the host counts one request's prompt
+    assert prompt_tokens == N * PROMPT_LEN  # the host counts the prompt once per sample, as vLLM's
     assert queries == N * PROMPT_LEN  # the core looked up each sample's prompt
     assert hits == (N - 1) * SHARED  # and found 37 blocks for all but the first
     assert queries - hits == PROMPT_LEN + (N - 1) * (PROMPT_LEN - SHARED)  # prompt tokens computed: 600 + 3 x 8

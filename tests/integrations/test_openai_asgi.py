@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from asyncllm import EngineDeadError, EngineOverloadedError, InvalidRequestError, SamplingParams
+from asyncllm.beam_search import BeamSearchParams
 from asyncllm.integrations.openai_protocol import ServerLimits
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client, sse_events
@@ -327,7 +328,7 @@ async def test_allowed_token_ids_and_bad_words_fields(app, bundled_tokenizer) ->
     assert banned["choices"][0]["text"] != plain
 
 
-async def test_prompt_logprobs_and_truncation_fields(app, bundled_engine) -> None:
+async def test_prompt_logprobs_and_truncation_fields(app, bundled_engine, bundled_tokenizer) -> None:
     prompt = "import os\nimport sys\n"
     body = {**GREEDY, "prompt": prompt, "max_tokens": 2}
     chat = {**GREEDY, "max_tokens": 2, "messages": [{"role": "user", "content": prompt}], "prompt_logprobs": 1}
@@ -338,7 +339,10 @@ async def test_prompt_logprobs_and_truncation_fields(app, bundled_engine) -> Non
         unlisted = await client.post("/v1/completions", json={**body, "prompt_logprobs": -1, "stream": True})
         zero = await client.post("/v1/completions", json={**body, "prompt_logprobs": 0, "stream": True})
         no = await client.post("/v1/chat/completions", json={**chat, "prompt_logprobs": False, "stream": True})
-        cut = (await client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 3})).json()
+        cut = (await client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 3,
+                                                          "return_token_ids": True})).json()
+        beam = (await client.post("/v1/completions", json={**body, "truncate_prompt_tokens": 3,
+                                                           "use_beam_search": True, "n": 2})).json()
     expected = await bundled_engine.generate(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2))
     entries = completion["choices"][0]["prompt_logprobs"]
     assert len(entries) == completion["usage"]["prompt_tokens"] == len(expected.prompt_token_ids) and entries[0] is None
@@ -352,6 +356,11 @@ async def test_prompt_logprobs_and_truncation_fields(app, bundled_engine) -> Non
     assert zero.status_code == no.status_code == 200 and zero.text.endswith("data: [DONE]\n\n")
     assert "prompt_logprobs" not in zero.text + no.text and '"content"' in no.text
     assert cut["usage"]["prompt_tokens"] == 3
+    ids = bundled_tokenizer(prompt).input_ids
+    kept = ids[:1] + ids[-2:]  # vLLM's: the tokenizer cuts the text on the left, BOS kept; beam search too
+    assert cut["choices"][0]["prompt_token_ids"] == kept
+    beams = await bundled_engine.beam_search(kept, BeamSearchParams(2, 2))
+    assert [c["text"] for c in beam["choices"]] == [b.text for b in beams.sequences[:2]]
 
 
 async def test_several_served_model_names(bundled_engine) -> None:

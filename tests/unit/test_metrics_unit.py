@@ -61,7 +61,7 @@ def _feed(observer: RequestObserver, collector: RequestCollector, times: list[fl
         metrics.num_generated_tokens += 1
         if last:
             metrics.finished_time = now
-        observer.on_output(collector, out, StreamDelta(0, "x", [7], reason if last else None), now)
+        observer.on_output(collector, out, StreamDelta(0, "x", [7], reason if last else None), now, i == 0)
 
 
 def test_observer_counts_tokens_requests_and_histograms() -> None:
@@ -100,9 +100,9 @@ def test_samples_of_one_request_count_tokens_and_reasons_each_and_latencies_once
             if reason == "length":  # the processor stamps the request's end at its last sample
                 metrics.finished_time = now
             observer.on_output(collector, RequestOutputDelta(f"r-{index}", [7], reason),
-                               StreamDelta(index, "x", [7], reason), now)
+                               StreamDelta(index, "x", [7], reason), now, now == 101.0)
     s = observer.stats
-    assert (s.prompt_tokens_total, s.generation_tokens_total) == (4, 5)
+    assert (s.prompt_tokens_total, s.generation_tokens_total) == (8, 5)  # the prompt once per sample, as vLLM's
     assert (s.request_success["stop"], s.request_success["length"]) == (1, 1)
     assert (s.inter_token_latency.count, s.inter_token_latency.sum) == (2, 2.0)  # once per step, not per sample
     assert (s.e2e_request_latency.count, s.request_generation_tokens.sum) == (1, 5)

@@ -170,3 +170,48 @@ def test_chat_template_flag_value(tmp_path: Path) -> None:
     assert load_chat_template(str(path)) == template and load_chat_template(template) == template
     with pytest.raises(ConfigError, match="chat_template"):
         load_chat_template(str(tmp_path / "missing.jinja"))
+
+
+def test_a_cut_text_is_the_tokenizers_own_as_vllm_sets_its_side(tokenizer: Any, tiny_path: str) -> None:
+    """``truncation=True, max_length=k`` on vLLM's side: "left" for a generation (BOS, then the text's last
+    k - 1 tokens), "right" for pooling; the shared tokenizer's own setting is left alone."""
+    from transformers import AutoTokenizer
+
+    text = "def area(r):\n    return 3.14 * r * r\n" * 3
+    ids = tokenizer(text).input_ids
+    sides = {side: AutoTokenizer.from_pretrained(tiny_path, truncation_side=side) for side in ("left", "right")}
+    for k in (2, 5, len(ids) + 1):
+        for side, reference in sides.items():
+            assert encode_prompt(tokenizer, text, max_length=k, truncation_side=side) == reference(
+                text, truncation=True, max_length=k).input_ids
+    assert encode_prompt(tokenizer, text, max_length=5) == ids[:1] + ids[-4:]
+    assert tokenizer.truncation_side == "right" and tokenizer.backend_tokenizer.truncation is None
+    with pytest.raises(InvalidRequestError, match="is 1, but the tokenizer adds 1 special tokens") as info:
+        encode_prompt(tokenizer, text, max_length=1)  # HF's would keep BOS alone
+    assert info.value.field == "truncate_prompt_tokens"
+
+
+def test_prompt_tokenizer_cuts_text_chat_and_token_ids_as_vllm(tokenizer: Any) -> None:
+    """A generation's text prompt keeps BOS and the last k - 1 tokens; token ids and a rendered chat (no special
+    tokens added to it) keep their last k; a pooling request's text keeps its start."""
+    from asyncllm.engine.collector import RequestCollector
+    from asyncllm.engine.processor import Submit
+    from asyncllm.engine.prompt_tokens import PromptTokenizer
+    from asyncllm.engine.stream import RequestOptions
+    from asyncllm.pooling import PoolingParams
+    from asyncllm.sampling import SamplingParams
+
+    prompts = PromptTokenizer(tokenizer, len(tokenizer))
+    prompts.ready(64)
+    text = "import os\nimport sys\n" * 4
+    ids, messages = tokenizer(text).input_ids, [{"role": "user", "content": text}]
+    chat = apply_chat_template(tokenizer, messages)
+
+    def cut(prompt: Any, is_chat: bool = False, **options: Any) -> list[int]:
+        job = Submit(RequestCollector("r", 0.0), prompt, SamplingParams(truncate_prompt_tokens=6),
+                     RequestOptions(**options), is_chat)
+        return prompts.token_ids(job)
+
+    assert cut(text) == ids[:1] + ids[-5:]
+    assert cut(ids) == ids[-6:] and cut(messages, True) == chat[-6:]
+    assert cut(text, pooling=PoolingParams()) == ids[:6]
