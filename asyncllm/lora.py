@@ -2,11 +2,12 @@
 
 A request names its adapter with a `LoRARequest` (vLLM's: name, integer id,
 folder or hub id). The host checks the adapter once per id before the request
-reaches the core (`AdapterChecker`): the folder, its ``adapter_config.json``,
-and every tensor's name and shape against the served model, so a bad adapter
-is the request's `InvalidRequestError`, never a worker's failure. The workers
-read the same folder with `read_adapter` (the modules, ranks and scalings) and
-load its tensors (asyncllm/models/lora.py). docs/lora.md has the whole story.
+reaches the core (`AdapterChecker`, asyncllm/lora_checker.py): the folder, its
+``adapter_config.json``, and every tensor's name and shape against the served
+model, so a bad adapter is the request's `InvalidRequestError`, never a
+worker's failure. The workers read the same folder with `read_adapter` (the
+modules, ranks and scalings) and load its tensors (asyncllm/models/lora.py).
+docs/lora.md has the whole story.
 """
 
 from __future__ import annotations
@@ -15,33 +16,18 @@ import json
 import math
 import os
 import re
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from asyncllm.errors import ConfigError, InvalidRequestError
-from asyncllm.lora_experts import (
-    ExpertLayer,
-    expert_problem,
-    fused_expert_names,
-    is_expert_parameter,
-    is_expert_path,
-)
-from asyncllm.lora_hybrid_shapes import (
-    KDA_TARGETS,
-    MAMBA_TARGETS,
-    kimi_linear_shapes,
-    minimax_shapes,
-    state_space_shapes,
-    zamba2_shapes,
-)
+from asyncllm.errors import InvalidRequestError
+from asyncllm.lora_experts import fused_expert_names, is_expert_parameter, is_expert_path
+from asyncllm.lora_hybrid_shapes import KDA_TARGETS, MAMBA_TARGETS
 from asyncllm.lora_names import canonical_name
-from asyncllm.models.family_config import LATENT_TARGETS, kv_heads, latent_attention_shapes, mlp_width
+from asyncllm.models.family_config import LATENT_TARGETS
 
-__all__ = ["LoRARequest", "AdapterModule", "Adapter", "AdapterChecker", "read_adapter", "module_shapes",
-           "LORA_TARGETS"]
+__all__ = ["LoRARequest", "AdapterModule", "Adapter", "read_adapter", "LORA_TARGETS"]
 
 WEIGHTS_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -56,13 +42,6 @@ gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_u
 DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's); latent
 attention's (DeepSeek's); Kimi Delta Attention's (Kimi-Linear's); MiniMax's lightning layers' ``output_gate``; the
 attention-free Mamba models' mixers' (``mixer.in_proj``, ...)."""
-FUSED_LORA_ARCHITECTURES = ("Phi3ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM",
-                            "FalconForCausalLM", "DbrxForCausalLM", "BloomForCausalLM", "MptForCausalLM",
-                            "Phi4MultimodalForCausalLM")  # Phi-3's decoder
-"""Architectures whose checkpoints, and so whose adapters, hold q/k/v and gate/up fused."""
-FUSED_MLP_LORA_ARCHITECTURES = ("GlmForCausalLM", "Glm4ForCausalLM", "glm4v_text")
-"""Architectures (or, for a decoder inside an image-text checkpoint, its text config's model_type: GLM-4.1V's)
-whose checkpoints hold gate/up fused (``gate_up_proj``) and q, k, v apart (GLM, GLM-4)."""
 _LANGUAGE_MODEL_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
                             ("model.text_model.", "model."))
 """An image-text checkpoint's language model (transformers 5's names, then older ones; Idefics3's and SmolVLM's
@@ -162,184 +141,6 @@ def read_adapter(path: str) -> Adapter:
         _fail(path, "it holds no LoRA weights (of the language model)")
     unserved = tuple(key for key in shapes if key.removeprefix(_PEFT_PREFIX).startswith(_UNSERVED_PREFIXES))
     return Adapter(path, modules, unserved)
-
-
-def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
-    """(input features, output features) of every adaptable projection of the model, by projection name
-    (the checkpoint's names: fused ``qkv_proj`` and ``gate_up_proj`` for `FUSED_LORA_ARCHITECTURES`, ``gate_up_proj``
-    for `FUSED_MLP_LORA_ARCHITECTURES`)."""
-    state_space = state_space_shapes(hf_config)
-    if state_space is not None:  # Mamba's mixers (no attention, no MLP)
-        return state_space
-    hidden = hf_config.hidden_size
-    head_dim = getattr(hf_config, "head_dim", None) or hidden // hf_config.num_attention_heads
-    q = hf_config.num_attention_heads * head_dim
-    kv, inter = kv_heads(hf_config) * head_dim, mlp_width(hf_config)  # under each family's config fields
-    shared = {"o_proj": (q, hidden), "down_proj": (inter, hidden), "c_fc": (hidden, inter), "c_proj": (inter, hidden)}
-    arch = _architecture(hf_config)
-    if arch in FUSED_LORA_ARCHITECTURES:
-        return {"qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter), **shared}
-    fused_mlp = {arch, getattr(hf_config, "model_type", None)} & set(FUSED_MLP_LORA_ARCHITECTURES)
-    mlp = ({"gate_up_proj": (hidden, 2 * inter)} if fused_mlp else {"gate_proj": (hidden, inter), "up_proj": (hidden, inter)})
-    if hasattr(hf_config, "kv_lora_rank"):  # latent attention (DeepSeek): its own projections
-        return {**mlp, **shared, **latent_attention_shapes(hf_config)}
-    shapes = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), **mlp, **shared}
-    return {**shapes, **_linear_attention_shapes(hf_config, hidden, q)} if hasattr(hf_config, "linear_num_key_heads") \
-        else shapes
-
-
-_HYBRID_LAYER_SHAPES = {"kimi_linear": kimi_linear_shapes, "zamba2": zamba2_shapes, "minimax": minimax_shapes}
-
-
-def layer_module_shapes(hf_config: Any) -> list[dict[str, tuple[int, int]]] | None:
-    """Each layer's adaptable projections where the layers differ (Gemma 4: head sizes, KV sharing, values that are
-    keys, double-wide MLPs; Gemma 3n: KV sharing, MLP widths per layer; Kimi-Linear: KDA or latent attention, dense
-    MLP or experts; Zamba2: shared-block invocations or Mamba2 layers: asyncllm/lora_hybrid_shapes.py); None where
-    `module_shapes` holds for every layer."""
-    hybrid = _HYBRID_LAYER_SHAPES.get(getattr(hf_config, "model_type", None))
-    if hybrid is not None:
-        return hybrid(hf_config)
-    if getattr(hf_config, "model_type", None) not in ("gemma4_text", "gemma3n_text"):
-        return None
-    from asyncllm.models.gemma4_config import projection_shapes  # no torch
-
-    return projection_shapes(hf_config)
-
-
-def _linear_attention_shapes(hf_config: Any, hidden: int, q: int) -> dict[str, tuple[int, int]]:
-    """Qwen3.5's: the gated attention's ``q_proj`` (queries and their gates), the Gated DeltaNet's projections."""
-    key = hf_config.linear_num_key_heads * hf_config.linear_key_head_dim
-    value = hf_config.linear_num_value_heads * hf_config.linear_value_head_dim
-    heads = hf_config.linear_num_value_heads
-    return {"q_proj": (hidden, 2 * q), "in_proj_qkv": (hidden, 2 * key + value), "in_proj_z": (hidden, value),
-            "in_proj_b": (hidden, heads), "in_proj_a": (hidden, heads), "out_proj": (value, hidden)}
-
-
-def _architecture(hf_config: Any) -> str | None:
-    architectures = getattr(hf_config, "architectures", None) or []
-    return architectures[0] if architectures else None
-
-
-class AdapterChecker:
-    """The host's check of each request's adapter, once per adapter id (thread-safe)."""
-
-    def __init__(self, hf_text_config: Any, max_lora_rank: int, experts: list[ExpertLayer | None] | None = None,
-                 adaptable_experts: bool = False, transposed_experts: bool = False, runs_tower: bool = False) -> None:
-        self.max_lora_rank = max_lora_rank
-        self._runs_tower = runs_tower
-        """An image-text model that runs its ``vision_tower`` (LFM2-VL): an adapter of it is refused, not left out."""
-        self._experts = experts
-        """A mixture of experts' layers (None: a dense layer); None for a dense model."""
-        self._adaptable_experts = adaptable_experts
-        """Whether the model's experts take adapters (asyncllm/lora_experts.py; the attention's always do)."""
-        self._transposed_experts = transposed_experts
-        """PEFT stores the model's stacked-expert adapters with A and B in each other's places (Llama 4)."""
-        self._hidden = hf_text_config.hidden_size
-        self._num_layers = hf_text_config.num_hidden_layers
-        self._shapes = module_shapes(hf_text_config)
-        self._layer_shapes = layer_module_shapes(hf_text_config)
-        """Each layer's own projections and shapes where layers differ (Gemma 4); None: `_shapes` for all."""
-        self._arch = _architecture(hf_text_config) or "this model"
-        self._state_space = state_space_shapes(hf_text_config) is not None
-        """Mamba's: its mixers' projections (``mixer.``) are the only ones; any other model's ``mixer.`` names left
-        (Nemotron-H's Mamba2 mixers: asyncllm/lora_names.py) take none."""
-        self._checked: dict[int, tuple[LoRARequest, LoRARequest]] = {}
-        """Adapter id -> (the request as given, as checked: ``lora_path`` a local folder)."""
-        self._lock = threading.Lock()
-
-    def check(self, request: LoRARequest) -> LoRARequest:
-        """The request with ``lora_path`` resolved to a local folder; `InvalidRequestError` for a bad adapter."""
-        request.validate()
-        with self._lock:
-            known = self._checked.get(request.lora_int_id)
-        if known is not None:
-            given, checked = known
-            if given != request and not _same_folder(checked, request):
-                raise InvalidRequestError(_FIELD, f"lora_int_id {request.lora_int_id} already names adapter "
-                                                  f"{checked.lora_name!r} at {checked.lora_path}: one id, one adapter")
-            return checked
-        resolved = msgspec.structs.replace(request, lora_path=_resolve(request.lora_path))
-        self._check_adapter(read_adapter(resolved.lora_path))
-        with self._lock:
-            self._checked[request.lora_int_id] = (request, resolved)
-        return resolved
-
-    def forget(self, lora_int_id: int) -> bool:
-        """`AsyncEngine.remove_lora`: the id names nothing here any more; whether it did."""
-        with self._lock:
-            return self._checked.pop(lora_int_id, None) is not None
-
-    def _check_adapter(self, adapter: Adapter) -> None:
-        if self._runs_tower and adapter.unserved:
-            _fail(adapter.path, f"tensor {adapter.unserved[0]}: adapters on the vision tower and projector are not "
-                                "built (the decoder's projections only)")
-        if adapter.max_rank > self.max_lora_rank:
-            _fail(adapter.path, f"its rank {adapter.max_rank} is above max_lora_rank={self.max_lora_rank}: "
-                                f"start the engine with max_lora_rank >= {adapter.max_rank}")
-        for name, module in adapter.modules.items():
-            match = _TENSOR_NAME.fullmatch(f"{name}.lora_A.weight")
-            assert match is not None, name
-            layer, projection = int(match.group(1)), match.group(3)
-            if layer >= self._num_layers:
-                _fail(adapter.path, f"{name}: the model has {self._num_layers} layers")
-            self._check_block(adapter.path, name, match.group(2))
-            if match.group(2) == "mlp" and self._check_experts(adapter.path, name, module, layer, projection):
-                continue
-            shapes = self._shapes if self._layer_shapes is None else self._layer_shapes[layer]
-            expected = shapes.get(projection)
-            if expected is None:
-                where = self._arch if self._layer_shapes is None else f"layer {layer} of {self._arch}"
-                _fail(adapter.path, f"{name}: {where} has no {projection} to adapt (its projections: "
-                                    f"{', '.join(sorted(shapes))}){_fused_hint(projection)}")
-            if (module.in_features, module.out_features) != expected:
-                _fail(adapter.path, f"{name} maps {module.in_features} -> {module.out_features} features, this "
-                                    f"model's projection {expected[0]} -> {expected[1]} (an adapter of another model?)")
-
-    def _check_block(self, path: str, name: str, block: str) -> None:
-        """A Mamba model's adapter names its mixers only; another model's names no Mamba mixer."""
-        if self._state_space and block != "mixer":
-            _fail(path, f"{name}: {self._arch} has no {block} layers (adapt its mixers' "
-                        f"{', '.join(f'mixer.{p}' for p in self._shapes)})")
-        if block == "mixer" and not self._state_space:
-            _fail(path, f"{name}: the Mamba mixers of {self._arch} take no adapters (its attention's and MLPs' "
-                        "projections do)")
-
-    def _check_experts(self, path: str, name: str, module: AdapterModule, layer: int, projection: str) -> bool:
-        """Check an MLP matrix of a mixture of experts; False: a dense MLP's, left to the caller."""
-        moe = self._experts[layer] if self._experts is not None else None
-        if not is_expert_path(projection):
-            if moe is not None and self._layer_shapes is None:  # Gemma 4's MoE layers keep a dense MLP beside
-                _fail(path, f"{name}: layer {layer} of {self._arch} is a mixture of experts: its MLP has no "
-                            f"{projection} (adapt mlp.experts.gate_up_proj / down_proj)")
-            return False
-        if moe is not None and not self._adaptable_experts:
-            _fail(path, f"{name}: adapters on the experts of {self._arch} are not built (docs/models.md's LoRA column "
-                        "marks the families that take them; the attention's projections work here)")
-        problem = expert_problem(projection, module, moe, self._hidden, self._transposed_experts)
-        if problem is not None:
-            _fail(path, f"{name}: layer {layer} of {self._arch} {problem}")
-        return True
-
-
-def _fused_hint(projection: str) -> str:
-    if projection in ("qkv_proj", "gate_up_proj"):
-        return "; an adapter of a fused checkpoint (Phi-3) on a model with separate projections?"
-    return "; its checkpoint fuses q, k, v and gate, up, and so do its adapters (an adapter of another model?)"
-
-
-def _same_folder(checked: LoRARequest, request: LoRARequest) -> bool:
-    """Whether a repeated id names the adapter it was checked with (same name, same local folder)."""
-    return request.lora_name == checked.lora_name and os.path.isdir(request.lora_path) and (
-        os.path.realpath(request.lora_path) == os.path.realpath(checked.lora_path))
-
-
-def _resolve(path: str) -> str:
-    from asyncllm.models.checkpoint import resolve_model_path
-
-    try:
-        return os.path.abspath(resolve_model_path(path))
-    except ConfigError as exc:
-        raise InvalidRequestError(_FIELD, f"lora_path {path!r}: {exc.allowed}") from exc
 
 
 def _read_config(path: str) -> dict[str, Any]:

@@ -34,7 +34,7 @@ import torch
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.models.layers import Attention
-from asyncllm.workers.input_batch import StepInputs
+from asyncllm.workers.input_types import StepInputs
 
 if TYPE_CHECKING:
     from asyncllm.config import EngineConfig

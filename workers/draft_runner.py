@@ -39,7 +39,8 @@ from asyncllm.models.loader import load_hf_config, load_model, resolve_model_pat
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec
 from asyncllm.spec.config import SpeculativeConfig
 from asyncllm.workers.block_table import BlockTable
-from asyncllm.workers.input_batch import InputBatch, RequestState, StepInputs
+from asyncllm.workers.input_batch import InputBatch
+from asyncllm.workers.input_types import RequestState, StepInputs
 
 __all__ = ["DraftModelRunner"]
 

@@ -35,7 +35,8 @@ from asyncllm.models.checkpoint import served_hf_config
 from asyncllm.models.mtp import mtp_cache_config, mtp_class, mtp_layer_config, mtp_target
 from asyncllm.models.registry import kv_cache_spec
 from asyncllm.workers.draft_runner import DraftModelRunner
-from asyncllm.workers.input_batch import InputBatch, RequestState, StepInputs
+from asyncllm.workers.input_batch import InputBatch
+from asyncllm.workers.input_types import RequestState, StepInputs
 
 __all__ = ["EagleRunner", "MTPRunner"]
 

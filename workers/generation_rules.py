@@ -37,7 +37,7 @@ __all__ = ["GenerationRules", "RulesStep"]
 
 
 class RuleRow(Protocol):
-    """What the rules read from a worker's request row (`input_batch.RequestState`)."""
+    """What the rules read from a worker's request row (`input_types.RequestState`)."""
 
     row: int
     token_ids: list[int]

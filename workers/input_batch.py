@@ -5,9 +5,10 @@ kept apart. `InputBatch` holds one row per request the worker knows (token
 ids, computed count, block-table row, sampling settings); each step applies
 only the scheduler's diffs to those rows (drop finished and preempted ids,
 add new requests, append new block ids), then gathers the scheduled rows
-into per-step buffers. The block table is persistent on the host and on the
-device (`workers/block_table.py`): both take the same diffs, and a step
-gathers its rows on the device.
+into per-step buffers (`RequestState` and `StepInputs`: workers/input_types.py).
+The block table is persistent on the host and on the device
+(`workers/block_table.py`): both take the same diffs, and a step gathers its
+rows on the device.
 
 Per-step buffers are allocated once at their largest size: a host buffer
 (pinned on CUDA) mirrored by a device buffer, so inputs keep fixed device
@@ -19,46 +20,21 @@ copies (a step that samples nothing never synchronises on its own).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
-from asyncllm.sampling import SamplingParams
 from asyncllm.workers.block_table import BlockTable
 from asyncllm.workers.generation_rules import GenerationRules
+from asyncllm.workers.input_types import RequestState, StepInputs
 from asyncllm.workers.logits_processors import RowLogitsParams, build_logits_processors_metadata
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
 from asyncllm.workers.spec_decode import DraftedRequest, DraftPosition, plan_drafted
 from asyncllm.workers.token_feedback import PendingTokens, TokenFeedback
 
-__all__ = ["InputBatch", "RequestState", "StepInputs"]
-
-
-@dataclass
-class RequestState:
-    """What a worker remembers about one request between steps."""
-
-    req_id: str
-    row: int
-    token_ids: list[int]
-    """Prompt, then every output token (the worker appends what it samples)."""
-    num_prompt_tokens: int
-    num_computed_tokens: int
-    params: SamplingParams
-    logits_params: RowLogitsParams | None = None
-    """logit_bias / min_tokens / penalty settings; None when the request has none."""
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+__all__ = ["InputBatch"]
 
 
 class _Staged:
@@ -74,31 +50,6 @@ class _Staged:
         if self.device is self.cpu:
             return self.cpu[:n]
         return self.device[:n].copy_(self.cpu[:n], non_blocking=True)
-
-
-@dataclass
-class StepInputs:
-    """The flattened, device-resident inputs of one step (views of `InputBatch` buffers)."""
-
-    req_ids: list[str]
-    """Scheduled requests, in the order of ``num_scheduled_tokens``."""
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    attn_metadata: AttentionMetadata
-    sample_indices: list[int]
-    """Indices into ``req_ids`` of the requests that sample a token this step."""
-    logits_indices: torch.Tensor
-    """[S + E] int64: the last token of each sampling request, then the E draft positions of `drafted`."""
-    sampling_metadata: SamplingMetadata
-    """Settings of the logits rows: the sampling requests in ``sample_indices`` order, then the draft rows."""
-    prompt_logprobs_jobs: list[PromptLogprobsJob] = field(default_factory=list)
-    """Prompt logprobs to compute from this step's hidden states."""
-    drafted: list[DraftedRequest] = field(default_factory=list)
-    """The requests whose drafts this step verifies (speculative decoding; workers/spec_decode.py)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
 
 
 class InputBatch:

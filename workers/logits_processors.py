@@ -91,7 +91,7 @@ class RowLogitsParams:
 
 
 class RowState(Protocol):
-    """What the metadata builder reads from a worker's request row (`input_batch.RequestState`)."""
+    """What the metadata builder reads from a worker's request row (`input_types.RequestState`)."""
 
     row: int
     token_ids: list[int]

@@ -22,7 +22,8 @@ from asyncllm.mm.embeddings import EncodeFn, EncoderOutputCache, ScheduledSpan
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.vision_language import image_limit
 from asyncllm.protocol import SchedulerOutput
-from asyncllm.workers.input_batch import InputBatch, StepInputs
+from asyncllm.workers.input_batch import InputBatch
+from asyncllm.workers.input_types import StepInputs
 from asyncllm.workers.mm_encoder import DataParallelEncoder
 
 __all__ = ["MRopePositions", "MultiModalRunner", "attend_limit", "encoder_cache_bytes", "is_multimodal",

@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from asyncllm import envs
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.layers import TensorParallel
@@ -28,36 +27,31 @@ from asyncllm.models.loader import load_model, resolve_dtype, resolve_model_path
 from asyncllm.models.registry import KVCacheSpec, kv_cache_spec, kv_cache_torch_dtype, text_config_of
 from asyncllm.models.row_states import RowStates
 from asyncllm.models.st_dense import load_dense_projection
-from asyncllm.protocol import CachedRequestData, LogprobsArrays, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from asyncllm.sampling import SamplingParams
+from asyncllm.protocol import LogprobsArrays, ModelRunnerOutput, SchedulerOutput
 from asyncllm.structured.bitmask import apply_grammar_bitmask
-from asyncllm.workers.cuda_graphs import CudaGraphRunner, attention_backend_name, capture_decode_graphs
+from asyncllm.workers.cuda_graphs import CudaGraphRunner, attention_backend_name
 from asyncllm.workers.draft_runner import DraftModelRunner
 from asyncllm.workers.eagle_runner import EagleRunner, MTPRunner
 from asyncllm.workers.generation_rules import GenerationRules
-from asyncllm.workers.input_batch import InputBatch, StepInputs
+from asyncllm.workers.input_batch import InputBatch
+from asyncllm.workers.input_types import StepInputs
+from asyncllm.workers.kv_cache_setup import KVCacheSetup
 from asyncllm.workers.logprobs import compute_prompt_logprobs, join_logprobs
 from asyncllm.workers.lora_runner import LoRARunner
 from asyncllm.workers.pooler import Pooler
-from asyncllm.workers.mm_runner import MultiModalRunner, encoder_cache_bytes, is_multimodal, request_states_reserve
+from asyncllm.workers.mm_runner import MultiModalRunner, is_multimodal
 from asyncllm.workers.prompt_embeds import PromptEmbedsRunner
 from asyncllm.workers.sampler import Sampler, SamplerOutput
 from asyncllm.workers.spec_decode import verify_drafts
-from asyncllm.workers.swap import CPUSwapSpace, num_swap_blocks
+from asyncllm.workers.swap import CPUSwapSpace
 from asyncllm.workers.token_feedback import InFlightStep
 
-__all__ = ["ModelRunner", "profile_step"]
+__all__ = ["ModelRunner"]
 
 logger = logging.getLogger(__name__)
 
-_PROFILE_STEP_ID = -1
-_PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, repetition_penalty=1.1,
-                                 frequency_penalty=0.1, logprobs=20, prompt_logprobs=20)
-"""Every filter, penalty and logprobs on, so profiling measures the sampler's largest buffers
-(the sort, the penalty tables, prompt-logprobs slices)."""
 
-
-class ModelRunner:
+class ModelRunner(KVCacheSetup):
     """Owns the model, the KV cache, the persistent input batch and the sampler of one rank."""
 
     def __init__(self, config: EngineConfig, rank: int, tp_size: int, device: torch.device) -> None:
@@ -151,116 +145,6 @@ class ModelRunner:
         if self.config.enable_lora:
             self.lora_runner = LoRARunner(core, self.config.lora_config, dtype, self.device)
 
-    @property
-    def bytes_per_block(self) -> int:
-        """KV bytes of one block on this rank: all layers, K and V (one byte per element with an fp8 cache), the
-        draft model's too."""
-        assert self.kv_spec is not None and self.kv_cache_dtype is not None, "load_model() first"
-        draft = self.drafter.bytes_per_block if self.drafter is not None else 0
-        return self.kv_spec.bytes_per_block(self.block_size, self.kv_cache_dtype) + draft
-
-    def determine_num_available_blocks(self) -> int:
-        """How many KV blocks fit this rank's memory budget (the core takes the min over ranks)."""
-        value: object
-        if self.config.kv_cache_memory_bytes is not None:  # the user's size: no profile step
-            budget = value = self.config.kv_cache_memory_bytes
-            field = "kv_cache_memory_bytes"
-        elif self.device.type == "cuda":  # a multimodal model's encoder cache is not the KV cache's
-            encoder_cache = self.mm_runner is not None and self.mm_runner.encodes
-            budget = self._profile_cuda_kv_budget() - (encoder_cache_bytes(self.config) if encoder_cache else 0)
-            budget -= request_states_reserve(getattr(self.model, "causal_lm", self.model), self.config, budget)
-            field = "gpu_memory_utilization"
-            value = self.config.gpu_memory_utilization
-        else:
-            budget, field = int(envs.CPU_KVCACHE_SPACE_GB.get() * 2**30), envs.CPU_KVCACHE_SPACE_GB.name
-            value = envs.CPU_KVCACHE_SPACE_GB.get()
-        if self.drafter is not None:  # the draft's scratch blocks for its proposals (workers/draft_runner.py)
-            budget -= self.drafter.scratch_bytes
-        num_blocks = budget // self.bytes_per_block
-        if num_blocks < 1:
-            raise ConfigError(
-                field, value,
-                f"room for at least one KV block ({self.bytes_per_block} bytes); {budget} bytes are left "
-                "after the weights and activations: raise it, or lower max_num_batched_tokens",
-            )
-        return int(num_blocks)
-
-    def determine_num_cpu_blocks(self) -> int:
-        """KV blocks that fit in swap_space GiB of CPU memory on this rank."""
-        return num_swap_blocks(self.config.swap_space, self.bytes_per_block)
-
-    def determine_num_offload_blocks(self) -> int:
-        """KV blocks of the CPU prefix-cache tier: kv_offloading_size GiB shared by the ranks, each holding its
-        part of every block."""
-        config = self.config
-        ranks = config.tensor_parallel_size * config.pipeline_parallel_size
-        return num_swap_blocks(config.kv_offloading_size / ranks, self.bytes_per_block)
-
-    def init_swap_space(self, num_cpu_blocks: int) -> None:
-        """Allocate the CPU swap space (after `init_cache`: it takes the KV cache's layout)."""
-        self.swap_space = CPUSwapSpace(num_cpu_blocks, self._all_kv_caches())
-
-    def init_cache(self, num_gpu_blocks: int) -> None:
-        """Allocate the paged KV cache: per layer ``[2, blocks, block_size, kv_heads, head_dim]``."""
-        self.kv_caches = self._allocate_kv_caches(num_gpu_blocks)
-        if self.drafter is not None:
-            self.drafter.allocate(num_gpu_blocks)
-        self.cuda_graphs = capture_decode_graphs(self)  # the graphs bake in the KV cache's addresses
-
-    def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        assert self.kv_spec is not None and self.kv_cache_dtype is not None, "load_model() first"
-        return self.kv_spec.allocate(num_blocks, self.block_size, self.kv_cache_dtype, self.device)
-
-    def _all_kv_caches(self) -> list[torch.Tensor]:
-        """The target's KV cache layers, then the draft model's (they share block ids: swapped together)."""
-        return self.kv_caches + (self.drafter.kv_caches if self.drafter is not None else [])
-
-    def _profile_cuda_kv_budget(self) -> int:
-        """Bytes left for the KV cache after a worst-case step, under gpu_memory_utilization.
-
-        The peak of torch's allocator during a max_num_batched_tokens step (weights,
-        activations, logits, sampler) plus memory outside torch (CUDA context, cuBLAS,
-        NCCL, other processes) is what the KV cache cannot have.
-        """
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        profile_cache_bytes = self.run_profile_step()
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - profile_cache_bytes
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)
-        torch.cuda.empty_cache()
-        return int(total * self.config.gpu_memory_utilization) - peak - non_torch
-
-    def run_profile_step(self) -> int:
-        """Run the largest possible step on a temporary KV cache, then forget it.
-
-        Leaves no request rows, no KV cache and a fresh sampler behind (unseeded
-        draws start from the engine seed). Returns the temporary cache's bytes.
-        """
-        spec = self.config.scheduler_config.speculative
-        sched_out, num_blocks = profile_step(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
-                                             self.block_size, spec.num_speculative_tokens if spec is not None else 0)
-        self.kv_caches = self._allocate_kv_caches(num_blocks)
-        if self.drafter is not None:
-            self.drafter.allocate(num_blocks)
-        try:
-            self.execute_model(sched_out)
-        except torch.cuda.OutOfMemoryError as exc:
-            raise ConfigError(
-                "max_num_batched_tokens", self.max_num_batched_tokens,
-                "a step size whose activations fit in GPU memory next to the weights: lower it "
-                "(or max_num_seqs), or raise tensor_parallel_size",
-            ) from exc
-        finally:
-            self.kv_caches = []
-            if self.drafter is not None:
-                self.drafter.kv_caches = []
-            for req_id in sched_out.num_scheduled_tokens:
-                self.input_batch.remove_request(req_id)
-        self.sampler = Sampler(self.config.seed, self.device, self.config.logprobs_mode)
-        return num_blocks * self.bytes_per_block + (self.drafter.scratch_bytes if self.drafter is not None else 0)
-
     # ------------------------------------------------------------ steps
     def execute_model(self, sched_out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; every scheduled request gets an entry ([] for a prefill chunk)."""
@@ -307,6 +191,7 @@ class ModelRunner:
         failed = self.lora_runner.prepare(inputs.req_ids, sched_out.num_scheduled_tokens) if self.lora_runner else {}
         if self.mm_runner is not None:  # items whose placeholders disagree with their data: their requests fail
             failed.update(self.mm_runner.take_failed())
+        failed.update(inputs.failed)  # no allowed token left to sample
         with_lora = self.lora_runner is not None and self.lora_runner.context.mask is not None
         graphs = self.cuda_graphs if embeds is None and not with_lora else None  # adapters run eagerly
         if graphs is not None and positions.dim() == 1 and graphs.can_run(inputs):  # a decode batch: replay it
@@ -438,38 +323,3 @@ def _logprobs_by_request(inputs: StepInputs, sampler_out: SamplerOutput,
             rows = [request.first_row + j for j in range(min(n, k))] + ([request.sample] if n > k else [])
             out[inputs.req_ids[inputs.sample_indices[request.sample]]] = join_logprobs([by_row[r] for r in rows])
     return out
-
-
-def profile_step(
-    max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int, num_drafts: int = 0
-) -> tuple[SchedulerOutput, int]:
-    """The largest step the scheduler can send: as many tokens and sampling requests as allowed, each with
-    ``num_drafts`` drafts where it is long enough (speculative decoding: 1 + num_drafts logits rows each).
-
-    Returns the step and the number of KV blocks it needs (ids 0..n-1).
-    """
-    num_reqs = min(max_num_seqs, max_num_batched_tokens)
-    num_tokens = min(max_num_batched_tokens, num_reqs * max_model_len)
-    base, extra = divmod(num_tokens, num_reqs)
-    new_reqs, next_block, spec_token_ids = [], 0, {}
-    for i in range(num_reqs):
-        length = base + (1 if i < extra else 0)
-        blocks = -(-length // block_size)
-        drafts = num_drafts if length > num_drafts else 0
-        if drafts:
-            spec_token_ids[f"profile-{i}"] = [0] * drafts
-        new_reqs.append(
-            NewRequestData(
-                req_id=f"profile-{i}",
-                token_ids=[0] * (length - drafts),
-                num_prompt_tokens=length - drafts,
-                params=_PROFILE_PARAMS,
-                block_ids=list(range(next_block, next_block + blocks)),
-                num_computed_tokens=0,
-            )
-        )
-        next_block += blocks
-    scheduled = {new.req_id: len(new.token_ids) + len(spec_token_ids.get(new.req_id, ())) for new in new_reqs}
-    step = SchedulerOutput(_PROFILE_STEP_ID, new_reqs, CachedRequestData(), scheduled, num_tokens,
-                           spec_token_ids=spec_token_ids)
-    return step, next_block

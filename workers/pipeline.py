@@ -34,7 +34,7 @@ from asyncllm.models.pipeline import PipelineStage, StageChannel, StageModel
 from asyncllm.models.registry import kv_cache_spec, text_config_of
 from asyncllm.pipeline_parallel import get_pp_indices, output_rank
 from asyncllm.protocol import ModelRunnerOutput, SchedulerOutput
-from asyncllm.workers.input_batch import StepInputs
+from asyncllm.workers.input_types import StepInputs
 from asyncllm.workers.model_runner import ModelRunner
 from asyncllm.workers.token_feedback import PENDING_TOKEN, InFlightStep
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from asyncllm.protocol import PromptEmbeds, SchedulerOutput
-from asyncllm.workers.input_batch import InputBatch, StepInputs
+from asyncllm.workers.input_batch import InputBatch
+from asyncllm.workers.input_types import StepInputs
 
 __all__ = ["PromptEmbedsRunner", "embeds_tensor"]
 

@@ -33,7 +33,7 @@ import torch
 
 if TYPE_CHECKING:
     from asyncllm.protocol import SchedulerOutput
-    from asyncllm.workers.input_batch import StepInputs
+    from asyncllm.workers.input_types import StepInputs
 
 __all__ = ["PENDING_TOKEN", "InFlightStep", "PendingTokens", "TokenFeedback"]
 

@@ -18,7 +18,7 @@ from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.defaults import default_sampling_fields
 from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.generation_config import read_generation_config, sampling_fields_of
-from asyncllm.lora import AdapterChecker
+from asyncllm.lora_checker import AdapterChecker
 from asyncllm.lora_experts import ExpertLayer
 from asyncllm.engine.pooling_model import Matryoshka, PoolingModel, pooling_model_of
 from asyncllm.models.architectures import (

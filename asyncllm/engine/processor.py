@@ -46,7 +46,7 @@ from asyncllm.engine.lora_ids import PendingLoRACalls
 from asyncllm.engine.sleep import PendingSleepCalls
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.weight_update import PendingWeightUpdates
-from asyncllm.lora import AdapterChecker
+from asyncllm.lora_checker import AdapterChecker
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.mm.processor import MultiModalProcessor
 from asyncllm.outputs import StreamDelta

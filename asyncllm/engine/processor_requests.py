@@ -28,7 +28,8 @@ from asyncllm.engine.validation import (
     check_params_vocab,
     check_untokenized,
 )
-from asyncllm.lora import AdapterChecker, LoRARequest
+from asyncllm.lora import LoRARequest
+from asyncllm.lora_checker import AdapterChecker
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.mm.inputs import MultiModalPrompt
 from asyncllm.sampling import SamplingParams

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncllm.models.deepseek import DeepseekExperts, check_routing
+from asyncllm.models.deepseek import DeepseekExperts
+from asyncllm.models.deepseek_moe import check_routing
 from asyncllm.models.llama import DecoderFlags, LlamaForCausalLM
 
 __all__ = ["Dots1ForCausalLM"]

@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import torch
 
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.models.deepseek import check_routing
+from asyncllm.models.deepseek_moe import check_routing
 from asyncllm.models.dots1 import Dots1ForCausalLM
 from asyncllm.models.layers import LoadedWeight, TensorParallel
 from asyncllm.models.llama import DecoderBuild, with_rope_only_in

@@ -12,7 +12,8 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from asyncllm.models.deepseek import DeepseekExperts, check_routing
+from asyncllm.models.deepseek import DeepseekExperts
+from asyncllm.models.deepseek_moe import check_routing
 from asyncllm.models.layers import LoadedWeight, head_dim_of
 from asyncllm.models.llama import DecoderFlags, LlamaForCausalLM
 

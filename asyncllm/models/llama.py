@@ -21,11 +21,12 @@ from torch import nn
 from asyncllm import envs
 from asyncllm.attention.metadata import AttentionMetadata, RotaryInputs
 from asyncllm.attention.selector import AttentionBackend
-from asyncllm.errors import ConfigError, NotBuiltError
+from asyncllm.errors import NotBuiltError
 from asyncllm.models.embedding import ParallelLMHead, VocabParallelEmbedding
-from asyncllm.models.layers import Attention, LoadedWeight, RMSNorm, TensorParallel, head_dim_of, norm_in
+from asyncllm.models.layers import Attention, RMSNorm, TensorParallel, head_dim_of, norm_in
 from asyncllm.models.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from asyncllm.models.pipeline import PipelineStage, PPMissingLayer, in_missing_part
+from asyncllm.models.llama_weights import LlamaWeights
+from asyncllm.models.pipeline import PipelineStage, PPMissingLayer
 from asyncllm.models.rotary import RotaryEmbedding, identity_rotary
 
 __all__ = ["DecoderBuild", "DecoderFlags", "LlamaForCausalLM", "LlamaMLP", "check_silu", "sliding_window_of",
@@ -284,7 +285,7 @@ class LlamaModel(nn.Module):
         return contextlib.nullcontext(positions)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(LlamaWeights, nn.Module):
     """Llama-style causal LM over a paged KV cache (one cache tensor per layer)."""
 
     has_lm_head = True
@@ -377,68 +378,3 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> float32 logits over the full vocabulary (on every rank)."""
         return self.lm_head(hidden).float()
-
-    # ---- weights
-    def checkpoint_weight_names(self) -> set[str]:
-        """The checkpoint names this model needs (fused parameters expanded to their parts)."""
-        names = set()
-        for name, _ in self.named_parameters():
-            names.update(ckpt for ckpt, _ in self._unpacked(name))
-        return names if self.has_lm_head else names - {"lm_head.weight"}
-
-    def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        """Load (checkpoint name, weight) pairs, each rank keeping its shard.
-
-        Returns the checkpoint names consumed. Names the model does not have raise
-        `ConfigError` listing them all (after the others are loaded); rotary
-        ``inv_freq`` buffers and a tied ``lm_head.weight`` are skipped.
-        """
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        unexpected: list[str] = []
-        for ckpt_name, weight in weights:
-            if not self.has_lm_head and not ckpt_name.startswith("model."):
-                ckpt_name = "model." + ckpt_name  # a bare decoder's names
-            if "rotary_emb.inv_freq" in ckpt_name or (self.tie_word_embeddings and ckpt_name == "lm_head.weight"):
-                continue
-            param_name, shard_id = self._packed(ckpt_name)
-            if param_name not in params:
-                if not self.holds_weight(param_name):  # another pipeline stage's: skipped unread
-                    continue
-                unexpected.append(ckpt_name)
-                continue
-            self._load_one(params[param_name], ckpt_name, weight, shard_id)
-            loaded.add(ckpt_name)
-        if unexpected:
-            shown = ", ".join(unexpected[:8]) + (f" and {len(unexpected) - 8} more" if len(unexpected) > 8 else "")
-            allowed = f"a checkpoint of this architecture; unexpected weights: {shown}"
-            raise ConfigError("model", type(self).__name__, allowed)
-        return loaded
-
-    def holds_weight(self, param_name: str) -> bool:
-        """Whether this rank holds the parameter: False for a part another pipeline stage holds."""
-        return self.pipeline is None or not in_missing_part(self, param_name)
-
-    def _load_one(self, param: nn.Parameter, ckpt_name: str, weight: LoadedWeight, shard_id: object) -> None:
-        try:
-            if shard_id is None:
-                param.weight_loader(param, weight)  # type: ignore[attr-defined]
-            else:
-                param.weight_loader(param, weight, shard_id)  # type: ignore[attr-defined]
-        except ValueError as exc:
-            raise ConfigError("model", ckpt_name, f"a weight matching config.json, but it {exc}") from exc
-
-    def _packed(self, ckpt_name: str) -> tuple[str, object]:
-        """Checkpoint name -> (parameter name, shard id or None)."""
-        for fused, parts in self.packed_modules.items():
-            for part, shard_id in parts:
-                if f".{part}." in ckpt_name:
-                    return ckpt_name.replace(f".{part}.", f".{fused}."), shard_id
-        return ckpt_name, None
-
-    def _unpacked(self, param_name: str) -> list[tuple[str, object]]:
-        """Parameter name -> the (checkpoint name, shard id) pairs loaded into it."""
-        for fused, parts in self.packed_modules.items():
-            if f".{fused}." in param_name:
-                return [(param_name.replace(f".{fused}.", f".{part}."), shard) for part, shard in parts]
-        return [(param_name, None)]

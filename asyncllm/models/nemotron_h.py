@@ -21,7 +21,7 @@ from torch import nn
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.errors import NotBuiltError
-from asyncllm.models.deepseek import DeepseekRouter
+from asyncllm.models.deepseek_moe import DeepseekRouter
 from asyncllm.models.ernie_seed_arcee import ArceeMLP
 from asyncllm.models.hybrid import HybridBuild, HybridModel, StateLayersMixin
 from asyncllm.models.layers import LoadedWeight, RMSNorm, TensorParallel, head_dim_of

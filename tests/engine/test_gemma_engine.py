@@ -60,7 +60,7 @@ async def test_lora_on_a_gemma3_image_text_checkpoint_equals_peft(tmp_path) -> N
                     else hf_greedy(path, prompt, 8, eos_token_id=None))
         assert out.token_ids == expected, i
     assert any(out.token_ids != hf_greedy(path, p, 8, eos_token_id=None) for p, out in list(zip(prompts, outs))[1::2])
-    from asyncllm.lora import AdapterChecker
+    from asyncllm.lora_checker import AdapterChecker
 
     with_images = AdapterChecker(load_hf_config(path).text_config, 8, runs_tower=True)  # as prepare builds it then
     with pytest.raises(InvalidRequestError, match="adapters on the vision tower and projector are not built"):

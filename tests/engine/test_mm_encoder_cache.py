@@ -1,5 +1,5 @@
 """Encoder outputs cached across requests (mm_encoder_cache_gb). mm_encoder_tp_mode="data" at TP=2: LLaVA's split
-in tests/unit/test_encoder_cache.py, an engine's in tests/engine/test_qwen_vl_engine.py (Qwen2-VL)."""
+in tests/unit/test_encoder_cache.py, an engine's in tests/engine/test_qwen_vl_versions_engine.py (Qwen2-VL)."""
 
 from __future__ import annotations
 

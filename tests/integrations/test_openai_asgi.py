@@ -1,12 +1,12 @@
-"""The OpenAI-compatible app over httpx's ASGI transport: every route and every error status."""
+"""The OpenAI-compatible app over httpx's ASGI transport: every route and its field errors (the app's own errors,
+limits and engine errors mapped to statuses: tests/integrations/test_openai_asgi_errors.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncllm import EngineDeadError, EngineOverloadedError, InvalidRequestError, SamplingParams
+from asyncllm import EngineOverloadedError, SamplingParams
 from asyncllm.beam_search import BeamSearchParams
-from asyncllm.integrations.openai_protocol import ServerLimits
 from asyncllm.integrations.openai_server import create_app
 from asgi_helpers import asgi_client, sse_events
 
@@ -221,44 +221,6 @@ async def test_chat_template_variables(app) -> None:
     assert (reserved.status_code, reserved.json()["error"]["param"]) == (400, "chat_template_kwargs")
 
 
-async def test_http_level_errors(app) -> None:
-    async with asgi_client(app) as client:
-        wrong_model = await client.post("/v1/completions", json={**GREEDY, "model": "gpt-4", "prompt": "x"})
-        no_route = await client.get("/v1/nothing")
-        wrong_method = await client.get("/v1/completions")
-        bad_json = await client.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
-    assert (wrong_model.status_code, wrong_model.json()["error"]["code"]) == (404, "model_not_found")
-    assert no_route.status_code == 404 and no_route.json()["error"]["type"] == "not_found_error"
-    assert wrong_method.status_code == 405
-    assert bad_json.status_code == 400 and bad_json.json()["error"]["param"] == "body"
-
-
-async def test_body_size_and_limits(bundled_engine) -> None:
-    app = create_app(bundled_engine, manage_engine=False,
-                     limits=ServerLimits(max_body_bytes=200, max_n=2, max_tokens=4))
-    async with asgi_client(app) as client:
-        too_big = await client.post("/v1/completions", json={**GREEDY, "prompt": "x" * 300})
-        too_many = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "n": 3})
-        too_long = await client.post("/v1/completions", json={**GREEDY, "prompt": "x", "max_tokens": 5})
-        capped = await client.post("/v1/chat/completions", json={"model": MODEL, "temperature": 0, "ignore_eos": True,
-                                                                   "messages": [{"role": "user", "content": "x"}]})
-    assert (too_big.status_code, too_big.json()["error"]["code"]) == (413, "request_too_large")
-    assert (too_many.status_code, too_many.json()["error"]["param"]) == (400, "n")
-    assert (too_long.status_code, too_long.json()["error"]["param"]) == (400, "max_tokens")
-    assert capped.json()["usage"]["completion_tokens"] == 4  # no max_tokens: the server's limit applies
-
-
-async def test_api_key(bundled_engine) -> None:
-    app = create_app(bundled_engine, manage_engine=False, api_key="sekret")
-    async with asgi_client(app) as client:
-        missing = await client.get("/v1/models")
-        wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
-        right = await client.get("/v1/models", headers={"Authorization": "Bearer sekret"})
-        health = await client.get("/health")
-    assert (missing.status_code, missing.json()["error"]["code"]) == (401, "invalid_api_key")
-    assert wrong.status_code == 401 and right.status_code == 200 and health.status_code == 200
-
-
 class _FailingEngine:
     """Stands in for an engine whose requests fail with `error` (overloaded, dead)."""
 
@@ -291,30 +253,6 @@ class _FailingEngine:
 
         async def aclose(self) -> None:
             pass
-
-
-@pytest.mark.parametrize(("error", "status", "kind"), [
-    (EngineOverloadedError("the queue is full"), 429, "rate_limit_error"),
-    (EngineDeadError("engine core exited"), 503, "server_error"),
-    (InvalidRequestError("prompt", "too long"), 400, "invalid_request_error"),
-])
-@pytest.mark.parametrize("stream", [False, True])
-async def test_engine_errors_map_to_status(error, status, kind, stream) -> None:
-    app = create_app(_FailingEngine(error), model_name="fake", manage_engine=False)
-    async with asgi_client(app) as client:
-        response = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "stream": stream})
-    assert (response.status_code, response.json()["error"]["type"]) == (status, kind)
-    assert response.json()["error"]["message"] == str(error)
-    assert ("retry-after" in response.headers) == (status in (429, 503))
-
-
-async def test_health_and_metrics_of_a_dead_engine() -> None:
-    app = create_app(_FailingEngine(EngineDeadError("x"), alive=False), model_name="fake", manage_engine=False)
-    async with asgi_client(app) as client:
-        health = await client.get("/health")
-        metrics = await client.get("/metrics")
-    assert (health.status_code, health.json()) == (503, {"status": "unavailable"})
-    assert metrics.status_code == 404
 
 
 async def test_allowed_token_ids_and_bad_words_fields(app, bundled_tokenizer) -> None:

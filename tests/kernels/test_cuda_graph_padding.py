@@ -25,7 +25,8 @@ from asyncllm.models.registry import kv_cache_spec
 from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.sampling import SamplingParams
 from asyncllm.workers.cuda_graphs import CudaGraphRunner, DecodeBuffers, capture_sizes
-from asyncllm.workers.input_batch import InputBatch, StepInputs
+from asyncllm.workers.input_batch import InputBatch
+from asyncllm.workers.input_types import StepInputs
 
 BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN = 4, 24, 64
 PROMPTS = {"a": [5, 17, 33, 2, 9], "b": [40, 41, 42, 43, 44, 45, 46, 47, 48], "c": [70, 71]}

@@ -14,7 +14,7 @@ import torch
 from dense_attention import dense_attention, paged_contexts, randn
 
 from asyncllm.attention.metadata import AttentionMetadata
-from asyncllm.kernels import reference
+from asyncllm.kernels import reference, reference_attention
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 4, 2, 8
 # (cached tokens, query tokens, image runs as [start, end) positions in the sequence) per request: a run inside a
@@ -78,12 +78,12 @@ def test_own_position_limits_are_causal() -> None:
 
 def test_context_mask_literal() -> None:
     """4 queries at positions 2..5 of 6 keys, the first two an image run ending at 3, a window of 2."""
-    mask = reference._context_mask(4, 6, 2, torch.device("cpu"), torch.tensor([3, 3, 4, 5]))
+    mask = reference_attention._context_mask(4, 6, 2, torch.device("cpu"), torch.tensor([3, 3, 4, 5]))
     assert mask.int().tolist() == [
         [0, 1, 1, 1, 0, 0],  # position 2: keys 1..3 (the window drops key 0, the run adds key 3)
         [0, 0, 1, 1, 0, 0],  # position 3: keys 2..3
         [0, 0, 0, 1, 1, 0],
         [0, 0, 0, 0, 1, 1],
     ]
-    assert reference._context_mask(1, 6, None, torch.device("cpu")) is None  # a causal decode needs no mask
+    assert reference_attention._context_mask(1, 6, None, torch.device("cpu")) is None  # a causal decode needs no mask
 

@@ -185,7 +185,7 @@ def test_no_pickle_on_the_wire() -> None:
 
 def test_openai_server_binds_localhost_and_limits_requests_by_default() -> None:
     """`asyncllm serve` listens on 127.0.0.1 unless --host says otherwise, with finite request limits
-    (their enforcement: tests/integrations/test_openai_asgi.py::test_body_size_and_limits)."""
+    (their enforcement: tests/integrations/test_openai_asgi_errors.py::test_body_size_and_limits)."""
     from asyncllm.cli import _parser
 
     args = _parser().parse_args(["serve"])

@@ -17,7 +17,7 @@ from model_utils import make_attn_metadata
 
 from asyncllm.attention.metadata import AttentionMetadata
 from asyncllm.attention.torch_sdpa import TorchSDPABackend
-from asyncllm.kernels import reference
+from asyncllm.kernels import reference, reference_attention
 from asyncllm.models.layers import Attention
 
 BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 4, 6, 2, 8
@@ -81,15 +81,15 @@ def test_chunk_start_bounds_attend_limit(chunk: int) -> None:
 
 def test_context_mask_literal() -> None:
     """4 queries at positions 3..6 of 7 keys, chunks of 3: keys 3..5 form one chunk, key 6 starts the next."""
-    mask = reference._context_mask(4, 7, None, torch.device("cpu"), chunk_size=3)
+    mask = reference_attention._context_mask(4, 7, None, torch.device("cpu"), chunk_size=3)
     assert mask.int().tolist() == [
         [0, 0, 0, 1, 0, 0, 0],
         [0, 0, 0, 1, 1, 0, 0],
         [0, 0, 0, 1, 1, 1, 0],
         [0, 0, 0, 0, 0, 0, 1],
     ]
-    assert reference._context_mask(1, 7, None, torch.device("cpu"), chunk_size=3).int().tolist() == [[0] * 6 + [1]]
-    assert reference._context_mask(1, 7, None, torch.device("cpu"), chunk_size=7) is None  # one chunk: causal
+    assert reference_attention._context_mask(1, 7, None, torch.device("cpu"), chunk_size=3).int().tolist() == [[0] * 6 + [1]]
+    assert reference_attention._context_mask(1, 7, None, torch.device("cpu"), chunk_size=7) is None  # one chunk: causal
 
 
 def test_window_and_chunk_size_are_refused_together() -> None:

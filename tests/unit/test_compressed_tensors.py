@@ -3,9 +3,10 @@ compressed-tensors library (tests/compressed_tensors_reference.py): the loaded w
 decompression, on one rank and both of tensor_parallel_size=2, on the CPU path and in the GPU's packed layout; the
 loaded model's logits against transformers' model of the checkpoint, and each W8A8 / FP8_BLOCK layer's output
 against compressed-tensors' forward of its module; the fp8 product with per-row weight scales and static input
-scales; LoRA adapters over fp8-block and int8 layers; what is refused at load. The config is in
-tests/unit/test_compressed_tensors_config.py, the int8 product in tests/unit/test_int8.py, the engine in
-tests/engine/test_compressed_tensors_engine.py."""
+scales; LoRA adapters over fp8-block and int8 layers. What is refused at load is in
+tests/unit/test_compressed_tensors_refusals.py, other families' checkpoints (experts, Gemma 4, Qwen3.5) in
+tests/unit/test_compressed_tensors_models.py, the config in tests/unit/test_compressed_tensors_config.py, the
+int8 product in tests/unit/test_int8.py, the engine in tests/engine/test_compressed_tensors_engine.py."""
 
 from __future__ import annotations
 
@@ -23,19 +24,16 @@ from compressed_tensors_reference import (
     write_ct_checkpoint,
 )
 from hf_reference import hf_logits
-from model_utils import PagedRun, tiny_hf_config
+from model_utils import PagedRun
 
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
-from asyncllm.errors import ConfigError, NotBuiltError
 from asyncllm.kernels import reference
 from asyncllm.models.checkpoint import prequantized_config
 from asyncllm.models.compressed_tensors import (
-    _quantize_drawn,
     finish_compressed_tensors_params,
     make_compressed_tensors_params,
 )
-from asyncllm.models.compressed_tensors_config import CompressedTensorsCheckpointConfig, CompressedTensorsScheme
 from asyncllm.models.fp8_checkpoint import Fp8BlockLinearMethod
 from asyncllm.models.int4_checkpoint import Int4LinearMethod
 from asyncllm.models.int8 import Int8LinearMethod
@@ -304,68 +302,6 @@ def test_dummy_weights_take_the_checkpoints_schemes(checkpoint, case: str) -> No
         assert qkv.quant_method is None and qkv.weight.dtype == torch.float32 and not hasattr(qkv, "weight_packed")
 
 
-# ------------------------------------------------------------------ refusals at load
-def _model(tp: TensorParallel, **overrides) -> LlamaForCausalLM:
-    return LlamaForCausalLM(tiny_hf_config("llama", **overrides), dtype=torch.float32, tp=tp,
-                            attn_backend=get_attention_backend(None, CPU, torch.float32), max_position=128)
-
-
-def _config(scheme: CompressedTensorsScheme, *more: tuple[tuple[str, ...], CompressedTensorsScheme]):
-    return CompressedTensorsCheckpointConfig(((("Linear",), scheme),) + more, ("lm_head",))
-
-
-W4_ASYM = CompressedTensorsScheme("int", "group", 4, 16, symmetric=False)
-
-
-@pytest.mark.parametrize("cfg, overrides, layer, what", [
-    (_config(W4_ASYM), dict(num_attention_heads=16), "model.layers.0.self_attn.qkv_proj",
-     "[32, 4, 4] output features"),  # head_dim 4: a rank's KV head is half an int32 of zero points
-    (_config(CompressedTensorsScheme("int", "group", 4, 64)), {}, "model.layers.0.self_attn.o_proj",
-     "32 input features per rank, not a multiple of the 8 4-bit values packed in an int32 and of the group_size 64"),
-])
-def test_a_split_through_a_pack_or_a_group_is_refused(cfg, overrides: dict, layer: str, what: str) -> None:
-    with pytest.raises(ConfigError, match="split on whole packs and groups") as info:
-        make_compressed_tensors_params(_model(TensorParallel(0, 2), **overrides), cfg)
-    assert layer in str(info.value) and what in str(info.value), str(info.value)
-    assert info.value.field == "tensor_parallel_size" and not isinstance(info.value, NotBuiltError)
-
-
-@pytest.mark.parametrize("tp, block, layer, what", [
-    (2, (32, 32), "model.layers.0.self_attn.qkv_proj", "[32, 16, 16] output rows"),  # a rank's k: half a block
-    (1, (64, 16), "model.layers.0.self_attn.qkv_proj", "[64, 32, 32] output rows"),  # k and v in one block of rows
-    (2, (16, 48), "model.layers.0.self_attn.o_proj", "[32] input features"),
-])
-def test_a_split_through_an_fp8_block_is_refused(tp: int, block: tuple[int, int], layer: str, what: str) -> None:
-    """As for ``quant_method: fp8`` checkpoints (vLLM's validate_fp8_block_shape), at load and with dummy weights."""
-    cfg = _config(CompressedTensorsScheme("fp8", "block", block=block))
-    for build in (make_compressed_tensors_params, lambda model, cfg: _quantize_drawn(model, cfg, False)):
-        with pytest.raises(ConfigError, match="a split on whole fp8 weight blocks") as info:
-            build(_model(TensorParallel(0, tp)), cfg)
-        assert layer in str(info.value) and what in str(info.value) and f"block_structure {list(block)}" in \
-            str(info.value), str(info.value)
-        assert info.value.field == "tensor_parallel_size" and not isinstance(info.value, NotBuiltError)
-
-
-def test_fused_projections_with_different_schemes_are_refused() -> None:
-    fp8 = CompressedTensorsScheme("fp8", "channel")
-    cfg = _config(fp8, (("model.layers.0.self_attn.k_proj",), W4_ASYM))
-    with pytest.raises(ConfigError, match="one compressed-tensors scheme for all the projections fused in "
-                                          "model.layers.0.self_attn.qkv_proj"):
-        make_compressed_tensors_params(_model(TensorParallel(0, 1)), cfg)
-
-
-def test_a_wrong_weight_shape_is_refused(checkpoint) -> None:
-    from safetensors.torch import load_file
-
-    path, _ = checkpoint("w4a16-asym-g16")
-    tensors = load_file(f"{path}/model.safetensors")
-    tensors["model.layers.0.mlp.down_proj.weight_shape"] = torch.tensor([64, 96])
-    model = _model(TensorParallel(0, 1), intermediate_size=128)
-    make_compressed_tensors_params(model, prequantized_config(load_hf_config(path), path, None))
-    with pytest.raises(ConfigError, match="down_proj.weight_shape.* is \\[64, 96\\], a weight_shape of 128 input"):
-        model.load_weights(tensors.items())
-
-
 # ------------------------------------------------------------------ CUDA (skipped without a device)
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)),
@@ -398,76 +334,3 @@ def test_scaled_mm_with_per_row_scales_equals_the_fallback(dtype: torch.dtype, s
         tol = 1e-4 if dtype == torch.float32 else 2e-2  # a half type: the two round in different places
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
     torch.cuda.synchronize()
-
-
-@pytest.mark.parametrize("arch, symmetric", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
-def test_pack_quantized_experts_equal_the_dequantized_reference(tmp_path, arch: str, symmetric: bool) -> None:
-    """A mixture of experts whose experts are W4A16 (RedHatAI's ``*-quantized.w4a16`` of Qwen3-30B-A3B; symmetric,
-    or with packed zero points; Mixtral's w1 / w3 / w2 names), the rest float: the experts staged and dequantized at
-    load (the CPU), or kept packed through the reference of the fused-MoE kernel's integer path (the GPU's layout),
-    compute as transformers over the dequantized weights."""
-    from compressed_tensors_reference import write_ct_int_experts
-    from int4_reference import Int4Reference
-
-    from asyncllm.models.compressed_tensors import _expert_format
-    from asyncllm.models.int4_experts import finish_int4_experts, make_int4_expert_params
-    from asyncllm.models.loader import build_model, load_checkpoint
-    from asyncllm.tiny import tiny_checkpoint
-
-    src, path = tiny_checkpoint(arch), tmp_path / "ct"
-    dequantized = write_ct_int_experts(src, path, 4, 16, symmetric)
-    hf_config = load_hf_config(str(path))
-    config = EngineConfig.create(str(path))
-    packed = build_model(config, hf_config, CPU, torch.float32)
-    cfg = prequantized_config(hf_config, str(path), None)
-    experts = _expert_format(packed, cfg)
-    make_int4_expert_params(packed, experts)
-    load_checkpoint(packed, str(path), "auto")
-    finish_int4_experts(packed, experts, keep_packed=True)
-    ref, unquantized = Int4Reference(src, dequantized), Int4Reference(src, {})
-    for model in (load_model(config, hf_config, CPU, torch.float32), packed):
-        run = PagedRun(model, SEQUENCES)
-        run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
-        for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
-            assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
-            assert float((logits - unquantized.logits(seq)).abs().max()) > 0.1
-    moe = next(m for m in packed.modules() if hasattr(m, "int_experts"))
-    assert moe.int_experts == (4, 16) and moe.w13_weight.dtype == torch.int32
-
-
-def test_a_gemma4_fp8_dynamic_checkpoint_equals_compressed_tensors(tmp_path) -> None:
-    """Gemma 4 (the tiny E2B-style decoder) in FP8_DYNAMIC, its per-layer-input matrices left float: the global
-    layers' k projection (and scale) loaded as their values' too, the KV-sharing layers' own q projection."""
-    from asyncllm.tiny import tiny_checkpoint
-
-    src = tiny_checkpoint("gemma4")
-    path = write_ct_checkpoint(src, tmp_path / "ct", {"group_0": FP8_DYNAMIC}, ("lm_head", "re:.*per_layer.*"))
-    ref = CtReference(path, dequantize=False)
-    hf_config = load_hf_config(str(path))
-    model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
-    run = PagedRun(model, SEQUENCES)
-    run.new_kv_caches_for(kv_cache_spec(hf_config, 1), torch.float32)
-    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
-        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
-    layers = model.model.layers
-    assert layers[1].self_attn.qkv_proj.weight.dtype == layers[3].self_attn.q_proj.weight.dtype == FP8
-
-
-def test_a_qwen3_5_fp8_dynamic_checkpoint_equals_compressed_tensors(tmp_path) -> None:
-    """The community Qwen3.5 recipe (llm-compressor's FP8_DYNAMIC, ``re:.*linear_attn.*`` left float): the gated
-    attention's and the MLPs' projections in fp8 with per-row scales, the Gated DeltaNet's float."""
-    from asyncllm.tiny import tiny_checkpoint
-
-    src = tiny_checkpoint("qwen3_5")
-    path = write_ct_checkpoint(src, tmp_path / "ct", {"group_0": FP8_DYNAMIC}, ("lm_head", "re:.*linear_attn.*"))
-    ref = CtReference(path, dequantize=False)
-    hf_config = load_hf_config(str(path))
-    model = load_model(EngineConfig.create(str(path)), hf_config, CPU, torch.float32)
-    spec = kv_cache_spec(hf_config, 1)
-    run = PagedRun(model, SEQUENCES)
-    run.new_kv_caches_for(spec, torch.float32)
-    for seq, logits in zip(SEQUENCES, run.run([[6, 3], [5, 0]])):
-        assert float((logits - ref.logits(seq)).abs().max()) < VS_REFERENCE
-    layers = model.model.layers
-    assert layers[0].linear_attn.in_proj_qkv.weight.dtype == torch.float32
-    assert layers[0].mlp.down_proj.weight.dtype == layers[1].self_attn.o_proj.weight.dtype == FP8

@@ -109,7 +109,7 @@ def test_an_adapter_of_the_indexer_is_refused_by_name(tmp_path):
 
     from asyncllm import LoRARequest
     from asyncllm.errors import InvalidRequestError
-    from asyncllm.lora import AdapterChecker
+    from asyncllm.lora_checker import AdapterChecker
     from asyncllm.models.checkpoint import load_hf_config
     from asyncllm.tiny import tiny_checkpoint
 

@@ -205,7 +205,8 @@ def test_the_hosts_adapter_check_knows_each_layers_projections(tmp_path) -> None
     from safetensors.torch import load_file, save_file
 
     from asyncllm.errors import InvalidRequestError
-    from asyncllm.lora import AdapterChecker, LoRARequest
+    from asyncllm.lora import LoRARequest
+    from asyncllm.lora_checker import AdapterChecker
     from lora_utils import make_adapter
 
     path = tiny_checkpoint("gemma4")

@@ -12,7 +12,8 @@ import pytest
 
 from asyncllm import InvalidRequestError, LoRARequest
 from asyncllm.kv.hashing import block_extra_keys, extend_block_hashes
-from asyncllm.lora import AdapterChecker, read_adapter
+from asyncllm.lora import read_adapter
+from asyncllm.lora_checker import AdapterChecker
 from asyncllm.sampling import SamplingParams
 from asyncllm.sched.request import Request
 from lora_utils import make_adapter

@@ -25,7 +25,8 @@ from asyncllm import InvalidRequestError, LoRARequest
 from asyncllm.attention.selector import get_attention_backend
 from asyncllm.config import EngineConfig
 from asyncllm.engine.prepare import _expert_layers, prepare
-from asyncllm.lora import AdapterChecker, read_adapter
+from asyncllm.lora import read_adapter
+from asyncllm.lora_checker import AdapterChecker
 from asyncllm.models.layers import TensorParallel
 from asyncllm.models.loader import load_hf_config, load_model
 from asyncllm.models.lora import LoRAContext, attach_lora_layers, load_adapter_tensors

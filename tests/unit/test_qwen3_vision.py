@@ -1,5 +1,5 @@
 """The Qwen3-VL vision tower against transformers' ``model.visual`` (over two ranks, sharded by weights: the
-Qwen3-VL-MoE engine test in tests/engine/test_qwen_vl_engine.py)."""
+Qwen3-VL-MoE engine test in tests/engine/test_qwen_vl_versions_engine.py)."""
 
 from __future__ import annotations
 

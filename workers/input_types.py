@@ -1,0 +1,69 @@
+"""The data `InputBatch` (workers/input_batch.py) keeps and hands out, kept apart as vLLM's model-runner-v2
+notes ask: `RequestState`, a request's persistent row, and `StepInputs`, one step's flattened inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncllm.attention.metadata import AttentionMetadata
+from asyncllm.sampling import SamplingParams
+from asyncllm.workers.logits_processors import RowLogitsParams
+from asyncllm.workers.logprobs import PromptLogprobsJob
+from asyncllm.workers.sampler import SamplingMetadata
+from asyncllm.workers.spec_decode import DraftedRequest
+
+__all__ = ["RequestState", "StepInputs"]
+
+
+@dataclass
+class RequestState:
+    """What a worker remembers about one request between steps."""
+
+    req_id: str
+    row: int
+    token_ids: list[int]
+    """Prompt, then every output token (the worker appends what it samples)."""
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    params: SamplingParams
+    logits_params: RowLogitsParams | None = None
+    """logit_bias / min_tokens / penalty settings; None when the request has none."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+@dataclass
+class StepInputs:
+    """The flattened, device-resident inputs of one step (views of `InputBatch` buffers)."""
+
+    req_ids: list[str]
+    """Scheduled requests, in the order of ``num_scheduled_tokens``."""
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    sample_indices: list[int]
+    """Indices into ``req_ids`` of the requests that sample a token this step."""
+    logits_indices: torch.Tensor
+    """[S + E] int64: the last token of each sampling request, then the E draft positions of `drafted`."""
+    sampling_metadata: SamplingMetadata
+    """Settings of the logits rows: the sampling requests in ``sample_indices`` order, then the draft rows."""
+    prompt_logprobs_jobs: list[PromptLogprobsJob] = field(default_factory=list)
+    """Prompt logprobs to compute from this step's hidden states."""
+    drafted: list[DraftedRequest] = field(default_factory=list)
+    """The requests whose drafts this step verifies (speculative decoding; workers/spec_decode.py)."""
+    failed: dict[str, str] = field(default_factory=dict)
+    """Requests that fail at this step, with their error: those with no allowed token left to sample
+    (`LogitsProcessorsMetadata.exhausted`)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
