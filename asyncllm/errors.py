@@ -93,10 +93,11 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
 POOLING_OPERATIONS = {"embed": "embedding generation", "classify": "classification", "score": "score",
-                      "rerank": "embedding generation"}
+                      "rerank": "embedding generation", "pooling": "embedding generation"}
 """A pooling API's operation in vLLM's context-length error, by the API whatever the model (vLLM keys the word by
 the request's type: /score says "score" on an embedding model too, and /rerank, not in its mapping, "embedding
-generation" on a cross-encoder too). `embed` and `classify` are also the `PoolingParams.task`s."""
+generation" on a cross-encoder too, as /pooling, whose request is an embedding request's subclass, whatever its
+task). `embed` and `classify` are also the `PoolingParams.task`s."""
 
 
 def check_context_length(max_model_len: int, prompt_tokens: int, max_tokens: int | None = None, *,

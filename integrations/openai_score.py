@@ -14,7 +14,7 @@ leaves aborts them all. docs/integrations/openai-server.md has the details.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -27,16 +27,18 @@ from asyncllm.engine.stream import RequestOptions
 from asyncllm.errors import InvalidRequestError
 from asyncllm.integrations.errors import renamed_fields
 from asyncllm.integrations.openai_protocol import completion_prompts, decode_request
-from asyncllm.integrations.openai_request_log import log_under, route_id
+from asyncllm.integrations.openai_request_log import RequestLogger, log_under, route_id
 from asyncllm.integrations.starlette import wait_disconnect
 from asyncllm.integrations.streams import gather_until
-from asyncllm.pooling import ClassificationOutput, PoolingParams, ScoringOutput
+from asyncllm.pooling import ClassificationOutput, EmbeddingOutput, PoolingParams, ScoringOutput
 
 if TYPE_CHECKING:
+    from asyncllm.engine.async_engine import AsyncEngine
     from asyncllm.integrations.openai_server import OpenAIServer
     from asyncllm.lora import LoRARequest
 
-__all__ = ["ClassificationRequest", "ScoreRequest", "RerankRequest", "score_routes", "rerank_results"]
+__all__ = ["ClassificationRequest", "ScoreRequest", "RerankRequest", "score_routes", "classify_all", "rerank_results",
+           "pooling_listing"]
 
 
 class _PoolingRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -101,15 +103,13 @@ class _Handlers:
         prompts = completion_prompts(req.input, self.server.limits, field="input")
         if any(prompt == "" for prompt in prompts):
             raise InvalidRequestError("input", "an input is an empty string: there is nothing to classify")
-        engine, options = self.server.engine, _options(req, lora)
         request_id = route_id("classify", request.headers)
-        log_under(self.server.request_log, request_id, prompts, PoolingParams(task="classify"), lora)
-        calls = [engine.classify(prompt, **options) for prompt in prompts]
-        with renamed_fields({"prompt": "input"}, uncoded_only=True):  # the engine's field: name the request's
-            outputs = await gather_until(calls, lambda: wait_disconnect(request))
+        outputs = await classify_all(self.server.engine, prompts, _options(req, lora),
+                                     until=lambda: wait_disconnect(request), request_log=self.server.request_log,
+                                     request_id=request_id)
         data = [{"index": i, "label": out.label, "probs": out.probs, "num_classes": out.num_classes}
                 for i, out in enumerate(outputs)]
-        return _json(_listing(request_id, model, data, outputs))
+        return _json(pooling_listing(request_id, model, data, outputs))
 
     async def score(self, request: Request) -> Response:
         req = decode_request(await self.server._body(request), ScoreRequest)
@@ -118,7 +118,7 @@ class _Handlers:
         request_id = route_id("score", request.headers)
         outputs = await self._score(request, request_id, req.text_1, req.text_2, _options(req, lora))
         data = [{"index": i, "object": "score", "score": out.score} for i, out in enumerate(outputs)]
-        return _json(_listing(request_id, model, data, outputs))
+        return _json(pooling_listing(request_id, model, data, outputs))
 
     async def rerank(self, request: Request) -> Response:
         req = decode_request(await self.server._body(request), RerankRequest)
@@ -167,6 +167,22 @@ class _Handlers:
         log_under(request_log, request_id, pairs, PoolingParams(task="classify"), lora)
 
 
+async def classify_all(engine: AsyncEngine, prompts: Sequence[str | list[int]], options: dict[str, Any], *,
+                       until: Callable[[], Awaitable[object]], request_log: RequestLogger | None, request_id: str,
+                       field: str = "input", api: str | None = None) -> list[ClassificationOutput]:
+    """`AsyncEngine.classify` on every prompt at once (`options`: `_options`'), results in input order, each
+    logged as ``request_id-i``. The first error cancels the others; `until` completing (the client went away)
+    raises `ClientDisconnected`. An engine error naming ``prompt`` names `field`, but a context-length error's
+    stays ``prompt`` and says `api`'s word (`errors.POOLING_OPERATIONS`; None: "classification")."""
+    log_under(request_log, request_id, prompts, PoolingParams(task="classify"), options["lora_request"])
+    options = dict(options)
+    truncate = options.pop("truncate_prompt_tokens")
+    calls = [scoring.classify(engine, prompt, RequestOptions(**options, pooling_api=api), truncate)
+             for prompt in prompts]
+    with renamed_fields({"prompt": field}, uncoded_only=True):  # the engine's field: name the request's
+        return await gather_until(calls, until)
+
+
 def rerank_results(documents: Sequence[str], outputs: Sequence[ScoringOutput], top_n: int,
                    return_documents: bool) -> list[dict[str, Any]]:
     """Best first (ties in input order), the first `top_n` (0: all)."""
@@ -190,8 +206,8 @@ def _check_count(field: str, texts: str | Sequence[Any], limit: int) -> None:
         raise InvalidRequestError(field, f"at most {limit} per request, got {len(texts)}")
 
 
-def _listing(request_id: str, model: str, data: list[dict[str, Any]],
-             outputs: Sequence[ClassificationOutput | ScoringOutput]) -> dict[str, Any]:
+def pooling_listing(request_id: str, model: str, data: list[dict[str, Any]],
+                    outputs: Sequence[EmbeddingOutput | ClassificationOutput | ScoringOutput]) -> dict[str, Any]:
     """vLLM's list response: ``data`` in input order and the prompts' token usage."""
     tokens = sum(len(out.prompt_token_ids) for out in outputs)
     usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0, "prompt_tokens_details": None}

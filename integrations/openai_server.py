@@ -7,9 +7,8 @@ responses_api.py; kept responses, ``GET /v1/responses/{id}``, with
 ASYNCLLM_ENABLE_RESPONSES_API_STORE: responses_store.py), ``POST /v1/embeddings``
 (of ``input`` or, as vLLM's, of chat ``messages``; openai_embeddings.py), ``GET /v1/models``, vLLM's
 ``POST /tokenize`` and ``POST /detokenize``, ``GET /version``,
-vLLM's ``POST /classify``, ``/score`` and ``/rerank`` (openai_score.py),
-``GET /health`` (and SageMaker's ``/ping``, with ``POST /invocations``),
-``GET /metrics`` (Prometheus text), and with
+vLLM's ``POST /classify``, ``/score`` and ``/rerank`` (openai_score.py) and ``/pooling`` (openai_pooling.py),
+``GET /health`` (and SageMaker's ``/ping``, with ``POST /invocations``), ``GET /metrics`` (Prometheus text), and with
 ASYNCLLM_ALLOW_RUNTIME_LORA_UPDATING vLLM's ``POST /v1/load_lora_adapter``
 and ``POST /v1/unload_lora_adapter``. A request whose ``model`` is a LoRA
 module's name (``--lora-modules``) runs with that adapter. Chat completions take
@@ -57,6 +56,7 @@ from asyncllm.integrations.openai_responses import Choices, token_id_text
 from asyncllm.integrations.openai_sampling import chat_field_names, chat_params, completion_params, echo_only, sets_max_tokens
 from asyncllm.integrations.openai_streaming import count_prompts, respond, response_events
 from asyncllm.integrations.openai_score import score_routes
+from asyncllm.integrations.openai_pooling import pooling_routes
 from asyncllm.integrations.openai_info import info_routes, served_name
 from asyncllm.integrations.openai_tokenize import tokenize_routes
 from asyncllm.integrations.openai_audio import audio_routes
@@ -203,7 +203,7 @@ class OpenAIServer:
             Route("/v1/responses", self._guarded(self.responses), methods=["POST"]),
             *self.responses_store.routes(self._guarded),  # GET/DELETE /v1/responses/{id}, POST .../cancel
             Route("/v1/embeddings", self._guarded(self.embeddings), methods=["POST"]),
-            *score_routes(self),  # vLLM's /classify, /score, /rerank (openai_score.py)
+            *score_routes(self), *pooling_routes(self),  # vLLM's /classify, /score, /rerank; /pooling (openai_pooling.py)
             *info_routes(self),  # /v1/models, /version, /health, /ping, /metrics (openai_info.py)
             *tokenize_routes(self),  # vLLM's /tokenize, /detokenize (openai_tokenize.py)
             *audio_routes(self),  # OpenAI's /v1/audio/transcriptions, /translations (openai_audio.py)

@@ -117,6 +117,42 @@ async def test_the_server_classifies_scores_and_reranks(engine: AsyncEngine, rer
         assert response.status_code == 400 and "classification and scores only" in response.json()["error"]["message"]
 
 
+async def test_the_servers_pooling_route(engine: AsyncEngine, reranker: str) -> None:
+    """vLLM's /pooling on a classifier: its own task (classify) gives /classify's probs, ``use_activation`` false (or
+    vLLM's older ``softmax``) the raw logits, ``score`` the cross-encoder's activation, chat ``messages`` classified
+    as the template renders them; another model's task, a per-token task, another task's parameter are 400s naming
+    the field, a context-length error says "embedding generation" (vLLM's /pooling, whatever the task)."""
+    from transformers import AutoTokenizer
+
+    prompts, messages = [[5, 9, 14], [7, 300, 12]], [{"role": "user", "content": "hi"}]
+    length = engine.config.max_model_len
+    refused = [({"input": "a", "task": "embed"}, "task", "Task embed is not supported, it must be one of ('classify', "
+                                                         "'score', 'token_classify')."),
+               ({"input": "a", "task": "token_classify"}, "task", "'token_classify' (per-token pooling"),
+               ({"input": "a", "normalize": True}, "normalize", "Task classify only supports ['use_activation']"),
+               ({"input": "a", "task": "score", "dimensions": 4}, "dimensions", "Task score only supports"),
+               ({"input": [5] * (length + 1)}, "prompt", "in the input for embedding generation.")]
+    async with asgi_client(create_app(engine, manage_engine=False)) as client:
+        classified = (await client.post("/classify", json={"input": prompts})).json()
+        pooled, raw, old_name, scored, chat = [(await client.post("/pooling", json=body)).json() for body in (
+            {"input": prompts}, {"input": prompts, "task": "classify", "use_activation": False},
+            {"input": prompts[0], "softmax": False}, {"input": prompts, "task": "score"}, {"messages": messages})]
+        errors = [(await client.post("/pooling", json=body)).json()["error"] for body, _, _ in refused]
+    assert [item["object"] for item in pooled["data"]] == ["pooling", "pooling"] and pooled["id"].startswith("pool-")
+    assert pooled["usage"] == classified["usage"]
+    for i, prompt in enumerate(prompts):
+        logits = hf_classifier_logits(reranker, prompt)
+        assert abs(raw["data"][i]["data"][0] - logits[0]) < TOLERANCE
+        assert abs(pooled["data"][i]["data"][0] - classified["data"][i]["probs"][0]) < TOLERANCE
+        assert abs(scored["data"][i]["data"][0] - _sigmoid(logits[0])) < TOLERANCE
+    assert abs(old_name["data"][0]["data"][0] - raw["data"][0]["data"][0]) < TOLERANCE  # another batch
+    ids = AutoTokenizer.from_pretrained(reranker).apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert abs(chat["data"][0]["data"][0] - _sigmoid(hf_classifier_logits(reranker, list(ids))[0])) < TOLERANCE
+    assert chat["usage"]["prompt_tokens"] == len(ids)
+    for error, (_, param, message) in zip(errors, refused):
+        assert error["param"] == param and message in error["message"], error
+
+
 async def test_the_server_names_the_route_in_context_length_errors(engine: AsyncEngine, reranker: str) -> None:
     """vLLM's word is the route's, whatever the model (an embedding model's: tests/integrations/test_openai_score.py):
     /score "score", /rerank "embedding generation" on a cross-encoder too, /classify "classification"; so for a
