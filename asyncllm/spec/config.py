@@ -93,13 +93,14 @@ class SpeculativeConfig:
             return cls(num, method="mtp")
         if method in _HEAD_METHODS:
             return _draft_model_config(value, num, method)
+        for key in ("prompt_lookup_min", "prompt_lookup_max"):  # the keys given, each named when it is wrong
+            if value.get(key) is not None:
+                _check_int(value, key, value[key], 64)
         lo, hi = value.get("prompt_lookup_min"), value.get("prompt_lookup_max")
         if lo is None and hi is None:
             lo = hi = _DEFAULT_LOOKUP
         lo = hi if lo is None else lo
         hi = lo if hi is None else hi
-        for key, n in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
-            _check_int(value, key, n, 64)
         if lo > hi:
             raise ConfigError(_FIELD, value, "prompt_lookup_min <= prompt_lookup_max")
         return cls(num, lo, hi)

@@ -41,6 +41,8 @@ def test_the_config_reads_vllm_s_dict_and_its_defaults():
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, ConfigError,
      "unknown: draft_tensor_parallel_size"),
     ({"num_speculative_tokens": 2}, ConfigError, "method='ngram'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": -1}, ConfigError,
+     "prompt_lookup_max an int"),  # the key given, not the min it would default
     ("ngram", ConfigError, "a dict"),
 ])
 def test_a_bad_or_unbuilt_config_is_refused_by_name(value, error, words):
