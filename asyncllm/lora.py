@@ -34,9 +34,10 @@ CONFIG_FILE = "adapter_config.json"
 _PEFT_PREFIX = "base_model.model."
 _FIELD = "lora_request"
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj",
-                "gate_up_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "c_fc", "c_proj",
-                "output_gate", *LATENT_TARGETS, *KDA_TARGETS, *MAMBA_TARGETS)
+LORA_TARGETS = tuple(dict.fromkeys((  # once each: Mamba's out_proj is also Gated DeltaNet's
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
+    "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "c_fc", "c_proj", "output_gate",
+    *LATENT_TARGETS, *KDA_TARGETS, *MAMBA_TARGETS)))
 """The projection names an adapter may change (every linear layer of a decoder layer): separate q/k/v and
 gate/up (Llama, Qwen, Gemma) or the checkpoint's fused ``qkv_proj`` and ``gate_up_proj`` (Phi-3); Qwen3.5's Gated
 DeltaNet's projections (``linear_attn.*``); a GELU MLP's ``c_fc`` / ``c_proj`` (StarCoder2's, Phi-2's); latent
@@ -73,8 +74,9 @@ class LoRARequest(msgspec.Struct, frozen=True, array_like=True, omit_defaults=Tr
     def validate(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
             raise InvalidRequestError(_FIELD, f"lora_name must be a non-empty str, got {self.lora_name!r}")
-        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise InvalidRequestError(_FIELD, f"lora_int_id must be an int >= 1, got {self.lora_int_id!r}")
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) \
+                or not 1 <= self.lora_int_id < 2**63:  # the wire's int64
+            raise InvalidRequestError(_FIELD, f"lora_int_id must be an int in [1, 2**63 - 1], got {self.lora_int_id!r}")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise InvalidRequestError(_FIELD, f"lora_path must be a non-empty str, got {self.lora_path!r}")
 

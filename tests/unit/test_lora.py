@@ -122,7 +122,8 @@ def test_checker_refuses_an_adapter_of_another_model(adapter: str, overrides: di
         AdapterChecker(_tiny_config(**overrides), max_lora_rank=8).check(LoRARequest("a", 1, adapter))
 
 
-@pytest.mark.parametrize("request_", [LoRARequest("", 1, "x"), LoRARequest("a", 0, "x"), LoRARequest("a", 1, "")])
+@pytest.mark.parametrize("request_", [LoRARequest("", 1, "x"), LoRARequest("a", 0, "x"), LoRARequest("a", 1, ""),
+                                      LoRARequest("a", 2**63, "x")])  # past the wire's int64
 def test_lora_request_fields_are_validated(request_: LoRARequest) -> None:
     with pytest.raises(InvalidRequestError):
         request_.validate()
