@@ -320,6 +320,7 @@ def check_model(config: Any) -> None:
 
 def _serve_engine(args: argparse.Namespace) -> tuple[Any, str | None]:
     from asyncllm import AsyncEngine
+    from asyncllm.integrations.openai_info import served_name
 
     kwargs = engine_kwargs(args)
     if args.connect is not None:
@@ -331,8 +332,10 @@ def _serve_engine(args: argparse.Namespace) -> tuple[Any, str | None]:
         engine = AsyncEngine.connect(args.connect, **kwargs)
     else:
         engine = AsyncEngine(args.model, **kwargs)
-    if args.served_model_name:  # as vLLM's metrics: labelled with the first served name
-        engine.set_served_model_name(args.served_model_name[0])
+    # as vLLM's metrics: labelled with the first served name (asyncllm-tiny for the bundled model, not its folder)
+    first = args.served_model_name[0] if args.served_model_name else served_name(engine.config.model)
+    if first is not None:  # None: attached to a shared core, labelled with its model once attached
+        engine.set_served_model_name(first)
     return engine, args.served_model_name
 
 

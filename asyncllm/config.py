@@ -110,6 +110,10 @@ class SchedulerConfig:
     structured_output_compile_timeout_s: float = 30.0
     """Structured output: a request whose grammar has not compiled after this many seconds fails with
     InvalidRequestError (the first structured request's tokenizer loading does not count)."""
+    structured_output_disable_any_whitespace: bool = False
+    """vLLM's ``structured_outputs_config.disable_any_whitespace``: JSON output in xgrammar's compact layout (``", "``
+    between items, ``": "`` after keys, no other whitespace); False (as vLLM's default) lets the model write any JSON
+    whitespace between tokens, still valid JSON against the schema."""
     async_scheduling: bool = True
     """Overlap the core's scheduling of step N+1 with the workers' step N (outputs stay token-exact; some steps
     still run synchronously, see docs/scheduling.md); False runs every step synchronously."""
@@ -128,6 +132,7 @@ class SchedulerConfig:
         check_int("max_num_queued_tokens", self.max_num_queued_tokens, 1, optional=True)
         check_float("structured_output_compile_timeout_s", self.structured_output_compile_timeout_s, 0.0, 86400.0,
                lo_open=True)
+        check_bool("structured_output_disable_any_whitespace", self.structured_output_disable_any_whitespace)
         check_bool("async_scheduling", self.async_scheduling)
         self.speculative  # noqa: B018 - validates speculative_config
         check_int("stream_interval", self.stream_interval, 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable, Generic, TypeVar
@@ -139,11 +140,42 @@ RESPONSES_API_STORE_MAX_ENTRIES = EnvVar(
     "recently used (stored, retrieved or continued) is dropped. Read when the app is made.",
 )
 
+MAX_NUM_BAD_WORDS = EnvVar(
+    "ASYNCLLM_MAX_NUM_BAD_WORDS", 128, _positive_int,
+    "Most bad-word token sequences one request may ban (its bad_words_token_ids plus those the host tokenizes from "
+    "bad_words, each word up to two; vLLM's VLLM_MAX_NUM_BAD_WORDS); more is an InvalidRequestError. Read per request.",
+)
+MAX_BAD_WORDS_TOTAL_TOKENS = EnvVar(
+    "ASYNCLLM_MAX_BAD_WORDS_TOTAL_TOKENS", 1024, _positive_int,
+    "Most tokens in all of one request's bad-word sequences together (vLLM's VLLM_MAX_BAD_WORDS_TOTAL_TOKENS); more "
+    "is an InvalidRequestError. Read per request.",
+)
+
 PP_LAYER_PARTITION = EnvVar(
     "ASYNCLLM_PP_LAYER_PARTITION", "", str,
     "With pipeline_parallel_size > 1: the decoder layers of each stage, as comma-separated counts (vLLM's "
     "VLLM_PP_LAYER_PARTITION, e.g. '3,5'); unset: vLLM's even split, the remainder to the stages before the last "
     "(docs/parallelism.md). Read on the host at start and by every worker.",
+)
+
+def _logging_level(raw: str) -> int:
+    """A logging level by name (DEBUG, INFO, WARNING, ERROR, CRITICAL; any case) or number."""
+    name = raw.strip().upper()
+    level = int(name) if name.isdigit() else logging.getLevelName(name)  # a known name's number, else a string
+    if not isinstance(level, int):
+        raise ValueError("a logging level: DEBUG, INFO, WARNING, ERROR, CRITICAL or a number")
+    return level
+
+
+LOGGING_LEVEL = EnvVar(
+    "ASYNCLLM_LOGGING_LEVEL", logging.INFO, _logging_level,
+    "Level of the engine core's and workers' own stderr logging (vLLM's VLLM_LOGGING_LEVEL); unset: the level the "
+    "host set on its `asyncllm` logger, else INFO (docs/observability.md). Read at each core and worker start.",
+)
+CONFIGURE_LOGGING = EnvVar(
+    "ASYNCLLM_CONFIGURE_LOGGING", True, _truthy,
+    "0: the engine core and workers add no stderr handler and set no level (vLLM's VLLM_CONFIGURE_LOGGING=0; only "
+    "Python's last-resort WARNING lines remain). Read at each core and worker start.",
 )
 
 FORKSERVER = EnvVar(
@@ -154,6 +186,7 @@ FORKSERVER = EnvVar(
     "server's gets a new interpreter. Unset: new interpreters. Read at each start.",
 )
 
-REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR, ENABLE_RESPONSES_API_STORE,
-            ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_OFFLINE, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES, RUNTIME_DIR,
-            SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE)
+REGISTRY = (ALLOW_RUNTIME_LORA_UPDATING, API_KEY, CONFIGURE_LOGGING, CPU_KVCACHE_SPACE_GB, DECODE_LINEAR,
+            ENABLE_RESPONSES_API_STORE, ENGINE_KEY, ENGINE_STARTUP_TIMEOUT_S, FORKSERVER, HF_HUB_OFFLINE, LOGGING_LEVEL,
+            MAX_BAD_WORDS_TOTAL_TOKENS, MAX_NUM_BAD_WORDS, PP_LAYER_PARTITION, RESPONSES_API_STORE_MAX_ENTRIES,
+            RUNTIME_DIR, SERVER_DEV_MODE, TRITON_INTERPRET, WORKER_PIPELINE)

@@ -35,7 +35,8 @@ __all__ = ["Header", "HarmonyScanner", "HarmonyReasoningStream", "HarmonyToolStr
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, RETURN, CALL = "<|end|>", "<|return|>", "<|call|>"
 FINAL_START = CHANNEL + "final" + MESSAGE
-"""Where the answer starts: a constraint (structured output, a tool choice) applies after it."""
+"""The final channel's header with nothing between: a constraint starts after `GptOssReasoningParser`'s end_tag and
+end_suffix, which allow tokens between (``<|constrain|>json``)."""
 _ENDS = (END, RETURN, CALL)
 _FIRST_OPENERS = (CHANNEL, " to=")
 """What may open the reply's first message, whose ``<|start|>assistant`` is in the prompt."""

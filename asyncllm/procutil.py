@@ -107,6 +107,12 @@ def _forget_spawner() -> None:
 os.register_at_fork(after_in_child=_forget_spawner)
 
 
+def forked(owner_pid: int | None) -> bool:
+    """Whether this process was forked from `owner_pid` (the process an engine started in; None: not started):
+    threads, event loops and sockets do not cross os.fork(), so the child cannot use what the parent runs."""
+    return owner_pid is not None and owner_pid != os.getpid()
+
+
 def die_with_parent() -> None:
     """In a new interpreter `spawn_module` started on Linux: the kernel SIGKILLs us when the parent's spawner thread
     (so the parent) ends, even while our Python is hung holding the GIL and no watcher thread runs. A parent that

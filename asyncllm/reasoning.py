@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 
 from asyncllm.errors import ConfigError
-from asyncllm.harmony import FINAL_START, HarmonyReasoningStream
+from asyncllm.harmony import CHANNEL, MESSAGE, HarmonyReasoningStream
 from asyncllm.tool_calls import partial_tag_suffix
 
 __all__ = ["ReasoningParser", "ReasoningStream", "REASONING_PARSERS", "get_reasoning_parser"]
@@ -115,6 +115,10 @@ class ReasoningParser:
     """What opens the thinking (in the reply, or in the prompt: `opened_by_prompt`)."""
     end_tag = _CLOSE
     """What ends the thinking: a constraint (structured output, a tool choice) starts after it."""
+    end_suffix: str | None = None
+    """With it, the thinking ends at `end_tag` then this, with fewer than `end_max_between` tokens between
+    (`StructuredOutputs.start_after_suffix`); None: at `end_tag` alone."""
+    end_max_between = 0
     opened_by_prompt = True
     """Whether the chat template opens ``<think>`` in the prompt (the reply is reasoning until ``</think>``)."""
     needs_special_tokens = False
@@ -195,7 +199,9 @@ class GptOssReasoningParser(ReasoningParser):
     """gpt-oss: harmony's channels (``<|channel|>analysis<|message|>``...), special tokens kept in the text; a
     constraint starts with the final channel's message."""
 
-    end_tag = FINAL_START
+    end_tag, end_suffix, end_max_between = CHANNEL + "final", MESSAGE, 20
+    """Harmony may write tokens between the final channel and its message (``<|channel|>final <|constrain|>json
+    <|message|>``): vLLM's openai_gptoss ``is_reasoning_end`` takes up to 20 between."""
     needs_special_tokens = True
     forced_tool_calls = False
     prompt_ends_thinking = False

@@ -12,6 +12,7 @@ import math
 
 import msgspec
 
+from asyncllm import envs
 from asyncllm.errors import InvalidRequestError
 from asyncllm.structured.spec import StructuredOutputs
 
@@ -31,6 +32,8 @@ _LOGPROBS_BOUND = 2**31 - 1
 
 _MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a logit_bias value; a bias of +-100 bans or forces a token."""
+_BAD_WORD_CHARS_PER_TOKEN = 64
+"""bad_words' characters allowed per bad-word token, checked before tokenizing: no usual vocabulary entry is longer."""
 _REPETITION_PENALTY_BOUND = 2.0**31
 """repetition_penalty lies in [1 / bound, bound]: the workers divide float32 logits by it, and a smaller one
 overflows them to inf (below float32's range it is 0), which samples token 0 whatever the logits."""
@@ -126,10 +129,6 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         if isinstance(self.structured, dict):
             self.structured = _structured_from_dict(self.structured)
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
     def validate(self) -> None:
         """Raise `InvalidRequestError` naming the first bad field."""
         _check_int("n", self.n, 1, 2**31 - 1)
@@ -179,11 +178,29 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
                 not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids
                 or not all(_is_int(t) and t >= 0 for t in self.allowed_token_ids)):
             raise InvalidRequestError("allowed_token_ids", "must be a non-empty list of non-negative token ids")
-        if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w.strip() for w in self.bad_words):
-            raise InvalidRequestError("bad_words", "must be a list of non-blank strings")
-        sequences = self.bad_words_token_ids
-        if not isinstance(sequences, list) or not all(
-                isinstance(ids, list) and ids and all(_is_int(t) and t >= 0 for t in ids) for ids in sequences):
+        self._validate_bad_words()
+
+    def _validate_bad_words(self) -> None:
+        """Types, and vLLM's bounds on what a request may ban, checked before the host tokenizes a word: the
+        tokenizer checks the sequences the words add (`asyncllm.tokenizer.bad_words_token_ids`)."""
+        max_sequences, max_tokens = envs.MAX_NUM_BAD_WORDS.get(), envs.MAX_BAD_WORDS_TOTAL_TOKENS.get()
+        words, sequences = self.bad_words, self.bad_words_token_ids
+        if not isinstance(words, list) or len(words) > max_sequences or not all(
+                isinstance(w, str) and w.strip() for w in words):
+            raise InvalidRequestError("bad_words", f"must be a list of at most {max_sequences} non-blank strings "
+                                                   f"(ASYNCLLM_MAX_NUM_BAD_WORDS)")
+        if sum(len(w) for w in words) > max_tokens * _BAD_WORD_CHARS_PER_TOKEN:
+            raise InvalidRequestError("bad_words", f"at most {max_tokens * _BAD_WORD_CHARS_PER_TOKEN} characters in "
+                                                   f"all (ASYNCLLM_MAX_BAD_WORDS_TOTAL_TOKENS={max_tokens} tokens)")
+        if not isinstance(sequences, list) or len(sequences) > max_sequences or not all(
+                isinstance(ids, list) and ids for ids in sequences):
+            raise InvalidRequestError("bad_words_token_ids", f"must be a list of at most {max_sequences} "
+                                      f"(ASYNCLLM_MAX_NUM_BAD_WORDS) non-empty lists of token ids >= 0")
+        total = sum(len(ids) for ids in sequences)
+        if total > max_tokens:
+            raise InvalidRequestError("bad_words_token_ids", f"at most {max_tokens} tokens in all "
+                                                             f"(ASYNCLLM_MAX_BAD_WORDS_TOTAL_TOKENS), got {total}")
+        if not all(_is_int(t) and t >= 0 for ids in sequences for t in ids):
             raise InvalidRequestError("bad_words_token_ids", "must be a list of non-empty lists of token ids >= 0")
 
     def _validate_outputs(self) -> None:
@@ -206,8 +223,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True, array_lik
         """Raise `InvalidRequestError` if a token id in the parameters is not below `vocab_size`."""
         fields = {"logit_bias": list(self.logit_bias or ()), "allowed_token_ids": self.allowed_token_ids or [],
                   "bad_words_token_ids": [t for ids in self.bad_words_token_ids for t in ids],
-                  "structured": self.structured.start_after_token_ids if isinstance(self.structured, StructuredOutputs)
-                  else []}
+                  "structured": self.structured.start_after_token_ids + self.structured.start_after_suffix_token_ids
+                  if isinstance(self.structured, StructuredOutputs) else []}
         for name, token_ids in fields.items():
             bad = [t for t in token_ids if t >= vocab_size]
             if bad:

@@ -15,9 +15,10 @@ import json
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from asyncllm import envs
 from asyncllm.errors import ConfigError, InvalidRequestError
 
 if TYPE_CHECKING:
@@ -123,14 +124,27 @@ _TRUNCATING: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDic
 _TRUNCATING_LOCK = threading.Lock()
 
 
-def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str]) -> list[list[int]]:
-    """Each word's token ids as it is written at a text's start and after a space, without duplicates."""
-    out: list[list[int]] = []
+def bad_words_token_ids(tokenizer: PreTrainedTokenizerBase, words: list[str],
+                        token_ids: Sequence[list[int]] = ()) -> list[list[int]]:
+    """`token_ids`, then each word's token ids as it is written at a text's start and after a space, without
+    duplicates; `InvalidRequestError` naming bad_words as soon as the sequences pass vLLM's bounds
+    (ASYNCLLM_MAX_NUM_BAD_WORDS sequences, ASYNCLLM_MAX_BAD_WORDS_TOTAL_TOKENS tokens), before the next word."""
+    max_sequences, max_tokens = envs.MAX_NUM_BAD_WORDS.get(), envs.MAX_BAD_WORDS_TOTAL_TOKENS.get()
+    out = list(token_ids)
+    seen = {tuple(ids) for ids in out}
+    total = sum(len(ids) for ids in out)
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
             ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-            if ids and ids not in out:
+            if ids and tuple(ids) not in seen:
+                seen.add(tuple(ids))
                 out.append(ids)
+                total += len(ids)
+        if len(out) > max_sequences or total > max_tokens:
+            raise InvalidRequestError("bad_words", f"tokenize to {len(out)} sequences of {total} tokens with "
+                                      f"bad_words_token_ids (each word with and without a leading space): at most "
+                                      f"{max_sequences} (ASYNCLLM_MAX_NUM_BAD_WORDS) of {max_tokens} tokens "
+                                      f"(ASYNCLLM_MAX_BAD_WORDS_TOTAL_TOKENS)")
     return out
 
 
@@ -239,6 +253,8 @@ def _template_call(i: int, call: object) -> dict[str, Any]:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError:
             raise InvalidRequestError("messages", f"item {i}: tool call arguments are not JSON: {arguments!r}") from None
+        except RecursionError:  # nested deeper than Python's recursion limit
+            raise InvalidRequestError("messages", f"item {i}: tool call arguments are JSON nested too deeply") from None
     if not isinstance(arguments, (dict, list)):
         raise InvalidRequestError("messages", f"item {i}: tool call arguments must be a JSON object or array")
     return {**call, "function": {**function, "arguments": arguments}}

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 from starlette.datastructures import UploadFile
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -130,6 +130,8 @@ async def _form(request: Request, limit: int) -> dict[str, Any]:
                        "server_error") from exc
     except (ApiError, InvalidRequestError):
         raise
+    except ClientDisconnect:  # gone mid-upload: a quiet 499, as `read_body`
+        raise ClientDisconnected() from None
     except Exception as exc:  # noqa: BLE001 - starlette's MultiPartException, a malformed body
         raise InvalidRequestError("body", f"a multipart/form-data body with the audio as 'file' ({exc})") from exc
     if not isinstance(fields.get("file"), bytes):

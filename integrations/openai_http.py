@@ -21,7 +21,7 @@ import msgspec
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -84,16 +84,20 @@ def check_api_key(request: Request, api_key: bytes | None) -> None:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The request's body; a 413 `ApiError` as soon as it declares or sends more than `limit` bytes."""
+    """The request's body; a 413 `ApiError` as soon as it declares or sends more than `limit` bytes,
+    `ClientDisconnected` when the client goes before sending it all."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+    except ClientDisconnect:  # gone mid-upload: a quiet 499 (`guard`), as a disconnect while generating
+        raise ClientDisconnected() from None
     return b"".join(chunks)
 
 

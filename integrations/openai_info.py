@@ -72,7 +72,7 @@ def served_name(model: str) -> str | None:
     once attached); else the model as configured (before the engine resolves it to a folder)."""
     from asyncllm.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 
-    if model.startswith("ipc://"):
+    if model.startswith(("ipc://", "tcp://")):  # the engine addresses (asyncllm/engine/connect.py)
         return None
     try:
         return BUNDLED_MODEL_NAME if model == bundled_model_path() else model

@@ -1,17 +1,13 @@
 """OpenAI request bodies as msgspec Structs, and the request-level helpers the handlers share.
 
-Unknown fields are refused with a 400 naming them (OpenAI does the same), so a
-client never believes an option took effect when asyncllm does not build it.
-vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
-``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``,
-``bad_words``, ``truncate_prompt_tokens``, ``prompt_logprobs``, ``priority``,
-``cache_salt``, ``chat_template``, ...) are accepted, as a vLLM user expects, and
-so are vLLM's ``use_beam_search`` (openai_beam_search.py runs it) and
-structured output: OpenAI's ``response_format`` (``json_object``,
-``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
-``choice``, ``grammar``, ``json_object``). Tool calling (``tools``,
-``tool_choice``) is read in openai_tools.py. openai_sampling.py maps the bodies
-to `SamplingParams` and refuses the options not built yet (``suffix``,
+Unknown fields are refused with a 400 naming them (OpenAI does the same), so a client never believes an option took
+effect when asyncllm does not build it. vLLM's extensions (``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ``allowed_token_ids``, ``bad_words``, ``truncate_prompt_tokens``,
+``prompt_logprobs``, ``priority``, ``cache_salt``, ``chat_template``, ...) are accepted, as a vLLM user expects, and
+so are vLLM's ``use_beam_search`` (openai_beam_search.py runs it) and structured output: OpenAI's
+``response_format`` (``json_object``, ``json_schema``) and vLLM's ``structured_outputs`` (``json``, ``regex``,
+``choice``, ``grammar``, ``json_object``). Tool calling (``tools``, ``tool_choice``) is read in openai_tools.py.
+openai_sampling.py maps the bodies to `SamplingParams` and refuses the options not built yet (``suffix``,
 ``best_of`` != n, ...) by name.
 """
 
@@ -257,8 +253,9 @@ _AT_FIELD = re.compile(r"at `\$\.([A-Za-z_]+)")
 _NAMED_FIELD = re.compile(r"field `([^`]+)`")
 
 
-def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
-    """Decode and type-check a JSON body; msgspec's error becomes an `InvalidRequestError` naming the field."""
+def decode_request(body: bytes, request_type: Any) -> Any:
+    """Decode and type-check a JSON body (a Struct, or `Any`: any JSON); msgspec's error becomes an
+    `InvalidRequestError` naming the field."""
     try:
         return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
@@ -267,6 +264,8 @@ def decode_request(body: bytes, request_type: type[msgspec.Struct]) -> Any:
         raise InvalidRequestError(match.group(1) if match else "body", text) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
+    except RecursionError:  # nested deeper than Python's recursion limit: a 2 kB body can be
+        raise InvalidRequestError("body", "is JSON nested too deeply") from None
 
 
 def completion_prompts(prompt: str | list[Any], limits: ServerLimits, field: str = "prompt") -> list[str | list[int]]:

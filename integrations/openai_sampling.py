@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from asyncllm.reasoning import ReasoningParser
 
 __all__ = ["completion_params", "chat_params", "chat_field_names", "chat_logprobs", "check_common", "echo_only",
-           "resolve_max_tokens", "sets_max_tokens"]
+           "resolve_max_tokens", "sets_max_tokens", "with_max_tokens_cap"]
 
 GenerationRequest = CompletionRequest | ChatCompletionRequest
 """Either generation request (the fields they share are `openai_protocol._Common`'s)."""
@@ -85,7 +85,9 @@ def chat_params(req: ChatCompletionRequest, limits: ServerLimits, mode: ToolMode
     if reasoning is not None and reasoning.needs_special_tokens:  # harmony's channel markers
         params.skip_special_tokens = False
     if reasoning is not None and params.structured is not None and not thinking_off:  # think, then the grammar
-        params.structured = msgspec.structs.replace(params.structured, start_after=reasoning.end_tag)
+        params.structured = msgspec.structs.replace(params.structured, start_after=reasoning.end_tag,
+                                                    start_after_suffix=reasoning.end_suffix,
+                                                    start_after_max_between=reasoning.end_max_between)
     return params
 
 
@@ -106,11 +108,30 @@ def chat_logprobs(req: ChatCompletionRequest) -> int | None:
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
+MAX_TOKENS_CAP = "max_tokens_cap"
+"""The key of the server's sampling defaults (`with_max_tokens_cap`) that caps every request's max_tokens."""
+
+
+def with_max_tokens_cap(defaults: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """The engine's default sampling fields plus vLLM's ``override_max_tokens`` under `MAX_TOKENS_CAP`: with a
+    generation_config folder its max_new_tokens (overrides included), else (``auto``, ``vllm``) the config's
+    override_generation_config's; None: no cap. `config`: the engine's (`EngineConfig` or `ModelConfig`)."""
+    if config.generation_config in ("auto", "vllm"):
+        cap = (config.override_generation_config or {}).get("max_tokens")
+    else:
+        cap = defaults.get("max_tokens")
+    return {**defaults, MAX_TOKENS_CAP: cap}
+
+
 def resolve_max_tokens(max_tokens: int | None, limits: ServerLimits, defaults: Mapping[str, Any]) -> int | None:
-    """The request's max_tokens, else the model's default, else the server's limit (None: up to max_model_len);
-    more than the limit is an `InvalidRequestError`."""
+    """vLLM's ``get_max_tokens``: the request's max_tokens, else the model's default, at most the cap of the
+    defaults (`with_max_tokens_cap`); else the server's limit (None: up to max_model_len, which the engine cuts to
+    the room left); more than the limit is an `InvalidRequestError`."""
     if max_tokens is None:
         max_tokens = defaults.get("max_tokens")
+    cap = defaults.get(MAX_TOKENS_CAP)
+    if cap is not None:
+        max_tokens = cap if max_tokens is None else min(max_tokens, cap)
     if limits.max_tokens is not None:
         if max_tokens is None:
             return limits.max_tokens

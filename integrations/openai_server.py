@@ -31,7 +31,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -53,7 +52,8 @@ from asyncllm.integrations.openai_protocol import (
     completion_prompts, decode_request, header_data_parallel_rank, request_options, take_request_id,
 )
 from asyncllm.integrations.openai_responses import Choices, token_id_text
-from asyncllm.integrations.openai_sampling import chat_field_names, chat_params, completion_params, echo_only, sets_max_tokens
+from asyncllm.integrations.openai_sampling import (chat_field_names, chat_params, completion_params, echo_only,
+                                                   sets_max_tokens, with_max_tokens_cap)
 from asyncllm.integrations.openai_streaming import count_prompts, respond, response_events
 from asyncllm.integrations.openai_score import score_routes
 from asyncllm.integrations.openai_pooling import pooling_routes
@@ -275,10 +275,7 @@ class OpenAIServer:
         """SageMaker's (as vLLM): a body with ``messages`` is a chat completion, one with ``prompt`` a completion,
         one with ``input`` an embedding."""
         body = await self._body(request)
-        try:
-            keys = msgspec.json.decode(body)
-        except msgspec.DecodeError as exc:
-            raise InvalidRequestError("body", f"not valid JSON: {exc}") from None
+        keys = decode_request(body, Any)
         for key, route in (("messages", self.chat_completions), ("prompt", self.completions), ("input", self.embeddings)):
             if isinstance(keys, dict) and key in keys:
                 return await route(request, body)
@@ -310,10 +307,10 @@ class OpenAIServer:
         return json_response(turn.keep(body))
 
     async def _sampling_defaults(self) -> dict[str, Any]:
-        """The engine's default sampling fields (the model's generation config) for fields a request leaves unset."""
+        """The engine's default sampling fields for those a request leaves unset, and the max_tokens cap (vLLM's)."""
         if not self.engine.started:
             await self.engine.start()
-        return self.engine.default_sampling_fields()
+        return with_max_tokens_cap(self.engine.default_sampling_fields(), self.engine.config)
 
     def _start_chat(self, req: ChatCompletionRequest, lora: LoRARequest | None, defaults: dict[str, Any],
                     data_parallel_rank: int | None = None,
@@ -349,7 +346,8 @@ class OpenAIServer:
         yet); tokenized once."""
         if self._reasoning_end is None and self.reasoning is not None and self.reasoning.prompt_ends_thinking \
                 and self.engine.tokenizer is not None:
-            self._reasoning_end = Marker.of(self.engine.tokenizer, self.reasoning.end_tag)
+            self._reasoning_end = Marker.of(self.engine.tokenizer, self.reasoning.end_tag, self.reasoning.end_suffix,
+                                            self.reasoning.end_max_between)
         return self._reasoning_end
 
     async def _chat_tokens(self, req: TokenizeRequest | EmbeddingRequest | ChatCompletionRequest,

@@ -97,15 +97,34 @@ def _named(tool_choice: Any) -> str:
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
-    return function.get("parameters") or {"type": "object"}
+    """The function's parameters schema; a function without (or with empty) ``parameters`` takes none: ``{}``, as
+    vLLM constrains it (``{"type": "object"}`` alone would let the model write any object)."""
+    return function.get("parameters") or {"type": "object", "properties": {}}
 
 
 def _required_schema(functions: Any, parallel: bool) -> StructuredOutputs:
-    """A JSON list of calls ``{"name": one of the functions, "parameters": its schema}``."""
+    """A JSON list of calls ``{"name": one of the functions, "parameters": its schema}``; the functions' ``$defs``
+    lifted to the list's root, where their ``#/$defs/...`` references resolve (vLLM's ``get_tool_schema_defs``)."""
+    defs: dict[str, Any] = {}
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                                              "parameters": _parameters(f)},
+                                              "parameters": _lifted_defs(f, defs)},
               "required": ["name", "parameters"], "additionalProperties": False} for f in functions]
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return StructuredOutputs(json=schema)
+
+
+def _lifted_defs(function: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """The function's parameters without their ``$defs``, which join `defs`; a 400 on ``tools`` when two functions
+    define one name differently, as vLLM."""
+    parameters = dict(_parameters(function))
+    own = parameters.pop("$defs", None) or {}
+    if not isinstance(own, dict):
+        raise InvalidRequestError("tools", f"function {function['name']!r}: parameters' $defs must be an object")
+    for name, schema in own.items():
+        if defs.setdefault(name, schema) != schema:
+            raise InvalidRequestError("tools", f"tool definition {name!r} has multiple schemas, which is not supported")
+    return parameters

@@ -13,11 +13,13 @@ calling it on its own loop's thread would deadlock and raises instead.
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Coroutine, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncllm.errors import EngineDeadError
+from asyncllm.procutil import forked
 
 if TYPE_CHECKING:
     from asyncllm.beam_search import BeamSearchOutput, BeamSearchParams
@@ -57,6 +59,7 @@ class SyncEngine:
 
     def _setup(self, make_engine: Any) -> None:
         self._engine: AsyncEngine = make_engine()  # cheap: nothing starts before the first call
+        self._owner_pid = os.getpid()  # its loop thread does not cross os.fork(): a forked child cannot use it
         self._loop = asyncio.new_event_loop()
         self._closed = False
         self._close_lock = threading.Lock()
@@ -86,6 +89,8 @@ class SyncEngine:
             if self._closed:
                 return
             self._closed = True
+        if forked(self._owner_pid):  # its parent's engine, serving on there, is only dropped (no loop thread here)
+            return
         try:
             self._call(self._engine.aclose())
         finally:
@@ -185,7 +190,11 @@ class SyncEngine:
 
     def _check_open(self, coro: Coroutine[Any, Any, Any] | None = None) -> None:
         problem = None
-        if self._closed:
+        if forked(self._owner_pid):
+            problem = EngineDeadError(
+                f"this SyncEngine was created in process {self._owner_pid}, before a fork: process {os.getpid()} "
+                "cannot use it; create the engine after the fork (in the worker): docs/integrations/task-runners.md")
+        elif self._closed:
             problem = EngineDeadError("this SyncEngine was closed; create a new one")
         elif threading.current_thread() is self._thread:
             problem = RuntimeError("SyncEngine called from its own loop thread would deadlock; "
@@ -198,7 +207,8 @@ class SyncEngine:
     def __del__(self) -> None:
         # A forgotten close: stop the loop thread; the dropped AsyncEngine is then collected and stops its processes.
         loop = getattr(self, "_loop", None)
-        if loop is not None and not loop.is_closed() and not getattr(self, "_closed", True):
+        if loop is not None and not loop.is_closed() and not getattr(self, "_closed", True) \
+                and not forked(self._owner_pid):
             try:
                 loop.call_soon_threadsafe(loop.stop)
             except RuntimeError:

@@ -28,7 +28,7 @@ from asyncllm.protocol import CachedRequestData, NewRequestData, SchedulerOutput
 from asyncllm.workers.block_table import BlockTable
 from asyncllm.workers.generation_rules import GenerationRules
 from asyncllm.workers.input_types import RequestState, StepInputs
-from asyncllm.workers.logits_processors import RowLogitsParams, build_logits_processors_metadata
+from asyncllm.workers.logits_processors import EXHAUSTED_ERROR, RowLogitsParams, build_logits_processors_metadata
 from asyncllm.workers.logprobs import LogprobsMetadata, PromptLogprobsJob, plan_prompt_logprobs
 from asyncllm.workers.sampler import SamplingMetadata
 from asyncllm.workers.spec_decode import DraftedRequest, DraftPosition, plan_drafted
@@ -222,6 +222,9 @@ class InputBatch:
         sampling_metadata = self._sampling_metadata(sampling_states, positions)
         inputs = self._to_device(req_ids, int(query_start_loc[-1]), sample_indices, sampling_metadata, len(positions))
         inputs.drafted = drafted
+        if sampling_metadata.logits_processors is not None and sampling_metadata.logits_processors.exhausted:
+            inputs.failed = _exhausted_requests(req_ids, sample_indices, drafted,
+                                                sampling_metadata.logits_processors.exhausted)
         if drafted and self.keeps_states:  # the state layers keep each draft's states (asyncllm/models/row_states.py)
             rows = self.rows.np
             inputs.attn_metadata.state_drafts = [(int(rows[sample_indices[r.sample]]), len(r.drafts)) for r in drafted]
@@ -366,3 +369,14 @@ def _plan_state_checkpoints(metadata: AttentionMetadata, sched_out: SchedulerOut
         (requests[req_id].row, point - requests[req_id].num_computed_tokens, slot)
         for req_id, points in sched_out.state_saves.items() for point, slot in points
     ]
+
+
+def _exhausted_requests(req_ids: list[str], sample_indices: list[int], drafted: list[DraftedRequest],
+                        exhausted: tuple[int, ...]) -> dict[str, str]:
+    """The requests of `exhausted` logits rows that sample right after their committed tokens (not after a draft,
+    which may be rejected), with `EXHAUSTED_ERROR`."""
+    committed = dict(enumerate(sample_indices))  # logits row -> index into req_ids
+    for request in drafted:  # its usual row follows its drafts; its first draft row follows its committed tokens
+        del committed[request.sample]
+        committed[request.first_row] = sample_indices[request.sample]
+    return {req_ids[committed[row]]: EXHAUSTED_ERROR for row in exhausted if row in committed}

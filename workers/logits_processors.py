@@ -28,6 +28,7 @@ import torch
 from asyncllm.sampling import SamplingParams
 
 __all__ = [
+    "EXHAUSTED_ERROR",
     "array_to_device",
     "LogitsProcessorsMetadata",
     "PenaltyMetadata",
@@ -120,6 +121,11 @@ class PenaltyMetadata:
     counted once verified (`PenaltyTables.record_tokens`)."""
 
 
+EXHAUSTED_ERROR = ("allowed_token_ids: bad_words (or EOS and stop tokens while min_tokens holds) forbid every "
+                   "allowed token after this output, so none is left to sample: allow more tokens, or drop bad_words")
+"""The error of a request with no allowed token left (`LogitsProcessorsMetadata.exhausted`)."""
+
+
 @dataclass
 class LogitsProcessorsMetadata:
     """Index tensors of one step; a processor that no row uses is None."""
@@ -133,6 +139,9 @@ class LogitsProcessorsMetadata:
     """(logits rows, each row once; the rows repeated per id; the allowed ids)."""
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
     """(logits rows, token ids) the bad words forbid this step."""
+    exhausted: tuple[int, ...] = ()
+    """Logits rows whose allowed_token_ids the bad words and min_tokens all forbid this step: they have no token
+    left to sample (the sampler would pick one outside the allowed set), so their requests fail (input_batch.py)."""
 
 
 def build_logits_processors_metadata(
@@ -144,18 +153,22 @@ def build_logits_processors_metadata(
     penalized: list[tuple[int, RowState, RowLogitsParams]] = []
     allowed: list[tuple[int, RowLogitsParams]] = []
     banned: list[tuple[int, int]] = []
+    exhausted: list[int] = []
     for i, state in enumerate(states):
         params = state.logits_params
         if params is None:
             continue
-        if params.allowed_token_ids is not None:
-            allowed.append((i, params))
-        if params.bad_words:
-            banned += [(i, token) for token in _banned_tokens(state, params)]
+        row_banned = _banned_tokens(state, params) if params.bad_words else []
+        banned += [(i, token) for token in row_banned]
         if params.bias_token_ids is not None:
             bias.append((i, params))
-        if len(state.token_ids) - state.num_prompt_tokens < params.min_tokens:
+        holds_min_tokens = len(state.token_ids) - state.num_prompt_tokens < params.min_tokens
+        if holds_min_tokens:
             masked.append((i, params))
+        if params.allowed_token_ids is not None:
+            allowed.append((i, params))
+            if (row_banned or holds_min_tokens) and _allows_none(params, row_banned, holds_min_tokens):
+                exhausted.append(i)
         if params.penalized:
             penalized.append((i, state, params))
     if not (bias or masked or penalized or allowed or banned):
@@ -167,7 +180,17 @@ def build_logits_processors_metadata(
         allowed=_allowed_indices(allowed, device) if allowed else None,
         banned=(array_to_device(np.array([i for i, _ in banned], np.int64), device),
                 array_to_device(np.array([t for _, t in banned], np.int64), device)) if banned else None,
+        exhausted=tuple(exhausted),
     )
+
+
+def _allows_none(params: RowLogitsParams, banned: list[int], holds_min_tokens: bool) -> bool:
+    """Whether this step's bad words (and EOS and stop ids while min_tokens holds) forbid every allowed token."""
+    assert params.allowed_token_ids is not None
+    forbidden = set(banned)
+    if holds_min_tokens:
+        forbidden.update(params.stop_token_ids.tolist())
+    return len(params.allowed_token_ids) <= len(forbidden) and forbidden.issuperset(params.allowed_token_ids.tolist())
 
 
 def _banned_tokens(state: RowState, params: RowLogitsParams) -> list[int]:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import zmq
 
 from asyncllm import envs, protocol
+from asyncllm.child_logging import configure_child_logging
 from asyncllm.config import EngineConfig
 from asyncllm.errors import ConfigError
 from asyncllm.models.checkpoint import hf_config_from_json
@@ -254,16 +255,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _setup_logging(rank: int) -> None:
-    """The worker is our own process: log asyncllm records to stderr, tagged with the rank."""
-    root = logging.getLogger("asyncllm")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(levelname)s %(asctime)s [worker {rank}] %(name)s: %(message)s"))
-        root.addHandler(handler)
-        root.setLevel(logging.INFO)
-
-
 def run_worker(args: argparse.Namespace) -> int:
     """Set up, serve commands, tear down; returns the exit code (1 after a reported error)."""
     ctx = zmq.Context()
@@ -294,7 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     report_crashes()
     ignore_group_signals()  # Ctrl-C and SIGTERM reach the whole process group; the core owns the shutdown order
     args = _parse_args(argv)
-    _setup_logging(args.rank)
+    configure_child_logging(f"worker {args.rank}")
     code = run_worker(args)
     # Everything is closed by now. Skip interpreter finalization: the parent-watch
     # thread sits in a read of stdin, and finalizing under it aborts the process.

@@ -7,6 +7,7 @@ weight, LoRA, prefix-cache and sleep controls `EngineControl` (asyncllm/engine/e
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 import uuid
 import weakref
@@ -28,15 +29,16 @@ from asyncllm.engine.pooling_model import PoolingModel
 from asyncllm.engine.prepare import Prepared
 from asyncllm.engine.processor import Delivery, Processor, Submit
 from asyncllm.engine.replica import (
-    LaunchSpec, Replica, ReplicaSet, finish_in_thread, start_replica, start_replicas, stop_all, stop_forgotten,
-    weakly,
+    LaunchSpec, Replica, ReplicaSet, check_not_forked, finish_in_thread, start_replica, start_replicas,
+    stop_all, stop_forgotten, weakly,
 )
 from asyncllm.engine.stream import RequestOptions, check_prompt
 from asyncllm.engine.supervisor import CoreSupervisor
-from asyncllm.engine.validation import check_params_text, check_request_id, check_text
+from asyncllm.engine.validation import check_request_strings
 from asyncllm.metrics.observer import RequestObserver
 from asyncllm.errors import AsyncLLMError, EngineDeadError, EventLoopError, NotBuiltError
 from asyncllm.outputs import EngineStats
+from asyncllm.procutil import forked
 from asyncllm.sampling import SamplingParams
 from asyncllm.speech import SpeechToText, speech_to_text_of
 
@@ -100,6 +102,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         """Weight updates on every replica, and the last one for a restarted core."""
         self._loop: asyncio.AbstractEventLoop | None = None
         """The loop the engine started in: the processor threads deliver outputs there (`_check_loop`)."""
+        self._owner_pid: int | None = None  # the process it started in: a forked child cannot use it
         self._start_lock: asyncio.Lock | None = None
         self._start_lock_loop: asyncio.AbstractEventLoop | None = None
         """The loop `_start_lock` belongs to (`_loop_start_lock`)."""
@@ -186,6 +189,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         """Requests and lifecycle calls come from the loop the engine started in: outputs are delivered there, so a
         request from another loop would wait forever. Once that loop is closed (``asyncio.run`` returned, a
         per-test loop ended) the engine moves to the calling loop (`_rebind`)."""
+        check_not_forked(self._owner_pid, "AsyncEngine")
         loop = asyncio.get_running_loop()
         bound = self._loop
         if bound is None or bound is loop:
@@ -213,10 +217,11 @@ class AsyncEngine(EngineRequests, EngineControl):
         if self._starting is not None:  # another loop's start, begun before this loop's lock was taken
             raise EventLoopError("this AsyncEngine is starting in another event loop: start it from one loop")
         self._loop = asyncio.get_running_loop()  # a start from another open loop meanwhile is refused
+        self._owner_pid = os.getpid()
         try:
             prepared = await self._start_replicas()
         except BaseException:
-            self._loop = None  # nothing runs: the engine belongs to no loop (a retry may come from another)
+            self._loop = self._owner_pid = None  # nothing runs: the engine belongs to no loop (nor process)
             raise
         if self._closed:  # aclose() came meanwhile (it waits for this start): nothing may be left running
             await stop_all(self._replicas.replicas)
@@ -229,7 +234,7 @@ class AsyncEngine(EngineRequests, EngineControl):
         self.eos_token_ids: list[int] = list(prepared.eos_token_ids)
         """The tokenizer's and generation_config's EOS ids (known once started)."""
         self._started = True
-        self._forgotten = weakref.finalize(self, stop_forgotten, self._replicas.replicas)
+        self._forgotten = weakref.finalize(self, stop_forgotten, self._replicas.replicas, self._owner_pid)
         self._forgotten.atexit = False  # at exit the processes end with this one (their parent-death lifeline)
 
     async def _start_replicas(self) -> Prepared:
@@ -259,6 +264,11 @@ class AsyncEngine(EngineRequests, EngineControl):
         (`EngineDeadError`) and waits until every submitted request finished,
         at most `timeout` seconds (None: no limit); the rest is then aborted.
         """
+        if forked(self._owner_pid):  # a forked child's: its parent's engine, serving on there, is only dropped
+            self._closed = True
+            if self._started:
+                self._forgotten()  # (`stop_forgotten` in a child: `abandon`)
+            return
         self._check_loop()
         if drain and not self._closed and self._started:
             self._draining = True
@@ -346,7 +356,7 @@ class AsyncEngine(EngineRequests, EngineControl):
             params = self.default_sampling_params()
         params.validate()
         options.validate()
-        _check_strings(params, options)
+        check_request_strings(params, options.request_id, options.cache_salt)
         if self._draining:
             raise EngineDeadError("the engine is closing (aclose(drain=True)); it takes no new requests")
         await self.start()
@@ -384,13 +394,3 @@ class AsyncEngine(EngineRequests, EngineControl):
             return
         for replica in self._replicas:  # a dead core failed its own replica's requests; its supervisor restarts it
             replica.check_dead()
-
-
-def _check_strings(params: SamplingParams, options: RequestOptions) -> None:
-    """Strings that cross the wire must be valid UTF-8 (a lone surrogate would fail the processor's encoder)."""
-    check_params_text(params)
-    if options.request_id is not None:
-        check_text("request_id", options.request_id)
-        check_request_id(options.request_id)
-    if options.cache_salt is not None:
-        check_text("cache_salt", options.cache_salt)

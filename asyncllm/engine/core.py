@@ -21,6 +21,7 @@ from collections import defaultdict
 import msgspec
 
 from asyncllm import errors, protocol
+from asyncllm.child_logging import configure_child_logging
 from asyncllm.config import EngineConfig
 from asyncllm.engine.client_liveness import ClientLiveness
 from asyncllm.engine.core_io import CoreIO, fail_startup, unknown_host_answer
@@ -82,10 +83,10 @@ class EngineCore:
                                    num_cpu_blocks=num_swap_blocks, state_checkpoints=self.executor.state_checkpoints,
                                    num_offload_blocks=num_offload_blocks)
         spec = config.scheduler_config.speculative
-        self.structured = StructuredOutputManager(config.tokenizer or config.model, self.executor.vocab_size,
-                                                  config.structured_output_compile_timeout_s, config.tokenizer_revision,
-                                                  max_drafts=spec.num_speculative_tokens if spec else 0,
-                                                  trust_remote_code=config.trust_remote_code)
+        self.structured = StructuredOutputManager(
+            config.tokenizer or config.model, self.executor.vocab_size, config.structured_output_compile_timeout_s,
+            config.tokenizer_revision, max_drafts=spec.num_speculative_tokens if spec else 0,
+            trust_remote_code=config.trust_remote_code, any_whitespace=not config.structured_output_disable_any_whitespace)
         # restarted workers get the same config JSON (no config.json read, no transformers import); after an
         # update_weights it is still the served architecture's, which the running workers keep using too
         self.restarter = WorkerRestarter(self.executor.config, self.num_gpu_blocks, self.num_cpu_blocks,
@@ -343,7 +344,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         if self.overlap is not None:
-            logger.info("async_scheduling: %d steps, %d of them scheduled synchronously",
+            logger.debug("async_scheduling: %d steps, %d of them scheduled synchronously",
                         self.scheduler.num_steps_total, self.overlap.num_sync_steps)
         self.mm_cache.close()
         self.structured.shutdown()
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
     exit_when_parent_dies()
     report_crashes()
     ignore_group_signals()  # the host owns the shutdown order: Ctrl-C must not kill what it drains
-    _setup_logging()
+    configure_child_logging("core")
     config = EngineConfig.from_dict(msgspec.json.decode(args.config_json))
     io = CoreIO(args.address)
     core = None
@@ -384,16 +385,6 @@ def main(argv: list[str] | None = None) -> None:
         core.shutdown()
         io.close()
     core.structured.exit_if_compiling()  # a runaway grammar compile must not hold up the core's exit
-
-
-def _setup_logging() -> None:
-    """The core is our own process: log asyncllm records to stderr."""
-    root = logging.getLogger("asyncllm")
-    if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [core] %(name)s: %(message)s"))
-        root.addHandler(handler)
-    root.setLevel(logging.INFO)
 
 
 if __name__ == "__main__":

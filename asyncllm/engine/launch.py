@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import msgspec
 
 from asyncllm import errors, procutil
+from asyncllm.child_logging import host_logging_env
 from asyncllm.config import EngineConfig
 
 _LOGS = "the core and its workers log to this process's stderr, tracebacks included"
@@ -54,6 +55,7 @@ def launch_core(config: EngineConfig, hf_config_json: str | None = None,
     max_model_len -1): the core lowers `config`'s max_model_len to what the
     KV cache holds and says so in its `protocol.Ready`.
     """
+    env = {**host_logging_env(), **(env or {})}  # first: a bad logging variable leaves no folder behind
     ipc_dir = procutil.private_ipc_dir()
     address = f"ipc://{os.path.join(ipc_dir, 'core.sock')}"
     config_json = msgspec.json.encode(config.to_dict(wire=True)).decode()

@@ -79,14 +79,18 @@ def prepare(config: EngineConfig) -> Prepared:
     return _prepare(config)
 
 
-def import_transformers() -> None:
+def import_transformers(multimodal: bool = False) -> None:
     """Import the names of transformers' lazy namespace that preparation reaches, one thread at a time: its lazy
     imports are not thread-safe (two engines starting at once got "cannot import name 'AutoConfig' from
     'transformers'"). Once imported they are plain attributes, so the next import is cheap and the loads that
-    follow run in parallel."""
+    follow run in parallel. The image and audio processors' only for a `multimodal` model: their modules import
+    torch._dynamo, scipy and more, whose side effects (environment variables, warning filters) a text-only
+    model's host is spared."""
     with _IMPORT_LOCK:
-        from transformers import (AutoConfig, AutoFeatureExtractor, AutoImageProcessor,  # noqa: F401
-                                  AutoTokenizer, LlamaConfig, PretrainedConfig)
+        from transformers import AutoConfig, AutoTokenizer, LlamaConfig, PretrainedConfig  # noqa: F401
+
+        if multimodal:
+            from transformers import AutoFeatureExtractor, AutoImageProcessor  # noqa: F401
 
 
 def _prepare(config: EngineConfig) -> Prepared:
@@ -136,6 +140,7 @@ def _prepare(config: EngineConfig) -> Prepared:
                               *_expert_layers(hf_config, text_config, limits), runs_tower=multimodal)
     mm = None
     if multimodal:
+        import_transformers(multimodal=True)
         from asyncllm.mm.processor import MultiModalProcessor
         from asyncllm.models.registry import get_model_class
         from asyncllm.models.vision_language import image_limit

@@ -96,7 +96,7 @@ class ProcessorRequests:
             if self._tokenizer is None:
                 check_untokenized(job.prompt, job.chat, job.params, job.options.text_pair)
             if job.params.bad_words:
-                ids = job.params.bad_words_token_ids + bad_words_token_ids(self._tokenizer, job.params.bad_words)
+                ids = bad_words_token_ids(self._tokenizer, job.params.bad_words, job.params.bad_words_token_ids)
                 job.params = msgspec.structs.replace(job.params, bad_words_token_ids=ids)
             check_params_vocab(job.params, self._vocab_size)
             check_logprobs_limit(job.params, self._max_logprobs, self._vocab_size)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -32,10 +33,11 @@ from asyncllm.engine.processor import Deliver, Processor
 from asyncllm.engine.stats_log import StatsLogger
 from asyncllm.engine.supervisor import CoreSupervisor
 from asyncllm.metrics.observer import RequestObserver
+from asyncllm.procutil import forked
 from asyncllm.outputs import EngineStats
 
 __all__ = ["LaunchSpec", "Replica", "ReplicaSet", "finish_in_thread", "in_thread", "pick_replica", "start_replica",
-           "start_replicas", "stop_all", "stop_forgotten", "stop_replicas", "weakly"]
+           "start_replicas", "stop_all", "stop_forgotten", "stop_replicas", "weakly", "abandon", "check_not_forked"]
 
 logger = logging.getLogger(__name__)
 
@@ -350,9 +352,28 @@ def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
     return call_while_alive
 
 
-def stop_forgotten(replicas: list[Replica]) -> None:
+def check_not_forked(owner_pid: int | None, what: str) -> None:
+    """An engine serves the process that started it: its threads, event loop and sockets do not cross os.fork()
+    (gunicorn --preload, a Celery prefork master), so a forked child's request would wait forever."""
+    if forked(owner_pid):
+        raise EngineDeadError(
+            f"this {what} was started in process {owner_pid}, before a fork: process {os.getpid()} cannot use it; "
+            "create the engine after the fork (in the worker), see docs/integrations/task-runners.md")
+
+
+def abandon(replicas: list[Replica]) -> None:
+    """A forked child's close of its parent's engine: drop the references, stopping no process, removing no folder
+    and unlinking no shared memory (they are the parent's, which still serves with them)."""
+    for replica in replicas:
+        replica.processor = replica.core = None
+
+
+def stop_forgotten(replicas: list[Replica], owner_pid: int) -> None:
     """The finalizer of a started engine collected without aclose(): stop its replicas in a thread of their own, never
-    blocking the thread or event loop the collection happened in."""
+    blocking the thread or event loop the collection happened in; in a forked child only `abandon` them."""
+    if forked(owner_pid):
+        abandon(replicas)
+        return
     logger.warning("an AsyncEngine was garbage-collected without aclose(): stopping its engine core(s)")
     threading.Thread(target=_stop_and_retire, args=(replicas,), name="asyncllm-stop-forgotten", daemon=True).start()
 

@@ -14,10 +14,11 @@ from collections.abc import Callable
 from types import FrameType
 
 from asyncllm import protocol
+from asyncllm.child_logging import configure_child_logging
 from asyncllm.config import EngineConfig
 from asyncllm.config_model import AUTO_MAX_MODEL_LEN
 from asyncllm.engine.connect import check_address
-from asyncllm.engine.core import EngineCore, _setup_logging
+from asyncllm.engine.core import EngineCore
 from asyncllm.engine.core_io import CoreIO
 from asyncllm.engine.prepare import prepare
 from asyncllm.errors import NotBuiltError
@@ -37,7 +38,7 @@ def run_standalone_core(config: EngineConfig, address: str, on_ready: Callable[[
     if config.data_parallel_size > 1:  # hosts balance over replicas; one address would need a balancing core
         raise NotBuiltError("data_parallel_size", config.data_parallel_size,
                             "data parallelism in a standalone engine core (`asyncllm engine`)")
-    _setup_logging()
+    configure_child_logging("core")
     report_crashes()
     prepared = prepare(config)  # resolve the model folder and max_model_len as a host would
     auto_fit, config = config.max_model_len == AUTO_MAX_MODEL_LEN, prepared.config

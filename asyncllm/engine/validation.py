@@ -26,7 +26,7 @@ __all__ = [
     "MAX_N", "MAX_REQUEST_ID_CHARS", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "check_add_request", "check_request_id",
     "check_allowed_tokens",
     "check_text", "served_tasks",
-    "check_params_text", "check_params_vocab",
+    "check_params_text", "check_params_vocab", "check_request_strings",
     "check_token_ids",
     "max_prompt_chars",
 ]
@@ -78,6 +78,16 @@ def check_params_text(params: SamplingParams) -> None:
             raise InvalidRequestError("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters, "
                                       f"got {len(stop)}")
         check_text("stop", stop)
+
+
+def check_request_strings(params: SamplingParams, request_id: str | None, cache_salt: str | None) -> None:
+    """Strings that cross the wire must be valid UTF-8 (a lone surrogate would fail the processor's encoder)."""
+    check_params_text(params)
+    if request_id is not None:
+        check_text("request_id", request_id)
+        check_request_id(request_id)
+    if cache_salt is not None:
+        check_text("cache_salt", cache_salt)
 
 
 def check_untokenized(prompt: Any, chat: bool, params: SamplingParams, text_pair: str | None) -> None:

@@ -71,7 +71,7 @@ class Request:
         "prompt_token_ids", "num_cached_tokens", "params", "eos_token_ids", "arrival_time",
         "priority", "stop_reason", "num_preemptions", "cache_salt", "timeout",
         "_max_tokens", "_min_tokens", "_stop_token_ids", "_eos_token_id", "mm_items", "lora", "lora_int_id", "pooling",
-        "draft_buffer", "prompt_embeds",
+        "num_lora_skips", "draft_buffer", "prompt_embeds",
     )
 
     def __init__(
@@ -130,6 +130,9 @@ class Request:
         """The request's adapter (None: the base model)."""
         self.lora_int_id = 0 if lora is None else lora.lora_int_id
         """Its id (0: none): keys the prefix cache and counts against max_loras."""
+        self.num_lora_skips = 0
+        """Scheduling steps it has waited skipped for lack of an adapter slot since its last admission
+        (asyncllm/sched/schedule_waiting.py)."""
         self.pooling = pooling
         """Set for an embedding request (one output token; the worker returns the embedding with it)."""
         self.prompt_embeds = prompt_embeds

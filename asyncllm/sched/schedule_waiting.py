@@ -3,10 +3,12 @@
 `schedule_waiting` is step 2 of `Scheduler.schedule()` (asyncllm/sched/scheduler.py): waiting requests in
 queue order take what the running ones left, starting from their resume point (prefix-cache hits, a swapped
 request's swap-in) and computing the prompt or a chunk of it, until blocks, budget or seats run out. A request
-whose LoRA adapter would be one too many (max_loras) is skipped and keeps its place. `preempt_for_priority` is
-step 0 under 'priority': running requests of lower priority are preempted while the first waiting request finds
-no seat or too few free blocks, unless its adapter would stay one too many (it would be skipped anyway: the
-preempted requests only recomputed, step after step).
+whose LoRA adapter would be one too many (max_loras) is skipped and keeps its place; once it has been skipped more
+than `MAX_LORA_SKIPS` steps, the adapter requests queued after it are held too, so that the running adapters drain
+and free a slot for it (vLLM has no such bound: its skipped request can wait for as long as the running adapters'
+traffic lasts). `preempt_for_priority` is step 0 under 'priority': running requests of lower priority are
+preempted while the first waiting request finds no seat or too few free blocks, unless its adapter would stay one
+too many (it would be skipped anyway: the preempted requests only recomputed, step after step).
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ if TYPE_CHECKING:
     from asyncllm.sched.request import Request
     from asyncllm.sched.scheduler import Scheduler, _Step
 
-__all__ = ["preempt_for_priority", "schedule_waiting"]
+__all__ = ["MAX_LORA_SKIPS", "preempt_for_priority", "schedule_waiting"]
+
+MAX_LORA_SKIPS = 16
+"""Steps a waiting request may be skipped for lack of an adapter slot before later adapter requests are held."""
 
 
 def preempt_for_priority(sched: Scheduler, step: _Step) -> None:
@@ -68,7 +73,8 @@ def schedule_waiting(sched: Scheduler, step: _Step) -> None:
     last: their prefix-cache hits, a swapped request's swap-in, then the prompt or a chunk of it."""
     kv = sched.kv_cache_manager
     loras = {r.lora_int_id for r in sched.running if r.lora_int_id} if sched.max_loras and sched.waiting else set()
-    skipped: list[Request] = []  # their adapter would be one too many (max_loras): they keep their place
+    skipped: list[Request] = []  # their adapter would be one too many (max_loras), or is held: they keep their place
+    draining = False  # a request skipped over MAX_LORA_SKIPS steps waits: adapter requests after it are held
     while sched.waiting and step.budget > 0 and len(sched.running) < sched.max_num_seqs:
         if step.max_reqs is not None and len(step.num_scheduled_tokens) >= step.max_reqs:
             break
@@ -77,6 +83,11 @@ def schedule_waiting(sched: Scheduler, step: _Step) -> None:
             break  # preempted for a higher-priority request in this very step
         lora_id = request.lora_int_id
         if _one_too_many(lora_id, loras, sched.max_loras):
+            request.num_lora_skips += 1
+            draining = draining or request.num_lora_skips > MAX_LORA_SKIPS
+            skipped.append(sched.waiting.pop())
+            continue
+        if draining and lora_id:  # the running adapters drain until a slot frees for the starved request
             skipped.append(sched.waiting.pop())
             continue
         hits, num_computed, swapped = _resume_point(sched, request)
@@ -141,6 +152,7 @@ def _admit(sched: Scheduler, request: Request, num_computed_tokens: int) -> None
     request.status = RequestStatus.RUNNING
     request.record_event(EngineCoreEventType.SCHEDULED)
     request.num_computed_tokens = num_computed_tokens
+    request.num_lora_skips = 0
     if request.num_preemptions == 0:
         request.num_cached_tokens = num_computed_tokens
     insert_running(sched.running, request, sched.policy)

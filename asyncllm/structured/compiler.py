@@ -61,8 +61,11 @@ class GrammarCompilerPool:
     """Compiles constraints in background threads; `submit` returns the shared future of a compiled grammar."""
 
     def __init__(self, tokenizer_path: str, vocab_size: int, revision: str | None = None,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, any_whitespace: bool = True) -> None:
         self._tokenizer_path = tokenizer_path
+        self._any_whitespace = any_whitespace
+        """A JSON schema's grammar lets the model write any JSON whitespace, as vLLM's xgrammar backend by default
+        (``any_whitespace=not disable_any_whitespace``); False: xgrammar's compact layout."""
         self._revision = revision
         self._trust_remote_code = trust_remote_code
         self._vocab_size = vocab_size
@@ -181,7 +184,7 @@ class GrammarCompilerPool:
             _check_lark_support(compiler)
         try:
             if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=False)
+                return compiler.compile_json_schema(text, any_whitespace=self._any_whitespace)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":

@@ -14,8 +14,9 @@
    request with finish_reason "stop" when its grammar has ended.
 
 A constraint with `start_after_token_ids` (a reasoning model's ``</think>``)
-waits: no bitmask row and no matcher step until the output has written them;
-the tokens after them are the grammar's.
+waits: no bitmask row and no matcher step until the output has written them
+(`Marker.ends`: with a suffix, gpt-oss's ``<|channel|>final`` then ``<|message|>``
+with a few tokens between); the tokens after them are the grammar's.
 
 Nothing here runs when no request is structured: the core checks `active` first.
 """
@@ -34,6 +35,7 @@ from asyncllm import protocol
 from asyncllm.errors import InvalidRequestError
 from asyncllm.sched.request import Request
 from asyncllm.structured.compiler import GrammarCompilerPool, check_xgrammar_installed
+from asyncllm.structured.start_after import Marker
 
 __all__ = ["StructuredOutputManager"]
 
@@ -54,9 +56,11 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer_path: str, vocab_size: int, compile_timeout_s: float, revision: str | None = None,
                  clock: Callable[[], float] = time.monotonic, max_drafts: int = 0,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, any_whitespace: bool = True) -> None:
         self._tokenizer_path, self._vocab_size, self._revision = tokenizer_path, vocab_size, revision
         self._trust_remote_code = trust_remote_code
+        self._any_whitespace = any_whitespace
+        """JSON schemas let the model write any JSON whitespace (not ``structured_output_disable_any_whitespace``)."""
         self.max_drafts = max_drafts
         """Speculative decoding's ``num_speculative_tokens``: how far a matcher rolls back after masking drafts."""
         self.compile_timeout_s = compile_timeout_s
@@ -66,8 +70,8 @@ class StructuredOutputManager:
         """Requests waiting for their grammar, by request id."""
         self.matchers: dict[str, Any] = {}
         """xgrammar GrammarMatcher of every structured request handed to the scheduler."""
-        self.waiting: dict[str, tuple[list[int], list[int]]] = {}
-        """Requests whose constraint starts later: (its start_after_token_ids, the output's last tokens)."""
+        self.waiting: dict[str, tuple[Marker, list[int]]] = {}
+        """Requests whose constraint starts later: (its start_after marker, the output's last tokens)."""
         self.narrowed: dict[str, tuple[str, ...]] = {}
         """The fields of a structured request that forbid tokens whatever its grammar allows (`_narrowing`), named
         when together they leave the grammar no token (`_rejection`)."""
@@ -85,7 +89,7 @@ class StructuredOutputManager:
             raise InvalidRequestError("request_id", f"{request.request_id!r} is already used by an unfinished request")
         if self._compilers is None:
             self._compilers = GrammarCompilerPool(self._tokenizer_path, self._vocab_size, self._revision,
-                                                  self._trust_remote_code)
+                                                  self._trust_remote_code, any_whitespace=self._any_whitespace)
         structured = request.params.structured
         assert structured is not None
         self.pending[request.request_id] = _Pending(request, self._compilers.submit(structured), self._clock())
@@ -181,9 +185,9 @@ class StructuredOutputManager:
             self.narrowed[request.request_id] = narrowing
         else:
             self.narrowed.pop(request.request_id, None)
-        start_after = request.params.structured.start_after_token_ids  # type: ignore[union-attr]
-        if start_after:
-            self.waiting[request.request_id] = (list(start_after), [])
+        start_after = Marker.of_structured(request.params.structured)  # type: ignore[arg-type]
+        if start_after.ids:
+            self.waiting[request.request_id] = (start_after, [])
         else:
             self.waiting.pop(request.request_id, None)
         return None
@@ -248,8 +252,8 @@ class StructuredOutputManager:
                     break
                 accepted += 1
             else:
-                recent = (recent + [token])[-len(start_after):]
-                start_after = None if recent == start_after else start_after
+                recent = (recent + [token])[-start_after.span:]
+                start_after = None if start_after.ends(recent) else start_after
         if accepted:
             matcher.rollback(accepted)
         return positions
@@ -306,8 +310,8 @@ class StructuredOutputManager:
         start_after, recent = waiting
         for k, token in enumerate(tokens):
             recent.append(token)
-            del recent[:-len(start_after)]
-            if recent == start_after:
+            del recent[:-start_after.span]
+            if start_after.ends(recent):
                 del self.waiting[req_id]
                 return tokens[k + 1:]
         return []

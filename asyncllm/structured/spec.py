@@ -38,6 +38,14 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
     what comes before is free. Already in the end of the prompt, it starts at once."""
     start_after_token_ids: list[int] = []
     """`start_after` as token ids; the engine fills them from `start_after`."""
+    start_after_suffix: str | None = None
+    """With `start_after`: the constraint starts once the output has written `start_after`, then this text with
+    fewer than `start_after_max_between` tokens between (gpt-oss's ``<|channel|>final`` ... ``<|message|>``, as
+    vLLM's openai_gptoss reasoning parser reads the end of reasoning)."""
+    start_after_suffix_token_ids: list[int] = []
+    """`start_after_suffix` as token ids; the engine fills them from `start_after_suffix`."""
+    start_after_max_between: int = 0
+    """With a suffix: tokens between `start_after` and the suffix are fewer than this (at least 1)."""
 
     @property
     def kind(self) -> str:
@@ -51,9 +59,7 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
             raise InvalidRequestError("structured", f"set exactly one of {', '.join(_KINDS)}; got {given or 'none'}")
         if self.start_after is not None and (not isinstance(self.start_after, str) or not self.start_after):
             raise InvalidRequestError("structured", "start_after must be a non-empty string")
-        ids = self.start_after_token_ids
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
-            raise InvalidRequestError("structured", "start_after_token_ids must be a list of token ids >= 0")
+        self._check_start_after()
         kind = given[0]
         if kind == "json":
             _check_schema(self.json)
@@ -62,6 +68,21 @@ class StructuredOutputs(msgspec.Struct, kw_only=True, omit_defaults=True, array_
                 raise InvalidRequestError("structured", "choice must be a non-empty list of non-empty strings")
         elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
             raise InvalidRequestError("structured", f"{kind} must be a non-empty string")
+
+    def _check_start_after(self) -> None:
+        for name in ("start_after_token_ids", "start_after_suffix_token_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                    for t in ids):
+                raise InvalidRequestError("structured", f"{name} must be a list of token ids >= 0")
+        if self.start_after_suffix is not None and (not isinstance(self.start_after_suffix, str)
+                                                    or not self.start_after_suffix or self.start_after is None):
+            raise InvalidRequestError("structured", "start_after_suffix must be a non-empty string after a start_after")
+        between = self.start_after_max_between
+        if not isinstance(between, int) or isinstance(between, bool) or between < 0:
+            raise InvalidRequestError("structured", "start_after_max_between must be an integer >= 0")
+        if (self.start_after_suffix is not None or self.start_after_suffix_token_ids) and between < 1:
+            raise InvalidRequestError("structured", "start_after_max_between must be at least 1 with a suffix")
 
     def for_core(self) -> StructuredOutputs:
         """This constraint with its JSON schema as text: msgpack carries no integer beyond 64 bits, JSON text does."""

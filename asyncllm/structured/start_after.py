@@ -16,6 +16,7 @@ import msgspec
 
 from asyncllm.engine.validation import check_params_vocab
 from asyncllm.sampling import SamplingParams
+from asyncllm.structured.spec import StructuredOutputs
 
 __all__ = ["Marker", "with_start_after_ids"]
 
@@ -26,22 +27,57 @@ _SLACK = 8
 @dataclass(frozen=True)
 class Marker:
     """A closing tag as token ids (``</think>``) and its opening tag's (``<think>``: the text without its first
-    "/"; none for a tag without one)."""
+    "/"; none for a tag without one). With a `suffix`, the marker is `ids` then `suffix` with fewer than
+    `max_between` tokens between (gpt-oss's ``<|channel|>final`` ... ``<|message|>``, where harmony may write
+    ``<|constrain|>json`` between: vLLM's openai_gptoss ``is_reasoning_end``)."""
 
     ids: tuple[int, ...]
     opener: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    max_between: int = 0
 
     @classmethod
-    def of(cls, tokenizer: Any, text: str) -> "Marker":
+    def of(cls, tokenizer: Any, text: str, suffix: str | None = None, max_between: int = 0) -> "Marker":
+        if suffix is not None:
+            return cls(_ids(tokenizer, text), (), _ids(tokenizer, suffix), max_between)
         opener = text.replace("/", "", 1)
         return cls(_ids(tokenizer, text), _ids(tokenizer, opener) if opener != text else ())
+
+    @classmethod
+    def of_structured(cls, structured: StructuredOutputs) -> "Marker":
+        """The marker of a constraint whose start_after is in token ids (the core's)."""
+        return cls(tuple(structured.start_after_token_ids), (), tuple(structured.start_after_suffix_token_ids),
+                   structured.start_after_max_between)
+
+    @property
+    def span(self) -> int:
+        """The most tokens the marker takes."""
+        return len(self.ids) + (len(self.suffix) + self.max_between - 1 if self.suffix else 0)
+
+    def spans(self, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """(start, end) of each marker written in `tokens`, in order of their ends."""
+        tokens = list(tokens)
+        starts = _found(tokens, self.ids) if self.ids else []
+        if not self.suffix:
+            return [(i, i + len(self.ids)) for i in starts]
+        spans = []
+        for j in _found(tokens, self.suffix):
+            opened = [i for i in starts if 0 <= j - (i + len(self.ids)) < self.max_between]
+            if opened:
+                spans.append((opened[0], j + len(self.suffix)))
+        return spans
+
+    def ends(self, tokens: Sequence[int]) -> bool:
+        """Whether `tokens` end with the marker."""
+        spans = self.spans(tokens[-self.span:])
+        return bool(spans) and spans[-1][1] == min(len(tokens), self.span)
 
     def written_by(self, prompt_ids: Sequence[int]) -> bool:
         """Whether the prompt's end already wrote the marker (within `_SLACK` tokens of its end) and did not open it
         again after it (Qwen3.5 ends a prompt with ``<think>\\n`` after a user text that holds ``</think>``)."""
-        tail = list(prompt_ids[-len(self.ids) - _SLACK:])
-        ends = _found(tail, self.ids) if self.ids else []
-        return bool(ends) and not (self.opener and _found(tail[ends[-1] + len(self.ids):], self.opener))
+        tail = list(prompt_ids[-self.span - _SLACK:])
+        spans = self.spans(tail)
+        return bool(spans) and not (self.opener and _found(tail[spans[-1][1]:], self.opener))
 
     def spanned(self, token_ids: Sequence[int], opened: bool) -> int:
         """The tokens between the opening tag and this marker in a reply's `token_ids`, neither counted (vLLM's
@@ -52,7 +88,7 @@ class Marker:
         if not starts and not opened:
             return 0
         begin = starts[0] + len(self.opener) if starts else 0
-        ends = [end for end in _found(tokens, self.ids) if end >= begin]
+        ends = [start for start, _ in self.spans(tokens) if start >= begin]
         return (ends[0] if ends else len(tokens)) - begin
 
 
@@ -71,9 +107,11 @@ def with_start_after_ids(params: SamplingParams, prompt_ids: list[int], tokenize
     structured = params.structured
     if structured is None or structured.start_after is None or structured.start_after_token_ids:
         return params
-    marker = Marker.of(tokenizer, structured.start_after)
-    structured = msgspec.structs.replace(structured, start_after=None) if marker.written_by(prompt_ids) else \
-        msgspec.structs.replace(structured, start_after_token_ids=list(marker.ids))
+    marker = Marker.of(tokenizer, structured.start_after, structured.start_after_suffix,
+                       structured.start_after_max_between)
+    structured = msgspec.structs.replace(structured, start_after=None, start_after_suffix=None) \
+        if marker.written_by(prompt_ids) else msgspec.structs.replace(
+            structured, start_after_token_ids=list(marker.ids), start_after_suffix_token_ids=list(marker.suffix))
     params = msgspec.structs.replace(params, structured=structured)
     check_params_vocab(params, vocab_size)
     return params

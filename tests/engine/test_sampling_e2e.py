@@ -146,10 +146,13 @@ async def test_allowed_token_ids_and_bad_words_match_transformers(engine: AsyncE
     for errors, field in [({"allowed_token_ids": [512]}, "allowed_token_ids"), ({"allowed_token_ids": []}, "allowed_token_ids"),
                           ({"bad_words": [" "]}, "bad_words"),
                           ({"allowed_token_ids": pieces[-1], "bad_words": [words[1]]}, "allowed_token_ids"),  # all banned
-                          ({"allowed_token_ids": [EOS], "min_tokens": 2}, "allowed_token_ids")]:
+                          ({"allowed_token_ids": [EOS], "min_tokens": 2}, "allowed_token_ids"),
+                          ({**greedy, "allowed_token_ids": [42, 77], "max_tokens": 4,  # all banned after one token
+                            "bad_words_token_ids": [[a, b] for a in (42, 77) for b in (42, 77)]}, "allowed_token_ids")]:
         with pytest.raises(InvalidRequestError) as info:
             await engine.generate(PROMPT, SamplingParams(**errors))
         assert info.value.field == field
+    assert (await engine.generate(PROMPT, SamplingParams(**greedy))).token_ids == plain.token_ids  # serving on
 
 
 async def test_min_tokens_masks_eos_and_stop_token_ids(engine: AsyncEngine, tokenizer) -> None:

@@ -18,7 +18,8 @@ from asyncllm import AsyncEngine
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def bundled_engine():
-    engine = AsyncEngine(disable_log_stats=True, max_num_seqs=16,
+    # compact JSON: under vLLM's default any-whitespace grammar the random bundled model writes whitespace without end
+    engine = AsyncEngine(disable_log_stats=True, max_num_seqs=16, structured_output_disable_any_whitespace=True,
                          hf_overrides={"is_matryoshka": True})  # /v1/embeddings' `dimensions` (vLLM's switch)
     async with engine:
         yield engine

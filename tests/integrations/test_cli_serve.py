@@ -238,3 +238,19 @@ def test_serve_warns_that_any_origin_without_a_key_opens_it_to_web_pages(monkeyp
     monkeypatch.setenv("ASYNCLLM_API_KEY", "k")
     run_serve(parser.parse_args(["serve", "--port", "0"]), parser)
     assert "warning" not in capsys.readouterr().err
+
+
+def test_serve_labels_metrics_with_the_first_served_name(monkeypatch) -> None:
+    from prometheus_client import generate_latest
+
+    from asyncllm.cli_commands import _serve_app
+    from asyncllm.integrations.openai_info import served_name
+
+    monkeypatch.setenv("ASYNCLLM_API_KEY", "k")  # no open-CORS warning
+    parser = _parser()
+    for flags, label in (([], "asyncllm-tiny"), (["--served-model-name", "a", "b"], "a")):
+        engine, _ = _serve_app(parser.parse_args(["serve", *flags]), parser)  # the engine is built, not started
+        text = generate_latest(engine.metrics_registry).decode()
+        assert set(re.findall(r'model_name="([^"]*)"', text)) == {label}  # the bundled model's name, not its folder
+    # an engine address is no name: an attached server is labelled with the core's model once attached
+    assert served_name("ipc:///tmp/e.sock") is None and served_name("tcp://127.0.0.1:1") is None

@@ -5,11 +5,14 @@ engine; the routes are in tests/integrations/test_openai_asgi.py."""
 from __future__ import annotations
 
 import pytest
+from starlette.requests import Request
 
 from asyncllm import EngineDeadError, EngineOverloadedError, InvalidRequestError
+from asyncllm.integrations.openai_audio import _form
 from asyncllm.integrations.openai_protocol import ServerLimits
 from asyncllm.integrations.openai_server import create_app
-from asgi_helpers import asgi_client
+from asyncllm.integrations.streams import ClientDisconnected
+from asgi_helpers import asgi_client, http_scope
 from test_openai_asgi import GREEDY, MODEL, _FailingEngine
 
 pytestmark = pytest.mark.asyncio(loop_scope="session")
@@ -25,6 +28,50 @@ async def test_http_level_errors(app) -> None:
     assert no_route.status_code == 404 and no_route.json()["error"]["type"] == "not_found_error"
     assert wrong_method.status_code == 405
     assert bad_json.status_code == 400 and bad_json.json()["error"]["param"] == "body"
+
+
+async def test_deeply_nested_json_is_a_400_naming_the_field(app, caplog) -> None:
+    deep = b"[" * 1000 + b"]" * 1000  # a 2 kB body past Python's recursion limit
+    arguments = '{"a":' * 3000 + "1" + "}" * 3000  # a tool call's arguments, parsed for the chat template
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+    async with asgi_client(app) as client:
+        replies = [await client.post("/v1/completions", content=b'{"prompt": ' + deep + b"}"),
+                   await client.post("/invocations", content=b'{"prompt": ' + deep + b"}"),
+                   await client.post("/tokenize", json={"model": MODEL, "messages": messages})]
+        not_an_object = await client.post("/invocations", content=b"[1]")
+    assert [(r.status_code, r.json()["error"]["param"]) for r in replies] == [(400, "body"), (400, "body"),
+                                                                             (400, "messages")]
+    assert "nested too deeply" in replies[0].text and "nested too deeply" in replies[2].text
+    assert not_an_object.status_code == 400 and "'messages'" in not_an_object.json()["error"]["message"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+
+
+def _gone_mid_upload(part: bytes):
+    """An ASGI receive whose client sends `part` of the body, then hangs up."""
+    messages = [{"type": "http.disconnect"}, {"type": "http.request", "body": part, "more_body": True}]
+
+    async def receive() -> dict:
+        return messages.pop()
+
+    return receive
+
+
+async def test_client_gone_mid_upload_is_a_quiet_499(app, caplog) -> None:
+    sent: list[dict] = []
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"1000")]
+    await app(http_scope("POST", "/v1/completions", headers=headers), _gone_mid_upload(b'{"prompt": "ab'), send)
+    assert sent[0]["status"] == 499  # as a disconnect while generating (guard), not a logged 500
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
+    form = Request(http_scope("POST", "/v1/audio/transcriptions",
+                              headers=[(b"content-type", b"multipart/form-data; boundary=b")]),
+                   _gone_mid_upload(b'--b\r\nContent-Disposition: form-data; name="model"\r\n\r\nw'))
+    with pytest.raises(ClientDisconnected):  # an audio upload's form, as the body (guard answers 499)
+        await _form(form, 1000)
 
 
 async def test_body_size_and_limits(bundled_engine) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -118,3 +119,50 @@ def test_close_then_use(tiny_llama: str) -> None:
     with pytest.raises(EngineDeadError):
         engine.generate("x")
     assert not any(t.name == "asyncllm-sync-loop" and t is engine._thread for t in threading.enumerate())
+
+
+def test_a_forked_child_cannot_use_the_engine_and_leaves_the_parents_alone(engine, expected) -> None:
+    """gunicorn --preload / a Celery prefork master: an engine started before os.fork() serves the parent only. In
+    the child every call says so (instead of waiting forever) and closing it stops nothing of the parent's."""
+    engine.start()
+    core = engine.engine._core
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report through the pipe, never return into pytest
+        try:
+            report = [_error_of(lambda: engine.generate("x", GREEDY)),
+                      _error_of(lambda: asyncio.run(engine.engine.generate("x", GREEDY)))]
+            asyncio.run(engine.engine.aclose())  # forgets the parent's replicas: stops, removes, unlinks nothing
+            engine.close()
+            report.append(str(engine.engine._replicas[0].core))
+            os.write(write_end, "\n".join(report).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    _wait_for_child(pid)
+    with os.fdopen(read_end) as child:
+        report = child.read().split("\n")
+    assert len(report) == 3 and report[2] == "None"
+    for error in report[:2]:
+        assert error.startswith("EngineDeadError") and f"process {os.getpid()}, before a fork" in error
+    assert core.proc.poll() is None and os.path.isdir(core.ipc_dir)
+    assert engine.generate(PROMPTS[0], GREEDY).token_ids == expected[PROMPTS[0]]
+
+
+def _error_of(call) -> str:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - reported to the parent
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def _wait_for_child(pid: int, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return
+        time.sleep(0.02)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child hung")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,3 +90,37 @@ def test_override_generation_config_takes_generation_config_keys() -> None:
     assert config.override_generation_config == {"max_tokens": 5, "temperature": 0.5}
     with pytest.raises(ConfigError, match="max_new_tokens is max_tokens"):
         EngineConfig.create("m", override_generation_config={"max_new_tokens": 5, "max_tokens": 6})
+
+
+@pytest.mark.parametrize(("generation_config", "overrides", "requested", "expected"), [
+    ("auto", None, None, 512),  # the file's max_new_tokens: the default, not a cap (vLLM's get_max_tokens)
+    ("auto", None, 1000, 1000),
+    ("auto", {"max_new_tokens": 4}, None, 4),  # override_generation_config's caps what a request sets too
+    ("auto", {"max_new_tokens": 4}, 12, 4),
+    ("auto", {"max_new_tokens": 4}, 2, 2),
+    ("folder", None, 1000, 512),  # a generation-config folder's max_new_tokens caps
+    ("vllm", None, 1000, 1000),
+])
+def test_the_servers_max_tokens_are_vllms(tmp_path, generation_config: str, overrides: dict | None,
+                                          requested: int | None, expected: int) -> None:
+    from asyncllm.engine.defaults import sampling_overrides
+    from asyncllm.integrations.openai_protocol import ServerLimits
+    from asyncllm.integrations.openai_sampling import resolve_max_tokens, with_max_tokens_cap
+
+    folder = _folder(tmp_path, max_new_tokens=512)
+    name = folder if generation_config == "folder" else generation_config
+    overrides = sampling_overrides("override_generation_config", overrides)
+    config = SimpleNamespace(generation_config=name, override_generation_config=overrides)
+    defaults = with_max_tokens_cap(_defaults(name, folder, overrides), config)
+    assert resolve_max_tokens(requested, ServerLimits(), defaults) == expected
+
+
+def test_the_server_caps_with_the_engines_config() -> None:
+    import asyncio
+
+    from asyncllm.integrations.openai_server import OpenAIServer
+
+    config = SimpleNamespace(generation_config="auto", override_generation_config={"max_tokens": 4})
+    engine = SimpleNamespace(started=True, config=config, default_sampling_fields=lambda: {"max_tokens": 4})
+    defaults = asyncio.run(OpenAIServer._sampling_defaults(SimpleNamespace(engine=engine)))
+    assert defaults == {"max_tokens": 4, "max_tokens_cap": 4}

@@ -185,7 +185,8 @@ def test_what_the_server_reads() -> None:
     parser only after openai_gptoss."""
     reasoning, tools = get_reasoning_parser("openai_gptoss"), get_tool_parser("openai")
     assert reasoning.needs_special_tokens and tools.needs_special_tokens and not reasoning.forced_tool_calls
-    assert reasoning.end_tag == FINAL_START == "<|channel|>final<|message|>"
+    assert (reasoning.end_tag, reasoning.end_suffix, reasoning.end_max_between) == ("<|channel|>final", "<|message|>", 20)
+    assert reasoning.end_tag + reasoning.end_suffix == FINAL_START
     assert not get_reasoning_parser("qwen3").needs_special_tokens
     check_parser_pair(tools, "openai_gptoss")
     check_parser_pair(get_tool_parser("hermes"), None)

@@ -270,3 +270,24 @@ def test_logprobs_mode_picks_the_logits_before_or_after_processing(mode: str) ->
         assert ids[0] == int(out.sampled_token_ids[row])
     if mode.startswith("processed"):
         assert np.isinf(np.frombuffer(out.logprobs[0].logprobs, "<f4")[-2:]).all()  # top 5 of 3 kept: 2 masked
+
+
+def test_rows_with_no_allowed_token_left_are_exhausted() -> None:
+    params = [SamplingParams(allowed_token_ids=[3, 4], bad_words_token_ids=[[3, 3], [3, 4]]),  # after a 3: none
+              SamplingParams(allowed_token_ids=[3, 4], bad_words_token_ids=[[3, 3]]),
+              SamplingParams(allowed_token_ids=[7], min_tokens=5)]  # EOS 7, masked until 5 outputs
+    meta = SamplingMetadata.from_params(params, [0] * 3, CPU, [[1]] * 3, [[3]] * 3, (7,))
+    assert meta.logits_processors is not None and meta.logits_processors.exhausted == (0, 2)
+    meta = SamplingMetadata.from_params(params, [0] * 3, CPU, [[1]] * 3, [[4]] * 3, (7,))
+    assert meta.logits_processors is not None and meta.logits_processors.exhausted == (2,)
+
+
+def test_only_rows_after_committed_tokens_fail_their_request() -> None:
+    from asyncllm.workers.input_batch import _exhausted_requests
+    from asyncllm.workers.logits_processors import EXHAUSTED_ERROR
+    from asyncllm.workers.spec_decode import DraftedRequest
+
+    req_ids = ["a", "b", "c"]  # b samples nothing; c drafts two tokens: rows 2 (after both), 3 and 4 (its drafts)
+    drafted = [DraftedRequest(sample=1, first_row=2, drafts=[5, 6])]
+    assert _exhausted_requests(req_ids, [0, 2], drafted, (0, 1, 4)) == {"a": EXHAUSTED_ERROR}
+    assert _exhausted_requests(req_ids, [0, 2], drafted, (2,)) == {"c": EXHAUSTED_ERROR}

@@ -185,6 +185,31 @@ def test_skipped_requests_keep_their_place_in_the_queue() -> None:
     assert [r.request_id for r in sched.waiting] == ["b", "c", "e"]
 
 
+def test_a_starved_adapter_is_admitted_once_the_running_one_drains() -> None:
+    """Under steady traffic for a running adapter (1), a request for another (2) is skipped at most
+    MAX_LORA_SKIPS + 1 steps: then adapter 1's new requests are held until its running ones finish; the base
+    model's are admitted all along."""
+    from asyncllm.sched.schedule_waiting import MAX_LORA_SKIPS
+
+    sched = make_scheduler(enable_lora=True, max_loras=1)
+    admitted: dict[str, int] = {}
+    for step in range(MAX_LORA_SKIPS + 12):
+        sched.add_request(_lora_request(f"a{step}", 1))  # adapter 1 arrives every step
+        if step == 1:
+            sched.add_request(_lora_request("b", 2))
+        if step == MAX_LORA_SKIPS + 2:
+            sched.add_request(_lora_request("c", 0))
+        out, _ = run_step(sched)
+        admitted.update((n.req_id, step) for n in out.new_reqs)
+        assert len({r.lora_int_id for r in sched.running if r.lora_int_id}) <= 1
+        assert not any(r.num_lora_skips for r in sched.running)  # the count restarts at each admission
+    assert admitted["c"] == MAX_LORA_SKIPS + 2  # the base model is never held
+    # skipped steps 1 to 17; from step 17 adapter 1's arrivals are held, its last running request ends at 18
+    assert admitted["b"] == MAX_LORA_SKIPS + 3
+    held = range(MAX_LORA_SKIPS + 1, admitted["b"] + 1)
+    assert [admitted[f"a{step}"] for step in held] == [admitted["b"] + 3] * len(held)  # once b finished
+
+
 def test_an_adapter_without_enable_lora_is_refused() -> None:
     with pytest.raises(InvalidRequestError, match="enable_lora=True") as info:
         make_scheduler().add_request(_lora_request("a", 1))

@@ -100,6 +100,17 @@ def test_the_prompt_rule_is_the_constraints_rule() -> None:
         "role": "assistant", "content": "It is 4."}
 
 
+def test_a_marker_in_two_parts_takes_fewer_than_max_between_tokens_between() -> None:
+    """gpt-oss's ``<|channel|>final`` (7, 8) ... ``<|message|>`` (9), up to 2 tokens between here (vLLM's
+    openai_gptoss ``is_reasoning_end`` takes up to 20: ``<|constrain|>json``)."""
+    final = Marker((7, 8), suffix=(9,), max_between=3)
+    assert final.ends([1, 7, 8, 9]) and final.ends([7, 8, 4, 4, 9]) and final.ends([6, 7, 8, 4, 9])
+    assert not final.ends([7, 8, 4, 4, 4, 9]) and not final.ends([7, 8, 9, 4]) and not final.ends([1, 8, 9])
+    assert final.written_by([1, 7, 8, 4, 9, 5]) and not final.written_by([1, 7, 8, 4, 5])
+    assert final.spanned([1, 2, 7, 8, 4, 9, 5], opened=True) == 2
+    assert Marker((7, 8)).ends([1, 7, 8]) and not Marker((7, 8)).ends([7, 8, 4, 9])  # others stay exact
+
+
 def test_reasoning_tokens_are_counted_between_the_tags_as_vllm_counts_them() -> None:
     close = Marker((7, 8), opener=(6, 8))
     assert close.spanned([6, 8, 1, 2, 3, 7, 8, 4], opened=False) == 3  # the tags' own tokens not counted

@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from asyncllm import InvalidRequestError, RequestOutputKind, SamplingParams
+from asyncllm import InvalidRequestError, RequestOutputKind, SamplingParams, StructuredOutputs
 from asyncllm.engine.processor import sample_request_ids
 from asyncllm.sampling import sample_seed
 
@@ -84,6 +84,21 @@ def test_check_vocab_names_logit_bias() -> None:
     assert info.value.field == "logit_bias"
 
 
+def test_a_start_after_in_two_parts_is_checked() -> None:
+    """gpt-oss's constraint start (`StructuredOutputs.start_after_suffix`): its suffix's ids against the vocabulary,
+    its fields' shape when the request is made."""
+    two_parts = StructuredOutputs(regex="a", start_after_token_ids=[1], start_after_suffix_token_ids=[99],
+                                  start_after_max_between=20)
+    SamplingParams(structured=two_parts).check_vocab(100)
+    with pytest.raises(InvalidRequestError, match=r"\[100\]"):
+        SamplingParams(structured=msgspec.structs.replace(two_parts, start_after_suffix_token_ids=[100])).check_vocab(100)
+    for bad, why in [({"start_after_max_between": 0}, "at least 1 with a suffix"),
+                     ({"start_after_suffix_token_ids": [-1]}, "start_after_suffix_token_ids must be"),
+                     ({"start_after_suffix": "<|message|>"}, "after a start_after")]:
+        with pytest.raises(InvalidRequestError, match=why):
+            msgspec.structs.replace(two_parts, **bad).validate()
+
+
 def test_samples_of_an_n_request() -> None:
     p = SamplingParams(n=3, seed=42, prompt_logprobs=2, logprobs=1)
     samples = [p.for_sample(i) for i in range(3)]
@@ -94,3 +109,25 @@ def test_samples_of_an_n_request() -> None:
     assert SamplingParams(n=2).for_sample(1).seed is None
     assert sample_request_ids("abc", 1, 7) == ["abc#7"]
     assert sample_request_ids("abc", 3, 8) == ["abc#8-0", "abc#8-1", "abc#8-2"]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("bad_words", [f"w{i}" for i in range(129)]),  # vLLM's 128 sequences: refused before any is tokenized
+    ("bad_words", ["x" * (1024 * 64 + 1)]),
+    ("bad_words_token_ids", [[5]] * 129),
+    ("bad_words_token_ids", [[5] * 1025]),
+])
+def test_bad_words_are_bounded_as_vllms(field: str, value: Any) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(**{field: value}).validate()
+    assert info.value.field == field
+    SamplingParams(**{field: value[:128] if len(value) > 1 else [value[0][:1024]]}).validate()
+
+
+def test_bad_words_bounds_follow_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCLLM_MAX_NUM_BAD_WORDS", "2")
+    monkeypatch.setenv("ASYNCLLM_MAX_BAD_WORDS_TOTAL_TOKENS", "3")
+    SamplingParams(bad_words_token_ids=[[1], [2, 3]]).validate()
+    for sequences in ([[1], [2], [3]], [[1, 2], [3, 4]]):
+        with pytest.raises(InvalidRequestError, match="bad_words_token_ids"):
+            SamplingParams(bad_words_token_ids=sequences).validate()

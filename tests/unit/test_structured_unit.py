@@ -236,6 +236,33 @@ def test_drafts_get_a_row_at_each_position_the_grammar_constrains(manager_args, 
     manager.shutdown()
 
 
+def test_the_grammar_starts_after_gptoss_final_header_with_tokens_between(manager_args, tiny_llama: str) -> None:
+    """gpt-oss's constraint, as the server sets it: ``<|constrain|>json`` between still starts it, as vLLM's."""
+    from transformers import AutoTokenizer
+
+    from asyncllm.reasoning import get_reasoning_parser
+    from asyncllm.structured.manager import StructuredOutputManager
+    from asyncllm.structured.start_after import with_start_after_ids
+
+    tokenizer, gptoss = AutoTokenizer.from_pretrained(tiny_llama), get_reasoning_parser("openai_gptoss")
+    structured = StructuredOutputs(regex="[0-9]+", start_after=gptoss.end_tag, start_after_suffix=gptoss.end_suffix,
+                                   start_after_max_between=gptoss.end_max_between)
+    params = with_start_after_ids(SamplingParams(max_tokens=20, structured=structured), [5, 6, 7], tokenizer, 512)
+    manager = StructuredOutputManager(*manager_args, compile_timeout_s=60.0)
+    request = Request.from_add_request(protocol.AddRequest("g", [5, 6, 7], params, [1], time.time()), b"c")
+    manager.add(request)
+    _wait_polled(manager)
+    head = tokenizer.encode("<|channel|>analysis<|message|>x<|end|><|start|>assistant<|channel|>final <|constrain|>"
+                            "json<|message|>", add_special_tokens=False)
+    manager.accept([(b"c", protocol.RequestOutputDelta("g", head[:-1]))], lambda ids: None)
+    assert "g" in manager.waiting  # the analysis channel, the final header without its message: free text
+    manager.accept([(b"c", protocol.RequestOutputDelta("g", head[-1:] + tokenizer.encode("7", add_special_tokens=False)))],
+                   lambda ids: None)
+    assert "g" not in manager.waiting and not manager.matchers["g"].is_terminated()
+    assert not manager.matchers["g"].accept_token(tokenizer.encode("a", add_special_tokens=False)[-1])  # the grammar's
+    manager.shutdown()
+
+
 def test_manager_timeout_and_abort_while_compiling(manager_args) -> None:
     from asyncllm.structured.manager import StructuredOutputManager
 
@@ -282,13 +309,19 @@ def test_compiled_json_writes_the_properties_in_the_schemas_order(manager_args) 
     xgr = pytest.importorskip("xgrammar")
     from asyncllm.structured.compiler import GrammarCompilerPool
 
-    pool = GrammarCompilerPool(*manager_args)
+    pool, compact = GrammarCompilerPool(*manager_args), GrammarCompilerPool(*manager_args, any_whitespace=False)
     schema = {"type": "object", "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
               "required": ["reasoning", "answer"], "additionalProperties": False}
-    compiled = pool.submit(StructuredOutputs(json=schema).for_core()).result(timeout=60)
-    pool.shutdown()
+    compiled, compiled_compact = (p.submit(StructuredOutputs(json=schema).for_core()).result(timeout=60)
+                                  for p in (pool, compact))
+    for each in (pool, compact):
+        each.shutdown()
     assert xgr.GrammarMatcher(compiled).accept_string('{"reasoning": "x", "answer": 1}')
     assert not xgr.GrammarMatcher(compiled).accept_string('{"answer": 1')
+    spaced = '{\n  "reasoning" : "x",\n  "answer": 1 }'  # vLLM's default: any JSON whitespace
+    assert xgr.GrammarMatcher(compiled).accept_string(spaced)
+    assert not xgr.GrammarMatcher(compiled_compact).accept_string(spaced)  # disable_any_whitespace: compact
+    assert xgr.GrammarMatcher(compiled_compact).accept_string('{"reasoning": "x", "answer": 1}')
 
 
 LARK = 'start: "SELECT " column\ncolumn: "a" | NAME\nNAME: /[x-z]+/'

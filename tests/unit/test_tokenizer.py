@@ -15,7 +15,8 @@ from asyncllm.errors import ConfigError, InvalidRequestError
 from asyncllm.generation_config import read_generation_config
 from asyncllm.tiny import make_tiny_checkpoint
 from asyncllm.tokenizer import (
-    apply_chat_template, encode_prompt, eos_token_ids, load_chat_template, load_tokenizer, template_messages,
+    apply_chat_template, bad_words_token_ids, encode_prompt, eos_token_ids, load_chat_template, load_tokenizer,
+    template_messages,
 )
 
 
@@ -215,3 +216,25 @@ def test_prompt_tokenizer_cuts_text_chat_and_token_ids_as_vllm(tokenizer: Any) -
     assert cut(text) == ids[:1] + ids[-5:]
     assert cut(ids) == ids[-6:] and cut(messages, True) == chat[-6:]
     assert cut(text, pooling=PoolingParams()) == ids[:6]
+
+
+class _CountingTokenizer:
+    """One token per character, ids by character; counts its encodes."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.calls += 1
+        return [ord(c) for c in text]
+
+
+def test_bad_words_token_ids_dedup_and_stop_at_vllms_bound() -> None:
+    tokenizer = _CountingTokenizer()
+    assert bad_words_token_ids(tokenizer, ["ab", " ab", "c"], [[7]]) == [[7], [97, 98], [32, 97, 98], [99], [32, 99]]
+    tokenizer.calls = 0
+    with pytest.raises(InvalidRequestError) as info:  # 2 sequences a word: the 65th word passes 128
+        bad_words_token_ids(tokenizer, [f"w{i}" for i in range(100)])
+    assert info.value.field == "bad_words" and tokenizer.calls == 130
+    with pytest.raises(InvalidRequestError, match="1024 tokens"):
+        bad_words_token_ids(tokenizer, ["x" * 600])

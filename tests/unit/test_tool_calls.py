@@ -124,6 +124,38 @@ def test_tool_modes_refuse_what_they_cannot_take() -> None:
     assert required.constraint.json["maxItems"] == 1 and len(required.constraint.json["items"]["anyOf"]) == 2
 
 
+def _accepts(schema: dict, text: str) -> bool:
+    xgr = pytest.importorskip("xgrammar")
+    return xgr.testing._is_grammar_accept_string(xgr.Grammar.from_json_schema(json.dumps(schema)), text)
+
+
+UNIT = {"enum": ["c", "f"], "type": "string"}
+PYDANTIC = {"$defs": {"Unit": UNIT}, "properties": {"unit": {"$ref": "#/$defs/Unit"}}, "required": ["unit"],
+            "type": "object", "additionalProperties": False}  # what pydantic's model_json_schema() writes
+
+
+def test_required_lifts_each_tools_defs_to_the_root_as_vllm() -> None:
+    tools = [{"type": "function", "function": {"name": name, "parameters": PYDANTIC}} for name in ("a", "b")]
+    schema = tool_mode(tools, "required", None, None).constraint.json
+    assert schema["$defs"] == {"Unit": UNIT} and "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert _accepts(schema, '[{"name": "b", "parameters": {"unit": "f"}}]')
+    assert not _accepts(schema, '[{"name": "b", "parameters": {"unit": "k"}}]')
+    assert PYDANTIC["$defs"] == {"Unit": UNIT}  # the request's tools are left as they came
+    other = {"type": "function", "function": {"name": "c", "parameters": {**PYDANTIC, "$defs": {"Unit": {"type": "integer"}}}}}
+    with pytest.raises(InvalidRequestError, match="'Unit' has multiple schemas") as info:
+        tool_mode([*tools, other], "required", None, None)
+    assert info.value.field == "tools"
+
+
+@pytest.mark.parametrize("parameters", [None, {}])
+def test_a_tool_without_parameters_is_called_with_an_empty_object_as_vllm(parameters) -> None:
+    tool = {"type": "function", "function": {"name": "now", **({} if parameters is None else {"parameters": parameters})}}
+    required = tool_mode([tool], "required", None, None).constraint.json
+    named = tool_mode([tool], {"type": "function", "function": {"name": "now"}}, None, None).constraint.json
+    assert _accepts(required, '[{"name": "now", "parameters": {}}]') and _accepts(named, "{}")
+    assert not _accepts(required, '[{"name": "now", "parameters": {"a": 1}}]') and not _accepts(named, '{"a": 1}')
+
+
 def test_named_reply_streams_arguments_and_merges() -> None:
     mode = tool_mode([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, None, None)
     reply = ChatReply(mode)
