@@ -64,6 +64,10 @@ class _Handlers:
             return error_response(ApiError(404, "this engine exports no Prometheus metrics", "not_found_error"))
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        from asyncllm.metrics.multiprocess import multiprocess_dir, multiprocess_latest
+
+        if multiprocess_dir() is not None:  # every host process's series, summed (vLLM's multiprocess mode)
+            return Response(multiprocess_latest(), media_type=CONTENT_TYPE_LATEST)
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
 

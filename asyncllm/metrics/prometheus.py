@@ -21,6 +21,10 @@ With data_parallel_size > 1 every replica's core has its own `HostStats`: the
 engine-wide series are exported per replica with vLLM's ``engine="<index>"``
 label (``sum by (model_name)`` adds them up); the request series are summed
 over the replicas, as over engines.
+
+With ``PROMETHEUS_MULTIPROC_DIR`` set, each collector's series are also written
+to prometheus_client's per-process files (`asyncllm.metrics.multiprocess`), so one
+scrape sums the host processes.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from asyncllm.metrics.host_stats import NO_COUNTERS, EngineView, Histogram, HostStats, summed_snapshots
+from asyncllm.metrics.multiprocess import mirror, multiprocess_dir, sync
 from asyncllm.protocol import SchedulerStats
 
 __all__ = ["AsyncLLMCollector", "attach", "PREFIX", "retire"]
@@ -69,6 +74,9 @@ _ENGINE_COUNTERS: list[tuple[str, str, Callable[[SchedulerStats], float]]] = [
     ("spec_decode_num_draft_tokens", "Number of draft tokens.", lambda s: s.spec_decode_num_draft_tokens),
     ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", lambda s: s.spec_decode_num_accepted_tokens),
 ]
+ENGINE_COUNTER_NAMES = frozenset(PREFIX + name for name, _, _ in _ENGINE_COUNTERS) | {
+    PREFIX + "spec_decode_num_accepted_tokens_per_pos"}
+"""The counters that are the core's counts, not this host's (`multiprocess` writes them as growth)."""
 _REQUEST_COUNTERS: list[tuple[str, str, Callable[[HostStats], float]]] = [
     ("prompt_tokens", "Number of prefill tokens processed.", lambda h: h.prompt_tokens_total),
     ("generation_tokens", "Number of generation tokens processed.", lambda h: h.generation_tokens_total),
@@ -251,6 +259,8 @@ def retire(stats: HostStats, registry: CollectorRegistry) -> None:
         collector = _collectors.get(registry)
     if collector is not None:
         collector.retire(stats)
+        if multiprocess_dir() is not None:
+            sync()  # its last counts, and its gauges gone: a uvicorn worker exits without atexit hooks
 
 
 _collectors: weakref.WeakKeyDictionary[CollectorRegistry, AsyncLLMCollector] = weakref.WeakKeyDictionary()
@@ -267,5 +277,7 @@ def attach(stats: HostStats, registry: Any = None) -> CollectorRegistry:
             collector = AsyncLLMCollector()
             registry.register(collector)
             _collectors[registry] = collector
+            if multiprocess_dir() is not None:
+                mirror(collector)
     collector.add(stats)
     return registry

@@ -19,4 +19,7 @@ for _ in range(600):
     except Exception:
         time.sleep(0.5)
 "
+# One port, four processes: each worker writes its metrics to this folder and any worker's /metrics
+# serves the sum (prometheus_client's multiprocess mode). It must start empty.
+export PROMETHEUS_MULTIPROC_DIR="$(mktemp -d)"
 uvicorn examples.shared_engine.app:app --workers 4 --host 127.0.0.1 --port 8000

@@ -1,0 +1,120 @@
+"""Prometheus multiprocess mode: two host processes' series, read back by a MultiProcessCollector, summed."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, values
+from prometheus_client.multiprocess import MultiProcessCollector, mark_process_dead
+
+from asyncllm.metrics import prometheus
+from asyncllm.metrics.host_stats import HostStats
+from asyncllm.metrics.multiprocess import _Writer
+from asyncllm.metrics.prometheus import AsyncLLMCollector
+from asyncllm.protocol import SchedulerStats
+
+
+def _host(pid: int, generated: int, ttft: float) -> tuple[_Writer, HostStats]:
+    """One host process: its `HostStats` in a collector, written as process `pid` would."""
+    stats = HostStats("m")
+    stats.generation_tokens_total = generated
+    stats.count_finished("length")
+    stats.time_to_first_token.observe(ttft)
+    collector = AsyncLLMCollector()
+    collector.add(stats)
+    writer = _Writer(values.MultiProcessValue(lambda: pid))
+    writer.collectors.add(collector)
+    writer._collector = collector  # held: the writer holds its collectors weakly
+    return writer, stats
+
+
+def _scrape(folder: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=folder)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for m in registry.collect() for s in m.samples}
+
+
+def test_two_hosts_sum_counters_and_report_engine_series_once(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    (a, reporter), (b, other) = _host(1001, 10, 0.003), _host(1002, 20, 0.5)
+    for stats, reports in ((reporter, True), (other, False)):  # every host gets the core's snapshots
+        stats.take_snapshot(SchedulerStats(num_requests_running=3, num_preemptions_total=4), reports)
+    a.sync(), b.sync()
+    reporter.take_snapshot(SchedulerStats(num_requests_running=1, num_preemptions_total=6), True)
+    reporter.generation_tokens_total += 5
+    a.sync(), b.sync()
+    m = (("model_name", "m"),)
+    scraped = _scrape(str(tmp_path))
+    assert scraped[("asyncllm:generation_tokens_total", m)] == 35
+    assert scraped[("asyncllm:request_success_total", (("finished_reason", "length"), ("model_name", "m")))] == 2
+    assert scraped[("asyncllm:num_requests_running", m)] == 1  # the reporter's latest, once
+    assert scraped[("asyncllm:num_preemptions_total", m)] == 6  # the core's count, once
+    assert scraped[("asyncllm:time_to_first_token_seconds_count", m)] == 2
+    assert scraped[("asyncllm:time_to_first_token_seconds_bucket", (("le", "0.005"), *m))] == 1
+    assert scraped[("asyncllm:time_to_first_token_seconds_bucket", (("le", "+Inf"), *m))] == 2
+    assert scraped[("asyncllm:time_to_first_token_seconds_sum", m)] == pytest.approx(0.503)
+    b.collectors.discard(b._collector)  # its engine was garbage-collected: its counts stay, a new one's add up
+    b._collector, new = AsyncLLMCollector(), HostStats("m")
+    new.generation_tokens_total = 1
+    b._collector.add(new)
+    b.collectors.add(b._collector)
+    b.sync()
+    assert _scrape(str(tmp_path))[("asyncllm:generation_tokens_total", m)] == 36
+
+
+def test_gauges_and_engine_counters_follow_the_reporter(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    (a, reporter), (b, other) = _host(2001, 1, 0.1), _host(2002, 1, 0.1)
+    reporter.take_snapshot(SchedulerStats(num_requests_running=3, num_preemptions_total=4), True)
+    a.sync(), b.sync()
+    reporter.mark_closed()  # the reporter's engine closed: the other host takes over
+    for preemptions in (5, 7):
+        other.take_snapshot(SchedulerStats(num_requests_running=2, num_preemptions_total=preemptions), True)
+        a.sync(), b.sync()
+    scraped = _scrape(str(tmp_path))
+    assert scraped[("asyncllm:num_requests_running", (("model_name", "m"),))] == 2
+    assert scraped[("asyncllm:num_preemptions_total", (("model_name", "m"),))] == 6  # 4, then 5 -> 7 (not 4 + 7)
+    other.mark_closed()
+    b.sync()
+    assert ("asyncllm:num_requests_running", (("model_name", "m"),)) not in _scrape(str(tmp_path))
+    for preemptions in (8, 9):  # the first host reports again: from 8 on, not from its own 4
+        reporter.take_snapshot(SchedulerStats(num_requests_running=1, num_preemptions_total=preemptions), True)
+        a.sync()
+    assert _scrape(str(tmp_path))[("asyncllm:num_preemptions_total", (("model_name", "m"),))] == 7
+    mark_process_dead(2001, str(tmp_path)), mark_process_dead(2002, str(tmp_path))
+    assert _scrape(str(tmp_path))[("asyncllm:generation_tokens_total", (("model_name", "m"),))] == 2
+
+
+def test_metrics_route_serves_the_folder_without_a_name_held_before_attaching(tmp_path, monkeypatch) -> None:
+    from asyncllm.integrations.openai_info import _Handlers
+
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    writer, stats = _host(3001, 0, 0.1)
+    stats.model_name = "ipc:///tmp/core.sock"  # an attached host until the core names its model
+    stats.time_to_first_token = HostStats("m").time_to_first_token
+    stats.request_success = dict.fromkeys(stats.request_success, 0)
+    writer.sync()
+    stats.model_name, stats.generation_tokens_total = "m", 3
+    writer.sync()
+    engine = SimpleNamespace(metrics_registry=CollectorRegistry())  # empty: the route reads the folder
+    body = asyncio.run(_Handlers(SimpleNamespace(engine=engine)).metrics(None)).body.decode()
+    assert 'asyncllm:generation_tokens_total{model_name="m"} 3.0' in body
+    assert 'asyncllm:request_success_total{finished_reason="stop",model_name="m"} 0.0' in body
+    assert "ipc://" not in body
+
+
+def test_attach_mirrors_and_retire_writes_only_in_multiprocess_mode(tmp_path, monkeypatch) -> None:
+    mirrored: list[AsyncLLMCollector] = []
+    monkeypatch.setattr(prometheus, "mirror", mirrored.append)
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    prometheus.attach(HostStats("m"))
+    assert mirrored == []
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    stats, synced = HostStats("m"), []
+    registry = prometheus.attach(stats)
+    assert mirrored == [prometheus._collectors[registry]]
+    monkeypatch.setattr(prometheus, "sync", lambda: synced.append(True))
+    prometheus.retire(stats, registry)  # the engine closed: its last counts written before the worker exits
+    assert synced == [True]
