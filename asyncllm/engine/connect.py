@@ -9,6 +9,7 @@ detokenization stay in each host's processor thread, as with an owned core.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -75,7 +76,6 @@ def handshake(address: str, timeout_s: float, key: str | None = None,
             if isinstance(message, protocol.EngineFailed):
                 raise EngineDeadError(f"the engine core at {address} failed: {message.message}")
             if isinstance(message, protocol.Ready):
-                dealer.send(encoder.encode(protocol.Goodbye(shutdown=False)))
                 mismatch = protocol.wire_protocol_mismatch(protocol.wire_protocol(), message.wire_protocol)
                 if mismatch is not None:  # a core from before the check: it took this Hello
                     raise EngineDeadError(f"the engine core at {address}: {mismatch}")
@@ -84,7 +84,9 @@ def handshake(address: str, timeout_s: float, key: str | None = None,
             f"no engine core answered at {address} within {timeout_s:.0f} s; start one with "
             f"`asyncllm engine MODEL --address {address}`",
         )
-    finally:
+    finally:  # a Hello still queued (a core yet to bind) is followed by its Goodbye: no probe stays attached
+        with contextlib.suppress(zmq.ZMQError):  # never blocks: queued behind the Hello, or nowhere to go
+            dealer.send(encoder.encode(protocol.Goodbye(shutdown=False)), zmq.NOBLOCK)
         watch.close()
         dealer.close()
         ctx.term()

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from types import SimpleNamespace
 from typing import Any, Union
 
@@ -200,3 +201,33 @@ def test_a_restarted_shared_core_serving_something_else_is_refused(monkeypatch) 
         connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False)
     ready.model = "first-model"
     assert connect.prepare_attached(attached, "ipc:///nowhere", 1.0, None, closed=lambda: False).model == "first-model"
+
+
+def test_a_handshake_that_timed_out_says_goodbye_to_the_core_that_binds_late() -> None:
+    """A probe waiting for a core still loading leaves its Hello queued: its Goodbye follows, so the core does not
+    keep a dead host (which, the first to attach, would export the engine-wide metrics for good)."""
+    from asyncllm.procutil import private_ipc_dir, remove_dir
+
+    folder = private_ipc_dir()
+    address = f"ipc://{folder}/core"
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    got: list[Any] = []
+
+    def bind_late() -> None:
+        time.sleep(0.5)  # after the handshake gave up, before its linger ends
+        router.bind(address)
+        while len(got) < 2 and router.poll(3000):
+            got.append(msgspec.msgpack.decode(router.recv_multipart()[1], type=protocol.HostMessage))
+
+    thread = threading.Thread(target=bind_late, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(EngineDeadError, match="no engine core answered"):
+            handshake(address, timeout_s=0.3)
+        thread.join(timeout=10)
+        assert [type(m).__name__ for m in got] == ["Hello", "Goodbye"]
+    finally:
+        router.close(linger=0)
+        ctx.term()
+        remove_dir(folder)
