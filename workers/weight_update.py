@@ -42,6 +42,7 @@ from asyncllm.models.layers import LoadedWeight, weight_shape
 from asyncllm.models.loader import build_model, load_checkpoint
 from asyncllm.models.registry import text_config_of
 from asyncllm.shm_segment import attach_untracked
+from asyncllm.workers.pushed_weights import as_loaded, check_tied_head_equal
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | Non
     segment = None
     try:
         if command.segment:
-            segment = check_tensor_update(runner, command)
+            segment, tensors = check_tensor_update(runner, command)
         else:
             path = check_update(runner, command.model_path, command.revision, command.hf_config_json)
         error: InvalidRequestError | NotBuiltError | None = None
@@ -87,7 +88,7 @@ def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | Non
             return weights_error_reply(command.update_id, error, rank)
         with _requantized(runner):  # online fp8: each layer's new float weights quantized into its fp8 ones
             if segment is not None:
-                unwritten = _written(runner, _copy_tensors(runner, segment, command.tensors))
+                unwritten = _written(runner, _copy_tensors(runner, segment, tensors))
             else:  # in place: every loader copies into .data; a pipeline stage's model loads its own parts only
                 load_checkpoint(_loading_model(runner), path, runner.config.kv_cache_dtype)
                 unwritten = _written(runner, None)
@@ -104,9 +105,10 @@ def update_weights(runner: Any, command: protocol.UpdateWeights, rank: int | Non
     return protocol.WeightsUpdated(command.update_id, rank=rank, weights_unwritten=unwritten)
 
 
-def check_tensor_update(runner: Any, command: protocol.UpdateWeights) -> Any:
-    """The host's segment, mapped, once the served model can take ``command.tensors`` (names, this rank's shard
-    shapes; any subset of the weights); `InvalidRequestError` naming ``named_tensors`` otherwise."""
+def check_tensor_update(runner: Any, command: protocol.UpdateWeights) -> tuple[Any, list[protocol.WeightTensor]]:
+    """The host's segment, mapped, and the tensors to load from it (`as_loaded`: a tied head as the embedding), once
+    the served model can take ``command.tensors`` (names, this rank's shard shapes; any subset of the weights);
+    `InvalidRequestError` naming ``named_tensors`` otherwise."""
     refuse_unbuilt(runner, "update_weights_from_tensors")
     refused = [f"{t.name!r} of {t.dtype}" for t in command.tensors if t.dtype not in WEIGHT_DTYPES]
     if refused:
@@ -119,8 +121,10 @@ def check_tensor_update(runner: Any, command: protocol.UpdateWeights) -> Any:
                                          f"({type(exc).__name__}: {exc}): is it on another machine?") from exc
     try:
         _check_fits(segment.size, command.tensors)
-        meta = iter((t.name, torch.empty(t.shape, device="meta")) for t in command.tensors)
         model = _meta_model(runner)
+        tensors = as_loaded(model, runner.hf_config, command.tensors)
+        check_tied_head_equal(segment.buf, command.tensors, tensors)
+        meta = iter((t.name, torch.empty(t.shape, device="meta")) for t in tensors)
         headers = _HeadersOnly(model)
         try:
             model.load_weights(headers(meta))
@@ -131,7 +135,7 @@ def check_tensor_update(runner: Any, command: protocol.UpdateWeights) -> Any:
     except BaseException:
         _close(segment)
         raise
-    return segment
+    return segment, tensors
 
 
 def _refuse_unread(model: Any, names: list[str]) -> None:

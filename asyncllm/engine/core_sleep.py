@@ -67,12 +67,13 @@ class SleepController:
 
         answer_between_steps(self.core, client_id, run)
 
-    def refuse_update(self) -> errors.InvalidRequestError | None:
-        """`UpdateWeights` has nothing to copy into while the weights are discarded."""
+    def refuse_update(self, field: str) -> errors.InvalidRequestError | None:
+        """`UpdateWeights` has nothing to copy into while the weights are discarded: refused naming ``field`` (the
+        update's source: ``model_path`` or ``named_tensors``)."""
         if self.weights != "discarded":
             return None
-        return errors.InvalidRequestError("model_path", "the weights were discarded by sleep(level=2): call "
-                                                        "wake_up(tags=['weights']) first (docs/sleep-mode.md)")
+        return errors.InvalidRequestError(field, "the weights were discarded by sleep(level=2): call "
+                                                 "wake_up(tags=['weights']) first (docs/sleep-mode.md)")
 
     def weights_loaded(self) -> None:
         """An `UpdateWeights` succeeded: the weights are real again."""

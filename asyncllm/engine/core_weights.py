@@ -73,14 +73,14 @@ class WeightUpdater:
 
     def _run(self, message: protocol.UpdateWeights) -> protocol.WeightsUpdated:
         core = self.core
-        refusal = core.sleep.refuse_update()
+        field = "named_tensors" if message.segment else "model_path"
+        refusal = core.sleep.refuse_update(field)
         if refusal is not None:
             return weights_error_reply(message.update_id, refusal)
         try:
             replies = core.executor.update_weights(message)
         except (errors.EngineDeadError, errors.ConfigError) as exc:  # a rank failed while copying: restart them all
             core.recover_workers(exc if isinstance(exc, errors.EngineDeadError) else errors.EngineDeadError(str(exc)))
-            field = "named_tensors" if message.segment else "model_path"
             return weights_error_reply(message.update_id, errors.InvalidRequestError(
                 field, f"the workers failed while loading {message.source()} ({exc}); they were restarted with "
                        f"the weights of version {self.weights_version}"))

@@ -2,7 +2,8 @@
 with a ``sliding_window``, only the sliding-window layers rotate, the global ones use no positions) in Llama's
 pre-norm layers, over DeepSeek-V3's experts (dense layers by ``mlp_layer_types``, grouped sigmoid routing with the
 score correction, ``num_shared_experts`` shared experts: asyncllm/models/deepseek.py), as dots.llm1 (dots1.py) with
-EXAONE's names for the experts (``num_experts``, ``num_shared_experts``). Experts load per expert or fused; the
+EXAONE's names for the experts (``num_experts``, ``num_shared_experts``). Experts load per expert or stacked as
+transformers 5 holds them (``[E, 2I, H]``, `MoECausalLM`); the
 multi-token-prediction block (``mtp.*``) is left unread, as transformers leaves it."""
 
 from __future__ import annotations
@@ -47,15 +48,12 @@ class ExaoneMoeForCausalLM(Dots1ForCausalLM):
         config = deepseek_names(hf_config)
         check_routing(config)
         super().__init__(config, **kwargs)
-        self.expert_sizes = (int(config.hidden_size), int(config.moe_intermediate_size))
 
     def unread_weight(self, name: str) -> bool:
         return name.startswith("mtp.") or super().unread_weight(name)  # the multi-token-prediction block
 
     def load_weights(self, weights: Iterable[tuple[str, LoadedWeight]]) -> set[str]:
-        from asyncllm.models.qwen3_vl_moe import split_fused_experts
-
         renamed = ((name.replace(".mlp.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"), w)
                    for name, w in weights  # EXAONE keeps the score correction beside the router, not in it
                    if not self.unread_weight(name))
-        return super().load_weights(split_fused_experts(renamed, *self.expert_sizes))
+        return super().load_weights(renamed)  # stacked experts: transformers 5's [E, 2I, H] (`MoECausalLM`)

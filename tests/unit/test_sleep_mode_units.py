@@ -156,14 +156,28 @@ def test_the_core_refuses_without_enable_sleep_mode_by_name() -> None:
     assert sleep_error(core.sent[-1]).field == "level" and core.executor.commands == []
 
 
+def _refused_naming_their_source(core: SimpleNamespace, controller: SleepController) -> None:
+    """An update during a level-2 sleep is refused naming what it came from, and reaches no worker."""
+    from asyncllm.engine.core_weights import WeightUpdater
+    from asyncllm.engine.weight_update import weights_error
+
+    core.sleep, updater = controller, WeightUpdater(core)
+    pushed = protocol.UpdateWeights("u2", "", segment="asyncllm-weights-x", tensors=[])
+    for message, field in ((protocol.UpdateWeights("u1", "/ckpt/b"), "model_path"), (pushed, "named_tensors")):
+        updater.update(b"host", message)
+        error = weights_error(core.sent[-1])
+        assert isinstance(error, InvalidRequestError) and error.field == field and "sleep(level=2)" in str(error)
+    assert updater.weights_version == 0  # the executor (no update_weights) was never asked
+
+
 def test_the_core_holds_steps_and_puts_restarted_workers_back_to_sleep() -> None:
     core = _core(enable=True)
     controller = SleepController(core)
     controller.handle(b"host", protocol.Sleep("s1", 2))
     assert core.sent[-1] == protocol.SleepModeDone("s1", sleep_level=2) and controller.holds_steps
-    assert controller.refuse_update() is not None  # nothing to copy into
+    _refused_naming_their_source(core, controller)  # nothing to copy into
     controller.handle(b"host", protocol.WakeUp("w1", ["weights"]))
-    assert controller.is_sleeping and controller.refuse_update() is None
+    assert controller.is_sleeping and controller.refuse_update("model_path") is None
     core.executor = _Executor()  # restarted: awake, with the last weights
     controller.after_restart()
     assert core.executor.commands == [protocol.Sleep("restart", 1, ["kv_cache"])]

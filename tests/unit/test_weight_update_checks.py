@@ -124,7 +124,7 @@ def test_the_core_counts_updates_and_restarts_workers_on_the_last_one() -> None:
     core = SimpleNamespace(config=config, overlap=None, scheduler=Scheduler(config, 16, 256), restarter=SimpleNamespace(config=config),
                            recover_workers=recovered.append, send_outputs=lambda outputs: sent.append("stats"),
                            io=SimpleNamespace(send=lambda client_id, message: sent.append(message)),
-                           sleep=SimpleNamespace(refuse_update=lambda: None, weights_loaded=lambda: None))  # awake
+                           sleep=SimpleNamespace(refuse_update=lambda field: None, weights_loaded=lambda: None))  # awake
     updater = WeightUpdater(core)
     refusal = weights_error_reply("u1", InvalidRequestError("model_path", "differs: hidden_size"), rank=1)
     core.executor = _Executor([weights_error_reply("u1", InvalidRequestError("model_path", OTHER_RANK_REFUSED)), refusal])
@@ -193,7 +193,7 @@ def test_the_core_restarts_workers_on_dummy_weights_after_a_push_and_waits_for_e
     core = SimpleNamespace(config=config, overlap=None, scheduler=Scheduler(config, 16, 256),
                            restarter=SimpleNamespace(config=config), send_outputs=lambda outputs: None,
                            io=SimpleNamespace(send=lambda client_id, message: None),
-                           sleep=SimpleNamespace(refuse_update=lambda: None, weights_loaded=lambda: loaded.append(True),
+                           sleep=SimpleNamespace(refuse_update=lambda field: None, weights_loaded=lambda: loaded.append(True),
                                                  awaiting_weights=True))
     updater = WeightUpdater(core)
     push = protocol.UpdateWeights("p", "", segment="asyncllm-weights-x", tensors=[])

@@ -54,6 +54,30 @@ def test_bad_expert_tensors_and_parameter_names_are_refused_and_the_worker_serve
     assert torch.equal(moe.w13_weight[1, inter:], up)  # the up rows of expert 1, after its gate rows
 
 
+def test_a_pushed_tied_head_is_the_embedding_and_skipped_tensors_keep_their_shapes() -> None:
+    """workers/pushed_weights.py: what the loader skips in files is checked when pushed, a tied head written into
+    the embedding (one parameter, as transformers ties them)."""
+    runner = _runner(tiny_checkpoint("gemma3"))  # tied embeddings, rotary tables of 16 dims
+    embedding = runner.model.model.embed_tokens.weight
+    before, head = _params(runner.model), torch.randn(embedding.shape)
+    refused = [  # (pushed, what the refusal says)
+        ({"lm_head.weight": torch.zeros(3)}, r"'lm_head.weight' of the tied embedding's shape \[512, 64\].*got \[3\]"),
+        ({"model.rotary_emb.inv_freq": torch.zeros(5)}, r"shape \(\[8\];.*'model.rotary_emb.inv_freq' of shape \[5\]"),
+        ({"model.embed_tokens.weight": head, "lm_head.weight": head + 1}, "'lm_head.weight' equal to 'model.embed"),
+    ]
+    for pushed, reason in refused:
+        reply = _push(runner, pushed)
+        error = weights_error(reply)
+        assert isinstance(error, InvalidRequestError) and error.field == "named_tensors", reply
+        assert re.search(reason, reply.error), reply.error
+    assert all(torch.equal(param, before[name]) for name, param in runner.model.named_parameters())
+    accepted = {"lm_head.weight": head, "model.rotary_emb.inv_freq": torch.ones(8)}  # inv_freq: ignored
+    assert _push(runner, accepted) == protocol.WeightsUpdated("t")
+    assert torch.equal(embedding, head)  # the head, which is the embedding
+    assert _push(runner, {"model.embed_tokens.weight": -head, "lm_head.weight": -head}) == protocol.WeightsUpdated("t")
+    assert torch.equal(embedding, -head)
+
+
 def _served(path: str) -> SimpleNamespace:
     """What `check_update` reads of a runner: the model is only built, on the meta device."""
     return SimpleNamespace(config=EngineConfig.create(path, max_model_len=256), hf_config=load_hf_config(path),
@@ -198,7 +222,7 @@ def test_an_image_text_qwen3_5_loads_its_mtp_layer_unread_and_a_pushed_one_is_re
     assert all(torch.equal(param, fresh[name]) for name, param in runner.model.named_parameters())
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "phimoe", "ernie4_5_moe", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "phimoe", "ernie4_5_moe", "nemotron_h", "exaone_moe"])
 def test_stacked_experts_as_transformers_5_holds_them_update_as_a_fresh_load(arch: str, tmp_path: Path) -> None:
     """A transformers 5 model's ``state_dict()`` pushed, and a checkpoint of it on disk (save_pretrained writes
     the hub's per-expert names; a trainer's own save may not), write every weight as a fresh load of it."""
