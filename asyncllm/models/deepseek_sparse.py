@@ -1,5 +1,5 @@
 """DeepSeek-V3.2 (``DeepseekV32ForCausalLM``) and GLM-5 (``GlmMoeDsaForCausalLM``): DeepSeek-V3's latent attention
-and experts (asyncllm/models/deepseek.py) with DeepSeek Sparse Attention.
+and experts (asyncllm/models/deepseek.py, deepseek_moe.py) with DeepSeek Sparse Attention.
 
 Each layer adds a lightning indexer beside its latent attention: its own queries from the low-rank query latent
 (``wq_b``, ``index_n_heads`` heads of ``index_head_dim``), one key per token (``wk`` then a LayerNorm), both rotated

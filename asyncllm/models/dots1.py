@@ -1,6 +1,6 @@
 """rednote dots.llm1 (``Dots1ForCausalLM``: dots.llm1.base / .inst): Qwen3's attention (per-head q/k RMSNorms, biases
 when ``attention_bias``, sliding-window layers by ``layer_types``) over DeepSeek-V3's experts (dense first layers,
-grouped sigmoid routing with the score correction, shared experts: asyncllm/models/deepseek.py)."""
+grouped sigmoid routing with the score correction, shared experts: asyncllm/models/deepseek_moe.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """LG AI Research EXAONE MoE (``ExaoneMoeForCausalLM``: K-EXAONE): EXAONE 4.0's attention (per-head q/k RMSNorms;
 with a ``sliding_window``, only the sliding-window layers rotate, the global ones use no positions) in Llama's
 pre-norm layers, over DeepSeek-V3's experts (dense layers by ``mlp_layer_types``, grouped sigmoid routing with the
-score correction, ``num_shared_experts`` shared experts: asyncllm/models/deepseek.py), as dots.llm1 (dots1.py) with
+score correction, ``num_shared_experts`` shared experts: asyncllm/models/deepseek_moe.py), as dots.llm1 (dots1.py) with
 EXAONE's names for the experts (``num_experts``, ``num_shared_experts``). Experts load per expert or stacked as
 transformers 5 holds them (``[E, 2I, H]``, `MoECausalLM`); the
 multi-token-prediction block (``mtp.*``) is left unread, as transformers leaves it."""

@@ -1,5 +1,5 @@
 """The decoder Gemma 2 and Gemma 3 (text) share: the Llama decoder's projections, attention and weight
-loading (asyncllm/models/llama.py) with Gemma's differences, each in transformers' order of operations:
+loading (asyncllm/models/llama.py, llama_weights.py) with Gemma's differences, each in transformers' order of operations:
 
 - token embeddings times ``sqrt(hidden_size)``, that factor rounded to the model dtype first;
 - RMSNorm with the weight stored as an offset from 1, computed in float32 and rounded once;

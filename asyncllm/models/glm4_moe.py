@@ -2,7 +2,7 @@
 RMSNorm on each query and key head (``use_qk_norm``, Qwen3's) and a half-split rotary over the first half of each
 head (``partial_rotary_factor`` 0.5: Phi-3's path, unlike GLM-4's interleaved pairs); dense first layers
 (``first_k_dense_replace``), then DeepSeek-V3's mixture of experts: grouped sigmoid routing with the score
-correction and shared experts (asyncllm/models/deepseek.py). The checkpoints' multi-token-prediction layers
+correction and shared experts (asyncllm/models/deepseek_moe.py). The checkpoints' multi-token-prediction layers
 (indices past ``num_hidden_layers``) are left unread, as transformers does."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ _DECODERS: dict[str, type[LlamaForCausalLM]] = {
     "mistral4": Mistral4ForCausalLM,
 }
 """The decoders under the tower: Mistral Small 3.1 / 3.2's (Mistral), Ministral 3's (its attention temperature),
-Mistral 4's (DeepSeek-V3's latent attention and experts, asyncllm/models/deepseek.py)."""
+Mistral 4's (DeepSeek-V3's latent attention and experts, asyncllm/models/deepseek.py, deepseek_moe.py)."""
 
 
 def _grid(hf_config: Any, pixel_shape: tuple[int, ...]) -> tuple[int, int]:

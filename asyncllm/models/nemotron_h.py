@@ -4,7 +4,7 @@ a stack of single-mixer layers by ``layers_block_type`` (the older ``hybrid_over
 prefill chunks), attention without positions (Llama's projections, the identity rotary: exact), or a squared-ReLU
 MLP (``up_proj``, ``down_proj``); each after one RMSNorm (``norm``), its output added to the residual stream. The
 checkpoints' ``backbone.`` prefix, ``embeddings`` and ``norm_f`` are read as Llama's names. Nemotron 3's
-mixture-of-experts layers ("moe"): DeepSeek-V3's grouped sigmoid router (asyncllm/models/deepseek.py), experts
+mixture-of-experts layers ("moe"): DeepSeek-V3's grouped sigmoid router (asyncllm/models/deepseek_moe.py), experts
 without a gate (``relu(up x) ** 2``, the fused-MoE kernel's ``relu2``) on the hidden state or on its projection to
 ``moe_latent_size`` (``fc1_latent_proj`` / ``fc2_latent_proj``, kept whole on every rank), plus the shared
 squared-ReLU MLP.

@@ -1,7 +1,7 @@
 """AllenAI OLMo 2 (OLMo-2-1124-7B / 13B, OLMo-2-0325-32B, OLMo-2-0425-1B and their SFT / DPO / Instruct
 checkpoints): ``Olmo2ForCausalLM``; and OLMo 3 (Olmo-3-7B / 32B, Think and Instruct): ``Olmo3ForCausalLM``.
 
-The Llama decoder's projections, rotary, MLP and weight loading (asyncllm/models/llama.py) with OLMo 2's
+The Llama decoder's projections, rotary, MLP and weight loading (asyncllm/models/llama.py, llama_weights.py) with OLMo 2's
 differences, in transformers' order of operations:
 
 - no norm before attention or the MLP: each sublayer's output is normed (``post_attention_layernorm``,
