@@ -20,7 +20,6 @@ with the server (its parent-death signal is SIGKILL).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import runpy
 import selectors
@@ -41,7 +40,6 @@ from asyncllm.forked_process import LEN, recv_exact, startup_env
 _PEERCRED = struct.Struct("3i")
 _REQUEST_TIMEOUT_S = 10.0
 """Longest a caller may take to send its request: the server serves one at a time."""
-_PR_SET_PDEATHSIG = 1
 _MAX_REQUEST = 64 * 2**20
 """Longest request body (a child's environment and arguments: the engine config's JSON is the largest part)."""
 
@@ -64,7 +62,6 @@ class _Server:
     def __init__(self, address: str) -> None:
         self.address = address
         self.pid = os.getpid()
-        self.libc = ctypes.CDLL(None, use_errno=True)  # resolved here, not in each child
         if os.path.exists(address) and stat.S_ISSOCK(os.stat(address).st_mode):  # left by a killed server
             os.unlink(address)
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -153,9 +150,9 @@ class _Server:
     def _become_child(self, conn: socket.socket, fds: list[int], request: _Request, server: int) -> None:
         code = 1
         try:
-            self.libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-            if os.getppid() != server:  # the server died before the signal was armed
-                os._exit(1)
+            from asyncllm import procutil
+
+            procutil.die_with_parent(server)  # disarmed while the core starts its workers: see at_orphan_exit
             for target, fd in enumerate(fds):
                 os.dup2(fd, target)
             for fd in fds:

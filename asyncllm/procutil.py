@@ -6,7 +6,8 @@ interpreter, like multiprocessing's spawn, with none of its atexit joins). The
 parent keeps the write end of the child's stdin: when the parent dies, for any
 reason, the kernel closes it and the child sees EOF and exits. On Linux the child also
 asks the kernel for SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), which ends it
-even while its Python is hung holding the GIL and no watcher thread can run.
+even while its Python is hung holding the GIL and no watcher thread can run (save while an `at_orphan_exit`
+cleanup is registered: a SIGKILL would skip it).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def spawn_module(module: str, args: list[str], env: dict[str, str] | None = None
 
 
 _spawner: queue.SimpleQueue | None = None
+_spawner_thread: threading.Thread | None = None
 _spawner_lock = threading.Lock()
 
 
@@ -78,12 +80,17 @@ def _in_spawner_thread(start: Callable[[], subprocess.Popen]) -> subprocess.Pope
     """Run `start` in this process's one spawner thread, which lives as long as the process. The kernel sends a
     child its parent-death signal when the *thread* that started it exits, and hosts start cores from threads that
     end before the engine does (asyncio.to_thread's executor at the end of asyncio.run, anyio's idle workers, a
-    `SyncEngine`'s loop thread)."""
-    global _spawner
+    `SyncEngine`'s loop thread). Inline when the interpreter finalizes (its daemon threads, the spawner too, no
+    longer run) and in the spawner thread itself (it would wait for itself)."""
+    global _spawner, _spawner_thread
+    if sys.is_finalizing() or threading.current_thread() is _spawner_thread:
+        return start()
     with _spawner_lock:
         if _spawner is None:
             _spawner = queue.SimpleQueue()
-            threading.Thread(target=_serve_spawns, args=(_spawner,), name="asyncllm-spawner", daemon=True).start()
+            _spawner_thread = threading.Thread(target=_serve_spawns, args=(_spawner,), name="asyncllm-spawner",
+                                               daemon=True)
+            _spawner_thread.start()
         spawner = _spawner
     done: Future[subprocess.Popen] = Future()
     spawner.put((start, done))
@@ -100,8 +107,9 @@ def _serve_spawns(spawner: queue.SimpleQueue) -> None:
 
 
 def _forget_spawner() -> None:
-    global _spawner, _spawner_lock
-    _spawner, _spawner_lock = None, threading.Lock()  # a forked child has no spawner thread (nor a held lock)
+    global _spawner, _spawner_thread, _spawner_lock
+    # a forked child has no spawner thread (nor a held lock)
+    _spawner, _spawner_thread, _spawner_lock = None, None, threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_spawner)
@@ -113,19 +121,42 @@ def forked(owner_pid: int | None) -> bool:
     return owner_pid is not None and owner_pid != os.getpid()
 
 
-def die_with_parent() -> None:
-    """In a new interpreter `spawn_module` started on Linux: the kernel SIGKILLs us when the parent's spawner thread
-    (so the parent) ends, even while our Python is hung holding the GIL and no watcher thread runs. A parent that
-    died before the signal was armed is seen by its pid. A child forked by a fork server has that server's signal
-    (asyncllm/forkserver.py); a standalone core (``asyncllm engine``) none."""
-    expected = os.environ.pop(_PARENT_PID, "")
+def die_with_parent(parent: int | None = None) -> None:
+    """In a new interpreter `spawn_module` started on Linux (or a child a fork server forked, `parent`: the server's
+    pid): the kernel SIGKILLs us when the parent's spawner thread (so the parent) ends, even while our Python is hung
+    holding the GIL and no watcher thread runs. A parent that died before the signal was armed is seen by its pid.
+    Call it from the main thread: the kernel keeps the signal per thread. While an `at_orphan_exit` cleanup is
+    registered (an engine core starting its workers) the signal stays disarmed: a SIGKILL would skip the cleanup,
+    and the stdin and pid watchers end us instead. A standalone core (``asyncllm engine``) has no signal."""
+    global _parent, _parent_thread
+    expected = os.environ.pop(_PARENT_PID, "") if parent is None else str(parent)
     if not expected or not sys.platform.startswith("linux"):
         return
+    _parent, _parent_thread = int(expected), threading.get_ident()
+    _follow_parent()
+
+
+_parent: int | None = None
+"""The pid `die_with_parent` expects as our parent (None: no parent-death signal here)."""
+_parent_thread = 0
+"""The thread whose parent-death signal is armed (the kernel keeps it per thread)."""
+
+
+def _follow_parent() -> None:
+    """Arm the parent-death signal, or disarm it while a cleanup is registered; armed, exit at once if the parent
+    is already gone."""
+    if _parent is None:
+        return
+    if threading.get_ident() != _parent_thread:
+        logger.warning("at_orphan_exit from thread %s leaves the parent-death signal as it was: the kernel keeps it "
+                       "per thread (call it from the main thread)", threading.current_thread().name)
+        return
+    sig = 0 if _AT_ORPHAN_EXIT else signal.SIGKILL
     libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+    if libc.prctl(_PR_SET_PDEATHSIG, sig) != 0:
         logger.warning("prctl(PR_SET_PDEATHSIG) failed (%s): only the watcher threads end this process with its "
                        "parent", os.strerror(ctypes.get_errno()))
-    elif os.getppid() != int(expected):  # the parent died before the signal was armed
+    elif sig and os.getppid() != _parent:  # the parent died before the signal was armed
         _exit_orphaned()
 
 
@@ -163,9 +194,17 @@ _AT_ORPHAN_EXIT: list[Callable[[], None]] = []
 def at_orphan_exit(func: Callable[[], None]) -> Callable[[], None]:
     """Call `func` (from a watcher thread) before `exit_when_parent_dies` ends this process, whose ``os._exit`` runs
     no finally and no atexit: a name that must not outlive it (a shared-memory segment) removed. Returns the call
-    that takes `func` back (once it is freed otherwise)."""
+    that takes `func` back (once it is freed otherwise). Until every such call is taken back the kernel's
+    parent-death signal, which would skip `func`, is disarmed (`die_with_parent`): call both from the main thread."""
     _AT_ORPHAN_EXIT.append(func)
-    return lambda: _AT_ORPHAN_EXIT.remove(func) if func in _AT_ORPHAN_EXIT else None
+    _follow_parent()
+
+    def forget() -> None:
+        if func in _AT_ORPHAN_EXIT:
+            _AT_ORPHAN_EXIT.remove(func)
+            _follow_parent()
+
+    return forget
 
 
 def _exit_orphaned() -> None:

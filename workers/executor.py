@@ -121,10 +121,10 @@ class Executor:
             deadline = time.monotonic() + timeout_s
             ready = self._gather(protocol.WorkerReady, deadline, "load the model")
             self._await_ring_readers(deadline)
-            # Every worker is connected to both sockets now, and connected ipc://
-            # sockets outlive their paths: removing the folder at once means no
-            # crash of the core (SIGKILL, or stdin EOF's os._exit) can leave it behind.
+            # Every worker is connected to both sockets now, and connected ipc:// sockets outlive their paths: with
+            # the folder removed at once no crash of the core (SIGKILL, or stdin EOF's os._exit) can leave it behind,
             remove_dir(self._ipc_dir)
+            self._forget_names()  # and the parent-death signal (procutil.at_orphan_exit) is armed again
         except BaseException:
             self.shutdown()
             raise

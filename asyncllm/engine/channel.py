@@ -18,6 +18,7 @@ the process, not a heartbeat.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -93,17 +94,21 @@ class ConnectionWatch:
 
 class HostHeartbeat:
     """The host's `protocol.Heartbeat`, sent every `interval_s` on a tcp:// connection (0: ipc://, none: the core
-    watches a host on its machine by its pid)."""
+    watches a host on its machine by its pid), while `alive()` (a host the core detached, silent too long, was told
+    so: it stops)."""
 
-    def __init__(self, address: str, encoder: msgspec.msgpack.Encoder) -> None:
+    def __init__(self, address: str, encoder: msgspec.msgpack.Encoder, alive: Callable[[], bool]) -> None:
         self.interval_s = HOST_HEARTBEAT_IVL_S if address.startswith("tcp://") else 0.0
+        self._alive = alive
         self._frame = encoder.encode(protocol.Heartbeat())
         self._next = 0.0
 
     def maybe_send(self, dealer: zmq.Socket) -> None:
-        """Call often (the processor thread's poll loop): sends when one is due."""
+        """Call often (the processor thread's poll loop, and per message it drains): sends when one is due."""
+        if not self.interval_s:
+            return
         now = time.monotonic()
-        if self.interval_s and now >= self._next:
+        if now >= self._next and self._alive():
             self._next = now + self.interval_s
             try:
                 dealer.send(self._frame, zmq.NOBLOCK)

@@ -68,7 +68,8 @@ class ClientLiveness:
         self._next_check = 0.0
         self._silence_timeout_s = silence_timeout_s
         self._last_heard = last_heard if last_heard is not None else {}
-        """client_id -> when the core's I/O thread last received from it (`CoreIO.last_heard`)."""
+        """client_id -> when the core's I/O thread last received from it (`CoreIO.last_heard`), for the hosts timed
+        out (`watch` puts them in, `forget` takes them out; the I/O thread stamps only those)."""
         self._beating: set[bytes] = set()
         """The hosts that send heartbeats (tcp://)."""
 
@@ -78,7 +79,7 @@ class ClientLiveness:
         out when it sends heartbeats and the core has a timeout; else it is left to its Goodbye."""
         if heartbeat_interval_s > 0 and self._silence_timeout_s is not None:
             self._beating.add(client_id)
-            self._last_heard.setdefault(client_id, time.monotonic())
+            self._last_heard[client_id] = time.monotonic()  # now: a busy core handles a Hello late
         machine, _, start = identity.rpartition(" ")
         if pid > 0 and self._machine and machine == self._machine and _start_time(pid) == start:
             self._watched[client_id] = (pid, start)
@@ -99,6 +100,9 @@ class ClientLiveness:
         if now < self._next_check:
             return {}
         self._next_check = now + self._interval_s
+        for client_id in list(self._last_heard):  # stamped by the I/O thread as `forget` took it out
+            if client_id not in self._beating:
+                self._last_heard.pop(client_id, None)
         dead = {client_id: "died without a Goodbye (its process on this machine is gone)"
                 for client_id, (pid, start) in self._watched.items() if _start_time(pid) != start}
         for client_id in self._beating:

@@ -35,8 +35,9 @@ class CoreIO:
         """`key`: the shared secret of a tcp:// address (default ASYNCLLM_ENGINE_KEY; asyncllm/auth.py)."""
         self.inbox: queue.Queue[tuple[bytes, protocol.HostMessage]] = queue.Queue()
         self.last_heard: dict[bytes, float] = {}
-        """client_id -> when this thread last received from that host (`time.monotonic`): a step that keeps the busy
-        loop from the inbox does not make a host look silent (`ClientLiveness`)."""
+        """client_id -> when this thread last received from that host (`time.monotonic`), for the hosts
+        `ClientLiveness` times out (it adds and removes them): a step that keeps the busy loop from the inbox does
+        not make a host look silent."""
         self._ctx = zmq.Context()
         key = resolve_key(address, key)
         self._auth = ServerAuth(self._ctx, derive_keys(key)) if key is not None else None
@@ -106,7 +107,8 @@ class CoreIO:
             logger.error("dropped an undecodable frame from a host: %s", exc)
             self._refuse_undecodable(client_id, payload, exc)
             return
-        self.last_heard[client_id] = time.monotonic()
+        if client_id in self.last_heard:  # a host the core times out (`ClientLiveness.watch`); not a detached one
+            self.last_heard[client_id] = time.monotonic()
         self.inbox.put((client_id, message))
 
     def _refuse_undecodable(self, client_id: bytes, payload: bytes, exc: Exception) -> None:

@@ -210,7 +210,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
     def _run(self) -> None:
         dealer = open_dealer(self._ctx, self._address, self._engine_key)
         self._watch = watch = ConnectionWatch(dealer)
-        heartbeat = HostHeartbeat(self._address, self._encoder)
+        heartbeat = HostHeartbeat(self._address, self._encoder, lambda: self.dead is None)
         try:
             ring = self._mm.open_cache() if self._mm is not None else ""  # the shm processor cache's segment
             dealer.send(self._encoder.encode(protocol.Hello(pid=os.getpid(), mm_shm_ring=ring,
@@ -313,6 +313,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
             if dealer in events:
                 while dealer.poll(0):
                     self._on_core_message(dealer, dealer.recv())
+                    heartbeat.maybe_send(dealer)  # a host slower than the core stays in this loop: it still beats
             if self._core_died():
                 return
             if self._watch.socket in events:
@@ -320,8 +321,7 @@ class Processor(ProcessorRequests, ProcessorOutputs):
                 if lost is not None:
                     self._fail_all(lost)
                     return
-            if self.dead is None:  # a host the core detached (silent too long) was told so: it stops
-                heartbeat.maybe_send(dealer)
+            heartbeat.maybe_send(dealer)
             if self._stats_logger is not None:
                 self._stats_logger.maybe_log()
 

@@ -11,6 +11,7 @@ import pytest
 
 from asyncllm import EngineDeadError, protocol
 from asyncllm.config import EngineConfig
+from asyncllm.engine import channel
 from asyncllm.engine.client_liveness import ClientLiveness
 from asyncllm.engine.core import EngineCore
 from asyncllm.engine.core_io import CoreIO
@@ -21,10 +22,11 @@ from asyncllm.procutil import free_tcp_port
 
 
 def test_a_tcp_host_silent_past_the_timeout_is_dead_and_one_that_beats_is_not() -> None:
-    heard: dict[bytes, float] = {}
+    heard: dict[bytes, float] = {b"silent": time.monotonic() - 60}  # its Hello came while the core loaded
     liveness = ClientLiveness(3.0, heard, interval_s=0)
     for host in (b"silent", b"beating"):
         liveness.watch(host, 0, "", heartbeat_interval_s=1.0)
+    assert liveness.dead_clients() == {}  # timed from the Hello's handling, not its arrival
     liveness.watch(b"ipc", 0, "")  # sends no heartbeats: left to its pid watch and its Goodbye
     assert liveness.dead_clients() == {}
     now = time.monotonic()
@@ -32,7 +34,8 @@ def test_a_tcp_host_silent_past_the_timeout_is_dead_and_one_that_beats_is_not() 
     dead = liveness.dead_clients()
     assert list(dead) == [b"silent"] and dead[b"silent"].endswith("s (host_heartbeat_timeout_s=3.0)")
     liveness.forget(b"silent")
-    assert liveness.dead_clients() == {} and b"silent" not in heard
+    heard[b"silent"] = now  # its heartbeat stamped by the I/O thread just as it was forgotten
+    assert liveness.dead_clients() == {} and list(heard) == [b"beating"]
     never = ClientLiveness(None, heard, interval_s=0)  # host_heartbeat_timeout_s=None
     never.watch(b"beating", 0, "", heartbeat_interval_s=1.0)
     assert never.dead_clients() == {}
@@ -73,6 +76,8 @@ def test_a_host_beats_over_tcp_only_and_the_cores_io_thread_times_it(scheme: str
     try:
         started = processor.start()
         client, hello = io.inbox.get(timeout=10)
+        assert client not in io.last_heard  # not yet timed out by the core
+        ClientLiveness(3.0, io.last_heard, interval_s=0).watch(client, 0, "", hello.heartbeat_interval_s)
         ready_at = time.monotonic()
         io.send(client, protocol.Ready(64, 4, 128, 1, wire_protocol=protocol.wire_protocol()))
         started.result(timeout=10)
@@ -80,11 +85,44 @@ def test_a_host_beats_over_tcp_only_and_the_cores_io_thread_times_it(scheme: str
         beats = 0
         while not io.inbox.empty():
             beats += isinstance(io.inbox.get_nowait()[1], protocol.Heartbeat)
-        heard_at = io.last_heard[client]
+        heard_at = io.last_heard.get(client)
     finally:
         processor.close(shutdown_core=False)
         io.close()
     if scheme == "tcp":  # at once, the next a second later (not at each poll)
         assert (hello.heartbeat_interval_s, beats) == (1.0, 1) and heard_at > ready_at
     else:
-        assert (hello.heartbeat_interval_s, beats) == (0.0, 0) and heard_at < ready_at
+        assert (hello.heartbeat_interval_s, beats, heard_at) == (0.0, 0, None)  # left to its pid watch
+
+
+def test_a_host_slower_than_the_core_still_beats_while_it_drains_outputs(monkeypatch) -> None:
+    """Outputs that come faster than the host handles them keep its processor thread draining: it beats from
+    there too, or the core would detach a live host."""
+    monkeypatch.setattr(channel, "HOST_HEARTBEAT_IVL_S", 0.05)
+    key = "heartbeat-test-key-0123456789"
+    address = f"tcp://127.0.0.1:{free_tcp_port()}"
+    io = CoreIO(address, key)
+    processor = Processor(address=address, tokenizer=None, eos_token_ids=[2], vocab_size=512, engine_key=key,
+                          deliver=lambda *a: None, core=None, stats_logger=None, startup_timeout_s=5)
+    handle = processor._on_core_message
+    processor._on_core_message = lambda dealer, payload: (time.sleep(0.004), handle(dealer, payload))
+    try:
+        started = processor.start()
+        client, _ = io.inbox.get(timeout=10)
+        io.send(client, protocol.Ready(64, 4, 128, 1, wire_protocol=protocol.wire_protocol()))
+        started.result(timeout=10)
+        io.send(client, protocol.Outputs(outputs=[]))  # the host drains from here on
+        time.sleep(0.05)
+        while not io.inbox.empty():
+            io.inbox.get_nowait()
+        flood_until = time.monotonic() + 0.4
+        while time.monotonic() < flood_until:  # twice as fast as the host handles them
+            io.send(client, protocol.Outputs(outputs=[]))
+            time.sleep(0.002)
+        beats = 0
+        while not io.inbox.empty():
+            beats += isinstance(io.inbox.get_nowait()[1], protocol.Heartbeat)
+    finally:
+        processor.close(shutdown_core=False)
+        io.close()
+    assert 4 <= beats <= 10  # one every 0.05 s: rate-limited still

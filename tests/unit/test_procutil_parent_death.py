@@ -45,6 +45,22 @@ def test_children_are_started_by_one_thread_that_outlives_the_callers_threads(mo
     assert {pid for _, pid in started} == {str(os.getpid())}
 
 
+def test_a_child_is_started_inline_at_finalization_and_from_the_spawner_thread(monkeypatch) -> None:
+    """Then the spawner cannot run: daemon threads stop at interpreter finalization (a `__del__` that starts a
+    child), and the spawner would wait for itself."""
+    started: list[threading.Thread] = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *args, **kwargs: started.append(threading.current_thread()))
+    env = {"ASYNCLLM_FORKSERVER": ""}
+    nested = threading.Thread(target=procutil._in_spawner_thread,
+                              args=(lambda: procutil.spawn_module("json.tool", [], env),), daemon=True)
+    nested.start()
+    nested.join(timeout=5)
+    assert not nested.is_alive() and [thread.name for thread in started] == ["asyncllm-spawner"]
+    monkeypatch.setattr(sys, "is_finalizing", lambda: True)
+    procutil.spawn_module("json.tool", [], env)
+    assert started[1] is threading.current_thread()
+
+
 def test_a_child_arms_sigkill_and_exits_when_its_parent_is_not_the_one_that_started_it() -> None:
     env = {name: value for name, value in os.environ.items() if name != "ASYNCLLM_FORKSERVER"}
     child = subprocess.run([sys.executable, "-P", "-c", _CHILD], env=env, capture_output=True, text=True, timeout=30)
